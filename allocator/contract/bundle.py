@@ -1,0 +1,349 @@
+"""The versioned policy bundle (seed ch. 14): rules for regional admission, pools for
+global quotas. One format for both services; validated by the same code everywhere
+(agent start, allocator start, ``leasehold policy validate``/``publish``).
+
+Units: token buckets and GCRA in millitokens and milliseconds; window algorithms in whole
+requests per ``windowMs``; pools in whole tokens per ``windowMs``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from .errors import PolicyError
+
+MAX_INT = 2**40  # every numeric policy field is an integer in [1, 2^40] (slack in [0, 2^40])
+MAX_PRODUCT = 2**52  # capacity x period stays below 2^53 inside Lua doubles
+MAX_RULES_PER_REQUEST = 8
+
+TENANT_RE = re.compile(r"^[a-z0-9-]{1,32}$")
+ROUTE_RE = re.compile(r"^[a-z0-9_-]{1,32}$")
+RULE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+POOL_ID_RE = re.compile(r"^[a-z0-9._-]{1,64}$")
+REGION_RE = re.compile(r"^[a-z0-9-]{1,32}$")
+
+PosInt = Annotated[int, Meta(ge=1, le=MAX_INT)]
+NonNegInt = Annotated[int, Meta(ge=0, le=MAX_INT)]
+
+Scope = Literal["user", "key", "route", "tenant", "ip", "global"]
+Algorithm = Literal["token_bucket", "gcra", "fixed_window", "sliding_counter", "sliding_log", "pool"]
+FailMode = Literal["local_bounded", "closed", "open"]
+
+# Evaluation (and reporting) order: most specific, least sensitive first (seed ch. 9).
+SCOPE_ORDER: dict[str, int] = {"ip": 0, "user": 1, "key": 2, "route": 3, "tenant": 4, "global": 5}
+BUCKET_ALGORITHMS = frozenset({"token_bucket", "gcra"})
+WINDOW_ALGORITHMS = frozenset({"fixed_window", "sliding_counter", "sliding_log"})
+
+
+class Fallback(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
+    """Per-process local allowance used when Redis is unreachable (failMode local_bounded).
+
+    Either a token bucket (capacityMillis, refillMillis, periodMs) or a fixed window
+    (limit, windowMs)."""
+
+    capacity_millis: PosInt | None = None
+    refill_millis: PosInt | None = None
+    period_ms: PosInt | None = None
+    limit: PosInt | None = None
+    window_ms: PosInt | None = None
+
+
+class Rule(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
+    id: str
+    scope: Scope
+    algorithm: Algorithm
+    fail_mode: FailMode | None = None  # required; None only so the error names the rule
+    route_group: str | None = None  # None = every route group ("all")
+    tenant: str | None = None  # None = every tenant
+    # token_bucket / gcra (millitokens, ms)
+    capacity_millis: PosInt | None = None
+    refill_millis: PosInt | None = None
+    period_ms: PosInt | None = None
+    cost_millis: PosInt | None = None  # per unit of the request's costHint
+    # fixed_window / sliding_counter / sliding_log (requests, ms)
+    limit: PosInt | None = None
+    window_ms: PosInt | None = None
+    # pool (global quota spent from leases); cost in whole tokens per unit of costHint
+    pool: str | None = None
+    cost: PosInt = 1
+    # concurrency gate riding on the rule (seed P-EXPORT)
+    concurrency_max: PosInt | None = None
+    concurrency_ttl_ms: PosInt = 60_000
+    concurrency_retry_after_ms: PosInt = 1_000
+    # behaviour
+    idempotent: bool = False
+    decision_ttl_ms: PosInt = 30_000
+    ttl_slack_ms: NonNegInt = 5_000
+    closed_retry_after_ms: PosInt = 5_000
+    fallback: Fallback | None = None
+    shadow: bool = False  # evaluated and counted, never enforced
+    revocable: bool = False  # after the bundle's maxAgeMs, apply the conservative behaviour (I13)
+    ipv4_prefix: Annotated[int, Meta(ge=8, le=32)] = 32
+    ipv6_prefix: Annotated[int, Meta(ge=16, le=128)] = 64
+    exempt: bool = False  # a capped bypass: replaces the tenant's other rules by its own cap
+    owner: str | None = None
+
+    @property
+    def route_key(self) -> str:
+        return self.route_group or "all"
+
+
+class Pool(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
+    """A global quota: ``limit`` tokens per ``windowMs`` across all regions."""
+
+    id: str
+    window_ms: Annotated[int, Meta(ge=1_000, le=86_400_000)]
+    limit: PosInt
+    lease_ttl_ms: Annotated[int, Meta(ge=100, le=3_600_000)] = 15_000
+    chunk_min: PosInt = 1
+    chunk_max: PosInt = 100
+    fallback_per_region: NonNegInt = 0  # tokens a region may admit per window with the allocator unreachable
+    prefetch_ms: NonNegInt = 2_000  # a region may ask for window k+1 this long before it starts
+    active_horizon_ms: PosInt = 10_000  # regions that asked this recently share the tail fairly
+    chunk_validity_ms: Annotated[int, Meta(ge=10, le=60_000)] = 250  # gateway-side chunk leases (global scope)
+    regions: list[str] | None = None  # regions allowed to lease; None = any
+
+
+class Bundle(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
+    bundle_version: PosInt
+    published_at: str
+    checksum: str
+    rules: list[Rule]
+    pools: list[Pool] = []
+    max_age_ms: PosInt | None = None  # snapshot freshness for revocable rules (I13)
+
+
+# --------------------------------------------------------------------------------------------
+def canonical_payload(rules: Iterable[Rule], pools: Iterable[Pool], max_age_ms: int | None = None) -> bytes:
+    """Canonical encoding the checksum covers: every field (defaults included), sorted keys."""
+    doc = {
+        "rules": [msgspec.to_builtins(r) for r in rules],
+        "pools": [msgspec.to_builtins(p) for p in pools],
+        "maxAgeMs": max_age_ms,
+    }
+    return msgspec.json.encode(doc, order="sorted")
+
+
+def compute_checksum(rules: Iterable[Rule], pools: Iterable[Pool], max_age_ms: int | None = None) -> str:
+    return "sha256:" + hashlib.sha256(canonical_payload(rules, pools, max_age_ms)).hexdigest()
+
+
+def seal(bundle: Bundle) -> Bundle:
+    """Return the bundle with its checksum filled in (used by tooling that writes bundles)."""
+    return msgspec.structs.replace(
+        bundle, checksum=compute_checksum(bundle.rules, bundle.pools, bundle.max_age_ms)
+    )
+
+
+def decode_bundle(raw: bytes | str) -> Bundle:
+    """Decode and fully validate a bundle (JSON). Raises PolicyError listing every problem."""
+    try:
+        bundle = msgspec.json.decode(raw, type=Bundle)
+    except msgspec.ValidationError as e:
+        raise PolicyError(f"bundle does not match the schema: {e}", errors=[str(e)]) from None
+    except msgspec.DecodeError as e:
+        raise PolicyError(f"bundle is not valid JSON: {e}", errors=[str(e)]) from None
+    validate_bundle(bundle)
+    return bundle
+
+
+def load_bundle_file(path: str) -> Bundle:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise PolicyError(f"cannot read policy bundle {path!r}: {e.strerror}") from None
+    return decode_bundle(raw)
+
+
+def encode_bundle(bundle: Bundle) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(bundle), indent=2)
+
+
+# --------------------------------------------------------------------------------------------
+def rule_applies(rule: Rule, *, tenant: str | None, route_group: str, principal_type: str, has_key: bool) -> bool:
+    """Does ``rule`` apply to a request with these attributes (before override resolution)?"""
+    if rule.route_group is not None and rule.route_group != route_group:
+        return False
+    if principal_type == "anonymous":
+        return rule.scope == "ip"
+    if rule.scope == "ip":
+        return False
+    if rule.tenant is not None and rule.tenant != tenant:
+        return False
+    if rule.scope == "user":
+        return principal_type == "user"
+    if rule.scope == "key":
+        return has_key
+    return True  # route, tenant, global
+
+
+def select_rules(
+    rules: Iterable[Rule], *, tenant: str | None, route_group: str, principal_type: str, has_key: bool
+) -> list[Rule]:
+    """The rules one request is evaluated against, in evaluation order.
+
+    A tenant-specific rule overrides a generic one with the same (scope, routeGroup) — that
+    pair names one key, so a request never lists the same key twice. An exempt rule for the
+    tenant replaces every other non-ip rule by its own cap (a capped bypass, I14).
+    """
+    chosen: dict[tuple[str, str], Rule] = {}
+    for r in rules:
+        if not rule_applies(r, tenant=tenant, route_group=route_group, principal_type=principal_type, has_key=has_key):
+            continue
+        ident = (r.scope, r.route_key)
+        prev = chosen.get(ident)
+        if prev is None or (prev.tenant is None and r.tenant is not None):
+            chosen[ident] = r
+    selected = list(chosen.values())
+    exempt = [r for r in selected if r.exempt]
+    if exempt:
+        selected = exempt
+    # most specific first within a scope: a route-specific rule before an "all" rule
+    selected.sort(key=lambda r: (SCOPE_ORDER[r.scope], r.route_group is None))
+    return selected
+
+
+# --------------------------------------------------------------------------------------------
+def _rule_problems(r: Rule, pools: dict[str, Pool]) -> list[str]:
+    p: list[str] = []
+    name = f"rule {r.id!r}"
+    if not RULE_ID_RE.match(r.id):
+        p.append(f"{name}: id must match {RULE_ID_RE.pattern}")
+    if r.fail_mode is None:
+        p.append(f"{name}: failMode is required (one of local_bounded, closed, open)")
+    if r.route_group is not None and not ROUTE_RE.match(r.route_group):
+        p.append(f"{name}: routeGroup must match {ROUTE_RE.pattern}")
+    if r.tenant is not None and not TENANT_RE.match(r.tenant):
+        p.append(f"{name}: tenant must match {TENANT_RE.pattern}")
+    if r.scope == "ip" and r.tenant is not None:
+        p.append(f"{name}: ip-scoped rules are pre-authentication and cannot name a tenant")
+    alg = r.algorithm
+    if alg in BUCKET_ALGORITHMS:
+        need = {"capacityMillis": r.capacity_millis, "refillMillis": r.refill_millis,
+                "periodMs": r.period_ms, "costMillis": r.cost_millis}
+        missing = [k for k, v in need.items() if v is None]
+        if missing:
+            p.append(f"{name}: {alg} needs {', '.join(missing)} (integers in [1, 2^40])")
+        else:
+            if r.cost_millis > r.capacity_millis:  # type: ignore[operator]
+                p.append(f"{name}: costMillis {r.cost_millis} exceeds capacityMillis {r.capacity_millis}: "
+                         "the request could never succeed")
+            if r.capacity_millis * r.period_ms > MAX_PRODUCT:  # type: ignore[operator]
+                p.append(f"{name}: capacityMillis x periodMs must be at most 2^52")
+    elif alg in WINDOW_ALGORITHMS:
+        missing = [k for k, v in {"limit": r.limit, "windowMs": r.window_ms}.items() if v is None]
+        if missing:
+            p.append(f"{name}: {alg} needs {', '.join(missing)}")
+        elif r.limit * r.window_ms > MAX_PRODUCT:  # type: ignore[operator]
+            p.append(f"{name}: limit x windowMs must be at most 2^52")
+    elif alg == "pool":
+        if r.pool is None:
+            p.append(f"{name}: algorithm pool needs a pool id")
+        elif r.pool not in pools:
+            p.append(f"{name}: pool {r.pool!r} is not defined in this bundle's pools "
+                     f"(defined: {', '.join(sorted(pools)) or 'none'})")
+        elif r.cost > pools[r.pool].limit:
+            p.append(f"{name}: cost {r.cost} exceeds pool {r.pool!r} limit {pools[r.pool].limit}")
+    if r.pool is not None and alg != "pool":
+        p.append(f"{name}: only algorithm pool may name a pool")
+    if r.scope == "global" and alg != "pool":
+        p.append(f"{name}: global scope needs algorithm pool: a direct global key would cross hash slots "
+                 "with the tenant's keys (spend it from a leased chunk instead)")
+    if r.scope == "ip" and alg == "pool":
+        p.append(f"{name}: ip-scoped rules cannot spend a global pool")
+    if r.concurrency_max is not None and r.scope in ("global", "ip"):
+        p.append(f"{name}: concurrencyMax needs a tenant-tagged scope (user, key, route, tenant)")
+    if r.fail_mode == "local_bounded":
+        fb = r.fallback
+        if alg == "pool":
+            pass  # pools degrade through the pool's fallbackPerRegion, shared in Redis
+        elif fb is None:
+            p.append(f"{name}: failMode local_bounded needs fallback parameters "
+                     "(capacityMillis/refillMillis/periodMs or limit/windowMs)")
+        else:
+            bucket = (fb.capacity_millis, fb.refill_millis, fb.period_ms)
+            window = (fb.limit, fb.window_ms)
+            if not (all(v is not None for v in bucket) or all(v is not None for v in window)):
+                p.append(f"{name}: fallback needs capacityMillis, refillMillis and periodMs, or limit and windowMs")
+    if r.exempt:
+        if not r.owner:
+            p.append(f"{name}: an exempt rule needs an owner")
+        if r.tenant is None:
+            p.append(f"{name}: an exempt rule must name a tenant (a catch-all bypass is rejected)")
+    return p
+
+
+def _pool_problems(pool: Pool) -> list[str]:
+    p: list[str] = []
+    name = f"pool {pool.id!r}"
+    if not POOL_ID_RE.match(pool.id):
+        p.append(f"{name}: id must match {POOL_ID_RE.pattern}")
+    if pool.chunk_min > pool.chunk_max:
+        p.append(f"{name}: chunkMin {pool.chunk_min} exceeds chunkMax {pool.chunk_max}")
+    if pool.chunk_max > pool.limit:
+        p.append(f"{name}: chunkMax {pool.chunk_max} exceeds the pool limit {pool.limit}")
+    if pool.prefetch_ms >= pool.window_ms:
+        p.append(f"{name}: prefetchMs must be shorter than windowMs")
+    for region in pool.regions or []:
+        if not REGION_RE.match(region):
+            p.append(f"{name}: region {region!r} must match {REGION_RE.pattern}")
+    return p
+
+
+def validate_bundle(bundle: Bundle) -> None:
+    """Everything seed ch. 14 asks validation to catch, plus checksum verification."""
+    problems: list[str] = []
+    if not bundle.checksum.startswith("sha256:"):
+        problems.append("checksum must be 'sha256:<hex>' over the canonical rules and pools")
+    else:
+        expect = compute_checksum(bundle.rules, bundle.pools, bundle.max_age_ms)
+        if expect != bundle.checksum:
+            problems.append(f"checksum mismatch: bundle says {bundle.checksum}, content hashes to {expect}")
+    pools: dict[str, Pool] = {}
+    for pool in bundle.pools:
+        if pool.id in pools:
+            problems.append(f"pool {pool.id!r} is defined twice")
+        pools[pool.id] = pool
+        problems.extend(_pool_problems(pool))
+    seen_ids: set[str] = set()
+    idents: dict[tuple[str, str, str | None], str] = {}
+    for r in bundle.rules:
+        if r.id in seen_ids:
+            problems.append(f"rule id {r.id!r} is used twice")
+        seen_ids.add(r.id)
+        problems.extend(_rule_problems(r, pools))
+        ident = (r.scope, r.route_key, r.tenant)
+        if ident in idents:
+            problems.append(f"rules {idents[ident]!r} and {r.id!r} name the same key "
+                            f"(scope {r.scope}, routeGroup {r.route_key}, tenant {r.tenant or '*'})")
+        else:
+            idents[ident] = r.id
+    if not problems:
+        problems.extend(_request_set_problems(bundle.rules))
+    if problems:
+        raise PolicyError(f"policy bundle {bundle.bundle_version} is invalid: {problems[0]}"
+                          + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), errors=problems)
+
+
+def _request_set_problems(rules: list[Rule]) -> list[str]:
+    """Every request's rule set is a handful long and maps to one hash tag."""
+    tenants: list[str | None] = sorted({r.tenant for r in rules if r.tenant}) + [None]
+    routes = sorted({r.route_group for r in rules if r.route_group}) + ["\x00other"]
+    problems: list[str] = []
+    for tenant in tenants:
+        for route in routes:
+            for ptype, has_key in (("user", True), ("user", False), ("service", True), ("anonymous", False)):
+                sel = select_rules(rules, tenant=tenant or "\x00any", route_group=route,
+                                   principal_type=ptype, has_key=has_key)
+                if len(sel) > MAX_RULES_PER_REQUEST:
+                    problems.append(
+                        f"a {ptype} request of tenant {tenant or '*'} on route {route.strip(chr(0))} matches "
+                        f"{len(sel)} rules (at most {MAX_RULES_PER_REQUEST})")
+    return sorted(set(problems))

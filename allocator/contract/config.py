@@ -1,0 +1,106 @@
+"""Settings loading shared by both services: one msgspec Struct per service, filled from
+``--option`` flags, then ``<PREFIX><FIELD>`` environment variables, then defaults, and
+validated at start with messages that list the valid values."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import typing
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+import msgspec
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+class ConfigError(SystemExit):
+    """Raised for bad settings; exits with status 2 and a readable message."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of: " + ", ".join(str(a) for a in get_args(tp))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " or ".join(_describe(a) for a in get_args(tp) if a is not type(None))
+    if origin is typing.Annotated:
+        base, *meta = get_args(tp)
+        bounds = [m for m in meta if isinstance(m, msgspec.Meta)]
+        desc = _describe(base)
+        for m in bounds:
+            if m.ge is not None or m.le is not None:
+                desc += f" in [{m.ge if m.ge is not None else '-inf'}, {m.le if m.le is not None else 'inf'}]"
+        return desc
+    if origin in (list, tuple):
+        return "comma-separated list"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(tp: Any, raw: str) -> Any:
+    origin = get_origin(tp)
+    if origin is typing.Annotated:
+        return _coerce(get_args(tp)[0], raw)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if raw == "" and len(args) < len(get_args(tp)):
+            return None
+        return _coerce(args[0], raw) if len(args) == 1 else raw
+    if origin in (list, tuple):
+        (inner,) = get_args(tp)[:1] or (str,)
+        return [_coerce(inner, x.strip()) for x in raw.split(",") if x.strip()]
+    if tp is bool:
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        return raw
+    if tp is int:
+        try:
+            return int(raw)
+        except ValueError:
+            return raw
+    return raw
+
+
+def load_settings(cls: type[T], prefix: str, argv: Sequence[str] | None = None,
+                  env: dict[str, str] | None = None, prog: str | None = None) -> T:
+    env = dict(os.environ if env is None else env)
+    hints = typing.get_type_hints(cls, include_extras=True)
+    parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0]
+                                     if cls.__doc__ else None)
+    for name in cls.__struct_fields__:
+        parser.add_argument(_flag(name), dest=name, default=None,
+                            help=f"{_describe(hints[name])} (env {prefix}{name.upper()})")
+    args = parser.parse_args(list(argv) if argv is not None else [])
+    values: dict[str, Any] = {}
+    for name in cls.__struct_fields__:
+        raw = getattr(args, name)
+        if raw is None:
+            raw = env.get(prefix + name.upper())
+        if raw is None:
+            continue
+        values[name] = _coerce(hints[name], raw)
+    try:
+        return msgspec.convert(values, type=cls)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        field = msg.rsplit("`$.", 1)[-1].rstrip("`") if "`$." in msg else None
+        if field and field in hints:
+            raise ConfigError(
+                f"invalid setting {_flag(field)} / {prefix}{field.upper()}: {msg}; "
+                f"expected {_describe(hints[field])}") from None
+        raise ConfigError(f"invalid settings: {msg}") from None

@@ -1,0 +1,149 @@
+"""One small error hierarchy for both services.
+
+Every error carries ``retriable`` (tenacity's retry predicates read it), an HTTP
+``status`` and a stable ``code`` (the problem ``type`` suffix). Adapters translate driver
+errors (redis, grpc/aetcd, httpx) into these at the boundary; :func:`to_problem` is the
+only place an error becomes an HTTP response body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PROBLEM_BASE = "https://leasehold.dev/problems/"
+
+
+class LeaseholdError(Exception):
+    """Base class. Subclasses set the class attributes; instances may add ``extra``."""
+
+    status: int = 500
+    code: str = "internal"
+    title: str = "Internal error"
+    retriable: bool = False
+
+    def __init__(self, detail: str = "", *, extra: dict[str, Any] | None = None, retriable: bool | None = None):
+        super().__init__(detail or self.title)
+        self.detail = detail or self.title
+        self.extra = dict(extra or {})
+        if retriable is not None:
+            self.retriable = retriable
+
+
+# --- caller errors (4xx), never retriable -------------------------------------------------
+class BadRequest(LeaseholdError):
+    status, code, title = 400, "bad-request", "Malformed request"
+
+
+class ValidationFailed(LeaseholdError):
+    status, code, title = 422, "validation-failed", "Request failed validation"
+
+    def __init__(self, detail: str = "", *, errors: list[str] | None = None, **kw: Any):
+        super().__init__(detail, **kw)
+        self.errors = list(errors or [])
+        if self.errors:
+            self.extra.setdefault("errors", self.errors)
+
+
+class Unauthorized(LeaseholdError):
+    status, code, title = 401, "unauthorized", "Missing or invalid credentials"
+
+
+class Forbidden(LeaseholdError):
+    status, code, title = 403, "forbidden", "Not permitted"
+
+
+class NotFound(LeaseholdError):
+    status, code, title = 404, "not-found", "No such resource"
+
+
+class Conflict(LeaseholdError):
+    status, code, title = 409, "conflict", "Conflicts with the current state"
+
+
+class PayloadTooLarge(LeaseholdError):
+    status, code, title = 413, "payload-too-large", "Request body too large"
+
+
+# --- policy errors: the configuration is wrong; alert, do not retry -----------------------
+class PolicyError(LeaseholdError):
+    status, code, title = 422, "policy-invalid", "Policy bundle is invalid"
+
+    def __init__(self, detail: str = "", *, errors: list[str] | None = None, **kw: Any):
+        super().__init__(detail, **kw)
+        self.errors = list(errors or [])
+        if self.errors:
+            self.extra.setdefault("errors", self.errors)
+
+
+class StaleVersion(Conflict):
+    code, title = "stale-version", "Bundle version is not higher than the current one"
+
+
+class ScriptRejected(PolicyError):
+    """A Redis script answered with an error reply: it validated its arguments and changed
+    nothing. A policy fault, never retried."""
+
+    status, code, title = 500, "script-rejected", "Limiter script rejected its arguments"
+
+
+# --- dependency errors (retriable 503) -----------------------------------------------------
+class Unavailable(LeaseholdError):
+    status, code, title, retriable = 503, "unavailable", "Dependency unavailable", True
+
+
+class StoreUnavailable(Unavailable):
+    """The store could not be reached; nothing was sent, so nothing ran."""
+
+    code, title = "store-unavailable", "Store unreachable"
+
+
+class AmbiguousOutcome(Unavailable):
+    """The command was sent but no reply came back: it may or may not have run."""
+
+    code, title = "ambiguous-outcome", "Outcome unknown after send"
+
+
+class DeadlineExceeded(Unavailable):
+    code, title = "deadline-exceeded", "Deadline exceeded"
+
+
+class NotLeader(Unavailable):
+    """This allocator replica is not the leader; ``extra`` names the leader if known."""
+
+    code, title = "not-leader", "Not the allocator leader"
+
+
+class Fenced(Unavailable):
+    """A leader write failed its epoch compare: this replica was deposed."""
+
+    code, title = "fenced", "Leadership lost (epoch fenced)"
+
+
+class StaleEpoch(LeaseholdError):
+    """A grant carries an epoch older than one already seen; it is refused."""
+
+    status, code, title = 409, "stale-epoch", "Grant from a deposed allocator epoch"
+
+
+def is_retriable(exc: BaseException) -> bool:
+    """Predicate for tenacity: retry only errors that say they are retriable."""
+    return isinstance(exc, LeaseholdError) and exc.retriable
+
+
+def to_problem(exc: LeaseholdError, *, instance: str | None = None) -> tuple[int, dict[str, Any]]:
+    """The one mapping from an error to an RFC 9457 problem body and status.
+
+    Details are written by us, never copied from drivers, so they carry no secrets or keys.
+    """
+    body: dict[str, Any] = {
+        "type": PROBLEM_BASE + exc.code,
+        "title": exc.title,
+        "status": exc.status,
+        "detail": exc.detail,
+        "retriable": exc.retriable,
+    }
+    if instance:
+        body["instance"] = instance
+    for k, v in exc.extra.items():
+        body.setdefault(k, v)
+    return exc.status, body

@@ -1,0 +1,119 @@
+"""Lease API wire types (allocator <-> region agents). JSON, camelCase, msgspec Structs.
+
+Units: tokens are whole tokens of a pool; times are integer milliseconds. ``*AtMs`` values
+are on the allocator leader's wall clock; regions must not compare them with their own
+clocks and instead time a lease with ``ttlMs`` from the moment they *sent* the request
+(and ``startsInMs`` from the moment they *received* the answer), so delay and skew only
+ever shorten a lease.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta, Struct
+
+LeaseId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9._:-]{8,96}$")]
+RegionName = Annotated[str, Meta(pattern=r"^[a-z0-9-]{1,32}$")]
+PoolId = Annotated[str, Meta(pattern=r"^[a-z0-9._-]{1,64}$")]
+Tokens = Annotated[int, Meta(ge=0, le=2**40)]
+Want = Annotated[int, Meta(ge=1, le=2**40)]
+
+MAX_BATCH = 512
+
+
+class LeaseRequest(Struct, rename="camel", forbid_unknown_fields=True):
+    lease_id: LeaseId  # minted by the region, reused on every retry (idempotency key)
+    region: RegionName
+    pool: PoolId
+    want: Want
+    demand: Tokens = 0  # tokens the region spent from this pool over the last few seconds, per second
+    window: Literal["current", "next"] = "current"  # "next": prefetch shortly before the boundary
+
+
+class WindowRef(Struct, rename="camel"):
+    index: int  # k = floor(startMs / windowMs)
+    start_ms: int
+    end_ms: int
+
+
+class LeaseGrant(Struct, rename="camel"):
+    lease_id: str
+    pool: str
+    region: str
+    granted: int  # 0 = the pool has nothing left for this window (a normal denial)
+    window: WindowRef
+    expires_at_ms: int  # min(issuedAt + leaseTtl, window end), allocator clock
+    ttl_ms: int  # expiresAtMs - issuedAtMs: time it from when the request was sent
+    starts_in_ms: int  # > 0 only for a prefetched lease: not spendable before this (from receipt)
+    epoch: int  # the leader's epoch (its election key's create_revision)
+    issued_at_ms: int
+    remaining: int  # what the pool had left in this window after this grant
+    replayed: bool = False  # True when this answers a retried leaseId from the stored record
+
+
+class LeaseBatchRequest(Struct, rename="camel", forbid_unknown_fields=True):
+    requests: Annotated[list[LeaseRequest], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
+class LeaseError(Struct, rename="camel"):
+    lease_id: str
+    status: int
+    code: str
+    detail: str
+
+
+class LeaseBatchResponse(Struct, rename="camel"):
+    results: list[LeaseGrant | LeaseError]  # in request order
+
+
+class UsageReport(Struct, rename="camel", forbid_unknown_fields=True):
+    """How many tokens of an expired lease the region spent. Idempotent per leaseId."""
+
+    lease_id: LeaseId
+    region: RegionName
+    pool: PoolId
+    spent: Tokens
+
+
+class UsageReceipt(Struct, rename="camel"):
+    lease_id: str
+    granted: int
+    spent: int
+    returned: int  # tokens given back to the pool (0 if the window had closed)
+    window_open: bool
+    replayed: bool = False
+
+
+class LeaderInfo(Struct, rename="camel"):
+    node_id: str | None
+    url: str | None
+    epoch: int | None
+    is_self: bool = False
+
+
+class RegionShare(Struct, rename="camel"):
+    region: str
+    granted: int
+    leases: int
+    returned: int = 0
+
+
+class PoolWindowView(Struct, rename="camel"):
+    pool: str
+    limit: int
+    window: WindowRef
+    remaining: int
+    granted: int
+    regions: list[RegionShare]
+    leases_outstanding: int
+
+
+class PoolSummary(Struct, rename="camel"):
+    id: str
+    limit: int
+    window_ms: int
+    lease_ttl_ms: int
+    chunk_min: int
+    chunk_max: int
+    fallback_per_region: int

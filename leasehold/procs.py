@@ -1,0 +1,258 @@
+"""Start and stop real server processes (redis-server, a Redis Cluster, etcd members) on free
+loopback ports, each in its own directory, stopped by PID. Used by test fixtures, the local
+topology, chaos and benchmarks — one implementation of "a real server on a free port"."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+_used_ports: set[int] = set()
+
+
+def free_port(avoid_bus: bool = False) -> int:
+    """A free loopback TCP port. With ``avoid_bus`` the port + 10000 is free too (Redis
+    Cluster's bus port)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind((LOOPBACK, 0))
+            port = s.getsockname()[1]
+        if port in _used_ports or (avoid_bus and (port + 10000 > 65535 or not _port_free(port + 10000))):
+            continue
+        _used_ports.add(port)
+        if avoid_bus:
+            _used_ports.add(port + 10000)
+        return port
+    raise RuntimeError("no free port found")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
+def wait_port(port: int, host: str = LOOPBACK, timeout: float = 15.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
+
+
+@dataclass
+class Proc:
+    """A child process we own, with its log file; ``stop`` ends it by PID."""
+
+    name: str
+    args: list[str]
+    workdir: Path
+    env: dict[str, str] | None = None
+    popen: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    def start(self) -> Proc:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.workdir / f"{self.name}.log"
+        log = open(self.log_path, "ab")
+        self.popen = subprocess.Popen(self.args, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
+        log.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.pid, sig)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGCONT)  # a SIGSTOPped child cannot handle SIGTERM
+                os.kill(self.pid, signal.SIGTERM)
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGKILL)
+                self.popen.wait(timeout)
+            except ProcessLookupError:
+                pass
+        self.popen = None
+
+    def kill(self) -> None:
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+            self.popen.wait(5)  # type: ignore[union-attr]
+        self.popen = None
+
+    def tail(self, n: int = 40) -> str:
+        if self.log_path and self.log_path.exists():
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+
+# --------------------------------------------------------------------------------------------
+@dataclass
+class RedisServer:
+    workdir: Path
+    port: int = 0
+    extra_args: Sequence[str] = ()
+    proc: Proc | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    def start(self, timeout: float = 15.0) -> RedisServer:
+        if not self.port:
+            self.port = free_port()
+        args = [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", LOOPBACK,
+                "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir),
+                "--maxmemory-policy", "noeviction", "--protected-mode", "no", *self.extra_args]
+        self.proc = Proc(f"redis-{self.port}", args, self.workdir).start()
+        wait_port(self.port, proc=self.proc.popen, timeout=timeout)
+        return self
+
+    def restart(self) -> None:
+        """Stop and start on the same port: the script cache and (no persistence) all state are lost."""
+        self.stop()
+        self.start()
+
+    def stop(self) -> None:
+        if self.proc:
+            self.proc.stop()
+
+    def cli(self, *cmd: str) -> str:
+        return subprocess.run(["redis-cli", "-p", str(self.port), *cmd], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+
+
+@dataclass
+class RedisCluster:
+    """A real 3-master Redis Cluster (no replicas) created with ``redis-cli --cluster create``."""
+
+    workdir: Path
+    masters: int = 3
+    nodes: list[RedisServer] = field(default_factory=list)
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self, timeout: float = 30.0) -> RedisCluster:
+        for i in range(self.masters):
+            port = free_port(avoid_bus=True)
+            node = RedisServer(self.workdir / f"node{i}", port=port,
+                               extra_args=("--cluster-enabled", "yes", "--cluster-config-file",
+                                           "nodes.conf", "--cluster-node-timeout", "2000"))
+            node.workdir.mkdir(parents=True, exist_ok=True)
+            self.nodes.append(node.start())
+        subprocess.run(["redis-cli", "--cluster", "create", *[f"{LOOPBACK}:{n.port}" for n in self.nodes],
+                        "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True,
+                       timeout=timeout, check=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all("cluster_state:ok" in n.cli("cluster", "info") for n in self.nodes):
+                return self
+            time.sleep(0.1)
+        raise TimeoutError("redis cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+
+@dataclass
+class EtcdCluster:
+    """A real etcd cluster of ``members`` processes on loopback ports."""
+
+    workdir: Path
+    members: int = 3
+    client_ports: list[int] = field(default_factory=list)
+    peer_ports: list[int] = field(default_factory=list)
+    procs: list[Proc] = field(default_factory=list)
+    extra_args: Sequence[str] = ()
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [f"{LOOPBACK}:{p}" for p in self.client_ports]
+
+    def member_name(self, i: int) -> str:
+        return f"m{i}"
+
+    def start(self, timeout: float = 30.0) -> EtcdCluster:
+        if not self.client_ports:
+            self.client_ports = [free_port() for _ in range(self.members)]
+            self.peer_ports = [free_port() for _ in range(self.members)]
+        initial = ",".join(f"{self.member_name(i)}=http://{LOOPBACK}:{p}" for i, p in enumerate(self.peer_ports))
+        for i in range(self.members):
+            self.procs.append(Proc(f"etcd-{self.member_name(i)}", self._args(i, initial), self.workdir / self.member_name(i)))
+        for p in self.procs:
+            p.start()
+        for i, port in enumerate(self.client_ports):
+            wait_port(port, proc=self.procs[i].popen, timeout=timeout)
+        self.wait_healthy(timeout)
+        return self
+
+    def _args(self, i: int, initial: str) -> list[str]:
+        c, p = self.client_ports[i], self.peer_ports[i]
+        return [shutil.which("etcd") or "etcd", "--name", self.member_name(i),
+                "--data-dir", str(self.workdir / self.member_name(i) / "data"),
+                "--listen-client-urls", f"http://{LOOPBACK}:{c}", "--advertise-client-urls", f"http://{LOOPBACK}:{c}",
+                "--listen-peer-urls", f"http://{LOOPBACK}:{p}", "--initial-advertise-peer-urls", f"http://{LOOPBACK}:{p}",
+                "--initial-cluster", initial, "--initial-cluster-state", "new",
+                "--initial-cluster-token", f"leasehold-{self.client_ports[0]}",
+                "--heartbeat-interval", "50", "--election-timeout", "500", "--logger", "zap",
+                "--log-level", "warn", *self.extra_args]
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            r = subprocess.run(["etcdctl", "--endpoints", ",".join(self.endpoints), "endpoint", "health"],
+                               capture_output=True, text=True, env={**os.environ, "ETCDCTL_API": "3"}, timeout=10)
+            last = r.stdout + r.stderr
+            alive = [p for p in self.procs if p.alive()]
+            if r.returncode == 0 or (alive and last.count("is healthy") >= len(alive) and len(alive) > self.members // 2):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"etcd cluster not healthy: {last}")
+
+    def stop_member(self, i: int) -> None:
+        self.procs[i].stop()
+
+    def start_member(self, i: int) -> None:
+        self.procs[i].start()
+        wait_port(self.client_ports[i], proc=self.procs[i].popen)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.stop()

@@ -1,0 +1,1 @@
+"""Leasehold region agent: the service gateways ask "may this request proceed?"."""

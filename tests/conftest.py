@@ -1,0 +1,67 @@
+"""Fixtures that start real servers on free loopback ports and stop them by PID.
+
+No stand-ins: ``redis_server`` is a real redis-server, ``redis_cluster`` a real 3-master
+Redis Cluster, ``etcd_cluster`` a real 3-member etcd cluster. ``make test`` installs the
+binaries when they are missing; a missing binary here is a set-up bug, so we fail loudly.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from leasehold.procs import EtcdCluster, RedisCluster, RedisServer
+
+REQUIRED = ("redis-server", "redis-cli", "etcd", "etcdctl")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    missing = [b for b in REQUIRED if shutil.which(b) is None]
+    if missing:
+        raise pytest.UsageError(f"missing server binaries {missing}: run `make test`, which installs them")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """A clean standalone Redis for each test (FLUSHALL before)."""
+    redis_server.cli("FLUSHALL")
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster: RedisCluster) -> str:
+    for node in redis_cluster.nodes:
+        node.cli("FLUSHALL")
+    return redis_cluster.url
+
+
+@pytest.fixture(scope="session")
+def etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd")).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def fresh_etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """A private etcd cluster for tests that kill or pause members."""
+    cluster = EtcdCluster(tmp_path / "etcd").start()
+    yield cluster
+    cluster.stop()
