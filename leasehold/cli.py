@@ -1,0 +1,208 @@
+"""``leasehold`` — operator CLI.
+
+Exit codes (for scripts): 0 success / allowed, 2 bad usage or invalid input, 3 a request was
+denied (429), 4 the limiter or allocator answered unavailable (503), 5 could not connect,
+6 the local topology is not running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from pathlib import Path
+
+import httpx
+
+from allocator.contract.bundle import load_bundle_file
+from allocator.contract.errors import PolicyError
+
+from .topology import DEFAULT_POLICY, REPO, Topology, TopologySpec, read_state, stop_from_state
+
+EXIT_OK, EXIT_USAGE, EXIT_DENIED, EXIT_UNAVAILABLE, EXIT_CONNECT, EXIT_NOT_RUNNING = 0, 2, 3, 4, 5, 6
+DEFAULT_RUN_DIR = REPO / ".run"
+
+
+def _print(obj: object) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=False))
+
+
+def _state_or_exit(run_dir: Path) -> dict:
+    state = read_state(run_dir)
+    if state is None:
+        print(f"no local topology is running (no {run_dir / 'topology.json'}); start one with `leasehold up`",
+              file=sys.stderr)
+        raise SystemExit(EXIT_NOT_RUNNING)
+    return state
+
+
+def _first_url(state: dict, kind: str, region: str | None = None) -> str:
+    for svc in state["services"]:
+        if svc["kind"] == kind and (region is None or svc.get("region") == region):
+            return svc["url"]
+    print(f"no {kind} in the running topology" + (f" for region {region!r}" if region else ""), file=sys.stderr)
+    raise SystemExit(EXIT_USAGE)
+
+
+# ------------------------------------------------------------------------------- commands
+def cmd_up(args: argparse.Namespace) -> int:
+    if read_state(args.run_dir):
+        print("a topology is already running; `leasehold down` first", file=sys.stderr)
+        return EXIT_USAGE
+    topo = Topology(_spec(args)).start()
+    for svc in topo.services():
+        print(f"{svc.kind:10} {svc.name:18} pid {svc.pid:<7} {svc.url}")
+    print(f"state in {args.run_dir / 'topology.json'}; stop with `leasehold down`")
+    return EXIT_OK
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    stopped = stop_from_state(args.run_dir)
+    print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    state = _state_or_exit(args.run_dir)
+    rows = []
+    with httpx.Client(timeout=1.0) as client:
+        for svc in state["services"]:
+            ready = "-"
+            if svc["kind"] in ("agent", "allocator"):
+                try:
+                    ready = "ready" if client.get(svc["url"] + "/readyz").status_code == 200 else "not ready"
+                except httpx.HTTPError:
+                    ready = "down"
+            rows.append({**svc, "ready": ready})
+    for r in rows:
+        print(f"{r['kind']:10} {r['name']:18} pid {r['pid']:<7} {r['ready']:10} {r['url']}")
+    return EXIT_OK
+
+
+def cmd_admit(args: argparse.Namespace) -> int:
+    url = args.agent_url or _first_url(_state_or_exit(args.run_dir), "agent", args.region)
+    principal: dict[str, str] = {"type": args.principal_type, "id": args.principal}
+    if args.api_key:
+        principal["apiKeyId"] = args.api_key
+    body: dict[str, object] = {"requestId": args.request_id or f"cli-{uuid.uuid4().hex[:16]}",
+                               "principal": principal, "routeGroup": args.route, "method": args.method,
+                               "costHint": args.cost}
+    if args.tenant:
+        body["tenantId"] = args.tenant
+    try:
+        resp = httpx.post(url + "/v1/admit", json=body, timeout=5.0)
+    except httpx.HTTPError as e:
+        print(f"cannot reach the agent at {url}: {e}", file=sys.stderr)
+        return EXIT_CONNECT
+    data = resp.json()
+    _print(data)
+    if resp.status_code != 200:
+        return EXIT_USAGE if resp.status_code < 500 else EXIT_UNAVAILABLE
+    status = data.get("httpStatus", 200)
+    return EXIT_OK if status == 200 else EXIT_DENIED if status == 429 else EXIT_UNAVAILABLE
+
+
+def cmd_leases(args: argparse.Namespace) -> int:
+    url = args.allocator_url or _first_url(_state_or_exit(args.run_dir), "allocator")
+    try:
+        with httpx.Client(timeout=3.0) as client:
+            leader = client.get(url + "/v1/leader").json()
+            pools = client.get(url + "/v1/pools").json()
+            views = []
+            for p in pools if isinstance(pools, list) else pools.get("pools", []):
+                r = client.get(f"{url}/v1/pools/{p['id']}")
+                views.append(r.json())
+    except httpx.HTTPError as e:
+        print(f"cannot reach the allocator at {url}: {e}", file=sys.stderr)
+        return EXIT_CONNECT
+    _print({"leader": leader, "pools": views})
+    return EXIT_OK
+
+
+def cmd_policy_validate(args: argparse.Namespace) -> int:
+    try:
+        bundle = load_bundle_file(args.file)
+    except PolicyError as e:
+        print(f"invalid: {e.detail}", file=sys.stderr)
+        for problem in e.errors:
+            print(f"  - {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"valid: bundle {bundle.bundle_version}, {len(bundle.rules)} rules, {len(bundle.pools)} pools, "
+          f"{bundle.checksum}")
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(_spec(args), duration_s=args.duration, rate=args.rate)
+
+
+def _spec(args: argparse.Namespace) -> TopologySpec:
+    return TopologySpec(run_dir=args.run_dir, policy=Path(args.policy).resolve(),
+                        regions=tuple(args.regions.split(",")), agents_per_region=args.agents_per_region,
+                        allocators=args.allocators, etcd_members=args.etcd_members)
+
+
+# ------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="leasehold", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="where the local topology keeps its files")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def topo_opts(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--policy", default=str(DEFAULT_POLICY))
+        sp.add_argument("--regions", default="eu,us")
+        sp.add_argument("--agents-per-region", type=int, default=1)
+        sp.add_argument("--allocators", type=int, default=2)
+        sp.add_argument("--etcd-members", type=int, default=1, choices=(1, 3))
+
+    sp = sub.add_parser("up", help="start the local topology in the background")
+    topo_opts(sp)
+    sp.set_defaults(func=cmd_up)
+    sub.add_parser("down", help="stop every process of the local topology").set_defaults(func=cmd_down)
+    sub.add_parser("status", help="processes of the local topology and their readiness").set_defaults(func=cmd_status)
+
+    sp = sub.add_parser("admit", help="send one admission request and print the decision and HTTP mapping")
+    sp.add_argument("--agent-url")
+    sp.add_argument("--region")
+    sp.add_argument("--tenant", default="atlas")
+    sp.add_argument("--principal", default="U-17")
+    sp.add_argument("--principal-type", default="user", choices=("user", "service", "anonymous"))
+    sp.add_argument("--api-key")
+    sp.add_argument("--route", default="read")
+    sp.add_argument("--method", default="GET")
+    sp.add_argument("--cost", type=int, default=1)
+    sp.add_argument("--request-id")
+    sp.set_defaults(func=cmd_admit)
+
+    sp = sub.add_parser("leases", help="pools, windows, grants and the leader epoch from the allocator")
+    sp.add_argument("--allocator-url")
+    sp.set_defaults(func=cmd_leases)
+
+    pol = sub.add_parser("policy", help="validate or publish a policy bundle")
+    psub = pol.add_subparsers(dest="policy_command", required=True)
+    sp = psub.add_parser("validate", help="validate a bundle with the services' own code")
+    sp.add_argument("file")
+    sp.set_defaults(func=cmd_policy_validate)
+
+    sp = sub.add_parser("demo", help="start the topology, drive demo traffic, show a live view (Ctrl-C stops)")
+    topo_opts(sp)
+    sp.add_argument("--duration", type=float, default=600.0, help="stop by itself after this many seconds")
+    sp.add_argument("--rate", type=float, default=200.0, help="demo requests per second, all regions")
+    sp.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,203 @@
+"""The local multi-region topology: etcd, allocator replicas, and regions each with a Redis
+and one or more region agents — all real processes on loopback, all files under one run
+directory, every process stopped by PID.
+
+Used by ``leasehold up/down/status/demo`` (``make run``), the end-to-end and chaos tests and
+the benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from .procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_port
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_POLICY = REPO / "policies" / "northstar.json"
+DEV_PEPPER = "leasehold-local-dev-pepper-not-secret"
+
+
+@dataclass
+class TopologySpec:
+    run_dir: Path
+    policy: Path = DEFAULT_POLICY
+    regions: tuple[str, ...] = ("eu", "us")
+    agents_per_region: int = 1
+    allocators: int = 2
+    etcd_members: int = 1
+    with_allocator: bool = True
+    link_agents_to_allocator: bool = False  # agents take --allocator-urls once they spend leases
+
+
+@dataclass
+class ServiceInfo:
+    name: str
+    kind: str  # etcd | allocator | redis | agent
+    pid: int
+    url: str
+    region: str | None = None
+    log: str = ""
+
+
+@dataclass
+class Topology:
+    spec: TopologySpec
+    etcd: EtcdCluster | None = None
+    redis: dict[str, RedisServer] = field(default_factory=dict)
+    allocators: list[Proc] = field(default_factory=list)
+    allocator_urls: list[str] = field(default_factory=list)
+    agents: dict[str, list[Proc]] = field(default_factory=dict)
+    agent_urls: dict[str, list[str]] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ start/stop
+    def start(self, timeout: float = 60.0) -> Topology:
+        run = self.spec.run_dir
+        run.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.spec.with_allocator:
+                self.etcd = EtcdCluster(run / "etcd", members=self.spec.etcd_members).start(timeout)
+                for i in range(self.spec.allocators):
+                    port = free_port()
+                    url = f"http://{LOOPBACK}:{port}"
+                    proc = Proc(f"allocator-{i + 1}", [
+                        sys.executable, "-m", "allocator", "--etcd", ",".join(self.etcd.endpoints),
+                        "--policy", str(self.spec.policy), "--node-id", f"alloc-{i + 1}",
+                        "--host", LOOPBACK, "--port", str(port), "--advertise-url", url,
+                    ], run / f"allocator-{i + 1}", env=_env()).start()
+                    self.allocators.append(proc)
+                    self.allocator_urls.append(url)
+                for proc, url in zip(self.allocators, self.allocator_urls, strict=True):
+                    wait_port(int(url.rsplit(":", 1)[1]), proc=proc.popen, timeout=timeout)
+            for region in self.spec.regions:
+                self.redis[region] = RedisServer(run / f"redis-{region}").start(timeout)
+                self.agents[region] = []
+                self.agent_urls[region] = []
+                for j in range(self.spec.agents_per_region):
+                    port = free_port()
+                    args = [sys.executable, "-m", "region_agent", "--redis-url", self.redis[region].url,
+                            "--policy", str(self.spec.policy), "--region", region,
+                            "--host", LOOPBACK, "--port", str(port)]
+                    if self.allocator_urls and self.spec.link_agents_to_allocator:
+                        args += ["--allocator-urls", ",".join(self.allocator_urls)]
+                    env = _env(LEASEHOLD_AGENT_PEPPER=DEV_PEPPER)
+                    proc = Proc(f"agent-{region}-{j + 1}", args, run / f"agent-{region}-{j + 1}", env=env).start()
+                    self.agents[region].append(proc)
+                    self.agent_urls[region].append(f"http://{LOOPBACK}:{port}")
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.write_state()
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        pending = {u: p for u, p in zip(self.allocator_urls, self.allocators, strict=True)}
+        for region, urls in self.agent_urls.items():
+            pending.update(dict(zip(urls, self.agents[region], strict=True)))
+        with httpx.Client(timeout=1.0) as client:
+            while pending and time.monotonic() < deadline:
+                for url, proc in list(pending.items()):
+                    if not proc.alive():
+                        raise RuntimeError(f"{proc.name} exited during start-up:\n{proc.tail()}")
+                    try:
+                        if client.get(url + "/readyz").status_code == 200:
+                            del pending[url]
+                    except httpx.HTTPError:
+                        pass
+                time.sleep(0.1)
+        if pending:
+            names = ", ".join(p.name for p in pending.values())
+            raise TimeoutError(f"not ready after {timeout}s: {names}")
+
+    def stop(self) -> None:
+        for procs in self.agents.values():
+            for p in procs:
+                p.stop()
+        for p in self.allocators:
+            p.stop()
+        for r in self.redis.values():
+            r.stop()
+        if self.etcd:
+            self.etcd.stop()
+        state = self.spec.run_dir / "topology.json"
+        if state.exists():
+            state.unlink()
+
+    # ------------------------------------------------------------------ state file
+    def services(self) -> list[ServiceInfo]:
+        out: list[ServiceInfo] = []
+        if self.etcd:
+            for i, p in enumerate(self.etcd.procs):
+                out.append(ServiceInfo(p.name, "etcd", p.pid, f"http://{self.etcd.endpoints[i]}", log=str(p.log_path)))
+        for p, url in zip(self.allocators, self.allocator_urls, strict=True):
+            out.append(ServiceInfo(p.name, "allocator", p.pid, url, log=str(p.log_path)))
+        for region, r in self.redis.items():
+            assert r.proc is not None
+            out.append(ServiceInfo(r.proc.name, "redis", r.proc.pid, r.url, region=region, log=str(r.proc.log_path)))
+        for region, procs in self.agents.items():
+            for p, url in zip(procs, self.agent_urls[region], strict=True):
+                out.append(ServiceInfo(p.name, "agent", p.pid, url, region=region, log=str(p.log_path)))
+        return out
+
+    def write_state(self) -> None:
+        path = self.spec.run_dir / "topology.json"
+        path.write_text(json.dumps({"started": time.time(), "policy": str(self.spec.policy),
+                                    "services": [asdict(s) for s in self.services()]}, indent=2))
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra)
+    return env
+
+
+def read_state(run_dir: Path) -> dict | None:
+    path = run_dir / "topology.json"
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def stop_from_state(run_dir: Path, timeout: float = 5.0) -> list[str]:
+    """Stop every process recorded in the run directory's state file (``leasehold down``)."""
+    state = read_state(run_dir)
+    if state is None:
+        return []
+    stopped: list[str] = []
+    for svc in reversed(state["services"]):
+        pid = svc["pid"]
+        try:
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            continue
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.05)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        stopped.append(svc["name"])
+    (run_dir / "topology.json").unlink(missing_ok=True)
+    return stopped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # reap if it is our child
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True

@@ -1,0 +1,118 @@
+"""The region's lease book for one pool — pure, clock passed in (monotonic milliseconds).
+
+Timing rule (invariant I5 of DESIGN.md): a lease is spendable from ``received + startsInMs``
+until ``sent + ttlMs``, both on this process's monotonic clock. The allocator's expiry is
+``issuedAt + ttlMs`` with ``issuedAt >= sent`` in real time, so network delay and clock skew
+only ever shorten the region's view of a lease; a prefetched lease starts no earlier than
+the window it belongs to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from allocator.contract.bundle import Pool
+from allocator.contract.errors import StaleEpoch
+from allocator.contract.wire import LeaseGrant
+
+
+@dataclass(frozen=True, slots=True)
+class HeldLease:
+    lease_id: str
+    pool: str
+    window_index: int
+    granted: int
+    epoch: int
+    valid_from: float  # monotonic ms
+    deadline: float  # monotonic ms; never spend at or after this
+    window_end: float  # monotonic ms estimate of the window's end (for exhaustion hints)
+
+
+@dataclass
+class PoolBook:
+    pool: Pool
+    leases: dict[str, HeldLease] = field(default_factory=dict)
+    max_epoch: int = 0
+    exhausted_window: int | None = None  # allocator answered "nothing left" for this window index
+    exhausted_until: float = 0.0  # monotonic ms: the next window's start, as estimated
+    unreachable_since: float | None = None  # monotonic ms of the first failed attempt in a row
+    demand_rate: float = 0.0  # tokens/s, EWMA of what the region asked to spend
+    _demand_acc: int = 0
+    _demand_t0: float | None = None
+
+    # ----------------------------------------------------------------- grants
+    def accept(self, grant: LeaseGrant, *, sent_at: float, received_at: float) -> HeldLease | None:
+        """Record a grant. Returns the held lease, or None for a zero grant (pool exhausted).
+
+        Raises :class:`StaleEpoch` for a grant older than an epoch already seen (I4)."""
+        if grant.epoch < self.max_epoch:
+            raise StaleEpoch(f"grant {grant.lease_id} has epoch {grant.epoch} < {self.max_epoch} already seen")
+        self.max_epoch = grant.epoch
+        self.unreachable_since = None
+        # the window end as this process sees it: issued -> end is (end - issuedAt) of allocator time
+        window_end = sent_at + (grant.window.end_ms - grant.issued_at_ms)
+        if grant.granted <= 0:
+            if grant.starts_in_ms == 0:
+                self.exhausted_window = grant.window.index
+                self.exhausted_until = window_end
+            return None
+        lease = HeldLease(lease_id=grant.lease_id, pool=grant.pool, window_index=grant.window.index,
+                          granted=grant.granted, epoch=grant.epoch,
+                          valid_from=received_at + max(0, grant.starts_in_ms),
+                          deadline=sent_at + grant.ttl_ms, window_end=window_end)
+        if lease.deadline <= lease.valid_from:
+            return None  # arrived too late to be spendable: adds nothing
+        self.leases[lease.lease_id] = lease
+        return lease
+
+    def note_unreachable(self, now: float) -> None:
+        if self.unreachable_since is None:
+            self.unreachable_since = now
+
+    def exhausted(self, now: float) -> bool:
+        return self.exhausted_window is not None and now < self.exhausted_until
+
+    def exhausted_retry_ms(self, now: float) -> int:
+        return max(0, int(self.exhausted_until - now + 0.999))
+
+    # ----------------------------------------------------------------- state
+    def valid(self, now: float) -> list[HeldLease]:
+        return [lease for lease in self.leases.values() if lease.valid_from <= now < lease.deadline]
+
+    def future(self, now: float) -> list[HeldLease]:
+        return [lease for lease in self.leases.values() if now < lease.valid_from]
+
+    def expired(self, now: float) -> list[HeldLease]:
+        return [lease for lease in self.leases.values() if now >= lease.deadline]
+
+    def forget(self, lease_id: str) -> None:
+        self.leases.pop(lease_id, None)
+
+    # ----------------------------------------------------------------- demand and top-ups
+    def note_demand(self, tokens: int, now: float, half_life_ms: float = 2_000.0) -> None:
+        """Count tokens the region tried to spend; folded into an EWMA rate every 250 ms."""
+        if self._demand_t0 is None:
+            self._demand_t0 = now
+        self._demand_acc += tokens
+        elapsed = now - self._demand_t0
+        if elapsed >= 250.0:
+            inst = self._demand_acc * 1000.0 / elapsed
+            alpha = 1.0 - 0.5 ** (elapsed / half_life_ms)
+            self.demand_rate += alpha * (inst - self.demand_rate)
+            self._demand_acc = 0
+            self._demand_t0 = now
+
+    def want(self, horizon_ms: float) -> int:
+        """How much to ask for: the demand over ``horizon_ms``, within the pool's chunk bounds."""
+        need = int(self.demand_rate * horizon_ms / 1000.0 + 0.999)
+        return max(self.pool.chunk_min, min(self.pool.chunk_max, need))
+
+    def low_water(self, rtt_ms: float, margin_ms: float = 250.0) -> int:
+        """Ask for more when the spendable balance would not last one allocator round trip
+        plus a margin at the observed spend rate."""
+        return max(1, int(self.demand_rate * (rtt_ms + margin_ms) / 1000.0 + 0.999))
+
+    def needs_topup(self, balance: int, now: float, rtt_ms: float) -> bool:
+        if self.exhausted(now):
+            return False
+        return balance < self.low_water(rtt_ms)

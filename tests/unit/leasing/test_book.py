@@ -1,0 +1,67 @@
+"""The region's lease book: timing from send/receipt, epochs, exhaustion, demand."""
+
+import pytest
+
+from allocator.contract.bundle import Pool
+from allocator.contract.errors import StaleEpoch
+from allocator.contract.wire import LeaseGrant, WindowRef
+from region_agent.leasing.book import PoolBook
+
+POOL = Pool(id="atlas-minute", window_ms=60_000, limit=1_000, lease_ttl_ms=15_000, chunk_min=10, chunk_max=200)
+
+
+def grant(lease_id="eu-lease-0001", granted=100, epoch=7, issued=50_000, ttl=10_000, starts_in=0, index=0):
+    return LeaseGrant(lease_id=lease_id, pool=POOL.id, region="eu", granted=granted,
+                      window=WindowRef(index=index, start_ms=index * 60_000, end_ms=(index + 1) * 60_000),
+                      expires_at_ms=issued + ttl, ttl_ms=ttl, starts_in_ms=starts_in, epoch=epoch,
+                      issued_at_ms=issued, remaining=500)
+
+
+def test_lease_is_timed_from_send_so_delay_only_shortens_it():
+    book = PoolBook(POOL)
+    lease = book.accept(grant(), sent_at=1_000.0, received_at=1_800.0)  # 800 ms on the way
+    assert lease is not None
+    assert lease.deadline == 11_000.0  # sent + ttl, not received + ttl
+    assert book.valid(10_999.0) == [lease] and book.valid(11_000.0) == []
+    assert book.expired(11_000.0) == [lease]
+
+
+def test_reply_arriving_after_its_lease_would_have_expired_adds_nothing():
+    book = PoolBook(POOL)
+    assert book.accept(grant(ttl=500), sent_at=0.0, received_at=600.0) is None
+    assert book.leases == {}
+
+
+def test_prefetched_lease_starts_no_earlier_than_receipt_plus_starts_in():
+    book = PoolBook(POOL)
+    lease = book.accept(grant(starts_in=1_500, ttl=16_500, index=1), sent_at=0.0, received_at=200.0)
+    assert lease.valid_from == 1_700.0 and lease.deadline == 16_500.0
+    assert book.valid(1_699.0) == [] and book.future(1_699.0) == [lease]
+
+
+def test_older_epoch_is_refused_after_a_newer_one():
+    book = PoolBook(POOL)
+    book.accept(grant(epoch=9), sent_at=0.0, received_at=1.0)
+    with pytest.raises(StaleEpoch):
+        book.accept(grant(lease_id="eu-lease-0002", epoch=8), sent_at=2.0, received_at=3.0)
+    assert "eu-lease-0002" not in book.leases
+
+
+def test_zero_grant_marks_the_window_exhausted_until_its_end():
+    book = PoolBook(POOL)
+    assert book.accept(grant(granted=0, issued=59_000), sent_at=100.0, received_at=150.0) is None
+    assert book.exhausted(500.0) and book.exhausted_retry_ms(500.0) == 600
+    assert not book.exhausted(1_100.0)
+    assert not book.needs_topup(0, 500.0, rtt_ms=10.0)
+
+
+def test_demand_rate_drives_want_within_chunk_bounds_and_low_water():
+    book = PoolBook(POOL)
+    t = 0.0
+    for _ in range(40):  # 100 tokens/s for 10 s
+        book.note_demand(25, t)
+        t += 250.0
+    assert 60 < book.demand_rate <= 100
+    assert POOL.chunk_min <= book.want(2_000) <= POOL.chunk_max
+    assert book.low_water(rtt_ms=50.0) >= 1
+    assert book.needs_topup(0, t, rtt_ms=50.0) and not book.needs_topup(10_000, t, rtt_ms=50.0)
