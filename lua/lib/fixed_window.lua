@@ -1,0 +1,41 @@
+-- lib/fixed_window.lua: fixed window (seed ch.3). Windows are aligned to epoch multiples:
+-- w = now - now % window. State: hash {w (window start ms), n (units counted in w)}.
+-- A stored w in the future (clock went backwards) is treated as the current window and kept
+-- (strict, never generous). Allowed iff n + cost <= limit.
+-- remaining = limit - n - cost on allow, max(0, limit - n) on deny; deny retry = ms left in the
+-- window; cost > limit -> retry -1. Expiry = ms left in the window + slack.
+-- @include lib/validate.lua
+local FW = {}
+
+function FW.parse(a)
+  local P = { limit = lh_int(a[1], 1), window = lh_int(a[2], 1), cost = lh_int(a[3], 1) }
+  if not (P.limit and P.window and P.cost) or P.limit * P.window > LH_MAX_PRODUCT then
+    return nil
+  end
+  return P
+end
+
+function FW.check(key, P, now)
+  if P.cost > P.limit then
+    return { ok = false, remaining = 0, retry = -1 }
+  end
+  local w = now - (now % P.window)
+  local s = redis.call('HMGET', key, 'w', 'n')
+  local sw, n = tonumber(s[1]), tonumber(s[2])
+  if sw == nil or n == nil or sw ~= sw or n ~= n or sw < w then
+    n = 0
+  else
+    w = sw
+  end
+  local ms_left = w + P.window - now
+  if n + P.cost > P.limit then
+    return { ok = false, remaining = math.max(0, P.limit - n), retry = ms_left }
+  end
+  return { ok = true, remaining = P.limit - n - P.cost, retry = 0,
+           w = w, n = n + P.cost, ms_left = ms_left }
+end
+
+function FW.commit(key, P, plan, now, slack)
+  redis.call('HSET', key, 'w', plan.w, 'n', plan.n)
+  redis.call('PEXPIRE', key, plan.ms_left + slack)
+end

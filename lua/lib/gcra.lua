@@ -1,0 +1,47 @@
+-- lib/gcra.lua: GCRA (seed ch.7) in integer milliseconds; same arguments as the token bucket.
+-- inc = ceil(cost * period / refill) ms per request, B = floor(capacity * period / refill) ms of
+-- burst tolerance. State: string key holding tat (theoretical arrival time, epoch ms).
+-- Allowed iff max(tat, now) + inc - now <= B; then tat = max(tat, now) + inc.
+-- remaining (millitokens) = floor((B - (tat' - now)) * refill / period), clamped at 0, where tat'
+-- is the new tat on allow and max(tat, now) on deny. retry = newTat - now - B.
+-- cost > capacity, or inc > B (rounding can make a full-capacity cost unreachable): retry -1.
+-- A lowered capacity shrinks B, which clamps the burst on the next call.
+-- @include lib/validate.lua
+local GCRA = {}
+
+function GCRA.parse(a)
+  local P = { capacity = lh_int(a[1], 1), refill = lh_int(a[2], 1),
+              period = lh_int(a[3], 1), cost = lh_int(a[4], 1) }
+  if not (P.capacity and P.refill and P.period and P.cost)
+      or P.capacity * P.period > LH_MAX_PRODUCT then
+    return nil
+  end
+  P.inc = math.ceil(P.cost * P.period / P.refill)
+  P.burst = math.floor(P.capacity * P.period / P.refill)
+  return P
+end
+
+local function gcra_remaining(P, ahead)
+  return math.max(0, math.floor((P.burst - ahead) * P.refill / P.period))
+end
+
+function GCRA.check(key, P, now)
+  if P.cost > P.capacity or P.inc > P.burst then
+    return { ok = false, remaining = 0, retry = -1 }
+  end
+  local tat = tonumber(redis.call('GET', key))
+  if tat == nil or tat ~= tat then
+    tat = now
+  end
+  local start = math.max(tat, now)
+  local new_tat = start + P.inc
+  if new_tat - now > P.burst then
+    return { ok = false, remaining = gcra_remaining(P, start - now),
+             retry = new_tat - now - P.burst }
+  end
+  return { ok = true, remaining = gcra_remaining(P, new_tat - now), retry = 0, tat = new_tat }
+end
+
+function GCRA.commit(key, P, plan, now, slack)
+  redis.call('SET', key, plan.tat, 'PX', plan.tat - now + slack)
+end

@@ -1,0 +1,92 @@
+-- lib/pool.lua: leased global tokens kept in the tenant's hash (one field per lease id).
+-- Field value: "granted,spent,validFromMs,expiresAtMs" (tokens; Redis-clock epoch ms).
+-- An entry is spendable while validFrom <= now < expiresAt; its balance is granted - spent.
+-- POOL.check: spendable = sum of valid balances; allowed iff spendable >= cost; the debit takes
+--   the earliest-expiring valid lease first (ties by lease id), splitting across leases.
+--   remaining = spendable after the debit (allow) or spendable (deny). Deny retry = earliest
+--   validFrom still in the future - now, else 0 (the caller fills in its window-based hint).
+--   Malformed entries are ignored (never spendable).
+-- POOL.commit: writes the debited entries and PEXPIRE max expiresAt - now + slack.
+-- POOL.max_expiry(key): max expiresAt over well-formed entries (or nil).
+-- @include lib/validate.lua
+local POOL = {}
+
+function POOL.parse(a)
+  local P = { cost = lh_int(a[1], 1) }
+  if not P.cost then
+    return nil
+  end
+  return P
+end
+
+function POOL.decode(v)
+  local g, s, f, e = string.match(v or '', '^(%d+),(%d+),(%d+),(%d+)$')
+  if not g then
+    return nil
+  end
+  return { granted = tonumber(g), spent = tonumber(s), from = tonumber(f), exp = tonumber(e) }
+end
+
+function POOL.encode(e)
+  return string.format('%d,%d,%d,%d', e.granted, e.spent, e.from, e.exp)
+end
+
+function POOL.entries(key)
+  local raw = redis.call('HGETALL', key)
+  local out = {}
+  for i = 1, #raw, 2 do
+    local e = POOL.decode(raw[i + 1])
+    if e then
+      e.id = raw[i]
+      out[#out + 1] = e
+    end
+  end
+  return out
+end
+
+function POOL.max_expiry(entries)
+  local top = nil
+  for _, e in ipairs(entries) do
+    if top == nil or e.exp > top then top = e.exp end
+  end
+  return top
+end
+
+function POOL.check(key, P, now)
+  local entries = POOL.entries(key)
+  local valid, spendable, next_from = {}, 0, nil
+  for _, e in ipairs(entries) do
+    if e.from <= now and now < e.exp then
+      if e.granted > e.spent then
+        valid[#valid + 1] = e
+        spendable = spendable + (e.granted - e.spent)
+      end
+    elseif e.from > now and (next_from == nil or e.from < next_from) then
+      next_from = e.from
+    end
+  end
+  if spendable < P.cost then
+    return { ok = false, remaining = spendable, retry = next_from and (next_from - now) or 0 }
+  end
+  table.sort(valid, function(x, y)
+    if x.exp ~= y.exp then return x.exp < y.exp end
+    return x.id < y.id
+  end)
+  local left, debits = P.cost, {}
+  for _, e in ipairs(valid) do
+    if left == 0 then break end
+    local take = math.min(left, e.granted - e.spent)
+    e.spent = e.spent + take
+    left = left - take
+    debits[#debits + 1] = e
+  end
+  return { ok = true, remaining = spendable - P.cost, retry = 0, debits = debits,
+           top = POOL.max_expiry(entries) }
+end
+
+function POOL.commit(key, P, plan, now, slack)
+  for _, e in ipairs(plan.debits) do
+    redis.call('HSET', key, e.id, POOL.encode(e))
+  end
+  redis.call('PEXPIRE', key, plan.top - now + slack)
+end

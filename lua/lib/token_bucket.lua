@@ -1,0 +1,44 @@
+-- lib/token_bucket.lua: token bucket (seed ch.6/8) in millitokens and milliseconds.
+-- State: hash {tokens (millitokens), ts (epoch ms of the last write)}.
+-- TB.parse({capacity, refill, period_ms, cost}) -> P or nil (invalid).
+-- TB.check(key, P, now) -> plan {ok, remaining, retry, tokens, ts}; reads only.
+-- TB.commit(key, P, plan, now, slack) writes tokens/ts and PEXPIRE full_ms + slack.
+-- @include lib/validate.lua
+local TB = {}
+
+function TB.parse(a)
+  local P = { capacity = lh_int(a[1], 1), refill = lh_int(a[2], 1),
+              period = lh_int(a[3], 1), cost = lh_int(a[4], 1) }
+  if not (P.capacity and P.refill and P.period and P.cost)
+      or P.capacity * P.period > LH_MAX_PRODUCT then
+    return nil
+  end
+  P.full_ms = math.ceil(P.capacity * P.period / P.refill)
+  return P
+end
+
+function TB.check(key, P, now)
+  if P.cost > P.capacity then
+    return { ok = false, remaining = 0, retry = -1 }
+  end
+  local s = redis.call('HMGET', key, 'tokens', 'ts')
+  local tokens, ts = tonumber(s[1]), tonumber(s[2])
+  if tokens == nil or ts == nil or tokens ~= tokens or ts ~= ts then
+    tokens, ts = P.capacity, now
+  end
+  -- clock backwards: no refill; forward jump: at most one full refill
+  local delta = math.min(math.max(0, now - ts), P.full_ms)
+  tokens = math.max(0, math.min(P.capacity, tokens))
+  tokens = math.min(P.capacity, tokens + math.floor(delta * P.refill / P.period))
+  if tokens >= P.cost then
+    return { ok = true, remaining = tokens - P.cost, retry = 0,
+             tokens = tokens - P.cost, ts = math.max(ts, now) }
+  end
+  return { ok = false, remaining = tokens,
+           retry = math.ceil((P.cost - tokens) * P.period / P.refill) }
+end
+
+function TB.commit(key, P, plan, now, slack)
+  redis.call('HSET', key, 'tokens', plan.tokens, 'ts', plan.ts)
+  redis.call('PEXPIRE', key, P.full_ms + slack)
+end

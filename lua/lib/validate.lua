@@ -1,0 +1,22 @@
+-- lib/validate.lua: argument validation shared by every script.
+-- lh_int(x, min, max): the integer value of ARGV string x if it is a finite integer in
+--   [min, max] (max defaults to 2^40), else nil. Comparing a value with itself rejects NaN;
+--   the range check rejects +/-inf; x % 1 rejects fractions.
+-- lh_invalid(): the one error reply for bad arguments (sent before any read or write).
+-- LH_MAX = 2^40 (largest count / duration), LH_MAX_PRODUCT = 2^52 (largest capacity x period
+--   or limit x window, so every product a script forms stays below 2^53 and exact).
+local LH_MAX = 2 ^ 40
+local LH_MAX_PRODUCT = 2 ^ 52
+local LH_MAX_TIME = 2 ^ 50
+
+local function lh_int(x, min, max)
+  local v = tonumber(x)
+  if v == nil or v ~= v or v < min or v > (max or LH_MAX) or v % 1 ~= 0 then
+    return nil
+  end
+  return v
+end
+
+local function lh_invalid()
+  return redis.error_reply('ERR rate limit policy arguments invalid')
+end

@@ -1,0 +1,112 @@
+-- multi_rule.lua: all rules of one request in one atomic step (seed ch.9, mixed algorithms).
+-- KEYS[1]        decision (idempotency) record key
+-- KEYS[2..n+1]   one state key per rule; all keys share the tenant hash tag (one slot); 1 <= n <= 8;
+--                rule keys must be distinct
+-- ARGV[1]        ttl_slack_ms (>= 0)
+-- ARGV[2]        decision_ttl_ms (0 = no record)
+-- ARGV[3]        member: the decision id (sliding-log entry id, concurrency lease id)
+-- ARGV[4+6i..]   rule i (0-based): kind, p1, p2, p3, p4, p5 (unused params 0, ignored)
+--                  tb    capacity, refill, period_ms, cost, 0   (millitokens / ms)
+--                  gcra  capacity, refill, period_ms, cost, 0   (millitokens / ms)
+--                  fw    limit, window_ms, cost, 0, 0           (units)
+--                  sc    limit, window_ms, cost, 0, 0           (units)
+--                  sl    limit, window_ms, cost, 0, 0           (entries; member, member#2, ..)
+--                  cc    max_in_flight, lease_ttl_ms, 0, 0, 0   (lease id = member)
+--                  pool  cost_tokens, 0, 0, 0, 0                (leased global tokens)
+-- Reply          {allowed 0/1, denied_by (1-based, 0 = none), retry_after_ms, remaining_1 ..
+--                remaining_n}; remaining is the value after the debit when allowed, the current
+--                value for a denial; a cc rule reports in_flight in its slot.
+-- Semantics      every argument is validated before any read/write (error reply
+--                'ERR rate limit policy arguments invalid'). With decision_ttl_ms > 0 a stored
+--                record is returned unchanged. Each rule's check (lib/*.lua, reads only) runs
+--                in order; denied_by = first denying rule; retry = max over denying rules, -1 if
+--                any denying rule can never succeed; cc and pool denials contribute their own
+--                hint (0 for cc: the caller uses its policy Retry-After). Only when no rule denies
+--                does every rule commit (writes + expiries); a denial writes nothing but the
+--                decision record. The concurrency lease is therefore only added when all rate
+--                rules allow: this is the seed's "acquire lease first, debit rates second,
+--                idempotently release the lease when a rate rule denies", folded into one atomic
+--                step with the same observable outcome and no window where a doomed lease is held.
+--                With decision_ttl_ms > 0 the reply (also a denial) is stored with PX
+--                decision_ttl_ms as comma-separated integers (exact for every value < 2^53).
+-- @include lib/clock.lua
+-- @include lib/token_bucket.lua
+-- @include lib/gcra.lua
+-- @include lib/fixed_window.lua
+-- @include lib/sliding_counter.lua
+-- @include lib/sliding_log.lua
+-- @include lib/concurrency.lua
+-- @include lib/pool.lua
+local ALG = { tb = TB, gcra = GCRA, fw = FW, sc = SC, sl = SL, cc = CC, pool = POOL }
+local MAX_RULES = 8
+
+local n = #KEYS - 1
+local slack, dec_ttl = lh_int(ARGV[1], 0), lh_int(ARGV[2], 0)
+local member = ARGV[3]
+if n < 1 or n > MAX_RULES or #ARGV ~= 3 + 6 * n or slack == nil or dec_ttl == nil
+    or member == nil then
+  return lh_invalid()
+end
+
+local rules, seen = {}, {}
+for i = 1, n do
+  local b = 4 + 6 * (i - 1)
+  local kind = ARGV[b]
+  local alg = ALG[kind]
+  if alg == nil or seen[KEYS[i + 1]] then
+    return lh_invalid()
+  end
+  seen[KEYS[i + 1]] = true
+  local P = alg.parse({ ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5] })
+  if P == nil or ((kind == 'sl' or kind == 'cc') and member == '') then
+    return lh_invalid()
+  end
+  rules[i] = { alg = alg, P = P, key = KEYS[i + 1] }
+end
+
+if dec_ttl > 0 then
+  local prior = redis.call('GET', KEYS[1])
+  if prior then
+    local out = {}
+    for x in string.gmatch(prior, '[^,]+') do
+      out[#out + 1] = tonumber(x)
+    end
+    return out
+  end
+end
+
+local now = lh_now()
+local denied_by, retry, never = 0, 0, false
+for i = 1, n do
+  local r = rules[i]
+  r.plan = r.alg.check(r.key, r.P, now, member)
+  if not r.plan.ok then
+    if denied_by == 0 then denied_by = i end
+    if r.plan.retry < 0 then
+      never = true
+    else
+      retry = math.max(retry, r.plan.retry)
+    end
+  end
+end
+if never then retry = -1 end
+
+local result = { 0, denied_by, retry }
+if denied_by == 0 then
+  result[1] = 1
+  for i = 1, n do
+    local r = rules[i]
+    r.alg.commit(r.key, r.P, r.plan, now, slack, member)
+  end
+end
+for i = 1, n do
+  result[3 + i] = rules[i].plan.remaining
+end
+if dec_ttl > 0 then
+  local parts = {}
+  for i = 1, #result do
+    parts[i] = string.format('%d', result[i])
+  end
+  redis.call('SET', KEYS[1], table.concat(parts, ','), 'PX', dec_ttl)
+end
+return result

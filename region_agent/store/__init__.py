@@ -1,0 +1,1 @@
+"""Redis adapters of the region agent (scripts, client, batching gateway)."""

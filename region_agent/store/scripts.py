@@ -1,0 +1,371 @@
+"""The Redis Lua scripts: loader (``-- @include`` expansion, SHA1), typed wrappers, error translation.
+
+Every script lives in ``lua/NAME.lua``; shared code in ``lua/lib/*.lua`` is pulled in by a line
+``-- @include lib/NAME.lua``, expanded textually once per script (include-guarded, recursive)
+before ``SCRIPT LOAD``. Calls use EVALSHA; a NOSCRIPT reply means the script did not run, so it is
+loaded and the call retried once. Driver errors become ``allocator.contract.errors`` types in
+:func:`translate_redis_error` only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from redis import exceptions as rex
+
+from allocator.contract.errors import (
+    AmbiguousOutcome,
+    LeaseholdError,
+    ScriptRejected,
+    StoreUnavailable,
+)
+
+DEFAULT_LUA_DIR = Path(__file__).resolve().parents[2] / "lua"
+INCLUDE_RE = re.compile(r"^--\s*@include\s+(\S+)\s*$")
+KINDS = frozenset({"tb", "gcra", "fw", "sc", "sl", "cc", "pool"})
+MAX_RULES = 8
+# Server error prefixes meaning "the command was refused before it ran": nothing happened.
+_NOT_RUN_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY", "NOREPLICAS",
+                     "MOVED", "ASK", "OOM")
+
+
+class KeysNotColocated(ScriptRejected):
+    """The keys of one script call span several hash slots (CROSSSLOT): a caller bug."""
+
+    code, title = "keys-not-colocated", "Script keys span several hash slots"
+
+
+# --- loader ------------------------------------------------------------------------------------
+def expand_includes(path: Path, root: Path, _seen: set[Path] | None = None) -> str:
+    """The text of ``path`` with every ``-- @include lib/X.lua`` replaced by that file's expanded
+    text; each included file appears once (later includes of it become a comment)."""
+    seen = _seen if _seen is not None else set()
+    out: list[str] = []
+    for line in path.read_text().splitlines():
+        m = INCLUDE_RE.match(line.strip())
+        if not m:
+            out.append(line)
+            continue
+        target = (root / m.group(1)).resolve()
+        if root.resolve() not in target.parents:
+            raise ValueError(f"include outside the lua directory: {m.group(1)}")
+        if target in seen:
+            out.append(f"-- (already included: {m.group(1)})")
+            continue
+        seen.add(target)
+        out.append(f"-- >>> {m.group(1)}")
+        out.append(expand_includes(target, root, seen))
+        out.append(f"-- <<< {m.group(1)}")
+    return "\n".join(out)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedScript:
+    name: str
+    source: str
+    sha: str
+
+
+def load_scripts(lua_dir: Path) -> dict[str, LoadedScript]:
+    scripts: dict[str, LoadedScript] = {}
+    for path in sorted(lua_dir.glob("*.lua")):
+        src = expand_includes(path, lua_dir)
+        scripts[path.stem] = LoadedScript(path.stem, src, hashlib.sha1(src.encode()).hexdigest())
+    return scripts
+
+
+# --- error translation -------------------------------------------------------------------------
+def _sent_heuristic(exc: BaseException) -> bool:
+    """Whether a connection-level failure happened after the command was written.
+
+    redis-py raises ``ConnectionError("Error ... connecting to ...")`` when it could not connect,
+    before anything is sent; every other connection error or timeout happens on an established
+    connection and may have reached the server."""
+    text = str(exc)
+    return not ("connecting to" in text or "Connection refused" in text or "Name or service" in text)
+
+
+def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
+    """Driver error -> contract error. ``sent``: the command may have reached the server.
+
+    Error replies from a script (validation) -> :class:`ScriptRejected` (not retriable);
+    CROSSSLOT / client-side slot refusal -> :class:`KeysNotColocated`; replies that mean the
+    server refused to run anything (BUSY, LOADING, CLUSTERDOWN, NOSCRIPT ...) ->
+    :class:`StoreUnavailable`; connection failures before send -> :class:`StoreUnavailable`;
+    timeouts/resets after send -> :class:`AmbiguousOutcome`. Details never echo driver text."""
+    if isinstance(exc, LeaseholdError):
+        return exc
+    if isinstance(exc, rex.NoScriptError):
+        return StoreUnavailable("script not loaded on the store")
+    if isinstance(exc, rex.ResponseError):
+        text = str(exc)
+        if text.startswith("CROSSSLOT"):
+            return KeysNotColocated("script keys are not in one hash slot")
+        if text.startswith(_NOT_RUN_PREFIXES):
+            return StoreUnavailable(f"store refused the command ({text.split(' ', 1)[0]})")
+        return ScriptRejected("limiter script rejected its arguments")
+    if isinstance(exc, rex.RedisClusterException) and "same key slot" in str(exc).lower():
+        return KeysNotColocated("script keys are not in one hash slot")
+    if isinstance(exc, (rex.TimeoutError, TimeoutError)):
+        if sent:
+            return AmbiguousOutcome("no reply from the store before the timeout")
+        return StoreUnavailable("timed out connecting to the store")
+    if isinstance(exc, (rex.ConnectionError, ConnectionError, OSError)):
+        if sent:
+            return AmbiguousOutcome("connection lost after the command was sent")
+        return StoreUnavailable("store unreachable")
+    if isinstance(exc, (rex.ClusterDownError, rex.TryAgainError, rex.MasterDownError)):
+        return StoreUnavailable(f"store unavailable ({type(exc).__name__})")
+    if isinstance(exc, rex.RedisError):
+        return StoreUnavailable(f"store error ({type(exc).__name__})")
+    return StoreUnavailable(f"unexpected store failure ({type(exc).__name__})")
+
+
+def _translate(exc: BaseException) -> LeaseholdError:
+    return translate_redis_error(exc, sent=_sent_heuristic(exc))
+
+
+# --- multi-rule call shape ---------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RuleCall:
+    """One rule's part of a multi_rule call."""
+
+    key: str
+    kind: str  # "tb" | "gcra" | "fw" | "sc" | "sl" | "cc" | "pool"
+    params: tuple[int, int, int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class MultiRuleResult:
+    allowed: bool
+    denied_by: int  # 1-based index into the rule list, 0 = none
+    retry_after_ms: int  # -1 = never
+    remaining: tuple[int, ...]
+
+
+def multi_rule_argv(decision_key: str, rules: Sequence[RuleCall], *, slack_ms: int, decision_ttl_ms: int,
+                    member: str) -> tuple[list[str], list[str | int]]:
+    """KEYS and ARGV for ``multi_rule.lua``. Shape errors raise :class:`ScriptRejected` here; the
+    numeric validation is the script's (it answers with an error reply)."""
+    if not 1 <= len(rules) <= MAX_RULES:
+        raise ScriptRejected(f"a multi-rule call takes 1..{MAX_RULES} rules, got {len(rules)}")
+    keys = [decision_key]
+    argv: list[str | int] = [slack_ms, decision_ttl_ms, member]
+    for r in rules:
+        if r.kind not in KINDS:
+            raise ScriptRejected(f"unknown rule kind {r.kind!r}")
+        if len(r.params) != 5:
+            raise ScriptRejected("each rule takes exactly five parameters")
+        keys.append(r.key)
+        argv.append(r.kind)
+        argv.extend(r.params)
+    if len(set(keys[1:])) != len(keys) - 1:
+        raise ScriptRejected("the same key is listed for two rules")
+    return keys, argv
+
+
+def parse_multi_rule(reply: Any) -> MultiRuleResult:
+    if not isinstance(reply, list | tuple) or len(reply) < 4:
+        raise ScriptRejected("unexpected reply shape from the multi-rule script")
+    vals = [int(x) for x in reply]
+    return MultiRuleResult(bool(vals[0]), vals[1], vals[2], tuple(vals[3:]))
+
+
+# --- typed results -----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RateResult:
+    """Reply of the single-rule rate scripts (token bucket, GCRA, windows, log)."""
+
+    allowed: bool
+    remaining: int  # millitokens for tb/gcra, units/entries for fw/sc/sl
+    retry_after_ms: int  # -1 = never
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseResult:
+    """Reply of the concurrency scripts: ok = acquired / released / renewed."""
+
+    ok: bool
+    in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolDepositResult:
+    stored: bool  # True for "stored" and "replay"
+    status: str  # "stored" | "replay" | "full" | "expired"
+    entries: int  # fields in the hash before this deposit
+
+
+@dataclass(frozen=True, slots=True)
+class PoolEntry:
+    granted: int
+    spent: int
+    valid_from_ms: int
+    expires_at_ms: int
+
+    @staticmethod
+    def decode(value: str) -> PoolEntry | None:
+        parts = value.split(",")
+        if len(parts) != 4 or not all(p.isdigit() for p in parts):
+            return None
+        return PoolEntry(*(int(p) for p in parts))
+
+    def encode(self) -> str:
+        return f"{self.granted},{self.spent},{self.valid_from_ms},{self.expires_at_ms}"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolBalance:
+    now_ms: int
+    entries: dict[str, PoolEntry]
+
+    def spendable(self) -> int:
+        return sum(e.granted - e.spent for e in self.entries.values()
+                   if e.valid_from_ms <= self.now_ms < e.expires_at_ms and e.granted > e.spent)
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _rate(reply: Any) -> RateResult:
+    return RateResult(bool(int(reply[0])), int(reply[1]), int(reply[2]))
+
+
+def _lease(reply: Any) -> LeaseResult:
+    return LeaseResult(bool(int(reply[0])), int(reply[1]))
+
+
+# --- registry ----------------------------------------------------------------------------------
+class Scripts:
+    """Every script of ``lua/``, loaded once, called by SHA with one NOSCRIPT reload."""
+
+    def __init__(self, lua_dir: Path | None = None):
+        self.lua_dir = (lua_dir or DEFAULT_LUA_DIR).resolve()
+        self.scripts = load_scripts(self.lua_dir)
+        if not self.scripts:
+            raise FileNotFoundError(f"no Lua scripts in {self.lua_dir}")
+
+    def sha(self, name: str) -> str:
+        return self.scripts[name].sha
+
+    def source(self, name: str) -> str:
+        return self.scripts[name].source
+
+    async def load_all(self, client: Any) -> None:
+        """SCRIPT LOAD every script (a RedisCluster client sends it to all primaries)."""
+        try:
+            for s in self.scripts.values():
+                got = await client.script_load(s.source)
+                if _s(got) != s.sha:
+                    raise ScriptRejected(f"store computed another SHA for {s.name}")
+        except LeaseholdError:
+            raise
+        except Exception as e:
+            raise _translate(e) from None
+
+    async def _load_one(self, client: Any, name: str) -> None:
+        await client.script_load(self.scripts[name].source)
+
+    async def call(self, client: Any, name: str, keys: Sequence[str], argv: Sequence[Any]) -> Any:
+        """EVALSHA ``name``; on NOSCRIPT load it and retry once. Raises contract errors only."""
+        sha = self.sha(name)
+        try:
+            try:
+                return await client.evalsha(sha, len(keys), *keys, *argv)
+            except rex.NoScriptError:
+                await self._load_one(client, name)
+                return await client.evalsha(sha, len(keys), *keys, *argv)
+        except Exception as e:
+            raise _translate(e) from None
+
+    async def run_pipeline(self, client: Any, calls: Sequence[tuple[str, list, list]]) -> list[object]:
+        """One pipeline (transaction=False) of EVALSHA; per call the raw reply or the translated
+        exception instance. Calls answered NOSCRIPT (they did not run) are re-run once after loading."""
+        if not calls:
+            return []
+        try:
+            results = await self._pipeline(client, calls)
+        except Exception as e:
+            err = _translate(e)
+            return [err for _ in calls]
+        missing = [i for i, r in enumerate(results) if isinstance(r, rex.NoScriptError)]
+        if missing:
+            try:
+                for name in {calls[i][0] for i in missing}:
+                    await self._load_one(client, name)
+                again = await self._pipeline(client, [calls[i] for i in missing])
+            except Exception as e:
+                again = [e for _ in missing]
+            for i, r in zip(missing, again, strict=True):
+                results[i] = r
+        return [(_translate(r) if isinstance(r, BaseException) else r) for r in results]
+
+    async def _pipeline(self, client: Any, calls: Sequence[tuple[str, list, list]]) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for name, keys, argv in calls:
+            pipe.evalsha(self.sha(name), len(keys), *keys, *argv)
+        return list(await pipe.execute(raise_on_error=False))
+
+    # --- typed wrappers --------------------------------------------------------------------------
+    async def multi_rule(self, client: Any, keys: Sequence[str], argv: Sequence[Any]) -> MultiRuleResult:
+        return parse_multi_rule(await self.call(client, "multi_rule", keys, argv))
+
+    async def token_bucket(self, client: Any, key: str, *, capacity: int, refill: int, period_ms: int,
+                           cost: int, slack_ms: int) -> RateResult:
+        """Millitokens and ms (seed ch.6/8)."""
+        return _rate(await self.call(client, "token_bucket", [key], [capacity, refill, period_ms, cost, slack_ms]))
+
+    async def gcra(self, client: Any, key: str, *, capacity: int, refill: int, period_ms: int, cost: int,
+                   slack_ms: int) -> RateResult:
+        """Same units as the token bucket; remaining in millitokens."""
+        return _rate(await self.call(client, "gcra", [key], [capacity, refill, period_ms, cost, slack_ms]))
+
+    async def fixed_window(self, client: Any, key: str, *, limit: int, window_ms: int, cost: int = 1,
+                           slack_ms: int = 0) -> RateResult:
+        return _rate(await self.call(client, "fixed_window", [key], [limit, window_ms, cost, slack_ms]))
+
+    async def sliding_counter(self, client: Any, key: str, *, limit: int, window_ms: int, cost: int = 1,
+                              slack_ms: int = 0) -> RateResult:
+        return _rate(await self.call(client, "sliding_counter", [key], [limit, window_ms, cost, slack_ms]))
+
+    async def sliding_log(self, client: Any, key: str, *, limit: int, window_ms: int, member: str,
+                          cost: int = 1, slack_ms: int = 0) -> RateResult:
+        return _rate(await self.call(client, "sliding_log", [key], [limit, window_ms, member, cost, slack_ms]))
+
+    async def concurrency_acquire(self, client: Any, key: str, lease_id: str, *, max_in_flight: int,
+                                  lease_ttl_ms: int) -> LeaseResult:
+        return _lease(await self.call(client, "concurrency_acquire", [key], [lease_id, max_in_flight, lease_ttl_ms]))
+
+    async def concurrency_release(self, client: Any, key: str, lease_id: str) -> LeaseResult:
+        return _lease(await self.call(client, "concurrency_release", [key], [lease_id]))
+
+    async def concurrency_renew(self, client: Any, key: str, lease_id: str, *, lease_ttl_ms: int) -> LeaseResult:
+        return _lease(await self.call(client, "concurrency_renew", [key], [lease_id, lease_ttl_ms]))
+
+    async def pool_deposit(self, client: Any, key: str, lease_id: str, *, granted: int, valid_from_ms: int,
+                           expires_at_ms: int, max_entries: int, slack_ms: int) -> PoolDepositResult:
+        r = await self.call(client, "pool_deposit", [key],
+                            [lease_id, granted, valid_from_ms, expires_at_ms, max_entries, slack_ms])
+        return PoolDepositResult(bool(int(r[0])), _s(r[1]), int(r[2]))
+
+    async def pool_close(self, client: Any, key: str, lease_id: str) -> tuple[int, int] | None:
+        """(granted, spent) of the removed lease, or None if it was not there (already closed)."""
+        r = await self.call(client, "pool_close", [key], [lease_id])
+        granted, spent = int(r[0]), int(r[1])
+        return None if granted < 0 else (granted, spent)
+
+    async def pool_balance(self, client: Any, key: str) -> PoolBalance:
+        r = await self.call(client, "pool_balance", [key], [])
+        flat = [_s(x) for x in r[1]]
+        entries: dict[str, PoolEntry] = {}
+        for lease_id, value in zip(flat[0::2], flat[1::2], strict=True):
+            e = PoolEntry.decode(value)
+            if e is not None:
+                entries[lease_id] = e
+        return PoolBalance(int(r[0]), entries)
