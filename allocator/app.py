@@ -1,0 +1,250 @@
+"""The allocator's HTTP API (Litestar). Thin: every route calls :class:`allocator.engine.Engine`.
+
+Errors: one handler turns every ``LeaseholdError`` into problem+json via ``to_problem``;
+Litestar's own client errors (bad JSON, schema validation, unknown route, body too large)
+are mapped to the same problem shape; anything else is a logged 500 problem with no detail.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+from litestar import Litestar, MediaType, Request, Response, get, post
+from litestar.connection import ASGIConnection
+from litestar.datastructures import State
+from litestar.exceptions import HTTPException, NotAuthorizedException, PermissionDeniedException
+from litestar.handlers.base import BaseRouteHandler
+from litestar.openapi import OpenAPIConfig
+from litestar.params import JSONBody
+
+from .contract.bundle import Bundle, load_bundle_file
+from .contract.errors import (
+    BadRequest,
+    Forbidden,
+    LeaseholdError,
+    NotFound,
+    PayloadTooLarge,
+    Unauthorized,
+    Unavailable,
+    ValidationFailed,
+    to_problem,
+)
+from .contract.wire import (
+    LeaderInfo,
+    LeaseBatchRequest,
+    LeaseBatchResponse,
+    LeaseGrant,
+    LeaseRequest,
+    PoolSummary,
+    PoolWindowView,
+    UsageReceipt,
+    UsageReport,
+)
+from .election import Election
+from .engine import Engine, GrantRecord, wall_ms
+from .etcd_store import EtcdStore
+from .metrics import CONTENT_TYPE, AllocatorMetrics
+from .settings import AllocatorSettings
+
+log = logging.getLogger("allocator.app")
+
+PROBLEM_JSON = "application/problem+json"
+LEASE_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{8,96}$")
+
+Guard = Callable[[ASGIConnection, BaseRouteHandler], Any]
+
+
+async def region_auth_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+    """Authentication hook for the lease endpoints. A later task fills it with per-region
+    bearer tokens (raise ``Unauthorized`` / ``Forbidden`` from ``allocator.contract.errors``);
+    today every caller is accepted. ``create_app(auth_guard=...)`` plugs a check in here."""
+    check = connection.app.state.get("auth_guard")
+    if check is not None:
+        result = check(connection, handler)
+        if hasattr(result, "__await__"):
+            await result
+
+
+# -- error mapping ------------------------------------------------------------------------------
+def problem_response(exc: LeaseholdError, path: str | None = None) -> Response[Any]:
+    status, body = to_problem(exc, instance=path)
+    headers = {}
+    if exc.retriable:
+        headers["Retry-After"] = "1"
+    return Response(content=body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
+
+
+def _leasehold_handler(request: Request, exc: LeaseholdError) -> Response[Any]:
+    return problem_response(exc, request.url.path)
+
+
+def _http_handler(request: Request, exc: HTTPException) -> Response[Any]:
+    status = exc.status_code
+    detail = exc.detail or "request rejected"
+    if status == 413:
+        err: LeaseholdError = PayloadTooLarge(detail)
+    elif status == 404:
+        err = NotFound(f"no route {request.url.path}")
+    elif status == 401 or isinstance(exc, NotAuthorizedException):
+        err = Unauthorized(detail)
+    elif status == 403 or isinstance(exc, PermissionDeniedException):
+        err = Forbidden(detail)
+    elif status == 405:
+        err = BadRequest(f"method {request.method} not allowed on {request.url.path}")
+        err.status = 405
+    elif status == 400 and exc.extra:
+        items = exc.extra if isinstance(exc.extra, list) else [exc.extra]
+        problems = [(f"{e['key']}: " if isinstance(e, dict) and e.get("key") else "")
+                    + (str(e.get("message", e)) if isinstance(e, dict) else str(e)) for e in items]
+        err = ValidationFailed(f"request body failed validation: {'; '.join(problems)}", errors=problems)
+        err.status = 400
+    elif 400 <= status < 500:
+        err = BadRequest(detail)
+        err.status = status
+    else:
+        log.error("HTTP %s on %s: %s", status, request.url.path, detail)
+        err = LeaseholdError("internal error")
+    return problem_response(err, request.url.path)
+
+
+def _internal_handler(request: Request, exc: Exception) -> Response[Any]:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return problem_response(LeaseholdError("internal error"), request.url.path)
+
+
+# -- routes -------------------------------------------------------------------------------------
+def _engine(state: State) -> Engine:
+    return state.engine  # type: ignore[no-any-return]
+
+
+def _check_lease_id(lease_id: str) -> None:
+    if not LEASE_ID_RE.match(lease_id):
+        raise BadRequest(f"leaseId must match {LEASE_ID_RE.pattern}")
+
+
+@post("/v1/leases", status_code=200, guards=[region_auth_guard])
+async def post_lease(data: JSONBody[LeaseRequest], state: State) -> LeaseGrant:
+    return await _engine(state).grant(data)
+
+
+class BatchResultDoc(msgspec.Struct, rename="camel"):
+    """OpenAPI shape of one batch result: a ``LeaseGrant`` or a ``LeaseError`` (untagged union)."""
+
+    lease_id: str
+    granted: int | None = None
+    status: int | None = None
+    code: str | None = None
+    detail: str | None = None
+
+
+class LeaseBatchResponseDoc(msgspec.Struct, rename="camel"):
+    results: list[BatchResultDoc]
+
+
+@post("/v1/leases/batch", status_code=200, guards=[region_auth_guard])
+async def post_batch(data: JSONBody[LeaseBatchRequest], state: State) -> Response[LeaseBatchResponseDoc]:
+    """Grants for many pools in one request; results in request order, each a grant or an error.
+    (The schema documents the union loosely: results are ``LeaseGrant`` or ``LeaseError`` objects.)"""
+    ids = [r.lease_id for r in data.requests]
+    if len(set(ids)) != len(ids):
+        raise ValidationFailed("a batch must not repeat a leaseId", errors=["requests: duplicate leaseId"])
+    body = LeaseBatchResponse(results=await _engine(state).grant_many(data.requests))
+    return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)
+
+
+@post("/v1/leases/{lease_id:str}/usage", status_code=200, guards=[region_auth_guard])
+async def post_usage(lease_id: str, data: JSONBody[UsageReport], state: State) -> UsageReceipt:
+    _check_lease_id(lease_id)
+    if data.lease_id != lease_id:
+        raise BadRequest(f"body leaseId {data.lease_id!r} does not match the path's {lease_id!r}")
+    return await _engine(state).report(data)
+
+
+@get("/v1/leases/{lease_id:str}", guards=[region_auth_guard])
+async def get_lease(lease_id: str, state: State) -> GrantRecord:
+    _check_lease_id(lease_id)
+    return await _engine(state).get_record(lease_id)
+
+
+@get("/v1/leader")
+async def get_leader(state: State) -> LeaderInfo:
+    return _engine(state).election.info()
+
+
+@get("/v1/pools")
+async def get_pools(state: State) -> list[PoolSummary]:
+    return _engine(state).summaries()
+
+
+@get("/v1/pools/{pool_id:str}")
+async def get_pool(pool_id: str, state: State) -> PoolWindowView:
+    return await _engine(state).window_view(pool_id)
+
+
+@get("/healthz", media_type=MediaType.JSON)
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@get("/readyz", media_type=MediaType.JSON)
+async def readyz(state: State) -> Response[Any]:
+    election = _engine(state).election
+    if not (election.etcd_ok and election.role_known):
+        return problem_response(Unavailable("not ready: etcd unreachable or role unknown",
+                                            extra={"etcd": election.etcd_ok, "roleKnown": election.role_known}))
+    return Response(content={"status": "ready", "role": "leader" if election.is_leader else "follower",
+                             "epoch": election.leader.epoch}, media_type=MediaType.JSON)
+
+
+@get("/metrics", media_type=CONTENT_TYPE)
+async def metrics(state: State) -> Response[bytes]:
+    return Response(content=_engine(state).metrics.render(), media_type=CONTENT_TYPE)
+
+
+# -- assembly -----------------------------------------------------------------------------------
+def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
+               clock: Callable[[], int] = wall_ms, auth_guard: Guard | None = None) -> Litestar:
+    """Build the app. The etcd client, election and committer start in the app's lifespan."""
+    bundle = bundle if bundle is not None else load_bundle_file(settings.policy)
+    pools = {p.id: p for p in bundle.pools}
+    m = AllocatorMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        store = EtcdStore(settings.etcd, timeout_s=settings.etcd_timeout_ms / 1000, observe=m.observe_etcd)
+        engine: Engine
+
+        def on_change(leading: bool, epoch: int | None) -> None:
+            m.on_leader_change(leading, epoch if epoch is not None else election.leader.epoch)
+            engine.invalidate()
+
+        election = Election(store, f"{settings.prefix}leader".encode(), node_id=settings.node_id,
+                            url=settings.url, ttl_s=settings.election_ttl_s, on_change=on_change)
+        engine = Engine(store, election, pools, prefix=settings.prefix, metrics=m, clock=clock)
+        app.state.engine = engine
+        engine.start()
+        election.start()
+        try:
+            yield
+        finally:
+            await election.stop()
+            await engine.stop()
+            await store.close()
+
+    handlers: list[Any] = [post_lease, post_batch, post_usage, get_lease, get_leader, get_pools, get_pool,
+                           healthz, readyz, metrics]
+    return Litestar(
+        route_handlers=handlers,
+        lifespan=[lifespan],
+        state=State({"auth_guard": auth_guard}),
+        exception_handlers={LeaseholdError: _leasehold_handler, HTTPException: _http_handler,
+                            Exception: _internal_handler},
+        request_max_body_size=settings.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="Leasehold allocator", version="1.0.0", path="/schema"),
+        debug=False,
+    )

@@ -1,0 +1,456 @@
+"""The leader's single writer: queue, group commit, idempotency, fencing, reclaim.
+
+Every write goes through one committer task. It keeps each active window's state in memory
+(with the window key's ``mod_revision``), decides grants with :mod:`allocator.policy` and
+commits a group of grants in one etcd transaction whose compares are
+
+* ``create_revision(leader) == epoch``  (fencing: a deposed or paused leader cannot commit),
+* each touched window key's ``mod_revision`` (or ``version == 0`` when new),
+* each new grant key's ``version == 0`` (idempotency: a stored record is never overwritten).
+
+On a failed compare the failure branch reads back the leader key, the windows and the grant
+keys: a changed epoch fences (nothing granted, step down), existing grant records are answered
+as replays, changed windows are reloaded and the rest retried (bounded). Nothing is ever
+granted from memory alone: an answer is returned only after its transaction committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from . import policy
+from .contract.bundle import Pool
+from .contract.errors import (
+    Conflict,
+    Fenced,
+    LeaseholdError,
+    NotFound,
+    Unavailable,
+)
+from .contract.wire import (
+    LeaseError,
+    LeaseGrant,
+    LeaseRequest,
+    PoolSummary,
+    PoolWindowView,
+    RegionShare,
+    UsageReceipt,
+    UsageReport,
+)
+from .election import Election
+from .etcd_store import MAX_TXN_OPS, EtcdLeaseMissing, EtcdStore, LeaseBuckets, range_kvs, txn_revision
+from .metrics import AllocatorMetrics
+
+log = logging.getLogger("allocator.engine")
+
+MAX_GROUP = (MAX_TXN_OPS - 1) // 2  # grants per txn: 1 + windows + grants compares <= 128
+RECORD_MIN_LINGER_MS = 60_000
+
+
+def wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class GrantRecord(msgspec.Struct, rename="camel"):
+    """What ``grants/<leaseId>`` holds: the grant as answered, plus its usage report."""
+
+    grant: LeaseGrant
+    demand: int = 0
+    reported: bool = False
+    spent: int = 0
+    returned: int = 0
+    stranded: int = 0
+    window_open: bool = False
+
+
+@dataclass
+class _Cached:
+    state: policy.WindowState
+    mod_revision: int  # 0 = not in etcd yet
+
+
+@dataclass
+class _GrantJob:
+    req: LeaseRequest
+    fut: asyncio.Future[LeaseGrant]
+    index: int = -1
+
+
+@dataclass
+class _UsageJob:
+    report: UsageReport
+    fut: asyncio.Future[UsageReceipt]
+
+
+@dataclass
+class Keys:
+    prefix: str
+
+    @property
+    def leader(self) -> bytes:
+        return f"{self.prefix}leader".encode()
+
+    def window(self, pool: str, index: int) -> bytes:
+        return f"{self.prefix}pools/{pool}/{index}".encode()
+
+    def grant(self, lease_id: str) -> bytes:
+        return f"{self.prefix}grants/{lease_id}".encode()
+
+    def pool_prefix(self, pool: str) -> bytes:
+        return f"{self.prefix}pools/{pool}/".encode()
+
+    def grants_prefix(self) -> bytes:
+        return f"{self.prefix}grants/".encode()
+
+
+@dataclass
+class Engine:
+    store: EtcdStore
+    election: Election
+    pools: dict[str, Pool]
+    prefix: str = "/leasehold/"
+    metrics: AllocatorMetrics = field(default_factory=AllocatorMetrics)
+    clock: Callable[[], int] = wall_ms
+    max_group: int = MAX_GROUP
+    max_attempts: int = 5
+
+    def __post_init__(self) -> None:
+        self.keys = Keys(self.prefix)
+        self.max_group = max(1, min(self.max_group, MAX_GROUP))
+        self._queue: asyncio.Queue[_GrantJob | _UsageJob] = asyncio.Queue()
+        self._inflight: dict[str, _GrantJob] = {}
+        self._cache: dict[tuple[str, int], _Cached] = {}
+        self._buckets = LeaseBuckets(self.store)
+        self._task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._committer(), name="allocator-committer")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        while not self._queue.empty():
+            job = self._queue.get_nowait()
+            if not job.fut.done():
+                job.fut.set_exception(Unavailable("allocator shutting down"))
+
+    def invalidate(self) -> None:
+        """Forget cached window state (on any leadership change)."""
+        self._cache.clear()
+        self._buckets.forget()
+
+    # -- public API -----------------------------------------------------------------------------
+    def pool(self, pool_id: str) -> Pool:
+        pool = self.pools.get(pool_id)
+        if pool is None:
+            raise NotFound(f"no pool {pool_id!r} (known: {', '.join(sorted(self.pools)) or 'none'})")
+        return pool
+
+    def summaries(self) -> list[PoolSummary]:
+        return [PoolSummary(id=p.id, limit=p.limit, window_ms=p.window_ms, lease_ttl_ms=p.lease_ttl_ms,
+                            chunk_min=p.chunk_min, chunk_max=p.chunk_max,
+                            fallback_per_region=p.fallback_per_region) for p in self.pools.values()]
+
+    async def grant(self, req: LeaseRequest) -> LeaseGrant:
+        return await self._submit(req)
+
+    async def grant_many(self, reqs: list[LeaseRequest]) -> list[LeaseGrant | LeaseError]:
+        async def one(r: LeaseRequest) -> LeaseGrant | LeaseError:
+            try:
+                return await self._submit(r)
+            except LeaseholdError as e:
+                return LeaseError(lease_id=r.lease_id, status=e.status, code=e.code, detail=e.detail)
+        return list(await asyncio.gather(*(one(r) for r in reqs)))
+
+    async def report(self, report: UsageReport) -> UsageReceipt:
+        self.pool(report.pool)
+        self.election.require_leader()
+        fut: asyncio.Future[UsageReceipt] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(_UsageJob(report, fut))
+        return await fut
+
+    async def get_record(self, lease_id: str) -> GrantRecord:
+        kv = await self.store.get(self.keys.grant(lease_id))
+        if kv is None:
+            raise NotFound(f"no lease {lease_id!r}")
+        return msgspec.json.decode(kv.value, type=GrantRecord)
+
+    async def window_view(self, pool_id: str) -> PoolWindowView:
+        pool = self.pool(pool_id)
+        k = policy.window_index(self.clock(), pool.window_ms)
+        kv = await self.store.get(self.keys.window(pool.id, k))
+        state = policy.new_window(pool, k) if kv is None else msgspec.json.decode(kv.value,
+                                                                                   type=policy.WindowState)
+        regions = sorted(set(state.granted) | set(state.leases) | set(state.returned))
+        return PoolWindowView(
+            pool=pool.id, limit=state.limit, window=policy.window_ref(k, pool.window_ms),
+            remaining=state.remaining, granted=state.total_granted - state.total_returned,
+            regions=[RegionShare(region=r, granted=state.granted.get(r, 0), leases=state.leases.get(r, 0),
+                                 returned=state.returned.get(r, 0)) for r in regions],
+            leases_outstanding=state.leases_outstanding)
+
+    # -- submission -----------------------------------------------------------------------------
+    async def _submit(self, req: LeaseRequest) -> LeaseGrant:
+        pool = self.pool(req.pool)
+        policy.check_region(pool, req.region)
+        existing = self._inflight.get(req.lease_id)
+        if existing is not None:
+            _check_same(existing.req.pool, existing.req.region, req)
+            return await asyncio.shield(existing.fut)
+        self.election.require_leader()
+        fut: asyncio.Future[LeaseGrant] = asyncio.get_running_loop().create_future()
+        job = _GrantJob(req, fut)
+        self._inflight[req.lease_id] = job
+        fut.add_done_callback(lambda _f: self._inflight.pop(req.lease_id, None))
+        self._queue.put_nowait(job)
+        return await asyncio.shield(fut)
+
+    # -- committer ------------------------------------------------------------------------------
+    async def _committer(self) -> None:
+        while True:
+            first = await self._queue.get()
+            jobs: list[_GrantJob | _UsageJob] = [first]
+            while not self._queue.empty() and len(jobs) < 8 * self.max_group:
+                jobs.append(self._queue.get_nowait())
+            grants = [j for j in jobs if isinstance(j, _GrantJob)]
+            usages = [j for j in jobs if isinstance(j, _UsageJob)]
+            for i in range(0, len(grants), self.max_group):
+                await self._run_guarded(grants[i:i + self.max_group], self._commit_grants)
+            for u in usages:
+                await self._run_guarded([u], self._commit_usage)
+
+    async def _run_guarded(self, jobs: list[Any], fn: Callable[[Any], Any]) -> None:
+        try:
+            await fn(jobs)
+        except asyncio.CancelledError:
+            for j in jobs:
+                if not j.fut.done():
+                    j.fut.set_exception(Unavailable("allocator shutting down"))
+            raise
+        except LeaseholdError as e:
+            for j in jobs:
+                if not j.fut.done():
+                    j.fut.set_exception(e)
+        except Exception as e:  # noqa: BLE001 - a bug must not kill the committer
+            log.exception("committer error")
+            for j in jobs:
+                if not j.fut.done():
+                    j.fut.set_exception(Unavailable(f"internal allocator error ({type(e).__name__})"))
+
+    def _fence(self, epoch: int) -> Fenced:
+        self.metrics.fenced.inc()
+        self.election.step_down(f"epoch {epoch} fenced by etcd")
+        self.invalidate()
+        return Fenced(f"this replica's epoch {epoch} is no longer current; nothing was granted",
+                      extra={"epoch": epoch})
+
+    async def _load_windows(self, wanted: set[tuple[str, int]]) -> None:
+        missing = [wk for wk in wanted if wk not in self._cache]
+        if not missing:
+            return
+        found = await self.store.get_many([self.keys.window(*wk) for wk in missing])
+        for wk in missing:
+            kv = found.get(self.keys.window(*wk))
+            self._cache[wk] = (_Cached(policy.new_window(self.pools[wk[0]], wk[1]), 0) if kv is None else
+                               _Cached(msgspec.json.decode(kv.value, type=policy.WindowState), kv.mod_revision))
+
+    def _record_lease_expiry(self, pool: Pool, index: int) -> int:
+        return (index + 1) * pool.window_ms + max(pool.window_ms, RECORD_MIN_LINGER_MS)
+
+    async def _commit_grants(self, jobs: list[_GrantJob]) -> None:
+        pending = list(jobs)
+        for attempt in range(self.max_attempts):
+            epoch = self.election.require_leader()
+            now = self.clock()
+            targets: dict[int, tuple[str, int]] = {}
+            for job in list(pending):
+                try:
+                    pool = self.pools[job.req.pool]
+                    targets[id(job)] = (pool.id, policy.target_window(pool, job.req.window, now))
+                except LeaseholdError as e:
+                    job.fut.set_exception(e)
+                    pending.remove(job)
+            if not pending:
+                return
+            await self._load_windows(set(targets.values()))
+            work = {wk: self._cache[wk].state.copy() for wk in set(targets.values())}
+            answers: list[tuple[_GrantJob, LeaseGrant, policy.GrantDecision]] = []
+            for job in pending:
+                r = job.req
+                d = policy.decide_grant(self.pools[r.pool], work[targets[id(job)]], region=r.region, want=r.want,
+                                        demand=r.demand, now_ms=now)
+                g = LeaseGrant(lease_id=r.lease_id, pool=r.pool, region=r.region, granted=d.granted,
+                               window=d.window, expires_at_ms=d.expires_at_ms, ttl_ms=d.ttl_ms,
+                               starts_in_ms=d.starts_in_ms, epoch=epoch, issued_at_ms=now, remaining=d.remaining)
+                answers.append((job, g, d))
+            wks = list(work)
+            t = self.store.t
+            compare = [t.create(self.keys.leader) == epoch]
+            for wk in wks:
+                rev = self._cache[wk].mod_revision
+                compare.append(t.mod(self.keys.window(*wk)) == rev if rev else t.version(self.keys.window(*wk)) == 0)
+            compare += [t.version(self.keys.grant(j.req.lease_id)) == 0 for j in pending]
+            try:
+                success = []
+                for wk in wks:
+                    lid = await self._buckets.lease_for(self._record_lease_expiry(self.pools[wk[0]], wk[1]), now)
+                    success.append(t.put(self.keys.window(*wk), msgspec.json.encode(work[wk]), lease=lid))
+                for job, g, _ in answers:
+                    wk = targets[id(job)]
+                    lid = await self._buckets.lease_for(self._record_lease_expiry(self.pools[wk[0]], wk[1]), now)
+                    rec = GrantRecord(grant=g, demand=job.req.demand)
+                    success.append(t.put(self.keys.grant(job.req.lease_id), msgspec.json.encode(rec), lease=lid))
+                failure = [t.get(self.keys.leader)] + [t.get(self.keys.window(*wk)) for wk in wks] + \
+                          [t.get(self.keys.grant(j.req.lease_id)) for j in pending]
+                ok, responses = await self.store.txn(compare, success, failure)
+            except EtcdLeaseMissing:
+                self._buckets.forget()
+                self.metrics.txn_retries.labels("grant").inc()
+                continue
+            except LeaseholdError:
+                for wk in wks:  # the outcome may be unknown: reload before the next use
+                    self._cache.pop(wk, None)
+                raise
+            if ok:
+                rev = txn_revision(responses)
+                for wk in wks:
+                    self._cache[wk] = _Cached(work[wk], rev)
+                self.metrics.txn_grants.observe(len(answers))
+                for job, g, d in answers:
+                    self._count_grant(g, d)
+                    job.fut.set_result(g)
+                self._prune_cache(now)
+                return
+            # -- a compare failed: find out which --------------------------------------------------
+            self.metrics.txn_conflicts.labels("grant").inc()
+            leader = range_kvs(responses[0])
+            if not leader or leader[0].create_revision != epoch:
+                raise self._fence(epoch)
+            for i, wk in enumerate(wks):
+                kvs = range_kvs(responses[1 + i])
+                self._cache[wk] = (_Cached(msgspec.json.decode(kvs[0].value, type=policy.WindowState),
+                                           kvs[0].mod_revision) if kvs else
+                                   _Cached(policy.new_window(self.pools[wk[0]], wk[1]), 0))
+            for j, job in enumerate(list(pending)):
+                kvs = range_kvs(responses[1 + len(wks) + j])
+                if kvs:
+                    pending.remove(job)
+                    self._answer_replay(job, kvs[0].value)
+            if not pending:
+                return
+            self.metrics.txn_retries.labels("grant").inc()
+            log.info("grant txn conflict (attempt %d), retrying %d grants", attempt + 1, len(pending))
+        raise Unavailable(f"lease grant not committed after {self.max_attempts} conflicting attempts; retry",
+                          extra={"attempts": self.max_attempts})
+
+    def _answer_replay(self, job: _GrantJob, raw: bytes) -> None:
+        rec = msgspec.json.decode(raw, type=GrantRecord)
+        try:
+            _check_same(rec.grant.pool, rec.grant.region, job.req)
+        except Conflict as e:
+            job.fut.set_exception(e)
+            return
+        self.metrics.replays.labels(rec.grant.pool).inc()
+        job.fut.set_result(msgspec.structs.replace(rec.grant, replayed=True))
+
+    def _count_grant(self, g: LeaseGrant, d: policy.GrantDecision) -> None:
+        if g.granted:
+            self.metrics.grants.labels(g.pool, g.region).inc()
+            self.metrics.granted_tokens.labels(g.pool, g.region).inc(g.granted)
+        else:
+            self.metrics.empty_grants.labels(g.pool, g.region).inc()
+        if d.exhausted_now:
+            self.metrics.exhaustions.labels(g.pool).inc()
+
+    def _prune_cache(self, now: int) -> None:
+        for wk in [wk for wk in self._cache
+                   if (wk[1] + 2) * self.pools[wk[0]].window_ms < now]:
+            del self._cache[wk]
+
+    async def _commit_usage(self, jobs: list[_UsageJob]) -> None:
+        (job,) = jobs
+        rep = job.report
+        pool = self.pool(rep.pool)
+        for _attempt in range(self.max_attempts):
+            epoch = self.election.require_leader()
+            gkey = self.keys.grant(rep.lease_id)
+            gkv = await self.store.get(gkey)
+            if gkv is None:
+                raise NotFound(f"no lease {rep.lease_id!r}")
+            rec = msgspec.json.decode(gkv.value, type=GrantRecord)
+            if rec.grant.pool != rep.pool or rec.grant.region != rep.region:
+                raise Conflict(f"lease {rep.lease_id!r} belongs to pool {rec.grant.pool!r} region "
+                               f"{rec.grant.region!r}, not pool {rep.pool!r} region {rep.region!r}")
+            if rec.reported:
+                job.fut.set_result(_receipt(rec, replayed=True))
+                return
+            now = self.clock()
+            d = policy.decide_reclaim(granted=rec.grant.granted, spent=rep.spent,
+                                      expires_at_ms=rec.grant.expires_at_ms,
+                                      window_end_ms=rec.grant.window.end_ms, now_ms=now)
+            wk = (pool.id, rec.grant.window.index)
+            t = self.store.t
+            compare = [t.create(self.keys.leader) == epoch, t.mod(gkey) == gkv.mod_revision]
+            success = []
+            new_state: policy.WindowState | None = None
+            returned, stranded, window_open = d.returned, d.stranded, d.window_open
+            if rec.grant.granted > 0 and window_open:
+                await self._load_windows({wk})
+                cached = self._cache[wk]
+                if cached.mod_revision == 0:  # the window's key is gone: nothing to return to
+                    returned, stranded = 0, d.returned
+                else:
+                    new_state = cached.state.copy()
+                    policy.apply_reclaim(new_state, rep.region, returned)
+                    lid = await self._buckets.lease_for(self._record_lease_expiry(pool, wk[1]), now)
+                    compare.append(t.mod(self.keys.window(*wk)) == cached.mod_revision)
+                    success.append(t.put(self.keys.window(*wk), msgspec.json.encode(new_state), lease=lid))
+            new = msgspec.structs.replace(rec, reported=True, spent=rep.spent, returned=returned,
+                                          stranded=stranded, window_open=window_open)
+            success.append(t.put(gkey, msgspec.json.encode(new), lease=gkv.lease or None))
+            try:
+                ok, responses = await self.store.txn(compare, success, [t.get(self.keys.leader)])
+            except EtcdLeaseMissing:
+                self._buckets.forget()
+                continue
+            except LeaseholdError:
+                self._cache.pop(wk, None)
+                raise
+            if ok:
+                if new_state is not None:
+                    self._cache[wk] = _Cached(new_state, txn_revision(responses))
+                if returned:
+                    self.metrics.reclaimed_tokens.labels(pool.id, rep.region).inc(returned)
+                if stranded:
+                    self.metrics.stranded_tokens.labels(pool.id, rep.region).inc(stranded)
+                job.fut.set_result(_receipt(new, replayed=False))
+                return
+            self.metrics.txn_conflicts.labels("usage").inc()
+            leader = range_kvs(responses[0])
+            if not leader or leader[0].create_revision != epoch:
+                raise self._fence(epoch)
+            self._cache.pop(wk, None)
+            self.metrics.txn_retries.labels("usage").inc()
+        raise Unavailable(f"usage report not committed after {self.max_attempts} conflicting attempts; retry")
+
+
+def _receipt(rec: GrantRecord, *, replayed: bool) -> UsageReceipt:
+    return UsageReceipt(lease_id=rec.grant.lease_id, granted=rec.grant.granted, spent=rec.spent,
+                        returned=rec.returned, window_open=rec.window_open, replayed=replayed)
+
+
+def _check_same(pool: str, region: str, req: LeaseRequest) -> None:
+    if pool != req.pool or region != req.region:
+        raise Conflict(f"lease id {req.lease_id!r} is already used for pool {pool!r} region {region!r}",
+                       extra={"leaseId": req.lease_id})

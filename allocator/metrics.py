@@ -1,0 +1,61 @@
+"""Prometheus metrics of the allocator. Labels are bounded values only (pool, region from the
+policy bundle; etcd operation names; outcome codes), never lease ids."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class AllocatorMetrics:
+    """One registry per app instance, so several in-process apps do not collide."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.grants = Counter("leasehold_allocator_grants_total", "Lease grants committed (new, not replays)",
+                              ["pool", "region"], registry=r)
+        self.granted_tokens = Counter("leasehold_allocator_granted_tokens_total", "Tokens granted",
+                                      ["pool", "region"], registry=r)
+        self.replays = Counter("leasehold_allocator_replayed_grants_total",
+                               "Lease requests answered from a stored grant (retries)", ["pool"], registry=r)
+        self.exhaustions = Counter("leasehold_allocator_pool_exhaustions_total",
+                                   "Windows whose remaining reached 0 through a grant", ["pool"], registry=r)
+        self.empty_grants = Counter("leasehold_allocator_empty_grants_total",
+                                    "Requests answered with granted=0 (pool exhausted)", ["pool", "region"],
+                                    registry=r)
+        self.reclaimed_tokens = Counter("leasehold_allocator_reclaimed_tokens_total",
+                                        "Unspent tokens returned to an open window by usage reports",
+                                        ["pool", "region"], registry=r)
+        self.stranded_tokens = Counter("leasehold_allocator_stranded_tokens_total",
+                                       "Unspent tokens reported after their window closed", ["pool", "region"],
+                                       registry=r)
+        self.txn_conflicts = Counter("leasehold_allocator_txn_conflicts_total",
+                                     "Leader transactions that failed a compare", ["kind"], registry=r)
+        self.txn_retries = Counter("leasehold_allocator_txn_retries_total",
+                                   "Transaction attempts retried after a conflict", ["kind"], registry=r)
+        self.txn_grants = Histogram("leasehold_allocator_grants_per_txn", "Grants carried by one transaction",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.leader_changes = Counter("leasehold_allocator_leader_changes_total",
+                                      "Leadership changes observed by this replica", registry=r)
+        self.is_leader = Gauge("leasehold_allocator_is_leader", "1 while this replica leads", registry=r)
+        self.epoch = Gauge("leasehold_allocator_epoch", "Epoch of the leader this replica knows (0 = none)",
+                           registry=r)
+        self.fenced = Counter("leasehold_allocator_fenced_total", "Writes refused by the epoch compare",
+                              registry=r)
+        self.etcd_latency = Histogram("leasehold_allocator_etcd_request_seconds", "etcd request latency",
+                                      ["op"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                                       1, 2.5), registry=r)
+
+    def observe_etcd(self, op: str, seconds: float) -> None:
+        self.etcd_latency.labels(op).observe(seconds)
+
+    def on_leader_change(self, leading: bool, epoch: int | None) -> None:
+        self.leader_changes.inc()
+        self.is_leader.set(1 if leading else 0)
+        if epoch is not None:
+            self.epoch.set(epoch)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,207 @@
+"""Pure allocation policy (seed ch. 13: grant pseudocode, depletion and fairness).
+
+No I/O and no clock of its own: every function takes ``now_ms`` (the leader's wall clock in
+milliseconds). The committer (``allocator.engine``) loads a window's state from etcd, calls
+:func:`decide_grant` / :func:`decide_reclaim` on it and writes the result back in one
+epoch-fenced transaction.
+
+Units: tokens are whole tokens; times and durations are integer milliseconds; ``demand`` is
+tokens per second.
+
+Invariant kept by every function here, per pool window::
+
+    sum(granted) - sum(returned) == limit - remaining  and  0 <= remaining <= limit
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+from msgspec import Struct
+
+from .contract.bundle import Pool
+from .contract.errors import Conflict, Forbidden, ValidationFailed
+from .contract.wire import WindowRef
+
+WindowChoice = Literal["current", "next"]
+
+
+class RegionActivity(Struct, rename="camel"):
+    """The last time a region asked this window for tokens, and the demand it reported."""
+
+    last_ms: int
+    demand: int = 0
+
+
+class WindowState(Struct, rename="camel"):
+    """One pool window's state, stored as JSON at ``pools/<pool>/<k>``."""
+
+    pool: str
+    index: int
+    limit: int
+    remaining: int
+    granted: dict[str, int] = {}
+    leases: dict[str, int] = {}
+    reported: dict[str, int] = {}  # leases whose usage report was accepted
+    returned: dict[str, int] = {}  # tokens given back by usage reports
+    active: dict[str, RegionActivity] = {}
+    exhausted: bool = False
+
+    @property
+    def total_granted(self) -> int:
+        return sum(self.granted.values())
+
+    @property
+    def total_returned(self) -> int:
+        return sum(self.returned.values())
+
+    @property
+    def leases_outstanding(self) -> int:
+        return sum(self.leases.values()) - sum(self.reported.values())
+
+    def copy(self) -> WindowState:
+        return msgspec.convert(msgspec.to_builtins(self), WindowState)
+
+
+class GrantDecision(Struct):
+    granted: int
+    window: WindowRef
+    expires_at_ms: int
+    ttl_ms: int
+    starts_in_ms: int
+    remaining: int
+    exhausted_now: bool  # this grant took the window's remaining to 0
+
+
+class ReclaimDecision(Struct):
+    returned: int  # tokens given back to the window's remaining
+    stranded: int  # unspent tokens that could not be returned (window closed)
+    window_open: bool
+
+
+# --------------------------------------------------------------------------------------------
+def window_index(now_ms: int, window_ms: int) -> int:
+    return now_ms // window_ms
+
+
+def window_ref(index: int, window_ms: int) -> WindowRef:
+    return WindowRef(index=index, start_ms=index * window_ms, end_ms=(index + 1) * window_ms)
+
+
+def new_window(pool: Pool, index: int) -> WindowState:
+    return WindowState(pool=pool.id, index=index, limit=pool.limit, remaining=pool.limit)
+
+
+def target_window(pool: Pool, which: WindowChoice, now_ms: int) -> int:
+    """The window index a request is for. ``next`` only within ``prefetchMs`` of the boundary."""
+    k = window_index(now_ms, pool.window_ms)
+    if which == "current":
+        return k
+    boundary = (k + 1) * pool.window_ms
+    if boundary - now_ms > pool.prefetch_ms:
+        raise Conflict(
+            f"prefetch of pool {pool.id!r} window {k + 1} opens {pool.prefetch_ms} ms before its start; "
+            f"it starts in {boundary - now_ms} ms",
+            extra={"startsInMs": boundary - now_ms, "prefetchMs": pool.prefetch_ms})
+    return k + 1
+
+
+def check_region(pool: Pool, region: str) -> None:
+    if pool.regions is not None and region not in pool.regions:
+        raise Forbidden(f"region {region!r} may not lease from pool {pool.id!r}",
+                        extra={"allowedRegions": list(pool.regions)})
+
+
+def demand_chunk(pool: Pool, demand: int) -> int:
+    """The chunk a region gets: enough for its demand over one lease TTL, in [chunkMin, chunkMax].
+
+    ``demand == 0`` means "no signal yet" (a region's first request): it gets ``chunkMax``.
+    """
+    if demand <= 0:
+        return pool.chunk_max
+    need = -(-demand * pool.lease_ttl_ms // 1000)  # ceil(tokens/s x ttl)
+    return max(pool.chunk_min, min(pool.chunk_max, need))
+
+
+def active_regions(state: WindowState, pool: Pool, now_ms: int) -> dict[str, RegionActivity]:
+    return {r: a for r, a in state.active.items() if now_ms - a.last_ms <= pool.active_horizon_ms}
+
+
+def fair_share(state: WindowState, pool: Pool, region: str, now_ms: int) -> int | None:
+    """When the pool runs low (remaining < chunkMax x active regions), the region's share of
+    what is left, weighted by the active regions' demand (1 at least while anything remains).
+    ``None`` when the pool is not low (no fairness cap)."""
+    active = active_regions(state, pool, now_ms)
+    if state.remaining >= pool.chunk_max * max(1, len(active)):
+        return None
+    if state.remaining <= 0:
+        return 0
+    weights = {r: max(1, a.demand) for r, a in active.items()}
+    total = sum(weights.values())
+    share = state.remaining * weights.get(region, 1) // max(1, total)
+    return max(1, share)
+
+
+def lease_times(pool: Pool, index: int, now_ms: int) -> tuple[WindowRef, int, int, int]:
+    """(window, expiresAtMs, ttlMs, startsInMs): expiry clamped to the window end; a prefetched
+    lease (window not started yet) runs from the window's start."""
+    ref = window_ref(index, pool.window_ms)
+    start = max(now_ms, ref.start_ms)
+    expires = min(start + pool.lease_ttl_ms, ref.end_ms)
+    return ref, expires, expires - now_ms, start - now_ms
+
+
+def decide_grant(pool: Pool, state: WindowState, *, region: str, want: int, demand: int,
+                 now_ms: int) -> GrantDecision:
+    """give = min(want, chunk(demand), remaining, fair share); mutates ``state``."""
+    check_region(pool, region)
+    if state.pool != pool.id:
+        raise ValueError(f"window state of pool {state.pool!r} used for pool {pool.id!r}")
+    ref, expires, ttl, starts_in = lease_times(pool, state.index, now_ms)
+    state.active[region] = RegionActivity(last_ms=now_ms, demand=demand)
+    give = min(want, demand_chunk(pool, demand), state.remaining)
+    share = fair_share(state, pool, region, now_ms)
+    if share is not None:
+        give = min(give, share)
+    if ttl <= 0:
+        give = 0  # the window is over: nothing can be spent in it
+    give = max(0, give)
+    before = state.remaining
+    if give:
+        state.remaining -= give
+        state.granted[region] = state.granted.get(region, 0) + give
+        state.leases[region] = state.leases.get(region, 0) + 1
+    exhausted_now = before > 0 and state.remaining == 0
+    if exhausted_now:
+        state.exhausted = True
+    return GrantDecision(granted=give, window=ref, expires_at_ms=expires, ttl_ms=max(0, ttl),
+                         starts_in_ms=starts_in, remaining=state.remaining, exhausted_now=exhausted_now)
+
+
+def decide_reclaim(*, granted: int, spent: int, expires_at_ms: int, window_end_ms: int,
+                   now_ms: int) -> ReclaimDecision:
+    """Validate a usage report and say how many unspent tokens go back to the pool.
+
+    Accepted only after the lease expired on the allocator clock (the region stopped spending
+    before that), so returning ``granted - spent`` to a still-open window cannot overshoot.
+    """
+    if spent > granted:
+        raise ValidationFailed(f"spent {spent} exceeds the {granted} tokens granted",
+                               errors=[f"spent: must be <= {granted}"])
+    if now_ms < expires_at_ms:
+        raise Conflict(f"lease not yet expired: it expires in {expires_at_ms - now_ms} ms; "
+                       "report usage after expiry", extra={"expiresInMs": expires_at_ms - now_ms})
+    unspent = granted - spent
+    if now_ms < window_end_ms:
+        return ReclaimDecision(returned=unspent, stranded=0, window_open=True)
+    return ReclaimDecision(returned=0, stranded=unspent, window_open=False)
+
+
+def apply_reclaim(state: WindowState, region: str, returned: int) -> None:
+    """Give ``returned`` tokens back to the window (mutates ``state``)."""
+    if returned < 0 or state.remaining + returned > state.limit:
+        raise ValueError("reclaim would break remaining <= limit")
+    state.remaining += returned
+    state.returned[region] = state.returned.get(region, 0) + returned
+    state.reported[region] = state.reported.get(region, 0) + 1

@@ -1,0 +1,47 @@
+"""Allocator service settings: ``--flags``, then ``LEASEHOLD_ALLOCATOR_<FIELD>`` env vars, then
+defaults (see ``allocator/example.env``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from .contract.config import ConfigError, load_settings
+from .etcd_store import parse_endpoints
+
+ENV_PREFIX = "LEASEHOLD_ALLOCATOR_"
+
+
+class AllocatorSettings(msgspec.Struct, forbid_unknown_fields=True):
+    """Leasehold allocator: global pools on etcd, epoch-fenced lease grants."""
+
+    etcd: str  # comma-separated host:port list
+    policy: str  # policy bundle file (its pools section)
+    node_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=1, le=65535)] = 8700
+    advertise_url: str | None = None  # how the other replicas and regions reach this one
+    prefix: Annotated[str, Meta(pattern=r"^/[A-Za-z0-9._/-]*/$")] = "/leasehold/"
+    election_ttl_s: Annotated[int, Meta(ge=2, le=60)] = 3
+    etcd_timeout_ms: Annotated[int, Meta(ge=50, le=30_000)] = 2_000
+    max_body_bytes: Annotated[int, Meta(ge=1_024, le=16 * 1024 * 1024)] = 1024 * 1024
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @property
+    def url(self) -> str:
+        return self.advertise_url or f"http://{self.host}:{self.port}"
+
+
+def load(argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -> AllocatorSettings:
+    s = load_settings(AllocatorSettings, ENV_PREFIX, argv, env=env, prog="python -m allocator")
+    try:
+        parse_endpoints(s.etcd)
+    except ValueError as e:
+        raise ConfigError(f"invalid setting --etcd / {ENV_PREFIX}ETCD: {e}") from None
+    if s.advertise_url is not None and not s.advertise_url.startswith(("http://", "https://")):
+        raise ConfigError(f"invalid setting --advertise-url / {ENV_PREFIX}ADVERTISE_URL: "
+                          f"{s.advertise_url!r} must start with http:// or https://")
+    return s
