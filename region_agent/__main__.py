@@ -1,0 +1,64 @@
+"""``python -m region_agent --redis-url URL --policy FILE --region NAME --host H --port N``
+
+Every option is also settable as ``LEASEHOLD_AGENT_<FIELD>``. Refuses to start on invalid
+settings, an invalid policy bundle (printing every problem) or a missing pepper."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from allocator.contract.bundle import load_bundle_file
+from allocator.contract.config import ConfigError
+from allocator.contract.errors import PolicyError
+
+from .settings import ENV_PREFIX, AgentSettings, load_agent_settings, resolve_pepper
+
+
+def app_factory():
+    """Used by uvicorn (also in each worker process): settings come from the environment."""
+    from .app import create_app
+
+    settings = load_agent_settings([])
+    return create_app(settings, pepper=resolve_pepper(settings), install_signal_handlers=True)
+
+
+def _export(settings: AgentSettings) -> None:
+    for name in settings.__struct_fields__:
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        os.environ[ENV_PREFIX + name.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = load_agent_settings(sys.argv[1:] if argv is None else argv)
+        resolve_pepper(settings)
+    except ConfigError as e:
+        print(f"region_agent: {e}", file=sys.stderr)
+        return 2
+    try:
+        bundle = load_bundle_file(settings.policy)
+    except PolicyError as e:
+        print(f"region_agent: refusing to start: {e.detail}", file=sys.stderr)
+        for problem in e.errors:
+            print(f"  - {problem}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("region_agent").info(
+        "starting region agent: region=%s policy version=%s listening on %s:%s",
+        settings.region, bundle.bundle_version, settings.host, settings.port)
+    _export(settings)
+
+    import uvicorn
+
+    uvicorn.run("region_agent.__main__:app_factory", factory=True, host=settings.host, port=settings.port,
+                workers=settings.workers if settings.workers > 1 else None, loop="uvloop", http="httptools",
+                log_level=settings.log_level, access_log=False, lifespan="on")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The region agent's Litestar application.
+
+``create_app(settings, pepper=...)`` builds the app; the lifespan connects to Redis, loads
+the scripts (retried in the background until they load), and polls the policy file."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from litestar import Litestar, MediaType, Request, Response, get, post
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import OpenAPIConfig
+from litestar.params import Body
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from allocator.contract.bundle import Bundle
+from allocator.contract.errors import (
+    BadRequest,
+    LeaseholdError,
+    PayloadTooLarge,
+    Unavailable,
+    ValidationFailed,
+    to_problem,
+)
+
+from .engine import Engine
+from .fallback import LocalFallback
+from .keys import KeyBuilder
+from .metrics import AgentMetrics
+from .models import (
+    MAX_BATCH_BODY_BYTES,
+    MAX_BODY_BYTES,
+    AdmitBatch,
+    AdmitRequest,
+    BatchDecisions,
+    Decision,
+    PolicyInfo,
+    ReleaseRequest,
+    ReleaseResult,
+)
+from .policy import PolicyHolder, ReloadResult
+from .settings import AgentSettings
+
+log = logging.getLogger("region_agent")
+PROBLEM_JSON = "application/problem+json"
+
+
+@dataclass
+class AgentState:
+    settings: AgentSettings
+    holder: PolicyHolder
+    metrics: AgentMetrics
+    keys: KeyBuilder
+    engine: Engine | None = None
+    store: Any = None
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+
+def _state(request: Request) -> AgentState:
+    return request.app.state.agent
+
+
+def _engine(request: Request) -> Engine:
+    st = _state(request)
+    if st.engine is None:
+        raise Unavailable("agent is starting")
+    return st.engine
+
+
+def problem_response(exc: LeaseholdError, instance: str | None = None) -> Response:
+    status, body = to_problem(exc, instance=instance)
+    return Response(body, status_code=status, media_type=PROBLEM_JSON)
+
+
+# ---------------------------------------------------------------------------------- handlers
+@post("/v1/admit", status_code=200, request_max_body_size=MAX_BODY_BYTES,
+      summary="Admission decision for one request")
+async def admit(request: Request, data: Annotated[AdmitRequest, Body(title="AdmitRequest")]) -> Decision:
+    return await _engine(request).admit(data)
+
+
+@post("/v1/admit/batch", status_code=200, request_max_body_size=MAX_BATCH_BODY_BYTES,
+      summary="Admission decisions for many requests, in order, one pipeline per shard")
+async def admit_batch(request: Request, data: Annotated[AdmitBatch, Body(title="AdmitBatch")]) -> BatchDecisions:
+    if not data.requests:
+        return BatchDecisions(decisions=[])
+    return BatchDecisions(decisions=await _engine(request).admit_many(data.requests))
+
+
+@post("/v1/release", status_code=200, request_max_body_size=MAX_BODY_BYTES,
+      summary="Release the concurrency lease(s) of a request (idempotent)")
+async def release(request: Request, data: Annotated[ReleaseRequest, Body(title="ReleaseRequest")]) -> ReleaseResult:
+    n = await _engine(request).release(data)
+    return ReleaseResult(request_id=data.request_id, released=n)
+
+
+@get("/v1/policy", summary="The policy bundle in force")
+async def policy(request: Request) -> PolicyInfo:
+    b: Bundle = _state(request).holder.bundle
+    return PolicyInfo(bundle_version=b.bundle_version, checksum=b.checksum, published_at=b.published_at,
+                      rule_ids=[r.id for r in b.rules], pool_ids=[p.id for p in b.pools])
+
+
+@get("/healthz", summary="Liveness")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@get("/readyz", summary="Readiness: Redis reachable, scripts loaded, bundle loaded")
+async def readyz(request: Request) -> Response:
+    st = _state(request)
+    problems = []
+    if st.store is None or not await st.store.ping():
+        problems.append("redis unreachable")
+    elif not st.store.scripts_loaded:
+        problems.append("scripts not loaded")
+    if st.holder.bundle is None:
+        problems.append("no policy bundle")
+    if problems:
+        return problem_response(Unavailable("not ready: " + ", ".join(problems)), instance="/readyz")
+    b = st.holder.bundle
+    return Response({"status": "ready", "policyVersion": b.bundle_version, "region": st.settings.region})
+
+
+@get("/metrics", summary="Prometheus metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# ---------------------------------------------------------------------------------- errors
+def _on_leasehold(request: Request, exc: LeaseholdError) -> Response:
+    return problem_response(exc, instance=request.url.path)
+
+
+def _on_validation(request: Request, exc: ValidationException) -> Response:
+    extra = exc.extra if isinstance(exc.extra, list) else None
+    errors = [str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in (extra or [])]
+    err = ValidationFailed("request body failed validation: " + (errors[0] if errors else exc.detail),
+                           errors=errors or [exc.detail])
+    return problem_response(err, instance=request.url.path)
+
+
+def _on_http(request: Request, exc: HTTPException) -> Response:
+    if exc.status_code == 413:
+        err: LeaseholdError = PayloadTooLarge("request body too large")
+    elif 400 <= exc.status_code < 500:
+        err = BadRequest(exc.detail or "malformed request")
+        err.status = exc.status_code
+    else:
+        err = LeaseholdError(exc.detail or "internal error")
+        err.status = exc.status_code
+    return problem_response(err, instance=request.url.path)
+
+
+def _on_unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s", request.url.path)
+    return problem_response(LeaseholdError("internal error"), instance=request.url.path)
+
+
+# ---------------------------------------------------------------------------------- app
+def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder | None = None,
+               metrics_obj: AgentMetrics | None = None, store_factory=None,
+               install_signal_handlers: bool = False) -> Litestar:
+    """Build the app. ``store_factory(settings, metrics) -> StoreGateway`` is for the lifespan;
+    the default connects to ``settings.redis_url``."""
+    m = metrics_obj or AgentMetrics()
+
+    def on_reload(res: ReloadResult) -> None:
+        m.policy_reloads.labels(res.outcome).inc()
+        if res.outcome == "accepted":
+            m.policy_version.set(res.version)
+            log.info("policy bundle %s accepted", res.version)
+        else:
+            log.warning("policy reload refused (%s): %s", res.outcome, res.detail)
+
+    if holder is None:
+        holder = PolicyHolder.load(settings.policy, on_reload=on_reload)
+    else:
+        holder._on_reload = holder._on_reload or on_reload
+    m.policy_version.set(holder.bundle.bundle_version)
+    state = AgentState(settings=settings, holder=holder, metrics=m, keys=KeyBuilder(pepper))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        factory = store_factory or default_store_factory
+        state.store = factory(settings, m)
+        state.engine = Engine(get_bundle=lambda: state.holder.bundle, keys=state.keys, store=state.store,
+                              metrics=m, fallback=LocalFallback(settings.fallback_max_keys),
+                              budget_ms=settings.decision_budget_ms)
+        with contextlib.suppress(LeaseholdError):
+            await state.store.load()
+        state.tasks.append(asyncio.create_task(_background(state)))
+        loop = asyncio.get_running_loop()
+        if install_signal_handlers:
+            loop.add_signal_handler(signal.SIGHUP, state.holder.reload)
+        try:
+            yield
+        finally:
+            if install_signal_handlers:
+                loop.remove_signal_handler(signal.SIGHUP)
+            for t in state.tasks:
+                t.cancel()
+            for t in state.tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            await state.store.close()
+
+    app = Litestar(
+        route_handlers=[admit, admit_batch, release, policy, healthz, readyz, metrics],
+        lifespan=[lifespan],
+        exception_handlers={LeaseholdError: _on_leasehold, ValidationException: _on_validation,
+                            HTTPException: _on_http, Exception: _on_unexpected},
+        openapi_config=OpenAPIConfig(title="Leasehold region agent", version="1.0.0", path="/schema"),
+        request_max_body_size=MAX_BATCH_BODY_BYTES,
+        debug=False,
+    )
+    app.state.agent = state
+    return app
+
+
+def default_store_factory(settings: AgentSettings, m: AgentMetrics):
+    from .store import scripts as sc
+    from .store.client import make_client
+    from .store.gateway import StoreGateway
+
+    client = make_client(settings.redis_url, cluster=settings.redis_cluster,
+                         max_connections=settings.redis_max_connections,
+                         socket_timeout=max(0.05, settings.decision_budget_ms / 1000))
+    return StoreGateway(client, sc.Scripts(), max_batch=settings.batch_max, max_queue=settings.queue_max,
+                        on_batch=m.batch_size.observe)
+
+
+async def _background(state: AgentState) -> None:
+    """Poll the policy file's mtime; keep trying to load the scripts until they are loaded."""
+    interval = (state.settings.policy_poll_ms or 1000) / 1000
+    while True:
+        await asyncio.sleep(interval)
+        if state.settings.policy_poll_ms:
+            try:
+                state.holder.poll()
+            except Exception:
+                log.exception("policy poll failed")
+        if state.store is not None and not state.store.scripts_loaded:
+            with contextlib.suppress(LeaseholdError):
+                await state.store.load()
+
+
+__all__ = ["AgentState", "MediaType", "create_app", "problem_response"]

@@ -1,0 +1,383 @@
+"""The decision engine: one admission request -> one decision record.
+
+Flow per request (seed ch. 9, 10, 12): read the policy snapshot once; build the plan
+(selected rules, keys, one multi-rule call, optional shadow call); reserve global-pool
+tokens from in-process chunk leases; send the tenant call through the coalescing batcher
+under one monotonic deadline; map the script result, or degrade per rule ``failMode`` on
+a store failure. Driver-free: the store is reached only through :class:`StoreGateway`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from allocator.contract.bundle import Bundle, Rule
+from allocator.contract.errors import (
+    AmbiguousOutcome,
+    DeadlineExceeded,
+    LeaseholdError,
+    ScriptRejected,
+    StoreUnavailable,
+)
+
+from .chunks import ChunkLease
+from .fallback import LocalFallback, LocalItem
+from .httpmap import apply_http
+from .keys import KeyBuilder
+from .metrics import AgentMetrics
+from .models import AdmitRequest, Decision, ReleaseRequest
+from .plan import Call, GlobalSpend, Plan, build_plan, cc_keys_for_release, tokens_limit, tokens_remaining
+
+log = logging.getLogger("region_agent.engine")
+
+DEGRADE_REASON = {StoreUnavailable: "STORE_UNREACHABLE", AmbiguousOutcome: "AMBIGUOUS",
+                  DeadlineExceeded: "DEADLINE", ScriptRejected: "POLICY_ERROR"}
+
+
+def degrade_label(exc: LeaseholdError) -> str:
+    for cls, label in DEGRADE_REASON.items():
+        if isinstance(exc, cls):
+            return label
+    return "STORE_UNREACHABLE"
+
+
+@dataclass(slots=True)
+class _Reservation:
+    spend: GlobalSpend
+    generation: int
+
+
+@dataclass(slots=True)
+class _Prepared:
+    plan: Plan
+    bundle: Bundle
+    started: float
+    deadline: float
+    reservations: list[_Reservation]
+    early: Decision | None = None  # decided before the tenant script (global pool denial)
+
+
+class Engine:
+    def __init__(self, *, get_bundle: Callable[[], Bundle], keys: KeyBuilder, store: Any, metrics: AgentMetrics,
+                 fallback: LocalFallback | None = None, budget_ms: int = 50,
+                 clock: Callable[[], float] = time.monotonic):
+        self.get_bundle = get_bundle
+        self.keys = keys
+        self.store = store
+        self.metrics = metrics
+        self.fallback = fallback or LocalFallback()
+        self.budget = budget_ms / 1000.0
+        self.clock = clock
+        self._chunks: dict[str, ChunkLease] = {}
+        self._renewing: dict[str, asyncio.Future] = {}
+
+    def now_ms(self) -> float:
+        return self.clock() * 1000.0
+
+    # ------------------------------------------------------------------ public API
+    async def admit(self, req: AdmitRequest) -> Decision:
+        bundle = self.get_bundle()  # one snapshot for the whole request
+        plan = build_plan(bundle, req, self.keys)  # raises ValidationFailed before any key exists
+        prep = await self._prepare(plan, bundle)
+        if prep.early is not None:
+            return self._finish(prep, prep.early)
+        calls = self._script_calls(plan)
+        replies: list[Any] | LeaseholdError
+        try:
+            replies = await self.store.submit(calls, wait_s=self._remaining(prep)) if calls else []
+        except LeaseholdError as e:
+            replies = e
+        return await self._complete(prep, replies)
+
+    async def admit_many(self, reqs: list[AdmitRequest]) -> list[Decision]:
+        """Batch: every item's tenant call goes in one coalesced pipeline (one round trip per shard)."""
+        bundle = self.get_bundle()
+        plans = [build_plan(bundle, r, self.keys) for r in reqs]  # whole batch is 422 if one is malformed
+        preps = await asyncio.gather(*(self._prepare(p, bundle) for p in plans))
+        flat: list[tuple[str, list, list]] = []
+        spans: list[tuple[int, int]] = []
+        for prep in preps:
+            calls = [] if prep.early is not None else self._script_calls(prep.plan)
+            spans.append((len(flat), len(calls)))
+            flat.extend(calls)
+        all_replies: list[Any] | LeaseholdError
+        try:
+            all_replies = await self.store.submit(flat, wait_s=self._remaining(preps[0])) if flat else []
+        except LeaseholdError as e:
+            all_replies = e
+        out: list[Decision] = []
+        for prep, (start, n) in zip(preps, spans, strict=True):
+            if prep.early is not None:
+                out.append(self._finish(prep, prep.early))
+                continue
+            part = all_replies if isinstance(all_replies, LeaseholdError) else all_replies[start:start + n]
+            out.append(await self._complete(prep, part))
+        return out
+
+    async def release(self, req: ReleaseRequest) -> int:
+        bundle = self.get_bundle()
+        cc_keys = cc_keys_for_release(bundle, request_tenant=req.tenant_id, principal=req.principal,
+                                      route_group=req.route_group, keys=self.keys)
+        for key in cc_keys:
+            await self.store.release(key, req.request_id)
+        return len(cc_keys)
+
+    # ------------------------------------------------------------------ phases
+    def _remaining(self, prep: _Prepared) -> float:
+        return max(0.0, prep.deadline - self.clock())
+
+    def _script_calls(self, plan: Plan) -> list[tuple[str, list, list]]:
+        calls = []
+        if plan.calls:
+            calls.append(self.store.multi_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
+                                               decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id))
+        if plan.shadow_calls:
+            calls.append(self.store.multi_call(plan.shadow_calls, decision_key=plan.decision_key,
+                                               slack_ms=max(r.rule.ttl_slack_ms for r in plan.shadow_slots),
+                                               decision_ttl_ms=0, member=plan.request_id))
+        return calls
+
+    async def _prepare(self, plan: Plan, bundle: Bundle) -> _Prepared:
+        started = self.clock()
+        prep = _Prepared(plan, bundle, started, started + self.budget, [])
+        for spend in plan.global_spends:
+            ok, retry = await self._take_global(spend, prep)
+            if not ok:
+                self._give_back(prep)
+                prep.early = self._decision(plan, bundle, allowed=False, rule=spend.rule, scope="global",
+                                            reason="RATE_EXCEEDED", limit=spend.pool.limit, remaining=0,
+                                            retry=retry)
+                break
+        return prep
+
+    async def _complete(self, prep: _Prepared, replies: list[Any] | LeaseholdError) -> Decision:
+        plan = prep.plan
+        if not plan.calls:  # no tenant-tagged rule (e.g. only global pools, or nothing selected)
+            return self._finish(prep, self._allowed_without_script(prep))
+        try:
+            if isinstance(replies, LeaseholdError):
+                raise replies
+            if len(replies) > 1:
+                self._count_shadow(plan, replies[1])
+            result = self.store.parse(replies[0])
+        except AmbiguousOutcome as e:
+            if plan.decision_ttl_ms > 0 and self._remaining(prep) > 0:
+                return await self._retry_idempotent(prep, e)
+            return self._finish(prep, self._degrade(prep, e))
+        except LeaseholdError as e:
+            return self._finish(prep, self._degrade(prep, e))
+        return self._finish(prep, self._from_result(prep, result))
+
+    async def _retry_idempotent(self, prep: _Prepared, first: LeaseholdError) -> Decision:
+        """Same decision id, same arguments: the script replays its stored result."""
+        plan = prep.plan
+        call = self.store.multi_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
+                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id)
+        self.metrics.script_errors.labels("AmbiguousOutcome").inc()
+        try:
+            (reply,) = await self.store.submit([call], wait_s=self._remaining(prep))
+            result = self.store.parse(reply)
+        except LeaseholdError as e:
+            return self._finish(prep, self._degrade(prep, e))
+        return self._finish(prep, self._from_result(prep, result))
+
+    # ------------------------------------------------------------------ results
+    def _from_result(self, prep: _Prepared, res: Any) -> Decision:
+        plan, bundle = prep.plan, prep.bundle
+        pools = {p.id: p for p in bundle.pools}
+        if not res.allowed and res.denied_by >= 1:
+            idx = res.denied_by - 1
+            slot = plan.slots[idx]
+            self._give_back(prep)
+            if slot.role == "cc":
+                return self._decision(plan, bundle, allowed=False, rule=slot.rule, scope="concurrency",
+                                      reason="CONCURRENCY_EXCEEDED", limit=slot.rule.concurrency_max, remaining=0,
+                                      retry=slot.rule.concurrency_retry_after_ms)
+            raw = res.remaining[idx] if idx < len(res.remaining) else 0
+            return self._decision(plan, bundle, allowed=False, rule=slot.rule, scope=slot.rule.scope,
+                                  reason="RATE_EXCEEDED", limit=tokens_limit(slot.rule, pools),
+                                  remaining=tokens_remaining(slot.rule, int(raw)), retry=int(res.retry_after_ms))
+        report = plan.rules[0]
+        for i, slot in enumerate(plan.slots):
+            if slot.rule is report and slot.role != "cc":
+                raw = res.remaining[i] if i < len(res.remaining) else 0
+                return self._decision(plan, bundle, allowed=True, rule=report, limit=tokens_limit(report, pools),
+                                      remaining=tokens_remaining(report, int(raw)))
+        return self._allowed_without_script(prep)
+
+    def _allowed_without_script(self, prep: _Prepared) -> Decision:
+        plan, bundle = prep.plan, prep.bundle
+        if not plan.rules:
+            return self._decision(plan, bundle, allowed=True, rule=None)
+        report = plan.rules[0]
+        for r in prep.reservations:
+            if r.spend.rule is report:
+                lease = self._chunks.get(r.spend.pool.id)
+                return self._decision(plan, bundle, allowed=True, rule=report, limit=r.spend.pool.limit,
+                                      remaining=lease.remaining if lease else 0)
+        return self._decision(plan, bundle, allowed=True, rule=report)
+
+    def _degrade(self, prep: _Prepared, exc: LeaseholdError) -> Decision:
+        plan, bundle = prep.plan, prep.bundle
+        label = degrade_label(exc)
+        self.metrics.script_errors.labels(type(exc).__name__).inc()
+        rules: list[Rule] = []
+        for s in plan.slots:
+            if s.rule not in rules:
+                rules.append(s.rule)
+        closed = next((r for r in rules if r.fail_mode == "closed"), None)
+        if closed is not None:
+            self.metrics.degradations.labels(label, "closed").inc()
+            self._give_back(prep)
+            reason = "POLICY_ERROR" if isinstance(exc, ScriptRejected) else "LIMITER_UNAVAILABLE"
+            return self._decision(plan, bundle, allowed=False, rule=closed, scope=closed.scope, reason=reason,
+                                  retry=closed.closed_retry_after_ms)
+        local = [r for r in rules if r.fail_mode == "local_bounded" and r.fallback is not None]
+        mode = "local_bounded" if local else "open"
+        self.metrics.degradations.labels(label, mode).inc()
+        if not local:
+            d = self._allowed_without_script(prep)
+            d.fallback = True
+            return d
+        items = [LocalItem(plan.rule_keys.get(r.id, r.id), r, plan.cost_hint) for r in local]
+        res = self.fallback.admit(items, int(self.now_ms()))
+        if not res.allowed:
+            self._give_back(prep)
+            rule = local[res.denied_by - 1]
+            return self._decision(plan, bundle, allowed=False, rule=rule, scope=rule.scope, reason="RATE_EXCEEDED",
+                                  limit=_fallback_limit(rule), remaining=res.remaining[res.denied_by - 1],
+                                  retry=res.retry_after_ms, fallback=True)
+        report = plan.rules[0]
+        if report in local:
+            i = local.index(report)
+            return self._decision(plan, bundle, allowed=True, rule=report, limit=_fallback_limit(report),
+                                  remaining=res.remaining[i], fallback=True)
+        return self._decision(plan, bundle, allowed=True, rule=report, fallback=True)
+
+    def _decision(self, plan: Plan, bundle: Bundle, *, allowed: bool, rule: Rule | None, scope: str | None = None,
+                  reason: str | None = None, limit: int | None = None, remaining: int | None = None,
+                  retry: int = 0, fallback: bool = False) -> Decision:
+        d = Decision(allowed=allowed, decision_id=plan.request_id, policy_id=rule.id if rule else None,
+                     policy_version=bundle.bundle_version, denied_scope=None if allowed else scope,  # type: ignore[arg-type]
+                     reason=None if allowed else reason, limit=limit, remaining=remaining,  # type: ignore[arg-type]
+                     retry_after_ms=0 if allowed else retry, fallback=fallback)
+        if apply_http(d, rule=rule, anonymous=plan.anonymous):
+            self.metrics.policy_defects.labels(rule.id if rule else "none").inc()
+        return d
+
+    def _finish(self, prep: _Prepared, d: Decision) -> Decision:
+        if d.allowed:
+            outcome = "fallback_allowed" if d.fallback else "allowed"
+        elif d.http_status == 503:
+            outcome = "unavailable"
+        else:
+            outcome = "fallback_denied" if d.fallback else "denied"
+        rule = next((r for r in prep.bundle.rules if r.id == d.policy_id), None) if d.policy_id else None
+        self.metrics.decisions.labels(outcome, d.policy_id or "none", str(d.policy_version),
+                                      rule.route_key if rule else "none").inc()
+        self.metrics.latency.observe(max(0.0, self.clock() - prep.started))
+        return d
+
+    def _count_shadow(self, plan: Plan, reply: Any) -> None:
+        try:
+            res = self.store.parse(reply)
+        except LeaseholdError as e:
+            for s in plan.shadow_slots:
+                self.metrics.shadow.labels(s.rule.id, "error").inc()
+            log.debug("shadow evaluation failed: %s", type(e).__name__)
+            return
+        if res.allowed:
+            for s in plan.shadow_slots:
+                self.metrics.shadow.labels(s.rule.id, "allowed").inc()
+        elif 1 <= res.denied_by <= len(plan.shadow_slots):
+            self.metrics.shadow.labels(plan.shadow_slots[res.denied_by - 1].rule.id, "denied").inc()
+
+    # ------------------------------------------------------------------ global pools (chunk leases)
+    def _give_back(self, prep: _Prepared) -> None:
+        now = self.now_ms()
+        for r in prep.reservations:
+            lease = self._chunks.get(r.spend.pool.id)
+            if lease is not None:
+                lease.give_back(r.spend.cost, r.generation, now)
+        prep.reservations.clear()
+
+    async def _take_global(self, spend: GlobalSpend, prep: _Prepared) -> tuple[bool, int]:
+        pool = spend.pool
+        lease = self._chunks.setdefault(pool.id, ChunkLease())
+        for _ in range(2):
+            gen = lease.try_take(spend.cost, self.now_ms())
+            if gen is not None:
+                prep.reservations.append(_Reservation(spend, gen))
+                return True, 0
+            if lease.negative(self.now_ms()):
+                return False, max(1, int(lease.deny_until_ms - self.now_ms()))
+            fut = self._renewing.get(pool.id)
+            if fut is None:
+                fut = asyncio.ensure_future(self._renew(spend, lease))
+                self._renewing[pool.id] = fut
+                fut.add_done_callback(lambda _f, pid=pool.id: self._renewing.pop(pid, None))
+            else:
+                self.metrics.pool_waits.labels(pool.id).inc()
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), self._remaining(prep))
+            except (TimeoutError, LeaseholdError):
+                break
+        gen = lease.try_take(spend.cost, self.now_ms())
+        if gen is not None:
+            prep.reservations.append(_Reservation(spend, gen))
+            return True, 0
+        if lease.negative(self.now_ms()):
+            return False, max(1, int(lease.deny_until_ms - self.now_ms()))
+        return await self._global_unavailable(spend, prep)
+
+    async def _global_unavailable(self, spend: GlobalSpend, prep: _Prepared) -> tuple[bool, int]:
+        """The pool's balance could not be reached: closed pools deny, others spend nothing more."""
+        self.metrics.degradations.labels("POOL_RENEWAL_FAILED", spend.rule.fail_mode or "closed").inc()
+        if spend.rule.fail_mode == "open":
+            return True, 0
+        return False, spend.rule.closed_retry_after_ms
+
+    async def _renew(self, spend: GlobalSpend, lease: ChunkLease) -> None:
+        pool = spend.pool
+        want = max(spend.cost, pool.chunk_max)
+        sent_at = self.now_ms()  # validity timed from the moment the request was sent (I5 of DESIGN)
+        outcome = "error"
+        try:
+            for attempt in range(2):
+                call = self.store.multi_call(
+                    [_pool_call(self.keys.global_pool_key(pool.id), want)],
+                    decision_key=self.keys.global_pool_decision_key(pool.id), slack_ms=0, decision_ttl_ms=0,
+                    member=f"renew-{pool.id}")
+                (reply,) = await self.store.submit([call], wait_s=self.budget)
+                res = self.store.parse(reply)
+                if res.allowed:
+                    lease.grant(want, sent_at, pool.chunk_validity_ms)
+                    outcome = "granted" if attempt == 0 else "partial"
+                    return
+                balance = int(res.remaining[0]) if res.remaining else 0
+                if attempt == 0 and spend.cost <= balance < want:
+                    want = balance  # partial chunk when the balance is low
+                    continue
+                lease.deny(self.now_ms(), int(res.retry_after_ms), pool.chunk_validity_ms)
+                outcome = "denied"
+                return
+        finally:
+            self.metrics.pool_renewals.labels(pool.id, outcome).inc()
+
+
+def _pool_call(key: str, tokens: int) -> Call:
+    return Call(key, "pool", (tokens, 0, 0, 0, 0))
+
+
+def _fallback_limit(rule: Rule) -> int | None:
+    fb = rule.fallback
+    if fb is None:
+        return None
+    if fb.capacity_millis is not None:
+        return fb.capacity_millis // 1000
+    return fb.limit

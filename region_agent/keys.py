@@ -1,0 +1,153 @@
+"""Redis key derivation (seed ch. 2). Pure: no I/O.
+
+Shape: ``rl:v3:{t:<tenant>}:<type>:<principal-hash>:<route>``.
+
+* user       ``rl:v3:{t:T}:u:<h(T, u, userId)>:<route>``
+* key        ``rl:v3:{t:T}:k:<h(T, k, apiKeyId)>:<route>``
+* route      ``rl:v3:{t:T}:route:T:<route>``
+* tenant     ``rl:v3:{t:T}:tenant:T:<route or all>``
+* ip         ``rl:v3:{ip:<h(tag prefix)>}:ip:<h(rule prefix)>:<route>`` (anonymous callers)
+* decision   ``rl:v3:{t:T}:d:<h(T, d, requestId)>`` (``{ip:..}`` tag for anonymous)
+* pool       ``rl:v3:{t:T}:pool:<poolId>`` (tenant balance) / ``rl:v3:{g:<poolId>}:pool:<poolId>`` (fleet-wide)
+* cc gate    ``<rule key>:cc``
+
+``<h>`` is HMAC-SHA256(pepper, tenant + "\\x1f" + type + "\\x1f" + id) truncated to 64 bits
+(16 hex chars). Tenant ids are validated against ``[a-z0-9-]{1,32}`` before they reach a key;
+anything else raises :class:`ValidationFailed`. The pepper never appears anywhere else.
+
+For anonymous callers all keys of one request must share one hash tag, so the tag hashes the
+client address reduced to the *widest* prefix among the request's ip rules; each rule's own
+key hashes the address reduced to that rule's prefix (IPv4 /32 and IPv6 /64 by default).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+
+from allocator.contract.bundle import POOL_ID_RE, ROUTE_RE, TENANT_RE, Rule
+from allocator.contract.errors import ValidationFailed
+
+NS = "rl:v3"
+_SEP = "\x1f"
+_TYPE_CODE = {"user": "u", "key": "k"}
+
+
+def check_tenant(tenant: object) -> str:
+    if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
+        raise ValidationFailed("tenantId must match [a-z0-9-]{1,32}", errors=["tenantId: invalid"])
+    return tenant
+
+
+def check_route(route: object) -> str:
+    if not isinstance(route, str) or not ROUTE_RE.match(route):
+        raise ValidationFailed("routeGroup must match [a-z0-9_-]{1,32}", errors=["routeGroup: invalid"])
+    return route
+
+
+def parse_ip(raw: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    try:
+        addr = ipaddress.ip_address(raw.strip())
+    except ValueError:
+        raise ValidationFailed("principal.id of an anonymous principal must be an IP address",
+                               errors=["principal.id: not an IP address"]) from None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+def ip_prefix(addr: ipaddress.IPv4Address | ipaddress.IPv6Address, v4_bits: int, v6_bits: int) -> str:
+    bits = v4_bits if addr.version == 4 else v6_bits
+    return str(ipaddress.ip_network(f"{addr}/{bits}", strict=False))
+
+
+class KeyBuilder:
+    """Derives every Redis key of the agent under one secret pepper."""
+
+    __slots__ = ("_pepper",)
+
+    def __init__(self, pepper: bytes):
+        if not pepper:
+            raise ValueError("an empty pepper is not allowed")
+        self._pepper = bytes(pepper)
+
+    def __repr__(self) -> str:  # never show the pepper
+        return "KeyBuilder(<pepper hidden>)"
+
+    def h(self, tenant: str, kind: str, ident: str) -> str:
+        msg = (tenant + _SEP + kind + _SEP + ident).encode("utf-8", "surrogatepass")
+        return hmac.new(self._pepper, msg, hashlib.sha256).hexdigest()[:16]
+
+    # --- tags -----------------------------------------------------------------------------
+    @staticmethod
+    def tenant_tag(tenant: str) -> str:
+        return "{t:" + check_tenant(tenant) + "}"
+
+    def ip_tag(self, addr: ipaddress.IPv4Address | ipaddress.IPv6Address, rules: list[Rule]) -> str:
+        v4 = min((r.ipv4_prefix for r in rules), default=32)
+        v6 = min((r.ipv6_prefix for r in rules), default=64)
+        return "{ip:" + self.h("", "ip", ip_prefix(addr, v4, v6)) + "}"
+
+    # --- rule keys --------------------------------------------------------------------------
+    def rule_key(self, rule: Rule, *, tenant: str | None, user_id: str | None, api_key_id: str | None,
+                 route_group: str, ip_tag: str | None = None,
+                 addr: ipaddress.IPv4Address | ipaddress.IPv6Address | None = None) -> str:
+        route = rule.route_group or "all"
+        if rule.scope == "ip":
+            if addr is None or ip_tag is None:
+                raise ValidationFailed("an ip rule needs the anonymous caller's address")
+            pid = self.h("", "ip", ip_prefix(addr, rule.ipv4_prefix, rule.ipv6_prefix))
+            return f"{NS}:{ip_tag}:ip:{pid}:{route}"
+        t = check_tenant(tenant)
+        tag = self.tenant_tag(t)
+        if rule.scope == "user":
+            if not user_id:
+                raise ValidationFailed("a user rule needs a user principal")
+            return f"{NS}:{tag}:u:{self.h(t, 'u', user_id)}:{route}"
+        if rule.scope == "key":
+            if not api_key_id:
+                raise ValidationFailed("a key rule needs principal.apiKeyId")
+            return f"{NS}:{tag}:k:{self.h(t, 'k', api_key_id)}:{route}"
+        if rule.scope == "route":
+            return f"{NS}:{tag}:route:{t}:{route}"
+        if rule.scope == "tenant":
+            return f"{NS}:{tag}:tenant:{t}:{route}"
+        raise ValidationFailed(f"scope {rule.scope} has no tenant-tagged key")
+
+    def decision_key(self, request_id: str, *, tenant: str | None, ip_tag: str | None = None) -> str:
+        if ip_tag is not None:
+            return f"{NS}:{ip_tag}:d:{self.h('', 'd', request_id)}"
+        t = check_tenant(tenant)
+        return f"{NS}:{self.tenant_tag(t)}:d:{self.h(t, 'd', request_id)}"
+
+    @staticmethod
+    def tenant_pool_key(tenant: str, pool_id: str) -> str:
+        if not POOL_ID_RE.match(pool_id):
+            raise ValidationFailed("invalid pool id")
+        return f"{NS}:{KeyBuilder.tenant_tag(tenant)}:pool:{pool_id}"
+
+    @staticmethod
+    def global_pool_key(pool_id: str) -> str:
+        if not POOL_ID_RE.match(pool_id):
+            raise ValidationFailed("invalid pool id")
+        return f"{NS}:{{g:{pool_id}}}:pool:{pool_id}"
+
+    @staticmethod
+    def global_pool_decision_key(pool_id: str) -> str:
+        """KEYS[1] of a chunk-renewal call (no record is written: decision TTL 0)."""
+        return f"{NS}:{{g:{pool_id}}}:d:renew"
+
+    @staticmethod
+    def cc_key(rule_key: str) -> str:
+        return rule_key + ":cc"
+
+
+def hash_tag(key: str) -> str:
+    """The part Redis Cluster hashes (the first non-empty ``{...}``)."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start + 1:end]
+    return key

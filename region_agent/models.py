@@ -1,0 +1,85 @@
+"""Wire types of the region agent (camelCase JSON, msgspec Structs)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct
+
+RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9._:-]{8,128}$")]
+TenantId = Annotated[str, Meta(pattern=r"^[a-z0-9-]{1,32}$")]
+RouteGroup = Annotated[str, Meta(pattern=r"^[a-z0-9_-]{1,32}$")]
+PrincipalId = Annotated[str, Meta(min_length=1, max_length=256)]
+ApiKeyId = Annotated[str, Meta(min_length=1, max_length=256)]
+Method = Annotated[str, Meta(pattern=r"^[A-Z]{1,16}$")]
+CostHint = Annotated[int, Meta(ge=1, le=1000)]
+
+MAX_BODY_BYTES = 16 * 1024
+MAX_BATCH_BODY_BYTES = 1024 * 1024
+MAX_BATCH_ITEMS = 1000
+
+
+class Principal(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
+    type: Literal["user", "service", "anonymous"]
+    id: PrincipalId
+    api_key_id: ApiKeyId | None = None
+
+
+class AdmitRequest(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
+    request_id: RequestId
+    principal: Principal
+    route_group: RouteGroup
+    method: Method = "GET"
+    tenant_id: TenantId | None = None
+    cost_hint: CostHint = 1
+    policy_epoch: Annotated[int, Meta(ge=0, le=2**53)] | None = None
+
+
+class AdmitBatch(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
+    requests: Annotated[list[AdmitRequest], Meta(max_length=MAX_BATCH_ITEMS)]
+
+
+class ReleaseRequest(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
+    request_id: RequestId
+    principal: Principal
+    route_group: RouteGroup
+    tenant_id: TenantId | None = None
+
+
+DeniedScope = Literal["user", "key", "route", "tenant", "global", "concurrency", "ip"]
+Reason = Literal["RATE_EXCEEDED", "CONCURRENCY_EXCEEDED", "LIMITER_UNAVAILABLE", "POLICY_ERROR"]
+
+
+class Decision(Struct, rename="camel", omit_defaults=False):
+    """The seed's decision record plus the HTTP response the gateway should send."""
+
+    allowed: bool
+    decision_id: str
+    policy_id: str | None
+    policy_version: int
+    denied_scope: DeniedScope | None = None
+    reason: Reason | None = None
+    limit: int | None = None
+    remaining: int | None = None
+    retry_after_ms: int = 0
+    fallback: bool = False
+    http_status: int = 200
+    headers: dict[str, str] = {}
+    problem: dict[str, Any] | None = None
+
+
+class BatchDecisions(Struct, rename="camel"):
+    decisions: list[Decision]
+
+
+class ReleaseResult(Struct, rename="camel"):
+    request_id: str
+    released: int  # concurrency gates the request was evaluated against
+
+
+class PolicyInfo(Struct, rename="camel"):
+    bundle_version: int
+    checksum: str
+    published_at: str
+    rule_ids: list[str]
+    pool_ids: list[str]

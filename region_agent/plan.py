@@ -1,0 +1,171 @@
+"""Turn one admission request and one policy snapshot into the script calls of its decision.
+
+Pure: no I/O, no clock. The adapter converts :class:`Call` into the store's ``RuleCall``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from allocator.contract.bundle import Bundle, Pool, Rule, select_rules
+from allocator.contract.errors import ValidationFailed
+
+from .keys import KeyBuilder, check_tenant, parse_ip
+from .models import AdmitRequest, Principal
+
+KIND = {"token_bucket": "tb", "gcra": "gcra", "fixed_window": "fw", "sliding_counter": "sc",
+        "sliding_log": "sl", "pool": "pool"}
+Role = Literal["rate", "cc", "pool"]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    key: str
+    kind: str
+    params: tuple[int, int, int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    rule: Rule
+    role: Role
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalSpend:
+    rule: Rule
+    pool: Pool
+    cost: int  # whole tokens
+
+
+@dataclass(slots=True)
+class Plan:
+    request_id: str
+    tenant: str | None
+    principal_type: str
+    rules: list[Rule]  # every selected enforced rule, evaluation order (incl. global pools)
+    calls: list[Call] = field(default_factory=list)
+    slots: list[Slot] = field(default_factory=list)
+    shadow_calls: list[Call] = field(default_factory=list)
+    shadow_slots: list[Slot] = field(default_factory=list)
+    global_spends: list[GlobalSpend] = field(default_factory=list)
+    rule_keys: dict[str, str] = field(default_factory=dict)  # rule id -> state key (in-process only)
+    decision_key: str = ""
+    decision_ttl_ms: int = 0
+    slack_ms: int = 0
+    cost_hint: int = 1
+
+    @property
+    def anonymous(self) -> bool:
+        return self.principal_type == "anonymous"
+
+
+def check_principal(req_tenant: str | None, principal: Principal):
+    """Validate identity fields beyond the schema; returns (tenant, addr or None)."""
+    if principal.type == "anonymous":
+        addr = parse_ip(principal.id)
+        tenant = check_tenant(req_tenant) if req_tenant is not None else None
+        return tenant, addr
+    if req_tenant is None:
+        raise ValidationFailed("tenantId is required for an authenticated principal",
+                               errors=["tenantId: required unless principal.type is anonymous"])
+    return check_tenant(req_tenant), None
+
+
+def rate_params(rule: Rule, cost_hint: int) -> tuple[int, int, int, int, int]:
+    if rule.algorithm in ("token_bucket", "gcra"):
+        return (rule.capacity_millis or 0, rule.refill_millis or 0, rule.period_ms or 0,
+                (rule.cost_millis or 0) * cost_hint, 0)
+    if rule.algorithm == "pool":
+        return (rule.cost * cost_hint, 0, 0, 0, 0)
+    return (rule.limit or 0, rule.window_ms or 0, cost_hint, 0, 0)
+
+
+def selected(bundle: Bundle, *, tenant: str | None, route_group: str, principal: Principal) -> list[Rule]:
+    return select_rules(bundle.rules, tenant=tenant, route_group=route_group, principal_type=principal.type,
+                        has_key=principal.api_key_id is not None)
+
+
+def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder) -> Plan:
+    tenant, addr = check_principal(req.tenant_id, req.principal)
+    rules = selected(bundle, tenant=tenant, route_group=req.route_group, principal=req.principal)
+    enforced = [r for r in rules if not r.shadow]
+    shadow = [r for r in rules if r.shadow]
+    plan = Plan(request_id=req.request_id, tenant=tenant, principal_type=req.principal.type,
+                rules=enforced, cost_hint=req.cost_hint)
+    ip_tag = keys.ip_tag(addr, [r for r in rules if r.scope == "ip"]) if addr is not None else None
+    pools = {p.id: p for p in bundle.pools}
+    user_id = req.principal.id if req.principal.type == "user" else None
+
+    def key_of(rule: Rule) -> str:
+        if rule.algorithm == "pool":
+            assert rule.pool is not None
+            return keys.tenant_pool_key(tenant or "", rule.pool)
+        return keys.rule_key(rule, tenant=tenant, user_id=user_id, api_key_id=req.principal.api_key_id,
+                             route_group=req.route_group, ip_tag=ip_tag, addr=addr)
+
+    for rule in enforced:
+        if rule.algorithm == "pool" and rule.scope == "global":
+            assert rule.pool is not None
+            plan.global_spends.append(GlobalSpend(rule, pools[rule.pool], rule.cost * req.cost_hint))
+            continue
+        key = key_of(rule)
+        plan.rule_keys[rule.id] = key
+        if rule.concurrency_max is not None:
+            plan.calls.append(Call(KeyBuilder.cc_key(key), "cc",
+                                   (rule.concurrency_max, rule.concurrency_ttl_ms, 0, 0, 0)))
+            plan.slots.append(Slot(rule, "cc"))
+        role: Role = "pool" if rule.algorithm == "pool" else "rate"
+        plan.calls.append(Call(key, KIND[rule.algorithm], rate_params(rule, req.cost_hint)))
+        plan.slots.append(Slot(rule, role))
+    for rule in shadow:
+        if rule.algorithm == "pool" and rule.scope == "global":
+            continue  # shadow global pools would spend real leased tokens
+        plan.shadow_calls.append(Call(key_of(rule), KIND[rule.algorithm], rate_params(rule, req.cost_hint)))
+        plan.shadow_slots.append(Slot(rule, "pool" if rule.algorithm == "pool" else "rate"))
+    in_script = [s.rule for s in plan.slots]
+    plan.slack_ms = max((r.ttl_slack_ms for r in in_script), default=0)
+    if any(r.idempotent for r in in_script):
+        plan.decision_ttl_ms = max(r.decision_ttl_ms for r in in_script if r.idempotent)
+    plan.decision_key = keys.decision_key(req.request_id, tenant=tenant if ip_tag is None else None,
+                                          ip_tag=ip_tag)
+    return plan
+
+
+def cc_keys_for_release(bundle: Bundle, *, request_tenant: str | None, principal: Principal,
+                        route_group: str, keys: KeyBuilder) -> list[str]:
+    """The concurrency gates an admission with these attributes would have acquired."""
+    tenant, addr = check_principal(request_tenant, principal)
+    out: list[str] = []
+    if addr is not None:
+        return out  # ip rules carry no concurrency gates (bundle validation)
+    user_id = principal.id if principal.type == "user" else None
+    for rule in selected(bundle, tenant=tenant, route_group=route_group, principal=principal):
+        if rule.shadow or rule.concurrency_max is None:
+            continue
+        key = keys.rule_key(rule, tenant=tenant, user_id=user_id, api_key_id=principal.api_key_id,
+                            route_group=route_group)
+        out.append(KeyBuilder.cc_key(key))
+    return out
+
+
+def tokens_limit(rule: Rule, pools: dict[str, Pool]) -> int:
+    """The rule's limit in whole tokens/requests (what the decision reports)."""
+    if rule.algorithm in ("token_bucket", "gcra"):
+        return (rule.capacity_millis or 0) // 1000
+    if rule.algorithm == "pool":
+        pool = pools.get(rule.pool or "")
+        return pool.limit if pool else 0
+    return rule.limit or 0
+
+
+def tokens_remaining(rule: Rule, raw: int) -> int:
+    """Script ``remaining`` (millitokens for buckets, units otherwise) as whole tokens, floored."""
+    if rule.algorithm in ("token_bucket", "gcra"):
+        return max(0, raw) // 1000
+    return max(0, raw)
+
+
+__all__ = ["Call", "GlobalSpend", "Plan", "Slot", "build_plan", "cc_keys_for_release", "check_principal",
+           "tokens_limit", "tokens_remaining"]

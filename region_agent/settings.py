@@ -1,0 +1,60 @@
+"""The agent's settings: one Struct, filled by ``load_settings`` from ``--flags`` and
+``LEASEHOLD_AGENT_<FIELD>`` environment variables, validated at start."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+from msgspec import Meta, Struct
+
+from allocator.contract.config import ConfigError, load_settings
+
+ENV_PREFIX = "LEASEHOLD_AGENT_"
+PEPPER_ENV = ENV_PREFIX + "PEPPER"
+DEV_PEPPER = b"leasehold-insecure-dev-pepper"
+
+
+class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
+    """Leasehold region agent: admission decisions for gateways."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_cluster: bool = False  # also implied by a redis+cluster:// URL
+    policy: str = "policies/northstar.json"
+    region: Annotated[str, Meta(pattern=r"^[a-z0-9-]{1,32}$")] = "local"
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 8080
+    workers: Annotated[int, Meta(ge=1, le=64)] = 1
+    policy_poll_ms: Annotated[int, Meta(ge=0, le=3_600_000)] = 1000  # 0 disables polling
+    decision_budget_ms: Annotated[int, Meta(ge=1, le=10_000)] = 50
+    redis_max_connections: Annotated[int, Meta(ge=1, le=1024)] = 32
+    batch_max: Annotated[int, Meta(ge=1, le=4096)] = 256  # script calls per coalesced pipeline
+    queue_max: Annotated[int, Meta(ge=1, le=100_000)] = 10_000  # queued script calls before shedding
+    fallback_max_keys: Annotated[int, Meta(ge=1, le=1_000_000)] = 100_000
+    pepper_file: str | None = None
+    insecure_dev_pepper: bool = False
+    log_level: str = "info"
+
+
+def load_agent_settings(argv: list[str] | None, env: dict[str, str] | None = None) -> AgentSettings:
+    return load_settings(AgentSettings, ENV_PREFIX, argv, env=env, prog="python -m region_agent")
+
+
+def resolve_pepper(settings: AgentSettings, env: dict[str, str] | None = None) -> bytes:
+    """The HMAC pepper: env var, then --pepper-file, else refuse (unless explicitly insecure)."""
+    env = os.environ if env is None else env
+    raw = env.get(PEPPER_ENV)
+    if raw:
+        return raw.encode()
+    if settings.pepper_file:
+        try:
+            with open(settings.pepper_file, "rb") as f:
+                data = f.read().strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read --pepper-file: {e.strerror}") from None
+        if not data:
+            raise ConfigError("--pepper-file is empty")
+        return data
+    if settings.insecure_dev_pepper:
+        return DEV_PEPPER
+    raise ConfigError(f"no pepper: set {PEPPER_ENV} or --pepper-file (or --insecure-dev-pepper true for local use)")

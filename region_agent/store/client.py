@@ -1,0 +1,35 @@
+"""Redis client construction for the agent: standalone or Redis Cluster.
+
+``redis://`` / ``rediss://`` URLs give a standalone client; ``redis+cluster://`` (or
+``rediss+cluster://``) or ``--redis-cluster true`` give a ``RedisCluster`` seeded from that
+node. The pool is bounded and connects/reads time out, so a slow store degrades decisions
+instead of queueing them."""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis, RedisCluster
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.split("://", 1)[0].endswith("+cluster")
+
+
+def plain_url(url: str) -> str:
+    scheme, rest = url.split("://", 1)
+    return scheme.removesuffix("+cluster") + "://" + rest
+
+
+def make_client(url: str, *, cluster: bool = False, max_connections: int = 32,
+                socket_timeout: float = 1.0) -> Redis | RedisCluster:
+    common = dict(socket_connect_timeout=0.25, socket_timeout=socket_timeout, decode_responses=False)
+    if cluster or is_cluster_url(url):
+        return RedisCluster.from_url(plain_url(url), max_connections=max_connections, **common)
+    return Redis.from_url(plain_url(url), max_connections=max_connections, **common)
+
+
+def redacted(url: str) -> str:
+    """The URL without credentials, for logs."""
+    scheme, rest = url.split("://", 1) if "://" in url else ("", url)
+    if "@" in rest:
+        rest = rest.split("@", 1)[1]
+    return f"{scheme}://{rest}" if scheme else rest

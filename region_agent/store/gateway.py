@@ -1,0 +1,92 @@
+"""The agent's adapter to Redis: builds multi-rule script calls, sends them through the
+coalescing :class:`Batcher`, and translates driver errors into ``allocator.contract.errors``.
+
+Everything Redis-specific the decision engine needs goes through this class."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from allocator.contract.errors import LeaseholdError, ScriptRejected
+
+from ..plan import Call
+from . import scripts as sc
+from .batcher import Batcher, ScriptCall
+
+MULTI_RULE = "multi_rule"
+
+
+def translate(exc: BaseException, *, sent: bool = True) -> LeaseholdError:
+    """Driver error -> contract error (the scripts module's one translation)."""
+    return sc.translate_redis_error(exc, sent=sent)
+
+
+class StoreGateway:
+    def __init__(self, client: Any, scripts: sc.Scripts, *, max_batch: int = 256, max_queue: int = 10_000,
+                 on_batch=None):
+        self.client = client
+        self.scripts = scripts
+        self.scripts_loaded = False
+        self.batcher = Batcher(self._run_pipeline, max_batch=max_batch, max_queue=max_queue, on_batch=on_batch)
+
+    async def load(self) -> None:
+        try:
+            await self.scripts.load_all(self.client)
+        except Exception as e:
+            self.scripts_loaded = False
+            raise translate(e, sent=False) from None
+        self.scripts_loaded = True
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.client.ping())
+        except Exception:
+            return False
+
+    async def _run_pipeline(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        try:
+            return await self.scripts.run_pipeline(self.client, calls)
+        except Exception as e:
+            raise translate(e) from None
+
+    @staticmethod
+    def multi_call(calls: Sequence[Call], *, decision_key: str, slack_ms: int, decision_ttl_ms: int,
+                   member: str) -> ScriptCall:
+        rules = [sc.RuleCall(c.key, c.kind, c.params) for c in calls]
+        keys, argv = sc.multi_rule_argv(decision_key, rules, slack_ms=slack_ms, decision_ttl_ms=decision_ttl_ms,
+                                        member=member)
+        return (MULTI_RULE, list(keys), list(argv))
+
+    @staticmethod
+    def parse(reply: Any) -> sc.MultiRuleResult:
+        """A reply (or exception instance) from a pipeline slot -> result, or raises a contract error."""
+        if isinstance(reply, BaseException):
+            raise translate(reply)
+        try:
+            return sc.parse_multi_rule(reply)
+        except LeaseholdError:
+            raise
+        except Exception:
+            raise ScriptRejected("unexpected reply shape from the multi-rule script") from None
+
+    async def submit(self, calls: list[ScriptCall], *, wait_s: float | None) -> list[Any]:
+        try:
+            return await self.batcher.submit(calls, wait_s=wait_s)
+        except LeaseholdError:
+            raise
+        except Exception as e:
+            raise translate(e) from None
+
+    async def release(self, key: str, lease_id: str) -> None:
+        try:
+            await self.scripts.concurrency_release(self.client, key, lease_id)
+        except Exception as e:
+            raise translate(e) from None
+
+    async def close(self) -> None:
+        await self.batcher.close()
+        try:
+            await self.client.aclose()
+        except Exception:  # closing a dead connection is not an error worth raising
+            pass
