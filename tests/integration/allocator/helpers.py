@@ -45,8 +45,8 @@ def settings_for(cluster: EtcdCluster, bundle: Path, prefix: str, node_id: str =
                              port=port, prefix=prefix, **kw)
 
 
-async def wait_until(pred: Any, timeout: float = 20.0, interval: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
+async def wait_until(pred: Any, within_s: float = 20.0, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         res = pred()
         if asyncio.iscoroutine(res):

@@ -1,0 +1,209 @@
+"""The allocation policy, with the clock passed in: demand-weighted chunk, fair share, partial
+tail, clamping to the window end, prefetch rules, reclaim; ``sum(granted) <= G`` after every
+step of randomized sequences."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from allocator import policy
+from allocator.contract.bundle import Pool
+from allocator.contract.errors import Conflict, Forbidden, ValidationFailed
+
+W = 60_000
+T0 = 1_000 * W  # start of window 1000
+
+
+def mkpool(**kw: object) -> Pool:
+    base: dict[str, object] = dict(id="p", window_ms=W, limit=1_000, lease_ttl_ms=15_000, chunk_min=10,
+                                   chunk_max=100, prefetch_ms=2_000, active_horizon_ms=10_000)
+    base.update(kw)
+    return Pool(**base)  # type: ignore[arg-type]
+
+
+def check_invariant(state: policy.WindowState) -> None:
+    assert 0 <= state.remaining <= state.limit
+    assert state.total_granted - state.total_returned == state.limit - state.remaining
+    assert state.total_granted - state.total_returned <= state.limit
+
+
+def test_window_index_and_bounds() -> None:
+    assert policy.window_index(T0 + 59_999, W) == 1000
+    assert policy.window_index(T0 + 60_000, W) == 1001
+    ref = policy.window_ref(1000, W)
+    assert (ref.start_ms, ref.end_ms) == (T0, T0 + W)
+
+
+def test_demand_weighted_chunk_follows_demand_within_bounds() -> None:
+    pool = mkpool()
+    assert policy.demand_chunk(pool, 0) == 100  # no signal yet: the maximum chunk
+    assert policy.demand_chunk(pool, 1) == 15  # 1 token/s over a 15 s lease
+    assert policy.demand_chunk(pool, 4) == 60
+    assert policy.demand_chunk(pool, 1_000) == 100  # capped at chunkMax
+    assert policy.demand_chunk(mkpool(chunk_min=30), 1) == 30  # floored at chunkMin
+
+
+def test_grant_gives_min_of_want_chunk_and_remaining() -> None:
+    pool = mkpool()
+    s = policy.new_window(pool, 1000)
+    d = policy.decide_grant(pool, s, region="eu", want=40, demand=0, now_ms=T0 + 1_000)
+    assert d.granted == 40 and s.remaining == 960
+    d = policy.decide_grant(pool, s, region="eu", want=500, demand=2, now_ms=T0 + 2_000)
+    assert d.granted == 30  # chunk for 2 tokens/s x 15 s
+    assert s.granted == {"eu": 70} and s.leases == {"eu": 2}
+    check_invariant(s)
+
+
+def test_expiry_is_clamped_to_the_window_end() -> None:
+    pool = mkpool()
+    s = policy.new_window(pool, 1000)
+    d = policy.decide_grant(pool, s, region="eu", want=10, demand=0, now_ms=T0 + 50_000)
+    assert d.expires_at_ms == T0 + W  # 0:50 + 15 s would be 1:05; clamped to 1:00
+    assert d.ttl_ms == 10_000 and d.starts_in_ms == 0
+    d = policy.decide_grant(pool, s, region="eu", want=10, demand=0, now_ms=T0 + 1_000)
+    assert d.expires_at_ms == T0 + 16_000 and d.ttl_ms == 15_000
+
+
+def test_prefetch_only_shortly_before_the_boundary() -> None:
+    pool = mkpool()
+    with pytest.raises(Conflict, match="prefetch"):
+        policy.target_window(pool, "next", T0 + 50_000)
+    assert policy.target_window(pool, "next", T0 + 58_500) == 1001
+    assert policy.target_window(pool, "current", T0 + 58_500) == 1000
+    s = policy.new_window(pool, 1001)
+    d = policy.decide_grant(pool, s, region="eu", want=10, demand=0, now_ms=T0 + 58_500)
+    assert d.window.index == 1001
+    assert d.starts_in_ms == 1_500
+    assert d.expires_at_ms == T0 + W + 15_000
+    assert d.ttl_ms == d.expires_at_ms - (T0 + 58_500)
+
+
+def test_prefetch_expiry_clamped_to_next_window_end() -> None:
+    pool = mkpool(window_ms=10_000, lease_ttl_ms=15_000, prefetch_ms=2_000)
+    now = 100 * 10_000 - 1_000
+    s = policy.new_window(pool, 100)
+    d = policy.decide_grant(pool, s, region="eu", want=5, demand=0, now_ms=now)
+    assert d.expires_at_ms == 101 * 10_000  # min(start + 15 s, end of window 100)
+
+
+def test_fair_share_when_low_and_partial_tail() -> None:
+    pool = mkpool(limit=260, chunk_max=100, chunk_min=1)
+    s = policy.new_window(pool, 1000)
+    now = T0 + 1_000
+    assert policy.decide_grant(pool, s, region="eu", want=100, demand=50, now_ms=now).granted == 100
+    # 160 left, 2 active regions with equal demand: low (160 < 100 x 2) -> half each
+    assert policy.decide_grant(pool, s, region="us", want=100, demand=50, now_ms=now).granted == 80
+    assert policy.decide_grant(pool, s, region="eu", want=100, demand=50, now_ms=now).granted == 40
+    assert policy.decide_grant(pool, s, region="us", want=100, demand=50, now_ms=now).granted == 20
+    # the tail keeps being shared, one token at least, until nothing is left
+    total = 240
+    for _ in range(40):
+        total += policy.decide_grant(pool, s, region="eu", want=100, demand=50, now_ms=now).granted
+        check_invariant(s)
+    assert total == 260 and s.remaining == 0
+    check_invariant(s)
+
+
+def test_sixty_token_remainder_is_granted_partially() -> None:
+    pool = mkpool(limit=1_000, chunk_max=100, chunk_min=10)
+    s = policy.new_window(pool, 1000)
+    s.remaining, s.granted = 60, {"eu": 940}
+    d = policy.decide_grant(pool, s, region="eu", want=100, demand=0, now_ms=T0)
+    assert d.granted == 60 and d.remaining == 0  # a partial grant below chunkMin, not a refusal
+
+
+def test_fair_share_weighted_by_demand() -> None:
+    pool = mkpool(limit=300, chunk_max=100, chunk_min=1)
+    s = policy.new_window(pool, 1000)
+    now = T0 + 1_000
+    s.remaining = 100
+    s.granted = {"x": 200}
+    s.active = {"us": policy.RegionActivity(last_ms=now, demand=10)}
+    d = policy.decide_grant(pool, s, region="eu", want=100, demand=30, now_ms=now)
+    assert d.granted == 75  # 100 x 30 / (30 + 10)
+
+
+def test_inactive_regions_do_not_hold_shares() -> None:
+    pool = mkpool(limit=300, chunk_max=100, chunk_min=1, active_horizon_ms=10_000)
+    s = policy.new_window(pool, 1000)
+    s.remaining = 80
+    s.granted = {"us": 220}
+    s.active = {"us": policy.RegionActivity(last_ms=T0, demand=100)}
+    d = policy.decide_grant(pool, s, region="eu", want=80, demand=5, now_ms=T0 + 20_000)
+    assert d.granted == 75  # chunk for 5/s, no fairness cap: us is no longer active
+
+
+def test_tail_of_one_token_still_granted() -> None:
+    pool = mkpool(limit=100, chunk_max=50, chunk_min=1)
+    s = policy.new_window(pool, 1000)
+    s.remaining, s.granted = 1, {"x": 99}
+    for r in ("a", "b", "c"):
+        s.active[r] = policy.RegionActivity(last_ms=T0, demand=100)
+    d = policy.decide_grant(pool, s, region="eu", want=10, demand=1, now_ms=T0)
+    assert d.granted == 1 and s.remaining == 0 and d.exhausted_now
+    d = policy.decide_grant(pool, s, region="eu", want=10, demand=1, now_ms=T0)
+    assert d.granted == 0 and d.remaining == 0 and not d.exhausted_now
+    check_invariant(s)
+
+
+def test_region_allow_list() -> None:
+    pool = mkpool(regions=["eu"])
+    s = policy.new_window(pool, 1000)
+    with pytest.raises(Forbidden):
+        policy.decide_grant(pool, s, region="us", want=1, demand=0, now_ms=T0)
+    assert s.remaining == 1000
+
+
+def test_reclaim_rules() -> None:
+    with pytest.raises(ValidationFailed):
+        policy.decide_reclaim(granted=10, spent=11, expires_at_ms=T0, window_end_ms=T0 + W, now_ms=T0 + 1)
+    with pytest.raises(Conflict, match="not yet expired"):
+        policy.decide_reclaim(granted=10, spent=1, expires_at_ms=T0 + 5, window_end_ms=T0 + W, now_ms=T0)
+    d = policy.decide_reclaim(granted=10, spent=3, expires_at_ms=T0, window_end_ms=T0 + W, now_ms=T0)
+    assert (d.returned, d.stranded, d.window_open) == (7, 0, True)
+    d = policy.decide_reclaim(granted=10, spent=3, expires_at_ms=T0, window_end_ms=T0 + W, now_ms=T0 + W)
+    assert (d.returned, d.stranded, d.window_open) == (0, 7, False)
+
+
+step = st.tuples(
+    st.sampled_from(["eu", "us", "ap", "sa"]),
+    st.integers(min_value=1, max_value=400),  # want
+    st.integers(min_value=0, max_value=200),  # demand
+    st.integers(min_value=0, max_value=3_000),  # clock advance, ms
+    st.integers(min_value=0, max_value=100),  # % of the lease spent if reported
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(limit=st.integers(min_value=1, max_value=2_000), chunk_max=st.integers(min_value=1, max_value=300),
+       steps=st.lists(step, min_size=1, max_size=60))
+def test_random_sequences_never_overgrant(limit: int, chunk_max: int, steps: list[tuple]) -> None:
+    chunk_max = min(chunk_max, limit)
+    pool = mkpool(limit=limit, chunk_max=chunk_max, chunk_min=1)
+    s = policy.new_window(pool, 1000)
+    now = T0
+    leases: list[tuple[str, int, int]] = []  # region, granted, expires
+    admitted = 0
+    for region, want, demand, advance, pct in steps:
+        now = min(now + advance, T0 + W - 1)
+        d = policy.decide_grant(pool, s, region=region, want=want, demand=demand, now_ms=now)
+        assert 0 <= d.granted <= min(want, chunk_max)
+        assert d.expires_at_ms <= T0 + W and d.ttl_ms == d.expires_at_ms - now
+        if s.remaining + d.granted > 0:
+            assert d.granted >= 1 or want == 0  # never stranding the tail: something while anything remains
+        if d.granted:
+            leases.append((region, d.granted, d.expires_at_ms))
+        check_invariant(s)
+        # report usage of expired leases: the unspent part returns, spent tokens stay admitted
+        for lease in [x for x in leases if x[2] <= now]:
+            leases.remove(lease)
+            spent = lease[1] * pct // 100
+            admitted += spent
+            r = policy.decide_reclaim(granted=lease[1], spent=spent, expires_at_ms=lease[2],
+                                      window_end_ms=T0 + W, now_ms=now)
+            policy.apply_reclaim(s, lease[0], r.returned)
+            check_invariant(s)
+        # overshoot: admitted (reported) + what is still leased out never exceeds G
+        assert admitted + sum(x[1] for x in leases) <= limit
