@@ -20,7 +20,7 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException, NotAuthorizedException, PermissionDeniedException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
-from litestar.params import JSONBody
+from litestar.params import FromPath, JSONBody
 
 from .contract.bundle import Bundle, load_bundle_file
 from .contract.errors import (
@@ -158,7 +158,7 @@ async def post_batch(data: JSONBody[LeaseBatchRequest], state: State) -> Respons
 
 
 @post("/v1/leases/{lease_id:str}/usage", status_code=200, guards=[region_auth_guard])
-async def post_usage(lease_id: str, data: JSONBody[UsageReport], state: State) -> UsageReceipt:
+async def post_usage(lease_id: FromPath[str], data: JSONBody[UsageReport], state: State) -> UsageReceipt:
     _check_lease_id(lease_id)
     if data.lease_id != lease_id:
         raise BadRequest(f"body leaseId {data.lease_id!r} does not match the path's {lease_id!r}")
@@ -166,7 +166,7 @@ async def post_usage(lease_id: str, data: JSONBody[UsageReport], state: State) -
 
 
 @get("/v1/leases/{lease_id:str}", guards=[region_auth_guard])
-async def get_lease(lease_id: str, state: State) -> GrantRecord:
+async def get_lease(lease_id: FromPath[str], state: State) -> GrantRecord:
     _check_lease_id(lease_id)
     return await _engine(state).get_record(lease_id)
 
@@ -182,7 +182,7 @@ async def get_pools(state: State) -> list[PoolSummary]:
 
 
 @get("/v1/pools/{pool_id:str}")
-async def get_pool(pool_id: str, state: State) -> PoolWindowView:
+async def get_pool(pool_id: FromPath[str], state: State) -> PoolWindowView:
     return await _engine(state).window_view(pool_id)
 
 

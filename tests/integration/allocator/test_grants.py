@@ -1,0 +1,122 @@
+"""Lease grants against a real 3-member etcd, allocator in-process (its real etcd client)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from allocator.contract.bundle import Pool
+from allocator.etcd_store import EtcdStore
+from leasehold.procs import EtcdCluster
+
+from .conftest import W, TestClock
+from .helpers import etcd_grants, etcd_windows, in_process, lease_body, settings_for
+
+
+async def test_concurrent_grants_never_exceed_g(etcd_cluster: EtcdCluster, make_bundle, prefix: str,
+                                                etcd_reader: EtcdStore) -> None:
+    g = 1_000
+    bundle = make_bundle(Pool(id="scarce", window_ms=W, limit=g, chunk_min=1, chunk_max=40))
+    async with in_process(settings_for(etcd_cluster, bundle, prefix)) as client:
+        rnd = random.Random(7)
+
+        async def region_client(region: str, n: int) -> list[int]:
+            got = []
+            for i in range(n):
+                r = await client.post("/v1/leases", json=lease_body(f"{region}-lease-{i:04d}", "scarce", region,
+                                                                   rnd.randint(1, 60), rnd.randint(0, 20)))
+                assert r.status_code == 200, r.text
+                got.append(r.json()["granted"])
+            return got
+
+        # 12 concurrent clients (4 per region) asking for far more than G in total
+        tasks = [region_client(f"{reg}", 25) for reg in ("eu", "us", "ap")]
+        tasks += [region_client(f"{reg}{k}", 25) for reg in ("eu", "us", "ap") for k in range(3)]
+        results = await asyncio.gather(*tasks)
+        answered = sum(sum(x) for x in results)
+
+    windows = await etcd_windows(etcd_reader, prefix, "scarce")
+    grants = await etcd_grants(etcd_reader, prefix)
+    assert len(grants) == 12 * 25
+    for k, state in windows.items():
+        in_window = [rec.grant.granted for rec in grants.values() if rec.grant.window.index == k]
+        assert sum(in_window) == state.total_granted == g - state.remaining
+        assert sum(in_window) <= g
+    assert answered == sum(rec.grant.granted for rec in grants.values())
+    assert answered <= g * len(windows)
+
+
+async def test_retry_returns_identical_grant_and_conflicting_reuse_is_409(etcd_cluster: EtcdCluster, make_bundle,
+                                                                         prefix: str, etcd_reader: EtcdStore) -> None:
+    bundle = make_bundle(Pool(id="p1", window_ms=W, limit=500, chunk_max=100),
+                         Pool(id="p2", window_ms=W, limit=500, chunk_max=100))
+    async with in_process(settings_for(etcd_cluster, bundle, prefix)) as client:
+        first = (await client.post("/v1/leases", json=lease_body("retry-lease-1", "p1", "eu", 70))).json()
+        again = await client.post("/v1/leases", json=lease_body("retry-lease-1", "p1", "eu", 70))
+        assert again.status_code == 200
+        assert again.json() == {**first, "replayed": True}
+        assert first["replayed"] is False and first["granted"] == 70
+        # the same id for another pool or region is a conflict, and debits nothing
+        for body in (lease_body("retry-lease-1", "p2", "eu", 5), lease_body("retry-lease-1", "p1", "us", 5)):
+            r = await client.post("/v1/leases", json=body)
+            assert r.status_code == 409 and r.headers["content-type"].startswith("application/problem+json")
+        # concurrent duplicates of a fresh id share one result
+        rs = await asyncio.gather(*(client.post("/v1/leases", json=lease_body("retry-lease-2", "p1", "eu", 30))
+                                    for _ in range(8)))
+        bodies = [r.json() for r in rs]
+        assert {b["granted"] for b in bodies} == {30}
+        assert {b["issuedAtMs"] for b in bodies} == {bodies[0]["issuedAtMs"]}
+        stored = (await client.get("/v1/leases/retry-lease-2")).json()
+        assert stored["grant"]["granted"] == 30
+        view = (await client.get("/v1/pools/p1")).json()
+    windows = await etcd_windows(etcd_reader, prefix, "p1")
+    (state,) = windows.values()
+    assert state.remaining == 500 - 100 and view["remaining"] == 400
+    assert state.leases == {"eu": 2}
+    assert (await etcd_windows(etcd_reader, prefix, "p2")) == {}
+
+
+async def test_expiry_never_passes_the_window_end(etcd_cluster: EtcdCluster, make_bundle, prefix: str,
+                                                  clock: TestClock) -> None:
+    bundle = make_bundle(Pool(id="p1", window_ms=W, limit=500, lease_ttl_ms=15_000, chunk_max=100,
+                              prefetch_ms=2_000))
+    async with in_process(settings_for(etcd_cluster, bundle, prefix), clock=clock) as client:
+        now = clock.place_in_window(W, W - 5_000, freeze=True)
+        end = (now // W + 1) * W
+        r = (await client.post("/v1/leases", json=lease_body("clamp-lease-1", "p1", "eu", 10))).json()
+        assert r["window"]["endMs"] == end
+        assert r["expiresAtMs"] == end and r["ttlMs"] == 5_000 and r["startsInMs"] == 0
+        # early in a window the full TTL applies
+        now = clock.place_in_window(W, 1_000, freeze=True)
+        r = (await client.post("/v1/leases", json=lease_body("clamp-lease-2", "p1", "eu", 10))).json()
+        assert r["expiresAtMs"] == now + 15_000 <= r["window"]["endMs"]
+        # prefetch: refused far from the boundary, granted from window k+1 close to it
+        bad = await client.post("/v1/leases", json=lease_body("clamp-lease-3", "p1", "eu", 10, window="next"))
+        assert bad.status_code == 409 and "prefetch" in bad.json()["detail"]
+        now = clock.place_in_window(W, W - 1_500, freeze=True)
+        r = (await client.post("/v1/leases", json=lease_body("clamp-lease-4", "p1", "eu", 10, window="next"))).json()
+        assert r["window"]["index"] == now // W + 1
+        assert r["startsInMs"] == 1_500
+        assert r["expiresAtMs"] == r["window"]["startMs"] + 15_000 <= r["window"]["endMs"]
+        assert r["ttlMs"] == r["expiresAtMs"] - now
+
+
+async def test_fair_share_leaves_no_region_starved(etcd_cluster: EtcdCluster, make_bundle, prefix: str,
+                                                   etcd_reader: EtcdStore) -> None:
+    bundle = make_bundle(Pool(id="tight", window_ms=W, limit=90, chunk_min=1, chunk_max=60))
+    regions = ["eu", "us", "ap"]
+    async with in_process(settings_for(etcd_cluster, bundle, prefix)) as client:
+        # everyone announces itself first (small asks), then the greedy region asks big and often
+        for reg in regions:
+            r = await client.post("/v1/leases", json=lease_body(f"fair-{reg}-0000", "tight", reg, 1, demand=50))
+            assert r.json()["granted"] == 1
+        got = {reg: 1 for reg in regions}
+        for i in range(1, 6):
+            rs = await asyncio.gather(*(client.post("/v1/leases", json=lease_body(
+                f"fair-{reg}-{i:04d}", "tight", reg, 60 if reg == "eu" else 10, demand=50)) for reg in regions))
+            for reg, r in zip(regions, rs, strict=True):
+                got[reg] += r.json()["granted"]
+    (state,) = (await etcd_windows(etcd_reader, prefix, "tight")).values()
+    assert sum(got.values()) == 90 - state.remaining <= 90
+    assert all(got[reg] >= 10 for reg in regions), got  # no region starved by the greedy one
+    assert got["eu"] < 60  # the greedy region could not take its full chunk from a scarce pool
