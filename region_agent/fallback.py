@@ -9,11 +9,13 @@ Pure: the wall/monotonic clock in ms is passed in.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 from allocator.contract.bundle import Fallback, Rule
+
+from .algorithms import fixed_window, token_bucket
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,82 +33,49 @@ class LocalResult:
     remaining: tuple[int, ...]  # whole tokens / requests per item
 
 
-class _Bucket:
-    __slots__ = ("tokens", "ts")
-
-    def __init__(self, tokens: int, ts: int):
-        self.tokens, self.ts = tokens, ts
-
-
 class LocalFallback:
+    """A bounded LRU of local states; the arithmetic is the reference models' (the same integer
+    rules as the Lua scripts): a token bucket when the fallback has ``capacityMillis``, else a
+    fixed window."""
+
     def __init__(self, max_keys: int = 100_000):
         self.max_keys = max_keys
-        self._state: OrderedDict[str, _Bucket] = OrderedDict()
+        self._state: OrderedDict[str, Any] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._state)
 
-    def _get(self, key: str, full: int, now: int) -> _Bucket:
-        st = self._state.get(key)
-        if st is None:
-            st = _Bucket(full, now)
-            self._state[key] = st
-            while len(self._state) > self.max_keys:
-                self._state.popitem(last=False)
-        else:
-            self._state.move_to_end(key)
-        return st
-
     @staticmethod
-    def _bucket_view(fb: Fallback, st: _Bucket, now: int) -> int:
-        cap, refill, period = fb.capacity_millis or 0, fb.refill_millis or 1, fb.period_ms or 1
-        full_ms = math.ceil(cap * period / refill)
-        delta = min(max(0, now - st.ts), full_ms)
-        return min(cap, st.tokens + (delta * refill) // period)
+    def _model(it: LocalItem):
+        fb: Fallback | None = it.rule.fallback
+        assert fb is not None, "local_bounded rules carry fallback parameters (bundle validation)"
+        if fb.capacity_millis is not None:
+            cost = (it.rule.cost_millis or 1000) * it.cost_hint
+            params = token_bucket.TokenBucketParams(fb.capacity_millis, fb.refill_millis or 1, fb.period_ms or 1,
+                                                    cost)
+            return token_bucket.decide, params, 1000
+        params = fixed_window.WindowParams(fb.limit or 1, fb.window_ms or 1, it.cost_hint)
+        return fixed_window.decide, params, 1
 
     def admit(self, items: list[LocalItem], now_ms: int) -> LocalResult:
         now = int(now_ms)
-        plans: list[tuple[str, _Bucket, int, int, int]] = []  # key, state, value-after-refill, cost, window
-        denied_by, retry = 0, 0
+        news: list[tuple[str, Any]] = []
         remaining: list[int] = []
+        denied_by, retry = 0, 0
         for i, it in enumerate(items, start=1):
-            fb = it.rule.fallback
-            assert fb is not None, "local_bounded rules carry fallback parameters (bundle validation)"
-            key = "fb:" + it.rule.id + ":" + it.key
-            if fb.capacity_millis is not None:
-                cost = (it.rule.cost_millis or 1000) * it.cost_hint
-                st = self._get(key, fb.capacity_millis, now)
-                tokens = self._bucket_view(fb, st, now)
-                plans.append((key, st, tokens, cost, 0))
-                remaining.append(tokens // 1000)
-                if tokens < cost:
-                    denied_by = denied_by or i
-                    if cost > fb.capacity_millis:
-                        retry = -1 if retry >= 0 else retry
-                    elif retry >= 0:
-                        retry = max(retry, math.ceil((cost - tokens) * (fb.period_ms or 1) / (fb.refill_millis or 1)))
-            else:
-                window = fb.window_ms or 1
-                start = now - now % window
-                st = self._get(key, 0, start)
-                count = st.tokens if st.ts == start else 0
-                plans.append((key, st, count, it.cost_hint, start))
-                limit = fb.limit or 0
-                remaining.append(max(0, limit - count))
-                if count + it.cost_hint > limit:
-                    denied_by = denied_by or i
-                    if it.cost_hint > limit:
-                        retry = -1 if retry >= 0 else retry
-                    elif retry >= 0:
-                        retry = max(retry, start + window - now)
+            key = it.rule.id + "\x1f" + it.key
+            decide, params, unit = self._model(it)
+            d, new = decide(self._state.get(key), params, now)
+            remaining.append(max(0, d.remaining) // unit)
+            news.append((key, new))
+            if not d.allowed:
+                denied_by = denied_by or i
+                retry = -1 if (retry < 0 or d.retry_after_ms < 0) else max(retry, d.retry_after_ms)
         if denied_by:
             return LocalResult(False, denied_by, retry, tuple(remaining))
-        out: list[int] = []
-        for (_key, st, value, cost, window_start), it in zip(plans, items, strict=True):
-            if it.rule.fallback and it.rule.fallback.capacity_millis is not None:
-                st.tokens, st.ts = value - cost, max(st.ts, now)
-                out.append(st.tokens // 1000)
-            else:
-                st.tokens, st.ts = value + cost, window_start
-                out.append(max(0, (it.rule.fallback.limit or 0) - st.tokens))  # type: ignore[union-attr]
-        return LocalResult(True, 0, 0, tuple(out))
+        for key, new in news:  # all allowed: commit every state
+            self._state[key] = new
+            self._state.move_to_end(key)
+        while len(self._state) > self.max_keys:
+            self._state.popitem(last=False)
+        return LocalResult(True, 0, 0, tuple(remaining))

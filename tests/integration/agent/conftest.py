@@ -1,0 +1,100 @@
+"""Agent fixtures: the Litestar app in-process against the real Redis fixtures."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+from litestar.testing import AsyncTestClient
+
+from allocator.contract.bundle import Bundle, encode_bundle, load_bundle_file, seal
+from region_agent.app import create_app
+from region_agent.settings import AgentSettings
+
+ROOT = Path(__file__).resolve().parents[3]
+NORTHSTAR = ROOT / "policies" / "northstar.json"
+PEPPER = b"test-pepper-not-secret"
+
+
+def northstar() -> Bundle:
+    return load_bundle_file(str(NORTHSTAR))
+
+
+def write_bundle(path: Path, bundle: Bundle, **changes) -> Bundle:
+    b = seal(msgspec.structs.replace(bundle, **changes)) if changes else bundle
+    path.write_bytes(encode_bundle(b))
+    return b
+
+
+def make_settings(redis_url: str, policy: Path, **kw) -> AgentSettings:
+    return AgentSettings(redis_url=redis_url, policy=str(policy), region="eu", policy_poll_ms=0,
+                         decision_budget_ms=kw.pop("decision_budget_ms", 2000), **kw)
+
+
+AgentFactory = Callable[..., "AsyncTestClient"]
+
+
+@pytest.fixture
+def policy_file(tmp_path: Path) -> Path:
+    p = tmp_path / "bundle.json"
+    write_bundle(p, northstar())
+    return p
+
+
+@pytest.fixture
+async def agent(redis_url: str, policy_file: Path) -> AsyncIterator[AsyncTestClient]:
+    app = create_app(make_settings(redis_url, policy_file), pepper=PEPPER)
+    async with AsyncTestClient(app=app) as client:
+        yield client
+
+
+@pytest.fixture
+async def cluster_agent(redis_cluster_url: str, policy_file: Path) -> AsyncIterator[AsyncTestClient]:
+    url = redis_cluster_url.replace("redis://", "redis+cluster://")
+    app = create_app(make_settings(url, policy_file), pepper=PEPPER)
+    async with AsyncTestClient(app=app) as client:
+        yield client
+
+
+def admit_body(request_id: str, *, tenant: str | None = "atlas", ptype: str = "user", pid: str = "U-17",
+               route: str = "read", cost: int = 1, api_key: str | None = "K1") -> dict:
+    body: dict = {"requestId": request_id, "principal": {"type": ptype, "id": pid}, "routeGroup": route,
+                  "method": "GET", "costHint": cost}
+    if api_key is not None:
+        body["principal"]["apiKeyId"] = api_key
+    if tenant is not None:
+        body["tenantId"] = tenant
+    return body
+
+
+# --- direct state access for the worked numbers ------------------------------------------------
+def user_key(tenant: str, user: str, route: str) -> str:
+    from region_agent.keys import KeyBuilder
+
+    return f"rl:v3:{{t:{tenant}}}:u:{KeyBuilder(PEPPER).h(tenant, 'u', user)}:{route}"
+
+
+def tenant_key(tenant: str, route: str = "all") -> str:
+    return f"rl:v3:{{t:{tenant}}}:tenant:{tenant}:{route}"
+
+
+FROZEN_AHEAD_MS = 3_600_000  # a bucket whose ts is ahead of the store clock gets no refill (clock-backwards clamp)
+
+
+async def store_now_ms(r) -> int:
+    sec, usec = await r.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+async def set_bucket(r, key: str, tokens: int, *, age_ms: int | None = None) -> None:
+    """Write a token bucket: frozen (no refill) when ``age_ms`` is None, else last written ``age_ms`` ago."""
+    now = await store_now_ms(r)
+    ts = now + FROZEN_AHEAD_MS if age_ms is None else now - age_ms
+    await r.hset(key, mapping={"tokens": tokens, "ts": ts})
+    await r.pexpire(key, 600_000)
+
+
+async def bucket_tokens(r, key: str) -> int:
+    return int(await r.hget(key, "tokens"))
