@@ -14,8 +14,9 @@
 --                  cc    max_in_flight, lease_ttl_ms, 0, 0, 0   (lease id = member)
 --                  pool  cost_tokens, 0, 0, 0, 0                (leased global tokens)
 -- Reply          {allowed 0/1, denied_by (1-based, 0 = none), retry_after_ms, remaining_1 ..
---                remaining_n}; remaining is the value after the debit when allowed, the current
---                value for a denial; a cc rule reports in_flight in its slot.
+--                remaining_n}; remaining is the value after the debit when the request is
+--                allowed, and every rule's current (undebited) value when it is denied; a cc
+--                rule reports in_flight in its slot.
 -- Semantics      every argument is validated before any read/write (error reply
 --                'ERR rate limit policy arguments invalid'). With decision_ttl_ms > 0 a stored
 --                record is returned unchanged. Each rule's check (lib/*.lua, reads only) runs
@@ -100,7 +101,8 @@ if denied_by == 0 then
   end
 end
 for i = 1, n do
-  result[3 + i] = rules[i].plan.remaining
+  local plan = rules[i].plan
+  result[3 + i] = (denied_by == 0 or plan.current == nil) and plan.remaining or plan.current
 end
 if dec_ttl > 0 then
   local parts = {}

@@ -7,6 +7,8 @@
 -- CC.commit: trims expired members, ZADD now + lease_ttl, PEXPIRE max live score - now.
 -- CC.refresh_expiry(key, now): after a release/renew, trims and re-sets the expiry (or deletes
 --   an all-expired key).
+-- An allowing plan also carries `current`: the value before this request's debit (the
+-- multi-rule script reports it when another rule denies).
 -- @include lib/validate.lua
 local CC = {}
 
@@ -31,7 +33,7 @@ function CC.check(key, P, now, member)
   if live >= P.max then
     return { ok = false, remaining = live, retry = 0 }
   end
-  return { ok = true, remaining = live + 1, retry = 0 }
+  return { ok = true, remaining = live + 1, retry = 0, current = live }
 end
 
 function CC.refresh_expiry(key, now)

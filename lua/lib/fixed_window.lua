@@ -4,6 +4,8 @@
 -- (strict, never generous). Allowed iff n + cost <= limit.
 -- remaining = limit - n - cost on allow, max(0, limit - n) on deny; deny retry = ms left in the
 -- window; cost > limit -> retry -1. Expiry = ms left in the window + slack.
+-- An allowing plan also carries `current`: the value before this request's debit (the
+-- multi-rule script reports it when another rule denies).
 -- @include lib/validate.lua
 local FW = {}
 
@@ -31,7 +33,7 @@ function FW.check(key, P, now)
   if n + P.cost > P.limit then
     return { ok = false, remaining = math.max(0, P.limit - n), retry = ms_left }
   end
-  return { ok = true, remaining = P.limit - n - P.cost, retry = 0,
+  return { ok = true, remaining = P.limit - n - P.cost, retry = 0, current = P.limit - n,
            w = w, n = n + P.cost, ms_left = ms_left }
 end
 

@@ -6,6 +6,8 @@
 -- is the new tat on allow and max(tat, now) on deny. retry = newTat - now - B.
 -- cost > capacity, or inc > B (rounding can make a full-capacity cost unreachable): retry -1.
 -- A lowered capacity shrinks B, which clamps the burst on the next call.
+-- An allowing plan also carries `current`: the value before this request's debit (the
+-- multi-rule script reports it when another rule denies).
 -- @include lib/validate.lua
 local GCRA = {}
 
@@ -39,7 +41,8 @@ function GCRA.check(key, P, now)
     return { ok = false, remaining = gcra_remaining(P, start - now),
              retry = new_tat - now - P.burst }
   end
-  return { ok = true, remaining = gcra_remaining(P, new_tat - now), retry = 0, tat = new_tat }
+  return { ok = true, remaining = gcra_remaining(P, new_tat - now), retry = 0, tat = new_tat,
+           current = gcra_remaining(P, start - now) }
 end
 
 function GCRA.commit(key, P, plan, now, slack)

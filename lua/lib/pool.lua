@@ -8,6 +8,8 @@
 --   Malformed entries are ignored (never spendable).
 -- POOL.commit: writes the debited entries and PEXPIRE max expiresAt - now + slack.
 -- POOL.max_expiry(key): max expiresAt over well-formed entries (or nil).
+-- An allowing plan also carries `current`: the value before this request's debit (the
+-- multi-rule script reports it when another rule denies).
 -- @include lib/validate.lua
 local POOL = {}
 
@@ -80,7 +82,7 @@ function POOL.check(key, P, now)
     left = left - take
     debits[#debits + 1] = e
   end
-  return { ok = true, remaining = spendable - P.cost, retry = 0, debits = debits,
+  return { ok = true, remaining = spendable - P.cost, retry = 0, current = spendable, debits = debits,
            top = POOL.max_expiry(entries) }
 end
 

@@ -8,6 +8,8 @@
 -- on deny. Deny retry = the smallest whole ms after which the same request would be admitted
 -- (decay of prev inside this window, else the rollover into the next one), using ceilings.
 -- cost > limit -> retry -1. Expiry = end of the next window (w + 2W - now) + slack.
+-- An allowing plan also carries `current`: the value before this request's debit (the
+-- multi-rule script reports it when another rule denies).
 -- @include lib/validate.lua
 local SC = {}
 
@@ -64,6 +66,7 @@ function SC.check(key, P, now)
              retry = sc_retry(P, w, now, elapsed, prev, cur, scaled) }
   end
   return { ok = true, remaining = math.floor((cap - scaled - P.cost * W) / W), retry = 0,
+           current = math.floor((cap - scaled) / W),
            w = w, cur = cur + P.cost, prev = prev }
 end
 

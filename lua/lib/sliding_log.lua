@@ -8,6 +8,8 @@
 -- replay), max(0, limit - live) on deny. Deny retry = score of the k-th oldest live entry + W -
 -- now with k = live + cost - limit (the moment enough entries leave). cost > limit -> retry -1.
 -- Expiry = (newest score + W - now) + slack.
+-- An allowing plan also carries `current`: the value before this request's debit (the
+-- multi-rule script reports it when another rule denies).
 -- @include lib/validate.lua
 local SL = {}
 
@@ -35,7 +37,7 @@ function SL.check(key, P, now, member)
     return { ok = false, remaining = math.max(0, P.limit - live),
              retry = tonumber(e[2]) + P.window - now }
   end
-  return { ok = true, remaining = P.limit - live - P.cost, retry = 0 }
+  return { ok = true, remaining = P.limit - live - P.cost, retry = 0, current = P.limit - live }
 end
 
 function SL.commit(key, P, plan, now, slack, member)

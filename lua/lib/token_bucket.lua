@@ -3,6 +3,8 @@
 -- TB.parse({capacity, refill, period_ms, cost}) -> P or nil (invalid).
 -- TB.check(key, P, now) -> plan {ok, remaining, retry, tokens, ts}; reads only.
 -- TB.commit(key, P, plan, now, slack) writes tokens/ts and PEXPIRE full_ms + slack.
+-- An allowing plan also carries `current`: the value before this request's debit (the
+-- multi-rule script reports it when another rule denies).
 -- @include lib/validate.lua
 local TB = {}
 
@@ -31,7 +33,7 @@ function TB.check(key, P, now)
   tokens = math.max(0, math.min(P.capacity, tokens))
   tokens = math.min(P.capacity, tokens + math.floor(delta * P.refill / P.period))
   if tokens >= P.cost then
-    return { ok = true, remaining = tokens - P.cost, retry = 0,
+    return { ok = true, remaining = tokens - P.cost, retry = 0, current = tokens,
              tokens = tokens - P.cost, ts = math.max(ts, now) }
   end
   return { ok = false, remaining = tokens,

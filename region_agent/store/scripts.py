@@ -25,6 +25,11 @@ from allocator.contract.errors import (
     StoreUnavailable,
 )
 
+from ..algorithms.pool import PoolEntry
+
+__all__ = ["PoolEntry", "Scripts", "RuleCall", "MultiRuleResult", "multi_rule_argv", "parse_multi_rule",
+           "translate_redis_error", "KeysNotColocated"]
+
 DEFAULT_LUA_DIR = Path(__file__).resolve().parents[2] / "lua"
 INCLUDE_RE = re.compile(r"^--\s*@include\s+(\S+)\s*$")
 KINDS = frozenset({"tb", "gcra", "fw", "sc", "sl", "cc", "pool"})
@@ -199,24 +204,6 @@ class PoolDepositResult:
     stored: bool  # True for "stored" and "replay"
     status: str  # "stored" | "replay" | "full" | "expired"
     entries: int  # fields in the hash before this deposit
-
-
-@dataclass(frozen=True, slots=True)
-class PoolEntry:
-    granted: int
-    spent: int
-    valid_from_ms: int
-    expires_at_ms: int
-
-    @staticmethod
-    def decode(value: str) -> PoolEntry | None:
-        parts = value.split(",")
-        if len(parts) != 4 or not all(p.isdigit() for p in parts):
-            return None
-        return PoolEntry(*(int(p) for p in parts))
-
-    def encode(self) -> str:
-        return f"{self.granted},{self.spent},{self.valid_from_ms},{self.expires_at_ms}"
 
 
 @dataclass(frozen=True, slots=True)

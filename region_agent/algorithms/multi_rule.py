@@ -1,0 +1,83 @@
+"""All rules of one request, all or nothing; mirrors ``lua/multi_rule.lua``.
+
+Every rule's check runs on the state before the request; the first denying rule is reported,
+retry is the max over denying rules (-1 if any can never succeed); only when none denies do all
+rules take their new state. Remaining per rule: after the debit when the request is allowed, else
+every rule's current, undebited value (a concurrency rule reports in_flight)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import concurrency, fixed_window, gcra, pool, sliding_counter, sliding_log, token_bucket
+from .common import Decision, InvalidArguments
+
+MAX_RULES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class RuleSpec:
+    kind: str  # "tb" | "gcra" | "fw" | "sc" | "sl" | "cc" | "pool"
+    params: tuple[int, int, int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class MultiDecision:
+    allowed: bool
+    denied_by: int  # 1-based, 0 = none
+    retry_after_ms: int  # -1 = never
+    remaining: tuple[int, ...]
+
+    def as_reply(self) -> list[int]:
+        return [int(self.allowed), self.denied_by, self.retry_after_ms, *self.remaining]
+
+
+Decider = Callable[[Any, Any, int, str], tuple[Decision, Any]]
+
+KINDS: dict[str, tuple[Callable[[tuple], Any], Decider]] = {
+    "tb": (token_bucket.TokenBucketParams.from_args, lambda s, p, n, m: token_bucket.decide(s, p, n)),
+    "gcra": (token_bucket.TokenBucketParams.from_args, lambda s, p, n, m: gcra.decide(s, p, n)),
+    "fw": (fixed_window.WindowParams.from_args, lambda s, p, n, m: fixed_window.decide(s, p, n)),
+    "sc": (fixed_window.WindowParams.from_args, lambda s, p, n, m: sliding_counter.decide(s, p, n)),
+    "sl": (fixed_window.WindowParams.from_args, sliding_log.decide),
+    "cc": (concurrency.ConcurrencyParams.from_args, concurrency.acquire),
+    "pool": (pool.PoolParams.from_args, lambda s, p, n, m: pool.decide(s, p, n)),
+}
+
+
+def parse_rules(rules: Sequence[RuleSpec], member: str) -> list[Any]:
+    """Validate every rule (raises :class:`InvalidArguments` like the script's error reply)."""
+    if not 1 <= len(rules) <= MAX_RULES:
+        raise InvalidArguments(f"1..{MAX_RULES} rules per call")
+    out = []
+    for r in rules:
+        if r.kind not in KINDS or len(r.params) != 5:
+            raise InvalidArguments(f"unknown rule kind {r.kind!r} or wrong parameter count")
+        if r.kind in ("sl", "cc") and not member:
+            raise InvalidArguments("sliding-log and concurrency rules need a member")
+        out.append(KINDS[r.kind][0](r.params))
+    return out
+
+
+def decide(states: Sequence[Any], rules: Sequence[RuleSpec], now_ms: int, member: str
+           ) -> tuple[MultiDecision, list[Any] | None]:
+    """``states[i]`` is rule i's state (None = no key). New states None on deny; on allow each
+    entry is the rule's new state, or its old state when the rule wrote nothing (a replay)."""
+    if len(states) != len(rules):
+        raise InvalidArguments("one state per rule")
+    parsed = parse_rules(rules, member)
+    decisions: list[Decision] = []
+    new_states: list[Any] = []
+    for r, p, s in zip(rules, parsed, states, strict=True):
+        d, ns = KINDS[r.kind][1](s, p, now_ms, member)
+        decisions.append(d)
+        new_states.append(s if ns is None else ns)
+    denying = [i for i, d in enumerate(decisions) if not d.allowed]
+    if not denying:
+        return MultiDecision(True, 0, 0, tuple(d.remaining for d in decisions)), new_states
+    remaining = tuple(d.undebited for d in decisions)
+    retries = [decisions[i].retry_after_ms for i in denying]
+    retry = -1 if any(x < 0 for x in retries) else max(retries)
+    return MultiDecision(False, denying[0] + 1, retry, remaining), None

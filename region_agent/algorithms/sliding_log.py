@@ -1,0 +1,52 @@
+"""Sliding-window log (seed ch.4); mirrors ``lua/lib/sliding_log.lua``.
+
+State is the sorted set as a mapping member -> score (admit ms). A cost c > 1 is stored as c
+entries ``member``, ``member#2`` .. ``member#c``. Live window: score > now - W (scores after now,
+left by a clock that went backwards, count too)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .common import NEVER, Decision, InvalidArguments
+from .fixed_window import WindowParams
+
+SlidingLogParams = WindowParams
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingLogState:
+    entries: Mapping[str, int] = field(default_factory=dict)
+
+
+def entry_members(member: str, cost: int) -> list[str]:
+    return [member] + [f"{member}#{i}" for i in range(2, cost + 1)]
+
+
+def decide(state: SlidingLogState | None, params: WindowParams, now_ms: int, member: str
+           ) -> tuple[Decision, SlidingLogState | None]:
+    """New state None on deny and on a replay (nothing written)."""
+    p = params
+    if not member:
+        raise InvalidArguments("member must be non-empty")
+    if p.cost > p.limit:
+        return NEVER, None
+    entries = dict(state.entries) if state is not None else {}
+    floor_ = now_ms - p.window_ms
+    live = sorted(s for s in entries.values() if s > floor_)
+    own = entries.get(member)
+    if own is not None and own > floor_:
+        return Decision(True, max(0, p.limit - len(live)), 0), None
+    if len(live) + p.cost > p.limit:
+        k = len(live) + p.cost - p.limit
+        return Decision(False, max(0, p.limit - len(live)), live[k - 1] + p.window_ms - now_ms), None
+    kept = {m: s for m, s in entries.items() if s > floor_}
+    for m in entry_members(member, p.cost):
+        kept[m] = now_ms
+    return Decision(True, p.limit - len(live) - p.cost, 0, p.limit - len(live)), SlidingLogState(kept)
+
+
+def expiry_ms(state: SlidingLogState, params: WindowParams, now_ms: int, slack_ms: int) -> int:
+    top = max([now_ms, *state.entries.values()])
+    return top + params.window_ms - now_ms + slack_ms

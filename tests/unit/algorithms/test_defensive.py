@@ -1,0 +1,143 @@
+"""The defensive rules of seed ch.6, through the models."""
+
+import math
+
+import pytest
+
+from allocator.contract.errors import ScriptRejected
+from region_agent.algorithms import fixed_window, gcra, pool, sliding_counter, token_bucket
+from region_agent.algorithms.common import InvalidArguments
+from region_agent.algorithms.fixed_window import FixedWindowState, WindowParams
+from region_agent.algorithms.gcra import GcraState
+from region_agent.algorithms.multi_rule import RuleSpec
+from region_agent.algorithms.multi_rule import decide as multi
+from region_agent.algorithms.pool import PoolEntry, PoolParams, PoolState
+from region_agent.algorithms.sliding_counter import SlidingCounterState
+from region_agent.algorithms.token_bucket import TokenBucketParams, TokenBucketState
+
+T0 = 1_700_000_000_000
+BAD = [math.nan, math.inf, -math.inf, 1.5, -1, 0, 2**40 + 1, True, "7", None]
+
+
+@pytest.mark.parametrize("bad", BAD)
+@pytest.mark.parametrize("field", range(4))
+def test_bucket_rejects_bad_numbers(bad, field):
+    args = [20_000, 2_000, 1_000, 1_000]
+    args[field] = bad
+    with pytest.raises(InvalidArguments):
+        TokenBucketParams(*args)
+
+
+def test_rejections_are_script_rejected_and_bounds_inclusive():
+    assert issubclass(InvalidArguments, ScriptRejected)
+    TokenBucketParams(2**40, 1, 2**12, 1)  # product exactly 2^52 is allowed
+    TokenBucketParams(20_000.0, 2_000, 1_000, 1_000)  # an integral float is an integer
+    with pytest.raises(InvalidArguments):
+        TokenBucketParams(2**40, 1, 2**12 + 1, 1)
+    with pytest.raises(InvalidArguments):
+        WindowParams(2**30, 2**23)  # limit x window over 2^52
+    with pytest.raises(InvalidArguments):
+        TokenBucketParams(1_000, 0, 1_000, 1)  # refill 0 is a policy error
+
+
+def test_cost_over_capacity_never_and_untouched():
+    p = TokenBucketParams(1_000, 1_000, 1_000, 2_000)
+    d, new = token_bucket.decide(TokenBucketState(1_000, T0), p, T0)
+    assert d.as_reply() == [0, 0, -1] and new is None
+    d, new = gcra.decide(None, p, T0)
+    assert d.as_reply() == [0, 0, -1] and new is None
+    for mod in (fixed_window, sliding_counter):
+        d, new = mod.decide(None, WindowParams(5, 1_000, 6), T0)
+        assert d.as_reply() == [0, 0, -1] and new is None
+
+
+def test_gcra_unreachable_by_rounding_is_never():
+    # cost == capacity but ceil(cost*period/refill) > floor(capacity*period/refill)
+    p = TokenBucketParams(10, 3, 1, 10)
+    d, _ = gcra.decide(None, p, T0)
+    assert d.retry_after_ms == -1
+
+
+def test_bucket_clock_backwards_no_refill_and_ts_kept():
+    p = TokenBucketParams(20_000, 2_000, 1_000, 1_000)
+    st = TokenBucketState(5_000, T0 + 3_000)  # stored ts ahead of now
+    d, new = token_bucket.decide(st, p, T0)
+    assert d.remaining == 4_000 and new == TokenBucketState(4_000, T0 + 3_000)
+
+
+def test_bucket_forward_jump_clamped_and_lowered_capacity():
+    p = TokenBucketParams(20_000, 2_000, 1_000, 1_000)
+    d, new = token_bucket.decide(TokenBucketState(0, T0 - 10**12), p, T0)
+    assert d.remaining == 19_000 and new.ts == T0
+    lowered = TokenBucketParams(5_000, 2_000, 1_000, 1_000)
+    d, _ = token_bucket.decide(TokenBucketState(20_000, T0), lowered, T0)
+    assert d.remaining == 4_000
+
+
+def test_bucket_floor_refill_ceil_retry():
+    p = TokenBucketParams(3_000, 1_000, 3, 1_000)  # 333.33 millitokens per ms
+    d, _ = token_bucket.decide(TokenBucketState(0, T0), p, T0 + 1)
+    assert d.as_reply() == [0, 333, 3]  # floor(333.3) refilled; ceil(667*3/1000)=3
+
+
+def test_gcra_clock_backwards_strict_and_lowered_capacity():
+    p = TokenBucketParams(20_000, 2_000, 1_000, 1_000)
+    d, new = gcra.decide(GcraState(T0 + 9_000), p, T0)
+    assert d.allowed and new.tat == T0 + 9_500
+    lowered = TokenBucketParams(2_000, 2_000, 1_000, 1_000)  # B = 1,000 ms
+    d, new = gcra.decide(GcraState(T0 + 9_000), lowered, T0)
+    assert d.as_reply() == [0, 0, 8_500] and new is None
+
+
+def test_windows_future_start_is_current_window():
+    p = WindowParams(3, 1_000)
+    now = T0 + 100
+    d, _ = fixed_window.decide(FixedWindowState(T0 + 5_000, 3), p, now)
+    assert d.as_reply() == [0, 0, 5_900]
+    d, new = sliding_counter.decide(SlidingCounterState(T0 + 5_000, 1, 2), p, now)
+    assert not d.allowed and new is None  # prev still weighs fully: 2*1000 + 1000 + 1000 > 3000
+
+
+def test_sliding_counter_lowered_limit_clamps_counts():
+    d, _ = sliding_counter.decide(SlidingCounterState(T0, 10**9, 10**9), WindowParams(10, 1_000), T0)
+    assert d.as_reply()[:2] == [0, 0]
+
+
+def test_pool_spends_earliest_expiring_first_and_splits():
+    st = PoolState({
+        "a": PoolEntry(5, 0, T0 - 10, T0 + 2_000),
+        "b": PoolEntry(5, 1, T0 - 10, T0 + 1_000),
+        "c": PoolEntry(50, 0, T0 + 500, T0 + 3_000),  # not valid yet
+        "d": PoolEntry(50, 0, T0 - 900, T0),  # expired
+    })
+    d, new = pool.decide(st, PoolParams(6), T0)
+    assert d.as_reply() == [1, 3, 0]
+    assert new.entries["b"].spent == 5 and new.entries["a"].spent == 2
+    d, none = pool.decide(new, PoolParams(4), T0)
+    assert d.as_reply() == [0, 3, 500] and none is None
+    d, _ = pool.decide(PoolState({}), PoolParams(1), T0)
+    assert d.as_reply() == [0, 0, 0]
+
+
+def test_pool_deposit_and_close():
+    status, st = pool.deposit(None, "L1", 10, T0, T0 + 1_000, 2, T0)
+    assert status == "stored"
+    assert pool.deposit(st, "L1", 99, T0, T0 + 1_000, 2, T0) == ("replay", None)
+    status, st2 = pool.deposit(st, "L2", 1, T0, T0 + 1_000, 2, T0)
+    assert pool.deposit(st2, "L3", 1, T0, T0 + 1_000, 2, T0) == ("full", None)
+    assert pool.deposit(st2, "L3", 1, T0, T0, 9, T0) == ("expired", None)
+    got, st3 = pool.close(st2, "L1")
+    assert got == (10, 0) and "L1" not in st3.entries
+    assert pool.close(st3, "L1") == (None, None)
+
+
+def test_multi_rule_validation():
+    tb = RuleSpec("tb", (1, 1, 1, 1, 0))
+    with pytest.raises(InvalidArguments):
+        multi([None] * 9, [tb] * 9, T0, "m")
+    with pytest.raises(InvalidArguments):
+        multi([None], [RuleSpec("leaky", (1, 1, 1, 1, 0))], T0, "m")
+    with pytest.raises(InvalidArguments):
+        multi([None], [RuleSpec("sl", (1, 1, 1, 0, 0))], T0, "")
+    with pytest.raises(InvalidArguments):
+        multi([None, None], [tb, RuleSpec("tb", (1, 0, 1, 1, 0))], T0, "m")
