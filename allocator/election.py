@@ -22,7 +22,7 @@ import msgspec
 
 from .contract.errors import LeaseholdError, NotLeader
 from .contract.wire import LeaderInfo
-from .etcd_store import EtcdStore, range_kvs, txn_revision
+from .etcd_store import EtcdLeaseMissing, EtcdStore, range_kvs, txn_revision
 
 log = logging.getLogger("allocator.election")
 
@@ -42,6 +42,7 @@ class Election:
         self.ttl_s = max(2, int(ttl_s))
         self._on_change = on_change
         self._lease_id: int | None = None
+        self._stale_lease: int | None = None  # a lease we lost track of: revoke it when etcd is back
         self._epoch: int | None = None  # set only while we lead
         self._last_ok = 0.0  # monotonic time of the last successful keepalive/campaign
         self.leader: LeaderInfo = LeaderInfo(node_id=None, url=None, epoch=None)
@@ -129,7 +130,7 @@ class Election:
                 self.role_known = False
                 if self._epoch is not None:
                     self.step_down(f"etcd error during keepalive: {e.detail}")
-                    self._lease_id = None
+                    self._stale_lease, self._lease_id = self._lease_id, None
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - keep the loop alive; log the bug
@@ -155,6 +156,10 @@ class Election:
         self.role_known = True
 
     async def _observe_or_campaign(self) -> None:
+        if self._stale_lease is not None:
+            with contextlib.suppress(EtcdLeaseMissing):
+                await self.store.revoke(self._stale_lease)  # frees our old leader key, if still there
+            self._stale_lease = None
         kv = await self.store.get(self.key)
         if kv is not None:
             self._set_leader(kv.value, kv.create_revision)

@@ -9,7 +9,7 @@ from allocator.contract.bundle import Pool
 from allocator.etcd_store import EtcdStore
 from leasehold.procs import EtcdCluster
 
-from .conftest import W, TestClock
+from .conftest import TestClock, W
 from .helpers import etcd_grants, etcd_windows, in_process, lease_body, settings_for
 
 

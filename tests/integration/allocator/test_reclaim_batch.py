@@ -1,0 +1,97 @@
+"""Usage reports / reclaim and the batch endpoint, against a real etcd (allocator in-process)."""
+
+from __future__ import annotations
+
+from allocator.contract.bundle import Pool
+from allocator.etcd_store import EtcdStore
+from leasehold.procs import EtcdCluster
+
+from .conftest import TestClock, W
+from .helpers import etcd_grants, etcd_windows, in_process, lease_body, settings_for, unique_prefix
+
+
+def usage(lease_id: str, pool: str, region: str, spent: int) -> dict:
+    return {"leaseId": lease_id, "pool": pool, "region": region, "spent": spent}
+
+
+async def test_reclaim_returns_exactly_granted_minus_reported_once(
+        etcd_cluster: EtcdCluster, make_bundle, prefix: str, clock: TestClock, etcd_reader: EtcdStore) -> None:
+    bundle = make_bundle(Pool(id="p1", window_ms=W, limit=300, lease_ttl_ms=5_000, chunk_max=100))
+    async with in_process(settings_for(etcd_cluster, bundle, prefix), clock=clock) as client:
+        t0 = clock.place_in_window(W, 1_000, freeze=True)
+        g = (await client.post("/v1/leases", json=lease_body("reclaim-lease-1", "p1", "eu", 80))).json()
+        assert g["granted"] == 80 and g["remaining"] == 220
+        url = "/v1/leases/reclaim-lease-1/usage"
+        # before expiry on the allocator clock: refused, nothing returned
+        early = await client.post(url, json=usage("reclaim-lease-1", "p1", "eu", 30))
+        assert early.status_code == 409 and "not yet expired" in early.json()["detail"]
+        clock.frozen = t0 + 5_000  # exactly the expiry
+        too_much = await client.post(url, json=usage("reclaim-lease-1", "p1", "eu", 81))
+        assert too_much.status_code == 422
+        wrong = await client.post(url, json=usage("reclaim-lease-1", "p1", "us", 30))
+        assert wrong.status_code == 409
+        r = await client.post(url, json=usage("reclaim-lease-1", "p1", "eu", 30))
+        assert r.status_code == 200
+        assert r.json() == {"leaseId": "reclaim-lease-1", "granted": 80, "spent": 30, "returned": 50,
+                            "windowOpen": True, "replayed": False}
+        # a second report (even with another number) changes nothing and replays the receipt
+        again = await client.post(url, json=usage("reclaim-lease-1", "p1", "eu", 0))
+        assert again.json() == {**r.json(), "replayed": True}
+        view = (await client.get("/v1/pools/p1")).json()
+        assert view["remaining"] == 270 and view["leasesOutstanding"] == 0
+        missing = await client.post("/v1/leases/reclaim-none-1/usage", json=usage("reclaim-none-1", "p1", "eu", 1))
+        assert missing.status_code == 404
+        # a lease reported after its window closed returns nothing: its unspent part is stranded
+        g2 = (await client.post("/v1/leases", json=lease_body("reclaim-lease-2", "p1", "eu", 40))).json()
+        clock.frozen = g2["window"]["endMs"] + 10
+        late = (await client.post("/v1/leases/reclaim-lease-2/usage",
+                                  json=usage("reclaim-lease-2", "p1", "eu", 15))).json()
+        assert late["returned"] == 0 and late["windowOpen"] is False
+    (state,) = (await etcd_windows(etcd_reader, prefix, "p1")).values()
+    assert state.remaining == 300 - 80 + 50 - 40
+    assert state.returned == {"eu": 50}
+    recs = await etcd_grants(etcd_reader, prefix)
+    assert recs["reclaim-lease-1"].reported and recs["reclaim-lease-1"].returned == 50
+    assert recs["reclaim-lease-2"].stranded == 25
+    # the overshoot argument: spent tokens + outstanding grants never exceed G
+    spent_or_held = sum(r.spent if r.reported else r.grant.granted for r in recs.values())
+    assert spent_or_held <= 300
+
+
+async def test_batch_gives_the_same_results_as_single_grants(etcd_cluster: EtcdCluster, make_bundle,
+                                                             clock: TestClock, etcd_reader: EtcdStore) -> None:
+    pools = [Pool(id="a", window_ms=W, limit=250, chunk_min=1, chunk_max=90),
+             Pool(id="b", window_ms=W, limit=40, chunk_min=1, chunk_max=30, regions=["eu", "us"])]
+    bundle = make_bundle(*pools)
+    reqs = []
+    for i in range(40):
+        region = ["eu", "us", "ap"][i % 3]
+        reqs.append(lease_body(f"batch-{i:05d}", "ab"[i % 2], region, 5 + (i * 7) % 80, demand=(i * 3) % 40))
+    reqs.append(lease_body("batch-unknown", "nope", "eu", 5))
+    clock.place_in_window(W, 5_000, freeze=True)
+
+    p_single, p_batch = unique_prefix(), unique_prefix()
+    async with in_process(settings_for(etcd_cluster, bundle, p_single), clock=clock) as client:
+        singles = [(await client.post("/v1/leases", json=r)).json() for r in reqs]
+    async with in_process(settings_for(etcd_cluster, bundle, p_batch), clock=clock) as client:
+        resp = await client.post("/v1/leases/batch", json={"requests": reqs})
+        assert resp.status_code == 200
+        batch = resp.json()["results"]
+        dup = await client.post("/v1/leases/batch", json={"requests": [reqs[0], reqs[0]]})
+        assert dup.status_code == 422
+    assert len(batch) == len(singles)
+
+    def norm(x: dict, req: dict) -> dict:
+        if "granted" in x:
+            return {k: v for k, v in x.items() if k not in ("epoch", "replayed")}
+        code = x["code"] if "code" in x else x["type"].rsplit("/", 1)[1]
+        return {"leaseId": req["leaseId"], "status": x["status"], "code": code}
+    assert [norm(x, r) for x, r in zip(batch, reqs, strict=True)] == \
+        [norm(x, r) for x, r in zip(singles, reqs, strict=True)]
+    assert [x["leaseId"] for x in batch] == [r["leaseId"] for r in reqs]
+    assert any(x.get("status") == 403 for x in batch)  # ap may not lease pool b
+    assert batch[-1]["status"] == 404
+    for p in (p_single, p_batch):
+        for pool in ("a", "b"):
+            (state,) = (await etcd_windows(etcd_reader, p, pool)).values()
+            assert state.total_granted == state.limit - state.remaining
