@@ -1,0 +1,463 @@
+"""Executable invariants (DESIGN.md invariants 2-6, seed ch. 13 and ch. 17).
+
+Pure functions over plain records: no I/O, no clock. Each check returns a list of
+:class:`Violation` (empty = the invariant held), so the allocator's own tests, unit tests
+and the chaos checker (``chaos/checker.py``) all run the same code.
+
+Clocks. Every timestamp says which clock it is on:
+
+* ``*_at_ms`` fields named *allocator* (``expires_at_ms``, ``issued_at_ms``) are on the
+  allocator leader's wall clock (the wire type :class:`allocator.contract.wire.LeaseGrant`).
+* ``sent_at_ms`` / ``received_at_ms`` of a grant and ``at_ms`` of a spend or decision are on
+  the *recorder's* clock: the wall clock of the process that writes the history (the chaos
+  runner / load generator), never a service that may run under ``faketime``.
+* Revisions (``commit_revision``, ``elected_revision``) are etcd revisions: one total order
+  for everything etcd committed, independent of any clock.
+
+Windows: ``index = floor(t_ms / windowMs)`` on the allocator clock; a record carries the
+window index it was granted or admitted for, so no check re-derives it from a skewed clock.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+
+from msgspec import Struct
+
+from .bundle import Pool
+
+#: Default slack for timing checks, on the recorder's clock. It absorbs the time between the
+#: agent's admission and the recorder writing it down (one loopback HTTP round trip plus
+#: scheduling on a loaded 2-core machine) — not clock skew of the services, which the
+#: design itself must absorb (leases are timed from the region's send time).
+DEFAULT_TOLERANCE_MS = 250
+
+
+# ----------------------------------------------------------------------------- records
+class PoolPolicy(Struct, frozen=True):
+    """A pool's limit as in force from ``valid_from_ms`` (recorder clock; None = from the start).
+
+    Several entries with the same ``id`` describe policy changes (e.g. a rollback published as
+    a new version mid-run); a window's bound takes the most generous version in force at any
+    moment of that window, so a mid-window change is never reported as a violation by itself.
+    ``window_ms`` must not change between versions of one pool."""
+
+    id: str
+    limit: int  # G: tokens per window
+    window_ms: int
+    fallback_per_region: int = 0
+    valid_from_ms: int | None = None
+
+    @classmethod
+    def from_pool(cls, pool: Pool, valid_from_ms: int | None = None) -> PoolPolicy:
+        """From a bundle's :class:`~allocator.contract.bundle.Pool` (``limit`` per ``windowMs``)."""
+        return cls(id=pool.id, limit=pool.limit, window_ms=pool.window_ms,
+                   fallback_per_region=pool.fallback_per_region, valid_from_ms=valid_from_ms)
+
+
+class GrantRecord(Struct, frozen=True):
+    """One grant as some party saw it (the allocator's answer, a region's receipt, or etcd)."""
+
+    lease_id: str
+    pool: str
+    region: str
+    granted: int
+    window_index: int
+    epoch: int
+    expires_at_ms: int | None = None  # allocator clock
+    ttl_ms: int | None = None
+    window_end_ms: int | None = None  # allocator clock
+    starts_in_ms: int = 0
+    sent_at_ms: int | None = None  # recorder clock: when the region sent the (first) request
+    received_at_ms: int | None = None  # recorder clock: when the region got this answer
+    commit_revision: int | None = None  # etcd mod_revision of the grant record, when known
+    accepted: bool = True  # False: the region rejected it (e.g. stale epoch)
+
+    def content(self) -> tuple[int, int, int, str, str]:
+        """What must never differ between two sightings of one lease id."""
+        return (self.granted, self.window_index, self.epoch, self.pool, self.region)
+
+
+class LeaderTerm(Struct, frozen=True):
+    """A leader's term. ``epoch`` is its election key's create_revision, so by construction
+    ``elected_revision == epoch`` when the epoch is a revision; ``elected_at_ms`` (recorder
+    clock) is when somebody observed it, used only when revisions are unavailable."""
+
+    epoch: int
+    elected_revision: int | None = None
+    elected_at_ms: int | None = None
+    node: str | None = None
+
+
+class SpendRecord(Struct, frozen=True):
+    """Tokens admitted against a lease. ``at_ms`` on the recorder clock; None = an untimed
+    summary (e.g. a lease's closing report), which the expiry check skips."""
+
+    lease_id: str
+    tokens: int
+    at_ms: int | None = None
+    pool: str | None = None
+    region: str | None = None
+
+
+class DecisionRecord(Struct, frozen=True):
+    """One admission's effect on one pool in one window (a multi-pool decision is several)."""
+
+    pool: str
+    window_index: int
+    region: str
+    allowed: bool
+    tokens: int = 1
+    fallback: bool = False  # admitted from the region's fallbackPerRegion (allocator unreachable)
+    local: bool = False  # admitted from an agent's local allowance (its Redis unreachable)
+    lease_id: str | None = None
+    at_ms: int | None = None  # recorder clock
+    agent: str | None = None
+
+
+class Violation(Struct, frozen=True):
+    invariant: str
+    detail: str
+    pool: str | None = None
+    window_index: int | None = None
+    lease_id: str | None = None
+    observed: int | None = None
+    bound: int | None = None
+
+
+class WindowBound(Struct, frozen=True):
+    pool: str
+    window_index: int
+    admitted: int
+    limit: int  # G in force
+    fallback_allowance: int  # Σ over regions that used fallback of their allowance
+    local_allowance: int
+    bound: int  # limit + fallback_allowance + local_allowance
+
+    @property
+    def overshoot(self) -> int:
+        """Admitted beyond G (may be negative: under-use)."""
+        return self.admitted - self.limit
+
+    @property
+    def excess(self) -> int:
+        """Admitted beyond the bound (> 0 is a violation)."""
+        return self.admitted - self.bound
+
+
+class BoundCheck(Struct, frozen=True):
+    violations: list[Violation]
+    windows: list[WindowBound]
+    worst: WindowBound | None  # the window with the largest admitted - bound
+
+
+class Utilisation(Struct, frozen=True):
+    pool: str
+    window_index: int
+    admitted: int
+    demand: int  # tokens asked for (allowed + denied)
+    limit: int
+
+    @property
+    def ratio(self) -> float:
+        return self.admitted / self.limit if self.limit else 0.0
+
+
+# ----------------------------------------------------------------------------- policy helpers
+def _versions(pools: Iterable[PoolPolicy]) -> dict[str, list[PoolPolicy]]:
+    out: dict[str, list[PoolPolicy]] = defaultdict(list)
+    for p in pools:
+        out[p.id].append(p)
+    for versions in out.values():
+        versions.sort(key=lambda v: -1 if v.valid_from_ms is None else v.valid_from_ms)
+    return dict(out)
+
+
+def policy_for_window(pools: Iterable[PoolPolicy] | Mapping[str, list[PoolPolicy]],
+                      pool: str, index: int) -> PoolPolicy | None:
+    """The most generous version of ``pool`` in force at any moment of window ``index``:
+    the version current at the window's start plus every version taking effect during it."""
+    by_id = pools if isinstance(pools, Mapping) else _versions(pools)
+    versions = by_id.get(pool)
+    if not versions:
+        return None
+    start = index * versions[0].window_ms
+    end = start + versions[0].window_ms
+    current = versions[0]
+    in_force = []
+    for v in versions:
+        if v.valid_from_ms is None or v.valid_from_ms <= start:
+            current = v
+        elif v.valid_from_ms < end:
+            in_force.append(v)
+    in_force.append(current)
+    return max(in_force, key=lambda v: (v.limit, v.fallback_per_region))
+
+
+def _unique(grants: Iterable[GrantRecord]) -> list[GrantRecord]:
+    """One record per distinct (lease id, content): repeated sightings are not extra grants."""
+    seen: dict[tuple, GrantRecord] = {}
+    for g in grants:
+        seen.setdefault((g.lease_id, g.content()), g)
+    return list(seen.values())
+
+
+# ----------------------------------------------------------------------------- invariants
+def granted_within_limit(grants: Iterable[GrantRecord], pools: Iterable[PoolPolicy]) -> list[Violation]:
+    """Invariant 2: per pool and window, Σ granted <= G (feed it etcd's own records)."""
+    by_id = _versions(pools)
+    sums: dict[tuple[str, int], int] = defaultdict(int)
+    out: list[Violation] = []
+    for g in _unique(grants):
+        if g.granted < 0:
+            out.append(Violation("granted_within_limit", f"lease {g.lease_id} has negative granted {g.granted}",
+                                 g.pool, g.window_index, g.lease_id, g.granted, 0))
+        sums[(g.pool, g.window_index)] += g.granted
+    for (pool, index), total in sorted(sums.items()):
+        policy = policy_for_window(by_id, pool, index)
+        if policy is None:
+            out.append(Violation("granted_within_limit", f"grants for unknown pool {pool!r}", pool, index,
+                                 observed=total))
+        elif total > policy.limit:
+            out.append(Violation("granted_within_limit",
+                                 f"pool {pool} window {index}: granted {total} > G {policy.limit}",
+                                 pool, index, observed=total, bound=policy.limit))
+    return out
+
+
+def no_double_grant(grants: Iterable[GrantRecord]) -> list[Violation]:
+    """Invariant 3: a lease id never appears with different (granted, window, epoch, pool, region)."""
+    contents: dict[str, set[tuple]] = defaultdict(set)
+    first: dict[str, GrantRecord] = {}
+    for g in grants:
+        contents[g.lease_id].add(g.content())
+        first.setdefault(g.lease_id, g)
+    out: list[Violation] = []
+    for lease_id, seen in sorted(contents.items()):
+        if len(seen) > 1:
+            g = first[lease_id]
+            shown = "; ".join(f"granted={c[0]} window={c[1]} epoch={c[2]} pool={c[3]} region={c[4]}"
+                              for c in sorted(seen))
+            out.append(Violation("no_double_grant", f"lease {lease_id} seen with {len(seen)} contents: {shown}",
+                                 g.pool, g.window_index, lease_id, observed=len(seen), bound=1))
+    return out
+
+
+def no_stale_epoch_commit(grants: Iterable[GrantRecord], leader_terms: Iterable[LeaderTerm]) -> list[Violation]:
+    """Invariant 4 (allocator side): no grant committed with epoch e after a newer epoch e' > e
+    was elected. Compared by etcd revision: the grant's ``commit_revision`` (its record's
+    mod_revision, read back from etcd) against the term's ``elected_revision``. Epochs are
+    create_revisions, so every epoch seen on any grant is also a term elected at that
+    revision. Grants without a commit revision are not judged here (wall-clock times cannot
+    order a commit against an election); :func:`acknowledged_grants_persisted` ties what
+    regions received to etcd's records, which carry revisions."""
+    terms: dict[int, LeaderTerm] = {}
+    grants = list(grants)
+    for t in leader_terms:
+        prev = terms.get(t.epoch)
+        if prev is None or (prev.elected_revision is None and t.elected_revision is not None):
+            terms[t.epoch] = t
+    for g in grants:  # an epoch is its election key's create_revision
+        terms.setdefault(g.epoch, LeaderTerm(epoch=g.epoch, elected_revision=g.epoch))
+    out: list[Violation] = []
+    for g in _unique(grants):
+        for t in terms.values():
+            if t.epoch <= g.epoch:
+                continue
+            if (g.commit_revision is not None and t.elected_revision is not None
+                    and g.commit_revision > t.elected_revision):
+                out.append(Violation("no_stale_epoch_commit",
+                                     f"lease {g.lease_id} committed at revision {g.commit_revision} with epoch "
+                                     f"{g.epoch}, but epoch {t.epoch} was elected at revision {t.elected_revision}",
+                                     g.pool, g.window_index, g.lease_id, g.commit_revision, t.elected_revision))
+                break
+    return out
+
+
+def no_stale_epoch_accept(received: Sequence[GrantRecord]) -> list[Violation]:
+    """Invariant 4 (region side): per region, in receipt order (``received_at_ms``), no
+    accepted grant carries an epoch older than one that region already accepted."""
+    by_region: dict[str, list[GrantRecord]] = defaultdict(list)
+    for g in received:
+        if g.accepted and g.received_at_ms is not None:
+            by_region[g.region].append(g)
+    out: list[Violation] = []
+    for region, gs in sorted(by_region.items()):
+        gs.sort(key=lambda g: g.received_at_ms or 0)
+        newest = None
+        for g in gs:
+            if newest is not None and g.epoch < newest:
+                out.append(Violation("no_stale_epoch_accept",
+                                     f"region {region} accepted lease {g.lease_id} with epoch {g.epoch} after "
+                                     f"having accepted epoch {newest}", g.pool, g.window_index, g.lease_id,
+                                     g.epoch, newest))
+            newest = g.epoch if newest is None else max(newest, g.epoch)
+    return out
+
+
+def lease_spend_within_grant(spends: Iterable[SpendRecord], grants: Iterable[GrantRecord]) -> list[Violation]:
+    """Per lease: Σ tokens admitted against it <= granted (a spend on an unknown lease is a
+    violation too: tokens from nowhere)."""
+    granted: dict[str, GrantRecord] = {}
+    for g in grants:
+        prev = granted.get(g.lease_id)
+        if prev is None or g.granted < prev.granted:  # the smallest sighting: be strict
+            granted[g.lease_id] = g
+    spent: dict[str, int] = defaultdict(int)
+    for s in spends:
+        spent[s.lease_id] += s.tokens
+    out: list[Violation] = []
+    for lease_id, total in sorted(spent.items()):
+        g = granted.get(lease_id)
+        if g is None:
+            if total > 0:
+                out.append(Violation("lease_spend_within_grant", f"{total} tokens spent on unknown lease {lease_id}",
+                                     lease_id=lease_id, observed=total, bound=0))
+        elif total > g.granted:
+            out.append(Violation("lease_spend_within_grant",
+                                 f"lease {lease_id}: spent {total} > granted {g.granted}",
+                                 g.pool, g.window_index, lease_id, total, g.granted))
+    return out
+
+
+def lease_deadline_ms(records: Iterable[GrantRecord]) -> int | None:
+    """When a lease stops being spendable, on the recorder clock: ``sent_at_ms + ttl_ms`` of the
+    latest sighting (the region times the lease from when it sent the request; retries reuse
+    the id, so the latest send is the most lenient correct reading). None if never timed."""
+    best: int | None = None
+    for g in records:
+        if g.sent_at_ms is not None and g.ttl_ms is not None:
+            d = g.sent_at_ms + g.ttl_ms
+            best = d if best is None else max(best, d)
+    return best
+
+
+def no_spend_after_expiry(spends: Iterable[SpendRecord], grants: Iterable[GrantRecord],
+                          tolerance_ms: int = DEFAULT_TOLERANCE_MS) -> list[Violation]:
+    """Invariant 5: no admission is counted against a lease later than its deadline +
+    ``tolerance_ms`` (recorder clock; see :func:`lease_deadline_ms`), nor after its window's end
+    + tolerance (window end on the allocator clock: only meaningful when the allocator is not
+    skewed against the recorder, so the window check is skipped for grants without
+    ``window_end_ms``). Untimed spends (``at_ms`` None) are skipped."""
+    by_lease: dict[str, list[GrantRecord]] = defaultdict(list)
+    for g in grants:
+        by_lease[g.lease_id].append(g)
+    worst: dict[str, tuple[int, int, str]] = {}
+    for s in spends:
+        if s.at_ms is None or s.lease_id not in by_lease:
+            continue
+        recs = by_lease[s.lease_id]
+        limits = []
+        deadline = lease_deadline_ms(recs)
+        if deadline is not None:
+            limits.append((deadline, "lease deadline (sent + ttl)"))
+        ends = [g.window_end_ms for g in recs if g.window_end_ms is not None]
+        if ends:
+            limits.append((min(ends), "window end"))
+        for limit, what in limits:
+            late = s.at_ms - (limit + tolerance_ms)
+            if late > 0 and (s.lease_id not in worst or late > worst[s.lease_id][0]):
+                worst[s.lease_id] = (late, s.at_ms, f"{what} {limit}")
+    out: list[Violation] = []
+    for lease_id, (late, at, what) in sorted(worst.items()):
+        g = by_lease[lease_id][0]
+        out.append(Violation("no_spend_after_expiry",
+                             f"lease {lease_id}: spent at {at}, {late} ms after {what} + {tolerance_ms} ms tolerance",
+                             g.pool, g.window_index, lease_id, at, at - late))
+    return out
+
+
+def admitted_within_bound(decisions: Iterable[DecisionRecord], pools: Iterable[PoolPolicy],
+                          fallback_allowances: Mapping[tuple[str, str], int] | None = None,
+                          local_allowances: Mapping[tuple[str, int], int] | None = None) -> BoundCheck:
+    """Invariant 6, per pool and window::
+
+        admitted <= G + Σ_{regions that admitted from fallback} allowance + local allowance
+
+    ``G`` and each region's allowance come from the policy in force (:func:`policy_for_window`);
+    ``fallback_allowances[(pool, region)]`` overrides ``fallbackPerRegion`` for a region.
+    ``local_allowances[(pool, window_index)]`` is the Σ of agents' local allowances while their
+    Redis was unreachable in that window (0 when absent, so local admissions without a stated
+    allowance count against G). Also flags a region whose fallback admissions alone exceed its
+    allowance. Returns every window's figures and the worst one (largest admitted - bound)."""
+    by_id = _versions(pools)
+    fallback_allowances = fallback_allowances or {}
+    local_allowances = local_allowances or {}
+    admitted: dict[tuple[str, int], int] = defaultdict(int)
+    fb_used: dict[tuple[str, int, str], int] = defaultdict(int)
+    for d in decisions:
+        if not d.allowed:
+            continue
+        admitted[(d.pool, d.window_index)] += d.tokens
+        if d.fallback:
+            fb_used[(d.pool, d.window_index, d.region)] += d.tokens
+    out: list[Violation] = []
+    windows: list[WindowBound] = []
+    for (pool, index), total in sorted(admitted.items()):
+        policy = policy_for_window(by_id, pool, index)
+        if policy is None:
+            out.append(Violation("admitted_within_bound", f"admissions for unknown pool {pool!r}", pool, index,
+                                 observed=total))
+            continue
+        fb_total = 0
+        for (p, k, region), used in fb_used.items():
+            if (p, k) != (pool, index):
+                continue
+            allowance = fallback_allowances.get((pool, region), policy.fallback_per_region)
+            fb_total += allowance
+            if used > allowance:
+                out.append(Violation("admitted_within_bound",
+                                     f"pool {pool} window {index}: region {region} admitted {used} from fallback "
+                                     f"> its allowance {allowance}", pool, index, observed=used, bound=allowance))
+        local = local_allowances.get((pool, index), 0)
+        wb = WindowBound(pool, index, total, policy.limit, fb_total, local, policy.limit + fb_total + local)
+        windows.append(wb)
+        if wb.excess > 0:
+            out.append(Violation("admitted_within_bound",
+                                 f"pool {pool} window {index}: admitted {total} > bound {wb.bound} "
+                                 f"(G {policy.limit} + fallback {fb_total} + local {local})",
+                                 pool, index, observed=total, bound=wb.bound))
+    worst = max(windows, key=lambda w: (w.excess, w.overshoot)) if windows else None
+    return BoundCheck(out, windows, worst)
+
+
+def acknowledged_grants_persisted(received_grants: Iterable[GrantRecord],
+                                  etcd_grants: Iterable[GrantRecord]) -> list[Violation]:
+    """Nothing acknowledged was lost: every non-zero grant a region received exists in etcd's
+    records (read back after the run) with identical content."""
+    stored: dict[str, set[tuple]] = defaultdict(set)
+    for g in etcd_grants:
+        stored[g.lease_id].add(g.content())
+    out: list[Violation] = []
+    reported: set[tuple] = set()
+    for g in received_grants:
+        if g.granted <= 0 or (g.lease_id, g.content()) in reported:
+            continue
+        reported.add((g.lease_id, g.content()))
+        if g.lease_id not in stored:
+            out.append(Violation("acknowledged_grants_persisted",
+                                 f"lease {g.lease_id} ({g.granted} tokens, epoch {g.epoch}) was received by "
+                                 f"{g.region} but is not in etcd", g.pool, g.window_index, g.lease_id, g.granted))
+        elif g.content() not in stored[g.lease_id]:
+            out.append(Violation("acknowledged_grants_persisted",
+                                 f"lease {g.lease_id}: received content {g.content()} differs from etcd's "
+                                 f"{sorted(stored[g.lease_id])}", g.pool, g.window_index, g.lease_id, g.granted))
+    return out
+
+
+def utilisation(decisions: Iterable[DecisionRecord], pools: Iterable[PoolPolicy]) -> list[Utilisation]:
+    """Admitted / G per pool and window, with the demand (a report, not a violation)."""
+    by_id = _versions(pools)
+    admitted: dict[tuple[str, int], int] = defaultdict(int)
+    demand: dict[tuple[str, int], int] = defaultdict(int)
+    for d in decisions:
+        demand[(d.pool, d.window_index)] += d.tokens
+        if d.allowed:
+            admitted[(d.pool, d.window_index)] += d.tokens
+    out: list[Utilisation] = []
+    for (pool, index), asked in sorted(demand.items()):
+        policy = policy_for_window(by_id, pool, index)
+        if policy is not None:
+            out.append(Utilisation(pool, index, admitted.get((pool, index), 0), asked, policy.limit))
+    return out

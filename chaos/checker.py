@@ -1,0 +1,187 @@
+"""Check a chaos run's history against the executable invariants.
+
+``check(history, pools, tolerance_ms)`` runs every function of
+:mod:`allocator.contract.invariants` over the history's records and returns a :class:`Report`:
+a verdict per invariant (with its violations), per pool and window the admitted total against
+its bound (and the worst case), utilisation for windows whose demand exceeded G, and the
+faults injected. ``Report.render()`` is the short text form.
+
+Which records feed which check:
+
+* granted <= G: etcd's own records (``etcd_grant``), or — when the run read nothing back — the
+  grants regions received;
+* no double grant: every sighting (``grant`` and ``etcd_grant``);
+* no stale-epoch commit: ``etcd_grant`` (mod revisions) against ``leader`` records and every
+  epoch seen; no stale-epoch accept: the regions' ``grant`` records in receipt order;
+* spend within grant / no spend after expiry: lease spends of allowed ``decision`` records
+  (plus ``spend_close`` totals for the former);
+* admitted within bound and utilisation: ``decision`` records, with the pools in force from the
+  ``pools`` argument and any ``policy`` records, and ``local_allowance`` records;
+* acknowledged grants persisted: non-zero region-received grants against ``etcd_grant``. Only
+  judged when the history holds etcd records (otherwise reported as not checked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from msgspec import Struct
+
+from allocator.contract import invariants as inv
+from allocator.contract.bundle import Pool
+from allocator.contract.invariants import (
+    DEFAULT_TOLERANCE_MS,
+    PoolPolicy,
+    Utilisation,
+    Violation,
+    WindowBound,
+)
+
+from .history import (
+    Decision,
+    EtcdGrant,
+    Fault,
+    Grant,
+    Leader,
+    LocalAllowance,
+    Record,
+    SpendClose,
+    close_to_spend,
+    policies_from,
+    read_history,
+    to_decision_records,
+    to_grant_record,
+    to_leader_term,
+    to_spend_records,
+)
+
+INVARIANTS = (
+    "granted_within_limit",
+    "no_double_grant",
+    "no_stale_epoch_commit",
+    "no_stale_epoch_accept",
+    "lease_spend_within_grant",
+    "no_spend_after_expiry",
+    "admitted_within_bound",
+    "acknowledged_grants_persisted",
+)
+
+
+class Verdict(Struct):
+    invariant: str
+    ok: bool
+    checked: bool  # False: the history had nothing to judge it on
+    violations: list[Violation]
+    note: str = ""
+
+
+class Report(Struct):
+    verdicts: list[Verdict]
+    windows: list[WindowBound]
+    worst: dict[str, WindowBound]  # per pool: the window with the largest admitted - bound
+    utilisation: list[Utilisation]  # windows whose demand exceeded G
+    faults: list[Fault]
+    tolerance_ms: int
+    counts: dict[str, int]
+
+    @property
+    def ok(self) -> bool:
+        return all(v.ok for v in self.verdicts)
+
+    def verdict(self, name: str) -> Verdict:
+        for v in self.verdicts:
+            if v.invariant == name:
+                return v
+        raise KeyError(name)
+
+    def render(self, max_violations: int = 5) -> str:
+        lines = [f"verdict: {'PASS' if self.ok else 'FAIL'}  (timing tolerance {self.tolerance_ms} ms; "
+                 + ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items())) + ")"]
+        for v in self.verdicts:
+            state = "ok  " if v.ok else "FAIL"
+            if not v.checked:
+                state = "n/a "
+            lines.append(f"  [{state}] {v.invariant}" + (f" — {len(v.violations)} violation(s)" if v.violations else "")
+                         + (f" ({v.note})" if v.note else ""))
+            for viol in v.violations[:max_violations]:
+                lines.append(f"         {viol.detail}")
+            if len(v.violations) > max_violations:
+                lines.append(f"         ... {len(v.violations) - max_violations} more")
+        for pool, w in sorted(self.worst.items()):
+            pct = 100.0 * w.overshoot / w.limit if w.limit else 0.0
+            lines.append(f"  worst window of {pool}: #{w.window_index} admitted {w.admitted} vs G {w.limit} "
+                         f"(overshoot {w.overshoot:+d}, {pct:+.1f}%), bound {w.bound} "
+                         f"(fallback {w.fallback_allowance}, local {w.local_allowance})")
+        if self.utilisation:
+            lines.append("  utilisation (windows with demand > G): "
+                         + ", ".join(f"{u.pool}#{u.window_index} {u.ratio:.2f}" for u in self.utilisation[:12])
+                         + (" ..." if len(self.utilisation) > 12 else ""))
+        for f in self.faults:
+            stop = "active" if f.stop_ms is None else f"{f.stop_ms}"
+            lines.append(f"  fault {f.nemesis} on {f.target}: {f.start_ms} -> {stop} {f.detail}".rstrip())
+        return "\n".join(lines)
+
+
+def _pool_policies(pools: Iterable[Pool | PoolPolicy]) -> list[PoolPolicy]:
+    return [p if isinstance(p, PoolPolicy) else PoolPolicy.from_pool(p) for p in pools]
+
+
+def check(history: str | Path | Iterable[Record], pools: Iterable[Pool | PoolPolicy] = (),
+          tolerance_ms: int = DEFAULT_TOLERANCE_MS) -> Report:
+    """Run every invariant over a history file (path) or records. ``pools`` is the policy in
+    force at the start (bundle Pools or PoolPolicy); ``policy`` records in the history add the
+    versions applied mid-run."""
+    records: list[Record] = list(read_history(history) if isinstance(history, str | Path) else history)
+    policies = _pool_policies(pools) + policies_from(records)
+
+    grants = [r for r in records if isinstance(r, Grant)]
+    etcd = [r for r in records if isinstance(r, EtcdGrant)]
+    decisions = [r for r in records if isinstance(r, Decision)]
+    closes = [r for r in records if isinstance(r, SpendClose)]
+    leaders = [r for r in records if isinstance(r, Leader)]
+    faults = [r for r in records if isinstance(r, Fault)]
+    local = {}
+    for r in records:
+        if isinstance(r, LocalAllowance):
+            local[(r.pool, r.window_index)] = local.get((r.pool, r.window_index), 0) + r.tokens
+
+    received = [to_grant_record(g) for g in grants]
+    stored = [to_grant_record(g) for g in etcd]
+    window_of = {g.lease_id: g.window_index for g in received + stored}
+    d_recs = [d for dec in decisions for d in to_decision_records(dec, window_of)]
+    timed_spends = [s for dec in decisions for s in to_spend_records(dec)]
+    all_grants = received + stored
+
+    verdicts: list[Verdict] = []
+
+    def add(name: str, violations: list[Violation], checked: bool = True, note: str = "") -> None:
+        verdicts.append(Verdict(name, not violations, checked, violations, note))
+
+    add("granted_within_limit", inv.granted_within_limit(stored or [g for g in received if g.accepted], policies),
+        checked=bool(stored or received), note="" if stored else "from region receipts: no etcd records")
+    add("no_double_grant", inv.no_double_grant(all_grants), checked=bool(all_grants))
+    add("no_stale_epoch_commit", inv.no_stale_epoch_commit(stored, [to_leader_term(x) for x in leaders]),
+        checked=bool(stored), note="" if stored else "needs etcd records with revisions")
+    add("no_stale_epoch_accept", inv.no_stale_epoch_accept(received), checked=bool(received))
+    spend_viol = inv.lease_spend_within_grant(timed_spends, all_grants)
+    close_viol = [Violation(v.invariant, "closing report: " + v.detail, v.pool, v.window_index, v.lease_id,
+                            v.observed, v.bound)
+                  for v in inv.lease_spend_within_grant([close_to_spend(c) for c in closes], all_grants)]
+    add("lease_spend_within_grant", spend_viol + close_viol, checked=bool(timed_spends or closes))
+    add("no_spend_after_expiry", inv.no_spend_after_expiry(timed_spends, all_grants, tolerance_ms),
+        checked=bool(timed_spends))
+    bound = inv.admitted_within_bound(d_recs, policies, None, local)
+    add("admitted_within_bound", bound.violations, checked=bool(d_recs))
+    add("acknowledged_grants_persisted", inv.acknowledged_grants_persisted(received, stored),
+        checked=bool(stored), note="" if stored else "no etcd records read back")
+
+    worst: dict[str, WindowBound] = {}
+    for w in bound.windows:
+        cur = worst.get(w.pool)
+        if cur is None or (w.excess, w.overshoot) > (cur.excess, cur.overshoot):
+            worst[w.pool] = w
+    util = [u for u in inv.utilisation(d_recs, policies) if u.demand > u.limit]
+    counts = {"grants": len(grants), "etcd_grants": len(etcd), "decisions": len(decisions),
+              "faults": len(faults), "leaders": len(leaders)}
+    return Report(verdicts, bound.windows, worst, util, faults, tolerance_ms, counts)

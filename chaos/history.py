@@ -1,0 +1,265 @@
+"""A chaos run's history: one JSON-lines file per run, one typed record per line.
+
+Records are msgspec Structs in a tagged union (field ``type``). Times named ``*AtMs`` on a
+record are on the clock of the process that wrote the history (the chaos runner), except
+``expiresAtMs`` / ``issuedAtMs`` / ``windowStartMs`` / ``windowEndMs`` which are copied from
+the allocator's answer (allocator clock). ``to_*`` helpers turn records into the plain
+records of :mod:`allocator.contract.invariants`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO
+
+import msgspec
+from msgspec import Struct
+
+from allocator.contract.invariants import DecisionRecord, GrantRecord, LeaderTerm, PoolPolicy, SpendRecord
+from allocator.contract.wire import LeaseGrant
+
+
+def now_ms() -> int:
+    """The recorder clock: this process's wall clock in ms."""
+    return time.time_ns() // 1_000_000
+
+
+class _Rec(Struct, rename="camel", tag_field="type", kw_only=True):
+    pass
+
+
+class Grant(_Rec, tag="grant"):
+    """A lease grant as a region's lease manager received it, or as the allocator answered."""
+
+    lease_id: str
+    pool: str
+    region: str
+    granted: int
+    window_index: int
+    expires_at_ms: int  # allocator clock
+    ttl_ms: int
+    epoch: int
+    window_start_ms: int | None = None  # allocator clock
+    window_end_ms: int | None = None  # allocator clock
+    starts_in_ms: int = 0
+    issued_at_ms: int | None = None  # allocator clock
+    sent_at_ms: int | None = None  # recorder clock
+    received_at_ms: int | None = None  # recorder clock
+    source: str = "region"  # region | allocator | replay
+    replayed: bool = False
+    accepted: bool = True  # False: the region refused it (stale epoch)
+
+
+class PoolSpend(Struct, rename="camel"):
+    pool: str
+    tokens: int = 1
+    lease_id: str | None = None  # None: not spent from a lease (fallback / local allowance)
+    window_index: int | None = None
+
+
+class Decision(_Rec, tag="decision"):
+    agent: str
+    region: str
+    tenant: str
+    allowed: bool
+    recorded_at_ms: int  # recorder clock (when the load generator got the answer)
+    spends: list[PoolSpend] = []
+    fallback: bool = False
+    local: bool = False  # admitted from a local allowance while the agent's Redis was unreachable
+    reason: str | None = None
+    route_group: str | None = None
+    request_id: str | None = None
+
+
+class SpendClose(_Rec, tag="spend_close"):
+    lease_id: str
+    pool: str
+    region: str
+    granted: int
+    spent: int
+    closed_at_ms: int | None = None  # recorder clock
+
+
+class Fault(_Rec, tag="fault"):
+    nemesis: str
+    target: str
+    start_ms: int  # recorder clock
+    stop_ms: int | None = None  # recorder clock; None = still active when the run ended
+    detail: str = ""
+
+
+class EtcdGrant(_Rec, tag="etcd_grant"):
+    """A grant record read back from etcd after the run."""
+
+    lease_id: str
+    pool: str
+    region: str
+    granted: int
+    window_index: int
+    epoch: int
+    expires_at_ms: int | None = None  # allocator clock
+    mod_revision: int | None = None
+    create_revision: int | None = None
+
+
+class Leader(_Rec, tag="leader"):
+    epoch: int
+    node: str | None
+    observed_at_ms: int  # recorder clock
+
+
+class Policy(_Rec, tag="policy"):
+    """Pools in force from ``appliedAtMs`` (recorder clock) — e.g. a rollback published mid-run."""
+
+    version: int
+    applied_at_ms: int | None
+    pools: list[PoolPolicy] = []
+
+
+class Meta(_Rec, tag="meta"):
+    scenario: str
+    seed: int
+    started_at_ms: int
+    duration_s: float | None = None
+    note: str = ""
+
+
+class LocalAllowance(_Rec, tag="local_allowance"):
+    """Tokens agents could admit from local allowances in a pool window while their Redis was down."""
+
+    pool: str
+    window_index: int
+    tokens: int
+
+
+Record = Grant | Decision | SpendClose | Fault | EtcdGrant | Leader | Policy | Meta | LocalAllowance
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Record)
+
+
+class HistoryWriter:
+    """Append-only JSON-lines writer; thread-safe, flushed per record so a killed run keeps
+    everything written so far."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f: IO[bytes] | None = open(self.path, "ab")
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def write(self, rec: Record) -> None:
+        line = _encoder.encode(rec) + b"\n"
+        with self._lock:
+            if self._f is None:
+                raise ValueError(f"history {self.path} is closed")
+            self._f.write(line)
+            self._f.flush()
+            self.count += 1
+
+    def write_all(self, recs: Iterable[Record]) -> None:
+        for r in recs:
+            self.write(r)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._f is not None:
+                self._f.close()
+                self._f = None
+
+    def __enter__(self) -> HistoryWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class HistoryError(ValueError):
+    pass
+
+
+def read_history(path: str | Path) -> Iterator[Record]:
+    """Yield every record; a malformed line raises :class:`HistoryError` naming the line, except
+    a truncated last line (a run killed mid-write), which is ignored."""
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    last = max((i for i, raw in enumerate(lines) if raw.strip()), default=-1)
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            yield _decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            if i == last and not raw.endswith(b"}"):
+                return
+            raise HistoryError(f"{path}:{i + 1}: {e}") from None
+
+
+# ----------------------------------------------------------------------------- helpers
+def grant_from_wire(g: LeaseGrant, *, sent_at_ms: int | None, received_at_ms: int | None,
+                    source: str = "region", accepted: bool = True) -> Grant:
+    return Grant(lease_id=g.lease_id, pool=g.pool, region=g.region, granted=g.granted,
+                 window_index=g.window.index, window_start_ms=g.window.start_ms, window_end_ms=g.window.end_ms,
+                 expires_at_ms=g.expires_at_ms, ttl_ms=g.ttl_ms, epoch=g.epoch, starts_in_ms=g.starts_in_ms,
+                 issued_at_ms=g.issued_at_ms, sent_at_ms=sent_at_ms, received_at_ms=received_at_ms,
+                 source=source, replayed=g.replayed, accepted=accepted)
+
+
+def to_grant_record(g: Grant | EtcdGrant) -> GrantRecord:
+    if isinstance(g, EtcdGrant):
+        return GrantRecord(lease_id=g.lease_id, pool=g.pool, region=g.region, granted=g.granted,
+                           window_index=g.window_index, epoch=g.epoch, expires_at_ms=g.expires_at_ms,
+                           commit_revision=g.mod_revision)
+    return GrantRecord(lease_id=g.lease_id, pool=g.pool, region=g.region, granted=g.granted,
+                       window_index=g.window_index, epoch=g.epoch, expires_at_ms=g.expires_at_ms,
+                       ttl_ms=g.ttl_ms, window_end_ms=g.window_end_ms, starts_in_ms=g.starts_in_ms,
+                       sent_at_ms=g.sent_at_ms, received_at_ms=g.received_at_ms, accepted=g.accepted)
+
+
+def to_decision_records(d: Decision, window_of: dict[str, int] | None = None) -> list[DecisionRecord]:
+    """One record per pool the decision touched. A spend without a window index takes its
+    lease's window from ``window_of`` (lease id -> index); a spend with neither is dropped
+    (it cannot be placed in a window) — writers should always fill one in."""
+    out: list[DecisionRecord] = []
+    for s in d.spends:
+        index = s.window_index
+        if index is None and s.lease_id is not None and window_of:
+            index = window_of.get(s.lease_id)
+        if index is None:
+            continue
+        out.append(DecisionRecord(pool=s.pool, window_index=index, region=d.region, allowed=d.allowed,
+                                  tokens=s.tokens, fallback=d.fallback and s.lease_id is None,
+                                  local=d.local and s.lease_id is None, lease_id=s.lease_id,
+                                  at_ms=d.recorded_at_ms, agent=d.agent))
+    return out
+
+
+def to_spend_records(d: Decision) -> list[SpendRecord]:
+    """Lease spends of an allowed decision (timed on the recorder clock)."""
+    if not d.allowed:
+        return []
+    return [SpendRecord(lease_id=s.lease_id, tokens=s.tokens, at_ms=d.recorded_at_ms, pool=s.pool, region=d.region)
+            for s in d.spends if s.lease_id is not None]
+
+
+def close_to_spend(c: SpendClose) -> SpendRecord:
+    """A lease's closing report as an untimed spend (its ``spent`` total)."""
+    return SpendRecord(lease_id=c.lease_id, tokens=c.spent, pool=c.pool, region=c.region)
+
+
+def to_leader_term(rec: Leader) -> LeaderTerm:
+    return LeaderTerm(epoch=rec.epoch, elected_revision=rec.epoch, elected_at_ms=rec.observed_at_ms, node=rec.node)
+
+
+def policies_from(recs: Iterable[Record]) -> list[PoolPolicy]:
+    """Pool versions from ``policy`` records, each stamped with the time it was applied."""
+    out: list[PoolPolicy] = []
+    for r in recs:
+        if isinstance(r, Policy):
+            for p in r.pools:
+                out.append(msgspec.structs.replace(p, valid_from_ms=r.applied_at_ms))
+    return out
