@@ -71,7 +71,7 @@ def apply_http(decision: Decision, *, rule: Rule | None, anonymous: bool) -> boo
         else:
             headers["Retry-After"] = str(secs)
     if (rule is not None and not anonymous and rule.scope in OWN_SCOPES and status != 503
-            and decision.denied_scope != "concurrency"
+            and not decision.fallback and decision.denied_scope != "concurrency"
             and decision.limit is not None and decision.remaining is not None):
         headers.update(ratelimit_headers(rule, limit=decision.limit, remaining=decision.remaining,
                                          retry_after_ms=decision.retry_after_ms))

@@ -8,6 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from redis import exceptions as rex
+from redis.asyncio import RedisCluster
+
 from allocator.contract.errors import LeaseholdError, ScriptRejected
 
 from ..plan import Call
@@ -26,6 +29,7 @@ class StoreGateway:
     def __init__(self, client: Any, scripts: sc.Scripts, *, max_batch: int = 256, max_queue: int = 10_000,
                  on_batch=None):
         self.client = client
+        self.cluster = isinstance(client, RedisCluster)
         self.scripts = scripts
         self.scripts_loaded = False
         self.batcher = Batcher(self._run_pipeline, max_batch=max_batch, max_queue=max_queue, on_batch=on_batch)
@@ -46,9 +50,39 @@ class StoreGateway:
 
     async def _run_pipeline(self, calls: Sequence[ScriptCall]) -> list[Any]:
         try:
+            if self.cluster:
+                return await self._run_cluster_pipeline(calls)
             return await self.scripts.run_pipeline(self.client, calls)
         except Exception as e:
             raise translate(e) from None
+
+    async def _cluster_round(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for name, keys, argv in calls:
+            # redis-py blocks ``pipe.evalsha`` on a cluster pipeline; the raw command is routed by its keys
+            pipe.execute_command("EVALSHA", self.scripts.sha(name), len(keys), *keys, *argv)
+        return list(await pipe.execute(raise_on_error=False))
+
+    async def _run_cluster_pipeline(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        """One cluster pipeline (redis-py sends one batch per node); NOSCRIPT calls did not run:
+        load every script on every primary and re-run just those, once."""
+        if not calls:
+            return []
+        try:
+            results = await self._cluster_round(calls)
+        except Exception as e:
+            err = translate(e)
+            return [err for _ in calls]
+        missing = [i for i, r in enumerate(results) if isinstance(r, rex.NoScriptError)]
+        if missing:
+            try:
+                await self.scripts.load_all(self.client)
+                again = await self._cluster_round([calls[i] for i in missing])
+            except Exception as e:
+                again = [e for _ in missing]
+            for i, r in zip(missing, again, strict=True):
+                results[i] = r
+        return [translate(r) if isinstance(r, BaseException) else r for r in results]
 
     @staticmethod
     def multi_call(calls: Sequence[Call], *, decision_key: str, slack_ms: int, decision_ttl_ms: int,

@@ -1,0 +1,51 @@
+"""Store loss (seed ch. 10 table, ch. 18 step 13): a real redis-server is stopped under the agent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from litestar.testing import AsyncTestClient
+
+from leasehold.procs import RedisServer
+from region_agent.app import create_app
+
+from .conftest import PEPPER, admit_body, make_settings
+
+
+@pytest.fixture
+async def stopped_store_agent(tmp_path: Path, policy_file: Path):
+    server = RedisServer(tmp_path / "redis").start()
+    app = create_app(make_settings(server.url, policy_file, decision_budget_ms=500), pepper=PEPPER)
+    try:
+        async with AsyncTestClient(app=app) as client:
+            ok = await client.post("/v1/admit", json=admit_body("before-stop-1"))
+            assert ok.json()["allowed"] is True and ok.json()["fallback"] is False
+            assert (await client.get("/readyz")).status_code == 200
+            server.stop()
+            yield client
+    finally:
+        server.stop()
+
+
+async def test_fail_modes_with_redis_stopped(stopped_store_agent):
+    agent = stopped_store_agent
+    ready = await agent.get("/readyz")
+    assert ready.status_code == 503 and ready.headers["content-type"].startswith("application/problem+json")
+    # P-EXPORT fails closed: 503 decision with the policy's conservative Retry-After
+    d = (await agent.post("/v1/admit", json=admit_body("export-down-1", route="export"))).json()
+    assert (d["allowed"], d["reason"], d["httpStatus"], d["fallback"]) == (False, "LIMITER_UNAVAILABLE", 503, False)
+    assert d["headers"] == {"Retry-After": "5"} and d["problem"]["status"] == 503
+    # P-READ degrades to the local bucket: capacity 5 (refill 0.25/s), fallback true
+    results = [(await agent.post("/v1/admit", json=admit_body(f"read-down-{i:03d}"))).json() for i in range(8)]
+    allowed = [d["allowed"] for d in results]
+    assert all(d["fallback"] for d in results)
+    assert allowed[:5] == [True] * 5
+    assert allowed.count(True) <= 6  # bounded by the local bucket (one refill at most during the test)
+    denied = [d for d in results if not d["allowed"]]
+    assert denied and all(d["httpStatus"] == 429 and d["reason"] == "RATE_EXCEEDED" for d in denied)
+    assert all(int(d["headers"]["Retry-After"]) >= 1 for d in denied)
+    # a request that would be fine under the shared bucket never gets a 500 and is counted as degraded
+    metrics = (await agent.get("/metrics")).text
+    assert 'leasehold_agent_degraded_decisions_total{fail_mode="local_bounded",reason="STORE_UNREACHABLE"}' in metrics
+    assert 'leasehold_agent_degraded_decisions_total{fail_mode="closed",reason="STORE_UNREACHABLE"}' in metrics
