@@ -1,0 +1,155 @@
+"""The fault proxy in front of a real redis-server: each fault does what it says, healing restores."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from allocator.contract.errors import BadRequest
+from chaos.proxy import FaultProxy, ProxyControl
+from leasehold.procs import LOOPBACK, Proc, RedisServer, free_port, wait_port
+
+pytestmark = pytest.mark.integration
+
+
+def client(port: int, timeout: float = 0.5) -> aredis.Redis:
+    return aredis.Redis(host=LOOPBACK, port=port, socket_timeout=timeout, socket_connect_timeout=timeout,
+                        retry=Retry(NoBackoff(), 0), retry_on_error=[])
+
+
+@pytest.fixture
+async def proxy(redis_url: str, redis_server: RedisServer) -> AsyncIterator[FaultProxy]:
+    async with FaultProxy((LOOPBACK, redis_server.port), seed=1) as p:
+        yield p
+
+
+async def test_passthrough_and_added_latency_is_visible(proxy: FaultProxy):
+    r = client(proxy.port, timeout=5)
+    try:
+        assert await r.set("k", "v") and await r.get("k") == b"v"
+        await proxy.latency(150, jitter_ms=20, direction="up")
+        t0 = time.monotonic()
+        assert await r.ping()
+        assert time.monotonic() - t0 >= 0.13  # the request was held at least latency - jitter
+        assert proxy.state()["faults"]["up"]["latency_ms"] == 150
+        await proxy.heal()
+        assert await r.get("k") == b"v"
+    finally:
+        await r.aclose()
+
+
+async def test_blackhole_times_out_and_healing_restores(proxy: FaultProxy):
+    r = client(proxy.port)
+    try:
+        assert await r.ping()
+        await proxy.blackhole("both")
+        fresh = client(proxy.port)
+        with pytest.raises(RedisTimeoutError):
+            await fresh.ping()  # a new connection is accepted but nothing comes back
+        await fresh.aclose()
+        await proxy.heal()
+        healed = client(proxy.port)
+        assert await healed.ping()
+        await healed.aclose()
+    finally:
+        await r.aclose()
+
+
+async def test_one_way_blackhole_delivers_the_request_but_not_the_reply(proxy: FaultProxy,
+                                                                         redis_server: RedisServer):
+    r = client(proxy.port)
+    direct = aredis.Redis(host=LOOPBACK, port=redis_server.port)
+    try:
+        assert await r.ping()
+        await proxy.blackhole("down")
+        with pytest.raises(RedisTimeoutError):
+            await r.set("one-way", "landed")
+        assert await direct.get("one-way") == b"landed"  # the write reached Redis
+        await proxy.blackhole("down", on=False)
+        again = client(proxy.port)
+        assert await again.get("one-way") == b"landed"
+        await again.aclose()
+    finally:
+        await r.aclose()
+        await direct.aclose()
+
+
+async def test_reset_drops_open_connections(proxy: FaultProxy):
+    reader, writer = await asyncio.open_connection(LOOPBACK, proxy.port)
+    writer.write(b"PING\r\n")
+    assert await asyncio.wait_for(reader.readline(), 5) == b"+PONG\r\n"
+    assert await proxy.reset_connections() == 1
+    with pytest.raises((ConnectionResetError, asyncio.IncompleteReadError)):
+        await asyncio.wait_for(reader.readexactly(1), 5)
+    writer.close()
+    r = client(proxy.port)
+    assert await r.ping()  # new connections work
+    await r.aclose()
+
+
+async def test_refuse_rejects_new_connections_only(proxy: FaultProxy):
+    r = client(proxy.port)
+    try:
+        assert await r.ping()
+        await proxy.refuse(True)
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection(LOOPBACK, proxy.port)
+        assert await r.ping()  # the open connection is untouched
+        await proxy.heal()
+        fresh = client(proxy.port)
+        assert await fresh.ping()
+        await fresh.aclose()
+    finally:
+        await r.aclose()
+
+
+async def test_bad_fault_parameters_are_rejected(proxy: FaultProxy):
+    with pytest.raises(BadRequest, match="direction"):
+        await proxy.set_faults("sideways", blackhole=True)
+    with pytest.raises(BadRequest, match="latency_ms"):
+        await proxy.set_faults("up", latency_ms=-1)
+    with pytest.raises(BadRequest, match="loopback"):
+        FaultProxy((LOOPBACK, 1), ("0.0.0.0", 0))
+
+
+async def test_proxy_process_is_controlled_over_http(redis_url: str, redis_server: RedisServer, tmp_path: Path):
+    port, ctl_port = free_port(), free_port()
+    proc = Proc("proxy", [sys.executable, "-m", "chaos.proxy", "--listen", f"{LOOPBACK}:{port}",
+                          "--upstream", f"{LOOPBACK}:{redis_server.port}", "--control", f"{LOOPBACK}:{ctl_port}",
+                          "--duration", "120"], tmp_path, env=None).start()
+    try:
+        wait_port(port, proc=proc.popen)
+        wait_port(ctl_port, proc=proc.popen)
+        ctl = ProxyControl(f"{LOOPBACK}:{ctl_port}")
+        r = client(port)
+        assert await r.ping()
+        await ctl.blackhole("both")
+        assert (await ctl.state())["faults"]["down"]["blackhole"] is True
+        with pytest.raises(RedisTimeoutError):
+            await client(port).ping()
+        await ctl.heal()
+        assert await client(port).ping()
+        assert await ctl.reset_connections() >= 1
+        with pytest.raises((RedisConnectionError, RedisTimeoutError)):
+            await r.ping()
+        await r.aclose()
+        with pytest.raises(BadRequest, match="400"):
+            await ctl.set_faults("sideways", blackhole=True)
+        await ctl.refuse(True)
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection(LOOPBACK, port)
+        await ctl.refuse(False)
+        assert await client(port).ping()
+    finally:
+        proc.stop()
+    assert not proc.alive()
