@@ -1,0 +1,118 @@
+"""Helpers for the script tests: reading script state back from Redis as model states,
+simulating a sleep by moving stored timestamps back, and bracketing calls with the local clock
+(Redis TIME and time.time() read the same machine clock)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from region_agent.algorithms.concurrency import ConcurrencyState
+from region_agent.algorithms.fixed_window import FixedWindowState
+from region_agent.algorithms.gcra import GcraState
+from region_agent.algorithms.pool import PoolEntry, PoolState
+from region_agent.algorithms.sliding_counter import SlidingCounterState
+from region_agent.algorithms.sliding_log import SlidingLogState
+from region_agent.algorithms.token_bucket import TokenBucketState
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _i(x: Any) -> int:
+    return int(float(_s(x)))
+
+
+def read_state(r: Any, kind: str, key: str) -> Any:
+    """The key's state as the model's state type (None when the key does not exist)."""
+    if kind == "tb":
+        t, ts = r.hmget(key, "tokens", "ts")
+        return None if t is None else TokenBucketState(_i(t), _i(ts))
+    if kind == "gcra":
+        v = r.get(key)
+        return None if v is None else GcraState(_i(v))
+    if kind == "fw":
+        w, n = r.hmget(key, "w", "n")
+        return None if w is None else FixedWindowState(_i(w), _i(n))
+    if kind == "sc":
+        w, cur, prev = r.hmget(key, "w", "cur", "prev")
+        return None if w is None else SlidingCounterState(_i(w), _i(cur), _i(prev))
+    if kind in ("sl", "cc"):
+        z = r.zrange(key, 0, -1, withscores=True)
+        if not z:
+            return None
+        d = {_s(m): int(s) for m, s in z}
+        return SlidingLogState(d) if kind == "sl" else ConcurrencyState(d)
+    if kind == "pool":
+        h = r.hgetall(key)
+        if not h:
+            return None
+        return PoolState({_s(k): PoolEntry.decode(_s(v)) for k, v in h.items()})
+    raise ValueError(kind)
+
+
+def norm(kind: str, state: Any) -> Any:
+    """Comparable form: empty collections are no key at all."""
+    if state is None:
+        return None
+    if kind in ("sl", "cc"):
+        d = dict(state.entries if kind == "sl" else state.leases)
+        return d or None
+    if kind == "pool":
+        return dict(state.entries) or None
+    return state
+
+
+def shift_back(r: Any, kind: str, key: str, d: int) -> None:
+    """Simulate a sleep of d ms: every stored timestamp moves d ms into the past (TTL kept)."""
+    if d == 0:
+        return
+    if kind == "tb":
+        if r.exists(key):
+            r.hincrby(key, "ts", -d)
+    elif kind == "gcra":
+        v = r.get(key)
+        if v is not None:
+            r.set(key, _i(v) - d, keepttl=True)
+    elif kind in ("sl", "cc"):
+        z = r.zrange(key, 0, -1, withscores=True)
+        if z:
+            r.zadd(key, {m: int(s) - d for m, s in z})
+    elif kind == "pool":
+        for k, v in r.hgetall(key).items():
+            e = PoolEntry.decode(_s(v))
+            r.hset(key, k, PoolEntry(e.granted, e.spent, e.valid_from_ms - d, e.expires_at_ms - d).encode())
+    # fw / sc are aligned to absolute time: they only see real time
+
+
+def shift_model(kind: str, state: Any, d: int) -> Any:
+    if state is None or d == 0:
+        return state
+    if kind == "tb":
+        return TokenBucketState(state.tokens, state.ts - d)
+    if kind == "gcra":
+        return GcraState(state.tat - d)
+    if kind == "sl":
+        return SlidingLogState({m: s - d for m, s in state.entries.items()})
+    if kind == "cc":
+        return ConcurrencyState({m: s - d for m, s in state.leases.items()})
+    if kind == "pool":
+        return PoolState({k: PoolEntry(e.granted, e.spent, e.valid_from_ms - d, e.expires_at_ms - d)
+                          for k, e in state.entries.items()})
+    return state
+
+
+def bracketed(fn):
+    t0 = now_ms()
+    out = fn()
+    t1 = now_ms()
+    return out, t0, t1
+
+
+def as_ints(reply: Any) -> list[int]:
+    return [int(x) for x in reply]
