@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import re
 
 from allocator.contract.bundle import POOL_ID_RE, ROUTE_RE, TENANT_RE, Rule
 from allocator.contract.errors import ValidationFailed
@@ -35,15 +36,26 @@ _TYPE_CODE = {"user": "u", "key": "k"}
 
 
 def check_tenant(tenant: object) -> str:
-    if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
+    # fullmatch: ``$`` in the shared pattern also matches before a trailing newline
+    if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
         raise ValidationFailed("tenantId must match [a-z0-9-]{1,32}", errors=["tenantId: invalid"])
     return tenant
 
 
 def check_route(route: object) -> str:
-    if not isinstance(route, str) or not ROUTE_RE.match(route):
+    if not isinstance(route, str) or not ROUTE_RE.fullmatch(route):
         raise ValidationFailed("routeGroup must match [a-z0-9_-]{1,32}", errors=["routeGroup: invalid"])
     return route
+
+
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{8,128}")
+
+
+def check_ids(request_id: str, route_group: str) -> None:
+    """Whole-string checks (the schema's patterns let a trailing newline through)."""
+    if not REQUEST_ID_RE.fullmatch(request_id):
+        raise ValidationFailed("requestId must match [A-Za-z0-9._:-]{8,128}", errors=["requestId: invalid"])
+    check_route(route_group)
 
 
 def parse_ip(raw: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -123,13 +135,13 @@ class KeyBuilder:
 
     @staticmethod
     def tenant_pool_key(tenant: str, pool_id: str) -> str:
-        if not POOL_ID_RE.match(pool_id):
+        if not POOL_ID_RE.fullmatch(pool_id):
             raise ValidationFailed("invalid pool id")
         return f"{NS}:{KeyBuilder.tenant_tag(tenant)}:pool:{pool_id}"
 
     @staticmethod
     def global_pool_key(pool_id: str) -> str:
-        if not POOL_ID_RE.match(pool_id):
+        if not POOL_ID_RE.fullmatch(pool_id):
             raise ValidationFailed("invalid pool id")
         return f"{NS}:{{g:{pool_id}}}:pool:{pool_id}"
 

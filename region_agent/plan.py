@@ -11,7 +11,7 @@ from typing import Literal
 from allocator.contract.bundle import Bundle, Pool, Rule, select_rules
 from allocator.contract.errors import ValidationFailed
 
-from .keys import KeyBuilder, check_tenant, parse_ip
+from .keys import KeyBuilder, check_ids, check_route, check_tenant, parse_ip
 from .models import AdmitRequest, Principal
 
 KIND = {"token_bucket": "tb", "gcra": "gcra", "fixed_window": "fw", "sliding_counter": "sc",
@@ -88,6 +88,7 @@ def selected(bundle: Bundle, *, tenant: str | None, route_group: str, principal:
 
 
 def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder) -> Plan:
+    check_ids(req.request_id, req.route_group)
     tenant, addr = check_principal(req.tenant_id, req.principal)
     rules = selected(bundle, tenant=tenant, route_group=req.route_group, principal=req.principal)
     enforced = [r for r in rules if not r.shadow]
@@ -136,6 +137,7 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder) -> Plan:
 def cc_keys_for_release(bundle: Bundle, *, request_tenant: str | None, principal: Principal,
                         route_group: str, keys: KeyBuilder) -> list[str]:
     """The concurrency gates an admission with these attributes would have acquired."""
+    check_route(route_group)
     tenant, addr = check_principal(request_tenant, principal)
     out: list[str] = []
     if addr is not None:

@@ -1,0 +1,130 @@
+"""Seed ch. 14 validation cases, through the agent's loading and reload path (files only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from allocator.contract.bundle import (
+    Bundle,
+    Fallback,
+    Pool,
+    Rule,
+    decode_bundle,
+    encode_bundle,
+    load_bundle_file,
+    seal,
+)
+from allocator.contract.errors import PolicyError
+from region_agent.policy import PolicyHolder
+
+NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar.json"))
+
+
+def tb(id: str, **kw) -> Rule:
+    base = dict(id=id, scope="user", route_group="read", algorithm="token_bucket", capacity_millis=20_000,
+                refill_millis=2_000, period_ms=1_000, cost_millis=1_000, fail_mode="open")
+    base.update(kw)
+    return Rule(**base)
+
+
+def sealed(rules, **kw) -> bytes:
+    return encode_bundle(seal(Bundle(bundle_version=kw.pop("version", 1), published_at="2026-11-06T09:30:00Z",
+                                     checksum="", rules=rules, **kw)))
+
+
+def problems(raw: bytes) -> list[str]:
+    with pytest.raises(PolicyError) as e:
+        decode_bundle(raw)
+    return e.value.errors
+
+
+def test_northstar_is_valid_and_sealed():
+    assert NORTHSTAR.bundle_version == 42
+    assert decode_bundle(encode_bundle(NORTHSTAR)) == NORTHSTAR
+
+
+def test_cost_above_capacity():
+    assert any("exceeds capacityMillis" in p for p in problems(sealed([tb("a", cost_millis=30_000)])))
+
+
+def test_refill_zero_and_out_of_bounds_integers():
+    raw = sealed([tb("a")]).replace(b'"refillMillis": 2000', b'"refillMillis": 0')
+    assert problems(raw)
+    raw = sealed([tb("a")]).replace(b'"capacityMillis": 20000', b'"capacityMillis": 1099511627777')
+    assert problems(raw)
+    raw = sealed([tb("a")]).replace(b'"capacityMillis": 20000', b'"capacityMillis": 20000.5')
+    assert problems(raw)
+    assert any("2^52" in p for p in problems(sealed([tb("a", capacity_millis=2**40, period_ms=2**20,
+                                                         cost_millis=1)])))
+
+
+def test_duplicate_keys_and_ids():
+    ps = problems(sealed([tb("a"), tb("b")]))
+    assert any("name the same key" in p for p in ps)
+    assert any("used twice" in p for p in problems(sealed([tb("a"), tb("a", route_group="export")])))
+
+
+def test_missing_fail_mode():
+    assert any("failMode is required" in p for p in problems(sealed([tb("a", fail_mode=None)])))
+    assert any("fallback" in p for p in problems(sealed([tb("a", fail_mode="local_bounded")])))
+
+
+def test_cross_slot_global_rule_is_rejected():
+    ps = problems(sealed([tb("a"), tb("g", scope="global")]))
+    assert any("cross hash slots" in p for p in ps)
+
+
+def test_too_many_rules_for_one_request():
+    many = [tb(f"{scope}-{route or 'all'}", scope=scope, route_group=route)
+            for scope in ("user", "key", "route", "tenant") for route in ("read", None)]
+    assert len(decode_bundle(sealed(many)).rules) == 8  # eight for a keyed user's read: accepted
+    ninth = Rule(id="pool-read", scope="global", route_group="read", algorithm="pool", pool="p", fail_mode="closed")
+    ps = problems(sealed([*many, ninth], pools=[Pool(id="p", window_ms=60_000, limit=100)]))
+    assert any("at most 8" in p for p in ps)
+
+
+def test_catch_all_exemption_is_rejected_and_owned_exemption_accepted():
+    assert any("catch-all" in p for p in problems(sealed([tb("x", exempt=True, owner="ops")])))
+    assert any("owner" in p for p in problems(sealed([tb("x", exempt=True, tenant="atlas")])))
+    decode_bundle(sealed([tb("x", exempt=True, tenant="atlas", owner="ops")]))
+
+
+def test_bad_checksum():
+    raw = sealed([tb("a")]).replace(b'"costMillis": 1000', b'"costMillis": 2000')
+    assert any("checksum mismatch" in p for p in problems(raw))
+
+
+def test_non_increasing_reload_is_refused_and_counted(tmp_path: Path):
+    path = tmp_path / "b.json"
+    path.write_bytes(encode_bundle(NORTHSTAR))
+    seen = []
+    holder = PolicyHolder.load(str(path), on_reload=seen.append)
+    for version in (41, 42):
+        path.write_bytes(encode_bundle(seal(msgspec.structs.replace(NORTHSTAR, bundle_version=version))))
+        assert holder.reload().outcome == "stale"
+    path.write_bytes(b"{ not json")
+    assert holder.reload().outcome == "invalid"
+    assert holder.bundle is NORTHSTAR or holder.bundle == NORTHSTAR
+    newer = seal(msgspec.structs.replace(NORTHSTAR, bundle_version=43))
+    path.write_bytes(encode_bundle(newer))
+    assert holder.poll() is not None or holder.bundle.bundle_version == 43
+    assert holder.bundle.bundle_version == 43
+    assert [r.outcome for r in seen][:3] == ["stale", "stale", "invalid"]
+    assert holder.poll() is None  # unchanged file: nothing to do
+
+
+def test_local_bounded_fallback_shapes():
+    fb_bucket = Fallback(capacity_millis=5_000, refill_millis=250, period_ms=1_000)
+    decode_bundle(sealed([tb("a", fail_mode="local_bounded", fallback=fb_bucket)]))
+    assert problems(sealed([tb("a", fail_mode="local_bounded", fallback=Fallback(limit=5))]))
+
+
+def test_invalid_bundle_at_start_raises_with_every_problem(tmp_path: Path):
+    path = tmp_path / "bad.json"
+    path.write_bytes(sealed([tb("a", cost_millis=30_000), tb("b", fail_mode=None, route_group="x")]))
+    with pytest.raises(PolicyError) as e:
+        PolicyHolder.load(str(path))
+    assert len(e.value.errors) >= 2
