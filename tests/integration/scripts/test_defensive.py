@@ -1,0 +1,228 @@
+"""Defensive rules through the real scripts: error replies before any read/write, denials that
+change nothing, an expiry on every written key."""
+
+from __future__ import annotations
+
+import pytest
+
+from allocator.contract.errors import ScriptRejected
+from region_agent.store.scripts import MultiRuleResult, RuleCall, multi_rule_argv
+
+from .support import now_ms
+
+pytestmark = pytest.mark.integration
+
+T = "{t:def}"
+BAD = ["nan", "inf", "-inf", "1.5", "-1", "0", str(2**40 + 1), "abc", "", "1e400"]
+
+# script -> (good ARGV, indexes of numeric ARGV with min 1, indexes with min 0)
+SINGLE = {
+    "token_bucket": (["20000", "2000", "1000", "1000", "5000"], [0, 1, 2, 3], [4]),
+    "gcra": (["20000", "2000", "1000", "1000", "5000"], [0, 1, 2, 3], [4]),
+    "fixed_window": (["20", "10000", "1", "2000"], [0, 1, 2], [3]),
+    "sliding_counter": (["20", "10000", "1", "2000"], [0, 1, 2], [3]),
+    "sliding_log": (["20", "10000", "m1", "1", "2000"], [0, 1, 3], [4]),
+    "concurrency_acquire": (["L1", "3", "60000"], [1, 2], []),
+    "concurrency_renew": (["L1", "60000"], [1], []),
+    "pool_deposit": (["P1", "10", "1", str(2**45), "4", "1000"], [4], [1, 5]),
+}
+SEED_STATE = {
+    "token_bucket": lambda r, k: r.hset(k, mapping={"tokens": 7_000, "ts": now_ms()}),
+    "gcra": lambda r, k: r.set(k, now_ms() + 1_000),
+    "fixed_window": lambda r, k: r.hset(k, mapping={"w": now_ms() - now_ms() % 10_000, "n": 3}),
+    "sliding_counter": lambda r, k: r.hset(k, mapping={"w": now_ms() - now_ms() % 10_000, "cur": 3, "prev": 1}),
+    "sliding_log": lambda r, k: r.zadd(k, {"old": now_ms()}),
+    "concurrency_acquire": lambda r, k: r.zadd(k, {"L0": now_ms() + 60_000}),
+    "concurrency_renew": lambda r, k: r.zadd(k, {"L1": now_ms() + 60_000}),
+    "pool_deposit": lambda r, k: r.hset(k, "P0", f"5,1,0,{now_ms() + 60_000}"),
+}
+
+
+def cases():
+    for name, (good, pos1, pos0) in SINGLE.items():
+        for i in pos1 + pos0:
+            for bad in BAD:
+                if i in pos0 and bad == "0":
+                    continue
+                argv = list(good)
+                argv[i] = bad
+                yield name, argv
+    yield "token_bucket", ["20000", "0", "1000", "1000", "0"]  # refill 0
+    yield "token_bucket", [str(2**40), "1", str(2**12 + 1), "1", "0"]  # capacity x period > 2^52
+    yield "gcra", [str(2**40), "1", str(2**12 + 1), "1", "0"]
+    yield "fixed_window", [str(2**30), str(2**23), "1", "0"]  # limit x window > 2^52
+    yield "sliding_counter", [str(2**30), str(2**23), "1", "0"]
+    yield "sliding_log", [str(2**30), str(2**23), "m", "1", "0"]
+    yield "sliding_log", ["20", "10000", "", "1", "0"]  # empty member
+    yield "token_bucket", ["20000", "2000", "1000", "1000"]  # missing ARGV
+    yield "pool_deposit", ["P1", "10", "100", "100", "4", "0"]  # expires_at <= valid_from
+    for bad in ("nan", "inf", "-1", "1.5", "abc", str(2**50 + 1)):
+        yield "pool_deposit", ["P1", "10", bad, str(2**45), "4", "0"]  # times: [0, 2^50] ms
+    yield "pool_deposit", ["P,1", "10", "1", "100", "4", "0"]  # a comma would corrupt the packing
+
+
+@pytest.mark.parametrize(("name", "argv"), list(cases()))
+async def test_bad_arguments_rejected_before_any_write(aclient, scripts, name, argv):
+    key = f"rl:v3:{T}:bad:{name}"
+    await SEED_STATE[name](aclient, key)
+    before, ttl = await aclient.dump(key), await aclient.pttl(key)
+    with pytest.raises(ScriptRejected):
+        await scripts.call(aclient, name, [key], argv)
+    assert await aclient.dump(key) == before and await aclient.pttl(key) == ttl
+
+
+def rule_sets():
+    tb = ["tb", "20000", "2000", "1000", "1000", "0"]
+    yield "unknown kind", [["leaky", "1", "1", "1", "1", "0"]]
+    yield "nine rules", [tb] * 9
+    yield "bad second rule", [tb, ["fw", "20", "0", "1", "0", "0"]]
+    yield "nan in a later rule", [tb, ["gcra", "20000", "nan", "1000", "1000", "0"]]
+    yield "cc needs a member", [["cc", "3", "1000", "0", "0", "0"]]
+
+
+@pytest.mark.parametrize(("label", "rules"), list(rule_sets()))
+async def test_multi_rule_validates_everything_first(aclient, scripts, label, rules):
+    keys = [f"rl:v3:{T}:d:x"] + [f"rl:v3:{T}:r{i}" for i in range(len(rules))]
+    member = "" if label == "cc needs a member" else "D1"
+    argv = ["100", "5000", member] + [a for r in rules for a in r]
+    with pytest.raises(ScriptRejected):
+        await scripts.call(aclient, "multi_rule", keys, argv)
+    assert await aclient.exists(*keys) == 0
+
+
+async def test_multi_rule_rejects_duplicate_keys_and_bad_header(aclient, scripts):
+    k = f"rl:v3:{T}:dup"
+    tb = ["tb", "20000", "2000", "1000", "1000", "0"]
+    with pytest.raises(ScriptRejected):
+        await scripts.call(aclient, "multi_rule", [f"rl:v3:{T}:d", k, k], ["0", "0", "m", *tb, *tb])
+    with pytest.raises(ScriptRejected):
+        await scripts.call(aclient, "multi_rule", [f"rl:v3:{T}:d", k], ["-1", "0", "m", *tb])
+    with pytest.raises(ScriptRejected):
+        await scripts.call(aclient, "multi_rule", [f"rl:v3:{T}:d", k], ["0", "0", "m", *tb, "extra"])
+    with pytest.raises(ScriptRejected):
+        multi_rule_argv("d", [RuleCall(k, "tb", (1, 1, 1, 1, 0))] * 2, slack_ms=0, decision_ttl_ms=0, member="m")
+    assert await aclient.exists(k) == 0
+
+
+async def test_cost_over_capacity_never_and_untouched(aclient, scripts):
+    key = f"rl:v3:{T}:big"
+    await aclient.hset(key, mapping={"tokens": 1_000, "ts": now_ms()})
+    before = await aclient.dump(key)
+    r = await scripts.token_bucket(aclient, key, capacity=1_000, refill=1_000, period_ms=1_000, cost=2_000, slack_ms=0)
+    assert (r.allowed, r.remaining, r.retry_after_ms) == (False, 0, -1)
+    for fn in (scripts.fixed_window, scripts.sliding_counter):
+        r = await fn(aclient, f"rl:v3:{T}:big2", limit=5, window_ms=1_000, cost=6)
+        assert r.retry_after_ms == -1
+    r = await scripts.sliding_log(aclient, f"rl:v3:{T}:big3", limit=5, window_ms=1_000, member="m", cost=6)
+    assert r.retry_after_ms == -1
+    assert await aclient.dump(key) == before and await aclient.exists(f"rl:v3:{T}:big2", f"rl:v3:{T}:big3") == 0
+    keys, argv = multi_rule_argv(f"rl:v3:{T}:d", [RuleCall(f"rl:v3:{T}:u", "tb", (20_000, 2_000, 1_000, 1_000, 0)),
+                                                   RuleCall(key, "tb", (1_000, 1_000, 1_000, 2_000, 0))],
+                                 slack_ms=0, decision_ttl_ms=0, member="m")
+    r = await scripts.multi_rule(aclient, keys, argv)
+    assert (r.allowed, r.denied_by, r.retry_after_ms) == (False, 2, -1)
+    assert await aclient.exists(f"rl:v3:{T}:u") == 0
+
+
+async def test_clock_backwards_and_lowered_capacity(aclient, scripts):
+    key = f"rl:v3:{T}:clock"
+    future = now_ms() + 60_000
+    await aclient.hset(key, mapping={"tokens": 5_000, "ts": future})
+    r = await scripts.token_bucket(aclient, key, capacity=20_000, refill=2_000, period_ms=1_000, cost=1_000,
+                                   slack_ms=0)
+    assert r.remaining == 4_000 and int(await aclient.hget(key, "ts")) == future  # ts never moves back
+    await aclient.hset(key, mapping={"tokens": 20_000, "ts": future})
+    r = await scripts.token_bucket(aclient, key, capacity=3_000, refill=2_000, period_ms=1_000, cost=1_000,
+                                   slack_ms=0)
+    assert r.remaining == 2_000  # clamped to the lowered capacity first
+    await aclient.hset(key, mapping={"tokens": 0, "ts": 1})  # decades ago: one full refill at most
+    r = await scripts.token_bucket(aclient, key, capacity=20_000, refill=2_000, period_ms=1_000, cost=1_000,
+                                   slack_ms=0)
+    assert r.remaining == 19_000
+
+
+async def _denials(aclient, scripts):
+    """(key, coroutine factory) pairs that must deny."""
+    t = now_ms()
+    kb, kg, kf, ks, kl, kc = (f"rl:v3:{T}:deny:{n}" for n in ("tb", "gcra", "fw", "sc", "sl", "cc"))
+    await aclient.hset(kb, mapping={"tokens": 500, "ts": t + 60_000})
+    await aclient.set(kg, t + 10_000, px=60_000)
+    await aclient.hset(kf, mapping={"w": t + 60_000, "n": 20})
+    await aclient.hset(ks, mapping={"w": t + 60_000, "cur": 20, "prev": 0})
+    await aclient.zadd(kl, {f"m{i}": t - 20_000 + i for i in range(5)})  # expired: must NOT be trimmed
+    await aclient.zadd(kl, {f"n{i}": t + 60_000 for i in range(20)})
+    await aclient.zadd(kc, {"old": t - 5, "a": t + 60_000, "b": t + 60_000})
+    for k in (kb, kf, ks, kl, kc):
+        await aclient.pexpire(k, 120_000)
+    tb = dict(capacity=20_000, refill=2_000, period_ms=1_000, cost=1_000, slack_ms=0)
+    return [
+        (kb, lambda: scripts.token_bucket(aclient, kb, **tb)),
+        (kg, lambda: scripts.gcra(aclient, kg, **tb)),
+        (kf, lambda: scripts.fixed_window(aclient, kf, limit=20, window_ms=10_000)),
+        (ks, lambda: scripts.sliding_counter(aclient, ks, limit=20, window_ms=10_000)),
+        (kl, lambda: scripts.sliding_log(aclient, kl, limit=20, window_ms=10_000, member="new")),
+        (kc, lambda: scripts.concurrency_acquire(aclient, kc, "c", max_in_flight=2, lease_ttl_ms=1_000)),
+    ]
+
+
+async def test_denials_write_nothing(aclient, scripts):
+    for key, call in await _denials(aclient, scripts):
+        before, ttl = await aclient.dump(key), await aclient.pttl(key)
+        r = await call()
+        assert not getattr(r, "allowed", getattr(r, "ok", True)), key
+        assert await aclient.dump(key) == before, key
+        assert await aclient.pttl(key) <= ttl, key
+
+
+async def test_multi_rule_denial_writes_nothing_but_the_record(aclient, scripts):
+    t = now_ms()
+    pool = f"rl:v3:{T}:pool"
+    await aclient.hset(pool, "P1", f"2,0,{t - 1_000},{t + 60_000}")
+    await aclient.pexpire(pool, 120_000)
+    rules = [RuleCall(f"rl:v3:{T}:m:tb", "tb", (20_000, 2_000, 1_000, 1_000, 0)),
+             RuleCall(f"rl:v3:{T}:m:sl", "sl", (5, 10_000, 1, 0, 0)),
+             RuleCall(f"rl:v3:{T}:m:cc", "cc", (3, 10_000, 0, 0, 0)),
+             RuleCall(pool, "pool", (3, 0, 0, 0, 0))]
+    dec = f"rl:v3:{T}:m:dec"
+    keys, argv = multi_rule_argv(dec, rules, slack_ms=1_000, decision_ttl_ms=30_000, member="D9")
+    before = await aclient.dump(pool)
+    r = await scripts.multi_rule(aclient, keys, argv)
+    assert r == MultiRuleResult(False, 4, 0, (20_000, 5, 0, 2))
+    assert await aclient.exists(*keys[1:4]) == 0 and await aclient.dump(pool) == before
+    assert 0 < await aclient.pttl(dec) <= 30_000
+    await aclient.hset(pool, "P1", f"9,0,{t - 1_000},{t + 60_000}")
+    assert await scripts.multi_rule(aclient, keys, argv) == r  # a retry gets the stored answer
+
+
+async def test_every_written_key_has_an_expiry(aclient, scripts):
+    t = now_ms()
+    pool = f"rl:v3:{T}:ttl:pool"
+    d = await scripts.pool_deposit(aclient, pool, "P1", granted=10, valid_from_ms=t - 1, expires_at_ms=t + 30_000,
+                                   max_entries=4, slack_ms=1_000)
+    assert d.stored and 29_000 < await aclient.pttl(pool) <= 31_000
+    rules = [RuleCall(f"rl:v3:{T}:ttl:tb", "tb", (20_000, 2_000, 1_000, 1_000, 0)),
+             RuleCall(f"rl:v3:{T}:ttl:gcra", "gcra", (20_000, 2_000, 1_000, 1_000, 0)),
+             RuleCall(f"rl:v3:{T}:ttl:fw", "fw", (20, 10_000, 1, 0, 0)),
+             RuleCall(f"rl:v3:{T}:ttl:sc", "sc", (20, 10_000, 1, 0, 0)),
+             RuleCall(f"rl:v3:{T}:ttl:sl", "sl", (20, 10_000, 2, 0, 0)),
+             RuleCall(f"rl:v3:{T}:ttl:cc", "cc", (3, 10_000, 0, 0, 0)),
+             RuleCall(pool, "pool", (4, 0, 0, 0, 0))]
+    keys, argv = multi_rule_argv(f"rl:v3:{T}:ttl:dec", rules, slack_ms=500, decision_ttl_ms=5_000, member="D1")
+    r = await scripts.multi_rule(aclient, keys, argv)
+    assert r.allowed and r.remaining[-1] == 6 and r.remaining[4] == 18 and r.remaining[5] == 1
+    for k in keys:
+        assert await aclient.pttl(k) > 0, k
+    singles = [
+        scripts.token_bucket(aclient, f"rl:v3:{T}:s:tb", capacity=1_000, refill=1, period_ms=1, cost=1, slack_ms=0),
+        scripts.gcra(aclient, f"rl:v3:{T}:s:g", capacity=1_000, refill=1, period_ms=1, cost=1, slack_ms=5_000),
+        scripts.fixed_window(aclient, f"rl:v3:{T}:s:fw", limit=2, window_ms=60_000),
+        scripts.sliding_counter(aclient, f"rl:v3:{T}:s:sc", limit=2, window_ms=60_000),
+        scripts.sliding_log(aclient, f"rl:v3:{T}:s:sl", limit=2, window_ms=60_000, member="x"),
+        scripts.concurrency_acquire(aclient, f"rl:v3:{T}:s:cc", "x", max_in_flight=2, lease_ttl_ms=60_000),
+    ]
+    for coro in singles:
+        await coro
+    for k in ("tb", "g", "fw", "sc", "sl", "cc"):
+        assert await aclient.pttl(f"rl:v3:{T}:s:{k}") > 0, k
+    assert (await scripts.concurrency_renew(aclient, f"rl:v3:{T}:s:cc", "x", lease_ttl_ms=90_000)).ok
+    assert 60_000 < await aclient.pttl(f"rl:v3:{T}:s:cc") <= 90_000
