@@ -231,7 +231,7 @@ def default_store_factory(settings: AgentSettings, m: AgentMetrics):
 
     client = make_client(settings.redis_url, cluster=settings.redis_cluster,
                          max_connections=settings.redis_max_connections,
-                         socket_timeout=max(0.05, settings.decision_budget_ms / 1000))
+                         socket_timeout=settings.redis_socket_timeout_ms / 1000)
     return StoreGateway(client, sc.Scripts(), max_batch=settings.batch_max, max_queue=settings.queue_max,
                         on_batch=m.batch_size.observe)
 

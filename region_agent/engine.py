@@ -39,6 +39,9 @@ DEGRADE_REASON = {StoreUnavailable: "STORE_UNREACHABLE", AmbiguousOutcome: "AMBI
                   DeadlineExceeded: "DEADLINE", ScriptRejected: "POLICY_ERROR"}
 
 
+BATCH_ITEMS_PER_BUDGET = 64  # a batch gets one more decision budget per this many items
+
+
 def degrade_label(exc: LeaseholdError) -> str:
     for cls, label in DEGRADE_REASON.items():
         if isinstance(exc, cls):
@@ -98,7 +101,8 @@ class Engine:
         """Batch: every item's tenant call goes in one coalesced pipeline (one round trip per shard)."""
         bundle = self.get_bundle()
         plans = [build_plan(bundle, r, self.keys) for r in reqs]  # whole batch is 422 if one is malformed
-        preps = await asyncio.gather(*(self._prepare(p, bundle) for p in plans))
+        budget = self.budget * (1 + len(plans) // BATCH_ITEMS_PER_BUDGET)
+        preps = await asyncio.gather(*(self._prepare(p, bundle, budget) for p in plans))
         flat: list[tuple[str, list, list]] = []
         spans: list[tuple[int, int]] = []
         for prep in preps:
@@ -142,9 +146,9 @@ class Engine:
                                                decision_ttl_ms=0, member=plan.request_id))
         return calls
 
-    async def _prepare(self, plan: Plan, bundle: Bundle) -> _Prepared:
+    async def _prepare(self, plan: Plan, bundle: Bundle, budget: float | None = None) -> _Prepared:
         started = self.clock()
-        prep = _Prepared(plan, bundle, started, started + self.budget, [])
+        prep = _Prepared(plan, bundle, started, started + (budget or self.budget), [])
         for spend in plan.global_spends:
             ok, retry = await self._take_global(spend, prep)
             if not ok:

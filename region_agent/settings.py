@@ -27,6 +27,7 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     workers: Annotated[int, Meta(ge=1, le=64)] = 1
     policy_poll_ms: Annotated[int, Meta(ge=0, le=3_600_000)] = 1000  # 0 disables polling
     decision_budget_ms: Annotated[int, Meta(ge=1, le=10_000)] = 50
+    redis_socket_timeout_ms: Annotated[int, Meta(ge=10, le=60_000)] = 500  # a pipeline's read bound
     redis_max_connections: Annotated[int, Meta(ge=1, le=1024)] = 32
     batch_max: Annotated[int, Meta(ge=1, le=4096)] = 256  # script calls per coalesced pipeline
     queue_max: Annotated[int, Meta(ge=1, le=100_000)] = 10_000  # queued script calls before shedding
