@@ -150,12 +150,17 @@ class Engine:
         started = self.clock()
         prep = _Prepared(plan, bundle, started, started + (budget or self.budget), [])
         for spend in plan.global_spends:
-            ok, retry = await self._take_global(spend, prep)
-            if not ok:
+            status, retry = await self._take_global(spend, prep)
+            if status == "denied":
                 self._give_back(prep)
                 prep.early = self._decision(plan, bundle, allowed=False, rule=spend.rule, scope="global",
                                             reason="RATE_EXCEEDED", limit=spend.pool.limit, remaining=0,
                                             retry=retry)
+                break
+            if status == "unavailable":
+                self._give_back(prep)
+                prep.early = self._decision(plan, bundle, allowed=False, rule=spend.rule, scope="global",
+                                            reason="LIMITER_UNAVAILABLE", retry=retry)
                 break
         return prep
 
@@ -310,16 +315,17 @@ class Engine:
                 lease.give_back(r.spend.cost, r.generation, now)
         prep.reservations.clear()
 
-    async def _take_global(self, spend: GlobalSpend, prep: _Prepared) -> tuple[bool, int]:
+    async def _take_global(self, spend: GlobalSpend, prep: _Prepared) -> tuple[str, int]:
+        """("ok" | "denied" | "unavailable" | "open", retry ms) for one global-pool spend."""
         pool = spend.pool
         lease = self._chunks.setdefault(pool.id, ChunkLease())
         for _ in range(2):
             gen = lease.try_take(spend.cost, self.now_ms())
             if gen is not None:
                 prep.reservations.append(_Reservation(spend, gen))
-                return True, 0
+                return "ok", 0
             if lease.negative(self.now_ms()):
-                return False, max(1, int(lease.deny_until_ms - self.now_ms()))
+                return "denied", max(1, int(lease.deny_until_ms - self.now_ms()))
             fut = self._renewing.get(pool.id)
             if fut is None:
                 fut = asyncio.ensure_future(self._renew(spend, lease))
@@ -334,17 +340,15 @@ class Engine:
         gen = lease.try_take(spend.cost, self.now_ms())
         if gen is not None:
             prep.reservations.append(_Reservation(spend, gen))
-            return True, 0
+            return "ok", 0
         if lease.negative(self.now_ms()):
-            return False, max(1, int(lease.deny_until_ms - self.now_ms()))
-        return await self._global_unavailable(spend, prep)
-
-    async def _global_unavailable(self, spend: GlobalSpend, prep: _Prepared) -> tuple[bool, int]:
-        """The pool's balance could not be reached: closed pools deny, others spend nothing more."""
+            return "denied", max(1, int(lease.deny_until_ms - self.now_ms()))
+        # the pool balance could not be reached and no chunk is held: a pool has no local allowance
+        # beyond its chunk, so only an ``open`` rule admits; the others answer 503
         self.metrics.degradations.labels("POOL_RENEWAL_FAILED", spend.rule.fail_mode or "closed").inc()
         if spend.rule.fail_mode == "open":
-            return True, 0
-        return False, spend.rule.closed_retry_after_ms
+            return "open", 0
+        return "unavailable", spend.rule.closed_retry_after_ms
 
     async def _renew(self, spend: GlobalSpend, lease: ChunkLease) -> None:
         pool = spend.pool

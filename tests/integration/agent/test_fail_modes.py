@@ -49,3 +49,31 @@ async def test_fail_modes_with_redis_stopped(stopped_store_agent):
     metrics = (await agent.get("/metrics")).text
     assert 'leasehold_agent_degraded_decisions_total{fail_mode="local_bounded",reason="STORE_UNREACHABLE"}' in metrics
     assert 'leasehold_agent_degraded_decisions_total{fail_mode="closed",reason="STORE_UNREACHABLE"}' in metrics
+
+
+async def test_global_pool_without_a_chunk_fails_closed_when_the_store_is_down(tmp_path: Path, policy_file: Path):
+    from allocator.contract.bundle import Pool, Rule
+
+    from .conftest import northstar, write_bundle
+
+    base = northstar()
+    pool = Pool(id="p-global", window_ms=60_000, limit=40_000, chunk_max=10)
+    rule = Rule(id="global-read", scope="global", route_group="read", algorithm="pool", pool="p-global",
+                fail_mode="closed", closed_retry_after_ms=2_000)
+    write_bundle(policy_file, base, rules=[*base.rules, rule], pools=[pool])
+    server = RedisServer(tmp_path / "redis-pool").start()
+    app = create_app(make_settings(server.url, policy_file, decision_budget_ms=500), pepper=PEPPER)
+    try:
+        async with AsyncTestClient(app=app) as agent:
+            server.stop()
+            d = (await agent.post("/v1/admit", json=admit_body("pool-down-1"))).json()
+            assert (d["allowed"], d["reason"], d["deniedScope"], d["httpStatus"]) == (
+                False, "LIMITER_UNAVAILABLE", "global", 503)
+            assert d["headers"] == {"Retry-After": "2"}
+            # anonymous login traffic has no global rule and still degrades to its local window
+            anon = admit_body("anon-down-1", tenant=None, ptype="anonymous", pid="198.51.100.7", route="login",
+                              api_key=None)
+            a = (await agent.post("/v1/admit", json=anon)).json()
+            assert a["allowed"] is True and a["fallback"] is True and a["headers"] == {}
+    finally:
+        server.stop()
