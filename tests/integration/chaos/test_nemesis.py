@@ -1,0 +1,98 @@
+"""Nemeses against real processes and a real proxied link, recorded in a history file."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from chaos.history import Fault, HistoryWriter, read_history
+from chaos.nemesis import Combined, Kill, Latency, Partition, Pause, RedisRestart, Schedule, Step, port_ready
+from chaos.proxy import FaultProxy
+from leasehold.procs import LOOPBACK, RedisServer
+
+pytestmark = pytest.mark.integration
+
+
+def client(port: int, timeout: float = 0.5) -> aredis.Redis:
+    return aredis.Redis(host=LOOPBACK, port=port, socket_timeout=timeout, socket_connect_timeout=timeout,
+                        retry=Retry(NoBackoff(), 0), retry_on_error=[])
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path):
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+async def test_scheduled_partition_and_latency_are_applied_healed_and_recorded(own_redis: RedisServer,
+                                                                               tmp_path: Path):
+    hist = tmp_path / "h.jsonl"
+    async with FaultProxy((LOOPBACK, own_redis.port)) as proxy:
+        with HistoryWriter(hist) as w:
+            part = Partition(proxy, "both", target="agent-eu->redis-eu", recorder=w)
+            lat = Latency(proxy, 40, 5, "down", target="agent-eu->redis-eu", recorder=w)
+            sched = Schedule(1.5, [Step(0.0, part, 0.6), Step(0.8, lat, 0.4)])
+            task = asyncio.create_task(sched.run())
+            await asyncio.sleep(0.2)
+            assert part.active and proxy.state()["faults"]["up"]["blackhole"]
+            with pytest.raises(RedisTimeoutError):
+                await client(proxy.port, 0.2).ping()
+            records = await task
+        assert not part.active and not lat.active
+        assert proxy.state()["faults"]["down"] == {"latency_ms": 0.0, "jitter_ms": 0.0, "blackhole": False,
+                                                   "bandwidth_bps": 0}
+        assert await client(proxy.port).ping()
+    saved = [r for r in read_history(hist) if isinstance(r, Fault)]
+    assert [r.nemesis for r in saved] == ["partition", "latency"] and saved == records
+    assert all(r.stop_ms is not None and r.stop_ms >= r.start_ms for r in saved)
+
+
+async def test_schedule_cancelled_midway_still_heals(own_redis: RedisServer):
+    async with FaultProxy((LOOPBACK, own_redis.port)) as proxy:
+        part = Partition(proxy, "up")
+        task = asyncio.create_task(Schedule(30, [Step(0, part, 30)]).run())
+        await asyncio.sleep(0.2)
+        assert part.active
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not part.active and not proxy.state()["faults"]["up"]["blackhole"]
+
+
+async def test_pause_freezes_and_resumes_a_real_redis(own_redis: RedisServer):
+    r = client(own_redis.port)
+    await r.set("k", "v")
+    async with Pause(own_redis.proc).active_for():
+        with pytest.raises(RedisTimeoutError):
+            await client(own_redis.port, 0.3).get("k")
+    assert await client(own_redis.port).get("k") == b"v"
+
+
+async def test_kill_with_restart_and_redis_restart_lose_state_and_script_cache(own_redis: RedisServer):
+    r = client(own_redis.port)
+    await r.set("k", "v")
+    sha = await r.script_load("return 1")
+    restart = RedisRestart(own_redis)
+    await restart.start()
+    with pytest.raises((RedisConnectionError, RedisTimeoutError)):
+        await client(own_redis.port).ping()
+    await restart.stop()
+    fresh = client(own_redis.port)
+    assert await fresh.get("k") is None and await fresh.script_exists(sha) == [False]
+    await fresh.set("k2", "v2")
+    assert own_redis.proc is not None
+    kill = Kill(own_redis.proc, ready=port_ready(own_redis.port))
+    old_pid = own_redis.proc.pid
+    async with Combined(kill).active_for():
+        assert not own_redis.proc.alive()
+    assert own_redis.proc.alive() and own_redis.proc.pid != old_pid
+    assert await client(own_redis.port).get("k2") is None
+    assert [rec.nemesis for rec in restart.records + kill.records] == ["redis-restart", "kill"]
