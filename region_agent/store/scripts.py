@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from redis import exceptions as rex
+from redis.asyncio import RedisCluster
+from redis.crc import key_slot
 
 from allocator.contract.errors import (
     AmbiguousOutcome,
@@ -107,6 +109,10 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
         return exc
     if isinstance(exc, rex.NoScriptError):
         return StoreUnavailable("script not loaded on the store")
+    if isinstance(exc, (rex.ClusterDownError, rex.TryAgainError, rex.MasterDownError, rex.BusyLoadingError,
+                        rex.ReadOnlyError, rex.SlotNotCoveredError, rex.MaxConnectionsError)):
+        # refused or never sent: nothing ran
+        return StoreUnavailable(f"store unavailable ({type(exc).__name__})")
     if isinstance(exc, rex.ResponseError):
         text = str(exc)
         if text.startswith("CROSSSLOT"):
@@ -124,8 +130,6 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
         if sent:
             return AmbiguousOutcome("connection lost after the command was sent")
         return StoreUnavailable("store unreachable")
-    if isinstance(exc, (rex.ClusterDownError, rex.TryAgainError, rex.MasterDownError)):
-        return StoreUnavailable(f"store unavailable ({type(exc).__name__})")
     if isinstance(exc, rex.RedisError):
         return StoreUnavailable(f"store error ({type(exc).__name__})")
     return StoreUnavailable(f"unexpected store failure ({type(exc).__name__})")
@@ -216,6 +220,10 @@ class PoolBalance:
                    if e.valid_from_ms <= self.now_ms < e.expires_at_ms and e.granted > e.spent)
 
 
+def _b(x: Any) -> bytes:
+    return x if isinstance(x, bytes) else str(x).encode()
+
+
 def _s(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
@@ -294,10 +302,26 @@ class Scripts:
         return [(_translate(r) if isinstance(r, BaseException) else r) for r in results]
 
     async def _pipeline(self, client: Any, calls: Sequence[tuple[str, list, list]]) -> list[Any]:
+        """Raw pipeline results. On a cluster, a call whose keys span slots is answered here with
+        :class:`KeysNotColocated` and left out (redis-py would refuse the whole pipeline)."""
+        results: list[Any] = [None] * len(calls)
+        send: list[int] = []
+        cluster = isinstance(client, RedisCluster)
+        for i, (_, keys, _) in enumerate(calls):
+            if cluster and len({key_slot(_b(k)) for k in keys}) > 1:
+                results[i] = KeysNotColocated("script keys are not in one hash slot")
+            else:
+                send.append(i)
+        if not send:
+            return results
         pipe = client.pipeline(transaction=False)
-        for name, keys, argv in calls:
-            pipe.evalsha(self.sha(name), len(keys), *keys, *argv)
-        return list(await pipe.execute(raise_on_error=False))
+        for i in send:
+            name, keys, argv = calls[i]
+            # execute_command: redis-py's cluster pipeline blocks the evalsha() helper
+            pipe.execute_command("EVALSHA", self.sha(name), len(keys), *keys, *argv)
+        for i, r in zip(send, await pipe.execute(raise_on_error=False), strict=True):
+            results[i] = r
+        return results
 
     # --- typed wrappers --------------------------------------------------------------------------
     async def multi_rule(self, client: Any, keys: Sequence[str], argv: Sequence[Any]) -> MultiRuleResult:

@@ -1,0 +1,176 @@
+"""The wrapper's store behaviour: NOSCRIPT reload, cross-slot refusal, pipelines, error
+translation, decision records, pools, and exact admission under concurrent clients."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aredis
+
+from allocator.contract.errors import AmbiguousOutcome, ScriptRejected, StoreUnavailable
+from leasehold.procs import free_port
+from region_agent.store.scripts import KeysNotColocated, MultiRuleResult, RuleCall, Scripts, multi_rule_argv
+
+from .support import now_ms
+
+pytestmark = pytest.mark.integration
+
+T = "{t:store}"
+TB = dict(capacity=20_000, refill=2_000, period_ms=1_000, cost=1_000, slack_ms=0)
+
+
+async def test_noscript_after_flush_is_reloaded_once(aclient, scripts):
+    await aclient.script_flush()
+    assert (await aclient.script_exists(scripts.sha("token_bucket"))) in ([False], False)
+    r = await scripts.token_bucket(aclient, f"rl:{T}:ns", **TB)
+    assert r.allowed and r.remaining == 19_000
+    assert (await aclient.script_exists(scripts.sha("token_bucket"))) in ([True], True)
+    await aclient.script_flush()
+    calls = [("token_bucket", [f"rl:{T}:p1"], [20_000, 2_000, 1_000, 1_000, 0]),
+             ("fixed_window", [f"rl:{T}:p2"], [5, 60_000, 1, 0]),
+             ("token_bucket", [f"rl:{T}:p3"], ["nan", 2_000, 1_000, 1_000, 0])]
+    out = await scripts.run_pipeline(aclient, calls)
+    assert out[0] == [1, 19_000, 0] and out[1][:2] == [1, 4]
+    assert isinstance(out[2], ScriptRejected)
+    # the flushed scripts ran exactly once each: one debit, not two
+    assert int(await aclient.hget(f"rl:{T}:p1", "tokens")) == 19_000
+    assert int(await aclient.hget(f"rl:{T}:p2", "n")) == 1
+
+
+async def test_cross_slot_keys_are_refused_on_the_cluster(redis_cluster_url, scripts):
+    c = aredis.RedisCluster.from_url(redis_cluster_url)
+    try:
+        await scripts.load_all(c)
+        keys, argv = multi_rule_argv("rl:{t:a}:d", [RuleCall("rl:{t:a}:u", "tb", (20_000, 2_000, 1_000, 1_000, 0)),
+                                                    RuleCall("rl:{t:b}:u", "tb", (20_000, 2_000, 1_000, 1_000, 0))],
+                                     slack_ms=0, decision_ttl_ms=0, member="m")
+        with pytest.raises(KeysNotColocated):
+            await scripts.multi_rule(c, keys, argv)
+        out = await scripts.run_pipeline(c, [("multi_rule", keys, argv)])
+        assert isinstance(out[0], ScriptRejected)
+        assert await c.exists("rl:{t:a}:u") == 0 and await c.exists("rl:{t:b}:u") == 0
+    finally:
+        await c.aclose()
+
+
+async def test_server_crossslot_reply_translates(redis_cluster, scripts):
+    """Sent straight to one node (no client-side check), the server itself answers CROSSSLOT."""
+    node = redis_cluster.nodes[0]
+    c = aredis.Redis.from_url(node.url)
+    try:
+        await c.script_load(scripts.source("multi_rule"))
+        keys = ["{a}1", "{b}2"]
+        with pytest.raises(ScriptRejected):
+            await scripts.call(c, "multi_rule", keys, ["0", "0", "m", "tb", 1, 1, 1, 1, 0])
+    finally:
+        await c.aclose()
+
+
+async def test_unreachable_store_is_store_unavailable(scripts):
+    c = aredis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5)
+    try:
+        with pytest.raises(StoreUnavailable) as ei:
+            await scripts.token_bucket(c, "k", **TB)
+        assert not isinstance(ei.value, AmbiguousOutcome) and ei.value.retriable
+        out = await scripts.run_pipeline(c, [("token_bucket", ["k"], [1, 1, 1, 1, 0])])
+        assert isinstance(out[0], StoreUnavailable)
+        with pytest.raises(StoreUnavailable):
+            await scripts.load_all(c)
+    finally:
+        await c.aclose()
+
+
+async def test_decision_record_replays_the_answer(aclient, scripts):
+    user = f"rl:{T}:dr:u"
+    rules = [RuleCall(user, "tb", (2_000, 1, 1_000_000, 1_000, 0))]
+    keys, argv = multi_rule_argv(f"rl:{T}:dr:D1", rules, slack_ms=0, decision_ttl_ms=60_000, member="D1")
+    first = await scripts.multi_rule(aclient, keys, argv)
+    again = await scripts.multi_rule(aclient, keys, argv)
+    assert first == again == MultiRuleResult(True, 0, 0, (1_000,))
+    assert int(await aclient.hget(user, "tokens")) == 1_000  # debited once
+    keys0, argv0 = multi_rule_argv(f"rl:{T}:dr:D1", rules, slack_ms=0, decision_ttl_ms=0, member="D1")
+    assert (await scripts.multi_rule(aclient, keys0, argv0)).remaining == (0,)  # ttl 0: no record used
+
+
+async def test_pool_deposit_spend_close(aclient, scripts):
+    key = f"rl:{T}:pool"
+    t = now_ms()
+    dep = dict(valid_from_ms=t - 10, max_entries=2, slack_ms=1_000)
+    assert (await scripts.pool_deposit(aclient, key, "A", granted=5, expires_at_ms=t + 20_000, **dep)).status == "stored"
+    r = await scripts.pool_deposit(aclient, key, "A", granted=50, expires_at_ms=t + 20_000, **dep)
+    assert (r.stored, r.status, r.entries) == (True, "replay", 1)
+    assert (await scripts.pool_deposit(aclient, key, "B", granted=5, expires_at_ms=t + 10_000, **dep)).stored
+    r = await scripts.pool_deposit(aclient, key, "C", granted=5, expires_at_ms=t + 10_000, **dep)
+    assert (r.stored, r.status) == (False, "full")
+    r = await scripts.pool_deposit(aclient, f"rl:{T}:pool2", "C", granted=5, expires_at_ms=t - 1, **dep)
+    assert (r.stored, r.status) == (False, "expired") and await aclient.exists(f"rl:{T}:pool2") == 0
+    keys, argv = multi_rule_argv(f"rl:{T}:pd", [RuleCall(key, "pool", (7, 0, 0, 0, 0))], slack_ms=1_000,
+                                 decision_ttl_ms=0, member="D")
+    assert await scripts.multi_rule(aclient, keys, argv) == MultiRuleResult(True, 0, 0, (3,))
+    bal = await scripts.pool_balance(aclient, key)
+    assert bal.entries["B"].spent == 5 and bal.entries["A"].spent == 2 and bal.spendable() == 3
+    assert abs(bal.now_ms - now_ms()) < 60_000
+    r = await scripts.multi_rule(aclient, keys, argv)
+    assert (r.allowed, r.denied_by, r.retry_after_ms, r.remaining) == (False, 1, 0, (3,))
+    assert await scripts.pool_close(aclient, key, "A") == (5, 2)
+    assert await scripts.pool_close(aclient, key, "A") is None
+    assert 0 < await aclient.pttl(key)
+
+
+async def test_lua_dir_default_and_include_expansion(scripts):
+    s = Scripts()
+    src = s.source("multi_rule")
+    assert "@include" not in src.replace("-- >>>", "").split("\n", 30)[-1]
+    assert src.count("local TB = {}") == 1 and src.count("local function lh_int") == 1
+    assert len({s.sha(n) for n in s.scripts}) == len(s.scripts) == 12
+
+
+async def _hammer(url: str, cluster: bool, n_clients: int, per_client: int, call) -> int:
+    clients = [aredis.RedisCluster.from_url(url) if cluster else aredis.Redis.from_url(url)
+               for _ in range(n_clients)]
+    for c in clients:
+        # redis-py 8.1's async RedisCluster races when many first commands hit an uninitialised
+        # client concurrently; the agent initialises (load_all) before serving
+        await c.initialize() if cluster else await c.ping()
+    try:
+        async def one(c, i):
+            return await call(c, i)
+        results = await asyncio.gather(*(one(c, ci * per_client + j) for ci, c in enumerate(clients)
+                                         for j in range(per_client)))
+    finally:
+        for c in clients:
+            await c.aclose()
+    return sum(results)
+
+
+@pytest.mark.parametrize("topology", ["standalone", "cluster"])
+async def test_concurrent_clients_admit_exactly_the_limit(request, scripts, topology):
+    url = request.getfixturevalue("redis_url" if topology == "standalone" else "redis_cluster_url")
+    cluster = topology == "cluster"
+    first = aredis.RedisCluster.from_url(url) if cluster else aredis.Redis.from_url(url)
+    await scripts.load_all(first)
+    await first.aclose()
+    limit = 25
+    # a token bucket that does not refill within the test (1 millitoken per 10^11 ms)
+    tb = dict(capacity=limit * 1_000, refill=1, period_ms=10**11, cost=1_000, slack_ms=0)
+
+    async def bucket(c, i):
+        return int((await scripts.token_bucket(c, f"rl:{T}:race:tb", **tb)).allowed)
+
+    assert await _hammer(url, cluster, 6, 30, bucket) == limit
+
+    async def log(c, i):
+        return int((await scripts.sliding_log(c, f"rl:{T}:race:sl", limit=limit, window_ms=600_000,
+                                              member=f"r{i}")).allowed)
+
+    assert await _hammer(url, cluster, 6, 30, log) == limit
+
+    async def multi(c, i):
+        keys, argv = multi_rule_argv(f"rl:{T}:race:d{i}", [
+            RuleCall(f"rl:{T}:race:cc", "cc", (limit, 600_000, 0, 0, 0)),
+            RuleCall(f"rl:{T}:race:gcra", "gcra", (10**6, 1, 10**6, 1_000, 0))], slack_ms=0,
+            decision_ttl_ms=10_000, member=f"lease-{i}")
+        return int((await scripts.multi_rule(c, keys, argv)).allowed)
+
+    assert await _hammer(url, cluster, 6, 30, multi) == limit

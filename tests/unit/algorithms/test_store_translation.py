@@ -1,0 +1,79 @@
+"""translate_redis_error and the loader, without a network."""
+
+from pathlib import Path
+
+import pytest
+from redis import exceptions as rex
+
+from allocator.contract.errors import AmbiguousOutcome, ScriptRejected, StoreUnavailable
+from region_agent.store.scripts import (
+    KeysNotColocated,
+    RuleCall,
+    Scripts,
+    expand_includes,
+    multi_rule_argv,
+    parse_multi_rule,
+    translate_redis_error,
+)
+
+
+@pytest.mark.parametrize(("exc", "sent", "kind"), [
+    (rex.ResponseError("ERR rate limit policy arguments invalid"), True, ScriptRejected),
+    (rex.ResponseError("CROSSSLOT Keys in request don't hash to the same slot"), True, KeysNotColocated),
+    (rex.RedisClusterException("EVALSHA - all keys must map to the same key slot"), False, KeysNotColocated),
+    (rex.ResponseError("BUSY Redis is busy running a script"), True, StoreUnavailable),
+    (rex.NoScriptError("NOSCRIPT No matching script"), True, StoreUnavailable),
+    (rex.ClusterDownError("The cluster is down"), True, StoreUnavailable),
+    (rex.MaxConnectionsError("Too many connections"), True, StoreUnavailable),
+    (rex.ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused."), False, StoreUnavailable),
+    (rex.ConnectionError("Connection closed by server."), True, AmbiguousOutcome),
+    (rex.TimeoutError("Timeout reading from socket"), True, AmbiguousOutcome),
+    (rex.TimeoutError("Timeout connecting to server"), False, StoreUnavailable),
+    (TimeoutError(), True, AmbiguousOutcome),
+])
+def test_translation(exc, sent, kind):
+    got = translate_redis_error(exc, sent)
+    assert type(got) is kind
+    assert got.retriable == (kind in (StoreUnavailable, AmbiguousOutcome))
+    assert "127.0.0.1" not in got.detail  # driver text is not echoed
+
+
+def test_script_errors_are_not_ambiguous_even_if_sent():
+    assert not isinstance(translate_redis_error(rex.ResponseError("ERR x"), True), AmbiguousOutcome)
+
+
+def test_include_is_expanded_once_and_guarded(tmp_path: Path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "a.lua").write_text("local A = 1\n")
+    (tmp_path / "lib" / "b.lua").write_text("-- @include lib/a.lua\nlocal B = A + 1\n")
+    (tmp_path / "s.lua").write_text("-- @include lib/a.lua\n-- @include lib/b.lua\nreturn B\n")
+    src = expand_includes(tmp_path / "s.lua", tmp_path)
+    assert src.count("local A = 1") == 1 and src.index("local A = 1") < src.index("local B = A + 1")
+    (tmp_path / "evil.lua").write_text("-- @include ../etc/passwd\n")
+    with pytest.raises(ValueError):
+        expand_includes(tmp_path / "evil.lua", tmp_path)
+
+
+def test_default_scripts_and_shas():
+    s = Scripts()
+    assert set(s.scripts) == {"token_bucket", "gcra", "fixed_window", "sliding_log", "sliding_counter",
+                              "multi_rule", "concurrency_acquire", "concurrency_release", "concurrency_renew",
+                              "pool_deposit", "pool_close", "pool_balance"}
+    assert all(len(s.sha(n)) == 40 for n in s.scripts)
+    for name in s.scripts:
+        assert not any(line.strip().startswith("-- @include") for line in s.source(name).splitlines())
+    assert s.source("multi_rule").count("local function lh_int") == 1
+
+
+def test_multi_rule_argv_and_parse():
+    keys, argv = multi_rule_argv("d", [RuleCall("k1", "tb", (1, 2, 3, 4, 0)), RuleCall("k2", "cc", (3, 9, 0, 0, 0))],
+                                 slack_ms=5, decision_ttl_ms=6, member="m")
+    assert keys == ["d", "k1", "k2"] and argv == [5, 6, "m", "tb", 1, 2, 3, 4, 0, "cc", 3, 9, 0, 0, 0]
+    r = parse_multi_rule([0, 1, 500, 0, 639000])
+    assert (r.allowed, r.denied_by, r.retry_after_ms, r.remaining) == (False, 1, 500, (0, 639000))
+    with pytest.raises(ScriptRejected):
+        parse_multi_rule([1, 0])
+    with pytest.raises(ScriptRejected):
+        multi_rule_argv("d", [RuleCall("k", "leaky", (1, 1, 1, 1, 0))], slack_ms=0, decision_ttl_ms=0, member="m")
+    with pytest.raises(ScriptRejected):
+        multi_rule_argv("d", [], slack_ms=0, decision_ttl_ms=0, member="m")
