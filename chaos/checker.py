@@ -8,8 +8,9 @@ faults injected. ``Report.render()`` is the short text form.
 
 Which records feed which check:
 
-* granted <= G: etcd's own records (``etcd_grant``), or — when the run read nothing back — the
-  grants regions received;
+* granted <= G: etcd's own grant records (``etcd_grant``, net of tokens returned by usage
+  reports), or — when the run read nothing back — the grants regions received; and etcd's
+  own per-window records (``etcd_window``);
 * no double grant: every sighting (``grant`` and ``etcd_grant``);
 * no stale-epoch commit: ``etcd_grant`` (mod revisions) against ``leader`` records and every
   epoch seen; no stale-epoch accept: the regions' ``grant`` records in receipt order;
@@ -41,6 +42,7 @@ from allocator.contract.invariants import (
 from .history import (
     Decision,
     EtcdGrant,
+    EtcdWindow,
     Fault,
     Grant,
     Leader,
@@ -54,10 +56,12 @@ from .history import (
     to_grant_record,
     to_leader_term,
     to_spend_records,
+    to_window_state,
 )
 
 INVARIANTS = (
     "granted_within_limit",
+    "window_states_within_limit",
     "no_double_grant",
     "no_stale_epoch_commit",
     "no_stale_epoch_accept",
@@ -137,6 +141,7 @@ def check(history: str | Path | Iterable[Record], pools: Iterable[Pool | PoolPol
 
     grants = [r for r in records if isinstance(r, Grant)]
     etcd = [r for r in records if isinstance(r, EtcdGrant)]
+    etcd_windows = [to_window_state(r) for r in records if isinstance(r, EtcdWindow)]
     decisions = [r for r in records if isinstance(r, Decision)]
     closes = [r for r in records if isinstance(r, SpendClose)]
     leaders = [r for r in records if isinstance(r, Leader)]
@@ -160,6 +165,8 @@ def check(history: str | Path | Iterable[Record], pools: Iterable[Pool | PoolPol
 
     add("granted_within_limit", inv.granted_within_limit(stored or [g for g in received if g.accepted], policies),
         checked=bool(stored or received), note="" if stored else "from region receipts: no etcd records")
+    add("window_states_within_limit", inv.window_states_within_limit(etcd_windows, policies),
+        checked=bool(etcd_windows), note="" if etcd_windows else "no etcd window records read back")
     add("no_double_grant", inv.no_double_grant(all_grants), checked=bool(all_grants))
     add("no_stale_epoch_commit", inv.no_stale_epoch_commit(stored, [to_leader_term(x) for x in leaders]),
         checked=bool(stored), note="" if stored else "needs etcd records with revisions")
@@ -182,6 +189,6 @@ def check(history: str | Path | Iterable[Record], pools: Iterable[Pool | PoolPol
         if cur is None or (w.excess, w.overshoot) > (cur.excess, cur.overshoot):
             worst[w.pool] = w
     util = [u for u in inv.utilisation(d_recs, policies) if u.demand > u.limit]
-    counts = {"grants": len(grants), "etcd_grants": len(etcd), "decisions": len(decisions),
+    counts = {"grants": len(grants), "etcd_grants": len(etcd), "etcd_windows": len(etcd_windows), "decisions": len(decisions),
               "faults": len(faults), "leaders": len(leaders)}
     return Report(verdicts, bound.windows, worst, util, faults, tolerance_ms, counts)

@@ -18,7 +18,14 @@ from typing import IO
 import msgspec
 from msgspec import Struct
 
-from allocator.contract.invariants import DecisionRecord, GrantRecord, LeaderTerm, PoolPolicy, SpendRecord
+from allocator.contract.invariants import (
+    DecisionRecord,
+    GrantRecord,
+    LeaderTerm,
+    PoolPolicy,
+    SpendRecord,
+    WindowStateRecord,
+)
 from allocator.contract.wire import LeaseGrant
 
 
@@ -103,6 +110,20 @@ class EtcdGrant(_Rec, tag="etcd_grant"):
     expires_at_ms: int | None = None  # allocator clock
     mod_revision: int | None = None
     create_revision: int | None = None
+    spent: int | None = None  # from the lease's usage report, when one was accepted
+    returned: int = 0  # tokens the report gave back to the pool
+
+
+class EtcdWindow(_Rec, tag="etcd_window"):
+    """A pool window's state read back from etcd after the run."""
+
+    pool: str
+    window_index: int
+    limit: int
+    remaining: int
+    granted: int
+    returned: int = 0
+    mod_revision: int | None = None
 
 
 class Leader(_Rec, tag="leader"):
@@ -135,7 +156,8 @@ class LocalAllowance(_Rec, tag="local_allowance"):
     tokens: int
 
 
-Record = Grant | Decision | SpendClose | Fault | EtcdGrant | Leader | Policy | Meta | LocalAllowance
+Record = (Grant | Decision | SpendClose | Fault | EtcdGrant | EtcdWindow | Leader | Policy | Meta
+          | LocalAllowance)
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Record)
@@ -213,7 +235,7 @@ def to_grant_record(g: Grant | EtcdGrant) -> GrantRecord:
     if isinstance(g, EtcdGrant):
         return GrantRecord(lease_id=g.lease_id, pool=g.pool, region=g.region, granted=g.granted,
                            window_index=g.window_index, epoch=g.epoch, expires_at_ms=g.expires_at_ms,
-                           commit_revision=g.mod_revision)
+                           commit_revision=g.mod_revision, returned=g.returned)
     return GrantRecord(lease_id=g.lease_id, pool=g.pool, region=g.region, granted=g.granted,
                        window_index=g.window_index, epoch=g.epoch, expires_at_ms=g.expires_at_ms,
                        ttl_ms=g.ttl_ms, window_end_ms=g.window_end_ms, starts_in_ms=g.starts_in_ms,
@@ -249,6 +271,11 @@ def to_spend_records(d: Decision) -> list[SpendRecord]:
 def close_to_spend(c: SpendClose) -> SpendRecord:
     """A lease's closing report as an untimed spend (its ``spent`` total)."""
     return SpendRecord(lease_id=c.lease_id, tokens=c.spent, pool=c.pool, region=c.region)
+
+
+def to_window_state(w: EtcdWindow) -> WindowStateRecord:
+    return WindowStateRecord(pool=w.pool, window_index=w.window_index, limit=w.limit, remaining=w.remaining,
+                             granted=w.granted, returned=w.returned)
 
 
 def to_leader_term(rec: Leader) -> LeaderTerm:

@@ -73,10 +73,27 @@ class GrantRecord(Struct, frozen=True):
     received_at_ms: int | None = None  # recorder clock: when the region got this answer
     commit_revision: int | None = None  # etcd mod_revision of the grant record, when known
     accepted: bool = True  # False: the region rejected it (e.g. stale epoch)
+    returned: int = 0  # tokens given back to the pool by the lease's usage report (etcd record)
+
+    @property
+    def net(self) -> int:
+        """Tokens this lease holds against the pool: granted minus what its report returned."""
+        return self.granted - self.returned
 
     def content(self) -> tuple[int, int, int, str, str]:
         """What must never differ between two sightings of one lease id."""
         return (self.granted, self.window_index, self.epoch, self.pool, self.region)
+
+
+class WindowStateRecord(Struct, frozen=True):
+    """The allocator's own per-window state as stored in etcd (``pools/<pool>/<k>``)."""
+
+    pool: str
+    window_index: int
+    limit: int
+    remaining: int
+    granted: int  # Σ granted over regions
+    returned: int = 0  # Σ returned by usage reports
 
 
 class LeaderTerm(Struct, frozen=True):
@@ -205,7 +222,9 @@ def _unique(grants: Iterable[GrantRecord]) -> list[GrantRecord]:
 
 # ----------------------------------------------------------------------------- invariants
 def granted_within_limit(grants: Iterable[GrantRecord], pools: Iterable[PoolPolicy]) -> list[Violation]:
-    """Invariant 2: per pool and window, Σ granted <= G (feed it etcd's own records)."""
+    """Invariant 2: per pool and window, Σ (granted - returned) <= G (feed it etcd's own
+    records). Tokens a usage report gave back (``returned``) may be granted again, so they
+    count once; without usage reports this is plain Σ granted <= G."""
     by_id = _versions(pools)
     sums: dict[tuple[str, int], int] = defaultdict(int)
     out: list[Violation] = []
@@ -213,7 +232,10 @@ def granted_within_limit(grants: Iterable[GrantRecord], pools: Iterable[PoolPoli
         if g.granted < 0:
             out.append(Violation("granted_within_limit", f"lease {g.lease_id} has negative granted {g.granted}",
                                  g.pool, g.window_index, g.lease_id, g.granted, 0))
-        sums[(g.pool, g.window_index)] += g.granted
+        if not 0 <= g.returned <= g.granted:
+            out.append(Violation("granted_within_limit", f"lease {g.lease_id} returned {g.returned} of {g.granted}",
+                                 g.pool, g.window_index, g.lease_id, g.returned, g.granted))
+        sums[(g.pool, g.window_index)] += g.net
     for (pool, index), total in sorted(sums.items()):
         policy = policy_for_window(by_id, pool, index)
         if policy is None:
@@ -221,8 +243,30 @@ def granted_within_limit(grants: Iterable[GrantRecord], pools: Iterable[PoolPoli
                                  observed=total))
         elif total > policy.limit:
             out.append(Violation("granted_within_limit",
-                                 f"pool {pool} window {index}: granted {total} > G {policy.limit}",
+                                 f"pool {pool} window {index}: granted (net of returns) {total} > G {policy.limit}",
                                  pool, index, observed=total, bound=policy.limit))
+    return out
+
+
+def window_states_within_limit(states: Iterable[WindowStateRecord],
+                               pools: Iterable[PoolPolicy]) -> list[Violation]:
+    """Invariant 2 on the allocator's own window records: granted - returned <= G (the G in
+    force), and the record is self-consistent: remaining == limit - (granted - returned) >= 0."""
+    by_id = _versions(pools)
+    out: list[Violation] = []
+    for s in states:
+        policy = policy_for_window(by_id, s.pool, s.window_index)
+        g = s.limit if policy is None else policy.limit
+        net = s.granted - s.returned
+        if net > g:
+            out.append(Violation("window_states_within_limit",
+                                 f"pool {s.pool} window {s.window_index}: etcd says granted {s.granted} - returned "
+                                 f"{s.returned} = {net} > G {g}", s.pool, s.window_index, observed=net, bound=g))
+        if s.remaining < 0 or s.remaining != s.limit - net:
+            out.append(Violation("window_states_within_limit",
+                                 f"pool {s.pool} window {s.window_index}: remaining {s.remaining} != limit "
+                                 f"{s.limit} - net granted {net}", s.pool, s.window_index, observed=s.remaining,
+                                 bound=max(0, s.limit - net)))
     return out
 
 
@@ -297,12 +341,15 @@ def no_stale_epoch_accept(received: Sequence[GrantRecord]) -> list[Violation]:
 
 
 def lease_spend_within_grant(spends: Iterable[SpendRecord], grants: Iterable[GrantRecord]) -> list[Violation]:
-    """Per lease: Σ tokens admitted against it <= granted (a spend on an unknown lease is a
-    violation too: tokens from nowhere)."""
+    """Per lease: Σ tokens admitted against it <= granted - returned (a lease whose usage report
+    gave tokens back may not spend them afterwards; a spend on an unknown lease is a violation
+    too: tokens from nowhere). The strictest sighting of the lease counts."""
     granted: dict[str, GrantRecord] = {}
+    returned: dict[str, int] = defaultdict(int)
     for g in grants:
         prev = granted.get(g.lease_id)
-        if prev is None or g.granted < prev.granted:  # the smallest sighting: be strict
+        returned[g.lease_id] = max(returned[g.lease_id], g.returned)
+        if prev is None or g.granted < prev.granted:
             granted[g.lease_id] = g
     spent: dict[str, int] = defaultdict(int)
     for s in spends:
@@ -314,10 +361,12 @@ def lease_spend_within_grant(spends: Iterable[SpendRecord], grants: Iterable[Gra
             if total > 0:
                 out.append(Violation("lease_spend_within_grant", f"{total} tokens spent on unknown lease {lease_id}",
                                      lease_id=lease_id, observed=total, bound=0))
-        elif total > g.granted:
+        elif total > g.granted - returned[lease_id]:
+            cap = g.granted - returned[lease_id]
+            extra = f" - returned {returned[lease_id]}" if returned[lease_id] else ""
             out.append(Violation("lease_spend_within_grant",
-                                 f"lease {lease_id}: spent {total} > granted {g.granted}",
-                                 g.pool, g.window_index, lease_id, total, g.granted))
+                                 f"lease {lease_id}: spent {total} > granted {g.granted}{extra}",
+                                 g.pool, g.window_index, lease_id, total, cap))
     return out
 
 

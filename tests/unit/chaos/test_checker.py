@@ -13,6 +13,7 @@ from chaos.checker import INVARIANTS, check
 from chaos.history import (
     Decision,
     EtcdGrant,
+    EtcdWindow,
     Fault,
     Grant,
     HistoryWriter,
@@ -55,12 +56,13 @@ def clean() -> list:
         Leader(epoch=5, node="alloc-1", observed_at_ms=29_000),
         g1, g2,
         spend("eu", 30_200, "lease-eu-0001", 40),
-        spend("us", 30_300, "lease-us-0001", 50),
-        spend("us", 30_400, None, 10, allowed=False),  # demand above G: denied
+        spend("us", 30_300, "lease-us-0001", 45),
+        spend("us", 30_400, None, 15, allowed=False),  # demand above G: denied
         spend("eu", 34_000, None, 5, fallback=True),  # allocator unreachable: fallback
         SpendClose(lease_id="lease-eu-0001", pool="p-global", region="eu", granted=50, spent=40),
         Fault(nemesis="partition", target="eu->allocator", start_ms=33_000, stop_ms=35_000),
-        etcd(g1, 10), etcd(g2, 11),
+        etcd(g1, 10, spent=40, returned=10), etcd(g2, 11),
+        EtcdWindow(pool="p-global", window_index=K, limit=100, remaining=10, granted=100, returned=10),
     ]
 
 
@@ -78,8 +80,8 @@ def test_clean_history_passes_every_invariant():
     assert [v.invariant for v in report.verdicts] == list(INVARIANTS)
     assert all(v.checked for v in report.verdicts)
     w = report.worst["p-global"]
-    assert (w.window_index, w.admitted, w.limit, w.bound) == (K, 95, 100, 110)
-    assert [(u.pool, u.window_index, u.admitted, u.demand) for u in report.utilisation] == [("p-global", K, 95, 105)]
+    assert (w.window_index, w.admitted, w.limit, w.bound) == (K, 90, 100, 110)
+    assert [(u.pool, u.window_index, u.admitted, u.demand) for u in report.utilisation] == [("p-global", K, 90, 105)]
     assert "PASS" in report.render() and "partition" in report.render()
 
 
@@ -87,7 +89,7 @@ def test_over_grant_in_etcd_is_reported():
     recs = clean() + [etcd(grant("lease-eu-0002", "eu", 20), 12)]
     report = failing(recs, "granted_within_limit")
     v = report.verdict("granted_within_limit").violations[0]
-    assert (v.pool, v.window_index, v.observed, v.bound) == ("p-global", K, 120, 100)
+    assert (v.pool, v.window_index, v.observed, v.bound) == ("p-global", K, 110, 100)
 
 
 def test_double_grant_with_different_content_is_reported():
@@ -125,10 +127,34 @@ def test_region_accepting_an_older_epoch_is_reported():
 
 
 def test_spend_beyond_grant_is_reported():
-    recs = clean() + [spend("eu", 30_600, "lease-eu-0001", 11)]
+    recs = clean() + [spend("us", 30_600, "lease-us-0001", 6)]
     report = failing(recs, "lease_spend_within_grant")
     v = report.verdict("lease_spend_within_grant").violations[0]
-    assert (v.lease_id, v.observed, v.bound) == ("lease-eu-0001", 51, 50)
+    assert (v.lease_id, v.observed, v.bound) == ("lease-us-0001", 51, 50)
+
+
+def test_spending_tokens_the_usage_report_gave_back_is_reported():
+    # lease-eu-0001 reported 40 spent and returned 10 to the pool: it may not spend them afterwards
+    recs = clean() + [spend("eu", 30_600, "lease-eu-0001", 1)]
+    report = failing(recs, "lease_spend_within_grant")
+    v = report.verdict("lease_spend_within_grant").violations[0]
+    assert (v.observed, v.bound) == (41, 40) and "returned 10" in v.detail
+
+
+def test_returned_tokens_granted_again_are_not_an_over_grant():
+    again = grant("lease-us-0002", "us", 10, sent=36_000)
+    recs = clean() + [again, etcd(again, 12)]
+    assert check(recs, [POOL]).ok
+    recs = clean() + [grant("lease-us-0003", "us", 11, sent=36_000), etcd(grant("lease-us-0003", "us", 11), 12)]
+    failing(recs, "granted_within_limit")
+
+
+def test_etcd_window_state_over_limit_or_inconsistent_is_reported():
+    over = EtcdWindow(pool="p-global", window_index=K + 1, limit=100, remaining=0, granted=120, returned=10)
+    report = failing(clean() + [over], "window_states_within_limit")
+    assert {v.observed for v in report.verdict("window_states_within_limit").violations} == {110, 0}
+    skewed = EtcdWindow(pool="p-global", window_index=K + 1, limit=100, remaining=50, granted=40)
+    failing(clean() + [skewed], "window_states_within_limit")
 
 
 def test_spend_on_unknown_lease_and_closing_report_beyond_grant_are_reported():
@@ -139,11 +165,11 @@ def test_spend_on_unknown_lease_and_closing_report_beyond_grant_are_reported():
 
 
 def test_spend_after_expiry_is_reported_beyond_the_tolerance_only():
-    # lease-eu-0001: sent 30_000 + ttl 5_000 -> deadline 35_000
-    assert check(clean() + [spend("eu", 35_200, "lease-eu-0001", 1)], [POOL], tolerance_ms=250).ok
-    report = failing(clean() + [spend("eu", 35_400, "lease-eu-0001", 1)], "no_spend_after_expiry", 250)
+    # lease-us-0001: sent 30_100 + ttl 5_000 -> deadline 35_100
+    assert check(clean() + [spend("us", 35_300, "lease-us-0001", 1)], [POOL], tolerance_ms=250).ok
+    report = failing(clean() + [spend("us", 35_400, "lease-us-0001", 1)], "no_spend_after_expiry", 250)
     v = report.verdict("no_spend_after_expiry").violations[0]
-    assert v.lease_id == "lease-eu-0001" and v.observed == 35_400
+    assert v.lease_id == "lease-us-0001" and v.observed == 35_400
 
 
 def test_spend_after_window_end_is_reported():
@@ -156,16 +182,16 @@ def test_overshoot_beyond_bound_is_reported():
     recs = clean() + [spend("us", 34_500, None, 16, fallback=True)]
     report = failing(recs, "admitted_within_bound")
     w = report.worst["p-global"]
-    assert (w.admitted, w.bound, w.overshoot) == (111, 120, 11)
+    assert (w.admitted, w.bound, w.overshoot) == (106, 120, 6)
     assert any("us admitted 16 from fallback" in v.detail for v in report.verdict("admitted_within_bound").violations)
-    recs = clean() + [spend("us", 30_700, None, 20, local=True)]  # local admissions with no stated allowance
+    recs = clean() + [spend("us", 30_700, None, 25, local=True)]  # local admissions with no stated allowance
     report = failing(recs, "admitted_within_bound")
     assert report.worst["p-global"].excess == 5
 
 
 def test_local_allowance_and_policy_change_raise_the_bound():
-    extra = [spend("us", 30_700, None, 20, local=True)]
-    assert check(clean() + extra + [LocalAllowance(pool="p-global", window_index=K, tokens=20)], [POOL]).ok
+    extra = [spend("us", 30_700, None, 25, local=True)]
+    assert check(clean() + extra + [LocalAllowance(pool="p-global", window_index=K, tokens=25)], [POOL]).ok
     bigger = Policy(version=2, applied_at_ms=36_000,
                     pools=[PoolPolicy(id="p-global", limit=200, window_ms=W, fallback_per_region=10)])
     assert check(clean() + extra + [bigger], [POOL]).ok
