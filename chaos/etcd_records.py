@@ -1,0 +1,70 @@
+"""Read the allocator's own records back from etcd after a run, as history records.
+
+Adapter: uses the allocator's etcd client and key layout (``<prefix>grants/<leaseId>``,
+``<prefix>pools/<pool>/<k>``, ``<prefix>leader``) and its stored types, so the checker judges
+exactly what the allocator committed. A grant's commit revision is its record's
+``create_revision``: a later usage report rewrites the record (new mod_revision) under the
+then-current leader, which says nothing about when the grant itself committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from allocator.election import LeaderRecord
+from allocator.engine import GrantRecord as StoredGrant
+from allocator.engine import Keys
+from allocator.etcd_store import EtcdStore
+from allocator.policy import WindowState
+
+from .history import EtcdGrant, EtcdWindow, HistoryError, Leader, now_ms
+
+
+def grant_from_kv(value: bytes, create_revision: int, mod_revision: int, key: bytes = b"") -> EtcdGrant:
+    try:
+        rec = msgspec.json.decode(value, type=StoredGrant)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HistoryError(f"etcd grant record {key.decode(errors='replace')} is unreadable: {e}") from None
+    g = rec.grant
+    return EtcdGrant(lease_id=g.lease_id, pool=g.pool, region=g.region, granted=g.granted,
+                     window_index=g.window.index, epoch=g.epoch, expires_at_ms=g.expires_at_ms,
+                     mod_revision=create_revision, create_revision=create_revision,
+                     spent=rec.spent if rec.reported else None, returned=rec.returned)
+
+
+def window_from_kv(value: bytes, mod_revision: int, key: bytes = b"") -> EtcdWindow:
+    try:
+        w = msgspec.json.decode(value, type=WindowState)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HistoryError(f"etcd window record {key.decode(errors='replace')} is unreadable: {e}") from None
+    return EtcdWindow(pool=w.pool, window_index=w.index, limit=w.limit, remaining=w.remaining,
+                      granted=w.total_granted, returned=w.total_returned, mod_revision=mod_revision)
+
+
+async def read_back(endpoints: str | Sequence[str], prefix: str = "/leasehold/", *,
+                    timeout_s: float = 5.0) -> list[EtcdGrant | EtcdWindow | Leader]:
+    """Every grant and window record under ``prefix``, and the current leader (if any).
+
+    Grant records carry an etcd lease (they expire some time after their window), so read
+    back promptly after the run."""
+    keys = Keys(prefix)
+    store = EtcdStore(endpoints, timeout_s=timeout_s)
+    out: list[EtcdGrant | EtcdWindow | Leader] = []
+    try:
+        for kv in await store.get_prefix(keys.grants_prefix()):
+            # mod_revision of the record is not the grant's commit: see the module docstring
+            out.append(grant_from_kv(kv.value, kv.create_revision, kv.mod_revision, kv.key))
+        for kv in await store.get_prefix(f"{prefix}pools/".encode()):
+            out.append(window_from_kv(kv.value, kv.mod_revision, kv.key))
+        leader = await store.get(keys.leader)
+        if leader is not None:
+            try:
+                node = msgspec.json.decode(leader.value, type=LeaderRecord).node_id
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                node = None
+            out.append(Leader(epoch=leader.create_revision, node=node, observed_at_ms=now_ms()))
+    finally:
+        await store.close()
+    return out
