@@ -3,11 +3,13 @@
 ``redis://`` / ``rediss://`` URLs give a standalone client; ``redis+cluster://`` (or
 ``rediss+cluster://``) or ``--redis-cluster true`` give a ``RedisCluster`` seeded from that
 node. The pool is bounded and connects/reads time out, so a slow store degrades decisions
-instead of queueing them."""
+instead of queueing them. The driver never retries on its own."""
 
 from __future__ import annotations
 
 from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 
 def is_cluster_url(url: str) -> bool:
@@ -21,7 +23,10 @@ def plain_url(url: str) -> str:
 
 def make_client(url: str, *, cluster: bool = False, max_connections: int = 32,
                 socket_timeout: float = 1.0) -> Redis | RedisCluster:
-    common = dict(socket_connect_timeout=0.25, socket_timeout=socket_timeout, decode_responses=False)
+    # no driver-level retries: a timed-out script may have run, and a blind resend could debit twice;
+    # the engine decides (degrade, or one retry when the call carries a decision record)
+    common = dict(socket_connect_timeout=0.25, socket_timeout=socket_timeout, decode_responses=False,
+                  retry=Retry(NoBackoff(), 0))
     if cluster or is_cluster_url(url):
         return RedisCluster.from_url(plain_url(url), max_connections=max_connections, **common)
     return Redis.from_url(plain_url(url), max_connections=max_connections, **common)

@@ -98,3 +98,39 @@ async def set_bucket(r, key: str, tokens: int, *, age_ms: int | None = None) -> 
 
 async def bucket_tokens(r, key: str) -> int:
     return int(await r.hget(key, "tokens"))
+
+
+# --- the agent as a real uvicorn subprocess (true concurrency: the in-process test client
+# --- serialises requests through its blocking portal) --------------------------------------------
+import contextlib  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+import httpx  # noqa: E402
+
+from leasehold.procs import Proc, free_port, wait_port  # noqa: E402
+
+
+@contextlib.contextmanager
+def agent_process(workdir: Path, redis_url: str, policy: Path, *extra: str) -> Iterator[tuple[str, Proc]]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
+    env.update(PYTHONPATH=str(ROOT), LEASEHOLD_AGENT_PEPPER=PEPPER.decode())
+    proc = Proc(f"agent-{port}", [sys.executable, "-m", "region_agent", "--redis-url", redis_url, "--policy",
+                                  str(policy), "--region", "eu", "--host", "127.0.0.1", "--port", str(port),
+                                  "--policy-poll-ms", "0", "--log-level", "warning", *extra], workdir, env=env).start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_port(port, proc=proc.popen, timeout=30)
+        for _ in range(300):  # bounded wait for readiness (scripts loaded)
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("agent never became ready:\n" + proc.tail())
+        yield base, proc
+    finally:
+        proc.stop()

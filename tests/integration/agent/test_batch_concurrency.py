@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-from litestar.testing import AsyncTestClient
 from redis.asyncio import Redis
 
-from region_agent.app import create_app
-
-from .conftest import PEPPER, admit_body, make_settings, set_bucket, user_key
+from .conftest import admit_body, set_bucket, user_key
 
 
 @pytest.fixture
@@ -47,34 +42,3 @@ async def test_empty_and_oversized_batches(agent):
     resp = await agent.post("/v1/admit/batch", json=too_many)
     assert 400 <= resp.status_code < 500
     assert resp.headers["content-type"].startswith("application/problem+json")
-
-
-async def test_concurrent_admits_from_several_agents_admit_exactly_l(redis_url, policy_file, r):
-    """Three agents (separate apps, pools and batchers) race 90 admits for one 20-token bucket."""
-    await set_bucket(r, user_key("atlas", "U-17", "read"), 20_000)  # refill frozen: L = 20 exactly
-    apps = [create_app(make_settings(redis_url, policy_file), pepper=PEPPER) for _ in range(3)]
-    clients = [AsyncTestClient(app=a) for a in apps]
-    for c in clients:
-        await c.__aenter__()
-    try:
-        async def one(i: int) -> bool:
-            resp = await clients[i % 3].post("/v1/admit", json=admit_body(f"race-{i:05d}"))
-            assert resp.status_code == 200
-            return resp.json()["allowed"]
-
-        results = await asyncio.gather(*(one(i) for i in range(90)))
-    finally:
-        for c in clients:
-            await c.__aexit__(None, None, None)
-    assert sum(results) == 20
-
-
-async def test_coalesced_admits_share_pipelines(agent, r):
-    await asyncio.gather(*(agent.post("/v1/admit", json=admit_body(f"co-{i:05d}", pid=f"U-{i}")) for i in range(40)))
-    metrics = (await agent.get("/metrics")).text
-    count = float(next(line.split()[-1] for line in metrics.splitlines()
-                       if line.startswith("leasehold_agent_batch_size_count")))
-    total = float(next(line.split()[-1] for line in metrics.splitlines()
-                       if line.startswith("leasehold_agent_batch_size_sum")))
-    assert total == 40  # every script call went through the batcher
-    assert count <= 40

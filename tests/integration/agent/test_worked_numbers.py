@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from redis.asyncio import Redis
 
@@ -139,13 +137,3 @@ async def test_idempotent_export_debited_once(agent, r):
     assert first["allowed"] is True and again == first
     assert await bucket_tokens(r, export) == 990_000
     assert await r.zcard(export + ":cc") == 1
-
-
-async def test_contention_exactly_one_of_two(agent, r):
-    await set_bucket(r, U17_READ, 1_000)
-    await set_bucket(r, ATLAS, 639_000)
-    a, b = await asyncio.gather(admit(agent, "gw-a-000001"), admit(agent, "gw-b-000001"))
-    assert sorted([a["allowed"], b["allowed"]]) == [False, True]
-    loser = a if not a["allowed"] else b
-    assert loser["retryAfterMs"] == 500 and loser["headers"]["Retry-After"] == "1"
-    assert await bucket_tokens(r, ATLAS) == 638_000
