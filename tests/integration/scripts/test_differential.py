@@ -1,0 +1,256 @@
+"""Hypothesis differential tests: the real scripts against the pure models.
+
+Each call is bracketed by the local clock (Redis TIME reads the same machine clock); the reply
+and the state read back must equal the model's for some instant inside the bracket, and that
+instant advances the model. A sleep of d ms is simulated by moving every stored timestamp d ms
+back (Redis and model alike); fixed window and sliding counter are aligned to absolute time, so
+they use small windows and real short sleeps."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from functools import partial
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from region_agent.algorithms import (
+    concurrency,
+    fixed_window,
+    gcra,
+    multi_rule,
+    pool,
+    sliding_counter,
+    sliding_log,
+)
+from region_agent.algorithms import token_bucket as tb
+from region_agent.algorithms.concurrency import ConcurrencyParams
+from region_agent.algorithms.fixed_window import WindowParams
+from region_agent.algorithms.multi_rule import RuleSpec
+from region_agent.algorithms.pool import PoolEntry, PoolState
+from region_agent.algorithms.token_bucket import TokenBucketParams
+from region_agent.store.scripts import Scripts
+
+from .support import as_ints, bracketed, norm, now_ms, read_state, shift_back, shift_model
+
+pytestmark = pytest.mark.integration
+
+SLACK = 600_000  # long enough that no key expires in real time during an example
+SETTINGS = settings(max_examples=15, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SCRIPTS = Scripts()
+
+
+def evalsha(r, name, keys, argv):
+    return r.evalsha(SCRIPTS.sha(name), len(keys), *keys, *argv)
+
+
+def tag() -> str:
+    return "{t:" + uuid.uuid4().hex[:12] + "}"
+
+
+def step(call, model, read_states, prev_states, kinds, reply_of=lambda d: d.as_reply()):
+    """One bracketed call. ``model(now) -> (decision, new_states | None)``; returns the matched
+    now and the model's states after it."""
+    reply, t0, t1 = bracketed(call)
+    got = [norm(k, s) for k, s in zip(kinds, read_states(), strict=True)]
+    tried = []
+    for n in range(t0, t1 + 1):
+        d, new = model(n)
+        states = prev_states if new is None else new
+        want = [norm(k, s) for k, s in zip(kinds, states, strict=True)]
+        if reply_of(d) == as_ints(reply) and want == got:
+            return n, list(states)
+        tried.append((reply_of(d), want))
+    raise AssertionError(f"script {as_ints(reply)} / {got} matches no model instant in [{t0}, {t1}]: {tried}")
+
+
+def single_step(r, kind, name, key, argv, decide, state):
+    """One call of a single-key rate script; ``decide(state, now_ms=n)`` is the model."""
+    def call():
+        return evalsha(r, name, [key], argv)
+
+    def model(n):
+        d, new = decide(state, now_ms=n)
+        return d, None if new is None else [new]
+
+    _, (new_state,) = step(call, model, lambda: [read_state(r, kind, key)], [state], [kind])
+    return new_state
+
+
+# --- token bucket and GCRA (simulated sleeps) --------------------------------------------------
+bucket_params = st.builds(
+    lambda cap, refill, period: (cap, refill, period),
+    st.integers(1, 50_000), st.integers(1, 20_000), st.integers(1, 5_000))
+sleeps = st.sampled_from([0, 0, 0, 1, 7, 250, 999, 5_000, 10**7])
+
+
+@pytest.mark.parametrize("kind", ["tb", "gcra"])
+@settings(SETTINGS, max_examples=30)
+@given(p=bucket_params, ops=st.lists(st.tuples(sleeps, st.integers(1, 1_100), st.booleans()), min_size=1,
+                                      max_size=14))
+def test_bucket_scripts_match_model(sclient, kind, p, ops):
+    key = f"rl:{tag()}:{kind}"
+    cap, refill, period = p
+    state = None
+    for d, permille, lowered in ops:
+        shift_back(sclient, kind, key, d)
+        state = shift_model(kind, state, d)
+        capacity = max(1, cap // 3) if lowered else cap
+        cost = max(1, cap * permille // 1_000)  # mostly <= capacity, sometimes above
+        params = TokenBucketParams(capacity, refill, period, cost)
+        mod = tb if kind == "tb" else gcra
+        name = "token_bucket" if kind == "tb" else "gcra"
+        state = single_step(sclient, kind, name, key, [capacity, refill, period, cost, SLACK],
+                            partial(mod.decide, params=params), state)
+        if state is not None:
+            assert sclient.pttl(key) > 0
+
+
+# --- fixed window and sliding counter (real short sleeps) --------------------------------------
+@pytest.mark.parametrize("kind", ["fw", "sc"])
+@SETTINGS
+@given(window=st.integers(20, 120), limit=st.integers(1, 6),
+       ops=st.lists(st.tuples(st.sampled_from([0, 0, 0, 3, 15, 40]), st.integers(1, 7)), min_size=1, max_size=12))
+def test_window_scripts_match_model(sclient, kind, window, limit, ops):
+    key = f"rl:{tag()}:{kind}"
+    mod = fixed_window if kind == "fw" else sliding_counter
+    name = "fixed_window" if kind == "fw" else "sliding_counter"
+    state = None
+    for d, cost in ops:
+        if d:
+            time.sleep(d / 1000)
+        params = WindowParams(limit, window, cost)
+        state = single_step(sclient, kind, name, key, [limit, window, cost, SLACK],
+                            partial(mod.decide, params=params), state)
+        if state is not None:
+            assert sclient.pttl(key) > 0
+
+
+# --- sliding log -------------------------------------------------------------------------------
+@SETTINGS
+@given(limit=st.integers(1, 6), window=st.integers(10, 5_000),
+       ops=st.lists(st.tuples(st.sampled_from([0, 0, 1, 30, 400, 2_000]), st.integers(1, 3),
+                              st.integers(0, 5)), min_size=1, max_size=14))
+def test_sliding_log_matches_model(sclient, limit, window, ops):
+    key = f"rl:{tag()}:sl"
+    state = None
+    for i, (d, cost, replay) in enumerate(ops):
+        shift_back(sclient, "sl", key, d)
+        state = shift_model("sl", state, d)
+        member = f"m{replay}" if replay < i and replay % 2 == 0 else f"m{i}"
+        params = WindowParams(limit, window, cost)
+        state = single_step(sclient, "sl", "sliding_log", key, [limit, window, member, cost, SLACK],
+                            partial(sliding_log.decide, params=params, member=member), state)
+        if state is not None and state.entries:
+            assert sclient.pttl(key) > 0
+
+
+# --- concurrency -------------------------------------------------------------------------------
+@SETTINGS
+@given(max_in_flight=st.integers(1, 4), ttl=st.integers(5, 3_000),
+       ops=st.lists(st.tuples(st.sampled_from(["acq", "acq", "rel", "renew"]), st.integers(0, 5),
+                              st.sampled_from([0, 0, 2, 100, 1_000, 4_000])), min_size=1, max_size=16))
+def test_concurrency_matches_model(sclient, max_in_flight, ttl, ops):
+    key = f"rl:{tag()}:cc"
+    params = ConcurrencyParams(max_in_flight, ttl)
+    state = None
+    for op, lease, d in ops:
+        shift_back(sclient, "cc", key, d)
+        state = shift_model("cc", state, d)
+        lid = f"L{lease}"
+        if op == "acq":
+            def model(n, s=state, lid=lid):
+                dd, new = concurrency.acquire(s, params, n, lid)
+                return [int(dd.allowed), dd.remaining], None if new is None else [new]
+            def call(lid=lid):
+                return evalsha(sclient, "concurrency_acquire", [key], [lid, max_in_flight, ttl])
+        elif op == "rel":
+            def model(n, s=state, lid=lid):
+                ok, k, new = concurrency.release(s, n, lid)
+                return [int(ok), k], None if new is None else [new]
+            def call(lid=lid):
+                return evalsha(sclient, "concurrency_release", [key], [lid])
+        else:
+            def model(n, s=state, lid=lid):
+                ok, k, new = concurrency.renew(s, params, n, lid)
+                return [int(ok), k], None if new is None else [new]
+            def call(lid=lid):
+                return evalsha(sclient, "concurrency_renew", [key], [lid, ttl])
+        _, (state,) = step(call, model, lambda: [read_state(sclient, "cc", key)], [state], ["cc"],
+                           reply_of=lambda r: r)
+        if norm("cc", state):
+            assert sclient.pttl(key) > 0
+
+
+# --- mixed multi-rule sets ---------------------------------------------------------------------
+rule_kinds = st.lists(st.sampled_from(["tb", "gcra", "fw", "sc", "sl", "cc", "pool"]), min_size=1, max_size=5)
+
+
+def make_rule(kind: str, cost: int) -> RuleSpec:
+    return {
+        "tb": RuleSpec("tb", (5_000, 1_000, 1_000, cost * 1_000, 0)),
+        "gcra": RuleSpec("gcra", (5_000, 1_000, 1_000, cost * 1_000, 0)),
+        "fw": RuleSpec("fw", (6, 60_000, cost, 0, 0)),
+        "sc": RuleSpec("sc", (6, 60_000, cost, 0, 0)),
+        "sl": RuleSpec("sl", (5, 3_000, cost, 0, 0)),
+        "cc": RuleSpec("cc", (3, 2_000, 0, 0, 0)),
+        "pool": RuleSpec("pool", (cost, 0, 0, 0, 0)),
+    }[kind]
+
+
+@SETTINGS
+@given(kinds=rule_kinds,
+       grants=st.lists(st.tuples(st.integers(0, 6), st.integers(-500, 500), st.integers(1, 5_000)), max_size=3),
+       ops=st.lists(st.tuples(st.sampled_from([0, 0, 1, 300, 1_500, 6_000]), st.integers(1, 3),
+                              st.integers(0, 3)), min_size=1, max_size=10))
+def test_multi_rule_matches_model(sclient, kinds, grants, ops):
+    t = tag()
+    keys = [f"rl:{t}:r{i}:{k}" if k != "pool" else f"rl:{t}:pool" for i, k in enumerate(kinds)]
+    kinds = [k for i, k in enumerate(kinds) if keys[i] not in keys[:i]]
+    keys = list(dict.fromkeys(keys))
+    states: list = [None] * len(kinds)
+    if "pool" in kinds:
+        j = kinds.index("pool")
+        base = now_ms()
+        entries = {}
+        for g, (granted, from_off, life) in enumerate(grants):
+            lid = f"G{g}"
+            res = evalsha(sclient, "pool_deposit", [keys[j]],
+                          [lid, granted, base + from_off, base + from_off + life, 8, SLACK])
+            assert as_ints(res[:1]) == [1]
+            entries[lid] = PoolEntry(granted, 0, base + from_off, base + from_off + life)
+        states[j] = PoolState(entries) if entries else None
+        assert norm("pool", read_state(sclient, "pool", keys[j])) == norm("pool", states[j])
+    for i, (d, cost, replay) in enumerate(ops):
+        for k, key in zip(kinds, keys, strict=True):
+            shift_back(sclient, k, key, d)
+        states = [shift_model(k, s, d) for k, s in zip(kinds, states, strict=True)]
+        member = f"D{replay}" if replay < i else f"D{i}"
+        rules = [make_rule(k, cost) for k in kinds]
+        argv = [SLACK, 0, member] + [x for r in rules for x in (r.kind, *r.params)]
+
+        def model(n, s=states, rules=rules, member=member):
+            return multi_rule.decide(s, rules, n, member)
+
+        _, states = step(lambda argv=argv: evalsha(sclient, "multi_rule", [f"rl:{t}:dec", *keys], argv),
+                         model, lambda: [read_state(sclient, k, key) for k, key in zip(kinds, keys, strict=True)],
+                         states, kinds)
+        for k, key, s in zip(kinds, keys, states, strict=True):
+            if norm(k, s) is not None:
+                assert sclient.pttl(key) > 0, k
+
+
+def test_pool_model_deposit_matches_script(sclient):
+    key = f"rl:{tag()}:pool"
+    base = now_ms()
+    state = None
+    for lid, granted, off, life, mx in [("A", 5, 0, 1_000, 2), ("A", 9, 0, 1_000, 2), ("B", 1, 10, 50_000, 2),
+                                        ("C", 1, 0, 1_000, 2), ("D", 1, -5_000, 10, 9)]:
+        status, new = pool.deposit(state, lid, granted, base + off, base + off + life, mx, now_ms())
+        res = evalsha(sclient, "pool_deposit", [key], [lid, granted, base + off, base + off + life, mx, SLACK])
+        assert (res[1].decode() if isinstance(res[1], bytes) else res[1]) == status
+        state = new if new is not None else state
+        assert norm("pool", read_state(sclient, "pool", key)) == norm("pool", state)
