@@ -106,3 +106,37 @@ def test_reported_units():
 
 def test_bundle_type_is_the_contract_one():
     assert isinstance(NORTHSTAR, Bundle) and NORTHSTAR.bundle_version == 42
+
+
+# --- properties over arbitrary requests --------------------------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+TENANTS = st.one_of(st.sampled_from(["atlas", "birch", "cedar"]), st.from_regex(r"[a-z0-9-]{1,32}", fullmatch=True))
+ROUTES = st.one_of(st.sampled_from(["read", "export", "login", "search"]),
+                   st.from_regex(r"[a-z0-9_-]{1,32}", fullmatch=True))
+IPS = st.one_of(st.ip_addresses(v=4).map(str), st.ip_addresses(v=6).map(str))
+
+
+@settings(max_examples=150, deadline=None)
+@given(tenant=TENANTS, route=ROUTES, ptype=st.sampled_from(["user", "service", "anonymous"]),
+       pid=st.text(min_size=1, max_size=64), ip=IPS, key=st.one_of(st.none(), st.text(min_size=1, max_size=64)),
+       cost=st.integers(1, 1000))
+def test_every_plan_stays_in_one_slot_and_within_bounds(tenant, route, ptype, pid, ip, key, cost):
+    r = AdmitRequest(request_id="prop-0000001", tenant_id=None if ptype == "anonymous" else tenant,
+                     principal=Principal(type=ptype, id=ip if ptype == "anonymous" else pid, api_key_id=key),
+                     route_group=route, cost_hint=cost)
+    plan = build_plan(NORTHSTAR, r, KB)
+    keys = [c.key for c in plan.calls] + [plan.decision_key]
+    assert len({hash_tag(k) for k in keys}) == 1  # one script, one slot
+    assert len(plan.calls) <= 8 and len(set(keys)) == len(keys)  # no key listed twice
+    for k in keys:
+        parts = k.split(":")
+        if parts[4] == "u":  # the principal appears only as its keyed hash
+            assert parts[5] == KB.h(tenant, "u", pid)
+        assert "\n" not in k and " " not in k
+    for c, s in zip(plan.calls, plan.slots, strict=True):
+        if c.kind == "tb":
+            assert c.params[3] == (s.rule.cost_millis or 0) * cost
+        elif c.kind in ("fw", "sc", "sl"):
+            assert c.params[2] == cost
