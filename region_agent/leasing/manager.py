@@ -1,0 +1,240 @@
+"""Keeps each pool balance of this region topped up from the allocator.
+
+One ``LeaseManager`` per agent process. For every *active* balance (a pool rule was
+evaluated against it recently) a background tick:
+
+1. closes leases whose deadline passed (``pool_close`` in Redis returns granted/spent
+   exactly once) and reports the spent count to the allocator (reclaim), retrying later if
+   the allocator is unreachable (bounded queue);
+2. reads the spendable balance and, below the low-water mark, asks for a chunk
+   (single-flight per balance, tenacity retries with the same lease id inside the client),
+   then deposits the grant into Redis with Redis-clock bounds derived conservatively from
+   this process's monotonic deadlines.
+
+The engine asks :meth:`state` when a pool rule denied: ``exhausted`` is a normal 429 with a
+retry hint at the next window start, ``unreachable`` means the allocator could not be
+reached and no valid lease is left — only then may the pool's fallback allowance be spent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from allocator.contract.bundle import Pool
+from allocator.contract.errors import Conflict, LeaseholdError, StaleEpoch
+from allocator.contract.wire import LeaseRequest, UsageReport
+
+from .book import HeldLease, PoolBook
+from .client import AllocatorClient
+
+log = logging.getLogger("leasehold.leases")
+
+PoolState = Literal["ok", "exhausted", "unreachable", "idle"]
+
+
+class BalanceStore(Protocol):
+    """The Redis side of a pool balance (implemented over the Lua scripts)."""
+
+    async def clock_bounds(self) -> tuple[float, float, float]:
+        """(lower offset, upper offset, mono ms): Redis ms = mono ms + offset, bounded."""
+
+    async def deposit(self, key: str, lease_id: str, granted: int, valid_from_ms: int, expires_at_ms: int) -> bool: ...
+
+    async def close(self, key: str, lease_id: str) -> tuple[int, int] | None: ...
+
+    async def spendable(self, key: str) -> int: ...
+
+
+class Recorder(Protocol):
+    def grant(self, *, region: str, pool: str, key_tag: str, lease: HeldLease | None, grant: object,
+              sent_at: float, received_at: float) -> None: ...
+
+    def closed(self, *, region: str, pool: str, lease_id: str, granted: int, spent: int) -> None: ...
+
+
+@dataclass
+class Balance:
+    pool: Pool
+    key: str  # the Redis balance key (tenant tag or global tag)
+    book: PoolBook
+    last_used: float = 0.0
+    inflight: asyncio.Task | None = None
+    last_spendable: int = 0
+
+
+@dataclass
+class LeaseManager:
+    region: str
+    client: AllocatorClient
+    store: BalanceStore
+    now: Callable[[], float] = field(default=lambda: time.monotonic() * 1000.0)
+    tick_ms: float = 100.0
+    idle_after_ms: float = 30_000.0
+    horizon_ms: float = 2_000.0
+    max_pending_reports: int = 10_000
+    report_patience_ms: float = 120_000.0
+    recorder: Recorder | None = None
+    balances: dict[str, Balance] = field(default_factory=dict)
+    pending_reports: deque = field(default_factory=deque)
+    _task: asyncio.Task | None = None
+    _stopping: bool = False
+
+    # ----------------------------------------------------------------- engine-facing, sync
+    def note(self, pool: Pool, key: str, tokens: int) -> None:
+        """Called for every decision that needed ``key``'s pool balance (allowed or not)."""
+        bal = self.balances.get(key)
+        now = self.now()
+        if bal is None or bal.pool != pool:
+            bal = self.balances[key] = Balance(pool=pool, key=key, book=PoolBook(pool))
+        bal.last_used = now
+        bal.book.note_demand(tokens, now)
+        if bal.inflight is None and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
+            bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
+
+    def state(self, key: str) -> PoolState:
+        bal = self.balances.get(key)
+        if bal is None:
+            return "idle"
+        now = self.now()
+        if bal.book.exhausted(now):
+            return "exhausted"
+        if bal.book.unreachable_since is not None and not bal.book.valid(now):
+            return "unreachable"
+        return "ok"
+
+    def retry_hint_ms(self, key: str) -> int:
+        bal = self.balances.get(key)
+        if bal is None:
+            return 0
+        now = self.now()
+        if bal.book.exhausted(now):
+            return bal.book.exhausted_retry_ms(now)
+        return int(self.client.last_rtt_ms) + 1
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="lease-manager")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for bal in self.balances.values():
+            if bal.inflight:
+                bal.inflight.cancel()
+        await asyncio.gather(*(b.inflight for b in self.balances.values() if b.inflight), return_exceptions=True)
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a tick must never kill the manager; the next one retries
+                log.exception("lease manager tick failed")
+            await asyncio.sleep(self.tick_ms / 1000.0)
+
+    async def tick(self) -> None:
+        now = self.now()
+        for key, bal in list(self.balances.items()):
+            for lease in bal.book.expired(now):
+                await self._close(bal, lease)
+            if now - bal.last_used > self.idle_after_ms and not bal.book.leases:
+                del self.balances[key]
+                continue
+            try:
+                bal.last_spendable = await self.store.spendable(bal.key)
+            except LeaseholdError:
+                continue
+            if bal.inflight is None and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
+                bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
+        await self._flush_reports()
+
+    # ----------------------------------------------------------------- grants
+    async def _topup(self, bal: Balance) -> None:
+        try:
+            await self._request(bal, "current")
+            now = self.now()
+            until_end = min((lease.window_end for lease in bal.book.valid(now)), default=None)
+            if until_end is not None and until_end - now <= bal.pool.prefetch_ms and not bal.book.future(now):
+                await self._request(bal, "next")
+        finally:
+            bal.inflight = None
+
+    async def _request(self, bal: Balance, window: Literal["current", "next"]) -> None:
+        lease_id = f"{self.region}-{uuid.uuid4().hex}"
+        req = LeaseRequest(lease_id=lease_id, region=self.region, pool=bal.pool.id,
+                           want=bal.book.want(self.horizon_ms), demand=int(bal.book.demand_rate), window=window)
+        sent_at = self.now()
+        try:
+            grant = await self.client.lease(req)
+        except LeaseholdError as e:
+            if e.retriable:
+                bal.book.note_unreachable(self.now())
+            log.warning("lease request for pool %s failed: %s", bal.pool.id, e.detail)
+            return
+        received_at = self.now()
+        try:
+            lease = bal.book.accept(grant, sent_at=sent_at, received_at=received_at)
+        except StaleEpoch as e:
+            log.warning("refused grant: %s", e.detail)
+            return
+        if self.recorder:
+            self.recorder.grant(region=self.region, pool=bal.pool.id, key_tag=bal.key, lease=lease, grant=grant,
+                                sent_at=sent_at, received_at=received_at)
+        if lease is None:
+            return
+        lo, hi, mono = await self.store.clock_bounds()
+        # start no earlier than valid_from (upper offset), end no later than the deadline (lower offset)
+        valid_from = int(lease.valid_from + hi + 0.999)
+        expires_at = int(lease.deadline + lo)
+        if expires_at <= valid_from:
+            bal.book.forget(lease.lease_id)
+            return
+        await self.store.deposit(bal.key, lease.lease_id, lease.granted, valid_from, expires_at)
+
+    # ----------------------------------------------------------------- reclaim
+    async def _close(self, bal: Balance, lease: HeldLease) -> None:
+        try:
+            res = await self.store.close(bal.key, lease.lease_id)
+        except LeaseholdError:
+            return  # Redis unreachable: try again next tick
+        bal.book.forget(lease.lease_id)
+        if res is None:
+            return
+        granted, spent = res
+        if self.recorder:
+            self.recorder.closed(region=self.region, pool=bal.pool.id, lease_id=lease.lease_id,
+                                 granted=granted, spent=spent)
+        if len(self.pending_reports) < self.max_pending_reports:
+            report = UsageReport(lease_id=lease.lease_id, region=self.region, pool=bal.pool.id,
+                                 spent=min(spent, granted))
+            self.pending_reports.append((report, self.now()))
+
+    async def _flush_reports(self) -> None:
+        """Send queued usage reports. The region's deadline comes before the allocator's
+        expiry, so the allocator may answer 409 (not yet expired): such a report is retried on
+        later ticks for ``report_patience_ms``; unreachable allocators keep the whole queue."""
+        for _ in range(len(self.pending_reports)):
+            report, first = self.pending_reports.popleft()
+            try:
+                await self.client.report(report)
+            except Conflict as e:
+                if self.now() - first < self.report_patience_ms:
+                    self.pending_reports.append((report, first))
+                else:
+                    log.warning("usage report for %s dropped: %s", report.lease_id, e.detail)
+            except LeaseholdError as e:
+                if e.retriable:
+                    self.pending_reports.appendleft((report, first))
+                    return  # allocator unreachable: keep the queue, retry next tick
+                log.warning("usage report for %s refused: %s", report.lease_id, e.detail)
