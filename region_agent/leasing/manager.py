@@ -42,14 +42,13 @@ PoolState = Literal["ok", "exhausted", "unreachable", "idle"]
 class BalanceStore(Protocol):
     """The Redis side of a pool balance (implemented over the Lua scripts)."""
 
-    async def clock_bounds(self) -> tuple[float, float, float]:
-        """(lower offset, upper offset, mono ms): Redis ms = mono ms + offset, bounded."""
+    async def observe(self, key: str) -> tuple[int, float, float]:
+        """(spendable tokens, lower offset, upper offset) where the offsets bound
+        ``redis_clock_ms - monotonic_ms`` of the node that owns ``key``."""
 
     async def deposit(self, key: str, lease_id: str, granted: int, valid_from_ms: int, expires_at_ms: int) -> bool: ...
 
     async def close(self, key: str, lease_id: str) -> tuple[int, int] | None: ...
-
-    async def spendable(self, key: str) -> int: ...
 
 
 class Recorder(Protocol):
@@ -152,7 +151,7 @@ class LeaseManager:
                 del self.balances[key]
                 continue
             try:
-                bal.last_spendable = await self.store.spendable(bal.key)
+                bal.last_spendable, _, _ = await self.store.observe(bal.key)
             except LeaseholdError:
                 continue
             if bal.inflight is None and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
@@ -193,14 +192,23 @@ class LeaseManager:
                                 sent_at=sent_at, received_at=received_at)
         if lease is None:
             return
-        lo, hi, mono = await self.store.clock_bounds()
+        try:
+            _, lo, hi = await self.store.observe(bal.key)
+        except LeaseholdError:
+            bal.book.forget(lease.lease_id)  # cannot deposit: the grant goes unspent (stranded)
+            return
         # start no earlier than valid_from (upper offset), end no later than the deadline (lower offset)
         valid_from = int(lease.valid_from + hi + 0.999)
         expires_at = int(lease.deadline + lo)
         if expires_at <= valid_from:
             bal.book.forget(lease.lease_id)
             return
-        await self.store.deposit(bal.key, lease.lease_id, lease.granted, valid_from, expires_at)
+        try:
+            await self.store.deposit(bal.key, lease.lease_id, lease.granted, valid_from, expires_at)
+        except LeaseholdError:
+            # an ambiguous deposit may have landed; keep the lease in the book so it is closed and
+            # reported at its deadline (pool_close answers None if it never landed)
+            log.warning("deposit of lease %s into Redis failed", lease.lease_id)
 
     # ----------------------------------------------------------------- reclaim
     async def _close(self, bal: Balance, lease: HeldLease) -> None:
