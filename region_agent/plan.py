@@ -128,7 +128,7 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder) -> Plan:
     in_script = [s.rule for s in plan.slots]
     plan.slack_ms = max((r.ttl_slack_ms for r in in_script), default=0)
     if any(r.idempotent for r in in_script):
-        plan.decision_ttl_ms = max(r.decision_ttl_ms for r in in_script if r.idempotent)
+        plan.decision_ttl_ms = max(r.decision_ttl_ms for r in in_script)
     plan.decision_key = keys.decision_key(req.request_id, tenant=tenant if ip_tag is None else None,
                                           ip_tag=ip_tag)
     return plan
