@@ -7,6 +7,8 @@ import asyncio
 
 import pytest
 import redis.asyncio as aredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from allocator.contract.errors import AmbiguousOutcome, ScriptRejected, StoreUnavailable
 from leasehold.procs import free_port
@@ -68,7 +70,7 @@ async def test_server_crossslot_reply_translates(redis_cluster, scripts):
 
 
 async def test_unreachable_store_is_store_unavailable(scripts):
-    c = aredis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5)
+    c = aredis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
     try:
         with pytest.raises(StoreUnavailable) as ei:
             await scripts.token_bucket(c, "k", **TB)
@@ -174,3 +176,26 @@ async def test_concurrent_clients_admit_exactly_the_limit(request, scripts, topo
         return int((await scripts.multi_rule(c, keys, argv)).allowed)
 
     assert await _hammer(url, cluster, 6, 30, multi) == limit
+
+
+async def test_timeout_after_send_is_ambiguous(redis_url, scripts):
+    """The server is busy (another client's 400 ms script), our EVALSHA is sent and times out:
+    AmbiguousOutcome. Whether it ran depends on whether the server read it before the client
+    dropped the connection: the state is either untouched or debited exactly once."""
+    blocker = aredis.Redis.from_url(redis_url)
+    c = aredis.Redis.from_url(redis_url, socket_timeout=0.05, retry=Retry(NoBackoff(), 0))
+    key = f"rl:{T}:ambiguous"
+    try:
+        await scripts.load_all(blocker)
+        await c.ping()
+        busy = asyncio.create_task(blocker.eval(
+            "local t = redis.call('TIME'); local s = t[1] * 1000000 + t[2]; local n = s "
+            "while n - s < 400000 do t = redis.call('TIME'); n = t[1] * 1000000 + t[2] end return 1", 0))
+        await asyncio.sleep(0.05)
+        with pytest.raises(AmbiguousOutcome):
+            await scripts.token_bucket(c, key, **TB)
+        assert await busy == 1
+        assert await blocker.hget(key, "tokens") in (None, b"19000")
+    finally:
+        await c.aclose()
+        await blocker.aclose()
