@@ -1,15 +1,22 @@
-"""Agent fixtures: the Litestar app in-process against the real Redis fixtures."""
+"""Agent fixtures against the real Redis fixtures: the Litestar app in-process (requests run one
+at a time through the test client's portal) or as real uvicorn processes (true concurrency)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import contextlib
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import msgspec
 import pytest
 from litestar.testing import AsyncTestClient
 
 from allocator.contract.bundle import Bundle, encode_bundle, load_bundle_file, seal
+from leasehold.procs import Proc, free_port, wait_port
 from region_agent.app import create_app
 from region_agent.settings import AgentSettings
 
@@ -31,9 +38,6 @@ def write_bundle(path: Path, bundle: Bundle, **changes) -> Bundle:
 def make_settings(redis_url: str, policy: Path, **kw) -> AgentSettings:
     return AgentSettings(redis_url=redis_url, policy=str(policy), region="eu", policy_poll_ms=0,
                          decision_budget_ms=kw.pop("decision_budget_ms", 2000), **kw)
-
-
-AgentFactory = Callable[..., "AsyncTestClient"]
 
 
 @pytest.fixture
@@ -102,17 +106,6 @@ async def bucket_tokens(r, key: str) -> int:
 
 # --- the agent as a real uvicorn subprocess (true concurrency: the in-process test client
 # --- serialises requests through its blocking portal) --------------------------------------------
-import contextlib  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-
-import httpx  # noqa: E402
-
-from leasehold.procs import Proc, free_port, wait_port  # noqa: E402
-
-
 @contextlib.contextmanager
 def agent_process(workdir: Path, redis_url: str, policy: Path, *extra: str) -> Iterator[tuple[str, Proc]]:
     port = free_port()
