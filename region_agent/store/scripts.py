@@ -10,6 +10,7 @@ loaded and the call retried once. Driver errors become ``allocator.contract.erro
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -238,16 +239,23 @@ def _lease(reply: Any) -> LeaseResult:
 
 # --- registry ----------------------------------------------------------------------------------
 class Scripts:
-    """Every script of ``lua/``, loaded once, called by SHA with one NOSCRIPT reload."""
+    """Every script of ``lua/``, loaded once, called by SHA with one NOSCRIPT reload.
+
+    ``lua_dir`` defaults to ``$LEASEHOLD_LUA_DIR`` or the repository's ``lua/`` directory (the
+    package is installed editable; a non-editable install must set the variable)."""
 
     def __init__(self, lua_dir: Path | None = None):
-        self.lua_dir = (lua_dir or DEFAULT_LUA_DIR).resolve()
+        env = os.environ.get("LEASEHOLD_LUA_DIR")
+        self.lua_dir = (lua_dir or (Path(env) if env else DEFAULT_LUA_DIR)).resolve()
         self.scripts = load_scripts(self.lua_dir)
         if not self.scripts:
             raise FileNotFoundError(f"no Lua scripts in {self.lua_dir}")
 
     def sha(self, name: str) -> str:
-        return self.scripts[name].sha
+        try:
+            return self.scripts[name].sha
+        except KeyError:
+            raise ScriptRejected(f"no script named {name!r}") from None
 
     def source(self, name: str) -> str:
         return self.scripts[name].source
@@ -307,8 +315,10 @@ class Scripts:
         results: list[Any] = [None] * len(calls)
         send: list[int] = []
         cluster = isinstance(client, RedisCluster)
-        for i, (_, keys, _) in enumerate(calls):
-            if cluster and len({key_slot(_b(k)) for k in keys}) > 1:
+        for i, (name, keys, _) in enumerate(calls):
+            if name not in self.scripts:
+                results[i] = ScriptRejected(f"no script named {name!r}")
+            elif cluster and len({key_slot(_b(k)) for k in keys}) > 1:
                 results[i] = KeysNotColocated("script keys are not in one hash slot")
             else:
                 send.append(i)

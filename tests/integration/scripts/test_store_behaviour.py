@@ -199,3 +199,13 @@ async def test_timeout_after_send_is_ambiguous(redis_url, scripts):
     finally:
         await c.aclose()
         await blocker.aclose()
+
+
+async def test_pipeline_answers_each_call_separately(aclient, scripts):
+    out = await scripts.run_pipeline(aclient, [
+        ("no_such_script", [f"rl:{T}:x"], []),
+        ("fixed_window", [f"rl:{T}:pw"], [1, 60_000, 1, 0]),
+        ("fixed_window", [f"rl:{T}:pw"], [1, 60_000, 1, 0]),
+    ])
+    assert isinstance(out[0], ScriptRejected)
+    assert out[1][0] == 1 and out[2][:2] == [0, 0]

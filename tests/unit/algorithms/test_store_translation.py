@@ -77,3 +77,14 @@ def test_multi_rule_argv_and_parse():
         multi_rule_argv("d", [RuleCall("k", "leaky", (1, 1, 1, 1, 0))], slack_ms=0, decision_ttl_ms=0, member="m")
     with pytest.raises(ScriptRejected):
         multi_rule_argv("d", [], slack_ms=0, decision_ttl_ms=0, member="m")
+
+
+def test_unknown_script_name_is_rejected():
+    with pytest.raises(ScriptRejected):
+        Scripts().sha("leaky_bucket")
+
+
+def test_lua_dir_from_environment(tmp_path: Path, monkeypatch):
+    (tmp_path / "only.lua").write_text("return 1\n")
+    monkeypatch.setenv("LEASEHOLD_LUA_DIR", str(tmp_path))
+    assert set(Scripts().scripts) == {"only"}
