@@ -168,3 +168,11 @@ def test_cluster_urls():
     assert is_cluster_url("redis+cluster://h:1") and not is_cluster_url("redis://h:1")
     assert plain_url("rediss+cluster://h:1/0") == "rediss://h:1/0"
     assert redacted("redis://user:pw@h:1/0") == "redis://h:1/0"
+
+
+def test_bare_boolean_flags():
+    from region_agent.__main__ import normalize_argv
+
+    assert normalize_argv(["--insecure-dev-pepper", "--port", "1"]) == ["--insecure-dev-pepper", "true", "--port", "1"]
+    assert normalize_argv(["--redis-cluster"]) == ["--redis-cluster", "true"]
+    assert normalize_argv(["--redis-cluster", "false"]) == ["--redis-cluster", "false"]
