@@ -89,9 +89,9 @@ class Engine:
         prep = await self._prepare(plan, bundle)
         if prep.early is not None:
             return self._finish(prep, prep.early)
-        calls = self._script_calls(plan)
         replies: list[Any] | LeaseholdError
         try:
+            calls = self._script_calls(plan)
             replies = await self.store.submit(calls, wait_s=self._remaining(prep)) if calls else []
         except LeaseholdError as e:
             replies = e
@@ -105,8 +105,14 @@ class Engine:
         preps = await asyncio.gather(*(self._prepare(p, bundle, budget) for p in plans))
         flat: list[tuple[str, list, list]] = []
         spans: list[tuple[int, int]] = []
-        for prep in preps:
-            calls = [] if prep.early is not None else self._script_calls(prep.plan)
+        failed: dict[int, LeaseholdError] = {}
+        for i, prep in enumerate(preps):
+            calls = []
+            if prep.early is None:
+                try:
+                    calls = self._script_calls(prep.plan)
+                except LeaseholdError as e:  # e.g. a call shape the script would refuse
+                    failed[i] = e
             spans.append((len(flat), len(calls)))
             flat.extend(calls)
         all_replies: list[Any] | LeaseholdError
@@ -115,11 +121,15 @@ class Engine:
         except LeaseholdError as e:
             all_replies = e
         out: list[Decision] = []
-        for prep, (start, n) in zip(preps, spans, strict=True):
+        for i, (prep, (start, n)) in enumerate(zip(preps, spans, strict=True)):
             if prep.early is not None:
                 out.append(self._finish(prep, prep.early))
                 continue
-            part = all_replies if isinstance(all_replies, LeaseholdError) else all_replies[start:start + n]
+            part: list[Any] | LeaseholdError
+            if i in failed:
+                part = failed[i]
+            else:
+                part = all_replies if isinstance(all_replies, LeaseholdError) else all_replies[start:start + n]
             out.append(await self._complete(prep, part))
         return out
 
@@ -167,6 +177,8 @@ class Engine:
     async def _complete(self, prep: _Prepared, replies: list[Any] | LeaseholdError) -> Decision:
         plan = prep.plan
         if not plan.calls:  # no tenant-tagged rule (e.g. only global pools, or nothing selected)
+            if plan.shadow_calls and isinstance(replies, list) and replies:
+                self._count_shadow(plan, replies[0])
             return self._finish(prep, self._allowed_without_script(prep))
         try:
             if isinstance(replies, LeaseholdError):
