@@ -23,6 +23,7 @@ from allocator.contract.bundle import Bundle
 from allocator.contract.errors import (
     BadRequest,
     LeaseholdError,
+    NotFound,
     PayloadTooLarge,
     Unavailable,
     ValidationFailed,
@@ -149,6 +150,8 @@ def _on_validation(request: Request, exc: ValidationException) -> Response:
 def _on_http(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 413:
         err: LeaseholdError = PayloadTooLarge("request body too large")
+    elif exc.status_code == 404:
+        err = NotFound("no such resource")
     elif 400 <= exc.status_code < 500:
         err = BadRequest(exc.detail or "malformed request")
         err.status = exc.status_code

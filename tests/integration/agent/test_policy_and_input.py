@@ -176,3 +176,10 @@ async def test_a_call_the_script_would_refuse_is_a_policy_error_decision_not_a_5
         assert (d["allowed"], d["reason"], d["httpStatus"]) == (False, "POLICY_ERROR", 503)
         metrics = (await agent.get("/metrics")).text
         assert 'leasehold_agent_script_errors_total{error="ScriptRejected"} 1.0' in metrics
+
+
+async def test_unknown_path_and_method_are_problems(agent):
+    resp = await agent.get("/v1/nope")
+    assert resp.status_code == 404 and resp.json()["type"].endswith("/not-found")
+    resp = await agent.get("/v1/admit")
+    assert resp.status_code == 405 and resp.headers["content-type"].startswith("application/problem+json")
