@@ -55,11 +55,15 @@ class Election:
     # -- state ----------------------------------------------------------------------------------
     @property
     def is_leader(self) -> bool:
-        if self._epoch is None:
-            return False
-        if time.monotonic() - self._last_ok > self.ttl_s:
-            return False  # our lease may have expired: we cannot know we still lead
-        return True
+        """We won an election and have not stepped down. Deliberately no local timing guess:
+        what makes a stale leader harmless is the epoch compare in every write transaction
+        (a leader resumed after a pause tries, fails that compare and steps down)."""
+        return self._epoch is not None
+
+    @property
+    def lease_fresh(self) -> bool:
+        """The last keepalive is younger than the TTL (reported by /v1/leader and /readyz)."""
+        return self._epoch is not None and time.monotonic() - self._last_ok <= self.ttl_s
 
     @property
     def epoch(self) -> int | None:
@@ -78,7 +82,7 @@ class Election:
 
     def info(self) -> LeaderInfo:
         return LeaderInfo(node_id=self.leader.node_id, url=self.leader.url, epoch=self.leader.epoch,
-                          is_self=self.is_leader)
+                          is_self=self.lease_fresh)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:

@@ -53,6 +53,7 @@ log = logging.getLogger("allocator.engine")
 
 MAX_GROUP = (MAX_TXN_OPS - 1) // 2  # grants per txn: 1 + windows + grants compares <= 128
 RECORD_MIN_LINGER_MS = 60_000
+MAX_QUEUE = 16_384  # queued writes; beyond this the leader sheds load with a retriable 503
 
 
 def wall_ms() -> int:
@@ -176,6 +177,7 @@ class Engine:
     async def report(self, report: UsageReport) -> UsageReceipt:
         self.pool(report.pool)
         self.election.require_leader()
+        self._check_backlog()
         fut: asyncio.Future[UsageReceipt] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait(_UsageJob(report, fut))
         return await fut
@@ -209,12 +211,17 @@ class Engine:
             _check_same(existing.req.pool, existing.req.region, req)
             return await asyncio.shield(existing.fut)
         self.election.require_leader()
+        self._check_backlog()
         fut: asyncio.Future[LeaseGrant] = asyncio.get_running_loop().create_future()
         job = _GrantJob(req, fut)
         self._inflight[req.lease_id] = job
         fut.add_done_callback(lambda _f: self._inflight.pop(req.lease_id, None))
         self._queue.put_nowait(job)
         return await asyncio.shield(fut)
+
+    def _check_backlog(self) -> None:
+        if self._queue.qsize() >= MAX_QUEUE:
+            raise Unavailable(f"allocator leader overloaded ({MAX_QUEUE} writes queued); retry shortly")
 
     # -- committer ------------------------------------------------------------------------------
     async def _committer(self) -> None:
@@ -366,10 +373,11 @@ class Engine:
 
     def _count_grant(self, g: LeaseGrant, d: policy.GrantDecision) -> None:
         if g.granted:
-            self.metrics.grants.labels(g.pool, g.region).inc()
-            self.metrics.granted_tokens.labels(g.pool, g.region).inc(g.granted)
+            region = self.metrics.region(g.region)
+            self.metrics.grants.labels(g.pool, region).inc()
+            self.metrics.granted_tokens.labels(g.pool, region).inc(g.granted)
         else:
-            self.metrics.empty_grants.labels(g.pool, g.region).inc()
+            self.metrics.empty_grants.labels(g.pool, self.metrics.region(g.region)).inc()
         if d.exhausted_now:
             self.metrics.exhaustions.labels(g.pool).inc()
 
@@ -431,9 +439,9 @@ class Engine:
                 if new_state is not None:
                     self._cache[wk] = _Cached(new_state, txn_revision(responses))
                 if returned:
-                    self.metrics.reclaimed_tokens.labels(pool.id, rep.region).inc(returned)
+                    self.metrics.reclaimed_tokens.labels(pool.id, self.metrics.region(rep.region)).inc(returned)
                 if stranded:
-                    self.metrics.stranded_tokens.labels(pool.id, rep.region).inc(stranded)
+                    self.metrics.stranded_tokens.labels(pool.id, self.metrics.region(rep.region)).inc(stranded)
                 job.fut.set_result(_receipt(new, replayed=False))
                 return
             self.metrics.txn_conflicts.labels("usage").inc()

@@ -7,12 +7,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+MAX_REGION_LABELS = 64
 
 
 class AllocatorMetrics:
     """One registry per app instance, so several in-process apps do not collide."""
 
     def __init__(self) -> None:
+        self._regions: set[str] = set()
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.grants = Counter("leasehold_allocator_grants_total", "Lease grants committed (new, not replays)",
                               ["pool", "region"], registry=r)
@@ -47,6 +49,16 @@ class AllocatorMetrics:
         self.etcd_latency = Histogram("leasehold_allocator_etcd_request_seconds", "etcd request latency",
                                       ["op"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                                        1, 2.5), registry=r)
+
+    def region(self, region: str) -> str:
+        """Region label value; at most ``MAX_REGION_LABELS`` distinct ones (then ``other``),
+        so a caller inventing region names cannot grow the label set without bound."""
+        if region in self._regions:
+            return region
+        if len(self._regions) < MAX_REGION_LABELS:
+            self._regions.add(region)
+            return region
+        return "other"
 
     def observe_etcd(self, op: str, seconds: float) -> None:
         self.etcd_latency.labels(op).observe(seconds)

@@ -4,46 +4,71 @@ from __future__ import annotations
 
 import asyncio
 import random
+from pathlib import Path
+
+import httpx
 
 from allocator.contract.bundle import Pool
 from allocator.etcd_store import EtcdStore
 from leasehold.procs import EtcdCluster
 
 from .conftest import TestClock, W
-from .helpers import etcd_grants, etcd_windows, in_process, lease_body, settings_for
+from .helpers import (
+    AllocatorProcess,
+    etcd_grants,
+    etcd_windows,
+    in_process,
+    lease_body,
+    settings_for,
+    wait_until,
+)
 
 
 async def test_concurrent_grants_never_exceed_g(etcd_cluster: EtcdCluster, make_bundle, prefix: str,
-                                                etcd_reader: EtcdStore) -> None:
+                                                etcd_reader: EtcdStore, tmp_path: Path) -> None:
     g = 1_000
     bundle = make_bundle(Pool(id="scarce", window_ms=W, limit=g, chunk_min=1, chunk_max=40))
-    async with in_process(settings_for(etcd_cluster, bundle, prefix)) as client:
-        rnd = random.Random(7)
+    proc = AllocatorProcess(tmp_path, etcd_cluster, bundle, prefix, "solo").start()
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            await wait_until(lambda: (proc.leader_info() or {}).get("isSelf"), within_s=20)
+            rnd = random.Random(7)
 
-        async def region_client(region: str, n: int) -> list[int]:
-            got = []
-            for i in range(n):
-                r = await client.post("/v1/leases", json=lease_body(f"{region}-lease-{i:04d}", "scarce", region,
-                                                                   rnd.randint(1, 60), rnd.randint(0, 20)))
-                assert r.status_code == 200, r.text
-                got.append(r.json()["granted"])
-            return got
+            async def region_client(region: str, n: int) -> list[int]:
+                got = []
+                for i in range(n):
+                    r = await client.post(f"{proc.url}/v1/leases", json=lease_body(
+                        f"{region}-lease-{i:04d}", "scarce", region, rnd.randint(1, 60), rnd.randint(0, 20)))
+                    assert r.status_code == 200, r.text
+                    got.append(r.json()["granted"])
+                return got
 
-        # 12 concurrent clients (4 per region) asking for far more than G in total
-        tasks = [region_client(f"{reg}", 25) for reg in ("eu", "us", "ap")]
-        tasks += [region_client(f"{reg}{k}", 25) for reg in ("eu", "us", "ap") for k in range(3)]
-        results = await asyncio.gather(*tasks)
-        answered = sum(sum(x) for x in results)
-
+            # concurrent duplicates of one id: one debit, one answer (shared while queued, else replayed)
+            dup = await asyncio.gather(*(client.post(f"{proc.url}/v1/leases", json=lease_body(
+                "dup-lease-0001", "scarce", "eu", 1)) for _ in range(10)))
+            bodies = [{k: v for k, v in d.json().items() if k != "replayed"} for d in dup]
+            assert all(b == bodies[0] for b in bodies)
+            assert bodies[0]["granted"] == 1
+            # 12 concurrent clients (4 per region) asking for far more than G in total
+            tasks = [region_client(f"{reg}", 25) for reg in ("eu", "us", "ap")]
+            tasks += [region_client(f"{reg}{k}", 25) for reg in ("eu", "us", "ap") for k in range(3)]
+            results = await asyncio.gather(*tasks)
+            answered = sum(sum(x) for x in results) + 1
+            text = (await client.get(f"{proc.url}/metrics")).text
+    finally:
+        proc.stop()
     windows = await etcd_windows(etcd_reader, prefix, "scarce")
     grants = await etcd_grants(etcd_reader, prefix)
-    assert len(grants) == 12 * 25
+    assert len(grants) == 12 * 25 + 1
     for k, state in windows.items():
         in_window = [rec.grant.granted for rec in grants.values() if rec.grant.window.index == k]
         assert sum(in_window) == state.total_granted == g - state.remaining
         assert sum(in_window) <= g
     assert answered == sum(rec.grant.granted for rec in grants.values())
     assert answered <= g * len(windows)
+    # grants were grouped: fewer transactions than grants
+    txns = float(text.split("leasehold_allocator_grants_per_txn_count ")[1].split()[0])
+    assert txns < 12 * 25
 
 
 async def test_retry_returns_identical_grant_and_conflicting_reuse_is_409(etcd_cluster: EtcdCluster, make_bundle,
@@ -60,15 +85,17 @@ async def test_retry_returns_identical_grant_and_conflicting_reuse_is_409(etcd_c
         for body in (lease_body("retry-lease-1", "p2", "eu", 5), lease_body("retry-lease-1", "p1", "us", 5)):
             r = await client.post("/v1/leases", json=body)
             assert r.status_code == 409 and r.headers["content-type"].startswith("application/problem+json")
-        # concurrent duplicates of a fresh id share one result
-        rs = await asyncio.gather(*(client.post("/v1/leases", json=lease_body("retry-lease-2", "p1", "eu", 30))
-                                    for _ in range(8)))
-        bodies = [r.json() for r in rs]
-        assert {b["granted"] for b in bodies} == {30}
-        assert {b["issuedAtMs"] for b in bodies} == {bodies[0]["issuedAtMs"]}
+        r = await client.post("/v1/leases", json=lease_body("retry-lease-2", "p1", "eu", 30))
+        assert r.json()["granted"] == 30
         stored = (await client.get("/v1/leases/retry-lease-2")).json()
         assert stored["grant"]["granted"] == 30
         view = (await client.get("/v1/pools/p1")).json()
+        text = (await client.get("/metrics")).text
+        assert 'leasehold_allocator_grants_total{pool="p1",region="eu"} 2.0' in text
+        assert 'leasehold_allocator_granted_tokens_total{pool="p1",region="eu"} 100.0' in text
+        assert 'leasehold_allocator_replayed_grants_total{pool="p1"} 1.0' in text  # only the HTTP retry
+        assert "leasehold_allocator_is_leader 1.0" in text
+        assert 'leasehold_allocator_etcd_request_seconds_count{op="txn"}' in text
     windows = await etcd_windows(etcd_reader, prefix, "p1")
     (state,) = windows.values()
     assert state.remaining == 500 - 100 and view["remaining"] == 400

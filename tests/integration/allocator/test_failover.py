@@ -1,0 +1,111 @@
+"""Two ``python -m allocator`` replicas as real subprocesses over a real 3-member etcd: leader
+kill (SIGKILL) and leader pause (SIGSTOP past its etcd lease)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from allocator.contract.bundle import Pool
+from allocator.etcd_store import EtcdStore
+from leasehold.procs import EtcdCluster
+
+from .conftest import W
+from .helpers import AllocatorProcess, etcd_grants, etcd_windows, lease_body, wait_until
+
+
+@pytest.fixture
+def replicas(tmp_path: Path, etcd_cluster: EtcdCluster, make_bundle, prefix: str) -> Iterator[list[AllocatorProcess]]:
+    bundle = make_bundle(Pool(id="p1", window_ms=W, limit=1_000, chunk_max=100))
+    procs = [AllocatorProcess(tmp_path, etcd_cluster, bundle, prefix, f"node{i}", election_ttl_s=2)
+             for i in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+async def leader_of(procs: list[AllocatorProcess], exclude: AllocatorProcess | None = None,
+                    ) -> tuple[AllocatorProcess, int]:
+    found: list[tuple[AllocatorProcess, int]] = []
+
+    async def check() -> bool:
+        async with httpx.AsyncClient(timeout=2) as c:
+            for p in procs:
+                if p is exclude or not p.proc.alive():
+                    continue
+                try:
+                    info = (await c.get(f"{p.url}/v1/leader")).json()
+                except httpx.HTTPError:
+                    continue
+                if info["isSelf"]:
+                    found.append((p, info["epoch"]))
+                    return True
+        return False
+    await wait_until(check, within_s=30, interval=0.1)
+    return found[-1]
+
+
+async def test_retry_after_leader_kill_returns_the_identical_grant(replicas: list[AllocatorProcess], prefix: str,
+                                                                   etcd_reader: EtcdStore) -> None:
+    leader, epoch = await leader_of(replicas)
+    (other,) = [p for p in replicas if p is not leader]
+    async with httpx.AsyncClient(timeout=10) as c:
+        # the follower names the leader
+        r = await c.post(f"{other.url}/v1/leases", json=lease_body("kill-lease-1", "p1", "eu", 60))
+        assert r.status_code == 503 and r.json()["leader"] == leader.url
+        first = (await c.post(f"{leader.url}/v1/leases", json=lease_body("kill-lease-1", "p1", "eu", 60))).json()
+        assert first["granted"] == 60 and first["epoch"] == epoch
+        leader.proc.kill()  # SIGKILL: no resignation, the leader key expires with its etcd lease
+        new_leader, new_epoch = await leader_of(replicas, exclude=leader)
+        assert new_leader is other and new_epoch > epoch
+        again = await c.post(f"{other.url}/v1/leases", json=lease_body("kill-lease-1", "p1", "eu", 60))
+        assert again.status_code == 200
+        assert again.json() == {**first, "replayed": True}  # same grant, the old epoch included
+        fresh = (await c.post(f"{other.url}/v1/leases", json=lease_body("kill-lease-2", "p1", "eu", 40))).json()
+        assert fresh["epoch"] == new_epoch and fresh["remaining"] == 1_000 - 60 - 40
+    (state,) = (await etcd_windows(etcd_reader, prefix, "p1")).values()
+    assert state.total_granted == 100 and state.remaining == 900
+
+
+async def test_paused_leader_cannot_commit_after_resume(replicas: list[AllocatorProcess], prefix: str,
+                                                        etcd_reader: EtcdStore) -> None:
+    leader, epoch = await leader_of(replicas)
+    (other,) = [p for p in replicas if p is not leader]
+    async with httpx.AsyncClient(timeout=30) as c:
+        ok = await c.post(f"{leader.url}/v1/leases", json=lease_body("pause-lease-0", "p1", "eu", 10))
+        assert ok.status_code == 200
+        leader.proc.signal(signal.SIGSTOP)
+        try:
+            # a request reaches the paused leader (the kernel accepts the connection) and waits
+            stuck = asyncio.create_task(c.post(f"{leader.url}/v1/leases",
+                                               json=lease_body("pause-lease-1", "p1", "eu", 10)))
+            new_leader, new_epoch = await leader_of(replicas, exclude=leader)
+            assert new_leader is other and new_epoch > epoch
+            took = await c.post(f"{other.url}/v1/leases", json=lease_body("pause-lease-2", "p1", "us", 20))
+            assert took.json()["epoch"] == new_epoch
+        finally:
+            leader.proc.signal(signal.SIGCONT)
+        r = await stuck
+        assert r.status_code == 503, r.text
+        assert r.json()["type"].rsplit("/", 1)[1] == "fenced", r.text  # the epoch compare refused it
+        # once resumed the old leader knows it is a follower and names the new leader
+        await wait_until(lambda: _follows(leader, other.url), within_s=10)
+    grants = await etcd_grants(etcd_reader, prefix)
+    assert set(grants) == {"pause-lease-0", "pause-lease-2"}  # nothing committed by the paused leader
+    assert grants["pause-lease-2"].grant.epoch > grants["pause-lease-0"].grant.epoch
+    (state,) = (await etcd_windows(etcd_reader, prefix, "p1")).values()
+    assert state.remaining == 1_000 - 30
+
+
+def _follows(proc: AllocatorProcess, leader_url: str) -> bool:
+    info = proc.leader_info()
+    return info is not None and not info["isSelf"] and info["url"] == leader_url

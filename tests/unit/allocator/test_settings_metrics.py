@@ -1,0 +1,49 @@
+"""Allocator settings (flags, env, validation) and metric label bounds. No network."""
+
+from __future__ import annotations
+
+import pytest
+
+from allocator.contract.config import ConfigError
+from allocator.etcd_store import parse_endpoints
+from allocator.metrics import MAX_REGION_LABELS, AllocatorMetrics
+from allocator.settings import load
+
+BASE = ["--etcd", "127.0.0.1:2379,127.0.0.1:2380", "--policy", "b.json", "--node-id", "a1"]
+
+
+def test_flags_env_and_defaults() -> None:
+    s = load(BASE + ["--port", "9000"], env={"LEASEHOLD_ALLOCATOR_ELECTION_TTL_S": "5",
+                                            "LEASEHOLD_ALLOCATOR_PORT": "1234"})
+    assert s.port == 9000  # flag beats env
+    assert s.election_ttl_s == 5
+    assert s.prefix == "/leasehold/" and s.url == "http://127.0.0.1:9000"
+    s = load([], env={"LEASEHOLD_ALLOCATOR_ETCD": "h:1", "LEASEHOLD_ALLOCATOR_POLICY": "p",
+                      "LEASEHOLD_ALLOCATOR_NODE_ID": "n", "LEASEHOLD_ALLOCATOR_ADVERTISE_URL": "http://x:1"})
+    assert s.url == "http://x:1"
+
+
+@pytest.mark.parametrize("extra", [["--port", "0"], ["--election-ttl-s", "1"], ["--etcd", "nohostport"],
+                                   ["--prefix", "noslash"], ["--advertise-url", "x:1"], ["--log-level", "loud"]])
+def test_bad_settings_exit_with_a_clear_message(extra: list[str]) -> None:
+    with pytest.raises(ConfigError) as e:
+        load(BASE + extra, env={})
+    assert "invalid setting" in e.value.message
+
+
+def test_missing_required_setting() -> None:
+    with pytest.raises(ConfigError, match="etcd|policy|node_id"):
+        load(["--policy", "b.json"], env={})
+
+
+def test_parse_endpoints() -> None:
+    assert parse_endpoints("http://a:1, b:2") == [("a", 1), ("b", 2)]
+    with pytest.raises(ValueError):
+        parse_endpoints(" , ")
+
+
+def test_region_labels_are_bounded() -> None:
+    m = AllocatorMetrics()
+    labels = {m.region(f"r{i}") for i in range(MAX_REGION_LABELS + 50)}
+    assert len(labels) == MAX_REGION_LABELS + 1 and "other" in labels
+    assert m.region("r0") == "r0"
