@@ -10,7 +10,7 @@
 --                  gcra  capacity, refill, period_ms, cost, 0   (millitokens / ms)
 --                  fw    limit, window_ms, cost, 0, 0           (units)
 --                  sc    limit, window_ms, cost, 0, 0           (units)
---                  sl    limit, window_ms, cost, 0, 0           (entries; member, member#2, ..)
+--                  sl    limit, window_ms, cost, 0, 0           (entries, cost <= 1000; member, member#2, ..)
 --                  cc    max_in_flight, lease_ttl_ms, 0, 0, 0   (lease id = member)
 --                  pool  cost_tokens, 0, 0, 0, 0                (leased global tokens)
 -- Reply          {allowed 0/1, denied_by (1-based, 0 = none), retry_after_ms, remaining_1 ..

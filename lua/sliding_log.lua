@@ -2,7 +2,7 @@
 -- KEYS[1]  sorted set: member = decision id, score = admit time (epoch ms)
 -- ARGV[1]  limit (entries per window)    ARGV[2] window_ms
 -- ARGV[3]  member (decision id, non-empty; replays are recognised by it)
--- ARGV[4]  cost (entries, >= 1): cost c is stored as c entries member, member#2 .. member#c
+-- ARGV[4]  cost (entries, 1..1000): cost c is stored as c entries member, member#2 .. member#c
 -- ARGV[5]  ttl_slack_ms (>= 0)
 -- Reply    {allowed 0/1, remaining_entries, retry_after_ms}   retry -1 = can never succeed
 -- Rules    validation error reply first; cost > limit -> {0, 0, -1} untouched; Redis TIME only;

@@ -3,7 +3,8 @@
 -- backwards) also count (strict). Nothing is trimmed on a denial: the live count is ZCOUNT over
 -- the live range; expired members are trimmed only when the script writes.
 -- Replay: if `member` is live, the request was already admitted: allowed, nothing written.
--- Weighted cost: a cost c > 1 is stored as c entries `member`, `member#2` .. `member#c`.
+-- Weighted cost: a cost c > 1 is stored as c entries `member`, `member#2` .. `member#c`;
+-- c is capped at 1,000 (validation error above), so one call adds a bounded number of members.
 -- Allowed iff live + cost <= limit. remaining = limit - live - cost on allow (limit - live on
 -- replay), max(0, limit - live) on deny. Deny retry = score of the k-th oldest live entry + W -
 -- now with k = live + cost - limit (the moment enough entries leave). cost > limit -> retry -1.
@@ -12,9 +13,10 @@
 -- multi-rule script reports it when another rule denies).
 -- @include lib/validate.lua
 local SL = {}
+local SL_MAX_COST = 1000  -- entries one request may add: bounds the script's run time
 
 function SL.parse(a)
-  local P = { limit = lh_int(a[1], 1), window = lh_int(a[2], 1), cost = lh_int(a[3], 1) }
+  local P = { limit = lh_int(a[1], 1), window = lh_int(a[2], 1), cost = lh_int(a[3], 1, SL_MAX_COST) }
   if not (P.limit and P.window and P.cost) or P.limit * P.window > LH_MAX_PRODUCT then
     return nil
   end

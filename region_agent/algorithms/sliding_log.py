@@ -13,6 +13,7 @@ from .common import NEVER, Decision, InvalidArguments
 from .fixed_window import WindowParams
 
 SlidingLogParams = WindowParams
+MAX_COST = 1_000  # entries one request may add (the script refuses more)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,8 @@ def decide(state: SlidingLogState | None, params: WindowParams, now_ms: int, mem
     p = params
     if not member:
         raise InvalidArguments("member must be non-empty")
+    if p.cost > MAX_COST:
+        raise InvalidArguments(f"a sliding-log cost is at most {MAX_COST} entries")
     if p.cost > p.limit:
         return NEVER, None
     entries = dict(state.entries) if state is not None else {}

@@ -54,6 +54,7 @@ def cases():
     yield "sliding_counter", [str(2**30), str(2**23), "1", "0"]
     yield "sliding_log", [str(2**30), str(2**23), "m", "1", "0"]
     yield "sliding_log", ["20", "10000", "", "1", "0"]  # empty member
+    yield "sliding_log", ["5000", "10000", "m", "1001", "0"]  # more than 1,000 entries per request
     yield "token_bucket", ["20000", "2000", "1000", "1000"]  # missing ARGV
     yield "pool_deposit", ["P1", "10", "100", "100", "4", "0"]  # expires_at <= valid_from
     for bad in ("nan", "inf", "-1", "1.5", "abc", str(2**50 + 1)):

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from allocator.contract.errors import ScriptRejected
-from region_agent.algorithms import fixed_window, gcra, pool, sliding_counter, token_bucket
+from region_agent.algorithms import fixed_window, gcra, pool, sliding_counter, sliding_log, token_bucket
 from region_agent.algorithms.common import InvalidArguments
 from region_agent.algorithms.fixed_window import FixedWindowState, WindowParams
 from region_agent.algorithms.gcra import GcraState
@@ -129,6 +129,11 @@ def test_pool_deposit_and_close():
     got, st3 = pool.close(st2, "L1")
     assert got == (10, 0) and "L1" not in st3.entries
     assert pool.close(st3, "L1") == (None, None)
+
+
+def test_sliding_log_cost_is_bounded():
+    with pytest.raises(InvalidArguments):
+        sliding_log.decide(None, WindowParams(5_000, 1_000, 1_001), T0, "m")
 
 
 def test_multi_rule_validation():
