@@ -37,8 +37,10 @@ import random
 import signal
 import socket
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import msgspec
 
@@ -401,6 +403,42 @@ class ProxyControl:
         await self._call("POST", "/heal")
 
 
+class ProxyProcess:
+    """``python -m chaos.proxy`` as a child process on free loopback ports, stopped by PID;
+    ``control`` flips its faults from this process (the scenario runner)."""
+
+    def __init__(self, upstream: tuple[str, int], workdir: Path, name: str = "proxy", seed: int | None = None):
+        from leasehold.procs import Proc, free_port
+
+        self.upstream = upstream
+        self.port, self.control_port = free_port(), free_port()
+        args = [sys.executable, "-m", "chaos.proxy", "--listen", f"{LOOPBACK}:{self.port}",
+                "--upstream", f"{upstream[0]}:{upstream[1]}", "--control", f"{LOOPBACK}:{self.control_port}"]
+        if seed is not None:
+            args += ["--seed", str(seed)]
+        self.proc = Proc(name, args, workdir)
+        self.control = ProxyControl(f"{LOOPBACK}:{self.control_port}", name=name)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (LOOPBACK, self.port)
+
+    def start(self, timeout: float = 15.0) -> ProxyProcess:
+        from leasehold.procs import wait_port
+
+        self.proc.start()
+        try:
+            wait_port(self.port, proc=self.proc.popen, timeout=timeout)
+            wait_port(self.control_port, proc=self.proc.popen, timeout=timeout)
+        except BaseException:
+            self.proc.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
 # ============================================================================ CLI
 async def serve(listen: str, upstream: str, control: str | None, seed: int | None = None,
                 duration: float | None = None) -> None:
@@ -432,6 +470,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         for a in (args.listen, args.upstream) + ((args.control,) if args.control else ()):
             _parse_addr(a)
+        for a in (args.listen,) + ((args.control,) if args.control else ()):
+            if _parse_addr(a)[0] not in (LOOPBACK, "localhost"):
+                raise BadRequest(f"{a}: the proxy and its control endpoint listen on loopback only")
     except BadRequest as e:
         ap.error(e.detail)
     with contextlib.suppress(KeyboardInterrupt):

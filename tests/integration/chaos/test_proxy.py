@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -16,8 +17,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from allocator.contract.errors import BadRequest
-from chaos.proxy import FaultProxy, ProxyControl
-from leasehold.procs import LOOPBACK, Proc, RedisServer, free_port, wait_port
+from chaos.proxy import FaultProxy, ProxyProcess
+from leasehold.procs import LOOPBACK, RedisServer
 
 pytestmark = pytest.mark.integration
 
@@ -123,14 +124,9 @@ async def test_bad_fault_parameters_are_rejected(proxy: FaultProxy):
 
 
 async def test_proxy_process_is_controlled_over_http(redis_url: str, redis_server: RedisServer, tmp_path: Path):
-    port, ctl_port = free_port(), free_port()
-    proc = Proc("proxy", [sys.executable, "-m", "chaos.proxy", "--listen", f"{LOOPBACK}:{port}",
-                          "--upstream", f"{LOOPBACK}:{redis_server.port}", "--control", f"{LOOPBACK}:{ctl_port}",
-                          "--duration", "120"], tmp_path, env=None).start()
+    proxy = ProxyProcess((LOOPBACK, redis_server.port), tmp_path, seed=3).start()
+    port, ctl = proxy.port, proxy.control
     try:
-        wait_port(port, proc=proc.popen)
-        wait_port(ctl_port, proc=proc.popen)
-        ctl = ProxyControl(f"{LOOPBACK}:{ctl_port}")
         r = client(port)
         assert await r.ping()
         await ctl.blackhole("both")
@@ -151,5 +147,14 @@ async def test_proxy_process_is_controlled_over_http(redis_url: str, redis_serve
         await ctl.refuse(False)
         assert await client(port).ping()
     finally:
-        proc.stop()
-    assert not proc.alive()
+        proxy.stop()
+    assert not proxy.proc.alive()
+
+
+def test_proxy_cli_rejects_bad_addresses():
+    r = subprocess.run([sys.executable, "-m", "chaos.proxy", "--listen", "nonsense", "--upstream", "127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "host:port" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "chaos.proxy", "--listen", "0.0.0.0:9", "--upstream", "127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "loopback only" in r.stderr
