@@ -165,3 +165,21 @@ async def test_etcd_unreachable_503_and_nothing_granted(fresh_etcd_cluster: Etcd
         assert state.remaining == 95
     finally:
         await reader.close()
+
+
+async def test_auth_hook_guards_lease_endpoints_only(etcd_cluster: EtcdCluster, make_bundle, prefix: str) -> None:
+    from allocator.contract.errors import Unauthorized
+
+    def guard(connection, _handler) -> None:
+        if connection.headers.get("authorization") != "Bearer eu-token":
+            raise Unauthorized("region token required")
+
+    bundle = make_bundle(Pool(id="p1", window_ms=W, limit=100, chunk_max=50))
+    async with in_process(settings_for(etcd_cluster, bundle, prefix), auth_guard=guard) as client:
+        r = await client.post("/v1/leases", json=lease_body("auth-lease-1", "p1", "eu", 5))
+        assert r.status_code == 401 and r.headers["content-type"].startswith(PROBLEM)
+        r = await client.post("/v1/leases", json=lease_body("auth-lease-1", "p1", "eu", 5),
+                              headers={"authorization": "Bearer eu-token"})
+        assert r.status_code == 200 and r.json()["granted"] == 5
+        assert (await client.get("/healthz")).status_code == 200
+        assert (await client.get("/v1/leader")).status_code == 200
