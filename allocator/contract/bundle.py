@@ -214,13 +214,13 @@ def select_rules(
 def _rule_problems(r: Rule, pools: dict[str, Pool]) -> list[str]:
     p: list[str] = []
     name = f"rule {r.id!r}"
-    if not RULE_ID_RE.match(r.id):
+    if not RULE_ID_RE.fullmatch(r.id):
         p.append(f"{name}: id must match {RULE_ID_RE.pattern}")
     if r.fail_mode is None:
         p.append(f"{name}: failMode is required (one of local_bounded, closed, open)")
-    if r.route_group is not None and not ROUTE_RE.match(r.route_group):
+    if r.route_group is not None and not ROUTE_RE.fullmatch(r.route_group):
         p.append(f"{name}: routeGroup must match {ROUTE_RE.pattern}")
-    if r.tenant is not None and not TENANT_RE.match(r.tenant):
+    if r.tenant is not None and not TENANT_RE.fullmatch(r.tenant):
         p.append(f"{name}: tenant must match {TENANT_RE.pattern}")
     if r.scope == "ip" and r.tenant is not None:
         p.append(f"{name}: ip-scoped rules are pre-authentication and cannot name a tenant")
@@ -283,7 +283,7 @@ def _rule_problems(r: Rule, pools: dict[str, Pool]) -> list[str]:
 def _pool_problems(pool: Pool) -> list[str]:
     p: list[str] = []
     name = f"pool {pool.id!r}"
-    if not POOL_ID_RE.match(pool.id):
+    if not POOL_ID_RE.fullmatch(pool.id):
         p.append(f"{name}: id must match {POOL_ID_RE.pattern}")
     if pool.chunk_min > pool.chunk_max:
         p.append(f"{name}: chunkMin {pool.chunk_min} exceeds chunkMax {pool.chunk_max}")
@@ -292,7 +292,7 @@ def _pool_problems(pool: Pool) -> list[str]:
     if pool.prefetch_ms >= pool.window_ms:
         p.append(f"{name}: prefetchMs must be shorter than windowMs")
     for region in pool.regions or []:
-        if not REGION_RE.match(region):
+        if not REGION_RE.fullmatch(region):
             p.append(f"{name}: region {region!r} must match {REGION_RE.pattern}")
     return p
 
@@ -332,6 +332,13 @@ def validate_bundle(bundle: Bundle) -> None:
                           + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""), errors=problems)
 
 
+def script_slots(selected: list[Rule]) -> int:
+    """Script calls one request's rule set takes: one per enforced rule, plus one per
+    concurrency gate (shadow rules run in their own call)."""
+    enforced = [r for r in selected if not r.shadow]
+    return len(enforced) + sum(1 for r in enforced if r.concurrency_max is not None)
+
+
 def _request_set_problems(rules: list[Rule]) -> list[str]:
     """Every request's rule set is a handful long and maps to one hash tag."""
     tenants: list[str | None] = sorted({r.tenant for r in rules if r.tenant}) + [None]
@@ -342,8 +349,10 @@ def _request_set_problems(rules: list[Rule]) -> list[str]:
             for ptype, has_key in (("user", True), ("user", False), ("service", True), ("anonymous", False)):
                 sel = select_rules(rules, tenant=tenant or "\x00any", route_group=route,
                                    principal_type=ptype, has_key=has_key)
-                if len(sel) > MAX_RULES_PER_REQUEST:
+                slots = script_slots(sel)
+                if slots > MAX_RULES_PER_REQUEST:
                     problems.append(
-                        f"a {ptype} request of tenant {tenant or '*'} on route {route.strip(chr(0))} matches "
-                        f"{len(sel)} rules (at most {MAX_RULES_PER_REQUEST})")
+                        f"a {ptype} request of tenant {tenant or '*'} on route {route.strip(chr(0))} needs "
+                        f"{slots} script slots for {len(sel)} rules (a concurrency gate takes one more; "
+                        f"at most {MAX_RULES_PER_REQUEST})")
     return sorted(set(problems))
