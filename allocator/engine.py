@@ -144,7 +144,7 @@ class Engine:
         while not self._queue.empty():
             job = self._queue.get_nowait()
             if not job.fut.done():
-                job.fut.set_exception(Unavailable("allocator shutting down"))
+                _fail(job.fut, Unavailable("allocator shutting down"))
 
     def invalidate(self) -> None:
         """Forget cached window state (on any leadership change)."""
@@ -243,17 +243,17 @@ class Engine:
         except asyncio.CancelledError:
             for j in jobs:
                 if not j.fut.done():
-                    j.fut.set_exception(Unavailable("allocator shutting down"))
+                    _fail(j.fut, Unavailable("allocator shutting down"))
             raise
         except LeaseholdError as e:
             for j in jobs:
                 if not j.fut.done():
-                    j.fut.set_exception(e)
+                    _fail(j.fut, e)
         except Exception as e:  # noqa: BLE001 - a bug must not kill the committer
             log.exception("committer error")
             for j in jobs:
                 if not j.fut.done():
-                    j.fut.set_exception(Unavailable(f"internal allocator error ({type(e).__name__})"))
+                    _fail(j.fut, Unavailable(f"internal allocator error ({type(e).__name__})"))
 
     def _fence(self, epoch: int) -> Fenced:
         self.metrics.fenced.inc()
@@ -286,7 +286,7 @@ class Engine:
                     pool = self.pools[job.req.pool]
                     targets[id(job)] = (pool.id, policy.target_window(pool, job.req.window, now))
                 except LeaseholdError as e:
-                    job.fut.set_exception(e)
+                    _fail(job.fut, e)
                     pending.remove(job)
             if not pending:
                 return
@@ -336,7 +336,7 @@ class Engine:
                 self.metrics.txn_grants.observe(len(answers))
                 for job, g, d in answers:
                     self._count_grant(g, d)
-                    job.fut.set_result(g)
+                    _settle(job.fut, g)
                 self._prune_cache(now)
                 return
             # -- a compare failed: find out which --------------------------------------------------
@@ -366,10 +366,10 @@ class Engine:
         try:
             _check_same(rec.grant.pool, rec.grant.region, job.req)
         except Conflict as e:
-            job.fut.set_exception(e)
+            _fail(job.fut, e)
             return
         self.metrics.replays.labels(rec.grant.pool).inc()
-        job.fut.set_result(msgspec.structs.replace(rec.grant, replayed=True))
+        _settle(job.fut, msgspec.structs.replace(rec.grant, replayed=True))
 
     def _count_grant(self, g: LeaseGrant, d: policy.GrantDecision) -> None:
         if g.granted:
@@ -401,7 +401,7 @@ class Engine:
                 raise Conflict(f"lease {rep.lease_id!r} belongs to pool {rec.grant.pool!r} region "
                                f"{rec.grant.region!r}, not pool {rep.pool!r} region {rep.region!r}")
             if rec.reported:
-                job.fut.set_result(_receipt(rec, replayed=True))
+                _settle(job.fut, _receipt(rec, replayed=True))
                 return
             now = self.clock()
             d = policy.decide_reclaim(granted=rec.grant.granted, spent=rep.spent,
@@ -442,7 +442,7 @@ class Engine:
                     self.metrics.reclaimed_tokens.labels(pool.id, self.metrics.region(rep.region)).inc(returned)
                 if stranded:
                     self.metrics.stranded_tokens.labels(pool.id, self.metrics.region(rep.region)).inc(stranded)
-                job.fut.set_result(_receipt(new, replayed=False))
+                _settle(job.fut, _receipt(new, replayed=False))
                 return
             self.metrics.txn_conflicts.labels("usage").inc()
             leader = range_kvs(responses[0])
@@ -451,6 +451,16 @@ class Engine:
             self._cache.pop(wk, None)
             self.metrics.txn_retries.labels("usage").inc()
         raise Unavailable(f"usage report not committed after {self.max_attempts} conflicting attempts; retry")
+
+
+def _settle(fut: asyncio.Future[Any], result: Any) -> None:
+    if not fut.done():
+        fut.set_result(result)
+
+
+def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
 
 
 def _receipt(rec: GrantRecord, *, replayed: bool) -> UsageReceipt:

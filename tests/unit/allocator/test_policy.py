@@ -207,3 +207,22 @@ def test_random_sequences_never_overgrant(limit: int, chunk_max: int, steps: lis
             check_invariant(s)
         # overshoot: admitted (reported) + what is still leased out never exceeds G
         assert admitted + sum(x[1] for x in leases) <= limit
+
+
+@settings(max_examples=200, deadline=None)
+@given(window_ms=st.integers(min_value=1_000, max_value=600_000), ttl=st.integers(min_value=100, max_value=900_000),
+       prefetch=st.integers(min_value=0, max_value=999), now=st.integers(min_value=0, max_value=10**13),
+       which=st.sampled_from(["current", "next"]))
+def test_leases_never_outlive_their_window(window_ms: int, ttl: int, prefetch: int, now: int, which: str) -> None:
+    pool = mkpool(window_ms=window_ms, lease_ttl_ms=min(ttl, 3_600_000), prefetch_ms=prefetch, limit=10,
+                  chunk_max=10)
+    try:
+        k = policy.target_window(pool, which, now)  # type: ignore[arg-type]
+    except Conflict:
+        assert which == "next" and (now // window_ms + 1) * window_ms - now > prefetch
+        return
+    s = policy.new_window(pool, k)
+    d = policy.decide_grant(pool, s, region="eu", want=5, demand=0, now_ms=now)
+    assert d.window.start_ms <= now + d.starts_in_ms < d.expires_at_ms <= d.window.end_ms
+    assert d.ttl_ms == d.expires_at_ms - now and d.ttl_ms - d.starts_in_ms <= pool.lease_ttl_ms
+    assert (d.starts_in_ms > 0) == (which == "next")
