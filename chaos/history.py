@@ -290,3 +290,34 @@ def policies_from(recs: Iterable[Record]) -> list[PoolPolicy]:
             for p in r.pools:
                 out.append(msgspec.structs.replace(p, valid_from_ms=r.applied_at_ms))
     return out
+
+
+class LeaseRecorder:
+    """Implements the region agent's lease ``Recorder`` hook
+    (``region_agent.leasing.manager.Recorder``): writes a ``grant`` record for every grant the
+    agent accepted and a ``spend_close`` record for every lease it closed.
+
+    The agent passes monotonic milliseconds; they are converted to this process's wall clock
+    with one offset taken at construction. In an agent under ``faketime`` both clocks are
+    faked, so these times are on the *agent's* (skewed) clock: only the history's own writer
+    (the runner) is the recorder clock, and timing checks should not mix the two."""
+
+    def __init__(self, writer: HistoryWriter, *, mono_ms: float | None = None, wall_ms: int | None = None):
+        self.writer = writer
+        mono = time.monotonic() * 1000.0 if mono_ms is None else mono_ms
+        wall = now_ms() if wall_ms is None else wall_ms
+        self._offset = wall - mono
+
+    def _wall(self, mono_ms: float) -> int:
+        return int(mono_ms + self._offset)
+
+    def grant(self, *, region: str, pool: str, key_tag: str, lease: object | None, grant: object,
+              sent_at: float, received_at: float) -> None:
+        if not isinstance(grant, LeaseGrant):
+            return
+        self.writer.write(grant_from_wire(grant, sent_at_ms=self._wall(sent_at), received_at_ms=self._wall(received_at),
+                                          source="region"))  # the agent calls this only for epoch-accepted grants
+
+    def closed(self, *, region: str, pool: str, lease_id: str, granted: int, spent: int) -> None:
+        self.writer.write(SpendClose(lease_id=lease_id, pool=pool, region=region, granted=granted, spent=spent,
+                                     closed_at_ms=now_ms()))
