@@ -1,0 +1,59 @@
+"""Turn a gateway's view of an admission (the ``/v1/admit`` request and the agent's answer)
+into a history ``decision`` record, using the policy bundle to know which global pools the
+request spends and how many tokens.
+
+The agent's answer does not name the pool window it spent from, so the window is taken from
+the recorder's clock at the moment the request was *sent* (``floor(sent_ms / windowMs)``).
+A request sent just before a window boundary and admitted just after it is attributed to
+the earlier window; :func:`straddles_boundary` tells the caller which records are exposed
+to this (a run can count them and report them, or the agent can expose the window in its
+answer to remove the ambiguity).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from allocator.contract.bundle import Bundle, Pool, select_rules
+
+from .history import Decision, PoolSpend
+
+
+def pool_spends(bundle: Bundle, *, tenant: str | None, route_group: str, principal_type: str, has_key: bool,
+                cost_hint: int, at_ms: int) -> list[PoolSpend]:
+    """The pools (and tokens) a request with these attributes spends, windowed at ``at_ms``."""
+    pools: dict[str, Pool] = {p.id: p for p in bundle.pools}
+    out: list[PoolSpend] = []
+    for rule in select_rules(bundle.rules, tenant=tenant, route_group=route_group, principal_type=principal_type,
+                             has_key=has_key):
+        if rule.algorithm != "pool" or rule.pool is None or rule.shadow or rule.pool not in pools:
+            continue
+        pool = pools[rule.pool]
+        out.append(PoolSpend(pool=pool.id, tokens=rule.cost * max(1, cost_hint), window_index=at_ms // pool.window_ms))
+    return out
+
+
+def straddles_boundary(bundle: Bundle, pool_id: str, sent_ms: int, received_ms: int) -> bool:
+    for p in bundle.pools:
+        if p.id == pool_id:
+            return sent_ms // p.window_ms != received_ms // p.window_ms
+    return False
+
+
+def decision_from_admit(request: Mapping[str, Any], answer: Mapping[str, Any], bundle: Bundle, *, region: str,
+                        agent: str, sent_ms: int, received_ms: int, local: bool = False) -> Decision:
+    """``request``: the admission request body (camelCase, as sent); ``answer``: the agent's
+    decision (camelCase). ``local`` says the agent decided from a local allowance because its
+    Redis was unreachable (the caller knows from the faults it injected); otherwise the
+    answer's ``fallback`` flag means the pool's regional fallback allowance was used."""
+    principal = request.get("principal") or {}
+    spends = pool_spends(bundle, tenant=request.get("tenantId"), route_group=str(request.get("routeGroup", "")),
+                         principal_type=str(principal.get("type", "anonymous")),
+                         has_key=bool(principal.get("apiKeyId")), cost_hint=int(request.get("costHint") or 1),
+                         at_ms=sent_ms)
+    fallback = bool(answer.get("fallback"))
+    return Decision(agent=agent, region=region, tenant=str(request.get("tenantId") or "-"),
+                    allowed=bool(answer.get("allowed")), recorded_at_ms=received_ms, spends=spends,
+                    fallback=fallback and not local, local=fallback and local, reason=answer.get("reason"),
+                    route_group=request.get("routeGroup"), request_id=request.get("requestId"))
