@@ -56,12 +56,16 @@ def read_state(r: Any, kind: str, key: str) -> Any:
     raise ValueError(kind)
 
 
-def norm(kind: str, state: Any) -> Any:
-    """Comparable form: empty collections are no key at all."""
+def norm(kind: str, state: Any, now: int | None = None) -> Any:
+    """Comparable form: empty collections are no key at all. With ``now``, a concurrency set
+    whose leases have all expired also counts as no key (its PEXPIRE is max score - now, so Redis
+    deletes it exactly then)."""
     if state is None:
         return None
     if kind in ("sl", "cc"):
         d = dict(state.entries if kind == "sl" else state.leases)
+        if kind == "cc" and now is not None and all(s <= now for s in d.values()):
+            return None
         return d or None
     if kind == "pool":
         return dict(state.entries) or None
