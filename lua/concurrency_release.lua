@@ -1,7 +1,7 @@
 -- concurrency_release.lua: end a concurrency lease; idempotent (ZREM).
 -- KEYS[1]  sorted set: member = lease id, score = lease expiry (epoch ms)
 -- ARGV[1]  lease_id (non-empty)
--- Reply    {released 0/1, in_flight}   released 0 = no such lease (already released/expired)
+-- Reply    {released 0/1, in_flight}   released 0 = no such member (already released or trimmed)
 -- Rules    Redis TIME only; when a lease was removed the script also trims expired leases and
 --          re-sets PEXPIRE (max live score - now); releasing twice changes nothing.
 -- @include lib/validate.lua

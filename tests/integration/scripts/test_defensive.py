@@ -227,3 +227,16 @@ async def test_every_written_key_has_an_expiry(aclient, scripts):
         assert await aclient.pttl(f"rl:v3:{T}:s:{k}") > 0, k
     assert (await scripts.concurrency_renew(aclient, f"rl:v3:{T}:s:cc", "x", lease_ttl_ms=90_000)).ok
     assert 60_000 < await aclient.pttl(f"rl:v3:{T}:s:cc") <= 90_000
+
+
+async def test_wrong_key_type_fails_before_any_write(aclient, scripts):
+    """Every rule's check reads its key before any commit, so a key of the wrong type makes the
+    whole call fail with nothing written."""
+    good, bad = f"rl:v3:{T}:wt:ok", f"rl:v3:{T}:wt:bad"
+    await aclient.set(bad, "not a hash")
+    keys, argv = multi_rule_argv(f"rl:v3:{T}:wt:d", [RuleCall(good, "tb", (20_000, 2_000, 1_000, 1_000, 0)),
+                                                      RuleCall(bad, "fw", (20, 10_000, 1, 0, 0))],
+                                 slack_ms=0, decision_ttl_ms=5_000, member="m")
+    with pytest.raises(ScriptRejected):
+        await scripts.multi_rule(aclient, keys, argv)
+    assert await aclient.exists(good, f"rl:v3:{T}:wt:d") == 0 and await aclient.get(bad) == b"not a hash"
