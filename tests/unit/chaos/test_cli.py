@@ -1,0 +1,49 @@
+"""``python -m chaos check`` re-checks a kept history: 0 = pass, 1 = violations, 2 = bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from allocator.contract.bundle import Bundle, encode_bundle, seal
+from chaos.__main__ import main
+from chaos.history import HistoryWriter
+
+from .test_checker import POOL, clean, etcd, grant
+
+
+def bundle_file(tmp_path: Path) -> Path:
+    path = tmp_path / "bundle.json"
+    path.write_bytes(encode_bundle(seal(Bundle(bundle_version=1, published_at="2026-11-29T00:00:00Z",
+                                               checksum="", rules=[], pools=[POOL]))))
+    return path
+
+
+def history_file(tmp_path: Path, recs: list) -> Path:
+    path = tmp_path / "run.jsonl"
+    with HistoryWriter(path) as w:
+        w.write_all(recs)
+    return path
+
+
+def test_clean_history_passes(tmp_path: Path, capsys):
+    assert main(["check", "--history", str(history_file(tmp_path, clean())), "--policy", str(bundle_file(tmp_path))]) == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+
+
+def test_violations_fail_with_json_report(tmp_path: Path, capsys):
+    recs = clean() + [etcd(grant("lease-eu-0002", "eu", 20), 12)]
+    code = main(["check", "--history", str(history_file(tmp_path, recs)), "--policy", str(bundle_file(tmp_path)),
+                 "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 1 and out["ok"] is False
+    failed = [v["invariant"] for v in out["report"]["verdicts"] if not v["ok"]]
+    assert failed == ["granted_within_limit"]
+
+
+def test_bad_inputs_exit_2(tmp_path: Path, capsys):
+    assert main(["check", "--history", str(tmp_path / "missing.jsonl")]) == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["check", "--history", str(history_file(tmp_path, clean())), "--policy", str(bad)]) == 2
+    assert "error:" in capsys.readouterr().err
