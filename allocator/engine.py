@@ -82,13 +82,14 @@ class _Cached:
 class _GrantJob:
     req: LeaseRequest
     fut: asyncio.Future[LeaseGrant]
-    index: int = -1
+    epoch: int  # the epoch this replica led with when it accepted the request
 
 
 @dataclass
 class _UsageJob:
     report: UsageReport
     fut: asyncio.Future[UsageReceipt]
+    epoch: int
 
 
 @dataclass
@@ -176,10 +177,10 @@ class Engine:
 
     async def report(self, report: UsageReport) -> UsageReceipt:
         self.pool(report.pool)
-        self.election.require_leader()
+        epoch = self.election.require_leader()
         self._check_backlog()
         fut: asyncio.Future[UsageReceipt] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_UsageJob(report, fut))
+        self._queue.put_nowait(_UsageJob(report, fut, epoch))
         return await fut
 
     async def get_record(self, lease_id: str) -> GrantRecord:
@@ -210,10 +211,10 @@ class Engine:
         if existing is not None:
             _check_same(existing.req.pool, existing.req.region, req)
             return await asyncio.shield(existing.fut)
-        self.election.require_leader()
+        epoch = self.election.require_leader()
         self._check_backlog()
         fut: asyncio.Future[LeaseGrant] = asyncio.get_running_loop().create_future()
-        job = _GrantJob(req, fut)
+        job = _GrantJob(req, fut, epoch)
         self._inflight[req.lease_id] = job
         fut.add_done_callback(lambda _f: self._inflight.pop(req.lease_id, None))
         self._queue.put_nowait(job)
@@ -232,8 +233,10 @@ class Engine:
                 jobs.append(self._queue.get_nowait())
             grants = [j for j in jobs if isinstance(j, _GrantJob)]
             usages = [j for j in jobs if isinstance(j, _UsageJob)]
-            for i in range(0, len(grants), self.max_group):
-                await self._run_guarded(grants[i:i + self.max_group], self._commit_grants)
+            for epoch in dict.fromkeys(j.epoch for j in grants):  # one epoch per transaction
+                same = [j for j in grants if j.epoch == epoch]
+                for i in range(0, len(same), self.max_group):
+                    await self._run_guarded(same[i:i + self.max_group], self._commit_grants)
             for u in usages:
                 await self._run_guarded([u], self._commit_usage)
 
@@ -257,8 +260,9 @@ class Engine:
 
     def _fence(self, epoch: int) -> Fenced:
         self.metrics.fenced.inc()
-        self.election.step_down(f"epoch {epoch} fenced by etcd")
-        self.invalidate()
+        if self.election.epoch == epoch:  # not if we already lead again under a newer epoch
+            self.election.step_down(f"epoch {epoch} fenced by etcd")
+            self.invalidate()
         return Fenced(f"this replica's epoch {epoch} is no longer current; nothing was granted",
                       extra={"epoch": epoch})
 
@@ -278,7 +282,9 @@ class Engine:
     async def _commit_grants(self, jobs: list[_GrantJob]) -> None:
         pending = list(jobs)
         for attempt in range(self.max_attempts):
-            epoch = self.election.require_leader()
+            # No local leadership check here: the job carries the epoch it was accepted under and
+            # etcd decides (the txn compares it). A leader resumed after a pause gets Fenced.
+            epoch = jobs[0].epoch
             now = self.clock()
             targets: dict[int, tuple[str, int]] = {}
             for job in list(pending):
@@ -391,7 +397,7 @@ class Engine:
         rep = job.report
         pool = self.pool(rep.pool)
         for _attempt in range(self.max_attempts):
-            epoch = self.election.require_leader()
+            epoch = job.epoch
             gkey = self.keys.grant(rep.lease_id)
             gkv = await self.store.get(gkey)
             if gkv is None:

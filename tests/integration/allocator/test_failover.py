@@ -85,18 +85,26 @@ async def test_paused_leader_cannot_commit_after_resume(replicas: list[Allocator
         assert ok.status_code == 200
         leader.proc.signal(signal.SIGSTOP)
         try:
-            # a request reaches the paused leader (the kernel accepts the connection) and waits
-            stuck = asyncio.create_task(c.post(f"{leader.url}/v1/leases",
-                                               json=lease_body("pause-lease-1", "p1", "eu", 10)))
+            # requests reach the paused leader (the kernel accepts the connections) and wait
+            stuck = [asyncio.create_task(c.post(f"{leader.url}/v1/leases",
+                                                json=lease_body(f"pause-lease-1{i}", "p1", "eu", 10)))
+                     for i in range(4)]
+            await asyncio.sleep(0.2)
             new_leader, new_epoch = await leader_of(replicas, exclude=leader)
             assert new_leader is other and new_epoch > epoch
             took = await c.post(f"{other.url}/v1/leases", json=lease_body("pause-lease-2", "p1", "us", 20))
             assert took.json()["epoch"] == new_epoch
         finally:
             leader.proc.signal(signal.SIGCONT)
-        r = await stuck
-        assert r.status_code == 503, r.text
-        assert r.json()["type"].rsplit("/", 1)[1] == "fenced", r.text  # the epoch compare refused it
+        answers = await asyncio.gather(*stuck)
+        assert all(r.status_code == 503 for r in answers), [r.text for r in answers]
+        codes = [r.json()["type"].rsplit("/", 1)[1] for r in answers]
+        # what the resumed leader had accepted it tried to commit, and the epoch compare refused
+        # it; requests read after it noticed the loss are refused as not-leader
+        assert "fenced" in codes and set(codes) <= {"fenced", "not-leader"}, codes
+        metrics = (await c.get(f"{leader.url}/metrics")).text
+        fenced = float(metrics.split("\nleasehold_allocator_fenced_total ")[1].split()[0])
+        assert 1 <= fenced <= codes.count("fenced")  # one refused txn per group of accepted requests
         # once resumed the old leader knows it is a follower and names the new leader
         await wait_until(lambda: _follows(leader, other.url), within_s=10)
     grants = await etcd_grants(etcd_reader, prefix)
