@@ -45,6 +45,7 @@ from .models import (
     ReleaseRequest,
     ReleaseResult,
 )
+from .negcache import NegativeCache
 from .policy import PolicyHolder, ReloadResult
 from .settings import AgentSettings
 
@@ -60,6 +61,7 @@ class AgentState:
     keys: KeyBuilder
     engine: Engine | None = None
     store: Any = None
+    leases: Any = None  # LeaseManager when --allocator-urls is set
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
@@ -106,6 +108,15 @@ async def policy(request: Request) -> PolicyInfo:
     b: Bundle = _state(request).holder.bundle
     return PolicyInfo(bundle_version=b.bundle_version, checksum=b.checksum, published_at=b.published_at,
                       rule_ids=[r.id for r in b.rules], pool_ids=[p.id for p in b.pools])
+
+
+@get("/v1/leases", summary="This agent's pool balances, leases held, epochs and expiry")
+async def leases_view(request: Request) -> Response:
+    st = _state(request)
+    if st.leases is None:
+        return Response({"region": st.settings.region, "allocator": None, "balances": []})
+    return Response({"region": st.settings.region, "allocator": st.leases.client.urls,
+                     "pendingReports": len(st.leases.pending_reports), "balances": st.leases.view()})
 
 
 @get("/healthz", summary="Liveness")
@@ -193,9 +204,13 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         factory = store_factory or default_store_factory
         state.store = factory(settings, m)
+        state.leases = _lease_manager(settings, state.store, m)
         state.engine = Engine(get_bundle=lambda: state.holder.bundle, keys=state.keys, store=state.store,
                               metrics=m, fallback=LocalFallback(settings.fallback_max_keys),
-                              budget_ms=settings.decision_budget_ms)
+                              budget_ms=settings.decision_budget_ms, leases=state.leases,
+                              negative=NegativeCache(cap_ms=settings.negative_cache_ms))
+        if state.leases is not None:
+            state.leases.start()
         with contextlib.suppress(LeaseholdError):
             await state.store.load()
         state.tasks.append(asyncio.create_task(_background(state)))
@@ -212,10 +227,13 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             for t in state.tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
+            if state.leases is not None:
+                await state.leases.stop()
+                await state.leases.client.aclose()
             await state.store.close()
 
     app = Litestar(
-        route_handlers=[admit, admit_batch, release, policy, healthz, readyz, metrics],
+        route_handlers=[admit, admit_batch, release, policy, leases_view, healthz, readyz, metrics],
         lifespan=[lifespan],
         exception_handlers={LeaseholdError: _on_leasehold, ValidationException: _on_validation,
                             HTTPException: _on_http, Exception: _on_unexpected},
@@ -225,6 +243,26 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     )
     app.state.agent = state
     return app
+
+
+def _lease_manager(settings: AgentSettings, store: Any, m: AgentMetrics):
+    """The region's lease manager, when allocator URLs are configured."""
+    if not settings.allocator_urls:
+        return None
+    from .leasing.client import AllocatorClient
+    from .leasing.manager import LeaseManager
+    from .leasing.redis_balance import RedisBalanceStore
+
+    token = None
+    if settings.allocator_token_file:
+        with open(settings.allocator_token_file) as f:
+            token = f.read().strip() or None
+    client = AllocatorClient(settings.allocator_urls, token=token,
+                             attempt_timeout_s=settings.allocator_timeout_ms / 1000,
+                             deadline_s=settings.allocator_deadline_ms / 1000)
+    balances = RedisBalanceStore(store.client, store.scripts)
+    return LeaseManager(region=settings.region, client=client, store=balances, metrics=m,
+                        tick_ms=settings.lease_tick_ms)
 
 
 def default_store_factory(settings: AgentSettings, m: AgentMetrics):

@@ -17,6 +17,7 @@ class ChunkLease:
     expires_at_ms: float = 0.0
     deny_until_ms: float = 0.0
     generation: int = 0  # bumps on every grant so a late give-back cannot land in a newer chunk
+    fallback: bool = False  # this chunk came from the pool's fallback allowance (allocator unreachable)
 
     def valid(self, now_ms: float) -> bool:
         return now_ms < self.expires_at_ms
@@ -37,9 +38,10 @@ class ChunkLease:
     def negative(self, now_ms: float) -> bool:
         return now_ms < self.deny_until_ms
 
-    def grant(self, tokens: int, now_ms: float, validity_ms: int) -> None:
+    def grant(self, tokens: int, now_ms: float, validity_ms: int, *, fallback: bool = False) -> None:
         """A renewal succeeded: the old chunk's leftovers are abandoned."""
         self.generation += 1
+        self.fallback = fallback
         self.remaining = tokens
         self.expires_at_ms = now_ms + validity_ms
         self.deny_until_ms = 0.0

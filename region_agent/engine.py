@@ -31,6 +31,7 @@ from .httpmap import apply_http
 from .keys import KeyBuilder
 from .metrics import AgentMetrics
 from .models import AdmitRequest, Decision, ReleaseRequest
+from .negcache import NegativeCache
 from .plan import Call, GlobalSpend, Plan, build_plan, cc_keys_for_release, tokens_limit, tokens_remaining
 
 log = logging.getLogger("region_agent.engine")
@@ -62,13 +63,16 @@ class _Prepared:
     started: float
     deadline: float
     reservations: list[_Reservation]
-    early: Decision | None = None  # decided before the tenant script (global pool denial)
+    early: Decision | None = None  # decided before the tenant script (global pool denial, negative cache)
+    used_fallback: bool = False  # a global chunk came from the pool's fallback allowance
+    pool_retried: bool = False  # waited once for an in-flight lease top-up
 
 
 class Engine:
     def __init__(self, *, get_bundle: Callable[[], Bundle], keys: KeyBuilder, store: Any, metrics: AgentMetrics,
                  fallback: LocalFallback | None = None, budget_ms: int = 50,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, leases: Any | None = None,
+                 negative: NegativeCache | None = None):
         self.get_bundle = get_bundle
         self.keys = keys
         self.store = store
@@ -78,6 +82,8 @@ class Engine:
         self.clock = clock
         self._chunks: dict[str, ChunkLease] = {}
         self._renewing: dict[str, asyncio.Future] = {}
+        self.leases = leases  # region_agent.leasing.manager.LeaseManager, when the allocator is configured
+        self.negative = negative if negative is not None else NegativeCache()
 
     def now_ms(self) -> float:
         return self.clock() * 1000.0
@@ -159,6 +165,11 @@ class Engine:
     async def _prepare(self, plan: Plan, bundle: Bundle, budget: float | None = None) -> _Prepared:
         started = self.clock()
         prep = _Prepared(plan, bundle, started, started + (budget or self.budget), [])
+        hit = self._negative_hit(prep)
+        if hit is not None:
+            prep.early = hit
+            return prep
+        self._note_pool_demand(prep)
         for spend in plan.global_spends:
             status, retry = await self._take_global(spend, prep)
             if status == "denied":
@@ -192,6 +203,9 @@ class Engine:
             return self._finish(prep, self._degrade(prep, e))
         except LeaseholdError as e:
             return self._finish(prep, self._degrade(prep, e))
+        if not result.allowed and 1 <= result.denied_by <= len(plan.slots) \
+                and plan.slots[result.denied_by - 1].role == "pool":
+            return self._finish(prep, await self._pool_denied(prep, result))
         return self._finish(prep, self._from_result(prep, result))
 
     async def _retry_idempotent(self, prep: _Prepared, first: LeaseholdError) -> Decision:
@@ -208,7 +222,8 @@ class Engine:
         return self._finish(prep, self._from_result(prep, result))
 
     # ------------------------------------------------------------------ results
-    def _from_result(self, prep: _Prepared, res: Any) -> Decision:
+    def _from_result(self, prep: _Prepared, res: Any, *, fallback: bool = False, retry_floor: int = 0,
+                     calls: list[Call] | None = None) -> Decision:
         plan, bundle = prep.plan, prep.bundle
         pools = {p.id: p for p in bundle.pools}
         if not res.allowed and res.denied_by >= 1:
@@ -218,18 +233,111 @@ class Engine:
             if slot.role == "cc":
                 return self._decision(plan, bundle, allowed=False, rule=slot.rule, scope="concurrency",
                                       reason="CONCURRENCY_EXCEEDED", limit=slot.rule.concurrency_max, remaining=0,
-                                      retry=slot.rule.concurrency_retry_after_ms)
+                                      retry=slot.rule.concurrency_retry_after_ms, fallback=fallback)
             raw = res.remaining[idx] if idx < len(res.remaining) else 0
-            return self._decision(plan, bundle, allowed=False, rule=slot.rule, scope=slot.rule.scope,
-                                  reason="RATE_EXCEEDED", limit=tokens_limit(slot.rule, pools),
-                                  remaining=tokens_remaining(slot.rule, int(raw)), retry=int(res.retry_after_ms))
+            retry = int(res.retry_after_ms)
+            if retry >= 0:
+                retry = max(retry, retry_floor)
+            args = dict(rule=slot.rule, scope=slot.rule.scope, reason="RATE_EXCEEDED",
+                        limit=tokens_limit(slot.rule, pools), remaining=tokens_remaining(slot.rule, int(raw)))
+            if plan.decision_ttl_ms == 0:
+                call = (calls or plan.calls)[idx]
+                self.negative.put((call.key, call.params), self.now_ms(), retry, (args, fallback))
+            return self._decision(plan, bundle, allowed=False, retry=retry, fallback=fallback, **args)
         report = plan.rules[0]
         for i, slot in enumerate(plan.slots):
             if slot.rule is report and slot.role != "cc":
                 raw = res.remaining[i] if i < len(res.remaining) else 0
                 return self._decision(plan, bundle, allowed=True, rule=report, limit=tokens_limit(report, pools),
-                                      remaining=tokens_remaining(report, int(raw)))
-        return self._allowed_without_script(prep)
+                                      remaining=tokens_remaining(report, int(raw)), fallback=fallback)
+        d = self._allowed_without_script(prep)
+        d.fallback = d.fallback or fallback
+        return d
+
+    # ------------------------------------------------------------------ negative cache and leased pools
+    def _negative_hit(self, prep: _Prepared) -> Decision | None:
+        plan = prep.plan
+        if plan.decision_ttl_ms > 0 or not len(self.negative):
+            return None
+        now = self.now_ms()
+        for call in plan.calls:
+            hit = self.negative.get((call.key, call.params), now)
+            if hit is not None:
+                args, fallback = hit.payload
+                self.metrics.negative_hits.inc()
+                return self._decision(plan, prep.bundle, allowed=False, retry=max(1, int(hit.retry_at_ms - now + 0.999)),
+                                      fallback=fallback, **args)
+        return None
+
+    def _pool_slots(self, prep: _Prepared) -> list[tuple[int, Any, str, int]]:
+        """(slot index, pool, balance key, tokens) of every tenant pool rule in the script call."""
+        if not any(s.role == "pool" for s in prep.plan.slots):
+            return []
+        pools = {p.id: p for p in prep.bundle.pools}
+        out = []
+        for i, (slot, call) in enumerate(zip(prep.plan.slots, prep.plan.calls, strict=True)):
+            if slot.role == "pool" and slot.rule.pool in pools:
+                out.append((i, pools[slot.rule.pool], call.key, call.params[0]))
+        return out
+
+    def _note_pool_demand(self, prep: _Prepared) -> None:
+        if self.leases is None:
+            return
+        for _, pool, key, tokens in self._pool_slots(prep):
+            self.leases.note(pool, key, tokens)
+
+    async def _pool_denied(self, prep: _Prepared, res: Any) -> Decision:
+        """The leased balance could not pay. Which answer depends on why (DESIGN invariant 6):
+        a top-up in flight is waited for once; the allocator said the pool is exhausted -> a normal
+        429 until the next window; the allocator is unreachable -> the pool's fallback allowance
+        (or 503 for a closed rule); never the allowance when the pool is merely exhausted."""
+        plan = prep.plan
+        idx = res.denied_by - 1
+        slot = plan.slots[idx]
+        key = plan.calls[idx].key
+        leases = self.leases
+        if leases is None:
+            return self._from_result(prep, res)
+        pending = leases.pending(key)
+        if pending is not None and not prep.pool_retried and self._remaining(prep) > 0:
+            prep.pool_retried = True
+            self.metrics.pool_waits.labels(slot.rule.pool or "?").inc()
+            try:
+                await asyncio.wait_for(asyncio.shield(pending), self._remaining(prep))
+                (reply,) = await self.store.submit(self._script_calls(plan)[:1], wait_s=self._remaining(prep))
+                again = self.store.parse(reply)
+            except (TimeoutError, LeaseholdError):
+                again = res
+            if again.allowed or again.denied_by != res.denied_by:
+                return self._from_result(prep, again)
+            res = again
+        state = leases.state(key)
+        if state == "unreachable":
+            return await self._pool_fallback(prep, res, idx)
+        return self._from_result(prep, res, retry_floor=max(1, leases.retry_hint_ms(key)))
+
+    async def _pool_fallback(self, prep: _Prepared, res: Any, idx: int) -> Decision:
+        plan, bundle = prep.plan, prep.bundle
+        rule = plan.slots[idx].rule
+        pool = next(p for p in bundle.pools if p.id == rule.pool)
+        if rule.fail_mode == "closed" or pool.fallback_per_region <= 0:
+            self.metrics.degradations.labels("ALLOCATOR_UNREACHABLE", "closed").inc()
+            self._give_back(prep)
+            return self._decision(plan, bundle, allowed=False, rule=rule, scope=rule.scope,
+                                  reason="LIMITER_UNAVAILABLE", retry=rule.closed_retry_after_ms)
+        self.metrics.degradations.labels("ALLOCATOR_UNREACHABLE", "pool_fallback").inc()
+        original = plan.calls[idx]
+        calls = list(plan.calls)
+        calls[idx] = Call(KeyBuilder.pool_fallback_key(original.key), "fw",
+                          (pool.fallback_per_region, pool.window_ms, original.params[0], 0, 0))
+        call = self.store.multi_call(calls, decision_key=plan.decision_key + ":fb", slack_ms=plan.slack_ms,
+                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id)
+        try:
+            (reply,) = await self.store.submit([call], wait_s=self._remaining(prep))
+            result = self.store.parse(reply)
+        except LeaseholdError as e:
+            return self._degrade(prep, e)
+        return self._from_result(prep, result, fallback=True, calls=calls)
 
     def _allowed_without_script(self, prep: _Prepared) -> Decision:
         plan, bundle = prep.plan, prep.bundle
@@ -292,6 +400,8 @@ class Engine:
         return d
 
     def _finish(self, prep: _Prepared, d: Decision) -> Decision:
+        if d.allowed and prep.used_fallback:
+            d.fallback = True
         if d.allowed:
             outcome = "fallback_allowed" if d.fallback else "allowed"
         elif d.http_status == 503:
@@ -335,6 +445,7 @@ class Engine:
             gen = lease.try_take(spend.cost, self.now_ms())
             if gen is not None:
                 prep.reservations.append(_Reservation(spend, gen))
+                prep.used_fallback = prep.used_fallback or lease.fallback
                 return "ok", 0
             if lease.negative(self.now_ms()):
                 return "denied", max(1, int(lease.deny_until_ms - self.now_ms()))
@@ -352,6 +463,7 @@ class Engine:
         gen = lease.try_take(spend.cost, self.now_ms())
         if gen is not None:
             prep.reservations.append(_Reservation(spend, gen))
+            prep.used_fallback = prep.used_fallback or lease.fallback
             return "ok", 0
         if lease.negative(self.now_ms()):
             return "denied", max(1, int(lease.deny_until_ms - self.now_ms()))
@@ -362,15 +474,35 @@ class Engine:
             return "open", 0
         return "unavailable", spend.rule.closed_retry_after_ms
 
+    async def _renew_from_fallback(self, spend: GlobalSpend, lease: ChunkLease, gkey: str, sent_at: float) -> str:
+        """Allocator unreachable and the regional balance empty: a chunk of one request's cost
+        from the pool's regional fallback allowance (a fixed window of fallbackPerRegion)."""
+        pool = spend.pool
+        self.metrics.degradations.labels("ALLOCATOR_UNREACHABLE", "pool_fallback").inc()
+        call = self.store.multi_call(
+            [Call(KeyBuilder.pool_fallback_key(gkey), "fw", (pool.fallback_per_region, pool.window_ms, spend.cost, 0, 0))],
+            decision_key=self.keys.global_pool_decision_key(pool.id), slack_ms=0, decision_ttl_ms=0,
+            member=f"renew-fb-{pool.id}")
+        (reply,) = await self.store.submit([call], wait_s=self.budget)
+        res = self.store.parse(reply)
+        if res.allowed:
+            lease.grant(spend.cost, sent_at, pool.chunk_validity_ms, fallback=True)
+            return "fallback"
+        lease.deny(self.now_ms(), int(res.retry_after_ms), pool.chunk_validity_ms)
+        return "fallback_denied"
+
     async def _renew(self, spend: GlobalSpend, lease: ChunkLease) -> None:
         pool = spend.pool
         want = max(spend.cost, pool.chunk_max)
         sent_at = self.now_ms()  # validity timed from the moment the request was sent (I5 of DESIGN)
         outcome = "error"
+        gkey = self.keys.global_pool_key(pool.id)
+        if self.leases is not None:
+            self.leases.note(pool, gkey, want)
         try:
             for attempt in range(2):
                 call = self.store.multi_call(
-                    [_pool_call(self.keys.global_pool_key(pool.id), want)],
+                    [_pool_call(gkey, want)],
                     decision_key=self.keys.global_pool_decision_key(pool.id), slack_ms=0, decision_ttl_ms=0,
                     member=f"renew-{pool.id}")
                 (reply,) = await self.store.submit([call], wait_s=self.budget)
@@ -383,7 +515,12 @@ class Engine:
                 if attempt == 0 and spend.cost <= balance < want:
                     want = balance  # partial chunk when the balance is low
                     continue
-                lease.deny(self.now_ms(), int(res.retry_after_ms), pool.chunk_validity_ms)
+                state = self.leases.state(gkey) if self.leases is not None else "idle"
+                if state == "unreachable" and pool.fallback_per_region > 0 and spend.rule.fail_mode != "closed":
+                    outcome = await self._renew_from_fallback(spend, lease, gkey, sent_at)
+                    return
+                hint = self.leases.retry_hint_ms(gkey) if self.leases is not None else 0
+                lease.deny(self.now_ms(), max(int(res.retry_after_ms), hint), pool.chunk_validity_ms)
                 outcome = "denied"
                 return
         finally:

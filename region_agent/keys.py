@@ -146,6 +146,15 @@ class KeyBuilder:
         return f"{NS}:{{g:{pool_id}}}:pool:{pool_id}"
 
     @staticmethod
+    def pool_fallback_key(balance_key: str) -> str:
+        """The region's fallback allowance for a pool balance (same hash tag): a fixed window of
+        ``fallbackPerRegion`` tokens per pool window, shared by every agent of the region."""
+        head, sep, pool_id = balance_key.rpartition(":pool:")
+        if not sep:
+            raise ValueError("not a pool balance key")
+        return f"{head}:poolfb:{pool_id}"
+
+    @staticmethod
     def global_pool_decision_key(pool_id: str) -> str:
         """KEYS[1] of a chunk-renewal call (no record is written: decision TTL 0)."""
         return f"{NS}:{{g:{pool_id}}}:d:renew"

@@ -33,3 +33,23 @@ class AgentMetrics:
         self.policy_defects = Counter("leasehold_agent_policy_defects_total",
                                       "429s without Retry-After (retry -1: can never succeed)", ["rule"],
                                       registry=r)
+        self.negative_hits = Counter("leasehold_agent_negative_cache_hits_total",
+                                     "Denials answered from the negative cache (no store call)", registry=r)
+        # leases (region side)
+        self.lease_grants = Counter("leasehold_agent_lease_grants_total", "Lease answers from the allocator",
+                                    ["pool", "outcome"], registry=r)
+        self.lease_tokens = Counter("leasehold_agent_lease_granted_tokens_total", "Tokens granted to this region",
+                                    ["pool"], registry=r)
+        self.lease_depletions = Counter("leasehold_agent_pool_depletions_total",
+                                        "Allocator answered 'pool exhausted' for the window", ["pool"], registry=r)
+        self.lease_stranded = Counter("leasehold_agent_stranded_tokens_total",
+                                      "Leased tokens that expired unspent", ["pool"], registry=r)
+        self.lease_balance = Gauge("leasehold_agent_pool_balance_tokens", "Spendable leased tokens in Redis",
+                                   ["pool"], registry=r)
+        self.allocator_up = Gauge("leasehold_agent_allocator_reachable", "1 if the last allocator call succeeded",
+                                  registry=r)
+        self.allocator_latency = Histogram("leasehold_agent_allocator_seconds", "Allocator call latency",
+                                           ["call"], registry=r,
+                                           buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 3))
+        self.breaker_state = Gauge("leasehold_agent_breaker_state", "Redis circuit breaker (0 closed, 1 half-open, 2 open)",
+                                   ["shard"], registry=r)

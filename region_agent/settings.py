@@ -21,7 +21,7 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_cluster: bool = False  # also implied by a redis+cluster:// URL
     policy: str = "policies/northstar.json"
-    region: Annotated[str, Meta(pattern=r"^[a-z0-9-]{1,32}$")] = "local"
+    region: Annotated[str, Meta(pattern=r"^[a-z0-9-]{1,32}\Z")] = "local"
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8080
     workers: Annotated[int, Meta(ge=1, le=64)] = 1
@@ -32,6 +32,12 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     batch_max: Annotated[int, Meta(ge=1, le=4096)] = 256  # script calls per coalesced pipeline
     queue_max: Annotated[int, Meta(ge=1, le=100_000)] = 10_000  # queued script calls before shedding
     fallback_max_keys: Annotated[int, Meta(ge=1, le=1_000_000)] = 100_000
+    allocator_urls: list[str] = []  # empty: no global pools from leases (pool rules then deny)
+    allocator_token_file: str | None = None  # this region's bearer token for the allocator
+    allocator_timeout_ms: Annotated[int, Meta(ge=10, le=60_000)] = 500  # per attempt
+    allocator_deadline_ms: Annotated[int, Meta(ge=10, le=60_000)] = 3_000  # all attempts of one lease request
+    lease_tick_ms: Annotated[int, Meta(ge=10, le=10_000)] = 100
+    negative_cache_ms: Annotated[int, Meta(ge=0, le=10_000)] = 250  # 0 disables the negative cache
     pepper_file: str | None = None
     insecure_dev_pepper: bool = False
     log_level: str = "info"

@@ -256,6 +256,9 @@ def _rule_problems(r: Rule, pools: dict[str, Pool]) -> list[str]:
     if r.scope == "global" and alg != "pool":
         p.append(f"{name}: global scope needs algorithm pool: a direct global key would cross hash slots "
                  "with the tenant's keys (spend it from a leased chunk instead)")
+    if alg == "pool" and r.fail_mode == "open":
+        p.append(f"{name}: a pool rule cannot fail open (unbounded admission while the allocator is "
+                 "unreachable); use local_bounded (the pool's fallbackPerRegion) or closed")
     if r.scope == "ip" and alg == "pool":
         p.append(f"{name}: ip-scoped rules cannot spend a global pool")
     if r.concurrency_max is not None and r.scope in ("global", "ip"):

@@ -80,6 +80,7 @@ class LeaseManager:
     max_pending_reports: int = 10_000
     report_patience_ms: float = 120_000.0
     recorder: Recorder | None = None
+    metrics: object | None = None  # region_agent.metrics.AgentMetrics (lease_* members)
     balances: dict[str, Balance] = field(default_factory=dict)
     pending_reports: deque = field(default_factory=deque)
     _task: asyncio.Task | None = None
@@ -107,6 +108,25 @@ class LeaseManager:
         if bal.book.unreachable_since is not None and not bal.book.valid(now):
             return "unreachable"
         return "ok"
+
+    def pending(self, key: str) -> asyncio.Task | None:
+        """The in-flight top-up for ``key``'s balance, if any (the engine may wait for it once)."""
+        bal = self.balances.get(key)
+        return bal.inflight if bal is not None else None
+
+    def view(self) -> list[dict]:
+        """Operator view (``GET /v1/leases``): per balance, the leases held and their timing."""
+        now = self.now()
+        out = []
+        for bal in self.balances.values():
+            out.append({
+                "pool": bal.pool.id, "state": self.state(bal.key), "spendable": bal.last_spendable,
+                "maxEpoch": bal.book.max_epoch, "demandPerS": round(bal.book.demand_rate, 2),
+                "leases": [{"leaseId": lease.lease_id, "window": lease.window_index, "granted": lease.granted,
+                            "epoch": lease.epoch, "validInMs": max(0, int(lease.valid_from - now)),
+                            "expiresInMs": int(lease.deadline - now)} for lease in bal.book.leases.values()],
+            })
+        return out
 
     def retry_hint_ms(self, key: str) -> int:
         bal = self.balances.get(key)
@@ -154,6 +174,8 @@ class LeaseManager:
                 bal.last_spendable, _, _ = await self.store.observe(bal.key)
             except LeaseholdError:
                 continue
+            if self.metrics is not None:
+                self.metrics.lease_balance.labels(bal.pool.id).set(bal.last_spendable)
             if bal.inflight is None and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
                 bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
         await self._flush_reports()
@@ -174,17 +196,31 @@ class LeaseManager:
         req = LeaseRequest(lease_id=lease_id, region=self.region, pool=bal.pool.id,
                            want=bal.book.want(self.horizon_ms), demand=int(bal.book.demand_rate), window=window)
         sent_at = self.now()
+        m = self.metrics
         try:
             grant = await self.client.lease(req)
         except LeaseholdError as e:
             if e.retriable:
                 bal.book.note_unreachable(self.now())
+            if m is not None:
+                m.lease_grants.labels(bal.pool.id, "unreachable" if e.retriable else "refused").inc()
+                m.allocator_up.set(0 if e.retriable else 1)
             log.warning("lease request for pool %s failed: %s", bal.pool.id, e.detail)
             return
         received_at = self.now()
+        if m is not None:
+            m.allocator_up.set(1)
+            m.allocator_latency.labels("lease").observe((received_at - sent_at) / 1000.0)
+            outcome = "granted" if grant.granted > 0 else "exhausted"
+            m.lease_grants.labels(bal.pool.id, outcome).inc()
+            m.lease_tokens.labels(bal.pool.id).inc(grant.granted)
+            if grant.granted == 0:
+                m.lease_depletions.labels(bal.pool.id).inc()
         try:
             lease = bal.book.accept(grant, sent_at=sent_at, received_at=received_at)
         except StaleEpoch as e:
+            if m is not None:
+                m.lease_grants.labels(bal.pool.id, "stale_epoch").inc()
             log.warning("refused grant: %s", e.detail)
             return
         if self.recorder:
@@ -220,6 +256,8 @@ class LeaseManager:
         if res is None:
             return
         granted, spent = res
+        if self.metrics is not None and granted > spent:
+            self.metrics.lease_stranded.labels(bal.pool.id).inc(granted - spent)
         if self.recorder:
             self.recorder.closed(region=self.region, pool=bal.pool.id, lease_id=lease.lease_id,
                                  granted=granted, spent=spent)

@@ -36,6 +36,9 @@ def write_bundle(path: Path, bundle: Bundle, **changes) -> Bundle:
 
 
 def make_settings(redis_url: str, policy: Path, **kw) -> AgentSettings:
+    # these tests rewrite stored state to simulate time, which an in-process negative cache cannot
+    # see; the negative cache has its own tests (test_negative_cache.py)
+    kw.setdefault("negative_cache_ms", 0)
     return AgentSettings(redis_url=redis_url, policy=str(policy), region="eu", policy_poll_ms=0,
                          decision_budget_ms=kw.pop("decision_budget_ms", 2000), **kw)
 
@@ -113,7 +116,9 @@ def agent_process(workdir: Path, redis_url: str, policy: Path, *extra: str) -> I
     env.update(PYTHONPATH=str(ROOT), LEASEHOLD_AGENT_PEPPER=PEPPER.decode())
     proc = Proc(f"agent-{port}", [sys.executable, "-m", "region_agent", "--redis-url", redis_url, "--policy",
                                   str(policy), "--region", "eu", "--host", "127.0.0.1", "--port", str(port),
-                                  "--policy-poll-ms", "0", "--log-level", "warning", *extra], workdir, env=env).start()
+                                  "--policy-poll-ms", "0", "--log-level", "warning",
+                                  *(() if "--negative-cache-ms" in extra else ("--negative-cache-ms", "0")),
+                                  *extra], workdir, env=env).start()
     base = f"http://127.0.0.1:{port}"
     try:
         wait_port(port, proc=proc.popen, timeout=30)

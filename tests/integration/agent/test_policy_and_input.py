@@ -7,7 +7,8 @@ import pytest
 from litestar.testing import AsyncTestClient
 from redis.asyncio import Redis
 
-from allocator.contract.bundle import Pool, Rule
+from allocator.contract.bundle import Pool, Rule, validate_bundle
+from allocator.contract.errors import PolicyError
 from region_agent.app import create_app
 from region_agent.store.scripts import Scripts
 
@@ -159,23 +160,19 @@ async def test_openapi_and_health(agent):
     assert ready["status"] == "ready" and ready["policyVersion"] == 42
 
 
-async def test_a_call_the_script_would_refuse_is_a_policy_error_decision_not_a_500(redis_url, policy_file):
-    """Eight rules plus a concurrency gate is nine script slots (the script takes eight)."""
+def test_a_rule_set_needing_more_script_slots_than_the_script_takes_is_refused(policy_file):
+    """Eight rules plus a concurrency gate is nine script slots (the script takes eight): the
+    bundle is refused at validation, so no request can ever reach the script with it."""
     def rule(rid: str, scope: str, route: str | None, **kw) -> Rule:
         return Rule(id=rid, scope=scope, route_group=route, algorithm="fixed_window", limit=100, window_ms=60_000,
                     fail_mode=kw.pop("fail_mode", "open"), **kw)
 
     rules = [rule(f"{s}-{g or 'all'}", s, g) for s in ("user", "key", "route", "tenant") for g in ("read", None)]
     rules[-1] = rule("tenant-all", "tenant", None, concurrency_max=5, fail_mode="closed")
-    write_bundle(policy_file, northstar(), rules=rules, bundle_version=50)
-    app = create_app(make_settings(redis_url, policy_file), pepper=PEPPER)
-    async with AsyncTestClient(app=app) as agent:
-        resp = await agent.post("/v1/admit", json=admit_body("nine-slots-1"))
-        assert resp.status_code == 200
-        d = resp.json()
-        assert (d["allowed"], d["reason"], d["httpStatus"]) == (False, "POLICY_ERROR", 503)
-        metrics = (await agent.get("/metrics")).text
-        assert 'leasehold_agent_script_errors_total{error="ScriptRejected"} 1.0' in metrics
+    bundle = write_bundle(policy_file, northstar(), rules=rules, bundle_version=50)
+    with pytest.raises(PolicyError) as e:
+        validate_bundle(bundle)
+    assert any("9 script slots" in p for p in e.value.errors)
 
 
 async def test_unknown_path_and_method_are_problems(agent):
