@@ -375,7 +375,7 @@ class Engine:
             _fail(job.fut, e)
             return
         self.metrics.replays.labels(rec.grant.pool).inc()
-        _settle(job.fut, msgspec.structs.replace(rec.grant, replayed=True))
+        _settle(job.fut, policy.replay_view(rec.grant, self.clock()))
 
     def _count_grant(self, g: LeaseGrant, d: policy.GrantDecision) -> None:
         if g.granted:

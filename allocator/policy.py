@@ -22,7 +22,7 @@ from msgspec import Struct
 
 from .contract.bundle import Pool
 from .contract.errors import Conflict, Forbidden, ValidationFailed
-from .contract.wire import WindowRef
+from .contract.wire import LeaseGrant, WindowRef
 
 WindowChoice = Literal["current", "next"]
 
@@ -177,6 +177,18 @@ def decide_grant(pool: Pool, state: WindowState, *, region: str, want: int, dema
         state.exhausted = True
     return GrantDecision(granted=give, window=ref, expires_at_ms=expires, ttl_ms=max(0, ttl),
                          starts_in_ms=starts_in, remaining=state.remaining, exhausted_now=exhausted_now)
+
+
+def replay_view(grant: LeaseGrant, now_ms: int) -> LeaseGrant:
+    """A stored grant answered again for a retried leaseId: every field as stored (granted,
+    window, expiresAtMs, epoch, issuedAtMs, remaining) and ``replayed=True``, except the two
+    *relative* timings, which are recomputed for this answer: the region times ``ttlMs`` from when
+    it sent *this* request, so the stored ttl would let a late retry spend past ``expiresAtMs``
+    (and past the window end). Both only ever shrink."""
+    return msgspec.structs.replace(
+        grant, replayed=True,
+        ttl_ms=max(0, min(grant.ttl_ms, grant.expires_at_ms - now_ms)),
+        starts_in_ms=max(0, min(grant.starts_in_ms, grant.window.start_ms - now_ms)))
 
 
 def decide_reclaim(*, granted: int, spent: int, expires_at_ms: int, window_end_ms: int,

@@ -82,6 +82,19 @@ async def etcd_grants(store: EtcdStore, prefix: str) -> dict[str, GrantRecord]:
     return {kv.key.rsplit(b"/", 1)[1].decode(): msgspec.json.decode(kv.value, type=GrantRecord) for kv in kvs}
 
 
+RELATIVE = ("ttlMs", "startsInMs", "replayed")
+
+
+def assert_replay_of(replay: dict, first: dict) -> None:
+    """A replayed grant is the stored one: every field identical except ``replayed`` and the two
+    timings relative to the answer, which only shrink (to what is left of the stored expiry)."""
+    assert replay["replayed"] is True and first["replayed"] is False
+    assert {k: v for k, v in replay.items() if k not in RELATIVE} == \
+        {k: v for k, v in first.items() if k not in RELATIVE}
+    assert 0 <= replay["ttlMs"] <= first["ttlMs"]
+    assert 0 <= replay["startsInMs"] <= first["startsInMs"]
+
+
 class AllocatorProcess:
     """``python -m allocator`` as a real subprocess on a free port."""
 

@@ -226,3 +226,19 @@ def test_leases_never_outlive_their_window(window_ms: int, ttl: int, prefetch: i
     assert d.window.start_ms <= now + d.starts_in_ms < d.expires_at_ms <= d.window.end_ms
     assert d.ttl_ms == d.expires_at_ms - now and d.ttl_ms - d.starts_in_ms <= pool.lease_ttl_ms
     assert (d.starts_in_ms > 0) == (which == "next")
+
+
+def test_replay_keeps_the_grant_and_shrinks_relative_timings() -> None:
+    pool = mkpool()
+    s = policy.new_window(pool, 1001)
+    now = T0 + W - 1_500
+    d = policy.decide_grant(pool, s, region="eu", want=10, demand=0, now_ms=now)
+    from allocator.contract.wire import LeaseGrant
+    g = LeaseGrant(lease_id="l-00000001", pool="p", region="eu", granted=d.granted, window=d.window,
+                   expires_at_ms=d.expires_at_ms, ttl_ms=d.ttl_ms, starts_in_ms=d.starts_in_ms, epoch=7,
+                   issued_at_ms=now, remaining=d.remaining)
+    r = policy.replay_view(g, now + 1_000)
+    assert r.replayed and (r.granted, r.epoch, r.expires_at_ms, r.window) == (10, 7, g.expires_at_ms, g.window)
+    assert r.ttl_ms == g.ttl_ms - 1_000 and r.starts_in_ms == 500
+    late = policy.replay_view(g, g.expires_at_ms + 5)
+    assert late.ttl_ms == 0 and late.starts_in_ms == 0  # nothing left to spend
