@@ -95,3 +95,25 @@ async def test_batch_gives_the_same_results_as_single_grants(etcd_cluster: EtcdC
         for pool in ("a", "b"):
             (state,) = (await etcd_windows(etcd_reader, p, pool)).values()
             assert state.total_granted == state.limit - state.remaining
+
+
+async def test_big_batch_over_many_pools_respects_etcd_txn_limits(etcd_cluster: EtcdCluster, make_bundle,
+                                                                  prefix: str, etcd_reader: EtcdStore) -> None:
+    pools = [Pool(id=f"t{i:03d}", window_ms=W, limit=100, chunk_max=50) for i in range(200)]
+    bundle = make_bundle(*pools)
+    reqs = [lease_body(f"big-{i:05d}", f"t{i % 200:03d}", "eu", 30) for i in range(512)]
+    async with in_process(settings_for(etcd_cluster, bundle, prefix)) as client:
+        r = await client.post("/v1/leases/batch", json={"requests": reqs})
+        assert r.status_code == 200
+        results = r.json()["results"]
+        text = (await client.get("/metrics")).text
+    granted: dict[str, int] = {}
+    for req, res in zip(reqs, results, strict=True):
+        assert res["leaseId"] == req["leaseId"] and "granted" in res, res
+        granted[req["pool"]] = granted.get(req["pool"], 0) + res["granted"]
+    assert granted["t000"] == 30 * 3  # 512 requests over 200 pools: 3 requests for pools 0..111
+    assert granted["t199"] == 30 * 2
+    txns = float(text.split("leasehold_allocator_grants_per_txn_count ")[1].split()[0])
+    assert 512 / 63 <= txns <= 20  # grouped, but within etcd's 128 ops per branch
+    grants = await etcd_grants(etcd_reader, prefix)
+    assert len(grants) == 512
