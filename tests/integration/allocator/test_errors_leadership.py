@@ -9,7 +9,7 @@ from allocator.etcd_store import EtcdStore
 from allocator.settings import AllocatorSettings
 from leasehold.procs import EtcdCluster
 
-from .conftest import W
+from .conftest import TestClock, W
 from .helpers import etcd_grants, etcd_windows, in_process, lease_body, settings_for, wait_until
 
 PROBLEM = "application/problem+json"
@@ -97,12 +97,13 @@ async def test_follower_answers_503_not_leader_naming_the_leader(etcd_cluster: E
 
 
 async def test_a_deposed_leader_cannot_commit(etcd_cluster: EtcdCluster, make_bundle, prefix: str,
-                                              etcd_reader: EtcdStore) -> None:
+                                              etcd_reader: EtcdStore, clock: TestClock) -> None:
     """The epoch compare inside the transaction, on its own: the leader still believes it leads
     (its keepalive is recent) while another node took the key; its grant must not commit."""
     bundle = make_bundle(Pool(id="p1", window_ms=W, limit=100, chunk_max=50))
     settings = settings_for(etcd_cluster, bundle, prefix)
-    async with in_process(settings) as client:
+    clock.place_in_window(W, 1_000)
+    async with in_process(settings, clock=clock) as client:
         engine = client.app_state.engine
         first = (await client.post("/v1/leases", json=lease_body("fence-lease-1", "p1", "eu", 10))).json()
         old_epoch = first["epoch"]
@@ -130,12 +131,13 @@ async def test_a_deposed_leader_cannot_commit(etcd_cluster: EtcdCluster, make_bu
 
 
 async def test_etcd_unreachable_503_and_nothing_granted(fresh_etcd_cluster: EtcdCluster, make_bundle,
-                                                        prefix: str) -> None:
+                                                        prefix: str, clock: TestClock) -> None:
     cluster = fresh_etcd_cluster
     bundle = make_bundle(Pool(id="p1", window_ms=W, limit=100, chunk_max=50))
     settings = AllocatorSettings(etcd=",".join(cluster.endpoints), policy=str(bundle), node_id="n1",
                                  prefix=prefix, etcd_timeout_ms=300, election_ttl_s=2)
-    async with in_process(settings) as client:
+    clock.place_in_window(W, 1_000)
+    async with in_process(settings, clock=clock) as client:
         cluster.stop_member(0)  # the endpoint the allocator talks to: it must move to the next one
         r = await client.post("/v1/leases", json=lease_body("down-lease-0", "p1", "eu", 5))
         if r.status_code == 503:  # the leader may have stepped down on a failed keepalive: wait, retry

@@ -73,10 +73,11 @@ async def test_concurrent_grants_never_exceed_g(etcd_cluster: EtcdCluster, make_
 
 
 async def test_retry_returns_identical_grant_and_conflicting_reuse_is_409(etcd_cluster: EtcdCluster, make_bundle,
-                                                                         prefix: str, etcd_reader: EtcdStore) -> None:
+                                                                         prefix: str, etcd_reader: EtcdStore, clock: TestClock) -> None:
     bundle = make_bundle(Pool(id="p1", window_ms=W, limit=500, chunk_max=100),
                          Pool(id="p2", window_ms=W, limit=500, chunk_max=100))
-    async with in_process(settings_for(etcd_cluster, bundle, prefix)) as client:
+    clock.place_in_window(W, 1_000)  # the whole test runs inside one window
+    async with in_process(settings_for(etcd_cluster, bundle, prefix), clock=clock) as client:
         first = (await client.post("/v1/leases", json=lease_body("retry-lease-1", "p1", "eu", 70))).json()
         again = await client.post("/v1/leases", json=lease_body("retry-lease-1", "p1", "eu", 70))
         assert again.status_code == 200
@@ -130,10 +131,11 @@ async def test_expiry_never_passes_the_window_end(etcd_cluster: EtcdCluster, mak
 
 
 async def test_fair_share_leaves_no_region_starved(etcd_cluster: EtcdCluster, make_bundle, prefix: str,
-                                                   etcd_reader: EtcdStore) -> None:
+                                                   etcd_reader: EtcdStore, clock: TestClock) -> None:
     bundle = make_bundle(Pool(id="tight", window_ms=W, limit=90, chunk_min=1, chunk_max=60))
     regions = ["eu", "us", "ap"]
-    async with in_process(settings_for(etcd_cluster, bundle, prefix)) as client:
+    clock.place_in_window(W, 1_000)
+    async with in_process(settings_for(etcd_cluster, bundle, prefix), clock=clock) as client:
         # everyone announces itself first (small asks), then the greedy region asks big and often
         for reg in regions:
             r = await client.post("/v1/leases", json=lease_body(f"fair-{reg}-0000", "tight", reg, 1, demand=50))

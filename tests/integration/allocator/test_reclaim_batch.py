@@ -98,11 +98,12 @@ async def test_batch_gives_the_same_results_as_single_grants(etcd_cluster: EtcdC
 
 
 async def test_big_batch_over_many_pools_respects_etcd_txn_limits(etcd_cluster: EtcdCluster, make_bundle,
-                                                                  prefix: str, etcd_reader: EtcdStore) -> None:
+                                                                  prefix: str, etcd_reader: EtcdStore, clock: TestClock) -> None:
     pools = [Pool(id=f"t{i:03d}", window_ms=W, limit=100, chunk_max=50) for i in range(200)]
     bundle = make_bundle(*pools)
     reqs = [lease_body(f"big-{i:05d}", f"t{i % 200:03d}", "eu", 30) for i in range(512)]
-    async with in_process(settings_for(etcd_cluster, bundle, prefix)) as client:
+    clock.place_in_window(W, 1_000)
+    async with in_process(settings_for(etcd_cluster, bundle, prefix), clock=clock) as client:
         r = await client.post("/v1/leases/batch", json={"requests": reqs})
         assert r.status_code == 200
         results = r.json()["results"]
