@@ -274,11 +274,11 @@ class _Conn:
                 if dst.can_write_eof():
                     dst.write_eof()
                 return
+            bps = d.faults.bandwidth_bps
+            if bps:  # pace before writing: a chunk is never delivered before its bytes "arrived"
+                await asyncio.sleep(len(data) / bps)
             dst.write(data)
             await dst.drain()
-            bps = d.faults.bandwidth_bps
-            if bps:
-                await asyncio.sleep(len(data) / bps)
 
     def abort(self) -> None:
         for t in self.tasks:

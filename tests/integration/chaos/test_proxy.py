@@ -49,6 +49,19 @@ async def test_passthrough_and_added_latency_is_visible(proxy: FaultProxy):
         await r.aclose()
 
 
+async def test_bandwidth_cap_holds_a_large_reply_back(proxy: FaultProxy):
+    r = client(proxy.port, timeout=10)
+    try:
+        await r.set("big", b"x" * 200_000)
+        await proxy.set_faults("down", bandwidth_bps=400_000)
+        t0 = time.monotonic()
+        assert len(await r.get("big")) == 200_000
+        assert time.monotonic() - t0 >= 0.45  # 200 kB paced at 400 kB/s cannot all arrive within 0.5 s
+        assert proxy.state()["faults"]["down"]["bandwidth_bps"] == 400_000
+    finally:
+        await r.aclose()
+
+
 async def test_blackhole_times_out_and_healing_restores(proxy: FaultProxy):
     r = client(proxy.port)
     try:
