@@ -388,9 +388,13 @@ class Engine:
             self.metrics.exhaustions.labels(g.pool).inc()
 
     def _prune_cache(self, now: int) -> None:
+        """Forget windows that ended more than one window ago; count their unreported tokens."""
         for wk in [wk for wk in self._cache
                    if (wk[1] + 2) * self.pools[wk[0]].window_ms < now]:
-            del self._cache[wk]
+            cached = self._cache.pop(wk)
+            if cached.mod_revision:
+                for region, tokens in policy.unreported_tokens(cached.state).items():
+                    self.metrics.unreported_tokens.labels(wk[0], self.metrics.region(region)).inc(tokens)
 
     async def _commit_usage(self, jobs: list[_UsageJob]) -> None:
         (job,) = jobs
@@ -419,14 +423,14 @@ class Engine:
             success = []
             new_state: policy.WindowState | None = None
             returned, stranded, window_open = d.returned, d.stranded, d.window_open
-            if rec.grant.granted > 0 and window_open:
+            if rec.grant.granted > 0:
                 await self._load_windows({wk})
                 cached = self._cache[wk]
                 if cached.mod_revision == 0:  # the window's key is gone: nothing to return to
-                    returned, stranded = 0, d.returned
+                    returned, stranded = 0, d.returned + d.stranded
                 else:
                     new_state = cached.state.copy()
-                    policy.apply_reclaim(new_state, rep.region, returned)
+                    policy.apply_reclaim(new_state, rep.region, returned, rec.grant.granted)
                     lid = await self._buckets.lease_for(self._record_lease_expiry(pool, wk[1]), now)
                     compare.append(t.mod(self.keys.window(*wk)) == cached.mod_revision)
                     success.append(t.put(self.keys.window(*wk), msgspec.json.encode(new_state), lease=lid))

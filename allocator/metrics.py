@@ -33,6 +33,10 @@ class AllocatorMetrics:
         self.stranded_tokens = Counter("leasehold_allocator_stranded_tokens_total",
                                        "Unspent tokens reported after their window closed", ["pool", "region"],
                                        registry=r)
+        self.unreported_tokens = Counter(
+            "leasehold_allocator_unreported_tokens_total",
+            "Tokens of expired leases never reported by the time the leader retired their window "
+            "(spent or stranded: unknown)", ["pool", "region"], registry=r)
         self.txn_conflicts = Counter("leasehold_allocator_txn_conflicts_total",
                                      "Leader transactions that failed a compare", ["kind"], registry=r)
         self.txn_retries = Counter("leasehold_allocator_txn_retries_total",

@@ -44,6 +44,7 @@ class WindowState(Struct, rename="camel"):
     granted: dict[str, int] = {}
     leases: dict[str, int] = {}
     reported: dict[str, int] = {}  # leases whose usage report was accepted
+    reported_tokens: dict[str, int] = {}  # tokens granted in those leases
     returned: dict[str, int] = {}  # tokens given back by usage reports
     active: dict[str, RegionActivity] = {}
     exhausted: bool = False
@@ -210,10 +211,18 @@ def decide_reclaim(*, granted: int, spent: int, expires_at_ms: int, window_end_m
     return ReclaimDecision(returned=0, stranded=unspent, window_open=False)
 
 
-def apply_reclaim(state: WindowState, region: str, returned: int) -> None:
-    """Give ``returned`` tokens back to the window (mutates ``state``)."""
-    if returned < 0 or state.remaining + returned > state.limit:
+def apply_reclaim(state: WindowState, region: str, returned: int, granted: int = 0) -> None:
+    """Record a usage report of a lease of ``granted`` tokens and give ``returned`` tokens back
+    to the window (0 once it has closed). Mutates ``state``."""
+    if returned < 0 or (granted and returned > granted) or state.remaining + returned > state.limit:
         raise ValueError("reclaim would break remaining <= limit")
     state.remaining += returned
     state.returned[region] = state.returned.get(region, 0) + returned
     state.reported[region] = state.reported.get(region, 0) + 1
+    state.reported_tokens[region] = state.reported_tokens.get(region, 0) + granted
+
+
+def unreported_tokens(state: WindowState) -> dict[str, int]:
+    """Per region, tokens of leases never reported: expired, spent or stranded (unknown)."""
+    return {r: g - state.reported_tokens.get(r, 0) for r, g in state.granted.items()
+            if g > state.reported_tokens.get(r, 0)}

@@ -43,18 +43,30 @@ async def test_reclaim_returns_exactly_granted_minus_reported_once(
         assert missing.status_code == 404
         # a lease reported after its window closed returns nothing: its unspent part is stranded
         g2 = (await client.post("/v1/leases", json=lease_body("reclaim-lease-2", "p1", "eu", 40))).json()
+        g3 = (await client.post("/v1/leases", json=lease_body("reclaim-lease-3", "p1", "us", 25))).json()
+        assert g3["granted"] == 25  # never reported
         clock.frozen = g2["window"]["endMs"] + 10
         late = (await client.post("/v1/leases/reclaim-lease-2/usage",
                                   json=usage("reclaim-lease-2", "p1", "eu", 15))).json()
         assert late["returned"] == 0 and late["windowOpen"] is False
-    (state,) = (await etcd_windows(etcd_reader, prefix, "p1")).values()
-    assert state.remaining == 300 - 80 + 50 - 40
+        # a window retired by the leader counts the tokens of leases never reported
+        clock.frozen = g2["window"]["endMs"] + W + 10
+        await client.post("/v1/leases", json=lease_body("reclaim-lease-4", "p1", "eu", 1))
+        text = (await client.get("/metrics")).text
+        assert 'leasehold_allocator_unreported_tokens_total{pool="p1",region="us"} 25.0' in text
+        assert 'leasehold_allocator_unreported_tokens_total{pool="p1",region="eu"}' not in text
+        assert 'leasehold_allocator_stranded_tokens_total{pool="p1",region="eu"} 25.0' in text
+        assert 'leasehold_allocator_reclaimed_tokens_total{pool="p1",region="eu"} 50.0' in text
+    state = (await etcd_windows(etcd_reader, prefix, "p1"))[g2["window"]["index"]]
+    assert state.remaining == 300 - 80 + 50 - 40 - 25
     assert state.returned == {"eu": 50}
+    assert state.reported_tokens == {"eu": 120} and state.leases_outstanding == 1
     recs = await etcd_grants(etcd_reader, prefix)
     assert recs["reclaim-lease-1"].reported and recs["reclaim-lease-1"].returned == 50
     assert recs["reclaim-lease-2"].stranded == 25
     # the overshoot argument: spent tokens + outstanding grants never exceed G
-    spent_or_held = sum(r.spent if r.reported else r.grant.granted for r in recs.values())
+    spent_or_held = sum(r.spent if r.reported else r.grant.granted for r in recs.values()
+                        if r.grant.window.index == g2["window"]["index"])
     assert spent_or_held <= 300
 
 

@@ -203,8 +203,9 @@ def test_random_sequences_never_overgrant(limit: int, chunk_max: int, steps: lis
             admitted += spent
             r = policy.decide_reclaim(granted=lease[1], spent=spent, expires_at_ms=lease[2],
                                       window_end_ms=T0 + W, now_ms=now)
-            policy.apply_reclaim(s, lease[0], r.returned)
+            policy.apply_reclaim(s, lease[0], r.returned, lease[1])
             check_invariant(s)
+        assert sum(policy.unreported_tokens(s).values()) == sum(x[1] for x in leases)
         # overshoot: admitted (reported) + what is still leased out never exceeds G
         assert admitted + sum(x[1] for x in leases) <= limit
 
