@@ -151,8 +151,9 @@ async def _allocator_view(client: httpx.AsyncClient, urls: list[str]) -> tuple[s
 
 def _render(driver: Driver, prev: dict, dt: float, alloc_line: str, pools: list[dict], elapsed: float) -> Group:
     t = Table(title=f"Leasehold demo — {elapsed:5.0f}s — per region, per second", expand=True)
-    for col in ("region", "admitted/s", "denied/s", "503/s", "fallback/s", "exports in flight", "top denials"):
-        t.add_column(col)
+    for col in ("region", "admitted/s", "denied/s", "503/s", "fallback/s", "exports in flight"):
+        t.add_column(col, no_wrap=True)
+    t.add_column("top denials (rule: count)", ratio=3)
     for region, st in driver.stats.items():
         a, d, u, f = st.snapshot()
         pa, pd, pu, pf = prev.get(region, (0, 0, 0, 0))

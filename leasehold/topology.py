@@ -21,7 +21,7 @@ import httpx
 from .procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_port
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_POLICY = REPO / "policies" / "northstar.json"
+DEFAULT_POLICY = REPO / "policies" / "northstar-global.json"
 DEV_PEPPER = "leasehold-local-dev-pepper-not-secret"
 
 
@@ -34,7 +34,7 @@ class TopologySpec:
     allocators: int = 2
     etcd_members: int = 1
     with_allocator: bool = True
-    link_agents_to_allocator: bool = False  # agents take --allocator-urls once they spend leases
+    link_agents_to_allocator: bool = True  # agents spend leases from the allocators
 
 
 @dataclass

@@ -12,7 +12,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from allocator.contract.bundle import Bundle, Fallback, Rule, encode_bundle, seal, validate_bundle  # noqa: E402
+from allocator.contract.bundle import (  # noqa: E402
+    Bundle,
+    Fallback,
+    Pool,
+    Rule,
+    encode_bundle,
+    seal,
+    validate_bundle,
+)
 
 HERE = Path(__file__).resolve().parent
 
@@ -46,7 +54,36 @@ def northstar(version: int = 42, published_at: str = "2026-11-06T09:30:00Z") -> 
     return seal(Bundle(bundle_version=version, published_at=published_at, checksum="", rules=rules))
 
 
-BUNDLES = {"northstar.json": northstar}
+def northstar_global(version: int = 42, published_at: str = "2026-11-06T09:30:00Z") -> Bundle:
+    """The multi-region Northstar: P-TENANT becomes a worldwide pool across regions (G = 1,000
+    per minute for Atlas, 300 for Birch) granted to regions as leases by the allocator, and the
+    fleet-wide P-GLOBAL (40,000 per second on the read group) is spent from in-process chunks.
+    Used by ``make run``, the lease tests and the chaos suite.
+
+    Overshoot bound per window (DESIGN invariant 6), with clamped leases:
+    Atlas admitted <= 1,000 + 2 regions x 100 fallback = 1,200; Birch <= 300 + 2 x 30 = 360."""
+    base = northstar(version, published_at)
+    keep = [r for r in base.rules if r.id not in ("tenant-atlas-minute", "tenant-birch-minute")]
+    pools = [
+        Pool(id="atlas-minute", window_ms=60_000, limit=1_000, lease_ttl_ms=15_000, chunk_min=10, chunk_max=100,
+             fallback_per_region=100, prefetch_ms=2_000, active_horizon_ms=10_000),
+        Pool(id="birch-minute", window_ms=60_000, limit=300, lease_ttl_ms=15_000, chunk_min=5, chunk_max=50,
+             fallback_per_region=30, prefetch_ms=2_000, active_horizon_ms=10_000),
+        Pool(id="global-read", window_ms=1_000, limit=40_000, lease_ttl_ms=1_000, chunk_min=100, chunk_max=2_000,
+             fallback_per_region=4_000, prefetch_ms=200, active_horizon_ms=5_000, chunk_validity_ms=250),
+    ]
+    rules = keep + [
+        Rule(id="tenant-atlas-global", scope="tenant", tenant="atlas", algorithm="pool", pool="atlas-minute",
+             cost=1, fail_mode="local_bounded"),
+        Rule(id="tenant-birch-global", scope="tenant", tenant="birch", algorithm="pool", pool="birch-minute",
+             cost=1, fail_mode="local_bounded"),
+        Rule(id="global-catalog", scope="global", route_group="read", algorithm="pool", pool="global-read",
+             cost=1, fail_mode="local_bounded"),
+    ]
+    return seal(Bundle(bundle_version=version, published_at=published_at, checksum="", rules=rules, pools=pools))
+
+
+BUNDLES = {"northstar.json": northstar, "northstar-global.json": northstar_global}
 
 
 def main() -> int:

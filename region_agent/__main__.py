@@ -29,7 +29,13 @@ def _export(settings: AgentSettings) -> None:
         value = getattr(settings, name)
         if value is None:
             continue
-        os.environ[ENV_PREFIX + name.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
+        if isinstance(value, bool):
+            text = str(value).lower()
+        elif isinstance(value, (list, tuple)):
+            text = ",".join(str(v) for v in value)
+        else:
+            text = str(value)
+        os.environ[ENV_PREFIX + name.upper()] = text
 
 
 BARE_FLAGS = ("--insecure-dev-pepper", "--redis-cluster")

@@ -441,6 +441,8 @@ class Engine:
         """("ok" | "denied" | "unavailable" | "open", retry ms) for one global-pool spend."""
         pool = spend.pool
         lease = self._chunks.setdefault(pool.id, ChunkLease())
+        if self.leases is not None:  # demand is what requests ask for, not what chunks buy
+            self.leases.note(pool, self.keys.global_pool_key(pool.id), spend.cost)
         for _ in range(2):
             gen = lease.try_take(spend.cost, self.now_ms())
             if gen is not None:
@@ -497,10 +499,9 @@ class Engine:
         sent_at = self.now_ms()  # validity timed from the moment the request was sent (I5 of DESIGN)
         outcome = "error"
         gkey = self.keys.global_pool_key(pool.id)
-        if self.leases is not None:
-            self.leases.note(pool, gkey, want)
+        waited = False
         try:
-            for attempt in range(2):
+            for attempt in range(3):
                 call = self.store.multi_call(
                     [_pool_call(gkey, want)],
                     decision_key=self.keys.global_pool_decision_key(pool.id), slack_ms=0, decision_ttl_ms=0,
@@ -512,8 +513,16 @@ class Engine:
                     outcome = "granted" if attempt == 0 else "partial"
                     return
                 balance = int(res.remaining[0]) if res.remaining else 0
-                if attempt == 0 and spend.cost <= balance < want:
+                if spend.cost <= balance < want:
                     want = balance  # partial chunk when the balance is low
+                    continue
+                pending = self.leases.pending(gkey) if self.leases is not None else None
+                if pending is not None and not waited:
+                    waited = True  # the regional balance is being topped up right now: wait once
+                    try:
+                        await asyncio.wait_for(asyncio.shield(pending), self.budget)
+                    except (TimeoutError, LeaseholdError):
+                        pass
                     continue
                 state = self.leases.state(gkey) if self.leases is not None else "idle"
                 if state == "unreachable" and pool.fallback_per_region > 0 and spend.rule.fail_mode != "closed":
