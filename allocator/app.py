@@ -54,7 +54,7 @@ from .settings import AllocatorSettings
 log = logging.getLogger("allocator.app")
 
 PROBLEM_JSON = "application/problem+json"
-LEASE_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{8,96}$")
+LEASE_ID_RE = re.compile(r"[A-Za-z0-9._:-]{8,96}")
 
 Guard = Callable[[ASGIConnection, BaseRouteHandler], Any]
 
@@ -123,7 +123,7 @@ def _engine(state: State) -> Engine:
 
 
 def _check_lease_id(lease_id: str) -> None:
-    if not LEASE_ID_RE.match(lease_id):
+    if not LEASE_ID_RE.fullmatch(lease_id):
         raise BadRequest(f"leaseId must match {LEASE_ID_RE.pattern}")
 
 

@@ -20,11 +20,11 @@ class AllocatorSettings(msgspec.Struct, forbid_unknown_fields=True):
 
     etcd: str  # comma-separated host:port list
     policy: str  # policy bundle file (its pools section)
-    node_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+    node_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,64}\Z")]
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=1, le=65535)] = 8700
     advertise_url: str | None = None  # how the other replicas and regions reach this one
-    prefix: Annotated[str, Meta(pattern=r"^/[A-Za-z0-9._/-]*/$")] = "/leasehold/"
+    prefix: Annotated[str, Meta(pattern=r"^/[A-Za-z0-9._/-]*/\Z")] = "/leasehold/"
     election_ttl_s: Annotated[int, Meta(ge=2, le=60)] = 3
     etcd_timeout_ms: Annotated[int, Meta(ge=50, le=30_000)] = 2_000
     max_body_bytes: Annotated[int, Meta(ge=1_024, le=16 * 1024 * 1024)] = 1024 * 1024

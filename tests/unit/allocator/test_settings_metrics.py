@@ -47,3 +47,8 @@ def test_region_labels_are_bounded() -> None:
     labels = {m.region(f"r{i}") for i in range(MAX_REGION_LABELS + 50)}
     assert len(labels) == MAX_REGION_LABELS + 1 and "other" in labels
     assert m.region("r0") == "r0"
+
+
+def test_trailing_newline_is_not_a_valid_node_id() -> None:
+    with pytest.raises(ConfigError):
+        load(["--etcd", "h:1", "--policy", "p", "--node-id", "a1\n"], env={})
