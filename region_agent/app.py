@@ -267,14 +267,19 @@ def _lease_manager(settings: AgentSettings, store: Any, m: AgentMetrics):
 
 def default_store_factory(settings: AgentSettings, m: AgentMetrics):
     from .store import scripts as sc
+    from .store.breaker import CircuitBreaker
     from .store.client import make_client
     from .store.gateway import StoreGateway
 
     client = make_client(settings.redis_url, cluster=settings.redis_cluster,
                          max_connections=settings.redis_max_connections,
                          socket_timeout=settings.redis_socket_timeout_ms / 1000)
+    breaker = CircuitBreaker(failure_threshold=settings.breaker_failures, open_s=settings.breaker_open_ms / 1000,
+                             half_open_probes=settings.breaker_probes)
+    gauge = m.breaker_state.labels("default")
+    gauge.set(0)
     return StoreGateway(client, sc.Scripts(), max_batch=settings.batch_max, max_queue=settings.queue_max,
-                        on_batch=m.batch_size.observe)
+                        on_batch=m.batch_size.observe, breaker=breaker, on_breaker=gauge.set)
 
 
 async def _background(state: AgentState) -> None:

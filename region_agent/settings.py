@@ -31,6 +31,9 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     redis_max_connections: Annotated[int, Meta(ge=1, le=1024)] = 32
     batch_max: Annotated[int, Meta(ge=1, le=4096)] = 256  # script calls per coalesced pipeline
     queue_max: Annotated[int, Meta(ge=1, le=100_000)] = 10_000  # queued script calls before shedding
+    breaker_failures: Annotated[int, Meta(ge=1, le=1_000)] = 5  # consecutive store failures that open it
+    breaker_open_ms: Annotated[int, Meta(ge=10, le=600_000)] = 1_000  # open for this long, then probe
+    breaker_probes: Annotated[int, Meta(ge=1, le=100)] = 2  # probe calls while half-open
     fallback_max_keys: Annotated[int, Meta(ge=1, le=1_000_000)] = 100_000
     allocator_urls: list[str] = []  # empty: no global pools from leases (pool rules then deny)
     allocator_token_file: str | None = None  # this region's bearer token for the allocator

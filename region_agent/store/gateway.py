@@ -5,17 +5,25 @@ Everything Redis-specific the decision engine needs goes through this class."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from redis import exceptions as rex
 from redis.asyncio import RedisCluster
 
-from allocator.contract.errors import LeaseholdError, ScriptRejected
+from allocator.contract.errors import (
+    AmbiguousOutcome,
+    DeadlineExceeded,
+    LeaseholdError,
+    ScriptRejected,
+    StoreUnavailable,
+)
 
 from ..plan import Call
 from . import scripts as sc
 from .batcher import Batcher, ScriptCall
+from .breaker import CircuitBreaker
 
 MULTI_RULE = "multi_rule"
 
@@ -27,12 +35,14 @@ def translate(exc: BaseException, *, sent: bool = True) -> LeaseholdError:
 
 class StoreGateway:
     def __init__(self, client: Any, scripts: sc.Scripts, *, max_batch: int = 256, max_queue: int = 10_000,
-                 on_batch=None):
+                 on_batch=None, breaker: CircuitBreaker | None = None, on_breaker=None):
         self.client = client
         self.cluster = isinstance(client, RedisCluster)
         self.scripts = scripts
         self.scripts_loaded = False
         self.batcher = Batcher(self._run_pipeline, max_batch=max_batch, max_queue=max_queue, on_batch=on_batch)
+        self.breaker = breaker or CircuitBreaker()
+        self.on_breaker = on_breaker
 
     async def load(self) -> None:
         try:
@@ -105,12 +115,34 @@ class StoreGateway:
             raise ScriptRejected("unexpected reply shape from the multi-rule script") from None
 
     async def submit(self, calls: list[ScriptCall], *, wait_s: float | None) -> list[Any]:
+        """Send ``calls`` through the coalescing batcher, guarded by the shard's breaker: while
+        it is open nothing is sent and the caller degrades at once (``StoreUnavailable``)."""
+        br = self.breaker
+        if not br.allow(time.monotonic()):
+            self._breaker_changed()
+            raise StoreUnavailable("circuit breaker open")
         try:
-            return await self.batcher.submit(calls, wait_s=wait_s)
+            replies = await self.batcher.submit(calls, wait_s=wait_s)
+        except (StoreUnavailable, AmbiguousOutcome, DeadlineExceeded) as e:
+            br.failure(time.monotonic())
+            self._breaker_changed()
+            raise e from None
         except LeaseholdError:
             raise
         except Exception as e:
+            br.failure(time.monotonic())
+            self._breaker_changed()
             raise translate(e) from None
+        if any(isinstance(r, (StoreUnavailable, AmbiguousOutcome, DeadlineExceeded)) for r in replies):
+            br.failure(time.monotonic())
+        else:
+            br.success()
+        self._breaker_changed()
+        return replies
+
+    def _breaker_changed(self) -> None:
+        if self.on_breaker is not None:
+            self.on_breaker(self.breaker.state)
 
     async def release(self, key: str, lease_id: str) -> None:
         try:
