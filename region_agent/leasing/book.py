@@ -41,13 +41,17 @@ class PoolBook:
     _demand_t0: float | None = None
 
     # ----------------------------------------------------------------- grants
-    def accept(self, grant: LeaseGrant, *, sent_at: float, received_at: float) -> HeldLease | None:
+    def accept(self, grant: LeaseGrant, *, sent_at: float, received_at: float,
+               requested_id: str | None = None) -> HeldLease | None:
         """Record a grant. Returns the held lease, or None for a zero grant (pool exhausted).
 
         Raises :class:`StaleEpoch` for a grant older than an epoch already seen (I4)."""
-        if grant.epoch < self.max_epoch:
+        own_replay = grant.replayed and requested_id is not None and grant.lease_id == requested_id
+        if grant.epoch < self.max_epoch and not own_replay:
             raise StaleEpoch(f"grant {grant.lease_id} has epoch {grant.epoch} < {self.max_epoch} already seen")
-        self.max_epoch = grant.epoch
+        # a replay of the request we are waiting for is the record etcd committed under the epoch
+        # in force at the time (fencing made sure of that): accept it, but it never lowers max_epoch
+        self.max_epoch = max(self.max_epoch, grant.epoch)
         self.unreachable_since = None
         # the window end as this process sees it: issued -> end is (end - issuedAt) of allocator time
         window_end = sent_at + (grant.window.end_ms - grant.issued_at_ms)

@@ -217,7 +217,7 @@ class LeaseManager:
             if grant.granted == 0:
                 m.lease_depletions.labels(bal.pool.id).inc()
         try:
-            lease = bal.book.accept(grant, sent_at=sent_at, received_at=received_at)
+            lease = bal.book.accept(grant, sent_at=sent_at, received_at=received_at, requested_id=lease_id)
         except StaleEpoch as e:
             if m is not None:
                 m.lease_grants.labels(bal.pool.id, "stale_epoch").inc()

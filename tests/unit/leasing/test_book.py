@@ -65,3 +65,17 @@ def test_demand_rate_drives_want_within_chunk_bounds_and_low_water():
     assert POOL.chunk_min <= book.want(2_000) <= POOL.chunk_max
     assert book.low_water(rtt_ms=50.0) >= 1
     assert book.needs_topup(0, t, rtt_ms=50.0) and not book.needs_topup(10_000, t, rtt_ms=50.0)
+
+
+def test_replay_of_our_own_request_from_an_older_epoch_is_accepted_but_a_foreign_one_is_not():
+    """After a failover the new leader answers our retried lease id from etcd's record, which
+    carries the epoch it was committed under; the grant was debited, so we keep it."""
+    book = PoolBook(POOL)
+    book.accept(grant(lease_id="eu-lease-0001", epoch=9), sent_at=0.0, received_at=1.0)
+    import msgspec
+    replay = msgspec.structs.replace(grant(lease_id="eu-lease-0002", epoch=8), replayed=True)
+    lease = book.accept(replay, sent_at=2.0, received_at=3.0, requested_id="eu-lease-0002")
+    assert lease is not None and book.max_epoch == 9
+    with pytest.raises(StaleEpoch):
+        book.accept(msgspec.structs.replace(grant(lease_id="eu-lease-0003", epoch=8), replayed=True),
+                    sent_at=4.0, received_at=5.0, requested_id="eu-lease-0004")
