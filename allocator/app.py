@@ -213,6 +213,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
     bundle = bundle if bundle is not None else load_bundle_file(settings.policy)
     pools = {p.id: p for p in bundle.pools}
     m = AllocatorMetrics()
+    m.describe_pools(bundle.pools)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:

@@ -50,9 +50,22 @@ class AllocatorMetrics:
                            registry=r)
         self.fenced = Counter("leasehold_allocator_fenced_total", "Writes refused by the epoch compare",
                               registry=r)
+        self.pool_limit = Gauge("leasehold_allocator_pool_limit_tokens", "G: a pool's tokens per window",
+                                ["pool"], registry=r)
+        self.pool_window_ms = Gauge("leasehold_allocator_pool_window_seconds", "A pool's window length",
+                                    ["pool"], registry=r)
+        self.pool_fallback = Gauge("leasehold_allocator_pool_fallback_per_region_tokens",
+                                   "A pool's fallback allowance per region and window (the overshoot term)",
+                                   ["pool"], registry=r)
         self.etcd_latency = Histogram("leasehold_allocator_etcd_request_seconds", "etcd request latency",
                                       ["op"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                                        1, 2.5), registry=r)
+
+    def describe_pools(self, pools) -> None:
+        for p in pools:
+            self.pool_limit.labels(p.id).set(p.limit)
+            self.pool_window_ms.labels(p.id).set(p.window_ms / 1000)
+            self.pool_fallback.labels(p.id).set(p.fallback_per_region)
 
     def region(self, region: str) -> str:
         """Region label value; at most ``MAX_REGION_LABELS`` distinct ones (then ``other``),

@@ -285,6 +285,7 @@ def default_store_factory(settings: AgentSettings, m: AgentMetrics):
 async def _background(state: AgentState) -> None:
     """Poll the policy file's mtime; keep trying to load the scripts until they are loaded."""
     interval = (state.settings.policy_poll_ms or 1000) / 1000
+    ticks = 0
     while True:
         await asyncio.sleep(interval)
         if state.settings.policy_poll_ms:
@@ -295,6 +296,17 @@ async def _background(state: AgentState) -> None:
         if state.store is not None and not state.store.scripts_loaded:
             with contextlib.suppress(LeaseholdError):
                 await state.store.load()
+        ticks += 1
+        if state.store is not None and ticks % 5 == 0 and hasattr(state.store, "store_health"):
+            try:
+                health = await state.store.store_health()
+            except Exception:  # INFO may be denied by ACLs or the store may be down: no gauge update
+                continue
+            m = state.metrics
+            m.redis_evicted.set(health["evicted_keys"])
+            m.redis_memory.labels("used").set(health["used_memory"])
+            m.redis_memory.labels("max").set(health["maxmemory"])
+            m.redis_keys.set(health["keys"])
 
 
 __all__ = ["AgentState", "MediaType", "create_app", "problem_response"]

@@ -403,6 +403,8 @@ class Engine:
         if d.allowed and prep.used_fallback:
             d.fallback = True
         if d.allowed:
+            self._count_pool_admissions(prep, d.fallback)
+        if d.allowed:
             outcome = "fallback_allowed" if d.fallback else "allowed"
         elif d.http_status == 503:
             outcome = "unavailable"
@@ -413,6 +415,14 @@ class Engine:
                                       rule.route_key if rule else "none").inc()
         self.metrics.latency.observe(max(0.0, self.clock() - prep.started))
         return d
+
+    def _count_pool_admissions(self, prep: _Prepared, fallback: bool) -> None:
+        """Tokens of global pools this admission spent (the overshoot estimate's numerator)."""
+        source = "fallback" if fallback else "lease"
+        for _, pool, _, tokens in self._pool_slots(prep):
+            self.metrics.pool_admitted.labels(pool.id, source).inc(tokens)
+        for r in prep.reservations:
+            self.metrics.pool_admitted.labels(r.spend.pool.id, source).inc(r.spend.cost)
 
     def _count_shadow(self, plan: Plan, reply: Any) -> None:
         try:

@@ -53,3 +53,11 @@ class AgentMetrics:
                                            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 3))
         self.breaker_state = Gauge("leasehold_agent_breaker_state", "Redis circuit breaker (0 closed, 1 half-open, 2 open)",
                                    ["shard"], registry=r)
+        self.pool_admitted = Counter("leasehold_agent_pool_admitted_tokens_total",
+                                     "Tokens of global pools admitted by this agent, by source (lease | fallback)",
+                                     ["pool", "source"], registry=r)
+        self.redis_evicted = Gauge("leasehold_agent_redis_evicted_keys", "Keys the store evicted (INFO stats); "
+                                   "any eviction silently resets enforcement", registry=r)
+        self.redis_memory = Gauge("leasehold_agent_redis_memory_bytes", "Store memory (INFO memory)", ["kind"],
+                                  registry=r)
+        self.redis_keys = Gauge("leasehold_agent_redis_keys", "Keys in the store (INFO keyspace)", registry=r)

@@ -58,6 +58,18 @@ class StoreGateway:
         except Exception:
             return False
 
+    async def store_health(self) -> dict[str, int]:
+        """Evicted keys, used and max memory, summed over the store's nodes (ch. 15 store health)."""
+        out = {"evicted_keys": 0, "used_memory": 0, "maxmemory": 0, "keys": 0}
+        info = await self.client.info()
+        nodes = info.values() if self.cluster and all(isinstance(v, dict) for v in info.values()) else [info]
+        for node in nodes:
+            for k in ("evicted_keys", "used_memory", "maxmemory"):
+                out[k] += int(node.get(k, 0) or 0)
+            out["keys"] += sum(int(v.get("keys", 0)) for n, v in node.items()
+                               if isinstance(v, dict) and str(n).startswith("db"))
+        return out
+
     async def _run_pipeline(self, calls: Sequence[ScriptCall]) -> list[Any]:
         try:
             if self.cluster:
