@@ -1,0 +1,168 @@
+"""Process plumbing for the figures: start an agent / echo app / allocator as real processes on
+free loopback ports (stopped by PID via :class:`leasehold.procs.Proc`), run the load generator
+in its own process, read Redis INFO, and a bounded asyncio driver for in-process loops."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import redis
+
+from leasehold.procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_port
+from leasehold.topology import DEV_PEPPER
+
+REPO = Path(__file__).resolve().parents[2]
+NORTHSTAR = REPO / "policies" / "northstar.json"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Service:
+    proc: Proc
+    url: str
+    port: int
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+def wait_ready(svc: Service, path: str = "/readyz", timeout: float = 60.0) -> Service:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=1.0) as c:
+        while time.monotonic() < deadline:
+            if not svc.proc.alive():
+                raise RuntimeError(f"{svc.proc.name} exited during start-up:\n{svc.proc.tail()}")
+            try:
+                if c.get(svc.url + path).status_code == 200:
+                    return svc
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+    svc.stop()
+    raise TimeoutError(f"{svc.proc.name} not ready after {timeout}s:\n{svc.proc.tail()}")
+
+
+def start_agent(workdir: Path, redis_url: str, *, policy: Path = NORTHSTAR, region: str = "bench",
+                workers: int = 1, allocator_urls: list[str] | None = None, extra: list[str] | None = None) -> Service:
+    port = free_port()
+    args = [sys.executable, "-m", "region_agent", "--redis-url", redis_url, "--policy", str(policy),
+            "--region", region, "--host", LOOPBACK, "--port", str(port), "--workers", str(workers),
+            "--log-level", "warning", *(extra or [])]
+    if allocator_urls:
+        args += ["--allocator-urls", ",".join(allocator_urls)]
+    proc = Proc(f"agent-{region}-{port}", args, workdir, env=_env(LEASEHOLD_AGENT_PEPPER=DEV_PEPPER)).start()
+    svc = Service(proc, f"http://{LOOPBACK}:{port}", port)
+    try:
+        wait_port(port, proc=proc.popen, timeout=60)
+    except BaseException:
+        proc.stop()
+        raise
+    return wait_ready(svc)
+
+
+def start_echo(workdir: Path, workers: int = 1) -> Service:
+    port = free_port()
+    proc = Proc(f"echo-{port}", [sys.executable, "-m", "leasehold.bench.echo_app", "--port", str(port),
+                                 "--workers", str(workers)], workdir, env=_env()).start()
+    try:
+        wait_port(port, proc=proc.popen, timeout=60)
+    except BaseException:
+        proc.stop()
+        raise
+    return Service(proc, f"http://{LOOPBACK}:{port}", port)
+
+
+def start_allocator(workdir: Path, etcd: EtcdCluster, policy: Path, node: str = "bench-1") -> Service:
+    port = free_port()
+    url = f"http://{LOOPBACK}:{port}"
+    proc = Proc(f"allocator-{node}", [sys.executable, "-m", "allocator", "--etcd", ",".join(etcd.endpoints),
+                                      "--policy", str(policy), "--node-id", node, "--host", LOOPBACK,
+                                      "--port", str(port), "--advertise-url", url, "--log-level", "warning"],
+                workdir, env=_env()).start()
+    svc = Service(proc, url, port)
+    try:
+        wait_port(port, proc=proc.popen, timeout=60)
+    except BaseException:
+        proc.stop()
+        raise
+    wait_ready(svc)
+    # ready means etcd answered; wait until this node leads, so the first grants do not bounce
+    deadline = time.monotonic() + 30
+    with httpx.Client(timeout=1.0) as c:
+        while time.monotonic() < deadline:
+            try:
+                if c.get(url + "/v1/leader").json().get("isSelf"):
+                    return svc
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.1)
+    svc.stop()
+    raise TimeoutError("allocator did not become leader")
+
+
+@contextmanager
+def services(*items):
+    """Stop every started service/server (by PID) on the way out."""
+    try:
+        yield items
+    finally:
+        for it in reversed(items):
+            it.stop()
+
+
+def loadgen(cfg: dict, timeout: float | None = None) -> dict:
+    """Run the load generator in its own process; its JSON report."""
+    limit = timeout or (cfg.get("duration_s", 10) + cfg.get("warmup_s", 0) + 30)
+    out = subprocess.run([sys.executable, "-m", "leasehold.bench.loadgen", json.dumps(cfg)],
+                         capture_output=True, text=True, timeout=limit, env=_env(), cwd=REPO)
+    if out.returncode != 0:
+        raise RuntimeError(f"load generator failed ({out.returncode}):\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def redis_client(server: RedisServer) -> redis.Redis:
+    return redis.Redis(host=LOOPBACK, port=server.port)
+
+
+def evalsha_calls(r: redis.Redis) -> int:
+    """Script executions so far (EVALSHA + EVAL, pipelined or not) from INFO commandstats."""
+    stats = r.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
+
+
+def used_memory(r: redis.Redis) -> int:
+    return int(r.info("memory")["used_memory"])
+
+
+async def drive(op: Callable[[int], Awaitable[object]], *, concurrency: int, duration_s: float,
+                max_ops: int) -> tuple[int, float]:
+    """Run ``op(i)`` from ``concurrency`` tasks until ``duration_s`` or ``max_ops``; (ops done, seconds)."""
+    state = {"i": 0, "done": 0}
+    end = time.perf_counter() + duration_s
+
+    async def worker() -> None:
+        while time.perf_counter() < end and state["i"] < max_ops:
+            i = state["i"]
+            state["i"] += 1
+            await op(i)
+            state["done"] += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return state["done"], time.perf_counter() - t0
