@@ -359,21 +359,32 @@ class Engine:
         for s in plan.slots:
             if s.rule not in rules:
                 rules.append(s.rule)
-        closed = next((r for r in rules if r.fail_mode == "closed"), None)
+        pools = {p.id: p for p in bundle.pools}
+
+        def pool_allowance(r: Rule) -> int:
+            pool = pools.get(r.pool or "")
+            return pool.fallback_per_region if pool is not None else 0
+
+        # a tenant pool rule without its Redis balance spends an in-process allowance of
+        # fallbackPerRegion per pool window (per agent); with no allowance it behaves as closed
+        closed = next((r for r in rules if r.fail_mode == "closed"
+                       or (r.algorithm == "pool" and pool_allowance(r) <= 0)), None)
         if closed is not None:
             self.metrics.degradations.labels(label, "closed").inc()
             self._give_back(prep)
             reason = "POLICY_ERROR" if isinstance(exc, ScriptRejected) else "LIMITER_UNAVAILABLE"
             return self._decision(plan, bundle, allowed=False, rule=closed, scope=closed.scope, reason=reason,
                                   retry=closed.closed_retry_after_ms)
-        local = [r for r in rules if r.fail_mode == "local_bounded" and r.fallback is not None]
+        local = [r for r in rules if r.fail_mode == "local_bounded" and (r.fallback is not None or r.algorithm == "pool")]
         mode = "local_bounded" if local else "open"
         self.metrics.degradations.labels(label, mode).inc()
         if not local:
             d = self._allowed_without_script(prep)
             d.fallback = True
             return d
-        items = [LocalItem(plan.rule_keys.get(r.id, r.id), r, plan.cost_hint) for r in local]
+        items = [LocalItem(plan.rule_keys.get(r.id, r.id), r, plan.cost_hint,
+                           (pool_allowance(r), pools[r.pool].window_ms) if r.algorithm == "pool" else None)
+                 for r in local]
         res = self.fallback.admit(items, int(self.now_ms()))
         if not res.allowed:
             self._give_back(prep)

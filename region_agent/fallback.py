@@ -23,6 +23,7 @@ class LocalItem:
     key: str
     rule: Rule
     cost_hint: int
+    window: tuple[int, int] | None = None  # (limit, windowMs) for a pool rule's per-agent allowance
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,9 @@ class LocalFallback:
 
     @staticmethod
     def _model(it: LocalItem):
+        if it.window is not None:  # a global pool's per-agent allowance while Redis is unreachable
+            limit, window_ms = it.window
+            return fixed_window.decide, fixed_window.WindowParams(limit, window_ms, it.rule.cost * it.cost_hint), 1
         fb: Fallback | None = it.rule.fallback
         assert fb is not None, "local_bounded rules carry fallback parameters (bundle validation)"
         if fb.capacity_millis is not None:
