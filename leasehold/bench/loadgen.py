@@ -37,6 +37,7 @@ async def _conn(cfg: dict, state: dict, wid: int) -> None:
     interval = cfg["conns"] / cfg["rate"] if cfg.get("rate") else 0.0
     next_at = time.perf_counter() + (wid * interval / cfg["conns"] if interval else 0.0)
     window_ms = cfg.get("window_ms")
+    count = cfg.get("count", "").encode()
     try:
         while True:
             now = time.perf_counter()
@@ -60,6 +61,8 @@ async def _conn(cfg: dict, state: dict, wid: int) -> None:
                 state["lat"].append(t1 - t0)
                 if headers[9:12] == b"200":
                     state["ok"] += 1
+                    if count:
+                        state["counted"] += data.count(count)
                     if window_ms:
                         k = int((wall0 + (t1 - t0) / 2) * 1000 // window_ms)
                         state["allowed"][k] += data.count(b'"allowed":true')
@@ -76,7 +79,7 @@ async def run(cfg: dict) -> dict:
     warm = cfg.get("warmup_s", 0.0)
     state = {"body": body, "sent": cfg.get("start_index", 0), "max": cfg.get("start_index", 0) + cfg["max_requests"],
              "end": start + warm + cfg["duration_s"], "measure_from": start + warm, "lat": [], "ok": 0,
-             "non200": 0, "allowed": Counter()}
+             "non200": 0, "allowed": Counter(), "counted": 0}
     cpu0 = _cpu()
     results = await asyncio.gather(*(_conn(cfg, state, w) for w in range(cfg["conns"])), return_exceptions=True)
     elapsed = time.perf_counter() - max(start + warm, start)
@@ -91,6 +94,7 @@ async def run(cfg: dict) -> dict:
         "p50_ms": percentile(lat, 50) * 1000 if n else None, "p99_ms": percentile(lat, 99) * 1000 if n else None,
         "cpu_s": cpu, "cpu_pct": 100.0 * cpu / (time.perf_counter() - start),
         "allowed_by_window": {str(k): v for k, v in sorted(state["allowed"].items())},
+        "counted": state["counted"], "counted_per_s": state["counted"] / elapsed if elapsed > 0 else 0.0,
         "sent": state["sent"] - cfg.get("start_index", 0),
     }
 

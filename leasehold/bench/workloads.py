@@ -66,3 +66,11 @@ WORKLOADS: dict[str, Callable[..., Body]] = {
     "admit": admit, "admit_batch": admit_batch, "hot_key": hot_key, "tenant_admit": tenant_admit,
     "lease_batch": lease_batch,
 }
+
+
+def lease_single(pools: int, region: str = "bench", tag: str = "S", want: int = 1) -> Body:
+    return lambda i: (f'{{"leaseId":"{tag}-{i:010d}","region":"{region}","pool":"{pool_id((i * 7919) % pools)}",'
+                      f'"want":{want}}}').encode()
+
+
+WORKLOADS["lease_single"] = lease_single
