@@ -35,6 +35,8 @@ class TopologySpec:
     etcd_members: int = 1
     with_allocator: bool = True
     link_agents_to_allocator: bool = True  # agents spend leases from the allocators
+    agent_args: tuple[str, ...] = ()  # extra flags for every region agent
+    allocator_args: tuple[str, ...] = ()  # extra flags for every allocator replica
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Topology:
                         sys.executable, "-m", "allocator", "--etcd", ",".join(self.etcd.endpoints),
                         "--policy", str(self.spec.policy), "--node-id", f"alloc-{i + 1}",
                         "--host", LOOPBACK, "--port", str(port), "--advertise-url", url,
+                        *self.spec.allocator_args,
                     ], run / f"allocator-{i + 1}", env=_env()).start()
                     self.allocators.append(proc)
                     self.allocator_urls.append(url)
@@ -87,6 +90,7 @@ class Topology:
                             "--host", LOOPBACK, "--port", str(port)]
                     if self.allocator_urls and self.spec.link_agents_to_allocator:
                         args += ["--allocator-urls", ",".join(self.allocator_urls)]
+                    args += list(self.spec.agent_args)
                     env = _env(LEASEHOLD_AGENT_PEPPER=DEV_PEPPER)
                     proc = Proc(f"agent-{region}-{j + 1}", args, run / f"agent-{region}-{j + 1}", env=env).start()
                     self.agents[region].append(proc)

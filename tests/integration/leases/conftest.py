@@ -1,0 +1,214 @@
+"""Lease and degradation tests against whole real topologies: etcd, allocator processes, and
+two regions each with its own redis-server and region agent process (``leasehold.topology``).
+
+Bundles here use short pool windows (seconds) so a test sees several windows quickly. Every
+admission is recorded with the wall-clock times it was sent and answered: the allocator's
+windows and the Redis clock that times leases are both on this machine's wall clock, so a
+decision whose send and answer fall in the same window ``k`` was decided (and its lease
+tokens spent) in window ``k``. Decisions that straddle a boundary are kept apart as ambiguous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+from allocator.contract.bundle import Bundle, Fallback, Pool, Rule, encode_bundle, seal
+from allocator.etcd_store import EtcdStore
+from allocator.policy import WindowState
+from leasehold.procs import Proc
+from leasehold.topology import Topology, TopologySpec
+
+PREFIX = "/leasehold/"  # the allocator's default etcd prefix
+FAST_AGENT = ("--lease-tick-ms", "50", "--allocator-timeout-ms", "300", "--allocator-deadline-ms", "900",
+              "--decision-budget-ms", "250", "--policy-poll-ms", "0", "--log-level", "warning")
+FAST_ALLOCATOR = ("--election-ttl-s", "2", "--log-level", "warning")
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def pool_rule(tenant: str, pool: str, fail_mode: str = "local_bounded") -> Rule:
+    return Rule(id=f"tenant-{tenant}-pool", scope="tenant", tenant=tenant, algorithm="pool", pool=pool, cost=1,
+                fail_mode=fail_mode)  # type: ignore[arg-type]
+
+
+def user_rule() -> Rule:
+    """A generous per-user bucket with a small local fallback (so Redis loss has a stated bound)."""
+    return Rule(id="user-all", scope="user", algorithm="token_bucket", capacity_millis=1_000_000,
+                refill_millis=1_000_000, period_ms=1_000, cost_millis=1_000, fail_mode="local_bounded",
+                fallback=Fallback(capacity_millis=3_000, refill_millis=1, period_ms=60_000))
+
+
+def write_bundle(path: Path, pools: list[Pool], rules: list[Rule]) -> Path:
+    bundle = seal(Bundle(bundle_version=7, published_at="2026-11-29T00:00:00Z", checksum="", rules=rules,
+                         pools=pools))
+    path.write_bytes(encode_bundle(bundle))
+    return path
+
+
+def start_topology(run_dir: Path, policy: Path, *, agent_args: tuple[str, ...] = (),
+                   regions: tuple[str, ...] = ("eu", "us"), agents_per_region: int = 1) -> Topology:
+    spec = TopologySpec(run_dir=run_dir, policy=policy, regions=regions, agents_per_region=agents_per_region,
+                        allocators=2, agent_args=FAST_AGENT + agent_args, allocator_args=FAST_ALLOCATOR)
+    return Topology(spec).start(timeout=60)
+
+
+@pytest.fixture
+def topology_factory(tmp_path: Path) -> Iterator:
+    started: list[Topology] = []
+
+    def make(policy: Path, **kw) -> Topology:
+        topo = start_topology(tmp_path / f"topo-{len(started)}", policy, **kw)
+        started.append(topo)
+        return topo
+
+    yield make
+    for topo in started:
+        topo.stop()
+
+
+def admit_body(tenant: str, user: str = "U-1", route: str = "read", cost: int = 1,
+               request_id: str | None = None) -> dict:
+    return {"requestId": request_id or f"r-{uuid.uuid4().hex[:20]}", "tenantId": tenant,
+            "principal": {"type": "user", "id": user, "apiKeyId": "K1"}, "routeGroup": route, "method": "GET",
+            "costHint": cost}
+
+
+# ------------------------------------------------------------------------------ recording load
+@dataclass(frozen=True)
+class Record:
+    region: str
+    sent_ms: int
+    recv_ms: int
+    status: int
+    d: dict
+
+    @property
+    def allowed(self) -> bool:
+        return bool(self.d.get("allowed"))
+
+    @property
+    def fallback(self) -> bool:
+        return bool(self.d.get("fallback"))
+
+    def window(self, window_ms: int) -> int | None:
+        """The window this decision certainly fell in, or None when it straddles a boundary."""
+        k = self.sent_ms // window_ms
+        return k if self.recv_ms // window_ms == k else None
+
+
+async def admit(client: httpx.AsyncClient, url: str, region: str, body: dict) -> Record:
+    sent = wall_ms()
+    resp = await client.post(url + "/v1/admit", json=body)
+    recv = wall_ms()
+    assert resp.status_code == 200, resp.text  # a decision, never a 5xx from the agent itself
+    return Record(region, sent, recv, resp.status_code, resp.json())
+
+
+async def drive(urls: dict[str, str], tenant: str, *, seconds: float, per_second: dict[str, float],
+                workers: int = 2, stop: asyncio.Event | None = None) -> list[Record]:
+    """Send admissions for ``tenant`` to each region's agent at about ``per_second[region]``
+    (bounded: at most ``seconds`` of load), recording every decision."""
+    out: list[Record] = []
+    end = time.monotonic() + seconds
+
+    async def worker(client: httpx.AsyncClient, region: str, url: str, interval: float) -> None:
+        nxt = time.monotonic()
+        while time.monotonic() < end and not (stop and stop.is_set()):
+            out.append(await admit(client, url, region, admit_body(tenant, user=f"U-{len(out) % 7}")))
+            nxt += interval
+            await asyncio.sleep(max(0.0, nxt - time.monotonic()))
+
+    async with httpx.AsyncClient(timeout=10) as client:
+        tasks = [worker(client, region, url, workers / per_second[region])
+                 for region, url in urls.items() if per_second.get(region, 0) > 0 for _ in range(workers)]
+        await asyncio.gather(*tasks)
+    return out
+
+
+def per_window(records: list[Record], window_ms: int, *, allowed: bool = True, fallback: bool | None = None,
+               region: str | None = None) -> Counter:
+    """Count decisions per certain window (boundary-straddling ones left out)."""
+    c: Counter = Counter()
+    for r in records:
+        if r.allowed != allowed or (fallback is not None and r.fallback != fallback):
+            continue
+        if region is not None and r.region != region:
+            continue
+        k = r.window(window_ms)
+        if k is not None:
+            c[k] += 1
+    return c
+
+
+def full_windows(records: list[Record], window_ms: int) -> list[int]:
+    """Windows that the load covered from start to end."""
+    first = min(r.sent_ms for r in records)
+    last = max(r.recv_ms for r in records)
+    return list(range(first // window_ms + 1, last // window_ms))
+
+
+async def wait_for_window_start(window_ms: int, after_ms: int = 50) -> int:
+    """Sleep until ``after_ms`` into the next window; returns its index."""
+    k = wall_ms() // window_ms + 1
+    await asyncio.sleep(max(0, k * window_ms + after_ms - wall_ms()) / 1000)
+    return k
+
+
+# ------------------------------------------------------------------------------ reading etcd / allocators
+async def etcd_windows(topo: Topology, pool: str) -> dict[int, WindowState]:
+    assert topo.etcd is not None
+    store = EtcdStore(topo.etcd.endpoints, timeout_s=5.0)
+    try:
+        kvs = await store.get_prefix(f"{PREFIX}pools/{pool}/".encode())
+    finally:
+        await store.close()
+    return {int(kv.key.rsplit(b"/", 1)[1]): msgspec.json.decode(kv.value, type=WindowState) for kv in kvs}
+
+
+async def leader_url(topo: Topology, within_s: float = 20.0) -> str:
+    deadline = time.monotonic() + within_s
+    async with httpx.AsyncClient(timeout=2) as client:
+        while time.monotonic() < deadline:
+            for url in topo.allocator_urls:
+                try:
+                    info = (await client.get(url + "/v1/leader")).json()
+                except (httpx.HTTPError, ValueError):
+                    continue
+                if info.get("isSelf"):
+                    return url
+            await asyncio.sleep(0.1)
+    raise AssertionError("no allocator leader")
+
+
+def restart(proc: Proc) -> None:
+    proc.start()  # same arguments, same port
+
+
+def agent_urls(topo: Topology) -> dict[str, str]:
+    return {region: urls[0] for region, urls in topo.agent_urls.items()}
+
+
+async def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample's values over series matching ``labels``."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        text = (await client.get(url + "/metrics")).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total

@@ -1,0 +1,175 @@
+"""Two regions spend one tenant pool through allocator leases (issue 4 "Done means"): never more
+than G per window, chunks follow demand, exhaustion is a plain 429 until the next window, and an
+expired lease's unspent tokens go back to the pool exactly once. One topology for the module:
+etcd, two allocator processes, regions eu and us each with a redis-server and an agent process."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from allocator.contract.bundle import Pool
+from region_agent.keys import KeyBuilder
+
+from .conftest import (
+    admit,
+    admit_body,
+    agent_urls,
+    drive,
+    etcd_windows,
+    full_windows,
+    leader_url,
+    metric,
+    per_window,
+    pool_rule,
+    start_topology,
+    wait_for_window_start,
+    wall_ms,
+    write_bundle,
+)
+
+ATLAS = Pool(id="atlas-w", window_ms=2_000, limit=60, lease_ttl_ms=1_000, chunk_min=5, chunk_max=20,
+             fallback_per_region=8, prefetch_ms=300, active_horizon_ms=2_000)
+BIRCH = Pool(id="birch-w", window_ms=3_000, limit=150, lease_ttl_ms=1_500, chunk_min=5, chunk_max=40,
+             fallback_per_region=0, prefetch_ms=300, active_horizon_ms=3_000)
+CEDAR = Pool(id="cedar-w", window_ms=3_000, limit=12, lease_ttl_ms=3_000, chunk_min=2, chunk_max=6,
+             fallback_per_region=5, prefetch_ms=200, active_horizon_ms=3_000)
+DUNE = Pool(id="dune-w", window_ms=6_000, limit=100, lease_ttl_ms=1_000, chunk_min=10, chunk_max=10,
+            fallback_per_region=0, prefetch_ms=200, active_horizon_ms=6_000)
+
+
+@pytest.fixture(scope="module")
+def topo(tmp_path_factory: pytest.TempPathFactory):
+    run = tmp_path_factory.mktemp("leases-shared")
+    policy = write_bundle(Path(run) / "bundle.json", [ATLAS, BIRCH, CEDAR, DUNE],
+                          [pool_rule("atlas", "atlas-w"), pool_rule("birch", "birch-w"),
+                           pool_rule("cedar", "cedar-w"), pool_rule("dune", "dune-w")])
+    t = start_topology(Path(run) / "topo", policy)
+    yield t
+    t.stop()
+
+
+async def test_two_regions_never_admit_more_than_g_per_window(topo):
+    W, G = ATLAS.window_ms, ATLAS.limit
+    await wait_for_window_start(W, after_ms=1_000)
+    recs = await drive(agent_urls(topo), "atlas", seconds=3 * W / 1000 + 1.2, per_second={"eu": 60, "us": 60},
+                       workers=3)
+    windows = full_windows(recs, W)
+    assert len(windows) >= 3
+    allowed = per_window(recs, W)
+    denied = per_window(recs, W, allowed=False)
+    for k in windows:
+        assert allowed[k] <= G, (k, allowed[k])
+        assert denied[k] > 0  # demand was above G in this window
+        assert allowed[k] >= G // 2  # and the leases really were spent: the bound is not vacuous
+        assert per_window(recs, W, region="eu")[k] > 0 and per_window(recs, W, region="us")[k] > 0
+    assert not any(r.fallback for r in recs)  # the allocator was reachable all along
+    for r in recs:
+        if not r.allowed:
+            assert (r.d["httpStatus"], r.d["reason"], r.d["deniedScope"]) == (429, "RATE_EXCEEDED", "tenant")
+            assert r.d["retryAfterMs"] >= 1
+    # the allocator's own record in etcd: grants net of returns never exceed G
+    states = await etcd_windows(topo, ATLAS.id)
+    for k in windows:
+        st = states[k]
+        assert 0 <= st.remaining <= G
+        assert st.total_granted - st.total_returned == G - st.remaining
+        assert set(st.granted) == {"eu", "us"}
+        assert allowed[k] <= st.total_granted
+
+
+async def test_demand_imbalance_moves_chunks_to_the_busy_region(topo):
+    W, G = BIRCH.window_ms, BIRCH.limit
+    await wait_for_window_start(W, after_ms=100)
+    recs = await drive(agent_urls(topo), "birch", seconds=2 * W / 1000 + 0.5, per_second={"eu": 110, "us": 6},
+                       workers=3)
+    states = await etcd_windows(topo, BIRCH.id)
+    windows = [k for k in full_windows(recs, W) if k in states]
+    assert windows
+    for k in windows:
+        st = states[k]
+        eu, us = st.granted.get("eu", 0), st.granted.get("us", 0)
+        assert eu > 3 * us, (k, st.granted)  # the busy region ends with most of the window's grants
+        assert eu >= G // 2
+        assert us > 0  # the quiet region still got chunks for its small demand
+        assert per_window(recs, W, region="eu")[k] > per_window(recs, W, region="us")[k] > 0
+        assert per_window(recs, W)[k] <= G
+
+
+async def test_pool_exhausted_is_a_plain_429_until_the_next_window(topo):
+    W, G = CEDAR.window_ms, CEDAR.limit
+    k = await wait_for_window_start(W, after_ms=100)
+    window_end = (k + 1) * W
+    urls = agent_urls(topo)
+    recs = []
+    async with httpx.AsyncClient(timeout=10) as client:
+        for i in range(30):
+            region = "eu" if i % 3 else "us"
+            recs.append(await admit(client, urls[region], region, admit_body("cedar")))
+            if wall_ms() > window_end - 800:
+                break
+        assert all(r.recv_ms < window_end for r in recs)
+        allowed = [r for r in recs if r.allowed]
+        denied = [r for r in recs if not r.allowed]
+        assert 0 < len(allowed) <= G and denied
+        assert not any(r.fallback for r in recs)  # exhaustion never spends the fallback allowance
+        for r in denied:
+            assert (r.d["httpStatus"], r.d["reason"], r.d["fallback"]) == (429, "RATE_EXCEEDED", False)
+        # once the allocator said "nothing left", the hint points at the next window's start
+        last = denied[-1]
+        assert abs(last.recv_ms + last.d["retryAfterMs"] - window_end) <= 400, (last, window_end)
+        assert last.d["headers"]["Retry-After"] == str(-(-last.d["retryAfterMs"] // 1000))
+        # no region ever touched its fallback allowance
+        for region in ("eu", "us"):
+            r = Redis.from_url(topo.redis[region].url)
+            try:
+                fb_key = KeyBuilder.pool_fallback_key(KeyBuilder.tenant_pool_key("cedar", CEDAR.id))
+                assert await r.exists(fb_key) == 0
+            finally:
+                await r.aclose()
+            assert await metric(urls[region], "leasehold_agent_degraded_decisions_total",
+                                reason="ALLOCATOR_UNREACHABLE") == 0
+        # at the hint, the next window admits again
+        await asyncio.sleep(max(0, window_end + 150 - wall_ms()) / 1000)
+        nxt = await admit(client, urls["eu"], "eu", admit_body("cedar"))
+        assert nxt.allowed and not nxt.fallback
+
+
+async def test_expired_lease_unspent_tokens_return_to_the_pool_exactly_once(topo):
+    W = DUNE.window_ms
+    k = await wait_for_window_start(W, after_ms=100)
+    url = agent_urls(topo)["eu"]
+    async with httpx.AsyncClient(timeout=10) as client:
+        for _ in range(3):
+            assert (await admit(client, url, "eu", admit_body("dune"))).allowed
+        view = (await client.get(url + "/v1/leases")).json()
+        bal = next(b for b in view["balances"] if b["pool"] == DUNE.id)
+        leases = [lease for lease in bal["leases"] if lease["window"] == k]
+        assert len(leases) == 1 and leases[0]["granted"] == 10
+        lease_id = leases[0]["leaseId"]
+        leader = await leader_url(topo)
+        record = {}
+        for _ in range(100):  # bounded: the lease expires ~1 s after it was granted, reports follow
+            record = (await client.get(f"{leader}/v1/leases/{lease_id}")).json()
+            if record.get("reported"):
+                break
+            await asyncio.sleep(0.1)
+        assert wall_ms() < (k + 1) * W  # still inside the window: the tokens can go back
+        assert (record["reported"], record["spent"], record["returned"], record["windowOpen"]) == (True, 3, 7, True)
+        st = (await etcd_windows(topo, DUNE.id))[k]
+        assert st.returned.get("eu") == 7 and st.reported.get("eu", 0) >= 1
+        assert st.total_granted - st.total_returned == DUNE.limit - st.remaining
+        # the same report again (a retried delivery) replays the receipt and returns nothing more
+        body = {"leaseId": lease_id, "region": "eu", "pool": DUNE.id, "spent": 3}
+        again = (await client.post(f"{leader}/v1/leases/{lease_id}/usage", json=body)).json()
+        assert (again["replayed"], again["returned"]) == (True, 7)
+        assert (await etcd_windows(topo, DUNE.id))[k].returned.get("eu") == 7
+        # the agent closed the lease in Redis exactly once and forgot it
+        view = (await client.get(url + "/v1/leases")).json()
+        bal = next(b for b in view["balances"] if b["pool"] == DUNE.id)
+        assert lease_id not in {lease["leaseId"] for lease in bal["leases"]}
+        assert await metric(url, "leasehold_agent_stranded_tokens_total", pool=DUNE.id) >= 7
