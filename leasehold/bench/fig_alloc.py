@@ -12,7 +12,7 @@ from allocator.contract.bundle import Bundle, Pool, encode_bundle, seal, validat
 from leasehold.procs import EtcdCluster
 
 from .context import Ctx
-from .harness import drive, loadgen, services, start_allocator
+from .harness import CpuMeter, drive, loadgen, services, start_allocator
 from .stats import Goal, Row, median
 from .workloads import pool_id
 
@@ -41,7 +41,8 @@ def _client(etcd: EtcdCluster) -> aetcd.Client:
     return aetcd.Client(host, int(port), timeout=5)
 
 
-async def cas_rate(etcd: EtcdCluster, tag: str, duration_s: float, concurrency: int = CAS_CONCURRENCY) -> float:
+async def cas_rate(etcd: EtcdCluster, tag: str, duration_s: float,
+                   concurrency: int = CAS_CONCURRENCY) -> tuple[float, float]:
     """Single-key compare-and-swap transactions/s: create each distinct key iff its version is 0."""
     async with _client(etcd) as c:
         t = c.transactions
@@ -53,7 +54,7 @@ async def cas_rate(etcd: EtcdCluster, tag: str, duration_s: float, concurrency: 
                 raise RuntimeError(f"CAS on a fresh key failed: {key!r}")
 
         done, secs = await drive(one, concurrency=concurrency, duration_s=duration_s, max_ops=5_000_000)
-    return done / secs
+    return done / secs, secs
 
 
 async def etcd_keys(etcd: EtcdCluster, prefix: bytes = b"/leasehold/") -> int:
@@ -70,21 +71,28 @@ def run(ctx: Ctx) -> list[Row]:
         policy = write_bundle(ctx.work / "fig4-policy.json", many_pools_bundle(1_000))
         alloc = start_allocator(ctx.work / "fig4-allocator", etcd, policy)
         with services(alloc):
-            grants, cas, cpu = [], [], []
+            grants, cas, cpu, cpu_us, util, cas_cpu_us = [], [], [], [], [], []
             for t in range(ctx.trials):
-                res = loadgen({"port": alloc.port, "path": "/v1/leases/batch", "workload": "lease_batch",
-                               "workload_args": {"pools": 1_000, "size": BATCH, "tag": f"f4t{t}"},
-                               "items_per_request": BATCH, "conns": CONNS, "duration_s": ctx.duration_s,
-                               "warmup_s": ctx.warmup_s, "max_requests": 1_000_000, "count": '"granted":'})
+                with CpuMeter({"allocator": alloc.proc.pid, "etcd": etcd.procs[0].pid}) as meter:
+                    res = loadgen({"port": alloc.port, "path": "/v1/leases/batch", "workload": "lease_batch",
+                                   "workload_args": {"pools": 1_000, "size": BATCH, "tag": f"f4t{t}"},
+                                   "items_per_request": BATCH, "conns": CONNS, "duration_s": ctx.duration_s,
+                                   "warmup_s": ctx.warmup_s, "max_requests": 1_000_000, "count": '"granted":'})
+                cpu_us.append(meter.per(res["sent"] * BATCH))
+                util.append(meter.utilisation())
                 if res["non200"] or res["errors"] or res["counted"] != res["ok"] * BATCH:
                     ctx.note(f"fig4 trial {t}: {res['non200']} non-200, {res['errors']} errors, "
                              f"{res['ok'] * BATCH - res['counted']} batch items without a grant")
                 grants.append(res["counted_per_s"])
                 cpu.append(res["cpu_pct"])
-                cas.append(uvloop.run(cas_rate(etcd, f"t{t}", ctx.duration_s)))
+                with CpuMeter({"etcd": etcd.procs[0].pid}) as cm:
+                    rate, secs = uvloop.run(cas_rate(etcd, f"t{t}", ctx.duration_s))
+                cas.append(rate)
+                cas_cpu_us.append(cm.per(rate * secs)["etcd"])
     return [Row("4", f"lease grants via /v1/leases/batch ({BATCH}/batch)", median(grants), "grants/s",
                 median(cas), "single CAS txn/s (aetcd, distinct keys)", Goal(">=", 4.0),
-                extra={"trials": grants, "ceiling_trials": cas, "loadgen_cpu_pct": cpu})]
+                extra={"trials": grants, "ceiling_trials": cas, "loadgen_cpu_pct": cpu,
+                       "cpu_us_per_grant": cpu_us, "cpu_utilisation": util, "ceiling_etcd_cpu_us_per_cas": cas_cpu_us})]
 
 
 def run_scale(ctx: Ctx) -> list[Row]:

@@ -166,3 +166,40 @@ async def drive(op: Callable[[int], Awaitable[object]], *, concurrency: int, dur
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return state["done"], time.perf_counter() - t0
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def redis_cpu(r: redis.Redis) -> float:
+    info = r.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+class CpuMeter:
+    """CPU seconds of processes (by PID) and of a Redis (INFO cpu) over a measured interval."""
+
+    def __init__(self, pids: dict[str, int], r: redis.Redis | None = None):
+        self.pids, self.r = pids, r
+
+    def __enter__(self) -> CpuMeter:
+        self.t0 = time.perf_counter()
+        self.c0 = {k: proc_cpu(p) for k, p in self.pids.items()}
+        self.rc0 = redis_cpu(self.r) if self.r else 0.0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall = time.perf_counter() - self.t0
+        self.cpu = {k: proc_cpu(p) - self.c0[k] for k, p in self.pids.items()}
+        if self.r:
+            self.cpu["redis"] = redis_cpu(self.r) - self.rc0
+
+    def per(self, units: float) -> dict[str, float]:
+        """CPU microseconds per unit of work, per process."""
+        return {k: 1e6 * v / units for k, v in self.cpu.items()} if units else {}
+
+    def utilisation(self) -> dict[str, float]:
+        return {k: v / self.wall for k, v in self.cpu.items()}

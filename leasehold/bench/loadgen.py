@@ -81,6 +81,7 @@ async def run(cfg: dict) -> dict:
              "end": start + warm + cfg["duration_s"], "measure_from": start + warm, "lat": [], "ok": 0,
              "non200": 0, "allowed": Counter(), "counted": 0}
     cpu0 = _cpu()
+    start_wall = time.time() + warm
     results = await asyncio.gather(*(_conn(cfg, state, w) for w in range(cfg["conns"])), return_exceptions=True)
     elapsed = time.perf_counter() - max(start + warm, start)
     cpu = _cpu() - cpu0
@@ -95,6 +96,7 @@ async def run(cfg: dict) -> dict:
         "cpu_s": cpu, "cpu_pct": 100.0 * cpu / (time.perf_counter() - start),
         "allowed_by_window": {str(k): v for k, v in sorted(state["allowed"].items())},
         "counted": state["counted"], "counted_per_s": state["counted"] / elapsed if elapsed > 0 else 0.0,
+        "start_wall": start_wall, "end_wall": time.time(),
         "sent": state["sent"] - cfg.get("start_index", 0),
     }
 

@@ -1,0 +1,87 @@
+"""``python -m leasehold.bench [--quick] [--only FIGURE ...] [--out DIR]`` — run the figures of
+issue 7, each against its ceiling measured in the same run; print the table and write
+results.json, results.md and fig2-concurrency.png under DIR (default bench-results/)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from . import fig_alloc, fig_batch, fig_hotkey, fig_library, fig_scale, fig_single, fig_util
+from .context import Ctx
+from .report import environment, plot_fig2, write_json, write_markdown
+from .stats import Row, render_text
+
+FIGURES: dict[str, list[Callable[[Ctx], list[Row]]]] = {
+    "1": [fig_batch.run], "2": [fig_single.run], "3": [fig_library.run], "4": [fig_alloc.run],
+    "5": [fig_hotkey.run], "6": [fig_util.run], "7": [fig_scale.run, fig_alloc.run_scale],
+}
+
+
+def parse_only(values: list[str] | None) -> list[str]:
+    if not values:
+        return list(FIGURES)
+    chosen: list[str] = []
+    for v in values:
+        for f in v.split(","):
+            f = f.strip().removeprefix("fig")
+            if f not in FIGURES:
+                raise SystemExit(f"unknown figure {f!r}; choose from {', '.join(FIGURES)}")
+            if f not in chosen:
+                chosen.append(f)
+    return sorted(chosen)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m leasehold.bench", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="1 trial, shorter loops, smaller sizes (~2 min)")
+    ap.add_argument("--only", action="append", metavar="FIGURE", help="figure number(s) 1-7, repeatable or comma list")
+    ap.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
+    ap.add_argument("--keep-logs", action="store_true", help="keep the servers' directories and logs")
+    a = ap.parse_args(argv)
+    figures = parse_only(a.only)
+    out: Path = a.out
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = Ctx.make(out.resolve(), a.quick)
+    shutil.rmtree(ctx.work, ignore_errors=True)
+    ctx.work.mkdir(parents=True)
+    started = time.time()
+    rows: list[Row] = []
+    failed = False
+    for f in figures:
+        for fn in FIGURES[f]:
+            t0 = time.monotonic()
+            print(f"[bench] figure {f}: {fn.__module__.rsplit('.', 1)[1]}.{fn.__name__} ...", flush=True)
+            try:
+                got = fn(ctx)
+            except Exception as e:  # one broken figure must not hide the others
+                failed = True
+                ctx.note(f"figure {f} ({fn.__name__}) failed: {type(e).__name__}: {e}")
+                traceback.print_exc()
+                got = [Row(f, f"{fn.__module__.rsplit('.', 1)[1]} did not complete: {type(e).__name__}",
+                           float("nan"), "", extra={"error": str(e)[:2000]})]
+                got[0].goal = None
+            rows.extend(got)
+            print(render_text(got), f"\n[bench] figure {f} took {time.monotonic() - t0:.1f} s", flush=True)
+    meta = {"started": started, "elapsed_s": time.time() - started, "quick": a.quick, "trials": ctx.trials,
+            "figures": figures, "env": environment()}
+    write_json(out / "results.json", rows, meta)
+    write_markdown(out / "results.md", rows, meta, ctx.notes)
+    plotted = plot_fig2(out / "fig2-concurrency.png", ctx.plot_data.get("fig2", {}))
+    if not a.keep_logs and not failed:
+        shutil.rmtree(ctx.work, ignore_errors=True)
+    print("\n" + render_text(rows))
+    for n in ctx.notes:
+        print(f"note: {n}")
+    print(f"\n[bench] wrote {out / 'results.json'}, {out / 'results.md'}"
+          + (f", {out / 'fig2-concurrency.png'}" if plotted else "") + f" in {meta['elapsed_s']:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

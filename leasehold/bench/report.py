@@ -1,0 +1,76 @@
+"""Writing the results: results.json, results.md (table + notes), the figure-2 plot (PNG)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from .stats import Row, render_markdown
+
+
+def environment() -> dict[str, Any]:
+    import importlib.metadata as md
+
+    versions = {}
+    for pkg in ("litestar", "uvicorn", "redis", "aetcd", "limits", "msgspec"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    return {"python": platform.python_version(), "cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg(),
+            "platform": platform.platform(), "versions": versions}
+
+
+def write_json(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
+    path.write_text(json.dumps({"meta": meta, "rows": [r.to_dict() for r in rows]}, indent=2, default=str))
+
+
+def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any], notes: list[str]) -> None:
+    lines = [f"# Leasehold benchmark ({'quick' if meta.get('quick') else 'full'} run, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(meta['started']))})", "",
+             f"{meta['env']['cpus']} CPUs, Python {meta['env']['python']}, load average at the end "
+             f"{', '.join(f'{x:.2f}' for x in meta['env']['loadavg_at_end'])}; {meta['trials']} trial(s) per "
+             f"figure, median reported; ratio = value / ceiling measured in the same run; "
+             f"took {meta['elapsed_s']:.0f} s.", "", render_markdown(rows), ""]
+    if notes:
+        lines += ["## Notes", "", *(f"- {n}" for n in notes), ""]
+    lines += ["## Details per row", ""]
+    for r in rows:
+        if r.extra:
+            lines.append(f"- **{r.figure} {r.name}**: `{json.dumps(r.extra, default=_short)}`")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _short(x: Any) -> Any:
+    return str(x)
+
+
+def plot_fig2(path: Path, data: dict[str, dict[str, dict[str, float]]]) -> bool:
+    """Throughput and p99 vs concurrency, agent and echo; False when there is nothing to plot."""
+    if not data:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, per in data.items():
+        conns = [int(c) for c in per]
+        ax1.plot(conns, [per[c]["rps"] for c in per], marker="o", label=name)
+        ax2.plot(conns, [per[c]["p99_ms"] for c in per], marker="o", label=name)
+    for ax, title, unit in ((ax1, "throughput", "requests/s"), (ax2, "p99 latency", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent connections")
+        ax.set_ylabel(unit)
+        ax.set_title(f"POST /v1/admit {title}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
