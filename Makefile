@@ -53,8 +53,12 @@ test-e2e: setup
 chaos: setup
 	$(PY) -m chaos run --profile full
 
+BENCH_ARGS ?=
 bench: setup
-	$(PY) -m bench
+	@command -v redis-benchmark >/dev/null 2>&1 || { SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-tools >/dev/null; }
+	@[ $(VENV)/.bench-installed -nt pyproject.toml ] || { $(PIP) install -q -e '.[test,bench]' && touch $(VENV)/.bench-installed; }
+	$(PY) -m leasehold.bench $(BENCH_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

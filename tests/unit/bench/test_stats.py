@@ -1,0 +1,81 @@
+"""Pure parts of the benchmark harness: percentiles, goal/ratio evaluation, table rendering,
+workload bodies and the per-window utilisation count (no network, no benchmark run)."""
+
+import json
+import math
+
+import pytest
+
+from leasehold.bench.__main__ import parse_only
+from leasehold.bench.fig_util import per_window
+from leasehold.bench.stats import Goal, Row, median, percentile, ratio, render_markdown, render_text
+from leasehold.bench.workloads import admit_batch, admit_item, lease_batch
+
+
+def test_percentile_interpolates_and_checks_input():
+    assert percentile([3, 1, 2], 50) == 2
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile(list(range(101)), 99) == 99
+    assert percentile([5.0], 99) == 5.0
+    assert median([10, 1, 7]) == 7
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    with pytest.raises(ValueError):
+        percentile([1], 101)
+
+
+def test_ratio_and_goal_verdicts():
+    assert ratio(40, 100) == 0.4
+    assert ratio(1, 0) is None and ratio(1, None) is None
+    assert Row("1", "x", 40, "/s", ceiling=100, goal=Goal(">=", 0.40)).verdict == "pass"
+    assert Row("1", "x", 39, "/s", ceiling=100, goal=Goal(">=", 0.40)).verdict == "FAIL"
+    # no ceiling: the goal applies to the value itself
+    assert Row("5", "hot", 0.05, "calls", goal=Goal("<=", 0.05)).verdict == "pass"
+    assert Row("5", "hot", 0.051, "calls", goal=Goal("<=", 0.05)).verdict == "FAIL"
+    assert Row("6", "beyond", 0, "n", goal=Goal("<=", 0)).verdict == "pass"
+    assert Row("6", "util", math.nan, "", goal=Goal(">=", 0.97)).verdict == "FAIL"
+    assert Row("7", "info", 3, "keys").verdict == "info"
+    with pytest.raises(ValueError):
+        Goal("==", 1)
+
+
+def test_tables_have_every_column_and_row():
+    rows = [Row("1", "batch", 12_000.0, "decisions/s", ceiling=60_000.0, ceiling_name="redis-benchmark",
+                goal=Goal(">=", 0.4)),
+            Row("7", "keys | pools", 201, "keys")]
+    text = render_text(rows).splitlines()
+    assert text[0].split()[:3] == ["figure", "measure", "value"]
+    assert "0.200" in text[2] and "FAIL" in text[2] and "60,000 (redis-benchmark)" in text[2]
+    assert text[3].rstrip().endswith("info")
+    md = render_markdown(rows).splitlines()
+    assert len(md) == 4 and md[1].count("---") == 7
+    assert "keys \\| pools" in md[3]  # a pipe in a cell cannot break the Markdown table
+    d = rows[0].to_dict()
+    assert d["ratio"] == pytest.approx(0.2) and d["verdict"] == "FAIL" and d["goal"] == ">= 0.4"
+
+
+def test_workload_bodies_are_valid_and_distinct():
+    from msgspec import convert
+
+    from region_agent.models import AdmitBatch, AdmitRequest
+
+    items = [convert(admit_item(i, 10_000), AdmitRequest) for i in range(40)]
+    assert len({r.request_id for r in items}) == 40
+    assert {r.route_group for r in items} == {"read", "write", "login"}
+    batch = convert(json.loads(admit_batch(size=100)(3)), AdmitBatch)
+    assert len(batch.requests) == 100
+    leases = json.loads(lease_batch(pools=10, size=64)(0))["requests"]
+    assert len({r["leaseId"] for r in leases}) == 64 and len({r["pool"] for r in leases}) == 10
+
+
+def test_per_window_counts_only_whole_windows():
+    reports = [{"allowed_by_window": {"5": 7, "6": 100, "7": 50}}, {"allowed_by_window": {"6": 90, "8": 1}}]
+    # run from 5.5 to 8.5 windows of 1 s: only windows 6 and 7 are whole
+    assert per_window(reports, 5.5, 8.5, 1000) == {6: 190, 7: 50}
+
+
+def test_only_option():
+    assert parse_only(None) == ["1", "2", "3", "4", "5", "6", "7"]
+    assert parse_only(["fig2,1", "2"]) == ["1", "2"]
+    with pytest.raises(SystemExit):
+        parse_only(["9"])
