@@ -45,6 +45,8 @@ from .contract.wire import (
     UsageReceipt,
     UsageReport,
 )
+from .control.follow import AllocatorPolicy
+from .control.policy_store import PolicyStore
 from .election import Election
 from .engine import Engine, GrantRecord, wall_ms
 from .etcd_store import EtcdStore
@@ -230,9 +232,15 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         app.state.engine = engine
         engine.start()
         election.start()
+        follower = AllocatorPolicy(bundle, engine, m)
+        app.state.policy = follower
+        watcher = follower.watcher(PolicyStore(store, settings.prefix), settings.policy_reread_ms / 1000)
+        if settings.policy_from_etcd:
+            watcher.start()
         try:
             yield
         finally:
+            await watcher.stop()
             await election.stop()
             await engine.stop()
             await store.close()

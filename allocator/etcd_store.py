@@ -69,8 +69,10 @@ class EtcdStore:
     """One logical etcd client over several endpoints."""
 
     def __init__(self, endpoints: str | Sequence[str], *, timeout_s: float = 2.0,
-                 observe: Callable[[str, float], None] | None = None):
+                 observe: Callable[[str, float], None] | None = None,
+                 user: str | None = None, password: str | None = None):
         self.endpoints = parse_endpoints(endpoints)
+        self._auth = {"username": user, "password": password} if user else {}  # etcd authentication
         self.timeout_s = timeout_s
         self.t = Transactions()  # compare/op builders (stateless)
         self._observe = observe
@@ -82,7 +84,7 @@ class EtcdStore:
     async def _get_client(self) -> aetcd.Client:
         if self._client is None:
             host, port = self.endpoints[self._idx]
-            self._client = aetcd.Client(host, port, timeout=max(1, int(self.timeout_s + 0.999)))
+            self._client = aetcd.Client(host, port, timeout=max(1, int(self.timeout_s + 0.999)), **self._auth)
         return self._client
 
     async def _rotate(self, failed: aetcd.Client) -> None:

@@ -29,6 +29,8 @@ class AllocatorSettings(msgspec.Struct, forbid_unknown_fields=True):
     etcd_timeout_ms: Annotated[int, Meta(ge=50, le=30_000)] = 2_000
     max_body_bytes: Annotated[int, Meta(ge=1_024, le=16 * 1024 * 1024)] = 1024 * 1024
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    policy_from_etcd: bool = True  # follow <prefix>policy/current (strictly higher versions only)
+    policy_reread_ms: Annotated[int, Meta(ge=50, le=600_000)] = 5_000  # safety-net re-read period
 
     @property
     def url(self) -> str:

@@ -133,6 +133,99 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _policy_store(args: argparse.Namespace):
+    import os
+
+    from allocator.control.policy_store import PolicyStore
+    from allocator.etcd_store import EtcdStore
+    password = os.environ.get("LEASEHOLD_ETCD_PASSWORD")
+    if args.etcd_password_file:
+        with open(args.etcd_password_file) as f:
+            password = f.read().strip()
+    kw = {"user": args.etcd_user, "password": password} if args.etcd_user else {}
+    return PolicyStore(EtcdStore(args.etcd, timeout_s=3.0, **kw), args.prefix)
+
+
+def cmd_policy_publish(args: argparse.Namespace) -> int:
+    """Validate FILE and publish it to etcd if its version is strictly higher than the stored one.
+    Rollback: publish the old bundle under a new, higher version (``--as-version N`` re-seals it)."""
+    import asyncio
+
+    import msgspec
+
+    from allocator.contract.bundle import decode_bundle, encode_bundle
+    from allocator.contract.errors import LeaseholdError
+    from allocator.control.policy_store import rollback_bundle
+
+    try:
+        with open(args.file, "rb") as f:
+            raw = f.read()
+        bundle = decode_bundle(raw)
+        if args.as_version is not None:
+            published = args.published_at or bundle.published_at
+            raw = encode_bundle(rollback_bundle(bundle, args.as_version, published))
+    except OSError as e:
+        print(f"cannot read {args.file}: {e.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    except PolicyError as e:
+        print(f"invalid: {e.detail}", file=sys.stderr)
+        for problem in e.errors:
+            print(f"  - {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    except msgspec.ValidationError as e:
+        print(f"invalid: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+    async def run() -> int:
+        store = _policy_store(args)
+        try:
+            res = await store.publish(raw)
+        except PolicyError as e:
+            print(f"invalid: {e.detail}", file=sys.stderr)
+            return EXIT_USAGE
+        except LeaseholdError as e:
+            print(f"not published ({e.code}): {e.detail}", file=sys.stderr)
+            return EXIT_UNAVAILABLE if e.retriable else EXIT_DENIED
+        finally:
+            await store.store.close()
+        _print({"published": res.version, "previous": res.previous, "revision": res.revision,
+                "key": store.key.decode()})
+        return EXIT_OK
+
+    return asyncio.run(run())
+
+
+def cmd_policy_show(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from allocator.contract.errors import LeaseholdError
+
+    async def run() -> int:
+        store = _policy_store(args)
+        try:
+            stored = await store.read()
+        except LeaseholdError as e:
+            print(f"cannot read ({e.code}): {e.detail}", file=sys.stderr)
+            return EXIT_CONNECT
+        finally:
+            await store.store.close()
+        if stored is None:
+            print(f"nothing published under {store.key.decode()}", file=sys.stderr)
+            return EXIT_NOT_RUNNING
+        if args.raw:
+            sys.stdout.write(stored.raw.decode(errors="replace"))
+            return EXIT_OK
+        b = stored.bundle
+        _print({"key": store.key.decode(), "revision": stored.mod_revision, "valid": b is not None,
+                "problem": stored.problem or None,
+                "bundleVersion": b.bundle_version if b else None, "checksum": b.checksum if b else None,
+                "publishedAt": b.published_at if b else None, "maxAgeMs": b.max_age_ms if b else None,
+                "rules": [r.id for r in b.rules] if b else [], "pools": [p.id for p in b.pools] if b else []})
+        return EXIT_OK
+
+    return asyncio.run(run())
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -182,11 +275,31 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--allocator-url")
     sp.set_defaults(func=cmd_leases)
 
-    pol = sub.add_parser("policy", help="validate or publish a policy bundle")
+    pol = sub.add_parser("policy", help="validate, publish or show a policy bundle")
     psub = pol.add_subparsers(dest="policy_command", required=True)
     sp = psub.add_parser("validate", help="validate a bundle with the services' own code")
     sp.add_argument("file")
     sp.set_defaults(func=cmd_policy_validate)
+
+    def etcd_opts(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--etcd", required=True, help="etcd endpoints, host:port[,host:port...]")
+        sp.add_argument("--prefix", default="/leasehold/", help="the allocator's key prefix")
+        sp.add_argument("--etcd-user", help="etcd user (password from --etcd-password-file or "
+                                           "LEASEHOLD_ETCD_PASSWORD)")
+        sp.add_argument("--etcd-password-file")
+
+    sp = psub.add_parser("publish", help="validate and publish a bundle to etcd (strictly higher version only; "
+                                         "rollback = old content under a new version, see --as-version)")
+    sp.add_argument("file")
+    sp.add_argument("--as-version", type=int, help="publish FILE's rules and pools under this version "
+                                                   "(re-sealed checksum): the rollback path")
+    sp.add_argument("--published-at", help="publishedAt for --as-version")
+    etcd_opts(sp)
+    sp.set_defaults(func=cmd_policy_publish)
+    sp = psub.add_parser("show", help="the bundle published in etcd")
+    sp.add_argument("--raw", action="store_true", help="print the stored JSON as is")
+    etcd_opts(sp)
+    sp.set_defaults(func=cmd_policy_show)
 
     sp = sub.add_parser("demo", help="start the topology, drive demo traffic, show a live view (Ctrl-C stops)")
     topo_opts(sp)

@@ -62,6 +62,7 @@ class AgentState:
     engine: Engine | None = None
     store: Any = None
     leases: Any = None  # LeaseManager when --allocator-urls is set
+    policy_watch: Any = None  # allocator.control.watch.PolicyWatcher when --policy-etcd is set
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
@@ -85,7 +86,20 @@ def problem_response(exc: LeaseholdError, instance: str | None = None) -> Respon
 @post("/v1/admit", status_code=200, request_max_body_size=MAX_BODY_BYTES,
       summary="Admission decision for one request")
 async def admit(request: Request, data: Annotated[AdmitRequest, Body(title="AdmitRequest")]) -> Decision:
-    return await _engine(request).admit(data)
+    engine = _engine(request)
+    revoked = _revoked(_state(request), [data])
+    if revoked[0] is not None:
+        return revoked[0]
+    return await engine.admit(data)
+
+
+def _revoked(st: AgentState, reqs: list[AdmitRequest]) -> list[Decision | None]:
+    """Per request, the POLICY_STALE denial when the snapshot is past its maxAgeMs (I13)."""
+    w, bundle = st.policy_watch, st.holder.bundle
+    if w is None or not w.is_stale(bundle):
+        return [None] * len(reqs)
+    from .policy_watch import revoked_decision
+    return [revoked_decision(bundle, r, st.metrics) for r in reqs]
 
 
 @post("/v1/admit/batch", status_code=200, request_max_body_size=MAX_BATCH_BODY_BYTES,
@@ -93,7 +107,11 @@ async def admit(request: Request, data: Annotated[AdmitRequest, Body(title="Admi
 async def admit_batch(request: Request, data: Annotated[AdmitBatch, Body(title="AdmitBatch")]) -> BatchDecisions:
     if not data.requests:
         return BatchDecisions(decisions=[])
-    return BatchDecisions(decisions=await _engine(request).admit_many(data.requests))
+    engine = _engine(request)
+    revoked = _revoked(_state(request), data.requests)
+    rest = [r for r, d in zip(data.requests, revoked, strict=True) if d is None]
+    decided = iter(await engine.admit_many(rest) if rest else [])
+    return BatchDecisions(decisions=[d if d is not None else next(decided) for d in revoked])
 
 
 @post("/v1/release", status_code=200, request_max_body_size=MAX_BODY_BYTES,
@@ -211,6 +229,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                               negative=NegativeCache(cap_ms=settings.negative_cache_ms))
         if state.leases is not None:
             state.leases.start()
+        if settings.policy_etcd:
+            state.policy_watch = await _start_policy_watch(settings, state)
         with contextlib.suppress(LeaseholdError):
             await state.store.load()
         state.tasks.append(asyncio.create_task(_background(state)))
@@ -222,6 +242,9 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         finally:
             if install_signal_handlers:
                 loop.remove_signal_handler(signal.SIGHUP)
+            if state.policy_watch is not None:
+                await state.policy_watch.stop()
+                await state.policy_watch.store.store.close()
             for t in state.tasks:
                 t.cancel()
             for t in state.tasks:
@@ -263,6 +286,21 @@ def _lease_manager(settings: AgentSettings, store: Any, m: AgentMetrics):
     balances = RedisBalanceStore(store.client, store.scripts)
     return LeaseManager(region=settings.region, client=client, store=balances, metrics=m,
                         tick_ms=settings.lease_tick_ms)
+
+
+async def _start_policy_watch(settings: AgentSettings, state: AgentState):
+    """Follow the policy key in etcd: one bounded first read, then watch + periodic re-read."""
+    from .policy_watch import age_gauge, make_watcher
+    from .settings import resolve_secret
+
+    password = resolve_secret(settings.policy_etcd_password_file, "POLICY_ETCD_PASSWORD")
+    w = make_watcher(state.holder, settings.policy_etcd or "", prefix=settings.policy_etcd_prefix,
+                     reread_ms=settings.policy_etcd_reread_ms, user=settings.policy_etcd_user, password=password)
+    age_gauge(state.metrics, w)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(w.refresh(), 3.0)
+    w.start()
+    return w
 
 
 def default_store_factory(settings: AgentSettings, m: AgentMetrics):

@@ -47,7 +47,7 @@ class ReleaseRequest(Struct, rename="camel", forbid_unknown_fields=True, frozen=
 
 
 DeniedScope = Literal["user", "key", "route", "tenant", "global", "concurrency", "ip"]
-Reason = Literal["RATE_EXCEEDED", "CONCURRENCY_EXCEEDED", "LIMITER_UNAVAILABLE", "POLICY_ERROR"]
+Reason = Literal["RATE_EXCEEDED", "CONCURRENCY_EXCEEDED", "LIMITER_UNAVAILABLE", "POLICY_ERROR", "POLICY_STALE"]
 
 
 class Decision(Struct, rename="camel", omit_defaults=False):

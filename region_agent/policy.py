@@ -52,6 +52,11 @@ class PolicyHolder:
         self._bundle = candidate  # one reference assignment: readers see old or new, never a mix
         return self._report(ReloadResult("accepted", candidate.bundle_version))
 
+    def refuse_invalid(self, detail: str) -> ReloadResult:
+        """A candidate that failed validation (e.g. a corrupt bundle read from etcd): keep the
+        current snapshot and count the refusal."""
+        return self._report(ReloadResult("invalid", self._bundle.bundle_version, detail))
+
     def reload(self) -> ReloadResult:
         """Re-read the file (SIGHUP or a changed mtime)."""
         self._mtime = self._stat()

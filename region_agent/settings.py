@@ -26,6 +26,11 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     port: Annotated[int, Meta(ge=0, le=65535)] = 8080
     workers: Annotated[int, Meta(ge=1, le=64)] = 1
     policy_poll_ms: Annotated[int, Meta(ge=0, le=3_600_000)] = 1000  # 0 disables polling
+    policy_etcd: str | None = None  # etcd endpoints: follow <policy_etcd_prefix>policy/current
+    policy_etcd_prefix: Annotated[str, Meta(pattern=r"^/[A-Za-z0-9._/-]*/\Z")] = "/leasehold/"
+    policy_etcd_reread_ms: Annotated[int, Meta(ge=50, le=600_000)] = 5_000  # safety-net re-read period
+    policy_etcd_user: str | None = None  # etcd user (read-only role on the policy key)
+    policy_etcd_password_file: str | None = None  # or LEASEHOLD_AGENT_POLICY_ETCD_PASSWORD
     decision_budget_ms: Annotated[int, Meta(ge=1, le=10_000)] = 50
     redis_socket_timeout_ms: Annotated[int, Meta(ge=10, le=60_000)] = 500  # a pipeline's read bound
     redis_max_connections: Annotated[int, Meta(ge=1, le=1024)] = 32
@@ -68,3 +73,18 @@ def resolve_pepper(settings: AgentSettings, env: dict[str, str] | None = None) -
     if settings.insecure_dev_pepper:
         return DEV_PEPPER
     raise ConfigError(f"no pepper: set {PEPPER_ENV} or --pepper-file (or --insecure-dev-pepper true for local use)")
+
+
+def resolve_secret(path: str | None, env_suffix: str, env: dict[str, str] | None = None) -> str | None:
+    """A secret from ``LEASEHOLD_AGENT_<env_suffix>`` or a file (stripped); None when neither is set."""
+    env = os.environ if env is None else env
+    raw = env.get(ENV_PREFIX + env_suffix)
+    if raw:
+        return raw
+    if path:
+        try:
+            with open(path) as f:
+                return f.read().strip() or None
+        except OSError as e:
+            raise ConfigError(f"cannot read the secret file for {env_suffix.lower()}: {e.strerror}") from None
+    return None

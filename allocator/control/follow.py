@@ -1,0 +1,58 @@
+"""The allocator follows the published bundle too: its pools come from the latest valid bundle
+with a strictly higher version (the same rule as the agents). A switch replaces the engine's
+pool map in one reference assignment, so a grant decision sees one bundle's pools.
+
+A pool's new ``limit`` applies to the next grant decisions of the current window (grants
+already made stay); changing a pool's ``windowMs`` under the same id is not supported
+mid-flight — publish a new pool id instead."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+from allocator.contract.bundle import Bundle
+from allocator.contract.errors import StaleVersion
+
+from .policy_store import PolicyStore
+from .watch import PolicyWatcher
+
+log = logging.getLogger("allocator.policy")
+
+
+class AllocatorPolicy:
+    """The bundle in force at the allocator, fed by a :class:`PolicyWatcher`."""
+
+    def __init__(self, bundle: Bundle, engine: Any, metrics: Any):
+        self.bundle = bundle
+        self.engine = engine
+        self.metrics = metrics
+        r = metrics.registry
+        self.reloads = Counter("leasehold_allocator_policy_reloads_total", "Policy bundles offered from etcd",
+                               ["outcome"], registry=r)
+        self.version = Gauge("leasehold_allocator_policy_version", "Bundle version in force", registry=r)
+        self.version.set(bundle.bundle_version)
+
+    def offer(self, candidate: Bundle) -> str:
+        if candidate.bundle_version <= self.bundle.bundle_version:
+            err = StaleVersion(f"bundle {candidate.bundle_version} is not newer than {self.bundle.bundle_version}")
+            log.warning("policy refused (stale): %s", err.detail)
+            self.reloads.labels("stale").inc()
+            return "stale"
+        self.engine.pools = {p.id: p for p in candidate.pools}
+        self.metrics.describe_pools(candidate.pools)
+        self.bundle = candidate
+        self.version.set(candidate.bundle_version)
+        self.reloads.labels("accepted").inc()
+        log.info("policy bundle %s accepted (%d pools)", candidate.bundle_version, len(candidate.pools))
+        return "accepted"
+
+    def refuse(self, detail: str) -> str:
+        log.warning("policy refused (invalid): %s", detail)
+        self.reloads.labels("invalid").inc()
+        return "invalid"
+
+    def watcher(self, store: PolicyStore, reread_s: float = 5.0) -> PolicyWatcher:
+        return PolicyWatcher(store, offer=self.offer, refuse=self.refuse, reread_s=reread_s)

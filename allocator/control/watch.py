@@ -1,0 +1,115 @@
+"""Follow the policy key in etcd: an aetcd watch for prompt switches, plus a periodic re-read
+as the safety net (a lost watch, a compaction, a reconnect) and as the freshness signal.
+
+The watcher never decides what to do with a bundle: it hands each newly seen, valid bundle to
+``offer`` (which accepts only strictly higher versions) and each corrupt one to ``refuse``.
+``last_ok`` is the monotonic time of the last successful etcd read; :meth:`age_ms` is what
+the bundle's ``maxAgeMs`` is compared with (I13). Before the first successful read the age
+counts from the watcher's creation (process start), so an agent that never reaches etcd
+goes stale on schedule too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from allocator.contract.bundle import Bundle
+from allocator.contract.errors import LeaseholdError
+
+from .policy_store import PolicyStore
+
+log = logging.getLogger("leasehold.policy_watch")
+
+
+class PolicyWatcher:
+    def __init__(self, store: PolicyStore, *, offer: Callable[[Bundle], Any], refuse: Callable[[str], Any],
+                 reread_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+        self.store = store
+        self.offer = offer
+        self.refuse = refuse
+        self.reread_s = reread_s
+        self.clock = clock
+        self.last_ok = clock()
+        self.reads_ok = 0
+        self.reads_failed = 0
+        self._seen_revision = 0  # mod_revision of the last value handed on (accepted or refused)
+        self._tasks: list[asyncio.Task] = []
+        self._lock = asyncio.Lock()
+
+    # -- one read -------------------------------------------------------------------------------
+    async def refresh(self) -> bool:
+        """Read the key once; hand a value not seen before to ``offer``/``refuse``.
+        Returns False when etcd could not be read (the current bundle stays in force)."""
+        async with self._lock:
+            try:
+                stored = await self.store.read()
+            except LeaseholdError as e:
+                self.reads_failed += 1
+                log.warning("policy read from etcd failed (%s); keeping the current bundle", e.code)
+                return False
+            self.last_ok = self.clock()
+            self.reads_ok += 1
+            if stored is None or stored.mod_revision == self._seen_revision:
+                return True
+            self._seen_revision = stored.mod_revision
+            if stored.bundle is None:
+                self.refuse(stored.problem)
+            else:
+                self.offer(stored.bundle)
+            return True
+
+    def age_ms(self) -> float:
+        return (self.clock() - self.last_ok) * 1000.0
+
+    def is_stale(self, bundle: Bundle) -> bool:
+        """True when the bundle has a ``maxAgeMs`` and etcd was not read successfully for longer."""
+        return bundle.max_age_ms is not None and self.age_ms() > bundle.max_age_ms
+
+    # -- background -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._reread_loop()), asyncio.create_task(self._watch_loop())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+
+    async def _reread_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.reread_s)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("policy re-read failed")
+
+    async def _watch_loop(self) -> None:
+        """Each watch event triggers a read (the read, not the event, is what is applied, so a
+        missed or coalesced event cannot leave an older value in force)."""
+        backoff = 0.2
+        while True:
+            watch = None
+            try:
+                client = await self.store.store._get_client()  # the store's current endpoint
+                watch = await asyncio.wait_for(client.watch(self.store.key), self.store.store.timeout_s)
+                backoff = 0.2
+                await self.refresh()  # anything written before the watch was registered
+                async for _event in watch:
+                    await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - driver errors: reconnect after a pause
+                log.debug("policy watch interrupted (%s); re-establishing", type(e).__name__)
+            finally:
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(watch.cancel(), 0.5)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.reread_s)

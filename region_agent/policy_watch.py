@@ -1,0 +1,62 @@
+"""The agent's side of policy distribution through etcd (seed ch. 14, I13).
+
+* :func:`make_watcher` follows ``<prefix>policy/current`` and feeds the :class:`PolicyHolder`
+  (strictly higher versions only; corrupt values are refused and counted as ``invalid``).
+* :func:`revoked_decision` is the conservative behaviour of ``revocable`` rules once the
+  snapshot is older than the bundle's ``maxAgeMs`` (no successful etcd read for that long):
+  a request whose selected, enforced rules include a revocable one is **denied with 503**,
+  reason ``POLICY_STALE``, ``Retry-After`` from the rule's ``closedRetryAfterMs`` — the same
+  answer as ``failMode: closed`` with the store down. Nothing is sent to Redis for it.
+  Non-revocable rules keep being enforced from the last good bundle.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Gauge
+
+from allocator.contract.bundle import Bundle
+from allocator.control.policy_store import PolicyStore
+from allocator.control.watch import PolicyWatcher
+from allocator.etcd_store import EtcdStore
+
+from .httpmap import retry_after_seconds
+from .metrics import AgentMetrics
+from .models import AdmitRequest, Decision
+from .plan import check_principal, selected
+from .policy import PolicyHolder
+
+
+def make_watcher(holder: PolicyHolder, endpoints: str, *, prefix: str, reread_ms: int, timeout_ms: int = 1000,
+                 user: str | None = None, password: str | None = None) -> PolicyWatcher:
+    kw = {"user": user, "password": password} if user else {}
+    store = EtcdStore(endpoints, timeout_s=timeout_ms / 1000, **kw)
+    return PolicyWatcher(PolicyStore(store, prefix), offer=holder.offer, refuse=holder.refuse_invalid,
+                         reread_s=reread_ms / 1000)
+
+
+def age_gauge(m: AgentMetrics, watcher: PolicyWatcher) -> None:
+    """``leasehold_agent_policy_age_seconds``: time since the last successful etcd read."""
+    g = Gauge("leasehold_agent_policy_age_seconds", "Seconds since the policy key was last read from etcd",
+              registry=m.registry)
+    g.set_function(lambda: watcher.age_ms() / 1000.0)
+
+
+def revoked_decision(bundle: Bundle, req: AdmitRequest, m: AgentMetrics | None = None) -> Decision | None:
+    """The denial for ``req`` when its rules include a revocable one (call only when stale)."""
+    tenant, _addr = check_principal(req.tenant_id, req.principal)
+    rules = selected(bundle, tenant=tenant, route_group=req.route_group, principal=req.principal)
+    rule = next((r for r in rules if r.revocable and not r.shadow), None)
+    if rule is None:
+        return None
+    anonymous = req.principal.type == "anonymous"
+    d = Decision(allowed=False, decision_id=req.request_id, policy_id=None if anonymous else rule.id,
+                 policy_version=bundle.bundle_version, denied_scope=rule.scope, reason="POLICY_STALE",
+                 retry_after_ms=rule.closed_retry_after_ms, http_status=503)
+    d.headers = {"Retry-After": str(retry_after_seconds(rule.closed_retry_after_ms))}
+    d.problem = ({"type": "about:blank", "title": "Service Unavailable", "status": 503} if anonymous else
+                 {"type": "about:blank", "title": "Service temporarily unavailable", "status": 503,
+                  "detail": "The rate limit policy in force is older than its maximum age. Retry later.",
+                  "decisionId": d.decision_id})
+    if m is not None:
+        m.decisions.labels("unavailable", rule.id, str(bundle.bundle_version), rule.route_key).inc()
+    return d

@@ -1,0 +1,239 @@
+"""Policy distribution through etcd (seed ch. 14, I13) on the real etcd and Redis fixtures:
+publish with a compare in the transaction, agents following the key, refusals counted,
+last good bundle kept, maxAgeMs revocation, shadow rules and a mid-run tightening."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import msgspec
+import pytest
+from litestar.testing import AsyncTestClient
+
+from allocator.contract.bundle import Bundle, Rule, encode_bundle, seal
+from allocator.contract.errors import Conflict, PolicyError, StaleVersion
+from allocator.control.policy_store import PolicyStore, Stored, policy_key
+from allocator.etcd_store import EtcdStore
+from leasehold.cli import main as cli_main
+from leasehold.procs import free_port
+from region_agent.app import create_app
+from tests.integration.agent.conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
+
+
+def bump(b: Bundle, version: int, **changes) -> Bundle:
+    return seal(msgspec.structs.replace(b, bundle_version=version, **changes))
+
+
+def with_rule(b: Bundle, rule_id: str, **changes) -> list[Rule]:
+    return [msgspec.structs.replace(r, **changes) if r.id == rule_id else r for r in b.rules]
+
+
+@pytest.fixture
+def policy_file(tmp_path: Path) -> Path:
+    p = tmp_path / "bundle.json"
+    write_bundle(p, northstar())
+    return p
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"/lh-{uuid.uuid4().hex[:8]}/"
+
+
+@pytest.fixture
+async def pstore(etcd_cluster, prefix):
+    store = PolicyStore(EtcdStore(",".join(etcd_cluster.endpoints)), prefix)
+    yield store
+    await store.store.close()
+
+
+async def wait_for(pred, within_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not await pred():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+# -- publish ------------------------------------------------------------------------------------
+async def test_publish_only_strictly_higher_versions(pstore):
+    base = northstar()
+    assert await pstore.read() is None
+    first = await pstore.publish(encode_bundle(bump(base, 10)))
+    assert (first.version, first.previous) == (10, None)
+    with pytest.raises(StaleVersion):
+        await pstore.publish(encode_bundle(bump(base, 10)))
+    with pytest.raises(StaleVersion):
+        await pstore.publish(encode_bundle(bump(base, 9)))
+    corrupt = encode_bundle(bump(base, 11)).replace(b'"capacityMillis": 20000', b'"capacityMillis": 20001')
+    with pytest.raises(PolicyError):  # checksum no longer matches the content
+        await pstore.publish(corrupt)
+    stored = await pstore.read()
+    assert stored is not None and stored.bundle is not None and stored.bundle.bundle_version == 10
+    second = await pstore.publish(encode_bundle(bump(base, 11)))
+    assert (second.version, second.previous) == (11, 10) and second.revision > first.revision
+
+
+async def test_the_compare_is_inside_the_transaction(pstore):
+    """A publish that read the key before someone else wrote it fails instead of overwriting."""
+    base = northstar()
+    await pstore.publish(encode_bundle(bump(base, 20)))
+    seen = await pstore.read()
+    await pstore.publish(encode_bundle(bump(base, 30)))  # a concurrent publisher wins
+
+    class ReadBeforeTheOtherWrite(PolicyStore):
+        async def read(self) -> Stored | None:
+            return seen
+
+    late = ReadBeforeTheOtherWrite(pstore.store, pstore.key.decode().removesuffix("policy/current"))
+    with pytest.raises(Conflict):
+        await late.publish(encode_bundle(bump(base, 25)))
+    stored = await pstore.read()
+    assert stored.bundle.bundle_version == 30
+
+
+def test_cli_publish_show_and_rollback(etcd_cluster, prefix, tmp_path: Path, capsys):
+    base = northstar()
+    ep = ",".join(etcd_cluster.endpoints)
+    v5 = tmp_path / "v5.json"
+    v5.write_bytes(encode_bundle(bump(base, 5)))
+    v6 = tmp_path / "v6.json"
+    v6.write_bytes(encode_bundle(bump(base, 6, rules=with_rule(base, "read-user-v3", capacity_millis=5000))))
+    assert cli_main(["policy", "publish", str(v5), "--etcd", ep, "--prefix", prefix]) == 0
+    assert cli_main(["policy", "publish", str(v6), "--etcd", ep, "--prefix", prefix]) == 0
+    assert cli_main(["policy", "publish", str(v5), "--etcd", ep, "--prefix", prefix]) == 3  # not higher
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"bundleVersion": 99}')
+    assert cli_main(["policy", "publish", str(bad), "--etcd", ep, "--prefix", prefix]) == 2
+    # rollback: v5's content under version 7
+    assert cli_main(["policy", "publish", str(v5), "--as-version", "7", "--etcd", ep, "--prefix", prefix]) == 0
+    capsys.readouterr()
+    assert cli_main(["policy", "show", "--etcd", ep, "--prefix", prefix]) == 0
+    shown = msgspec.json.decode(capsys.readouterr().out)
+    assert shown["bundleVersion"] == 7 and shown["valid"] and shown["key"] == prefix + "policy/current"
+    assert shown["checksum"] == bump(base, 7).checksum  # same content as v5, re-sealed
+
+
+# -- agents follow the key ------------------------------------------------------------------------
+def agent_app(redis_url: str, policy_file: Path, etcd_cluster, prefix: str, **kw):
+    settings = make_settings(redis_url, policy_file, policy_etcd=",".join(etcd_cluster.endpoints),
+                             policy_etcd_prefix=prefix, policy_etcd_reread_ms=kw.pop("reread_ms", 200), **kw)
+    return create_app(settings, pepper=PEPPER)
+
+
+def reload_count(metrics: str, outcome: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(f'leasehold_agent_policy_reloads_total{{outcome="{outcome}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_agent_switches_refuses_and_keeps_the_last_good(redis_url, policy_file, etcd_cluster, prefix, pstore):
+    base = northstar()
+    async with AsyncTestClient(app=agent_app(redis_url, policy_file, etcd_cluster, prefix)) as agent:
+        d = (await agent.post("/v1/admit", json=admit_body("req-00000001"))).json()
+        assert d["policyVersion"] == base.bundle_version
+        await pstore.publish(encode_bundle(bump(base, base.bundle_version + 1)))
+
+        async def switched() -> bool:
+            return (await agent.get("/v1/policy")).json()["bundleVersion"] == base.bundle_version + 1
+        await wait_for(switched)
+        d = (await agent.post("/v1/admit", json=admit_body("req-00000002"))).json()
+        assert d["allowed"] and d["policyVersion"] == base.bundle_version + 1
+
+        # a corrupt value written straight to etcd (bypassing publish): refused, counted, old kept
+        t = pstore.store.t
+        corrupt = encode_bundle(bump(base, base.bundle_version + 5)).replace(b"20000", b"20001", 1)
+        await pstore.store.txn([], [t.put(pstore.key, corrupt)])
+
+        async def refused_invalid() -> bool:
+            return reload_count((await agent.get("/metrics")).text, "invalid") >= 1
+        await wait_for(refused_invalid)
+        # a lower version written straight to etcd: refused as stale
+        await pstore.store.txn([], [t.put(pstore.key, encode_bundle(bump(base, 1)))])
+
+        async def refused_stale() -> bool:
+            return reload_count((await agent.get("/metrics")).text, "stale") >= 1
+        await wait_for(refused_stale)
+        d = (await agent.post("/v1/admit", json=admit_body("req-00000003"))).json()
+        assert d["allowed"] and d["policyVersion"] == base.bundle_version + 1
+        assert (await agent.get("/v1/policy")).json()["bundleVersion"] == base.bundle_version + 1
+
+
+async def test_tightening_applies_on_the_next_request(redis_url, policy_file, etcd_cluster, prefix, pstore):
+    """Limits ride as script arguments and stored tokens are clamped to the capacity in force."""
+    base = northstar()
+    async with AsyncTestClient(app=agent_app(redis_url, policy_file, etcd_cluster, prefix)) as agent:
+        first = (await agent.post("/v1/admit", json=admit_body("tight-0001"))).json()
+        assert first["allowed"] and first["limit"] == 20 and first["remaining"] == 19
+        tight = bump(base, base.bundle_version + 1,
+                     rules=with_rule(base, "read-user-v3", capacity_millis=3000, refill_millis=1, period_ms=60_000))
+        await pstore.publish(encode_bundle(tight))
+
+        async def switched() -> bool:
+            return (await agent.get("/v1/policy")).json()["bundleVersion"] == tight.bundle_version
+        await wait_for(switched)
+        ds = [(await agent.post("/v1/admit", json=admit_body(f"tight-{i:04d}"))).json() for i in range(2, 7)]
+        assert ds[0]["policyVersion"] == tight.bundle_version and ds[0]["limit"] == 3
+        assert ds[0]["remaining"] == 2  # 19 stored tokens clamped to 3, then one spent
+        assert [d["allowed"] for d in ds] == [True, True, True, False, False]
+
+
+async def test_shadow_rule_published_mid_run_is_counted_never_enforced(redis_url, policy_file, etcd_cluster,
+                                                                        prefix, pstore):
+    base = northstar()
+    shadow = Rule(id="shadow-read-1", scope="route", route_group="read", algorithm="fixed_window", limit=1,
+                  window_ms=60_000, fail_mode="open", shadow=True)
+    async with AsyncTestClient(app=agent_app(redis_url, policy_file, etcd_cluster, prefix)) as agent:
+        await pstore.publish(encode_bundle(bump(base, base.bundle_version + 1, rules=[*base.rules, shadow])))
+
+        async def switched() -> bool:
+            return (await agent.get("/v1/policy")).json()["bundleVersion"] == base.bundle_version + 1
+        await wait_for(switched)
+        ds = [(await agent.post("/v1/admit", json=admit_body(f"shadow-{i:04d}"))).json() for i in range(4)]
+        assert all(d["allowed"] and d["policyId"] == "read-user-v3" for d in ds)
+        text = (await agent.get("/metrics")).text
+        assert 'leasehold_agent_shadow_decisions_total{outcome="allowed",rule="shadow-read-1"} 1.0' in text
+        assert 'leasehold_agent_shadow_decisions_total{outcome="denied",rule="shadow-read-1"} 3.0' in text
+
+
+# -- maxAgeMs (I13) -----------------------------------------------------------------------------
+async def test_revocable_rules_deny_once_the_snapshot_is_too_old(redis_url, policy_file: Path, tmp_path, prefix):
+    base = northstar()
+    write_bundle(policy_file, base, max_age_ms=300,
+                 rules=with_rule(base, "tenant-atlas-minute", revocable=True))
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens: etcd unreachable from the start
+    settings = make_settings(redis_url, policy_file, policy_etcd=dead, policy_etcd_prefix=prefix,
+                             policy_etcd_reread_ms=100)
+    app = create_app(settings, pepper=PEPPER)
+    async with AsyncTestClient(app=app) as agent:
+        watcher = app.state.agent.policy_watch
+
+        async def stale() -> bool:
+            return watcher.is_stale(app.state.agent.holder.bundle)
+        await wait_for(stale)
+        atlas = await agent.post("/v1/admit", json=admit_body("stale-0001", tenant="atlas"))
+        body = atlas.json()
+        assert not body["allowed"] and body["reason"] == "POLICY_STALE" and body["httpStatus"] == 503
+        assert body["policyId"] == "tenant-atlas-minute" and body["headers"]["Retry-After"] == "5"
+        birch = (await agent.post("/v1/admit", json=admit_body("stale-0002", tenant="birch"))).json()
+        assert birch["allowed"] and birch["policyVersion"] == base.bundle_version  # last good bundle served
+        batch = (await agent.post("/v1/admit/batch", json={"requests": [
+            admit_body("stale-0003", tenant="birch"), admit_body("stale-0004", tenant="atlas")]})).json()
+        assert [d["reason"] for d in batch["decisions"]] == [None, "POLICY_STALE"]
+        assert "leasehold_agent_policy_age_seconds" in (await agent.get("/metrics")).text
+
+
+async def test_fresh_reads_keep_revocable_rules_enforced_normally(redis_url, policy_file, etcd_cluster, prefix):
+    base = northstar()
+    write_bundle(policy_file, base, max_age_ms=5_000,
+                 rules=with_rule(base, "tenant-atlas-minute", revocable=True))
+    async with AsyncTestClient(app=agent_app(redis_url, policy_file, etcd_cluster, prefix, reread_ms=100)) as agent:
+        await asyncio.sleep(0.3)
+        d = (await agent.post("/v1/admit", json=admit_body("fresh-0001", tenant="atlas"))).json()
+        assert d["allowed"] and d["reason"] is None
+
+
+def test_policy_key_layout():
+    assert policy_key("/leasehold/") == b"/leasehold/policy/current"
