@@ -1,0 +1,97 @@
+"""Both allocator replicas SIGKILLed mid-window (issue 4 "Done means"): regions finish the leases
+they hold, then admit at most the pool's fallback allowance per region and window (decisions say
+``fallback: true``), then deny; restarting the allocators resumes normal grants and the fallback
+stops. Real etcd, real allocator processes, two regions with their own redis-server and agent."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+
+from allocator.contract.bundle import Pool
+
+from .conftest import (
+    agent_urls,
+    drive,
+    etcd_windows,
+    leader_url,
+    metric,
+    per_window,
+    pool_rule,
+    restart,
+    wait_for_window_start,
+    wall_ms,
+    write_bundle,
+)
+
+POOL = Pool(id="atlas-w", window_ms=3_000, limit=100, lease_ttl_ms=1_500, chunk_min=10, chunk_max=20,
+            fallback_per_region=6, prefetch_ms=300, active_horizon_ms=3_000)
+
+
+async def test_allocator_loss_mid_window_then_fallback_then_restore(tmp_path: Path, topology_factory):
+    W, G, FB = POOL.window_ms, POOL.limit, POOL.fallback_per_region
+    topo = topology_factory(write_bundle(tmp_path / "bundle.json", [POOL], [pool_rule("atlas", POOL.id)]))
+    urls = agent_urls(topo)
+    k0 = await wait_for_window_start(W, after_ms=200)
+    stop = asyncio.Event()
+    load = asyncio.create_task(drive(urls, "atlas", seconds=30, per_second={"eu": 12, "us": 12}, stop=stop))
+    try:
+        # mid-window k0, with leases held by both regions: SIGKILL every allocator replica
+        await asyncio.sleep(max(0, k0 * W + W // 2 - wall_ms()) / 1000)
+        held = {}
+        async with httpx.AsyncClient(timeout=5) as client:
+            for region, url in urls.items():
+                view = (await client.get(url + "/v1/leases")).json()
+                held[region] = [lease for b in view["balances"] for lease in b["leases"]]
+        assert all(held.values()), held
+        for proc in topo.allocators:
+            proc.kill()
+        killed_ms = wall_ms()
+        # two whole windows without any allocator
+        await asyncio.sleep(max(0, (k0 + 3) * W + 300 - wall_ms()) / 1000)
+        for proc in topo.allocators:
+            restart(proc)
+        restarted_ms = wall_ms()
+        await leader_url(topo)
+        led_ms = wall_ms()
+        await asyncio.sleep(max(0, (led_ms // W + 3) * W + 100 - wall_ms()) / 1000)
+    finally:
+        stop.set()
+        recs = await load
+    assert killed_ms // W == k0
+    allowed_fb = per_window(recs, W, fallback=True)
+    # window k0: the held leases are finished after the kill (no fallback needed while they last)
+    after_kill = [r for r in recs if killed_ms < r.sent_ms and r.recv_ms < (k0 + 1) * W]
+    assert any(r.allowed and not r.fallback for r in after_kill)
+    assert per_window(recs, W)[k0] <= G + 2 * FB
+    # windows with no allocator at all: at most the fallback allowance per region, then 429s
+    dead = [k for k in range(k0 + 1, restarted_ms // W)]
+    assert len(dead) >= 2
+    for k in dead:
+        for region in ("eu", "us"):
+            ok = per_window(recs, W, region=region)[k]
+            assert 1 <= ok <= FB, (k, region, ok)
+            assert per_window(recs, W, region=region, fallback=True)[k] == ok  # every one says fallback
+            assert per_window(recs, W, region=region, allowed=False)[k] > 0  # then deny
+        assert allowed_fb[k] <= 2 * FB
+    for r in recs:
+        if not r.allowed and dead[0] * W <= r.sent_ms < (dead[-1] + 1) * W:
+            assert (r.d["httpStatus"], r.d["reason"]) == (429, "RATE_EXCEEDED")
+    for url in urls.values():
+        assert await metric(url, "leasehold_agent_degraded_decisions_total", reason="ALLOCATOR_UNREACHABLE",
+                            fail_mode="pool_fallback") > 0
+    # restored: whole windows after the new leader answered run on leases again, no fallback
+    restored = list(range(led_ms // W + 1, max(r.recv_ms for r in recs) // W))
+    assert len(restored) >= 1
+    for k in restored:
+        assert allowed_fb[k] == 0
+        assert per_window(recs, W, fallback=False)[k] >= 40  # demand ~72 per window, G = 100
+    # and the allocator's books in etcd: never more than G net per window
+    states = await etcd_windows(topo, POOL.id)
+    for k, st in states.items():
+        assert st.total_granted - st.total_returned == G - st.remaining, k
+        assert 0 <= st.remaining <= G
+    for k in dead:
+        assert k not in states or states[k].total_granted == 0
