@@ -24,6 +24,13 @@ from leasehold.topology import DEV_PEPPER
 REPO = Path(__file__).resolve().parents[2]
 NORTHSTAR = REPO / "policies" / "northstar.json"
 
+# The benchmark measures admission and leasing, not credential checks: services it starts (also
+# through leasehold.topology, which copies this environment) run with authentication disabled,
+# like the test suite's. Settings read only known variables, so this is inert where unsupported.
+AUTH_OFF = {"LEASEHOLD_AGENT_AUTH_DISABLED": "true", "LEASEHOLD_ALLOCATOR_AUTH_DISABLED": "true"}
+for _k, _v in AUTH_OFF.items():
+    os.environ.setdefault(_k, _v)
+
 
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
@@ -133,7 +140,10 @@ def loadgen(cfg: dict, timeout: float | None = None) -> dict:
                          capture_output=True, text=True, timeout=limit, env=_env(), cwd=REPO)
     if out.returncode != 0:
         raise RuntimeError(f"load generator failed ({out.returncode}):\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    if res["sent"] and not res["ok"]:
+        raise RuntimeError(f"no successful answer from {cfg['path']}: {res['error_samples']}")
+    return res
 
 
 def redis_client(server: RedisServer) -> redis.Redis:

@@ -68,6 +68,9 @@ async def _conn(cfg: dict, state: dict, wid: int) -> None:
                         state["allowed"][k] += data.count(b'"allowed":true')
                 else:
                     state["non200"] += 1
+                    state["statuses"][headers[9:12].decode()] += 1
+                    if not state["sample"]:
+                        state["sample"] = data[:300].decode(errors="replace")
     finally:
         writer.close()
 
@@ -79,7 +82,7 @@ async def run(cfg: dict) -> dict:
     warm = cfg.get("warmup_s", 0.0)
     state = {"body": body, "sent": cfg.get("start_index", 0), "max": cfg.get("start_index", 0) + cfg["max_requests"],
              "end": start + warm + cfg["duration_s"], "measure_from": start + warm, "lat": [], "ok": 0,
-             "non200": 0, "allowed": Counter(), "counted": 0}
+             "non200": 0, "allowed": Counter(), "counted": 0, "statuses": Counter(), "sample": ""}
     cpu0 = _cpu()
     start_wall = time.time() + warm
     results = await asyncio.gather(*(_conn(cfg, state, w) for w in range(cfg["conns"])), return_exceptions=True)
@@ -90,7 +93,7 @@ async def run(cfg: dict) -> dict:
     n = len(lat)
     return {
         "requests": n, "ok": state["ok"], "non200": state["non200"], "errors": len(errors),
-        "error_samples": errors[:3], "elapsed_s": elapsed, "rps": state["ok"] / elapsed if elapsed > 0 else 0.0,
+        "error_samples": errors[:3] + ([f"HTTP {dict(state['statuses'])}: {state['sample']}"] if state["sample"] else []), "elapsed_s": elapsed, "rps": state["ok"] / elapsed if elapsed > 0 else 0.0,
         "items_per_s": state["ok"] * cfg.get("items_per_request", 1) / elapsed if elapsed > 0 else 0.0,
         "p50_ms": percentile(lat, 50) * 1000 if n else None, "p99_ms": percentile(lat, 99) * 1000 if n else None,
         "cpu_s": cpu, "cpu_pct": 100.0 * cpu / (time.perf_counter() - start),

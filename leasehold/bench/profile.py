@@ -1,0 +1,109 @@
+"""Where a decision's Python CPU goes: profile the agent's engine in process (figure 3's loop)
+with pyinstrument against a real redis-server, or an agent process over HTTP with py-spy when
+it is installed.
+
+    python -m leasehold.bench.profile [--seconds 3] [--out bench-results/profile-engine.txt]
+    python -m leasehold.bench.profile --http [--seconds 3]   # py-spy on a running agent (figure 2 load)
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from leasehold.procs import RedisServer
+
+from .fig_library import CONCURRENCY, make_engine, user_requests
+from .harness import drive, loadgen, services, start_agent
+
+
+async def _engine_loop(redis_url: str, seconds: float) -> tuple[int, float]:
+    engine, store = await make_engine(redis_url)
+    reqs = user_requests(10_000, "prof")
+    try:
+        return await drive(lambda i: engine.admit(reqs[(i * 7919) % 10_000]), concurrency=CONCURRENCY,
+                           duration_s=seconds, max_ops=5_000_000)
+    finally:
+        await store.close()
+
+
+def profile_engine(work: Path, seconds: float) -> str:
+    import uvloop
+    from pyinstrument import Profiler
+
+    redis = RedisServer(work / "profile-redis").start()
+    with services(redis):
+        prof = Profiler(interval=0.0005, async_mode="disabled")
+        prof.start()
+        done, secs = uvloop.run(_engine_loop(redis.url, seconds))
+        prof.stop()
+    head = f"engine in process, {CONCURRENCY} tasks: {done} decisions in {secs:.2f} s = {done / secs:,.0f}/s\n"
+    return head + prof.output_text(unicode=False, color=False, show_all=False)
+
+
+def profile_http(work: Path, seconds: float) -> str:
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        return "py-spy is not installed (pip install py-spy)"
+    redis = RedisServer(work / "profile-redis").start()
+    with services(redis):
+        agent = start_agent(work / "profile-agent", redis.url)
+        with services(agent):
+            rec = subprocess.Popen([spy, "record", "-p", str(agent.proc.pid), "-d", str(int(seconds)), "-r", "200",
+                                    "-f", "raw", "-o", str(work / "agent.folded"), "--nonblocking"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            res = loadgen({"port": agent.port, "path": "/v1/admit", "workload": "admit", "conns": 64,
+                           "duration_s": seconds, "max_requests": 2_000_000})
+            try:
+                rec.wait(timeout=seconds + 30)
+            finally:
+                if rec.poll() is None:
+                    rec.kill()
+                    rec.wait()
+    return f"agent over HTTP, 64 conns: {res['rps']:,.0f} req/s\n" + summarise_folded(work / "agent.folded")
+
+
+def summarise_folded(path: Path, top: int = 25) -> str:
+    """Self and inclusive sample shares per function from py-spy's folded stacks."""
+    if not path.exists():
+        return "(no samples)"
+    incl: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        count = int(n)
+        total += count
+        frames = stack.split(";")
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + count
+        own[frames[-1]] = own.get(frames[-1], 0) + count
+    lines = [f"{total} samples; top by inclusive share (self share):"]
+    for f, n in sorted(incl.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"{100 * n / total:5.1f}% ({100 * own.get(f, 0) / total:4.1f}%)  {f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m leasehold.bench.profile")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--http", action="store_true", help="py-spy on an agent process under figure 2's load")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="leasehold-profile-") as tmp:
+        text = profile_http(Path(tmp), a.seconds) if a.http else profile_engine(Path(tmp), a.seconds)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
