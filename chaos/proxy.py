@@ -475,8 +475,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                 raise BadRequest(f"{a}: the proxy and its control endpoint listen on loopback only")
     except BadRequest as e:
         ap.error(e.detail)
+    coro = serve(args.listen, args.upstream, args.control, args.seed, args.duration)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.listen, args.upstream, args.control, args.seed, args.duration))
+        try:
+            import uvloop  # a faster loop for a proxy in the data path, when installed
+        except ImportError:
+            asyncio.run(coro)
+        else:
+            uvloop.run(coro)
 
 
 if __name__ == "__main__":
