@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import fig_alloc, fig_batch, fig_hotkey, fig_library, fig_scale, fig_single, fig_util
+from .bounds import explain
 from .context import Ctx
 from .report import environment, plot_fig2, write_json, write_markdown
 from .stats import Row, render_text
@@ -37,11 +38,27 @@ def parse_only(values: list[str] | None) -> list[str]:
     return sorted(chosen)
 
 
+def run_profiles(ctx: Ctx) -> None:
+    """Where the Python CPU of a decision goes, written next to the results."""
+    from .profile import profile_engine, profile_http
+
+    for name, fn in (("profile-engine.txt", profile_engine), ("profile-agent-http.txt", profile_http)):
+        print(f"[bench] profiling: {name} ...", flush=True)
+        try:
+            (ctx.out / name).write_text(fn(ctx.work, 3.0))
+            ctx.note(f"profile written: {name}")
+        except Exception as e:  # a profile is an aid; its failure is reported, not fatal
+            ctx.note(f"profile {name} failed: {type(e).__name__}: {e}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m leasehold.bench", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="1 trial, shorter loops, smaller sizes (~2 min)")
     ap.add_argument("--only", action="append", metavar="FIGURE", help="figure number(s) 1-7, repeatable or comma list")
     ap.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
+    ap.add_argument("--profile", choices=("auto", "yes", "no"), default="auto",
+                    help="profile the engine (pyinstrument) and an agent under load (py-spy); auto: full runs "
+                         "where figure 2 or 3 misses its goal")
     ap.add_argument("--keep-logs", action="store_true", help="keep the servers' directories and logs")
     a = ap.parse_args(argv)
     figures = parse_only(a.only)
@@ -68,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
                 got[0].goal = None
             rows.extend(got)
             print(render_text(got), f"\n[bench] figure {f} took {time.monotonic() - t0:.1f} s", flush=True)
+    if a.profile == "yes" or (a.profile == "auto" and not a.quick and any(
+            r.figure in ("2", "3") and r.verdict == "FAIL" for r in rows)):
+        run_profiles(ctx)
+    for sentence in explain(rows):
+        ctx.note(sentence)
     meta = {"started": started, "elapsed_s": time.time() - started, "quick": a.quick, "trials": ctx.trials,
             "figures": figures, "env": environment()}
     write_json(out / "results.json", rows, meta)

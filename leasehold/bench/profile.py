@@ -9,6 +9,7 @@ it is installed.
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
@@ -67,6 +68,9 @@ def profile_http(work: Path, seconds: float) -> str:
     return f"agent over HTTP, 64 conns: {res['rps']:,.0f} req/s\n" + summarise_folded(work / "agent.folded")
 
 
+_LINE = re.compile(r":\d+\)$")
+
+
 def summarise_folded(path: Path, top: int = 25) -> str:
     """Self and inclusive sample shares per function from py-spy's folded stacks."""
     if not path.exists():
@@ -80,7 +84,7 @@ def summarise_folded(path: Path, top: int = 25) -> str:
             continue
         count = int(n)
         total += count
-        frames = stack.split(";")
+        frames = [_LINE.sub(")", f) for f in stack.split(";")]  # per function, not per line
         for f in set(frames):
             incl[f] = incl.get(f, 0) + count
         own[frames[-1]] = own.get(frames[-1], 0) + count

@@ -1,0 +1,79 @@
+"""What bounds each figure, read from the CPU measured during it (pure: rows in, sentences out).
+
+A process near 1.0 core is the bottleneck on these shared 2-core machines; the CPU spent per
+decision on each side says where a faster design would have to save."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .stats import Row, median
+
+BUSY = 0.85  # of one core: that process is saturated
+
+
+def _med(trials: Sequence[dict[str, float]], key: str) -> float | None:
+    vals = [t[key] for t in trials if key in t]
+    return median(vals) if vals else None
+
+
+def _cores(util: Sequence[dict[str, float]]) -> str:
+    keys = sorted({k for u in util for k in u})
+    return ", ".join(f"{k} {_med(util, k):.2f} cores" for k in keys)
+
+
+def _who_busy(util: Sequence[dict[str, float]]) -> list[str]:
+    keys = sorted({k for u in util for k in u})
+    return [k for k in keys if (_med(util, k) or 0) >= BUSY]
+
+
+def explain(rows: Sequence[Row]) -> list[str]:
+    out: list[str] = []
+    for r in rows:
+        x: dict[str, Any] = r.extra
+        if r.figure == "1" and "cpu_us_per_decision" in x:
+            per = x["cpu_us_per_decision"]
+            agent, redis = _med(per, "agent"), _med(per, "redis")
+            ceil = median(x["ceiling_redis_cpu_us_per_call"]) if x.get("ceiling_redis_cpu_us_per_call") else None
+            busy = _who_busy(x["cpu_utilisation"])
+            out.append(
+                f"Figure 1: {_cores(x['cpu_utilisation'])} during the load; per decision the agent spends "
+                f"{agent:.1f} us of Python CPU and Redis {redis:.1f} us (redis-benchmark's token-bucket call: "
+                f"{ceil:.1f} us of Redis CPU). "
+                + (f"Bound by {' and '.join(busy)} CPU." if busy else "No process saturated: bound by latency/"
+                   "concurrency or the shared cores.")
+                + f" {100 * median(x['allowed_share']):.0f}% of the mix was admitted.")
+        elif r.figure == "2" and "throughput" in r.name and "cpu_us_per_request" in x:
+            per = x["cpu_us_per_request"]
+            a, e = _med(per["agent"], "server"), _med(per["echo"], "server")
+            redis = _med(per["agent"], "redis")
+            out.append(
+                f"Figure 2: per request the agent process spends {a:.0f} us of CPU, the bare echo app {e:.0f} us "
+                f"(Redis {redis:.1f} us per request for the agent); agent {_cores(x['cpu_utilisation']['agent'])}, "
+                f"echo {_cores(x['cpu_utilisation']['echo'])}. With one worker each, throughput is about "
+                f"1 core / CPU per request, so the ratio is bound by the agent's extra Python work per request "
+                f"({a - e:.0f} us: plan, keys, metrics, decision record, batcher) — see profile-agent-http.txt.")
+        elif r.figure == "3" and "moving window" in r.name:
+            share = x.get("engine_allowed_share")
+            out.append(
+                "Figure 3: engine and limits run in this one benchmark process (one core at most for either); "
+                f"the engine admitted {100 * median(share):.0f}% (same rule, 20 per 10 s per user, 10k users). "
+                "The engine's Python CPU per decision (plan, HMAC keys, metrics, decision record) is the bound: "
+                "see profile-engine.txt.")
+        elif r.figure == "4" and "cpu_us_per_grant" in x:
+            per = x["cpu_us_per_grant"]
+            cas = median(x["ceiling_etcd_cpu_us_per_cas"]) if x.get("ceiling_etcd_cpu_us_per_cas") else None
+            busy = _who_busy(x["cpu_utilisation"])
+            out.append(
+                f"Figure 4: {_cores(x['cpu_utilisation'])}; per grant the allocator spends "
+                f"{_med(per, 'allocator'):.0f} us and etcd {_med(per, 'etcd'):.0f} us of CPU (etcd per single "
+                f"CAS: {cas:.0f} us). "
+                + (f"Bound by {' and '.join(busy)} CPU." if busy else "No process saturated."))
+        elif r.figure == "5":
+            out.append(f"Figure 5: {x.get('redis_calls')} script calls for {x.get('attempts')} attempts "
+                       f"({x.get('admitted')} admitted as the bucket refilled).")
+        elif r.figure == "6" and "utilisation" in r.name:
+            out.append(f"Figure 6: admitted per window {x.get('admitted_per_window')} (G={x.get('G')}, bound "
+                       f"{x.get('bound')}); min {x.get('min', 0):.3f}, max {x.get('max', 0):.3f} of G.")
+    return out
