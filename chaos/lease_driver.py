@@ -52,6 +52,7 @@ class LeaseDriver:
     timeout_s: float = 1.0
     seed: int = 0
     run_id: str = "run"
+    token: str | None = None  # the region's bearer token for the allocator, when auth is on
     stats: DriverStats = field(default_factory=DriverStats)
 
     def __post_init__(self) -> None:
@@ -70,7 +71,8 @@ class LeaseDriver:
         max_requests = min(max_requests, MAX_REQUESTS)
         deadline = time.monotonic() + duration_s
         replays: list[asyncio.Task] = []
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers) as client:
             while time.monotonic() < deadline and self.stats.requests < max_requests:
                 lease_id = self._lease_id()
                 body = {"leaseId": lease_id, "region": self.region, "pool": self.pool, "want": self.want}

@@ -6,6 +6,9 @@ plus etcd's own records."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
+import secrets
 import sys
 import uuid
 from pathlib import Path
@@ -28,13 +31,19 @@ POOL = Pool(id="p-global", window_ms=2_000, limit=60, lease_ttl_ms=1_000, chunk_
             fallback_per_region=0)
 
 
+TOKENS = {region: secrets.token_hex(16) for region in ("eu", "us")}
+# region authentication (seed ch. 16): the allocator keeps only digests; env is read only for known settings
+AUTH_ENV = {**os.environ, "LEASEHOLD_ALLOCATOR_REGION_TOKENS": ",".join(
+    f"{r}:{hashlib.sha256(t.encode()).hexdigest()}" for r, t in TOKENS.items())}
+
+
 def start_allocator(workdir: Path, node: str, etcd: str, bundle: Path, prefix: str) -> tuple[Proc, int]:
     port = free_port()
     proc = Proc(f"allocator-{node}", [
         sys.executable, "-m", "allocator", "--etcd", etcd, "--policy", str(bundle), "--node-id", node,
         "--host", LOOPBACK, "--port", str(port), "--advertise-url", f"http://{LOOPBACK}:{port}",
         "--prefix", prefix, "--election-ttl-s", "2", "--etcd-timeout-ms", "500", "--log-level", "warning",
-    ], workdir / node).start()
+    ], workdir / node, env=AUTH_ENV).start()
     wait_port(port, proc=proc.popen, timeout=30)
     return proc, port
 
@@ -81,7 +90,8 @@ async def test_lease_history_under_faults_passes_the_checker(fresh_etcd_cluster:
         with HistoryWriter(history) as w:
             w.write(Meta(scenario="allocator-failover", seed=1, started_at_ms=now_ms()))
             drivers = [LeaseDriver(r, POOL.id, [f"http://{LOOPBACK}:{links[(r, n)].port}" for n in ports], w,
-                                   want=10, interval_s=0.05, replay_probability=0.3, seed=1, run_id="t1")
+                                   want=10, interval_s=0.05, replay_probability=0.3, seed=1, run_id="t1",
+                                   token=TOKENS[r])
                        for r in ("eu", "us")]
             schedule = Schedule(8.0, [
                 Step(1.0, Kill(procs[first_leader], ready=port_ready(ports[first_leader]), recorder=w), 1.5),
