@@ -13,7 +13,18 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from chaos.history import Fault, HistoryWriter, read_history
-from chaos.nemesis import Combined, Kill, Latency, Partition, Pause, RedisRestart, Schedule, Step, port_ready
+from chaos.nemesis import (
+    Combined,
+    Kill,
+    Latency,
+    Partition,
+    Pause,
+    RedisRestart,
+    Refuse,
+    Schedule,
+    Step,
+    port_ready,
+)
 from chaos.proxy import FaultProxy
 from leasehold.procs import LOOPBACK, RedisServer
 
@@ -96,3 +107,18 @@ async def test_kill_with_restart_and_redis_restart_lose_state_and_script_cache(o
     assert own_redis.proc.alive() and own_redis.proc.pid != old_pid
     assert await client(own_redis.port).get("k2") is None
     assert [rec.nemesis for rec in restart.records + kill.records] == ["redis-restart", "kill"]
+
+
+async def test_refuse_nemesis_makes_the_upstream_look_down_then_heals(own_redis: RedisServer):
+    async with FaultProxy((LOOPBACK, own_redis.port)) as proxy:
+        r = client(proxy.port)
+        assert await r.ping()
+        refuse = Refuse(proxy, target="agent-us->redis-us")
+        async with refuse.active_for():
+            with pytest.raises((RedisConnectionError, RedisTimeoutError)):
+                await r.ping()  # the open connection was reset
+            with pytest.raises(ConnectionRefusedError):
+                await asyncio.open_connection(LOOPBACK, proxy.port)
+        assert await client(proxy.port).ping()
+        assert refuse.records[0].detail == "reset open connections"
+        await r.aclose()
