@@ -43,7 +43,9 @@ def explain(rows: Sequence[Row]) -> list[str]:
                 f"{ceil:.1f} us of Redis CPU). "
                 + (f"Bound by {' and '.join(busy)} CPU." if busy else "No process saturated: bound by latency/"
                    "concurrency or the shared cores.")
-                + f" {100 * median(x['allowed_share']):.0f}% of the mix was admitted.")
+                + f" {100 * median(x['allowed_share']):.0f}% of the mix was admitted"
+                + (f", {100 * median(x['fallback_share']):.1f}% decided by the local fallback (store degraded)"
+                   if x.get("fallback_share") else "") + ".")
         elif r.figure == "2" and "throughput" in r.name and "cpu_us_per_request" in x:
             per = x["cpu_us_per_request"]
             a, e = _med(per["agent"], "server"), _med(per["echo"], "server")
@@ -53,7 +55,9 @@ def explain(rows: Sequence[Row]) -> list[str]:
                 f"(Redis {redis:.1f} us per request for the agent); agent {_cores(x['cpu_utilisation']['agent'])}, "
                 f"echo {_cores(x['cpu_utilisation']['echo'])}. With one worker each, throughput is about "
                 f"1 core / CPU per request, so the ratio is bound by the agent's extra Python work per request "
-                f"({a - e:.0f} us: plan, keys, metrics, decision record, batcher) — see profile-agent-http.txt.")
+                f"({a - e:.0f} us: plan, keys, metrics, decision record, batcher) — see profile-agent-http.txt."
+                + (f" {100 * median(x['agent_fallback_share']):.1f}% of the agent's answers were local fallback "
+                   f"decisions (a decision that misses its budget degrades)." if x.get("agent_fallback_share") else ""))
         elif r.figure == "3" and "moving window" in r.name:
             share = x.get("engine_allowed_share")
             out.append(
@@ -76,4 +80,14 @@ def explain(rows: Sequence[Row]) -> list[str]:
         elif r.figure == "6" and "utilisation" in r.name:
             out.append(f"Figure 6: admitted per window {x.get('admitted_per_window')} (G={x.get('G')}, bound "
                        f"{x.get('bound')}); min {x.get('min', 0):.3f}, max {x.get('max', 0):.3f} of G.")
+    grants = [r for r in rows if r.figure == "7" and "single grant" in r.name]
+    if len(grants) >= 2:
+        a, b = grants[0], grants[-1]
+        out.append(f"Figure 7: single-grant p50 goes from {a.value:.2f} ms ({a.name.split(':')[0]}) to "
+                   f"{b.value:.2f} ms ({b.name.split(':')[0]}), x{b.value / a.value:.1f}; p99 "
+                   f"{a.extra.get('p99_ms', 0):.2f} -> {b.extra.get('p99_ms', 0):.2f} ms.")
+    mem = [r for r in rows if r.figure == "7" and "memory per key" in r.name]
+    if len(mem) >= 2:
+        out.append("Figure 7: Redis bytes per active key " + " -> ".join(f"{r.value:.0f}" for r in mem)
+                   + " as keys grow 10x per step (fixed overhead amortised; per-key cost flat).")
     return out

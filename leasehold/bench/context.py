@@ -12,7 +12,7 @@ class Ctx:
     work: Path  # process directories (logs) for this run
     quick: bool = False
     trials: int = 3
-    duration_s: float = 2.0  # one trial of a throughput loop
+    duration_s: float = 3.0  # one trial of a throughput loop
     warmup_s: float = 0.5
     principals: int = 10_000
     batch_size: int = 100

@@ -39,7 +39,7 @@ def run(ctx: Ctx) -> list[Row]:
     with services(redis):
         agent = start_agent(ctx.work / "fig1-agent", redis.url)
         with services(agent):
-            subject, ceiling, cpu, share, cpu_us, util, ceiling_cpu_us = [], [], [], [], [], [], []
+            subject, ceiling, cpu, share, cpu_us, util, ceiling_cpu_us, fallback = [], [], [], [], [], [], [], []
             r = redis_client(redis)
             for t in range(ctx.trials):
                 with CpuMeter({"agent": agent.proc.pid}, r) as meter:
@@ -55,6 +55,7 @@ def run(ctx: Ctx) -> list[Row]:
                 subject.append(res["items_per_s"])
                 cpu.append(res["cpu_pct"])
                 share.append(res["counted"] / max(1, res["ok"] * ctx.batch_size))
+                fallback.append(res["fallback"] / max(1, res["ok"] * ctx.batch_size))
                 n = max(20_000, int(ceiling[-1] * ctx.duration_s) if ceiling else 100_000)
                 with CpuMeter({}, r) as bm:
                     ceiling.append(redis_benchmark_script(redis, n))
@@ -62,6 +63,6 @@ def run(ctx: Ctx) -> list[Row]:
             r.close()
     return [Row("1", "batch admission (POST /v1/admit/batch, 100/batch)", median(subject), "decisions/s",
                 median(ceiling), "redis-benchmark EVALSHA token_bucket -P16", Goal(">=", 0.40),
-                extra={"trials": subject, "ceiling_trials": ceiling, "loadgen_cpu_pct": cpu, "allowed_share": share,
+                extra={"trials": subject, "ceiling_trials": ceiling, "loadgen_cpu_pct": cpu, "allowed_share": share, "fallback_share": fallback,
                        "cpu_us_per_decision": cpu_us, "cpu_utilisation": util,
                        "ceiling_redis_cpu_us_per_call": ceiling_cpu_us})]

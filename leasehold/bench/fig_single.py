@@ -58,7 +58,8 @@ def run(ctx: Ctx, workers: int = 1) -> list[Row]:
              "trials_rps": {k: [r["rps"] for r in v] for k, v in fig.items()},
              "cpu_us_per_request": {k: [r["cpu_us_per_request"] for r in v] for k, v in fig.items()},
              "cpu_utilisation": {k: [r["cpu_utilisation"] for r in v] for k, v in fig.items()},
-             "agent_allowed_share": [r["counted"] / max(1, r["ok"]) for r in fig["agent"]]}
+             "agent_allowed_share": [r["counted"] / max(1, r["ok"]) for r in fig["agent"]],
+             "agent_fallback_share": [r["fallback"] / max(1, r["ok"]) for r in fig["agent"]]}
     return [
         Row("2", f"single admit, {FIGURE_CONNS} conns: throughput", med("agent", "rps"), "req/s",
             med("echo", "rps"), "bare Litestar echo", Goal(">=", 0.60), extra=extra),

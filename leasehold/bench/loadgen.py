@@ -63,6 +63,7 @@ async def _conn(cfg: dict, state: dict, wid: int) -> None:
                     state["ok"] += 1
                     if count:
                         state["counted"] += data.count(count)
+                    state["fallback"] += data.count(b'"fallback":true')
                     if window_ms:
                         k = int((wall0 + (t1 - t0) / 2) * 1000 // window_ms)
                         state["allowed"][k] += data.count(b'"allowed":true')
@@ -82,7 +83,7 @@ async def run(cfg: dict) -> dict:
     warm = cfg.get("warmup_s", 0.0)
     state = {"body": body, "sent": cfg.get("start_index", 0), "max": cfg.get("start_index", 0) + cfg["max_requests"],
              "end": start + warm + cfg["duration_s"], "measure_from": start + warm, "lat": [], "ok": 0,
-             "non200": 0, "allowed": Counter(), "counted": 0, "statuses": Counter(), "sample": ""}
+             "non200": 0, "allowed": Counter(), "counted": 0, "fallback": 0, "statuses": Counter(), "sample": ""}
     cpu0 = _cpu()
     start_wall = time.time() + warm
     results = await asyncio.gather(*(_conn(cfg, state, w) for w in range(cfg["conns"])), return_exceptions=True)
@@ -98,7 +99,7 @@ async def run(cfg: dict) -> dict:
         "p50_ms": percentile(lat, 50) * 1000 if n else None, "p99_ms": percentile(lat, 99) * 1000 if n else None,
         "cpu_s": cpu, "cpu_pct": 100.0 * cpu / (time.perf_counter() - start),
         "allowed_by_window": {str(k): v for k, v in sorted(state["allowed"].items())},
-        "counted": state["counted"], "counted_per_s": state["counted"] / elapsed if elapsed > 0 else 0.0,
+        "counted": state["counted"], "fallback": state["fallback"], "counted_per_s": state["counted"] / elapsed if elapsed > 0 else 0.0,
         "start_wall": start_wall, "end_wall": time.time(),
         "sent": state["sent"] - cfg.get("start_index", 0),
     }

@@ -88,9 +88,14 @@ def summarise_folded(path: Path, top: int = 25) -> str:
         for f in set(frames):
             incl[f] = incl.get(f, 0) + count
         own[frames[-1]] = own.get(frames[-1], 0) + count
-    lines = [f"{total} samples; top by inclusive share (self share):"]
-    for f, n in sorted(incl.items(), key=lambda kv: -kv[1])[:top]:
-        lines.append(f"{100 * n / total:5.1f}% ({100 * own.get(f, 0) / total:4.1f}%)  {f}")
+    lines = [f"{total} samples (py-spy; async callbacks start fresh stacks, so read self shares first)",
+             "", "top by self share (inclusive):"]
+    for f, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"{100 * n / total:5.1f}% ({100 * incl.get(f, 0) / total:5.1f}%)  {f}")
+    lines += ["", "Leasehold code by inclusive share (self):"]
+    ours = [(f, n) for f, n in incl.items() if "region_agent/" in f or "allocator/" in f]
+    for f, n in sorted(ours, key=lambda kv: -kv[1])[:top]:
+        lines.append(f"{100 * n / total:5.1f}% ({100 * own.get(f, 0) / total:5.1f}%)  {f}")
     return "\n".join(lines)
 
 

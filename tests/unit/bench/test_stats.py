@@ -79,3 +79,16 @@ def test_only_option():
     assert parse_only(["fig2,1", "2"]) == ["1", "2"]
     with pytest.raises(SystemExit):
         parse_only(["9"])
+
+
+def test_bounds_name_the_saturated_process():
+    from leasehold.bench.bounds import explain
+
+    row = Row("1", "batch", 12_000, "decisions/s", ceiling=60_000, goal=Goal(">=", 0.4), extra={
+        "cpu_us_per_decision": [{"agent": 80.0, "redis": 9.0}] * 3,
+        "cpu_utilisation": [{"agent": 0.97, "redis": 0.3}] * 3,
+        "ceiling_redis_cpu_us_per_call": [6.0, 6.5, 7.0], "allowed_share": [0.5, 0.5, 0.5]})
+    hot = Row("5", "hot", 0.01, "calls/attempt", extra={"redis_calls": 50, "attempts": 5000, "admitted": 4})
+    notes = explain([row, hot])
+    assert "Bound by agent CPU" in notes[0] and "80.0 us" in notes[0] and "6.5 us" in notes[0]
+    assert notes[1].startswith("Figure 5: 50 script calls for 5000 attempts")
