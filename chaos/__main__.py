@@ -1,6 +1,10 @@
 """``python -m chaos check --history RUN.jsonl --policy BUNDLE.json`` — re-run the checker on a
 kept history (e.g. a failing run's). Exit status 0 = every invariant held, 1 = violations,
-2 = bad input. (Scenario running, ``python -m chaos run``, is assembled on top of these parts.)"""
+2 = bad input.
+
+``python -m chaos run --scenario NAME --seed N --duration S`` / ``--profile short|full`` —
+run scenarios against the real topology (:mod:`chaos.run`); exit 1 when a checker verdict or a
+scenario expectation fails."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from collections.abc import Sequence
 import msgspec
 
 from allocator.contract.bundle import load_bundle_file
-from allocator.contract.errors import PolicyError
+from allocator.contract.errors import BadRequest, PolicyError
 from allocator.contract.invariants import DEFAULT_TOLERANCE_MS
 
 from .checker import check
@@ -27,7 +31,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--tolerance-ms", type=int, default=DEFAULT_TOLERANCE_MS,
                    help=f"timing tolerance on the recorder clock (default {DEFAULT_TOLERANCE_MS})")
     c.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
+    r = sub.add_parser("run", help="run a scenario (or a profile) against the real topology")
+    r.add_argument("--scenario", help="scenario name, or several joined with '+' (combined); default: the profile")
+    r.add_argument("--profile", choices=("short", "full"), help="run every scenario of a profile")
+    r.add_argument("--seed", type=int, default=1)
+    r.add_argument("--seeds", type=int, default=1, help="run each scenario with this many seeds (seed, seed+1, ...)")
+    r.add_argument("--duration", type=float, help="seconds per scenario (default: the profile's)")
+    r.add_argument("--out", default="chaos-reports", help="report root directory")
+    r.add_argument("--list", action="store_true", help="list the scenarios and exit")
     args = ap.parse_args(argv)
+    if args.cmd == "run":
+        return _run(ap, args)
     if args.tolerance_ms < 0:
         ap.error("--tolerance-ms must be >= 0")
     try:
@@ -41,6 +55,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(report.render())
     return 0 if report.ok else 1
+
+
+def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from .run import run_scenario
+    from .scenarios import PROFILES, SCENARIOS, resolve
+
+    if args.list:
+        for name, s in SCENARIOS.items():
+            print(f"{name:30s} {s.doc}")
+        return 0
+    if args.duration is not None and not (5 <= args.duration <= 1800):
+        ap.error("--duration must be in [5, 1800] s")
+    if not (1 <= args.seeds <= 100):
+        ap.error("--seeds must be in [1, 100]")
+    if args.scenario:
+        try:
+            resolve(args.scenario)
+        except BadRequest as e:
+            ap.error(e.detail or str(e))
+        plan = [(args.scenario, args.duration or 30.0)]
+    else:
+        plan = [(n, args.duration or d) for n, d in PROFILES[args.profile or "short"]]
+
+    async def go() -> bool:
+        ok = True
+        for seed in range(args.seed, args.seed + args.seeds):
+            for name, dur in plan:
+                res = await run_scenario(name, seed, dur, Path(args.out))
+                ok = ok and res.ok
+        return ok
+
+    return 0 if asyncio.run(go()) else 1
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ Which records feed which check:
 * spend within grant / no spend after expiry: lease spends of allowed ``decision`` records
   (plus ``spend_close`` totals for the former);
 * admitted within bound and utilisation: ``decision`` records, with the pools in force from the
-  ``pools`` argument and any ``policy`` records, and ``local_allowance`` records;
+  ``pools`` argument and any ``policy`` records, and ``local_allowance`` records; a decision
+  whose answer arrived in a later window than the one it was sent in is left out of the bound
+  (it was admitted in one of the two; see :func:`split_boundary`) and counted in the note;
 * acknowledged grants persisted: non-zero region-received grants against ``etcd_grant``. Only
   judged when the history holds etcd records (otherwise reported as not checked).
 """
@@ -127,6 +129,23 @@ class Report(Struct):
         return "\n".join(lines)
 
 
+def split_boundary(decisions: list[inv.DecisionRecord], policies: Iterable[PoolPolicy]
+                   ) -> tuple[list[inv.DecisionRecord], list[inv.DecisionRecord]]:
+    """(certain, straddling): a decision windowed by its send time whose answer arrived in a
+    later window was admitted in one of the two — which one the history cannot tell (the
+    agent's answer does not name the window). The per-window bound is judged on the certain
+    ones; the straddling ones are counted in the verdict's note."""
+    window_ms = {p.id: p.window_ms for p in policies}
+    certain, straddling = [], []
+    for d in decisions:
+        w = window_ms.get(d.pool)
+        if w is not None and d.at_ms is not None and d.at_ms // w != d.window_index:
+            straddling.append(d)
+        else:
+            certain.append(d)
+    return certain, straddling
+
+
 def _pool_policies(pools: Iterable[Pool | PoolPolicy]) -> list[PoolPolicy]:
     return [p if isinstance(p, PoolPolicy) else PoolPolicy.from_pool(p) for p in pools]
 
@@ -178,8 +197,10 @@ def check(history: str | Path | Iterable[Record], pools: Iterable[Pool | PoolPol
     add("lease_spend_within_grant", spend_viol + close_viol, checked=bool(timed_spends or closes))
     add("no_spend_after_expiry", inv.no_spend_after_expiry(timed_spends, all_grants, tolerance_ms),
         checked=bool(timed_spends))
-    bound = inv.admitted_within_bound(d_recs, policies, None, local)
-    add("admitted_within_bound", bound.violations, checked=bool(d_recs))
+    certain, straddling = split_boundary(d_recs, policies)
+    bound = inv.admitted_within_bound(certain, policies, None, local)
+    add("admitted_within_bound", bound.violations, checked=bool(d_recs),
+        note=f"{len(straddling)} boundary-straddling decision(s) not attributed" if straddling else "")
     add("acknowledged_grants_persisted", inv.acknowledged_grants_persisted(received, stored),
         checked=bool(stored), note="" if stored else "no etcd records read back")
 
@@ -188,7 +209,7 @@ def check(history: str | Path | Iterable[Record], pools: Iterable[Pool | PoolPol
         cur = worst.get(w.pool)
         if cur is None or (w.excess, w.overshoot) > (cur.excess, cur.overshoot):
             worst[w.pool] = w
-    util = [u for u in inv.utilisation(d_recs, policies) if u.demand > u.limit]
+    util = [u for u in inv.utilisation(certain, policies) if u.demand > u.limit]
     counts = {"grants": len(grants), "etcd_grants": len(etcd), "etcd_windows": len(etcd_windows), "decisions": len(decisions),
               "faults": len(faults), "leaders": len(leaders)}
     return Report(verdicts, bound.windows, worst, util, faults, tolerance_ms, counts)

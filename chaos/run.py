@@ -1,0 +1,244 @@
+"""Run a chaos scenario end to end: start the topology (3-member etcd, allocators, regions
+with Redis and agents, every link through a fault proxy), drive bounded load, run the
+scenario's nemesis schedule, record the history, read etcd back, run the checker, check the
+scenario's expectations (the fault really happened), write the report directory.
+
+    python -m chaos run --scenario kill-leader --seed 3 --duration 30
+    python -m chaos run --profile short        # the short profile (also a pytest test)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import httpx
+
+from allocator.contract.bundle import Bundle, encode_bundle
+from allocator.contract.invariants import DEFAULT_TOLERANCE_MS, PoolPolicy
+from allocator.control.policy_store import PolicyStore
+from allocator.etcd_store import EtcdStore
+
+from . import bundles
+from .checker import Report, check
+from .etcd_records import read_back
+from .history import Fault, HistoryWriter, Leader, LocalAllowance, Meta, Policy, now_ms, read_history
+from .lease_driver import DriverStats, LeaseDriver
+from .load import LeasePoller, LoadGen
+from .nemesis import Nemesis, Schedule
+from .scenarios import Scenario, resolve
+from .topo import PREFIX, ChaosSpec, ChaosTopology
+
+REDIS_GRACE_MS = 3_000  # after a Redis fault heals, the breaker and reconnects may keep decisions local
+MAX_DURATION_S = 1800.0
+
+
+@dataclass
+class RunContext:
+    topo: ChaosTopology
+    history: HistoryWriter
+    bundle: Bundle
+    duration_s: float
+    seed: int
+    load: LoadGen | None = None  # set before the schedule starts
+    leaders: list[tuple[int, str | None]] = field(default_factory=list)
+    redis_faults: list[tuple[str, Nemesis]] = field(default_factory=list)
+    driver_stats: DriverStats | None = None
+    final_policy_versions: dict[str, int] = field(default_factory=dict)
+    clock: Callable[[], int] = now_ms
+
+    async def publish(self, b: Bundle) -> None:
+        assert self.topo.etcd is not None
+        store = EtcdStore(self.topo.etcd.endpoints, timeout_s=3.0)
+        try:
+            await PolicyStore(store, PREFIX).publish(encode_bundle(b))
+        finally:
+            await store.close()
+
+    def faults_recorded(self) -> int:
+        return sum(1 for r in read_history(self.history.path) if isinstance(r, Fault))
+
+    def is_local(self, region: str, at_ms: int) -> bool:
+        for r, n in self.redis_faults:
+            if r == region and n.started_ms is not None and n.started_ms <= at_ms:
+                stop = n.stopped_ms if n.stopped_ms is not None else at_ms
+                if at_ms <= stop + REDIS_GRACE_MS:
+                    return True
+        return False
+
+
+@dataclass
+class RunResult:
+    name: str
+    seed: int
+    duration_s: float
+    report: Report
+    unmet: list[str]
+    out_dir: Path
+    stats: dict
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok and not self.unmet
+
+
+def _line(out: TextIO, text: str) -> None:
+    out.write(text + "\n")
+    out.flush()
+
+
+async def _watch_leaders(ctx: RunContext, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        cur = await ctx.topo.leader()
+        if cur is not None and (not ctx.leaders or ctx.leaders[-1][0] != cur[0]):
+            ctx.leaders.append(cur)
+            ctx.history.write(Leader(epoch=cur[0], node=cur[1], observed_at_ms=now_ms()))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+
+
+async def _live(ctx: RunContext, out: TextIO, stop: asyncio.Event, t0: float) -> None:
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), 3.0)
+        assert ctx.load is not None
+        parts = [f"{r}: {s.sent} sent {s.allowed} ok {s.denied} denied {s.fallback} fb {s.errors} err"
+                 for r, s in ctx.load.stats.items()]
+        active = [f"{n.name}@{n.target}" for _r, n in ctx.redis_faults if n.active]
+        epoch = ctx.leaders[-1] if ctx.leaders else None
+        _line(out, f"  [{time.monotonic() - t0:5.1f}s] " + " | ".join(parts)
+              + f" | leader {epoch[1] if epoch else '?'}#{epoch[0] if epoch else '?'}"
+              + (f" | redis faults {active}" if active else ""))
+
+
+def _local_allowances(ctx: RunContext, policies: list[PoolPolicy]) -> list[LocalAllowance]:
+    """Per pool window touched by a Redis fault of a region: each of that region's agents may
+    admit up to fallbackPerRegion tokens from its in-process allowance."""
+    out: dict[tuple[str, int], int] = {}
+    for region, n in ctx.redis_faults:
+        if n.started_ms is None:
+            continue
+        stop = (n.stopped_ms or now_ms()) + REDIS_GRACE_MS
+        agents = len(ctx.topo.agents_in(region))
+        for p in {p.id for p in policies}:
+            versions = [v for v in policies if v.id == p]
+            w = max(v.window_ms for v in versions)
+            per = max(v.fallback_per_region for v in versions)
+            for k in range(n.started_ms // w, stop // w + 1):
+                out[(p, k)] = out.get((p, k), 0) + per * agents
+    return [LocalAllowance(pool=p, window_index=k, tokens=t) for (p, k), t in sorted(out.items())]
+
+
+async def _final_policy(ctx: RunContext) -> None:
+    async with httpx.AsyncClient(timeout=2.0) as c:
+        for g in ctx.topo.agents:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                r = await c.get(g.url + "/v1/policy")
+                if r.status_code == 200:
+                    body = r.json()
+                    ctx.final_policy_versions[g.name] = int(body.get("bundleVersion") or body.get("version"))
+
+
+async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, *, out: TextIO = sys.stdout,
+                       tolerance_ms: int = DEFAULT_TOLERANCE_MS, keep_passing: bool = False) -> RunResult:
+    if not (5.0 <= duration_s <= MAX_DURATION_S):
+        raise ValueError(f"duration must be in [5, {MAX_DURATION_S}] s")
+    scenarios: list[Scenario] = resolve(name)
+    out_dir = out_root / f"{name}-seed{seed}-{time.strftime('%Y%m%dT%H%M%S')}"
+    run_dir = out_dir / "run"
+    bundle = bundles.chaos_bundle()
+    policy = bundles.write(run_dir / "policy.json", bundle)
+    spec = ChaosSpec(run_dir=run_dir, policy=policy, seed=seed)
+    for s in scenarios:
+        s.configure(spec)
+    history = HistoryWriter(out_dir / "history.jsonl")
+    initial = [PoolPolicy.from_pool(p) for p in bundle.pools]
+    history.write(Meta(scenario=name, seed=seed, started_at_ms=now_ms(), duration_s=duration_s,
+                       note=" / ".join(s.doc for s in scenarios)))
+    history.write(Policy(version=bundle.bundle_version, applied_at_ms=None, pools=initial))
+    _line(out, f"== {name} seed={seed} duration={duration_s:.0f}s -> {out_dir}")
+    topo = ChaosTopology(spec)
+    stats: dict = {}
+    unmet: list[str] = []
+    try:
+        await asyncio.to_thread(topo.start)
+        ctx = RunContext(topo, history, bundle, duration_s, seed)
+        first = await topo.wait_leader(20.0)
+        if first is None:
+            raise RuntimeError("no allocator leader elected")
+        regions = list(spec.regions)
+        ctx.load = LoadGen(bundle, lambda r: [(g.name, g.url) for g in topo.agents_in(r)], regions, history,
+                           is_local=ctx.is_local, seed=seed)
+        poller = LeasePoller(history, lambda: [(g.name, g.region, g.url) for g in topo.agents])
+        steps = [st for s in scenarios for st in s.steps(ctx)]
+        schedule = Schedule(duration_s, steps)
+        stop = asyncio.Event()
+        t0 = time.monotonic()
+        bg = [asyncio.create_task(_watch_leaders(ctx, stop)), asyncio.create_task(_live(ctx, out, stop, t0)),
+              asyncio.create_task(poller.run(duration_s + 5.0, stop=stop))]
+        driver = None
+        if any(s.lease_driver for s in scenarios):
+            driver = LeaseDriver(region="drv", pool="atlas-w", urls=[a.url for a in topo.allocators], history=history,
+                                 want=4, interval_s=0.25, replay_probability=0.6, replay_delay_ms=(200, 4000),
+                                 timeout_s=1.0, seed=seed, run_id=f"chaos{seed}")
+            bg.append(asyncio.create_task(driver.run(duration_s)))
+        try:
+            await asyncio.gather(ctx.load.run(duration_s), schedule.run())
+            if driver is not None:
+                ctx.driver_stats = await bg[-1]
+        finally:
+            stop.set()
+            ctx.load.stop()
+            for t in bg:
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(*bg, return_exceptions=True)
+        await poller.poll_once(httpx.AsyncClient(timeout=1.0))
+        await _final_policy(ctx)
+        cur = await topo.wait_leader(10.0)
+        if cur is not None and (not ctx.leaders or ctx.leaders[-1][0] != cur[0]):
+            ctx.leaders.append(cur)
+        assert topo.etcd is not None
+        history.write_all(await read_back(topo.etcd.endpoints, PREFIX))
+        with_policies = initial + [p for r in read_history(history.path) if isinstance(r, Policy) and r.applied_at_ms
+                                   for p in r.pools]
+        history.write_all(_local_allowances(ctx, with_policies))
+        for s in scenarios:
+            for e in s.expect:
+                unmet += e(ctx)
+        stats = {"load": {r: {k: v for k, v in vars(s).items() if k != "per_agent"} | {"perAgent": dict(s.per_agent)}
+                          for r, s in ctx.load.stats.items()},
+                 "leaders": [{"epoch": e, "node": n} for e, n in ctx.leaders],
+                 "leasePolls": poller.polls, "policyVersions": ctx.final_policy_versions,
+                 "driver": vars(ctx.driver_stats) if ctx.driver_stats else None}
+    finally:
+        await asyncio.to_thread(topo.stop)
+        history.close()
+    report = check(history.path, bundle.pools, tolerance_ms)
+    result = RunResult(name, seed, duration_s, report, unmet, out_dir, stats)
+    from .report import write_report
+
+    write_report(result)
+    _line(out, report.render())
+    for u in unmet:
+        _line(out, f"  [FAIL] expectation: {u}")
+    _line(out, f"== {name} seed={seed}: {'PASS' if result.ok else 'FAIL'} (report {out_dir})")
+    if result.ok and not keep_passing:
+        shutil.rmtree(run_dir, ignore_errors=True)  # logs and data dirs; the history stays in the report
+    return result
+
+
+async def run_profile(profile: list[tuple[str, float]], seed: int, out_root: Path, *, out: TextIO = sys.stdout,
+                      duration_s: float | None = None) -> list[RunResult]:
+    results = []
+    for name, dur in profile:
+        results.append(await run_scenario(name, seed, duration_s or dur, out_root, out=out))
+    _line(out, "== profile: " + ", ".join(f"{r.name} {'PASS' if r.ok else 'FAIL'}" for r in results))
+    return results

@@ -1,0 +1,306 @@
+"""Named chaos scenarios: each configures the topology, builds a nemesis schedule over the
+run's duration and states what must be observed for the fault to count as injected (e.g.
+fallback decisions during an allocator partition, a leader change after a kill).
+
+Scenarios combine: ``--scenario a+b`` runs both schedules together (see :func:`resolve`).
+Offsets are fractions of the run's duration, so the same scenario works at 20 s or 5 min.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from allocator.contract.errors import BadRequest
+
+from . import bundles
+from .history import Policy
+from .nemesis import (
+    Custom,
+    EtcdMemberIsolate,
+    Kill,
+    Latency,
+    Nemesis,
+    Partition,
+    Pause,
+    RedisRestart,
+    Step,
+    faketime_prefix,
+)
+
+if TYPE_CHECKING:
+    from .run import RunContext
+    from .topo import ChaosSpec
+
+
+Expect = Callable[["RunContext"], list[str]]  # -> unmet expectations (empty = the fault showed)
+
+
+@dataclass
+class Scenario:
+    name: str
+    doc: str
+    steps: Callable[[RunContext], list[Step]]
+    configure: Callable[[ChaosSpec], None] = lambda spec: None
+    expect: list[Expect] = field(default_factory=list)
+    lease_driver: bool = False  # run a LeaseDriver with duplicated/delayed lease-id replays
+
+
+# ----------------------------------------------------------------------------- nemeses on the leader
+class _OnLeader(Nemesis):
+    """Resolve the allocator leader when the fault starts (not when the schedule is built)."""
+
+    def __init__(self, ctx: RunContext, **kw):
+        super().__init__("allocator-leader", recorder=ctx.history, **kw)
+        self.ctx = ctx
+        self.inner: Nemesis | None = None
+
+    def make(self, alloc) -> Nemesis:  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+    async def _start(self) -> None:
+        cur = await self.ctx.topo.wait_leader(10.0)
+        alloc = self.ctx.topo.allocator_by_node(cur[1] if cur else None) or self.ctx.topo.allocators[0]
+        self.target = alloc.name
+        self.inner = self.make(alloc)
+        await self.inner.start()
+
+    async def _stop(self) -> None:
+        if self.inner is not None:
+            await self.inner.stop()
+
+
+class LeaderKill(_OnLeader):
+    name = "kill-leader"
+
+    def make(self, alloc) -> Nemesis:  # type: ignore[no-untyped-def]
+        return Kill(alloc.proc, ready=self.ctx.topo.ready_callback(alloc.url))
+
+
+class LeaderPause(_OnLeader):
+    name = "pause-leader"
+
+    def make(self, alloc) -> Nemesis:  # type: ignore[no-untyped-def]
+        return Pause(alloc.proc)
+
+
+class LeaderEtcdPartition(_OnLeader):
+    name = "partition-leader-etcd"
+
+    def make(self, alloc) -> Nemesis:  # type: ignore[no-untyped-def]
+        from .nemesis import Combined
+
+        return Combined(*[Partition(p, target=p.name) for p in alloc.etcd_proxies])
+
+
+def _region_partition(ctx: RunContext, region: str, direction: str = "both") -> Nemesis:
+    from .nemesis import Combined
+
+    parts = [Partition(p, direction, target=p.name) for p in ctx.topo.region_links[region]]
+    return Combined(*parts, recorder=ctx.history)
+
+
+def _rec(n: Nemesis, ctx: RunContext) -> Nemesis:
+    n.recorder = ctx.history
+    return n
+
+
+def _redis_partition(ctx: RunContext, region: str) -> Nemesis:
+    from .nemesis import Combined
+
+    n = Combined(*[Partition(g.redis_proxy, target=g.redis_proxy.name) for g in ctx.topo.agents_in(region)],
+                 recorder=ctx.history)
+    ctx.redis_faults.append((region, n))
+    return n
+
+
+def _redis_restart(ctx: RunContext, region: str) -> Nemesis:
+    n = _rec(RedisRestart(ctx.topo.redis[region]), ctx)
+    ctx.redis_faults.append((region, n))
+    return n
+
+
+def _policy_rollback(ctx: RunContext) -> list[Step]:
+    """Publish a tightened bundle (v8: G halved), then the original content as v9 (a rollback
+    published as a higher version)."""
+    base = ctx.bundle
+    tight = bundles.chaos_bundle(version=base.bundle_version + 1, scale=0.5)
+    rollback = bundles.with_version(base, base.bundle_version + 2)
+
+    def publisher(b):  # type: ignore[no-untyped-def]
+        async def go() -> None:
+            await ctx.publish(b)
+            ctx.history.write(Policy(version=b.bundle_version, applied_at_ms=ctx.clock(),
+                                     pools=[_pp(p) for p in b.pools]))
+        return go
+
+    d = ctx.duration_s
+    return [Step(0.3 * d, Custom("publish-policy", f"v{tight.bundle_version} (G x0.5)", publisher(tight),
+                                 recorder=ctx.history), 0),
+            Step(0.6 * d, Custom("publish-policy", f"v{rollback.bundle_version} (rollback to v{base.bundle_version})",
+                                 publisher(rollback), recorder=ctx.history), 0)]
+
+
+def _pp(p):  # type: ignore[no-untyped-def]
+    from allocator.contract.invariants import PoolPolicy
+
+    return PoolPolicy.from_pool(p)
+
+
+# ----------------------------------------------------------------------------- expectations
+def fallback_in(*regions: str) -> Expect:
+    def check(ctx: RunContext) -> list[str]:
+        return [f"no fallback decision observed in {r}" for r in regions if ctx.load.stats[r].fallback == 0]
+    return check
+
+
+def leader_changed(ctx: RunContext) -> list[str]:
+    nodes = {e for e, _n in ctx.leaders}
+    return [] if len(nodes) >= 2 else [f"no leader change observed (epochs seen: {sorted(nodes)})"]
+
+
+def faults_recorded(ctx: RunContext) -> list[str]:
+    return [] if ctx.faults_recorded() > 0 else ["no fault record was written"]
+
+
+def errors_in(region: str) -> Expect:
+    def check(ctx: RunContext) -> list[str]:
+        return [] if ctx.load.stats[region].errors > 0 else [f"no failed request observed in {region}"]
+    return check
+
+
+def policy_version(v_offset: int) -> Expect:
+    def check(ctx: RunContext) -> list[str]:
+        want = ctx.bundle.bundle_version + v_offset
+        got = ctx.final_policy_versions
+        bad = {a: v for a, v in got.items() if v != want}
+        return [f"agents not on policy v{want} at the end: {bad}"] if bad or not got else []
+    return check
+
+
+def replays_seen(ctx: RunContext) -> list[str]:
+    st = ctx.driver_stats
+    out = []
+    if st is None or st.replays == 0:
+        out.append("no lease request was replayed")
+    elif st.replay_mismatches:
+        out.append(f"{st.replay_mismatches} replayed lease id(s) answered with a different grant")
+    return out
+
+
+def stale_refused(ctx: RunContext) -> list[str]:
+    st = ctx.driver_stats
+    return [] if st is not None and st.stale_refused > 0 else ["no stale-epoch grant was replayed and refused"]
+
+
+# ----------------------------------------------------------------------------- the catalogue
+def _two_agents_eu(spec: ChaosSpec) -> None:
+    spec.agents = {**spec.agents, "eu": 2}
+
+
+def _skew_agent(spec: ChaosSpec) -> None:
+    spec.prefix["agent-us-1"] = faketime_prefix(skew_s=1.0, rate=1.02)
+
+
+def _at(ctx: RunContext, frac: float) -> float:
+    return frac * ctx.duration_s
+
+
+SCENARIOS: dict[str, Scenario] = {}
+
+
+def _add(s: Scenario) -> None:
+    SCENARIOS[s.name] = s
+
+
+_add(Scenario("partition-region-allocator", "eu's agents cannot reach either allocator (both directions blackholed)",
+              lambda c: [Step(_at(c, 0.25), _region_partition(c, "eu"), _at(c, 0.4))],
+              expect=[fallback_in("eu")]))
+_add(Scenario("partition-regions-allocator", "both regions cut off from the allocators at once",
+              lambda c: [Step(_at(c, 0.25), Combined2(c, _region_partition(c, "eu"), _region_partition(c, "us")),
+                              _at(c, 0.4))],
+              expect=[fallback_in("eu", "us")]))
+_add(Scenario("one-way-loss-latency", "us->allocator requests blackholed one way while eu's links get 80±40 ms",
+              lambda c: [Step(_at(c, 0.2), Combined2(c, *[_rec(Latency(p, 80, 40, target=p.name), c)
+                                                           for p in c.topo.region_links["eu"]]), _at(c, 0.6)),
+                         Step(_at(c, 0.3), _region_partition(c, "us", "up"), _at(c, 0.3))],
+              expect=[fallback_in("us")]))
+_add(Scenario("partition-allocator-etcd", "the allocator leader loses every etcd connection",
+              lambda c: [Step(_at(c, 0.25), LeaderEtcdPartition(c), _at(c, 0.35))],
+              expect=[leader_changed]))
+_add(Scenario("etcd-member-isolate", "one etcd member cut off from its peers (iptables, cgroup-scoped)",
+              lambda c: [Step(_at(c, 0.25), _rec(EtcdMemberIsolate(c.topo.etcd, 0), c), _at(c, 0.4))],
+              expect=[faults_recorded]))
+_add(Scenario("partition-agent-redis", "eu's agents cannot reach their Redis",
+              lambda c: [Step(_at(c, 0.3), _redis_partition(c, "eu"), _at(c, 0.25))],
+              expect=[fallback_in("eu")]))
+_add(Scenario("kill-leader", "SIGKILL the allocator leader, restart it later",
+              lambda c: [Step(_at(c, 0.3), LeaderKill(c), _at(c, 0.3))],
+              expect=[leader_changed]))
+_add(Scenario("pause-leader", "SIGSTOP the allocator leader, SIGCONT it after longer than its election TTL",
+              lambda c: [Step(_at(c, 0.3), LeaderPause(c), max(4.0, _at(c, 0.2)))],
+              expect=[leader_changed]))
+_add(Scenario("redis-restart", "eu's Redis SIGKILLed and restarted empty (state and script cache lost)",
+              lambda c: [Step(_at(c, 0.3), _redis_restart(c, "eu"), 3.0)],
+              expect=[fallback_in("eu")]))
+_add(Scenario("agent-kill", "one of eu's two agents SIGKILLed and restarted",
+              lambda c: [Step(_at(c, 0.3), _rec(Kill(c.topo.agent("agent-eu-1").proc,
+                                                     ready=c.topo.ready_callback(c.topo.agent("agent-eu-1").url)), c),
+                              _at(c, 0.2))],
+              configure=_two_agents_eu, expect=[errors_in("eu")]))
+_add(Scenario("clock-skew-agent", "agent-us-1 runs under faketime +1 s and a 2% fast clock; its allocator links "
+              "get 50±50 ms", lambda c: [Step(_at(c, 0.2), Combined2(c, *[_rec(Latency(p, 50, 50, target=p.name), c)
+                                                                           for p in c.topo.region_links["us"]]),
+                                             _at(c, 0.5))],
+              configure=_skew_agent, expect=[faults_recorded]))
+_add(Scenario("lease-replay", "duplicated and delayed lease requests (replayed lease ids) while the leader is "
+              "killed: replays across the failover bring stale-epoch grants back",
+              lambda c: [Step(_at(c, 0.4), LeaderKill(c), _at(c, 0.3))],
+              lease_driver=True, expect=[replays_seen, leader_changed]))
+_add(Scenario("policy-rollback", "a tightened bundle (G halved) published mid-run through etcd, then the old "
+              "content published as a higher version", _policy_rollback, expect=[policy_version(2)]))
+
+
+class Combined2(Nemesis):
+    """Like :class:`chaos.nemesis.Combined` but recorded once under the run's history."""
+
+    name = "combined"
+
+    def __init__(self, ctx: RunContext, *parts: Nemesis):
+        super().__init__("+".join(p.target for p in parts), recorder=ctx.history,
+                         detail=" + ".join(f"{p.name}:{p.detail}".rstrip(":") for p in parts))
+        self.parts = parts
+        for p in parts:
+            p.recorder = None
+
+    async def _start(self) -> None:
+        for p in self.parts:
+            await p.start()
+
+    async def _stop(self) -> None:
+        results = await asyncio.gather(*[p.stop() for p in reversed(self.parts)], return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+
+PROFILES: dict[str, list[tuple[str, float]]] = {
+    # (scenario, duration s)
+    "short": [("partition-region-allocator", 24.0), ("kill-leader", 24.0), ("redis-restart", 20.0),
+              ("lease-replay", 24.0), ("policy-rollback", 20.0)],
+    "full": [(name, 60.0) for name in SCENARIOS] + [("kill-leader+partition-region-allocator", 60.0),
+                                                   ("redis-restart+pause-leader", 60.0)],
+}
+
+
+def resolve(name: str) -> list[Scenario]:
+    """``a+b`` -> [a, b] (combined: their schedules run together)."""
+    parts = [p.strip() for p in name.split("+") if p.strip()]
+    if not parts:
+        raise BadRequest("empty scenario name")
+    unknown = [p for p in parts if p not in SCENARIOS]
+    if unknown:
+        raise BadRequest(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
+    return [SCENARIOS[p] for p in parts]

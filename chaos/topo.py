@@ -1,0 +1,218 @@
+"""The chaos topology: the services of :mod:`leasehold.topology`, but every inter-component
+link through a fault proxy, with per-service argv prefixes (``faketime``).
+
+* a 3-member etcd cluster (:class:`leasehold.procs.EtcdCluster`);
+* allocator replicas, each reaching every etcd member through its own proxy
+  (``etcd<-alloc-N/mK``), so one allocator can be cut off from etcd;
+* regions, each with its own redis-server, reached by each agent through a proxy
+  (``redis<-agent-R-J``), and each agent reaching every allocator replica through a proxy of
+  its region (``alloc-N<-R``) — a region<->allocator partition blackholes the region's links.
+
+Everything is a real process on loopback, stopped by PID in :meth:`ChaosTopology.stop` (also
+when start-up fails); proxies run on a :class:`chaos.proxyhost.ProxyHost` thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import msgspec
+
+from allocator.election import LeaderRecord
+from allocator.engine import Keys
+from allocator.etcd_store import EtcdStore
+from leasehold.procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_port
+
+from .proxyhost import HostedProxy, ProxyHost
+
+PREFIX = "/leasehold/"
+AGENT_FLAGS = ("--lease-tick-ms", "50", "--allocator-timeout-ms", "300", "--allocator-deadline-ms", "900",
+               "--decision-budget-ms", "250", "--policy-poll-ms", "0", "--log-level", "warning",
+               "--insecure-dev-pepper", "true", "--breaker-open-ms", "500", "--redis-socket-timeout-ms", "300")
+ALLOCATOR_FLAGS = ("--election-ttl-s", "2", "--log-level", "warning", "--etcd-timeout-ms", "800")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # local runs: no credentials between our own processes (a build without auth ignores these)
+    env.setdefault("LEASEHOLD_AGENT_AUTH_DISABLED", "true")
+    env.setdefault("LEASEHOLD_ALLOCATOR_AUTH_DISABLED", "true")
+    env.update(extra)
+    return env
+
+
+@dataclass
+class ChaosSpec:
+    run_dir: Path
+    policy: Path
+    regions: tuple[str, ...] = ("eu", "us")
+    agents: dict[str, int] = field(default_factory=lambda: {"eu": 1, "us": 1})
+    allocators: int = 2
+    etcd_members: int = 3
+    prefix: dict[str, list[str]] = field(default_factory=dict)  # service name -> argv prefix (faketime)
+    agent_args: tuple[str, ...] = ()
+    allocator_args: tuple[str, ...] = ()
+    policy_etcd: bool = True  # agents follow the policy key in etcd (for mid-run publication)
+    seed: int = 0
+
+
+@dataclass
+class Agent:
+    name: str
+    region: str
+    proc: Proc
+    url: str
+    port: int
+    redis_proxy: HostedProxy
+    alloc_proxies: list[HostedProxy]
+
+
+@dataclass
+class Allocator:
+    name: str
+    node_id: str
+    proc: Proc
+    url: str
+    port: int
+    etcd_proxies: list[HostedProxy]
+
+
+class ChaosTopology:
+    def __init__(self, spec: ChaosSpec):
+        self.spec = spec
+        self.etcd: EtcdCluster | None = None
+        self.host: ProxyHost | None = None
+        self.allocators: list[Allocator] = []
+        self.redis: dict[str, RedisServer] = {}
+        self.agents: list[Agent] = []
+        # region -> one proxy per allocator replica (shared by the region's agents)
+        self.region_links: dict[str, list[HostedProxy]] = {}
+
+    # ------------------------------------------------------------------ start/stop
+    def start(self, timeout: float = 90.0) -> ChaosTopology:
+        s, run = self.spec, self.spec.run_dir
+        run.mkdir(parents=True, exist_ok=True)
+        try:
+            self.host = ProxyHost()
+            self.etcd = EtcdCluster(run / "etcd", members=s.etcd_members).start(timeout)
+            for i in range(s.allocators):
+                name, port = f"allocator-{i + 1}", free_port()
+                proxies = [self.host.add(f"etcd{k}<-{name}", p, seed=s.seed) for k, p in enumerate(self.etcd.client_ports)]
+                url = f"http://{LOOPBACK}:{port}"
+                args = [*s.prefix.get(name, []), sys.executable, "-m", "allocator",
+                        "--etcd", ",".join(p.url_host for p in proxies), "--policy", str(s.policy),
+                        "--node-id", f"alloc-{i + 1}", "--host", LOOPBACK, "--port", str(port),
+                        "--advertise-url", url, *ALLOCATOR_FLAGS, *s.allocator_args]
+                proc = Proc(name, args, run / name, env=child_env()).start()
+                self.allocators.append(Allocator(name, f"alloc-{i + 1}", proc, url, port, proxies))
+            for a in self.allocators:
+                wait_port(a.port, proc=a.proc.popen, timeout=timeout)
+            for region in s.regions:
+                self.redis[region] = RedisServer(run / f"redis-{region}").start(timeout)
+                self.region_links[region] = [self.host.add(f"{a.name}<-{region}", a.port, seed=s.seed)
+                                             for a in self.allocators]
+                for j in range(s.agents.get(region, 1)):
+                    self.agents.append(self._start_agent(region, j))
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_agent(self, region: str, j: int) -> Agent:
+        s = self.spec
+        assert self.host is not None and self.etcd is not None
+        name, port = f"agent-{region}-{j + 1}", free_port()
+        rproxy = self.host.add(f"redis-{region}<-{name}", self.redis[region].port, seed=s.seed)
+        links = self.region_links[region]
+        args = [*s.prefix.get(name, []), sys.executable, "-m", "region_agent",
+                "--redis-url", f"redis://{rproxy.url_host}/0", "--policy", str(s.policy), "--region", region,
+                "--host", LOOPBACK, "--port", str(port),
+                "--allocator-urls", ",".join(f"http://{p.url_host}" for p in links), *AGENT_FLAGS]
+        if s.policy_etcd:
+            args += ["--policy-etcd", ",".join(self.etcd.endpoints), "--policy-etcd-reread-ms", "1000"]
+        args += list(s.agent_args)
+        proc = Proc(name, args, s.run_dir / name, env=child_env()).start()
+        return Agent(name, region, proc, f"http://{LOOPBACK}:{port}", port, rproxy, links)
+
+    def wait_ready(self, timeout: float = 60.0, procs: list[tuple[str, Proc]] | None = None) -> None:
+        pending = dict(procs) if procs is not None else {
+            **{a.url: a.proc for a in self.allocators}, **{g.url: g.proc for g in self.agents}}
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=1.0) as client:
+            while pending and time.monotonic() < deadline:
+                for url, proc in list(pending.items()):
+                    if not proc.alive():
+                        raise RuntimeError(f"{proc.name} exited during start-up:\n{proc.tail()}")
+                    try:
+                        if client.get(url + "/readyz").status_code == 200:
+                            del pending[url]
+                    except httpx.HTTPError:
+                        pass
+                time.sleep(0.1)
+        if pending:
+            raise TimeoutError(f"not ready after {timeout}s: {', '.join(p.name for p in pending.values())}")
+
+    def ready_callback(self, url: str):  # type: ignore[no-untyped-def]
+        """A :class:`chaos.nemesis.Kill` ``ready`` hook: wait for the restarted service's /readyz."""
+
+        def ready(proc: Proc) -> None:
+            self.wait_ready(60.0, [(url, proc)])
+
+        return ready
+
+    def stop(self) -> None:
+        for g in self.agents:
+            g.proc.stop()
+        for a in self.allocators:
+            a.proc.stop()
+        for r in self.redis.values():
+            r.stop()
+        if self.etcd is not None:
+            self.etcd.stop()
+        if self.host is not None:
+            self.host.stop()
+
+    # ------------------------------------------------------------------ queries
+    def allocator_by_node(self, node: str | None) -> Allocator | None:
+        return next((a for a in self.allocators if a.node_id == node), None)
+
+    def agents_in(self, region: str) -> list[Agent]:
+        return [g for g in self.agents if g.region == region]
+
+    def agent(self, name: str) -> Agent:
+        return next(g for g in self.agents if g.name == name)
+
+    async def leader(self) -> tuple[int, str | None] | None:
+        """(epoch, node id) of the allocator leader, read directly from etcd (not via proxies)."""
+        assert self.etcd is not None
+        store = EtcdStore(self.etcd.endpoints, timeout_s=2.0)
+        try:
+            kv = await store.get(Keys(PREFIX).leader)
+        except Exception:  # noqa: BLE001 - no quorum right now: unknown
+            return None
+        finally:
+            await store.close()
+        if kv is None:
+            return None
+        try:
+            node = msgspec.json.decode(kv.value, type=LeaderRecord).node_id
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            node = None
+        return kv.create_revision, node
+
+    async def wait_leader(self, timeout_s: float = 15.0) -> tuple[int, str | None] | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            cur = await self.leader()
+            if cur is not None and cur[1] is not None:
+                return cur
+            await asyncio.sleep(0.2)
+        return None
