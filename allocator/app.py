@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 import msgspec
@@ -22,6 +22,7 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.params import FromPath, JSONBody
 
+from .auth import SCOPE_KEY, RegionAuth, TokenTable, require_region
 from .contract.bundle import Bundle, load_bundle_file
 from .contract.errors import (
     BadRequest,
@@ -130,7 +131,8 @@ def _check_lease_id(lease_id: str) -> None:
 
 
 @post("/v1/leases", status_code=200, guards=[region_auth_guard])
-async def post_lease(data: JSONBody[LeaseRequest], state: State) -> LeaseGrant:
+async def post_lease(request: Request, data: JSONBody[LeaseRequest], state: State) -> LeaseGrant:
+    require_region(request.scope, data.region)
     return await _engine(state).grant(data)
 
 
@@ -149,9 +151,12 @@ class LeaseBatchResponseDoc(msgspec.Struct, rename="camel"):
 
 
 @post("/v1/leases/batch", status_code=200, guards=[region_auth_guard])
-async def post_batch(data: JSONBody[LeaseBatchRequest], state: State) -> Response[LeaseBatchResponseDoc]:
+async def post_batch(request: Request, data: JSONBody[LeaseBatchRequest],
+                     state: State) -> Response[LeaseBatchResponseDoc]:
     """Grants for many pools in one request; results in request order, each a grant or an error.
     (The schema documents the union loosely: results are ``LeaseGrant`` or ``LeaseError`` objects.)"""
+    for r in data.requests:
+        require_region(request.scope, r.region)
     ids = [r.lease_id for r in data.requests]
     if len(set(ids)) != len(ids):
         raise ValidationFailed("a batch must not repeat a leaseId", errors=["requests: duplicate leaseId"])
@@ -160,17 +165,24 @@ async def post_batch(data: JSONBody[LeaseBatchRequest], state: State) -> Respons
 
 
 @post("/v1/leases/{lease_id:str}/usage", status_code=200, guards=[region_auth_guard])
-async def post_usage(lease_id: FromPath[str], data: JSONBody[UsageReport], state: State) -> UsageReceipt:
+async def post_usage(request: Request, lease_id: FromPath[str], data: JSONBody[UsageReport],
+                     state: State) -> UsageReceipt:
     _check_lease_id(lease_id)
     if data.lease_id != lease_id:
         raise BadRequest(f"body leaseId {data.lease_id!r} does not match the path's {lease_id!r}")
+    require_region(request.scope, data.region)
+    if request.scope.get(SCOPE_KEY) is not None:
+        with suppress(NotFound):  # an unknown lease is the engine's answer to give
+            require_region(request.scope, (await _engine(state).get_record(lease_id)).grant.region)
     return await _engine(state).report(data)
 
 
 @get("/v1/leases/{lease_id:str}", guards=[region_auth_guard])
-async def get_lease(lease_id: FromPath[str], state: State) -> GrantRecord:
+async def get_lease(request: Request, lease_id: FromPath[str], state: State) -> GrantRecord:
     _check_lease_id(lease_id)
-    return await _engine(state).get_record(lease_id)
+    record = await _engine(state).get_record(lease_id)
+    require_region(request.scope, record.grant.region)
+    return record
 
 
 @get("/v1/leader")
@@ -209,17 +221,33 @@ async def metrics(state: State) -> Response[bytes]:
 
 
 # -- assembly -----------------------------------------------------------------------------------
+def etcd_credentials(settings: AllocatorSettings) -> dict[str, str]:
+    """etcd user and password (password from LEASEHOLD_ALLOCATOR_ETCD_PASSWORD or a file)."""
+    if not settings.etcd_user:
+        return {}
+    import os
+
+    password = os.environ.get("LEASEHOLD_ALLOCATOR_ETCD_PASSWORD")
+    if not password and settings.etcd_password_file:
+        with open(settings.etcd_password_file) as f:
+            password = f.read().strip()
+    return {"user": settings.etcd_user, "password": password or ""}
+
+
 def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
                clock: Callable[[], int] = wall_ms, auth_guard: Guard | None = None) -> Litestar:
     """Build the app. The etcd client, election and committer start in the app's lifespan."""
     bundle = bundle if bundle is not None else load_bundle_file(settings.policy)
     pools = {p.id: p for p in bundle.pools}
+    if auth_guard is None and not settings.auth_disabled:
+        auth_guard = RegionAuth(TokenTable.parse(settings.region_tokens, settings.region_tokens_file))
     m = AllocatorMetrics()
     m.describe_pools(bundle.pools)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        store = EtcdStore(settings.etcd, timeout_s=settings.etcd_timeout_ms / 1000, observe=m.observe_etcd)
+        store = EtcdStore(settings.etcd, timeout_s=settings.etcd_timeout_ms / 1000, observe=m.observe_etcd,
+                          **etcd_credentials(settings))
         engine: Engine
 
         def on_change(leading: bool, epoch: int | None) -> None:

@@ -29,6 +29,11 @@ class AllocatorSettings(msgspec.Struct, forbid_unknown_fields=True):
     etcd_timeout_ms: Annotated[int, Meta(ge=50, le=30_000)] = 2_000
     max_body_bytes: Annotated[int, Meta(ge=1_024, le=16 * 1024 * 1024)] = 1024 * 1024
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    region_tokens: list[str] = []  # "<region>:<sha256 hex of its bearer token>" entries
+    region_tokens_file: str | None = None  # the same entries, one per line
+    auth_disabled: bool = False  # local development only: accept unauthenticated lease calls
+    etcd_user: str | None = None  # etcd authentication (role limited to --prefix)
+    etcd_password_file: str | None = None  # or LEASEHOLD_ALLOCATOR_ETCD_PASSWORD
     policy_from_etcd: bool = True  # follow <prefix>policy/current (strictly higher versions only)
     policy_reread_ms: Annotated[int, Meta(ge=50, le=600_000)] = 5_000  # safety-net re-read period
 

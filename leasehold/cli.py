@@ -18,7 +18,7 @@ import httpx
 from allocator.contract.bundle import load_bundle_file
 from allocator.contract.errors import PolicyError
 
-from .topology import DEFAULT_POLICY, REPO, Topology, TopologySpec, read_state, stop_from_state
+from .topology import DEFAULT_POLICY, REPO, Topology, TopologySpec, read_state, read_token, stop_from_state
 
 EXIT_OK, EXIT_USAGE, EXIT_DENIED, EXIT_UNAVAILABLE, EXIT_CONNECT, EXIT_NOT_RUNNING = 0, 2, 3, 4, 5, 6
 DEFAULT_RUN_DIR = REPO / ".run"
@@ -91,7 +91,7 @@ def cmd_admit(args: argparse.Namespace) -> int:
     if args.tenant:
         body["tenantId"] = args.tenant
     try:
-        resp = httpx.post(url + "/v1/admit", json=body, timeout=5.0)
+        resp = httpx.post(url + "/v1/admit", json=body, timeout=5.0, headers=_auth_headers(args, "gateway"))
     except httpx.HTTPError as e:
         print(f"cannot reach the agent at {url}: {e}", file=sys.stderr)
         return EXIT_CONNECT
@@ -101,6 +101,17 @@ def cmd_admit(args: argparse.Namespace) -> int:
         return EXIT_USAGE if resp.status_code < 500 else EXIT_UNAVAILABLE
     status = data.get("httpStatus", 200)
     return EXIT_OK if status == 200 else EXIT_DENIED if status == 429 else EXIT_UNAVAILABLE
+
+
+def _auth_headers(args: argparse.Namespace, who: str) -> dict[str, str]:
+    """Bearer token: LEASEHOLD_TOKEN, else the running local topology's generated one."""
+    import os
+
+    token = os.environ.get("LEASEHOLD_TOKEN")
+    if not token:
+        state = read_state(args.run_dir)
+        token = read_token(state, who) if state else None
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def cmd_leases(args: argparse.Namespace) -> int:
@@ -235,7 +246,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _spec(args: argparse.Namespace) -> TopologySpec:
     return TopologySpec(run_dir=args.run_dir, policy=Path(args.policy).resolve(),
                         regions=tuple(args.regions.split(",")), agents_per_region=args.agents_per_region,
-                        allocators=args.allocators, etcd_members=args.etcd_members)
+                        allocators=args.allocators, etcd_members=args.etcd_members,
+                        auth=not getattr(args, "no_auth", False), policy_from_etcd=True)
 
 
 # ------------------------------------------------------------------------------- parser
@@ -251,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--agents-per-region", type=int, default=1)
         sp.add_argument("--allocators", type=int, default=2)
         sp.add_argument("--etcd-members", type=int, default=1, choices=(1, 3))
+        sp.add_argument("--no-auth", action="store_true",
+                        help="run the services with --auth-disabled true (default: tokens generated into "
+                             "<run-dir>/secrets)")
 
     sp = sub.add_parser("up", help="start the local topology in the background")
     topo_opts(sp)

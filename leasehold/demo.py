@@ -48,7 +48,8 @@ class Driver:
         self.rng = rng
         self.stats = {r: RegionStats() for r in topo.agent_urls}
         self.sem = asyncio.Semaphore(64)
-        self.client = httpx.AsyncClient(timeout=2.0, limits=httpx.Limits(max_connections=64))
+        self.client = httpx.AsyncClient(timeout=2.0, limits=httpx.Limits(max_connections=64),
+                                        headers=topo.gateway_headers())
         self.tasks: set[asyncio.Task] = set()
 
     def _request(self) -> tuple[str, dict, bool]:

@@ -37,6 +37,9 @@ class TopologySpec:
     link_agents_to_allocator: bool = True  # agents spend leases from the allocators
     agent_args: tuple[str, ...] = ()  # extra flags for every region agent
     allocator_args: tuple[str, ...] = ()  # extra flags for every allocator replica
+    auth: bool = False  # bearer tokens generated into <run_dir>/secrets (``leasehold up`` turns this on);
+    #                     False passes an explicit --auth-disabled true to every service
+    policy_from_etcd: bool = False  # agents follow <prefix>policy/current (``leasehold policy publish``)
 
 
 @dataclass
@@ -58,11 +61,21 @@ class Topology:
     allocator_urls: list[str] = field(default_factory=list)
     agents: dict[str, list[Proc]] = field(default_factory=dict)
     agent_urls: dict[str, list[str]] = field(default_factory=dict)
+    secrets: Secrets | None = None  # the generated credentials when spec.auth
+
+    def gateway_headers(self) -> dict[str, str]:
+        """What a gateway sends to the agents (empty with auth off)."""
+        return {"Authorization": f"Bearer {self.secrets.gateway}"} if self.secrets else {}
+
+    def operator_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.secrets.operator}"} if self.secrets else {}
 
     # ------------------------------------------------------------------ start/stop
     def start(self, timeout: float = 60.0) -> Topology:
         run = self.spec.run_dir
         run.mkdir(parents=True, exist_ok=True)
+        if self.spec.auth:
+            self.secrets = Secrets.generate(run / "secrets", self.spec.regions)
         try:
             if self.spec.with_allocator:
                 self.etcd = EtcdCluster(run / "etcd", members=self.spec.etcd_members).start(timeout)
@@ -73,6 +86,7 @@ class Topology:
                         sys.executable, "-m", "allocator", "--etcd", ",".join(self.etcd.endpoints),
                         "--policy", str(self.spec.policy), "--node-id", f"alloc-{i + 1}",
                         "--host", LOOPBACK, "--port", str(port), "--advertise-url", url,
+                        *(self.secrets.allocator_args() if self.secrets else ("--auth-disabled", "true")),
                         *self.spec.allocator_args,
                     ], run / f"allocator-{i + 1}", env=_env()).start()
                     self.allocators.append(proc)
@@ -90,6 +104,9 @@ class Topology:
                             "--host", LOOPBACK, "--port", str(port)]
                     if self.allocator_urls and self.spec.link_agents_to_allocator:
                         args += ["--allocator-urls", ",".join(self.allocator_urls)]
+                    args += self.secrets.agent_args(region) if self.secrets else ["--auth-disabled", "true"]
+                    if self.spec.policy_from_etcd and self.etcd is not None:
+                        args += ["--policy-etcd", ",".join(self.etcd.endpoints)]
                     args += list(self.spec.agent_args)
                     env = _env(LEASEHOLD_AGENT_PEPPER=DEV_PEPPER)
                     proc = Proc(f"agent-{region}-{j + 1}", args, run / f"agent-{region}-{j + 1}", env=env).start()
@@ -155,7 +172,67 @@ class Topology:
     def write_state(self) -> None:
         path = self.spec.run_dir / "topology.json"
         path.write_text(json.dumps({"started": time.time(), "policy": str(self.spec.policy),
+                                    "secrets": str(self.secrets.dir) if self.secrets else None,
                                     "services": [asdict(s) for s in self.services()]}, indent=2))
+
+
+@dataclass
+class Secrets:
+    """Throwaway credentials for one local run, in ``<run_dir>/secrets`` (0700, files 0600).
+    Services get file paths and sha256 digests on their command lines, never a token."""
+
+    dir: Path
+    gateway: str
+    operator: str
+    regions: dict[str, str]
+
+    @classmethod
+    def generate(cls, d: Path, regions: tuple[str, ...]) -> Secrets:
+        import secrets as _secrets
+
+        d.mkdir(parents=True, exist_ok=True)
+        d.chmod(0o700)
+        s = cls(d, _secrets.token_urlsafe(32), _secrets.token_urlsafe(32),
+                {r: _secrets.token_urlsafe(32) for r in regions})
+        s._write("gateway.token", s.gateway)
+        s._write("operator.token", s.operator)
+        for r, tok in s.regions.items():
+            s._write(f"region-{r}.token", tok)
+        s._write("allocator-region-tokens", "".join(f"{r}:{_sha(t)}\n" for r, t in s.regions.items()))
+        s._write("agent-gateway-tokens", f"gateway:{_sha(s.gateway)}\n")
+        s._write("agent-operator-tokens", f"operator:{_sha(s.operator)}\n")
+        return s
+
+    def _write(self, name: str, text: str) -> None:
+        path = self.dir / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+
+    def allocator_args(self) -> list[str]:
+        return ["--auth-disabled", "false", "--region-tokens-file", str(self.dir / "allocator-region-tokens")]
+
+    def agent_args(self, region: str) -> list[str]:
+        return ["--auth-disabled", "false", "--allocator-token-file", str(self.dir / f"region-{region}.token"),
+                "--gateway-tokens-file", str(self.dir / "agent-gateway-tokens"),
+                "--operator-tokens-file", str(self.dir / "agent-operator-tokens")]
+
+
+def _sha(token: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def read_token(state: dict, name: str) -> str | None:
+    """A token of the running topology (``gateway`` or ``operator``), from its secrets dir."""
+    d = state.get("secrets")
+    if not d:
+        return None
+    try:
+        return (Path(d) / f"{name}.token").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -30,6 +30,7 @@ from allocator.contract.errors import (
     to_problem,
 )
 
+from .auth import AgentAuth, agent_guard
 from .engine import Engine
 from .fallback import LocalFallback
 from .keys import KeyBuilder
@@ -63,6 +64,7 @@ class AgentState:
     store: Any = None
     leases: Any = None  # LeaseManager when --allocator-urls is set
     policy_watch: Any = None  # allocator.control.watch.PolicyWatcher when --policy-etcd is set
+    auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled true
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
@@ -216,7 +218,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     else:
         holder._on_reload = holder._on_reload or on_reload
     m.policy_version.set(holder.bundle.bundle_version)
-    state = AgentState(settings=settings, holder=holder, metrics=m, keys=KeyBuilder(pepper))
+    state = AgentState(settings=settings, holder=holder, metrics=m, keys=KeyBuilder(pepper),
+                       auth=AgentAuth.from_settings(settings))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -257,6 +260,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
 
     app = Litestar(
         route_handlers=[admit, admit_batch, release, policy, leases_view, healthz, readyz, metrics],
+        guards=[agent_guard],
         lifespan=[lifespan],
         exception_handlers={LeaseholdError: _on_leasehold, ValidationException: _on_validation,
                             HTTPException: _on_http, Exception: _on_unexpected},

@@ -47,6 +47,11 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     lease_tick_ms: Annotated[int, Meta(ge=10, le=10_000)] = 100
     negative_cache_ms: Annotated[int, Meta(ge=0, le=10_000)] = 250  # 0 disables the negative cache
     pepper_file: str | None = None
+    gateway_tokens: list[str] = []  # "<gateway name>:<sha256 hex of its bearer token>" entries
+    gateway_tokens_file: str | None = None  # the same, one per line
+    operator_tokens: list[str] = []  # operator credentials for /v1/leases and /v1/policy
+    operator_tokens_file: str | None = None
+    auth_disabled: bool = False  # local development only: no credentials checked
     insecure_dev_pepper: bool = False
     log_level: str = "info"
 

@@ -7,6 +7,7 @@ binaries when they are missing; a missing binary here is a set-up bug, so we fai
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,11 @@ import pytest
 from leasehold.procs import EtcdCluster, RedisCluster, RedisServer
 
 REQUIRED = ("redis-server", "redis-cli", "etcd", "etcdctl")
+
+# Services started as subprocesses by tests run without authentication unless a test says
+# otherwise with explicit flags (the security tests pass --auth-disabled false and tokens).
+os.environ.setdefault("LEASEHOLD_AGENT_AUTH_DISABLED", "true")
+os.environ.setdefault("LEASEHOLD_ALLOCATOR_AUTH_DISABLED", "true")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -41,7 +41,8 @@ def agent_proc(tmp_path: Path, redis_url: str) -> Iterator[tuple[str, Proc, Path
     env["PYTHONPATH"] = str(ROOT)
     proc = Proc("agent", [sys.executable, "-m", "region_agent", "--redis-url", redis_url, "--policy", str(policy),
                           "--region", "eu", "--host", "127.0.0.1", "--port", str(port), "--policy-poll-ms", "0",
-                          "--insecure-dev-pepper", "true"], tmp_path / "agent", env=env).start()
+                          "--insecure-dev-pepper", "true", "--auth-disabled", "true"], tmp_path / "agent",
+                         env=env).start()
     try:
         wait_port(port, proc=proc.popen, timeout=30)
         yield f"http://127.0.0.1:{port}", proc, policy

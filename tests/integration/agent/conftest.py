@@ -39,6 +39,7 @@ def make_settings(redis_url: str, policy: Path, **kw) -> AgentSettings:
     # these tests rewrite stored state to simulate time, which an in-process negative cache cannot
     # see; the negative cache has its own tests (test_negative_cache.py)
     kw.setdefault("negative_cache_ms", 0)
+    kw.setdefault("auth_disabled", True)  # gateway/operator authentication: tests/integration/security
     return AgentSettings(redis_url=redis_url, policy=str(policy), region="eu", policy_poll_ms=0,
                          decision_budget_ms=kw.pop("decision_budget_ms", 2000), **kw)
 
@@ -118,6 +119,7 @@ def agent_process(workdir: Path, redis_url: str, policy: Path, *extra: str) -> I
                                   str(policy), "--region", "eu", "--host", "127.0.0.1", "--port", str(port),
                                   "--policy-poll-ms", "0", "--log-level", "warning",
                                   *(() if "--negative-cache-ms" in extra else ("--negative-cache-ms", "0")),
+                                  *(() if "--auth-disabled" in extra else ("--auth-disabled", "true")),
                                   *extra], workdir, env=env).start()
     base = f"http://127.0.0.1:{port}"
     try:

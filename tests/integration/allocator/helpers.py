@@ -41,6 +41,7 @@ def unique_prefix() -> str:
 
 def settings_for(cluster: EtcdCluster, bundle: Path, prefix: str, node_id: str = "n1", port: int = 8700,
                  **kw: Any) -> AllocatorSettings:
+    kw.setdefault("auth_disabled", True)  # region authentication has its own tests (tests/integration/security)
     return AllocatorSettings(etcd=",".join(cluster.endpoints), policy=str(bundle), node_id=node_id,
                              port=port, prefix=prefix, **kw)
 

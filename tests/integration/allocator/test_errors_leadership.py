@@ -135,7 +135,7 @@ async def test_etcd_unreachable_503_and_nothing_granted(fresh_etcd_cluster: Etcd
     cluster = fresh_etcd_cluster
     bundle = make_bundle(Pool(id="p1", window_ms=W, limit=100, chunk_max=50))
     settings = AllocatorSettings(etcd=",".join(cluster.endpoints), policy=str(bundle), node_id="n1",
-                                 prefix=prefix, etcd_timeout_ms=300, election_ttl_s=2)
+                                 prefix=prefix, etcd_timeout_ms=300, election_ttl_s=2, auth_disabled=True)
     clock.place_in_window(W, 1_000)
     async with in_process(settings, clock=clock) as client:
         cluster.stop_member(0)  # the endpoint the allocator talks to: it must move to the next one

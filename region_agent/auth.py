@@ -1,0 +1,53 @@
+"""Who may call the agent (seed ch. 16).
+
+* Gateways — ``/v1/admit``, ``/v1/admit/batch``, ``/v1/release`` — with their own bearer tokens.
+* Operators — ``/v1/leases``, ``/v1/policy`` — with an operator token (a gateway token is not one).
+* Probes and metrics — ``/healthz``, ``/readyz``, ``/metrics`` — and the OpenAPI schema are open;
+  they carry no secrets, keys or tenant data.
+
+Tokens are configured as sha256 digests only (see :mod:`allocator.auth`). ``--auth-disabled true``
+turns the check off, for local development only; it is never the default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from allocator.auth import SCOPE_KEY, TokenTable, authenticate
+
+from .settings import AgentSettings
+
+GATEWAY_PATHS = frozenset({"/v1/admit", "/v1/admit/batch", "/v1/release"})
+OPERATOR_PATHS = frozenset({"/v1/leases", "/v1/policy"})
+
+
+class AgentAuth:
+    def __init__(self, gateways: TokenTable, operators: TokenTable):
+        self.gateways = gateways
+        self.operators = operators
+
+    @classmethod
+    def from_settings(cls, s: AgentSettings) -> AgentAuth | None:
+        if s.auth_disabled:
+            return None
+        return cls(TokenTable.parse(s.gateway_tokens, s.gateway_tokens_file, default_name="gateway"),
+                   TokenTable.parse(s.operator_tokens, s.operator_tokens_file, default_name="operator"))
+
+    def check(self, path: str, headers: Any) -> str | None:
+        """The caller's name, or None for an open path; raises Unauthorized."""
+        if path in GATEWAY_PATHS:
+            return "gateway:" + authenticate(self.gateways, headers)
+        if path in OPERATOR_PATHS:
+            return "operator:" + authenticate(self.operators, headers)
+        return None
+
+
+async def agent_guard(connection: Any, handler: Any) -> None:
+    """App-wide Litestar guard: runs before the body is read, so an unauthenticated request
+    never reaches validation, the engine or Redis."""
+    auth: AgentAuth | None = connection.app.state.agent.auth
+    if auth is None:
+        return
+    who = auth.check(connection.scope["path"], connection.headers)
+    if who is not None:
+        connection.scope[SCOPE_KEY] = who

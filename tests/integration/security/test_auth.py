@@ -1,0 +1,166 @@
+"""Authentication and authorisation on real etcd and Redis (seed ch. 16, I14).
+
+Allocator: a bearer token per region (stored as sha256); a region may only request, report
+or view its own leases (403, nothing written). Agent: gateway tokens for admission, operator
+tokens for /v1/leases and /v1/policy; probes open. Missing, unknown and wrong tokens all get
+the same 401 problem. ``leasehold up``'s topology runs with auth on."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import redis
+from litestar.testing import AsyncTestClient
+
+from allocator.auth import TokenTable
+from allocator.contract.bundle import Pool
+from allocator.contract.config import ConfigError
+from allocator.etcd_store import EtcdStore
+from leasehold.topology import DEFAULT_POLICY, Topology, TopologySpec
+from region_agent.app import create_app
+from tests.integration.agent.conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
+from tests.integration.allocator.helpers import in_process, lease_body, settings_for, unique_prefix
+from tests.integration.allocator.helpers import write_bundle as write_pools
+
+EU, US = "eu-token-0123456789abcdef", "us-token-fedcba9876543210"
+GATEWAY, OPERATOR = "gw-token-aaaaaaaaaaaaaaaa", "op-token-bbbbbbbbbbbbbbbb"
+
+
+def sha(t: str) -> str:
+    return hashlib.sha256(t.encode()).hexdigest()
+
+
+def bearer(t: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {t}"}
+
+
+def assert_401(resp: httpx.Response) -> dict:
+    assert resp.status_code == 401, resp.text
+    assert resp.headers["content-type"].startswith("application/problem+json")
+    body = resp.json()
+    assert body["type"].endswith("/unauthorized") and body["detail"] == "missing or invalid bearer token"
+    return body
+
+
+def test_token_table_parsing(tmp_path: Path):
+    f = tmp_path / "tokens"
+    f.write_text(f"# regions\neu:{sha(EU)}\nus sha256:{sha(US)}\n")
+    t = TokenTable.parse([], str(f))
+    assert (t.who(EU), t.who(US), t.who("nope"), len(t)) == ("eu", "us", None, 2)
+    with pytest.raises(ConfigError):
+        TokenTable.parse(["eu:not-a-digest"])
+    assert TokenTable.parse([sha(GATEWAY)], default_name="gateway").who(GATEWAY) == "gateway"
+
+
+# -- allocator ----------------------------------------------------------------------------------
+async def test_allocator_regions_see_only_their_own_leases(etcd_cluster, tmp_path):
+    prefix = unique_prefix()
+    bundle = write_pools(tmp_path / "b.json", [Pool(id="p1", window_ms=60_000, limit=100, chunk_max=50)])
+    settings = settings_for(etcd_cluster, bundle, prefix, auth_disabled=False,
+                            region_tokens=[f"eu:{sha(EU)}", f"us:{sha(US)}"])
+    reader = EtcdStore(",".join(etcd_cluster.endpoints))
+    try:
+        async with in_process(settings) as c:
+            body = lease_body("lease-eu-000001", "p1", "eu", 10)
+            none = await c.post("/v1/leases", json=body)
+            wrong = await c.post("/v1/leases", json=body, headers=bearer("eu-token-guess"))
+            assert assert_401(none) == {**assert_401(wrong), "instance": none.json()["instance"]}
+            assert (await c.post("/v1/leases", json=body, headers={"Authorization": EU})).status_code == 401
+            # a region naming another region: 403, nothing written to etcd
+            other = await c.post("/v1/leases", json=body, headers=bearer(US))
+            assert other.status_code == 403 and other.json()["type"].endswith("/forbidden")
+            batch = {"requests": [lease_body("lease-us-000001", "p1", "us", 5), body]}
+            assert (await c.post("/v1/leases/batch", json=batch, headers=bearer(US))).status_code == 403
+            assert await reader.get_prefix(f"{prefix}grants/".encode()) == []
+            assert await reader.get_prefix(f"{prefix}pools/".encode()) == []
+            # its own region: granted
+            ok = await c.post("/v1/leases", json=body, headers=bearer(EU))
+            assert ok.status_code == 200 and ok.json()["granted"] == 10
+            before = await reader.get_prefix(prefix.encode())
+            # another region cannot view or report on it
+            assert (await c.get("/v1/leases/lease-eu-000001", headers=bearer(US))).status_code == 403
+            assert (await c.get("/v1/leases/lease-eu-000001", headers=bearer(EU))).status_code == 200
+            assert (await c.get("/v1/leases/lease-eu-000001")).status_code == 401
+            report = {"leaseId": "lease-eu-000001", "pool": "p1", "region": "us", "spent": 0}
+            assert (await c.post("/v1/leases/lease-eu-000001/usage", json=report, headers=bearer(US))).status_code \
+                == 403
+            report_eu_as_us = {**report, "region": "eu"}
+            assert (await c.post("/v1/leases/lease-eu-000001/usage", json=report_eu_as_us,
+                                 headers=bearer(US))).status_code == 403
+            after = await reader.get_prefix(prefix.encode())
+            assert [(kv.key, kv.mod_revision) for kv in after if b"/leader" not in kv.key] == \
+                   [(kv.key, kv.mod_revision) for kv in before if b"/leader" not in kv.key]
+            # probes stay open
+            assert (await c.get("/healthz")).status_code == 200
+            assert (await c.get("/metrics")).status_code == 200
+    finally:
+        await reader.close()
+
+
+# -- agent --------------------------------------------------------------------------------------
+@pytest.fixture
+def policy_file(tmp_path: Path) -> Path:
+    p = tmp_path / "bundle.json"
+    write_bundle(p, northstar())
+    return p
+
+
+async def test_agent_gateway_and_operator_credentials(redis_url, policy_file):
+    settings = make_settings(redis_url, policy_file, auth_disabled=False, gateway_tokens=[f"edge-1:{sha(GATEWAY)}"],
+                             operator_tokens=[f"ops:{sha(OPERATOR)}"])
+    r = redis.Redis.from_url(redis_url)
+    async with AsyncTestClient(app=create_app(settings, pepper=PEPPER)) as agent:
+        body = admit_body("auth-000001")
+        first = assert_401(await agent.post("/v1/admit", json=body))
+        assert first == {**assert_401(await agent.post("/v1/admit", json=body, headers=bearer("edge-guess"))),
+                         "instance": "/v1/admit"}
+        assert_401(await agent.post("/v1/admit", json=body, headers=bearer(OPERATOR)))  # wrong kind of token
+        assert_401(await agent.post("/v1/admit/batch", json={"requests": [body]}))
+        assert_401(await agent.post("/v1/release", json={"requestId": "auth-000001", "principal": body["principal"],
+                                                         "routeGroup": "read", "tenantId": "atlas"}))
+        assert_401(await agent.post("/v1/admit", content=b"{not json", headers={"content-type": "application/json"}))
+        assert r.dbsize() == 0  # nothing reached Redis
+        ok = await agent.post("/v1/admit", json=body, headers=bearer(GATEWAY))
+        assert ok.status_code == 200 and ok.json()["allowed"]
+        assert_401(await agent.get("/v1/policy"))
+        assert_401(await agent.get("/v1/policy", headers=bearer(GATEWAY)))
+        assert_401(await agent.get("/v1/leases", headers=bearer(GATEWAY)))
+        assert (await agent.get("/v1/policy", headers=bearer(OPERATOR))).json()["bundleVersion"] > 0
+        assert (await agent.get("/v1/leases", headers=bearer(OPERATOR))).status_code == 200
+        for path in ("/healthz", "/readyz", "/metrics"):
+            resp = await agent.get(path)
+            assert resp.status_code == 200
+            assert "atlas" not in resp.text and PEPPER.decode() not in resp.text
+
+
+# -- the local topology (make run) ----------------------------------------------------------------
+def test_local_topology_runs_with_auth_on(tmp_path):
+    topo = Topology(TopologySpec(run_dir=tmp_path / "run", policy=DEFAULT_POLICY, regions=("eu",), allocators=1,
+                                 auth=True, policy_from_etcd=True)).start(timeout=60)
+    try:
+        secrets = tmp_path / "run" / "secrets"
+        assert oct(secrets.stat().st_mode & 0o777) == "0o700"
+        assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in secrets.iterdir())
+        agent = topo.agent_urls["eu"][0]
+        body = admit_body("topo-000001", route="read")
+        assert httpx.post(agent + "/v1/admit", json=body, timeout=5).status_code == 401
+        d = httpx.post(agent + "/v1/admit", json=body, headers=topo.gateway_headers(), timeout=10).json()
+        assert d["allowed"] and not d["fallback"]  # global pools spent from leases the region got with its token
+        alloc = topo.allocator_urls[0]
+        lease = lease_body("lease-topo-00001", "global-read", "eu", 1)
+        assert httpx.post(alloc + "/v1/leases", json=lease, timeout=5).status_code == 401
+        eu_token = (secrets / "region-eu.token").read_text().strip()
+        assert httpx.post(alloc + "/v1/leases", json={**lease, "region": "us"}, headers=bearer(eu_token),
+                          timeout=5).status_code == 403
+        view = httpx.get(agent + "/v1/leases", headers=topo.operator_headers(), timeout=5).json()
+        assert any(b["pool"] == "global-read" for b in view["balances"]), msgspec.json.encode(view)
+        # no process was given a token on its command line
+        cmdlines = " ".join(" ".join(p.args) for p in [*topo.allocators, *topo.agents["eu"]])
+        for tok in (topo.secrets.gateway, topo.secrets.operator, eu_token):
+            assert tok not in cmdlines
+    finally:
+        topo.stop()
