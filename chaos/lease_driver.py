@@ -62,6 +62,7 @@ class LeaseDriver:
         self._url = 0
         self._max_epoch = 0
         self._n = 0
+        self._accepted: list[tuple[dict, Grant]] = []  # (request, grant) of accepted grants, bounded
 
     def _lease_id(self) -> str:
         self._n += 1
@@ -120,7 +121,28 @@ class LeaseDriver:
         self.history.write(rec)
         if source == "region" and accepted:
             self._spend(rec)
+            if wire.granted > 0:
+                self._accepted = [*self._accepted[-255:], (body, rec)]
         return rec
+
+    async def replay_stale(self, count: int = 5) -> int:
+        """Message fault: re-send the requests of up to ``count`` granted leases whose epoch is
+        older than the newest this region accepted (after a failover). The allocator answers
+        each with the stored grant (same lease id, old epoch); the region must refuse it.
+        Returns how many were answered."""
+        old = [(b, g) for b, g in self._accepted if g.epoch < self._max_epoch][-count:]
+        answered = 0
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers) as client:
+            for body, first in old:
+                again = await self._ask(client, body, source="replay")
+                if again is None:
+                    continue
+                answered += 1
+                self.stats.replays += 1
+                if (again.granted, again.window_index, again.epoch) != (first.granted, first.window_index, first.epoch):
+                    self.stats.replay_mismatches += 1
+        return answered
 
     def _spend(self, g: Grant) -> None:
         now = now_ms()

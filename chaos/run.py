@@ -51,6 +51,7 @@ class RunContext:
     leaders: list[tuple[int, str | None]] = field(default_factory=list)
     redis_faults: list[tuple[str, Nemesis]] = field(default_factory=list)
     driver_stats: DriverStats | None = None
+    driver: LeaseDriver | None = None
     final_policy_versions: dict[str, int] = field(default_factory=dict)
     clock: Callable[[], int] = now_ms
 
@@ -177,17 +178,19 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
         ctx.load = LoadGen(bundle, lambda r: [(g.name, g.url) for g in topo.agents_in(r)], regions, history,
                            is_local=ctx.is_local, seed=seed)
         poller = LeasePoller(history, lambda: [(g.name, g.region, g.url) for g in topo.agents])
+        driver = None
+        if any(s.lease_driver for s in scenarios):
+            driver = LeaseDriver(region="drv", pool="atlas-w", urls=[a.url for a in topo.allocators], history=history,
+                                 want=4, interval_s=0.25, replay_probability=0.6, replay_delay_ms=(200, 4000),
+                                 timeout_s=1.0, seed=seed, run_id=f"chaos{seed}")
+            ctx.driver = driver
         steps = [st for s in scenarios for st in s.steps(ctx)]
         schedule = Schedule(duration_s, steps)
         stop = asyncio.Event()
         t0 = time.monotonic()
         bg = [asyncio.create_task(_watch_leaders(ctx, stop)), asyncio.create_task(_live(ctx, out, stop, t0)),
               asyncio.create_task(poller.run(duration_s + 5.0, stop=stop))]
-        driver = None
-        if any(s.lease_driver for s in scenarios):
-            driver = LeaseDriver(region="drv", pool="atlas-w", urls=[a.url for a in topo.allocators], history=history,
-                                 want=4, interval_s=0.25, replay_probability=0.6, replay_delay_ms=(200, 4000),
-                                 timeout_s=1.0, seed=seed, run_id=f"chaos{seed}")
+        if driver is not None:
             bg.append(asyncio.create_task(driver.run(duration_s)))
         try:
             await asyncio.gather(ctx.load.run(duration_s), schedule.run())

@@ -143,6 +143,15 @@ def _policy_rollback(ctx: RunContext) -> list[Step]:
                                  publisher(rollback), recorder=ctx.history), 0)]
 
 
+def _replay_stale(ctx: RunContext) -> Nemesis:
+    """Replay requests whose grants came from a deposed epoch (after the failover)."""
+    async def go() -> None:
+        assert ctx.driver is not None, "the lease-replay scenario runs a lease driver"
+        await ctx.driver.replay_stale(5)
+
+    return Custom("replay-stale-epoch-grant", "allocator", go, recorder=ctx.history)
+
+
 def _pp(p):  # type: ignore[no-untyped-def]
     from allocator.contract.invariants import PoolPolicy
 
@@ -153,6 +162,13 @@ def _pp(p):  # type: ignore[no-untyped-def]
 def fallback_in(*regions: str) -> Expect:
     def check(ctx: RunContext) -> list[str]:
         return [f"no fallback decision observed in {r}" for r in regions if ctx.load.stats[r].fallback == 0]
+    return check
+
+
+def local_in(*regions: str) -> Expect:
+    """Decisions taken from local allowances (the agent's Redis unreachable) were observed."""
+    def check(ctx: RunContext) -> list[str]:
+        return [f"no local-allowance decision observed in {r}" for r in regions if ctx.load.stats[r].local == 0]
     return check
 
 
@@ -235,7 +251,7 @@ _add(Scenario("etcd-member-isolate", "one etcd member cut off from its peers (ip
               expect=[faults_recorded]))
 _add(Scenario("partition-agent-redis", "eu's agents cannot reach their Redis",
               lambda c: [Step(_at(c, 0.3), _redis_partition(c, "eu"), _at(c, 0.25))],
-              expect=[fallback_in("eu")]))
+              expect=[local_in("eu")]))
 _add(Scenario("kill-leader", "SIGKILL the allocator leader, restart it later",
               lambda c: [Step(_at(c, 0.3), LeaderKill(c), _at(c, 0.3))],
               expect=[leader_changed]))
@@ -244,7 +260,7 @@ _add(Scenario("pause-leader", "SIGSTOP the allocator leader, SIGCONT it after lo
               expect=[leader_changed]))
 _add(Scenario("redis-restart", "eu's Redis SIGKILLed and restarted empty (state and script cache lost)",
               lambda c: [Step(_at(c, 0.3), _redis_restart(c, "eu"), 3.0)],
-              expect=[fallback_in("eu")]))
+              expect=[local_in("eu")]))
 _add(Scenario("agent-kill", "one of eu's two agents SIGKILLed and restarted",
               lambda c: [Step(_at(c, 0.3), _rec(Kill(c.topo.agent("agent-eu-1").proc,
                                                      ready=c.topo.ready_callback(c.topo.agent("agent-eu-1").url)), c),
@@ -257,8 +273,9 @@ _add(Scenario("clock-skew-agent", "agent-us-1 runs under faketime +1 s and a 2% 
               configure=_skew_agent, expect=[faults_recorded]))
 _add(Scenario("lease-replay", "duplicated and delayed lease requests (replayed lease ids) while the leader is "
               "killed: replays across the failover bring stale-epoch grants back",
-              lambda c: [Step(_at(c, 0.4), LeaderKill(c), _at(c, 0.3))],
-              lease_driver=True, expect=[replays_seen, leader_changed]))
+              lambda c: [Step(_at(c, 0.3), LeaderKill(c), _at(c, 0.3)),
+                         Step(_at(c, 0.75), _replay_stale(c), 0)],
+              lease_driver=True, expect=[replays_seen, leader_changed, stale_refused]))
 _add(Scenario("policy-rollback", "a tightened bundle (G halved) published mid-run through etcd, then the old "
               "content published as a higher version", _policy_rollback, expect=[policy_version(2)]))
 
