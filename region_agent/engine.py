@@ -298,16 +298,18 @@ class Engine:
         leases = self.leases
         if leases is None:
             return self._from_result(prep, res)
-        pending = leases.pending(key)
-        # wait for a top-up only while the allocator is not known to be unreachable, and for at most
-        # half of what is left of the budget: the call that follows (the script again, or the
-        # fallback allowance) needs time too, or it would time out and degrade as if Redis were down
+        raw = res.remaining[idx] if idx < len(res.remaining) else 0
+        pending = leases.observed(key, int(raw))  # the script's view of the balance, fresher than the tick's
+        # wait for a top-up only while the allocator is not known to be unreachable, and keep part of
+        # the budget: the call that follows (the script again, or the fallback allowance) needs time
+        # too, or it would time out and degrade as if Redis were down
         if pending is not None and not prep.pool_retried and self._remaining(prep) > 0 \
                 and leases.state(key) != "unreachable":
             prep.pool_retried = True
             self.metrics.pool_waits.labels(slot.rule.pool or "?").inc()
             try:
-                await asyncio.wait_for(asyncio.shield(pending), self._remaining(prep) / 2)
+                left = self._remaining(prep)
+                await asyncio.wait_for(asyncio.shield(pending), max(left / 2, left - min(0.025, self.budget / 4)))
                 (reply,) = await self.store.submit(self._script_calls(plan)[:1], wait_s=self._remaining(prep))
                 again = self.store.parse(reply)
             except (TimeoutError, LeaseholdError):

