@@ -65,6 +65,7 @@ class AgentState:
     leases: Any = None  # LeaseManager when --allocator-urls is set
     policy_watch: Any = None  # allocator.control.watch.PolicyWatcher when --policy-etcd is set
     auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled true
+    key_cap: Any = None  # region_agent.preauth.NewKeyCap; None when --anon-new-keys-per-source 0
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
@@ -89,19 +90,26 @@ def problem_response(exc: LeaseholdError, instance: str | None = None) -> Respon
       summary="Admission decision for one request")
 async def admit(request: Request, data: Annotated[AdmitRequest, Body(title="AdmitRequest")]) -> Decision:
     engine = _engine(request)
-    revoked = _revoked(_state(request), [data])
-    if revoked[0] is not None:
-        return revoked[0]
+    [(data, early)] = _before_engine(_state(request), [data])
+    if early is not None:
+        return early
     return await engine.admit(data)
 
 
-def _revoked(st: AgentState, reqs: list[AdmitRequest]) -> list[Decision | None]:
-    """Per request, the POLICY_STALE denial when the snapshot is past its maxAgeMs (I13)."""
+def _before_engine(st: AgentState, reqs: list[AdmitRequest]) -> list[tuple[AdmitRequest, Decision | None]]:
+    """Per request: a failed authentication becomes an IP-only request; then the POLICY_STALE
+    denial past the bundle's maxAgeMs (I13) and the new-keys-per-source cap (pre-auth stage)."""
+    from .preauth import as_failed_auth
+
+    reqs = [as_failed_auth(r) if r.auth_failed else r for r in reqs]
     w, bundle = st.policy_watch, st.holder.bundle
-    if w is None or not w.is_stale(bundle):
-        return [None] * len(reqs)
-    from .policy_watch import revoked_decision
-    return [revoked_decision(bundle, r, st.metrics) for r in reqs]
+    out: list[tuple[AdmitRequest, Decision | None]] = [(r, None) for r in reqs]
+    if w is not None and w.is_stale(bundle):
+        from .policy_watch import revoked_decision
+        out = [(r, revoked_decision(bundle, r, st.metrics)) for r in reqs]
+    if st.key_cap is not None:
+        out = [(r, d if d is not None else st.key_cap.check(bundle, r)) for r, d in out]
+    return out
 
 
 @post("/v1/admit/batch", status_code=200, request_max_body_size=MAX_BATCH_BODY_BYTES,
@@ -110,10 +118,10 @@ async def admit_batch(request: Request, data: Annotated[AdmitBatch, Body(title="
     if not data.requests:
         return BatchDecisions(decisions=[])
     engine = _engine(request)
-    revoked = _revoked(_state(request), data.requests)
-    rest = [r for r, d in zip(data.requests, revoked, strict=True) if d is None]
+    pre = _before_engine(_state(request), data.requests)
+    rest = [r for r, d in pre if d is None]
     decided = iter(await engine.admit_many(rest) if rest else [])
-    return BatchDecisions(decisions=[d if d is not None else next(decided) for d in revoked])
+    return BatchDecisions(decisions=[d if d is not None else next(decided) for _, d in pre])
 
 
 @post("/v1/release", status_code=200, request_max_body_size=MAX_BODY_BYTES,
@@ -219,7 +227,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         holder._on_reload = holder._on_reload or on_reload
     m.policy_version.set(holder.bundle.bundle_version)
     state = AgentState(settings=settings, holder=holder, metrics=m, keys=KeyBuilder(pepper),
-                       auth=AgentAuth.from_settings(settings))
+                       auth=AgentAuth.from_settings(settings), key_cap=_key_cap(settings))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -290,6 +298,15 @@ def _lease_manager(settings: AgentSettings, store: Any, m: AgentMetrics):
     balances = RedisBalanceStore(store.client, store.scripts)
     return LeaseManager(region=settings.region, client=client, store=balances, metrics=m,
                         tick_ms=settings.lease_tick_ms)
+
+
+def _key_cap(settings: AgentSettings):
+    if not settings.anon_new_keys_per_source:
+        return None
+    from .preauth import NewKeyCap
+    return NewKeyCap(per_source=settings.anon_new_keys_per_source, window_ms=settings.anon_new_keys_window_ms,
+                     max_sources=settings.anon_sources_max, v4_coarse=settings.anon_source_v4_prefix,
+                     v6_coarse=settings.anon_source_v6_prefix)
 
 
 async def _start_policy_watch(settings: AgentSettings, state: AgentState):

@@ -33,6 +33,8 @@ class AdmitRequest(Struct, rename="camel", forbid_unknown_fields=True, frozen=Tr
     tenant_id: TenantId | None = None
     cost_hint: CostHint = 1
     policy_epoch: Annotated[int, Meta(ge=0, le=2**53)] | None = None
+    auth_failed: bool = False  # the gateway reports a failed authentication: counts against the IP only
+    client_ip: Annotated[str, Meta(min_length=2, max_length=64)] | None = None  # required with authFailed
 
 
 class AdmitBatch(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):

@@ -52,6 +52,11 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     operator_tokens: list[str] = []  # operator credentials for /v1/leases and /v1/policy
     operator_tokens_file: str | None = None
     auth_disabled: bool = False  # local development only: no credentials checked
+    anon_new_keys_per_source: Annotated[int, Meta(ge=0, le=1_000_000)] = 4_096  # 0: no cap (region_agent.preauth)
+    anon_new_keys_window_ms: Annotated[int, Meta(ge=1_000, le=3_600_000)] = 60_000
+    anon_sources_max: Annotated[int, Meta(ge=1, le=10_000_000)] = 100_000
+    anon_source_v4_prefix: Annotated[int, Meta(ge=0, le=32)] = 16
+    anon_source_v6_prefix: Annotated[int, Meta(ge=0, le=128)] = 32
     insecure_dev_pepper: bool = False
     log_level: str = "info"
 
