@@ -28,6 +28,13 @@ def _who_busy(util: Sequence[dict[str, float]]) -> list[str]:
     return [k for k in keys if (_med(util, k) or 0) >= BUSY]
 
 
+def _mid(trials: Sequence[dict[str, float]] | None) -> dict[str, float]:
+    """The per-reason counts of the trial with the median total."""
+    if not trials:
+        return {}
+    return sorted(trials, key=lambda t: sum(t.values()))[len(trials) // 2]
+
+
 def explain(rows: Sequence[Row]) -> list[str]:
     out: list[str] = []
     for r in rows:
@@ -57,7 +64,8 @@ def explain(rows: Sequence[Row]) -> list[str]:
                 f"1 core / CPU per request, so the ratio is bound by the agent's extra Python work per request "
                 f"({a - e:.0f} us: plan, keys, metrics, decision record, batcher) — see profile-agent-http.txt."
                 + (f" {100 * median(x['agent_fallback_share']):.1f}% of the agent's answers were local fallback "
-                   f"decisions (a decision that misses its budget degrades)." if x.get("agent_fallback_share") else ""))
+                   f"decisions; degraded decisions by reason in the median trial: "
+                   f"{_mid(x.get('agent_degraded_by_reason'))}." if x.get("agent_fallback_share") else ""))
         elif r.figure == "3" and "moving window" in r.name:
             share = x.get("engine_allowed_share")
             out.append(

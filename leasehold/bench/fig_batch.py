@@ -9,7 +9,7 @@ from leasehold.procs import RedisServer
 from region_agent.store.scripts import DEFAULT_LUA_DIR, load_scripts
 
 from .context import Ctx
-from .harness import CpuMeter, loadgen, redis_client, services, start_agent
+from .harness import CpuMeter, degraded_counts, delta, loadgen, redis_client, services, start_agent
 from .stats import Goal, Row, median
 
 # the Northstar read-user rule: capacity 20 tokens, 2 per second, cost 1 (millitokens), slack 5 s
@@ -39,9 +39,10 @@ def run(ctx: Ctx) -> list[Row]:
     with services(redis):
         agent = start_agent(ctx.work / "fig1-agent", redis.url)
         with services(agent):
-            subject, ceiling, cpu, share, cpu_us, util, ceiling_cpu_us, fallback = [], [], [], [], [], [], [], []
+            subject, ceiling, cpu, share, cpu_us, util, ceiling_cpu_us, fallback, degraded = [], [], [], [], [], [], [], [], []
             r = redis_client(redis)
             for t in range(ctx.trials):
+                before = degraded_counts(agent)
                 with CpuMeter({"agent": agent.proc.pid}, r) as meter:
                     res = loadgen({"port": agent.port, "path": "/v1/admit/batch", "workload": "admit_batch",
                                    "workload_args": {"size": ctx.batch_size, "principals": ctx.principals,
@@ -50,6 +51,7 @@ def run(ctx: Ctx) -> list[Row]:
                                    "duration_s": ctx.duration_s, "warmup_s": ctx.warmup_s, "max_requests": 1_000_000})
                 cpu_us.append(meter.per(res["sent"] * ctx.batch_size))  # whole run, warm-up included
                 util.append(meter.utilisation())
+                degraded.append(delta(degraded_counts(agent), before))
                 if res["non200"] or res["errors"]:
                     ctx.note(f"fig1 trial {t}: {res['non200']} non-200 answers, errors {res['error_samples']}")
                 subject.append(res["items_per_s"])
@@ -63,6 +65,6 @@ def run(ctx: Ctx) -> list[Row]:
             r.close()
     return [Row("1", "batch admission (POST /v1/admit/batch, 100/batch)", median(subject), "decisions/s",
                 median(ceiling), "redis-benchmark EVALSHA token_bucket -P16", Goal(">=", 0.40),
-                extra={"trials": subject, "ceiling_trials": ceiling, "loadgen_cpu_pct": cpu, "allowed_share": share, "fallback_share": fallback,
+                extra={"trials": subject, "ceiling_trials": ceiling, "loadgen_cpu_pct": cpu, "allowed_share": share, "fallback_share": fallback, "degraded_by_reason": degraded,
                        "cpu_us_per_decision": cpu_us, "cpu_utilisation": util,
                        "ceiling_redis_cpu_us_per_call": ceiling_cpu_us})]

@@ -7,19 +7,31 @@ from __future__ import annotations
 from leasehold.procs import RedisServer
 
 from .context import Ctx
-from .harness import CpuMeter, Service, loadgen, redis_client, services, start_agent, start_echo
+from .harness import (
+    CpuMeter,
+    Service,
+    degraded_counts,
+    delta,
+    loadgen,
+    redis_client,
+    services,
+    start_agent,
+    start_echo,
+)
 from .stats import Goal, Row, median
 
 FIGURE_CONNS = 64
 
 
 def _trial(ctx: Ctx, svc: Service, conns: int, tag: str, r=None) -> dict:
+    before = degraded_counts(svc) if r is not None else {}
     with CpuMeter({"server": svc.proc.pid}, r) as meter:
         res = loadgen({"port": svc.port, "path": "/v1/admit", "workload": "admit", "count": '"allowed":true',
                        "workload_args": {"principals": ctx.principals, "tag": tag}, "conns": conns,
                        "duration_s": ctx.duration_s, "warmup_s": ctx.warmup_s, "max_requests": 2_000_000})
     res["cpu_us_per_request"] = meter.per(res["sent"])
     res["cpu_utilisation"] = meter.utilisation()
+    res["degraded"] = delta(degraded_counts(svc), before) if r is not None else {}
     return res
 
 
@@ -59,6 +71,7 @@ def run(ctx: Ctx, workers: int = 1) -> list[Row]:
              "cpu_us_per_request": {k: [r["cpu_us_per_request"] for r in v] for k, v in fig.items()},
              "cpu_utilisation": {k: [r["cpu_utilisation"] for r in v] for k, v in fig.items()},
              "agent_allowed_share": [r["counted"] / max(1, r["ok"]) for r in fig["agent"]],
+             "agent_degraded_by_reason": [r["degraded"] for r in fig["agent"]],
              "agent_fallback_share": [r["fallback"] / max(1, r["ok"]) for r in fig["agent"]]}
     return [
         Row("2", f"single admit, {FIGURE_CONNS} conns: throughput", med("agent", "rps"), "req/s",

@@ -213,3 +213,19 @@ class CpuMeter:
 
     def utilisation(self) -> dict[str, float]:
         return {k: v / self.wall for k, v in self.cpu.items()}
+
+
+def degraded_counts(svc: Service) -> dict[str, float]:
+    """The agent's degraded decisions so far by reason (``leasehold_agent_degraded_decisions_total``)."""
+    out: dict[str, float] = {}
+    text = httpx.get(svc.url + "/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith("leasehold_agent_degraded_decisions_total{"):
+            labels, _, value = line.rpartition(" ")
+            reason = labels.split('reason="', 1)[1].split('"', 1)[0] if 'reason="' in labels else "?"
+            out[reason] = out.get(reason, 0.0) + float(value)
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
