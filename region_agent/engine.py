@@ -176,7 +176,7 @@ class Engine:
                 self._give_back(prep)
                 prep.early = self._decision(plan, bundle, allowed=False, rule=spend.rule, scope="global",
                                             reason="RATE_EXCEEDED", limit=spend.pool.limit, remaining=0,
-                                            retry=retry)
+                                            retry=retry, fallback=prep.used_fallback)
                 break
             if status == "unavailable":
                 self._give_back(prep)
@@ -496,10 +496,20 @@ class Engine:
             return "ok", 0
         if lease.negative(self.now_ms()):
             return "denied", max(1, int(lease.deny_until_ms - self.now_ms()))
-        # the pool balance could not be reached and no chunk is held: a pool has no local allowance
-        # beyond its chunk, so only an ``open`` rule admits; the others answer 503
-        self.metrics.degradations.labels("POOL_RENEWAL_FAILED", spend.rule.fail_mode or "closed").inc()
-        if spend.rule.fail_mode == "open":
+        # the regional balance could not be reached (Redis down or too slow) and no chunk is held.
+        # A local_bounded rule spends this agent's in-process allowance of fallbackPerRegion per pool
+        # window — the Redis-loss term of the overshoot bound, as for tenant pool rules (seed ch. 18
+        # step 13: the read path keeps answering from local allowances); otherwise 503
+        mode = spend.rule.fail_mode or "closed"
+        if mode == "local_bounded" and pool.fallback_per_region > 0:
+            self.metrics.degradations.labels("POOL_RENEWAL_FAILED", "local_bounded").inc()
+            item = LocalItem(self.keys.global_pool_key(pool.id), spend.rule, prep.plan.cost_hint,
+                             (pool.fallback_per_region, pool.window_ms))
+            res = self.fallback.admit([item], int(self.now_ms()))
+            prep.used_fallback = True
+            return ("ok", 0) if res.allowed else ("denied", max(1, res.retry_after_ms))
+        self.metrics.degradations.labels("POOL_RENEWAL_FAILED", mode).inc()
+        if mode == "open":
             return "open", 0
         return "unavailable", spend.rule.closed_retry_after_ms
 
