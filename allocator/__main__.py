@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         loop = "asyncio"
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop,
-                            log_level=settings.log_level, access_log=False, lifespan="on")
+                            log_level=settings.log_level, access_log=False, lifespan="on",
+                            ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file)
     uvicorn.Server(config).run()
     return 0
 

@@ -34,6 +34,8 @@ class AllocatorSettings(msgspec.Struct, forbid_unknown_fields=True):
     auth_disabled: bool = False  # local development only: accept unauthenticated lease calls
     etcd_user: str | None = None  # etcd authentication (role limited to --prefix)
     etcd_password_file: str | None = None  # or LEASEHOLD_ALLOCATOR_ETCD_PASSWORD
+    tls_cert_file: str | None = None  # serve HTTPS (uvicorn ssl_certfile) ...
+    tls_key_file: str | None = None  # ... with this key
     policy_from_etcd: bool = True  # follow <prefix>policy/current (strictly higher versions only)
     policy_reread_ms: Annotated[int, Meta(ge=50, le=600_000)] = 5_000  # safety-net re-read period
 

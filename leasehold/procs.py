@@ -122,17 +122,41 @@ class RedisServer:
     port: int = 0
     extra_args: Sequence[str] = ()
     proc: Proc | None = None
+    admin_password: str | None = None  # ACLs on: the default user needs this password
+    users: Sequence[str] = ()  # ACL rules, one user each (see ``agent_acl``)
+    tls: TlsFiles | None = None  # serve TLS only (the plain port is closed)
 
     @property
     def url(self) -> str:
-        return f"redis://{LOOPBACK}:{self.port}/0"
+        """The admin URL (default user, password included when ACLs are on)."""
+        auth = f"default:{self.admin_password}@" if self.admin_password else ""
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{auth}{LOOPBACK}:{self.port}/0"
+
+    def _acl_args(self) -> list[str]:
+        """ACL users go in a 0600 ACL file (passwords never on the command line)."""
+        args: list[str] = []
+        if self.admin_password or self.users:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            lines = [f"user default on >{self.admin_password} ~* &* +@all" if self.admin_password else
+                     "user default on nopass ~* &* +@all", *(f"user {rule}" for rule in self.users)]
+            acl = self.workdir / "users.acl"
+            fd = os.open(acl, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write("\n".join(lines) + "\n")
+            args += ["--aclfile", str(acl)]
+        if self.tls:
+            args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert),
+                     "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca),
+                     "--tls-auth-clients", "no"]
+        return args
 
     def start(self, timeout: float = 15.0) -> RedisServer:
         if not self.port:
             self.port = free_port()
         args = [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", LOOPBACK,
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir),
-                "--maxmemory-policy", "noeviction", "--protected-mode", "no", *self.extra_args]
+                "--maxmemory-policy", "noeviction", "--protected-mode", "no", *self._acl_args(), *self.extra_args]
         self.proc = Proc(f"redis-{self.port}", args, self.workdir).start()
         wait_port(self.port, proc=self.proc.popen, timeout=timeout)
         return self
@@ -147,8 +171,61 @@ class RedisServer:
             self.proc.stop()
 
     def cli(self, *cmd: str) -> str:
-        return subprocess.run(["redis-cli", "-p", str(self.port), *cmd], capture_output=True, text=True,
+        auth = ["--user", "default", "--pass", self.admin_password, "--no-auth-warning"] if self.admin_password else []
+        tls = ["--tls", "--cacert", str(self.tls.ca)] if self.tls else []
+        return subprocess.run(["redis-cli", "-p", str(self.port), *auth, *tls, *cmd], capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
+
+
+# Commands the region agent really sends (scripts, readiness, store health) and the commands its
+# Lua scripts call — scripts run under the caller's ACL user. Keys: ``rl:*`` only.
+AGENT_COMMANDS = ("evalsha", "eval", "script|load", "script|exists", "ping", "info", "time",
+                  "get", "set", "hget", "hmget", "hset", "hdel", "hexists", "hgetall", "hlen", "pexpire",
+                  "zadd", "zcount", "zrange", "zrangebyscore", "zrem", "zremrangebyscore", "zscore")
+
+
+def agent_acl(user: str, password: str) -> str:
+    """An ACL rule for the agent: its commands on ``rl:*`` keys, nothing else (no FLUSHALL,
+    CONFIG, KEYS, no pub/sub channels)."""
+    return " ".join([user, "on", f">{password}", "resetkeys", "~rl:*", "resetchannels", "-@all",
+                     *(f"+{c}" for c in AGENT_COMMANDS)])
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A throwaway CA and one server certificate for 127.0.0.1/localhost (``make_tls``)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_tls(d: Path) -> TlsFiles:
+    """Generate a CA and a server certificate with ``openssl`` (tests and local runs only)."""
+    d.mkdir(parents=True, exist_ok=True)
+
+    def run(*a: str) -> None:
+        subprocess.run(["openssl", *a], cwd=d, check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=leasehold-test-ca",
+        "-keyout", "ca.key", "-out", "ca.crt")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key",
+        "-out", "server.csr")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-days", "2", "-extfile", "san.ext", "-out", "server.crt")
+    return TlsFiles(ca=d / "ca.crt", cert=d / "server.crt", key=d / "server.key")
+
+
+@dataclass(frozen=True)
+class EtcdGrant:
+    """One etcd user with one role: ``perm`` (read | write | readwrite) on keys under ``prefix``."""
+
+    user: str
+    password: str
+    role: str
+    perm: str
+    prefix: str
 
 
 @dataclass
@@ -245,6 +322,26 @@ class EtcdCluster:
                 return
             time.sleep(0.2)
         raise TimeoutError(f"etcd cluster not healthy: {last}")
+
+    def etcdctl(self, *args: str, user: str | None = None, stdin: str | None = None) -> str:
+        auth = ["--user", user] if user else []
+        r = subprocess.run(["etcdctl", "--endpoints", ",".join(self.endpoints), *auth, *args], input=stdin,
+                           capture_output=True, text=True, env={**os.environ, "ETCDCTL_API": "3"}, timeout=15)
+        if r.returncode != 0:
+            raise RuntimeError(f"etcdctl {args[:2]} failed: {r.stderr.strip()[:200]}")
+        return r.stdout
+
+    def enable_auth(self, root_password: str, grants: Sequence[EtcdGrant]) -> None:
+        """Turn etcd authentication on: ``root`` plus one role and user per grant (passwords go
+        through stdin, never the command line)."""
+        self.etcdctl("user", "add", "root", "--interactive=false", stdin=root_password + "\n")
+        self.etcdctl("user", "grant-role", "root", "root")
+        for g in grants:
+            self.etcdctl("role", "add", g.role)
+            self.etcdctl("role", "grant-permission", g.role, g.perm, g.prefix, "--prefix=true")
+            self.etcdctl("user", "add", g.user, "--interactive=false", stdin=g.password + "\n")
+            self.etcdctl("user", "grant-role", g.user, g.role)
+        self.etcdctl("auth", "enable")
 
     def stop_member(self, i: int) -> None:
         self.procs[i].stop()

@@ -79,6 +79,8 @@ class Topology:
         try:
             if self.spec.with_allocator:
                 self.etcd = EtcdCluster(run / "etcd", members=self.spec.etcd_members).start(timeout)
+                if self.secrets:
+                    self.secrets.enable_etcd_auth(self.etcd)
                 for i in range(self.spec.allocators):
                     port = free_port()
                     url = f"http://{LOOPBACK}:{port}"
@@ -94,12 +96,15 @@ class Topology:
                 for proc, url in zip(self.allocators, self.allocator_urls, strict=True):
                     wait_port(int(url.rsplit(":", 1)[1]), proc=proc.popen, timeout=timeout)
             for region in self.spec.regions:
-                self.redis[region] = RedisServer(run / f"redis-{region}").start(timeout)
+                self.redis[region] = RedisServer(run / f"redis-{region}", **(
+                    self.secrets.redis_acl() if self.secrets else {})).start(timeout)
                 self.agents[region] = []
                 self.agent_urls[region] = []
                 for j in range(self.spec.agents_per_region):
                     port = free_port()
-                    args = [sys.executable, "-m", "region_agent", "--redis-url", self.redis[region].url,
+                    redis_url = (f"redis://agent@{LOOPBACK}:{self.redis[region].port}/0" if self.secrets
+                                 else self.redis[region].url)  # ACL user; its password from a file
+                    args = [sys.executable, "-m", "region_agent", "--redis-url", redis_url,
                             "--policy", str(self.spec.policy), "--region", region,
                             "--host", LOOPBACK, "--port", str(port)]
                     if self.allocator_urls and self.spec.link_agents_to_allocator:
@@ -107,6 +112,8 @@ class Topology:
                     args += self.secrets.agent_args(region) if self.secrets else ["--auth-disabled", "true"]
                     if self.spec.policy_from_etcd and self.etcd is not None:
                         args += ["--policy-etcd", ",".join(self.etcd.endpoints)]
+                        if self.secrets:
+                            args += self.secrets.agent_etcd_args()
                     args += list(self.spec.agent_args)
                     env = _env(LEASEHOLD_AGENT_PEPPER=DEV_PEPPER)
                     proc = Proc(f"agent-{region}-{j + 1}", args, run / f"agent-{region}-{j + 1}", env=env).start()
@@ -210,10 +217,35 @@ class Secrets:
             f.write(text)
 
     def allocator_args(self) -> list[str]:
-        return ["--auth-disabled", "false", "--region-tokens-file", str(self.dir / "allocator-region-tokens")]
+        return ["--auth-disabled", "false", "--region-tokens-file", str(self.dir / "allocator-region-tokens"),
+                "--etcd-user", "allocator", "--etcd-password-file", str(self.dir / "etcd-allocator.password")]
+
+    def password(self, name: str) -> str:
+        path = self.dir / f"{name}.password"
+        if not path.exists():
+            import secrets as _secrets
+            self._write(path.name, _secrets.token_urlsafe(24))
+        return path.read_text()
+
+    def redis_acl(self) -> dict:
+        """Redis with ACLs on: the default user password-protected, the agent limited to rl:* scripts."""
+        from .procs import agent_acl
+        return {"admin_password": self.password("redis-admin"),
+                "users": [agent_acl("agent", self.password("redis-agent"))]}
+
+    def enable_etcd_auth(self, etcd: EtcdCluster) -> None:
+        """etcd authentication: root, an allocator role on /leasehold/, agents read-only on the policy key."""
+        from .procs import EtcdGrant
+        etcd.enable_auth(self.password("etcd-root"), [
+            EtcdGrant("allocator", self.password("etcd-allocator"), "allocator", "readwrite", "/leasehold/"),
+            EtcdGrant("agent", self.password("etcd-agent"), "agent", "read", "/leasehold/policy/")])
+
+    def agent_etcd_args(self) -> list[str]:
+        return ["--policy-etcd-user", "agent", "--policy-etcd-password-file", str(self.dir / "etcd-agent.password")]
 
     def agent_args(self, region: str) -> list[str]:
         return ["--auth-disabled", "false", "--allocator-token-file", str(self.dir / f"region-{region}.token"),
+                "--redis-password-file", str(self.dir / "redis-agent.password"),
                 "--gateway-tokens-file", str(self.dir / "agent-gateway-tokens"),
                 "--operator-tokens-file", str(self.dir / "agent-operator-tokens")]
 

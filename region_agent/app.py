@@ -325,12 +325,13 @@ async def _start_policy_watch(settings: AgentSettings, state: AgentState):
 
 
 def default_store_factory(settings: AgentSettings, m: AgentMetrics):
+    from .settings import redis_url_with_secrets
     from .store import scripts as sc
     from .store.breaker import CircuitBreaker
     from .store.client import make_client
     from .store.gateway import StoreGateway
 
-    client = make_client(settings.redis_url, cluster=settings.redis_cluster,
+    client = make_client(redis_url_with_secrets(settings), cluster=settings.redis_cluster,
                          max_connections=settings.redis_max_connections,
                          socket_timeout=settings.redis_socket_timeout_ms / 1000)
     breaker = CircuitBreaker(failure_threshold=settings.breaker_failures, open_s=settings.breaker_open_ms / 1000,

@@ -20,6 +20,10 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_cluster: bool = False  # also implied by a redis+cluster:// URL
+    redis_password_file: str | None = None  # or LEASEHOLD_AGENT_REDIS_PASSWORD; the URL names only the ACL user
+    redis_ca_file: str | None = None  # CA bundle for a rediss:// URL
+    tls_cert_file: str | None = None  # serve HTTPS (uvicorn ssl_certfile) ...
+    tls_key_file: str | None = None  # ... with this key
     policy: str = "policies/northstar.json"
     region: Annotated[str, Meta(pattern=r"^[a-z0-9-]{1,32}\Z")] = "local"
     host: str = "127.0.0.1"
@@ -98,3 +102,20 @@ def resolve_secret(path: str | None, env_suffix: str, env: dict[str, str] | None
         except OSError as e:
             raise ConfigError(f"cannot read the secret file for {env_suffix.lower()}: {e.strerror}") from None
     return None
+
+
+def redis_url_with_secrets(settings: AgentSettings, env: dict[str, str] | None = None) -> str:
+    """``--redis-url`` plus the password (env or file) and the CA file for ``rediss://``."""
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    url = settings.redis_url
+    password = resolve_secret(settings.redis_password_file, "REDIS_PASSWORD", env)
+    parts = urlsplit(url)
+    netloc, query = parts.netloc, parts.query
+    if password:
+        user = netloc.rsplit("@", 1)[0].split(":", 1)[0] if "@" in netloc else "default"
+        host = netloc.rsplit("@", 1)[-1]
+        netloc = f"{user}:{quote(password, safe='')}@{host}"
+    if settings.redis_ca_file:
+        query = (query + "&" if query else "") + "ssl_ca_certs=" + quote(settings.redis_ca_file)
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

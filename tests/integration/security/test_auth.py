@@ -8,6 +8,7 @@ the same 401 problem. ``leasehold up``'s topology runs with auth on."""
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
 import httpx
@@ -17,9 +18,10 @@ import redis
 from litestar.testing import AsyncTestClient
 
 from allocator.auth import TokenTable
-from allocator.contract.bundle import Pool
+from allocator.contract.bundle import Pool, encode_bundle, load_bundle_file, seal
 from allocator.contract.config import ConfigError
 from allocator.etcd_store import EtcdStore
+from leasehold.cli import main as cli_main
 from leasehold.topology import DEFAULT_POLICY, Topology, TopologySpec
 from region_agent.app import create_app
 from tests.integration.agent.conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
@@ -158,9 +160,31 @@ def test_local_topology_runs_with_auth_on(tmp_path):
                           timeout=5).status_code == 403
         view = httpx.get(agent + "/v1/leases", headers=topo.operator_headers(), timeout=5).json()
         assert any(b["pool"] == "global-read" for b in view["balances"]), msgspec.json.encode(view)
-        # no process was given a token on its command line
-        cmdlines = " ".join(" ".join(p.args) for p in [*topo.allocators, *topo.agents["eu"]])
-        for tok in (topo.secrets.gateway, topo.secrets.operator, eu_token):
+        # Redis with ACLs on: the default user needs its password; the agent's user cannot FLUSHALL
+        port = topo.redis["eu"].port
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=port).ping()
+        agent_pw = (secrets / "redis-agent.password").read_text()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            redis.Redis(host="127.0.0.1", port=port, username="agent", password=agent_pw).flushall()
+        # etcd with authentication on; an operator publishes with the allocator's credentials, agents follow
+        ep = ",".join(topo.etcd.endpoints)
+        newer = tmp_path / "newer.json"
+        base = load_bundle_file(str(DEFAULT_POLICY))
+        newer.write_bytes(encode_bundle(seal(msgspec.structs.replace(base, bundle_version=base.bundle_version + 1))))
+        assert cli_main(["policy", "publish", str(newer), "--etcd", ep]) != 0  # no credentials: refused
+        assert cli_main(["policy", "publish", str(newer), "--etcd", ep, "--etcd-user", "allocator",
+                         "--etcd-password-file", str(secrets / "etcd-allocator.password")]) == 0
+        deadline = time.monotonic() + 20
+        while httpx.get(agent + "/v1/policy", headers=topo.operator_headers(), timeout=5).json()["bundleVersion"] \
+                != base.bundle_version + 1:
+            assert time.monotonic() < deadline, "agent did not follow the published bundle"
+            time.sleep(0.1)
+        # no process was given a token or password on its command line
+        cmdlines = " ".join(" ".join(p.args) for p in [*topo.allocators, *topo.agents["eu"], topo.redis["eu"].proc])
+        passwords = [f.read_text() for f in secrets.glob("*.password")]
+        assert len(passwords) == 5
+        for tok in (topo.secrets.gateway, topo.secrets.operator, eu_token, *passwords):
             assert tok not in cmdlines
     finally:
         topo.stop()

@@ -1,0 +1,182 @@
+"""Least privilege on real servers: Redis with ACLs on (the agent's user runs its scripts on
+``rl:*`` keys and nothing else; the default user is password-protected), etcd with
+authentication on (the allocator's role limited to its prefix, agents read-only on the policy
+key), and TLS to Redis (rediss:// with a throwaway CA) and HTTPS for the agent process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import ssl
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import redis
+from litestar.testing import AsyncTestClient
+
+from allocator.contract.bundle import Pool, encode_bundle, load_bundle_file, seal
+from allocator.contract.errors import LeaseholdError
+from allocator.control.policy_store import PolicyStore
+from allocator.etcd_store import EtcdStore
+from leasehold.procs import (
+    EtcdCluster,
+    EtcdGrant,
+    Proc,
+    RedisServer,
+    agent_acl,
+    free_port,
+    make_tls,
+    wait_port,
+)
+from region_agent.app import create_app
+from tests.integration.agent.conftest import PEPPER, ROOT, admit_body, make_settings, northstar, write_bundle
+from tests.integration.allocator.helpers import in_process, lease_body, settings_for
+from tests.integration.allocator.helpers import write_bundle as write_pools
+
+AGENT_PW = secrets.token_urlsafe(16)
+ADMIN_PW = secrets.token_urlsafe(16)
+
+
+@pytest.fixture(scope="module")
+def acl_redis(tmp_path_factory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("acl-redis"), admin_password=ADMIN_PW,
+                         users=[agent_acl("agent", AGENT_PW)]).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def policy_file(tmp_path: Path) -> Path:
+    p = tmp_path / "bundle.json"
+    write_bundle(p, northstar())
+    return p
+
+
+def agent_url(server: RedisServer) -> str:
+    return f"redis://agent@127.0.0.1:{server.port}/0"  # the password comes from the environment
+
+
+async def test_agent_runs_with_its_acl_user_only(acl_redis, policy_file, monkeypatch):
+    acl_redis.cli("FLUSHALL")
+    monkeypatch.setenv("LEASEHOLD_AGENT_REDIS_PASSWORD", AGENT_PW)
+    settings = make_settings(agent_url(acl_redis), policy_file)
+    async with AsyncTestClient(app=create_app(settings, pepper=PEPPER)) as agent:
+        assert (await agent.get("/readyz")).status_code == 200
+        ds = [(await agent.post("/v1/admit", json=admit_body(f"acl-{i:06d}"))).json() for i in range(3)]
+        assert [d["allowed"] for d in ds] == [True] * 3 and ds[-1]["remaining"] == 17
+        exp = (await agent.post("/v1/admit", json=admit_body("acl-export-1", route="export"))).json()
+        assert exp["allowed"] and not exp["fallback"]  # concurrency gate + tenant bucket under the ACL
+        anon = admit_body("acl-anon-01", tenant=None, ptype="anonymous", pid="192.0.2.1", route="login", api_key=None)
+        assert (await agent.post("/v1/admit", json=anon)).json()["allowed"]
+    as_agent = redis.Redis(host="127.0.0.1", port=acl_redis.port, username="agent", password=AGENT_PW)
+    for cmd in (("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("SET", "other:key", "1"),
+                ("GET", "secret"), ("DEL", "rl:v3:x"), ("ACL", "LIST"), ("SCRIPT", "FLUSH")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            as_agent.execute_command(*cmd)
+    with pytest.raises(redis.exceptions.NoPermissionError):  # a script touching a non-rl key is refused too
+        as_agent.eval("return redis.call('SET', KEYS[1], 1)", 1, "other:key")
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis(host="127.0.0.1", port=acl_redis.port).ping()  # default user needs its password
+    assert int(acl_redis.cli("DBSIZE")) > 0 and acl_redis.cli("EXISTS", "other:key") == "0"
+
+
+# -- etcd authentication ---------------------------------------------------------------------------
+@pytest.fixture
+def auth_etcd(tmp_path) -> Iterator[tuple[EtcdCluster, dict[str, str]]]:
+    cluster = EtcdCluster(tmp_path / "etcd-auth", members=1).start()
+    pw = {u: secrets.token_urlsafe(12) for u in ("root", "allocator", "agent")}
+    try:
+        cluster.enable_auth(pw["root"], [
+            EtcdGrant("allocator", pw["allocator"], "allocator", "readwrite", "/leasehold/"),
+            EtcdGrant("agent", pw["agent"], "agent", "read", "/leasehold/policy/"),
+        ])
+        yield cluster, pw
+    finally:
+        cluster.stop()
+
+
+async def test_etcd_roles_allocator_prefix_and_read_only_agents(auth_etcd, tmp_path, monkeypatch):
+    cluster, pw = auth_etcd
+    ep = ",".join(cluster.endpoints)
+    bundle_path = write_pools(tmp_path / "b.json", [Pool(id="p1", window_ms=60_000, limit=100, chunk_max=50)])
+    anonymous = EtcdStore(ep, timeout_s=2)
+    agent_store = PolicyStore(EtcdStore(ep, timeout_s=2, user="agent", password=pw["agent"]), "/leasehold/")
+    alloc_store = PolicyStore(EtcdStore(ep, timeout_s=2, user="allocator", password=pw["allocator"]), "/leasehold/")
+    try:
+        with pytest.raises(LeaseholdError):
+            await anonymous.get(b"/leasehold/policy/current")
+        # the allocator publishes inside its prefix; the agent reads the policy key but cannot write
+        bundle = seal(load_bundle_file(str(bundle_path)))  # the allocator's own pools, version 1
+        await alloc_store.publish(encode_bundle(bundle))
+        stored = await agent_store.read()
+        assert stored is not None and stored.bundle.bundle_version == bundle.bundle_version
+        with pytest.raises(LeaseholdError):
+            await agent_store.publish(encode_bundle(seal(msgspec.structs.replace(bundle, bundle_version=99))))
+        with pytest.raises(LeaseholdError):  # nothing outside the policy key
+            await agent_store.store.get(b"/leasehold/leader")
+        with pytest.raises(LeaseholdError):  # the allocator's role stops at its prefix
+            await alloc_store.store.txn([], [alloc_store.store.t.put(b"/other/key", b"x")])
+        # a real allocator with its etcd user grants leases
+        monkeypatch.setenv("LEASEHOLD_ALLOCATOR_ETCD_PASSWORD", pw["allocator"])
+        settings = settings_for(cluster, bundle_path, "/leasehold/", etcd_user="allocator")
+        async with in_process(settings) as client:
+            grant = await client.post("/v1/leases", json=lease_body("lease-auth-0001", "p1", "eu", 10))
+            assert grant.status_code == 200 and grant.json()["granted"] == 10
+    finally:
+        for s in (anonymous, agent_store.store, alloc_store.store):
+            await s.close()
+
+
+# -- TLS -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    return make_tls(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture
+def tls_redis(tmp_path, tls_files) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "tls-redis", admin_password=ADMIN_PW, users=[agent_acl("agent", AGENT_PW)],
+                         tls=tls_files).start()
+    yield server
+    server.stop()
+
+
+def test_agent_over_tls_to_redis_and_https_to_gateways(tls_redis, tls_files, policy_file, tmp_path):
+    port = free_port()
+    pw_file = tmp_path / "redis.pw"
+    pw_file.write_text(AGENT_PW)
+    gw = secrets.token_urlsafe(16)
+    import hashlib
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
+    env.update(PYTHONPATH=str(ROOT), LEASEHOLD_AGENT_PEPPER=PEPPER.decode())
+    proc = Proc(f"tls-agent-{port}", [
+        sys.executable, "-m", "region_agent", "--redis-url", f"rediss://agent@127.0.0.1:{tls_redis.port}/0",
+        "--redis-password-file", str(pw_file), "--redis-ca-file", str(tls_files.ca),
+        "--policy", str(policy_file), "--region", "eu", "--host", "127.0.0.1", "--port", str(port),
+        "--tls-cert-file", str(tls_files.cert), "--tls-key-file", str(tls_files.key),
+        "--auth-disabled", "false", "--gateway-tokens", f"edge:{hashlib.sha256(gw.encode()).hexdigest()}",
+        "--log-level", "warning"], tmp_path / "agent", env=env).start()
+    try:
+        wait_port(port, proc=proc.popen, timeout=30)
+        base = f"https://127.0.0.1:{port}"
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(tls_files.ca)), timeout=5) as client:
+            for _ in range(200):
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(base + "/readyz").status_code == 200:
+                        break
+                time.sleep(0.05)
+            assert client.get(base + "/readyz").status_code == 200  # Redis reached over TLS with the ACL user
+            d = client.post(base + "/v1/admit", json=admit_body("tls-000001"),
+                            headers={"Authorization": f"Bearer {gw}"}).json()
+            assert d["allowed"] and not d["fallback"]
+        with pytest.raises(httpx.ConnectError):  # an untrusted certificate is refused by a verifying client
+            httpx.get(base + "/healthz", timeout=5)
+        assert int(tls_redis.cli("DBSIZE")) > 0
+    finally:
+        proc.stop()
