@@ -22,7 +22,7 @@ from allocator.contract.bundle import Pool, encode_bundle, load_bundle_file, sea
 from allocator.contract.config import ConfigError
 from allocator.etcd_store import EtcdStore
 from leasehold.cli import main as cli_main
-from leasehold.topology import DEFAULT_POLICY, Topology, TopologySpec
+from leasehold.topology import DEFAULT_POLICY, DEV_PEPPER, Topology, TopologySpec
 from region_agent.app import create_app
 from tests.integration.agent.conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
 from tests.integration.allocator.helpers import in_process, lease_body, settings_for, unique_prefix
@@ -140,9 +140,13 @@ async def test_agent_gateway_and_operator_credentials(redis_url, policy_file):
 
 
 # -- the local topology (make run) ----------------------------------------------------------------
-def test_local_topology_runs_with_auth_on(tmp_path):
+def test_local_topology_runs_with_auth_on_and_leaks_no_secret(tmp_path):
+    """make run's topology: tokens, Redis ACLs and etcd auth on; then logs (debug level), metrics,
+    probe and error bodies, Redis keys and etcd keys/values are scanned for every secret."""
     topo = Topology(TopologySpec(run_dir=tmp_path / "run", policy=DEFAULT_POLICY, regions=("eu",), allocators=1,
-                                 auth=True, policy_from_etcd=True)).start(timeout=60)
+                                 auth=True, policy_from_etcd=True, agent_args=("--log-level", "debug"),
+                                 allocator_args=("--log-level", "debug"))).start(timeout=60)
+    bodies: list[str] = []
     try:
         secrets = tmp_path / "run" / "secrets"
         assert oct(secrets.stat().st_mode & 0o777) == "0o700"
@@ -180,11 +184,38 @@ def test_local_topology_runs_with_auth_on(tmp_path):
                 != base.bundle_version + 1:
             assert time.monotonic() < deadline, "agent did not follow the published bundle"
             time.sleep(0.1)
+        # error bodies for wrong credentials, bad input and foreign regions
+        for resp in (httpx.post(agent + "/v1/admit", json=body, headers=bearer(eu_token), timeout=5),
+                     httpx.post(agent + "/v1/admit", content=b"{", headers=topo.gateway_headers(), timeout=5),
+                     httpx.post(agent + "/v1/admit", json={**body, "tenantId": "x}{y"}, headers=topo.gateway_headers(),
+                                timeout=5),
+                     httpx.get(agent + "/v1/policy", headers=topo.gateway_headers(), timeout=5),
+                     httpx.post(alloc + "/v1/leases", json={**lease, "region": "us"}, headers=bearer(eu_token),
+                                timeout=5),
+                     httpx.post(alloc + "/v1/leases", json={**lease, "want": -1}, headers=bearer(eu_token), timeout=5),
+                     httpx.get(alloc + "/v1/leases/lease-topo-00001", headers=bearer(topo.secrets.gateway), timeout=5)):
+            assert resp.status_code in (400, 401, 403, 404, 422), resp.text
+            bodies.append(resp.text)
+        bodies += [httpx.get(u + "/metrics", timeout=5).text for u in (agent, alloc)]
+        bodies += [httpx.get(u + p, timeout=5).text for u in (agent, alloc) for p in ("/healthz", "/readyz")]
         # no process was given a token or password on its command line
         cmdlines = " ".join(" ".join(p.args) for p in [*topo.allocators, *topo.agents["eu"], topo.redis["eu"].proc])
         passwords = [f.read_text() for f in secrets.glob("*.password")]
         assert len(passwords) == 5
         for tok in (topo.secrets.gateway, topo.secrets.operator, eu_token, *passwords):
             assert tok not in cmdlines
+        # what Redis and etcd hold: keys and values
+        stored = topo.redis["eu"].cli("--scan") + "\n".join(
+            topo.etcd.etcdctl("get", "", "--prefix", user=f"root:{(secrets / 'etcd-root.password').read_text()}")
+            .splitlines())
+        assert "rl:v3:" in stored and "/leasehold/" in stored
     finally:
         topo.stop()
+    # the secrets never appear in logs, metrics, error bodies or stored keys/values
+    logs = "\n".join(p.read_text(errors="replace") for p in (tmp_path / "run").rglob("*.log"))
+    assert "policy bundle" in logs or "starting region agent" in logs  # the logs were captured
+    leaks = {name: value for name, value in {
+        "gateway": topo.secrets.gateway, "operator": topo.secrets.operator, "region-eu": eu_token,
+        "pepper": DEV_PEPPER, **{f.stem: f.read_text() for f in secrets.glob("*.password")}}.items()
+        if any(value in text for text in (logs, stored, *bodies))}
+    assert leaks == {}, f"secrets leaked: {sorted(leaks)}"
