@@ -1,0 +1,106 @@
+"""The allocators become unreachable by *timeout* rather than refusal: a fault proxy
+(``chaos.proxy``, a real TCP proxy process) between the region agent and each allocator replica
+blackholes all traffic mid-window. The region finishes its held leases, admits at most the pool's
+fallback allowance per window (``fallback: true``), denies the rest, and returns to leases once the
+proxies heal. Real etcd, real allocator processes, a real agent process and redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from allocator.contract.bundle import Pool
+from chaos.proxy import ProxyProcess
+from leasehold.procs import LOOPBACK, Proc, free_port, wait_port
+from leasehold.topology import DEV_PEPPER, _env
+
+from .conftest import (
+    FAST_AGENT,
+    drive,
+    etcd_windows,
+    per_window,
+    pool_rule,
+    start_topology,
+    wait_for_window_start,
+    wall_ms,
+    write_bundle,
+)
+
+POOL = Pool(id="atlas-w", window_ms=3_000, limit=100, lease_ttl_ms=1_500, chunk_min=10, chunk_max=20,
+            fallback_per_region=5, prefetch_ms=300, active_horizon_ms=3_000)
+
+
+@pytest.fixture
+def region_behind_proxies(tmp_path: Path, redis_url: str):
+    policy = write_bundle(tmp_path / "bundle.json", [POOL], [pool_rule("atlas", POOL.id)])
+    topo = start_topology(tmp_path / "topo", policy, regions=())
+    proxies: list[ProxyProcess] = []
+    agent: Proc | None = None
+    try:
+        for i, url in enumerate(topo.allocator_urls):
+            proxies.append(ProxyProcess((LOOPBACK, int(url.rsplit(":", 1)[1])), tmp_path / f"proxy-{i}").start())
+        port = free_port()
+        agent = Proc("agent-eu", [sys.executable, "-m", "region_agent", "--redis-url", redis_url, "--policy",
+                                  str(policy), "--region", "eu", "--host", LOOPBACK, "--port", str(port),
+                                  "--allocator-urls", ",".join(f"http://{LOOPBACK}:{p.port}" for p in proxies),
+                                  "--auth-disabled", "true", *FAST_AGENT],
+                     tmp_path / "agent", env=_env(LEASEHOLD_AGENT_PEPPER=DEV_PEPPER)).start()
+        wait_port(port, proc=agent.popen, timeout=30)
+        base = f"http://{LOOPBACK}:{port}"
+        for _ in range(300):  # bounded wait for readiness
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.05)
+        yield topo, proxies, base
+    finally:
+        if agent is not None:
+            agent.stop()
+        for p in proxies:
+            p.stop()
+        topo.stop()
+
+
+async def test_blackholed_allocators_then_fallback_then_heal(region_behind_proxies):
+    topo, proxies, url = region_behind_proxies
+    W, FB = POOL.window_ms, POOL.fallback_per_region
+    k0 = await wait_for_window_start(W, after_ms=200)
+    stop = asyncio.Event()
+    load = asyncio.create_task(drive({"eu": url}, "atlas", seconds=30, per_second={"eu": 15}, stop=stop))
+    try:
+        await asyncio.sleep(max(0, k0 * W + W // 2 - wall_ms()) / 1000)
+        for p in proxies:
+            await p.control.blackhole(on=True)
+        cut_ms = wall_ms()
+        await asyncio.sleep(max(0, (k0 + 3) * W + 200 - wall_ms()) / 1000)
+        for p in proxies:
+            await p.control.heal()
+        healed_ms = wall_ms()
+        await asyncio.sleep(max(0, (healed_ms // W + 3) * W + 100 - wall_ms()) / 1000)
+    finally:
+        stop.set()
+        recs = await load
+    assert cut_ms // W == k0
+    # the held lease keeps admitting after the cut, without the fallback
+    assert any(r.allowed and not r.fallback for r in recs if cut_ms < r.sent_ms and r.recv_ms < (k0 + 1) * W)
+    dead = list(range(k0 + 1, healed_ms // W))
+    assert len(dead) >= 2
+    for k in dead:
+        ok = per_window(recs, W)[k]
+        assert 1 <= ok <= FB, (k, ok)
+        assert per_window(recs, W, fallback=True)[k] == ok
+        assert per_window(recs, W, allowed=False)[k] > 0
+    assert all(r.d["httpStatus"] == 429 for r in recs if not r.allowed)  # denials, never a 5xx
+    restored = list(range(healed_ms // W + 2, max(r.recv_ms for r in recs) // W))
+    assert restored
+    for k in restored:
+        assert per_window(recs, W, fallback=True)[k] == 0
+        assert per_window(recs, W, fallback=False)[k] >= 20  # demand ~45 per window, G = 100
+    for k, st in (await etcd_windows(topo, POOL.id)).items():
+        assert st.total_granted - st.total_returned == POOL.limit - st.remaining, k
