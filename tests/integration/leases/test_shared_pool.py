@@ -151,6 +151,9 @@ async def test_expired_lease_unspent_tokens_return_to_the_pool_exactly_once(topo
         bal = next(b for b in view["balances"] if b["pool"] == DUNE.id)
         leases = [lease for lease in bal["leases"] if lease["window"] == k]
         assert len(leases) == 1 and leases[0]["granted"] == 10
+        # GET /v1/leases: balance, leases held, their epoch and expiry
+        assert bal["state"] == "ok" and bal["spendable"] >= 0 and bal["maxEpoch"] == leases[0]["epoch"] >= 1
+        assert 0 < leases[0]["expiresInMs"] <= DUNE.lease_ttl_ms
         lease_id = leases[0]["leaseId"]
         leader = await leader_url(topo)
         record = {}
