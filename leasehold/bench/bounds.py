@@ -5,6 +5,7 @@ decision on each side says where a faster design would have to save."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,12 +21,20 @@ def _med(trials: Sequence[dict[str, float]], key: str) -> float | None:
 
 def _cores(util: Sequence[dict[str, float]]) -> str:
     keys = sorted({k for u in util for k in u})
-    return ", ".join(f"{k} {_med(util, k):.2f} cores" for k in keys)
+    return ", ".join(f"{k} {_med(util, k):.2f} cores" for k in keys if k != "machine") + (
+        f" (whole machine {_med(util, 'machine'):.2f} of {os.cpu_count()} cores busy)" if "machine" in keys else "")
 
 
 def _who_busy(util: Sequence[dict[str, float]]) -> list[str]:
-    keys = sorted({k for u in util for k in u})
+    keys = sorted({k for u in util for k in u} - {"machine"})
     return [k for k in keys if (_med(util, k) or 0) >= BUSY]
+
+
+def _unsaturated(util: Sequence[dict[str, float]]) -> str:
+    m = _med(util, "machine")
+    if m is not None and os.cpu_count() and m >= 0.85 * os.cpu_count():
+        return "No single process saturated, but the machine's cores were busy: bound by the shared CPUs."
+    return "No process saturated: bound by round-trip latency and concurrency."
 
 
 def _mid(trials: Sequence[dict[str, float]] | None) -> dict[str, float]:
@@ -49,7 +58,7 @@ def explain(rows: Sequence[Row]) -> list[str]:
                 f"{agent:.1f} us of Python CPU and Redis {redis:.1f} us (redis-benchmark's token-bucket call: "
                 f"{ceil:.1f} us of Redis CPU). "
                 + (f"Bound by {' and '.join(busy)} CPU (near one core on 2 shared cores)." if busy else
-                   "No process saturated: bound by latency/concurrency or the shared cores.")
+                   _unsaturated(x["cpu_utilisation"]))
                 + f" {100 * median(x['allowed_share']):.0f}% of the mix was admitted"
                 + (f", {100 * median(x['fallback_share']):.1f}% decided by the local fallback (store degraded)"
                    if x.get("fallback_share") else "") + ".")
@@ -81,7 +90,7 @@ def explain(rows: Sequence[Row]) -> list[str]:
                 f"Figure 4: {_cores(x['cpu_utilisation'])}; per grant the allocator spends "
                 f"{_med(per, 'allocator'):.0f} us and etcd {_med(per, 'etcd'):.0f} us of CPU (etcd per single "
                 f"CAS: {cas:.0f} us). "
-                + (f"Bound by {' and '.join(busy)} CPU." if busy else "No process saturated."))
+                + (f"Bound by {' and '.join(busy)} CPU." if busy else _unsaturated(x["cpu_utilisation"])))
         elif r.figure == "5":
             out.append(f"Figure 5: {x.get('redis_calls')} script calls for {x.get('attempts')} attempts "
                        f"({x.get('admitted')} admitted as the bucket refilled).")

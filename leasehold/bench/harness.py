@@ -189,6 +189,14 @@ def redis_cpu(r: redis.Redis) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(vals) - idle) / tick, sum(vals) / tick
+
+
 class CpuMeter:
     """CPU seconds of processes (by PID) and of a Redis (INFO cpu) over a measured interval."""
 
@@ -199,6 +207,7 @@ class CpuMeter:
         self.t0 = time.perf_counter()
         self.c0 = {k: proc_cpu(p) for k, p in self.pids.items()}
         self.rc0 = redis_cpu(self.r) if self.r else 0.0
+        self.m0 = machine_busy()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -206,13 +215,17 @@ class CpuMeter:
         self.cpu = {k: proc_cpu(p) - self.c0[k] for k, p in self.pids.items()}
         if self.r:
             self.cpu["redis"] = redis_cpu(self.r) - self.rc0
+        busy, _ = machine_busy()
+        self.machine_cores = (busy - self.m0[0]) / self.wall  # every process on the machine, ours or not
 
     def per(self, units: float) -> dict[str, float]:
         """CPU microseconds per unit of work, per process."""
         return {k: 1e6 * v / units for k, v in self.cpu.items()} if units else {}
 
     def utilisation(self) -> dict[str, float]:
-        return {k: v / self.wall for k, v in self.cpu.items()}
+        out = {k: v / self.wall for k, v in self.cpu.items()}
+        out["machine"] = self.machine_cores
+        return out
 
 
 def degraded_counts(svc: Service) -> dict[str, float]:
