@@ -9,6 +9,7 @@ scenario expectation fails."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -80,6 +81,11 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         plan = [(args.scenario, args.duration or 30.0)]
     else:
         plan = [(n, args.duration or d) for n, d in PROFILES[args.profile or "short"]]
+
+    def _term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # unwind: the run's finally blocks stop every process by PID
+
+    signal.signal(signal.SIGTERM, _term)
 
     async def go() -> bool:
         ok = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import shutil
 import sys
 import time
@@ -32,7 +33,7 @@ from .etcd_records import read_back
 from .history import Fault, HistoryWriter, Leader, LocalAllowance, Meta, Policy, now_ms, read_history
 from .lease_driver import DriverStats, LeaseDriver
 from .load import LeasePoller, LoadGen
-from .nemesis import Nemesis, Schedule
+from .nemesis import Nemesis, Schedule, Step
 from .scenarios import Scenario, resolve
 from .topo import PREFIX, ChaosSpec, ChaosTopology
 
@@ -119,6 +120,16 @@ async def _live(ctx: RunContext, out: TextIO, stop: asyncio.Event, t0: float) ->
               + (f" | redis faults {active}" if active else ""))
 
 
+def _jitter(steps: list[Step], seed: int, duration_s: float) -> list[Step]:
+    """Move each fault by up to ±5% of the run (seeded), so seeds also vary the schedule."""
+    rng = random.Random(f"schedule-{seed}")
+    out = []
+    for st in steps:
+        at = min(duration_s, max(0.0, st.at_s + rng.uniform(-0.05, 0.05) * duration_s))
+        out.append(Step(at, st.nemesis, st.duration_s))
+    return out
+
+
 def _local_allowances(ctx: RunContext, policies: list[PoolPolicy]) -> list[LocalAllowance]:
     """Per pool window touched by a Redis fault of a region: each of that region's agents may
     admit up to fallbackPerRegion tokens from its in-process allowance."""
@@ -184,7 +195,7 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
                                  want=4, interval_s=0.25, replay_probability=0.6, replay_delay_ms=(200, 4000),
                                  timeout_s=1.0, seed=seed, run_id=f"chaos{seed}")
             ctx.driver = driver
-        steps = [st for s in scenarios for st in s.steps(ctx)]
+        steps = _jitter([st for s in scenarios for st in s.steps(ctx)], seed, duration_s)
         schedule = Schedule(duration_s, steps)
         stop = asyncio.Event()
         t0 = time.monotonic()

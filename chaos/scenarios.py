@@ -181,6 +181,18 @@ def faults_recorded(ctx: RunContext) -> list[str]:
     return [] if ctx.faults_recorded() > 0 else ["no fault record was written"]
 
 
+def faketime_applied(agent: str) -> Expect:
+    """The agent really runs under libfaketime (its environment carries the FAKETIME spec)."""
+    def check(ctx: RunContext) -> list[str]:
+        proc = ctx.topo.agent(agent).proc
+        try:
+            env = open(f"/proc/{proc.pid}/environ", "rb").read()
+        except (OSError, AssertionError):
+            return [f"{agent} is not running at the end of the run"]
+        return [] if b"FAKETIME=" in env else [f"{agent} does not run under faketime"]
+    return check
+
+
 def errors_in(region: str) -> Expect:
     def check(ctx: RunContext) -> list[str]:
         return [] if ctx.load.stats[region].errors > 0 else [f"no failed request observed in {region}"]
@@ -270,7 +282,7 @@ _add(Scenario("clock-skew-agent", "agent-us-1 runs under faketime +1 s and a 2% 
               "get 50±50 ms", lambda c: [Step(_at(c, 0.2), Combined2(c, *[_rec(Latency(p, 50, 50, target=p.name), c)
                                                                            for p in c.topo.region_links["us"]]),
                                              _at(c, 0.5))],
-              configure=_skew_agent, expect=[faults_recorded]))
+              configure=_skew_agent, expect=[faults_recorded, faketime_applied("agent-us-1")]))
 _add(Scenario("lease-replay", "duplicated and delayed lease requests (replayed lease ids) while the leader is "
               "killed: replays across the failover bring stale-epoch grants back",
               lambda c: [Step(_at(c, 0.3), LeaderKill(c), _at(c, 0.3)),
