@@ -74,3 +74,15 @@ def test_pool_series_and_fault_spans_are_relative_to_the_run_start() -> None:
     spans = fault_spans([Fault(nemesis="kill", target="allocator-1", start_ms=t0 + 2_000, stop_ms=None)], t0,
                         t0 + 9_000)
     assert spans == [(2.0, 9.0, "kill:allocator-1")]
+
+
+def test_run_cli_lists_and_rejects_bad_input(capsys) -> None:  # type: ignore[no-untyped-def]
+    from chaos.__main__ import main
+
+    assert main(["run", "--list"]) == 0
+    assert "kill-leader" in capsys.readouterr().out
+    for argv in (["run", "--scenario", "nope"], ["run", "--scenario", "kill-leader", "--duration", "1"],
+                 ["run", "--profile", "medium"], ["run", "--seeds", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2, argv
