@@ -1,8 +1,9 @@
 """``make run``: start the local topology, drive Northstar demo traffic through every
 region's agent, and show a live view until Ctrl-C (or ``duration``), then stop everything.
 
-Traffic (bounded in rate, concurrency and time): Atlas users reading (one of them, U-17,
-far above P-READ so it collects 429s), Birch users reading, Atlas exports (cost 10,
+Traffic (bounded in rate, concurrency and time): 40 Atlas users reading (together far above
+Atlas's worldwide 1,000 per minute, so both regions see tenant-atlas-global 429s once the window's
+pool is spent; one of them, U-17, far above P-READ so it collects 429s of its own), Birch users reading, Atlas exports (cost 10,
 concurrency 3, released after a few seconds) and anonymous logins from a few IPs (one of
 them abusive, so P-ANON bites).
 """
@@ -60,7 +61,7 @@ class Driver:
             user = "U-17"
             body = {"tenantId": "atlas", "principal": {"type": "user", "id": user, "apiKeyId": "K1"}, "routeGroup": "read"}
         elif roll < 0.55:
-            body = {"tenantId": "atlas", "principal": {"type": "user", "id": f"U-{self.rng.randint(1, 8)}"},
+            body = {"tenantId": "atlas", "principal": {"type": "user", "id": f"U-{self.rng.randint(1, 40)}"},
                     "routeGroup": "read"}
         elif roll < 0.75:
             body = {"tenantId": "birch", "principal": {"type": "user", "id": f"B-{self.rng.randint(1, 5)}"},
@@ -152,7 +153,7 @@ async def _allocator_view(client: httpx.AsyncClient, urls: list[str]) -> tuple[s
 
 def _render(driver: Driver, prev: dict, dt: float, alloc_line: str, pools: list[dict], elapsed: float) -> Group:
     t = Table(title=f"Leasehold demo — {elapsed:5.0f}s — per region, per second", expand=True)
-    for col in ("region", "admitted/s", "denied/s", "503/s", "fallback/s", "exports in flight"):
+    for col in ("region", "admitted/s", "denied/s", "503/s", "fallback/s", "exports in flight", "errors"):
         t.add_column(col, no_wrap=True)
     t.add_column("top denials (rule: count)", ratio=3)
     for region, st in driver.stats.items():
@@ -160,7 +161,7 @@ def _render(driver: Driver, prev: dict, dt: float, alloc_line: str, pools: list[
         pa, pd, pu, pf = prev.get(region, (0, 0, 0, 0))
         top = ", ".join(f"{k} {v}" for k, v in st.deny_by_rule.most_common(3))
         t.add_row(region, f"{(a - pa) / dt:.0f}", f"{(d - pd) / dt:.0f}", f"{(u - pu) / dt:.0f}",
-                  f"{(f - pf) / dt:.0f}", str(st.exports_in_flight), top)
+                  f"{(f - pf) / dt:.0f}", str(st.exports_in_flight), str(st.errors), top)
     pt = Table(title=f"Global pools — {alloc_line}", expand=True)
     for col in ("pool", "window", "G", "remaining", "granted by region", "leases"):
         pt.add_column(col)
