@@ -59,12 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", choices=("auto", "yes", "no"), default="auto",
                     help="profile the engine (pyinstrument) and an agent under load (py-spy); auto: full runs "
                          "where figure 2 or 3 misses its goal")
+    ap.add_argument("--workers", type=int, default=1, help="uvicorn workers of the agent and the echo app (fig 2)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the servers' directories and logs")
     a = ap.parse_args(argv)
     figures = parse_only(a.only)
     out: Path = a.out
     out.mkdir(parents=True, exist_ok=True)
     ctx = Ctx.make(out.resolve(), a.quick)
+    ctx.workers = max(1, a.workers)
     shutil.rmtree(ctx.work, ignore_errors=True)
     ctx.work.mkdir(parents=True)
     started = time.time()

@@ -69,8 +69,8 @@ def explain(rows: Sequence[Row]) -> list[str]:
             out.append(
                 f"Figure 2: per request the agent process spends {a:.0f} us of CPU, the bare echo app {e:.0f} us "
                 f"(Redis {redis:.1f} us per request for the agent); agent {_cores(x['cpu_utilisation']['agent'])}, "
-                f"echo {_cores(x['cpu_utilisation']['echo'])}. With one worker each, throughput is about "
-                f"1 core / CPU per request, so the ratio is bound by the agent's extra Python work per request "
+                f"echo {_cores(x['cpu_utilisation']['echo'])}. With {x.get('workers', 1)} worker(s) each, throughput "
+                f"is about cores / CPU per request, so the ratio is bound by the agent's extra Python work per request "
                 f"({a - e:.0f} us: plan, keys, metrics, decision record, batcher) — see profile-agent-http.txt."
                 + (f" {100 * median(x['agent_fallback_share']):.1f}% of the agent's answers were local fallback "
                    f"decisions; degraded decisions by reason in the median trial: "

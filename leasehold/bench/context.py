@@ -21,6 +21,7 @@ class Ctx:
     scale_pools: tuple[int, ...] = (100, 10_000)
     util_windows: int = 10
     util_window_ms: int = 2_000
+    workers: int = 1  # uvicorn workers of the agent and the echo app (figure 2)
     notes: list[str] = field(default_factory=list)
     plot_data: dict = field(default_factory=dict)
 

@@ -35,7 +35,8 @@ def _trial(ctx: Ctx, svc: Service, conns: int, tag: str, r=None) -> dict:
     return res
 
 
-def run(ctx: Ctx, workers: int = 1) -> list[Row]:
+def run(ctx: Ctx) -> list[Row]:
+    workers = ctx.workers
     redis = RedisServer(ctx.work / "fig2-redis").start()
     with services(redis):
         agent = start_agent(ctx.work / "fig2-agent", redis.url, workers=workers)
@@ -45,7 +46,9 @@ def run(ctx: Ctx, workers: int = 1) -> list[Row]:
             with services(echo):
                 sweep: dict[str, dict[int, dict]] = {"agent": {}, "echo": {}}
                 fig: dict[str, list[dict]] = {"agent": [], "echo": []}
-                for conns in sorted(set(ctx.sweep) | {FIGURE_CONNS}):
+                # the figure's trials first, so an earlier sweep level's state (e.g. an open circuit
+                # breaker) does not carry into them; then the rest of the sweep for the plot
+                for conns in [FIGURE_CONNS, *sorted(set(ctx.sweep) - {FIGURE_CONNS})]:
                     n = ctx.trials if conns == FIGURE_CONNS else 1
                     for t in range(n):
                         for name, svc in (("agent", agent), ("echo", echo)):
@@ -60,7 +63,8 @@ def run(ctx: Ctx, workers: int = 1) -> list[Row]:
                     rs = sorted(fig[name], key=lambda r: r["rps"])
                     sweep[name][FIGURE_CONNS] = rs[len(rs) // 2]
             r.close()
-    ctx.plot_data["fig2"] = {name: {str(c): {"rps": r["rps"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"]}
+    ctx.plot_data["fig2"] = {name: {str(c): {"rps": r["rps"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"],
+                                             "fallback_share": r["fallback"] / max(1, r["ok"])}
                                     for c, r in sorted(per.items())} for name, per in sweep.items()}
 
     def med(name: str, key: str) -> float:

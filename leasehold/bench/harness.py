@@ -178,10 +178,23 @@ async def drive(op: Callable[[int], Awaitable[object]], *, concurrency: int, dur
     return state["done"], time.perf_counter() - t0
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
 def proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds (user + system) a process and its live children (e.g. uvicorn workers) have used."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        f = _stat(entry)
+        if f is not None and (int(entry) == pid or int(f[1]) == pid):
+            total += int(f[11]) + int(f[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def redis_cpu(r: redis.Redis) -> float:
