@@ -330,6 +330,8 @@ def faketime_spec(skew_s: float = 0.0, rate: float | None = None) -> str:
 
 def faketime_prefix(skew_s: float = 0.0, rate: float | None = None) -> list[str]:
     """argv prefix to start a service under ``faketime`` (put it before ``python -m ...``).
+    Note: the ``faketime`` binary forks the service as its child, so a :class:`Proc` holds the
+    wrapper's PID; prefer :func:`faketime_env` for services stopped or signalled by PID.
     ``faketime`` fakes time(), gettimeofday and clock_gettime — also CLOCK_MONOTONIC, so a
     rate drift shows in the service's monotonic timers too."""
     exe = shutil.which("faketime")

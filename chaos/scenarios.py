@@ -27,7 +27,7 @@ from .nemesis import (
     Pause,
     RedisRestart,
     Step,
-    faketime_prefix,
+    faketime_env,
 )
 
 if TYPE_CHECKING:
@@ -228,8 +228,12 @@ def _two_agents_eu(spec: ChaosSpec) -> None:
     spec.agents = {**spec.agents, "eu": 2}
 
 
+FAKETIME_KEYS = ("LD_PRELOAD", "FAKETIME", "FAKETIME_NO_CACHE", "DONT_FAKE_MONOTONIC")
+
+
 def _skew_agent(spec: ChaosSpec) -> None:
-    spec.prefix["agent-us-1"] = faketime_prefix(skew_s=1.0, rate=1.02)
+    env = faketime_env(skew_s=1.0, rate=1.02)
+    spec.env["agent-us-1"] = {k: env[k] for k in FAKETIME_KEYS}
 
 
 def _at(ctx: RunContext, frac: float) -> float:

@@ -1,5 +1,5 @@
 """The chaos topology: the services of :mod:`leasehold.topology`, but every inter-component
-link through a fault proxy, with per-service argv prefixes (``faketime``).
+link through a fault proxy, with per-service argv prefixes and environments (libfaketime).
 
 * a 3-member etcd cluster (:class:`leasehold.procs.EtcdCluster`);
 * allocator replicas, each reaching every etcd member through its own proxy
@@ -56,7 +56,10 @@ class ChaosSpec:
     agents: dict[str, int] = field(default_factory=lambda: {"eu": 1, "us": 1})
     allocators: int = 2
     etcd_members: int = 3
-    prefix: dict[str, list[str]] = field(default_factory=dict)  # service name -> argv prefix (faketime)
+    prefix: dict[str, list[str]] = field(default_factory=dict)  # service name -> argv prefix
+    # service name -> extra environment, e.g. libfaketime's LD_PRELOAD + FAKETIME (the process keeps
+    # its own PID, unlike the ``faketime`` wrapper, which forks: stopping it would orphan the service)
+    env: dict[str, dict[str, str]] = field(default_factory=dict)
     agent_args: tuple[str, ...] = ()
     allocator_args: tuple[str, ...] = ()
     policy_etcd: bool = True  # agents follow the policy key in etcd (for mid-run publication)
@@ -110,7 +113,7 @@ class ChaosTopology:
                         "--etcd", ",".join(p.url_host for p in proxies), "--policy", str(s.policy),
                         "--node-id", f"alloc-{i + 1}", "--host", LOOPBACK, "--port", str(port),
                         "--advertise-url", url, *ALLOCATOR_FLAGS, *s.allocator_args]
-                proc = Proc(name, args, run / name, env=child_env()).start()
+                proc = Proc(name, args, run / name, env=child_env(**s.env.get(name, {}))).start()
                 self.allocators.append(Allocator(name, f"alloc-{i + 1}", proc, url, port, proxies))
             for a in self.allocators:
                 wait_port(a.port, proc=a.proc.popen, timeout=timeout)
@@ -139,7 +142,7 @@ class ChaosTopology:
         if s.policy_etcd:
             args += ["--policy-etcd", ",".join(self.etcd.endpoints), "--policy-etcd-reread-ms", "1000"]
         args += list(s.agent_args)
-        proc = Proc(name, args, s.run_dir / name, env=child_env()).start()
+        proc = Proc(name, args, s.run_dir / name, env=child_env(**s.env.get(name, {}))).start()
         return Agent(name, region, proc, f"http://{LOOPBACK}:{port}", port, rproxy, links)
 
     def wait_ready(self, timeout: float = 60.0, procs: list[tuple[str, Proc]] | None = None) -> None:
