@@ -53,6 +53,9 @@ test-e2e: setup
 chaos: setup
 	$(PY) -m chaos run --profile full
 
+chaos-short: setup
+	$(PY) -m chaos run --profile short
+
 BENCH_ARGS ?=
 bench: setup
 	@command -v redis-benchmark >/dev/null 2>&1 || { SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
