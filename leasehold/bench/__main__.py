@@ -5,6 +5,7 @@ results.json, results.md and fig2-concurrency.png under DIR (default bench-resul
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import sys
 import time
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="profile the engine (pyinstrument) and an agent under load (py-spy); auto: full runs "
                          "where figure 2 or 3 misses its goal")
     ap.add_argument("--workers", type=int, default=1, help="uvicorn workers of the agent and the echo app (fig 2)")
+    ap.add_argument("--agent-args", default="", metavar="'FLAGS'",
+                    help="extra region_agent flags for figures 1, 2 and 5, e.g. '--decision-budget-ms 200'")
     ap.add_argument("--keep-logs", action="store_true", help="keep the servers' directories and logs")
     a = ap.parse_args(argv)
     figures = parse_only(a.only)
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     ctx = Ctx.make(out.resolve(), a.quick)
     ctx.workers = max(1, a.workers)
+    ctx.agent_args = shlex.split(a.agent_args)
     shutil.rmtree(ctx.work, ignore_errors=True)
     ctx.work.mkdir(parents=True)
     started = time.time()
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             ctx.note(sentence)
     except Exception as e:  # an explanation must never cost the results
         ctx.note(f"could not explain the bounds: {type(e).__name__}: {e}")
-    meta = {"started": started, "elapsed_s": time.time() - started, "quick": a.quick, "trials": ctx.trials,
+    meta = {"started": started, "agent_args": ctx.agent_args, "workers": ctx.workers, "elapsed_s": time.time() - started, "quick": a.quick, "trials": ctx.trials,
             "figures": figures, "env": environment()}
     write_json(out / "results.json", rows, meta)
     write_markdown(out / "results.md", rows, meta, ctx.notes)

@@ -22,6 +22,7 @@ class Ctx:
     util_windows: int = 10
     util_window_ms: int = 2_000
     workers: int = 1  # uvicorn workers of the agent and the echo app (figure 2)
+    agent_args: list[str] = field(default_factory=list)  # extra agent flags (figures 1, 2, 5), for experiments
     notes: list[str] = field(default_factory=list)
     plot_data: dict = field(default_factory=dict)
 

@@ -37,7 +37,7 @@ def redis_benchmark_script(server: RedisServer, requests: int, clients: int = 8,
 def run(ctx: Ctx) -> list[Row]:
     redis = RedisServer(ctx.work / "fig1-redis").start()
     with services(redis):
-        agent = start_agent(ctx.work / "fig1-agent", redis.url)
+        agent = start_agent(ctx.work / "fig1-agent", redis.url, extra=ctx.agent_args)
         with services(agent):
             subject, ceiling, cpu, share, cpu_us, util, ceiling_cpu_us, fallback, degraded = [], [], [], [], [], [], [], [], []
             r = redis_client(redis)

@@ -14,7 +14,7 @@ def run(ctx: Ctx) -> list[Row]:
     flood = 5_000 if ctx.quick else 25_000
     redis = RedisServer(ctx.work / "fig5-redis").start()
     with services(redis):
-        agent = start_agent(ctx.work / "fig5-agent", redis.url)
+        agent = start_agent(ctx.work / "fig5-agent", redis.url, extra=ctx.agent_args)
         with services(agent):
             base = {"port": agent.port, "path": "/v1/admit", "workload": "hot_key",
                     "workload_args": {"user": "hot-user", "tenant": "birch"}, "count": '"allowed":true'}

@@ -39,7 +39,7 @@ def run(ctx: Ctx) -> list[Row]:
     workers = ctx.workers
     redis = RedisServer(ctx.work / "fig2-redis").start()
     with services(redis):
-        agent = start_agent(ctx.work / "fig2-agent", redis.url, workers=workers)
+        agent = start_agent(ctx.work / "fig2-agent", redis.url, workers=workers, extra=ctx.agent_args)
         with services(agent):
             echo = start_echo(ctx.work / "fig2-echo", workers=workers)
             r = redis_client(redis)
