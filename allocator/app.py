@@ -52,6 +52,7 @@ from .election import Election
 from .engine import Engine, GrantRecord, wall_ms
 from .etcd_store import EtcdStore
 from .metrics import CONTENT_TYPE, AllocatorMetrics
+from .openapi_problems import document_problems
 from .settings import AllocatorSettings
 
 log = logging.getLogger("allocator.app")
@@ -275,7 +276,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
 
     handlers: list[Any] = [post_lease, post_batch, post_usage, get_lease, get_leader, get_pools, get_pool,
                            healthz, readyz, metrics]
-    return Litestar(
+    app = Litestar(
         route_handlers=handlers,
         lifespan=[lifespan],
         state=State({"auth_guard": auth_guard}),
@@ -285,3 +286,5 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         openapi_config=OpenAPIConfig(title="Leasehold allocator", version="1.0.0", path="/schema"),
         debug=False,
     )
+    document_problems(app)
+    return app

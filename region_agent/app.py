@@ -29,6 +29,7 @@ from allocator.contract.errors import (
     ValidationFailed,
     to_problem,
 )
+from allocator.openapi_problems import document_problems
 
 from .auth import AgentAuth, agent_guard
 from .engine import Engine
@@ -277,6 +278,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         debug=False,
     )
     app.state.agent = state
+    document_problems(app)
     return app
 
 
