@@ -130,6 +130,7 @@ class Engine:
         self._queue: asyncio.Queue[_GrantJob | _UsageJob] = asyncio.Queue()
         self._inflight: dict[str, _GrantJob] = {}
         self._cache: dict[tuple[str, int], _Cached] = {}
+        self._last_prune_ms = 0  # wall ms of the last cache scan (_prune_cache)
         self._buckets = LeaseBuckets(self.store)
         self._task: asyncio.Task[None] | None = None
 
@@ -388,7 +389,12 @@ class Engine:
             self.metrics.exhaustions.labels(g.pool).inc()
 
     def _prune_cache(self, now: int) -> None:
-        """Forget windows that ended more than one window ago; count their unreported tokens."""
+        """Forget windows that ended more than one window ago; count their unreported tokens.
+        A scan of every cached window, so at most once per second (it dominated grant latency
+        with 10,000 pools when it ran after every transaction)."""
+        if now - self._last_prune_ms < 1_000:
+            return
+        self._last_prune_ms = now
         for wk in [wk for wk in self._cache
                    if (wk[1] + 2) * self.pools[wk[0]].window_ms < now]:
             cached = self._cache.pop(wk)

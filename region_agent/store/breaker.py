@@ -36,6 +36,12 @@ class CircuitBreaker:
             self.probes_in_flight += 1
         return True
 
+    def release_probe(self) -> None:
+        """A call ended without saying anything about the store (the caller's own deadline):
+        give its half-open probe slot back."""
+        if self.state == HALF_OPEN and self.probes_in_flight > 0:
+            self.probes_in_flight -= 1
+
     def success(self) -> None:
         self.failures = 0
         self.probes_in_flight = 0

@@ -135,17 +135,22 @@ class StoreGateway:
             raise StoreUnavailable("circuit breaker open")
         try:
             replies = await self.batcher.submit(calls, wait_s=wait_s)
-        except (StoreUnavailable, AmbiguousOutcome, DeadlineExceeded) as e:
+        except (StoreUnavailable, AmbiguousOutcome) as e:
             br.failure(time.monotonic())
             self._breaker_changed()
             raise e from None
+        except DeadlineExceeded:
+            # the caller's own decision budget ran out (e.g. a busy agent): not evidence against the
+            # store, so the breaker neither opens nor closes on it
+            br.release_probe()
+            raise
         except LeaseholdError:
             raise
         except Exception as e:
             br.failure(time.monotonic())
             self._breaker_changed()
             raise translate(e) from None
-        if any(isinstance(r, (StoreUnavailable, AmbiguousOutcome, DeadlineExceeded)) for r in replies):
+        if any(isinstance(r, (StoreUnavailable, AmbiguousOutcome)) for r in replies):
             br.failure(time.monotonic())
         else:
             br.success()

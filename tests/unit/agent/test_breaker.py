@@ -36,3 +36,11 @@ def test_a_success_resets_the_failure_count():
     b.failure(0)
     b.failure(0)
     assert b.state == CLOSED
+
+
+def test_a_probe_that_ends_on_the_callers_deadline_gives_its_slot_back():
+    b = CircuitBreaker(failure_threshold=1, open_s=1.0, half_open_probes=1)
+    b.failure(0.0)
+    assert b.allow(1.5) and not b.allow(1.5)
+    b.release_probe()
+    assert b.allow(1.6) and b.state == HALF_OPEN
