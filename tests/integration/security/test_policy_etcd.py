@@ -242,3 +242,39 @@ async def test_fresh_reads_keep_revocable_rules_enforced_normally(redis_url, pol
 
 def test_policy_key_layout():
     assert policy_key("/leasehold/") == b"/leasehold/policy/current"
+
+
+async def test_etcd_lost_after_a_publish_keeps_it_then_revokes(redis_url, policy_file, tmp_path, prefix):
+    """Publish v+1 (maxAgeMs 1.5 s, Atlas's rule revocable), the agent follows; etcd dies: v+1 keeps
+    serving, and once the snapshot is older than maxAgeMs only the revocable rule turns to 503."""
+    from leasehold.procs import EtcdCluster
+
+    base = northstar()
+    cluster = EtcdCluster(tmp_path / "etcd-1", members=1).start()
+    store = PolicyStore(EtcdStore(",".join(cluster.endpoints), timeout_s=0.5), prefix)
+    try:
+        app = agent_app(redis_url, policy_file, cluster, prefix, reread_ms=100)
+        async with AsyncTestClient(app=app) as agent:
+            newer = bump(base, base.bundle_version + 1, max_age_ms=1_500,
+                         rules=with_rule(base, "tenant-atlas-minute", revocable=True))
+            await store.publish(encode_bundle(newer))
+
+            async def switched() -> bool:
+                return app.state.agent.holder.bundle.bundle_version == newer.bundle_version
+            await wait_for(switched)
+            d = (await agent.post("/v1/admit", json=admit_body("lost-0001", tenant="atlas"))).json()
+            assert d["allowed"] and d["policyVersion"] == newer.bundle_version
+            cluster.stop()
+            watcher = app.state.agent.policy_watch
+
+            async def stale() -> bool:
+                return watcher.is_stale(app.state.agent.holder.bundle)
+            await wait_for(stale, within_s=30)
+            atlas = (await agent.post("/v1/admit", json=admit_body("lost-0002", tenant="atlas"))).json()
+            birch = (await agent.post("/v1/admit", json=admit_body("lost-0003", tenant="birch"))).json()
+            assert atlas["reason"] == "POLICY_STALE" and atlas["httpStatus"] == 503
+            assert birch["allowed"] and birch["policyVersion"] == newer.bundle_version  # last good bundle
+            assert watcher.reads_failed > 0
+    finally:
+        await store.store.close()
+        cluster.stop()
