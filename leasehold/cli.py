@@ -149,12 +149,18 @@ def _policy_store(args: argparse.Namespace):
 
     from allocator.control.policy_store import PolicyStore
     from allocator.etcd_store import EtcdStore
+    endpoints, user, password_file = args.etcd, args.etcd_user, args.etcd_password_file
+    if not endpoints:  # the running local topology: its etcd and, with auth on, the allocator's user
+        state = _state_or_exit(args.run_dir)
+        endpoints = ",".join(s["url"].removeprefix("http://") for s in state["services"] if s["kind"] == "etcd")
+        if state.get("secrets") and not user:
+            user, password_file = "allocator", str(Path(state["secrets"]) / "etcd-allocator.password")
     password = os.environ.get("LEASEHOLD_ETCD_PASSWORD")
-    if args.etcd_password_file:
-        with open(args.etcd_password_file) as f:
+    if password_file:
+        with open(password_file) as f:
             password = f.read().strip()
-    kw = {"user": args.etcd_user, "password": password} if args.etcd_user else {}
-    return PolicyStore(EtcdStore(args.etcd, timeout_s=3.0, **kw), args.prefix)
+    kw = {"user": user, "password": password} if user else {}
+    return PolicyStore(EtcdStore(endpoints, timeout_s=3.0, **kw), args.prefix)
 
 
 def cmd_policy_publish(args: argparse.Namespace) -> int:
@@ -297,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_policy_validate)
 
     def etcd_opts(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--etcd", required=True, help="etcd endpoints, host:port[,host:port...]")
+        sp.add_argument("--etcd", help="etcd endpoints, host:port[,host:port...] (default: the running local "
+                                       "topology's, with its allocator credentials)")
         sp.add_argument("--prefix", default="/leasehold/", help="the allocator's key prefix")
         sp.add_argument("--etcd-user", help="etcd user (password from --etcd-password-file or "
                                            "LEASEHOLD_ETCD_PASSWORD)")

@@ -179,6 +179,8 @@ def test_local_topology_runs_with_auth_on_and_leaks_no_secret(tmp_path):
         assert cli_main(["policy", "publish", str(newer), "--etcd", ep]) != 0  # no credentials: refused
         assert cli_main(["policy", "publish", str(newer), "--etcd", ep, "--etcd-user", "allocator",
                          "--etcd-password-file", str(secrets / "etcd-allocator.password")]) == 0
+        # without --etcd the CLI uses the running topology's etcd and the allocator's credentials
+        assert cli_main(["--run-dir", str(tmp_path / "run"), "policy", "show"]) == 0
         deadline = time.monotonic() + 20
         while httpx.get(agent + "/v1/policy", headers=topo.operator_headers(), timeout=5).json()["bundleVersion"] \
                 != base.bundle_version + 1:
