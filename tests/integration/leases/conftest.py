@@ -96,6 +96,11 @@ class Record:
     d: dict
 
     @property
+    def zone(self) -> str:
+        """The region of the agent that decided (labels like ``eu#2`` name a region's second agent)."""
+        return self.region.split("#", 1)[0]
+
+    @property
     def allowed(self) -> bool:
         return bool(self.d.get("allowed"))
 
@@ -145,7 +150,7 @@ def per_window(records: list[Record], window_ms: int, *, allowed: bool = True, f
     for r in records:
         if r.allowed != allowed or (fallback is not None and r.fallback != fallback):
             continue
-        if region is not None and r.region != region:
+        if region is not None and r.zone != region:
             continue
         k = r.window(window_ms)
         if k is not None:
@@ -207,8 +212,12 @@ def restart(proc: Proc) -> None:
     proc.start()  # same arguments, same port
 
 
-def agent_urls(topo: Topology) -> dict[str, str]:
-    return {region: urls[0] for region, urls in topo.agent_urls.items()}
+def agent_urls(topo: Topology, every: bool = False) -> dict[str, str]:
+    """One agent per region (``eu``), or with ``every`` each agent labelled ``eu``, ``eu#2``, ..."""
+    if not every:
+        return {region: urls[0] for region, urls in topo.agent_urls.items()}
+    return {region if i == 0 else f"{region}#{i + 1}": url
+            for region, urls in topo.agent_urls.items() for i, url in enumerate(urls)}
 
 
 async def metric(url: str, name: str, **labels: str) -> float:

@@ -1,7 +1,8 @@
 """Both allocator replicas SIGKILLed mid-window (issue 4 "Done means"): regions finish the leases
 they hold, then admit at most the pool's fallback allowance per region and window (decisions say
 ``fallback: true``), then deny; restarting the allocators resumes normal grants and the fallback
-stops. Real etcd, real allocator processes, two regions with their own redis-server and agent."""
+stops. Real etcd, real allocator processes, two regions each with its own redis-server and two agents
+(the fallback allowance lives in the regional Redis, so a region's agents share it)."""
 
 from __future__ import annotations
 
@@ -32,20 +33,21 @@ POOL = Pool(id="atlas-w", window_ms=3_000, limit=100, lease_ttl_ms=1_500, chunk_
 
 async def test_allocator_loss_mid_window_then_fallback_then_restore(tmp_path: Path, topology_factory):
     W, G, FB = POOL.window_ms, POOL.limit, POOL.fallback_per_region
-    topo = topology_factory(write_bundle(tmp_path / "bundle.json", [POOL], [pool_rule("atlas", POOL.id)]))
-    urls = agent_urls(topo)
+    topo = topology_factory(write_bundle(tmp_path / "bundle.json", [POOL], [pool_rule("atlas", POOL.id)]),
+                            agents_per_region=2)
+    urls = agent_urls(topo, every=True)  # two agents per region share its Redis and its fallback allowance
     k0 = await wait_for_window_start(W, after_ms=200)
     stop = asyncio.Event()
-    load = asyncio.create_task(drive(urls, "atlas", seconds=30, per_second={"eu": 12, "us": 12}, stop=stop))
+    load = asyncio.create_task(drive(urls, "atlas", seconds=30, per_second={u: 6 for u in urls}, stop=stop))
     try:
         # mid-window k0, with leases held by both regions: SIGKILL every allocator replica
         await asyncio.sleep(max(0, k0 * W + W // 2 - wall_ms()) / 1000)
-        held = {}
+        held: dict[str, list] = {"eu": [], "us": []}
         async with httpx.AsyncClient(timeout=5) as client:
-            for region, url in urls.items():
+            for label, url in urls.items():
                 view = (await client.get(url + "/v1/leases")).json()
-                held[region] = [lease for b in view["balances"] for lease in b["leases"]]
-        assert all(held.values()), held
+                held[label.split("#")[0]] += [lease for b in view["balances"] for lease in b["leases"]]
+        assert all(held.values()), held  # each region holds leases (bought by either of its agents)
         for proc in topo.allocators:
             proc.kill()
         killed_ms = wall_ms()
@@ -79,9 +81,10 @@ async def test_allocator_loss_mid_window_then_fallback_then_restore(tmp_path: Pa
     for r in recs:
         if not r.allowed and dead[0] * W <= r.sent_ms < (dead[-1] + 1) * W:
             assert (r.d["httpStatus"], r.d["reason"]) == (429, "RATE_EXCEEDED")
-    for url in urls.values():
-        assert await metric(url, "leasehold_agent_degraded_decisions_total", reason="ALLOCATOR_UNREACHABLE",
-                            fail_mode="pool_fallback") > 0
+    for region in ("eu", "us"):
+        used = [await metric(url, "leasehold_agent_degraded_decisions_total", reason="ALLOCATOR_UNREACHABLE",
+                             fail_mode="pool_fallback") for label, url in urls.items() if label.startswith(region)]
+        assert sum(used) > 0
     # restored: whole windows after the new leader answered run on leases again, no fallback
     restored = list(range(led_ms // W + 1, max(r.recv_ms for r in recs) // W))
     assert len(restored) >= 1
