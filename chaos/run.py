@@ -189,24 +189,25 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
         ctx.load = LoadGen(bundle, lambda r: [(g.name, g.url) for g in topo.agents_in(r)], regions, history,
                            is_local=ctx.is_local, seed=seed)
         poller = LeasePoller(history, lambda: [(g.name, g.region, g.url) for g in topo.agents])
-        driver = None
-        if any(s.lease_driver for s in scenarios):
-            driver = LeaseDriver(region="drv", pool="atlas-w", urls=[a.url for a in topo.allocators], history=history,
-                                 want=4, interval_s=0.25, replay_probability=0.6, replay_delay_ms=(200, 4000),
-                                 timeout_s=1.0, seed=seed, run_id=f"chaos{seed}")
-            ctx.driver = driver
+        # a third "region" that knows its leases: its spends carry lease ids, so the per-lease checks
+        # (spend within grant, no spend after expiry) are judged in every run; the lease-replay
+        # scenario makes it replay often and late
+        replaying = any(s.lease_driver for s in scenarios)
+        driver = LeaseDriver(region="drv", pool="atlas-w", urls=[a.url for a in topo.allocators], history=history,
+                             want=4, interval_s=0.25, replay_probability=0.6 if replaying else 0.1,
+                             replay_delay_ms=(200, 4000) if replaying else (0, 500), timeout_s=1.0, seed=seed,
+                             run_id=f"chaos{seed}")
+        ctx.driver = driver
         steps = _jitter([st for s in scenarios for st in s.steps(ctx)], seed, duration_s)
         schedule = Schedule(duration_s, steps)
         stop = asyncio.Event()
         t0 = time.monotonic()
         bg = [asyncio.create_task(_watch_leaders(ctx, stop)), asyncio.create_task(_live(ctx, out, stop, t0)),
               asyncio.create_task(poller.run(duration_s + 5.0, stop=stop))]
-        if driver is not None:
-            bg.append(asyncio.create_task(driver.run(duration_s)))
+        bg.append(asyncio.create_task(driver.run(duration_s)))
         try:
             await asyncio.gather(ctx.load.run(duration_s), schedule.run())
-            if driver is not None:
-                ctx.driver_stats = await bg[-1]
+            ctx.driver_stats = await bg[-1]
         finally:
             stop.set()
             ctx.load.stop()
@@ -214,7 +215,8 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
                 if not t.done():
                     t.cancel()
             await asyncio.gather(*bg, return_exceptions=True)
-        await poller.poll_once(httpx.AsyncClient(timeout=1.0))
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            await poller.poll_once(client)
         await _final_policy(ctx)
         cur = await topo.wait_leader(10.0)
         if cur is not None and (not ctx.leaders or ctx.leaders[-1][0] != cur[0]):

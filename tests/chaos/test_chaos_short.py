@@ -31,7 +31,8 @@ async def test_short_profile_scenario(scenario: str, duration: float, tmp_path: 
     assert not result.unmet, f"the fault did not show: {result.unmet}\n{text}"
     # the judged invariants were really judged (not vacuous) and decisions were recorded
     for name in ("granted_within_limit", "window_states_within_limit", "no_double_grant", "admitted_within_bound",
-                 "acknowledged_grants_persisted"):
+                 "acknowledged_grants_persisted", "no_stale_epoch_commit", "no_stale_epoch_accept",
+                 "lease_spend_within_grant", "no_spend_after_expiry"):
         assert result.report.verdict(name).checked, f"{name} had nothing to judge\n{text}"
     assert result.report.counts["decisions"] > 100
     history = result.out_dir / "history.jsonl"
