@@ -94,7 +94,7 @@ async def test_demand_imbalance_moves_chunks_to_the_busy_region(topo):
     for k in windows:
         st = states[k]
         eu, us = st.granted.get("eu", 0), st.granted.get("us", 0)
-        assert eu > 3 * us, (k, st.granted)  # the busy region ends with most of the window's grants
+        assert eu > 2 * us, (k, st.granted)  # the busy region ends with most of the window's grants
         assert eu >= G // 2
         assert us > 0  # the quiet region still got chunks for its small demand
         assert per_window(recs, W, region="eu")[k] > per_window(recs, W, region="us")[k] > 0
