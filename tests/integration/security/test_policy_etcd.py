@@ -278,3 +278,19 @@ async def test_etcd_lost_after_a_publish_keeps_it_then_revokes(redis_url, policy
     finally:
         await store.store.close()
         cluster.stop()
+
+
+async def test_the_watch_alone_delivers_a_publish(redis_url, policy_file, etcd_cluster, prefix, pstore):
+    """With the safety-net re-read set to 10 minutes, only the aetcd watch can bring the switch."""
+    base = northstar()
+    app = agent_app(redis_url, policy_file, etcd_cluster, prefix, reread_ms=600_000)
+    async with AsyncTestClient(app=app) as agent:
+        watcher = app.state.agent.policy_watch
+        await asyncio.sleep(0.3)  # let the watch register
+        reads_before = watcher.reads_ok
+        await pstore.publish(encode_bundle(bump(base, base.bundle_version + 3)))
+
+        async def switched() -> bool:
+            return (await agent.get("/v1/policy")).json()["bundleVersion"] == base.bundle_version + 3
+        await wait_for(switched, within_s=15)
+        assert watcher.reads_ok > reads_before
