@@ -63,20 +63,23 @@ def plot_pool(series: PoolSeries, spans: Sequence[tuple[float, float, str]], pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     width = series.window_ms / 1000.0
-    ax.bar(series.starts_s, series.admitted, width=width * 0.9, align="edge", color="#4a7fb5", label="admitted")
+    ax.bar(series.starts_s, series.admitted, width=width * 0.9, align="edge", color="#4a7fb5", label="admitted",
+           zorder=2)
     ax.step(series.starts_s + [series.starts_s[-1] + width], series.limit + [series.limit[-1]], where="post",
             color="black", label="G (policy in force)")
     ax.step(series.starts_s + [series.starts_s[-1] + width], series.bound + [series.bound[-1]], where="post",
             color="#c0392b", linestyle="--", label="bound (G + fallback + local)")
+    top = max(series.bound + series.admitted + [1]) * 1.3
+    ax.set_ylim(0, top)
     for i, (a, b, label) in enumerate(spans):
-        ax.axvspan(a, max(b, a + 0.1), color="#f5b041", alpha=0.3, label="fault" if i == 0 else None)
-        ax.text(a, ax.get_ylim()[1] * (0.95 - 0.06 * (i % 5)), label, fontsize=7)
+        ax.axvspan(a, max(b, a + 0.1), color="#f5b041", alpha=0.35, label="fault" if i == 0 else None, zorder=1)
+        ax.text(a, top * (0.96 - 0.06 * (i % 4)), label, fontsize=7, zorder=3)
     ax.set_xlabel("seconds since run start (window start)")
     ax.set_ylabel("tokens per window")
     ax.set_title(title)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
