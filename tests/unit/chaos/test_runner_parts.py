@@ -86,3 +86,23 @@ def test_run_cli_lists_and_rejects_bad_input(capsys) -> None:  # type: ignore[no
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2, argv
+
+
+def test_local_allowances_cover_every_window_a_redis_fault_touches_per_agent() -> None:
+    from types import SimpleNamespace
+
+    from chaos.nemesis import Custom
+    from chaos.run import REDIS_GRACE_MS, RunContext, _local_allowances
+
+    topo = SimpleNamespace(agents_in=lambda region: ["a1", "a2"] if region == "eu" else ["b1"])
+    ctx = RunContext(topo=topo, history=None, bundle=bundles.chaos_bundle(), duration_s=20, seed=1)  # type: ignore[arg-type]
+    n = Custom("redis-restart", "redis", lambda: None)
+    n.started_ms, n.stopped_ms = 10 * W + 100, 10 * W + 200  # inside window 10; grace reaches window 10 only
+    ctx.redis_faults.append(("eu", n))
+    pools = [PoolPolicy(id="atlas-w", limit=240, window_ms=W, fallback_per_region=24),
+             PoolPolicy(id="atlas-w", limit=120, window_ms=W, fallback_per_region=12, valid_from_ms=1)]
+    got = {(a.pool, a.window_index): a.tokens for a in _local_allowances(ctx, pools)}
+    assert got == {("atlas-w", k): 48 for k in range(10, (10 * W + 200 + REDIS_GRACE_MS) // W + 1)}
+    assert ctx.is_local("eu", 10 * W + 150) and ctx.is_local("eu", 10 * W + 200 + REDIS_GRACE_MS)
+    assert not ctx.is_local("eu", 10 * W + 50) and not ctx.is_local("us", 10 * W + 150)
+    assert not ctx.is_local("eu", 10 * W + 201 + REDIS_GRACE_MS)
