@@ -206,7 +206,7 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
               asyncio.create_task(poller.run(duration_s + 5.0, stop=stop))]
         bg.append(asyncio.create_task(driver.run(duration_s)))
         try:
-            await asyncio.gather(ctx.load.run(duration_s), schedule.run())
+            await asyncio.gather(ctx.load.run(duration_s, max_requests=int(duration_s * 400)), schedule.run())
             ctx.driver_stats = await bg[-1]
         finally:
             stop.set()
