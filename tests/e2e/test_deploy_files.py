@@ -51,6 +51,13 @@ def test_kubernetes_manifests_have_probes_resources_and_disruption_budgets():
     agent = next(d for d in deployments if d["metadata"]["name"].startswith("agent"))
     env = {e["name"]: e for e in agent["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert "secretKeyRef" in env["LEASEHOLD_AGENT_PEPPER"]["valueFrom"]  # the pepper comes from a Secret
+    # authentication stays on in production: token digests from Secrets, never --auth-disabled
+    assert "secretKeyRef" in env["LEASEHOLD_AGENT_GATEWAY_TOKENS"]["valueFrom"]
+    alloc = next(d for d in deployments if d["metadata"]["name"] == "allocator")
+    alloc_env = {e["name"]: e for e in alloc["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "secretKeyRef" in alloc_env["LEASEHOLD_ALLOCATOR_REGION_TOKENS"]["valueFrom"]
+    text = "".join(p.read_text() for p in DEPLOY.rglob("*") if p.is_file())
+    assert "auth-disabled" not in text and "AUTH_DISABLED" not in text
 
 
 def referenced_metrics() -> set[str]:
