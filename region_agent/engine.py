@@ -464,20 +464,33 @@ class Engine:
                 lease.give_back(r.spend.cost, r.generation, now)
         prep.reservations.clear()
 
+    def _reserve(self, spend: GlobalSpend, lease: ChunkLease, prep: _Prepared) -> tuple[str, int] | None:
+        """Take ``spend`` from the held chunk (``ok``), or report the local negative cache
+        (``denied``), or None when a renewal is needed."""
+        now = self.now_ms()
+        gen = lease.try_take(spend.cost, now)
+        if gen is not None:
+            prep.reservations.append(_Reservation(spend, gen))
+            prep.used_fallback = prep.used_fallback or lease.fallback
+            return "ok", 0
+        if lease.negative(now):
+            return "denied", max(1, int(lease.deny_until_ms - now))
+        return None
+
     async def _take_global(self, spend: GlobalSpend, prep: _Prepared) -> tuple[str, int]:
         """("ok" | "denied" | "unavailable" | "open", retry ms) for one global-pool spend."""
         pool = spend.pool
         lease = self._chunks.setdefault(pool.id, ChunkLease())
         if self.leases is not None:  # demand is what requests ask for, not what chunks buy
             self.leases.note(pool, self.keys.global_pool_key(pool.id), spend.cost)
-        for _ in range(2):
-            gen = lease.try_take(spend.cost, self.now_ms())
-            if gen is not None:
-                prep.reservations.append(_Reservation(spend, gen))
-                prep.used_fallback = prep.used_fallback or lease.fallback
-                return "ok", 0
-            if lease.negative(self.now_ms()):
-                return "denied", max(1, int(lease.deny_until_ms - self.now_ms()))
+        renewals = 0
+        while True:
+            got = self._reserve(spend, lease, prep)
+            if got is not None:
+                return got
+            if renewals == 2:
+                break
+            renewals += 1
             fut = self._renewing.get(pool.id)
             if fut is None:
                 fut = asyncio.ensure_future(self._renew(spend, lease))
@@ -488,14 +501,7 @@ class Engine:
             try:
                 await asyncio.wait_for(asyncio.shield(fut), self._remaining(prep))
             except (TimeoutError, LeaseholdError):
-                break
-        gen = lease.try_take(spend.cost, self.now_ms())
-        if gen is not None:
-            prep.reservations.append(_Reservation(spend, gen))
-            prep.used_fallback = prep.used_fallback or lease.fallback
-            return "ok", 0
-        if lease.negative(self.now_ms()):
-            return "denied", max(1, int(lease.deny_until_ms - self.now_ms()))
+                renewals = 2  # one last look at the chunk, then give up
         # the regional balance could not be reached (Redis down or too slow) and no chunk is held.
         # A local_bounded rule spends this agent's in-process allowance of fallbackPerRegion per pool
         # window — the Redis-loss term of the overshoot bound, as for tenant pool rules (seed ch. 18
@@ -546,7 +552,14 @@ class Engine:
                 (reply,) = await self.store.submit([call], wait_s=self.budget)
                 res = self.store.parse(reply)
                 if res.allowed:
-                    lease.grant(want, sent_at, pool.chunk_validity_ms)
+                    validity = pool.chunk_validity_ms
+                    window_end = self.leases.window_end(gkey) if self.leases is not None else None
+                    if window_end is not None:  # tokens of window k are never spent in window k+1 (I5)
+                        validity = min(validity, int(window_end - sent_at))
+                    if validity <= 0:
+                        outcome = "window_ended"
+                        return
+                    lease.grant(want, sent_at, validity)
                     outcome = "granted" if attempt == 0 else "partial"
                     return
                 balance = int(res.remaining[0]) if res.remaining else 0

@@ -109,6 +109,15 @@ class LeaseManager:
             return "unreachable"
         return "ok"
 
+    def window_end(self, key: str) -> float | None:
+        """Monotonic ms at which the window of the earliest-expiring valid lease ends (a bound
+        for anything bought from this balance, e.g. a gateway chunk), or None."""
+        bal = self.balances.get(key)
+        if bal is None:
+            return None
+        valid = bal.book.valid(self.now())
+        return min((lease.window_end for lease in valid), default=None)
+
     def pending(self, key: str) -> asyncio.Task | None:
         """The in-flight top-up for ``key``'s balance, if any (the engine may wait for it once)."""
         bal = self.balances.get(key)
