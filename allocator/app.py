@@ -51,6 +51,7 @@ from .control.policy_store import PolicyStore
 from .election import Election
 from .engine import Engine, GrantRecord, wall_ms
 from .etcd_store import EtcdStore
+from .etcd_tls import credentials as tls_credentials
 from .metrics import CONTENT_TYPE, AllocatorMetrics
 from .openapi_problems import document_problems
 from .settings import AllocatorSettings
@@ -222,17 +223,21 @@ async def metrics(state: State) -> Response[bytes]:
 
 
 # -- assembly -----------------------------------------------------------------------------------
-def etcd_credentials(settings: AllocatorSettings) -> dict[str, str]:
-    """etcd user and password (password from LEASEHOLD_ALLOCATOR_ETCD_PASSWORD or a file)."""
+def etcd_credentials(settings: AllocatorSettings) -> dict[str, Any]:
+    """etcd user and password (password from LEASEHOLD_ALLOCATOR_ETCD_PASSWORD or a file), and
+    TLS channel credentials when --etcd-ca-file is set."""
+    out: dict[str, Any] = {}
+    if settings.etcd_ca_file:
+        out["tls"] = tls_credentials(settings.etcd_ca_file, settings.etcd_cert_file, settings.etcd_key_file)
     if not settings.etcd_user:
-        return {}
+        return out
     import os
 
     password = os.environ.get("LEASEHOLD_ALLOCATOR_ETCD_PASSWORD")
     if not password and settings.etcd_password_file:
         with open(settings.etcd_password_file) as f:
             password = f.read().strip()
-    return {"user": settings.etcd_user, "password": password or ""}
+    return {**out, "user": settings.etcd_user, "password": password or ""}
 
 
 def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,

@@ -18,9 +18,11 @@ from typing import Any
 
 import aetcd
 import aetcd.exceptions as aex
+import grpc
 from aetcd.client import Transactions
 
 from .contract.errors import LeaseholdError, StoreUnavailable, Unavailable
+from .etcd_tls import TlsClient
 
 log = logging.getLogger("allocator.etcd")
 
@@ -70,8 +72,10 @@ class EtcdStore:
 
     def __init__(self, endpoints: str | Sequence[str], *, timeout_s: float = 2.0,
                  observe: Callable[[str, float], None] | None = None,
-                 user: str | None = None, password: str | None = None):
+                 user: str | None = None, password: str | None = None,
+                 tls: grpc.ChannelCredentials | None = None):
         self.endpoints = parse_endpoints(endpoints)
+        self._tls = tls  # allocator.etcd_tls.credentials(...) for https:// etcd endpoints
         self._auth = {"username": user, "password": password} if user else {}  # etcd authentication
         self.timeout_s = timeout_s
         self.t = Transactions()  # compare/op builders (stateless)
@@ -84,7 +88,8 @@ class EtcdStore:
     async def _get_client(self) -> aetcd.Client:
         if self._client is None:
             host, port = self.endpoints[self._idx]
-            self._client = aetcd.Client(host, port, timeout=max(1, int(self.timeout_s + 0.999)), **self._auth)
+            self._client = TlsClient(host, port, timeout=max(1, int(self.timeout_s + 0.999)), tls=self._tls,
+                                     **self._auth)
         return self._client
 
     async def _rotate(self, failed: aetcd.Client) -> None:

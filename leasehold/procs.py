@@ -277,10 +277,18 @@ class EtcdCluster:
     peer_ports: list[int] = field(default_factory=list)
     procs: list[Proc] = field(default_factory=list)
     extra_args: Sequence[str] = ()
+    tls: TlsFiles | None = None  # serve clients over TLS (https client URLs) with this certificate
 
     @property
     def endpoints(self) -> list[str]:
         return [f"{LOOPBACK}:{p}" for p in self.client_ports]
+
+    @property
+    def _client_scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    def _etcdctl_tls(self) -> list[str]:
+        return ["--cacert", str(self.tls.ca)] if self.tls else []
 
     def member_name(self, i: int) -> str:
         return f"m{i}"
@@ -303,7 +311,9 @@ class EtcdCluster:
         c, p = self.client_ports[i], self.peer_ports[i]
         return [shutil.which("etcd") or "etcd", "--name", self.member_name(i),
                 "--data-dir", str(self.workdir / self.member_name(i) / "data"),
-                "--listen-client-urls", f"http://{LOOPBACK}:{c}", "--advertise-client-urls", f"http://{LOOPBACK}:{c}",
+                "--listen-client-urls", f"{self._client_scheme}://{LOOPBACK}:{c}",
+                "--advertise-client-urls", f"{self._client_scheme}://{LOOPBACK}:{c}",
+                *(["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key)] if self.tls else []),
                 "--listen-peer-urls", f"http://{LOOPBACK}:{p}", "--initial-advertise-peer-urls", f"http://{LOOPBACK}:{p}",
                 "--initial-cluster", initial, "--initial-cluster-state", "new",
                 "--initial-cluster-token", f"leasehold-{self.client_ports[0]}",
@@ -314,7 +324,8 @@ class EtcdCluster:
         deadline = time.monotonic() + timeout
         last = ""
         while time.monotonic() < deadline:
-            r = subprocess.run(["etcdctl", "--endpoints", ",".join(self.endpoints), "endpoint", "health"],
+            r = subprocess.run(["etcdctl", "--endpoints", ",".join(self.endpoints), *self._etcdctl_tls(),
+                                "endpoint", "health"],
                                capture_output=True, text=True, env={**os.environ, "ETCDCTL_API": "3"}, timeout=10)
             last = r.stdout + r.stderr
             alive = [p for p in self.procs if p.alive()]
@@ -325,7 +336,8 @@ class EtcdCluster:
 
     def etcdctl(self, *args: str, user: str | None = None, stdin: str | None = None) -> str:
         auth = ["--user", user] if user else []
-        r = subprocess.run(["etcdctl", "--endpoints", ",".join(self.endpoints), *auth, *args], input=stdin,
+        r = subprocess.run(["etcdctl", "--endpoints", ",".join(self.endpoints), *self._etcdctl_tls(), *auth, *args],
+                           input=stdin,
                            capture_output=True, text=True, env={**os.environ, "ETCDCTL_API": "3"}, timeout=15)
         if r.returncode != 0:
             raise RuntimeError(f"etcdctl {args[:2]} failed: {r.stderr.strip()[:200]}")
