@@ -21,13 +21,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import msgspec
 
 from allocator.election import LeaderRecord
 from allocator.engine import Keys
 from allocator.etcd_store import EtcdStore
-from leasehold.procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_port
+from leasehold.procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_http_ready, wait_port
 
 from .proxyhost import HostedProxy, ProxyHost
 
@@ -148,20 +147,7 @@ class ChaosTopology:
     def wait_ready(self, timeout: float = 60.0, procs: list[tuple[str, Proc]] | None = None) -> None:
         pending = dict(procs) if procs is not None else {
             **{a.url: a.proc for a in self.allocators}, **{g.url: g.proc for g in self.agents}}
-        deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=1.0) as client:
-            while pending and time.monotonic() < deadline:
-                for url, proc in list(pending.items()):
-                    if not proc.alive():
-                        raise RuntimeError(f"{proc.name} exited during start-up:\n{proc.tail()}")
-                    try:
-                        if client.get(url + "/readyz").status_code == 200:
-                            del pending[url]
-                    except httpx.HTTPError:
-                        pass
-                time.sleep(0.1)
-        if pending:
-            raise TimeoutError(f"not ready after {timeout}s: {', '.join(p.name for p in pending.values())}")
+        wait_http_ready(pending, timeout)
 
     def ready_callback(self, url: str):  # type: ignore[no-untyped-def]
         """A :class:`chaos.nemesis.Kill` ``ready`` hook: wait for the restarted service's /readyz."""

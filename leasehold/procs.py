@@ -56,6 +56,28 @@ def wait_port(port: int, host: str = LOOPBACK, timeout: float = 15.0, proc: subp
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
 
 
+def wait_http_ready(pending: dict[str, Proc], timeout: float = 60.0, path: str = "/readyz") -> None:
+    """Wait until every service (base URL -> its process) answers 200 on ``path``; a process
+    that exits meanwhile fails at once with the tail of its log."""
+    import httpx
+
+    pending = dict(pending)
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=1.0) as client:
+        while pending and time.monotonic() < deadline:
+            for url, proc in list(pending.items()):
+                if not proc.alive():
+                    raise RuntimeError(f"{proc.name} exited during start-up:\n{proc.tail()}")
+                try:
+                    if client.get(url + path).status_code == 200:
+                        del pending[url]
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.1)
+    if pending:
+        raise TimeoutError(f"not ready after {timeout}s: {', '.join(p.name for p in pending.values())}")
+
+
 @dataclass
 class Proc:
     """A child process we own, with its log file; ``stop`` ends it by PID."""

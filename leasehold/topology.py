@@ -16,9 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
-
-from .procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_port
+from .procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_http_ready, wait_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_POLICY = REPO / "policies" / "northstar-global.json"
@@ -127,24 +125,10 @@ class Topology:
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        pending = {u: p for u, p in zip(self.allocator_urls, self.allocators, strict=True)}
+        pending = dict(zip(self.allocator_urls, self.allocators, strict=True))
         for region, urls in self.agent_urls.items():
-            pending.update(dict(zip(urls, self.agents[region], strict=True)))
-        with httpx.Client(timeout=1.0) as client:
-            while pending and time.monotonic() < deadline:
-                for url, proc in list(pending.items()):
-                    if not proc.alive():
-                        raise RuntimeError(f"{proc.name} exited during start-up:\n{proc.tail()}")
-                    try:
-                        if client.get(url + "/readyz").status_code == 200:
-                            del pending[url]
-                    except httpx.HTTPError:
-                        pass
-                time.sleep(0.1)
-        if pending:
-            names = ", ".join(p.name for p in pending.values())
-            raise TimeoutError(f"not ready after {timeout}s: {names}")
+            pending.update(zip(urls, self.agents[region], strict=True))
+        wait_http_ready(pending, timeout)
 
     def stop(self) -> None:
         for procs in self.agents.values():
