@@ -12,10 +12,8 @@
 local GCRA = {}
 
 function GCRA.parse(a)
-  local P = { capacity = lh_int(a[1], 1), refill = lh_int(a[2], 1),
-              period = lh_int(a[3], 1), cost = lh_int(a[4], 1) }
-  if not (P.capacity and P.refill and P.period and P.cost)
-      or P.capacity * P.period > LH_MAX_PRODUCT then
+  local P = lh_rate_params(a)
+  if not P then
     return nil
   end
   P.inc = math.ceil(P.cost * P.period / P.refill)

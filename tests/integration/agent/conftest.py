@@ -77,6 +77,13 @@ def admit_body(request_id: str, *, tenant: str | None = "atlas", ptype: str = "u
     return body
 
 
+async def admit_json(agent, rid: str, **kw) -> dict:
+    """POST /v1/admit through the test client; the answer must be a 200 decision."""
+    resp = await agent.post("/v1/admit", json=admit_body(rid, **kw))
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
 # --- direct state access for the worked numbers ------------------------------------------------
 def user_key(tenant: str, user: str, route: str) -> str:
     from region_agent.keys import KeyBuilder

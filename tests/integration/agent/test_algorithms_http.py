@@ -17,7 +17,15 @@ from allocator.contract.bundle import Rule
 from region_agent.app import create_app
 from region_agent.keys import KeyBuilder, parse_ip
 
-from .conftest import PEPPER, admit_body, make_settings, northstar, store_now_ms, user_key, write_bundle
+from .conftest import (
+    PEPPER,
+    admit_json,
+    make_settings,
+    northstar,
+    store_now_ms,
+    user_key,
+    write_bundle,
+)
 
 EXTRA = [
     Rule(id="audit-log", scope="user", route_group="audit", algorithm="sliding_log", limit=20, window_ms=10_000,
@@ -45,10 +53,7 @@ async def agent2(redis_url: str, tmp_path: Path):
         yield client
 
 
-async def admit(agent, rid: str, **kw) -> dict:
-    resp = await agent.post("/v1/admit", json=admit_body(rid, **kw))
-    assert resp.status_code == 200, resp.text
-    return resp.json()
+admit = admit_json
 
 
 async def away_from_boundary(r, window_ms: int, margin_ms: int) -> int:

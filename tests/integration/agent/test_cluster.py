@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from redis.asyncio import RedisCluster
 
-from .conftest import admit_body, bucket_tokens, set_bucket, tenant_key, user_key
+from .conftest import admit_body, admit_json, bucket_tokens, set_bucket, tenant_key, user_key
 
 
 @pytest.fixture
@@ -15,10 +15,7 @@ async def rc(redis_cluster_url):
     await client.aclose()
 
 
-async def admit(agent, rid: str, **kw) -> dict:
-    resp = await agent.post("/v1/admit", json=admit_body(rid, **kw))
-    assert resp.status_code == 200, resp.text
-    return resp.json()
+admit = admit_json
 
 
 async def test_cluster_p_read_and_walkthrough(cluster_agent, rc):

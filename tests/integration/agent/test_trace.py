@@ -7,7 +7,7 @@ from redis.asyncio import Redis
 
 from region_agent.keys import KeyBuilder, hash_tag
 
-from .conftest import PEPPER, admit_body, bucket_tokens, set_bucket, tenant_key, user_key
+from .conftest import PEPPER, admit_json, bucket_tokens, set_bucket, tenant_key, user_key
 
 U17_READ = user_key("atlas", "U-17", "read")
 ATLAS = tenant_key("atlas")
@@ -21,10 +21,7 @@ async def r(redis_url):
     await client.aclose()
 
 
-async def admit(agent, rid: str, **kw) -> dict:
-    resp = await agent.post("/v1/admit", json=admit_body(rid, **kw))
-    assert resp.status_code == 200, resp.text
-    return resp.json()
+admit = admit_json
 
 
 async def test_trace_steps_5_to_12(agent, r):

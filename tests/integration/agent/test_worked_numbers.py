@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from redis.asyncio import Redis
 
-from .conftest import admit_body, bucket_tokens, set_bucket, tenant_key, user_key
+from .conftest import admit_body, admit_json, bucket_tokens, set_bucket, tenant_key, user_key
 
 U17_READ = user_key("atlas", "U-17", "read")
 ATLAS = tenant_key("atlas")
@@ -18,10 +18,7 @@ async def r(redis_url):
     await client.aclose()
 
 
-async def admit(agent, rid: str, **kw) -> dict:
-    resp = await agent.post("/v1/admit", json=admit_body(rid, **kw))
-    assert resp.status_code == 200, resp.text
-    return resp.json()
+admit = admit_json
 
 
 async def test_p_read_timeline(agent, r):
