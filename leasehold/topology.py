@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -76,6 +77,9 @@ class Topology:
             self.secrets = Secrets.generate(run / "secrets", self.spec.regions)
         try:
             if self.spec.with_allocator:
+                # a fresh cluster every run: a previous run's data dir has its (now unknown) users and
+                # auth enabled, and its pools/grants belong to that run
+                shutil.rmtree(run / "etcd", ignore_errors=True)
                 self.etcd = EtcdCluster(run / "etcd", members=self.spec.etcd_members).start(timeout)
                 if self.secrets:
                     self.secrets.enable_etcd_auth(self.etcd)

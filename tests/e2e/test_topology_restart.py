@@ -1,0 +1,35 @@
+"""`make run` twice in the same run directory: the second start gets a fresh etcd (the first
+run's data dir had authentication on with users of a run that no longer exists), and stop()
+leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+
+from leasehold.topology import Topology, TopologySpec
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_second_start_in_the_same_run_dir_works_and_stop_leaves_nothing(tmp_path):
+    spec = TopologySpec(run_dir=tmp_path / "run", regions=("eu",), allocators=1, auth=True)
+    pids: list[int] = []
+    for attempt in range(2):
+        topo = Topology(spec).start()
+        try:
+            pids += [s.pid for s in topo.services()]
+            r = httpx.post(topo.agent_urls["eu"][0] + "/v1/admit", headers=topo.gateway_headers(), timeout=5,
+                           json={"requestId": f"restart-{attempt:04d}", "tenantId": "birch",
+                                 "principal": {"type": "user", "id": "B-1"}, "routeGroup": "read", "method": "GET"})
+            assert r.status_code == 200 and r.json()["allowed"] is True, r.text
+        finally:
+            topo.stop()
+    assert pids and not [p for p in pids if alive(p)]
