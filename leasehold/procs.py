@@ -155,6 +155,12 @@ class RedisServer:
         scheme = "rediss" if self.tls else "redis"
         return f"{scheme}://{auth}{LOOPBACK}:{self.port}/0"
 
+    @property
+    def public_url(self) -> str:
+        """The URL without credentials (for status output and state files)."""
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{LOOPBACK}:{self.port}/0"
+
     def _acl_args(self) -> list[str]:
         """ACL users go in a 0600 ACL file (passwords never on the command line)."""
         args: list[str] = []

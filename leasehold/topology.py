@@ -158,7 +158,8 @@ class Topology:
             out.append(ServiceInfo(p.name, "allocator", p.pid, url, log=str(p.log_path)))
         for region, r in self.redis.items():
             assert r.proc is not None
-            out.append(ServiceInfo(r.proc.name, "redis", r.proc.pid, r.url, region=region, log=str(r.proc.log_path)))
+            out.append(ServiceInfo(r.proc.name, "redis", r.proc.pid, r.public_url, region=region,
+                                   log=str(r.proc.log_path)))
         for region, procs in self.agents.items():
             for p, url in zip(procs, self.agent_urls[region], strict=True):
                 out.append(ServiceInfo(p.name, "agent", p.pid, url, region=region, log=str(p.log_path)))

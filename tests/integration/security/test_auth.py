@@ -7,7 +7,9 @@ the same 401 problem. ``leasehold up``'s topology runs with auth on."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import time
 from pathlib import Path
 
@@ -199,6 +201,13 @@ def test_local_topology_runs_with_auth_on_and_leaks_no_secret(tmp_path):
             assert resp.status_code in (400, 401, 403, 404, 422), resp.text
             bodies.append(resp.text)
         bodies += [httpx.get(u + "/metrics", timeout=5).text for u in (agent, alloc)]
+        # the state file and what `leasehold status` prints (service URLs, never credentials)
+        bodies.append((tmp_path / "run" / "topology.json").read_text())
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli_main(["--run-dir", str(tmp_path / "run"), "status"]) == 0
+        assert "redis://127.0.0.1:" in out.getvalue()
+        bodies.append(out.getvalue())
         bodies += [httpx.get(u + p, timeout=5).text for u in (agent, alloc) for p in ("/healthz", "/readyz")]
         # no process was given a token or password on its command line
         cmdlines = " ".join(" ".join(p.args) for p in [*topo.allocators, *topo.agents["eu"], topo.redis["eu"].proc])
