@@ -87,11 +87,14 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _term)
 
+    # absolute: the services run in their own directories and are given file paths under it
+    out_root = Path(args.out).resolve()
+
     async def go() -> bool:
         ok = True
         for seed in range(args.seed, args.seed + args.seeds):
             for name, dur in plan:
-                res = await run_scenario(name, seed, dur, Path(args.out))
+                res = await run_scenario(name, seed, dur, out_root)
                 ok = ok and res.ok
         return ok
 

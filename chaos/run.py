@@ -163,8 +163,7 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
     if not (5.0 <= duration_s <= MAX_DURATION_S):
         raise ValueError(f"duration must be in [5, {MAX_DURATION_S}] s")
     scenarios: list[Scenario] = resolve(name)
-    # absolute: the services run in their own directories and are given file paths under it
-    out_dir = out_root.resolve() / f"{name}-seed{seed}-{time.strftime('%Y%m%dT%H%M%S')}"
+    out_dir = out_root / f"{name}-seed{seed}-{time.strftime('%Y%m%dT%H%M%S')}"  # out_root is absolute
     run_dir = out_dir / "run"
     bundle = bundles.chaos_bundle()
     policy = bundles.write(run_dir / "policy.json", bundle)
