@@ -10,11 +10,7 @@
 local FW = {}
 
 function FW.parse(a)
-  local P = { limit = lh_int(a[1], 1), window = lh_int(a[2], 1), cost = lh_int(a[3], 1) }
-  if not (P.limit and P.window and P.cost) or P.limit * P.window > LH_MAX_PRODUCT then
-    return nil
-  end
-  return P
+  return lh_window_params(a)
 end
 
 function FW.check(key, P, now)
