@@ -9,6 +9,7 @@ then-current leader, which says nothing about when the grant itself committed.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import msgspec
@@ -44,8 +45,9 @@ def window_from_kv(value: bytes, mod_revision: int, key: bytes = b"") -> EtcdWin
 
 
 async def read_back(endpoints: str | Sequence[str], prefix: str = "/leasehold/", *,
-                    timeout_s: float = 5.0) -> list[EtcdGrant | EtcdWindow | Leader]:
-    """Every grant and window record under ``prefix``, and the current leader (if any).
+                    timeout_s: float = 5.0, leader_wait_s: float = 5.0) -> list[EtcdGrant | EtcdWindow | Leader]:
+    """Every grant and window record under ``prefix``, and the current leader (waiting up to
+    ``leader_wait_s`` for one to be elected).
 
     Grant records carry an etcd lease (they expire some time after their window), so read
     back promptly after the run."""
@@ -59,6 +61,11 @@ async def read_back(endpoints: str | Sequence[str], prefix: str = "/leasehold/",
         for kv in await store.get_prefix(f"{prefix}pools/".encode()):
             out.append(window_from_kv(kv.value, kv.mod_revision, kv.key))
         leader = await store.get(keys.leader)
+        for _ in range(int(leader_wait_s / 0.25)):  # an election may be under way right after a fault
+            if leader is not None:
+                break
+            await asyncio.sleep(0.25)
+            leader = await store.get(keys.leader)
         if leader is not None:
             try:
                 node = msgspec.json.decode(leader.value, type=LeaderRecord).node_id
