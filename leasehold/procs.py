@@ -328,11 +328,15 @@ class EtcdCluster:
         initial = ",".join(f"{self.member_name(i)}=http://{LOOPBACK}:{p}" for i, p in enumerate(self.peer_ports))
         for i in range(self.members):
             self.procs.append(Proc(f"etcd-{self.member_name(i)}", self._args(i, initial), self.workdir / self.member_name(i)))
-        for p in self.procs:
-            p.start()
-        for i, port in enumerate(self.client_ports):
-            wait_port(port, proc=self.procs[i].popen, timeout=timeout)
-        self.wait_healthy(timeout)
+        try:
+            for p in self.procs:
+                p.start()
+            for i, port in enumerate(self.client_ports):
+                wait_port(port, proc=self.procs[i].popen, timeout=timeout)
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop()  # a cluster that failed to start leaves no member running
+            raise
         return self
 
     def _args(self, i: int, initial: str) -> list[str]:
