@@ -28,6 +28,17 @@ log = logging.getLogger("allocator.etcd")
 
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops (compares, success and failure each)
 
+# gRPC shares subchannels between channels to the same address, and with them the reconnect
+# backoff (1 s growing 1.6x up to 120 s): a fresh client for an endpoint that failed a few times
+# would fail fast with UNAVAILABLE for seconds after etcd is back. Each client gets its own
+# subchannel, and reconnects are retried within a second.
+CHANNEL_OPTIONS = {
+    "grpc.use_local_subchannel_pool": 1,
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 1000,
+}
+
 
 class EtcdLeaseMissing(StoreUnavailable):
     """A put named an etcd lease that no longer exists (expired or revoked)."""
@@ -89,7 +100,7 @@ class EtcdStore:
         if self._client is None:
             host, port = self.endpoints[self._idx]
             self._client = TlsClient(host, port, timeout=max(1, int(self.timeout_s + 0.999)), tls=self._tls,
-                                     **self._auth)
+                                     options=dict(CHANNEL_OPTIONS), **self._auth)
         return self._client
 
     async def _rotate(self, failed: aetcd.Client) -> None:
@@ -121,8 +132,8 @@ class EtcdStore:
             except (TimeoutError, aex.ConnectionFailedError, aex.ConnectionTimeoutError,
                     aex.InternalError) as e:
                 last = type(e).__name__
-                log.warning("etcd %s failed on %s:%s (%s); trying the next endpoint", op,
-                            *self.endpoints[self._idx], last)
+                log.warning("etcd %s failed on %s:%s (%s: %.200s); trying the next endpoint", op,
+                            *self.endpoints[self._idx], last, str(e) or "-")
                 await self._rotate(client)
                 continue
             except aex.ClientError as e:
