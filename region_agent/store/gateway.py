@@ -71,12 +71,26 @@ class StoreGateway:
         return out
 
     async def _run_pipeline(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        """One pipeline (called by the batcher's drain task). Its outcome is what judges the
+        store for the breaker: a pipeline that came back without store errors closes it, one that
+        failed counts against it. Callers whose own deadline passed first do not decide that:
+        on a CPU-saturated agent the reply can be late only because the event loop was busy, and
+        an agent that opened its breaker on that would serve fallback decisions while Redis is fine."""
         try:
             if self.cluster:
-                return await self._run_cluster_pipeline(calls)
-            return await self.scripts.run_pipeline(self.client, calls)
+                replies = await self._run_cluster_pipeline(calls)
+            else:
+                replies = await self.scripts.run_pipeline(self.client, calls)
         except Exception as e:
+            self.breaker.failure(time.monotonic())
+            self._breaker_changed()
             raise translate(e) from None
+        if any(isinstance(r, (StoreUnavailable, AmbiguousOutcome)) for r in replies):
+            self.breaker.failure(time.monotonic())
+        else:
+            self.breaker.success()
+        self._breaker_changed()
+        return replies
 
     async def _cluster_round(self, calls: Sequence[ScriptCall]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
@@ -134,28 +148,25 @@ class StoreGateway:
             self._breaker_changed()
             raise StoreUnavailable("circuit breaker open")
         try:
-            replies = await self.batcher.submit(calls, wait_s=wait_s)
+            return await self.batcher.submit(calls, wait_s=wait_s)
         except (StoreUnavailable, AmbiguousOutcome) as e:
+            # sent and not answered within the budget (or the queue is full): counts against the
+            # store, so a hung Redis opens the breaker quickly; if the pipeline then comes back
+            # fine, its success closes the breaker again (see _run_pipeline)
             br.failure(time.monotonic())
             self._breaker_changed()
             raise e from None
         except DeadlineExceeded:
-            # the caller's own decision budget ran out (e.g. a busy agent): not evidence against the
-            # store, so the breaker neither opens nor closes on it
+            # the caller's own decision budget ran out before anything was sent (e.g. a busy
+            # agent): not evidence against the store, so the breaker neither opens nor closes on it
             br.release_probe()
             raise
         except LeaseholdError:
+            br.release_probe()
             raise
-        except Exception as e:
-            br.failure(time.monotonic())
-            self._breaker_changed()
-            raise translate(e) from None
-        if any(isinstance(r, (StoreUnavailable, AmbiguousOutcome)) for r in replies):
-            br.failure(time.monotonic())
-        else:
-            br.success()
-        self._breaker_changed()
-        return replies
+        except BaseException:  # e.g. the request task cancelled: give a half-open probe slot back
+            br.release_probe()
+            raise
 
     def _breaker_changed(self) -> None:
         if self.on_breaker is not None:

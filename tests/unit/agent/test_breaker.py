@@ -1,4 +1,10 @@
+import asyncio
+
+import pytest
+
+from allocator.contract.errors import AmbiguousOutcome, StoreUnavailable
 from region_agent.store.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from region_agent.store.gateway import StoreGateway
 
 
 def test_opens_after_consecutive_failures_and_refuses_until_cool_down():
@@ -44,3 +50,48 @@ def test_a_probe_that_ends_on_the_callers_deadline_gives_its_slot_back():
     assert b.allow(1.5) and not b.allow(1.5)
     b.release_probe()
     assert b.allow(1.6) and b.state == HALF_OPEN
+
+
+class _SlowScripts:
+    """Stands in for the script runner only (no store here): a pipeline answering after ``delay_s``."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+        self.pipelines = 0
+
+    async def run_pipeline(self, client, calls):
+        self.pipelines += 1
+        await asyncio.sleep(self.delay_s)
+        return [[1, 0, 0, 1000] for _ in calls]
+
+
+async def test_late_callers_open_the_breaker_but_the_pipelines_success_closes_it():
+    """A caller whose deadline passed after its call was sent counts against the store (a hung
+    Redis must open the breaker quickly); but when that pipeline then comes back fine, the store
+    is healthy and the breaker closes again: a CPU-saturated agent must not stay in fallback."""
+    scripts = _SlowScripts(0.05)
+    gw = StoreGateway(object(), scripts, breaker=CircuitBreaker(failure_threshold=3, open_s=10.0))
+    call = ("multi_rule", ["k"], [1])
+    got = await asyncio.gather(*(gw.submit([call], wait_s=0.005) for _ in range(3)), return_exceptions=True)
+    assert all(isinstance(g, AmbiguousOutcome) for g in got)
+    assert gw.breaker.state == OPEN
+    with pytest.raises(StoreUnavailable):  # open: refused without sending
+        await gw.submit([call], wait_s=0.2)
+    await asyncio.sleep(0.1)  # the pipeline comes back without store errors
+    assert gw.breaker.state == CLOSED
+    assert await gw.submit([call], wait_s=0.5) == [[1, 0, 0, 1000]]
+    assert scripts.pipelines == 2
+
+
+async def test_a_cancelled_probe_gives_its_half_open_slot_back():
+    scripts = _SlowScripts(0.5)
+    br = CircuitBreaker(failure_threshold=1, open_s=0.0, half_open_probes=1)
+    br.failure(0.0)
+    gw = StoreGateway(object(), scripts, breaker=br)
+    task = asyncio.create_task(gw.submit([("multi_rule", ["k"], [1])], wait_s=1.0))
+    await asyncio.sleep(0.01)
+    assert br.state == HALF_OPEN and br.probes_in_flight == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert br.probes_in_flight == 0
