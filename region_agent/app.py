@@ -341,7 +341,8 @@ def default_store_factory(settings: AgentSettings, m: AgentMetrics):
     gauge = m.breaker_state.labels("default")
     gauge.set(0)
     return StoreGateway(client, sc.Scripts(), max_batch=settings.batch_max, max_queue=settings.queue_max,
-                        on_batch=m.batch_size.observe, breaker=breaker, on_breaker=gauge.set)
+                        max_inflight=settings.pipelines_in_flight, on_batch=m.batch_size.observe,
+                        breaker=breaker, on_breaker=gauge.set)
 
 
 async def _background(state: AgentState) -> None:

@@ -22,7 +22,6 @@ key hashes the address reduced to that rule's prefix (IPv4 /32 and IPv6 /64 by d
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import ipaddress
 import re
@@ -89,7 +88,7 @@ class KeyBuilder:
 
     def h(self, tenant: str, kind: str, ident: str) -> str:
         msg = (tenant + _SEP + kind + _SEP + ident).encode("utf-8", "surrogatepass")
-        return hmac.new(self._pepper, msg, hashlib.sha256).hexdigest()[:16]
+        return hmac.digest(self._pepper, msg, "sha256")[:8].hex()  # one-shot C path of HMAC-SHA256
 
     # --- tags -----------------------------------------------------------------------------
     @staticmethod
@@ -126,6 +125,14 @@ class KeyBuilder:
         if rule.scope == "tenant":
             return f"{NS}:{tag}:tenant:{t}:{route}"
         raise ValidationFailed(f"scope {rule.scope} has no tenant-tagged key")
+
+    @staticmethod
+    def unrecorded_decision_key(*, tenant: str | None, ip_tag: str | None = None) -> str:
+        """KEYS[1] of a multi-rule call that stores no decision record (decision_ttl_ms 0): the
+        script never reads or writes it, it only has to share the call's hash tag, so no HMAC."""
+        if ip_tag is not None:
+            return f"{NS}:{ip_tag}:d:-"
+        return f"{NS}:{KeyBuilder.tenant_tag(check_tenant(tenant))}:d:-"
 
     def decision_key(self, request_id: str, *, tenant: str | None, ip_tag: str | None = None) -> str:
         if ip_tag is not None:

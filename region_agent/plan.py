@@ -129,8 +129,12 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder) -> Plan:
     plan.slack_ms = max((r.ttl_slack_ms for r in in_script), default=0)
     if any(r.idempotent for r in in_script):
         plan.decision_ttl_ms = max(r.decision_ttl_ms for r in in_script)
-    plan.decision_key = keys.decision_key(req.request_id, tenant=tenant if ip_tag is None else None,
-                                          ip_tag=ip_tag)
+    if plan.decision_ttl_ms > 0:
+        plan.decision_key = keys.decision_key(req.request_id, tenant=tenant if ip_tag is None else None,
+                                              ip_tag=ip_tag)
+    else:
+        plan.decision_key = KeyBuilder.unrecorded_decision_key(tenant=tenant if ip_tag is None else None,
+                                                               ip_tag=ip_tag)
     return plan
 
 

@@ -38,7 +38,9 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     decision_budget_ms: Annotated[int, Meta(ge=1, le=10_000)] = 50
     redis_socket_timeout_ms: Annotated[int, Meta(ge=10, le=60_000)] = 500  # a pipeline's read bound
     redis_max_connections: Annotated[int, Meta(ge=1, le=1024)] = 32
-    batch_max: Annotated[int, Meta(ge=1, le=4096)] = 256  # script calls per coalesced pipeline
+    batch_max: Annotated[int, Meta(ge=1, le=4096)] = 32  # script calls per coalesced pipeline (a larger
+    # single request, e.g. /v1/admit/batch, still goes as one pipeline)
+    pipelines_in_flight: Annotated[int, Meta(ge=1, le=16)] = 3  # coalesced pipelines sent concurrently
     queue_max: Annotated[int, Meta(ge=1, le=100_000)] = 10_000  # queued script calls before shedding
     breaker_failures: Annotated[int, Meta(ge=1, le=1_000)] = 5  # consecutive store failures that open it
     breaker_open_ms: Annotated[int, Meta(ge=10, le=600_000)] = 1_000  # open for this long, then probe

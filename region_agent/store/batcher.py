@@ -1,10 +1,14 @@
 """Coalesce concurrent script calls into shared pipelines.
 
 Callers :meth:`Batcher.submit` a group of calls (the calls of one decision, or of a whole
-batch request) and await their replies. One drain task sends everything queued as one
-pipeline whenever the previous pipeline finished: no timer, so an idle agent adds no
-latency and a busy one shares round trips. The queue is bounded; a full queue refuses
-new work immediately (nothing sent) instead of queueing without bound (I10).
+batch request) and await their replies. Up to ``max_inflight`` drain tasks each send what
+is queued (at most ``max_batch`` calls, or one larger group whole) as one pipeline and take
+the next when it comes back: no timer, so an idle agent adds no latency and a busy one
+shares round trips. More than one pipeline in flight lets the agent's Python work on the
+next decisions while Redis runs the previous pipeline (in lockstep, one of the two always
+waits: measured +25-30 % decisions/s in process with 3 x 32 over 1 x 64). The queue is
+bounded; a full queue refuses new work immediately (nothing sent) instead of queueing
+without bound (I10).
 """
 
 from __future__ import annotations
@@ -30,15 +34,17 @@ class _Entry:
 
 
 class Batcher:
-    def __init__(self, run: RunPipeline, *, max_batch: int = 256, max_queue: int = 10_000,
-                 on_batch: Callable[[int], None] | None = None):
+    def __init__(self, run: RunPipeline, *, max_batch: int = 32, max_queue: int = 10_000,
+                 on_batch: Callable[[int], None] | None = None, max_inflight: int = 3):
         self._run = run
+        self._max_inflight = max(1, max_inflight)
+        self._tasks: set[asyncio.Task] = set()
+        self._starting = False  # a drain task was created and has not run yet
         self._max_batch = max_batch
         self._max_queue = max_queue
         self._on_batch = on_batch
         self._queue: deque[_Entry] = deque()
         self._queued_calls = 0
-        self._task: asyncio.Task | None = None
 
     @property
     def queued(self) -> int:
@@ -56,21 +62,38 @@ class Batcher:
         entry = _Entry(list(calls), asyncio.get_running_loop().create_future())
         self._queue.append(entry)
         self._queued_calls += len(calls)
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._drain())
+        if not self._starting and len(self._tasks) < self._max_inflight:
+            # every drain task is busy with a pipeline (or there is none): start one more; it takes
+            # everything queued by the time it runs, so a burst of submits starts only one
+            self._starting = True
+            task = asyncio.create_task(self._drain())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         try:
-            return await asyncio.wait_for(asyncio.shield(entry.future), wait_s)
+            # the drain task skips a future cancelled here (timeout): no shield needed
+            async with asyncio.timeout(wait_s):
+                return await entry.future
         except TimeoutError:
-            if not entry.sent:
-                try:
-                    self._queue.remove(entry)
-                    self._queued_calls -= len(entry.calls)
-                except ValueError:
-                    pass
+            if self._withdraw(entry):
                 raise DeadlineExceeded("decision deadline passed before the call was sent") from None
             raise AmbiguousOutcome("decision deadline passed after the call was sent") from None
+        except asyncio.CancelledError:
+            self._withdraw(entry)  # the caller is gone: do not send what nobody waits for
+            raise
+
+    def _withdraw(self, entry: _Entry) -> bool:
+        """Take a not-yet-sent entry out of the queue; False if it was already sent."""
+        if entry.sent:
+            return False
+        try:
+            self._queue.remove(entry)
+            self._queued_calls -= len(entry.calls)
+        except ValueError:
+            pass
+        return True
 
     async def _drain(self) -> None:
+        self._starting = False
         while self._queue:
             batch: list[_Entry] = []
             n = 0
@@ -98,8 +121,8 @@ class Batcher:
                     e.future.set_result(part)
 
     async def close(self) -> None:
-        if self._task is not None and not self._task.done():
+        for task in list(self._tasks):
             try:
-                await asyncio.wait_for(self._task, 1.0)
+                await asyncio.wait_for(task, 1.0)
             except (TimeoutError, asyncio.CancelledError):
-                self._task.cancel()
+                task.cancel()

@@ -34,13 +34,14 @@ def translate(exc: BaseException, *, sent: bool = True) -> LeaseholdError:
 
 
 class StoreGateway:
-    def __init__(self, client: Any, scripts: sc.Scripts, *, max_batch: int = 256, max_queue: int = 10_000,
-                 on_batch=None, breaker: CircuitBreaker | None = None, on_breaker=None):
+    def __init__(self, client: Any, scripts: sc.Scripts, *, max_batch: int = 32, max_queue: int = 10_000,
+                 max_inflight: int = 3, on_batch=None, breaker: CircuitBreaker | None = None, on_breaker=None):
         self.client = client
         self.cluster = isinstance(client, RedisCluster)
         self.scripts = scripts
         self.scripts_loaded = False
-        self.batcher = Batcher(self._run_pipeline, max_batch=max_batch, max_queue=max_queue, on_batch=on_batch)
+        self.batcher = Batcher(self._run_pipeline, max_batch=max_batch, max_queue=max_queue,
+                               max_inflight=max_inflight, on_batch=on_batch)
         self.breaker = breaker or CircuitBreaker()
         self.on_breaker = on_breaker
 

@@ -48,7 +48,7 @@ async def test_next_flush_starts_when_the_previous_one_finished():
             await gate.wait()
         return [None] * len(calls)
 
-    b = Batcher(run, max_batch=100)
+    b = Batcher(run, max_batch=100, max_inflight=1)
     first = asyncio.create_task(b.submit([("s", ["a"], [])]))
     await asyncio.sleep(0.01)
     rest = [asyncio.create_task(b.submit([("s", [f"k{i}"], [])])) for i in range(5)]
@@ -59,6 +59,33 @@ async def test_next_flush_starts_when_the_previous_one_finished():
     assert sent == [1, 5]
 
 
+async def test_pipelines_in_flight_are_bounded():
+    sent: list[int] = []
+    gates = [asyncio.Event(), asyncio.Event()]
+
+    async def run(calls):
+        sent.append(len(calls))
+        if len(sent) <= 2:
+            await gates[len(sent) - 1].wait()
+        return [None] * len(calls)
+
+    b = Batcher(run, max_batch=3, max_inflight=2)
+    first = asyncio.create_task(b.submit([("s", ["a"], [])]))
+    await asyncio.sleep(0.01)
+    second = [asyncio.create_task(b.submit([("s", [f"k{i}"], [])])) for i in range(2)]
+    await asyncio.sleep(0.01)
+    assert sent == [1, 2]  # a second pipeline goes while the first is in flight
+    third = [asyncio.create_task(b.submit([("s", [f"m{i}"], [])])) for i in range(4)]
+    await asyncio.sleep(0.01)
+    assert sent == [1, 2]  # both drain tasks busy: the rest waits
+    gates[1].set()
+    await asyncio.gather(*second)
+    await asyncio.sleep(0.01)
+    assert sent == [1, 2, 3, 1]  # in batches of at most max_batch
+    gates[0].set()
+    await asyncio.gather(first, *third)
+
+
 async def test_bounded_queue_refuses_without_sending_and_deadline_before_send():
     gate = asyncio.Event()
 
@@ -66,7 +93,7 @@ async def test_bounded_queue_refuses_without_sending_and_deadline_before_send():
         await gate.wait()
         return [None] * len(calls)
 
-    b = Batcher(run, max_batch=1, max_queue=2)
+    b = Batcher(run, max_batch=1, max_queue=2, max_inflight=1)
     t1 = asyncio.create_task(b.submit([("s", ["a"], [])]))
     await asyncio.sleep(0.01)  # in flight
     t2 = asyncio.create_task(b.submit([("s", ["b"], [])]))
@@ -87,7 +114,7 @@ async def test_deadline_while_still_queued_means_never_sent():
         await gate.wait()
         return [None] * len(calls)
 
-    b = Batcher(run)
+    b = Batcher(run, max_inflight=1)
     first = asyncio.create_task(b.submit([("s", ["a"], [])]))
     await asyncio.sleep(0.01)
     with pytest.raises(DeadlineExceeded):
@@ -102,7 +129,7 @@ async def test_a_failed_pipeline_fails_every_caller():
     async def run(calls):
         raise StoreUnavailable("down")
 
-    b = Batcher(run)
+    b = Batcher(run, max_inflight=1)
     res = await asyncio.gather(b.submit([("s", ["a"], [])]), b.submit([("s", ["b"], [])]), return_exceptions=True)
     assert all(isinstance(r, StoreUnavailable) for r in res)
 
