@@ -32,7 +32,16 @@ from .keys import KeyBuilder
 from .metrics import AgentMetrics
 from .models import AdmitRequest, Decision, ReleaseRequest
 from .negcache import NegativeCache
-from .plan import Call, GlobalSpend, Plan, build_plan, cc_keys_for_release, tokens_limit, tokens_remaining
+from .plan import (
+    Call,
+    GlobalSpend,
+    Plan,
+    build_plan,
+    cc_keys_for_release,
+    memo_of,
+    tokens_limit,
+    tokens_remaining,
+)
 
 log = logging.getLogger("region_agent.engine")
 
@@ -84,6 +93,7 @@ class Engine:
         self._renewing: dict[str, asyncio.Future] = {}
         self.leases = leases  # region_agent.leasing.manager.LeaseManager, when the allocator is configured
         self.negative = negative if negative is not None else NegativeCache()
+        self._decision_counters: dict[tuple, Any] = {}
 
     def now_ms(self) -> float:
         return self.clock() * 1000.0
@@ -108,7 +118,10 @@ class Engine:
         bundle = self.get_bundle()
         plans = [build_plan(bundle, r, self.keys) for r in reqs]  # whole batch is 422 if one is malformed
         budget = self.budget * (1 + len(plans) // BATCH_ITEMS_PER_BUDGET)
-        preps = await asyncio.gather(*(self._prepare(p, bundle, budget) for p in plans))
+        preps = [self._begin(p, bundle, budget) for p in plans]
+        pending = [p for p in preps if p.early is None and p.plan.global_spends]
+        if pending:  # only items spending fleet-wide chunk leases may wait (a renewal)
+            await asyncio.gather(*(self._take_globals(p) for p in pending))
         flat: list[tuple[str, list, list]] = []
         spans: list[tuple[int, int]] = []
         failed: dict[int, LeaseholdError] = {}
@@ -163,6 +176,13 @@ class Engine:
         return calls
 
     async def _prepare(self, plan: Plan, bundle: Bundle, budget: float | None = None) -> _Prepared:
+        prep = self._begin(plan, bundle, budget)
+        if prep.early is None and plan.global_spends:
+            await self._take_globals(prep)
+        return prep
+
+    def _begin(self, plan: Plan, bundle: Bundle, budget: float | None = None) -> _Prepared:
+        """The synchronous part of preparing: deadline, negative cache, pool demand."""
         started = self.clock()
         prep = _Prepared(plan, bundle, started, started + (budget or self.budget), [])
         hit = self._negative_hit(prep)
@@ -170,6 +190,11 @@ class Engine:
             prep.early = hit
             return prep
         self._note_pool_demand(prep)
+        return prep
+
+    async def _take_globals(self, prep: _Prepared) -> None:
+        """Reserve every fleet-wide pool's tokens from in-process chunk leases, or decide early."""
+        plan, bundle = prep.plan, prep.bundle
         for spend in plan.global_spends:
             status, retry = await self._take_global(spend, prep)
             if status == "denied":
@@ -183,7 +208,6 @@ class Engine:
                 prep.early = self._decision(plan, bundle, allowed=False, rule=spend.rule, scope="global",
                                             reason="LIMITER_UNAVAILABLE", retry=retry)
                 break
-        return prep
 
     async def _complete(self, prep: _Prepared, replies: list[Any] | LeaseholdError) -> Decision:
         plan = prep.plan
@@ -225,7 +249,7 @@ class Engine:
     def _from_result(self, prep: _Prepared, res: Any, *, fallback: bool = False, retry_floor: int = 0,
                      calls: list[Call] | None = None) -> Decision:
         plan, bundle = prep.plan, prep.bundle
-        pools = {p.id: p for p in bundle.pools}
+        pools = memo_of(bundle).pools
         if not res.allowed and res.denied_by >= 1:
             idx = res.denied_by - 1
             slot = plan.slots[idx]
@@ -273,7 +297,7 @@ class Engine:
         """(slot index, pool, balance key, tokens) of every tenant pool rule in the script call."""
         if not any(s.role == "pool" for s in prep.plan.slots):
             return []
-        pools = {p.id: p for p in prep.bundle.pools}
+        pools = memo_of(prep.bundle).pools
         out = []
         for i, (slot, call) in enumerate(zip(prep.plan.slots, prep.plan.calls, strict=True)):
             if slot.role == "pool" and slot.rule.pool in pools:
@@ -365,7 +389,7 @@ class Engine:
         for s in plan.slots:
             if s.rule not in rules:
                 rules.append(s.rule)
-        pools = {p.id: p for p in bundle.pools}
+        pools = memo_of(bundle).pools
 
         def pool_allowance(r: Rule) -> int:
             pool = pools.get(r.pool or "")
@@ -427,9 +451,15 @@ class Engine:
             outcome = "unavailable"
         else:
             outcome = "fallback_denied" if d.fallback else "denied"
-        rule = next((r for r in prep.bundle.rules if r.id == d.policy_id), None) if d.policy_id else None
-        self.metrics.decisions.labels(outcome, d.policy_id or "none", str(d.policy_version),
-                                      rule.route_key if rule else "none").inc()
+        label = (outcome, d.policy_id, d.policy_version)
+        counter = self._decision_counters.get(label)
+        if counter is None:  # labels() validates and locks: resolve each child once
+            rule = memo_of(prep.bundle).rules_by_id.get(d.policy_id) if d.policy_id else None
+            if len(self._decision_counters) >= 10_000:
+                self._decision_counters.clear()
+            counter = self._decision_counters[label] = self.metrics.decisions.labels(
+                outcome, d.policy_id or "none", str(d.policy_version), rule.route_key if rule else "none")
+        counter.inc()
         self.metrics.latency.observe(max(0.0, self.clock() - prep.started))
         return d
 

@@ -22,6 +22,7 @@ key hashes the address reduced to that rule's prefix (IPv4 /32 and IPv6 /64 by d
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import re
@@ -34,10 +35,18 @@ _SEP = "\x1f"
 _TYPE_CODE = {"user": "u", "key": "k"}
 
 
+_VALID_TENANTS: set[str] = set()  # recently validated tenant ids (bounded; a key derivation checks several times)
+
+
 def check_tenant(tenant: object) -> str:
+    if tenant.__class__ is str and tenant in _VALID_TENANTS:
+        return tenant  # type: ignore[return-value]
     # fullmatch: ``$`` in the shared pattern also matches before a trailing newline
     if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
         raise ValidationFailed("tenantId must match [a-z0-9-]{1,32}", errors=["tenantId: invalid"])
+    if len(_VALID_TENANTS) >= 10_000:
+        _VALID_TENANTS.clear()
+    _VALID_TENANTS.add(tenant)
     return tenant
 
 
@@ -57,6 +66,7 @@ def check_ids(request_id: str, route_group: str) -> None:
     check_route(route_group)
 
 
+@functools.lru_cache(maxsize=65_536)  # the ipaddress module is slow; a bounded memo of recent callers
 def parse_ip(raw: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     try:
         addr = ipaddress.ip_address(raw.strip())
@@ -68,6 +78,7 @@ def parse_ip(raw: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return addr
 
 
+@functools.lru_cache(maxsize=65_536)
 def ip_prefix(addr: ipaddress.IPv4Address | ipaddress.IPv6Address, v4_bits: int, v6_bits: int) -> str:
     bits = v4_bits if addr.version == 4 else v6_bits
     return str(ipaddress.ip_network(f"{addr}/{bits}", strict=False))
@@ -111,7 +122,7 @@ class KeyBuilder:
             pid = self.h("", "ip", ip_prefix(addr, rule.ipv4_prefix, rule.ipv6_prefix))
             return f"{NS}:{ip_tag}:ip:{pid}:{route}"
         t = check_tenant(tenant)
-        tag = self.tenant_tag(t)
+        tag = "{t:" + t + "}"
         if rule.scope == "user":
             if not user_id:
                 raise ValidationFailed("a user rule needs a user principal")

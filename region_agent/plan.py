@@ -82,21 +82,64 @@ def rate_params(rule: Rule, cost_hint: int) -> tuple[int, int, int, int, int]:
     return (rule.limit or 0, rule.window_ms or 0, cost_hint, 0, 0)
 
 
+SELECTION_CACHE_MAX = 10_000  # distinct (tenant, route, principal type, has key) per snapshot
+
+
+class BundleMemo:
+    """Lookups of one policy snapshot that do not depend on the request: pools and rules by id,
+    and the rule selection per (tenant, route group, principal type, has key). A bundle is
+    immutable, so these stay valid for its lifetime; only validated tenants and routes reach
+    the selection cache, and it is cleared when it reaches ``SELECTION_CACHE_MAX`` entries."""
+
+    __slots__ = ("_selected", "bundle", "pools", "rules_by_id")
+
+    def __init__(self, bundle: Bundle):
+        self.bundle = bundle
+        self.pools: dict[str, Pool] = {p.id: p for p in bundle.pools}
+        self.rules_by_id: dict[str, Rule] = {r.id: r for r in bundle.rules}
+        self._selected: dict[tuple, tuple[list[Rule], list[Rule], list[Rule]]] = {}
+
+    def selection(self, tenant: str | None, route_group: str, principal_type: str, has_key: bool
+                  ) -> tuple[list[Rule], list[Rule], list[Rule]]:
+        """(all selected rules, the enforced ones, the shadow ones), evaluation order. Shared:
+        callers must not modify the lists."""
+        k = (tenant, route_group, principal_type, has_key)
+        hit = self._selected.get(k)
+        if hit is None:
+            if len(self._selected) >= SELECTION_CACHE_MAX:
+                self._selected.clear()
+            rules = select_rules(self.bundle.rules, tenant=tenant, route_group=route_group,
+                                 principal_type=principal_type, has_key=has_key)
+            hit = self._selected[k] = (rules, [r for r in rules if not r.shadow], [r for r in rules if r.shadow])
+        return hit
+
+
+_last_memo: BundleMemo | None = None
+
+
+def memo_of(bundle: Bundle) -> BundleMemo:
+    """The memo of ``bundle`` (one slot: the snapshot in force; a new snapshot replaces it)."""
+    global _last_memo
+    m = _last_memo
+    if m is None or m.bundle is not bundle:
+        m = _last_memo = BundleMemo(bundle)
+    return m
+
+
 def selected(bundle: Bundle, *, tenant: str | None, route_group: str, principal: Principal) -> list[Rule]:
-    return select_rules(bundle.rules, tenant=tenant, route_group=route_group, principal_type=principal.type,
-                        has_key=principal.api_key_id is not None)
+    return list(memo_of(bundle).selection(tenant, route_group, principal.type, principal.api_key_id is not None)[0])
 
 
 def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder) -> Plan:
     check_ids(req.request_id, req.route_group)
     tenant, addr = check_principal(req.tenant_id, req.principal)
-    rules = selected(bundle, tenant=tenant, route_group=req.route_group, principal=req.principal)
-    enforced = [r for r in rules if not r.shadow]
-    shadow = [r for r in rules if r.shadow]
+    memo = memo_of(bundle)
+    rules, enforced, shadow = memo.selection(tenant, req.route_group, req.principal.type,
+                                             req.principal.api_key_id is not None)
     plan = Plan(request_id=req.request_id, tenant=tenant, principal_type=req.principal.type,
-                rules=enforced, cost_hint=req.cost_hint)
+                rules=list(enforced), cost_hint=req.cost_hint)
     ip_tag = keys.ip_tag(addr, [r for r in rules if r.scope == "ip"]) if addr is not None else None
-    pools = {p.id: p for p in bundle.pools}
+    pools = memo.pools
     user_id = req.principal.id if req.principal.type == "user" else None
 
     def key_of(rule: Rule) -> str:
@@ -173,5 +216,5 @@ def tokens_remaining(rule: Rule, raw: int) -> int:
     return max(0, raw)
 
 
-__all__ = ["Call", "GlobalSpend", "Plan", "Slot", "build_plan", "cc_keys_for_release", "check_principal",
+__all__ = ["BundleMemo", "Call", "GlobalSpend", "Plan", "Slot", "build_plan", "memo_of", "cc_keys_for_release", "check_principal",
            "tokens_limit", "tokens_remaining"]

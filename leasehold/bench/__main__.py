@@ -39,11 +39,14 @@ def parse_only(values: list[str] | None) -> list[str]:
     return sorted(chosen)
 
 
-def run_profiles(ctx: Ctx) -> None:
-    """Where the Python CPU of a decision goes, written next to the results."""
-    from .profile import profile_engine, profile_http
+def run_profiles(ctx: Ctx, allocator: bool = False) -> None:
+    """Where the Python CPU of a decision (and of a grant) goes, written next to the results."""
+    from .profile import profile_allocator, profile_engine, profile_http
 
-    for name, fn in (("profile-engine.txt", profile_engine), ("profile-agent-http.txt", profile_http)):
+    todo = [("profile-engine.txt", profile_engine), ("profile-agent-http.txt", profile_http)]
+    if allocator:
+        todo.append(("profile-allocator.txt", profile_allocator))
+    for name, fn in todo:
         print(f"[bench] profiling: {name} ...", flush=True)
         try:
             (ctx.out / name).write_text(fn(ctx.work, 3.0))
@@ -58,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", metavar="FIGURE", help="figure number(s) 1-7, repeatable or comma list")
     ap.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     ap.add_argument("--profile", choices=("auto", "yes", "no"), default="auto",
-                    help="profile the engine (pyinstrument) and an agent under load (py-spy); auto: full runs "
-                         "where figure 2 or 3 misses its goal")
+                    help="profile the engine (pyinstrument), an agent and an allocator under load (py-spy); auto: "
+                         "full runs where figure 2, 3 or 4 misses its goal")
     ap.add_argument("--workers", type=int, default=1, help="uvicorn workers of the agent and the echo app (fig 2)")
     ap.add_argument("--agent-args", default="", metavar="'FLAGS'",
                     help="extra region_agent flags for figures 1, 2 and 5, e.g. '--decision-budget-ms 200'")
@@ -92,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.extend(got)
             print(render_text(got), f"\n[bench] figure {f} took {time.monotonic() - t0:.1f} s", flush=True)
     if a.profile == "yes" or (a.profile == "auto" and not a.quick and any(
-            r.figure in ("2", "3") and r.verdict == "FAIL" for r in rows)):
-        run_profiles(ctx)
+            r.figure in ("2", "3", "4") and r.verdict == "FAIL" for r in rows)):
+        run_profiles(ctx, allocator=a.profile == "yes" or any(r.figure == "4" and r.verdict == "FAIL" for r in rows))
     try:
         for sentence in explain(rows):
             ctx.note(sentence)

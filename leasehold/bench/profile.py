@@ -4,6 +4,7 @@ it is installed.
 
     python -m leasehold.bench.profile [--seconds 3] [--out bench-results/profile-engine.txt]
     python -m leasehold.bench.profile --http [--seconds 3]   # py-spy on a running agent (figure 2 load)
+    python -m leasehold.bench.profile --allocator            # py-spy on an allocator (figure 4 load)
 """
 
 from __future__ import annotations
@@ -68,6 +69,39 @@ def profile_http(work: Path, seconds: float) -> str:
     return f"agent over HTTP, 64 conns: {res['rps']:,.0f} req/s\n" + summarise_folded(work / "agent.folded")
 
 
+def profile_allocator(work: Path, seconds: float) -> str:
+    """py-spy on an allocator process under figure 4's load (64 grants per batch, 4 connections,
+    1,000 pools, one etcd member)."""
+    from leasehold.procs import EtcdCluster
+
+    from .fig_alloc import BATCH, CONNS, many_pools_bundle, write_bundle
+    from .harness import start_allocator
+
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        return "py-spy is not installed (pip install py-spy)"
+    etcd = EtcdCluster(work / "profile-etcd", members=1).start()
+    with services(etcd):
+        policy = write_bundle(work / "profile-policy.json", many_pools_bundle(1_000))
+        alloc = start_allocator(work / "profile-allocator", etcd, policy)
+        with services(alloc):
+            rec = subprocess.Popen([spy, "record", "-p", str(alloc.proc.pid), "-d", str(int(seconds)), "-r", "200",
+                                    "-f", "raw", "-o", str(work / "allocator.folded"), "--nonblocking"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            res = loadgen({"port": alloc.port, "path": "/v1/leases/batch", "workload": "lease_batch",
+                           "workload_args": {"pools": 1_000, "size": BATCH, "tag": "prof"},
+                           "items_per_request": BATCH, "conns": CONNS, "duration_s": seconds,
+                           "max_requests": 1_000_000, "count": '"granted":'})
+            try:
+                rec.wait(timeout=seconds + 30)
+            finally:
+                if rec.poll() is None:
+                    rec.kill()
+                    rec.wait()
+    return (f"allocator over HTTP, {CONNS} conns x {BATCH} grants per batch: {res['counted_per_s']:,.0f} grants/s\n"
+            + summarise_folded(work / "allocator.folded"))
+
+
 _LINE = re.compile(r":\d+\)$")
 
 
@@ -103,10 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m leasehold.bench.profile")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--http", action="store_true", help="py-spy on an agent process under figure 2's load")
+    ap.add_argument("--allocator", action="store_true", help="py-spy on an allocator under figure 4's load")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="leasehold-profile-") as tmp:
-        text = profile_http(Path(tmp), a.seconds) if a.http else profile_engine(Path(tmp), a.seconds)
+        fn = profile_allocator if a.allocator else profile_http if a.http else profile_engine
+        text = fn(Path(tmp), a.seconds)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(text)
