@@ -53,6 +53,7 @@ log = logging.getLogger("allocator.engine")
 
 MAX_GROUP = (MAX_TXN_OPS - 1) // 2  # grants per txn: 1 + windows + grants compares <= 128
 RECORD_MIN_LINGER_MS = 60_000
+TXNS_IN_FLIGHT = 4  # grant transactions the committer sends concurrently
 MAX_QUEUE = 16_384  # queued writes; beyond this the leader sheds load with a retriable 503
 
 
@@ -133,6 +134,7 @@ class Engine:
         self._last_prune_ms = 0  # wall ms of the last cache scan (_prune_cache)
         self._buckets = LeaseBuckets(self.store)
         self._task: asyncio.Task[None] | None = None
+        self._grant_counters: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -169,12 +171,30 @@ class Engine:
         return await self._submit(req)
 
     async def grant_many(self, reqs: list[LeaseRequest]) -> list[LeaseGrant | LeaseError]:
-        async def one(r: LeaseRequest) -> LeaseGrant | LeaseError:
+        """Every item queued at once (the committer groups them into few transactions); one wait
+        for all of them, no task per item. A cancelled caller leaves the shared futures alone."""
+        futs: list[asyncio.Future[LeaseGrant] | LeaseError] = []
+        for r in reqs:
             try:
-                return await self._submit(r)
+                futs.append(self._enqueue(r))
             except LeaseholdError as e:
-                return LeaseError(lease_id=r.lease_id, status=e.status, code=e.code, detail=e.detail)
-        return list(await asyncio.gather(*(one(r) for r in reqs)))
+                futs.append(LeaseError(lease_id=r.lease_id, status=e.status, code=e.code, detail=e.detail))
+        waiting = [f for f in futs if isinstance(f, asyncio.Future)]
+        if waiting:
+            await asyncio.wait(waiting)
+        out: list[LeaseGrant | LeaseError] = []
+        for r, f in zip(reqs, futs, strict=True):
+            if not isinstance(f, asyncio.Future):
+                out.append(f)
+                continue
+            exc = f.exception()
+            if exc is None:
+                out.append(f.result())
+            elif isinstance(exc, LeaseholdError):
+                out.append(LeaseError(lease_id=r.lease_id, status=exc.status, code=exc.code, detail=exc.detail))
+            else:
+                raise exc
+        return out
 
     async def report(self, report: UsageReport) -> UsageReceipt:
         self.pool(report.pool)
@@ -206,12 +226,17 @@ class Engine:
 
     # -- submission -----------------------------------------------------------------------------
     async def _submit(self, req: LeaseRequest) -> LeaseGrant:
+        return await asyncio.shield(self._enqueue(req))
+
+    def _enqueue(self, req: LeaseRequest) -> asyncio.Future[LeaseGrant]:
+        """Queue a grant for the committer (or join the one in flight for the same lease id);
+        the future is shared, so callers must not cancel it."""
         pool = self.pool(req.pool)
         policy.check_region(pool, req.region)
         existing = self._inflight.get(req.lease_id)
         if existing is not None:
             _check_same(existing.req.pool, existing.req.region, req)
-            return await asyncio.shield(existing.fut)
+            return existing.fut
         epoch = self.election.require_leader()
         self._check_backlog()
         fut: asyncio.Future[LeaseGrant] = asyncio.get_running_loop().create_future()
@@ -219,7 +244,7 @@ class Engine:
         self._inflight[req.lease_id] = job
         fut.add_done_callback(lambda _f: self._inflight.pop(req.lease_id, None))
         self._queue.put_nowait(job)
-        return await asyncio.shield(fut)
+        return fut
 
     def _check_backlog(self) -> None:
         if self._queue.qsize() >= MAX_QUEUE:
@@ -235,9 +260,13 @@ class Engine:
             grants = [j for j in jobs if isinstance(j, _GrantJob)]
             usages = [j for j in jobs if isinstance(j, _UsageJob)]
             for epoch in dict.fromkeys(j.epoch for j in grants):  # one epoch per transaction
-                same = [j for j in grants if j.epoch == epoch]
-                for i in range(0, len(same), self.max_group):
-                    await self._run_guarded(same[i:i + self.max_group], self._commit_grants)
+                waves = pool_disjoint_groups([j for j in grants if j.epoch == epoch], self.max_group,
+                                             TXNS_IN_FLIGHT)
+                for wave in waves:
+                    # a few transactions in flight, on disjoint pools: Python builds the next while
+                    # etcd commits one. (Were two to touch one window, only one could commit: each
+                    # compares the window's revision, the other reloads and retries.)
+                    await asyncio.gather(*(self._run_guarded(g, self._commit_grants) for g in wave))
             for u in usages:
                 await self._run_guarded([u], self._commit_usage)
 
@@ -317,17 +346,24 @@ class Engine:
             compare += [t.version(self.keys.grant(j.req.lease_id)) == 0 for j in pending]
             try:
                 success = []
+                lids: dict[tuple[str, int], int] = {}  # one etcd lease per window's records
                 for wk in wks:
-                    lid = await self._buckets.lease_for(self._record_lease_expiry(self.pools[wk[0]], wk[1]), now)
+                    lid = lids[wk] = await self._buckets.lease_for(
+                        self._record_lease_expiry(self.pools[wk[0]], wk[1]), now)
                     success.append(t.put(self.keys.window(*wk), msgspec.json.encode(work[wk]), lease=lid))
+                encode = msgspec.json.encode
                 for job, g, _ in answers:
-                    wk = targets[id(job)]
-                    lid = await self._buckets.lease_for(self._record_lease_expiry(self.pools[wk[0]], wk[1]), now)
-                    rec = GrantRecord(grant=g, demand=job.req.demand)
-                    success.append(t.put(self.keys.grant(job.req.lease_id), msgspec.json.encode(rec), lease=lid))
-                failure = [t.get(self.keys.leader)] + [t.get(self.keys.window(*wk)) for wk in wks] + \
-                          [t.get(self.keys.grant(j.req.lease_id)) for j in pending]
-                ok, responses = await self.store.txn(compare, success, failure)
+                    success.append(t.put(self.keys.grant(job.req.lease_id),
+                                         encode(GrantRecord(grant=g, demand=job.req.demand)),
+                                         lease=lids[targets[id(job)]]))
+                ok, responses = await self.store.txn(compare, success, [])
+                if not ok:
+                    # which compare failed: read the leader, the windows and the grant records now
+                    # (building these reads into every transaction cost a third of its ops; a
+                    # conflict is rare, and what is read after it is as good to decide on: a
+                    # create_revision never goes back, and a grant record found is final)
+                    found = await self.store.get_many([self.keys.leader, *(self.keys.window(*wk) for wk in wks),
+                                                       *(self.keys.grant(j.req.lease_id) for j in pending)])
             except EtcdLeaseMissing:
                 self._buckets.forget()
                 self.metrics.txn_retries.labels("grant").inc()
@@ -348,19 +384,18 @@ class Engine:
                 return
             # -- a compare failed: find out which --------------------------------------------------
             self.metrics.txn_conflicts.labels("grant").inc()
-            leader = range_kvs(responses[0])
-            if not leader or leader[0].create_revision != epoch:
+            leader = found.get(self.keys.leader)
+            if leader is None or leader.create_revision != epoch:
                 raise self._fence(epoch)
-            for i, wk in enumerate(wks):
-                kvs = range_kvs(responses[1 + i])
-                self._cache[wk] = (_Cached(msgspec.json.decode(kvs[0].value, type=policy.WindowState),
-                                           kvs[0].mod_revision) if kvs else
-                                   _Cached(policy.new_window(self.pools[wk[0]], wk[1]), 0))
-            for j, job in enumerate(list(pending)):
-                kvs = range_kvs(responses[1 + len(wks) + j])
-                if kvs:
+            for wk in wks:
+                kv = found.get(self.keys.window(*wk))
+                self._cache[wk] = (_Cached(msgspec.json.decode(kv.value, type=policy.WindowState), kv.mod_revision)
+                                   if kv is not None else _Cached(policy.new_window(self.pools[wk[0]], wk[1]), 0))
+            for job in list(pending):
+                kv = found.get(self.keys.grant(job.req.lease_id))
+                if kv is not None:
                     pending.remove(job)
-                    self._answer_replay(job, kvs[0].value)
+                    self._answer_replay(job, kv.value)
             if not pending:
                 return
             self.metrics.txn_retries.labels("grant").inc()
@@ -380,9 +415,15 @@ class Engine:
 
     def _count_grant(self, g: LeaseGrant, d: policy.GrantDecision) -> None:
         if g.granted:
-            region = self.metrics.region(g.region)
-            self.metrics.grants.labels(g.pool, region).inc()
-            self.metrics.granted_tokens.labels(g.pool, region).inc(g.granted)
+            children = self._grant_counters.get((g.pool, g.region))
+            if children is None:  # labels() validates and locks: resolve once per (pool, region)
+                region = self.metrics.region(g.region)
+                if len(self._grant_counters) >= 100_000:
+                    self._grant_counters.clear()
+                children = self._grant_counters[(g.pool, g.region)] = (
+                    self.metrics.grants.labels(g.pool, region), self.metrics.granted_tokens.labels(g.pool, region))
+            children[0].inc()
+            children[1].inc(g.granted)
         else:
             self.metrics.empty_grants.labels(g.pool, self.metrics.region(g.region)).inc()
         if d.exhausted_now:
@@ -467,6 +508,36 @@ class Engine:
             self._cache.pop(wk, None)
             self.metrics.txn_retries.labels("usage").inc()
         raise Unavailable(f"usage report not committed after {self.max_attempts} conflicting attempts; retry")
+
+
+def pool_disjoint_groups(jobs: list[_GrantJob], max_group: int, per_wave: int) -> list[list[list[_GrantJob]]]:
+    """Split grant jobs into transactions of at most ``max_group`` and those into waves of at
+    most ``per_wave`` transactions whose pools are disjoint (so they can commit concurrently
+    without conflicting on a window). Queue order is kept within a pool."""
+    by_pool: dict[str, list[_GrantJob]] = {}
+    for j in jobs:
+        by_pool.setdefault(j.req.pool, []).append(j)
+    chunks = [b[i:i + max_group] for b in by_pool.values() for i in range(0, len(b), max_group)]
+    waves: list[list[list[_GrantJob]]] = []
+    current: list[list[_GrantJob]] = []
+    pools_in_wave: set[str] = set()
+    group: list[_GrantJob] = []
+    for chunk in chunks:
+        pool = chunk[0].req.pool
+        if pool in pools_in_wave or len(group) + len(chunk) > max_group:
+            if group:
+                current.append(group)
+                group = []
+            if pool in pools_in_wave or len(current) >= per_wave:
+                waves.append(current)
+                current, pools_in_wave = [], set()
+        group += chunk
+        pools_in_wave.add(pool)
+    if group:
+        current.append(group)
+    if current:
+        waves.append(current)
+    return waves
 
 
 def _settle(fut: asyncio.Future[Any], result: Any) -> None:
