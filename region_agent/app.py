@@ -34,6 +34,7 @@ from allocator.openapi_problems import document_problems
 from .auth import AgentAuth, agent_guard
 from .engine import Engine
 from .fallback import LocalFallback
+from .fastpath import admit_fast_path
 from .keys import KeyBuilder
 from .metrics import AgentMetrics
 from .models import (
@@ -209,7 +210,7 @@ def _on_unexpected(request: Request, exc: Exception) -> Response:
 # ---------------------------------------------------------------------------------- app
 def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder | None = None,
                metrics_obj: AgentMetrics | None = None, store_factory=None,
-               install_signal_handlers: bool = False) -> Litestar:
+               install_signal_handlers: bool = False, fast_path: bool = True) -> Litestar:
     """Build the app. ``store_factory(settings, metrics) -> StoreGateway`` is for the lifespan;
     the default connects to ``settings.redis_url``."""
     m = metrics_obj or AgentMetrics()
@@ -270,6 +271,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     app = Litestar(
         route_handlers=[admit, admit_batch, release, policy, leases_view, healthz, readyz, metrics],
         guards=[agent_guard],
+        middleware=[admit_fast_path(lambda: state, MAX_BODY_BYTES)] if fast_path else [],  # region_agent.fastpath
         lifespan=[lifespan],
         exception_handlers={LeaseholdError: _on_leasehold, ValidationException: _on_validation,
                             HTTPException: _on_http, Exception: _on_unexpected},

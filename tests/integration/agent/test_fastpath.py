@@ -1,0 +1,87 @@
+"""The /v1/admit fast path (region_agent.fastpath) answers exactly what the Litestar handler
+answers: the same inputs, valid and hostile, sent to an agent with and without it (each on its
+own Redis, same policy and pepper) give the same status, content type and body."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+from litestar.testing import AsyncTestClient
+
+from leasehold.procs import RedisServer
+from region_agent import fastpath
+from region_agent.app import create_app
+
+from .conftest import PEPPER, admit_body, make_settings
+
+GW_TOKEN = "gw-token-for-the-fast-path-test"
+GW_ENTRY = "gw:" + hashlib.sha256(GW_TOKEN.encode()).hexdigest()
+
+CASES: list[tuple[str, dict, bytes | dict]] = [
+    ("allowed", {}, admit_body("fp-ok-000001")),
+    ("anonymous", {}, admit_body("fp-anon-0001", tenant=None, ptype="anonymous", pid="10.1.2.3", route="login",
+                                 api_key=None)),
+    ("bad tenant id", {}, admit_body("fp-bad-tenant", tenant="Not_A_Tenant")),
+    ("no tenant for a user", {}, admit_body("fp-no-tenant", tenant=None)),
+    ("bad request id", {}, admit_body("x")),
+    ("wrong type", {}, {**admit_body("fp-wrong-type"), "costHint": "many"}),
+    ("missing field", {}, {"requestId": "fp-missing-1", "routeGroup": "read"}),
+    ("unknown principal type", {}, admit_body("fp-unknown-pt", ptype="robot")),
+    ("malformed json", {}, b'{"requestId": "fp-malformed", '),
+    ("not an object", {}, b"[1, 2, 3]"),
+    ("empty body", {}, b""),
+    ("text content type", {"content-type": "text/plain"}, b'{"requestId": "fp-text-0001"}'),
+    ("oversized", {}, b'{"requestId": "' + b"a" * 70_000 + b'"}'),
+    ("no credential", {"authorization": ""}, admit_body("fp-no-cred-01")),
+    ("wrong credential", {"authorization": "Bearer nope"}, admit_body("fp-bad-cred-1")),
+]
+
+
+async def _answers(tmp_path, policy_file, name: str, fast: bool) -> list[tuple[int, str, bytes]]:
+    redis = RedisServer(tmp_path / name).start()
+    try:
+        settings = make_settings(redis.url, policy_file, auth_disabled=False, gateway_tokens=[GW_ENTRY])
+        app = create_app(settings, pepper=PEPPER, fast_path=fast)
+        out = []
+        async with AsyncTestClient(app=app) as c:
+            for _, headers, body in CASES:
+                h = {"authorization": f"Bearer {GW_TOKEN}", "content-type": "application/json", **headers}
+                h = {k: v for k, v in h.items() if v}
+                content = body if isinstance(body, bytes) else json.dumps(body).encode()
+                r = await c.post("/v1/admit", content=content, headers=h)
+                out.append((r.status_code, r.headers.get("content-type", ""), r.content))
+        return out
+    finally:
+        redis.stop()
+
+
+async def test_fast_path_answers_like_the_handler(tmp_path, policy_file, monkeypatch):
+    served: list[str] = []
+    real = fastpath._answer
+
+    async def counting(st, req, send):
+        served.append(req.request_id)
+        await real(st, req, send)
+
+    monkeypatch.setattr(fastpath, "_answer", counting)
+    fast = await _answers(tmp_path, policy_file, "fast", True)
+    # the fast path served what decodes; everything else went to the handler
+    assert served == ["fp-ok-000001", "fp-anon-0001", "fp-no-tenant"], served  # the schema refuses the rest
+    monkeypatch.setattr(fastpath, "_answer", real)
+    slow = await _answers(tmp_path, policy_file, "slow", False)
+    for (name, _, _), f, s in zip(CASES, fast, slow, strict=True):
+        assert f == s, f"{name}: fast path {f!r} vs handler {s!r}"
+    statuses = {name: f[0] for (name, _, _), f in zip(CASES, fast, strict=True)}
+    assert statuses["allowed"] == 200 and statuses["anonymous"] == 200
+    assert all(400 <= statuses[n] < 500 for n in statuses if n not in ("allowed", "anonymous")), statuses
+
+
+@pytest.mark.parametrize("fast", [True, False])
+async def test_the_decision_body_is_the_handlers(tmp_path, policy_file, fast):
+    """A 200 decision names the request and the policy version either way."""
+    ans = await _answers(tmp_path, policy_file, f"one-{fast}", fast)
+    status, ctype, body = ans[0]
+    assert status == 200 and ctype.startswith("application/json")
+    assert b'"decisionId":"fp-ok-000001"' in body and b'"allowed":true' in body
