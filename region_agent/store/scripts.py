@@ -234,6 +234,21 @@ def _resp_arg(x: Any) -> bytes:
 def pack_evalsha(sha: bytes, keys: Sequence[Any], argv: Sequence[Any]) -> bytes:
     """``EVALSHA sha numkeys key... arg...`` as one RESP array (what redis-py's pack_command
     would send for the same arguments: str as UTF-8, int in decimal)."""
+    parts = [f"*{len(keys) + len(argv) + 3}\r\n$7\r\nEVALSHA\r\n${len(sha)}\r\n{sha.decode()}\r\n"
+             f"${len(str(len(keys)))}\r\n{len(keys)}\r\n"]
+    for a in (*keys, *argv):  # the common case: ASCII str and int, where characters are bytes
+        cls = a.__class__
+        if cls is str and a.isascii():
+            parts.append(f"${len(a)}\r\n{a}\r\n")
+        elif cls is int:
+            t = str(a)
+            parts.append(f"${len(t)}\r\n{t}\r\n")
+        else:
+            return _pack_evalsha_bytes(sha, keys, argv)
+    return "".join(parts).encode()
+
+
+def _pack_evalsha_bytes(sha: bytes, keys: Sequence[Any], argv: Sequence[Any]) -> bytes:
     args = [_resp_arg(a) for a in (*keys, *argv)]
     head = b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%b\r\n" % (len(args) + 3, len(sha), sha)
     nk = b"%d" % len(keys)

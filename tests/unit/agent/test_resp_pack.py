@@ -1,0 +1,19 @@
+"""Our RESP packing of EVALSHA (region_agent.store.scripts.pack_evalsha) sends byte for byte
+what redis-py's own packer sends for the same arguments (no server needed: both are encoders)."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+from redis.asyncio.connection import Connection
+
+from region_agent.store.scripts import pack_evalsha
+
+_arg = st.one_of(st.text(max_size=40), st.integers(min_value=-(2**63), max_value=2**63),
+                 st.binary(max_size=20))
+
+
+@given(keys=st.lists(st.text(min_size=1, max_size=60), min_size=1, max_size=6),
+       argv=st.lists(_arg, max_size=40))
+def test_pack_evalsha_matches_redis_py(keys, argv):
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    expected = b"".join(Connection().pack_command("EVALSHA", sha, len(keys), *keys, *argv))
+    assert pack_evalsha(sha.encode(), keys, argv) == expected
