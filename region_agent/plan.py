@@ -6,7 +6,7 @@ Pure: no I/O, no clock. The adapter converts :class:`Call` into the store's ``Ru
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from allocator.contract.bundle import Bundle, Pool, Rule, select_rules
 from allocator.contract.errors import ValidationFailed
@@ -19,21 +19,19 @@ KIND = {"token_bucket": "tb", "gcra": "gcra", "fixed_window": "fw", "sliding_cou
 Role = Literal["rate", "cc", "pool"]
 
 
-@dataclass(frozen=True, slots=True)
-class Call:
+# immutable records built per decision: NamedTuples (created in C) rather than frozen dataclasses
+class Call(NamedTuple):
     key: str
     kind: str
     params: tuple[int, int, int, int, int]
 
 
-@dataclass(frozen=True, slots=True)
-class Slot:
+class Slot(NamedTuple):
     rule: Rule
     role: Role
 
 
-@dataclass(frozen=True, slots=True)
-class GlobalSpend:
+class GlobalSpend(NamedTuple):
     rule: Rule
     pool: Pool
     cost: int  # whole tokens

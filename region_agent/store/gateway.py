@@ -124,9 +124,9 @@ class StoreGateway:
     @staticmethod
     def multi_call(calls: Sequence[Call], *, decision_key: str, slack_ms: int, decision_ttl_ms: int,
                    member: str) -> ScriptCall:
-        rules = [sc.RuleCall(c.key, c.kind, c.params) for c in calls]
-        keys, argv = sc.multi_rule_argv(decision_key, rules, slack_ms=slack_ms, decision_ttl_ms=decision_ttl_ms,
-                                        member=member)
+        # a plan's Call has RuleCall's fields (key, kind, params): no copy
+        keys, argv = sc.multi_rule_argv(decision_key, calls, slack_ms=slack_ms,  # type: ignore[arg-type]
+                                        decision_ttl_ms=decision_ttl_ms, member=member)
         return (MULTI_RULE, list(keys), list(argv))
 
     @staticmethod
