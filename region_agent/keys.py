@@ -87,17 +87,30 @@ def ip_prefix(addr: ipaddress.IPv4Address | ipaddress.IPv6Address, v4_bits: int,
 class KeyBuilder:
     """Derives every Redis key of the agent under one secret pepper."""
 
-    __slots__ = ("_pepper",)
+    __slots__ = ("_memo", "_pepper")
+
+    MEMO_MAX = 50_000  # principal hashes kept (about 10 MB at most; cleared when full)
 
     def __init__(self, pepper: bytes):
         if not pepper:
             raise ValueError("an empty pepper is not allowed")
         self._pepper = bytes(pepper)
+        self._memo: dict[tuple[str, str, str], str] = {}
 
     def __repr__(self) -> str:  # never show the pepper
         return "KeyBuilder(<pepper hidden>)"
 
     def h(self, tenant: str, kind: str, ident: str) -> str:
+        """The principal hash, memoised: a busy principal's keys are derived on every request."""
+        k = (tenant, kind, ident)
+        v = self._memo.get(k)
+        if v is None:
+            if len(self._memo) >= self.MEMO_MAX:
+                self._memo.clear()
+            v = self._memo[k] = self._hmac(tenant, kind, ident)
+        return v
+
+    def _hmac(self, tenant: str, kind: str, ident: str) -> str:
         msg = (tenant + _SEP + kind + _SEP + ident).encode("utf-8", "surrogatepass")
         return hmac.digest(self._pepper, msg, "sha256")[:8].hex()  # one-shot C path of HMAC-SHA256
 
@@ -146,10 +159,11 @@ class KeyBuilder:
         return f"{NS}:{KeyBuilder.tenant_tag(check_tenant(tenant))}:d:-"
 
     def decision_key(self, request_id: str, *, tenant: str | None, ip_tag: str | None = None) -> str:
+        # request ids are unique: not memoised
         if ip_tag is not None:
-            return f"{NS}:{ip_tag}:d:{self.h('', 'd', request_id)}"
+            return f"{NS}:{ip_tag}:d:{self._hmac('', 'd', request_id)}"
         t = check_tenant(tenant)
-        return f"{NS}:{self.tenant_tag(t)}:d:{self.h(t, 'd', request_id)}"
+        return f"{NS}:{self.tenant_tag(t)}:d:{self._hmac(t, 'd', request_id)}"
 
     @staticmethod
     def tenant_pool_key(tenant: str, pool_id: str) -> str:

@@ -89,13 +89,14 @@ class BundleMemo:
     immutable, so these stay valid for its lifetime; only validated tenants and routes reach
     the selection cache, and it is cleared when it reaches ``SELECTION_CACHE_MAX`` entries."""
 
-    __slots__ = ("_selected", "bundle", "pools", "rules_by_id")
+    __slots__ = ("_selected", "_shapes", "bundle", "pools", "rules_by_id")
 
     def __init__(self, bundle: Bundle):
         self.bundle = bundle
         self.pools: dict[str, Pool] = {p.id: p for p in bundle.pools}
         self.rules_by_id: dict[str, Rule] = {r.id: r for r in bundle.rules}
         self._selected: dict[tuple, tuple[list[Rule], list[Rule], list[Rule]]] = {}
+        self._shapes: dict[tuple, Shape] = {}
 
     def selection(self, tenant: str | None, route_group: str, principal_type: str, has_key: bool
                   ) -> tuple[list[Rule], list[Rule], list[Rule]]:
@@ -110,6 +111,38 @@ class BundleMemo:
                                  principal_type=principal_type, has_key=has_key)
             hit = self._selected[k] = (rules, [r for r in rules if not r.shadow], [r for r in rules if r.shadow])
         return hit
+
+
+    def shape(self, tenant: str | None, route_group: str, principal_type: str, has_key: bool) -> Shape:
+        """What a plan for these attributes contains apart from its keys (cached like the selection)."""
+        k = (tenant, route_group, principal_type, has_key)
+        hit = self._shapes.get(k)
+        if hit is None:
+            if len(self._shapes) >= SELECTION_CACHE_MAX:
+                self._shapes.clear()
+            hit = self._shapes[k] = Shape.of(*self.selection(tenant, route_group, principal_type, has_key))
+        return hit
+
+
+class Shape(NamedTuple):
+    """The request-independent part of a plan for one selection."""
+
+    enforced: list[Rule]
+    in_script: list[Rule]  # enforced rules with a tenant-tagged key (not fleet-wide pools), in order
+    shadow: list[Rule]  # shadow rules evaluated (fleet-wide pools never: they would spend leased tokens)
+    ip_rules: list[Rule]
+    slack_ms: int
+    decision_ttl_ms: int
+
+    @classmethod
+    def of(cls, rules: list[Rule], enforced: list[Rule], shadow: list[Rule]) -> Shape:
+        in_script = [r for r in enforced if not (r.algorithm == "pool" and r.scope == "global")]
+        return cls(enforced=enforced, in_script=in_script,
+                   shadow=[r for r in shadow if not (r.algorithm == "pool" and r.scope == "global")],
+                   ip_rules=[r for r in rules if r.scope == "ip"],
+                   slack_ms=max((r.ttl_slack_ms for r in in_script), default=0),
+                   decision_ttl_ms=(max(r.decision_ttl_ms for r in in_script)
+                                    if any(r.idempotent for r in in_script) else 0))
 
 
 _last_memo: BundleMemo | None = None
@@ -130,52 +163,45 @@ def selected(bundle: Bundle, *, tenant: str | None, route_group: str, principal:
 
 def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder) -> Plan:
     check_ids(req.request_id, req.route_group)
-    tenant, addr = check_principal(req.tenant_id, req.principal)
+    principal = req.principal
+    tenant, addr = check_principal(req.tenant_id, principal)
     memo = memo_of(bundle)
-    rules, enforced, shadow = memo.selection(tenant, req.route_group, req.principal.type,
-                                             req.principal.api_key_id is not None)
-    plan = Plan(request_id=req.request_id, tenant=tenant, principal_type=req.principal.type,
-                rules=list(enforced), cost_hint=req.cost_hint)
-    ip_tag = keys.ip_tag(addr, [r for r in rules if r.scope == "ip"]) if addr is not None else None
-    pools = memo.pools
-    user_id = req.principal.id if req.principal.type == "user" else None
+    shape = memo.shape(tenant, req.route_group, principal.type, principal.api_key_id is not None)
+    cost_hint = req.cost_hint
+    plan = Plan(request_id=req.request_id, tenant=tenant, principal_type=principal.type,
+                rules=list(shape.enforced), cost_hint=cost_hint, slack_ms=shape.slack_ms,
+                decision_ttl_ms=shape.decision_ttl_ms)
+    ip_tag = keys.ip_tag(addr, shape.ip_rules) if addr is not None else None
+    user_id = principal.id if principal.type == "user" else None
 
     def key_of(rule: Rule) -> str:
         if rule.algorithm == "pool":
             assert rule.pool is not None
             return keys.tenant_pool_key(tenant or "", rule.pool)
-        return keys.rule_key(rule, tenant=tenant, user_id=user_id, api_key_id=req.principal.api_key_id,
+        return keys.rule_key(rule, tenant=tenant, user_id=user_id, api_key_id=principal.api_key_id,
                              route_group=req.route_group, ip_tag=ip_tag, addr=addr)
 
-    for rule in enforced:
-        if rule.algorithm == "pool" and rule.scope == "global":
-            assert rule.pool is not None
-            plan.global_spends.append(GlobalSpend(rule, pools[rule.pool], rule.cost * req.cost_hint))
-            continue
+    if len(shape.in_script) != len(shape.enforced):
+        pools = memo.pools
+        for rule in shape.enforced:
+            if rule.algorithm == "pool" and rule.scope == "global":
+                assert rule.pool is not None
+                plan.global_spends.append(GlobalSpend(rule, pools[rule.pool], rule.cost * cost_hint))
+    calls, slots = plan.calls, plan.slots
+    for rule in shape.in_script:
         key = key_of(rule)
         plan.rule_keys[rule.id] = key
         if rule.concurrency_max is not None:
-            plan.calls.append(Call(KeyBuilder.cc_key(key), "cc",
-                                   (rule.concurrency_max, rule.concurrency_ttl_ms, 0, 0, 0)))
-            plan.slots.append(Slot(rule, "cc"))
-        role: Role = "pool" if rule.algorithm == "pool" else "rate"
-        plan.calls.append(Call(key, KIND[rule.algorithm], rate_params(rule, req.cost_hint)))
-        plan.slots.append(Slot(rule, role))
-    for rule in shadow:
-        if rule.algorithm == "pool" and rule.scope == "global":
-            continue  # shadow global pools would spend real leased tokens
-        plan.shadow_calls.append(Call(key_of(rule), KIND[rule.algorithm], rate_params(rule, req.cost_hint)))
+            calls.append(Call(KeyBuilder.cc_key(key), "cc", (rule.concurrency_max, rule.concurrency_ttl_ms, 0, 0, 0)))
+            slots.append(Slot(rule, "cc"))
+        calls.append(Call(key, KIND[rule.algorithm], rate_params(rule, cost_hint)))
+        slots.append(Slot(rule, "pool" if rule.algorithm == "pool" else "rate"))
+    for rule in shape.shadow:
+        plan.shadow_calls.append(Call(key_of(rule), KIND[rule.algorithm], rate_params(rule, cost_hint)))
         plan.shadow_slots.append(Slot(rule, "pool" if rule.algorithm == "pool" else "rate"))
-    in_script = [s.rule for s in plan.slots]
-    plan.slack_ms = max((r.ttl_slack_ms for r in in_script), default=0)
-    if any(r.idempotent for r in in_script):
-        plan.decision_ttl_ms = max(r.decision_ttl_ms for r in in_script)
-    if plan.decision_ttl_ms > 0:
-        plan.decision_key = keys.decision_key(req.request_id, tenant=tenant if ip_tag is None else None,
-                                              ip_tag=ip_tag)
-    else:
-        plan.decision_key = KeyBuilder.unrecorded_decision_key(tenant=tenant if ip_tag is None else None,
-                                                               ip_tag=ip_tag)
+    dk_tenant = tenant if ip_tag is None else None
+    plan.decision_key = (keys.decision_key(req.request_id, tenant=dk_tenant, ip_tag=ip_tag) if plan.decision_ttl_ms > 0
+                         else KeyBuilder.unrecorded_decision_key(tenant=dk_tenant, ip_tag=ip_tag))
     return plan
 
 
