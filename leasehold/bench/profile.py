@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from leasehold.procs import RedisServer
@@ -47,25 +48,37 @@ def profile_engine(work: Path, seconds: float) -> str:
     return head + prof.output_text(unicode=False, color=False, show_all=False)
 
 
-def profile_http(work: Path, seconds: float) -> str:
+def _py_spy() -> str | None:
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    if not Path(spy).exists():
+    return spy if Path(spy).exists() else None
+
+
+def _record_during(spy: str, pid: int, folded: Path, seconds: float, load: Callable[[], dict]) -> dict:
+    """py-spy samples ``pid`` (raw folded stacks into ``folded``) while ``load()`` runs."""
+    rec = subprocess.Popen([spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200",
+                            "-f", "raw", "-o", str(folded), "--nonblocking"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        res = load()
+        rec.wait(timeout=seconds + 30)
+    finally:
+        if rec.poll() is None:
+            rec.kill()
+            rec.wait()
+    return res
+
+
+def profile_http(work: Path, seconds: float) -> str:
+    spy = _py_spy()
+    if spy is None:
         return "py-spy is not installed (pip install py-spy)"
     redis = RedisServer(work / "profile-redis").start()
     with services(redis):
         agent = start_agent(work / "profile-agent", redis.url)
         with services(agent):
-            rec = subprocess.Popen([spy, "record", "-p", str(agent.proc.pid), "-d", str(int(seconds)), "-r", "200",
-                                    "-f", "raw", "-o", str(work / "agent.folded"), "--nonblocking"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            res = loadgen({"port": agent.port, "path": "/v1/admit", "workload": "admit", "conns": 64,
-                           "duration_s": seconds, "max_requests": 2_000_000})
-            try:
-                rec.wait(timeout=seconds + 30)
-            finally:
-                if rec.poll() is None:
-                    rec.kill()
-                    rec.wait()
+            res = _record_during(spy, agent.proc.pid, work / "agent.folded", seconds, lambda: loadgen(
+                {"port": agent.port, "path": "/v1/admit", "workload": "admit", "conns": 64,
+                 "duration_s": seconds, "max_requests": 2_000_000}))
     return f"agent over HTTP, 64 conns: {res['rps']:,.0f} req/s\n" + summarise_folded(work / "agent.folded")
 
 
@@ -77,27 +90,18 @@ def profile_allocator(work: Path, seconds: float) -> str:
     from .fig_alloc import BATCH, CONNS, many_pools_bundle, write_bundle
     from .harness import start_allocator
 
-    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    if not Path(spy).exists():
+    spy = _py_spy()
+    if spy is None:
         return "py-spy is not installed (pip install py-spy)"
     etcd = EtcdCluster(work / "profile-etcd", members=1).start()
     with services(etcd):
         policy = write_bundle(work / "profile-policy.json", many_pools_bundle(1_000))
         alloc = start_allocator(work / "profile-allocator", etcd, policy)
         with services(alloc):
-            rec = subprocess.Popen([spy, "record", "-p", str(alloc.proc.pid), "-d", str(int(seconds)), "-r", "200",
-                                    "-f", "raw", "-o", str(work / "allocator.folded"), "--nonblocking"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            res = loadgen({"port": alloc.port, "path": "/v1/leases/batch", "workload": "lease_batch",
-                           "workload_args": {"pools": 1_000, "size": BATCH, "tag": "prof"},
-                           "items_per_request": BATCH, "conns": CONNS, "duration_s": seconds,
-                           "max_requests": 1_000_000, "count": '"granted":'})
-            try:
-                rec.wait(timeout=seconds + 30)
-            finally:
-                if rec.poll() is None:
-                    rec.kill()
-                    rec.wait()
+            res = _record_during(spy, alloc.proc.pid, work / "allocator.folded", seconds, lambda: loadgen(
+                {"port": alloc.port, "path": "/v1/leases/batch", "workload": "lease_batch",
+                 "workload_args": {"pools": 1_000, "size": BATCH, "tag": "prof"}, "items_per_request": BATCH,
+                 "conns": CONNS, "duration_s": seconds, "max_requests": 1_000_000, "count": '"granted":'}))
     return (f"allocator over HTTP, {CONNS} conns x {BATCH} grants per batch: {res['counted_per_s']:,.0f} grants/s\n"
             + summarise_folded(work / "allocator.folded"))
 
