@@ -271,7 +271,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     app = Litestar(
         route_handlers=[admit, admit_batch, release, policy, leases_view, healthz, readyz, metrics],
         guards=[agent_guard],
-        middleware=[admit_fast_path(lambda: state, MAX_BODY_BYTES)] if fast_path else [],  # region_agent.fastpath
+        middleware=[admit_fast_path(lambda: state, MAX_BODY_BYTES, _before_engine)] if fast_path else [],  # region_agent.fastpath
         lifespan=[lifespan],
         exception_handlers={LeaseholdError: _on_leasehold, ValidationException: _on_validation,
                             HTTPException: _on_http, Exception: _on_unexpected},

@@ -45,8 +45,10 @@ class _Headers(dict):
         return cls((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", ()))
 
 
-def admit_fast_path(state_of: Callable[[], Any], max_body: int) -> Callable[[ASGIApp], ASGIApp]:
-    """Litestar middleware factory; ``state_of()`` returns the agent's ``AgentState``."""
+def admit_fast_path(state_of: Callable[[], Any], max_body: int, before_engine: Callable[[Any, list], list]
+                    ) -> Callable[[ASGIApp], ASGIApp]:
+    """Litestar middleware factory; ``state_of()`` returns the agent's ``AgentState`` and
+    ``before_engine`` is the handler's own pre-engine stage (``region_agent.app._before_engine``)."""
 
     def middleware(app: ASGIApp) -> ASGIApp:
         async def serve(scope: dict, receive: Callable[[], Awaitable[dict]],
@@ -88,18 +90,17 @@ def admit_fast_path(state_of: Callable[[], Any], max_body: int) -> Callable[[ASG
             if req is None:
                 await app(scope, _replay(chunks, receive), send)
                 return
-            await _answer(st, req, send)
+            await _answer(st, req, send, before_engine)
 
         return serve
 
     return middleware
 
 
-async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[None]]) -> None:
-    from .app import _before_engine  # the handler's own pre-engine stage (auth-failure, staleness, key cap)
-
+async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[None]],
+                  before_engine: Callable[[Any, list], list]) -> None:
     try:
-        [(req, early)] = _before_engine(st, [req])
+        [(req, early)] = before_engine(st, [req])
         decision = early if early is not None else await st.engine.admit(req)
         status, payload, headers = 200, _encode(decision), _JSON_HEADERS
     except LeaseholdError as e:

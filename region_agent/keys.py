@@ -135,7 +135,7 @@ class KeyBuilder:
             pid = self.h("", "ip", ip_prefix(addr, rule.ipv4_prefix, rule.ipv6_prefix))
             return f"{NS}:{ip_tag}:ip:{pid}:{route}"
         t = check_tenant(tenant)
-        tag = "{t:" + t + "}"
+        tag = self.tenant_tag(t)
         if rule.scope == "user":
             if not user_id:
                 raise ValidationFailed("a user rule needs a user principal")
@@ -156,7 +156,7 @@ class KeyBuilder:
         script never reads or writes it, it only has to share the call's hash tag, so no HMAC."""
         if ip_tag is not None:
             return f"{NS}:{ip_tag}:d:-"
-        return f"{NS}:{KeyBuilder.tenant_tag(check_tenant(tenant))}:d:-"
+        return f"{NS}:{KeyBuilder.tenant_tag(tenant)}:d:-"  # type: ignore[arg-type]
 
     def decision_key(self, request_id: str, *, tenant: str | None, ip_tag: str | None = None) -> str:
         # request ids are unique: not memoised

@@ -42,7 +42,7 @@ class Plan:
     request_id: str
     tenant: str | None
     principal_type: str
-    rules: list[Rule]  # every selected enforced rule, evaluation order (incl. global pools)
+    rules: list[Rule]  # every selected enforced rule, evaluation order (incl. global pools); shared, read-only
     calls: list[Call] = field(default_factory=list)
     slots: list[Slot] = field(default_factory=list)
     shadow_calls: list[Call] = field(default_factory=list)
@@ -83,50 +83,11 @@ def rate_params(rule: Rule, cost_hint: int) -> tuple[int, int, int, int, int]:
 SELECTION_CACHE_MAX = 10_000  # distinct (tenant, route, principal type, has key) per snapshot
 
 
-class BundleMemo:
-    """Lookups of one policy snapshot that do not depend on the request: pools and rules by id,
-    and the rule selection per (tenant, route group, principal type, has key). A bundle is
-    immutable, so these stay valid for its lifetime; only validated tenants and routes reach
-    the selection cache, and it is cleared when it reaches ``SELECTION_CACHE_MAX`` entries."""
-
-    __slots__ = ("_selected", "_shapes", "bundle", "pools", "rules_by_id")
-
-    def __init__(self, bundle: Bundle):
-        self.bundle = bundle
-        self.pools: dict[str, Pool] = {p.id: p for p in bundle.pools}
-        self.rules_by_id: dict[str, Rule] = {r.id: r for r in bundle.rules}
-        self._selected: dict[tuple, tuple[list[Rule], list[Rule], list[Rule]]] = {}
-        self._shapes: dict[tuple, Shape] = {}
-
-    def selection(self, tenant: str | None, route_group: str, principal_type: str, has_key: bool
-                  ) -> tuple[list[Rule], list[Rule], list[Rule]]:
-        """(all selected rules, the enforced ones, the shadow ones), evaluation order. Shared:
-        callers must not modify the lists."""
-        k = (tenant, route_group, principal_type, has_key)
-        hit = self._selected.get(k)
-        if hit is None:
-            if len(self._selected) >= SELECTION_CACHE_MAX:
-                self._selected.clear()
-            rules = select_rules(self.bundle.rules, tenant=tenant, route_group=route_group,
-                                 principal_type=principal_type, has_key=has_key)
-            hit = self._selected[k] = (rules, [r for r in rules if not r.shadow], [r for r in rules if r.shadow])
-        return hit
-
-
-    def shape(self, tenant: str | None, route_group: str, principal_type: str, has_key: bool) -> Shape:
-        """What a plan for these attributes contains apart from its keys (cached like the selection)."""
-        k = (tenant, route_group, principal_type, has_key)
-        hit = self._shapes.get(k)
-        if hit is None:
-            if len(self._shapes) >= SELECTION_CACHE_MAX:
-                self._shapes.clear()
-            hit = self._shapes[k] = Shape.of(*self.selection(tenant, route_group, principal_type, has_key))
-        return hit
-
-
 class Shape(NamedTuple):
-    """The request-independent part of a plan for one selection."""
+    """The request-independent part of a plan: the rules one (tenant, route group, principal
+    type, has key) selects and what follows from them. Shared: callers must not modify it."""
 
+    rules: list[Rule]  # every selected rule, evaluation order (shadow ones too)
     enforced: list[Rule]
     in_script: list[Rule]  # enforced rules with a tenant-tagged key (not fleet-wide pools), in order
     shadow: list[Rule]  # shadow rules evaluated (fleet-wide pools never: they would spend leased tokens)
@@ -135,14 +96,44 @@ class Shape(NamedTuple):
     decision_ttl_ms: int
 
     @classmethod
-    def of(cls, rules: list[Rule], enforced: list[Rule], shadow: list[Rule]) -> Shape:
-        in_script = [r for r in enforced if not (r.algorithm == "pool" and r.scope == "global")]
-        return cls(enforced=enforced, in_script=in_script,
-                   shadow=[r for r in shadow if not (r.algorithm == "pool" and r.scope == "global")],
+    def of(cls, rules: list[Rule]) -> Shape:
+        enforced = [r for r in rules if not r.shadow]
+        in_script = [r for r in enforced if not _fleet_wide(r)]
+        return cls(rules=rules, enforced=enforced, in_script=in_script,
+                   shadow=[r for r in rules if r.shadow and not _fleet_wide(r)],
                    ip_rules=[r for r in rules if r.scope == "ip"],
                    slack_ms=max((r.ttl_slack_ms for r in in_script), default=0),
                    decision_ttl_ms=(max(r.decision_ttl_ms for r in in_script)
                                     if any(r.idempotent for r in in_script) else 0))
+
+
+def _fleet_wide(rule: Rule) -> bool:
+    return rule.algorithm == "pool" and rule.scope == "global"
+
+
+class BundleMemo:
+    """Lookups of one policy snapshot that do not depend on the request: pools and rules by id,
+    and the :class:`Shape` per (tenant, route group, principal type, has key). A bundle is
+    immutable, so these stay valid for its lifetime; only validated tenants and routes reach
+    the cache, and it is cleared when it reaches ``SELECTION_CACHE_MAX`` entries."""
+
+    __slots__ = ("_shapes", "bundle", "pools", "rules_by_id")
+
+    def __init__(self, bundle: Bundle):
+        self.bundle = bundle
+        self.pools: dict[str, Pool] = {p.id: p for p in bundle.pools}
+        self.rules_by_id: dict[str, Rule] = {r.id: r for r in bundle.rules}
+        self._shapes: dict[tuple, Shape] = {}
+
+    def shape(self, tenant: str | None, route_group: str, principal_type: str, has_key: bool) -> Shape:
+        k = (tenant, route_group, principal_type, has_key)
+        hit = self._shapes.get(k)
+        if hit is None:
+            if len(self._shapes) >= SELECTION_CACHE_MAX:
+                self._shapes.clear()
+            hit = self._shapes[k] = Shape.of(select_rules(self.bundle.rules, tenant=tenant, route_group=route_group,
+                                                          principal_type=principal_type, has_key=has_key))
+        return hit
 
 
 _last_memo: BundleMemo | None = None
@@ -158,7 +149,7 @@ def memo_of(bundle: Bundle) -> BundleMemo:
 
 
 def selected(bundle: Bundle, *, tenant: str | None, route_group: str, principal: Principal) -> list[Rule]:
-    return list(memo_of(bundle).selection(tenant, route_group, principal.type, principal.api_key_id is not None)[0])
+    return list(memo_of(bundle).shape(tenant, route_group, principal.type, principal.api_key_id is not None).rules)
 
 
 def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder) -> Plan:
@@ -169,7 +160,7 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder) -> Plan:
     shape = memo.shape(tenant, req.route_group, principal.type, principal.api_key_id is not None)
     cost_hint = req.cost_hint
     plan = Plan(request_id=req.request_id, tenant=tenant, principal_type=principal.type,
-                rules=list(shape.enforced), cost_hint=cost_hint, slack_ms=shape.slack_ms,
+                rules=shape.enforced, cost_hint=cost_hint, slack_ms=shape.slack_ms,
                 decision_ttl_ms=shape.decision_ttl_ms)
     ip_tag = keys.ip_tag(addr, shape.ip_rules) if addr is not None else None
     user_id = principal.id if principal.type == "user" else None
@@ -182,11 +173,10 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder) -> Plan:
                              route_group=req.route_group, ip_tag=ip_tag, addr=addr)
 
     if len(shape.in_script) != len(shape.enforced):
-        pools = memo.pools
         for rule in shape.enforced:
-            if rule.algorithm == "pool" and rule.scope == "global":
+            if _fleet_wide(rule):
                 assert rule.pool is not None
-                plan.global_spends.append(GlobalSpend(rule, pools[rule.pool], rule.cost * cost_hint))
+                plan.global_spends.append(GlobalSpend(rule, memo.pools[rule.pool], rule.cost * cost_hint))
     calls, slots = plan.calls, plan.slots
     for rule in shape.in_script:
         key = key_of(rule)
@@ -240,5 +230,5 @@ def tokens_remaining(rule: Rule, raw: int) -> int:
     return max(0, raw)
 
 
-__all__ = ["BundleMemo", "Call", "GlobalSpend", "Plan", "Slot", "build_plan", "memo_of", "cc_keys_for_release", "check_principal",
-           "tokens_limit", "tokens_remaining"]
+__all__ = ["BundleMemo", "Call", "GlobalSpend", "Plan", "Shape", "Slot", "build_plan", "cc_keys_for_release",
+           "check_principal", "memo_of", "tokens_limit", "tokens_remaining"]

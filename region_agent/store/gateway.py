@@ -14,7 +14,6 @@ from redis.asyncio import RedisCluster
 
 from allocator.contract.errors import (
     AmbiguousOutcome,
-    DeadlineExceeded,
     LeaseholdError,
     ScriptRejected,
     StoreUnavailable,
@@ -157,15 +156,10 @@ class StoreGateway:
             br.failure(time.monotonic())
             self._breaker_changed()
             raise e from None
-        except DeadlineExceeded:
-            # the caller's own decision budget ran out before anything was sent (e.g. a busy
-            # agent): not evidence against the store, so the breaker neither opens nor closes on it
-            br.release_probe()
-            raise
-        except LeaseholdError:
-            br.release_probe()
-            raise
-        except BaseException:  # e.g. the request task cancelled: give a half-open probe slot back
+        except BaseException:
+            # DeadlineExceeded (the caller's budget ran out before anything was sent, e.g. a busy
+            # agent), another contract error, or the caller cancelled: nothing said about the store,
+            # so the breaker neither opens nor closes; a half-open probe slot is given back
             br.release_probe()
             raise
 

@@ -221,20 +221,10 @@ class PoolBalance:
                    if e.valid_from_ms <= self.now_ms < e.expires_at_ms and e.granted > e.spent)
 
 
-def _resp_arg(x: Any) -> bytes:
-    if isinstance(x, bytes):
-        return x
-    if isinstance(x, str):
-        return x.encode()
-    if isinstance(x, int) and not isinstance(x, bool):
-        return b"%d" % x
-    raise ScriptRejected(f"script arguments are str, bytes or int, not {type(x).__name__}")
-
-
-def pack_evalsha(sha: bytes, keys: Sequence[Any], argv: Sequence[Any]) -> bytes:
+def pack_evalsha(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> bytes:
     """``EVALSHA sha numkeys key... arg...`` as one RESP array (what redis-py's pack_command
-    would send for the same arguments: str as UTF-8, int in decimal)."""
-    parts = [f"*{len(keys) + len(argv) + 3}\r\n$7\r\nEVALSHA\r\n${len(sha)}\r\n{sha.decode()}\r\n"
+    would send for the same arguments: str as UTF-8, int in decimal, bytes as they are)."""
+    parts = [f"*{len(keys) + len(argv) + 3}\r\n$7\r\nEVALSHA\r\n${len(sha)}\r\n{sha}\r\n"
              f"${len(str(len(keys)))}\r\n{len(keys)}\r\n"]
     for a in (*keys, *argv):  # the common case: ASCII str and int, where characters are bytes
         cls = a.__class__
@@ -243,16 +233,11 @@ def pack_evalsha(sha: bytes, keys: Sequence[Any], argv: Sequence[Any]) -> bytes:
         elif cls is int:
             t = str(a)
             parts.append(f"${len(t)}\r\n{t}\r\n")
-        else:
-            return _pack_evalsha_bytes(sha, keys, argv)
+        else:  # non-ASCII text or bytes: lengths in bytes
+            args = [_b(x) for x in (sha, len(keys), *keys, *argv)]
+            return b"".join([b"*%d\r\n$7\r\nEVALSHA\r\n" % (len(args) + 1),
+                             *[b"$%d\r\n%b\r\n" % (len(x), x) for x in args]])
     return "".join(parts).encode()
-
-
-def _pack_evalsha_bytes(sha: bytes, keys: Sequence[Any], argv: Sequence[Any]) -> bytes:
-    args = [_resp_arg(a) for a in (*keys, *argv)]
-    head = b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%b\r\n" % (len(args) + 3, len(sha), sha)
-    nk = b"%d" % len(keys)
-    return b"".join([head, b"$%d\r\n%b\r\n" % (len(nk), nk), *[b"$%d\r\n%b\r\n" % (len(a), a) for a in args]])
 
 
 def _b(x: Any) -> bytes:
@@ -284,7 +269,6 @@ class Scripts:
         self.scripts = load_scripts(self.lua_dir)
         if not self.scripts:
             raise FileNotFoundError(f"no Lua scripts in {self.lua_dir}")
-        self._sha_b: dict[str, bytes] = {}
 
     def sha(self, name: str) -> str:
         try:
@@ -378,7 +362,7 @@ class Scripts:
         (:func:`pack_evalsha`), written once on a pooled connection and the replies read in
         order; error replies come back as exception instances, like ``raise_on_error=False``. A
         connection that failed mid-way is disconnected before it goes back to the pool."""
-        payload = b"".join([pack_evalsha(self._sha_bytes(name), keys, argv) for name, keys, argv in calls])
+        payload = b"".join([pack_evalsha(self.sha(name), keys, argv) for name, keys, argv in calls])
         pool = client.connection_pool
         conn = await pool.get_connection()
         try:
@@ -395,12 +379,6 @@ class Scripts:
             raise
         finally:
             await pool.release(conn)
-
-    def _sha_bytes(self, name: str) -> bytes:
-        cached = self._sha_b.get(name)
-        if cached is None:
-            cached = self._sha_b[name] = self.sha(name).encode()
-        return cached
 
     # --- typed wrappers --------------------------------------------------------------------------
     async def multi_rule(self, client: Any, keys: Sequence[str], argv: Sequence[Any]) -> MultiRuleResult:

@@ -16,4 +16,4 @@ _arg = st.one_of(st.text(max_size=40), st.integers(min_value=-(2**63), max_value
 def test_pack_evalsha_matches_redis_py(keys, argv):
     sha = "0123456789abcdef0123456789abcdef01234567"
     expected = b"".join(Connection().pack_command("EVALSHA", sha, len(keys), *keys, *argv))
-    assert pack_evalsha(sha.encode(), keys, argv) == expected
+    assert pack_evalsha(sha, keys, argv) == expected
