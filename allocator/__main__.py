@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from .contract.config import ConfigError
-from .contract.errors import PolicyError
+from kernel.config import ConfigError
+from kernel.errors import PolicyError
 
 
 def main(argv: list[str] | None = None) -> int:

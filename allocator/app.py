@@ -22,9 +22,9 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.params import FromPath, JSONBody
 
-from .auth import SCOPE_KEY, RegionAuth, TokenTable, require_region
-from .contract.bundle import Bundle, load_bundle_file
-from .contract.errors import (
+from kernel.auth import SCOPE_KEY, RegionAuth, TokenTable, require_region
+from kernel.bundle import Bundle, load_bundle_file
+from kernel.errors import (
     BadRequest,
     Forbidden,
     LeaseholdError,
@@ -35,7 +35,11 @@ from .contract.errors import (
     ValidationFailed,
     to_problem,
 )
-from .contract.wire import (
+from kernel.etcd_store import EtcdStore
+from kernel.etcd_tls import credentials as tls_credentials
+from kernel.openapi_problems import document_problems
+from kernel.policy_store import PolicyStore
+from kernel.wire import (
     LeaderInfo,
     LeaseBatchRequest,
     LeaseBatchResponse,
@@ -46,14 +50,11 @@ from .contract.wire import (
     UsageReceipt,
     UsageReport,
 )
+
 from .control.follow import AllocatorPolicy
-from .control.policy_store import PolicyStore
 from .election import Election
 from .engine import Engine, GrantRecord, wall_ms
-from .etcd_store import EtcdStore
-from .etcd_tls import credentials as tls_credentials
 from .metrics import CONTENT_TYPE, AllocatorMetrics
-from .openapi_problems import document_problems
 from .settings import AllocatorSettings
 
 log = logging.getLogger("allocator.app")
@@ -66,7 +67,7 @@ Guard = Callable[[ASGIConnection, BaseRouteHandler], Any]
 
 async def region_auth_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
     """Authentication hook for the lease endpoints. A later task fills it with per-region
-    bearer tokens (raise ``Unauthorized`` / ``Forbidden`` from ``allocator.contract.errors``);
+    bearer tokens (raise ``Unauthorized`` / ``Forbidden`` from ``kernel.errors``);
     today every caller is accepted. ``create_app(auth_guard=...)`` plugs a check in here."""
     check = connection.app.state.get("auth_guard")
     if check is not None:

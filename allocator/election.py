@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from .contract.errors import LeaseholdError, NotLeader
-from .contract.wire import LeaderInfo
-from .etcd_store import EtcdLeaseMissing, EtcdStore, range_kvs, txn_revision
+from kernel.errors import LeaseholdError, NotLeader
+from kernel.etcd_store import EtcdLeaseMissing, EtcdStore, range_kvs, txn_revision
+from kernel.wire import LeaderInfo
 
 log = logging.getLogger("allocator.election")
 

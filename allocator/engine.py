@@ -26,16 +26,16 @@ from typing import Any
 
 import msgspec
 
-from . import policy
-from .contract.bundle import Pool
-from .contract.errors import (
+from kernel.bundle import Pool
+from kernel.errors import (
     Conflict,
     Fenced,
     LeaseholdError,
     NotFound,
     Unavailable,
 )
-from .contract.wire import (
+from kernel.etcd_store import MAX_TXN_OPS, EtcdLeaseMissing, EtcdStore, LeaseBuckets, range_kvs, txn_revision
+from kernel.wire import (
     LeaseError,
     LeaseGrant,
     LeaseRequest,
@@ -45,8 +45,9 @@ from .contract.wire import (
     UsageReceipt,
     UsageReport,
 )
+
+from . import policy
 from .election import Election
-from .etcd_store import MAX_TXN_OPS, EtcdLeaseMissing, EtcdStore, LeaseBuckets, range_kvs, txn_revision
 from .metrics import AllocatorMetrics
 
 log = logging.getLogger("allocator.engine")

@@ -20,9 +20,9 @@ from typing import Literal
 import msgspec
 from msgspec import Struct
 
-from .contract.bundle import Pool
-from .contract.errors import Conflict, Forbidden, ValidationFailed
-from .contract.wire import LeaseGrant, WindowRef
+from kernel.bundle import Pool
+from kernel.errors import Conflict, Forbidden, ValidationFailed
+from kernel.wire import LeaseGrant, WindowRef
 
 WindowChoice = Literal["current", "next"]
 

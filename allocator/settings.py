@@ -9,8 +9,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from .contract.config import ConfigError, load_settings
-from .etcd_store import parse_endpoints
+from kernel.config import ConfigError, load_settings
+from kernel.etcd_store import parse_endpoints
 
 ENV_PREFIX = "LEASEHOLD_ALLOCATOR_"
 

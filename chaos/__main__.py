@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 import msgspec
 
-from allocator.contract.bundle import load_bundle_file
-from allocator.contract.errors import BadRequest, PolicyError
-from allocator.contract.invariants import DEFAULT_TOLERANCE_MS
+from chaos.invariants import DEFAULT_TOLERANCE_MS
+from kernel.bundle import load_bundle_file
+from kernel.errors import BadRequest, PolicyError
 
 from .checker import check
 from .history import HistoryError

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import msgspec
 
-from allocator.contract.bundle import Bundle, Fallback, Pool, Rule, encode_bundle, seal, validate_bundle
+from kernel.bundle import Bundle, Fallback, Pool, Rule, encode_bundle, seal, validate_bundle
 
 WINDOW_MS = 6_000
 

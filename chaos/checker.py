@@ -1,7 +1,7 @@
 """Check a chaos run's history against the executable invariants.
 
 ``check(history, pools, tolerance_ms)`` runs every function of
-:mod:`allocator.contract.invariants` over the history's records and returns a :class:`Report`:
+:mod:`chaos.invariants` over the history's records and returns a :class:`Report`:
 a verdict per invariant (with its violations), per pool and window the admitted total against
 its bound (and the worst case), utilisation for windows whose demand exceeded G, and the
 faults injected. ``Report.render()`` is the short text form.
@@ -31,15 +31,15 @@ from pathlib import Path
 
 from msgspec import Struct
 
-from allocator.contract import invariants as inv
-from allocator.contract.bundle import Pool
-from allocator.contract.invariants import (
+from chaos import invariants as inv
+from chaos.invariants import (
     DEFAULT_TOLERANCE_MS,
     PoolPolicy,
     Utilisation,
     Violation,
     WindowBound,
 )
+from kernel.bundle import Pool
 
 from .history import (
     Decision,

@@ -17,8 +17,8 @@ import msgspec
 from allocator.election import LeaderRecord
 from allocator.engine import GrantRecord as StoredGrant
 from allocator.engine import Keys
-from allocator.etcd_store import EtcdStore
 from allocator.policy import WindowState
+from kernel.etcd_store import EtcdStore
 
 from .history import EtcdGrant, EtcdWindow, HistoryError, Leader, now_ms
 

@@ -4,7 +4,7 @@ Records are msgspec Structs in a tagged union (field ``type``). Times named ``*A
 record are on the clock of the process that wrote the history (the chaos runner), except
 ``expiresAtMs`` / ``issuedAtMs`` / ``windowStartMs`` / ``windowEndMs`` which are copied from
 the allocator's answer (allocator clock). ``to_*`` helpers turn records into the plain
-records of :mod:`allocator.contract.invariants`.
+records of :mod:`chaos.invariants`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import IO
 import msgspec
 from msgspec import Struct
 
-from allocator.contract.invariants import (
+from chaos.invariants import (
     DecisionRecord,
     GrantRecord,
     LeaderTerm,
@@ -26,7 +26,7 @@ from allocator.contract.invariants import (
     SpendRecord,
     WindowStateRecord,
 )
-from allocator.contract.wire import LeaseGrant
+from kernel.wire import LeaseGrant
 
 
 def now_ms() -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import httpx
 import msgspec
 
-from allocator.contract.wire import LeaseGrant
+from kernel.wire import LeaseGrant
 
 from .history import Decision, Grant, HistoryWriter, PoolSpend, grant_from_wire, now_ms
 

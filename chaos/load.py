@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from allocator.contract.bundle import Bundle
+from kernel.bundle import Bundle
 
 from .history import Grant, HistoryWriter, now_ms
 from .recording import decision_from_admit

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from allocator.contract.errors import BadRequest
+from kernel.errors import BadRequest
 from leasehold.procs import EtcdCluster, Proc, RedisServer, wait_port
 
 from .history import Fault, now_ms

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from allocator.contract.errors import BadRequest
+from kernel.errors import BadRequest
 
 _counter = itertools.count(1)
 CMD_TIMEOUT = 10.0

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import msgspec
 
-from allocator.contract.errors import BadRequest
+from kernel.errors import BadRequest
 
 LOOPBACK = "127.0.0.1"
 DIRECTIONS = ("up", "down")

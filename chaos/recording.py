@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from allocator.contract.bundle import Bundle, Pool, select_rules
+from kernel.bundle import Bundle, Pool, select_rules
 
 from .history import Decision, PoolSpend
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from allocator.contract.invariants import WindowBound
+from chaos.invariants import WindowBound
 
 from .history import Fault, Meta, read_history
 

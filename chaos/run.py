@@ -22,10 +22,10 @@ from typing import TextIO
 
 import httpx
 
-from allocator.contract.bundle import Bundle, encode_bundle
-from allocator.contract.invariants import DEFAULT_TOLERANCE_MS, PoolPolicy
-from allocator.control.policy_store import PolicyStore
-from allocator.etcd_store import EtcdStore
+from chaos.invariants import DEFAULT_TOLERANCE_MS, PoolPolicy
+from kernel.bundle import Bundle, encode_bundle
+from kernel.etcd_store import EtcdStore
+from kernel.policy_store import PolicyStore
 
 from . import bundles
 from .checker import Report, check

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from allocator.contract.errors import BadRequest
+from kernel.errors import BadRequest
 
 from . import bundles
 from .history import Policy
@@ -153,7 +153,7 @@ def _replay_stale(ctx: RunContext) -> Nemesis:
 
 
 def _pp(p):  # type: ignore[no-untyped-def]
-    from allocator.contract.invariants import PoolPolicy
+    from chaos.invariants import PoolPolicy
 
     return PoolPolicy.from_pool(p)
 

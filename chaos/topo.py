@@ -25,7 +25,7 @@ import msgspec
 
 from allocator.election import LeaderRecord
 from allocator.engine import Keys
-from allocator.etcd_store import EtcdStore
+from kernel.etcd_store import EtcdStore
 from leasehold.procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_http_ready, wait_port
 
 from .proxyhost import HostedProxy, ProxyHost

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from allocator.contract.bundle import load_bundle_file
-from allocator.contract.errors import PolicyError
+from kernel.bundle import load_bundle_file
+from kernel.errors import PolicyError
 
 from .topology import DEFAULT_POLICY, REPO, Topology, TopologySpec, read_state, read_token, stop_from_state
 
@@ -147,8 +147,8 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
 def _policy_store(args: argparse.Namespace):
     import os
 
-    from allocator.control.policy_store import PolicyStore
-    from allocator.etcd_store import EtcdStore
+    from kernel.etcd_store import EtcdStore
+    from kernel.policy_store import PolicyStore
     endpoints, user, password_file = args.etcd, args.etcd_user, args.etcd_password_file
     if not endpoints:  # the running local topology: its etcd and, with auth on, the allocator's user
         state = _state_or_exit(args.run_dir)
@@ -170,9 +170,9 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
 
     import msgspec
 
-    from allocator.contract.bundle import decode_bundle, encode_bundle
-    from allocator.contract.errors import LeaseholdError
-    from allocator.control.policy_store import rollback_bundle
+    from kernel.bundle import decode_bundle, encode_bundle
+    from kernel.errors import LeaseholdError
+    from kernel.policy_store import rollback_bundle
 
     try:
         with open(args.file, "rb") as f:
@@ -215,7 +215,7 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
 def cmd_policy_show(args: argparse.Namespace) -> int:
     import asyncio
 
-    from allocator.contract.errors import LeaseholdError
+    from kernel.errors import LeaseholdError
 
     async def run() -> int:
         store = _policy_store(args)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from allocator.contract.bundle import (  # noqa: E402
+from kernel.bundle import (  # noqa: E402
     Bundle,
     Fallback,
     Pool,

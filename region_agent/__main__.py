@@ -9,9 +9,9 @@ import logging
 import os
 import sys
 
-from allocator.contract.bundle import load_bundle_file
-from allocator.contract.config import ConfigError
-from allocator.contract.errors import PolicyError
+from kernel.bundle import load_bundle_file
+from kernel.config import ConfigError
+from kernel.errors import PolicyError
 
 from .settings import ENV_PREFIX, AgentSettings, load_agent_settings, resolve_pepper
 

@@ -19,8 +19,8 @@ from litestar.openapi import OpenAPIConfig
 from litestar.params import Body
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from allocator.contract.bundle import Bundle
-from allocator.contract.errors import (
+from kernel.bundle import Bundle
+from kernel.errors import (
     BadRequest,
     LeaseholdError,
     NotFound,
@@ -29,7 +29,7 @@ from allocator.contract.errors import (
     ValidationFailed,
     to_problem,
 )
-from allocator.openapi_problems import document_problems
+from kernel.openapi_problems import document_problems
 
 from .auth import AgentAuth, agent_guard
 from .engine import Engine
@@ -65,7 +65,7 @@ class AgentState:
     engine: Engine | None = None
     store: Any = None
     leases: Any = None  # LeaseManager when --allocator-urls is set
-    policy_watch: Any = None  # allocator.control.watch.PolicyWatcher when --policy-etcd is set
+    policy_watch: Any = None  # kernel.watch.PolicyWatcher when --policy-etcd is set
     auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled true
     key_cap: Any = None  # region_agent.preauth.NewKeyCap; None when --anon-new-keys-per-source 0
     tasks: list[asyncio.Task] = field(default_factory=list)

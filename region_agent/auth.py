@@ -5,7 +5,7 @@
 * Probes and metrics — ``/healthz``, ``/readyz``, ``/metrics`` — and the OpenAPI schema are open;
   they carry no secrets, keys or tenant data.
 
-Tokens are configured as sha256 digests only (see :mod:`allocator.auth`). ``--auth-disabled true``
+Tokens are configured as sha256 digests only (see :mod:`kernel.auth`). ``--auth-disabled true``
 turns the check off, for local development only; it is never the default.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from allocator.auth import SCOPE_KEY, TokenTable, authenticate
+from kernel.auth import SCOPE_KEY, TokenTable, authenticate
 
 from .settings import AgentSettings
 

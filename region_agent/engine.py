@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from allocator.contract.bundle import Bundle, Rule
-from allocator.contract.errors import (
+from kernel.bundle import Bundle, Rule
+from kernel.errors import (
     AmbiguousOutcome,
     DeadlineExceeded,
     LeaseholdError,

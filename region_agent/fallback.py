@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from allocator.contract.bundle import Fallback, Rule
+from kernel.bundle import Fallback, Rule
 
 from .algorithms import fixed_window, token_bucket
 

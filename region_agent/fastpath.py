@@ -24,8 +24,8 @@ from typing import Any
 
 import msgspec
 
-from allocator.auth import SCOPE_KEY
-from allocator.contract.errors import LeaseholdError, to_problem
+from kernel.auth import SCOPE_KEY
+from kernel.errors import LeaseholdError, to_problem
 
 from .models import AdmitRequest
 

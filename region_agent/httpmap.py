@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from allocator.contract.bundle import Rule
+from kernel.bundle import Rule
 
 from .models import Decision
 

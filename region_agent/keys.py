@@ -27,8 +27,8 @@ import hmac
 import ipaddress
 import re
 
-from allocator.contract.bundle import POOL_ID_RE, ROUTE_RE, TENANT_RE, Rule
-from allocator.contract.errors import ValidationFailed
+from kernel.bundle import POOL_ID_RE, ROUTE_RE, TENANT_RE, Rule
+from kernel.errors import ValidationFailed
 
 NS = "rl:v3"
 _SEP = "\x1f"

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from allocator.contract.bundle import Bundle, Pool, Rule, select_rules
-from allocator.contract.errors import ValidationFailed
+from kernel.bundle import Bundle, Pool, Rule, select_rules
+from kernel.errors import ValidationFailed
 
 from .keys import KeyBuilder, check_ids, check_route, check_tenant, parse_ip
 from .models import AdmitRequest, Principal

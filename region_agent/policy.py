@@ -10,8 +10,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from allocator.contract.bundle import Bundle, load_bundle_file
-from allocator.contract.errors import PolicyError, StaleVersion
+from kernel.bundle import Bundle, load_bundle_file
+from kernel.errors import PolicyError, StaleVersion
 
 
 @dataclass(frozen=True, slots=True)

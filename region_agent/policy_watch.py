@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from prometheus_client import Gauge
 
-from allocator.contract.bundle import Bundle
-from allocator.control.policy_store import PolicyStore
-from allocator.control.watch import PolicyWatcher
-from allocator.etcd_store import EtcdStore
+from kernel.bundle import Bundle
+from kernel.etcd_store import EtcdStore
+from kernel.policy_store import PolicyStore
+from kernel.watch import PolicyWatcher
 
 from .httpmap import retry_after_seconds
 from .metrics import AgentMetrics

@@ -20,8 +20,8 @@ import ipaddress
 import time
 from collections.abc import Callable
 
-from allocator.contract.bundle import Bundle, Rule
-from allocator.contract.errors import ValidationFailed
+from kernel.bundle import Bundle, Rule
+from kernel.errors import ValidationFailed
 
 from .httpmap import apply_http
 from .keys import ip_prefix, parse_ip

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from msgspec import Meta, Struct
 
-from allocator.contract.config import ConfigError, load_settings
+from kernel.config import ConfigError, load_settings
 
 ENV_PREFIX = "LEASEHOLD_AGENT_"
 PEPPER_ENV = ENV_PREFIX + "PEPPER"

@@ -13,11 +13,10 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
-from allocator.contract.bundle import Bundle
-from allocator.contract.errors import StaleVersion
-
-from .policy_store import PolicyStore
-from .watch import PolicyWatcher
+from kernel.bundle import Bundle
+from kernel.errors import StaleVersion
+from kernel.policy_store import PolicyStore
+from kernel.watch import PolicyWatcher
 
 log = logging.getLogger("allocator.policy")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import aetcd
 
-from allocator.contract.bundle import Bundle, Pool, encode_bundle, seal, validate_bundle
+from kernel.bundle import Bundle, Pool, encode_bundle, seal, validate_bundle
 from leasehold.procs import EtcdCluster
 
 from .context import Ctx

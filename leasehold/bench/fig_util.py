@@ -6,7 +6,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from allocator.contract.bundle import Bundle, Pool, Rule, seal, validate_bundle
+from kernel.bundle import Bundle, Pool, Rule, seal, validate_bundle
 from leasehold.topology import Topology, TopologySpec
 
 from .context import Ctx

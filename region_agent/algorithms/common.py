@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from allocator.contract.errors import ScriptRejected
+from kernel.errors import ScriptRejected
 
 MAX_ARG = 2**40
 MAX_PRODUCT = 2**52

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from allocator.contract.bundle import Pool
-from allocator.contract.errors import StaleEpoch
-from allocator.contract.wire import LeaseGrant
+from kernel.bundle import Pool
+from kernel.errors import StaleEpoch
+from kernel.wire import LeaseGrant
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from allocator.contract.errors import (
+from kernel.errors import (
     BadRequest,
     Conflict,
     Forbidden,
@@ -35,7 +35,7 @@ from allocator.contract.errors import (
     ValidationFailed,
     is_retriable,
 )
-from allocator.contract.wire import LeaseGrant, LeaseRequest, UsageReceipt, UsageReport
+from kernel.wire import LeaseGrant, LeaseRequest, UsageReceipt, UsageReport
 
 T = TypeVar("T")
 _BY_STATUS: dict[int, type[LeaseholdError]] = {

@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from allocator.contract.bundle import Pool
-from allocator.contract.errors import Conflict, LeaseholdError, StaleEpoch
-from allocator.contract.wire import LeaseRequest, UsageReport
+from kernel.bundle import Pool
+from kernel.errors import Conflict, LeaseholdError, StaleEpoch
+from kernel.wire import LeaseRequest, UsageReport
 
 from .book import HeldLease, PoolBook
 from .client import AllocatorClient

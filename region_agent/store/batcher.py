@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from allocator.contract.errors import AmbiguousOutcome, DeadlineExceeded, StoreUnavailable
+from kernel.errors import AmbiguousOutcome, DeadlineExceeded, StoreUnavailable
 
 ScriptCall = tuple[str, list, list]
 RunPipeline = Callable[[Sequence[ScriptCall]], Awaitable[list[Any]]]

@@ -1,5 +1,5 @@
 """The agent's adapter to Redis: builds multi-rule script calls, sends them through the
-coalescing :class:`Batcher`, and translates driver errors into ``allocator.contract.errors``.
+coalescing :class:`Batcher`, and translates driver errors into ``kernel.errors``.
 
 Everything Redis-specific the decision engine needs goes through this class."""
 
@@ -12,7 +12,7 @@ from typing import Any
 from redis import exceptions as rex
 from redis.asyncio import RedisCluster
 
-from allocator.contract.errors import (
+from kernel.errors import (
     AmbiguousOutcome,
     LeaseholdError,
     ScriptRejected,

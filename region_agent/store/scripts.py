@@ -3,7 +3,7 @@
 Every script lives in ``lua/NAME.lua``; shared code in ``lua/lib/*.lua`` is pulled in by a line
 ``-- @include lib/NAME.lua``, expanded textually once per script (include-guarded, recursive)
 before ``SCRIPT LOAD``. Calls use EVALSHA; a NOSCRIPT reply means the script did not run, so it is
-loaded and the call retried once. Driver errors become ``allocator.contract.errors`` types in
+loaded and the call retried once. Driver errors become ``kernel.errors`` types in
 :func:`translate_redis_error` only.
 """
 
@@ -21,7 +21,7 @@ from redis import exceptions as rex
 from redis.asyncio import RedisCluster
 from redis.crc import key_slot
 
-from allocator.contract.errors import (
+from kernel.errors import (
     AmbiguousOutcome,
     LeaseholdError,
     ScriptRejected,

@@ -14,7 +14,7 @@ import httpx
 import msgspec
 import pytest
 
-from allocator.contract.bundle import encode_bundle, load_bundle_file, seal
+from kernel.bundle import encode_bundle, load_bundle_file, seal
 from leasehold.procs import Proc, free_port, wait_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 from litestar.testing import AsyncTestClient
 
-from allocator.contract.bundle import Bundle, encode_bundle, load_bundle_file, seal
+from kernel.bundle import Bundle, encode_bundle, load_bundle_file, seal
 from leasehold.procs import Proc, free_port, wait_port
 from region_agent.app import create_app
 from region_agent.settings import AgentSettings

@@ -13,7 +13,7 @@ import pytest
 from litestar.testing import AsyncTestClient
 from redis.asyncio import Redis
 
-from allocator.contract.bundle import Rule
+from kernel.bundle import Rule
 from region_agent.app import create_app
 from region_agent.keys import KeyBuilder, parse_ip
 

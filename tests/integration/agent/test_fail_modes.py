@@ -52,7 +52,7 @@ async def test_fail_modes_with_redis_stopped(stopped_store_agent):
 
 
 async def test_global_pool_without_a_chunk_fails_closed_when_the_store_is_down(tmp_path: Path, policy_file: Path):
-    from allocator.contract.bundle import Pool, Rule
+    from kernel.bundle import Pool, Rule
 
     from .conftest import northstar, write_bundle
 

@@ -7,8 +7,8 @@ import pytest
 from litestar.testing import AsyncTestClient
 from redis.asyncio import Redis
 
-from allocator.contract.bundle import Pool, Rule, validate_bundle
-from allocator.contract.errors import PolicyError
+from kernel.bundle import Pool, Rule, validate_bundle
+from kernel.errors import PolicyError
 from region_agent.app import create_app
 from region_agent.store.scripts import Scripts
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from allocator.contract.bundle import Pool
-from allocator.etcd_store import EtcdStore
+from kernel.bundle import Pool
+from kernel.etcd_store import EtcdStore
 from leasehold.procs import EtcdCluster
 
 from .helpers import unique_prefix, write_bundle

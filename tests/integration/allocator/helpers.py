@@ -18,11 +18,11 @@ import msgspec
 from litestar.testing import AsyncTestClient
 
 from allocator.app import create_app
-from allocator.contract.bundle import Bundle, Pool, encode_bundle, seal
 from allocator.engine import GrantRecord
-from allocator.etcd_store import EtcdStore
 from allocator.policy import WindowState
 from allocator.settings import AllocatorSettings
+from kernel.bundle import Bundle, Pool, encode_bundle, seal
+from kernel.etcd_store import EtcdStore
 from leasehold.procs import LOOPBACK, EtcdCluster, Proc, free_port, wait_port
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
-from allocator.contract.bundle import Pool
-from allocator.etcd_store import EtcdStore
 from allocator.settings import AllocatorSettings
+from kernel.bundle import Pool
+from kernel.etcd_store import EtcdStore
 from leasehold.procs import EtcdCluster
 
 from .conftest import TestClock, W
@@ -170,7 +170,7 @@ async def test_etcd_unreachable_503_and_nothing_granted(fresh_etcd_cluster: Etcd
 
 
 async def test_auth_hook_guards_lease_endpoints_only(etcd_cluster: EtcdCluster, make_bundle, prefix: str) -> None:
-    from allocator.contract.errors import Unauthorized
+    from kernel.errors import Unauthorized
 
     def guard(connection, _handler) -> None:
         if connection.headers.get("authorization") != "Bearer eu-token":

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from allocator.contract.errors import StoreUnavailable
-from allocator.etcd_store import EtcdStore, LeaseBuckets, txn_revision
+from kernel.errors import StoreUnavailable
+from kernel.etcd_store import EtcdStore, LeaseBuckets, txn_revision
 from leasehold.procs import EtcdCluster, free_port
 
 from .helpers import unique_prefix

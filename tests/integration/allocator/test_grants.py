@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 
-from allocator.contract.bundle import Pool
-from allocator.etcd_store import EtcdStore
+from kernel.bundle import Pool
+from kernel.etcd_store import EtcdStore
 from leasehold.procs import EtcdCluster
 
 from .conftest import TestClock, W

@@ -17,13 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from allocator.contract.bundle import Bundle, Pool, encode_bundle, seal
 from chaos.checker import check
 from chaos.etcd_records import read_back
 from chaos.history import Grant, HistoryWriter, Leader, Meta, now_ms, read_history
 from chaos.lease_driver import LeaseDriver
 from chaos.nemesis import EtcdMemberIsolate, Kill, Partition, Schedule, Step, port_ready
 from chaos.proxy import FaultProxy
+from kernel.bundle import Bundle, Pool, encode_bundle, seal
 from leasehold.procs import LOOPBACK, EtcdCluster, Proc, free_port, wait_port
 
 pytestmark = pytest.mark.integration

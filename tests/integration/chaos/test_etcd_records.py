@@ -9,14 +9,14 @@ import uuid
 import msgspec
 import pytest
 
-from allocator.contract.bundle import Pool
-from allocator.contract.wire import LeaseGrant, WindowRef
 from allocator.election import LeaderRecord
 from allocator.engine import GrantRecord as StoredGrant
 from allocator.policy import WindowState
 from chaos.checker import check
 from chaos.etcd_records import read_back
 from chaos.history import EtcdGrant, EtcdWindow, HistoryError, Leader, grant_from_wire
+from kernel.bundle import Pool
+from kernel.wire import LeaseGrant, WindowRef
 from leasehold.procs import EtcdCluster
 
 pytestmark = pytest.mark.integration

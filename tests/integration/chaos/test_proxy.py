@@ -16,8 +16,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from allocator.contract.errors import BadRequest
 from chaos.proxy import FaultProxy, ProxyProcess
+from kernel.errors import BadRequest
 from leasehold.procs import LOOPBACK, RedisServer
 
 pytestmark = pytest.mark.integration

@@ -22,10 +22,10 @@ import httpx
 import msgspec
 import pytest
 
-from allocator.contract.bundle import Bundle, Fallback, Pool, Rule, encode_bundle, seal
 from allocator.engine import GrantRecord
-from allocator.etcd_store import EtcdStore
 from allocator.policy import WindowState
+from kernel.bundle import Bundle, Fallback, Pool, Rule, encode_bundle, seal
+from kernel.etcd_store import EtcdStore
 from leasehold.procs import Proc
 from leasehold.topology import Topology, TopologySpec
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from allocator.contract.bundle import Pool
 from chaos.proxy import ProxyProcess
+from kernel.bundle import Pool
 from leasehold.procs import LOOPBACK, Proc, free_port, wait_port
 from leasehold.topology import DEV_PEPPER, _env
 

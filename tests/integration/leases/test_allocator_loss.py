@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from allocator.contract.bundle import Pool
+from kernel.bundle import Pool
 
 from .conftest import (
     agent_urls,

@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from allocator.contract.bundle import Pool
-from allocator.contract.errors import StaleEpoch
-from allocator.contract.wire import LeaseRequest
 from chaos.proxy import ProxyProcess
+from kernel.bundle import Pool
+from kernel.errors import StaleEpoch
+from kernel.wire import LeaseRequest
 from leasehold.procs import LOOPBACK
 from region_agent.keys import KeyBuilder
 from region_agent.leasing.book import PoolBook

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 from redis.asyncio import Redis
 
-from allocator.contract.bundle import Pool, Rule
+from kernel.bundle import Pool, Rule
 
 from .conftest import admit, admit_body, metric, pool_rule, user_rule, write_bundle
 

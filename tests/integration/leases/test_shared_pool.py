@@ -12,7 +12,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from allocator.contract.bundle import Pool
+from kernel.bundle import Pool
 from region_agent.keys import KeyBuilder
 
 from .conftest import (

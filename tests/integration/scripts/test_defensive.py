@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from allocator.contract.errors import ScriptRejected
+from kernel.errors import ScriptRejected
 from region_agent.store.scripts import MultiRuleResult, RuleCall, multi_rule_argv
 
 from .support import now_ms

@@ -10,7 +10,7 @@ import redis.asyncio as aredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from allocator.contract.errors import AmbiguousOutcome, ScriptRejected, StoreUnavailable
+from kernel.errors import AmbiguousOutcome, ScriptRejected, StoreUnavailable
 from leasehold.procs import free_port
 from region_agent.store.scripts import KeysNotColocated, MultiRuleResult, RuleCall, Scripts, multi_rule_argv
 

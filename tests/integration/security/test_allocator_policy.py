@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import msgspec
 
-from allocator.contract.bundle import Pool, encode_bundle, load_bundle_file, seal
-from allocator.control.policy_store import PolicyStore
-from allocator.etcd_store import EtcdStore
+from kernel.bundle import Pool, encode_bundle, load_bundle_file, seal
+from kernel.etcd_store import EtcdStore
+from kernel.policy_store import PolicyStore
 from tests.integration.allocator.helpers import (
     in_process,
     lease_body,

@@ -19,10 +19,10 @@ import pytest
 import redis
 from litestar.testing import AsyncTestClient
 
-from allocator.auth import TokenTable
-from allocator.contract.bundle import Pool, encode_bundle, load_bundle_file, seal
-from allocator.contract.config import ConfigError
-from allocator.etcd_store import EtcdStore
+from kernel.auth import TokenTable
+from kernel.bundle import Pool, encode_bundle, load_bundle_file, seal
+from kernel.config import ConfigError
+from kernel.etcd_store import EtcdStore
 from leasehold.cli import main as cli_main
 from leasehold.topology import DEFAULT_POLICY, DEV_PEPPER, Topology, TopologySpec
 from region_agent.app import create_app

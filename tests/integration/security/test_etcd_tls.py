@@ -9,10 +9,10 @@ import time
 import httpx
 import pytest
 
-from allocator.contract.bundle import Bundle, Pool, encode_bundle, seal
-from allocator.contract.errors import LeaseholdError
-from allocator.etcd_store import EtcdStore
-from allocator.etcd_tls import credentials
+from kernel.bundle import Bundle, Pool, encode_bundle, seal
+from kernel.errors import LeaseholdError
+from kernel.etcd_store import EtcdStore
+from kernel.etcd_tls import credentials
 from leasehold.procs import LOOPBACK, EtcdCluster, Proc, free_port, make_tls, wait_port
 
 

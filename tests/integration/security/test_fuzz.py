@@ -26,7 +26,7 @@ from schemathesis.checks import (
     response_schema_conformance,
 )
 
-from allocator.contract.bundle import Pool
+from kernel.bundle import Pool
 from leasehold.procs import Proc, RedisServer, free_port, wait_port
 from tests.integration.agent.conftest import NORTHSTAR, ROOT
 from tests.integration.allocator.helpers import unique_prefix

@@ -10,7 +10,7 @@ import pytest
 import redis
 from litestar.testing import AsyncTestClient
 
-from allocator.contract.bundle import Pool
+from kernel.bundle import Pool
 from region_agent.app import create_app
 from tests.integration.agent.conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
 from tests.integration.allocator.helpers import in_process, settings_for, unique_prefix

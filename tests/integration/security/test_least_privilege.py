@@ -20,10 +20,10 @@ import pytest
 import redis
 from litestar.testing import AsyncTestClient
 
-from allocator.contract.bundle import Pool, encode_bundle, load_bundle_file, seal
-from allocator.contract.errors import LeaseholdError
-from allocator.control.policy_store import PolicyStore
-from allocator.etcd_store import EtcdStore
+from kernel.bundle import Pool, encode_bundle, load_bundle_file, seal
+from kernel.errors import LeaseholdError
+from kernel.etcd_store import EtcdStore
+from kernel.policy_store import PolicyStore
 from leasehold.procs import (
     EtcdCluster,
     EtcdGrant,

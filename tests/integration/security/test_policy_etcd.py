@@ -12,10 +12,10 @@ import msgspec
 import pytest
 from litestar.testing import AsyncTestClient
 
-from allocator.contract.bundle import Bundle, Rule, encode_bundle, seal
-from allocator.contract.errors import Conflict, PolicyError, StaleVersion
-from allocator.control.policy_store import PolicyStore, Stored, policy_key
-from allocator.etcd_store import EtcdStore
+from kernel.bundle import Bundle, Rule, encode_bundle, seal
+from kernel.errors import Conflict, PolicyError, StaleVersion
+from kernel.etcd_store import EtcdStore
+from kernel.policy_store import PolicyStore, Stored, policy_key
 from leasehold.cli import main as cli_main
 from leasehold.procs import free_port
 from region_agent.app import create_app

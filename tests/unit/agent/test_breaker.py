@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from allocator.contract.errors import AmbiguousOutcome, StoreUnavailable
+from kernel.errors import AmbiguousOutcome, StoreUnavailable
 from region_agent.store.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from region_agent.store.gateway import StoreGateway
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from allocator.contract.bundle import Rule
+from kernel.bundle import Rule
 from region_agent.httpmap import apply_http, retry_after_seconds
 from region_agent.models import Decision
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator.contract.bundle import Rule
-from allocator.contract.errors import ValidationFailed
+from kernel.bundle import Rule
+from kernel.errors import ValidationFailed
 from region_agent.keys import KeyBuilder, check_tenant, hash_tag, ip_prefix, parse_ip
 
 PEPPER = b"unit-pepper"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from allocator.contract.bundle import Fallback, Rule
-from allocator.contract.config import ConfigError
-from allocator.contract.errors import DeadlineExceeded, StoreUnavailable
+from kernel.bundle import Fallback, Rule
+from kernel.config import ConfigError
+from kernel.errors import DeadlineExceeded, StoreUnavailable
 from region_agent.chunks import ChunkLease
 from region_agent.fallback import LocalFallback, LocalItem
 from region_agent.settings import AgentSettings, load_agent_settings, resolve_pepper

@@ -7,8 +7,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from allocator.contract.bundle import Bundle, Pool, Rule, load_bundle_file, seal
-from allocator.contract.errors import ValidationFailed
+from kernel.bundle import Bundle, Pool, Rule, load_bundle_file, seal
+from kernel.errors import ValidationFailed
 from region_agent.keys import KeyBuilder, hash_tag
 from region_agent.models import AdmitRequest, Principal
 from region_agent.plan import build_plan, cc_keys_for_release, tokens_limit, tokens_remaining

@@ -1,7 +1,7 @@
 """With the regional Redis unreachable, a tenant pool rule spends at most the pool's
 fallbackPerRegion per pool window in each agent (the local term of the overshoot bound)."""
 
-from allocator.contract.bundle import Rule
+from kernel.bundle import Rule
 from region_agent.fallback import LocalFallback, LocalItem
 
 RULE = Rule(id="tenant-atlas-global", scope="tenant", tenant="atlas", algorithm="pool", pool="atlas-minute",

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from allocator.contract.errors import ScriptRejected
+from kernel.errors import ScriptRejected
 from region_agent.algorithms import fixed_window, gcra, pool, sliding_counter, sliding_log, token_bucket
 from region_agent.algorithms.common import InvalidArguments
 from region_agent.algorithms.fixed_window import FixedWindowState, WindowParams

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from redis import exceptions as rex
 
-from allocator.contract.errors import AmbiguousOutcome, ScriptRejected, StoreUnavailable
+from kernel.errors import AmbiguousOutcome, ScriptRejected, StoreUnavailable
 from region_agent.store.scripts import (
     KeysNotColocated,
     RuleCall,

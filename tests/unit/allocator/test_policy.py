@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from allocator import policy
-from allocator.contract.bundle import Pool
-from allocator.contract.errors import Conflict, Forbidden, ValidationFailed
+from kernel.bundle import Pool
+from kernel.errors import Conflict, Forbidden, ValidationFailed
 
 W = 60_000
 T0 = 1_000 * W  # start of window 1000
@@ -234,7 +234,7 @@ def test_replay_keeps_the_grant_and_shrinks_relative_timings() -> None:
     s = policy.new_window(pool, 1001)
     now = T0 + W - 1_500
     d = policy.decide_grant(pool, s, region="eu", want=10, demand=0, now_ms=now)
-    from allocator.contract.wire import LeaseGrant
+    from kernel.wire import LeaseGrant
     g = LeaseGrant(lease_id="l-00000001", pool="p", region="eu", granted=d.granted, window=d.window,
                    expires_at_ms=d.expires_at_ms, ttl_ms=d.ttl_ms, starts_in_ms=d.starts_in_ms, epoch=7,
                    issued_at_ms=now, remaining=d.remaining)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from allocator.contract.config import ConfigError
-from allocator.etcd_store import parse_endpoints
 from allocator.metrics import MAX_REGION_LABELS, AllocatorMetrics
 from allocator.settings import load
+from kernel.config import ConfigError
+from kernel.etcd_store import parse_endpoints
 
 BASE = ["--etcd", "127.0.0.1:2379,127.0.0.1:2380", "--policy", "b.json", "--node-id", "a1"]
 

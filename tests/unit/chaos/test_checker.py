@@ -7,8 +7,6 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from allocator.contract.bundle import Pool
-from allocator.contract.invariants import PoolPolicy
 from chaos.checker import INVARIANTS, check
 from chaos.history import (
     Decision,
@@ -24,6 +22,8 @@ from chaos.history import (
     SpendClose,
     read_history,
 )
+from chaos.invariants import PoolPolicy
+from kernel.bundle import Pool
 
 W = 10_000  # windowMs
 K = 3  # the window every record below lives in: [30_000, 40_000)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from allocator.contract.bundle import Bundle, encode_bundle, seal
 from chaos.__main__ import main
 from chaos.history import HistoryWriter
+from kernel.bundle import Bundle, encode_bundle, seal
 
 from .test_checker import POOL, clean, etcd, grant
 

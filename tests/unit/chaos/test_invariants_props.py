@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from allocator.contract import invariants as inv
-from allocator.contract.invariants import DecisionRecord, GrantRecord, PoolPolicy, SpendRecord
+from chaos import invariants as inv
+from chaos.invariants import DecisionRecord, GrantRecord, PoolPolicy, SpendRecord
 
 W = 1_000
 G = 50

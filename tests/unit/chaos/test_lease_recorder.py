@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from allocator.contract.wire import LeaseGrant, WindowRef
 from chaos.history import Grant, HistoryWriter, LeaseRecorder, SpendClose, read_history
+from kernel.wire import LeaseGrant, WindowRef
 
 
 def test_recorder_converts_monotonic_times_and_writes_grants_and_closes(tmp_path: Path):

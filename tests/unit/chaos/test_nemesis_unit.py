@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from allocator.contract.errors import BadRequest
 from chaos.history import Fault
 from chaos.nemesis import Combined, Custom, Partition, Schedule, Step, faketime_spec
+from kernel.errors import BadRequest
 
 
 class ListRecorder(list):

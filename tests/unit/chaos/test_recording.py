@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from allocator.contract.bundle import Bundle, Fallback, Pool, Rule, seal, validate_bundle
 from chaos.recording import decision_from_admit, straddles_boundary
+from kernel.bundle import Bundle, Fallback, Pool, Rule, seal, validate_bundle
 
 POOL = Pool(id="p-global", window_ms=1_000, limit=100, chunk_max=20, prefetch_ms=200, fallback_per_region=10)
 BUNDLE = seal(Bundle(bundle_version=3, published_at="2026-11-29T00:00:00Z", checksum="", pools=[POOL], rules=[

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from allocator.contract.errors import BadRequest
-from allocator.contract.invariants import DecisionRecord, PoolPolicy, WindowBound
 from chaos import bundles
 from chaos.checker import check, split_boundary
 from chaos.history import Decision, Fault, Policy, PoolSpend
+from chaos.invariants import DecisionRecord, PoolPolicy, WindowBound
 from chaos.report import fault_spans, pool_series
 from chaos.scenarios import PROFILES, SCENARIOS, resolve
+from kernel.errors import BadRequest
 
 W = bundles.WINDOW_MS
 

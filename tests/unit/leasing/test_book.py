@@ -2,9 +2,9 @@
 
 import pytest
 
-from allocator.contract.bundle import Pool
-from allocator.contract.errors import StaleEpoch
-from allocator.contract.wire import LeaseGrant, WindowRef
+from kernel.bundle import Pool
+from kernel.errors import StaleEpoch
+from kernel.wire import LeaseGrant, WindowRef
 from region_agent.leasing.book import PoolBook
 
 POOL = Pool(id="atlas-minute", window_ms=60_000, limit=1_000, lease_ttl_ms=15_000, chunk_min=10, chunk_max=200)

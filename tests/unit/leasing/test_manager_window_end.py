@@ -1,7 +1,7 @@
 """Anything bought from a pool balance (a gateway chunk) ends with the window of the lease it
 was bought from: tokens of window k are never spent in window k+1."""
 
-from allocator.contract.bundle import Pool
+from kernel.bundle import Pool
 from region_agent.leasing.book import PoolBook
 from region_agent.leasing.client import AllocatorClient
 from region_agent.leasing.manager import Balance, LeaseManager

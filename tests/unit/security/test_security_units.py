@@ -10,11 +10,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from allocator.auth import TokenTable, authenticate, bearer, hash_token, require_region
-from allocator.contract.bundle import compute_checksum, load_bundle_file
-from allocator.contract.config import ConfigError
-from allocator.contract.errors import Forbidden, Unauthorized
-from allocator.control.policy_store import policy_key, rollback_bundle
+from kernel.auth import TokenTable, authenticate, bearer, hash_token, require_region
+from kernel.bundle import compute_checksum, load_bundle_file
+from kernel.config import ConfigError
+from kernel.errors import Forbidden, Unauthorized
+from kernel.policy_store import policy_key, rollback_bundle
 from region_agent.models import AdmitRequest, Principal
 from region_agent.policy_watch import revoked_decision
 from region_agent.preauth import NewKeyCap, as_failed_auth

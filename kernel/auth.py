@@ -17,8 +17,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from .contract.config import ConfigError
-from .contract.errors import Forbidden, Unauthorized
+from .config import ConfigError
+from .errors import Forbidden, Unauthorized
 
 SCOPE_KEY = "leasehold.principal"  # where the authenticated name is kept on the ASGI scope
 HEX64 = re.compile(r"^[0-9a-f]{64}\Z")

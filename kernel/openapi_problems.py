@@ -1,5 +1,5 @@
 """Document the error answers both services really give: every error is an RFC 9457 problem
-(``application/problem+json``, see ``allocator.contract.errors.to_problem``). Litestar documents
+(``application/problem+json``, see ``kernel.errors.to_problem``). Litestar documents
 its own 400 as ``application/json``; this replaces that and adds the other statuses, so the
 schema tells clients (and schemathesis) the truth."""
 

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from allocator.contract.bundle import Bundle
-from allocator.contract.errors import LeaseholdError
+from kernel.bundle import Bundle
+from kernel.errors import LeaseholdError
 
 from .policy_store import PolicyStore
 

@@ -7,7 +7,7 @@ and the chaos checker (``chaos/checker.py``) all run the same code.
 Clocks. Every timestamp says which clock it is on:
 
 * ``*_at_ms`` fields named *allocator* (``expires_at_ms``, ``issued_at_ms``) are on the
-  allocator leader's wall clock (the wire type :class:`allocator.contract.wire.LeaseGrant`).
+  allocator leader's wall clock (the wire type :class:`kernel.wire.LeaseGrant`).
 * ``sent_at_ms`` / ``received_at_ms`` of a grant and ``at_ms`` of a spend or decision are on
   the *recorder's* clock: the wall clock of the process that writes the history (the chaos
   runner / load generator), never a service that may run under ``faketime``.
@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from msgspec import Struct
 
-from .bundle import Pool
+from kernel.bundle import Pool
 
 #: Default slack for timing checks, on the recorder's clock. It absorbs the time between the
 #: agent's admission and the recorder writing it down (one loopback HTTP round trip plus
@@ -51,7 +51,7 @@ class PoolPolicy(Struct, frozen=True):
 
     @classmethod
     def from_pool(cls, pool: Pool, valid_from_ms: int | None = None) -> PoolPolicy:
-        """From a bundle's :class:`~allocator.contract.bundle.Pool` (``limit`` per ``windowMs``)."""
+        """From a bundle's :class:`~kernel.bundle.Pool` (``limit`` per ``windowMs``)."""
         return cls(id=pool.id, limit=pool.limit, window_ms=pool.window_ms,
                    fallback_per_region=pool.fallback_per_region, valid_from_ms=valid_from_ms)
 

@@ -3,8 +3,8 @@ from typing import Annotated, Literal
 import msgspec
 import pytest
 
-from allocator.contract.config import ConfigError, load_settings
-from allocator.contract.errors import (
+from kernel.config import ConfigError, load_settings
+from kernel.errors import (
     AmbiguousOutcome,
     NotLeader,
     PolicyError,

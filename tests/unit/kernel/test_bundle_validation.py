@@ -7,7 +7,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from allocator.contract.bundle import (
+from kernel.bundle import (
     Bundle,
     Fallback,
     Pool,
@@ -17,7 +17,7 @@ from allocator.contract.bundle import (
     load_bundle_file,
     seal,
 )
-from allocator.contract.errors import PolicyError
+from kernel.errors import PolicyError
 from region_agent.policy import PolicyHolder
 
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar.json"))

@@ -1,5 +1,5 @@
 """Thin etcd adapter over aetcd 1.0: endpoint failover, a timeout on every call, driver errors
-translated to ``allocator.contract.errors`` at this boundary, and shared expiry-bucket leases.
+translated to ``kernel.errors`` at this boundary, and shared expiry-bucket leases.
 
 aetcd's ``Client`` talks to one endpoint; :class:`EtcdStore` holds the comma-separated list,
 uses one at a time and moves to the next on connection failures or timeouts (each call tries
@@ -21,7 +21,7 @@ import aetcd.exceptions as aex
 import grpc
 from aetcd.client import Transactions
 
-from .contract.errors import LeaseholdError, StoreUnavailable, Unavailable
+from .errors import LeaseholdError, StoreUnavailable, Unavailable
 from .etcd_tls import TlsClient
 
 log = logging.getLogger("allocator.etcd")
@@ -86,7 +86,7 @@ class EtcdStore:
                  user: str | None = None, password: str | None = None,
                  tls: grpc.ChannelCredentials | None = None):
         self.endpoints = parse_endpoints(endpoints)
-        self._tls = tls  # allocator.etcd_tls.credentials(...) for https:// etcd endpoints
+        self._tls = tls  # kernel.etcd_tls.credentials(...) for https:// etcd endpoints
         self._auth = {"username": user, "password": password} if user else {}  # etcd authentication
         self.timeout_s = timeout_s
         self.t = Transactions()  # compare/op builders (stateless)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from allocator.contract.bundle import Bundle, decode_bundle, seal
-from allocator.contract.errors import Conflict, PolicyError, StaleVersion
-from allocator.etcd_store import KV, EtcdStore, txn_revision
+from kernel.bundle import Bundle, decode_bundle, seal
+from kernel.errors import Conflict, PolicyError, StaleVersion
+from kernel.etcd_store import KV, EtcdStore, txn_revision
 
 POLICY_KEY_SUFFIX = "policy/current"
 
