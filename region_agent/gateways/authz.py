@@ -32,7 +32,7 @@ from .mapping import BadQuestion, authz_question
 
 PATH = "/v1/authz"
 _encode = msgspec.json.Encoder().encode
-DENY_STATUSES = {"401": 401, "403": 403}
+DENY_STATUSES = {"401": 401, "403": 403, "429": 429}
 
 
 def _headers(scope: dict, wanted: frozenset[str]) -> dict[str, str]:
@@ -74,7 +74,7 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
             scope[SCOPE_KEY] = "gateway:" + who
         deny = hdrs.get(names.headers["deny_status"])
         if deny is not None and deny not in DENY_STATUSES:
-            raise BadRequest(f"{names.headers['deny_status']} must be 401 or 403")
+            raise BadRequest(f"{names.headers['deny_status']} must be 401, 403 or 429")
         q = authz_question(names, hdrs, method=scope["method"],
                            forwarded_path=path[len(PATH):] or None)
         (decision,) = await gw.decide([q])
