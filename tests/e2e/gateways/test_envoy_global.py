@@ -113,7 +113,7 @@ def test_tenant_pool_g_is_honoured_across_two_envoys(fleet: Fleet):
     assert len(denied) >= 400 - G and all(s.retry_after is not None for s in denied)
     per_region = {r: sum(1 for s in sent if s.status == 200 and s.region == r) for r in fleet.envoys}
     assert all(n > 0 for n in per_region.values()), per_region
-    for region, urls in fleet.topo.agent_urls.items():
+    for urls in fleet.topo.agent_urls.values():
         assert metric(urls[0], "leasehold_agent_pool_admitted_tokens_total", pool="birch-minute", source="fallback") == 0
         assert metric(urls[0], "leasehold_agent_rls_requests_total") >= 1
     view = httpx.get(fleet.topo.allocator_urls[0] + "/v1/pools/birch-minute", timeout=5).json()
