@@ -17,10 +17,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kernel.resources import sample_policy
+
 from .procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_http_ready, wait_port
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_POLICY = REPO / "policies" / "northstar-global.json"
+REPO = Path(__file__).resolve().parents[1]  # the source checkout when installed editable
+
+
+def default_run_dir() -> Path:
+    """``.run`` of the source checkout (``make run``), else of the working directory (a wheel)."""
+    return (REPO if (REPO / "pyproject.toml").exists() else Path.cwd()) / ".run"
+DEFAULT_POLICY = sample_policy("northstar-global.json")
 DEV_PEPPER = "leasehold-local-dev-pepper-not-secret"
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 from typing import Annotated
 
+import msgspec
 from msgspec import Meta, Struct
 
 from kernel.config import ConfigError, load_settings
+from kernel.resources import resolve_policy_path
 
 ENV_PREFIX = "LEASEHOLD_AGENT_"
 PEPPER_ENV = ENV_PREFIX + "PEPPER"
@@ -82,7 +84,9 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
 
 
 def load_agent_settings(argv: list[str] | None, env: dict[str, str] | None = None) -> AgentSettings:
-    return load_settings(AgentSettings, ENV_PREFIX, argv, env=env, prog="python -m region_agent")
+    s = load_settings(AgentSettings, ENV_PREFIX, argv, env=env, prog="python -m region_agent")
+    # the default ``policies/northstar.json`` is found in the package when not under the cwd
+    return msgspec.structs.replace(s, policy=resolve_policy_path(s.policy))
 
 
 def resolve_pepper(settings: AgentSettings, env: dict[str, str] | None = None) -> bytes:
