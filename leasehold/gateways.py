@@ -14,12 +14,14 @@ import re
 import shutil
 import time
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 from .procs import LOOPBACK, Proc, free_port, wait_port
 
 REPO = Path(__file__).resolve().parents[1]
-GATEWAY_DIR = REPO / "deploy" / "gateways"
+# leasehold/gateway_configs is a symlink to deploy/gateways, copied as files into a wheel
+GATEWAY_DIR = Path(str(resources.files("leasehold").joinpath("gateway_configs")))
 PLACEHOLDER = re.compile(r"\$\{([A-Z][A-Z0-9_]*)\}")
 
 
@@ -213,7 +215,8 @@ def upstream(workdir: Path, name: str = "upstream", port: int | None = None) -> 
 
     port = port or free_port()
     proc = Proc(name, [sys.executable, "-m", "leasehold.upstream", "--port", str(port), "--name", name], workdir,
-                env={**os.environ, "PYTHONPATH": str(REPO)}).start()
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+                ).start()
     wait_port(port, proc=proc.popen, timeout=15)
     return proc, port
 
