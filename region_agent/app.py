@@ -35,6 +35,8 @@ from .auth import AgentAuth, agent_guard
 from .engine import Engine
 from .fallback import LocalFallback
 from .fastpath import admit_fast_path
+from .gateways import Gateways
+from .gateways.authz import authz
 from .keys import KeyBuilder
 from .leasing.warmup import warmup_balances
 from .leasing.window_clock import AllocatorClock
@@ -72,6 +74,7 @@ class AgentState:
     policy_watch: Any = None  # kernel.watch.PolicyWatcher when --policy-etcd is set
     auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled true
     key_cap: Any = None  # region_agent.preauth.NewKeyCap; None when --anon-new-keys-per-source 0
+    gateways: Any = None  # region_agent.gateways.Gateways: RLS gRPC server and /v1/authz
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
@@ -243,6 +246,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     m.policy_version.set(holder.bundle.bundle_version)
     state = AgentState(settings=settings, holder=holder, metrics=m, keys=KeyBuilder(pepper),
                        auth=AgentAuth.from_settings(settings), key_cap=_key_cap(settings))
+    state.gateways = Gateways(settings, state_of=lambda: state, before_engine=_before_engine, registry=m.registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -267,12 +271,14 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         if hasattr(state.store, "warm"):  # the pipelines' connections, open before the first burst
             await state.store.warm(settings.pipelines_in_flight + 2)
         state.tasks.append(asyncio.create_task(_background(state)))
+        await state.gateways.start()  # the RLS gRPC server, when --rls-port is set
         loop = asyncio.get_running_loop()
         if install_signal_handlers:
             loop.add_signal_handler(signal.SIGHUP, state.holder.reload)
         try:
             yield
         finally:
+            await state.gateways.stop()
             if install_signal_handlers:
                 loop.remove_signal_handler(signal.SIGHUP)
             if state.policy_watch is not None:
@@ -289,7 +295,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             await state.store.close()
 
     app = Litestar(
-        route_handlers=[admit, admit_batch, release, renew, policy, leases_view, healthz, readyz, metrics],
+        route_handlers=[admit, admit_batch, release, renew, policy, leases_view, healthz, readyz, metrics, authz],
         guards=[agent_guard],
         middleware=[admit_fast_path(lambda: state, MAX_BODY_BYTES, _before_engine)] if fast_path else [],  # region_agent.fastpath
         lifespan=[lifespan],
