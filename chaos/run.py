@@ -30,7 +30,7 @@ from kernel.policy_store import PolicyStore
 from . import bundles
 from .checker import Report, check
 from .etcd_records import read_back
-from .history import Fault, HistoryWriter, Leader, Meta, Policy, TopologyRec, now_ms, read_history
+from .history import Counters, Fault, HistoryWriter, Leader, Meta, Policy, TopologyRec, now_ms, read_history
 from .lease_driver import DriverStats, LeaseDriver
 from .load import CounterSampler, LeasePoller, LoadGen
 from .nemesis import Nemesis, Schedule, Step
@@ -96,11 +96,22 @@ def _line(out: TextIO, text: str) -> None:
 
 
 async def _watch_leaders(ctx: RunContext, stop: asyncio.Event) -> None:
+    """Record every new leader, and every change of the leader key's state (present with an epoch,
+    absent, or unreadable: no etcd quorum) as a ``counters`` sample of ``leader-key``, so a run
+    shows when the allocators had no leader."""
+    last: dict[str, float] | None = None
     while not stop.is_set():
-        cur = await ctx.topo.leader()
+        key = await ctx.topo.leader_key()
+        cur = key if isinstance(key, tuple) else None
         if cur is not None and (not ctx.leaders or ctx.leaders[-1][0] != cur[0]):
             ctx.leaders.append(cur)
             ctx.history.write(Leader(epoch=cur[0], node=cur[1], observed_at_ms=now_ms()))
+        # present: 1 with the epoch, 0 absent, -1 unknown (etcd had no quorum for the read)
+        state = ({"epoch": float(cur[0]), "present": 1.0} if cur is not None
+                 else {"present": 0.0 if key == "absent" else -1.0})
+        if state != last:
+            last = state
+            ctx.history.write(Counters(service="leader-key", at_ms=now_ms(), values=state))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.5)
 

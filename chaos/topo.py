@@ -187,16 +187,21 @@ class ChaosTopology:
 
     async def leader(self) -> tuple[int, str | None] | None:
         """(epoch, node id) of the allocator leader, read directly from etcd (not via proxies)."""
+        state = await self.leader_key()
+        return state if isinstance(state, tuple) else None
+
+    async def leader_key(self) -> tuple[int, str | None] | str:
+        """The leader key as etcd has it: (epoch, node id), ``"absent"``, or ``"unknown"`` (no quorum)."""
         assert self.etcd is not None
         store = EtcdStore(self.etcd.endpoints, timeout_s=2.0)
         try:
             kv = await store.get(Keys(PREFIX).leader)
         except Exception:  # noqa: BLE001 - no quorum right now: unknown
-            return None
+            return "unknown"
         finally:
             await store.close()
         if kv is None:
-            return None
+            return "absent"
         try:
             node = msgspec.json.decode(kv.value, type=LeaderRecord).node_id
         except (msgspec.DecodeError, msgspec.ValidationError):
