@@ -9,7 +9,8 @@ link through a fault proxy, with per-service argv prefixes and environments (lib
   its region (``alloc-N<-R``) — a region<->allocator partition blackholes the region's links.
 
 Everything is a real process on loopback, stopped by PID in :meth:`ChaosTopology.stop` (also
-when start-up fails); proxies run on a :class:`chaos.proxyhost.ProxyHost` thread.
+when start-up fails); the proxies run in one child process (:class:`chaos.proxyhost.ProxyHost`), so a
+stall of the runner is not a stall of every link.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class ChaosTopology:
         s, run = self.spec, self.spec.run_dir
         run.mkdir(parents=True, exist_ok=True)
         try:
-            self.host = ProxyHost()
+            self.host = ProxyHost(run / "proxies")
             self.etcd = EtcdCluster(run / "etcd", members=s.etcd_members).start(timeout)
             for i in range(s.allocators):
                 name, port = f"allocator-{i + 1}", free_port()
