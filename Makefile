@@ -8,7 +8,7 @@ SYSTEM_BINARIES := redis-server redis-cli etcd etcdctl faketime iptables ip ngin
 APT_PACKAGES := redis-server redis-tools etcd-server etcd-client faketime iptables iproute2 nginx
 PYTEST_ARGS ?=
 
-.PHONY: help setup system-deps venv run test test-unit test-integration test-e2e chaos chaos-short bench lint clean
+.PHONY: help setup system-deps venv run test test-unit test-integration test-e2e chaos chaos-short bench lint clean readme-tables
 
 help:
 	@echo "make run    - set everything up, start the local two-region topology, drive the live demo"
@@ -51,7 +51,7 @@ test-e2e: setup
 	$(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
 
 chaos: setup
-	$(PY) -m chaos run --profile full
+	$(PY) -m chaos run --profile full --seeds 3
 
 chaos-short: setup
 	$(PY) -m chaos run --profile short
@@ -62,6 +62,9 @@ bench: setup
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-tools >/dev/null; }
 	@[ $(VENV)/.bench-installed -nt pyproject.toml ] || { $(PIP) install -q -e '.[test,bench]' && touch $(VENV)/.bench-installed; }
 	$(PY) -m leasehold.bench $(BENCH_ARGS)
+
+readme-tables: setup
+	$(PY) -m leasehold.readme_tables --write
 
 lint: setup
 	$(VENV)/bin/ruff check .
