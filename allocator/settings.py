@@ -41,6 +41,7 @@ class AllocatorSettings(msgspec.Struct, forbid_unknown_fields=True):
     tls_key_file: str | None = None  # ... with this key
     policy_from_etcd: bool = True  # follow <prefix>policy/current (strictly higher versions only)
     policy_reread_ms: Annotated[int, Meta(ge=50, le=600_000)] = 5_000  # safety-net re-read period
+    policy_public_keys: list[str] = []  # Ed25519 public key PEM files: bundles must be signed by one of them
 
     @property
     def url(self) -> str:

@@ -42,6 +42,7 @@ from .plan import (
     tokens_limit,
     tokens_remaining,
 )
+from .telemetry import DecisionTelemetry
 
 log = logging.getLogger("region_agent.engine")
 
@@ -81,7 +82,7 @@ class Engine:
     def __init__(self, *, get_bundle: Callable[[], Bundle], keys: KeyBuilder, store: Any, metrics: AgentMetrics,
                  fallback: LocalFallback | None = None, budget_ms: int = 50,
                  clock: Callable[[], float] = time.monotonic, leases: Any | None = None,
-                 negative: NegativeCache | None = None):
+                 negative: NegativeCache | None = None, telemetry: DecisionTelemetry | None = None):
         self.get_bundle = get_bundle
         self.keys = keys
         self.store = store
@@ -93,7 +94,8 @@ class Engine:
         self._renewing: dict[str, asyncio.Future] = {}
         self.leases = leases  # region_agent.leasing.manager.LeaseManager, when the allocator is configured
         self.negative = negative if negative is not None else NegativeCache()
-        self._decision_counters: dict[tuple, Any] = {}
+        # counters, latency, new keys and the bypass audit of each finished decision
+        self.telemetry = telemetry or DecisionTelemetry(metrics)
 
     def now_ms(self) -> float:
         return self.clock() * 1000.0
@@ -445,22 +447,8 @@ class Engine:
             d.fallback = True
         if d.allowed:
             self._count_pool_admissions(prep, d.fallback)
-        if d.allowed:
-            outcome = "fallback_allowed" if d.fallback else "allowed"
-        elif d.http_status == 503:
-            outcome = "unavailable"
-        else:
-            outcome = "fallback_denied" if d.fallback else "denied"
-        label = (outcome, d.policy_id, d.policy_version)
-        counter = self._decision_counters.get(label)
-        if counter is None:  # labels() validates and locks: resolve each child once
-            rule = memo_of(prep.bundle).rules_by_id.get(d.policy_id) if d.policy_id else None
-            if len(self._decision_counters) >= 10_000:
-                self._decision_counters.clear()
-            counter = self._decision_counters[label] = self.metrics.decisions.labels(
-                outcome, d.policy_id or "none", str(d.policy_version), rule.route_key if rule else "none")
-        counter.inc()
-        self.metrics.latency.observe(max(0.0, self.clock() - prep.started))
+        self.telemetry.decided(prep.plan, prep.bundle, d, self.clock() - prep.started, now=prep.started,
+                               touched_store=prep.early is None and not d.fallback and d.http_status != 503)
         return d
 
     def _count_pool_admissions(self, prep: _Prepared, fallback: bool) -> None:
