@@ -174,7 +174,12 @@ def load_bundle_file(path: str) -> Bundle:
 
 
 def encode_bundle(bundle: Bundle) -> bytes:
-    return msgspec.json.format(msgspec.json.encode(bundle), indent=2)
+    """Pretty JSON; an unsigned bundle carries no ``keyId``/``signature`` keys at all."""
+    doc = msgspec.to_builtins(bundle)
+    for k in ("keyId", "signature"):
+        if doc.get(k) is None:
+            doc.pop(k, None)
+    return msgspec.json.format(msgspec.json.encode(doc), indent=2)
 
 
 # --------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ def source_class(role: str, scope: str) -> str:
 
 
 class NewKeyMeter:
+    LABELS = ("source",)
     NAME = "leasehold_agent_new_keys"
     HELP = ("Rate-limit keys not touched by this agent within the last 30-60 s (about the keys the store "
             "creates), by source class")
@@ -71,10 +72,10 @@ class NewKeyMeter:
         self.counts[cls] += n
 
     def describe(self):
-        return [CounterMetricFamily(self.NAME, self.HELP, labels=["source"])]
+        return [CounterMetricFamily(self.NAME, self.HELP, labels=list(self.LABELS))]
 
     def collect(self):
-        fam = CounterMetricFamily(self.NAME, self.HELP, labels=["source"])
+        fam = CounterMetricFamily(self.NAME, self.HELP, labels=list(self.LABELS))
         for cls, n in self.counts.items():
             fam.add_metric([cls], n)
         yield fam

@@ -87,6 +87,8 @@ def parse_info(info: dict[str, Any]) -> dict[str, float]:
 class StoreHealth:
     """The last INFO snapshot per shard, exported as a Prometheus collector."""
 
+    LABELS = ("shard",)
+
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
         self.snapshots: dict[str, dict[str, float]] = {}
@@ -105,7 +107,7 @@ class StoreHealth:
     @staticmethod
     def _family(name: str, kind: str, help_: str):
         cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-        return cls(name, help_, labels=["shard"])
+        return cls(name, help_, labels=list(StoreHealth.LABELS))
 
     def collect(self):
         now = self.clock()
