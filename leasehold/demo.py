@@ -57,7 +57,10 @@ class Driver:
         region = self.rng.choice(list(self.topo.agent_urls))
         roll = self.rng.random()
         rid = f"demo-{uuid.uuid4().hex[:20]}"
-        if roll < 0.25:
+        if roll < 0.01:  # the operators' health probe: a capped, audited bypass (seed ch. 16, I14)
+            body = {"tenantId": "northstar-ops", "principal": {"type": "service", "id": "prober"},
+                    "routeGroup": "probe"}
+        elif roll < 0.25:
             user = "U-17"
             body = {"tenantId": "atlas", "principal": {"type": "user", "id": user, "apiKeyId": "K1"}, "routeGroup": "read"}
         elif roll < 0.55:

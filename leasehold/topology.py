@@ -41,6 +41,7 @@ class TopologySpec:
     policy_from_etcd: bool = False  # agents follow <prefix>policy/current (``leasehold policy publish``)
     signed: bool = False  # a policy-signing key pair in <run_dir>/secrets: the start bundle is signed with it,
     #                       every service trusts only its public key, and etcd carries the signing marker
+    extra_public_keys: tuple[str, ...] = ()  # more trusted public keys (a key rotation in progress)
 
 
 @dataclass
@@ -83,7 +84,7 @@ class Topology:
         trust: list[str] = []
         if self.spec.signed:
             self.signing, self.policy_path = sign_start_bundle(run, self.spec.policy)
-            trust = ["--policy-public-keys", str(self.signing[1])]
+            trust = ["--policy-public-keys", ",".join([str(self.signing[1]), *self.spec.extra_public_keys])]
         try:
             if self.spec.with_allocator:
                 # a fresh cluster every run: a previous run's data dir has its (now unknown) users and
@@ -127,6 +128,7 @@ class Topology:
                         args += ["--policy-etcd", ",".join(self.etcd.endpoints)]
                         if self.secrets:
                             args += self.secrets.agent_etcd_args()
+                    args += ["--audit-log", str(run / f"audit-{region}-{j + 1}.jsonl")]  # privileged bypasses
                     args += list(self.spec.agent_args)
                     env = _env(LEASEHOLD_AGENT_PEPPER=DEV_PEPPER)
                     proc = Proc(f"agent-{region}-{j + 1}", args, run / f"agent-{region}-{j + 1}", env=env).start()
