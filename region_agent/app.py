@@ -76,6 +76,7 @@ class AgentState:
     auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled true
     key_cap: Any = None  # region_agent.preauth.NewKeyCap; None when --anon-new-keys-per-source 0
     epoch: Any = None  # region_agent.epoch.EpochCheck (policyEpoch in requests)
+    audit: Any = None  # region_agent.audit.BypassAudit
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
@@ -247,6 +248,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     state = AgentState(settings=settings, holder=holder, metrics=m, keys=KeyBuilder(pepper),
                        auth=AgentAuth.from_settings(settings), key_cap=_key_cap(settings))
     state.epoch = EpochCheck(m, refresh=lambda: _refresh_policy(state))
+    state.audit = audit
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -286,6 +288,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             for t in state.tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
+            audit.flush(force=True)
             if state.leases is not None:
                 await state.leases.stop()
                 await state.leases.client.aclose()
@@ -383,6 +386,8 @@ async def _background(state: AgentState) -> None:
         if state.store is not None and not state.store.scripts_loaded:
             with contextlib.suppress(LeaseholdError):
                 await state.store.load()
+        if state.audit is not None:
+            state.audit.flush()
 
 
 def _refresh_policy(state: AgentState) -> None:

@@ -14,8 +14,12 @@ under an exempt rule is:
     "policyVersion", "outcome", "fallback"}`` — never the principal, its key or its address;
     the cap bounds how many there can be;
   - *denied* bypass decisions (the cap reached, or the limiter unavailable) -> at most one
-    ``"bypass_denied"`` event per rule per second, carrying ``"suppressed"``: the denials of
-    that rule since its previous denial event, so a flood past the cap cannot flood the log.
+    ``"bypass_denied"`` event per rule per second, naming that denial's request and carrying
+    ``"suppressed"``: the denials of that rule not logged since the previous denial event. What is
+    still suppressed when the second is over is written by :meth:`BypassAudit.flush` (the agent's
+    background loop, and at shutdown) as a ``"bypass_denied"`` event with ``"requestId": null``.
+    So the events of a rule add up to every denial (events + suppressed), yet a flood past the cap
+    costs at most about two lines per rule per second.
 
 A write that fails is counted (``leasehold_agent_audit_write_errors_total``) and never fails
 the decision.
@@ -91,6 +95,15 @@ class BypassAudit:
         event["suppressed"] = state[1]
         state[0], state[1] = now, 0
         self._write("bypass_denied", event)
+
+    def flush(self, *, force: bool = False) -> None:
+        """Write the denials still suppressed for rules whose second is over (all with ``force``)."""
+        now = self.clock()
+        for rule_id, state in list(self._denied.items()):
+            if state[1] and (force or now - state[0] >= DENIAL_EVENT_INTERVAL_S):
+                ts = _dt.datetime.fromtimestamp(self.wall(), _dt.UTC).isoformat(timespec="milliseconds")
+                self._write("bypass_denied", {"ts": ts, "rule": rule_id, "requestId": None, "suppressed": state[1]})
+                state[0], state[1] = now, 0
 
     def _write(self, kind: str, event: dict) -> None:
         try:

@@ -121,10 +121,20 @@ def test_each_allowed_bypass_is_one_audit_event_and_denials_are_rate_limited():
         ("ops-probe-bypass", "sre-oncall", "northstar-ops", "probe")}
     denials = [e for e in events if e["event"] == "bypass_denied"]
     assert [(e["requestId"], e["suppressed"]) for e in denials] == [("probe-0003", 0), ("probe-0008", 4)]
+    p = plan_for("northstar-ops", route="probe", rid="probe-0009")
+    t.audit.decided(p.rules[0], outcome="denied", tenant="northstar-ops", request_id="probe-0009", version=42,
+                    fallback=False)  # within the second of probe-0008: suppressed ...
+    t.audit.flush()
+    assert len(lines) == 5  # ... not yet written
+    clock.t += 1.0
+    t.audit.flush()  # the second is over: the pending count is written, without a request id
+    assert json.loads(lines[-1]) | {"ts": None} == {"event": "bypass_denied", "ts": None, "rule": "ops-probe-bypass",
+                                                   "requestId": None, "suppressed": 1}
+    lines.pop()
     assert "OPS-SECRET-USER" not in "".join(lines)  # never the principal
     out = text(m)
     assert 'leasehold_agent_bypass_decisions_total{outcome="allowed",rule="ops-probe-bypass"} 3.0' in out
-    assert 'leasehold_agent_bypass_decisions_total{outcome="denied",rule="ops-probe-bypass"} 6.0' in out
+    assert 'leasehold_agent_bypass_decisions_total{outcome="denied",rule="ops-probe-bypass"} 7.0' in out
     assert 'leasehold_agent_audit_events_total{event="bypass"} 3.0' in out
     # a normal tenant's decisions are not bypasses
     p = plan_for("atlas")
