@@ -6,10 +6,11 @@ waits for or guesses at a bundle it does not have. ``policyEpoch`` is the gatewa
 current version, so a mismatch is a staleness signal on one side or the other:
 
 * ``policyEpoch > policyVersion`` (the gateway has seen a newer bundle): counted as
-  ``gateway_ahead`` and the agent refreshes its policy source at once (an etcd read, or a look at
-  the bundle file), at most once per ``min_interval_s``, off the request path — so a lost watch
-  event is repaired by the first request that notices, not by the next periodic re-read. The
-  current request is still decided with the bundle in force.
+  ``gateway_ahead`` and the agent refreshes its policy source at once, at most once per
+  ``min_interval_s`` — so a lost watch event is repaired by the first request that notices, not
+  by the next periodic re-read. Following etcd, the read runs off the request path and this
+  request is decided with the bundle in force (its ``policyVersion`` says which); from a bundle
+  file, the file is looked at (a stat, a parse if it changed) before this request is decided.
 * ``policyEpoch < policyVersion``: counted as ``gateway_behind`` (normal for a moment during a
   rollout; a steady rate means a gateway stuck on an old bundle).
 
