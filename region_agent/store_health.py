@@ -1,8 +1,8 @@
 """Store health (seed ch. 15, "can the store keep enforcement correct?"): a low-frequency INFO
 poll of every shard, exported per shard.
 
-One ``INFO everything`` per shard per ``--store-health-ms`` (5 s by default; 0 disables), each
-bounded by a timeout; a failed poll leaves the last snapshot in place and its age grows
+One ``INFO memory stats clients replication keyspace commandstats`` per shard per ``--store-health-ms`` (5 s by default; 0 disables), each
+bounded by a timeout (1 s); a failed poll leaves the last snapshot in place and its age grows
 (``leasehold_agent_redis_info_age_seconds``). A shard is ``default`` for a standalone Redis and
 the primary's ``host:port`` for Redis Cluster (at most the cluster's primaries: the snapshot is
 replaced wholesale on every poll, so a failed-over node's series disappear).
@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 log = logging.getLogger("region_agent.store_health")
 
 SHARD_DEFAULT = "default"
+POLL_TIMEOUT_S = 1.0  # one round of INFO (the client's socket timeout usually ends it first)
 SCRIPT_COMMANDS = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_evalsha_ro", "cmdstat_eval_ro")
 
 # (metric name, type, help, snapshot field); every family has the one label ``shard``
@@ -56,7 +57,7 @@ FAMILIES: tuple[tuple[str, str, str, str], ...] = (
 
 
 def parse_info(info: dict[str, Any]) -> dict[str, float]:
-    """The fields above from one node's parsed ``INFO everything`` (redis-py's dict)."""
+    """The fields above from one node's parsed ``INFO`` (redis-py's dict)."""
 
     def num(key: str) -> float:
         try:
@@ -136,5 +137,5 @@ async def run(store: Any, health: StoreHealth, interval_ms: int) -> None:
     interval = interval_ms / 1000
     while True:
         with contextlib.suppress(Exception):
-            await poll_once(store, health, min(1.0, interval))
+            await poll_once(store, health, POLL_TIMEOUT_S)
         await asyncio.sleep(interval)

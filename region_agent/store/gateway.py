@@ -25,6 +25,7 @@ from .batcher import Batcher, ScriptCall
 from .breaker import CircuitBreaker
 
 MULTI_RULE = "multi_rule"
+INFO_SECTIONS = ("memory", "stats", "clients", "replication", "keyspace", "commandstats")
 
 
 def translate(exc: BaseException, *, sent: bool = True) -> LeaseholdError:
@@ -59,13 +60,14 @@ class StoreGateway:
             return False
 
     async def info_by_shard(self) -> dict[str, dict[str, Any]]:
-        """``INFO everything`` of every shard (``default`` for a standalone Redis, each primary's
-        ``host:port`` for a cluster), parsed by redis-py (region_agent.store_health)."""
+        """The ``INFO`` sections store health reads, of every shard (``default`` for a standalone
+        Redis, each primary's ``host:port`` for a cluster), parsed by redis-py
+        (region_agent.store_health)."""
         if not self.cluster:
-            return {"default": await self.client.info("everything")}
+            return {"default": await self.client.info(*INFO_SECTIONS)}
         out: dict[str, dict[str, Any]] = {}
         for node in self.client.get_primaries():
-            info = await self.client.info("everything", target_nodes=node)
+            info = await self.client.info(*INFO_SECTIONS, target_nodes=node)
             if isinstance(info, dict) and node.name in info and isinstance(info[node.name], dict):
                 info = info[node.name]
             out[node.name] = info

@@ -6,13 +6,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import msgspec
 from litestar.testing import AsyncTestClient
 
-from kernel.bundle import encode_bundle, seal
 from region_agent.app import create_app
 
-from .conftest import PEPPER, admit_body, make_settings, northstar
+from .conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
 
 
 def count(text: str, relation: str) -> float:
@@ -24,7 +22,7 @@ async def test_a_newer_epoch_triggers_a_refresh_and_is_counted(redis_url: str, p
     # polling off (policy_poll_ms 0): only SIGHUP - or a gateway that has seen a newer bundle - reloads
     app = create_app(make_settings(redis_url, policy_file), pepper=PEPPER)
     async with AsyncTestClient(app=app) as agent:
-        policy_file.write_bytes(encode_bundle(seal(msgspec.structs.replace(northstar(), bundle_version=43))))
+        write_bundle(policy_file, northstar(), bundle_version=43)
         await asyncio.sleep(0.05)
         plain = (await agent.post("/v1/admit", json=admit_body("epoch-0000"))).json()
         assert plain["policyVersion"] == 42  # no epoch named: nothing looks at the file
