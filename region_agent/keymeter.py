@@ -47,26 +47,30 @@ class NewKeyMeter:
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = dict.fromkeys(CLASSES, 0)
-        self._cur: set[int] = set()
-        self._prev: set[int] = set()
-        self._since = -1.0
+        self.cur: set[int] = set()
+        self.prev: set[int] = set()
+        self.since = float("-inf")
+
+    def rotate(self, now: float) -> None:
+        """The current generation becomes the previous one (every ``HORIZON_S``)."""
+        self.prev, self.cur, self.since = self.cur, set(), now
+
+    def seen(self, h: int, new: bool, cls: str) -> None:
+        """A key hash not in the current generation: remember it (bounded), count it if ``new``."""
+        if new:
+            self.counts[cls] += 1
+        if len(self.cur) < MAX_PER_GENERATION:
+            self.cur.add(h)
 
     def touch(self, keys_and_classes, now: float) -> None:
-        """``keys_and_classes``: (key, class) pairs of one decision's script calls; ``now`` in s."""
-        if now - self._since >= HORIZON_S:
-            self._prev, self._cur, self._since = self._cur, set(), now
-        cur, prev, counts = self._cur, self._prev, self.counts
+        """``keys_and_classes``: (key, class) pairs of one decision's script calls; ``now`` in s.
+        (The decision path inlines this loop: region_agent.telemetry.)"""
+        if now - self.since >= HORIZON_S:
+            self.rotate(now)
         for key, cls in keys_and_classes:
             h = hash(key)
-            if h in cur:
-                continue
-            if h in prev:
-                if len(cur) < MAX_PER_GENERATION:
-                    cur.add(h)
-                continue
-            counts[cls] += 1
-            if len(cur) < MAX_PER_GENERATION:
-                cur.add(h)
+            if h not in self.cur:
+                self.seen(h, h not in self.prev, cls)
 
     def count(self, cls: str, n: int = 1) -> None:
         self.counts[cls] += n

@@ -78,7 +78,7 @@ def test_new_keys_are_counted_once_per_horizon_and_by_class(monkeypatch):
     small = NewKeyMeter()
     small.touch([(f"k{i}", "ip") for i in range(5)], now=0.0)
     small.touch([(f"k{i}", "ip") for i in range(5)], now=1.0)
-    assert len(small._cur) == 2 and small.counts["ip"] == 8  # bounded memory; over-counts, never grows
+    assert len(small.cur) == 2 and small.counts["ip"] == 8  # bounded memory; over-counts, never grows
 
 
 def test_decision_keys_feed_the_meter_with_their_class():
