@@ -64,6 +64,12 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_redis_script_seconds_total": "S",
     "leasehold_agent_redis_info_age_seconds": "S",
     "leasehold_agent_new_keys_total": "6 source classes",
+    "leasehold_agent_rls_requests_total": "7 outcomes",
+    "leasehold_agent_rls_invalid_total": "invalid-argument reasons of region_agent.gateways (< 10)",
+    "leasehold_agent_rls_descriptors_total": "2 codes",
+    "leasehold_agent_rls_seconds": "1",
+    "leasehold_agent_authz_requests_total": "HTTP statuses answered (< 10)",
+    "leasehold_agent_authz_invalid_total": "malformed-question reasons of region_agent.gateways (< 10)",
     "leasehold_allocator_grants_total": "P x N",
     "leasehold_allocator_granted_tokens_total": "P x N",
     "leasehold_allocator_replayed_grants_total": "P",
@@ -123,10 +129,14 @@ def rows_of(service: str, metrics_obj: object) -> list[Row]:
 
 
 def all_rows() -> list[Row]:
+    from prometheus_client import CollectorRegistry
+
     from allocator.metrics import AllocatorMetrics
+    from region_agent.gateways.metrics import GatewayMetrics
     from region_agent.metrics import AgentMetrics
 
-    return rows_of("agent", AgentMetrics()) + rows_of("allocator", AllocatorMetrics())
+    agent = rows_of("agent", AgentMetrics()) + rows_of("agent", GatewayMetrics(CollectorRegistry()))
+    return sorted(agent, key=lambda r: r.name) + rows_of("allocator", AllocatorMetrics())
 
 
 HEADER = """# Metrics

@@ -17,10 +17,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kernel.resources import sample_policy
+
 from .procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_http_ready, wait_port
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_POLICY = REPO / "policies" / "northstar-global.json"
+REPO = Path(__file__).resolve().parents[1]  # the source checkout when installed editable
+
+
+def default_run_dir() -> Path:
+    """``.run`` of the source checkout (``make run``), else of the working directory (a wheel)."""
+    return (REPO if (REPO / "pyproject.toml").exists() else Path.cwd()) / ".run"
+DEFAULT_POLICY = sample_policy("northstar-global.json")
 DEV_PEPPER = "leasehold-local-dev-pepper-not-secret"
 
 
@@ -42,6 +49,7 @@ class TopologySpec:
     signed: bool = False  # a policy-signing key pair in <run_dir>/secrets: the start bundle is signed with it,
     #                       every service trusts only its public key, and etcd carries the signing marker
     extra_public_keys: tuple[str, ...] = ()  # more trusted public keys (a key rotation in progress)
+    rls: bool = False  # every agent also serves Envoy's rate limit service (--rls-port, a free port each)
 
 
 @dataclass
@@ -63,6 +71,7 @@ class Topology:
     allocator_urls: list[str] = field(default_factory=list)
     agents: dict[str, list[Proc]] = field(default_factory=dict)
     agent_urls: dict[str, list[str]] = field(default_factory=dict)
+    rls_ports: dict[str, list[int]] = field(default_factory=dict)  # per region, per agent (spec.rls)
     secrets: Secrets | None = None  # the generated credentials when spec.auth
     signing: tuple[Path, Path] | None = None  # (private key, public key) when spec.signed
     policy_path: Path | None = None  # the start bundle the services load (signed copy when spec.signed)
@@ -114,6 +123,7 @@ class Topology:
                     self.secrets.redis_acl() if self.secrets else {})).start(timeout)
                 self.agents[region] = []
                 self.agent_urls[region] = []
+                self.rls_ports[region] = []
                 for j in range(self.spec.agents_per_region):
                     port = free_port()
                     redis_url = (f"redis://agent@{LOOPBACK}:{self.redis[region].port}/0" if self.secrets
@@ -129,6 +139,10 @@ class Topology:
                         if self.secrets:
                             args += self.secrets.agent_etcd_args()
                     args += ["--audit-log", str(run / f"audit-{region}-{j + 1}.jsonl")]  # privileged bypasses
+                    if self.spec.rls:
+                        rls_port = free_port()
+                        args += ["--rls-port", str(rls_port)]
+                        self.rls_ports[region].append(rls_port)
                     args += list(self.spec.agent_args)
                     env = _env(LEASEHOLD_AGENT_PEPPER=DEV_PEPPER)
                     proc = Proc(f"agent-{region}-{j + 1}", args, run / f"agent-{region}-{j + 1}", env=env).start()

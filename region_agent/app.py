@@ -40,6 +40,8 @@ from .engine import Engine
 from .epoch import EpochCheck
 from .fallback import LocalFallback
 from .fastpath import admit_fast_path
+from .gateways import Gateways
+from .gateways.authz import authz
 from .httpmap import configure_jitter
 from .keys import KeyBuilder
 from .metrics import AgentMetrics
@@ -77,6 +79,7 @@ class AgentState:
     key_cap: Any = None  # region_agent.preauth.NewKeyCap; None when --anon-new-keys-per-source 0
     epoch: Any = None  # region_agent.epoch.EpochCheck (policyEpoch in requests)
     audit: Any = None  # region_agent.audit.BypassAudit
+    gateways: Any = None  # region_agent.gateways.Gateways: RLS gRPC server and /v1/authz
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
@@ -249,6 +252,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                        auth=AgentAuth.from_settings(settings), key_cap=_key_cap(settings))
     state.epoch = EpochCheck(m, refresh=lambda: _refresh_policy(state))
     state.audit = audit
+    state.gateways = Gateways(settings, state_of=lambda: state, before_engine=_before_engine, registry=m.registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -272,12 +276,14 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         if settings.store_health_ms and hasattr(state.store, "info_by_shard"):
             state.tasks.append(asyncio.create_task(store_health.run(state.store, m.store_health,
                                                                     settings.store_health_ms)))
+        await state.gateways.start()  # the RLS gRPC server, when --rls-port is set
         loop = asyncio.get_running_loop()
         if install_signal_handlers:
             loop.add_signal_handler(signal.SIGHUP, state.holder.reload)
         try:
             yield
         finally:
+            await state.gateways.stop()
             if install_signal_handlers:
                 loop.remove_signal_handler(signal.SIGHUP)
             if state.policy_watch is not None:
@@ -295,7 +301,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             await state.store.close()
 
     app = Litestar(
-        route_handlers=[admit, admit_batch, release, policy, leases_view, healthz, readyz, metrics],
+        route_handlers=[admit, admit_batch, release, policy, leases_view, healthz, readyz, metrics, authz],
         guards=[agent_guard],
         middleware=[admit_fast_path(lambda: state, MAX_BODY_BYTES, _before_engine)] if fast_path else [],  # region_agent.fastpath
         lifespan=[lifespan],

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from kernel.bundle import load_bundle_file
+from leasehold.gateways import PLACEHOLDER
 from leasehold.metrics_doc import all_rows
 from leasehold.topology import Topology, TopologySpec
 
@@ -27,6 +28,8 @@ def test_every_deploy_file_parses():
     assert files
     for path in files:
         text = path.read_text()
+        if path.parent.name == "gateways":  # templates: parse them rendered (every ${NAME} filled)
+            text = PLACEHOLDER.sub("1", text)
         if path.suffix in (".yml", ".yaml"):
             docs = [d for d in yaml.safe_load_all(text) if d is not None]
             assert docs, path
@@ -138,3 +141,16 @@ def test_every_dashboard_panel_is_backed_by_real_series(topology):
     assert "leasehold_agent_bypass_decisions_total" in have and "leasehold_allocator_pool_window_granted_ratio" in have
     # the topology runs signed: its start bundle carries a signature the services verified
     assert load_bundle_file(str(topology.policy_path)).signature
+
+
+def test_readme_shows_the_gateway_files_the_tests_run():
+    """README "Gateways" carries deploy/gateways/* verbatim (the e2e tests render those files)."""
+    readme = (ROOT / "README.md").read_text()
+    files = sorted((DEPLOY / "gateways").iterdir())
+    assert {p.name for p in files} == {"envoy-rls.yaml", "envoy-ext-authz.yaml", "nginx.conf", "traefik.yml"}
+    for path in files:
+        assert path.read_text() in readme, f"README's copy of {path.name} differs from the file"
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    envoy = compose["services"]["envoy-eu"]
+    assert "./gateways/envoy-rls.yaml:/etc/envoy/envoy-rls.yaml.in:ro" in envoy["volumes"]
+    assert compose["services"]["agent-eu"]["environment"]["LEASEHOLD_AGENT_RLS_PORT"] == "8089"
