@@ -65,6 +65,17 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     anon_source_v6_prefix: Annotated[int, Meta(ge=0, le=128)] = 32
     insecure_dev_pepper: bool = False
     log_level: str = "info"
+    access_log: bool = False  # one line per HTTP request (uvicorn's access log); off by default
+    http_max_header_bytes: Annotated[int, Meta(ge=1_024, le=1_048_576)] = 16_384  # request line + headers: 431
+    http_max_headers: Annotated[int, Meta(ge=8, le=1_000)] = 100  # header fields per request: 431
+    http_header_timeout_ms: Annotated[int, Meta(ge=100, le=600_000)] = 10_000  # head complete within: 408
+    http_body_timeout_ms: Annotated[int, Meta(ge=100, le=600_000)] = 10_000  # body complete after the head: 408
+
+    def http_limits(self):
+        from kernel.httpserver import HttpLimits
+        return HttpLimits(max_header_bytes=self.http_max_header_bytes, max_headers=self.http_max_headers,
+                          header_timeout_s=self.http_header_timeout_ms / 1000,
+                          body_timeout_s=self.http_body_timeout_ms / 1000)
 
 
 def load_agent_settings(argv: list[str] | None, env: dict[str, str] | None = None) -> AgentSettings:
