@@ -11,6 +11,7 @@ from msgspec import Meta
 
 from kernel.config import ConfigError, load_settings
 from kernel.etcd_store import parse_endpoints
+from kernel.ids import EtcdPrefix, NodeId
 
 ENV_PREFIX = "LEASEHOLD_ALLOCATOR_"
 
@@ -20,11 +21,11 @@ class AllocatorSettings(msgspec.Struct, forbid_unknown_fields=True):
 
     etcd: str  # comma-separated host:port list
     policy: str  # policy bundle file (its pools section)
-    node_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,64}\Z")]
+    node_id: NodeId
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=1, le=65535)] = 8700
     advertise_url: str | None = None  # how the other replicas and regions reach this one
-    prefix: Annotated[str, Meta(pattern=r"^/[A-Za-z0-9._/-]*/\Z")] = "/leasehold/"
+    prefix: EtcdPrefix = "/leasehold/"
     election_ttl_s: Annotated[int, Meta(ge=2, le=60)] = 3
     etcd_timeout_ms: Annotated[int, Meta(ge=50, le=30_000)] = 2_000
     max_body_bytes: Annotated[int, Meta(ge=1_024, le=16 * 1024 * 1024)] = 1024 * 1024

@@ -64,6 +64,10 @@ class PayloadTooLarge(LeaseholdError):
     status, code, title = 413, "payload-too-large", "Request body too large"
 
 
+class UnsupportedMediaType(LeaseholdError):
+    status, code, title = 415, "unsupported-media-type", "Request body must be application/json"
+
+
 # --- policy errors: the configuration is wrong; alert, do not retry -----------------------
 class PolicyError(LeaseholdError):
     status, code, title = 422, "policy-invalid", "Policy bundle is invalid"

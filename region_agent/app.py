@@ -29,6 +29,7 @@ from kernel.errors import (
     ValidationFailed,
     to_problem,
 )
+from kernel.jsonbody import StrictJSONRequest, note_rejection
 from kernel.openapi_problems import document_problems
 
 from .auth import AgentAuth, agent_guard
@@ -54,6 +55,7 @@ from .settings import AgentSettings
 
 log = logging.getLogger("region_agent")
 PROBLEM_JSON = "application/problem+json"
+BODY_REJECTIONS = frozenset({400, 413, 415, 422})  # logged as one short, rate-limited line each
 
 
 @dataclass
@@ -84,6 +86,8 @@ def _engine(request: Request) -> Engine:
 
 def problem_response(exc: LeaseholdError, instance: str | None = None) -> Response:
     status, body = to_problem(exc, instance=instance)
+    if status in BODY_REJECTIONS:
+        note_rejection(instance or "", status, exc.detail)
     return Response(body, status_code=status, media_type=PROBLEM_JSON)
 
 
@@ -277,6 +281,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                             HTTPException: _on_http, Exception: _on_unexpected},
         openapi_config=OpenAPIConfig(title="Leasehold region agent", version="1.0.0", path="/schema"),
         request_max_body_size=MAX_BATCH_BODY_BYTES,
+        request_class=StrictJSONRequest,  # kernel.jsonbody: application/json only, strict typed decoding
         debug=False,
     )
     app.state.agent = state

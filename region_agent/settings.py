@@ -9,6 +9,7 @@ from typing import Annotated
 from msgspec import Meta, Struct
 
 from kernel.config import ConfigError, load_settings
+from kernel.ids import EtcdPrefix, RegionName
 
 ENV_PREFIX = "LEASEHOLD_AGENT_"
 PEPPER_ENV = ENV_PREFIX + "PEPPER"
@@ -25,13 +26,13 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     tls_cert_file: str | None = None  # serve HTTPS (uvicorn ssl_certfile) ...
     tls_key_file: str | None = None  # ... with this key
     policy: str = "policies/northstar.json"
-    region: Annotated[str, Meta(pattern=r"^[a-z0-9-]{1,32}\Z")] = "local"
+    region: RegionName = "local"
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8080
     workers: Annotated[int, Meta(ge=1, le=64)] = 1
     policy_poll_ms: Annotated[int, Meta(ge=0, le=3_600_000)] = 1000  # 0 disables polling
     policy_etcd: str | None = None  # etcd endpoints: follow <policy_etcd_prefix>policy/current
-    policy_etcd_prefix: Annotated[str, Meta(pattern=r"^/[A-Za-z0-9._/-]*/\Z")] = "/leasehold/"
+    policy_etcd_prefix: EtcdPrefix = "/leasehold/"
     policy_etcd_reread_ms: Annotated[int, Meta(ge=50, le=600_000)] = 5_000  # safety-net re-read period
     policy_etcd_user: str | None = None  # etcd user (read-only role on the policy key)
     policy_etcd_password_file: str | None = None  # or LEASEHOLD_AGENT_POLICY_ETCD_PASSWORD
