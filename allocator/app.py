@@ -32,6 +32,7 @@ from kernel.errors import (
     Unauthorized,
     Unavailable,
     ValidationFailed,
+    problem_headers,
     to_problem,
 )
 from kernel.etcd_store import EtcdStore
@@ -82,7 +83,7 @@ def problem_response(exc: LeaseholdError, path: str | None = None) -> Response[A
     status, body = to_problem(exc, instance=path)
     if status in BODY_REJECTIONS:
         note_rejection(path or "", status, exc.detail)
-    headers = {}
+    headers = problem_headers(exc)
     if exc.retriable:
         headers["Retry-After"] = "1"
     return Response(content=body, status_code=status, media_type=PROBLEM_JSON, headers=headers)

@@ -129,6 +129,14 @@ class StaleEpoch(LeaseholdError):
     status, code, title = 409, "stale-epoch", "Grant from a deposed allocator epoch"
 
 
+WWW_AUTHENTICATE = 'Bearer realm="leasehold"'
+
+
+def problem_headers(exc: LeaseholdError) -> dict[str, str]:
+    """Response headers an error's answer carries: ``WWW-Authenticate`` on every 401 (RFC 9110)."""
+    return {"WWW-Authenticate": WWW_AUTHENTICATE} if exc.status == 401 else {}
+
+
 def is_retriable(exc: BaseException) -> bool:
     """Predicate for tenacity: retry only errors that say they are retriable."""
     return isinstance(exc, LeaseholdError) and exc.retriable

@@ -27,6 +27,7 @@ from kernel.errors import (
     PayloadTooLarge,
     Unavailable,
     ValidationFailed,
+    problem_headers,
     to_problem,
 )
 from kernel.jsonbody import StrictJSONRequest, note_rejection
@@ -88,7 +89,7 @@ def problem_response(exc: LeaseholdError, instance: str | None = None) -> Respon
     status, body = to_problem(exc, instance=instance)
     if status in BODY_REJECTIONS:
         note_rejection(instance or "", status, exc.detail)
-    return Response(body, status_code=status, media_type=PROBLEM_JSON)
+    return Response(body, status_code=status, media_type=PROBLEM_JSON, headers=problem_headers(exc))
 
 
 # ---------------------------------------------------------------------------------- handlers

@@ -41,14 +41,6 @@ _decode = msgspec.json.Decoder(AdmitRequest).decode
 _encode = msgspec.json.Encoder().encode
 
 
-class _Headers(dict):
-    """Lower-cased request headers, enough for the bearer check (``headers.get``)."""
-
-    @classmethod
-    def of(cls, scope: dict) -> _Headers:
-        return cls((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", ()))
-
-
 def admit_fast_path(state_of: Callable[[], Any], max_body: int, before_engine: Callable[[Any, list], list]
                     ) -> Callable[[ASGIApp], ASGIApp]:
     """Litestar middleware factory; ``state_of()`` returns the agent's ``AgentState`` and
@@ -61,15 +53,15 @@ def admit_fast_path(state_of: Callable[[], Any], max_body: int, before_engine: C
                 await app(scope, receive, send)
                 return
             st = state_of()
-            headers = _Headers.of(scope)
-            if st.engine is None or not _plain_json(scope) or _announced(headers) > max_body:
+            raw_headers = scope.get("headers", ())
+            if st.engine is None or not _plain_json(raw_headers) or _announced(raw_headers) > max_body:
                 # another content type (415), or a body announced too large: the handler answers
                 # at once (413 before reading anything)
                 await app(scope, receive, send)
                 return
             if st.auth is not None:
                 try:
-                    who = st.auth.check(PATH, headers)
+                    who = st.auth.check(PATH, raw_headers)  # the guard's own check, same header list
                 except LeaseholdError:
                     await app(scope, receive, send)  # the guard answers 401 (before reading the body)
                     return
@@ -119,22 +111,23 @@ async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[N
     await send({"type": "http.response.body", "body": payload})
 
 
-def _plain_json(scope: dict) -> bool:
+def _plain_json(raw_headers: Any) -> bool:
     """One Content-Type header, application/json (kernel.jsonbody's rule)."""
     try:
-        return is_json_media_type(content_type_of(scope.get("headers", ())))
+        return is_json_media_type(content_type_of(raw_headers))
     except LeaseholdError:
         return False
 
 
-def _announced(headers: _Headers) -> int:
-    raw = headers.get("content-length")
-    if raw is None:
-        return 0
-    try:
-        return int(raw)
-    except ValueError:
-        return 0  # the handler refuses it
+def _announced(raw_headers: Any) -> int:
+    """The Content-Length the client announced (0 when absent or unreadable: the handler judges)."""
+    for name, value in raw_headers:
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
 
 
 def _replay(chunks: list[dict], receive: Callable[[], Awaitable[dict]]) -> Callable[[], Awaitable[dict]]:

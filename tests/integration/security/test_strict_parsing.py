@@ -83,3 +83,28 @@ def test_large_content_length_without_a_body_is_413_at_once(service: Service):
                 break
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 413 "), answer[:300]
+
+
+def test_more_than_one_authorization_header_is_refused_by_every_path(service: Service):
+    """The fast path read the last header and Litestar the first: with the valid token in one of
+    two headers a request got in through one path and not the other. Both refuse it now."""
+    good = service.headers["Authorization"]
+    for path, body in service.post_routes.items():
+        for pair in ((good, "Bearer wrong-token-0000"), ("Bearer wrong-token-0000", good), (good, good)):
+            resp = httpx.post(service.base + path, content=json.dumps(body).encode(), timeout=10,
+                              headers=[("content-type", "application/json"), ("authorization", pair[0]),
+                                       ("authorization", pair[1])])
+            assert resp.status_code == 401, (path, pair, resp.status_code, resp.text)
+            assert resp.headers["www-authenticate"] == 'Bearer realm="leasehold"'
+
+
+def test_every_401_carries_www_authenticate(service: Service):
+    for path, body in service.post_routes.items():
+        for headers in ({}, {"Authorization": "Bearer nope-nope-nope"}, {"Authorization": "Basic eDp5"}):
+            resp = httpx.post(service.base + path, json=body, headers=headers, timeout=10)
+            assert resp.status_code == 401, resp.text
+            assert resp.headers["www-authenticate"] == 'Bearer realm="leasehold"', resp.headers
+            assert resp.headers["content-type"].startswith("application/problem+json")
+    if service.name == "agent":
+        resp = httpx.get(service.base + "/v1/policy", timeout=10)
+        assert resp.status_code == 401 and resp.headers["www-authenticate"] == 'Bearer realm="leasehold"'
