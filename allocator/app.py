@@ -8,7 +8,6 @@ are mapped to the same problem shape; anything else is a logged 500 problem with
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from typing import Any
@@ -33,10 +32,13 @@ from kernel.errors import (
     Unauthorized,
     Unavailable,
     ValidationFailed,
+    problem_headers,
     to_problem,
 )
 from kernel.etcd_store import EtcdStore
 from kernel.etcd_tls import credentials as tls_credentials
+from kernel.ids import LEASE_ID, LEASE_ID_RE, human
+from kernel.jsonbody import StrictJSONRequest, note_rejection
 from kernel.openapi_problems import document_problems
 from kernel.policy_store import PolicyStore
 from kernel.signing import TrustedKeys
@@ -61,7 +63,7 @@ from .settings import AllocatorSettings
 log = logging.getLogger("allocator.app")
 
 PROBLEM_JSON = "application/problem+json"
-LEASE_ID_RE = re.compile(r"[A-Za-z0-9._:-]{8,96}")
+BODY_REJECTIONS = frozenset({400, 413, 415, 422})  # logged as one short, rate-limited line each
 
 Guard = Callable[[ASGIConnection, BaseRouteHandler], Any]
 
@@ -80,7 +82,9 @@ async def region_auth_guard(connection: ASGIConnection, handler: BaseRouteHandle
 # -- error mapping ------------------------------------------------------------------------------
 def problem_response(exc: LeaseholdError, path: str | None = None) -> Response[Any]:
     status, body = to_problem(exc, instance=path)
-    headers = {}
+    if status in BODY_REJECTIONS:
+        note_rejection(path or "", status, exc.detail)
+    headers = problem_headers(exc)
     if exc.retriable:
         headers["Retry-After"] = "1"
     return Response(content=body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
@@ -114,7 +118,10 @@ def _http_handler(request: Request, exc: HTTPException) -> Response[Any]:
         err = BadRequest(detail)
         err.status = status
     else:
-        log.error("HTTP %s on %s: %s", status, request.url.path, detail)
+        if "disconnected" in detail:  # Litestar's answer to a client gone mid-body (e.g. a body deadline)
+            log.debug("client disconnected on %s", request.url.path)
+        else:
+            log.error("HTTP %s on %s: %s", status, request.url.path, detail)
         err = LeaseholdError("internal error")
     return problem_response(err, request.url.path)
 
@@ -130,8 +137,8 @@ def _engine(state: State) -> Engine:
 
 
 def _check_lease_id(lease_id: str) -> None:
-    if not LEASE_ID_RE.fullmatch(lease_id):
-        raise BadRequest(f"leaseId must match {LEASE_ID_RE.pattern}")
+    if not LEASE_ID_RE.match(lease_id):
+        raise BadRequest(f"leaseId must match {human(LEASE_ID)}")
 
 
 @post("/v1/leases", status_code=200, guards=[region_auth_guard])
@@ -293,6 +300,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
                             Exception: _internal_handler},
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Leasehold allocator", version="1.0.0", path="/schema"),
+        request_class=StrictJSONRequest,  # kernel.jsonbody: application/json only, strict typed decoding
         debug=False,
     )
     document_problems(app)

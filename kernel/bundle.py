@@ -9,7 +9,6 @@ requests per ``windowMs``; pools in whole tokens per ``windowMs``.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterable
 from typing import Annotated, Literal
 
@@ -17,19 +16,12 @@ import msgspec
 from msgspec import Meta, Struct
 
 from .errors import PolicyError
+from .ids import KEY_ID_RE, OWNER_RE, POOL_ID_RE, REGION_RE, ROUTE_RE, RULE_ID_RE, SIGNATURE_RE, TENANT_RE
 
 MAX_INT = 2**40  # every numeric policy field is an integer in [1, 2^40] (slack in [0, 2^40])
 MAX_PRODUCT = 2**52  # capacity x period stays below 2^53 inside Lua doubles
 MAX_RULES_PER_REQUEST = 8
 
-TENANT_RE = re.compile(r"^[a-z0-9-]{1,32}$")
-ROUTE_RE = re.compile(r"^[a-z0-9_-]{1,32}$")
-RULE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-POOL_ID_RE = re.compile(r"^[a-z0-9._-]{1,64}$")
-REGION_RE = re.compile(r"^[a-z0-9-]{1,32}$")
-OWNER_RE = re.compile(r"[A-Za-z0-9._@-]{1,64}")
-KEY_ID_RE = re.compile(r"[0-9a-f]{16}")
-SIGNATURE_RE = re.compile(r"ed25519:[A-Za-z0-9+/]{86}==")
 
 PosInt = Annotated[int, Meta(ge=1, le=MAX_INT)]
 NonNegInt = Annotated[int, Meta(ge=0, le=MAX_INT)]

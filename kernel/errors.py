@@ -64,6 +64,10 @@ class PayloadTooLarge(LeaseholdError):
     status, code, title = 413, "payload-too-large", "Request body too large"
 
 
+class UnsupportedMediaType(LeaseholdError):
+    status, code, title = 415, "unsupported-media-type", "Request body must be application/json"
+
+
 # --- policy errors: the configuration is wrong; alert, do not retry -----------------------
 class PolicyError(LeaseholdError):
     status, code, title = 422, "policy-invalid", "Policy bundle is invalid"
@@ -123,6 +127,14 @@ class StaleEpoch(LeaseholdError):
     """A grant carries an epoch older than one already seen; it is refused."""
 
     status, code, title = 409, "stale-epoch", "Grant from a deposed allocator epoch"
+
+
+WWW_AUTHENTICATE = 'Bearer realm="leasehold"'
+
+
+def problem_headers(exc: LeaseholdError) -> dict[str, str]:
+    """Response headers an error's answer carries: ``WWW-Authenticate`` on every 401 (RFC 9110)."""
+    return {"WWW-Authenticate": WWW_AUTHENTICATE} if exc.status == 401 else {}
 
 
 def is_retriable(exc: BaseException) -> bool:

@@ -13,9 +13,8 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
-LeaseId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9._:-]{8,96}\Z")]
-RegionName = Annotated[str, Meta(pattern=r"^[a-z0-9-]{1,32}\Z")]
-PoolId = Annotated[str, Meta(pattern=r"^[a-z0-9._-]{1,64}\Z")]
+from .ids import LeaseId, PoolId, RegionName
+
 Tokens = Annotated[int, Meta(ge=0, le=2**40)]
 Want = Annotated[int, Meta(ge=1, le=2**40)]
 

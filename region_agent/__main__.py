@@ -73,12 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         settings.region, bundle.bundle_version, settings.host, settings.port)
     _export(settings)
 
-    import uvicorn
+    from kernel.httpserver import serve
 
-    uvicorn.run("region_agent.__main__:app_factory", factory=True, host=settings.host, port=settings.port,
-                workers=settings.workers if settings.workers > 1 else None, loop="uvloop", http="httptools",
-                log_level=settings.log_level, access_log=False, lifespan="on",
-                ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file)
+    serve("region_agent.__main__:app_factory", factory=True, host=settings.host, port=settings.port,
+          workers=settings.workers, limits=settings.http_limits(), log_level=settings.log_level,
+          access_log=settings.access_log, ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file)
     return 0
 
 

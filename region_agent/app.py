@@ -28,8 +28,10 @@ from kernel.errors import (
     PayloadTooLarge,
     Unavailable,
     ValidationFailed,
+    problem_headers,
     to_problem,
 )
+from kernel.jsonbody import StrictJSONRequest, note_rejection
 from kernel.openapi_problems import document_problems
 from kernel.signing import TrustedKeys
 
@@ -63,6 +65,7 @@ from .telemetry import DecisionTelemetry
 
 log = logging.getLogger("region_agent")
 PROBLEM_JSON = "application/problem+json"
+BODY_REJECTIONS = frozenset({400, 413, 415, 422})  # logged as one short, rate-limited line each
 
 
 @dataclass
@@ -96,7 +99,9 @@ def _engine(request: Request) -> Engine:
 
 def problem_response(exc: LeaseholdError, instance: str | None = None) -> Response:
     status, body = to_problem(exc, instance=instance)
-    return Response(body, status_code=status, media_type=PROBLEM_JSON)
+    if status in BODY_REJECTIONS:
+        note_rejection(instance or "", status, exc.detail)
+    return Response(body, status_code=status, media_type=PROBLEM_JSON, headers=problem_headers(exc))
 
 
 # ---------------------------------------------------------------------------------- handlers
@@ -309,6 +314,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                             HTTPException: _on_http, Exception: _on_unexpected},
         openapi_config=OpenAPIConfig(title="Leasehold region agent", version="1.0.0", path="/schema"),
         request_max_body_size=MAX_BATCH_BODY_BYTES,
+        request_class=StrictJSONRequest,  # kernel.jsonbody: application/json only, strict typed decoding
         debug=False,
     )
     app.state.agent = state

@@ -25,10 +25,10 @@ from __future__ import annotations
 import functools
 import hmac
 import ipaddress
-import re
 
-from kernel.bundle import POOL_ID_RE, ROUTE_RE, TENANT_RE, Rule
+from kernel.bundle import Rule
 from kernel.errors import ValidationFailed
+from kernel.ids import POOL_ID_RE, REQUEST_ID_RE, ROUTE_RE, TENANT_RE
 
 NS = "rl:v3"
 _SEP = "\x1f"
@@ -41,8 +41,7 @@ _VALID_TENANTS: set[str] = set()  # recently validated tenant ids (bounded; a ke
 def check_tenant(tenant: object) -> str:
     if tenant.__class__ is str and tenant in _VALID_TENANTS:
         return tenant  # type: ignore[return-value]
-    # fullmatch: ``$`` in the shared pattern also matches before a trailing newline
-    if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
+    if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
         raise ValidationFailed("tenantId must match [a-z0-9-]{1,32}", errors=["tenantId: invalid"])
     if len(_VALID_TENANTS) >= 10_000:
         _VALID_TENANTS.clear()
@@ -56,12 +55,9 @@ def check_route(route: object) -> str:
     return route
 
 
-REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{8,128}")
-
-
 def check_ids(request_id: str, route_group: str) -> None:
-    """Whole-string checks (the schema's patterns let a trailing newline through)."""
-    if not REQUEST_ID_RE.fullmatch(request_id):
+    """The wire types' checks again, for callers that built a request without decoding one."""
+    if not REQUEST_ID_RE.match(request_id):
         raise ValidationFailed("requestId must match [A-Za-z0-9._:-]{8,128}", errors=["requestId: invalid"])
     check_route(route_group)
 

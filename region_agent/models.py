@@ -6,12 +6,10 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9._:-]{8,128}$")]
-TenantId = Annotated[str, Meta(pattern=r"^[a-z0-9-]{1,32}$")]
-RouteGroup = Annotated[str, Meta(pattern=r"^[a-z0-9_-]{1,32}$")]
+from kernel.ids import Method, RequestId, RouteGroup, TenantId
+
 PrincipalId = Annotated[str, Meta(min_length=1, max_length=256)]
 ApiKeyId = Annotated[str, Meta(min_length=1, max_length=256)]
-Method = Annotated[str, Meta(pattern=r"^[A-Z]{1,16}$")]
 CostHint = Annotated[int, Meta(ge=1, le=1000)]
 
 MAX_BODY_BYTES = 16 * 1024

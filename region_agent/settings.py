@@ -10,6 +10,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from kernel.config import ConfigError, load_settings
+from kernel.ids import EtcdPrefix, RegionName
 from kernel.resources import resolve_policy_path
 
 ENV_PREFIX = "LEASEHOLD_AGENT_"
@@ -27,13 +28,13 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     tls_cert_file: str | None = None  # serve HTTPS (uvicorn ssl_certfile) ...
     tls_key_file: str | None = None  # ... with this key
     policy: str = "policies/northstar.json"
-    region: Annotated[str, Meta(pattern=r"^[a-z0-9-]{1,32}\Z")] = "local"
+    region: RegionName = "local"
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8080
     workers: Annotated[int, Meta(ge=1, le=64)] = 1
     policy_poll_ms: Annotated[int, Meta(ge=0, le=3_600_000)] = 1000  # 0 disables polling
     policy_etcd: str | None = None  # etcd endpoints: follow <policy_etcd_prefix>policy/current
-    policy_etcd_prefix: Annotated[str, Meta(pattern=r"^/[A-Za-z0-9._/-]*/\Z")] = "/leasehold/"
+    policy_etcd_prefix: EtcdPrefix = "/leasehold/"
     policy_etcd_reread_ms: Annotated[int, Meta(ge=50, le=600_000)] = 5_000  # safety-net re-read period
     policy_etcd_user: str | None = None  # etcd user (read-only role on the policy key)
     policy_etcd_password_file: str | None = None  # or LEASEHOLD_AGENT_POLICY_ETCD_PASSWORD
@@ -87,6 +88,17 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
         from .gateways.mapping import Names
 
         Names.from_settings(self)  # ValueError -> a settings error naming the bad entry
+    access_log: bool = False  # one line per HTTP request (uvicorn's access log); off by default
+    http_max_header_bytes: Annotated[int, Meta(ge=1_024, le=1_048_576)] = 16_384  # request line + headers: 431
+    http_max_headers: Annotated[int, Meta(ge=8, le=1_000)] = 100  # header fields per request: 431
+    http_header_timeout_ms: Annotated[int, Meta(ge=100, le=600_000)] = 10_000  # head complete within: 408
+    http_body_timeout_ms: Annotated[int, Meta(ge=100, le=600_000)] = 10_000  # body complete after the head: 408
+
+    def http_limits(self):
+        from kernel.httpserver import HttpLimits
+        return HttpLimits(max_header_bytes=self.http_max_header_bytes, max_headers=self.http_max_headers,
+                          header_timeout_s=self.http_header_timeout_ms / 1000,
+                          body_timeout_s=self.http_body_timeout_ms / 1000)
 
 
 def load_agent_settings(argv: list[str] | None, env: dict[str, str] | None = None) -> AgentSettings:

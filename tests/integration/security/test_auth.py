@@ -198,7 +198,7 @@ def test_local_topology_runs_with_auth_on_and_leaks_no_secret(tmp_path):
                                 timeout=5),
                      httpx.post(alloc + "/v1/leases", json={**lease, "want": -1}, headers=bearer(eu_token), timeout=5),
                      httpx.get(alloc + "/v1/leases/lease-topo-00001", headers=bearer(topo.secrets.gateway), timeout=5)):
-            assert resp.status_code in (400, 401, 403, 404, 422), resp.text
+            assert resp.status_code in (400, 401, 403, 404, 415, 422), resp.text
             bodies.append(resp.text)
         bodies += [httpx.get(u + "/metrics", timeout=5).text for u in (agent, alloc)]
         # the state file and what `leasehold status` prints (service URLs, never credentials)
