@@ -70,7 +70,9 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
         tokens = gw.gateway_tokens()
         if tokens is not None:
             alt = hdrs.get(names.headers["token"])
-            who = authenticate(tokens, {"authorization": alt} if alt is not None else hdrs)
+            # kernel.auth reads the ASGI header list (two Authorization headers are refused)
+            who = authenticate(tokens, [(b"authorization", alt.encode("latin-1"))] if alt is not None
+                               else scope["headers"])
             scope[SCOPE_KEY] = "gateway:" + who
         deny = hdrs.get(names.headers["deny_status"])
         if deny is not None and deny not in DENY_STATUSES:
