@@ -4,12 +4,11 @@
 A bypass is identified by its rule id. Against the current bundle, a candidate's exempt rule is
 
 * ``added``    - no exempt rule with that id today (a new rule, or an existing rule made exempt);
-* ``widened``  - it admits more, or admits it to more callers, in any respect: another tenant,
-  a wider route group (or all), another scope, a higher sustained rate or burst (in requests of
-  the rule's own cost), a more lenient fail mode (closed -> local_bounded), a larger local fallback
-  allowance, a higher or removed concurrency cap, no longer revocable, a lower cost, a higher
-  pool limit. A change that cannot be compared (another algorithm whose numbers are not
-  higher still counts by its numbers) is judged by those numbers only;
+* ``widened``  - it admits more, or admits to more callers, in any respect: another tenant, a
+  wider route group (or all), another scope, a higher sustained rate or burst (in requests of the
+  rule's own cost, so an algorithm change is judged by these numbers), a more lenient fail mode
+  (closed -> local_bounded), a larger allowance while the store is unreachable, a higher or removed
+  concurrency cap, no longer revocable;
 * ``narrowed`` / ``changed`` - every difference goes the safe way (or only the owner changed);
 * ``removed``  - exempt today, not in the candidate.
 

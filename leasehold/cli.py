@@ -278,7 +278,8 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
             published = args.published_at or bundle.published_at
             bundle = rollback_bundle(bundle, args.as_version, published)
             raw = encode_bundle(bundle)
-        key = args.key or _topology_signing_key(args)
+        # the running local topology's key signs what is unsigned (a file signed by another key keeps it)
+        key = args.key or (_topology_signing_key(args) if bundle.signature is None else None)
         if key:
             bundle = sign_bundle(bundle, load_private_key(key))
             raw = encode_bundle(bundle)
@@ -492,7 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--as-version", type=int, help="publish FILE's rules and pools under this version "
                                                    "(re-sealed checksum): the rollback path")
     sp.add_argument("--published-at", help="publishedAt for --as-version")
-    sp.add_argument("--key", help="sign with this Ed25519 private key before publishing")
+    sp.add_argument("--key", help="sign with this Ed25519 private key before publishing (default, against the "
+                                  "running local topology: its generated key, for an unsigned FILE)")
     sp.add_argument("--require-signature", action="store_true",
                     help="refuse an unsigned bundle even without the etcd signing marker")
     etcd_opts(sp)

@@ -79,6 +79,7 @@ class PolicyHolder:
             candidate = load_bundle_file(self.path)
         except PolicyError as e:
             return self._report(ReloadResult("invalid", self._bundle.bundle_version, e.detail))
+        self.checked_at = time.monotonic()
         return self.offer(candidate)
 
     def poll(self) -> ReloadResult | None:

@@ -106,11 +106,6 @@ class DecisionTelemetry:
             self.audit.decided(rules[0], outcome=outcome, tenant=tenant, request_id=plan.request_id,
                                version=bundle.bundle_version, fallback=d.fallback)
 
-    def count(self, bundle: Bundle, d: Decision, tenant: str | None, route_group: str) -> None:
-        """A decision made outside the engine (e.g. POLICY_STALE): the counter only."""
-        self.m.decisions.labels(outcome_of(d), d.policy_id or "none", str(d.policy_version), route_group,
-                                tenant_label(named_tenants(bundle), tenant)).inc()
-
     # ------------------------------------------------------------------ helpers
     def _shard(self, plan: Plan) -> str:
         if self.shard_of is None:

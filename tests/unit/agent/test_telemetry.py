@@ -81,6 +81,23 @@ def test_new_keys_are_counted_once_per_horizon_and_by_class(monkeypatch):
     assert len(small.cur) == 2 and small.counts["ip"] == 8  # bounded memory; over-counts, never grows
 
 
+def test_the_decision_path_counts_new_keys_as_the_reference_meter_does():
+    """DecisionTelemetry inlines NewKeyMeter.touch (hot path); both must count the same."""
+    import random
+
+    rng = random.Random(7)
+    m = AgentMetrics()
+    t = DecisionTelemetry(m)
+    ref = NewKeyMeter()
+    now = 0.0
+    for i in range(3_000):
+        now += rng.random() * 0.05
+        p = plan_for(rng.choice(["atlas", "birch", "zeta"]), pid=f"U-{rng.randint(1, 300)}", rid=f"req-{i:08d}")
+        t.decided(p, GLOBAL, decision(p), 0.001, now=now, touched_store=True)
+        ref.touch([(c.key, keymeter.source_class(s.role, s.rule.scope)) for c, s in zip(p.calls, p.slots, strict=True)], now)
+    assert m.new_keys.counts == ref.counts and sum(ref.counts.values()) > 300
+
+
 def test_decision_keys_feed_the_meter_with_their_class():
     m = AgentMetrics()
     t = DecisionTelemetry(m)
