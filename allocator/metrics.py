@@ -6,11 +6,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+disable_created_metrics()  # no *_created series (docs/metrics.md, cardinality budget)
 MAX_REGION_LABELS = 64
 POLICY_OUTCOMES = ("accepted", "stale", "invalid", "unsigned", "untrusted_key", "bad_signature")
 

@@ -5,11 +5,15 @@ module by ``python -m leasehold.metrics_doc``; the cardinality budget is stated 
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from .keymeter import NewKeyMeter
 from .policy import RELOAD_OUTCOMES
 from .store_health import StoreHealth
+
+# no ``*_created`` series (one per counter and histogram child): they would double the series count
+# of the cardinality budget and carry nothing the dashboard or the alerts use
+disable_created_metrics()
 
 OUTCOMES = ("allowed", "denied", "fallback_allowed", "fallback_denied", "unavailable")
 
