@@ -31,6 +31,7 @@ MAX_TENANT_LABELS = 50
 _CLASS = {(role, scope): source_class(role, scope) for role in ("rate", "cc", "pool")
           for scope in ("ip", "user", "key", "route", "tenant", "global")}
 VERSIONS_KEPT = 2
+SHARD_CACHE_S = 30.0
 CACHE_MAX = 10_000
 
 
@@ -44,14 +45,6 @@ def tenant_label(names: frozenset[str], tenant: str | None) -> str:
     return tenant if tenant in names else "other"
 
 
-def outcome_of(d: Decision) -> str:
-    if d.allowed:
-        return "fallback_allowed" if d.fallback else "allowed"
-    if d.http_status == 503:
-        return "unavailable"
-    return "fallback_denied" if d.fallback else "denied"
-
-
 class DecisionTelemetry:
     def __init__(self, metrics: AgentMetrics, *, shard_of: Callable[[str], str] | None = None,
                  audit: BypassAudit | None = None):
@@ -63,6 +56,7 @@ class DecisionTelemetry:
         self._names: frozenset[str] = frozenset()
         self._versions: list[int] = []
         self._shards: dict[str, str] = {}
+        self._shards_at = float("-inf")
 
     # ------------------------------------------------------------------ per decision
     def decided(self, plan: Plan, bundle: Bundle, d: Decision, seconds: float, *, now: float,
@@ -78,7 +72,7 @@ class DecisionTelemetry:
         if self._names_of is not bundle:
             self._names_of, self._names = bundle, named_tenants(bundle)
         tenant = plan.tenant
-        shard = "default" if self.shard_of is None else self._shard(plan)
+        shard = "default" if self.shard_of is None else self._shard(plan, now)
         label = (outcome, d.policy_id, d.policy_version,
                  "none" if tenant is None else tenant if tenant in self._names else "other", shard)
         children = self._children.get(label)
@@ -107,20 +101,18 @@ class DecisionTelemetry:
                                version=bundle.bundle_version, fallback=d.fallback)
 
     # ------------------------------------------------------------------ helpers
-    def _shard(self, plan: Plan) -> str:
-        if self.shard_of is None:
-            return "default"
+    def _shard(self, plan: Plan, now: float) -> str:
+        """The cluster primary owning the plan's hash tag (cached per tag; the cache is dropped
+        every ``SHARD_CACHE_S`` so a resharding or failover shows within that time)."""
+        if now - self._shards_at >= SHARD_CACHE_S:
+            self._shards, self._shards_at = {}, now
         tag = plan.tenant or plan.decision_key
         shard = self._shards.get(tag)
         if shard is None:
             if len(self._shards) >= CACHE_MAX:
                 self._shards.clear()
-            shard = self._shards[tag] = self.shard_of(plan.decision_key)
+            shard = self._shards[tag] = self.shard_of(plan.decision_key)  # type: ignore[misc]
         return shard
-
-    def forget_shards(self) -> None:
-        """Cluster topology may have changed (called by the store-health poll)."""
-        self._shards.clear()
 
     def _resolve(self, label: tuple, bundle: Bundle) -> tuple[Any, Any]:
         outcome, rule_id, version, tenant, shard = label
