@@ -122,10 +122,10 @@ class StoreGateway:
 
     @staticmethod
     def multi_call(calls: Sequence[Call], *, decision_key: str, slack_ms: int, decision_ttl_ms: int,
-                   member: str) -> ScriptCall:
+                   member: str, question: str = "") -> ScriptCall:
         # a plan's Call has RuleCall's fields (key, kind, params): no copy
         keys, argv = sc.multi_rule_argv(decision_key, calls, slack_ms=slack_ms,  # type: ignore[arg-type]
-                                        decision_ttl_ms=decision_ttl_ms, member=member)
+                                        decision_ttl_ms=decision_ttl_ms, member=member, question=question)
         return (MULTI_RULE, list(keys), list(argv))
 
     @staticmethod
