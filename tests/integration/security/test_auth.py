@@ -157,7 +157,7 @@ def test_local_topology_runs_with_auth_on_and_leaks_no_secret(tmp_path):
         body = admit_body("topo-000001", route="read")
         assert httpx.post(agent + "/v1/admit", json=body, timeout=5).status_code == 401
         d = httpx.post(agent + "/v1/admit", json=body, headers=topo.gateway_headers(), timeout=10).json()
-        assert d["allowed"] and not d["fallback"]  # global pools spent from leases the region got with its token
+        assert d["allowed"] and not d["fallback"], d  # global pools spent from leases the region got with its token
         alloc = topo.allocator_urls[0]
         lease = lease_body("lease-topo-00001", "global-read", "eu", 1)
         assert httpx.post(alloc + "/v1/leases", json=lease, timeout=5).status_code == 401
