@@ -24,7 +24,7 @@ from kernel.bundle import Pool, encode_bundle, load_bundle_file, seal
 from kernel.config import ConfigError
 from kernel.etcd_store import EtcdStore
 from leasehold.cli import main as cli_main
-from leasehold.topology import DEFAULT_POLICY, DEV_PEPPER, Topology, TopologySpec
+from leasehold.topology import DEFAULT_POLICY, Topology, TopologySpec
 from region_agent.app import create_app
 from tests.integration.agent.conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
 from tests.integration.allocator.helpers import in_process, lease_body, settings_for, unique_prefix
@@ -173,15 +173,18 @@ def test_local_topology_runs_with_auth_on_and_leaks_no_secret(tmp_path):
         agent_pw = (secrets / "redis-agent.password").read_text()
         with pytest.raises(redis.exceptions.NoPermissionError):
             redis.Redis(host="127.0.0.1", port=port, username="agent", password=agent_pw).flushall()
-        # etcd with authentication on; an operator publishes with the allocator's credentials, agents follow
+        # etcd with authentication on; an operator publishes with the publisher's credentials (the
+        # allocator's cannot), agents follow
         ep = ",".join(topo.etcd.endpoints)
         newer = tmp_path / "newer.json"
         base = load_bundle_file(str(DEFAULT_POLICY))
         newer.write_bytes(encode_bundle(seal(msgspec.structs.replace(base, bundle_version=base.bundle_version + 1))))
         assert cli_main(["policy", "publish", str(newer), "--etcd", ep]) != 0  # no credentials: refused
         assert cli_main(["policy", "publish", str(newer), "--etcd", ep, "--etcd-user", "allocator",
-                         "--etcd-password-file", str(secrets / "etcd-allocator.password")]) == 0
-        # without --etcd the CLI uses the running topology's etcd and the allocator's credentials
+                         "--etcd-password-file", str(secrets / "etcd-allocator.password")]) != 0
+        assert cli_main(["policy", "publish", str(newer), "--etcd", ep, "--etcd-user", "publisher",
+                         "--etcd-password-file", str(secrets / "etcd-publisher.password")]) == 0
+        # without --etcd the CLI uses the running topology's etcd and the publisher's credentials
         assert cli_main(["--run-dir", str(tmp_path / "run"), "policy", "show"]) == 0
         deadline = time.monotonic() + 20
         while httpx.get(agent + "/v1/policy", headers=topo.operator_headers(), timeout=5).json()["bundleVersion"] \
@@ -212,7 +215,7 @@ def test_local_topology_runs_with_auth_on_and_leaks_no_secret(tmp_path):
         # no process was given a token or password on its command line
         cmdlines = " ".join(" ".join(p.args) for p in [*topo.allocators, *topo.agents["eu"], topo.redis["eu"].proc])
         passwords = [f.read_text() for f in secrets.glob("*.password")]
-        assert len(passwords) == 5
+        assert len(passwords) == 6
         for tok in (topo.secrets.gateway, topo.secrets.operator, eu_token, *passwords):
             assert tok not in cmdlines
         # what Redis and etcd hold: keys and values
@@ -227,6 +230,6 @@ def test_local_topology_runs_with_auth_on_and_leaks_no_secret(tmp_path):
     assert "policy bundle" in logs or "starting region agent" in logs  # the logs were captured
     leaks = {name: value for name, value in {
         "gateway": topo.secrets.gateway, "operator": topo.secrets.operator, "region-eu": eu_token,
-        "pepper": DEV_PEPPER, **{f.stem: f.read_text() for f in secrets.glob("*.password")}}.items()
+        "pepper": (secrets / "pepper").read_text(), **{f.stem: f.read_text() for f in secrets.glob("*.password")}}.items()
         if any(value in text for text in (logs, stored, *bodies))}
     assert leaks == {}, f"secrets leaked: {sorted(leaks)}"
