@@ -356,7 +356,7 @@ def default_store_factory(settings: AgentSettings, m: AgentMetrics):
     gauge.set(0)
     return StoreGateway(client, sc.Scripts(), max_batch=settings.batch_max, max_queue=settings.queue_max,
                         max_inflight=settings.pipelines_in_flight, on_batch=m.batch_size.observe,
-                        breaker=breaker, on_breaker=gauge.set)
+                        breaker=breaker, on_breaker=gauge.set, log_interval_s=settings.redis_log_interval_ms / 1000)
 
 
 async def _background(state: AgentState) -> None:

@@ -162,8 +162,9 @@ class Engine:
         bundle = self.get_bundle()
         cc_keys = cc_keys_for_release(bundle, request_tenant=req.tenant_id, principal=req.principal,
                                       route_group=req.route_group, keys=self.keys)
+        deadline = self.clock() + self.budget  # the decision budget, as for an admission
         for key in cc_keys:
-            await self.store.release(key, req.request_id)
+            await self.store.release(key, req.request_id, wait_s=max(0.0, deadline - self.clock()))
         return len(cc_keys)
 
     # ------------------------------------------------------------------ phases

@@ -48,6 +48,7 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     breaker_failures: Annotated[int, Meta(ge=1, le=1_000)] = 5  # consecutive store failures that open it
     breaker_open_ms: Annotated[int, Meta(ge=10, le=600_000)] = 1_000  # open for this long, then probe
     breaker_probes: Annotated[int, Meta(ge=1, le=100)] = 2  # probe calls while half-open
+    redis_log_interval_ms: Annotated[int, Meta(ge=0, le=3_600_000)] = 10_000  # reachability lines at most this often
     fallback_max_keys: Annotated[int, Meta(ge=1, le=1_000_000)] = 100_000
     allocator_urls: list[str] = []  # empty: no global pools from leases (pool rules then deny)
     allocator_token_file: str | None = None  # this region's bearer token for the allocator
