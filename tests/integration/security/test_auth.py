@@ -85,13 +85,14 @@ async def test_allocator_regions_see_only_their_own_leases(etcd_cluster, tmp_pat
             ok = await c.post("/v1/leases", json=body, headers=bearer(EU))
             assert ok.status_code == 200 and ok.json()["granted"] == 10
             before = await reader.get_prefix(prefix.encode())
-            # another region cannot view or report on it
-            assert (await c.get("/v1/leases/lease-eu-000001", headers=bearer(US))).status_code == 403
+            # another region cannot view or report on it (it is not there for that region)
+            assert (await c.get("/v1/leases/lease-eu-000001", headers=bearer(US))).status_code == 404
+            assert (await c.get("/v1/leases/lease-eu-000001?region=eu", headers=bearer(US))).status_code == 403
             assert (await c.get("/v1/leases/lease-eu-000001", headers=bearer(EU))).status_code == 200
             assert (await c.get("/v1/leases/lease-eu-000001")).status_code == 401
             report = {"leaseId": "lease-eu-000001", "pool": "p1", "region": "us", "spent": 0}
             assert (await c.post("/v1/leases/lease-eu-000001/usage", json=report, headers=bearer(US))).status_code \
-                == 403
+                == 404
             report_eu_as_us = {**report, "region": "eu"}
             assert (await c.post("/v1/leases/lease-eu-000001/usage", json=report_eu_as_us,
                                  headers=bearer(US))).status_code == 403
@@ -103,6 +104,36 @@ async def test_allocator_regions_see_only_their_own_leases(etcd_cluster, tmp_pat
             assert (await c.get("/metrics")).status_code == 200
     finally:
         await reader.close()
+
+
+async def test_a_lease_ids_existence_does_not_leak_across_regions(etcd_cluster, tmp_path):
+    """Issue 12, item 7: for another region's lease, a region gets exactly the answers it gets for
+    a lease id nobody used (404, no 403; no 409 naming the other region's pool), and reusing the id
+    is simply its own lease."""
+    prefix = unique_prefix()
+    bundle = write_pools(tmp_path / "b.json", [Pool(id="p1", window_ms=60_000, limit=100, chunk_max=50),
+                                               Pool(id="p2", window_ms=60_000, limit=100, chunk_max=50)])
+    settings = settings_for(etcd_cluster, bundle, prefix, auth_disabled=False,
+                            region_tokens=[f"eu:{sha(EU)}", f"us:{sha(US)}"])
+    async with in_process(settings) as c:
+        assert (await c.post("/v1/leases", json=lease_body("secret-lease-01", "p2", "eu", 10),
+                             headers=bearer(EU))).json()["granted"] == 10
+
+        async def as_us(lease_id: str) -> list[tuple[int, str, str]]:
+            report = {"leaseId": lease_id, "pool": "p1", "region": "us", "spent": 0}
+            answers = [await c.get(f"/v1/leases/{lease_id}", headers=bearer(US)),
+                       await c.post(f"/v1/leases/{lease_id}/usage", json=report, headers=bearer(US)),
+                       await c.post(f"/v1/leases/{lease_id}/usage", json={**report, "pool": "p2"},
+                                    headers=bearer(US))]
+            return [(r.status_code, r.json()["type"], r.json()["detail"].replace(lease_id, "ID")) for r in answers]
+
+        taken, unused = await as_us("secret-lease-01"), await as_us("never-used-001")
+        assert taken == unused and {status for status, _, _ in taken} == {404}, (taken, unused)
+        # the id is free for the other region: its own lease, not a 409 naming eu's pool p2
+        mine = await c.post("/v1/leases", json=lease_body("secret-lease-01", "p1", "us", 3), headers=bearer(US))
+        assert mine.status_code == 200 and (mine.json()["granted"], mine.json()["region"]) == (3, "us")
+        theirs = (await c.get("/v1/leases/secret-lease-01", headers=bearer(EU))).json()
+        assert (theirs["grant"]["pool"], theirs["grant"]["granted"]) == ("p2", 10)  # eu's lease untouched
 
 
 # -- agent --------------------------------------------------------------------------------------
