@@ -329,13 +329,17 @@ class Engine:
                     pending.remove(job)
             if not pending:
                 return
-            await self._load_windows(set(targets.values()))
-            work = {wk: self._cache[wk].state.copy() for wk in set(targets.values())}
+            wanted = set(targets.values())
+            previous = {(p, k - 1) for p, k in wanted}  # read only: the regions' spend history (demand caps)
+            await self._load_windows(wanted | previous)
+            work = {wk: self._cache[wk].state.copy() for wk in wanted}
             answers: list[tuple[_GrantJob, LeaseGrant, policy.GrantDecision]] = []
             for job in pending:
                 r = job.req
-                d = policy.decide_grant(self.pools[r.pool], work[targets[id(job)]], region=r.region, want=r.want,
-                                        demand=r.demand, now_ms=now)
+                wk = targets[id(job)]
+                d = policy.decide_grant(self.pools[r.pool], work[wk], region=r.region, want=r.want,
+                                        demand=r.demand, now_ms=now,
+                                        previous=self._cache[(wk[0], wk[1] - 1)].state)
                 g = LeaseGrant(lease_id=r.lease_id, pool=r.pool, region=r.region, granted=d.granted,
                                window=d.window, expires_at_ms=d.expires_at_ms, ttl_ms=d.ttl_ms,
                                starts_in_ms=d.starts_in_ms, epoch=epoch, issued_at_ms=now, remaining=d.remaining)
@@ -480,7 +484,7 @@ class Engine:
                     returned, stranded = 0, d.returned + d.stranded
                 else:
                     new_state = cached.state.copy()
-                    policy.apply_reclaim(new_state, rep.region, returned, rec.grant.granted)
+                    policy.apply_reclaim(new_state, rep.region, returned, rec.grant.granted, rep.spent)
                     lid = await self._buckets.lease_for(self._record_lease_expiry(pool, wk[1]), now)
                     compare.append(t.mod(self.keys.window(*wk)) == cached.mod_revision)
                     success.append(t.put(self.keys.window(*wk), msgspec.json.encode(new_state), lease=lid))
