@@ -229,16 +229,19 @@ def replay_view(grant: LeaseGrant, now_ms: int) -> LeaseGrant:
 
 
 def decide_reclaim(*, granted: int, spent: int, expires_at_ms: int, window_end_ms: int,
-                   now_ms: int) -> ReclaimDecision:
+                   now_ms: int, closed_early: bool = False) -> ReclaimDecision:
     """Validate a usage report and say how many unspent tokens go back to the pool.
 
-    Accepted only after the lease expired on the allocator clock (the region stopped spending
-    before that), so returning ``granted - spent`` to a still-open window cannot overshoot.
+    Accepted after the lease expired on the allocator clock (the region stopped spending before
+    that), or before that when the region says it closed the lease in its store (``closed_early``:
+    an agent shutting down removed it, so nothing more is spent from it) — either way returning
+    ``granted - spent`` to a still-open window cannot overshoot. (The allocator trusts a region's
+    report in both cases: a region that reports less than it spent overshoots either way.)
     """
     if spent > granted:
         raise ValidationFailed(f"spent {spent} exceeds the {granted} tokens granted",
                                errors=[f"spent: must be <= {granted}"])
-    if now_ms < expires_at_ms:
+    if now_ms < expires_at_ms and not closed_early:
         raise Conflict(f"lease not yet expired: it expires in {expires_at_ms - now_ms} ms; "
                        "report usage after expiry", extra={"expiresInMs": expires_at_ms - now_ms})
     unspent = granted - spent

@@ -216,6 +216,10 @@ def test_reclaim_rules() -> None:
         policy.decide_reclaim(granted=10, spent=1, expires_at_ms=T0 + 5, window_end_ms=T0 + W, now_ms=T0)
     d = policy.decide_reclaim(granted=10, spent=3, expires_at_ms=T0, window_end_ms=T0 + W, now_ms=T0)
     assert (d.returned, d.stranded, d.window_open) == (7, 0, True)
+    # a lease the region closed before expiry (an agent shutting down): returned at once
+    d = policy.decide_reclaim(granted=10, spent=3, expires_at_ms=T0 + 5, window_end_ms=T0 + W, now_ms=T0,
+                              closed_early=True)
+    assert (d.returned, d.stranded, d.window_open) == (7, 0, True)
     d = policy.decide_reclaim(granted=10, spent=3, expires_at_ms=T0, window_end_ms=T0 + W, now_ms=T0 + W)
     assert (d.returned, d.stranded, d.window_open) == (0, 7, False)
 
