@@ -407,7 +407,7 @@ class Engine:
             if not pending:
                 return
             self.metrics.txn_retries.labels("grant").inc()
-            log.info("grant txn conflict (attempt %d), retrying %d grants", attempt + 1, len(pending))
+            log.debug("grant txn conflict (attempt %d), retrying %d grants", attempt + 1, len(pending))
         raise Unavailable(f"lease grant not committed after {self.max_attempts} conflicting attempts; retry",
                           extra={"attempts": self.max_attempts})
 
@@ -470,7 +470,8 @@ class Engine:
             now = self.clock()
             d = policy.decide_reclaim(granted=rec.grant.granted, spent=rep.spent,
                                       expires_at_ms=rec.grant.expires_at_ms,
-                                      window_end_ms=rec.grant.window.end_ms, now_ms=now)
+                                      window_end_ms=rec.grant.window.end_ms, now_ms=now,
+                                      closed_early=rep.closed_early)
             wk = (pool.id, rec.grant.window.index)
             t = self.store.t
             compare = [t.create(self.keys.leader) == epoch, t.mod(gkey) == gkv.mod_revision]
