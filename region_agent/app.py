@@ -258,11 +258,17 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         state.tasks.append(asyncio.create_task(_background(state)))
         await state.gateways.start()  # the RLS gRPC server, when --rls-port is set
         loop = asyncio.get_running_loop()
+        undo_termination = None
         if install_signal_handlers:
             loop.add_signal_handler(signal.SIGHUP, state.holder.reload)
+            if state.leases is not None:  # SIGTERM: no new leases from now on (before uvicorn drains)
+                from kernel.httpserver import on_termination
+                undo_termination = on_termination(state.leases.begin_shutdown)
         try:
             yield
         finally:
+            if undo_termination is not None:
+                undo_termination()
             await state.gateways.stop()
             if install_signal_handlers:
                 loop.remove_signal_handler(signal.SIGHUP)
@@ -274,8 +280,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             for t in state.tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
-            if state.leases is not None:
-                await state.leases.stop()
+            if state.leases is not None:  # close the leases held and report them (returned to the pool now)
+                await state.leases.shutdown(settings.shutdown_report_ms / 1000)
                 await state.leases.client.aclose()
             await state.store.close()
 
