@@ -55,7 +55,7 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     allocator_timeout_ms: Annotated[int, Meta(ge=10, le=60_000)] = 500  # per attempt
     allocator_deadline_ms: Annotated[int, Meta(ge=10, le=60_000)] = 3_000  # all attempts of one lease request
     lease_tick_ms: Annotated[int, Meta(ge=10, le=10_000)] = 100
-    shutdown_report_ms: Annotated[int, Meta(ge=0, le=120_000)] = 5_000  # on exit: close held leases, report them
+    shutdown_report_ms: Annotated[int, Meta(ge=0, le=120_000)] = 3_000  # on exit: close held leases, report them
     negative_cache_ms: Annotated[int, Meta(ge=0, le=10_000)] = 250  # 0 disables the negative cache
     pepper_file: str | None = None
     gateway_tokens: list[str] = []  # "<gateway name>:<sha256 hex of its bearer token>" entries

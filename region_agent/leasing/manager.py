@@ -25,6 +25,7 @@ retrying until its deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -331,12 +332,17 @@ class LeaseManager:
         closed = 0
         for bal in list(self.balances.values()):
             for lease in list(bal.book.leases.values()):
-                if await self._close(bal, lease, early=lease.deadline > self.now()):
+                if loop.time() < deadline and await self._close(bal, lease, early=lease.deadline > self.now()):
                     closed += 1
-        while self.pending_reports and loop.time() < deadline:
-            await self._flush_reports()
-            if self.pending_reports:
-                await asyncio.sleep(0.05)
+
+        async def flush() -> None:
+            while self.pending_reports:
+                await self._flush_reports()
+                if self.pending_reports:
+                    await asyncio.sleep(0.05)
+
+        with contextlib.suppress(TimeoutError):  # the deadline bounds the reports, retries included
+            await asyncio.wait_for(flush(), max(0.0, deadline - loop.time()))
         log.info("shutdown: %d held leases closed, %d usage reports not delivered", closed, len(self.pending_reports))
         return closed, len(self.pending_reports)
 
