@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
@@ -37,7 +37,7 @@ from kernel.errors import (
 )
 from kernel.etcd_store import EtcdStore
 from kernel.etcd_tls import credentials as tls_credentials
-from kernel.ids import LEASE_ID, LEASE_ID_RE, human
+from kernel.ids import LEASE_ID, LEASE_ID_RE, REGION, REGION_RE, human
 from kernel.jsonbody import StrictJSONRequest, note_rejection
 from kernel.openapi_problems import document_problems
 from kernel.policy_store import PolicyStore
@@ -181,19 +181,24 @@ async def post_usage(request: Request, lease_id: FromPath[str], data: JSONBody[U
     _check_lease_id(lease_id)
     if data.lease_id != lease_id:
         raise BadRequest(f"body leaseId {data.lease_id!r} does not match the path's {lease_id!r}")
-    require_region(request.scope, data.region)
-    if request.scope.get(SCOPE_KEY) is not None:
-        with suppress(NotFound):  # an unknown lease is the engine's answer to give
-            require_region(request.scope, (await _engine(state).get_record(lease_id)).grant.region)
+    require_region(request.scope, data.region)  # lease ids are looked up in the region's own namespace
     return await _engine(state).report(data)
 
 
 @get("/v1/leases/{lease_id:str}", guards=[region_auth_guard])
-async def get_lease(request: Request, lease_id: FromPath[str], state: State) -> GrantRecord:
+async def get_lease(request: Request, lease_id: FromPath[str], state: State,
+                    region: str | None = None) -> GrantRecord:
+    """A lease of the calling region (``region`` defaults to the authenticated region and is
+    required with authentication off). Another region's lease and no lease answer the same 404."""
     _check_lease_id(lease_id)
-    record = await _engine(state).get_record(lease_id)
-    require_region(request.scope, record.grant.region)
-    return record
+    caller = request.scope.get(SCOPE_KEY)
+    region = region or caller
+    if region is None:
+        raise BadRequest("the region query parameter is required when authentication is disabled")
+    if not REGION_RE.match(region):
+        raise BadRequest(f"region must match {human(REGION)}")
+    require_region(request.scope, region)
+    return await _engine(state).get_record(region, lease_id)
 
 
 @get("/v1/leader")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .config import ConfigError
@@ -79,19 +79,20 @@ class TokenTable:
         return table
 
 
-def bearer(raw_headers: Any) -> str | None:
-    """The token of the request's one ``Authorization: Bearer`` header (ASGI header list), or
-    None — also when there are several Authorization headers: which one a component reads would
-    otherwise depend on its header parser (first or last), so such a request is refused."""
+def bearer(headers: Any) -> str | None:
+    """The token of the request's one ``Authorization: Bearer`` header, or None — also when
+    there are several Authorization headers: which one a component reads would otherwise depend
+    on its header parser (first or last), so such a request is refused. ``headers`` is a list of
+    (name, value) pairs, bytes (ASGI ``scope["headers"]``) or str (gRPC metadata), or a mapping."""
     found = None
-    for name, value in raw_headers:
-        if name.lower() == b"authorization":
+    for name, value in (headers.items() if isinstance(headers, Mapping) else headers):
+        if (name.decode("latin-1") if isinstance(name, bytes) else name).lower() == "authorization":
             if found is not None:
                 return None
             found = value
     if not found:
         return None
-    m = BEARER.match(found.decode("latin-1"))
+    m = BEARER.match(found.decode("latin-1") if isinstance(found, bytes) else found)
     return m.group(1) if m else None
 
 

@@ -60,6 +60,14 @@ class Conflict(LeaseholdError):
     status, code, title = 409, "conflict", "Conflicts with the current state"
 
 
+class DecisionConflict(Conflict):
+    """A decision id (``requestId``) already has a decision record for another question (tenant,
+    principal, route group or cost differ): the stored answer is not given to this caller, and
+    nothing is charged. Use a fresh request id."""
+
+    code, title = "decision-conflict", "Request id already used for another question"
+
+
 class PayloadTooLarge(LeaseholdError):
     status, code, title = 413, "payload-too-large", "Request body too large"
 

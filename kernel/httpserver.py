@@ -239,6 +239,14 @@ def serve(app: Any, *, host: str, port: int, limits: HttpLimits, log_level: str,
         uvicorn.Server(config).run()
 
 
+def quiet_request_logs(level: str) -> None:
+    """Per-request log lines of the HTTP clients (httpx logs every call at INFO: every lease
+    request and usage report of an agent) only at debug; state changes stay at INFO."""
+    if level.lower() != "debug":
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def on_termination(callback: Callable[[], None]) -> Callable[[], None]:
     """Call ``callback`` first when SIGTERM or SIGINT arrives, then the handler installed before
     (uvicorn's, which starts its graceful shutdown). Main thread only; returns an undo function."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
 from typing import Any
 
 import msgspec
@@ -34,6 +33,7 @@ from litestar.exceptions import ClientException, ValidationException
 from litestar.types import Empty
 
 from .errors import UnsupportedMediaType
+from .ratelog import KeyedLog
 
 log = logging.getLogger("leasehold.http")
 
@@ -158,20 +158,10 @@ class StrictJSONRequest(Request):
         return value
 
 
-_last_logged: dict[tuple[str, int], tuple[float, int]] = {}
+_rejections = KeyedLog(log, interval_s=1.0)
 
 
-def note_rejection(path: str, status: int, detail: str, *, interval_s: float = 1.0) -> None:
-    """One short INFO line for a refused request, at most one per route and status each
-    ``interval_s`` (the next line says how many were not logged)."""
-    now = time.monotonic()
-    key = (path, status)
-    last, suppressed = _last_logged.get(key, (-1e9, 0))
-    if now - last < interval_s:
-        _last_logged[key] = (last, suppressed + 1)
-        return
-    if len(_last_logged) > 1_000:
-        _last_logged.clear()
-    _last_logged[key] = (now, 0)
-    more = f" (+{suppressed} more since the last line)" if suppressed else ""
-    log.info("refused %s %s: %s%s", status, path[:80], detail[:160], more)
+def note_rejection(path: str, status: int, detail: str) -> None:
+    """One short INFO line for a refused request, at most one per route and status a second
+    (the next line says how many were not logged)."""
+    _rejections.log((path, status), logging.INFO, f"refused {status} {path[:80]}: {detail[:160]}")

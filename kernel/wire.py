@@ -66,13 +66,16 @@ class LeaseBatchResponse(Struct, rename="camel"):
     results: list[LeaseGrant | LeaseError]  # in request order
 
 
-class UsageReport(Struct, rename="camel", forbid_unknown_fields=True):
-    """How many tokens of an expired lease the region spent. Idempotent per leaseId."""
+class UsageReport(Struct, rename="camel", forbid_unknown_fields=True, omit_defaults=True):
+    """How many tokens of a lease the region spent. Idempotent per leaseId. Sent after the lease
+    expired, or — ``closedEarly`` — once the region closed it in its store before expiry (an agent
+    shutting down): the region spends none of it any more, so the unspent rest can go back now."""
 
     lease_id: LeaseId
     region: RegionName
     pool: PoolId
     spent: Tokens
+    closed_early: bool = False
 
 
 class UsageReceipt(Struct, rename="camel"):

@@ -239,11 +239,11 @@ def _policy_store(args: argparse.Namespace):
     from kernel.etcd_store import EtcdStore
     from kernel.policy_store import PolicyStore
     endpoints, user, password_file = args.etcd, args.etcd_user, args.etcd_password_file
-    if not endpoints:  # the running local topology: its etcd and, with auth on, the allocator's user
+    if not endpoints:  # the running local topology: its etcd and, with auth on, the publisher's user
         state = _state_or_exit(args.run_dir)
         endpoints = ",".join(s["url"].removeprefix("http://") for s in state["services"] if s["kind"] == "etcd")
-        if state.get("secrets") and not user:
-            user, password_file = "allocator", str(Path(state["secrets"]) / "etcd-allocator.password")
+        if state.get("secrets") and not user:  # write on the policy key only (deploy/etcd/leasehold-roles.sh)
+            user, password_file = "publisher", str(Path(state["secrets"]) / "etcd-publisher.password")
     password = os.environ.get("LEASEHOLD_ETCD_PASSWORD")
     if password_file:
         with open(password_file) as f:
@@ -413,7 +413,8 @@ def _spec(args: argparse.Namespace) -> TopologySpec:
                         regions=tuple(args.regions.split(",")), agents_per_region=args.agents_per_region,
                         allocators=args.allocators, etcd_members=args.etcd_members,
                         auth=not getattr(args, "no_auth", False), policy_from_etcd=True,
-                        signed=not getattr(args, "unsigned", False))
+                        signed=not getattr(args, "unsigned", False),
+                        insecure_dev_pepper=getattr(args, "insecure_dev_pepper", False))
 
 
 # ------------------------------------------------------------------------------- parser
@@ -435,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--unsigned", action="store_true",
                         help="no policy signing (default: a key pair in <run-dir>/secrets signs the start bundle "
                              "and the services trust only its public key)")
+        sp.add_argument("--insecure-dev-pepper", action="store_true",
+                        help="give the agents the public development pepper (default: a random pepper "
+                             "generated into <run-dir>/secrets/pepper)")
 
     sp = sub.add_parser("up", help="start the local topology in the background")
     topo_opts(sp)
@@ -463,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     psub = pol.add_subparsers(dest="policy_command", required=True)
     def etcd_opts(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--etcd", help="etcd endpoints, host:port[,host:port...] (default: the running local "
-                                       "topology's, with its allocator credentials)")
+                                       "topology's, with its publisher credentials)")
         sp.add_argument("--prefix", default="/leasehold/", help="the allocator's key prefix")
         sp.add_argument("--etcd-user", help="etcd user (password from --etcd-password-file or "
                                            "LEASEHOLD_ETCD_PASSWORD)")

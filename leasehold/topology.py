@@ -50,6 +50,8 @@ class TopologySpec:
     #                       every service trusts only its public key, and etcd carries the signing marker
     extra_public_keys: tuple[str, ...] = ()  # more trusted public keys (a key rotation in progress)
     rls: bool = False  # every agent also serves Envoy's rate limit service (--rls-port, a free port each)
+    insecure_dev_pepper: bool = False  # opt in to the agents' public development pepper; by default a
+    #                                    random pepper is generated into <run_dir>/secrets/pepper
 
 
 @dataclass
@@ -75,6 +77,15 @@ class Topology:
     secrets: Secrets | None = None  # the generated credentials when spec.auth
     signing: tuple[Path, Path] | None = None  # (private key, public key) when spec.signed
     policy_path: Path | None = None  # the start bundle the services load (signed copy when spec.signed)
+    pepper_file: Path | None = None  # the agents' generated pepper (None with spec.insecure_dev_pepper)
+
+    @property
+    def pepper(self) -> bytes:
+        """The agents' HMAC pepper (what a test needs to derive their Redis keys)."""
+        if self.pepper_file is None:
+            from region_agent.settings import DEV_PEPPER as AGENT_DEV_PEPPER
+            return AGENT_DEV_PEPPER
+        return self.pepper_file.read_bytes().strip()
 
     def gateway_headers(self) -> dict[str, str]:
         """What a gateway sends to the agents (empty with auth off)."""
@@ -89,6 +100,9 @@ class Topology:
         run.mkdir(parents=True, exist_ok=True)
         if self.spec.auth:
             self.secrets = Secrets.generate(run / "secrets", self.spec.regions)
+        if not self.spec.insecure_dev_pepper:
+            import secrets as _secrets
+            self.pepper_file = write_secret(run / "secrets", "pepper", _secrets.token_urlsafe(32))
         self.policy_path = self.spec.policy
         trust: list[str] = []
         if self.spec.signed:
@@ -143,8 +157,10 @@ class Topology:
                         rls_port = free_port()
                         args += ["--rls-port", str(rls_port)]
                         self.rls_ports[region].append(rls_port)
+                    args += (["--pepper-file", str(self.pepper_file)] if self.pepper_file is not None
+                             else ["--insecure-dev-pepper", "true"])  # the public pepper only when asked for
                     args += list(self.spec.agent_args)
-                    env = _env(LEASEHOLD_AGENT_PEPPER=DEV_PEPPER)
+                    env = {k: v for k, v in _env().items() if k != "LEASEHOLD_AGENT_PEPPER"}
                     proc = Proc(f"agent-{region}-{j + 1}", args, run / f"agent-{region}-{j + 1}", env=env).start()
                     self.agents[region].append(proc)
                     self.agent_urls[region].append(f"http://{LOOPBACK}:{port}")
@@ -228,14 +244,15 @@ class Secrets:
         return s
 
     def _write(self, name: str, text: str) -> None:
-        path = self.dir / name
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        write_secret(self.dir, name, text)
 
     def allocator_args(self) -> list[str]:
         return ["--auth-disabled", "false", "--region-tokens-file", str(self.dir / "allocator-region-tokens"),
                 "--etcd-user", "allocator", "--etcd-password-file", str(self.dir / "etcd-allocator.password")]
+
+    def publisher_args(self) -> list[str]:
+        """What ``leasehold policy publish`` uses: the publisher (write on the policy key only)."""
+        return ["--etcd-user", "publisher", "--etcd-password-file", str(self.dir / "etcd-publisher.password")]
 
     def password(self, name: str) -> str:
         path = self.dir / f"{name}.password"
@@ -251,11 +268,13 @@ class Secrets:
                 "users": [agent_acl("agent", self.password("redis-agent"))]}
 
     def enable_etcd_auth(self, etcd: EtcdCluster) -> None:
-        """etcd authentication: root, an allocator role on /leasehold/, agents read-only on the policy key."""
-        from .procs import EtcdGrant
-        etcd.enable_auth(self.password("etcd-root"), [
-            EtcdGrant("allocator", self.password("etcd-allocator"), "allocator", "readwrite", "/leasehold/"),
-            EtcdGrant("agent", self.password("etcd-agent"), "agent", "read", "/leasehold/policy/")])
+        """etcd authentication with Leasehold's roles (deploy/etcd/leasehold-roles.sh): a publisher
+        that may write the policy key only, the allocator on pools/grants/leader (policy read-only),
+        agents read-only on the policy key, and root."""
+        from .procs import ETCD_USERS
+        for user in ETCD_USERS:
+            self.password(f"etcd-{user}")
+        etcd.apply_roles({u: self.dir / f"etcd-{u}.password" for u in ETCD_USERS})
 
     def agent_etcd_args(self) -> list[str]:
         return ["--policy-etcd-user", "agent", "--policy-etcd-password-file", str(self.dir / "etcd-agent.password")]
@@ -265,6 +284,17 @@ class Secrets:
                 "--redis-password-file", str(self.dir / "redis-agent.password"),
                 "--gateway-tokens-file", str(self.dir / "agent-gateway-tokens"),
                 "--operator-tokens-file", str(self.dir / "agent-operator-tokens")]
+
+
+def write_secret(d: Path, name: str, text: str) -> Path:
+    """A secret file ``d/name`` (directory 0700, file 0600), replaced if it exists."""
+    d.mkdir(parents=True, exist_ok=True)
+    d.chmod(0o700)
+    path = d / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 def sign_start_bundle(run: Path, policy: Path) -> tuple[tuple[Path, Path], Path]:

@@ -22,6 +22,8 @@ def app_factory():
     from .app import create_app
 
     settings = load_agent_settings([])
+    from kernel.httpserver import quiet_request_logs
+    quiet_request_logs(settings.log_level)  # a worker process configures its own loggers
     return create_app(settings, pepper=resolve_pepper(settings), install_signal_handlers=True)
 
 
@@ -73,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         settings.region, bundle.bundle_version, settings.host, settings.port)
     _export(settings)
 
-    from kernel.httpserver import serve
+    from kernel.httpserver import quiet_request_logs, serve
+
+    quiet_request_logs(settings.log_level)
 
     serve("region_agent.__main__:app_factory", factory=True, host=settings.host, port=settings.port,
           workers=settings.workers, limits=settings.http_limits(), log_level=settings.log_level,

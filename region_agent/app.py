@@ -292,11 +292,17 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                                                                     settings.store_health_ms)))
         await state.gateways.start()  # the RLS gRPC server, when --rls-port is set
         loop = asyncio.get_running_loop()
+        undo_termination = None
         if install_signal_handlers:
             loop.add_signal_handler(signal.SIGHUP, state.holder.reload)
+            if state.leases is not None:  # SIGTERM: no new leases from now on (before uvicorn drains)
+                from kernel.httpserver import on_termination
+                undo_termination = on_termination(state.leases.begin_shutdown)
         try:
             yield
         finally:
+            if undo_termination is not None:
+                undo_termination()
             await state.gateways.stop()
             if install_signal_handlers:
                 loop.remove_signal_handler(signal.SIGHUP)
@@ -309,8 +315,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
             audit.flush(force=True)
-            if state.leases is not None:
-                await state.leases.stop()
+            if state.leases is not None:  # close the leases held and report them (returned to the pool now)
+                await state.leases.shutdown(settings.shutdown_report_ms / 1000)
                 await state.leases.client.aclose()
             await state.store.close()
 
@@ -391,7 +397,7 @@ def default_store_factory(settings: AgentSettings, m: AgentMetrics):
     gauge.set(0)
     return StoreGateway(client, sc.Scripts(), max_batch=settings.batch_max, max_queue=settings.queue_max,
                         max_inflight=settings.pipelines_in_flight, on_batch=m.batch_size.observe,
-                        breaker=breaker, on_breaker=gauge.set)
+                        breaker=breaker, on_breaker=gauge.set, log_interval_s=settings.redis_log_interval_ms / 1000)
 
 
 async def _background(state: AgentState) -> None:

@@ -20,9 +20,11 @@ from kernel.bundle import Bundle, Rule
 from kernel.errors import (
     AmbiguousOutcome,
     DeadlineExceeded,
+    DecisionConflict,
     LeaseholdError,
     ScriptRejected,
     StoreUnavailable,
+    to_problem,
 )
 
 from .chunks import ChunkLease
@@ -114,7 +116,11 @@ class Engine:
             replies = await self.store.submit(calls, wait_s=self._remaining(prep)) if calls else []
         except LeaseholdError as e:
             replies = e
-        return await self._complete(prep, replies)
+        d = await self._complete(prep, replies)
+        if d.reason == "REQUEST_ID_CONFLICT":  # a single request answers 409 (a batch item carries it)
+            raise DecisionConflict(d.problem["detail"] if d.problem else "requestId conflict",
+                                   extra={"decisionId": d.decision_id})
+        return d
 
     async def admit_many(self, reqs: list[AdmitRequest]) -> list[Decision]:
         """Batch: every item's tenant call goes in one coalesced pipeline (one round trip per shard)."""
@@ -159,8 +165,9 @@ class Engine:
         bundle = self.get_bundle()
         cc_keys = cc_keys_for_release(bundle, request_tenant=req.tenant_id, principal=req.principal,
                                       route_group=req.route_group, keys=self.keys)
+        deadline = self.clock() + self.budget  # the decision budget, as for an admission
         for key in cc_keys:
-            await self.store.release(key, req.request_id)
+            await self.store.release(key, req.request_id, wait_s=max(0.0, deadline - self.clock()))
         return len(cc_keys)
 
     async def renew(self, req: RenewRequest) -> tuple[int, int]:
@@ -181,7 +188,8 @@ class Engine:
         calls = []
         if plan.calls:
             calls.append(self.store.multi_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
-                                               decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id))
+                                               decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                                               question=plan.question))
         if plan.shadow_calls:
             calls.append(self.store.multi_call(plan.shadow_calls, decision_key=plan.decision_key,
                                                slack_ms=max(r.rule.ttl_slack_ms for r in plan.shadow_slots),
@@ -234,6 +242,8 @@ class Engine:
             if len(replies) > 1:
                 self._count_shadow(plan, replies[1])
             result = self.store.parse(replies[0])
+        except DecisionConflict:
+            return self._finish(prep, self._conflict(prep))
         except AmbiguousOutcome as e:
             if plan.decision_ttl_ms > 0 and self._remaining(prep) > 0:
                 return await self._retry_idempotent(prep, e)
@@ -249,11 +259,14 @@ class Engine:
         """Same decision id, same arguments: the script replays its stored result."""
         plan = prep.plan
         call = self.store.multi_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
-                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id)
+                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                                     question=plan.question)
         self.metrics.script_errors.labels("AmbiguousOutcome").inc()
         try:
             (reply,) = await self.store.submit([call], wait_s=self._remaining(prep))
             result = self.store.parse(reply)
+        except DecisionConflict:
+            return self._finish(prep, self._conflict(prep))
         except LeaseholdError as e:
             return self._finish(prep, self._degrade(prep, e))
         return self._finish(prep, self._from_result(prep, result))
@@ -374,10 +387,13 @@ class Engine:
         calls[idx] = Call(KeyBuilder.pool_fallback_key(original.key), "fw",
                           (pool.fallback_per_region, pool.window_ms, original.params[0], 0, 0))
         call = self.store.multi_call(calls, decision_key=plan.decision_key + ":fb", slack_ms=plan.slack_ms,
-                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id)
+                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                                     question=plan.question)
         try:
             (reply,) = await self.store.submit([call], wait_s=self._remaining(prep))
             result = self.store.parse(reply)
+        except DecisionConflict:
+            return self._conflict(prep)
         except LeaseholdError as e:
             return self._degrade(prep, e)
         return self._from_result(prep, result, fallback=True, calls=calls)
@@ -441,6 +457,18 @@ class Engine:
             return self._decision(plan, bundle, allowed=True, rule=report, limit=_fallback_limit(report),
                                   remaining=res.remaining[i], fallback=True)
         return self._decision(plan, bundle, allowed=True, rule=report, fallback=True)
+
+    def _conflict(self, prep: _Prepared) -> Decision:
+        """The request id already has a decision record for another question: not admitted, not
+        charged, never the stored answer (HTTP 409 for /v1/admit; a batch item carries it)."""
+        self._give_back(prep)
+        plan = prep.plan
+        _, problem = to_problem(DecisionConflict(
+            "requestId already has a decision for another question (tenant, principal, route group or cost) "
+            "within the decision record's lifetime; use a fresh requestId", extra={"decisionId": plan.request_id}))
+        return Decision(allowed=False, decision_id=plan.request_id, policy_id=None,
+                        policy_version=prep.bundle.bundle_version, reason="REQUEST_ID_CONFLICT", retry_after_ms=-1,
+                        http_status=409, headers={}, problem=problem)
 
     def _decision(self, plan: Plan, bundle: Bundle, *, allowed: bool, rule: Rule | None, scope: str | None = None,
                   reason: str | None = None, limit: int | None = None, remaining: int | None = None,

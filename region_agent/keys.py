@@ -7,7 +7,8 @@ Shape: ``rl:v3:{t:<tenant>}:<type>:<principal-hash>:<route>``.
 * route      ``rl:v3:{t:T}:route:T:<route>``
 * tenant     ``rl:v3:{t:T}:tenant:T:<route or all>``
 * ip         ``rl:v3:{ip:<h(tag prefix)>}:ip:<h(rule prefix)>:<route>`` (anonymous callers)
-* decision   ``rl:v3:{t:T}:d:<h(T, d, requestId)>`` (``{ip:..}`` tag for anonymous)
+* decision   ``rl:v3:{t:T}:d:<h(T, d, requestId)>`` (``{ip:..}`` tag for anonymous); the record
+  stores the *question* ``h(T, q, type/id/apiKeyId/route/cost)`` it answers
 * pool       ``rl:v3:{t:T}:pool:<poolId>`` (tenant balance) / ``rl:v3:{g:<poolId>}:pool:<poolId>`` (fleet-wide)
 * cc gate    ``<rule key>:cc``
 
@@ -160,6 +161,14 @@ class KeyBuilder:
             return f"{NS}:{ip_tag}:d:{self._hmac('', 'd', request_id)}"
         t = check_tenant(tenant)
         return f"{NS}:{self.tenant_tag(t)}:d:{self._hmac(t, 'd', request_id)}"
+
+    def question(self, *, tenant: str | None, principal_type: str, principal_id: str, api_key_id: str | None,
+                 route_group: str, cost_hint: int) -> str:
+        """What a decision record answers (``multi_rule.lua``'s question): a keyed hash of the
+        tenant, the principal (type, id, API key), the route group and the cost, so a record
+        is replayed only to the same question and Redis holds no principal id."""
+        ident = _SEP.join((principal_type, principal_id, api_key_id or "", route_group, str(cost_hint)))
+        return self._hmac(tenant or "", "q", ident)
 
     @staticmethod
     def tenant_pool_key(tenant: str, pool_id: str) -> str:

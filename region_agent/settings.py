@@ -54,12 +54,14 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     breaker_failures: Annotated[int, Meta(ge=1, le=1_000)] = 5  # consecutive store failures that open it
     breaker_open_ms: Annotated[int, Meta(ge=10, le=600_000)] = 1_000  # open for this long, then probe
     breaker_probes: Annotated[int, Meta(ge=1, le=100)] = 2  # probe calls while half-open
+    redis_log_interval_ms: Annotated[int, Meta(ge=0, le=3_600_000)] = 10_000  # reachability lines at most this often
     fallback_max_keys: Annotated[int, Meta(ge=1, le=1_000_000)] = 100_000
     allocator_urls: list[str] = []  # empty: no global pools from leases (pool rules then deny)
     allocator_token_file: str | None = None  # this region's bearer token for the allocator
     allocator_timeout_ms: Annotated[int, Meta(ge=10, le=60_000)] = 500  # per attempt
     allocator_deadline_ms: Annotated[int, Meta(ge=10, le=60_000)] = 3_000  # all attempts of one lease request
     lease_tick_ms: Annotated[int, Meta(ge=10, le=10_000)] = 100
+    shutdown_report_ms: Annotated[int, Meta(ge=0, le=120_000)] = 3_000  # on exit: close held leases, report them
     negative_cache_ms: Annotated[int, Meta(ge=0, le=10_000)] = 250  # 0 disables the negative cache
     pepper_file: str | None = None
     gateway_tokens: list[str] = []  # "<gateway name>:<sha256 hex of its bearer token>" entries
@@ -74,6 +76,17 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     anon_source_v6_prefix: Annotated[int, Meta(ge=0, le=128)] = 32
     insecure_dev_pepper: bool = False
     log_level: str = "info"
+    access_log: bool = False  # one line per HTTP request (uvicorn's access log); off by default
+    http_max_header_bytes: Annotated[int, Meta(ge=1_024, le=1_048_576)] = 16_384  # request line + headers: 431
+    http_max_headers: Annotated[int, Meta(ge=8, le=1_000)] = 100  # header fields per request: 431
+    http_header_timeout_ms: Annotated[int, Meta(ge=100, le=600_000)] = 10_000  # head complete within: 408
+    http_body_timeout_ms: Annotated[int, Meta(ge=100, le=600_000)] = 10_000  # body complete after the head: 408
+
+    def http_limits(self):
+        from kernel.httpserver import HttpLimits
+        return HttpLimits(max_header_bytes=self.http_max_header_bytes, max_headers=self.http_max_headers,
+                          header_timeout_s=self.http_header_timeout_ms / 1000,
+                          body_timeout_s=self.http_body_timeout_ms / 1000)
     # gateways (region_agent/gateways, README "Gateways"): Envoy RLS v3 over gRPC and /v1/authz forward auth
     rls_port: Annotated[int, Meta(ge=0, le=65535)] = 0  # 0: no RLS server
     rls_host: str | None = None  # default: --host
@@ -88,17 +101,6 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
         from .gateways.mapping import Names
 
         Names.from_settings(self)  # ValueError -> a settings error naming the bad entry
-    access_log: bool = False  # one line per HTTP request (uvicorn's access log); off by default
-    http_max_header_bytes: Annotated[int, Meta(ge=1_024, le=1_048_576)] = 16_384  # request line + headers: 431
-    http_max_headers: Annotated[int, Meta(ge=8, le=1_000)] = 100  # header fields per request: 431
-    http_header_timeout_ms: Annotated[int, Meta(ge=100, le=600_000)] = 10_000  # head complete within: 408
-    http_body_timeout_ms: Annotated[int, Meta(ge=100, le=600_000)] = 10_000  # body complete after the head: 408
-
-    def http_limits(self):
-        from kernel.httpserver import HttpLimits
-        return HttpLimits(max_header_bytes=self.http_max_header_bytes, max_headers=self.http_max_headers,
-                          header_timeout_s=self.http_header_timeout_ms / 1000,
-                          body_timeout_s=self.http_body_timeout_ms / 1000)
 
 
 def load_agent_settings(argv: list[str] | None, env: dict[str, str] | None = None) -> AgentSettings:

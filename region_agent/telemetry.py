@@ -8,7 +8,7 @@ Cardinality (``docs/metrics.md`` states the budget):
   ``MAX_TENANT_LABELS`` of them, in sorted order), ``other`` for every other tenant and ``none``
   for anonymous requests — never a principal, key or address;
 * ``rule`` and ``route_group`` come from the bundle's rules (the route group is the deciding
-  rule's), ``outcome`` is one of five values;
+  rule's), ``outcome`` is one of six values;
 * ``policy_version`` keeps at most ``VERSIONS_KEPT`` versions: when a decision is made with a
   third version, the series of the oldest are removed from the registry;
 * ``shard`` is ``default`` (standalone Redis) or a cluster primary's ``host:port``.
@@ -67,6 +67,8 @@ class DecisionTelemetry:
             outcome = "fallback_allowed" if d.fallback else "allowed"
         elif d.http_status == 503:
             outcome = "unavailable"
+        elif d.http_status == 409:
+            outcome = "conflict"  # a reused requestId with another question (nothing charged)
         else:
             outcome = "fallback_denied" if d.fallback else "denied"
         if self._names_of is not bundle:

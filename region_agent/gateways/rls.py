@@ -87,11 +87,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         code, detail, outcome = grpc.StatusCode.OK, "", "error"
         try:
             if self.gateways is not None:
-                # kernel.auth reads an ASGI-style header list (every entry kept: two authorization
-                # entries are refused, as on HTTP)
-                authenticate(self.gateways, [(k.encode("latin-1"), v.encode("latin-1"))
-                                             for k, v in context.invocation_metadata() or ()
-                                             if isinstance(v, str)])
+                authenticate(self.gateways, context.invocation_metadata() or ())  # pairs: two tokens are refused
             questions = rls_questions(self.names, request.domain, descriptors_of(request), request.hits_addend)
             decisions = await self.decide(questions)
             resp, status = to_proto(decisions, questions, self.bundle_of())

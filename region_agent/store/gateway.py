@@ -5,6 +5,7 @@ Everything Redis-specific the decision engine needs goes through this class."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,11 +19,14 @@ from kernel.errors import (
     ScriptRejected,
     StoreUnavailable,
 )
+from kernel.ratelog import TransitionLog
 
 from ..plan import Call
 from . import scripts as sc
 from .batcher import Batcher, ScriptCall
-from .breaker import CircuitBreaker
+from .breaker import CLOSED, OPEN, CircuitBreaker
+
+log = logging.getLogger("region_agent.store")
 
 MULTI_RULE = "multi_rule"
 INFO_SECTIONS = ("memory", "stats", "clients", "replication", "keyspace", "commandstats")
@@ -35,7 +39,8 @@ def translate(exc: BaseException, *, sent: bool = True) -> LeaseholdError:
 
 class StoreGateway:
     def __init__(self, client: Any, scripts: sc.Scripts, *, max_batch: int = 32, max_queue: int = 10_000,
-                 max_inflight: int = 3, on_batch=None, breaker: CircuitBreaker | None = None, on_breaker=None):
+                 max_inflight: int = 3, on_batch=None, breaker: CircuitBreaker | None = None, on_breaker=None,
+                 log_interval_s: float = 10.0, name: str = "redis"):
         self.client = client
         self.cluster = isinstance(client, RedisCluster)
         self.scripts = scripts
@@ -44,6 +49,10 @@ class StoreGateway:
                                max_inflight=max_inflight, on_batch=on_batch)
         self.breaker = breaker or CircuitBreaker()
         self.on_breaker = on_breaker
+        self.name = name
+        # one line per reachability change (breaker opened / closed again), at most one per interval
+        self.reachability = TransitionLog(log, initial=True, interval_s=log_interval_s)
+        self._opened_at = 0.0
 
     async def load(self) -> None:
         try:
@@ -134,10 +143,10 @@ class StoreGateway:
 
     @staticmethod
     def multi_call(calls: Sequence[Call], *, decision_key: str, slack_ms: int, decision_ttl_ms: int,
-                   member: str) -> ScriptCall:
+                   member: str, question: str = "") -> ScriptCall:
         # a plan's Call has RuleCall's fields (key, kind, params): no copy
         keys, argv = sc.multi_rule_argv(decision_key, calls, slack_ms=slack_ms,  # type: ignore[arg-type]
-                                        decision_ttl_ms=decision_ttl_ms, member=member)
+                                        decision_ttl_ms=decision_ttl_ms, member=member, question=question)
         return (MULTI_RULE, list(keys), list(argv))
 
     @staticmethod
@@ -176,14 +185,32 @@ class StoreGateway:
             raise
 
     def _breaker_changed(self) -> None:
+        state = self.breaker.state
         if self.on_breaker is not None:
-            self.on_breaker(self.breaker.state)
+            self.on_breaker(state)
+        reachable = self.reachability.current
+        if state == OPEN and reachable:
+            reachable, self._opened_at = False, time.monotonic()
+        elif state == CLOSED and not reachable:  # closed again (half-open is still unknown)
+            reachable = True
+        self.reachability.observe(reachable, self._reachability_line)
 
-    async def release(self, key: str, lease_id: str) -> None:
-        try:
-            await self.scripts.concurrency_release(self.client, key, lease_id)
-        except Exception as e:
-            raise translate(e) from None
+    def _reachability_line(self, reachable: Any, changes: int) -> tuple[int, str]:
+        more = f"; {changes - 1} more changes since the last line" if changes > 1 else ""
+        if reachable:
+            return logging.INFO, (f"{self.name} reachable again: circuit breaker closed after "
+                                  f"{time.monotonic() - self._opened_at:.1f} s{more}")
+        return logging.WARNING, (f"{self.name} unreachable: circuit breaker open after "
+                                 f"{self.breaker.failure_threshold} consecutive store failures; decisions "
+                                 f"degrade per rule failMode{more}")
+
+    async def release(self, key: str, lease_id: str, *, wait_s: float | None = None) -> None:
+        """End a concurrency lease. Like a decision it goes through the breaker and the batcher
+        under the caller's budget: a hung Redis answers ``Unavailable`` (503, retriable; the lease
+        also ends by its TTL) after ``wait_s``, not after the socket timeout."""
+        (reply,) = await self.submit([("concurrency_release", [key], [lease_id])], wait_s=wait_s)
+        if isinstance(reply, BaseException):
+            raise translate(reply)
 
     async def renew(self, key: str, lease_id: str, ttl_ms: int) -> bool:
         """Heartbeat of a live concurrency slot; False when it is gone (released or expired)."""

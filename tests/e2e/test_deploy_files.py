@@ -154,3 +154,49 @@ def test_readme_shows_the_gateway_files_the_tests_run():
     envoy = compose["services"]["envoy-eu"]
     assert "./gateways/envoy-rls.yaml:/etc/envoy/envoy-rls.yaml.in:ro" in envoy["volumes"]
     assert compose["services"]["agent-eu"]["environment"]["LEASEHOLD_AGENT_RLS_PORT"] == "8089"
+
+
+def test_the_deploy_manifests_create_the_etcd_roles_with_the_script_leasehold_up_runs():
+    """One definition of the etcd roles (deploy/etcd/leasehold-roles.sh): the package ships it for
+    `leasehold up`, the Kubernetes Job and compose's etcd-init run it; services get only their own
+    etcd user (the allocator 'allocator', agents 'agent'), never root's or the publisher's."""
+    from leasehold.procs import etcd_roles_script
+
+    script = DEPLOY / "etcd" / "leasehold-roles.sh"
+    assert etcd_roles_script().resolve() == script.resolve()
+    text = script.read_text()
+    for role in ("leasehold-publisher", "leasehold-allocator", "leasehold-agent"):
+        assert f"ensure_role {role}" in text
+    assert 'grant leasehold-publisher readwrite "${P}policy/current"\n' in text
+    assert "grant leasehold-allocator read \"${P}policy/\" prefix" in text
+    kust = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    assert "etcd-roles-job.yaml" in kust["resources"]
+    gen = {g["name"]: g["files"] for g in kust["configMapGenerator"]}
+    assert gen["leasehold-etcd-roles"] == ["leasehold-roles.sh=../etcd/leasehold-roles.sh"]
+    docs = [d for p in (DEPLOY / "k8s").glob("*.yaml") for d in yaml.safe_load_all(p.read_text()) if d]
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["sh", "/opt/leasehold/leasehold-roles.sh"]
+    assert {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}["script"]["configMap"]["name"] \
+        == "leasehold-etcd-roles"
+    users = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "leasehold-etcd-users")
+    assert set(users["stringData"]) == {"root", "publisher", "allocator", "agent"}
+    for d in (d for d in docs if d["kind"] == "Deployment"):
+        spec = d["spec"]["template"]["spec"]["containers"][0]
+        refs = [e["valueFrom"]["secretKeyRef"] for e in spec.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
+        assert not any(r["name"] == "leasehold-etcd-users" and r["key"] in ("root", "publisher") for r in refs)
+        if d["metadata"]["name"] == "allocator":
+            assert spec["args"][spec["args"].index("--etcd-user") + 1] == "allocator"
+        else:
+            env = {e["name"]: e for e in spec["env"]}
+            assert env["LEASEHOLD_AGENT_POLICY_ETCD_USER"]["value"] == "agent"
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
+    init = compose["etcd-init"]
+    assert init["command"] == ["sh", "/opt/leasehold/leasehold-roles.sh"]
+    assert "./etcd/leasehold-roles.sh:/opt/leasehold/leasehold-roles.sh:ro" in init["volumes"]
+    for name in ("allocator-1", "allocator-2"):
+        assert compose[name]["depends_on"]["etcd-init"]["condition"] == "service_completed_successfully"
+        assert compose[name]["environment"]["LEASEHOLD_ALLOCATOR_ETCD_USER"] == "allocator"
+    for name in ("agent-eu", "agent-us"):
+        assert compose[name]["environment"]["LEASEHOLD_AGENT_POLICY_ETCD_USER"] == "agent"
+        assert not any("root" in v or "publisher" in v for v in compose[name]["volumes"])

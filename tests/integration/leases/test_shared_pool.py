@@ -161,7 +161,7 @@ async def test_expired_lease_unspent_tokens_return_to_the_pool_exactly_once(topo
         leader = await leader_url(topo)
         record = {}
         for _ in range(100):  # bounded: the lease expires ~1 s after it was granted, reports follow
-            record = (await client.get(f"{leader}/v1/leases/{lease_id}")).json()
+            record = (await client.get(f"{leader}/v1/leases/{lease_id}?region={lease_id.split('-')[0]}")).json()
             if record.get("reported"):
                 break
             await asyncio.sleep(0.1)

@@ -144,3 +144,16 @@ def test_non_json_content_types_are_415(service: Service):
             assert twice.status_code == 415, twice.text
             charset = post(client, service, path, body, {"content-type": "application/json; charset=UTF-8"})
             assert charset.status_code in (200, 404, 409), charset.text
+
+
+def test_forward_auth_ignores_hostile_bodies(agent_service: Service):
+    """/v1/authz (Envoy/Traefik/nginx forward auth) takes its question from headers and any method:
+    a hostile body changes nothing, never a 5xx."""
+    question = {"x-route-group": "read", "x-tenant-id": "atlas", "x-user-id": "U-authz"}
+    valid = json.dumps(agent_service.post_routes["/v1/admit"]).encode()
+    with httpx.Client(timeout=30) as client:
+        for what, body in structural(valid):
+            resp = post(client, agent_service, "/v1/authz", body, {**JSON, **question})
+            assert resp.status_code in (200, 429), (what, resp.status_code, resp.text[:200])
+            bare = post(client, agent_service, "/v1/authz", body, JSON)  # no question headers
+            assert_problem(bare, what)
