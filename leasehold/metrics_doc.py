@@ -24,8 +24,8 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 # P pools, G route groups named by rules (+ all/none), S store shards (1 standalone, cluster primaries),
 # N regions that leased (at most 64, then "other"). Histograms count their 11-13 bucket series once.
 BOUNDS: dict[str, str] = {
-    "leasehold_agent_decisions_total": "6 outcomes x (R+1) rules x 2 versions x T (route group follows the rule)",
-    "leasehold_agent_decision_seconds": "S x 6 outcomes",
+    "leasehold_agent_decisions_total": "7 outcomes x (R+1) rules x 2 versions x T (route group follows the rule)",
+    "leasehold_agent_decision_seconds": "S x 7 outcomes",
     "leasehold_agent_script_errors_total": "error classes of kernel.errors (< 10)",
     "leasehold_agent_degraded_decisions_total": "6 reasons x 4 fail modes",
     "leasehold_agent_pool_waits_total": "P",
@@ -48,7 +48,7 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_allocator_seconds": "1 call kind",
     "leasehold_agent_breaker_state": "1 (one breaker per store)",
     "leasehold_agent_pool_admitted_tokens_total": "P x 2 sources",
-    "leasehold_agent_bypass_decisions_total": "exempt rules x 6 outcomes",
+    "leasehold_agent_bypass_decisions_total": "exempt rules x 7 outcomes",
     "leasehold_agent_audit_events_total": "2",
     "leasehold_agent_audit_write_errors_total": "1",
     "leasehold_agent_redis_memory_used_bytes": "S",
@@ -160,10 +160,10 @@ would double every counter's and histogram's series and nothing uses them.
 
 Symbols in the *series bound* column: R rules in the bundle, T tenant labels (named tenants + 2),
 P pools, S store shards (1 for a standalone Redis), N regions (at most 64). Per agent process the
-total is dominated by `leasehold_agent_decisions_total` (at most 12 x (R+1) x T) and the decision
-latency histogram (S x 6 x 13 bucket series). For `policies/northstar-global.json` (R = 7, T = 5:
-atlas, birch, northstar-ops, other, none; P = 3, S = 1): decisions <= 480 series, latency 78,
-everything else (the gateway front doors included) under 300: **under 900 series per agent**, and
+total is dominated by `leasehold_agent_decisions_total` (at most 14 x (R+1) x T) and the decision
+latency histogram (S x 7 x 13 bucket series). For `policies/northstar-global.json` (R = 7, T = 5:
+atlas, birch, northstar-ops, other, none; P = 3, S = 1): decisions <= 560 series, latency 91,
+everything else (the gateway front doors included) under 300: **under 1,000 series per agent**, and
 under 300 per allocator replica with two regions. (Measured on a signed `leasehold up` after demo
 traffic: about 150 on an agent, about 100 on the allocator.) A bundle that names more tenants gets at most 50 tenant labels (the first 50 in
 sorted order; the rest count as `other`).

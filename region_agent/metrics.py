@@ -15,7 +15,7 @@ from .store_health import StoreHealth
 # of the cardinality budget and carry nothing the dashboard or the alerts use
 disable_created_metrics()
 
-OUTCOMES = ("allowed", "denied", "fallback_allowed", "fallback_denied", "unavailable", "conflict")
+OUTCOMES = ("allowed", "denied", "fallback_allowed", "fallback_denied", "unavailable", "conflict", "shed")
 
 
 class AgentMetrics:

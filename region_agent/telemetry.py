@@ -8,7 +8,7 @@ Cardinality (``docs/metrics.md`` states the budget):
   ``MAX_TENANT_LABELS`` of them, in sorted order), ``other`` for every other tenant and ``none``
   for anonymous requests — never a principal, key or address;
 * ``rule`` and ``route_group`` come from the bundle's rules (the route group is the deciding
-  rule's), ``outcome`` is one of six values;
+  rule's), ``outcome`` is one of seven values;
 * ``policy_version`` keeps at most ``VERSIONS_KEPT`` versions: when a decision is made with a
   third version, the series of the oldest are removed from the registry;
 * ``shard`` is ``default`` (standalone Redis) or a cluster primary's ``host:port``.
@@ -65,6 +65,8 @@ class DecisionTelemetry:
         The hot path: everything inline, label children cached (``make bench`` figures 2 and 3)."""
         if d.allowed:
             outcome = "fallback_allowed" if d.fallback else "allowed"
+        elif d.reason == "OVERLOADED":
+            outcome = "shed"  # this agent saturated while the store answered (issue 11, branch bound)
         elif d.http_status == 503:
             outcome = "unavailable"
         elif d.http_status == 409:
