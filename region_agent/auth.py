@@ -1,6 +1,6 @@
 """Who may call the agent (seed ch. 16).
 
-* Gateways — ``/v1/admit``, ``/v1/admit/batch``, ``/v1/release`` — with their own bearer tokens.
+* Gateways — ``/v1/admit``, ``/v1/admit/batch``, ``/v1/release``, ``/v1/renew`` — with their own bearer tokens.
 * Operators — ``/v1/leases``, ``/v1/policy`` — with an operator token (a gateway token is not one).
 * Probes and metrics — ``/healthz``, ``/readyz``, ``/metrics`` — and the OpenAPI schema are open;
   they carry no secrets, keys or tenant data.
@@ -17,7 +17,7 @@ from kernel.auth import SCOPE_KEY, TokenTable, authenticate
 
 from .settings import AgentSettings
 
-GATEWAY_PATHS = frozenset({"/v1/admit", "/v1/admit/batch", "/v1/release"})
+GATEWAY_PATHS = frozenset({"/v1/admit", "/v1/admit/batch", "/v1/release", "/v1/renew"})
 OPERATOR_PATHS = frozenset({"/v1/leases", "/v1/policy"})
 
 
@@ -33,12 +33,13 @@ class AgentAuth:
         return cls(TokenTable.parse(s.gateway_tokens, s.gateway_tokens_file, default_name="gateway"),
                    TokenTable.parse(s.operator_tokens, s.operator_tokens_file, default_name="operator"))
 
-    def check(self, path: str, headers: Any) -> str | None:
-        """The caller's name, or None for an open path; raises Unauthorized."""
+    def check(self, path: str, raw_headers: Any) -> str | None:
+        """The caller's name, or None for an open path; raises Unauthorized. ``raw_headers`` is
+        the ASGI header list (the guard and the fast path read the same one)."""
         if path in GATEWAY_PATHS:
-            return "gateway:" + authenticate(self.gateways, headers)
+            return "gateway:" + authenticate(self.gateways, raw_headers)
         if path in OPERATOR_PATHS:
-            return "operator:" + authenticate(self.operators, headers)
+            return "operator:" + authenticate(self.operators, raw_headers)
         return None
 
 
@@ -48,6 +49,6 @@ async def agent_guard(connection: Any, handler: Any) -> None:
     auth: AgentAuth | None = connection.app.state.agent.auth
     if auth is None:
         return
-    who = auth.check(connection.scope["path"], connection.headers)
+    who = auth.check(connection.scope["path"], connection.scope["headers"])
     if who is not None:
         connection.scope[SCOPE_KEY] = who

@@ -20,9 +20,11 @@ from kernel.bundle import Bundle, Rule
 from kernel.errors import (
     AmbiguousOutcome,
     DeadlineExceeded,
+    DecisionConflict,
     LeaseholdError,
     ScriptRejected,
     StoreUnavailable,
+    to_problem,
 )
 
 from .chunks import ChunkLease
@@ -30,18 +32,20 @@ from .fallback import LocalFallback, LocalItem
 from .httpmap import apply_http
 from .keys import KeyBuilder
 from .metrics import AgentMetrics
-from .models import AdmitRequest, Decision, ReleaseRequest
+from .models import AdmitRequest, Decision, ReleaseRequest, RenewRequest
 from .negcache import NegativeCache
 from .plan import (
     Call,
     GlobalSpend,
     Plan,
     build_plan,
+    cc_gates,
     cc_keys_for_release,
     memo_of,
     tokens_limit,
     tokens_remaining,
 )
+from .telemetry import DecisionTelemetry
 
 log = logging.getLogger("region_agent.engine")
 
@@ -81,19 +85,20 @@ class Engine:
     def __init__(self, *, get_bundle: Callable[[], Bundle], keys: KeyBuilder, store: Any, metrics: AgentMetrics,
                  fallback: LocalFallback | None = None, budget_ms: int = 50,
                  clock: Callable[[], float] = time.monotonic, leases: Any | None = None,
-                 negative: NegativeCache | None = None):
+                 negative: NegativeCache | None = None, telemetry: DecisionTelemetry | None = None):
         self.get_bundle = get_bundle
         self.keys = keys
         self.store = store
         self.metrics = metrics
-        self.fallback = fallback or LocalFallback()
+        self.fallback = fallback if fallback is not None else LocalFallback()  # (an empty one is falsy)
         self.budget = budget_ms / 1000.0
         self.clock = clock
         self._chunks: dict[str, ChunkLease] = {}
         self._renewing: dict[str, asyncio.Future] = {}
         self.leases = leases  # region_agent.leasing.manager.LeaseManager, when the allocator is configured
         self.negative = negative if negative is not None else NegativeCache()
-        self._decision_counters: dict[tuple, Any] = {}
+        # counters, latency, new keys and the bypass audit of each finished decision
+        self.telemetry = telemetry or DecisionTelemetry(metrics)
 
     def now_ms(self) -> float:
         return self.clock() * 1000.0
@@ -111,7 +116,11 @@ class Engine:
             replies = await self.store.submit(calls, wait_s=self._remaining(prep)) if calls else []
         except LeaseholdError as e:
             replies = e
-        return await self._complete(prep, replies)
+        d = await self._complete(prep, replies)
+        if d.reason == "REQUEST_ID_CONFLICT":  # a single request answers 409 (a batch item carries it)
+            raise DecisionConflict(d.problem["detail"] if d.problem else "requestId conflict",
+                                   extra={"decisionId": d.decision_id})
+        return d
 
     async def admit_many(self, reqs: list[AdmitRequest]) -> list[Decision]:
         """Batch: every item's tenant call goes in one coalesced pipeline (one round trip per shard)."""
@@ -156,9 +165,20 @@ class Engine:
         bundle = self.get_bundle()
         cc_keys = cc_keys_for_release(bundle, request_tenant=req.tenant_id, principal=req.principal,
                                       route_group=req.route_group, keys=self.keys)
+        deadline = self.clock() + self.budget  # the decision budget, as for an admission
         for key in cc_keys:
-            await self.store.release(key, req.request_id)
+            await self.store.release(key, req.request_id, wait_s=max(0.0, deadline - self.clock()))
         return len(cc_keys)
+
+    async def renew(self, req: RenewRequest) -> tuple[int, int]:
+        """Heartbeat (seed ch. 9): (slots extended, gates). A slot that was released or expired
+        is not revived; the gateway then treats the export as unprotected or ends it."""
+        gates = cc_gates(self.get_bundle(), request_tenant=req.tenant_id, principal=req.principal,
+                         route_group=req.route_group, keys=self.keys)
+        renewed = 0
+        for key, rule in gates:
+            renewed += await self.store.renew(key, req.request_id, rule.concurrency_ttl_ms)
+        return renewed, len(gates)
 
     # ------------------------------------------------------------------ phases
     def _remaining(self, prep: _Prepared) -> float:
@@ -168,7 +188,8 @@ class Engine:
         calls = []
         if plan.calls:
             calls.append(self.store.multi_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
-                                               decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id))
+                                               decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                                               question=plan.question))
         if plan.shadow_calls:
             calls.append(self.store.multi_call(plan.shadow_calls, decision_key=plan.decision_key,
                                                slack_ms=max(r.rule.ttl_slack_ms for r in plan.shadow_slots),
@@ -221,6 +242,8 @@ class Engine:
             if len(replies) > 1:
                 self._count_shadow(plan, replies[1])
             result = self.store.parse(replies[0])
+        except DecisionConflict:
+            return self._finish(prep, self._conflict(prep))
         except AmbiguousOutcome as e:
             if plan.decision_ttl_ms > 0 and self._remaining(prep) > 0:
                 return await self._retry_idempotent(prep, e)
@@ -236,11 +259,14 @@ class Engine:
         """Same decision id, same arguments: the script replays its stored result."""
         plan = prep.plan
         call = self.store.multi_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
-                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id)
+                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                                     question=plan.question)
         self.metrics.script_errors.labels("AmbiguousOutcome").inc()
         try:
             (reply,) = await self.store.submit([call], wait_s=self._remaining(prep))
             result = self.store.parse(reply)
+        except DecisionConflict:
+            return self._finish(prep, self._conflict(prep))
         except LeaseholdError as e:
             return self._finish(prep, self._degrade(prep, e))
         return self._finish(prep, self._from_result(prep, result))
@@ -361,10 +387,13 @@ class Engine:
         calls[idx] = Call(KeyBuilder.pool_fallback_key(original.key), "fw",
                           (pool.fallback_per_region, pool.window_ms, original.params[0], 0, 0))
         call = self.store.multi_call(calls, decision_key=plan.decision_key + ":fb", slack_ms=plan.slack_ms,
-                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id)
+                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                                     question=plan.question)
         try:
             (reply,) = await self.store.submit([call], wait_s=self._remaining(prep))
             result = self.store.parse(reply)
+        except DecisionConflict:
+            return self._conflict(prep)
         except LeaseholdError as e:
             return self._degrade(prep, e)
         return self._from_result(prep, result, fallback=True, calls=calls)
@@ -429,6 +458,18 @@ class Engine:
                                   remaining=res.remaining[i], fallback=True)
         return self._decision(plan, bundle, allowed=True, rule=report, fallback=True)
 
+    def _conflict(self, prep: _Prepared) -> Decision:
+        """The request id already has a decision record for another question: not admitted, not
+        charged, never the stored answer (HTTP 409 for /v1/admit; a batch item carries it)."""
+        self._give_back(prep)
+        plan = prep.plan
+        _, problem = to_problem(DecisionConflict(
+            "requestId already has a decision for another question (tenant, principal, route group or cost) "
+            "within the decision record's lifetime; use a fresh requestId", extra={"decisionId": plan.request_id}))
+        return Decision(allowed=False, decision_id=plan.request_id, policy_id=None,
+                        policy_version=prep.bundle.bundle_version, reason="REQUEST_ID_CONFLICT", retry_after_ms=-1,
+                        http_status=409, headers={}, problem=problem)
+
     def _decision(self, plan: Plan, bundle: Bundle, *, allowed: bool, rule: Rule | None, scope: str | None = None,
                   reason: str | None = None, limit: int | None = None, remaining: int | None = None,
                   retry: int = 0, fallback: bool = False) -> Decision:
@@ -445,22 +486,8 @@ class Engine:
             d.fallback = True
         if d.allowed:
             self._count_pool_admissions(prep, d.fallback)
-        if d.allowed:
-            outcome = "fallback_allowed" if d.fallback else "allowed"
-        elif d.http_status == 503:
-            outcome = "unavailable"
-        else:
-            outcome = "fallback_denied" if d.fallback else "denied"
-        label = (outcome, d.policy_id, d.policy_version)
-        counter = self._decision_counters.get(label)
-        if counter is None:  # labels() validates and locks: resolve each child once
-            rule = memo_of(prep.bundle).rules_by_id.get(d.policy_id) if d.policy_id else None
-            if len(self._decision_counters) >= 10_000:
-                self._decision_counters.clear()
-            counter = self._decision_counters[label] = self.metrics.decisions.labels(
-                outcome, d.policy_id or "none", str(d.policy_version), rule.route_key if rule else "none")
-        counter.inc()
-        self.metrics.latency.observe(max(0.0, self.clock() - prep.started))
+        self.telemetry.decided(prep.plan, prep.bundle, d, self.clock() - prep.started, now=prep.started,
+                               touched_store=prep.early is None and not d.fallback and d.http_status != 503)
         return d
 
     def _count_pool_admissions(self, prep: _Prepared, fallback: bool) -> None:

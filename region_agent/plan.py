@@ -51,6 +51,7 @@ class Plan:
     rule_keys: dict[str, str] = field(default_factory=dict)  # rule id -> state key (in-process only)
     decision_key: str = ""
     decision_ttl_ms: int = 0
+    question: str = ""  # what the decision record answers (keys.KeyBuilder.question); '' without a record
     slack_ms: int = 0
     cost_hint: int = 1
 
@@ -190,17 +191,22 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder) -> Plan:
         plan.shadow_calls.append(Call(key_of(rule), KIND[rule.algorithm], rate_params(rule, cost_hint)))
         plan.shadow_slots.append(Slot(rule, "pool" if rule.algorithm == "pool" else "rate"))
     dk_tenant = tenant if ip_tag is None else None
-    plan.decision_key = (keys.decision_key(req.request_id, tenant=dk_tenant, ip_tag=ip_tag) if plan.decision_ttl_ms > 0
-                         else KeyBuilder.unrecorded_decision_key(tenant=dk_tenant, ip_tag=ip_tag))
+    if plan.decision_ttl_ms > 0:
+        plan.decision_key = keys.decision_key(req.request_id, tenant=dk_tenant, ip_tag=ip_tag)
+        plan.question = keys.question(tenant=tenant, principal_type=principal.type, principal_id=principal.id,
+                                      api_key_id=principal.api_key_id, route_group=req.route_group,
+                                      cost_hint=cost_hint)
+    else:
+        plan.decision_key = KeyBuilder.unrecorded_decision_key(tenant=dk_tenant, ip_tag=ip_tag)
     return plan
 
 
-def cc_keys_for_release(bundle: Bundle, *, request_tenant: str | None, principal: Principal,
-                        route_group: str, keys: KeyBuilder) -> list[str]:
-    """The concurrency gates an admission with these attributes would have acquired."""
+def cc_gates(bundle: Bundle, *, request_tenant: str | None, principal: Principal, route_group: str,
+             keys: KeyBuilder) -> list[tuple[str, Rule]]:
+    """(key, rule) of every concurrency gate an admission with these attributes would have acquired."""
     check_route(route_group)
     tenant, addr = check_principal(request_tenant, principal)
-    out: list[str] = []
+    out: list[tuple[str, Rule]] = []
     if addr is not None:
         return out  # ip rules carry no concurrency gates (bundle validation)
     user_id = principal.id if principal.type == "user" else None
@@ -209,8 +215,15 @@ def cc_keys_for_release(bundle: Bundle, *, request_tenant: str | None, principal
             continue
         key = keys.rule_key(rule, tenant=tenant, user_id=user_id, api_key_id=principal.api_key_id,
                             route_group=route_group)
-        out.append(KeyBuilder.cc_key(key))
+        out.append((KeyBuilder.cc_key(key), rule))
     return out
+
+
+def cc_keys_for_release(bundle: Bundle, *, request_tenant: str | None, principal: Principal,
+                        route_group: str, keys: KeyBuilder) -> list[str]:
+    """The concurrency gates an admission with these attributes would have acquired."""
+    return [key for key, _ in cc_gates(bundle, request_tenant=request_tenant, principal=principal,
+                                       route_group=route_group, keys=keys)]
 
 
 def tokens_limit(rule: Rule, pools: dict[str, Pool]) -> int:
@@ -230,5 +243,5 @@ def tokens_remaining(rule: Rule, raw: int) -> int:
     return max(0, raw)
 
 
-__all__ = ["BundleMemo", "Call", "GlobalSpend", "Plan", "Shape", "Slot", "build_plan", "cc_keys_for_release",
+__all__ = ["BundleMemo", "Call", "GlobalSpend", "Plan", "Shape", "Slot", "build_plan", "cc_gates", "cc_keys_for_release",
            "check_principal", "memo_of", "tokens_limit", "tokens_remaining"]

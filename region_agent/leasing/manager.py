@@ -14,11 +14,18 @@ evaluated against it recently) a background tick:
 The engine asks :meth:`state` when a pool rule denied: ``exhausted`` is a normal 429 with a
 retry hint at the next window start, ``unreachable`` means the allocator could not be
 reached and no valid lease is left — only then may the pool's fallback allowance be spent.
+
+Shutdown (SIGTERM): :meth:`begin_shutdown` stops every new lease request at once (requests still
+being served spend what is held); :meth:`shutdown` then waits for top-ups in flight, closes every
+held lease in Redis (``pool_close``: nothing more is spent from it, by any agent of the region)
+and reports it with ``closedEarly`` so the allocator returns the unspent rest to the pool now,
+retrying until its deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -29,6 +36,7 @@ from typing import Literal, Protocol
 
 from kernel.bundle import Pool
 from kernel.errors import Conflict, LeaseholdError, StaleEpoch
+from kernel.ratelog import KeyedLog, TransitionLog
 from kernel.wire import LeaseRequest, UsageReport
 
 from .book import HeldLease, PoolBook
@@ -85,6 +93,12 @@ class LeaseManager:
     pending_reports: deque = field(default_factory=deque)
     _task: asyncio.Task | None = None
     _stopping: bool = False
+    _leasing: bool = True  # False from begin_shutdown(): no new lease requests
+    log_interval_s: float = 10.0  # reachability and refusal lines at most this often
+
+    def __post_init__(self) -> None:
+        self._reachability = TransitionLog(log, initial=True, interval_s=self.log_interval_s)
+        self._refusals = KeyedLog(log, interval_s=self.log_interval_s)
 
     # ----------------------------------------------------------------- engine-facing, sync
     def note(self, pool: Pool, key: str, tokens: int) -> None:
@@ -95,7 +109,8 @@ class LeaseManager:
             bal = self.balances[key] = Balance(pool=pool, key=key, book=PoolBook(pool))
         bal.last_used = now
         bal.book.note_demand(tokens, now)
-        if bal.inflight is None and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
+        if self._leasing and bal.inflight is None \
+                and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
             bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
 
     def state(self, key: str) -> PoolState:
@@ -132,7 +147,8 @@ class LeaseManager:
             return None
         bal.last_spendable = max(0, spendable)
         now = self.now()
-        if bal.inflight is None and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
+        if self._leasing and bal.inflight is None \
+                and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
             bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
         return bal.inflight
 
@@ -200,7 +216,7 @@ class LeaseManager:
                 self.metrics.lease_balance.labels(bal.pool.id).set(bal.last_spendable)
             # top up ahead of demand only for balances spent from recently: an idle balance would
             # otherwise buy a lease every TTL that expires unspent (stranded at the window end)
-            if bal.inflight is None and now - bal.last_used <= self.horizon_ms \
+            if self._leasing and bal.inflight is None and now - bal.last_used <= self.horizon_ms \
                     and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
                 bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
         await self._flush_reports()
@@ -211,7 +227,8 @@ class LeaseManager:
             await self._request(bal, "current")
             now = self.now()
             until_end = min((lease.window_end for lease in bal.book.valid(now)), default=None)
-            if until_end is not None and until_end - now <= bal.pool.prefetch_ms and not bal.book.future(now):
+            if self._leasing and until_end is not None and until_end - now <= bal.pool.prefetch_ms \
+                    and not bal.book.future(now):
                 await self._request(bal, "next")
         finally:
             bal.inflight = None
@@ -230,8 +247,14 @@ class LeaseManager:
             if m is not None:
                 m.lease_grants.labels(bal.pool.id, "unreachable" if e.retriable else "refused").inc()
                 m.allocator_up.set(0 if e.retriable else 1)
-            log.warning("lease request for pool %s failed: %s", bal.pool.id, e.detail)
+            log.debug("lease request for pool %s failed: %s", bal.pool.id, e.detail)
+            if e.retriable:
+                self._reachability.observe(False, self._reachability_line)
+            elif not isinstance(e, Conflict):  # a refusal other than prefetch timing: a configuration problem
+                self._refusals.log((bal.pool.id, e.code), logging.WARNING,
+                                   f"lease request for pool {bal.pool.id} refused: {e.detail}")
             return
+        self._reachability.observe(True, self._reachability_line)
         received_at = self.now()
         if m is not None:
             m.allocator_up.set(1)
@@ -277,14 +300,60 @@ class LeaseManager:
             bal.last_spendable += lease.granted
 
     # ----------------------------------------------------------------- reclaim
-    async def _close(self, bal: Balance, lease: HeldLease) -> None:
+    def _reachability_line(self, reachable: object, changes: int) -> tuple[int, str]:
+        more = f" ({changes - 1} more changes since the last line)" if changes > 1 else ""
+        if reachable:
+            return logging.INFO, f"allocator reachable again: leases granted{more}"
+        return logging.WARNING, ("allocator unreachable: no lease could be requested; pool rules spend the "
+                                 f"held leases, then their fallback allowance{more}")
+
+    def begin_shutdown(self) -> None:
+        """Stop requesting leases (safe to call from a signal handler: it only sets a flag)."""
+        self._leasing = False
+
+    async def shutdown(self, timeout_s: float = 5.0) -> tuple[int, int]:
+        """Stop leasing, let top-ups in flight finish (their grants are deposited, then returned),
+        close every held lease in Redis and report it early; bounded by ``timeout_s``. Returns
+        (leases closed, reports not sent). Leases that could not be closed (Redis down) or reported
+        (allocator down) stay unreported: the allocator counts them as spent, which is safe."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        self.begin_shutdown()
+        self._stopping = True
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        inflight = [b.inflight for b in self.balances.values() if b.inflight]
+        if inflight:
+            done, pending = await asyncio.wait(inflight, timeout=max(0.0, deadline - loop.time()))
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
+        closed = 0
+        for bal in list(self.balances.values()):
+            for lease in list(bal.book.leases.values()):
+                if loop.time() < deadline and await self._close(bal, lease, early=lease.deadline > self.now()):
+                    closed += 1
+
+        async def flush() -> None:
+            while self.pending_reports:
+                await self._flush_reports()
+                if self.pending_reports:
+                    await asyncio.sleep(0.05)
+
+        with contextlib.suppress(TimeoutError):  # the deadline bounds the reports, retries included
+            await asyncio.wait_for(flush(), max(0.0, deadline - loop.time()))
+        log.info("shutdown: %d held leases closed, %d usage reports not delivered", closed, len(self.pending_reports))
+        return closed, len(self.pending_reports)
+
+    async def _close(self, bal: Balance, lease: HeldLease, *, early: bool = False) -> bool:
         try:
             res = await self.store.close(bal.key, lease.lease_id)
         except LeaseholdError:
-            return  # Redis unreachable: try again next tick
+            return False  # Redis unreachable: try again next tick
         bal.book.forget(lease.lease_id)
         if res is None:
-            return
+            return False
         granted, spent = res
         if self.metrics is not None and granted > spent:
             self.metrics.lease_stranded.labels(bal.pool.id).inc(granted - spent)
@@ -293,8 +362,9 @@ class LeaseManager:
                                  granted=granted, spent=spent)
         if len(self.pending_reports) < self.max_pending_reports:
             report = UsageReport(lease_id=lease.lease_id, region=self.region, pool=bal.pool.id,
-                                 spent=min(spent, granted))
+                                 spent=min(spent, granted), closed_early=early)
             self.pending_reports.append((report, self.now()))
+        return True
 
     async def _flush_reports(self) -> None:
         """Send queued usage reports. The region's deadline comes before the allocator's
