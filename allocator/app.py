@@ -8,9 +8,8 @@ are mapped to the same problem shape; anything else is a logged 500 problem with
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
@@ -33,12 +32,16 @@ from kernel.errors import (
     Unauthorized,
     Unavailable,
     ValidationFailed,
+    problem_headers,
     to_problem,
 )
 from kernel.etcd_store import EtcdStore
 from kernel.etcd_tls import credentials as tls_credentials
+from kernel.ids import LEASE_ID, LEASE_ID_RE, REGION, REGION_RE, human
+from kernel.jsonbody import StrictJSONRequest, note_rejection
 from kernel.openapi_problems import document_problems
 from kernel.policy_store import PolicyStore
+from kernel.signing import TrustedKeys
 from kernel.wire import (
     LeaderInfo,
     LeaseBatchRequest,
@@ -60,7 +63,7 @@ from .settings import AllocatorSettings
 log = logging.getLogger("allocator.app")
 
 PROBLEM_JSON = "application/problem+json"
-LEASE_ID_RE = re.compile(r"[A-Za-z0-9._:-]{8,96}")
+BODY_REJECTIONS = frozenset({400, 413, 415, 422})  # logged as one short, rate-limited line each
 
 Guard = Callable[[ASGIConnection, BaseRouteHandler], Any]
 
@@ -79,7 +82,9 @@ async def region_auth_guard(connection: ASGIConnection, handler: BaseRouteHandle
 # -- error mapping ------------------------------------------------------------------------------
 def problem_response(exc: LeaseholdError, path: str | None = None) -> Response[Any]:
     status, body = to_problem(exc, instance=path)
-    headers = {}
+    if status in BODY_REJECTIONS:
+        note_rejection(path or "", status, exc.detail)
+    headers = problem_headers(exc)
     if exc.retriable:
         headers["Retry-After"] = "1"
     return Response(content=body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
@@ -113,7 +118,10 @@ def _http_handler(request: Request, exc: HTTPException) -> Response[Any]:
         err = BadRequest(detail)
         err.status = status
     else:
-        log.error("HTTP %s on %s: %s", status, request.url.path, detail)
+        if "disconnected" in detail:  # Litestar's answer to a client gone mid-body (e.g. a body deadline)
+            log.debug("client disconnected on %s", request.url.path)
+        else:
+            log.error("HTTP %s on %s: %s", status, request.url.path, detail)
         err = LeaseholdError("internal error")
     return problem_response(err, request.url.path)
 
@@ -129,8 +137,8 @@ def _engine(state: State) -> Engine:
 
 
 def _check_lease_id(lease_id: str) -> None:
-    if not LEASE_ID_RE.fullmatch(lease_id):
-        raise BadRequest(f"leaseId must match {LEASE_ID_RE.pattern}")
+    if not LEASE_ID_RE.match(lease_id):
+        raise BadRequest(f"leaseId must match {human(LEASE_ID)}")
 
 
 @post("/v1/leases", status_code=200, guards=[region_auth_guard])
@@ -173,19 +181,24 @@ async def post_usage(request: Request, lease_id: FromPath[str], data: JSONBody[U
     _check_lease_id(lease_id)
     if data.lease_id != lease_id:
         raise BadRequest(f"body leaseId {data.lease_id!r} does not match the path's {lease_id!r}")
-    require_region(request.scope, data.region)
-    if request.scope.get(SCOPE_KEY) is not None:
-        with suppress(NotFound):  # an unknown lease is the engine's answer to give
-            require_region(request.scope, (await _engine(state).get_record(lease_id)).grant.region)
+    require_region(request.scope, data.region)  # lease ids are looked up in the region's own namespace
     return await _engine(state).report(data)
 
 
 @get("/v1/leases/{lease_id:str}", guards=[region_auth_guard])
-async def get_lease(request: Request, lease_id: FromPath[str], state: State) -> GrantRecord:
+async def get_lease(request: Request, lease_id: FromPath[str], state: State,
+                    region: str | None = None) -> GrantRecord:
+    """A lease of the calling region (``region`` defaults to the authenticated region and is
+    required with authentication off). Another region's lease and no lease answer the same 404."""
     _check_lease_id(lease_id)
-    record = await _engine(state).get_record(lease_id)
-    require_region(request.scope, record.grant.region)
-    return record
+    caller = request.scope.get(SCOPE_KEY)
+    region = region or caller
+    if region is None:
+        raise BadRequest("the region query parameter is required when authentication is disabled")
+    if not REGION_RE.match(region):
+        raise BadRequest(f"region must match {human(REGION)}")
+    require_region(request.scope, region)
+    return await _engine(state).get_record(region, lease_id)
 
 
 @get("/v1/leader")
@@ -245,6 +258,8 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
                clock: Callable[[], int] = wall_ms, auth_guard: Guard | None = None) -> Litestar:
     """Build the app. The etcd client, election and committer start in the app's lifespan."""
     bundle = bundle if bundle is not None else load_bundle_file(settings.policy)
+    trusted = TrustedKeys.from_files(settings.policy_public_keys)
+    trusted.check(bundle)  # the start bundle too (raises SignatureRefused, a PolicyError)
     pools = {p.id: p for p in bundle.pools}
     if auth_guard is None and not settings.auth_disabled:
         auth_guard = RegionAuth(TokenTable.parse(settings.region_tokens, settings.region_tokens_file))
@@ -267,7 +282,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         app.state.engine = engine
         engine.start()
         election.start()
-        follower = AllocatorPolicy(bundle, engine, m)
+        follower = AllocatorPolicy(bundle, engine, m, trusted)
         app.state.policy = follower
         watcher = follower.watcher(PolicyStore(store, settings.prefix), settings.policy_reread_ms / 1000)
         if settings.policy_from_etcd:
@@ -290,6 +305,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
                             Exception: _internal_handler},
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Leasehold allocator", version="1.0.0", path="/schema"),
+        request_class=StrictJSONRequest,  # kernel.jsonbody: application/json only, strict typed decoding
         debug=False,
     )
     document_problems(app)

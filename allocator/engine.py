@@ -63,7 +63,7 @@ def wall_ms() -> int:
 
 
 class GrantRecord(msgspec.Struct, rename="camel"):
-    """What ``grants/<leaseId>`` holds: the grant as answered, plus its usage report."""
+    """What ``grants/<region>/<leaseId>`` holds: the grant as answered, plus its usage report."""
 
     grant: LeaseGrant
     demand: int = 0
@@ -105,8 +105,10 @@ class Keys:
     def window(self, pool: str, index: int) -> bytes:
         return f"{self.prefix}pools/{pool}/{index}".encode()
 
-    def grant(self, lease_id: str) -> bytes:
-        return f"{self.prefix}grants/{lease_id}".encode()
+    def grant(self, region: str, lease_id: str) -> bytes:
+        """A lease id is the idempotency key of the region that minted it: one namespace per
+        region, so no region can learn whether another region used an id (or claim it)."""
+        return f"{self.prefix}grants/{region}/{lease_id}".encode()
 
     def pool_prefix(self, pool: str) -> bytes:
         return f"{self.prefix}pools/{pool}/".encode()
@@ -130,7 +132,7 @@ class Engine:
         self.keys = Keys(self.prefix)
         self.max_group = max(1, min(self.max_group, MAX_GROUP))
         self._queue: asyncio.Queue[_GrantJob | _UsageJob] = asyncio.Queue()
-        self._inflight: dict[str, _GrantJob] = {}
+        self._inflight: dict[tuple[str, str], _GrantJob] = {}  # (region, lease id)
         self._cache: dict[tuple[str, int], _Cached] = {}
         self._last_prune_ms = 0  # wall ms of the last cache scan (_prune_cache)
         self._buckets = LeaseBuckets(self.store)
@@ -205,10 +207,10 @@ class Engine:
         self._queue.put_nowait(_UsageJob(report, fut, epoch))
         return await fut
 
-    async def get_record(self, lease_id: str) -> GrantRecord:
-        kv = await self.store.get(self.keys.grant(lease_id))
+    async def get_record(self, region: str, lease_id: str) -> GrantRecord:
+        kv = await self.store.get(self.keys.grant(region, lease_id))
         if kv is None:
-            raise NotFound(f"no lease {lease_id!r}")
+            raise NotFound(f"no lease {lease_id!r} for region {region!r}")
         return msgspec.json.decode(kv.value, type=GrantRecord)
 
     async def window_view(self, pool_id: str) -> PoolWindowView:
@@ -234,7 +236,7 @@ class Engine:
         the future is shared, so callers must not cancel it."""
         pool = self.pool(req.pool)
         policy.check_region(pool, req.region)
-        existing = self._inflight.get(req.lease_id)
+        existing = self._inflight.get((req.region, req.lease_id))
         if existing is not None:
             _check_same(existing.req.pool, existing.req.region, req)
             return existing.fut
@@ -242,8 +244,8 @@ class Engine:
         self._check_backlog()
         fut: asyncio.Future[LeaseGrant] = asyncio.get_running_loop().create_future()
         job = _GrantJob(req, fut, epoch)
-        self._inflight[req.lease_id] = job
-        fut.add_done_callback(lambda _f: self._inflight.pop(req.lease_id, None))
+        self._inflight[(req.region, req.lease_id)] = job
+        fut.add_done_callback(lambda _f: self._inflight.pop((req.region, req.lease_id), None))
         self._queue.put_nowait(job)
         return fut
 
@@ -327,13 +329,17 @@ class Engine:
                     pending.remove(job)
             if not pending:
                 return
-            await self._load_windows(set(targets.values()))
-            work = {wk: self._cache[wk].state.copy() for wk in set(targets.values())}
+            wanted = set(targets.values())
+            previous = {(p, k - 1) for p, k in wanted}  # read only: the regions' spend history (demand caps)
+            await self._load_windows(wanted | previous)
+            work = {wk: self._cache[wk].state.copy() for wk in wanted}
             answers: list[tuple[_GrantJob, LeaseGrant, policy.GrantDecision]] = []
             for job in pending:
                 r = job.req
-                d = policy.decide_grant(self.pools[r.pool], work[targets[id(job)]], region=r.region, want=r.want,
-                                        demand=r.demand, now_ms=now)
+                wk = targets[id(job)]
+                d = policy.decide_grant(self.pools[r.pool], work[wk], region=r.region, want=r.want,
+                                        demand=r.demand, now_ms=now,
+                                        previous=self._cache[(wk[0], wk[1] - 1)].state)
                 g = LeaseGrant(lease_id=r.lease_id, pool=r.pool, region=r.region, granted=d.granted,
                                window=d.window, expires_at_ms=d.expires_at_ms, ttl_ms=d.ttl_ms,
                                starts_in_ms=d.starts_in_ms, epoch=epoch, issued_at_ms=now, remaining=d.remaining)
@@ -344,7 +350,7 @@ class Engine:
             for wk in wks:
                 rev = self._cache[wk].mod_revision
                 compare.append(t.mod(self.keys.window(*wk)) == rev if rev else t.version(self.keys.window(*wk)) == 0)
-            compare += [t.version(self.keys.grant(j.req.lease_id)) == 0 for j in pending]
+            compare += [t.version(self.keys.grant(j.req.region, j.req.lease_id)) == 0 for j in pending]
             try:
                 success = []
                 lids: dict[tuple[str, int], int] = {}  # one etcd lease per window's records
@@ -354,7 +360,7 @@ class Engine:
                     success.append(t.put(self.keys.window(*wk), msgspec.json.encode(work[wk]), lease=lid))
                 encode = msgspec.json.encode
                 for job, g, _ in answers:
-                    success.append(t.put(self.keys.grant(job.req.lease_id),
+                    success.append(t.put(self.keys.grant(job.req.region, job.req.lease_id),
                                          encode(GrantRecord(grant=g, demand=job.req.demand)),
                                          lease=lids[targets[id(job)]]))
                 ok, responses = await self.store.txn(compare, success, [])
@@ -364,7 +370,8 @@ class Engine:
                     # conflict is rare, and what is read after it is as good to decide on: a
                     # create_revision never goes back, and a grant record found is final)
                     found = await self.store.get_many([self.keys.leader, *(self.keys.window(*wk) for wk in wks),
-                                                       *(self.keys.grant(j.req.lease_id) for j in pending)])
+                                                       *(self.keys.grant(j.req.region, j.req.lease_id)
+                                                         for j in pending)])
             except EtcdLeaseMissing:
                 self._buckets.forget()
                 self.metrics.txn_retries.labels("grant").inc()
@@ -393,14 +400,14 @@ class Engine:
                 self._cache[wk] = (_Cached(msgspec.json.decode(kv.value, type=policy.WindowState), kv.mod_revision)
                                    if kv is not None else _Cached(policy.new_window(self.pools[wk[0]], wk[1]), 0))
             for job in list(pending):
-                kv = found.get(self.keys.grant(job.req.lease_id))
+                kv = found.get(self.keys.grant(job.req.region, job.req.lease_id))
                 if kv is not None:
                     pending.remove(job)
                     self._answer_replay(job, kv.value)
             if not pending:
                 return
             self.metrics.txn_retries.labels("grant").inc()
-            log.info("grant txn conflict (attempt %d), retrying %d grants", attempt + 1, len(pending))
+            log.debug("grant txn conflict (attempt %d), retrying %d grants", attempt + 1, len(pending))
         raise Unavailable(f"lease grant not committed after {self.max_attempts} conflicting attempts; retry",
                           extra={"attempts": self.max_attempts})
 
@@ -429,6 +436,9 @@ class Engine:
             self.metrics.empty_grants.labels(g.pool, self.metrics.region(g.region)).inc()
         if d.exhausted_now:
             self.metrics.exhaustions.labels(g.pool).inc()
+        pool = self.pools.get(g.pool)
+        if pool is not None:
+            self.metrics.note_grant_window(g.pool, d.window, pool.limit, d.remaining)
 
     def _prune_cache(self, now: int) -> None:
         """Forget windows that ended more than one window ago; count their unreported tokens.
@@ -450,21 +460,21 @@ class Engine:
         pool = self.pool(rep.pool)
         for _attempt in range(self.max_attempts):
             epoch = job.epoch
-            gkey = self.keys.grant(rep.lease_id)
+            gkey = self.keys.grant(rep.region, rep.lease_id)
             gkv = await self.store.get(gkey)
             if gkv is None:
-                raise NotFound(f"no lease {rep.lease_id!r}")
+                raise NotFound(f"no lease {rep.lease_id!r} for region {rep.region!r}")
             rec = msgspec.json.decode(gkv.value, type=GrantRecord)
-            if rec.grant.pool != rep.pool or rec.grant.region != rep.region:
-                raise Conflict(f"lease {rep.lease_id!r} belongs to pool {rec.grant.pool!r} region "
-                               f"{rec.grant.region!r}, not pool {rep.pool!r} region {rep.region!r}")
+            if rec.grant.pool != rep.pool:  # the region's own lease: naming its pool tells it nothing new
+                raise Conflict(f"lease {rep.lease_id!r} belongs to pool {rec.grant.pool!r}, not {rep.pool!r}")
             if rec.reported:
                 _settle(job.fut, _receipt(rec, replayed=True))
                 return
             now = self.clock()
             d = policy.decide_reclaim(granted=rec.grant.granted, spent=rep.spent,
                                       expires_at_ms=rec.grant.expires_at_ms,
-                                      window_end_ms=rec.grant.window.end_ms, now_ms=now)
+                                      window_end_ms=rec.grant.window.end_ms, now_ms=now,
+                                      closed_early=rep.closed_early)
             wk = (pool.id, rec.grant.window.index)
             t = self.store.t
             compare = [t.create(self.keys.leader) == epoch, t.mod(gkey) == gkv.mod_revision]
@@ -478,7 +488,7 @@ class Engine:
                     returned, stranded = 0, d.returned + d.stranded
                 else:
                     new_state = cached.state.copy()
-                    policy.apply_reclaim(new_state, rep.region, returned, rec.grant.granted)
+                    policy.apply_reclaim(new_state, rep.region, returned, rec.grant.granted, rep.spent)
                     lid = await self._buckets.lease_for(self._record_lease_expiry(pool, wk[1]), now)
                     compare.append(t.mod(self.keys.window(*wk)) == cached.mod_revision)
                     success.append(t.put(self.keys.window(*wk), msgspec.json.encode(new_state), lease=lid))
@@ -558,5 +568,5 @@ def _receipt(rec: GrantRecord, *, replayed: bool) -> UsageReceipt:
 
 def _check_same(pool: str, region: str, req: LeaseRequest) -> None:
     if pool != req.pool or region != req.region:
-        raise Conflict(f"lease id {req.lease_id!r} is already used for pool {pool!r} region {region!r}",
-                       extra={"leaseId": req.lease_id})
+        # ``region`` is the caller's own (lease ids are per region): nothing about other regions
+        raise Conflict(f"lease id {req.lease_id!r} is already used for pool {pool!r}", extra={"leaseId": req.lease_id})

@@ -11,6 +11,7 @@ from msgspec import Meta
 
 from kernel.config import ConfigError, load_settings
 from kernel.etcd_store import parse_endpoints
+from kernel.ids import EtcdPrefix, NodeId
 
 ENV_PREFIX = "LEASEHOLD_ALLOCATOR_"
 
@@ -20,11 +21,11 @@ class AllocatorSettings(msgspec.Struct, forbid_unknown_fields=True):
 
     etcd: str  # comma-separated host:port list
     policy: str  # policy bundle file (its pools section)
-    node_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,64}\Z")]
+    node_id: NodeId
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=1, le=65535)] = 8700
     advertise_url: str | None = None  # how the other replicas and regions reach this one
-    prefix: Annotated[str, Meta(pattern=r"^/[A-Za-z0-9._/-]*/\Z")] = "/leasehold/"
+    prefix: EtcdPrefix = "/leasehold/"
     election_ttl_s: Annotated[int, Meta(ge=2, le=60)] = 3
     etcd_timeout_ms: Annotated[int, Meta(ge=50, le=30_000)] = 2_000
     max_body_bytes: Annotated[int, Meta(ge=1_024, le=16 * 1024 * 1024)] = 1024 * 1024
@@ -41,6 +42,18 @@ class AllocatorSettings(msgspec.Struct, forbid_unknown_fields=True):
     tls_key_file: str | None = None  # ... with this key
     policy_from_etcd: bool = True  # follow <prefix>policy/current (strictly higher versions only)
     policy_reread_ms: Annotated[int, Meta(ge=50, le=600_000)] = 5_000  # safety-net re-read period
+    policy_public_keys: list[str] = []  # Ed25519 public key PEM files: bundles must be signed by one of them
+    access_log: bool = False  # one line per HTTP request (uvicorn's access log); off by default
+    http_max_header_bytes: Annotated[int, Meta(ge=1_024, le=1_048_576)] = 16_384  # request line + headers: 431
+    http_max_headers: Annotated[int, Meta(ge=8, le=1_000)] = 100  # header fields per request: 431
+    http_header_timeout_ms: Annotated[int, Meta(ge=100, le=600_000)] = 10_000  # head complete within: 408
+    http_body_timeout_ms: Annotated[int, Meta(ge=100, le=600_000)] = 10_000  # body complete after the head: 408
+
+    def http_limits(self):
+        from kernel.httpserver import HttpLimits
+        return HttpLimits(max_header_bytes=self.http_max_header_bytes, max_headers=self.http_max_headers,
+                          header_timeout_s=self.http_header_timeout_ms / 1000,
+                          body_timeout_s=self.http_body_timeout_ms / 1000)
 
     @property
     def url(self) -> str:

@@ -1,6 +1,6 @@
 """Read the allocator's own records back from etcd after a run, as history records.
 
-Adapter: uses the allocator's etcd client and key layout (``<prefix>grants/<leaseId>``,
+Adapter: uses the allocator's etcd client and key layout (``<prefix>grants/<region>/<leaseId>``,
 ``<prefix>pools/<pool>/<k>``, ``<prefix>leader``) and its stored types, so the checker judges
 exactly what the allocator committed. A grant's commit revision is its record's
 ``create_revision``: a later usage report rewrites the record (new mod_revision) under the

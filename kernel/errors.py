@@ -60,8 +60,20 @@ class Conflict(LeaseholdError):
     status, code, title = 409, "conflict", "Conflicts with the current state"
 
 
+class DecisionConflict(Conflict):
+    """A decision id (``requestId``) already has a decision record for another question (tenant,
+    principal, route group or cost differ): the stored answer is not given to this caller, and
+    nothing is charged. Use a fresh request id."""
+
+    code, title = "decision-conflict", "Request id already used for another question"
+
+
 class PayloadTooLarge(LeaseholdError):
     status, code, title = 413, "payload-too-large", "Request body too large"
+
+
+class UnsupportedMediaType(LeaseholdError):
+    status, code, title = 415, "unsupported-media-type", "Request body must be application/json"
 
 
 # --- policy errors: the configuration is wrong; alert, do not retry -----------------------
@@ -130,6 +142,14 @@ class StaleEpoch(LeaseholdError):
     """A grant carries an epoch older than one already seen; it is refused."""
 
     status, code, title = 409, "stale-epoch", "Grant from a deposed allocator epoch"
+
+
+WWW_AUTHENTICATE = 'Bearer realm="leasehold"'
+
+
+def problem_headers(exc: LeaseholdError) -> dict[str, str]:
+    """Response headers an error's answer carries: ``WWW-Authenticate`` on every 401 (RFC 9110)."""
+    return {"WWW-Authenticate": WWW_AUTHENTICATE} if exc.status == 401 else {}
 
 
 def is_retriable(exc: BaseException) -> bool:

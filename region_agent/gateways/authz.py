@@ -25,7 +25,7 @@ import msgspec
 from litestar import asgi
 
 from kernel.auth import SCOPE_KEY, authenticate
-from kernel.errors import BadRequest, LeaseholdError, ValidationFailed, to_problem
+from kernel.errors import BadRequest, LeaseholdError, ValidationFailed, problem_headers, to_problem
 
 from .answer import authz_answer
 from .mapping import BadQuestion, authz_question
@@ -70,7 +70,7 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
         tokens = gw.gateway_tokens()
         if tokens is not None:
             alt = hdrs.get(names.headers["token"])
-            who = authenticate(tokens, {"authorization": alt} if alt is not None else hdrs)
+            who = authenticate(tokens, [("authorization", alt)] if alt is not None else scope.get("headers", ()))
             scope[SCOPE_KEY] = "gateway:" + who
         deny = hdrs.get(names.headers["deny_status"])
         if deny is not None and deny not in DENY_STATUSES:
@@ -84,7 +84,7 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
         if isinstance(e, ValidationFailed):
             gw.metrics.authz_invalid.labels(e.reason if isinstance(e, BadQuestion) else "bad_value").inc()
         status, problem = to_problem(e, instance=PATH)
-        return status, {"content-type": "application/problem+json"}, _encode(problem)
+        return status, {"content-type": "application/problem+json", **problem_headers(e)}, _encode(problem)
 
 
 __all__ = ["PATH", "answer", "authz"]
