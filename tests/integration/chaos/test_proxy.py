@@ -208,8 +208,9 @@ async def test_proxy_host_process_hosts_proxies_with_the_fault_api(redis_server:
             await rb.aclose()
         import httpx
 
-        assert httpx.post(host.control + "/proxies/99/heal").status_code == 400
-        assert httpx.post(host.control + "/proxies", json={"upstreamPort": 0}).status_code == 400
+        async with httpx.AsyncClient() as c:
+            assert (await c.post(host.control + "/proxies/99/heal")).status_code == 400
+            assert (await c.post(host.control + "/proxies", json={"upstreamPort": 0})).status_code == 400
     finally:
         host.stop()
     assert not host.alive()
