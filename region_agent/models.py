@@ -48,7 +48,8 @@ class ReleaseRequest(Struct, rename="camel", forbid_unknown_fields=True, frozen=
 
 DeniedScope = Literal["user", "key", "route", "tenant", "global", "concurrency", "ip"]
 Reason = Literal["RATE_EXCEEDED", "CONCURRENCY_EXCEEDED", "LIMITER_UNAVAILABLE", "POLICY_ERROR", "POLICY_STALE",
-                 "REQUEST_ID_CONFLICT"]  # the last: a batch item whose requestId was decided for another question
+                 "REQUEST_ID_CONFLICT",  # a batch item whose requestId was decided for another question
+                 "OVERLOADED"]
 
 
 class Decision(Struct, rename="camel", omit_defaults=False):
@@ -76,6 +77,15 @@ class BatchDecisions(Struct, rename="camel"):
 class ReleaseResult(Struct, rename="camel"):
     request_id: str
     released: int  # concurrency gates the request was evaluated against
+
+
+RenewRequest = ReleaseRequest  # the same question: which request's concurrency slots
+
+
+class RenewResult(Struct, rename="camel"):
+    request_id: str
+    renewed: int  # gates whose slot was live and now lasts concurrencyTtlMs from now
+    gates: int  # concurrency gates the request was evaluated against (renewed < gates: a slot is gone)
 
 
 class PolicyInfo(Struct, rename="camel"):
