@@ -41,6 +41,7 @@ from kernel.ids import LEASE_ID, LEASE_ID_RE, REGION, REGION_RE, human
 from kernel.jsonbody import StrictJSONRequest, note_rejection
 from kernel.openapi_problems import document_problems
 from kernel.policy_store import PolicyStore
+from kernel.signing import TrustedKeys
 from kernel.wire import (
     LeaderInfo,
     LeaseBatchRequest,
@@ -257,6 +258,8 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
                clock: Callable[[], int] = wall_ms, auth_guard: Guard | None = None) -> Litestar:
     """Build the app. The etcd client, election and committer start in the app's lifespan."""
     bundle = bundle if bundle is not None else load_bundle_file(settings.policy)
+    trusted = TrustedKeys.from_files(settings.policy_public_keys)
+    trusted.check(bundle)  # the start bundle too (raises SignatureRefused, a PolicyError)
     pools = {p.id: p for p in bundle.pools}
     if auth_guard is None and not settings.auth_disabled:
         auth_guard = RegionAuth(TokenTable.parse(settings.region_tokens, settings.region_tokens_file))
@@ -279,7 +282,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         app.state.engine = engine
         engine.start()
         election.start()
-        follower = AllocatorPolicy(bundle, engine, m)
+        follower = AllocatorPolicy(bundle, engine, m, trusted)
         app.state.policy = follower
         watcher = follower.watcher(PolicyStore(store, settings.prefix), settings.policy_reread_ms / 1000)
         if settings.policy_from_etcd:

@@ -436,6 +436,9 @@ class Engine:
             self.metrics.empty_grants.labels(g.pool, self.metrics.region(g.region)).inc()
         if d.exhausted_now:
             self.metrics.exhaustions.labels(g.pool).inc()
+        pool = self.pools.get(g.pool)
+        if pool is not None:
+            self.metrics.note_grant_window(g.pool, d.window, pool.limit, d.remaining)
 
     def _prune_cache(self, now: int) -> None:
         """Forget windows that ended more than one window ago; count their unreported tokens.

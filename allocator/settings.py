@@ -42,6 +42,7 @@ class AllocatorSettings(msgspec.Struct, forbid_unknown_fields=True):
     tls_key_file: str | None = None  # ... with this key
     policy_from_etcd: bool = True  # follow <prefix>policy/current (strictly higher versions only)
     policy_reread_ms: Annotated[int, Meta(ge=50, le=600_000)] = 5_000  # safety-net re-read period
+    policy_public_keys: list[str] = []  # Ed25519 public key PEM files: bundles must be signed by one of them
     access_log: bool = False  # one line per HTTP request (uvicorn's access log); off by default
     http_max_header_bytes: Annotated[int, Meta(ge=1_024, le=1_048_576)] = 16_384  # request line + headers: 431
     http_max_headers: Annotated[int, Meta(ge=8, le=1_000)] = 100  # header fields per request: 431

@@ -24,6 +24,9 @@ REGION = r"^[a-z0-9-]{1,32}\Z"
 LEASE_ID = r"^[A-Za-z0-9._:-]{8,96}\Z"
 NODE_ID = r"^[A-Za-z0-9._-]{1,64}\Z"
 ETCD_PREFIX = r"^/[A-Za-z0-9._/-]*/\Z"
+OWNER = r"^[A-Za-z0-9._@-]{1,64}\Z"  # an exempt rule's owner (written into audit events)
+KEY_ID = r"^[0-9a-f]{16}\Z"  # a policy-signing key id (kernel.signing)
+SIGNATURE = r"^ed25519:[A-Za-z0-9+/]{86}==\Z"  # a bundle signature: base64 of 64 bytes
 
 REQUEST_ID_RE = re.compile(REQUEST_ID)
 TENANT_RE = re.compile(TENANT_ID)
@@ -34,6 +37,9 @@ POOL_ID_RE = re.compile(POOL_ID)
 REGION_RE = re.compile(REGION)
 LEASE_ID_RE = re.compile(LEASE_ID)
 NODE_ID_RE = re.compile(NODE_ID)
+OWNER_RE = re.compile(OWNER)
+KEY_ID_RE = re.compile(KEY_ID)
+SIGNATURE_RE = re.compile(SIGNATURE)
 
 RequestId = Annotated[str, Meta(pattern=REQUEST_ID)]
 TenantId = Annotated[str, Meta(pattern=TENANT_ID)]

@@ -10,7 +10,10 @@ Traffic (bounded in rate, concurrency and time): 40 Atlas users reading (togethe
 Atlas's worldwide 1,000 per minute, so both regions see tenant-atlas-global 429s once the window's
 pool is spent; one of them, U-17, far above P-READ so it collects 429s of its own), Birch users reading, Atlas exports (cost 10,
 concurrency 3, released after a few seconds) and anonymous logins from a few IPs (one of
-them abusive, so P-ANON bites).
+them abusive, so P-ANON bites). Besides, the operators' internal health prober asks each agent
+directly, about twice a second, for tenant ``northstar-ops`` on route group ``probe``: a capped,
+owned, audited bypass (seed ch. 16, I14) - it reaches its cap of 60 per minute, and every use is
+in ``.run/audit-<region>-<n>.jsonl``.
 """
 
 from __future__ import annotations
@@ -145,10 +148,24 @@ class Driver:
         self.tasks.add(t)
         t.add_done_callback(self.tasks.discard)
 
+    async def probe(self) -> None:
+        """One health probe per region from the operators' prober, straight to an agent."""
+        for region, urls in self.topo.agent_urls.items():
+            body = {"requestId": f"probe-{uuid.uuid4().hex[:20]}", "tenantId": "northstar-ops",
+                    "principal": {"type": "service", "id": "prober"}, "routeGroup": "probe"}
+            try:
+                await self.agents.post(self.rng.choice(urls) + "/v1/admit", json=body)
+            except httpx.HTTPError:
+                self.stats[region].errors += 1
+
     async def run(self, until: float, stop: asyncio.Event) -> None:
         tick = 0.05
         carry = 0.0
+        ticks = 0
         while time.monotonic() < until and not stop.is_set():
+            ticks += 1
+            if ticks % 10 == 0 and len(self.tasks) < 512:
+                self._spawn(self.probe())
             carry += self.rate * tick
             n, carry = int(carry), carry - int(carry)
             for _ in range(n):

@@ -46,6 +46,9 @@ class TopologySpec:
     auth: bool = False  # bearer tokens generated into <run_dir>/secrets (``leasehold up`` turns this on);
     #                     False passes an explicit --auth-disabled true to every service
     policy_from_etcd: bool = False  # agents follow <prefix>policy/current (``leasehold policy publish``)
+    signed: bool = False  # a policy-signing key pair in <run_dir>/secrets: the start bundle is signed with it,
+    #                       every service trusts only its public key, and etcd carries the signing marker
+    extra_public_keys: tuple[str, ...] = ()  # more trusted public keys (a key rotation in progress)
     rls: bool = False  # every agent also serves Envoy's rate limit service (--rls-port, a free port each)
     insecure_dev_pepper: bool = False  # opt in to the agents' public development pepper; by default a
     #                                    random pepper is generated into <run_dir>/secrets/pepper
@@ -72,6 +75,8 @@ class Topology:
     agent_urls: dict[str, list[str]] = field(default_factory=dict)
     rls_ports: dict[str, list[int]] = field(default_factory=dict)  # per region, per agent (spec.rls)
     secrets: Secrets | None = None  # the generated credentials when spec.auth
+    signing: tuple[Path, Path] | None = None  # (private key, public key) when spec.signed
+    policy_path: Path | None = None  # the start bundle the services load (signed copy when spec.signed)
     pepper_file: Path | None = None  # the agents' generated pepper (None with spec.insecure_dev_pepper)
 
     @property
@@ -98,12 +103,19 @@ class Topology:
         if not self.spec.insecure_dev_pepper:
             import secrets as _secrets
             self.pepper_file = write_secret(run / "secrets", "pepper", _secrets.token_urlsafe(32))
+        self.policy_path = self.spec.policy
+        trust: list[str] = []
+        if self.spec.signed:
+            self.signing, self.policy_path = sign_start_bundle(run, self.spec.policy)
+            trust = ["--policy-public-keys", ",".join([str(self.signing[1]), *self.spec.extra_public_keys])]
         try:
             if self.spec.with_allocator:
                 # a fresh cluster every run: a previous run's data dir has its (now unknown) users and
                 # auth enabled, and its pools/grants belong to that run
                 shutil.rmtree(run / "etcd", ignore_errors=True)
                 self.etcd = EtcdCluster(run / "etcd", members=self.spec.etcd_members).start(timeout)
+                if self.signing:  # before auth is on: ``policy publish`` refuses unsigned bundles
+                    self.etcd.etcdctl("put", "/leasehold/policy/signing", stdin=signing_marker(self.signing[1]))
                 if self.secrets:
                     self.secrets.enable_etcd_auth(self.etcd)
                 for i in range(self.spec.allocators):
@@ -111,7 +123,7 @@ class Topology:
                     url = f"http://{LOOPBACK}:{port}"
                     proc = Proc(f"allocator-{i + 1}", [
                         sys.executable, "-m", "allocator", "--etcd", ",".join(self.etcd.endpoints),
-                        "--policy", str(self.spec.policy), "--node-id", f"alloc-{i + 1}",
+                        "--policy", str(self.policy_path), "--node-id", f"alloc-{i + 1}", *trust,
                         "--host", LOOPBACK, "--port", str(port), "--advertise-url", url,
                         *(self.secrets.allocator_args() if self.secrets else ("--auth-disabled", "true")),
                         *self.spec.allocator_args,
@@ -131,8 +143,8 @@ class Topology:
                     redis_url = (f"redis://agent@{LOOPBACK}:{self.redis[region].port}/0" if self.secrets
                                  else self.redis[region].url)  # ACL user; its password from a file
                     args = [sys.executable, "-m", "region_agent", "--redis-url", redis_url,
-                            "--policy", str(self.spec.policy), "--region", region,
-                            "--host", LOOPBACK, "--port", str(port)]
+                            "--policy", str(self.policy_path), "--region", region,
+                            "--host", LOOPBACK, "--port", str(port), *trust]
                     if self.allocator_urls and self.spec.link_agents_to_allocator:
                         args += ["--allocator-urls", ",".join(self.allocator_urls)]
                     args += self.secrets.agent_args(region) if self.secrets else ["--auth-disabled", "true"]
@@ -140,6 +152,7 @@ class Topology:
                         args += ["--policy-etcd", ",".join(self.etcd.endpoints)]
                         if self.secrets:
                             args += self.secrets.agent_etcd_args()
+                    args += ["--audit-log", str(run / f"audit-{region}-{j + 1}.jsonl")]  # privileged bypasses
                     if self.spec.rls:
                         rls_port = free_port()
                         args += ["--rls-port", str(rls_port)]
@@ -199,6 +212,7 @@ class Topology:
         path = self.spec.run_dir / "topology.json"
         path.write_text(json.dumps({"started": time.time(), "policy": str(self.spec.policy),
                                     "secrets": str(self.secrets.dir) if self.secrets else None,
+                                    "signingKey": str(self.signing[0]) if self.signing else None,
                                     "services": [asdict(s) for s in self.services()]}, indent=2))
 
 
@@ -281,6 +295,32 @@ def write_secret(d: Path, name: str, text: str) -> Path:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     return path
+
+
+def sign_start_bundle(run: Path, policy: Path) -> tuple[tuple[Path, Path], Path]:
+    """A fresh Ed25519 key pair in ``<run>/secrets`` (0700; the private key 0600) and the start
+    bundle signed with it at ``<run>/policy.signed.json``."""
+    from kernel.bundle import encode_bundle, load_bundle_file
+    from kernel.signing import generate_keypair, load_private_key, sign_bundle
+
+    d = run / "secrets"
+    d.mkdir(parents=True, exist_ok=True)
+    d.chmod(0o700)
+    key, pub = generate_keypair(d, "policy-signing")
+    signed = run / "policy.signed.json"
+    signed.write_bytes(encode_bundle(sign_bundle(load_bundle_file(str(policy)), load_private_key(key))) + b"\n")
+    return (key, pub), signed
+
+
+def signing_marker(pub: Path) -> str:
+    """The etcd signing marker (kernel.policy_store.SigningMarker) trusting ``pub``."""
+    import msgspec
+
+    from kernel.policy_store import SigningMarker
+    from kernel.signing import key_id_of, load_public_key, public_key_text
+
+    k = load_public_key(pub)
+    return msgspec.json.encode(SigningMarker(keys={key_id_of(k): public_key_text(k)})).decode()
 
 
 def _sha(token: str) -> str:

@@ -12,6 +12,7 @@ import sys
 from kernel.bundle import load_bundle_file
 from kernel.config import ConfigError
 from kernel.errors import PolicyError
+from kernel.signing import TrustedKeys
 
 from .settings import ENV_PREFIX, AgentSettings, load_agent_settings, resolve_pepper
 
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         bundle = load_bundle_file(settings.policy)
+        TrustedKeys.from_files(settings.policy_public_keys).check(bundle)
     except PolicyError as e:
         print(f"region_agent: refusing to start: {e.detail}", file=sys.stderr)
         for problem in e.errors:

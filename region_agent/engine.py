@@ -49,6 +49,7 @@ from .plan import (
     tokens_remaining,
 )
 from .pool_allowance import PoolWindowAllowance
+from .telemetry import DecisionTelemetry
 
 log = logging.getLogger("region_agent.engine")
 
@@ -90,7 +91,7 @@ class Engine:
                  fallback: LocalFallback | None = None, budget_ms: int = 50,
                  clock: Callable[[], float] = time.monotonic, leases: Any | None = None,
                  negative: NegativeCache | None = None, wall_clock: Callable[[], float] = time.time,
-                 allocator_clock: AllocatorClock | None = None):
+                 allocator_clock: AllocatorClock | None = None, telemetry: DecisionTelemetry | None = None):
         self.get_bundle = get_bundle
         self.keys = keys
         self.store = store
@@ -106,7 +107,8 @@ class Engine:
         self.fleet = FleetPools(store=store, metrics=metrics, leases=leases, now_ms=self.now_ms,
                                 windows=self.pool_windows, allowance=self.pool_allowance, budget_s=self.budget)
         self.negative = negative if negative is not None else NegativeCache()
-        self._decision_counters: dict[tuple, Any] = {}
+        # counters, latency, new keys and the bypass audit of each finished decision
+        self.telemetry = telemetry or DecisionTelemetry(metrics)
 
     def now_ms(self) -> float:
         return self.clock() * 1000.0
@@ -551,26 +553,8 @@ class Engine:
             d.fallback = True
         if d.allowed:
             self._count_pool_admissions(prep, d.fallback)
-        if d.allowed:
-            outcome = "fallback_allowed" if d.fallback else "allowed"
-        elif d.reason == "OVERLOADED":
-            outcome = "shed"
-        elif d.http_status == 503:
-            outcome = "unavailable"
-        elif d.http_status == 409:
-            outcome = "conflict"
-        else:
-            outcome = "fallback_denied" if d.fallback else "denied"
-        label = (outcome, d.policy_id, d.policy_version)
-        counter = self._decision_counters.get(label)
-        if counter is None:  # labels() validates and locks: resolve each child once
-            rule = memo_of(prep.bundle).rules_by_id.get(d.policy_id) if d.policy_id else None
-            if len(self._decision_counters) >= 10_000:
-                self._decision_counters.clear()
-            counter = self._decision_counters[label] = self.metrics.decisions.labels(
-                outcome, d.policy_id or "none", str(d.policy_version), rule.route_key if rule else "none")
-        counter.inc()
-        self.metrics.latency.observe(max(0.0, self.clock() - prep.started))
+        self.telemetry.decided(prep.plan, prep.bundle, d, self.clock() - prep.started, now=prep.started,
+                               touched_store=prep.early is None and not d.fallback and d.http_status != 503)
         return d
 
     def _count_pool_admissions(self, prep: _Prepared, fallback: bool) -> None:

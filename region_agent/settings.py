@@ -38,6 +38,12 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     policy_etcd_reread_ms: Annotated[int, Meta(ge=50, le=600_000)] = 5_000  # safety-net re-read period
     policy_etcd_user: str | None = None  # etcd user (read-only role on the policy key)
     policy_etcd_password_file: str | None = None  # or LEASEHOLD_AGENT_POLICY_ETCD_PASSWORD
+    policy_public_keys: list[str] = []  # Ed25519 public key PEM files: bundles must be signed by one of them
+    audit_log: str | None = None  # JSON lines of privileged-bypass (exempt rule) decisions; default: stderr
+    store_health_ms: Annotated[int, Meta(ge=0, le=600_000)] = 5_000  # INFO poll per shard (0 disables)
+    retry_jitter_pct: Annotated[int, Meta(ge=0, le=100)] = 10  # upward retry-hint jitter, % of the hint
+    retry_jitter_max_ms: Annotated[int, Meta(ge=0, le=600_000)] = 5_000  # ... and at most this much
+    retry_jitter_seed: str = ""  # keys the per-decision jitter (hash of seed and decisionId)
     decision_budget_ms: Annotated[int, Meta(ge=1, le=10_000)] = 50
     redis_socket_timeout_ms: Annotated[int, Meta(ge=10, le=60_000)] = 500  # a pipeline's read bound
     redis_max_connections: Annotated[int, Meta(ge=1, le=1024)] = 32

@@ -2,7 +2,8 @@
 # Leasehold's etcd users and roles (least privilege), then authentication on. Idempotent.
 #
 #   role                  user        permissions (under the prefix P, default /leasehold/)
-#   leasehold-publisher   publisher   readwrite  P policy/current          (the policy key only)
+#   leasehold-publisher   publisher   readwrite  P policy/current          (the policy key,
+#                                     readwrite  P policy/signing           and the signing marker only)
 #   leasehold-allocator   allocator   readwrite  P pools/ P grants/ (prefixes), P leader (key);
 #                                     read       P policy/ (prefix)
 #   leasehold-agent       agent       read       P policy/ (prefix)
@@ -58,6 +59,7 @@ etcdctl user grant-role root root >/dev/null
 
 ensure_role leasehold-publisher
 grant leasehold-publisher readwrite "${P}policy/current"
+grant leasehold-publisher readwrite "${P}policy/signing"  # the signing marker publish checks (kernel.policy_store)
 
 ensure_role leasehold-allocator
 grant leasehold-allocator readwrite "${P}pools/" prefix

@@ -33,6 +33,7 @@ from .lag import LoopLag
 log = logging.getLogger("region_agent.store")
 
 MULTI_RULE = "multi_rule"
+INFO_SECTIONS = ("memory", "stats", "clients", "replication", "keyspace", "commandstats")
 
 
 def translate(exc: BaseException, *, sent: bool = True) -> LeaseholdError:
@@ -143,17 +144,28 @@ class StoreGateway:
         except Exception:
             return False
 
-    async def store_health(self) -> dict[str, int]:
-        """Evicted keys, used and max memory, summed over the store's nodes (ch. 15 store health)."""
-        out = {"evicted_keys": 0, "used_memory": 0, "maxmemory": 0, "keys": 0}
-        info = await self.client.info()
-        nodes = info.values() if self.cluster and all(isinstance(v, dict) for v in info.values()) else [info]
-        for node in nodes:
-            for k in ("evicted_keys", "used_memory", "maxmemory"):
-                out[k] += int(node.get(k, 0) or 0)
-            out["keys"] += sum(int(v.get("keys", 0)) for n, v in node.items()
-                               if isinstance(v, dict) and str(n).startswith("db"))
+    async def info_by_shard(self) -> dict[str, dict[str, Any]]:
+        """The ``INFO`` sections store health reads, of every shard (``default`` for a standalone
+        Redis, each primary's ``host:port`` for a cluster), parsed by redis-py
+        (region_agent.store_health)."""
+        if not self.cluster:
+            return {"default": await self.client.info(*INFO_SECTIONS)}
+        out: dict[str, dict[str, Any]] = {}
+        for node in self.client.get_primaries():
+            info = await self.client.info(*INFO_SECTIONS, target_nodes=node)
+            if isinstance(info, dict) and node.name in info and isinstance(info[node.name], dict):
+                info = info[node.name]
+            out[node.name] = info
         return out
+
+    def shard_of(self, key: str) -> str:
+        """The shard owning ``key`` (its hash tag): ``default`` standalone, the primary's
+        ``host:port`` in a cluster (a metric label, bounded by the primaries)."""
+        if not self.cluster:
+            return "default"
+        from redis.crc import key_slot
+        node = self.client.nodes_manager.get_node_from_slot(key_slot(key.encode()))
+        return node.name if node is not None else "unknown"
 
     async def _run_pipeline(self, calls: Sequence[ScriptCall]) -> list[Any]:
         """One pipeline (called by the batcher's drain task). Its outcome is what judges the

@@ -168,10 +168,17 @@ async def test_agent_gateway_and_operator_credentials(redis_url, policy_file):
         assert_401(await agent.get("/v1/leases", headers=bearer(GATEWAY)))
         assert (await agent.get("/v1/policy", headers=bearer(OPERATOR))).json()["bundleVersion"] > 0
         assert (await agent.get("/v1/leases", headers=bearer(OPERATOR))).status_code == 200
+        unnamed = {**admit_body("auth-000002"), "tenantId": "zeta-corp"}  # a tenant the bundle does not name
+        assert (await agent.post("/v1/admit", json=unnamed, headers=bearer(GATEWAY))).status_code == 200
         for path in ("/healthz", "/readyz", "/metrics"):
             resp = await agent.get(path)
             assert resp.status_code == 200
-            assert "atlas" not in resp.text and PEPPER.decode() not in resp.text
+            assert PEPPER.decode() not in resp.text and "U-17" not in resp.text and "K1" not in resp.text
+            assert "zeta-corp" not in resp.text  # request data never: only tenants the bundle names (ch. 15)
+            if path != "/metrics":
+                assert "atlas" not in resp.text
+        # /metrics labels are bounded values of the bundle: rule ids and the tenants it names (docs/metrics.md)
+        assert 'tenant="other"' in resp.text
 
 
 # -- the local topology (make run) ----------------------------------------------------------------

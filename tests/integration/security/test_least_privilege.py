@@ -24,7 +24,7 @@ from litestar.testing import AsyncTestClient
 from kernel.bundle import Pool, encode_bundle, load_bundle_file, seal
 from kernel.errors import LeaseholdError
 from kernel.etcd_store import EtcdStore
-from kernel.policy_store import PolicyStore
+from kernel.policy_store import PolicyStore, SigningMarker
 from leasehold.cli import main as cli_main
 from leasehold.procs import (
     ETCD_USERS,
@@ -131,6 +131,12 @@ async def test_etcd_roles_publisher_allocator_and_agents(auth_etcd, tmp_path, mo
         await _refused(policy["allocator"].publish(encode_bundle(bundle)))  # the allocator cannot publish
         await _refused(policy["agent"].publish(encode_bundle(bundle)))
         await policy["publisher"].publish(encode_bundle(bundle))
+        # the signing marker (which keys publish checks against) is the publisher's too, and only its
+        marker = SigningMarker(keys={"0123456789abcdef": "b64-public-key"})
+        await policy["publisher"].write_signing(marker)
+        assert await policy["publisher"].read_signing() == marker
+        await _refused(policy["allocator"].write_signing(None))
+        await _refused(policy["agent"].write_signing(None))
         for u in ("allocator", "agent", "publisher"):
             stored = await policy[u].read()
             assert stored is not None and stored.bundle.bundle_version == bundle.bundle_version
