@@ -48,7 +48,8 @@ class ReleaseRequest(Struct, rename="camel", forbid_unknown_fields=True, frozen=
 
 DeniedScope = Literal["user", "key", "route", "tenant", "global", "concurrency", "ip"]
 Reason = Literal["RATE_EXCEEDED", "CONCURRENCY_EXCEEDED", "LIMITER_UNAVAILABLE", "POLICY_ERROR", "POLICY_STALE",
-                 "REQUEST_ID_CONFLICT"]  # the last: a batch item whose requestId was decided for another question
+                 "REQUEST_ID_CONFLICT",  # a batch item whose requestId was decided for another question
+                 "OVERLOADED"]
 
 
 class Decision(Struct, rename="camel", omit_defaults=False):
