@@ -19,7 +19,7 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException, NotAuthorizedException, PermissionDeniedException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath, FromQuery, JSONBody
 
 from kernel.auth import SCOPE_KEY, RegionAuth, TokenTable, require_region
 from kernel.bundle import Bundle, load_bundle_file
@@ -187,7 +187,7 @@ async def post_usage(request: Request, lease_id: FromPath[str], data: JSONBody[U
 
 @get("/v1/leases/{lease_id:str}", guards=[region_auth_guard])
 async def get_lease(request: Request, lease_id: FromPath[str], state: State,
-                    region: str | None = None) -> GrantRecord:
+                    region: FromQuery[str | None] = None) -> GrantRecord:
     """A lease of the calling region (``region`` defaults to the authenticated region and is
     required with authentication off). Another region's lease and no lease answer the same 404."""
     _check_lease_id(lease_id)

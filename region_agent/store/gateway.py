@@ -66,7 +66,6 @@ class StoreGateway:
         self.lag = lag or LoopLag()
         self._lag_task: asyncio.Task | None = None
         self._reading: dict[int, Any] = {}  # standalone pipelines awaiting replies: (connection, sent at)
-
         self.name = name
         # one line per reachability change (breaker opened / closed again), at most one per interval
         self.reachability = TransitionLog(log, initial=True, interval_s=log_interval_s)

@@ -99,8 +99,8 @@ def test_release_respects_the_decision_budget_while_redis_hangs(tmp_path: Path, 
             assert redis_srv.proc is not None
             os.kill(redis_srv.proc.pid, signal.SIGSTOP)
             try:
-                for _ in range(3):  # well before the 8 s socket timeout (the client gives up after 3 s)
-                    resp = c.post("/v1/release", json=release)
+                for path in ("/v1/release", "/v1/renew", "/v1/release"):  # well before the 8 s socket
+                    resp = c.post(path, json=release)  # timeout (the client gives up after 3 s)
                     assert resp.status_code == 503, resp.text
                     assert resp.headers["content-type"].startswith("application/problem+json")
                     assert resp.json()["retriable"] is True

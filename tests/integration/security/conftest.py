@@ -91,7 +91,7 @@ def agent_service(tmp_path_factory) -> Iterator[Service]:
                    "routeGroup": "export"}
         yield Service("agent", base, port, proc, {
             "/v1/admit": _admit("hostile-000001"), "/v1/admit/batch": {"requests": [_admit("hostile-000002")]},
-            "/v1/release": release}, redis=redis_srv)
+            "/v1/release": release, "/v1/renew": release}, redis=redis_srv)
     finally:
         proc.stop()
         redis_srv.stop()

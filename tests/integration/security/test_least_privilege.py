@@ -159,7 +159,7 @@ async def test_etcd_roles_publisher_allocator_and_agents(auth_etcd, tmp_path, mo
         async with in_process(settings) as client:
             grant = await client.post("/v1/leases", json=lease_body("lease-auth-0001", "p1", "eu", 10))
             assert grant.status_code == 200 and grant.json()["granted"] == 10
-            assert (await client.get("/v1/leases/lease-auth-0001")).json()["grant"]["granted"] == 10
+            assert (await client.get("/v1/leases/lease-auth-0001?region=eu")).json()["grant"]["granted"] == 10
     finally:
         for s in (anonymous, *stores.values()):
             await s.close()

@@ -31,7 +31,7 @@ def test_trailing_newline_is_refused_on_every_agent_route(agent_service: Service
     for field, value in (("requestId", "nl-0000001\n"), ("tenantId", "atlas\n"), ("routeGroup", "read\n")):
         for path, body in (("/v1/admit", {**admit, field: value}),
                            ("/v1/admit/batch", {"requests": [{**admit, field: value}]}),
-                           ("/v1/release", {**release, field: value})):
+                           ("/v1/release", {**release, field: value}), ("/v1/renew", {**release, field: value})):
             resp = post(agent_service, path, body)
             assert resp.status_code in (400, 422), (path, field, resp.status_code, resp.text)
     principal = {**admit, "method": "GET\n"}
