@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from kernel.bundle import Bundle, Fallback, Pool, Rule, encode_bundle, seal, validate_bundle
+from kernel.bundle import Bundle, Fallback, Pool, Rule, encode_bundle, make_rule, seal, validate_bundle
 
 WINDOW_MS = 6_000
 GLOBAL_WINDOW_MS = 4_000
@@ -42,15 +42,15 @@ def pools(scale: float = 1.0) -> list[Pool]:
 def rules() -> list[Rule]:
     return [
         # a generous per-user bucket with a small local fallback: not a pool, never the binding limit
-        Rule(id="user-all", scope="user", algorithm="token_bucket", capacity_millis=1_000_000,
+        make_rule(id="user-all", scope="user", algorithm="token_bucket", capacity_millis=1_000_000,
              refill_millis=1_000_000, period_ms=1_000, cost_millis=1_000, fail_mode="local_bounded",
              fallback=Fallback(capacity_millis=50_000, refill_millis=50_000, period_ms=1_000)),
-        Rule(id="tenant-atlas-pool", scope="tenant", tenant="atlas", algorithm="pool", pool="atlas-w", cost=1,
+        make_rule(id="tenant-atlas-pool", scope="tenant", tenant="atlas", algorithm="pool", pool="atlas-w", cost=1,
              fail_mode="local_bounded"),
-        Rule(id="tenant-birch-pool", scope="tenant", tenant="birch", algorithm="pool", pool="birch-w", cost=1,
+        make_rule(id="tenant-birch-pool", scope="tenant", tenant="birch", algorithm="pool", pool="birch-w", cost=1,
              fail_mode="local_bounded"),
         # P-GLOBAL: every tenant's search requests spend the fleet-wide pool from gateway chunks
-        Rule(id="global-search", scope="global", route_group="search", algorithm="pool", pool="fleet-g", cost=1,
+        make_rule(id="global-search", scope="global", route_group="search", algorithm="pool", pool="fleet-g", cost=1,
              fail_mode="local_bounded"),
     ]
 

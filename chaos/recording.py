@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kernel.algorithms.pool import PoolRule
 from kernel.bundle import Bundle, Pool, select_rules
 
 from .history import Decision, PoolSpend
@@ -26,10 +27,10 @@ def pool_spends(bundle: Bundle, *, tenant: str | None, route_group: str, princip
     out: list[PoolSpend] = []
     for rule in select_rules(bundle.rules, tenant=tenant, route_group=route_group, principal_type=principal_type,
                              has_key=has_key):
-        if rule.algorithm != "pool" or rule.pool is None or rule.shadow or rule.pool not in pools:
+        if not isinstance(rule, PoolRule) or rule.shadow or rule.pool_id not in pools:
             continue
-        pool = pools[rule.pool]
-        out.append(PoolSpend(pool=pool.id, tokens=rule.cost * max(1, cost_hint), window_index=at_ms // pool.window_ms))
+        pool = pools[rule.pool_id]
+        out.append(PoolSpend(pool=pool.id, tokens=rule.tokens(max(1, cost_hint)), window_index=at_ms // pool.window_ms))
     return out
 
 

@@ -101,7 +101,7 @@ class PoolShape(Struct, frozen=True):
 def shape_of(pool: Pool, rules: Iterable[Rule]) -> PoolShape:
     """The pool as the agent spends it (mirrors ``region_agent``'s keys: the regional balance and
     its fallback window are per (pool, tenant tag); the in-process allowance is per pool)."""
-    spenders = [r for r in rules if r.algorithm == "pool" and r.pool == pool.id and not r.shadow]
+    spenders = [r for r in rules if r.pool_id == pool.id and not r.shadow]
     degrading = [r for r in spenders if r.fail_mode == "local_bounded"]
     balances: int | None = None
     if not any(r.scope != "global" and r.tenant is None for r in degrading):

@@ -10,83 +10,38 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
+from .algorithms import ALGORITHMS, Fallback, LocalModel, Role, RuleBase, RuleUnion, make_rule
+from .algorithms.rule import NonNegInt, PosInt
 from .errors import PolicyError
 from .ids import KEY_ID_RE, OWNER_RE, POOL_ID_RE, REGION_RE, ROUTE_RE, RULE_ID_RE, SIGNATURE_RE, TENANT_RE
 
-MAX_INT = 2**40  # every numeric policy field is an integer in [1, 2^40] (slack in [0, 2^40])
-MAX_PRODUCT = 2**52  # capacity x period stays below 2^53 inside Lua doubles
 MAX_RULES_PER_REQUEST = 8
 
-
-PosInt = Annotated[int, Meta(ge=1, le=MAX_INT)]
-NonNegInt = Annotated[int, Meta(ge=0, le=MAX_INT)]
-
-Scope = Literal["user", "key", "route", "tenant", "ip", "global"]
 Algorithm = Literal["token_bucket", "gcra", "fixed_window", "sliding_counter", "sliding_log", "pool"]
-FailMode = Literal["local_bounded", "closed", "open"]
+Rule = RuleBase  # a bundle rule: one Struct per algorithm (kernel.algorithms), tagged by "algorithm"
 
 # Evaluation (and reporting) order: most specific, least sensitive first (seed ch. 9).
 SCOPE_ORDER: dict[str, int] = {"ip": 0, "user": 1, "key": 2, "route": 3, "tenant": 4, "global": 5}
-BUCKET_ALGORITHMS = frozenset({"token_bucket", "gcra"})
-WINDOW_ALGORITHMS = frozenset({"fixed_window", "sliding_counter", "sliding_log"})
 
-
-class Fallback(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
-    """Per-process local allowance used when Redis is unreachable (failMode local_bounded).
-
-    Either a token bucket (capacityMillis, refillMillis, periodMs) or a fixed window
-    (limit, windowMs)."""
-
-    capacity_millis: PosInt | None = None
-    refill_millis: PosInt | None = None
-    period_ms: PosInt | None = None
-    limit: PosInt | None = None
-    window_ms: PosInt | None = None
-
-
-class Rule(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
-    id: str
-    scope: Scope
-    algorithm: Algorithm
-    fail_mode: FailMode | None = None  # required; None only so the error names the rule
-    route_group: str | None = None  # None = every route group ("all")
-    tenant: str | None = None  # None = every tenant
-    # token_bucket / gcra (millitokens, ms)
-    capacity_millis: PosInt | None = None
-    refill_millis: PosInt | None = None
-    period_ms: PosInt | None = None
-    cost_millis: PosInt | None = None  # per unit of the request's costHint
-    # fixed_window / sliding_counter / sliding_log (requests, ms)
-    limit: PosInt | None = None
-    window_ms: PosInt | None = None
-    # pool (global quota spent from leases); cost in whole tokens per unit of costHint
-    pool: str | None = None
-    cost: PosInt = 1
-    # concurrency gate riding on the rule (seed P-EXPORT)
-    concurrency_max: PosInt | None = None
-    concurrency_ttl_ms: PosInt = 60_000
-    concurrency_retry_after_ms: PosInt = 1_000
-    # behaviour
-    idempotent: bool = False
-    decision_ttl_ms: PosInt = 30_000
-    ttl_slack_ms: NonNegInt = 5_000
-    closed_retry_after_ms: PosInt = 5_000
-    fallback: Fallback | None = None
-    shadow: bool = False  # evaluated and counted, never enforced
-    revocable: bool = False  # after the bundle's maxAgeMs, apply the conservative behaviour (I13)
-    ipv4_prefix: Annotated[int, Meta(ge=8, le=32)] = 32
-    ipv6_prefix: Annotated[int, Meta(ge=16, le=128)] = 64
-    exempt: bool = False  # a capped bypass: replaces the tenant's other rules by its own cap
-    owner: str | None = None
-
-    @property
-    def route_key(self) -> str:
-        return self.route_group or "all"
+# The format's rule was once one flat object carrying every algorithm's fields; bundles written
+# then (every sample, every bundle `encode_bundle` wrote) list all of them, with these values
+# when the algorithm does not use them. They are accepted at those values, written back in the
+# same order, and covered by the checksum and the signature as they were: existing sealed and
+# signed bundles keep verifying (tests/unit/kernel/test_bundle_wire.py).
+FLAT_RULE_FIELDS: dict[str, object] = {
+    "capacityMillis": None, "refillMillis": None, "periodMs": None, "costMillis": None,
+    "limit": None, "windowMs": None, "pool": None, "cost": 1,
+}
+FLAT_RULE_ORDER = ("id", "scope", "algorithm", "failMode", "routeGroup", "tenant", "capacityMillis", "refillMillis",
+                   "periodMs", "costMillis", "limit", "windowMs", "pool", "cost", "concurrencyMax",
+                   "concurrencyTtlMs", "concurrencyRetryAfterMs", "idempotent", "decisionTtlMs", "ttlSlackMs",
+                   "closedRetryAfterMs", "fallback", "shadow", "revocable", "ipv4Prefix", "ipv6Prefix", "exempt",
+                   "owner")
 
 
 class Pool(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
@@ -109,7 +64,7 @@ class Bundle(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
     bundle_version: PosInt
     published_at: str
     checksum: str
-    rules: list[Rule]
+    rules: list[RuleUnion]
     pools: list[Pool] = []
     max_age_ms: PosInt | None = None  # snapshot freshness for revocable rules (I13)
     # Ed25519 signature (kernel/signing.py): keyId names the public key, signature is
@@ -119,10 +74,20 @@ class Bundle(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
 
 
 # --------------------------------------------------------------------------------------------
+def rule_doc(rule: Rule) -> dict[str, Any]:
+    """A rule as the format writes it: every field (defaults included) in the flat order, the
+    unused fields of the flat format at their values (:data:`FLAT_RULE_FIELDS`), then any field
+    an algorithm added since."""
+    own = msgspec.to_builtins(rule)
+    doc = {k: own.pop(k) if k in own else FLAT_RULE_FIELDS[k] for k in FLAT_RULE_ORDER}
+    doc.update(own)
+    return doc
+
+
 def canonical_payload(rules: Iterable[Rule], pools: Iterable[Pool], max_age_ms: int | None = None) -> bytes:
     """Canonical encoding the checksum covers: every field (defaults included), sorted keys."""
     doc = {
-        "rules": [msgspec.to_builtins(r) for r in rules],
+        "rules": [rule_doc(r) for r in rules],
         "pools": [msgspec.to_builtins(p) for p in pools],
         "maxAgeMs": max_age_ms,
     }
@@ -144,15 +109,35 @@ def seal(bundle: Bundle) -> Bundle:
     )
 
 
+def _unflatten(doc: Any) -> list[str]:
+    """Drop the flat format's unused fields from each rule object of a decoded bundle document
+    (in place); a value other than the flat default is a problem (the algorithm has no such field)."""
+    problems: list[str] = []
+    rules = doc.get("rules") if isinstance(doc, dict) else None
+    for r in rules if isinstance(rules, list) else []:
+        cls = ALGORITHMS.get(r.get("algorithm")) if isinstance(r, dict) else None
+        if cls is None:
+            continue  # the schema check names it
+        own = cls.__struct_encode_fields__
+        for k, default in FLAT_RULE_FIELDS.items():
+            if k in r and k not in own:
+                v = r.pop(k)
+                if v is not default and not (type(v) is type(default) and v == default):
+                    problems.append(f"rule {r.get('id')!r}: {k} does not apply to algorithm {cls.algorithm}")
+    return problems
+
+
 def decode_bundle(raw: bytes | str) -> Bundle:
     """Decode and fully validate a bundle (JSON). Raises PolicyError listing every problem."""
     try:
-        bundle = msgspec.json.decode(raw, type=Bundle)
+        doc = msgspec.json.decode(raw)
+        flat = _unflatten(doc)
+        bundle = msgspec.convert(doc, type=Bundle)
     except msgspec.ValidationError as e:
         raise PolicyError(f"bundle does not match the schema: {e}", errors=[str(e)]) from None
     except msgspec.DecodeError as e:
         raise PolicyError(f"bundle is not valid JSON: {e}", errors=[str(e)]) from None
-    validate_bundle(bundle)
+    validate_bundle(bundle, flat)
     return bundle
 
 
@@ -168,6 +153,7 @@ def load_bundle_file(path: str) -> Bundle:
 def encode_bundle(bundle: Bundle) -> bytes:
     """Pretty JSON; an unsigned bundle carries no ``keyId``/``signature`` keys at all."""
     doc = msgspec.to_builtins(bundle)
+    doc["rules"] = [rule_doc(r) for r in bundle.rules]
     for k in ("keyId", "signature"):
         if doc.get(k) is None:
             doc.pop(k, None)
@@ -232,57 +218,19 @@ def _rule_problems(r: Rule, pools: dict[str, Pool]) -> list[str]:
         p.append(f"{name}: tenant must match {TENANT_RE.pattern}")
     if r.scope == "ip" and r.tenant is not None:
         p.append(f"{name}: ip-scoped rules are pre-authentication and cannot name a tenant")
-    alg = r.algorithm
-    if alg in BUCKET_ALGORITHMS:
-        need = {"capacityMillis": r.capacity_millis, "refillMillis": r.refill_millis,
-                "periodMs": r.period_ms, "costMillis": r.cost_millis}
-        missing = [k for k, v in need.items() if v is None]
-        if missing:
-            p.append(f"{name}: {alg} needs {', '.join(missing)} (integers in [1, 2^40])")
-        else:
-            if r.cost_millis > r.capacity_millis:  # type: ignore[operator]
-                p.append(f"{name}: costMillis {r.cost_millis} exceeds capacityMillis {r.capacity_millis}: "
-                         "the request could never succeed")
-            if r.capacity_millis * r.period_ms > MAX_PRODUCT:  # type: ignore[operator]
-                p.append(f"{name}: capacityMillis x periodMs must be at most 2^52")
-    elif alg in WINDOW_ALGORITHMS:
-        missing = [k for k, v in {"limit": r.limit, "windowMs": r.window_ms}.items() if v is None]
-        if missing:
-            p.append(f"{name}: {alg} needs {', '.join(missing)}")
-        elif r.limit * r.window_ms > MAX_PRODUCT:  # type: ignore[operator]
-            p.append(f"{name}: limit x windowMs must be at most 2^52")
-    elif alg == "pool":
-        if r.pool is None:
-            p.append(f"{name}: algorithm pool needs a pool id")
-        elif r.pool not in pools:
-            p.append(f"{name}: pool {r.pool!r} is not defined in this bundle's pools "
-                     f"(defined: {', '.join(sorted(pools)) or 'none'})")
-        elif r.cost > pools[r.pool].limit:
-            p.append(f"{name}: cost {r.cost} exceeds pool {r.pool!r} limit {pools[r.pool].limit}")
-    if r.pool is not None and alg != "pool":
-        p.append(f"{name}: only algorithm pool may name a pool")
-    if r.scope == "global" and alg != "pool":
+    p.extend(f"{name}: {problem}" for problem in r.problems(pools))  # the algorithm's own
+    if r.scope == "global" and r.role is not Role.POOL:
         p.append(f"{name}: global scope needs algorithm pool: a direct global key would cross hash slots "
                  "with the tenant's keys (spend it from a leased chunk instead)")
-    if alg == "pool" and r.fail_mode == "open":
-        p.append(f"{name}: a pool rule cannot fail open (unbounded admission while the allocator is "
-                 "unreachable); use local_bounded (the pool's fallbackPerRegion) or closed")
-    if r.scope == "ip" and alg == "pool":
-        p.append(f"{name}: ip-scoped rules cannot spend a global pool")
     if r.concurrency_max is not None and r.scope in ("global", "ip"):
         p.append(f"{name}: concurrencyMax needs a tenant-tagged scope (user, key, route, tenant)")
-    if r.fail_mode == "local_bounded":
-        fb = r.fallback
-        if alg == "pool":
-            pass  # pools degrade through the pool's fallbackPerRegion, shared in Redis
-        elif fb is None:
+    if r.fail_mode == "local_bounded" and r.local_model is LocalModel.FALLBACK:
+        # (pools degrade through the pool's fallbackPerRegion instead)
+        if r.fallback is None:
             p.append(f"{name}: failMode local_bounded needs fallback parameters "
                      "(capacityMillis/refillMillis/periodMs or limit/windowMs)")
         else:
-            bucket = (fb.capacity_millis, fb.refill_millis, fb.period_ms)
-            window = (fb.limit, fb.window_ms)
-            if not (all(v is not None for v in bucket) or all(v is not None for v in window)):
-                p.append(f"{name}: fallback needs capacityMillis, refillMillis and periodMs, or limit and windowMs")
+            p.extend(f"{name}: {problem}" for problem in r.fallback.problems())
     if r.exempt:  # a privileged bypass (I14): narrow, capped, owned, audited
         if not r.owner:
             p.append(f"{name}: an exempt rule needs an owner")
@@ -318,9 +266,10 @@ def _pool_problems(pool: Pool) -> list[str]:
     return p
 
 
-def validate_bundle(bundle: Bundle) -> None:
-    """Everything seed ch. 14 asks validation to catch, plus checksum verification."""
-    problems: list[str] = []
+def validate_bundle(bundle: Bundle, problems: list[str] | None = None) -> None:
+    """Everything seed ch. 14 asks validation to catch, plus checksum verification. ``problems``:
+    found before (while decoding), reported with the rest."""
+    problems = list(problems or [])
     if not bundle.checksum.startswith("sha256:"):
         problems.append("checksum must be 'sha256:<hex>' over the canonical rules and pools")
     else:
@@ -377,8 +326,8 @@ def _pool_balance_problems(rules: list[Rule]) -> list[str]:
     allowance per tenant or kind."""
     kinds: dict[str, set[str]] = {}
     for r in rules:
-        if r.algorithm == "pool" and r.pool is not None and not r.shadow:
-            kinds.setdefault(r.pool, set()).add("global" if r.scope == "global" else f"tenant {r.tenant or '*'}")
+        if r.pool_id is not None and not r.shadow:
+            kinds.setdefault(r.pool_id, set()).add("global" if r.scope == "global" else f"tenant {r.tenant or '*'}")
     out = []
     for pool, seen in sorted(kinds.items()):
         if len(seen) > 1 or "tenant *" in seen:
@@ -397,11 +346,11 @@ def _request_set_problems(rules: list[Rule]) -> list[str]:
             for ptype, has_key in (("user", True), ("user", False), ("service", True), ("anonymous", False)):
                 sel = select_rules(rules, tenant=tenant or "\x00any", route_group=route,
                                    principal_type=ptype, has_key=has_key)
-                pools = [r.pool for r in sel if r.algorithm == "pool" and not r.shadow]
+                pools = [r.pool_id for r in sel if r.pool_id is not None and not r.shadow]
                 for pool in sorted({p for p in pools if pools.count(p) > 1}):
                     problems.append(
                         f"a {ptype} request of tenant {tenant or '*'} on route {route.strip(chr(0))} spends pool "
-                        f"{pool!r} through more than one rule ({', '.join(r.id for r in sel if r.pool == pool)}): "
+                        f"{pool!r} through more than one rule ({', '.join(r.id for r in sel if r.pool_id == pool)}): "
                         "the same balance twice in one script")
                 slots = script_slots(sel)
                 if slots > MAX_RULES_PER_REQUEST:
@@ -410,3 +359,9 @@ def _request_set_problems(rules: list[Rule]) -> list[str]:
                         f"{slots} script slots for {len(sel)} rules (a concurrency gate takes one more; "
                         f"at most {MAX_RULES_PER_REQUEST})")
     return sorted(set(problems))
+
+
+__all__ = ["ALGORITHMS", "MAX_RULES_PER_REQUEST", "SCOPE_ORDER", "Algorithm", "Bundle", "Fallback", "NonNegInt", "Pool",
+           "PosInt", "Rule", "canonical_payload", "compute_checksum", "decode_bundle", "encode_bundle",
+           "load_bundle_file", "make_rule", "rule_applies", "rule_doc", "script_slots", "seal", "select_rules",
+           "validate_bundle"]

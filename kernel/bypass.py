@@ -37,39 +37,6 @@ class BypassChange:
         return head + ("".join(f"\n    - {d}" for d in self.details))
 
 
-def capacity(rule: Rule, pools: dict[str, Pool]) -> tuple[float, float]:
-    """(sustained requests per second, burst in requests) one key of the rule admits at cost 1."""
-    alg = rule.algorithm
-    if alg in ("token_bucket", "gcra"):
-        cost = rule.cost_millis or 1
-        rate = (rule.refill_millis or 0) * 1000 / (rule.period_ms or 1) / cost
-        return rate, (rule.capacity_millis or 0) / cost
-    if alg == "pool":
-        pool = pools.get(rule.pool or "")
-        if pool is None:
-            return 0.0, 0.0
-        return pool.limit * 1000 / pool.window_ms / rule.cost, pool.limit / rule.cost
-    limit = rule.limit or 0
-    return limit * 1000 / (rule.window_ms or 1), float(limit)
-
-
-def fallback_capacity(rule: Rule, pools: dict[str, Pool]) -> tuple[float, float]:
-    """What the rule admits per agent while the store is unreachable (0 when it fails closed)."""
-    if rule.fail_mode == "closed":
-        return 0.0, 0.0
-    if rule.algorithm == "pool":
-        pool = pools.get(rule.pool or "")
-        return (0.0, 0.0) if pool is None else (pool.fallback_per_region * 1000 / pool.window_ms,
-                                                float(pool.fallback_per_region))
-    fb = rule.fallback
-    if fb is None:
-        return 0.0, 0.0
-    if fb.capacity_millis is not None:
-        cost = rule.cost_millis or 1000
-        return (fb.refill_millis or 0) * 1000 / (fb.period_ms or 1) / cost, fb.capacity_millis / cost
-    return (fb.limit or 0) * 1000 / (fb.window_ms or 1), float(fb.limit or 0)
-
-
 def _widenings(old: Rule, new: Rule, old_pools: dict[str, Pool], new_pools: dict[str, Pool]
                ) -> tuple[list[str], list[str]]:
     """(widening differences, other differences) between two versions of one exempt rule."""
@@ -87,7 +54,7 @@ def _widenings(old: Rule, new: Rule, old_pools: dict[str, Pool], new_pools: dict
         wide.append(f"scope {old.scope} -> {new.scope} (another key per caller)")
     if old.algorithm != new.algorithm:
         other.append(f"algorithm {old.algorithm} -> {new.algorithm}")
-    (r0, b0), (r1, b1) = capacity(old, old_pools), capacity(new, new_pools)
+    (r0, b0), (r1, b1) = old.capacity(old_pools), new.capacity(new_pools)
     if r1 != r0:
         note(r1 > r0, f"sustained rate {r0:g} -> {r1:g} requests/s")
     if b1 != b0:
@@ -95,7 +62,7 @@ def _widenings(old: Rule, new: Rule, old_pools: dict[str, Pool], new_pools: dict
     if old.fail_mode != new.fail_mode:
         note(FAIL_MODE_RANK.get(new.fail_mode or "", 2) > FAIL_MODE_RANK.get(old.fail_mode or "", 2),
              f"failMode {old.fail_mode} -> {new.fail_mode}")
-    (f0, g0), (f1, g1) = fallback_capacity(old, old_pools), fallback_capacity(new, new_pools)
+    (f0, g0), (f1, g1) = old.fallback_capacity(old_pools), new.fallback_capacity(new_pools)
     if (f1, g1) != (f0, g0):
         note(f1 > f0 or g1 > g0, f"store-unreachable allowance {f0:g}/s burst {g0:g} -> {f1:g}/s burst {g1:g}")
     if old.concurrency_max != new.concurrency_max:
@@ -119,7 +86,7 @@ def diff_bypasses(current: Bundle | None, candidate: Bundle) -> list[BypassChang
     for rid, r in new.items():
         prev = old.get(rid)
         if prev is None:
-            rate, burst = capacity(r, new_pools)
+            rate, burst = r.capacity(new_pools)
             out.append(BypassChange("added", rid, r.tenant, r.owner, [
                 f"scope {r.scope}, routeGroup {r.route_key}, {rate:g} requests/s, burst {burst:g}, "
                 f"failMode {r.fail_mode}"]))

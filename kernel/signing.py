@@ -41,7 +41,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from .bundle import Bundle
+from .bundle import Bundle, rule_doc
 from .errors import PolicyError
 
 DOMAIN = b"leasehold-policy-bundle/v1\n"
@@ -68,7 +68,7 @@ def signed_message(bundle: Bundle, key_id: str | None = None) -> bytes:
         "maxAgeMs": bundle.max_age_ms,
         "pools": [msgspec.to_builtins(p) for p in bundle.pools],
         "publishedAt": bundle.published_at,
-        "rules": [msgspec.to_builtins(r) for r in bundle.rules],
+        "rules": [rule_doc(r) for r in bundle.rules],
     }
     return DOMAIN + msgspec.json.encode(doc, order="sorted")
 

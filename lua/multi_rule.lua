@@ -46,15 +46,10 @@
 --                nothing, so it is not recorded (a recorded one would replay the denial to that
 --                second run).
 -- @include lib/clock.lua
--- @include lib/token_bucket.lua
--- @include lib/gcra.lua
--- @include lib/fixed_window.lua
--- @include lib/sliding_counter.lua
--- @include lib/sliding_log.lua
--- @include lib/concurrency.lua
--- @include lib/pool.lua
--- @include lib/pool_window.lua
-local ALG = { tb = TB, gcra = GCRA, fw = FW, sc = SC, sl = SL, cc = CC, pool = POOL, pw = PW }
+-- The script loader replaces the next line by an include of every call kind's library and the
+-- dispatch table `local ALG = { <kind> = <TABLE>, ... }`, from the registry of kinds
+-- (kernel.algorithms.KINDS: the bundle's algorithms tb, gcra, fw, sc, sl, pool, and cc, pw).
+-- @kinds
 local MAX_RULES = 8
 
 local n = #KEYS - 1
@@ -76,10 +71,10 @@ for i = 1, n do
   end
   seen[KEYS[i + 1]] = true
   local P = alg.parse({ ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5] })
-  if P == nil or ((kind == 'sl' or kind == 'cc') and member == '') then
+  if P == nil or (alg.needs_member and member == '') then
     return lh_invalid()
   end
-  rules[i] = { alg = alg, P = P, key = KEYS[i + 1], kind = kind }
+  rules[i] = { alg = alg, P = P, key = KEYS[i + 1] }
 end
 
 if dec_ttl > 0 then
@@ -129,7 +124,7 @@ for i = 1, n do
   local plan = rules[i].plan
   result[3 + i] = (denied_by == 0 or plan.current == nil) and plan.remaining or plan.current
 end
-if dec_ttl > 0 and not (denied_by > 0 and rules[denied_by].kind == 'pool') then
+if dec_ttl > 0 and not (denied_by > 0 and rules[denied_by].alg.unrecorded_denial) then
   local parts = {}
   for i = 1, #result do
     parts[i] = string.format('%d', result[i])

@@ -16,8 +16,8 @@ from kernel.bundle import (  # noqa: E402
     Bundle,
     Fallback,
     Pool,
-    Rule,
     encode_bundle,
+    make_rule,
     seal,
     validate_bundle,
 )
@@ -28,25 +28,25 @@ HERE = Path(__file__).resolve().parent
 def northstar(version: int = 42, published_at: str = "2026-11-06T09:30:00Z") -> Bundle:
     rules = [
         # P-READ: 20 tokens, 2 per second per user on the read group; local fallback 5 and 0.25/s
-        Rule(id="read-user-v3", scope="user", route_group="read", algorithm="token_bucket",
+        make_rule(id="read-user-v3", scope="user", route_group="read", algorithm="token_bucket",
              capacity_millis=20_000, refill_millis=2_000, period_ms=1_000, cost_millis=1_000,
              fail_mode="local_bounded", fallback=Fallback(capacity_millis=5_000, refill_millis=250, period_ms=1_000)),
         # P-TENANT: Atlas may spend 1,000 per minute on every route group
-        Rule(id="tenant-atlas-minute", scope="tenant", tenant="atlas", algorithm="token_bucket",
+        make_rule(id="tenant-atlas-minute", scope="tenant", tenant="atlas", algorithm="token_bucket",
              capacity_millis=1_000_000, refill_millis=1_000_000, period_ms=60_000, cost_millis=1_000,
              fail_mode="local_bounded",
              fallback=Fallback(capacity_millis=50_000, refill_millis=1_000_000, period_ms=60_000),
              ttl_slack_ms=5_000),
         # P-EXPORT: weighted cost 10, at most 3 in flight per tenant, fail closed, idempotent
-        Rule(id="export-tenant", scope="tenant", route_group="export", algorithm="token_bucket",
+        make_rule(id="export-tenant", scope="tenant", route_group="export", algorithm="token_bucket",
              capacity_millis=1_000_000, refill_millis=1_000_000, period_ms=60_000, cost_millis=10_000,
              concurrency_max=3, concurrency_ttl_ms=60_000, concurrency_retry_after_ms=5_000,
              fail_mode="closed", idempotent=True, decision_ttl_ms=30_000, closed_retry_after_ms=5_000),
         # P-ANON: 20 requests per 10 s per client address on /login; local fixed window 5 per 10 s
-        Rule(id="anon-login", scope="ip", route_group="login", algorithm="fixed_window", limit=20,
+        make_rule(id="anon-login", scope="ip", route_group="login", algorithm="fixed_window", limit=20,
              window_ms=10_000, fail_mode="local_bounded", fallback=Fallback(limit=5, window_ms=10_000)),
         # Birch: a smaller tenant, 300 per minute on every route group
-        Rule(id="tenant-birch-minute", scope="tenant", tenant="birch", algorithm="token_bucket",
+        make_rule(id="tenant-birch-minute", scope="tenant", tenant="birch", algorithm="token_bucket",
              capacity_millis=300_000, refill_millis=300_000, period_ms=60_000, cost_millis=1_000,
              fail_mode="local_bounded",
              fallback=Fallback(capacity_millis=20_000, refill_millis=300_000, period_ms=60_000)),
@@ -76,15 +76,15 @@ def northstar_global(version: int = 42, published_at: str = "2026-11-06T09:30:00
              fallback_per_region=4_000, prefetch_ms=200, active_horizon_ms=5_000, chunk_validity_ms=250),
     ]
     rules = keep + [
-        Rule(id="tenant-atlas-global", scope="tenant", tenant="atlas", algorithm="pool", pool="atlas-minute",
+        make_rule(id="tenant-atlas-global", scope="tenant", tenant="atlas", algorithm="pool", pool="atlas-minute",
              cost=1, fail_mode="local_bounded"),
-        Rule(id="tenant-birch-global", scope="tenant", tenant="birch", algorithm="pool", pool="birch-minute",
+        make_rule(id="tenant-birch-global", scope="tenant", tenant="birch", algorithm="pool", pool="birch-minute",
              cost=1, fail_mode="local_bounded"),
-        Rule(id="global-catalog", scope="global", route_group="read", algorithm="pool", pool="global-read",
+        make_rule(id="global-catalog", scope="global", route_group="read", algorithm="pool", pool="global-read",
              cost=1, fail_mode="local_bounded"),
         # seed ch. 16 / I14: the operators' health-probe path is a privileged bypass with its own small cap
         # (60 per minute), an owner, failing closed; every use is audited (region_agent/audit.py)
-        Rule(id="ops-probe-bypass", scope="tenant", tenant="northstar-ops", route_group="probe",
+        make_rule(id="ops-probe-bypass", scope="tenant", tenant="northstar-ops", route_group="probe",
              algorithm="fixed_window", limit=60, window_ms=60_000, fail_mode="closed", exempt=True,
              owner="sre-oncall"),
     ]

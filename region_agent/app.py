@@ -40,7 +40,7 @@ from .audit import BypassAudit, make_sink
 from .auth import AgentAuth, agent_guard
 from .engine import Engine
 from .epoch import EpochCheck
-from .fallback import LocalFallback
+from .fallback import LocalAllowances
 from .fastpath import admit_fast_path
 from .gateways import Gateways
 from .gateways.authz import authz
@@ -284,7 +284,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                                       shard_of=state.store.shard_of if getattr(state.store, "cluster", False)
                                       else None)
         state.engine = Engine(get_bundle=lambda: state.holder.bundle, keys=state.keys, store=state.store,
-                              metrics=m, fallback=LocalFallback(settings.fallback_max_keys),
+                              metrics=m, fallback=LocalAllowances(settings.fallback_max_keys),
                               budget_ms=settings.decision_budget_ms, leases=state.leases,
                               negative=NegativeCache(cap_ms=settings.negative_cache_ms), telemetry=telemetry,
                               allocator_clock=clock)

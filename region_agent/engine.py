@@ -16,6 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kernel.algorithms import LocalModel, Role
+from kernel.algorithms.pool import PoolRule
+from kernel.algorithms.pool_window import MAX_SPAN
 from kernel.bundle import Bundle, Pool, Rule
 from kernel.errors import (
     AmbiguousOutcome,
@@ -28,8 +31,8 @@ from kernel.errors import (
     to_problem,
 )
 
-from .algorithms.pool_window import MAX_SPAN
-from .fallback import LocalFallback, LocalItem
+from .call import Call, multi_rule_call, parse_multi_rule
+from .fallback import LocalAllowances, LocalItem, pool_item, rule_item
 from .fleet_pools import FleetPools, allowance_call
 from .httpmap import apply_http
 from .keys import KeyBuilder
@@ -38,17 +41,13 @@ from .metrics import AgentMetrics
 from .models import AdmitRequest, Decision, ReleaseRequest, RenewRequest
 from .negcache import NegativeCache
 from .plan import (
-    Call,
     GlobalSpend,
     Plan,
     build_plan,
     cc_gates,
     cc_keys_for_release,
     memo_of,
-    tokens_limit,
-    tokens_remaining,
 )
-from .pool_allowance import PoolWindowAllowance
 from .telemetry import DecisionTelemetry
 
 log = logging.getLogger("region_agent.engine")
@@ -88,7 +87,7 @@ class _Prepared:
 
 class Engine:
     def __init__(self, *, get_bundle: Callable[[], Bundle], keys: KeyBuilder, store: Any, metrics: AgentMetrics,
-                 fallback: LocalFallback | None = None, budget_ms: int = 50,
+                 fallback: LocalAllowances | None = None, budget_ms: int = 50,
                  clock: Callable[[], float] = time.monotonic, leases: Any | None = None,
                  negative: NegativeCache | None = None, telemetry: DecisionTelemetry | None = None,
                  wall_clock: Callable[[], float] = time.time, allocator_clock: AllocatorClock | None = None):
@@ -96,16 +95,15 @@ class Engine:
         self.keys = keys
         self.store = store
         self.metrics = metrics
-        self.fallback = fallback if fallback is not None else LocalFallback()  # (an empty one is falsy)
+        self.fallback = fallback if fallback is not None else LocalAllowances()  # (an empty one is falsy)
         self.budget = budget_ms / 1000.0
         self.clock = clock
         self.wall_clock = wall_clock
         self.leases = leases  # region_agent.leasing.manager.LeaseManager, when the allocator is configured
         # where this process stands on the allocator's clock (pool windows as the allocator numbers them)
         self.allocator_clock = allocator_clock or (leases.clock if leases is not None else AllocatorClock())
-        self.pool_allowance = PoolWindowAllowance()  # in-process allowances while Redis is unreachable
         self.fleet = FleetPools(store=store, metrics=metrics, leases=leases, now_ms=self.now_ms,
-                                windows=self.pool_windows, allowance=self.pool_allowance, budget_s=self.budget)
+                                windows=self.pool_windows, allowance=self.fallback, budget_s=self.budget)
         self.negative = negative if negative is not None else NegativeCache()
         # counters, latency, new keys and the bypass audit of each finished decision
         self.telemetry = telemetry or DecisionTelemetry(metrics)
@@ -203,11 +201,11 @@ class Engine:
     def _script_calls(self, plan: Plan) -> list[tuple[str, list, list]]:
         calls = []
         if plan.calls:
-            calls.append(self.store.multi_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
+            calls.append(multi_rule_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
                                                decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
                                                question=plan.question))
         if plan.shadow_calls:
-            calls.append(self.store.multi_call(plan.shadow_calls, decision_key=plan.decision_key,
+            calls.append(multi_rule_call(plan.shadow_calls, decision_key=plan.decision_key,
                                                slack_ms=max(r.rule.ttl_slack_ms for r in plan.shadow_slots),
                                                decision_ttl_ms=0, member=plan.request_id))
         return calls
@@ -264,7 +262,7 @@ class Engine:
                 raise replies
             if len(replies) > 1:
                 self._count_shadow(plan, replies[1])
-            result = self.store.parse(replies[0])
+            result = parse_multi_rule(replies[0])
         except DecisionConflict:
             return self._finish(prep, self._conflict(prep))
         except AmbiguousOutcome as e:
@@ -281,13 +279,13 @@ class Engine:
     async def _retry_idempotent(self, prep: _Prepared, first: LeaseholdError) -> Decision:
         """Same decision id, same arguments: the script replays its stored result."""
         plan = prep.plan
-        call = self.store.multi_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
+        call = multi_rule_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
                                      decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
                                      question=plan.question)
         self.metrics.script_errors.labels("AmbiguousOutcome").inc()
         try:
             (reply,) = await self.store.submit([call], wait_s=self._remaining(prep))
-            result = self.store.parse(reply)
+            result = parse_multi_rule(reply)
         except DecisionConflict:
             return self._finish(prep, self._conflict(prep))
         except LeaseholdError as e:
@@ -312,7 +310,7 @@ class Engine:
             if retry >= 0:
                 retry = max(retry, retry_floor)
             args = dict(rule=slot.rule, scope=slot.rule.scope, reason="RATE_EXCEEDED",
-                        limit=tokens_limit(slot.rule, pools), remaining=tokens_remaining(slot.rule, int(raw)))
+                        limit=slot.rule.limit_tokens(pools), remaining=slot.rule.remaining_tokens(int(raw)))
             if plan.decision_ttl_ms == 0:
                 call = (calls or plan.calls)[idx]
                 self.negative.put((call.key, call.params), self.now_ms(), retry, (args, fallback))
@@ -321,8 +319,8 @@ class Engine:
         for i, slot in enumerate(plan.slots):
             if slot.rule is report and slot.role != "cc":
                 raw = res.remaining[i] if i < len(res.remaining) else 0
-                return self._decision(plan, bundle, allowed=True, rule=report, limit=tokens_limit(report, pools),
-                                      remaining=tokens_remaining(report, int(raw)), fallback=fallback)
+                return self._decision(plan, bundle, allowed=True, rule=report, limit=report.limit_tokens(pools),
+                                      remaining=report.remaining_tokens(int(raw)), fallback=fallback)
         d = self._allowed_without_script(prep)
         d.fallback = d.fallback or fallback
         return d
@@ -349,8 +347,8 @@ class Engine:
         pools = memo_of(prep.bundle).pools
         out = []
         for i, (slot, call) in enumerate(zip(prep.plan.slots, prep.plan.calls, strict=True)):
-            if slot.role == "pool" and slot.rule.pool in pools:
-                out.append((i, pools[slot.rule.pool], call.key, call.params[0]))
+            if slot.role == "pool" and slot.rule.pool_id in pools:
+                out.append((i, pools[slot.rule.pool_id], call.key, call.params[0]))
         return out
 
     def _note_pool_demand(self, prep: _Prepared) -> None:
@@ -379,12 +377,12 @@ class Engine:
         if pending is not None and not prep.pool_retried and self._remaining(prep) > 0 \
                 and leases.state(key) != "unreachable":
             prep.pool_retried = True
-            self.metrics.pool_waits.labels(slot.rule.pool or "?").inc()
+            self.metrics.pool_waits.labels(slot.rule.pool_id or "?").inc()
             try:
                 left = self._remaining(prep)
                 await asyncio.wait_for(asyncio.shield(pending), max(left / 2, left - min(0.025, self.budget / 4)))
                 (reply,) = await self.store.submit(self._script_calls(plan)[:1], wait_s=self._remaining(prep))
-                again = self.store.parse(reply)
+                again = parse_multi_rule(reply)
             except (TimeoutError, LeaseholdError):
                 again = res
             if again.allowed or again.denied_by != res.denied_by:
@@ -398,7 +396,7 @@ class Engine:
     async def _pool_fallback(self, prep: _Prepared, res: Any, idx: int) -> Decision:
         plan, bundle = prep.plan, prep.bundle
         rule = plan.slots[idx].rule
-        pool = next(p for p in bundle.pools if p.id == rule.pool)
+        pool = next(p for p in bundle.pools if p.id == rule.pool_id)
         if rule.fail_mode == "closed" or pool.fallback_per_region <= 0:
             self.metrics.degradations.labels("ALLOCATOR_UNREACHABLE", "closed").inc()
             self._give_back(prep)
@@ -412,12 +410,12 @@ class Engine:
         original = plan.calls[idx]
         calls = list(plan.calls)
         calls[idx] = allowance_call(KeyBuilder.pool_fallback_key(original.key), pool, w, original.params[0])
-        call = self.store.multi_call(calls, decision_key=plan.decision_key + ":fb", slack_ms=plan.slack_ms,
+        call = multi_rule_call(calls, decision_key=plan.decision_key + ":fb", slack_ms=plan.slack_ms,
                                      decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
                                      question=plan.question)
         try:
             (reply,) = await self.store.submit([call], wait_s=self._remaining(prep))
-            result = self.store.parse(reply)
+            result = parse_multi_rule(reply)
         except DecisionConflict:
             return self._conflict(prep)
         except LeaseholdError as e:
@@ -454,21 +452,22 @@ class Engine:
         rejected = isinstance(exc, ScriptRejected)
 
         def pool_allowance(r: Rule) -> int:
-            pool = pools.get(r.pool or "")
+            pool = pools.get(r.pool_id or "")
             return pool.fallback_per_region if pool is not None else 0
 
         # a tenant pool rule without its Redis balance spends an in-process allowance of
         # fallbackPerRegion per pool window (per agent); with no allowance it behaves as closed, and
         # so it does after a script rejection (a policy defect never admits a pool's tokens)
         closed = next((r for r in rules if r.fail_mode == "closed"
-                       or (r.algorithm == "pool" and (rejected or pool_allowance(r) <= 0))), None)
+                       or (r.role is Role.POOL and (rejected or pool_allowance(r) <= 0))), None)
         if closed is not None:
             self.metrics.degradations.labels(label, "closed").inc()
             self._give_back(prep)
             reason = "POLICY_ERROR" if rejected else "LIMITER_UNAVAILABLE"
             return self._decision(plan, bundle, allowed=False, rule=closed, scope=closed.scope, reason=reason,
                                   retry=closed.closed_retry_after_ms)
-        local = [r for r in rules if r.fail_mode == "local_bounded" and (r.fallback is not None or r.algorithm == "pool")]
+        local = [r for r in rules if r.fail_mode == "local_bounded"
+                 and (r.fallback is not None or r.local_model is LocalModel.POOL_ALLOWANCE)]
         mode = "local_bounded" if local else "open"
         self.metrics.degradations.labels(label, mode).inc()
         if not local:
@@ -478,43 +477,41 @@ class Engine:
         return self._local_admit(prep, local, pools)
 
     def _local_admit(self, prep: _Prepared, local: list[Rule], pools: dict[str, Pool]) -> Decision:
-        """All of a request's local allowances or none: pool rules from the per-allocator-window
-        counters (never evicted), the other rules from their fallback buckets."""
+        """All of a request's local allowances or none (region_agent.fallback): pool rules from
+        their per-allocator-window allowances (never evicted), checked first, the other rules from
+        their fallback buckets."""
         plan, bundle = prep.plan, prep.bundle
-        windows = {r.pool: self.pool_windows(pools[r.pool]) for r in local if r.algorithm == "pool" and r.pool}
-        remaining: dict[str, int] = {}
+        local = sorted(local, key=lambda r: r.role is not Role.POOL)
+        items: list[LocalItem] = []
+        limits: list[int] = []
         for r in local:
-            if r.algorithm != "pool" or not r.pool:
-                continue
-            got = self.pool_allowance.check(r.pool, windows[r.pool], r.cost * plan.cost_hint,
-                                            pools[r.pool].fallback_per_region)
-            if not got.allowed:
-                self._give_back(prep)
-                return self._decision(plan, bundle, allowed=False, rule=r, scope=r.scope, reason="RATE_EXCEEDED",
-                                      limit=pools[r.pool].fallback_per_region, remaining=got.remaining,
-                                      retry=got.retry_after_ms, fallback=True)
-            remaining[r.id] = got.remaining
-        buckets = [r for r in local if r.algorithm != "pool"]
-        if buckets:
-            res = self.fallback.admit([LocalItem(plan.rule_keys.get(r.id, r.id), r, plan.cost_hint) for r in buckets],
-                                      int(self.now_ms()))
-            if not res.allowed:
-                self._give_back(prep)
-                rule = buckets[res.denied_by - 1]
-                return self._decision(plan, bundle, allowed=False, rule=rule, scope=rule.scope,
-                                      reason="RATE_EXCEEDED", limit=_fallback_limit(rule),
-                                      remaining=res.remaining[res.denied_by - 1], retry=res.retry_after_ms,
-                                      fallback=True)
-            remaining.update({r.id: n for r, n in zip(buckets, res.remaining, strict=True)})
-        for r in local:
-            if r.algorithm == "pool" and r.pool:
-                self.pool_allowance.commit(r.pool, windows[r.pool], r.cost * plan.cost_hint)
+            if isinstance(r, PoolRule):
+                pool = pools[r.pool or ""]
+                w = self.pool_windows(pool)
+                item = pool_item(pool.id, w, r.tokens(plan.cost_hint), pool.fallback_per_region,
+                                 w.end_in_ms + pool.window_ms)
+                if item is None:  # the allocator's clock is too uncertain to count per window
+                    self._give_back(prep)
+                    return self._decision(plan, bundle, allowed=False, rule=r, scope=r.scope, reason="RATE_EXCEEDED",
+                                          limit=pool.fallback_per_region, remaining=0, retry=w.end_in_ms,
+                                          fallback=True)
+                items.append(item)
+                limits.append(pool.fallback_per_region)
+            else:
+                items.append(rule_item(r, plan.rule_keys.get(r.id, r.id), plan.cost_hint))
+                limits.append(r.fallback.limit_tokens if r.fallback else 0)
+        res = self.fallback.admit(items, int(self.now_ms()))
+        if not res.allowed:
+            self._give_back(prep)
+            i = res.denied_by - 1
+            return self._decision(plan, bundle, allowed=False, rule=local[i], scope=local[i].scope,
+                                  reason="RATE_EXCEEDED", limit=limits[i], remaining=res.remaining[i],
+                                  retry=res.retry_after_ms, fallback=True)
         report = plan.rules[0]
-        if report.id in remaining:
-            limit = pools[report.pool].fallback_per_region if report.algorithm == "pool" and report.pool \
-                else _fallback_limit(report)
-            return self._decision(plan, bundle, allowed=True, rule=report, limit=limit,
-                                  remaining=remaining[report.id], fallback=True)
+        if report in local:
+            i = local.index(report)
+            return self._decision(plan, bundle, allowed=True, rule=report, limit=limits[i],
+                                  remaining=res.remaining[i], fallback=True)
         return self._decision(plan, bundle, allowed=True, rule=report, fallback=True)
 
     def _shed(self, prep: _Prepared, stage: str) -> Decision:
@@ -567,7 +564,7 @@ class Engine:
 
     def _count_shadow(self, plan: Plan, reply: Any) -> None:
         try:
-            res = self.store.parse(reply)
+            res = parse_multi_rule(reply)
         except LeaseholdError as e:
             for s in plan.shadow_slots:
                 self.metrics.shadow.labels(s.rule.id, "error").inc()
@@ -584,12 +581,3 @@ class Engine:
         for r in prep.reservations:
             self.fleet.give_back(r.spend, r.generation)
         prep.reservations.clear()
-
-
-def _fallback_limit(rule: Rule) -> int | None:
-    fb = rule.fallback
-    if fb is None:
-        return None
-    if fb.capacity_millis is not None:
-        return fb.capacity_millis // 1000
-    return fb.limit

@@ -1,85 +1,91 @@
-"""Bounded in-process fallback allowances (failMode ``local_bounded``, seed ch. 10).
+"""The in-process allowances that answer while Redis is unreachable (failMode ``local_bounded``).
 
-Used only while the store is unreachable. Each rule's ``fallback`` parameters define a
-small local token bucket (millitokens) or fixed window per key; at most ``max_keys`` states
-are kept (least recently used evicted, which can only make a local bucket fuller, bounded
-by its capacity). All rules of one request are checked before any is debited.
-Pure: the wall/monotonic clock in ms is passed in.
+One local model: a request's local allowances are decided all or nothing by the same step the
+scripts take (:func:`kernel.algorithms.multi_rule.decide`, the reference model of
+``multi_rule.lua``), over states held here instead of in Redis:
+
+* a rule's ``fallback`` parameters: a token bucket or a fixed window per (rule, key)
+  (:meth:`~kernel.algorithms.rule.RuleBase.fallback_call`); at most ``max_keys`` of these states
+  are kept, the least recently used evicted (an evicted bucket comes back full, bounded by its
+  capacity);
+* a pool's allowance: ``fallbackPerRegion`` tokens per pool window as the allocator numbers it,
+  charged to every candidate window (kind ``pw``); one state per pool, never evicted — an
+  evicted, exhausted allowance would come back full inside the same window (these are few: one
+  per pool, and windows more than ``KEEP`` before the earliest candidate are dropped).
+
+Pure: the clock (ms) and the candidate windows are passed in.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
-from kernel.bundle import Fallback, Rule
+from kernel.algorithms import multi_rule
+from kernel.algorithms.multi_rule import MultiDecision
+from kernel.algorithms.pool_window import MAX_SPAN
+from kernel.algorithms.rule import Params
 
-from .algorithms import fixed_window, token_bucket
+from .leasing.window_clock import Windows
 
 
-@dataclass(frozen=True, slots=True)
-class LocalItem:
+class LocalItem(NamedTuple):
+    """One allowance a request needs: its state (``key``), its slot (``kind``, ``params``) and the
+    units of the slot's ``remaining`` per whole token (``millis``)."""
+
     key: str
-    rule: Rule
-    cost_hint: int
-    window: tuple[int, int] | None = None  # (limit, windowMs) for a pool rule's per-agent allowance
+    kind: str
+    params: Params
+    millis: int = 1
+    pooled: bool = False  # a pool's allowance (never evicted); else a rule's fallback state (LRU)
+    retry_floor_ms: int = 0  # a denial's hint is at least this (a pool allowance: the window's end)
 
 
-@dataclass(frozen=True, slots=True)
-class LocalResult:
-    allowed: bool
-    denied_by: int  # 1-based index into the items, 0 = none
-    retry_after_ms: int
-    remaining: tuple[int, ...]  # whole tokens / requests per item
+def rule_item(rule: Any, key: str, cost_hint: int) -> LocalItem:
+    """The fallback allowance of ``rule`` for the state key ``key``."""
+    kind, params, millis = rule.fallback_call(cost_hint)
+    return LocalItem(rule.id + "\x1f" + key, kind, params, millis)
 
 
-class LocalFallback:
-    """A bounded LRU of local states; the arithmetic is the reference models' (the same integer
-    rules as the Lua scripts): a token bucket when the fallback has ``capacityMillis``, else a
-    fixed window."""
+def pool_item(pool_id: str, windows: Windows, tokens: int, limit: int, ttl_ms: int) -> LocalItem | None:
+    """``tokens`` of a pool's allowance (``limit`` per allocator window) in every candidate window;
+    None when there are too many candidates to count (the allocator's clock is too uncertain)."""
+    if windows.span > MAX_SPAN:
+        return None
+    return LocalItem(pool_id, "pw", (limit, windows.lo, windows.hi, tokens, max(1, ttl_ms)), 1,
+                     pooled=True, retry_floor_ms=windows.end_in_ms)
 
+
+class LocalAllowances:
     def __init__(self, max_keys: int = 100_000):
         self.max_keys = max_keys
-        self._state: OrderedDict[str, Any] = OrderedDict()
+        self._states: OrderedDict[str, Any] = OrderedDict()  # rule fallbacks, least recently used first
+        self._pools: dict[str, Any] = {}  # pool allowances
 
     def __len__(self) -> int:
-        return len(self._state)
+        return len(self._states)
 
-    @staticmethod
-    def _model(it: LocalItem):
-        if it.window is not None:  # a global pool's per-agent allowance while Redis is unreachable
-            limit, window_ms = it.window
-            return fixed_window.decide, fixed_window.WindowParams(limit, window_ms, it.rule.cost * it.cost_hint), 1
-        fb: Fallback | None = it.rule.fallback
-        assert fb is not None, "local_bounded rules carry fallback parameters (bundle validation)"
-        if fb.capacity_millis is not None:
-            cost = (it.rule.cost_millis or 1000) * it.cost_hint
-            params = token_bucket.TokenBucketParams(fb.capacity_millis, fb.refill_millis or 1, fb.period_ms or 1,
-                                                    cost)
-            return token_bucket.decide, params, 1000
-        params = fixed_window.WindowParams(fb.limit or 1, fb.window_ms or 1, it.cost_hint)
-        return fixed_window.decide, params, 1
+    def admit(self, items: Sequence[LocalItem], now_ms: int) -> MultiDecision:
+        """All of ``items`` or none; ``remaining`` per item in whole tokens."""
+        states = [(self._pools if it.pooled else self._states).get(it.key) for it in items]
+        d, new = multi_rule.decide(states, items, int(now_ms), "local")
+        remaining = tuple(max(0, r) // it.millis for r, it in zip(d.remaining, items, strict=True))
+        if new is None:
+            floor = items[d.denied_by - 1].retry_floor_ms
+            retry = d.retry_after_ms if d.retry_after_ms < 0 else max(d.retry_after_ms, floor)
+            return MultiDecision(False, d.denied_by, retry, remaining)
+        for it, state in zip(items, new, strict=True):
+            if it.pooled:
+                self._pools[it.key] = state
+            else:
+                self._states[it.key] = state
+                self._states.move_to_end(it.key)
+        while len(self._states) > self.max_keys:
+            self._states.popitem(last=False)
+        return MultiDecision(True, 0, 0, remaining)
 
-    def admit(self, items: list[LocalItem], now_ms: int) -> LocalResult:
-        now = int(now_ms)
-        news: list[tuple[str, Any]] = []
-        remaining: list[int] = []
-        denied_by, retry = 0, 0
-        for i, it in enumerate(items, start=1):
-            key = it.rule.id + "\x1f" + it.key
-            decide, params, unit = self._model(it)
-            d, new = decide(self._state.get(key), params, now)
-            remaining.append(max(0, d.remaining) // unit)
-            news.append((key, new))
-            if not d.allowed:
-                denied_by = denied_by or i
-                retry = -1 if (retry < 0 or d.retry_after_ms < 0) else max(retry, d.retry_after_ms)
-        if denied_by:
-            return LocalResult(False, denied_by, retry, tuple(remaining))
-        for key, new in news:  # all allowed: commit every state
-            self._state[key] = new
-            self._state.move_to_end(key)
-        while len(self._state) > self.max_keys:
-            self._state.popitem(last=False)
-        return LocalResult(True, 0, 0, tuple(remaining))
+    def used(self, pool_id: str, window: int) -> int:
+        """Tokens a pool's allowance admitted in allocator window ``window``."""
+        state = self._pools.get(pool_id)
+        return state.counts.get(window, 0) if state is not None else 0

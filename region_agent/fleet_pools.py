@@ -16,7 +16,7 @@ One :class:`FleetPools` per agent. :meth:`take` answers one request's spend of o
   from the region's fallback allowance (``fallbackPerRegion`` per allocator window, in Redis,
   ``lua/lib/pool_window.lua``); exhausted (the allocator said so): a 429 until the next window;
 * Redis itself cannot be reached: this agent's in-process allowance, ``fallbackPerRegion`` per
-  allocator window (:class:`region_agent.pool_allowance.PoolWindowAllowance`), or 503 for a
+  allocator window (:class:`region_agent.fallback.LocalAllowances`), or 503 for a
   closed rule; the agent overloaded: shed.
 """
 
@@ -27,16 +27,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kernel.algorithms.pool_window import MAX_SPAN
 from kernel.bundle import Pool
 from kernel.errors import LeaseholdError, Overloaded, ScriptRejected
 
-from .algorithms.pool_window import MAX_SPAN
+from .call import Call, PoolTake, multi_rule_call, parse_multi_rule, parse_pool_take, pool_take_call
 from .chunks import NO_CHUNK, ChunkLease
+from .fallback import LocalAllowances, pool_item
 from .keys import KeyBuilder
 from .leasing.window_clock import Windows
-from .plan import Call, GlobalSpend
-from .pool_allowance import PoolWindowAllowance
-from .store.scripts import PoolTake, parse_pool_take, pool_take_call
+from .plan import GlobalSpend
 
 Status = Literal["ok", "denied", "unavailable", "open", "shed"]
 RENEWALS_PER_REQUEST = 3
@@ -52,7 +52,7 @@ class Take:
 
 class FleetPools:
     def __init__(self, *, store: Any, metrics: Any, leases: Any | None, now_ms: Callable[[], float],
-                 windows: Callable[[Pool], Windows], allowance: PoolWindowAllowance, budget_s: float):
+                 windows: Callable[[Pool], Windows], allowance: LocalAllowances, budget_s: float):
         self.store = store
         self.metrics = metrics
         self.leases = leases  # region_agent.leasing.manager.LeaseManager, or None
@@ -121,7 +121,11 @@ class FleetPools:
         mode = rule.fail_mode or "closed"
         if mode == "local_bounded" and pool.fallback_per_region > 0:
             self.metrics.degradations.labels("POOL_RENEWAL_FAILED", "local_bounded").inc()
-            res = self.allowance.admit(pool.id, self.windows(pool), spend.cost, pool.fallback_per_region)
+            w = self.windows(pool)
+            item = pool_item(pool.id, w, spend.cost, pool.fallback_per_region, w.end_in_ms + pool.window_ms)
+            if item is None:  # the allocator's clock is too uncertain to count per window
+                return Take("denied", max(1, w.end_in_ms), fallback=True)
+            res = self.allowance.admit([item], int(self.now_ms()))
             return Take("ok", fallback=True) if res.allowed else Take("denied", max(1, res.retry_after_ms),
                                                                       fallback=True)
         self.metrics.degradations.labels("POOL_RENEWAL_FAILED", mode).inc()
@@ -220,12 +224,12 @@ class FleetPools:
             lease.deny(self.now_ms(), w.end_in_ms, pool.chunk_validity_ms)
             lease.fallback = True
             return "fallback_denied"
-        call = self.store.multi_call(
+        call = multi_rule_call(
             [allowance_call(KeyBuilder.pool_fallback_key(gkey), pool, w, spend.cost)],
             decision_key=KeyBuilder.global_pool_decision_key(pool.id), slack_ms=0, decision_ttl_ms=0,
             member=f"renew-fb-{pool.id}")
         (reply,) = await self.store.submit([call], wait_s=self.budget_s)
-        res = self.store.parse(reply)
+        res = parse_multi_rule(reply)
         validity = min(pool.chunk_validity_ms, w.safe_ms)
         if res.allowed and validity > 0:
             lease.grant(spend.cost, sent_at, validity, fallback=True)

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from typing import Any
 
-from kernel.bundle import Rule
+from kernel.bundle import Pool, Rule
 
 from .models import Decision
 
@@ -60,13 +61,9 @@ def configure_jitter(pct: int, max_ms: int, seed: str = "") -> None:
     JITTER = RetryJitter(pct, max_ms, seed.encode())
 
 
-def window_seconds(rule: Rule) -> int:
+def window_seconds(rule: Rule, pools: Mapping[str, Pool] | None = None) -> int:
     """The window a rule is advertised with: the full-refill time for buckets."""
-    if rule.algorithm in ("token_bucket", "gcra") and rule.refill_millis:
-        ms = (rule.capacity_millis or 0) * (rule.period_ms or 0) / rule.refill_millis
-    else:
-        ms = rule.window_ms or 0
-    return max(1, math.ceil(ms / 1000))
+    return max(1, math.ceil(rule.policy_window_ms(pools or {}) / 1000))
 
 
 def ratelimit_headers(rule: Rule, *, limit: int, remaining: int, retry_after_ms: int) -> dict[str, str]:

@@ -1,31 +1,25 @@
 """Turn one admission request and one policy snapshot into the script calls of its decision.
 
-Pure: no I/O, no clock. The adapter converts :class:`Call` into the store's ``RuleCall``.
+Pure: no I/O, no clock. Its rule slots (:class:`~region_agent.call.Call`) become the script call
+(:mod:`region_agent.call`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
+from kernel.algorithms import Role
+from kernel.algorithms.pool import PoolRule
 from kernel.bundle import Bundle, Pool, Rule, select_rules
 from kernel.errors import ValidationFailed
 
+from .call import Call
 from .keys import KeyBuilder, check_ids, check_route, check_tenant, parse_ip
 from .models import AdmitRequest, Principal
 
-KIND = {"token_bucket": "tb", "gcra": "gcra", "fixed_window": "fw", "sliding_counter": "sc",
-        "sliding_log": "sl", "pool": "pool"}
-Role = Literal["rate", "cc", "pool"]
-
 
 # immutable records built per decision: NamedTuples (created in C) rather than frozen dataclasses
-class Call(NamedTuple):
-    key: str
-    kind: str
-    params: tuple[int, int, int, int, int]
-
-
 class Slot(NamedTuple):
     rule: Rule
     role: Role
@@ -72,15 +66,6 @@ def check_principal(req_tenant: str | None, principal: Principal):
     return check_tenant(req_tenant), None
 
 
-def rate_params(rule: Rule, cost_hint: int) -> tuple[int, int, int, int, int]:
-    if rule.algorithm in ("token_bucket", "gcra"):
-        return (rule.capacity_millis or 0, rule.refill_millis or 0, rule.period_ms or 0,
-                (rule.cost_millis or 0) * cost_hint, 0)
-    if rule.algorithm == "pool":
-        return (rule.cost * cost_hint, 0, 0, 0, 0)
-    return (rule.limit or 0, rule.window_ms or 0, cost_hint, 0, 0)
-
-
 SELECTION_CACHE_MAX = 10_000  # distinct (tenant, route, principal type, has key) per snapshot
 
 
@@ -99,17 +84,13 @@ class Shape(NamedTuple):
     @classmethod
     def of(cls, rules: list[Rule]) -> Shape:
         enforced = [r for r in rules if not r.shadow]
-        in_script = [r for r in enforced if not _fleet_wide(r)]
+        in_script = [r for r in enforced if not r.fleet_wide]
         return cls(rules=rules, enforced=enforced, in_script=in_script,
-                   shadow=[r for r in rules if r.shadow and not _fleet_wide(r)],
+                   shadow=[r for r in rules if r.shadow and not r.fleet_wide],
                    ip_rules=[r for r in rules if r.scope == "ip"],
                    slack_ms=max((r.ttl_slack_ms for r in in_script), default=0),
                    decision_ttl_ms=(max(r.decision_ttl_ms for r in in_script)
                                     if any(r.idempotent for r in in_script) else 0))
-
-
-def _fleet_wide(rule: Rule) -> bool:
-    return rule.algorithm == "pool" and rule.scope == "global"
 
 
 class BundleMemo:
@@ -167,29 +148,27 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder) -> Plan:
     user_id = principal.id if principal.type == "user" else None
 
     def key_of(rule: Rule) -> str:
-        if rule.algorithm == "pool":
-            assert rule.pool is not None
-            return keys.tenant_pool_key(tenant or "", rule.pool)
+        if rule.pool_id is not None:
+            return keys.tenant_pool_key(tenant or "", rule.pool_id)
         return keys.rule_key(rule, tenant=tenant, user_id=user_id, api_key_id=principal.api_key_id,
                              route_group=req.route_group, ip_tag=ip_tag, addr=addr)
 
     if len(shape.in_script) != len(shape.enforced):
         for rule in shape.enforced:
-            if _fleet_wide(rule):
-                assert rule.pool is not None
-                plan.global_spends.append(GlobalSpend(rule, memo.pools[rule.pool], rule.cost * cost_hint))
+            if isinstance(rule, PoolRule) and rule.fleet_wide:
+                plan.global_spends.append(GlobalSpend(rule, memo.pools[rule.pool_id or ""], rule.tokens(cost_hint)))
     calls, slots = plan.calls, plan.slots
     for rule in shape.in_script:
         key = key_of(rule)
         plan.rule_keys[rule.id] = key
         if rule.concurrency_max is not None:
             calls.append(Call(KeyBuilder.cc_key(key), "cc", (rule.concurrency_max, rule.concurrency_ttl_ms, 0, 0, 0)))
-            slots.append(Slot(rule, "cc"))
-        calls.append(Call(key, KIND[rule.algorithm], rate_params(rule, cost_hint)))
-        slots.append(Slot(rule, "pool" if rule.algorithm == "pool" else "rate"))
+            slots.append(Slot(rule, Role.CC))
+        calls.append(Call(key, rule.kind.code, rule.script_params(cost_hint)))
+        slots.append(Slot(rule, rule.role))
     for rule in shape.shadow:
-        plan.shadow_calls.append(Call(key_of(rule), KIND[rule.algorithm], rate_params(rule, cost_hint)))
-        plan.shadow_slots.append(Slot(rule, "pool" if rule.algorithm == "pool" else "rate"))
+        plan.shadow_calls.append(Call(key_of(rule), rule.kind.code, rule.script_params(cost_hint)))
+        plan.shadow_slots.append(Slot(rule, rule.role))
     dk_tenant = tenant if ip_tag is None else None
     if plan.decision_ttl_ms > 0:
         plan.decision_key = keys.decision_key(req.request_id, tenant=dk_tenant, ip_tag=ip_tag)
@@ -226,22 +205,5 @@ def cc_keys_for_release(bundle: Bundle, *, request_tenant: str | None, principal
                                        route_group=route_group, keys=keys)]
 
 
-def tokens_limit(rule: Rule, pools: dict[str, Pool]) -> int:
-    """The rule's limit in whole tokens/requests (what the decision reports)."""
-    if rule.algorithm in ("token_bucket", "gcra"):
-        return (rule.capacity_millis or 0) // 1000
-    if rule.algorithm == "pool":
-        pool = pools.get(rule.pool or "")
-        return pool.limit if pool else 0
-    return rule.limit or 0
-
-
-def tokens_remaining(rule: Rule, raw: int) -> int:
-    """Script ``remaining`` (millitokens for buckets, units otherwise) as whole tokens, floored."""
-    if rule.algorithm in ("token_bucket", "gcra"):
-        return max(0, raw) // 1000
-    return max(0, raw)
-
-
 __all__ = ["BundleMemo", "Call", "GlobalSpend", "Plan", "Shape", "Slot", "build_plan", "cc_gates", "cc_keys_for_release",
-           "check_principal", "memo_of", "tokens_limit", "tokens_remaining"]
+           "check_principal", "memo_of"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kernel.bundle import Bundle, Pool, Rule, seal, validate_bundle
+from kernel.bundle import Bundle, Pool, make_rule, seal, validate_bundle
 from leasehold.topology import Topology, TopologySpec
 
 from .context import Ctx
@@ -24,7 +24,7 @@ def util_bundle(window_ms: int) -> Bundle:
     pool = Pool(id="util", window_ms=window_ms, limit=G, lease_ttl_ms=min(1_000, window_ms), chunk_min=5,
                 chunk_max=50, fallback_per_region=FALLBACK, prefetch_ms=min(500, window_ms // 4),
                 active_horizon_ms=window_ms)
-    rule = Rule(id="tenant-t0-util", scope="tenant", tenant="t0", algorithm="pool", pool="util", cost=1,
+    rule = make_rule(id="tenant-t0-util", scope="tenant", tenant="t0", algorithm="pool", pool="util", cost=1,
                 fail_mode="local_bounded")
     bundle = seal(Bundle(bundle_version=1, published_at="2026-11-29T00:00:00Z", checksum="", rules=[rule],
                          pools=[pool]))

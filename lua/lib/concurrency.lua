@@ -10,7 +10,7 @@
 -- An allowing plan also carries `current`: the value before this request's debit (the
 -- multi-rule script reports it when another rule denies).
 -- @include lib/validate.lua
-local CC = {}
+local CC = { needs_member = true }  -- the decision id is the lease id
 
 function CC.parse(a)
   local P = { max = lh_int(a[1], 1), ttl = lh_int(a[2], 1) }

@@ -20,7 +20,8 @@
 -- An allowing plan also carries `current`: the value before this request's debit (the
 -- multi-rule script reports it when another rule denies).
 -- @include lib/validate.lua
-local POOL = {}
+-- a denial is not stored in a decision record: the agent runs the decision again after a top-up
+local POOL = { unrecorded_denial = true }
 
 function POOL.parse(a)
   local P = { cost = lh_int(a[1], 1) }

@@ -12,7 +12,7 @@
 -- An allowing plan also carries `current`: the value before this request's debit (the
 -- multi-rule script reports it when another rule denies).
 -- @include lib/validate.lua
-local SL = {}
+local SL = { needs_member = true }  -- the decision id is the log entry
 local SL_MAX_COST = 1000  -- entries one request may add: bounds the script's run time
 
 function SL.parse(a)

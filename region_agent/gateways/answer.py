@@ -30,26 +30,19 @@ _encode = msgspec.json.Encoder().encode
 def per_unit(rule: Rule, bundle: Bundle) -> tuple[int, str] | None:
     """(requests_per_unit, unit) when the rule's limit is exactly that, else None.
 
-    Buckets (token_bucket, gcra): the sustained refill rate in the smallest unit where it is a
-    whole number (P-READ 2/SECOND, P-TENANT 1,000/MINUTE). Windows and pools: the limit, only
-    when the window is exactly one unit (a 20-per-10-s window is not 2 per second)."""
-    if rule.algorithm in ("token_bucket", "gcra"):
-        if not rule.refill_millis or not rule.period_ms:
-            return None
-        for unit, ms in UNIT_MS:
-            num = rule.refill_millis * ms
-            den = rule.period_ms * 1000
+    A rate that scales (a bucket's refill): the sustained rate in the smallest unit where it is a
+    whole number (P-READ 2/SECOND, P-TENANT 1,000/MINUTE). A count per window (windows, pools):
+    the limit, only when the window is exactly one unit (a 20-per-10-s window is not 2 per second)."""
+    rate = rule.rate(memo_of(bundle).pools)
+    if not rate.millis or not rate.per_ms:
+        return None
+    for unit, ms in UNIT_MS:
+        if rate.scalable:
+            num, den = rate.millis * ms, rate.per_ms * 1000
             if num % den == 0 and num // den >= 1:
                 return num // den, unit
-        return None
-    if rule.algorithm == "pool":
-        pool = memo_of(bundle).pools.get(rule.pool or "")
-        limit, window = (pool.limit, pool.window_ms) if pool is not None else (None, None)
-    else:
-        limit, window = rule.limit, rule.window_ms
-    for unit, ms in UNIT_MS:
-        if window == ms and limit:
-            return limit, unit
+        elif rate.per_ms == ms and rate.millis % 1000 == 0:
+            return rate.millis // 1000, unit
     return None
 
 

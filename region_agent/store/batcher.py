@@ -25,7 +25,8 @@ from typing import Any
 
 from kernel.errors import AmbiguousOutcome, DeadlineExceeded, Overloaded
 
-ScriptCall = tuple[str, list, list]
+from ..call import ScriptCall
+
 RunPipeline = Callable[[Sequence[ScriptCall]], Awaitable[list[Any]]]
 
 

@@ -11,7 +11,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from redis import exceptions as rex
 from redis.asyncio import RedisCluster
 
 from kernel.errors import (
@@ -19,20 +18,18 @@ from kernel.errors import (
     DeadlineExceeded,
     LeaseholdError,
     Overloaded,
-    ScriptRejected,
     StoreUnavailable,
 )
 from kernel.ratelog import TransitionLog
 
-from ..plan import Call
+from ..call import ScriptCall
 from . import scripts as sc
-from .batcher import Batcher, ScriptCall
+from .batcher import Batcher
 from .breaker import CLOSED, OPEN, CircuitBreaker
 from .lag import LoopLag
 
 log = logging.getLogger("region_agent.store")
 
-MULTI_RULE = "multi_rule"
 CLUSTER_STALL_FACTOR = 4  # a cluster pipeline may first connect to its nodes
 INFO_SECTIONS = ("memory", "stats", "clients", "replication", "keyspace", "commandstats")
 
@@ -187,11 +184,8 @@ class StoreGateway:
         failed counts against it. Callers whose own deadline passed first do not decide that:
         on a CPU-saturated agent the reply can be late only because the event loop was busy, and
         an agent that opened its breaker on that would serve fallback decisions while Redis is fine."""
-        try:
-            if self.cluster:
-                replies = await self._run_cluster_pipeline(calls)
-            else:
-                replies = await self.scripts.run_pipeline(self.client, calls, self._reading)
+        try:  # standalone or cluster: one path (the NOSCRIPT reload and re-run are run_pipeline's)
+            replies = await self.scripts.run_pipeline(self.client, calls, self._reading)
         except Exception as e:
             err = self._own_timeout(translate(e))
             if not isinstance(err, Overloaded):
@@ -205,54 +199,6 @@ class StoreGateway:
             self.breaker.success()
         self._breaker_changed()
         return replies
-
-    async def _cluster_round(self, calls: Sequence[ScriptCall]) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
-        for name, keys, argv in calls:
-            # redis-py blocks ``pipe.evalsha`` on a cluster pipeline; the raw command is routed by its keys
-            pipe.execute_command("EVALSHA", self.scripts.sha(name), len(keys), *keys, *argv)
-        return list(await pipe.execute(raise_on_error=False))
-
-    async def _run_cluster_pipeline(self, calls: Sequence[ScriptCall]) -> list[Any]:
-        """One cluster pipeline (redis-py sends one batch per node); NOSCRIPT calls did not run:
-        load every script on every primary and re-run just those, once."""
-        if not calls:
-            return []
-        try:
-            results = await self._cluster_round(calls)
-        except Exception as e:
-            err = translate(e)
-            return [err for _ in calls]
-        missing = [i for i, r in enumerate(results) if isinstance(r, rex.NoScriptError)]
-        if missing:
-            try:
-                await self.scripts.load_all(self.client)
-                again = await self._cluster_round([calls[i] for i in missing])
-            except Exception as e:
-                again = [e for _ in missing]
-            for i, r in zip(missing, again, strict=True):
-                results[i] = r
-        return [translate(r) if isinstance(r, BaseException) else r for r in results]
-
-    @staticmethod
-    def multi_call(calls: Sequence[Call], *, decision_key: str, slack_ms: int, decision_ttl_ms: int,
-                   member: str, question: str = "") -> ScriptCall:
-        # a plan's Call has RuleCall's fields (key, kind, params): no copy
-        keys, argv = sc.multi_rule_argv(decision_key, calls, slack_ms=slack_ms,  # type: ignore[arg-type]
-                                        decision_ttl_ms=decision_ttl_ms, member=member, question=question)
-        return (MULTI_RULE, list(keys), list(argv))
-
-    @staticmethod
-    def parse(reply: Any) -> sc.MultiRuleResult:
-        """A reply (or exception instance) from a pipeline slot -> result, or raises a contract error."""
-        if isinstance(reply, BaseException):
-            raise translate(reply)
-        try:
-            return sc.parse_multi_rule(reply)
-        except LeaseholdError:
-            raise
-        except Exception:
-            raise ScriptRejected("unexpected reply shape from the multi-rule script") from None
 
     async def submit(self, calls: list[ScriptCall], *, wait_s: float | None) -> list[Any]:
         """Send ``calls`` through the coalescing batcher, guarded by the shard's breaker: while

@@ -24,24 +24,20 @@ from redis import exceptions as rex
 from redis.asyncio import RedisCluster
 from redis.crc import key_slot
 
+from kernel.algorithms import KINDS
+from kernel.algorithms.pool import PoolEntry
 from kernel.errors import (
     AmbiguousOutcome,
-    DecisionConflict,
     LeaseholdError,
     ScriptRejected,
     StoreUnavailable,
 )
 
-from ..algorithms.pool import PoolEntry
-
-__all__ = ["PoolClosed", "PoolEntry", "PoolTake", "Scripts", "parse_pool_take", "pool_take_call", "RuleCall", "MultiRuleResult", "multi_rule_argv", "parse_multi_rule",
-           "translate_redis_error", "KeysNotColocated"]
+__all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "translate_redis_error"]
 
 DEFAULT_LUA_DIR = Path(str(resources.files("region_agent").joinpath("lua")))  # ships in the wheel
 INCLUDE_RE = re.compile(r"^--\s*@include\s+(\S+)\s*$")
-KINDS = frozenset({"tb", "gcra", "fw", "sc", "sl", "cc", "pool", "pw"})
-MAX_RULES = 8
-CONFLICT = -1  # ``allowed`` of the multi-rule reply for a decision record of another question
+KINDS_RE = re.compile(r"^--\s*@kinds\b")
 # Server error prefixes meaning "the command was refused before it ran": nothing happened.
 _NOT_RUN_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY", "NOREPLICAS",
                      "MOVED", "ASK", "OOM")
@@ -54,12 +50,27 @@ class KeysNotColocated(ScriptRejected):
 
 
 # --- loader ------------------------------------------------------------------------------------
+def kinds_dispatch() -> list[str]:
+    """What a ``-- @kinds`` line stands for: an include of every registered call kind's library
+    and the dispatch table ``multi_rule.lua`` looks kinds up in (kernel.algorithms.KINDS)."""
+    kinds = sorted(KINDS.values(), key=lambda k: k.code)
+    table = ", ".join(f"{k.code} = {k.lua_table}" for k in kinds)
+    return [*(f"-- @include {lib}" for lib in sorted({k.lib for k in kinds})), f"local ALG = {{ {table} }}"]
+
+
 def expand_includes(path: Path, root: Path, _seen: set[Path] | None = None) -> str:
     """The text of ``path`` with every ``-- @include lib/X.lua`` replaced by that file's expanded
-    text; each included file appears once (later includes of it become a comment)."""
+    text (each included file appears once: later includes of it become a comment), and a
+    ``-- @kinds`` line by :func:`kinds_dispatch`, expanded the same way."""
     seen = _seen if _seen is not None else set()
     out: list[str] = []
-    for line in path.read_text().splitlines():
+    lines = path.read_text().splitlines()
+    while lines:
+        line = lines.pop(0)
+        if KINDS_RE.match(line.strip()):
+            out.append(line)
+            lines[:0] = kinds_dispatch()
+            continue
         m = INCLUDE_RE.match(line.strip())
         if not m:
             out.append(line)
@@ -145,76 +156,7 @@ def _translate(exc: BaseException) -> LeaseholdError:
     return translate_redis_error(exc, sent=_sent_heuristic(exc))
 
 
-# --- multi-rule call shape ---------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class RuleCall:
-    """One rule's part of a multi_rule call."""
-
-    key: str
-    kind: str  # "tb" | "gcra" | "fw" | "sc" | "sl" | "cc" | "pool" | "pw"
-    params: tuple[int, int, int, int, int]
-
-
-@dataclass(frozen=True, slots=True)
-class MultiRuleResult:
-    allowed: bool
-    denied_by: int  # 1-based index into the rule list, 0 = none
-    retry_after_ms: int  # -1 = never
-    remaining: tuple[int, ...]
-
-
-def multi_rule_argv(decision_key: str, rules: Sequence[RuleCall], *, slack_ms: int, decision_ttl_ms: int,
-                    member: str, question: str = "") -> tuple[list[str], list[str | int]]:
-    """KEYS and ARGV for ``multi_rule.lua``. Shape errors raise :class:`ScriptRejected` here; the
-    numeric validation is the script's (it answers with an error reply). ``question`` is stored
-    with a decision record and compared on a replay (see the script's header)."""
-    if not 1 <= len(rules) <= MAX_RULES:
-        raise ScriptRejected(f"a multi-rule call takes 1..{MAX_RULES} rules, got {len(rules)}")
-    keys = [decision_key]
-    argv: list[str | int] = [slack_ms, decision_ttl_ms, member]
-    for r in rules:
-        if r.kind not in KINDS:
-            raise ScriptRejected(f"unknown rule kind {r.kind!r}")
-        if len(r.params) != 5:
-            raise ScriptRejected("each rule takes exactly five parameters")
-        keys.append(r.key)
-        argv.append(r.kind)
-        argv.extend(r.params)
-    if len(set(keys[1:])) != len(keys) - 1:
-        raise ScriptRejected("the same key is listed for two rules")
-    argv.append(question)
-    return keys, argv
-
-
-def parse_multi_rule(reply: Any) -> MultiRuleResult:
-    """The script's reply; raises :class:`DecisionConflict` for its conflict reply (allowed -1)."""
-    if not isinstance(reply, list | tuple) or len(reply) < 4:
-        raise ScriptRejected("unexpected reply shape from the multi-rule script")
-    vals = [int(x) for x in reply]
-    if vals[0] == CONFLICT:
-        raise DecisionConflict("requestId already has a decision for another question (tenant, principal, "
-                               "route group or cost); use a fresh requestId")
-    return MultiRuleResult(bool(vals[0]), vals[1], vals[2], tuple(vals[3:]))
-
-
 # --- typed results -----------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class RateResult:
-    """Reply of the single-rule rate scripts (token bucket, GCRA, windows, log)."""
-
-    allowed: bool
-    remaining: int  # millitokens for tb/gcra, units/entries for fw/sc/sl
-    retry_after_ms: int  # -1 = never
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseResult:
-    """Reply of the concurrency scripts: ok = acquired / released / renewed."""
-
-    ok: bool
-    in_flight: int
-
-
 @dataclass(frozen=True, slots=True)
 class PoolDepositResult:
     stored: bool  # True for "stored" and "replay"
@@ -241,28 +183,6 @@ class PoolClosed:
     granted: int
     spent: int
     current: bool
-
-
-@dataclass(frozen=True, slots=True)
-class PoolTake:
-    """Reply of ``pool_take.lua`` (a gateway chunk bought from a pool balance)."""
-
-    taken: int  # tokens debited (0 = fewer than ``min`` were spendable; nothing written)
-    remaining: int  # spendable after the take
-    valid_for_ms: int  # the chunk must not outlive the leases it came from (0 when nothing taken)
-    next_from_ms: int  # until the earliest not-yet-valid lease becomes valid (0 = none)
-
-
-def pool_take_call(key: str, *, min_tokens: int, want: int, slack_ms: int) -> tuple[str, list, list]:
-    return ("pool_take", [key], [min_tokens, want, slack_ms])
-
-
-def parse_pool_take(reply: Any) -> PoolTake:
-    if isinstance(reply, BaseException):
-        raise translate_redis_error(reply, sent=True)
-    if not isinstance(reply, list | tuple) or len(reply) != 4:
-        raise ScriptRejected("unexpected reply shape from pool_take")
-    return PoolTake(*(int(x) for x in reply))
 
 
 def pack_evalsha(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> bytes:
@@ -330,14 +250,6 @@ def _s(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
-def _rate(reply: Any) -> RateResult:
-    return RateResult(bool(int(reply[0])), int(reply[1]), int(reply[2]))
-
-
-def _lease(reply: Any) -> LeaseResult:
-    return LeaseResult(bool(int(reply[0])), int(reply[1]))
-
-
 # --- registry ----------------------------------------------------------------------------------
 class Scripts:
     """Every script of ``lua/``, loaded once, called by SHA with one NOSCRIPT reload.
@@ -377,18 +289,12 @@ class Scripts:
         await client.script_load(self.scripts[name].source)
 
     async def call(self, client: Any, name: str, keys: Sequence[str], argv: Sequence[Any]) -> Any:
-        """EVALSHA ``name``; on NOSCRIPT load it and retry once. Raises contract errors only."""
-        sha = self.sha(name)
-        try:
-            try:
-                return await client.evalsha(sha, len(keys), *keys, *argv)
-            except rex.NoScriptError:
-                await self._load_one(client, name)
-                return await client.evalsha(sha, len(keys), *keys, *argv)
-        except Exception as e:
-            if _connection_lost(e):
-                await _drop_idle(client)
-            raise _translate(e) from None
+        """EVALSHA ``name``: a pipeline of one call (:meth:`run_pipeline`, whose NOSCRIPT reload
+        and re-run it shares). Raises contract errors only."""
+        (reply,) = await self.run_pipeline(client, [(name, list(keys), list(argv))])
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
 
     async def run_pipeline(self, client: Any, calls: Sequence[tuple[str, list, list]],
                            reading: dict[int, Any] | None = None) -> list[object]:
@@ -476,41 +382,6 @@ class Scripts:
             await pool.release(conn)
 
     # --- typed wrappers --------------------------------------------------------------------------
-    async def multi_rule(self, client: Any, keys: Sequence[str], argv: Sequence[Any]) -> MultiRuleResult:
-        return parse_multi_rule(await self.call(client, "multi_rule", keys, argv))
-
-    async def token_bucket(self, client: Any, key: str, *, capacity: int, refill: int, period_ms: int,
-                           cost: int, slack_ms: int) -> RateResult:
-        """Millitokens and ms (seed ch.6/8)."""
-        return _rate(await self.call(client, "token_bucket", [key], [capacity, refill, period_ms, cost, slack_ms]))
-
-    async def gcra(self, client: Any, key: str, *, capacity: int, refill: int, period_ms: int, cost: int,
-                   slack_ms: int) -> RateResult:
-        """Same units as the token bucket; remaining in millitokens."""
-        return _rate(await self.call(client, "gcra", [key], [capacity, refill, period_ms, cost, slack_ms]))
-
-    async def fixed_window(self, client: Any, key: str, *, limit: int, window_ms: int, cost: int = 1,
-                           slack_ms: int = 0) -> RateResult:
-        return _rate(await self.call(client, "fixed_window", [key], [limit, window_ms, cost, slack_ms]))
-
-    async def sliding_counter(self, client: Any, key: str, *, limit: int, window_ms: int, cost: int = 1,
-                              slack_ms: int = 0) -> RateResult:
-        return _rate(await self.call(client, "sliding_counter", [key], [limit, window_ms, cost, slack_ms]))
-
-    async def sliding_log(self, client: Any, key: str, *, limit: int, window_ms: int, member: str,
-                          cost: int = 1, slack_ms: int = 0) -> RateResult:
-        return _rate(await self.call(client, "sliding_log", [key], [limit, window_ms, member, cost, slack_ms]))
-
-    async def concurrency_acquire(self, client: Any, key: str, lease_id: str, *, max_in_flight: int,
-                                  lease_ttl_ms: int) -> LeaseResult:
-        return _lease(await self.call(client, "concurrency_acquire", [key], [lease_id, max_in_flight, lease_ttl_ms]))
-
-    async def concurrency_release(self, client: Any, key: str, lease_id: str) -> LeaseResult:
-        return _lease(await self.call(client, "concurrency_release", [key], [lease_id]))
-
-    async def concurrency_renew(self, client: Any, key: str, lease_id: str, *, lease_ttl_ms: int) -> LeaseResult:
-        return _lease(await self.call(client, "concurrency_renew", [key], [lease_id, lease_ttl_ms]))
-
     async def pool_deposit(self, client: Any, key: str, lease_id: str, *, granted: int, valid_from_ms: int,
                            expires_at_ms: int, max_entries: int, slack_ms: int) -> PoolDepositResult:
         r = await self.call(client, "pool_deposit", [key],
@@ -523,10 +394,6 @@ class Scripts:
         r = await self.call(client, "pool_close", [key], [lease_id])
         granted, spent = int(r[0]), int(r[1])
         return None if granted < 0 else PoolClosed(granted, spent, bool(int(r[2])))
-
-    async def pool_take(self, client: Any, key: str, *, min_tokens: int, want: int, slack_ms: int) -> PoolTake:
-        return parse_pool_take(await self.call(client, *pool_take_call(key, min_tokens=min_tokens, want=want,
-                                                                          slack_ms=slack_ms)))
 
     async def pool_balance(self, client: Any, key: str) -> PoolBalance:
         r = await self.call(client, "pool_balance", [key], [])

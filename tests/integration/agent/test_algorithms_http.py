@@ -13,7 +13,7 @@ import pytest
 from litestar.testing import AsyncTestClient
 from redis.asyncio import Redis
 
-from kernel.bundle import Rule
+from kernel.bundle import make_rule
 from region_agent.app import create_app
 from region_agent.keys import KeyBuilder, parse_ip
 
@@ -28,11 +28,11 @@ from .conftest import (
 )
 
 EXTRA = [
-    Rule(id="audit-log", scope="user", route_group="audit", algorithm="sliding_log", limit=20, window_ms=10_000,
+    make_rule(id="audit-log", scope="user", route_group="audit", algorithm="sliding_log", limit=20, window_ms=10_000,
          fail_mode="open"),
-    Rule(id="search-counter", scope="user", route_group="search", algorithm="sliding_counter", limit=20,
+    make_rule(id="search-counter", scope="user", route_group="search", algorithm="sliding_counter", limit=20,
          window_ms=1_000, fail_mode="open"),
-    Rule(id="read-gcra", scope="user", route_group="gread", algorithm="gcra", capacity_millis=20_000,
+    make_rule(id="read-gcra", scope="user", route_group="gread", algorithm="gcra", capacity_millis=20_000,
          refill_millis=2_000, period_ms=1_000, cost_millis=1_000, fail_mode="open"),
 ]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from litestar.testing import AsyncTestClient
 
-from kernel.bundle import Bundle, Pool, Rule, encode_bundle, seal, validate_bundle
+from kernel.bundle import Bundle, Pool, encode_bundle, make_rule, seal, validate_bundle
 from kernel.errors import PolicyError
 from region_agent.app import create_app
 from region_agent.policy import PolicyHolder
@@ -20,8 +20,8 @@ from region_agent.policy import PolicyHolder
 from .conftest import PEPPER, ROOT, admit_json, make_settings
 
 POOL = Pool(id="dup-w", window_ms=60_000, limit=1_000, fallback_per_region=50)
-RULES = [Rule(id="atlas-pool", scope="tenant", tenant="atlas", algorithm="pool", pool=POOL.id, fail_mode="local_bounded"),
-         Rule(id="atlas-read-pool", scope="tenant", tenant="atlas", route_group="read", algorithm="pool", pool=POOL.id,
+RULES = [make_rule(id="atlas-pool", scope="tenant", tenant="atlas", algorithm="pool", pool=POOL.id, fail_mode="local_bounded"),
+         make_rule(id="atlas-read-pool", scope="tenant", tenant="atlas", route_group="read", algorithm="pool", pool=POOL.id,
               fail_mode="local_bounded")]
 
 

@@ -52,13 +52,13 @@ async def test_fail_modes_with_redis_stopped(stopped_store_agent):
 
 
 async def test_global_pool_without_a_chunk_fails_closed_when_the_store_is_down(tmp_path: Path, policy_file: Path):
-    from kernel.bundle import Pool, Rule
+    from kernel.bundle import Pool, make_rule
 
     from .conftest import northstar, write_bundle
 
     base = northstar()
     pool = Pool(id="p-global", window_ms=60_000, limit=40_000, chunk_max=10)
-    rule = Rule(id="global-read", scope="global", route_group="read", algorithm="pool", pool="p-global",
+    rule = make_rule(id="global-read", scope="global", route_group="read", algorithm="pool", pool="p-global",
                 fail_mode="closed", closed_retry_after_ms=2_000)
     write_bundle(policy_file, base, rules=[*base.rules, rule], pools=[pool])
     server = RedisServer(tmp_path / "redis-pool").start()

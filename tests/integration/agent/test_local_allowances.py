@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kernel.bundle import Bundle, Fallback, Pool, Rule, seal
+from kernel.bundle import Bundle, Fallback, Pool, Rule, make_rule, seal
 from leasehold.procs import free_port
 
 from .conftest import agent_process, write_bundle
@@ -39,13 +39,13 @@ W_MONO = _mono_phase_window()
 MONO = Pool(id="mono-w", window_ms=W_MONO, limit=1_000, fallback_per_region=F, chunk_min=1, chunk_max=10,
             prefetch_ms=100)
 LRU = Pool(id="lru-w", window_ms=60_000, limit=1_000, fallback_per_region=F, chunk_min=1, chunk_max=10)
-USER = Rule(id="user-all", scope="user", algorithm="token_bucket", capacity_millis=1_000_000, refill_millis=1_000_000,
+USER = make_rule(id="user-all", scope="user", algorithm="token_bucket", capacity_millis=1_000_000, refill_millis=1_000_000,
             period_ms=1_000, cost_millis=1_000, fail_mode="local_bounded",
             fallback=Fallback(capacity_millis=200_000, refill_millis=1_000, period_ms=60_000))
 
 
 def _pool_rule(tenant: str, pool: str) -> Rule:
-    return Rule(id=f"tenant-{tenant}-pool", scope="tenant", tenant=tenant, algorithm="pool", pool=pool,
+    return make_rule(id=f"tenant-{tenant}-pool", scope="tenant", tenant=tenant, algorithm="pool", pool=pool,
                 fail_mode="local_bounded")
 
 

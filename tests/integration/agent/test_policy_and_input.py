@@ -7,7 +7,7 @@ import pytest
 from litestar.testing import AsyncTestClient
 from redis.asyncio import Redis
 
-from kernel.bundle import Pool, Rule, validate_bundle
+from kernel.bundle import Pool, Rule, make_rule, validate_bundle
 from kernel.errors import PolicyError
 from region_agent.app import create_app
 from region_agent.store.scripts import Scripts
@@ -53,7 +53,7 @@ async def test_reload_accepts_only_higher_versions(redis_url, policy_file):
 
 async def test_shadow_rule_never_affects_the_decision(redis_url, policy_file):
     base = northstar()
-    shadow = Rule(id="shadow-route-read", scope="route", route_group="read", algorithm="fixed_window", limit=1,
+    shadow = make_rule(id="shadow-route-read", scope="route", route_group="read", algorithm="fixed_window", limit=1,
                   window_ms=60_000, fail_mode="open", shadow=True)
     write_bundle(policy_file, base, rules=[*base.rules, shadow])
     app = create_app(make_settings(redis_url, policy_file), pepper=PEPPER)
@@ -68,7 +68,7 @@ async def test_shadow_rule_never_affects_the_decision(redis_url, policy_file):
 async def test_global_pool_spent_from_a_local_chunk(redis_url, policy_file, r):
     base = northstar()
     pool = Pool(id="p-global", window_ms=60_000, limit=40_000, chunk_min=1, chunk_max=10, chunk_validity_ms=60_000)
-    rule = Rule(id="global-read", scope="global", route_group="read", algorithm="pool", pool="p-global",
+    rule = make_rule(id="global-read", scope="global", route_group="read", algorithm="pool", pool="p-global",
                 fail_mode="closed")
     write_bundle(policy_file, base, rules=[*base.rules, rule], pools=[pool])
     gkey = "rl:v3:{g:p-global}:pool:p-global"
@@ -99,7 +99,7 @@ async def test_global_pool_spent_from_a_local_chunk(redis_url, policy_file, r):
 async def test_tenant_denial_gives_the_global_reservation_back(redis_url, policy_file, r):
     base = northstar()
     pool = Pool(id="p-global", window_ms=60_000, limit=40_000, chunk_min=1, chunk_max=10, chunk_validity_ms=60_000)
-    rule = Rule(id="global-read", scope="global", route_group="read", algorithm="pool", pool="p-global",
+    rule = make_rule(id="global-read", scope="global", route_group="read", algorithm="pool", pool="p-global",
                 fail_mode="closed")
     write_bundle(policy_file, base, rules=[*base.rules, rule], pools=[pool])
     gkey = "rl:v3:{g:p-global}:pool:p-global"
@@ -164,7 +164,7 @@ def test_a_rule_set_needing_more_script_slots_than_the_script_takes_is_refused(p
     """Eight rules plus a concurrency gate is nine script slots (the script takes eight): the
     bundle is refused at validation, so no request can ever reach the script with it."""
     def rule(rid: str, scope: str, route: str | None, **kw) -> Rule:
-        return Rule(id=rid, scope=scope, route_group=route, algorithm="fixed_window", limit=100, window_ms=60_000,
+        return make_rule(id=rid, scope=scope, route_group=route, algorithm="fixed_window", limit=100, window_ms=60_000,
                     fail_mode=kw.pop("fail_mode", "open"), **kw)
 
     rules = [rule(f"{s}-{g or 'all'}", s, g) for s in ("user", "key", "route", "tenant") for g in ("read", None)]

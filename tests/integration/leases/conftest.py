@@ -24,7 +24,7 @@ import pytest
 
 from allocator.engine import GrantRecord
 from allocator.policy import WindowState
-from kernel.bundle import Bundle, Fallback, Pool, Rule, encode_bundle, seal
+from kernel.bundle import Bundle, Fallback, Pool, Rule, encode_bundle, make_rule, seal
 from kernel.etcd_store import EtcdStore
 from leasehold.procs import Proc
 from leasehold.topology import Topology, TopologySpec
@@ -40,13 +40,13 @@ def wall_ms() -> int:
 
 
 def pool_rule(tenant: str, pool: str, fail_mode: str = "local_bounded") -> Rule:
-    return Rule(id=f"tenant-{tenant}-pool", scope="tenant", tenant=tenant, algorithm="pool", pool=pool, cost=1,
+    return make_rule(id=f"tenant-{tenant}-pool", scope="tenant", tenant=tenant, algorithm="pool", pool=pool, cost=1,
                 fail_mode=fail_mode)  # type: ignore[arg-type]
 
 
 def user_rule() -> Rule:
     """A generous per-user bucket with a small local fallback (so Redis loss has a stated bound)."""
-    return Rule(id="user-all", scope="user", algorithm="token_bucket", capacity_millis=1_000_000,
+    return make_rule(id="user-all", scope="user", algorithm="token_bucket", capacity_millis=1_000_000,
                 refill_millis=1_000_000, period_ms=1_000, cost_millis=1_000, fail_mode="local_bounded",
                 fallback=Fallback(capacity_millis=3_000, refill_millis=1, period_ms=60_000))
 

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from kernel.bundle import Pool, Rule
+from kernel.bundle import Pool, Rule, make_rule
 from region_agent.keys import KeyBuilder
 from region_agent.store.scripts import Scripts
 
@@ -51,17 +51,17 @@ G11 = Pool(id="g11", window_ms=1_000, limit=10_000, lease_ttl_ms=1_000, chunk_mi
 
 
 def _global(pool: Pool, fail_mode: str = "local_bounded") -> Rule:
-    return Rule(id=f"global-{pool.id}", scope="global", route_group=pool.id, algorithm="pool", pool=pool.id,
+    return make_rule(id=f"global-{pool.id}", scope="global", route_group=pool.id, algorithm="pool", pool=pool.id,
                 fail_mode=fail_mode)  # type: ignore[arg-type]
 
 
 RULES = [
     _global(G2), _global(G3, "closed"), _global(G10), _global(G11, "closed"),
-    Rule(id="tenant-idem-pool", scope="tenant", tenant="idem", algorithm="pool", pool=T7.id, fail_mode="closed"),
-    Rule(id="export-idem", scope="tenant", tenant="idem", route_group="export", algorithm="token_bucket",
+    make_rule(id="tenant-idem-pool", scope="tenant", tenant="idem", algorithm="pool", pool=T7.id, fail_mode="closed"),
+    make_rule(id="export-idem", scope="tenant", tenant="idem", route_group="export", algorithm="token_bucket",
          capacity_millis=10_000_000, refill_millis=10_000_000, period_ms=60_000, cost_millis=1_000,
          fail_mode="closed", idempotent=True),
-    Rule(id="tenant-cold-pool", scope="tenant", tenant="cold", algorithm="pool", pool=T11.id, fail_mode="closed"),
+    make_rule(id="tenant-cold-pool", scope="tenant", tenant="cold", algorithm="pool", pool=T11.id, fail_mode="closed"),
 ]
 BUDGET_A = ("--decision-budget-ms", "1000")  # agent A: room for a top-up inside a decision
 BUDGET_B = ("--decision-budget-ms", "50")  # agent B: the default budget, shorter than a top-up here

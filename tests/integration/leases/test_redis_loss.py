@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 from redis.asyncio import Redis
 
-from kernel.bundle import Pool, Rule
+from kernel.bundle import Pool, make_rule
 
 from .conftest import admit, admit_body, metric, pool_rule, user_rule, write_bundle
 
@@ -21,7 +21,7 @@ ATLAS = Pool(id="atlas-w", window_ms=20_000, limit=1_000, lease_ttl_ms=10_000, c
              fallback_per_region=4, prefetch_ms=200)
 BIRCH = Pool(id="birch-w", window_ms=20_000, limit=1_000, lease_ttl_ms=10_000, chunk_min=10, chunk_max=50,
              fallback_per_region=4, prefetch_ms=200)
-EXPORT = Rule(id="export-closed", scope="tenant", route_group="export", algorithm="token_bucket",
+EXPORT = make_rule(id="export-closed", scope="tenant", route_group="export", algorithm="token_bucket",
               capacity_millis=100_000, refill_millis=100_000, period_ms=60_000, cost_millis=1_000,
               fail_mode="closed", closed_retry_after_ms=3_000)
 

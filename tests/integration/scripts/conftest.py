@@ -7,7 +7,7 @@ import pytest
 import redis
 import redis.asyncio as aredis
 
-from region_agent.store.scripts import Scripts
+from .support import ScriptCalls
 
 pytestmark = pytest.mark.integration
 
@@ -20,12 +20,12 @@ def _url(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def scripts() -> Scripts:
-    return Scripts()
+def scripts() -> ScriptCalls:
+    return ScriptCalls()
 
 
 @pytest.fixture(params=TOPOLOGIES)
-async def aclient(request: pytest.FixtureRequest, scripts: Scripts):
+async def aclient(request: pytest.FixtureRequest, scripts: ScriptCalls):
     url = _url(request)
     c = aredis.RedisCluster.from_url(url) if request.param == "cluster" else aredis.Redis.from_url(url)
     await scripts.load_all(c)
@@ -34,7 +34,7 @@ async def aclient(request: pytest.FixtureRequest, scripts: Scripts):
 
 
 @pytest.fixture(params=TOPOLOGIES)
-def sclient(request: pytest.FixtureRequest, scripts: Scripts):
+def sclient(request: pytest.FixtureRequest, scripts: ScriptCalls):
     """A synchronous client (for the hypothesis differential tests), scripts loaded."""
     url = _url(request)
     c = redis.RedisCluster.from_url(url) if request.param == "cluster" else redis.Redis.from_url(url)

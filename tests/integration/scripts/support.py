@@ -5,17 +5,20 @@ simulating a sleep by moving stored timestamps back, and bracketing calls with t
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-from region_agent.algorithms.concurrency import ConcurrencyState
-from region_agent.algorithms.fixed_window import FixedWindowState
-from region_agent.algorithms.gcra import GcraState
-from region_agent.algorithms.pool import PoolEntry, PoolState
-from region_agent.algorithms.pool_window import PoolWindowState
-from region_agent.algorithms.sliding_counter import SlidingCounterState
-from region_agent.algorithms.sliding_log import SlidingLogState
-from region_agent.algorithms.token_bucket import TokenBucketState
+from kernel.algorithms.concurrency import ConcurrencyState
+from kernel.algorithms.fixed_window import FixedWindowState
+from kernel.algorithms.gcra import GcraState
+from kernel.algorithms.pool import PoolEntry, PoolState
+from kernel.algorithms.pool_window import PoolWindowState
+from kernel.algorithms.sliding_counter import SlidingCounterState
+from kernel.algorithms.sliding_log import SlidingLogState
+from kernel.algorithms.token_bucket import TokenBucketState
+from region_agent.call import MultiRuleResult, PoolTake, parse_multi_rule, parse_pool_take, pool_take_call
+from region_agent.store.scripts import Scripts
 
 
 def now_ms() -> int:
@@ -81,6 +84,14 @@ def norm(kind: str, state: Any, now: int | None = None) -> Any:
     return state
 
 
+_SHIFT_ZSET = """
+local z = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+for i = 1, #z, 2 do
+  redis.call('ZADD', KEYS[1], 'XX', tonumber(z[i + 1]) - tonumber(ARGV[1]), z[i])
+end
+"""
+
+
 def shift_back(r: Any, kind: str, key: str, d: int) -> None:
     """Simulate a sleep of d ms: every stored timestamp moves d ms into the past (TTL kept)."""
     if d == 0:
@@ -92,10 +103,8 @@ def shift_back(r: Any, kind: str, key: str, d: int) -> None:
         v = r.get(key)
         if v is not None:
             r.set(key, _i(v) - d, keepttl=True)
-    elif kind in ("sl", "cc"):
-        z = r.zrange(key, 0, -1, withscores=True)
-        if z:
-            r.zadd(key, {m: int(s) - d for m, s in z})
+    elif kind in ("sl", "cc"):  # in one script: a key with a few ms left must not expire half-way and
+        r.eval(_SHIFT_ZSET, 1, key, d)  # come back without an expiry (ZADD XX never creates one)
     elif kind == "pool":
         for k, v in r.hgetall(key).items():
             e = PoolEntry.decode(_s(v))
@@ -129,3 +138,72 @@ def bracketed(fn):
 
 def as_ints(reply: Any) -> list[int]:
     return [int(x) for x in reply]
+
+
+# --- typed calls of the single-rule scripts (the agent itself only runs multi_rule and pool_*) ---
+@dataclass(frozen=True, slots=True)
+class RateResult:
+    """Reply of the single-rule rate scripts (token bucket, GCRA, windows, log)."""
+
+    allowed: bool
+    remaining: int  # millitokens for tb/gcra, units/entries for fw/sc/sl
+    retry_after_ms: int  # -1 = never
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseResult:
+    """Reply of the concurrency scripts: ok = acquired / released / renewed."""
+
+    ok: bool
+    in_flight: int
+
+
+def _rate(reply: Any) -> RateResult:
+    return RateResult(bool(int(reply[0])), int(reply[1]), int(reply[2]))
+
+
+def _lease(reply: Any) -> LeaseResult:
+    return LeaseResult(bool(int(reply[0])), int(reply[1]))
+
+
+class ScriptCalls(Scripts):
+    """The agent's script registry with a typed wrapper per script."""
+
+    async def multi_rule(self, client: Any, keys: Sequence[str], argv: Sequence[Any]) -> MultiRuleResult:
+        return parse_multi_rule(await self.call(client, "multi_rule", keys, argv))
+
+    async def token_bucket(self, client: Any, key: str, *, capacity: int, refill: int, period_ms: int,
+                           cost: int, slack_ms: int) -> RateResult:
+        """Millitokens and ms (seed ch.6/8)."""
+        return _rate(await self.call(client, "token_bucket", [key], [capacity, refill, period_ms, cost, slack_ms]))
+
+    async def gcra(self, client: Any, key: str, *, capacity: int, refill: int, period_ms: int, cost: int,
+                   slack_ms: int) -> RateResult:
+        """Same units as the token bucket; remaining in millitokens."""
+        return _rate(await self.call(client, "gcra", [key], [capacity, refill, period_ms, cost, slack_ms]))
+
+    async def fixed_window(self, client: Any, key: str, *, limit: int, window_ms: int, cost: int = 1,
+                           slack_ms: int = 0) -> RateResult:
+        return _rate(await self.call(client, "fixed_window", [key], [limit, window_ms, cost, slack_ms]))
+
+    async def sliding_counter(self, client: Any, key: str, *, limit: int, window_ms: int, cost: int = 1,
+                              slack_ms: int = 0) -> RateResult:
+        return _rate(await self.call(client, "sliding_counter", [key], [limit, window_ms, cost, slack_ms]))
+
+    async def sliding_log(self, client: Any, key: str, *, limit: int, window_ms: int, member: str,
+                          cost: int = 1, slack_ms: int = 0) -> RateResult:
+        return _rate(await self.call(client, "sliding_log", [key], [limit, window_ms, member, cost, slack_ms]))
+
+    async def concurrency_acquire(self, client: Any, key: str, lease_id: str, *, max_in_flight: int,
+                                  lease_ttl_ms: int) -> LeaseResult:
+        return _lease(await self.call(client, "concurrency_acquire", [key], [lease_id, max_in_flight, lease_ttl_ms]))
+
+    async def concurrency_release(self, client: Any, key: str, lease_id: str) -> LeaseResult:
+        return _lease(await self.call(client, "concurrency_release", [key], [lease_id]))
+
+    async def concurrency_renew(self, client: Any, key: str, lease_id: str, *, lease_ttl_ms: int) -> LeaseResult:
+        return _lease(await self.call(client, "concurrency_renew", [key], [lease_id, lease_ttl_ms]))
+
+    async def pool_take(self, client: Any, key: str, *, min_tokens: int, want: int, slack_ms: int) -> PoolTake:
+        return parse_pool_take(await self.call(client, *pool_take_call(key, min_tokens=min_tokens, want=want,
+                                                                          slack_ms=slack_ms)))

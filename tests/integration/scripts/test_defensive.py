@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kernel.errors import ScriptRejected
-from region_agent.store.scripts import MultiRuleResult, RuleCall, multi_rule_argv
+from region_agent.call import Call, MultiRuleResult, multi_rule_argv
 
 from .support import now_ms
 
@@ -107,7 +107,7 @@ async def test_multi_rule_rejects_duplicate_keys_and_bad_header(aclient, scripts
             await scripts.call(aclient, "multi_rule", [f"rl:v3:{T}:d", k], ["0", "5000", "m", *tb, question])
     assert await aclient.exists(f"rl:v3:{T}:d") == 0
     with pytest.raises(ScriptRejected):
-        multi_rule_argv("d", [RuleCall(k, "tb", (1, 1, 1, 1, 0))] * 2, slack_ms=0, decision_ttl_ms=0, member="m")
+        multi_rule_argv("d", [Call(k, "tb", (1, 1, 1, 1, 0))] * 2, slack_ms=0, decision_ttl_ms=0, member="m")
     assert await aclient.exists(k) == 0
 
 
@@ -123,8 +123,8 @@ async def test_cost_over_capacity_never_and_untouched(aclient, scripts):
     r = await scripts.sliding_log(aclient, f"rl:v3:{T}:big3", limit=5, window_ms=1_000, member="m", cost=6)
     assert r.retry_after_ms == -1
     assert await aclient.dump(key) == before and await aclient.exists(f"rl:v3:{T}:big2", f"rl:v3:{T}:big3") == 0
-    keys, argv = multi_rule_argv(f"rl:v3:{T}:d", [RuleCall(f"rl:v3:{T}:u", "tb", (20_000, 2_000, 1_000, 1_000, 0)),
-                                                   RuleCall(key, "tb", (1_000, 1_000, 1_000, 2_000, 0))],
+    keys, argv = multi_rule_argv(f"rl:v3:{T}:d", [Call(f"rl:v3:{T}:u", "tb", (20_000, 2_000, 1_000, 1_000, 0)),
+                                                   Call(key, "tb", (1_000, 1_000, 1_000, 2_000, 0))],
                                  slack_ms=0, decision_ttl_ms=0, member="m")
     r = await scripts.multi_rule(aclient, keys, argv)
     assert (r.allowed, r.denied_by, r.retry_after_ms) == (False, 2, -1)
@@ -186,10 +186,10 @@ async def test_multi_rule_denial_writes_nothing_but_the_record(aclient, scripts)
     pool = f"rl:v3:{T}:pool"
     assert (await scripts.pool_deposit(aclient, pool, "P1", granted=2, valid_from_ms=t - 1_000,
                                        expires_at_ms=t + 60_000, max_entries=4, slack_ms=1_000)).stored
-    rules = [RuleCall(f"rl:v3:{T}:m:tb", "tb", (20_000, 2_000, 1_000, 1_000, 0)),
-             RuleCall(f"rl:v3:{T}:m:sl", "sl", (5, 10_000, 1, 0, 0)),
-             RuleCall(f"rl:v3:{T}:m:cc", "cc", (3, 10_000, 0, 0, 0)),
-             RuleCall(pool, "pool", (3, 0, 0, 0, 0))]
+    rules = [Call(f"rl:v3:{T}:m:tb", "tb", (20_000, 2_000, 1_000, 1_000, 0)),
+             Call(f"rl:v3:{T}:m:sl", "sl", (5, 10_000, 1, 0, 0)),
+             Call(f"rl:v3:{T}:m:cc", "cc", (3, 10_000, 0, 0, 0)),
+             Call(pool, "pool", (3, 0, 0, 0, 0))]
     dec = f"rl:v3:{T}:m:dec"
     keys, argv = multi_rule_argv(dec, rules, slack_ms=1_000, decision_ttl_ms=30_000, member="D9")
     before = await aclient.dump(pool)
@@ -206,7 +206,7 @@ async def test_multi_rule_denial_writes_nothing_but_the_record(aclient, scripts)
     assert 0 < await aclient.pttl(dec) <= 30_000
     assert await scripts.multi_rule(aclient, keys, argv) == again  # a retry gets the stored answer
     # any other denial is recorded and replayed
-    never = [RuleCall(f"rl:v3:{T}:m2:tb", "tb", (1_000, 1, 1_000, 2_000, 0))]
+    never = [Call(f"rl:v3:{T}:m2:tb", "tb", (1_000, 1, 1_000, 2_000, 0))]
     keys2, argv2 = multi_rule_argv(f"rl:v3:{T}:m2:dec", never, slack_ms=1_000, decision_ttl_ms=30_000, member="D8")
     first = await scripts.multi_rule(aclient, keys2, argv2)
     assert not first.allowed and 0 < await aclient.pttl(keys2[0]) <= 30_000
@@ -219,13 +219,13 @@ async def test_every_written_key_has_an_expiry(aclient, scripts):
     d = await scripts.pool_deposit(aclient, pool, "P1", granted=10, valid_from_ms=t - 1, expires_at_ms=t + 30_000,
                                    max_entries=4, slack_ms=1_000)
     assert d.stored and 29_000 < await aclient.pttl(pool) <= 31_000
-    rules = [RuleCall(f"rl:v3:{T}:ttl:tb", "tb", (20_000, 2_000, 1_000, 1_000, 0)),
-             RuleCall(f"rl:v3:{T}:ttl:gcra", "gcra", (20_000, 2_000, 1_000, 1_000, 0)),
-             RuleCall(f"rl:v3:{T}:ttl:fw", "fw", (20, 10_000, 1, 0, 0)),
-             RuleCall(f"rl:v3:{T}:ttl:sc", "sc", (20, 10_000, 1, 0, 0)),
-             RuleCall(f"rl:v3:{T}:ttl:sl", "sl", (20, 10_000, 2, 0, 0)),
-             RuleCall(f"rl:v3:{T}:ttl:cc", "cc", (3, 10_000, 0, 0, 0)),
-             RuleCall(pool, "pool", (4, 0, 0, 0, 0))]
+    rules = [Call(f"rl:v3:{T}:ttl:tb", "tb", (20_000, 2_000, 1_000, 1_000, 0)),
+             Call(f"rl:v3:{T}:ttl:gcra", "gcra", (20_000, 2_000, 1_000, 1_000, 0)),
+             Call(f"rl:v3:{T}:ttl:fw", "fw", (20, 10_000, 1, 0, 0)),
+             Call(f"rl:v3:{T}:ttl:sc", "sc", (20, 10_000, 1, 0, 0)),
+             Call(f"rl:v3:{T}:ttl:sl", "sl", (20, 10_000, 2, 0, 0)),
+             Call(f"rl:v3:{T}:ttl:cc", "cc", (3, 10_000, 0, 0, 0)),
+             Call(pool, "pool", (4, 0, 0, 0, 0))]
     keys, argv = multi_rule_argv(f"rl:v3:{T}:ttl:dec", rules, slack_ms=500, decision_ttl_ms=5_000, member="D1")
     r = await scripts.multi_rule(aclient, keys, argv)
     assert r.allowed and r.remaining[-1] == 6 and r.remaining[4] == 18 and r.remaining[5] == 1
@@ -252,8 +252,8 @@ async def test_wrong_key_type_fails_before_any_write(aclient, scripts):
     whole call fail with nothing written."""
     good, bad = f"rl:v3:{T}:wt:ok", f"rl:v3:{T}:wt:bad"
     await aclient.set(bad, "not a hash")
-    keys, argv = multi_rule_argv(f"rl:v3:{T}:wt:d", [RuleCall(good, "tb", (20_000, 2_000, 1_000, 1_000, 0)),
-                                                      RuleCall(bad, "fw", (20, 10_000, 1, 0, 0))],
+    keys, argv = multi_rule_argv(f"rl:v3:{T}:wt:d", [Call(good, "tb", (20_000, 2_000, 1_000, 1_000, 0)),
+                                                      Call(bad, "fw", (20, 10_000, 1, 0, 0))],
                                  slack_ms=0, decision_ttl_ms=5_000, member="m")
     with pytest.raises(ScriptRejected):
         await scripts.multi_rule(aclient, keys, argv)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from region_agent.algorithms import (
+from kernel.algorithms import (
     concurrency,
     fixed_window,
     gcra,
@@ -25,12 +25,12 @@ from region_agent.algorithms import (
     sliding_counter,
     sliding_log,
 )
-from region_agent.algorithms import token_bucket as tb
-from region_agent.algorithms.concurrency import ConcurrencyParams
-from region_agent.algorithms.fixed_window import WindowParams
-from region_agent.algorithms.multi_rule import DecisionRecord, RuleSpec
-from region_agent.algorithms.pool import PoolEntry, PoolState
-from region_agent.algorithms.token_bucket import TokenBucketParams
+from kernel.algorithms import token_bucket as tb
+from kernel.algorithms.concurrency import ConcurrencyParams
+from kernel.algorithms.fixed_window import WindowParams
+from kernel.algorithms.multi_rule import DecisionRecord, RuleSpec
+from kernel.algorithms.pool import PoolEntry, PoolState
+from kernel.algorithms.token_bucket import TokenBucketParams
 from region_agent.store.scripts import Scripts
 
 from .support import as_ints, bracketed, norm, now_ms, read_state, shift_back, shift_model

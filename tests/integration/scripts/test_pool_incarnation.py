@@ -12,7 +12,9 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from leasehold.procs import RedisServer
-from region_agent.store.scripts import RuleCall, Scripts, multi_rule_argv
+from region_agent.call import Call, multi_rule_argv
+
+from .support import ScriptCalls
 
 KEY = "rl:v3:{t:failover}:pool:p"
 
@@ -22,8 +24,8 @@ async def _now(r: Redis) -> int:
     return int(sec) * 1000 + int(usec) // 1000
 
 
-async def _spend(scripts: Scripts, r: Redis, cost: int) -> bool:
-    keys, argv = multi_rule_argv("rl:v3:{t:failover}:dec", [RuleCall(KEY, "pool", (cost, 0, 0, 0, 0))], slack_ms=1_000,
+async def _spend(scripts: ScriptCalls, r: Redis, cost: int) -> bool:
+    keys, argv = multi_rule_argv("rl:v3:{t:failover}:dec", [Call(KEY, "pool", (cost, 0, 0, 0, 0))], slack_ms=1_000,
                                  decision_ttl_ms=0, member="m")
     return (await scripts.multi_rule(r, keys, argv)).allowed
 
@@ -31,7 +33,7 @@ async def _spend(scripts: Scripts, r: Redis, cost: int) -> bool:
 async def test_promoted_replica_never_spends_or_returns_its_primarys_leases(tmp_path: Path):
     primary = RedisServer(tmp_path / "a").start()
     replica = RedisServer(tmp_path / "b").start()
-    scripts = Scripts()
+    scripts = ScriptCalls()
     a, b = Redis.from_url(primary.url), Redis.from_url(replica.url)
     try:
         await b.execute_command("REPLICAOF", "127.0.0.1", str(primary.port))

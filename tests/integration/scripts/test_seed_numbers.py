@@ -12,14 +12,14 @@ import asyncio
 
 import pytest
 
-from region_agent.algorithms import gcra as gcra_model
-from region_agent.algorithms import sliding_counter
-from region_agent.algorithms import token_bucket as tb_model
-from region_agent.algorithms.fixed_window import WindowParams
-from region_agent.algorithms.gcra import GcraState
-from region_agent.algorithms.sliding_counter import SlidingCounterState
-from region_agent.algorithms.token_bucket import TokenBucketParams, TokenBucketState
-from region_agent.store.scripts import MultiRuleResult, RuleCall, multi_rule_argv
+from kernel.algorithms import gcra as gcra_model
+from kernel.algorithms import sliding_counter
+from kernel.algorithms import token_bucket as tb_model
+from kernel.algorithms.fixed_window import WindowParams
+from kernel.algorithms.gcra import GcraState
+from kernel.algorithms.sliding_counter import SlidingCounterState
+from kernel.algorithms.token_bucket import TokenBucketParams, TokenBucketState
+from region_agent.call import Call, MultiRuleResult, multi_rule_argv
 
 from .support import now_ms
 
@@ -92,8 +92,8 @@ async def test_multi_rule_walkthrough(aclient, scripts):
     future = now_ms() + FUTURE
 
     def rules(cost):
-        return [RuleCall(user, "tb", (20_000, 2_000, 1_000, cost, 0)),
-                RuleCall(tenant, "tb", (1_000_000, 1_000_000, 60_000, cost, 0))]
+        return [Call(user, "tb", (20_000, 2_000, 1_000, cost, 0)),
+                Call(tenant, "tb", (1_000_000, 1_000_000, 60_000, cost, 0))]
 
     async def run(cost, member):
         keys, argv = multi_rule_argv(dec + member, rules(cost), slack_ms=5_000, decision_ttl_ms=0, member=member)

@@ -12,14 +12,8 @@ from redis.backoff import NoBackoff
 
 from kernel.errors import AmbiguousOutcome, ScriptRejected, StoreUnavailable
 from leasehold.procs import free_port
-from region_agent.store.scripts import (
-    KeysNotColocated,
-    MultiRuleResult,
-    PoolClosed,
-    RuleCall,
-    Scripts,
-    multi_rule_argv,
-)
+from region_agent.call import Call, MultiRuleResult, multi_rule_argv
+from region_agent.store.scripts import KeysNotColocated, PoolClosed, Scripts
 
 from .support import now_ms
 
@@ -51,8 +45,8 @@ async def test_cross_slot_keys_are_refused_on_the_cluster(redis_cluster_url, scr
     c = aredis.RedisCluster.from_url(redis_cluster_url)
     try:
         await scripts.load_all(c)
-        keys, argv = multi_rule_argv("rl:{t:a}:d", [RuleCall("rl:{t:a}:u", "tb", (20_000, 2_000, 1_000, 1_000, 0)),
-                                                    RuleCall("rl:{t:b}:u", "tb", (20_000, 2_000, 1_000, 1_000, 0))],
+        keys, argv = multi_rule_argv("rl:{t:a}:d", [Call("rl:{t:a}:u", "tb", (20_000, 2_000, 1_000, 1_000, 0)),
+                                                    Call("rl:{t:b}:u", "tb", (20_000, 2_000, 1_000, 1_000, 0))],
                                      slack_ms=0, decision_ttl_ms=0, member="m")
         with pytest.raises(KeysNotColocated):
             await scripts.multi_rule(c, keys, argv)
@@ -92,7 +86,7 @@ async def test_unreachable_store_is_store_unavailable(scripts):
 
 async def test_decision_record_replays_the_answer(aclient, scripts):
     user = f"rl:{T}:dr:u"
-    rules = [RuleCall(user, "tb", (2_000, 1, 1_000_000, 1_000, 0))]
+    rules = [Call(user, "tb", (2_000, 1, 1_000_000, 1_000, 0))]
     keys, argv = multi_rule_argv(f"rl:{T}:dr:D1", rules, slack_ms=0, decision_ttl_ms=60_000, member="D1")
     first = await scripts.multi_rule(aclient, keys, argv)
     again = await scripts.multi_rule(aclient, keys, argv)
@@ -114,7 +108,7 @@ async def test_pool_deposit_spend_close(aclient, scripts):
     assert (r.stored, r.status) == (False, "full")
     r = await scripts.pool_deposit(aclient, f"rl:{T}:pool2", "C", granted=5, expires_at_ms=t - 1, **dep)
     assert (r.stored, r.status) == (False, "expired") and await aclient.exists(f"rl:{T}:pool2") == 0
-    keys, argv = multi_rule_argv(f"rl:{T}:pd", [RuleCall(key, "pool", (7, 0, 0, 0, 0))], slack_ms=1_000,
+    keys, argv = multi_rule_argv(f"rl:{T}:pd", [Call(key, "pool", (7, 0, 0, 0, 0))], slack_ms=1_000,
                                  decision_ttl_ms=0, member="D")
     assert await scripts.multi_rule(aclient, keys, argv) == MultiRuleResult(True, 0, 0, (3,))
     bal = await scripts.pool_balance(aclient, key)
@@ -151,7 +145,7 @@ async def test_pool_window_allowance_counts_every_candidate_window(aclient, scri
     key = f"rl:{T}:pw"
 
     async def call(lo: int, hi: int, cost: int = 1):
-        keys, argv = multi_rule_argv(f"rl:{T}:pw:d", [RuleCall(key, "pw", (3, lo, hi, cost, 10_000))],
+        keys, argv = multi_rule_argv(f"rl:{T}:pw:d", [Call(key, "pw", (3, lo, hi, cost, 10_000))],
                                      slack_ms=0, decision_ttl_ms=0, member="m")
         return await scripts.multi_rule(aclient, keys, argv)
 
@@ -216,8 +210,8 @@ async def test_concurrent_clients_admit_exactly_the_limit(request, scripts, topo
 
     async def multi(c, i):
         keys, argv = multi_rule_argv(f"rl:{T}:race:d{i}", [
-            RuleCall(f"rl:{T}:race:cc", "cc", (limit, 600_000, 0, 0, 0)),
-            RuleCall(f"rl:{T}:race:gcra", "gcra", (10**6, 1, 10**6, 1_000, 0))], slack_ms=0,
+            Call(f"rl:{T}:race:cc", "cc", (limit, 600_000, 0, 0, 0)),
+            Call(f"rl:{T}:race:gcra", "gcra", (10**6, 1, 10**6, 1_000, 0))], slack_ms=0,
             decision_ttl_ms=10_000, member=f"lease-{i}")
         return int((await scripts.multi_rule(c, keys, argv)).allowed)
 

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from litestar.testing import AsyncTestClient
 
-from kernel.bundle import Bundle, Rule, encode_bundle, seal
+from kernel.bundle import Bundle, Rule, encode_bundle, make_rule, seal
 from kernel.errors import Conflict, PolicyError, StaleVersion
 from kernel.etcd_store import EtcdStore
 from kernel.policy_store import PolicyStore, Stored, policy_key
@@ -183,7 +183,7 @@ async def test_tightening_applies_on_the_next_request(redis_url, policy_file, et
 async def test_shadow_rule_published_mid_run_is_counted_never_enforced(redis_url, policy_file, etcd_cluster,
                                                                         prefix, pstore):
     base = northstar()
-    shadow = Rule(id="shadow-read-1", scope="route", route_group="read", algorithm="fixed_window", limit=1,
+    shadow = make_rule(id="shadow-read-1", scope="route", route_group="read", algorithm="fixed_window", limit=1,
                   window_ms=60_000, fail_mode="open", shadow=True)
     async with AsyncTestClient(app=agent_app(redis_url, policy_file, etcd_cluster, prefix)) as agent:
         await pstore.publish(encode_bundle(bump(base, base.bundle_version + 1, rules=[*base.rules, shadow])))

@@ -2,16 +2,16 @@ from __future__ import annotations
 
 import pytest
 
-from kernel.bundle import Rule
+from kernel.bundle import make_rule
 from region_agent.httpmap import apply_http, retry_after_seconds
 from region_agent.models import Decision
 
-USER = Rule(id="read-user-v3", scope="user", route_group="read", algorithm="token_bucket", capacity_millis=20_000,
+USER = make_rule(id="read-user-v3", scope="user", route_group="read", algorithm="token_bucket", capacity_millis=20_000,
             refill_millis=2_000, period_ms=1_000, cost_millis=1_000, fail_mode="local_bounded")
-TENANT = Rule(id="tenant-atlas-minute", scope="tenant", tenant="atlas", algorithm="token_bucket",
+TENANT = make_rule(id="tenant-atlas-minute", scope="tenant", tenant="atlas", algorithm="token_bucket",
               capacity_millis=1_000_000, refill_millis=1_000_000, period_ms=60_000, cost_millis=1_000,
               fail_mode="local_bounded")
-WINDOW_KEY = Rule(id="key-window", scope="key", algorithm="fixed_window", limit=100, window_ms=60_000,
+WINDOW_KEY = make_rule(id="key-window", scope="key", algorithm="fixed_window", limit=100, window_ms=60_000,
                   fail_mode="open")
 
 

@@ -9,17 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel.bundle import Rule
+from kernel.bundle import make_rule
 from kernel.errors import ValidationFailed
 from region_agent.keys import KeyBuilder, check_tenant, hash_tag, ip_prefix, parse_ip
 
 PEPPER = b"unit-pepper"
 KB = KeyBuilder(PEPPER)
-USER_READ = Rule(id="r", scope="user", route_group="read", algorithm="token_bucket", capacity_millis=20_000,
+USER_READ = make_rule(id="r", scope="user", route_group="read", algorithm="token_bucket", capacity_millis=20_000,
                  refill_millis=2_000, period_ms=1_000, cost_millis=1_000, fail_mode="local_bounded")
-TENANT_ALL = Rule(id="t", scope="tenant", algorithm="token_bucket", capacity_millis=1_000_000,
+TENANT_ALL = make_rule(id="t", scope="tenant", algorithm="token_bucket", capacity_millis=1_000_000,
                   refill_millis=1_000_000, period_ms=60_000, cost_millis=1_000, fail_mode="local_bounded")
-ANON = Rule(id="a", scope="ip", route_group="login", algorithm="fixed_window", limit=20, window_ms=10_000,
+ANON = make_rule(id="a", scope="ip", route_group="login", algorithm="fixed_window", limit=20, window_ms=10_000,
             fail_mode="open")
 KEY_RE = re.compile(r"^rl:v3:\{t:[a-z0-9-]{1,32}\}:(u|k|route|tenant|d|pool)(:[A-Za-z0-9_.-]+)+$")
 
@@ -36,8 +36,8 @@ def test_user_key_shape_and_hmac_truncation():
 
 
 def test_every_scope_shares_the_tenant_tag():
-    key_rule = Rule(id="k", scope="key", algorithm="fixed_window", limit=5, window_ms=1000, fail_mode="open")
-    route_rule = Rule(id="rt", scope="route", route_group="export", algorithm="fixed_window", limit=5,
+    key_rule = make_rule(id="k", scope="key", algorithm="fixed_window", limit=5, window_ms=1000, fail_mode="open")
+    route_rule = make_rule(id="rt", scope="route", route_group="export", algorithm="fixed_window", limit=5,
                       window_ms=1000, fail_mode="open")
     keys = [
         KB.rule_key(USER_READ, tenant="atlas", user_id="U-17", api_key_id="K1", route_group="read"),
@@ -98,7 +98,7 @@ def test_ipv6_hosts_in_one_64_share_a_key_and_ipv4_hosts_do_not():
 
 
 def test_anonymous_tag_is_the_widest_prefix_so_two_ip_rules_share_a_slot():
-    wide = Rule(id="w", scope="ip", algorithm="fixed_window", limit=200, window_ms=10_000, fail_mode="open",
+    wide = make_rule(id="w", scope="ip", algorithm="fixed_window", limit=200, window_ms=10_000, fail_mode="open",
                 ipv4_prefix=24)
     addr = parse_ip("203.0.113.9")
     tag = KB.ip_tag(addr, [ANON, wide])

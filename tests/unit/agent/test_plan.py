@@ -7,11 +7,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kernel.bundle import Bundle, Pool, Rule, load_bundle_file, seal
+from kernel.bundle import Bundle, Pool, load_bundle_file, make_rule, seal
 from kernel.errors import ValidationFailed
 from region_agent.keys import KeyBuilder, hash_tag
 from region_agent.models import AdmitRequest, Principal
-from region_agent.plan import build_plan, cc_keys_for_release, tokens_limit, tokens_remaining
+from region_agent.plan import build_plan, cc_keys_for_release
 
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar.json"))
 KB = KeyBuilder(b"unit-pepper")
@@ -84,11 +84,11 @@ def test_identity_errors_are_validation_failures():
 def test_shadow_rules_and_pools():
     pools = [Pool(id="p-global", window_ms=60_000, limit=40_000), Pool(id="p-atlas", window_ms=60_000, limit=500)]
     extra = [
-        Rule(id="shadow-route", scope="route", route_group="read", algorithm="sliding_log", limit=5, window_ms=1_000,
+        make_rule(id="shadow-route", scope="route", route_group="read", algorithm="sliding_log", limit=5, window_ms=1_000,
              fail_mode="open", shadow=True),
-        Rule(id="global-read", scope="global", route_group="read", algorithm="pool", pool="p-global", cost=2,
+        make_rule(id="global-read", scope="global", route_group="read", algorithm="pool", pool="p-global", cost=2,
              fail_mode="closed"),
-        Rule(id="atlas-pool", scope="tenant", tenant="atlas", route_group="read", algorithm="pool", pool="p-atlas",
+        make_rule(id="atlas-pool", scope="tenant", tenant="atlas", route_group="read", algorithm="pool", pool="p-atlas",
              fail_mode="closed"),
     ]
     b = seal(msgspec.structs.replace(NORTHSTAR, rules=[*NORTHSTAR.rules, *extra], pools=pools))
@@ -112,8 +112,8 @@ def test_release_names_the_same_gates():
 def test_reported_units():
     read = NORTHSTAR.rules[0]
     anon = next(r for r in NORTHSTAR.rules if r.id == "anon-login")
-    assert tokens_limit(read, {}) == 20 and tokens_remaining(read, 19_999) == 19 and tokens_remaining(read, -5) == 0
-    assert tokens_limit(anon, {}) == 20 and tokens_remaining(anon, 7) == 7
+    assert read.limit_tokens({}) == 20 and read.remaining_tokens(19_999) == 19 and read.remaining_tokens(-5) == 0
+    assert anon.limit_tokens({}) == 20 and anon.remaining_tokens(7) == 7
 
 
 def test_bundle_type_is_the_contract_one():

@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from kernel.bundle import Rule
+from kernel.bundle import make_rule
 from region_agent import httpmap
 from region_agent.httpmap import RetryJitter, apply_http
 from region_agent.models import Decision
 
-USER = Rule(id="read-user-v3", scope="user", route_group="read", algorithm="token_bucket", capacity_millis=20_000,
+USER = make_rule(id="read-user-v3", scope="user", route_group="read", algorithm="token_bucket", capacity_millis=20_000,
             refill_millis=2_000, period_ms=1_000, cost_millis=1_000, fail_mode="local_bounded")
 
 

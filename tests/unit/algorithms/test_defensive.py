@@ -4,16 +4,16 @@ import math
 
 import pytest
 
+from kernel.algorithms import fixed_window, gcra, pool, sliding_counter, sliding_log, token_bucket
+from kernel.algorithms.common import InvalidArguments
+from kernel.algorithms.fixed_window import FixedWindowState, WindowParams
+from kernel.algorithms.gcra import GcraState
+from kernel.algorithms.multi_rule import RuleSpec
+from kernel.algorithms.multi_rule import decide as multi
+from kernel.algorithms.pool import PoolEntry, PoolParams, PoolState
+from kernel.algorithms.sliding_counter import SlidingCounterState
+from kernel.algorithms.token_bucket import TokenBucketParams, TokenBucketState
 from kernel.errors import ScriptRejected
-from region_agent.algorithms import fixed_window, gcra, pool, sliding_counter, sliding_log, token_bucket
-from region_agent.algorithms.common import InvalidArguments
-from region_agent.algorithms.fixed_window import FixedWindowState, WindowParams
-from region_agent.algorithms.gcra import GcraState
-from region_agent.algorithms.multi_rule import RuleSpec
-from region_agent.algorithms.multi_rule import decide as multi
-from region_agent.algorithms.pool import PoolEntry, PoolParams, PoolState
-from region_agent.algorithms.sliding_counter import SlidingCounterState
-from region_agent.algorithms.token_bucket import TokenBucketParams, TokenBucketState
 
 T0 = 1_700_000_000_000
 BAD = [math.nan, math.inf, -math.inf, 1.5, -1, 0, 2**40 + 1, True, "7", None]

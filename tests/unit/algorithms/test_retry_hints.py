@@ -4,12 +4,12 @@ still denied one millisecond earlier (no other traffic). Ceilings make hints nev
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from region_agent.algorithms import fixed_window, gcra, sliding_counter, sliding_log, token_bucket
-from region_agent.algorithms.fixed_window import FixedWindowState, WindowParams
-from region_agent.algorithms.gcra import GcraState
-from region_agent.algorithms.sliding_counter import SlidingCounterState
-from region_agent.algorithms.sliding_log import SlidingLogState
-from region_agent.algorithms.token_bucket import TokenBucketParams, TokenBucketState
+from kernel.algorithms import fixed_window, gcra, sliding_counter, sliding_log, token_bucket
+from kernel.algorithms.fixed_window import FixedWindowState, WindowParams
+from kernel.algorithms.gcra import GcraState
+from kernel.algorithms.sliding_counter import SlidingCounterState
+from kernel.algorithms.sliding_log import SlidingLogState
+from kernel.algorithms.token_bucket import TokenBucketParams, TokenBucketState
 
 NOW = 1_700_000_000_123
 FAST = settings(max_examples=300, deadline=None)

@@ -1,6 +1,6 @@
 """The seed's worked numbers through the pure reference models."""
 
-from region_agent.algorithms import (
+from kernel.algorithms import (
     concurrency,
     fixed_window,
     gcra,
@@ -8,14 +8,14 @@ from region_agent.algorithms import (
     sliding_log,
     token_bucket,
 )
-from region_agent.algorithms.concurrency import ConcurrencyParams
-from region_agent.algorithms.fixed_window import FixedWindowState, WindowParams
-from region_agent.algorithms.gcra import GcraState
-from region_agent.algorithms.multi_rule import RuleSpec
-from region_agent.algorithms.multi_rule import decide as multi
-from region_agent.algorithms.sliding_counter import SlidingCounterState
-from region_agent.algorithms.sliding_log import SlidingLogState
-from region_agent.algorithms.token_bucket import TokenBucketParams, TokenBucketState
+from kernel.algorithms.concurrency import ConcurrencyParams
+from kernel.algorithms.fixed_window import FixedWindowState, WindowParams
+from kernel.algorithms.gcra import GcraState
+from kernel.algorithms.multi_rule import RuleSpec
+from kernel.algorithms.multi_rule import decide as multi
+from kernel.algorithms.sliding_counter import SlidingCounterState
+from kernel.algorithms.sliding_log import SlidingLogState
+from kernel.algorithms.token_bucket import TokenBucketParams, TokenBucketState
 
 P_READ = TokenBucketParams(20_000, 2_000, 1_000, 1_000)
 T0 = 1_700_000_000_000

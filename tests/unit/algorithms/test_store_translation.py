@@ -6,15 +6,8 @@ import pytest
 from redis import exceptions as rex
 
 from kernel.errors import AmbiguousOutcome, DecisionConflict, ScriptRejected, StoreUnavailable
-from region_agent.store.scripts import (
-    KeysNotColocated,
-    RuleCall,
-    Scripts,
-    expand_includes,
-    multi_rule_argv,
-    parse_multi_rule,
-    translate_redis_error,
-)
+from region_agent.call import Call, multi_rule_argv, parse_multi_rule
+from region_agent.store.scripts import KeysNotColocated, Scripts, expand_includes, translate_redis_error
 
 
 @pytest.mark.parametrize(("exc", "sent", "kind"), [
@@ -66,7 +59,7 @@ def test_default_scripts_and_shas():
 
 
 def test_multi_rule_argv_and_parse():
-    keys, argv = multi_rule_argv("d", [RuleCall("k1", "tb", (1, 2, 3, 4, 0)), RuleCall("k2", "cc", (3, 9, 0, 0, 0))],
+    keys, argv = multi_rule_argv("d", [Call("k1", "tb", (1, 2, 3, 4, 0)), Call("k2", "cc", (3, 9, 0, 0, 0))],
                                  slack_ms=5, decision_ttl_ms=6, member="m", question="q1")
     assert keys == ["d", "k1", "k2"] and argv == [5, 6, "m", "tb", 1, 2, 3, 4, 0, "cc", 3, 9, 0, 0, 0, "q1"]
     r = parse_multi_rule([0, 1, 500, 0, 639000])
@@ -76,7 +69,7 @@ def test_multi_rule_argv_and_parse():
     with pytest.raises(ScriptRejected):
         parse_multi_rule([1, 0])
     with pytest.raises(ScriptRejected):
-        multi_rule_argv("d", [RuleCall("k", "leaky", (1, 1, 1, 1, 0))], slack_ms=0, decision_ttl_ms=0, member="m")
+        multi_rule_argv("d", [Call("k", "leaky", (1, 1, 1, 1, 0))], slack_ms=0, decision_ttl_ms=0, member="m")
     with pytest.raises(ScriptRejected):
         multi_rule_argv("d", [], slack_ms=0, decision_ttl_ms=0, member="m")
 

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from chaos.recording import decision_from_admit, straddles_boundary
-from kernel.bundle import Bundle, Fallback, Pool, Rule, seal, validate_bundle
+from kernel.bundle import Bundle, Fallback, Pool, make_rule, seal, validate_bundle
 
 POOL = Pool(id="p-global", window_ms=1_000, limit=100, chunk_max=20, prefetch_ms=200, fallback_per_region=10)
 BUNDLE = seal(Bundle(bundle_version=3, published_at="2026-11-29T00:00:00Z", checksum="", pools=[POOL], rules=[
-    Rule(id="tenant-min", scope="tenant", algorithm="token_bucket", fail_mode="local_bounded",
+    make_rule(id="tenant-min", scope="tenant", algorithm="token_bucket", fail_mode="local_bounded",
          capacity_millis=10_000, refill_millis=1_000, period_ms=1_000, cost_millis=1_000,
          fallback=Fallback(limit=5, window_ms=1_000)),
-    Rule(id="global-export", scope="global", algorithm="pool", pool="p-global", cost=2, route_group="export",
+    make_rule(id="global-export", scope="global", algorithm="pool", pool="p-global", cost=2, route_group="export",
          fail_mode="local_bounded"),
-    Rule(id="global-shadow", scope="global", algorithm="pool", pool="p-global", route_group="read", shadow=True,
+    make_rule(id="global-shadow", scope="global", algorithm="pool", pool="p-global", route_group="read", shadow=True,
          fail_mode="local_bounded"),
 ]))
 

@@ -19,7 +19,7 @@ from kernel.bound import (
     pool_bound,
     shape_of,
 )
-from kernel.bundle import Pool, Rule, load_bundle_file
+from kernel.bundle import Pool, Rule, load_bundle_file, make_rule
 
 REPO = Path(__file__).resolve().parents[3]
 P_TENANT = PoolShape.plain("atlas-minute", 1_000, 60_000, 100, chunk_max=100)
@@ -79,7 +79,7 @@ POOL = Pool(id="p", window_ms=1_000, limit=500, chunk_max=50, fallback_per_regio
 
 def rule(rid: str, *, scope: str = "tenant", tenant: str | None = "atlas", fail: str = "local_bounded",
          shadow: bool = False) -> Rule:
-    return Rule(id=rid, scope=scope, algorithm="pool", pool="p", tenant=tenant, fail_mode=fail,  # type: ignore[arg-type]
+    return make_rule(id=rid, scope=scope, algorithm="pool", pool="p", tenant=tenant, fail_mode=fail,  # type: ignore[arg-type]
                 shadow=shadow, route_group="read" if scope == "global" else None)
 
 

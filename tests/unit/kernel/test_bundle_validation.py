@@ -15,6 +15,7 @@ from kernel.bundle import (
     decode_bundle,
     encode_bundle,
     load_bundle_file,
+    make_rule,
     seal,
 )
 from kernel.errors import PolicyError
@@ -27,7 +28,7 @@ def tb(id: str, **kw) -> Rule:
     base = dict(id=id, scope="user", route_group="read", algorithm="token_bucket", capacity_millis=20_000,
                 refill_millis=2_000, period_ms=1_000, cost_millis=1_000, fail_mode="open")
     base.update(kw)
-    return Rule(**base)
+    return make_rule(**base)
 
 
 def sealed(rules, **kw) -> bytes:
@@ -81,7 +82,7 @@ def test_too_many_rules_for_one_request():
     many = [tb(f"{scope}-{route or 'all'}", scope=scope, route_group=route)
             for scope in ("user", "key", "route", "tenant") for route in ("read", None)]
     assert len(decode_bundle(sealed(many)).rules) == 8  # eight for a keyed user's read: accepted
-    ninth = Rule(id="pool-read", scope="global", route_group="read", algorithm="pool", pool="p", fail_mode="closed")
+    ninth = make_rule(id="pool-read", scope="global", route_group="read", algorithm="pool", pool="p", fail_mode="closed")
     ps = problems(sealed([*many, ninth], pools=[Pool(id="p", window_ms=60_000, limit=100)]))
     assert any("at most 8" in p for p in ps)
 
@@ -147,7 +148,7 @@ def test_a_pool_is_spent_from_one_balance_per_region():
     pool = Pool(id="p", window_ms=60_000, limit=100, fallback_per_region=10)
 
     def pr(id: str, **kw) -> Rule:
-        return Rule(id=id, algorithm="pool", pool="p", fail_mode="local_bounded", **kw)
+        return make_rule(id=id, algorithm="pool", pool="p", fail_mode="local_bounded", **kw)
 
     dup = problems(sealed([pr("a", scope="tenant", tenant="atlas"),
                            pr("b", scope="tenant", tenant="atlas", route_group="read")], pools=[pool]))

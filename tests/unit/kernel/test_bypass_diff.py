@@ -6,7 +6,7 @@ from pathlib import Path
 
 import msgspec
 
-from kernel.bundle import Bundle, Fallback, Rule, encode_bundle, load_bundle_file, seal
+from kernel.bundle import Bundle, Fallback, encode_bundle, load_bundle_file, make_rule, seal
 from kernel.bypass import diff_bypasses, needs_review
 from leasehold.cli import EXIT_BYPASS, EXIT_OK
 from leasehold.cli import main as cli_main
@@ -85,8 +85,7 @@ def test_cli_validate_against_exits_7_on_a_widened_bypass(tmp_path: Path, capsys
 
 
 def test_rule_helper_shapes():
-    r = Rule(id="x", scope="tenant", tenant="t", algorithm="token_bucket", capacity_millis=10_000,
+    r = make_rule(id="x", scope="tenant", tenant="t", algorithm="token_bucket", capacity_millis=10_000,
              refill_millis=1_000, period_ms=1_000, cost_millis=1_000, fail_mode="closed", exempt=True, owner="o")
-    from kernel.bypass import capacity, fallback_capacity
-    assert capacity(r, {}) == (1.0, 10.0)
-    assert fallback_capacity(r, {}) == (0.0, 0.0)  # fails closed: nothing while the store is down
+    assert r.capacity({}) == (1.0, 10.0)
+    assert r.fallback_capacity({}) == (0.0, 0.0)  # fails closed: nothing while the store is down

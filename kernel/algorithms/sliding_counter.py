@@ -1,12 +1,15 @@
-"""Sliding-window approximate counter (seed ch.5) in integers; mirrors
-``lua/lib/sliding_counter.lua``."""
+"""Sliding-window approximate counter (seed ch.5) in integers: the rule
+(:class:`SlidingCounterRule`, a :class:`~.fixed_window.WindowRule`) and its reference model, which
+mirrors ``lua/lib/sliding_counter.lua``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from .common import NEVER, Decision, ceil_div
-from .fixed_window import WindowParams
+from .common import NEVER, Kind, Verdict, ceil_div, register_kind
+from .fixed_window import WindowParams, WindowRule
+from .rule import algorithm
 
 SlidingCounterParams = WindowParams
 
@@ -34,7 +37,7 @@ def _retry(p: WindowParams, ew: int, now: int, elapsed: int, prev: int, cur: int
 
 
 def decide(state: SlidingCounterState | None, params: WindowParams, now_ms: int
-           ) -> tuple[Decision, SlidingCounterState | None]:
+           ) -> tuple[Verdict, SlidingCounterState | None]:
     p = params
     if p.cost > p.limit:
         return NEVER, None
@@ -52,9 +55,18 @@ def decide(state: SlidingCounterState | None, params: WindowParams, now_ms: int
     scaled = prev * (W - elapsed) + cur * W
     cap = p.limit * W
     if scaled + p.cost * W > cap:
-        return Decision(False, max(0, (cap - scaled) // W), _retry(p, w, now_ms, elapsed, prev, cur, scaled)), None
-    return Decision(True, (cap - scaled - p.cost * W) // W, 0, (cap - scaled) // W), SlidingCounterState(w, cur + p.cost, prev)
+        return Verdict(False, max(0, (cap - scaled) // W), _retry(p, w, now_ms, elapsed, prev, cur, scaled)), None
+    return Verdict(True, (cap - scaled - p.cost * W) // W, 0, (cap - scaled) // W), SlidingCounterState(w, cur + p.cost, prev)
 
 
 def expiry_ms(state: SlidingCounterState, params: WindowParams, now_ms: int, slack_ms: int) -> int:
     return state.w + 2 * params.window_ms - now_ms + slack_ms
+
+
+KIND = register_kind(Kind("sc", "SC", "lib/sliding_counter.lua", WindowParams.from_args,
+                          lambda s, p, now, member, inc: decide(s, p, now)))
+
+
+@algorithm
+class SlidingCounterRule(WindowRule, frozen=True, tag="sliding_counter"):
+    kind: ClassVar[Kind] = KIND

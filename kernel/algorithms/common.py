@@ -1,4 +1,5 @@
-"""Shared pieces of the reference models: the decision type, integer validation, ceil division.
+"""Shared pieces of the reference models: a rule's verdict, integer validation, ceil division,
+and the registry of call kinds (what ``lua/multi_rule.lua`` dispatches on).
 
 The models mirror ``lua/lib/*.lua`` exactly (same integer arithmetic, same validation), so they
 serve as the test oracle for the scripts and as the agent's in-process fallback limiters.
@@ -7,6 +8,7 @@ serve as the test oracle for the scripts and as the agent's in-process fallback 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +26,9 @@ class InvalidArguments(ScriptRejected):
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class Verdict:
+    """One rule's answer to one request (a model's ``decide``; the scripts' per-rule plan)."""
+
     allowed: bool
     remaining: int
     retry_after_ms: int  # 0 when allowed, -1 = can never succeed
@@ -40,7 +44,7 @@ class Decision:
         return [int(self.allowed), self.remaining, self.retry_after_ms]
 
 
-NEVER = Decision(False, 0, -1)
+NEVER = Verdict(False, 0, -1)
 
 
 def check_int(x: Any, lo: int, hi: int = MAX_ARG, *, name: str = "argument") -> int:
@@ -66,3 +70,33 @@ def check_product(a: int, b: int, what: str) -> None:
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# --- call kinds ------------------------------------------------------------------------------
+Step = Callable[[Any, Any, int, str, str], tuple[Verdict, Any]]  # (state, params, now, member, incarnation)
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """One kind of rule slot in a ``multi_rule.lua`` call: its ARGV code, the Lua library that
+    implements it, and its reference model. Each model module registers its kind once
+    (:func:`register_kind`); the script loader generates ``multi_rule.lua``'s dispatch table from
+    :data:`KINDS` and the multi-rule model dispatches on it."""
+
+    code: str  # ARGV kind ("tb", "sl", ...)
+    lua_table: str  # the table the library defines ("TB", "SL", ...)
+    lib: str  # the library, relative to lua/ ("lib/sliding_log.lua")
+    parse: Callable[[tuple], Any]  # the five ARGV parameters -> model parameters (raises InvalidArguments)
+    step: Step
+    needs_member: bool = False  # the slot stores the decision id (refused without one)
+    records_denial: bool = True  # False: a denial by this slot is not stored in the decision record
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def register_kind(kind: Kind) -> Kind:
+    if kind.code in KINDS:
+        raise ValueError(f"call kind {kind.code!r} registered twice")
+    KINDS[kind.code] = kind
+    return kind

@@ -1,5 +1,6 @@
-"""Leased global-pool tokens parked in the tenant's hash; mirrors ``lua/lib/pool.lua`` and the
-deposit / close scripts. Entries are spendable while valid_from <= now < expires_at and they
+"""Global pools spent from leases: the rule (:class:`PoolRule`) and the reference model of the
+leased tokens parked in a pool balance (a Redis hash), which mirrors ``lua/lib/pool.lua`` and the
+deposit / take / close scripts. Entries are spendable while valid_from <= now < expires_at and they
 were written in the node's current incarnation (its ``master_replid``: an entry of another one
 was restored from an older state and may have lost debits); a spend debits the earliest-expiring
 valid lease first (ties by lease id), splitting across leases. ``incarnation`` is passed in (the
@@ -10,8 +11,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, ClassVar
 
-from .common import Decision, check_int
+from .common import Kind, Verdict, check_int, register_kind
+from .rule import LocalModel, Params, PosInt, Rate, Role, RuleBase, algorithm
+
+if TYPE_CHECKING:
+    from kernel.bundle import Pool
 
 _HEX = re.compile(r"[0-9a-f]+")
 
@@ -63,13 +69,13 @@ def spendable(state: PoolState | None, now_ms: int, incarnation: str = "") -> in
 
 
 def decide(state: PoolState | None, params: PoolParams, now_ms: int, incarnation: str = ""
-           ) -> tuple[Decision, PoolState | None]:
+           ) -> tuple[Verdict, PoolState | None]:
     entries = dict(state.entries) if state else {}
     have = spendable(state, now_ms, incarnation)
     if have < params.cost:
         future = [e.valid_from_ms for e in entries.values()
                   if e.incarnation == incarnation and e.valid_from_ms > now_ms]
-        return Decision(False, have, (min(future) - now_ms) if future else 0), None
+        return Verdict(False, have, (min(future) - now_ms) if future else 0), None
     valid = sorted(((e.expires_at_ms, lid) for lid, e in entries.items()
                     if e.valid_at(now_ms, incarnation) and e.granted > e.spent))
     left = params.cost
@@ -80,7 +86,7 @@ def decide(state: PoolState | None, params: PoolParams, now_ms: int, incarnation
         take = min(left, e.granted - e.spent)
         entries[lid] = replace(e, spent=e.spent + take)
         left -= take
-    return Decision(True, have - params.cost, 0, have), PoolState(entries)
+    return Verdict(True, have - params.cost, 0, have), PoolState(entries)
 
 
 def take(state: PoolState | None, min_tokens: int, want: int, now_ms: int, incarnation: str = ""
@@ -127,3 +133,78 @@ def close(state: PoolState | None, lease_id: str, incarnation: str = ""
 
 def expiry_ms(state: PoolState, now_ms: int, slack_ms: int) -> int:
     return max(e.expires_at_ms for e in state.entries.values()) - now_ms + slack_ms
+
+
+# a denial by a leased pool is not recorded: the agent runs the decision again after a top-up
+KIND = register_kind(Kind("pool", "POOL", "lib/pool.lua", PoolParams.from_args,
+                          lambda s, p, now, member, inc: decide(s, p, now, inc), records_denial=False))
+
+
+# --- the rule ---------------------------------------------------------------------------------
+@algorithm
+class PoolRule(RuleBase, frozen=True, tag="pool"):
+    """Spends ``cost`` whole tokens (per unit of costHint) of the bundle's pool ``pool``: from the
+    tenant's leased balance in the tenant's script call, or — global scope — from this agent's
+    chunk of the region's fleet-wide balance. Degrades through the pool's ``fallbackPerRegion``."""
+
+    kind: ClassVar[Kind] = KIND
+    role: ClassVar[Role] = Role.POOL
+    local_model: ClassVar[LocalModel] = LocalModel.POOL_ALLOWANCE
+
+    pool: str | None = None
+    cost: PosInt = 1
+
+    @property
+    def pool_id(self) -> str | None:
+        return self.pool
+
+    @property
+    def fleet_wide(self) -> bool:
+        return self.scope == "global"
+
+    def tokens(self, cost_hint: int) -> int:
+        """Whole tokens one request of ``cost_hint`` units spends."""
+        return self.cost * cost_hint
+
+    def problems(self, pools: Mapping[str, Pool]) -> list[str]:
+        p: list[str] = []
+        if self.pool is None:
+            p.append("algorithm pool needs a pool id")
+        elif self.pool not in pools:
+            p.append(f"pool {self.pool!r} is not defined in this bundle's pools "
+                     f"(defined: {', '.join(sorted(pools)) or 'none'})")
+        elif self.cost > pools[self.pool].limit:
+            p.append(f"cost {self.cost} exceeds pool {self.pool!r} limit {pools[self.pool].limit}")
+        if self.fail_mode == "open":
+            p.append("a pool rule cannot fail open (unbounded admission while the allocator is "
+                     "unreachable); use local_bounded (the pool's fallbackPerRegion) or closed")
+        if self.scope == "ip":
+            p.append("ip-scoped rules cannot spend a global pool")
+        return p
+
+    def script_params(self, cost_hint: int) -> Params:
+        return (self.tokens(cost_hint), 0, 0, 0, 0)
+
+    def limit_tokens(self, pools: Mapping[str, Pool]) -> int:
+        pool = pools.get(self.pool or "")
+        return pool.limit if pool is not None else 0
+
+    def policy_window_ms(self, pools: Mapping[str, Pool]) -> int:
+        pool = pools.get(self.pool or "")
+        return pool.window_ms if pool is not None else 0
+
+    def rate(self, pools: Mapping[str, Pool]) -> Rate:
+        pool = pools.get(self.pool or "")
+        return Rate(0, 0, False) if pool is None else Rate(pool.limit * 1000, pool.window_ms, False)
+
+    def capacity(self, pools: Mapping[str, Pool]) -> tuple[float, float]:
+        pool = pools.get(self.pool or "")
+        if pool is None:
+            return 0.0, 0.0
+        return pool.limit * 1000 / pool.window_ms / self.cost, pool.limit / self.cost
+
+    def fallback_capacity(self, pools: Mapping[str, Pool]) -> tuple[float, float]:
+        pool = pools.get(self.pool or "")
+        if self.fail_mode == "closed" or pool is None:
+            return 0.0, 0.0
+        return pool.fallback_per_region * 1000 / pool.window_ms, float(pool.fallback_per_region)

@@ -1,6 +1,6 @@
 """Concurrency cap (seed ch.9); mirrors ``lua/lib/concurrency.lua`` and the acquire / release /
 renew scripts. State: lease id -> lease expiry (epoch ms); live leases have expiry > now.
-The Decision's ``remaining`` carries in_flight (after the acquire when allowed); a denial has
+The Verdict's ``remaining`` carries in_flight (after the acquire when allowed); a denial has
 no time-based hint (retry 0)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .common import Decision, InvalidArguments, check_int
+from .common import InvalidArguments, Kind, Verdict, check_int, register_kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,21 +35,25 @@ def _live(state: ConcurrencyState | None, now_ms: int) -> dict[str, int]:
 
 
 def acquire(state: ConcurrencyState | None, params: ConcurrencyParams, now_ms: int, lease_id: str
-            ) -> tuple[Decision, ConcurrencyState | None]:
+            ) -> tuple[Verdict, ConcurrencyState | None]:
     """New state None when nothing is written (denial, or the lease is already held)."""
     if not lease_id:
         raise InvalidArguments("lease id must be non-empty")
     live = _live(state, now_ms)
     if lease_id in live:
-        return Decision(True, len(live), 0), None
+        return Verdict(True, len(live), 0), None
     if len(live) >= params.max_in_flight:
-        return Decision(False, len(live), 0), None
+        return Verdict(False, len(live), 0), None
     before = len(live)
     live[lease_id] = now_ms + params.lease_ttl_ms
-    return Decision(True, len(live), 0, before), ConcurrencyState(live)
+    return Verdict(True, len(live), 0, before), ConcurrencyState(live)
 
 
 decide = acquire
+
+# the gate riding on a rule (not a bundle algorithm): its lease id is the decision id
+KIND = register_kind(Kind("cc", "CC", "lib/concurrency.lua", ConcurrencyParams.from_args,
+                          lambda s, p, now, member, inc: acquire(s, p, now, member), needs_member=True))
 
 
 def release(state: ConcurrencyState | None, now_ms: int, lease_id: str

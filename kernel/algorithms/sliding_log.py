@@ -1,4 +1,5 @@
-"""Sliding-window log (seed ch.4); mirrors ``lua/lib/sliding_log.lua``.
+"""Sliding-window log (seed ch.4): the rule (:class:`SlidingLogRule`, a
+:class:`~.fixed_window.WindowRule`) and its reference model, which mirrors ``lua/lib/sliding_log.lua``.
 
 State is the sorted set as a mapping member -> score (admit ms). A cost c > 1 is stored as c
 entries ``member``, ``member#2`` .. ``member#c``. Live window: score > now - W (scores after now,
@@ -8,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from .common import NEVER, Decision, InvalidArguments
-from .fixed_window import WindowParams
+from .common import NEVER, InvalidArguments, Kind, Verdict, register_kind
+from .fixed_window import WindowParams, WindowRule
+from .rule import algorithm
 
 SlidingLogParams = WindowParams
 MAX_COST = 1_000  # entries one request may add (the script refuses more)
@@ -26,7 +29,7 @@ def entry_members(member: str, cost: int) -> list[str]:
 
 
 def decide(state: SlidingLogState | None, params: WindowParams, now_ms: int, member: str
-           ) -> tuple[Decision, SlidingLogState | None]:
+           ) -> tuple[Verdict, SlidingLogState | None]:
     """New state None on deny and on a replay (nothing written)."""
     p = params
     if not member:
@@ -40,16 +43,27 @@ def decide(state: SlidingLogState | None, params: WindowParams, now_ms: int, mem
     live = sorted(s for s in entries.values() if s > floor_)
     own = entries.get(member)
     if own is not None and own > floor_:
-        return Decision(True, max(0, p.limit - len(live)), 0), None
+        return Verdict(True, max(0, p.limit - len(live)), 0), None
     if len(live) + p.cost > p.limit:
         k = len(live) + p.cost - p.limit
-        return Decision(False, max(0, p.limit - len(live)), live[k - 1] + p.window_ms - now_ms), None
+        return Verdict(False, max(0, p.limit - len(live)), live[k - 1] + p.window_ms - now_ms), None
     kept = {m: s for m, s in entries.items() if s > floor_}
     for m in entry_members(member, p.cost):
         kept[m] = now_ms
-    return Decision(True, p.limit - len(live) - p.cost, 0, p.limit - len(live)), SlidingLogState(kept)
+    return Verdict(True, p.limit - len(live) - p.cost, 0, p.limit - len(live)), SlidingLogState(kept)
 
 
 def expiry_ms(state: SlidingLogState, params: WindowParams, now_ms: int, slack_ms: int) -> int:
     top = max([now_ms, *state.entries.values()])
     return top + params.window_ms - now_ms + slack_ms
+
+
+KIND = register_kind(Kind("sl", "SL", "lib/sliding_log.lua", WindowParams.from_args,
+                          lambda s, p, now, member, inc: decide(s, p, now, member), needs_member=True))
+
+
+@algorithm
+class SlidingLogRule(WindowRule, frozen=True, tag="sliding_log"):
+    """One sorted-set entry per admitted unit (a cost is at most ``MAX_COST`` entries)."""
+
+    kind: ClassVar[Kind] = KIND

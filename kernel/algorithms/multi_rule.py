@@ -12,19 +12,18 @@ replays its reply and changes nothing; a record of another question answers the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import concurrency, fixed_window, gcra, pool, pool_window, sliding_counter, sliding_log, token_bucket
-from .common import Decision, InvalidArguments
+from .common import KINDS, InvalidArguments, Verdict
 
 MAX_RULES = 8
 
 
 @dataclass(frozen=True, slots=True)
 class RuleSpec:
-    kind: str  # "tb" | "gcra" | "fw" | "sc" | "sl" | "cc" | "pool" | "pw"
+    kind: str  # a registered call kind (common.KINDS): "tb", "sl", "cc", "pool", "pw", ...
     params: tuple[int, int, int, int, int]
 
 
@@ -39,31 +38,18 @@ class MultiDecision:
         return [int(self.allowed), self.denied_by, self.retry_after_ms, *self.remaining]
 
 
-Decider = Callable[[Any, Any, int, str, str], tuple[Decision, Any]]  # state, params, now, member, incarnation
-
-KINDS: dict[str, tuple[Callable[[tuple], Any], Decider]] = {
-    "tb": (token_bucket.TokenBucketParams.from_args, lambda s, p, n, m, i: token_bucket.decide(s, p, n)),
-    "gcra": (token_bucket.TokenBucketParams.from_args, lambda s, p, n, m, i: gcra.decide(s, p, n)),
-    "fw": (fixed_window.WindowParams.from_args, lambda s, p, n, m, i: fixed_window.decide(s, p, n)),
-    "sc": (fixed_window.WindowParams.from_args, lambda s, p, n, m, i: sliding_counter.decide(s, p, n)),
-    "sl": (fixed_window.WindowParams.from_args, lambda s, p, n, m, i: sliding_log.decide(s, p, n, m)),
-    "cc": (concurrency.ConcurrencyParams.from_args, lambda s, p, n, m, i: concurrency.acquire(s, p, n, m)),
-    "pool": (pool.PoolParams.from_args, lambda s, p, n, m, i: pool.decide(s, p, n, i)),
-    "pw": (pool_window.PoolWindowParams.from_args, lambda s, p, n, m, i: pool_window.decide(s, p, n)),
-}
-
-
 def parse_rules(rules: Sequence[RuleSpec], member: str) -> list[Any]:
     """Validate every rule (raises :class:`InvalidArguments` like the script's error reply)."""
     if not 1 <= len(rules) <= MAX_RULES:
         raise InvalidArguments(f"1..{MAX_RULES} rules per call")
     out = []
     for r in rules:
-        if r.kind not in KINDS or len(r.params) != 5:
+        kind = KINDS.get(r.kind)
+        if kind is None or len(r.params) != 5:
             raise InvalidArguments(f"unknown rule kind {r.kind!r} or wrong parameter count")
-        if r.kind in ("sl", "cc") and not member:
-            raise InvalidArguments("sliding-log and concurrency rules need a member")
-        out.append(KINDS[r.kind][0](r.params))
+        if kind.needs_member and not member:
+            raise InvalidArguments(f"a {r.kind} rule needs a member (the decision id)")
+        out.append(kind.parse(r.params))
     return out
 
 
@@ -97,7 +83,7 @@ def decide_recorded(record: DecisionRecord | None, states: Sequence[Any], rules:
         return conflict_reply(len(rules)), None, record
     d, new = decide(states, rules, now_ms, member, incarnation)
     reply = d.as_reply()
-    if not d.allowed and rules[d.denied_by - 1].kind == "pool":
+    if not d.allowed and not KINDS[rules[d.denied_by - 1].kind].records_denial:
         return reply, new, None
     return reply, new, DecisionRecord(question, tuple(reply))
 
@@ -110,10 +96,10 @@ def decide(states: Sequence[Any], rules: Sequence[RuleSpec], now_ms: int, member
     if len(states) != len(rules):
         raise InvalidArguments("one state per rule")
     parsed = parse_rules(rules, member)
-    decisions: list[Decision] = []
+    decisions: list[Verdict] = []
     new_states: list[Any] = []
     for r, p, s in zip(rules, parsed, states, strict=True):
-        d, ns = KINDS[r.kind][1](s, p, now_ms, member, incarnation)
+        d, ns = KINDS[r.kind].step(s, p, now_ms, member, incarnation)
         decisions.append(d)
         new_states.append(s if ns is None else ns)
     denying = [i for i, d in enumerate(decisions) if not d.allowed]

@@ -1,0 +1,107 @@
+"""One decision's script call: ``multi_rule.lua``'s KEYS and ARGV from a plan's rule slots, and
+its reply. Pure (the store sends what this builds, as a :data:`ScriptCall`).
+
+The contract (every KEYS[i] / ARGV[i] with units, the reply, the conflict reply) is the script's
+header; the numeric validation is the script's too (it answers with an error reply), only the
+call's shape is checked here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from kernel.algorithms import KINDS
+from kernel.algorithms.rule import Params
+from kernel.errors import DecisionConflict, LeaseholdError, ScriptRejected, StoreUnavailable
+
+MULTI_RULE = "multi_rule"
+MAX_RULES = 8
+CONFLICT = -1  # ``allowed`` of the multi-rule reply for a decision record of another question
+
+ScriptCall = tuple[str, list, list]  # (script name, KEYS, ARGV): what the store sends by EVALSHA
+
+
+class Call(NamedTuple):
+    """One rule's slot in a multi-rule call (immutable, built per decision: created in C)."""
+
+    key: str
+    kind: str  # a registered call kind (kernel.algorithms.KINDS)
+    params: Params
+
+
+class MultiRuleResult(NamedTuple):
+    allowed: bool
+    denied_by: int  # 1-based index into the rule slots, 0 = none
+    retry_after_ms: int  # -1 = never
+    remaining: tuple[int, ...]
+
+
+def multi_rule_argv(decision_key: str, rules: Sequence[Call], *, slack_ms: int, decision_ttl_ms: int,
+                    member: str, question: str = "") -> tuple[list[str], list[str | int]]:
+    """KEYS and ARGV for ``multi_rule.lua``. Shape errors raise :class:`ScriptRejected` here.
+    ``question`` is stored with a decision record and compared on a replay."""
+    if not 1 <= len(rules) <= MAX_RULES:
+        raise ScriptRejected(f"a multi-rule call takes 1..{MAX_RULES} rules, got {len(rules)}")
+    keys = [decision_key]
+    argv: list[str | int] = [slack_ms, decision_ttl_ms, member]
+    for r in rules:
+        if r.kind not in KINDS:
+            raise ScriptRejected(f"unknown rule kind {r.kind!r}")
+        if len(r.params) != 5:
+            raise ScriptRejected("each rule takes exactly five parameters")
+        keys.append(r.key)
+        argv.append(r.kind)
+        argv.extend(r.params)
+    if len(set(keys[1:])) != len(keys) - 1:
+        raise ScriptRejected("the same key is listed for two rules")
+    argv.append(question)
+    return keys, argv
+
+
+def multi_rule_call(rules: Sequence[Call], *, decision_key: str, slack_ms: int, decision_ttl_ms: int,
+                    member: str, question: str = "") -> ScriptCall:
+    keys, argv = multi_rule_argv(decision_key, rules, slack_ms=slack_ms, decision_ttl_ms=decision_ttl_ms,
+                                 member=member, question=question)
+    return (MULTI_RULE, keys, argv)
+
+
+def _raise_error(reply: Any) -> None:
+    """A pipeline slot holding an error (the store puts contract errors there) raises it."""
+    if isinstance(reply, BaseException):
+        raise reply if isinstance(reply, LeaseholdError) else StoreUnavailable(f"store error ({type(reply).__name__})")
+
+
+def parse_multi_rule(reply: Any) -> MultiRuleResult:
+    """The script's reply — or the contract error in its pipeline slot, raised — as a result;
+    raises :class:`DecisionConflict` for its conflict reply (allowed -1)."""
+    _raise_error(reply)
+    if not isinstance(reply, list | tuple) or len(reply) < 4:
+        raise ScriptRejected("unexpected reply shape from the multi-rule script")
+    try:
+        vals = [int(x) for x in reply]
+    except (TypeError, ValueError):
+        raise ScriptRejected("unexpected reply shape from the multi-rule script") from None
+    if vals[0] == CONFLICT:
+        raise DecisionConflict("requestId already has a decision for another question (tenant, principal, "
+                               "route group or cost); use a fresh requestId")
+    return MultiRuleResult(bool(vals[0]), vals[1], vals[2], tuple(vals[3:]))
+
+
+# --- pool_take.lua: a gateway chunk bought from a fleet-wide pool balance ----------------------
+class PoolTake(NamedTuple):
+    taken: int  # tokens debited (0 = fewer than ``min`` were spendable; nothing written)
+    remaining: int  # spendable after the take
+    valid_for_ms: int  # the chunk must not outlive the leases it came from (0 when nothing taken)
+    next_from_ms: int  # until the earliest not-yet-valid lease becomes valid (0 = none)
+
+
+def pool_take_call(key: str, *, min_tokens: int, want: int, slack_ms: int) -> ScriptCall:
+    return ("pool_take", [key], [min_tokens, want, slack_ms])
+
+
+def parse_pool_take(reply: Any) -> PoolTake:
+    _raise_error(reply)
+    if not isinstance(reply, list | tuple) or len(reply) != 4:
+        raise ScriptRejected("unexpected reply shape from pool_take")
+    return PoolTake(*(int(x) for x in reply))
