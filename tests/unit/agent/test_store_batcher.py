@@ -1,0 +1,121 @@
+"""The coalescing batcher (region_agent/store/batcher.py): shared pipelines, order, bounds,
+deadlines before and after a send (no network)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kernel.errors import DeadlineExceeded, Overloaded, StoreUnavailable
+from region_agent.store.batcher import Batcher
+
+
+async def test_concurrent_submits_share_one_pipeline_and_keep_order():
+    sent: list[list] = []
+
+    async def run(calls):
+        sent.append(list(calls))
+        await asyncio.sleep(0)
+        return [f"reply:{c[1][0]}" for c in calls]
+
+    b = Batcher(run, max_batch=100)
+    results = await asyncio.gather(*(b.submit([("s", [f"k{i}"], []), ("s", [f"k{i}b"], [])]) for i in range(10)))
+    assert results == [[f"reply:k{i}", f"reply:k{i}b"] for i in range(10)]
+    assert len(sent) == 1 and len(sent[0]) == 20
+
+
+async def test_next_flush_starts_when_the_previous_one_finished():
+    sent: list[int] = []
+    gate = asyncio.Event()
+
+    async def run(calls):
+        sent.append(len(calls))
+        if len(sent) == 1:
+            await gate.wait()
+        return [None] * len(calls)
+
+    b = Batcher(run, max_batch=100, max_inflight=1)
+    first = asyncio.create_task(b.submit([("s", ["a"], [])]))
+    await asyncio.sleep(0.01)
+    rest = [asyncio.create_task(b.submit([("s", [f"k{i}"], [])])) for i in range(5)]
+    await asyncio.sleep(0.01)
+    assert sent == [1]  # the five wait for the in-flight pipeline
+    gate.set()
+    await asyncio.gather(first, *rest)
+    assert sent == [1, 5]
+
+
+async def test_pipelines_in_flight_are_bounded():
+    sent: list[int] = []
+    gates = [asyncio.Event(), asyncio.Event()]
+
+    async def run(calls):
+        sent.append(len(calls))
+        if len(sent) <= 2:
+            await gates[len(sent) - 1].wait()
+        return [None] * len(calls)
+
+    b = Batcher(run, max_batch=3, max_inflight=2)
+    first = asyncio.create_task(b.submit([("s", ["a"], [])]))
+    await asyncio.sleep(0.01)
+    second = [asyncio.create_task(b.submit([("s", [f"k{i}"], [])])) for i in range(2)]
+    await asyncio.sleep(0.01)
+    assert sent == [1, 2]  # a second pipeline goes while the first is in flight
+    third = [asyncio.create_task(b.submit([("s", [f"m{i}"], [])])) for i in range(4)]
+    await asyncio.sleep(0.01)
+    assert sent == [1, 2]  # both drain tasks busy: the rest waits
+    gates[1].set()
+    await asyncio.gather(*second)
+    await asyncio.sleep(0.01)
+    assert sent == [1, 2, 3, 1]  # in batches of at most max_batch
+    gates[0].set()
+    await asyncio.gather(first, *third)
+
+
+async def test_bounded_queue_refuses_without_sending_and_deadline_before_send():
+    gate = asyncio.Event()
+
+    async def run(calls):
+        await gate.wait()
+        return [None] * len(calls)
+
+    b = Batcher(run, max_batch=1, max_queue=2, max_inflight=1)
+    t1 = asyncio.create_task(b.submit([("s", ["a"], [])]))
+    await asyncio.sleep(0.01)  # in flight
+    t2 = asyncio.create_task(b.submit([("s", ["b"], [])]))
+    t3 = asyncio.create_task(b.submit([("s", ["c"], [])]))
+    await asyncio.sleep(0.01)
+    with pytest.raises(Overloaded):  # a full queue is this agent's overload, not a store failure
+        await b.submit([("s", ["d"], [])])
+    gate.set()
+    await asyncio.gather(t1, t2, t3)
+
+
+async def test_deadline_while_still_queued_means_never_sent():
+    gate = asyncio.Event()
+    sent: list[str] = []
+
+    async def run(calls):
+        sent.extend(c[1][0] for c in calls)
+        await gate.wait()
+        return [None] * len(calls)
+
+    b = Batcher(run, max_inflight=1)
+    first = asyncio.create_task(b.submit([("s", ["a"], [])]))
+    await asyncio.sleep(0.01)
+    with pytest.raises(DeadlineExceeded):
+        await b.submit([("s", ["late"], [])], wait_s=0.01)
+    gate.set()
+    await first
+    await asyncio.sleep(0.01)
+    assert sent == ["a"] and b.queued == 0
+
+
+async def test_a_failed_pipeline_fails_every_caller():
+    async def run(calls):
+        raise StoreUnavailable("down")
+
+    b = Batcher(run, max_inflight=1)
+    res = await asyncio.gather(b.submit([("s", ["a"], [])]), b.submit([("s", ["b"], [])]), return_exceptions=True)
+    assert all(isinstance(r, StoreUnavailable) for r in res)
