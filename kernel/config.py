@@ -104,3 +104,24 @@ def load_settings(cls: type[T], prefix: str, argv: Sequence[str] | None = None,
                 f"invalid setting {_flag(field)} / {prefix}{field.upper()}: {msg}; "
                 f"expected {_describe(hints[field])}") from None
         raise ConfigError(f"invalid settings: {msg}") from None
+
+
+def settings_flags(cls: type[msgspec.Struct], values: dict[str, Any]) -> list[str]:
+    """The command-line flags that :func:`load_settings` reads back as ``values`` (the inverse):
+    ``--field-name value`` per entry; lists comma-joined, booleans ``true``/``false``, ``None``
+    left out. A name that is not a field of ``cls`` is a ``ValueError`` (a typo fails at once,
+    not as an unknown flag in a child process's log)."""
+    out: list[str] = []
+    for name, value in values.items():
+        if name not in cls.__struct_fields__:
+            raise ValueError(f"{cls.__name__} has no setting {name!r}")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (list, tuple)):
+            text = ",".join(str(v) for v in value)
+        else:
+            text = str(value)
+        out += [_flag(name), text]
+    return out

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 from chaos.proxy import ProxyProcess
 from kernel.bundle import Pool
 from leasehold.procs import LOOPBACK, Proc, free_port, wait_port
+from leasehold.services import agent_command
 from leasehold.topology import DEV_PEPPER, _env
 
 from .conftest import (
@@ -46,10 +46,9 @@ def region_behind_proxies(tmp_path: Path, redis_url: str):
         for i, url in enumerate(topo.allocator_urls):
             proxies.append(ProxyProcess((LOOPBACK, int(url.rsplit(":", 1)[1])), tmp_path / f"proxy-{i}").start())
         port = free_port()
-        agent = Proc("agent-eu", [sys.executable, "-m", "region_agent", "--redis-url", redis_url, "--policy",
-                                  str(policy), "--region", "eu", "--host", LOOPBACK, "--port", str(port),
-                                  "--allocator-urls", ",".join(f"http://{LOOPBACK}:{p.port}" for p in proxies),
-                                  "--auth-disabled", "true", *FAST_AGENT],
+        agent = Proc("agent-eu", agent_command(
+            *FAST_AGENT, redis_url=redis_url, policy=policy, region="eu", host=LOOPBACK, port=port,
+            allocator_urls=[f"http://{LOOPBACK}:{p.port}" for p in proxies], auth_disabled=True),
                      tmp_path / "agent", env=_env(LEASEHOLD_AGENT_PEPPER=DEV_PEPPER)).start()
         wait_port(port, proc=agent.popen, timeout=30)
         base = f"http://{LOOPBACK}:{port}"

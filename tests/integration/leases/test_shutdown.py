@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kernel.bundle import Pool
-from leasehold.topology import Topology, TopologySpec
+from leasehold.topology import LocalTopology, TopologySpec
 
 from .conftest import admit_body, etcd_grants, etcd_windows, pool_rule, user_rule, write_bundle
 
@@ -27,14 +27,14 @@ REQUEST_LINES = ("HTTP Request", "/v1/leases", "POST ", "GET ")
 @pytest.fixture
 def topo(tmp_path: Path):
     policy = write_bundle(tmp_path / "bundle.json", [POOL], [user_rule(), pool_rule("dune", "dune")])
-    t = Topology(TopologySpec(run_dir=tmp_path / "run", policy=policy, regions=("eu",), allocators=1,
+    t = LocalTopology(TopologySpec(run_dir=tmp_path / "run", policy=policy, regions=("eu",), allocators=1,
                               agent_args=("--lease-tick-ms", "50", "--policy-poll-ms", "0", "--log-level", "info"),
                               allocator_args=("--log-level", "info"))).start(timeout=60)
     yield t
     t.stop()
 
 
-async def test_sigterm_reports_held_leases_and_logs_stay_quiet(topo: Topology):
+async def test_sigterm_reports_held_leases_and_logs_stay_quiet(topo: LocalTopology):
     url = topo.agent_urls["eu"][0]
     agent = topo.agents["eu"][0]
     async with httpx.AsyncClient(timeout=5) as c:
