@@ -13,6 +13,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 import msgspec
 
 T = TypeVar("T", bound=msgspec.Struct)
+Ms = msgspec.Meta
 
 
 class ConfigError(SystemExit):
@@ -125,3 +126,23 @@ def settings_flags(cls: type[msgspec.Struct], values: dict[str, Any]) -> list[st
             text = str(value)
         out += [_flag(name), text]
     return out
+
+
+class ServingSettings(msgspec.Struct, kw_only=True, frozen=True):
+    """How a service is served: the settings both services share (inherited by ``AgentSettings``
+    and ``AllocatorSettings``; ``--flags`` and env vars as for their own fields)."""
+
+    tls_cert_file: str | None = None  # serve HTTPS (uvicorn ssl_certfile) ...
+    tls_key_file: str | None = None  # ... with this key
+    access_log: bool = False  # one line per HTTP request (uvicorn's access log); off by default
+    http_max_header_bytes: typing.Annotated[int, Ms(ge=1_024, le=1_048_576)] = 16_384  # request line + headers: 431
+    http_max_headers: typing.Annotated[int, Ms(ge=8, le=1_000)] = 100  # header fields per request: 431
+    http_header_timeout_ms: typing.Annotated[int, Ms(ge=100, le=600_000)] = 10_000  # head complete within: 408
+    http_body_timeout_ms: typing.Annotated[int, Ms(ge=100, le=600_000)] = 10_000  # body complete after the head: 408
+
+    def http_limits(self) -> Any:
+        """The :class:`kernel.httpserver.HttpLimits` these settings ask for."""
+        from .httpserver import HttpLimits
+        return HttpLimits(max_header_bytes=self.http_max_header_bytes, max_headers=self.http_max_headers,
+                          header_timeout_s=self.http_header_timeout_ms / 1000,
+                          body_timeout_s=self.http_body_timeout_ms / 1000)
