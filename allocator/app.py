@@ -235,6 +235,10 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
     app = Litestar(
         route_handlers=handlers,
         lifespan=[lifespan],
+        # logging stays as __main__ set it up: Litestar's default config would route every record
+        # through a queue listener thread, and what is queued when SIGTERM ends the process (the
+        # shutdown report line) is lost
+        logging_config=None,
         state=State({"auth_guard": auth_guard}),
         exception_handlers=exception_handlers(validation_status=VALIDATION_STATUS),
         request_max_body_size=settings.max_body_bytes,
