@@ -1,8 +1,8 @@
 """The allocator's HTTP API (Litestar). Thin: every route calls :class:`allocator.engine.Engine`.
 
-Errors: one handler turns every ``LeaseholdError`` into problem+json via ``to_problem``;
-Litestar's own client errors (bad JSON, schema validation, unknown route, body too large)
-are mapped to the same problem shape; anything else is a logged 500 problem with no detail.
+Errors are answered by the kernel's one mapper (:mod:`kernel.http_errors`, shared with the agent):
+problem+json for every error, Litestar's own client errors translated to the same classes; a body
+or parameter that does not fit the schema is a 400 here.
 """
 
 from __future__ import annotations
@@ -16,29 +16,18 @@ import msgspec
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
-from litestar.exceptions import HTTPException, NotAuthorizedException, PermissionDeniedException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.params import FromPath, FromQuery, JSONBody
 
 from kernel.auth import SCOPE_KEY, RegionAuth, TokenTable, require_region
 from kernel.bundle import Bundle, load_bundle_file
-from kernel.errors import (
-    BadRequest,
-    Forbidden,
-    LeaseholdError,
-    NotFound,
-    PayloadTooLarge,
-    Unauthorized,
-    Unavailable,
-    ValidationFailed,
-    problem_headers,
-    to_problem,
-)
+from kernel.errors import BadRequest, Unavailable, ValidationFailed
 from kernel.etcd_store import EtcdStore
 from kernel.etcd_tls import credentials as tls_credentials
+from kernel.http_errors import exception_handlers, problem_response
 from kernel.ids import LEASE_ID, LEASE_ID_RE, REGION, REGION_RE, human
-from kernel.jsonbody import StrictJSONRequest, note_rejection
+from kernel.jsonbody import StrictJSONRequest
 from kernel.openapi_problems import document_problems
 from kernel.policy_store import PolicyStore
 from kernel.signing import TrustedKeys
@@ -61,74 +50,20 @@ from .metrics import CONTENT_TYPE, AllocatorMetrics
 from .settings import AllocatorSettings
 
 log = logging.getLogger("allocator.app")
-
-PROBLEM_JSON = "application/problem+json"
-BODY_REJECTIONS = frozenset({400, 413, 415, 422})  # logged as one short, rate-limited line each
+VALIDATION_STATUS = 400  # a body or parameter that does not fit the schema (the agent answers 422)
 
 Guard = Callable[[ASGIConnection, BaseRouteHandler], Any]
 
 
 async def region_auth_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
-    """Authentication hook for the lease endpoints. A later task fills it with per-region
-    bearer tokens (raise ``Unauthorized`` / ``Forbidden`` from ``kernel.errors``);
-    today every caller is accepted. ``create_app(auth_guard=...)`` plugs a check in here."""
+    """Authentication of the lease endpoints: runs the app's check, by default
+    :class:`kernel.auth.RegionAuth` (a region's bearer token, else 401); none with
+    ``--auth-disabled true``. ``create_app(auth_guard=...)`` plugs another check in here."""
     check = connection.app.state.get("auth_guard")
     if check is not None:
         result = check(connection, handler)
         if hasattr(result, "__await__"):
             await result
-
-
-# -- error mapping ------------------------------------------------------------------------------
-def problem_response(exc: LeaseholdError, path: str | None = None) -> Response[Any]:
-    status, body = to_problem(exc, instance=path)
-    if status in BODY_REJECTIONS:
-        note_rejection(path or "", status, exc.detail)
-    headers = problem_headers(exc)
-    if exc.retriable:
-        headers["Retry-After"] = "1"
-    return Response(content=body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
-
-
-def _leasehold_handler(request: Request, exc: LeaseholdError) -> Response[Any]:
-    return problem_response(exc, request.url.path)
-
-
-def _http_handler(request: Request, exc: HTTPException) -> Response[Any]:
-    status = exc.status_code
-    detail = exc.detail or "request rejected"
-    if status == 413:
-        err: LeaseholdError = PayloadTooLarge(detail)
-    elif status == 404:
-        err = NotFound(f"no route {request.url.path}")
-    elif status == 401 or isinstance(exc, NotAuthorizedException):
-        err = Unauthorized(detail)
-    elif status == 403 or isinstance(exc, PermissionDeniedException):
-        err = Forbidden(detail)
-    elif status == 405:
-        err = BadRequest(f"method {request.method} not allowed on {request.url.path}")
-        err.status = 405
-    elif status == 400 and exc.extra:
-        items = exc.extra if isinstance(exc.extra, list) else [exc.extra]
-        problems = [(f"{e['key']}: " if isinstance(e, dict) and e.get("key") else "")
-                    + (str(e.get("message", e)) if isinstance(e, dict) else str(e)) for e in items]
-        err = ValidationFailed(f"request body failed validation: {'; '.join(problems)}", errors=problems)
-        err.status = 400
-    elif 400 <= status < 500:
-        err = BadRequest(detail)
-        err.status = status
-    else:
-        if "disconnected" in detail:  # Litestar's answer to a client gone mid-body (e.g. a body deadline)
-            log.debug("client disconnected on %s", request.url.path)
-        else:
-            log.error("HTTP %s on %s: %s", status, request.url.path, detail)
-        err = LeaseholdError("internal error")
-    return problem_response(err, request.url.path)
-
-
-def _internal_handler(request: Request, exc: Exception) -> Response[Any]:
-    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return problem_response(LeaseholdError("internal error"), request.url.path)
 
 
 # -- routes -------------------------------------------------------------------------------------
@@ -300,9 +235,12 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
     app = Litestar(
         route_handlers=handlers,
         lifespan=[lifespan],
+        # logging stays as __main__ set it up: Litestar's default config would route every record
+        # through a queue listener thread, and what is queued when SIGTERM ends the process (the
+        # shutdown report line) is lost
+        logging_config=None,
         state=State({"auth_guard": auth_guard}),
-        exception_handlers={LeaseholdError: _leasehold_handler, HTTPException: _http_handler,
-                            Exception: _internal_handler},
+        exception_handlers=exception_handlers(validation_status=VALIDATION_STATUS),
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Leasehold allocator", version="1.0.0", path="/schema"),
         request_class=StrictJSONRequest,  # kernel.jsonbody: application/json only, strict typed decoding

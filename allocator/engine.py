@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from kernel.bounded import BoundedMemo
 from kernel.bundle import Pool
 from kernel.errors import (
     Conflict,
@@ -56,6 +57,7 @@ MAX_GROUP = (MAX_TXN_OPS - 1) // 2  # grants per txn: 1 + windows + grants compa
 RECORD_MIN_LINGER_MS = 60_000
 TXNS_IN_FLIGHT = 4  # grant transactions the committer sends concurrently
 MAX_QUEUE = 16_384  # queued writes; beyond this the leader sheds load with a retriable 503
+GRANT_COUNTERS_MAX = 100_000  # resolved (pool, region) metric children kept (a memo; emptied when full)
 
 
 def wall_ms() -> int:
@@ -137,7 +139,7 @@ class Engine:
         self._last_prune_ms = 0  # wall ms of the last cache scan (_prune_cache)
         self._buckets = LeaseBuckets(self.store)
         self._task: asyncio.Task[None] | None = None
-        self._grant_counters: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._grant_counters: BoundedMemo[tuple[str, str], tuple[Any, Any]] = BoundedMemo(GRANT_COUNTERS_MAX)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -426,10 +428,8 @@ class Engine:
             children = self._grant_counters.get((g.pool, g.region))
             if children is None:  # labels() validates and locks: resolve once per (pool, region)
                 region = self.metrics.region(g.region)
-                if len(self._grant_counters) >= 100_000:
-                    self._grant_counters.clear()
-                children = self._grant_counters[(g.pool, g.region)] = (
-                    self.metrics.grants.labels(g.pool, region), self.metrics.granted_tokens.labels(g.pool, region))
+                children = self._grant_counters.put((g.pool, g.region), (
+                    self.metrics.grants.labels(g.pool, region), self.metrics.granted_tokens.labels(g.pool, region)))
             children[0].inc()
             children[1].inc(g.granted)
         else:

@@ -17,10 +17,11 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kernel.policy_metrics import policy_metrics
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()  # no *_created series (docs/metrics.md, cardinality budget)
 MAX_REGION_LABELS = 64
-POLICY_OUTCOMES = ("accepted", "stale", "invalid", "unsigned", "untrusted_key", "bad_signature")
 
 
 class WindowFill:
@@ -107,14 +108,8 @@ class AllocatorMetrics:
         self.pool_fallback = Gauge("leasehold_allocator_pool_fallback_per_region_tokens",
                                    "A pool's fallback allowance per region and window (the overshoot term)",
                                    ["pool"], registry=r)
-        self.policy_reloads = Counter("leasehold_allocator_policy_reloads_total",
-                                      "Policy bundles offered from etcd, by outcome (accepted, stale, invalid, "
-                                      "unsigned, untrusted_key, bad_signature)", ["outcome"], registry=r)
-        for outcome in POLICY_OUTCOMES:
-            self.policy_reloads.labels(outcome)
-        self.policy_version = Gauge("leasehold_allocator_policy_version", "Bundle version in force", registry=r)
-        self.policy_age = Gauge("leasehold_allocator_policy_age_seconds",
-                                "Seconds since the policy key was last read from etcd", registry=r)
+        self.policy_reloads, self.policy_version, self.policy_age = policy_metrics(
+            "allocator", r, offered="from etcd", age="Seconds since the policy key was last read from etcd")
         self.window_fill = WindowFill()
         r.register(self.window_fill)
         self.etcd_latency = Histogram("leasehold_allocator_etcd_request_seconds", "etcd request latency",

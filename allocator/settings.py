@@ -6,17 +6,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
-import msgspec
 from msgspec import Meta
 
-from kernel.config import ConfigError, load_settings
+from kernel.config import ConfigError, ServingSettings, load_settings
 from kernel.etcd_store import parse_endpoints
 from kernel.ids import EtcdPrefix, NodeId
 
 ENV_PREFIX = "LEASEHOLD_ALLOCATOR_"
 
 
-class AllocatorSettings(msgspec.Struct, forbid_unknown_fields=True):
+class AllocatorSettings(ServingSettings, forbid_unknown_fields=True):
     """Leasehold allocator: global pools on etcd, epoch-fenced lease grants."""
 
     etcd: str  # comma-separated host:port list
@@ -38,22 +37,9 @@ class AllocatorSettings(msgspec.Struct, forbid_unknown_fields=True):
     etcd_cert_file: str | None = None  # optional client certificate (etcd --client-cert-auth)
     etcd_key_file: str | None = None
     etcd_password_file: str | None = None  # or LEASEHOLD_ALLOCATOR_ETCD_PASSWORD
-    tls_cert_file: str | None = None  # serve HTTPS (uvicorn ssl_certfile) ...
-    tls_key_file: str | None = None  # ... with this key
     policy_from_etcd: bool = True  # follow <prefix>policy/current (strictly higher versions only)
     policy_reread_ms: Annotated[int, Meta(ge=50, le=600_000)] = 5_000  # safety-net re-read period
     policy_public_keys: list[str] = []  # Ed25519 public key PEM files: bundles must be signed by one of them
-    access_log: bool = False  # one line per HTTP request (uvicorn's access log); off by default
-    http_max_header_bytes: Annotated[int, Meta(ge=1_024, le=1_048_576)] = 16_384  # request line + headers: 431
-    http_max_headers: Annotated[int, Meta(ge=8, le=1_000)] = 100  # header fields per request: 431
-    http_header_timeout_ms: Annotated[int, Meta(ge=100, le=600_000)] = 10_000  # head complete within: 408
-    http_body_timeout_ms: Annotated[int, Meta(ge=100, le=600_000)] = 10_000  # body complete after the head: 408
-
-    def http_limits(self):
-        from kernel.httpserver import HttpLimits
-        return HttpLimits(max_header_bytes=self.http_max_header_bytes, max_headers=self.http_max_headers,
-                          header_timeout_s=self.http_header_timeout_ms / 1000,
-                          body_timeout_s=self.http_body_timeout_ms / 1000)
 
     @property
     def url(self) -> str:

@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import msgspec
 
 from allocator.election import LeaderRecord
-from allocator.engine import GrantRecord as StoredGrant
-from allocator.engine import Keys
+from allocator.engine import GrantRecord, Keys
 from allocator.policy import WindowState
 from kernel.etcd_store import EtcdStore
 
@@ -25,7 +24,7 @@ from .history import EtcdGrant, EtcdWindow, HistoryError, Leader, now_ms
 
 def grant_from_kv(value: bytes, create_revision: int, mod_revision: int, key: bytes = b"") -> EtcdGrant:
     try:
-        rec = msgspec.json.decode(value, type=StoredGrant)
+        rec = msgspec.json.decode(value, type=GrantRecord)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise HistoryError(f"etcd grant record {key.decode(errors='replace')} is unreadable: {e}") from None
     g = rec.grant

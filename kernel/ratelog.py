@@ -16,6 +16,8 @@ import logging
 import time
 from collections.abc import Callable, Hashable
 
+from .bounded import BoundedMemo
+
 
 class KeyedLog:
     def __init__(self, logger: logging.Logger, *, interval_s: float = 1.0, max_keys: int = 1_000,
@@ -24,7 +26,7 @@ class KeyedLog:
         self.interval_s = interval_s
         self.max_keys = max_keys
         self.clock = clock
-        self._last: dict[Hashable, tuple[float, int]] = {}
+        self._last: BoundedMemo[Hashable, tuple[float, int]] = BoundedMemo(max_keys)  # throttling state only
 
     def log(self, key: Hashable, level: int, message: str) -> bool:
         """Write ``message`` unless a line for ``key`` was written less than an interval ago;
@@ -34,9 +36,7 @@ class KeyedLog:
         if now - last < self.interval_s:
             self._last[key] = (last, suppressed + 1)
             return False
-        if len(self._last) >= self.max_keys:
-            self._last.clear()
-        self._last[key] = (now, 0)
+        self._last.put(key, (now, 0))
         more = f" (+{suppressed} more since the last line)" if suppressed else ""
         self.logger.log(level, "%s%s", message, more)
         return True

@@ -21,7 +21,7 @@ from kernel.errors import PolicyError
 
 from .topology import (
     DEFAULT_POLICY,
-    Topology,
+    LocalTopology,
     TopologySpec,
     default_run_dir,
     read_state,
@@ -60,7 +60,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if read_state(args.run_dir):
         print("a topology is already running; `leasehold down` first", file=sys.stderr)
         return EXIT_USAGE
-    topo = Topology(_spec(args)).start()
+    topo = LocalTopology(_spec(args)).start()
     for svc in topo.services():
         print(f"{svc.kind:10} {svc.name:18} pid {svc.pid:<7} {svc.url}")
     print(f"state in {args.run_dir / 'topology.json'}; stop with `leasehold down`")

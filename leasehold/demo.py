@@ -34,11 +34,11 @@ from rich.table import Table
 
 from .gateways import Envoy, render, upstream
 from .procs import LOOPBACK, Proc, free_port
-from .topology import Topology, TopologySpec
+from .topology import LocalTopology, TopologySpec
 
 
 @dataclass
-class RegionStats:
+class RegionPanel:
     allowed: int = 0
     denied: int = 0
     unavailable: int = 0
@@ -53,12 +53,12 @@ class RegionStats:
 
 
 class Driver:
-    def __init__(self, topo: Topology, envoys: dict[str, str], rate: float, rng: random.Random):
+    def __init__(self, topo: LocalTopology, envoys: dict[str, str], rate: float, rng: random.Random):
         self.topo = topo
         self.envoys = envoys  # region -> Envoy URL
         self.rate = rate
         self.rng = rng
-        self.stats = {r: RegionStats() for r in envoys}
+        self.stats = {r: RegionPanel() for r in envoys}
         self.sem = asyncio.Semaphore(64)
         self.client = httpx.AsyncClient(timeout=2.0, limits=httpx.Limits(max_connections=64))
         self.agents = httpx.AsyncClient(timeout=2.0, headers=topo.gateway_headers())  # /v1/release
@@ -110,7 +110,7 @@ class Driver:
         else:
             st.errors += 1
 
-    async def release_later(self, region: str, headers: dict[str, str], st: RegionStats) -> None:
+    async def release_later(self, region: str, headers: dict[str, str], st: RegionPanel) -> None:
         """The backend ends the export: POST /v1/release with the decision id Envoy sent (x-request-id)."""
         await asyncio.sleep(self.rng.uniform(1.0, 4.0))
         payload = {"requestId": headers["x-request-id"], "tenantId": headers["x-tenant-id"],
@@ -224,7 +224,7 @@ async def _main(spec: TopologySpec, duration_s: float, rate: float) -> int:
     console.print("[bold]Starting the local topology[/bold] (etcd, allocators, Redis and an agent per region, "
                   "an Envoy in front of each region, a demo upstream)…")
     spec.rls = True
-    topo = await asyncio.to_thread(Topology(spec).start)
+    topo = await asyncio.to_thread(LocalTopology(spec).start)
     try:
         edge = await asyncio.to_thread(start_edge, topo)
     except BaseException:
@@ -280,7 +280,7 @@ class Edge:
         self.upstream.stop()
 
 
-def start_edge(topo: Topology) -> Edge:
+def start_edge(topo: LocalTopology) -> Edge:
     run = topo.spec.run_dir
     up, up_port = upstream(run / "upstream")
     envoys: dict[str, Envoy] = {}

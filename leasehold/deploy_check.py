@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .metrics_doc import Row, all_rows
+from .metrics_doc import MetricRow, all_rows
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 METRIC_RE = re.compile(r"\b(leasehold_[a-z0-9_]+)\b(\{[^}]*\})?")
@@ -58,7 +58,7 @@ def alert_queries(path: Path | None = None) -> list[Query]:
     return out
 
 
-def _resolve(name: str, table: dict[str, Row]) -> tuple[Row | None, bool]:
+def _resolve(name: str, table: dict[str, MetricRow]) -> tuple[MetricRow | None, bool]:
     """(row, is_bucket) for a name as written in PromQL."""
     if name in table:
         return table[name], False
@@ -73,7 +73,7 @@ def metric_names(expr: str) -> set[str]:
     return {m.group(1) for m in METRIC_RE.finditer(expr)}
 
 
-def problems(q: Query, table: dict[str, Row]) -> list[str]:
+def problems(q: Query, table: dict[str, MetricRow]) -> list[str]:
     out: list[str] = []
     available = set(TARGET_LABELS)
     for m in METRIC_RE.finditer(q.expr):

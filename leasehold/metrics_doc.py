@@ -100,7 +100,7 @@ BOUNDS: dict[str, str] = {
 
 
 @dataclass(frozen=True)
-class Row:
+class MetricRow:
     service: str
     name: str  # as exposed (counters with _total; histograms by their base name)
     type: str
@@ -116,22 +116,22 @@ def _exposed(name: str, kind: str) -> str:
     return name + "_total" if kind == "counter" and not name.endswith("_total") else name
 
 
-def rows_of(service: str, metrics_obj: object) -> list[Row]:
-    out: dict[str, Row] = {}
+def rows_of(service: str, metrics_obj: object) -> list[MetricRow]:
+    out: dict[str, MetricRow] = {}
     for value in vars(metrics_obj).values():
         if isinstance(value, MetricWrapperBase):
             kind = value._type
             name = _exposed(value._name, kind)
-            out[name] = Row(service, name, kind, tuple(value._labelnames), value._documentation)
+            out[name] = MetricRow(service, name, kind, tuple(value._labelnames), value._documentation)
         elif hasattr(value, "describe") and hasattr(value, "collect"):
             labels = tuple(value.LABELS)  # a custom collector states its label names
             for fam in value.describe():
                 name = _exposed(fam.name, fam.type)
-                out[name] = Row(service, name, fam.type, labels, fam.documentation)
+                out[name] = MetricRow(service, name, fam.type, labels, fam.documentation)
     return sorted(out.values(), key=lambda r: r.name)
 
 
-def all_rows() -> list[Row]:
+def all_rows() -> list[MetricRow]:
     from prometheus_client import CollectorRegistry
 
     from allocator.metrics import AllocatorMetrics
@@ -178,7 +178,7 @@ sorted order; the rest count as `other`).
 """
 
 
-def render(rows: list[Row]) -> str:
+def render(rows: list[MetricRow]) -> str:
     lines = [HEADER.rstrip("\n")]
     for r in rows:
         labels = ", ".join(f"`{x}`" for x in r.labels) or "-"

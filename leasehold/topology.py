@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 from kernel.resources import sample_policy
 
 from .procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_http_ready, wait_port
+from .services import agent_command, allocator_command
 
 REPO = Path(__file__).resolve().parents[1]  # the source checkout when installed editable
 
@@ -65,7 +65,7 @@ class ServiceInfo:
 
 
 @dataclass
-class Topology:
+class LocalTopology:
     spec: TopologySpec
     etcd: EtcdCluster | None = None
     redis: dict[str, RedisServer] = field(default_factory=dict)
@@ -95,7 +95,7 @@ class Topology:
         return {"Authorization": f"Bearer {self.secrets.operator}"} if self.secrets else {}
 
     # ------------------------------------------------------------------ start/stop
-    def start(self, timeout: float = 60.0) -> Topology:
+    def start(self, timeout: float = 60.0) -> LocalTopology:
         run = self.spec.run_dir
         run.mkdir(parents=True, exist_ok=True)
         if self.spec.auth:
@@ -121,13 +121,11 @@ class Topology:
                 for i in range(self.spec.allocators):
                     port = free_port()
                     url = f"http://{LOOPBACK}:{port}"
-                    proc = Proc(f"allocator-{i + 1}", [
-                        sys.executable, "-m", "allocator", "--etcd", ",".join(self.etcd.endpoints),
-                        "--policy", str(self.policy_path), "--node-id", f"alloc-{i + 1}", *trust,
-                        "--host", LOOPBACK, "--port", str(port), "--advertise-url", url,
-                        *(self.secrets.allocator_args() if self.secrets else ("--auth-disabled", "true")),
-                        *self.spec.allocator_args,
-                    ], run / f"allocator-{i + 1}", env=_env()).start()
+                    proc = Proc(f"allocator-{i + 1}", allocator_command(
+                        *trust, *(self.secrets.allocator_args() if self.secrets else ("--auth-disabled", "true")),
+                        *self.spec.allocator_args, etcd=self.etcd.endpoints, policy=self.policy_path,
+                        node_id=f"alloc-{i + 1}", host=LOOPBACK, port=port, advertise_url=url,
+                    ), run / f"allocator-{i + 1}", env=_env()).start()
                     self.allocators.append(proc)
                     self.allocator_urls.append(url)
                 for proc, url in zip(self.allocators, self.allocator_urls, strict=True):
@@ -142,9 +140,8 @@ class Topology:
                     port = free_port()
                     redis_url = (f"redis://agent@{LOOPBACK}:{self.redis[region].port}/0" if self.secrets
                                  else self.redis[region].url)  # ACL user; its password from a file
-                    args = [sys.executable, "-m", "region_agent", "--redis-url", redis_url,
-                            "--policy", str(self.policy_path), "--region", region,
-                            "--host", LOOPBACK, "--port", str(port), *trust]
+                    args = agent_command(*trust, redis_url=redis_url, policy=self.policy_path, region=region,
+                                         host=LOOPBACK, port=port)
                     if self.allocator_urls and self.spec.link_agents_to_allocator:
                         args += ["--allocator-urls", ",".join(self.allocator_urls)]
                     args += self.secrets.agent_args(region) if self.secrets else ["--auth-disabled", "true"]

@@ -15,23 +15,14 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from litestar import Litestar, MediaType, Request, Response, get, post
-from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from litestar.params import Body
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kernel.bundle import Bundle
-from kernel.errors import (
-    BadRequest,
-    LeaseholdError,
-    NotFound,
-    PayloadTooLarge,
-    Unavailable,
-    ValidationFailed,
-    problem_headers,
-    to_problem,
-)
-from kernel.jsonbody import StrictJSONRequest, note_rejection
+from kernel.errors import LeaseholdError, Unavailable
+from kernel.http_errors import exception_handlers, problem_response
+from kernel.jsonbody import StrictJSONRequest
 from kernel.openapi_problems import document_problems
 from kernel.signing import TrustedKeys
 
@@ -68,8 +59,7 @@ from .settings import AgentSettings
 from .telemetry import DecisionTelemetry
 
 log = logging.getLogger("region_agent")
-PROBLEM_JSON = "application/problem+json"
-BODY_REJECTIONS = frozenset({400, 413, 415, 422})  # logged as one short, rate-limited line each
+VALIDATION_STATUS = 422  # a body or parameter that does not fit the schema (the allocator answers 400)
 
 
 @dataclass
@@ -99,13 +89,6 @@ def _engine(request: Request) -> Engine:
     if st.engine is None:
         raise Unavailable("agent is starting")
     return st.engine
-
-
-def problem_response(exc: LeaseholdError, instance: str | None = None) -> Response:
-    status, body = to_problem(exc, instance=instance)
-    if status in BODY_REJECTIONS:
-        note_rejection(instance or "", status, exc.detail)
-    return Response(body, status_code=status, media_type=PROBLEM_JSON, headers=problem_headers(exc))
 
 
 # ---------------------------------------------------------------------------------- handlers
@@ -209,38 +192,6 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-# ---------------------------------------------------------------------------------- errors
-def _on_leasehold(request: Request, exc: LeaseholdError) -> Response:
-    return problem_response(exc, instance=request.url.path)
-
-
-def _on_validation(request: Request, exc: ValidationException) -> Response:
-    extra = exc.extra if isinstance(exc.extra, list) else None
-    errors = [str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in (extra or [])]
-    err = ValidationFailed("request body failed validation: " + (errors[0] if errors else exc.detail),
-                           errors=errors or [exc.detail])
-    return problem_response(err, instance=request.url.path)
-
-
-def _on_http(request: Request, exc: HTTPException) -> Response:
-    if exc.status_code == 413:
-        err: LeaseholdError = PayloadTooLarge("request body too large")
-    elif exc.status_code == 404:
-        err = NotFound("no such resource")
-    elif 400 <= exc.status_code < 500:
-        err = BadRequest(exc.detail or "malformed request")
-        err.status = exc.status_code
-    else:
-        err = LeaseholdError(exc.detail or "internal error")
-        err.status = exc.status_code
-    return problem_response(err, instance=request.url.path)
-
-
-def _on_unexpected(request: Request, exc: Exception) -> Response:
-    log.exception("unexpected error on %s", request.url.path)
-    return problem_response(LeaseholdError("internal error"), instance=request.url.path)
-
-
 # ---------------------------------------------------------------------------------- app
 def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder | None = None,
                metrics_obj: AgentMetrics | None = None, store_factory=None,
@@ -337,8 +288,11 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         guards=[agent_guard],
         middleware=[admit_fast_path(lambda: state, MAX_BODY_BYTES, _before_engine)] if fast_path else [],  # region_agent.fastpath
         lifespan=[lifespan],
-        exception_handlers={LeaseholdError: _on_leasehold, ValidationException: _on_validation,
-                            HTTPException: _on_http, Exception: _on_unexpected},
+        # logging stays as __main__ set it up: Litestar's default config would route every record
+        # through a queue listener thread, and what is queued when SIGTERM ends the process (the
+        # shutdown report line) is lost
+        logging_config=None,
+        exception_handlers=exception_handlers(validation_status=VALIDATION_STATUS),  # kernel.http_errors
         openapi_config=OpenAPIConfig(title="Leasehold region agent", version="1.0.0", path="/schema"),
         request_max_body_size=MAX_BATCH_BODY_BYTES,
         request_class=StrictJSONRequest,  # kernel.jsonbody: application/json only, strict typed decoding

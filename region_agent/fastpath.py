@@ -28,7 +28,8 @@ from typing import Any
 import msgspec
 
 from kernel.auth import SCOPE_KEY
-from kernel.errors import LeaseholdError, to_problem
+from kernel.errors import LeaseholdError
+from kernel.http_errors import problem_answer
 from kernel.jsonbody import content_type_of, has_duplicate_keys, is_json_media_type
 
 from .models import AdmitRequest
@@ -36,7 +37,6 @@ from .models import AdmitRequest
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 PATH = "/v1/admit"
 _JSON_HEADERS = [(b"content-type", b"application/json")]
-_PROBLEM_HEADERS = [(b"content-type", b"application/problem+json")]
 _decode = msgspec.json.Decoder(AdmitRequest).decode
 _encode = msgspec.json.Encoder().encode
 
@@ -103,9 +103,9 @@ async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[N
         [(req, early)] = before_engine(st, [req])
         decision = early if early is not None else await st.engine.admit(req)
         status, payload, headers = 200, _encode(decision), _JSON_HEADERS
-    except LeaseholdError as e:
-        status, problem = to_problem(e, instance=PATH)
-        payload, headers = _encode(problem), _PROBLEM_HEADERS
+    except LeaseholdError as e:  # the app's exception handler's answer (kernel.http_errors)
+        status, named, payload = problem_answer(e, PATH)
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in named.items()]
     await send({"type": "http.response.start", "status": status,
                 "headers": [*headers, (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from kernel.policy_metrics import policy_metrics
+
 from .keymeter import NewKeyMeter
-from .policy import RELOAD_OUTCOMES
 from .store_health import StoreHealth
 
 # no ``*_created`` series (one per counter and histogram child): they would double the series count
@@ -51,15 +52,10 @@ class AgentMetrics:
                                  "Fleet-wide pool requests denied locally because the chunk renewal in flight "
                                  "outlasted their budget (a 429 with a short hint, never the fallback)", ["pool"],
                                  registry=r)
-        self.policy_reloads = Counter("leasehold_agent_policy_reloads_total",
-                                      "Policy bundles offered (file reload or etcd), by outcome (accepted, stale, "
-                                      "invalid, unsigned, untrusted_key, bad_signature)", ["outcome"], registry=r)
-        for outcome in RELOAD_OUTCOMES:
-            self.policy_reloads.labels(outcome)
-        self.policy_version = Gauge("leasehold_agent_policy_version", "Bundle version in force", registry=r)
-        self.policy_age = Gauge("leasehold_agent_policy_age_seconds",
-                                "Snapshot age: seconds since the policy source (etcd key, else the bundle file) "
-                                "was last read successfully", registry=r)
+        self.policy_reloads, self.policy_version, self.policy_age = policy_metrics(
+            "agent", r, offered="file reload or etcd",
+            age="Snapshot age: seconds since the policy source (etcd key, else the bundle file) was last read "
+                "successfully")
         self.policy_epoch = Counter("leasehold_agent_policy_epoch_mismatches_total",
                                     "Requests whose policyEpoch differs from the bundle version in force "
                                     "(gateway_ahead triggers an immediate policy refresh)", ["relation"], registry=r)

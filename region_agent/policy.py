@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 from kernel.bundle import Bundle, load_bundle_file
 from kernel.errors import PolicyError, StaleVersion
+from kernel.policy_metrics import RELOAD_OUTCOMES  # noqa: F401  (re-exported: the outcomes of a reload)
 from kernel.signing import SignatureRefused, TrustedKeys
-
-RELOAD_OUTCOMES = ("accepted", "stale", "invalid", "unsigned", "untrusted_key", "bad_signature")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,9 @@ import os
 from typing import Annotated
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import Meta
 
-from kernel.config import ConfigError, load_settings
+from kernel.config import ConfigError, ServingSettings, load_settings
 from kernel.ids import EtcdPrefix, RegionName
 from kernel.resources import resolve_policy_path
 
@@ -18,15 +18,13 @@ PEPPER_ENV = ENV_PREFIX + "PEPPER"
 DEV_PEPPER = b"leasehold-insecure-dev-pepper"
 
 
-class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
+class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     """Leasehold region agent: admission decisions for gateways."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_cluster: bool = False  # also implied by a redis+cluster:// URL
     redis_password_file: str | None = None  # or LEASEHOLD_AGENT_REDIS_PASSWORD; the URL names only the ACL user
     redis_ca_file: str | None = None  # CA bundle for a rediss:// URL
-    tls_cert_file: str | None = None  # serve HTTPS (uvicorn ssl_certfile) ...
-    tls_key_file: str | None = None  # ... with this key
     policy: str = "policies/northstar.json"
     region: RegionName = "local"
     host: str = "127.0.0.1"
@@ -80,17 +78,6 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     anon_source_v6_prefix: Annotated[int, Meta(ge=0, le=128)] = 32
     insecure_dev_pepper: bool = False
     log_level: str = "info"
-    access_log: bool = False  # one line per HTTP request (uvicorn's access log); off by default
-    http_max_header_bytes: Annotated[int, Meta(ge=1_024, le=1_048_576)] = 16_384  # request line + headers: 431
-    http_max_headers: Annotated[int, Meta(ge=8, le=1_000)] = 100  # header fields per request: 431
-    http_header_timeout_ms: Annotated[int, Meta(ge=100, le=600_000)] = 10_000  # head complete within: 408
-    http_body_timeout_ms: Annotated[int, Meta(ge=100, le=600_000)] = 10_000  # body complete after the head: 408
-
-    def http_limits(self):
-        from kernel.httpserver import HttpLimits
-        return HttpLimits(max_header_bytes=self.http_max_header_bytes, max_headers=self.http_max_headers,
-                          header_timeout_s=self.http_header_timeout_ms / 1000,
-                          body_timeout_s=self.http_body_timeout_ms / 1000)
     # gateways (region_agent/gateways, README "Gateways"): Envoy RLS v3 over gRPC and /v1/authz forward auth
     rls_port: Annotated[int, Meta(ge=0, le=65535)] = 0  # 0: no RLS server
     rls_host: str | None = None  # default: --host

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -14,6 +14,7 @@ import msgspec
 
 from kernel.bundle import encode_bundle, load_bundle_file, seal
 from leasehold.procs import LOOPBACK, Proc, free_port, wait_http_ready
+from leasehold.services import agent_command
 from leasehold.topology import DEFAULT_POLICY
 
 CAP = 3
@@ -37,13 +38,15 @@ def test_bypass_decisions_are_audited_once_each_and_stop_at_the_cap(tmp_path: Pa
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
     env["LEASEHOLD_AGENT_PEPPER"] = "audit-test-pepper"
-    agent = Proc("agent-audit", [sys.executable, "-m", "region_agent", "--redis-url", redis_url, "--policy",
-                                 str(policy), "--region", "eu", "--host", LOOPBACK, "--port", str(port),
-                                 "--auth-disabled", "true", "--audit-log", str(audit)], tmp_path / "agent",
-                 env=env).start()
+    agent = Proc("agent-audit", agent_command(redis_url=redis_url, policy=policy, region="eu", host=LOOPBACK, port=port,
+                                              auth_disabled=True, audit_log=audit), tmp_path / "agent", env=env).start()
     url = f"http://{LOOPBACK}:{port}"
     try:
         wait_http_ready({url: agent}, timeout=30)
+        # the cap is a fixed window of one minute aligned on the clock: the probes must not straddle a
+        # boundary (on a busy machine a few requests can take seconds), so they start early in a minute
+        if time.time() % 60 > 40:
+            time.sleep(60 - time.time() % 60 + 0.2)
         with httpx.Client(base_url=url, timeout=5) as c:
             ds = [c.post("/v1/admit", json={"requestId": f"probe-{i:04d}", "tenantId": "northstar-ops",
                                             "principal": {"type": "service", "id": PRINCIPAL},

@@ -17,7 +17,7 @@ import yaml
 from kernel.bundle import load_bundle_file
 from leasehold.gateways import PLACEHOLDER
 from leasehold.metrics_doc import all_rows
-from leasehold.topology import Topology, TopologySpec
+from leasehold.topology import LocalTopology, TopologySpec
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -70,13 +70,13 @@ def test_kubernetes_manifests_have_probes_resources_and_disruption_budgets():
 @pytest.fixture(scope="module")
 def topology(tmp_path_factory):
     """What ``make run`` starts (``leasehold up``): authentication on, policy from etcd, signed bundles."""
-    topo = Topology(TopologySpec(run_dir=tmp_path_factory.mktemp("deploy-topo"), regions=("eu",), allocators=1,
+    topo = LocalTopology(TopologySpec(run_dir=tmp_path_factory.mktemp("deploy-topo"), regions=("eu",), allocators=1,
                                  auth=True, policy_from_etcd=True, signed=True)).start()
     yield topo
     topo.stop()
 
 
-def drive(topo: Topology) -> None:
+def drive(topo: LocalTopology) -> None:
     """A little of every kind of demo traffic: reads past P-READ (denials), Birch, an export,
     anonymous logins, the operators' probe (a bypass), a gateway naming a newer policyEpoch."""
     agent = topo.agent_urls["eu"][0]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +26,8 @@ from kernel.signing import generate_keypair, load_private_key, sign_bundle
 from leasehold.cli import EXIT_BYPASS, EXIT_OK, EXIT_USAGE
 from leasehold.cli import main as cli_main
 from leasehold.procs import LOOPBACK, Proc, free_port, wait_port
-from leasehold.topology import DEFAULT_POLICY, Topology, TopologySpec
+from leasehold.services import agent_command, allocator_command
+from leasehold.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = load_bundle_file(str(DEFAULT_POLICY))
@@ -64,17 +64,17 @@ def keys(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 
 
 @pytest.fixture(scope="module")
-def topo(tmp_path_factory, keys) -> Iterator[Topology]:
+def topo(tmp_path_factory, keys) -> Iterator[LocalTopology]:
     spec = TopologySpec(run_dir=tmp_path_factory.mktemp("signed"), regions=("eu",), allocators=1,
                         policy_from_etcd=True, signed=True, extra_public_keys=(str(keys["next"][1]),),
                         agent_args=("--policy-etcd-reread-ms", "200", "--policy-poll-ms", "200"),
                         allocator_args=("--policy-reread-ms", "200"))
-    t = Topology(spec).start()
+    t = LocalTopology(spec).start()
     yield t
     t.stop()
 
 
-def etcd_put(topo: Topology, raw: bytes) -> None:
+def etcd_put(topo: LocalTopology, raw: bytes) -> None:
     """Write a value to the policy key directly (what someone with etcd write access could do)."""
     async def put() -> None:
         store = PolicyStore(EtcdStore(",".join(topo.etcd.endpoints)), "/leasehold/")
@@ -85,7 +85,7 @@ def etcd_put(topo: Topology, raw: bytes) -> None:
     asyncio.run(put())
 
 
-def in_force(topo: Topology) -> tuple[int, int, int]:
+def in_force(topo: LocalTopology) -> tuple[int, int, int]:
     """(agent's /v1/policy, a decision's policyVersion, allocator's policy version gauge)."""
     agent, alloc = topo.agent_urls["eu"][0], topo.allocator_urls[0]
     shown = httpx.get(agent + "/v1/policy", timeout=5).json()["bundleVersion"]
@@ -95,11 +95,11 @@ def in_force(topo: Topology) -> tuple[int, int, int]:
     return shown, d["policyVersion"], int(metric(alloc, "leasehold_allocator_policy_version"))
 
 
-def publish(topo: Topology, path: Path, *extra: str) -> int:
+def publish(topo: LocalTopology, path: Path, *extra: str) -> int:
     return cli_main(["--run-dir", str(topo.spec.run_dir), "policy", "publish", str(path), *extra])
 
 
-def test_started_signed_and_publish_signs_or_refuses(topo: Topology, keys, tmp_path: Path):
+def test_started_signed_and_publish_signs_or_refuses(topo: LocalTopology, keys, tmp_path: Path):
     agent, alloc = topo.agent_urls["eu"][0], topo.allocator_urls[0]
     start = load_bundle_file(str(topo.policy_path))
     assert start.key_id and start.signature  # leasehold up signed its start bundle
@@ -117,7 +117,7 @@ def test_started_signed_and_publish_signs_or_refuses(topo: Topology, keys, tmp_p
     assert metric(alloc, "leasehold_allocator_policy_reloads_total", outcome="accepted") >= 1
 
 
-def test_forged_bundles_in_etcd_are_refused_counted_and_the_previous_keeps_serving(topo: Topology, keys):
+def test_forged_bundles_in_etcd_are_refused_counted_and_the_previous_keeps_serving(topo: LocalTopology, keys):
     agent, alloc = topo.agent_urls["eu"][0], topo.allocator_urls[0]
     assert wait_until(lambda: in_force(topo)[0] >= 43)
     current = in_force(topo)
@@ -151,7 +151,7 @@ def test_forged_bundles_in_etcd_are_refused_counted_and_the_previous_keeps_servi
     assert grant["granted"] >= 1
 
 
-def test_rotation_with_two_trusted_keys(topo: Topology, keys, tmp_path: Path):
+def test_rotation_with_two_trusted_keys(topo: LocalTopology, keys, tmp_path: Path):
     """Step by step as in the README: both keys trusted -> the marker lists both -> publish with the new
     key -> services that trust only the new key refuse the old one."""
     agent = topo.agent_urls["eu"][0]
@@ -173,13 +173,15 @@ def test_rotation_with_two_trusted_keys(topo: Topology, keys, tmp_path: Path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
     env["LEASEHOLD_AGENT_PEPPER"] = "rotation-test-pepper"
-    args = [sys.executable, "-m", "region_agent", "--redis-url", topo.redis["eu"].url, "--policy", str(start),
-            "--region", "eu", "--host", LOOPBACK, "--port", str(port), "--auth-disabled", "true",
-            "--policy-etcd", ep, "--policy-etcd-reread-ms", "200", "--policy-public-keys", str(new_pub)]
+    def args_with(policy: Path) -> list[str]:
+        return agent_command(redis_url=topo.redis["eu"].url, policy=policy, region="eu", host=LOOPBACK, port=port,
+                             auth_disabled=True, policy_etcd=ep, policy_etcd_reread_ms=200, policy_public_keys=[new_pub])
+
+    args = args_with(start)
     # ... refuses to start from a bundle signed by the retired key
     old_signed = tmp_path / "old-signed.json"
     old_signed.write_bytes(encode_bundle(sign_bundle(version(BASE, 80), load_private_key(topo.signing[0]))))
-    bad = [*args[:6], str(old_signed), *args[7:]]
+    bad = args_with(old_signed)
     r = subprocess.run(bad, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "not trusted" in r.stderr, r.stderr
     new_only = Proc("agent-new-key", args, tmp_path / "agent-new", env=env).start()
@@ -196,10 +198,9 @@ def test_rotation_with_two_trusted_keys(topo: Topology, keys, tmp_path: Path):
         new_only.stop()
 
 
-def test_allocator_refuses_to_start_from_an_unsigned_bundle(topo: Topology, tmp_path: Path):
+def test_allocator_refuses_to_start_from_an_unsigned_bundle(topo: LocalTopology, tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_ALLOCATOR_")}
-    r = subprocess.run([sys.executable, "-m", "allocator", "--etcd", ",".join(topo.etcd.endpoints),
-                        "--policy", str(DEFAULT_POLICY), "--node-id", "alloc-x", "--port", str(free_port()),
-                        "--auth-disabled", "true", "--policy-public-keys", str(topo.signing[1])],
+    r = subprocess.run(allocator_command(etcd=topo.etcd.endpoints, policy=DEFAULT_POLICY, node_id="alloc-x",
+                                         port=free_port(), auth_disabled=True, policy_public_keys=[topo.signing[1]]),
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unsigned" in r.stderr, r.stderr

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from leasehold.topology import Topology, TopologySpec
+from leasehold.topology import LocalTopology, TopologySpec
 from region_agent.keys import KeyBuilder, hash_tag
 from region_agent.settings import DEV_PEPPER
 from region_agent.store.scripts import Scripts
@@ -33,11 +33,11 @@ FROZEN_AHEAD_MS = 3_600_000  # a bucket stamped in the future gets no refill (cl
 
 
 @pytest.fixture(scope="module")
-def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTopology]:
     spec = TopologySpec(run_dir=Path(tmp_path_factory.mktemp("trace")), regions=("eu", "us"), agents_per_region=2,
                         allocators=2, agent_args=FAST_AGENT, allocator_args=("--log-level", "warning"),
                         insecure_dev_pepper=True)
-    t = Topology(spec).start(timeout=90)
+    t = LocalTopology(spec).start(timeout=90)
     yield t
     t.stop()
 
@@ -89,7 +89,7 @@ async def warm(client: httpx.AsyncClient, url: str, user: str) -> None:
     raise AssertionError("region never admitted a warm-up request")
 
 
-async def test_trace_steps_4_and_6_to_13_across_regions(topo: Topology):
+async def test_trace_steps_4_and_6_to_13_across_regions(topo: LocalTopology):
     a, b = topo.agent_urls["eu"]
     us = topo.agent_urls["us"][0]
     r = Redis.from_url(topo.redis["eu"].url)

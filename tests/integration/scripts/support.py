@@ -89,6 +89,7 @@ local z = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
 for i = 1, #z, 2 do
   redis.call('ZADD', KEYS[1], 'XX', tonumber(z[i + 1]) - tonumber(ARGV[1]), z[i])
 end
+return #z / 2
 """
 
 

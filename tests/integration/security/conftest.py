@@ -9,7 +9,6 @@ import contextlib
 import hashlib
 import os
 import secrets
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import pytest
 
 from kernel.bundle import Pool
 from leasehold.procs import Proc, RedisServer, free_port, wait_port
+from leasehold.services import agent_command, allocator_command
 from tests.integration.agent.conftest import NORTHSTAR, ROOT
 from tests.integration.allocator.helpers import unique_prefix
 from tests.integration.allocator.helpers import write_bundle as write_pools
@@ -78,11 +78,10 @@ def agent_service(tmp_path_factory) -> Iterator[Service]:
     work = tmp_path_factory.mktemp("hostile-agent")
     redis_srv = RedisServer(work / "redis").start()
     port = free_port()
-    proc = Proc(f"hostile-agent-{port}", [
-        sys.executable, "-m", "region_agent", "--redis-url", redis_srv.url, "--policy", str(NORTHSTAR),
-        "--region", "eu", "--host", "127.0.0.1", "--port", str(port), "--policy-poll-ms", "0",
-        "--auth-disabled", "false", "--gateway-tokens", f"fuzz:{DIGEST}", "--operator-tokens", f"ops:{DIGEST}",
-        "--log-level", "info", *HTTP_ARGS], work / "agent", env=_env()).start()
+    proc = Proc(f"hostile-agent-{port}", agent_command(
+        *HTTP_ARGS, redis_url=redis_srv.url, policy=NORTHSTAR, region="eu", host="127.0.0.1", port=port,
+        policy_poll_ms=0, auth_disabled=False, gateway_tokens=[f"fuzz:{DIGEST}"], operator_tokens=[f"ops:{DIGEST}"],
+        log_level="info"), work / "agent", env=_env()).start()
     try:
         wait_port(port, proc=proc.popen, timeout=30)
         base = f"http://127.0.0.1:{port}"
@@ -103,10 +102,9 @@ def allocator_service(tmp_path_factory, etcd_cluster) -> Iterator[Service]:
     bundle = write_pools(work / "pools.json", [Pool(id="p1", window_ms=60_000, limit=1_000_000, chunk_max=1000),
                                                Pool(id="p2", window_ms=1_000, limit=50, chunk_max=10, prefetch_ms=100)])
     port = free_port()
-    proc = Proc(f"hostile-allocator-{port}", [
-        sys.executable, "-m", "allocator", "--etcd", ",".join(etcd_cluster.endpoints), "--policy", str(bundle),
-        "--node-id", "fuzz-1", "--host", "127.0.0.1", "--port", str(port), "--prefix", unique_prefix(),
-        "--auth-disabled", "false", "--region-tokens", f"eu:{DIGEST}", "--log-level", "info", *HTTP_ARGS],
+    proc = Proc(f"hostile-allocator-{port}", allocator_command(
+        *HTTP_ARGS, etcd=etcd_cluster.endpoints, policy=bundle, node_id="fuzz-1", host="127.0.0.1", port=port,
+        prefix=unique_prefix(), auth_disabled=False, region_tokens=[f"eu:{DIGEST}"], log_level="info"),
         work / "allocator", env=_env()).start()
     try:
         wait_port(port, proc=proc.popen, timeout=30)

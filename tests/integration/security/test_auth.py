@@ -24,7 +24,7 @@ from kernel.bundle import Pool, encode_bundle, load_bundle_file, seal
 from kernel.config import ConfigError
 from kernel.etcd_store import EtcdStore
 from leasehold.cli import main as cli_main
-from leasehold.topology import DEFAULT_POLICY, Topology, TopologySpec
+from leasehold.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
 from region_agent.app import create_app
 from tests.integration.agent.conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
 from tests.integration.allocator.helpers import in_process, lease_body, settings_for, unique_prefix
@@ -185,7 +185,7 @@ async def test_agent_gateway_and_operator_credentials(redis_url, policy_file):
 def test_local_topology_runs_with_auth_on_and_leaks_no_secret(tmp_path):
     """make run's topology: tokens, Redis ACLs and etcd auth on; then logs (debug level), metrics,
     probe and error bodies, Redis keys and etcd keys/values are scanned for every secret."""
-    topo = Topology(TopologySpec(run_dir=tmp_path / "run", policy=DEFAULT_POLICY, regions=("eu",), allocators=1,
+    topo = LocalTopology(TopologySpec(run_dir=tmp_path / "run", policy=DEFAULT_POLICY, regions=("eu",), allocators=1,
                                  auth=True, policy_from_etcd=True, agent_args=("--log-level", "debug"),
                                  allocator_args=("--log-level", "debug"))).start(timeout=60)
     bodies: list[str] = []

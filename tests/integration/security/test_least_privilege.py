@@ -10,7 +10,6 @@ import json
 import os
 import secrets
 import ssl
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +35,7 @@ from leasehold.procs import (
     make_tls,
     wait_port,
 )
+from leasehold.services import agent_command
 from leasehold.topology import DEFAULT_POLICY, DEV_PEPPER
 from region_agent.app import create_app
 from region_agent.keys import KeyBuilder
@@ -187,13 +187,12 @@ def test_agent_over_tls_to_redis_and_https_to_gateways(tls_redis, tls_files, pol
     import hashlib
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
     env.update(PYTHONPATH=str(ROOT), LEASEHOLD_AGENT_PEPPER=PEPPER.decode())
-    proc = Proc(f"tls-agent-{port}", [
-        sys.executable, "-m", "region_agent", "--redis-url", f"rediss://agent@127.0.0.1:{tls_redis.port}/0",
-        "--redis-password-file", str(pw_file), "--redis-ca-file", str(tls_files.ca),
-        "--policy", str(policy_file), "--region", "eu", "--host", "127.0.0.1", "--port", str(port),
-        "--tls-cert-file", str(tls_files.cert), "--tls-key-file", str(tls_files.key),
-        "--auth-disabled", "false", "--gateway-tokens", f"edge:{hashlib.sha256(gw.encode()).hexdigest()}",
-        "--log-level", "warning"], tmp_path / "agent", env=env).start()
+    proc = Proc(f"tls-agent-{port}", agent_command(
+        redis_url=f"rediss://agent@127.0.0.1:{tls_redis.port}/0", redis_password_file=pw_file,
+        redis_ca_file=tls_files.ca, policy=policy_file, region="eu", host="127.0.0.1", port=port,
+        tls_cert_file=tls_files.cert, tls_key_file=tls_files.key, auth_disabled=False,
+        gateway_tokens=[f"edge:{hashlib.sha256(gw.encode()).hexdigest()}"], log_level="warning"),
+        tmp_path / "agent", env=env).start()
     try:
         wait_port(port, proc=proc.popen, timeout=30)
         base = f"https://127.0.0.1:{port}"
