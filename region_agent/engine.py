@@ -1,10 +1,13 @@
 """The decision engine: one admission request -> one decision record.
 
-Flow per request (seed ch. 9, 10, 12): read the policy snapshot once; build the plan
-(selected rules, keys, one multi-rule call, optional shadow call); reserve global-pool
-tokens from in-process chunk leases; send the tenant call through the coalescing batcher
-under one monotonic deadline; map the script result, or degrade per rule ``failMode`` on
-a store failure. Driver-free: the store is reached only through :class:`StoreGateway`.
+Flow per request, in one direction: read the policy snapshot once; build the plan (selected
+rules, keys, one multi-rule call, optional shadow call: region_agent.plan); reserve fleet-wide
+pool tokens from in-process chunk leases (region_agent.fleet_pools); send the tenant call
+through the coalescing batcher under one monotonic deadline (region_agent.call); ask
+:func:`region_agent.outcome.outcome` what the answer means and carry that step out (an answer,
+one wait for a pool top-up, the pool's fallback allowance, or a degradation per rule failMode);
+the HTTP answer is region_agent.httpmap's. Driver-free: the store is reached only through the
+:class:`~region_agent.store.protocol.Store` protocol.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kernel.algorithms import LocalModel, Role
+from kernel.algorithms import Role
 from kernel.algorithms.pool import PoolRule
 from kernel.algorithms.pool_window import MAX_SPAN
 from kernel.bundle import Bundle, Pool, Rule
@@ -25,21 +28,22 @@ from kernel.errors import (
     DeadlineExceeded,
     DecisionConflict,
     LeaseholdError,
-    Overloaded,
     ScriptRejected,
     StoreUnavailable,
     to_problem,
 )
 
-from .call import Call, multi_rule_call, parse_multi_rule
+from .call import Call, MultiRuleResult, multi_rule_call, parse_multi_rule
 from .fallback import LocalAllowances, LocalItem, pool_item, rule_item
-from .fleet_pools import FleetPools, allowance_call
+from .fleet_pools import FleetPools, TakeStatus, allowance_call
 from .httpmap import apply_http
 from .keys import KeyBuilder
+from .leasing.book import BalanceState
 from .leasing.window_clock import AllocatorClock, Windows
 from .metrics import AgentMetrics
-from .models import AdmitRequest, Decision, ReleaseRequest, RenewRequest
+from .models import AdmitRequest, Decision, Reason, ReleaseRequest, RenewRequest
 from .negcache import NegativeCache
+from .outcome import Answer, Mode, Step, degrade, outcome
 from .plan import (
     GlobalSpend,
     Plan,
@@ -48,6 +52,7 @@ from .plan import (
     cc_keys_for_release,
     memo_of,
 )
+from .store.protocol import Store
 from .telemetry import DecisionTelemetry
 
 log = logging.getLogger("region_agent.engine")
@@ -86,7 +91,7 @@ class _Prepared:
 
 
 class Engine:
-    def __init__(self, *, get_bundle: Callable[[], Bundle], keys: KeyBuilder, store: Any, metrics: AgentMetrics,
+    def __init__(self, *, get_bundle: Callable[[], Bundle], keys: KeyBuilder, store: Store, metrics: AgentMetrics,
                  fallback: LocalAllowances | None = None, budget_ms: int = 50,
                  clock: Callable[[], float] = time.monotonic, leases: Any | None = None,
                  negative: NegativeCache | None = None, telemetry: DecisionTelemetry | None = None,
@@ -232,23 +237,23 @@ class Engine:
         plan, bundle = prep.plan, prep.bundle
         for spend in plan.global_spends:
             took = await self.fleet.take(spend, prep.deadline, self.clock)
-            if took.status == "ok":
+            if took.status is TakeStatus.OK:
                 prep.reservations.append(_Reservation(spend, took.generation))
                 prep.used_fallback = prep.used_fallback or took.fallback
                 continue
-            if took.status == "open":
+            if took.status is TakeStatus.OPEN:
                 prep.used_fallback = True
                 continue
             self._give_back(prep)
-            if took.status == "denied":
+            if took.status is TakeStatus.DENIED:
                 prep.early = self._decision(plan, bundle, allowed=False, rule=spend.rule, scope="global",
-                                            reason="RATE_EXCEEDED", limit=spend.pool.limit, remaining=0,
+                                            reason=Reason.RATE_EXCEEDED, limit=spend.pool.limit, remaining=0,
                                             retry=took.retry_ms, fallback=prep.used_fallback or took.fallback)
-            elif took.status == "shed":
+            elif took.status is TakeStatus.SHED:
                 prep.early = self._shed(prep, "pool")
             else:
                 prep.early = self._decision(plan, bundle, allowed=False, rule=spend.rule, scope="global",
-                                            reason="LIMITER_UNAVAILABLE", retry=took.retry_ms)
+                                            reason=Reason.LIMITER_UNAVAILABLE, retry=took.retry_ms)
             break
 
     async def _complete(self, prep: _Prepared, replies: list[Any] | LeaseholdError) -> Decision:
@@ -257,73 +262,79 @@ class Engine:
             if plan.shadow_calls and isinstance(replies, list) and replies:
                 self._count_shadow(plan, replies[0])
             return self._finish(prep, self._allowed_without_script(prep))
-        try:
-            if isinstance(replies, LeaseholdError):
-                raise replies
+        if isinstance(replies, LeaseholdError):
+            result: MultiRuleResult | LeaseholdError = replies
+        else:
             if len(replies) > 1:
                 self._count_shadow(plan, replies[1])
-            result = parse_multi_rule(replies[0])
-        except DecisionConflict:
-            return self._finish(prep, self._conflict(prep))
-        except AmbiguousOutcome as e:
-            if plan.decision_ttl_ms > 0 and self._remaining(prep) > 0:
-                return await self._retry_idempotent(prep, e)
-            return self._finish(prep, self._degrade(prep, e))
-        except LeaseholdError as e:  # Overloaded included: _degrade sheds it
-            return self._finish(prep, self._degrade(prep, e))
-        if not result.allowed and 1 <= result.denied_by <= len(plan.slots) \
-                and plan.slots[result.denied_by - 1].role == "pool":
-            return self._finish(prep, await self._pool_denied(prep, result))
-        return self._finish(prep, self._from_result(prep, result))
+            result = _parse(replies[0])
+        return self._finish(prep, await self._settle(prep, result))
 
-    async def _retry_idempotent(self, prep: _Prepared, first: LeaseholdError) -> Decision:
+    async def _settle(self, prep: _Prepared, result: MultiRuleResult | LeaseholdError, *, waited: bool = False,
+                      retry: bool = True, fallback: bool = False, retry_floor: int = 0,
+                      calls: list[Call] | None = None) -> Decision:
+        """Carry out what the tenant call's ``result`` means (region_agent.outcome). ``calls``: the
+        call's slots when they differ from the plan's (the pool fallback replaces one)."""
+        plan = prep.plan
+        pools = memo_of(prep.bundle).pools
+        can_retry = retry and self._remaining(prep) > 0
+        balance: BalanceState | None = None
+        pending = None
+        idx = _pool_denial(plan, result) if not fallback else None
+        if idx is not None and self.leases is not None:
+            key = plan.calls[idx].key
+            raw = result.remaining[idx] if idx < len(result.remaining) else 0  # type: ignore[union-attr]
+            # the script's view of the balance, fresher than the tick's
+            pending = None if waited else self.leases.observed(key, int(raw))
+            balance = self.leases.state(key)
+            # wait for a top-up only once, and only when one is in flight
+            can_retry = can_retry and pending is not None and not prep.pool_retried
+            retry_floor = max(1, self.leases.retry_hint_ms(key))
+        o = outcome(plan, pools, result, balance, can_retry=can_retry, waited=waited, fallback=fallback,
+                    retry_floor_ms=retry_floor)
+        if o.step is Step.ANSWER:
+            assert o.answer is not None
+            if not o.answer.allowed:
+                self._give_back(prep)
+            if o.cacheable:
+                call = (calls or plan.calls)[o.slot]
+                self.negative.put((call.key, call.params), self.now_ms(), o.answer.retry, o.answer)
+            return self._answer(prep, o.answer)
+        if o.step is Step.ALLOWED_WITHOUT_SCRIPT:
+            d = self._allowed_without_script(prep)
+            d.fallback = d.fallback or fallback
+            return d
+        if o.step is Step.CONFLICT:
+            return self._conflict(prep)
+        if o.step is Step.RETRY_SAME:
+            return await self._retry_idempotent(prep)
+        if o.step is Step.DEGRADE:
+            assert o.error is not None
+            return self._degrade(prep, o.error)
+        assert isinstance(result, MultiRuleResult)
+        if o.step is Step.WAIT_TOP_UP:
+            assert pending is not None
+            return await self._wait_top_up(prep, result, pending, o.slot)
+        return await self._pool_fallback(prep, result, o.slot)
+
+    async def _retry_idempotent(self, prep: _Prepared) -> Decision:
         """Same decision id, same arguments: the script replays its stored result."""
         plan = prep.plan
         call = multi_rule_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
-                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
-                                     question=plan.question)
+                               decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                               question=plan.question)
         self.metrics.script_errors.labels("AmbiguousOutcome").inc()
         try:
             (reply,) = await self.store.submit([call], wait_s=self._remaining(prep))
-            result = parse_multi_rule(reply)
-        except DecisionConflict:
-            return self._finish(prep, self._conflict(prep))
+            result = _parse(reply)
         except LeaseholdError as e:
-            return self._finish(prep, self._degrade(prep, e))
-        return self._finish(prep, self._from_result(prep, result))
+            result = e
+        return await self._settle(prep, result, retry=False)
 
-    # ------------------------------------------------------------------ results
-    def _from_result(self, prep: _Prepared, res: Any, *, fallback: bool = False, retry_floor: int = 0,
-                     calls: list[Call] | None = None) -> Decision:
-        plan, bundle = prep.plan, prep.bundle
-        pools = memo_of(bundle).pools
-        if not res.allowed and res.denied_by >= 1:
-            idx = res.denied_by - 1
-            slot = plan.slots[idx]
-            self._give_back(prep)
-            if slot.role == "cc":
-                return self._decision(plan, bundle, allowed=False, rule=slot.rule, scope="concurrency",
-                                      reason="CONCURRENCY_EXCEEDED", limit=slot.rule.concurrency_max, remaining=0,
-                                      retry=slot.rule.concurrency_retry_after_ms, fallback=fallback)
-            raw = res.remaining[idx] if idx < len(res.remaining) else 0
-            retry = int(res.retry_after_ms)
-            if retry >= 0:
-                retry = max(retry, retry_floor)
-            args = dict(rule=slot.rule, scope=slot.rule.scope, reason="RATE_EXCEEDED",
-                        limit=slot.rule.limit_tokens(pools), remaining=slot.rule.remaining_tokens(int(raw)))
-            if plan.decision_ttl_ms == 0:
-                call = (calls or plan.calls)[idx]
-                self.negative.put((call.key, call.params), self.now_ms(), retry, (args, fallback))
-            return self._decision(plan, bundle, allowed=False, retry=retry, fallback=fallback, **args)
-        report = plan.rules[0]
-        for i, slot in enumerate(plan.slots):
-            if slot.rule is report and slot.role != "cc":
-                raw = res.remaining[i] if i < len(res.remaining) else 0
-                return self._decision(plan, bundle, allowed=True, rule=report, limit=report.limit_tokens(pools),
-                                      remaining=report.remaining_tokens(int(raw)), fallback=fallback)
-        d = self._allowed_without_script(prep)
-        d.fallback = d.fallback or fallback
-        return d
+    def _answer(self, prep: _Prepared, a: Answer) -> Decision:
+        return self._decision(prep.plan, prep.bundle, allowed=a.allowed, rule=a.rule, scope=a.scope,
+                              reason=a.reason, limit=a.limit, remaining=a.remaining, retry=a.retry,
+                              fallback=a.fallback)
 
     # ------------------------------------------------------------------ negative cache and leased pools
     def _negative_hit(self, prep: _Prepared) -> Decision | None:
@@ -334,20 +345,19 @@ class Engine:
         for call in plan.calls:
             hit = self.negative.get((call.key, call.params), now)
             if hit is not None:
-                args, fallback = hit.payload
                 self.metrics.negative_hits.inc()
-                return self._decision(plan, prep.bundle, allowed=False, retry=max(1, int(hit.retry_at_ms - now + 0.999)),
-                                      fallback=fallback, **args)
+                answer: Answer = hit.payload
+                return self._answer(prep, answer._replace(retry=max(1, int(hit.retry_at_ms - now + 0.999))))
         return None
 
     def _pool_slots(self, prep: _Prepared) -> list[tuple[int, Any, str, int]]:
         """(slot index, pool, balance key, tokens) of every tenant pool rule in the script call."""
-        if not any(s.role == "pool" for s in prep.plan.slots):
+        if not any(s.role is Role.POOL for s in prep.plan.slots):
             return []
         pools = memo_of(prep.bundle).pools
         out = []
         for i, (slot, call) in enumerate(zip(prep.plan.slots, prep.plan.calls, strict=True)):
-            if slot.role == "pool" and slot.rule.pool_id in pools:
+            if slot.role is Role.POOL and slot.rule.pool_id in pools:
                 out.append((i, pools[slot.rule.pool_id], call.key, call.params[0]))
         return out
 
@@ -357,41 +367,24 @@ class Engine:
         for _, pool, key, tokens in self._pool_slots(prep):
             self.leases.note(pool, key, tokens)
 
-    async def _pool_denied(self, prep: _Prepared, res: Any) -> Decision:
-        """The leased balance could not pay. Which answer depends on why (DESIGN invariant 6):
-        a top-up in flight is waited for once; the allocator said the pool is exhausted -> a normal
-        429 until the next window; the allocator is unreachable -> the pool's fallback allowance
-        (or 503 for a closed rule); never the allowance when the pool is merely exhausted."""
-        plan = prep.plan
-        idx = res.denied_by - 1
-        slot = plan.slots[idx]
-        key = plan.calls[idx].key
-        leases = self.leases
-        if leases is None:
-            return self._from_result(prep, res)
-        raw = res.remaining[idx] if idx < len(res.remaining) else 0
-        pending = leases.observed(key, int(raw))  # the script's view of the balance, fresher than the tick's
-        # wait for a top-up only while the allocator is not known to be unreachable, and keep part of
-        # the budget: the call that follows (the script again, or the fallback allowance) needs time
-        # too, or it would time out and degrade as if Redis were down
-        if pending is not None and not prep.pool_retried and self._remaining(prep) > 0 \
-                and leases.state(key) != "unreachable":
-            prep.pool_retried = True
-            self.metrics.pool_waits.labels(slot.rule.pool_id or "?").inc()
-            try:
-                left = self._remaining(prep)
-                await asyncio.wait_for(asyncio.shield(pending), max(left / 2, left - min(0.025, self.budget / 4)))
-                (reply,) = await self.store.submit(self._script_calls(plan)[:1], wait_s=self._remaining(prep))
-                again = parse_multi_rule(reply)
-            except (TimeoutError, LeaseholdError):
-                again = res
-            if again.allowed or again.denied_by != res.denied_by:
-                return self._from_result(prep, again)
-            res = again
-        state = leases.state(key)
-        if state == "unreachable":
-            return await self._pool_fallback(prep, res, idx)
-        return self._from_result(prep, res, retry_floor=max(1, leases.retry_hint_ms(key)))
+    async def _wait_top_up(self, prep: _Prepared, res: MultiRuleResult, pending: asyncio.Future,
+                           idx: int) -> Decision:
+        """The leased balance could not pay while a top-up is in flight: wait for it once, keeping
+        part of the budget (the call that follows - the script again, or the fallback allowance -
+        needs time too, or it would time out and degrade as if Redis were down), then ask again."""
+        prep.pool_retried = True
+        self.metrics.pool_waits.labels(prep.plan.slots[idx].rule.pool_id or "?").inc()
+        again: MultiRuleResult | LeaseholdError
+        try:
+            left = self._remaining(prep)
+            await asyncio.wait_for(asyncio.shield(pending), max(left / 2, left - min(0.025, self.budget / 4)))
+            (reply,) = await self.store.submit(self._script_calls(prep.plan)[:1], wait_s=self._remaining(prep))
+            again = _parse(reply)
+        except (TimeoutError, LeaseholdError):
+            again = res
+        if isinstance(again, LeaseholdError):
+            again = res
+        return await self._settle(prep, again, waited=True)
 
     async def _pool_fallback(self, prep: _Prepared, res: Any, idx: int) -> Decision:
         plan, bundle = prep.plan, prep.bundle
@@ -401,26 +394,25 @@ class Engine:
             self.metrics.degradations.labels("ALLOCATOR_UNREACHABLE", "closed").inc()
             self._give_back(prep)
             return self._decision(plan, bundle, allowed=False, rule=rule, scope=rule.scope,
-                                  reason="LIMITER_UNAVAILABLE", retry=rule.closed_retry_after_ms)
+                                  reason=Reason.LIMITER_UNAVAILABLE, retry=rule.closed_retry_after_ms)
         self.metrics.degradations.labels("ALLOCATOR_UNREACHABLE", "pool_fallback").inc()
         # the region's allowance, charged to every allocator window this decision may fall in
         w = self.pool_windows(pool)
         if w.span > MAX_SPAN:  # the allocator's clock is too uncertain to count per window: deny
-            return self._from_result(prep, res, fallback=True, retry_floor=w.end_in_ms)
+            return await self._settle(prep, res, fallback=True, retry_floor=w.end_in_ms)
         original = plan.calls[idx]
         calls = list(plan.calls)
         calls[idx] = allowance_call(KeyBuilder.pool_fallback_key(original.key), pool, w, original.params[0])
         call = multi_rule_call(calls, decision_key=plan.decision_key + ":fb", slack_ms=plan.slack_ms,
-                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
-                                     question=plan.question)
+                               decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                               question=plan.question)
+        result: MultiRuleResult | LeaseholdError
         try:
             (reply,) = await self.store.submit([call], wait_s=self._remaining(prep))
-            result = parse_multi_rule(reply)
-        except DecisionConflict:
-            return self._conflict(prep)
+            result = _parse(reply)
         except LeaseholdError as e:
-            return self._degrade(prep, e)
-        return self._from_result(prep, result, fallback=True, calls=calls, retry_floor=w.end_in_ms)
+            result = e
+        return await self._settle(prep, result, retry=False, fallback=True, calls=calls, retry_floor=w.end_in_ms)
 
     def _allowed_without_script(self, prep: _Prepared) -> Decision:
         plan, bundle = prep.plan, prep.bundle
@@ -434,54 +426,34 @@ class Engine:
         return self._decision(plan, bundle, allowed=True, rule=report)
 
     def _degrade(self, prep: _Prepared, exc: LeaseholdError) -> Decision:
-        """The store failed this decision: answer per rule failMode (seed ch. 10). Overload is not
-        a store failure: it is shed, never answered from the local allowances."""
-        if isinstance(exc, Overloaded):
+        """The store failed this decision: answer per rule failMode (region_agent.outcome.degrade).
+        Overload is not a store failure: it is shed, never answered from the local allowances."""
+        plan, bundle = prep.plan, prep.bundle
+        pools = memo_of(bundle).pools
+        how = degrade([s.rule for s in plan.slots], pools, exc)
+        if how.mode is Mode.SHED:
             if exc.extra.get("reason") == "QUEUE_FULL":
                 self.metrics.queue_rejections.inc()
                 return self._shed(prep, "queue_full")
             return self._shed(prep, "queue")
-        plan, bundle = prep.plan, prep.bundle
-        label = degrade_label(exc)
         self.metrics.script_errors.labels(type(exc).__name__).inc()
-        rules: list[Rule] = []
-        for s in plan.slots:
-            if s.rule not in rules:
-                rules.append(s.rule)
-        pools = memo_of(bundle).pools
-        rejected = isinstance(exc, ScriptRejected)
-
-        def pool_allowance(r: Rule) -> int:
-            pool = pools.get(r.pool_id or "")
-            return pool.fallback_per_region if pool is not None else 0
-
-        # a tenant pool rule without its Redis balance spends an in-process allowance of
-        # fallbackPerRegion per pool window (per agent); with no allowance it behaves as closed, and
-        # so it does after a script rejection (a policy defect never admits a pool's tokens)
-        closed = next((r for r in rules if r.fail_mode == "closed"
-                       or (r.role is Role.POOL and (rejected or pool_allowance(r) <= 0))), None)
-        if closed is not None:
-            self.metrics.degradations.labels(label, "closed").inc()
+        self.metrics.degradations.labels(degrade_label(exc), how.mode.value).inc()
+        if how.mode is Mode.CLOSED:
+            assert how.rule is not None
             self._give_back(prep)
-            reason = "POLICY_ERROR" if rejected else "LIMITER_UNAVAILABLE"
-            return self._decision(plan, bundle, allowed=False, rule=closed, scope=closed.scope, reason=reason,
-                                  retry=closed.closed_retry_after_ms)
-        local = [r for r in rules if r.fail_mode == "local_bounded"
-                 and (r.fallback is not None or r.local_model is LocalModel.POOL_ALLOWANCE)]
-        mode = "local_bounded" if local else "open"
-        self.metrics.degradations.labels(label, mode).inc()
-        if not local:
+            return self._decision(plan, bundle, allowed=False, rule=how.rule, scope=how.rule.scope,
+                                  reason=how.reason, retry=how.rule.closed_retry_after_ms)
+        if how.mode is Mode.OPEN:
             d = self._allowed_without_script(prep)
             d.fallback = True
             return d
-        return self._local_admit(prep, local, pools)
+        return self._local_admit(prep, list(how.local), pools)
 
     def _local_admit(self, prep: _Prepared, local: list[Rule], pools: dict[str, Pool]) -> Decision:
         """All of a request's local allowances or none (region_agent.fallback): pool rules from
-        their per-allocator-window allowances (never evicted), checked first, the other rules from
-        their fallback buckets."""
+        their per-allocator-window allowances (never evicted), listed first by ``degrade``, the
+        other rules from their fallback buckets."""
         plan, bundle = prep.plan, prep.bundle
-        local = sorted(local, key=lambda r: r.role is not Role.POOL)
         items: list[LocalItem] = []
         limits: list[int] = []
         for r in local:
@@ -492,7 +464,7 @@ class Engine:
                                  w.end_in_ms + pool.window_ms)
                 if item is None:  # the allocator's clock is too uncertain to count per window
                     self._give_back(prep)
-                    return self._decision(plan, bundle, allowed=False, rule=r, scope=r.scope, reason="RATE_EXCEEDED",
+                    return self._decision(plan, bundle, allowed=False, rule=r, scope=r.scope, reason=Reason.RATE_EXCEEDED,
                                           limit=pool.fallback_per_region, remaining=0, retry=w.end_in_ms,
                                           fallback=True)
                 items.append(item)
@@ -505,7 +477,7 @@ class Engine:
             self._give_back(prep)
             i = res.denied_by - 1
             return self._decision(plan, bundle, allowed=False, rule=local[i], scope=local[i].scope,
-                                  reason="RATE_EXCEEDED", limit=limits[i], remaining=res.remaining[i],
+                                  reason=Reason.RATE_EXCEEDED, limit=limits[i], remaining=res.remaining[i],
                                   retry=res.retry_after_ms, fallback=True)
         report = plan.rules[0]
         if report in local:
@@ -519,7 +491,7 @@ class Engine:
         the store is answering. A retriable 503 (``OVERLOADED``), counted; never a fallback."""
         self.metrics.shed.labels(stage).inc()
         self._give_back(prep)
-        return self._decision(prep.plan, prep.bundle, allowed=False, rule=None, reason="OVERLOADED",
+        return self._decision(prep.plan, prep.bundle, allowed=False, rule=None, reason=Reason.OVERLOADED,
                               retry=SHED_RETRY_MS)
 
     def _conflict(self, prep: _Prepared) -> Decision:
@@ -531,11 +503,11 @@ class Engine:
             "requestId already has a decision for another question (tenant, principal, route group or cost) "
             "within the decision record's lifetime; use a fresh requestId", extra={"decisionId": plan.request_id}))
         return Decision(allowed=False, decision_id=plan.request_id, policy_id=None,
-                        policy_version=prep.bundle.bundle_version, reason="REQUEST_ID_CONFLICT", retry_after_ms=-1,
+                        policy_version=prep.bundle.bundle_version, reason=Reason.REQUEST_ID_CONFLICT, retry_after_ms=-1,
                         http_status=409, headers={}, problem=problem)
 
     def _decision(self, plan: Plan, bundle: Bundle, *, allowed: bool, rule: Rule | None, scope: str | None = None,
-                  reason: str | None = None, limit: int | None = None, remaining: int | None = None,
+                  reason: Reason | None = None, limit: int | None = None, remaining: int | None = None,
                   retry: int = 0, fallback: bool = False) -> Decision:
         d = Decision(allowed=allowed, decision_id=plan.request_id, policy_id=rule.id if rule else None,
                      policy_version=bundle.bundle_version, denied_scope=None if allowed else scope,  # type: ignore[arg-type]
@@ -581,3 +553,19 @@ class Engine:
         for r in prep.reservations:
             self.fleet.give_back(r.spend, r.generation)
         prep.reservations.clear()
+
+
+def _parse(reply: Any) -> MultiRuleResult | LeaseholdError:
+    """The multi-rule reply in a pipeline slot as a result, or the contract error it means."""
+    try:
+        return parse_multi_rule(reply)
+    except LeaseholdError as e:
+        return e
+
+
+def _pool_denial(plan: Plan, result: MultiRuleResult | LeaseholdError) -> int | None:
+    """The slot index of a tenant pool rule that denied ``result``, or None."""
+    if isinstance(result, LeaseholdError) or result.allowed or not 1 <= result.denied_by <= len(plan.slots):
+        return None
+    idx = result.denied_by - 1
+    return idx if plan.slots[idx].role is Role.POOL else None

@@ -25,7 +25,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from enum import StrEnum
+from typing import Any
 
 from kernel.algorithms.pool_window import MAX_SPAN
 from kernel.bundle import Pool
@@ -35,23 +36,44 @@ from .call import Call, PoolTake, multi_rule_call, parse_multi_rule, parse_pool_
 from .chunks import NO_CHUNK, ChunkLease
 from .fallback import LocalAllowances, pool_item
 from .keys import KeyBuilder
+from .leasing.book import BalanceState
 from .leasing.window_clock import Windows
 from .plan import GlobalSpend
+from .store.protocol import Store
 
-Status = Literal["ok", "denied", "unavailable", "open", "shed"]
+
+class TakeStatus(StrEnum):
+    """How one request's spend of a fleet-wide pool went."""
+
+    OK = "ok"  # reserved from a chunk (or an allowance): the caller gives it back if it is not admitted
+    DENIED = "denied"  # a 429 (the pool, or its allowance, cannot pay now)
+    UNAVAILABLE = "unavailable"  # a closed rule without its allocator: 503
+    OPEN = "open"  # fails open: admitted without a check
+    SHED = "shed"  # this agent is overloaded
+
+
+class Renewal(StrEnum):
+    """How a chunk renewal went (the ``outcome`` label of ``pool_renewals``)."""
+
+    GRANTED = "granted"
+    PARTIAL = "partial"  # all the balance had
+    DENIED = "denied"
+    FALLBACK = "fallback"
+    FALLBACK_DENIED = "fallback_denied"
+    ERROR = "error"
 RENEWALS_PER_REQUEST = 3
 
 
 @dataclass(frozen=True, slots=True)
 class Take:
-    status: Status
+    status: TakeStatus
     retry_ms: int = 0
     generation: int = NO_CHUNK  # the chunk the tokens came from (for a give-back); NO_CHUNK otherwise
     fallback: bool = False  # admitted from (or denied by) a fallback allowance
 
 
 class FleetPools:
-    def __init__(self, *, store: Any, metrics: Any, leases: Any | None, now_ms: Callable[[], float],
+    def __init__(self, *, store: Store, metrics: Any, leases: Any | None, now_ms: Callable[[], float],
                  windows: Callable[[Pool], Windows], allowance: LocalAllowances, budget_s: float):
         self.store = store
         self.metrics = metrics
@@ -74,9 +96,9 @@ class FleetPools:
             now = self.now_ms()
             gen = lease.try_take(spend.cost, now)
             if gen is not None:
-                return Take("ok", generation=gen, fallback=lease.fallback)
+                return Take(TakeStatus.OK, generation=gen, fallback=lease.fallback)
             if lease.negative(now, spend.cost):
-                return Take("denied", max(1, int(lease.deny_until_ms - now)), fallback=lease.fallback)
+                return Take(TakeStatus.DENIED, max(1, int(lease.deny_until_ms - now)), fallback=lease.fallback)
             if lease.usable(now) > 0:  # the chunk still pays cheaper requests: buy this one's cost alone
                 return await self._take_alone(spend, lease, deadline_s, clock_s)
             try:
@@ -103,14 +125,14 @@ class FleetPools:
         and Redis are answering, only slower than this request could wait."""
         hint = self.leases.retry_hint_ms(gkey) if self.leases is not None else 1
         self.metrics.pool_busy.labels(pool.id).inc()
-        return Take("denied", max(1, hint))
+        return Take(TakeStatus.DENIED, max(1, hint))
 
     def _store_failed(self, spend: GlobalSpend, e: LeaseholdError) -> Take:
         if isinstance(e, Overloaded):
-            return Take("shed")
+            return Take(TakeStatus.SHED)
         if isinstance(e, ScriptRejected):  # a policy defect: never an admission
             self.metrics.degradations.labels("POOL_POLICY_ERROR", "closed").inc()
-            return Take("unavailable", spend.rule.closed_retry_after_ms)
+            return Take(TakeStatus.UNAVAILABLE, spend.rule.closed_retry_after_ms)
         return self.local_allowance(spend)
 
     def local_allowance(self, spend: GlobalSpend) -> Take:
@@ -124,14 +146,14 @@ class FleetPools:
             w = self.windows(pool)
             item = pool_item(pool.id, w, spend.cost, pool.fallback_per_region, w.end_in_ms + pool.window_ms)
             if item is None:  # the allocator's clock is too uncertain to count per window
-                return Take("denied", max(1, w.end_in_ms), fallback=True)
+                return Take(TakeStatus.DENIED, max(1, w.end_in_ms), fallback=True)
             res = self.allowance.admit([item], int(self.now_ms()))
-            return Take("ok", fallback=True) if res.allowed else Take("denied", max(1, res.retry_after_ms),
+            return Take(TakeStatus.OK, fallback=True) if res.allowed else Take(TakeStatus.DENIED, max(1, res.retry_after_ms),
                                                                       fallback=True)
         self.metrics.degradations.labels("POOL_RENEWAL_FAILED", mode).inc()
         if mode == "open":
-            return Take("open")
-        return Take("unavailable", rule.closed_retry_after_ms)
+            return Take(TakeStatus.OPEN)
+        return Take(TakeStatus.UNAVAILABLE, rule.closed_retry_after_ms)
 
     # ------------------------------------------------------------------ buying tokens
     async def _pool_take(self, gkey: str, min_tokens: int, want: int) -> PoolTake:
@@ -150,7 +172,7 @@ class FleetPools:
                 got = await self._pool_take(gkey, cost, cost)
                 if got.taken:
                     self.metrics.pool_renewals.labels(pool.id, "alone").inc()
-                    return Take("ok")
+                    return Take(TakeStatus.OK)
                 pending = self.leases.observed(gkey, got.remaining) if self.leases is not None else None
                 left = deadline_s - clock_s()
                 if attempt or pending is None or left <= 0 or not await _topped_up(pending, left):
@@ -160,7 +182,7 @@ class FleetPools:
         hint = self.leases.retry_hint_ms(gkey) if self.leases is not None else pool.chunk_validity_ms
         wait = lease.deny(self.now_ms(), max(1, hint), pool.chunk_validity_ms, min_cost=cost)
         self.metrics.pool_renewals.labels(pool.id, "alone_denied").inc()
-        return Take("denied", wait)
+        return Take(TakeStatus.DENIED, wait)
 
     def _renewal(self, spend: GlobalSpend, lease: ChunkLease) -> asyncio.Future:
         """The pool's single in-flight renewal (started by the first request that needs one)."""
@@ -179,14 +201,14 @@ class FleetPools:
         if not fut.cancelled():
             fut.exception()  # retrieved: a renewal nobody waits for any more may fail quietly
 
-    async def _renew(self, spend: GlobalSpend, lease: ChunkLease) -> str:
+    async def _renew(self, spend: GlobalSpend, lease: ChunkLease) -> Renewal:
         """Buy the next chunk: up to max(cost, chunkMax) tokens, at least 1. An empty balance waits
         (once) for the top-up in flight — as long as it takes; requests wait within their own
         budgets. Store errors propagate to the waiting requests."""
         pool = spend.pool
         gkey = KeyBuilder.global_pool_key(pool.id)
         want = max(spend.cost, pool.chunk_max)
-        outcome = "error"
+        outcome = Renewal.ERROR
         try:
             for attempt in range(2):
                 sent_at = self.now_ms()  # validity is timed from the moment the request was sent (I5)
@@ -194,25 +216,25 @@ class FleetPools:
                 if got.taken:
                     validity = min(pool.chunk_validity_ms, got.valid_for_ms)
                     lease.grant(got.taken, sent_at, validity)
-                    outcome = "granted" if got.taken == want else "partial"  # partial: all the balance had
+                    outcome = Renewal.GRANTED if got.taken == want else Renewal.PARTIAL
                     return outcome
                 pending = self.leases.observed(gkey, got.remaining) if self.leases is not None else None
                 # the regional balance is being topped up right now: wait for it (the top-up is bounded
                 # by the allocator client's deadline)
                 if attempt or pending is None or not await _topped_up(pending, None):
                     break
-            state = self.leases.state(gkey) if self.leases is not None else "idle"
-            if state == "unreachable" and pool.fallback_per_region > 0 and spend.rule.fail_mode != "closed":
+            state = self.leases.state(gkey) if self.leases is not None else BalanceState.IDLE
+            if state is BalanceState.UNREACHABLE and pool.fallback_per_region > 0 and spend.rule.fail_mode != "closed":
                 outcome = await self._renew_from_fallback(spend, lease, gkey)
                 return outcome
             hint = self.leases.retry_hint_ms(gkey) if self.leases is not None else 0
             lease.deny(self.now_ms(), max(int(got.next_from_ms), hint), pool.chunk_validity_ms)
-            outcome = "denied"
+            outcome = Renewal.DENIED
             return outcome
         finally:
             self.metrics.pool_renewals.labels(pool.id, outcome).inc()
 
-    async def _renew_from_fallback(self, spend: GlobalSpend, lease: ChunkLease, gkey: str) -> str:
+    async def _renew_from_fallback(self, spend: GlobalSpend, lease: ChunkLease, gkey: str) -> Renewal:
         """Allocator unreachable and the regional balance empty: a chunk of one request's cost
         from the region's fallback allowance, charged to every allocator window the decision may
         fall in, and valid only while the allocator's clock is surely still in the last of them."""
@@ -223,7 +245,7 @@ class FleetPools:
         if w.span > MAX_SPAN:  # the allocator's clock is too uncertain to count per window
             lease.deny(self.now_ms(), w.end_in_ms, pool.chunk_validity_ms)
             lease.fallback = True
-            return "fallback_denied"
+            return Renewal.FALLBACK_DENIED
         call = multi_rule_call(
             [allowance_call(KeyBuilder.pool_fallback_key(gkey), pool, w, spend.cost)],
             decision_key=KeyBuilder.global_pool_decision_key(pool.id), slack_ms=0, decision_ttl_ms=0,
@@ -233,10 +255,10 @@ class FleetPools:
         validity = min(pool.chunk_validity_ms, w.safe_ms)
         if res.allowed and validity > 0:
             lease.grant(spend.cost, sent_at, validity, fallback=True)
-            return "fallback"
+            return Renewal.FALLBACK
         lease.deny(self.now_ms(), w.end_in_ms, pool.chunk_validity_ms)
         lease.fallback = True
-        return "fallback_denied"
+        return Renewal.FALLBACK_DENIED
 
 
 async def _topped_up(pending: asyncio.Future, within_s: float | None) -> bool:

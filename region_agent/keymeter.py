@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily
 
+from kernel.algorithms import Role
+
 HORIZON_S = 30.0
 MAX_PER_GENERATION = 100_000
 CLASSES = ("ip", "principal", "tenant", "pool", "concurrency", "decision")
@@ -30,11 +32,11 @@ _SCOPE_CLASS = {"ip": "ip", "user": "principal", "key": "principal", "route": "t
                 "global": "pool"}
 
 
-def source_class(role: str, scope: str) -> str:
-    """The class of a script call's key from its slot role (rate | cc | pool) and rule scope."""
-    if role == "cc":
+def source_class(role: Role, scope: str) -> str:
+    """The class of a script call's key from its slot role and rule scope."""
+    if role is Role.CC:
         return "concurrency"
-    if role == "pool":
+    if role is Role.POOL:
         return "pool"
     return _SCOPE_CLASS.get(scope, "tenant")
 

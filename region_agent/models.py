@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
@@ -47,9 +48,18 @@ class ReleaseRequest(Struct, rename="camel", forbid_unknown_fields=True, frozen=
 
 
 DeniedScope = Literal["user", "key", "route", "tenant", "global", "concurrency", "ip"]
-Reason = Literal["RATE_EXCEEDED", "CONCURRENCY_EXCEEDED", "LIMITER_UNAVAILABLE", "POLICY_ERROR", "POLICY_STALE",
-                 "REQUEST_ID_CONFLICT",  # a batch item whose requestId was decided for another question
-                 "OVERLOADED"]  # shed: this agent saturated while its store answered (503, retriable)
+
+
+class Reason(StrEnum):
+    """Why a decision did not admit (the decision record's ``reason``; JSON: the value)."""
+
+    RATE_EXCEEDED = "RATE_EXCEEDED"
+    CONCURRENCY_EXCEEDED = "CONCURRENCY_EXCEEDED"
+    LIMITER_UNAVAILABLE = "LIMITER_UNAVAILABLE"
+    POLICY_ERROR = "POLICY_ERROR"
+    POLICY_STALE = "POLICY_STALE"
+    REQUEST_ID_CONFLICT = "REQUEST_ID_CONFLICT"  # a batch item whose requestId was decided for another question
+    OVERLOADED = "OVERLOADED"  # shed: this agent saturated while its store answered (503, retriable)
 
 
 class Decision(Struct, rename="camel", omit_defaults=False):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kernel.algorithms import Role
 from kernel.bundle import Bundle
 
 from .audit import BypassAudit
@@ -28,7 +29,7 @@ from .models import Decision
 from .plan import Plan, memo_of
 
 MAX_TENANT_LABELS = 50
-_CLASS = {(role, scope): source_class(role, scope) for role in ("rate", "cc", "pool")
+_CLASS = {(role, scope): source_class(role, scope) for role in Role
           for scope in ("ip", "user", "key", "route", "tenant", "global")}
 VERSIONS_KEPT = 2
 SHARD_CACHE_S = 30.0

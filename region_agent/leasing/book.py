@@ -10,10 +10,20 @@ the window it belongs to.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from kernel.bundle import Pool
 from kernel.errors import StaleEpoch
 from kernel.wire import LeaseGrant
+
+
+class BalanceState(StrEnum):
+    """A leased pool balance as this agent's lease manager sees it (``LeaseManager.state``)."""
+
+    OK = "ok"
+    EXHAUSTED = "exhausted"  # the allocator said the pool is spent for this window
+    UNREACHABLE = "unreachable"  # the allocator cannot be reached and no held lease is valid
+    IDLE = "idle"  # no balance is followed for this key
 
 
 @dataclass(frozen=True, slots=True)

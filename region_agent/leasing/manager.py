@@ -52,14 +52,11 @@ from kernel.errors import Conflict, LeaseholdError, StaleEpoch
 from kernel.ratelog import KeyedLog, TransitionLog
 from kernel.wire import LeaseRequest, UsageReport
 
-from .book import HeldLease, PoolBook
+from .book import BalanceState, HeldLease, PoolBook
 from .client import AllocatorClient
 from .window_clock import AllocatorClock
 
 log = logging.getLogger("leasehold.leases")
-
-PoolState = Literal["ok", "exhausted", "unreachable", "idle"]
-
 
 class BalanceStore(Protocol):
     """The Redis side of a pool balance (implemented over the Lua scripts)."""
@@ -131,16 +128,16 @@ class LeaseManager:
                 and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
             bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
 
-    def state(self, key: str) -> PoolState:
+    def state(self, key: str) -> BalanceState:
         bal = self.balances.get(key)
         if bal is None:
-            return "idle"
+            return BalanceState.IDLE
         now = self.now()
         if bal.book.exhausted(now):
-            return "exhausted"
+            return BalanceState.EXHAUSTED
         if bal.book.unreachable_since is not None and not bal.book.valid(now):
-            return "unreachable"
-        return "ok"
+            return BalanceState.UNREACHABLE
+        return BalanceState.OK
 
     def pending(self, key: str) -> asyncio.Task | None:
         """The in-flight top-up for ``key``'s balance, if any (the engine may wait for it once)."""

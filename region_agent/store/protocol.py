@@ -1,0 +1,25 @@
+"""What the decision engine and the fleet-wide pools need of a store (:class:`Store`),
+implemented over Redis by :class:`region_agent.store.gateway.StoreGateway`; tests may pass any
+object with these methods."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from ..call import ScriptCall
+
+
+class Store(Protocol):
+    async def submit(self, calls: list[ScriptCall], *, wait_s: float | None) -> list[Any]:
+        """One reply per call, in order: the script's reply, or the contract error
+        (:class:`kernel.errors.LeaseholdError`) in its place. Raises a ``LeaseholdError`` when
+        none of the calls could be sent or answered (unreachable, overloaded, past ``wait_s``)."""
+        ...
+
+    async def release(self, key: str, lease_id: str, *, wait_s: float | None = None) -> None:
+        """End the concurrency slot ``lease_id`` of the gate at ``key``."""
+        ...
+
+    async def renew(self, key: str, lease_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:
+        """Extend a live concurrency slot to ``ttl_ms`` from now; False when it is gone."""
+        ...
