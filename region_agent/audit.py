@@ -34,10 +34,12 @@ import sys
 import time
 from collections.abc import Callable
 
+from kernel.bounded import BoundedMemo
 from kernel.bundle import Rule
 
 LOGGER = "leasehold.audit"
 DENIAL_EVENT_INTERVAL_S = 1.0
+MAX_RULES_TRACKED = 10_000  # (rule, outcome) counters and per-rule denial throttles kept (emptied when full)
 
 
 def make_sink(path: str | None) -> Callable[[str], None]:
@@ -66,16 +68,14 @@ class BypassAudit:
         self.sink = sink
         self.wall = wall
         self.clock = clock
-        self._denied: dict[str, list] = {}  # rule id -> [last event time, suppressed since]
-        self._counters: dict[tuple[str, str], object] = {}
+        self._denied: BoundedMemo[str, list] = BoundedMemo(MAX_RULES_TRACKED)  # rule id -> [last event, suppressed]
+        self._counters: BoundedMemo[tuple[str, str], object] = BoundedMemo(MAX_RULES_TRACKED)
 
     def decided(self, rule: Rule, *, outcome: str, tenant: str | None, request_id: str, version: int,
                 fallback: bool) -> None:
         counter = self._counters.get((rule.id, outcome))
         if counter is None:
-            if len(self._counters) >= 10_000:
-                self._counters.clear()
-            counter = self._counters[(rule.id, outcome)] = self.metrics.bypass_decisions.labels(rule.id, outcome)
+            counter = self._counters.put((rule.id, outcome), self.metrics.bypass_decisions.labels(rule.id, outcome))
         counter.inc()  # type: ignore[attr-defined]
         event = {"ts": _dt.datetime.fromtimestamp(self.wall(), _dt.UTC).isoformat(timespec="milliseconds"),
                  "rule": rule.id, "owner": rule.owner, "tenant": tenant, "routeGroup": rule.route_key,
@@ -86,9 +86,7 @@ class BypassAudit:
         now = self.clock()
         state = self._denied.get(rule.id)
         if state is None:
-            if len(self._denied) >= 10_000:
-                self._denied.clear()
-            state = self._denied[rule.id] = [now - DENIAL_EVENT_INTERVAL_S, 0]
+            state = self._denied.put(rule.id, [now - DENIAL_EVENT_INTERVAL_S, 0])
         if now - state[0] < DENIAL_EVENT_INTERVAL_S:
             state[1] += 1
             return

@@ -18,7 +18,6 @@ Pure: the clock (ms) and the candidate windows are passed in.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -26,6 +25,7 @@ from kernel.algorithms import multi_rule
 from kernel.algorithms.multi_rule import MultiDecision
 from kernel.algorithms.pool_window import MAX_SPAN
 from kernel.algorithms.rule import Params
+from kernel.bounded import LRU
 
 from .leasing.window_clock import Windows
 
@@ -60,7 +60,7 @@ def pool_item(pool_id: str, windows: Windows, tokens: int, limit: int, ttl_ms: i
 class LocalAllowances:
     def __init__(self, max_keys: int = 100_000):
         self.max_keys = max_keys
-        self._states: OrderedDict[str, Any] = OrderedDict()  # rule fallbacks, least recently used first
+        self._states: LRU[str, Any] = LRU(max_keys)  # rule fallbacks, least recently written evicted first
         self._pools: dict[str, Any] = {}  # pool allowances
 
     def __len__(self) -> int:
@@ -79,10 +79,7 @@ class LocalAllowances:
             if it.pooled:
                 self._pools[it.key] = state
             else:
-                self._states[it.key] = state
-                self._states.move_to_end(it.key)
-        while len(self._states) > self.max_keys:
-            self._states.popitem(last=False)
+                self._states.put(it.key, state)
         return MultiDecision(True, 0, 0, remaining)
 
     def used(self, pool_id: str, window: int) -> int:

@@ -27,6 +27,7 @@ import functools
 import hmac
 import ipaddress
 
+from kernel.bounded import BoundedMemo
 from kernel.bundle import Rule
 from kernel.errors import ValidationFailed
 from kernel.ids import POOL_ID_RE, REQUEST_ID_RE, ROUTE_RE, TENANT_RE
@@ -36,7 +37,8 @@ _SEP = "\x1f"
 _TYPE_CODE = {"user": "u", "key": "k"}
 
 
-_VALID_TENANTS: set[str] = set()  # recently validated tenant ids (bounded; a key derivation checks several times)
+# recently validated tenant ids (a key derivation checks several times)
+_VALID_TENANTS: BoundedMemo[str, bool] = BoundedMemo(10_000)
 
 
 def check_tenant(tenant: object) -> str:
@@ -44,9 +46,7 @@ def check_tenant(tenant: object) -> str:
         return tenant  # type: ignore[return-value]
     if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
         raise ValidationFailed("tenantId must match [a-z0-9-]{1,32}", errors=["tenantId: invalid"])
-    if len(_VALID_TENANTS) >= 10_000:
-        _VALID_TENANTS.clear()
-    _VALID_TENANTS.add(tenant)
+    _VALID_TENANTS.put(tenant, True)
     return tenant
 
 
@@ -92,7 +92,7 @@ class KeyBuilder:
         if not pepper:
             raise ValueError("an empty pepper is not allowed")
         self._pepper = bytes(pepper)
-        self._memo: dict[tuple[str, str, str], str] = {}
+        self._memo: BoundedMemo[tuple[str, str, str], str] = BoundedMemo(self.MEMO_MAX)
 
     def __repr__(self) -> str:  # never show the pepper
         return "KeyBuilder(<pepper hidden>)"
@@ -102,9 +102,7 @@ class KeyBuilder:
         k = (tenant, kind, ident)
         v = self._memo.get(k)
         if v is None:
-            if len(self._memo) >= self.MEMO_MAX:
-                self._memo.clear()
-            v = self._memo[k] = self._hmac(tenant, kind, ident)
+            v = self._memo.put(k, self._hmac(tenant, kind, ident))
         return v
 
     def _hmac(self, tenant: str, kind: str, ident: str) -> str:

@@ -6,9 +6,10 @@ the oldest are evicted first. Pure: the clock is passed in (monotonic ms)."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
+
+from kernel.bounded import LRU
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +23,7 @@ class NegativeCache:
     def __init__(self, max_entries: int = 100_000, cap_ms: int = 250):
         self.max_entries = max_entries
         self.cap_ms = cap_ms
-        self._d: OrderedDict[tuple, CachedDenial] = OrderedDict()
+        self._d: LRU[tuple, CachedDenial] = LRU(max_entries)
 
     def __len__(self) -> int:
         return len(self._d)
@@ -32,14 +33,11 @@ class NegativeCache:
         if hit is None:
             return None
         if now_ms >= hit.until_ms:
-            del self._d[key]
+            self._d.pop(key)
             return None
         return hit
 
     def put(self, key: tuple, now_ms: float, retry_ms: int, payload: Any) -> None:
         if retry_ms <= 0 or self.cap_ms <= 0:
             return  # no time-based hint (never / concurrency): nothing to cache
-        self._d.pop(key, None)
-        self._d[key] = CachedDenial(now_ms + min(retry_ms, self.cap_ms), now_ms + retry_ms, payload)
-        while len(self._d) > self.max_entries:
-            self._d.popitem(last=False)
+        self._d.put(key, CachedDenial(now_ms + min(retry_ms, self.cap_ms), now_ms + retry_ms, payload))

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 from kernel.algorithms import Role
 from kernel.algorithms.pool import PoolRule
+from kernel.bounded import BoundedMemo
 from kernel.bundle import Bundle, Pool, Rule, select_rules
 from kernel.errors import ValidationFailed
 
@@ -105,16 +106,14 @@ class BundleMemo:
         self.bundle = bundle
         self.pools: dict[str, Pool] = {p.id: p for p in bundle.pools}
         self.rules_by_id: dict[str, Rule] = {r.id: r for r in bundle.rules}
-        self._shapes: dict[tuple, Shape] = {}
+        self._shapes: BoundedMemo[tuple, Shape] = BoundedMemo(SELECTION_CACHE_MAX)
 
     def shape(self, tenant: str | None, route_group: str, principal_type: str, has_key: bool) -> Shape:
         k = (tenant, route_group, principal_type, has_key)
         hit = self._shapes.get(k)
         if hit is None:
-            if len(self._shapes) >= SELECTION_CACHE_MAX:
-                self._shapes.clear()
-            hit = self._shapes[k] = Shape.of(select_rules(self.bundle.rules, tenant=tenant, route_group=route_group,
-                                                          principal_type=principal_type, has_key=has_key))
+            hit = self._shapes.put(k, Shape.of(select_rules(self.bundle.rules, tenant=tenant, route_group=route_group,
+                                                            principal_type=principal_type, has_key=has_key)))
         return hit
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kernel.algorithms import Role
+from kernel.bounded import BoundedMemo
 from kernel.bundle import Bundle
 
 from .audit import BypassAudit
@@ -52,11 +53,11 @@ class DecisionTelemetry:
         self.m = metrics
         self.shard_of = shard_of
         self.audit = audit
-        self._children: dict[tuple, tuple[Any, Any]] = {}
+        self._children: BoundedMemo[tuple, tuple[Any, Any]] = BoundedMemo(CACHE_MAX)
         self._names_of: Bundle | None = None  # the bundle whose named tenants ``_names`` holds
         self._names: frozenset[str] = frozenset()
         self._versions: list[int] = []
-        self._shards: dict[str, str] = {}
+        self._shards: BoundedMemo[str, str] = BoundedMemo(CACHE_MAX)
         self._shards_at = float("-inf")
 
     # ------------------------------------------------------------------ per decision
@@ -110,13 +111,12 @@ class DecisionTelemetry:
         """The cluster primary owning the plan's hash tag (cached per tag; the cache is dropped
         every ``SHARD_CACHE_S`` so a resharding or failover shows within that time)."""
         if now - self._shards_at >= SHARD_CACHE_S:
-            self._shards, self._shards_at = {}, now
+            self._shards.clear()
+            self._shards_at = now
         tag = plan.tenant or plan.decision_key
         shard = self._shards.get(tag)
         if shard is None:
-            if len(self._shards) >= CACHE_MAX:
-                self._shards.clear()
-            shard = self._shards[tag] = self.shard_of(plan.decision_key)  # type: ignore[misc]
+            shard = self._shards.put(tag, self.shard_of(plan.decision_key))  # type: ignore[misc]
         return shard
 
     def _resolve(self, label: tuple, bundle: Bundle) -> tuple[Any, Any]:
@@ -124,13 +124,10 @@ class DecisionTelemetry:
         if version not in self._versions:
             self._new_version(version)
         rule = memo_of(bundle).rules_by_id.get(rule_id) if rule_id else None
-        if len(self._children) >= CACHE_MAX:
-            self._children.clear()
-        children = self._children[label] = (
+        return self._children.put(label, (
             self.m.decisions.labels(outcome, rule_id or "none", str(version), rule.route_key if rule else "none",
                                     tenant),
-            self.m.latency.labels(shard, outcome))
-        return children
+            self.m.latency.labels(shard, outcome)))
 
     def _new_version(self, version: int) -> None:
         """Keep the series of the last ``VERSIONS_KEPT`` versions; drop the oldest."""
@@ -138,7 +135,8 @@ class DecisionTelemetry:
         self._versions.sort()
         while len(self._versions) > VERSIONS_KEPT:
             old = str(self._versions.pop(0))
-            self._children = {k: v for k, v in self._children.items() if str(k[2]) != old}
+            for k in [k for k in self._children if str(k[2]) == old]:
+                del self._children[k]
             metric = self.m.decisions
             for labels in [lv for lv in list(getattr(metric, "_metrics", {})) if lv[2] == old]:
                 metric.remove(*labels)
