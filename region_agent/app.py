@@ -29,7 +29,7 @@ from kernel.signing import TrustedKeys
 from . import store_health
 from .audit import BypassAudit, make_sink
 from .auth import AgentAuth, agent_guard
-from .engine import Engine
+from .engine import DecisionEngine
 from .epoch import EpochCheck
 from .fallback import LocalAllowances
 from .fastpath import admit_fast_path
@@ -68,7 +68,7 @@ class AgentState:
     holder: PolicyHolder
     metrics: AgentMetrics
     keys: KeyBuilder
-    engine: Engine | None = None
+    engine: DecisionEngine | None = None
     store: Any = None
     leases: Any = None  # LeaseManager when --allocator-urls is set
     policy_watch: Any = None  # kernel.watch.PolicyWatcher when --policy-etcd is set
@@ -84,7 +84,7 @@ def _state(request: Request) -> AgentState:
     return request.app.state.agent
 
 
-def _engine(request: Request) -> Engine:
+def _engine(request: Request) -> DecisionEngine:
     st = _state(request)
     if st.engine is None:
         raise Unavailable("agent is starting")
@@ -234,7 +234,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         telemetry = DecisionTelemetry(m, audit=audit,
                                       shard_of=state.store.shard_of if getattr(state.store, "cluster", False)
                                       else None)
-        state.engine = Engine(get_bundle=lambda: state.holder.bundle, keys=state.keys, store=state.store,
+        state.engine = DecisionEngine(get_bundle=lambda: state.holder.bundle, keys=state.keys, store=state.store,
                               metrics=m, fallback=LocalAllowances(settings.fallback_max_keys),
                               budget_ms=settings.decision_budget_ms, leases=state.leases,
                               negative=NegativeCache(cap_ms=settings.negative_cache_ms), telemetry=telemetry,

@@ -43,7 +43,7 @@ from .leasing.window_clock import AllocatorClock, Windows
 from .metrics import AgentMetrics
 from .models import AdmitRequest, Decision, Reason, ReleaseRequest, RenewRequest
 from .negcache import NegativeCache
-from .outcome import Answer, Mode, Step, degrade, outcome
+from .outcome import Answer, Mode, NextStep, degrade, outcome
 from .plan import (
     GlobalSpend,
     Plan,
@@ -90,7 +90,7 @@ class _Prepared:
     pool_retried: bool = False  # waited once for an in-flight lease top-up
 
 
-class Engine:
+class DecisionEngine:
     def __init__(self, *, get_bundle: Callable[[], Bundle], keys: KeyBuilder, store: Store, metrics: AgentMetrics,
                  fallback: LocalAllowances | None = None, budget_ms: int = 50,
                  clock: Callable[[], float] = time.monotonic, leases: Any | None = None,
@@ -292,7 +292,7 @@ class Engine:
             retry_floor = max(1, self.leases.retry_hint_ms(key))
         o = outcome(plan, pools, result, balance, can_retry=can_retry, waited=waited, fallback=fallback,
                     retry_floor_ms=retry_floor)
-        if o.step is Step.ANSWER:
+        if o.step is NextStep.ANSWER:
             assert o.answer is not None
             if not o.answer.allowed:
                 self._give_back(prep)
@@ -300,19 +300,19 @@ class Engine:
                 call = (calls or plan.calls)[o.slot]
                 self.negative.put((call.key, call.params), self.now_ms(), o.answer.retry, o.answer)
             return self._answer(prep, o.answer)
-        if o.step is Step.ALLOWED_WITHOUT_SCRIPT:
+        if o.step is NextStep.ALLOWED_WITHOUT_SCRIPT:
             d = self._allowed_without_script(prep)
             d.fallback = d.fallback or fallback
             return d
-        if o.step is Step.CONFLICT:
+        if o.step is NextStep.CONFLICT:
             return self._conflict(prep)
-        if o.step is Step.RETRY_SAME:
+        if o.step is NextStep.RETRY_SAME:
             return await self._retry_idempotent(prep)
-        if o.step is Step.DEGRADE:
+        if o.step is NextStep.DEGRADE:
             assert o.error is not None
             return self._degrade(prep, o.error)
         assert isinstance(result, MultiRuleResult)
-        if o.step is Step.WAIT_TOP_UP:
+        if o.step is NextStep.WAIT_TOP_UP:
             assert pending is not None
             return await self._wait_top_up(prep, result, pending, o.slot)
         return await self._pool_fallback(prep, result, o.slot)

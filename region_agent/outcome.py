@@ -33,7 +33,7 @@ from .models import Reason
 from .plan import Plan
 
 
-class Step(Enum):
+class NextStep(Enum):
     ANSWER = "answer"
     ALLOWED_WITHOUT_SCRIPT = "allowed_without_script"
     CONFLICT = "conflict"
@@ -57,7 +57,7 @@ class Answer(NamedTuple):
 
 
 class Outcome(NamedTuple):
-    step: Step
+    step: NextStep
     answer: Answer | None = None
     error: LeaseholdError | None = None
     slot: int = -1  # the denying slot (0-based), for WAIT_TOP_UP / POOL_FALLBACK / a cacheable denial
@@ -74,23 +74,23 @@ def outcome(plan: Plan, pools: Mapping[str, Pool], result: MultiRuleResult | Lea
     send; ``waited``: a top-up was already waited for; ``fallback``: the answer comes from a
     fallback allowance; ``retry_floor_ms``: a denial's hint is at least this (a positive hint)."""
     if isinstance(result, DecisionConflict):
-        return Outcome(Step.CONFLICT, error=result)
+        return Outcome(NextStep.CONFLICT, error=result)
     if isinstance(result, AmbiguousOutcome) and plan.decision_ttl_ms > 0 and can_retry:
-        return Outcome(Step.RETRY_SAME, error=result)
+        return Outcome(NextStep.RETRY_SAME, error=result)
     if isinstance(result, LeaseholdError):
-        return Outcome(Step.DEGRADE, error=result)
+        return Outcome(NextStep.DEGRADE, error=result)
     res = result
     if not res.allowed and 1 <= res.denied_by <= len(plan.slots):
         idx = res.denied_by - 1
         slot = plan.slots[idx]
         if slot.role is Role.POOL and balance is not None and not fallback:
             if balance is BalanceState.UNREACHABLE:
-                return Outcome(Step.POOL_FALLBACK, slot=idx)
+                return Outcome(NextStep.POOL_FALLBACK, slot=idx)
             if not waited and can_retry:
-                return Outcome(Step.WAIT_TOP_UP, slot=idx)
+                return Outcome(NextStep.WAIT_TOP_UP, slot=idx)
         if slot.role is Role.CC:
             rule = slot.rule
-            return Outcome(Step.ANSWER, Answer(False, rule, "concurrency", Reason.CONCURRENCY_EXCEEDED,
+            return Outcome(NextStep.ANSWER, Answer(False, rule, "concurrency", Reason.CONCURRENCY_EXCEEDED,
                                                rule.concurrency_max, 0, rule.concurrency_retry_after_ms, fallback))
         raw = res.remaining[idx] if idx < len(res.remaining) else 0
         retry = int(res.retry_after_ms)
@@ -99,14 +99,14 @@ def outcome(plan: Plan, pools: Mapping[str, Pool], result: MultiRuleResult | Lea
         rule = slot.rule
         answer = Answer(False, rule, rule.scope, Reason.RATE_EXCEEDED, rule.limit_tokens(pools),
                         rule.remaining_tokens(int(raw)), retry, fallback)
-        return Outcome(Step.ANSWER, answer, slot=idx, cacheable=plan.decision_ttl_ms == 0)
+        return Outcome(NextStep.ANSWER, answer, slot=idx, cacheable=plan.decision_ttl_ms == 0)
     report = plan.rules[0] if plan.rules else None
     for i, slot in enumerate(plan.slots):
         if slot.rule is report and slot.role is not Role.CC:
             raw = res.remaining[i] if i < len(res.remaining) else 0
-            return Outcome(Step.ANSWER, Answer(True, report, limit=report.limit_tokens(pools),
+            return Outcome(NextStep.ANSWER, Answer(True, report, limit=report.limit_tokens(pools),
                                                remaining=report.remaining_tokens(int(raw)), fallback=fallback))
-    return Outcome(Step.ALLOWED_WITHOUT_SCRIPT)
+    return Outcome(NextStep.ALLOWED_WITHOUT_SCRIPT)
 
 
 # --- failMode: what answers when the store failed ------------------------------------------------

@@ -17,7 +17,7 @@ import importlib
 import pkgutil
 from typing import Any, Union
 
-from .common import KINDS, InvalidArguments, Kind, Verdict
+from .common import KINDS, InvalidArguments, Kind, RuleVerdict
 from .rule import ALGORITHMS, Fallback, LocalModel, Rate, Role, RuleBase
 
 for _m in sorted(m.name for m in pkgutil.iter_modules(__path__)):
@@ -38,4 +38,4 @@ def make_rule(**fields: Any) -> RuleBase:
 
 
 __all__ = ["ALGORITHMS", "KINDS", "Fallback", "InvalidArguments", "Kind", "LocalModel", "Rate", "Role", "RuleBase",
-           "RuleUnion", "Verdict", "make_rule"]
+           "RuleUnion", "RuleVerdict", "make_rule"]

@@ -26,7 +26,7 @@ class InvalidArguments(ScriptRejected):
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class RuleVerdict:
     """One rule's answer to one request (a model's ``decide``; the scripts' per-rule plan)."""
 
     allowed: bool
@@ -44,7 +44,7 @@ class Verdict:
         return [int(self.allowed), self.remaining, self.retry_after_ms]
 
 
-NEVER = Verdict(False, 0, -1)
+NEVER = RuleVerdict(False, 0, -1)
 
 
 def check_int(x: Any, lo: int, hi: int = MAX_ARG, *, name: str = "argument") -> int:
@@ -73,7 +73,7 @@ def ceil_div(a: int, b: int) -> int:
 
 
 # --- call kinds ------------------------------------------------------------------------------
-Step = Callable[[Any, Any, int, str, str], tuple[Verdict, Any]]  # (state, params, now, member, incarnation)
+Step = Callable[[Any, Any, int, str, str], tuple[RuleVerdict, Any]]  # (state, params, now, member, incarnation)
 
 
 @dataclass(frozen=True, slots=True)

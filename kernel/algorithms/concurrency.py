@@ -1,6 +1,6 @@
 """Concurrency cap (seed ch.9); mirrors ``lua/lib/concurrency.lua`` and the acquire / release /
 renew scripts. State: lease id -> lease expiry (epoch ms); live leases have expiry > now.
-The Verdict's ``remaining`` carries in_flight (after the acquire when allowed); a denial has
+The RuleVerdict's ``remaining`` carries in_flight (after the acquire when allowed); a denial has
 no time-based hint (retry 0)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .common import InvalidArguments, Kind, Verdict, check_int, register_kind
+from .common import InvalidArguments, Kind, RuleVerdict, check_int, register_kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,18 +35,18 @@ def _live(state: ConcurrencyState | None, now_ms: int) -> dict[str, int]:
 
 
 def acquire(state: ConcurrencyState | None, params: ConcurrencyParams, now_ms: int, lease_id: str
-            ) -> tuple[Verdict, ConcurrencyState | None]:
+            ) -> tuple[RuleVerdict, ConcurrencyState | None]:
     """New state None when nothing is written (denial, or the lease is already held)."""
     if not lease_id:
         raise InvalidArguments("lease id must be non-empty")
     live = _live(state, now_ms)
     if lease_id in live:
-        return Verdict(True, len(live), 0), None
+        return RuleVerdict(True, len(live), 0), None
     if len(live) >= params.max_in_flight:
-        return Verdict(False, len(live), 0), None
+        return RuleVerdict(False, len(live), 0), None
     before = len(live)
     live[lease_id] = now_ms + params.lease_ttl_ms
-    return Verdict(True, len(live), 0, before), ConcurrencyState(live)
+    return RuleVerdict(True, len(live), 0, before), ConcurrencyState(live)
 
 
 decide = acquire

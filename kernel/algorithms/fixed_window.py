@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from .common import NEVER, Kind, Verdict, check_int, check_product, register_kind
+from .common import NEVER, Kind, RuleVerdict, check_int, check_product, register_kind
 from .rule import MAX_PRODUCT, Params, PosInt, Rate, RuleBase, algorithm, missing
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class FixedWindowState:
 
 
 def decide(state: FixedWindowState | None, params: WindowParams, now_ms: int
-           ) -> tuple[Verdict, FixedWindowState | None]:
+           ) -> tuple[RuleVerdict, FixedWindowState | None]:
     p = params
     if p.cost > p.limit:
         return NEVER, None
@@ -51,8 +51,8 @@ def decide(state: FixedWindowState | None, params: WindowParams, now_ms: int
         w, n = state.w, state.n
     ms_left = w + p.window_ms - now_ms
     if n + p.cost > p.limit:
-        return Verdict(False, max(0, p.limit - n), ms_left), None
-    return Verdict(True, p.limit - n - p.cost, 0, p.limit - n), FixedWindowState(w, n + p.cost)
+        return RuleVerdict(False, max(0, p.limit - n), ms_left), None
+    return RuleVerdict(True, p.limit - n - p.cost, 0, p.limit - n), FixedWindowState(w, n + p.cost)
 
 
 def expiry_ms(state: FixedWindowState, params: WindowParams, now_ms: int, slack_ms: int) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .common import NEVER, Kind, Verdict, ceil_div, register_kind
+from .common import NEVER, Kind, RuleVerdict, ceil_div, register_kind
 from .rule import algorithm
 from .token_bucket import BucketRule
 from .token_bucket import TokenBucketParams as GcraParams
@@ -31,7 +31,7 @@ def _remaining(p: GcraParams, burst: int, ahead: int) -> int:
     return max(0, (burst - ahead) * p.refill // p.period_ms)
 
 
-def decide(state: GcraState | None, params: GcraParams, now_ms: int) -> tuple[Verdict, GcraState | None]:
+def decide(state: GcraState | None, params: GcraParams, now_ms: int) -> tuple[RuleVerdict, GcraState | None]:
     p = params
     inc, burst = increment_ms(p), burst_ms(p)
     if p.cost > p.capacity or inc > burst:
@@ -40,8 +40,8 @@ def decide(state: GcraState | None, params: GcraParams, now_ms: int) -> tuple[Ve
     start = max(tat, now_ms)
     new_tat = start + inc
     if new_tat - now_ms > burst:
-        return Verdict(False, _remaining(p, burst, start - now_ms), new_tat - now_ms - burst), None
-    d = Verdict(True, _remaining(p, burst, new_tat - now_ms), 0, _remaining(p, burst, start - now_ms))
+        return RuleVerdict(False, _remaining(p, burst, start - now_ms), new_tat - now_ms - burst), None
+    d = RuleVerdict(True, _remaining(p, burst, new_tat - now_ms), 0, _remaining(p, burst, start - now_ms))
     return d, GcraState(new_tat)
 
 

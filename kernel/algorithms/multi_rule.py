@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .common import KINDS, InvalidArguments, Verdict
+from .common import KINDS, InvalidArguments, RuleVerdict
 
 MAX_RULES = 8
 
@@ -96,7 +96,7 @@ def decide(states: Sequence[Any], rules: Sequence[RuleSpec], now_ms: int, member
     if len(states) != len(rules):
         raise InvalidArguments("one state per rule")
     parsed = parse_rules(rules, member)
-    decisions: list[Verdict] = []
+    decisions: list[RuleVerdict] = []
     new_states: list[Any] = []
     for r, p, s in zip(rules, parsed, states, strict=True):
         d, ns = KINDS[r.kind].step(s, p, now_ms, member, incarnation)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, ClassVar
 
-from .common import Kind, Verdict, check_int, register_kind
+from .common import Kind, RuleVerdict, check_int, register_kind
 from .rule import LocalModel, Params, PosInt, Rate, Role, RuleBase, algorithm
 
 if TYPE_CHECKING:
@@ -69,13 +69,13 @@ def spendable(state: PoolState | None, now_ms: int, incarnation: str = "") -> in
 
 
 def decide(state: PoolState | None, params: PoolParams, now_ms: int, incarnation: str = ""
-           ) -> tuple[Verdict, PoolState | None]:
+           ) -> tuple[RuleVerdict, PoolState | None]:
     entries = dict(state.entries) if state else {}
     have = spendable(state, now_ms, incarnation)
     if have < params.cost:
         future = [e.valid_from_ms for e in entries.values()
                   if e.incarnation == incarnation and e.valid_from_ms > now_ms]
-        return Verdict(False, have, (min(future) - now_ms) if future else 0), None
+        return RuleVerdict(False, have, (min(future) - now_ms) if future else 0), None
     valid = sorted(((e.expires_at_ms, lid) for lid, e in entries.items()
                     if e.valid_at(now_ms, incarnation) and e.granted > e.spent))
     left = params.cost
@@ -86,7 +86,7 @@ def decide(state: PoolState | None, params: PoolParams, now_ms: int, incarnation
         take = min(left, e.granted - e.spent)
         entries[lid] = replace(e, spent=e.spent + take)
         left -= take
-    return Verdict(True, have - params.cost, 0, have), PoolState(entries)
+    return RuleVerdict(True, have - params.cost, 0, have), PoolState(entries)
 
 
 def take(state: PoolState | None, min_tokens: int, want: int, now_ms: int, incarnation: str = ""

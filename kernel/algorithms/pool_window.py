@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .common import NEVER, InvalidArguments, Kind, Verdict, check_int, register_kind
+from .common import NEVER, InvalidArguments, Kind, RuleVerdict, check_int, register_kind
 
 MAX_SPAN = 8  # candidate windows per call
 KEEP = 3  # windows before k_lo whose counts are kept
@@ -41,19 +41,19 @@ class PoolWindowState:
 
 
 def decide(state: PoolWindowState | None, p: PoolWindowParams, now_ms: int
-           ) -> tuple[Verdict, PoolWindowState | None]:
+           ) -> tuple[RuleVerdict, PoolWindowState | None]:
     """The check; on allow the new counts and expiry (the latest any caller asked for)."""
     if p.cost > p.limit:
         return NEVER, None
     counts = dict(state.counts) if state else {}
     room = min(p.limit - counts.get(k, 0) for k in range(p.k_lo, p.k_hi + 1))
     if room < p.cost:
-        return Verdict(False, max(0, room), 0), None
+        return RuleVerdict(False, max(0, room), 0), None
     for k in range(p.k_lo, p.k_hi + 1):
         counts[k] = counts.get(k, 0) + p.cost
     counts = {k: n for k, n in counts.items() if k >= p.k_lo - KEEP}
     expires = max(state.expires_at_ms if state else 0, now_ms + p.ttl_ms)
-    return Verdict(True, room - p.cost, 0, room), PoolWindowState(counts, expires)
+    return RuleVerdict(True, room - p.cost, 0, room), PoolWindowState(counts, expires)
 
 
 # a pool's fallback allowance (not a bundle algorithm: the agent charges it for pool rules)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .common import NEVER, Kind, Verdict, ceil_div, register_kind
+from .common import NEVER, Kind, RuleVerdict, ceil_div, register_kind
 from .fixed_window import WindowParams, WindowRule
 from .rule import algorithm
 
@@ -37,7 +37,7 @@ def _retry(p: WindowParams, ew: int, now: int, elapsed: int, prev: int, cur: int
 
 
 def decide(state: SlidingCounterState | None, params: WindowParams, now_ms: int
-           ) -> tuple[Verdict, SlidingCounterState | None]:
+           ) -> tuple[RuleVerdict, SlidingCounterState | None]:
     p = params
     if p.cost > p.limit:
         return NEVER, None
@@ -55,8 +55,8 @@ def decide(state: SlidingCounterState | None, params: WindowParams, now_ms: int
     scaled = prev * (W - elapsed) + cur * W
     cap = p.limit * W
     if scaled + p.cost * W > cap:
-        return Verdict(False, max(0, (cap - scaled) // W), _retry(p, w, now_ms, elapsed, prev, cur, scaled)), None
-    return Verdict(True, (cap - scaled - p.cost * W) // W, 0, (cap - scaled) // W), SlidingCounterState(w, cur + p.cost, prev)
+        return RuleVerdict(False, max(0, (cap - scaled) // W), _retry(p, w, now_ms, elapsed, prev, cur, scaled)), None
+    return RuleVerdict(True, (cap - scaled - p.cost * W) // W, 0, (cap - scaled) // W), SlidingCounterState(w, cur + p.cost, prev)
 
 
 def expiry_ms(state: SlidingCounterState, params: WindowParams, now_ms: int, slack_ms: int) -> int:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .common import NEVER, InvalidArguments, Kind, Verdict, register_kind
+from .common import NEVER, InvalidArguments, Kind, RuleVerdict, register_kind
 from .fixed_window import WindowParams, WindowRule
 from .rule import algorithm
 
@@ -29,7 +29,7 @@ def entry_members(member: str, cost: int) -> list[str]:
 
 
 def decide(state: SlidingLogState | None, params: WindowParams, now_ms: int, member: str
-           ) -> tuple[Verdict, SlidingLogState | None]:
+           ) -> tuple[RuleVerdict, SlidingLogState | None]:
     """New state None on deny and on a replay (nothing written)."""
     p = params
     if not member:
@@ -43,14 +43,14 @@ def decide(state: SlidingLogState | None, params: WindowParams, now_ms: int, mem
     live = sorted(s for s in entries.values() if s > floor_)
     own = entries.get(member)
     if own is not None and own > floor_:
-        return Verdict(True, max(0, p.limit - len(live)), 0), None
+        return RuleVerdict(True, max(0, p.limit - len(live)), 0), None
     if len(live) + p.cost > p.limit:
         k = len(live) + p.cost - p.limit
-        return Verdict(False, max(0, p.limit - len(live)), live[k - 1] + p.window_ms - now_ms), None
+        return RuleVerdict(False, max(0, p.limit - len(live)), live[k - 1] + p.window_ms - now_ms), None
     kept = {m: s for m, s in entries.items() if s > floor_}
     for m in entry_members(member, p.cost):
         kept[m] = now_ms
-    return Verdict(True, p.limit - len(live) - p.cost, 0, p.limit - len(live)), SlidingLogState(kept)
+    return RuleVerdict(True, p.limit - len(live) - p.cost, 0, p.limit - len(live)), SlidingLogState(kept)
 
 
 def expiry_ms(state: SlidingLogState, params: WindowParams, now_ms: int, slack_ms: int) -> int:

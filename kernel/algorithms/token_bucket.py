@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from .common import NEVER, Kind, Verdict, ceil_div, check_int, check_product, register_kind
+from .common import NEVER, Kind, RuleVerdict, ceil_div, check_int, check_product, register_kind
 from .rule import MAX_PRODUCT, Params, PosInt, Rate, RuleBase, algorithm, missing
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class TokenBucketState:
 
 
 def decide(state: TokenBucketState | None, params: TokenBucketParams, now_ms: int
-           ) -> tuple[Verdict, TokenBucketState | None]:
+           ) -> tuple[RuleVerdict, TokenBucketState | None]:
     """New state None on deny (nothing written)."""
     p = params
     if p.cost > p.capacity:
@@ -54,8 +54,8 @@ def decide(state: TokenBucketState | None, params: TokenBucketParams, now_ms: in
     tokens = min(p.capacity, tokens + delta * p.refill // p.period_ms)
     if tokens >= p.cost:
         left = tokens - p.cost
-        return Verdict(True, left, 0, tokens), TokenBucketState(left, max(ts, now_ms))
-    return Verdict(False, tokens, ceil_div((p.cost - tokens) * p.period_ms, p.refill)), None
+        return RuleVerdict(True, left, 0, tokens), TokenBucketState(left, max(ts, now_ms))
+    return RuleVerdict(False, tokens, ceil_div((p.cost - tokens) * p.period_ms, p.refill)), None
 
 
 def expiry_ms(params: TokenBucketParams, slack_ms: int) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from leasehold.procs import RedisServer
 from leasehold.topology import DEV_PEPPER
-from region_agent.engine import Engine
+from region_agent.engine import DecisionEngine
 from region_agent.keys import KeyBuilder
 from region_agent.metrics import AgentMetrics
 from region_agent.models import AdmitRequest, Principal
@@ -22,11 +22,11 @@ from .stats import Goal, Row, median
 CONCURRENCY = 64
 
 
-async def make_engine(redis_url: str) -> tuple[Engine, StoreGateway]:
+async def make_engine(redis_url: str) -> tuple[DecisionEngine, StoreGateway]:
     holder = PolicyHolder.load(str(NORTHSTAR))
     store = StoreGateway(make_client(redis_url, max_connections=32), sc.Scripts())
     await store.load()
-    engine = Engine(get_bundle=lambda: holder.bundle, keys=KeyBuilder(DEV_PEPPER.encode()), store=store,
+    engine = DecisionEngine(get_bundle=lambda: holder.bundle, keys=KeyBuilder(DEV_PEPPER.encode()), store=store,
                     metrics=AgentMetrics())
     return engine, store
 

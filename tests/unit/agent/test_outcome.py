@@ -14,7 +14,7 @@ from region_agent.call import MultiRuleResult
 from region_agent.keys import KeyBuilder
 from region_agent.leasing.book import BalanceState
 from region_agent.models import AdmitRequest, Principal, Reason
-from region_agent.outcome import Answer, Mode, Step, degrade, outcome
+from region_agent.outcome import Answer, Mode, NextStep, degrade, outcome
 from region_agent.plan import build_plan, memo_of
 
 POLICIES = Path(__file__).resolve().parents[3] / "policies"
@@ -36,7 +36,7 @@ def pools(bundle):
 def test_allowed_reports_the_first_rule_in_whole_tokens():
     plan = plan_of(NORTHSTAR)  # read-user-v3 (capacity 20 tokens), tenant-atlas-minute
     o = outcome(plan, pools(NORTHSTAR), MultiRuleResult(True, 0, 0, (17_500, 900_000)))
-    assert o.step is Step.ANSWER
+    assert o.step is NextStep.ANSWER
     assert o.answer == Answer(True, plan.rules[0], limit=20, remaining=17)
 
 
@@ -69,11 +69,11 @@ def test_concurrency_gate_denial_and_a_decision_record_is_not_cached():
 
 
 @pytest.mark.parametrize(("error", "can_retry", "step"), [
-    (DecisionConflict("other question"), True, Step.CONFLICT),
-    (AmbiguousOutcome("lost reply"), True, Step.RETRY_SAME),  # a decision record replays it
-    (AmbiguousOutcome("lost reply"), False, Step.DEGRADE),  # no budget left
-    (StoreUnavailable("down"), True, Step.DEGRADE),
-    (ScriptRejected("bad"), True, Step.DEGRADE),
+    (DecisionConflict("other question"), True, NextStep.CONFLICT),
+    (AmbiguousOutcome("lost reply"), True, NextStep.RETRY_SAME),  # a decision record replays it
+    (AmbiguousOutcome("lost reply"), False, NextStep.DEGRADE),  # no budget left
+    (StoreUnavailable("down"), True, NextStep.DEGRADE),
+    (ScriptRejected("bad"), True, NextStep.DEGRADE),
 ])
 def test_errors_of_an_idempotent_decision(error, can_retry, step):
     plan = plan_of(NORTHSTAR, route="export")
@@ -83,7 +83,7 @@ def test_errors_of_an_idempotent_decision(error, can_retry, step):
 
 def test_an_ambiguous_cheap_read_is_never_retried_blindly():
     plan = plan_of(NORTHSTAR)  # no decision record: a second send could debit twice (I6)
-    assert outcome(plan, pools(NORTHSTAR), AmbiguousOutcome("lost"), can_retry=True).step is Step.DEGRADE
+    assert outcome(plan, pools(NORTHSTAR), AmbiguousOutcome("lost"), can_retry=True).step is NextStep.DEGRADE
 
 
 def test_pool_denial_by_balance_state():
@@ -91,20 +91,20 @@ def test_pool_denial_by_balance_state():
     idx = next(i for i, s in enumerate(plan.slots) if s.rule.id == "tenant-atlas-global")
     res = MultiRuleResult(False, idx + 1, 0, tuple(0 for _ in plan.slots))
     p = pools(GLOBAL)
-    assert outcome(plan, p, res, BalanceState.UNREACHABLE, can_retry=True).step is Step.POOL_FALLBACK
+    assert outcome(plan, p, res, BalanceState.UNREACHABLE, can_retry=True).step is NextStep.POOL_FALLBACK
     wait = outcome(plan, p, res, BalanceState.OK, can_retry=True)
-    assert wait.step is Step.WAIT_TOP_UP and wait.slot == idx
+    assert wait.step is NextStep.WAIT_TOP_UP and wait.slot == idx
     # after one wait, or with nothing in flight: a plain 429 with the lease book's hint
     for o in (outcome(plan, p, res, BalanceState.OK, can_retry=True, waited=True, retry_floor_ms=800),
               outcome(plan, p, res, BalanceState.EXHAUSTED, retry_floor_ms=800)):
-        assert o.step is Step.ANSWER
+        assert o.step is NextStep.ANSWER
         assert o.answer == Answer(False, plan.slots[idx].rule, "tenant", Reason.RATE_EXCEEDED, 1_000, 0, 800)
     # exhausted is never the fallback; without a lease manager the script's denial stands
-    assert outcome(plan, p, res, BalanceState.EXHAUSTED, can_retry=True).step is Step.WAIT_TOP_UP
-    assert outcome(plan, p, res, None, can_retry=True).step is Step.ANSWER
+    assert outcome(plan, p, res, BalanceState.EXHAUSTED, can_retry=True).step is NextStep.WAIT_TOP_UP
+    assert outcome(plan, p, res, None, can_retry=True).step is NextStep.ANSWER
     # the fallback allowance's own denial is an answer, flagged
     fb = outcome(plan, p, res, BalanceState.UNREACHABLE, fallback=True)
-    assert fb.step is Step.ANSWER and fb.answer is not None and fb.answer.fallback
+    assert fb.step is NextStep.ANSWER and fb.answer is not None and fb.answer.fallback
 
 
 def test_allowed_without_a_reporting_slot():
@@ -115,7 +115,7 @@ def test_allowed_without_a_reporting_slot():
     assert catalog.fleet_wide and [s.rule.id for s in plan.slots] == ["read-user-v3"]
     plan.rules = [catalog, plan.rules[0]]
     o = outcome(plan, pools(GLOBAL), MultiRuleResult(True, 0, 0, (15_000,)))
-    assert o.step is Step.ALLOWED_WITHOUT_SCRIPT and o.answer is None
+    assert o.step is NextStep.ALLOWED_WITHOUT_SCRIPT and o.answer is None
 
 
 # --- failMode --------------------------------------------------------------------------------------
