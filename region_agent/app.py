@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from litestar import Litestar, MediaType, Request, Response, get, post
+from litestar import Litestar, MediaType, Response, get, post
+from litestar.di import NamedDependency, Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.params import Body
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -80,23 +81,27 @@ class AgentState:
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
-def _state(request: Request) -> AgentState:
-    return request.app.state.agent
+def _dependencies(state: AgentState) -> dict[str, Provide]:
+    """What handlers are given by Litestar's dependency injection: the agent's ``agent`` state
+    and its decision ``engine`` (Unavailable until the lifespan built it)."""
 
+    def agent() -> AgentState:
+        return state
 
-def _engine(request: Request) -> DecisionEngine:
-    st = _state(request)
-    if st.engine is None:
-        raise Unavailable("agent is starting")
-    return st.engine
+    def engine() -> DecisionEngine:
+        if state.engine is None:
+            raise Unavailable("agent is starting")
+        return state.engine
+
+    return {"agent": Provide(agent, sync_to_thread=False), "engine": Provide(engine, sync_to_thread=False)}
 
 
 # ---------------------------------------------------------------------------------- handlers
 @post("/v1/admit", status_code=200, request_max_body_size=MAX_BODY_BYTES,
       summary="Admission decision for one request")
-async def admit(request: Request, data: Annotated[AdmitRequest, Body(title="AdmitRequest")]) -> Decision:
-    engine = _engine(request)
-    [(data, early)] = _before_engine(_state(request), [data])
+async def admit(agent: NamedDependency[AgentState], engine: NamedDependency[DecisionEngine],
+                data: Annotated[AdmitRequest, Body(title="AdmitRequest")]) -> Decision:
+    [(data, early)] = _before_engine(agent, [data])
     if early is not None:
         return early
     return await engine.admit(data)
@@ -124,11 +129,11 @@ def _before_engine(st: AgentState, reqs: list[AdmitRequest]) -> list[tuple[Admit
 
 @post("/v1/admit/batch", status_code=200, request_max_body_size=MAX_BATCH_BODY_BYTES,
       summary="Admission decisions for many requests, in order, one pipeline per shard")
-async def admit_batch(request: Request, data: Annotated[AdmitBatch, Body(title="AdmitBatch")]) -> BatchDecisions:
+async def admit_batch(agent: NamedDependency[AgentState], engine: NamedDependency[DecisionEngine],
+                      data: Annotated[AdmitBatch, Body(title="AdmitBatch")]) -> BatchDecisions:
     if not data.requests:
         return BatchDecisions(decisions=[])
-    engine = _engine(request)
-    pre = _before_engine(_state(request), data.requests)
+    pre = _before_engine(agent, data.requests)
     rest = [r for r, d in pre if d is None]
     decided = iter(await engine.admit_many(rest) if rest else [])
     return BatchDecisions(decisions=[d if d is not None else next(decided) for _, d in pre])
@@ -136,28 +141,29 @@ async def admit_batch(request: Request, data: Annotated[AdmitBatch, Body(title="
 
 @post("/v1/release", status_code=200, request_max_body_size=MAX_BODY_BYTES,
       summary="Release the concurrency lease(s) of a request (idempotent)")
-async def release(request: Request, data: Annotated[ReleaseRequest, Body(title="ReleaseRequest")]) -> ReleaseResult:
-    n = await _engine(request).release(data)
+async def release(engine: NamedDependency[DecisionEngine],
+                  data: Annotated[ReleaseRequest, Body(title="ReleaseRequest")]) -> ReleaseResult:
+    n = await engine.release(data)
     return ReleaseResult(request_id=data.request_id, released=n)
 
 
 @post("/v1/renew", status_code=200, request_max_body_size=MAX_BODY_BYTES,
       summary="Heartbeat: extend the request's live concurrency slot(s) by concurrencyTtlMs (idempotent)")
-async def renew(request: Request, data: Annotated[RenewRequest, Body(title="RenewRequest")]) -> RenewResult:
-    renewed, gates = await _engine(request).renew(data)
+async def renew(engine: NamedDependency[DecisionEngine], data: Annotated[RenewRequest, Body(title="RenewRequest")]) -> RenewResult:
+    renewed, gates = await engine.renew(data)
     return RenewResult(request_id=data.request_id, renewed=renewed, gates=gates)
 
 
 @get("/v1/policy", summary="The policy bundle in force")
-async def policy(request: Request) -> PolicyInfo:
-    b: Bundle = _state(request).holder.bundle
+async def policy(agent: NamedDependency[AgentState]) -> PolicyInfo:
+    b: Bundle = agent.holder.bundle
     return PolicyInfo(bundle_version=b.bundle_version, checksum=b.checksum, published_at=b.published_at,
                       rule_ids=[r.id for r in b.rules], pool_ids=[p.id for p in b.pools])
 
 
 @get("/v1/leases", summary="This agent's pool balances, leases held, epochs and expiry")
-async def leases_view(request: Request) -> Response:
-    st = _state(request)
+async def leases_view(agent: NamedDependency[AgentState]) -> Response:
+    st = agent
     if st.leases is None:
         return Response({"region": st.settings.region, "allocator": None, "balances": []})
     return Response({"region": st.settings.region, "allocator": st.leases.client.urls,
@@ -170,8 +176,8 @@ async def healthz() -> dict[str, str]:
 
 
 @get("/readyz", summary="Readiness: Redis reachable, scripts loaded, bundle loaded")
-async def readyz(request: Request) -> Response:
-    st = _state(request)
+async def readyz(agent: NamedDependency[AgentState]) -> Response:
+    st = agent
     problems = []
     if st.store is None or not await st.store.ping():
         problems.append("redis unreachable")
@@ -188,8 +194,8 @@ async def readyz(request: Request) -> Response:
 
 
 @get("/metrics", summary="Prometheus metrics", include_in_schema=False)
-async def metrics(request: Request) -> Response:
-    return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+async def metrics(agent: NamedDependency[AgentState]) -> Response:
+    return Response(generate_latest(agent.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 # ---------------------------------------------------------------------------------- app
@@ -286,6 +292,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     app = Litestar(
         route_handlers=[admit, admit_batch, release, renew, policy, leases_view, healthz, readyz, metrics, authz],
         guards=[agent_guard],
+        dependencies=_dependencies(state),
         middleware=[admit_fast_path(lambda: state, MAX_BODY_BYTES, _before_engine)] if fast_path else [],  # region_agent.fastpath
         lifespan=[lifespan],
         # logging stays as __main__ set it up: Litestar's default config would route every record

@@ -155,6 +155,10 @@ async def test_not_json_and_too_large(agent):
 async def test_openapi_and_health(agent):
     schema = (await agent.get("/schema/openapi.json")).json()
     assert "/v1/admit" in schema["paths"] and "/v1/admit/batch" in schema["paths"]
+    # the handlers' injected services (agent state, engine) are not request parameters
+    for path in ("/v1/admit", "/v1/admit/batch", "/v1/release", "/v1/renew"):
+        assert "parameters" not in schema["paths"][path]["post"], schema["paths"][path]["post"]
+    assert "parameters" not in schema["paths"]["/v1/policy"]["get"]
     assert (await agent.get("/healthz")).json() == {"status": "ok"}
     ready = (await agent.get("/readyz")).json()
     assert ready["status"] == "ready" and ready["policyVersion"] == 42
