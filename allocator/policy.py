@@ -1,4 +1,4 @@
-"""Pure allocation policy (seed ch. 13: grant pseudocode, depletion and fairness).
+"""Pure allocation policy (grant, depletion and fairness; docs/invariants.md I16).
 
 No I/O and no clock of its own: every function takes ``now_ms`` (the leader's wall clock in
 milliseconds). The committer (``allocator.engine``) loads a window's state from etcd, calls

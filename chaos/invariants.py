@@ -1,4 +1,4 @@
-"""Executable invariants (DESIGN.md invariants 2-6, seed ch. 13 and ch. 17).
+"""Executable invariants (docs/invariants.md I8, I16-I19).
 
 Pure functions over plain records: no I/O, no clock. Each check returns a list of
 :class:`Violation` (empty = the invariant held), so the allocator's own tests, unit tests

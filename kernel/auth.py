@@ -1,4 +1,4 @@
-"""Bearer-token authentication shared by both services (seed ch. 16).
+"""Bearer-token authentication shared by both services.
 
 Tokens are stored only as ``sha256`` hex digests (settings, env or a file); a presented token
 is hashed and compared with every stored digest in constant time. A missing, malformed,

@@ -1,6 +1,6 @@
 """The overshoot bound of a pool: one function of (policy, topology, faults).
 
-DESIGN invariant 6 and seed ch. 13: per pool and per pool window *as the allocator defines it*
+docs/invariants.md I8: per pool and per pool window *as the allocator defines it*
 (``index = floor(t / windowMs)`` on the allocator leader's clock)::
 
     admitted <= G                                   grants never exceed the pool (etcd, fenced)

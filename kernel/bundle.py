@@ -1,4 +1,4 @@
-"""The versioned policy bundle (seed ch. 14): rules for regional admission, pools for
+"""The versioned policy bundle: rules for regional admission, pools for
 global quotas. One format for both services; validated by the same code everywhere
 (agent start, allocator start, ``leasehold policy validate``/``publish``).
 
@@ -25,7 +25,7 @@ MAX_RULES_PER_REQUEST = 8
 Algorithm = Literal["token_bucket", "gcra", "fixed_window", "sliding_counter", "sliding_log", "pool"]
 Rule = RuleBase  # a bundle rule: one Struct per algorithm (kernel.algorithms), tagged by "algorithm"
 
-# Evaluation (and reporting) order: most specific, least sensitive first (seed ch. 9).
+# Evaluation (and reporting) order: most specific, least sensitive first.
 SCOPE_ORDER: dict[str, int] = {"ip": 0, "user": 1, "key": 2, "route": 3, "tenant": 4, "global": 5}
 
 # The format's rule was once one flat object carrying every algorithm's fields; bundles written
@@ -267,7 +267,7 @@ def _pool_problems(pool: Pool) -> list[str]:
 
 
 def validate_bundle(bundle: Bundle, problems: list[str] | None = None) -> None:
-    """Everything seed ch. 14 asks validation to catch, plus checksum verification. ``problems``:
+    """Everything bundle validation must catch (docs/invariants.md I13), plus checksum verification. ``problems``:
     found before (while decoding), reported with the rest."""
     problems = list(problems or [])
     if not bundle.checksum.startswith("sha256:"):

@@ -1,4 +1,4 @@
-"""Signed policy bundles (seed ch. 16: "gateways accept only signed, versioned bundles").
+"""Signed policy bundles ("gateways accept only signed, versioned bundles": docs/invariants.md I13).
 
 The checksum detects corruption; a signature detects forgery by anyone who can write the
 bundle file or the etcd key. Ed25519 (the ``cryptography`` package).

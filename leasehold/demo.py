@@ -12,7 +12,7 @@ pool is spent; one of them, U-17, far above P-READ so it collects 429s of its ow
 concurrency 3, released after a few seconds) and anonymous logins from a few IPs (one of
 them abusive, so P-ANON bites). Besides, the operators' internal health prober asks each agent
 directly, about twice a second, for tenant ``northstar-ops`` on route group ``probe``: a capped,
-owned, audited bypass (seed ch. 16, I14) - it reaches its cap of 60 per minute, and every use is
+owned, audited bypass (docs/invariants.md I14) - it reaches its cap of 60 per minute, and every use is
 in ``.run/audit-<region>-<n>.jsonl``.
 """
 

@@ -1,4 +1,4 @@
--- concurrency_acquire.lua: take a concurrency lease (seed ch.9); idempotent per lease id.
+-- concurrency_acquire.lua: take a concurrency lease; idempotent per lease id.
 -- KEYS[1]  sorted set: member = lease id, score = lease expiry (epoch ms)
 -- ARGV[1]  lease_id (non-empty)          ARGV[2] max_in_flight (>= 1)
 -- ARGV[3]  lease_ttl_ms (>= 1)

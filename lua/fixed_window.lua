@@ -1,4 +1,4 @@
--- fixed_window.lua: fixed window counter (seed ch.3), windows aligned to epoch multiples.
+-- fixed_window.lua: fixed window counter, windows aligned to epoch multiples.
 -- KEYS[1]  hash {w (window start, epoch ms), n (units admitted in w)}
 -- ARGV[1]  limit (units per window)      ARGV[2] window_ms
 -- ARGV[3]  cost (units, >= 1)            ARGV[4] ttl_slack_ms (>= 0)

@@ -1,4 +1,4 @@
--- gcra.lua: GCRA meter (seed ch.7) in integer milliseconds, same arguments as token_bucket.lua.
+-- gcra.lua: GCRA meter in integer milliseconds, same arguments as token_bucket.lua.
 -- KEYS[1]  string key: tat (theoretical arrival time, epoch ms)
 -- ARGV[1]  capacity (millitokens)       ARGV[2] refill (millitokens per period)
 -- ARGV[3]  period_ms                     ARGV[4] cost (millitokens)

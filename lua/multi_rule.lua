@@ -1,4 +1,4 @@
--- multi_rule.lua: all rules of one request in one atomic step (seed ch.9, mixed algorithms).
+-- multi_rule.lua: all rules of one request in one atomic step (mixed algorithms).
 -- KEYS[1]        decision (idempotency) record key
 -- KEYS[2..n+1]   one state key per rule; all keys share the tenant hash tag (one slot); 1 <= n <= 8;
 --                rule keys must be distinct

@@ -1,4 +1,4 @@
--- sliding_counter.lua: sliding-window approximate counter (seed ch.5), integer arithmetic.
+-- sliding_counter.lua: sliding-window approximate counter, integer arithmetic.
 -- KEYS[1]  hash {w (current window start ms), cur, prev}
 -- ARGV[1]  limit (units per window)      ARGV[2] window_ms
 -- ARGV[3]  cost (units, >= 1)            ARGV[4] ttl_slack_ms (>= 0)

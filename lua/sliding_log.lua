@@ -1,4 +1,4 @@
--- sliding_log.lua: sliding-window log (seed ch.4), exact count over (now - W, now].
+-- sliding_log.lua: sliding-window log, exact count over (now - W, now].
 -- KEYS[1]  sorted set: member = decision id, score = admit time (epoch ms)
 -- ARGV[1]  limit (entries per window)    ARGV[2] window_ms
 -- ARGV[3]  member (decision id, non-empty; replays are recognised by it)

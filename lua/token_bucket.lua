@@ -1,4 +1,4 @@
--- token_bucket.lua: one token bucket (seed ch.6/8), millitokens and milliseconds.
+-- token_bucket.lua: one token bucket, millitokens and milliseconds.
 -- KEYS[1]  bucket hash {tokens (millitokens), ts (epoch ms)}
 -- ARGV[1]  capacity (millitokens)       ARGV[2] refill (millitokens per period)
 -- ARGV[3]  period_ms                     ARGV[4] cost (millitokens)

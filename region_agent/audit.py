@@ -1,4 +1,4 @@
-"""Audit trail of privileged bypasses (seed ch. 16, I14: "a privileged bypass is narrow,
+"""Audit trail of privileged bypasses (docs/invariants.md I14: "a privileged bypass is narrow,
 separately authenticated and audited ... an unmetered bypass is a flood channel").
 
 An ``exempt`` rule replaces a tenant's other rules by its own cap and names an ``owner``

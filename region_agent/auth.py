@@ -1,4 +1,4 @@
-"""Who may call the agent (seed ch. 16).
+"""Who may call the agent.
 
 * Gateways — ``/v1/admit``, ``/v1/admit/batch``, ``/v1/release``, ``/v1/renew`` — with their own bearer tokens.
 * Operators — ``/v1/leases``, ``/v1/policy`` — with an operator token (a gateway token is not one).

@@ -188,7 +188,7 @@ class DecisionEngine:
         return len(cc_keys)
 
     async def renew(self, req: RenewRequest) -> tuple[int, int]:
-        """Heartbeat (seed ch. 9): (slots extended, gates). A slot that was released or expired
+        """Heartbeat: (slots extended, gates). A slot that was released or expired
         is not revived; the gateway then treats the export as unprotected or ends it."""
         gates = cc_gates(self.get_bundle(), request_tenant=req.tenant_id, principal=req.principal,
                          route_group=req.route_group, keys=self.keys)

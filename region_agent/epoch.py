@@ -1,5 +1,5 @@
-"""``policyEpoch`` in the admission request (seed ch. 1: "snapshot version the gateway evaluated
-against"; ch. 14: "the version number is written into the decision").
+"""``policyEpoch`` in the admission request: the snapshot version the gateway evaluated against;
+the version number is written into the decision (docs/invariants.md I3, I13).
 
 The agent decides with the bundle it holds and says which one in ``policyVersion``; it never
 waits for or guesses at a bundle it does not have. ``policyEpoch`` is the gateway's view of the

@@ -1,5 +1,5 @@
 """Fleet-wide (global-scope) pools: per-agent chunk leases bought from the region's
-``{g:<pool>}`` balance (seed ch. 12 ``leasedAdmit``), and their degraded answers.
+``{g:<pool>}`` balance, and their degraded answers.
 
 One :class:`FleetPools` per agent. :meth:`take` answers one request's spend of one pool:
 
@@ -120,8 +120,8 @@ class FleetPools:
 
     # ------------------------------------------------------------------ answers without a chunk
     def _busy(self, pool: Pool, gkey: str) -> Take:
-        """A renewal is in flight and this request's budget is over: deny locally (seed ch. 12
-        ``DENY_LOCAL``) with the time a top-up takes as the hint. Not a fallback: the allocator
+        """A renewal is in flight and this request's budget is over: deny locally
+        with the time a top-up takes as the hint. Not a fallback: the allocator
         and Redis are answering, only slower than this request could wait."""
         hint = self.leases.retry_hint_ms(gkey) if self.leases is not None else 1
         self.metrics.pool_busy.labels(pool.id).inc()
@@ -138,7 +138,7 @@ class FleetPools:
     def local_allowance(self, spend: GlobalSpend) -> Take:
         """Redis (the regional balance) cannot be reached: a local_bounded rule spends this agent's
         in-process allowance of fallbackPerRegion per allocator window — the Redis-loss term of
-        the overshoot bound (seed ch. 18 step 13: the read path answers from local allowances)."""
+        the overshoot bound (docs/invariants.md I8: the read path answers from local allowances)."""
         rule, pool = spend.rule, spend.pool
         mode = rule.fail_mode or "closed"
         if mode == "local_bounded" and pool.fallback_per_region > 0:

@@ -1,4 +1,4 @@
-"""From a decision to the HTTP response a gateway should send (seed ch. 1 table, ch. 11).
+"""From a decision to the HTTP response a gateway should send (docs/invariants.md I5 for the Retry-After hint).
 
 Pure functions. ``apply_http`` fills ``httpStatus``, ``headers`` and ``problem`` of a decision.
 

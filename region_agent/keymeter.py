@@ -1,4 +1,4 @@
-"""New keys per second by source class (seed ch. 15, "Cardinality: is someone growing state?").
+"""New keys per second by source class ("Cardinality: is someone growing state?", docs/invariants.md I10).
 
 The scripts do not report whether a key existed, so the agent estimates: a rate-limit key is
 *new* when this agent has not touched it within the meter's horizon. Two generations of key

@@ -1,4 +1,4 @@
-"""Redis key derivation (seed ch. 2). Pure: no I/O.
+"""Redis key derivation. Pure: no I/O.
 
 Shape: ``rl:v3:{t:<tenant>}:<type>:<principal-hash>:<route>``.
 

@@ -1,4 +1,4 @@
-"""Negative cache (seed ch. 10/12): after a denial, the agent denies the same key and cost
+"""Negative cache (docs/invariants.md I10): after a denial, the agent denies the same key and cost
 locally for min(retry hint, 250 ms), so a flood against an exhausted key stays off the shard.
 
 Bounded (I10): at most ``max_entries`` entries; expired entries are dropped on access and

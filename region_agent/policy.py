@@ -1,4 +1,4 @@
-"""The policy snapshot in force and its reload rules (seed ch. 14).
+"""The policy snapshot in force and its reload rules.
 
 A request reads :attr:`PolicyHolder.bundle` once and is evaluated against that snapshot end
 to end. A reload accepts only a valid bundle with a strictly higher ``bundleVersion`` and, when

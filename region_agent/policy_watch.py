@@ -1,4 +1,4 @@
-"""The agent's side of policy distribution through etcd (seed ch. 14, I13).
+"""The agent's side of policy distribution through etcd (docs/invariants.md I13).
 
 * :func:`make_watcher` follows ``<prefix>policy/current`` and feeds the :class:`PolicyHolder`
   (strictly higher versions only; corrupt values are refused and counted as ``invalid``).

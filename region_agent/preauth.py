@@ -1,4 +1,4 @@
-"""Pre-authentication limiting (seed ch. 11 and 16): the P-ANON per-IP stage's guards.
+"""Pre-authentication limiting (docs/invariants.md I9): the P-ANON per-IP stage's guards.
 
 * **New keys per source.** An attacker rotating addresses inside a large range creates a new
   per-IP key (a new Redis key) per address. :class:`NewKeyCap` counts, per agent and per fixed

@@ -1,4 +1,4 @@
-"""Store health (seed ch. 15, "can the store keep enforcement correct?"): a low-frequency INFO
+"""Store health ("can the store keep enforcement correct?"): a low-frequency INFO
 poll of every shard, exported per shard.
 
 One ``INFO memory stats clients replication keyspace commandstats`` per shard per ``--store-health-ms`` (5 s by default; 0 disables), each

@@ -1,1 +1,1 @@
-"""Control plane: the policy bundle distributed through etcd (seed ch. 14)."""
+"""Control plane: the policy bundle distributed through etcd."""

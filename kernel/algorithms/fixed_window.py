@@ -1,4 +1,4 @@
-"""Fixed window (seed ch.3), aligned to epoch multiples: the rule (:class:`FixedWindowRule`) and its
+"""Fixed window, aligned to epoch multiples: the rule (:class:`FixedWindowRule`) and its
 reference model, which mirrors ``lua/lib/fixed_window.lua``. :class:`WindowRule` holds what the
 three window algorithms (fixed window, sliding counter, sliding log) share."""
 

@@ -1,4 +1,4 @@
-"""GCRA (seed ch.7) in integer ms: the rule (:class:`GcraRule`, the token bucket's parameters) and
+"""GCRA in integer ms: the rule (:class:`GcraRule`, the token bucket's parameters) and
 its reference model, which mirrors ``lua/lib/gcra.lua``."""
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ class RuleBase(Struct, rename="camel", forbid_unknown_fields=True, frozen=True, 
     fail_mode: FailMode | None = None  # required; None only so the error names the rule
     route_group: str | None = None  # None = every route group ("all")
     tenant: str | None = None  # None = every tenant
-    # concurrency gate riding on the rule (seed P-EXPORT)
+    # concurrency gate riding on the rule (the worked number P-EXPORT, docs/invariants.md)
     concurrency_max: PosInt | None = None
     concurrency_ttl_ms: PosInt = 60_000
     concurrency_retry_after_ms: PosInt = 1_000

@@ -1,4 +1,4 @@
-"""Sliding-window approximate counter (seed ch.5) in integers: the rule
+"""Sliding-window approximate counter in integers: the rule
 (:class:`SlidingCounterRule`, a :class:`~.fixed_window.WindowRule`) and its reference model, which
 mirrors ``lua/lib/sliding_counter.lua``."""
 

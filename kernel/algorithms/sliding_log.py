@@ -1,4 +1,4 @@
-"""Sliding-window log (seed ch.4): the rule (:class:`SlidingLogRule`, a
+"""Sliding-window log: the rule (:class:`SlidingLogRule`, a
 :class:`~.fixed_window.WindowRule`) and its reference model, which mirrors ``lua/lib/sliding_log.lua``.
 
 State is the sorted set as a mapping member -> score (admit ms). A cost c > 1 is stored as c

@@ -1,4 +1,4 @@
-"""Token bucket (seed ch.6/8) in millitokens and ms: the rule (:class:`TokenBucketRule`) and its
+"""Token bucket in millitokens and ms: the rule (:class:`TokenBucketRule`) and its
 reference model, which mirrors ``lua/lib/token_bucket.lua``. :class:`BucketRule` holds what the
 token bucket and GCRA (same parameters) share."""
 

@@ -1,4 +1,4 @@
--- lib/gcra.lua: GCRA (seed ch.7) in integer milliseconds; same arguments as the token bucket.
+-- lib/gcra.lua: GCRA in integer milliseconds; same arguments as the token bucket.
 -- inc = ceil(cost * period / refill) ms per request, B = floor(capacity * period / refill) ms of
 -- burst tolerance. State: string key holding tat (theoretical arrival time, epoch ms).
 -- Allowed iff max(tat, now) + inc - now <= B; then tat = max(tat, now) + inc.

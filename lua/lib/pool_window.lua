@@ -1,5 +1,5 @@
 -- lib/pool_window.lua: a pool's fallback allowance counted per pool window *as the allocator
--- numbers it* (DESIGN invariant 6). Redis does not know the allocator's clock: the agent passes
+-- numbers it* (docs/invariants.md I8). Redis does not know the allocator's clock: the agent passes
 -- the window indexes [k_lo, k_hi] its decision may fall in (its offset to the allocator's clock is
 -- known within bounds, so near a boundary every candidate window is charged) and the key's TTL.
 -- State: hash; field "<k>" = tokens admitted from the allowance in allocator window k; field "x" =

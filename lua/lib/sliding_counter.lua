@@ -1,4 +1,4 @@
--- lib/sliding_counter.lua: sliding-window approximate counter (seed ch.5), integer arithmetic.
+-- lib/sliding_counter.lua: sliding-window approximate counter, integer arithmetic.
 -- State: hash {w (current window start ms), cur, prev}. Windows aligned: w = now - now % W.
 -- Roll forward from the stored w: same or future window -> keep (a future w stays the current
 -- window, elapsed 0: strict); 0 < w - sw < 2W -> prev = cur, cur = 0; otherwise both 0.

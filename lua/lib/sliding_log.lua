@@ -1,4 +1,4 @@
--- lib/sliding_log.lua: sliding-window log (seed ch.4). Sorted set: member = decision id,
+-- lib/sliding_log.lua: sliding-window log. Sorted set: member = decision id,
 -- score = admit time ms. Live window (now - W, now]; entries scored after now (clock went
 -- backwards) also count (strict). Nothing is trimmed on a denial: the live count is ZCOUNT over
 -- the live range; expired members are trimmed only when the script writes.

@@ -1,4 +1,4 @@
--- lib/token_bucket.lua: token bucket (seed ch.6/8) in millitokens and milliseconds.
+-- lib/token_bucket.lua: token bucket in millitokens and milliseconds.
 -- State: hash {tokens (millitokens), ts (epoch ms of the last write)}.
 -- TB.parse({capacity, refill, period_ms, cost}) -> P or nil (invalid).
 -- TB.check(key, P, now) -> plan {ok, remaining, retry, tokens, ts}; reads only.

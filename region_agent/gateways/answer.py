@@ -78,7 +78,7 @@ def deciding(decisions: list[Decision]) -> Decision:
 
 def descriptor_answer(d: Decision, bundle: Bundle, *, anonymous: bool) -> DescriptorAnswer:
     """current_limit / limit_remaining / duration_until_reset of one descriptor. Anonymous
-    (pre-auth) questions get none of them: no policy names, limits or counts (seed ch. 11)."""
+    (pre-auth) questions get none of them: no policy names, limits or counts."""
     over = d.http_status != 200
     out = DescriptorAnswer(over_limit=over)
     if anonymous:

@@ -1,6 +1,6 @@
 """The region's lease book for one pool — pure, clock passed in (monotonic milliseconds).
 
-Timing rule (invariant I5 of DESIGN.md): a lease is spendable from ``received + startsInMs``
+Timing rule (docs/invariants.md I19): a lease is spendable from ``received + startsInMs``
 until ``sent + ttlMs``, both on this process's monotonic clock. The allocator's expiry is
 ``issuedAt + ttlMs`` with ``issuedAt >= sent`` in real time, so network delay and clock skew
 only ever shorten the region's view of a lease; a prefetched lease starts no earlier than

@@ -19,7 +19,7 @@ Every grant also tells where this process stands on the allocator's clock (``clo
 :class:`~region_agent.leasing.window_clock.AllocatorClock`): fallback allowances are counted per
 pool window as the allocator numbers them.
 
-Lost knowledge is resolved conservatively (DESIGN invariant 6): a lease whose Redis record is
+Lost knowledge is resolved conservatively (docs/invariants.md I8): a lease whose Redis record is
 gone at its close (a restart without persistence) or was restored from an older state (a
 restart from RDB/AOF, a failover: ``pool_close`` says it is not current) is reported to the
 allocator as fully spent — its tokens are stranded and counted

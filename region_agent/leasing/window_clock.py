@@ -3,7 +3,7 @@ clocks are passed in (this process's monotonic ms, and its wall clock ms).
 
 The allocator numbers the windows of a pool on its leader's wall clock: window ``k`` of a pool
 with ``windowMs`` W covers allocator time ``[k·W, (k+1)·W)``. Every fallback allowance of the
-overshoot bound is counted per window *as the allocator defines it* (DESIGN invariant 6), so an
+overshoot bound is counted per window *as the allocator defines it* (docs/invariants.md I8), so an
 agent must place its own decisions on that clock — not on Redis TIME, not on its monotonic clock.
 
 A grant carries ``issuedAtMs`` (the leader's clock when it decided). The request was sent at

@@ -1,4 +1,4 @@
-"""Circuit breaker for one Redis shard (seed ch. 10): closed -> open after too many
+"""Circuit breaker for one Redis shard: closed -> open after too many
 failures in a row, open -> half-open after a cool-down, half-open lets a limited number of
 probe calls through and closes on their success (reopens on a failure).
 

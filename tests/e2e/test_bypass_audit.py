@@ -1,4 +1,4 @@
-"""Privileged bypasses on a real agent process (seed ch. 16, I14): an exempt rule's decisions are
+"""Privileged bypasses on a real agent process (docs/invariants.md I3, I14): an exempt rule's decisions are
 capped by the rule, each allowed one is exactly one audit event (rule, owner, tenant, request id;
 never the principal), denials past the cap are counted and rate-limited in the log."""
 

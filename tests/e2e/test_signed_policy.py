@@ -1,4 +1,4 @@
-"""Signed policy bundles on real processes (seed ch. 16): a signed ``leasehold up``-style topology
+"""Signed policy bundles on real processes: a signed ``leasehold up``-style topology
 (etcd, an allocator, Redis and an agent following the etcd key), forged bundles written straight
 into etcd and into the bundle file, and a key rotation with two trusted keys.
 

@@ -81,3 +81,10 @@ def test_the_checks_catch_a_bad_reference_and_a_missing_test(tmp_path: Path) -> 
     fake = tmp_path / "test_x.py"
     fake.write_text("def test_a():\n    assert True\n\nclass TestB:\n    def test_c(self):\n        assert True\n")
     assert _test_functions_of(fake) == {"test_a", "test_c"}
+
+
+def test_no_comment_points_to_a_document_the_repository_lacks() -> None:
+    found = [f"{path.relative_to(REPO)}:{i}" for path in repo_files() if path != Path(__file__)
+             for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if FOREIGN.search(line)]
+    assert FOREIGN.search("see seed ch. 12") and FOREIGN.search("DESIGN invariant 6")  # the pattern bites
+    assert not found, f"references to the reference design or DESIGN.md (use docs/invariants.md I<n>): {found}"

@@ -114,7 +114,7 @@ def test_tenant_pool_g_is_honoured_across_two_envoys(fleet: Fleet):
     per_region = {r: sum(1 for s in sent if s.status == 200 and s.region == r) for r in fleet.envoys}
     assert all(n > 0 for n in per_region.values()), per_region
     for urls in fleet.topo.agent_urls.values():
-        # the allocator was up: the regional fallback allowance is never used (DESIGN invariant 6)
+        # the allocator was up: the regional fallback allowance is never used (docs/invariants.md I8)
         assert metric(urls[0], "leasehold_agent_degraded_decisions_total", reason="ALLOCATOR_UNREACHABLE") == 0
         assert metric(urls[0], "leasehold_agent_rls_requests_total") >= 1
     for e in fleet.envoys.values():  # every 200 was the agent's answer: Envoy never failed open

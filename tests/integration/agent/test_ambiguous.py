@@ -1,5 +1,5 @@
 """Ambiguous outcomes on a real connection: a fault proxy process between the agent process and
-Redis holds the replies (seed ch. 10 and ch. 18 step 11)."""
+Redis holds the replies (docs/invariants.md I6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Store loss (seed ch. 10 table, ch. 18 step 13): a real redis-server is stopped under the agent."""
+"""Store loss (docs/invariants.md I10): a real redis-server is stopped under the agent."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A flood against an exhausted key stays off the shard (seed ch. 10 and 12)."""
+"""A flood against an exhausted key stays off the shard."""
 
 from litestar.testing import AsyncTestClient
 from redis.asyncio import Redis

@@ -1,4 +1,4 @@
-"""policyEpoch in the admission request (seed ch. 1, 14): the decision carries the version it was
+"""policyEpoch in the admission request (docs/invariants.md I3, I13): the decision carries the version it was
 made with; a gateway naming a newer epoch makes the agent look at its policy source at once."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ POOL = Pool(id="p-global", window_ms=2_000, limit=60, lease_ttl_ms=1_000, chunk_
 
 
 TOKENS = {region: secrets.token_hex(16) for region in ("eu", "us")}
-# region authentication (seed ch. 16): the allocator keeps only digests; env is read only for known settings
+# region authentication: the allocator keeps only digests; env is read only for known settings
 AUTH_ENV = {**os.environ, "LEASEHOLD_ALLOCATOR_REGION_TOKENS": ",".join(
     f"{r}:{hashlib.sha256(t.encode()).hexdigest()}" for r, t in TOKENS.items())}
 

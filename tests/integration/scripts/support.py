@@ -175,7 +175,7 @@ class ScriptCalls(Scripts):
 
     async def token_bucket(self, client: Any, key: str, *, capacity: int, refill: int, period_ms: int,
                            cost: int, slack_ms: int) -> RateResult:
-        """Millitokens and ms (seed ch.6/8)."""
+        """Millitokens and ms."""
         return _rate(await self.call(client, "token_bucket", [key], [capacity, refill, period_ms, cost, slack_ms]))
 
     async def gcra(self, client: Any, key: str, *, capacity: int, refill: int, period_ms: int, cost: int,

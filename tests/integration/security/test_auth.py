@@ -1,4 +1,4 @@
-"""Authentication and authorisation on real etcd and Redis (seed ch. 16, I14).
+"""Authentication and authorisation on real etcd and Redis (docs/invariants.md I3, I14).
 
 Allocator: a bearer token per region (stored as sha256); a region may only request, report
 or view its own leases (403, nothing written). Agent: gateway tokens for admission, operator

@@ -1,4 +1,4 @@
-"""Policy distribution through etcd (seed ch. 14, I13) on the real etcd and Redis fixtures:
+"""Policy distribution through etcd (docs/invariants.md I13) on the real etcd and Redis fixtures:
 publish with a compare in the transaction, agents following the key, refusals counted,
 last good bundle kept, maxAgeMs revocation, shadow rules and a mid-run tightening."""
 

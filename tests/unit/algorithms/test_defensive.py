@@ -1,4 +1,4 @@
-"""The defensive rules of seed ch.6, through the models."""
+"""The models' defensive rules (what the scripts refuse or clamp)."""
 
 import math
 
