@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta, Struct
@@ -22,7 +22,6 @@ from .ids import KEY_ID_RE, OWNER_RE, POOL_ID_RE, REGION_RE, ROUTE_RE, RULE_ID_R
 
 MAX_RULES_PER_REQUEST = 8
 
-Algorithm = Literal["token_bucket", "gcra", "fixed_window", "sliding_counter", "sliding_log", "pool"]
 Rule = RuleBase  # a bundle rule: one Struct per algorithm (kernel.algorithms), tagged by "algorithm"
 
 # Evaluation (and reporting) order: most specific, least sensitive first.
@@ -361,7 +360,7 @@ def _request_set_problems(rules: list[Rule]) -> list[str]:
     return sorted(set(problems))
 
 
-__all__ = ["ALGORITHMS", "MAX_RULES_PER_REQUEST", "SCOPE_ORDER", "Algorithm", "Bundle", "Fallback", "NonNegInt", "Pool",
+__all__ = ["ALGORITHMS", "MAX_RULES_PER_REQUEST", "SCOPE_ORDER", "Bundle", "Fallback", "NonNegInt", "Pool",
            "PosInt", "Rule", "canonical_payload", "compute_checksum", "decode_bundle", "encode_bundle",
            "load_bundle_file", "make_rule", "rule_applies", "rule_doc", "script_slots", "seal", "select_rules",
            "validate_bundle"]

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 from kernel.algorithms import multi_rule
 from kernel.algorithms.multi_rule import MultiDecision
+from kernel.algorithms.pool_window import KIND as POOL_WINDOW
 from kernel.algorithms.pool_window import MAX_SPAN
 from kernel.algorithms.rule import Params
 from kernel.bounded import LRU
@@ -53,7 +54,7 @@ def pool_item(pool_id: str, windows: Windows, tokens: int, limit: int, ttl_ms: i
     None when there are too many candidates to count (the allocator's clock is too uncertain)."""
     if windows.span > MAX_SPAN:
         return None
-    return LocalItem(pool_id, "pw", (limit, windows.lo, windows.hi, tokens, max(1, ttl_ms)), 1,
+    return LocalItem(pool_id, POOL_WINDOW.code, (limit, windows.lo, windows.hi, tokens, max(1, ttl_ms)), 1,
                      pooled=True, retry_floor_ms=windows.end_in_ms)
 
 

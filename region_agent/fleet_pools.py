@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from kernel.algorithms.pool_window import KIND as POOL_WINDOW
 from kernel.algorithms.pool_window import MAX_SPAN
 from kernel.bundle import Pool
 from kernel.errors import LeaseholdError, Overloaded, ScriptRejected
@@ -283,4 +284,4 @@ def allowance_call(key: str, pool: Pool, w: Windows, cost: int) -> Call:
     """The multi-rule call that charges ``cost`` tokens to the region's fallback allowance of
     ``pool`` in every candidate allocator window ``w`` (kind ``pw``)."""
     ttl = w.end_in_ms + pool.window_ms  # the counts outlive every window they were charged to
-    return Call(key, "pw", (pool.fallback_per_region, w.lo, w.hi, cost, ttl))
+    return Call(key, POOL_WINDOW.code, (pool.fallback_per_region, w.lo, w.hi, cost, ttl))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kernel.algorithms import Role
+from kernel.algorithms.concurrency import KIND as CONCURRENCY
 from kernel.algorithms.pool import PoolRule
 from kernel.bounded import BoundedMemo
 from kernel.bundle import Bundle, Pool, Rule, select_rules
@@ -161,7 +162,7 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder) -> Plan:
         key = key_of(rule)
         plan.rule_keys[rule.id] = key
         if rule.concurrency_max is not None:
-            calls.append(Call(KeyBuilder.cc_key(key), "cc", (rule.concurrency_max, rule.concurrency_ttl_ms, 0, 0, 0)))
+            calls.append(Call(KeyBuilder.cc_key(key), CONCURRENCY.code, (rule.concurrency_max, rule.concurrency_ttl_ms, 0, 0, 0)))
             slots.append(Slot(rule, Role.CC))
         calls.append(Call(key, rule.kind.code, rule.script_params(cost_hint)))
         slots.append(Slot(rule, rule.role))

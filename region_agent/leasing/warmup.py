@@ -17,9 +17,9 @@ def warmup_balances(bundle: Bundle, region: str) -> list[tuple[Pool, str]]:
     pools = {p.id: p for p in bundle.pools}
     out: dict[str, tuple[Pool, str]] = {}
     for r in bundle.rules:
-        if r.algorithm != "pool" or r.shadow or r.pool not in pools:
+        if r.pool_id not in pools or r.shadow:
             continue
-        pool = pools[r.pool]
+        pool = pools[r.pool_id]
         if pool.regions is not None and region not in pool.regions:
             continue
         if r.scope == "global":
