@@ -1,0 +1,67 @@
+"""One decision's script call and its reply (region_agent/call.py): the shape checks made before
+sending, and the reply parsing, conflict and error slots included (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernel.errors import DecisionConflict, ScriptRejected, StoreUnavailable
+from region_agent.call import (
+    MAX_RULES,
+    Call,
+    MultiRuleResult,
+    PoolTake,
+    multi_rule_call,
+    parse_multi_rule,
+    parse_pool_take,
+    pool_take_call,
+)
+
+TB = Call("rl:{t:a}:x", "tb", (20_000, 2_000, 1_000, 1_000, 0))
+CC = Call("rl:{t:a}:x:cc", "cc", (3, 60_000, 0, 0, 0))
+
+
+def test_keys_and_argv_follow_the_script_header():
+    name, keys, argv = multi_rule_call([CC, TB], decision_key="rl:{t:a}:d:r1", slack_ms=5_000, decision_ttl_ms=30_000,
+                                       member="r1", question="q")
+    assert name == "multi_rule"
+    assert keys == ["rl:{t:a}:d:r1", CC.key, TB.key]
+    assert argv == [5_000, 30_000, "r1", "cc", 3, 60_000, 0, 0, 0, "tb", 20_000, 2_000, 1_000, 1_000, 0, "q"]
+
+
+@pytest.mark.parametrize(("calls", "message"), [
+    ([], "1..8"),
+    ([TB._replace(key=f"k{i}") for i in range(MAX_RULES + 1)], "1..8"),
+    ([TB._replace(kind="xx")], "unknown rule kind"),
+    ([TB._replace(params=(1, 2, 3))], "five parameters"),
+    ([TB, TB], "same key"),
+])
+def test_shape_errors_are_refused_before_sending(calls, message):
+    with pytest.raises(ScriptRejected, match=message):
+        multi_rule_call(calls, decision_key="d", slack_ms=0, decision_ttl_ms=0, member="m")
+
+
+def test_reply_parsing():
+    assert parse_multi_rule([1, 0, 0, b"19000", 7]) == MultiRuleResult(True, 0, 0, (19_000, 7))
+    assert parse_multi_rule([0, 2, -1, 0, 0]) == MultiRuleResult(False, 2, -1, (0, 0))
+    with pytest.raises(DecisionConflict):
+        parse_multi_rule([-1, 0, 0, 0])
+    for bad in (None, [1, 0], ["x", 0, 0, 0], "OK"):
+        with pytest.raises(ScriptRejected):
+            parse_multi_rule(bad)
+
+
+def test_an_error_in_the_reply_slot_is_raised_as_a_contract_error():
+    err = ScriptRejected("bad args")
+    with pytest.raises(ScriptRejected) as e:
+        parse_multi_rule(err)
+    assert e.value is err
+    with pytest.raises(StoreUnavailable):  # a driver error that escaped translation: never a 500
+        parse_multi_rule(ConnectionError("reset"))
+
+
+def test_pool_take():
+    assert pool_take_call("rl:{g:p}", min_tokens=1, want=20, slack_ms=0) == ("pool_take", ["rl:{g:p}"], [1, 20, 0])
+    assert parse_pool_take([20, 80, 900, 0]) == PoolTake(20, 80, 900, 0)
+    with pytest.raises(ScriptRejected):
+        parse_pool_take([1, 2, 3])
