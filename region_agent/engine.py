@@ -2,7 +2,7 @@
 
 Flow per request, in one direction: read the policy snapshot once; build the plan (selected
 rules, keys, one multi-rule call, optional shadow call: region_agent.plan); reserve fleet-wide
-pool tokens from in-process chunk leases (region_agent.fleet_pools); send the tenant call
+pool tokens from in-process chunk leases (region_agent.leasing.fleet_pools); send the tenant call
 through the coalescing batcher under one monotonic deadline (region_agent.call); ask
 :func:`region_agent.outcome.outcome` what the answer means and carry that step out (an answer,
 one wait for a pool top-up, the pool's fallback allowance, or a degradation per rule failMode);
@@ -35,10 +35,10 @@ from kernel.errors import (
 
 from .call import Call, MultiRuleResult, multi_rule_call, parse_multi_rule
 from .fallback import LocalAllowances, LocalItem, pool_item, rule_item
-from .fleet_pools import FleetPools, TakeStatus, allowance_call
 from .httpmap import apply_http
 from .keys import KeyBuilder
 from .leasing.book import BalanceState
+from .leasing.fleet_pools import FleetPools, TakeStatus, allowance_call
 from .leasing.window_clock import AllocatorClock, Windows
 from .metrics import AgentMetrics
 from .models import AdmitRequest, Decision, Reason, ReleaseRequest, RenewRequest
@@ -233,7 +233,7 @@ class DecisionEngine:
         return prep
 
     async def _take_globals(self, prep: _Prepared) -> None:
-        """Reserve every fleet-wide pool's tokens (region_agent.fleet_pools), or decide early."""
+        """Reserve every fleet-wide pool's tokens (region_agent.leasing.fleet_pools), or decide early."""
         plan, bundle = prep.plan, prep.bundle
         for spend in plan.global_spends:
             took = await self.fleet.take(spend, prep.deadline, self.clock)

@@ -1,6 +1,6 @@
 """A fleet-wide pool's in-process chunk lease (region_agent/leasing/chunks.py)."""
 
-from region_agent.chunks import ChunkLease
+from region_agent.leasing.chunks import ChunkLease
 
 
 def test_chunk_lease_spend_give_back_expiry():

@@ -1,7 +1,7 @@
 """Pure parts of the overload handling (issue 11 path 9): the event-loop lag monitor and the
 cost-aware local denial of a chunk lease."""
 
-from region_agent.chunks import ChunkLease
+from region_agent.leasing.chunks import ChunkLease
 from region_agent.store.lag import LoopLag
 
 

@@ -33,14 +33,14 @@ from kernel.algorithms.pool_window import MAX_SPAN
 from kernel.bundle import Pool
 from kernel.errors import LeaseholdError, Overloaded, ScriptRejected
 
-from .call import Call, PoolTake, multi_rule_call, parse_multi_rule, parse_pool_take, pool_take_call
+from ..call import Call, PoolTake, multi_rule_call, parse_multi_rule, parse_pool_take, pool_take_call
+from ..fallback import LocalAllowances, pool_item
+from ..keys import KeyBuilder
+from ..plan import GlobalSpend
+from ..store.protocol import Store
+from .book import BalanceState
 from .chunks import NO_CHUNK, ChunkLease
-from .fallback import LocalAllowances, pool_item
-from .keys import KeyBuilder
-from .leasing.book import BalanceState
-from .leasing.window_clock import Windows
-from .plan import GlobalSpend
-from .store.protocol import Store
+from .window_clock import Windows
 
 
 class TakeStatus(StrEnum):
