@@ -298,9 +298,14 @@ class DecisionEngine:
                 self._give_back(prep)
             if o.cacheable:
                 call = (calls or plan.calls)[o.slot]
-                self.negative.put((call.key, call.params), self.now_ms(), o.answer.retry, o.answer)
+                # a bucket's or window's hint is exact; a pool's (a top-up) or a fallback's is not
+                self.negative.put((call.key, call.params), self.now_ms(), o.answer.retry, o.answer,
+                                  exact=plan.slots[o.slot].rule.exact_hint and not fallback)
+            else:
+                self._forget_denials(plan, calls, result)
             return self._answer(prep, o.answer)
         if o.step is NextStep.ALLOWED_WITHOUT_SCRIPT:
+            self._forget_denials(plan, calls, result)
             d = self._allowed_without_script(prep)
             d.fallback = d.fallback or fallback
             return d
@@ -330,6 +335,13 @@ class DecisionEngine:
         except LeaseholdError as e:
             result = e
         return await self._settle(prep, result, retry=False)
+
+    def _forget_denials(self, plan: Plan, calls: list[Call] | None, result: MultiRuleResult | LeaseholdError) -> None:
+        """An admitted call (a probe passed): the cached denials of its keys no longer hold."""
+        if len(self.negative) and plan.decision_ttl_ms == 0 and isinstance(result, MultiRuleResult) \
+                and result.allowed:
+            for call in calls or plan.calls:
+                self.negative.forget((call.key, call.params))
 
     def _answer(self, prep: _Prepared, a: Answer) -> Decision:
         return self._decision(prep.plan, prep.bundle, allowed=a.allowed, rule=a.rule, scope=a.scope,

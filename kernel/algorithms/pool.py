@@ -150,6 +150,7 @@ class PoolRule(RuleBase, frozen=True, tag="pool"):
     kind: ClassVar[Kind] = KIND
     role: ClassVar[Role] = Role.POOL
     local_model: ClassVar[LocalModel] = LocalModel.POOL_ALLOWANCE
+    exact_hint: ClassVar[bool] = False  # a top-up may come before the hint
 
     pool: str | None = None
     cost: PosInt = 1

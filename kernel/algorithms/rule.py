@@ -104,6 +104,9 @@ class RuleBase(Struct, rename="camel", forbid_unknown_fields=True, frozen=True, 
     role: ClassVar[Role] = Role.RATE
     local_model: ClassVar[LocalModel] = LocalModel.FALLBACK
     millis: ClassVar[int] = 1  # the script's ``remaining`` units per whole token
+    # a denial's retry hint is the first instant the same cost can pass (only time adds room), so
+    # the agent's negative cache may hold the denial that long (region_agent/negcache.py)
+    exact_hint: ClassVar[bool] = True
 
     id: str
     scope: Scope
