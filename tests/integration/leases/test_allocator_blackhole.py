@@ -109,7 +109,10 @@ async def test_blackholed_allocators_then_fallback_then_heal(region_behind_proxi
         for p in proxies:
             await p.control.heal()
         healed_ms = wall_ms()
-        await asyncio.sleep(max(0, (healed_ms // W + 3) * W + 100 - wall_ms()) / 1000)
+        # half a window into the one after the last checked window: the load's last answers (a
+        # request in flight when it stops is not recorded) must land past that window's end, or
+        # the check below has no window to look at
+        await asyncio.sleep(max(0, (healed_ms // W + 3) * W + W // 2 - wall_ms()) / 1000)
     finally:
         stop.set()
         recs = await load

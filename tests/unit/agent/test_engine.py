@@ -137,3 +137,15 @@ async def test_a_batch_sends_every_item_in_one_submit():
     e, _ = engine(store)
     out = await e.admit_many([req(rid="r-0000000000000001"), req(rid="r-0000000000000002")])
     assert [d.allowed for d in out] == [True, False] and len(store.sent) == 1 and len(store.sent[0]) == 2
+
+
+async def test_an_exact_hint_is_held_whole_and_an_admitted_probe_clears_the_denial():
+    store = ScriptedStore([[0, 2, 1_500, 20_000, 400]], [[1, 0, 0, 19_000, 1_000]], [[1, 0, 0, 18_000, 999]])
+    clock = Clock()
+    e, _ = engine(store, clock)
+    assert not (await e.admit(req(rid="r-0000000000000001"))).allowed
+    clock.t += 1.0  # a bucket's hint is exact: held for the whole 1.5 s, not the 250 ms cap
+    assert not (await e.admit(req(rid="r-0000000000000002"))).allowed and len(store.sent) == 1
+    clock.t += 0.6  # the hold is over: this caller probes, and is admitted
+    assert (await e.admit(req(rid="r-0000000000000003"))).allowed and len(store.sent) == 2
+    assert (await e.admit(req(rid="r-0000000000000004"))).allowed and len(store.sent) == 3  # nothing held
