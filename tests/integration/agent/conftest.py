@@ -8,11 +8,13 @@ import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import msgspec
 import pytest
 from litestar.testing import AsyncTestClient
+from redis.asyncio import Redis, RedisCluster
 
 from kernel.bundle import Bundle, encode_bundle, load_bundle_file, seal
 from leasehold.procs import Proc, free_port, wait_port
@@ -64,6 +66,31 @@ async def cluster_agent(redis_cluster_url: str, policy_file: Path) -> AsyncItera
     app = create_app(make_settings(url, policy_file), pepper=PEPPER)
     async with AsyncTestClient(app=app) as client:
         yield client
+
+
+class Topology(NamedTuple):
+    name: str  # "standalone" | "cluster"
+    url: str  # for the test's own client
+    agent_url: str  # what the agent is given
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def topology(request: pytest.FixtureRequest) -> Topology:
+    """The behaviour suites (test_worked_numbers.py, test_algorithms_http.py) run on a standalone
+    Redis and on a 3-master Redis Cluster: the agent's HTTP path, not only the scripts."""
+    if request.param == "cluster":
+        url = request.getfixturevalue("redis_cluster_url")
+        return Topology("cluster", url, url.replace("redis://", "redis+cluster://"))
+    url = request.getfixturevalue("redis_url")
+    return Topology("standalone", url, url)
+
+
+@pytest.fixture
+async def store_client(topology: Topology) -> AsyncIterator[Redis | RedisCluster]:
+    """The test's own client of the topology's Redis (to read and set stored state)."""
+    client = RedisCluster.from_url(topology.url) if topology.name == "cluster" else Redis.from_url(topology.url)
+    yield client
+    await client.aclose()
 
 
 def admit_body(request_id: str, *, tenant: str | None = "atlas", ptype: str = "user", pid: str = "U-17",

@@ -1,4 +1,5 @@
-"""The seed's numbers for the window algorithms and GCRA, through the agent's HTTP API.
+"""The worked numbers of the window algorithms and GCRA through the agent's HTTP API, on a real
+standalone Redis and a real Redis Cluster (the ``topology`` fixture).
 
 Times come from the store's clock: a test writes state against Redis TIME and brackets the
 answer between the clock before and after the call (the exact millisecond values are pinned by
@@ -11,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from litestar.testing import AsyncTestClient
-from redis.asyncio import Redis
 
 from kernel.bundle import make_rule
 from region_agent.app import create_app
@@ -38,18 +38,16 @@ EXTRA = [
 
 
 @pytest.fixture
-async def r(redis_url):
-    client = Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
+def r(store_client):
+    return store_client
 
 
 @pytest.fixture
-async def agent2(redis_url: str, tmp_path: Path):
+async def agent2(topology, tmp_path: Path):
     policy = tmp_path / "algos.json"
     base = northstar()
     write_bundle(policy, base, rules=[*base.rules, *EXTRA])
-    async with AsyncTestClient(app=create_app(make_settings(redis_url, policy), pepper=PEPPER)) as client:
+    async with AsyncTestClient(app=create_app(make_settings(topology.agent_url, policy), pepper=PEPPER)) as client:
         yield client
 
 

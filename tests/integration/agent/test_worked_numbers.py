@@ -1,21 +1,37 @@
-"""The seed's worked numbers through the agent's HTTP API (real Redis)."""
+"""The worked numbers (docs/invariants.md) through the agent's HTTP API, on a real standalone
+Redis and a real Redis Cluster (the ``topology`` fixture)."""
 
 from __future__ import annotations
 
 import pytest
-from redis.asyncio import Redis
+from litestar.testing import AsyncTestClient
 
-from .conftest import admit_body, admit_json, bucket_tokens, set_bucket, tenant_key, user_key
+from region_agent.app import create_app
+
+from .conftest import (
+    PEPPER,
+    admit_body,
+    admit_json,
+    bucket_tokens,
+    make_settings,
+    set_bucket,
+    tenant_key,
+    user_key,
+)
 
 U17_READ = user_key("atlas", "U-17", "read")
 ATLAS = tenant_key("atlas")
 
 
 @pytest.fixture
-async def r(redis_url):
-    client = Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
+def r(store_client):
+    return store_client
+
+
+@pytest.fixture
+async def agent(topology, policy_file):
+    async with AsyncTestClient(app=create_app(make_settings(topology.agent_url, policy_file), pepper=PEPPER)) as c:
+        yield c
 
 
 admit = admit_json
