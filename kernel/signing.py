@@ -33,8 +33,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from cryptography.exceptions import InvalidSignature
@@ -102,32 +103,29 @@ def generate_keypair(directory: Path, name: str = "policy-signing") -> tuple[Pat
     return key_path, pub_path
 
 
-def load_private_key(path: str | Path) -> Ed25519PrivateKey:
+def _load_pem(path: str | Path, what: str, load: Callable[[bytes], object], form: str, cls: type, kind: str) -> Any:
+    """The Ed25519 key of type ``cls`` in the PEM file ``path``, or a PolicyError naming the file."""
     try:
         data = Path(path).read_bytes()
     except OSError as e:
-        raise PolicyError(f"cannot read the signing key {str(path)!r}: {e.strerror}") from None
+        raise PolicyError(f"cannot read the {what} {str(path)!r}: {e.strerror}") from None
     try:
-        key = serialization.load_pem_private_key(data, password=None)
+        key = load(data)
     except (ValueError, TypeError) as e:
-        raise PolicyError(f"{str(path)!r} is not an unencrypted PEM private key: {e}") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise PolicyError(f"{str(path)!r} is not an Ed25519 private key")
+        raise PolicyError(f"{str(path)!r} is not {form}: {e}") from None
+    if not isinstance(key, cls):
+        raise PolicyError(f"{str(path)!r} is not an Ed25519 {kind} key")
     return key
+
+
+def load_private_key(path: str | Path) -> Ed25519PrivateKey:
+    return _load_pem(path, "signing key", lambda d: serialization.load_pem_private_key(d, password=None),
+                     "an unencrypted PEM private key", Ed25519PrivateKey, "private")
 
 
 def load_public_key(path: str | Path) -> Ed25519PublicKey:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise PolicyError(f"cannot read the public key {str(path)!r}: {e.strerror}") from None
-    try:
-        key = serialization.load_pem_public_key(data)
-    except ValueError as e:
-        raise PolicyError(f"{str(path)!r} is not a PEM public key: {e}") from None
-    if not isinstance(key, Ed25519PublicKey):
-        raise PolicyError(f"{str(path)!r} is not an Ed25519 public key")
-    return key
+    return _load_pem(path, "public key", serialization.load_pem_public_key, "a PEM public key", Ed25519PublicKey,
+                     "public")
 
 
 def public_key_text(public: Ed25519PublicKey) -> str:

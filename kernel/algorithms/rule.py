@@ -13,6 +13,8 @@ fields and registers it with :func:`algorithm`. A Struct answers, for its algori
 * :attr:`~RuleBase.local_model` and :meth:`~RuleBase.fallback_call` — what answers for it in
   process while Redis is unreachable;
 * :meth:`~RuleBase.capacity` — what one key of it admits (the bypass audit compares versions).
+* :attr:`~RuleBase.exact_hint` — whether a denial's retry hint is exact (the agent's negative
+  cache holds such a denial for the whole hint).
 
 Everything here is pure and computed from the rule alone, so a caller may precompute it once per
 policy snapshot.
