@@ -39,6 +39,7 @@ from kernel.etcd_store import EtcdStore
 from kernel.etcd_tls import credentials as tls_credentials
 from kernel.openapi_problems import document_problems
 from kernel.policy_store import PolicyStore
+from kernel.shards import SHARD_HASH
 from kernel.wire import (
     LeaderInfo,
     LeaseBatchRequest,
@@ -47,6 +48,9 @@ from kernel.wire import (
     LeaseRequest,
     PoolSummary,
     PoolWindowView,
+    ShardedLeaderInfo,
+    ShardLeader,
+    ShardMap,
     UsageReceipt,
     UsageReport,
 )
@@ -56,6 +60,7 @@ from .election import Election
 from .engine import Engine, GrantRecord, wall_ms
 from .metrics import CONTENT_TYPE, AllocatorMetrics
 from .settings import AllocatorSettings
+from .shard_election import ShardElection
 
 log = logging.getLogger("allocator.app")
 
@@ -190,7 +195,27 @@ async def get_lease(request: Request, lease_id: FromPath[str], state: State) -> 
 
 @get("/v1/leader")
 async def get_leader(state: State) -> LeaderInfo:
-    return _engine(state).election.info()
+    """The allocator leader (unsharded), or the leader of shard 0 with the shard count and how many
+    shards this replica leads (sharded: see ``/v1/shards`` for the leader of a pool's shard)."""
+    election = _engine(state).election
+    info = election.info()
+    if isinstance(election, ShardElection):
+        return ShardedLeaderInfo(node_id=info.node_id, url=info.url, epoch=info.epoch, is_self=info.is_self,
+                                 shards=election.shards, leading=len(election.led))
+    return info
+
+
+@get("/v1/shards")
+async def get_shards(state: State) -> ShardMap:
+    """Which replica leads each shard of leadership, as this replica last read etcd; a pool's shard
+    is ``kernel.shards.shard_of(pool, shards)``. Any replica answers."""
+    election = _engine(state).election
+    if isinstance(election, ShardElection):
+        return election.shard_map()
+    settings: AllocatorSettings = state.settings
+    lead = election.leader
+    return ShardMap(shards=1, hash=SHARD_HASH, node_id=settings.node_id, url=settings.url, revision=lead.epoch or 0,
+                    members=[], leaders=[ShardLeader(shard=0, node_id=lead.node_id, url=lead.url, epoch=lead.epoch)])
 
 
 @get("/v1/pools")
@@ -214,8 +239,13 @@ async def readyz(state: State) -> Response[Any]:
     if not (election.etcd_ok and election.role_known):
         return problem_response(Unavailable("not ready: etcd unreachable or role unknown",
                                             extra={"etcd": election.etcd_ok, "roleKnown": election.role_known}))
-    return Response(content={"status": "ready", "role": "leader" if election.is_leader else "follower",
-                             "epoch": election.leader.epoch}, media_type=MediaType.JSON)
+    body: dict[str, Any] = {"status": "ready", "role": "leader" if election.is_leader else "follower",
+                            "epoch": election.leader.epoch}
+    if isinstance(election, ShardElection):
+        if election.config_error:
+            return problem_response(Unavailable(f"not ready: {election.config_error}"))
+        body |= {"shards": election.shards, "shardsLed": len(election.led)}
+    return Response(content=body, media_type=MediaType.JSON)
 
 
 @get("/metrics", media_type=CONTENT_TYPE)
@@ -256,14 +286,26 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         store = EtcdStore(settings.etcd, timeout_s=settings.etcd_timeout_ms / 1000, observe=m.observe_etcd,
                           **etcd_credentials(settings))
         engine: Engine
+        election: Election | ShardElection
 
         def on_change(leading: bool, epoch: int | None) -> None:
             m.on_leader_change(leading, epoch if epoch is not None else election.leader.epoch)
             engine.invalidate()
 
-        election = Election(store, f"{settings.prefix}leader".encode(), node_id=settings.node_id,
-                            url=settings.url, ttl_s=settings.election_ttl_s, on_change=on_change)
+        def on_shard_change(shard: int, leading: bool, epoch: int | None) -> None:
+            assert isinstance(election, ShardElection)
+            m.on_shard_change(leading, len(election.led), election.leader.epoch)
+            engine.invalidate(shard)
+
+        if settings.shards == 1:
+            election = Election(store, f"{settings.prefix}leader".encode(), node_id=settings.node_id,
+                                url=settings.url, ttl_s=settings.election_ttl_s, on_change=on_change)
+        else:
+            election = ShardElection(store, settings.prefix, shards=settings.shards, node_id=settings.node_id,
+                                     url=settings.url, ttl_s=settings.election_ttl_s, on_change=on_shard_change)
         engine = Engine(store, election, pools, prefix=settings.prefix, metrics=m, clock=clock)
+        if isinstance(election, ShardElection):
+            election.drain = engine.drain
         app.state.engine = engine
         engine.start()
         election.start()
@@ -280,12 +322,12 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
             await engine.stop()
             await store.close()
 
-    handlers: list[Any] = [post_lease, post_batch, post_usage, get_lease, get_leader, get_pools, get_pool,
-                           healthz, readyz, metrics]
+    handlers: list[Any] = [post_lease, post_batch, post_usage, get_lease, get_leader, get_shards, get_pools,
+                           get_pool, healthz, readyz, metrics]
     app = Litestar(
         route_handlers=handlers,
         lifespan=[lifespan],
-        state=State({"auth_guard": auth_guard}),
+        state=State({"auth_guard": auth_guard, "settings": settings}),
         exception_handlers={LeaseholdError: _leasehold_handler, HTTPException: _http_handler,
                             Exception: _internal_handler},
         request_max_body_size=settings.max_body_bytes,

@@ -4,14 +4,17 @@ Every write goes through one committer task. It keeps each active window's state
 (with the window key's ``mod_revision``), decides grants with :mod:`allocator.policy` and
 commits a group of grants in one etcd transaction whose compares are
 
-* ``create_revision(leader) == epoch``  (fencing: a deposed or paused leader cannot commit),
+* ``create_revision(leader key of the pool's shard) == epoch`` for every shard the transaction
+  writes (fencing: a deposed or paused leader cannot commit; one shard and the key ``leader``
+  unless the deployment is sharded, see :mod:`allocator.shards`; built in :meth:`Engine._fence_compares`),
 * each touched window key's ``mod_revision`` (or ``version == 0`` when new),
 * each new grant key's ``version == 0`` (idempotency: a stored record is never overwritten).
 
-On a failed compare the failure branch reads back the leader key, the windows and the grant
-keys: a changed epoch fences (nothing granted, step down), existing grant records are answered
-as replays, changed windows are reloaded and the rest retried (bounded). Nothing is ever
-granted from memory alone: an answer is returned only after its transaction committed.
+On a failed compare the failure branch reads back the leader keys, the windows and the grant
+keys: a changed epoch fences that shard's grants (nothing granted, step down from the shard),
+existing grant records are answered as replays, changed windows are reloaded and the rest
+retried (bounded). Nothing is ever granted from memory alone: an answer is returned only after
+its transaction committed.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -34,7 +37,15 @@ from kernel.errors import (
     NotFound,
     Unavailable,
 )
-from kernel.etcd_store import MAX_TXN_OPS, EtcdLeaseMissing, EtcdStore, LeaseBuckets, range_kvs, txn_revision
+from kernel.etcd_store import (
+    KV,
+    MAX_TXN_OPS,
+    EtcdLeaseMissing,
+    EtcdStore,
+    LeaseBuckets,
+    range_kvs,
+    txn_revision,
+)
 from kernel.wire import (
     LeaseError,
     LeaseGrant,
@@ -47,7 +58,6 @@ from kernel.wire import (
 )
 
 from . import policy
-from .election import Election
 from .metrics import AllocatorMetrics
 
 log = logging.getLogger("allocator.engine")
@@ -80,11 +90,29 @@ class _Cached:
     mod_revision: int  # 0 = not in etcd yet
 
 
+class Leadership(Protocol):
+    """Who may write which pool: :class:`allocator.election.Election` (one shard, key ``leader``)
+    or :class:`allocator.shard_election.ShardElection` (``leader/<shard>``)."""
+
+    shards: int
+
+    def shard_of(self, pool: str) -> int: ...
+
+    def leader_key(self, shard: int) -> bytes: ...
+
+    def require_leader(self, shard: int = 0) -> int: ...  # the shard's epoch, or NotLeader naming its leader
+
+    def epoch_of(self, shard: int) -> int | None: ...
+
+    def step_down(self, reason: str, shard: int | None = None) -> None: ...
+
+
 @dataclass
 class _GrantJob:
     req: LeaseRequest
     fut: asyncio.Future[LeaseGrant]
-    epoch: int  # the epoch this replica led with when it accepted the request
+    epoch: int  # the epoch this replica led the pool's shard with when it accepted the request
+    shard: int = 0
 
 
 @dataclass
@@ -92,6 +120,7 @@ class _UsageJob:
     report: UsageReport
     fut: asyncio.Future[UsageReceipt]
     epoch: int
+    shard: int = 0
 
 
 @dataclass
@@ -118,7 +147,7 @@ class Keys:
 @dataclass
 class Engine:
     store: EtcdStore
-    election: Election
+    election: Leadership
     pools: dict[str, Pool]
     prefix: str = "/leasehold/"
     metrics: AllocatorMetrics = field(default_factory=AllocatorMetrics)
@@ -136,6 +165,8 @@ class Engine:
         self._buckets = LeaseBuckets(self.store)
         self._task: asyncio.Task[None] | None = None
         self._grant_counters: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._open: dict[int, int] = {}  # shard -> accepted writes not answered yet (for a handoff's drain)
+        self._idle: dict[int, asyncio.Event] = {}  # set when a drained shard's last write is answered
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -151,10 +182,29 @@ class Engine:
             if not job.fut.done():
                 _fail(job.fut, Unavailable("allocator shutting down"))
 
-    def invalidate(self) -> None:
-        """Forget cached window state (on any leadership change)."""
-        self._cache.clear()
-        self._buckets.forget()
+    def invalidate(self, shard: int | None = None) -> None:
+        """Forget cached window state (of one shard's pools, or all) on a leadership change."""
+        if shard is None:
+            self._cache.clear()
+            self._buckets.forget()
+            return
+        for wk in [wk for wk in self._cache if self.election.shard_of(wk[0]) == shard]:
+            del self._cache[wk]
+
+    async def drain(self, shard: int) -> None:
+        """Wait until every write accepted for ``shard`` has been answered (a handoff calls this
+        after it stopped accepting the shard, with its own time bound)."""
+        while self._open.get(shard):
+            await self._idle.setdefault(shard, asyncio.Event()).wait()
+
+    def _track(self, shard: int, fut: asyncio.Future[Any]) -> None:
+        self._open[shard] = self._open.get(shard, 0) + 1
+
+        def done(_f: asyncio.Future[Any]) -> None:
+            self._open[shard] -= 1
+            if not self._open[shard] and (idle := self._idle.pop(shard, None)) is not None:
+                idle.set()
+        fut.add_done_callback(done)
 
     # -- public API -----------------------------------------------------------------------------
     def pool(self, pool_id: str) -> Pool:
@@ -199,10 +249,12 @@ class Engine:
 
     async def report(self, report: UsageReport) -> UsageReceipt:
         self.pool(report.pool)
-        epoch = self.election.require_leader()
+        shard = self.election.shard_of(report.pool)
+        epoch = self.election.require_leader(shard)
         self._check_backlog()
         fut: asyncio.Future[UsageReceipt] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_UsageJob(report, fut, epoch))
+        self._track(shard, fut)
+        self._queue.put_nowait(_UsageJob(report, fut, epoch, shard))
         return await fut
 
     async def get_record(self, lease_id: str) -> GrantRecord:
@@ -238,12 +290,14 @@ class Engine:
         if existing is not None:
             _check_same(existing.req.pool, existing.req.region, req)
             return existing.fut
-        epoch = self.election.require_leader()
+        shard = self.election.shard_of(req.pool)
+        epoch = self.election.require_leader(shard)
         self._check_backlog()
         fut: asyncio.Future[LeaseGrant] = asyncio.get_running_loop().create_future()
-        job = _GrantJob(req, fut, epoch)
+        job = _GrantJob(req, fut, epoch, shard)
         self._inflight[req.lease_id] = job
         fut.add_done_callback(lambda _f: self._inflight.pop(req.lease_id, None))
+        self._track(shard, fut)
         self._queue.put_nowait(job)
         return fut
 
@@ -260,9 +314,8 @@ class Engine:
                 jobs.append(self._queue.get_nowait())
             grants = [j for j in jobs if isinstance(j, _GrantJob)]
             usages = [j for j in jobs if isinstance(j, _UsageJob)]
-            for epoch in dict.fromkeys(j.epoch for j in grants):  # one epoch per transaction
-                waves = pool_disjoint_groups([j for j in grants if j.epoch == epoch], self.max_group,
-                                             TXNS_IN_FLIGHT)
+            for generation in epoch_generations(grants):  # one epoch per shard and transaction
+                waves = pool_disjoint_groups(generation, self.max_group, TXNS_IN_FLIGHT, shard_of=_job_shard)
                 for wave in waves:
                     # a few transactions in flight, on disjoint pools: Python builds the next while
                     # etcd commits one. (Were two to touch one window, only one could commit: each
@@ -289,13 +342,30 @@ class Engine:
                 if not j.fut.done():
                     _fail(j.fut, Unavailable(f"internal allocator error ({type(e).__name__})"))
 
-    def _fence(self, epoch: int) -> Fenced:
+    # -- fencing: the one place a write is tied to its shard's epoch ----------------------------
+    def _fence_compares(self, fence: dict[int, int]) -> list[Any]:
+        """``create_revision(leader key of shard) == epoch`` for each shard -> epoch a transaction
+        writes: etcd refuses the whole transaction if any of them was deposed meanwhile."""
+        t = self.store.t
+        return [t.create(self.election.leader_key(shard)) == epoch for shard, epoch in fence.items()]
+
+    def _deposed(self, fence: dict[int, int], found: dict[bytes, KV]) -> dict[int, int]:
+        """The shards (-> epoch) of ``fence`` whose leader key, read after a failed compare, no
+        longer carries the epoch (a create_revision never goes back: the epoch is gone for good)."""
+        out = {}
+        for shard, epoch in fence.items():
+            kv = found.get(self.election.leader_key(shard))
+            if kv is None or kv.create_revision != epoch:
+                out[shard] = epoch
+        return out
+
+    def _fence(self, epoch: int, shard: int = 0) -> Fenced:
         self.metrics.fenced.inc()
-        if self.election.epoch == epoch:  # not if we already lead again under a newer epoch
-            self.election.step_down(f"epoch {epoch} fenced by etcd")
-            self.invalidate()
+        if self.election.epoch_of(shard) == epoch:  # not if we already lead again under a newer epoch
+            self.election.step_down(f"epoch {epoch} fenced by etcd", shard)
+            self.invalidate(None if self.election.shards == 1 else shard)
         return Fenced(f"this replica's epoch {epoch} is no longer current; nothing was granted",
-                      extra={"epoch": epoch})
+                      extra={"epoch": epoch} if self.election.shards == 1 else {"epoch": epoch, "shard": shard})
 
     async def _load_windows(self, wanted: set[tuple[str, int]]) -> None:
         missing = [wk for wk in wanted if wk not in self._cache]
@@ -313,9 +383,6 @@ class Engine:
     async def _commit_grants(self, jobs: list[_GrantJob]) -> None:
         pending = list(jobs)
         for attempt in range(self.max_attempts):
-            # No local leadership check here: the job carries the epoch it was accepted under and
-            # etcd decides (the txn compares it). A leader resumed after a pause gets Fenced.
-            epoch = jobs[0].epoch
             now = self.clock()
             targets: dict[int, tuple[str, int]] = {}
             for job in list(pending):
@@ -336,11 +403,15 @@ class Engine:
                                         demand=r.demand, now_ms=now)
                 g = LeaseGrant(lease_id=r.lease_id, pool=r.pool, region=r.region, granted=d.granted,
                                window=d.window, expires_at_ms=d.expires_at_ms, ttl_ms=d.ttl_ms,
-                               starts_in_ms=d.starts_in_ms, epoch=epoch, issued_at_ms=now, remaining=d.remaining)
+                               starts_in_ms=d.starts_in_ms, epoch=job.epoch, issued_at_ms=now,
+                               remaining=d.remaining)
                 answers.append((job, g, d))
             wks = list(work)
             t = self.store.t
-            compare = [t.create(self.keys.leader) == epoch]
+            # No local leadership check here: each job carries the epoch its shard was accepted under
+            # and etcd decides (the txn compares it). A leader resumed after a pause gets Fenced.
+            fence = {job.shard: job.epoch for job in pending}  # one epoch per shard in a group (committer)
+            compare = self._fence_compares(fence)
             for wk in wks:
                 rev = self._cache[wk].mod_revision
                 compare.append(t.mod(self.keys.window(*wk)) == rev if rev else t.version(self.keys.window(*wk)) == 0)
@@ -363,7 +434,8 @@ class Engine:
                     # (building these reads into every transaction cost a third of its ops; a
                     # conflict is rare, and what is read after it is as good to decide on: a
                     # create_revision never goes back, and a grant record found is final)
-                    found = await self.store.get_many([self.keys.leader, *(self.keys.window(*wk) for wk in wks),
+                    found = await self.store.get_many([*(self.election.leader_key(s) for s in fence),
+                                                       *(self.keys.window(*wk) for wk in wks),
                                                        *(self.keys.grant(j.req.lease_id) for j in pending)])
             except EtcdLeaseMissing:
                 self._buckets.forget()
@@ -385,9 +457,13 @@ class Engine:
                 return
             # -- a compare failed: find out which --------------------------------------------------
             self.metrics.txn_conflicts.labels("grant").inc()
-            leader = found.get(self.keys.leader)
-            if leader is None or leader.create_revision != epoch:
-                raise self._fence(epoch)
+            deposed = self._deposed(fence, found)
+            for shard, epoch in deposed.items():
+                fenced = self._fence(epoch, shard)
+                for job in pending:
+                    if job.shard == shard:
+                        _fail(job.fut, fenced)
+            pending = [j for j in pending if j.shard not in deposed]
             for wk in wks:
                 kv = found.get(self.keys.window(*wk))
                 self._cache[wk] = (_Cached(msgspec.json.decode(kv.value, type=policy.WindowState), kv.mod_revision)
@@ -449,7 +525,7 @@ class Engine:
         rep = job.report
         pool = self.pool(rep.pool)
         for _attempt in range(self.max_attempts):
-            epoch = job.epoch
+            epoch, shard = job.epoch, job.shard
             gkey = self.keys.grant(rep.lease_id)
             gkv = await self.store.get(gkey)
             if gkv is None:
@@ -467,7 +543,7 @@ class Engine:
                                       window_end_ms=rec.grant.window.end_ms, now_ms=now)
             wk = (pool.id, rec.grant.window.index)
             t = self.store.t
-            compare = [t.create(self.keys.leader) == epoch, t.mod(gkey) == gkv.mod_revision]
+            compare = [*self._fence_compares({shard: epoch}), t.mod(gkey) == gkv.mod_revision]
             success = []
             new_state: policy.WindowState | None = None
             returned, stranded, window_open = d.returned, d.stranded, d.window_open
@@ -486,7 +562,7 @@ class Engine:
                                           stranded=stranded, window_open=window_open)
             success.append(t.put(gkey, msgspec.json.encode(new), lease=gkv.lease or None))
             try:
-                ok, responses = await self.store.txn(compare, success, [t.get(self.keys.leader)])
+                ok, responses = await self.store.txn(compare, success, [t.get(self.election.leader_key(shard))])
             except EtcdLeaseMissing:
                 self._buckets.forget()
                 continue
@@ -505,16 +581,41 @@ class Engine:
             self.metrics.txn_conflicts.labels("usage").inc()
             leader = range_kvs(responses[0])
             if not leader or leader[0].create_revision != epoch:
-                raise self._fence(epoch)
+                raise self._fence(epoch, shard)
             self._cache.pop(wk, None)
             self.metrics.txn_retries.labels("usage").inc()
         raise Unavailable(f"usage report not committed after {self.max_attempts} conflicting attempts; retry")
 
 
-def pool_disjoint_groups(jobs: list[_GrantJob], max_group: int, per_wave: int) -> list[list[list[_GrantJob]]]:
+def _job_shard(job: _GrantJob) -> int:
+    return job.shard
+
+
+def epoch_generations(jobs: list[_GrantJob]) -> list[list[_GrantJob]]:
+    """Split jobs (order kept) so that within each part every shard has a single epoch: a
+    transaction compares each shard's epoch once. Jobs of a shard accepted under a later epoch
+    (this replica lost and won the shard again) go to a later part."""
+    parts: list[list[_GrantJob]] = []
+    index: dict[tuple[int, int], int] = {}
+    epochs_seen: dict[int, int] = {}
+    for job in jobs:
+        i = index.get((job.shard, job.epoch))
+        if i is None:
+            i = index[(job.shard, job.epoch)] = epochs_seen.get(job.shard, 0)
+            epochs_seen[job.shard] = i + 1
+            if i == len(parts):
+                parts.append([])
+        parts[i].append(job)
+    return parts
+
+
+def pool_disjoint_groups(jobs: list[_GrantJob], max_group: int, per_wave: int,
+                         shard_of: Callable[[_GrantJob], int] | None = None) -> list[list[list[_GrantJob]]]:
     """Split grant jobs into transactions of at most ``max_group`` and those into waves of at
     most ``per_wave`` transactions whose pools are disjoint (so they can commit concurrently
-    without conflicting on a window). Queue order is kept within a pool."""
+    without conflicting on a window). Queue order is kept within a pool. With ``shard_of``, a
+    transaction also stays within etcd's compare budget: one epoch compare per shard it writes,
+    plus at most one window and one grant compare per grant (``shards + 2 x grants <= 128``)."""
     by_pool: dict[str, list[_GrantJob]] = {}
     for j in jobs:
         by_pool.setdefault(j.req.pool, []).append(j)
@@ -523,16 +624,20 @@ def pool_disjoint_groups(jobs: list[_GrantJob], max_group: int, per_wave: int) -
     current: list[list[_GrantJob]] = []
     pools_in_wave: set[str] = set()
     group: list[_GrantJob] = []
+    shards_in_group: set[int] = set()
     for chunk in chunks:
         pool = chunk[0].req.pool
-        if pool in pools_in_wave or len(group) + len(chunk) > max_group:
+        shard = shard_of(chunk[0]) if shard_of is not None else 0
+        over = len(shards_in_group | {shard}) + 2 * (len(group) + len(chunk)) > MAX_TXN_OPS
+        if pool in pools_in_wave or len(group) + len(chunk) > max_group or over:
             if group:
                 current.append(group)
-                group = []
+                group, shards_in_group = [], set()
             if pool in pools_in_wave or len(current) >= per_wave:
                 waves.append(current)
                 current, pools_in_wave = [], set()
         group += chunk
+        shards_in_group.add(shard)
         pools_in_wave.add(pool)
     if group:
         current.append(group)

@@ -48,6 +48,11 @@ class AllocatorMetrics:
         self.is_leader = Gauge("leasehold_allocator_is_leader", "1 while this replica leads", registry=r)
         self.epoch = Gauge("leasehold_allocator_epoch", "Epoch of the leader this replica knows (0 = none)",
                            registry=r)
+        self.shards_led = Gauge("leasehold_allocator_shards_led",
+                                "Shards of leadership this replica leads and accepts writes for", registry=r)
+        self.shard_changes = Counter("leasehold_allocator_shard_changes_total",
+                                     "Shards this replica started (acquired) or stopped (released) leading",
+                                     ["event"], registry=r)
         self.fenced = Counter("leasehold_allocator_fenced_total", "Writes refused by the epoch compare",
                               registry=r)
         self.pool_limit = Gauge("leasehold_allocator_pool_limit_tokens", "G: a pool's tokens per window",
@@ -85,6 +90,14 @@ class AllocatorMetrics:
         self.is_leader.set(1 if leading else 0)
         if epoch is not None:
             self.epoch.set(epoch)
+
+    def on_shard_change(self, leading: bool, led: int, shard0_epoch: int | None) -> None:
+        """A sharded replica acquired or released one shard; ``led``: shards it leads now."""
+        self.shard_changes.labels("acquired" if leading else "released").inc()
+        self.shards_led.set(led)
+        self.is_leader.set(1 if led else 0)
+        if shard0_epoch is not None:
+            self.epoch.set(shard0_epoch)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -26,6 +26,11 @@ class AllocatorSettings(msgspec.Struct, forbid_unknown_fields=True):
     advertise_url: str | None = None  # how the other replicas and regions reach this one
     prefix: Annotated[str, Meta(pattern=r"^/[A-Za-z0-9._/-]*/\Z")] = "/leasehold/"
     election_ttl_s: Annotated[int, Meta(ge=2, le=60)] = 3
+    # shards of leadership: 1 = one leader for every pool (key <prefix>leader); N > 1 = pools hashed
+    # over N shards, each with its own leader key and epoch, spread over the live replicas. The same
+    # value on every replica of a prefix (stored in etcd at <prefix>shards; a replica with another
+    # value refuses to campaign): change it only with every replica stopped.
+    shards: Annotated[int, Meta(ge=1, le=1024)] = 1
     etcd_timeout_ms: Annotated[int, Meta(ge=50, le=30_000)] = 2_000
     max_body_bytes: Annotated[int, Meta(ge=1_024, le=16 * 1024 * 1024)] = 1024 * 1024
     log_level: Literal["debug", "info", "warning", "error"] = "info"

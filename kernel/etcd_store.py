@@ -18,6 +18,7 @@ from typing import Any
 
 import aetcd
 import aetcd.exceptions as aex
+import aetcd.utils as aetcd_utils
 import grpc
 from aetcd.client import Transactions
 
@@ -178,6 +179,21 @@ class EtcdStore:
                     out[kv.key] = kv
         return out
 
+    async def read_prefixes(self, prefixes: list[bytes], keys: Sequence[bytes] = ()) -> tuple[int, list[list[KV]]]:
+        """Every key under each prefix, then each of ``keys``, in one read-only transaction (one
+        consistent snapshot); (the snapshot's revision or 0 when no key was found, one KV list per
+        prefix and per key)."""
+        t = self.t
+        ops = [t.get(p, range_end=prefix_range_end(p)) for p in prefixes] + [t.get(k) for k in keys]
+        _, responses = await self.txn([], ops)
+        revision = 0
+        out: list[list[KV]] = []
+        for rng in responses:
+            out.append([_kv(meta) for _value, meta in rng])
+            for _value, meta in rng:
+                revision = max(revision, int(meta.header.revision))
+        return revision, out
+
     async def lease(self, ttl_s: int) -> int:
         res = await self._call("lease_grant", lambda c: c.lease(ttl_s))
         return int(res.id)
@@ -189,6 +205,11 @@ class EtcdStore:
 
     async def revoke(self, lease_id: int) -> None:
         await self._call("lease_revoke", lambda c: c.revoke_lease(lease_id))
+
+
+def prefix_range_end(prefix: bytes) -> bytes:
+    """The end of the key range holding every key that starts with ``prefix``."""
+    return aetcd_utils.prefix_range_end(prefix)
 
 
 def txn_revision(responses: list[Any]) -> int:
