@@ -236,14 +236,14 @@ async def healthz() -> dict[str, str]:
 @get("/readyz", media_type=MediaType.JSON)
 async def readyz(state: State) -> Response[Any]:
     election = _engine(state).election
+    if isinstance(election, ShardElection) and election.config_error:
+        return problem_response(Unavailable(f"not ready: {election.config_error}"))
     if not (election.etcd_ok and election.role_known):
         return problem_response(Unavailable("not ready: etcd unreachable or role unknown",
                                             extra={"etcd": election.etcd_ok, "roleKnown": election.role_known}))
     body: dict[str, Any] = {"status": "ready", "role": "leader" if election.is_leader else "follower",
                             "epoch": election.leader.epoch}
     if isinstance(election, ShardElection):
-        if election.config_error:
-            return problem_response(Unavailable(f"not ready: {election.config_error}"))
         body |= {"shards": election.shards, "shardsLed": len(election.led)}
     return Response(content=body, media_type=MediaType.JSON)
 
