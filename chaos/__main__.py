@@ -46,8 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tolerance_ms < 0:
         ap.error("--tolerance-ms must be >= 0")
     try:
-        pools = load_bundle_file(args.policy).pools if args.policy else []
-        report = check(args.history, pools, args.tolerance_ms)
+        policy = load_bundle_file(args.policy) if args.policy else []
+        report = check(args.history, policy, args.tolerance_ms)
     except (PolicyError, HistoryError, OSError) as e:
         print(f"error: {getattr(e, 'detail', None) or e}", file=sys.stderr)
         return 2

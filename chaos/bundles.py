@@ -1,14 +1,15 @@
 """The policy bundles chaos runs use: the multi-region Northstar shape with short pool
 windows, so a run of tens of seconds sees many windows. Pure (no I/O but ``write``).
 
-Pools (per window, across all regions) and the bound each promises
-(``admitted <= G + Σ_regions fallbackPerRegion + local allowances while a Redis was down``):
+Pools (per window, across all regions); the bound each promises is
+:func:`kernel.bound.pool_bound` (table in ``chaos/README.md``):
 
-* ``atlas-w``: G = 240 per 6 s window, fallbackPerRegion 24 -> at most 288 with two regions;
-* ``birch-w``: G = 60 per 6 s window, fallbackPerRegion 6 -> at most 72.
-
-A Redis outage adds, per agent of that region and window, the per-agent pool allowance
-(``fallbackPerRegion`` tokens) — the runner writes those as ``local_allowance`` records.
+* ``atlas-w``: tenant pool, G = 240 per 6 s window, fallbackPerRegion 24;
+* ``birch-w``: tenant pool, G = 60 per 6 s window, fallbackPerRegion 6;
+* ``fleet-g``: global-scope pool spent by every tenant's ``search`` requests from gateway chunks
+  (in-process chunk leases bought from the region's ``{g:fleet-g}`` balance, valid 1 s and never
+  past the window end), G = 100 per 4 s window, fallbackPerRegion 10. Its windows are not aligned
+  with the tenant pools' 6 s windows, so boundaries of both kinds occur at different moments.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import msgspec
 from kernel.bundle import Bundle, Fallback, Pool, Rule, encode_bundle, seal, validate_bundle
 
 WINDOW_MS = 6_000
+GLOBAL_WINDOW_MS = 4_000
 
 
 def pools(scale: float = 1.0) -> list[Pool]:
@@ -32,6 +34,8 @@ def pools(scale: float = 1.0) -> list[Pool]:
              fallback_per_region=n(24), prefetch_ms=1_000, active_horizon_ms=4_000),
         Pool(id="birch-w", window_ms=WINDOW_MS, limit=n(60), lease_ttl_ms=3_000, chunk_min=2, chunk_max=12,
              fallback_per_region=n(6), prefetch_ms=1_000, active_horizon_ms=4_000),
+        Pool(id="fleet-g", window_ms=GLOBAL_WINDOW_MS, limit=n(100), lease_ttl_ms=2_000, chunk_min=4, chunk_max=12,
+             fallback_per_region=n(10), prefetch_ms=500, active_horizon_ms=3_000, chunk_validity_ms=1_000),
     ]
 
 
@@ -44,6 +48,9 @@ def rules() -> list[Rule]:
         Rule(id="tenant-atlas-pool", scope="tenant", tenant="atlas", algorithm="pool", pool="atlas-w", cost=1,
              fail_mode="local_bounded"),
         Rule(id="tenant-birch-pool", scope="tenant", tenant="birch", algorithm="pool", pool="birch-w", cost=1,
+             fail_mode="local_bounded"),
+        # P-GLOBAL: every tenant's search requests spend the fleet-wide pool from gateway chunks
+        Rule(id="global-search", scope="global", route_group="search", algorithm="pool", pool="fleet-g", cost=1,
              fail_mode="local_bounded"),
     ]
 

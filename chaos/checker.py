@@ -18,15 +18,19 @@ Which records feed which check:
 * spend within grant / no spend after expiry: lease spends of allowed ``decision`` records
   (plus ``spend_close`` totals for the former);
 * admitted within bound and utilisation: ``decision`` records, with the pools in force from the
-  ``pools`` argument and any ``policy`` records, and ``local_allowance`` records; a decision
-  whose answer arrived in a later window than the one it was sent in is left out of the bound
-  (it was admitted in one of the two; see :func:`split_boundary`) and counted in the note;
+  ``pools`` argument and any ``policy`` records, the ``topology`` record (agents per region,
+  allocator clock offsets) and the ``fault`` records' effects (who could not reach the allocator
+  or Redis, in which windows): :func:`kernel.bound.pool_bound` per window. A decision is placed
+  in the allocator-clock windows between its send and its answer; when that is more than one,
+  any attribution that fits every window's bound is accepted (see
+  :func:`chaos.invariants.admitted_within_bound`) and the note counts such decisions;
 * acknowledged grants persisted: non-zero region-received grants against ``etcd_grant``. Only
   judged when the history holds etcd records (otherwise reported as not checked).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -40,7 +44,8 @@ from chaos.invariants import (
     Violation,
     WindowBound,
 )
-from kernel.bundle import Pool
+from kernel.bound import Faults, Topology
+from kernel.bundle import Bundle, Pool
 from kernel.shards import shard_of
 
 from .history import (
@@ -50,10 +55,10 @@ from .history import (
     Fault,
     Grant,
     Leader,
-    LocalAllowance,
     Meta,
     Record,
     SpendClose,
+    TopologyRec,
     close_to_spend,
     policies_from,
     read_history,
@@ -132,32 +137,61 @@ class Report(Struct):
         return "\n".join(lines)
 
 
-def split_boundary(decisions: list[inv.DecisionRecord], policies: Iterable[PoolPolicy]
-                   ) -> tuple[list[inv.DecisionRecord], list[inv.DecisionRecord]]:
-    """(certain, straddling): a decision windowed by its send time whose answer arrived in a
-    later window was admitted in one of the two — which one the history cannot tell (the
-    agent's answer does not name the window). The per-window bound is judged on the certain
-    ones; the straddling ones are counted in the verdict's note."""
-    window_ms = {p.id: p.window_ms for p in policies}
-    certain, straddling = [], []
-    for d in decisions:
-        w = window_ms.get(d.pool)
-        if w is not None and d.at_ms is not None and d.at_ms // w != d.window_index:
-            straddling.append(d)
-        else:
-            certain.append(d)
-    return certain, straddling
+def allocator_offsets(topo: TopologyRec | None) -> tuple[int, int]:
+    """(least, greatest) allocator clock - recorder clock over the run's allocator replicas."""
+    offs = list(topo.allocator_offsets_ms.values()) if topo is not None else []
+    return (min(offs), max(offs)) if offs else (0, 0)
 
 
-def _pool_policies(pools: Iterable[Pool | PoolPolicy]) -> list[PoolPolicy]:
+def faults_by_window(faults: Iterable[Fault], topo: TopologyRec | None, window_ms: dict[str, int],
+                     offsets_ms: tuple[int, int], end_ms: int):  # type: ignore[no-untyped-def]
+    """``(pool, index) -> kernel.bound.Faults``: what the recorded faults made unreachable at some
+    moment of that allocator-clock window. A fault's effect runs from its start to its stop plus
+    its grace (to the end of the history while still active); an agent restarted during a window
+    counts once more there (a new process, fresh in-process allowances)."""
+    region_of = {a: r for r, names in (topo.agents if topo else {}).items() for a in names}
+    spans: list[tuple[int, int, list[str], list[str]]] = []
+    restarts: list[tuple[int, str]] = []
+    for f in faults:
+        stop = f.stop_ms if f.stop_ms is not None else end_ms
+        if f.allocator_regions or f.redis_agents:
+            spans.append((f.start_ms + offsets_ms[0], stop + f.grace_ms + offsets_ms[1], f.allocator_regions,
+                          f.redis_agents))
+        if f.stop_ms is not None:
+            restarts += [(f.stop_ms, a) for a in f.restarted_agents]
+
+    def of(pool: str, index: int) -> Faults:
+        w = window_ms.get(pool)
+        if not w:
+            return Faults()
+        lo, hi = index * w, (index + 1) * w
+        cut: set[str] = set()
+        redis: set[str] = set()
+        for start, stop, regions, agents in spans:
+            if start < hi and stop >= lo:
+                cut.update(regions)
+                redis.update(agents)
+        procs: dict[str, int] = defaultdict(int)
+        for a in redis:
+            again = sum(1 for at, b in restarts if b == a and at + offsets_ms[0] < hi and at + offsets_ms[1] >= lo)
+            procs[region_of.get(a, a)] += 1 + again
+        return Faults(frozenset(cut), dict(procs))
+
+    return of
+
+
+def _pool_policies(pools: Bundle | Iterable[Pool | PoolPolicy]) -> list[PoolPolicy]:
+    if isinstance(pools, Bundle):
+        return PoolPolicy.from_bundle(pools)
     return [p if isinstance(p, PoolPolicy) else PoolPolicy.from_pool(p) for p in pools]
 
 
-def check(history: str | Path | Iterable[Record], pools: Iterable[Pool | PoolPolicy] = (),
+def check(history: str | Path | Iterable[Record], pools: Bundle | Iterable[Pool | PoolPolicy] = (),
           tolerance_ms: int = DEFAULT_TOLERANCE_MS) -> Report:
     """Run every invariant over a history file (path) or records. ``pools`` is the policy in
-    force at the start (bundle Pools or PoolPolicy); ``policy`` records in the history add the
-    versions applied mid-run."""
+    force at the start (a Bundle — its rules give each pool's balances and allowances — or
+    bundle Pools or PoolPolicy); ``policy`` records in the history add the versions applied
+    mid-run."""
     records: list[Record] = list(read_history(history) if isinstance(history, str | Path) else history)
     policies = _pool_policies(pools) + policies_from(records)
 
@@ -170,15 +204,17 @@ def check(history: str | Path | Iterable[Record], pools: Iterable[Pool | PoolPol
     faults = [r for r in records if isinstance(r, Fault)]
     shards = max([r.shards for r in records if isinstance(r, Meta)], default=1)
     shard_fn = (lambda pool: shard_of(pool, shards)) if shards > 1 else None
-    local = {}
-    for r in records:
-        if isinstance(r, LocalAllowance):
-            local[(r.pool, r.window_index)] = local.get((r.pool, r.window_index), 0) + r.tokens
+    topo = next((r for r in records if isinstance(r, TopologyRec)), None)
+    offsets = allocator_offsets(topo)
+    window_ms = {p.id: p.window_ms for p in policies}
 
     received = [to_grant_record(g) for g in grants]
     stored = [to_grant_record(g) for g in etcd]
     window_of = {g.lease_id: g.window_index for g in received + stored}
-    d_recs = [d for dec in decisions for d in to_decision_records(dec, window_of)]
+    d_recs = [d for dec in decisions for d in to_decision_records(dec, window_of, window_ms, offsets)]
+    end_ms = max([d.recorded_at_ms for d in decisions] + [f.stop_ms or f.start_ms for f in faults] + [0])
+    topology = (Topology(agents={r: len(a) for r, a in topo.agents.items() if a}) if topo is not None
+                else inv.topology_of(d_recs))
     timed_spends = [s for dec in decisions for s in to_spend_records(dec)]
     all_grants = received + stored
 
@@ -202,10 +238,12 @@ def check(history: str | Path | Iterable[Record], pools: Iterable[Pool | PoolPol
     add("lease_spend_within_grant", spend_viol + close_viol, checked=bool(timed_spends or closes))
     add("no_spend_after_expiry", inv.no_spend_after_expiry(timed_spends, all_grants, tolerance_ms),
         checked=bool(timed_spends))
-    certain, straddling = split_boundary(d_recs, policies)
-    bound = inv.admitted_within_bound(certain, policies, None, local)
+    bound = inv.admitted_within_bound(d_recs, policies, faults_by_window(faults, topo, window_ms, offsets, end_ms),
+                                      topology)
+    straddling = sum(1 for d in d_recs if d.allowed and d.last_window is not None)
     add("admitted_within_bound", bound.violations, checked=bool(d_recs),
-        note=f"{len(straddling)} boundary-straddling decision(s) not attributed" if straddling else "")
+        note=f"{straddling} admission(s) between two windows, attributed to fit where possible" if straddling
+        else "")
     add("acknowledged_grants_persisted", inv.acknowledged_grants_persisted(received, stored),
         checked=bool(stored), note="" if stored else "no etcd records read back")
 
@@ -214,7 +252,7 @@ def check(history: str | Path | Iterable[Record], pools: Iterable[Pool | PoolPol
         cur = worst.get(w.pool)
         if cur is None or (w.excess, w.overshoot) > (cur.excess, cur.overshoot):
             worst[w.pool] = w
-    util = [u for u in inv.utilisation(certain, policies) if u.demand > u.limit]
+    util = [u for u in inv.utilisation(d_recs, policies, bound.windows) if u.demand > u.limit]
     counts = {"grants": len(grants), "etcd_grants": len(etcd), "etcd_windows": len(etcd_windows), "decisions": len(decisions),
               "faults": len(faults), "leaders": len(leaders)}
     return Report(verdicts, bound.windows, worst, util, faults, tolerance_ms, counts)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO
 
@@ -73,6 +73,7 @@ class Decision(_Rec, tag="decision"):
     tenant: str
     allowed: bool
     recorded_at_ms: int  # recorder clock (when the load generator got the answer)
+    sent_at_ms: int | None = None  # recorder clock (when the gateway sent the request)
     spends: list[PoolSpend] = []
     fallback: bool = False
     local: bool = False  # admitted from a local allowance while the agent's Redis was unreachable
@@ -91,11 +92,21 @@ class SpendClose(_Rec, tag="spend_close"):
 
 
 class Fault(_Rec, tag="fault"):
+    """A fault and what it made unreachable (the bound's fault terms, see :mod:`kernel.bound`):
+    ``allocatorRegions`` could not reach the allocator, ``redisAgents`` could not reach their
+    Redis, ``restartedAgents`` were restarted (new processes, fresh in-process allowances) at
+    ``stopMs``. ``graceMs``: how long after the fault stopped its effect may last (agents notice
+    recovery on their next successful call)."""
+
     nemesis: str
     target: str
     start_ms: int  # recorder clock
     stop_ms: int | None = None  # recorder clock; None = still active when the run ended
     detail: str = ""
+    allocator_regions: list[str] = []
+    redis_agents: list[str] = []
+    restarted_agents: list[str] = []
+    grace_ms: int = 0
 
 
 class EtcdGrant(_Rec, tag="etcd_grant"):
@@ -150,16 +161,18 @@ class Meta(_Rec, tag="meta"):
     shards: int = 1  # shards of allocator leadership in the run (epochs are compared per shard)
 
 
-class LocalAllowance(_Rec, tag="local_allowance"):
-    """Tokens agents could admit from local allowances in a pool window while their Redis was down."""
+class TopologyRec(_Rec, tag="topology"):
+    """The run's topology: the agents of each region, and the clock offsets (ms, service clock -
+    recorder clock) services were started with (libfaketime). Pool windows are defined by the
+    allocator's clock, so the checker windows decisions with ``allocatorOffsetsMs``."""
 
-    pool: str
-    window_index: int
-    tokens: int
+    agents: dict[str, list[str]]  # region -> agent names
+    allocator_offsets_ms: dict[str, int] = {}
+    redis_offsets_ms: dict[str, int] = {}
 
 
 Record = (Grant | Decision | SpendClose | Fault | EtcdGrant | EtcdWindow | Leader | Policy | Meta
-          | LocalAllowance)
+          | TopologyRec)
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Record)
@@ -244,21 +257,35 @@ def to_grant_record(g: Grant | EtcdGrant) -> GrantRecord:
                        sent_at_ms=g.sent_at_ms, received_at_ms=g.received_at_ms, accepted=g.accepted)
 
 
-def to_decision_records(d: Decision, window_of: dict[str, int] | None = None) -> list[DecisionRecord]:
-    """One record per pool the decision touched. A spend without a window index takes its
-    lease's window from ``window_of`` (lease id -> index); a spend with neither is dropped
-    (it cannot be placed in a window) — writers should always fill one in."""
+def to_decision_records(d: Decision, window_of: dict[str, int] | None = None,
+                        window_ms: Mapping[str, int] | None = None,
+                        offsets_ms: tuple[int, int] = (0, 0)) -> list[DecisionRecord]:
+    """One record per pool the decision touched, with the pool windows it may have been admitted
+    in. A spend on a named lease is in its lease's window (``window_index``, else ``window_of``
+    lease id -> index). Any other spend was admitted between the request's send and its answer:
+    its candidates are the allocator-clock windows of that interval (``offsets_ms``: the least
+    and greatest allocator clock - recorder clock), given the pool's ``window_ms``; without it
+    the spend's own ``window_index`` stands. A spend with no window at all is dropped — writers
+    always fill one in."""
     out: list[DecisionRecord] = []
+    single = len(d.spends) == 1
     for s in d.spends:
         index = s.window_index
         if index is None and s.lease_id is not None and window_of:
             index = window_of.get(s.lease_id)
+        last = None
+        w = (window_ms or {}).get(s.pool)
+        if s.lease_id is None and w:
+            sent = d.sent_at_ms if d.sent_at_ms is not None else (index * w if index is not None else d.recorded_at_ms)
+            index, last = (sent + offsets_ms[0]) // w, (max(sent, d.recorded_at_ms) + offsets_ms[1]) // w
         if index is None:
             continue
         out.append(DecisionRecord(pool=s.pool, window_index=index, region=d.region, allowed=d.allowed,
-                                  tokens=s.tokens, fallback=d.fallback and s.lease_id is None,
+                                  tokens=s.tokens, fallback=(d.fallback or d.local) and s.lease_id is None,
                                   local=d.local and s.lease_id is None, lease_id=s.lease_id,
-                                  at_ms=d.recorded_at_ms, agent=d.agent))
+                                  at_ms=d.recorded_at_ms, agent=d.agent,
+                                  last_window=last if last is not None and last != index else None,
+                                  certain_source=single))
     return out
 
 

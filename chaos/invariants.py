@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from msgspec import Struct
 
-from kernel.bundle import Pool
+from kernel.bound import Faults, PoolBound, PoolShape, Topology, pool_bound, shape_of
+from kernel.bundle import Bundle, Pool, Rule
 
 #: Default slack for timing checks, on the recorder's clock. It absorbs the time between the
 #: agent's admission and the recorder writing it down (one loopback HTTP round trip plus
@@ -45,19 +46,45 @@ class PoolPolicy(Struct, frozen=True):
     Several entries with the same ``id`` describe policy changes (e.g. a rollback published as
     a new version mid-run); a window's bound takes the most generous version in force at any
     moment of that window, so a mid-window change is never reported as a violation by itself.
-    ``window_ms`` must not change between versions of one pool."""
+    ``window_ms`` must not change between versions of one pool. The remaining fields are the
+    pool's shape for :func:`kernel.bound.pool_bound` (how many balances and in-process
+    allowances the bundle's rules give it); :meth:`from_bundle` fills them in."""
 
     id: str
     limit: int  # G: tokens per window
     window_ms: int
     fallback_per_region: int = 0
     valid_from_ms: int | None = None
+    chunk_max: int = 1
+    global_scope: bool = False
+    balances: int | None = 1  # regional balances per region (None: unbounded)
+    local_keys: int | None = 1  # in-process allowances per agent (None: unbounded)
+    regions: list[str] | None = None  # regions that may lease it (None: any)
 
     @classmethod
-    def from_pool(cls, pool: Pool, valid_from_ms: int | None = None) -> PoolPolicy:
-        """From a bundle's :class:`~kernel.bundle.Pool` (``limit`` per ``windowMs``)."""
+    def from_pool(cls, pool: Pool, valid_from_ms: int | None = None, rules: Iterable[Rule] | None = None
+                  ) -> PoolPolicy:
+        """From a bundle's :class:`~kernel.bundle.Pool` (``limit`` per ``windowMs``); with the
+        bundle's ``rules`` the shape is exact, without them one balance and one allowance."""
+        if rules is None:
+            return cls(id=pool.id, limit=pool.limit, window_ms=pool.window_ms,
+                       fallback_per_region=pool.fallback_per_region, valid_from_ms=valid_from_ms,
+                       chunk_max=pool.chunk_max, regions=list(pool.regions) if pool.regions is not None else None)
+        sh = shape_of(pool, rules)
         return cls(id=pool.id, limit=pool.limit, window_ms=pool.window_ms,
-                   fallback_per_region=pool.fallback_per_region, valid_from_ms=valid_from_ms)
+                   fallback_per_region=pool.fallback_per_region, valid_from_ms=valid_from_ms,
+                   chunk_max=pool.chunk_max, global_scope=sh.global_scope, balances=sh.balances,
+                   local_keys=sh.local_keys, regions=list(sh.regions) if sh.regions is not None else None)
+
+    @classmethod
+    def from_bundle(cls, bundle: Bundle, valid_from_ms: int | None = None) -> list[PoolPolicy]:
+        return [cls.from_pool(p, valid_from_ms, bundle.rules) for p in bundle.pools]
+
+    def shape(self) -> PoolShape:
+        return PoolShape(id=self.id, limit=self.limit, window_ms=self.window_ms,
+                         fallback_per_region=self.fallback_per_region, chunk_max=self.chunk_max,
+                         global_scope=self.global_scope, balances=self.balances, local_keys=self.local_keys,
+                         regions=tuple(self.regions) if self.regions is not None else None)
 
 
 class GrantRecord(Struct, frozen=True):
@@ -124,18 +151,28 @@ class SpendRecord(Struct, frozen=True):
 
 
 class DecisionRecord(Struct, frozen=True):
-    """One admission's effect on one pool in one window (a multi-pool decision is several)."""
+    """One admission's effect on one pool (a multi-pool decision is several).
+
+    The pool window it was admitted in is ``window_index`` — or, when the history cannot tell,
+    one of ``window_index .. last_window`` (the windows of the allocator clock between the
+    request's send and its answer: an answer does not name its window)."""
 
     pool: str
     window_index: int
     region: str
     allowed: bool
     tokens: int = 1
-    fallback: bool = False  # admitted from the region's fallbackPerRegion (allocator unreachable)
-    local: bool = False  # admitted from an agent's local allowance (its Redis unreachable)
+    fallback: bool = False  # not from a lease: a fallback allowance (regional or in-process)
+    local: bool = False  # admitted while the agent's Redis was known to be unreachable (a label only)
     lease_id: str | None = None
     at_ms: int | None = None  # recorder clock
     agent: str | None = None
+    last_window: int | None = None  # None: the window is certain
+    certain_source: bool = True  # False: ``fallback`` may concern another pool of the same decision
+
+    @property
+    def windows(self) -> range:
+        return range(self.window_index, max(self.window_index, self.last_window or self.window_index) + 1)
 
 
 class Violation(Struct, frozen=True):
@@ -437,56 +474,160 @@ def no_spend_after_expiry(spends: Iterable[SpendRecord], grants: Iterable[GrantR
     return out
 
 
-def admitted_within_bound(decisions: Iterable[DecisionRecord], pools: Iterable[PoolPolicy],
-                          fallback_allowances: Mapping[tuple[str, str], int] | None = None,
-                          local_allowances: Mapping[tuple[str, int], int] | None = None) -> BoundCheck:
-    """Invariant 6, per pool and window::
+FaultsOf = Callable[[str, int], Faults]  # (pool, window index) -> what was unreachable in that window
 
-        admitted <= G + Σ_{regions that admitted from fallback} allowance + local allowance
 
-    ``G`` and each region's allowance come from the policy in force (:func:`policy_for_window`);
-    ``fallback_allowances[(pool, region)]`` overrides ``fallbackPerRegion`` for a region.
-    ``local_allowances[(pool, window_index)]`` is the Σ of agents' local allowances while their
-    Redis was unreachable in that window (0 when absent, so local admissions without a stated
-    allowance count against G). Also flags a region whose fallback admissions alone exceed its
-    allowance. Returns every window's figures and the worst one (largest admitted - bound)."""
-    by_id = _versions(pools)
-    fallback_allowances = fallback_allowances or {}
-    local_allowances = local_allowances or {}
-    admitted: dict[tuple[str, int], int] = defaultdict(int)
-    fb_used: dict[tuple[str, int, str], int] = defaultdict(int)
+def topology_of(decisions: Iterable[DecisionRecord]) -> Topology:
+    """The topology a history shows when it does not state one: its regions and agents."""
+    agents: dict[str, set[str]] = defaultdict(set)
     for d in decisions:
-        if not d.allowed:
-            continue
-        admitted[(d.pool, d.window_index)] += d.tokens
-        if d.fallback:
-            fb_used[(d.pool, d.window_index, d.region)] += d.tokens
+        agents[d.region].add(d.agent or "?")
+    return Topology(agents={r: max(1, len(a)) for r, a in sorted(agents.items())})
+
+
+def _max_flow(cap: Mapping[object, Mapping[object, int | None]], source: object, sink: object
+              ) -> dict[object, dict[object, int]]:
+    """Edmonds-Karp max flow on a small graph without antiparallel edges (``None`` capacity =
+    unlimited); returns the flow on every original edge that carries some."""
+    inf = 1 << 60
+    res: dict[object, dict[object, int]] = defaultdict(dict)
+    for u, outs in cap.items():
+        for v, c in outs.items():
+            res[u][v] = inf if c is None else c
+            res[v].setdefault(u, 0)
+    while True:
+        parent: dict[object, object] = {source: source}
+        queue = [source]
+        for u in queue:
+            if sink in parent:
+                break
+            for v, c in res[u].items():
+                if c > 0 and v not in parent:
+                    parent[v] = u
+                    queue.append(v)
+        if sink not in parent:
+            break
+        path, v = [], sink
+        while v != source:
+            path.append((parent[v], v))
+            v = parent[v]
+        push = min(res[u][v] for u, v in path)
+        for u, v in path:
+            res[u][v] -= push
+            res[v][u] += push
+    flow: dict[object, dict[object, int]] = defaultdict(dict)
+    for u, outs in cap.items():
+        for v, c in outs.items():
+            used = (inf if c is None else c) - res[u][v]
+            if used > 0:
+                flow[u][v] = used
+    return flow
+
+
+def admitted_within_bound(decisions: Iterable[DecisionRecord], pools: Iterable[PoolPolicy],
+                          faults: FaultsOf | None = None, topology: Topology | None = None) -> BoundCheck:
+    """Invariant 6, per pool and window, with the bound of :func:`kernel.bound.pool_bound`::
+
+        admitted <= G + Σ_{regions cut off from the allocator} F x balances
+                      + Σ_{agent processes cut off from Redis} F x allowances
+
+    and, per region, the admissions not paid by a lease (``fallback``) <= that region's part of
+    those allowances. ``faults(pool, index)`` says what was unreachable during the window
+    (nothing when absent: then the bound is G and no fallback admission is allowed); G and F
+    come from the policy in force (:func:`policy_for_window`); ``topology`` gives the agents per
+    region (else :func:`topology_of` the decisions).
+
+    A decision whose window is uncertain (``last_window``) may be attributed to any of its
+    candidate windows: the check fails only when *no* attribution of every admitted token fits
+    every window's bound (a max flow from decisions to windows; exact for 1-token decisions,
+    which is what every chaos gateway sends). Returns every window's figures (admitted as
+    attributed) and the worst window (largest admitted - bound)."""
+    decisions = [d for d in decisions if d.allowed]
+    by_id = _versions(pools)
+    topology = topology or topology_of(decisions)
+    faults = faults or (lambda pool, index: Faults())
     out: list[Violation] = []
     windows: list[WindowBound] = []
-    for (pool, index), total in sorted(admitted.items()):
-        policy = policy_for_window(by_id, pool, index)
-        if policy is None:
-            out.append(Violation("admitted_within_bound", f"admissions for unknown pool {pool!r}", pool, index,
-                                 observed=total))
+    by_pool: dict[str, list[DecisionRecord]] = defaultdict(list)
+    for d in decisions:
+        by_pool[d.pool].append(d)
+    for pool, ds in sorted(by_pool.items()):
+        # groups of tokens with the same candidate windows and the same constraint
+        groups: dict[tuple, int] = defaultdict(int)
+        for d in ds:
+            fb = d.fallback and d.certain_source
+            groups[("fb" if fb else "any", d.region if fb else "", d.window_index, d.windows[-1])] += d.tokens
+        indices = sorted({k for g in groups for k in range(g[2], g[3] + 1)})
+        bounds: dict[int, PoolBound] = {}
+        unknown = False
+        for k in indices:
+            policy = policy_for_window(by_id, pool, k)
+            if policy is None:
+                unknown = True
+                break
+            bounds[k] = pool_bound(policy.shape(), topology, faults(pool, k))
+        if unknown:
+            total = sum(d.tokens for d in ds)
+            out.append(Violation("admitted_within_bound", f"admissions for unknown pool {pool!r}", pool,
+                                 ds[0].window_index, observed=total))
             continue
-        fb_total = 0
-        for (p, k, region), used in fb_used.items():
-            if (p, k) != (pool, index):
-                continue
-            allowance = fallback_allowances.get((pool, region), policy.fallback_per_region)
-            fb_total += allowance
-            if used > allowance:
+        cap: dict[object, dict[object, int | None]] = defaultdict(dict)
+        for g, tokens in groups.items():
+            kind, region, first, last = g
+            cap["src"][g] = tokens
+            for k in range(first, last + 1):
+                if kind == "fb":
+                    cap[g][("fb", region, k)] = None
+                    cap[("fb", region, k)][("w", k)] = bounds[k].per_region.get(region, 0)
+                else:
+                    cap[g][("w", k)] = None
+        for k in indices:
+            cap[("w", k)]["sink"] = bounds[k].total
+        flow = _max_flow(cap, "src", "sink")
+        admitted: dict[int, int] = defaultdict(int)
+        fb_used: dict[tuple[str, int], int] = defaultdict(int)
+        straddled: dict[int, int] = defaultdict(int)
+        for g, tokens in groups.items():
+            kind, region, first, last = g
+            placed = 0
+            for k in range(first, last + 1):
+                f = flow.get(g, {}).get(("fb", region, k) if kind == "fb" else ("w", k), 0)
+                admitted[k] += f
+                placed += f
+                if kind == "fb":
+                    fb_used[(region, k)] += f
+                if first != last:
+                    straddled[k] += f
+            if placed < tokens:  # no attribution fits: show the rest in its first candidate window
+                admitted[first] += tokens - placed
+                if kind == "fb":
+                    fb_used[(region, first)] += tokens - placed
+                if first != last:
+                    straddled[first] += tokens - placed
+        for k in indices:
+            b = bounds[k]
+            regional, local = b.term("regional fallback").tokens, b.term("in-process").tokens
+            total = b.total if b.total is not None else admitted[k]
+            if b.total is None:
+                out.append(Violation("admitted_within_bound", f"pool {pool} window {k}: no finite bound "
+                                     "(a tenant-scoped pool rule names no tenant)", pool, k, observed=admitted[k]))
+            wb = WindowBound(pool, k, admitted[k], b.limit, regional or 0, local or 0, total)
+            windows.append(wb)
+            note = (f" ({straddled[k]} of them could have been admitted in a neighbouring window; "
+                    "no attribution fits every window)") if straddled[k] else ""
+            for (region, kk), used in sorted(fb_used.items()):
+                allowance = b.per_region.get(region, 0)
+                if kk == k and allowance is not None and used > allowance:
+                    out.append(Violation("admitted_within_bound",
+                                         f"pool {pool} window {k}: region {region} admitted {used} not paid by a "
+                                         f"lease > its allowance {allowance} (regional fallback + in-process, "
+                                         f"for the faults in this window){note}",
+                                         pool, k, observed=used, bound=allowance))
+            if wb.excess > 0:
                 out.append(Violation("admitted_within_bound",
-                                     f"pool {pool} window {index}: region {region} admitted {used} from fallback "
-                                     f"> its allowance {allowance}", pool, index, observed=used, bound=allowance))
-        local = local_allowances.get((pool, index), 0)
-        wb = WindowBound(pool, index, total, policy.limit, fb_total, local, policy.limit + fb_total + local)
-        windows.append(wb)
-        if wb.excess > 0:
-            out.append(Violation("admitted_within_bound",
-                                 f"pool {pool} window {index}: admitted {total} > bound {wb.bound} "
-                                 f"(G {policy.limit} + fallback {fb_total} + local {local})",
-                                 pool, index, observed=total, bound=wb.bound))
+                                     f"pool {pool} window {k}: admitted {admitted[k]} > bound {wb.bound} "
+                                     f"(G {b.limit} + regional fallback {regional} + in-process {local}){note}",
+                                     pool, k, observed=admitted[k], bound=wb.bound))
     worst = max(windows, key=lambda w: (w.excess, w.overshoot)) if windows else None
     return BoundCheck(out, windows, worst)
 
@@ -515,15 +656,21 @@ def acknowledged_grants_persisted(received_grants: Iterable[GrantRecord],
     return out
 
 
-def utilisation(decisions: Iterable[DecisionRecord], pools: Iterable[PoolPolicy]) -> list[Utilisation]:
-    """Admitted / G per pool and window, with the demand (a report, not a violation)."""
+def utilisation(decisions: Iterable[DecisionRecord], pools: Iterable[PoolPolicy],
+                windows: Iterable[WindowBound] | None = None) -> list[Utilisation]:
+    """Admitted / G per pool and window, with the demand (a report, not a violation). Demand is
+    counted in each decision's first candidate window; admitted as :func:`admitted_within_bound`
+    attributed it when its ``windows`` are given."""
     by_id = _versions(pools)
     admitted: dict[tuple[str, int], int] = defaultdict(int)
     demand: dict[tuple[str, int], int] = defaultdict(int)
     for d in decisions:
         demand[(d.pool, d.window_index)] += d.tokens
-        if d.allowed:
+        if d.allowed and windows is None:
             admitted[(d.pool, d.window_index)] += d.tokens
+    for w in windows or ():
+        admitted[(w.pool, w.window_index)] += w.admitted
+        demand[(w.pool, w.window_index)] = max(demand[(w.pool, w.window_index)], w.admitted)
     out: list[Utilisation] = []
     for (pool, index), asked in sorted(demand.items()):
         policy = policy_for_window(by_id, pool, index)

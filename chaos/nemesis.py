@@ -47,15 +47,41 @@ class ProxyLike(Protocol):
     async def reset_connections(self) -> int: ...  # noqa: E704
 
 
+@dataclass(frozen=True)
+class Effects:
+    """What a fault makes unreachable — the fault terms of the overshoot bound
+    (:mod:`kernel.bound`), written into its ``fault`` record for the checker: regions that cannot
+    reach the allocator, agents that cannot reach their Redis, agents restarted (at the fault's
+    stop), and how long after the stop the effect may last (``grace_ms``)."""
+
+    allocator_regions: tuple[str, ...] = ()
+    redis_agents: tuple[str, ...] = ()
+    restarted_agents: tuple[str, ...] = ()
+    grace_ms: int = 0
+
+    def __add__(self, other: Effects) -> Effects:
+        def merge(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(dict.fromkeys(a + b))
+
+        return Effects(merge(self.allocator_regions, other.allocator_regions),
+                       merge(self.redis_agents, other.redis_agents),
+                       merge(self.restarted_agents, other.restarted_agents), max(self.grace_ms, other.grace_ms))
+
+
+NO_EFFECTS = Effects()
+
+
 class Nemesis:
     """Base class. Subclasses implement ``_start`` / ``_stop``."""
 
     name = "nemesis"
 
-    def __init__(self, target: str, *, recorder: Recorder | None = None, detail: str = ""):
+    def __init__(self, target: str, *, recorder: Recorder | None = None, detail: str = "",
+                 effects: Effects = NO_EFFECTS):
         self.target = target
         self.recorder = recorder
         self.detail = detail
+        self.effects = effects
         self.started_ms: int | None = None
         self.stopped_ms: int | None = None
         self.records: list[Fault] = []
@@ -78,8 +104,11 @@ class Nemesis:
             await self._stop()
         finally:
             self.stopped_ms = now_ms()
+            e = self.effects
             rec = Fault(nemesis=self.name, target=self.target, start_ms=self.started_ms or self.stopped_ms,
-                        stop_ms=self.stopped_ms, detail=self.detail)
+                        stop_ms=self.stopped_ms, detail=self.detail, allocator_regions=list(e.allocator_regions),
+                        redis_agents=list(e.redis_agents), restarted_agents=list(e.restarted_agents),
+                        grace_ms=e.grace_ms)
             self.records.append(rec)
             if self.recorder is not None:
                 self.recorder.write(rec)
@@ -294,6 +323,7 @@ class Combined(Nemesis):
     name = "combined"
 
     def __init__(self, *parts: Nemesis, **kw):
+        kw.setdefault("effects", sum((p.effects for p in parts), NO_EFFECTS))
         super().__init__("+".join(p.target for p in parts), detail=" + ".join(p.name for p in parts), **kw)
         self.parts = parts
 

@@ -2,12 +2,11 @@
 into a history ``decision`` record, using the policy bundle to know which global pools the
 request spends and how many tokens.
 
-The agent's answer does not name the pool window it spent from, so the window is taken from
-the recorder's clock at the moment the request was *sent* (``floor(sent_ms / windowMs)``).
-A request sent just before a window boundary and admitted just after it is attributed to
-the earlier window; :func:`straddles_boundary` tells the caller which records are exposed
-to this (a run can count them and report them, or the agent can expose the window in its
-answer to remove the ambiguity).
+The agent's answer does not name the pool window it spent from, so the record keeps the send and
+answer times (recorder clock) and, as a hint, the window of the send time
+(``floor(sent_ms / windowMs)``); the checker places the admission in the allocator-clock windows
+of that interval (:func:`chaos.history.to_decision_records`). :func:`straddles_boundary` tells
+which requests were answered in a later window than they were sent in.
 """
 
 from __future__ import annotations
@@ -54,6 +53,6 @@ def decision_from_admit(request: Mapping[str, Any], answer: Mapping[str, Any], b
                          at_ms=sent_ms)
     fallback = bool(answer.get("fallback"))
     return Decision(agent=agent, region=region, tenant=str(request.get("tenantId") or "-"),
-                    allowed=bool(answer.get("allowed")), recorded_at_ms=received_ms, spends=spends,
+                    allowed=bool(answer.get("allowed")), recorded_at_ms=received_ms, sent_at_ms=sent_ms, spends=spends,
                     fallback=fallback and not local, local=fallback and local, reason=answer.get("reason"),
                     route_group=request.get("routeGroup"), request_id=request.get("requestId"))

@@ -30,14 +30,13 @@ from kernel.policy_store import PolicyStore
 from . import bundles
 from .checker import Report, check
 from .etcd_records import read_back
-from .history import Fault, HistoryWriter, Leader, LocalAllowance, Meta, Policy, now_ms, read_history
+from .history import Fault, HistoryWriter, Leader, Meta, Policy, TopologyRec, now_ms, read_history
 from .lease_driver import DriverStats, LeaseDriver
 from .load import LeasePoller, LoadGen
 from .nemesis import Nemesis, Schedule, Step
-from .scenarios import Scenario, resolve
+from .scenarios import REDIS_GRACE_MS, Scenario, resolve
 from .topo import PREFIX, ChaosSpec, ChaosTopology
 
-REDIS_GRACE_MS = 3_000  # after a Redis fault heals, the breaker and reconnects may keep decisions local
 MAX_DURATION_S = 1800.0
 
 
@@ -130,24 +129,6 @@ def _jitter(steps: list[Step], seed: int, duration_s: float) -> list[Step]:
     return out
 
 
-def _local_allowances(ctx: RunContext, policies: list[PoolPolicy]) -> list[LocalAllowance]:
-    """Per pool window touched by a Redis fault of a region: each of that region's agents may
-    admit up to fallbackPerRegion tokens from its in-process allowance."""
-    out: dict[tuple[str, int], int] = {}
-    for region, n in ctx.redis_faults:
-        if n.started_ms is None:
-            continue
-        stop = (n.stopped_ms or now_ms()) + REDIS_GRACE_MS
-        agents = len(ctx.topo.agents_in(region))
-        for p in {p.id for p in policies}:
-            versions = [v for v in policies if v.id == p]
-            w = max(v.window_ms for v in versions)
-            per = max(v.fallback_per_region for v in versions)
-            for k in range(n.started_ms // w, stop // w + 1):
-                out[(p, k)] = out.get((p, k), 0) + per * agents
-    return [LocalAllowance(pool=p, window_index=k, tokens=t) for (p, k), t in sorted(out.items())]
-
-
 async def _final_policy(ctx: RunContext) -> None:
     async with httpx.AsyncClient(timeout=2.0) as c:
         for g in ctx.topo.agents:
@@ -171,7 +152,7 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
     for s in scenarios:
         s.configure(spec)
     history = HistoryWriter(out_dir / "history.jsonl")
-    initial = [PoolPolicy.from_pool(p) for p in bundle.pools]
+    initial = PoolPolicy.from_bundle(bundle)
     history.write(Meta(scenario=name, seed=seed, started_at_ms=now_ms(), duration_s=duration_s,
                        note=" / ".join(s.doc for s in scenarios)))
     history.write(Policy(version=bundle.bundle_version, applied_at_ms=None, pools=initial))
@@ -181,6 +162,11 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
     unmet: list[str] = []
     try:
         await asyncio.to_thread(topo.start)
+        history.write(TopologyRec(agents={r: [g.name for g in topo.agents_in(r)] for r in spec.regions},
+                                  allocator_offsets_ms={a.name: spec.clock_offsets_ms.get(a.name, 0)
+                                                        for a in topo.allocators},
+                                  redis_offsets_ms={r: spec.clock_offsets_ms.get(f"redis-{r}", 0)
+                                                    for r in spec.regions}))
         ctx = RunContext(topo, history, bundle, duration_s, seed)
         first = await topo.wait_leader(20.0)
         if first is None:
@@ -223,9 +209,6 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
             ctx.leaders.append(cur)
         assert topo.etcd is not None
         history.write_all(await read_back(topo.etcd.endpoints, PREFIX))
-        with_policies = initial + [p for r in read_history(history.path) if isinstance(r, Policy) and r.applied_at_ms
-                                   for p in r.pools]
-        history.write_all(_local_allowances(ctx, with_policies))
         for s in scenarios:
             for e in s.expect:
                 unmet += e(ctx)
@@ -237,7 +220,7 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
     finally:
         await asyncio.to_thread(topo.stop)
         history.close()
-    report = check(history.path, bundle.pools, tolerance_ms)
+    report = check(history.path, bundle, tolerance_ms)
     result = RunResult(name, seed, duration_s, report, unmet, out_dir, stats)
     from .report import write_report
 

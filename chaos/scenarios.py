@@ -9,16 +9,19 @@ Offsets are fractions of the run's duration, so the same scenario works at 20 s 
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from chaos.invariants import PoolPolicy
 from kernel.errors import BadRequest
 
 from . import bundles
 from .history import Policy
 from .nemesis import (
     Custom,
+    Effects,
     EtcdMemberIsolate,
     Kill,
     Latency,
@@ -37,6 +40,12 @@ if TYPE_CHECKING:
 
 Expect = Callable[["RunContext"], list[str]]  # -> unmet expectations (empty = the fault showed)
 
+#: How long after a fault stops its effect may last: an agent notices a healed allocator link on its
+#: next lease request (tick 50 ms, deadline 900 ms, a new leader's first grant) and a healed Redis
+#: when its breaker half-opens (500 ms) and the connection pool reconnects.
+ALLOCATOR_GRACE_MS = 3_000
+REDIS_GRACE_MS = 3_000
+
 
 @dataclass
 class Scenario:
@@ -49,10 +58,17 @@ class Scenario:
 
 
 # ----------------------------------------------------------------------------- nemeses on the leader
+def _all_regions(ctx: RunContext) -> Effects:
+    """No region can get a grant while the allocator has no working leader."""
+    return Effects(allocator_regions=tuple(ctx.topo.spec.regions), grace_ms=ALLOCATOR_GRACE_MS)
+
+
 class _OnLeader(Nemesis):
-    """Resolve the allocator leader when the fault starts (not when the schedule is built)."""
+    """Resolve the allocator leader when the fault starts (not when the schedule is built).
+    Every region may lose its grants until a new leader serves them."""
 
     def __init__(self, ctx: RunContext, **kw):
+        kw.setdefault("effects", _all_regions(ctx))
         super().__init__("allocator-leader", recorder=ctx.history, **kw)
         self.ctx = ctx
         self.inner: Nemesis | None = None
@@ -99,7 +115,8 @@ def _region_partition(ctx: RunContext, region: str, direction: str = "both") -> 
     from .nemesis import Combined
 
     parts = [Partition(p, direction, target=p.name) for p in ctx.topo.region_links[region]]
-    return Combined(*parts, recorder=ctx.history)
+    return Combined(*parts, recorder=ctx.history,
+                    effects=Effects(allocator_regions=(region,), grace_ms=ALLOCATOR_GRACE_MS))
 
 
 def _rec(n: Nemesis, ctx: RunContext) -> Nemesis:
@@ -107,19 +124,55 @@ def _rec(n: Nemesis, ctx: RunContext) -> Nemesis:
     return n
 
 
+def _redis_effects(ctx: RunContext, region: str) -> Effects:
+    return Effects(redis_agents=tuple(g.name for g in ctx.topo.agents_in(region)), grace_ms=REDIS_GRACE_MS)
+
+
 def _redis_partition(ctx: RunContext, region: str) -> Nemesis:
     from .nemesis import Combined
 
     n = Combined(*[Partition(g.redis_proxy, target=g.redis_proxy.name) for g in ctx.topo.agents_in(region)],
-                 recorder=ctx.history)
+                 recorder=ctx.history, effects=_redis_effects(ctx, region))
     ctx.redis_faults.append((region, n))
     return n
 
 
 def _redis_restart(ctx: RunContext, region: str) -> Nemesis:
-    n = _rec(RedisRestart(ctx.topo.redis[region]), ctx)
+    n = _rec(RedisRestart(ctx.topo.redis[region], effects=_redis_effects(ctx, region)), ctx)
     ctx.redis_faults.append((region, n))
     return n
+
+
+class RedisPause(Nemesis):
+    """SIGSTOP the region's redis-server (resolved when the fault starts: a restart replaces the
+    process), SIGCONT at stop: connections stay open, every call hangs until its timeout."""
+
+    name = "redis-pause"
+
+    def __init__(self, ctx: RunContext, region: str):
+        super().__init__(f"redis-{region}", recorder=ctx.history, effects=_redis_effects(ctx, region))
+        self.server = ctx.topo.redis[region]
+        self._proc = None
+
+    async def _start(self) -> None:
+        self._proc = self.server.proc
+        assert self._proc is not None, "redis server not started"
+        self._proc.signal(signal.SIGSTOP)
+
+    async def _stop(self) -> None:
+        if self._proc is not None:
+            self._proc.signal(signal.SIGCONT)
+
+
+def _redis_pause(ctx: RunContext, region: str) -> Nemesis:
+    n = RedisPause(ctx, region)
+    ctx.redis_faults.append((region, n))
+    return n
+
+
+def _both(ctx: RunContext, make: Callable[[RunContext, str], Nemesis]) -> Nemesis:
+    parts = [make(ctx, r) for r in ctx.topo.spec.regions]
+    return Combined2(ctx, *parts)
 
 
 def _policy_rollback(ctx: RunContext) -> list[Step]:
@@ -133,7 +186,7 @@ def _policy_rollback(ctx: RunContext) -> list[Step]:
         async def go() -> None:
             await ctx.publish(b)
             ctx.history.write(Policy(version=b.bundle_version, applied_at_ms=ctx.clock(),
-                                     pools=[_pp(p) for p in b.pools]))
+                                     pools=PoolPolicy.from_bundle(b)))
         return go
 
     d = ctx.duration_s
@@ -150,12 +203,6 @@ def _replay_stale(ctx: RunContext) -> Nemesis:
         await ctx.driver.replay_stale(5)
 
     return Custom("replay-stale-epoch-grant", "allocator", go, recorder=ctx.history)
-
-
-def _pp(p):  # type: ignore[no-untyped-def]
-    from chaos.invariants import PoolPolicy
-
-    return PoolPolicy.from_pool(p)
 
 
 # ----------------------------------------------------------------------------- expectations
@@ -181,15 +228,26 @@ def faults_recorded(ctx: RunContext) -> list[str]:
     return [] if ctx.faults_recorded() > 0 else ["no fault record was written"]
 
 
-def faketime_applied(agent: str) -> Expect:
-    """The agent really runs under libfaketime (its environment carries the FAKETIME spec)."""
+def no_fallback(ctx: RunContext) -> list[str]:
+    """Slow is not unreachable: no decision came from a fallback allowance."""
+    return [f"{s.fallback} fallback decision(s) in {r}" for r, s in ctx.load.stats.items() if s.fallback]
+
+
+def faketime_applied(service: str) -> Expect:
+    """The service (an agent, allocator-N or redis-R) really runs under libfaketime (its
+    environment carries the FAKETIME spec)."""
     def check(ctx: RunContext) -> list[str]:
-        proc = ctx.topo.agent(agent).proc
+        if service.startswith("redis-"):
+            proc = ctx.topo.redis[service.removeprefix("redis-")].proc
+        elif service.startswith("allocator-"):
+            proc = next(a.proc for a in ctx.topo.allocators if a.name == service)
+        else:
+            proc = ctx.topo.agent(service).proc
         try:
-            env = open(f"/proc/{proc.pid}/environ", "rb").read()
-        except (OSError, AssertionError):
-            return [f"{agent} is not running at the end of the run"]
-        return [] if b"FAKETIME=" in env else [f"{agent} does not run under faketime"]
+            env = open(f"/proc/{proc.pid}/environ", "rb").read()  # type: ignore[union-attr]
+        except (OSError, AssertionError, AttributeError):
+            return [f"{service} is not running at the end of the run"]
+        return [] if b"FAKETIME=" in env else [f"{service} does not run under faketime"]
     return check
 
 
@@ -224,16 +282,27 @@ def stale_refused(ctx: RunContext) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the catalogue
-def _two_agents_eu(spec: ChaosSpec) -> None:
-    spec.agents = {**spec.agents, "eu": 2}
-
-
 FAKETIME_KEYS = ("LD_PRELOAD", "FAKETIME", "FAKETIME_NO_CACHE", "DONT_FAKE_MONOTONIC")
 
 
+def _faketime(spec: ChaosSpec, service: str, skew_s: float, rate: float | None = None) -> None:
+    env = faketime_env(skew_s=skew_s, rate=rate)
+    spec.env[service] = {k: env[k] for k in FAKETIME_KEYS}
+    if rate is None:
+        spec.clock_offsets_ms[service] = int(skew_s * 1000)
+
+
 def _skew_agent(spec: ChaosSpec) -> None:
-    env = faketime_env(skew_s=1.0, rate=1.02)
-    spec.env["agent-us-1"] = {k: env[k] for k in FAKETIME_KEYS}
+    _faketime(spec, "agent-us-1", 1.0, 1.02)
+
+
+def _offset_redis(spec: ChaosSpec) -> None:
+    _faketime(spec, "redis-eu", 2.0)
+
+
+def _offset_allocators(spec: ChaosSpec) -> None:
+    for i in range(spec.allocators):
+        _faketime(spec, f"allocator-{i + 1}", -2.0)
 
 
 def _at(ctx: RunContext, frac: float) -> float:
@@ -274,14 +343,38 @@ _add(Scenario("kill-leader", "SIGKILL the allocator leader, restart it later",
 _add(Scenario("pause-leader", "SIGSTOP the allocator leader, SIGCONT it after longer than its election TTL",
               lambda c: [Step(_at(c, 0.3), LeaderPause(c), max(4.0, _at(c, 0.2)))],
               expect=[leader_changed]))
-_add(Scenario("redis-restart", "eu's Redis SIGKILLed and restarted empty (state and script cache lost)",
-              lambda c: [Step(_at(c, 0.3), _redis_restart(c, "eu"), 3.0)],
+_add(Scenario("redis-restart", "eu's Redis SIGKILLed and restarted empty (state and script cache lost) while "
+              "leases are held", lambda c: [Step(_at(c, 0.3), _redis_restart(c, "eu"), 3.0)],
               expect=[local_in("eu")]))
+_add(Scenario("redis-restart-both", "both regions' Redis SIGKILLed at once and restarted empty",
+              lambda c: [Step(_at(c, 0.3), _both(c, _redis_restart), 3.0)],
+              expect=[local_in("eu", "us")]))
+_add(Scenario("redis-pause", "eu's Redis SIGSTOPped while leases are held (connections hang), then SIGCONT",
+              lambda c: [Step(_at(c, 0.3), _redis_pause(c, "eu"), max(4.0, _at(c, 0.2)))],
+              expect=[local_in("eu")]))
+_add(Scenario("redis-pause-both", "both regions' Redis SIGSTOPped at once, then SIGCONT",
+              lambda c: [Step(_at(c, 0.3), _both(c, _redis_pause), max(4.0, _at(c, 0.2)))],
+              expect=[local_in("eu", "us")]))
 _add(Scenario("agent-kill", "one of eu's two agents SIGKILLed and restarted",
               lambda c: [Step(_at(c, 0.3), _rec(Kill(c.topo.agent("agent-eu-1").proc,
-                                                     ready=c.topo.ready_callback(c.topo.agent("agent-eu-1").url)), c),
+                                                     ready=c.topo.ready_callback(c.topo.agent("agent-eu-1").url),
+                                                     effects=Effects(restarted_agents=("agent-eu-1",))), c),
                               _at(c, 0.2))],
-              configure=_two_agents_eu, expect=[errors_in("eu")]))
+              expect=[errors_in("eu")]))
+_add(Scenario("allocator-latency", "every agent<->allocator link delayed 25-150 ms each way (50-300 ms per round "
+              "trip), no loss: slow is not unreachable, no admission may come from a fallback allowance",
+              lambda c: [Step(_at(c, 0.15), Combined2(c, *[_rec(Latency(p, 87.5, 62.5, target=p.name), c)
+                                                            for r in c.topo.spec.regions
+                                                            for p in c.topo.region_links[r]]), _at(c, 0.7))],
+              expect=[faults_recorded, no_fallback]))
+_add(Scenario("clock-offset-redis", "eu's Redis runs 2 s ahead of the allocators (faketime); eu cut off from the "
+              "allocators for a while, so its regional fallback is counted against pool windows on another clock",
+              lambda c: [Step(_at(c, 0.3), _region_partition(c, "eu"), _at(c, 0.4))],
+              configure=_offset_redis, expect=[fallback_in("eu"), faketime_applied("redis-eu")]))
+_add(Scenario("clock-offset-allocator", "both allocators run 2 s behind Redis, agents and the recorder (faketime); "
+              "us cut off from the allocators for a while (pool windows are the allocators')",
+              lambda c: [Step(_at(c, 0.3), _region_partition(c, "us"), _at(c, 0.4))],
+              configure=_offset_allocators, expect=[fallback_in("us"), faketime_applied("allocator-1")]))
 _add(Scenario("clock-skew-agent", "agent-us-1 runs under faketime +1 s and a 2% fast clock; its allocator links "
               "get 50±50 ms", lambda c: [Step(_at(c, 0.2), Combined2(c, *[_rec(Latency(p, 50, 50, target=p.name), c)
                                                                            for p in c.topo.region_links["us"]]),
@@ -302,8 +395,11 @@ class Combined2(Nemesis):
     name = "combined"
 
     def __init__(self, ctx: RunContext, *parts: Nemesis):
+        from .nemesis import NO_EFFECTS
+
         super().__init__("+".join(p.target for p in parts), recorder=ctx.history,
-                         detail=" + ".join(f"{p.name}:{p.detail}".rstrip(":") for p in parts))
+                         detail=" + ".join(f"{p.name}:{p.detail}".rstrip(":") for p in parts),
+                         effects=sum((p.effects for p in parts), NO_EFFECTS))
         self.parts = parts
         for p in parts:
             p.recorder = None
@@ -320,7 +416,8 @@ class Combined2(Nemesis):
 
 
 PROFILES: dict[str, list[tuple[str, float]]] = {
-    # (scenario, duration s)
+    # (scenario, duration s); make chaos runs "full" with 3 seeds. Every run has two agents per region
+    # and the global-scope pool fleet-g beside the tenant pools (chaos/topo.py, chaos/bundles.py).
     "short": [("partition-region-allocator", 24.0), ("kill-leader", 24.0), ("redis-restart", 20.0),
               ("lease-replay", 24.0), ("policy-rollback", 20.0)],
     "full": [(name, 60.0) for name in SCENARIOS] + [("kill-leader+partition-region-allocator", 60.0),

@@ -52,13 +52,14 @@ class ChaosSpec:
     run_dir: Path
     policy: Path
     regions: tuple[str, ...] = ("eu", "us")
-    agents: dict[str, int] = field(default_factory=lambda: {"eu": 1, "us": 1})
+    agents: dict[str, int] = field(default_factory=lambda: {"eu": 2, "us": 2})  # agents share the region's Redis
     allocators: int = 2
     etcd_members: int = 3
     prefix: dict[str, list[str]] = field(default_factory=dict)  # service name -> argv prefix
     # service name -> extra environment, e.g. libfaketime's LD_PRELOAD + FAKETIME (the process keeps
     # its own PID, unlike the ``faketime`` wrapper, which forks: stopping it would orphan the service)
-    env: dict[str, dict[str, str]] = field(default_factory=dict)
+    env: dict[str, dict[str, str]] = field(default_factory=dict)  # keys: allocator-N, agent-R-J, redis-R
+    clock_offsets_ms: dict[str, int] = field(default_factory=dict)  # service name -> its clock - the real clock
     agent_args: tuple[str, ...] = ()
     allocator_args: tuple[str, ...] = ()
     policy_etcd: bool = True  # agents follow the policy key in etcd (for mid-run publication)
@@ -117,7 +118,9 @@ class ChaosTopology:
             for a in self.allocators:
                 wait_port(a.port, proc=a.proc.popen, timeout=timeout)
             for region in s.regions:
-                self.redis[region] = RedisServer(run / f"redis-{region}").start(timeout)
+                env = s.env.get(f"redis-{region}")
+                self.redis[region] = RedisServer(run / f"redis-{region}", env=child_env(**env) if env else None
+                                                 ).start(timeout)
                 self.region_links[region] = [self.host.add(f"{a.name}<-{region}", a.port, seed=s.seed)
                                              for a in self.allocators]
                 for j in range(s.agents.get(region, 1)):

@@ -141,6 +141,19 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     print(f"valid: bundle {bundle.bundle_version}, {len(bundle.rules)} rules, {len(bundle.pools)} pools, "
           f"{bundle.checksum}")
+    if args.bound:
+        from kernel.bound import Topology
+
+        from .bound_report import markdown_table, text_report
+
+        if not (1 <= args.regions <= 64 and 1 <= args.agents_per_region <= 1024):
+            print("invalid: --regions must be in [1, 64] and --agents-per-region in [1, 1024]", file=sys.stderr)
+            return EXIT_USAGE
+        names = [f"region-{i + 1}" for i in range(args.regions)]
+        if args.markdown:
+            print(markdown_table(bundle, names, sorted({1, args.agents_per_region})))
+        else:
+            print(text_report(bundle, Topology.uniform(names, args.agents_per_region)))
     return EXIT_OK
 
 
@@ -300,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     psub = pol.add_subparsers(dest="policy_command", required=True)
     sp = psub.add_parser("validate", help="validate a bundle with the services' own code")
     sp.add_argument("file")
+    sp.add_argument("--bound", action="store_true",
+                    help="also print each pool's overshoot bound per window, term by term (kernel.bound)")
+    sp.add_argument("--regions", type=int, default=2, help="regions for --bound (default 2)")
+    sp.add_argument("--agents-per-region", type=int, default=1, help="agents per region for --bound (default 1)")
+    sp.add_argument("--markdown", action="store_true", help="--bound as the README's Markdown table")
     sp.set_defaults(func=cmd_policy_validate)
 
     def etcd_opts(sp: argparse.ArgumentParser) -> None:

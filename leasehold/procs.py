@@ -147,6 +147,7 @@ class RedisServer:
     admin_password: str | None = None  # ACLs on: the default user needs this password
     users: Sequence[str] = ()  # ACL rules, one user each (see ``agent_acl``)
     tls: TlsFiles | None = None  # serve TLS only (the plain port is closed)
+    env: dict[str, str] | None = None  # the server's environment (e.g. libfaketime's), kept across restarts
 
     @property
     def url(self) -> str:
@@ -185,7 +186,7 @@ class RedisServer:
         args = [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", LOOPBACK,
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir),
                 "--maxmemory-policy", "noeviction", "--protected-mode", "no", *self._acl_args(), *self.extra_args]
-        self.proc = Proc(f"redis-{self.port}", args, self.workdir).start()
+        self.proc = Proc(f"redis-{self.port}", args, self.workdir, env=self.env).start()
         wait_port(self.port, proc=self.proc.popen, timeout=timeout)
         return self
 

@@ -16,10 +16,10 @@ from chaos.history import (
     Grant,
     HistoryWriter,
     Leader,
-    LocalAllowance,
     Policy,
     PoolSpend,
     SpendClose,
+    TopologyRec,
     read_history,
 )
 from chaos.invariants import PoolPolicy
@@ -44,15 +44,32 @@ def etcd(g: Grant, rev: int, **changes) -> EtcdGrant:
 
 
 def spend(region: str, at: int, lease: str | None, tokens: int = 1, *, fallback: bool = False,
-          local: bool = False, allowed: bool = True, index: int = K) -> Decision:
-    return Decision(agent=f"agent-{region}-1", region=region, tenant="atlas", allowed=allowed, recorded_at_ms=at,
+          local: bool = False, allowed: bool = True, index: int = K, agent: int = 1, sent: int | None = None
+          ) -> Decision:
+    return Decision(agent=f"agent-{region}-{agent}", region=region, tenant="atlas", allowed=allowed,
+                    recorded_at_ms=at, sent_at_ms=sent,
                     spends=[PoolSpend(pool="p-global", tokens=tokens, lease_id=lease, window_index=index)],
                     fallback=fallback, local=local, reason=None if allowed else "pool_exhausted")
+
+
+TOPO = TopologyRec(agents={"eu": ["agent-eu-1", "agent-eu-2"], "us": ["agent-us-1", "agent-us-2"]})
+
+
+def cut(region: str, start: int, stop: int | None, grace: int = 0) -> Fault:
+    """``region`` cannot reach the allocator from ``start`` to ``stop`` (+ grace)."""
+    return Fault(nemesis="partition", target=f"{region}->allocator", start_ms=start, stop_ms=stop,
+                 allocator_regions=[region], grace_ms=grace)
+
+
+def redis_down(region: str, start: int, stop: int | None, agents: tuple[int, ...] = (1, 2), grace: int = 0) -> Fault:
+    return Fault(nemesis="redis-restart", target=f"redis-{region}", start_ms=start, stop_ms=stop,
+                 redis_agents=[f"agent-{region}-{a}" for a in agents], grace_ms=grace)
 
 
 def clean() -> list:
     g1, g2 = grant("lease-eu-0001", "eu", 50), grant("lease-us-0001", "us", 50, sent=30_100)
     return [
+        TOPO,
         Leader(epoch=5, node="alloc-1", observed_at_ms=29_000),
         g1, g2,
         spend("eu", 30_200, "lease-eu-0001", 40),
@@ -60,7 +77,7 @@ def clean() -> list:
         spend("us", 30_400, None, 15, allowed=False),  # demand above G: denied
         spend("eu", 34_000, None, 5, fallback=True),  # allocator unreachable: fallback
         SpendClose(lease_id="lease-eu-0001", pool="p-global", region="eu", granted=50, spent=40),
-        Fault(nemesis="partition", target="eu->allocator", start_ms=33_000, stop_ms=35_000),
+        cut("eu", 33_000, 35_000),
         etcd(g1, 10, spent=40, returned=10), etcd(g2, 11),
         EtcdWindow(pool="p-global", window_index=K, limit=100, remaining=10, granted=100, returned=10),
     ]
@@ -178,25 +195,102 @@ def test_spend_after_window_end_is_reported():
 
 
 def test_overshoot_beyond_bound_is_reported():
-    # G 100 + eu fallback allowance 10 = 110; admit 16 more from fallback in us -> us allowance 10 exceeded too
-    recs = clean() + [spend("us", 34_500, None, 16, fallback=True)]
+    # us cut off too: G 100 + eu 10 + us 10 = 120; us admits 16 from fallback -> its allowance 10 exceeded
+    recs = clean() + [cut("us", 34_000, 36_000), spend("us", 34_500, None, 16, fallback=True)]
     report = failing(recs, "admitted_within_bound")
     w = report.worst["p-global"]
     assert (w.admitted, w.bound, w.overshoot) == (106, 120, 6)
-    assert any("us admitted 16 from fallback" in v.detail for v in report.verdict("admitted_within_bound").violations)
-    recs = clean() + [spend("us", 30_700, None, 25, local=True)]  # local admissions with no stated allowance
+    assert any("region us admitted 16 not paid by a lease > its allowance 10" in v.detail
+               for v in report.verdict("admitted_within_bound").violations)
+    recs = clean() + [spend("us", 30_700, None, 25, local=True)]  # local admissions, no Redis fault stated
     report = failing(recs, "admitted_within_bound")
     assert report.worst["p-global"].excess == 5
+    assert any("region us admitted 25 not paid by a lease > its allowance 0" in v.detail
+               for v in report.verdict("admitted_within_bound").violations)
 
 
-def test_local_allowance_and_policy_change_raise_the_bound():
-    extra = [spend("us", 30_700, None, 25, local=True)]
-    assert check(clean() + extra + [LocalAllowance(pool="p-global", window_index=K, tokens=25)], [POOL]).ok
+def test_fallback_without_a_fault_that_allows_it_is_reported_even_within_g():
+    # demand below G: the total fits, but us had no reason to spend a fallback allowance (slow is not down)
+    recs = [r for r in clean() if not (isinstance(r, Decision) and r.region == "us")]
+    recs.append(spend("us", 30_700, None, 3, fallback=True))
+    report = failing(recs, "admitted_within_bound")
+    assert report.worst["p-global"].excess < 0
+    assert "region us admitted 3 not paid by a lease > its allowance 0" in report.render()
+
+
+def test_regional_fallback_is_shared_by_the_agents_of_a_region():
+    # both eu agents admit F each from fallback in one window: the region's allowance is F, not 2F
+    base = [r for r in clean() if not (isinstance(r, Decision) and r.fallback)]
+    ok = base + [spend("eu", 34_000, None, 5, fallback=True, agent=1), spend("eu", 34_100, None, 5, fallback=True, agent=2)]
+    assert check(ok, [POOL]).ok
+    over = base + [spend("eu", 34_000, None, 10, fallback=True, agent=1),
+                   spend("eu", 34_100, None, 10, fallback=True, agent=2)]
+    report = failing(over, "admitted_within_bound")
+    assert "region eu admitted 20 not paid by a lease > its allowance 10" in report.render()
+
+
+def test_redis_loss_adds_f_per_agent_process_and_a_restart_counts_again():
+    base = [r for r in clean() if not (isinstance(r, Decision) and r.fallback)]
+    # both us agents cut off from Redis (no grace): 2 x 10 in-process + no regional fallback for us
+    fault = redis_down("us", 31_000, 33_000)
+    ok = base + [fault, spend("us", 32_000, None, 10, local=True, agent=1),
+                 spend("us", 32_100, None, 10, local=True, agent=2)]
+    report = check(ok, [POOL])
+    assert report.ok, report.render()
+    assert report.worst["p-global"].local_allowance == 20
+    over = ok + [spend("us", 32_200, None, 1, local=True, agent=2)]
+    failing(over, "admitted_within_bound")
+    restart = Fault(nemesis="kill", target="agent-us-2", start_ms=32_150, stop_ms=32_180,
+                    restarted_agents=["agent-us-2"])
+    assert check(over + [restart], [POOL]).ok  # the new process has a fresh allowance
+    # the effect lasts until stop + grace: here up to the last millisecond of window K, or into K+1
+    nxt = [spend("us", 40_100, None, 1, local=True, index=K + 1)]
+    failing(base + [redis_down("us", 36_000, 37_000, grace=2_999)] + nxt, "admitted_within_bound")
+    assert check(base + [redis_down("us", 36_000, 37_000, grace=3_000)] + nxt, [POOL]).ok
+
+
+def test_local_admissions_policy_change_and_unattributable_lease_free_spends():
+    extra = [spend("us", 30_700, None, 10, local=True), redis_down("us", 30_500, 31_000, agents=(1,))]
+    assert check(clean() + extra, [POOL]).ok
+    more = [spend("us", 30_700, None, 25)]  # paid by a lease we cannot name: counts against G
+    failing(clean() + more, "admitted_within_bound")
     bigger = Policy(version=2, applied_at_ms=36_000,
                     pools=[PoolPolicy(id="p-global", limit=200, window_ms=W, fallback_per_region=10)])
-    assert check(clean() + extra + [bigger], [POOL]).ok
+    assert check(clean() + more + [bigger], [POOL]).ok
     later = msgspec.structs.replace(bigger, applied_at_ms=40_000)  # takes effect only in the next window
-    failing(clean() + extra + [later], "admitted_within_bound")
+    failing(clean() + more + [later], "admitted_within_bound")
+
+
+def _at_boundary(n: int, *, region: str = "us") -> list[Decision]:
+    """n requests sent just before the K/K+1 boundary and answered just after it."""
+    return [spend(region, (K + 1) * W + 5, None, 1, sent=(K + 1) * W - 5) for _ in range(n)]
+
+
+def test_straddling_admissions_are_attributed_to_a_window_where_they_fit():
+    # window K holds 90 of G 100 (+10 eu fallback): 25 admissions between K and K+1 fit (20 in K, 5 in K+1)
+    report = check(clean() + _at_boundary(25), [POOL])
+    assert report.ok, report.render()
+    assert "25 admission(s) between two windows" in report.verdict("admitted_within_bound").note
+    admitted = {w.window_index: w.admitted for w in report.windows}
+    assert admitted[K] + admitted[K + 1] == 90 + 25 and admitted[K] <= 110
+    # window K+1 already full of lease-paid admissions: 21 straddlers no longer fit anywhere
+    full = [spend("us", (K + 1) * W + 500, None, 100)]
+    assert check(clean() + full + _at_boundary(20), [POOL]).ok
+    report = failing(clean() + full + _at_boundary(21), "admitted_within_bound")
+    assert "no attribution fits every window" in report.render()
+
+
+def test_windows_are_the_allocators_clock_not_the_recorders():
+    # the allocators run 2 s behind the recorder: recorder 40_500 is allocator 38_500, window K
+    behind = TopologyRec(agents=TOPO.agents, allocator_offsets_ms={"allocator-1": -2_000, "allocator-2": -2_000})
+    late = [spend("us", 41_500, None, 25, sent=41_400, index=K + 1)]  # recorder window K+1, allocator window K
+    recs = [r for r in clean() if not isinstance(r, TopologyRec)]
+    assert check(recs + [TOPO] + late, [POOL]).ok  # on the recorder's clock it would fit in K+1
+    report = failing(recs + [behind] + late, "admitted_within_bound")  # but it was admitted in window K
+    assert report.worst["p-global"].window_index == K
+    # with replicas on different clocks a decision may fall in either window: attributed where it fits
+    mixed = TopologyRec(agents=TOPO.agents, allocator_offsets_ms={"allocator-1": -2_000, "allocator-2": 0})
+    assert check(recs + [mixed] + late, [POOL]).ok
 
 
 def test_lost_acknowledged_grant_is_reported():
@@ -204,7 +298,7 @@ def test_lost_acknowledged_grant_is_reported():
     report = failing(recs, "acknowledged_grants_persisted")
     assert report.verdict("acknowledged_grants_persisted").violations[0].lease_id == "lease-us-0001"
     changed = [r for r in clean() if not isinstance(r, EtcdGrant)]
-    changed += [etcd(clean()[1], 10), etcd(clean()[2], 11, granted=40)]
+    changed += [etcd(clean()[2], 10), etcd(clean()[3], 11, granted=40)]
     failing(changed, "acknowledged_grants_persisted")
 
 

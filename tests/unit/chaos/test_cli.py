@@ -7,7 +7,7 @@ from pathlib import Path
 
 from chaos.__main__ import main
 from chaos.history import HistoryWriter
-from kernel.bundle import Bundle, encode_bundle, seal
+from kernel.bundle import Bundle, Rule, encode_bundle, seal
 
 from .test_checker import POOL, clean, etcd, grant
 
@@ -15,7 +15,10 @@ from .test_checker import POOL, clean, etcd, grant
 def bundle_file(tmp_path: Path) -> Path:
     path = tmp_path / "bundle.json"
     path.write_bytes(encode_bundle(seal(Bundle(bundle_version=1, published_at="2026-11-29T00:00:00Z",
-                                               checksum="", rules=[], pools=[POOL]))))
+                                               checksum="", pools=[POOL],
+                                               rules=[Rule(id="atlas-pool", scope="tenant", tenant="atlas",
+                                                           algorithm="pool", pool=POOL.id,
+                                                           fail_mode="local_bounded")]))))
     return path
 
 

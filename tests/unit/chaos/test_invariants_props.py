@@ -8,10 +8,16 @@ from hypothesis import strategies as st
 
 from chaos import invariants as inv
 from chaos.invariants import DecisionRecord, GrantRecord, PoolPolicy, SpendRecord
+from kernel.bound import Faults, Topology
 
 W = 1_000
 G = 50
 POOLS = [PoolPolicy(id="p", limit=G, window_ms=W, fallback_per_region=5)]
+TOPO = Topology(agents={"eu": 1, "us": 1, "ap": 1})
+
+
+def EU_CUT(pool: str, index: int) -> Faults:  # noqa: N802 - a constant-like fault function
+    return Faults(allocator_unreachable=frozenset({"eu"}))
 
 requests = st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["eu", "us", "ap"]), st.integers(1, 20)),
                     min_size=1, max_size=40)
@@ -65,12 +71,39 @@ def test_one_extra_token_is_always_caught(reqs, data):
     # etcd lost the grant a region acknowledged (only non-zero grants are acknowledged)
     lost = inv.acknowledged_grants_persisted(grants, grants[:i] + grants[i + 1:])
     assert [v.lease_id for v in lost] == ([g.lease_id] if g.granted else [])
-    # a window admitted more than G + the fallback allowance of the regions that used it
+    # a window admitted more than G + the fallback allowance of the region cut off from the allocator
     full = [w for w in inv.admitted_within_bound(decisions, POOLS).windows if w.admitted == G]
     if full:
         k = full[0].window_index
         extra = [DecisionRecord(pool="p", window_index=k, region="eu", allowed=True, tokens=5, fallback=True),
                  DecisionRecord(pool="p", window_index=k, region="us", allowed=True, tokens=1)]
-        check = inv.admitted_within_bound(decisions + extra, POOLS)
+        check = inv.admitted_within_bound(decisions + extra, POOLS, EU_CUT, TOPO)
         assert [(v.window_index, v.observed, v.bound) for v in check.violations] == [(k, G + 6, G + 5)]
         assert check.worst is not None and check.worst.excess == 1
+        # the same 5 fallback tokens without the fault that allows them: the region broke its promise
+        check = inv.admitted_within_bound(decisions + extra[:1], POOLS, None, TOPO)
+        assert (k, 5, 0) in [(v.window_index, v.observed, v.bound) for v in check.violations]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 1), st.integers(0, 1)), min_size=1, max_size=300),
+       st.integers(0, 5))
+def test_attribution_finds_a_fitting_assignment_when_one_exists_and_fails_when_none_does(tokens, k_over):
+    """Each token has a true window (never more than G per window) and is recorded with candidate
+    windows around it: the check must pass. One token more than every window can hold fails."""
+    per: dict[int, int] = {}
+    decisions = []
+    for true, before, after in tokens:
+        if per.get(true, 0) >= G:
+            continue
+        per[true] = per.get(true, 0) + 1
+        decisions.append(DecisionRecord(pool="p", window_index=max(0, true - before), region="eu", allowed=True,
+                                        last_window=true + after if (before or after) else None))
+    assert inv.admitted_within_bound(decisions, POOLS, None, TOPO).violations == []
+    # fill every window 0..6 to G with certain admissions, then one more token that may land anywhere in 0..6
+    full = [DecisionRecord(pool="p", window_index=k, region="eu", allowed=True, tokens=G) for k in range(7)]
+    loose = DecisionRecord(pool="p", window_index=0, region="eu", allowed=True, last_window=6)
+    assert inv.admitted_within_bound(full, POOLS, None, TOPO).violations == []
+    assert inv.admitted_within_bound(full + [loose], POOLS, None, TOPO).violations
+    shifted = DecisionRecord(pool="p", window_index=k_over, region="eu", allowed=True, last_window=k_over + 1)
+    assert inv.admitted_within_bound(full + [shifted], POOLS, None, TOPO).violations

@@ -1,0 +1,212 @@
+"""The overshoot bound of a pool: one function of (policy, topology, faults).
+
+DESIGN invariant 6 and seed ch. 13: per pool and per pool window *as the allocator defines it*
+(``index = floor(t / windowMs)`` on the allocator leader's clock)::
+
+    admitted <= G                                   grants never exceed the pool (etcd, fenced)
+              + carry-over                          0: leases and gateway chunks clamped to the window
+              + lost grants                         0: grant records are etcd transactions (consensus)
+              + Σ_{regions r cut off from the allocator}  F x balances(r)
+              + Σ_{agent processes a cut off from their Redis}  F x keys(a)
+
+where ``F = fallbackPerRegion`` and
+
+* ``balances(r)`` — the pool's balances in region ``r``: 1 for a global-scope pool (the
+  ``{g:<pool>}`` balance), one per named tenant for tenant pools (``{t:<tenant>}``). The
+  regional fallback allowance is a window of ``F`` per balance in the regional Redis, shared by
+  every agent of the region; only regions the pool may lease in (``regions``) can use it.
+* ``keys(a)`` — the in-process allowances one agent keeps for the pool while its Redis is
+  unreachable: one per (rule, balance) of the ``local_bounded`` rules that spend the pool
+  (``closed`` rules answer 503 instead). A restarted agent process starts with fresh allowances,
+  so faults count agent *processes*.
+
+A tenant-scoped pool rule without a tenant gives every tenant its own balance: its terms are
+unbounded (``None``), and :func:`pool_bound` says so instead of inventing a number.
+
+The same function serves the chaos checker (per window, with the faults that touched it), the
+README tables and ``leasehold policy validate --bound``. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from msgspec import Struct
+
+from .bundle import Bundle, Pool, Rule
+
+
+class Topology(Struct, frozen=True):
+    """Regions and the number of agent processes in each."""
+
+    agents: dict[str, int]  # region -> agents
+
+    @classmethod
+    def uniform(cls, regions: int | Sequence[str], agents_per_region: int = 1) -> Topology:
+        names = [f"region-{i + 1}" for i in range(regions)] if isinstance(regions, int) else list(regions)
+        if not names or agents_per_region < 1:
+            raise ValueError("a topology needs at least one region and one agent per region")
+        return cls(agents={r: agents_per_region for r in names})
+
+    @property
+    def regions(self) -> list[str]:
+        return list(self.agents)
+
+
+class Faults(Struct, frozen=True):
+    """What was unreachable at some moment of one pool window.
+
+    ``allocator_unreachable``: regions that could not reach the allocator (their regional
+    fallback allowance may be spent). ``redis_unreachable``: per region, the agent processes
+    that could not reach the regional Redis (each may spend its in-process allowances; an agent
+    restarted during the outage counts twice)."""
+
+    allocator_unreachable: frozenset[str] = frozenset()
+    redis_unreachable: dict[str, int] = {}
+
+    @classmethod
+    def worst(cls, topology: Topology) -> Faults:
+        """Every region cut off from the allocator and every agent from its Redis."""
+        return cls(frozenset(topology.agents), dict(topology.agents))
+
+    @classmethod
+    def allocator_only(cls, topology: Topology) -> Faults:
+        return cls(frozenset(topology.agents), {})
+
+
+NO_FAULTS = Faults()
+
+
+class PoolShape(Struct, frozen=True):
+    """What the bound needs to know about a pool: its numbers and how the rules spend it."""
+
+    id: str
+    limit: int  # G per window
+    window_ms: int
+    fallback_per_region: int  # F
+    chunk_max: int
+    global_scope: bool  # spent by a global-scope rule (gateway chunk leases)
+    balances: int | None  # regional balances per region (None: one per tenant, unbounded)
+    local_keys: int | None  # in-process allowances per agent (None: unbounded)
+    regions: tuple[str, ...] | None = None  # regions that may lease it (None: any)
+
+    @classmethod
+    def plain(cls, pool_id: str, limit: int, window_ms: int, fallback_per_region: int, *, chunk_max: int = 1,
+              global_scope: bool = False) -> PoolShape:
+        """One balance per region and one in-process allowance per agent (a pool spent by one rule)."""
+        return cls(pool_id, limit, window_ms, fallback_per_region, chunk_max, global_scope, 1, 1)
+
+
+def shape_of(pool: Pool, rules: Iterable[Rule]) -> PoolShape:
+    """The pool as the agent spends it (mirrors ``region_agent``'s keys: the regional balance and
+    its fallback window are per (pool, tenant tag), the in-process allowance per (rule, balance))."""
+    spenders = [r for r in rules if r.algorithm == "pool" and r.pool == pool.id and not r.shadow]
+    degrading = [r for r in spenders if r.fail_mode == "local_bounded"]
+    unbounded = any(r.scope != "global" and r.tenant is None for r in degrading)
+    balances: int | None = None
+    local_keys: int | None = None
+    if not unbounded:
+        tenants = {r.tenant for r in degrading if r.scope != "global"}
+        balances = len(tenants) + (1 if any(r.scope == "global" for r in degrading) else 0)
+        local_keys = len(degrading)
+    return PoolShape(id=pool.id, limit=pool.limit, window_ms=pool.window_ms,
+                     fallback_per_region=pool.fallback_per_region, chunk_max=pool.chunk_max,
+                     global_scope=any(r.scope == "global" for r in spenders), balances=balances,
+                     local_keys=local_keys, regions=tuple(pool.regions) if pool.regions is not None else None)
+
+
+def pool_shapes(bundle: Bundle) -> list[PoolShape]:
+    return [shape_of(p, bundle.rules) for p in bundle.pools]
+
+
+class Term(Struct, frozen=True):
+    name: str
+    tokens: int | None  # None: unbounded
+    formula: str  # how the number arises, e.g. "2 regions x 1 balance x 100"
+
+
+class PoolBound(Struct, frozen=True):
+    pool: str
+    window_ms: int
+    limit: int
+    terms: tuple[Term, ...]
+    total: int | None  # None: unbounded
+    per_region: dict[str, int | None]  # non-lease allowance per region (regional fallback + in-process)
+
+    def term(self, name: str) -> Term:
+        for t in self.terms:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    @property
+    def overshoot(self) -> int | None:
+        return None if self.total is None else self.total - self.limit
+
+
+G, CARRY, LOST, REGIONAL, LOCAL = "G", "carry-over", "lost grants", "regional fallback", "in-process"
+
+
+def _times(n: int | None, what: int | None) -> int | None:
+    return None if n is None or what is None else n * what
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def pool_bound(shape: PoolShape, topology: Topology, faults: Faults = NO_FAULTS, *,
+               clamped: bool = True) -> PoolBound:
+    """The most one pool window may admit across all regions, term by term.
+
+    ``clamped=False`` is the seed's unclamped design (not ours): every region may carry one
+    chunk (``chunkMax`` per balance) over the window boundary, and for a global-scope pool
+    every agent one gateway chunk as well."""
+    f = shape.fallback_per_region
+    eligible = [r for r in topology.agents if shape.regions is None or r in shape.regions]
+    cut = [r for r in eligible if r in faults.allocator_unreachable]
+    per_region: dict[str, int | None] = {}
+    regional_total: int | None = 0
+    local_total: int | None = 0
+    for region in topology.agents:
+        regional = _times(shape.balances, f) if region in cut else 0
+        local_agents = max(0, faults.redis_unreachable.get(region, 0))
+        local = _times(local_agents, _times(shape.local_keys, f)) if local_agents else 0
+        per_region[region] = None if regional is None or local is None else regional + local
+        regional_total = None if regional_total is None or regional is None else regional_total + regional
+        local_total = None if local_total is None or local is None else local_total + local
+    n_local = sum(max(0, faults.redis_unreachable.get(r, 0)) for r in topology.agents)
+    bal = "?" if shape.balances is None else str(shape.balances)
+    keys = "?" if shape.local_keys is None else str(shape.local_keys)
+    if clamped:
+        carry = Term(CARRY, 0, "leases (and gateway chunks) end at the window end")
+    else:
+        regions_carry = _times(len(eligible), _times(shape.balances, shape.chunk_max))
+        agents_carry = sum(topology.agents[r] for r in eligible) * shape.chunk_max if shape.global_scope else 0
+        total_carry = None if regions_carry is None else regions_carry + agents_carry
+        carry = Term(CARRY, total_carry, f"{_plural(len(eligible), 'region')} x {bal} balance(s) x chunkMax "
+                     f"{shape.chunk_max}" + (f" + {agents_carry} in gateway chunks" if agents_carry else ""))
+    terms = (
+        Term(G, shape.limit, f"G per {shape.window_ms} ms window"),
+        carry,
+        Term(LOST, 0, "grants are etcd transactions fenced by the leader's epoch"),
+        Term(REGIONAL, regional_total,
+             f"{_plural(len(cut), 'region')} cut off from the allocator x {bal} balance(s) x F {f}"),
+        Term(LOCAL, local_total,
+             f"{_plural(n_local, 'agent')} cut off from Redis x {keys} allowance(s) x F {f}"),
+    )
+    total: int | None = 0
+    for t in terms:
+        total = None if total is None or t.tokens is None else total + t.tokens
+    return PoolBound(pool=shape.id, window_ms=shape.window_ms, limit=shape.limit, terms=terms, total=total,
+                     per_region=per_region)
+
+
+def bundle_bounds(bundle: Bundle, topology: Topology, faults: Faults | Mapping[str, Faults] = NO_FAULTS
+                  ) -> list[PoolBound]:
+    """Every pool of a bundle; ``faults`` for all pools or per pool id."""
+    out = []
+    for shape in pool_shapes(bundle):
+        fl = faults.get(shape.id, NO_FAULTS) if isinstance(faults, Mapping) else faults
+        out.append(pool_bound(shape, topology, fl))
+    return out

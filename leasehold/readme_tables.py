@@ -1,0 +1,91 @@
+"""Keep the READMEs' bound tables generated from :mod:`kernel.bound` (one formula everywhere).
+
+    python -m leasehold.readme_tables --check   # exit 1 and name the stale tables (a unit test runs this)
+    python -m leasehold.readme_tables --write   # rewrite them in place (make readme-tables)
+
+Each table sits between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from kernel.bundle import load_bundle_file
+
+from .bound_report import markdown_table
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _sample_policy() -> str:
+    return markdown_table(load_bundle_file(REPO / "policies" / "northstar-global.json"), ["eu", "us"], (1, 2))
+
+
+def _chaos_bundle() -> str:
+    from chaos.bundles import chaos_bundle
+
+    return markdown_table(chaos_bundle(), ["eu", "us"], (1, 2))
+
+
+#: (README, table name, generator)
+TABLES: list[tuple[str, str, Callable[[], str]]] = [
+    ("README.md", "bound-sample-policy", _sample_policy),
+    ("chaos/README.md", "bound-chaos-bundle", _chaos_bundle),
+]
+
+
+def _block(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(<!-- generated:{re.escape(name)} -->\n)(.*?)(<!-- /generated:{re.escape(name)} -->)",
+                      re.DOTALL)
+
+
+def render(text: str, name: str, table: str) -> str:
+    pattern = _block(name)
+    if not pattern.search(text):
+        raise ValueError(f"no <!-- generated:{name} --> block")
+    return pattern.sub(lambda m: m.group(1) + table.rstrip("\n") + "\n" + m.group(3), text, count=1)
+
+
+def stale(root: Path = REPO) -> list[str]:
+    out = []
+    for rel, name, gen in TABLES:
+        text = (root / rel).read_text()
+        if render(text, name, gen()) != text:
+            out.append(f"{rel}: {name}")
+    return out
+
+
+def write(root: Path = REPO) -> list[str]:
+    changed = []
+    for rel, name, gen in TABLES:
+        path = root / rel
+        text = path.read_text()
+        new = render(text, name, gen())
+        if new != text:
+            path.write_text(new)
+            changed.append(f"{rel}: {name}")
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m leasehold.readme_tables")
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--check", action="store_true")
+    g.add_argument("--write", action="store_true")
+    args = ap.parse_args(argv)
+    if args.check:
+        bad = stale()
+        for b in bad:
+            print(f"stale generated table: {b} (run make readme-tables)", file=sys.stderr)
+        return 1 if bad else 0
+    for c in write():
+        print(f"rewrote {c}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
