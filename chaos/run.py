@@ -30,7 +30,7 @@ from kernel.policy_store import PolicyStore
 from . import bundles
 from .checker import Report, check
 from .etcd_records import read_back
-from .history import Fault, HistoryWriter, Leader, Meta, Policy, TopologyRec, now_ms, read_history
+from .history import Fault, HistoryWriter, Meta, Policy, TopologyRec, now_ms, read_history
 from .lease_driver import DriverStats, LeaseDriver
 from .load import LeasePoller, LoadGen
 from .nemesis import Nemesis, Schedule, Step
@@ -96,13 +96,19 @@ def _line(out: TextIO, text: str) -> None:
 
 
 async def _watch_leaders(ctx: RunContext, stop: asyncio.Event) -> None:
+    """Record every leader term (of every shard when the allocator is sharded); ``ctx.leaders``
+    follows the leader of shard 0 (the only one when unsharded)."""
+    seen: set[tuple[int, int]] = set()
     while not stop.is_set():
-        cur = await ctx.topo.leader()
-        if cur is not None and (not ctx.leaders or ctx.leaders[-1][0] != cur[0]):
-            ctx.leaders.append(cur)
-            ctx.history.write(Leader(epoch=cur[0], node=cur[1], observed_at_ms=now_ms()))
+        for rec in await ctx.topo.leaders():
+            if (rec.shard, rec.epoch) in seen:
+                continue
+            seen.add((rec.shard, rec.epoch))
+            ctx.history.write(rec)
+            if rec.shard == 0 and (not ctx.leaders or ctx.leaders[-1][0] != rec.epoch):
+                ctx.leaders.append((rec.epoch, rec.node))
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.5)
+            await asyncio.wait_for(stop.wait(), 0.5 if ctx.topo.spec.shards == 1 else 0.2)
 
 
 async def _live(ctx: RunContext, out: TextIO, stop: asyncio.Event, t0: float) -> None:
@@ -154,7 +160,7 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
     history = HistoryWriter(out_dir / "history.jsonl")
     initial = PoolPolicy.from_bundle(bundle)
     history.write(Meta(scenario=name, seed=seed, started_at_ms=now_ms(), duration_s=duration_s,
-                       note=" / ".join(s.doc for s in scenarios)))
+                       note=" / ".join(s.doc for s in scenarios), shards=spec.shards))
     history.write(Policy(version=bundle.bundle_version, applied_at_ms=None, pools=initial))
     _line(out, f"== {name} seed={seed} duration={duration_s:.0f}s -> {out_dir}")
     topo = ChaosTopology(spec)
