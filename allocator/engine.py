@@ -620,6 +620,8 @@ def pool_disjoint_groups(jobs: list[_GrantJob], max_group: int, per_wave: int,
     for j in jobs:
         by_pool.setdefault(j.req.pool, []).append(j)
     chunks = [b[i:i + max_group] for b in by_pool.values() for i in range(0, len(b), max_group)]
+    if shard_of is not None:  # pools of one shard side by side: fewer epoch compares, fuller transactions
+        chunks.sort(key=lambda c: shard_of(c[0]))
     waves: list[list[list[_GrantJob]]] = []
     current: list[list[_GrantJob]] = []
     pools_in_wave: set[str] = set()

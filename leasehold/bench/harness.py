@@ -95,12 +95,15 @@ def start_echo(workdir: Path, workers: int = 1) -> Service:
     return Service(proc, f"http://{LOOPBACK}:{port}", port)
 
 
-def start_allocator(workdir: Path, etcd: EtcdCluster, policy: Path, node: str = "bench-1") -> Service:
+def start_allocator(workdir: Path, etcd: EtcdCluster, policy: Path, node: str = "bench-1",
+                    extra: list[str] | None = None, lead: bool = True) -> Service:
+    """An allocator process; with ``lead`` (one unsharded replica) wait until it leads."""
     port = free_port()
     url = f"http://{LOOPBACK}:{port}"
     proc = Proc(f"allocator-{node}", [sys.executable, "-m", "allocator", "--etcd", ",".join(etcd.endpoints),
                                       "--policy", str(policy), "--node-id", node, "--host", LOOPBACK,
-                                      "--port", str(port), "--advertise-url", url, "--log-level", "warning"],
+                                      "--port", str(port), "--advertise-url", url, "--log-level", "warning",
+                                      *(extra or [])],
                 workdir, env=_env()).start()
     svc = Service(proc, url, port)
     try:
@@ -109,6 +112,8 @@ def start_allocator(workdir: Path, etcd: EtcdCluster, policy: Path, node: str = 
         proc.stop()
         raise
     wait_ready(svc)
+    if not lead:
+        return svc
     # ready means etcd answered; wait until this node leads, so the first grants do not bounce
     deadline = time.monotonic() + 30
     with httpx.Client(timeout=1.0) as c:
