@@ -160,13 +160,16 @@ class AllocatorClient:
             await asyncio.wait(pending, timeout=REFRESH_GRACE_S)
 
     async def _fetch_map(self, url: str) -> bool:
+        """One replica's map (a background probe: any failure is just no answer)."""
         try:
             resp = await self._http.get(url + "/v1/shards")
             if resp.status_code != 200:
                 return False
             self.routes.learn_map(url, msgspec.json.decode(resp.content, type=ShardMap))
             return True
-        except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError):
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - httpx can raise more than HTTPError on a torn connection
             return False
 
     async def _call(self, method: str, path: str, body: bytes, typ: type[T], pool: str | None = None) -> T:
@@ -200,7 +203,18 @@ class AllocatorClient:
         if self.routes.stale:
             await self.refresh_map()
         url = self._target(pool)
-        content = await self._send(url, method, path, body)
+        try:
+            content = await self._send(url, method, path, body)
+        except NotLeader:
+            if pool is None or not self.routes.sharded:
+                raise
+            if self.routes.stale:
+                await self.refresh_map()
+            follow = self._target(pool)
+            if follow == url:
+                raise
+            # the answer named the pool's shard leader: follow it now (a redirect, not a retry)
+            url, content = follow, await self._send(follow, method, path, body)
         try:
             return msgspec.json.decode(content, type=typ)
         except msgspec.DecodeError:
