@@ -51,7 +51,7 @@ test-e2e: setup
 	$(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
 
 chaos: setup
-	$(PY) -m chaos run --profile full
+	$(PY) -m chaos run --profile full --seeds 3
 
 chaos-short: setup
 	$(PY) -m chaos run --profile short

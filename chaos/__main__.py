@@ -4,7 +4,10 @@ kept history (e.g. a failing run's). Exit status 0 = every invariant held, 1 = v
 
 ``python -m chaos run --scenario NAME --seed N --duration S`` / ``--profile short|full`` —
 run scenarios against the real topology (:mod:`chaos.run`); exit 1 when a checker verdict or a
-scenario expectation fails."""
+scenario expectation fails.
+
+``python -m chaos summary REPORT_DIR [--readme chaos/README.md]`` — the scenario x seed table
+(:mod:`chaos.summary`); exit 1 when a run in it failed."""
 
 from __future__ import annotations
 
@@ -40,9 +43,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--duration", type=float, help="seconds per scenario (default: the profile's)")
     r.add_argument("--out", default="chaos-reports", help="report root directory")
     r.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    m = sub.add_parser("summary", help="a Markdown table (scenario x seed) over a directory of reports")
+    m.add_argument("reports", help="the report root, e.g. chaos-reports")
+    m.add_argument("--readme", help="write the table into this README's chaos-summary block instead of printing")
     args = ap.parse_args(argv)
     if args.cmd == "run":
         return _run(ap, args)
+    if args.cmd == "summary":
+        return _summary(args)
     if args.tolerance_ms < 0:
         ap.error("--tolerance-ms must be >= 0")
     try:
@@ -56,6 +64,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(report.render())
     return 0 if report.ok else 1
+
+
+def _summary(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .summary import load_reports, table, write_readme
+
+    docs = load_reports(Path(args.reports))
+    if not docs:
+        print(f"error: no reports under {args.reports}", file=sys.stderr)
+        return 2
+    text = table(docs)
+    if args.readme:
+        try:
+            write_readme(Path(args.readme), text)
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    else:
+        print(text)
+    return 0 if all(d.get("ok") for d in docs) else 1
 
 
 def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -80,6 +80,9 @@ class Decision(_Rec, tag="decision"):
     reason: str | None = None
     route_group: str | None = None
     request_id: str | None = None
+    policy_id: str | None = None  # the answer's rule, limit and remaining (which allowance answered)
+    limit: int | None = None
+    remaining: int | None = None
 
 
 class SpendClose(_Rec, tag="spend_close"):

@@ -135,6 +135,19 @@ def _jitter(steps: list[Step], seed: int, duration_s: float) -> list[Step]:
     return out
 
 
+async def _save_metrics(ctx: RunContext, out_dir: Path) -> None:
+    """Every service's own counters at the end of the run (degradations by reason, lease outcomes,
+    pool admissions by source): ``metrics/<service>.txt`` in the report, to explain a verdict."""
+    (out_dir / "metrics").mkdir(parents=True, exist_ok=True)
+    services = [(g.name, g.url) for g in ctx.topo.agents] + [(a.name, a.url) for a in ctx.topo.allocators]
+    async with httpx.AsyncClient(timeout=2.0) as c:
+        for name, url in services:
+            with contextlib.suppress(httpx.HTTPError):
+                r = await c.get(url + "/metrics")
+                lines = [ln for ln in r.text.splitlines() if ln.startswith("leasehold_") and not ln.endswith(" 0.0")]
+                (out_dir / "metrics" / f"{name}.txt").write_text("\n".join(lines) + "\n")
+
+
 async def _final_policy(ctx: RunContext) -> None:
     async with httpx.AsyncClient(timeout=2.0) as c:
         for g in ctx.topo.agents:
@@ -210,6 +223,7 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
         async with httpx.AsyncClient(timeout=1.0) as client:
             await poller.poll_once(client)
         await _final_policy(ctx)
+        await _save_metrics(ctx, out_dir)
         cur = await topo.wait_leader(10.0)
         if cur is not None and (not ctx.leaders or ctx.leaders[-1][0] != cur[0]):
             ctx.leaders.append(cur)

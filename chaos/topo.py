@@ -29,7 +29,10 @@ from .history import Leader
 from .proxyhost import HostedProxy, ProxyHost
 
 PREFIX = "/leasehold/"
-AGENT_FLAGS = ("--lease-tick-ms", "50", "--allocator-timeout-ms", "300", "--allocator-deadline-ms", "900",
+# the allocator timeout per attempt is the product default (500 ms): above the 50-300 ms round trips the
+# allocator-latency scenario injects (slow is not unreachable); the deadline of all attempts is shorter
+# than the default (3 s) so a partition shows within a short run
+AGENT_FLAGS = ("--lease-tick-ms", "50", "--allocator-timeout-ms", "500", "--allocator-deadline-ms", "1500",
                "--decision-budget-ms", "250", "--policy-poll-ms", "0", "--log-level", "warning",
                "--insecure-dev-pepper", "true", "--breaker-open-ms", "500", "--redis-socket-timeout-ms", "300")
 ALLOCATOR_FLAGS = ("--election-ttl-s", "2", "--log-level", "warning", "--etcd-timeout-ms", "800")

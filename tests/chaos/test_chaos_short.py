@@ -1,5 +1,6 @@
 """The short chaos profile inside ``make test``: each scenario runs the whole topology (3-member
-etcd, two allocators, two regions with Redis and agents, every link through a fault proxy)
+etcd, two allocators, two regions with Redis and two agents each, every link through a fault proxy,
+tenant pools and a global-scope pool spent from gateway chunks)
 under load and its faults, then the history checker must pass every invariant, and the
 scenario's expectations must show the fault was really injected (fallback decisions during
 an allocator partition, a leader change after a kill, stale replays refused, ...).
@@ -42,3 +43,9 @@ async def test_short_profile_scenario(scenario: str, duration: float, tmp_path: 
     assert list(result.out_dir.glob("*.png")), "a plot per pool"
     # pools with demand above G were driven to (near) G in some window: the load really pressed the limit
     assert any(u.ratio >= 0.8 for u in result.report.utilisation), text
+    # the dimensions of every run: the global-scope pool was spent and pressed, and both agents of each
+    # region answered
+    assert any(w.pool == "fleet-g" and w.admitted > 0 for w in result.report.windows), text
+    assert any(u.pool == "fleet-g" for u in result.report.utilisation), text
+    for region, st in result.stats["load"].items():
+        assert len([a for a, n in st["perAgent"].items() if n > 0]) == 2, (region, st)

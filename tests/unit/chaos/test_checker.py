@@ -318,3 +318,13 @@ def test_malformed_history_line_is_a_clear_error(tmp_path: Path):
     path.write_bytes(b'{"type":"nonsense"}\n{"type":"leader","epoch":1,"node":null,"observedAtMs":1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         check(path, [POOL])
+
+
+def test_window_end_of_a_lease_is_read_on_the_allocators_clock():
+    # the allocators 2 s behind the recorder: the window end 40_000 (allocator clock) is 42_000 here
+    long = grant("lease-us-0009", "us", 10, sent=38_000, ttl=15_000)
+    spent = spend("us", 41_000, "lease-us-0009", 1)
+    recs = [r for r in clean() if not isinstance(r, TopologyRec)] + [long, spent]
+    failing(recs + [TOPO], "no_spend_after_expiry")
+    behind = TopologyRec(agents=TOPO.agents, allocator_offsets_ms={"allocator-1": -2_000, "allocator-2": -2_000})
+    assert check(recs + [behind], [POOL]).verdict("no_spend_after_expiry").ok
