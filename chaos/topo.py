@@ -208,12 +208,17 @@ class ChaosTopology:
         return next(((r.epoch, r.node) for r in await self.leaders() if r.shard == 0), None)
 
     async def wait_leader(self, timeout_s: float = 15.0) -> tuple[int, str | None] | None:
-        """The leader (of shard 0) once elected; sharded, once every shard has a leader."""
+        """The leader (of shard 0) once elected; sharded, once every shard is led by the running
+        replica the assignment gives it (the start-up handoffs are over)."""
+        from allocator.shards import assignment
+
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             leaders = await self.leaders()
             cur = next(((r.epoch, r.node) for r in leaders if r.shard == 0), None)
-            if cur is not None and cur[1] is not None and len(leaders) >= self.spec.shards:
+            want = assignment(self.spec.shards, {a.node_id for a in self.allocators if a.proc.alive()})
+            settled = self.spec.shards == 1 or {r.shard: r.node for r in leaders} == want
+            if cur is not None and cur[1] is not None and settled:
                 return cur
             await asyncio.sleep(0.2)
         return None
