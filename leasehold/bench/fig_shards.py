@@ -31,7 +31,7 @@ from .capacity import projected_capacity
 from .context import Ctx
 from .fig_alloc import many_pools_bundle, write_bundle
 from .harness import CpuMeter, Service, loadgen, services, start_allocator
-from .stats import Row, median
+from .stats import Row, median, percentile
 from .workloads import pool_id
 
 SHARDS = 64
@@ -125,19 +125,25 @@ def _report_bundle() -> Bundle:
     return bundle
 
 
-async def _post_reports(url: str, reports: list[dict], concurrency: int = 16) -> tuple[int, int]:
-    """Every report once (bounded by the list); (ok, failed)."""
+async def _post_reports(url: str, reports: list[dict], concurrency: int = 16) -> tuple[int, int, list[float]]:
+    """Every report once (bounded by the list); (ok, failed, latencies in s)."""
     it = iter(reports)
     counts = {"ok": 0, "bad": 0}
+    lat: list[float] = []
 
     async def worker(c: httpx.AsyncClient) -> None:
         for rep in it:
-            r = await c.post(f"{url}/v1/leases/{rep['leaseId']}/usage", json=rep)
-            counts["ok" if r.status_code == 200 else "bad"] += 1
+            t0 = time.perf_counter()
+            try:
+                r = await c.post(f"{url}/v1/leases/{rep['leaseId']}/usage", json=rep)
+                counts["ok" if r.status_code == 200 else "bad"] += 1
+            except httpx.HTTPError:
+                counts["bad"] += 1
+            lat.append(time.perf_counter() - t0)
 
-    async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=concurrency)) as c:
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=concurrency)) as c:
         await asyncio.gather(*(worker(c) for _ in range(concurrency)))
-    return counts["ok"], counts["bad"]
+    return counts["ok"], counts["bad"], lat
 
 
 def _report_cost(ctx: Ctx, etcd: EtcdCluster) -> dict:
@@ -148,7 +154,7 @@ def _report_cost(ctx: Ctx, etcd: EtcdCluster) -> dict:
                             extra=["--shards", str(SHARDS), "--prefix", "/bench-reports/"])
     with services(alloc):
         _converge([alloc], ["rep1"])
-        batches = 40 if ctx.quick else 120
+        batches = 20 if ctx.quick else 40
         loadgen({"port": alloc.port, "path": "/v1/leases/batch", "workload": "lease_batch",
                  "workload_args": {"pools": POOLS, "size": BATCH, "tag": "f8r", "want": 2},
                  "items_per_request": BATCH, "conns": 2, "duration_s": 60, "max_requests": batches})
@@ -156,11 +162,12 @@ def _report_cost(ctx: Ctx, etcd: EtcdCluster) -> dict:
                     "spent": 1} for i in range(batches) for j in range(BATCH)]
         time.sleep(REPORT_TTL_MS / 1000 + 0.5)  # usage is accepted only after the lease expired
         with CpuMeter({"replica": alloc.proc.pid, "etcd": etcd.procs[0].pid}) as meter:
-            ok, bad = asyncio.run(_post_reports(alloc.url, reports))
+            ok, bad, lat = asyncio.run(_post_reports(alloc.url, reports))
         if bad:
             ctx.note(f"fig8 usage reports: {bad} of {ok + bad} not accepted")
     return {"reports": ok, "reports_per_s": ok / meter.wall, "replica_cpu_us_per_report": meter.per(ok)["replica"],
-            "etcd_cpu_us_per_report": meter.per(ok)["etcd"], "utilisation": meter.utilisation()}
+            "etcd_cpu_us_per_report": meter.per(ok)["etcd"], "utilisation": meter.utilisation(),
+            "p50_ms": 1000 * percentile(lat, 50), "p99_ms": 1000 * percentile(lat, 99), "max_ms": 1000 * max(lat)}
 
 
 def run(ctx: Ctx) -> list[Row]:
