@@ -101,6 +101,7 @@ class ShardElection:
         self._epochs: dict[int, int] = {}  # shards this replica leads (accepting or draining) -> epoch
         self._draining: set[int] = set()
         self._handoffs: dict[int, asyncio.Task[None]] = {}
+        self._resigned: dict[int, int] = {}  # shard -> the epoch we last handed off (never adopted again)
         self._orphans: dict[int, float] = {}
         self._held: dict[int, float] = {}
         self._members: dict[str, ReplicaInfo] = {}
@@ -307,7 +308,9 @@ class ShardElection:
                 node, url = None, None
             seen[s] = ShardLeader(shard=s, node_id=node, url=url, epoch=kv.create_revision)
             ours = self._lease_id is not None and kv.lease == self._lease_id
-            if ours and s not in self._epochs and s not in self._handoffs:
+            # (a snapshot read while a handoff deleted the key may still show it: not adopted again)
+            if ours and s not in self._epochs and s not in self._handoffs \
+                    and self._resigned.get(s) != kv.create_revision:
                 self._epochs[s] = kv.create_revision  # e.g. a campaign whose answer was lost
                 log.info("node %s leads shard %s with epoch %s (found in etcd)", self.node_id, s, kv.create_revision)
                 self._notify(s, True, kv.create_revision)
@@ -369,6 +372,7 @@ class ShardElection:
             if epoch is None:
                 return
             self._draining.add(shard)
+            self._resigned[shard] = epoch
             log.info("node %s hands shard %s (epoch %s) off to %s", self.node_id, shard, epoch,
                      assign.owner(shard, self._members))
             self._notify(shard, False, epoch)
