@@ -99,16 +99,21 @@ async def _watch_leaders(ctx: RunContext, stop: asyncio.Event) -> None:
     """Record every leader term (of every shard when the allocator is sharded); ``ctx.leaders``
     follows the leader of shard 0 (the only one when unsharded)."""
     seen: set[tuple[int, int]] = set()
-    while not stop.is_set():
-        for rec in await ctx.topo.leaders():
-            if (rec.shard, rec.epoch) in seen:
-                continue
-            seen.add((rec.shard, rec.epoch))
-            ctx.history.write(rec)
-            if rec.shard == 0 and (not ctx.leaders or ctx.leaders[-1][0] != rec.epoch):
-                ctx.leaders.append((rec.epoch, rec.node))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.5 if ctx.topo.spec.shards == 1 else 0.2)
+    assert ctx.topo.etcd is not None
+    store = EtcdStore(ctx.topo.etcd.endpoints, timeout_s=2.0)  # one client for the run, not one per poll
+    try:
+        while not stop.is_set():
+            for rec in await ctx.topo.leaders(store):
+                if (rec.shard, rec.epoch) in seen:
+                    continue
+                seen.add((rec.shard, rec.epoch))
+                ctx.history.write(rec)
+                if rec.shard == 0 and (not ctx.leaders or ctx.leaders[-1][0] != rec.epoch):
+                    ctx.leaders.append((rec.epoch, rec.node))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5 if ctx.topo.spec.shards == 1 else 0.25)
+    finally:
+        await store.close()
 
 
 async def _live(ctx: RunContext, out: TextIO, stop: asyncio.Event, t0: float) -> None:

@@ -191,17 +191,20 @@ class ChaosTopology:
     def agent(self, name: str) -> Agent:
         return next(g for g in self.agents if g.name == name)
 
-    async def leaders(self) -> list[Leader]:
+    async def leaders(self, store: EtcdStore | None = None) -> list[Leader]:
         """Every shard's allocator leader (one record when unsharded), read directly from etcd
-        (not via proxies); empty when etcd has no quorum right now."""
+        (not via proxies; through ``store`` when given, e.g. a watcher's own client); empty when
+        etcd has no quorum right now."""
         assert self.etcd is not None
-        store = EtcdStore(self.etcd.endpoints, timeout_s=2.0)
+        own = store is None
+        store = store or EtcdStore(self.etcd.endpoints, timeout_s=2.0)
         try:
             return await read_leaders(store, PREFIX)
         except Exception:  # noqa: BLE001 - no quorum right now: unknown
             return []
         finally:
-            await store.close()
+            if own:
+                await store.close()
 
     async def leader(self) -> tuple[int, str | None] | None:
         """(epoch, node id) of the allocator leader (sharded: of shard 0, as ``GET /v1/leader``)."""
