@@ -18,10 +18,18 @@ import httpx
 from kernel.bundle import load_bundle_file
 from kernel.errors import PolicyError
 
-from .topology import DEFAULT_POLICY, REPO, Topology, TopologySpec, read_state, read_token, stop_from_state
+from .topology import (
+    DEFAULT_POLICY,
+    Topology,
+    TopologySpec,
+    default_run_dir,
+    read_state,
+    read_token,
+    stop_from_state,
+)
 
 EXIT_OK, EXIT_USAGE, EXIT_DENIED, EXIT_UNAVAILABLE, EXIT_CONNECT, EXIT_NOT_RUNNING = 0, 2, 3, 4, 5, 6
-DEFAULT_RUN_DIR = REPO / ".run"
+DEFAULT_RUN_DIR = default_run_dir()
 
 
 def _print(obj: object) -> None:

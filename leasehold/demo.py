@@ -1,5 +1,10 @@
-"""``make run``: start the local topology, drive Northstar demo traffic through every
-region's agent, and show a live view until Ctrl-C (or ``duration``), then stop everything.
+"""``make run``: start the local topology with an Envoy in front of each region (Envoy's rate
+limit filter asking the region's agent over RLS gRPC, ``deploy/gateways/envoy-rls.yaml``) and a
+demo upstream behind them, drive Northstar demo traffic *through Envoy* as plain HTTP requests,
+and show a live view until Ctrl-C (or ``duration``), then stop everything.
+
+What a client sees is counted from Envoy's answers (200, 429, 503); which rule denied and how
+many decisions were local fallbacks come from each agent's ``/metrics``.
 
 Traffic (bounded in rate, concurrency and time): 40 Atlas users reading (together far above
 Atlas's worldwide 1,000 per minute, so both regions see tenant-atlas-global 429s once the window's
@@ -24,6 +29,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from .gateways import Envoy, render, upstream
+from .procs import LOOPBACK, Proc, free_port
 from .topology import Topology, TopologySpec
 
 
@@ -43,74 +50,95 @@ class RegionStats:
 
 
 class Driver:
-    def __init__(self, topo: Topology, rate: float, rng: random.Random):
+    def __init__(self, topo: Topology, envoys: dict[str, str], rate: float, rng: random.Random):
         self.topo = topo
+        self.envoys = envoys  # region -> Envoy URL
         self.rate = rate
         self.rng = rng
-        self.stats = {r: RegionStats() for r in topo.agent_urls}
+        self.stats = {r: RegionStats() for r in envoys}
         self.sem = asyncio.Semaphore(64)
-        self.client = httpx.AsyncClient(timeout=2.0, limits=httpx.Limits(max_connections=64),
-                                        headers=topo.gateway_headers())
+        self.client = httpx.AsyncClient(timeout=2.0, limits=httpx.Limits(max_connections=64))
+        self.agents = httpx.AsyncClient(timeout=2.0, headers=topo.gateway_headers())  # /v1/release
+        self.anon: dict[str, httpx.AsyncClient] = {}  # one client per source address
         self.tasks: set[asyncio.Task] = set()
 
-    def _request(self) -> tuple[str, dict, bool]:
-        region = self.rng.choice(list(self.topo.agent_urls))
+    def _anon_client(self, ip: str) -> httpx.AsyncClient:
+        c = self.anon.get(ip)
+        if c is None:
+            c = self.anon[ip] = httpx.AsyncClient(timeout=2.0, transport=httpx.AsyncHTTPTransport(local_address=ip))
+        return c
+
+    def _request(self) -> tuple[str, str, str, dict[str, str], str | None]:
+        """(region, method, path, headers, source address or None) of one demo request. The
+        identity headers stand for what an authentication layer in front of Envoy would set."""
+        region = self.rng.choice(list(self.envoys))
         roll = self.rng.random()
-        rid = f"demo-{uuid.uuid4().hex[:20]}"
         if roll < 0.25:
-            user = "U-17"
-            body = {"tenantId": "atlas", "principal": {"type": "user", "id": user, "apiKeyId": "K1"}, "routeGroup": "read"}
-        elif roll < 0.55:
-            body = {"tenantId": "atlas", "principal": {"type": "user", "id": f"U-{self.rng.randint(1, 40)}"},
-                    "routeGroup": "read"}
-        elif roll < 0.75:
-            body = {"tenantId": "birch", "principal": {"type": "user", "id": f"B-{self.rng.randint(1, 5)}"},
-                    "routeGroup": "read"}
-        elif roll < 0.80:
-            body = {"tenantId": "atlas", "principal": {"type": "user", "id": f"U-{self.rng.randint(1, 8)}"},
-                    "routeGroup": "export", "costHint": 1}
-        else:
-            ip = "203.0.113.9" if self.rng.random() < 0.6 else f"198.51.100.{self.rng.randint(1, 20)}"
-            body = {"principal": {"type": "anonymous", "id": ip}, "routeGroup": "login"}
-        body.update({"requestId": rid, "method": "GET"})
-        return region, body, body["routeGroup"] == "export"
+            return region, "GET", "/catalog", {"x-tenant-id": "atlas", "x-user-id": "U-17", "x-api-key-id": "K1"}, None
+        if roll < 0.55:
+            return region, "GET", "/catalog", {"x-tenant-id": "atlas", "x-user-id": f"U-{self.rng.randint(1, 40)}"}, None
+        if roll < 0.75:
+            return region, "GET", "/catalog", {"x-tenant-id": "birch", "x-user-id": f"B-{self.rng.randint(1, 5)}"}, None
+        if roll < 0.80:
+            return region, "POST", "/reports/export", {"x-tenant-id": "atlas", "x-user-id": f"U-{self.rng.randint(1, 8)}",
+                                                       "x-request-id": f"demo-{uuid.uuid4().hex[:20]}"}, None
+        ip = "127.0.0.9" if self.rng.random() < 0.6 else f"127.0.1.{self.rng.randint(1, 20)}"
+        return region, "POST", "/login", {}, ip
 
     async def one(self) -> None:
-        region, body, is_export = self._request()
-        url = self.rng.choice(self.topo.agent_urls[region])
+        region, method, path, headers, ip = self._request()
         st = self.stats[region]
+        client = self._anon_client(ip) if ip else self.client
         async with self.sem:
             try:
-                r = await self.client.post(url + "/v1/admit", json=body)
-                d = r.json()
-            except (httpx.HTTPError, ValueError):
+                r = await client.request(method, self.envoys[region] + path, headers=headers)
+            except httpx.HTTPError:
                 st.errors += 1
                 return
-        if r.status_code != 200:
-            st.errors += 1
-            return
-        if d.get("fallback"):
-            st.fallback += 1
-        status = d.get("httpStatus", 200)
-        if status == 200:
+        if r.status_code == 200:
             st.allowed += 1
-            if is_export:
+            if path == "/reports/export":
                 st.exports_in_flight += 1
-                self._spawn(self.release_later(url, body, st))
-        elif status == 429:
+                self._spawn(self.release_later(region, headers, st))
+        elif r.status_code == 429:
             st.denied += 1
-            st.deny_by_rule[d.get("policyId") or "?"] += 1
-        else:
+        elif r.status_code == 503:
             st.unavailable += 1
+        else:
+            st.errors += 1
 
-    async def release_later(self, url: str, body: dict, st: RegionStats) -> None:
+    async def release_later(self, region: str, headers: dict[str, str], st: RegionStats) -> None:
+        """The backend ends the export: POST /v1/release with the decision id Envoy sent (x-request-id)."""
         await asyncio.sleep(self.rng.uniform(1.0, 4.0))
-        payload = {k: body[k] for k in ("requestId", "tenantId", "principal", "routeGroup")}
+        payload = {"requestId": headers["x-request-id"], "tenantId": headers["x-tenant-id"],
+                   "principal": {"type": "user", "id": headers["x-user-id"]}, "routeGroup": "export"}
         try:
-            await self.client.post(url + "/v1/release", json=payload)
+            await self.agents.post(self.topo.agent_urls[region][0] + "/v1/release", json=payload)
         except httpx.HTTPError:
             pass
         st.exports_in_flight -= 1
+
+    async def scrape(self) -> None:
+        """Fallback decisions and denials by rule, from each region's agents."""
+        for region, urls in self.topo.agent_urls.items():
+            st = self.stats[region]
+            fallback, by_rule = 0, collections.Counter()
+            for url in urls:
+                try:
+                    text = (await self.agents.get(url + "/metrics")).text
+                except httpx.HTTPError:
+                    continue
+                for line in text.splitlines():
+                    if not line.startswith("leasehold_agent_decisions_total{"):
+                        continue
+                    head, _, value = line.rpartition(" ")
+                    n = int(float(value))
+                    if 'outcome="fallback_' in head:
+                        fallback += n
+                    if 'outcome="denied"' in head or 'outcome="fallback_denied"' in head:
+                        rule = head.split('rule="', 1)[1].split('"', 1)[0]
+                        by_rule[rule] += n
+            st.fallback, st.deny_by_rule = fallback, by_rule
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)
@@ -132,7 +160,8 @@ class Driver:
         for t in list(self.tasks):
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.client.aclose()
+        for c in (self.client, self.agents, *self.anon.values()):
+            await c.aclose()
 
 
 async def _allocator_view(client: httpx.AsyncClient, urls: list[str]) -> tuple[str, list[dict]]:
@@ -152,7 +181,7 @@ async def _allocator_view(client: httpx.AsyncClient, urls: list[str]) -> tuple[s
 
 
 def _render(driver: Driver, prev: dict, dt: float, alloc_line: str, pools: list[dict], elapsed: float) -> Group:
-    t = Table(title=f"Leasehold demo — {elapsed:5.0f}s — per region, per second", expand=True)
+    t = Table(title=f"Leasehold demo — {elapsed:5.0f}s — clients through Envoy, per region, per second", expand=True)
     for col in ("region", "admitted/s", "denied/s", "503/s", "fallback/s", "exports in flight", "errors"):
         t.add_column(col, no_wrap=True)
     t.add_column("top denials (rule: count)", ratio=3)
@@ -175,13 +204,20 @@ def _render(driver: Driver, prev: dict, dt: float, alloc_line: str, pools: list[
 
 async def _main(spec: TopologySpec, duration_s: float, rate: float) -> int:
     console = Console()
-    console.print("[bold]Starting the local topology[/bold] (etcd, allocators, Redis and an agent per region)…")
+    console.print("[bold]Starting the local topology[/bold] (etcd, allocators, Redis and an agent per region, "
+                  "an Envoy in front of each region, a demo upstream)…")
+    spec.rls = True
     topo = await asyncio.to_thread(Topology(spec).start)
+    try:
+        edge = await asyncio.to_thread(start_edge, topo)
+    except BaseException:
+        await asyncio.to_thread(topo.stop)
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    driver = Driver(topo, rate, random.Random(42))
+    driver = Driver(topo, {r: e.url for r, e in edge.envoys.items()}, rate, random.Random(42))
     until = time.monotonic() + duration_s
     started = time.monotonic()
     traffic = asyncio.create_task(driver.run(until, stop))
@@ -195,6 +231,7 @@ async def _main(spec: TopologySpec, duration_s: float, rate: float) -> int:
                     await asyncio.wait({asyncio.ensure_future(stop.wait())}, timeout=1.0)
                     now = time.monotonic()
                     alloc_line, pools = await _allocator_view(client, topo.allocator_urls)
+                    await driver.scrape()
                     view = _render(driver, prev, max(now - last, 1e-3), alloc_line, pools, now - started)
                     prev = {r: s.snapshot() for r, s in driver.stats.items()}
                     last = now
@@ -207,9 +244,40 @@ async def _main(spec: TopologySpec, duration_s: float, rate: float) -> int:
         await traffic
         await driver.close()
         console.print("Stopping every process…")
+        await asyncio.to_thread(edge.stop)
         await asyncio.to_thread(topo.stop)
         console.print("Stopped. Nothing is left running.")
     return 0
+
+
+@dataclass
+class Edge:
+    """The gateways of the demo: the upstream and an Envoy per region (RLS to that region's agent)."""
+
+    upstream: Proc
+    envoys: dict[str, Envoy]
+
+    def stop(self) -> None:
+        for e in self.envoys.values():
+            e.stop()
+        self.upstream.stop()
+
+
+def start_edge(topo: Topology) -> Edge:
+    run = topo.spec.run_dir
+    up, up_port = upstream(run / "upstream")
+    envoys: dict[str, Envoy] = {}
+    try:
+        for region, ports in topo.rls_ports.items():
+            port, admin = free_port(), free_port()
+            cfg = render("envoy-rls.yaml", ENVOY_LISTEN_HOST=LOOPBACK, ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin,
+                         AGENT_HOST=LOOPBACK, AGENT_RLS_PORT=ports[0], UPSTREAM_HOST=LOOPBACK, UPSTREAM_PORT=up_port,
+                         GATEWAY_TOKEN=topo.secrets.gateway if topo.secrets else "auth-disabled")
+            envoys[region] = Envoy(f"envoy-{region}", cfg, run / f"envoy-{region}", port, admin).start()
+    except BaseException:
+        Edge(up, envoys).stop()
+        raise
+    return Edge(up, envoys)
 
 
 class _NoLive:

@@ -88,12 +88,13 @@ class Proc:
     env: dict[str, str] | None = None
     popen: subprocess.Popen | None = None
     log_path: Path | None = None
+    cwd: str | Path | None = None  # the working directory (default: ``workdir``, which holds the log)
 
     def start(self) -> Proc:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / f"{self.name}.log"
         log = open(self.log_path, "ab")
-        self.popen = subprocess.Popen(self.args, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
+        self.popen = subprocess.Popen(self.args, cwd=self.cwd or self.workdir, stdout=log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
         log.close()
         return self

@@ -17,10 +17,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kernel.resources import sample_policy
+
 from .procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_http_ready, wait_port
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_POLICY = REPO / "policies" / "northstar-global.json"
+REPO = Path(__file__).resolve().parents[1]  # the source checkout when installed editable
+
+
+def default_run_dir() -> Path:
+    """``.run`` of the source checkout (``make run``), else of the working directory (a wheel)."""
+    return (REPO if (REPO / "pyproject.toml").exists() else Path.cwd()) / ".run"
+DEFAULT_POLICY = sample_policy("northstar-global.json")
 DEV_PEPPER = "leasehold-local-dev-pepper-not-secret"
 
 
@@ -39,6 +46,7 @@ class TopologySpec:
     auth: bool = False  # bearer tokens generated into <run_dir>/secrets (``leasehold up`` turns this on);
     #                     False passes an explicit --auth-disabled true to every service
     policy_from_etcd: bool = False  # agents follow <prefix>policy/current (``leasehold policy publish``)
+    rls: bool = False  # every agent also serves Envoy's rate limit service (--rls-port, a free port each)
 
 
 @dataclass
@@ -60,6 +68,7 @@ class Topology:
     allocator_urls: list[str] = field(default_factory=list)
     agents: dict[str, list[Proc]] = field(default_factory=dict)
     agent_urls: dict[str, list[str]] = field(default_factory=dict)
+    rls_ports: dict[str, list[int]] = field(default_factory=dict)  # per region, per agent (spec.rls)
     secrets: Secrets | None = None  # the generated credentials when spec.auth
 
     def gateway_headers(self) -> dict[str, str]:
@@ -102,6 +111,7 @@ class Topology:
                     self.secrets.redis_acl() if self.secrets else {})).start(timeout)
                 self.agents[region] = []
                 self.agent_urls[region] = []
+                self.rls_ports[region] = []
                 for j in range(self.spec.agents_per_region):
                     port = free_port()
                     redis_url = (f"redis://agent@{LOOPBACK}:{self.redis[region].port}/0" if self.secrets
@@ -116,6 +126,10 @@ class Topology:
                         args += ["--policy-etcd", ",".join(self.etcd.endpoints)]
                         if self.secrets:
                             args += self.secrets.agent_etcd_args()
+                    if self.spec.rls:
+                        rls_port = free_port()
+                        args += ["--rls-port", str(rls_port)]
+                        self.rls_ports[region].append(rls_port)
                     args += list(self.spec.agent_args)
                     env = _env(LEASEHOLD_AGENT_PEPPER=DEV_PEPPER)
                     proc = Proc(f"agent-{region}-{j + 1}", args, run / f"agent-{region}-{j + 1}", env=env).start()

@@ -35,6 +35,8 @@ from .auth import AgentAuth, agent_guard
 from .engine import Engine
 from .fallback import LocalFallback
 from .fastpath import admit_fast_path
+from .gateways import Gateways
+from .gateways.authz import authz
 from .keys import KeyBuilder
 from .metrics import AgentMetrics
 from .models import (
@@ -68,6 +70,7 @@ class AgentState:
     policy_watch: Any = None  # kernel.watch.PolicyWatcher when --policy-etcd is set
     auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled true
     key_cap: Any = None  # region_agent.preauth.NewKeyCap; None when --anon-new-keys-per-source 0
+    gateways: Any = None  # region_agent.gateways.Gateways: RLS gRPC server and /v1/authz
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
@@ -230,6 +233,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     m.policy_version.set(holder.bundle.bundle_version)
     state = AgentState(settings=settings, holder=holder, metrics=m, keys=KeyBuilder(pepper),
                        auth=AgentAuth.from_settings(settings), key_cap=_key_cap(settings))
+    state.gateways = Gateways(settings, state_of=lambda: state, before_engine=_before_engine, registry=m.registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -247,12 +251,14 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         with contextlib.suppress(LeaseholdError):
             await state.store.load()
         state.tasks.append(asyncio.create_task(_background(state)))
+        await state.gateways.start()  # the RLS gRPC server, when --rls-port is set
         loop = asyncio.get_running_loop()
         if install_signal_handlers:
             loop.add_signal_handler(signal.SIGHUP, state.holder.reload)
         try:
             yield
         finally:
+            await state.gateways.stop()
             if install_signal_handlers:
                 loop.remove_signal_handler(signal.SIGHUP)
             if state.policy_watch is not None:
@@ -269,7 +275,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             await state.store.close()
 
     app = Litestar(
-        route_handlers=[admit, admit_batch, release, policy, leases_view, healthz, readyz, metrics],
+        route_handlers=[admit, admit_batch, release, policy, leases_view, healthz, readyz, metrics, authz],
         guards=[agent_guard],
         middleware=[admit_fast_path(lambda: state, MAX_BODY_BYTES, _before_engine)] if fast_path else [],  # region_agent.fastpath
         lifespan=[lifespan],

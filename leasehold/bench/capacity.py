@@ -1,6 +1,6 @@
 """Capacity arithmetic of a sharded allocator deployment (pure: numbers in, numbers out).
 
-Used by figure 8 (``fig_shards.py``) for its projected capacity and by ``docs/capacity.md``
+Used by the "shards" figure (``fig_shards.py``) for its projected capacity and by ``docs/capacity.md``
 for the plan; ``python -m leasehold.bench.capacity [results.json]`` prints the plan's table
 from a benchmark run's measurements.
 
@@ -72,13 +72,13 @@ def plan_rows(replica_us: float, etcd_us: float, etcd_ceiling: float, *, regions
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the plan from a bench results.json (figure 8's per-lease costs)."""
+    """Print the plan from a bench results.json (the "shards" figure's per-lease costs)."""
     args = argv if argv is not None else sys.argv[1:]
     path = Path(args[0] if args else "bench-results/results.json")
     rows = json.loads(path.read_text())["rows"]
-    cost = next((r for r in rows if r.get("figure") == "8" and "lease_cost_us" in r.get("extra", {})), None)
+    cost = next((r for r in rows if r.get("figure") == "shards" and "lease_cost_us" in r.get("extra", {})), None)
     if cost is None:
-        print(f"{path}: no figure 8 lease cost row (run python -m leasehold.bench --only 8)", file=sys.stderr)
+        print(f"{path}: no 'shards' figure lease cost row (run python -m leasehold.bench --only shards)", file=sys.stderr)
         return 1
     c = cost["extra"]["lease_cost_us"]
     print(f"per lease: replica {c['replica']:.0f} us, etcd {c['etcd']:.0f} us (grant + usage report)")

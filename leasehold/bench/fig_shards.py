@@ -1,4 +1,5 @@
-"""Figure 8: the allocator sharded over 1, 2 and 3 replicas on the same etcd (``--shards 64``).
+"""Figure "shards" (``--only shards``): the allocator sharded over 1, 2 and 3 replicas on the same
+etcd (``--shards 64``).
 
 For each replica count: every replica leads the shards rendezvous hashing gives it; one load
 generator per replica sends ``POST /v1/leases/batch`` (64 grants per batch, 4 connections)
@@ -187,7 +188,7 @@ def run(ctx: Ctx) -> list[Row]:
         if sharded:
             base = base or total
         label = f"sharded allocator, {n} replica(s) x 64 shards" if sharded else "unsharded allocator (--shards 1)"
-        rows.append(Row("8", f"{label}: total grants/s (same etcd)", total, "grants/s", extra={
+        rows.append(Row("shards", f"{label}: total grants/s (same etcd)", total, "grants/s", extra={
                             "replica_cpu_us_per_grant": rep_us, "etcd_cpu_us_per_grant": etcd_us,
                             "grants_per_txn": median([t["grants_per_txn"] for t in trials]),
                             "etcd_txn_per_s": median([t["txn_per_s"] for t in trials]),
@@ -199,7 +200,7 @@ def run(ctx: Ctx) -> list[Row]:
     one = rows[1].extra  # one sharded replica
     lease = {"replica": one["replica_cpu_us_per_grant"] + report["replica_cpu_us_per_report"],
              "etcd": one["etcd_cpu_us_per_grant"] + report["etcd_cpu_us_per_report"]}
-    rows.append(Row("8", f"usage report (one txn each): replica {report['replica_cpu_us_per_report']:.0f} us, "
+    rows.append(Row("shards", f"usage report (one txn each): replica {report['replica_cpu_us_per_report']:.0f} us, "
                          f"etcd {report['etcd_cpu_us_per_report']:.0f} us CPU per report", report["reports_per_s"],
                     "reports/s", extra={**report, "lease_cost_us": lease}))
     return rows

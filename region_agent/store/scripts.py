@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from ..algorithms.pool import PoolEntry
 __all__ = ["PoolEntry", "Scripts", "RuleCall", "MultiRuleResult", "multi_rule_argv", "parse_multi_rule",
            "translate_redis_error", "KeysNotColocated"]
 
-DEFAULT_LUA_DIR = Path(__file__).resolve().parents[2] / "lua"
+DEFAULT_LUA_DIR = Path(str(resources.files("region_agent").joinpath("lua")))  # ships in the wheel
 INCLUDE_RE = re.compile(r"^--\s*@include\s+(\S+)\s*$")
 KINDS = frozenset({"tb", "gcra", "fw", "sc", "sl", "cc", "pool"})
 MAX_RULES = 8
@@ -260,8 +261,8 @@ def _lease(reply: Any) -> LeaseResult:
 class Scripts:
     """Every script of ``lua/``, loaded once, called by SHA with one NOSCRIPT reload.
 
-    ``lua_dir`` defaults to ``$LEASEHOLD_LUA_DIR`` or the repository's ``lua/`` directory (the
-    package is installed editable; a non-editable install must set the variable)."""
+    ``lua_dir`` defaults to ``$LEASEHOLD_LUA_DIR`` or the scripts shipped in the package
+    (``region_agent/lua``, a symlink to the repository's ``lua/`` that a wheel carries as files)."""
 
     def __init__(self, lua_dir: Path | None = None):
         env = os.environ.get("LEASEHOLD_LUA_DIR")

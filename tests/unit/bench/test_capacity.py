@@ -1,4 +1,4 @@
-"""Capacity arithmetic of the plan (docs/capacity.md) and figure 8's projection."""
+"""Capacity arithmetic of the plan (docs/capacity.md) and the "shards" figure's projection."""
 
 import json
 
@@ -41,7 +41,7 @@ def test_plan_rows_and_the_cli(tmp_path, capsys):
                     {"replicas": 3, "leases_per_s": 10_000, "bound_by": "etcd", "ttl_ms": 15_000,
                      "pools": 30_000, "regions": 5}]
     results = tmp_path / "results.json"
-    results.write_text(json.dumps({"rows": [{"figure": "8", "extra": {"lease_cost_us": {"replica": 200.0,
+    results.write_text(json.dumps({"rows": [{"figure": "shards", "extra": {"lease_cost_us": {"replica": 200.0,
                                                                                           "etcd": 100.0}}}]}))
     assert main([str(results)]) == 0
     assert "10,000 leases/s (etcd-bound)" in capsys.readouterr().out

@@ -1,0 +1,146 @@
+"""Leasehold's decision in a gateway's own words. Pure: no I/O, no protobuf.
+
+* :func:`rls_answer` — the fields of an Envoy ``RateLimitResponse`` for the decisions of one
+  call's descriptors (protobuf assembly is in :mod:`.rls`).
+* :func:`authz_answer` — status, headers and body of a forward-auth answer.
+
+Both carry exactly the HTTP status semantics and headers ``/v1/admit`` computes
+(:func:`region_agent.httpmap.apply_http`): ``Retry-After`` on 429/503, and the ``RateLimit`` /
+``RateLimit-Policy`` fields only for an authenticated caller's own (user/key) scope.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kernel.bundle import Bundle, Rule
+
+from ..models import Decision
+from ..plan import memo_of
+
+# Envoy's RateLimitResponse.RateLimit.Unit; MONTH and YEAR have no fixed length: never used
+UNIT_MS = (("SECOND", 1_000), ("MINUTE", 60_000), ("HOUR", 3_600_000), ("DAY", 86_400_000),
+           ("WEEK", 604_800_000))
+PROBLEM_TYPE = "application/problem+json"
+_encode = msgspec.json.Encoder().encode
+
+
+def per_unit(rule: Rule, bundle: Bundle) -> tuple[int, str] | None:
+    """(requests_per_unit, unit) when the rule's limit is exactly that, else None.
+
+    Buckets (token_bucket, gcra): the sustained refill rate in the smallest unit where it is a
+    whole number (P-READ 2/SECOND, P-TENANT 1,000/MINUTE). Windows and pools: the limit, only
+    when the window is exactly one unit (a 20-per-10-s window is not 2 per second)."""
+    if rule.algorithm in ("token_bucket", "gcra"):
+        if not rule.refill_millis or not rule.period_ms:
+            return None
+        for unit, ms in UNIT_MS:
+            num = rule.refill_millis * ms
+            den = rule.period_ms * 1000
+            if num % den == 0 and num // den >= 1:
+                return num // den, unit
+        return None
+    if rule.algorithm == "pool":
+        pool = memo_of(bundle).pools.get(rule.pool or "")
+        limit, window = (pool.limit, pool.window_ms) if pool is not None else (None, None)
+    else:
+        limit, window = rule.limit, rule.window_ms
+    for unit, ms in UNIT_MS:
+        if window == ms and limit:
+            return limit, unit
+    return None
+
+
+@dataclass(slots=True)
+class DescriptorAnswer:
+    over_limit: bool
+    limit_name: str | None = None  # current_limit.name (the rule id); None: no current_limit
+    requests_per_unit: int = 0
+    unit: str = "UNKNOWN"
+    remaining: int = 0
+    reset_ms: int = 0  # duration_until_reset; 0: unset
+
+
+@dataclass(slots=True)
+class RlsAnswer:
+    over_limit: bool
+    http_status: int  # the status /v1/admit would have the gateway send: 200 | 429 | 503
+    statuses: list[DescriptorAnswer]
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    metadata: dict[str, object] = field(default_factory=dict)  # dynamic metadata (Envoy: envoy.filters.http.ratelimit)
+
+
+def deciding(decisions: list[Decision]) -> Decision:
+    """The decision whose HTTP answer the caller gets: a 503 (a closed rule without its store)
+    before any 429, then the longest Retry-After; with nothing denied, the first one that
+    carries RateLimit fields (the caller's own scope), else the first."""
+    denied = [d for d in decisions if d.http_status != 200]
+    if denied:
+        return max(denied, key=lambda d: (d.http_status == 503, d.retry_after_ms if d.retry_after_ms >= 0 else 1 << 62))
+    return next((d for d in decisions if "RateLimit" in d.headers), decisions[0])
+
+
+def descriptor_answer(d: Decision, bundle: Bundle, *, anonymous: bool) -> DescriptorAnswer:
+    """current_limit / limit_remaining / duration_until_reset of one descriptor. Anonymous
+    (pre-auth) questions get none of them: no policy names, limits or counts (seed ch. 11)."""
+    over = d.http_status != 200
+    out = DescriptorAnswer(over_limit=over)
+    if anonymous:
+        return out
+    if over and d.retry_after_ms > 0:
+        out.reset_ms = d.retry_after_ms
+    rule = memo_of(bundle).rules_by_id.get(d.policy_id) if d.policy_id else None
+    if rule is None or d.fallback or d.limit is None:
+        return out  # no rule, or a local fallback allowance (not the rule's shared limit)
+    out.limit_name = rule.id
+    pu = per_unit(rule, bundle)
+    if pu is not None:
+        out.requests_per_unit, out.unit = pu
+    out.remaining = max(0, d.remaining or 0)
+    return out
+
+
+def rls_answer(decisions: list[Decision], bundle: Bundle, anonymous: list[bool]) -> RlsAnswer:
+    statuses = [descriptor_answer(d, bundle, anonymous=a) for d, a in zip(decisions, anonymous, strict=True)]
+    top = deciding(decisions)
+    over = top.http_status != 200
+    headers = dict(top.headers)
+    body = b""
+    meta: dict[str, object] = {}
+    if over:
+        headers["content-type"] = PROBLEM_TYPE
+        body = _encode(top.problem or {"status": top.http_status})
+        meta = {"status": top.http_status, "reason": top.reason or ""}
+    return RlsAnswer(over_limit=over, http_status=top.http_status, statuses=statuses, headers=headers,
+                     body=body, metadata=meta)
+
+
+@dataclass(slots=True)
+class AuthzAnswer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+def authz_answer(d: Decision, *, deny_status: int | None = None) -> AuthzAnswer:
+    """The forward-auth answer: 200 (with the RateLimit fields of the caller's own scope), 429
+    (Retry-After) or 503 (a closed rule without its store), with the problem body. With
+    ``deny_status`` (401/403, for nginx auth_request) a denial is sent with that status and its
+    real one in ``X-Leasehold-Status``; the nginx config turns it back into 429/503."""
+    headers = dict(d.headers)
+    if d.http_status == 200:
+        return AuthzAnswer(200, headers, b"")
+    headers["content-type"] = PROBLEM_TYPE
+    body = _encode(d.problem or {"status": d.http_status})
+    status = d.http_status
+    if deny_status is not None:
+        headers["x-leasehold-status"] = str(status)
+        status = deny_status
+    return AuthzAnswer(status, headers, body)
+
+
+__all__ = ["AuthzAnswer", "DescriptorAnswer", "RlsAnswer", "authz_answer", "deciding", "descriptor_answer",
+           "per_unit", "rls_answer"]

@@ -1,0 +1,90 @@
+"""HTTP forward auth: ``/v1/authz`` (and ``/v1/authz/<original path>``), any method.
+
+The question comes from request headers (:func:`.mapping.authz_question`, names in
+``--authz-headers``); the answer is the status code — 200 allowed (with the RateLimit fields of
+the caller's own scope), 429 denied (``Retry-After``), 503 a ``closed`` rule without its store —
+plus the problem body. This is what Envoy's ext_authz (HTTP service: it sends the original
+method and appends the original path to ``path_prefix``) and Traefik's ForwardAuth (any non-2xx
+answer goes to the client as is) expect. nginx's auth_request understands only 2xx/401/403: it
+sends ``X-Leasehold-Deny-Status: 403`` and gets denials as 403 with the real status in
+``X-Leasehold-Status`` (``deploy/gateways/nginx.conf`` turns that back into 429/503).
+
+A mounted raw ASGI handler (every method, every path below ``/v1/authz``): no framework
+request machinery, which would cost as much as the decision (see :mod:`region_agent.fastpath`). It authenticates the gateway itself (the same
+token table as ``/v1/admit``): ``Authorization: Bearer <token>``, or the same value in
+``X-Leasehold-Authorization`` for gateways that forward the client's own ``Authorization``
+(Traefik). Errors are the agent's usual problem+json answers (401, 400/422, 503 while starting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from litestar import asgi
+
+from kernel.auth import SCOPE_KEY, authenticate
+from kernel.errors import BadRequest, LeaseholdError, ValidationFailed, to_problem
+
+from .answer import authz_answer
+from .mapping import BadQuestion, authz_question
+
+PATH = "/v1/authz"
+_encode = msgspec.json.Encoder().encode
+DENY_STATUSES = {"401": 401, "403": 403, "429": 429}
+
+
+def _headers(scope: dict, wanted: frozenset[str]) -> dict[str, str]:
+    """Lower-cased request headers; one of ``wanted`` given twice is refused (ambiguous)."""
+    out: dict[str, str] = {}
+    for k, v in scope.get("headers", ()):
+        name = k.decode("latin-1").lower()
+        if name in out and name in wanted:
+            raise BadQuestion("duplicate_header", f"header {name} given twice")
+        out[name] = v.decode("latin-1")
+    return out
+
+
+@asgi(PATH, is_mount=True, copy_scope=False, summary="Forward auth: the answer is the status code",
+      description="Envoy ext_authz (HTTP), Traefik ForwardAuth, nginx auth_request. Any method; the original "
+                  "path may follow /v1/authz. See region_agent/README.md for the headers.")
+async def authz(scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]) -> None:
+    """Mounted raw ASGI handler (every method, every path under ``/v1/authz``)."""
+    gw = scope["app"].state.agent.gateways
+    path = scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0] or scope.get("path", "")
+    status, headers, body = await answer(gw, scope, path)
+    gw.metrics.authz_calls.labels(str(status)).inc()
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    if scope["method"] == "HEAD":
+        body = b""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*raw, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], bytes]:
+    names = gw.names
+    try:
+        hdrs = _headers(scope, frozenset(names.headers.values()) | {"authorization"})
+        tokens = gw.gateway_tokens()
+        if tokens is not None:
+            alt = hdrs.get(names.headers["token"])
+            who = authenticate(tokens, {"authorization": alt} if alt is not None else hdrs)
+            scope[SCOPE_KEY] = "gateway:" + who
+        deny = hdrs.get(names.headers["deny_status"])
+        if deny is not None and deny not in DENY_STATUSES:
+            raise BadRequest(f"{names.headers['deny_status']} must be 401, 403 or 429")
+        q = authz_question(names, hdrs, method=scope["method"],
+                           forwarded_path=path[len(PATH):] or None)
+        (decision,) = await gw.decide([q])
+        a = authz_answer(decision, deny_status=DENY_STATUSES[deny] if deny is not None else None)
+        return a.status, a.headers, a.body
+    except LeaseholdError as e:
+        if isinstance(e, ValidationFailed):
+            gw.metrics.authz_invalid.labels(e.reason if isinstance(e, BadQuestion) else "bad_value").inc()
+        status, problem = to_problem(e, instance=PATH)
+        return status, {"content-type": "application/problem+json"}, _encode(problem)
+
+
+__all__ = ["PATH", "answer", "authz"]

@@ -1,0 +1,262 @@
+"""A gateway's own words as Leasehold's question. Pure: no I/O, no protobuf, no clock.
+
+Two front doors ask the same question as ``POST /v1/admit`` (an :class:`AdmitRequest`):
+
+* **Envoy's rate limit service** (RLS v3): each *descriptor* of a ``RateLimitRequest`` is one
+  question. Its entries are ``(key, value)`` pairs; :class:`Names` says which descriptor key
+  carries which field of the question (agent settings ``--rls-keys``).
+* **HTTP forward auth** (``/v1/authz``: Envoy ext_authz, nginx auth_request, Traefik
+  ForwardAuth): the question is read from request headers, named by ``--authz-headers``.
+
+Fields of the question (``FIELDS``): ``tenant``, ``user`` or ``service`` (the authenticated
+principal; at most one), ``api_key``, ``route_group``, ``client_ip`` (the caller's address: an
+*anonymous* question — pre-auth stage, P-ANON — when no principal is given), ``request_id``,
+``method`` and ``auth_failed`` (``true``: the gateway's authentication failed; evaluated as
+an anonymous request from ``client_ip``, as ``authFailed`` on ``/v1/admit``). The cost is the
+RLS ``hits_addend`` (per descriptor, else per request; 0/unset = 1) or the ``cost`` header.
+
+Every question is converted with the same msgspec schema as a ``/v1/admit`` body, so the
+identity patterns are those of the JSON API. Anything that is not a well-formed question
+raises :class:`BadQuestion` with a stable ``reason`` (a bounded metric label).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import msgspec
+
+from kernel.errors import ValidationFailed
+
+from ..models import AdmitRequest
+
+FIELDS = ("tenant", "user", "service", "api_key", "route_group", "client_ip", "request_id", "method",
+          "auth_failed")
+AUTHZ_ONLY = ("cost", "uri", "deny_status", "token")  # forward-auth headers beyond the question
+
+RLS_DEFAULT_KEYS: dict[str, str] = {
+    "tenant": "tenant", "user": "user", "service": "service", "api_key": "api_key",
+    "route_group": "route_group", "client_ip": "remote_address",  # Envoy's remote_address action
+    "request_id": "request_id", "method": "method", "auth_failed": "auth_failed",
+}
+AUTHZ_DEFAULT_HEADERS: dict[str, str] = {
+    "tenant": "x-tenant-id", "user": "x-user-id", "service": "x-service-id", "api_key": "x-api-key-id",
+    "route_group": "x-route-group", "client_ip": "x-real-ip", "request_id": "x-request-id",
+    "method": "x-forwarded-method", "auth_failed": "x-leasehold-auth-failed",
+    "cost": "x-leasehold-cost",  # request cost (costHint), default 1
+    "uri": "x-forwarded-uri",  # original URI for the route-prefix map (Traefik sends it; nginx config sets it)
+    "deny_status": "x-leasehold-deny-status",  # 401|403: answer denials with it (nginx auth_request)
+    "token": "x-leasehold-authorization",  # "Bearer <gateway token>" when Authorization is the client's
+}
+MAX_COST = 1000  # AdmitRequest.costHint
+DESCRIPTOR_KEY_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+HEADER_RE = re.compile(r"[a-z0-9-]{1,64}")
+PREFIX_RE = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@%/-]{0,255}")
+ROUTE_GROUP_RE = re.compile(r"[a-z0-9_-]{1,32}")
+_convert = msgspec.convert
+
+
+class BadQuestion(ValidationFailed):
+    """Not a well-formed question. ``reason`` is a stable, bounded label (metrics)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail, errors=[f"{reason}: {detail}"])
+        self.reason = reason
+
+
+# ---------------------------------------------------------------------------------- settings
+def parse_names(items: Iterable[str], defaults: Mapping[str, str], name_re: re.Pattern[str],
+                what: str, *, lower: bool = False) -> dict[str, str]:
+    """``field=name`` overrides on top of ``defaults``; raises ValueError (a settings error)
+    for an unknown field, a malformed name or two fields sharing one name."""
+    names = dict(defaults)
+    for raw in items:
+        field, sep, name = raw.partition("=")
+        field, name = field.strip(), name.strip()
+        if lower:
+            name = name.lower()
+        if not sep or field not in defaults:
+            raise ValueError(f"{what}: {raw!r} is not <field>=<name> with field one of {', '.join(defaults)}")
+        if not name_re.fullmatch(name):
+            raise ValueError(f"{what}: name {name!r} for {field} must match {name_re.pattern}")
+        names[field] = name
+    seen: dict[str, str] = {}
+    for field, name in names.items():
+        if name in seen:
+            raise ValueError(f"{what}: {seen[name]} and {field} both use {name!r}")
+        seen[name] = field
+    return names
+
+
+def parse_route_prefixes(items: Iterable[str]) -> tuple[tuple[str, str], ...]:
+    """``/path/prefix=route_group`` entries, longest prefix first; raises ValueError."""
+    out: dict[str, str] = {}
+    for raw in items:
+        prefix, sep, group = raw.rpartition("=")
+        prefix, group = prefix.strip(), group.strip()
+        if not sep or not PREFIX_RE.fullmatch(prefix) or not ROUTE_GROUP_RE.fullmatch(group):
+            raise ValueError(f"authz route prefix {raw!r} must be /<path prefix>=<route group [a-z0-9_-]{{1,32}}>")
+        if prefix in out:
+            raise ValueError(f"authz route prefix {prefix!r} is given twice")
+        out[prefix] = group
+    return tuple(sorted(out.items(), key=lambda kv: -len(kv[0])))
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """Where a gateway puts each field: RLS descriptor keys and forward-auth header names."""
+
+    rls_domain: str
+    rls_keys: dict[str, str]  # field -> descriptor key
+    rls_fields: dict[str, str]  # descriptor key -> field
+    rls_max_descriptors: int
+    headers: dict[str, str]  # field -> lower-case header name
+    route_prefixes: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def build(cls, *, rls_domain: str = "leasehold", rls_keys: Iterable[str] = (),
+              rls_max_descriptors: int = 8, authz_headers: Iterable[str] = (),
+              authz_route_prefixes: Iterable[str] = ()) -> Names:
+        keys = parse_names(rls_keys, RLS_DEFAULT_KEYS, DESCRIPTOR_KEY_RE, "rls key")
+        headers = parse_names(authz_headers, AUTHZ_DEFAULT_HEADERS, HEADER_RE, "authz header", lower=True)
+        return cls(rls_domain=rls_domain, rls_keys=keys, rls_fields={v: k for k, v in keys.items()},
+                   rls_max_descriptors=rls_max_descriptors, headers=headers,
+                   route_prefixes=parse_route_prefixes(authz_route_prefixes))
+
+    @classmethod
+    def from_settings(cls, s) -> Names:
+        return cls.build(rls_domain=s.rls_domain, rls_keys=s.rls_keys, rls_max_descriptors=s.rls_max_descriptors,
+                         authz_headers=s.authz_headers, authz_route_prefixes=s.authz_route_prefixes)
+
+
+# ---------------------------------------------------------------------------------- the question
+def mint_request_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(10)}"
+
+
+def question(fields: Mapping[str, str], *, cost: int, request_id: str) -> AdmitRequest:
+    """One question from named fields (values as the gateway sent them)."""
+    route = fields.get("route_group")
+    if route is None:
+        raise BadQuestion("missing_route_group", "no route group")
+    user, service = fields.get("user"), fields.get("service")
+    if user is not None and service is not None:
+        raise BadQuestion("conflicting_principal", "both a user and a service principal")
+    failed = fields.get("auth_failed")
+    if failed is not None and failed not in ("true", "false"):
+        raise BadQuestion("bad_value", "auth_failed must be true or false")
+    ip = fields.get("client_ip")
+    body: dict = {"requestId": request_id, "routeGroup": route, "costHint": cost}
+    if "method" in fields:
+        body["method"] = fields["method"]
+    if failed == "true":
+        if ip is None:
+            raise BadQuestion("missing_client_ip", "a failed authentication needs the client address")
+        body.update(principal={"type": "anonymous", "id": ip}, authFailed=True, clientIp=ip)
+    elif user is not None or service is not None:
+        if "tenant" not in fields:
+            raise BadQuestion("missing_tenant", "an authenticated principal needs its tenant")
+        principal = {"type": "user" if user is not None else "service", "id": user if user is not None else service}
+        if "api_key" in fields:
+            principal["apiKeyId"] = fields["api_key"]
+        body.update(tenantId=fields["tenant"], principal=principal)
+    elif ip is not None and "tenant" not in fields and "api_key" not in fields:
+        body["principal"] = {"type": "anonymous", "id": ip}
+    else:
+        raise BadQuestion("missing_principal",
+                          "neither a user/service principal (with its tenant) nor, alone, the client address")
+    try:
+        return _convert(body, AdmitRequest)
+    except msgspec.ValidationError as e:
+        raise BadQuestion("bad_value", str(e)) from None
+
+
+def check_cost(cost: int) -> int:
+    if not 1 <= cost <= MAX_COST:
+        raise BadQuestion("bad_cost", f"cost (hits_addend) must be in [1, {MAX_COST}], got {cost}")
+    return cost
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """One RLS descriptor, protobuf-free: its entries, its own hits_addend (None when unset)
+    and whether it carries a limit override."""
+
+    entries: tuple[tuple[str, str], ...]
+    hits_addend: int | None = None
+    has_limit_override: bool = False
+
+
+def rls_questions(names: Names, domain: str, descriptors: list[Descriptor], hits_addend: int,
+                  request_id: str | None = None) -> list[AdmitRequest]:
+    """The questions of one ``ShouldRateLimit`` call, one per descriptor, in order.
+
+    Refused as a whole (:class:`BadQuestion`): another domain, no descriptor or more than
+    ``rls_max_descriptors``, an entry key that is not in the mapping (``unknown_key``), a key
+    given twice, a limit override (Leasehold's policy bundle is the only source of limits), a
+    cost outside [1, 1000], and every malformed question. Several descriptors of one call are
+    several decisions; their request ids get ``:<index>`` suffixes so idempotent rules keep
+    one decision record each."""
+    if domain != names.rls_domain:
+        raise BadQuestion("unknown_domain", f"domain {domain[:64]!r} is not {names.rls_domain!r}")
+    if not descriptors:
+        raise BadQuestion("no_descriptors", "no descriptors")
+    if len(descriptors) > names.rls_max_descriptors:
+        raise BadQuestion("too_many_descriptors", f"more than {names.rls_max_descriptors} descriptors")
+    out: list[AdmitRequest] = []
+    fields_of = names.rls_fields
+    for i, d in enumerate(descriptors):
+        if d.has_limit_override:
+            raise BadQuestion("limit_override", f"descriptor {i} carries a limit override")
+        fields: dict[str, str] = {}
+        for key, value in d.entries:
+            field = fields_of.get(key)
+            if field is None:
+                raise BadQuestion("unknown_key", f"descriptor {i}: key {key[:64]!r} is not mapped")
+            if field in fields:
+                raise BadQuestion("duplicate_key", f"descriptor {i}: key {key[:64]!r} given twice")
+            fields[field] = value
+        cost = check_cost(d.hits_addend if d.hits_addend is not None else (hits_addend or 1))
+        rid = fields.pop("request_id", None) or request_id or mint_request_id("rls")
+        if len(descriptors) > 1:
+            rid = f"{rid[:120]}:{i}"
+        out.append(question(fields, cost=cost, request_id=rid))
+    return out
+
+
+def route_of(uri: str | None, prefixes: tuple[tuple[str, str], ...]) -> str | None:
+    """The route group of the longest configured prefix of ``uri``'s path."""
+    if uri is None or not prefixes:
+        return None
+    path = uri.split("?", 1)[0].split("#", 1)[0]
+    for prefix, group in prefixes:
+        if path.startswith(prefix) and (len(path) == len(prefix) or prefix.endswith("/")
+                                        or path[len(prefix)] == "/"):
+            return group
+    return None
+
+
+def authz_question(names: Names, headers: Mapping[str, str], *, method: str,
+                   forwarded_path: str | None) -> AdmitRequest:
+    """The question of one forward-auth request. ``headers``: lower-case name -> value (a name
+    given twice must already have been refused); ``method`` the request's own method;
+    ``forwarded_path`` the path after ``/v1/authz`` (Envoy ext_authz appends the original path)."""
+    h = names.headers
+    fields = {f: headers[h[f]] for f in FIELDS if h[f] in headers}
+    if "route_group" not in fields:
+        group = route_of(headers.get(h["uri"]) or forwarded_path, names.route_prefixes)
+        if group is not None:
+            fields["route_group"] = group
+    fields.setdefault("method", method)
+    raw_cost = headers.get(h["cost"], "1")
+    if not raw_cost.isdigit() or len(raw_cost) > 4:
+        raise BadQuestion("bad_cost", f"cost must be an integer in [1, {MAX_COST}]")
+    rid = fields.pop("request_id", None) or mint_request_id("authz")
+    return question(fields, cost=check_cost(int(raw_cost)), request_id=rid)
+
+
+__all__ = ["AUTHZ_DEFAULT_HEADERS", "FIELDS", "RLS_DEFAULT_KEYS", "BadQuestion", "Descriptor", "Names",
+           "authz_question", "parse_names", "parse_route_prefixes", "question", "rls_questions", "route_of"]

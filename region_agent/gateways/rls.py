@@ -1,0 +1,144 @@
+"""Envoy's rate limit service (``envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit``)
+served by the region agent on its own port (``--rls-port``), in the agent's event loop
+(``grpc.aio``), with the standard gRPC health service beside it.
+
+Thin adapter: protobuf in -> :func:`.mapping.rls_questions` -> the agent's one decision path
+(:meth:`region_agent.gateways.Gateways.decide`, the same as ``/v1/admit``) ->
+:func:`.answer.rls_answer` -> protobuf out. The generated stubs come from the ``xds-protos``
+package; the health service from ``grpcio-health-checking``.
+
+gRPC status codes of a call (what Envoy does with each is in ``region_agent/README.md``):
+
+* ``OK`` with ``overall_code`` ``OK`` or ``OVER_LIMIT`` — every decision, including degraded
+  ones: a ``closed`` rule without its store is ``OVER_LIMIT`` with the 503 answer's headers and
+  body and dynamic metadata ``leasehold_status: 503``; ``local_bounded`` rules answer from the
+  local allowance, ``open`` rules ``OK``. ``UNKNOWN`` is never sent as ``overall_code``
+  (Envoy's client treats it as ``OK``; its documented meaning is "not known").
+* ``INVALID_ARGUMENT`` — not a question Leasehold can answer (another domain, an unmapped
+  descriptor key, a limit override, a bad value or cost), counted by reason.
+* ``UNAUTHENTICATED`` — missing or wrong ``authorization: Bearer <gateway token>`` metadata.
+* ``UNAVAILABLE`` — the agent is still starting.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kernel.auth import TokenTable, authenticate
+from kernel.bundle import Bundle
+from kernel.errors import LeaseholdError, Unauthorized, Unavailable, ValidationFailed
+
+from ..models import AdmitRequest, Decision
+from .answer import rls_answer
+from .mapping import BadQuestion, Descriptor, Names, rls_questions
+from .metrics import GatewayMetrics
+
+log = logging.getLogger("region_agent.rls")
+
+SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
+Response = rls_pb2.RateLimitResponse
+OK, OVER_LIMIT = Response.OK, Response.OVER_LIMIT
+UNITS = {name: Response.RateLimit.Unit.Value(name) for name in Response.RateLimit.Unit.keys()}
+
+
+def descriptors_of(request: rls_pb2.RateLimitRequest) -> list[Descriptor]:
+    return [Descriptor(entries=tuple((e.key, e.value) for e in d.entries),
+                       hits_addend=d.hits_addend.value if d.HasField("hits_addend") else None,
+                       has_limit_override=d.HasField("limit"))
+            for d in request.descriptors]
+
+
+def to_proto(decisions: list[Decision], questions: list[AdmitRequest], bundle: Bundle) -> tuple[Response, int]:
+    ans = rls_answer(decisions, bundle, [q.principal.type == "anonymous" or q.auth_failed for q in questions])
+    resp = Response(overall_code=OVER_LIMIT if ans.over_limit else OK, raw_body=ans.body)
+    for s in ans.statuses:
+        st = resp.statuses.add(code=OVER_LIMIT if s.over_limit else OK, limit_remaining=s.remaining)
+        if s.limit_name is not None:
+            st.current_limit.name = s.limit_name
+            st.current_limit.requests_per_unit = s.requests_per_unit
+            st.current_limit.unit = UNITS[s.unit]
+        if s.reset_ms:
+            st.duration_until_reset.FromMilliseconds(s.reset_ms)
+    for k, v in ans.headers.items():
+        resp.response_headers_to_add.add(key=k, value=v)
+    if ans.metadata:
+        resp.dynamic_metadata.update({f"leasehold_{k}": v for k, v in ans.metadata.items()})
+    return resp, ans.http_status
+
+
+class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
+    def __init__(self, *, names: Names, decide: Callable[[list[AdmitRequest]], Awaitable[list[Decision]]],
+                 bundle_of: Callable[[], Bundle], gateways: TokenTable | None, metrics: GatewayMetrics):
+        self.names = names
+        self.decide = decide
+        self.bundle_of = bundle_of
+        self.gateways = gateways  # None: --auth-disabled
+        self.metrics = metrics
+
+    async def ShouldRateLimit(self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext) -> Response:
+        started = time.perf_counter()
+        m = self.metrics
+        code, detail, outcome = grpc.StatusCode.OK, "", "error"
+        try:
+            if self.gateways is not None:
+                authenticate(self.gateways, dict(context.invocation_metadata() or ()))
+            questions = rls_questions(self.names, request.domain, descriptors_of(request), request.hits_addend)
+            decisions = await self.decide(questions)
+            resp, status = to_proto(decisions, questions, self.bundle_of())
+            outcome = "ok" if status == 200 else ("unavailable_503" if status == 503 else "over_limit")
+            m.rls_descriptors.labels("OK").inc(sum(1 for s in resp.statuses if s.code == OK))
+            m.rls_descriptors.labels("OVER_LIMIT").inc(sum(1 for s in resp.statuses if s.code == OVER_LIMIT))
+            return resp
+        except Unauthorized as e:
+            code, detail, outcome = grpc.StatusCode.UNAUTHENTICATED, e.detail, "unauthenticated"
+        except BadQuestion as e:
+            code, detail, outcome = grpc.StatusCode.INVALID_ARGUMENT, e.detail, "invalid"
+            m.rls_invalid.labels(e.reason).inc()
+        except ValidationFailed as e:  # a value the engine refused (e.g. not an IP address)
+            code, detail, outcome = grpc.StatusCode.INVALID_ARGUMENT, e.detail, "invalid"
+            m.rls_invalid.labels("bad_value").inc()
+        except Unavailable as e:
+            code, detail, outcome = grpc.StatusCode.UNAVAILABLE, e.detail, "not_ready"
+        except LeaseholdError as e:
+            code, detail = grpc.StatusCode.INTERNAL, e.detail
+        except Exception:
+            log.exception("RLS call failed")
+            code, detail = grpc.StatusCode.INTERNAL, "internal error"
+        finally:
+            m.rls_calls.labels(outcome).inc()
+            m.rls_latency.observe(time.perf_counter() - started)
+        await context.abort(code, detail)
+        raise AssertionError("unreachable")  # context.abort raises
+
+
+class RlsServer:
+    """The gRPC server: RLS v3 plus ``grpc.health.v1.Health`` (SERVING while the agent answers
+    decisions — degraded ones included, so a Redis outage is answered by the per-rule fail
+    modes rather than by Envoy's failure_mode_deny; NOT_SERVING while it shuts down)."""
+
+    def __init__(self, servicer: RateLimitServicer, *, host: str, port: int, max_concurrent_rpcs: int):
+        self.server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs,
+                                      options=[("grpc.so_reuseport", 1)])  # one port, several uvicorn workers
+        rls_pb2_grpc.add_RateLimitServiceServicer_to_server(servicer, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+
+    async def start(self) -> RlsServer:
+        await self.server.start()
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+__all__ = ["RateLimitServicer", "RlsServer", "descriptors_of", "to_proto"]

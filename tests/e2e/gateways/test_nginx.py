@@ -1,0 +1,60 @@
+"""A real nginx (Debian's package) with ``auth_request`` to the agent's ``/v1/authz``
+(``deploy/gateways/nginx.conf``): auth_request understands only 2xx/401/403, and the config turns
+the agent's 403 + X-Leasehold-Status back into the 429 / 503 with Retry-After the client sees."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from leasehold.gateways import Nginx
+
+from .conftest import Stack, assert_p_read, identity
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def nginx(stack: Stack) -> Iterator[Nginx]:
+    n = stack.nginx()
+    yield n
+    n.stop()
+
+
+def test_p_read_through_nginx_auth_request(stack: Stack, nginx: Nginx):
+    stack.full_frozen_bucket("U-17")
+    with httpx.Client(base_url=nginx.url, timeout=10) as c:
+        responses = [c.get("/catalog?page=2", headers=identity("U-17")) for _ in range(21)]
+    assert_p_read(responses)
+    denied = responses[20]
+    assert denied.headers["content-type"] == "application/problem+json"
+    assert denied.json()["status"] == 429
+    # the agent saw every question, and answered the denial as 403 for nginx
+    assert stack.metric("leasehold_agent_authz_requests_total", status="200") >= 20
+    assert stack.metric("leasehold_agent_authz_requests_total", status="403") >= 1
+
+
+def test_redis_stopped_per_rule_fail_modes_through_nginx(stack: Stack, nginx: Nginx):
+    stack.redis.stop()
+    try:
+        with httpx.Client(base_url=nginx.url, timeout=10) as c:
+            reads = [c.get("/catalog", headers=identity("U-42")) for _ in range(6)]
+            assert [r.status_code for r in reads] == [200] * 5 + [429]
+            assert "retry-after" in reads[5].headers
+            export = c.post("/reports/export", headers=identity("U-42"))
+            assert export.status_code == 503 and export.headers["retry-after"] == "5"
+    finally:
+        stack.redis.start()
+
+
+def test_agent_unreachable_is_a_503_not_a_500(stack: Stack, nginx: Nginx):
+    """auth_request turns a failed subrequest into 500; the config answers 503 + Retry-After."""
+    stack.agent.signal(19)  # SIGSTOP: connections hang, the subrequest times out
+    try:
+        with httpx.Client(base_url=nginx.url, timeout=10) as c:
+            r = c.get("/catalog", headers=identity("U-43"))
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    finally:
+        stack.agent.signal(18)  # SIGCONT
