@@ -524,6 +524,17 @@ def _max_flow(cap: Mapping[object, Mapping[object, int | None]], source: object,
     return flow
 
 
+def _sources(counts: Mapping[tuple[str, str], int]) -> str:
+    """``eu 96 (63 lease, 33 fallback); us 140 (140 lease)`` — who admitted a window's tokens how
+    (``fallback?``: a fallback decision that also spent another pool; lease or fallback)."""
+    regions: dict[str, dict[str, int]] = defaultdict(dict)
+    for (region, kind), n in counts.items():
+        if n:
+            regions[region][{"fb": "fallback"}.get(kind, kind)] = n
+    return "; ".join(f"{r} {sum(k.values())} (" + ", ".join(f"{n} {kind}" for kind, n in sorted(k.items())) + ")"
+                     for r, k in sorted(regions.items()))
+
+
 def admitted_within_bound(decisions: Iterable[DecisionRecord], pools: Iterable[PoolPolicy],
                           faults: FaultsOf | None = None, topology: Topology | None = None) -> BoundCheck:
     """Invariant 6, per pool and window, with the bound of :func:`kernel.bound.pool_bound`::
@@ -555,8 +566,8 @@ def admitted_within_bound(decisions: Iterable[DecisionRecord], pools: Iterable[P
         # groups of tokens with the same candidate windows and the same constraint
         groups: dict[tuple, int] = defaultdict(int)
         for d in ds:
-            fb = d.fallback and d.certain_source
-            groups[("fb" if fb else "any", d.region if fb else "", d.window_index, d.windows[-1])] += d.tokens
+            kind = "fb" if d.fallback and d.certain_source else ("fb?" if d.fallback else "lease")
+            groups[(kind, d.region, d.window_index, d.windows[-1])] += d.tokens
         indices = sorted({k for g in groups for k in range(g[2], g[3] + 1)})
         bounds: dict[int, PoolBound] = {}
         unknown = False
@@ -587,23 +598,27 @@ def admitted_within_bound(decisions: Iterable[DecisionRecord], pools: Iterable[P
         admitted: dict[int, int] = defaultdict(int)
         fb_used: dict[tuple[str, int], int] = defaultdict(int)
         straddled: dict[int, int] = defaultdict(int)
+        by_source: dict[int, dict[tuple[str, str], int]] = defaultdict(lambda: defaultdict(int))
         for g, tokens in groups.items():
             kind, region, first, last = g
             placed = 0
             for k in range(first, last + 1):
                 f = flow.get(g, {}).get(("fb", region, k) if kind == "fb" else ("w", k), 0)
-                admitted[k] += f
                 placed += f
+                admitted[k] += f
+                by_source[k][(region, kind)] += f
                 if kind == "fb":
                     fb_used[(region, k)] += f
                 if first != last:
                     straddled[k] += f
             if placed < tokens:  # no attribution fits: show the rest in its first candidate window
-                admitted[first] += tokens - placed
+                rest = tokens - placed
+                admitted[first] += rest
+                by_source[first][(region, kind)] += rest
                 if kind == "fb":
-                    fb_used[(region, first)] += tokens - placed
+                    fb_used[(region, first)] += rest
                 if first != last:
-                    straddled[first] += tokens - placed
+                    straddled[first] += rest
         for k in indices:
             b = bounds[k]
             regional, local = b.term("regional fallback").tokens, b.term("in-process").tokens
@@ -615,6 +630,7 @@ def admitted_within_bound(decisions: Iterable[DecisionRecord], pools: Iterable[P
             windows.append(wb)
             note = (f" ({straddled[k]} of them could have been admitted in a neighbouring window; "
                     "no attribution fits every window)") if straddled[k] else ""
+            note += " [" + _sources(by_source[k]) + "]"
             for (region, kk), used in sorted(fb_used.items()):
                 allowance = b.per_region.get(region, 0)
                 if kk == k and allowance is not None and used > allowance:

@@ -398,7 +398,8 @@ _add(Scenario("partition-allocator-etcd", "the allocator leader loses every etcd
               lambda c: [Step(_at(c, 0.25), LeaderEtcdPartition(c), _at(c, 0.35))],
               expect=[leader_changed]))
 _add(Scenario("etcd-member-isolate", "one etcd member cut off from its peers (iptables, cgroup-scoped)",
-              lambda c: [Step(_at(c, 0.25), _rec(EtcdMemberIsolate(c.topo.etcd, 0), c), _at(c, 0.4))],
+              lambda c: [Step(_at(c, 0.25), _rec(EtcdMemberIsolate(c.topo.etcd, 0, effects=_all_regions(c)), c),
+                              _at(c, 0.4))],
               expect=[faults_recorded]))
 _add(Scenario("partition-agent-redis", "eu's agents cannot reach their Redis",
               lambda c: [Step(_at(c, 0.3), _redis_partition(c, "eu"), _at(c, 0.25))],

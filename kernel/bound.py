@@ -16,12 +16,13 @@ where ``F = fallbackPerRegion`` and
   regional fallback allowance is a window of ``F`` per balance in the regional Redis, shared by
   every agent of the region; only regions the pool may lease in (``regions``) can use it.
 * ``keys(a)`` — the in-process allowances one agent keeps for the pool while its Redis is
-  unreachable: one per (rule, balance) of the ``local_bounded`` rules that spend the pool
-  (``closed`` rules answer 503 instead). A restarted agent process starts with fresh allowances,
-  so faults count agent *processes*.
+  unreachable: one per pool (counted per allocator window, shared by every rule and tenant that
+  spends the pool) when a ``local_bounded`` rule spends it (``closed`` rules answer 503 instead).
+  A restarted agent process starts with fresh allowances, so faults count agent *processes*.
 
-A tenant-scoped pool rule without a tenant gives every tenant its own balance: its terms are
-unbounded (``None``), and :func:`pool_bound` says so instead of inventing a number.
+A tenant-scoped pool rule without a tenant gives every tenant its own balance and so its own
+regional fallback window: that term is unbounded (``None``), and :func:`pool_bound` says so
+instead of inventing a number.
 
 The same function serves the chaos checker (per window, with the faults that touched it), the
 README tables and ``leasehold policy validate --bound``. Pure: no I/O, no clock.
@@ -99,16 +100,14 @@ class PoolShape(Struct, frozen=True):
 
 def shape_of(pool: Pool, rules: Iterable[Rule]) -> PoolShape:
     """The pool as the agent spends it (mirrors ``region_agent``'s keys: the regional balance and
-    its fallback window are per (pool, tenant tag), the in-process allowance per (rule, balance))."""
+    its fallback window are per (pool, tenant tag); the in-process allowance is per pool)."""
     spenders = [r for r in rules if r.algorithm == "pool" and r.pool == pool.id and not r.shadow]
     degrading = [r for r in spenders if r.fail_mode == "local_bounded"]
-    unbounded = any(r.scope != "global" and r.tenant is None for r in degrading)
     balances: int | None = None
-    local_keys: int | None = None
-    if not unbounded:
+    if not any(r.scope != "global" and r.tenant is None for r in degrading):
         tenants = {r.tenant for r in degrading if r.scope != "global"}
         balances = len(tenants) + (1 if any(r.scope == "global" for r in degrading) else 0)
-        local_keys = len(degrading)
+    local_keys = 1 if degrading else 0
     return PoolShape(id=pool.id, limit=pool.limit, window_ms=pool.window_ms,
                      fallback_per_region=pool.fallback_per_region, chunk_max=pool.chunk_max,
                      global_scope=any(r.scope == "global" for r in spenders), balances=balances,

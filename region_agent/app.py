@@ -49,6 +49,8 @@ from .models import (
     PolicyInfo,
     ReleaseRequest,
     ReleaseResult,
+    RenewRequest,
+    RenewResult,
 )
 from .negcache import NegativeCache
 from .policy import PolicyHolder, ReloadResult
@@ -134,6 +136,13 @@ async def admit_batch(request: Request, data: Annotated[AdmitBatch, Body(title="
 async def release(request: Request, data: Annotated[ReleaseRequest, Body(title="ReleaseRequest")]) -> ReleaseResult:
     n = await _engine(request).release(data)
     return ReleaseResult(request_id=data.request_id, released=n)
+
+
+@post("/v1/renew", status_code=200, request_max_body_size=MAX_BODY_BYTES,
+      summary="Heartbeat: extend the request's live concurrency slot(s) by concurrencyTtlMs (idempotent)")
+async def renew(request: Request, data: Annotated[RenewRequest, Body(title="RenewRequest")]) -> RenewResult:
+    renewed, gates = await _engine(request).renew(data)
+    return RenewResult(request_id=data.request_id, renewed=renewed, gates=gates)
 
 
 @get("/v1/policy", summary="The policy bundle in force")
@@ -275,7 +284,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             await state.store.close()
 
     app = Litestar(
-        route_handlers=[admit, admit_batch, release, policy, leases_view, healthz, readyz, metrics, authz],
+        route_handlers=[admit, admit_batch, release, renew, policy, leases_view, healthz, readyz, metrics, authz],
         guards=[agent_guard],
         middleware=[admit_fast_path(lambda: state, MAX_BODY_BYTES, _before_engine)] if fast_path else [],  # region_agent.fastpath
         lifespan=[lifespan],

@@ -30,13 +30,14 @@ from .fallback import LocalFallback, LocalItem
 from .httpmap import apply_http
 from .keys import KeyBuilder
 from .metrics import AgentMetrics
-from .models import AdmitRequest, Decision, ReleaseRequest
+from .models import AdmitRequest, Decision, ReleaseRequest, RenewRequest
 from .negcache import NegativeCache
 from .plan import (
     Call,
     GlobalSpend,
     Plan,
     build_plan,
+    cc_gates,
     cc_keys_for_release,
     memo_of,
     tokens_limit,
@@ -86,7 +87,7 @@ class Engine:
         self.keys = keys
         self.store = store
         self.metrics = metrics
-        self.fallback = fallback or LocalFallback()
+        self.fallback = fallback if fallback is not None else LocalFallback()  # (an empty one is falsy)
         self.budget = budget_ms / 1000.0
         self.clock = clock
         self._chunks: dict[str, ChunkLease] = {}
@@ -159,6 +160,16 @@ class Engine:
         for key in cc_keys:
             await self.store.release(key, req.request_id)
         return len(cc_keys)
+
+    async def renew(self, req: RenewRequest) -> tuple[int, int]:
+        """Heartbeat (seed ch. 9): (slots extended, gates). A slot that was released or expired
+        is not revived; the gateway then treats the export as unprotected or ends it."""
+        gates = cc_gates(self.get_bundle(), request_tenant=req.tenant_id, principal=req.principal,
+                         route_group=req.route_group, keys=self.keys)
+        renewed = 0
+        for key, rule in gates:
+            renewed += await self.store.renew(key, req.request_id, rule.concurrency_ttl_ms)
+        return renewed, len(gates)
 
     # ------------------------------------------------------------------ phases
     def _remaining(self, prep: _Prepared) -> float:

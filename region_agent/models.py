@@ -79,6 +79,15 @@ class ReleaseResult(Struct, rename="camel"):
     released: int  # concurrency gates the request was evaluated against
 
 
+RenewRequest = ReleaseRequest  # the same question: which request's concurrency slots
+
+
+class RenewResult(Struct, rename="camel"):
+    request_id: str
+    renewed: int  # gates whose slot was live and now lasts concurrencyTtlMs from now
+    gates: int  # concurrency gates the request was evaluated against (renewed < gates: a slot is gone)
+
+
 class PolicyInfo(Struct, rename="camel"):
     bundle_version: int
     checksum: str

@@ -195,12 +195,12 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder) -> Plan:
     return plan
 
 
-def cc_keys_for_release(bundle: Bundle, *, request_tenant: str | None, principal: Principal,
-                        route_group: str, keys: KeyBuilder) -> list[str]:
-    """The concurrency gates an admission with these attributes would have acquired."""
+def cc_gates(bundle: Bundle, *, request_tenant: str | None, principal: Principal, route_group: str,
+             keys: KeyBuilder) -> list[tuple[str, Rule]]:
+    """(key, rule) of every concurrency gate an admission with these attributes would have acquired."""
     check_route(route_group)
     tenant, addr = check_principal(request_tenant, principal)
-    out: list[str] = []
+    out: list[tuple[str, Rule]] = []
     if addr is not None:
         return out  # ip rules carry no concurrency gates (bundle validation)
     user_id = principal.id if principal.type == "user" else None
@@ -209,8 +209,15 @@ def cc_keys_for_release(bundle: Bundle, *, request_tenant: str | None, principal
             continue
         key = keys.rule_key(rule, tenant=tenant, user_id=user_id, api_key_id=principal.api_key_id,
                             route_group=route_group)
-        out.append(KeyBuilder.cc_key(key))
+        out.append((KeyBuilder.cc_key(key), rule))
     return out
+
+
+def cc_keys_for_release(bundle: Bundle, *, request_tenant: str | None, principal: Principal,
+                        route_group: str, keys: KeyBuilder) -> list[str]:
+    """The concurrency gates an admission with these attributes would have acquired."""
+    return [key for key, _ in cc_gates(bundle, request_tenant=request_tenant, principal=principal,
+                                       route_group=route_group, keys=keys)]
 
 
 def tokens_limit(rule: Rule, pools: dict[str, Pool]) -> int:
@@ -230,5 +237,5 @@ def tokens_remaining(rule: Rule, raw: int) -> int:
     return max(0, raw)
 
 
-__all__ = ["BundleMemo", "Call", "GlobalSpend", "Plan", "Shape", "Slot", "build_plan", "cc_keys_for_release",
+__all__ = ["BundleMemo", "Call", "GlobalSpend", "Plan", "Shape", "Slot", "build_plan", "cc_gates", "cc_keys_for_release",
            "check_principal", "memo_of", "tokens_limit", "tokens_remaining"]

@@ -173,6 +173,13 @@ class StoreGateway:
         except Exception as e:
             raise translate(e) from None
 
+    async def renew(self, key: str, lease_id: str, ttl_ms: int) -> bool:
+        """Heartbeat of a live concurrency slot; False when it is gone (released or expired)."""
+        try:
+            return (await self.scripts.concurrency_renew(self.client, key, lease_id, lease_ttl_ms=ttl_ms)).ok
+        except Exception as e:
+            raise translate(e) from None
+
     async def close(self) -> None:
         await self.batcher.close()
         try:

@@ -126,6 +126,8 @@ async def test_agent_gateway_and_operator_credentials(redis_url, policy_file):
         assert_401(await agent.post("/v1/admit/batch", json={"requests": [body]}))
         assert_401(await agent.post("/v1/release", json={"requestId": "auth-000001", "principal": body["principal"],
                                                          "routeGroup": "read", "tenantId": "atlas"}))
+        assert_401(await agent.post("/v1/renew", json={"requestId": "auth-000001", "principal": body["principal"],
+                                                       "routeGroup": "read", "tenantId": "atlas"}))
         assert_401(await agent.post("/v1/admit", content=b"{not json", headers={"content-type": "application/json"}))
         assert r.dbsize() == 0  # nothing reached Redis
         ok = await agent.post("/v1/admit", json=body, headers=bearer(GATEWAY))

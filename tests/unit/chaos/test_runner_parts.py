@@ -114,3 +114,55 @@ def test_run_context_is_local_uses_the_redis_faults_and_grace() -> None:
     assert ctx.is_local("eu", 10 * W + 150) and ctx.is_local("eu", 10 * W + 200 + REDIS_GRACE_MS)
     assert not ctx.is_local("eu", 10 * W + 50) and not ctx.is_local("us", 10 * W + 150)
     assert not ctx.is_local("eu", 10 * W + 201 + REDIS_GRACE_MS)
+
+
+def _fake_ctx():  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from chaos.run import RunContext
+
+    regions = ("eu", "us")
+    proxy = lambda name: SimpleNamespace(name=name)  # noqa: E731
+    agents = {r: [SimpleNamespace(name=f"agent-{r}-{j}", region=r, redis_proxy=proxy(f"redis-{r}<-agent-{r}-{j}"),
+                                  proc=SimpleNamespace(name=f"agent-{r}-{j}"), url="http://x")
+                  for j in (1, 2)] for r in regions}
+    topo = SimpleNamespace(
+        spec=SimpleNamespace(regions=regions),
+        region_links={r: [proxy(f"allocator-{i}<-{r}") for i in (1, 2)] for r in regions},
+        agents_in=lambda r: agents[r], agent=lambda n: next(a for r in regions for a in agents[r] if a.name == n),
+        redis={r: SimpleNamespace(port=6379, proc=None) for r in regions},
+        etcd=SimpleNamespace(member_name=lambda i: f"m{i}"), ready_callback=lambda url: None)
+    return RunContext(topo=topo, history=SimpleNamespace(write=lambda rec: None), bundle=bundles.chaos_bundle(),  # type: ignore[arg-type]
+                      duration_s=60, seed=1)
+
+
+ALL, EU2, US2 = {"eu", "us"}, {"agent-eu-1", "agent-eu-2"}, {"agent-us-1", "agent-us-2"}
+EXPECTED_EFFECTS = {  # scenario -> (regions cut off from the allocator, agents cut off from Redis, restarted agents)
+    "partition-region-allocator": ({"eu"}, set(), set()), "partition-regions-allocator": (ALL, set(), set()),
+    "one-way-loss-latency": ({"us"}, set(), set()), "partition-allocator-etcd": (ALL, set(), set()),
+    "etcd-member-isolate": (ALL, set(), set()), "partition-agent-redis": (set(), EU2, set()),
+    "kill-leader": (ALL, set(), set()), "pause-leader": (ALL, set(), set()),
+    "redis-restart": (set(), EU2, set()), "redis-restart-both": (set(), EU2 | US2, set()),
+    "redis-pause": (set(), EU2, set()), "redis-pause-both": (set(), EU2 | US2, set()),
+    "agent-kill": (set(), set(), {"agent-eu-1"}), "allocator-latency": (set(), set(), set()),
+    "clock-offset-allocator-ahead": ({"eu"}, set(), set()), "clock-offset-allocator-behind": ({"us"}, set(), set()),
+    "clock-skew-agent": (set(), set(), set()), "lease-replay": (ALL, set(), set()),
+    "policy-rollback": (set(), set(), set()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_EFFECTS))
+def test_every_scenario_records_what_its_faults_make_unreachable(name: str) -> None:
+    """The checker credits fallback allowances only for recorded effects: a nemesis that forgets
+    them would fail correct runs, one that claims too much would hide overshoot."""
+    steps = SCENARIOS[name].steps(_fake_ctx())
+    got = (set().union(*[s.nemesis.effects.allocator_regions for s in steps]),
+           set().union(*[s.nemesis.effects.redis_agents for s in steps]),
+           set().union(*[s.nemesis.effects.restarted_agents for s in steps]))
+    assert got == EXPECTED_EFFECTS[name]
+    assert all(s.nemesis.effects.grace_ms > 0 for s in steps
+               if s.nemesis.effects.allocator_regions or s.nemesis.effects.redis_agents)
+
+
+def test_every_scenario_has_its_expected_effects_listed() -> None:
+    assert set(SCENARIOS) <= set(EXPECTED_EFFECTS) | {"allocator-rebalance"}  # room for issue 16's scenario

@@ -84,10 +84,11 @@ def rule(rid: str, *, scope: str = "tenant", tenant: str | None = "atlas", fail:
 
 
 def test_shape_counts_balances_and_in_process_allowances_like_the_agent_keys_them() -> None:
+    # a regional fallback window per balance (tenant tag, or the global tag); one in-process per pool
     s = shape_of(POOL, [rule("a"), rule("b", tenant="birch"), rule("g", scope="global", tenant=None)])
-    assert (s.balances, s.local_keys, s.global_scope) == (3, 3, True)
+    assert (s.balances, s.local_keys, s.global_scope) == (3, 1, True)
     b = pool_bound(s, TWO, Faults.worst(TWO))
-    assert b.total == 500 + 2 * 3 * 10 + 2 * 3 * 10
+    assert b.total == 500 + 2 * 3 * 10 + 2 * 1 * 10
     # closed and shadow rules never spend an allowance
     s = shape_of(POOL, [rule("a"), rule("c", tenant="cedar", fail="closed"), rule("s", tenant="sh", shadow=True)])
     assert (s.balances, s.local_keys, s.global_scope) == (1, 1, False)
@@ -95,10 +96,11 @@ def test_shape_counts_balances_and_in_process_allowances_like_the_agent_keys_the
 
 def test_tenant_pool_rule_without_a_tenant_is_unbounded_not_a_number() -> None:
     s = shape_of(POOL, [rule("any", tenant=None)])
-    assert s.balances is None
+    assert s.balances is None and s.local_keys == 1
     b = pool_bound(s, TWO, Faults.allocator_only(TWO))
     assert b.total is None and b.term(REGIONAL).tokens is None and b.per_region["eu"] is None
     assert pool_bound(s, TWO).total == 500  # healthy: still G
+    assert pool_bound(s, TWO, Faults(redis_unreachable={"eu": 2})).total == 520  # in-process: per pool
 
 
 def test_regions_that_may_not_lease_never_spend_the_regional_fallback() -> None:
