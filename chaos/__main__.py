@@ -7,7 +7,10 @@ run scenarios against the real topology (:mod:`chaos.run`); exit 1 when a checke
 scenario expectation fails.
 
 ``python -m chaos summary REPORT_DIR [--readme chaos/README.md]`` — the scenario x seed table
-(:mod:`chaos.summary`); exit 1 when a run in it failed."""
+(:mod:`chaos.summary`); exit 1 when a run in it failed.
+
+``python -m chaos fallbacks --history RUN.jsonl`` — fallback admissions no recorded fault explains,
+with the agent counters that moved around each (:mod:`chaos.explain`)."""
 
 from __future__ import annotations
 
@@ -46,7 +49,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     m = sub.add_parser("summary", help="a Markdown table (scenario x seed) over a directory of reports")
     m.add_argument("reports", help="the report root, e.g. chaos-reports")
     m.add_argument("--readme", help="write the table into this README's chaos-summary block instead of printing")
+    x = sub.add_parser("fallbacks", help="admissions not paid by a lease that no recorded fault explains")
+    x.add_argument("--history", required=True)
     args = ap.parse_args(argv)
+    if args.cmd == "fallbacks":
+        from .explain import unexplained
+        from .history import read_history
+
+        try:
+            lines = unexplained(read_history(args.history))
+        except (HistoryError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print("\n".join(lines) if lines else "every fallback admission is explained by a recorded fault")
+        return 1 if lines else 0
     if args.cmd == "run":
         return _run(ap, args)
     if args.cmd == "summary":

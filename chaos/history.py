@@ -174,8 +174,17 @@ class TopologyRec(_Rec, tag="topology"):
     redis_offsets_ms: dict[str, int] = {}
 
 
+class Counters(_Rec, tag="counters"):
+    """A sample of one service's own counters (``/metrics``), to explain decisions afterwards: e.g.
+    which degradation (reason, fail mode) an agent counted in the second a fallback was admitted."""
+
+    service: str
+    at_ms: int  # recorder clock
+    values: dict[str, float] = {}
+
+
 Record = (Grant | Decision | SpendClose | Fault | EtcdGrant | EtcdWindow | Leader | Policy | Meta
-          | TopologyRec)
+          | TopologyRec | Counters)
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Record)

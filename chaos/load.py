@@ -21,7 +21,7 @@ import httpx
 
 from kernel.bundle import Bundle
 
-from .history import Grant, HistoryWriter, now_ms
+from .history import Counters, Grant, HistoryWriter, now_ms
 from .recording import decision_from_admit
 
 MAX_REQUESTS = 200_000
@@ -179,4 +179,44 @@ class LeasePoller:
         async with httpx.AsyncClient(timeout=1.0) as client:
             while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
                 await self.poll_once(client)
+                await asyncio.sleep(interval_s)
+
+
+#: the agent counters sampled during a run (``metric{labels}`` prefixes)
+SAMPLED = ("leasehold_agent_degraded_decisions_total", "leasehold_agent_shed_total")
+
+
+class CounterSampler:
+    """Sample every agent's degradation and shedding counters once a second into ``counters``
+    records (only when they changed), so a fallback decision can be matched to the degradation
+    the agent counted at that moment. Bounded in time like the load."""
+
+    def __init__(self, history: HistoryWriter, agents: Callable[[], Sequence[tuple[str, str]]]):
+        self.history = history
+        self.agents = agents  # [(name, url)]
+        self.last: dict[str, dict[str, float]] = {}
+
+    async def sample_once(self, client: httpx.AsyncClient) -> None:
+        for name, url in self.agents():
+            try:
+                r = await client.get(url + "/metrics")
+            except httpx.HTTPError:
+                continue
+            values = {}
+            for line in r.text.splitlines():
+                if line.startswith(SAMPLED):
+                    key, _, val = line.rpartition(" ")
+                    try:
+                        values[key] = float(val)
+                    except ValueError:
+                        continue
+            if values and values != self.last.get(name):
+                self.last[name] = values
+                self.history.write(Counters(service=name, at_ms=now_ms(), values=values))
+
+    async def run(self, duration_s: float, interval_s: float = 1.0, stop: asyncio.Event | None = None) -> None:
+        deadline = time.monotonic() + duration_s
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+                await self.sample_once(client)
                 await asyncio.sleep(interval_s)

@@ -32,7 +32,7 @@ from .checker import Report, check
 from .etcd_records import read_back
 from .history import Fault, HistoryWriter, Meta, Policy, TopologyRec, now_ms, read_history
 from .lease_driver import DriverStats, LeaseDriver
-from .load import LeasePoller, LoadGen
+from .load import CounterSampler, LeasePoller, LoadGen
 from .nemesis import Nemesis, Schedule, Step
 from .scenarios import REDIS_GRACE_MS, Scenario, resolve
 from .topo import PREFIX, ChaosSpec, ChaosTopology
@@ -212,8 +212,10 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
         schedule = Schedule(duration_s, steps)
         stop = asyncio.Event()
         t0 = time.monotonic()
+        sampler = CounterSampler(history, lambda: [(g.name, g.url) for g in topo.agents])
         bg = [asyncio.create_task(_watch_leaders(ctx, stop)), asyncio.create_task(_live(ctx, out, stop, t0)),
-              asyncio.create_task(poller.run(duration_s + 5.0, stop=stop))]
+              asyncio.create_task(poller.run(duration_s + 5.0, stop=stop)),
+              asyncio.create_task(sampler.run(duration_s + 5.0, stop=stop))]
         bg.append(asyncio.create_task(driver.run(duration_s)))
         try:
             await asyncio.gather(ctx.load.run(duration_s, max_requests=int(duration_s * 400)), schedule.run())

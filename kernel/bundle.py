@@ -328,6 +328,7 @@ def validate_bundle(bundle: Bundle) -> None:
                             f"(scope {r.scope}, routeGroup {r.route_key}, tenant {r.tenant or '*'})")
         else:
             idents[ident] = r.id
+    problems.extend(_pool_balance_problems(bundle.rules))
     if not problems:
         problems.extend(_request_set_problems(bundle.rules))
     if problems:
@@ -342,6 +343,24 @@ def script_slots(selected: list[Rule]) -> int:
     return len(enforced) + sum(1 for r in enforced if r.concurrency_max is not None)
 
 
+def _pool_balance_problems(rules: list[Rule]) -> list[str]:
+    """Every pool is spent from one balance per region: the fleet-wide ``{g:<pool>}`` balance
+    (global-scope rules) or the balance of the one tenant its rules name. The overshoot bound
+    counts one fallback allowance per pool and region: a pool spent by a generic (any-tenant)
+    rule, or by rules of several tenants or of both kinds, would have one balance and one
+    allowance per tenant or kind."""
+    kinds: dict[str, set[str]] = {}
+    for r in rules:
+        if r.algorithm == "pool" and r.pool is not None and not r.shadow:
+            kinds.setdefault(r.pool, set()).add("global" if r.scope == "global" else f"tenant {r.tenant or '*'}")
+    out = []
+    for pool, seen in sorted(kinds.items()):
+        if len(seen) > 1 or "tenant *" in seen:
+            out.append(f"pool {pool!r} is spent from more than one balance per region ({', '.join(sorted(seen))}): "
+                       "pool rules of one pool must all be global-scope or all name the same tenant")
+    return out
+
+
 def _request_set_problems(rules: list[Rule]) -> list[str]:
     """Every request's rule set is a handful long and maps to one hash tag."""
     tenants: list[str | None] = sorted({r.tenant for r in rules if r.tenant}) + [None]
@@ -352,6 +371,12 @@ def _request_set_problems(rules: list[Rule]) -> list[str]:
             for ptype, has_key in (("user", True), ("user", False), ("service", True), ("anonymous", False)):
                 sel = select_rules(rules, tenant=tenant or "\x00any", route_group=route,
                                    principal_type=ptype, has_key=has_key)
+                pools = [r.pool for r in sel if r.algorithm == "pool" and not r.shadow]
+                for pool in sorted({p for p in pools if pools.count(p) > 1}):
+                    problems.append(
+                        f"a {ptype} request of tenant {tenant or '*'} on route {route.strip(chr(0))} spends pool "
+                        f"{pool!r} through more than one rule ({', '.join(r.id for r in sel if r.pool == pool)}): "
+                        "the same balance twice in one script")
                 slots = script_slots(sel)
                 if slots > MAX_RULES_PER_REQUEST:
                     problems.append(

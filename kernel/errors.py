@@ -107,6 +107,13 @@ class DeadlineExceeded(Unavailable):
     code, title = "deadline-exceeded", "Deadline exceeded"
 
 
+class Overloaded(Unavailable):
+    """This process is saturated (its queue or its event loop), the dependency is fine: shed the
+    work with a retriable answer; never treat it as the dependency failing."""
+
+    code, title = "overloaded", "Overloaded"
+
+
 class NotLeader(Unavailable):
     """This allocator replica is not the leader; ``extra`` names the leader if known."""
 

@@ -13,6 +13,8 @@
 --                  sl    limit, window_ms, cost, 0, 0           (entries, cost <= 1000; member, member#2, ..)
 --                  cc    max_in_flight, lease_ttl_ms, 0, 0, 0   (lease id = member)
 --                  pool  cost_tokens, 0, 0, 0, 0                (leased global tokens)
+--                  pw    limit, k_lo, k_hi, cost, ttl_ms        (a pool's fallback allowance per
+--                                                               allocator window, lib/pool_window.lua)
 -- Reply          {allowed 0/1, denied_by (1-based, 0 = none), retry_after_ms, remaining_1 ..
 --                remaining_n}; remaining is the value after the debit when the request is
 --                allowed, and every rule's current (undebited) value when it is denied; a cc
@@ -29,7 +31,10 @@
 --                idempotently release the lease when a rate rule denies", folded into one atomic
 --                step with the same observable outcome and no window where a doomed lease is held.
 --                With decision_ttl_ms > 0 the reply (also a denial) is stored with PX
---                decision_ttl_ms as comma-separated integers (exact for every value < 2^53).
+--                decision_ttl_ms as comma-separated integers (exact for every value < 2^53) —
+--                except a denial by a leased pool (kind pool): the agent runs the decision again
+--                once the region's balance is topped up, and a denial debited nothing, so it is
+--                not recorded (a recorded one would replay the denial to that second run).
 -- @include lib/clock.lua
 -- @include lib/token_bucket.lua
 -- @include lib/gcra.lua
@@ -38,7 +43,8 @@
 -- @include lib/sliding_log.lua
 -- @include lib/concurrency.lua
 -- @include lib/pool.lua
-local ALG = { tb = TB, gcra = GCRA, fw = FW, sc = SC, sl = SL, cc = CC, pool = POOL }
+-- @include lib/pool_window.lua
+local ALG = { tb = TB, gcra = GCRA, fw = FW, sc = SC, sl = SL, cc = CC, pool = POOL, pw = PW }
 local MAX_RULES = 8
 
 local n = #KEYS - 1
@@ -62,7 +68,7 @@ for i = 1, n do
   if P == nil or ((kind == 'sl' or kind == 'cc') and member == '') then
     return lh_invalid()
   end
-  rules[i] = { alg = alg, P = P, key = KEYS[i + 1] }
+  rules[i] = { alg = alg, P = P, key = KEYS[i + 1], kind = kind }
 end
 
 if dec_ttl > 0 then
@@ -104,7 +110,7 @@ for i = 1, n do
   local plan = rules[i].plan
   result[3 + i] = (denied_by == 0 or plan.current == nil) and plan.remaining or plan.current
 end
-if dec_ttl > 0 then
+if dec_ttl > 0 and not (denied_by > 0 and rules[denied_by].kind == 'pool') then
   local parts = {}
   for i = 1, #result do
     parts[i] = string.format('%d', result[i])

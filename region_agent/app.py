@@ -38,6 +38,8 @@ from .fastpath import admit_fast_path
 from .gateways import Gateways
 from .gateways.authz import authz
 from .keys import KeyBuilder
+from .leasing.warmup import warmup_balances
+from .leasing.window_clock import AllocatorClock
 from .metrics import AgentMetrics
 from .models import (
     MAX_BATCH_BODY_BYTES,
@@ -176,6 +178,8 @@ async def readyz(request: Request) -> Response:
         problems.append("scripts not loaded")
     if st.holder.bundle is None:
         problems.append("no policy bundle")
+    if st.leases is not None and st.leases.warming:
+        problems.append("first leases not answered yet")
     if problems:
         return problem_response(Unavailable("not ready: " + ", ".join(problems)), instance="/readyz")
     b = st.holder.bundle
@@ -248,17 +252,24 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         factory = store_factory or default_store_factory
         state.store = factory(settings, m)
-        state.leases = _lease_manager(settings, state.store, m)
+        if hasattr(state.store, "start"):
+            state.store.start()
+        clock = AllocatorClock(unknown_offset_ms=settings.allocator_clock_uncertainty_ms)
+        state.leases = _lease_manager(settings, state.store, m, clock)
         state.engine = Engine(get_bundle=lambda: state.holder.bundle, keys=state.keys, store=state.store,
                               metrics=m, fallback=LocalFallback(settings.fallback_max_keys),
                               budget_ms=settings.decision_budget_ms, leases=state.leases,
-                              negative=NegativeCache(cap_ms=settings.negative_cache_ms))
+                              negative=NegativeCache(cap_ms=settings.negative_cache_ms), allocator_clock=clock)
         if state.leases is not None:
             state.leases.start()
+            if settings.lease_warmup:
+                state.leases.warm_up(warmup_balances(state.holder.bundle, settings.region))
         if settings.policy_etcd:
             state.policy_watch = await _start_policy_watch(settings, state)
         with contextlib.suppress(LeaseholdError):
             await state.store.load()
+        if hasattr(state.store, "warm"):  # the pipelines' connections, open before the first burst
+            await state.store.warm(settings.pipelines_in_flight + 2)
         state.tasks.append(asyncio.create_task(_background(state)))
         await state.gateways.start()  # the RLS gRPC server, when --rls-port is set
         loop = asyncio.get_running_loop()
@@ -299,7 +310,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     return app
 
 
-def _lease_manager(settings: AgentSettings, store: Any, m: AgentMetrics):
+def _lease_manager(settings: AgentSettings, store: Any, m: AgentMetrics, clock: AllocatorClock):
     """The region's lease manager, when allocator URLs are configured."""
     if not settings.allocator_urls:
         return None
@@ -316,7 +327,7 @@ def _lease_manager(settings: AgentSettings, store: Any, m: AgentMetrics):
                              deadline_s=settings.allocator_deadline_ms / 1000)
     balances = RedisBalanceStore(store.client, store.scripts)
     return LeaseManager(region=settings.region, client=client, store=balances, metrics=m,
-                        tick_ms=settings.lease_tick_ms)
+                        tick_ms=settings.lease_tick_ms, clock=clock)
 
 
 def _key_cap(settings: AgentSettings):
@@ -359,7 +370,8 @@ def default_store_factory(settings: AgentSettings, m: AgentMetrics):
     gauge.set(0)
     return StoreGateway(client, sc.Scripts(), max_batch=settings.batch_max, max_queue=settings.queue_max,
                         max_inflight=settings.pipelines_in_flight, on_batch=m.batch_size.observe,
-                        breaker=breaker, on_breaker=gauge.set)
+                        breaker=breaker, on_breaker=gauge.set, stall_s=settings.decision_budget_ms / 1000,
+                        late_s=settings.redis_socket_timeout_ms / 1000)
 
 
 async def _background(state: AgentState) -> None:

@@ -16,19 +16,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kernel.bundle import Bundle, Rule
+from kernel.bundle import Bundle, Pool, Rule
 from kernel.errors import (
     AmbiguousOutcome,
     DeadlineExceeded,
     LeaseholdError,
+    Overloaded,
     ScriptRejected,
     StoreUnavailable,
 )
 
-from .chunks import ChunkLease
+from .algorithms.pool_window import MAX_SPAN
 from .fallback import LocalFallback, LocalItem
+from .fleet_pools import FleetPools, allowance_call
 from .httpmap import apply_http
 from .keys import KeyBuilder
+from .leasing.window_clock import AllocatorClock, Windows
 from .metrics import AgentMetrics
 from .models import AdmitRequest, Decision, ReleaseRequest, RenewRequest
 from .negcache import NegativeCache
@@ -43,6 +46,7 @@ from .plan import (
     tokens_limit,
     tokens_remaining,
 )
+from .pool_allowance import PoolWindowAllowance
 
 log = logging.getLogger("region_agent.engine")
 
@@ -51,6 +55,7 @@ DEGRADE_REASON = {StoreUnavailable: "STORE_UNREACHABLE", AmbiguousOutcome: "AMBI
 
 
 BATCH_ITEMS_PER_BUDGET = 64  # a batch gets one more decision budget per this many items
+SHED_RETRY_MS = 1_000  # Retry-After of a decision shed because this agent is overloaded
 
 
 def degrade_label(exc: LeaseholdError) -> str:
@@ -63,7 +68,7 @@ def degrade_label(exc: LeaseholdError) -> str:
 @dataclass(slots=True)
 class _Reservation:
     spend: GlobalSpend
-    generation: int
+    generation: int  # the chunk it came from (chunks.NO_CHUNK: bought alone or from an allowance)
 
 
 @dataclass(slots=True)
@@ -82,7 +87,8 @@ class Engine:
     def __init__(self, *, get_bundle: Callable[[], Bundle], keys: KeyBuilder, store: Any, metrics: AgentMetrics,
                  fallback: LocalFallback | None = None, budget_ms: int = 50,
                  clock: Callable[[], float] = time.monotonic, leases: Any | None = None,
-                 negative: NegativeCache | None = None):
+                 negative: NegativeCache | None = None, wall_clock: Callable[[], float] = time.time,
+                 allocator_clock: AllocatorClock | None = None):
         self.get_bundle = get_bundle
         self.keys = keys
         self.store = store
@@ -90,14 +96,22 @@ class Engine:
         self.fallback = fallback if fallback is not None else LocalFallback()  # (an empty one is falsy)
         self.budget = budget_ms / 1000.0
         self.clock = clock
-        self._chunks: dict[str, ChunkLease] = {}
-        self._renewing: dict[str, asyncio.Future] = {}
+        self.wall_clock = wall_clock
         self.leases = leases  # region_agent.leasing.manager.LeaseManager, when the allocator is configured
+        # where this process stands on the allocator's clock (pool windows as the allocator numbers them)
+        self.allocator_clock = allocator_clock or (leases.clock if leases is not None else AllocatorClock())
+        self.pool_allowance = PoolWindowAllowance()  # in-process allowances while Redis is unreachable
+        self.fleet = FleetPools(store=store, metrics=metrics, leases=leases, now_ms=self.now_ms,
+                                windows=self.pool_windows, allowance=self.pool_allowance, budget_s=self.budget)
         self.negative = negative if negative is not None else NegativeCache()
         self._decision_counters: dict[tuple, Any] = {}
 
     def now_ms(self) -> float:
         return self.clock() * 1000.0
+
+    def pool_windows(self, pool: Pool) -> Windows:
+        """The allocator windows of ``pool`` a decision taken now may fall in."""
+        return self.allocator_clock.windows(pool.window_ms, self.now_ms(), self.wall_clock() * 1000.0)
 
     # ------------------------------------------------------------------ public API
     async def admit(self, req: AdmitRequest) -> Decision:
@@ -204,21 +218,28 @@ class Engine:
         return prep
 
     async def _take_globals(self, prep: _Prepared) -> None:
-        """Reserve every fleet-wide pool's tokens from in-process chunk leases, or decide early."""
+        """Reserve every fleet-wide pool's tokens (region_agent.fleet_pools), or decide early."""
         plan, bundle = prep.plan, prep.bundle
         for spend in plan.global_spends:
-            status, retry = await self._take_global(spend, prep)
-            if status == "denied":
-                self._give_back(prep)
+            took = await self.fleet.take(spend, prep.deadline, self.clock)
+            if took.status == "ok":
+                prep.reservations.append(_Reservation(spend, took.generation))
+                prep.used_fallback = prep.used_fallback or took.fallback
+                continue
+            if took.status == "open":
+                prep.used_fallback = True
+                continue
+            self._give_back(prep)
+            if took.status == "denied":
                 prep.early = self._decision(plan, bundle, allowed=False, rule=spend.rule, scope="global",
                                             reason="RATE_EXCEEDED", limit=spend.pool.limit, remaining=0,
-                                            retry=retry, fallback=prep.used_fallback)
-                break
-            if status == "unavailable":
-                self._give_back(prep)
+                                            retry=took.retry_ms, fallback=prep.used_fallback or took.fallback)
+            elif took.status == "shed":
+                prep.early = self._shed(prep, "pool")
+            else:
                 prep.early = self._decision(plan, bundle, allowed=False, rule=spend.rule, scope="global",
-                                            reason="LIMITER_UNAVAILABLE", retry=retry)
-                break
+                                            reason="LIMITER_UNAVAILABLE", retry=took.retry_ms)
+            break
 
     async def _complete(self, prep: _Prepared, replies: list[Any] | LeaseholdError) -> Decision:
         plan = prep.plan
@@ -236,7 +257,7 @@ class Engine:
             if plan.decision_ttl_ms > 0 and self._remaining(prep) > 0:
                 return await self._retry_idempotent(prep, e)
             return self._finish(prep, self._degrade(prep, e))
-        except LeaseholdError as e:
+        except LeaseholdError as e:  # Overloaded included: _degrade sheds it
             return self._finish(prep, self._degrade(prep, e))
         if not result.allowed and 1 <= result.denied_by <= len(plan.slots) \
                 and plan.slots[result.denied_by - 1].role == "pool":
@@ -367,10 +388,13 @@ class Engine:
             return self._decision(plan, bundle, allowed=False, rule=rule, scope=rule.scope,
                                   reason="LIMITER_UNAVAILABLE", retry=rule.closed_retry_after_ms)
         self.metrics.degradations.labels("ALLOCATOR_UNREACHABLE", "pool_fallback").inc()
+        # the region's allowance, charged to every allocator window this decision may fall in
+        w = self.pool_windows(pool)
+        if w.span > MAX_SPAN:  # the allocator's clock is too uncertain to count per window: deny
+            return self._from_result(prep, res, fallback=True, retry_floor=w.end_in_ms)
         original = plan.calls[idx]
         calls = list(plan.calls)
-        calls[idx] = Call(KeyBuilder.pool_fallback_key(original.key), "fw",
-                          (pool.fallback_per_region, pool.window_ms, original.params[0], 0, 0))
+        calls[idx] = allowance_call(KeyBuilder.pool_fallback_key(original.key), pool, w, original.params[0])
         call = self.store.multi_call(calls, decision_key=plan.decision_key + ":fb", slack_ms=plan.slack_ms,
                                      decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id)
         try:
@@ -378,7 +402,7 @@ class Engine:
             result = self.store.parse(reply)
         except LeaseholdError as e:
             return self._degrade(prep, e)
-        return self._from_result(prep, result, fallback=True, calls=calls)
+        return self._from_result(prep, result, fallback=True, calls=calls, retry_floor=w.end_in_ms)
 
     def _allowed_without_script(self, prep: _Prepared) -> Decision:
         plan, bundle = prep.plan, prep.bundle
@@ -387,12 +411,18 @@ class Engine:
         report = plan.rules[0]
         for r in prep.reservations:
             if r.spend.rule is report:
-                lease = self._chunks.get(r.spend.pool.id)
                 return self._decision(plan, bundle, allowed=True, rule=report, limit=r.spend.pool.limit,
-                                      remaining=lease.remaining if lease else 0)
+                                      remaining=self.fleet.remaining(r.spend.pool.id))
         return self._decision(plan, bundle, allowed=True, rule=report)
 
     def _degrade(self, prep: _Prepared, exc: LeaseholdError) -> Decision:
+        """The store failed this decision: answer per rule failMode (seed ch. 10). Overload is not
+        a store failure: it is shed, never answered from the local allowances."""
+        if isinstance(exc, Overloaded):
+            if exc.extra.get("reason") == "QUEUE_FULL":
+                self.metrics.queue_rejections.inc()
+                return self._shed(prep, "queue_full")
+            return self._shed(prep, "queue")
         plan, bundle = prep.plan, prep.bundle
         label = degrade_label(exc)
         self.metrics.script_errors.labels(type(exc).__name__).inc()
@@ -401,19 +431,21 @@ class Engine:
             if s.rule not in rules:
                 rules.append(s.rule)
         pools = memo_of(bundle).pools
+        rejected = isinstance(exc, ScriptRejected)
 
         def pool_allowance(r: Rule) -> int:
             pool = pools.get(r.pool or "")
             return pool.fallback_per_region if pool is not None else 0
 
         # a tenant pool rule without its Redis balance spends an in-process allowance of
-        # fallbackPerRegion per pool window (per agent); with no allowance it behaves as closed
+        # fallbackPerRegion per pool window (per agent); with no allowance it behaves as closed, and
+        # so it does after a script rejection (a policy defect never admits a pool's tokens)
         closed = next((r for r in rules if r.fail_mode == "closed"
-                       or (r.algorithm == "pool" and pool_allowance(r) <= 0)), None)
+                       or (r.algorithm == "pool" and (rejected or pool_allowance(r) <= 0))), None)
         if closed is not None:
             self.metrics.degradations.labels(label, "closed").inc()
             self._give_back(prep)
-            reason = "POLICY_ERROR" if isinstance(exc, ScriptRejected) else "LIMITER_UNAVAILABLE"
+            reason = "POLICY_ERROR" if rejected else "LIMITER_UNAVAILABLE"
             return self._decision(plan, bundle, allowed=False, rule=closed, scope=closed.scope, reason=reason,
                                   retry=closed.closed_retry_after_ms)
         local = [r for r in rules if r.fail_mode == "local_bounded" and (r.fallback is not None or r.algorithm == "pool")]
@@ -423,22 +455,55 @@ class Engine:
             d = self._allowed_without_script(prep)
             d.fallback = True
             return d
-        items = [LocalItem(plan.rule_keys.get(r.id, r.id), r, plan.cost_hint,
-                           (pool_allowance(r), pools[r.pool].window_ms) if r.algorithm == "pool" else None)
-                 for r in local]
-        res = self.fallback.admit(items, int(self.now_ms()))
-        if not res.allowed:
-            self._give_back(prep)
-            rule = local[res.denied_by - 1]
-            return self._decision(plan, bundle, allowed=False, rule=rule, scope=rule.scope, reason="RATE_EXCEEDED",
-                                  limit=_fallback_limit(rule), remaining=res.remaining[res.denied_by - 1],
-                                  retry=res.retry_after_ms, fallback=True)
+        return self._local_admit(prep, local, pools)
+
+    def _local_admit(self, prep: _Prepared, local: list[Rule], pools: dict[str, Pool]) -> Decision:
+        """All of a request's local allowances or none: pool rules from the per-allocator-window
+        counters (never evicted), the other rules from their fallback buckets."""
+        plan, bundle = prep.plan, prep.bundle
+        windows = {r.pool: self.pool_windows(pools[r.pool]) for r in local if r.algorithm == "pool" and r.pool}
+        remaining: dict[str, int] = {}
+        for r in local:
+            if r.algorithm != "pool" or not r.pool:
+                continue
+            got = self.pool_allowance.check(r.pool, windows[r.pool], r.cost * plan.cost_hint,
+                                            pools[r.pool].fallback_per_region)
+            if not got.allowed:
+                self._give_back(prep)
+                return self._decision(plan, bundle, allowed=False, rule=r, scope=r.scope, reason="RATE_EXCEEDED",
+                                      limit=pools[r.pool].fallback_per_region, remaining=got.remaining,
+                                      retry=got.retry_after_ms, fallback=True)
+            remaining[r.id] = got.remaining
+        buckets = [r for r in local if r.algorithm != "pool"]
+        if buckets:
+            res = self.fallback.admit([LocalItem(plan.rule_keys.get(r.id, r.id), r, plan.cost_hint) for r in buckets],
+                                      int(self.now_ms()))
+            if not res.allowed:
+                self._give_back(prep)
+                rule = buckets[res.denied_by - 1]
+                return self._decision(plan, bundle, allowed=False, rule=rule, scope=rule.scope,
+                                      reason="RATE_EXCEEDED", limit=_fallback_limit(rule),
+                                      remaining=res.remaining[res.denied_by - 1], retry=res.retry_after_ms,
+                                      fallback=True)
+            remaining.update({r.id: n for r, n in zip(buckets, res.remaining, strict=True)})
+        for r in local:
+            if r.algorithm == "pool" and r.pool:
+                self.pool_allowance.commit(r.pool, windows[r.pool], r.cost * plan.cost_hint)
         report = plan.rules[0]
-        if report in local:
-            i = local.index(report)
-            return self._decision(plan, bundle, allowed=True, rule=report, limit=_fallback_limit(report),
-                                  remaining=res.remaining[i], fallback=True)
+        if report.id in remaining:
+            limit = pools[report.pool].fallback_per_region if report.algorithm == "pool" and report.pool \
+                else _fallback_limit(report)
+            return self._decision(plan, bundle, allowed=True, rule=report, limit=limit,
+                                  remaining=remaining[report.id], fallback=True)
         return self._decision(plan, bundle, allowed=True, rule=report, fallback=True)
+
+    def _shed(self, prep: _Prepared, stage: str) -> Decision:
+        """Overload: this agent could not get the decision's store answer within its budget while
+        the store is answering. A retriable 503 (``OVERLOADED``), counted; never a fallback."""
+        self.metrics.shed.labels(stage).inc()
+        self._give_back(prep)
+        return self._decision(prep.plan, prep.bundle, allowed=False, rule=None, reason="OVERLOADED",
+                              retry=SHED_RETRY_MS)
 
     def _decision(self, plan: Plan, bundle: Bundle, *, allowed: bool, rule: Rule | None, scope: str | None = None,
                   reason: str | None = None, limit: int | None = None, remaining: int | None = None,
@@ -458,6 +523,8 @@ class Engine:
             self._count_pool_admissions(prep, d.fallback)
         if d.allowed:
             outcome = "fallback_allowed" if d.fallback else "allowed"
+        elif d.reason == "OVERLOADED":
+            outcome = "shed"
         elif d.http_status == 503:
             outcome = "unavailable"
         else:
@@ -498,137 +565,9 @@ class Engine:
 
     # ------------------------------------------------------------------ global pools (chunk leases)
     def _give_back(self, prep: _Prepared) -> None:
-        now = self.now_ms()
         for r in prep.reservations:
-            lease = self._chunks.get(r.spend.pool.id)
-            if lease is not None:
-                lease.give_back(r.spend.cost, r.generation, now)
+            self.fleet.give_back(r.spend, r.generation)
         prep.reservations.clear()
-
-    def _reserve(self, spend: GlobalSpend, lease: ChunkLease, prep: _Prepared) -> tuple[str, int] | None:
-        """Take ``spend`` from the held chunk (``ok``), or report the local negative cache
-        (``denied``), or None when a renewal is needed."""
-        now = self.now_ms()
-        gen = lease.try_take(spend.cost, now)
-        if gen is not None:
-            prep.reservations.append(_Reservation(spend, gen))
-            prep.used_fallback = prep.used_fallback or lease.fallback
-            return "ok", 0
-        if lease.negative(now):
-            return "denied", max(1, int(lease.deny_until_ms - now))
-        return None
-
-    async def _take_global(self, spend: GlobalSpend, prep: _Prepared) -> tuple[str, int]:
-        """("ok" | "denied" | "unavailable" | "open", retry ms) for one global-pool spend."""
-        pool = spend.pool
-        lease = self._chunks.setdefault(pool.id, ChunkLease())
-        if self.leases is not None:  # demand is what requests ask for, not what chunks buy
-            self.leases.note(pool, self.keys.global_pool_key(pool.id), spend.cost)
-        renewals = 0
-        while True:
-            got = self._reserve(spend, lease, prep)
-            if got is not None:
-                return got
-            if renewals == 2:
-                break
-            renewals += 1
-            fut = self._renewing.get(pool.id)
-            if fut is None:
-                fut = asyncio.ensure_future(self._renew(spend, lease))
-                self._renewing[pool.id] = fut
-                fut.add_done_callback(lambda _f, pid=pool.id: self._renewing.pop(pid, None))
-            else:
-                self.metrics.pool_waits.labels(pool.id).inc()
-            try:
-                await asyncio.wait_for(asyncio.shield(fut), self._remaining(prep))
-            except (TimeoutError, LeaseholdError):
-                renewals = 2  # one last look at the chunk, then give up
-        # the regional balance could not be reached (Redis down or too slow) and no chunk is held.
-        # A local_bounded rule spends this agent's in-process allowance of fallbackPerRegion per pool
-        # window — the Redis-loss term of the overshoot bound, as for tenant pool rules (seed ch. 18
-        # step 13: the read path keeps answering from local allowances); otherwise 503
-        mode = spend.rule.fail_mode or "closed"
-        if mode == "local_bounded" and pool.fallback_per_region > 0:
-            self.metrics.degradations.labels("POOL_RENEWAL_FAILED", "local_bounded").inc()
-            item = LocalItem(self.keys.global_pool_key(pool.id), spend.rule, prep.plan.cost_hint,
-                             (pool.fallback_per_region, pool.window_ms))
-            res = self.fallback.admit([item], int(self.now_ms()))
-            prep.used_fallback = True
-            return ("ok", 0) if res.allowed else ("denied", max(1, res.retry_after_ms))
-        self.metrics.degradations.labels("POOL_RENEWAL_FAILED", mode).inc()
-        if mode == "open":
-            return "open", 0
-        return "unavailable", spend.rule.closed_retry_after_ms
-
-    async def _renew_from_fallback(self, spend: GlobalSpend, lease: ChunkLease, gkey: str, sent_at: float) -> str:
-        """Allocator unreachable and the regional balance empty: a chunk of one request's cost
-        from the pool's regional fallback allowance (a fixed window of fallbackPerRegion)."""
-        pool = spend.pool
-        self.metrics.degradations.labels("ALLOCATOR_UNREACHABLE", "pool_fallback").inc()
-        call = self.store.multi_call(
-            [Call(KeyBuilder.pool_fallback_key(gkey), "fw", (pool.fallback_per_region, pool.window_ms, spend.cost, 0, 0))],
-            decision_key=self.keys.global_pool_decision_key(pool.id), slack_ms=0, decision_ttl_ms=0,
-            member=f"renew-fb-{pool.id}")
-        (reply,) = await self.store.submit([call], wait_s=self.budget)
-        res = self.store.parse(reply)
-        if res.allowed:
-            lease.grant(spend.cost, sent_at, pool.chunk_validity_ms, fallback=True)
-            return "fallback"
-        lease.deny(self.now_ms(), int(res.retry_after_ms), pool.chunk_validity_ms)
-        return "fallback_denied"
-
-    async def _renew(self, spend: GlobalSpend, lease: ChunkLease) -> None:
-        pool = spend.pool
-        want = max(spend.cost, pool.chunk_max)
-        sent_at = self.now_ms()  # validity timed from the moment the request was sent (I5 of DESIGN)
-        outcome = "error"
-        gkey = self.keys.global_pool_key(pool.id)
-        waited = False
-        try:
-            for attempt in range(3):
-                call = self.store.multi_call(
-                    [_pool_call(gkey, want)],
-                    decision_key=self.keys.global_pool_decision_key(pool.id), slack_ms=0, decision_ttl_ms=0,
-                    member=f"renew-{pool.id}")
-                (reply,) = await self.store.submit([call], wait_s=self.budget)
-                res = self.store.parse(reply)
-                if res.allowed:
-                    validity = pool.chunk_validity_ms
-                    window_end = self.leases.window_end(gkey) if self.leases is not None else None
-                    if window_end is not None:  # tokens of window k are never spent in window k+1 (I5)
-                        validity = min(validity, int(window_end - sent_at))
-                    if validity <= 0:
-                        outcome = "window_ended"
-                        return
-                    lease.grant(want, sent_at, validity)
-                    outcome = "granted" if attempt == 0 else "partial"
-                    return
-                balance = int(res.remaining[0]) if res.remaining else 0
-                if spend.cost <= balance < want:
-                    want = balance  # partial chunk when the balance is low
-                    continue
-                pending = self.leases.pending(gkey) if self.leases is not None else None
-                if pending is not None and not waited:
-                    waited = True  # the regional balance is being topped up right now: wait once
-                    try:
-                        await asyncio.wait_for(asyncio.shield(pending), self.budget)
-                    except (TimeoutError, LeaseholdError):
-                        pass
-                    continue
-                state = self.leases.state(gkey) if self.leases is not None else "idle"
-                if state == "unreachable" and pool.fallback_per_region > 0 and spend.rule.fail_mode != "closed":
-                    outcome = await self._renew_from_fallback(spend, lease, gkey, sent_at)
-                    return
-                hint = self.leases.retry_hint_ms(gkey) if self.leases is not None else 0
-                lease.deny(self.now_ms(), max(int(res.retry_after_ms), hint), pool.chunk_validity_ms)
-                outcome = "denied"
-                return
-        finally:
-            self.metrics.pool_renewals.labels(pool.id, outcome).inc()
-
-
-def _pool_call(key: str, tokens: int) -> Call:
-    return Call(key, "pool", (tokens, 0, 0, 0, 0))
 
 
 def _fallback_limit(rule: Rule) -> int | None:

@@ -48,6 +48,10 @@ def _problem(status: int, decision: Decision, anonymous: bool) -> dict[str, Any]
         return {"type": "about:blank", "title": "Rate limit exceeded", "status": 429,
                 "detail": "Too many requests for this credential. Retry after the interval given.",
                 "decisionId": decision.decision_id}
+    if decision.reason == "OVERLOADED":
+        return {"type": "about:blank", "title": "Service temporarily unavailable", "status": 503,
+                "detail": "The rate limiter is overloaded and shed this decision. Retry after the interval given.",
+                "decisionId": decision.decision_id}
     return {"type": "about:blank", "title": "Service temporarily unavailable", "status": 503,
             "detail": "The rate limiter cannot decide right now. Retry after the interval given.",
             "decisionId": decision.decision_id}
@@ -60,7 +64,7 @@ def apply_http(decision: Decision, *, rule: Rule | None, anonymous: bool) -> boo
     defect = False
     if decision.allowed:
         status = 200
-    elif decision.reason in ("LIMITER_UNAVAILABLE", "POLICY_ERROR") and not decision.fallback:
+    elif decision.reason in ("LIMITER_UNAVAILABLE", "POLICY_ERROR", "OVERLOADED") and not decision.fallback:
         status = 503
     else:
         status = 429

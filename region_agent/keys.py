@@ -179,12 +179,13 @@ class KeyBuilder:
 
     @staticmethod
     def pool_fallback_key(balance_key: str) -> str:
-        """The region's fallback allowance for a pool balance (same hash tag): a fixed window of
-        ``fallbackPerRegion`` tokens per pool window, shared by every agent of the region."""
+        """The region's fallback allowance for a pool balance (same hash tag): tokens admitted
+        from ``fallbackPerRegion`` per pool window as the allocator numbers it (a hash by window
+        index, ``lua/lib/pool_window.lua``), shared by every agent of the region."""
         head, sep, pool_id = balance_key.rpartition(":pool:")
         if not sep:
             raise ValueError("not a pool balance key")
-        return f"{head}:poolfb:{pool_id}"
+        return f"{head}:poolfbw:{pool_id}"
 
     @staticmethod
     def global_pool_decision_key(pool_id: str) -> str:

@@ -25,6 +25,14 @@ class AgentMetrics:
                                     registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
         self.queue_rejections = Counter("leasehold_agent_queue_rejections_total",
                                         "Script calls refused because the coalescing queue was full", registry=r)
+        self.shed = Counter("leasehold_agent_shed_total",
+                            "Decisions shed (503 OVERLOADED) because this agent was saturated while the store "
+                            "answered, by stage (queue: the script call waited past its budget or the queue "
+                            "was full; pool: a chunk renewal could not be sent)", ["stage"], registry=r)
+        self.pool_busy = Counter("leasehold_agent_pool_busy_denials_total",
+                                 "Fleet-wide pool requests denied locally because the chunk renewal in flight "
+                                 "outlasted their budget (a 429 with a short hint, never the fallback)", ["pool"],
+                                 registry=r)
         self.policy_reloads = Counter("leasehold_agent_policy_reloads_total", "Policy reload attempts",
                                       ["outcome"], registry=r)
         self.policy_version = Gauge("leasehold_agent_policy_version", "Bundle version in force", registry=r)
@@ -44,6 +52,11 @@ class AgentMetrics:
                                         "Allocator answered 'pool exhausted' for the window", ["pool"], registry=r)
         self.lease_stranded = Counter("leasehold_agent_stranded_tokens_total",
                                       "Leased tokens that expired unspent", ["pool"], registry=r)
+        self.lease_lost = Counter("leasehold_agent_lease_lost_tokens_total",
+                                  "Leased tokens whose Redis record was lost (restart without persistence) or "
+                                  "restored from an older state (restart from RDB/AOF, failover): reported to "
+                                  "the allocator as spent, never re-deposited or returned; at most this many "
+                                  "were really unspent", ["pool"], registry=r)
         self.lease_balance = Gauge("leasehold_agent_pool_balance_tokens", "Spendable leased tokens in Redis",
                                    ["pool"], registry=r)
         self.allocator_up = Gauge("leasehold_agent_allocator_reachable", "1 if the last allocator call succeeded",

@@ -49,7 +49,8 @@ class ReleaseRequest(Struct, rename="camel", forbid_unknown_fields=True, frozen=
 
 
 DeniedScope = Literal["user", "key", "route", "tenant", "global", "concurrency", "ip"]
-Reason = Literal["RATE_EXCEEDED", "CONCURRENCY_EXCEEDED", "LIMITER_UNAVAILABLE", "POLICY_ERROR", "POLICY_STALE"]
+Reason = Literal["RATE_EXCEEDED", "CONCURRENCY_EXCEEDED", "LIMITER_UNAVAILABLE", "POLICY_ERROR", "POLICY_STALE",
+                 "OVERLOADED"]
 
 
 class Decision(Struct, rename="camel", omit_defaults=False):

@@ -53,6 +53,10 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     allocator_timeout_ms: Annotated[int, Meta(ge=10, le=60_000)] = 500  # per attempt
     allocator_deadline_ms: Annotated[int, Meta(ge=10, le=60_000)] = 3_000  # all attempts of one lease request
     lease_tick_ms: Annotated[int, Meta(ge=10, le=10_000)] = 100
+    # bound on |allocator clock - this host's wall clock| before the first grant tells the offset
+    # (pool windows are the allocator's: fallback allowances are counted on its clock)
+    allocator_clock_uncertainty_ms: Annotated[int, Meta(ge=0, le=600_000)] = 1_000
+    lease_warmup: bool = True  # at start, lease every pool this region can spend before /readyz says ready
     negative_cache_ms: Annotated[int, Meta(ge=0, le=10_000)] = 250  # 0 disables the negative cache
     pepper_file: str | None = None
     gateway_tokens: list[str] = []  # "<gateway name>:<sha256 hex of its bearer token>" entries

@@ -1,11 +1,20 @@
 -- lib/pool.lua: leased global tokens kept in the tenant's hash (one field per lease id).
--- Field value: "granted,spent,validFromMs,expiresAtMs" (tokens; Redis-clock epoch ms).
--- An entry is spendable while validFrom <= now < expiresAt; its balance is granted - spent.
+-- Field value: "granted,spent,validFromMs,expiresAtMs,incarnation" (tokens; Redis-clock epoch ms;
+-- incarnation = the node's master_replid when the lease was deposited, lowercase hex).
+-- Incarnation: master_replid changes on every start of the server process and on every promotion
+--   of a replica (also a master demoted and promoted again), and a slot migrated to another node
+--   lands on a node with another one. An entry whose incarnation is not the node's current one
+--   was therefore restored from an older state (RDB/AOF after a restart, a lagging replica, a
+--   migration) and may have lost debits: it is never spendable, and closing it reports it lost
+--   (the agent then counts it fully spent). POOL.incarnation() reads INFO replication once per
+--   script run.
+-- An entry is spendable while validFrom <= now < expiresAt and its incarnation is current; its
+-- balance is granted - spent.
 -- POOL.check: spendable = sum of valid balances; allowed iff spendable >= cost; the debit takes
 --   the earliest-expiring valid lease first (ties by lease id), splitting across leases.
 --   remaining = spendable after the debit (allow) or spendable (deny). Deny retry = earliest
 --   validFrom still in the future - now, else 0 (the caller fills in its window-based hint).
---   Malformed entries are ignored (never spendable).
+--   Malformed entries and entries of another incarnation are ignored (never spendable).
 -- POOL.commit: writes the debited entries and PEXPIRE max expiresAt - now + slack.
 -- POOL.max_expiry(key): max expiresAt over well-formed entries (or nil).
 -- An allowing plan also carries `current`: the value before this request's debit (the
@@ -21,16 +30,28 @@ function POOL.parse(a)
   return P
 end
 
+function POOL.incarnation()
+  if POOL.inc == nil then
+    POOL.inc = string.match(redis.call('INFO', 'replication'), 'master_replid:(%x+)') or 'unknown'
+  end
+  return POOL.inc
+end
+
 function POOL.decode(v)
-  local g, s, f, e = string.match(v or '', '^(%d+),(%d+),(%d+),(%d+)$')
+  local g, s, f, e, inc = string.match(v or '', '^(%d+),(%d+),(%d+),(%d+),(%x+)$')
   if not g then
     return nil
   end
-  return { granted = tonumber(g), spent = tonumber(s), from = tonumber(f), exp = tonumber(e) }
+  return { granted = tonumber(g), spent = tonumber(s), from = tonumber(f), exp = tonumber(e), inc = inc }
 end
 
 function POOL.encode(e)
-  return string.format('%d,%d,%d,%d', e.granted, e.spent, e.from, e.exp)
+  return string.format('%d,%d,%d,%d,%s', e.granted, e.spent, e.from, e.exp, e.inc)
+end
+
+-- a well-formed entry written in this incarnation of the node
+function POOL.current(e)
+  return e ~= nil and e.inc == POOL.incarnation()
 end
 
 function POOL.entries(key)
@@ -58,7 +79,9 @@ function POOL.check(key, P, now)
   local entries = POOL.entries(key)
   local valid, spendable, next_from = {}, 0, nil
   for _, e in ipairs(entries) do
-    if e.from <= now and now < e.exp then
+    if not POOL.current(e) then
+      -- restored from an older state: never spendable (closed and reported lost by the agent)
+    elseif e.from <= now and now < e.exp then
       if e.granted > e.spent then
         valid[#valid + 1] = e
         spendable = spendable + (e.granted - e.spent)

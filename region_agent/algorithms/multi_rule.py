@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import concurrency, fixed_window, gcra, pool, sliding_counter, sliding_log, token_bucket
+from . import concurrency, fixed_window, gcra, pool, pool_window, sliding_counter, sliding_log, token_bucket
 from .common import Decision, InvalidArguments
 
 MAX_RULES = 8
@@ -19,7 +19,7 @@ MAX_RULES = 8
 
 @dataclass(frozen=True, slots=True)
 class RuleSpec:
-    kind: str  # "tb" | "gcra" | "fw" | "sc" | "sl" | "cc" | "pool"
+    kind: str  # "tb" | "gcra" | "fw" | "sc" | "sl" | "cc" | "pool" | "pw"
     params: tuple[int, int, int, int, int]
 
 
@@ -34,16 +34,17 @@ class MultiDecision:
         return [int(self.allowed), self.denied_by, self.retry_after_ms, *self.remaining]
 
 
-Decider = Callable[[Any, Any, int, str], tuple[Decision, Any]]
+Decider = Callable[[Any, Any, int, str, str], tuple[Decision, Any]]  # state, params, now, member, incarnation
 
 KINDS: dict[str, tuple[Callable[[tuple], Any], Decider]] = {
-    "tb": (token_bucket.TokenBucketParams.from_args, lambda s, p, n, m: token_bucket.decide(s, p, n)),
-    "gcra": (token_bucket.TokenBucketParams.from_args, lambda s, p, n, m: gcra.decide(s, p, n)),
-    "fw": (fixed_window.WindowParams.from_args, lambda s, p, n, m: fixed_window.decide(s, p, n)),
-    "sc": (fixed_window.WindowParams.from_args, lambda s, p, n, m: sliding_counter.decide(s, p, n)),
-    "sl": (fixed_window.WindowParams.from_args, sliding_log.decide),
-    "cc": (concurrency.ConcurrencyParams.from_args, concurrency.acquire),
-    "pool": (pool.PoolParams.from_args, lambda s, p, n, m: pool.decide(s, p, n)),
+    "tb": (token_bucket.TokenBucketParams.from_args, lambda s, p, n, m, i: token_bucket.decide(s, p, n)),
+    "gcra": (token_bucket.TokenBucketParams.from_args, lambda s, p, n, m, i: gcra.decide(s, p, n)),
+    "fw": (fixed_window.WindowParams.from_args, lambda s, p, n, m, i: fixed_window.decide(s, p, n)),
+    "sc": (fixed_window.WindowParams.from_args, lambda s, p, n, m, i: sliding_counter.decide(s, p, n)),
+    "sl": (fixed_window.WindowParams.from_args, lambda s, p, n, m, i: sliding_log.decide(s, p, n, m)),
+    "cc": (concurrency.ConcurrencyParams.from_args, lambda s, p, n, m, i: concurrency.acquire(s, p, n, m)),
+    "pool": (pool.PoolParams.from_args, lambda s, p, n, m, i: pool.decide(s, p, n, i)),
+    "pw": (pool_window.PoolWindowParams.from_args, lambda s, p, n, m, i: pool_window.decide(s, p, n)),
 }
 
 
@@ -61,17 +62,18 @@ def parse_rules(rules: Sequence[RuleSpec], member: str) -> list[Any]:
     return out
 
 
-def decide(states: Sequence[Any], rules: Sequence[RuleSpec], now_ms: int, member: str
+def decide(states: Sequence[Any], rules: Sequence[RuleSpec], now_ms: int, member: str, incarnation: str = ""
            ) -> tuple[MultiDecision, list[Any] | None]:
     """``states[i]`` is rule i's state (None = no key). New states None on deny; on allow each
-    entry is the rule's new state, or its old state when the rule wrote nothing (a replay)."""
+    entry is the rule's new state, or its old state when the rule wrote nothing (a replay).
+    ``incarnation``: the store node's current one (pool entries of another are not spendable)."""
     if len(states) != len(rules):
         raise InvalidArguments("one state per rule")
     parsed = parse_rules(rules, member)
     decisions: list[Decision] = []
     new_states: list[Any] = []
     for r, p, s in zip(rules, parsed, states, strict=True):
-        d, ns = KINDS[r.kind][1](s, p, now_ms, member)
+        d, ns = KINDS[r.kind][1](s, p, now_ms, member, incarnation)
         decisions.append(d)
         new_states.append(s if ns is None else ns)
     denying = [i for i, d in enumerate(decisions) if not d.allowed]

@@ -14,6 +14,19 @@ evaluated against it recently) a background tick:
 The engine asks :meth:`state` when a pool rule denied: ``exhausted`` is a normal 429 with a
 retry hint at the next window start, ``unreachable`` means the allocator could not be
 reached and no valid lease is left — only then may the pool's fallback allowance be spent.
+
+Every grant also tells where this process stands on the allocator's clock (``clock``, an
+:class:`~region_agent.leasing.window_clock.AllocatorClock`): fallback allowances are counted per
+pool window as the allocator numbers them.
+
+Lost knowledge is resolved conservatively (DESIGN invariant 6): a lease whose Redis record is
+gone at its close (a restart without persistence) or was restored from an older state (a
+restart from RDB/AOF, a failover: ``pool_close`` says it is not current) is reported to the
+allocator as fully spent — its tokens are stranded and counted
+(``leasehold_agent_lease_lost_tokens_total``), never returned to the pool to be granted again —
+and the scripts never spend a restored entry.
+
+Cold start: :meth:`warm_up` leases every balance the bundle names before the agent reports ready.
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from kernel.bundle import Pool
 from kernel.errors import Conflict, LeaseholdError, StaleEpoch
@@ -33,6 +46,7 @@ from kernel.wire import LeaseRequest, UsageReport
 
 from .book import HeldLease, PoolBook
 from .client import AllocatorClient
+from .window_clock import AllocatorClock
 
 log = logging.getLogger("leasehold.leases")
 
@@ -48,7 +62,9 @@ class BalanceStore(Protocol):
 
     async def deposit(self, key: str, lease_id: str, granted: int, valid_from_ms: int, expires_at_ms: int) -> bool: ...
 
-    async def close(self, key: str, lease_id: str) -> tuple[int, int] | None: ...
+    async def close(self, key: str, lease_id: str) -> Any:
+        """The closed entry (``granted``, ``spent``, ``current``: written in the node's current
+        incarnation), or None when absent."""
 
 
 class Recorder(Protocol):
@@ -81,10 +97,12 @@ class LeaseManager:
     report_patience_ms: float = 120_000.0
     recorder: Recorder | None = None
     metrics: object | None = None  # region_agent.metrics.AgentMetrics (lease_* members)
+    clock: AllocatorClock = field(default_factory=AllocatorClock)
     balances: dict[str, Balance] = field(default_factory=dict)
     pending_reports: deque = field(default_factory=deque)
     _task: asyncio.Task | None = None
     _stopping: bool = False
+    _warming: set = field(default_factory=set)
 
     # ----------------------------------------------------------------- engine-facing, sync
     def note(self, pool: Pool, key: str, tokens: int) -> None:
@@ -108,15 +126,6 @@ class LeaseManager:
         if bal.book.unreachable_since is not None and not bal.book.valid(now):
             return "unreachable"
         return "ok"
-
-    def window_end(self, key: str) -> float | None:
-        """Monotonic ms at which the window of the earliest-expiring valid lease ends (a bound
-        for anything bought from this balance, e.g. a gateway chunk), or None."""
-        bal = self.balances.get(key)
-        if bal is None:
-            return None
-        valid = bal.book.valid(self.now())
-        return min((lease.window_end for lease in valid), default=None)
 
     def pending(self, key: str) -> asyncio.Task | None:
         """The in-flight top-up for ``key``'s balance, if any (the engine may wait for it once)."""
@@ -159,6 +168,36 @@ class LeaseManager:
             return bal.book.exhausted_retry_ms(now)
         return int(self.client.last_rtt_ms) + 1
 
+    # ----------------------------------------------------------------- cold start
+    def warm_up(self, balances: list[tuple[Pool, str]]) -> None:
+        """Lease each (pool, balance key) that holds nothing yet, now, so the first requests find a
+        lease (cold start). :attr:`warming` is True until every one was answered (granted,
+        exhausted or failed: bounded by the allocator client's deadline)."""
+        now = self.now()
+        for pool, key in balances:
+            bal = self.balances.get(key)
+            if bal is None or bal.pool != pool:
+                bal = self.balances[key] = Balance(pool=pool, key=key, book=PoolBook(pool))
+            bal.last_used = now
+            task = asyncio.get_running_loop().create_task(self._warm(bal))
+            self._warming.add(task)
+            task.add_done_callback(self._warming.discard)
+
+    @property
+    def warming(self) -> bool:
+        return bool(self._warming)
+
+    async def _warm(self, bal: Balance) -> None:
+        try:
+            bal.last_spendable, _, _ = await self.store.observe(bal.key)
+        except LeaseholdError:
+            return  # Redis unreachable: readiness says so; the first requests wait for a top-up
+        if bal.last_spendable > 0:
+            return  # another agent of the region already holds a lease for it
+        if bal.inflight is None:
+            bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
+        await asyncio.shield(bal.inflight)
+
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
         if self._task is None:
@@ -166,6 +205,8 @@ class LeaseManager:
 
     async def stop(self) -> None:
         self._stopping = True
+        for task in list(self._warming):
+            task.cancel()
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -233,6 +274,8 @@ class LeaseManager:
             log.warning("lease request for pool %s failed: %s", bal.pool.id, e.detail)
             return
         received_at = self.now()
+        if not grant.replayed:  # a replay carries the original issuedAtMs
+            self.clock.observe(sent_at, received_at, grant.issued_at_ms)
         if m is not None:
             m.allocator_up.set(1)
             m.allocator_latency.labels("lease").observe((received_at - sent_at) / 1000.0)
@@ -268,10 +311,14 @@ class LeaseManager:
             stored = await self.store.deposit(bal.key, lease.lease_id, lease.granted, valid_from, expires_at)
         except LeaseholdError:
             # an ambiguous deposit may have landed; keep the lease in the book so it is closed and
-            # reported at its deadline (pool_close answers None if it never landed)
+            # reported at its deadline (conservatively fully spent if its record is not found)
             log.warning("deposit of lease %s into Redis failed", lease.lease_id)
             return
-        if stored and lease.valid_from <= self.now():
+        if not stored:  # refused ('full' / 'expired'): certainly nothing written, nothing spent
+            bal.book.forget(lease.lease_id)
+            self._queue_report(bal, lease.lease_id, 0)
+            return
+        if lease.valid_from <= self.now():
             # count it now: until the next tick reads Redis, a stale reading would make every
             # decision in between start another top-up for a balance that is already full
             bal.last_spendable += lease.granted
@@ -283,17 +330,30 @@ class LeaseManager:
         except LeaseholdError:
             return  # Redis unreachable: try again next tick
         bal.book.forget(lease.lease_id)
-        if res is None:
-            return
-        granted, spent = res
-        if self.metrics is not None and granted > spent:
-            self.metrics.lease_stranded.labels(bal.pool.id).inc(granted - spent)
+        granted = lease.granted
+        if res is not None and res.current:
+            spent = min(res.spent, granted)
+            if self.metrics is not None and granted > spent:
+                self.metrics.lease_stranded.labels(bal.pool.id).inc(granted - spent)
+        else:
+            # the record is gone (a restart without persistence, a lost deposit) or was restored from
+            # an older state (RDB/AOF, a failover): its spent count is unknown or may miss debits.
+            # Fully spent: the tokens are stranded, never returned to be granted again.
+            spent = granted
+            known = min(res.spent, granted) if res is not None else 0
+            log.warning("lease %s of pool %s: Redis record %s; reported fully spent (%d of %d tokens unaccounted)",
+                        lease.lease_id, bal.pool.id, "restored from an older state" if res is not None else "lost",
+                        granted - known, granted)
+            if self.metrics is not None:
+                self.metrics.lease_lost.labels(bal.pool.id).inc(granted - known)
         if self.recorder:
             self.recorder.closed(region=self.region, pool=bal.pool.id, lease_id=lease.lease_id,
                                  granted=granted, spent=spent)
+        self._queue_report(bal, lease.lease_id, spent)
+
+    def _queue_report(self, bal: Balance, lease_id: str, spent: int) -> None:
         if len(self.pending_reports) < self.max_pending_reports:
-            report = UsageReport(lease_id=lease.lease_id, region=self.region, pool=bal.pool.id,
-                                 spent=min(spent, granted))
+            report = UsageReport(lease_id=lease_id, region=self.region, pool=bal.pool.id, spent=spent)
             self.pending_reports.append((report, self.now()))
 
     async def _flush_reports(self) -> None:

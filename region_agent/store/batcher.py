@@ -9,6 +9,11 @@ next decisions while Redis runs the previous pipeline (in lockstep, one of the t
 waits: measured +25-30 % decisions/s in process with 3 x 32 over 1 x 64). The queue is
 bounded; a full queue refuses new work immediately (nothing sent) instead of queueing
 without bound (I10).
+
+A caller's wait has two phases: ``wait_s`` until its calls are answered, and — only when they
+were already sent when ``wait_s`` passed — as long as ``late_s(elapsed)`` keeps allowing (asked
+again after each slice it returns; 0: give up) for the pipeline's own answer. The batcher also reports how long its oldest pipeline has been in flight,
+which tells a store that stopped answering from an agent too busy to read the answer.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from kernel.errors import AmbiguousOutcome, DeadlineExceeded, StoreUnavailable
+from kernel.errors import AmbiguousOutcome, DeadlineExceeded, Overloaded
 
 ScriptCall = tuple[str, list, list]
 RunPipeline = Callable[[Sequence[ScriptCall]], Awaitable[list[Any]]]
@@ -45,20 +50,27 @@ class Batcher:
         self._on_batch = on_batch
         self._queue: deque[_Entry] = deque()
         self._queued_calls = 0
+        self._sent_at: dict[int, float] = {}  # in-flight pipeline -> loop time it was handed to the store
 
     @property
     def queued(self) -> int:
         return self._queued_calls
 
-    async def submit(self, calls: list[ScriptCall], *, wait_s: float | None = None) -> list[Any]:
+    def oldest_in_flight(self, now: float) -> float | None:
+        """Seconds the oldest pipeline still in flight has waited for its answer (None: none)."""
+        return now - min(self._sent_at.values()) if self._sent_at else None
+
+    async def submit(self, calls: list[ScriptCall], *, wait_s: float | None = None,
+                     late_s: Callable[[float], float] | None = None) -> list[Any]:
         """Replies (or exception instances) for ``calls``, in order.
 
-        Raises StoreUnavailable when the queue is full (nothing sent), DeadlineExceeded when
-        ``wait_s`` passes before the calls were sent, AmbiguousOutcome when it passes after."""
+        Raises Overloaded when the queue is full (nothing sent), DeadlineExceeded when ``wait_s``
+        passes before the calls were sent, AmbiguousOutcome when it passes after and the late
+        wait (``late_s(seconds already waited late)`` -> the next slice, 0 = stop) ends too."""
         if not calls:
             return []
         if self._queued_calls + len(calls) > self._max_queue:
-            raise StoreUnavailable("coalescing queue full", extra={"reason": "QUEUE_FULL"})
+            raise Overloaded("coalescing queue full", extra={"reason": "QUEUE_FULL"})
         entry = _Entry(list(calls), asyncio.get_running_loop().create_future())
         self._queue.append(entry)
         self._queued_calls += len(calls)
@@ -70,13 +82,24 @@ class Batcher:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         try:
-            # the drain task skips a future cancelled here (timeout): no shield needed
-            async with asyncio.timeout(wait_s):
-                return await entry.future
-        except TimeoutError:
-            if self._withdraw(entry):
-                raise DeadlineExceeded("decision deadline passed before the call was sent") from None
-            raise AmbiguousOutcome("decision deadline passed after the call was sent") from None
+            try:
+                # shielded: the future outlives this wait (a late answer may still be awaited)
+                async with asyncio.timeout(wait_s):
+                    return await asyncio.shield(entry.future)
+            except TimeoutError:
+                if self._withdraw(entry):
+                    raise DeadlineExceeded("decision deadline passed before the call was sent") from None
+            loop = asyncio.get_running_loop()
+            late_from = loop.time()
+            while True:
+                more = late_s(loop.time() - late_from) if late_s is not None else 0.0
+                if more <= 0:
+                    raise AmbiguousOutcome("decision deadline passed after the call was sent")
+                try:
+                    async with asyncio.timeout(more):
+                        return await asyncio.shield(entry.future)
+                except TimeoutError:
+                    continue
         except asyncio.CancelledError:
             self._withdraw(entry)  # the caller is gone: do not send what nobody waits for
             raise
@@ -106,13 +129,18 @@ class Batcher:
             if self._on_batch is not None:
                 self._on_batch(n)
             flat = [c for e in batch for c in e.calls]
+            token = id(batch)
+            self._sent_at[token] = asyncio.get_running_loop().time()
             try:
                 replies = await self._run(flat)
             except Exception as exc:  # the whole pipeline failed: every caller gets the error
                 for e in batch:
                     if not e.future.done():
                         e.future.set_exception(exc)
+                        e.future.exception()  # retrieved here: a caller that gave up awaits it no more
                 continue
+            finally:
+                self._sent_at.pop(token, None)
             i = 0
             for e in batch:
                 part = replies[i:i + len(e.calls)]

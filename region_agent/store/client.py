@@ -21,11 +21,14 @@ def plain_url(url: str) -> str:
     return scheme.removesuffix("+cluster") + "://" + rest
 
 
+CONNECT_TIMEOUT_S = 0.25
+
+
 def make_client(url: str, *, cluster: bool = False, max_connections: int = 32,
                 socket_timeout: float = 1.0) -> Redis | RedisCluster:
     # no driver-level retries: a timed-out script may have run, and a blind resend could debit twice;
     # the engine decides (degrade, or one retry when the call carries a decision record)
-    common = dict(socket_connect_timeout=0.25, socket_timeout=socket_timeout, decode_responses=False,
+    common = dict(socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=socket_timeout, decode_responses=False,
                   retry=Retry(NoBackoff(), 0))
     if cluster or is_cluster_url(url):
         return RedisCluster.from_url(plain_url(url), max_connections=max_connections, **common)

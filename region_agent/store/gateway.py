@@ -5,6 +5,7 @@ Everything Redis-specific the decision engine needs goes through this class."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -14,7 +15,9 @@ from redis.asyncio import RedisCluster
 
 from kernel.errors import (
     AmbiguousOutcome,
+    DeadlineExceeded,
     LeaseholdError,
+    Overloaded,
     ScriptRejected,
     StoreUnavailable,
 )
@@ -23,6 +26,7 @@ from ..plan import Call
 from . import scripts as sc
 from .batcher import Batcher, ScriptCall
 from .breaker import CircuitBreaker
+from .lag import LoopLag
 
 MULTI_RULE = "multi_rule"
 
@@ -33,8 +37,15 @@ def translate(exc: BaseException, *, sent: bool = True) -> LeaseholdError:
 
 
 class StoreGateway:
+    """``stall_s``: a pipeline in flight longer than this (the decision budget) while the event
+    loop runs on time means the store stopped answering; ``late_s``: how long a call already sent
+    may wait past its caller's budget for its own answer when the store is not stalled (the
+    socket timeout bounds it anyway). See :meth:`submit`."""
+
     def __init__(self, client: Any, scripts: sc.Scripts, *, max_batch: int = 32, max_queue: int = 10_000,
-                 max_inflight: int = 3, on_batch=None, breaker: CircuitBreaker | None = None, on_breaker=None):
+                 max_inflight: int = 3, on_batch=None, breaker: CircuitBreaker | None = None, on_breaker=None,
+                 stall_s: float = 0.05, late_s: float = 0.5, lag: LoopLag | None = None,
+                 connect_timeout_s: float = 0.25):
         self.client = client
         self.cluster = isinstance(client, RedisCluster)
         self.scripts = scripts
@@ -43,6 +54,72 @@ class StoreGateway:
                                max_inflight=max_inflight, on_batch=on_batch)
         self.breaker = breaker or CircuitBreaker()
         self.on_breaker = on_breaker
+        self.stall_s = stall_s
+        self.late_s = late_s
+        self.connect_timeout_s = connect_timeout_s
+        self.lag = lag or LoopLag()
+        self._lag_task: asyncio.Task | None = None
+        self._reading: dict[int, Any] = {}  # standalone pipelines awaiting replies: (connection, sent at)
+
+    def start(self) -> None:
+        """Start measuring the event loop's lag (call inside the running loop)."""
+        if self._lag_task is None:
+            self._lag_task = asyncio.get_running_loop().create_task(self.lag.run(), name="loop-lag")
+
+    def stalled(self) -> bool:
+        """The store stopped answering. Standalone Redis: a pipeline was *sent* (its bytes written)
+        more than ``stall_s`` ago and no answer bytes wait unread on any connection being read —
+        time spent before the send (getting a connection, a busy loop) is this agent's own.
+        Redis Cluster (pipelines not observable here): the oldest pipeline in flight is older than
+        ``stall_s`` and the event loop's recent lag explains less than half of its wait.
+        Otherwise a late answer is this agent's saturation (overload), not a store failure."""
+        now = time.monotonic()
+        if self.cluster:
+            age = self.batcher.oldest_in_flight(asyncio.get_running_loop().time())
+            return age is not None and age > self.stall_s and self.lag.lag_s(now) < age / 2
+        reading = list(self._reading.values())
+        if not reading:
+            return False
+        age = now - min(sent for _, sent in reading)
+        if age <= self.stall_s or self.lag.lag_s(now) >= age / 2:
+            return False
+        return not any(sc.answer_waiting(conn) for conn, _ in reading)
+
+    def _own_timeout(self, r: Any) -> Any:
+        """A driver timeout (connecting, or reading a reply) while this process's event loop lags
+        by a quarter of that timeout or more is this agent's saturation, not the store's failure:
+        ``Overloaded`` (shed; the script may have run, so nothing is admitted on it)."""
+        if not (isinstance(r, (StoreUnavailable, AmbiguousOutcome)) and r.extra.get("cause") == "timeout"):
+            return r
+        timeout = self.connect_timeout_s if isinstance(r, StoreUnavailable) else self.late_s
+        if self.lag.lag_s(time.monotonic()) >= timeout / 4:
+            return Overloaded("a store call timed out while this agent was saturated")
+        return r
+
+    async def warm(self, connections: int) -> None:
+        """Open ``connections`` pooled connections now, so a burst does not have to connect (a
+        connect under a saturated event loop can time out and look like a store failure)."""
+        if self.cluster:
+            return
+        pool = self.client.connection_pool
+        conns = []
+        try:
+            for _ in range(connections):
+                conn = await pool.get_connection()
+                conns.append(conn)
+                await conn.connect()
+        except Exception:  # the store is down: readiness and the decisions say so
+            pass
+        finally:
+            for conn in conns:
+                await pool.release(conn)
+
+    def _late_wait(self, waited_s: float) -> float:
+        """The next slice a sent call may wait past its caller's budget: none once the store looks
+        stalled or ``late_s`` is used up; re-checked every half ``stall_s``."""
+        if waited_s >= self.late_s or self.stalled():
+            return 0.0
+        return min(self.late_s - waited_s, max(0.005, self.stall_s / 2))
 
     async def load(self) -> None:
         try:
@@ -80,11 +157,14 @@ class StoreGateway:
             if self.cluster:
                 replies = await self._run_cluster_pipeline(calls)
             else:
-                replies = await self.scripts.run_pipeline(self.client, calls)
+                replies = await self.scripts.run_pipeline(self.client, calls, self._reading)
         except Exception as e:
-            self.breaker.failure(time.monotonic())
-            self._breaker_changed()
-            raise translate(e) from None
+            err = self._own_timeout(translate(e))
+            if not isinstance(err, Overloaded):
+                self.breaker.failure(time.monotonic())
+                self._breaker_changed()
+            raise err from None
+        replies = [self._own_timeout(r) for r in replies]
         if any(isinstance(r, (StoreUnavailable, AmbiguousOutcome)) for r in replies):
             self.breaker.failure(time.monotonic())
         else:
@@ -142,24 +222,41 @@ class StoreGateway:
 
     async def submit(self, calls: list[ScriptCall], *, wait_s: float | None) -> list[Any]:
         """Send ``calls`` through the coalescing batcher, guarded by the shard's breaker: while
-        it is open nothing is sent and the caller degrades at once (``StoreUnavailable``)."""
+        it is open nothing is sent and the caller degrades at once (``StoreUnavailable``).
+
+        The caller's budget ``wait_s`` passing is judged by what the store is doing (:meth:`stalled`):
+
+        * not sent yet — a stalled store: ``StoreUnavailable`` (the caller degrades, the breaker
+          counts it); otherwise this agent is overloaded: ``Overloaded`` (the caller sheds);
+        * sent — the call keeps waiting for its own answer while the store does not look stalled
+          (re-checked as it waits), at most ``late_s`` more: a late answer is a right answer, and
+          no local allowance is spent because the agent was busy; once the store looks stalled:
+          ``AmbiguousOutcome`` (degrade).
+
+        A full queue is overload too (``Overloaded``). Overload never counts against the store."""
         br = self.breaker
         if not br.allow(time.monotonic()):
             self._breaker_changed()
             raise StoreUnavailable("circuit breaker open")
         try:
-            return await self.batcher.submit(calls, wait_s=wait_s)
-        except (StoreUnavailable, AmbiguousOutcome) as e:
-            # sent and not answered within the budget (or the queue is full): counts against the
-            # store, so a hung Redis opens the breaker quickly; if the pipeline then comes back
-            # fine, its success closes the breaker again (see _run_pipeline)
+            return await self.batcher.submit(calls, wait_s=wait_s, late_s=self._late_wait)
+        except DeadlineExceeded:
+            br.release_probe()
+            if self.stalled():
+                br.failure(time.monotonic())
+                self._breaker_changed()
+                raise StoreUnavailable("the store is not answering (queued behind a stalled pipeline)") from None
+            raise Overloaded("the decision budget passed before its call could be sent") from None
+        except AmbiguousOutcome as e:
+            # sent and not answered while the store looks stalled (or even after the late wait):
+            # counts against the store, so a hung Redis opens the breaker quickly; if the pipeline
+            # then comes back fine, its success closes the breaker again (see _run_pipeline)
             br.failure(time.monotonic())
             self._breaker_changed()
             raise e from None
         except BaseException:
-            # DeadlineExceeded (the caller's budget ran out before anything was sent, e.g. a busy
-            # agent), another contract error, or the caller cancelled: nothing said about the store,
-            # so the breaker neither opens nor closes; a half-open probe slot is given back
+            # Overloaded (queue full), another contract error, or the caller cancelled: nothing said
+            # about the store, so the breaker neither opens nor closes; a half-open probe is given back
             br.release_probe()
             raise
 
@@ -181,6 +278,8 @@ class StoreGateway:
             raise translate(e) from None
 
     async def close(self) -> None:
+        if self._lag_task is not None:
+            self._lag_task.cancel()
         await self.batcher.close()
         try:
             await self.client.aclose()

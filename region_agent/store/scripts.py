@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import select
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -31,12 +33,12 @@ from kernel.errors import (
 
 from ..algorithms.pool import PoolEntry
 
-__all__ = ["PoolEntry", "Scripts", "RuleCall", "MultiRuleResult", "multi_rule_argv", "parse_multi_rule",
+__all__ = ["PoolClosed", "PoolEntry", "PoolTake", "Scripts", "parse_pool_take", "pool_take_call", "RuleCall", "MultiRuleResult", "multi_rule_argv", "parse_multi_rule",
            "translate_redis_error", "KeysNotColocated"]
 
 DEFAULT_LUA_DIR = Path(str(resources.files("region_agent").joinpath("lua")))  # ships in the wheel
 INCLUDE_RE = re.compile(r"^--\s*@include\s+(\S+)\s*$")
-KINDS = frozenset({"tb", "gcra", "fw", "sc", "sl", "cc", "pool"})
+KINDS = frozenset({"tb", "gcra", "fw", "sc", "sl", "cc", "pool", "pw"})
 MAX_RULES = 8
 # Server error prefixes meaning "the command was refused before it ran": nothing happened.
 _NOT_RUN_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY", "NOREPLICAS",
@@ -126,8 +128,8 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
         return KeysNotColocated("script keys are not in one hash slot")
     if isinstance(exc, (rex.TimeoutError, TimeoutError)):
         if sent:
-            return AmbiguousOutcome("no reply from the store before the timeout")
-        return StoreUnavailable("timed out connecting to the store")
+            return AmbiguousOutcome("no reply from the store before the timeout", extra={"cause": "timeout"})
+        return StoreUnavailable("timed out connecting to the store", extra={"cause": "timeout"})
     if isinstance(exc, (rex.ConnectionError, ConnectionError, OSError)):
         if sent:
             return AmbiguousOutcome("connection lost after the command was sent")
@@ -147,7 +149,7 @@ class RuleCall:
     """One rule's part of a multi_rule call."""
 
     key: str
-    kind: str  # "tb" | "gcra" | "fw" | "sc" | "sl" | "cc" | "pool"
+    kind: str  # "tb" | "gcra" | "fw" | "sc" | "sl" | "cc" | "pool" | "pw"
     params: tuple[int, int, int, int, int]
 
 
@@ -216,10 +218,43 @@ class PoolDepositResult:
 class PoolBalance:
     now_ms: int
     entries: dict[str, PoolEntry]
+    incarnation: str = ""  # the node's current one: entries of another are never spendable
 
     def spendable(self) -> int:
         return sum(e.granted - e.spent for e in self.entries.values()
-                   if e.valid_from_ms <= self.now_ms < e.expires_at_ms and e.granted > e.spent)
+                   if e.valid_at(self.now_ms, self.incarnation) and e.granted > e.spent)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolClosed:
+    """What ``pool_close`` removed: ``current`` False = the entry was restored from an older
+    incarnation of the node (its spent count may miss debits)."""
+
+    granted: int
+    spent: int
+    current: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PoolTake:
+    """Reply of ``pool_take.lua`` (a gateway chunk bought from a pool balance)."""
+
+    taken: int  # tokens debited (0 = fewer than ``min`` were spendable; nothing written)
+    remaining: int  # spendable after the take
+    valid_for_ms: int  # the chunk must not outlive the leases it came from (0 when nothing taken)
+    next_from_ms: int  # until the earliest not-yet-valid lease becomes valid (0 = none)
+
+
+def pool_take_call(key: str, *, min_tokens: int, want: int, slack_ms: int) -> tuple[str, list, list]:
+    return ("pool_take", [key], [min_tokens, want, slack_ms])
+
+
+def parse_pool_take(reply: Any) -> PoolTake:
+    if isinstance(reply, BaseException):
+        raise translate_redis_error(reply, sent=True)
+    if not isinstance(reply, list | tuple) or len(reply) != 4:
+        raise ScriptRejected("unexpected reply shape from pool_take")
+    return PoolTake(*(int(x) for x in reply))
 
 
 def pack_evalsha(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> bytes:
@@ -239,6 +274,27 @@ def pack_evalsha(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> bytes:
             return b"".join([b"*%d\r\n$7\r\nEVALSHA\r\n" % (len(args) + 1),
                              *[b"$%d\r\n%b\r\n" % (len(x), x) for x in args]])
     return "".join(parts).encode()
+
+
+def answer_waiting(conn: Any) -> bool:
+    """Has the store sent bytes this connection has not consumed yet — buffered by the stream
+    reader or the reply parser, or still in the kernel's receive buffer? True means the store
+    answered and only this process has not read it (it is busy), not that the store is silent."""
+    reader = getattr(conn, "_reader", None)
+    if reader is not None and len(getattr(reader, "_buffer", b"")):
+        return True
+    parser = getattr(getattr(conn, "_parser", None), "_reader", None)
+    if parser is not None and hasattr(parser, "has_data") and parser.has_data():
+        return True
+    writer = getattr(conn, "_writer", None)
+    sock = writer.get_extra_info("socket") if writer is not None else None
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock.fileno()], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return bool(readable)
 
 
 def _b(x: Any) -> bytes:
@@ -307,13 +363,16 @@ class Scripts:
         except Exception as e:
             raise _translate(e) from None
 
-    async def run_pipeline(self, client: Any, calls: Sequence[tuple[str, list, list]]) -> list[object]:
+    async def run_pipeline(self, client: Any, calls: Sequence[tuple[str, list, list]],
+                           reading: dict[int, Any] | None = None) -> list[object]:
         """One pipeline (transaction=False) of EVALSHA; per call the raw reply or the translated
-        exception instance. Calls answered NOSCRIPT (they did not run) are re-run once after loading."""
+        exception instance. Calls answered NOSCRIPT (they did not run) are re-run once after loading.
+        ``reading``: while a standalone pipeline waits for its replies, its connection and the
+        monotonic time it was sent are in there (see :func:`answer_waiting`)."""
         if not calls:
             return []
         try:
-            results = await self._pipeline(client, calls)
+            results = await self._pipeline(client, calls, reading)
         except Exception as e:
             err = _translate(e)
             return [err for _ in calls]
@@ -322,14 +381,15 @@ class Scripts:
             try:
                 for name in {calls[i][0] for i in missing}:
                     await self._load_one(client, name)
-                again = await self._pipeline(client, [calls[i] for i in missing])
+                again = await self._pipeline(client, [calls[i] for i in missing], reading)
             except Exception as e:
                 again = [e for _ in missing]
             for i, r in zip(missing, again, strict=True):
                 results[i] = r
         return [(_translate(r) if isinstance(r, BaseException) else r) for r in results]
 
-    async def _pipeline(self, client: Any, calls: Sequence[tuple[str, list, list]]) -> list[Any]:
+    async def _pipeline(self, client: Any, calls: Sequence[tuple[str, list, list]],
+                        reading: dict[int, Any] | None = None) -> list[Any]:
         """Raw pipeline results. On a cluster, a call whose keys span slots is answered here with
         :class:`KeysNotColocated` and left out (redis-py would refuse the whole pipeline)."""
         results: list[Any] = [None] * len(calls)
@@ -352,12 +412,13 @@ class Scripts:
                 pipe.execute_command("EVALSHA", self.sha(name), len(keys), *keys, *argv)
             replies = await pipe.execute(raise_on_error=False)
         else:
-            replies = await self._raw_pipeline(client, [calls[i] for i in send])
+            replies = await self._raw_pipeline(client, [calls[i] for i in send], reading)
         for i, r in zip(send, replies, strict=True):
             results[i] = r
         return results
 
-    async def _raw_pipeline(self, client: Any, calls: Sequence[tuple[str, list, list]]) -> list[Any]:
+    async def _raw_pipeline(self, client: Any, calls: Sequence[tuple[str, list, list]],
+                            reading: dict[int, Any] | None = None) -> list[Any]:
         """A standalone pipeline without redis-py's per-command packing and bookkeeping (a third of
         the agent's CPU per decision in profiles): the EVALSHA commands are packed here in RESP
         (:func:`pack_evalsha`), written once on a pooled connection and the replies read in
@@ -368,6 +429,8 @@ class Scripts:
         conn = await pool.get_connection()
         try:
             await conn.send_packed_command(payload)
+            if reading is not None:  # sent: from now on the store owes the answer
+                reading[id(conn)] = (conn, time.monotonic())
             replies: list[Any] = []
             for _ in calls:
                 try:
@@ -379,6 +442,8 @@ class Scripts:
             await conn.disconnect()
             raise
         finally:
+            if reading is not None:
+                reading.pop(id(conn), None)
             await pool.release(conn)
 
     # --- typed wrappers --------------------------------------------------------------------------
@@ -423,11 +488,16 @@ class Scripts:
                             [lease_id, granted, valid_from_ms, expires_at_ms, max_entries, slack_ms])
         return PoolDepositResult(bool(int(r[0])), _s(r[1]), int(r[2]))
 
-    async def pool_close(self, client: Any, key: str, lease_id: str) -> tuple[int, int] | None:
-        """(granted, spent) of the removed lease, or None if it was not there (already closed)."""
+    async def pool_close(self, client: Any, key: str, lease_id: str) -> PoolClosed | None:
+        """The removed lease, or None if it was not there (already closed, never deposited, or
+        lost with the node's data)."""
         r = await self.call(client, "pool_close", [key], [lease_id])
         granted, spent = int(r[0]), int(r[1])
-        return None if granted < 0 else (granted, spent)
+        return None if granted < 0 else PoolClosed(granted, spent, bool(int(r[2])))
+
+    async def pool_take(self, client: Any, key: str, *, min_tokens: int, want: int, slack_ms: int) -> PoolTake:
+        return parse_pool_take(await self.call(client, *pool_take_call(key, min_tokens=min_tokens, want=want,
+                                                                          slack_ms=slack_ms)))
 
     async def pool_balance(self, client: Any, key: str) -> PoolBalance:
         r = await self.call(client, "pool_balance", [key], [])
@@ -437,4 +507,4 @@ class Scripts:
             e = PoolEntry.decode(value)
             if e is not None:
                 entries[lease_id] = e
-        return PoolBalance(int(r[0]), entries)
+        return PoolBalance(int(r[0]), entries, _s(r[2]))

@@ -118,7 +118,9 @@ async def bucket_tokens(r, key: str) -> int:
 # --- the agent as a real uvicorn subprocess (true concurrency: the in-process test client
 # --- serialises requests through its blocking portal) --------------------------------------------
 @contextlib.contextmanager
-def agent_process(workdir: Path, redis_url: str, policy: Path, *extra: str) -> Iterator[tuple[str, Proc]]:
+def agent_process(workdir: Path, redis_url: str, policy: Path, *extra: str,
+                  ready_path: str = "/readyz") -> Iterator[tuple[str, Proc]]:
+    """``ready_path``: ``/healthz`` for an agent whose Redis is down on purpose (never ready)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
     env.update(PYTHONPATH=str(ROOT), LEASEHOLD_AGENT_PEPPER=PEPPER.decode())
@@ -133,7 +135,7 @@ def agent_process(workdir: Path, redis_url: str, policy: Path, *extra: str) -> I
         wait_port(port, proc=proc.popen, timeout=30)
         for _ in range(300):  # bounded wait for readiness (scripts loaded)
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                if httpx.get(base + ready_path, timeout=2).status_code == 200:
                     break
             time.sleep(0.05)
         else:

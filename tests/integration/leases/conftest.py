@@ -232,3 +232,85 @@ async def metric(url: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
             total += float(value)
     return total
+
+
+# ------------------------------------------------------------------------------ agents behind a fault proxy
+@dataclass
+class ProxiedRegion:
+    """etcd + allocator(s), one fault proxy (``chaos.proxy``, a real TCP proxy process) in front of
+    the first allocator, and region ``eu``: a redis-server and agent processes that reach the
+    allocator only through the proxy (so a test can add latency or blackhole that link)."""
+
+    allocators: Topology
+    proxy: object  # chaos.proxy.ProxyProcess
+    region: Topology
+
+    @property
+    def agents(self) -> list[str]:
+        return self.region.agent_urls["eu"]
+
+    @property
+    def allocator_url(self) -> str:
+        return self.allocators.allocator_urls[0]
+
+    def stop(self) -> None:
+        self.region.stop()
+        self.proxy.stop()  # type: ignore[attr-defined]
+        self.allocators.stop()
+
+
+def start_proxied_region(run_dir: Path, policy: Path, *, agents: int = 1, agent_args: tuple[str, ...] = (),
+                         fast: tuple[str, ...] = FAST_AGENT, latency_ms: float = 0.0) -> ProxiedRegion:
+    from chaos.proxy import ProxyProcess
+    from leasehold.procs import LOOPBACK
+
+    allocs = Topology(TopologySpec(run_dir=run_dir / "alloc", policy=policy, regions=(), allocators=1,
+                                   allocator_args=FAST_ALLOCATOR)).start(timeout=60)
+    proxy = None
+    try:
+        port = int(allocs.allocator_urls[0].rsplit(":", 1)[1])
+        proxy = ProxyProcess((LOOPBACK, port), run_dir / "proxy").start()
+        if latency_ms:
+            asyncio.run(proxy.control.latency(latency_ms / 2))  # each direction: a round trip adds latency_ms
+        region = Topology(TopologySpec(
+            run_dir=run_dir / "region", policy=policy, regions=("eu",), agents_per_region=agents,
+            with_allocator=False, agent_args=fast + ("--allocator-urls", f"http://{LOOPBACK}:{proxy.port}")
+            + agent_args)).start(timeout=60)
+    except BaseException:
+        if proxy is not None:
+            proxy.stop()
+        allocs.stop()
+        raise
+    return ProxiedRegion(allocs, proxy, region)
+
+
+async def request_lease(allocator_url: str, pool: str, want: int, region: str = "eu") -> dict:
+    """A lease straight from the allocator, as a region's lease client asks for one."""
+    body = {"leaseId": f"{region}-test-{uuid.uuid4().hex[:16]}", "region": region, "pool": pool, "want": want}
+    async with httpx.AsyncClient(timeout=10) as client:
+        resp = await client.post(allocator_url + "/v1/leases", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def start_agent(workdir: Path, policy: Path, redis_url: str, allocator_url: str | None, *extra: str,
+                fast: tuple[str, ...] = FAST_AGENT, env: dict[str, str] | None = None) -> tuple[Proc, str]:
+    """One region agent process of region ``eu``; returns (process, base URL) once it is ready."""
+    import sys
+
+    from leasehold.procs import LOOPBACK, free_port, wait_http_ready
+    from leasehold.topology import DEV_PEPPER, _env
+
+    port = free_port()
+    args = [sys.executable, "-m", "region_agent", "--redis-url", redis_url, "--policy", str(policy), "--region", "eu",
+            "--host", LOOPBACK, "--port", str(port), "--auth-disabled", "true", *fast, *extra]
+    if allocator_url:
+        args += ["--allocator-urls", allocator_url]
+    proc = Proc(f"agent-eu-{port}", args, workdir, env=_env(LEASEHOLD_AGENT_PEPPER=DEV_PEPPER, **(env or {}))).start()
+    url = f"http://{LOOPBACK}:{port}"
+    try:
+        wait_http_ready({url: proc}, timeout=60)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, url

@@ -5,12 +5,14 @@ simulating a sleep by moving stored timestamps back, and bracketing calls with t
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from region_agent.algorithms.concurrency import ConcurrencyState
 from region_agent.algorithms.fixed_window import FixedWindowState
 from region_agent.algorithms.gcra import GcraState
 from region_agent.algorithms.pool import PoolEntry, PoolState
+from region_agent.algorithms.pool_window import PoolWindowState
 from region_agent.algorithms.sliding_counter import SlidingCounterState
 from region_agent.algorithms.sliding_log import SlidingLogState
 from region_agent.algorithms.token_bucket import TokenBucketState
@@ -53,6 +55,11 @@ def read_state(r: Any, kind: str, key: str) -> Any:
         if not h:
             return None
         return PoolState({_s(k): PoolEntry.decode(_s(v)) for k, v in h.items()})
+    if kind == "pw":
+        h = {_s(k): int(_s(v)) for k, v in r.hgetall(key).items()}
+        if not h:
+            return None
+        return PoolWindowState({int(k): n for k, n in h.items() if k != "x"}, h.get("x", 0))
     raise ValueError(kind)
 
 
@@ -67,8 +74,10 @@ def norm(kind: str, state: Any, now: int | None = None) -> Any:
         if kind == "cc" and now is not None and all(s <= now for s in d.values()):
             return None
         return d or None
-    if kind == "pool":
-        return dict(state.entries) or None
+    if kind == "pool":  # the script's entries carry the node's incarnation, the model's ""
+        return {k: replace(e, incarnation="") for k, e in state.entries.items()} or None
+    if kind == "pw":  # counts only: the expiry is the store clock's
+        return dict(state.counts) or None
     return state
 
 
@@ -90,7 +99,7 @@ def shift_back(r: Any, kind: str, key: str, d: int) -> None:
     elif kind == "pool":
         for k, v in r.hgetall(key).items():
             e = PoolEntry.decode(_s(v))
-            r.hset(key, k, PoolEntry(e.granted, e.spent, e.valid_from_ms - d, e.expires_at_ms - d).encode())
+            r.hset(key, k, replace(e, valid_from_ms=e.valid_from_ms - d, expires_at_ms=e.expires_at_ms - d).encode())
     # fw / sc are aligned to absolute time: they only see real time
 
 
@@ -106,7 +115,7 @@ def shift_model(kind: str, state: Any, d: int) -> Any:
     if kind == "cc":
         return ConcurrencyState({m: s - d for m, s in state.leases.items()})
     if kind == "pool":
-        return PoolState({k: PoolEntry(e.granted, e.spent, e.valid_from_ms - d, e.expires_at_ms - d)
+        return PoolState({k: replace(e, valid_from_ms=e.valid_from_ms - d, expires_at_ms=e.expires_at_ms - d)
                           for k, e in state.entries.items()})
     return state
 

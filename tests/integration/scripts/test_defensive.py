@@ -178,8 +178,8 @@ async def test_denials_write_nothing(aclient, scripts):
 async def test_multi_rule_denial_writes_nothing_but_the_record(aclient, scripts):
     t = now_ms()
     pool = f"rl:v3:{T}:pool"
-    await aclient.hset(pool, "P1", f"2,0,{t - 1_000},{t + 60_000}")
-    await aclient.pexpire(pool, 120_000)
+    assert (await scripts.pool_deposit(aclient, pool, "P1", granted=2, valid_from_ms=t - 1_000,
+                                       expires_at_ms=t + 60_000, max_entries=4, slack_ms=1_000)).stored
     rules = [RuleCall(f"rl:v3:{T}:m:tb", "tb", (20_000, 2_000, 1_000, 1_000, 0)),
              RuleCall(f"rl:v3:{T}:m:sl", "sl", (5, 10_000, 1, 0, 0)),
              RuleCall(f"rl:v3:{T}:m:cc", "cc", (3, 10_000, 0, 0, 0)),
@@ -190,9 +190,21 @@ async def test_multi_rule_denial_writes_nothing_but_the_record(aclient, scripts)
     r = await scripts.multi_rule(aclient, keys, argv)
     assert r == MultiRuleResult(False, 4, 0, (20_000, 5, 0, 2))
     assert await aclient.exists(*keys[1:4]) == 0 and await aclient.dump(pool) == before
+    # a denial by a leased pool is not recorded: once the region's balance is topped up, the agent
+    # runs the same decision again and gets a fresh answer (issue 11 path 7)
+    assert await aclient.exists(dec) == 0
+    assert (await scripts.pool_deposit(aclient, pool, "P2", granted=7, valid_from_ms=t - 1_000,
+                                       expires_at_ms=t + 60_000, max_entries=4, slack_ms=1_000)).stored
+    again = await scripts.multi_rule(aclient, keys, argv)
+    assert again.allowed and again.remaining[3] == 6
     assert 0 < await aclient.pttl(dec) <= 30_000
-    await aclient.hset(pool, "P1", f"9,0,{t - 1_000},{t + 60_000}")
-    assert await scripts.multi_rule(aclient, keys, argv) == r  # a retry gets the stored answer
+    assert await scripts.multi_rule(aclient, keys, argv) == again  # a retry gets the stored answer
+    # any other denial is recorded and replayed
+    never = [RuleCall(f"rl:v3:{T}:m2:tb", "tb", (1_000, 1, 1_000, 2_000, 0))]
+    keys2, argv2 = multi_rule_argv(f"rl:v3:{T}:m2:dec", never, slack_ms=1_000, decision_ttl_ms=30_000, member="D8")
+    first = await scripts.multi_rule(aclient, keys2, argv2)
+    assert not first.allowed and 0 < await aclient.pttl(keys2[0]) <= 30_000
+    assert await scripts.multi_rule(aclient, keys2, argv2) == first
 
 
 async def test_every_written_key_has_an_expiry(aclient, scripts):

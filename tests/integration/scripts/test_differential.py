@@ -56,12 +56,13 @@ def step(call, model, read_states, prev_states, kinds, reply_of=lambda d: d.as_r
     now and the model's states after it."""
     reply, t0, t1 = bracketed(call)
     read = read_states()
+    t_read = now_ms()  # a key whose expiry passed before it was read back is gone (short TTLs, a busy machine)
     tried = []
     for n in range(t0, t1 + 1):
         d, new = model(n)
         states = prev_states if new is None else new
-        got = [norm(k, s, n) for k, s in zip(kinds, read, strict=True)]
-        want = [norm(k, s, n) for k, s in zip(kinds, states, strict=True)]
+        got = [norm(k, s, max(n, t_read)) for k, s in zip(kinds, read, strict=True)]
+        want = [norm(k, s, max(n, t_read)) for k, s in zip(kinds, states, strict=True)]
         if reply_of(d) == as_ints(reply) and want == got:
             return n, list(states)
         tried.append((reply_of(d), want))
@@ -186,7 +187,7 @@ def test_concurrency_matches_model(sclient, max_in_flight, ttl, ops):
 
 
 # --- mixed multi-rule sets ---------------------------------------------------------------------
-rule_kinds = st.lists(st.sampled_from(["tb", "gcra", "fw", "sc", "sl", "cc", "pool"]), min_size=1, max_size=5)
+rule_kinds = st.lists(st.sampled_from(["tb", "gcra", "fw", "sc", "sl", "cc", "pool", "pw"]), min_size=1, max_size=5)
 
 
 def make_rule(kind: str, cost: int) -> RuleSpec:
@@ -198,6 +199,7 @@ def make_rule(kind: str, cost: int) -> RuleSpec:
         "sl": RuleSpec("sl", (5, 3_000, cost, 0, 0)),
         "cc": RuleSpec("cc", (3, 2_000, 0, 0, 0)),
         "pool": RuleSpec("pool", (cost, 0, 0, 0, 0)),
+        "pw": RuleSpec("pw", (5, 1_000 + cost % 2, 1_001 + cost % 2, cost, 600_000)),
     }[kind]
 
 
@@ -255,3 +257,29 @@ def test_pool_model_deposit_matches_script(sclient):
         assert (res[1].decode() if isinstance(res[1], bytes) else res[1]) == status
         state = new if new is not None else state
         assert norm("pool", read_state(sclient, "pool", key)) == norm("pool", state)
+
+
+@SETTINGS
+@given(grants=st.lists(st.tuples(st.integers(0, 9), st.integers(-500, 500), st.integers(600, 5_000)),
+                       min_size=1, max_size=4),
+       takes=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 12)), min_size=1, max_size=6))
+def test_pool_take_matches_model(sclient, grants, takes):
+    key = f"rl:{tag()}:pool"
+    base = now_ms()
+    entries = {}
+    for g, (granted, from_off, life) in enumerate(grants):
+        evalsha(sclient, "pool_deposit", [key], [f"G{g}", granted, base + from_off, base + from_off + life, 8, SLACK])
+        entries[f"G{g}"] = PoolEntry(granted, 0, base + from_off, base + from_off + life)
+    state = PoolState(entries)
+    for lo, extra in takes:
+        want = lo + extra
+
+        def model(n, s=state, lo=lo, want=want):
+            reply, new = pool.take(s, lo, want, n)
+            return list(reply), None if new is None else [new]
+
+        def call(lo=lo, want=want):
+            return evalsha(sclient, "pool_take", [key], [lo, want, SLACK])
+
+        _, (state,) = step(call, model, lambda: [read_state(sclient, "pool", key)], [state], ["pool"],
+                           reply_of=lambda r: r)

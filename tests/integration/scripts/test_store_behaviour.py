@@ -12,7 +12,14 @@ from redis.backoff import NoBackoff
 
 from kernel.errors import AmbiguousOutcome, ScriptRejected, StoreUnavailable
 from leasehold.procs import free_port
-from region_agent.store.scripts import KeysNotColocated, MultiRuleResult, RuleCall, Scripts, multi_rule_argv
+from region_agent.store.scripts import (
+    KeysNotColocated,
+    MultiRuleResult,
+    PoolClosed,
+    RuleCall,
+    Scripts,
+    multi_rule_argv,
+)
 
 from .support import now_ms
 
@@ -115,9 +122,48 @@ async def test_pool_deposit_spend_close(aclient, scripts):
     assert abs(bal.now_ms - now_ms()) < 60_000
     r = await scripts.multi_rule(aclient, keys, argv)
     assert (r.allowed, r.denied_by, r.retry_after_ms, r.remaining) == (False, 1, 0, (3,))
-    assert await scripts.pool_close(aclient, key, "A") == (5, 2)
+    assert await scripts.pool_close(aclient, key, "A") == PoolClosed(5, 2, True)
     assert await scripts.pool_close(aclient, key, "A") is None
     assert 0 < await aclient.pttl(key)
+
+
+async def test_pool_take_buys_a_chunk_no_longer_than_its_leases(aclient, scripts):
+    """``pool_take.lua`` (gateway chunks, issue 11 path 3): at least min, at most want, earliest-
+    expiring leases first, and the chunk's validity ends with the first lease it took from."""
+    key = f"rl:{T}:take:pool"
+    t = now_ms()
+    dep = dict(valid_from_ms=t - 10, max_entries=4, slack_ms=1_000)
+    assert (await scripts.pool_deposit(aclient, key, "A", granted=5, expires_at_ms=t + 800, **dep)).stored
+    assert (await scripts.pool_deposit(aclient, key, "B", granted=10, expires_at_ms=t + 20_000, **dep)).stored
+    got = await scripts.pool_take(aclient, key, min_tokens=1, want=8, slack_ms=0)
+    assert (got.taken, got.remaining) == (8, 7) and 0 < got.valid_for_ms <= 800
+    got = await scripts.pool_take(aclient, key, min_tokens=8, want=20, slack_ms=0)
+    assert (got.taken, got.remaining, got.valid_for_ms) == (0, 7, 0)  # fewer than min: nothing written
+    got = await scripts.pool_take(aclient, key, min_tokens=2, want=20, slack_ms=0)
+    assert (got.taken, got.remaining) == (7, 0) and 800 < got.valid_for_ms <= 20_000
+    with pytest.raises(ScriptRejected):
+        await scripts.pool_take(aclient, key, min_tokens=3, want=2, slack_ms=0)
+
+
+async def test_pool_window_allowance_counts_every_candidate_window(aclient, scripts):
+    """The ``pw`` kind (a pool's fallback allowance per allocator window, issue 11 path 4): a call
+    is charged to every candidate window and denied when any of them is full."""
+    key = f"rl:{T}:pw"
+
+    async def call(lo: int, hi: int, cost: int = 1):
+        keys, argv = multi_rule_argv(f"rl:{T}:pw:d", [RuleCall(key, "pw", (3, lo, hi, cost, 10_000))],
+                                     slack_ms=0, decision_ttl_ms=0, member="m")
+        return await scripts.multi_rule(aclient, keys, argv)
+
+    assert [(await call(100, 100)).allowed for _ in range(2)] == [True, True]
+    r = await call(100, 101)  # uncertain: charged to windows 100 and 101
+    assert r.allowed and r.remaining == (0,)
+    assert not (await call(100, 100)).allowed
+    assert (await call(101, 101)).remaining == (1,)  # 101 had one charge; after this one, 1 left
+    assert not (await call(101, 101, cost=2)).allowed
+    assert 0 < await aclient.pttl(key) <= 10_000
+    assert (await call(106, 106)).allowed and set(await aclient.hkeys(key)) >= {b"106", b"x"}
+    assert b"100" not in set(await aclient.hkeys(key))  # windows long past are dropped
 
 
 async def test_lua_dir_default_and_include_expansion(scripts):
@@ -125,7 +171,7 @@ async def test_lua_dir_default_and_include_expansion(scripts):
     src = s.source("multi_rule")
     assert "@include" not in src.replace("-- >>>", "").split("\n", 30)[-1]
     assert src.count("local TB = {}") == 1 and src.count("local function lh_int") == 1
-    assert len({s.sha(n) for n in s.scripts}) == len(s.scripts) == 12
+    assert len({s.sha(n) for n in s.scripts}) == len(s.scripts) == 13
 
 
 async def _hammer(url: str, cluster: bool, n_clients: int, per_client: int, call) -> int:

@@ -1,8 +1,9 @@
 import asyncio
+import time
 
 import pytest
 
-from kernel.errors import AmbiguousOutcome, StoreUnavailable
+from kernel.errors import AmbiguousOutcome, Overloaded, StoreUnavailable
 from region_agent.store.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from region_agent.store.gateway import StoreGateway
 
@@ -59,28 +60,61 @@ class _SlowScripts:
         self.delay_s = delay_s
         self.pipelines = 0
 
-    async def run_pipeline(self, client, calls):
+    async def run_pipeline(self, client, calls, reading=None):
         self.pipelines += 1
-        await asyncio.sleep(self.delay_s)
+        conn = object()  # a connection with no answer bytes waiting (scripts.answer_waiting: False)
+        if reading is not None:
+            reading[id(conn)] = (conn, time.monotonic())
+        try:
+            await asyncio.sleep(self.delay_s)
+        finally:
+            if reading is not None:
+                reading.pop(id(conn), None)
         return [[1, 0, 0, 1000] for _ in calls]
 
 
-async def test_late_callers_open_the_breaker_but_the_pipelines_success_closes_it():
-    """A caller whose deadline passed after its call was sent counts against the store (a hung
-    Redis must open the breaker quickly); but when that pipeline then comes back fine, the store
-    is healthy and the breaker closes again: a CPU-saturated agent must not stay in fallback."""
+async def test_late_answers_of_a_busy_agent_are_used_and_never_open_the_breaker():
+    """Overload (issue 11 path 9): the callers' budgets pass after their calls were sent, but the
+    store answers (its pipeline is in flight for less than the stall threshold): they get the
+    store's own late answers, and the breaker stays closed — nothing was wrong with the store."""
     scripts = _SlowScripts(0.05)
-    gw = StoreGateway(object(), scripts, breaker=CircuitBreaker(failure_threshold=3, open_s=10.0))
+    gw = StoreGateway(object(), scripts, breaker=CircuitBreaker(failure_threshold=3, open_s=10.0), stall_s=0.2)
+    call = ("multi_rule", ["k"], [1])
+    got = await asyncio.gather(*(gw.submit([call], wait_s=0.005) for _ in range(3)))
+    assert got == [[[1, 0, 0, 1000]]] * 3
+    assert gw.breaker.state == CLOSED and scripts.pipelines == 1
+
+
+async def test_a_stalled_store_opens_the_breaker_and_its_late_success_closes_it():
+    """A store that stopped answering (a pipeline in flight longer than the stall threshold while the
+    event loop runs on time): late callers count against it and degrade, so a hung Redis opens the
+    breaker quickly; when that pipeline then comes back fine, the breaker closes again."""
+    scripts = _SlowScripts(0.3)
+    gw = StoreGateway(object(), scripts, breaker=CircuitBreaker(failure_threshold=3, open_s=10.0), stall_s=0.02)
     call = ("multi_rule", ["k"], [1])
     got = await asyncio.gather(*(gw.submit([call], wait_s=0.005) for _ in range(3)), return_exceptions=True)
-    assert all(isinstance(g, AmbiguousOutcome) for g in got)
+    assert all(isinstance(g, AmbiguousOutcome) for g in got), got
     assert gw.breaker.state == OPEN
     with pytest.raises(StoreUnavailable):  # open: refused without sending
         await gw.submit([call], wait_s=0.2)
-    await asyncio.sleep(0.1)  # the pipeline comes back without store errors
+    await asyncio.sleep(0.35)  # the pipeline comes back without store errors
     assert gw.breaker.state == CLOSED
     assert await gw.submit([call], wait_s=0.5) == [[1, 0, 0, 1000]]
     assert scripts.pipelines == 2
+
+
+async def test_a_call_queued_past_its_budget_behind_a_healthy_pipeline_is_overload():
+    """Not sent within the budget while the one pipeline in flight is younger than the stall
+    threshold: this agent is overloaded (``Overloaded``, shed), the store is not failing."""
+    scripts = _SlowScripts(0.1)
+    gw = StoreGateway(object(), scripts, max_inflight=1, breaker=CircuitBreaker(failure_threshold=1), stall_s=1.0)
+    call = ("multi_rule", ["k"], [1])
+    first = asyncio.create_task(gw.submit([call], wait_s=1.0))
+    await asyncio.sleep(0.01)
+    with pytest.raises(Overloaded):
+        await gw.submit([call], wait_s=0.01)
+    assert await first == [[1, 0, 0, 1000]]
+    assert gw.breaker.state == CLOSED
 
 
 async def test_a_cancelled_probe_gives_its_half_open_slot_back():

@@ -127,8 +127,29 @@ def test_pool_deposit_and_close():
     assert pool.deposit(st2, "L3", 1, T0, T0 + 1_000, 2, T0) == ("full", None)
     assert pool.deposit(st2, "L3", 1, T0, T0, 9, T0) == ("expired", None)
     got, st3 = pool.close(st2, "L1")
-    assert got == (10, 0) and "L1" not in st3.entries
+    assert got == (10, 0, True) and "L1" not in st3.entries
     assert pool.close(st3, "L1") == (None, None)
+    # an entry of another incarnation (restored from an older state) closes as not current
+    assert pool.close(st2, "L1", incarnation="ab12")[0] == (10, 0, False)
+
+
+def test_pool_entries_of_another_incarnation_are_never_spendable():
+    st = pool.PoolState({"old": PoolEntry(50, 10, T0 - 10, T0 + 1_000, "aa"),
+                         "new": PoolEntry(5, 0, T0 - 10, T0 + 1_000, "bb")})
+    assert pool.spendable(st, T0, "bb") == 5
+    d, _ = pool.decide(st, PoolParams(6), T0, "bb")
+    assert not d.allowed and d.remaining == 5
+    d, new = pool.decide(st, PoolParams(5), T0, "bb")
+    assert d.allowed and new.entries["old"].spent == 10  # the restored entry is untouched
+
+
+def test_pool_take_buys_at_least_min_and_is_clamped_to_its_leases():
+    st = pool.PoolState({"a": PoolEntry(5, 0, T0 - 10, T0 + 300), "b": PoolEntry(10, 0, T0 - 10, T0 + 2_000)})
+    (taken, left, valid_for, _), new = pool.take(st, 1, 8, T0)
+    assert (taken, left, valid_for) == (8, 7, 300)  # the earliest-expiring lease first: valid 300 ms
+    (taken, left, _, _), _ = pool.take(new, 7, 20, T0)
+    assert (taken, left) == (7, 0)  # partial: all that is left, since it is at least min
+    assert pool.take(new, 8, 20, T0)[0][0] == 0  # fewer than min: nothing taken
 
 
 def test_sliding_log_cost_is_bounded():

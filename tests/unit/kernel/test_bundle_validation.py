@@ -128,3 +128,27 @@ def test_invalid_bundle_at_start_raises_with_every_problem(tmp_path: Path):
     with pytest.raises(PolicyError) as e:
         PolicyHolder.load(str(path))
     assert len(e.value.errors) >= 2
+
+
+def test_a_pool_is_spent_from_one_balance_per_region():
+    """Issue 11 path 6: two pool rules a request selects together on the same pool (the same key
+    twice in one script) do not validate; neither does a pool spent by rules of several tenants, of
+    any tenant, or of both kinds (one fallback allowance per pool and region in the bound)."""
+    pool = Pool(id="p", window_ms=60_000, limit=100, fallback_per_region=10)
+
+    def pr(id: str, **kw) -> Rule:
+        return Rule(id=id, algorithm="pool", pool="p", fail_mode="local_bounded", **kw)
+
+    dup = problems(sealed([pr("a", scope="tenant", tenant="atlas"),
+                           pr("b", scope="tenant", tenant="atlas", route_group="read")], pools=[pool]))
+    assert any("spends pool 'p' through more than one rule" in p for p in dup), dup
+    for rules in ([pr("a", scope="tenant", tenant="atlas"), pr("b", scope="tenant", tenant="birch")],
+                  [pr("a", scope="tenant")],
+                  [pr("a", scope="global", route_group="read"), pr("b", scope="tenant", tenant="atlas")]):
+        got = problems(sealed(rules, pools=[pool]))
+        assert any("spent from more than one balance" in p for p in got), got
+    # fine: one tenant's rules on different routes, or global rules on different routes
+    decode_bundle(sealed([pr("a", scope="tenant", tenant="atlas", route_group="read"),
+                          pr("b", scope="tenant", tenant="atlas", route_group="export")], pools=[pool]))
+    decode_bundle(sealed([pr("a", scope="global", route_group="read"),
+                          pr("b", scope="global", route_group="export")], pools=[pool]))

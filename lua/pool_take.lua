@@ -1,0 +1,36 @@
+-- pool_take.lua: buy a gateway chunk (seed ch. 12 leasedAdmit) from a pool balance: at least
+-- min and at most want tokens, from the earliest-expiring valid leases first (lib/pool.lua).
+-- KEYS[1]  pool hash: field = lease id, value = "granted,spent,validFromMs,expiresAtMs,incarnation"
+-- ARGV[1]  min (tokens, >= 1)      ARGV[2] want (tokens, >= min)      ARGV[3] ttl_slack_ms (>= 0)
+-- Reply    {taken, remaining, valid_for_ms, next_from_ms}
+--          taken: tokens debited, min(want, spendable); 0 when fewer than min are spendable
+--            (nothing written);
+--          remaining: spendable after the take;
+--          valid_for_ms: min over the debited leases of expiresAt - now (0 when nothing taken): the
+--            chunk must not outlive a lease it was bought from, and every lease ends no later than
+--            its window, so a chunk never carries tokens of window k into k+1 — whichever agent of
+--            the region deposited the lease;
+--          next_from_ms: ms until the earliest not-yet-valid lease becomes valid (0: none).
+-- Rules    validation error reply first; Redis TIME only; only leases of the node's current
+--          incarnation are spendable; the debit sets PEXPIRE (max expiresAt - now + slack).
+-- @include lib/validate.lua
+-- @include lib/clock.lua
+-- @include lib/pool.lua
+local min, want, slack = lh_int(ARGV[1], 1), lh_int(ARGV[2], 1), lh_int(ARGV[3], 0)
+if #ARGV ~= 3 or not (min and want and slack) or want < min then
+  return lh_invalid()
+end
+local now = lh_now()
+local plan = POOL.check(KEYS[1], { cost = want }, now)
+if not plan.ok and plan.remaining >= min then
+  plan = POOL.check(KEYS[1], { cost = plan.remaining }, now)
+end
+if not plan.ok then
+  return { 0, plan.remaining, 0, plan.retry }
+end
+POOL.commit(KEYS[1], nil, plan, now, slack)
+local until_ms = nil
+for _, e in ipairs(plan.debits) do
+  if until_ms == nil or e.exp < until_ms then until_ms = e.exp end
+end
+return { plan.current - plan.remaining, plan.remaining, until_ms - now, 0 }

@@ -1,0 +1,260 @@
+"""Fleet-wide (global-scope) pools: per-agent chunk leases bought from the region's
+``{g:<pool>}`` balance (seed ch. 12 ``leasedAdmit``), and their degraded answers.
+
+One :class:`FleetPools` per agent. :meth:`take` answers one request's spend of one pool:
+
+* the held chunk pays it (no store call);
+* the chunk is spent: one renewal per pool at a time buys the next chunk (``pool_take.lua``:
+  valid no longer than the leases it came from, so never past their window — whichever agent
+  deposited them). A request waits for the renewal within its own budget; if the renewal
+  (e.g. waiting for the allocator's top-up of the regional balance) outlasts it, the request is
+  denied locally with a short hint (``DENY_LOCAL``) — never admitted from a fallback allowance;
+* the chunk still holds tokens but fewer than this request costs: the request buys exactly its
+  cost for itself, leaving the chunk to the requests it can pay, and if it cannot, it alone (and
+  requests at least as expensive, briefly) is denied;
+* the regional balance is empty and the allocator is *unreachable*: a chunk of one request's cost
+  from the region's fallback allowance (``fallbackPerRegion`` per allocator window, in Redis,
+  ``lua/lib/pool_window.lua``); exhausted (the allocator said so): a 429 until the next window;
+* Redis itself cannot be reached: this agent's in-process allowance, ``fallbackPerRegion`` per
+  allocator window (:class:`region_agent.pool_allowance.PoolWindowAllowance`), or 503 for a
+  closed rule; the agent overloaded: shed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kernel.bundle import Pool
+from kernel.errors import LeaseholdError, Overloaded, ScriptRejected
+
+from .algorithms.pool_window import MAX_SPAN
+from .chunks import NO_CHUNK, ChunkLease
+from .keys import KeyBuilder
+from .leasing.window_clock import Windows
+from .plan import Call, GlobalSpend
+from .pool_allowance import PoolWindowAllowance
+from .store.scripts import PoolTake, parse_pool_take, pool_take_call
+
+Status = Literal["ok", "denied", "unavailable", "open", "shed"]
+RENEWALS_PER_REQUEST = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Take:
+    status: Status
+    retry_ms: int = 0
+    generation: int = NO_CHUNK  # the chunk the tokens came from (for a give-back); NO_CHUNK otherwise
+    fallback: bool = False  # admitted from (or denied by) a fallback allowance
+
+
+class FleetPools:
+    def __init__(self, *, store: Any, metrics: Any, leases: Any | None, now_ms: Callable[[], float],
+                 windows: Callable[[Pool], Windows], allowance: PoolWindowAllowance, budget_s: float):
+        self.store = store
+        self.metrics = metrics
+        self.leases = leases  # region_agent.leasing.manager.LeaseManager, or None
+        self.now_ms = now_ms
+        self.windows = windows
+        self.allowance = allowance
+        self.budget_s = budget_s
+        self.chunks: dict[str, ChunkLease] = {}
+        self._renewing: dict[str, asyncio.Future] = {}
+
+    # ------------------------------------------------------------------ requests
+    async def take(self, spend: GlobalSpend, deadline_s: float, clock_s: Callable[[], float]) -> Take:
+        pool = spend.pool
+        lease = self.chunks.setdefault(pool.id, ChunkLease())
+        gkey = KeyBuilder.global_pool_key(pool.id)
+        if self.leases is not None:  # demand is what requests ask for, not what chunks buy
+            self.leases.note(pool, gkey, spend.cost)
+        for _ in range(RENEWALS_PER_REQUEST):
+            now = self.now_ms()
+            gen = lease.try_take(spend.cost, now)
+            if gen is not None:
+                return Take("ok", generation=gen, fallback=lease.fallback)
+            if lease.negative(now, spend.cost):
+                return Take("denied", max(1, int(lease.deny_until_ms - now)), fallback=lease.fallback)
+            if lease.usable(now) > 0:  # the chunk still pays cheaper requests: buy this one's cost alone
+                return await self._take_alone(spend, lease, deadline_s, clock_s)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._renewal(spend, lease)), max(0.0, deadline_s - clock_s()))
+            except TimeoutError:
+                break  # the renewal outlasts this request's budget
+            except LeaseholdError as e:
+                return self._store_failed(spend, e)
+        return self._busy(pool, gkey)
+
+    def give_back(self, spend: GlobalSpend, generation: int) -> None:
+        lease = self.chunks.get(spend.pool.id)
+        if lease is not None and generation != NO_CHUNK:
+            lease.give_back(spend.cost, generation, self.now_ms())
+
+    def remaining(self, pool_id: str) -> int:
+        lease = self.chunks.get(pool_id)
+        return lease.remaining if lease else 0
+
+    # ------------------------------------------------------------------ answers without a chunk
+    def _busy(self, pool: Pool, gkey: str) -> Take:
+        """A renewal is in flight and this request's budget is over: deny locally (seed ch. 12
+        ``DENY_LOCAL``) with the time a top-up takes as the hint. Not a fallback: the allocator
+        and Redis are answering, only slower than this request could wait."""
+        hint = self.leases.retry_hint_ms(gkey) if self.leases is not None else 1
+        self.metrics.pool_busy.labels(pool.id).inc()
+        return Take("denied", max(1, hint))
+
+    def _store_failed(self, spend: GlobalSpend, e: LeaseholdError) -> Take:
+        if isinstance(e, Overloaded):
+            return Take("shed")
+        if isinstance(e, ScriptRejected):  # a policy defect: never an admission
+            self.metrics.degradations.labels("POOL_POLICY_ERROR", "closed").inc()
+            return Take("unavailable", spend.rule.closed_retry_after_ms)
+        return self.local_allowance(spend)
+
+    def local_allowance(self, spend: GlobalSpend) -> Take:
+        """Redis (the regional balance) cannot be reached: a local_bounded rule spends this agent's
+        in-process allowance of fallbackPerRegion per allocator window — the Redis-loss term of
+        the overshoot bound (seed ch. 18 step 13: the read path answers from local allowances)."""
+        rule, pool = spend.rule, spend.pool
+        mode = rule.fail_mode or "closed"
+        if mode == "local_bounded" and pool.fallback_per_region > 0:
+            self.metrics.degradations.labels("POOL_RENEWAL_FAILED", "local_bounded").inc()
+            res = self.allowance.admit(pool.id, self.windows(pool), spend.cost, pool.fallback_per_region)
+            return Take("ok", fallback=True) if res.allowed else Take("denied", max(1, res.retry_after_ms),
+                                                                      fallback=True)
+        self.metrics.degradations.labels("POOL_RENEWAL_FAILED", mode).inc()
+        if mode == "open":
+            return Take("open")
+        return Take("unavailable", rule.closed_retry_after_ms)
+
+    # ------------------------------------------------------------------ buying tokens
+    async def _pool_take(self, gkey: str, min_tokens: int, want: int) -> PoolTake:
+        (reply,) = await self.store.submit([pool_take_call(gkey, min_tokens=min_tokens, want=want, slack_ms=0)],
+                                           wait_s=self.budget_s)
+        return parse_pool_take(reply)
+
+    async def _take_alone(self, spend: GlobalSpend, lease: ChunkLease, deadline_s: float,
+                          clock_s: Callable[[], float]) -> Take:
+        """A request the held chunk cannot pay buys exactly its cost from the regional balance,
+        waiting (within its budget) for one top-up; failing that, it is denied alone."""
+        pool, cost = spend.pool, spend.cost
+        gkey = KeyBuilder.global_pool_key(pool.id)
+        try:
+            for attempt in range(2):
+                got = await self._pool_take(gkey, cost, cost)
+                if got.taken:
+                    self.metrics.pool_renewals.labels(pool.id, "alone").inc()
+                    return Take("ok")
+                pending = self.leases.observed(gkey, got.remaining) if self.leases is not None else None
+                left = deadline_s - clock_s()
+                if attempt or pending is None or left <= 0 or not await _topped_up(pending, left):
+                    break
+        except LeaseholdError as e:
+            return self._store_failed(spend, e)
+        hint = self.leases.retry_hint_ms(gkey) if self.leases is not None else pool.chunk_validity_ms
+        wait = lease.deny(self.now_ms(), max(1, hint), pool.chunk_validity_ms, min_cost=cost)
+        self.metrics.pool_renewals.labels(pool.id, "alone_denied").inc()
+        return Take("denied", wait)
+
+    def _renewal(self, spend: GlobalSpend, lease: ChunkLease) -> asyncio.Future:
+        """The pool's single in-flight renewal (started by the first request that needs one)."""
+        pid = spend.pool.id
+        fut = self._renewing.get(pid)
+        if fut is None:
+            fut = asyncio.ensure_future(self._renew(spend, lease))
+            self._renewing[pid] = fut
+            fut.add_done_callback(lambda f, pid=pid: self._settle(pid, f))
+        else:
+            self.metrics.pool_waits.labels(pid).inc()
+        return fut
+
+    def _settle(self, pid: str, fut: asyncio.Future) -> None:
+        self._renewing.pop(pid, None)
+        if not fut.cancelled():
+            fut.exception()  # retrieved: a renewal nobody waits for any more may fail quietly
+
+    async def _renew(self, spend: GlobalSpend, lease: ChunkLease) -> str:
+        """Buy the next chunk: up to max(cost, chunkMax) tokens, at least 1. An empty balance waits
+        (once) for the top-up in flight — as long as it takes; requests wait within their own
+        budgets. Store errors propagate to the waiting requests."""
+        pool = spend.pool
+        gkey = KeyBuilder.global_pool_key(pool.id)
+        want = max(spend.cost, pool.chunk_max)
+        outcome = "error"
+        try:
+            for attempt in range(2):
+                sent_at = self.now_ms()  # validity is timed from the moment the request was sent (I5)
+                got = await self._pool_take(gkey, 1, want)
+                if got.taken:
+                    validity = min(pool.chunk_validity_ms, got.valid_for_ms)
+                    lease.grant(got.taken, sent_at, validity)
+                    outcome = "granted" if got.taken == want else "partial"  # partial: all the balance had
+                    return outcome
+                pending = self.leases.observed(gkey, got.remaining) if self.leases is not None else None
+                # the regional balance is being topped up right now: wait for it (the top-up is bounded
+                # by the allocator client's deadline)
+                if attempt or pending is None or not await _topped_up(pending, None):
+                    break
+            state = self.leases.state(gkey) if self.leases is not None else "idle"
+            if state == "unreachable" and pool.fallback_per_region > 0 and spend.rule.fail_mode != "closed":
+                outcome = await self._renew_from_fallback(spend, lease, gkey)
+                return outcome
+            hint = self.leases.retry_hint_ms(gkey) if self.leases is not None else 0
+            lease.deny(self.now_ms(), max(int(got.next_from_ms), hint), pool.chunk_validity_ms)
+            outcome = "denied"
+            return outcome
+        finally:
+            self.metrics.pool_renewals.labels(pool.id, outcome).inc()
+
+    async def _renew_from_fallback(self, spend: GlobalSpend, lease: ChunkLease, gkey: str) -> str:
+        """Allocator unreachable and the regional balance empty: a chunk of one request's cost
+        from the region's fallback allowance, charged to every allocator window the decision may
+        fall in, and valid only while the allocator's clock is surely still in the last of them."""
+        pool = spend.pool
+        self.metrics.degradations.labels("ALLOCATOR_UNREACHABLE", "pool_fallback").inc()
+        sent_at = self.now_ms()
+        w = self.windows(pool)
+        if w.span > MAX_SPAN:  # the allocator's clock is too uncertain to count per window
+            lease.deny(self.now_ms(), w.end_in_ms, pool.chunk_validity_ms)
+            lease.fallback = True
+            return "fallback_denied"
+        call = self.store.multi_call(
+            [allowance_call(KeyBuilder.pool_fallback_key(gkey), pool, w, spend.cost)],
+            decision_key=KeyBuilder.global_pool_decision_key(pool.id), slack_ms=0, decision_ttl_ms=0,
+            member=f"renew-fb-{pool.id}")
+        (reply,) = await self.store.submit([call], wait_s=self.budget_s)
+        res = self.store.parse(reply)
+        validity = min(pool.chunk_validity_ms, w.safe_ms)
+        if res.allowed and validity > 0:
+            lease.grant(spend.cost, sent_at, validity, fallback=True)
+            return "fallback"
+        lease.deny(self.now_ms(), w.end_in_ms, pool.chunk_validity_ms)
+        lease.fallback = True
+        return "fallback_denied"
+
+
+async def _topped_up(pending: asyncio.Future, within_s: float | None) -> bool:
+    """Wait for the lease manager's top-up in flight: True once it ended (granted or not — the
+    caller looks at the balance again), False if it did not end in time or was cancelled (the
+    manager is stopping)."""
+    try:
+        await asyncio.wait_for(asyncio.shield(pending), within_s)
+    except TimeoutError:
+        return False
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if pending.cancelled() and not (task is not None and task.cancelling()):
+            return False
+        raise
+    except Exception:
+        return True
+    return True
+
+
+def allowance_call(key: str, pool: Pool, w: Windows, cost: int) -> Call:
+    """The multi-rule call that charges ``cost`` tokens to the region's fallback allowance of
+    ``pool`` in every candidate allocator window ``w`` (kind ``pw``)."""
+    ttl = w.end_in_ms + pool.window_ms  # the counts outlive every window they were charged to
+    return Call(key, "pw", (pool.fallback_per_region, w.lo, w.hi, cost, ttl))

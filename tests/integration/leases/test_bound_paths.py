@@ -1,0 +1,237 @@
+"""Lease paths of the overshoot bound with a healthy Redis and a reachable (but not instant)
+allocator (issue 11, paths 2, 3, 7, 10, 11). Real processes: etcd, an allocator, a fault proxy
+between the region and the allocator (latency on demand), a redis-server and two agents in
+region ``eu`` sharing it.
+
+* fallback is for an unreachable allocator only: a slow top-up never admits from the fallback
+  allowance (path 2), an expensive request never denies the cheap ones the held chunk can pay
+  (path 10), and an idempotent rule's top-up wait is not undone by its decision record (path 7);
+* a gateway chunk bought from a lease another agent deposited is clamped to that lease's end,
+  which is clamped to the window's end: tokens of window k are never spent in k+1 (path 3);
+* a region's first requests for a pool are served once its first lease arrives, not denied
+  (path 11, cold start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from kernel.bundle import Pool, Rule
+from region_agent.keys import KeyBuilder
+from region_agent.store.scripts import Scripts
+
+from .conftest import (
+    admit_body,
+    request_lease,
+    start_agent,
+    start_proxied_region,
+    wait_for_window_start,
+    wall_ms,
+    write_bundle,
+)
+
+G2 = Pool(id="g2", window_ms=1_000, limit=100_000, lease_ttl_ms=1_000, chunk_min=20, chunk_max=20,
+          fallback_per_region=1_000, prefetch_ms=200, active_horizon_ms=2_000)
+G3 = Pool(id="g3", window_ms=2_000, limit=100, lease_ttl_ms=2_000, chunk_min=50, chunk_max=50,
+          fallback_per_region=0, prefetch_ms=200, active_horizon_ms=2_000, chunk_validity_ms=1_500)
+G10 = Pool(id="g10", window_ms=1_000, limit=40_000, lease_ttl_ms=1_000, chunk_min=100, chunk_max=2_000,
+           fallback_per_region=4_000, prefetch_ms=200, active_horizon_ms=5_000, chunk_validity_ms=1_000)
+T7 = Pool(id="t7", window_ms=60_000, limit=100_000, lease_ttl_ms=15_000, chunk_min=5, chunk_max=5,
+          fallback_per_region=0, prefetch_ms=2_000)
+T11 = Pool(id="t11", window_ms=60_000, limit=1_000, lease_ttl_ms=15_000, chunk_min=10, chunk_max=50,
+           fallback_per_region=0, prefetch_ms=2_000)
+G11 = Pool(id="g11", window_ms=1_000, limit=10_000, lease_ttl_ms=1_000, chunk_min=100, chunk_max=500,
+           fallback_per_region=0, prefetch_ms=200)
+
+
+def _global(pool: Pool, fail_mode: str = "local_bounded") -> Rule:
+    return Rule(id=f"global-{pool.id}", scope="global", route_group=pool.id, algorithm="pool", pool=pool.id,
+                fail_mode=fail_mode)  # type: ignore[arg-type]
+
+
+RULES = [
+    _global(G2), _global(G3, "closed"), _global(G10), _global(G11, "closed"),
+    Rule(id="tenant-idem-pool", scope="tenant", tenant="idem", algorithm="pool", pool=T7.id, fail_mode="closed"),
+    Rule(id="export-idem", scope="tenant", tenant="idem", route_group="export", algorithm="token_bucket",
+         capacity_millis=10_000_000, refill_millis=10_000_000, period_ms=60_000, cost_millis=1_000,
+         fail_mode="closed", idempotent=True),
+    Rule(id="tenant-cold-pool", scope="tenant", tenant="cold", algorithm="pool", pool=T11.id, fail_mode="closed"),
+]
+BUDGET_A = ("--decision-budget-ms", "1000")  # agent A: room for a top-up inside a decision
+BUDGET_B = ("--decision-budget-ms", "50")  # agent B: the default budget, shorter than a top-up here
+
+
+@pytest.fixture(scope="module")
+def region(tmp_path_factory: pytest.TempPathFactory):
+    run = Path(tmp_path_factory.mktemp("bound-paths"))
+    policy = write_bundle(run / "bundle.json", [G2, G3, G10, T7, T11, G11], RULES)
+    r = start_proxied_region(run, policy, agents=1, agent_args=BUDGET_A)
+    try:  # agent B: the same region and Redis, the default decision budget
+        b_proc, b_url = _start_agent(run / "agent-b", policy, r.region.redis["eu"].url, r.proxy.port, BUDGET_B)
+    except BaseException:
+        r.stop()
+        raise
+    try:
+        yield r, b_url
+    finally:
+        b_proc.stop()
+        r.stop()
+
+
+def _start_agent(workdir: Path, policy: Path, redis_url: str, proxy_port: int, extra: tuple[str, ...]):
+    return start_agent(workdir, policy, redis_url, f"http://127.0.0.1:{proxy_port}", *extra)
+
+
+async def _admit(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    resp = await client.post(url + "/v1/admit", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+async def test_slow_topups_of_a_global_pool_never_admit_from_the_fallback(region):
+    """Path 2: 300 concurrent reads on a fleet-wide pool whose chunks run dry, while every top-up
+    takes ~80 ms (longer than the 50 ms decision budget): Redis and the allocator are healthy, so
+    no answer is a fallback admission (a local denial with a short hint is fine)."""
+    r, b_url = region
+    await r.proxy.control.latency(40)  # type: ignore[attr-defined]
+    ds: list[dict] = []
+    try:
+        async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=100)) as client:
+            for _wave in range(3):  # three waves of 100, 0.3 s apart: top-ups complete between them
+                ds += await asyncio.gather(*(_admit(client, b_url, admit_body(f"t{i % 50}", route="g2"))
+                                             for i in range(100)))
+                await asyncio.sleep(0.3)
+    finally:
+        await r.proxy.control.heal()  # type: ignore[attr-defined]
+    fallback = [d for d in ds if d["fallback"]]
+    assert not fallback, f"{len(fallback)} of 300 answered from the fallback allowance: {fallback[0]}"
+    assert any(d["allowed"] for d in ds)  # the slow top-ups did arrive and were spent
+    for d in ds:
+        if not d["allowed"]:
+            assert (d["httpStatus"], d["deniedScope"]) == (429, "global") and 1 <= d["retryAfterMs"] <= 1_000, d
+
+
+async def test_an_expensive_request_does_not_deny_the_cheap_ones(region):
+    """Path 10: a costHint 1000 read on the fleet-wide pool (40,000 per second, plenty left) the held
+    chunk cannot pay, and 47 cost-1 reads of other tenants right behind it: every cheap read is
+    admitted from the chunk the agent holds or a renewal; none is denied by the expensive one."""
+    r, b_url = region
+    async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=64)) as client:
+        warm = 0
+        for i in range(200):  # warm: the region holds a lease and the agent a chunk (the first requests
+            d = await _admit(client, b_url, admit_body(f"warm{i}", route="g10"))  # may wait out a top-up)
+            assert not d["fallback"], d
+            warm = warm + 1 if d["allowed"] else 0
+            if warm == 20:
+                break
+            await asyncio.sleep(0.005)
+        assert warm == 20
+        big = asyncio.create_task(_admit(client, b_url, admit_body("big", route="g10", cost=1_000)))
+        await asyncio.sleep(0.002)
+        small = await asyncio.gather(*(_admit(client, b_url, admit_body(f"o{i}", route="g10")) for i in range(47)))
+        expensive = await big
+    denied = [d for d in small if not d["allowed"]]
+    assert not denied, f"{len(denied)} of 47 cheap reads denied after one expensive read: {denied[0]}"
+    assert not any(d["fallback"] for d in [*small, expensive])
+    if not expensive["allowed"]:  # it may wait past its budget for a big enough top-up: a plain 429
+        assert expensive["httpStatus"] == 429 and expensive["retryAfterMs"] < 1_000, expensive
+
+
+async def test_topup_wait_serves_idempotent_rules(region):
+    """Path 7: exports (an idempotent rule: a decision record per request) of a tenant whose pool
+    balance runs dry every 5 requests while a top-up is in flight. The agent waits for the top-up
+    (agent A's budget has room for it) and runs the script again: the first attempt's denial must
+    not be replayed from its decision record. The pool has plenty, so no export is denied."""
+    r, _ = region
+    url = r.agents[0]
+    await r.proxy.control.latency(15)  # type: ignore[attr-defined]
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            ds = [await _admit(client, url, admit_body("idem", route="export")) for _ in range(40)]
+    finally:
+        await r.proxy.control.heal()  # type: ignore[attr-defined]
+    denied = [d for d in ds if not d["allowed"]]
+    assert not denied, f"{len(denied)} of 40 exports denied while the pool had plenty: {denied[0]}"
+
+
+async def test_chunk_bought_from_another_agents_lease_ends_with_its_window(region):
+    """Path 3: agent B buys a gateway chunk (valid 1.5 s) 1.2 s into a 2 s window from a lease it did
+    not request itself (another agent's lease in the shared regional balance: deposited here with
+    the real allocator grant and the real deposit script, as that agent's lease manager does). The
+    chunk must end with that lease, i.e. at the window's end: in the next window the region admits
+    at most G (100) although B is asked for 250."""
+    r, b_url = region
+    W, G = G3.window_ms, G3.limit
+    redis = Redis.from_url(r.region.redis["eu"].url)
+    scripts = Scripts()
+    try:
+        for _attempt in range(3):  # a machine too slow to deposit within the window tries the next one
+            k = await wait_for_window_start(W, after_ms=200)
+            # "another agent" of eu: a real grant of window k, deposited into the shared {g:g3} balance
+            sent = time.monotonic()
+            grant = await request_lease(r.allocator_url, G3.id, G3.chunk_max)
+            assert grant["granted"] == G3.chunk_max, grant
+            sec, usec = await redis.time()
+            now_redis = int(sec) * 1000 + int(usec) // 1000
+            left = grant["ttlMs"] - int((time.monotonic() - sent) * 1000)
+            if grant["window"]["index"] != k or left < 900:
+                continue
+            dep = await scripts.pool_deposit(redis, KeyBuilder.global_pool_key(G3.id), grant["leaseId"],
+                                             granted=grant["granted"], valid_from_ms=now_redis,
+                                             expires_at_ms=now_redis + left, max_entries=16, slack_ms=5_000)
+            assert dep.stored
+            break
+        else:
+            raise AssertionError("could not deposit a lease early enough in a window")
+    finally:
+        await redis.aclose()
+    await asyncio.sleep(max(0, k * W + 1_200 - wall_ms()) / 1000)  # B buys its chunk 1.2 s into window k
+    await r.proxy.control.latency(40)  # type: ignore[attr-defined]  # B's own top-up lands after its chunk
+    try:
+        async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=32)) as client:
+            first = await _admit(client, b_url, admit_body("c0", route="g3"))
+            if not first["allowed"]:
+                text = (await client.get(b_url + "/metrics")).text
+                raise AssertionError(f"{first} {[x for x in text.splitlines() if 'g3' in x and 'total' in x]}")
+            assert wall_ms() < (k + 1) * W, "the machine was too slow to place the chunk in window k"
+            await asyncio.sleep(max(0, (k + 1) * W + 50 - wall_ms()) / 1000)
+            recs = []
+            for _ in range(25):  # 250 requests early in window k+1, while the old chunk would still be valid
+                batch = await asyncio.gather(*(_admit_timed(client, b_url, admit_body("c1", route="g3"))
+                                               for _ in range(10)))
+                recs.extend(batch)
+    finally:
+        await r.proxy.control.heal()  # type: ignore[attr-defined]
+    in_next = [d for s, e, d in recs if s // W == k + 1 and e // W == k + 1 and d["allowed"]]
+    assert len(in_next) <= G, f"window {k + 1}: region admitted {len(in_next)} > G {G}"
+
+
+async def _admit_timed(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, int, dict]:
+    s = wall_ms()
+    d = await _admit(client, url, body)
+    return s, wall_ms(), d
+
+
+async def test_cold_start_first_requests_are_served(region, tmp_path: Path):
+    """Path 11: a fresh agent whose allocator answers in ~80 ms (more than the 50 ms decision budget):
+    once it reports ready, the first requests for a tenant pool and for a fleet-wide pool are
+    admitted from the region's first leases, not denied for want of a lease."""
+    r, _ = region
+    await r.proxy.control.latency(40)  # type: ignore[attr-defined]
+    policy = Path(r.region.spec.policy)
+    proc, url = _start_agent(tmp_path / "agent-cold", policy, r.region.redis["eu"].url, r.proxy.port, BUDGET_B)
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            tenant = await _admit(client, url, admit_body("cold", route="read"))
+            fleet = await _admit(client, url, admit_body("someone", route="g11"))
+    finally:
+        proc.stop()
+        await r.proxy.control.heal()  # type: ignore[attr-defined]
+    for d in (tenant, fleet):
+        assert d["allowed"] and not d["fallback"], d
