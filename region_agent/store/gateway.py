@@ -29,6 +29,7 @@ from .breaker import CircuitBreaker
 from .lag import LoopLag
 
 MULTI_RULE = "multi_rule"
+CLUSTER_STALL_FACTOR = 4  # a cluster pipeline may first connect to its nodes
 
 
 def translate(exc: BaseException, *, sent: bool = True) -> LeaseholdError:
@@ -70,13 +71,17 @@ class StoreGateway:
         """The store stopped answering. Standalone Redis: a pipeline was *sent* (its bytes written)
         more than ``stall_s`` ago and no answer bytes wait unread on any connection being read —
         time spent before the send (getting a connection, a busy loop) is this agent's own.
-        Redis Cluster (pipelines not observable here): the oldest pipeline in flight is older than
-        ``stall_s`` and the event loop's recent lag explains less than half of its wait.
+        Redis Cluster (a pipeline's sends are not observable here): the oldest pipeline in flight
+        is older than ``CLUSTER_STALL_FACTOR x stall_s`` (it may include connecting to the nodes),
+        the event loop's recent lag explains less than half of its wait, and no connection in use
+        has answer bytes waiting.
         Otherwise a late answer is this agent's saturation (overload), not a store failure."""
         now = time.monotonic()
         if self.cluster:
             age = self.batcher.oldest_in_flight(asyncio.get_running_loop().time())
-            return age is not None and age > self.stall_s and self.lag.lag_s(now) < age / 2
+            if age is None or age <= CLUSTER_STALL_FACTOR * self.stall_s or self.lag.lag_s(now) >= age / 2:
+                return False
+            return not any(sc.answer_waiting(conn) for conn in self._cluster_busy_connections())
         reading = list(self._reading.values())
         if not reading:
             return False
@@ -113,6 +118,15 @@ class StoreGateway:
         finally:
             for conn in conns:
                 await pool.release(conn)
+
+    def _cluster_busy_connections(self) -> list[Any]:
+        """The node connections a cluster pipeline holds right now (redis-py's ClusterNode keeps
+        ``_connections`` and the idle ones in ``_free``)."""
+        out = []
+        for node in getattr(getattr(self.client, "nodes_manager", None), "nodes_cache", {}).values():
+            idle = {id(c) for c in getattr(node, "_free", ())}
+            out.extend(c for c in getattr(node, "_connections", ()) if id(c) not in idle)
+        return out
 
     def _late_wait(self, waited_s: float) -> float:
         """The next slice a sent call may wait past its caller's budget: none once the store looks

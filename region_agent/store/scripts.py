@@ -276,6 +276,23 @@ def pack_evalsha(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> bytes:
     return "".join(parts).encode()
 
 
+def _connection_lost(e: BaseException) -> bool:
+    """A connection-level failure (reset, closed by the server) — not a timeout."""
+    return isinstance(e, (rex.ConnectionError, ConnectionError, OSError)) and not isinstance(e, (TimeoutError,
+                                                                                               rex.TimeoutError))
+
+
+async def _drop_idle(client: Any) -> None:
+    """One pooled connection was lost: the idle ones most likely were too (the server restarted or
+    failed over), so close them now instead of failing one decision on each of them later."""
+    if isinstance(client, RedisCluster):
+        return  # the cluster client rebuilds its node connections itself
+    try:
+        await client.connection_pool.disconnect(inuse_connections=False)
+    except Exception:  # closing dead sockets: nothing to report
+        pass
+
+
 def answer_waiting(conn: Any) -> bool:
     """Has the store sent bytes this connection has not consumed yet — buffered by the stream
     reader or the reply parser, or still in the kernel's receive buffer? True means the store
@@ -361,6 +378,8 @@ class Scripts:
                 await self._load_one(client, name)
                 return await client.evalsha(sha, len(keys), *keys, *argv)
         except Exception as e:
+            if _connection_lost(e):
+                await _drop_idle(client)
             raise _translate(e) from None
 
     async def run_pipeline(self, client: Any, calls: Sequence[tuple[str, list, list]],
@@ -438,8 +457,10 @@ class Scripts:
                 except rex.ResponseError as e:
                     replies.append(e)
             return replies
-        except BaseException:
+        except BaseException as e:
             await conn.disconnect()
+            if _connection_lost(e):
+                await _drop_idle(client)
             raise
         finally:
             if reading is not None:

@@ -67,6 +67,7 @@ async def test_idempotent_export_retried_after_a_lost_reply_is_debited_once(prox
 async def test_cheap_read_with_a_lost_reply_degrades_without_a_blind_retry(proxied):
     agent, proxy, r = proxied
     u = user_key("atlas", "U-amb", "read")
+    await set_bucket(r, u, 20_000)  # refill frozen: the follow-up sees exactly what the lost call left
     await proxy.blackhole("down")
     d = (await agent.post("/v1/admit", json=admit_body("read-lost-0001", pid="U-amb"))).json()
     await proxy.heal()

@@ -5,7 +5,7 @@ from redis.asyncio import Redis
 
 from region_agent.app import create_app
 
-from .conftest import PEPPER, admit_body, make_settings
+from .conftest import PEPPER, admit_body, make_settings, set_bucket, user_key
 
 
 async def evalsha_calls(r: Redis) -> int:
@@ -20,6 +20,8 @@ async def test_flood_on_an_exhausted_key_is_answered_locally(redis_url, policy_f
         async with AsyncTestClient(app=app) as agent:
             for i in range(20):  # drain U-17's P-READ bucket
                 assert (await agent.post("/v1/admit", json=admit_body(f"drain-{i:04d}"))).json()["allowed"]
+            # and freeze its refill: the flood must be denied however long a busy machine takes for it
+            await set_bucket(r, user_key("atlas", "U-17", "read"), 0)
             first = (await agent.post("/v1/admit", json=admit_body("flood-00000"))).json()
             assert first["allowed"] is False and first["retryAfterMs"] > 0
             before = await evalsha_calls(r)
