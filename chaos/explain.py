@@ -1,7 +1,7 @@
 """``python -m chaos fallbacks --history RUN.jsonl`` — the admissions not paid by a lease that no
 recorded fault explains (outside every fault's effect, grace included), each with the agent's
-degradation and shedding counters that moved around it (``counters`` records, sampled once a
-second): which path of the agent spent a fallback allowance while nothing was unreachable.
+degradation and shedding counters that moved around it (``counters`` records, sampled every
+2 s): which path of the agent spent a fallback allowance while nothing was unreachable.
 Pure apart from reading the history."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from .history import Counters, Decision, Fault, Meta, Record
 
 
-def unexplained(records: Iterable[Record], around_ms: int = 1_500) -> list[str]:
+def unexplained(records: Iterable[Record], around_ms: int = 2_500) -> list[str]:
     recs = list(records)
     t0 = next((r.started_at_ms for r in recs if isinstance(r, Meta)), 0)
     spans = [(f.start_ms, (f.stop_ms if f.stop_ms is not None else 1 << 62) + f.grace_ms, set(f.allocator_regions),

@@ -187,9 +187,10 @@ SAMPLED = ("leasehold_agent_degraded_decisions_total", "leasehold_agent_shed_tot
 
 
 class CounterSampler:
-    """Sample every agent's degradation and shedding counters once a second into ``counters``
-    records (only when they changed), so a fallback decision can be matched to the degradation
-    the agent counted at that moment. Bounded in time like the load."""
+    """Sample every agent's degradation and shedding counters every 2 s into ``counters`` records
+    (only when they changed), so a fallback decision can be matched to the degradation the agent
+    counted around that moment (a scrape costs the agent a few ms: not more often). Bounded in
+    time like the load."""
 
     def __init__(self, history: HistoryWriter, agents: Callable[[], Sequence[tuple[str, str]]]):
         self.history = history
@@ -214,7 +215,7 @@ class CounterSampler:
                 self.last[name] = values
                 self.history.write(Counters(service=name, at_ms=now_ms(), values=values))
 
-    async def run(self, duration_s: float, interval_s: float = 1.0, stop: asyncio.Event | None = None) -> None:
+    async def run(self, duration_s: float, interval_s: float = 2.0, stop: asyncio.Event | None = None) -> None:
         deadline = time.monotonic() + duration_s
         async with httpx.AsyncClient(timeout=1.0) as client:
             while time.monotonic() < deadline and not (stop is not None and stop.is_set()):

@@ -21,7 +21,7 @@ def fb(at: int, region: str = "eu") -> Decision:
 RECS = [Meta(scenario="x", seed=1, started_at_ms=0),
         Fault(nemesis="partition", target="eu", start_ms=1_000, stop_ms=2_000, allocator_regions=["eu"], grace_ms=500),
         fb(2_400), fb(2_400, "us"), fb(9_000),
-        Counters(service="agent-eu-1", at_ms=7_000, values={AMB: 1.0}),
+        Counters(service="agent-eu-1", at_ms=6_000, values={AMB: 1.0}),
         Counters(service="agent-eu-1", at_ms=9_500, values={AMB: 3.0})]
 
 
