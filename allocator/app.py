@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
@@ -26,6 +26,7 @@ from kernel.auth import SCOPE_KEY, RegionAuth, TokenTable, require_region
 from kernel.bundle import Bundle, load_bundle_file
 from kernel.errors import (
     BadRequest,
+    Conflict,
     Forbidden,
     LeaseholdError,
     NotFound,
@@ -51,10 +52,13 @@ from kernel.wire import (
     ShardedLeaderInfo,
     ShardLeader,
     ShardMap,
+    UsageBatchRequest,
+    UsageBatchResponse,
     UsageReceipt,
     UsageReport,
 )
 
+from .compaction import Compactor
 from .control.follow import AllocatorPolicy
 from .election import Election
 from .engine import Engine, GrantRecord, wall_ms
@@ -158,6 +162,24 @@ class LeaseBatchResponseDoc(msgspec.Struct, rename="camel"):
     results: list[BatchResultDoc]
 
 
+class UsageResultDoc(msgspec.Struct, rename="camel"):
+    """OpenAPI shape of one usage batch result: a ``UsageReceipt`` or a ``LeaseError``."""
+
+    lease_id: str
+    granted: int | None = None
+    spent: int | None = None
+    returned: int | None = None
+    window_open: bool | None = None
+    replayed: bool | None = None
+    status: int | None = None
+    code: str | None = None
+    detail: str | None = None
+
+
+class UsageBatchResponseDoc(msgspec.Struct, rename="camel"):
+    results: list[UsageResultDoc]
+
+
 @post("/v1/leases/batch", status_code=200, guards=[region_auth_guard])
 async def post_batch(request: Request, data: JSONBody[LeaseBatchRequest],
                      state: State) -> Response[LeaseBatchResponseDoc]:
@@ -179,10 +201,26 @@ async def post_usage(request: Request, lease_id: FromPath[str], data: JSONBody[U
     if data.lease_id != lease_id:
         raise BadRequest(f"body leaseId {data.lease_id!r} does not match the path's {lease_id!r}")
     require_region(request.scope, data.region)
-    if request.scope.get(SCOPE_KEY) is not None:
-        with suppress(NotFound):  # an unknown lease is the engine's answer to give
-            require_region(request.scope, (await _engine(state).get_record(lease_id)).grant.region)
-    return await _engine(state).report(data)
+    # a stored lease of another region: 403 for an authenticated caller (checked on the record the
+    # engine reads anyway), 409 otherwise
+    foreign = Forbidden if request.scope.get(SCOPE_KEY) is not None else Conflict
+    return await _engine(state).report(data, foreign=foreign)
+
+
+@post("/v1/usage/batch", status_code=200, guards=[region_auth_guard])
+async def post_usage_batch(request: Request, data: JSONBody[UsageBatchRequest],
+                           state: State) -> Response[UsageBatchResponseDoc]:
+    """Usage reports of many leases in one request (committed in few transactions); results in
+    request order, each a receipt or an error. Same rules per item as
+    ``POST /v1/leases/{leaseId}/usage``."""
+    for r in data.reports:
+        require_region(request.scope, r.region)
+    ids = [r.lease_id for r in data.reports]
+    if len(set(ids)) != len(ids):
+        raise ValidationFailed("a batch must not repeat a leaseId", errors=["reports: duplicate leaseId"])
+    foreign = Forbidden if request.scope.get(SCOPE_KEY) is not None else Conflict
+    body = UsageBatchResponse(results=await _engine(state).report_many(data.reports, foreign=foreign))
+    return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)
 
 
 @get("/v1/leases/{lease_id:str}", guards=[region_auth_guard])
@@ -284,7 +322,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         store = EtcdStore(settings.etcd, timeout_s=settings.etcd_timeout_ms / 1000, observe=m.observe_etcd,
-                          **etcd_credentials(settings))
+                          max_txn_ops=settings.etcd_max_txn_ops or None, **etcd_credentials(settings))
         engine: Engine
         election: Election | ShardElection
 
@@ -309,6 +347,10 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         app.state.engine = engine
         engine.start()
         election.start()
+        compactor = Compactor(store, election, f"{settings.prefix}compaction".encode(), node_id=settings.node_id,
+                              interval_s=settings.etcd_compaction_interval_s, metrics=m)
+        if settings.etcd_compaction_interval_s:
+            compactor.start()
         follower = AllocatorPolicy(bundle, engine, m)
         app.state.policy = follower
         watcher = follower.watcher(PolicyStore(store, settings.prefix), settings.policy_reread_ms / 1000)
@@ -318,11 +360,12 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
             yield
         finally:
             await watcher.stop()
+            await compactor.stop()
             await election.stop()
             await engine.stop()
             await store.close()
 
-    handlers: list[Any] = [post_lease, post_batch, post_usage, get_lease, get_leader, get_shards, get_pools,
+    handlers: list[Any] = [post_lease, post_batch, post_usage, post_usage_batch, get_lease, get_leader, get_shards, get_pools,
                            get_pool, healthz, readyz, metrics]
     app = Litestar(
         route_handlers=handlers,

@@ -3,6 +3,8 @@ policy bundle; etcd operation names; outcome codes), never lease ids."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -15,6 +17,7 @@ class AllocatorMetrics:
 
     def __init__(self) -> None:
         self._regions: set[str] = set()
+        self._flushers: list[Callable[[], None]] = []  # counts kept outside the registry, moved in at render
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.grants = Counter("leasehold_allocator_grants_total", "Lease grants committed (new, not replays)",
                               ["pool", "region"], registry=r)
@@ -42,7 +45,7 @@ class AllocatorMetrics:
         self.txn_retries = Counter("leasehold_allocator_txn_retries_total",
                                    "Transaction attempts retried after a conflict", ["kind"], registry=r)
         self.txn_grants = Histogram("leasehold_allocator_grants_per_txn", "Grants carried by one transaction",
-                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
         self.leader_changes = Counter("leasehold_allocator_leader_changes_total",
                                       "Leadership changes observed by this replica", registry=r)
         self.is_leader = Gauge("leasehold_allocator_is_leader", "1 while this replica leads", registry=r)
@@ -62,6 +65,10 @@ class AllocatorMetrics:
         self.pool_fallback = Gauge("leasehold_allocator_pool_fallback_per_region_tokens",
                                    "A pool's fallback allowance per region and window (the overshoot term)",
                                    ["pool"], registry=r)
+        self.compactions = Counter("leasehold_allocator_etcd_compactions_total",
+                                   "etcd history compactions done by this replica", registry=r)
+        self.compacted_revision = Gauge("leasehold_allocator_etcd_compacted_revision",
+                                        "The revision this replica last compacted etcd's history to", registry=r)
         self.etcd_latency = Histogram("leasehold_allocator_etcd_request_seconds", "etcd request latency",
                                       ["op"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                                        1, 2.5), registry=r)
@@ -99,5 +106,12 @@ class AllocatorMetrics:
         if shard0_epoch is not None:
             self.epoch.set(shard0_epoch)
 
+    def add_flush(self, fn: Callable[[], None]) -> None:
+        """``fn`` moves counts kept elsewhere (the engine's per-grant tallies) into the metrics;
+        it runs before every render."""
+        self._flushers.append(fn)
+
     def render(self) -> bytes:
+        for fn in self._flushers:
+            fn()
         return generate_latest(self.registry)

@@ -32,6 +32,12 @@ class AllocatorSettings(msgspec.Struct, forbid_unknown_fields=True):
     # value refuses to campaign): change it only with every replica stopped.
     shards: Annotated[int, Meta(ge=1, le=1024)] = 1
     etcd_timeout_ms: Annotated[int, Meta(ge=50, le=30_000)] = 2_000
+    # ops per etcd transaction branch (etcd's --max-txn-ops; a grant takes 2): 0 = ask the cluster at
+    # start (read-only probes of 1024, 512, 256 ops; 128 until it answered); N >= 128 = use N
+    etcd_max_txn_ops: Annotated[int, Meta(ge=0, le=100_000)] = 0
+    # compact etcd's history every this many seconds to the revision seen one interval before (the
+    # leader of shard 0 does it; 0 = off, e.g. when etcd runs --auto-compaction-* itself)
+    etcd_compaction_interval_s: Annotated[int, Meta(ge=0, le=86_400)] = 30
     max_body_bytes: Annotated[int, Meta(ge=1_024, le=16 * 1024 * 1024)] = 1024 * 1024
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     region_tokens: list[str] = []  # "<region>:<sha256 hex of its bearer token>" entries
@@ -58,6 +64,9 @@ def load(argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -
         parse_endpoints(s.etcd)
     except ValueError as e:
         raise ConfigError(f"invalid setting --etcd / {ENV_PREFIX}ETCD: {e}") from None
+    if 0 < s.etcd_max_txn_ops < 128:
+        raise ConfigError(f"invalid setting --etcd-max-txn-ops / {ENV_PREFIX}ETCD_MAX_TXN_OPS: "
+                          f"{s.etcd_max_txn_ops} is below etcd's default of 128 (0 = ask etcd)")
     if s.advertise_url is not None and not s.advertise_url.startswith(("http://", "https://")):
         raise ConfigError(f"invalid setting --advertise-url / {ENV_PREFIX}ADVERTISE_URL: "
                           f"{s.advertise_url!r} must start with http:// or https://")

@@ -76,6 +76,10 @@ class UsageReport(Struct, rename="camel", forbid_unknown_fields=True):
     spent: Tokens
 
 
+class UsageBatchRequest(Struct, rename="camel", forbid_unknown_fields=True):
+    reports: Annotated[list[UsageReport], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
 class UsageReceipt(Struct, rename="camel"):
     lease_id: str
     granted: int
@@ -83,6 +87,10 @@ class UsageReceipt(Struct, rename="camel"):
     returned: int  # tokens given back to the pool (0 if the window had closed)
     window_open: bool
     replayed: bool = False
+
+
+class UsageBatchResponse(Struct, rename="camel"):
+    results: list[UsageReceipt | LeaseError]  # in request order
 
 
 class LeaderInfo(Struct, rename="camel"):

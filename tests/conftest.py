@@ -66,7 +66,8 @@ def redis_cluster_url(redis_cluster: RedisCluster) -> str:
 
 @pytest.fixture(scope="session")
 def etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd")).start()
+    """etcd with its defaults (``--max-txn-ops`` 128), as a deployment that did not raise it."""
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd"), max_txn_ops=None).start()
     yield cluster
     cluster.stop()
 
