@@ -491,11 +491,16 @@ class Engine:
         finally:
             self._held -= held
 
-    def _requeue(self, items: list[_Item], txn: TxnBuilder) -> None:
+    def _requeue(self, items: list[_Item], txn: TxnBuilder, refusal: EtcdTxnTooLarge) -> None:
         """etcd refused a transaction for its size: queue its items again (first, in order) for
-        smaller units. The store lowered its op limit; lower the byte budget too."""
-        size = txn.request.ByteSize()
-        self._txn_bytes = max(MIN_TXN_BYTES, min(self._txn_bytes, size) // 2)
+        smaller units. For its op count the store lowered its limit already; for its bytes the
+        unit byte budget is lowered here."""
+        if refusal.bytes_limit:
+            lowered = max(MIN_TXN_BYTES, min(self._txn_bytes, txn.request.ByteSize()) // 2)
+            if lowered < self._txn_bytes:
+                log.error("etcd refused a transaction of %d bytes (its --max-request-bytes): using %d bytes "
+                          "per transaction from now on", txn.request.ByteSize(), lowered)
+            self._txn_bytes = lowered
         self._ready.extendleft(reversed([it for it in items if not it.done]))
 
     # -- fencing: the one place a write is tied to its shard's epoch ----------------------------
@@ -640,11 +645,11 @@ class Engine:
                 self._buckets.forget()
                 self.metrics.txn_retries.labels("grant").inc()
                 continue
-            except EtcdTxnTooLarge:
+            except EtcdTxnTooLarge as e:
                 self._drop(wks)
                 if len(pending) == 1:
                     raise
-                self._requeue(pending, txn)
+                self._requeue(pending, txn, e)
                 return
             except BaseException:
                 self._drop(wks)  # the outcome may be unknown: reload before the next use
@@ -797,11 +802,11 @@ class Engine:
                 self._drop(wks)
                 self._buckets.forget()
                 continue
-            except EtcdTxnTooLarge:
+            except EtcdTxnTooLarge as e:
                 self._drop(wks)
                 if len(pending) == 1:
                     raise
-                self._requeue(pending, txn)
+                self._requeue(pending, txn, e)
                 return
             except BaseException:
                 self._drop(wks)

@@ -62,9 +62,14 @@ class EtcdTxnTooLarge(Unavailable):
 
     title = "etcd transaction too large"
 
+    @property
+    def bytes_limit(self) -> bool:
+        """Refused for its bytes (``--max-request-bytes``), not its op count."""
+        return not any(m in self.detail for m in _TOO_MANY_OPS)
 
-_TOO_LARGE = ("too many operations in txn request", "request is too large", "message larger than max",
-              "larger than max")
+
+_TOO_MANY_OPS = ("too many operations in txn request", "ops in one branch")
+_TOO_LARGE = (*_TOO_MANY_OPS, "request is too large", "larger than max")
 _COMPACTED = "required revision has been compacted"
 
 
@@ -209,14 +214,17 @@ class EtcdStore:
     async def commit(self, txn: TxnBuilder) -> TxnResult:
         """Send one transaction built with :class:`TxnBuilder`: one call of the KV stub, no
         wrapper objects. A transaction refused for its size raises :class:`EtcdTxnTooLarge` after
-        lowering :attr:`max_txn_ops` (halved, not below etcd's default 128)."""
+        lowering :attr:`max_txn_ops` (halved, not below etcd's default 128); one above the known
+        limit raises it without being sent."""
         request = txn.request
         biggest = max(len(request.compare), len(request.success), len(request.failure))
-        if biggest > self.max_txn_ops:
-            raise ValueError(f"txn has {biggest} ops in one branch (this etcd allows {self.max_txn_ops})")
+        if biggest > self.max_txn_ops:  # e.g. built before a refusal lowered the limit: not sent
+            raise EtcdTxnTooLarge(f"txn has {biggest} ops in one branch (this etcd allows {self.max_txn_ops})")
         try:
             resp = await self._send_txn(request)
-        except EtcdTxnTooLarge:
+        except EtcdTxnTooLarge as e:
+            if e.bytes_limit:
+                raise  # the caller sends fewer bytes
             lowered = max(MAX_TXN_OPS, min(self.max_txn_ops, biggest) // 2)
             if lowered < self.max_txn_ops:
                 log.error("etcd refused a transaction of %d ops per branch (%d bytes): its --max-txn-ops or "
@@ -256,13 +264,24 @@ class EtcdStore:
     async def get_many(self, keys: list[bytes]) -> dict[bytes, KV]:
         """Read many keys in read-only transactions (one round trip per ``max_txn_ops`` keys)."""
         out: dict[bytes, KV] = {}
-        step = self.max_txn_ops
-        for i in range(0, len(keys), step):
+        i, cap = 0, self.max_txn_ops
+        while i < len(keys):
+            step = min(cap, self.max_txn_ops)
             txn = TxnBuilder()
             for k in keys[i:i + step]:
                 txn.get(k)
-            for kv in (await self.commit(txn)).kvs():
+            try:
+                res = await self.commit(txn)
+            except EtcdTxnTooLarge as e:
+                if e.bytes_limit and step > 1:
+                    cap = step // 2  # the answer was too big for gRPC (4 MiB): fewer keys per read
+                    continue
+                if step <= MAX_TXN_OPS or e.bytes_limit:
+                    raise
+                continue  # commit() lowered max_txn_ops: again in smaller parts
+            for kv in res.kvs():
                 out[kv.key] = kv
+            i += step
         return out
 
     async def compact(self, revision: int) -> bool:

@@ -72,6 +72,14 @@ def etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdClust
     cluster.stop()
 
 
+@pytest.fixture(scope="session")
+def big_txn_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """One etcd member started as our own topology starts it: ``--max-txn-ops`` 1024."""
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd-big"), members=1, max_txn_ops=1024).start()
+    yield cluster
+    cluster.stop()
+
+
 @pytest.fixture
 def fresh_etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
     """A private etcd cluster for tests that kill or pause members."""

@@ -48,6 +48,7 @@ from kernel.wire import (
     LeaseGrant,
     LeaseRequest,
     ShardMap,
+    UsageBatchRequest,
     UsageReceipt,
     UsageReport,
 )
@@ -56,6 +57,7 @@ from .routing import ShardRoutes
 
 T = TypeVar("T")
 REFRESH_MIN_INTERVAL_MS = 250.0  # GET /v1/shards at most this often
+USAGE_BATCH_RETRY_MS = 300_000.0  # after a 404 for POST /v1/usage/batch, single reports this long
 REFRESH_GRACE_S = 0.05  # after the first map arrives, how long the others may still answer before we go on
 _BY_STATUS: dict[int, type[LeaseholdError]] = {
     400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict, 422: ValidationFailed,
@@ -80,6 +82,7 @@ class AllocatorClient:
         self._refreshing: asyncio.Task[None] | None = None
         self._last_refresh = float("-inf")
         self._background: set[asyncio.Task[Any]] = set()
+        self._no_usage_batch_until = float("-inf")  # monotonic ms: an allocator answered 404 to /v1/usage/batch
 
     async def aclose(self) -> None:
         for t in [*self._background, *([self._refreshing] if self._refreshing else [])]:
@@ -99,7 +102,16 @@ class AllocatorClient:
         shards is split, the parts sent concurrently), results in request order. Items answered
         with a retriable error (not-leader during a handoff, fenced, unavailable) are retried with
         the same lease ids after re-routing, within the client's attempts and deadline."""
-        results: dict[int, LeaseGrant | LeaseError] = {}
+        return await self._many(reqs, self._batch_once)  # type: ignore[return-value]
+
+    async def report_many(self, reports: Sequence[UsageReport]) -> list[UsageReceipt | LeaseError]:
+        """Usage reports of many leases: ``POST /v1/usage/batch`` per shard leader, split and
+        retried like :meth:`lease_many`; results in request order. An allocator without that route
+        (404: an older version during a rolling upgrade) gets the reports one at a time."""
+        return await self._many(reports, self._usage_once)  # type: ignore[return-value]
+
+    async def _many(self, reqs: Sequence[Any], send: Any) -> list[Any]:
+        results: dict[int, Any] = {}
         todo = list(range(len(reqs)))
         deadline = _now() + self.deadline_s * 1000.0
         for attempt in range(self.max_attempts):
@@ -108,7 +120,7 @@ class AllocatorClient:
             groups = self.routes.split([reqs[i].pool for i in todo], self.urls[self._preferred])
             parts = [(url, [todo[j] for j in idx[k:k + MAX_BATCH]])
                      for url, idx in groups.items() for k in range(0, len(idx), MAX_BATCH)]
-            outcomes = await asyncio.gather(*(self._batch_once(url, [reqs[i] for i in ids]) for url, ids in parts),
+            outcomes = await asyncio.gather(*(send(url, [reqs[i] for i in ids]) for url, ids in parts),
                                             return_exceptions=True)
             retry: list[int] = []
             for (_url, ids), out in zip(parts, outcomes, strict=True):
@@ -190,13 +202,35 @@ class AllocatorClient:
     async def _batch_once(self, url: str, reqs: list[LeaseRequest]) -> list[LeaseGrant | LeaseError]:
         body = msgspec.json.encode(LeaseBatchRequest(requests=reqs))
         raw = await self._send(url, "POST", "/v1/leases/batch", body)
+        return self._items(url, raw, len(reqs), "granted", LeaseGrant)
+
+    async def _usage_once(self, url: str, reports: list[UsageReport]) -> list[UsageReceipt | LeaseError]:
+        if _now() >= self._no_usage_batch_until:
+            body = msgspec.json.encode(UsageBatchRequest(reports=reports))
+            try:
+                raw = await self._send(url, "POST", "/v1/usage/batch", body)
+            except NotFound:  # an allocator from before the batch route: one at a time (asked again later)
+                self._no_usage_batch_until = _now() + USAGE_BATCH_RETRY_MS
+            else:
+                return self._items(url, raw, len(reports), "granted", UsageReceipt)
+        out: list[UsageReceipt | LeaseError] = []
+        for r in reports:
+            try:
+                out.append(await self._once("POST", f"/v1/leases/{r.lease_id}/usage", msgspec.json.encode(r),
+                                            UsageReceipt, r.pool))
+            except LeaseholdError as e:
+                out.append(LeaseError(lease_id=r.lease_id, status=e.status, code=e.code, detail=e.detail))
+        return out
+
+    def _items(self, url: str, raw: bytes, n: int, marker: str, typ: type[Any]) -> list[Any]:
+        """A batch answer's ``results``: ``typ`` where ``marker`` is present, else ``LeaseError``."""
         try:
             items = msgspec.json.decode(raw)["results"]
-            out = [msgspec.convert(it, LeaseGrant if "granted" in it else LeaseError) for it in items]
+            out = [msgspec.convert(it, typ if marker in it else LeaseError) for it in items]
         except (msgspec.DecodeError, msgspec.ValidationError, KeyError, TypeError):
             raise Unavailable(f"allocator {url} sent an unreadable batch answer") from None
-        if len(out) != len(reqs):
-            raise Unavailable(f"allocator {url} answered {len(out)} results for {len(reqs)} requests")
+        if len(out) != n:
+            raise Unavailable(f"allocator {url} answered {len(out)} results for {n} requests")
         return out
 
     async def _once(self, method: str, path: str, body: bytes, typ: type[T], pool: str | None = None) -> T:
