@@ -92,7 +92,13 @@ def form_units(ready: Iterable[Queued], *, busy: set[str] | frozenset[str], free
     left: list[Queued] = []
     held: set[str] = set(busy)  # pools whose (remaining) items wait
     unit_of: dict[str, Unit] = {}  # pool -> its unit in this pass
-    for item in ready:
+    full = 0  # units holding per_unit items
+    items = iter(ready)
+    for item in items:
+        if full >= free:  # every slot taken by a full unit: the rest waits, in order (a long queue)
+            left.append(item)
+            left.extend(items)
+            break
         pool = item.pool
         if pool in held:
             left.append(item)
@@ -119,6 +125,8 @@ def form_units(ready: Iterable[Queued], *, busy: set[str] | frozenset[str], free
                 cost = unit.cost(item, window_bytes)
             unit_of[pool] = unit
         unit.add(item, cost)
+        if len(unit.items) == per_unit:
+            full += 1
     return units, left
 
 
