@@ -62,6 +62,7 @@ from .compaction import Compactor
 from .control.follow import AllocatorPolicy
 from .election import Election
 from .engine import Engine, GrantRecord, wall_ms
+from .fastpath import batch_fast_path
 from .metrics import CONTENT_TYPE, AllocatorMetrics
 from .settings import AllocatorSettings
 from .shard_election import ShardElection
@@ -310,8 +311,10 @@ def etcd_credentials(settings: AllocatorSettings) -> dict[str, Any]:
 
 
 def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
-               clock: Callable[[], int] = wall_ms, auth_guard: Guard | None = None) -> Litestar:
-    """Build the app. The etcd client, election and committer start in the app's lifespan."""
+               clock: Callable[[], int] = wall_ms, auth_guard: Guard | None = None,
+               fast_path: bool = True) -> Litestar:
+    """Build the app. The etcd client, election and committer start in the app's lifespan.
+    ``fast_path``: serve the batch routes' common case without Litestar (``allocator.fastpath``)."""
     bundle = bundle if bundle is not None else load_bundle_file(settings.policy)
     pools = {p.id: p for p in bundle.pools}
     if auth_guard is None and not settings.auth_disabled:
@@ -371,6 +374,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         route_handlers=handlers,
         lifespan=[lifespan],
         state=State({"auth_guard": auth_guard, "settings": settings}),
+        middleware=[batch_fast_path(lambda: app.state, settings.max_body_bytes)] if fast_path else [],
         exception_handlers={LeaseholdError: _leasehold_handler, HTTPException: _http_handler,
                             Exception: _internal_handler},
         request_max_body_size=settings.max_body_bytes,
