@@ -103,12 +103,14 @@ class GrantRecord(msgspec.Struct, rename="camel"):
 class _Cached:
     """A window's state as this leader last read or committed it."""
 
-    __slots__ = ("state", "mod_revision", "key")
+    __slots__ = ("state", "mod_revision", "key", "lease", "lease_gen")
 
     def __init__(self, state: policy.WindowState, mod_revision: int, key: bytes):
         self.state = state
         self.mod_revision = mod_revision  # 0 = not in etcd yet
         self.key = key
+        self.lease = 0  # the etcd lease its records are put with (LeaseBuckets generation lease_gen)
+        self.lease_gen = -1
 
 
 class _Wait:
@@ -207,7 +209,7 @@ class Keys:
         return f"{self.prefix}pools/{pool}/{index}".encode()
 
     def grant(self, lease_id: str) -> bytes:
-        return f"{self.prefix}grants/{lease_id}".encode()
+        return (self.prefix + "grants/" + lease_id).encode()
 
     def pool_prefix(self, pool: str) -> bytes:
         return f"{self.prefix}pools/{pool}/".encode()
@@ -387,7 +389,7 @@ class Engine:
 
     def _enqueue_grant(self, req: LeaseRequest, wait: _Wait) -> _Item:
         """Queue a grant for the committer, or join the one queued for the same lease id."""
-        pool = self.pool(req.pool)
+        pool = self.pools.get(req.pool) or self.pool(req.pool)
         policy.check_region(pool, req.region)
         existing = self._inflight.get(req.lease_id)
         if existing is not None:
@@ -395,7 +397,9 @@ class Engine:
             joiner = _Item(req, wait, existing.shard, existing.epoch)
             existing.joiners.append(joiner)  # answered with the first one's outcome
             return joiner
-        shard = self._shard_of(req.pool)
+        shard = self._shards.get(req.pool)
+        if shard is None:
+            shard = self._shard_of(req.pool)
         epoch = self.election.require_leader(shard)
         self._check_backlog()
         item = _Item(req, wait, shard, epoch)
@@ -415,7 +419,9 @@ class Engine:
     def _queue(self, item: _Item) -> None:
         self._open[item.shard] = self._open.get(item.shard, 0) + 1
         self._ready.append(item)
-        self._wake()
+        w = self._wakeup
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def _check_backlog(self) -> None:
         if len(self._ready) >= MAX_QUEUE:
@@ -561,19 +567,21 @@ class Engine:
     def _record_lease_expiry(self, pool: Pool, index: int) -> int:
         return (index + 1) * pool.window_ms + max(pool.window_ms, RECORD_MIN_LINGER_MS)
 
-    async def _window_leases(self, wks: Any, now: int) -> dict[tuple[str, int], int]:
-        """One shared etcd lease per window's records (an expiry bucket): cached, rarely a call."""
-        out = {}
-        for wk in wks:
-            expiry = self._record_lease_expiry(self.pools[wk[0]], wk[1])
-            lid = self._buckets.cached(expiry, now)
-            out[wk] = lid if lid is not None else await self._buckets.lease_for(expiry, now)
-        return out
+    async def _window_leases(self, windows: dict[tuple[str, int], _Cached], now: int) -> None:
+        """One shared etcd lease per window's records (an expiry bucket), kept on the cached
+        window until the buckets are forgotten: rarely a call."""
+        gen = self._buckets.generation
+        for wk, c in windows.items():
+            if c.lease_gen != gen:
+                expiry = self._record_lease_expiry(self.pools[wk[0]], wk[1])
+                lid = self._buckets.cached(expiry, now)
+                c.lease = lid if lid is not None else await self._buckets.lease_for(expiry, now)
+                c.lease_gen = gen
 
-    def _put_window(self, txn: TxnBuilder, wk: tuple[str, int], cached: _Cached, lease: int) -> None:
+    def _put_window(self, txn: TxnBuilder, wk: tuple[str, int], cached: _Cached) -> None:
         raw = self._encode(cached.state)
         self._window_bytes[wk[0]] = len(raw) + 2 * len(cached.key)
-        txn.put(cached.key, raw, lease)
+        txn.put(cached.key, raw, cached.lease)
 
     # -- grants ---------------------------------------------------------------------------------
     async def _commit_grants(self, items: list[_Item], held: set[tuple[str, int]]) -> None:
@@ -594,13 +602,13 @@ class Engine:
             held |= wks
             self._held |= wks
             await self._load_windows(wks)
-            lids = await self._window_leases(wks, now)
+            windows = {wk: self._cache[wk] for wk in wks}
+            await self._window_leases(windows, now)
             # No local leadership check here: each item carries the epoch its shard was accepted under
             # and etcd decides (the txn compares it). A leader resumed after a pause gets Fenced.
             fence = {it.shard: it.epoch for it in pending}  # one epoch per shard in a unit (grouping)
             txn = TxnBuilder()
             self._fence_compares(txn, fence)
-            windows = {wk: self._cache[wk] for wk in wks}
             for c in windows.values():
                 if c.mod_revision:
                     txn.modified_at(c.key, c.mod_revision)
@@ -625,7 +633,7 @@ class Engine:
                                    remaining=d.remaining)
                     key = grant_key(r.lease_id)
                     absent.append(key)
-                    puts.append((key, encode(GrantRecord(grant=g, demand=r.demand)), lids[wk]))
+                    puts.append((key, encode(GrantRecord(grant=g, demand=r.demand)), windows[wk].lease))
                     answers.append((it, g, d))
                 if not answers:
                     self._drop(wks)
@@ -633,7 +641,7 @@ class Engine:
                 txn.absent_many(absent)
                 txn.put_many(puts)
                 for wk, c in windows.items():
-                    self._put_window(txn, wk, c, lids[wk])
+                    self._put_window(txn, wk, c)
             except BaseException:
                 self._drop(wks)
                 raise
@@ -767,12 +775,12 @@ class Engine:
             held |= wks
             self._held |= wks
             await self._load_windows(wks)
-            live = {wk for wk in wks if self._cache[wk].mod_revision}  # a window's key may be gone (expired)
-            lids = await self._window_leases(live, now)
+            # a window's key may be gone (expired): nothing is returned to it
+            windows = {wk: self._cache[wk] for wk in wks if self._cache[wk].mod_revision}
+            await self._window_leases(windows, now)
             fence = {it.shard: it.epoch for it in pending}
             txn = TxnBuilder()
             self._fence_compares(txn, fence)
-            windows = {wk: self._cache[wk] for wk in live}
             for c in windows.values():
                 txn.modified_at(c.key, c.mod_revision)
             receipts: list[tuple[_Item, GrantRecord]] = []
@@ -792,7 +800,7 @@ class Engine:
                     txn.put(key, self._encode(new), kv.lease)
                     receipts.append((it, new))
                 for wk, c in windows.items():
-                    self._put_window(txn, wk, c, lids[wk])
+                    self._put_window(txn, wk, c)
             except BaseException:
                 self._drop(wks)
                 raise

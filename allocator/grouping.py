@@ -133,10 +133,13 @@ def form_units(ready: Iterable[Queued], *, busy: set[str] | frozenset[str], free
 def _fits(unit: Unit, item: Queued, window_bytes: Callable[[str], int], per_unit: int, max_ops: int,
           max_bytes: int) -> tuple[int, int, int] | None:
     """What ``unit`` grows by with ``item``, or None when the item may not join it."""
-    if unit.is_grant != item.is_grant or len(unit.items) >= per_unit \
-            or unit.fence.get(item.shard, item.epoch) != item.epoch:
+    is_grant = unit.is_grant
+    if is_grant != item.is_grant or len(unit.items) >= per_unit:
         return None
-    if not unit.is_grant and item.lease_id in unit.lease_ids:
+    epoch = unit.fence.get(item.shard)
+    if epoch is not None and epoch != item.epoch:
+        return None
+    if not is_grant and item.lease_id in unit.lease_ids:
         return None
     cost = unit.cost(item, window_bytes)
     if unit.compares + cost[0] <= max_ops and unit.puts + cost[1] <= max_ops and unit.bytes + cost[2] <= max_bytes:

@@ -433,6 +433,7 @@ class LeaseBuckets:
         self.bucket_ms = bucket_ms
         self.margin_s = margin_s
         self._leases: dict[int, int] = {}
+        self.generation = 0  # bumped by forget(): a lease id kept elsewhere is stale when older
 
     def cached(self, expire_at_ms: int, now_ms: int) -> int | None:
         """The bucket's lease if this process already holds it (no call), else None."""
@@ -451,3 +452,4 @@ class LeaseBuckets:
 
     def forget(self) -> None:
         self._leases.clear()
+        self.generation += 1
