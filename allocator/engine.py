@@ -78,6 +78,7 @@ log = logging.getLogger("allocator.engine")
 
 RECORD_MIN_LINGER_MS = 60_000
 TXNS_IN_FLIGHT = 4  # units (transactions) the committer runs at once, on disjoint pools
+BUSY_MIN_UNIT = 64  # while a unit is in flight, another starts only with this many writes queued
 MIN_UNIT = 256  # what is queued is spread over the free slots, but no unit is made smaller than this (bigger transactions cost etcd and us less per grant)
 MAX_TXN_BYTES = 1_000_000  # estimated request size per transaction: below etcd's default --max-request-bytes (1.5 MiB)
 MIN_TXN_BYTES = 64_000
@@ -449,9 +450,13 @@ class Engine:
     async def _committer(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            free = TXNS_IN_FLIGHT - len(self._running)
+            running = len(self._running)
+            free = TXNS_IN_FLIGHT - running
             units: list[Unit] = []
-            if self._ready and free > 0:
+            # group commit: with a transaction in flight, a few queued writes wait for it to finish
+            # and go out together (one transaction for many single requests); enough of them to
+            # fill a transaction go out at once, so etcd and Python work side by side
+            if self._ready and free > 0 and (not running or len(self._ready) >= BUSY_MIN_UNIT):
                 per_unit = max(MIN_UNIT, -(-len(self._ready) // free))
                 units, left = form_units(self._ready, busy=self._busy, free=free, per_unit=per_unit,
                                          max_ops=self.store.max_txn_ops, max_bytes=self._txn_bytes,
