@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
+    from kernel.httpserver import quiet_request_logs, serve
 
     from .app import create_app
 
@@ -30,16 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         for err in e.errors:
             print(f"  - {err}", file=sys.stderr)
         return 2
-    try:
-        import uvloop  # noqa: F401
-
-        loop = "uvloop"
-    except ImportError:
-        loop = "asyncio"
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop=loop,
-                            log_level=settings.log_level, access_log=False, lifespan="on",
-                            ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file)
-    uvicorn.Server(config).run()
+    quiet_request_logs(settings.log_level)
+    serve(app, host=settings.host, port=settings.port, limits=settings.http_limits(), log_level=settings.log_level,
+          access_log=settings.access_log, ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file)
     return 0
 
 

@@ -1,14 +1,13 @@
 """The allocator's HTTP API (Litestar). Thin: every route calls :class:`allocator.engine.Engine`.
 
-Errors: one handler turns every ``LeaseholdError`` into problem+json via ``to_problem``;
-Litestar's own client errors (bad JSON, schema validation, unknown route, body too large)
-are mapped to the same problem shape; anything else is a logged 500 problem with no detail.
+Errors are answered by the kernel's one mapper (:mod:`kernel.http_errors`, shared with the agent):
+problem+json for every error, Litestar's own client errors translated to the same classes; a body
+or parameter that does not fit the schema is a 400 here.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,30 +16,22 @@ import msgspec
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
-from litestar.exceptions import HTTPException, NotAuthorizedException, PermissionDeniedException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath, FromQuery, JSONBody
 
 from kernel.auth import SCOPE_KEY, RegionAuth, TokenTable, require_region
 from kernel.bundle import Bundle, load_bundle_file
-from kernel.errors import (
-    BadRequest,
-    Conflict,
-    Forbidden,
-    LeaseholdError,
-    NotFound,
-    PayloadTooLarge,
-    Unauthorized,
-    Unavailable,
-    ValidationFailed,
-    to_problem,
-)
+from kernel.errors import BadRequest, Unavailable, ValidationFailed
 from kernel.etcd_store import EtcdStore
 from kernel.etcd_tls import credentials as tls_credentials
+from kernel.http_errors import exception_handlers, problem_response
+from kernel.ids import LEASE_ID, LEASE_ID_RE, REGION, REGION_RE, human
+from kernel.jsonbody import StrictJSONRequest
 from kernel.openapi_problems import document_problems
 from kernel.policy_store import PolicyStore
 from kernel.shards import SHARD_HASH
+from kernel.signing import TrustedKeys
 from kernel.wire import (
     LeaderInfo,
     LeaseBatchRequest,
@@ -68,69 +59,20 @@ from .settings import AllocatorSettings
 from .shard_election import ShardElection
 
 log = logging.getLogger("allocator.app")
-
-PROBLEM_JSON = "application/problem+json"
-LEASE_ID_RE = re.compile(r"[A-Za-z0-9._:-]{8,96}")
+VALIDATION_STATUS = 400  # a body or parameter that does not fit the schema (the agent answers 422)
 
 Guard = Callable[[ASGIConnection, BaseRouteHandler], Any]
 
 
 async def region_auth_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
-    """Authentication hook for the lease endpoints. A later task fills it with per-region
-    bearer tokens (raise ``Unauthorized`` / ``Forbidden`` from ``kernel.errors``);
-    today every caller is accepted. ``create_app(auth_guard=...)`` plugs a check in here."""
+    """Authentication of the lease endpoints: runs the app's check, by default
+    :class:`kernel.auth.RegionAuth` (a region's bearer token, else 401); none with
+    ``--auth-disabled true``. ``create_app(auth_guard=...)`` plugs another check in here."""
     check = connection.app.state.get("auth_guard")
     if check is not None:
         result = check(connection, handler)
         if hasattr(result, "__await__"):
             await result
-
-
-# -- error mapping ------------------------------------------------------------------------------
-def problem_response(exc: LeaseholdError, path: str | None = None) -> Response[Any]:
-    status, body = to_problem(exc, instance=path)
-    headers = {}
-    if exc.retriable:
-        headers["Retry-After"] = "1"
-    return Response(content=body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
-
-
-def _leasehold_handler(request: Request, exc: LeaseholdError) -> Response[Any]:
-    return problem_response(exc, request.url.path)
-
-
-def _http_handler(request: Request, exc: HTTPException) -> Response[Any]:
-    status = exc.status_code
-    detail = exc.detail or "request rejected"
-    if status == 413:
-        err: LeaseholdError = PayloadTooLarge(detail)
-    elif status == 404:
-        err = NotFound(f"no route {request.url.path}")
-    elif status == 401 or isinstance(exc, NotAuthorizedException):
-        err = Unauthorized(detail)
-    elif status == 403 or isinstance(exc, PermissionDeniedException):
-        err = Forbidden(detail)
-    elif status == 405:
-        err = BadRequest(f"method {request.method} not allowed on {request.url.path}")
-        err.status = 405
-    elif status == 400 and exc.extra:
-        items = exc.extra if isinstance(exc.extra, list) else [exc.extra]
-        problems = [(f"{e['key']}: " if isinstance(e, dict) and e.get("key") else "")
-                    + (str(e.get("message", e)) if isinstance(e, dict) else str(e)) for e in items]
-        err = ValidationFailed(f"request body failed validation: {'; '.join(problems)}", errors=problems)
-        err.status = 400
-    elif 400 <= status < 500:
-        err = BadRequest(detail)
-        err.status = status
-    else:
-        log.error("HTTP %s on %s: %s", status, request.url.path, detail)
-        err = LeaseholdError("internal error")
-    return problem_response(err, request.url.path)
-
-
-def _internal_handler(request: Request, exc: Exception) -> Response[Any]:
-    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return problem_response(LeaseholdError("internal error"), request.url.path)
 
 
 # -- routes -------------------------------------------------------------------------------------
@@ -139,8 +81,8 @@ def _engine(state: State) -> Engine:
 
 
 def _check_lease_id(lease_id: str) -> None:
-    if not LEASE_ID_RE.fullmatch(lease_id):
-        raise BadRequest(f"leaseId must match {LEASE_ID_RE.pattern}")
+    if not LEASE_ID_RE.match(lease_id):
+        raise BadRequest(f"leaseId must match {human(LEASE_ID)}")
 
 
 @post("/v1/leases", status_code=200, guards=[region_auth_guard])
@@ -201,11 +143,8 @@ async def post_usage(request: Request, lease_id: FromPath[str], data: JSONBody[U
     _check_lease_id(lease_id)
     if data.lease_id != lease_id:
         raise BadRequest(f"body leaseId {data.lease_id!r} does not match the path's {lease_id!r}")
-    require_region(request.scope, data.region)
-    # a stored lease of another region: 403 for an authenticated caller (checked on the record the
-    # engine reads anyway), 409 otherwise
-    foreign = Forbidden if request.scope.get(SCOPE_KEY) is not None else Conflict
-    return await _engine(state).report(data, foreign=foreign)
+    require_region(request.scope, data.region)  # lease ids are looked up in the region's own namespace
+    return await _engine(state).report(data)
 
 
 @post("/v1/usage/batch", status_code=200, guards=[region_auth_guard])
@@ -213,23 +152,30 @@ async def post_usage_batch(request: Request, data: JSONBody[UsageBatchRequest],
                            state: State) -> Response[UsageBatchResponseDoc]:
     """Usage reports of many leases in one request (committed in few transactions); results in
     request order, each a receipt or an error. Same rules per item as
-    ``POST /v1/leases/{leaseId}/usage``."""
+    ``POST /v1/leases/{leaseId}/usage`` (the region's own lease ids, ``closedEarly``)."""
     for r in data.reports:
         require_region(request.scope, r.region)
     ids = [r.lease_id for r in data.reports]
     if len(set(ids)) != len(ids):
         raise ValidationFailed("a batch must not repeat a leaseId", errors=["reports: duplicate leaseId"])
-    foreign = Forbidden if request.scope.get(SCOPE_KEY) is not None else Conflict
-    body = UsageBatchResponse(results=await _engine(state).report_many(data.reports, foreign=foreign))
+    body = UsageBatchResponse(results=await _engine(state).report_many(data.reports))
     return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)
 
 
 @get("/v1/leases/{lease_id:str}", guards=[region_auth_guard])
-async def get_lease(request: Request, lease_id: FromPath[str], state: State) -> GrantRecord:
+async def get_lease(request: Request, lease_id: FromPath[str], state: State,
+                    region: FromQuery[str | None] = None) -> GrantRecord:
+    """A lease of the calling region (``region`` defaults to the authenticated region and is
+    required with authentication off). Another region's lease and no lease answer the same 404."""
     _check_lease_id(lease_id)
-    record = await _engine(state).get_record(lease_id)
-    require_region(request.scope, record.grant.region)
-    return record
+    caller = request.scope.get(SCOPE_KEY)
+    region = region or caller
+    if region is None:
+        raise BadRequest("the region query parameter is required when authentication is disabled")
+    if not REGION_RE.match(region):
+        raise BadRequest(f"region must match {human(REGION)}")
+    require_region(request.scope, region)
+    return await _engine(state).get_record(region, lease_id)
 
 
 @get("/v1/leader")
@@ -316,6 +262,8 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
     """Build the app. The etcd client, election and committer start in the app's lifespan.
     ``fast_path``: serve the batch routes' common case without Litestar (``allocator.fastpath``)."""
     bundle = bundle if bundle is not None else load_bundle_file(settings.policy)
+    trusted = TrustedKeys.from_files(settings.policy_public_keys)
+    trusted.check(bundle)  # the start bundle too (raises SignatureRefused, a PolicyError)
     pools = {p.id: p for p in bundle.pools}
     if auth_guard is None and not settings.auth_disabled:
         auth_guard = RegionAuth(TokenTable.parse(settings.region_tokens, settings.region_tokens_file))
@@ -354,7 +302,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
                               interval_s=settings.etcd_compaction_interval_s, metrics=m)
         if settings.etcd_compaction_interval_s:
             compactor.start()
-        follower = AllocatorPolicy(bundle, engine, m)
+        follower = AllocatorPolicy(bundle, engine, m, trusted)
         app.state.policy = follower
         watcher = follower.watcher(PolicyStore(store, settings.prefix), settings.policy_reread_ms / 1000)
         if settings.policy_from_etcd:
@@ -375,10 +323,10 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         lifespan=[lifespan],
         state=State({"auth_guard": auth_guard, "settings": settings}),
         middleware=[batch_fast_path(lambda: app.state, settings.max_body_bytes)] if fast_path else [],
-        exception_handlers={LeaseholdError: _leasehold_handler, HTTPException: _http_handler,
-                            Exception: _internal_handler},
+        exception_handlers=exception_handlers(validation_status=VALIDATION_STATUS),
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Leasehold allocator", version="1.0.0", path="/schema"),
+        request_class=StrictJSONRequest,  # kernel.jsonbody: application/json only, strict typed decoding
         debug=False,
     )
     document_problems(app)

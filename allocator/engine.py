@@ -91,7 +91,7 @@ def wall_ms() -> int:
 
 
 class GrantRecord(msgspec.Struct, rename="camel"):
-    """What ``grants/<leaseId>`` holds: the grant as answered, plus its usage report."""
+    """What ``grants/<region>/<leaseId>`` holds: the grant as answered, plus its usage report."""
 
     grant: LeaseGrant
     demand: int = 0
@@ -170,12 +170,8 @@ class _Item:
 class _Report(_Item):
     """A usage report on its way through the committer."""
 
-    __slots__ = ("foreign",)
+    __slots__ = ()
     is_grant = False
-
-    def __init__(self, req: UsageReport, wait: _Wait, shard: int, epoch: int, foreign: type[LeaseholdError]):
-        super().__init__(req, wait, shard, epoch)
-        self.foreign = foreign  # what a stored lease of another region answers (Conflict, or Forbidden)
 
     @property
     def window_choice(self) -> str:
@@ -210,8 +206,10 @@ class Keys:
     def window(self, pool: str, index: int) -> bytes:
         return f"{self.prefix}pools/{pool}/{index}".encode()
 
-    def grant(self, lease_id: str) -> bytes:
-        return (self.prefix + "grants/" + lease_id).encode()
+    def grant(self, region: str, lease_id: str) -> bytes:
+        """A lease id is the idempotency key of the region that minted it: one namespace per
+        region, so no region can learn whether another region used an id (or claim it)."""
+        return f"{self.prefix}grants/{region}/{lease_id}".encode()
 
     def pool_prefix(self, pool: str) -> bytes:
         return f"{self.prefix}pools/{pool}/".encode()
@@ -237,7 +235,7 @@ class Engine:
         self._running: dict[asyncio.Task[None], Unit] = {}
         self._busy: set[str] = set()  # pools of the units in flight
         self._held: set[tuple[str, int]] = set()  # windows the units in flight decide on (never pruned)
-        self._inflight: dict[str, _Item] = {}  # lease id -> its queued grant (a retry joins it)
+        self._inflight: dict[tuple[str, str], _Item] = {}  # (region, lease id) -> its queued grant (a retry joins it)
         self._cache: dict[tuple[str, int], _Cached] = {}
         self._window_bytes: dict[str, int] = {}  # pool -> size of its last window record (unit budgets)
         self._last_prune_ms = 0  # wall ms of the last cache scan (_prune_cache)
@@ -337,33 +335,31 @@ class Engine:
         return [it if isinstance(it, LeaseError) else it.result if it.error is None
                 else _lease_error(it.req.lease_id, it.error) for it in items]
 
-    async def report(self, report: UsageReport, *, foreign: type[LeaseholdError] = Conflict) -> UsageReceipt:
+    async def report(self, report: UsageReport) -> UsageReceipt:
         wait = _Wait()
-        item = self._enqueue_report(report, wait, foreign)
+        item = self._enqueue_report(report, wait)
         await wait.wait()
         return item.outcome()  # type: ignore[no-any-return]
 
-    async def report_many(self, reports: Sequence[UsageReport], *, foreign: type[LeaseholdError] = Conflict,
-                          ) -> list[UsageReceipt | LeaseError]:
+    async def report_many(self, reports: Sequence[UsageReport]) -> list[UsageReceipt | LeaseError]:
         """Usage reports of many leases: queued at once and committed in few transactions (the
-        committer groups them like grants); results in request order. ``foreign``: what a report
-        on a stored lease of another region answers (409 ``Conflict``; ``Forbidden`` when the
-        caller was authenticated as the report's region)."""
+        committer groups them like grants); results in request order, each decided exactly like
+        :meth:`report` (the region's own lease namespace, ``closedEarly``, spend history)."""
         wait = _Wait()
         items: list[_Item | LeaseError] = []
         for r in reports:
             try:
-                items.append(self._enqueue_report(r, wait, foreign))
+                items.append(self._enqueue_report(r, wait))
             except LeaseholdError as e:
                 items.append(_lease_error(r.lease_id, e))
         await wait.wait()
         return [it if isinstance(it, LeaseError) else it.result if it.error is None
                 else _lease_error(it.req.lease_id, it.error) for it in items]
 
-    async def get_record(self, lease_id: str) -> GrantRecord:
-        kv = await self.store.get(self.keys.grant(lease_id))
+    async def get_record(self, region: str, lease_id: str) -> GrantRecord:
+        kv = await self.store.get(self.keys.grant(region, lease_id))
         if kv is None:
-            raise NotFound(f"no lease {lease_id!r}")
+            raise NotFound(f"no lease {lease_id!r} for region {region!r}")
         return msgspec.json.decode(kv.value, type=GrantRecord)
 
     async def window_view(self, pool_id: str) -> PoolWindowView:
@@ -393,7 +389,7 @@ class Engine:
         """Queue a grant for the committer, or join the one queued for the same lease id."""
         pool = self.pools.get(req.pool) or self.pool(req.pool)
         policy.check_region(pool, req.region)
-        existing = self._inflight.get(req.lease_id)
+        existing = self._inflight.get((req.region, req.lease_id))
         if existing is not None:
             _check_same(existing.req.pool, existing.req.region, req)
             joiner = _Item(req, wait, existing.shard, existing.epoch)
@@ -405,16 +401,16 @@ class Engine:
         epoch = self.election.require_leader(shard)
         self._check_backlog()
         item = _Item(req, wait, shard, epoch)
-        self._inflight[req.lease_id] = item
+        self._inflight[(req.region, req.lease_id)] = item
         self._queue(item)
         return item
 
-    def _enqueue_report(self, report: UsageReport, wait: _Wait, foreign: type[LeaseholdError]) -> _Report:
+    def _enqueue_report(self, report: UsageReport, wait: _Wait) -> _Report:
         self.pool(report.pool)
         shard = self._shard_of(report.pool)
         epoch = self.election.require_leader(shard)
         self._check_backlog()
-        item = _Report(report, wait, shard, epoch, foreign)
+        item = _Report(report, wait, shard, epoch)
         self._queue(item)
         return item
 
@@ -436,8 +432,10 @@ class Engine:
         for it in (item, *item.joiners):
             it.done, it.result, it.error = True, result, error
             it.wait.one_done()
-        if item.is_grant and self._inflight.get(item.req.lease_id) is item:
-            del self._inflight[item.req.lease_id]
+        if item.is_grant:
+            key = (item.req.region, item.req.lease_id)
+            if self._inflight.get(key) is item:
+                del self._inflight[key]
         left = self._open[item.shard] = self._open[item.shard] - 1
         if not left and (idle := self._idle.pop(item.shard, None)) is not None:
             idle.set()
@@ -607,8 +605,11 @@ class Engine:
             wks = {t[2] for t in targets}
             held |= wks
             self._held |= wks
-            await self._load_windows(wks)
+            # the window before each one, read only: the regions' spend history (demand caps; its
+            # ``spent`` changes only with usage reports, which never share a unit with grants)
+            await self._load_windows(wks | {(p, k - 1) for p, k in wks})
             windows = {wk: self._cache[wk] for wk in wks}
+            before = {wk: self._cache.get((wk[0], wk[1] - 1)) for wk in wks}
             await self._window_leases(windows, now)
             # No local leadership check here: each item carries the epoch its shard was accepted under
             # and etcd decides (the txn compares it). A leader resumed after a pause gets Fenced.
@@ -627,9 +628,11 @@ class Engine:
             try:
                 for it, pool, wk in targets:  # decided in place: the unit owns these windows
                     r = it.req
+                    prev = before[wk]
                     try:
                         d = policy.decide_grant(pool, windows[wk].state, region=r.region, want=r.want,
-                                                demand=r.demand, now_ms=now)
+                                                demand=r.demand, now_ms=now,
+                                                previous=prev.state if prev is not None else None)
                     except LeaseholdError as e:  # e.g. the region left the pool in a new bundle
                         self._answer(it, error=e)
                         continue
@@ -637,7 +640,7 @@ class Engine:
                                    window=d.window, expires_at_ms=d.expires_at_ms, ttl_ms=d.ttl_ms,
                                    starts_in_ms=d.starts_in_ms, epoch=it.epoch, issued_at_ms=now,
                                    remaining=d.remaining)
-                    key = grant_key(r.lease_id)
+                    key = grant_key(r.region, r.lease_id)
                     absent.append(key)
                     puts.append((key, encode(GrantRecord(grant=g, demand=r.demand)), windows[wk].lease))
                     answers.append((it, g, d))
@@ -676,6 +679,11 @@ class Engine:
                 for it, g, d in answers:
                     self._count_grant(g, d)
                     self._answer(it, g)
+                for wk, c in windows.items():  # the window's fill after the unit's last decision
+                    pool = self.pools.get(wk[0])
+                    if pool is not None:
+                        self.metrics.note_grant_window(wk[0], policy.window_ref(wk[1], pool.window_ms), pool.limit,
+                                                       c.state.remaining)
                 self._prune_cache(now)
                 return
             # -- a compare failed: find out which (reads after it are as good to decide on: a
@@ -684,20 +692,20 @@ class Engine:
             self.metrics.txn_conflicts.labels("grant").inc()
             found = await self.store.get_many([*(self.election.leader_key(s) for s in fence),
                                                *(self.keys.window(*wk) for wk in wks),
-                                               *(grant_key(it.req.lease_id) for it in pending)])
+                                               *(grant_key(it.req.region, it.req.lease_id) for it in pending)])
             pending = self._fence_deposed(pending, fence, found)
             for wk in wks:
                 key = self.keys.window(*wk)
                 self._cache[wk] = self._cached_from(wk, key, found.get(key))
             for it in list(pending):
-                kv = found.get(grant_key(it.req.lease_id))
+                kv = found.get(grant_key(it.req.region, it.req.lease_id))
                 if kv is not None:
                     pending.remove(it)
                     self._answer_replay(it, kv.value)
             if not pending:
                 return
             self.metrics.txn_retries.labels("grant").inc()
-            log.info("grant txn conflict (attempt %d), retrying %d grants", attempt + 1, len(pending))
+            log.debug("grant txn conflict (attempt %d), retrying %d grants", attempt + 1, len(pending))
         raise Unavailable(f"lease grant not committed after {self.max_attempts} conflicting attempts; retry",
                           extra={"attempts": self.max_attempts})
 
@@ -747,7 +755,7 @@ class Engine:
         grant; each record's mod_revision as read, each window's) for all of them."""
         pending = items
         for _attempt in range(self.max_attempts):
-            keys = [self.keys.grant(it.req.lease_id) for it in pending]
+            keys = [self.keys.grant(it.req.region, it.req.lease_id) for it in pending]
             found = await self.store.get_many(keys)
             now = self.clock()
             todo: list[tuple[_Item, bytes, KV, GrantRecord, policy.ReclaimDecision]] = []
@@ -755,13 +763,12 @@ class Engine:
                 rep: UsageReport = it.req
                 kv = found.get(key)
                 if kv is None:
-                    self._answer(it, error=NotFound(f"no lease {rep.lease_id!r}"))
+                    self._answer(it, error=NotFound(f"no lease {rep.lease_id!r} for region {rep.region!r}"))
                     continue
                 rec = msgspec.json.decode(kv.value, type=GrantRecord)
-                if rec.grant.pool != rep.pool or rec.grant.region != rep.region:
-                    cls = it.foreign if rec.grant.region != rep.region and isinstance(it, _Report) else Conflict
-                    self._answer(it, error=cls(f"lease {rep.lease_id!r} belongs to pool {rec.grant.pool!r} region "
-                                               f"{rec.grant.region!r}, not pool {rep.pool!r} region {rep.region!r}"))
+                if rec.grant.pool != rep.pool:  # the region's own lease: naming its pool tells it nothing new
+                    self._answer(it, error=Conflict(f"lease {rep.lease_id!r} belongs to pool {rec.grant.pool!r}, "
+                                                    f"not {rep.pool!r}"))
                     continue
                 if rec.reported:
                     self._answer(it, _receipt(rec, replayed=True))
@@ -769,7 +776,8 @@ class Engine:
                 try:
                     d = policy.decide_reclaim(granted=rec.grant.granted, spent=rep.spent,
                                               expires_at_ms=rec.grant.expires_at_ms,
-                                              window_end_ms=rec.grant.window.end_ms, now_ms=now)
+                                              window_end_ms=rec.grant.window.end_ms, now_ms=now,
+                                              closed_early=rep.closed_early)
                 except LeaseholdError as e:
                     self._answer(it, error=e)
                     continue
@@ -797,7 +805,8 @@ class Engine:
                     wk = (rec.grant.pool, rec.grant.window.index)
                     if rec.grant.granted > 0:
                         if wk in windows:
-                            policy.apply_reclaim(windows[wk].state, rep.region, returned, rec.grant.granted)
+                            policy.apply_reclaim(windows[wk].state, rep.region, returned, rec.grant.granted,
+                                                 rep.spent)
                         else:  # the window's key is gone: nothing to return to
                             returned, stranded = 0, d.returned + d.stranded
                     new = msgspec.structs.replace(rec, reported=True, spent=rep.spent, returned=returned,
@@ -858,5 +867,5 @@ def _receipt(rec: GrantRecord, *, replayed: bool) -> UsageReceipt:
 
 def _check_same(pool: str, region: str, req: LeaseRequest) -> None:
     if pool != req.pool or region != req.region:
-        raise Conflict(f"lease id {req.lease_id!r} is already used for pool {pool!r} region {region!r}",
-                       extra={"leaseId": req.lease_id})
+        # ``region`` is the caller's own (lease ids are per region): nothing about other regions
+        raise Conflict(f"lease id {req.lease_id!r} is already used for pool {pool!r}", extra={"leaseId": req.lease_id})

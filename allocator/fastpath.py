@@ -6,9 +6,10 @@ model, data extraction, response object) cost about a seventh of the allocator's
 under ``make bench`` figure 4 (py-spy). This ASGI middleware, installed app-wide, serves exactly
 the common case itself:
 
-    POST to one of the two paths, ``Content-Type: application/json``, a body within the size
-    limit that decodes (strictly) into the route's request type, a caller the guard lets in
-    (or authentication disabled), every item naming the caller's own region, no repeated leaseId.
+    POST to one of the two paths, one ``Content-Type`` header that is ``application/json``, a body
+    within the size limit that decodes (strictly, no object repeating a key: :mod:`kernel.jsonbody`'s
+    rules) into the route's request type, a caller the guard lets in (one Authorization header,
+    or authentication disabled), every item naming the caller's own region, no repeated leaseId.
 
 It then runs what the handler runs (``Engine.grant_many`` / ``Engine.report_many``) and answers
 200 with the results encoded as the handler encodes them. **Everything else** — another route or
@@ -27,7 +28,8 @@ from typing import Any
 import msgspec
 
 from kernel.auth import SCOPE_KEY, RegionAuth, authenticate
-from kernel.errors import Conflict, Forbidden, LeaseholdError
+from kernel.errors import LeaseholdError
+from kernel.jsonbody import content_type_of, has_duplicate_keys, is_json_media_type
 from kernel.wire import LeaseBatchRequest, LeaseBatchResponse, UsageBatchRequest, UsageBatchResponse
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
@@ -38,12 +40,12 @@ _decode_usage = msgspec.json.Decoder(UsageBatchRequest).decode
 _encode = msgspec.json.Encoder().encode
 
 
-class _Headers(dict):
-    """Lower-cased request headers, enough for the bearer check (``headers.get``)."""
-
-    @classmethod
-    def of(cls, scope: dict) -> _Headers:
-        return cls((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", ()))
+def _is_json(raw_headers: list) -> bool:
+    """One Content-Type header, application/json (kernel.jsonbody's rule)."""
+    try:
+        return is_json_media_type(content_type_of(raw_headers))
+    except LeaseholdError:  # several Content-Type headers: the handler answers 415
+        return False
 
 
 def batch_fast_path(state_of: Callable[[], Any], max_body: int) -> Callable[[ASGIApp], ASGIApp]:
@@ -60,9 +62,8 @@ def batch_fast_path(state_of: Callable[[], Any], max_body: int) -> Callable[[ASG
             st = state_of()
             engine = st.get("engine")
             guard = st.get("auth_guard")
-            headers = _Headers.of(scope)
-            if engine is None or (guard is not None and not isinstance(guard, RegionAuth)) \
-                    or not headers.get("content-type", "").startswith("application/json"):
+            headers = scope.get("headers", [])
+            if engine is None or (guard is not None and not isinstance(guard, RegionAuth)) or not _is_json(headers):
                 await app(scope, receive, send)
                 return
             who = None
@@ -90,6 +91,8 @@ def batch_fast_path(state_of: Callable[[], Any], max_body: int) -> Callable[[ASG
                     items = _decode_leases(body).requests if path == LEASES else _decode_usage(body).reports
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     items = None
+                if items is not None and has_duplicate_keys(body):
+                    items = None  # the handler answers 400 (kernel.jsonbody)
             if items is None or (who is not None and any(it.region != who for it in items)) \
                     or len({it.lease_id for it in items}) != len(items):
                 await app(scope, _replay(chunks, receive), send)  # the handler gives the 4xx problem
@@ -99,8 +102,7 @@ def batch_fast_path(state_of: Callable[[], Any], max_body: int) -> Callable[[ASG
             if path == LEASES:
                 payload = _encode(LeaseBatchResponse(results=await engine.grant_many(items)))
             else:
-                foreign = Forbidden if who is not None else Conflict
-                payload = _encode(UsageBatchResponse(results=await engine.report_many(items, foreign=foreign)))
+                payload = _encode(UsageBatchResponse(results=await engine.report_many(items)))
             await send({"type": "http.response.start", "status": 200,
                         "headers": [*_JSON_HEADERS, (b"content-length", str(len(payload)).encode())]})
             await send({"type": "http.response.body", "body": payload})

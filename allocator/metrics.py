@@ -3,13 +3,62 @@ policy bundle; etcd operation names; outcome codes), never lease ids."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kernel.policy_metrics import policy_metrics
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+disable_created_metrics()  # no *_created series (docs/metrics.md, cardinality budget)
 MAX_REGION_LABELS = 64
+
+
+class WindowFill:
+    """``leasehold_allocator_pool_window_granted_ratio{pool}``: tokens granted (net of returns) in
+    the pool's *current* window as a fraction of its limit G, as this replica's last grant
+    decision saw it (0 once that window has ended without a newer decision). The "grants near G"
+    signal; one series per pool."""
+
+    NAME = "leasehold_allocator_pool_window_granted_ratio"
+    HELP = "Granted (net of returns) / G in the pool's current window, from the last grant decision"
+    LABELS = ("pool",)
+
+    def __init__(self, clock: Callable[[], float] = time.time):
+        self.clock = clock
+        self._seen: dict[tuple[str, int], tuple[int, int, float]] = {}  # (pool, k) -> (start, end, ratio)
+
+    def note(self, pool: str, index: int, start_ms: int, end_ms: int, limit: int, remaining: int) -> None:
+        self._seen[(pool, index)] = (start_ms, end_ms, (limit - remaining) / limit if limit > 0 else 0.0)
+        if len(self._seen) > 4 * 1024:  # windows of pools no longer granted from
+            now = self.clock() * 1000
+            for k in [k for k, (_, end, _) in self._seen.items() if end <= now]:
+                del self._seen[k]
+
+    def describe(self):
+        return [GaugeMetricFamily(self.NAME, self.HELP, labels=self.LABELS)]
+
+    def collect(self):
+        fam = GaugeMetricFamily(self.NAME, self.HELP, labels=self.LABELS)
+        now = self.clock() * 1000
+        ratio: dict[str, float] = {}
+        for (pool, _), (start, end, r) in list(self._seen.items()):
+            ratio.setdefault(pool, 0.0)
+            if start <= now < end:
+                ratio[pool] = r
+        for pool, r in sorted(ratio.items()):
+            fam.add_metric([pool], r)
+        yield fam
 
 
 class AllocatorMetrics:
@@ -69,6 +118,10 @@ class AllocatorMetrics:
                                    "etcd history compactions done by this replica", registry=r)
         self.compacted_revision = Gauge("leasehold_allocator_etcd_compacted_revision",
                                         "The revision this replica last compacted etcd's history to", registry=r)
+        self.policy_reloads, self.policy_version, self.policy_age = policy_metrics(
+            "allocator", r, offered="from etcd", age="Seconds since the policy key was last read from etcd")
+        self.window_fill = WindowFill()
+        r.register(self.window_fill)
         self.etcd_latency = Histogram("leasehold_allocator_etcd_request_seconds", "etcd request latency",
                                       ["op"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                                        1, 2.5), registry=r)
@@ -88,6 +141,10 @@ class AllocatorMetrics:
             self._regions.add(region)
             return region
         return "other"
+
+    def note_grant_window(self, pool: str, window, limit: int, remaining: int) -> None:
+        """After a grant decision: the window's fill (see :class:`WindowFill`)."""
+        self.window_fill.note(pool, window.index, window.start_ms, window.end_ms, limit, remaining)
 
     def observe_etcd(self, op: str, seconds: float) -> None:
         self.etcd_latency.labels(op).observe(seconds)

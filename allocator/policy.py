@@ -46,6 +46,7 @@ class WindowState(Struct, rename="camel"):
     reported: dict[str, int] = {}  # leases whose usage report was accepted
     reported_tokens: dict[str, int] = {}  # tokens granted in those leases
     returned: dict[str, int] = {}  # tokens given back by usage reports
+    spent: dict[str, int] = {}  # tokens those reports say were spent (the evidence behind demand claims)
     active: dict[str, RegionActivity] = {}
     exhausted: bool = False
 
@@ -129,6 +130,38 @@ def active_regions(state: WindowState, pool: Pool, now_ms: int) -> dict[str, Reg
     return {r: a for r, a in state.active.items() if now_ms - a.last_ms <= pool.active_horizon_ms}
 
 
+DEMAND_HEADROOM = 2  # a demand claim is believed up to this multiple of the region's reported spend rate
+
+
+def demand_floor(pool: Pool) -> int:
+    """The demand (tokens/s) any region may claim without evidence: one full chunk per lease TTL."""
+    return -(-pool.chunk_max * 1000 // pool.lease_ttl_ms)
+
+
+def spend_rate(state: WindowState, previous: WindowState | None, pool: Pool, region: str, now_ms: int) -> int:
+    """Tokens/s the region demonstrably spent (its usage reports) over the previous and the
+    current window of the pool, rounded up."""
+    spent = state.spent.get(region, 0) + (previous.spent.get(region, 0) if previous is not None else 0)
+    start = (state.index - (1 if previous is not None else 0)) * pool.window_ms
+    return -(-spent * 1000 // max(1, now_ms - start))
+
+
+def credible_demand(pool: Pool, state: WindowState, previous: WindowState | None, *, region: str, demand: int,
+                    now_ms: int) -> int:
+    """What a region's claimed ``demand`` counts as: at most ``DEMAND_HEADROOM`` x its reported
+    spend rate, and never less than :func:`demand_floor` (a region with no history yet).
+
+    Demand weighs the fair share of a low pool; unchecked, a region claiming an enormous demand
+    took the whole remainder. Believing a claim only as far as the region's own usage reports
+    support it (reports are the allocator's evidence of spending; a region that reports tokens as
+    spent gets none of them back) bounds what inflation can take: with no history, no more than
+    the share of a region that claims the floor."""
+    if demand <= 0:
+        return demand
+    cap = max(demand_floor(pool), DEMAND_HEADROOM * spend_rate(state, previous, pool, region, now_ms))
+    return min(demand, cap)
+
+
 def fair_share(state: WindowState, pool: Pool, region: str, now_ms: int) -> int | None:
     """When the pool runs low (remaining < chunkMax x active regions), the region's share of
     what is left, weighted by the active regions' demand (1 at least while anything remains).
@@ -156,11 +189,14 @@ def lease_times(pool: Pool, index: int, now_ms: int) -> tuple[WindowRef, int, in
 
 
 def decide_grant(pool: Pool, state: WindowState, *, region: str, want: int, demand: int,
-                 now_ms: int) -> GrantDecision:
-    """give = min(want, chunk(demand), remaining, fair share); mutates ``state``."""
+                 now_ms: int, previous: WindowState | None = None) -> GrantDecision:
+    """give = min(want, chunk(demand), remaining, fair share), with ``demand`` counted as
+    :func:`credible_demand` (``previous``: the pool's window before ``state``, if any, for the
+    region's spend history); mutates ``state``."""
     check_region(pool, region)
     if state.pool != pool.id:
         raise ValueError(f"window state of pool {state.pool!r} used for pool {pool.id!r}")
+    demand = credible_demand(pool, state, previous, region=region, demand=demand, now_ms=now_ms)
     ref, expires, ttl, starts_in = lease_times(pool, state.index, now_ms)
     activity = state.active.get(region)
     if activity is None:
@@ -199,16 +235,19 @@ def replay_view(grant: LeaseGrant, now_ms: int) -> LeaseGrant:
 
 
 def decide_reclaim(*, granted: int, spent: int, expires_at_ms: int, window_end_ms: int,
-                   now_ms: int) -> ReclaimDecision:
+                   now_ms: int, closed_early: bool = False) -> ReclaimDecision:
     """Validate a usage report and say how many unspent tokens go back to the pool.
 
-    Accepted only after the lease expired on the allocator clock (the region stopped spending
-    before that), so returning ``granted - spent`` to a still-open window cannot overshoot.
+    Accepted after the lease expired on the allocator clock (the region stopped spending before
+    that), or before that when the region says it closed the lease in its store (``closed_early``:
+    an agent shutting down removed it, so nothing more is spent from it) — either way returning
+    ``granted - spent`` to a still-open window cannot overshoot. (The allocator trusts a region's
+    report in both cases: a region that reports less than it spent overshoots either way.)
     """
     if spent > granted:
         raise ValidationFailed(f"spent {spent} exceeds the {granted} tokens granted",
                                errors=[f"spent: must be <= {granted}"])
-    if now_ms < expires_at_ms:
+    if now_ms < expires_at_ms and not closed_early:
         raise Conflict(f"lease not yet expired: it expires in {expires_at_ms - now_ms} ms; "
                        "report usage after expiry", extra={"expiresInMs": expires_at_ms - now_ms})
     unspent = granted - spent
@@ -217,12 +256,16 @@ def decide_reclaim(*, granted: int, spent: int, expires_at_ms: int, window_end_m
     return ReclaimDecision(returned=0, stranded=unspent, window_open=False)
 
 
-def apply_reclaim(state: WindowState, region: str, returned: int, granted: int = 0) -> None:
-    """Record a usage report of a lease of ``granted`` tokens and give ``returned`` tokens back
-    to the window (0 once it has closed). Mutates ``state``."""
+def apply_reclaim(state: WindowState, region: str, returned: int, granted: int = 0, spent: int = 0) -> None:
+    """Record a usage report of a lease of ``granted`` tokens of which ``spent`` were spent, and
+    give ``returned`` tokens back to the window (0 once it has closed). Mutates ``state``."""
     if returned < 0 or (granted and returned > granted) or state.remaining + returned > state.limit:
         raise ValueError("reclaim would break remaining <= limit")
+    if spent < 0 or (granted and spent > granted):
+        raise ValueError("spent must be within the lease")
     state.remaining += returned
+    if spent:
+        state.spent[region] = state.spent.get(region, 0) + spent
     state.returned[region] = state.returned.get(region, 0) + returned
     state.reported[region] = state.reported.get(region, 0) + 1
     state.reported_tokens[region] = state.reported_tokens.get(region, 0) + granted

@@ -6,25 +6,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
-import msgspec
 from msgspec import Meta
 
-from kernel.config import ConfigError, load_settings
+from kernel.config import ConfigError, ServingSettings, load_settings
 from kernel.etcd_store import parse_endpoints
+from kernel.ids import EtcdPrefix, NodeId
 
 ENV_PREFIX = "LEASEHOLD_ALLOCATOR_"
 
 
-class AllocatorSettings(msgspec.Struct, forbid_unknown_fields=True):
+class AllocatorSettings(ServingSettings, forbid_unknown_fields=True):
     """Leasehold allocator: global pools on etcd, epoch-fenced lease grants."""
 
     etcd: str  # comma-separated host:port list
     policy: str  # policy bundle file (its pools section)
-    node_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,64}\Z")]
+    node_id: NodeId
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=1, le=65535)] = 8700
     advertise_url: str | None = None  # how the other replicas and regions reach this one
-    prefix: Annotated[str, Meta(pattern=r"^/[A-Za-z0-9._/-]*/\Z")] = "/leasehold/"
+    prefix: EtcdPrefix = "/leasehold/"
     election_ttl_s: Annotated[int, Meta(ge=2, le=60)] = 3
     # shards of leadership: 1 = one leader for every pool (key <prefix>leader); N > 1 = pools hashed
     # over N shards, each with its own leader key and epoch, spread over the live replicas. The same
@@ -48,10 +48,9 @@ class AllocatorSettings(msgspec.Struct, forbid_unknown_fields=True):
     etcd_cert_file: str | None = None  # optional client certificate (etcd --client-cert-auth)
     etcd_key_file: str | None = None
     etcd_password_file: str | None = None  # or LEASEHOLD_ALLOCATOR_ETCD_PASSWORD
-    tls_cert_file: str | None = None  # serve HTTPS (uvicorn ssl_certfile) ...
-    tls_key_file: str | None = None  # ... with this key
     policy_from_etcd: bool = True  # follow <prefix>policy/current (strictly higher versions only)
     policy_reread_ms: Annotated[int, Meta(ge=50, le=600_000)] = 5_000  # safety-net re-read period
+    policy_public_keys: list[str] = []  # Ed25519 public key PEM files: bundles must be signed by one of them
 
     @property
     def url(self) -> str:

@@ -50,7 +50,7 @@ from kernel.bundle import Bundle, Pool
 from kernel.shards import shard_of
 
 from .history import (
-    Decision,
+    DecisionRec,
     EtcdGrant,
     EtcdWindow,
     Fault,
@@ -63,9 +63,9 @@ from .history import (
     close_to_spend,
     policies_from,
     read_history,
-    to_decision_records,
-    to_grant_record,
+    to_grant_sighting,
     to_leader_term,
+    to_pool_admissions,
     to_spend_records,
     to_window_state,
 )
@@ -199,7 +199,7 @@ def check(history: str | Path | Iterable[Record], pools: Bundle | Iterable[Pool 
     grants = [r for r in records if isinstance(r, Grant)]
     etcd = [r for r in records if isinstance(r, EtcdGrant)]
     etcd_windows = [to_window_state(r) for r in records if isinstance(r, EtcdWindow)]
-    decisions = [r for r in records if isinstance(r, Decision)]
+    decisions = [r for r in records if isinstance(r, DecisionRec)]
     closes = [r for r in records if isinstance(r, SpendClose)]
     leaders = [r for r in records if isinstance(r, Leader)]
     faults = [r for r in records if isinstance(r, Fault)]
@@ -209,10 +209,10 @@ def check(history: str | Path | Iterable[Record], pools: Bundle | Iterable[Pool 
     offsets = allocator_offsets(topo)
     window_ms = {p.id: p.window_ms for p in policies}
 
-    received = [to_grant_record(g) for g in grants]
-    stored = [to_grant_record(g) for g in etcd]
+    received = [to_grant_sighting(g) for g in grants]
+    stored = [to_grant_sighting(g) for g in etcd]
     window_of = {g.lease_id: g.window_index for g in received + stored}
-    d_recs = [d for dec in decisions for d in to_decision_records(dec, window_of, window_ms, offsets)]
+    d_recs = [d for dec in decisions for d in to_pool_admissions(dec, window_of, window_ms, offsets)]
     end_ms = max([d.recorded_at_ms for d in decisions] + [f.stop_ms or f.start_ms for f in faults] + [0])
     topology = (Topology(agents={r: len(a) for r, a in topo.agents.items() if a}) if topo is not None
                 else inv.topology_of(d_recs))

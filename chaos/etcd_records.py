@@ -1,6 +1,6 @@
 """Read the allocator's own records back from etcd after a run, as history records.
 
-Adapter: uses the allocator's etcd client and key layout (``<prefix>grants/<leaseId>``,
+Adapter: uses the allocator's etcd client and key layout (``<prefix>grants/<region>/<leaseId>``,
 ``<prefix>pools/<pool>/<k>``, ``<prefix>leader`` or, sharded, ``<prefix>leader/<shard>``) and
 its stored types, so the checker judges
 exactly what the allocator committed. A grant's commit revision is its record's
@@ -16,8 +16,7 @@ from collections.abc import Sequence
 import msgspec
 
 from allocator.election import LeaderRecord
-from allocator.engine import GrantRecord as StoredGrant
-from allocator.engine import Keys
+from allocator.engine import GrantRecord, Keys
 from allocator.policy import WindowState
 from kernel.etcd_store import EtcdStore
 
@@ -26,7 +25,7 @@ from .history import EtcdGrant, EtcdWindow, HistoryError, Leader, now_ms
 
 def grant_from_kv(value: bytes, create_revision: int, mod_revision: int, key: bytes = b"") -> EtcdGrant:
     try:
-        rec = msgspec.json.decode(value, type=StoredGrant)
+        rec = msgspec.json.decode(value, type=GrantRecord)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise HistoryError(f"etcd grant record {key.decode(errors='replace')} is unreadable: {e}") from None
     g = rec.grant

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .history import Counters, Decision, Fault, Meta, Record
+from .history import Counters, DecisionRec, Fault, Meta, Record
 
 
 def unexplained(records: Iterable[Record], around_ms: int = 2_500) -> list[str]:
@@ -22,7 +22,7 @@ def unexplained(records: Iterable[Record], around_ms: int = 2_500) -> list[str]:
             samples.setdefault(r.service, []).append(r)
     out = []
     for d in recs:
-        if not (isinstance(d, Decision) and d.allowed and (d.fallback or d.local)):
+        if not (isinstance(d, DecisionRec) and d.allowed and (d.fallback or d.local)):
             continue
         t = d.recorded_at_ms
         if any(a <= t <= b and (d.region in regions or d.agent in agents) for a, b, regions, agents in spans):

@@ -19,9 +19,9 @@ import msgspec
 from msgspec import Struct
 
 from chaos.invariants import (
-    DecisionRecord,
-    GrantRecord,
+    GrantSighting,
     LeaderTerm,
+    PoolAdmission,
     PoolPolicy,
     SpendRecord,
     WindowStateRecord,
@@ -67,7 +67,7 @@ class PoolSpend(Struct, rename="camel"):
     window_index: int | None = None
 
 
-class Decision(_Rec, tag="decision"):
+class DecisionRec(_Rec, tag="decision"):
     agent: str
     region: str
     tenant: str
@@ -183,7 +183,7 @@ class Counters(_Rec, tag="counters"):
     values: dict[str, float] = {}
 
 
-Record = (Grant | Decision | SpendClose | Fault | EtcdGrant | EtcdWindow | Leader | Policy | Meta
+Record = (Grant | DecisionRec | SpendClose | Fault | EtcdGrant | EtcdWindow | Leader | Policy | Meta
           | TopologyRec | Counters)
 
 _encoder = msgspec.json.Encoder()
@@ -258,20 +258,20 @@ def grant_from_wire(g: LeaseGrant, *, sent_at_ms: int | None, received_at_ms: in
                  source=source, replayed=g.replayed, accepted=accepted)
 
 
-def to_grant_record(g: Grant | EtcdGrant) -> GrantRecord:
+def to_grant_sighting(g: Grant | EtcdGrant) -> GrantSighting:
     if isinstance(g, EtcdGrant):
-        return GrantRecord(lease_id=g.lease_id, pool=g.pool, region=g.region, granted=g.granted,
+        return GrantSighting(lease_id=g.lease_id, pool=g.pool, region=g.region, granted=g.granted,
                            window_index=g.window_index, epoch=g.epoch, expires_at_ms=g.expires_at_ms,
                            commit_revision=g.mod_revision, returned=g.returned)
-    return GrantRecord(lease_id=g.lease_id, pool=g.pool, region=g.region, granted=g.granted,
+    return GrantSighting(lease_id=g.lease_id, pool=g.pool, region=g.region, granted=g.granted,
                        window_index=g.window_index, epoch=g.epoch, expires_at_ms=g.expires_at_ms,
                        ttl_ms=g.ttl_ms, window_end_ms=g.window_end_ms, starts_in_ms=g.starts_in_ms,
                        sent_at_ms=g.sent_at_ms, received_at_ms=g.received_at_ms, accepted=g.accepted)
 
 
-def to_decision_records(d: Decision, window_of: dict[str, int] | None = None,
+def to_pool_admissions(d: DecisionRec, window_of: dict[str, int] | None = None,
                         window_ms: Mapping[str, int] | None = None,
-                        offsets_ms: tuple[int, int] = (0, 0)) -> list[DecisionRecord]:
+                        offsets_ms: tuple[int, int] = (0, 0)) -> list[PoolAdmission]:
     """One record per pool the decision touched, with the pool windows it may have been admitted
     in. A spend on a named lease is in its lease's window (``window_index``, else ``window_of``
     lease id -> index). Any other spend was admitted between the request's send and its answer:
@@ -279,7 +279,7 @@ def to_decision_records(d: Decision, window_of: dict[str, int] | None = None,
     and greatest allocator clock - recorder clock), given the pool's ``window_ms``; without it
     the spend's own ``window_index`` stands. A spend with no window at all is dropped — writers
     always fill one in."""
-    out: list[DecisionRecord] = []
+    out: list[PoolAdmission] = []
     single = len(d.spends) == 1
     for s in d.spends:
         index = s.window_index
@@ -292,7 +292,7 @@ def to_decision_records(d: Decision, window_of: dict[str, int] | None = None,
             index, last = (sent + offsets_ms[0]) // w, (max(sent, d.recorded_at_ms) + offsets_ms[1]) // w
         if index is None:
             continue
-        out.append(DecisionRecord(pool=s.pool, window_index=index, region=d.region, allowed=d.allowed,
+        out.append(PoolAdmission(pool=s.pool, window_index=index, region=d.region, allowed=d.allowed,
                                   tokens=s.tokens, fallback=(d.fallback or d.local) and s.lease_id is None,
                                   local=d.local and s.lease_id is None, lease_id=s.lease_id,
                                   at_ms=d.recorded_at_ms, agent=d.agent,
@@ -301,7 +301,7 @@ def to_decision_records(d: Decision, window_of: dict[str, int] | None = None,
     return out
 
 
-def to_spend_records(d: Decision) -> list[SpendRecord]:
+def to_spend_records(d: DecisionRec) -> list[SpendRecord]:
     """Lease spends of an allowed decision (timed on the recorder clock)."""
     if not d.allowed:
         return []

@@ -87,7 +87,7 @@ class PoolPolicy(Struct, frozen=True):
                          regions=tuple(self.regions) if self.regions is not None else None)
 
 
-class GrantRecord(Struct, frozen=True):
+class GrantSighting(Struct, frozen=True):
     """One grant as some party saw it (the allocator's answer, a region's receipt, or etcd)."""
 
     lease_id: str
@@ -150,7 +150,7 @@ class SpendRecord(Struct, frozen=True):
     region: str | None = None
 
 
-class DecisionRecord(Struct, frozen=True):
+class PoolAdmission(Struct, frozen=True):
     """One admission's effect on one pool (a multi-pool decision is several).
 
     The pool window it was admitted in is ``window_index`` — or, when the history cannot tell,
@@ -254,16 +254,16 @@ def policy_for_window(pools: Iterable[PoolPolicy] | Mapping[str, list[PoolPolicy
     return max(in_force, key=lambda v: (v.limit, v.fallback_per_region))
 
 
-def _unique(grants: Iterable[GrantRecord]) -> list[GrantRecord]:
+def _unique(grants: Iterable[GrantSighting]) -> list[GrantSighting]:
     """One record per distinct (lease id, content): repeated sightings are not extra grants."""
-    seen: dict[tuple, GrantRecord] = {}
+    seen: dict[tuple, GrantSighting] = {}
     for g in grants:
         seen.setdefault((g.lease_id, g.content()), g)
     return list(seen.values())
 
 
 # ----------------------------------------------------------------------------- invariants
-def granted_within_limit(grants: Iterable[GrantRecord], pools: Iterable[PoolPolicy]) -> list[Violation]:
+def granted_within_limit(grants: Iterable[GrantSighting], pools: Iterable[PoolPolicy]) -> list[Violation]:
     """Invariant 2: per pool and window, Σ (granted - returned) <= G (feed it etcd's own
     records). Tokens a usage report gave back (``returned``) may be granted again, so they
     count once; without usage reports this is plain Σ granted <= G."""
@@ -312,10 +312,10 @@ def window_states_within_limit(states: Iterable[WindowStateRecord],
     return out
 
 
-def no_double_grant(grants: Iterable[GrantRecord]) -> list[Violation]:
+def no_double_grant(grants: Iterable[GrantSighting]) -> list[Violation]:
     """Invariant 3: a lease id never appears with different (granted, window, epoch, pool, region)."""
     contents: dict[str, set[tuple]] = defaultdict(set)
-    first: dict[str, GrantRecord] = {}
+    first: dict[str, GrantSighting] = {}
     for g in grants:
         contents[g.lease_id].add(g.content())
         first.setdefault(g.lease_id, g)
@@ -337,7 +337,7 @@ def _one_shard(_pool: str) -> int:
     return 0
 
 
-def no_stale_epoch_commit(grants: Iterable[GrantRecord], leader_terms: Iterable[LeaderTerm],
+def no_stale_epoch_commit(grants: Iterable[GrantSighting], leader_terms: Iterable[LeaderTerm],
                           shard_of: ShardOf | None = None) -> list[Violation]:
     """Invariant 4 (allocator side): no grant committed with epoch e after a newer epoch e' > e
     of the same shard was elected. Compared by etcd revision: the grant's ``commit_revision``
@@ -374,12 +374,12 @@ def no_stale_epoch_commit(grants: Iterable[GrantRecord], leader_terms: Iterable[
     return out
 
 
-def no_stale_epoch_accept(received: Sequence[GrantRecord], shard_of: ShardOf | None = None) -> list[Violation]:
+def no_stale_epoch_accept(received: Sequence[GrantSighting], shard_of: ShardOf | None = None) -> list[Violation]:
     """Invariant 4 (region side): per region (and shard of leadership), in receipt order
     (``received_at_ms``), no accepted grant carries an epoch older than one that region already
     accepted."""
     shard_of = shard_of or _one_shard
-    by_region: dict[tuple[str, int], list[GrantRecord]] = defaultdict(list)
+    by_region: dict[tuple[str, int], list[GrantSighting]] = defaultdict(list)
     for g in received:
         if g.accepted and g.received_at_ms is not None:
             by_region[(g.region, shard_of(g.pool))].append(g)
@@ -397,11 +397,11 @@ def no_stale_epoch_accept(received: Sequence[GrantRecord], shard_of: ShardOf | N
     return out
 
 
-def lease_spend_within_grant(spends: Iterable[SpendRecord], grants: Iterable[GrantRecord]) -> list[Violation]:
+def lease_spend_within_grant(spends: Iterable[SpendRecord], grants: Iterable[GrantSighting]) -> list[Violation]:
     """Per lease: Σ tokens admitted against it <= granted - returned (a lease whose usage report
     gave tokens back may not spend them afterwards; a spend on an unknown lease is a violation
     too: tokens from nowhere). The strictest sighting of the lease counts."""
-    granted: dict[str, GrantRecord] = {}
+    granted: dict[str, GrantSighting] = {}
     returned: dict[str, int] = defaultdict(int)
     for g in grants:
         prev = granted.get(g.lease_id)
@@ -427,7 +427,7 @@ def lease_spend_within_grant(spends: Iterable[SpendRecord], grants: Iterable[Gra
     return out
 
 
-def lease_deadline_ms(records: Iterable[GrantRecord]) -> int | None:
+def lease_deadline_ms(records: Iterable[GrantSighting]) -> int | None:
     """When a lease stops being spendable, on the recorder clock: ``sent_at_ms + ttl_ms`` of the
     latest sighting (the region times the lease from when it sent the request; retries reuse
     the id, so the latest send is the most lenient correct reading). None if never timed."""
@@ -439,14 +439,14 @@ def lease_deadline_ms(records: Iterable[GrantRecord]) -> int | None:
     return best
 
 
-def no_spend_after_expiry(spends: Iterable[SpendRecord], grants: Iterable[GrantRecord],
+def no_spend_after_expiry(spends: Iterable[SpendRecord], grants: Iterable[GrantSighting],
                           tolerance_ms: int = DEFAULT_TOLERANCE_MS) -> list[Violation]:
     """Invariant 5: no admission is counted against a lease later than its deadline +
     ``tolerance_ms`` (recorder clock; see :func:`lease_deadline_ms`), nor after its window's end
     + tolerance (window end on the allocator clock: only meaningful when the allocator is not
     skewed against the recorder, so the window check is skipped for grants without
     ``window_end_ms``). Untimed spends (``at_ms`` None) are skipped."""
-    by_lease: dict[str, list[GrantRecord]] = defaultdict(list)
+    by_lease: dict[str, list[GrantSighting]] = defaultdict(list)
     for g in grants:
         by_lease[g.lease_id].append(g)
     worst: dict[str, tuple[int, int, str]] = {}
@@ -477,7 +477,7 @@ def no_spend_after_expiry(spends: Iterable[SpendRecord], grants: Iterable[GrantR
 FaultsOf = Callable[[str, int], Faults]  # (pool, window index) -> what was unreachable in that window
 
 
-def topology_of(decisions: Iterable[DecisionRecord]) -> Topology:
+def topology_of(decisions: Iterable[PoolAdmission]) -> Topology:
     """The topology a history shows when it does not state one: its regions and agents."""
     agents: dict[str, set[str]] = defaultdict(set)
     for d in decisions:
@@ -535,7 +535,7 @@ def _sources(counts: Mapping[tuple[str, str], int]) -> str:
                      for r, k in sorted(regions.items()))
 
 
-def admitted_within_bound(decisions: Iterable[DecisionRecord], pools: Iterable[PoolPolicy],
+def admitted_within_bound(decisions: Iterable[PoolAdmission], pools: Iterable[PoolPolicy],
                           faults: FaultsOf | None = None, topology: Topology | None = None) -> BoundCheck:
     """Invariant 6, per pool and window, with the bound of :func:`kernel.bound.pool_bound`::
 
@@ -559,7 +559,7 @@ def admitted_within_bound(decisions: Iterable[DecisionRecord], pools: Iterable[P
     faults = faults or (lambda pool, index: Faults())
     out: list[Violation] = []
     windows: list[WindowBound] = []
-    by_pool: dict[str, list[DecisionRecord]] = defaultdict(list)
+    by_pool: dict[str, list[PoolAdmission]] = defaultdict(list)
     for d in decisions:
         by_pool[d.pool].append(d)
     for pool, ds in sorted(by_pool.items()):
@@ -648,8 +648,8 @@ def admitted_within_bound(decisions: Iterable[DecisionRecord], pools: Iterable[P
     return BoundCheck(out, windows, worst)
 
 
-def acknowledged_grants_persisted(received_grants: Iterable[GrantRecord],
-                                  etcd_grants: Iterable[GrantRecord]) -> list[Violation]:
+def acknowledged_grants_persisted(received_grants: Iterable[GrantSighting],
+                                  etcd_grants: Iterable[GrantSighting]) -> list[Violation]:
     """Nothing acknowledged was lost: every non-zero grant a region received exists in etcd's
     records (read back after the run) with identical content."""
     stored: dict[str, set[tuple]] = defaultdict(set)
@@ -672,7 +672,7 @@ def acknowledged_grants_persisted(received_grants: Iterable[GrantRecord],
     return out
 
 
-def utilisation(decisions: Iterable[DecisionRecord], pools: Iterable[PoolPolicy],
+def utilisation(decisions: Iterable[PoolAdmission], pools: Iterable[PoolPolicy],
                 windows: Iterable[WindowBound] | None = None) -> list[Utilisation]:
     """Admitted / G per pool and window, with the demand (a report, not a violation). Demand is
     counted in each decision's first candidate window; admitted as :func:`admitted_within_bound`

@@ -22,7 +22,7 @@ import msgspec
 
 from kernel.wire import LeaseGrant
 
-from .history import Decision, Grant, HistoryWriter, PoolSpend, grant_from_wire, now_ms
+from .history import DecisionRec, Grant, HistoryWriter, PoolSpend, grant_from_wire, now_ms
 
 MAX_REQUESTS = 100_000
 
@@ -153,7 +153,7 @@ class LeaseDriver:
         now = now_ms()
         if g.granted == 0:
             self.stats.denials += 1
-            self.history.write(Decision(agent=f"driver-{self.region}", region=self.region, tenant="driver",
+            self.history.write(DecisionRec(agent=f"driver-{self.region}", region=self.region, tenant="driver",
                                         allowed=False, recorded_at_ms=now, reason="pool_exhausted",
                                         spends=[PoolSpend(pool=g.pool, tokens=self.want,
                                                           window_index=g.window_index)]))
@@ -162,7 +162,7 @@ class LeaseDriver:
             return  # not spendable now (prefetched or already expired on our clock)
         self.stats.grants += 1
         self.stats.tokens += g.granted
-        self.history.write(Decision(agent=f"driver-{self.region}", region=self.region, tenant="driver",
+        self.history.write(DecisionRec(agent=f"driver-{self.region}", region=self.region, tenant="driver",
                                     allowed=True, recorded_at_ms=now,
                                     spends=[PoolSpend(pool=g.pool, tokens=g.granted, lease_id=g.lease_id,
                                                       window_index=g.window_index)]))

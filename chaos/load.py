@@ -33,9 +33,13 @@ class TenantLoad:
     tenant: str
     per_second: float  # per region
     users: int = 8
+    routes: tuple[str, ...] = ROUTES
 
 
-DEFAULT_LOAD = (TenantLoad("atlas", 40.0), TenantLoad("birch", 12.0), TenantLoad("cedar", 6.0))
+#: atlas and birch press their tenant pools; every tenant's search requests and all of dune's press the
+#: global pool fleet-g (demand about 2.4 x G), so a gateway chunk carried past its window would show
+DEFAULT_LOAD = (TenantLoad("atlas", 40.0), TenantLoad("birch", 12.0), TenantLoad("cedar", 6.0),
+                TenantLoad("dune", 10.0, routes=("search",)))
 
 
 @dataclass
@@ -112,7 +116,7 @@ class LoadGen:
                    rng: random.Random, st: RegionStats) -> None:
         body = {"requestId": f"c-{uuid.UUID(int=rng.getrandbits(128)).hex[:24]}", "tenantId": tl.tenant,
                 "principal": {"type": "user", "id": f"U-{rng.randrange(tl.users)}", "apiKeyId": "K1"},
-                "routeGroup": rng.choice(ROUTES), "method": "GET", "costHint": 1}
+                "routeGroup": rng.choice(tl.routes), "method": "GET", "costHint": 1}
         st.sent += 1
         sent = now_ms()
         try:

@@ -301,6 +301,15 @@ class RefuseBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 async def _control_handler(proxy: FaultProxy, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def dispatch(method: str, path: str, raw: bytes) -> dict:
+        return await _dispatch(proxy, method, path, raw)
+
+    await http_control(dispatch, reader, writer)
+
+
+async def http_control(dispatch, reader: asyncio.StreamReader,  # type: ignore[no-untyped-def]
+                       writer: asyncio.StreamWriter) -> None:
+    """One minimal HTTP/1.1 request (Connection: close) -> ``dispatch(method, path, body)`` -> JSON."""
     status, body = 200, {}
     try:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
@@ -314,7 +323,7 @@ async def _control_handler(proxy: FaultProxy, reader: asyncio.StreamReader, writ
         if length > CONTROL_MAX_BODY:
             raise BadRequest("control body too large")
         raw = await asyncio.wait_for(reader.readexactly(length), 5.0) if length else b""
-        body = await _dispatch(proxy, method, path, raw)
+        body = await dispatch(method, path, raw)
     except BadRequest as e:
         status, body = 400, {"error": e.detail}
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -331,6 +340,7 @@ async def _control_handler(proxy: FaultProxy, reader: asyncio.StreamReader, writ
 
 
 async def _dispatch(proxy: FaultProxy, method: str, path: str, raw: bytes) -> dict:
+    """The control calls of one proxy: ``GET /state``, ``POST /faults|/refuse|/reset|/heal``."""
     if method == "GET" and path == "/state":
         return proxy.state()
     if method != "POST":

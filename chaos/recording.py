@@ -5,7 +5,7 @@ request spends and how many tokens.
 The agent's answer does not name the pool window it spent from, so the record keeps the send and
 answer times (recorder clock) and, as a hint, the window of the send time
 (``floor(sent_ms / windowMs)``); the checker places the admission in the allocator-clock windows
-of that interval (:func:`chaos.history.to_decision_records`). :func:`straddles_boundary` tells
+of that interval (:func:`chaos.history.to_pool_admissions`). :func:`straddles_boundary` tells
 which requests were answered in a later window than they were sent in.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from kernel.bundle import Bundle, Pool, select_rules
 
-from .history import Decision, PoolSpend
+from .history import DecisionRec, PoolSpend
 
 
 def pool_spends(bundle: Bundle, *, tenant: str | None, route_group: str, principal_type: str, has_key: bool,
@@ -41,7 +41,7 @@ def straddles_boundary(bundle: Bundle, pool_id: str, sent_ms: int, received_ms: 
 
 
 def decision_from_admit(request: Mapping[str, Any], answer: Mapping[str, Any], bundle: Bundle, *, region: str,
-                        agent: str, sent_ms: int, received_ms: int, local: bool = False) -> Decision:
+                        agent: str, sent_ms: int, received_ms: int, local: bool = False) -> DecisionRec:
     """``request``: the admission request body (camelCase, as sent); ``answer``: the agent's
     decision (camelCase). ``local`` says the agent decided from a local allowance because its
     Redis was unreachable (the caller knows from the faults it injected); otherwise the
@@ -52,7 +52,7 @@ def decision_from_admit(request: Mapping[str, Any], answer: Mapping[str, Any], b
                          has_key=bool(principal.get("apiKeyId")), cost_hint=int(request.get("costHint") or 1),
                          at_ms=sent_ms)
     fallback = bool(answer.get("fallback"))
-    return Decision(agent=agent, region=region, tenant=str(request.get("tenantId") or "-"),
+    return DecisionRec(agent=agent, region=region, tenant=str(request.get("tenantId") or "-"),
                     allowed=bool(answer.get("allowed")), recorded_at_ms=received_ms, sent_at_ms=sent_ms, spends=spends,
                     fallback=fallback and not local, local=fallback and local, reason=answer.get("reason"),
                     route_group=request.get("routeGroup"), request_id=request.get("requestId"),

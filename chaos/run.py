@@ -30,7 +30,7 @@ from kernel.policy_store import PolicyStore
 from . import bundles
 from .checker import Report, check
 from .etcd_records import read_back
-from .history import Fault, HistoryWriter, Meta, Policy, TopologyRec, now_ms, read_history
+from .history import Counters, Fault, HistoryWriter, Meta, Policy, TopologyRec, now_ms, read_history
 from .lease_driver import DriverStats, LeaseDriver
 from .load import CounterSampler, LeasePoller, LoadGen
 from .nemesis import Nemesis, Schedule, Step
@@ -96,20 +96,34 @@ def _line(out: TextIO, text: str) -> None:
 
 
 async def _watch_leaders(ctx: RunContext, stop: asyncio.Event) -> None:
-    """Record every leader term (of every shard when the allocator is sharded); ``ctx.leaders``
-    follows the leader of shard 0 (the only one when unsharded)."""
+    """Record every leader term (of every shard when the allocator is sharded; ``ctx.leaders``
+    follows the leader of shard 0, the only one when unsharded), and every change of shard 0's
+    leader key state (present with an epoch, absent, or unreadable: no etcd quorum; sharded, also
+    how many shards have a leader) as a ``counters`` sample of ``leader-key``, so a run shows when
+    the allocators had no leader."""
     seen: set[tuple[int, int]] = set()
+    last: dict[str, float] | None = None
     assert ctx.topo.etcd is not None
     store = EtcdStore(ctx.topo.etcd.endpoints, timeout_s=2.0)  # one client for the run, not one per poll
     try:
         while not stop.is_set():
-            for rec in await ctx.topo.leaders(store):
+            leaders = await ctx.topo.leader_state(store)
+            for rec in leaders or ():
                 if (rec.shard, rec.epoch) in seen:
                     continue
                 seen.add((rec.shard, rec.epoch))
                 ctx.history.write(rec)
                 if rec.shard == 0 and (not ctx.leaders or ctx.leaders[-1][0] != rec.epoch):
                     ctx.leaders.append((rec.epoch, rec.node))
+            # present: 1 with the epoch, 0 absent, -1 unknown (etcd had no quorum for the read)
+            first = next((r for r in leaders or () if r.shard == 0), None)
+            state = ({"epoch": float(first.epoch), "present": 1.0} if first is not None
+                     else {"present": 0.0 if leaders is not None else -1.0})
+            if leaders is not None and ctx.topo.spec.shards > 1:
+                state["shardsLed"] = float(len({r.shard for r in leaders}))
+            if state != last:
+                last = state
+                ctx.history.write(Counters(service="leader-key", at_ms=now_ms(), values=state))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5 if ctx.topo.spec.shards == 1 else 0.25)
     finally:

@@ -9,20 +9,21 @@ link through a fault proxy, with per-service argv prefixes and environments (lib
   its region (``alloc-N<-R``) — a region<->allocator partition blackholes the region's links.
 
 Everything is a real process on loopback, stopped by PID in :meth:`ChaosTopology.stop` (also
-when start-up fails); proxies run on a :class:`chaos.proxyhost.ProxyHost` thread.
+when start-up fails); the proxies run in one child process (:class:`chaos.proxyhost.ProxyHost`), so a
+stall of the runner is not a stall of every link.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernel.etcd_store import EtcdStore
 from leasehold.procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_http_ready, wait_port
+from leasehold.services import agent_command, allocator_command
 
 from .etcd_records import read_leaders
 from .history import Leader
@@ -32,10 +33,10 @@ PREFIX = "/leasehold/"
 # the allocator timeout per attempt is the product default (500 ms): above the 50-300 ms round trips the
 # allocator-latency scenario injects (slow is not unreachable); the deadline of all attempts is shorter
 # than the default (3 s) so a partition shows within a short run
-AGENT_FLAGS = ("--lease-tick-ms", "50", "--allocator-timeout-ms", "500", "--allocator-deadline-ms", "1500",
-               "--decision-budget-ms", "250", "--policy-poll-ms", "0", "--log-level", "warning",
-               "--insecure-dev-pepper", "true", "--breaker-open-ms", "500", "--redis-socket-timeout-ms", "300")
-ALLOCATOR_FLAGS = ("--election-ttl-s", "2", "--log-level", "warning", "--etcd-timeout-ms", "800")
+AGENT_SETTINGS = dict(lease_tick_ms=50, allocator_timeout_ms=500, allocator_deadline_ms=1500, decision_budget_ms=250,
+                      policy_poll_ms=0, log_level="warning", insecure_dev_pepper=True, breaker_open_ms=500,
+                      redis_socket_timeout_ms=300)
+ALLOCATOR_SETTINGS = dict(election_ttl_s=2, log_level="warning", etcd_timeout_ms=800)
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -106,18 +107,16 @@ class ChaosTopology:
         s, run = self.spec, self.spec.run_dir
         run.mkdir(parents=True, exist_ok=True)
         try:
-            self.host = ProxyHost()
+            self.host = ProxyHost(run / "proxies")
             self.etcd = EtcdCluster(run / "etcd", members=s.etcd_members).start(timeout)
             for i in range(s.allocators + s.standby_allocators):
                 name, port = f"allocator-{i + 1}", free_port()
                 proxies = [self.host.add(f"etcd{k}<-{name}", p, seed=s.seed) for k, p in enumerate(self.etcd.client_ports)]
                 url = f"http://{LOOPBACK}:{port}"
-                args = [*s.prefix.get(name, []), sys.executable, "-m", "allocator",
-                        "--etcd", ",".join(p.url_host for p in proxies), "--policy", str(s.policy),
-                        "--node-id", f"alloc-{i + 1}", "--host", LOOPBACK, "--port", str(port),
-                        "--advertise-url", url, *ALLOCATOR_FLAGS, *s.allocator_args]
-                if s.shards > 1:
-                    args += ["--shards", str(s.shards)]
+                sharding = {"shards": s.shards} if s.shards > 1 else {}
+                args = [*s.prefix.get(name, []), *allocator_command(
+                    *s.allocator_args, etcd=[p.url_host for p in proxies], policy=s.policy, node_id=f"alloc-{i + 1}",
+                    host=LOOPBACK, port=port, advertise_url=url, **ALLOCATOR_SETTINGS, **sharding)]
                 proc = Proc(name, args, run / name, env=child_env(**s.env.get(name, {})))
                 if i < s.allocators:
                     proc.start()
@@ -145,13 +144,10 @@ class ChaosTopology:
         name, port = f"agent-{region}-{j + 1}", free_port()
         rproxy = self.host.add(f"redis-{region}<-{name}", self.redis[region].port, seed=s.seed)
         links = self.region_links[region]
-        args = [*s.prefix.get(name, []), sys.executable, "-m", "region_agent",
-                "--redis-url", f"redis://{rproxy.url_host}/0", "--policy", str(s.policy), "--region", region,
-                "--host", LOOPBACK, "--port", str(port),
-                "--allocator-urls", ",".join(f"http://{p.url_host}" for p in links), *AGENT_FLAGS]
-        if s.policy_etcd:
-            args += ["--policy-etcd", ",".join(self.etcd.endpoints), "--policy-etcd-reread-ms", "1000"]
-        args += list(s.agent_args)
+        etcd = dict(policy_etcd=self.etcd.endpoints, policy_etcd_reread_ms=1000) if s.policy_etcd else {}
+        args = [*s.prefix.get(name, []), *agent_command(
+            *s.agent_args, redis_url=f"redis://{rproxy.url_host}/0", policy=s.policy, region=region, host=LOOPBACK,
+            port=port, allocator_urls=[f"http://{p.url_host}" for p in links], **AGENT_SETTINGS, **etcd)]
         proc = Proc(name, args, s.run_dir / name, env=child_env(**s.env.get(name, {}))).start()
         return Agent(name, region, proc, f"http://{LOOPBACK}:{port}", port, rproxy, links)
 
@@ -191,20 +187,24 @@ class ChaosTopology:
     def agent(self, name: str) -> Agent:
         return next(g for g in self.agents if g.name == name)
 
-    async def leaders(self, store: EtcdStore | None = None) -> list[Leader]:
-        """Every shard's allocator leader (one record when unsharded), read directly from etcd
-        (not via proxies; through ``store`` when given, e.g. a watcher's own client); empty when
-        etcd has no quorum right now."""
+    async def leader_state(self, store: EtcdStore | None = None) -> list[Leader] | None:
+        """Every shard's allocator leader (one record when unsharded; empty: no leader key), read
+        directly from etcd (not via proxies; through ``store`` when given, e.g. a watcher's own
+        client); None when etcd has no quorum right now."""
         assert self.etcd is not None
         own = store is None
         store = store or EtcdStore(self.etcd.endpoints, timeout_s=2.0)
         try:
             return await read_leaders(store, PREFIX)
         except Exception:  # noqa: BLE001 - no quorum right now: unknown
-            return []
+            return None
         finally:
             if own:
                 await store.close()
+
+    async def leaders(self, store: EtcdStore | None = None) -> list[Leader]:
+        """:meth:`leader_state`, empty when unknown."""
+        return await self.leader_state(store) or []
 
     async def leader(self) -> tuple[int, str | None] | None:
         """(epoch, node id) of the allocator leader (sharded: of shard 0, as ``GET /v1/leader``)."""

@@ -2,7 +2,8 @@
 
 Tokens are stored only as ``sha256`` hex digests (settings, env or a file); a presented token
 is hashed and compared with every stored digest in constant time. A missing, malformed,
-unknown or wrong token gets the same 401 problem (no hint which it was).
+unknown or wrong token — or more than one Authorization header — gets the same 401 problem (no
+hint which it was), with ``WWW-Authenticate: Bearer realm="leasehold"``.
 
 Allocator: one token per region; :class:`RegionAuth` is what ``region_auth_guard`` calls.
 It records the authenticated region on the request scope; the lease routes then refuse
@@ -14,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .config import ConfigError
@@ -79,15 +80,25 @@ class TokenTable:
 
 
 def bearer(headers: Any) -> str | None:
-    raw = headers.get("authorization")
-    if not raw:
+    """The token of the request's one ``Authorization: Bearer`` header, or None — also when
+    there are several Authorization headers: which one a component reads would otherwise depend
+    on its header parser (first or last), so such a request is refused. ``headers`` is a list of
+    (name, value) pairs, bytes (ASGI ``scope["headers"]``) or str (gRPC metadata), or a mapping."""
+    found = None
+    for name, value in (headers.items() if isinstance(headers, Mapping) else headers):
+        if (name.decode("latin-1") if isinstance(name, bytes) else name).lower() == "authorization":
+            if found is not None:
+                return None
+            found = value
+    if not found:
         return None
-    m = BEARER.match(raw)
+    m = BEARER.match(found.decode("latin-1") if isinstance(found, bytes) else found)
     return m.group(1) if m else None
 
 
-def authenticate(table: TokenTable, headers: Any) -> str:
-    token = bearer(headers)
+def authenticate(table: TokenTable, raw_headers: Any) -> str:
+    """The caller's name for the request's headers (the ASGI ``scope["headers"]`` list)."""
+    token = bearer(raw_headers)
     name = table.who(token) if token is not None else None
     if name is None:
         raise Unauthorized("missing or invalid bearer token")
@@ -101,7 +112,7 @@ class RegionAuth:
         self.table = table
 
     def __call__(self, connection: Any, handler: Any) -> None:
-        connection.scope[SCOPE_KEY] = authenticate(self.table, connection.headers)
+        connection.scope[SCOPE_KEY] = authenticate(self.table, connection.scope["headers"])
 
 
 def require_region(scope: Any, region: str) -> None:

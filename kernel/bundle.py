@@ -9,7 +9,6 @@ requests per ``windowMs``; pools in whole tokens per ``windowMs``.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterable
 from typing import Annotated, Literal
 
@@ -17,16 +16,12 @@ import msgspec
 from msgspec import Meta, Struct
 
 from .errors import PolicyError
+from .ids import KEY_ID_RE, OWNER_RE, POOL_ID_RE, REGION_RE, ROUTE_RE, RULE_ID_RE, SIGNATURE_RE, TENANT_RE
 
 MAX_INT = 2**40  # every numeric policy field is an integer in [1, 2^40] (slack in [0, 2^40])
 MAX_PRODUCT = 2**52  # capacity x period stays below 2^53 inside Lua doubles
 MAX_RULES_PER_REQUEST = 8
 
-TENANT_RE = re.compile(r"^[a-z0-9-]{1,32}$")
-ROUTE_RE = re.compile(r"^[a-z0-9_-]{1,32}$")
-RULE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-POOL_ID_RE = re.compile(r"^[a-z0-9._-]{1,64}$")
-REGION_RE = re.compile(r"^[a-z0-9-]{1,32}$")
 
 PosInt = Annotated[int, Meta(ge=1, le=MAX_INT)]
 NonNegInt = Annotated[int, Meta(ge=0, le=MAX_INT)]
@@ -117,6 +112,10 @@ class Bundle(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
     rules: list[Rule]
     pools: list[Pool] = []
     max_age_ms: PosInt | None = None  # snapshot freshness for revocable rules (I13)
+    # Ed25519 signature (kernel/signing.py): keyId names the public key, signature is
+    # "ed25519:<base64>" over signing.signed_message(bundle); both absent on an unsigned bundle
+    key_id: str | None = None
+    signature: str | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,9 +134,13 @@ def compute_checksum(rules: Iterable[Rule], pools: Iterable[Pool], max_age_ms: i
 
 
 def seal(bundle: Bundle) -> Bundle:
-    """Return the bundle with its checksum filled in (used by tooling that writes bundles)."""
+    """Return the bundle with its checksum filled in (used by tooling that writes bundles).
+
+    Sealing means the content may have changed, so any signature is dropped: sign after
+    sealing (``kernel.signing.sign_bundle``)."""
     return msgspec.structs.replace(
-        bundle, checksum=compute_checksum(bundle.rules, bundle.pools, bundle.max_age_ms)
+        bundle, checksum=compute_checksum(bundle.rules, bundle.pools, bundle.max_age_ms),
+        key_id=None, signature=None,
     )
 
 
@@ -163,7 +166,12 @@ def load_bundle_file(path: str) -> Bundle:
 
 
 def encode_bundle(bundle: Bundle) -> bytes:
-    return msgspec.json.format(msgspec.json.encode(bundle), indent=2)
+    """Pretty JSON; an unsigned bundle carries no ``keyId``/``signature`` keys at all."""
+    doc = msgspec.to_builtins(bundle)
+    for k in ("keyId", "signature"):
+        if doc.get(k) is None:
+            doc.pop(k, None)
+    return msgspec.json.format(msgspec.json.encode(doc), indent=2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,11 +283,21 @@ def _rule_problems(r: Rule, pools: dict[str, Pool]) -> list[str]:
             window = (fb.limit, fb.window_ms)
             if not (all(v is not None for v in bucket) or all(v is not None for v in window)):
                 p.append(f"{name}: fallback needs capacityMillis, refillMillis and periodMs, or limit and windowMs")
-    if r.exempt:
+    if r.exempt:  # a privileged bypass (I14): narrow, capped, owned, audited
         if not r.owner:
             p.append(f"{name}: an exempt rule needs an owner")
+        elif not OWNER_RE.fullmatch(r.owner):
+            p.append(f"{name}: owner must match {OWNER_RE.pattern} (it is written into every audit event)")
         if r.tenant is None:
             p.append(f"{name}: an exempt rule must name a tenant (a catch-all bypass is rejected)")
+        if r.fail_mode == "open":
+            p.append(f"{name}: an exempt rule cannot fail open (with the store unreachable the bypass would "
+                     "be unmetered, a flood channel); use closed or local_bounded")
+        if r.shadow:
+            p.append(f"{name}: an exempt rule cannot be a shadow rule (it would replace the tenant's rules by "
+                     "one that is never enforced)")
+    elif r.owner is not None and not OWNER_RE.fullmatch(r.owner):
+        p.append(f"{name}: owner must match {OWNER_RE.pattern}")
     return p
 
 
@@ -309,6 +327,14 @@ def validate_bundle(bundle: Bundle) -> None:
         expect = compute_checksum(bundle.rules, bundle.pools, bundle.max_age_ms)
         if expect != bundle.checksum:
             problems.append(f"checksum mismatch: bundle says {bundle.checksum}, content hashes to {expect}")
+    if (bundle.key_id is None) != (bundle.signature is None):
+        problems.append("keyId and signature go together: a signed bundle carries both, an unsigned one neither")
+    elif bundle.key_id is not None:
+        if not KEY_ID_RE.fullmatch(bundle.key_id):
+            problems.append(f"keyId must match {KEY_ID_RE.pattern} (the first 16 hex digits of the sha256 "
+                            "of the raw Ed25519 public key)")
+        if not SIGNATURE_RE.fullmatch(bundle.signature or ""):
+            problems.append("signature must be 'ed25519:<base64 of 64 bytes>'")
     pools: dict[str, Pool] = {}
     for pool in bundle.pools:
         if pool.id in pools:

@@ -13,6 +13,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 import msgspec
 
 T = TypeVar("T", bound=msgspec.Struct)
+Ms = msgspec.Meta
 
 
 class ConfigError(SystemExit):
@@ -104,3 +105,44 @@ def load_settings(cls: type[T], prefix: str, argv: Sequence[str] | None = None,
                 f"invalid setting {_flag(field)} / {prefix}{field.upper()}: {msg}; "
                 f"expected {_describe(hints[field])}") from None
         raise ConfigError(f"invalid settings: {msg}") from None
+
+
+def settings_flags(cls: type[msgspec.Struct], values: dict[str, Any]) -> list[str]:
+    """The command-line flags that :func:`load_settings` reads back as ``values`` (the inverse):
+    ``--field-name value`` per entry; lists comma-joined, booleans ``true``/``false``, ``None``
+    left out. A name that is not a field of ``cls`` is a ``ValueError`` (a typo fails at once,
+    not as an unknown flag in a child process's log)."""
+    out: list[str] = []
+    for name, value in values.items():
+        if name not in cls.__struct_fields__:
+            raise ValueError(f"{cls.__name__} has no setting {name!r}")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (list, tuple)):
+            text = ",".join(str(v) for v in value)
+        else:
+            text = str(value)
+        out += [_flag(name), text]
+    return out
+
+
+class ServingSettings(msgspec.Struct, kw_only=True, frozen=True):
+    """How a service is served: the settings both services share (inherited by ``AgentSettings``
+    and ``AllocatorSettings``; ``--flags`` and env vars as for their own fields)."""
+
+    tls_cert_file: str | None = None  # serve HTTPS (uvicorn ssl_certfile) ...
+    tls_key_file: str | None = None  # ... with this key
+    access_log: bool = False  # one line per HTTP request (uvicorn's access log); off by default
+    http_max_header_bytes: typing.Annotated[int, Ms(ge=1_024, le=1_048_576)] = 16_384  # request line + headers: 431
+    http_max_headers: typing.Annotated[int, Ms(ge=8, le=1_000)] = 100  # header fields per request: 431
+    http_header_timeout_ms: typing.Annotated[int, Ms(ge=100, le=600_000)] = 10_000  # head complete within: 408
+    http_body_timeout_ms: typing.Annotated[int, Ms(ge=100, le=600_000)] = 10_000  # body complete after the head: 408
+
+    def http_limits(self) -> Any:
+        """The :class:`kernel.httpserver.HttpLimits` these settings ask for."""
+        from .httpserver import HttpLimits
+        return HttpLimits(max_header_bytes=self.http_max_header_bytes, max_headers=self.http_max_headers,
+                          header_timeout_s=self.http_header_timeout_ms / 1000,
+                          body_timeout_s=self.http_body_timeout_ms / 1000)

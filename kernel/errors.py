@@ -56,12 +56,42 @@ class NotFound(LeaseholdError):
     status, code, title = 404, "not-found", "No such resource"
 
 
+class MethodNotAllowed(LeaseholdError):
+    """The route exists but not for this method; ``allow`` lists the methods it has (the
+    answer's ``Allow`` header, RFC 9110 section 15.5.6)."""
+
+    status, code, title = 405, "method-not-allowed", "Method not allowed"
+
+    def __init__(self, detail: str = "", *, allow: str = "", **kw: Any):
+        super().__init__(detail, **kw)
+        self.allow = allow
+
+
 class Conflict(LeaseholdError):
     status, code, title = 409, "conflict", "Conflicts with the current state"
 
 
+class DecisionConflict(Conflict):
+    """A decision id (``requestId``) already has a decision record for another question (tenant,
+    principal, route group or cost differ): the stored answer is not given to this caller, and
+    nothing is charged. Use a fresh request id."""
+
+    code, title = "decision-conflict", "Request id already used for another question"
+
+
 class PayloadTooLarge(LeaseholdError):
     status, code, title = 413, "payload-too-large", "Request body too large"
+
+
+class UnsupportedMediaType(LeaseholdError):
+    status, code, title = 415, "unsupported-media-type", "Request body must be application/json"
+
+
+class TooManyRequests(LeaseholdError):
+    """The caller sent too many requests to this service itself (not a rate-limit *decision*:
+    those are 200 answers of ``/v1/admit``). Retriable after ``extra["retryAfterMs"]`` (default 1 s)."""
+
+    status, code, title, retriable = 429, "too-many-requests", "Too many requests", True
 
 
 # --- policy errors: the configuration is wrong; alert, do not retry -----------------------
@@ -130,6 +160,25 @@ class StaleEpoch(LeaseholdError):
     """A grant carries an epoch older than one already seen; it is refused."""
 
     status, code, title = 409, "stale-epoch", "Grant from a deposed allocator epoch"
+
+
+WWW_AUTHENTICATE = 'Bearer realm="leasehold"'
+
+
+def problem_headers(exc: LeaseholdError) -> dict[str, str]:
+    """Response headers an error's answer carries, the same in both services (RFC 9110):
+    ``WWW-Authenticate`` on every 401, ``Allow`` on a 405, and ``Retry-After`` (whole seconds,
+    at least 1: ``extra["retryAfterMs"]`` rounded up, else 1) on every retriable error."""
+    headers: dict[str, str] = {}
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = WWW_AUTHENTICATE
+    if isinstance(exc, MethodNotAllowed) and exc.allow:
+        headers["Allow"] = exc.allow
+    if exc.retriable:
+        hint = exc.extra.get("retryAfterMs")
+        secs = -(-hint // 1000) if isinstance(hint, int) and not isinstance(hint, bool) and hint > 0 else 1
+        headers["Retry-After"] = str(max(1, secs))
+    return headers
 
 
 def is_retriable(exc: BaseException) -> bool:

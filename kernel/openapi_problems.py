@@ -24,7 +24,8 @@ PROBLEM = Schema(
 )
 STATUSES = {"400": "Malformed request", "401": "Missing or invalid credentials", "403": "Not permitted",
             "404": "No such resource", "405": "Method not allowed", "409": "Conflict",
-            "413": "Request body too large", "422": "Request failed validation",
+            "413": "Request body too large",
+            "415": "Request body is not application/json", "422": "Request failed validation",
             "503": "Dependency unavailable (retriable)"}
 
 

@@ -7,7 +7,15 @@ just before, and the transaction compares that key's ``mod_revision`` (or its ab
 a concurrent publish in between makes the transaction fail instead of being overwritten.
 
 Rollback is a publish: the old rules and pools under a new, higher ``bundleVersion``
-(:func:`rollback_bundle` builds it from any earlier bundle and re-seals the checksum).
+(:func:`rollback_bundle` builds it from any earlier bundle and re-seals the checksum; a signed
+fleet needs it signed again, since the signature covers the version).
+
+**The signing marker** ``<prefix>policy/signing`` tells *operator tooling* that the fleet requires
+signed bundles and which public keys it trusts: ``{"keys": {"<keyId>": "<base64 raw Ed25519
+public key>"}}``. ``leasehold policy publish`` refuses a bundle that is unsigned or does not verify
+with one of these keys, so a mistake is caught at publish time rather than by every agent
+refusing it. The services never read it: their trust comes only from ``--policy-public-keys``,
+because write access to etcd must not be enough to change which keys are trusted.
 """
 
 from __future__ import annotations
@@ -21,11 +29,21 @@ from kernel.errors import Conflict, PolicyError, StaleVersion
 from kernel.etcd_store import KV, EtcdStore, txn_revision
 
 POLICY_KEY_SUFFIX = "policy/current"
+SIGNING_KEY_SUFFIX = "policy/signing"
 
 
 def policy_key(prefix: str) -> bytes:
     """``/leasehold/`` -> ``b"/leasehold/policy/current"``."""
     return (prefix if prefix.endswith("/") else prefix + "/").encode() + POLICY_KEY_SUFFIX.encode()
+
+
+def signing_key(prefix: str) -> bytes:
+    """``/leasehold/`` -> ``b"/leasehold/policy/signing"`` (the signing marker)."""
+    return (prefix if prefix.endswith("/") else prefix + "/").encode() + SIGNING_KEY_SUFFIX.encode()
+
+
+class SigningMarker(msgspec.Struct, forbid_unknown_fields=True):
+    keys: dict[str, str]  # keyId -> base64 raw Ed25519 public key
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +77,24 @@ class PolicyStore:
     def __init__(self, store: EtcdStore, prefix: str = "/leasehold/"):
         self.store = store
         self.key = policy_key(prefix)
+        self.signing_key = signing_key(prefix)
+
+    async def read_signing(self) -> SigningMarker | None:
+        """The signing marker, None when the fleet does not declare that it requires signatures.
+        Raises StoreUnavailable, or PolicyError when the stored marker is malformed."""
+        kv = await self.store.get(self.signing_key)
+        if kv is None:
+            return None
+        try:
+            return msgspec.json.decode(kv.value, type=SigningMarker)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise PolicyError(f"the signing marker {self.signing_key.decode()} is malformed: {e}") from None
+
+    async def write_signing(self, marker: SigningMarker | None) -> None:
+        """Set (or, with None, delete) the signing marker."""
+        t = self.store.t
+        op = t.delete(self.signing_key) if marker is None else t.put(self.signing_key, msgspec.json.encode(marker))
+        await self.store.txn([], [op])
 
     async def read(self) -> Stored | None:
         """The stored bundle (None if nothing was ever published). Raises StoreUnavailable."""

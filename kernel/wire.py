@@ -13,9 +13,8 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
 
-LeaseId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9._:-]{8,96}\Z")]
-RegionName = Annotated[str, Meta(pattern=r"^[a-z0-9-]{1,32}\Z")]
-PoolId = Annotated[str, Meta(pattern=r"^[a-z0-9._-]{1,64}\Z")]
+from .ids import LeaseId, PoolId, RegionName
+
 Tokens = Annotated[int, Meta(ge=0, le=2**40)]
 Want = Annotated[int, Meta(ge=1, le=2**40)]
 
@@ -67,13 +66,16 @@ class LeaseBatchResponse(Struct, rename="camel"):
     results: list[LeaseGrant | LeaseError]  # in request order
 
 
-class UsageReport(Struct, rename="camel", forbid_unknown_fields=True):
-    """How many tokens of an expired lease the region spent. Idempotent per leaseId."""
+class UsageReport(Struct, rename="camel", forbid_unknown_fields=True, omit_defaults=True):
+    """How many tokens of a lease the region spent. Idempotent per leaseId. Sent after the lease
+    expired, or — ``closedEarly`` — once the region closed it in its store before expiry (an agent
+    shutting down): the region spends none of it any more, so the unspent rest can go back now."""
 
     lease_id: LeaseId
     region: RegionName
     pool: PoolId
     spent: Tokens
+    closed_early: bool = False
 
 
 class UsageBatchRequest(Struct, rename="camel", forbid_unknown_fields=True):

@@ -1,8 +1,9 @@
 """``leasehold`` — operator CLI.
 
-Exit codes (for scripts): 0 success / allowed, 2 bad usage or invalid input, 3 a request was
-denied (429), 4 the limiter or allocator answered unavailable (503), 5 could not connect,
-6 the local topology is not running.
+Exit codes (for scripts): 0 success / allowed, 2 bad usage or invalid input (an invalid,
+unsigned or wrongly signed bundle included), 3 a request was denied (429), 4 the limiter or
+allocator answered unavailable (503), 5 could not connect, 6 the local topology is not running,
+7 the bundle is valid but adds or widens a privileged bypass (``policy validate --against``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kernel.errors import PolicyError
 
 from .topology import (
     DEFAULT_POLICY,
-    Topology,
+    LocalTopology,
     TopologySpec,
     default_run_dir,
     read_state,
@@ -29,6 +30,7 @@ from .topology import (
 )
 
 EXIT_OK, EXIT_USAGE, EXIT_DENIED, EXIT_UNAVAILABLE, EXIT_CONNECT, EXIT_NOT_RUNNING = 0, 2, 3, 4, 5, 6
+EXIT_BYPASS = 7
 DEFAULT_RUN_DIR = default_run_dir()
 
 
@@ -58,7 +60,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if read_state(args.run_dir):
         print("a topology is already running; `leasehold down` first", file=sys.stderr)
         return EXIT_USAGE
-    topo = Topology(_spec(args)).start()
+    topo = LocalTopology(_spec(args)).start()
     for svc in topo.services():
         print(f"{svc.kind:10} {svc.name:18} pid {svc.pid:<7} {svc.url}")
     print(f"state in {args.run_dir / 'topology.json'}; stop with `leasehold down`")
@@ -139,16 +141,31 @@ def cmd_leases(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _invalid(e: PolicyError) -> int:
+    print(f"invalid: {e.detail}", file=sys.stderr)
+    for problem in e.errors:
+        print(f"  - {problem}", file=sys.stderr)
+    return EXIT_USAGE
+
+
 def cmd_policy_validate(args: argparse.Namespace) -> int:
+    """Validate FILE (the services' own code); with ``--public-keys`` also its signature; with
+    ``--against CURRENT`` / ``--against-etcd`` the privileged bypasses it adds or widens."""
+    import asyncio
+
+    from kernel.bypass import diff_bypasses, needs_review
+    from kernel.errors import LeaseholdError
+    from kernel.signing import TrustedKeys
+
     try:
         bundle = load_bundle_file(args.file)
+        if args.public_keys:
+            TrustedKeys.from_files(_split(args.public_keys)).check(bundle)
     except PolicyError as e:
-        print(f"invalid: {e.detail}", file=sys.stderr)
-        for problem in e.errors:
-            print(f"  - {problem}", file=sys.stderr)
-        return EXIT_USAGE
+        return _invalid(e)
+    signed = f", signed by key {bundle.key_id}" if bundle.key_id else ", unsigned"
     print(f"valid: bundle {bundle.bundle_version}, {len(bundle.rules)} rules, {len(bundle.pools)} pools, "
-          f"{bundle.checksum}")
+          f"{bundle.checksum}{signed}{' (trusted)' if args.public_keys else ''}")
     if args.bound:
         from kernel.bound import Topology
 
@@ -162,7 +179,70 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
             print(markdown_table(bundle, names, sorted({1, args.agents_per_region})))
         else:
             print(text_report(bundle, Topology.uniform(names, args.agents_per_region)))
+    if not (args.against or args.against_etcd):
+        return EXIT_OK
+    if args.against:
+        try:
+            current = load_bundle_file(args.against)
+        except PolicyError as e:
+            print(f"the current bundle {args.against} is unusable: {e.detail}", file=sys.stderr)
+            return EXIT_USAGE
+        where = args.against
+    else:
+        async def read():
+            store = _policy_store(args)
+            try:
+                return await store.read(), store.key.decode()
+            finally:
+                await store.store.close()
+        try:
+            stored, where = asyncio.run(read())
+        except LeaseholdError as e:
+            print(f"cannot read the current bundle from etcd ({e.code}): {e.detail}", file=sys.stderr)
+            return EXIT_CONNECT
+        if stored is not None and stored.bundle is None:
+            print(f"the bundle published at {where} is invalid ({stored.problem}); comparing against nothing",
+                  file=sys.stderr)
+        current = stored.bundle if stored is not None else None
+    changes = diff_bypasses(current, bundle)
+    version = current.bundle_version if current is not None else "none"
+    if not changes:
+        print(f"privileged bypasses: no change against {where} (bundle {version})")
+        return EXIT_OK
+    print(f"privileged bypasses against {where} (bundle {version}):")
+    for c in changes:
+        print("  " + c.line().replace("\n", "\n  "))
+    if needs_review(changes):
+        print("REVIEW: this bundle adds or widens a privileged bypass (exit 7)", file=sys.stderr)
+        return EXIT_BYPASS
     return EXIT_OK
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def cmd_policy_keygen(args: argparse.Namespace) -> int:
+    from kernel.signing import generate_keypair, key_id_of, load_public_key
+
+    key, pub = generate_keypair(Path(args.dir), args.name)
+    _print({"keyId": key_id_of(load_public_key(pub)), "privateKey": str(key), "publicKey": str(pub)})
+    return EXIT_OK
+
+
+def cmd_policy_sign(args: argparse.Namespace) -> int:
+    """Sign FILE with the Ed25519 key (validated first); writes ``--out`` or FILE in place."""
+    from kernel.bundle import encode_bundle
+    from kernel.signing import load_private_key, sign_bundle
+
+    try:
+        bundle = load_bundle_file(args.file)
+        signed = sign_bundle(bundle, load_private_key(args.key))
+    except PolicyError as e:
+        return _invalid(e)
+    out = Path(args.out or args.file)
+    out.write_bytes(encode_bundle(signed) + b"\n")
+    print(f"signed bundle {signed.bundle_version} with key {signed.key_id} -> {out}")
 
 
 def _policy_store(args: argparse.Namespace):
@@ -171,11 +251,11 @@ def _policy_store(args: argparse.Namespace):
     from kernel.etcd_store import EtcdStore
     from kernel.policy_store import PolicyStore
     endpoints, user, password_file = args.etcd, args.etcd_user, args.etcd_password_file
-    if not endpoints:  # the running local topology: its etcd and, with auth on, the allocator's user
+    if not endpoints:  # the running local topology: its etcd and, with auth on, the publisher's user
         state = _state_or_exit(args.run_dir)
         endpoints = ",".join(s["url"].removeprefix("http://") for s in state["services"] if s["kind"] == "etcd")
-        if state.get("secrets") and not user:
-            user, password_file = "allocator", str(Path(state["secrets"]) / "etcd-allocator.password")
+        if state.get("secrets") and not user:  # write on the policy key only (deploy/etcd/leasehold-roles.sh)
+            user, password_file = "publisher", str(Path(state["secrets"]) / "etcd-publisher.password")
     password = os.environ.get("LEASEHOLD_ETCD_PASSWORD")
     if password_file:
         with open(password_file) as f:
@@ -186,7 +266,13 @@ def _policy_store(args: argparse.Namespace):
 
 def cmd_policy_publish(args: argparse.Namespace) -> int:
     """Validate FILE and publish it to etcd if its version is strictly higher than the stored one.
-    Rollback: publish the old bundle under a new, higher version (``--as-version N`` re-seals it)."""
+    Rollback: publish the old bundle under a new, higher version (``--as-version N`` re-seals it).
+
+    Signatures: ``--key KEY`` signs the bundle (after any ``--as-version``) before publishing.
+    When the fleet requires signatures — the signing marker ``<prefix>policy/signing`` exists
+    (``leasehold policy require-signed``), or ``--require-signature`` is given — an unsigned bundle,
+    or one that does not verify with the marker's keys, is refused here (exit 2), before any
+    agent or allocator would refuse it."""
     import asyncio
 
     import msgspec
@@ -194,6 +280,7 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
     from kernel.bundle import decode_bundle, encode_bundle
     from kernel.errors import LeaseholdError
     from kernel.policy_store import rollback_bundle
+    from kernel.signing import TrustedKeys, load_private_key, public_key_from_text, sign_bundle
 
     try:
         with open(args.file, "rb") as f:
@@ -201,25 +288,37 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
         bundle = decode_bundle(raw)
         if args.as_version is not None:
             published = args.published_at or bundle.published_at
-            raw = encode_bundle(rollback_bundle(bundle, args.as_version, published))
+            bundle = rollback_bundle(bundle, args.as_version, published)
+            raw = encode_bundle(bundle)
+        # the running local topology's key signs what is unsigned (a file signed by another key keeps it)
+        key = args.key or (_topology_signing_key(args) if bundle.signature is None else None)
+        if key:
+            bundle = sign_bundle(bundle, load_private_key(key))
+            raw = encode_bundle(bundle)
     except OSError as e:
         print(f"cannot read {args.file}: {e.strerror}", file=sys.stderr)
         return EXIT_USAGE
     except PolicyError as e:
-        print(f"invalid: {e.detail}", file=sys.stderr)
-        for problem in e.errors:
-            print(f"  - {problem}", file=sys.stderr)
-        return EXIT_USAGE
+        return _invalid(e)
     except msgspec.ValidationError as e:
         print(f"invalid: {e}", file=sys.stderr)
         return EXIT_USAGE
 
     async def run() -> int:
         store = _policy_store(args)
+        marker = None
         try:
+            marker = await store.read_signing()
+            if marker is not None:
+                TrustedKeys(public_key_from_text(v) for v in marker.keys.values()).check(bundle)
+            elif args.require_signature and bundle.signature is None:
+                raise PolicyError("the bundle is unsigned and --require-signature was given (sign it with --key)")
             res = await store.publish(raw)
         except PolicyError as e:
-            print(f"invalid: {e.detail}", file=sys.stderr)
+            print(f"not published: {e.detail}", file=sys.stderr)
+            if marker is not None:
+                print(f"  the fleet requires bundles signed by one of: {', '.join(sorted(marker.keys))} "
+                      f"({store.signing_key.decode()}); sign with --key", file=sys.stderr)
             return EXIT_USAGE
         except LeaseholdError as e:
             print(f"not published ({e.code}): {e.detail}", file=sys.stderr)
@@ -227,7 +326,49 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
         finally:
             await store.store.close()
         _print({"published": res.version, "previous": res.previous, "revision": res.revision,
-                "key": store.key.decode()})
+                "key": store.key.decode(), "keyId": bundle.key_id})
+        return EXIT_OK
+
+    return asyncio.run(run())
+
+
+def _topology_signing_key(args: argparse.Namespace) -> str | None:
+    """Publishing to the running local topology (no --etcd): its generated signing key."""
+    if args.etcd:
+        return None
+    state = read_state(args.run_dir)
+    return state.get("signingKey") if state else None
+
+
+def cmd_policy_require_signed(args: argparse.Namespace) -> int:
+    """Write (or with ``--clear`` delete) the signing marker: the public keys the fleet trusts,
+    so that ``policy publish`` refuses what the services would refuse."""
+    import asyncio
+
+    from kernel.errors import LeaseholdError
+    from kernel.policy_store import SigningMarker
+    from kernel.signing import key_id_of, load_public_key, public_key_text
+
+    if not args.clear and not args.public_keys:
+        print("give --public-keys A.pub[,B.pub] (or --clear)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        keys = [load_public_key(p) for p in _split(args.public_keys or "")]
+    except PolicyError as e:
+        return _invalid(e)
+    marker = None if args.clear else SigningMarker(keys={key_id_of(k): public_key_text(k) for k in keys})
+
+    async def run() -> int:
+        store = _policy_store(args)
+        try:
+            await store.write_signing(marker)
+        except LeaseholdError as e:
+            print(f"not written ({e.code}): {e.detail}", file=sys.stderr)
+            return EXIT_CONNECT
+        finally:
+            await store.store.close()
+        _print({"key": store.signing_key.decode(), "requireSigned": marker is not None,
+                "keyIds": sorted(marker.keys) if marker else []})
         return EXIT_OK
 
     return asyncio.run(run())
@@ -242,6 +383,12 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
         store = _policy_store(args)
         try:
             stored = await store.read()
+            try:
+                marker = await store.read_signing()
+            except PolicyError as e:
+                marker, marker_problem = None, e.detail
+            else:
+                marker_problem = None
         except LeaseholdError as e:
             print(f"cannot read ({e.code}): {e.detail}", file=sys.stderr)
             return EXIT_CONNECT
@@ -258,7 +405,10 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
                 "problem": stored.problem or None,
                 "bundleVersion": b.bundle_version if b else None, "checksum": b.checksum if b else None,
                 "publishedAt": b.published_at if b else None, "maxAgeMs": b.max_age_ms if b else None,
-                "rules": [r.id for r in b.rules] if b else [], "pools": [p.id for p in b.pools] if b else []})
+                "keyId": b.key_id if b else None,
+                "rules": [r.id for r in b.rules] if b else [], "pools": [p.id for p in b.pools] if b else [],
+                "requireSigned": marker is not None, "trustedKeyIds": sorted(marker.keys) if marker else [],
+                "signingMarkerProblem": marker_problem})
         return EXIT_OK
 
     return asyncio.run(run())
@@ -274,7 +424,9 @@ def _spec(args: argparse.Namespace) -> TopologySpec:
     return TopologySpec(run_dir=args.run_dir, policy=Path(args.policy).resolve(),
                         regions=tuple(args.regions.split(",")), agents_per_region=args.agents_per_region,
                         allocators=args.allocators, etcd_members=args.etcd_members,
-                        auth=not getattr(args, "no_auth", False), policy_from_etcd=True)
+                        auth=not getattr(args, "no_auth", False), policy_from_etcd=True,
+                        signed=not getattr(args, "unsigned", False),
+                        insecure_dev_pepper=getattr(args, "insecure_dev_pepper", False))
 
 
 # ------------------------------------------------------------------------------- parser
@@ -293,6 +445,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--no-auth", action="store_true",
                         help="run the services with --auth-disabled true (default: tokens generated into "
                              "<run-dir>/secrets)")
+        sp.add_argument("--unsigned", action="store_true",
+                        help="no policy signing (default: a key pair in <run-dir>/secrets signs the start bundle "
+                             "and the services trust only its public key)")
+        sp.add_argument("--insecure-dev-pepper", action="store_true",
+                        help="give the agents the public development pepper (default: a random pepper "
+                             "generated into <run-dir>/secrets/pepper)")
 
     sp = sub.add_parser("up", help="start the local topology in the background")
     topo_opts(sp)
@@ -319,31 +477,55 @@ def build_parser() -> argparse.ArgumentParser:
 
     pol = sub.add_parser("policy", help="validate, publish or show a policy bundle")
     psub = pol.add_subparsers(dest="policy_command", required=True)
-    sp = psub.add_parser("validate", help="validate a bundle with the services' own code")
-    sp.add_argument("file")
-    sp.add_argument("--bound", action="store_true",
-                    help="also print each pool's overshoot bound per window, term by term (kernel.bound)")
-    sp.add_argument("--regions", type=int, default=2, help="regions for --bound (default 2)")
-    sp.add_argument("--agents-per-region", type=int, default=1, help="agents per region for --bound (default 1)")
-    sp.add_argument("--markdown", action="store_true", help="--bound as the README's Markdown table")
-    sp.set_defaults(func=cmd_policy_validate)
-
     def etcd_opts(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--etcd", help="etcd endpoints, host:port[,host:port...] (default: the running local "
-                                       "topology's, with its allocator credentials)")
+                                       "topology's, with its publisher credentials)")
         sp.add_argument("--prefix", default="/leasehold/", help="the allocator's key prefix")
         sp.add_argument("--etcd-user", help="etcd user (password from --etcd-password-file or "
                                            "LEASEHOLD_ETCD_PASSWORD)")
         sp.add_argument("--etcd-password-file")
 
+    sp = psub.add_parser("validate", help="validate a bundle with the services' own code; optionally its "
+                                          "signature and the privileged bypasses it adds or widens")
+    sp.add_argument("file")
+    sp.add_argument("--public-keys", help="PEM public keys (comma-separated): the bundle must be signed by one")
+    sp.add_argument("--against", metavar="CURRENT", help="the bundle in force (a file): report bypass changes, "
+                                                         "exit 7 if a bypass is added or widened")
+    sp.add_argument("--against-etcd", action="store_true", help="the same against the bundle published in etcd")
+    sp.add_argument("--bound", action="store_true",
+                    help="also print each pool's overshoot bound per window, term by term (kernel.bound)")
+    sp.add_argument("--regions", type=int, default=2, help="regions for --bound (default 2)")
+    sp.add_argument("--agents-per-region", type=int, default=1, help="agents per region for --bound (default 1)")
+    sp.add_argument("--markdown", action="store_true", help="--bound as the README's Markdown table")
+    etcd_opts(sp)
+    sp.set_defaults(func=cmd_policy_validate)
+    sp = psub.add_parser("keygen", help="generate an Ed25519 signing key pair (NAME.key 0600, NAME.pub)")
+    sp.add_argument("dir")
+    sp.add_argument("--name", default="policy-signing")
+    sp.set_defaults(func=cmd_policy_keygen)
+    sp = psub.add_parser("sign", help="sign a bundle (keyId + signature over content, version, publishedAt)")
+    sp.add_argument("file")
+    sp.add_argument("--key", required=True, help="Ed25519 private key (PEM, unencrypted)")
+    sp.add_argument("--out", help="write here instead of rewriting FILE")
+    sp.set_defaults(func=cmd_policy_sign)
     sp = psub.add_parser("publish", help="validate and publish a bundle to etcd (strictly higher version only; "
                                          "rollback = old content under a new version, see --as-version)")
     sp.add_argument("file")
     sp.add_argument("--as-version", type=int, help="publish FILE's rules and pools under this version "
                                                    "(re-sealed checksum): the rollback path")
     sp.add_argument("--published-at", help="publishedAt for --as-version")
+    sp.add_argument("--key", help="sign with this Ed25519 private key before publishing (default, against the "
+                                  "running local topology: its generated key, for an unsigned FILE)")
+    sp.add_argument("--require-signature", action="store_true",
+                    help="refuse an unsigned bundle even without the etcd signing marker")
     etcd_opts(sp)
     sp.set_defaults(func=cmd_policy_publish)
+    sp = psub.add_parser("require-signed", help="declare in etcd that the fleet requires bundles signed by these "
+                                                "keys (publish then refuses others); --clear removes it")
+    sp.add_argument("--public-keys", help="PEM public keys, comma-separated (two during a rotation)")
+    sp.add_argument("--clear", action="store_true")
+    etcd_opts(sp)
+    sp.set_defaults(func=cmd_policy_require_signed)
     sp = psub.add_parser("show", help="the bundle published in etcd")
     sp.add_argument("--raw", action="store_true", help="print the stored JSON as is")
     etcd_opts(sp)

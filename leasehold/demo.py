@@ -10,7 +10,10 @@ Traffic (bounded in rate, concurrency and time): 40 Atlas users reading (togethe
 Atlas's worldwide 1,000 per minute, so both regions see tenant-atlas-global 429s once the window's
 pool is spent; one of them, U-17, far above P-READ so it collects 429s of its own), Birch users reading, Atlas exports (cost 10,
 concurrency 3, released after a few seconds) and anonymous logins from a few IPs (one of
-them abusive, so P-ANON bites).
+them abusive, so P-ANON bites). Besides, the operators' internal health prober asks each agent
+directly, about twice a second, for tenant ``northstar-ops`` on route group ``probe``: a capped,
+owned, audited bypass (seed ch. 16, I14) - it reaches its cap of 60 per minute, and every use is
+in ``.run/audit-<region>-<n>.jsonl``.
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ from rich.table import Table
 
 from .gateways import Envoy, render, upstream
 from .procs import LOOPBACK, Proc, free_port
-from .topology import Topology, TopologySpec
+from .topology import LocalTopology, TopologySpec
 
 
 @dataclass
-class RegionStats:
+class RegionPanel:
     allowed: int = 0
     denied: int = 0
     unavailable: int = 0
@@ -50,12 +53,12 @@ class RegionStats:
 
 
 class Driver:
-    def __init__(self, topo: Topology, envoys: dict[str, str], rate: float, rng: random.Random):
+    def __init__(self, topo: LocalTopology, envoys: dict[str, str], rate: float, rng: random.Random):
         self.topo = topo
         self.envoys = envoys  # region -> Envoy URL
         self.rate = rate
         self.rng = rng
-        self.stats = {r: RegionStats() for r in envoys}
+        self.stats = {r: RegionPanel() for r in envoys}
         self.sem = asyncio.Semaphore(64)
         self.client = httpx.AsyncClient(timeout=2.0, limits=httpx.Limits(max_connections=64))
         self.agents = httpx.AsyncClient(timeout=2.0, headers=topo.gateway_headers())  # /v1/release
@@ -107,7 +110,7 @@ class Driver:
         else:
             st.errors += 1
 
-    async def release_later(self, region: str, headers: dict[str, str], st: RegionStats) -> None:
+    async def release_later(self, region: str, headers: dict[str, str], st: RegionPanel) -> None:
         """The backend ends the export: POST /v1/release with the decision id Envoy sent (x-request-id)."""
         await asyncio.sleep(self.rng.uniform(1.0, 4.0))
         payload = {"requestId": headers["x-request-id"], "tenantId": headers["x-tenant-id"],
@@ -145,10 +148,24 @@ class Driver:
         self.tasks.add(t)
         t.add_done_callback(self.tasks.discard)
 
+    async def probe(self) -> None:
+        """One health probe per region from the operators' prober, straight to an agent."""
+        for region, urls in self.topo.agent_urls.items():
+            body = {"requestId": f"probe-{uuid.uuid4().hex[:20]}", "tenantId": "northstar-ops",
+                    "principal": {"type": "service", "id": "prober"}, "routeGroup": "probe"}
+            try:
+                await self.agents.post(self.rng.choice(urls) + "/v1/admit", json=body)
+            except httpx.HTTPError:
+                self.stats[region].errors += 1
+
     async def run(self, until: float, stop: asyncio.Event) -> None:
         tick = 0.05
         carry = 0.0
+        ticks = 0
         while time.monotonic() < until and not stop.is_set():
+            ticks += 1
+            if ticks % 10 == 0 and len(self.tasks) < 512:
+                self._spawn(self.probe())
             carry += self.rate * tick
             n, carry = int(carry), carry - int(carry)
             for _ in range(n):
@@ -207,7 +224,7 @@ async def _main(spec: TopologySpec, duration_s: float, rate: float) -> int:
     console.print("[bold]Starting the local topology[/bold] (etcd, allocators, Redis and an agent per region, "
                   "an Envoy in front of each region, a demo upstream)…")
     spec.rls = True
-    topo = await asyncio.to_thread(Topology(spec).start)
+    topo = await asyncio.to_thread(LocalTopology(spec).start)
     try:
         edge = await asyncio.to_thread(start_edge, topo)
     except BaseException:
@@ -263,7 +280,7 @@ class Edge:
         self.upstream.stop()
 
 
-def start_edge(topo: Topology) -> Edge:
+def start_edge(topo: LocalTopology) -> Edge:
     run = topo.spec.run_dir
     up, up_port = upstream(run / "upstream")
     envoys: dict[str, Envoy] = {}

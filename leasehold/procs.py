@@ -247,15 +247,15 @@ def make_tls(d: Path) -> TlsFiles:
     return TlsFiles(ca=d / "ca.crt", cert=d / "server.crt", key=d / "server.key")
 
 
-@dataclass(frozen=True)
-class EtcdGrant:
-    """One etcd user with one role: ``perm`` (read | write | readwrite) on keys under ``prefix``."""
+ETCD_USERS = ("root", "publisher", "allocator", "agent")  # leasehold/etcd_roles.sh (deploy/etcd/leasehold-roles.sh)
 
-    user: str
-    password: str
-    role: str
-    perm: str
-    prefix: str
+
+def etcd_roles_script() -> Path:
+    """The one definition of Leasehold's etcd roles (shipped in the package, used by the deploy
+    manifests too)."""
+    from importlib import resources
+
+    return Path(str(resources.files("leasehold").joinpath("etcd_roles.sh")))
 
 
 @dataclass
@@ -384,17 +384,17 @@ class EtcdCluster:
             raise RuntimeError(f"etcdctl {args[:2]} failed: {r.stderr.strip()[:200]}")
         return r.stdout
 
-    def enable_auth(self, root_password: str, grants: Sequence[EtcdGrant]) -> None:
-        """Turn etcd authentication on: ``root`` plus one role and user per grant (passwords go
-        through stdin, never the command line)."""
-        self.etcdctl("user", "add", "root", "--interactive=false", stdin=root_password + "\n")
-        self.etcdctl("user", "grant-role", "root", "root")
-        for g in grants:
-            self.etcdctl("role", "add", g.role)
-            self.etcdctl("role", "grant-permission", g.role, g.perm, g.prefix, "--prefix=true")
-            self.etcdctl("user", "add", g.user, "--interactive=false", stdin=g.password + "\n")
-            self.etcdctl("user", "grant-role", g.user, g.role)
-        self.etcdctl("auth", "enable")
+    def apply_roles(self, password_files: dict[str, Path], prefix: str = "/leasehold/") -> None:
+        """Leasehold's users and roles, then authentication on, by running the deploy script
+        (:func:`etcd_roles_script`) with one password file per user of :data:`ETCD_USERS`."""
+        env = {**os.environ, "ETCDCTL_API": "3", "ETCDCTL_ENDPOINTS": ",".join(self.endpoints), "LEASEHOLD_PREFIX": prefix,
+               **{f"{u.upper()}_PASSWORD_FILE": str(password_files[u]) for u in ETCD_USERS}}
+        env.pop("ETCDCTL_USER", None)
+        if self.tls:
+            env["ETCDCTL_CACERT"] = str(self.tls.ca)
+        r = subprocess.run(["sh", str(etcd_roles_script())], env=env, capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            raise RuntimeError(f"etcd roles script failed: {(r.stderr or r.stdout).strip()[-300:]}")
 
     def stop_member(self, i: int) -> None:
         self.procs[i].stop()

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 from kernel.resources import sample_policy
 
 from .procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_http_ready, wait_port
+from .services import agent_command, allocator_command
 
 REPO = Path(__file__).resolve().parents[1]  # the source checkout when installed editable
 
@@ -46,7 +46,12 @@ class TopologySpec:
     auth: bool = False  # bearer tokens generated into <run_dir>/secrets (``leasehold up`` turns this on);
     #                     False passes an explicit --auth-disabled true to every service
     policy_from_etcd: bool = False  # agents follow <prefix>policy/current (``leasehold policy publish``)
+    signed: bool = False  # a policy-signing key pair in <run_dir>/secrets: the start bundle is signed with it,
+    #                       every service trusts only its public key, and etcd carries the signing marker
+    extra_public_keys: tuple[str, ...] = ()  # more trusted public keys (a key rotation in progress)
     rls: bool = False  # every agent also serves Envoy's rate limit service (--rls-port, a free port each)
+    insecure_dev_pepper: bool = False  # opt in to the agents' public development pepper; by default a
+    #                                    random pepper is generated into <run_dir>/secrets/pepper
 
 
 @dataclass
@@ -60,7 +65,7 @@ class ServiceInfo:
 
 
 @dataclass
-class Topology:
+class LocalTopology:
     spec: TopologySpec
     etcd: EtcdCluster | None = None
     redis: dict[str, RedisServer] = field(default_factory=dict)
@@ -70,6 +75,17 @@ class Topology:
     agent_urls: dict[str, list[str]] = field(default_factory=dict)
     rls_ports: dict[str, list[int]] = field(default_factory=dict)  # per region, per agent (spec.rls)
     secrets: Secrets | None = None  # the generated credentials when spec.auth
+    signing: tuple[Path, Path] | None = None  # (private key, public key) when spec.signed
+    policy_path: Path | None = None  # the start bundle the services load (signed copy when spec.signed)
+    pepper_file: Path | None = None  # the agents' generated pepper (None with spec.insecure_dev_pepper)
+
+    @property
+    def pepper(self) -> bytes:
+        """The agents' HMAC pepper (what a test needs to derive their Redis keys)."""
+        if self.pepper_file is None:
+            from region_agent.settings import DEV_PEPPER as AGENT_DEV_PEPPER
+            return AGENT_DEV_PEPPER
+        return self.pepper_file.read_bytes().strip()
 
     def gateway_headers(self) -> dict[str, str]:
         """What a gateway sends to the agents (empty with auth off)."""
@@ -79,29 +95,37 @@ class Topology:
         return {"Authorization": f"Bearer {self.secrets.operator}"} if self.secrets else {}
 
     # ------------------------------------------------------------------ start/stop
-    def start(self, timeout: float = 60.0) -> Topology:
+    def start(self, timeout: float = 60.0) -> LocalTopology:
         run = self.spec.run_dir
         run.mkdir(parents=True, exist_ok=True)
         if self.spec.auth:
             self.secrets = Secrets.generate(run / "secrets", self.spec.regions)
+        if not self.spec.insecure_dev_pepper:
+            import secrets as _secrets
+            self.pepper_file = write_secret(run / "secrets", "pepper", _secrets.token_urlsafe(32))
+        self.policy_path = self.spec.policy
+        trust: list[str] = []
+        if self.spec.signed:
+            self.signing, self.policy_path = sign_start_bundle(run, self.spec.policy)
+            trust = ["--policy-public-keys", ",".join([str(self.signing[1]), *self.spec.extra_public_keys])]
         try:
             if self.spec.with_allocator:
                 # a fresh cluster every run: a previous run's data dir has its (now unknown) users and
                 # auth enabled, and its pools/grants belong to that run
                 shutil.rmtree(run / "etcd", ignore_errors=True)
                 self.etcd = EtcdCluster(run / "etcd", members=self.spec.etcd_members).start(timeout)
+                if self.signing:  # before auth is on: ``policy publish`` refuses unsigned bundles
+                    self.etcd.etcdctl("put", "/leasehold/policy/signing", stdin=signing_marker(self.signing[1]))
                 if self.secrets:
                     self.secrets.enable_etcd_auth(self.etcd)
                 for i in range(self.spec.allocators):
                     port = free_port()
                     url = f"http://{LOOPBACK}:{port}"
-                    proc = Proc(f"allocator-{i + 1}", [
-                        sys.executable, "-m", "allocator", "--etcd", ",".join(self.etcd.endpoints),
-                        "--policy", str(self.spec.policy), "--node-id", f"alloc-{i + 1}",
-                        "--host", LOOPBACK, "--port", str(port), "--advertise-url", url,
-                        *(self.secrets.allocator_args() if self.secrets else ("--auth-disabled", "true")),
-                        *self.spec.allocator_args,
-                    ], run / f"allocator-{i + 1}", env=_env()).start()
+                    proc = Proc(f"allocator-{i + 1}", allocator_command(
+                        *trust, *(self.secrets.allocator_args() if self.secrets else ("--auth-disabled", "true")),
+                        *self.spec.allocator_args, etcd=self.etcd.endpoints, policy=self.policy_path,
+                        node_id=f"alloc-{i + 1}", host=LOOPBACK, port=port, advertise_url=url,
+                    ), run / f"allocator-{i + 1}", env=_env()).start()
                     self.allocators.append(proc)
                     self.allocator_urls.append(url)
                 for proc, url in zip(self.allocators, self.allocator_urls, strict=True):
@@ -116,9 +140,8 @@ class Topology:
                     port = free_port()
                     redis_url = (f"redis://agent@{LOOPBACK}:{self.redis[region].port}/0" if self.secrets
                                  else self.redis[region].url)  # ACL user; its password from a file
-                    args = [sys.executable, "-m", "region_agent", "--redis-url", redis_url,
-                            "--policy", str(self.spec.policy), "--region", region,
-                            "--host", LOOPBACK, "--port", str(port)]
+                    args = agent_command(*trust, redis_url=redis_url, policy=self.policy_path, region=region,
+                                         host=LOOPBACK, port=port)
                     if self.allocator_urls and self.spec.link_agents_to_allocator:
                         args += ["--allocator-urls", ",".join(self.allocator_urls)]
                     args += self.secrets.agent_args(region) if self.secrets else ["--auth-disabled", "true"]
@@ -126,12 +149,15 @@ class Topology:
                         args += ["--policy-etcd", ",".join(self.etcd.endpoints)]
                         if self.secrets:
                             args += self.secrets.agent_etcd_args()
+                    args += ["--audit-log", str(run / f"audit-{region}-{j + 1}.jsonl")]  # privileged bypasses
                     if self.spec.rls:
                         rls_port = free_port()
                         args += ["--rls-port", str(rls_port)]
                         self.rls_ports[region].append(rls_port)
+                    args += (["--pepper-file", str(self.pepper_file)] if self.pepper_file is not None
+                             else ["--insecure-dev-pepper", "true"])  # the public pepper only when asked for
                     args += list(self.spec.agent_args)
-                    env = _env(LEASEHOLD_AGENT_PEPPER=DEV_PEPPER)
+                    env = {k: v for k, v in _env().items() if k != "LEASEHOLD_AGENT_PEPPER"}
                     proc = Proc(f"agent-{region}-{j + 1}", args, run / f"agent-{region}-{j + 1}", env=env).start()
                     self.agents[region].append(proc)
                     self.agent_urls[region].append(f"http://{LOOPBACK}:{port}")
@@ -183,6 +209,7 @@ class Topology:
         path = self.spec.run_dir / "topology.json"
         path.write_text(json.dumps({"started": time.time(), "policy": str(self.spec.policy),
                                     "secrets": str(self.secrets.dir) if self.secrets else None,
+                                    "signingKey": str(self.signing[0]) if self.signing else None,
                                     "services": [asdict(s) for s in self.services()]}, indent=2))
 
 
@@ -214,14 +241,15 @@ class Secrets:
         return s
 
     def _write(self, name: str, text: str) -> None:
-        path = self.dir / name
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        write_secret(self.dir, name, text)
 
     def allocator_args(self) -> list[str]:
         return ["--auth-disabled", "false", "--region-tokens-file", str(self.dir / "allocator-region-tokens"),
                 "--etcd-user", "allocator", "--etcd-password-file", str(self.dir / "etcd-allocator.password")]
+
+    def publisher_args(self) -> list[str]:
+        """What ``leasehold policy publish`` uses: the publisher (write on the policy key only)."""
+        return ["--etcd-user", "publisher", "--etcd-password-file", str(self.dir / "etcd-publisher.password")]
 
     def password(self, name: str) -> str:
         path = self.dir / f"{name}.password"
@@ -237,11 +265,13 @@ class Secrets:
                 "users": [agent_acl("agent", self.password("redis-agent"))]}
 
     def enable_etcd_auth(self, etcd: EtcdCluster) -> None:
-        """etcd authentication: root, an allocator role on /leasehold/, agents read-only on the policy key."""
-        from .procs import EtcdGrant
-        etcd.enable_auth(self.password("etcd-root"), [
-            EtcdGrant("allocator", self.password("etcd-allocator"), "allocator", "readwrite", "/leasehold/"),
-            EtcdGrant("agent", self.password("etcd-agent"), "agent", "read", "/leasehold/policy/")])
+        """etcd authentication with Leasehold's roles (deploy/etcd/leasehold-roles.sh): a publisher
+        that may write the policy key only, the allocator on pools/grants/leader (policy read-only),
+        agents read-only on the policy key, and root."""
+        from .procs import ETCD_USERS
+        for user in ETCD_USERS:
+            self.password(f"etcd-{user}")
+        etcd.apply_roles({u: self.dir / f"etcd-{u}.password" for u in ETCD_USERS})
 
     def agent_etcd_args(self) -> list[str]:
         return ["--policy-etcd-user", "agent", "--policy-etcd-password-file", str(self.dir / "etcd-agent.password")]
@@ -251,6 +281,43 @@ class Secrets:
                 "--redis-password-file", str(self.dir / "redis-agent.password"),
                 "--gateway-tokens-file", str(self.dir / "agent-gateway-tokens"),
                 "--operator-tokens-file", str(self.dir / "agent-operator-tokens")]
+
+
+def write_secret(d: Path, name: str, text: str) -> Path:
+    """A secret file ``d/name`` (directory 0700, file 0600), replaced if it exists."""
+    d.mkdir(parents=True, exist_ok=True)
+    d.chmod(0o700)
+    path = d / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
+def sign_start_bundle(run: Path, policy: Path) -> tuple[tuple[Path, Path], Path]:
+    """A fresh Ed25519 key pair in ``<run>/secrets`` (0700; the private key 0600) and the start
+    bundle signed with it at ``<run>/policy.signed.json``."""
+    from kernel.bundle import encode_bundle, load_bundle_file
+    from kernel.signing import generate_keypair, load_private_key, sign_bundle
+
+    d = run / "secrets"
+    d.mkdir(parents=True, exist_ok=True)
+    d.chmod(0o700)
+    key, pub = generate_keypair(d, "policy-signing")
+    signed = run / "policy.signed.json"
+    signed.write_bytes(encode_bundle(sign_bundle(load_bundle_file(str(policy)), load_private_key(key))) + b"\n")
+    return (key, pub), signed
+
+
+def signing_marker(pub: Path) -> str:
+    """The etcd signing marker (kernel.policy_store.SigningMarker) trusting ``pub``."""
+    import msgspec
+
+    from kernel.policy_store import SigningMarker
+    from kernel.signing import key_id_of, load_public_key, public_key_text
+
+    k = load_public_key(pub)
+    return msgspec.json.encode(SigningMarker(keys={key_id_of(k): public_key_text(k)})).decode()
 
 
 def _sha(token: str) -> str:

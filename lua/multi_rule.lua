@@ -15,13 +15,22 @@
 --                  pool  cost_tokens, 0, 0, 0, 0                (leased global tokens)
 --                  pw    limit, k_lo, k_hi, cost, ttl_ms        (a pool's fallback allowance per
 --                                                               allocator window, lib/pool_window.lua)
+-- ARGV[4+6n]     question: what the decision id is asked about, stored with the record and
+--                compared on a replay (the agent sends a keyed hash of tenant, principal, route
+--                group and cost; 0..64 characters of [0-9A-Za-z]; '' when no record is kept)
 -- Reply          {allowed 0/1, denied_by (1-based, 0 = none), retry_after_ms, remaining_1 ..
 --                remaining_n}; remaining is the value after the debit when the request is
 --                allowed, and every rule's current (undebited) value when it is denied; a cc
 --                rule reports in_flight in its slot.
+--                {-1, 0, 0, 0 .. 0} (n zeros): the decision id has a record for another
+--                question (conflict); only the record was read, nothing was written.
 -- Semantics      every argument is validated before any read/write (error reply
 --                'ERR rate limit policy arguments invalid'). With decision_ttl_ms > 0 a stored
---                record is returned unchanged. Each rule's check (lib/*.lua, reads only) runs
+--                record is returned unchanged when it was written for the same question, and the
+--                conflict reply otherwise (a record never answers another question: a caller
+--                who reuses someone's decision id is neither admitted nor charged by it; a
+--                record without a question, or of any other shape, is a conflict too). Each
+--                rule's check (lib/*.lua, reads only) runs
 --                in order; denied_by = first denying rule; retry = max over denying rules, -1 if
 --                any denying rule can never succeed; cc and pool denials contribute their own
 --                hint (0 for cc: the caller uses its policy Retry-After). Only when no rule denies
@@ -31,10 +40,11 @@
 --                idempotently release the lease when a rate rule denies", folded into one atomic
 --                step with the same observable outcome and no window where a doomed lease is held.
 --                With decision_ttl_ms > 0 the reply (also a denial) is stored with PX
---                decision_ttl_ms as comma-separated integers (exact for every value < 2^53) —
---                except a denial by a leased pool (kind pool): the agent runs the decision again
---                once the region's balance is topped up, and a denial debited nothing, so it is
---                not recorded (a recorded one would replay the denial to that second run).
+--                decision_ttl_ms as 'question|' followed by comma-separated integers (exact for
+--                every value < 2^53) — except a denial by a leased pool (kind pool): the agent runs
+--                the decision again once the region's balance is topped up, and a denial debited
+--                nothing, so it is not recorded (a recorded one would replay the denial to that
+--                second run).
 -- @include lib/clock.lua
 -- @include lib/token_bucket.lua
 -- @include lib/gcra.lua
@@ -50,8 +60,9 @@ local MAX_RULES = 8
 local n = #KEYS - 1
 local slack, dec_ttl = lh_int(ARGV[1], 0), lh_int(ARGV[2], 0)
 local member = ARGV[3]
-if n < 1 or n > MAX_RULES or #ARGV ~= 3 + 6 * n or slack == nil or dec_ttl == nil
-    or member == nil then
+local question = ARGV[4 + 6 * n]
+if n < 1 or n > MAX_RULES or #ARGV ~= 4 + 6 * n or slack == nil or dec_ttl == nil
+    or member == nil or question == nil or #question > 64 or string.find(question, '[^%w]') then
   return lh_invalid()
 end
 
@@ -74,8 +85,16 @@ end
 if dec_ttl > 0 then
   local prior = redis.call('GET', KEYS[1])
   if prior then
+    local asked, stored = string.match(prior, '^(%w*)|([-%d,]+)$')
+    if asked ~= question then
+      local conflict = { -1, 0, 0 }
+      for i = 1, n do
+        conflict[3 + i] = 0
+      end
+      return conflict
+    end
     local out = {}
-    for x in string.gmatch(prior, '[^,]+') do
+    for x in string.gmatch(stored, '[^,]+') do
       out[#out + 1] = tonumber(x)
     end
     return out
@@ -115,6 +134,6 @@ if dec_ttl > 0 and not (denied_by > 0 and rules[denied_by].kind == 'pool') then
   for i = 1, #result do
     parts[i] = string.format('%d', result[i])
   end
-  redis.call('SET', KEYS[1], table.concat(parts, ','), 'PX', dec_ttl)
+  redis.call('SET', KEYS[1], question .. '|' .. table.concat(parts, ','), 'PX', dec_ttl)
 end
 return result

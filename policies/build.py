@@ -61,7 +61,10 @@ def northstar_global(version: int = 42, published_at: str = "2026-11-06T09:30:00
     Used by ``make run``, the lease tests and the chaos suite.
 
     Overshoot bound per window (DESIGN invariant 6), with clamped leases:
-    Atlas admitted <= 1,000 + 2 regions x 100 fallback = 1,200; Birch <= 300 + 2 x 30 = 360."""
+    Atlas admitted <= 1,000 + 2 regions x 100 fallback = 1,200; Birch <= 300 + 2 x 30 = 360.
+
+    The operators' probe route (tenant northstar-ops, route group probe) is an exempt rule: a
+    capped, owned, audited bypass (seed ch. 16, I14)."""
     base = northstar(version, published_at)
     keep = [r for r in base.rules if r.id not in ("tenant-atlas-minute", "tenant-birch-minute")]
     pools = [
@@ -79,6 +82,11 @@ def northstar_global(version: int = 42, published_at: str = "2026-11-06T09:30:00
              cost=1, fail_mode="local_bounded"),
         Rule(id="global-catalog", scope="global", route_group="read", algorithm="pool", pool="global-read",
              cost=1, fail_mode="local_bounded"),
+        # seed ch. 16 / I14: the operators' health-probe path is a privileged bypass with its own small cap
+        # (60 per minute), an owner, failing closed; every use is audited (region_agent/audit.py)
+        Rule(id="ops-probe-bypass", scope="tenant", tenant="northstar-ops", route_group="probe",
+             algorithm="fixed_window", limit=60, window_ms=60_000, fail_mode="closed", exempt=True,
+             owner="sre-oncall"),
     ]
     return seal(Bundle(bundle_version=version, published_at=published_at, checksum="", rules=rules, pools=pools))
 

@@ -12,6 +12,7 @@ import sys
 from kernel.bundle import load_bundle_file
 from kernel.config import ConfigError
 from kernel.errors import PolicyError
+from kernel.signing import TrustedKeys
 
 from .settings import ENV_PREFIX, AgentSettings, load_agent_settings, resolve_pepper
 
@@ -21,6 +22,8 @@ def app_factory():
     from .app import create_app
 
     settings = load_agent_settings([])
+    from kernel.httpserver import quiet_request_logs
+    quiet_request_logs(settings.log_level)  # a worker process configures its own loggers
     return create_app(settings, pepper=resolve_pepper(settings), install_signal_handlers=True)
 
 
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         bundle = load_bundle_file(settings.policy)
+        TrustedKeys.from_files(settings.policy_public_keys).check(bundle)
     except PolicyError as e:
         print(f"region_agent: refusing to start: {e.detail}", file=sys.stderr)
         for problem in e.errors:
@@ -71,12 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         settings.region, bundle.bundle_version, settings.host, settings.port)
     _export(settings)
 
-    import uvicorn
+    from kernel.httpserver import quiet_request_logs, serve
 
-    uvicorn.run("region_agent.__main__:app_factory", factory=True, host=settings.host, port=settings.port,
-                workers=settings.workers if settings.workers > 1 else None, loop="uvloop", http="httptools",
-                log_level=settings.log_level, access_log=False, lifespan="on",
-                ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file)
+    quiet_request_logs(settings.log_level)
+
+    serve("region_agent.__main__:app_factory", factory=True, host=settings.host, port=settings.port,
+          workers=settings.workers, limits=settings.http_limits(), log_level=settings.log_level,
+          access_log=settings.access_log, ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file)
     return 0
 
 

@@ -9,34 +9,33 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from litestar import Litestar, MediaType, Request, Response, get, post
-from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from litestar.params import Body
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kernel.bundle import Bundle
-from kernel.errors import (
-    BadRequest,
-    LeaseholdError,
-    NotFound,
-    PayloadTooLarge,
-    Unavailable,
-    ValidationFailed,
-    to_problem,
-)
+from kernel.errors import LeaseholdError, Unavailable
+from kernel.http_errors import exception_handlers, problem_response
+from kernel.jsonbody import StrictJSONRequest
 from kernel.openapi_problems import document_problems
+from kernel.signing import TrustedKeys
 
+from . import store_health
+from .audit import BypassAudit, make_sink
 from .auth import AgentAuth, agent_guard
 from .engine import Engine
+from .epoch import EpochCheck
 from .fallback import LocalFallback
 from .fastpath import admit_fast_path
 from .gateways import Gateways
 from .gateways.authz import authz
+from .httpmap import configure_jitter
 from .keys import KeyBuilder
 from .leasing.warmup import warmup_balances
 from .leasing.window_clock import AllocatorClock
@@ -57,9 +56,10 @@ from .models import (
 from .negcache import NegativeCache
 from .policy import PolicyHolder, ReloadResult
 from .settings import AgentSettings
+from .telemetry import DecisionTelemetry
 
 log = logging.getLogger("region_agent")
-PROBLEM_JSON = "application/problem+json"
+VALIDATION_STATUS = 422  # a body or parameter that does not fit the schema (the allocator answers 400)
 
 
 @dataclass
@@ -74,6 +74,8 @@ class AgentState:
     policy_watch: Any = None  # kernel.watch.PolicyWatcher when --policy-etcd is set
     auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled true
     key_cap: Any = None  # region_agent.preauth.NewKeyCap; None when --anon-new-keys-per-source 0
+    epoch: Any = None  # region_agent.epoch.EpochCheck (policyEpoch in requests)
+    audit: Any = None  # region_agent.audit.BypassAudit
     gateways: Any = None  # region_agent.gateways.Gateways: RLS gRPC server and /v1/authz
     tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -87,11 +89,6 @@ def _engine(request: Request) -> Engine:
     if st.engine is None:
         raise Unavailable("agent is starting")
     return st.engine
-
-
-def problem_response(exc: LeaseholdError, instance: str | None = None) -> Response:
-    status, body = to_problem(exc, instance=instance)
-    return Response(body, status_code=status, media_type=PROBLEM_JSON)
 
 
 # ---------------------------------------------------------------------------------- handlers
@@ -112,6 +109,10 @@ def _before_engine(st: AgentState, reqs: list[AdmitRequest]) -> list[tuple[Admit
 
     reqs = [as_failed_auth(r) if r.auth_failed else r for r in reqs]
     w, bundle = st.policy_watch, st.holder.bundle
+    if st.epoch is not None:
+        for r in reqs:
+            if r.policy_epoch is not None:
+                st.epoch.observe(r.policy_epoch, bundle.bundle_version)
     out: list[tuple[AdmitRequest, Decision | None]] = [(r, None) for r in reqs]
     if w is not None and w.is_stale(bundle):
         from .policy_watch import revoked_decision
@@ -191,38 +192,6 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-# ---------------------------------------------------------------------------------- errors
-def _on_leasehold(request: Request, exc: LeaseholdError) -> Response:
-    return problem_response(exc, instance=request.url.path)
-
-
-def _on_validation(request: Request, exc: ValidationException) -> Response:
-    extra = exc.extra if isinstance(exc.extra, list) else None
-    errors = [str(e.get("message", e)) if isinstance(e, dict) else str(e) for e in (extra or [])]
-    err = ValidationFailed("request body failed validation: " + (errors[0] if errors else exc.detail),
-                           errors=errors or [exc.detail])
-    return problem_response(err, instance=request.url.path)
-
-
-def _on_http(request: Request, exc: HTTPException) -> Response:
-    if exc.status_code == 413:
-        err: LeaseholdError = PayloadTooLarge("request body too large")
-    elif exc.status_code == 404:
-        err = NotFound("no such resource")
-    elif 400 <= exc.status_code < 500:
-        err = BadRequest(exc.detail or "malformed request")
-        err.status = exc.status_code
-    else:
-        err = LeaseholdError(exc.detail or "internal error")
-        err.status = exc.status_code
-    return problem_response(err, instance=request.url.path)
-
-
-def _on_unexpected(request: Request, exc: Exception) -> Response:
-    log.exception("unexpected error on %s", request.url.path)
-    return problem_response(LeaseholdError("internal error"), instance=request.url.path)
-
-
 # ---------------------------------------------------------------------------------- app
 def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder | None = None,
                metrics_obj: AgentMetrics | None = None, store_factory=None,
@@ -240,12 +209,18 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             log.warning("policy reload refused (%s): %s", res.outcome, res.detail)
 
     if holder is None:
-        holder = PolicyHolder.load(settings.policy, on_reload=on_reload)
+        holder = PolicyHolder.load(settings.policy, on_reload=on_reload,
+                                   trusted=TrustedKeys.from_files(settings.policy_public_keys))
     else:
         holder._on_reload = holder._on_reload or on_reload
     m.policy_version.set(holder.bundle.bundle_version)
+    m.policy_age.set_function(lambda: time.monotonic() - holder.checked_at)  # etcd: the watcher's age
+    configure_jitter(settings.retry_jitter_pct, settings.retry_jitter_max_ms, settings.retry_jitter_seed)
+    audit = BypassAudit(m, make_sink(settings.audit_log))
     state = AgentState(settings=settings, holder=holder, metrics=m, keys=KeyBuilder(pepper),
                        auth=AgentAuth.from_settings(settings), key_cap=_key_cap(settings))
+    state.epoch = EpochCheck(m, refresh=lambda: _refresh_policy(state))
+    state.audit = audit
     state.gateways = Gateways(settings, state_of=lambda: state, before_engine=_before_engine, registry=m.registry)
 
     @contextlib.asynccontextmanager
@@ -256,10 +231,14 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             state.store.start()
         clock = AllocatorClock(unknown_offset_ms=settings.allocator_clock_uncertainty_ms)
         state.leases = _lease_manager(settings, state.store, m, clock)
+        telemetry = DecisionTelemetry(m, audit=audit,
+                                      shard_of=state.store.shard_of if getattr(state.store, "cluster", False)
+                                      else None)
         state.engine = Engine(get_bundle=lambda: state.holder.bundle, keys=state.keys, store=state.store,
                               metrics=m, fallback=LocalFallback(settings.fallback_max_keys),
                               budget_ms=settings.decision_budget_ms, leases=state.leases,
-                              negative=NegativeCache(cap_ms=settings.negative_cache_ms), allocator_clock=clock)
+                              negative=NegativeCache(cap_ms=settings.negative_cache_ms), telemetry=telemetry,
+                              allocator_clock=clock)
         if state.leases is not None:
             state.leases.start()
             if settings.lease_warmup:
@@ -271,13 +250,22 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         if hasattr(state.store, "warm"):  # the pipelines' connections, open before the first burst
             await state.store.warm(settings.pipelines_in_flight + 2)
         state.tasks.append(asyncio.create_task(_background(state)))
+        if settings.store_health_ms and hasattr(state.store, "info_by_shard"):
+            state.tasks.append(asyncio.create_task(store_health.run(state.store, m.store_health,
+                                                                    settings.store_health_ms)))
         await state.gateways.start()  # the RLS gRPC server, when --rls-port is set
         loop = asyncio.get_running_loop()
+        undo_termination = None
         if install_signal_handlers:
             loop.add_signal_handler(signal.SIGHUP, state.holder.reload)
+            if state.leases is not None:  # SIGTERM: no new leases from now on (before uvicorn drains)
+                from kernel.httpserver import on_termination
+                undo_termination = on_termination(state.leases.begin_shutdown)
         try:
             yield
         finally:
+            if undo_termination is not None:
+                undo_termination()
             await state.gateways.stop()
             if install_signal_handlers:
                 loop.remove_signal_handler(signal.SIGHUP)
@@ -289,8 +277,9 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             for t in state.tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
-            if state.leases is not None:
-                await state.leases.stop()
+            audit.flush(force=True)
+            if state.leases is not None:  # close the leases held and report them (returned to the pool now)
+                await state.leases.shutdown(settings.shutdown_report_ms / 1000)
                 await state.leases.client.aclose()
             await state.store.close()
 
@@ -299,10 +288,10 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         guards=[agent_guard],
         middleware=[admit_fast_path(lambda: state, MAX_BODY_BYTES, _before_engine)] if fast_path else [],  # region_agent.fastpath
         lifespan=[lifespan],
-        exception_handlers={LeaseholdError: _on_leasehold, ValidationException: _on_validation,
-                            HTTPException: _on_http, Exception: _on_unexpected},
+        exception_handlers=exception_handlers(validation_status=VALIDATION_STATUS),  # kernel.http_errors
         openapi_config=OpenAPIConfig(title="Leasehold region agent", version="1.0.0", path="/schema"),
         request_max_body_size=MAX_BATCH_BODY_BYTES,
+        request_class=StrictJSONRequest,  # kernel.jsonbody: application/json only, strict typed decoding
         debug=False,
     )
     app.state.agent = state
@@ -370,14 +359,13 @@ def default_store_factory(settings: AgentSettings, m: AgentMetrics):
     gauge.set(0)
     return StoreGateway(client, sc.Scripts(), max_batch=settings.batch_max, max_queue=settings.queue_max,
                         max_inflight=settings.pipelines_in_flight, on_batch=m.batch_size.observe,
-                        breaker=breaker, on_breaker=gauge.set, stall_s=settings.decision_budget_ms / 1000,
-                        late_s=settings.redis_socket_timeout_ms / 1000)
+                        breaker=breaker, on_breaker=gauge.set, log_interval_s=settings.redis_log_interval_ms / 1000,
+                        stall_s=settings.decision_budget_ms / 1000, late_s=settings.redis_socket_timeout_ms / 1000)
 
 
 async def _background(state: AgentState) -> None:
     """Poll the policy file's mtime; keep trying to load the scripts until they are loaded."""
     interval = (state.settings.policy_poll_ms or 1000) / 1000
-    ticks = 0
     while True:
         await asyncio.sleep(interval)
         if state.settings.policy_poll_ms:
@@ -388,17 +376,24 @@ async def _background(state: AgentState) -> None:
         if state.store is not None and not state.store.scripts_loaded:
             with contextlib.suppress(LeaseholdError):
                 await state.store.load()
-        ticks += 1
-        if state.store is not None and ticks % 5 == 0 and hasattr(state.store, "store_health"):
-            try:
-                health = await state.store.store_health()
-            except Exception:  # INFO may be denied by ACLs or the store may be down: no gauge update
-                continue
-            m = state.metrics
-            m.redis_evicted.set(health["evicted_keys"])
-            m.redis_memory.labels("used").set(health["used_memory"])
-            m.redis_memory.labels("max").set(health["maxmemory"])
-            m.redis_keys.set(health["keys"])
+        if state.audit is not None:
+            state.audit.flush()
+
+
+def _refresh_policy(state: AgentState) -> None:
+    """A request named a newer policyEpoch than the bundle in force: look at the source now
+    (an etcd read off the request path, or a look at the bundle file's mtime)."""
+    if state.policy_watch is not None:
+        _REFRESHES.add(task := asyncio.get_running_loop().create_task(state.policy_watch.refresh()))
+        task.add_done_callback(_REFRESHES.discard)
+        return
+    try:
+        state.holder.poll()
+    except Exception:
+        log.exception("policy poll failed")
+
+
+_REFRESHES: set[asyncio.Task] = set()  # in-flight refreshes (a reference keeps them alive)
 
 
 __all__ = ["AgentState", "MediaType", "create_app", "problem_response"]

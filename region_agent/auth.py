@@ -33,12 +33,13 @@ class AgentAuth:
         return cls(TokenTable.parse(s.gateway_tokens, s.gateway_tokens_file, default_name="gateway"),
                    TokenTable.parse(s.operator_tokens, s.operator_tokens_file, default_name="operator"))
 
-    def check(self, path: str, headers: Any) -> str | None:
-        """The caller's name, or None for an open path; raises Unauthorized."""
+    def check(self, path: str, raw_headers: Any) -> str | None:
+        """The caller's name, or None for an open path; raises Unauthorized. ``raw_headers`` is
+        the ASGI header list (the guard and the fast path read the same one)."""
         if path in GATEWAY_PATHS:
-            return "gateway:" + authenticate(self.gateways, headers)
+            return "gateway:" + authenticate(self.gateways, raw_headers)
         if path in OPERATOR_PATHS:
-            return "operator:" + authenticate(self.operators, headers)
+            return "operator:" + authenticate(self.operators, raw_headers)
         return None
 
 
@@ -48,6 +49,6 @@ async def agent_guard(connection: Any, handler: Any) -> None:
     auth: AgentAuth | None = connection.app.state.agent.auth
     if auth is None:
         return
-    who = auth.check(connection.scope["path"], connection.headers)
+    who = auth.check(connection.scope["path"], connection.scope["headers"])
     if who is not None:
         connection.scope[SCOPE_KEY] = who

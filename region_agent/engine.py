@@ -20,10 +20,12 @@ from kernel.bundle import Bundle, Pool, Rule
 from kernel.errors import (
     AmbiguousOutcome,
     DeadlineExceeded,
+    DecisionConflict,
     LeaseholdError,
     Overloaded,
     ScriptRejected,
     StoreUnavailable,
+    to_problem,
 )
 
 from .algorithms.pool_window import MAX_SPAN
@@ -47,6 +49,7 @@ from .plan import (
     tokens_remaining,
 )
 from .pool_allowance import PoolWindowAllowance
+from .telemetry import DecisionTelemetry
 
 log = logging.getLogger("region_agent.engine")
 
@@ -87,8 +90,8 @@ class Engine:
     def __init__(self, *, get_bundle: Callable[[], Bundle], keys: KeyBuilder, store: Any, metrics: AgentMetrics,
                  fallback: LocalFallback | None = None, budget_ms: int = 50,
                  clock: Callable[[], float] = time.monotonic, leases: Any | None = None,
-                 negative: NegativeCache | None = None, wall_clock: Callable[[], float] = time.time,
-                 allocator_clock: AllocatorClock | None = None):
+                 negative: NegativeCache | None = None, telemetry: DecisionTelemetry | None = None,
+                 wall_clock: Callable[[], float] = time.time, allocator_clock: AllocatorClock | None = None):
         self.get_bundle = get_bundle
         self.keys = keys
         self.store = store
@@ -104,7 +107,8 @@ class Engine:
         self.fleet = FleetPools(store=store, metrics=metrics, leases=leases, now_ms=self.now_ms,
                                 windows=self.pool_windows, allowance=self.pool_allowance, budget_s=self.budget)
         self.negative = negative if negative is not None else NegativeCache()
-        self._decision_counters: dict[tuple, Any] = {}
+        # counters, latency, new keys and the bypass audit of each finished decision
+        self.telemetry = telemetry or DecisionTelemetry(metrics)
 
     def now_ms(self) -> float:
         return self.clock() * 1000.0
@@ -126,7 +130,11 @@ class Engine:
             replies = await self.store.submit(calls, wait_s=self._remaining(prep)) if calls else []
         except LeaseholdError as e:
             replies = e
-        return await self._complete(prep, replies)
+        d = await self._complete(prep, replies)
+        if d.reason == "REQUEST_ID_CONFLICT":  # a single request answers 409 (a batch item carries it)
+            raise DecisionConflict(d.problem["detail"] if d.problem else "requestId conflict",
+                                   extra={"decisionId": d.decision_id})
+        return d
 
     async def admit_many(self, reqs: list[AdmitRequest]) -> list[Decision]:
         """Batch: every item's tenant call goes in one coalesced pipeline (one round trip per shard)."""
@@ -171,8 +179,9 @@ class Engine:
         bundle = self.get_bundle()
         cc_keys = cc_keys_for_release(bundle, request_tenant=req.tenant_id, principal=req.principal,
                                       route_group=req.route_group, keys=self.keys)
+        deadline = self.clock() + self.budget  # the decision budget, as for an admission
         for key in cc_keys:
-            await self.store.release(key, req.request_id)
+            await self.store.release(key, req.request_id, wait_s=max(0.0, deadline - self.clock()))
         return len(cc_keys)
 
     async def renew(self, req: RenewRequest) -> tuple[int, int]:
@@ -180,9 +189,11 @@ class Engine:
         is not revived; the gateway then treats the export as unprotected or ends it."""
         gates = cc_gates(self.get_bundle(), request_tenant=req.tenant_id, principal=req.principal,
                          route_group=req.route_group, keys=self.keys)
+        deadline = self.clock() + self.budget  # the decision budget, as for a release
         renewed = 0
         for key, rule in gates:
-            renewed += await self.store.renew(key, req.request_id, rule.concurrency_ttl_ms)
+            renewed += await self.store.renew(key, req.request_id, rule.concurrency_ttl_ms,
+                                              wait_s=max(0.0, deadline - self.clock()))
         return renewed, len(gates)
 
     # ------------------------------------------------------------------ phases
@@ -193,7 +204,8 @@ class Engine:
         calls = []
         if plan.calls:
             calls.append(self.store.multi_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
-                                               decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id))
+                                               decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                                               question=plan.question))
         if plan.shadow_calls:
             calls.append(self.store.multi_call(plan.shadow_calls, decision_key=plan.decision_key,
                                                slack_ms=max(r.rule.ttl_slack_ms for r in plan.shadow_slots),
@@ -253,6 +265,8 @@ class Engine:
             if len(replies) > 1:
                 self._count_shadow(plan, replies[1])
             result = self.store.parse(replies[0])
+        except DecisionConflict:
+            return self._finish(prep, self._conflict(prep))
         except AmbiguousOutcome as e:
             if plan.decision_ttl_ms > 0 and self._remaining(prep) > 0:
                 return await self._retry_idempotent(prep, e)
@@ -268,11 +282,14 @@ class Engine:
         """Same decision id, same arguments: the script replays its stored result."""
         plan = prep.plan
         call = self.store.multi_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
-                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id)
+                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                                     question=plan.question)
         self.metrics.script_errors.labels("AmbiguousOutcome").inc()
         try:
             (reply,) = await self.store.submit([call], wait_s=self._remaining(prep))
             result = self.store.parse(reply)
+        except DecisionConflict:
+            return self._finish(prep, self._conflict(prep))
         except LeaseholdError as e:
             return self._finish(prep, self._degrade(prep, e))
         return self._finish(prep, self._from_result(prep, result))
@@ -396,10 +413,13 @@ class Engine:
         calls = list(plan.calls)
         calls[idx] = allowance_call(KeyBuilder.pool_fallback_key(original.key), pool, w, original.params[0])
         call = self.store.multi_call(calls, decision_key=plan.decision_key + ":fb", slack_ms=plan.slack_ms,
-                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id)
+                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                                     question=plan.question)
         try:
             (reply,) = await self.store.submit([call], wait_s=self._remaining(prep))
             result = self.store.parse(reply)
+        except DecisionConflict:
+            return self._conflict(prep)
         except LeaseholdError as e:
             return self._degrade(prep, e)
         return self._from_result(prep, result, fallback=True, calls=calls, retry_floor=w.end_in_ms)
@@ -505,6 +525,18 @@ class Engine:
         return self._decision(prep.plan, prep.bundle, allowed=False, rule=None, reason="OVERLOADED",
                               retry=SHED_RETRY_MS)
 
+    def _conflict(self, prep: _Prepared) -> Decision:
+        """The request id already has a decision record for another question: not admitted, not
+        charged, never the stored answer (HTTP 409 for /v1/admit; a batch item carries it)."""
+        self._give_back(prep)
+        plan = prep.plan
+        _, problem = to_problem(DecisionConflict(
+            "requestId already has a decision for another question (tenant, principal, route group or cost) "
+            "within the decision record's lifetime; use a fresh requestId", extra={"decisionId": plan.request_id}))
+        return Decision(allowed=False, decision_id=plan.request_id, policy_id=None,
+                        policy_version=prep.bundle.bundle_version, reason="REQUEST_ID_CONFLICT", retry_after_ms=-1,
+                        http_status=409, headers={}, problem=problem)
+
     def _decision(self, plan: Plan, bundle: Bundle, *, allowed: bool, rule: Rule | None, scope: str | None = None,
                   reason: str | None = None, limit: int | None = None, remaining: int | None = None,
                   retry: int = 0, fallback: bool = False) -> Decision:
@@ -521,24 +553,8 @@ class Engine:
             d.fallback = True
         if d.allowed:
             self._count_pool_admissions(prep, d.fallback)
-        if d.allowed:
-            outcome = "fallback_allowed" if d.fallback else "allowed"
-        elif d.reason == "OVERLOADED":
-            outcome = "shed"
-        elif d.http_status == 503:
-            outcome = "unavailable"
-        else:
-            outcome = "fallback_denied" if d.fallback else "denied"
-        label = (outcome, d.policy_id, d.policy_version)
-        counter = self._decision_counters.get(label)
-        if counter is None:  # labels() validates and locks: resolve each child once
-            rule = memo_of(prep.bundle).rules_by_id.get(d.policy_id) if d.policy_id else None
-            if len(self._decision_counters) >= 10_000:
-                self._decision_counters.clear()
-            counter = self._decision_counters[label] = self.metrics.decisions.labels(
-                outcome, d.policy_id or "none", str(d.policy_version), rule.route_key if rule else "none")
-        counter.inc()
-        self.metrics.latency.observe(max(0.0, self.clock() - prep.started))
+        self.telemetry.decided(prep.plan, prep.bundle, d, self.clock() - prep.started, now=prep.started,
+                               touched_store=prep.early is None and not d.fallback and d.http_status != 503)
         return d
 
     def _count_pool_admissions(self, prep: _Prepared, fallback: bool) -> None:

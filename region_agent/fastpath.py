@@ -5,8 +5,9 @@ product. Litestar's route pipeline (signature model, data extraction, response o
 handling) costs about as much as the decision itself (``make bench`` figure 2 profile). This
 ASGI middleware, installed app-wide, serves exactly the common case itself:
 
-    POST /v1/admit, ``Content-Type: application/json``, a body within the size limit that
-    decodes (strictly) into :class:`AdmitRequest`, and a caller the guard would let in.
+    POST /v1/admit, one ``Content-Type: application/json``, a body within the size limit that
+    decodes (strictly, no repeated keys: :mod:`kernel.jsonbody`) into :class:`AdmitRequest`, and
+    a caller the guard would let in.
 
 It then runs the same code the handler runs (``_before_engine`` and ``Engine.admit``) and
 answers 200 with the decision encoded exactly as Litestar would (msgspec JSON of the same
@@ -14,7 +15,9 @@ Struct). A decision error (:class:`LeaseholdError`, e.g. an invalid tenant id) b
 problem+json answer as the app's exception handler gives. **Everything else** — another route
 or method, a missing or bad credential, another content type, an oversized, malformed or
 non-conforming body, an agent still starting — is handed to the normal Litestar handler with the
-body bytes replayed, so every error keeps its one code path (and its 4xx problem+json).
+body bytes replayed, so every error keeps its one code path (and its 4xx problem+json). A body
+announced larger than the limit is handed over before anything is read (the handler answers
+413 at once instead of waiting for bytes that may never come).
 """
 
 from __future__ import annotations
@@ -25,24 +28,17 @@ from typing import Any
 import msgspec
 
 from kernel.auth import SCOPE_KEY
-from kernel.errors import LeaseholdError, to_problem
+from kernel.errors import LeaseholdError
+from kernel.http_errors import problem_answer
+from kernel.jsonbody import content_type_of, has_duplicate_keys, is_json_media_type
 
 from .models import AdmitRequest
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 PATH = "/v1/admit"
 _JSON_HEADERS = [(b"content-type", b"application/json")]
-_PROBLEM_HEADERS = [(b"content-type", b"application/problem+json")]
 _decode = msgspec.json.Decoder(AdmitRequest).decode
 _encode = msgspec.json.Encoder().encode
-
-
-class _Headers(dict):
-    """Lower-cased request headers, enough for the bearer check (``headers.get``)."""
-
-    @classmethod
-    def of(cls, scope: dict) -> _Headers:
-        return cls((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", ()))
 
 
 def admit_fast_path(state_of: Callable[[], Any], max_body: int, before_engine: Callable[[Any, list], list]
@@ -57,13 +53,15 @@ def admit_fast_path(state_of: Callable[[], Any], max_body: int, before_engine: C
                 await app(scope, receive, send)
                 return
             st = state_of()
-            headers = _Headers.of(scope)
-            if st.engine is None or not headers.get("content-type", "").startswith("application/json"):
+            raw_headers = scope.get("headers", ())
+            if st.engine is None or not _plain_json(raw_headers) or _announced(raw_headers) > max_body:
+                # another content type (415), or a body announced too large: the handler answers
+                # at once (413 before reading anything)
                 await app(scope, receive, send)
                 return
             if st.auth is not None:
                 try:
-                    who = st.auth.check(PATH, headers)
+                    who = st.auth.check(PATH, raw_headers)  # the guard's own check, same header list
                 except LeaseholdError:
                     await app(scope, receive, send)  # the guard answers 401 (before reading the body)
                     return
@@ -87,6 +85,8 @@ def admit_fast_path(state_of: Callable[[], Any], max_body: int, before_engine: C
                     req = _decode(body)
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     req = None
+                if req is not None and has_duplicate_keys(body):
+                    req = None  # the handler answers 400 (kernel.jsonbody)
             if req is None:
                 await app(scope, _replay(chunks, receive), send)
                 return
@@ -103,12 +103,31 @@ async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[N
         [(req, early)] = before_engine(st, [req])
         decision = early if early is not None else await st.engine.admit(req)
         status, payload, headers = 200, _encode(decision), _JSON_HEADERS
-    except LeaseholdError as e:
-        status, problem = to_problem(e, instance=PATH)
-        payload, headers = _encode(problem), _PROBLEM_HEADERS
+    except LeaseholdError as e:  # the app's exception handler's answer (kernel.http_errors)
+        status, named, payload = problem_answer(e, PATH)
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in named.items()]
     await send({"type": "http.response.start", "status": status,
                 "headers": [*headers, (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})
+
+
+def _plain_json(raw_headers: Any) -> bool:
+    """One Content-Type header, application/json (kernel.jsonbody's rule)."""
+    try:
+        return is_json_media_type(content_type_of(raw_headers))
+    except LeaseholdError:
+        return False
+
+
+def _announced(raw_headers: Any) -> int:
+    """The Content-Length the client announced (0 when absent or unreadable: the handler judges)."""
+    for name, value in raw_headers:
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
 
 
 def _replay(chunks: list[dict], receive: Callable[[], Awaitable[dict]]) -> Callable[[], Awaitable[dict]]:

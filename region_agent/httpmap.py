@@ -1,10 +1,22 @@
 """From a decision to the HTTP response a gateway should send (seed ch. 1 table, ch. 11).
 
 Pure functions. ``apply_http`` fills ``httpStatus``, ``headers`` and ``problem`` of a decision.
+
+Retry jitter (I5: "Retry-After is a hint, not a reservation ... jitter added"). Every 429/503
+decision with a hint carries ``retryJitterMs``: an *upward* jitter in
+``[0, min(pct% x retryAfterMs, maxMs))``, a pure function of (seed, decisionId) — different
+requests spread, a retry of the same request gets the same hint. ``retryAfterMs`` stays the exact
+hint of the store (the seed's numbers: 500, 3,500 ...). ``Retry-After`` is the seed's
+``max(1, ceil(retryAfterMs / 1000))`` **plus the whole seconds of the jitter**, so it is never lower
+than the true hint, hints up to 10 s (at 10 %) keep the seed's header (P-READ ``Retry-After: 1``,
+3,500 ms -> ``4``), and long hints (a window reset, a pool exhausted until the next window) spread
+the retries of the clients denied together over up to 10 % of the wait. Clients that read the
+body wait ``retryAfterMs + retryJitterMs``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any
 
@@ -20,6 +32,32 @@ def retry_after_seconds(retry_after_ms: int) -> int | None:
     if retry_after_ms < 0:
         return None
     return max(1, math.ceil(retry_after_ms / 1000))
+
+
+class RetryJitter:
+    """The per-decision upward jitter of retry hints (module doc); ``pct = 0`` disables it."""
+
+    __slots__ = ("max_ms", "pct", "seed")
+
+    def __init__(self, pct: int = 10, max_ms: int = 5_000, seed: bytes = b""):
+        self.pct = pct
+        self.max_ms = max_ms
+        self.seed = hashlib.sha256(seed).digest()[:32]  # blake2b keys are at most 64 bytes
+
+    def of(self, decision_id: str, retry_after_ms: int) -> int:
+        bound = min(retry_after_ms * self.pct // 100, self.max_ms) if retry_after_ms > 0 else 0
+        if bound <= 0:
+            return 0
+        h = hashlib.blake2b(decision_id.encode(), digest_size=8, key=self.seed).digest()
+        return int.from_bytes(h, "big") % bound
+
+
+JITTER = RetryJitter()  # replaced from the agent's settings by ``configure_jitter``
+
+
+def configure_jitter(pct: int, max_ms: int, seed: str = "") -> None:
+    global JITTER
+    JITTER = RetryJitter(pct, max_ms, seed.encode())
 
 
 def window_seconds(rule: Rule) -> int:
@@ -73,7 +111,9 @@ def apply_http(decision: Decision, *, rule: Rule | None, anonymous: bool) -> boo
         if secs is None:
             defect = status == 429
         else:
-            headers["Retry-After"] = str(secs)
+            jitter = JITTER.of(decision.decision_id, decision.retry_after_ms)
+            decision.retry_jitter_ms = jitter
+            headers["Retry-After"] = str(secs + jitter // 1000)
     if (rule is not None and not anonymous and rule.scope in OWN_SCOPES and status != 503
             and not decision.fallback and decision.denied_scope != "concurrency"
             and decision.limit is not None and decision.remaining is not None):

@@ -7,7 +7,8 @@ Shape: ``rl:v3:{t:<tenant>}:<type>:<principal-hash>:<route>``.
 * route      ``rl:v3:{t:T}:route:T:<route>``
 * tenant     ``rl:v3:{t:T}:tenant:T:<route or all>``
 * ip         ``rl:v3:{ip:<h(tag prefix)>}:ip:<h(rule prefix)>:<route>`` (anonymous callers)
-* decision   ``rl:v3:{t:T}:d:<h(T, d, requestId)>`` (``{ip:..}`` tag for anonymous)
+* decision   ``rl:v3:{t:T}:d:<h(T, d, requestId)>`` (``{ip:..}`` tag for anonymous); the record
+  stores the *question* ``h(T, q, type/id/apiKeyId/route/cost)`` it answers
 * pool       ``rl:v3:{t:T}:pool:<poolId>`` (tenant balance) / ``rl:v3:{g:<poolId>}:pool:<poolId>`` (fleet-wide)
 * cc gate    ``<rule key>:cc``
 
@@ -25,10 +26,10 @@ from __future__ import annotations
 import functools
 import hmac
 import ipaddress
-import re
 
-from kernel.bundle import POOL_ID_RE, ROUTE_RE, TENANT_RE, Rule
+from kernel.bundle import Rule
 from kernel.errors import ValidationFailed
+from kernel.ids import POOL_ID_RE, REQUEST_ID_RE, ROUTE_RE, TENANT_RE
 
 NS = "rl:v3"
 _SEP = "\x1f"
@@ -41,8 +42,7 @@ _VALID_TENANTS: set[str] = set()  # recently validated tenant ids (bounded; a ke
 def check_tenant(tenant: object) -> str:
     if tenant.__class__ is str and tenant in _VALID_TENANTS:
         return tenant  # type: ignore[return-value]
-    # fullmatch: ``$`` in the shared pattern also matches before a trailing newline
-    if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
+    if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
         raise ValidationFailed("tenantId must match [a-z0-9-]{1,32}", errors=["tenantId: invalid"])
     if len(_VALID_TENANTS) >= 10_000:
         _VALID_TENANTS.clear()
@@ -56,12 +56,9 @@ def check_route(route: object) -> str:
     return route
 
 
-REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{8,128}")
-
-
 def check_ids(request_id: str, route_group: str) -> None:
-    """Whole-string checks (the schema's patterns let a trailing newline through)."""
-    if not REQUEST_ID_RE.fullmatch(request_id):
+    """The wire types' checks again, for callers that built a request without decoding one."""
+    if not REQUEST_ID_RE.match(request_id):
         raise ValidationFailed("requestId must match [A-Za-z0-9._:-]{8,128}", errors=["requestId: invalid"])
     check_route(route_group)
 
@@ -164,6 +161,14 @@ class KeyBuilder:
             return f"{NS}:{ip_tag}:d:{self._hmac('', 'd', request_id)}"
         t = check_tenant(tenant)
         return f"{NS}:{self.tenant_tag(t)}:d:{self._hmac(t, 'd', request_id)}"
+
+    def question(self, *, tenant: str | None, principal_type: str, principal_id: str, api_key_id: str | None,
+                 route_group: str, cost_hint: int) -> str:
+        """What a decision record answers (``multi_rule.lua``'s question): a keyed hash of the
+        tenant, the principal (type, id, API key), the route group and the cost, so a record
+        is replayed only to the same question and Redis holds no principal id."""
+        ident = _SEP.join((principal_type, principal_id, api_key_id or "", route_group, str(cost_hint)))
+        return self._hmac(tenant or "", "q", ident)
 
     @staticmethod
     def tenant_pool_key(tenant: str, pool_id: str) -> str:

@@ -1,17 +1,34 @@
-"""Prometheus metrics of the agent (bounded labels only: never keys, tenants' principals or IPs)."""
+"""Prometheus metrics of the agent (bounded labels only: never keys, principals or IPs).
+
+Every metric is listed with its labels and meaning in ``docs/metrics.md``, generated from this
+module by ``python -m leasehold.metrics_doc``; the cardinality budget is stated there."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from kernel.policy_metrics import policy_metrics
+
+from .keymeter import NewKeyMeter
+from .store_health import StoreHealth
+
+# no ``*_created`` series (one per counter and histogram child): they would double the series count
+# of the cardinality budget and carry nothing the dashboard or the alerts use
+disable_created_metrics()
+
+OUTCOMES = ("allowed", "denied", "fallback_allowed", "fallback_denied", "unavailable", "conflict", "shed")
 
 
 class AgentMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.decisions = Counter("leasehold_agent_decisions_total", "Admission decisions",
-                                 ["outcome", "rule", "policy_version", "route_group"], registry=r)
-        self.latency = Histogram("leasehold_agent_decision_seconds", "Decision latency", registry=r,
+        self.decisions = Counter("leasehold_agent_decisions_total",
+                                 "Admission decisions by outcome, deciding rule, policy version, route group and "
+                                 "tenant (tenants named in the bundle; others 'other', anonymous 'none')",
+                                 ["outcome", "rule", "policy_version", "route_group", "tenant"], registry=r)
+        self.latency = Histogram("leasehold_agent_decision_seconds", "Decision latency by store shard and outcome",
+                                 ["shard", "outcome"], registry=r,
                                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0))
         self.script_errors = Counter("leasehold_agent_script_errors_total", "Store/script errors by class",
                                      ["error"], registry=r)
@@ -29,13 +46,21 @@ class AgentMetrics:
                             "Decisions shed (503 OVERLOADED) because this agent was saturated while the store "
                             "answered, by stage (queue: the script call waited past its budget or the queue "
                             "was full; pool: a chunk renewal could not be sent)", ["stage"], registry=r)
+        for stage in ("queue", "queue_full", "pool"):
+            self.shed.labels(stage)
         self.pool_busy = Counter("leasehold_agent_pool_busy_denials_total",
                                  "Fleet-wide pool requests denied locally because the chunk renewal in flight "
                                  "outlasted their budget (a 429 with a short hint, never the fallback)", ["pool"],
                                  registry=r)
-        self.policy_reloads = Counter("leasehold_agent_policy_reloads_total", "Policy reload attempts",
-                                      ["outcome"], registry=r)
-        self.policy_version = Gauge("leasehold_agent_policy_version", "Bundle version in force", registry=r)
+        self.policy_reloads, self.policy_version, self.policy_age = policy_metrics(
+            "agent", r, offered="file reload or etcd",
+            age="Snapshot age: seconds since the policy source (etcd key, else the bundle file) was last read "
+                "successfully")
+        self.policy_epoch = Counter("leasehold_agent_policy_epoch_mismatches_total",
+                                    "Requests whose policyEpoch differs from the bundle version in force "
+                                    "(gateway_ahead triggers an immediate policy refresh)", ["relation"], registry=r)
+        for relation in ("gateway_ahead", "gateway_behind"):
+            self.policy_epoch.labels(relation)
         self.shadow = Counter("leasehold_agent_shadow_decisions_total", "Shadow rule evaluations",
                               ["rule", "outcome"], registry=r)
         self.policy_defects = Counter("leasehold_agent_policy_defects_total",
@@ -69,8 +94,18 @@ class AgentMetrics:
         self.pool_admitted = Counter("leasehold_agent_pool_admitted_tokens_total",
                                      "Tokens of global pools admitted by this agent, by source (lease | fallback)",
                                      ["pool", "source"], registry=r)
-        self.redis_evicted = Gauge("leasehold_agent_redis_evicted_keys", "Keys the store evicted (INFO stats); "
-                                   "any eviction silently resets enforcement", registry=r)
-        self.redis_memory = Gauge("leasehold_agent_redis_memory_bytes", "Store memory (INFO memory)", ["kind"],
-                                  registry=r)
-        self.redis_keys = Gauge("leasehold_agent_redis_keys", "Keys in the store (INFO keyspace)", registry=r)
+        # privileged bypasses (exempt rules, I14): region_agent.audit
+        self.bypass_decisions = Counter("leasehold_agent_bypass_decisions_total",
+                                        "Decisions made under an exempt rule (a capped, owned bypass), by outcome",
+                                        ["rule", "outcome"], registry=r)
+        self.audit_events = Counter("leasehold_agent_audit_events_total",
+                                    "Audit events written (bypass: one per allowed bypass decision; "
+                                    "bypass_denied: at most one per rule per second, with a suppressed count)",
+                                    ["event"], registry=r)
+        self.audit_errors = Counter("leasehold_agent_audit_write_errors_total",
+                                    "Audit events that could not be written", registry=r)
+        # store health (INFO per shard) and key growth: collectors filled off the hot path
+        self.store_health = StoreHealth()
+        r.register(self.store_health)
+        self.new_keys = NewKeyMeter()
+        r.register(self.new_keys)

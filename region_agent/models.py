@@ -6,12 +6,10 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9._:-]{8,128}$")]
-TenantId = Annotated[str, Meta(pattern=r"^[a-z0-9-]{1,32}$")]
-RouteGroup = Annotated[str, Meta(pattern=r"^[a-z0-9_-]{1,32}$")]
+from kernel.ids import Method, RequestId, RouteGroup, TenantId
+
 PrincipalId = Annotated[str, Meta(min_length=1, max_length=256)]
 ApiKeyId = Annotated[str, Meta(min_length=1, max_length=256)]
-Method = Annotated[str, Meta(pattern=r"^[A-Z]{1,16}$")]
 CostHint = Annotated[int, Meta(ge=1, le=1000)]
 
 MAX_BODY_BYTES = 16 * 1024
@@ -50,7 +48,8 @@ class ReleaseRequest(Struct, rename="camel", forbid_unknown_fields=True, frozen=
 
 DeniedScope = Literal["user", "key", "route", "tenant", "global", "concurrency", "ip"]
 Reason = Literal["RATE_EXCEEDED", "CONCURRENCY_EXCEEDED", "LIMITER_UNAVAILABLE", "POLICY_ERROR", "POLICY_STALE",
-                 "OVERLOADED"]
+                 "REQUEST_ID_CONFLICT",  # a batch item whose requestId was decided for another question
+                 "OVERLOADED"]  # shed: this agent saturated while its store answered (503, retriable)
 
 
 class Decision(Struct, rename="camel", omit_defaults=False):
@@ -66,6 +65,7 @@ class Decision(Struct, rename="camel", omit_defaults=False):
     remaining: int | None = None
     retry_after_ms: int = 0
     fallback: bool = False
+    retry_jitter_ms: int = 0  # upward jitter to add to retryAfterMs (I5; region_agent/httpmap.py)
     http_status: int = 200
     headers: dict[str, str] = {}
     problem: dict[str, Any] | None = None

@@ -51,6 +51,7 @@ class Plan:
     rule_keys: dict[str, str] = field(default_factory=dict)  # rule id -> state key (in-process only)
     decision_key: str = ""
     decision_ttl_ms: int = 0
+    question: str = ""  # what the decision record answers (keys.KeyBuilder.question); '' without a record
     slack_ms: int = 0
     cost_hint: int = 1
 
@@ -190,8 +191,13 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder) -> Plan:
         plan.shadow_calls.append(Call(key_of(rule), KIND[rule.algorithm], rate_params(rule, cost_hint)))
         plan.shadow_slots.append(Slot(rule, "pool" if rule.algorithm == "pool" else "rate"))
     dk_tenant = tenant if ip_tag is None else None
-    plan.decision_key = (keys.decision_key(req.request_id, tenant=dk_tenant, ip_tag=ip_tag) if plan.decision_ttl_ms > 0
-                         else KeyBuilder.unrecorded_decision_key(tenant=dk_tenant, ip_tag=ip_tag))
+    if plan.decision_ttl_ms > 0:
+        plan.decision_key = keys.decision_key(req.request_id, tenant=dk_tenant, ip_tag=ip_tag)
+        plan.question = keys.question(tenant=tenant, principal_type=principal.type, principal_id=principal.id,
+                                      api_key_id=principal.api_key_id, route_group=req.route_group,
+                                      cost_hint=cost_hint)
+    else:
+        plan.decision_key = KeyBuilder.unrecorded_decision_key(tenant=dk_tenant, ip_tag=ip_tag)
     return plan
 
 

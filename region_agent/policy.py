@@ -1,36 +1,45 @@
 """The policy snapshot in force and its reload rules (seed ch. 14).
 
 A request reads :attr:`PolicyHolder.bundle` once and is evaluated against that snapshot end
-to end. A reload accepts only a valid bundle with a strictly higher ``bundleVersion``;
-anything else keeps the current snapshot and is counted."""
+to end. A reload accepts only a valid bundle with a strictly higher ``bundleVersion`` and, when
+trusted public keys are configured (``--policy-public-keys``), a signature that verifies with
+one of them (``kernel.signing``); anything else keeps the current snapshot and is counted."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kernel.bundle import Bundle, load_bundle_file
 from kernel.errors import PolicyError, StaleVersion
+from kernel.policy_metrics import RELOAD_OUTCOMES  # noqa: F401  (re-exported: the outcomes of a reload)
+from kernel.signing import SignatureRefused, TrustedKeys
 
 
 @dataclass(frozen=True, slots=True)
 class ReloadResult:
-    outcome: str  # accepted | stale | invalid | unchanged
+    outcome: str  # one of RELOAD_OUTCOMES
     version: int
     detail: str = ""
 
 
 class PolicyHolder:
-    def __init__(self, path: str, bundle: Bundle, *, on_reload: Callable[[ReloadResult], None] | None = None):
+    def __init__(self, path: str, bundle: Bundle, *, on_reload: Callable[[ReloadResult], None] | None = None,
+                 trusted: TrustedKeys | None = None):
         self.path = path
+        self.trusted = trusted or TrustedKeys()
+        self.trusted.check(bundle)  # the start bundle too: raises SignatureRefused
         self._bundle = bundle
         self._mtime = self._stat()
         self._on_reload = on_reload
+        self.checked_at = time.monotonic()  # last successful look at the file (the snapshot age without etcd)
 
     @classmethod
     def load(cls, path: str, **kw) -> PolicyHolder:
-        """Load at start; raises PolicyError (listing every problem) on an invalid bundle."""
+        """Load at start; raises PolicyError (listing every problem) on an invalid bundle, or
+        SignatureRefused when keys are trusted and the bundle's signature is not acceptable."""
         return cls(path, load_bundle_file(path), **kw)
 
     @property
@@ -44,8 +53,13 @@ class PolicyHolder:
             return None
 
     def offer(self, candidate: Bundle) -> ReloadResult:
-        """Swap to ``candidate`` if its version is strictly higher (it is already validated)."""
+        """Swap to ``candidate`` if its signature is acceptable and its version strictly higher
+        (it is already validated)."""
         current = self._bundle
+        try:
+            self.trusted.check(candidate)
+        except SignatureRefused as e:
+            return self._report(ReloadResult(e.outcome, current.bundle_version, e.detail))
         if candidate.bundle_version <= current.bundle_version:
             err = StaleVersion(f"bundle {candidate.bundle_version} is not newer than {current.bundle_version}")
             return self._report(ReloadResult("stale", current.bundle_version, err.detail))
@@ -64,11 +78,14 @@ class PolicyHolder:
             candidate = load_bundle_file(self.path)
         except PolicyError as e:
             return self._report(ReloadResult("invalid", self._bundle.bundle_version, e.detail))
+        self.checked_at = time.monotonic()
         return self.offer(candidate)
 
     def poll(self) -> ReloadResult | None:
         """Reload when the file's mtime changed since the last look."""
         mtime = self._stat()
+        if mtime is not None:
+            self.checked_at = time.monotonic()
         if mtime == self._mtime:
             return None
         return self.reload()

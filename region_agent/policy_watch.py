@@ -12,18 +12,18 @@
 
 from __future__ import annotations
 
-from prometheus_client import Gauge
-
 from kernel.bundle import Bundle
 from kernel.etcd_store import EtcdStore
 from kernel.policy_store import PolicyStore
 from kernel.watch import PolicyWatcher
 
+from . import httpmap
 from .httpmap import retry_after_seconds
 from .metrics import AgentMetrics
 from .models import AdmitRequest, Decision
 from .plan import check_principal, selected
 from .policy import PolicyHolder
+from .telemetry import named_tenants, tenant_label
 
 
 def make_watcher(holder: PolicyHolder, endpoints: str, *, prefix: str, reread_ms: int, timeout_ms: int = 1000,
@@ -36,9 +36,7 @@ def make_watcher(holder: PolicyHolder, endpoints: str, *, prefix: str, reread_ms
 
 def age_gauge(m: AgentMetrics, watcher: PolicyWatcher) -> None:
     """``leasehold_agent_policy_age_seconds``: time since the last successful etcd read."""
-    g = Gauge("leasehold_agent_policy_age_seconds", "Seconds since the policy key was last read from etcd",
-              registry=m.registry)
-    g.set_function(lambda: watcher.age_ms() / 1000.0)
+    m.policy_age.set_function(lambda: watcher.age_ms() / 1000.0)
 
 
 def revoked_decision(bundle: Bundle, req: AdmitRequest, m: AgentMetrics | None = None) -> Decision | None:
@@ -52,11 +50,13 @@ def revoked_decision(bundle: Bundle, req: AdmitRequest, m: AgentMetrics | None =
     d = Decision(allowed=False, decision_id=req.request_id, policy_id=None if anonymous else rule.id,
                  policy_version=bundle.bundle_version, denied_scope=rule.scope, reason="POLICY_STALE",
                  retry_after_ms=rule.closed_retry_after_ms, http_status=503)
-    d.headers = {"Retry-After": str(retry_after_seconds(rule.closed_retry_after_ms))}
+    d.retry_jitter_ms = httpmap.JITTER.of(d.decision_id, rule.closed_retry_after_ms)
+    d.headers = {"Retry-After": str(retry_after_seconds(rule.closed_retry_after_ms) + d.retry_jitter_ms // 1000)}
     d.problem = ({"type": "about:blank", "title": "Service Unavailable", "status": 503} if anonymous else
                  {"type": "about:blank", "title": "Service temporarily unavailable", "status": 503,
                   "detail": "The rate limit policy in force is older than its maximum age. Retry later.",
                   "decisionId": d.decision_id})
     if m is not None:
-        m.decisions.labels("unavailable", rule.id, str(bundle.bundle_version), rule.route_key).inc()
+        m.decisions.labels("unavailable", rule.id, str(bundle.bundle_version), rule.route_key,
+                           tenant_label(named_tenants(bundle), tenant)).inc()
     return d

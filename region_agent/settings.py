@@ -7,9 +7,10 @@ import os
 from typing import Annotated
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import Meta
 
-from kernel.config import ConfigError, load_settings
+from kernel.config import ConfigError, ServingSettings, load_settings
+from kernel.ids import EtcdPrefix, RegionName
 from kernel.resources import resolve_policy_path
 
 ENV_PREFIX = "LEASEHOLD_AGENT_"
@@ -17,26 +18,30 @@ PEPPER_ENV = ENV_PREFIX + "PEPPER"
 DEV_PEPPER = b"leasehold-insecure-dev-pepper"
 
 
-class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
+class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     """Leasehold region agent: admission decisions for gateways."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_cluster: bool = False  # also implied by a redis+cluster:// URL
     redis_password_file: str | None = None  # or LEASEHOLD_AGENT_REDIS_PASSWORD; the URL names only the ACL user
     redis_ca_file: str | None = None  # CA bundle for a rediss:// URL
-    tls_cert_file: str | None = None  # serve HTTPS (uvicorn ssl_certfile) ...
-    tls_key_file: str | None = None  # ... with this key
     policy: str = "policies/northstar.json"
-    region: Annotated[str, Meta(pattern=r"^[a-z0-9-]{1,32}\Z")] = "local"
+    region: RegionName = "local"
     host: str = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535)] = 8080
     workers: Annotated[int, Meta(ge=1, le=64)] = 1
     policy_poll_ms: Annotated[int, Meta(ge=0, le=3_600_000)] = 1000  # 0 disables polling
     policy_etcd: str | None = None  # etcd endpoints: follow <policy_etcd_prefix>policy/current
-    policy_etcd_prefix: Annotated[str, Meta(pattern=r"^/[A-Za-z0-9._/-]*/\Z")] = "/leasehold/"
+    policy_etcd_prefix: EtcdPrefix = "/leasehold/"
     policy_etcd_reread_ms: Annotated[int, Meta(ge=50, le=600_000)] = 5_000  # safety-net re-read period
     policy_etcd_user: str | None = None  # etcd user (read-only role on the policy key)
     policy_etcd_password_file: str | None = None  # or LEASEHOLD_AGENT_POLICY_ETCD_PASSWORD
+    policy_public_keys: list[str] = []  # Ed25519 public key PEM files: bundles must be signed by one of them
+    audit_log: str | None = None  # JSON lines of privileged-bypass (exempt rule) decisions; default: stderr
+    store_health_ms: Annotated[int, Meta(ge=0, le=600_000)] = 5_000  # INFO poll per shard (0 disables)
+    retry_jitter_pct: Annotated[int, Meta(ge=0, le=100)] = 10  # upward retry-hint jitter, % of the hint
+    retry_jitter_max_ms: Annotated[int, Meta(ge=0, le=600_000)] = 5_000  # ... and at most this much
+    retry_jitter_seed: str = ""  # keys the per-decision jitter (hash of seed and decisionId)
     decision_budget_ms: Annotated[int, Meta(ge=1, le=10_000)] = 50
     redis_socket_timeout_ms: Annotated[int, Meta(ge=10, le=60_000)] = 500  # a pipeline's read bound
     redis_max_connections: Annotated[int, Meta(ge=1, le=1024)] = 32
@@ -47,12 +52,14 @@ class AgentSettings(Struct, forbid_unknown_fields=True, frozen=True):
     breaker_failures: Annotated[int, Meta(ge=1, le=1_000)] = 5  # consecutive store failures that open it
     breaker_open_ms: Annotated[int, Meta(ge=10, le=600_000)] = 1_000  # open for this long, then probe
     breaker_probes: Annotated[int, Meta(ge=1, le=100)] = 2  # probe calls while half-open
+    redis_log_interval_ms: Annotated[int, Meta(ge=0, le=3_600_000)] = 10_000  # reachability lines at most this often
     fallback_max_keys: Annotated[int, Meta(ge=1, le=1_000_000)] = 100_000
     allocator_urls: list[str] = []  # empty: no global pools from leases (pool rules then deny)
     allocator_token_file: str | None = None  # this region's bearer token for the allocator
     allocator_timeout_ms: Annotated[int, Meta(ge=10, le=60_000)] = 500  # per attempt
     allocator_deadline_ms: Annotated[int, Meta(ge=10, le=60_000)] = 3_000  # all attempts of one lease request
     lease_tick_ms: Annotated[int, Meta(ge=10, le=10_000)] = 100
+    shutdown_report_ms: Annotated[int, Meta(ge=0, le=120_000)] = 3_000  # on exit: close held leases, report them
     # bound on |allocator clock - this host's wall clock| before the first grant tells the offset
     # (pool windows are the allocator's: fallback allowances are counted on its clock)
     allocator_clock_uncertainty_ms: Annotated[int, Meta(ge=0, le=600_000)] = 1_000

@@ -4,18 +4,21 @@ pool map in one reference assignment, so a grant decision sees one bundle's pool
 
 A pool's new ``limit`` applies to the next grant decisions of the current window (grants
 already made stay); changing a pool's ``windowMs`` under the same id is not supported
-mid-flight — publish a new pool id instead."""
+mid-flight — publish a new pool id instead.
+
+With trusted public keys (``--policy-public-keys``) a bundle must also carry a signature that
+verifies with one of them (``kernel.signing``); an unsigned, wrongly signed or untrusted-key
+bundle is refused and counted like the agents do, and the pools in force stay."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from prometheus_client import Counter, Gauge
-
 from kernel.bundle import Bundle
 from kernel.errors import StaleVersion
 from kernel.policy_store import PolicyStore
+from kernel.signing import SignatureRefused, TrustedKeys
 from kernel.watch import PolicyWatcher
 
 log = logging.getLogger("allocator.policy")
@@ -24,17 +27,22 @@ log = logging.getLogger("allocator.policy")
 class AllocatorPolicy:
     """The bundle in force at the allocator, fed by a :class:`PolicyWatcher`."""
 
-    def __init__(self, bundle: Bundle, engine: Any, metrics: Any):
+    def __init__(self, bundle: Bundle, engine: Any, metrics: Any, trusted: TrustedKeys | None = None):
         self.bundle = bundle
         self.engine = engine
         self.metrics = metrics
-        r = metrics.registry
-        self.reloads = Counter("leasehold_allocator_policy_reloads_total", "Policy bundles offered from etcd",
-                               ["outcome"], registry=r)
-        self.version = Gauge("leasehold_allocator_policy_version", "Bundle version in force", registry=r)
+        self.trusted = trusted or TrustedKeys()
+        self.reloads = metrics.policy_reloads
+        self.version = metrics.policy_version
         self.version.set(bundle.bundle_version)
 
     def offer(self, candidate: Bundle) -> str:
+        try:
+            self.trusted.check(candidate)
+        except SignatureRefused as e:
+            log.warning("policy refused (%s): %s", e.outcome, e.detail)
+            self.reloads.labels(e.outcome).inc()
+            return e.outcome
         if candidate.bundle_version <= self.bundle.bundle_version:
             err = StaleVersion(f"bundle {candidate.bundle_version} is not newer than {self.bundle.bundle_version}")
             log.warning("policy refused (stale): %s", err.detail)
@@ -54,4 +62,6 @@ class AllocatorPolicy:
         return "invalid"
 
     def watcher(self, store: PolicyStore, reread_s: float = 5.0) -> PolicyWatcher:
-        return PolicyWatcher(store, offer=self.offer, refuse=self.refuse, reread_s=reread_s)
+        w = PolicyWatcher(store, offer=self.offer, refuse=self.refuse, reread_s=reread_s)
+        self.metrics.policy_age.set_function(lambda: w.age_ms() / 1000.0)
+        return w

@@ -81,7 +81,7 @@ def _one_count(ctx: Ctx, etcd: EtcdCluster, policy: Path, n: int, shards: int = 
     nodes = [f"s{shards}n{n}r{i}" for i in range(n)]
     prefix = f"/bench-shards-{shards}-{n}/"
     allocs = [start_allocator(ctx.work / f"fig8-{shards}-{n}-{node}", etcd, policy, node=node, lead=shards == 1,
-                              extra=["--shards", str(shards), "--prefix", prefix, "--election-ttl-s", "3"])
+                              settings={"shards": shards, "prefix": prefix, "election_ttl_s": 3})
               for node in nodes]
     with services(*allocs):
         want = _converge(allocs, nodes) if shards > 1 else {s: nodes[0] for s in range(SHARDS)}
@@ -162,7 +162,7 @@ def _report_cost(ctx: Ctx, etcd: EtcdCluster) -> list[dict]:
     half as ``POST /v1/usage/batch`` of 64 (4 in flight, as the agents send them)."""
     policy = write_bundle(ctx.work / "fig8-report-policy.json", _report_bundle())
     alloc = start_allocator(ctx.work / "fig8-report", etcd, policy, node="rep1", lead=False,
-                            extra=["--shards", str(SHARDS), "--prefix", "/bench-reports/"])
+                            settings={"shards": SHARDS, "prefix": "/bench-reports/"})
     out = []
     with services(alloc):
         _converge([alloc], ["rep1"])

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kernel.bundle import Bundle, Pool, Rule, seal, validate_bundle
-from leasehold.topology import Topology, TopologySpec
+from leasehold.topology import LocalTopology, TopologySpec
 
 from .context import Ctx
 from .fig_alloc import write_bundle
@@ -47,7 +47,7 @@ def per_window(reports: list[dict], start_wall: float, end_wall: float, window_m
 def run(ctx: Ctx) -> list[Row]:
     w = ctx.util_window_ms
     policy = write_bundle(ctx.work / "fig6-policy.json", util_bundle(w))
-    topo = Topology(TopologySpec(run_dir=Path(ctx.work / "fig6-topology"), policy=policy, regions=REGIONS,
+    topo = LocalTopology(TopologySpec(run_dir=Path(ctx.work / "fig6-topology"), policy=policy, regions=REGIONS,
                                  allocators=1)).start()
     try:
         # + 2 windows so that ctx.util_windows whole windows lie inside the run

@@ -14,11 +14,13 @@ from collections.abc import Awaitable, Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import redis
 
 from leasehold.procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_port
+from leasehold.services import agent_command, allocator_command
 from leasehold.topology import DEV_PEPPER
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,11 +70,8 @@ def wait_ready(svc: Service, path: str = "/readyz", timeout: float = 60.0) -> Se
 def start_agent(workdir: Path, redis_url: str, *, policy: Path = NORTHSTAR, region: str = "bench",
                 workers: int = 1, allocator_urls: list[str] | None = None, extra: list[str] | None = None) -> Service:
     port = free_port()
-    args = [sys.executable, "-m", "region_agent", "--redis-url", redis_url, "--policy", str(policy),
-            "--region", region, "--host", LOOPBACK, "--port", str(port), "--workers", str(workers),
-            "--log-level", "warning", *(extra or [])]
-    if allocator_urls:
-        args += ["--allocator-urls", ",".join(allocator_urls)]
+    args = agent_command(*(extra or []), redis_url=redis_url, policy=policy, region=region, host=LOOPBACK, port=port,
+                         workers=workers, log_level="warning", allocator_urls=allocator_urls or None)
     proc = Proc(f"agent-{region}-{port}", args, workdir, env=_env(LEASEHOLD_AGENT_PEPPER=DEV_PEPPER)).start()
     svc = Service(proc, f"http://{LOOPBACK}:{port}", port)
     try:
@@ -96,14 +95,14 @@ def start_echo(workdir: Path, workers: int = 1) -> Service:
 
 
 def start_allocator(workdir: Path, etcd: EtcdCluster, policy: Path, node: str = "bench-1",
-                    extra: list[str] | None = None, lead: bool = True) -> Service:
-    """An allocator process; with ``lead`` (one unsharded replica) wait until it leads."""
+                    settings: dict[str, Any] | None = None, lead: bool = True) -> Service:
+    """An allocator process (``settings``: more of its settings, e.g. ``shards``); with ``lead``
+    (one unsharded replica) wait until it leads."""
     port = free_port()
     url = f"http://{LOOPBACK}:{port}"
-    proc = Proc(f"allocator-{node}", [sys.executable, "-m", "allocator", "--etcd", ",".join(etcd.endpoints),
-                                      "--policy", str(policy), "--node-id", node, "--host", LOOPBACK,
-                                      "--port", str(port), "--advertise-url", url, "--log-level", "warning",
-                                      *(extra or [])],
+    proc = Proc(f"allocator-{node}", allocator_command(etcd=etcd.endpoints, policy=policy, node_id=node, host=LOOPBACK,
+                                                        port=port, advertise_url=url, log_level="warning",
+                                                        **(settings or {})),
                 workdir, env=_env()).start()
     svc = Service(proc, url, port)
     try:

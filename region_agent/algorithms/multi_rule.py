@@ -3,7 +3,12 @@
 Every rule's check runs on the state before the request; the first denying rule is reported,
 retry is the max over denying rules (-1 if any can never succeed); only when none denies do all
 rules take their new state. Remaining per rule: after the debit when the request is allowed, else
-every rule's current, undebited value (a concurrency rule reports in_flight)."""
+every rule's current, undebited value (a concurrency rule reports in_flight).
+
+With a decision record (:func:`decide_recorded`): a record written for the same *question*
+replays its reply and changes nothing; a record of another question answers the conflict reply
+``[-1, 0, 0, 0 .. 0]`` and changes nothing; without a record the call decides and stores its reply
+(allowed or denied) under the question."""
 
 from __future__ import annotations
 
@@ -60,6 +65,41 @@ def parse_rules(rules: Sequence[RuleSpec], member: str) -> list[Any]:
             raise InvalidArguments("sliding-log and concurrency rules need a member")
         out.append(KINDS[r.kind][0](r.params))
     return out
+
+
+CONFLICT = -1  # ``allowed`` of the conflict reply
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionRecord:
+    """What a decision key holds: the question it was written for and the reply given."""
+
+    question: str
+    reply: tuple[int, ...]
+
+
+def conflict_reply(n_rules: int) -> list[int]:
+    return [CONFLICT, 0, 0, *([0] * n_rules)]
+
+
+def decide_recorded(record: DecisionRecord | None, states: Sequence[Any], rules: Sequence[RuleSpec], now_ms: int,
+                    member: str, question: str, incarnation: str = ""
+                    ) -> tuple[list[int], list[Any] | None, DecisionRecord | None]:
+    """One call with ``decision_ttl_ms > 0``: (reply, new states or None when nothing changed,
+    the record afterwards). Validation comes first, as in the script. A denial by a leased pool is
+    not recorded (the agent runs the decision again after a top-up): the record stays None."""
+    parse_rules(rules, member)
+    if len(question) > 64 or not question.isascii() or (question and not question.isalnum()):
+        raise InvalidArguments("question: at most 64 characters of [0-9A-Za-z]")
+    if record is not None:
+        if record.question == question:
+            return list(record.reply), None, record
+        return conflict_reply(len(rules)), None, record
+    d, new = decide(states, rules, now_ms, member, incarnation)
+    reply = d.as_reply()
+    if not d.allowed and rules[d.denied_by - 1].kind == "pool":
+        return reply, new, None
+    return reply, new, DecisionRecord(question, tuple(reply))
 
 
 def decide(states: Sequence[Any], rules: Sequence[RuleSpec], now_ms: int, member: str, incarnation: str = ""

@@ -21,17 +21,16 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import msgspec
 from litestar import asgi
 
 from kernel.auth import SCOPE_KEY, authenticate
-from kernel.errors import BadRequest, LeaseholdError, ValidationFailed, to_problem
+from kernel.errors import BadRequest, LeaseholdError, ValidationFailed
+from kernel.http_errors import problem_answer
 
 from .answer import authz_answer
 from .mapping import BadQuestion, authz_question
 
 PATH = "/v1/authz"
-_encode = msgspec.json.Encoder().encode
 DENY_STATUSES = {"401": 401, "403": 403, "429": 429}
 
 
@@ -70,7 +69,7 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
         tokens = gw.gateway_tokens()
         if tokens is not None:
             alt = hdrs.get(names.headers["token"])
-            who = authenticate(tokens, {"authorization": alt} if alt is not None else hdrs)
+            who = authenticate(tokens, [("authorization", alt)] if alt is not None else scope.get("headers", ()))
             scope[SCOPE_KEY] = "gateway:" + who
         deny = hdrs.get(names.headers["deny_status"])
         if deny is not None and deny not in DENY_STATUSES:
@@ -83,8 +82,7 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
     except LeaseholdError as e:
         if isinstance(e, ValidationFailed):
             gw.metrics.authz_invalid.labels(e.reason if isinstance(e, BadQuestion) else "bad_value").inc()
-        status, problem = to_problem(e, instance=PATH)
-        return status, {"content-type": "application/problem+json"}, _encode(problem)
+        return problem_answer(e, PATH)  # the app's exception handler's answer
 
 
 __all__ = ["PATH", "answer", "authz"]

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kernel.errors import ValidationFailed
+from kernel.ids import ROUTE_RE
 
 from ..models import AdmitRequest
 
@@ -55,7 +56,6 @@ MAX_COST = 1000  # AdmitRequest.costHint
 DESCRIPTOR_KEY_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 HEADER_RE = re.compile(r"[a-z0-9-]{1,64}")
 PREFIX_RE = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@%/-]{0,255}")
-ROUTE_GROUP_RE = re.compile(r"[a-z0-9_-]{1,32}")
 _convert = msgspec.convert
 
 
@@ -97,7 +97,7 @@ def parse_route_prefixes(items: Iterable[str]) -> tuple[tuple[str, str], ...]:
     for raw in items:
         prefix, sep, group = raw.rpartition("=")
         prefix, group = prefix.strip(), group.strip()
-        if not sep or not PREFIX_RE.fullmatch(prefix) or not ROUTE_GROUP_RE.fullmatch(group):
+        if not sep or not PREFIX_RE.fullmatch(prefix) or not ROUTE_RE.match(group):
             raise ValueError(f"authz route prefix {raw!r} must be /<path prefix>=<route group [a-z0-9_-]{{1,32}}>")
         if prefix in out:
             raise ValueError(f"authz route prefix {prefix!r} is given twice")

@@ -87,7 +87,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         code, detail, outcome = grpc.StatusCode.OK, "", "error"
         try:
             if self.gateways is not None:
-                authenticate(self.gateways, dict(context.invocation_metadata() or ()))
+                authenticate(self.gateways, context.invocation_metadata() or ())  # pairs: two tokens are refused
             questions = rls_questions(self.names, request.domain, descriptors_of(request), request.hits_addend)
             decisions = await self.decide(questions)
             resp, status = to_proto(decisions, questions, self.bundle_of())

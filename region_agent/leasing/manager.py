@@ -27,11 +27,18 @@ allocator as fully spent — its tokens are stranded and counted
 and the scripts never spend a restored entry.
 
 Cold start: :meth:`warm_up` leases every balance the bundle names before the agent reports ready.
+
+Shutdown (SIGTERM): :meth:`begin_shutdown` stops every new lease request at once (requests still
+being served spend what is held); :meth:`shutdown` then waits for top-ups in flight, closes every
+held lease in Redis (``pool_close``: nothing more is spent from it, by any agent of the region)
+and reports it with ``closedEarly`` so the allocator returns the unspent rest to the pool now,
+retrying until its deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -41,7 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from kernel.bundle import Pool
-from kernel.errors import LeaseholdError, StaleEpoch
+from kernel.errors import Conflict, LeaseholdError, StaleEpoch
+from kernel.ratelog import KeyedLog, TransitionLog
 from kernel.wire import MAX_BATCH, LeaseError, LeaseRequest, UsageReport
 
 from .book import HeldLease, PoolBook
@@ -103,6 +111,12 @@ class LeaseManager:
     _task: asyncio.Task | None = None
     _stopping: bool = False
     _warming: set = field(default_factory=set)
+    _leasing: bool = True  # False from begin_shutdown(): no new lease requests
+    log_interval_s: float = 10.0  # reachability and refusal lines at most this often
+
+    def __post_init__(self) -> None:
+        self._reachability = TransitionLog(log, initial=True, interval_s=self.log_interval_s)
+        self._refusals = KeyedLog(log, interval_s=self.log_interval_s)
 
     # ----------------------------------------------------------------- engine-facing, sync
     def note(self, pool: Pool, key: str, tokens: int) -> None:
@@ -113,7 +127,8 @@ class LeaseManager:
             bal = self.balances[key] = Balance(pool=pool, key=key, book=PoolBook(pool))
         bal.last_used = now
         bal.book.note_demand(tokens, now)
-        if bal.inflight is None and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
+        if self._leasing and bal.inflight is None \
+                and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
             bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
 
     def state(self, key: str) -> PoolState:
@@ -141,7 +156,8 @@ class LeaseManager:
             return None
         bal.last_spendable = max(0, spendable)
         now = self.now()
-        if bal.inflight is None and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
+        if self._leasing and bal.inflight is None \
+                and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
             bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
         return bal.inflight
 
@@ -192,8 +208,8 @@ class LeaseManager:
             bal.last_spendable, _, _ = await self.store.observe(bal.key)
         except LeaseholdError:
             return  # Redis unreachable: readiness says so; the first requests wait for a top-up
-        if bal.last_spendable > 0:
-            return  # another agent of the region already holds a lease for it
+        if bal.last_spendable > 0 or not self._leasing:
+            return  # another agent of the region already holds a lease for it, or shutting down
         if bal.inflight is None:
             bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
         await asyncio.shield(bal.inflight)
@@ -241,7 +257,7 @@ class LeaseManager:
                 self.metrics.lease_balance.labels(bal.pool.id).set(bal.last_spendable)
             # top up ahead of demand only for balances spent from recently: an idle balance would
             # otherwise buy a lease every TTL that expires unspent (stranded at the window end)
-            if bal.inflight is None and now - bal.last_used <= self.horizon_ms \
+            if self._leasing and bal.inflight is None and now - bal.last_used <= self.horizon_ms \
                     and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
                 bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
         await self._flush_reports()
@@ -252,7 +268,8 @@ class LeaseManager:
             await self._request(bal, "current")
             now = self.now()
             until_end = min((lease.window_end for lease in bal.book.valid(now)), default=None)
-            if until_end is not None and until_end - now <= bal.pool.prefetch_ms and not bal.book.future(now):
+            if self._leasing and until_end is not None and until_end - now <= bal.pool.prefetch_ms \
+                    and not bal.book.future(now):
                 await self._request(bal, "next")
         finally:
             bal.inflight = None
@@ -271,8 +288,14 @@ class LeaseManager:
             if m is not None:
                 m.lease_grants.labels(bal.pool.id, "unreachable" if e.retriable else "refused").inc()
                 m.allocator_up.set(0 if e.retriable else 1)
-            log.warning("lease request for pool %s failed: %s", bal.pool.id, e.detail)
+            log.debug("lease request for pool %s failed: %s", bal.pool.id, e.detail)
+            if e.retriable:
+                self._reachability.observe(False, self._reachability_line)
+            elif not isinstance(e, Conflict):  # a refusal other than prefetch timing: a configuration problem
+                self._refusals.log((bal.pool.id, e.code), logging.WARNING,
+                                   f"lease request for pool {bal.pool.id} refused: {e.detail}")
             return
+        self._reachability.observe(True, self._reachability_line)
         received_at = self.now()
         if not grant.replayed:  # a replay carries the original issuedAtMs
             self.clock.observe(sent_at, received_at, grant.issued_at_ms)
@@ -324,11 +347,59 @@ class LeaseManager:
             bal.last_spendable += lease.granted
 
     # ----------------------------------------------------------------- reclaim
-    async def _close(self, bal: Balance, lease: HeldLease) -> None:
+    def _reachability_line(self, reachable: object, changes: int) -> tuple[int, str]:
+        more = f" ({changes - 1} more changes since the last line)" if changes > 1 else ""
+        if reachable:
+            return logging.INFO, f"allocator reachable again: leases granted{more}"
+        return logging.WARNING, ("allocator unreachable: no lease could be requested; pool rules spend the "
+                                 f"held leases, then their fallback allowance{more}")
+
+    def begin_shutdown(self) -> None:
+        """Stop requesting leases (safe to call from a signal handler: it only sets a flag)."""
+        self._leasing = False
+
+    async def shutdown(self, timeout_s: float = 5.0) -> tuple[int, int]:
+        """Stop leasing, let top-ups in flight finish (their grants are deposited, then returned),
+        close every held lease in Redis and report it early; bounded by ``timeout_s``. Returns
+        (leases closed, reports not sent). Leases that could not be closed (Redis down) or reported
+        (allocator down) stay unreported: the allocator counts them as spent, which is safe."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        self.begin_shutdown()
+        self._stopping = True
+        for task in list(self._warming):  # a cold-start warm-up still waiting
+            task.cancel()
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        inflight = [b.inflight for b in self.balances.values() if b.inflight]
+        if inflight:
+            done, pending = await asyncio.wait(inflight, timeout=max(0.0, deadline - loop.time()))
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
+        closed = 0
+        for bal in list(self.balances.values()):
+            for lease in list(bal.book.leases.values()):
+                if loop.time() < deadline and await self._close(bal, lease, early=lease.deadline > self.now()):
+                    closed += 1
+
+        async def flush() -> None:
+            while self.pending_reports:
+                await self._flush_reports()
+                if self.pending_reports:
+                    await asyncio.sleep(0.05)
+
+        with contextlib.suppress(TimeoutError):  # the deadline bounds the reports, retries included
+            await asyncio.wait_for(flush(), max(0.0, deadline - loop.time()))
+        log.info("shutdown: %d held leases closed, %d usage reports not delivered", closed, len(self.pending_reports))
+        return closed, len(self.pending_reports)
+
+    async def _close(self, bal: Balance, lease: HeldLease, *, early: bool = False) -> bool:
         try:
             res = await self.store.close(bal.key, lease.lease_id)
         except LeaseholdError:
-            return  # Redis unreachable: try again next tick
+            return False  # Redis unreachable: try again next tick
         bal.book.forget(lease.lease_id)
         granted = lease.granted
         if res is not None and res.current:
@@ -349,11 +420,13 @@ class LeaseManager:
         if self.recorder:
             self.recorder.closed(region=self.region, pool=bal.pool.id, lease_id=lease.lease_id,
                                  granted=granted, spent=spent)
-        self._queue_report(bal, lease.lease_id, spent)
+        self._queue_report(bal, lease.lease_id, spent, early=early)
+        return True
 
-    def _queue_report(self, bal: Balance, lease_id: str, spent: int) -> None:
+    def _queue_report(self, bal: Balance, lease_id: str, spent: int, *, early: bool = False) -> None:
         if len(self.pending_reports) < self.max_pending_reports:
-            report = UsageReport(lease_id=lease_id, region=self.region, pool=bal.pool.id, spent=spent)
+            report = UsageReport(lease_id=lease_id, region=self.region, pool=bal.pool.id, spent=spent,
+                                 closed_early=early)
             self.pending_reports.append((report, self.now()))
 
     async def _flush_reports(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from region_agent.store.scripts import Scripts
+from region_agent.store.scripts import PoolClosed, Scripts
 
 
 class RedisBalanceStore:
@@ -29,5 +29,5 @@ class RedisBalanceStore:
                                             slack_ms=self.slack_ms)
         return r.stored
 
-    async def close(self, key: str, lease_id: str) -> tuple[int, int] | None:
+    async def close(self, key: str, lease_id: str) -> PoolClosed | None:
         return await self.scripts.pool_close(self.client, key, lease_id)

@@ -6,6 +6,7 @@ Everything Redis-specific the decision engine needs goes through this class."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,15 +22,19 @@ from kernel.errors import (
     ScriptRejected,
     StoreUnavailable,
 )
+from kernel.ratelog import TransitionLog
 
 from ..plan import Call
 from . import scripts as sc
 from .batcher import Batcher, ScriptCall
-from .breaker import CircuitBreaker
+from .breaker import CLOSED, OPEN, CircuitBreaker
 from .lag import LoopLag
+
+log = logging.getLogger("region_agent.store")
 
 MULTI_RULE = "multi_rule"
 CLUSTER_STALL_FACTOR = 4  # a cluster pipeline may first connect to its nodes
+INFO_SECTIONS = ("memory", "stats", "clients", "replication", "keyspace", "commandstats")
 
 
 def translate(exc: BaseException, *, sent: bool = True) -> LeaseholdError:
@@ -46,7 +51,7 @@ class StoreGateway:
     def __init__(self, client: Any, scripts: sc.Scripts, *, max_batch: int = 32, max_queue: int = 10_000,
                  max_inflight: int = 3, on_batch=None, breaker: CircuitBreaker | None = None, on_breaker=None,
                  stall_s: float = 0.05, late_s: float = 0.5, lag: LoopLag | None = None,
-                 connect_timeout_s: float = 0.25):
+                 connect_timeout_s: float = 0.25, log_interval_s: float = 10.0, name: str = "redis"):
         self.client = client
         self.cluster = isinstance(client, RedisCluster)
         self.scripts = scripts
@@ -61,6 +66,10 @@ class StoreGateway:
         self.lag = lag or LoopLag()
         self._lag_task: asyncio.Task | None = None
         self._reading: dict[int, Any] = {}  # standalone pipelines awaiting replies: (connection, sent at)
+        self.name = name
+        # one line per reachability change (breaker opened / closed again), at most one per interval
+        self.reachability = TransitionLog(log, initial=True, interval_s=log_interval_s)
+        self._opened_at = 0.0
 
     def start(self) -> None:
         """Start measuring the event loop's lag (call inside the running loop)."""
@@ -149,17 +158,28 @@ class StoreGateway:
         except Exception:
             return False
 
-    async def store_health(self) -> dict[str, int]:
-        """Evicted keys, used and max memory, summed over the store's nodes (ch. 15 store health)."""
-        out = {"evicted_keys": 0, "used_memory": 0, "maxmemory": 0, "keys": 0}
-        info = await self.client.info()
-        nodes = info.values() if self.cluster and all(isinstance(v, dict) for v in info.values()) else [info]
-        for node in nodes:
-            for k in ("evicted_keys", "used_memory", "maxmemory"):
-                out[k] += int(node.get(k, 0) or 0)
-            out["keys"] += sum(int(v.get("keys", 0)) for n, v in node.items()
-                               if isinstance(v, dict) and str(n).startswith("db"))
+    async def info_by_shard(self) -> dict[str, dict[str, Any]]:
+        """The ``INFO`` sections store health reads, of every shard (``default`` for a standalone
+        Redis, each primary's ``host:port`` for a cluster), parsed by redis-py
+        (region_agent.store_health)."""
+        if not self.cluster:
+            return {"default": await self.client.info(*INFO_SECTIONS)}
+        out: dict[str, dict[str, Any]] = {}
+        for node in self.client.get_primaries():
+            info = await self.client.info(*INFO_SECTIONS, target_nodes=node)
+            if isinstance(info, dict) and node.name in info and isinstance(info[node.name], dict):
+                info = info[node.name]
+            out[node.name] = info
         return out
+
+    def shard_of(self, key: str) -> str:
+        """The shard owning ``key`` (its hash tag): ``default`` standalone, the primary's
+        ``host:port`` in a cluster (a metric label, bounded by the primaries)."""
+        if not self.cluster:
+            return "default"
+        from redis.crc import key_slot
+        node = self.client.nodes_manager.get_node_from_slot(key_slot(key.encode()))
+        return node.name if node is not None else "unknown"
 
     async def _run_pipeline(self, calls: Sequence[ScriptCall]) -> list[Any]:
         """One pipeline (called by the batcher's drain task). Its outcome is what judges the
@@ -216,10 +236,10 @@ class StoreGateway:
 
     @staticmethod
     def multi_call(calls: Sequence[Call], *, decision_key: str, slack_ms: int, decision_ttl_ms: int,
-                   member: str) -> ScriptCall:
+                   member: str, question: str = "") -> ScriptCall:
         # a plan's Call has RuleCall's fields (key, kind, params): no copy
         keys, argv = sc.multi_rule_argv(decision_key, calls, slack_ms=slack_ms,  # type: ignore[arg-type]
-                                        decision_ttl_ms=decision_ttl_ms, member=member)
+                                        decision_ttl_ms=decision_ttl_ms, member=member, question=question)
         return (MULTI_RULE, list(keys), list(argv))
 
     @staticmethod
@@ -275,21 +295,40 @@ class StoreGateway:
             raise
 
     def _breaker_changed(self) -> None:
+        state = self.breaker.state
         if self.on_breaker is not None:
-            self.on_breaker(self.breaker.state)
+            self.on_breaker(state)
+        reachable = self.reachability.current
+        if state == OPEN and reachable:
+            reachable, self._opened_at = False, time.monotonic()
+        elif state == CLOSED and not reachable:  # closed again (half-open is still unknown)
+            reachable = True
+        self.reachability.observe(reachable, self._reachability_line)
 
-    async def release(self, key: str, lease_id: str) -> None:
-        try:
-            await self.scripts.concurrency_release(self.client, key, lease_id)
-        except Exception as e:
-            raise translate(e) from None
+    def _reachability_line(self, reachable: Any, changes: int) -> tuple[int, str]:
+        more = f"; {changes - 1} more changes since the last line" if changes > 1 else ""
+        if reachable:
+            return logging.INFO, (f"{self.name} reachable again: circuit breaker closed after "
+                                  f"{time.monotonic() - self._opened_at:.1f} s{more}")
+        return logging.WARNING, (f"{self.name} unreachable: circuit breaker open after "
+                                 f"{self.breaker.failure_threshold} consecutive store failures; decisions "
+                                 f"degrade per rule failMode{more}")
 
-    async def renew(self, key: str, lease_id: str, ttl_ms: int) -> bool:
-        """Heartbeat of a live concurrency slot; False when it is gone (released or expired)."""
-        try:
-            return (await self.scripts.concurrency_renew(self.client, key, lease_id, lease_ttl_ms=ttl_ms)).ok
-        except Exception as e:
-            raise translate(e) from None
+    async def release(self, key: str, lease_id: str, *, wait_s: float | None = None) -> None:
+        """End a concurrency lease. Like a decision it goes through the breaker and the batcher
+        under the caller's budget: a hung Redis answers ``Unavailable`` (503, retriable; the lease
+        also ends by its TTL) after ``wait_s``, not after the socket timeout."""
+        (reply,) = await self.submit([("concurrency_release", [key], [lease_id])], wait_s=wait_s)
+        if isinstance(reply, BaseException):
+            raise translate(reply)
+
+    async def renew(self, key: str, lease_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:
+        """Heartbeat of a live concurrency slot; False when it is gone (released or expired).
+        Through the breaker and the batcher under the caller's budget, like a release."""
+        (reply,) = await self.submit([("concurrency_renew", [key], [lease_id, ttl_ms])], wait_s=wait_s)
+        if isinstance(reply, BaseException):
+            raise translate(reply)
+        return bool(int(reply[0]))
 
     async def close(self) -> None:
         if self._lag_task is not None:

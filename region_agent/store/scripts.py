@@ -26,6 +26,7 @@ from redis.crc import key_slot
 
 from kernel.errors import (
     AmbiguousOutcome,
+    DecisionConflict,
     LeaseholdError,
     ScriptRejected,
     StoreUnavailable,
@@ -40,6 +41,7 @@ DEFAULT_LUA_DIR = Path(str(resources.files("region_agent").joinpath("lua")))  # 
 INCLUDE_RE = re.compile(r"^--\s*@include\s+(\S+)\s*$")
 KINDS = frozenset({"tb", "gcra", "fw", "sc", "sl", "cc", "pool", "pw"})
 MAX_RULES = 8
+CONFLICT = -1  # ``allowed`` of the multi-rule reply for a decision record of another question
 # Server error prefixes meaning "the command was refused before it ran": nothing happened.
 _NOT_RUN_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY", "NOREPLICAS",
                      "MOVED", "ASK", "OOM")
@@ -162,9 +164,10 @@ class MultiRuleResult:
 
 
 def multi_rule_argv(decision_key: str, rules: Sequence[RuleCall], *, slack_ms: int, decision_ttl_ms: int,
-                    member: str) -> tuple[list[str], list[str | int]]:
+                    member: str, question: str = "") -> tuple[list[str], list[str | int]]:
     """KEYS and ARGV for ``multi_rule.lua``. Shape errors raise :class:`ScriptRejected` here; the
-    numeric validation is the script's (it answers with an error reply)."""
+    numeric validation is the script's (it answers with an error reply). ``question`` is stored
+    with a decision record and compared on a replay (see the script's header)."""
     if not 1 <= len(rules) <= MAX_RULES:
         raise ScriptRejected(f"a multi-rule call takes 1..{MAX_RULES} rules, got {len(rules)}")
     keys = [decision_key]
@@ -179,13 +182,18 @@ def multi_rule_argv(decision_key: str, rules: Sequence[RuleCall], *, slack_ms: i
         argv.extend(r.params)
     if len(set(keys[1:])) != len(keys) - 1:
         raise ScriptRejected("the same key is listed for two rules")
+    argv.append(question)
     return keys, argv
 
 
 def parse_multi_rule(reply: Any) -> MultiRuleResult:
+    """The script's reply; raises :class:`DecisionConflict` for its conflict reply (allowed -1)."""
     if not isinstance(reply, list | tuple) or len(reply) < 4:
         raise ScriptRejected("unexpected reply shape from the multi-rule script")
     vals = [int(x) for x in reply]
+    if vals[0] == CONFLICT:
+        raise DecisionConflict("requestId already has a decision for another question (tenant, principal, "
+                               "route group or cost); use a fresh requestId")
     return MultiRuleResult(bool(vals[0]), vals[1], vals[2], tuple(vals[3:]))
 
 

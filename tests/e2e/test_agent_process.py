@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 
 from kernel.bundle import encode_bundle, load_bundle_file, seal
 from leasehold.procs import Proc, free_port, wait_port
+from leasehold.services import agent_command
 
 ROOT = Path(__file__).resolve().parents[2]
 NORTHSTAR = ROOT / "policies" / "northstar.json"
@@ -39,10 +39,9 @@ def agent_proc(tmp_path: Path, redis_url: str) -> Iterator[tuple[str, Proc, Path
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
     env["PYTHONPATH"] = str(ROOT)
-    proc = Proc("agent", [sys.executable, "-m", "region_agent", "--redis-url", redis_url, "--policy", str(policy),
-                          "--region", "eu", "--host", "127.0.0.1", "--port", str(port), "--policy-poll-ms", "0",
-                          "--insecure-dev-pepper", "true", "--auth-disabled", "true"], tmp_path / "agent",
-                         env=env).start()
+    proc = Proc("agent", agent_command(redis_url=redis_url, policy=policy, region="eu", host="127.0.0.1", port=port,
+                                       policy_poll_ms=0, insecure_dev_pepper=True, auth_disabled=True),
+                tmp_path / "agent", env=env).start()
     try:
         wait_port(port, proc=proc.popen, timeout=30)
         yield f"http://127.0.0.1:{port}", proc, policy
@@ -92,11 +91,9 @@ def test_agent_subprocess_end_to_end(agent_proc):
 def test_agent_refuses_to_start_without_pepper_or_with_a_bad_bundle(tmp_path: Path, redis_url: str):
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
     env["PYTHONPATH"] = str(ROOT)
-    r = subprocess.run([sys.executable, "-m", "region_agent", "--redis-url", redis_url, "--policy", str(NORTHSTAR)],
-                       env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(agent_command(redis_url=redis_url, policy=NORTHSTAR), env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "pepper" in r.stderr
     bad = tmp_path / "bad.json"
     bad.write_text(NORTHSTAR.read_text().replace('"costMillis": 1000', '"costMillis": 30000', 1))
-    r = subprocess.run([sys.executable, "-m", "region_agent", "--redis-url", redis_url, "--policy", str(bad),
-                        "--insecure-dev-pepper", "true"], env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(agent_command(redis_url=redis_url, policy=bad, insecure_dev_pepper=True), env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "checksum mismatch" in r.stderr

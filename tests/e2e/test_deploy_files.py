@@ -1,22 +1,26 @@
-"""deploy/: every file parses, the manifests carry probes/resources/PDBs, and every metric the
-dashboard and the alert rules name is actually exported by running services."""
+"""deploy/: every file parses, the manifests carry probes/resources/PDBs; every metric of the table
+(docs/metrics.md, generated from the code) is exported by running services, and every dashboard
+panel is backed by real series on a signed ``leasehold up`` topology. (That the dashboard and the
+alert rules name only metrics and labels of the table: tests/unit/test_metrics_doc.py.)"""
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
+from kernel.bundle import load_bundle_file
 from leasehold.gateways import PLACEHOLDER
-from leasehold.topology import Topology, TopologySpec
+from leasehold.metrics_doc import all_rows
+from leasehold.topology import LocalTopology, TopologySpec
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-METRIC_RE = re.compile(r"\bleasehold_[a-z0-9_]+")
 
 
 def test_every_deploy_file_parses():
@@ -63,35 +67,80 @@ def test_kubernetes_manifests_have_probes_resources_and_disruption_budgets():
     assert "auth-disabled" not in text and "AUTH_DISABLED" not in text
 
 
-def referenced_metrics() -> set[str]:
-    text = (DEPLOY / "prometheus" / "alerts.yml").read_text()
-    text += (DEPLOY / "grafana" / "leasehold-dashboard.json").read_text()
-    return set(METRIC_RE.findall(text))
-
-
 @pytest.fixture(scope="module")
 def topology(tmp_path_factory):
-    topo = Topology(TopologySpec(run_dir=tmp_path_factory.mktemp("deploy-topo"), regions=("eu",), allocators=1)).start()
+    """What ``make run`` starts (``leasehold up``): authentication on, policy from etcd, signed bundles."""
+    topo = LocalTopology(TopologySpec(run_dir=tmp_path_factory.mktemp("deploy-topo"), regions=("eu",), allocators=1,
+                                 auth=True, policy_from_etcd=True, signed=True)).start()
     yield topo
     topo.stop()
 
 
-def test_every_metric_in_dashboard_and_alerts_is_exported(topology):
-    agent = topology.agent_urls["eu"][0]
-    with httpx.Client(timeout=5) as client:
-        for i in range(3):  # populate lease and decision metrics
-            client.post(agent + "/v1/admit", json={"requestId": f"deploy-check-{i:04d}", "tenantId": "atlas",
-                                                   "principal": {"type": "user", "id": "U-1"}, "routeGroup": "read",
-                                                   "method": "GET"})
-        scraped = client.get(agent + "/metrics").text + client.get(topology.allocator_urls[0] + "/metrics").text
-    exported = set(METRIC_RE.findall(scraped))
+def drive(topo: LocalTopology) -> None:
+    """A little of every kind of demo traffic: reads past P-READ (denials), Birch, an export,
+    anonymous logins, the operators' probe (a bypass), a gateway naming a newer policyEpoch."""
+    agent = topo.agent_urls["eu"][0]
+    bodies = [{"tenantId": "atlas", "principal": {"type": "user", "id": "U-17", "apiKeyId": "K1"},
+               "routeGroup": "read"}] * 25
+    bodies += [{"tenantId": "birch", "principal": {"type": "user", "id": f"B-{i}"}, "routeGroup": "read"}
+               for i in range(3)]
+    bodies += [{"tenantId": "atlas", "principal": {"type": "user", "id": "U-2"}, "routeGroup": "export"},
+               {"principal": {"type": "anonymous", "id": "203.0.113.9"}, "routeGroup": "login"},
+               {"tenantId": "northstar-ops", "principal": {"type": "service", "id": "prober"}, "routeGroup": "probe"},
+               {"tenantId": "zeta", "principal": {"type": "user", "id": "Z-1"}, "routeGroup": "read",
+                "policyEpoch": 99}]
+    with httpx.Client(timeout=5, headers=topo.gateway_headers()) as client:
+        for i, b in enumerate(bodies):
+            r = client.post(agent + "/v1/admit", json={"requestId": f"deploy-check-{i:04d}", **b})
+            assert r.status_code == 200, r.text
+
+
+def scrape(url: str) -> str:
+    return httpx.get(url + "/metrics", timeout=5).text
+
+
+def samples(text: str) -> set[str]:
+    """Metric names with at least one sample line."""
+    return {line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_every_metric_of_the_table_is_exported_by_live_services(topology):
+    drive(topology)
+    agent, alloc = scrape(topology.agent_urls["eu"][0]), scrape(topology.allocator_urls[0])
     missing = []
-    for name in sorted(referenced_metrics()):
-        base = re.sub(r"_(bucket|sum|count)$", "", name)
-        if name not in exported and base not in exported:
-            missing.append(name)
-    assert not missing, f"named in deploy/ but not exported: {missing}"
-    assert len(referenced_metrics()) >= 20
+    for row in all_rows():
+        text = agent if row.service == "agent" else alloc
+        if f"# TYPE {row.name} {row.type}" not in text:
+            missing.append(row.name)
+    assert not missing, f"in docs/metrics.md but not exported: {missing}"
+
+
+def test_every_dashboard_panel_is_backed_by_real_series(topology):
+    """On the signed ``leasehold up`` topology, after demo traffic, every panel has at least one query
+    all of whose metrics have series (and every query names only metrics of the table)."""
+    from leasehold.deploy_check import HISTOGRAM_SUFFIXES, dashboard_queries, metric_names
+
+    drive(topology)
+    agent_url, alloc_url = topology.agent_urls["eu"][0], topology.allocator_urls[0]
+
+    def live() -> set[str]:
+        return samples(scrape(agent_url)) | samples(scrape(alloc_url))
+
+    def backed(names: set[str], have: set[str]) -> bool:
+        return all(n in have or any(n + s in have for s in HISTOGRAM_SUFFIXES) for n in names)
+
+    panels = dashboard_queries()
+    deadline = time.monotonic() + 30  # leases are granted and the pool balance read within a few ticks
+    while True:
+        have = live()
+        empty = [title for title, qs in panels if not any(backed(metric_names(q.expr), have) for q in qs)]
+        if not empty or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not empty, f"panels without series: {empty}"
+    assert "leasehold_agent_bypass_decisions_total" in have and "leasehold_allocator_pool_window_granted_ratio" in have
+    # the topology runs signed: its start bundle carries a signature the services verified
+    assert load_bundle_file(str(topology.policy_path)).signature
 
 
 def test_readme_shows_the_gateway_files_the_tests_run():
@@ -105,3 +154,49 @@ def test_readme_shows_the_gateway_files_the_tests_run():
     envoy = compose["services"]["envoy-eu"]
     assert "./gateways/envoy-rls.yaml:/etc/envoy/envoy-rls.yaml.in:ro" in envoy["volumes"]
     assert compose["services"]["agent-eu"]["environment"]["LEASEHOLD_AGENT_RLS_PORT"] == "8089"
+
+
+def test_the_deploy_manifests_create_the_etcd_roles_with_the_script_leasehold_up_runs():
+    """One definition of the etcd roles (deploy/etcd/leasehold-roles.sh): the package ships it for
+    `leasehold up`, the Kubernetes Job and compose's etcd-init run it; services get only their own
+    etcd user (the allocator 'allocator', agents 'agent'), never root's or the publisher's."""
+    from leasehold.procs import etcd_roles_script
+
+    script = DEPLOY / "etcd" / "leasehold-roles.sh"
+    assert etcd_roles_script().resolve() == script.resolve()
+    text = script.read_text()
+    for role in ("leasehold-publisher", "leasehold-allocator", "leasehold-agent"):
+        assert f"ensure_role {role}" in text
+    assert 'grant leasehold-publisher readwrite "${P}policy/current"\n' in text
+    assert "grant leasehold-allocator read \"${P}policy/\" prefix" in text
+    kust = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    assert "etcd-roles-job.yaml" in kust["resources"]
+    gen = {g["name"]: g["files"] for g in kust["configMapGenerator"]}
+    assert gen["leasehold-etcd-roles"] == ["leasehold-roles.sh=../etcd/leasehold-roles.sh"]
+    docs = [d for p in (DEPLOY / "k8s").glob("*.yaml") for d in yaml.safe_load_all(p.read_text()) if d]
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["sh", "/opt/leasehold/leasehold-roles.sh"]
+    assert {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}["script"]["configMap"]["name"] \
+        == "leasehold-etcd-roles"
+    users = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "leasehold-etcd-users")
+    assert set(users["stringData"]) == {"root", "publisher", "allocator", "agent"}
+    for d in (d for d in docs if d["kind"] == "Deployment"):
+        spec = d["spec"]["template"]["spec"]["containers"][0]
+        refs = [e["valueFrom"]["secretKeyRef"] for e in spec.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
+        assert not any(r["name"] == "leasehold-etcd-users" and r["key"] in ("root", "publisher") for r in refs)
+        if d["metadata"]["name"] == "allocator":
+            assert spec["args"][spec["args"].index("--etcd-user") + 1] == "allocator"
+        else:
+            env = {e["name"]: e for e in spec["env"]}
+            assert env["LEASEHOLD_AGENT_POLICY_ETCD_USER"]["value"] == "agent"
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
+    init = compose["etcd-init"]
+    assert init["command"] == ["sh", "/opt/leasehold/leasehold-roles.sh"]
+    assert "./etcd/leasehold-roles.sh:/opt/leasehold/leasehold-roles.sh:ro" in init["volumes"]
+    for name in ("allocator-1", "allocator-2"):
+        assert compose[name]["depends_on"]["etcd-init"]["condition"] == "service_completed_successfully"
+        assert compose[name]["environment"]["LEASEHOLD_ALLOCATOR_ETCD_USER"] == "allocator"
+    for name in ("agent-eu", "agent-us"):
+        assert compose[name]["environment"]["LEASEHOLD_AGENT_POLICY_ETCD_USER"] == "agent"
+        assert not any("root" in v or "publisher" in v for v in compose[name]["volumes"])

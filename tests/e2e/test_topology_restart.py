@@ -8,7 +8,7 @@ import os
 
 import httpx
 
-from leasehold.topology import Topology, TopologySpec
+from leasehold.topology import LocalTopology, TopologySpec
 
 
 def alive(pid: int) -> bool:
@@ -23,7 +23,7 @@ def test_second_start_in_the_same_run_dir_works_and_stop_leaves_nothing(tmp_path
     spec = TopologySpec(run_dir=tmp_path / "run", regions=("eu",), allocators=1, auth=True)
     pids: list[int] = []
     for attempt in range(2):
-        topo = Topology(spec).start()
+        topo = LocalTopology(spec).start()
         try:
             pids += [s.pid for s in topo.services()]
             r = httpx.post(topo.agent_urls["eu"][0] + "/v1/admit", headers=topo.gateway_headers(), timeout=5,

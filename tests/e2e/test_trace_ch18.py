@@ -18,13 +18,14 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from leasehold.topology import DEV_PEPPER, Topology, TopologySpec
+from leasehold.topology import LocalTopology, TopologySpec
 from region_agent.keys import KeyBuilder, hash_tag
+from region_agent.settings import DEV_PEPPER
 from region_agent.store.scripts import Scripts
 
 FAST_AGENT = ("--decision-budget-ms", "250", "--lease-tick-ms", "50", "--policy-poll-ms", "0",
               "--log-level", "warning")
-KEYS = KeyBuilder(DEV_PEPPER.encode())
+KEYS = KeyBuilder(DEV_PEPPER)  # the topology below opts in to the public dev pepper to name keys
 U17_READ = f"rl:v3:{{t:atlas}}:u:{KEYS.h('atlas', 'u', 'U-17')}:read"
 EXPORT = "rl:v3:{t:atlas}:tenant:atlas:export"
 ATLAS_POOL = KeyBuilder.tenant_pool_key("atlas", "atlas-minute")
@@ -32,10 +33,11 @@ FROZEN_AHEAD_MS = 3_600_000  # a bucket stamped in the future gets no refill (cl
 
 
 @pytest.fixture(scope="module")
-def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalTopology]:
     spec = TopologySpec(run_dir=Path(tmp_path_factory.mktemp("trace")), regions=("eu", "us"), agents_per_region=2,
-                        allocators=2, agent_args=FAST_AGENT, allocator_args=("--log-level", "warning"))
-    t = Topology(spec).start(timeout=90)
+                        allocators=2, agent_args=FAST_AGENT, allocator_args=("--log-level", "warning"),
+                        insecure_dev_pepper=True)
+    t = LocalTopology(spec).start(timeout=90)
     yield t
     t.stop()
 
@@ -87,7 +89,7 @@ async def warm(client: httpx.AsyncClient, url: str, user: str) -> None:
     raise AssertionError("region never admitted a warm-up request")
 
 
-async def test_trace_steps_4_and_6_to_13_across_regions(topo: Topology):
+async def test_trace_steps_4_and_6_to_13_across_regions(topo: LocalTopology):
     a, b = topo.agent_urls["eu"]
     us = topo.agent_urls["us"][0]
     r = Redis.from_url(topo.redis["eu"].url)

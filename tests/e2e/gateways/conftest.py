@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from redis import Redis
 
 from leasehold.gateways import Envoy, Nginx, Traefik, render, upstream
 from leasehold.procs import LOOPBACK, Proc, RedisServer, free_port, wait_http_ready, wait_port
+from leasehold.services import agent_command
 from region_agent.keys import KeyBuilder
 from region_agent.settings import DEV_PEPPER
 
@@ -98,13 +98,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, extra_agent_args: tuple[str,
     http_port, rls_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
     env["PYTHONPATH"] = str(ROOT)
-    agent = Proc("agent", [sys.executable, "-m", "region_agent", "--redis-url", redis.url, "--policy", str(NORTHSTAR),
-                           "--region", "eu", "--host", LOOPBACK, "--port", str(http_port), "--rls-port", str(rls_port),
-                           "--policy-poll-ms", "0", "--insecure-dev-pepper", "true", "--auth-disabled", "false",
-                           "--gateway-tokens", "edge:" + hashlib.sha256(token.encode()).hexdigest(),
-                           "--authz-route-prefixes", ROUTE_PREFIXES, "--decision-budget-ms", "200",
-                           *extra_agent_args,
-                           "--log-level", "warning"], work / "agent", env=env).start()
+    agent = Proc("agent", agent_command(
+        *extra_agent_args, "--log-level", "warning", redis_url=redis.url, policy=NORTHSTAR, region="eu", host=LOOPBACK,
+        port=http_port, rls_port=rls_port, policy_poll_ms=0, insecure_dev_pepper=True, auth_disabled=False,
+        gateway_tokens=["edge:" + hashlib.sha256(token.encode()).hexdigest()], authz_route_prefixes=ROUTE_PREFIXES,
+        decision_budget_ms=200), work / "agent", env=env).start()
     up = None
     try:
         up, up_port = upstream(work / "upstream")

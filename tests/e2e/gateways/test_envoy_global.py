@@ -17,7 +17,7 @@ import pytest
 
 from leasehold.gateways import Envoy, render, upstream
 from leasehold.procs import LOOPBACK, Proc, free_port
-from leasehold.topology import Topology, TopologySpec
+from leasehold.topology import LocalTopology, TopologySpec
 
 from .conftest import identity, wait_early_in_window
 
@@ -30,7 +30,7 @@ AGENT_ARGS = ("--decision-budget-ms", "250", "--lease-tick-ms", "50", "--policy-
 
 @dataclass
 class Fleet:
-    topo: Topology
+    topo: LocalTopology
     envoys: dict[str, Envoy]
     upstream: Proc
 
@@ -40,7 +40,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     run = Path(tmp_path_factory.mktemp("global"))
     spec = TopologySpec(run_dir=run, regions=("eu", "us"), agents_per_region=1, allocators=1, auth=True, rls=True,
                         agent_args=AGENT_ARGS, allocator_args=("--log-level", "warning"))
-    topo = Topology(spec).start(timeout=90)
+    topo = LocalTopology(spec).start(timeout=90)
     envoys: dict[str, Envoy] = {}
     up = None
     try:

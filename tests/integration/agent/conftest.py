@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from litestar.testing import AsyncTestClient
 
 from kernel.bundle import Bundle, encode_bundle, load_bundle_file, seal
 from leasehold.procs import Proc, free_port, wait_port
+from leasehold.services import agent_command
 from region_agent.app import create_app
 from region_agent.settings import AgentSettings
 
@@ -124,12 +124,11 @@ def agent_process(workdir: Path, redis_url: str, policy: Path, *extra: str,
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
     env.update(PYTHONPATH=str(ROOT), LEASEHOLD_AGENT_PEPPER=PEPPER.decode())
-    proc = Proc(f"agent-{port}", [sys.executable, "-m", "region_agent", "--redis-url", redis_url, "--policy",
-                                  str(policy), "--region", "eu", "--host", "127.0.0.1", "--port", str(port),
-                                  "--policy-poll-ms", "0", "--log-level", "warning",
-                                  *(() if "--negative-cache-ms" in extra else ("--negative-cache-ms", "0")),
-                                  *(() if "--auth-disabled" in extra else ("--auth-disabled", "true")),
-                                  *extra], workdir, env=env).start()
+    proc = Proc(f"agent-{port}", agent_command(
+        *(() if "--negative-cache-ms" in extra else ("--negative-cache-ms", "0")),
+        *(() if "--auth-disabled" in extra else ("--auth-disabled", "true")), *extra,
+        redis_url=redis_url, policy=policy, region="eu", host="127.0.0.1", port=port, policy_poll_ms=0,
+        log_level="warning"), workdir, env=env).start()
     base = f"http://127.0.0.1:{port}"
     try:
         wait_port(port, proc=proc.popen, timeout=30)

@@ -6,7 +6,6 @@ test loads the bundle past validation on purpose."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from litestar.testing import AsyncTestClient
 
 from kernel.bundle import Bundle, Pool, Rule, encode_bundle, seal, validate_bundle
 from kernel.errors import PolicyError
+from leasehold.services import agent_command
 from region_agent.app import create_app
 from region_agent.policy import PolicyHolder
 
@@ -35,9 +35,8 @@ def test_duplicate_pool_rules_do_not_validate_and_the_agent_refuses_them(tmp_pat
     assert any("dup-w" in p for p in e.value.errors), e.value.errors
     policy = tmp_path / "bundle.json"
     policy.write_bytes(encode_bundle(_bundle()))
-    done = subprocess.run([sys.executable, "-m", "region_agent", "--policy", str(policy), "--insecure-dev-pepper", "true",
-                           "--auth-disabled", "true", "--port", "0"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(agent_command(policy=policy, insecure_dev_pepper=True, auth_disabled=True, port=0),
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "dup-w" in done.stderr
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,6 +23,7 @@ from allocator.settings import AllocatorSettings
 from kernel.bundle import Bundle, Pool, encode_bundle, seal
 from kernel.etcd_store import EtcdStore
 from leasehold.procs import LOOPBACK, EtcdCluster, Proc, free_port, wait_port
+from leasehold.services import allocator_command
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -100,12 +100,12 @@ class AllocatorProcess:
     """``python -m allocator`` as a real subprocess on a free port."""
 
     def __init__(self, workdir: Path, cluster: EtcdCluster, bundle: Path, prefix: str, node_id: str,
-                 election_ttl_s: int = 2, extra: tuple[str, ...] = ()):
+                 election_ttl_s: int = 2, settings: dict[str, Any] | None = None):
         self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
-        args = [sys.executable, "-m", "allocator", "--etcd", ",".join(cluster.endpoints), "--policy", str(bundle),
-                "--node-id", node_id, "--host", LOOPBACK, "--port", str(self.port), "--prefix", prefix,
-                "--election-ttl-s", str(election_ttl_s), "--etcd-timeout-ms", "1000", "--log-level", "info", *extra]
+        args = allocator_command(etcd=cluster.endpoints, policy=bundle, node_id=node_id, host=LOOPBACK, port=self.port,
+                                 prefix=prefix, election_ttl_s=election_ttl_s, etcd_timeout_ms=1000, log_level="info",
+                                 **(settings or {}))
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = Proc(f"allocator-{node_id}", args, workdir / node_id, env=env)
         self.node_id = node_id

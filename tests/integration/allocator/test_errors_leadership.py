@@ -51,8 +51,10 @@ async def test_malformed_bodies_get_4xx_problems(etcd_cluster: EtcdCluster, make
             problem = r.json()
             assert problem["status"] == status and problem["type"].startswith("https://leasehold.dev/problems/")
             assert problem["detail"]
-        r = await client.get("/v1/leases/nosuch-lease")
+        r = await client.get("/v1/leases/nosuch-lease?region=eu")
         assert r.status_code == 404 and r.headers["content-type"].startswith(PROBLEM)
+        r = await client.get("/v1/leases/nosuch-lease")  # auth off: which region's lease is not implied
+        assert r.status_code == 400 and r.headers["content-type"].startswith(PROBLEM)
         r = await client.get("/v1/pools/nosuch")
         assert r.status_code == 404 and r.headers["content-type"].startswith(PROBLEM)
         r = await client.get("/v1/nothing-here")

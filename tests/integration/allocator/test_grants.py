@@ -93,13 +93,16 @@ async def test_retry_returns_identical_grant_and_conflicting_reuse_is_409(etcd_c
         assert again.status_code == 200
         assert_replay_of(again.json(), first)
         assert first["replayed"] is False and first["granted"] == 70
-        # the same id for another pool or region is a conflict, and debits nothing
-        for body in (lease_body("retry-lease-1", "p2", "eu", 5), lease_body("retry-lease-1", "p1", "us", 5)):
-            r = await client.post("/v1/leases", json=body)
-            assert r.status_code == 409 and r.headers["content-type"].startswith("application/problem+json")
+        # the same id for another pool of the same region is a conflict, and debits nothing
+        r = await client.post("/v1/leases", json=lease_body("retry-lease-1", "p2", "eu", 5))
+        assert r.status_code == 409 and r.headers["content-type"].startswith("application/problem+json")
+        assert "region" not in r.json()["detail"]
+        # lease ids are per region: another region's request with the same id is its own lease
+        other = await client.post("/v1/leases", json=lease_body("retry-lease-1", "p1", "us", 5))
+        assert other.status_code == 200 and other.json()["granted"] == 5 and other.json()["region"] == "us"
         r = await client.post("/v1/leases", json=lease_body("retry-lease-2", "p1", "eu", 30))
         assert r.json()["granted"] == 30
-        stored = (await client.get("/v1/leases/retry-lease-2")).json()
+        stored = (await client.get("/v1/leases/retry-lease-2?region=eu")).json()
         assert stored["grant"]["granted"] == 30
         view = (await client.get("/v1/pools/p1")).json()
         text = (await client.get("/metrics")).text
@@ -110,8 +113,8 @@ async def test_retry_returns_identical_grant_and_conflicting_reuse_is_409(etcd_c
         assert 'leasehold_allocator_etcd_request_seconds_count{op="txn"}' in text
     windows = await etcd_windows(etcd_reader, prefix, "p1")
     (state,) = windows.values()
-    assert state.remaining == 500 - 100 and view["remaining"] == 400
-    assert state.leases == {"eu": 2}
+    assert state.remaining == 500 - 100 - 5 and view["remaining"] == 395  # eu's 70 + 30, us's own 5
+    assert state.leases == {"eu": 2, "us": 1}
     assert (await etcd_windows(etcd_reader, prefix, "p2")) == {}
 
 

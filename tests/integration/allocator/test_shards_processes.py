@@ -41,7 +41,7 @@ POOLS = [Pool(id=f"g{i}", window_ms=4_000, limit=120, lease_ttl_ms=1_500, chunk_
 def three(tmp_path: Path, etcd_cluster: EtcdCluster, make_bundle, prefix: str) -> Iterator[list[AllocatorProcess]]:
     bundle = make_bundle(*POOLS)
     procs = [AllocatorProcess(tmp_path, etcd_cluster, bundle, prefix, n, election_ttl_s=TTL_S,
-                              extra=("--shards", str(SHARDS))) for n in NODES]
+                              settings={"shards": SHARDS}) for n in NODES]
     try:
         for p in procs:
             p.proc.start()

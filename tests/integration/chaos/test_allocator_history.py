@@ -10,7 +10,6 @@ import contextlib
 import hashlib
 import os
 import secrets
-import sys
 import uuid
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from chaos.nemesis import EtcdMemberIsolate, Kill, Partition, Schedule, Step, po
 from chaos.proxy import FaultProxy
 from kernel.bundle import Bundle, Pool, encode_bundle, seal
 from leasehold.procs import LOOPBACK, EtcdCluster, Proc, free_port, wait_port
+from leasehold.services import allocator_command
 
 pytestmark = pytest.mark.integration
 
@@ -40,11 +40,10 @@ AUTH_ENV = {**os.environ, "LEASEHOLD_ALLOCATOR_REGION_TOKENS": ",".join(
 
 def start_allocator(workdir: Path, node: str, etcd: str, bundle: Path, prefix: str) -> tuple[Proc, int]:
     port = free_port()
-    proc = Proc(f"allocator-{node}", [
-        sys.executable, "-m", "allocator", "--etcd", etcd, "--policy", str(bundle), "--node-id", node,
-        "--host", LOOPBACK, "--port", str(port), "--advertise-url", f"http://{LOOPBACK}:{port}",
-        "--prefix", prefix, "--election-ttl-s", "2", "--etcd-timeout-ms", "500", "--log-level", "warning",
-    ], workdir / node, env=AUTH_ENV).start()
+    proc = Proc(f"allocator-{node}", allocator_command(
+        etcd=etcd, policy=bundle, node_id=node, host=LOOPBACK, port=port, advertise_url=f"http://{LOOPBACK}:{port}",
+        prefix=prefix, election_ttl_s=2, etcd_timeout_ms=500, log_level="warning",
+    ), workdir / node, env=AUTH_ENV).start()
     wait_port(port, proc=proc.popen, timeout=30)
     return proc, port
 

@@ -65,8 +65,9 @@ async def test_topology_links_are_proxied_and_stop_ends_every_process(tmp_path: 
                 for n in cut:
                     await n.stop()
         pids = [p.pid for p in topo.etcd.procs] + [a.proc.pid for a in topo.allocators] + \
-               [g.proc.pid for g in topo.agents] + [r.proc.pid for r in topo.redis.values() if r.proc]
+               [g.proc.pid for g in topo.agents] + [r.proc.pid for r in topo.redis.values() if r.proc] + \
+               [topo.host.proc.pid]
     finally:
         topo.stop()
     assert pids and not [p for p in pids if _alive(p)]
-    assert topo.host is not None and not topo.host.loop.is_running()
+    assert topo.host is not None and not topo.host.alive()  # the proxy host process too

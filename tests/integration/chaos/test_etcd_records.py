@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from allocator.election import LeaderRecord
-from allocator.engine import GrantRecord as StoredGrant
+from allocator.engine import GrantRecord
 from allocator.policy import WindowState
 from chaos.checker import check
 from chaos.etcd_records import read_back
@@ -45,8 +45,8 @@ async def test_grants_windows_and_leader_are_read_back_and_checked(etcd_cluster:
     epoch = leader.epoch  # the election key's create_revision, as the allocator stamps it
     a, b = lease("lease-eu-0001", 60, epoch=epoch), lease("lease-us-0001", 60, epoch=epoch, region="us")
     put(etcd_cluster, prefix + "grants/lease-eu-0001",
-        msgspec.json.encode(StoredGrant(grant=a, reported=True, spent=50, returned=10)))
-    put(etcd_cluster, prefix + "grants/lease-us-0001", msgspec.json.encode(StoredGrant(grant=b)))
+        msgspec.json.encode(GrantRecord(grant=a, reported=True, spent=50, returned=10)))
+    put(etcd_cluster, prefix + "grants/lease-us-0001", msgspec.json.encode(GrantRecord(grant=b)))
     state = WindowState(pool="p-global", index=7, limit=100, remaining=-10, granted={"eu": 60, "us": 60},
                         returned={"eu": 10})
     put(etcd_cluster, prefix + "pools/p-global/7", msgspec.json.encode(state))
@@ -70,7 +70,7 @@ async def test_grants_windows_and_leader_are_read_back_and_checked(etcd_cluster:
     # a grant stamped with the old epoch committed after a newer leader was elected: fenced out
     etcdctl(etcd_cluster, "del", prefix + "leader")  # the old leader's key is gone; a new one is created
     put(etcd_cluster, prefix + "leader", msgspec.json.encode(LeaderRecord(node_id="alloc-2", url="http://y")))
-    put(etcd_cluster, prefix + "grants/lease-eu-0002", msgspec.json.encode(StoredGrant(grant=lease(
+    put(etcd_cluster, prefix + "grants/lease-eu-0002", msgspec.json.encode(GrantRecord(grant=lease(
         "lease-eu-0002", 0, epoch=epoch))))
     recs = await read_back(etcd_cluster.endpoints, prefix)
     report = check(recs, [POOL])

@@ -171,3 +171,46 @@ def test_proxy_cli_rejects_bad_addresses():
     r = subprocess.run([sys.executable, "-m", "chaos.proxy", "--listen", "0.0.0.0:9", "--upstream", "127.0.0.1:1"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "loopback only" in r.stderr
+
+
+async def test_proxy_host_process_hosts_proxies_with_the_fault_api(redis_server: RedisServer, tmp_path: Path):
+    """The run's proxies live in their own process: a blackhole there stops a real Redis client,
+    healing restores it, bad control calls are 400s, and stop ends the process."""
+    from chaos.proxyhost import ProxyHost
+
+    host = ProxyHost(tmp_path / "proxies")
+    try:
+        a = host.add("redis<-a", redis_server.port, seed=1)
+        b = host.add("redis<-b", redis_server.port)
+        assert a.port != b.port and a.url_host == f"{LOOPBACK}:{a.port}"
+        ra, rb = client(a.port), client(b.port)
+        try:
+            assert await ra.ping() and await rb.ping()
+            await a.set_faults("both", blackhole=True)
+            with pytest.raises((RedisTimeoutError, RedisConnectionError)):
+                await ra.ping()
+            assert await rb.ping()  # the other proxy is untouched
+            assert (await a.state())["faults"]["up"]["blackhole"] is True
+            await a.heal()
+            ra2 = client(a.port)
+            assert await ra2.ping()
+            await ra2.aclose()
+            await a.set_faults("up", latency_ms=80)
+            slow = client(a.port, timeout=5)
+            t = time.monotonic()
+            assert await slow.ping()
+            assert time.monotonic() - t >= 0.07
+            await slow.aclose()
+            with pytest.raises(BadRequest):
+                await a.set_faults("sideways", blackhole=True)
+        finally:
+            await ra.aclose()
+            await rb.aclose()
+        import httpx
+
+        async with httpx.AsyncClient() as c:
+            assert (await c.post(host.control + "/proxies/99/heal")).status_code == 400
+            assert (await c.post(host.control + "/proxies", json={"upstreamPort": 0})).status_code == 400
+    finally:
+        host.stop()
+    assert not host.alive()

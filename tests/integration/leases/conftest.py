@@ -27,7 +27,8 @@ from allocator.policy import WindowState
 from kernel.bundle import Bundle, Fallback, Pool, Rule, encode_bundle, seal
 from kernel.etcd_store import EtcdStore
 from leasehold.procs import Proc
-from leasehold.topology import Topology, TopologySpec
+from leasehold.services import agent_command
+from leasehold.topology import LocalTopology, TopologySpec
 
 PREFIX = "/leasehold/"  # the allocator's default etcd prefix
 FAST_AGENT = ("--lease-tick-ms", "50", "--allocator-timeout-ms", "300", "--allocator-deadline-ms", "900",
@@ -59,17 +60,17 @@ def write_bundle(path: Path, pools: list[Pool], rules: list[Rule]) -> Path:
 
 
 def start_topology(run_dir: Path, policy: Path, *, agent_args: tuple[str, ...] = (),
-                   regions: tuple[str, ...] = ("eu", "us"), agents_per_region: int = 1) -> Topology:
+                   regions: tuple[str, ...] = ("eu", "us"), agents_per_region: int = 1) -> LocalTopology:
     spec = TopologySpec(run_dir=run_dir, policy=policy, regions=regions, agents_per_region=agents_per_region,
                         allocators=2, agent_args=FAST_AGENT + agent_args, allocator_args=FAST_ALLOCATOR)
-    return Topology(spec).start(timeout=60)
+    return LocalTopology(spec).start(timeout=60)
 
 
 @pytest.fixture
 def topology_factory(tmp_path: Path) -> Iterator:
-    started: list[Topology] = []
+    started: list[LocalTopology] = []
 
-    def make(policy: Path, **kw) -> Topology:
+    def make(policy: Path, **kw) -> LocalTopology:
         topo = start_topology(tmp_path / f"topo-{len(started)}", policy, **kw)
         started.append(topo)
         return topo
@@ -173,7 +174,7 @@ async def wait_for_window_start(window_ms: int, after_ms: int = 50) -> int:
 
 
 # ------------------------------------------------------------------------------ reading etcd / allocators
-async def etcd_windows(topo: Topology, pool: str) -> dict[int, WindowState]:
+async def etcd_windows(topo: LocalTopology, pool: str) -> dict[int, WindowState]:
     assert topo.etcd is not None
     store = EtcdStore(topo.etcd.endpoints, timeout_s=5.0)
     try:
@@ -183,7 +184,7 @@ async def etcd_windows(topo: Topology, pool: str) -> dict[int, WindowState]:
     return {int(kv.key.rsplit(b"/", 1)[1]): msgspec.json.decode(kv.value, type=WindowState) for kv in kvs}
 
 
-async def etcd_grants(topo: Topology) -> dict[str, GrantRecord]:
+async def etcd_grants(topo: LocalTopology) -> dict[str, GrantRecord]:
     assert topo.etcd is not None
     store = EtcdStore(topo.etcd.endpoints, timeout_s=5.0)
     try:
@@ -193,7 +194,7 @@ async def etcd_grants(topo: Topology) -> dict[str, GrantRecord]:
     return {kv.key.rsplit(b"/", 1)[1].decode(): msgspec.json.decode(kv.value, type=GrantRecord) for kv in kvs}
 
 
-async def leader_url(topo: Topology, within_s: float = 20.0) -> str:
+async def leader_url(topo: LocalTopology, within_s: float = 20.0) -> str:
     deadline = time.monotonic() + within_s
     async with httpx.AsyncClient(timeout=2) as client:
         while time.monotonic() < deadline:
@@ -212,7 +213,7 @@ def restart(proc: Proc) -> None:
     proc.start()  # same arguments, same port
 
 
-def agent_urls(topo: Topology, every: bool = False) -> dict[str, str]:
+def agent_urls(topo: LocalTopology, every: bool = False) -> dict[str, str]:
     """One agent per region (``eu``), or with ``every`` each agent labelled ``eu``, ``eu#2``, ..."""
     if not every:
         return {region: urls[0] for region, urls in topo.agent_urls.items()}
@@ -241,9 +242,9 @@ class ProxiedRegion:
     the first allocator, and region ``eu``: a redis-server and agent processes that reach the
     allocator only through the proxy (so a test can add latency or blackhole that link)."""
 
-    allocators: Topology
+    allocators: LocalTopology
     proxy: object  # chaos.proxy.ProxyProcess
-    region: Topology
+    region: LocalTopology
 
     @property
     def agents(self) -> list[str]:
@@ -264,7 +265,7 @@ def start_proxied_region(run_dir: Path, policy: Path, *, agents: int = 1, agent_
     from chaos.proxy import ProxyProcess
     from leasehold.procs import LOOPBACK
 
-    allocs = Topology(TopologySpec(run_dir=run_dir / "alloc", policy=policy, regions=(), allocators=1,
+    allocs = LocalTopology(TopologySpec(run_dir=run_dir / "alloc", policy=policy, regions=(), allocators=1,
                                    allocator_args=FAST_ALLOCATOR)).start(timeout=60)
     proxy = None
     try:
@@ -272,7 +273,7 @@ def start_proxied_region(run_dir: Path, policy: Path, *, agents: int = 1, agent_
         proxy = ProxyProcess((LOOPBACK, port), run_dir / "proxy").start()
         if latency_ms:
             asyncio.run(proxy.control.latency(latency_ms / 2))  # each direction: a round trip adds latency_ms
-        region = Topology(TopologySpec(
+        region = LocalTopology(TopologySpec(
             run_dir=run_dir / "region", policy=policy, regions=("eu",), agents_per_region=agents,
             with_allocator=False, agent_args=fast + ("--allocator-urls", f"http://{LOOPBACK}:{proxy.port}")
             + agent_args)).start(timeout=60)
@@ -296,14 +297,13 @@ async def request_lease(allocator_url: str, pool: str, want: int, region: str = 
 def start_agent(workdir: Path, policy: Path, redis_url: str, allocator_url: str | None, *extra: str,
                 fast: tuple[str, ...] = FAST_AGENT, env: dict[str, str] | None = None) -> tuple[Proc, str]:
     """One region agent process of region ``eu``; returns (process, base URL) once it is ready."""
-    import sys
 
     from leasehold.procs import LOOPBACK, free_port, wait_http_ready
     from leasehold.topology import DEV_PEPPER, _env
 
     port = free_port()
-    args = [sys.executable, "-m", "region_agent", "--redis-url", redis_url, "--policy", str(policy), "--region", "eu",
-            "--host", LOOPBACK, "--port", str(port), "--auth-disabled", "true", *fast, *extra]
+    args = agent_command(*fast, *extra, redis_url=redis_url, policy=policy, region="eu", host=LOOPBACK, port=port,
+                         auth_disabled=True)
     if allocator_url:
         args += ["--allocator-urls", allocator_url]
     proc = Proc(f"agent-eu-{port}", args, workdir, env=_env(LEASEHOLD_AGENT_PEPPER=DEV_PEPPER, **(env or {}))).start()

@@ -195,10 +195,13 @@ async def test_chunk_bought_from_another_agents_lease_ends_with_its_window(regio
     await r.proxy.control.latency(40)  # type: ignore[attr-defined]  # B's own top-up lands after its chunk
     try:
         async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=32)) as client:
-            first = await _admit(client, b_url, admit_body("c0", route="g3"))
-            if not first["allowed"]:
-                text = (await client.get(b_url + "/metrics")).text
-                raise AssertionError(f"{first} {[x for x in text.splitlines() if 'g3' in x and 'total' in x]}")
+            first: dict = {}
+            while wall_ms() < k * W + 1_700:  # a busy machine may need a few tries within B's 50 ms budget
+                first = await _admit(client, b_url, admit_body("c0", route="g3"))
+                if first["allowed"]:
+                    break
+                await asyncio.sleep(0.02)
+            assert first.get("allowed"), f"B never bought a chunk in window {k}: {first}"
             assert wall_ms() < (k + 1) * W, "the machine was too slow to place the chunk in window k"
             await asyncio.sleep(max(0, (k + 1) * W + 50 - wall_ms()) / 1000)
             recs = []
@@ -228,8 +231,15 @@ async def test_cold_start_first_requests_are_served(region, tmp_path: Path):
     proc, url = _start_agent(tmp_path / "agent-cold", policy, r.region.redis["eu"].url, r.proxy.port, BUDGET_B)
     try:
         async with httpx.AsyncClient(timeout=10) as client:
-            tenant = await _admit(client, url, admit_body("cold", route="read"))
-            fleet = await _admit(client, url, admit_body("someone", route="g11"))
+            async def first(body: dict) -> dict:
+                for _ in range(5):  # a shed (a busy machine, 503 OVERLOADED) is retried; a denial is not
+                    d = await _admit(client, url, body)
+                    if d.get("reason") != "OVERLOADED":
+                        return d
+                return d
+
+            tenant = await first(admit_body("cold", route="read"))
+            fleet = await first(admit_body("someone", route="g11"))
     finally:
         proc.stop()
         await r.proxy.control.heal()  # type: ignore[attr-defined]

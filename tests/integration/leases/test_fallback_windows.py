@@ -9,7 +9,6 @@ window and the head of the next: up to 2 x fallbackPerRegion. It must see at mos
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from chaos.nemesis import faketime_env
 from chaos.proxy import ProxyProcess
 from kernel.bundle import Pool
 from leasehold.procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_http_ready
+from leasehold.services import allocator_command
 
 from .conftest import (
     FAST_ALLOCATOR,
@@ -44,9 +44,9 @@ def skewed_allocator_region(tmp_path: Path):
         etcd = EtcdCluster(tmp_path / "etcd").start()
         started.append(etcd)
         port = free_port()
-        alloc = Proc("allocator-skewed", [sys.executable, "-m", "allocator", "--etcd", ",".join(etcd.endpoints),
-                                          "--policy", str(policy), "--node-id", "alloc-1", "--host", LOOPBACK,
-                                          "--port", str(port), "--auth-disabled", "true", *FAST_ALLOCATOR],
+        alloc = Proc("allocator-skewed", allocator_command(*FAST_ALLOCATOR, etcd=etcd.endpoints, policy=policy,
+                                                           node_id="alloc-1", host=LOOPBACK, port=port,
+                                                           auth_disabled=True),
                      tmp_path / "allocator", env=faketime_env(SKEW_MS / 1000)).start()
         started.append(alloc)
         wait_http_ready({f"http://{LOOPBACK}:{port}": alloc}, timeout=60)

@@ -82,7 +82,7 @@ async def test_a_reply_later_than_the_lease_ttl_adds_nothing(allocators, redis_c
         assert (await store.observe(key))[0] == 0
         assert (await Scripts().pool_balance(redis_client, key)).entries == {}
         async with httpx.AsyncClient(timeout=5) as http:
-            record = (await http.get(f"{leader}/v1/leases/{grant.lease_id}")).json()
+            record = (await http.get(f"{leader}/v1/leases/{grant.lease_id}?region={grant.region}")).json()
         assert record["grant"]["granted"] == 10  # the allocator's books show it (reclaimed on expiry)
         # control: the same path without the delay deposits the grant, spendable now
         await proxy.control.heal()

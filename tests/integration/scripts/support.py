@@ -81,6 +81,15 @@ def norm(kind: str, state: Any, now: int | None = None) -> Any:
     return state
 
 
+_SHIFT_ZSET = """
+local z = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+for i = 1, #z, 2 do
+  redis.call('ZADD', KEYS[1], tonumber(z[i + 1]) - tonumber(ARGV[1]), z[i])
+end
+return #z / 2
+"""
+
+
 def shift_back(r: Any, kind: str, key: str, d: int) -> None:
     """Simulate a sleep of d ms: every stored timestamp moves d ms into the past (TTL kept)."""
     if d == 0:
@@ -93,9 +102,9 @@ def shift_back(r: Any, kind: str, key: str, d: int) -> None:
         if v is not None:
             r.set(key, _i(v) - d, keepttl=True)
     elif kind in ("sl", "cc"):
-        z = r.zrange(key, 0, -1, withscores=True)
-        if z:
-            r.zadd(key, {m: int(s) - d for m, s in z})
+        # atomically (a short-TTL key may expire between a read and a write here, and a ZADD would
+        # then create it again without an expiry); ZADD on the existing key keeps its TTL
+        r.eval(_SHIFT_ZSET, 1, key, d)
     elif kind == "pool":
         for k, v in r.hgetall(key).items():
             e = PoolEntry.decode(_s(v))

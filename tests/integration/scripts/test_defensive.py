@@ -85,7 +85,7 @@ def rule_sets():
 async def test_multi_rule_validates_everything_first(aclient, scripts, label, rules):
     keys = [f"rl:v3:{T}:d:x"] + [f"rl:v3:{T}:r{i}" for i in range(len(rules))]
     member = "" if label == "cc needs a member" else "D1"
-    argv = ["100", "5000", member] + [a for r in rules for a in r]
+    argv = ["100", "5000", member] + [a for r in rules for a in r] + ["q1"]
     with pytest.raises(ScriptRejected):
         await scripts.call(aclient, "multi_rule", keys, argv)
     assert await aclient.exists(*keys) == 0
@@ -95,11 +95,17 @@ async def test_multi_rule_rejects_duplicate_keys_and_bad_header(aclient, scripts
     k = f"rl:v3:{T}:dup"
     tb = ["tb", "20000", "2000", "1000", "1000", "0"]
     with pytest.raises(ScriptRejected):
-        await scripts.call(aclient, "multi_rule", [f"rl:v3:{T}:d", k, k], ["0", "0", "m", *tb, *tb])
+        await scripts.call(aclient, "multi_rule", [f"rl:v3:{T}:d", k, k], ["0", "0", "m", *tb, *tb, ""])
     with pytest.raises(ScriptRejected):
-        await scripts.call(aclient, "multi_rule", [f"rl:v3:{T}:d", k], ["-1", "0", "m", *tb])
+        await scripts.call(aclient, "multi_rule", [f"rl:v3:{T}:d", k], ["-1", "0", "m", *tb, ""])
     with pytest.raises(ScriptRejected):
-        await scripts.call(aclient, "multi_rule", [f"rl:v3:{T}:d", k], ["0", "0", "m", *tb, "extra"])
+        await scripts.call(aclient, "multi_rule", [f"rl:v3:{T}:d", k], ["0", "0", "m", *tb, "", "extra"])
+    with pytest.raises(ScriptRejected):  # no question argument
+        await scripts.call(aclient, "multi_rule", [f"rl:v3:{T}:d", k], ["0", "5000", "m", *tb])
+    for question in ("a|b", "a,b", "x" * 65, "a b", "\u00e9"):  # the record's separators, length, charset
+        with pytest.raises(ScriptRejected):
+            await scripts.call(aclient, "multi_rule", [f"rl:v3:{T}:d", k], ["0", "5000", "m", *tb, question])
+    assert await aclient.exists(f"rl:v3:{T}:d") == 0
     with pytest.raises(ScriptRejected):
         multi_rule_argv("d", [RuleCall(k, "tb", (1, 1, 1, 1, 0))] * 2, slack_ms=0, decision_ttl_ms=0, member="m")
     assert await aclient.exists(k) == 0

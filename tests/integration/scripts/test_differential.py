@@ -28,7 +28,7 @@ from region_agent.algorithms import (
 from region_agent.algorithms import token_bucket as tb
 from region_agent.algorithms.concurrency import ConcurrencyParams
 from region_agent.algorithms.fixed_window import WindowParams
-from region_agent.algorithms.multi_rule import RuleSpec
+from region_agent.algorithms.multi_rule import DecisionRecord, RuleSpec
 from region_agent.algorithms.pool import PoolEntry, PoolState
 from region_agent.algorithms.token_bucket import TokenBucketParams
 from region_agent.store.scripts import Scripts
@@ -232,7 +232,7 @@ def test_multi_rule_matches_model(sclient, kinds, grants, ops):
         states = [shift_model(k, s, d) for k, s in zip(kinds, states, strict=True)]
         member = f"D{replay}" if replay < i else f"D{i}"
         rules = [make_rule(k, cost) for k in kinds]
-        argv = [SLACK, 0, member] + [x for r in rules for x in (r.kind, *r.params)]
+        argv = [SLACK, 0, member] + [x for r in rules for x in (r.kind, *r.params)] + [""]
 
         def model(n, s=states, rules=rules, member=member):
             return multi_rule.decide(s, rules, n, member)
@@ -244,6 +244,39 @@ def test_multi_rule_matches_model(sclient, kinds, grants, ops):
             if norm(k, s, now_ms()) is not None:
                 assert sclient.pttl(key) > 0 or k == "cc", k
             assert sclient.pttl(key) != -1, k
+
+
+@SETTINGS
+@given(kinds=st.lists(st.sampled_from(["tb", "fw", "sl", "cc"]), min_size=1, max_size=3, unique=True),
+       calls=st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["", "qA", "qB"]), st.integers(1, 3)),
+                      min_size=1, max_size=10))
+def test_decision_records_match_model(sclient, kinds, calls):
+    """Decision records (decision_ttl_ms > 0) against ``multi_rule.decide_recorded``: a record
+    replays its reply to the same question and changes nothing, answers the conflict reply to
+    another question and changes nothing, and is written (with its question) by a first call."""
+    t = tag()
+    keys = [f"rl:{t}:r{i}:{k}" for i, k in enumerate(kinds)]
+    states: list = [None] * len(kinds)
+    records: dict[int, DecisionRecord] = {}
+    for did, question, cost in calls:
+        member = f"D{did}"
+        dkey = f"rl:{t}:dec:{did}"
+        rules = [make_rule(k, cost) for k in kinds]
+        argv = [SLACK, 60_000, member] + [x for r in rules for x in (r.kind, *r.params)] + [question]
+
+        def model(n, s=states, rules=rules, member=member, did=did, question=question):
+            reply, new, _ = multi_rule.decide_recorded(records.get(did), s, rules, n, member, question)
+            return reply, new
+
+        n, states = step(lambda argv=argv, dkey=dkey: evalsha(sclient, "multi_rule", [dkey, *keys], argv),
+                         model, lambda: [read_state(sclient, k, key) for k, key in zip(kinds, keys, strict=True)],
+                         states, kinds, reply_of=lambda reply: reply)
+        records[did] = multi_rule.decide_recorded(records.get(did), [None] * len(kinds), rules, n, member,
+                                                  question)[2] if did in records else \
+            DecisionRecord(question, tuple(model(n)[0]))
+        stored = sclient.get(dkey).decode()
+        assert stored == records[did].question + "|" + ",".join(str(x) for x in records[did].reply)
+        assert 0 < sclient.pttl(dkey) <= 60_000
 
 
 def test_pool_model_deposit_matches_script(sclient):

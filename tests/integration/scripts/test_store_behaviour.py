@@ -71,7 +71,7 @@ async def test_server_crossslot_reply_translates(redis_cluster, scripts):
         await c.script_load(scripts.source("multi_rule"))
         keys = ["{a}1", "{b}2"]
         with pytest.raises(ScriptRejected):
-            await scripts.call(c, "multi_rule", keys, ["0", "0", "m", "tb", 1, 1, 1, 1, 0])
+            await scripts.call(c, "multi_rule", keys, ["0", "0", "m", "tb", 1, 1, 1, 1, 0, ""])
     finally:
         await c.aclose()
 

@@ -3,7 +3,6 @@ adapter with the CA, and the allocator process granting a lease through it."""
 
 from __future__ import annotations
 
-import sys
 import time
 
 import httpx
@@ -14,6 +13,7 @@ from kernel.errors import LeaseholdError
 from kernel.etcd_store import EtcdStore
 from kernel.etcd_tls import credentials
 from leasehold.procs import LOOPBACK, EtcdCluster, Proc, free_port, make_tls, wait_port
+from leasehold.services import allocator_command
 
 
 @pytest.fixture
@@ -49,10 +49,9 @@ def test_allocator_grants_through_a_tls_etcd(tls_etcd, tmp_path):
     policy = tmp_path / "bundle.json"
     policy.write_bytes(encode_bundle(bundle))
     port = free_port()
-    proc = Proc("allocator-tls", [sys.executable, "-m", "allocator", "--etcd", ",".join(cluster.endpoints),
-                                  "--etcd-ca-file", str(tls.ca), "--policy", str(policy), "--node-id", "tls-1",
-                                  "--host", LOOPBACK, "--port", str(port), "--auth-disabled", "true",
-                                  "--policy-from-etcd", "false"], tmp_path / "alloc").start()
+    proc = Proc("allocator-tls", allocator_command(etcd=cluster.endpoints, etcd_ca_file=tls.ca, policy=policy,
+                                                   node_id="tls-1", host=LOOPBACK, port=port, auth_disabled=True,
+                                                   policy_from_etcd=False), tmp_path / "alloc").start()
     try:
         wait_port(port, proc=proc.popen, timeout=30)
         base = f"http://{LOOPBACK}:{port}"

@@ -6,10 +6,10 @@ key), and TLS to Redis (rediss:// with a throwaway CA) and HTTPS for the agent p
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import ssl
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,10 +23,11 @@ from litestar.testing import AsyncTestClient
 from kernel.bundle import Pool, encode_bundle, load_bundle_file, seal
 from kernel.errors import LeaseholdError
 from kernel.etcd_store import EtcdStore
-from kernel.policy_store import PolicyStore
+from kernel.policy_store import PolicyStore, SigningMarker
+from leasehold.cli import main as cli_main
 from leasehold.procs import (
+    ETCD_USERS,
     EtcdCluster,
-    EtcdGrant,
     Proc,
     RedisServer,
     agent_acl,
@@ -34,7 +35,11 @@ from leasehold.procs import (
     make_tls,
     wait_port,
 )
+from leasehold.services import agent_command
+from leasehold.topology import DEFAULT_POLICY, DEV_PEPPER
 from region_agent.app import create_app
+from region_agent.keys import KeyBuilder
+from region_agent.settings import DEV_PEPPER as AGENT_DEV_PEPPER
 from tests.integration.agent.conftest import PEPPER, ROOT, admit_body, make_settings, northstar, write_bundle
 from tests.integration.allocator.helpers import in_process, lease_body, settings_for
 from tests.integration.allocator.helpers import write_bundle as write_pools
@@ -89,47 +94,74 @@ async def test_agent_runs_with_its_acl_user_only(acl_redis, policy_file, monkeyp
 # -- etcd authentication ---------------------------------------------------------------------------
 @pytest.fixture
 def auth_etcd(tmp_path) -> Iterator[tuple[EtcdCluster, dict[str, str]]]:
+    """etcd with the roles of deploy/etcd/leasehold-roles.sh (the script itself, as `leasehold up`
+    and the deploy manifests run it)."""
     cluster = EtcdCluster(tmp_path / "etcd-auth", members=1).start()
-    pw = {u: secrets.token_urlsafe(12) for u in ("root", "allocator", "agent")}
+    pw = {u: secrets.token_urlsafe(12) for u in ETCD_USERS}
+    files = {}
+    for user, password in pw.items():
+        files[user] = tmp_path / f"{user}.password"
+        files[user].write_text(password)
     try:
-        cluster.enable_auth(pw["root"], [
-            EtcdGrant("allocator", pw["allocator"], "allocator", "readwrite", "/leasehold/"),
-            EtcdGrant("agent", pw["agent"], "agent", "read", "/leasehold/policy/"),
-        ])
+        cluster.apply_roles(files)
+        cluster.apply_roles(files)  # idempotent: a second run (authenticated as root) changes nothing
         yield cluster, pw
     finally:
         cluster.stop()
 
 
-async def test_etcd_roles_allocator_prefix_and_read_only_agents(auth_etcd, tmp_path, monkeypatch):
+async def _refused(coro) -> None:
+    with pytest.raises(LeaseholdError):
+        await coro
+
+
+async def test_etcd_roles_publisher_allocator_and_agents(auth_etcd, tmp_path, monkeypatch):
+    """Least privilege: only the publisher writes the policy key; the allocator writes pools, grants
+    and its leader key and only reads the policy; the agents only read the policy; nobody anonymous."""
     cluster, pw = auth_etcd
     ep = ",".join(cluster.endpoints)
     bundle_path = write_pools(tmp_path / "b.json", [Pool(id="p1", window_ms=60_000, limit=100, chunk_max=50)])
+    stores = {u: EtcdStore(ep, timeout_s=2, user=u, password=pw[u]) for u in ("publisher", "allocator", "agent")}
     anonymous = EtcdStore(ep, timeout_s=2)
-    agent_store = PolicyStore(EtcdStore(ep, timeout_s=2, user="agent", password=pw["agent"]), "/leasehold/")
-    alloc_store = PolicyStore(EtcdStore(ep, timeout_s=2, user="allocator", password=pw["allocator"]), "/leasehold/")
+    policy = {u: PolicyStore(s, "/leasehold/") for u, s in stores.items()}
+    bundle = seal(load_bundle_file(str(bundle_path)))  # the allocator's own pools, version 1
+    newer = encode_bundle(seal(msgspec.structs.replace(bundle, bundle_version=99)))
     try:
-        with pytest.raises(LeaseholdError):
-            await anonymous.get(b"/leasehold/policy/current")
-        # the allocator publishes inside its prefix; the agent reads the policy key but cannot write
-        bundle = seal(load_bundle_file(str(bundle_path)))  # the allocator's own pools, version 1
-        await alloc_store.publish(encode_bundle(bundle))
-        stored = await agent_store.read()
-        assert stored is not None and stored.bundle.bundle_version == bundle.bundle_version
-        with pytest.raises(LeaseholdError):
-            await agent_store.publish(encode_bundle(seal(msgspec.structs.replace(bundle, bundle_version=99))))
-        with pytest.raises(LeaseholdError):  # nothing outside the policy key
-            await agent_store.store.get(b"/leasehold/leader")
-        with pytest.raises(LeaseholdError):  # the allocator's role stops at its prefix
-            await alloc_store.store.txn([], [alloc_store.store.t.put(b"/other/key", b"x")])
-        # a real allocator with its etcd user grants leases
+        await _refused(anonymous.get(b"/leasehold/policy/current"))
+        await _refused(policy["allocator"].publish(encode_bundle(bundle)))  # the allocator cannot publish
+        await _refused(policy["agent"].publish(encode_bundle(bundle)))
+        await policy["publisher"].publish(encode_bundle(bundle))
+        # the signing marker (which keys publish checks against) is the publisher's too, and only its
+        marker = SigningMarker(keys={"0123456789abcdef": "b64-public-key"})
+        await policy["publisher"].write_signing(marker)
+        assert await policy["publisher"].read_signing() == marker
+        await _refused(policy["allocator"].write_signing(None))
+        await _refused(policy["agent"].write_signing(None))
+        for u in ("allocator", "agent", "publisher"):
+            stored = await policy[u].read()
+            assert stored is not None and stored.bundle.bundle_version == bundle.bundle_version
+        await _refused(policy["allocator"].publish(newer))
+        t = stores["allocator"].t
+        for user in ("agent", "publisher"):  # neither writes what the allocator owns
+            s = stores[user]
+            for key in (b"/leasehold/pools/p1/0", b"/leasehold/grants/x-00000001", b"/leasehold/leader"):
+                await _refused(s.txn([], [s.t.put(key, b"x")]))
+        await _refused(stores["agent"].get(b"/leasehold/leader"))  # agents read the policy only
+        await _refused(stores["publisher"].get(b"/leasehold/grants/x-00000001"))
+        for key in (b"/leasehold/policy/other", b"/leasehold/other", b"/other/key"):  # nobody writes elsewhere
+            for s in stores.values():
+                await _refused(s.txn([], [s.t.put(key, b"x")]))
+        ok, _ = await stores["allocator"].txn([], [t.put(b"/leasehold/pools/p9/0", b"{}")])  # its own keys: fine
+        assert ok
+        # a real allocator with its etcd user elects itself, grants leases and follows the policy
         monkeypatch.setenv("LEASEHOLD_ALLOCATOR_ETCD_PASSWORD", pw["allocator"])
         settings = settings_for(cluster, bundle_path, "/leasehold/", etcd_user="allocator")
         async with in_process(settings) as client:
             grant = await client.post("/v1/leases", json=lease_body("lease-auth-0001", "p1", "eu", 10))
             assert grant.status_code == 200 and grant.json()["granted"] == 10
+            assert (await client.get("/v1/leases/lease-auth-0001?region=eu")).json()["grant"]["granted"] == 10
     finally:
-        for s in (anonymous, agent_store.store, alloc_store.store):
+        for s in (anonymous, *stores.values()):
             await s.close()
 
 
@@ -155,13 +187,12 @@ def test_agent_over_tls_to_redis_and_https_to_gateways(tls_redis, tls_files, pol
     import hashlib
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
     env.update(PYTHONPATH=str(ROOT), LEASEHOLD_AGENT_PEPPER=PEPPER.decode())
-    proc = Proc(f"tls-agent-{port}", [
-        sys.executable, "-m", "region_agent", "--redis-url", f"rediss://agent@127.0.0.1:{tls_redis.port}/0",
-        "--redis-password-file", str(pw_file), "--redis-ca-file", str(tls_files.ca),
-        "--policy", str(policy_file), "--region", "eu", "--host", "127.0.0.1", "--port", str(port),
-        "--tls-cert-file", str(tls_files.cert), "--tls-key-file", str(tls_files.key),
-        "--auth-disabled", "false", "--gateway-tokens", f"edge:{hashlib.sha256(gw.encode()).hexdigest()}",
-        "--log-level", "warning"], tmp_path / "agent", env=env).start()
+    proc = Proc(f"tls-agent-{port}", agent_command(
+        redis_url=f"rediss://agent@127.0.0.1:{tls_redis.port}/0", redis_password_file=pw_file,
+        redis_ca_file=tls_files.ca, policy=policy_file, region="eu", host="127.0.0.1", port=port,
+        tls_cert_file=tls_files.cert, tls_key_file=tls_files.key, auth_disabled=False,
+        gateway_tokens=[f"edge:{hashlib.sha256(gw.encode()).hexdigest()}"], log_level="warning"),
+        tmp_path / "agent", env=env).start()
     try:
         wait_port(port, proc=proc.popen, timeout=30)
         base = f"https://127.0.0.1:{port}"
@@ -180,3 +211,45 @@ def test_agent_over_tls_to_redis_and_https_to_gateways(tls_redis, tls_files, pol
         assert int(tls_redis.cli("DBSIZE")) > 0
     finally:
         proc.stop()
+
+
+def test_leasehold_up_generates_a_pepper_and_creates_the_etcd_roles(tmp_path):
+    """`leasehold up` (the CLI, auth on): the agents get a pepper generated into .run/secrets (not
+    the public development pepper, which stays an explicit opt-in), etcd runs with the publisher,
+    allocator and agent roles, and `leasehold policy publish` publishes with the publisher."""
+    run = tmp_path / "run"
+    base = ["--run-dir", str(run)]
+    assert cli_main([*base, "up", "--regions", "eu", "--allocators", "1"]) == 0
+    try:
+        state = json.loads((run / "topology.json").read_text())
+        secrets_dir = run / "secrets"
+        pepper = (secrets_dir / "pepper").read_bytes().strip()
+        assert len(pepper) >= 32 and oct((secrets_dir / "pepper").stat().st_mode & 0o777) == "0o600"
+        assert pepper not in (AGENT_DEV_PEPPER, DEV_PEPPER.encode())
+        agent = next(s for s in state["services"] if s["kind"] == "agent")
+        cmdline = Path(f"/proc/{agent['pid']}/cmdline").read_bytes().split(b"\0")
+        environ = Path(f"/proc/{agent['pid']}/environ").read_bytes().split(b"\0")
+        assert b"--pepper-file" in cmdline and b"--insecure-dev-pepper" not in cmdline
+        assert not any(e.startswith(b"LEASEHOLD_AGENT_PEPPER=") for e in environ)
+        gw = {"Authorization": "Bearer " + (secrets_dir / "gateway.token").read_text().strip()}
+        d = httpx.post(agent["url"] + "/v1/admit", headers=gw, timeout=10, json=admit_body("up-pepper-0001",
+                                                                                          pid="U-pepper")).json()
+        assert d["allowed"], d
+        redis_svc = next(s for s in state["services"] if s["kind"] == "redis")
+        port = int(redis_svc["url"].rsplit(":", 1)[1].split("/")[0])
+        admin = redis.Redis(host="127.0.0.1", port=port, password=(secrets_dir / "redis-admin.password").read_text())
+        keys = {k.decode() for k in admin.keys("rl:v3:{t:atlas}:u:*")}
+        assert keys == {f"rl:v3:{{t:atlas}}:u:{KeyBuilder(pepper).h('atlas', 'u', 'U-pepper')}:read"}, keys
+        assert KeyBuilder(AGENT_DEV_PEPPER).h("atlas", "u", "U-pepper") not in str(keys)
+        # etcd roles: the allocator's and the agents' credentials cannot publish or write
+        etcd_ep = next(s for s in state["services"] if s["kind"] == "etcd")["url"].removeprefix("http://")
+        newer = tmp_path / "newer.json"
+        b = load_bundle_file(str(DEFAULT_POLICY))
+        newer.write_bytes(encode_bundle(seal(msgspec.structs.replace(b, bundle_version=b.bundle_version + 1))))
+        for user in ("allocator", "agent"):
+            assert cli_main(["policy", "publish", str(newer), "--etcd", etcd_ep, "--etcd-user", user,
+                             "--etcd-password-file", str(secrets_dir / f"etcd-{user}.password")]) != 0
+        assert cli_main([*base, "policy", "publish", str(newer)]) == 0  # the topology's publisher credentials
+        assert cli_main([*base, "policy", "show"]) == 0
+    finally:
+        assert cli_main([*base, "down"]) == 0

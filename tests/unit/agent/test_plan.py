@@ -42,6 +42,18 @@ def test_export_concurrency_gate_first_and_decision_record():
     assert plan.decision_ttl_ms == 30_000
 
 
+def test_a_decision_record_question_names_tenant_principal_route_and_cost():
+    base = build_plan(NORTHSTAR, req(route="export"), KB)
+    assert len(base.question) == 16 and base.question.isalnum()
+    assert build_plan(NORTHSTAR, req(route="export", rid="r-other-000001"), KB).question == base.question
+    others = [req(route="export", tenant="birch"), req(route="export", pid="U-18"), req(route="export", key="K2"),
+              req(route="export", key=None), req(route="export", cost=2), req(route="export", ptype="service")]
+    assert len({build_plan(NORTHSTAR, r, KB).question for r in others} | {base.question}) == len(others) + 1
+    assert KeyBuilder(b"other-pepper").question(tenant="atlas", principal_type="user", principal_id="U-17",
+                                                api_key_id="K1", route_group="export", cost_hint=1) != base.question
+    assert build_plan(NORTHSTAR, req(), KB).question == ""  # no record, no question
+
+
 def test_birch_gets_its_own_tenant_rule_and_other_tenants_none():
     assert [r.id for r in build_plan(NORTHSTAR, req(tenant="birch"), KB).rules] == ["read-user-v3",
                                                                                   "tenant-birch-minute"]

@@ -46,6 +46,20 @@ def test_p_read_timeline():
     assert token_bucket.expiry_ms(P_READ, 5_000) == 15_000
 
 
+
+def test_p_read_admits_its_burst_plus_its_rate():
+    """docs/invariants.md I4: over 10 s a full P-READ bucket admits capacity + rate x T = 20 + 2 x 10
+    = 40 requests (a request every 50 ms from t = 0 to t = 10 s), twice a strict 20-per-10-s window."""
+    state, admitted = None, []
+    for t in range(0, 10_001, 50):
+        d, new = token_bucket.decide(state, P_READ, T0 + t)
+        state = new if new is not None else state
+        if d.allowed:
+            admitted.append(t)
+    assert len(admitted) == 40
+    assert admitted[:20] == [t * 50 for t in range(20)]  # the burst: the first 20 in a row
+    assert len([t for t in admitted if t < 10_000]) == 39 and admitted[-1] == 10_000
+
 def test_weighted_export_retry():
     export = TokenBucketParams(20_000, 2_000, 1_000, 10_000)
     d, new = token_bucket.decide(TokenBucketState(3_000, T0), export, T0)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from redis import exceptions as rex
 
-from kernel.errors import AmbiguousOutcome, ScriptRejected, StoreUnavailable
+from kernel.errors import AmbiguousOutcome, DecisionConflict, ScriptRejected, StoreUnavailable
 from region_agent.store.scripts import (
     KeysNotColocated,
     RuleCall,
@@ -67,10 +67,12 @@ def test_default_scripts_and_shas():
 
 def test_multi_rule_argv_and_parse():
     keys, argv = multi_rule_argv("d", [RuleCall("k1", "tb", (1, 2, 3, 4, 0)), RuleCall("k2", "cc", (3, 9, 0, 0, 0))],
-                                 slack_ms=5, decision_ttl_ms=6, member="m")
-    assert keys == ["d", "k1", "k2"] and argv == [5, 6, "m", "tb", 1, 2, 3, 4, 0, "cc", 3, 9, 0, 0, 0]
+                                 slack_ms=5, decision_ttl_ms=6, member="m", question="q1")
+    assert keys == ["d", "k1", "k2"] and argv == [5, 6, "m", "tb", 1, 2, 3, 4, 0, "cc", 3, 9, 0, 0, 0, "q1"]
     r = parse_multi_rule([0, 1, 500, 0, 639000])
     assert (r.allowed, r.denied_by, r.retry_after_ms, r.remaining) == (False, 1, 500, (0, 639000))
+    with pytest.raises(DecisionConflict):  # the record belongs to another question
+        parse_multi_rule([-1, 0, 0, 0, 0])
     with pytest.raises(ScriptRejected):
         parse_multi_rule([1, 0])
     with pytest.raises(ScriptRejected):

@@ -121,8 +121,61 @@ def test_fair_share_weighted_by_demand() -> None:
     s.remaining = 100
     s.granted = {"x": 200}
     s.active = {"us": policy.RegionActivity(last_ms=now, demand=10)}
+    s.spent = {"eu": 15}  # eu demonstrably spent 15 tokens in the window's first second: 30/s is credible
     d = policy.decide_grant(pool, s, region="eu", want=100, demand=30, now_ms=now)
     assert d.granted == 75  # 100 x 30 / (30 + 10)
+    check_invariant(s)
+
+
+def test_a_demand_claim_counts_only_as_far_as_reported_spending_supports_it() -> None:
+    pool = mkpool(limit=300, chunk_max=100, chunk_min=1)  # floor: 100 tokens per 15 s = 7 tokens/s
+    assert policy.demand_floor(pool) == 7
+    s = policy.new_window(pool, 1000)
+    now = T0 + 10_000
+    s.remaining, s.granted = 100, {"eu": 100, "us": 100}
+    s.active = {"eu": policy.RegionActivity(last_ms=now, demand=5)}
+    # no history: a claim of a billion tokens/s counts as the floor, and takes 7/12 of the tail, not all
+    d = policy.decide_grant(pool, s, region="us", want=100, demand=10**9, now_ms=now)
+    assert d.granted == 100 * 7 // (7 + 5) and s.active["us"].demand == 7
+    check_invariant(s)
+    # spending shown by usage reports (this window and the one before) makes a claim credible, up to 2x
+    prev = policy.new_window(pool, 999)
+    prev.spent = {"us": 600}  # 600 tokens over the 70 s since window 999 started: 9 tokens/s
+    assert policy.spend_rate(s, prev, pool, "us", now) == 9
+    assert policy.credible_demand(pool, s, prev, region="us", demand=10**9, now_ms=now) == 18
+    assert policy.credible_demand(pool, s, prev, region="us", demand=12, now_ms=now) == 12  # within: as claimed
+    assert policy.credible_demand(pool, s, None, region="us", demand=0, now_ms=now) == 0  # no signal stays 0
+    s2 = s.copy()
+    s2.active["us"] = policy.RegionActivity(last_ms=now, demand=0)
+    d = policy.decide_grant(pool, s2, region="us", want=100, demand=10**9, now_ms=now, previous=prev)
+    assert d.granted == (100 - 58) * 18 // (18 + 5)
+    check_invariant(s2)
+
+
+@settings(max_examples=150, deadline=None)
+@given(remaining=st.integers(1, 300), others=st.lists(st.integers(0, 50), max_size=3),
+       spent=st.integers(0, 5_000), claim=st.integers(1, 10**12))
+def test_claims_beyond_the_evidence_change_nothing(remaining: int, others: list[int], spent: int, claim: int) -> None:
+    """Whatever a region claims above its credible demand, it is granted exactly what claiming
+    the credible demand gets: inflation buys nothing."""
+    pool = mkpool(limit=1_000, chunk_max=100, chunk_min=1)
+    now = T0 + 30_000
+
+    def state() -> policy.WindowState:
+        s = policy.new_window(pool, 1000)
+        s.remaining, s.granted = remaining, {"x": 1_000 - remaining}
+        s.spent = {"us": spent}
+        s.active = {f"r{i}": policy.RegionActivity(last_ms=now, demand=d) for i, d in enumerate(others)}
+        return s
+
+    cap = policy.credible_demand(pool, state(), None, region="us", demand=claim, now_ms=now)
+    assert cap <= claim and cap <= max(policy.demand_floor(pool), 2 * policy.spend_rate(state(), None, pool, "us", now))
+    a, b = state(), state()
+    inflated = policy.decide_grant(pool, a, region="us", want=100, demand=claim, now_ms=now)
+    honest = policy.decide_grant(pool, b, region="us", want=100, demand=cap, now_ms=now)
+    assert inflated.granted == honest.granted and a.remaining == b.remaining
+    check_invariant(a)
+    check_invariant(b)
 
 
 def test_inactive_regions_do_not_hold_shares() -> None:
@@ -162,6 +215,10 @@ def test_reclaim_rules() -> None:
     with pytest.raises(Conflict, match="not yet expired"):
         policy.decide_reclaim(granted=10, spent=1, expires_at_ms=T0 + 5, window_end_ms=T0 + W, now_ms=T0)
     d = policy.decide_reclaim(granted=10, spent=3, expires_at_ms=T0, window_end_ms=T0 + W, now_ms=T0)
+    assert (d.returned, d.stranded, d.window_open) == (7, 0, True)
+    # a lease the region closed before expiry (an agent shutting down): returned at once
+    d = policy.decide_reclaim(granted=10, spent=3, expires_at_ms=T0 + 5, window_end_ms=T0 + W, now_ms=T0,
+                              closed_early=True)
     assert (d.returned, d.stranded, d.window_open) == (7, 0, True)
     d = policy.decide_reclaim(granted=10, spent=3, expires_at_ms=T0, window_end_ms=T0 + W, now_ms=T0 + W)
     assert (d.returned, d.stranded, d.window_open) == (0, 7, False)
@@ -203,7 +260,7 @@ def test_random_sequences_never_overgrant(limit: int, chunk_max: int, steps: lis
             admitted += spent
             r = policy.decide_reclaim(granted=lease[1], spent=spent, expires_at_ms=lease[2],
                                       window_end_ms=T0 + W, now_ms=now)
-            policy.apply_reclaim(s, lease[0], r.returned, lease[1])
+            policy.apply_reclaim(s, lease[0], r.returned, lease[1], spent)
             check_invariant(s)
         assert sum(policy.unreported_tokens(s).values()) == sum(x[1] for x in leases)
         # overshoot: admitted (reported) + what is still leased out never exceeds G

@@ -9,7 +9,7 @@ import pytest
 
 from chaos.checker import INVARIANTS, check
 from chaos.history import (
-    Decision,
+    DecisionRec,
     EtcdGrant,
     EtcdWindow,
     Fault,
@@ -45,8 +45,8 @@ def etcd(g: Grant, rev: int, **changes) -> EtcdGrant:
 
 def spend(region: str, at: int, lease: str | None, tokens: int = 1, *, fallback: bool = False,
           local: bool = False, allowed: bool = True, index: int = K, agent: int = 1, sent: int | None = None
-          ) -> Decision:
-    return Decision(agent=f"agent-{region}-{agent}", region=region, tenant="atlas", allowed=allowed,
+          ) -> DecisionRec:
+    return DecisionRec(agent=f"agent-{region}-{agent}", region=region, tenant="atlas", allowed=allowed,
                     recorded_at_ms=at, sent_at_ms=sent,
                     spends=[PoolSpend(pool="p-global", tokens=tokens, lease_id=lease, window_index=index)],
                     fallback=fallback, local=local, reason=None if allowed else "pool_exhausted")
@@ -211,7 +211,7 @@ def test_overshoot_beyond_bound_is_reported():
 
 def test_fallback_without_a_fault_that_allows_it_is_reported_even_within_g():
     # demand below G: the total fits, but us had no reason to spend a fallback allowance (slow is not down)
-    recs = [r for r in clean() if not (isinstance(r, Decision) and r.region == "us")]
+    recs = [r for r in clean() if not (isinstance(r, DecisionRec) and r.region == "us")]
     recs.append(spend("us", 30_700, None, 3, fallback=True))
     report = failing(recs, "admitted_within_bound")
     assert report.worst["p-global"].excess < 0
@@ -220,7 +220,7 @@ def test_fallback_without_a_fault_that_allows_it_is_reported_even_within_g():
 
 def test_regional_fallback_is_shared_by_the_agents_of_a_region():
     # both eu agents admit F each from fallback in one window: the region's allowance is F, not 2F
-    base = [r for r in clean() if not (isinstance(r, Decision) and r.fallback)]
+    base = [r for r in clean() if not (isinstance(r, DecisionRec) and r.fallback)]
     ok = base + [spend("eu", 34_000, None, 5, fallback=True, agent=1), spend("eu", 34_100, None, 5, fallback=True, agent=2)]
     assert check(ok, [POOL]).ok
     over = base + [spend("eu", 34_000, None, 10, fallback=True, agent=1),
@@ -230,7 +230,7 @@ def test_regional_fallback_is_shared_by_the_agents_of_a_region():
 
 
 def test_redis_loss_adds_f_per_agent_process_and_a_restart_counts_again():
-    base = [r for r in clean() if not (isinstance(r, Decision) and r.fallback)]
+    base = [r for r in clean() if not (isinstance(r, DecisionRec) and r.fallback)]
     # both us agents cut off from Redis (no grace): 2 x 10 in-process + no regional fallback for us
     fault = redis_down("us", 31_000, 33_000)
     ok = base + [fault, spend("us", 32_000, None, 10, local=True, agent=1),
@@ -261,7 +261,7 @@ def test_local_admissions_policy_change_and_unattributable_lease_free_spends():
     failing(clean() + more + [later], "admitted_within_bound")
 
 
-def _at_boundary(n: int, *, region: str = "us") -> list[Decision]:
+def _at_boundary(n: int, *, region: str = "us") -> list[DecisionRec]:
     """n requests sent just before the K/K+1 boundary and answered just after it."""
     return [spend(region, (K + 1) * W + 5, None, 1, sent=(K + 1) * W - 5) for _ in range(n)]
 

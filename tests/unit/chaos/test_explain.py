@@ -7,13 +7,13 @@ from pathlib import Path
 
 from chaos.__main__ import main
 from chaos.explain import unexplained
-from chaos.history import Counters, Decision, Fault, HistoryWriter, Meta, PoolSpend
+from chaos.history import Counters, DecisionRec, Fault, HistoryWriter, Meta, PoolSpend
 
 AMB = 'leasehold_agent_degraded_decisions_total{fail_mode="local_bounded",reason="AMBIGUOUS"}'
 
 
-def fb(at: int, region: str = "eu") -> Decision:
-    return Decision(agent=f"agent-{region}-1", region=region, tenant="atlas", allowed=True, recorded_at_ms=at,
+def fb(at: int, region: str = "eu") -> DecisionRec:
+    return DecisionRec(agent=f"agent-{region}-1", region=region, tenant="atlas", allowed=True, recorded_at_ms=at,
                     sent_at_ms=at - 300, fallback=True, spends=[PoolSpend(pool="atlas-w")], policy_id="user-all",
                     limit=50, route_group="read")
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chaos import invariants as inv
-from chaos.invariants import DecisionRecord, GrantRecord, PoolPolicy, SpendRecord
+from chaos.invariants import GrantSighting, PoolAdmission, PoolPolicy, SpendRecord
 from kernel.bound import Faults, Topology
 
 W = 1_000
@@ -23,22 +23,22 @@ requests = st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["eu", "us", "a
                     min_size=1, max_size=40)
 
 
-def allocate(reqs: list[tuple[int, str, int]]) -> list[GrantRecord]:
+def allocate(reqs: list[tuple[int, str, int]]) -> list[GrantSighting]:
     """A correct allocator: give min(want, remaining) per window."""
     remaining: dict[int, int] = {}
     out = []
     for n, (k, region, want) in enumerate(reqs):
         give = min(want, remaining.setdefault(k, G))
         remaining[k] -= give
-        out.append(GrantRecord(lease_id=f"lease-{n:04d}", pool="p", region=region, granted=give, window_index=k,
+        out.append(GrantSighting(lease_id=f"lease-{n:04d}", pool="p", region=region, granted=give, window_index=k,
                                epoch=1, ttl_ms=500, sent_at_ms=k * W, window_end_ms=(k + 1) * W,
                                commit_revision=2 + n))
     return out
 
 
-def spend_all(grants: list[GrantRecord]) -> tuple[list[SpendRecord], list[DecisionRecord]]:
+def spend_all(grants: list[GrantSighting]) -> tuple[list[SpendRecord], list[PoolAdmission]]:
     spends = [SpendRecord(g.lease_id, g.granted, at_ms=g.window_index * W + 100) for g in grants if g.granted]
-    decisions = [DecisionRecord(pool="p", window_index=g.window_index, region=g.region, allowed=True,
+    decisions = [PoolAdmission(pool="p", window_index=g.window_index, region=g.region, allowed=True,
                                 tokens=g.granted, lease_id=g.lease_id) for g in grants if g.granted]
     return spends, decisions
 
@@ -75,8 +75,8 @@ def test_one_extra_token_is_always_caught(reqs, data):
     full = [w for w in inv.admitted_within_bound(decisions, POOLS).windows if w.admitted == G]
     if full:
         k = full[0].window_index
-        extra = [DecisionRecord(pool="p", window_index=k, region="eu", allowed=True, tokens=5, fallback=True),
-                 DecisionRecord(pool="p", window_index=k, region="us", allowed=True, tokens=1)]
+        extra = [PoolAdmission(pool="p", window_index=k, region="eu", allowed=True, tokens=5, fallback=True),
+                 PoolAdmission(pool="p", window_index=k, region="us", allowed=True, tokens=1)]
         check = inv.admitted_within_bound(decisions + extra, POOLS, EU_CUT, TOPO)
         assert [(v.window_index, v.observed, v.bound) for v in check.violations] == [(k, G + 6, G + 5)]
         assert check.worst is not None and check.worst.excess == 1
@@ -97,13 +97,13 @@ def test_attribution_finds_a_fitting_assignment_when_one_exists_and_fails_when_n
         if per.get(true, 0) >= G:
             continue
         per[true] = per.get(true, 0) + 1
-        decisions.append(DecisionRecord(pool="p", window_index=max(0, true - before), region="eu", allowed=True,
+        decisions.append(PoolAdmission(pool="p", window_index=max(0, true - before), region="eu", allowed=True,
                                         last_window=true + after if (before or after) else None))
     assert inv.admitted_within_bound(decisions, POOLS, None, TOPO).violations == []
     # fill every window 0..6 to G with certain admissions, then one more token that may land anywhere in 0..6
-    full = [DecisionRecord(pool="p", window_index=k, region="eu", allowed=True, tokens=G) for k in range(7)]
-    loose = DecisionRecord(pool="p", window_index=0, region="eu", allowed=True, last_window=6)
+    full = [PoolAdmission(pool="p", window_index=k, region="eu", allowed=True, tokens=G) for k in range(7)]
+    loose = PoolAdmission(pool="p", window_index=0, region="eu", allowed=True, last_window=6)
     assert inv.admitted_within_bound(full, POOLS, None, TOPO).violations == []
     assert inv.admitted_within_bound(full + [loose], POOLS, None, TOPO).violations
-    shifted = DecisionRecord(pool="p", window_index=k_over, region="eu", allowed=True, last_window=k_over + 1)
+    shifted = PoolAdmission(pool="p", window_index=k_over, region="eu", allowed=True, last_window=k_over + 1)
     assert inv.admitted_within_bound(full + [shifted], POOLS, None, TOPO).violations

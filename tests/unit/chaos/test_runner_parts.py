@@ -7,7 +7,7 @@ import pytest
 
 from chaos import bundles
 from chaos.checker import check, faults_by_window
-from chaos.history import Decision, Fault, Policy, PoolSpend, TopologyRec
+from chaos.history import DecisionRec, Fault, Policy, PoolSpend, TopologyRec
 from chaos.invariants import PoolPolicy, WindowBound
 from chaos.report import fault_spans, pool_series
 from chaos.scenarios import PROFILES, SCENARIOS, resolve
@@ -42,8 +42,8 @@ def test_chaos_bundle_pools_and_tightened_version() -> None:
     assert again.bundle_version == 9 and again.pools == b.pools and again.checksum == b.checksum
 
 
-def _decision(at: int, index: int, tokens: int) -> Decision:
-    return Decision(agent="a", region="eu", tenant="atlas", allowed=True, recorded_at_ms=at,
+def _decision(at: int, index: int, tokens: int) -> DecisionRec:
+    return DecisionRec(agent="a", region="eu", tenant="atlas", allowed=True, recorded_at_ms=at,
                     spends=[PoolSpend(pool="atlas-w", tokens=tokens, window_index=index)])
 
 

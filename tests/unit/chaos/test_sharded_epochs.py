@@ -6,7 +6,7 @@ from __future__ import annotations
 from chaos import invariants as inv
 from chaos.checker import check
 from chaos.history import Leader, Meta
-from chaos.invariants import GrantRecord
+from chaos.invariants import GrantSighting
 from kernel.shards import shard_of
 
 SHARDS = 8
@@ -19,8 +19,8 @@ def _shard(pool: str) -> int:
 
 
 def g(lease: str, pool: str, epoch: int, rev: int | None = None, received: int | None = None,
-      region: str = "eu") -> GrantRecord:
-    return GrantRecord(lease_id=lease, pool=pool, region=region, granted=5, window_index=1, epoch=epoch,
+      region: str = "eu") -> GrantSighting:
+    return GrantSighting(lease_id=lease, pool=pool, region=region, granted=5, window_index=1, epoch=epoch,
                        commit_revision=rev, received_at_ms=received)
 
 

@@ -89,7 +89,17 @@ def test_too_many_rules_for_one_request():
 def test_catch_all_exemption_is_rejected_and_owned_exemption_accepted():
     assert any("catch-all" in p for p in problems(sealed([tb("x", exempt=True, owner="ops")])))
     assert any("owner" in p for p in problems(sealed([tb("x", exempt=True, tenant="atlas")])))
-    decode_bundle(sealed([tb("x", exempt=True, tenant="atlas", owner="ops")]))
+    decode_bundle(sealed([tb("x", exempt=True, tenant="atlas", owner="ops", fail_mode="closed")]))
+
+
+def test_an_exempt_rule_never_fails_open_is_never_shadow_and_names_a_plain_owner():
+    """I14: a bypass that fails open is unmetered while the store is down; a shadow exempt rule
+    would replace the tenant's rules by nothing enforced; the owner goes into audit events."""
+    assert any("cannot fail open" in p for p in problems(sealed([tb("x", exempt=True, tenant="atlas", owner="ops")])))
+    assert any("shadow" in p for p in problems(sealed([tb("x", exempt=True, tenant="atlas", owner="ops",
+                                                          fail_mode="closed", shadow=True)])))
+    assert any("owner must match" in p for p in problems(sealed([tb("x", exempt=True, tenant="atlas",
+                                                                     owner="ops team\n", fail_mode="closed")])))
 
 
 def test_bad_checksum():

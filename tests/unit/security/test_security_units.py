@@ -41,14 +41,24 @@ def test_token_table_matches_only_the_hashed_token():
                                     f"Bearer {TOKEN} extra", "Bearer " + "x" * 600, "Bearer \u00e9\u00e9"])
 def test_malformed_authorization_headers_are_401(header):
     t = TokenTable.parse([f"eu:{hash_token(TOKEN)}"])
-    headers = {} if header is None else {"authorization": header}
+    headers = [] if header is None else [(b"authorization", header.encode("latin-1"))]
     with pytest.raises(Unauthorized) as e:
         authenticate(t, headers)
     assert e.value.detail == "missing or invalid bearer token"
 
 
+def test_more_than_one_authorization_header_is_401():
+    t = TokenTable.parse([f"eu:{hash_token(TOKEN)}"])
+    good = (b"authorization", f"Bearer {TOKEN}".encode())
+    assert authenticate(t, [(b"host", b"x"), good]) == "eu"
+    for headers in ([good, good], [good, (b"authorization", b"Bearer other")], [(b"Authorization", b"x"), good]):
+        with pytest.raises(Unauthorized) as e:
+            authenticate(t, headers)
+        assert e.value.detail == "missing or invalid bearer token"
+
+
 def test_bearer_and_region_scope():
-    assert bearer({"authorization": f"Bearer {TOKEN}"}) == TOKEN
+    assert bearer([(b"authorization", f"Bearer {TOKEN}".encode())]) == TOKEN
     require_region({}, "eu")  # auth disabled: nothing recorded, nothing refused
     require_region({"leasehold.principal": "eu"}, "eu")
     with pytest.raises(Forbidden):

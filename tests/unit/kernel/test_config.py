@@ -1,18 +1,11 @@
+"""kernel.config: flags over env over defaults, and errors that name the setting."""
+
 from typing import Annotated, Literal
 
 import msgspec
 import pytest
 
 from kernel.config import ConfigError, load_settings
-from kernel.errors import (
-    AmbiguousOutcome,
-    NotLeader,
-    PolicyError,
-    StoreUnavailable,
-    ValidationFailed,
-    is_retriable,
-    to_problem,
-)
 
 
 class Demo(msgspec.Struct, forbid_unknown_fields=True):
@@ -42,14 +35,3 @@ def test_invalid_values_name_the_setting_and_the_valid_values():
     with pytest.raises(ConfigError) as e:
         load_settings(Demo, "X_", ["--port", "eighty"], env={})
     assert "--port" in str(e.value)
-
-
-def test_problem_mapping_and_retriable_flags():
-    status, body = to_problem(ValidationFailed("bad tenant", errors=["tenantId"]), instance="/v1/admit")
-    assert status == 422 and body["status"] == 422 and body["errors"] == ["tenantId"]
-    assert body["type"].endswith("/validation-failed") and body["instance"] == "/v1/admit"
-    assert body["retriable"] is False
-    status, body = to_problem(NotLeader("follower", extra={"leader": "http://x"}))
-    assert status == 503 and body["leader"] == "http://x" and body["retriable"] is True
-    assert is_retriable(StoreUnavailable()) and is_retriable(AmbiguousOutcome())
-    assert not is_retriable(PolicyError()) and not is_retriable(ValueError())

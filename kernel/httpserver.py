@@ -1,0 +1,274 @@
+"""How both services are served: uvicorn with httptools, plus the limits a public-facing HTTP
+server needs and uvicorn does not enforce.
+
+uvicorn's httptools protocol keeps appending to a request's head for as long as the client sends
+it (one 256 MiB header grew an agent by 265 MiB and stalled ``/healthz`` for seconds), counts no
+headers and has no deadline for a head or a body, so a client that trickles bytes holds its
+connection forever. :class:`BoundedHttpToolsProtocol` is uvicorn's protocol with, per request:
+
+* **head size** — request line and headers together at most ``max_header_bytes``; a longer head
+  is answered ``431`` and the connection closed. While a head is still arriving it is counted
+  per read, so what the server buffers for one connection is bounded by the limit plus one read
+  (uvloop reads at most 256 KB); a complete head is measured exactly (URL plus every name and
+  value, 4 bytes of separators each);
+* **header count** — more than ``max_headers`` fields: ``431``;
+* **head deadline** — the head must be complete ``header_timeout_s`` after the connection opened
+  or the request's first byte arrived, else ``408`` and close (a connection that sent nothing is
+  closed silently); idle keep-alive connections are closed by uvicorn after its keep-alive
+  timeout;
+* **body deadline** — a request's body must be complete ``body_timeout_s`` after its head, else
+  ``408`` (or a plain close once the answer has started) and the connection is closed.
+
+The answers are ``application/problem+json`` written by the protocol itself: the application
+never sees such a request. Everything else is uvicorn's code; the hot path adds a few counter
+updates and one timer per request (``make bench`` figure 2 measures it, see the README).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httptools
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger("leasehold.http")
+
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_CODES = {400: "bad-request", 408: "request-timeout", 431: "header-fields-too-large"}
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    max_header_bytes: int = 16 * 1024  # request line + headers
+    max_headers: int = 100  # header fields per request
+    header_timeout_s: float = 10.0  # connection open / first byte of a request -> head complete
+    body_timeout_s: float = 10.0  # head complete -> body complete
+
+
+class _Refuse(Exception):
+    def __init__(self, status: int, detail: str):
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+def _problem(status: int, detail: str) -> bytes:
+    body = json.dumps({"type": "https://leasehold.dev/problems/" + _CODES[status], "title": _REASONS[status].decode(),
+                       "status": status, "detail": detail, "retriable": False}).encode()
+    return b"".join([b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
+                     b"content-type: application/problem+json\r\n",
+                     b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body), body])
+
+
+class LimitedConfig(uvicorn.Config):
+    """uvicorn's Config carrying :class:`HttpLimits` (pickled to worker processes with it)."""
+
+    def __init__(self, *args: Any, limits: HttpLimits | None = None, **kw: Any):
+        super().__init__(*args, **kw)
+        self.leasehold_limits = limits or HttpLimits()
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with head size/count limits and head/body deadlines.
+
+    One lazily re-armed timer per connection serves both deadlines: the hot path only moves
+    ``_deadline`` (a request that arrives in one read costs no timer operation at all once the
+    connection's timer is armed); the timer re-arms itself while the deadline lies ahead."""
+
+    def __init__(self, config: uvicorn.Config, server_state: Any, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        lim: HttpLimits = getattr(config, "leasehold_limits", None) or HttpLimits()
+        self._max_head = lim.max_header_bytes
+        self._max_count = lim.max_headers
+        self._head_timeout = lim.header_timeout_s
+        self._body_timeout = lim.body_timeout_s
+        self._phase = _HEAD  # waiting for (the rest of) a head, for a body, or idle between requests
+        self._deadline = 0.0  # loop time at which the current phase times out
+        self._timer: asyncio.TimerHandle | None = None
+        self._began = False  # the current head's first byte arrived
+        self._head_read = 0  # bytes of earlier reads of the pending head (bounds buffering)
+        self._read_len = 0  # bytes of the read being parsed
+        self._count_read = True  # False for the read a pipelined head began in (offset unknown)
+        self._inexact = False  # a read of this head was not counted: measure the complete head exactly
+        self._completed_in_read = False
+        self._refused = False
+
+    # ------------------------------------------------------------------ connection
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._deadline = self.loop.time() + self._head_timeout
+        self._timer = self.loop.call_at(self._deadline, self._on_deadline)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        self._unset_keepalive_if_required()
+        self._completed_in_read = False
+        self._read_len = len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError as e:
+            if isinstance(e.__context__, _Refuse):
+                self._refuse(e.__context__.status, e.__context__.detail)
+            else:
+                self._refuse(400, "invalid HTTP request")
+            return
+        if self._began and self._phase == _HEAD:  # a head is still arriving
+            if self._count_read:
+                self._head_read += len(data)
+                if self._head_read > self._max_head:
+                    self._refuse(431, f"request head larger than {self._max_head} bytes")
+            else:
+                self._count_read = True
+                self._inexact = True
+
+    # ------------------------------------------------------------------ parser callbacks
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._phase != _HEAD:  # not the connection's first request: its own head deadline
+            self._phase = _HEAD
+            self._deadline = self.loop.time() + self._head_timeout
+            if self._timer is None:
+                self._timer = self.loop.call_at(self._deadline, self._on_deadline)
+        self._began = True
+        self._head_read = 0
+        self._inexact = False
+        # a head that begins after another request ended in the same read starts at an unknown
+        # offset of it: that read is not counted (the complete head is measured exactly below)
+        self._count_read = not self._completed_in_read
+
+    def on_headers_complete(self) -> None:
+        if len(self.headers) > self._max_count:
+            raise _Refuse(431, f"more than {self._max_count} header fields")
+        if self._inexact or self._head_read + self._read_len > self._max_head:  # exact size only when it may matter
+            size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+            if size > self._max_head:
+                raise _Refuse(431, f"request head larger than {self._max_head} bytes")
+        self._phase = _BODY
+        self._began = False
+        self._deadline = self.loop.time() + self._body_timeout
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._completed_in_read = True
+        self._phase = _IDLE
+        super().on_message_complete()
+
+    # ------------------------------------------------------------------ deadlines and refusals
+    def _on_deadline(self) -> None:
+        self._timer = None
+        if self.transport.is_closing() or self._phase == _IDLE:
+            return  # between requests: uvicorn's keep-alive timeout closes an idle connection
+        if self.loop.time() < self._deadline or (self._phase == _BODY and self.pipeline):
+            # not yet (the deadline moved), or a pipelined request whose body cannot arrive before
+            # the one ahead of it is answered (reading is paused meanwhile)
+            self._timer = self.loop.call_at(max(self._deadline, self.loop.time() + 0.05), self._on_deadline)
+            return
+        if self._phase == _HEAD:
+            if self._began:
+                self._refuse(408, f"request head not complete within {self._head_timeout:g} s")
+            else:  # opened and sent nothing
+                self._refused = True
+                self.transport.close()
+            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started:
+            self._refuse(408, f"request body not complete within {self._body_timeout:g} s")
+        else:
+            self._refused = True
+            self.transport.close()
+
+    def _refuse(self, status: int, detail: str) -> None:
+        """Answer ``status`` (problem+json) unless an answer already started, and close."""
+        if self._refused:
+            return
+        self._refused = True
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            started = cycle.response_started
+            cycle.disconnected = True  # the application's receive() sees a disconnect, send() is dropped
+            cycle.message_event.set()
+            if started:
+                self.transport.close()
+                return
+        log.debug("refused %s from %s: %s", status, self.client, detail)
+        if not self.transport.is_closing():
+            self.transport.write(_problem(status, detail))
+            self.transport.close()
+
+
+_HEAD, _BODY, _IDLE = 0, 1, 2
+
+
+def serve(app: Any, *, host: str, port: int, limits: HttpLimits, log_level: str, access_log: bool = False,
+          workers: int = 1, factory: bool = False, ssl_certfile: str | None = None,
+          ssl_keyfile: str | None = None) -> None:
+    """Run ``app`` (an ASGI app, or an import string with ``factory``) on uvicorn with uvloop and
+    :class:`BoundedHttpToolsProtocol`; ``workers > 1`` needs an import string."""
+    config = LimitedConfig(app, host=host, port=port, loop="uvloop", http=BoundedHttpToolsProtocol,
+                           log_level=log_level, access_log=access_log, lifespan="on", factory=factory,
+                           workers=workers if workers > 1 else None, ssl_certfile=ssl_certfile,
+                           ssl_keyfile=ssl_keyfile, limits=limits)
+    if workers > 1:
+        from uvicorn.supervisors import Multiprocess
+
+        sock: socket.socket = config.bind_socket()
+        Multiprocess(config, sockets=[sock]).run()
+    else:
+        uvicorn.Server(config).run()
+
+
+def quiet_request_logs(level: str) -> None:
+    """Per-request log lines of the HTTP clients (httpx logs every call at INFO: every lease
+    request and usage report of an agent) only at debug; state changes stay at INFO."""
+    if level.lower() != "debug":
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def on_termination(callback: Callable[[], None]) -> Callable[[], None]:
+    """Call ``callback`` first when SIGTERM or SIGINT arrives, then the handler installed before
+    (uvicorn's, which starts its graceful shutdown). Main thread only; returns an undo function."""
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(sig: int, frame: Any) -> None:
+        try:
+            callback()
+        finally:
+            prev = previous[sig]
+            if callable(prev):
+                prev(sig, frame)
+            else:  # no Python handler before: restore the disposition and deliver the signal again
+                signal.signal(sig, prev)
+                signal.raise_signal(sig)
+
+    for sig in previous:
+        signal.signal(sig, handler)
+
+    def undo() -> None:
+        for sig, prev in previous.items():
+            if signal.getsignal(sig) is handler:
+                signal.signal(sig, prev)
+
+    return undo

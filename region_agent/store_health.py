@@ -1,0 +1,141 @@
+"""Store health (seed ch. 15, "can the store keep enforcement correct?"): a low-frequency INFO
+poll of every shard, exported per shard.
+
+One ``INFO memory stats clients replication keyspace commandstats`` per shard per ``--store-health-ms`` (5 s by default; 0 disables), each
+bounded by a timeout (1 s); a failed poll leaves the last snapshot in place and its age grows
+(``leasehold_agent_redis_info_age_seconds``). A shard is ``default`` for a standalone Redis and
+the primary's ``host:port`` for Redis Cluster (at most the cluster's primaries: the snapshot is
+replaced wholesale on every poll, so a failed-over node's series disappear).
+
+Exported (label ``shard`` only): memory used vs ``maxmemory``, evicted and expired keys (Redis'
+own counters, so they reset when Redis restarts, which Prometheus' ``rate`` handles), key count,
+connected clients, connected replicas, replica lag (seconds since the slowest replica's last
+ack, and bytes behind the primary's replication offset), and the server-side script time
+(``EVALSHA``/``EVAL`` calls and microseconds from ``INFO commandstats``: the mean script duration
+is ``rate(seconds) / rate(calls)``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger("region_agent.store_health")
+
+SHARD_DEFAULT = "default"
+POLL_TIMEOUT_S = 1.0  # one round of INFO (the client's socket timeout usually ends it first)
+SCRIPT_COMMANDS = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_evalsha_ro", "cmdstat_eval_ro")
+
+# (metric name, type, help, snapshot field); every family has the one label ``shard``
+FAMILIES: tuple[tuple[str, str, str, str], ...] = (
+    ("leasehold_agent_redis_memory_used_bytes", "gauge", "Store memory in use (INFO used_memory)", "used_memory"),
+    ("leasehold_agent_redis_memory_max_bytes", "gauge", "Store memory limit (INFO maxmemory; 0 = no limit)",
+     "maxmemory"),
+    ("leasehold_agent_redis_evicted_keys", "counter", "Keys the store evicted (any eviction silently resets "
+     "enforcement)", "evicted_keys"),
+    ("leasehold_agent_redis_expired_keys", "counter", "Keys the store expired (INFO expired_keys)", "expired_keys"),
+    ("leasehold_agent_redis_keys", "gauge", "Keys in the store (the active-key count, INFO keyspace)", "keys"),
+    ("leasehold_agent_redis_connected_clients", "gauge", "Client connections to the store", "connected_clients"),
+    ("leasehold_agent_redis_replicas", "gauge", "Replicas connected to the shard's primary", "replicas"),
+    ("leasehold_agent_redis_replica_lag_seconds", "gauge", "Seconds since the slowest replica's last "
+     "acknowledgement (0 without replicas)", "replica_lag_seconds"),
+    ("leasehold_agent_redis_replica_lag_bytes", "gauge", "Bytes the slowest replica is behind the primary's "
+     "replication offset (0 without replicas)", "replica_lag_bytes"),
+    ("leasehold_agent_redis_script_calls", "counter", "Script executions on the store (EVALSHA and EVAL, INFO "
+     "commandstats)", "script_calls"),
+    ("leasehold_agent_redis_script_seconds", "counter", "Server-side time spent in scripts (INFO commandstats "
+     "usec); mean script duration = rate(seconds) / rate(calls)", "script_seconds"),
+    ("leasehold_agent_redis_info_age_seconds", "gauge", "Seconds since the shard's INFO was last read "
+     "successfully", "age"),
+)
+
+
+def parse_info(info: dict[str, Any]) -> dict[str, float]:
+    """The fields above from one node's parsed ``INFO`` (redis-py's dict)."""
+
+    def num(key: str) -> float:
+        try:
+            return float(info.get(key, 0) or 0)
+        except (TypeError, ValueError):
+            return 0.0
+
+    out = {k: num(k) for k in ("used_memory", "maxmemory", "evicted_keys", "expired_keys", "connected_clients")}
+    out["keys"] = float(sum(int(v.get("keys", 0)) for k, v in info.items()
+                            if str(k).startswith("db") and isinstance(v, dict)))
+    replicas = [v for k, v in info.items() if str(k).startswith("slave") and str(k)[5:].isdigit()
+                and isinstance(v, dict)]
+    out["replicas"] = float(len(replicas))
+    master_offset = num("master_repl_offset")
+    out["replica_lag_seconds"] = float(max((int(r.get("lag", 0)) for r in replicas), default=0))
+    out["replica_lag_bytes"] = float(max((master_offset - int(r.get("offset", 0)) for r in replicas), default=0))
+    calls = usec = 0
+    for cmd in SCRIPT_COMMANDS:
+        stat = info.get(cmd)
+        if isinstance(stat, dict):
+            calls += int(stat.get("calls", 0))
+            usec += int(stat.get("usec", 0))
+    out["script_calls"] = float(calls)
+    out["script_seconds"] = usec / 1e6
+    return out
+
+
+class StoreHealth:
+    """The last INFO snapshot per shard, exported as a Prometheus collector."""
+
+    LABELS = ("shard",)
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.snapshots: dict[str, dict[str, float]] = {}
+        self._read_at: dict[str, float] = {}
+        self.polls_failed = 0
+
+    def replace(self, by_shard: dict[str, dict[str, Any]]) -> None:
+        """A successful poll: the shards it saw, parsed (shards not seen are dropped)."""
+        now = self.clock()
+        self.snapshots = {shard: parse_info(info) for shard, info in by_shard.items()}
+        self._read_at = {shard: now for shard in by_shard}
+
+    def describe(self):
+        return [self._family(name, kind, help_) for name, kind, help_, _ in FAMILIES]
+
+    @staticmethod
+    def _family(name: str, kind: str, help_: str):
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        return cls(name, help_, labels=list(StoreHealth.LABELS))
+
+    def collect(self):
+        now = self.clock()
+        for name, kind, help_, field in FAMILIES:
+            fam = self._family(name, kind, help_)
+            for shard, snap in self.snapshots.items():
+                value = now - self._read_at[shard] if field == "age" else snap[field]
+                fam.add_metric([shard], value)
+            yield fam
+
+
+async def poll_once(store: Any, health: StoreHealth, timeout_s: float) -> bool:
+    """One INFO round over the store's shards; False (snapshot kept) when it failed."""
+    try:
+        by_shard = await asyncio.wait_for(store.info_by_shard(), timeout_s)
+    except Exception as e:  # unreachable, ACL-denied or slow: keep the last snapshot, its age grows
+        health.polls_failed += 1
+        log.debug("store INFO poll failed: %s", type(e).__name__)
+        return False
+    health.replace(by_shard)
+    return True
+
+
+async def run(store: Any, health: StoreHealth, interval_ms: int) -> None:
+    """Poll every ``interval_ms`` until cancelled (the first poll right away)."""
+    interval = interval_ms / 1000
+    while True:
+        with contextlib.suppress(Exception):
+            await poll_once(store, health, POLL_TIMEOUT_S)
+        await asyncio.sleep(interval)

@@ -1,0 +1,65 @@
+"""SIGTERM and quiet logs on real processes (issue 12, item 7): an agent told to stop stops asking
+for leases, closes the leases it holds and reports them (the allocator returns the unspent rest at
+once), then exits; with both services at log level info, neither logs a line per request — only
+state changes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kernel.bundle import Pool
+from leasehold.topology import LocalTopology, TopologySpec
+
+from .conftest import admit_body, etcd_grants, etcd_windows, pool_rule, user_rule, write_bundle
+
+pytestmark = pytest.mark.integration
+
+POOL = Pool(id="dune", window_ms=60_000, limit=10_000, lease_ttl_ms=15_000, chunk_max=50, chunk_min=5,
+            fallback_per_region=10)
+REQUEST_LINES = ("HTTP Request", "/v1/leases", "POST ", "GET ")
+
+
+@pytest.fixture
+def topo(tmp_path: Path):
+    policy = write_bundle(tmp_path / "bundle.json", [POOL], [user_rule(), pool_rule("dune", "dune")])
+    t = LocalTopology(TopologySpec(run_dir=tmp_path / "run", policy=policy, regions=("eu",), allocators=1,
+                              agent_args=("--lease-tick-ms", "50", "--policy-poll-ms", "0", "--log-level", "info"),
+                              allocator_args=("--log-level", "info"))).start(timeout=60)
+    yield t
+    t.stop()
+
+
+async def test_sigterm_reports_held_leases_and_logs_stay_quiet(topo: LocalTopology):
+    url = topo.agent_urls["eu"][0]
+    agent = topo.agents["eu"][0]
+    async with httpx.AsyncClient(timeout=5) as c:
+        for i in range(120):
+            d = (await c.post(url + "/v1/admit", json=admit_body("dune", user=f"U-{i % 7}"))).json()
+            assert d["allowed"] and not d["fallback"], d
+    grants = await etcd_grants(topo)
+    assert grants and not any(g.reported for g in grants.values())  # 15 s leases: all still held
+    assert agent.popen is not None
+    agent.signal(signal.SIGTERM)
+    code = await asyncio.to_thread(agent.popen.wait, 20)  # raises if it does not exit in time
+    assert code in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it shut down
+    # every lease the region held is reported (closed early), its unspent tokens back in the pool
+    after = await etcd_grants(topo)
+    assert set(after) == set(grants)  # no lease requested after SIGTERM that a report did not cover
+    assert all(g.reported for g in after.values()), {k: g.reported for k, g in after.items()}
+    spent = sum(g.spent for g in after.values())
+    assert spent == 120 and sum(g.returned for g in after.values()) == sum(g.grant.granted for g in after.values()) - 120
+    (window,) = (await etcd_windows(topo, "dune")).values()
+    assert window.remaining == POOL.limit - 120 and window.spent == {"eu": 120}
+    log = await asyncio.to_thread(Path(agent.log_path).read_text)
+    assert f"shutdown: {len(after)} held leases closed, 0 usage reports not delivered" in log
+    # quiet logs at info: no line per request in either service, only start/stop and state changes
+    alloc_log = await asyncio.to_thread(Path(topo.allocators[0].log_path).read_text)
+    for text in (log, alloc_log):
+        lines = [ln for ln in text.splitlines() if any(m in ln for m in REQUEST_LINES)]
+        assert lines == [], lines[:5]
+    assert len(alloc_log.splitlines()) <= 15, alloc_log

@@ -1,0 +1,184 @@
+"""HTTP-level hostile clients against both services as real processes on loopback (issue 12,
+item 1): huge and numerous headers before authentication, slow heads, slow bodies, idle
+connections and a large Content-Length with no body. Limits are checked by behaviour: the
+connection is answered 431/408/413 (problem+json) and closed, the RSS of the process stays within
+a stated budget, and ``/healthz`` keeps answering while the attack runs."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from .conftest import BODY_TIMEOUT_MS, HEAD_TIMEOUT_MS, MAX_HEADER_BYTES, MAX_HEADERS, Service, rss_kib
+
+pytestmark = pytest.mark.integration
+
+RSS_BUDGET_KIB = 24 * 1024  # what an attack below may add to the process's resident memory
+WAIT_S = 15.0  # bound on every wait for the server to act (it acts after HEAD/BODY_TIMEOUT_MS = 1 s)
+
+
+def connect(svc: Service) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", svc.port), timeout=WAIT_S)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def read_answer(s: socket.socket, within_s: float = WAIT_S) -> bytes:
+    """Everything the server sends until it closes the connection (bounded in time)."""
+    s.settimeout(within_s)
+    out = b""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:  # closed while our own bytes were still arriving
+            return out
+        except TimeoutError:
+            break
+        if not chunk:
+            return out
+        out += chunk
+    raise AssertionError(f"connection not closed by the server within {within_s} s; got {out[:200]!r}")
+
+
+def assert_problem(answer: bytes, status: int) -> None:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), answer[:300]
+    assert b"content-type: application/problem+json" in head.lower(), head
+    assert json.loads(body)["status"] == status
+
+
+@contextlib.contextmanager
+def health_probe(svc: Service) -> Iterator[list[int]]:
+    """Polls /healthz during the block; yields the list of answers (status, or 0 for a failure)."""
+    stop = threading.Event()
+    answers: list[int] = []
+
+    def run() -> None:
+        with httpx.Client(timeout=3.0) as c:
+            while not stop.is_set():
+                try:
+                    answers.append(c.get(svc.base + "/healthz").status_code)
+                except httpx.HTTPError:
+                    answers.append(0)
+                stop.wait(0.05)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        yield answers
+    finally:
+        stop.set()
+        t.join(10)
+
+
+def stream_header(svc: Service, total: int, results: list[bytes]) -> None:
+    """One request whose single header value is ``total`` bytes, sent as fast as the server reads."""
+    s = connect(svc)
+    try:
+        s.sendall(b"POST /v1/admit HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-pad: ")
+        chunk = b"a" * (1 << 20)
+        sent = 0
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError, socket.timeout):
+            while sent < total:
+                s.sendall(chunk)
+                sent += len(chunk)
+            s.sendall(b"\r\n\r\n")
+        results.append(read_answer(s))
+    finally:
+        s.close()
+
+
+def test_huge_headers_are_refused_and_memory_stays_bounded(service: Service):
+    before = rss_kib(service.proc.pid)
+    results: list[bytes] = []
+    with health_probe(service) as health:
+        stream_header(service, 256 << 20, results)  # one 256 MiB header
+        threads = [threading.Thread(target=stream_header, args=(service, 16 << 20, results)) for _ in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        time.sleep(0.2)
+    assert len(results) == 11
+    for answer in results:
+        assert_problem(answer, 431)
+    grown = rss_kib(service.proc.pid) - before
+    assert grown <= RSS_BUDGET_KIB, f"RSS grew by {grown} KiB (budget {RSS_BUDGET_KIB} KiB)"
+    assert health and all(code == 200 for code in health), health
+
+
+def test_too_many_or_too_long_headers_are_refused(service: Service):
+    many = b"".join(b"x-h%d: v\r\n" % i for i in range(MAX_HEADERS + 1))
+    long = b"x-long: " + b"b" * MAX_HEADER_BYTES + b"\r\n"
+    for extra in (many, long):
+        s = connect(service)
+        try:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n" + extra + b"\r\n")
+            assert_problem(read_answer(s), 431)
+        finally:
+            s.close()
+    # within the limits: served
+    s = connect(service)
+    try:
+        fine = b"".join(b"x-h%d: v\r\n" % i for i in range(MAX_HEADERS - 2))
+        s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n" + fine + b"\r\n")
+        assert read_answer(s).startswith(b"HTTP/1.1 200 ")
+    finally:
+        s.close()
+
+
+def test_slow_and_idle_connections_are_closed(service: Service):
+    """50 connections trickling a head, 10 opening and sending nothing, 10 sending a head and part of
+    the body: each is answered 408 (the first and last) or closed, while /healthz keeps answering."""
+    slow_head = [connect(service) for _ in range(50)]
+    idle = [connect(service) for _ in range(10)]
+    slow_body = [connect(service) for _ in range(10)]
+    try:
+        for s in slow_head:
+            s.sendall(b"POST /v1/admit HTTP/1.1\r\nhost: x\r\n")
+        path = next(iter(service.post_routes)).encode()
+        auth = service.headers["Authorization"].encode()
+        for s in slow_body:  # an authenticated request whose body stops after a few bytes
+            s.sendall(b"POST " + path + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      b"authorization: " + auth + b"\r\ncontent-length: 100\r\n\r\n{\"requestId\"")
+        started = time.monotonic()
+        with health_probe(service) as health:
+            # keep trickling until the server closes the slow-head connections (bounded)
+            open_ = list(slow_head)
+            while open_ and time.monotonic() - started < WAIT_S:
+                for s in list(open_):
+                    try:
+                        s.sendall(b"x")
+                    except OSError:
+                        open_.remove(s)
+                time.sleep(0.2)
+        assert not open_, f"{len(open_)} slow-head connections still open after {WAIT_S} s"
+        for s in slow_head:
+            answer = read_answer(s)
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+        for s in idle:
+            assert read_answer(s) == b""  # nothing was asked: closed without an answer
+        for s in slow_body:
+            assert_problem(read_answer(s), 408)
+        assert health and all(code == 200 for code in health), health
+        assert HEAD_TIMEOUT_MS <= 1_000 and BODY_TIMEOUT_MS <= 1_000  # what made the waits above short
+    finally:
+        for s in (*slow_head, *idle, *slow_body):
+            s.close()
+
+
+def test_slow_head_gets_408(service: Service):
+    s = connect(service)
+    try:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")  # never finished
+        assert_problem(read_answer(s), 408)
+    finally:
+        s.close()
