@@ -42,7 +42,10 @@ async def test_big_etcd_limit_carries_hundreds_of_grants_per_transaction(big_txn
             granted[req["pool"]] = granted.get(req["pool"], 0) + res["granted"]
         assert granted["t000"] == 30 * 3 and granted["t199"] == 30 * 2  # the same decisions as in 63-grant txns
         txns = _metric(text, "leasehold_allocator_grants_per_txn_count")
-        assert txns <= 2  # 512 grants in at most two transactions (8.1 at etcd's default 128 ops)
+        # 512 grants queued at once, spread over the committer's slots in units of at least MIN_UNIT
+        # (128; the first may go out alone while the rest arrive): at most five transactions, more
+        # than 100 grants each on average - at etcd's default 128 ops a transaction holds at most 63
+        assert txns <= 5 and 512 / txns > 100
         assert _metric(text, "leasehold_allocator_grants_per_txn_sum") == 512
         assert len(await etcd_grants(reader, prefix)) == 512
         for pool in ("t000", "t199"):

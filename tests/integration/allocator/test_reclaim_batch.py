@@ -146,7 +146,7 @@ async def test_usage_batch_gives_the_same_receipts_as_single_reports_and_reclaim
               for i in range(30)]
     reports = [usage(b["leaseId"], b["pool"], b["region"], i % 9) for i, b in enumerate(leases)]
     reports[3]["spent"] = 10_000  # more than granted: 422
-    reports[4]["region"] = "ap"  # another region's lease: 409
+    reports[4]["region"] = "ap"  # another region's lease id: ap has no such lease (ids are per region), 404
     reports[5]["pool"] = "u1" if reports[5]["pool"] == "u2" else "u2"  # another pool's lease: 409
     reports.append(usage("ub-never-granted", "u1", "eu", 0))  # unknown lease: 404
     reports.append(usage("ub-no-pool-1", "nope", "eu", 0))  # unknown pool: 404
@@ -180,7 +180,7 @@ async def test_usage_batch_gives_the_same_receipts_as_single_reports_and_reclaim
                 "code": x["code"] if "code" in x else x["type"].rsplit("/", 1)[1]}
     assert [norm(x, r) for x, r in zip(batch, reports, strict=True)] == \
         [norm(x, r) for x, r in zip(single, reports, strict=True)]
-    assert [x.get("status") for x in batch[3:6]] == [422, 409, 409] and [x["status"] for x in batch[-2:]] == [404, 404]
+    assert [x.get("status") for x in batch[3:6]] == [422, 404, 409] and [x["status"] for x in batch[-2:]] == [404, 404]
     # a repeated batch replays every receipt and changes nothing
     assert [x for x in again if "granted" in x] == [{**x, "replayed": True} for x in batch if "granted" in x]
     assert view["leasesOutstanding"] == 15 - sum(1 for x in batch[:30:2] if "granted" in x)
