@@ -321,6 +321,10 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
     app = Litestar(
         route_handlers=handlers,
         lifespan=[lifespan],
+        # logging stays as __main__ set it up: Litestar's default config would route every record
+        # through a queue listener thread, and what is queued when SIGTERM ends the process (the
+        # shutdown report line) is lost
+        logging_config=None,
         state=State({"auth_guard": auth_guard, "settings": settings}),
         middleware=[batch_fast_path(lambda: app.state, settings.max_body_bytes)] if fast_path else [],
         exception_handlers=exception_handlers(validation_status=VALIDATION_STATUS),

@@ -288,6 +288,10 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         guards=[agent_guard],
         middleware=[admit_fast_path(lambda: state, MAX_BODY_BYTES, _before_engine)] if fast_path else [],  # region_agent.fastpath
         lifespan=[lifespan],
+        # logging stays as __main__ set it up: Litestar's default config would route every record
+        # through a queue listener thread, and what is queued when SIGTERM ends the process (the
+        # shutdown report line) is lost
+        logging_config=None,
         exception_handlers=exception_handlers(validation_status=VALIDATION_STATUS),  # kernel.http_errors
         openapi_config=OpenAPIConfig(title="Leasehold region agent", version="1.0.0", path="/schema"),
         request_max_body_size=MAX_BATCH_BODY_BYTES,

@@ -315,8 +315,13 @@ class Engine:
                         limit=tokens_limit(slot.rule, pools), remaining=tokens_remaining(slot.rule, int(raw)))
             if plan.decision_ttl_ms == 0:
                 call = (calls or plan.calls)[idx]
-                self.negative.put((call.key, call.params), self.now_ms(), retry, (args, fallback))
+                # a bucket's or window's hint is exact; a pool's (a top-up) or a fallback's is not
+                self.negative.put((call.key, call.params), self.now_ms(), retry, (args, fallback),
+                                  exact=slot.rule.algorithm != "pool" and not fallback)
             return self._decision(plan, bundle, allowed=False, retry=retry, fallback=fallback, **args)
+        if len(self.negative) and plan.decision_ttl_ms == 0:  # a probe passed: its denial no longer holds
+            for call in calls or plan.calls:
+                self.negative.forget((call.key, call.params))
         report = plan.rules[0]
         for i, slot in enumerate(plan.slots):
             if slot.rule is report and slot.role != "cc":

@@ -1,5 +1,17 @@
 """Negative cache (seed ch. 10/12): after a denial, the agent denies the same key and cost
-locally for min(retry hint, 250 ms), so a flood against an exhausted key stays off the shard.
+locally until the denial's retry time, so a flood against an exhausted key stays off the shard.
+
+How long depends on whether the hint is *exact*. A bucket's or a window's hint (token bucket,
+GCRA, fixed/sliding windows) is the first instant the same cost can pass: only time adds tokens
+(a denied multi-rule call charged nothing, and the key includes the script arguments, so another
+cost or a changed rule asks the store), so the cache holds the denial for the whole hint (at most
+``EXACT_MAX_MS``). A leased pool's hint (a top-up may arrive sooner) or a fallback allowance's
+(the store may come back) is not: those are held ``cap_ms`` at most (the seed's example: 250 ms).
+When a hold ends, one caller probes the store while the others keep the denial (``PROBE_MS``); a
+probe that is denied again renews the hold, one that is admitted clears it, and the attempts in
+flight then ask the store until one of them is denied. A hot key thus costs one store call per
+retry interval plus, per admission, the attempts in flight at that moment (bench figure 5) — not
+a number that grows with the attempt rate.
 
 Bounded (I10): at most ``max_entries`` entries; expired entries are dropped on access and
 the oldest are evicted first. Pure: the clock is passed in (monotonic ms)."""
@@ -18,6 +30,10 @@ class CachedDenial:
     payload: Any  # what the engine needs to rebuild the decision
 
 
+EXACT_MAX_MS = 60_000  # an exact hint longer than this (a long fixed window) is asked again after it
+PROBE_MS = 50  # while one caller asks the store again, the others keep the denial this long at most
+
+
 class NegativeCache:
     def __init__(self, max_entries: int = 100_000, cap_ms: int = 250):
         self.max_entries = max_entries
@@ -28,18 +44,30 @@ class NegativeCache:
         return len(self._d)
 
     def get(self, key: tuple, now_ms: float) -> CachedDenial | None:
+        """The cached denial of ``key``, or None: ask the store. When a denial's hold is over, one
+        caller (the probe) is let through and the others keep the denial for ``PROBE_MS`` more,
+        until the probe's answer replaces it (:meth:`put`) or removes it (:meth:`forget`): a
+        flood of concurrent attempts sends one call to the store per retry interval, not one
+        per attempt in flight at that instant."""
         hit = self._d.get(key)
         if hit is None:
             return None
-        if now_ms >= hit.until_ms:
-            del self._d[key]
+        if now_ms >= hit.until_ms:  # this caller probes (the entry stays, bounded by max_entries)
+            self._d[key] = CachedDenial(now_ms + PROBE_MS, hit.retry_at_ms, hit.payload)
             return None
         return hit
 
-    def put(self, key: tuple, now_ms: float, retry_ms: int, payload: Any) -> None:
+    def forget(self, key: tuple) -> None:
+        """The store admitted a call on ``key``: the denial no longer holds."""
+        self._d.pop(key, None)
+
+    def put(self, key: tuple, now_ms: float, retry_ms: int, payload: Any, *, exact: bool = False) -> None:
+        """Remember a denial of ``key`` with hint ``retry_ms``; ``exact``: nothing but time can make
+        the same call pass before the hint (see the module docstring). ``cap_ms`` 0 disables."""
         if retry_ms <= 0 or self.cap_ms <= 0:
             return  # no time-based hint (never / concurrency): nothing to cache
+        hold = min(retry_ms, EXACT_MAX_MS if exact else self.cap_ms)
         self._d.pop(key, None)
-        self._d[key] = CachedDenial(now_ms + min(retry_ms, self.cap_ms), now_ms + retry_ms, payload)
+        self._d[key] = CachedDenial(now_ms + hold, now_ms + retry_ms, payload)
         while len(self._d) > self.max_entries:
             self._d.popitem(last=False)

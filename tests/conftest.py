@@ -7,6 +7,7 @@ binaries when they are missing; a missing binary here is a set-up bug, so we fai
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -25,6 +26,8 @@ os.environ.setdefault("LEASEHOLD_ALLOCATOR_AUTH_DISABLED", "true")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    # one line per HTTP call from the tests' own clients would bury a failure's report
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     missing = [b for b in REQUIRED if shutil.which(b) is None]
     if missing:
         raise pytest.UsageError(f"missing server binaries {missing}: run `make test`, which installs them")

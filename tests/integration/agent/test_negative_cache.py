@@ -30,7 +30,7 @@ async def test_flood_on_an_exhausted_key_is_answered_locally(redis_url, policy_f
             assert all(not d["allowed"] for d in flood)
             assert all(d["deniedScope"] == "user" and d["headers"]["Retry-After"] == "1" for d in flood)
             assert {d["decisionId"] for d in flood} == {f"flood-{i:05d}" for i in range(1, 101)}
-            # the cache holds for min(hint 500 ms, 250 ms): at most a few refreshes reach Redis
+            # a bucket's hint is exact: the cache holds the denial for it (500 ms), a few refreshes at most
             assert after - before <= 100 // 20
             metrics = (await agent.get("/metrics")).text
             hits = [line for line in metrics.splitlines() if line.startswith("leasehold_agent_negative_cache_hits_total")]

@@ -37,10 +37,21 @@ def topo(tmp_path: Path):
 async def test_sigterm_reports_held_leases_and_logs_stay_quiet(topo: LocalTopology):
     url = topo.agent_urls["eu"][0]
     agent = topo.agents["eu"][0]
+    admitted = 0
     async with httpx.AsyncClient(timeout=5) as c:
-        for i in range(120):
+        for i in range(600):  # bounded; 120 admissions needed
             d = (await c.post(url + "/v1/admit", json=admit_body("dune", user=f"U-{i % 7}"))).json()
-            assert d["allowed"] and not d["fallback"], d
+            assert not d["fallback"], d  # the allocator is reachable: never the fallback allowance
+            if d["allowed"]:
+                admitted += 1
+                if admitted == 120:
+                    break
+                continue
+            # a burst can outrun the top-ups on a busy machine (the wait for one is bounded by the
+            # decision budget): a 429 from the pool rule with a hint, then the next top-up pays
+            assert d["policyId"] == "tenant-dune-pool" and d["httpStatus"] == 429, d
+            await asyncio.sleep(min(d.get("retryAfterMs") or 50, 500) / 1000)
+    assert admitted == 120
     grants = await etcd_grants(topo)
     assert grants and not any(g.reported for g in grants.values())  # 15 s leases: all still held
     assert agent.popen is not None
