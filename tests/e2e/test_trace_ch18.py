@@ -135,7 +135,9 @@ async def test_trace_steps_4_and_6_to_13_across_regions(topo: LocalTopology):
                                         "RateLimit": '"read-user-v3";r=0;t=1'}
 
             # step 9: a second later 2,000 millitokens came back: admitted, bucket 1,000
-            await asyncio.sleep(0.3)  # past the losing gateway's 250 ms negative-cache entry
+            # past the losing gateway's negative-cache entry: a bucket's hint is exact, so the
+            # denial is held for the whole 500 ms hint (region_agent/negcache.py)
+            await asyncio.sleep(0.6)
             await set_bucket(r, U17_READ, 0, age_ms=1_000)
             d = await admit(client, b, "trace-step-9")
             assert d["allowed"] and d["remaining"] == 1
