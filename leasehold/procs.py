@@ -5,6 +5,7 @@ topology, chaos and benchmarks — one implementation of "a real server on a fre
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -15,23 +16,46 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
+_PORT_FLOOR = 10_000  # free_port chooses between this and the ephemeral range
 _used_ports: set[int] = set()
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections take their local ports
+    from it, so a port chosen there can be taken by any connection before our server binds it)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(avoid_bus: bool = False) -> int:
-    """A free loopback TCP port. With ``avoid_bus`` the port + 10000 is free too (Redis
-    Cluster's bus port)."""
-    for _ in range(200):
+    """A free loopback TCP port, chosen at random below the ephemeral range: the time between
+    this check and the server's bind is a race with every other process on the machine, and
+    outgoing connections (of this run and of others beside it) only use the ephemeral range.
+    With ``avoid_bus`` the port + 10000 is free too (Redis Cluster's bus port)."""
+    high = _ephemeral_low() - (10_000 if avoid_bus else 0)
+    rng = random.SystemRandom()
+    for _ in range(200 if high > _PORT_FLOOR + 1_000 else 0):
+        port = rng.randrange(_PORT_FLOOR, high)
+        if port in _used_ports or not _port_free(port) or (avoid_bus and not _port_free(port + 10_000)):
+            continue
+        return _take(port, avoid_bus)
+    for _ in range(200):  # no room below the ephemeral range: let the kernel choose
         with socket.socket() as s:
             s.bind((LOOPBACK, 0))
             port = s.getsockname()[1]
         if port in _used_ports or (avoid_bus and (port + 10000 > 65535 or not _port_free(port + 10000))):
             continue
-        _used_ports.add(port)
-        if avoid_bus:
-            _used_ports.add(port + 10000)
-        return port
+        return _take(port, avoid_bus)
     raise RuntimeError("no free port found")
+
+
+def _take(port: int, avoid_bus: bool) -> int:
+    _used_ports.add(port)
+    if avoid_bus:
+        _used_ports.add(port + 10_000)
+    return port
 
 
 def _port_free(port: int) -> bool:
