@@ -319,9 +319,7 @@ class Engine:
                 self.negative.put((call.key, call.params), self.now_ms(), retry, (args, fallback),
                                   exact=slot.rule.algorithm != "pool" and not fallback)
             return self._decision(plan, bundle, allowed=False, retry=retry, fallback=fallback, **args)
-        if len(self.negative) and plan.decision_ttl_ms == 0:  # a probe passed: its denial no longer holds
-            for call in calls or plan.calls:
-                self.negative.forget((call.key, call.params))
+        self._forget_denials(plan, calls)  # a probe passed: its denial no longer holds
         report = plan.rules[0]
         for i, slot in enumerate(plan.slots):
             if slot.rule is report and slot.role != "cc":
@@ -333,6 +331,18 @@ class Engine:
         return d
 
     # ------------------------------------------------------------------ negative cache and leased pools
+    def _forget_denials(self, plan: Plan, calls: list[Call] | None = None) -> None:
+        """Drop the cached denials of a request that got past the negative cache (none of its holds
+        was running: an entry it met was a probe). Its answer was not a store denial — an admission,
+        or the local fallback's decision while the store is lost — so the old denial must not answer
+        the others (as a store decision, with an elapsed hint) while the probe's hold lasts."""
+        if not len(self.negative) or plan.decision_ttl_ms:
+            return
+        for call in plan.calls:
+            self.negative.forget((call.key, call.params))
+        for call in calls or ():  # e.g. a pool rule's fallback allowance in place of its balance
+            self.negative.forget((call.key, call.params))
+
     def _negative_hit(self, prep: _Prepared) -> Decision | None:
         plan = prep.plan
         if plan.decision_ttl_ms > 0 or not len(self.negative):
@@ -449,6 +459,7 @@ class Engine:
                 return self._shed(prep, "queue_full")
             return self._shed(prep, "queue")
         plan, bundle = prep.plan, prep.bundle
+        self._forget_denials(plan)  # a probe answered by the fallback: the store's old denial is over
         label = degrade_label(exc)
         self.metrics.script_errors.labels(type(exc).__name__).inc()
         rules: list[Rule] = []
