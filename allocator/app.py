@@ -30,6 +30,7 @@ from kernel.ids import LEASE_ID, LEASE_ID_RE, REGION, REGION_RE, human
 from kernel.jsonbody import StrictJSONRequest
 from kernel.openapi_problems import document_problems
 from kernel.policy_store import PolicyStore
+from kernel.shards import SHARD_HASH
 from kernel.signing import TrustedKeys
 from kernel.wire import (
     LeaderInfo,
@@ -39,15 +40,23 @@ from kernel.wire import (
     LeaseRequest,
     PoolSummary,
     PoolWindowView,
+    ShardedLeaderInfo,
+    ShardLeader,
+    ShardMap,
+    UsageBatchRequest,
+    UsageBatchResponse,
     UsageReceipt,
     UsageReport,
 )
 
+from .compaction import Compactor
 from .control.follow import AllocatorPolicy
 from .election import Election
 from .engine import Engine, GrantRecord, wall_ms
+from .fastpath import batch_fast_path
 from .metrics import CONTENT_TYPE, AllocatorMetrics
 from .settings import AllocatorSettings
+from .shard_election import ShardElection
 
 log = logging.getLogger("allocator.app")
 VALIDATION_STATUS = 400  # a body or parameter that does not fit the schema (the agent answers 422)
@@ -96,6 +105,24 @@ class LeaseBatchResponseDoc(msgspec.Struct, rename="camel"):
     results: list[BatchResultDoc]
 
 
+class UsageResultDoc(msgspec.Struct, rename="camel"):
+    """OpenAPI shape of one usage batch result: a ``UsageReceipt`` or a ``LeaseError``."""
+
+    lease_id: str
+    granted: int | None = None
+    spent: int | None = None
+    returned: int | None = None
+    window_open: bool | None = None
+    replayed: bool | None = None
+    status: int | None = None
+    code: str | None = None
+    detail: str | None = None
+
+
+class UsageBatchResponseDoc(msgspec.Struct, rename="camel"):
+    results: list[UsageResultDoc]
+
+
 @post("/v1/leases/batch", status_code=200, guards=[region_auth_guard])
 async def post_batch(request: Request, data: JSONBody[LeaseBatchRequest],
                      state: State) -> Response[LeaseBatchResponseDoc]:
@@ -120,6 +147,21 @@ async def post_usage(request: Request, lease_id: FromPath[str], data: JSONBody[U
     return await _engine(state).report(data)
 
 
+@post("/v1/usage/batch", status_code=200, guards=[region_auth_guard])
+async def post_usage_batch(request: Request, data: JSONBody[UsageBatchRequest],
+                           state: State) -> Response[UsageBatchResponseDoc]:
+    """Usage reports of many leases in one request (committed in few transactions); results in
+    request order, each a receipt or an error. Same rules per item as
+    ``POST /v1/leases/{leaseId}/usage`` (the region's own lease ids, ``closedEarly``)."""
+    for r in data.reports:
+        require_region(request.scope, r.region)
+    ids = [r.lease_id for r in data.reports]
+    if len(set(ids)) != len(ids):
+        raise ValidationFailed("a batch must not repeat a leaseId", errors=["reports: duplicate leaseId"])
+    body = UsageBatchResponse(results=await _engine(state).report_many(data.reports))
+    return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)
+
+
 @get("/v1/leases/{lease_id:str}", guards=[region_auth_guard])
 async def get_lease(request: Request, lease_id: FromPath[str], state: State,
                     region: FromQuery[str | None] = None) -> GrantRecord:
@@ -138,7 +180,27 @@ async def get_lease(request: Request, lease_id: FromPath[str], state: State,
 
 @get("/v1/leader")
 async def get_leader(state: State) -> LeaderInfo:
-    return _engine(state).election.info()
+    """The allocator leader (unsharded), or the leader of shard 0 with the shard count and how many
+    shards this replica leads (sharded: see ``/v1/shards`` for the leader of a pool's shard)."""
+    election = _engine(state).election
+    info = election.info()
+    if isinstance(election, ShardElection):
+        return ShardedLeaderInfo(node_id=info.node_id, url=info.url, epoch=info.epoch, is_self=info.is_self,
+                                 shards=election.shards, leading=len(election.led))
+    return info
+
+
+@get("/v1/shards")
+async def get_shards(state: State) -> ShardMap:
+    """Which replica leads each shard of leadership, as this replica last read etcd; a pool's shard
+    is ``kernel.shards.shard_of(pool, shards)``. Any replica answers."""
+    election = _engine(state).election
+    if isinstance(election, ShardElection):
+        return election.shard_map()
+    settings: AllocatorSettings = state.settings
+    lead = election.leader
+    return ShardMap(shards=1, hash=SHARD_HASH, node_id=settings.node_id, url=settings.url, revision=lead.epoch or 0,
+                    members=[], leaders=[ShardLeader(shard=0, node_id=lead.node_id, url=lead.url, epoch=lead.epoch)])
 
 
 @get("/v1/pools")
@@ -159,11 +221,16 @@ async def healthz() -> dict[str, str]:
 @get("/readyz", media_type=MediaType.JSON)
 async def readyz(state: State) -> Response[Any]:
     election = _engine(state).election
+    if isinstance(election, ShardElection) and election.config_error:
+        return problem_response(Unavailable(f"not ready: {election.config_error}"))
     if not (election.etcd_ok and election.role_known):
         return problem_response(Unavailable("not ready: etcd unreachable or role unknown",
                                             extra={"etcd": election.etcd_ok, "roleKnown": election.role_known}))
-    return Response(content={"status": "ready", "role": "leader" if election.is_leader else "follower",
-                             "epoch": election.leader.epoch}, media_type=MediaType.JSON)
+    body: dict[str, Any] = {"status": "ready", "role": "leader" if election.is_leader else "follower",
+                            "epoch": election.leader.epoch}
+    if isinstance(election, ShardElection):
+        body |= {"shards": election.shards, "shardsLed": len(election.led)}
+    return Response(content=body, media_type=MediaType.JSON)
 
 
 @get("/metrics", media_type=CONTENT_TYPE)
@@ -190,8 +257,10 @@ def etcd_credentials(settings: AllocatorSettings) -> dict[str, Any]:
 
 
 def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
-               clock: Callable[[], int] = wall_ms, auth_guard: Guard | None = None) -> Litestar:
-    """Build the app. The etcd client, election and committer start in the app's lifespan."""
+               clock: Callable[[], int] = wall_ms, auth_guard: Guard | None = None,
+               fast_path: bool = True) -> Litestar:
+    """Build the app. The etcd client, election and committer start in the app's lifespan.
+    ``fast_path``: serve the batch routes' common case without Litestar (``allocator.fastpath``)."""
     bundle = bundle if bundle is not None else load_bundle_file(settings.policy)
     trusted = TrustedKeys.from_files(settings.policy_public_keys)
     trusted.check(bundle)  # the start bundle too (raises SignatureRefused, a PolicyError)
@@ -204,19 +273,35 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         store = EtcdStore(settings.etcd, timeout_s=settings.etcd_timeout_ms / 1000, observe=m.observe_etcd,
-                          **etcd_credentials(settings))
+                          max_txn_ops=settings.etcd_max_txn_ops or None, **etcd_credentials(settings))
         engine: Engine
+        election: Election | ShardElection
 
         def on_change(leading: bool, epoch: int | None) -> None:
             m.on_leader_change(leading, epoch if epoch is not None else election.leader.epoch)
             engine.invalidate()
 
-        election = Election(store, f"{settings.prefix}leader".encode(), node_id=settings.node_id,
-                            url=settings.url, ttl_s=settings.election_ttl_s, on_change=on_change)
+        def on_shard_change(shard: int, leading: bool, epoch: int | None) -> None:
+            assert isinstance(election, ShardElection)
+            m.on_shard_change(leading, len(election.led), election.leader.epoch)
+            engine.invalidate(shard)
+
+        if settings.shards == 1:
+            election = Election(store, f"{settings.prefix}leader".encode(), node_id=settings.node_id,
+                                url=settings.url, ttl_s=settings.election_ttl_s, on_change=on_change)
+        else:
+            election = ShardElection(store, settings.prefix, shards=settings.shards, node_id=settings.node_id,
+                                     url=settings.url, ttl_s=settings.election_ttl_s, on_change=on_shard_change)
         engine = Engine(store, election, pools, prefix=settings.prefix, metrics=m, clock=clock)
+        if isinstance(election, ShardElection):
+            election.drain = engine.drain
         app.state.engine = engine
         engine.start()
         election.start()
+        compactor = Compactor(store, election, f"{settings.prefix}compaction".encode(), node_id=settings.node_id,
+                              interval_s=settings.etcd_compaction_interval_s, metrics=m)
+        if settings.etcd_compaction_interval_s:
+            compactor.start()
         follower = AllocatorPolicy(bundle, engine, m, trusted)
         app.state.policy = follower
         watcher = follower.watcher(PolicyStore(store, settings.prefix), settings.policy_reread_ms / 1000)
@@ -226,12 +311,13 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
             yield
         finally:
             await watcher.stop()
+            await compactor.stop()
             await election.stop()
             await engine.stop()
             await store.close()
 
-    handlers: list[Any] = [post_lease, post_batch, post_usage, get_lease, get_leader, get_pools, get_pool,
-                           healthz, readyz, metrics]
+    handlers: list[Any] = [post_lease, post_batch, post_usage, post_usage_batch, get_lease, get_leader, get_shards, get_pools,
+                           get_pool, healthz, readyz, metrics]
     app = Litestar(
         route_handlers=handlers,
         lifespan=[lifespan],
@@ -239,7 +325,8 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         # through a queue listener thread, and what is queued when SIGTERM ends the process (the
         # shutdown report line) is lost
         logging_config=None,
-        state=State({"auth_guard": auth_guard}),
+        state=State({"auth_guard": auth_guard, "settings": settings}),
+        middleware=[batch_fast_path(lambda: app.state, settings.max_body_bytes)] if fast_path else [],
         exception_handlers=exception_handlers(validation_status=VALIDATION_STATUS),
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Leasehold allocator", version="1.0.0", path="/schema"),

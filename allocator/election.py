@@ -69,7 +69,19 @@ class Election:
     def epoch(self) -> int | None:
         return self._epoch if self.is_leader else None
 
-    def require_leader(self) -> int:
+    # -- the shard surface (one shard: every pool, fenced by this one key) -------------------------
+    shards = 1
+
+    def shard_of(self, pool: str) -> int:
+        return 0
+
+    def leader_key(self, shard: int = 0) -> bytes:
+        return self.key
+
+    def epoch_of(self, shard: int = 0) -> int | None:
+        return self.epoch
+
+    def require_leader(self, shard: int = 0) -> int:
         """The epoch to fence writes with, or NotLeader naming the leader."""
         epoch = self.epoch
         if epoch is None:
@@ -97,7 +109,7 @@ class Election:
         if self._epoch is not None:
             await self._resign()
 
-    def step_down(self, reason: str) -> None:
+    def step_down(self, reason: str, shard: int | None = None) -> None:
         """Stop leading now (called on a fenced write or a failed keepalive)."""
         if self._epoch is None:
             return

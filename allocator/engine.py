@@ -1,17 +1,33 @@
-"""The leader's single writer: queue, group commit, idempotency, fencing, reclaim.
+"""The leader's writer: a queue, group commit in a pipeline, idempotency, fencing, reclaim.
 
-Every write goes through one committer task. It keeps each active window's state in memory
-(with the window key's ``mod_revision``), decides grants with :mod:`allocator.policy` and
-commits a group of grants in one etcd transaction whose compares are
+Every write (a grant or a usage report) is queued; one committer task groups what is queued
+into *units* (:mod:`allocator.grouping`: pools exclusive, queue order per pool, one epoch per
+shard, etcd's op and byte limits) and runs up to ``TXNS_IN_FLIGHT`` of them at once, each one
+etcd transaction, so Python decides the next while etcd commits one. It keeps each active
+window's state in memory (with the window key's ``mod_revision``) and decides grants with
+:mod:`allocator.policy` *on that state, in place* (a window is in one unit at a time; a unit
+that does not commit drops the windows it touched, and they are read again). A grant unit's
+transaction compares
 
-* ``create_revision(leader) == epoch``  (fencing: a deposed or paused leader cannot commit),
+* ``create_revision(leader key of the pool's shard) == epoch`` for every shard the transaction
+  writes (fencing: a deposed or paused leader cannot commit; one shard and the key ``leader``
+  unless the deployment is sharded, see :mod:`allocator.shards`; built in :meth:`Engine._fence_compares`),
 * each touched window key's ``mod_revision`` (or ``version == 0`` when new),
 * each new grant key's ``version == 0`` (idempotency: a stored record is never overwritten).
 
-On a failed compare the failure branch reads back the leader key, the windows and the grant
-keys: a changed epoch fences (nothing granted, step down), existing grant records are answered
-as replays, changed windows are reloaded and the rest retried (bounded). Nothing is ever
-granted from memory alone: an answer is returned only after its transaction committed.
+A usage unit reads its grant records (one read for the unit), decides each reclaim, and commits
+the windows and the updated records in one transaction comparing the same epochs, each record's
+``mod_revision`` as read and each window's.
+
+On a failed compare the unit reads back the leader keys, the windows and the grant keys: a
+changed epoch fences that shard's writes (nothing granted, step down from the shard), existing
+grant records are answered as replays, changed windows are reloaded and the rest retried
+(bounded). Nothing is ever granted from memory alone: an answer is returned only after its
+transaction committed.
+
+Transactions are built as etcd's protobuf ``TxnRequest`` directly (``kernel.etcd_store.TxnBuilder``)
+and carry up to etcd's ``--max-txn-ops`` (discovered from the cluster, or configured). Callers
+wait on one future per request or batch (:class:`_Wait`), not one per item.
 """
 
 from __future__ import annotations
@@ -20,13 +36,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
-from kernel.bounded import BoundedMemo
 from kernel.bundle import Pool
 from kernel.errors import (
     Conflict,
@@ -35,7 +51,14 @@ from kernel.errors import (
     NotFound,
     Unavailable,
 )
-from kernel.etcd_store import MAX_TXN_OPS, EtcdLeaseMissing, EtcdStore, LeaseBuckets, range_kvs, txn_revision
+from kernel.etcd_store import (
+    KV,
+    EtcdLeaseMissing,
+    EtcdStore,
+    EtcdTxnTooLarge,
+    LeaseBuckets,
+    TxnBuilder,
+)
 from kernel.wire import (
     LeaseError,
     LeaseGrant,
@@ -48,16 +71,19 @@ from kernel.wire import (
 )
 
 from . import policy
-from .election import Election
+from .grouping import WINDOW_BYTES, Unit, form_units
 from .metrics import AllocatorMetrics
 
 log = logging.getLogger("allocator.engine")
 
-MAX_GROUP = (MAX_TXN_OPS - 1) // 2  # grants per txn: 1 + windows + grants compares <= 128
 RECORD_MIN_LINGER_MS = 60_000
-TXNS_IN_FLIGHT = 4  # grant transactions the committer sends concurrently
+TXNS_IN_FLIGHT = 4  # units (transactions) the committer runs at once, on disjoint pools
+BUSY_MIN_UNIT = 64  # while a unit is in flight, another starts only with this many writes queued
+MIN_UNIT = 128  # what is queued is spread over the free slots, no unit smaller than this: bigger transactions cost
+# etcd and us less per grant, two or more in flight let Python and etcd work side by side (leasehold/bench/README.md)
+MAX_TXN_BYTES = 1_000_000  # estimated request size per transaction: below etcd's default --max-request-bytes (1.5 MiB)
+MIN_TXN_BYTES = 64_000
 MAX_QUEUE = 16_384  # queued writes; beyond this the leader sheds load with a retriable 503
-GRANT_COUNTERS_MAX = 100_000  # resolved (pool, region) metric children kept (a memo; emptied when full)
 
 
 def wall_ms() -> int:
@@ -76,24 +102,97 @@ class GrantRecord(msgspec.Struct, rename="camel"):
     window_open: bool = False
 
 
-@dataclass
 class _Cached:
-    state: policy.WindowState
-    mod_revision: int  # 0 = not in etcd yet
+    """A window's state as this leader last read or committed it."""
+
+    __slots__ = ("state", "mod_revision", "key", "lease", "lease_gen")
+
+    def __init__(self, state: policy.WindowState, mod_revision: int, key: bytes):
+        self.state = state
+        self.mod_revision = mod_revision  # 0 = not in etcd yet
+        self.key = key
+        self.lease = 0  # the etcd lease its records are put with (LeaseBuckets generation lease_gen)
+        self.lease_gen = -1
 
 
-@dataclass
-class _GrantJob:
-    req: LeaseRequest
-    fut: asyncio.Future[LeaseGrant]
-    epoch: int  # the epoch this replica led with when it accepted the request
+class _Wait:
+    """One caller's wait: a request or a whole batch. One future, set when its last item is answered
+    (no future, callback or task per item)."""
+
+    __slots__ = ("fut", "open")
+
+    def __init__(self) -> None:
+        self.fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.open = 0
+
+    def one_done(self) -> None:
+        self.open -= 1
+        if self.open == 0 and not self.fut.done():
+            self.fut.set_result(None)
+
+    async def wait(self) -> None:
+        if self.open:
+            await self.fut
 
 
-@dataclass
-class _UsageJob:
-    report: UsageReport
-    fut: asyncio.Future[UsageReceipt]
-    epoch: int
+class _Item:
+    """A grant request on its way through the committer (a :class:`allocator.grouping.Queued`)."""
+
+    __slots__ = ("req", "wait", "shard", "epoch", "pool", "result", "error", "done", "joiners")
+    is_grant = True
+
+    def __init__(self, req: Any, wait: _Wait, shard: int, epoch: int):
+        self.req = req
+        self.wait = wait
+        self.shard = shard
+        self.epoch = epoch  # the epoch this replica led the pool's shard with when it accepted the request
+        self.pool: str = req.pool
+        self.result: Any = None
+        self.error: LeaseholdError | None = None
+        self.done = False
+        self.joiners: list[_Item] = []  # requests for the same lease id that arrived while this one was queued
+        wait.open += 1
+
+    @property
+    def window_choice(self) -> str:
+        return self.req.window  # type: ignore[no-any-return]
+
+    @property
+    def lease_id(self) -> str:
+        return self.req.lease_id  # type: ignore[no-any-return]
+
+    def outcome(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class _Report(_Item):
+    """A usage report on its way through the committer."""
+
+    __slots__ = ()
+    is_grant = False
+
+    @property
+    def window_choice(self) -> str:
+        return ""
+
+
+class Leadership(Protocol):
+    """Who may write which pool: :class:`allocator.election.Election` (one shard, key ``leader``)
+    or :class:`allocator.shard_election.ShardElection` (``leader/<shard>``)."""
+
+    shards: int
+
+    def shard_of(self, pool: str) -> int: ...
+
+    def leader_key(self, shard: int) -> bytes: ...
+
+    def require_leader(self, shard: int = 0) -> int: ...  # the shard's epoch, or NotLeader naming its leader
+
+    def epoch_of(self, shard: int) -> int | None: ...
+
+    def step_down(self, reason: str, shard: int | None = None) -> None: ...
 
 
 @dataclass
@@ -122,43 +221,87 @@ class Keys:
 @dataclass
 class Engine:
     store: EtcdStore
-    election: Election
+    election: Leadership
     pools: dict[str, Pool]
     prefix: str = "/leasehold/"
     metrics: AllocatorMetrics = field(default_factory=AllocatorMetrics)
     clock: Callable[[], int] = wall_ms
-    max_group: int = MAX_GROUP
     max_attempts: int = 5
 
     def __post_init__(self) -> None:
         self.keys = Keys(self.prefix)
-        self.max_group = max(1, min(self.max_group, MAX_GROUP))
-        self._queue: asyncio.Queue[_GrantJob | _UsageJob] = asyncio.Queue()
-        self._inflight: dict[tuple[str, str], _GrantJob] = {}  # (region, lease id)
+        self._ready: deque[_Item] = deque()  # queued, in arrival order
+        self._wakeup: asyncio.Future[None] | None = None  # the committer's sleep
+        self._running: dict[asyncio.Task[None], Unit] = {}
+        self._busy: set[str] = set()  # pools of the units in flight
+        self._held: set[tuple[str, int]] = set()  # windows the units in flight decide on (never pruned)
+        self._inflight: dict[tuple[str, str], _Item] = {}  # (region, lease id) -> its queued grant (a retry joins it)
         self._cache: dict[tuple[str, int], _Cached] = {}
+        self._window_bytes: dict[str, int] = {}  # pool -> size of its last window record (unit budgets)
         self._last_prune_ms = 0  # wall ms of the last cache scan (_prune_cache)
         self._buckets = LeaseBuckets(self.store)
         self._task: asyncio.Task[None] | None = None
-        self._grant_counters: BoundedMemo[tuple[str, str], tuple[Any, Any]] = BoundedMemo(GRANT_COUNTERS_MAX)
+        self._discovery: asyncio.Task[None] | None = None
+        self._txn_bytes = MAX_TXN_BYTES
+        self._encode = msgspec.json.Encoder().encode
+        self._shards: dict[str, int] = {}  # pool -> shard (a hash: computed once per pool)
+        self._granted: dict[tuple[str, str], list[int]] = {}  # (pool, region) -> [grants, tokens] not yet in metrics
+        self._open: dict[int, int] = {}  # shard -> accepted writes not answered yet (for a handoff's drain)
+        self._idle: dict[int, asyncio.Event] = {}  # set when a drained shard's last write is answered
+        self.metrics.add_flush(self.flush_metrics)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.create_task(self._committer(), name="allocator-committer")
+        if not self.store.txn_ops_known:
+            self._discovery = asyncio.create_task(self._discover(), name="allocator-txn-limit")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        tasks = [t for t in (self._task, self._discovery, *self._running) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        while not self._queue.empty():
-            job = self._queue.get_nowait()
-            if not job.fut.done():
-                _fail(job.fut, Unavailable("allocator shutting down"))
+                await t
+        while self._ready:
+            self._answer(self._ready.popleft(), error=Unavailable("allocator shutting down"))
 
-    def invalidate(self) -> None:
-        """Forget cached window state (on any leadership change)."""
-        self._cache.clear()
-        self._buckets.forget()
+    async def _discover(self) -> None:
+        """Learn etcd's --max-txn-ops (a read-only probe; retried until etcd answers)."""
+        while True:
+            try:
+                n = await self.store.discover_max_txn_ops(self.keys.leader)
+                log.info("etcd accepts %d ops per transaction branch: up to %d grants per transaction", n,
+                         (n - 1) // 2)
+                return
+            except LeaseholdError as e:
+                log.debug("etcd --max-txn-ops probe failed (%s); using %d for now", e.code, self.store.max_txn_ops)
+                await asyncio.sleep(1.0)
+
+    def invalidate(self, shard: int | None = None) -> None:
+        """Forget cached window state (of one shard's pools, or all) on a leadership change."""
+        if shard is None:
+            self._cache.clear()
+            self._buckets.forget()
+            return
+        for wk in [wk for wk in self._cache if self._shard_of(wk[0]) == shard]:
+            del self._cache[wk]
+
+    async def drain(self, shard: int) -> None:
+        """Wait until every write accepted for ``shard`` has been answered (a handoff calls this
+        after it stopped accepting the shard, with its own time bound)."""
+        while self._open.get(shard):
+            await self._idle.setdefault(shard, asyncio.Event()).wait()
+
+    def flush_metrics(self) -> None:
+        """Move the grant counts kept per (pool, region) since the last scrape into the counters
+        (one labelled increment per pair and scrape instead of two per grant)."""
+        counts, self._granted = self._granted, {}
+        m = self.metrics
+        for (pool, region), (grants, tokens) in counts.items():
+            label = m.region(region)
+            m.grants.labels(pool, label).inc(grants)
+            m.granted_tokens.labels(pool, label).inc(tokens)
 
     # -- public API -----------------------------------------------------------------------------
     def pool(self, pool_id: str) -> Pool:
@@ -173,41 +316,45 @@ class Engine:
                             fallback_per_region=p.fallback_per_region) for p in self.pools.values()]
 
     async def grant(self, req: LeaseRequest) -> LeaseGrant:
-        return await self._submit(req)
+        wait = _Wait()
+        item = self._enqueue_grant(req, wait)
+        await wait.wait()
+        return item.outcome()  # type: ignore[no-any-return]
 
-    async def grant_many(self, reqs: list[LeaseRequest]) -> list[LeaseGrant | LeaseError]:
+    async def grant_many(self, reqs: Sequence[LeaseRequest]) -> list[LeaseGrant | LeaseError]:
         """Every item queued at once (the committer groups them into few transactions); one wait
-        for all of them, no task per item. A cancelled caller leaves the shared futures alone."""
-        futs: list[asyncio.Future[LeaseGrant] | LeaseError] = []
+        for all of them. A cancelled caller leaves the items to be committed and answered."""
+        wait = _Wait()
+        items: list[_Item | LeaseError] = []
         for r in reqs:
             try:
-                futs.append(self._enqueue(r))
+                items.append(self._enqueue_grant(r, wait))
             except LeaseholdError as e:
-                futs.append(LeaseError(lease_id=r.lease_id, status=e.status, code=e.code, detail=e.detail))
-        waiting = [f for f in futs if isinstance(f, asyncio.Future)]
-        if waiting:
-            await asyncio.wait(waiting)
-        out: list[LeaseGrant | LeaseError] = []
-        for r, f in zip(reqs, futs, strict=True):
-            if not isinstance(f, asyncio.Future):
-                out.append(f)
-                continue
-            exc = f.exception()
-            if exc is None:
-                out.append(f.result())
-            elif isinstance(exc, LeaseholdError):
-                out.append(LeaseError(lease_id=r.lease_id, status=exc.status, code=exc.code, detail=exc.detail))
-            else:
-                raise exc
-        return out
+                items.append(_lease_error(r.lease_id, e))
+        await wait.wait()
+        return [it if isinstance(it, LeaseError) else it.result if it.error is None
+                else _lease_error(it.req.lease_id, it.error) for it in items]
 
     async def report(self, report: UsageReport) -> UsageReceipt:
-        self.pool(report.pool)
-        epoch = self.election.require_leader()
-        self._check_backlog()
-        fut: asyncio.Future[UsageReceipt] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_UsageJob(report, fut, epoch))
-        return await fut
+        wait = _Wait()
+        item = self._enqueue_report(report, wait)
+        await wait.wait()
+        return item.outcome()  # type: ignore[no-any-return]
+
+    async def report_many(self, reports: Sequence[UsageReport]) -> list[UsageReceipt | LeaseError]:
+        """Usage reports of many leases: queued at once and committed in few transactions (the
+        committer groups them like grants); results in request order, each decided exactly like
+        :meth:`report` (the region's own lease namespace, ``closedEarly``, spend history)."""
+        wait = _Wait()
+        items: list[_Item | LeaseError] = []
+        for r in reports:
+            try:
+                items.append(self._enqueue_report(r, wait))
+            except LeaseholdError as e:
+                items.append(_lease_error(r.lease_id, e))
+        await wait.wait()
+        return [it if isinstance(it, LeaseError) else it.result if it.error is None
+                else _lease_error(it.req.lease_id, it.error) for it in items]
 
     async def get_record(self, region: str, lease_id: str) -> GrantRecord:
         kv = await self.store.get(self.keys.grant(region, lease_id))
@@ -230,182 +377,331 @@ class Engine:
             leases_outstanding=state.leases_outstanding)
 
     # -- submission -----------------------------------------------------------------------------
-    async def _submit(self, req: LeaseRequest) -> LeaseGrant:
-        return await asyncio.shield(self._enqueue(req))
+    def _shard_of(self, pool: str) -> int:
+        shard = self._shards.get(pool)
+        if shard is None:
+            if len(self._shards) >= 1_000_000:
+                self._shards.clear()
+            shard = self._shards[pool] = self.election.shard_of(pool)
+        return shard
 
-    def _enqueue(self, req: LeaseRequest) -> asyncio.Future[LeaseGrant]:
-        """Queue a grant for the committer (or join the one in flight for the same lease id);
-        the future is shared, so callers must not cancel it."""
-        pool = self.pool(req.pool)
+    def _enqueue_grant(self, req: LeaseRequest, wait: _Wait) -> _Item:
+        """Queue a grant for the committer, or join the one queued for the same lease id."""
+        pool = self.pools.get(req.pool) or self.pool(req.pool)
         policy.check_region(pool, req.region)
         existing = self._inflight.get((req.region, req.lease_id))
         if existing is not None:
             _check_same(existing.req.pool, existing.req.region, req)
-            return existing.fut
-        epoch = self.election.require_leader()
+            joiner = _Item(req, wait, existing.shard, existing.epoch)
+            existing.joiners.append(joiner)  # answered with the first one's outcome
+            return joiner
+        shard = self._shards.get(req.pool)
+        if shard is None:
+            shard = self._shard_of(req.pool)
+        epoch = self.election.require_leader(shard)
         self._check_backlog()
-        fut: asyncio.Future[LeaseGrant] = asyncio.get_running_loop().create_future()
-        job = _GrantJob(req, fut, epoch)
-        self._inflight[(req.region, req.lease_id)] = job
-        fut.add_done_callback(lambda _f: self._inflight.pop((req.region, req.lease_id), None))
-        self._queue.put_nowait(job)
-        return fut
+        item = _Item(req, wait, shard, epoch)
+        self._inflight[(req.region, req.lease_id)] = item
+        self._queue(item)
+        return item
+
+    def _enqueue_report(self, report: UsageReport, wait: _Wait) -> _Report:
+        self.pool(report.pool)
+        shard = self._shard_of(report.pool)
+        epoch = self.election.require_leader(shard)
+        self._check_backlog()
+        item = _Report(report, wait, shard, epoch)
+        self._queue(item)
+        return item
+
+    def _queue(self, item: _Item) -> None:
+        self._open[item.shard] = self._open.get(item.shard, 0) + 1
+        self._ready.append(item)
+        w = self._wakeup
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def _check_backlog(self) -> None:
-        if self._queue.qsize() >= MAX_QUEUE:
+        if len(self._ready) >= MAX_QUEUE:
             raise Unavailable(f"allocator leader overloaded ({MAX_QUEUE} writes queued); retry shortly")
 
-    # -- committer ------------------------------------------------------------------------------
-    async def _committer(self) -> None:
-        while True:
-            first = await self._queue.get()
-            jobs: list[_GrantJob | _UsageJob] = [first]
-            while not self._queue.empty() and len(jobs) < 8 * self.max_group:
-                jobs.append(self._queue.get_nowait())
-            grants = [j for j in jobs if isinstance(j, _GrantJob)]
-            usages = [j for j in jobs if isinstance(j, _UsageJob)]
-            for epoch in dict.fromkeys(j.epoch for j in grants):  # one epoch per transaction
-                waves = pool_disjoint_groups([j for j in grants if j.epoch == epoch], self.max_group,
-                                             TXNS_IN_FLIGHT)
-                for wave in waves:
-                    # a few transactions in flight, on disjoint pools: Python builds the next while
-                    # etcd commits one. (Were two to touch one window, only one could commit: each
-                    # compares the window's revision, the other reloads and retries.)
-                    await asyncio.gather(*(self._run_guarded(g, self._commit_grants) for g in wave))
-            for u in usages:
-                await self._run_guarded([u], self._commit_usage)
+    def _answer(self, item: _Item, result: Any = None, error: LeaseholdError | None = None) -> None:
+        """Settle a queued item (once) and the requests that joined it."""
+        if item.done:
+            return
+        for it in (item, *item.joiners):
+            it.done, it.result, it.error = True, result, error
+            it.wait.one_done()
+        if item.is_grant:
+            key = (item.req.region, item.req.lease_id)
+            if self._inflight.get(key) is item:
+                del self._inflight[key]
+        left = self._open[item.shard] = self._open[item.shard] - 1
+        if not left and (idle := self._idle.pop(item.shard, None)) is not None:
+            idle.set()
 
-    async def _run_guarded(self, jobs: list[Any], fn: Callable[[Any], Any]) -> None:
+    # -- committer ------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        w = self._wakeup
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _committer(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            running = len(self._running)
+            free = TXNS_IN_FLIGHT - running
+            units: list[Unit] = []
+            # group commit: with a transaction in flight, a few queued writes wait for it to finish
+            # and go out together (one transaction for many single requests); enough of them to
+            # fill a transaction go out at once, so etcd and Python work side by side
+            if self._ready and free > 0 and (not running or len(self._ready) >= BUSY_MIN_UNIT):
+                per_unit = max(MIN_UNIT, -(-len(self._ready) // free))
+                units, left = form_units(self._ready, busy=self._busy, free=free, per_unit=per_unit,
+                                         max_ops=self.store.max_txn_ops, max_bytes=self._txn_bytes,
+                                         window_bytes=self._window_size)
+                self._ready = deque(left)
+                for unit in units:
+                    task = loop.create_task(self._run_unit(unit))
+                    self._running[task] = unit
+                    self._busy |= unit.pools
+                    task.add_done_callback(self._unit_done)
+            if not units:  # nothing queued, no free slot, or every queued pool busy: wait for a change
+                self._wakeup = loop.create_future()
+                await self._wakeup
+                self._wakeup = None
+
+    def _window_size(self, pool: str) -> int:
+        return self._window_bytes.get(pool, WINDOW_BYTES)
+
+    def _unit_done(self, task: asyncio.Task[None]) -> None:
+        unit = self._running.pop(task)
+        self._busy -= unit.pools
+        self._wake()
+
+    async def _run_unit(self, unit: Unit) -> None:
+        items = unit.items
+        held: set[tuple[str, int]] = set()
         try:
-            await fn(jobs)
+            if unit.is_grant:
+                await self._commit_grants(items, held)
+            else:
+                await self._commit_reports(items, held)
         except asyncio.CancelledError:
-            for j in jobs:
-                if not j.fut.done():
-                    _fail(j.fut, Unavailable("allocator shutting down"))
+            for it in items:
+                self._answer(it, error=Unavailable("allocator shutting down"))
             raise
         except LeaseholdError as e:
-            for j in jobs:
-                if not j.fut.done():
-                    _fail(j.fut, e)
+            for it in items:
+                self._answer(it, error=e)
         except Exception as e:  # noqa: BLE001 - a bug must not kill the committer
             log.exception("committer error")
-            for j in jobs:
-                if not j.fut.done():
-                    _fail(j.fut, Unavailable(f"internal allocator error ({type(e).__name__})"))
+            for it in items:
+                self._answer(it, error=Unavailable(f"internal allocator error ({type(e).__name__})"))
+        finally:
+            self._held -= held
 
-    def _fence(self, epoch: int) -> Fenced:
+    def _requeue(self, items: list[_Item], txn: TxnBuilder, refusal: EtcdTxnTooLarge) -> None:
+        """etcd refused a transaction for its size: queue its items again (first, in order) for
+        smaller units. For its op count the store lowered its limit already; for its bytes the
+        unit byte budget is lowered here."""
+        if refusal.bytes_limit:
+            lowered = max(MIN_TXN_BYTES, min(self._txn_bytes, txn.request.ByteSize()) // 2)
+            if lowered < self._txn_bytes:
+                log.error("etcd refused a transaction of %d bytes (its --max-request-bytes): using %d bytes "
+                          "per transaction from now on", txn.request.ByteSize(), lowered)
+            self._txn_bytes = lowered
+        self._ready.extendleft(reversed([it for it in items if not it.done]))
+
+    # -- fencing: the one place a write is tied to its shard's epoch ----------------------------
+    def _fence_compares(self, txn: TxnBuilder, fence: dict[int, int]) -> None:
+        """``create_revision(leader key of shard) == epoch`` for each shard -> epoch a transaction
+        writes: etcd refuses the whole transaction if any of them was deposed meanwhile."""
+        for shard, epoch in fence.items():
+            txn.created_at(self.election.leader_key(shard), epoch)
+
+    def _deposed(self, fence: dict[int, int], found: dict[bytes, KV]) -> dict[int, int]:
+        """The shards (-> epoch) of ``fence`` whose leader key, read after a failed compare, no
+        longer carries the epoch (a create_revision never goes back: the epoch is gone for good)."""
+        out = {}
+        for shard, epoch in fence.items():
+            kv = found.get(self.election.leader_key(shard))
+            if kv is None or kv.create_revision != epoch:
+                out[shard] = epoch
+        return out
+
+    def _fence(self, epoch: int, shard: int = 0) -> Fenced:
         self.metrics.fenced.inc()
-        if self.election.epoch == epoch:  # not if we already lead again under a newer epoch
-            self.election.step_down(f"epoch {epoch} fenced by etcd")
-            self.invalidate()
+        if self.election.epoch_of(shard) == epoch:  # not if we already lead again under a newer epoch
+            self.election.step_down(f"epoch {epoch} fenced by etcd", shard)
+            self.invalidate(None if self.election.shards == 1 else shard)
         return Fenced(f"this replica's epoch {epoch} is no longer current; nothing was granted",
-                      extra={"epoch": epoch})
+                      extra={"epoch": epoch} if self.election.shards == 1 else {"epoch": epoch, "shard": shard})
 
+    def _fence_deposed(self, items: list[_Item], fence: dict[int, int], found: dict[bytes, KV]) -> list[_Item]:
+        """Answer the items of deposed shards ``Fenced``; the others."""
+        deposed = self._deposed(fence, found)
+        for shard, epoch in deposed.items():
+            fenced = self._fence(epoch, shard)
+            for it in items:
+                if it.shard == shard:
+                    self._answer(it, error=fenced)
+        return [it for it in items if it.shard not in deposed]
+
+    # -- window state ---------------------------------------------------------------------------
     async def _load_windows(self, wanted: set[tuple[str, int]]) -> None:
         missing = [wk for wk in wanted if wk not in self._cache]
         if not missing:
             return
-        found = await self.store.get_many([self.keys.window(*wk) for wk in missing])
-        for wk in missing:
-            kv = found.get(self.keys.window(*wk))
-            self._cache[wk] = (_Cached(policy.new_window(self.pools[wk[0]], wk[1]), 0) if kv is None else
-                               _Cached(msgspec.json.decode(kv.value, type=policy.WindowState), kv.mod_revision))
+        keys = [self.keys.window(*wk) for wk in missing]
+        found = await self.store.get_many(keys)
+        for wk, key in zip(missing, keys, strict=True):
+            self._cache[wk] = self._cached_from(wk, key, found.get(key))
+
+    def _cached_from(self, wk: tuple[str, int], key: bytes, kv: KV | None) -> _Cached:
+        if kv is None:
+            return _Cached(policy.new_window(self.pools[wk[0]], wk[1]), 0, key)
+        return _Cached(msgspec.json.decode(kv.value, type=policy.WindowState), kv.mod_revision, key)
+
+    def _drop(self, wks: Any) -> None:
+        """Forget windows a unit decided on but did not commit (their state in memory is ahead)."""
+        for wk in wks:
+            self._cache.pop(wk, None)
 
     def _record_lease_expiry(self, pool: Pool, index: int) -> int:
         return (index + 1) * pool.window_ms + max(pool.window_ms, RECORD_MIN_LINGER_MS)
 
-    async def _commit_grants(self, jobs: list[_GrantJob]) -> None:
-        pending = list(jobs)
+    async def _window_leases(self, windows: dict[tuple[str, int], _Cached], now: int) -> None:
+        """One shared etcd lease per window's records (an expiry bucket), kept on the cached
+        window until the buckets are forgotten: rarely a call."""
+        gen = self._buckets.generation
+        for wk, c in windows.items():
+            if c.lease_gen != gen:
+                expiry = self._record_lease_expiry(self.pools[wk[0]], wk[1])
+                lid = self._buckets.cached(expiry, now)
+                c.lease = lid if lid is not None else await self._buckets.lease_for(expiry, now)
+                c.lease_gen = gen
+
+    def _put_window(self, txn: TxnBuilder, wk: tuple[str, int], cached: _Cached) -> None:
+        raw = self._encode(cached.state)
+        self._window_bytes[wk[0]] = len(raw) + 2 * len(cached.key)
+        txn.put(cached.key, raw, cached.lease)
+
+    # -- grants ---------------------------------------------------------------------------------
+    async def _commit_grants(self, items: list[_Item], held: set[tuple[str, int]]) -> None:
+        pending = items
         for attempt in range(self.max_attempts):
-            # No local leadership check here: the job carries the epoch it was accepted under and
-            # etcd decides (the txn compares it). A leader resumed after a pause gets Fenced.
-            epoch = jobs[0].epoch
             now = self.clock()
-            targets: dict[int, tuple[str, int]] = {}
-            for job in list(pending):
+            targets: list[tuple[_Item, Pool, tuple[str, int]]] = []
+            for it in pending:
                 try:
-                    pool = self.pools[job.req.pool]
-                    targets[id(job)] = (pool.id, policy.target_window(pool, job.req.window, now))
+                    pool = self.pool(it.pool)  # the pool may have left the bundle since
+                    targets.append((it, pool, (pool.id, policy.target_window(pool, it.req.window, now))))
                 except LeaseholdError as e:
-                    _fail(job.fut, e)
-                    pending.remove(job)
-            if not pending:
+                    self._answer(it, error=e)
+            if not targets:
                 return
-            wanted = set(targets.values())
-            previous = {(p, k - 1) for p, k in wanted}  # read only: the regions' spend history (demand caps)
-            await self._load_windows(wanted | previous)
-            work = {wk: self._cache[wk].state.copy() for wk in wanted}
-            answers: list[tuple[_GrantJob, LeaseGrant, policy.GrantDecision]] = []
-            for job in pending:
-                r = job.req
-                wk = targets[id(job)]
-                d = policy.decide_grant(self.pools[r.pool], work[wk], region=r.region, want=r.want,
-                                        demand=r.demand, now_ms=now,
-                                        previous=self._cache[(wk[0], wk[1] - 1)].state)
-                g = LeaseGrant(lease_id=r.lease_id, pool=r.pool, region=r.region, granted=d.granted,
-                               window=d.window, expires_at_ms=d.expires_at_ms, ttl_ms=d.ttl_ms,
-                               starts_in_ms=d.starts_in_ms, epoch=epoch, issued_at_ms=now, remaining=d.remaining)
-                answers.append((job, g, d))
-            wks = list(work)
-            t = self.store.t
-            compare = [t.create(self.keys.leader) == epoch]
-            for wk in wks:
-                rev = self._cache[wk].mod_revision
-                compare.append(t.mod(self.keys.window(*wk)) == rev if rev else t.version(self.keys.window(*wk)) == 0)
-            compare += [t.version(self.keys.grant(j.req.region, j.req.lease_id)) == 0 for j in pending]
+            pending = [t[0] for t in targets]
+            wks = {t[2] for t in targets}
+            held |= wks
+            self._held |= wks
+            # the window before each one, read only: the regions' spend history (demand caps; its
+            # ``spent`` changes only with usage reports, which never share a unit with grants)
+            await self._load_windows(wks | {(p, k - 1) for p, k in wks})
+            windows = {wk: self._cache[wk] for wk in wks}
+            before = {wk: self._cache.get((wk[0], wk[1] - 1)) for wk in wks}
+            await self._window_leases(windows, now)
+            # No local leadership check here: each item carries the epoch its shard was accepted under
+            # and etcd decides (the txn compares it). A leader resumed after a pause gets Fenced.
+            fence = {it.shard: it.epoch for it in pending}  # one epoch per shard in a unit (grouping)
+            txn = TxnBuilder()
+            self._fence_compares(txn, fence)
+            for c in windows.values():
+                if c.mod_revision:
+                    txn.modified_at(c.key, c.mod_revision)
+                else:
+                    txn.absent(c.key)
+            answers: list[tuple[_Item, LeaseGrant, policy.GrantDecision]] = []
+            absent: list[bytes] = []
+            puts: list[tuple[bytes, bytes, int]] = []
+            encode, grant_key = self._encode, self.keys.grant
             try:
-                success = []
-                lids: dict[tuple[str, int], int] = {}  # one etcd lease per window's records
-                for wk in wks:
-                    lid = lids[wk] = await self._buckets.lease_for(
-                        self._record_lease_expiry(self.pools[wk[0]], wk[1]), now)
-                    success.append(t.put(self.keys.window(*wk), msgspec.json.encode(work[wk]), lease=lid))
-                encode = msgspec.json.encode
-                for job, g, _ in answers:
-                    success.append(t.put(self.keys.grant(job.req.region, job.req.lease_id),
-                                         encode(GrantRecord(grant=g, demand=job.req.demand)),
-                                         lease=lids[targets[id(job)]]))
-                ok, responses = await self.store.txn(compare, success, [])
-                if not ok:
-                    # which compare failed: read the leader, the windows and the grant records now
-                    # (building these reads into every transaction cost a third of its ops; a
-                    # conflict is rare, and what is read after it is as good to decide on: a
-                    # create_revision never goes back, and a grant record found is final)
-                    found = await self.store.get_many([self.keys.leader, *(self.keys.window(*wk) for wk in wks),
-                                                       *(self.keys.grant(j.req.region, j.req.lease_id)
-                                                         for j in pending)])
+                for it, pool, wk in targets:  # decided in place: the unit owns these windows
+                    r = it.req
+                    prev = before[wk]
+                    try:
+                        d = policy.decide_grant(pool, windows[wk].state, region=r.region, want=r.want,
+                                                demand=r.demand, now_ms=now,
+                                                previous=prev.state if prev is not None else None)
+                    except LeaseholdError as e:  # e.g. the region left the pool in a new bundle
+                        self._answer(it, error=e)
+                        continue
+                    g = LeaseGrant(lease_id=r.lease_id, pool=r.pool, region=r.region, granted=d.granted,
+                                   window=d.window, expires_at_ms=d.expires_at_ms, ttl_ms=d.ttl_ms,
+                                   starts_in_ms=d.starts_in_ms, epoch=it.epoch, issued_at_ms=now,
+                                   remaining=d.remaining)
+                    key = grant_key(r.region, r.lease_id)
+                    absent.append(key)
+                    puts.append((key, encode(GrantRecord(grant=g, demand=r.demand)), windows[wk].lease))
+                    answers.append((it, g, d))
+                if not answers:
+                    self._drop(wks)
+                    return
+                txn.absent_many(absent)
+                txn.put_many(puts)
+                for wk, c in windows.items():
+                    self._put_window(txn, wk, c)
+            except BaseException:
+                self._drop(wks)
+                raise
+            pending = [a[0] for a in answers]
+            try:
+                res = await self.store.commit(txn)
             except EtcdLeaseMissing:
+                self._drop(wks)
                 self._buckets.forget()
                 self.metrics.txn_retries.labels("grant").inc()
                 continue
-            except LeaseholdError:
-                for wk in wks:  # the outcome may be unknown: reload before the next use
-                    self._cache.pop(wk, None)
+            except EtcdTxnTooLarge as e:
+                self._drop(wks)
+                if len(pending) == 1:
+                    raise
+                self._requeue(pending, txn, e)
+                return
+            except BaseException:
+                self._drop(wks)  # the outcome may be unknown: reload before the next use
                 raise
-            if ok:
-                rev = txn_revision(responses)
-                for wk in wks:
-                    self._cache[wk] = _Cached(work[wk], rev)
+            if res.succeeded:
+                for wk, c in windows.items():
+                    c.mod_revision = res.revision
+                    self._cache[wk] = c  # (again, if a leadership change dropped it meanwhile)
                 self.metrics.txn_grants.observe(len(answers))
-                for job, g, d in answers:
+                for it, g, d in answers:
                     self._count_grant(g, d)
-                    _settle(job.fut, g)
+                    self._answer(it, g)
+                for wk, c in windows.items():  # the window's fill after the unit's last decision
+                    pool = self.pools.get(wk[0])
+                    if pool is not None:
+                        self.metrics.note_grant_window(wk[0], policy.window_ref(wk[1], pool.window_ms), pool.limit,
+                                                       c.state.remaining)
                 self._prune_cache(now)
                 return
-            # -- a compare failed: find out which --------------------------------------------------
+            # -- a compare failed: find out which (reads after it are as good to decide on: a
+            # create_revision never goes back, and a grant record found is final) -----------------
+            self._drop(wks)
             self.metrics.txn_conflicts.labels("grant").inc()
-            leader = found.get(self.keys.leader)
-            if leader is None or leader.create_revision != epoch:
-                raise self._fence(epoch)
+            found = await self.store.get_many([*(self.election.leader_key(s) for s in fence),
+                                               *(self.keys.window(*wk) for wk in wks),
+                                               *(grant_key(it.req.region, it.req.lease_id) for it in pending)])
+            pending = self._fence_deposed(pending, fence, found)
             for wk in wks:
-                kv = found.get(self.keys.window(*wk))
-                self._cache[wk] = (_Cached(msgspec.json.decode(kv.value, type=policy.WindowState), kv.mod_revision)
-                                   if kv is not None else _Cached(policy.new_window(self.pools[wk[0]], wk[1]), 0))
-            for job in list(pending):
-                kv = found.get(self.keys.grant(job.req.region, job.req.lease_id))
+                key = self.keys.window(*wk)
+                self._cache[wk] = self._cached_from(wk, key, found.get(key))
+            for it in list(pending):
+                kv = found.get(grant_key(it.req.region, it.req.lease_id))
                 if kv is not None:
-                    pending.remove(job)
-                    self._answer_replay(job, kv.value)
+                    pending.remove(it)
+                    self._answer_replay(it, kv.value)
             if not pending:
                 return
             self.metrics.txn_retries.labels("grant").inc()
@@ -413,32 +709,29 @@ class Engine:
         raise Unavailable(f"lease grant not committed after {self.max_attempts} conflicting attempts; retry",
                           extra={"attempts": self.max_attempts})
 
-    def _answer_replay(self, job: _GrantJob, raw: bytes) -> None:
+    def _answer_replay(self, item: _Item, raw: bytes) -> None:
         rec = msgspec.json.decode(raw, type=GrantRecord)
         try:
-            _check_same(rec.grant.pool, rec.grant.region, job.req)
+            _check_same(rec.grant.pool, rec.grant.region, item.req)
         except Conflict as e:
-            _fail(job.fut, e)
+            self._answer(item, error=e)
             return
         self.metrics.replays.labels(rec.grant.pool).inc()
-        _settle(job.fut, policy.replay_view(rec.grant, self.clock()))
+        self._answer(item, policy.replay_view(rec.grant, self.clock()))
 
     def _count_grant(self, g: LeaseGrant, d: policy.GrantDecision) -> None:
         if g.granted:
-            children = self._grant_counters.get((g.pool, g.region))
-            if children is None:  # labels() validates and locks: resolve once per (pool, region)
-                region = self.metrics.region(g.region)
-                children = self._grant_counters.put((g.pool, g.region), (
-                    self.metrics.grants.labels(g.pool, region), self.metrics.granted_tokens.labels(g.pool, region)))
-            children[0].inc()
-            children[1].inc(g.granted)
+            counts = self._granted.get((g.pool, g.region))
+            if counts is None:
+                if len(self._granted) >= 100_000:
+                    self.flush_metrics()
+                counts = self._granted[(g.pool, g.region)] = [0, 0]
+            counts[0] += 1
+            counts[1] += g.granted
         else:
             self.metrics.empty_grants.labels(g.pool, self.metrics.region(g.region)).inc()
         if d.exhausted_now:
             self.metrics.exhaustions.labels(g.pool).inc()
-        pool = self.pools.get(g.pool)
-        if pool is not None:
-            self.metrics.note_grant_window(g.pool, d.window, pool.limit, d.remaining)
 
     def _prune_cache(self, now: int) -> None:
         """Forget windows that ended more than one window ago; count their unreported tokens.
@@ -448,117 +741,123 @@ class Engine:
             return
         self._last_prune_ms = now
         for wk in [wk for wk in self._cache
-                   if (wk[1] + 2) * self.pools[wk[0]].window_ms < now]:
+                   if wk[0] not in self.pools or (wk[1] + 2) * self.pools[wk[0]].window_ms < now]:
+            if wk in self._held:
+                continue  # a unit in flight decides on it
             cached = self._cache.pop(wk)
             if cached.mod_revision:
                 for region, tokens in policy.unreported_tokens(cached.state).items():
                     self.metrics.unreported_tokens.labels(wk[0], self.metrics.region(region)).inc(tokens)
 
-    async def _commit_usage(self, jobs: list[_UsageJob]) -> None:
-        (job,) = jobs
-        rep = job.report
-        pool = self.pool(rep.pool)
+    # -- usage reports --------------------------------------------------------------------------
+    async def _commit_reports(self, items: list[_Item], held: set[tuple[str, int]]) -> None:
+        """Reports of one unit: one read of their grant records, one transaction (fenced like a
+        grant; each record's mod_revision as read, each window's) for all of them."""
+        pending = items
         for _attempt in range(self.max_attempts):
-            epoch = job.epoch
-            gkey = self.keys.grant(rep.region, rep.lease_id)
-            gkv = await self.store.get(gkey)
-            if gkv is None:
-                raise NotFound(f"no lease {rep.lease_id!r} for region {rep.region!r}")
-            rec = msgspec.json.decode(gkv.value, type=GrantRecord)
-            if rec.grant.pool != rep.pool:  # the region's own lease: naming its pool tells it nothing new
-                raise Conflict(f"lease {rep.lease_id!r} belongs to pool {rec.grant.pool!r}, not {rep.pool!r}")
-            if rec.reported:
-                _settle(job.fut, _receipt(rec, replayed=True))
-                return
+            keys = [self.keys.grant(it.req.region, it.req.lease_id) for it in pending]
+            found = await self.store.get_many(keys)
             now = self.clock()
-            d = policy.decide_reclaim(granted=rec.grant.granted, spent=rep.spent,
-                                      expires_at_ms=rec.grant.expires_at_ms,
-                                      window_end_ms=rec.grant.window.end_ms, now_ms=now,
-                                      closed_early=rep.closed_early)
-            wk = (pool.id, rec.grant.window.index)
-            t = self.store.t
-            compare = [t.create(self.keys.leader) == epoch, t.mod(gkey) == gkv.mod_revision]
-            success = []
-            new_state: policy.WindowState | None = None
-            returned, stranded, window_open = d.returned, d.stranded, d.window_open
-            if rec.grant.granted > 0:
-                await self._load_windows({wk})
-                cached = self._cache[wk]
-                if cached.mod_revision == 0:  # the window's key is gone: nothing to return to
-                    returned, stranded = 0, d.returned + d.stranded
-                else:
-                    new_state = cached.state.copy()
-                    policy.apply_reclaim(new_state, rep.region, returned, rec.grant.granted, rep.spent)
-                    lid = await self._buckets.lease_for(self._record_lease_expiry(pool, wk[1]), now)
-                    compare.append(t.mod(self.keys.window(*wk)) == cached.mod_revision)
-                    success.append(t.put(self.keys.window(*wk), msgspec.json.encode(new_state), lease=lid))
-            new = msgspec.structs.replace(rec, reported=True, spent=rep.spent, returned=returned,
-                                          stranded=stranded, window_open=window_open)
-            success.append(t.put(gkey, msgspec.json.encode(new), lease=gkv.lease or None))
+            todo: list[tuple[_Item, bytes, KV, GrantRecord, policy.ReclaimDecision]] = []
+            for it, key in zip(pending, keys, strict=True):
+                rep: UsageReport = it.req
+                kv = found.get(key)
+                if kv is None:
+                    self._answer(it, error=NotFound(f"no lease {rep.lease_id!r} for region {rep.region!r}"))
+                    continue
+                rec = msgspec.json.decode(kv.value, type=GrantRecord)
+                if rec.grant.pool != rep.pool:  # the region's own lease: naming its pool tells it nothing new
+                    self._answer(it, error=Conflict(f"lease {rep.lease_id!r} belongs to pool {rec.grant.pool!r}, "
+                                                    f"not {rep.pool!r}"))
+                    continue
+                if rec.reported:
+                    self._answer(it, _receipt(rec, replayed=True))
+                    continue
+                try:
+                    d = policy.decide_reclaim(granted=rec.grant.granted, spent=rep.spent,
+                                              expires_at_ms=rec.grant.expires_at_ms,
+                                              window_end_ms=rec.grant.window.end_ms, now_ms=now,
+                                              closed_early=rep.closed_early)
+                except LeaseholdError as e:
+                    self._answer(it, error=e)
+                    continue
+                todo.append((it, key, kv, rec, d))
+            if not todo:
+                return
+            pending = [t[0] for t in todo]
+            wks = {(rec.grant.pool, rec.grant.window.index) for _, _, _, rec, _ in todo if rec.grant.granted > 0}
+            held |= wks
+            self._held |= wks
+            await self._load_windows(wks)
+            # a window's key may be gone (expired): nothing is returned to it
+            windows = {wk: self._cache[wk] for wk in wks if self._cache[wk].mod_revision}
+            await self._window_leases(windows, now)
+            fence = {it.shard: it.epoch for it in pending}
+            txn = TxnBuilder()
+            self._fence_compares(txn, fence)
+            for c in windows.values():
+                txn.modified_at(c.key, c.mod_revision)
+            receipts: list[tuple[_Item, GrantRecord]] = []
             try:
-                ok, responses = await self.store.txn(compare, success, [t.get(self.keys.leader)])
+                for it, key, kv, rec, d in todo:
+                    rep = it.req
+                    returned, stranded = d.returned, d.stranded
+                    wk = (rec.grant.pool, rec.grant.window.index)
+                    if rec.grant.granted > 0:
+                        if wk in windows:
+                            policy.apply_reclaim(windows[wk].state, rep.region, returned, rec.grant.granted,
+                                                 rep.spent)
+                        else:  # the window's key is gone: nothing to return to
+                            returned, stranded = 0, d.returned + d.stranded
+                    new = msgspec.structs.replace(rec, reported=True, spent=rep.spent, returned=returned,
+                                                  stranded=stranded, window_open=d.window_open)
+                    txn.modified_at(key, kv.mod_revision)
+                    txn.put(key, self._encode(new), kv.lease)
+                    receipts.append((it, new))
+                for wk, c in windows.items():
+                    self._put_window(txn, wk, c)
+            except BaseException:
+                self._drop(wks)
+                raise
+            try:
+                res = await self.store.commit(txn)
             except EtcdLeaseMissing:
+                self._drop(wks)
                 self._buckets.forget()
                 continue
-            except LeaseholdError:
-                self._cache.pop(wk, None)
-                raise
-            if ok:
-                if new_state is not None:
-                    self._cache[wk] = _Cached(new_state, txn_revision(responses))
-                if returned:
-                    self.metrics.reclaimed_tokens.labels(pool.id, self.metrics.region(rep.region)).inc(returned)
-                if stranded:
-                    self.metrics.stranded_tokens.labels(pool.id, self.metrics.region(rep.region)).inc(stranded)
-                _settle(job.fut, _receipt(new, replayed=False))
+            except EtcdTxnTooLarge as e:
+                self._drop(wks)
+                if len(pending) == 1:
+                    raise
+                self._requeue(pending, txn, e)
                 return
+            except BaseException:
+                self._drop(wks)
+                raise
+            if res.succeeded:
+                for wk, c in windows.items():
+                    c.mod_revision = res.revision
+                    self._cache[wk] = c
+                for it, new in receipts:
+                    pool, region = new.grant.pool, self.metrics.region(new.grant.region)
+                    if new.returned:
+                        self.metrics.reclaimed_tokens.labels(pool, region).inc(new.returned)
+                    if new.stranded:
+                        self.metrics.stranded_tokens.labels(pool, region).inc(new.stranded)
+                    self._answer(it, _receipt(new, replayed=False))
+                return
+            self._drop(wks)
             self.metrics.txn_conflicts.labels("usage").inc()
-            leader = range_kvs(responses[0])
-            if not leader or leader[0].create_revision != epoch:
-                raise self._fence(epoch)
-            self._cache.pop(wk, None)
+            found = await self.store.get_many([self.election.leader_key(s) for s in fence])
+            pending = self._fence_deposed(pending, fence, found)
+            if not pending:
+                return
             self.metrics.txn_retries.labels("usage").inc()
         raise Unavailable(f"usage report not committed after {self.max_attempts} conflicting attempts; retry")
 
 
-def pool_disjoint_groups(jobs: list[_GrantJob], max_group: int, per_wave: int) -> list[list[list[_GrantJob]]]:
-    """Split grant jobs into transactions of at most ``max_group`` and those into waves of at
-    most ``per_wave`` transactions whose pools are disjoint (so they can commit concurrently
-    without conflicting on a window). Queue order is kept within a pool."""
-    by_pool: dict[str, list[_GrantJob]] = {}
-    for j in jobs:
-        by_pool.setdefault(j.req.pool, []).append(j)
-    chunks = [b[i:i + max_group] for b in by_pool.values() for i in range(0, len(b), max_group)]
-    waves: list[list[list[_GrantJob]]] = []
-    current: list[list[_GrantJob]] = []
-    pools_in_wave: set[str] = set()
-    group: list[_GrantJob] = []
-    for chunk in chunks:
-        pool = chunk[0].req.pool
-        if pool in pools_in_wave or len(group) + len(chunk) > max_group:
-            if group:
-                current.append(group)
-                group = []
-            if pool in pools_in_wave or len(current) >= per_wave:
-                waves.append(current)
-                current, pools_in_wave = [], set()
-        group += chunk
-        pools_in_wave.add(pool)
-    if group:
-        current.append(group)
-    if current:
-        waves.append(current)
-    return waves
-
-
-def _settle(fut: asyncio.Future[Any], result: Any) -> None:
-    if not fut.done():
-        fut.set_result(result)
-
-
-def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
+def _lease_error(lease_id: str, e: LeaseholdError) -> LeaseError:
+    return LeaseError(lease_id=lease_id, status=e.status, code=e.code, detail=e.detail)
 
 
 def _receipt(rec: GrantRecord, *, replayed: bool) -> UsageReceipt:

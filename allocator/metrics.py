@@ -66,6 +66,7 @@ class AllocatorMetrics:
 
     def __init__(self) -> None:
         self._regions: set[str] = set()
+        self._flushers: list[Callable[[], None]] = []  # counts kept outside the registry, moved in at render
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.grants = Counter("leasehold_allocator_grants_total", "Lease grants committed (new, not replays)",
                               ["pool", "region"], registry=r)
@@ -93,12 +94,17 @@ class AllocatorMetrics:
         self.txn_retries = Counter("leasehold_allocator_txn_retries_total",
                                    "Transaction attempts retried after a conflict", ["kind"], registry=r)
         self.txn_grants = Histogram("leasehold_allocator_grants_per_txn", "Grants carried by one transaction",
-                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
         self.leader_changes = Counter("leasehold_allocator_leader_changes_total",
                                       "Leadership changes observed by this replica", registry=r)
         self.is_leader = Gauge("leasehold_allocator_is_leader", "1 while this replica leads", registry=r)
         self.epoch = Gauge("leasehold_allocator_epoch", "Epoch of the leader this replica knows (0 = none)",
                            registry=r)
+        self.shards_led = Gauge("leasehold_allocator_shards_led",
+                                "Shards of leadership this replica leads and accepts writes for", registry=r)
+        self.shard_changes = Counter("leasehold_allocator_shard_changes_total",
+                                     "Shards this replica started (acquired) or stopped (released) leading",
+                                     ["event"], registry=r)
         self.fenced = Counter("leasehold_allocator_fenced_total", "Writes refused by the epoch compare",
                               registry=r)
         self.pool_limit = Gauge("leasehold_allocator_pool_limit_tokens", "G: a pool's tokens per window",
@@ -108,6 +114,10 @@ class AllocatorMetrics:
         self.pool_fallback = Gauge("leasehold_allocator_pool_fallback_per_region_tokens",
                                    "A pool's fallback allowance per region and window (the overshoot term)",
                                    ["pool"], registry=r)
+        self.compactions = Counter("leasehold_allocator_etcd_compactions_total",
+                                   "etcd history compactions done by this replica", registry=r)
+        self.compacted_revision = Gauge("leasehold_allocator_etcd_compacted_revision",
+                                        "The revision this replica last compacted etcd's history to", registry=r)
         self.policy_reloads, self.policy_version, self.policy_age = policy_metrics(
             "allocator", r, offered="from etcd", age="Seconds since the policy key was last read from etcd")
         self.window_fill = WindowFill()
@@ -145,5 +155,20 @@ class AllocatorMetrics:
         if epoch is not None:
             self.epoch.set(epoch)
 
+    def on_shard_change(self, leading: bool, led: int, shard0_epoch: int | None) -> None:
+        """A sharded replica acquired or released one shard; ``led``: shards it leads now."""
+        self.shard_changes.labels("acquired" if leading else "released").inc()
+        self.shards_led.set(led)
+        self.is_leader.set(1 if led else 0)
+        if shard0_epoch is not None:
+            self.epoch.set(shard0_epoch)
+
+    def add_flush(self, fn: Callable[[], None]) -> None:
+        """``fn`` moves counts kept elsewhere (the engine's per-grant tallies) into the metrics;
+        it runs before every render."""
+        self._flushers.append(fn)
+
     def render(self) -> bytes:
+        for fn in self._flushers:
+            fn()
         return generate_latest(self.registry)

@@ -166,6 +166,8 @@ def fair_share(state: WindowState, pool: Pool, region: str, now_ms: int) -> int 
     """When the pool runs low (remaining < chunkMax x active regions), the region's share of
     what is left, weighted by the active regions' demand (1 at least while anything remains).
     ``None`` when the pool is not low (no fairness cap)."""
+    if state.remaining >= pool.chunk_max * max(1, len(state.active)):
+        return None  # not low even if every region ever active still were (the common case: no scan)
     active = active_regions(state, pool, now_ms)
     if state.remaining >= pool.chunk_max * max(1, len(active)):
         return None
@@ -196,7 +198,11 @@ def decide_grant(pool: Pool, state: WindowState, *, region: str, want: int, dema
         raise ValueError(f"window state of pool {state.pool!r} used for pool {pool.id!r}")
     demand = credible_demand(pool, state, previous, region=region, demand=demand, now_ms=now_ms)
     ref, expires, ttl, starts_in = lease_times(pool, state.index, now_ms)
-    state.active[region] = RegionActivity(last_ms=now_ms, demand=demand)
+    activity = state.active.get(region)
+    if activity is None:
+        state.active[region] = RegionActivity(last_ms=now_ms, demand=demand)
+    else:  # updated in place (the committer decides on the cached state itself)
+        activity.last_ms, activity.demand = now_ms, demand
     give = min(want, demand_chunk(pool, demand), state.remaining)
     share = fair_share(state, pool, region, now_ms)
     if share is not None:

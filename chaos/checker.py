@@ -13,7 +13,8 @@ Which records feed which check:
   own per-window records (``etcd_window``);
 * no double grant: every sighting (``grant`` and ``etcd_grant``);
 * no stale-epoch commit: ``etcd_grant`` (mod revisions) against ``leader`` records and every
-  epoch seen; no stale-epoch accept: the regions' ``grant`` records in receipt order;
+  epoch seen; no stale-epoch accept: the regions' ``grant`` records in receipt order; both per
+  shard of allocator leadership when the ``meta`` record says the run was sharded;
 * spend within grant / no spend after expiry: lease spends of allowed ``decision`` records
   (plus ``spend_close`` totals for the former);
 * admitted within bound and utilisation: ``decision`` records, with the pools in force from the
@@ -46,6 +47,7 @@ from chaos.invariants import (
 )
 from kernel.bound import Faults, Topology
 from kernel.bundle import Bundle, Pool
+from kernel.shards import shard_of
 
 from .history import (
     DecisionRec,
@@ -54,6 +56,7 @@ from .history import (
     Fault,
     Grant,
     Leader,
+    Meta,
     Record,
     SpendClose,
     TopologyRec,
@@ -200,6 +203,8 @@ def check(history: str | Path | Iterable[Record], pools: Bundle | Iterable[Pool 
     closes = [r for r in records if isinstance(r, SpendClose)]
     leaders = [r for r in records if isinstance(r, Leader)]
     faults = [r for r in records if isinstance(r, Fault)]
+    shards = max([r.shards for r in records if isinstance(r, Meta)], default=1)
+    shard_fn = (lambda pool: shard_of(pool, shards)) if shards > 1 else None
     topo = next((r for r in records if isinstance(r, TopologyRec)), None)
     offsets = allocator_offsets(topo)
     window_ms = {p.id: p.window_ms for p in policies}
@@ -224,9 +229,9 @@ def check(history: str | Path | Iterable[Record], pools: Bundle | Iterable[Pool 
     add("window_states_within_limit", inv.window_states_within_limit(etcd_windows, policies),
         checked=bool(etcd_windows), note="" if etcd_windows else "no etcd window records read back")
     add("no_double_grant", inv.no_double_grant(all_grants), checked=bool(all_grants))
-    add("no_stale_epoch_commit", inv.no_stale_epoch_commit(stored, [to_leader_term(x) for x in leaders]),
+    add("no_stale_epoch_commit", inv.no_stale_epoch_commit(stored, [to_leader_term(x) for x in leaders], shard_fn),
         checked=bool(stored), note="" if stored else "needs etcd records with revisions")
-    add("no_stale_epoch_accept", inv.no_stale_epoch_accept(received), checked=bool(received))
+    add("no_stale_epoch_accept", inv.no_stale_epoch_accept(received, shard_fn), checked=bool(received))
     spend_viol = inv.lease_spend_within_grant(timed_spends, all_grants)
     close_viol = [Violation(v.invariant, "closing report: " + v.detail, v.pool, v.window_index, v.lease_id,
                             v.observed, v.bound)

@@ -1,7 +1,8 @@
 """Read the allocator's own records back from etcd after a run, as history records.
 
 Adapter: uses the allocator's etcd client and key layout (``<prefix>grants/<region>/<leaseId>``,
-``<prefix>pools/<pool>/<k>``, ``<prefix>leader``) and its stored types, so the checker judges
+``<prefix>pools/<pool>/<k>``, ``<prefix>leader`` or, sharded, ``<prefix>leader/<shard>``) and
+its stored types, so the checker judges
 exactly what the allocator committed. A grant's commit revision is its record's
 ``create_revision``: a later usage report rewrites the record (new mod_revision) under the
 then-current leader, which says nothing about when the grant itself committed.
@@ -34,6 +35,26 @@ def grant_from_kv(value: bytes, create_revision: int, mod_revision: int, key: by
                      spent=rec.spent if rec.reported else None, returned=rec.returned)
 
 
+def leader_from_kv(value: bytes, create_revision: int, shard: int = 0) -> Leader:
+    try:
+        node = msgspec.json.decode(value, type=LeaderRecord).node_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        node = None
+    return Leader(epoch=create_revision, node=node, observed_at_ms=now_ms(), shard=shard)
+
+
+async def read_leaders(store: EtcdStore, prefix: str = "/leasehold/") -> list[Leader]:
+    """The current leader of every shard of allocator leadership (unsharded: the one leader), in
+    one etcd snapshot; empty while no leader is elected."""
+    _rev, (sharded, single) = await store.read_prefixes([f"{prefix}leader/".encode()], [Keys(prefix).leader])
+    out = [leader_from_kv(kv.value, kv.create_revision) for kv in single]
+    for kv in sharded:
+        tail = kv.key.rsplit(b"/", 1)[1]
+        if tail.isdigit():
+            out.append(leader_from_kv(kv.value, kv.create_revision, int(tail)))
+    return out
+
+
 def window_from_kv(value: bytes, mod_revision: int, key: bytes = b"") -> EtcdWindow:
     try:
         w = msgspec.json.decode(value, type=WindowState)
@@ -59,18 +80,13 @@ async def read_back(endpoints: str | Sequence[str], prefix: str = "/leasehold/",
             out.append(grant_from_kv(kv.value, kv.create_revision, kv.mod_revision, kv.key))
         for kv in await store.get_prefix(f"{prefix}pools/".encode()):
             out.append(window_from_kv(kv.value, kv.mod_revision, kv.key))
-        leader = await store.get(keys.leader)
+        leaders = await read_leaders(store, prefix)
         for _ in range(int(leader_wait_s / 0.25)):  # an election may be under way right after a fault
-            if leader is not None:
+            if leaders:
                 break
             await asyncio.sleep(0.25)
-            leader = await store.get(keys.leader)
-        if leader is not None:
-            try:
-                node = msgspec.json.decode(leader.value, type=LeaderRecord).node_id
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                node = None
-            out.append(Leader(epoch=leader.create_revision, node=node, observed_at_ms=now_ms()))
+            leaders = await read_leaders(store, prefix)
+        out += leaders
     finally:
         await store.close()
     return out

@@ -144,6 +144,7 @@ class Leader(_Rec, tag="leader"):
     epoch: int
     node: str | None
     observed_at_ms: int  # recorder clock
+    shard: int = 0  # the shard of allocator leadership (0: unsharded)
 
 
 class Policy(_Rec, tag="policy"):
@@ -160,6 +161,7 @@ class Meta(_Rec, tag="meta"):
     started_at_ms: int
     duration_s: float | None = None
     note: str = ""
+    shards: int = 1  # shards of allocator leadership in the run (epochs are compared per shard)
 
 
 class TopologyRec(_Rec, tag="topology"):
@@ -318,7 +320,8 @@ def to_window_state(w: EtcdWindow) -> WindowStateRecord:
 
 
 def to_leader_term(rec: Leader) -> LeaderTerm:
-    return LeaderTerm(epoch=rec.epoch, elected_revision=rec.epoch, elected_at_ms=rec.observed_at_ms, node=rec.node)
+    return LeaderTerm(epoch=rec.epoch, elected_revision=rec.epoch, elected_at_ms=rec.observed_at_ms, node=rec.node,
+                      shard=rec.shard)
 
 
 def policies_from(recs: Iterable[Record]) -> list[PoolPolicy]:

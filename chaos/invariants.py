@@ -16,6 +16,10 @@ Clocks. Every timestamp says which clock it is on:
 
 Windows: ``index = floor(t_ms / windowMs)`` on the allocator clock; a record carries the
 window index it was granted or admitted for, so no check re-derives it from a skewed clock.
+
+Epochs belong to a shard of allocator leadership (one shard, every pool, unless the allocator
+is sharded): the epoch checks take ``shard_of`` (pool -> shard) and compare epochs only within
+a shard; without it every pool is in one shard, as in an unsharded deployment.
 """
 
 from __future__ import annotations
@@ -132,6 +136,7 @@ class LeaderTerm(Struct, frozen=True):
     elected_revision: int | None = None
     elected_at_ms: int | None = None
     node: str | None = None
+    shard: int = 0  # the shard of leadership it leads (0: unsharded)
 
 
 class SpendRecord(Struct, frozen=True):
@@ -325,25 +330,38 @@ def no_double_grant(grants: Iterable[GrantSighting]) -> list[Violation]:
     return out
 
 
-def no_stale_epoch_commit(grants: Iterable[GrantSighting], leader_terms: Iterable[LeaderTerm]) -> list[Violation]:
+ShardOf = Callable[[str], int]
+
+
+def _one_shard(_pool: str) -> int:
+    return 0
+
+
+def no_stale_epoch_commit(grants: Iterable[GrantSighting], leader_terms: Iterable[LeaderTerm],
+                          shard_of: ShardOf | None = None) -> list[Violation]:
     """Invariant 4 (allocator side): no grant committed with epoch e after a newer epoch e' > e
-    was elected. Compared by etcd revision: the grant's ``commit_revision`` (its record's
-    mod_revision, read back from etcd) against the term's ``elected_revision``. Epochs are
-    create_revisions, so every epoch seen on any grant is also a term elected at that
+    of the same shard was elected. Compared by etcd revision: the grant's ``commit_revision``
+    (its record's mod_revision, read back from etcd) against the term's ``elected_revision``.
+    Epochs are create_revisions, so every epoch seen on any grant is also a term elected at that
     revision. Grants without a commit revision are not judged here (wall-clock times cannot
     order a commit against an election); :func:`acknowledged_grants_persisted` ties what
     regions received to etcd's records, which carry revisions."""
-    terms: dict[int, LeaderTerm] = {}
+    shard_of = shard_of or _one_shard
+    terms: dict[tuple[int, int], LeaderTerm] = {}
     grants = list(grants)
     for t in leader_terms:
-        prev = terms.get(t.epoch)
+        prev = terms.get((t.shard, t.epoch))
         if prev is None or (prev.elected_revision is None and t.elected_revision is not None):
-            terms[t.epoch] = t
-    for g in grants:  # an epoch is its election key's create_revision
-        terms.setdefault(g.epoch, LeaderTerm(epoch=g.epoch, elected_revision=g.epoch))
+            terms[(t.shard, t.epoch)] = t
+    for g in grants:  # an epoch is its shard's election key's create_revision
+        shard = shard_of(g.pool)
+        terms.setdefault((shard, g.epoch), LeaderTerm(epoch=g.epoch, elected_revision=g.epoch, shard=shard))
+    by_shard: dict[int, list[LeaderTerm]] = defaultdict(list)
+    for (shard, _e), t in terms.items():
+        by_shard[shard].append(t)
     out: list[Violation] = []
     for g in _unique(grants):
-        for t in terms.values():
+        for t in by_shard[shard_of(g.pool)]:
             if t.epoch <= g.epoch:
                 continue
             if (g.commit_revision is not None and t.elected_revision is not None
@@ -356,15 +374,17 @@ def no_stale_epoch_commit(grants: Iterable[GrantSighting], leader_terms: Iterabl
     return out
 
 
-def no_stale_epoch_accept(received: Sequence[GrantSighting]) -> list[Violation]:
-    """Invariant 4 (region side): per region, in receipt order (``received_at_ms``), no
-    accepted grant carries an epoch older than one that region already accepted."""
-    by_region: dict[str, list[GrantSighting]] = defaultdict(list)
+def no_stale_epoch_accept(received: Sequence[GrantSighting], shard_of: ShardOf | None = None) -> list[Violation]:
+    """Invariant 4 (region side): per region (and shard of leadership), in receipt order
+    (``received_at_ms``), no accepted grant carries an epoch older than one that region already
+    accepted."""
+    shard_of = shard_of or _one_shard
+    by_region: dict[tuple[str, int], list[GrantSighting]] = defaultdict(list)
     for g in received:
         if g.accepted and g.received_at_ms is not None:
-            by_region[g.region].append(g)
+            by_region[(g.region, shard_of(g.pool))].append(g)
     out: list[Violation] = []
-    for region, gs in sorted(by_region.items()):
+    for (region, _shard), gs in sorted(by_region.items()):
         gs.sort(key=lambda g: g.received_at_ms or 0)
         newest = None
         for g in gs:

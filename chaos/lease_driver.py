@@ -63,6 +63,11 @@ class LeaseDriver:
         self._max_epoch = 0
         self._n = 0
         self._accepted: list[tuple[dict, Grant]] = []  # (request, grant) of accepted grants, bounded
+        self._stopped = False
+
+    def stop(self) -> None:
+        """End :meth:`run` after the request in flight (and the pending replays)."""
+        self._stopped = True
 
     def _lease_id(self) -> str:
         self._n += 1
@@ -74,7 +79,7 @@ class LeaseDriver:
         replays: list[asyncio.Task] = []
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers) as client:
-            while time.monotonic() < deadline and self.stats.requests < max_requests:
+            while time.monotonic() < deadline and self.stats.requests < max_requests and not self._stopped:
                 lease_id = self._lease_id()
                 body = {"leaseId": lease_id, "region": self.region, "pool": self.pool, "want": self.want}
                 grant = await self._ask(client, body, source="region")

@@ -30,7 +30,7 @@ from kernel.policy_store import PolicyStore
 from . import bundles
 from .checker import Report, check
 from .etcd_records import read_back
-from .history import Counters, Fault, HistoryWriter, Leader, Meta, Policy, TopologyRec, now_ms, read_history
+from .history import Counters, Fault, HistoryWriter, Meta, Policy, TopologyRec, now_ms, read_history
 from .lease_driver import DriverStats, LeaseDriver
 from .load import CounterSampler, LeasePoller, LoadGen
 from .nemesis import Nemesis, Schedule, Step
@@ -96,24 +96,38 @@ def _line(out: TextIO, text: str) -> None:
 
 
 async def _watch_leaders(ctx: RunContext, stop: asyncio.Event) -> None:
-    """Record every new leader, and every change of the leader key's state (present with an epoch,
-    absent, or unreadable: no etcd quorum) as a ``counters`` sample of ``leader-key``, so a run
-    shows when the allocators had no leader."""
+    """Record every leader term (of every shard when the allocator is sharded; ``ctx.leaders``
+    follows the leader of shard 0, the only one when unsharded), and every change of shard 0's
+    leader key state (present with an epoch, absent, or unreadable: no etcd quorum; sharded, also
+    how many shards have a leader) as a ``counters`` sample of ``leader-key``, so a run shows when
+    the allocators had no leader."""
+    seen: set[tuple[int, int]] = set()
     last: dict[str, float] | None = None
-    while not stop.is_set():
-        key = await ctx.topo.leader_key()
-        cur = key if isinstance(key, tuple) else None
-        if cur is not None and (not ctx.leaders or ctx.leaders[-1][0] != cur[0]):
-            ctx.leaders.append(cur)
-            ctx.history.write(Leader(epoch=cur[0], node=cur[1], observed_at_ms=now_ms()))
-        # present: 1 with the epoch, 0 absent, -1 unknown (etcd had no quorum for the read)
-        state = ({"epoch": float(cur[0]), "present": 1.0} if cur is not None
-                 else {"present": 0.0 if key == "absent" else -1.0})
-        if state != last:
-            last = state
-            ctx.history.write(Counters(service="leader-key", at_ms=now_ms(), values=state))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.5)
+    assert ctx.topo.etcd is not None
+    store = EtcdStore(ctx.topo.etcd.endpoints, timeout_s=2.0)  # one client for the run, not one per poll
+    try:
+        while not stop.is_set():
+            leaders = await ctx.topo.leader_state(store)
+            for rec in leaders or ():
+                if (rec.shard, rec.epoch) in seen:
+                    continue
+                seen.add((rec.shard, rec.epoch))
+                ctx.history.write(rec)
+                if rec.shard == 0 and (not ctx.leaders or ctx.leaders[-1][0] != rec.epoch):
+                    ctx.leaders.append((rec.epoch, rec.node))
+            # present: 1 with the epoch, 0 absent, -1 unknown (etcd had no quorum for the read)
+            first = next((r for r in leaders or () if r.shard == 0), None)
+            state = ({"epoch": float(first.epoch), "present": 1.0} if first is not None
+                     else {"present": 0.0 if leaders is not None else -1.0})
+            if leaders is not None and ctx.topo.spec.shards > 1:
+                state["shardsLed"] = float(len({r.shard for r in leaders}))
+            if state != last:
+                last = state
+                ctx.history.write(Counters(service="leader-key", at_ms=now_ms(), values=state))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5 if ctx.topo.spec.shards == 1 else 0.25)
+    finally:
+        await store.close()
 
 
 async def _live(ctx: RunContext, out: TextIO, stop: asyncio.Event, t0: float) -> None:
@@ -178,7 +192,7 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
     history = HistoryWriter(out_dir / "history.jsonl")
     initial = PoolPolicy.from_bundle(bundle)
     history.write(Meta(scenario=name, seed=seed, started_at_ms=now_ms(), duration_s=duration_s,
-                       note=" / ".join(s.doc for s in scenarios)))
+                       note=" / ".join(s.doc for s in scenarios), shards=spec.shards))
     history.write(Policy(version=bundle.bundle_version, applied_at_ms=None, pools=initial))
     _line(out, f"== {name} seed={seed} duration={duration_s:.0f}s -> {out_dir}")
     topo = ChaosTopology(spec)

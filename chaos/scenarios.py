@@ -111,6 +111,70 @@ class LeaderEtcdPartition(_OnLeader):
         return Combined(*[Partition(p, target=p.name) for p in alloc.etcd_proxies])
 
 
+class ReplicaJoin(Nemesis):
+    """A standby allocator replica starts (a join: the shards that now hash to it are handed off
+    to it); at stop it is SIGTERMed (a graceful leave: it stops accepting, drains, revokes its
+    lease, and the others take its shards at their next poll). A handed-off shard answers
+    not-leader for a moment, so every region may briefly lose grants of the moving pools."""
+
+    name = "allocator-join"
+
+    def __init__(self, ctx: RunContext, alloc):  # type: ignore[no-untyped-def]
+        super().__init__(alloc.name, recorder=ctx.history, effects=_all_regions(ctx))
+        self.ctx, self.alloc = ctx, alloc
+
+    async def _start(self) -> None:
+        self.alloc.proc.start()
+        await asyncio.to_thread(self.ctx.topo.wait_ready, 60.0, [(self.alloc.url, self.alloc.proc)])
+
+    async def _stop(self) -> None:
+        await asyncio.to_thread(self.alloc.proc.stop)
+
+
+class ReplicaLeave(ReplicaJoin):
+    """A running replica is SIGTERMed (a graceful leave), and started again at stop (a join)."""
+
+    name = "allocator-leave"
+
+    async def _start(self) -> None:
+        await ReplicaJoin._stop(self)
+
+    async def _stop(self) -> None:
+        await ReplicaJoin._start(self)
+
+
+def _rebalance(ctx: RunContext) -> list[Step]:
+    """With three replicas leading 64 shards and one standby: the standby joins and later leaves;
+    then one of the three (seeded) leaves and joins again."""
+    standby = ctx.topo.allocators[-1]
+    leaver = ctx.topo.allocators[ctx.seed % (len(ctx.topo.allocators) - 1)]
+    return [Step(_at(ctx, 0.15), ReplicaJoin(ctx, standby), _at(ctx, 0.35)),
+            Step(_at(ctx, 0.6), ReplicaLeave(ctx, leaver), _at(ctx, 0.2))]
+
+
+def _sharded(spec: ChaosSpec) -> None:
+    spec.allocators, spec.standby_allocators, spec.shards = 3, 1, 64
+
+
+def shards_rebalanced(ctx: RunContext) -> list[str]:
+    """Shards moved with the joins and leaves: all four replicas led shards at some point, and
+    many shards had more than one leader term."""
+    from .history import Leader, read_history
+
+    terms = {(r.shard, r.epoch): r.node for r in read_history(ctx.history.path) if isinstance(r, Leader)}
+    nodes = set(terms.values())
+    shards = ctx.topo.spec.shards
+    moved = len(terms) - len({s for s, _e in terms})
+    out = []
+    if len(nodes) < len(ctx.topo.allocators):
+        out.append(f"only {sorted(n or '?' for n in nodes)} led shards; every replica should have")
+    if moved < shards // 4:
+        out.append(f"only {moved} leadership changes over {shards} shards")
+    if len({s for s, _e in terms}) < shards:
+        out.append(f"only {len({s for s, _e in terms})} of {shards} shards ever had a leader")
+    return out
+
+
 def _region_partition(ctx: RunContext, region: str, direction: str = "both") -> Nemesis:
     from .nemesis import Combined
 
@@ -389,6 +453,9 @@ _add(Scenario("lease-replay", "duplicated and delayed lease requests (replayed l
               lambda c: [Step(_at(c, 0.3), LeaderKill(c), _at(c, 0.3)),
                          Step(_at(c, 0.75), _replay_stale(c), 0)],
               lease_driver=True, expect=[replays_seen, leader_changed, stale_refused]))
+_add(Scenario("allocator-rebalance", "three allocator replicas lead 64 shards; a fourth joins during load and "
+              "later leaves, then one of the three leaves and joins again: shards are handed off and back",
+              _rebalance, configure=_sharded, expect=[shards_rebalanced]))
 _add(Scenario("policy-rollback", "a tightened bundle (G halved) published mid-run through etcd, then the old "
               "content published as a higher version", _policy_rollback, expect=[policy_version(2)]))
 

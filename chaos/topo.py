@@ -21,14 +21,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
-
-from allocator.election import LeaderRecord
-from allocator.engine import Keys
 from kernel.etcd_store import EtcdStore
 from leasehold.procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_http_ready, wait_port
 from leasehold.services import agent_command, allocator_command
 
+from .etcd_records import read_leaders
+from .history import Leader
 from .proxyhost import HostedProxy, ProxyHost
 
 PREFIX = "/leasehold/"
@@ -58,6 +56,8 @@ class ChaosSpec:
     regions: tuple[str, ...] = ("eu", "us")
     agents: dict[str, int] = field(default_factory=lambda: {"eu": 2, "us": 2})  # agents share the region's Redis
     allocators: int = 2
+    standby_allocators: int = 0  # replicas with ports and proxies but started only by a join nemesis
+    shards: int = 1  # allocator --shards (1: one leader for every pool)
     etcd_members: int = 3
     prefix: dict[str, list[str]] = field(default_factory=dict)  # service name -> argv prefix
     # service name -> extra environment, e.g. libfaketime's LD_PRELOAD + FAKETIME (the process keeps
@@ -109,17 +109,21 @@ class ChaosTopology:
         try:
             self.host = ProxyHost(run / "proxies")
             self.etcd = EtcdCluster(run / "etcd", members=s.etcd_members).start(timeout)
-            for i in range(s.allocators):
+            for i in range(s.allocators + s.standby_allocators):
                 name, port = f"allocator-{i + 1}", free_port()
                 proxies = [self.host.add(f"etcd{k}<-{name}", p, seed=s.seed) for k, p in enumerate(self.etcd.client_ports)]
                 url = f"http://{LOOPBACK}:{port}"
+                sharding = {"shards": s.shards} if s.shards > 1 else {}
                 args = [*s.prefix.get(name, []), *allocator_command(
                     *s.allocator_args, etcd=[p.url_host for p in proxies], policy=s.policy, node_id=f"alloc-{i + 1}",
-                    host=LOOPBACK, port=port, advertise_url=url, **ALLOCATOR_SETTINGS)]
-                proc = Proc(name, args, run / name, env=child_env(**s.env.get(name, {}))).start()
+                    host=LOOPBACK, port=port, advertise_url=url, **ALLOCATOR_SETTINGS, **sharding)]
+                proc = Proc(name, args, run / name, env=child_env(**s.env.get(name, {})))
+                if i < s.allocators:
+                    proc.start()
                 self.allocators.append(Allocator(name, f"alloc-{i + 1}", proc, url, port, proxies))
             for a in self.allocators:
-                wait_port(a.port, proc=a.proc.popen, timeout=timeout)
+                if a.proc.popen is not None:
+                    wait_port(a.port, proc=a.proc.popen, timeout=timeout)
             for region in s.regions:
                 env = s.env.get(f"redis-{region}")
                 self.redis[region] = RedisServer(run / f"redis-{region}", env=child_env(**env) if env else None
@@ -149,7 +153,8 @@ class ChaosTopology:
 
     def wait_ready(self, timeout: float = 60.0, procs: list[tuple[str, Proc]] | None = None) -> None:
         pending = dict(procs) if procs is not None else {
-            **{a.url: a.proc for a in self.allocators}, **{g.url: g.proc for g in self.agents}}
+            **{a.url: a.proc for a in self.allocators if a.proc.popen is not None},
+            **{g.url: g.proc for g in self.agents}}
         wait_http_ready(pending, timeout)
 
     def ready_callback(self, url: str):  # type: ignore[no-untyped-def]
@@ -182,34 +187,41 @@ class ChaosTopology:
     def agent(self, name: str) -> Agent:
         return next(g for g in self.agents if g.name == name)
 
-    async def leader(self) -> tuple[int, str | None] | None:
-        """(epoch, node id) of the allocator leader, read directly from etcd (not via proxies)."""
-        state = await self.leader_key()
-        return state if isinstance(state, tuple) else None
-
-    async def leader_key(self) -> tuple[int, str | None] | str:
-        """The leader key as etcd has it: (epoch, node id), ``"absent"``, or ``"unknown"`` (no quorum)."""
+    async def leader_state(self, store: EtcdStore | None = None) -> list[Leader] | None:
+        """Every shard's allocator leader (one record when unsharded; empty: no leader key), read
+        directly from etcd (not via proxies; through ``store`` when given, e.g. a watcher's own
+        client); None when etcd has no quorum right now."""
         assert self.etcd is not None
-        store = EtcdStore(self.etcd.endpoints, timeout_s=2.0)
+        own = store is None
+        store = store or EtcdStore(self.etcd.endpoints, timeout_s=2.0)
         try:
-            kv = await store.get(Keys(PREFIX).leader)
+            return await read_leaders(store, PREFIX)
         except Exception:  # noqa: BLE001 - no quorum right now: unknown
-            return "unknown"
+            return None
         finally:
-            await store.close()
-        if kv is None:
-            return "absent"
-        try:
-            node = msgspec.json.decode(kv.value, type=LeaderRecord).node_id
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            node = None
-        return kv.create_revision, node
+            if own:
+                await store.close()
+
+    async def leaders(self, store: EtcdStore | None = None) -> list[Leader]:
+        """:meth:`leader_state`, empty when unknown."""
+        return await self.leader_state(store) or []
+
+    async def leader(self) -> tuple[int, str | None] | None:
+        """(epoch, node id) of the allocator leader (sharded: of shard 0, as ``GET /v1/leader``)."""
+        return next(((r.epoch, r.node) for r in await self.leaders() if r.shard == 0), None)
 
     async def wait_leader(self, timeout_s: float = 15.0) -> tuple[int, str | None] | None:
+        """The leader (of shard 0) once elected; sharded, once every shard is led by the running
+        replica the assignment gives it (the start-up handoffs are over)."""
+        from allocator.shards import assignment
+
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            cur = await self.leader()
-            if cur is not None and cur[1] is not None:
+            leaders = await self.leaders()
+            cur = next(((r.epoch, r.node) for r in leaders if r.shard == 0), None)
+            want = assignment(self.spec.shards, {a.node_id for a in self.allocators if a.proc.alive()})
+            settled = self.spec.shards == 1 or {r.shard: r.node for r in leaders} == want
+            if cur is not None and cur[1] is not None and settled:
                 return cur
             await asyncio.sleep(0.2)
         return None

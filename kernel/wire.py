@@ -78,6 +78,10 @@ class UsageReport(Struct, rename="camel", forbid_unknown_fields=True, omit_defau
     closed_early: bool = False
 
 
+class UsageBatchRequest(Struct, rename="camel", forbid_unknown_fields=True):
+    reports: Annotated[list[UsageReport], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
 class UsageReceipt(Struct, rename="camel"):
     lease_id: str
     granted: int
@@ -87,11 +91,24 @@ class UsageReceipt(Struct, rename="camel"):
     replayed: bool = False
 
 
+class UsageBatchResponse(Struct, rename="camel"):
+    results: list[UsageReceipt | LeaseError]  # in request order
+
+
 class LeaderInfo(Struct, rename="camel"):
     node_id: str | None
     url: str | None
     epoch: int | None
     is_self: bool = False
+
+
+class ShardedLeaderInfo(LeaderInfo):
+    """``GET /v1/leader`` of a sharded deployment: the leader of shard 0 (``isSelf``: this replica
+    leads shard 0 with a fresh lease), how many shards there are and how many this replica leads.
+    Which replica leads a pool's shard: ``GET /v1/shards``."""
+
+    shards: int = 1
+    leading: int = 0
 
 
 class RegionShare(Struct, rename="camel"):
@@ -119,3 +136,31 @@ class PoolSummary(Struct, rename="camel"):
     chunk_min: int
     chunk_max: int
     fallback_per_region: int
+
+
+class ShardLeader(Struct, rename="camel"):
+    """One shard of allocator leadership (``GET /v1/shards``)."""
+
+    shard: int
+    node_id: str | None  # None: no leader right now (an election or a handoff is under way)
+    url: str | None
+    epoch: int | None  # the leader key's create_revision: every grant of the shard's pools carries it
+
+
+class ReplicaInfo(Struct, rename="camel"):
+    node_id: str
+    url: str
+
+
+class ShardMap(Struct, rename="camel"):
+    """``GET /v1/shards``: which replica leads each shard, as the answering replica last read it
+    from etcd (at ``revision``; a client asking several replicas keeps the highest). A pool's shard
+    is ``kernel.shards.shard_of(pool, shards)`` (``hash`` names that function)."""
+
+    shards: int
+    hash: str
+    node_id: str  # the replica that answered
+    url: str  # its advertised URL
+    revision: int  # etcd revision of the snapshot (0 when unknown)
+    members: list[ReplicaInfo]  # live replicas (sharded deployments only)
+    leaders: list[ShardLeader]  # one per shard, in shard order

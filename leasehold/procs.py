@@ -321,6 +321,9 @@ class RedisCluster:
             n.stop()
 
 
+ETCD_MAX_TXN_OPS = 1024  # what our own etcd runs with (local topology, chaos, bench): see allocator/README.md
+
+
 @dataclass
 class EtcdCluster:
     """A real etcd cluster of ``members`` processes on loopback ports."""
@@ -332,6 +335,9 @@ class EtcdCluster:
     procs: list[Proc] = field(default_factory=list)
     extra_args: Sequence[str] = ()
     tls: TlsFiles | None = None  # serve clients over TLS (https client URLs) with this certificate
+    # etcd's --max-txn-ops (its default is 128): the allocator discovers it and carries up to
+    # (max - shards) / 2 grants per transaction; None starts etcd with its default
+    max_txn_ops: int | None = ETCD_MAX_TXN_OPS
 
     @property
     def endpoints(self) -> list[str]:
@@ -376,7 +382,8 @@ class EtcdCluster:
                 "--initial-cluster", initial, "--initial-cluster-state", "new",
                 "--initial-cluster-token", f"leasehold-{self.client_ports[0]}",
                 "--heartbeat-interval", "50", "--election-timeout", "500", "--logger", "zap",
-                "--log-level", "warn", *self.extra_args]
+                "--log-level", "warn",
+                *([f"--max-txn-ops={self.max_txn_ops}"] if self.max_txn_ops else []), *self.extra_args]
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout

@@ -301,11 +301,11 @@ class DecisionEngine:
                 # a bucket's or window's hint is exact; a pool's (a top-up) or a fallback's is not
                 self.negative.put((call.key, call.params), self.now_ms(), o.answer.retry, o.answer,
                                   exact=plan.slots[o.slot].rule.exact_hint and not fallback)
-            else:
-                self._forget_denials(plan, calls, result)
+            elif o.answer.allowed:
+                self._forget_denials(plan, calls)  # a probe passed: its denial no longer holds
             return self._answer(prep, o.answer)
         if o.step is NextStep.ALLOWED_WITHOUT_SCRIPT:
-            self._forget_denials(plan, calls, result)
+            self._forget_denials(plan, calls)
             d = self._allowed_without_script(prep)
             d.fallback = d.fallback or fallback
             return d
@@ -336,19 +336,24 @@ class DecisionEngine:
             result = e
         return await self._settle(prep, result, retry=False)
 
-    def _forget_denials(self, plan: Plan, calls: list[Call] | None, result: MultiRuleResult | LeaseholdError) -> None:
-        """An admitted call (a probe passed): the cached denials of its keys no longer hold."""
-        if len(self.negative) and plan.decision_ttl_ms == 0 and isinstance(result, MultiRuleResult) \
-                and result.allowed:
-            for call in calls or plan.calls:
-                self.negative.forget((call.key, call.params))
-
     def _answer(self, prep: _Prepared, a: Answer) -> Decision:
         return self._decision(prep.plan, prep.bundle, allowed=a.allowed, rule=a.rule, scope=a.scope,
                               reason=a.reason, limit=a.limit, remaining=a.remaining, retry=a.retry,
                               fallback=a.fallback)
 
     # ------------------------------------------------------------------ negative cache and leased pools
+    def _forget_denials(self, plan: Plan, calls: list[Call] | None = None) -> None:
+        """Drop the cached denials of a request that got past the negative cache (none of its holds
+        was running: an entry it met was a probe). Its answer was not a store denial — an admission,
+        or the local fallback's decision while the store is lost — so the old denial must not answer
+        the others (as a store decision, with an elapsed hint) while the probe's hold lasts."""
+        if not len(self.negative) or plan.decision_ttl_ms:
+            return
+        for call in plan.calls:
+            self.negative.forget((call.key, call.params))
+        for call in calls or ():  # e.g. a pool rule's fallback allowance in place of its balance
+            self.negative.forget((call.key, call.params))
+
     def _negative_hit(self, prep: _Prepared) -> Decision | None:
         plan = prep.plan
         if plan.decision_ttl_ms > 0 or not len(self.negative):
@@ -448,6 +453,7 @@ class DecisionEngine:
                 self.metrics.queue_rejections.inc()
                 return self._shed(prep, "queue_full")
             return self._shed(prep, "queue")
+        self._forget_denials(plan)  # a probe answered by the fallback: the store's old denial is over
         self.metrics.script_errors.labels(type(exc).__name__).inc()
         self.metrics.degradations.labels(degrade_label(exc), how.mode.value).inc()
         if how.mode is Mode.CLOSED:

@@ -69,7 +69,16 @@ def redis_cluster_url(redis_cluster: RedisCluster) -> str:
 
 @pytest.fixture(scope="session")
 def etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd")).start()
+    """etcd with its defaults (``--max-txn-ops`` 128), as a deployment that did not raise it."""
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd"), max_txn_ops=None).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def big_txn_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """One etcd member started as our own topology starts it: ``--max-txn-ops`` 1024."""
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd-big"), members=1, max_txn_ops=1024).start()
     yield cluster
     cluster.stop()
 

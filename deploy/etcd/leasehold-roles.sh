@@ -4,8 +4,11 @@
 #   role                  user        permissions (under the prefix P, default /leasehold/)
 #   leasehold-publisher   publisher   readwrite  P policy/current          (the policy key,
 #                                     readwrite  P policy/signing           and the signing marker only)
-#   leasehold-allocator   allocator   readwrite  P pools/ P grants/ (prefixes), P leader (key);
+#   leasehold-allocator   allocator   readwrite  P pools/ P grants/ P members/ (prefixes), P leader
+#                                                (prefix: the key and, sharded, leader/<shard>),
+#                                                P shards, P compaction (keys);
 #                                     read       P policy/ (prefix)
+#   (and etcd's Compact call, which etcd 3.5 allows any authenticated user: allocator/compaction.py)
 #   leasehold-agent       agent       read       P policy/ (prefix)
 #   root                  root        etcd's own administrator (used only by this script)
 #
@@ -64,7 +67,10 @@ grant leasehold-publisher readwrite "${P}policy/signing"  # the signing marker p
 ensure_role leasehold-allocator
 grant leasehold-allocator readwrite "${P}pools/" prefix
 grant leasehold-allocator readwrite "${P}grants/" prefix
-grant leasehold-allocator readwrite "${P}leader"
+grant leasehold-allocator readwrite "${P}leader" prefix  # leader, and leader/<shard> when sharded
+grant leasehold-allocator readwrite "${P}members/" prefix  # sharded: the live replicas
+grant leasehold-allocator readwrite "${P}shards"  # sharded: the deployment's shard count
+grant leasehold-allocator readwrite "${P}compaction"  # the last compaction record (allocator/compaction.py)
 grant leasehold-allocator read "${P}policy/" prefix
 
 ensure_role leasehold-agent

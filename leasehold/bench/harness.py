@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import redis
@@ -93,11 +94,15 @@ def start_echo(workdir: Path, workers: int = 1) -> Service:
     return Service(proc, f"http://{LOOPBACK}:{port}", port)
 
 
-def start_allocator(workdir: Path, etcd: EtcdCluster, policy: Path, node: str = "bench-1") -> Service:
+def start_allocator(workdir: Path, etcd: EtcdCluster, policy: Path, node: str = "bench-1",
+                    settings: dict[str, Any] | None = None, lead: bool = True) -> Service:
+    """An allocator process (``settings``: more of its settings, e.g. ``shards``); with ``lead``
+    (one unsharded replica) wait until it leads."""
     port = free_port()
     url = f"http://{LOOPBACK}:{port}"
     proc = Proc(f"allocator-{node}", allocator_command(etcd=etcd.endpoints, policy=policy, node_id=node, host=LOOPBACK,
-                                                        port=port, advertise_url=url, log_level="warning"),
+                                                        port=port, advertise_url=url, log_level="warning",
+                                                        **(settings or {})),
                 workdir, env=_env()).start()
     svc = Service(proc, url, port)
     try:
@@ -106,6 +111,8 @@ def start_allocator(workdir: Path, etcd: EtcdCluster, policy: Path, node: str = 
         proc.stop()
         raise
     wait_ready(svc)
+    if not lead:
+        return svc
     # ready means etcd answered; wait until this node leads, so the first grants do not bounce
     deadline = time.monotonic() + 30
     with httpx.Client(timeout=1.0) as c:

@@ -58,13 +58,25 @@ def lease_batch(pools: int, size: int = 64, region: str = "bench", tag: str = "L
     return body
 
 
+def lease_batch_of(pool_ids: list[str], size: int = 64, region: str = "bench", tag: str = "L",
+                   want: int = 1) -> Body:
+    """Like :func:`lease_batch`, over the given pools only (e.g. those one shard leader leads)."""
+    n = len(pool_ids)
+
+    def body(i: int) -> bytes:
+        reqs = [{"leaseId": f"{tag}-{i:08d}-{j:04d}", "region": region, "pool": pool_ids[(i * size + j) % n],
+                 "want": want} for j in range(size)]
+        return json.dumps({"requests": reqs}, separators=(",", ":")).encode()
+    return body
+
+
 def pool_id(n: int) -> str:
     return f"p{n:05d}"
 
 
 WORKLOADS: dict[str, Callable[..., Body]] = {
     "admit": admit, "admit_batch": admit_batch, "hot_key": hot_key, "tenant_admit": tenant_admit,
-    "lease_batch": lease_batch,
+    "lease_batch": lease_batch, "lease_batch_of": lease_batch_of,
 }
 
 

@@ -50,7 +50,7 @@ from typing import Any, Literal, Protocol
 from kernel.bundle import Pool
 from kernel.errors import Conflict, LeaseholdError, StaleEpoch
 from kernel.ratelog import KeyedLog, TransitionLog
-from kernel.wire import LeaseRequest, UsageReport
+from kernel.wire import MAX_BATCH, LeaseError, LeaseRequest, UsageReport
 
 from .book import BalanceState, HeldLease, PoolBook
 from .client import AllocatorClient
@@ -427,20 +427,29 @@ class LeaseManager:
             self.pending_reports.append((report, self.now()))
 
     async def _flush_reports(self) -> None:
-        """Send queued usage reports. The region's deadline comes before the allocator's
+        """Send the queued usage reports, in batches (``AllocatorClient.report_many``: up to 512 a
+        request, split per shard leader). The region's deadline comes before the allocator's
         expiry, so the allocator may answer 409 (not yet expired): such a report is retried on
-        later ticks for ``report_patience_ms``; unreachable allocators keep the whole queue."""
-        for _ in range(len(self.pending_reports)):
-            report, first = self.pending_reports.popleft()
-            try:
-                await self.client.report(report)
-            except Conflict as e:
-                if self.now() - first < self.report_patience_ms:
-                    self.pending_reports.append((report, first))
+        later ticks for ``report_patience_ms``; reports the allocator could not take (unreachable,
+        overloaded, not leading) stay queued in order for the next tick."""
+        queued = [self.pending_reports.popleft() for _ in range(len(self.pending_reports))]
+        kept: list[tuple[UsageReport, float]] = []
+        for i in range(0, len(queued), MAX_BATCH):
+            part = queued[i:i + MAX_BATCH]
+            results = await self.client.report_many([report for report, _ in part])
+            for (report, first), res in zip(part, results, strict=True):
+                if not isinstance(res, LeaseError):
+                    continue
+                if res.status == 409:
+                    if self.now() - first < self.report_patience_ms:
+                        self.pending_reports.append((report, first))
+                    else:
+                        log.warning("usage report for %s dropped: %s", report.lease_id, res.detail)
+                elif res.status >= 500:
+                    kept.append((report, first))
                 else:
-                    log.warning("usage report for %s dropped: %s", report.lease_id, e.detail)
-            except LeaseholdError as e:
-                if e.retriable:
-                    self.pending_reports.appendleft((report, first))
-                    return  # allocator unreachable: keep the queue, retry next tick
-                log.warning("usage report for %s refused: %s", report.lease_id, e.detail)
+                    log.warning("usage report for %s refused: %s", report.lease_id, res.detail)
+            if kept:  # the allocator is not taking reports now: keep the rest for the next tick
+                kept += queued[i + MAX_BATCH:]
+                break
+        self.pending_reports.extendleft(reversed(kept))

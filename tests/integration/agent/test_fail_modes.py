@@ -77,3 +77,36 @@ async def test_global_pool_without_a_chunk_fails_closed_when_the_store_is_down(t
             assert a["allowed"] is True and a["fallback"] is True and a["headers"] == {}
     finally:
         server.stop()
+
+
+async def test_a_stale_store_denial_does_not_answer_for_the_fallback(tmp_path: Path, policy_file: Path):
+    """The negative cache after store loss (ch. 18 step 13 after step 7): a store denial whose exact
+    hint has passed is probed by the next request; when the store is lost, the local fallback
+    answers that probe, and the old denial must not then answer the following requests as a store
+    decision (``fallback`` false, a 1 ms hint) while the probe's hold lasts."""
+    import asyncio
+
+    from redis.asyncio import Redis
+
+    from .conftest import set_bucket, user_key
+
+    server = RedisServer(tmp_path / "redis").start()
+    app = create_app(make_settings(server.url, policy_file, decision_budget_ms=500, negative_cache_ms=250),
+                     pepper=PEPPER)
+    r = Redis.from_url(server.url)
+    try:
+        async with AsyncTestClient(app=app) as agent:
+            assert (await agent.post("/v1/admit", json=admit_body("neg-before-1"))).json()["allowed"]
+            await set_bucket(r, user_key("atlas", "U-17", "read"), 0)
+            denied = (await agent.post("/v1/admit", json=admit_body("neg-denied-1"))).json()
+            assert denied["allowed"] is False and not denied["fallback"] and denied["retryAfterMs"] == 500
+            assert len(app.state.agent.engine.negative) == 1  # held for the exact hint
+            await asyncio.sleep(0.6)  # the hint has passed: the next request probes the store
+            await r.aclose()
+            server.stop()
+            reads = [(await agent.post("/v1/admit", json=admit_body(f"neg-down-{i:03d}"))).json() for i in range(7)]
+            assert all(d["fallback"] for d in reads), [(d["allowed"], d["fallback"], d.get("retryAfterMs"))
+                                                      for d in reads]
+            assert [d["allowed"] for d in reads][:5] == [True] * 5  # the local bucket's capacity
+    finally:
+        server.stop()

@@ -100,17 +100,23 @@ class AllocatorProcess:
     """``python -m allocator`` as a real subprocess on a free port."""
 
     def __init__(self, workdir: Path, cluster: EtcdCluster, bundle: Path, prefix: str, node_id: str,
-                 election_ttl_s: int = 2):
+                 election_ttl_s: int = 2, settings: dict[str, Any] | None = None):
         self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
         args = allocator_command(etcd=cluster.endpoints, policy=bundle, node_id=node_id, host=LOOPBACK, port=self.port,
-                                 prefix=prefix, election_ttl_s=election_ttl_s, etcd_timeout_ms=1000, log_level="info")
+                                 prefix=prefix, election_ttl_s=election_ttl_s, etcd_timeout_ms=1000, log_level="info",
+                                 **(settings or {}))
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = Proc(f"allocator-{node_id}", args, workdir / node_id, env=env)
         self.node_id = node_id
 
     def start(self) -> AllocatorProcess:
         self.proc.start()
+        wait_port(self.port, proc=self.proc.popen, timeout=30)
+        return self
+
+    def start_wait(self) -> AllocatorProcess:
+        """Wait for a process started with ``proc.start()`` to listen (start several, then wait)."""
         wait_port(self.port, proc=self.proc.popen, timeout=30)
         return self
 

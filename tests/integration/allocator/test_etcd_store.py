@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 
 from kernel.errors import StoreUnavailable
-from kernel.etcd_store import EtcdStore, LeaseBuckets, txn_revision
+from kernel.etcd_store import EtcdStore, EtcdTxnTooLarge, LeaseBuckets, TxnBuilder, txn_revision
 from leasehold.procs import EtcdCluster, free_port
 
 from .helpers import unique_prefix
@@ -55,3 +58,101 @@ async def test_lease_buckets_share_one_lease(etcd_cluster: EtcdCluster) -> None:
         await store.revoke(c)
     finally:
         await store.close()
+
+
+async def test_txn_builder_commits_one_protobuf_transaction(etcd_cluster: EtcdCluster) -> None:
+    store = EtcdStore(",".join(etcd_cluster.endpoints), timeout_s=2)
+    p = unique_prefix()
+    a, b, c = (f"{p}{x}".encode() for x in "abc")
+    try:
+        lease = await store.lease(30)
+        txn = TxnBuilder()
+        txn.absent(a)
+        txn.absent_many([b])
+        txn.put(a, b"A", lease)
+        txn.put_many([(b, b"B", 0)])
+        res = await store.commit(txn)
+        assert res.succeeded and res.revision > 0
+        got = await store.get_many([a, b, c])
+        assert set(got) == {a, b} and got[a].value == b"A" and got[a].lease == lease and got[b].lease == 0
+        assert got[a].mod_revision == got[b].mod_revision == res.revision
+        # a create/mod compare that holds commits; one that does not refuses the whole transaction
+        txn = TxnBuilder()
+        txn.created_at(a, res.revision)
+        txn.modified_at(b, res.revision)
+        txn.put(c, b"C")
+        ok = await store.commit(txn)
+        assert ok.succeeded and ok.revision == res.revision + 1
+        for compare in ("created_at", "modified_at", "absent"):
+            txn = TxnBuilder()
+            if compare == "absent":
+                txn.absent(c)
+            else:
+                getattr(txn, compare)(b, res.revision - 1)
+            txn.put(b, b"never")
+            txn.get(a, failure=True)
+            refused = await store.commit(txn)
+            assert not refused.succeeded, compare
+            assert [kv.value for kv in refused.kvs()] == [b"A"]  # the failure branch's read
+        assert (await store.get(b)).value == b"B"
+        await store.revoke(lease)
+    finally:
+        await store.close()
+
+
+async def test_the_op_limit_is_read_from_etcd_and_a_refused_size_lowers_it(etcd_cluster: EtcdCluster,
+                                                                           big_txn_etcd: EtcdCluster) -> None:
+    default = EtcdStore(",".join(etcd_cluster.endpoints), timeout_s=5)
+    big = EtcdStore(",".join(big_txn_etcd.endpoints), timeout_s=5)
+    wrong = EtcdStore(",".join(etcd_cluster.endpoints), timeout_s=5, max_txn_ops=1024)  # configured too high
+    key = (unique_prefix() + "probe").encode()
+    try:
+        assert (default.max_txn_ops, default.txn_ops_known) == (128, False)
+        assert await default.discover_max_txn_ops(key) == 128 and default.txn_ops_known
+        assert await big.discover_max_txn_ops(key) == 1024 == big.max_txn_ops
+        assert wrong.txn_ops_known and wrong.max_txn_ops == 1024
+        txn = TxnBuilder()
+        for i in range(300):
+            txn.put(key + str(i).encode(), b"x")
+        with pytest.raises(EtcdTxnTooLarge) as e:
+            await wrong.commit(txn)
+        assert e.value.retriable and e.value.status == 503
+        assert wrong.max_txn_ops == 150  # halved from the refused size; nothing was written
+        assert await wrong.get_many([key + b"0", key + b"299"]) == {}
+        assert (await big.commit(txn)).succeeded  # 300 ops fit etcd --max-txn-ops 1024
+        with pytest.raises(EtcdTxnTooLarge, match="allows 128"):
+            await default.commit(txn)  # over the known limit: never sent
+    finally:
+        for s in (default, big, wrong):
+            await s.close()
+
+
+def read_at(etcd: EtcdCluster, key: bytes, revision: int) -> str:
+    """``etcdctl get --rev``: the value, or etcd's error."""
+    r = subprocess.run(["etcdctl", "--endpoints", ",".join(etcd.endpoints), "get", key.decode(), f"--rev={revision}",
+                        "--print-value-only"], capture_output=True, text=True, timeout=15,
+                       env={**os.environ, "ETCDCTL_API": "3"})
+    return r.stdout.strip() if r.returncode == 0 else r.stderr
+
+
+async def test_compact_drops_history_below_a_revision_and_keeps_latest_values(tmp_path) -> None:
+    etcd = EtcdCluster(tmp_path / "etcd", members=1).start()  # compaction is cluster-wide: a private one
+    store = EtcdStore(",".join(etcd.endpoints), timeout_s=5)
+    key = b"/compact/k"
+    try:
+        first = await store.revision(key)
+        for i in range(5):
+            txn = TxnBuilder()
+            txn.put(key, str(i).encode())
+            await store.commit(txn)
+        now = await store.revision(key)
+        assert now == first + 5
+        assert read_at(etcd, key, now - 2) == "2"
+        assert await store.compact(now - 1)
+        assert "required revision has been compacted" in read_at(etcd, key, now - 2)
+        kv = await store.get(key)
+        assert kv is not None and kv.value == b"4" and kv.create_revision == first + 1  # latest version kept
+        assert not await store.compact(now - 3)  # already compacted past it: a no-op, not an error
+    finally:
+        await store.close()
+        etcd.stop()

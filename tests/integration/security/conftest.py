@@ -114,7 +114,9 @@ def allocator_service(tmp_path_factory, etcd_cluster) -> Iterator[Service]:
         yield Service("allocator", base, port, proc, {
             "/v1/leases": lease, "/v1/leases/batch": {"requests": [{**lease, "leaseId": "hostile-lease-0002"}]},
             "/v1/leases/hostile-lease-0001/usage": {"leaseId": "hostile-lease-0001", "region": "eu", "pool": "p1",
-                                                    "spent": 0}})
+                                                    "spent": 0},
+            "/v1/usage/batch": {"reports": [{"leaseId": "hostile-lease-0001", "region": "eu", "pool": "p1",
+                                             "spent": 0}]}})
     finally:
         proc.stop()
 

@@ -41,7 +41,7 @@ from region_agent.app import create_app
 from region_agent.keys import KeyBuilder
 from region_agent.settings import DEV_PEPPER as AGENT_DEV_PEPPER
 from tests.integration.agent.conftest import PEPPER, ROOT, admit_body, make_settings, northstar, write_bundle
-from tests.integration.allocator.helpers import in_process, lease_body, settings_for
+from tests.integration.allocator.helpers import in_process, lease_body, settings_for, wait_until
 from tests.integration.allocator.helpers import write_bundle as write_pools
 
 AGENT_PW = secrets.token_urlsafe(16)
@@ -160,6 +160,18 @@ async def test_etcd_roles_publisher_allocator_and_agents(auth_etcd, tmp_path, mo
             grant = await client.post("/v1/leases", json=lease_body("lease-auth-0001", "p1", "eu", 10))
             assert grant.status_code == 200 and grant.json()["granted"] == 10
             assert (await client.get("/v1/leases/lease-auth-0001?region=eu")).json()["grant"]["granted"] == 10
+        # sharded (--shards 4), the same user: shard count, membership and leader/<shard> keys
+        sharded = settings_for(cluster, bundle_path, "/leasehold/", etcd_user="allocator", shards=4)
+        async with in_process(sharded) as client:
+            async def granted() -> bool:
+                r = await client.post("/v1/leases", json=lease_body("lease-auth-0002", "p1", "eu", 10))
+                return r.status_code == 200 and r.json()["granted"] == 10
+            await wait_until(granted)
+        # the periodic compaction (allocator/compaction.py): its record, and etcd's Compact call
+        ok, _ = await stores["allocator"].txn([], [t.put(b"/leasehold/compaction", b"{}")])
+        assert ok
+        await stores["allocator"].compact(await stores["allocator"].revision(b"/leasehold/compaction"))
+        await _refused(stores["agent"].txn([], [stores["agent"].t.put(b"/leasehold/compaction", b"{}")]))
     finally:
         for s in (anonymous, *stores.values()):
             await s.close()
