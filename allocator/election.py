@@ -25,6 +25,7 @@ from kernel.etcd_store import EtcdLeaseMissing, EtcdStore, range_kvs, txn_revisi
 from kernel.wire import LeaderInfo
 
 log = logging.getLogger("allocator.election")
+ERROR_LOG_EVERY_S = 10.0  # at most one line per node this often about failing election rounds
 
 
 class LeaderRecord(msgspec.Struct, rename="camel"):
@@ -50,6 +51,7 @@ class Election:
         self.role_known = False
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._last_error_log = -ERROR_LOG_EVERY_S
         self.leader_changed = asyncio.Event()
 
     # -- state ----------------------------------------------------------------------------------
@@ -144,6 +146,10 @@ class Election:
             except LeaseholdError as e:
                 self.etcd_ok = False
                 self.role_known = False
+                now = time.monotonic()
+                if now - self._last_error_log >= ERROR_LOG_EVERY_S:  # a leaderless spell must be visible
+                    self._last_error_log = now
+                    log.warning("node %s: election round failed (%s): %s", self.node_id, type(e).__name__, e.detail)
                 if self._epoch is not None:
                     self.step_down(f"etcd error during keepalive: {e.detail}")
                     self._stale_lease, self._lease_id = self._lease_id, None

@@ -48,6 +48,7 @@ from . import shards as assign
 from .election import LeaderRecord
 
 log = logging.getLogger("allocator.shards")
+ERROR_LOG_EVERY_S = 10.0  # at most one line per node this often about failing election rounds
 
 DRAIN_S = 2.0  # at most this long for a handed-off shard's accepted writes before its key is deleted
 CAMPAIGN_BATCH = 60  # shards per campaign transaction (2 more compares each: <= MAX_TXN_OPS)
@@ -112,6 +113,7 @@ class ShardElection:
         self.role_known = False
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._last_error_log = -ERROR_LOG_EVERY_S
         self.leader_changed = asyncio.Event()
 
     # -- the surface the engine and the app use ------------------------------------------------
@@ -224,6 +226,10 @@ class ShardElection:
             except LeaseholdError as e:
                 self.etcd_ok = False
                 self.role_known = False
+                now = time.monotonic()
+                if now - self._last_error_log >= ERROR_LOG_EVERY_S:  # a leaderless spell must be visible
+                    self._last_error_log = now
+                    log.warning("node %s: election round failed (%s): %s", self.node_id, type(e).__name__, e.detail)
                 if self._lease_id is not None and time.monotonic() - self._last_ok > self.ttl_s / 2:
                     # keepalives failing for half the TTL: the lease may expire any moment
                     self.step_down(f"etcd unreachable: {e.detail}")

@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aetcd
 import aetcd.exceptions as aex
@@ -33,6 +33,7 @@ from .errors import LeaseholdError, StoreUnavailable, Unavailable
 from .etcd_tls import TlsClient
 
 log = logging.getLogger("allocator.etcd")
+T = TypeVar("T")
 
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops (compares, success and failure each)
 TXN_OPS_PROBE = (1024, 512, 256)  # what discover_max_txn_ops tries, largest first (then MAX_TXN_OPS)
@@ -105,6 +106,30 @@ def _kv(get: Any) -> KV:
               mod_revision=int(get.mod_revision), version=int(get.version), lease=int(getattr(get, "lease", 0)))
 
 
+async def abandon_after(aw: Awaitable[T], timeout_s: float) -> T:
+    """``await aw`` for at most ``timeout_s``, then give up on it: the call is cancelled but *not
+    waited for*. ``asyncio.wait_for`` waits for the cancelled call to finish, and a gRPC call to an
+    etcd member that lost and regained the cluster can hang in its cancellation, which froze the
+    allocator's election loop (no leader for 45 s after an etcd member was isolated and healed).
+    Raises ``TimeoutError`` like ``wait_for``."""
+    task = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        task.add_done_callback(_retrieve)
+        raise TimeoutError
+    return task.result()
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # an abandoned call's late error is not "never retrieved"
+
+
 class RevisionCompacted(Unavailable):
     """The revision asked for is at or below etcd's compacted revision (a compaction to it is
     then already done)."""
@@ -151,7 +176,7 @@ class EtcdStore:
             self._client = None
             self._idx = (self._idx + 1) % len(self.endpoints)
         try:
-            await asyncio.wait_for(failed.close(), 0.5)
+            await abandon_after(failed.close(), 0.5)
         except Exception:  # noqa: BLE001 - closing a broken channel; nothing to report
             pass
 
@@ -159,7 +184,7 @@ class EtcdStore:
         if self._client is not None:
             client, self._client = self._client, None
             try:
-                await asyncio.wait_for(client.close(), 1.0)
+                await abandon_after(client.close(), 1.0)
             except Exception:  # noqa: BLE001
                 pass
 
@@ -169,7 +194,7 @@ class EtcdStore:
             client = await self._get_client()
             started = time.perf_counter()
             try:
-                result = await asyncio.wait_for(fn(client), self.timeout_s)
+                result = await abandon_after(fn(client), self.timeout_s)
             except (TimeoutError, aex.ConnectionFailedError, aex.ConnectionTimeoutError,
                     aex.InternalError) as e:
                 last = type(e).__name__

@@ -21,6 +21,7 @@ from typing import Any
 from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError
 
+from .etcd_store import abandon_after
 from .policy_store import PolicyStore
 
 log = logging.getLogger("leasehold.policy_watch")
@@ -98,7 +99,7 @@ class PolicyWatcher:
             watch = None
             try:
                 client = await self.store.store._get_client()  # the store's current endpoint
-                watch = await asyncio.wait_for(client.watch(self.store.key), self.store.store.timeout_s)
+                watch = await abandon_after(client.watch(self.store.key), self.store.store.timeout_s)
                 backoff = 0.2
                 await self.refresh()  # anything written before the watch was registered
                 async for _event in watch:
@@ -110,6 +111,6 @@ class PolicyWatcher:
             finally:
                 if watch is not None:
                     with contextlib.suppress(Exception):
-                        await asyncio.wait_for(watch.cancel(), 0.5)
+                        await abandon_after(watch.cancel(), 0.5)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.reread_s)
