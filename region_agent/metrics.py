@@ -69,7 +69,9 @@ class AgentMetrics:
         self.negative_hits = Counter("leasehold_agent_negative_cache_hits_total",
                                      "Denials answered from the negative cache (no store call)", registry=r)
         # leases (region side)
-        self.lease_grants = Counter("leasehold_agent_lease_grants_total", "Lease answers from the allocator",
+        self.lease_grants = Counter("leasehold_agent_lease_grants_total", "Lease answers from the allocator "
+                                    "(granted, exhausted, unreachable, refused, stale_epoch, undeposited: the regional "
+                                    "balance was full, the grant was returned at once)",
                                     ["pool", "outcome"], registry=r)
         self.lease_tokens = Counter("leasehold_agent_lease_granted_tokens_total", "Tokens granted to this region",
                                     ["pool"], registry=r)

@@ -47,6 +47,7 @@ class PoolBook:
     exhausted_until: float = 0.0  # monotonic ms: the next window's start, as estimated
     unreachable_since: float | None = None  # monotonic ms of the first failed attempt in a row
     demand_rate: float = 0.0  # tokens/s, EWMA of what the region asked to spend
+    refused_until: float = 0.0  # monotonic ms: Redis refused a deposit (balance full); no top-up before
     _demand_acc: int = 0
     _demand_t0: float | None = None
 
@@ -116,10 +117,25 @@ class PoolBook:
             self._demand_acc = 0
             self._demand_t0 = now
 
-    def want(self, horizon_ms: float) -> int:
+    def rate_now(self, now: float) -> float:
+        """The demand rate to plan with: the EWMA, or the rate of the interval being counted when
+        that is higher (at the start of a burst the EWMA lags by its half-life; asking for
+        ``chunkMin`` leases then fills the regional balance's entry limit with tiny leases)."""
+        if self._demand_t0 is None:
+            return self.demand_rate
+        partial = self._demand_acc * 1000.0 / max(50.0, now - self._demand_t0)
+        return max(self.demand_rate, partial)
+
+    def want(self, horizon_ms: float, now: float | None = None) -> int:
         """How much to ask for: the demand over ``horizon_ms``, within the pool's chunk bounds."""
-        need = int(self.demand_rate * horizon_ms / 1000.0 + 0.999)
+        rate = self.demand_rate if now is None else self.rate_now(now)
+        need = int(rate * horizon_ms / 1000.0 + 0.999)
         return max(self.pool.chunk_min, min(self.pool.chunk_max, need))
+
+    def note_refused(self, now: float, backoff_ms: float = 1_000.0) -> None:
+        """Redis refused a deposit (the balance holds its maximum of entries): no top-up for
+        ``backoff_ms`` — asking again at once would only buy leases that cannot be deposited."""
+        self.refused_until = now + backoff_ms
 
     def low_water(self, rtt_ms: float, margin_ms: float = 250.0) -> int:
         """Ask for more when the spendable balance would not last one allocator round trip
@@ -127,6 +143,6 @@ class PoolBook:
         return max(1, int(self.demand_rate * (rtt_ms + margin_ms) / 1000.0 + 0.999))
 
     def needs_topup(self, balance: int, now: float, rtt_ms: float) -> bool:
-        if self.exhausted(now):
+        if self.exhausted(now) or now < self.refused_until:
             return False
         return balance < self.low_water(rtt_ms)

@@ -274,7 +274,8 @@ class LeaseManager:
     async def _request(self, bal: Balance, window: Literal["current", "next"]) -> None:
         lease_id = f"{self.region}-{uuid.uuid4().hex}"
         req = LeaseRequest(lease_id=lease_id, region=self.region, pool=bal.pool.id,
-                           want=bal.book.want(self.horizon_ms), demand=int(bal.book.demand_rate), window=window)
+                           want=bal.book.want(self.horizon_ms, self.now()), demand=int(bal.book.demand_rate),
+                           window=window)
         sent_at = self.now()
         m = self.metrics
         try:
@@ -336,7 +337,12 @@ class LeaseManager:
             return
         if not stored:  # refused ('full' / 'expired'): certainly nothing written, nothing spent
             bal.book.forget(lease.lease_id)
-            self._queue_report(bal, lease.lease_id, 0)
+            # closed early: the allocator returns the tokens now (a plain report would wait for the
+            # lease's expiry, and a loop of refused deposits would hold the whole pool meanwhile)
+            self._queue_report(bal, lease.lease_id, 0, early=True)
+            bal.book.note_refused(self.now())
+            if self.metrics is not None:
+                self.metrics.lease_grants.labels(bal.pool.id, "undeposited").inc()
             return
         if lease.valid_from <= self.now():
             # count it now: until the next tick reads Redis, a stale reading would make every

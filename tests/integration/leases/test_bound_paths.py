@@ -28,6 +28,7 @@ from region_agent.store.scripts import Scripts
 
 from .conftest import (
     admit_body,
+    metric,
     request_lease,
     start_agent,
     start_proxied_region,
@@ -132,12 +133,19 @@ async def test_an_expensive_request_does_not_deny_the_cheap_ones(region):
                 break
             await asyncio.sleep(0.005)
         assert warm == 20
+        busy_before = await metric(b_url, "leasehold_agent_pool_busy_denials_total", pool="g10")
         big = asyncio.create_task(_admit(client, b_url, admit_body("big", route="g10", cost=1_000)))
         await asyncio.sleep(0.002)
         small = await asyncio.gather(*(_admit(client, b_url, admit_body(f"o{i}", route="g10")) for i in range(47)))
         expensive = await big
+        busy = await metric(b_url, "leasehold_agent_pool_busy_denials_total", pool="g10") - busy_before
+    # a cheap read may only be denied because the chunk's renewal outlasted its own 50 ms budget on a
+    # busy machine (counted as pool-busy; the 1 s window may roll over mid-burst) - never because of
+    # the expensive read (that denial is not a busy one)
     denied = [d for d in small if not d["allowed"]]
-    assert not denied, f"{len(denied)} of 47 cheap reads denied after one expensive read: {denied[0]}"
+    assert len(denied) <= busy, f"{len(denied)} of 47 cheap reads denied after one expensive read " \
+                                f"({busy:.0f} for a slow renewal): {denied[0]}"
+    assert all(d["deniedScope"] == "global" and d["retryAfterMs"] < 1_000 for d in denied), denied
     assert not any(d["fallback"] for d in [*small, expensive])
     if not expensive["allowed"]:  # it may wait past its budget for a big enough top-up: a plain 429
         assert expensive["httpStatus"] == 429 and expensive["retryAfterMs"] < 1_000, expensive

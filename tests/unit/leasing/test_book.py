@@ -79,3 +79,22 @@ def test_replay_of_our_own_request_from_an_older_epoch_is_accepted_but_a_foreign
     with pytest.raises(StaleEpoch):
         book.accept(msgspec.structs.replace(grant(lease_id="eu-lease-0003", epoch=8), replayed=True),
                     sent_at=4.0, received_at=5.0, requested_id="eu-lease-0004")
+
+
+def test_a_burst_asks_for_its_rate_before_the_average_catches_up():
+    """At the start of a burst the EWMA is still ~0: the request asks for the rate being counted,
+    not chunkMin (16 chunkMin leases filled the regional balance's entries and stopped deposits)."""
+    book = PoolBook(POOL)
+    for i in range(20):  # 20 tokens in the first 100 ms: 200/s, no EWMA fold yet
+        book.note_demand(1, float(i * 5))
+    assert book.demand_rate == 0.0
+    assert book.want(2_000) == POOL.chunk_min  # what the average alone would ask for
+    assert book.want(2_000, now=100.0) == POOL.chunk_max  # 200/s x 2 s, within the chunk bounds
+
+
+def test_a_refused_deposit_pauses_topups_for_the_backoff():
+    book = PoolBook(POOL)
+    assert book.needs_topup(0, 1_000.0, rtt_ms=10.0)
+    book.note_refused(1_000.0, backoff_ms=1_000.0)
+    assert not book.needs_topup(0, 1_999.0, rtt_ms=10.0)
+    assert book.needs_topup(0, 2_000.0, rtt_ms=10.0)
