@@ -235,7 +235,13 @@ class ShardElection:
                     self.step_down(f"etcd unreachable: {e.detail}")
                     self._stale_lease, self._lease_id = self._lease_id, None
             except asyncio.CancelledError:
-                raise
+                task = asyncio.current_task()
+                if self._stopping or task is None or task.cancelling():
+                    raise  # we are being stopped
+                # a CancelledError that is not ours (a driver cancelled a call under us): the loop
+                # must outlive it, or this node never campaigns again
+                log.warning("node %s: election round interrupted by a cancelled call; retrying", self.node_id)
+                self.etcd_ok = False
             except Exception:  # noqa: BLE001 - keep the loop alive; log the bug
                 log.exception("shard election loop error")
                 self.etcd_ok = False

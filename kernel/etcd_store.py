@@ -122,7 +122,18 @@ async def abandon_after(aw: Awaitable[T], timeout_s: float) -> T:
         task.cancel()
         task.add_done_callback(_retrieve)
         raise TimeoutError
+    if task.cancelled():
+        # cancelled under us, not by our caller: grpc.aio cancels the calls in flight on a channel
+        # that is closed, and a concurrent call that failed over to the next endpoint closes the
+        # shared one. Letting that CancelledError through ended the allocator's election loop
+        # silently (a cancelled task, no log): no leader until restart.
+        raise CallInterrupted("etcd call cancelled by its channel closing")
     return task.result()
+
+
+class CallInterrupted(TimeoutError):
+    """An etcd call ended by its channel closing under it (retried on the next endpoint, like a
+    timeout)."""
 
 
 def _retrieve(task: asyncio.Future) -> None:

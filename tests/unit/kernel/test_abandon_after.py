@@ -57,3 +57,17 @@ async def test_errors_pass_through_and_a_cancelled_caller_cancels_the_call():
     with pytest.raises(asyncio.CancelledError):
         await outer
     await asyncio.wait_for(inner_cancelled.wait(), 5)
+
+
+async def test_a_call_cancelled_under_us_is_an_interrupted_call_not_our_cancellation():
+    """grpc.aio cancels the calls in flight on a channel that is closed (another call failed over
+    and closed the shared channel): that must reach the caller as a retriable error, never as a
+    CancelledError that would end the caller's own loop."""
+    from kernel.etcd_store import CallInterrupted
+
+    async def cancelled_by_its_channel() -> None:
+        raise asyncio.CancelledError
+
+    with pytest.raises(CallInterrupted):
+        await abandon_after(cancelled_by_its_channel(), 1.0)
+    assert issubclass(CallInterrupted, TimeoutError)  # _call fails over on it like on a timeout
