@@ -33,6 +33,32 @@ class LeaderRecord(msgspec.Struct, rename="camel"):
     url: str
 
 
+
+class RoundFailures:
+    """How an election loop reports its failing rounds (both elections use it): a failed round at
+    most once per ``ERROR_LOG_EVERY_S`` (a leaderless spell must show in the log without flooding
+    it), and whether a ``CancelledError`` is the loop's own stop or a driver's call cancelled under
+    it (which the loop must outlive, or the node never campaigns again)."""
+
+    def __init__(self, node_id: str):
+        self.node_id = node_id
+        self._last_log = -ERROR_LOG_EVERY_S
+
+    def failed(self, e: LeaseholdError) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= ERROR_LOG_EVERY_S:
+            self._last_log = now
+            log.warning("node %s: election round failed (%s): %s", self.node_id, type(e).__name__, e.detail)
+
+    def interrupted(self, stopping: bool) -> bool:
+        """True: a stray cancellation, logged (carry on); False: our own stop (re-raise)."""
+        task = asyncio.current_task()
+        if stopping or task is None or task.cancelling():
+            return False
+        log.warning("node %s: election round interrupted by a cancelled call; retrying", self.node_id)
+        return True
+
+
 class Election:
     def __init__(self, store: EtcdStore, key: bytes, *, node_id: str, url: str, ttl_s: int = 3,
                  on_change: Callable[[bool, int | None], None] | None = None):
@@ -51,7 +77,7 @@ class Election:
         self.role_known = False
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self._last_error_log = -ERROR_LOG_EVERY_S
+        self._rounds = RoundFailures(node_id)
         self.leader_changed = asyncio.Event()
 
     # -- state ----------------------------------------------------------------------------------
@@ -146,20 +172,13 @@ class Election:
             except LeaseholdError as e:
                 self.etcd_ok = False
                 self.role_known = False
-                now = time.monotonic()
-                if now - self._last_error_log >= ERROR_LOG_EVERY_S:  # a leaderless spell must be visible
-                    self._last_error_log = now
-                    log.warning("node %s: election round failed (%s): %s", self.node_id, type(e).__name__, e.detail)
+                self._rounds.failed(e)
                 if self._epoch is not None:
                     self.step_down(f"etcd error during keepalive: {e.detail}")
                     self._stale_lease, self._lease_id = self._lease_id, None
             except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if self._stopping or task is None or task.cancelling():
+                if not self._rounds.interrupted(self._stopping):
                     raise  # we are being stopped
-                # a CancelledError that is not ours (a driver cancelled a call under us): the loop
-                # must outlive it, or this node never campaigns again
-                log.warning("node %s: election round interrupted by a cancelled call; retrying", self.node_id)
                 self.etcd_ok = False
             except Exception:  # noqa: BLE001 - keep the loop alive; log the bug
                 log.exception("election loop error")

@@ -324,16 +324,7 @@ class Engine:
     async def grant_many(self, reqs: Sequence[LeaseRequest]) -> list[LeaseGrant | LeaseError]:
         """Every item queued at once (the committer groups them into few transactions); one wait
         for all of them. A cancelled caller leaves the items to be committed and answered."""
-        wait = _Wait()
-        items: list[_Item | LeaseError] = []
-        for r in reqs:
-            try:
-                items.append(self._enqueue_grant(r, wait))
-            except LeaseholdError as e:
-                items.append(_lease_error(r.lease_id, e))
-        await wait.wait()
-        return [it if isinstance(it, LeaseError) else it.result if it.error is None
-                else _lease_error(it.req.lease_id, it.error) for it in items]
+        return await self._many(reqs, self._enqueue_grant)
 
     async def report(self, report: UsageReport) -> UsageReceipt:
         wait = _Wait()
@@ -345,11 +336,15 @@ class Engine:
         """Usage reports of many leases: queued at once and committed in few transactions (the
         committer groups them like grants); results in request order, each decided exactly like
         :meth:`report` (the region's own lease namespace, ``closedEarly``, spend history)."""
+        return await self._many(reports, self._enqueue_report)
+
+    async def _many(self, reqs: Sequence[Any], enqueue: Callable[[Any, _Wait], _Item]) -> list[Any]:
+        """Queue every item at once, wait once; results (or per-item errors) in request order."""
         wait = _Wait()
         items: list[_Item | LeaseError] = []
-        for r in reports:
+        for r in reqs:
             try:
-                items.append(self._enqueue_report(r, wait))
+                items.append(enqueue(r, wait))
             except LeaseholdError as e:
                 items.append(_lease_error(r.lease_id, e))
         await wait.wait()

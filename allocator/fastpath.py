@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from kernel.asgi import read_body, replay
 from kernel.auth import SCOPE_KEY, RegionAuth, authenticate
 from kernel.errors import LeaseholdError
 from kernel.jsonbody import content_type_of, has_duplicate_keys, is_json_media_type
@@ -73,20 +74,9 @@ def batch_fast_path(state_of: Callable[[], Any], max_body: int) -> Callable[[ASG
                 except LeaseholdError:
                     await app(scope, receive, send)  # the guard answers 401 (before reading the body)
                     return
-            chunks: list[dict] = []
-            size = 0
-            while True:
-                msg = await receive()
-                chunks.append(msg)
-                if msg["type"] != "http.request":
-                    break
-                size += len(msg.get("body", b""))
-                if size > max_body or not msg.get("more_body", False):
-                    break
-            last = chunks[-1]
+            chunks, body = await read_body(receive, max_body)
             items = None
-            if size <= max_body and last["type"] == "http.request" and not last.get("more_body", False):
-                body = b"".join(m.get("body", b"") for m in chunks)
+            if body is not None:
                 try:
                     items = _decode_leases(body).requests if path == LEASES else _decode_usage(body).reports
                 except (msgspec.DecodeError, msgspec.ValidationError):
@@ -95,7 +85,7 @@ def batch_fast_path(state_of: Callable[[], Any], max_body: int) -> Callable[[ASG
                     items = None  # the handler answers 400 (kernel.jsonbody)
             if items is None or (who is not None and any(it.region != who for it in items)) \
                     or len({it.lease_id for it in items}) != len(items):
-                await app(scope, _replay(chunks, receive), send)  # the handler gives the 4xx problem
+                await app(scope, replay(chunks, receive), send)  # the handler gives the 4xx problem
                 return
             if who is not None:
                 scope[SCOPE_KEY] = who
@@ -111,14 +101,3 @@ def batch_fast_path(state_of: Callable[[], Any], max_body: int) -> Callable[[ASG
 
     return middleware
 
-
-def _replay(chunks: list[dict], receive: Callable[[], Awaitable[dict]]) -> Callable[[], Awaitable[dict]]:
-    """A ``receive`` that yields the messages already read, then the live ones."""
-    pending = list(chunks)
-
-    async def again() -> dict:
-        if pending:
-            return pending.pop(0)
-        return await receive()
-
-    return again

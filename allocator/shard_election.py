@@ -45,10 +45,9 @@ from kernel.shards import SHARD_HASH, shard_of
 from kernel.wire import LeaderInfo, ReplicaInfo, ShardLeader, ShardMap
 
 from . import shards as assign
-from .election import LeaderRecord
+from .election import LeaderRecord, RoundFailures
 
 log = logging.getLogger("allocator.shards")
-ERROR_LOG_EVERY_S = 10.0  # at most one line per node this often about failing election rounds
 
 DRAIN_S = 2.0  # at most this long for a handed-off shard's accepted writes before its key is deleted
 CAMPAIGN_BATCH = 60  # shards per campaign transaction (2 more compares each: <= MAX_TXN_OPS)
@@ -113,7 +112,7 @@ class ShardElection:
         self.role_known = False
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self._last_error_log = -ERROR_LOG_EVERY_S
+        self._rounds = RoundFailures(node_id)
         self.leader_changed = asyncio.Event()
 
     # -- the surface the engine and the app use ------------------------------------------------
@@ -226,21 +225,14 @@ class ShardElection:
             except LeaseholdError as e:
                 self.etcd_ok = False
                 self.role_known = False
-                now = time.monotonic()
-                if now - self._last_error_log >= ERROR_LOG_EVERY_S:  # a leaderless spell must be visible
-                    self._last_error_log = now
-                    log.warning("node %s: election round failed (%s): %s", self.node_id, type(e).__name__, e.detail)
+                self._rounds.failed(e)
                 if self._lease_id is not None and time.monotonic() - self._last_ok > self.ttl_s / 2:
                     # keepalives failing for half the TTL: the lease may expire any moment
                     self.step_down(f"etcd unreachable: {e.detail}")
                     self._stale_lease, self._lease_id = self._lease_id, None
             except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if self._stopping or task is None or task.cancelling():
+                if not self._rounds.interrupted(self._stopping):
                     raise  # we are being stopped
-                # a CancelledError that is not ours (a driver cancelled a call under us): the loop
-                # must outlive it, or this node never campaigns again
-                log.warning("node %s: election round interrupted by a cancelled call; retrying", self.node_id)
                 self.etcd_ok = False
             except Exception:  # noqa: BLE001 - keep the loop alive; log the bug
                 log.exception("shard election loop error")

@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from kernel.asgi import read_body, replay
 from kernel.auth import SCOPE_KEY
 from kernel.errors import LeaseholdError
 from kernel.http_errors import problem_answer
@@ -67,20 +68,9 @@ def admit_fast_path(state_of: Callable[[], Any], max_body: int, before_engine: C
                     return
                 if who is not None:
                     scope[SCOPE_KEY] = who
-            chunks: list[dict] = []
-            size = 0
-            while True:
-                msg = await receive()
-                chunks.append(msg)
-                if msg["type"] != "http.request":
-                    break
-                size += len(msg.get("body", b""))
-                if size > max_body or not msg.get("more_body", False):
-                    break
-            last = chunks[-1]
+            chunks, body = await read_body(receive, max_body)
             req = None
-            if size <= max_body and last["type"] == "http.request" and not last.get("more_body", False):
-                body = b"".join(m.get("body", b"") for m in chunks)
+            if body is not None:
                 try:
                     req = _decode(body)
                 except (msgspec.DecodeError, msgspec.ValidationError):
@@ -88,7 +78,7 @@ def admit_fast_path(state_of: Callable[[], Any], max_body: int, before_engine: C
                 if req is not None and has_duplicate_keys(body):
                     req = None  # the handler answers 400 (kernel.jsonbody)
             if req is None:
-                await app(scope, _replay(chunks, receive), send)
+                await app(scope, replay(chunks, receive), send)
                 return
             await _answer(st, req, send, before_engine)
 
@@ -129,14 +119,3 @@ def _announced(raw_headers: Any) -> int:
                 return 0
     return 0
 
-
-def _replay(chunks: list[dict], receive: Callable[[], Awaitable[dict]]) -> Callable[[], Awaitable[dict]]:
-    """A ``receive`` that yields the messages already read, then the live ones."""
-    pending = list(chunks)
-
-    async def again() -> dict:
-        if pending:
-            return pending.pop(0)
-        return await receive()
-
-    return again
