@@ -16,7 +16,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 
@@ -57,6 +58,31 @@ class RoundFailures:
             return False
         log.warning("node %s: election round interrupted by a cancelled call; retrying", self.node_id)
         return True
+
+
+
+async def run_rounds(node: Any, round_: Callable[[], Awaitable[None]], failed: Callable[[LeaseholdError], None],
+                     pause_s: Callable[[], float]) -> None:
+    """The loop both elections run until ``node._stopping``: one round, then a pause. A round's
+    etcd error marks the node's etcd and role unknown, is logged (``RoundFailures``) and handed to
+    ``failed``; a stray cancellation and a bug are survived (logged), never the end of the loop."""
+    while not node._stopping:
+        try:
+            await round_()
+            node.etcd_ok = True
+        except LeaseholdError as e:
+            node.etcd_ok = False
+            node.role_known = False
+            node._rounds.failed(e)
+            failed(e)
+        except asyncio.CancelledError:
+            if not node._rounds.interrupted(node._stopping):
+                raise  # we are being stopped
+            node.etcd_ok = False
+        except Exception:  # noqa: BLE001 - keep the loop alive; log the bug
+            log.exception("election loop error (node %s)", node.node_id)
+            node.etcd_ok = False
+        await asyncio.sleep(pause_s())
 
 
 class Election:
@@ -162,28 +188,19 @@ class Election:
     # -- loop -------------------------------------------------------------------------------------
     async def _run(self) -> None:
         interval = self.ttl_s / 3
-        while not self._stopping:
-            try:
-                if self._epoch is not None:
-                    await self._keepalive()
-                else:
-                    await self._observe_or_campaign()
-                self.etcd_ok = True
-            except LeaseholdError as e:
-                self.etcd_ok = False
-                self.role_known = False
-                self._rounds.failed(e)
-                if self._epoch is not None:
-                    self.step_down(f"etcd error during keepalive: {e.detail}")
-                    self._stale_lease, self._lease_id = self._lease_id, None
-            except asyncio.CancelledError:
-                if not self._rounds.interrupted(self._stopping):
-                    raise  # we are being stopped
-                self.etcd_ok = False
-            except Exception:  # noqa: BLE001 - keep the loop alive; log the bug
-                log.exception("election loop error")
-                self.etcd_ok = False
-            await asyncio.sleep(interval if self._epoch is not None else min(interval, 0.5))
+        await run_rounds(self, self._round, self._round_failed,
+                         lambda: interval if self._epoch is not None else min(interval, 0.5))
+
+    async def _round(self) -> None:
+        if self._epoch is not None:
+            await self._keepalive()
+        else:
+            await self._observe_or_campaign()
+
+    def _round_failed(self, e: LeaseholdError) -> None:
+        if self._epoch is not None:
+            self.step_down(f"etcd error during keepalive: {e.detail}")
+            self._stale_lease, self._lease_id = self._lease_id, None
 
     async def _keepalive(self) -> None:
         assert self._lease_id is not None

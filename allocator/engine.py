@@ -316,10 +316,7 @@ class Engine:
                             fallback_per_region=p.fallback_per_region) for p in self.pools.values()]
 
     async def grant(self, req: LeaseRequest) -> LeaseGrant:
-        wait = _Wait()
-        item = self._enqueue_grant(req, wait)
-        await wait.wait()
-        return item.outcome()  # type: ignore[no-any-return]
+        return await self._one(req, self._enqueue_grant)  # type: ignore[no-any-return]
 
     async def grant_many(self, reqs: Sequence[LeaseRequest]) -> list[LeaseGrant | LeaseError]:
         """Every item queued at once (the committer groups them into few transactions); one wait
@@ -327,16 +324,20 @@ class Engine:
         return await self._many(reqs, self._enqueue_grant)
 
     async def report(self, report: UsageReport) -> UsageReceipt:
-        wait = _Wait()
-        item = self._enqueue_report(report, wait)
-        await wait.wait()
-        return item.outcome()  # type: ignore[no-any-return]
+        return await self._one(report, self._enqueue_report)  # type: ignore[no-any-return]
 
     async def report_many(self, reports: Sequence[UsageReport]) -> list[UsageReceipt | LeaseError]:
         """Usage reports of many leases: queued at once and committed in few transactions (the
         committer groups them like grants); results in request order, each decided exactly like
         :meth:`report` (the region's own lease namespace, ``closedEarly``, spend history)."""
         return await self._many(reports, self._enqueue_report)
+
+    async def _one(self, req: Any, enqueue: Callable[[Any, _Wait], _Item]) -> Any:
+        """Queue one item and wait for its answer (raises its error)."""
+        wait = _Wait()
+        item = enqueue(req, wait)
+        await wait.wait()
+        return item.outcome()
 
     async def _many(self, reqs: Sequence[Any], enqueue: Callable[[Any, _Wait], _Item]) -> list[Any]:
         """Queue every item at once, wait once; results (or per-item errors) in request order."""

@@ -45,7 +45,7 @@ from kernel.shards import SHARD_HASH, shard_of
 from kernel.wire import LeaderInfo, ReplicaInfo, ShardLeader, ShardMap
 
 from . import shards as assign
-from .election import LeaderRecord, RoundFailures
+from .election import LeaderRecord, RoundFailures, run_rounds
 
 log = logging.getLogger("allocator.shards")
 
@@ -218,26 +218,13 @@ class ShardElection:
 
     # -- loop -----------------------------------------------------------------------------------
     async def _run(self) -> None:
-        while not self._stopping:
-            try:
-                await self._tick()
-                self.etcd_ok = True
-            except LeaseholdError as e:
-                self.etcd_ok = False
-                self.role_known = False
-                self._rounds.failed(e)
-                if self._lease_id is not None and time.monotonic() - self._last_ok > self.ttl_s / 2:
-                    # keepalives failing for half the TTL: the lease may expire any moment
-                    self.step_down(f"etcd unreachable: {e.detail}")
-                    self._stale_lease, self._lease_id = self._lease_id, None
-            except asyncio.CancelledError:
-                if not self._rounds.interrupted(self._stopping):
-                    raise  # we are being stopped
-                self.etcd_ok = False
-            except Exception:  # noqa: BLE001 - keep the loop alive; log the bug
-                log.exception("shard election loop error")
-                self.etcd_ok = False
-            await asyncio.sleep(self.poll_s)
+        await run_rounds(self, self._tick, self._round_failed, lambda: self.poll_s)
+
+    def _round_failed(self, e: LeaseholdError) -> None:
+        if self._lease_id is not None and time.monotonic() - self._last_ok > self.ttl_s / 2:
+            # keepalives failing for half the TTL: the lease may expire any moment
+            self.step_down(f"etcd unreachable: {e.detail}")
+            self._stale_lease, self._lease_id = self._lease_id, None
 
     async def _tick(self) -> None:
         if self._stale_lease is not None:
