@@ -75,6 +75,7 @@ from .grouping import WINDOW_BYTES, Unit, form_units
 from .metrics import AllocatorMetrics
 
 log = logging.getLogger("allocator.engine")
+_RETRY = object()  # _commit_unit: build the unit again
 
 RECORD_MIN_LINGER_MS = 60_000
 TXNS_IN_FLIGHT = 4  # units (transactions) the committer runs at once, on disjoint pools
@@ -331,6 +332,26 @@ class Engine:
         committer groups them like grants); results in request order, each decided exactly like
         :meth:`report` (the region's own lease namespace, ``closedEarly``, spend history)."""
         return await self._many(reports, self._enqueue_report)
+
+    async def _commit_unit(self, txn: Any, wks: Any, pending: list, kind: str) -> Any:
+        """Commit one unit's transaction: its result; ``_RETRY`` after a lost etcd lease (reload,
+        build again); None when etcd refused its size and the unit went back to the queue split."""
+        try:
+            return await self.store.commit(txn)
+        except EtcdLeaseMissing:
+            self._drop(wks)
+            self._buckets.forget()
+            self.metrics.txn_retries.labels(kind).inc()
+            return _RETRY
+        except EtcdTxnTooLarge as e:
+            self._drop(wks)
+            if len(pending) == 1:
+                raise
+            self._requeue(pending, txn, e)
+            return None
+        except BaseException:
+            self._drop(wks)  # the outcome may be unknown: reload before the next use
+            raise
 
     async def _one(self, req: Any, enqueue: Callable[[Any, _Wait], _Item]) -> Any:
         """Queue one item and wait for its answer (raises its error)."""
@@ -651,22 +672,11 @@ class Engine:
                 self._drop(wks)
                 raise
             pending = [a[0] for a in answers]
-            try:
-                res = await self.store.commit(txn)
-            except EtcdLeaseMissing:
-                self._drop(wks)
-                self._buckets.forget()
-                self.metrics.txn_retries.labels("grant").inc()
+            res = await self._commit_unit(txn, wks, pending, "grant")
+            if res is _RETRY:
                 continue
-            except EtcdTxnTooLarge as e:
-                self._drop(wks)
-                if len(pending) == 1:
-                    raise
-                self._requeue(pending, txn, e)
+            if res is None:
                 return
-            except BaseException:
-                self._drop(wks)  # the outcome may be unknown: reload before the next use
-                raise
             if res.succeeded:
                 for wk, c in windows.items():
                     c.mod_revision = res.revision
@@ -815,21 +825,11 @@ class Engine:
             except BaseException:
                 self._drop(wks)
                 raise
-            try:
-                res = await self.store.commit(txn)
-            except EtcdLeaseMissing:
-                self._drop(wks)
-                self._buckets.forget()
+            res = await self._commit_unit(txn, wks, pending, "usage")
+            if res is _RETRY:
                 continue
-            except EtcdTxnTooLarge as e:
-                self._drop(wks)
-                if len(pending) == 1:
-                    raise
-                self._requeue(pending, txn, e)
+            if res is None:
                 return
-            except BaseException:
-                self._drop(wks)
-                raise
             if res.succeeded:
                 for wk, c in windows.items():
                     c.mod_revision = res.revision
