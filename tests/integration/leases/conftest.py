@@ -314,3 +314,20 @@ def start_agent(workdir: Path, policy: Path, redis_url: str, allocator_url: str 
         proc.stop()
         raise
     return proc, url
+
+
+async def spendable(redis_url: str, tenant: str, pool: str, for_ms: int = 600) -> int:
+    """What a region's leased balance of ``tenant``'s pool really holds (its Redis, as the script
+    reads it) in leases that stay valid ``for_ms`` more."""
+    from redis.asyncio import Redis
+
+    from region_agent.keys import KeyBuilder
+    from region_agent.store.scripts import Scripts
+
+    r = Redis.from_url(redis_url)
+    try:
+        bal = await Scripts().pool_balance(r, KeyBuilder.tenant_pool_key(tenant, pool))
+    finally:
+        await r.aclose()
+    return sum(e.granted - e.spent for e in bal.entries.values()
+               if e.valid_at(bal.now_ms, bal.incarnation) and e.expires_at_ms - bal.now_ms >= for_ms)

@@ -13,15 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from redis.asyncio import Redis
 
 from chaos.proxy import ProxyProcess
 from kernel.bundle import Pool
 from leasehold.procs import LOOPBACK, Proc, free_port, wait_port
 from leasehold.services import agent_command
 from leasehold.topology import DEV_PEPPER, _env
-from region_agent.keys import KeyBuilder
-from region_agent.store.scripts import Scripts
 
 from .conftest import (
     FAST_AGENT,
@@ -29,6 +26,7 @@ from .conftest import (
     etcd_windows,
     per_window,
     pool_rule,
+    spendable,
     start_topology,
     wait_for_window_start,
     wall_ms,
@@ -69,18 +67,6 @@ def region_behind_proxies(tmp_path: Path, redis_url: str):
         topo.stop()
 
 
-async def _spendable(redis_url: str, for_ms: int = 600) -> int:
-    """What the region's leased balance really holds (the regional Redis, as the script reads it)
-    in leases that stay valid ``for_ms`` more."""
-    r = Redis.from_url(redis_url)
-    try:
-        bal = await Scripts().pool_balance(r, KeyBuilder.tenant_pool_key("atlas", POOL.id))
-    finally:
-        await r.aclose()
-    return sum(e.granted - e.spent for e in bal.entries.values()
-               if e.valid_at(bal.now_ms, bal.incarnation) and e.expires_at_ms - bal.now_ms >= for_ms)
-
-
 async def test_blackholed_allocators_then_fallback_then_heal(region_behind_proxies, redis_url):
     topo, proxies, url = region_behind_proxies
     W, FB = POOL.window_ms, POOL.fallback_per_region
@@ -95,7 +81,7 @@ async def test_blackholed_allocators_then_fallback_then_heal(region_behind_proxi
         for k0 in range(wall_ms() // W, wall_ms() // W + 4):
             await asyncio.sleep(max(0, k0 * W + W // 2 - 300 - wall_ms()) / 1000)
             while wall_ms() < k0 * W + W // 2 + 300:  # noqa: ASYNC110 - polling another process' state
-                held = await _spendable(redis_url)
+                held = await spendable(redis_url, "atlas", POOL.id)
                 if held >= 5:
                     break
                 await asyncio.sleep(0.01)
