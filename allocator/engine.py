@@ -333,6 +333,13 @@ class Engine:
         :meth:`report` (the region's own lease namespace, ``closedEarly``, spend history)."""
         return await self._many(reports, self._enqueue_report)
 
+    def _cache_committed(self, windows: dict, revision: int) -> None:
+        """The unit's windows as committed at ``revision`` (cached again, if a leadership change
+        dropped them meanwhile)."""
+        for wk, c in windows.items():
+            c.mod_revision = revision
+            self._cache[wk] = c
+
     async def _commit_unit(self, txn: Any, wks: Any, pending: list, kind: str) -> Any:
         """Commit one unit's transaction: its result; ``_RETRY`` after a lost etcd lease (reload,
         build again); None when etcd refused its size and the unit went back to the queue split."""
@@ -678,9 +685,7 @@ class Engine:
             if res is None:
                 return
             if res.succeeded:
-                for wk, c in windows.items():
-                    c.mod_revision = res.revision
-                    self._cache[wk] = c  # (again, if a leadership change dropped it meanwhile)
+                self._cache_committed(windows, res.revision)
                 self.metrics.txn_grants.observe(len(answers))
                 for it, g, d in answers:
                     self._count_grant(g, d)
@@ -831,9 +836,7 @@ class Engine:
             if res is None:
                 return
             if res.succeeded:
-                for wk, c in windows.items():
-                    c.mod_revision = res.revision
-                    self._cache[wk] = c
+                self._cache_committed(windows, res.revision)
                 for it, new in receipts:
                     pool, region = new.grant.pool, self.metrics.region(new.grant.region)
                     if new.returned:
