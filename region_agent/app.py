@@ -24,6 +24,7 @@ from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError, Unavailable
 from kernel.http_errors import exception_handlers, problem_response
 from kernel.jsonbody import StrictJSONRequest
+from kernel.openapi_enums import inline_enums
 from kernel.openapi_problems import document_problems
 from kernel.signing import TrustedKeys
 
@@ -48,6 +49,7 @@ from .models import (
     AdmitRequest,
     BatchDecisions,
     Decision,
+    DeniedScope,
     PolicyInfo,
     ReleaseRequest,
     ReleaseResult,
@@ -307,6 +309,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     )
     app.state.agent = state
     document_problems(app)
+    inline_enums(app, DeniedScope)  # deniedScope documented as the inline string enum it always was
     return app
 
 

@@ -41,7 +41,7 @@ from .leasing.book import BalanceState
 from .leasing.fleet_pools import FleetPools, TakeStatus, allowance_call
 from .leasing.window_clock import AllocatorClock, Windows
 from .metrics import AgentMetrics
-from .models import AdmitRequest, Decision, Reason, ReleaseRequest, RenewRequest
+from .models import AdmitRequest, Decision, DeniedScope, Reason, ReleaseRequest, RenewRequest
 from .negcache import NegativeCache
 from .outcome import Answer, Mode, NextStep, degrade, outcome
 from .plan import (
@@ -246,13 +246,13 @@ class DecisionEngine:
                 continue
             self._give_back(prep)
             if took.status is TakeStatus.DENIED:
-                prep.early = self._decision(plan, bundle, allowed=False, rule=spend.rule, scope="global",
+                prep.early = self._decision(plan, bundle, allowed=False, rule=spend.rule, scope=DeniedScope.GLOBAL,
                                             reason=Reason.RATE_EXCEEDED, limit=spend.pool.limit, remaining=0,
                                             retry=took.retry_ms, fallback=prep.used_fallback or took.fallback)
             elif took.status is TakeStatus.SHED:
                 prep.early = self._shed(prep, "pool")
             else:
-                prep.early = self._decision(plan, bundle, allowed=False, rule=spend.rule, scope="global",
+                prep.early = self._decision(plan, bundle, allowed=False, rule=spend.rule, scope=DeniedScope.GLOBAL,
                                             reason=Reason.LIMITER_UNAVAILABLE, retry=took.retry_ms)
             break
 
@@ -410,7 +410,7 @@ class DecisionEngine:
         if rule.fail_mode == "closed" or pool.fallback_per_region <= 0:
             self.metrics.degradations.labels("ALLOCATOR_UNREACHABLE", "closed").inc()
             self._give_back(prep)
-            return self._decision(plan, bundle, allowed=False, rule=rule, scope=rule.scope,
+            return self._decision(plan, bundle, allowed=False, rule=rule, scope=DeniedScope(rule.scope),
                                   reason=Reason.LIMITER_UNAVAILABLE, retry=rule.closed_retry_after_ms)
         self.metrics.degradations.labels("ALLOCATOR_UNREACHABLE", "pool_fallback").inc()
         # the region's allowance, charged to every allocator window this decision may fall in
@@ -459,7 +459,7 @@ class DecisionEngine:
         if how.mode is Mode.CLOSED:
             assert how.rule is not None
             self._give_back(prep)
-            return self._decision(plan, bundle, allowed=False, rule=how.rule, scope=how.rule.scope,
+            return self._decision(plan, bundle, allowed=False, rule=how.rule, scope=DeniedScope(how.rule.scope),
                                   reason=how.reason, retry=how.rule.closed_retry_after_ms)
         if how.mode is Mode.OPEN:
             d = self._allowed_without_script(prep)
@@ -482,7 +482,7 @@ class DecisionEngine:
                                  w.end_in_ms + pool.window_ms)
                 if item is None:  # the allocator's clock is too uncertain to count per window
                     self._give_back(prep)
-                    return self._decision(plan, bundle, allowed=False, rule=r, scope=r.scope, reason=Reason.RATE_EXCEEDED,
+                    return self._decision(plan, bundle, allowed=False, rule=r, scope=DeniedScope(r.scope), reason=Reason.RATE_EXCEEDED,
                                           limit=pool.fallback_per_region, remaining=0, retry=w.end_in_ms,
                                           fallback=True)
                 items.append(item)
@@ -494,7 +494,7 @@ class DecisionEngine:
         if not res.allowed:
             self._give_back(prep)
             i = res.denied_by - 1
-            return self._decision(plan, bundle, allowed=False, rule=local[i], scope=local[i].scope,
+            return self._decision(plan, bundle, allowed=False, rule=local[i], scope=DeniedScope(local[i].scope),
                                   reason=Reason.RATE_EXCEEDED, limit=limits[i], remaining=res.remaining[i],
                                   retry=res.retry_after_ms, fallback=True)
         report = plan.rules[0]
@@ -524,11 +524,11 @@ class DecisionEngine:
                         policy_version=prep.bundle.bundle_version, reason=Reason.REQUEST_ID_CONFLICT, retry_after_ms=-1,
                         http_status=409, headers={}, problem=problem)
 
-    def _decision(self, plan: Plan, bundle: Bundle, *, allowed: bool, rule: Rule | None, scope: str | None = None,
+    def _decision(self, plan: Plan, bundle: Bundle, *, allowed: bool, rule: Rule | None, scope: DeniedScope | None = None,
                   reason: Reason | None = None, limit: int | None = None, remaining: int | None = None,
                   retry: int = 0, fallback: bool = False) -> Decision:
         d = Decision(allowed=allowed, decision_id=plan.request_id, policy_id=rule.id if rule else None,
-                     policy_version=bundle.bundle_version, denied_scope=None if allowed else scope,  # type: ignore[arg-type]
+                     policy_version=bundle.bundle_version, denied_scope=None if allowed else scope,
                      reason=None if allowed else reason, limit=limit, remaining=remaining,  # type: ignore[arg-type]
                      retry_after_ms=0 if allowed else retry, fallback=fallback)
         if apply_http(d, rule=rule, anonymous=plan.anonymous):

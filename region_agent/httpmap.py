@@ -23,7 +23,7 @@ from typing import Any
 
 from kernel.bundle import Pool, Rule
 
-from .models import Decision
+from .models import Decision, DeniedScope
 
 OWN_SCOPES = frozenset({"user", "key"})
 
@@ -112,7 +112,7 @@ def apply_http(decision: Decision, *, rule: Rule | None, anonymous: bool) -> boo
             decision.retry_jitter_ms = jitter
             headers["Retry-After"] = str(secs + jitter // 1000)
     if (rule is not None and not anonymous and rule.scope in OWN_SCOPES and status != 503
-            and not decision.fallback and decision.denied_scope != "concurrency"
+            and not decision.fallback and decision.denied_scope != DeniedScope.CONCURRENCY
             and decision.limit is not None and decision.remaining is not None):
         headers.update(ratelimit_headers(rule, limit=decision.limit, remaining=decision.remaining,
                                          retry_after_ms=decision.retry_after_ms))

@@ -47,7 +47,20 @@ class ReleaseRequest(Struct, rename="camel", forbid_unknown_fields=True, frozen=
     tenant_id: TenantId | None = None
 
 
-DeniedScope = Literal["user", "key", "route", "tenant", "global", "concurrency", "ip"]
+class DeniedScope(StrEnum):
+    """Which limit denied a decision (the decision record's ``deniedScope``; JSON: the value).
+
+    The rule scopes of the bundle (kernel.algorithms.rule.Scope) plus ``concurrency`` (a
+    concurrency gate). The OpenAPI document shows it inline, as the string enum it always was
+    (kernel.openapi_enums)."""
+
+    USER = "user"
+    KEY = "key"
+    ROUTE = "route"
+    TENANT = "tenant"
+    GLOBAL = "global"
+    CONCURRENCY = "concurrency"
+    IP = "ip"
 
 
 class Reason(StrEnum):

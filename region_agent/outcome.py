@@ -29,7 +29,7 @@ from kernel.errors import AmbiguousOutcome, DecisionConflict, LeaseholdError, Ov
 
 from .call import MultiRuleResult
 from .leasing.book import BalanceState
-from .models import Reason
+from .models import DeniedScope, Reason
 from .plan import Plan
 
 
@@ -48,7 +48,7 @@ class Answer(NamedTuple):
 
     allowed: bool
     rule: Rule | None
-    scope: str | None = None
+    scope: DeniedScope | None = None
     reason: Reason | None = None
     limit: int | None = None
     remaining: int | None = None
@@ -90,14 +90,14 @@ def outcome(plan: Plan, pools: Mapping[str, Pool], result: MultiRuleResult | Lea
                 return Outcome(NextStep.WAIT_TOP_UP, slot=idx)
         if slot.role is Role.CC:
             rule = slot.rule
-            return Outcome(NextStep.ANSWER, Answer(False, rule, "concurrency", Reason.CONCURRENCY_EXCEEDED,
+            return Outcome(NextStep.ANSWER, Answer(False, rule, DeniedScope.CONCURRENCY, Reason.CONCURRENCY_EXCEEDED,
                                                rule.concurrency_max, 0, rule.concurrency_retry_after_ms, fallback))
         raw = res.remaining[idx] if idx < len(res.remaining) else 0
         retry = int(res.retry_after_ms)
         if retry >= 0:
             retry = max(retry, retry_floor_ms)
         rule = slot.rule
-        answer = Answer(False, rule, rule.scope, Reason.RATE_EXCEEDED, rule.limit_tokens(pools),
+        answer = Answer(False, rule, DeniedScope(rule.scope), Reason.RATE_EXCEEDED, rule.limit_tokens(pools),
                         rule.remaining_tokens(int(raw)), retry, fallback)
         return Outcome(NextStep.ANSWER, answer, slot=idx, cacheable=plan.decision_ttl_ms == 0)
     report = plan.rules[0] if plan.rules else None

@@ -20,7 +20,7 @@ from kernel.watch import PolicyWatcher
 from . import httpmap
 from .httpmap import retry_after_seconds
 from .metrics import AgentMetrics
-from .models import AdmitRequest, Decision
+from .models import AdmitRequest, Decision, DeniedScope, Reason
 from .plan import check_principal, selected
 from .policy import PolicyHolder
 from .telemetry import named_tenants, tenant_label
@@ -48,7 +48,7 @@ def revoked_decision(bundle: Bundle, req: AdmitRequest, m: AgentMetrics | None =
         return None
     anonymous = req.principal.type == "anonymous"
     d = Decision(allowed=False, decision_id=req.request_id, policy_id=None if anonymous else rule.id,
-                 policy_version=bundle.bundle_version, denied_scope=rule.scope, reason="POLICY_STALE",
+                 policy_version=bundle.bundle_version, denied_scope=DeniedScope(rule.scope), reason=Reason.POLICY_STALE,
                  retry_after_ms=rule.closed_retry_after_ms, http_status=503)
     d.retry_jitter_ms = httpmap.JITTER.of(d.decision_id, rule.closed_retry_after_ms)
     d.headers = {"Retry-After": str(retry_after_seconds(rule.closed_retry_after_ms) + d.retry_jitter_ms // 1000)}

@@ -25,7 +25,7 @@ from kernel.errors import ValidationFailed
 
 from .httpmap import apply_http
 from .keys import ip_prefix, parse_ip
-from .models import AdmitRequest, Decision, Principal
+from .models import AdmitRequest, Decision, DeniedScope, Principal, Reason
 from .plan import selected
 
 
@@ -84,7 +84,7 @@ class NewKeyCap:
         if not rules or all(self.admit(addr, r) for r in rules):
             return None
         d = Decision(allowed=False, decision_id=req.request_id, policy_id=None,
-                     policy_version=bundle.bundle_version, denied_scope="ip", reason="RATE_EXCEEDED",
+                     policy_version=bundle.bundle_version, denied_scope=DeniedScope.IP, reason=Reason.RATE_EXCEEDED,
                      retry_after_ms=self.window_ms - int(self.clock() * 1000) % self.window_ms)
         apply_http(d, rule=None, anonymous=True)
         return d

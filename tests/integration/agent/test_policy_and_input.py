@@ -159,6 +159,10 @@ async def test_openapi_and_health(agent):
     for path in ("/v1/admit", "/v1/admit/batch", "/v1/release", "/v1/renew"):
         assert "parameters" not in schema["paths"][path]["post"], schema["paths"][path]["post"]
     assert "parameters" not in schema["paths"]["/v1/policy"]["get"]
+    # deniedScope is an enum in the code and the same inline string enum in the document (kernel.openapi_enums)
+    assert schema["components"]["schemas"]["Decision"]["properties"]["deniedScope"] == {
+        "enum": ["user", "key", "route", "tenant", "global", "concurrency", "ip", None], "type": ["null", "string"]}
+    assert "DeniedScope" not in schema["components"]["schemas"]
     assert (await agent.get("/healthz")).json() == {"status": "ok"}
     ready = (await agent.get("/readyz")).json()
     assert ready["status"] == "ready" and ready["policyVersion"] == 42

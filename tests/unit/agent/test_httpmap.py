@@ -4,7 +4,7 @@ import pytest
 
 from kernel.bundle import make_rule
 from region_agent.httpmap import apply_http, retry_after_seconds
-from region_agent.models import Decision
+from region_agent.models import Decision, DeniedScope
 
 USER = make_rule(id="read-user-v3", scope="user", route_group="read", algorithm="token_bucket", capacity_millis=20_000,
             refill_millis=2_000, period_ms=1_000, cost_millis=1_000, fail_mode="local_bounded")
@@ -16,7 +16,7 @@ WINDOW_KEY = make_rule(id="key-window", scope="key", algorithm="fixed_window", l
 
 
 def dec(**kw) -> Decision:
-    base = dict(allowed=False, decision_id="r-1", policy_id="x", policy_version=42, denied_scope="user",
+    base = dict(allowed=False, decision_id="r-1", policy_id="x", policy_version=42, denied_scope=DeniedScope.USER,
                 reason="RATE_EXCEEDED", limit=20, remaining=0, retry_after_ms=500)
     base.update(kw)
     return Decision(**base)
@@ -45,13 +45,13 @@ def test_window_rule_of_the_callers_key():
 
 
 def test_tenant_scope_never_exposes_numbers():
-    d = dec(denied_scope="tenant", limit=1000, remaining=3, retry_after_ms=420)
+    d = dec(denied_scope=DeniedScope.TENANT, limit=1000, remaining=3, retry_after_ms=420)
     apply_http(d, rule=TENANT, anonymous=False)
     assert d.headers == {"Retry-After": "1"}
 
 
 def test_anonymous_gets_a_generic_answer():
-    d = dec(denied_scope="ip", retry_after_ms=3500)
+    d = dec(denied_scope=DeniedScope.IP, retry_after_ms=3500)
     apply_http(d, rule=USER, anonymous=True)
     assert d.headers == {"Retry-After": "4"}
     assert d.problem == {"type": "about:blank", "title": "Too Many Requests", "status": 429}
@@ -64,7 +64,7 @@ def test_never_satisfiable_omits_retry_after_and_reports_a_defect():
 
 
 def test_limiter_unavailable_closed_is_503_and_fallback_exhausted_is_429():
-    d = dec(reason="LIMITER_UNAVAILABLE", denied_scope="tenant", retry_after_ms=5_000)
+    d = dec(reason="LIMITER_UNAVAILABLE", denied_scope=DeniedScope.TENANT, retry_after_ms=5_000)
     apply_http(d, rule=TENANT, anonymous=False)
     assert d.http_status == 503 and d.headers == {"Retry-After": "5"} and d.problem["status"] == 503
     d = dec(fallback=True, retry_after_ms=4_000)
@@ -73,6 +73,6 @@ def test_limiter_unavailable_closed_is_503_and_fallback_exhausted_is_429():
 
 
 def test_concurrency_denial_uses_the_policy_retry_after_without_ratelimit_fields():
-    d = dec(denied_scope="concurrency", reason="CONCURRENCY_EXCEEDED", retry_after_ms=5_000, limit=3)
+    d = dec(denied_scope=DeniedScope.CONCURRENCY, reason="CONCURRENCY_EXCEEDED", retry_after_ms=5_000, limit=3)
     apply_http(d, rule=USER, anonymous=False)
     assert d.http_status == 429 and d.headers == {"Retry-After": "5"}
