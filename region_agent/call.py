@@ -9,11 +9,14 @@ call's shape is checked here.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kernel.algorithms import KINDS
 from kernel.algorithms.rule import Params
 from kernel.errors import DecisionConflict, LeaseholdError, ScriptRejected, StoreUnavailable
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 MULTI_RULE = "multi_rule"
 MAX_RULES = 8
@@ -105,3 +108,27 @@ def parse_pool_take(reply: Any) -> PoolTake:
     if not isinstance(reply, list | tuple) or len(reply) != 4:
         raise ScriptRejected("unexpected reply shape from pool_take")
     return PoolTake(*(int(x) for x in reply))
+
+
+# --- a plan's calls ------------------------------------------------------------------------------
+def plan_calls(plan: Plan) -> list[ScriptCall]:
+    """The script calls of ``plan``: the enforced rules' multi-rule call (with the decision
+    record, when the request has one), then the shadow rules' (never a record); either may be absent."""
+    calls = []
+    if plan.calls:
+        calls.append(multi_rule_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
+                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                                     question=plan.question))
+    if plan.shadow_calls:
+        calls.append(multi_rule_call(plan.shadow_calls, decision_key=plan.decision_key,
+                                     slack_ms=max(r.rule.ttl_slack_ms for r in plan.shadow_slots),
+                                     decision_ttl_ms=0, member=plan.request_id))
+    return calls
+
+
+def result_of(reply: Any) -> MultiRuleResult | LeaseholdError:
+    """The multi-rule reply in a pipeline slot as a result, or the contract error it means."""
+    try:
+        return parse_multi_rule(reply)
+    except LeaseholdError as e:
+        return e

@@ -147,3 +147,11 @@ def degrade(rules: Sequence[Rule], pools: Mapping[str, Pool], exc: LeaseholdErro
     if not local:
         return Degrade(Mode.OPEN)
     return Degrade(Mode.LOCAL, local=tuple(sorted(local, key=lambda r: r.role is not Role.POOL)))
+
+
+def pool_denial_slot(plan: Plan, result: MultiRuleResult | LeaseholdError) -> int | None:
+    """The slot index of a tenant pool rule that denied ``result``, or None."""
+    if isinstance(result, LeaseholdError) or result.allowed or not 1 <= result.denied_by <= len(plan.slots):
+        return None
+    idx = result.denied_by - 1
+    return idx if plan.slots[idx].role is Role.POOL else None

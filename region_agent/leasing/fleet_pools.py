@@ -40,6 +40,7 @@ from ..plan import GlobalSpend
 from ..store.protocol import Store
 from .book import BalanceState
 from .chunks import NO_CHUNK, ChunkLease
+from .topup import topped_up
 from .window_clock import Windows
 
 
@@ -176,7 +177,7 @@ class FleetPools:
                     return Take(TakeStatus.OK)
                 pending = self.leases.observed(gkey, got.remaining) if self.leases is not None else None
                 left = deadline_s - clock_s()
-                if attempt or pending is None or left <= 0 or not await _topped_up(pending, left):
+                if attempt or pending is None or left <= 0 or not await topped_up(pending, left):
                     break
         except LeaseholdError as e:
             return self._store_failed(spend, e)
@@ -222,7 +223,7 @@ class FleetPools:
                 pending = self.leases.observed(gkey, got.remaining) if self.leases is not None else None
                 # the regional balance is being topped up right now: wait for it (the top-up is bounded
                 # by the allocator client's deadline)
-                if attempt or pending is None or not await _topped_up(pending, None):
+                if attempt or pending is None or not await topped_up(pending, None):
                     break
             state = self.leases.state(gkey) if self.leases is not None else BalanceState.IDLE
             if state is BalanceState.UNREACHABLE and pool.fallback_per_region > 0 and spend.rule.fail_mode != "closed":
@@ -260,24 +261,6 @@ class FleetPools:
         lease.deny(self.now_ms(), w.end_in_ms, pool.chunk_validity_ms)
         lease.fallback = True
         return Renewal.FALLBACK_DENIED
-
-
-async def _topped_up(pending: asyncio.Future, within_s: float | None) -> bool:
-    """Wait for the lease manager's top-up in flight: True once it ended (granted or not — the
-    caller looks at the balance again), False if it did not end in time or was cancelled (the
-    manager is stopping)."""
-    try:
-        await asyncio.wait_for(asyncio.shield(pending), within_s)
-    except TimeoutError:
-        return False
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if pending.cancelled() and not (task is not None and task.cancelling()):
-            return False
-        raise
-    except Exception:
-        return True
-    return True
 
 
 def allowance_call(key: str, pool: Pool, w: Windows, cost: int) -> Call:

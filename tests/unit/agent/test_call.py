@@ -3,8 +3,12 @@ sending, and the reply parsing, conflict and error slots included (pure)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import msgspec
 import pytest
 
+from kernel.bundle import load_bundle_file
 from kernel.errors import DecisionConflict, ScriptRejected, StoreUnavailable
 from region_agent.call import (
     MAX_RULES,
@@ -14,8 +18,13 @@ from region_agent.call import (
     multi_rule_call,
     parse_multi_rule,
     parse_pool_take,
+    plan_calls,
     pool_take_call,
+    result_of,
 )
+from region_agent.keys import KeyBuilder
+from region_agent.models import AdmitRequest, Principal
+from region_agent.plan import build_plan
 
 TB = Call("rl:{t:a}:x", "tb", (20_000, 2_000, 1_000, 1_000, 0))
 CC = Call("rl:{t:a}:x:cc", "cc", (3, 60_000, 0, 0, 0))
@@ -65,3 +74,33 @@ def test_pool_take():
     assert parse_pool_take([20, 80, 900, 0]) == PoolTake(20, 80, 900, 0)
     with pytest.raises(ScriptRejected):
         parse_pool_take([1, 2, 3])
+
+
+# --- a plan's calls -------------------------------------------------------------------------------
+def _plan(shadow: bool = False):
+    bundle = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar.json"))
+    if shadow:
+        bundle = msgspec.structs.replace(bundle, rules=[msgspec.structs.replace(r, shadow=True)
+                                                        if r.id == "tenant-atlas-minute" else r for r in bundle.rules])
+    req = AdmitRequest(request_id="r-9f3a61c2e07b4d18", tenant_id="atlas", route_group="read",
+                       principal=Principal(type="user", id="U-17", api_key_id="K1"))
+    return build_plan(bundle, req, KeyBuilder(b"unit-pepper"))
+
+
+def test_plan_calls_are_the_enforced_call_then_the_shadow_call():
+    plan = _plan()
+    (enforced,) = plan_calls(plan)
+    assert enforced == multi_rule_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
+                                       decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                                       question=plan.question)
+    with_shadow = _plan(shadow=True)
+    enforced, shadow = plan_calls(with_shadow)
+    assert len(enforced[1]) == 2 and len(shadow[1]) == 2  # decision key + one rule each
+    assert shadow[2][1] == 0  # the shadow call never writes a decision record
+
+
+def test_result_of_turns_a_contract_error_into_a_value():
+    assert result_of([1, 0, 0, 5]) == MultiRuleResult(True, 0, 0, (5,))
+    assert isinstance(result_of([-1, 0, 0, 0]), DecisionConflict)
+    assert isinstance(result_of(StoreUnavailable("x")), StoreUnavailable)
+    assert isinstance(result_of("nonsense"), ScriptRejected)

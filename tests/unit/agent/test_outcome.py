@@ -14,7 +14,7 @@ from region_agent.call import MultiRuleResult
 from region_agent.keys import KeyBuilder
 from region_agent.leasing.book import BalanceState
 from region_agent.models import AdmitRequest, Principal, Reason
-from region_agent.outcome import Answer, Mode, NextStep, degrade, outcome
+from region_agent.outcome import Answer, Mode, NextStep, degrade, outcome, pool_denial_slot
 from region_agent.plan import build_plan, memo_of
 
 POLICIES = Path(__file__).resolve().parents[3] / "policies"
@@ -157,3 +157,12 @@ def test_open_rules_admit_without_a_check():
     opened = [r.__class__(**{**{f: getattr(r, f) for f in r.__struct_fields__}, "fail_mode": "open"})
               for r in rules_of(plan)]
     assert degrade(opened, pools(NORTHSTAR), StoreUnavailable("down")) == (Mode.OPEN, None, None, ())
+
+
+def test_pool_denial_slot_names_only_a_denying_tenant_pool_slot():
+    plan = plan_of(GLOBAL)  # read-user-v3, then the atlas pool
+    assert pool_denial_slot(plan, MultiRuleResult(False, 2, 100, (5_000, 0))) == 1
+    assert pool_denial_slot(plan, MultiRuleResult(False, 1, 100, (0, 50))) is None  # a bucket denied
+    assert pool_denial_slot(plan, MultiRuleResult(True, 0, 0, (5_000, 50))) is None
+    assert pool_denial_slot(plan, MultiRuleResult(False, 9, 100, ())) is None  # out of range
+    assert pool_denial_slot(plan, StoreUnavailable("down")) is None

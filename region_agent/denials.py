@@ -1,0 +1,57 @@
+"""The negative cache as a decision uses it (the cache itself: region_agent.negcache): a request
+whose slots met a held denial is answered from it before any store call; a store denial is
+remembered by the slot that denied; an answer that was not a store denial ends the held ones.
+
+Only requests without a decision record take part (a record's replay must come from the store).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from .call import Call
+from .metrics import AgentMetrics
+from .negcache import NegativeCache
+from .outcome import Answer
+from .plan import Plan
+
+
+class Denials:
+    def __init__(self, cache: NegativeCache, metrics: AgentMetrics, now_ms: Callable[[], float]):
+        self.cache = cache
+        self.metrics = metrics
+        self.now_ms = now_ms  # monotonic milliseconds
+
+    def hit(self, plan: Plan) -> Answer | None:
+        """The held denial one of ``plan``'s slots meets (its hint counted from now), or None."""
+        if plan.decision_ttl_ms > 0 or not len(self.cache):
+            return None
+        now_ms = self.now_ms()
+        for call in plan.calls:
+            hit = self.cache.get((call.key, call.params), now_ms)
+            if hit is not None:
+                self.metrics.negative_hits.inc()
+                answer: Answer = hit.payload
+                return answer._replace(retry=max(1, int(hit.retry_at_ms - now_ms + 0.999)))
+        return None
+
+    def remember(self, plan: Plan, slot: int, answer: Answer, *, calls: Sequence[Call] | None = None,
+                 fallback: bool = False) -> None:
+        """Hold the store's denial ``answer`` by slot ``slot`` of the call (``calls``: its slots,
+        when they differ from the plan's). A bucket's or window's hint is exact; a pool's (a top-up)
+        or a fallback allowance's is not."""
+        call = (calls or plan.calls)[slot]
+        self.cache.put((call.key, call.params), self.now_ms(), answer.retry, answer,
+                       exact=plan.slots[slot].rule.exact_hint and not fallback)
+
+    def forget(self, plan: Plan, calls: Sequence[Call] | None = None) -> None:
+        """Drop the cached denials of a request that got past the negative cache (none of its holds
+        was running: an entry it met was a probe). Its answer was not a store denial - an admission,
+        or the local fallback's decision while the store is lost - so the old denial must not answer
+        the others (as a store decision, with an elapsed hint) while the probe's hold lasts."""
+        if not len(self.cache) or plan.decision_ttl_ms:
+            return
+        for call in plan.calls:
+            self.cache.forget((call.key, call.params))
+        for call in calls or ():  # e.g. a pool rule's fallback allowance in place of its balance
+            self.cache.forget((call.key, call.params))

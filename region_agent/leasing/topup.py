@@ -1,0 +1,61 @@
+"""Waiting for a leased pool balance's top-up: what a decision asks of the lease manager when a
+pool balance could not pay, and how long it may wait.
+
+A tenant pool rule's balance (``{t:<tenant>}``) or a fleet-wide pool's (``{g:<pool>}``) can be
+empty while the lease manager's top-up is in flight - at cold start (the warm-up lease, or the
+first request of a balance) or when demand outran the low-water mark. A request then waits for
+that top-up *once*, within its own budget, and asks again; it never waits for a top-up that was
+not started, and an answer of "exhausted" or "unreachable" is carried out at once
+(region_agent.outcome: a 429 to the next window, or the pool's fallback allowance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, NamedTuple
+
+from .book import BalanceState
+
+# the part of a waiting decision's budget kept for the call that follows the wait (the script
+# again, or the fallback allowance): without it that call times out and degrades as if Redis were down
+KEEP_AFTER_WAIT_S = 0.025
+
+
+class PoolDenial(NamedTuple):
+    """What the lease manager says about a balance that just could not pay."""
+
+    pending: asyncio.Future | None  # the top-up in flight (None: none, or already waited for)
+    balance: BalanceState  # region_agent.outcome decides with it
+    retry_floor_ms: int  # a denial's hint is at least this (a top-up's round trip, or the window's end)
+
+
+def pool_denial(leases: Any, key: str, spendable: int, *, waited: bool) -> PoolDenial:
+    """Tell ``leases`` (a :class:`~region_agent.leasing.manager.LeaseManager`) that a script saw
+    ``spendable`` tokens in ``key``'s balance - fresher than its tick's reading - and read the
+    balance's state. ``waited``: this decision already waited once (no second wait)."""
+    pending = None if waited else leases.observed(key, int(spendable))
+    return PoolDenial(pending, leases.state(key), max(1, leases.retry_hint_ms(key)))
+
+
+def wait_s(left_s: float, budget_s: float) -> float:
+    """How long a decision with ``left_s`` of its budget may wait for a top-up: all but the part
+    kept for the call that follows (at least half of what is left)."""
+    return max(left_s / 2, left_s - min(KEEP_AFTER_WAIT_S, budget_s / 4))
+
+
+async def topped_up(pending: asyncio.Future, within_s: float | None) -> bool:
+    """Wait for the lease manager's top-up in flight: True once it ended (granted or not - the
+    caller looks at the balance again), False if it did not end in time or was cancelled (the
+    manager is stopping)."""
+    try:
+        await asyncio.wait_for(asyncio.shield(pending), within_s)
+    except TimeoutError:
+        return False
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if pending.cancelled() and not (task is not None and task.cancelling()):
+            return False
+        raise
+    except Exception:
+        return True
+    return True

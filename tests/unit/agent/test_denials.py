@@ -1,0 +1,87 @@
+"""region_agent.denials: the negative cache as a decision uses it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kernel.bundle import load_bundle_file
+from region_agent.denials import Denials
+from region_agent.keys import KeyBuilder
+from region_agent.metrics import AgentMetrics
+from region_agent.models import AdmitRequest, DeniedScope, Principal, Reason
+from region_agent.negcache import NegativeCache
+from region_agent.outcome import Answer
+from region_agent.plan import build_plan
+
+NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar.json"))
+KB = KeyBuilder(b"unit-pepper")
+
+
+def plan_of(route="read", cost=1):
+    req = AdmitRequest(request_id="r-9f3a61c2e07b4d18", tenant_id="atlas", route_group=route, cost_hint=cost,
+                       principal=Principal(type="user", id="U-17", api_key_id="K1"))
+    return build_plan(NORTHSTAR, req, KB)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.ms = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.ms
+
+
+def denials() -> tuple[Denials, AgentMetrics, Clock]:
+    m, c = AgentMetrics(), Clock()
+    return Denials(NegativeCache(), m, c), m, c
+
+
+def denial(plan, retry=1_500) -> Answer:
+    return Answer(False, plan.slots[1].rule, DeniedScope.TENANT, Reason.RATE_EXCEEDED, 1_000, 0, retry)
+
+
+def test_a_remembered_denial_answers_the_same_request_with_the_hint_left():
+    d, m, clock = denials()
+    plan = plan_of()
+    assert d.hit(plan) is None
+    d.remember(plan, 1, denial(plan))
+    clock.ms += 400
+    held = d.hit(plan_of())
+    assert held is not None and held == denial(plan, retry=1_100)  # the hint counted from now
+    assert m.registry.get_sample_value("leasehold_agent_negative_cache_hits_total") == 1
+
+
+def test_another_cost_asks_the_store():
+    d, _, _ = denials()
+    plan = plan_of()
+    d.remember(plan, 1, denial(plan))
+    assert d.hit(plan_of(cost=2)) is None  # the key includes the script arguments
+
+
+def test_a_request_with_a_decision_record_never_meets_a_held_denial():
+    d, _, _ = denials()
+    plan = plan_of()
+    d.remember(plan, 1, denial(plan))
+    export = plan_of(route="export")
+    assert export.decision_ttl_ms > 0
+    d.remember(export, 2, denial(export))
+    assert d.hit(export) is None
+
+
+def test_forget_ends_the_held_denials_of_the_request():
+    d, _, _ = denials()
+    plan = plan_of()
+    d.remember(plan, 1, denial(plan))
+    d.forget(plan)
+    assert d.hit(plan) is None and len(d.cache) == 0
+
+
+def test_a_replaced_slot_is_remembered_and_forgotten_by_its_own_key():
+    d, _, _ = denials()
+    plan = plan_of()
+    other = [plan.calls[0], plan.calls[1]._replace(key=plan.calls[1].key + ":fb")]
+    d.remember(plan, 1, denial(plan), calls=other, fallback=True)
+    assert d.hit(plan) is None  # held by the replacement's key, not the plan's
+    assert len(d.cache) == 1
+    d.forget(plan, other)
+    assert len(d.cache) == 0
