@@ -91,32 +91,31 @@ async def post_lease(request: Request, data: JSONBody[LeaseRequest], state: Stat
     return await _engine(state).grant(data)
 
 
-class BatchResultDoc(msgspec.Struct, rename="camel"):
-    """OpenAPI shape of one batch result: a ``LeaseGrant`` or a ``LeaseError`` (untagged union)."""
+class _ResultDoc(msgspec.Struct, rename="camel"):
+    """The members every batch result may carry: its lease id, and a ``LeaseError``'s."""
 
     lease_id: str
     granted: int | None = None
     status: int | None = None
     code: str | None = None
     detail: str | None = None
+
+
+class BatchResultDoc(_ResultDoc):
+    """OpenAPI shape of one batch result: a ``LeaseGrant`` or a ``LeaseError`` (untagged union)."""
 
 
 class LeaseBatchResponseDoc(msgspec.Struct, rename="camel"):
     results: list[BatchResultDoc]
 
 
-class UsageResultDoc(msgspec.Struct, rename="camel"):
+class UsageResultDoc(_ResultDoc):
     """OpenAPI shape of one usage batch result: a ``UsageReceipt`` or a ``LeaseError``."""
 
-    lease_id: str
-    granted: int | None = None
     spent: int | None = None
     returned: int | None = None
     window_open: bool | None = None
     replayed: bool | None = None
-    status: int | None = None
-    code: str | None = None
-    detail: str | None = None
 
 
 class UsageBatchResponseDoc(msgspec.Struct, rename="camel"):
@@ -128,13 +127,18 @@ async def post_batch(request: Request, data: JSONBody[LeaseBatchRequest],
                      state: State) -> Response[LeaseBatchResponseDoc]:
     """Grants for many pools in one request; results in request order, each a grant or an error.
     (The schema documents the union loosely: results are ``LeaseGrant`` or ``LeaseError`` objects.)"""
-    for r in data.requests:
-        require_region(request.scope, r.region)
-    ids = [r.lease_id for r in data.requests]
-    if len(set(ids)) != len(ids):
-        raise ValidationFailed("a batch must not repeat a leaseId", errors=["requests: duplicate leaseId"])
+    _check_batch(request, data.requests, "requests")
     body = LeaseBatchResponse(results=await _engine(state).grant_many(data.requests))
     return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)
+
+
+def _check_batch(request: Request, items: list, member: str) -> None:
+    """Every item of a batch is the caller's own region's, and no lease id is there twice."""
+    for r in items:
+        require_region(request.scope, r.region)
+    ids = [r.lease_id for r in items]
+    if len(set(ids)) != len(ids):
+        raise ValidationFailed("a batch must not repeat a leaseId", errors=[f"{member}: duplicate leaseId"])
 
 
 @post("/v1/leases/{lease_id:str}/usage", status_code=200, guards=[region_auth_guard])
@@ -153,11 +157,7 @@ async def post_usage_batch(request: Request, data: JSONBody[UsageBatchRequest],
     """Usage reports of many leases in one request (committed in few transactions); results in
     request order, each a receipt or an error. Same rules per item as
     ``POST /v1/leases/{leaseId}/usage`` (the region's own lease ids, ``closedEarly``)."""
-    for r in data.reports:
-        require_region(request.scope, r.region)
-    ids = [r.lease_id for r in data.reports]
-    if len(set(ids)) != len(ids):
-        raise ValidationFailed("a batch must not repeat a leaseId", errors=["reports: duplicate leaseId"])
+    _check_batch(request, data.reports, "reports")
     body = UsageBatchResponse(results=await _engine(state).report_many(data.reports))
     return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)
 

@@ -39,6 +39,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import msgspec
@@ -75,7 +76,6 @@ from .grouping import WINDOW_BYTES, Unit, form_units
 from .metrics import AllocatorMetrics
 
 log = logging.getLogger("allocator.engine")
-_RETRY = object()  # _commit_unit: build the unit again
 
 RECORD_MIN_LINGER_MS = 60_000
 TXNS_IN_FLIGHT = 4  # units (transactions) the committer runs at once, on disjoint pools
@@ -340,25 +340,35 @@ class Engine:
             c.mod_revision = revision
             self._cache[wk] = c
 
-    async def _commit_unit(self, txn: Any, wks: Any, pending: list, kind: str) -> Any:
-        """Commit one unit's transaction: its result; ``_RETRY`` after a lost etcd lease (reload,
-        build again); None when etcd refused its size and the unit went back to the queue split."""
+    async def _commit_unit(self, txn: Any, wks: Any, pending: list, kind: str, windows: dict,
+                           committed: Callable[[], None]) -> bool | None:
+        """Commit one unit's transaction. True: done - committed (its ``windows`` cached at the
+        commit's revision, then ``committed()`` answers its items), or etcd refused its size and
+        the unit went back to the queue split; None: the etcd lease was lost (reload, build
+        again); False: a compare failed (the unit's windows dropped, counted): find out which."""
         try:
-            return await self.store.commit(txn)
+            res = await self.store.commit(txn)
         except EtcdLeaseMissing:
             self._drop(wks)
             self._buckets.forget()
             self.metrics.txn_retries.labels(kind).inc()
-            return _RETRY
+            return None
         except EtcdTxnTooLarge as e:
             self._drop(wks)
             if len(pending) == 1:
                 raise
             self._requeue(pending, txn, e)
-            return None
+            return True
         except BaseException:
             self._drop(wks)  # the outcome may be unknown: reload before the next use
             raise
+        if res.succeeded:
+            self._cache_committed(windows, res.revision)
+            committed()
+            return True
+        self._drop(wks)
+        self.metrics.txn_conflicts.labels(kind).inc()
+        return False
 
     async def _one(self, req: Any, enqueue: Callable[[Any, _Wait], _Item]) -> Any:
         """Queue one item and wait for its answer (raises its error)."""
@@ -679,28 +689,14 @@ class Engine:
                 self._drop(wks)
                 raise
             pending = [a[0] for a in answers]
-            res = await self._commit_unit(txn, wks, pending, "grant")
-            if res is _RETRY:
+            done = await self._commit_unit(txn, wks, pending, "grant", windows,
+                                           partial(self._answer_grants, answers, windows, now))
+            if done is None:
                 continue
-            if res is None:
-                return
-            if res.succeeded:
-                self._cache_committed(windows, res.revision)
-                self.metrics.txn_grants.observe(len(answers))
-                for it, g, d in answers:
-                    self._count_grant(g, d)
-                    self._answer(it, g)
-                for wk, c in windows.items():  # the window's fill after the unit's last decision
-                    pool = self.pools.get(wk[0])
-                    if pool is not None:
-                        self.metrics.note_grant_window(wk[0], policy.window_ref(wk[1], pool.window_ms), pool.limit,
-                                                       c.state.remaining)
-                self._prune_cache(now)
+            if done:
                 return
             # -- a compare failed: find out which (reads after it are as good to decide on: a
             # create_revision never goes back, and a grant record found is final) -----------------
-            self._drop(wks)
-            self.metrics.txn_conflicts.labels("grant").inc()
             found = await self.store.get_many([*(self.election.leader_key(s) for s in fence),
                                                *(self.keys.window(*wk) for wk in wks),
                                                *(grant_key(it.req.region, it.req.lease_id) for it in pending)])
@@ -729,6 +725,20 @@ class Engine:
             return
         self.metrics.replays.labels(rec.grant.pool).inc()
         self._answer(item, policy.replay_view(rec.grant, self.clock()))
+
+    def _answer_grants(self, answers: list[tuple[_Item, LeaseGrant, policy.GrantDecision]], windows: dict,
+                       now: int) -> None:
+        """A grant unit committed: answer its items, count them and its windows' fill."""
+        self.metrics.txn_grants.observe(len(answers))
+        for it, g, d in answers:
+            self._count_grant(g, d)
+            self._answer(it, g)
+        for wk, c in windows.items():  # the window's fill after the unit's last decision
+            pool = self.pools.get(wk[0])
+            if pool is not None:
+                self.metrics.note_grant_window(wk[0], policy.window_ref(wk[1], pool.window_ms), pool.limit,
+                                               c.state.remaining)
+        self._prune_cache(now)
 
     def _count_grant(self, g: LeaseGrant, d: policy.GrantDecision) -> None:
         if g.granted:
@@ -761,6 +771,16 @@ class Engine:
                     self.metrics.unreported_tokens.labels(wk[0], self.metrics.region(region)).inc(tokens)
 
     # -- usage reports --------------------------------------------------------------------------
+    def _answer_receipts(self, receipts: list[tuple[_Item, GrantRecord]]) -> None:
+        """A usage unit committed: answer its items, count the tokens returned and stranded."""
+        for it, new in receipts:
+            pool, region = new.grant.pool, self.metrics.region(new.grant.region)
+            if new.returned:
+                self.metrics.reclaimed_tokens.labels(pool, region).inc(new.returned)
+            if new.stranded:
+                self.metrics.stranded_tokens.labels(pool, region).inc(new.stranded)
+            self._answer(it, _receipt(new, replayed=False))
+
     async def _commit_reports(self, items: list[_Item], held: set[tuple[str, int]]) -> None:
         """Reports of one unit: one read of their grant records, one transaction (fenced like a
         grant; each record's mod_revision as read, each window's) for all of them."""
@@ -830,23 +850,11 @@ class Engine:
             except BaseException:
                 self._drop(wks)
                 raise
-            res = await self._commit_unit(txn, wks, pending, "usage")
-            if res is _RETRY:
+            done = await self._commit_unit(txn, wks, pending, "usage", windows, partial(self._answer_receipts, receipts))
+            if done is None:
                 continue
-            if res is None:
+            if done:
                 return
-            if res.succeeded:
-                self._cache_committed(windows, res.revision)
-                for it, new in receipts:
-                    pool, region = new.grant.pool, self.metrics.region(new.grant.region)
-                    if new.returned:
-                        self.metrics.reclaimed_tokens.labels(pool, region).inc(new.returned)
-                    if new.stranded:
-                        self.metrics.stranded_tokens.labels(pool, region).inc(new.stranded)
-                    self._answer(it, _receipt(new, replayed=False))
-                return
-            self._drop(wks)
-            self.metrics.txn_conflicts.labels("usage").inc()
             found = await self.store.get_many([self.election.leader_key(s) for s in fence])
             pending = self._fence_deposed(pending, fence, found)
             if not pending:

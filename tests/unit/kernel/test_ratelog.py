@@ -1,0 +1,66 @@
+"""kernel.ratelog: log lines that can repeat at request rate stay a few per interval."""
+
+from __future__ import annotations
+
+import logging
+
+from kernel.ratelog import KeyedLog, TransitionLog
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_keyed_log_writes_one_line_per_key_per_interval_and_counts_the_rest(caplog):
+    clock = Clock()
+    log = KeyedLog(logging.getLogger("t.keyed"), interval_s=1.0, clock=clock)
+    with caplog.at_level(logging.INFO, logger="t.keyed"):
+        assert log.log("a", logging.WARNING, "refused")
+        assert not log.log("a", logging.WARNING, "refused")
+        assert not log.log("a", logging.WARNING, "refused")
+        assert log.log("b", logging.WARNING, "other key")  # its own throttle
+        clock.t += 1.0
+        assert log.log("a", logging.WARNING, "refused")
+    assert [r.getMessage() for r in caplog.records] == ["refused", "other key",
+                                                        "refused (+2 more since the last line)"]
+
+
+def test_keyed_log_state_is_bounded():
+    log = KeyedLog(logging.getLogger("t.bounded"), max_keys=10, clock=Clock())
+    for i in range(100):
+        log.log(i, logging.DEBUG, "x")
+    assert len(log._last) <= 10
+
+
+def test_transition_log_writes_changes_at_most_once_per_interval_and_ends_on_the_current_state(caplog):
+    clock = Clock()
+    t = TransitionLog(logging.getLogger("t.trans"), initial=True, interval_s=10.0, clock=clock)
+
+    def line(state, changes):
+        return logging.WARNING, f"{'up' if state else 'down'} after {changes} changes"
+
+    with caplog.at_level(logging.INFO, logger="t.trans"):
+        assert not t.observe(True, line)  # no change from the start
+        assert t.observe(False, line)  # down: written at once
+        clock.t += 1
+        assert not t.observe(True, line)  # flapping inside the interval: counted
+        assert not t.observe(False, line)
+        assert not t.observe(True, line)
+        clock.t += 10
+        assert t.observe(True, line)  # the interval passed: the current state, with the changes
+        assert not t.observe(True, line)
+    assert [r.getMessage() for r in caplog.records] == ["down after 1 changes", "up after 3 changes"]
+
+
+def test_transition_log_is_silent_when_the_state_came_back_to_what_was_logged(caplog):
+    clock = Clock()
+    t = TransitionLog(logging.getLogger("t.back"), initial="ok", interval_s=10.0, clock=clock)
+    with caplog.at_level(logging.INFO, logger="t.back"):
+        t.observe("ok", lambda s, c: (logging.INFO, s))
+        clock.t += 20
+        assert not t.observe("ok", lambda s, c: (logging.INFO, s))
+    assert caplog.records == []
