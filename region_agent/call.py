@@ -66,6 +66,19 @@ def multi_rule_call(rules: Sequence[Call], *, decision_key: str, slack_ms: int, 
     return (MULTI_RULE, keys, argv)
 
 
+def prechecked_call(rules: Sequence[Call], argv_rules: tuple, *, decision_key: str, slack_ms: int,
+                    decision_ttl_ms: int, member: str, question: str = "") -> ScriptCall:
+    """:func:`multi_rule_call` for slots whose shape was checked once (``argv_rules``: their kinds
+    and parameters, from :func:`multi_rule_argv` per policy snapshot, selection and cost —
+    region_agent.plan.Shape); only the keys, which come with the request, are checked here."""
+    keys = [decision_key]
+    for r in rules:
+        keys.append(r.key)
+    if len(keys) > 2 and len(set(keys[1:])) != len(keys) - 1:
+        raise ScriptRejected("the same key is listed for two rules")
+    return (MULTI_RULE, keys, [slack_ms, decision_ttl_ms, member, *argv_rules, question])
+
+
 def _raise_error(reply: Any) -> None:
     """A pipeline slot holding an error (the store puts contract errors there) raises it."""
     if isinstance(reply, BaseException):

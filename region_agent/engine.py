@@ -33,7 +33,7 @@ from kernel.errors import (
     to_problem,
 )
 
-from .call import Call, MultiRuleResult, multi_rule_call, parse_multi_rule
+from .call import Call, MultiRuleResult, multi_rule_call, parse_multi_rule, prechecked_call
 from .fallback import LocalAllowances, LocalItem, pool_item, rule_item
 from .httpmap import apply_http
 from .keys import KeyBuilder
@@ -206,9 +206,14 @@ class DecisionEngine:
     def _script_calls(self, plan: Plan) -> list[tuple[str, list, list]]:
         calls = []
         if plan.calls:
-            calls.append(multi_rule_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
-                                               decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
-                                               question=plan.question))
+            if plan.argv_rules is not None:  # slots checked once per policy snapshot, selection and cost
+                calls.append(prechecked_call(plan.calls, plan.argv_rules, decision_key=plan.decision_key,
+                                             slack_ms=plan.slack_ms, decision_ttl_ms=plan.decision_ttl_ms,
+                                             member=plan.request_id, question=plan.question))
+            else:
+                calls.append(multi_rule_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
+                                             decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                                             question=plan.question))
         if plan.shadow_calls:
             calls.append(multi_rule_call(plan.shadow_calls, decision_key=plan.decision_key,
                                                slack_ms=max(r.rule.ttl_slack_ms for r in plan.shadow_slots),
