@@ -104,7 +104,7 @@ async def admit(agent: NamedDependency[AgentState], engine: NamedDependency[Deci
     [(data, early)] = _before_engine(agent, [data])
     if early is not None:
         return early
-    return await engine.admit(data)
+    return await engine.admit(data, decoded=True)
 
 
 def _before_engine(st: AgentState, reqs: list[AdmitRequest]) -> list[tuple[AdmitRequest, Decision | None]]:
@@ -135,7 +135,7 @@ async def admit_batch(agent: NamedDependency[AgentState], engine: NamedDependenc
         return BatchDecisions(decisions=[])
     pre = _before_engine(agent, data.requests)
     rest = [r for r, d in pre if d is None]
-    decided = iter(await engine.admit_many(rest) if rest else [])
+    decided = iter(await engine.admit_many(rest, decoded=True) if rest else [])
     return BatchDecisions(decisions=[d if d is not None else next(decided) for _, d in pre])
 
 

@@ -121,9 +121,10 @@ class DecisionEngine:
         return self.allocator_clock.windows(pool.window_ms, self.now_ms(), self.wall_clock() * 1000.0)
 
     # ------------------------------------------------------------------ public API
-    async def admit(self, req: AdmitRequest) -> Decision:
+    async def admit(self, req: AdmitRequest, *, decoded: bool = False) -> Decision:
+        """``decoded``: ``req`` came from the strict wire decoder (its id patterns were checked)."""
         bundle = self.get_bundle()  # one snapshot for the whole request
-        plan = build_plan(bundle, req, self.keys)  # raises ValidationFailed before any key exists
+        plan = build_plan(bundle, req, self.keys, checked=decoded)  # raises ValidationFailed before any key exists
         prep = await self._prepare(plan, bundle)
         if prep.early is not None:
             return self._finish(prep, prep.early)
@@ -139,10 +140,11 @@ class DecisionEngine:
                                    extra={"decisionId": d.decision_id})
         return d
 
-    async def admit_many(self, reqs: list[AdmitRequest]) -> list[Decision]:
+    async def admit_many(self, reqs: list[AdmitRequest], *, decoded: bool = False) -> list[Decision]:
         """Batch: every item's tenant call goes in one coalesced pipeline (one round trip per shard)."""
         bundle = self.get_bundle()
-        plans = [build_plan(bundle, r, self.keys) for r in reqs]  # whole batch is 422 if one is malformed
+        keys = self.keys
+        plans = [build_plan(bundle, r, keys, checked=decoded) for r in reqs]  # whole batch is 422 if one is malformed
         budget = self.budget * (1 + len(plans) // BATCH_ITEMS_PER_BUDGET)
         preps = [self._begin(p, bundle, budget) for p in plans]
         pending = [p for p in preps if p.early is None and p.plan.global_spends]
@@ -374,7 +376,7 @@ class DecisionEngine:
 
     def _pool_slots(self, prep: _Prepared) -> list[tuple[int, Any, str, int]]:
         """(slot index, pool, balance key, tokens) of every tenant pool rule in the script call."""
-        if not any(s.role is Role.POOL for s in prep.plan.slots):
+        if not prep.plan.has_pool:
             return []
         pools = memo_of(prep.bundle).pools
         out = []

@@ -91,7 +91,7 @@ async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[N
                   before_engine: Callable[[Any, list], list]) -> None:
     try:
         [(req, early)] = before_engine(st, [req])
-        decision = early if early is not None else await st.engine.admit(req)
+        decision = early if early is not None else await st.engine.admit(req, decoded=True)
         status, payload, headers = 200, _encode(decision), _JSON_HEADERS
     except LeaseholdError as e:  # the app's exception handler's answer (kernel.http_errors)
         status, named, payload = problem_answer(e, PATH)
