@@ -6,6 +6,7 @@ Pure: no I/O, no clock. Its rule slots (:class:`~region_agent.call.Call`) become
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -42,9 +43,9 @@ class Plan:
     rules: list[Rule]  # every selected enforced rule, evaluation order (incl. global pools); shared, read-only
     calls: list[Call] = field(default_factory=list)
     slots: list[Slot] = field(default_factory=list)  # shared with the plan's Shape: read-only
-    shadow_calls: list[Call] = field(default_factory=list)
+    shadow_calls: Sequence[Call] = ()  # read-only
     shadow_slots: list[Slot] = field(default_factory=list)  # shared with the plan's Shape: read-only
-    global_spends: list[GlobalSpend] = field(default_factory=list)
+    global_spends: Sequence[GlobalSpend] = ()  # read-only
     decision_key: str = ""
     decision_ttl_ms: int = 0
     question: str = ""  # what the decision record answers (keys.KeyBuilder.question); '' without a record
@@ -204,52 +205,64 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
     if not checked:
         check_ids(req.request_id, req.route_group)
     principal = req.principal
+    ptype = principal.type
     tenant, addr = check_principal(req.tenant_id, principal)
+    api_key_id = principal.api_key_id
     memo = memo_of(bundle)
-    shape = memo.shape(tenant, req.route_group, principal.type, principal.api_key_id is not None)
+    shape = memo.shape(tenant, req.route_group, ptype, api_key_id is not None)
     cost_hint = req.cost_hint
     specs, shadow_specs, argv_rules = shape.params_for(cost_hint)
-    plan = Plan(request_id=req.request_id, tenant=tenant, principal_type=principal.type,
-                rules=shape.enforced, cost_hint=cost_hint, slack_ms=shape.slack_ms,
-                decision_ttl_ms=shape.decision_ttl_ms, slots=shape.slots, shadow_slots=shape.shadow_slots,
-                argv_rules=argv_rules, has_pool=shape.has_pool)
     ip_tag = keys.ip_tag(addr, shape.ip_rules) if addr is not None else None
-    user_id = principal.id if principal.type == "user" else None
-    api_key_id = principal.api_key_id
-
-    def key_of(rule: Rule) -> str:
-        if rule.pool_id is not None:
-            return keys.tenant_pool_key(tenant or "", rule.pool_id)
-        return keys.rule_key(rule, tenant=tenant, user_id=user_id, api_key_id=api_key_id,
-                             route_group=req.route_group, ip_tag=ip_tag, addr=addr)
-
-    for rule in shape.fleet:
-        plan.global_spends.append(GlobalSpend(rule, memo.pools[rule.pool_id or ""], rule.tokens(cost_hint)))
-    calls = plan.calls
+    user_id = principal.id if ptype == "user" else None
+    calls: list[Call] = []
     i = 0
     for rule, t in zip(shape.in_script, shape.templates, strict=True):
-        key = keys.key_from(t, tenant, user_id, api_key_id) if t is not None else key_of(rule)  # type: ignore[arg-type]
+        if t is not None:
+            key = keys.key_from(t, tenant, user_id, api_key_id)  # type: ignore[arg-type]
+        else:
+            key = _key_of(keys, rule, tenant, user_id, api_key_id, req.route_group, ip_tag, addr)
         if rule.concurrency_max is not None:
             calls.append(Call(KeyBuilder.cc_key(key), *specs[i]))
             i += 1
         calls.append(Call(key, *specs[i]))
         i += 1
+    shadow_calls: list[Call] = _NONE  # type: ignore[assignment]
     if shape.shadow:
+        shadow_calls = []
         for rule, t, spec in zip(shape.shadow, shape.shadow_templates, shadow_specs, strict=True):
-            key = keys.key_from(t, tenant, user_id, api_key_id) if t is not None else key_of(rule)  # type: ignore[arg-type]
-            plan.shadow_calls.append(Call(key, *spec))
-    if plan.decision_ttl_ms > 0:
-        plan.decision_key = keys.decision_key(req.request_id, tenant=tenant if ip_tag is None else None,
-                                              ip_tag=ip_tag)
-        plan.question = keys.question(tenant=tenant, principal_type=principal.type, principal_id=principal.id,
-                                      api_key_id=api_key_id, route_group=req.route_group,
-                                      cost_hint=cost_hint)
+            if t is not None:
+                key = keys.key_from(t, tenant, user_id, api_key_id)  # type: ignore[arg-type]
+            else:
+                key = _key_of(keys, rule, tenant, user_id, api_key_id, req.route_group, ip_tag, addr)
+            shadow_calls.append(Call(key, *spec))
+    spends: list[GlobalSpend] = _NONE  # type: ignore[assignment]
+    if shape.fleet:
+        spends = [GlobalSpend(rule, memo.pools[rule.pool_id or ""], rule.tokens(cost_hint)) for rule in shape.fleet]
+    question = ""
+    if shape.decision_ttl_ms > 0:
+        decision_key = keys.decision_key(req.request_id, tenant=tenant if ip_tag is None else None, ip_tag=ip_tag)
+        question = keys.question(tenant=tenant, principal_type=ptype, principal_id=principal.id,
+                                 api_key_id=api_key_id, route_group=req.route_group, cost_hint=cost_hint)
     elif ip_tag is None and shape.unrecorded_dk is not None:
-        plan.decision_key = shape.unrecorded_dk
+        decision_key = shape.unrecorded_dk
     else:
-        plan.decision_key = KeyBuilder.unrecorded_decision_key(tenant=tenant if ip_tag is None else None,
-                                                               ip_tag=ip_tag)
-    return plan
+        decision_key = KeyBuilder.unrecorded_decision_key(tenant=tenant if ip_tag is None else None, ip_tag=ip_tag)
+    return Plan(req.request_id, tenant, ptype, shape.enforced, calls, shape.slots, shadow_calls, shape.shadow_slots,
+                spends, decision_key, shape.decision_ttl_ms, question, shape.slack_ms, cost_hint, argv_rules,
+                shape.has_pool)
+
+
+_NONE: tuple = ()  # the shared empty sequence of a plan without shadow calls or global spends
+
+
+def _key_of(keys: KeyBuilder, rule: Rule, tenant: str | None, user_id: str | None, api_key_id: str | None,
+            route_group: str, ip_tag: str | None, addr) -> str:
+    """A rule's key derived per request (rules without a KeyTemplate: ip rules, and whatever
+    must raise the request's ValidationFailed)."""
+    if rule.pool_id is not None:
+        return keys.tenant_pool_key(tenant or "", rule.pool_id)
+    return keys.rule_key(rule, tenant=tenant, user_id=user_id, api_key_id=api_key_id, route_group=route_group,
+                         ip_tag=ip_tag, addr=addr)
 
 
 def cc_gates(bundle: Bundle, *, request_tenant: str | None, principal: Principal, route_group: str,
