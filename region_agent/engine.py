@@ -343,10 +343,11 @@ class DecisionEngine:
             result = e
         return await self._settle(prep, result, retry=False)
 
-    def _answer(self, prep: _Prepared, a: Answer) -> Decision:
+    def _answer(self, prep: _Prepared, a: Answer, retry: int | None = None) -> Decision:
+        """The decision of answer ``a`` (``retry``: in place of its hint, e.g. a cached denial's rest)."""
         return self._decision(prep.plan, prep.bundle, allowed=a.allowed, rule=a.rule, scope=a.scope,
-                              reason=a.reason, limit=a.limit, remaining=a.remaining, retry=a.retry,
-                              fallback=a.fallback)
+                              reason=a.reason, limit=a.limit, remaining=a.remaining,
+                              retry=a.retry if retry is None else retry, fallback=a.fallback)
 
     # ------------------------------------------------------------------ negative cache and leased pools
     def _forget_denials(self, plan: Plan, calls: list[Call] | None = None) -> None:
@@ -370,8 +371,7 @@ class DecisionEngine:
             hit = self.negative.get((call.key, call.params), now)
             if hit is not None:
                 self.metrics.negative_hits.inc()
-                answer: Answer = hit.payload
-                return self._answer(prep, answer._replace(retry=max(1, int(hit.retry_at_ms - now + 0.999))))
+                return self._answer(prep, hit.payload, retry=max(1, int(hit.retry_at_ms - now + 0.999)))
         return None
 
     def _pool_slots(self, prep: _Prepared) -> list[tuple[int, Any, str, int]]:

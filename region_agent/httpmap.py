@@ -39,19 +39,22 @@ def retry_after_seconds(retry_after_ms: int) -> int | None:
 class RetryJitter:
     """The per-decision upward jitter of retry hints (module doc); ``pct = 0`` disables it."""
 
-    __slots__ = ("max_ms", "pct", "seed")
+    __slots__ = ("_keyed", "max_ms", "pct", "seed")
 
     def __init__(self, pct: int = 10, max_ms: int = 5_000, seed: bytes = b""):
         self.pct = pct
         self.max_ms = max_ms
         self.seed = hashlib.sha256(seed).digest()[:32]  # blake2b keys are at most 64 bytes
+        # the keyed state once; a copy per decision is cheaper than keying a new hash each time
+        self._keyed = hashlib.blake2b(digest_size=8, key=self.seed)
 
     def of(self, decision_id: str, retry_after_ms: int) -> int:
         bound = min(retry_after_ms * self.pct // 100, self.max_ms) if retry_after_ms > 0 else 0
         if bound <= 0:
             return 0
-        h = hashlib.blake2b(decision_id.encode(), digest_size=8, key=self.seed).digest()
-        return int.from_bytes(h, "big") % bound
+        h = self._keyed.copy()
+        h.update(decision_id.encode())
+        return int.from_bytes(h.digest(), "big") % bound
 
 
 JITTER = RetryJitter()  # replaced from the agent's settings by ``configure_jitter``
