@@ -146,7 +146,9 @@ class DecisionEngine:
         keys = self.keys
         plans = [build_plan(bundle, r, keys, checked=decoded) for r in reqs]  # whole batch is 422 if one is malformed
         budget = self.budget * (1 + len(plans) // BATCH_ITEMS_PER_BUDGET)
-        preps = [self._begin(p, bundle, budget) for p in plans]
+        started = self.clock()  # one start (deadline, negative-cache time) for the whole batch
+        begin = self._begin
+        preps = [begin(p, bundle, budget, started) for p in plans]
         pending = [p for p in preps if p.early is None and p.plan.global_spends]
         if pending:  # only items spending fleet-wide chunk leases may wait (a renewal)
             await asyncio.gather(*(self._take_globals(p) for p in pending))
@@ -228,15 +230,20 @@ class DecisionEngine:
             await self._take_globals(prep)
         return prep
 
-    def _begin(self, plan: Plan, bundle: Bundle, budget: float | None = None) -> _Prepared:
-        """The synchronous part of preparing: deadline, negative cache, pool demand."""
-        started = self.clock()
+    def _begin(self, plan: Plan, bundle: Bundle, budget: float | None = None, started: float | None = None
+               ) -> _Prepared:
+        """The synchronous part of preparing: deadline, negative cache, pool demand. ``started``:
+        the clock's reading (a batch reads it once for all its items)."""
+        if started is None:
+            started = self.clock()
         prep = _Prepared(plan, bundle, started, started + (budget or self.budget), [])
-        hit = self._negative_hit(prep)
-        if hit is not None:
-            prep.early = hit
-            return prep
-        self._note_pool_demand(prep)
+        if not plan.decision_ttl_ms and len(self.negative):
+            hit = self._negative_hit(prep, started * 1000.0)
+            if hit is not None:
+                prep.early = hit
+                return prep
+        if self.leases is not None:
+            self._note_pool_demand(prep)
         return prep
 
     async def _take_globals(self, prep: _Prepared) -> None:
@@ -362,11 +369,8 @@ class DecisionEngine:
         for call in calls or ():  # e.g. a pool rule's fallback allowance in place of its balance
             self.negative.forget((call.key, call.params))
 
-    def _negative_hit(self, prep: _Prepared) -> Decision | None:
+    def _negative_hit(self, prep: _Prepared, now: float) -> Decision | None:
         plan = prep.plan
-        if plan.decision_ttl_ms > 0 or not len(self.negative):
-            return None
-        now = self.now_ms()
         for call in plan.calls:
             hit = self.negative.get((call.key, call.params), now)
             if hit is not None:
