@@ -43,6 +43,8 @@ from kernel.errors import (
     StoreUnavailable,
 )
 
+from ..call import Argv
+
 __all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "translate_redis_error"]
 
 DEFAULT_LUA_DIR = Path(str(resources.files("region_agent").joinpath("lua")))  # ships in the wheel
@@ -197,16 +199,37 @@ class PoolClosed:
 
 _INT_RESP: dict[int, str] = {}  # a bulk string per int seen (rule parameters repeat on every call)
 _INT_RESP_MAX = 4_096
+_HEADS: dict[tuple[str, int, int], str] = {}  # (sha, keys, args) -> the array header up to the first key
+_SHARED: dict[int, tuple[tuple, str | None]] = {}  # id(Argv.shared) -> (the tuple, its bulk strings)
+_MEMO_MAX = 4_096
 
 
 def pack_evalsha(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> bytes:
     """``EVALSHA sha numkeys key... arg...`` as one RESP array (what redis-py's pack_command
     would send for the same arguments: str as UTF-8, int in decimal, bytes as they are)."""
-    parts = [f"*{len(keys) + len(argv) + 3}\r\n$7\r\nEVALSHA\r\n${len(sha)}\r\n{sha}\r\n"
-             f"${len(str(len(keys)))}\r\n{len(keys)}\r\n"]
+    text = _pack_text(sha, keys, argv)
+    if text is not None:
+        return text.encode()
+    args = [_b(x) for x in (sha, len(keys), *keys, *argv)]  # non-ASCII text or bytes: lengths in bytes
+    return b"".join([b"*%d\r\n$7\r\nEVALSHA\r\n" % (len(args) + 1),
+                     *[b"$%d\r\n%b\r\n" % (len(x), x) for x in args]])
+
+
+def pack_pipeline(calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]]) -> bytes:
+    """Every ``(sha, keys, argv)`` packed (:func:`pack_evalsha`) into one payload, encoded once."""
+    texts: list[str] = []
+    for sha, keys, argv in calls:
+        text = _pack_text(sha, keys, argv)
+        texts.append(text if text is not None else pack_evalsha(sha, keys, argv).decode("latin-1"))
+    return "".join(texts).encode("latin-1")
+
+
+def _bulks(args: Sequence[Any]) -> str | None:
+    """The RESP bulk strings of ``args`` (ASCII str and int), or None for anything else."""
+    parts: list[str] = []
     append = parts.append
     ints = _INT_RESP
-    for a in (*keys, *argv):  # the common case: ASCII str and int, where characters are bytes
+    for a in args:
         cls = a.__class__
         if cls is str and a.isascii():
             append(f"${len(a)}\r\n{a}\r\n")
@@ -218,11 +241,39 @@ def pack_evalsha(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> bytes:
                 if len(ints) < _INT_RESP_MAX:
                     ints[a] = enc
             append(enc)
-        else:  # non-ASCII text or bytes: lengths in bytes
-            args = [_b(x) for x in (sha, len(keys), *keys, *argv)]
-            return b"".join([b"*%d\r\n$7\r\nEVALSHA\r\n" % (len(args) + 1),
-                             *[b"$%d\r\n%b\r\n" % (len(x), x) for x in args]])
-    return "".join(parts).encode()
+        else:
+            return None
+    return "".join(parts)
+
+
+def _pack_text(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> str | None:
+    """The command as text when every argument is ASCII str or int (characters are bytes), else
+    None. An :class:`~region_agent.call.Argv`'s shared run is encoded once per run object."""
+    nk = len(keys)
+    hk = (sha, nk, len(argv))
+    head = _HEADS.get(hk)
+    if head is None:
+        head = f"*{nk + len(argv) + 3}\r\n$7\r\nEVALSHA\r\n${len(sha)}\r\n{sha}\r\n${len(str(nk))}\r\n{nk}\r\n"
+        if len(_HEADS) >= _MEMO_MAX:
+            _HEADS.clear()
+        _HEADS[hk] = head
+    k = _bulks(keys)
+    if k is None:
+        return None
+    if argv.__class__ is Argv:
+        shared = argv.shared  # type: ignore[attr-defined]
+        seg = _SHARED.get(id(shared))
+        if seg is None or seg[0] is not shared:
+            if len(_SHARED) >= _MEMO_MAX:
+                _SHARED.clear()
+            seg = _SHARED[id(shared)] = (shared, _bulks(shared))
+        at = argv.at  # type: ignore[attr-defined]
+        before, after = _bulks(argv[:at]), _bulks(argv[at + len(shared):])
+        if seg[1] is not None and before is not None and after is not None:
+            return head + k + before + seg[1] + after
+        return None
+    a = _bulks(argv)
+    return None if a is None else head + k + a
 
 
 async def read_replies(conn: Any, n: int) -> list[Any]:
@@ -419,7 +470,7 @@ class Scripts:
         (:func:`pack_evalsha`), written once on a pooled connection and the replies read in
         order; error replies come back as exception instances, like ``raise_on_error=False``. A
         connection that failed mid-way is disconnected before it goes back to the pool."""
-        payload = b"".join([pack_evalsha(self.sha(name), keys, argv) for name, keys, argv in calls])
+        payload = pack_pipeline([(self.sha(name), keys, argv) for name, keys, argv in calls])
         pool = client.connection_pool
         conn = await pool.get_connection()
         try:
