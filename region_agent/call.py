@@ -22,20 +22,6 @@ CONFLICT = -1  # ``allowed`` of the multi-rule reply for a decision record of an
 ScriptCall = tuple[str, list, list]  # (script name, KEYS, ARGV): what the store sends by EVALSHA
 
 
-class Argv(list):
-    """A script call's ARGV whose items ``[at : at + len(shared)]`` are the tuple ``shared`` — one
-    object for every call of a policy shape and cost (region_agent.plan.Shape) — so the store's
-    packer encodes that run once per object, not once per call (region_agent.store.scripts).
-    Otherwise a plain list."""
-
-    __slots__ = ("at", "shared")
-
-    def __init__(self, items: Sequence[Any], at: int, shared: tuple):
-        super().__init__(items)
-        self.at = at
-        self.shared = shared
-
-
 class Call(NamedTuple):
     """One rule's slot in a multi-rule call (immutable, built per decision: created in C)."""
 
@@ -90,7 +76,7 @@ def prechecked_call(rules: Sequence[Call], argv_rules: tuple, *, decision_key: s
         keys.append(r.key)
     if len(keys) > 2 and len(set(keys[1:])) != len(keys) - 1:
         raise ScriptRejected("the same key is listed for two rules")
-    return (MULTI_RULE, keys, Argv((slack_ms, decision_ttl_ms, member, *argv_rules, question), 3, argv_rules))
+    return (MULTI_RULE, keys, [slack_ms, decision_ttl_ms, member, *argv_rules, question])
 
 
 def _raise_error(reply: Any) -> None:

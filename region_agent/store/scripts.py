@@ -43,8 +43,6 @@ from kernel.errors import (
     StoreUnavailable,
 )
 
-from ..call import Argv
-
 __all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "translate_redis_error"]
 
 DEFAULT_LUA_DIR = Path(str(resources.files("region_agent").joinpath("lua")))  # ships in the wheel
@@ -200,7 +198,6 @@ class PoolClosed:
 _INT_RESP: dict[int, str] = {}  # a bulk string per int seen (rule parameters repeat on every call)
 _INT_RESP_MAX = 4_096
 _HEADS: dict[tuple[str, int, int], str] = {}  # (sha, keys, args) -> the array header up to the first key
-_SHARED: dict[int, tuple[tuple, str | None]] = {}  # id(Argv.shared) -> (the tuple, its bulk strings)
 _MEMO_MAX = 4_096
 
 
@@ -247,8 +244,7 @@ def _bulks(args: Sequence[Any]) -> str | None:
 
 
 def _pack_text(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> str | None:
-    """The command as text when every argument is ASCII str or int (characters are bytes), else
-    None. An :class:`~region_agent.call.Argv`'s shared run is encoded once per run object."""
+    """The command as text when every argument is ASCII str or int (characters are bytes), else None."""
     nk = len(keys)
     hk = (sha, nk, len(argv))
     head = _HEADS.get(hk)
@@ -259,18 +255,6 @@ def _pack_text(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> str | None
         _HEADS[hk] = head
     k = _bulks(keys)
     if k is None:
-        return None
-    if argv.__class__ is Argv:
-        shared = argv.shared  # type: ignore[attr-defined]
-        seg = _SHARED.get(id(shared))
-        if seg is None or seg[0] is not shared:
-            if len(_SHARED) >= _MEMO_MAX:
-                _SHARED.clear()
-            seg = _SHARED[id(shared)] = (shared, _bulks(shared))
-        at = argv.at  # type: ignore[attr-defined]
-        before, after = _bulks(argv[:at]), _bulks(argv[at + len(shared):])
-        if seg[1] is not None and before is not None and after is not None:
-            return head + k + before + seg[1] + after
         return None
     a = _bulks(argv)
     return None if a is None else head + k + a
