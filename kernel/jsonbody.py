@@ -101,6 +101,18 @@ def has_duplicate_keys(body: bytes) -> bool:
     return False
 
 
+def repeats_keys(body: bytes, present: int) -> bool:
+    """:func:`has_duplicate_keys` with a shortcut for a body already decoded into its schema:
+    ``present`` is a lower bound of its distinct keys (the fields its typed value shows must have
+    been in the body, e.g. required ones and those different from their default). Under the fast
+    path's preconditions ``count('":')`` is (key occurrences + strings beginning with a colon),
+    which is at least the distinct keys and so at least ``present``: equality leaves no room for a
+    repeated key. Anything else is judged by :func:`has_duplicate_keys`."""
+    if b"\\" not in body and body.count(b'":') == present and not _WS_BEFORE_COLON.search(body):
+        return False
+    return has_duplicate_keys(body)
+
+
 class _Repeated(Exception):
     pass
 

@@ -106,7 +106,7 @@ async def admit(agent: NamedDependency[AgentState], engine: NamedDependency[Deci
     [(data, early)] = _before_engine(agent, [data])
     if early is not None:
         return early
-    return await engine.admit(data)
+    return await engine.admit(data, decoded=True)
 
 
 def _before_engine(st: AgentState, reqs: list[AdmitRequest]) -> list[tuple[AdmitRequest, Decision | None]]:
@@ -133,11 +133,16 @@ def _before_engine(st: AgentState, reqs: list[AdmitRequest]) -> list[tuple[Admit
       summary="Admission decisions for many requests, in order, one pipeline per shard")
 async def admit_batch(agent: NamedDependency[AgentState], engine: NamedDependency[DecisionEngine],
                       data: Annotated[AdmitBatch, Body(title="AdmitBatch")]) -> BatchDecisions:
-    if not data.requests:
+    return await decide_batch(agent, engine, data.requests)
+
+
+async def decide_batch(st: AgentState, engine: DecisionEngine, reqs: list[AdmitRequest]) -> BatchDecisions:
+    """The batch route's answer for decoded ``reqs`` (the handler's and region_agent.fastpath's)."""
+    if not reqs:
         return BatchDecisions(decisions=[])
-    pre = _before_engine(agent, data.requests)
+    pre = _before_engine(st, reqs)
     rest = [r for r, d in pre if d is None]
-    decided = iter(await engine.admit_many(rest) if rest else [])
+    decided = iter(await engine.admit_many(rest, decoded=True) if rest else [])
     return BatchDecisions(decisions=[d if d is not None else next(decided) for _, d in pre])
 
 
@@ -295,7 +300,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         route_handlers=[admit, admit_batch, release, renew, policy, leases_view, healthz, readyz, metrics, authz],
         guards=[agent_guard],
         dependencies=_dependencies(state),
-        middleware=[admit_fast_path(lambda: state, MAX_BODY_BYTES, _before_engine)] if fast_path else [],  # region_agent.fastpath
+        middleware=([admit_fast_path(lambda: state, MAX_BODY_BYTES, _before_engine, decide_batch, MAX_BATCH_BODY_BYTES)]
+                    if fast_path else []),  # region_agent.fastpath
         lifespan=[lifespan],
         # logging stays as __main__ set it up: Litestar's default config would route every record
         # through a queue listener thread, and what is queued when SIGTERM ends the process (the

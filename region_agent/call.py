@@ -69,6 +69,19 @@ def multi_rule_call(rules: Sequence[Call], *, decision_key: str, slack_ms: int, 
     return (MULTI_RULE, keys, argv)
 
 
+def prechecked_call(rules: Sequence[Call], argv_rules: tuple, *, decision_key: str, slack_ms: int,
+                    decision_ttl_ms: int, member: str, question: str = "") -> ScriptCall:
+    """:func:`multi_rule_call` for slots whose shape was checked once (``argv_rules``: their kinds
+    and parameters, from :func:`multi_rule_argv` per policy snapshot, selection and cost —
+    region_agent.plan.Shape); only the keys, which come with the request, are checked here."""
+    keys = [decision_key]
+    for r in rules:
+        keys.append(r.key)
+    if len(keys) > 2 and len(set(keys[1:])) != len(keys) - 1:
+        raise ScriptRejected("the same key is listed for two rules")
+    return (MULTI_RULE, keys, [slack_ms, decision_ttl_ms, member, *argv_rules, question])
+
+
 def _raise_error(reply: Any) -> None:
     """A pipeline slot holding an error (the store puts contract errors there) raises it."""
     if isinstance(reply, BaseException):
@@ -116,9 +129,14 @@ def plan_calls(plan: Plan) -> list[ScriptCall]:
     record, when the request has one), then the shadow rules' (never a record); either may be absent."""
     calls = []
     if plan.calls:
-        calls.append(multi_rule_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
-                                     decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
-                                     question=plan.question))
+        if plan.argv_rules is not None:  # slots checked once per policy snapshot, selection and cost
+            calls.append(prechecked_call(plan.calls, plan.argv_rules, decision_key=plan.decision_key,
+                                         slack_ms=plan.slack_ms, decision_ttl_ms=plan.decision_ttl_ms,
+                                         member=plan.request_id, question=plan.question))
+        else:
+            calls.append(multi_rule_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
+                                         decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                                         question=plan.question))
     if plan.shadow_calls:
         calls.append(multi_rule_call(plan.shadow_calls, decision_key=plan.decision_key,
                                      slack_ms=max(r.rule.ttl_slack_ms for r in plan.shadow_slots),

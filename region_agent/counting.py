@@ -21,7 +21,7 @@ log = logging.getLogger("region_agent.engine")
 
 def tenant_pool_slots(plan: Plan, pools: Mapping[str, Pool]) -> list[tuple[int, Pool, str, int]]:
     """(slot index, pool, balance key, tokens) of every tenant pool rule in ``plan``'s script call."""
-    if not any(s.role is Role.POOL for s in plan.slots):
+    if not plan.has_pool:
         return []
     out = []
     for i, (slot, call) in enumerate(zip(plan.slots, plan.calls, strict=True)):

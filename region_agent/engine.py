@@ -100,9 +100,10 @@ class DecisionEngine:
         return self.allocator_clock.windows(pool.window_ms, self.now_ms(), self.wall_clock() * 1000.0)
 
     # ------------------------------------------------------------------ public API
-    async def admit(self, req: AdmitRequest) -> Decision:
+    async def admit(self, req: AdmitRequest, *, decoded: bool = False) -> Decision:
+        """``decoded``: ``req`` came from the strict wire decoder (its id patterns were checked)."""
         bundle = self.get_bundle()  # one snapshot for the whole request
-        plan = build_plan(bundle, req, self.keys)  # raises ValidationFailed before any key exists
+        plan = build_plan(bundle, req, self.keys, checked=decoded)  # raises ValidationFailed before any key exists
         prep = self._begin(plan, bundle)
         if prep.early is None and plan.global_spends:
             await self._take_globals(prep)
@@ -119,10 +120,11 @@ class DecisionEngine:
                                    extra={"decisionId": d.decision_id})
         return d
 
-    async def admit_many(self, reqs: list[AdmitRequest]) -> list[Decision]:
+    async def admit_many(self, reqs: list[AdmitRequest], *, decoded: bool = False) -> list[Decision]:
         """Batch: every item's tenant call goes in one coalesced pipeline (one round trip per shard)."""
         bundle = self.get_bundle()
-        plans = [build_plan(bundle, r, self.keys) for r in reqs]  # whole batch is 422 if one is malformed
+        keys = self.keys
+        plans = [build_plan(bundle, r, keys, checked=decoded) for r in reqs]  # whole batch is 422 if one is malformed
         budget = batch_budget_s(self.budget, len(plans))
         preps = [self._begin(p, bundle, budget) for p in plans]
         pending = [p for p in preps if p.early is None and p.plan.global_spends]

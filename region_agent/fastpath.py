@@ -1,4 +1,5 @@
-"""The happy path of ``POST /v1/admit`` without the framework's per-request machinery.
+"""The happy path of ``POST /v1/admit`` and ``POST /v1/admit/batch`` without the framework's
+per-request machinery.
 
 A gateway calls ``/v1/admit`` once per request it serves, so the agent's CPU per call is the
 product. Litestar's route pipeline (signature model, data extraction, response object, header
@@ -8,6 +9,11 @@ ASGI middleware, installed app-wide, serves exactly the common case itself:
     POST /v1/admit, one ``Content-Type: application/json``, a body within the size limit that
     decodes (strictly, no repeated keys: :mod:`kernel.jsonbody`) into :class:`AdmitRequest`, and
     a caller the guard would let in.
+
+(A batch is served the same way: ``POST /v1/admit/batch`` with a body that decodes into
+:class:`AdmitBatch`, through the batch handler's own ``decide_batch``.) A repeated key is looked
+for by counting (``kernel.jsonbody.repeats_keys`` with the keys the decoded value shows), which
+is exact and falls back to the full check whenever the count cannot prove there is none.
 
 It then runs the same code the handler runs (``_before_engine`` and ``Engine.admit``) and
 answers 200 with the decision encoded exactly as Litestar would (msgspec JSON of the same
@@ -31,67 +37,97 @@ from kernel.asgi import read_body, replay
 from kernel.auth import SCOPE_KEY
 from kernel.errors import LeaseholdError
 from kernel.http_errors import problem_answer
-from kernel.jsonbody import content_type_of, has_duplicate_keys, is_json_media_type
+from kernel.jsonbody import content_type_of, is_json_media_type, repeats_keys
 
-from .models import AdmitRequest
+from .models import MAX_BATCH_BODY_BYTES, AdmitBatch, AdmitRequest, keys_shown
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 PATH = "/v1/admit"
+BATCH_PATH = "/v1/admit/batch"
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _decode = msgspec.json.Decoder(AdmitRequest).decode
+_decode_batch = msgspec.json.Decoder(AdmitBatch).decode
 _encode = msgspec.json.Encoder().encode
 
 
-def admit_fast_path(state_of: Callable[[], Any], max_body: int, before_engine: Callable[[Any, list], list]
-                    ) -> Callable[[ASGIApp], ASGIApp]:
+def admit_fast_path(state_of: Callable[[], Any], max_body: int, before_engine: Callable[[Any, list], list],
+                    decide_batch: Callable[[Any, Any, list], Awaitable[Any]] | None = None,
+                    batch_max_body: int = MAX_BATCH_BODY_BYTES) -> Callable[[ASGIApp], ASGIApp]:
     """Litestar middleware factory; ``state_of()`` returns the agent's ``AgentState`` and
-    ``before_engine`` is the handler's own pre-engine stage (``region_agent.app._before_engine``)."""
+    ``before_engine`` is the handler's own pre-engine stage (``region_agent.app._before_engine``);
+    ``decide_batch(state, engine, requests)`` the batch handler's own body
+    (``region_agent.app.decide_batch``): with it, ``POST /v1/admit/batch`` is served the same way."""
 
     def middleware(app: ASGIApp) -> ASGIApp:
         async def serve(scope: dict, receive: Callable[[], Awaitable[dict]],
                         send: Callable[[dict], Awaitable[None]]) -> None:
-            if scope["type"] != "http" or scope["path"] != PATH or scope["method"] != "POST":
+            if scope["type"] != "http" or scope["method"] != "POST":
+                await app(scope, receive, send)
+                return
+            path = scope["path"]
+            if path == PATH:
+                limit, batch = max_body, False
+            elif path == BATCH_PATH and decide_batch is not None:
+                limit, batch = batch_max_body, True
+            else:
                 await app(scope, receive, send)
                 return
             st = state_of()
             raw_headers = scope.get("headers", ())
-            if st.engine is None or not _plain_json(raw_headers) or _announced(raw_headers) > max_body:
+            if st.engine is None or not _plain_json(raw_headers) or _announced(raw_headers) > limit:
                 # another content type (415), or a body announced too large: the handler answers
                 # at once (413 before reading anything)
                 await app(scope, receive, send)
                 return
             if st.auth is not None:
                 try:
-                    who = st.auth.check(PATH, raw_headers)  # the guard's own check, same header list
+                    who = st.auth.check(path, raw_headers)  # the guard's own check, same header list
                 except LeaseholdError:
                     await app(scope, receive, send)  # the guard answers 401 (before reading the body)
                     return
                 if who is not None:
                     scope[SCOPE_KEY] = who
-            chunks, body = await read_body(receive, max_body)
-            req = None
+            chunks, body = await read_body(receive, limit)
+            req: Any = None
             if body is not None:
                 try:
-                    req = _decode(body)
+                    req = _decode_batch(body) if batch else _decode(body)
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     req = None
-                if req is not None and has_duplicate_keys(body):
-                    req = None  # the handler answers 400 (kernel.jsonbody)
+                if req is not None:
+                    shown = 1 + sum(map(keys_shown, req.requests)) if batch else keys_shown(req)
+                    if repeats_keys(body, shown):
+                        req = None  # the handler answers 400 (kernel.jsonbody)
             if req is None:
                 await app(scope, replay(chunks, receive), send)
                 return
-            await _answer(st, req, send, before_engine)
+            if batch:
+                await _answer_batch(st, req, send, decide_batch)  # type: ignore[arg-type]
+            else:
+                await _answer(st, req, send, before_engine)
 
         return serve
 
     return middleware
 
 
+async def _answer_batch(st: Any, batch: AdmitBatch, send: Callable[[dict], Awaitable[None]],
+                        decide_batch: Callable[[Any, Any, list], Awaitable[Any]]) -> None:
+    try:
+        status, payload, headers = 200, _encode(await decide_batch(st, st.engine, batch.requests)), _JSON_HEADERS
+    except LeaseholdError as e:  # the app's exception handler's answer (kernel.http_errors)
+        status, named, payload = problem_answer(e, BATCH_PATH)
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in named.items()]
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
+
+
 async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[None]],
                   before_engine: Callable[[Any, list], list]) -> None:
     try:
         [(req, early)] = before_engine(st, [req])
-        decision = early if early is not None else await st.engine.admit(req)
+        decision = early if early is not None else await st.engine.admit(req, decoded=True)
         status, payload, headers = 200, _encode(decision), _JSON_HEADERS
     except LeaseholdError as e:  # the app's exception handler's answer (kernel.http_errors)
         status, named, payload = problem_answer(e, PATH)

@@ -21,6 +21,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from kernel.bounded import BoundedMemo
 from kernel.bundle import Pool, Rule
 
 from .models import Decision, DeniedScope
@@ -38,19 +39,22 @@ def retry_after_seconds(retry_after_ms: int) -> int | None:
 class RetryJitter:
     """The per-decision upward jitter of retry hints (module doc); ``pct = 0`` disables it."""
 
-    __slots__ = ("max_ms", "pct", "seed")
+    __slots__ = ("_keyed", "max_ms", "pct", "seed")
 
     def __init__(self, pct: int = 10, max_ms: int = 5_000, seed: bytes = b""):
         self.pct = pct
         self.max_ms = max_ms
         self.seed = hashlib.sha256(seed).digest()[:32]  # blake2b keys are at most 64 bytes
+        # the keyed state once; a copy per decision is cheaper than keying a new hash each time
+        self._keyed = hashlib.blake2b(digest_size=8, key=self.seed)
 
     def of(self, decision_id: str, retry_after_ms: int) -> int:
         bound = min(retry_after_ms * self.pct // 100, self.max_ms) if retry_after_ms > 0 else 0
         if bound <= 0:
             return 0
-        h = hashlib.blake2b(decision_id.encode(), digest_size=8, key=self.seed).digest()
-        return int.from_bytes(h, "big") % bound
+        h = self._keyed.copy()
+        h.update(decision_id.encode())
+        return int.from_bytes(h.digest(), "big") % bound
 
 
 JITTER = RetryJitter()  # replaced from the agent's settings by ``configure_jitter``
@@ -66,13 +70,20 @@ def window_seconds(rule: Rule, pools: Mapping[str, Pool] | None = None) -> int:
     return max(1, math.ceil(rule.policy_window_ms(pools or {}) / 1000))
 
 
+# (id(rule), limit) -> (rule, RateLimit-Policy value, RateLimit prefix): the parts of the fields
+# that depend on the policy only, built once per rule of a snapshot (the rule is kept and
+# compared, so a recycled id() never answers for another rule)
+_POLICY_FIELDS: BoundedMemo[tuple[int, int], tuple[Rule, str, str]] = BoundedMemo(4_096)
+
+
 def ratelimit_headers(rule: Rule, *, limit: int, remaining: int, retry_after_ms: int) -> dict[str, str]:
     """Draft RateLimit / RateLimit-Policy fields for the caller's own scope."""
-    t = 0 if retry_after_ms <= 0 else math.ceil(retry_after_ms / 1000)
-    return {
-        "RateLimit-Policy": f'"{rule.id}";q={limit};w={window_seconds(rule)}',
-        "RateLimit": f'"{rule.id}";r={max(0, remaining)};t={t}',
-    }
+    k = (id(rule), limit)
+    hit = _POLICY_FIELDS.get(k)
+    if hit is None or hit[0] is not rule:
+        hit = _POLICY_FIELDS.put(k, (rule, f'"{rule.id}";q={limit};w={window_seconds(rule)}', f'"{rule.id}";r='))
+    t = 0 if retry_after_ms <= 0 else -(-retry_after_ms // 1000)
+    return {"RateLimit-Policy": hit[1], "RateLimit": f"{hit[2]}{remaining if remaining > 0 else 0};t={t}"}
 
 
 def _problem(status: int, decision: Decision, anonymous: bool) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import hmac
 import ipaddress
+from typing import NamedTuple
 
 from kernel.bounded import BoundedMemo
 from kernel.bundle import Rule
@@ -79,6 +80,18 @@ def parse_ip(raw: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
 def ip_prefix(addr: ipaddress.IPv4Address | ipaddress.IPv6Address, v4_bits: int, v6_bits: int) -> str:
     bits = v4_bits if addr.version == 4 else v6_bits
     return str(ipaddress.ip_network(f"{addr}/{bits}", strict=False))
+
+
+class KeyTemplate(NamedTuple):
+    """A rule's key for one tenant with the principal hash left out: ``head + h(tenant, kind, id) +
+    tail`` (``kind`` 'u': the user id, 'k': the API key id), or the whole key in ``tail`` when it
+    does not depend on the principal (``kind`` ''). Built once per policy snapshot and selection
+    (region_agent.plan.Shape); :meth:`KeyBuilder.key_from` completes it per request and gives the
+    key :meth:`KeyBuilder.rule_key` gives (a differential test holds them together)."""
+
+    head: str
+    kind: str
+    tail: str
 
 
 class KeyBuilder:
@@ -144,6 +157,48 @@ class KeyBuilder:
         if rule.scope == "tenant":
             return f"{NS}:{tag}:tenant:{t}:{route}"
         raise ValidationFailed(f"scope {rule.scope} has no tenant-tagged key")
+
+    @staticmethod
+    def template(rule: Rule, tenant: str | None) -> KeyTemplate | None:
+        """The :class:`KeyTemplate` of ``rule``'s key for ``tenant``, or None where it depends on
+        more than the principal (ip rules: the address) or the request cannot have it (no valid
+        tenant): the caller then derives the key per request (:meth:`rule_key`), which raises."""
+        if tenant is None or tenant.__class__ is not str or not TENANT_RE.match(tenant):
+            return None
+        pool_id = rule.pool_id
+        if pool_id is not None:
+            if not POOL_ID_RE.fullmatch(pool_id):
+                return None
+            return KeyTemplate("", "", KeyBuilder.tenant_pool_key(tenant, pool_id))
+        route = rule.route_group or "all"
+        tag = "{t:" + tenant + "}"
+        if rule.scope == "user":
+            return KeyTemplate(f"{NS}:{tag}:u:", "u", f":{route}")
+        if rule.scope == "key":
+            return KeyTemplate(f"{NS}:{tag}:k:", "k", f":{route}")
+        if rule.scope == "route":
+            return KeyTemplate("", "", f"{NS}:{tag}:route:{tenant}:{route}")
+        if rule.scope == "tenant":
+            return KeyTemplate("", "", f"{NS}:{tag}:tenant:{tenant}:{route}")
+        return None
+
+    def key_from(self, t: KeyTemplate, tenant: str, user_id: str | None, api_key_id: str | None) -> str:
+        """The key of template ``t`` (made for ``tenant``) for one principal."""
+        if not t.kind:
+            return t.tail
+        if t.kind == "u":
+            if not user_id:
+                raise ValidationFailed("a user rule needs a user principal")
+            ident = user_id
+        else:
+            if not api_key_id:
+                raise ValidationFailed("a key rule needs principal.apiKeyId")
+            ident = api_key_id
+        k = (tenant, t.kind, ident)
+        v = self._memo.get(k)
+        if v is None:
+            v = self._memo.put(k, self._hmac(tenant, t.kind, ident))
+        return t.head + v + t.tail
 
     @staticmethod
     def unrecorded_decision_key(*, tenant: str | None, ip_tag: str | None = None) -> str:

@@ -17,19 +17,40 @@ from .store_health import StoreHealth
 disable_created_metrics()
 
 OUTCOMES = ("allowed", "denied", "fallback_allowed", "fallback_denied", "unavailable", "conflict", "shed")
+DECISION_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+
+
+class _FlushFirst:
+    """A collector registered before every metric: a collection (``/metrics``, ``get_sample_value``)
+    first moves the counts kept outside the registry into it (``AgentMetrics.add_flush``), so a
+    hot path can count in plain Python and the registry still reads exact values."""
+
+    LABELS = ()  # states no metric (leasehold.metrics_doc reads collectors' label names)
+
+    def __init__(self) -> None:
+        self.fns: list = []
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list:
+        for fn in self.fns:
+            fn()
+        return []
 
 
 class AgentMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self._flush = _FlushFirst()
+        r.register(self._flush)
         self.decisions = Counter("leasehold_agent_decisions_total",
                                  "Admission decisions by outcome, deciding rule, policy version, route group and "
                                  "tenant (tenants named in the bundle; others 'other', anonymous 'none')",
                                  ["outcome", "rule", "policy_version", "route_group", "tenant"], registry=r)
         self.latency = Histogram("leasehold_agent_decision_seconds", "Decision latency by store shard and outcome",
-                                 ["shard", "outcome"], registry=r,
-                                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0))
+                                 ["shard", "outcome"], registry=r, buckets=DECISION_SECONDS_BUCKETS)
         self.script_errors = Counter("leasehold_agent_script_errors_total", "Store/script errors by class",
                                      ["error"], registry=r)
         self.degradations = Counter("leasehold_agent_degraded_decisions_total",
@@ -111,3 +132,10 @@ class AgentMetrics:
         r.register(self.store_health)
         self.new_keys = NewKeyMeter()
         r.register(self.new_keys)
+
+    def add_flush(self, fn) -> None:
+        """Run ``fn`` at the start of every collection (it moves counts kept outside into metrics)."""
+        self._flush.fns.append(fn)
+
+    def flush(self) -> None:
+        self._flush.collect()

@@ -40,6 +40,15 @@ class AdmitBatch(Struct, rename="camel", forbid_unknown_fields=True, frozen=True
     requests: Annotated[list[AdmitRequest], Meta(max_length=MAX_BATCH_ITEMS)]
 
 
+def keys_shown(req: AdmitRequest) -> int:
+    """A lower bound of the JSON keys a decoded ``req`` had: its required fields and those whose
+    value differs from the default (kernel.jsonbody.repeats_keys). A field added later only makes
+    the bound lower (the exact check then runs), never wrong."""
+    p = req.principal
+    return (5 + (p.api_key_id is not None) + (req.method != "GET") + (req.tenant_id is not None)
+            + (req.cost_hint != 1) + (req.policy_epoch is not None) + req.auth_failed + (req.client_ip is not None))
+
+
 class ReleaseRequest(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
     request_id: RequestId
     principal: Principal

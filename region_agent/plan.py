@@ -6,18 +6,20 @@ Pure: no I/O, no clock. Its rule slots (:class:`~region_agent.call.Call`) become
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kernel.algorithms import Role
 from kernel.algorithms.concurrency import KIND as CONCURRENCY
 from kernel.algorithms.pool import PoolRule
+from kernel.algorithms.rule import Params
 from kernel.bounded import BoundedMemo
 from kernel.bundle import Bundle, Pool, Rule, select_rules
-from kernel.errors import ValidationFailed
+from kernel.errors import ScriptRejected, ValidationFailed
 
-from .call import Call
-from .keys import KeyBuilder, check_ids, check_route, check_tenant, parse_ip
+from .call import Call, multi_rule_argv
+from .keys import KeyBuilder, KeyTemplate, check_ids, check_route, check_tenant, parse_ip
 from .models import AdmitRequest, Principal
 
 
@@ -40,20 +42,30 @@ class Plan:
     principal_type: str
     rules: list[Rule]  # every selected enforced rule, evaluation order (incl. global pools); shared, read-only
     calls: list[Call] = field(default_factory=list)
-    slots: list[Slot] = field(default_factory=list)
-    shadow_calls: list[Call] = field(default_factory=list)
-    shadow_slots: list[Slot] = field(default_factory=list)
-    global_spends: list[GlobalSpend] = field(default_factory=list)
-    rule_keys: dict[str, str] = field(default_factory=dict)  # rule id -> state key (in-process only)
+    slots: list[Slot] = field(default_factory=list)  # shared with the plan's Shape: read-only
+    shadow_calls: Sequence[Call] = ()  # read-only
+    shadow_slots: list[Slot] = field(default_factory=list)  # shared with the plan's Shape: read-only
+    global_spends: Sequence[GlobalSpend] = ()  # read-only
     decision_key: str = ""
     decision_ttl_ms: int = 0
     question: str = ""  # what the decision record answers (keys.KeyBuilder.question); '' without a record
     slack_ms: int = 0
     cost_hint: int = 1
+    # ARGV of ``multi_rule.lua`` between the member and the question (every slot's kind and five
+    # parameters), checked once per Shape and cost (region_agent.call.multi_rule_call); None: the
+    # calls are built and checked per request
+    argv_rules: tuple | None = None
+    has_pool: bool = False  # a slot spends a tenant pool balance (Role.POOL)
 
     @property
     def anonymous(self) -> bool:
         return self.principal_type == "anonymous"
+
+    @property
+    def rule_keys(self) -> dict[str, str]:
+        """Rule id -> its state key (in-process only: the local fallback's buckets)."""
+        return {slot.rule.id: call.key for slot, call in zip(self.slots, self.calls, strict=False)
+                if slot.role is not Role.CC}
 
 
 def check_principal(req_tenant: str | None, principal: Principal):
@@ -73,7 +85,9 @@ SELECTION_CACHE_MAX = 10_000  # distinct (tenant, route, principal type, has key
 
 class Shape(NamedTuple):
     """The request-independent part of a plan: the rules one (tenant, route group, principal
-    type, has key) selects and what follows from them. Shared: callers must not modify it."""
+    type, has key) selects and what follows from them — their slots, their keys up to the
+    principal hash (:class:`~region_agent.keys.KeyTemplate`), their script parameters per cost.
+    Shared: callers must not modify it."""
 
     rules: list[Rule]  # every selected rule, evaluation order (shadow ones too)
     enforced: list[Rule]
@@ -82,17 +96,66 @@ class Shape(NamedTuple):
     ip_rules: list[Rule]
     slack_ms: int
     decision_ttl_ms: int
+    # per in_script / shadow rule: its key template for the shape's tenant (None: derived per request)
+    templates: tuple[KeyTemplate | None, ...]
+    shadow_templates: tuple[KeyTemplate | None, ...]
+    slots: list[Slot]  # the script call's slots (a concurrency gate before its rule's own slot)
+    shadow_slots: list[Slot]
+    fleet: list[Rule]  # enforced fleet-wide pool rules (spent from in-process chunks)
+    has_pool: bool  # a slot is a tenant pool rule (Role.POOL)
+    unrecorded_dk: str | None  # KEYS[1] without a decision record for the tenant tag (None: per request)
+    by_cost: dict[int, tuple[list[tuple[str, Params]], list[tuple[str, Params]], tuple | None]]
 
     @classmethod
-    def of(cls, rules: list[Rule]) -> Shape:
+    def of(cls, rules: list[Rule], tenant: str | None = None) -> Shape:
         enforced = [r for r in rules if not r.shadow]
         in_script = [r for r in enforced if not r.fleet_wide]
-        return cls(rules=rules, enforced=enforced, in_script=in_script,
-                   shadow=[r for r in rules if r.shadow and not r.fleet_wide],
+        shadow = [r for r in rules if r.shadow and not r.fleet_wide]
+        slots: list[Slot] = []
+        for rule in in_script:
+            if rule.concurrency_max is not None:
+                slots.append(Slot(rule, Role.CC))
+            slots.append(Slot(rule, rule.role))
+        try:
+            dk = KeyBuilder.unrecorded_decision_key(tenant=tenant) if tenant is not None else None
+        except ValidationFailed:
+            dk = None
+        return cls(rules=rules, enforced=enforced, in_script=in_script, shadow=shadow,
                    ip_rules=[r for r in rules if r.scope == "ip"],
                    slack_ms=max((r.ttl_slack_ms for r in in_script), default=0),
                    decision_ttl_ms=(max(r.decision_ttl_ms for r in in_script)
-                                    if any(r.idempotent for r in in_script) else 0))
+                                    if any(r.idempotent for r in in_script) else 0),
+                   templates=tuple(KeyBuilder.template(r, tenant) for r in in_script),
+                   shadow_templates=tuple(KeyBuilder.template(r, tenant) for r in shadow),
+                   slots=slots, shadow_slots=[Slot(r, r.role) for r in shadow],
+                   fleet=[r for r in enforced if isinstance(r, PoolRule) and r.fleet_wide],
+                   has_pool=any(s.role is Role.POOL for s in slots), unrecorded_dk=dk, by_cost={})
+
+    def params_for(self, cost_hint: int) -> tuple[list[tuple[str, Params]], list[tuple[str, Params]], tuple | None]:
+        """(kind, params) of every slot and shadow slot for a request of ``cost_hint``, and the
+        tenant call's ARGV between member and question (None when the slots do not make a valid
+        call: it is then built per request, and refused there with the script's own error)."""
+        hit = self.by_cost.get(cost_hint)
+        if hit is not None:
+            return hit
+        specs: list[tuple[str, Params]] = []
+        for rule in self.in_script:
+            if rule.concurrency_max is not None:
+                specs.append((CONCURRENCY.code, (rule.concurrency_max, rule.concurrency_ttl_ms, 0, 0, 0)))
+            specs.append((rule.kind.code, rule.script_params(cost_hint)))
+        shadow = [(r.kind.code, r.script_params(cost_hint)) for r in self.shadow]
+        argv: tuple | None = None
+        if specs:
+            try:  # the call's shape checks (count, kinds, five parameters), once
+                _, full = multi_rule_argv("-", [Call(f"k{i}", k, p) for i, (k, p) in enumerate(specs)],
+                                          slack_ms=0, decision_ttl_ms=0, member="-")
+                argv = tuple(full[3:-1])
+            except ScriptRejected:
+                argv = None
+        if len(self.by_cost) >= 1_000:  # cost hints are 1..1000 (the wire type); bounded anyway
+            self.by_cost.clear()
+        out = self.by_cost[cost_hint] = (specs, shadow, argv)
+        return out
 
 
 class BundleMemo:
@@ -114,7 +177,8 @@ class BundleMemo:
         hit = self._shapes.get(k)
         if hit is None:
             hit = self._shapes.put(k, Shape.of(select_rules(self.bundle.rules, tenant=tenant, route_group=route_group,
-                                                            principal_type=principal_type, has_key=has_key)))
+                                                            principal_type=principal_type, has_key=has_key),
+                                               tenant))
         return hit
 
 
@@ -134,50 +198,71 @@ def selected(bundle: Bundle, *, tenant: str | None, route_group: str, principal:
     return list(memo_of(bundle).shape(tenant, route_group, principal.type, principal.api_key_id is not None).rules)
 
 
-def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder) -> Plan:
-    check_ids(req.request_id, req.route_group)
+def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: bool = False) -> Plan:
+    """The plan of ``req`` under ``bundle``. ``checked``: ``req`` came out of the strict wire
+    decoder (region_agent.models: its request id and route group already match their patterns),
+    so they are not matched again; a request built in process (library mode) is checked here."""
+    if not checked:
+        check_ids(req.request_id, req.route_group)
     principal = req.principal
+    ptype = principal.type
     tenant, addr = check_principal(req.tenant_id, principal)
+    api_key_id = principal.api_key_id
     memo = memo_of(bundle)
-    shape = memo.shape(tenant, req.route_group, principal.type, principal.api_key_id is not None)
+    shape = memo.shape(tenant, req.route_group, ptype, api_key_id is not None)
     cost_hint = req.cost_hint
-    plan = Plan(request_id=req.request_id, tenant=tenant, principal_type=principal.type,
-                rules=shape.enforced, cost_hint=cost_hint, slack_ms=shape.slack_ms,
-                decision_ttl_ms=shape.decision_ttl_ms)
+    specs, shadow_specs, argv_rules = shape.params_for(cost_hint)
     ip_tag = keys.ip_tag(addr, shape.ip_rules) if addr is not None else None
-    user_id = principal.id if principal.type == "user" else None
-
-    def key_of(rule: Rule) -> str:
-        if rule.pool_id is not None:
-            return keys.tenant_pool_key(tenant or "", rule.pool_id)
-        return keys.rule_key(rule, tenant=tenant, user_id=user_id, api_key_id=principal.api_key_id,
-                             route_group=req.route_group, ip_tag=ip_tag, addr=addr)
-
-    if len(shape.in_script) != len(shape.enforced):
-        for rule in shape.enforced:
-            if isinstance(rule, PoolRule) and rule.fleet_wide:
-                plan.global_spends.append(GlobalSpend(rule, memo.pools[rule.pool_id or ""], rule.tokens(cost_hint)))
-    calls, slots = plan.calls, plan.slots
-    for rule in shape.in_script:
-        key = key_of(rule)
-        plan.rule_keys[rule.id] = key
+    user_id = principal.id if ptype == "user" else None
+    calls: list[Call] = []
+    i = 0
+    for rule, t in zip(shape.in_script, shape.templates, strict=True):
+        if t is not None:
+            key = keys.key_from(t, tenant, user_id, api_key_id)  # type: ignore[arg-type]
+        else:
+            key = _key_of(keys, rule, tenant, user_id, api_key_id, req.route_group, ip_tag, addr)
         if rule.concurrency_max is not None:
-            calls.append(Call(KeyBuilder.cc_key(key), CONCURRENCY.code, (rule.concurrency_max, rule.concurrency_ttl_ms, 0, 0, 0)))
-            slots.append(Slot(rule, Role.CC))
-        calls.append(Call(key, rule.kind.code, rule.script_params(cost_hint)))
-        slots.append(Slot(rule, rule.role))
-    for rule in shape.shadow:
-        plan.shadow_calls.append(Call(key_of(rule), rule.kind.code, rule.script_params(cost_hint)))
-        plan.shadow_slots.append(Slot(rule, rule.role))
-    dk_tenant = tenant if ip_tag is None else None
-    if plan.decision_ttl_ms > 0:
-        plan.decision_key = keys.decision_key(req.request_id, tenant=dk_tenant, ip_tag=ip_tag)
-        plan.question = keys.question(tenant=tenant, principal_type=principal.type, principal_id=principal.id,
-                                      api_key_id=principal.api_key_id, route_group=req.route_group,
-                                      cost_hint=cost_hint)
+            calls.append(Call(KeyBuilder.cc_key(key), *specs[i]))
+            i += 1
+        calls.append(Call(key, *specs[i]))
+        i += 1
+    shadow_calls: list[Call] = _NONE  # type: ignore[assignment]
+    if shape.shadow:
+        shadow_calls = []
+        for rule, t, spec in zip(shape.shadow, shape.shadow_templates, shadow_specs, strict=True):
+            if t is not None:
+                key = keys.key_from(t, tenant, user_id, api_key_id)  # type: ignore[arg-type]
+            else:
+                key = _key_of(keys, rule, tenant, user_id, api_key_id, req.route_group, ip_tag, addr)
+            shadow_calls.append(Call(key, *spec))
+    spends: list[GlobalSpend] = _NONE  # type: ignore[assignment]
+    if shape.fleet:
+        spends = [GlobalSpend(rule, memo.pools[rule.pool_id or ""], rule.tokens(cost_hint)) for rule in shape.fleet]
+    question = ""
+    if shape.decision_ttl_ms > 0:
+        decision_key = keys.decision_key(req.request_id, tenant=tenant if ip_tag is None else None, ip_tag=ip_tag)
+        question = keys.question(tenant=tenant, principal_type=ptype, principal_id=principal.id,
+                                 api_key_id=api_key_id, route_group=req.route_group, cost_hint=cost_hint)
+    elif ip_tag is None and shape.unrecorded_dk is not None:
+        decision_key = shape.unrecorded_dk
     else:
-        plan.decision_key = KeyBuilder.unrecorded_decision_key(tenant=dk_tenant, ip_tag=ip_tag)
-    return plan
+        decision_key = KeyBuilder.unrecorded_decision_key(tenant=tenant if ip_tag is None else None, ip_tag=ip_tag)
+    return Plan(req.request_id, tenant, ptype, shape.enforced, calls, shape.slots, shadow_calls, shape.shadow_slots,
+                spends, decision_key, shape.decision_ttl_ms, question, shape.slack_ms, cost_hint, argv_rules,
+                shape.has_pool)
+
+
+_NONE: tuple = ()  # the shared empty sequence of a plan without shadow calls or global spends
+
+
+def _key_of(keys: KeyBuilder, rule: Rule, tenant: str | None, user_id: str | None, api_key_id: str | None,
+            route_group: str, ip_tag: str | None, addr) -> str:
+    """A rule's key derived per request (rules without a KeyTemplate: ip rules, and whatever
+    must raise the request's ValidationFailed)."""
+    if rule.pool_id is not None:
+        return keys.tenant_pool_key(tenant or "", rule.pool_id)
+    return keys.rule_key(rule, tenant=tenant, user_id=user_id, api_key_id=api_key_id, route_group=route_group,
+                         ip_tag=ip_tag, addr=addr)
 
 
 def cc_gates(bundle: Bundle, *, request_tenant: str | None, principal: Principal, route_group: str,

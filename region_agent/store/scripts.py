@@ -21,6 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from redis import exceptions as rex
+
+try:  # redis-py's hiredis parser and its "no complete reply yet" marker (read_replies' fast path)
+    import hiredis as _hiredis
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
+    from redis._parsers.hiredis import _AsyncHiredisParser
+    _PUSH: Any = getattr(_hiredis, "PushNotification", None)
+except ImportError:  # without hiredis every reply is read through redis-py
+    _AsyncHiredisParser = None  # type: ignore[assignment,misc]
+    _NOT_ENOUGH_DATA = object()
+    _PUSH = None
 from redis.asyncio import RedisCluster
 from redis.crc import key_slot
 
@@ -185,23 +195,110 @@ class PoolClosed:
     current: bool
 
 
+_INT_RESP: dict[int, str] = {}  # a bulk string per int seen (rule parameters repeat on every call)
+_INT_RESP_MAX = 4_096
+_HEADS: dict[tuple[str, int, int], str] = {}  # (sha, keys, args) -> the array header up to the first key
+_MEMO_MAX = 4_096
+
+
 def pack_evalsha(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> bytes:
     """``EVALSHA sha numkeys key... arg...`` as one RESP array (what redis-py's pack_command
     would send for the same arguments: str as UTF-8, int in decimal, bytes as they are)."""
-    parts = [f"*{len(keys) + len(argv) + 3}\r\n$7\r\nEVALSHA\r\n${len(sha)}\r\n{sha}\r\n"
-             f"${len(str(len(keys)))}\r\n{len(keys)}\r\n"]
-    for a in (*keys, *argv):  # the common case: ASCII str and int, where characters are bytes
+    text = _pack_text(sha, keys, argv)
+    if text is not None:
+        return text.encode()
+    args = [_b(x) for x in (sha, len(keys), *keys, *argv)]  # non-ASCII text or bytes: lengths in bytes
+    return b"".join([b"*%d\r\n$7\r\nEVALSHA\r\n" % (len(args) + 1),
+                     *[b"$%d\r\n%b\r\n" % (len(x), x) for x in args]])
+
+
+def pack_pipeline(calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]]) -> bytes:
+    """Every ``(sha, keys, argv)`` packed (:func:`pack_evalsha`) into one payload, encoded once."""
+    texts: list[str] = []
+    for sha, keys, argv in calls:
+        text = _pack_text(sha, keys, argv)
+        texts.append(text if text is not None else pack_evalsha(sha, keys, argv).decode("latin-1"))
+    return "".join(texts).encode("latin-1")
+
+
+def _bulks(args: Sequence[Any]) -> str | None:
+    """The RESP bulk strings of ``args`` (ASCII str and int), or None for anything else."""
+    parts: list[str] = []
+    append = parts.append
+    ints = _INT_RESP
+    for a in args:
         cls = a.__class__
         if cls is str and a.isascii():
-            parts.append(f"${len(a)}\r\n{a}\r\n")
+            append(f"${len(a)}\r\n{a}\r\n")
         elif cls is int:
-            t = str(a)
-            parts.append(f"${len(t)}\r\n{t}\r\n")
-        else:  # non-ASCII text or bytes: lengths in bytes
-            args = [_b(x) for x in (sha, len(keys), *keys, *argv)]
-            return b"".join([b"*%d\r\n$7\r\nEVALSHA\r\n" % (len(args) + 1),
-                             *[b"$%d\r\n%b\r\n" % (len(x), x) for x in args]])
-    return "".join(parts).encode()
+            enc = ints.get(a)
+            if enc is None:
+                t = str(a)
+                enc = f"${len(t)}\r\n{t}\r\n"
+                if len(ints) < _INT_RESP_MAX:
+                    ints[a] = enc
+            append(enc)
+        else:
+            return None
+    return "".join(parts)
+
+
+def _pack_text(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> str | None:
+    """The command as text when every argument is ASCII str or int (characters are bytes), else None."""
+    nk = len(keys)
+    hk = (sha, nk, len(argv))
+    head = _HEADS.get(hk)
+    if head is None:
+        head = f"*{nk + len(argv) + 3}\r\n$7\r\nEVALSHA\r\n${len(sha)}\r\n{sha}\r\n${len(str(nk))}\r\n{nk}\r\n"
+        if len(_HEADS) >= _MEMO_MAX:
+            _HEADS.clear()
+        _HEADS[hk] = head
+    k = _bulks(keys)
+    if k is None:
+        return None
+    a = _bulks(argv)
+    return None if a is None else head + k + a
+
+
+async def read_replies(conn: Any, n: int) -> list[Any]:
+    """The next ``n`` replies on ``conn``; an error reply as its exception instance (what
+    ``raise_on_error=False`` gives). The first reply is awaited through redis-py (its socket
+    timeout, its disconnect on failure); with the hiredis parser, the replies already buffered
+    behind it are then taken from hiredis directly — redis-py's per-reply read (a timeout
+    context, its checks) cost more than parsing. Anything unusual in the buffer (a connection
+    error, a RESP3 push) and every reply not yet received go through redis-py's read."""
+    replies: list[Any] = []
+    reader = _hiredis_reader(conn)
+    while len(replies) < n:
+        if reader is not None and replies:
+            r = reader.gets()
+            if r is not _NOT_ENOUGH_DATA:
+                # as redis-py's read: an error reply is its exception instance (ResponseError,
+                # kept as the reply), a connection-level one is raised; a RESP3 push is unexpected
+                if isinstance(r, BaseException) and not isinstance(r, rex.ResponseError):
+                    raise r
+                if r.__class__ is list and r and isinstance(r[0], BaseException):
+                    raise r[0]
+                if _is_push(r):
+                    raise rex.ConnectionError("unexpected push reply in a pipeline's answer")
+                replies.append(r)
+                continue
+        try:
+            replies.append(await conn.read_response())
+        except rex.ResponseError as e:
+            replies.append(e)
+    return replies
+
+
+def _hiredis_reader(conn: Any) -> Any:
+    parser = getattr(conn, "_parser", None)
+    if _AsyncHiredisParser is None or parser.__class__ is not _AsyncHiredisParser:
+        return None
+    return getattr(parser, "_reader", None)
+
+
+def _is_push(r: Any) -> bool:
+    return _PUSH is not None and isinstance(r, _PUSH)
 
 
 def _connection_lost(e: BaseException) -> bool:
@@ -357,20 +454,14 @@ class Scripts:
         (:func:`pack_evalsha`), written once on a pooled connection and the replies read in
         order; error replies come back as exception instances, like ``raise_on_error=False``. A
         connection that failed mid-way is disconnected before it goes back to the pool."""
-        payload = b"".join([pack_evalsha(self.sha(name), keys, argv) for name, keys, argv in calls])
+        payload = pack_pipeline([(self.sha(name), keys, argv) for name, keys, argv in calls])
         pool = client.connection_pool
         conn = await pool.get_connection()
         try:
             await conn.send_packed_command(payload)
             if reading is not None:  # sent: from now on the store owes the answer
                 reading[id(conn)] = (conn, time.monotonic())
-            replies: list[Any] = []
-            for _ in calls:
-                try:
-                    replies.append(await conn.read_response())
-                except rex.ResponseError as e:
-                    replies.append(e)
-            return replies
+            return await read_replies(conn, len(calls))
         except BaseException as e:
             await conn.disconnect()
             if _connection_lost(e):

@@ -249,3 +249,30 @@ async def test_pipeline_answers_each_call_separately(aclient, scripts):
     ])
     assert isinstance(out[0], ScriptRejected)
     assert out[1][0] == 1 and out[2][:2] == [0, 0]
+
+
+async def test_buffered_replies_read_from_hiredis_equal_redis_py_reads(aclient, scripts, monkeypatch):
+    """read_replies takes the replies buffered behind a pipeline's first one straight from hiredis;
+    with that path switched off (redis-py reads every reply) a long pipeline of answers, error
+    replies and a NOSCRIPT reload must come back the same."""
+    from region_agent.store import scripts as sc
+
+    def calls(tag: str) -> list:
+        out = []
+        for i in range(300):
+            if i % 50 == 7:
+                out.append(("token_bucket", [f"rl:{T}:{tag}:bad{i}"], ["nan", 2_000, 1_000, 1_000, 0]))
+            else:
+                out.append(("fixed_window", [f"rl:{T}:{tag}:w{i % 40}"], [3, 60_000, 1, 0]))
+        return out
+
+    fast = await scripts.run_pipeline(aclient, calls("fast"))
+    monkeypatch.setattr(sc, "_AsyncHiredisParser", None)
+    slow = await scripts.run_pipeline(aclient, calls("slow"))
+    norm = [type(r).__name__ if isinstance(r, BaseException) else r[:2] for r in fast]
+    assert norm == [type(r).__name__ if isinstance(r, BaseException) else r[:2] for r in slow]
+    assert norm.count("ScriptRejected") == 6 and sum(1 for r in norm if r == [0, 0]) > 100
+    await aclient.script_flush()
+    monkeypatch.undo()
+    again = await scripts.run_pipeline(aclient, calls("again"))  # NOSCRIPT on every call: reloaded, run once
+    assert [type(r).__name__ if isinstance(r, BaseException) else r[:2] for r in again] == norm

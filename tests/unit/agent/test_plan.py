@@ -152,3 +152,82 @@ def test_every_plan_stays_in_one_slot_and_within_bounds(tenant, route, ptype, pi
             assert c.params[3] == (s.rule.cost_millis or 0) * cost
         elif c.kind in ("fw", "sc", "sl"):
             assert c.params[2] == cost
+
+
+# --- the per-snapshot precomputation (Shape: key templates, slot parameters) -------------------
+GLOBAL = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar-global.json"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tenant=TENANTS, route=ROUTES, ptype=st.sampled_from(["user", "service"]),
+       pid=st.text(min_size=1, max_size=64), key=st.one_of(st.none(), st.text(min_size=1, max_size=64)),
+       bundle=st.sampled_from([NORTHSTAR, GLOBAL]))
+def test_key_templates_complete_to_the_keys_rule_key_derives(tenant, route, ptype, pid, key, bundle):
+    """Differential: a template completed per request (KeyBuilder.key_from) is the key KeyBuilder.rule_key
+    derives from the request, and raises where rule_key raises."""
+    user_id = pid if ptype == "user" else None
+    for rule in bundle.rules:
+        t = KeyBuilder.template(rule, tenant)
+        if rule.pool_id is not None:
+            assert t is not None and t.tail == KB.tenant_pool_key(tenant, rule.pool_id)
+            continue
+        if rule.scope in ("ip", "global"):
+            assert t is None
+            continue
+        try:
+            want: str | type = KB.rule_key(rule, tenant=tenant, user_id=user_id, api_key_id=key, route_group=route)
+        except ValidationFailed:
+            want = ValidationFailed
+        try:
+            got: str | type = KB.key_from(t, tenant, user_id, key)
+        except ValidationFailed:
+            got = ValidationFailed
+        assert got == want
+    assert KeyBuilder.template(bundle.rules[0], None) is None
+    assert KeyBuilder.template(bundle.rules[0], "Not A Tenant") is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(tenant=TENANTS, route=ROUTES, ptype=st.sampled_from(["user", "service", "anonymous"]),
+       pid=st.text(min_size=1, max_size=64), ip=IPS, key=st.one_of(st.none(), st.text(min_size=1, max_size=64)),
+       cost=st.integers(1, 1000), bundle=st.sampled_from([NORTHSTAR, GLOBAL]))
+def test_prechecked_call_is_the_checked_call(tenant, route, ptype, pid, ip, key, cost, bundle):
+    """The tenant call built from the shape's once-checked ARGV equals multi_rule_call's, and a
+    request whose slots would be refused is refused the same way."""
+    from region_agent.call import multi_rule_call, prechecked_call
+
+    r = AdmitRequest(request_id="prop-0000002", tenant_id=None if ptype == "anonymous" else tenant,
+                     principal=Principal(type=ptype, id=ip if ptype == "anonymous" else pid, api_key_id=key),
+                     route_group=route, cost_hint=cost)
+    try:
+        plan = build_plan(bundle, r, KB)
+    except ValidationFailed:
+        return
+    if not plan.calls:
+        return
+    want = multi_rule_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
+                           decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id, question=plan.question)
+    assert plan.argv_rules is not None
+    assert prechecked_call(plan.calls, plan.argv_rules, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
+                           decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                           question=plan.question) == want
+    assert plan.rule_keys == {s.rule.id: c.key for s, c in zip(plan.slots, plan.calls, strict=True) if s.role != "cc"}
+
+
+def test_a_decoded_request_skips_only_the_pattern_checks_it_already_passed():
+    bad = req(rid="abcdefgh\n")
+    with pytest.raises(ValidationFailed):
+        build_plan(NORTHSTAR, bad, KB)
+    with pytest.raises(ValidationFailed):  # identity checks stay (tenant, address)
+        build_plan(NORTHSTAR, req(tenant="atlas\n"), KB, checked=True)
+    assert build_plan(NORTHSTAR, req(), KB, checked=True).calls == build_plan(NORTHSTAR, req(), KB).calls
+
+
+def test_duplicate_keys_are_refused_by_the_prechecked_call_too():
+    from kernel.errors import ScriptRejected
+    from region_agent.call import Call, prechecked_call
+
+    calls = [Call("k1", "tb", (1, 1, 1, 1, 0)), Call("k1", "tb", (1, 1, 1, 1, 0))]
+    with pytest.raises(ScriptRejected):
+        prechecked_call(calls, ("tb", 1, 1, 1, 1, 0, "tb", 1, 1, 1, 1, 0), decision_key="d", slack_ms=0,
+                        decision_ttl_ms=0, member="m")

@@ -17,3 +17,14 @@ def test_pack_evalsha_matches_redis_py(keys, argv):
     sha = "0123456789abcdef0123456789abcdef01234567"
     expected = b"".join(Connection().pack_command("EVALSHA", sha, len(keys), *keys, *argv))
     assert pack_evalsha(sha, keys, argv) == expected
+
+
+
+@given(calls=st.lists(st.tuples(st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=3),
+                                st.lists(_arg, max_size=12)), max_size=5))
+def test_a_pipeline_packs_as_its_calls_one_after_another(calls):
+    from region_agent.store.scripts import pack_pipeline
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    expected = b"".join(b"".join(Connection().pack_command("EVALSHA", sha, len(k), *k, *a)) for k, a in calls)
+    assert pack_pipeline([(sha, k, a) for k, a in calls]) == expected

@@ -186,3 +186,29 @@ def test_policy_epoch_ahead_refreshes_at_most_once_per_interval():
     out = text(m)
     assert 'leasehold_agent_policy_epoch_mismatches_total{relation="gateway_ahead"} 6.0' in out
     assert 'leasehold_agent_policy_epoch_mismatches_total{relation="gateway_behind"} 1.0' in out
+
+
+def test_counts_kept_outside_the_registry_read_as_per_decision_updates_would():
+    """DecisionTelemetry counts in plain Python and moves the counts in when the registry is
+    collected: the exposition must equal prometheus_client's own per-decision inc/observe (this
+    also catches a prometheus_client whose histogram internals changed)."""
+    m, ref = AgentMetrics(), AgentMetrics()
+    t = DecisionTelemetry(m)
+    p = plan_for("atlas")
+    seconds = [0.0, -0.001, 0.0005, 0.0007, 0.001, 0.003, 0.02, 0.2, 0.9, 1.0, 7.5]
+    for i, s in enumerate(seconds):
+        d = decision(p, allowed=i % 3 != 0, status=200 if i % 3 else 429)
+        t.decided(p, GLOBAL, d, s, now=0.0, touched_store=False)
+        outcome = "allowed" if d.allowed else "denied"
+        ref.decisions.labels(outcome, p.rules[0].id, "42", p.rules[0].route_key, "atlas").inc()
+        ref.latency.labels("default", outcome).observe(max(s, 0.0))
+
+    def lines(x: AgentMetrics) -> list[str]:
+        return sorted(ln for ln in text(x).splitlines() if "decision" in ln and not ln.startswith("#")
+                      and "new_keys" not in ln)
+
+    assert lines(m) == lines(ref) and any("_bucket" in ln for ln in lines(m))
+    assert lines(m) == lines(ref)  # a second collection adds nothing
+    t.decided(p, GLOBAL, decision(p), 0.004, now=0.0, touched_store=False)
+    assert m.registry.get_sample_value("leasehold_agent_decision_seconds_count",
+                                       {"shard": "default", "outcome": "allowed"}) == 8.0
