@@ -12,7 +12,8 @@
 --            the region deposited the lease;
 --          next_from_ms: ms until the earliest not-yet-valid lease becomes valid (0: none).
 -- Rules    validation error reply first; Redis TIME only; only leases of the node's current
---          incarnation are spendable; the debit sets PEXPIRE (max expiresAt - now + slack).
+--          incarnation are spendable; the debit extends the key's expiry to max expiresAt - now +
+--          slack, never shortens it.
 -- @include lib/validate.lua
 -- @include lib/clock.lua
 -- @include lib/pool.lua

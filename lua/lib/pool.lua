@@ -15,7 +15,9 @@
 --   remaining = spendable after the debit (allow) or spendable (deny). Deny retry = earliest
 --   validFrom still in the future - now, else 0 (the caller fills in its window-based hint).
 --   Malformed entries and entries of another incarnation are ignored (never spendable).
--- POOL.commit: writes the debited entries and PEXPIRE max expiresAt - now + slack.
+-- POOL.commit: writes the debited entries and extends the key's expiry to max expiresAt - now +
+--   slack; it never shortens it (a deposit's slack keeps a lease's record until its agent closes
+--   it after the lease's end, whatever slack a later debit passes).
 -- POOL.max_expiry(key): max expiresAt over well-formed entries (or nil).
 -- An allowing plan also carries `current`: the value before this request's debit (the
 -- multi-rule script reports it when another rule denies).
@@ -114,5 +116,8 @@ function POOL.commit(key, P, plan, now, slack)
   for _, e in ipairs(plan.debits) do
     redis.call('HSET', key, e.id, POOL.encode(e))
   end
-  redis.call('PEXPIRE', key, plan.top - now + slack)
+  local ttl = plan.top - now + slack
+  if redis.call('PTTL', key) < ttl then
+    redis.call('PEXPIRE', key, ttl)
+  end
 end

@@ -40,6 +40,7 @@ from ..plan import GlobalSpend
 from ..store.protocol import Store
 from .book import BalanceState
 from .chunks import NO_CHUNK, ChunkLease
+from .redis_balance import BALANCE_SLACK_MS
 from .topup import topped_up
 from .window_clock import Windows
 
@@ -63,7 +64,14 @@ class Renewal(StrEnum):
     FALLBACK = "fallback"
     FALLBACK_DENIED = "fallback_denied"
     ERROR = "error"
+
+
 RENEWALS_PER_REQUEST = 3
+# A balance with no spendable token but a lease that becomes valid within this many ms (the next
+# window's prefetched lease at a window rollover, its start rounded up by the Redis clock offset):
+# the renewal waits for it and buys from it instead of denying every request until then. Requests
+# still wait only within their own budgets (a longer wait is a pool-busy denial, not a fallback).
+ROLLOVER_WAIT_MS = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +167,8 @@ class FleetPools:
 
     # ------------------------------------------------------------------ buying tokens
     async def _pool_take(self, gkey: str, min_tokens: int, want: int) -> PoolTake:
-        (reply,) = await self.store.submit([pool_take_call(gkey, min_tokens=min_tokens, want=want, slack_ms=0)],
+        (reply,) = await self.store.submit([pool_take_call(gkey, min_tokens=min_tokens, want=want,
+                                                           slack_ms=BALANCE_SLACK_MS)],
                                            wait_s=self.budget_s)
         return parse_pool_take(reply)
 
@@ -212,7 +221,8 @@ class FleetPools:
         want = max(spend.cost, pool.chunk_max)
         outcome = Renewal.ERROR
         try:
-            for attempt in range(2):
+            waited_topup = waited_rollover = False
+            while True:
                 sent_at = self.now_ms()  # validity is timed from the moment the request was sent (I5)
                 got = await self._pool_take(gkey, 1, want)
                 if got.taken:
@@ -220,11 +230,16 @@ class FleetPools:
                     lease.grant(got.taken, sent_at, validity)
                     outcome = Renewal.GRANTED if got.taken == want else Renewal.PARTIAL
                     return outcome
+                if not waited_rollover and 0 < got.next_from_ms <= ROLLOVER_WAIT_MS:
+                    waited_rollover = True  # a deposited lease starts in a moment: buy from it then
+                    await asyncio.sleep(got.next_from_ms / 1000.0)
+                    continue
                 pending = self.leases.observed(gkey, got.remaining) if self.leases is not None else None
                 # the regional balance is being topped up right now: wait for it (the top-up is bounded
                 # by the allocator client's deadline)
-                if attempt or pending is None or not await topped_up(pending, None):
+                if waited_topup or pending is None or not await topped_up(pending, None):
                     break
+                waited_topup = True
             state = self.leases.state(gkey) if self.leases is not None else BalanceState.IDLE
             if state is BalanceState.UNREACHABLE and pool.fallback_per_region > 0 and spend.rule.fail_mode != "closed":
                 outcome = await self._renew_from_fallback(spend, lease, gkey)

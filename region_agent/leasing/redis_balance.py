@@ -7,9 +7,13 @@ from typing import Any
 
 from region_agent.store.scripts import PoolClosed, Scripts
 
+# how long a balance hash outlives its last lease: the agent closes a lease (pool_close) after its
+# deadline, on a later tick, and must still find its record (else it is reported lost, fully spent)
+BALANCE_SLACK_MS = 5_000
+
 
 class RedisBalanceStore:
-    def __init__(self, client: Any, scripts: Scripts, *, max_entries: int = 16, slack_ms: int = 5_000):
+    def __init__(self, client: Any, scripts: Scripts, *, max_entries: int = 16, slack_ms: int = BALANCE_SLACK_MS):
         self.client = client
         self.scripts = scripts
         self.max_entries = max_entries

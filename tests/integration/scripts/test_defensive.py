@@ -213,6 +213,30 @@ async def test_multi_rule_denial_writes_nothing_but_the_record(aclient, scripts)
     assert await scripts.multi_rule(aclient, keys2, argv2) == first
 
 
+async def test_a_debit_never_shortens_the_balance_expiry(aclient, scripts):
+    """A deposit keeps the pool hash for its slack past the last lease's end, so the agent can close
+    the lease (after its deadline, on a later tick) and find its record. A debit (pool_take or a
+    pool rule in multi_rule) passing a smaller slack must not cut that short: the record would be
+    gone at the close and the lease reported lost (fully spent) although nothing failed."""
+    t = now_ms()
+    pool = f"rl:v3:{T}:keep:pool"
+    assert (await scripts.pool_deposit(aclient, pool, "P1", granted=50, valid_from_ms=t - 1, expires_at_ms=t + 2_000,
+                                       max_entries=4, slack_ms=5_000)).stored
+    took = await scripts.pool_take(aclient, pool, min_tokens=1, want=10, slack_ms=0)
+    assert took.taken == 10
+    assert await aclient.pttl(pool) > 6_000
+    keys, argv = multi_rule_argv(f"rl:v3:{T}:keep:dec", [Call(pool, "pool", (1, 0, 0, 0, 0))], slack_ms=0,
+                                 decision_ttl_ms=1_000, member="K1")
+    assert (await scripts.multi_rule(aclient, keys, argv)).allowed
+    assert await aclient.pttl(pool) > 6_000
+    # a later lease still extends it
+    assert (await scripts.pool_deposit(aclient, pool, "P2", granted=5, valid_from_ms=t - 1, expires_at_ms=t + 20_000,
+                                       max_entries=4, slack_ms=0)).stored
+    assert 18_000 < await aclient.pttl(pool) <= 20_000
+    await scripts.pool_take(aclient, pool, min_tokens=1, want=1, slack_ms=1_000)
+    assert 19_000 < await aclient.pttl(pool) <= 21_000
+
+
 async def test_every_written_key_has_an_expiry(aclient, scripts):
     t = now_ms()
     pool = f"rl:v3:{T}:ttl:pool"

@@ -19,6 +19,7 @@ from region_agent.keys import KeyBuilder
 from region_agent.leasing.book import BalanceState
 from region_agent.leasing.chunks import NO_CHUNK
 from region_agent.leasing.fleet_pools import FleetPools, TakeStatus
+from region_agent.leasing.redis_balance import BALANCE_SLACK_MS
 from region_agent.leasing.window_clock import Windows
 from region_agent.metrics import AgentMetrics
 from region_agent.plan import GlobalSpend
@@ -116,7 +117,8 @@ async def test_a_chunk_is_bought_once_then_spent_locally():
     first = await f.take(spend(), c.t + 0.05, c)
     assert first.status is TakeStatus.OK and not first.fallback
     [[(script, keys, argv)]] = store.sent
-    assert (script, keys, argv) == ("pool_take", [GKEY], [1, POOL.chunk_max, 0])  # at least 1, up to chunkMax
+    # at least 1, up to chunkMax; a debit never shortens the balance hash's expiry (slack)
+    assert (script, keys, argv) == ("pool_take", [GKEY], [1, POOL.chunk_max, BALANCE_SLACK_MS])
     for _ in range(5):
         assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
     assert len(store.sent) == 1 and f.remaining(POOL.id) == 2000 - 6
@@ -210,7 +212,7 @@ async def test_a_request_the_chunk_cannot_pay_buys_its_cost_alone():
     assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK  # chunk of 3, 2 left
     alone = await f.take(spend(5), c.t + 0.05, c)
     assert (alone.status, alone.generation) == (TakeStatus.OK, NO_CHUNK)
-    assert store.sent[1] == [("pool_take", [GKEY], [5, 5, 0])]  # exactly its cost
+    assert store.sent[1] == [("pool_take", [GKEY], [5, 5, BALANCE_SLACK_MS])]  # exactly its cost
     assert f.remaining(POOL.id) == 2  # the chunk stays for the requests it can pay
     assert sample(m, "leasehold_agent_pool_renewals_total", pool=POOL.id, outcome="alone") == 1
 
