@@ -114,13 +114,10 @@ def admit_fast_path(state_of: Callable[[], Any], max_body: int, before_engine: C
 async def _answer_batch(st: Any, batch: AdmitBatch, send: Callable[[dict], Awaitable[None]],
                         decide_batch: Callable[[Any, Any, list], Awaitable[Any]]) -> None:
     try:
-        status, payload, headers = 200, _encode(await decide_batch(st, st.engine, batch.requests)), _JSON_HEADERS
-    except LeaseholdError as e:  # the app's exception handler's answer (kernel.http_errors)
-        status, named, payload = problem_answer(e, BATCH_PATH)
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in named.items()]
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*headers, (b"content-length", str(len(payload)).encode())]})
-    await send({"type": "http.response.body", "body": payload})
+        decisions = await decide_batch(st, st.engine, batch.requests)
+    except LeaseholdError as e:
+        return await _send_problem(send, e, BATCH_PATH)
+    await _send(send, 200, _encode(decisions), _JSON_HEADERS)
 
 
 async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[None]],
@@ -128,10 +125,18 @@ async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[N
     try:
         [(req, early)] = before_engine(st, [req])
         decision = early if early is not None else await st.engine.admit(req, decoded=True)
-        status, payload, headers = 200, _encode(decision), _JSON_HEADERS
-    except LeaseholdError as e:  # the app's exception handler's answer (kernel.http_errors)
-        status, named, payload = problem_answer(e, PATH)
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in named.items()]
+    except LeaseholdError as e:
+        return await _send_problem(send, e, PATH)
+    await _send(send, 200, _encode(decision), _JSON_HEADERS)
+
+
+async def _send_problem(send: Callable[[dict], Awaitable[None]], e: LeaseholdError, path: str) -> None:
+    """The app's exception handler's answer (kernel.http_errors)."""
+    status, named, payload = problem_answer(e, path)
+    await _send(send, status, payload, [(k.encode("latin-1"), v.encode("latin-1")) for k, v in named.items()])
+
+
+async def _send(send: Callable[[dict], Awaitable[None]], status: int, payload: bytes, headers: list) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [*headers, (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})
