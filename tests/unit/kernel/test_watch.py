@@ -1,0 +1,71 @@
+"""kernel.watch: one read of the policy key hands each new value on once, and the age the
+staleness rule (maxAgeMs) is checked against. The etcd watch itself: tests/integration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from kernel.bundle import load_bundle_file
+from kernel.errors import StoreUnavailable
+from kernel.policy_store import Stored
+from kernel.watch import PolicyWatcher
+
+NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar.json"))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 10.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Store:
+    """What the watcher reads: the next scripted value (a Stored, None, or an error raised)."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+
+    async def read(self):
+        a = self.answers.pop(0)
+        if isinstance(a, BaseException):
+            raise a
+        return a
+
+
+def watcher(store: Store, clock: Clock) -> tuple[PolicyWatcher, list, list]:
+    offered, refused = [], []
+    return PolicyWatcher(store, offer=offered.append, refuse=refused.append, clock=clock), offered, refused  # type: ignore[arg-type]
+
+
+async def test_each_revision_is_handed_on_once():
+    good = Stored(raw=b"{}", mod_revision=7, bundle=NORTHSTAR)
+    w, offered, refused = watcher(Store(None, good, good, Stored(b"x", 8, None, "not JSON")), Clock())
+    assert await w.refresh() and offered == []  # nothing published yet
+    assert await w.refresh() and offered == [NORTHSTAR]
+    assert await w.refresh() and offered == [NORTHSTAR]  # the same revision again: nothing to do
+    assert await w.refresh() and refused == ["not JSON"]  # a corrupt value is refused, not offered
+    assert (w.reads_ok, w.reads_failed) == (4, 0)
+
+
+async def test_a_failed_read_keeps_the_bundle_and_the_age_grows():
+    clock = Clock()
+    w, offered, _ = watcher(Store(StoreUnavailable("etcd down"), None), clock)
+    clock.t += 2.0
+    assert not await w.refresh() and w.reads_failed == 1 and offered == []
+    assert w.age_ms() == 2_000.0  # counted from creation until the first good read
+    assert await w.refresh()
+    assert w.age_ms() == 0.0
+
+
+async def test_staleness_needs_a_max_age_and_an_age_past_it():
+    clock = Clock()
+    w, _, _ = watcher(Store(), clock)
+    bounded = msgspec.structs.replace(NORTHSTAR, max_age_ms=5_000)
+    clock.t += 5.0
+    assert not w.is_stale(bounded) and not w.is_stale(NORTHSTAR)
+    clock.t += 0.001
+    assert w.is_stale(bounded) and not w.is_stale(NORTHSTAR)  # no maxAgeMs: never stale
