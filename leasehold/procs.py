@@ -234,7 +234,7 @@ class RedisServer:
 # Commands the region agent really sends (scripts, readiness, store health) and the commands its
 # Lua scripts call — scripts run under the caller's ACL user. Keys: ``rl:*`` only.
 AGENT_COMMANDS = ("evalsha", "eval", "script|load", "script|exists", "ping", "info", "time",
-                  "get", "set", "hget", "hmget", "hset", "hdel", "hexists", "hgetall", "hlen", "pexpire",
+                  "get", "set", "hget", "hmget", "hset", "hdel", "hexists", "hgetall", "hlen", "pexpire", "pttl",
                   "zadd", "zcount", "zrange", "zrangebyscore", "zrem", "zremrangebyscore", "zscore")
 
 
