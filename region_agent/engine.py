@@ -126,7 +126,9 @@ class DecisionEngine:
         keys = self.keys
         plans = [build_plan(bundle, r, keys, checked=decoded) for r in reqs]  # whole batch is 422 if one is malformed
         budget = batch_budget_s(self.budget, len(plans))
-        preps = [self._begin(p, bundle, budget) for p in plans]
+        started = self.clock()  # one start (deadline, negative-cache time) for the whole batch
+        begin = self._begin
+        preps = [begin(p, bundle, budget, started) for p in plans]
         pending = [p for p in preps if p.early is None and p.plan.global_spends]
         if pending:  # only items spending fleet-wide chunk leases may wait (a renewal)
             await asyncio.gather(*(self._take_globals(p) for p in pending))
@@ -170,11 +172,14 @@ class DecisionEngine:
         return renewed, len(gates)
 
     # ------------------------------------------------------------------ 1. plan
-    def _begin(self, plan: Plan, bundle: Bundle, budget: float | None = None) -> _Prepared:
-        """The synchronous part of preparing: deadline, negative cache, pool demand."""
-        started = self.clock()
+    def _begin(self, plan: Plan, bundle: Bundle, budget: float | None = None, started: float | None = None
+               ) -> _Prepared:
+        """The synchronous part of preparing: deadline, negative cache, pool demand. ``started``:
+        the clock's reading (a batch reads it once for all its items)."""
+        if started is None:
+            started = self.clock()
         prep = _Prepared(plan, bundle, started, started + (budget or self.budget), [])
-        held = self.denials.hit(plan)
+        held = self.denials.hit(plan, started * 1000.0)
         if held is not None:
             prep.early = self._answer(prep, held)
             return prep
