@@ -21,6 +21,13 @@ class Denials:
         self.cache = cache
         self.metrics = metrics
         self.now_ms = now_ms  # monotonic milliseconds
+        self._hits = 0  # since the last collection (moved into the counter then: AgentMetrics.add_flush)
+        metrics.add_flush(self._flush)
+
+    def _flush(self) -> None:
+        if self._hits:
+            self.metrics.negative_hits.inc(self._hits)
+            self._hits = 0
 
     def hit(self, plan: Plan, now_ms: float | None = None) -> Answer | None:
         """The held denial one of ``plan``'s slots meets (its hint counted from now), or None.
@@ -32,7 +39,7 @@ class Denials:
         for call in plan.calls:
             hit = self.cache.get((call.key, call.params), now_ms)
             if hit is not None:
-                self.metrics.negative_hits.inc()
+                self._hits += 1
                 a: Answer = hit.payload
                 # built directly: NamedTuple._replace was a tenth of a cached denial's cost
                 return Answer(a.allowed, a.rule, a.scope, a.reason, a.limit, a.remaining,
