@@ -95,7 +95,7 @@ def parse_multi_rule(reply: Any) -> MultiRuleResult:
     if not isinstance(reply, list | tuple) or len(reply) < 4:
         raise ScriptRejected("unexpected reply shape from the multi-rule script")
     try:
-        vals = [int(x) for x in reply]
+        vals = list(map(int, reply))
     except (TypeError, ValueError):
         raise ScriptRejected("unexpected reply shape from the multi-rule script") from None
     if vals[0] == CONFLICT:

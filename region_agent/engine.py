@@ -41,7 +41,7 @@ from .leasing.window_clock import AllocatorClock, Windows
 from .metrics import AgentMetrics
 from .models import AdmitRequest, Decision, DeniedScope, Reason, ReleaseRequest, RenewRequest
 from .negcache import NegativeCache
-from .outcome import Answer, NextStep, outcome, pool_denial_slot
+from .outcome import Answer, NextStep, Outcome, outcome, pool_denial_slot
 from .plan import GlobalSpend, Plan, build_plan, cc_gates, cc_keys_for_release, memo_of
 from .record import SHED, conflict_record, decision_record
 from .store.protocol import Store
@@ -126,7 +126,9 @@ class DecisionEngine:
         keys = self.keys
         plans = [build_plan(bundle, r, keys, checked=decoded) for r in reqs]  # whole batch is 422 if one is malformed
         budget = batch_budget_s(self.budget, len(plans))
-        preps = [self._begin(p, bundle, budget) for p in plans]
+        started = self.clock()  # one start (deadline, negative-cache time) for the whole batch
+        begin = self._begin
+        preps = [begin(p, bundle, budget, started) for p in plans]
         pending = [p for p in preps if p.early is None and p.plan.global_spends]
         if pending:  # only items spending fleet-wide chunk leases may wait (a renewal)
             await asyncio.gather(*(self._take_globals(p) for p in pending))
@@ -144,8 +146,12 @@ class DecisionEngine:
         for i, prep in enumerate(preps):
             if prep.early is not None:
                 out.append(self._finish(prep, prep.early))
-            else:
-                out.append(await self._complete(prep, batch.replies(i, replies)))
+                continue
+            got = self._complete_now(prep, batch.replies(i, replies))
+            if isinstance(got, Decision):
+                out.append(got)
+            else:  # another store call or a wait (a retry, a pool top-up, the pool fallback)
+                out.append(self._finish(prep, await self._settle_later(prep, got[0], *got[1])))
         return out
 
     async def release(self, req: ReleaseRequest) -> int:
@@ -170,11 +176,14 @@ class DecisionEngine:
         return renewed, len(gates)
 
     # ------------------------------------------------------------------ 1. plan
-    def _begin(self, plan: Plan, bundle: Bundle, budget: float | None = None) -> _Prepared:
-        """The synchronous part of preparing: deadline, negative cache, pool demand."""
-        started = self.clock()
+    def _begin(self, plan: Plan, bundle: Bundle, budget: float | None = None, started: float | None = None
+               ) -> _Prepared:
+        """The synchronous part of preparing: deadline, negative cache, pool demand. ``started``:
+        the clock's reading (a batch reads it once for all its items)."""
+        if started is None:
+            started = self.clock()
         prep = _Prepared(plan, bundle, started, started + (budget or self.budget), [])
-        held = self.denials.hit(plan)
+        held = self.denials.hit(plan, started * 1000.0)
         if held is not None:
             prep.early = self._answer(prep, held)
             return prep
@@ -224,6 +233,16 @@ class DecisionEngine:
 
     # ------------------------------------------------------------------ 3. outcome
     async def _complete(self, prep: _Prepared, replies: list[Any] | LeaseholdError) -> Decision:
+        got = self._complete_now(prep, replies)
+        if isinstance(got, Decision):
+            return got
+        result, later = got
+        return self._finish(prep, await self._settle_later(prep, result, *later))
+
+    def _complete_now(self, prep: _Prepared, replies: list[Any] | LeaseholdError
+                      ) -> Decision | tuple[MultiRuleResult | LeaseholdError, tuple[Outcome, Any]]:
+        """:meth:`_complete` as far as it goes without waiting: the finished decision (the common
+        case: no coroutine per item of a batch), or what :meth:`_settle_later` must carry out."""
         plan = prep.plan
         if not plan.calls:  # no tenant-tagged rule (e.g. only global pools, or nothing selected)
             if plan.shadow_calls and isinstance(replies, list) and replies:
@@ -235,13 +254,27 @@ class DecisionEngine:
             if len(replies) > 1:
                 count_shadow(self.metrics, plan, replies[1])
             result = result_of(replies[0])
-        return self._finish(prep, await self._settle(prep, result))
+        got = self._settle_now(prep, result)
+        if isinstance(got, Decision):
+            return self._finish(prep, got)
+        return result, got
 
     async def _settle(self, prep: _Prepared, result: MultiRuleResult | LeaseholdError, *, waited: bool = False,
                       retry: bool = True, fallback: bool = False, retry_floor: int = 0,
                       calls: list[Call] | None = None) -> Decision:
         """Carry out what the tenant call's ``result`` means (region_agent.outcome). ``calls``: the
         call's slots when they differ from the plan's (the pool fallback replaces one)."""
+        got = self._settle_now(prep, result, waited=waited, retry=retry, fallback=fallback,
+                               retry_floor=retry_floor, calls=calls)
+        if isinstance(got, Decision):
+            return got
+        return await self._settle_later(prep, result, *got)
+
+    def _settle_now(self, prep: _Prepared, result: MultiRuleResult | LeaseholdError, *, waited: bool = False,
+                    retry: bool = True, fallback: bool = False, retry_floor: int = 0,
+                    calls: list[Call] | None = None) -> Decision | tuple[Outcome, Any]:
+        """The steps of :meth:`_settle` that need no store call or wait: a decision, or the
+        outcome (and the pool denial) :meth:`_settle_later` carries out."""
         plan = prep.plan
         can_retry = retry and self._remaining(prep) > 0
         denial = None
@@ -269,12 +302,17 @@ class DecisionEngine:
         if o.step is NextStep.CONFLICT:
             self._give_back(prep)
             return conflict_record(plan, prep.bundle)
-        if o.step is NextStep.RETRY_SAME:  # same decision id, same arguments: the script replays its record
-            self.metrics.script_errors.labels("AmbiguousOutcome").inc()
-            return await self._settle(prep, await self._send_one(prep, plan_calls(plan)[0]), retry=False)
         if o.step is NextStep.DEGRADE:
             assert o.error is not None
             return self._degrade(prep, o.error)
+        return o, denial
+
+    async def _settle_later(self, prep: _Prepared, result: MultiRuleResult | LeaseholdError, o: Outcome,
+                            denial: Any) -> Decision:
+        """The steps of an outcome that send another call or wait (region_agent.outcome.NextStep)."""
+        if o.step is NextStep.RETRY_SAME:  # same decision id, same arguments: the script replays its record
+            self.metrics.script_errors.labels("AmbiguousOutcome").inc()
+            return await self._settle(prep, await self._send_one(prep, plan_calls(prep.plan)[0]), retry=False)
         assert isinstance(result, MultiRuleResult)
         if o.step is NextStep.WAIT_TOP_UP:
             assert denial is not None and denial.pending is not None
@@ -338,7 +376,7 @@ class DecisionEngine:
     def _finish(self, prep: _Prepared, d: Decision) -> Decision:
         if d.allowed and prep.used_fallback:
             d.fallback = True
-        if d.allowed:
+        if d.allowed and (prep.reservations or prep.plan.has_pool):
             count_pool_admissions(self.metrics, prep.plan, memo_of(prep.bundle).pools,
                                   (r.spend for r in prep.reservations), fallback=d.fallback)
         self.telemetry.decided(prep.plan, prep.bundle, d, self.clock() - prep.started, now=prep.started,

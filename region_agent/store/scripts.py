@@ -253,11 +253,8 @@ def _pack_text(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> str | None
         if len(_HEADS) >= _MEMO_MAX:
             _HEADS.clear()
         _HEADS[hk] = head
-    k = _bulks(keys)
-    if k is None:
-        return None
-    a = _bulks(argv)
-    return None if a is None else head + k + a
+    body = _bulks((*keys, *argv))
+    return None if body is None else head + body
 
 
 async def read_replies(conn: Any, n: int) -> list[Any]:
