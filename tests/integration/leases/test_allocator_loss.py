@@ -30,6 +30,10 @@ POOL = Pool(id="atlas-w", window_ms=3_000, limit=100, lease_ttl_ms=1_500, chunk_
             fallback_per_region=6, prefetch_ms=300, active_horizon_ms=3_000)
 
 
+async def granted(url: str) -> float:
+    return await metric(url, "leasehold_agent_lease_grants_total", pool=POOL.id, outcome="granted")
+
+
 async def test_allocator_loss_mid_window_then_fallback_then_restore(tmp_path: Path, topology_factory):
     W, G, FB = POOL.window_ms, POOL.limit, POOL.fallback_per_region
     topo = topology_factory(write_bundle(tmp_path / "bundle.json", [POOL], [pool_rule("atlas", POOL.id)]),
@@ -56,12 +60,23 @@ async def test_allocator_loss_mid_window_then_fallback_then_restore(tmp_path: Pa
         for proc in topo.allocators:
             proc.kill()
         killed_ms = wall_ms()
+        granted_at_kill = {label: await granted(url) for label, url in urls.items()}
         # two whole windows without any allocator
         await asyncio.sleep(max(0, (k0 + 3) * W + 300 - wall_ms()) / 1000)
         for proc in topo.allocators:
             restart(proc)
         restarted_ms = wall_ms()
         await leader_url(topo)
+        # restored once each region got a grant from the new leader: on a loaded machine an agent's
+        # allocator client may still be backing off from the outage when the leader is elected
+        deadline = wall_ms() + 20_000
+        waiting = {"eu", "us"}
+        while waiting:
+            assert wall_ms() < deadline, f"no grant from the restarted allocators in {sorted(waiting)}"
+            for label, url in urls.items():
+                if await granted(url) > granted_at_kill[label]:
+                    waiting.discard(label.split("#")[0])
+            await asyncio.sleep(0.05)
         led_ms = wall_ms()
         await asyncio.sleep(max(0, (led_ms // W + 3) * W + 100 - wall_ms()) / 1000)
     finally:
