@@ -106,22 +106,29 @@ def _problem(status: int, decision: Decision, anonymous: bool) -> dict[str, Any]
 def apply_http(decision: Decision, *, rule: Rule | None, anonymous: bool) -> bool:
     """Fill the HTTP fields. Returns True when a 429 had to omit Retry-After (a policy defect:
     retry -1 means the request can never succeed under this policy)."""
+    if decision.allowed:  # 200, no problem (the record's defaults): only the caller's RateLimit fields
+        if (rule is not None and not anonymous and rule.scope in OWN_SCOPES and not decision.fallback
+                and decision.limit is not None and decision.remaining is not None):
+            decision.headers = ratelimit_headers(rule, limit=decision.limit, remaining=decision.remaining,
+                                                 retry_after_ms=decision.retry_after_ms)
+        else:
+            decision.headers = {}
+        decision.http_status = 200
+        decision.problem = None
+        return False
     headers: dict[str, str] = {}
     defect = False
-    if decision.allowed:
-        status = 200
-    elif decision.reason in ("LIMITER_UNAVAILABLE", "POLICY_ERROR", "OVERLOADED") and not decision.fallback:
+    if decision.reason in ("LIMITER_UNAVAILABLE", "POLICY_ERROR", "OVERLOADED") and not decision.fallback:
         status = 503
     else:
         status = 429
-    if status != 200:
-        secs = retry_after_seconds(decision.retry_after_ms)
-        if secs is None:
-            defect = status == 429
-        else:
-            jitter = JITTER.of(decision.decision_id, decision.retry_after_ms)
-            decision.retry_jitter_ms = jitter
-            headers["Retry-After"] = str(secs + jitter // 1000)
+    secs = retry_after_seconds(decision.retry_after_ms)
+    if secs is None:
+        defect = status == 429
+    else:
+        jitter = JITTER.of(decision.decision_id, decision.retry_after_ms)
+        decision.retry_jitter_ms = jitter
+        headers["Retry-After"] = str(secs + jitter // 1000)
     if (rule is not None and not anonymous and rule.scope in OWN_SCOPES and status != 503
             and not decision.fallback and decision.denied_scope != DeniedScope.CONCURRENCY
             and decision.limit is not None and decision.remaining is not None):
@@ -129,5 +136,5 @@ def apply_http(decision: Decision, *, rule: Rule | None, anonymous: bool) -> boo
                                          retry_after_ms=decision.retry_after_ms))
     decision.http_status = status
     decision.headers = headers
-    decision.problem = None if status == 200 else _problem(status, decision, anonymous)
+    decision.problem = _problem(status, decision, anonymous)
     return defect

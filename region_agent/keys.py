@@ -78,8 +78,16 @@ def parse_ip(raw: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
 
 @functools.lru_cache(maxsize=65_536)
 def ip_prefix(addr: ipaddress.IPv4Address | ipaddress.IPv6Address, v4_bits: int, v6_bits: int) -> str:
-    bits = v4_bits if addr.version == 4 else v6_bits
-    return str(ipaddress.ip_network(f"{addr}/{bits}", strict=False))
+    """``str(ip_network(f"{addr}/{bits}", strict=False))`` by integer masking: the network's text
+    is its first address and the prefix length, and building it from an int skips the string
+    parsing ``ip_network`` does (a cache miss per new caller was a few % of figure 1's CPU)."""
+    if addr.version == 4:
+        bits = v4_bits
+        mask = ((1 << 32) - 1) ^ ((1 << (32 - bits)) - 1)
+        return f"{ipaddress.IPv4Address(int(addr) & mask)}/{bits}"
+    bits = v6_bits
+    mask = ((1 << 128) - 1) ^ ((1 << (128 - bits)) - 1)
+    return f"{ipaddress.IPv6Address(int(addr) & mask)}/{bits}"
 
 
 class KeyTemplate(NamedTuple):

@@ -73,13 +73,14 @@ def outcome(plan: Plan, pools: Mapping[str, Pool], result: MultiRuleResult | Lea
     follows no leases, the script's denial stands); ``can_retry``: budget is left for a second
     send; ``waited``: a top-up was already waited for; ``fallback``: the answer comes from a
     fallback allowance; ``retry_floor_ms``: a denial's hint is at least this (a positive hint)."""
-    if isinstance(result, DecisionConflict):
-        return Outcome(NextStep.CONFLICT, error=result)
-    if isinstance(result, AmbiguousOutcome) and plan.decision_ttl_ms > 0 and can_retry:
-        return Outcome(NextStep.RETRY_SAME, error=result)
-    if isinstance(result, LeaseholdError):
-        return Outcome(NextStep.DEGRADE, error=result)
-    res = result
+    if result.__class__ is not MultiRuleResult:  # an error in the reply's place (the rare case first tested)
+        if isinstance(result, DecisionConflict):
+            return Outcome(NextStep.CONFLICT, error=result)
+        if isinstance(result, AmbiguousOutcome) and plan.decision_ttl_ms > 0 and can_retry:
+            return Outcome(NextStep.RETRY_SAME, error=result)
+        if isinstance(result, LeaseholdError):
+            return Outcome(NextStep.DEGRADE, error=result)
+    res: MultiRuleResult = result  # type: ignore[assignment]
     if not res.allowed and 1 <= res.denied_by <= len(plan.slots):
         idx = res.denied_by - 1
         slot = plan.slots[idx]
@@ -104,8 +105,8 @@ def outcome(plan: Plan, pools: Mapping[str, Pool], result: MultiRuleResult | Lea
     for i, slot in enumerate(plan.slots):
         if slot.rule is report and slot.role is not Role.CC:
             raw = res.remaining[i] if i < len(res.remaining) else 0
-            return Outcome(NextStep.ANSWER, Answer(True, report, limit=report.limit_tokens(pools),
-                                               remaining=report.remaining_tokens(int(raw)), fallback=fallback))
+            return Outcome(NextStep.ANSWER, Answer(True, report, None, None, report.limit_tokens(pools),
+                                                   report.remaining_tokens(int(raw)), 0, fallback))
     return Outcome(NextStep.ALLOWED_WITHOUT_SCRIPT)
 
 

@@ -137,3 +137,11 @@ def test_bad_addresses_are_rejected():
         with pytest.raises(ValidationFailed):
             parse_ip(raw)
     assert isinstance(parse_ip("10.0.0.1"), ipaddress.IPv4Address)
+
+
+@settings(max_examples=400, deadline=None)
+@given(v4=st.ip_addresses(v=4), v6=st.ip_addresses(v=6), b4=st.integers(0, 32), b6=st.integers(0, 128))
+def test_ip_prefix_is_the_networks_text(v4, v6, b4, b6):
+    """ip_prefix masks integers; it must give what ipaddress.ip_network prints for the same prefix."""
+    assert ip_prefix(v4, b4, b6) == str(ipaddress.ip_network(f"{v4}/{b4}", strict=False))
+    assert ip_prefix(v6, b4, b6) == str(ipaddress.ip_network(f"{v6}/{b6}", strict=False))
