@@ -7,40 +7,20 @@ counts what it did. The real-Redis paths are tests/integration/agent/."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kernel.bundle import load_bundle_file
-from kernel.errors import AmbiguousOutcome, DecisionConflict, LeaseholdError, Overloaded, StoreUnavailable
+from kernel.errors import AmbiguousOutcome, DecisionConflict, Overloaded, StoreUnavailable
 from region_agent.engine import DecisionEngine
 from region_agent.keys import KeyBuilder
 from region_agent.metrics import AgentMetrics
 from region_agent.models import AdmitRequest, Principal, Reason
 from region_agent.negcache import NegativeCache
 
+from ..scripted_store import ScriptedStore
+
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar.json"))
-
-
-class ScriptedStore:
-    """Answers each ``submit`` with the next scripted item: a list of replies, or an error raised."""
-
-    def __init__(self, *answers: list[Any] | LeaseholdError):
-        self.answers = list(answers)
-        self.sent: list[list[tuple[str, list, list]]] = []
-
-    async def submit(self, calls, *, wait_s):
-        self.sent.append(list(calls))
-        answer = self.answers.pop(0)
-        if isinstance(answer, LeaseholdError):
-            raise answer
-        return answer
-
-    async def release(self, key, lease_id, *, wait_s=None):
-        return None
-
-    async def renew(self, key, lease_id, ttl_ms, *, wait_s=None):
-        return True
 
 
 class Clock:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -18,11 +17,13 @@ from region_agent.fallback import LocalAllowances
 from region_agent.keys import KeyBuilder
 from region_agent.leasing.book import BalanceState
 from region_agent.leasing.chunks import NO_CHUNK
-from region_agent.leasing.fleet_pools import FleetPools, TakeStatus
+from region_agent.leasing.fleet_pools import ROLLOVER_WAIT_MS, FleetPools, TakeStatus
 from region_agent.leasing.redis_balance import BALANCE_SLACK_MS
 from region_agent.leasing.window_clock import Windows
 from region_agent.metrics import AgentMetrics
 from region_agent.plan import GlobalSpend
+
+from ..scripted_store import ScriptedStore as Store
 
 GLOBAL = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar-global.json"))
 RULE = next(r for r in GLOBAL.rules if r.scope == "global")  # global-catalog, local_bounded
@@ -37,31 +38,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-class Store:
-    """``submit`` answers with the next scripted item: a list of replies, or an error raised;
-    ``gate`` (when set) holds every answer until it is set."""
-
-    def __init__(self, *answers: Any):
-        self.answers = list(answers)
-        self.sent: list[list[tuple[str, list, list]]] = []
-        self.gate: asyncio.Event | None = None
-
-    async def submit(self, calls, *, wait_s):
-        self.sent.append(list(calls))
-        if self.gate is not None:
-            await self.gate.wait()
-        answer = self.answers.pop(0)
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
-
-    async def release(self, key, lease_id, *, wait_s=None):
-        return None
-
-    async def renew(self, key, lease_id, ttl_ms, *, wait_s=None):
-        return True
 
 
 class Leases:
@@ -178,6 +154,34 @@ async def test_an_exhausted_pool_denies_and_the_denial_is_held_locally():
     assert (again.status, again.retry_ms) == (TakeStatus.DENIED, 70)  # the rest of the local denial
     assert len(store.sent) == 1  # the denial held: no store call
     assert sample(m, "leasehold_agent_pool_renewals_total", pool=POOL.id, outcome="denied") == 1
+
+
+async def test_a_lease_valid_in_a_moment_is_waited_for_at_a_rollover():
+    # nothing spendable now, but a deposited lease (the next window's) starts in 30 ms: the renewal
+    # waits for it and buys the chunk from it instead of denying until then
+    store = Store([[0, 0, 0, 30]], TAKEN_ALL)
+    f, c, _ = fleet(store, Leases())
+    took = await f.take(spend(), c.t + 1.0, c)
+    assert took.status is TakeStatus.OK and len(store.sent) == 2
+    assert f.remaining(POOL.id) == 1_999
+    assert (await f.take(spend(), c.t + 1.0, c)).status is TakeStatus.OK  # paid by the chunk
+    assert len(store.sent) == 2
+
+
+async def test_a_lease_starting_later_than_the_rollover_wait_is_a_denial_with_its_start_as_the_hint():
+    store = Store([[0, 0, 0, ROLLOVER_WAIT_MS + 100]])
+    f, c, _ = fleet(store, Leases(hint=1))
+    took = await f.take(spend(), c.t + 1.0, c)
+    assert (took.status, took.retry_ms) == (TakeStatus.DENIED, ROLLOVER_WAIT_MS + 100)
+    assert len(store.sent) == 1
+
+
+async def test_the_rollover_wait_happens_once():
+    # still empty after the wait (another agent spent that lease): denied, no third call
+    store = Store([[0, 0, 0, 20]], [[0, 0, 0, 20]])
+    f, c, _ = fleet(store, Leases(hint=1))
+    took = await f.take(spend(), c.t + 1.0, c)
+    assert took.status is TakeStatus.DENIED and len(store.sent) == 2
 
 
 async def test_an_empty_balance_waits_once_for_the_top_up_in_flight():
