@@ -33,6 +33,16 @@ class Call(NamedTuple):
     params: Params
 
 
+class RuleArgv(list):
+    """A multi-rule call's ARGV whose rule slots (``argv[3:-1]``) are ``rules``: the kinds and
+    parameters checked once per policy snapshot, selection and cost (region_agent.plan.Shape),
+    the same tuple for every call of that shape. A list like any ARGV; the store's packer
+    encodes ``rules`` once per shape instead of once per call (region_agent.store.scripts)."""
+
+    __slots__ = ("rules",)
+    rules: tuple
+
+
 class MultiRuleResult(NamedTuple):
     allowed: bool
     denied_by: int  # 1-based index into the rule slots, 0 = none
@@ -79,7 +89,9 @@ def prechecked_call(rules: Sequence[Call], argv_rules: tuple, *, decision_key: s
         keys.append(r.key)
     if len(keys) > 2 and len(set(keys[1:])) != len(keys) - 1:
         raise ScriptRejected("the same key is listed for two rules")
-    return (MULTI_RULE, keys, [slack_ms, decision_ttl_ms, member, *argv_rules, question])
+    argv = RuleArgv((slack_ms, decision_ttl_ms, member, *argv_rules, question))
+    argv.rules = argv_rules
+    return (MULTI_RULE, keys, argv)
 
 
 def _raise_error(reply: Any) -> None:
@@ -88,9 +100,23 @@ def _raise_error(reply: Any) -> None:
         raise reply if isinstance(reply, LeaseholdError) else StoreUnavailable(f"store error ({type(reply).__name__})")
 
 
+_new_tuple = tuple.__new__
+
+
 def parse_multi_rule(reply: Any) -> MultiRuleResult:
     """The script's reply — or the contract error in its pipeline slot, raised — as a result;
     raises :class:`DecisionConflict` for its conflict reply (allowed -1)."""
+    if reply.__class__ is list and len(reply) >= 4:  # the common case first: a list of ints (hiredis)
+        allowed = reply[0]
+        if allowed.__class__ is int and allowed != CONFLICT:
+            remaining = reply[3:]
+            for x in remaining:
+                if x.__class__ is not int:
+                    break
+            else:
+                denied_by, retry = reply[1], reply[2]
+                if denied_by.__class__ is int and retry.__class__ is int:
+                    return _new_tuple(MultiRuleResult, (allowed != 0, denied_by, retry, tuple(remaining)))
     _raise_error(reply)
     if not isinstance(reply, list | tuple) or len(reply) < 4:
         raise ScriptRejected("unexpected reply shape from the multi-rule script")

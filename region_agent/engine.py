@@ -109,12 +109,18 @@ class DecisionEngine:
             await self._take_globals(prep)
         if prep.early is not None:
             return self._finish(prep, prep.early)
+        replies: list[Any] | LeaseholdError
         try:
             calls = plan_calls(plan)
         except LeaseholdError as e:
-            d = await self._complete(prep, e)
-        else:
-            d = await self._complete(prep, await self._submit(prep, calls))
+            replies = e
+        else:  # :meth:`_submit` inline, and no coroutine for the completion unless it must wait
+            try:
+                replies = await self.store.submit(calls, wait_s=max(0.0, prep.deadline - self.clock())) if calls else []
+            except LeaseholdError as e:
+                replies = e
+        got = self._complete_now(prep, replies)
+        d = got if isinstance(got, Decision) else self._finish(prep, await self._settle_later(prep, got[0], *got[1]))
         if d.reason == Reason.REQUEST_ID_CONFLICT:  # a single request answers 409 (a batch item carries it)
             raise DecisionConflict(d.problem["detail"] if d.problem else "requestId conflict",
                                    extra={"decisionId": d.decision_id})
@@ -232,16 +238,9 @@ class DecisionEngine:
         return replies if isinstance(replies, LeaseholdError) else result_of(replies[0])
 
     # ------------------------------------------------------------------ 3. outcome
-    async def _complete(self, prep: _Prepared, replies: list[Any] | LeaseholdError) -> Decision:
-        got = self._complete_now(prep, replies)
-        if isinstance(got, Decision):
-            return got
-        result, later = got
-        return self._finish(prep, await self._settle_later(prep, result, *later))
-
     def _complete_now(self, prep: _Prepared, replies: list[Any] | LeaseholdError
                       ) -> Decision | tuple[MultiRuleResult | LeaseholdError, tuple[Outcome, Any]]:
-        """:meth:`_complete` as far as it goes without waiting: the finished decision (the common
+        """:meth:`admit`'s completion as far as it goes without waiting: the finished decision (the common
         case: no coroutine per item of a batch), or what :meth:`_settle_later` must carry out."""
         plan = prep.plan
         if not plan.calls:  # no tenant-tagged rule (e.g. only global pools, or nothing selected)

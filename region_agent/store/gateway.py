@@ -192,8 +192,11 @@ class StoreGateway:
                 self.breaker.failure(time.monotonic())
                 self._breaker_changed()
             raise err from None
-        replies = [self._own_timeout(r) for r in replies]
-        if any(isinstance(r, (StoreUnavailable, AmbiguousOutcome)) for r in replies):
+        failed = False
+        if sc.has_error(replies):  # one pass over the replies in the common case (no error among them)
+            replies = [self._own_timeout(r) for r in replies]
+            failed = any(isinstance(r, (StoreUnavailable, AmbiguousOutcome)) for r in replies)
+        if failed:
             self.breaker.failure(time.monotonic())
         else:
             self.breaker.success()

@@ -43,6 +43,8 @@ from kernel.errors import (
     StoreUnavailable,
 )
 
+from ..call import RuleArgv
+
 __all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "translate_redis_error"]
 
 DEFAULT_LUA_DIR = Path(str(resources.files("region_agent").joinpath("lua")))  # ships in the wheel
@@ -245,6 +247,10 @@ def _bulks(args: Sequence[Any]) -> str | None:
 
 def _pack_text(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> str | None:
     """The command as text when every argument is ASCII str or int (characters are bytes), else None."""
+    if argv.__class__ is RuleArgv:  # a multi-rule call: all but its strings packed once per shape
+        text = _pack_rule_call(sha, keys, argv)  # type: ignore[arg-type]
+        if text is not None:
+            return text
     nk = len(keys)
     hk = (sha, nk, len(argv))
     head = _HEADS.get(hk)
@@ -255,6 +261,54 @@ def _pack_text(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> str | None
         _HEADS[hk] = head
     body = _bulks((*keys, *argv))
     return None if body is None else head + body
+
+
+_BULK = "$%d\r\n%s\r\n"  # one string argument, as a %-format (its length, then it)
+_RULE_CALLS: dict[tuple, tuple[tuple, str]] = {}  # (sha, key count, id(rule slots), slack, ttl) -> (slots, format)
+
+
+def _pack_rule_call(sha: str, keys: Sequence[Any], argv: RuleArgv) -> str | None:
+    """A multi-rule call (:class:`~region_agent.call.RuleArgv`) packed from one %-format per
+    shape: the header, ``slack_ms``, ``decision_ttl_ms`` and the rule slots are already text in
+    it, only the keys, the member and the question (ASCII strings) are filled in. None for
+    anything else (the generic packer takes it)."""
+    rules = argv.rules
+    slack, ttl, member, question = argv[0], argv[1], argv[2], argv[-1]
+    memo_key = (sha, len(keys), id(rules), slack, ttl)
+    hit = _RULE_CALLS.get(memo_key)
+    if hit is None or hit[0] is not rules:
+        fixed = _bulks((slack, ttl))
+        slots = _bulks(rules)
+        if fixed is None or slots is None or len(argv) != len(rules) + 4:
+            return None
+        nk = len(keys)
+        head = f"*{nk + len(argv) + 3}\r\n$7\r\nEVALSHA\r\n${len(sha)}\r\n{sha}\r\n${len(str(nk))}\r\n{nk}\r\n"
+        fmt = (head.replace("%", "%%") + _BULK * nk + fixed.replace("%", "%%") + _BULK + slots.replace("%", "%%")
+               + _BULK)
+        if len(_RULE_CALLS) >= _MEMO_MAX:
+            _RULE_CALLS.clear()
+        hit = _RULE_CALLS[memo_key] = (rules, fmt)
+    strs = (*keys, member, question)
+    try:
+        if not "".join(strs).isascii():  # lengths in bytes: the generic packer
+            return None
+    except TypeError:  # not all strings
+        return None
+    if len(strs) == 4:  # a decision key and one rule key: the common call
+        k0, k1 = keys
+        return hit[1] % (len(k0), k0, len(k1), k1, len(member), member, len(question), question)
+    vals: list[Any] = []
+    for x in strs:
+        vals += (len(x), x)
+    return hit[1] % tuple(vals)
+
+
+def has_error(replies: Sequence[Any]) -> bool:
+    """Whether any reply is an exception instance (an error reply, or an error in its place)."""
+    for r in replies:
+        if isinstance(r, BaseException):
+            return True
+    return False
 
 
 async def read_replies(conn: Any, n: int) -> list[Any]:
@@ -403,6 +457,8 @@ class Scripts:
         except Exception as e:
             err = _translate(e)
             return [err for _ in calls]
+        if not has_error(results):  # the common case: every call answered, nothing to translate
+            return results
         missing = [i for i, r in enumerate(results) if isinstance(r, rex.NoScriptError)]
         if missing:
             try:
@@ -419,9 +475,16 @@ class Scripts:
                         reading: dict[int, Any] | None = None) -> list[Any]:
         """Raw pipeline results. On a cluster, a call whose keys span slots is answered here with
         :class:`KeysNotColocated` and left out (redis-py would refuse the whole pipeline)."""
+        cluster = isinstance(client, RedisCluster)
+        if not cluster:
+            scripts = self.scripts
+            for name, _, _ in calls:
+                if name not in scripts:
+                    break
+            else:  # the common case: every script is known, all calls go in one raw pipeline
+                return await self._raw_pipeline(client, calls, reading)
         results: list[Any] = [None] * len(calls)
         send: list[int] = []
-        cluster = isinstance(client, RedisCluster)
         for i, (name, keys, _) in enumerate(calls):
             if name not in self.scripts:
                 results[i] = ScriptRejected(f"no script named {name!r}")
