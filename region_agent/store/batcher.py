@@ -71,12 +71,21 @@ class Batcher:
         Raises Overloaded when the queue is full (nothing sent), DeadlineExceeded when ``wait_s``
         passes before the calls were sent, AmbiguousOutcome when it passes after and the late
         wait (``late_s(seconds already waited late)`` -> the next slice, 0 = stop) ends too."""
+        return await self.enqueue(calls, wait_s=wait_s, late_s=late_s)
+
+    def enqueue(self, calls: list[ScriptCall], *, wait_s: float | None = None,
+                late_s: Callable[[float], float] | None = None) -> asyncio.Future:
+        """:meth:`submit` without a coroutine of its own (a caller on the hot path awaits the
+        future it returns): queue full raises Overloaded here, at once. A caller cancelled while
+        it waits cancels the future; a cancelled group still queued is dropped unsent."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         if not calls:
-            return []
+            future.set_result([])
+            return future
         if self._queued_calls + len(calls) > self._max_queue:
             raise Overloaded("coalescing queue full", extra={"reason": "QUEUE_FULL"})
-        loop = asyncio.get_running_loop()
-        entry = _Entry(list(calls), loop.create_future(), late_s)
+        entry = _Entry(list(calls), future, late_s)
         self._queue.append(entry)
         self._queued_calls += len(calls)
         if not self._starting and len(self._tasks) < self._max_inflight:
@@ -88,17 +97,11 @@ class Batcher:
             task.add_done_callback(self._tasks.discard)
         if wait_s is not None:
             # one timer per call group instead of asyncio.timeout + shield around the wait (a third
-            # of this method's cost per decision in profiles): the deadline and each late slice are
-            # timer callbacks that fail the entry's future (_expire, _late)
+            # of the submit's cost per decision in profiles): the deadline and each late slice are
+            # timer callbacks that fail the entry's future (_expire, _late); the drain cancels the
+            # one pending when it answers
             entry.timer = loop.call_later(wait_s, self._expire, entry)
-        try:
-            return await entry.future
-        except asyncio.CancelledError:
-            self._withdraw(entry)  # the caller is gone: do not send what nobody waits for
-            raise
-        finally:
-            if entry.timer is not None:
-                entry.timer.cancel()
+        return future
 
     def _expire(self, entry: _Entry) -> None:
         """The caller's ``wait_s`` passed: not sent yet -> DeadlineExceeded (never sent); sent ->
@@ -138,10 +141,16 @@ class Batcher:
             n = 0
             while self._queue and (not batch or n + len(self._queue[0].calls) <= self._max_batch):
                 e = self._queue.popleft()
+                if e.future.done():  # its caller was cancelled before it was sent: nobody waits for it
+                    self._queued_calls -= len(e.calls)
+                    _stop(e)
+                    continue
                 e.sent = True
                 batch.append(e)
                 n += len(e.calls)
             self._queued_calls -= n
+            if not batch:
+                continue
             if self._on_batch is not None:
                 self._on_batch(n)
             flat = [c for e in batch for c in e.calls]
@@ -151,6 +160,7 @@ class Batcher:
                 replies = await self._run(flat)
             except Exception as exc:  # the whole pipeline failed: every caller gets the error
                 for e in batch:
+                    _stop(e)
                     if not e.future.done():
                         e.future.set_exception(exc)
                         e.future.exception()  # retrieved here: a caller that gave up awaits it no more
@@ -161,6 +171,7 @@ class Batcher:
             for e in batch:
                 part = replies[i:i + len(e.calls)]
                 i += len(e.calls)
+                _stop(e)
                 if not e.future.done():
                     e.future.set_result(part)
 
@@ -170,3 +181,9 @@ class Batcher:
                 await asyncio.wait_for(task, 1.0)
             except (TimeoutError, asyncio.CancelledError):
                 task.cancel()
+
+
+def _stop(entry: _Entry) -> None:
+    """Cancel the entry's pending timer (its deadline or late slice): it is answered or dropped."""
+    if entry.timer is not None:
+        entry.timer.cancel()

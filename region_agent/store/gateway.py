@@ -222,7 +222,7 @@ class StoreGateway:
             self._breaker_changed()
             raise StoreUnavailable("circuit breaker open")
         try:
-            return await self.batcher.submit(calls, wait_s=wait_s, late_s=self._late_wait)
+            return await self.batcher.enqueue(calls, wait_s=wait_s, late_s=self._late_wait)
         except DeadlineExceeded:
             br.release_probe()
             if self.stalled():

@@ -119,3 +119,33 @@ async def test_a_failed_pipeline_fails_every_caller():
     b = Batcher(run, max_inflight=1)
     res = await asyncio.gather(b.submit([("s", ["a"], [])]), b.submit([("s", ["b"], [])]), return_exceptions=True)
     assert all(isinstance(r, StoreUnavailable) for r in res)
+
+
+async def test_a_caller_cancelled_while_queued_is_never_sent_and_leaves_the_queue():
+    """A group whose caller was cancelled before its pipeline left is dropped unsent (the queue's
+    count goes back down, its deadline timer is stopped); the others in the queue are sent."""
+    sent: list[list] = []
+    gate = asyncio.Event()
+
+    async def run(calls):
+        sent.append([c[1][0] for c in calls])
+        if len(sent) == 1:
+            await gate.wait()
+        return [None] * len(calls)
+
+    b = Batcher(run, max_batch=100, max_inflight=1)
+    first = asyncio.create_task(b.submit([("s", ["a"], [])], wait_s=5.0))
+    await asyncio.sleep(0.01)
+    gone = asyncio.create_task(b.submit([("s", ["gone"], [])], wait_s=0.05))
+    kept = asyncio.create_task(b.submit([("s", ["kept"], [])], wait_s=5.0))
+    await asyncio.sleep(0.01)
+    assert b.queued == 2
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    gate.set()
+    assert await kept == [None] and await first == [None]
+    assert sent == [["a"], ["kept"]]
+    assert b.queued == 0
+    await asyncio.sleep(0.08)  # past the cancelled group's deadline: nothing fires on it
+    assert sent == [["a"], ["kept"]]
