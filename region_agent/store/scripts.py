@@ -303,6 +303,27 @@ def _pack_rule_call(sha: str, keys: Sequence[Any], argv: RuleArgv) -> str | None
     return hit[1] % tuple(vals)
 
 
+def write_now(conn: Any, payload: bytes) -> bool:
+    """Hand ``payload`` to an open connection's transport without awaiting, when nothing is
+    waiting in its write buffer and no health check is configured; False: send it through
+    redis-py (``send_packed_command``: connect, health check, drain under the socket timeout).
+
+    Python 3.11's ``asyncio.wait_for``, which redis-py's send runs under ``socket_timeout``,
+    starts a task per send: a sixth of a pipeline's CPU. An empty buffer means the kernel took
+    everything sent so far, so there is nothing to wait for; what the kernel does not take now
+    stays buffered and the transport sends it when the socket is writable (the next send on
+    this connection then sees it and drains through redis-py). A write failure closes the
+    transport, so the read that follows fails and the connection is disconnected."""
+    writer = getattr(conn, "_writer", None)
+    if writer is None or getattr(conn, "_reader", None) is None or getattr(conn, "health_check_interval", 1):
+        return False
+    transport = writer.transport
+    if transport.is_closing() or transport.get_write_buffer_size():
+        return False
+    writer.write(payload)
+    return True
+
+
 def has_error(replies: Sequence[Any]) -> bool:
     """Whether any reply is an exception instance (an error reply, or an error in its place)."""
     for r in replies:
@@ -518,7 +539,8 @@ class Scripts:
         pool = client.connection_pool
         conn = await pool.get_connection()
         try:
-            await conn.send_packed_command(payload)
+            if not write_now(conn, payload):
+                await conn.send_packed_command(payload)
             if reading is not None:  # sent: from now on the store owes the answer
                 reading[id(conn)] = (conn, time.monotonic())
             return await read_replies(conn, len(calls))
