@@ -20,7 +20,7 @@ inherited C ``dict.get``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -57,13 +57,15 @@ class LRU(Generic[K, V]):
     """At most ``max_entries`` entries; a write makes its key the newest; the oldest written key
     is evicted first."""
 
-    __slots__ = ("_d", "max_entries")
+    __slots__ = ("_d", "entries", "max_entries")
 
     def __init__(self, max_entries: int):
         if max_entries < 1:
             raise ValueError("max_entries must be at least 1")
         self.max_entries = max_entries
         self._d: OrderedDict[K, V] = OrderedDict()
+        # the entries, read-only: a hot path's membership test without a method call
+        self.entries: Mapping[K, V] = self._d
 
     def __len__(self) -> int:
         return len(self._d)

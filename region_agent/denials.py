@@ -32,12 +32,16 @@ class Denials:
     def hit(self, plan: Plan, now_ms: float | None = None) -> Answer | None:
         """The held denial one of ``plan``'s slots meets (its hint counted from now), or None.
         ``now_ms``: the clock's reading, when the caller has one (a batch reads it once)."""
-        if plan.decision_ttl_ms > 0 or not len(self.cache):
+        entries = self.cache.entries
+        if plan.decision_ttl_ms > 0 or not entries:
             return None
-        if now_ms is None:
-            now_ms = self.now_ms()
         for call in plan.calls:
-            hit = self.cache.get((call.key, call.params), now_ms)
+            key = (call.key, call.params)
+            if key not in entries:
+                continue
+            if now_ms is None:
+                now_ms = self.now_ms()
+            hit = self.cache.get(key, now_ms)
             if hit is not None:
                 self._hits += 1
                 a: Answer = hit.payload
@@ -60,9 +64,12 @@ class Denials:
         was running: an entry it met was a probe). Its answer was not a store denial - an admission,
         or the local fallback's decision while the store is lost - so the old denial must not answer
         the others (as a store decision, with an elapsed hint) while the probe's hold lasts."""
-        if not len(self.cache) or plan.decision_ttl_ms:
+        entries = self.cache.entries
+        if not entries or plan.decision_ttl_ms:
             return
         for call in plan.calls:
-            self.cache.forget((call.key, call.params))
+            key = (call.key, call.params)
+            if key in entries:
+                self.cache.forget(key)
         for call in calls or ():  # e.g. a pool rule's fallback allowance in place of its balance
             self.cache.forget((call.key, call.params))

@@ -51,9 +51,16 @@ def check_tenant(tenant: object) -> str:
     return tenant
 
 
+# recently validated route groups (every request names one of a few)
+_VALID_ROUTES: BoundedMemo[str, bool] = BoundedMemo(1_000)
+
+
 def check_route(route: object) -> str:
+    if route.__class__ is str and route in _VALID_ROUTES:
+        return route  # type: ignore[return-value]
     if not isinstance(route, str) or not ROUTE_RE.fullmatch(route):
         raise ValidationFailed("routeGroup must match [a-z0-9_-]{1,32}", errors=["routeGroup: invalid"])
+    _VALID_ROUTES.put(route, True)
     return route
 
 

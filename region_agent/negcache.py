@@ -40,6 +40,9 @@ class NegativeCache:
         self.max_entries = max_entries
         self.cap_ms = cap_ms
         self._d: LRU[tuple, CachedDenial] = LRU(max_entries)
+        # the held denials by key, read-only: the engine tests membership before it calls a method
+        # (most requests meet no held denial)
+        self.entries = self._d.entries
 
     def __len__(self) -> int:
         return len(self._d)
