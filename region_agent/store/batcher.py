@@ -31,7 +31,7 @@ RunPipeline = Callable[[Sequence[ScriptCall]], Awaitable[list[Any]]]
 
 
 class _Entry:
-    __slots__ = ("calls", "future", "late_s", "sent", "timer")
+    __slots__ = ("calls", "deadline", "future", "late_s", "sent", "timer")
 
     def __init__(self, calls: list[ScriptCall], future: asyncio.Future,
                  late_s: Callable[[float], float] | None):
@@ -39,7 +39,8 @@ class _Entry:
         self.future = future
         self.sent = False
         self.late_s = late_s
-        self.timer: asyncio.TimerHandle | None = None  # the caller's deadline, then each late slice
+        self.deadline = 0.0  # loop time the caller's wait ends (when it is in the deadline queue)
+        self.timer: asyncio.TimerHandle | None = None  # a deadline of its own, then each late slice
 
 
 class Batcher:
@@ -55,6 +56,8 @@ class Batcher:
         self._queue: deque[_Entry] = deque()
         self._queued_calls = 0
         self._sent_at: dict[int, float] = {}  # in-flight pipeline -> loop time it was handed to the store
+        self._deadlines: deque[_Entry] = deque()  # groups waiting under a deadline, earliest first
+        self._sweep: asyncio.TimerHandle | None = None  # armed for the earliest unanswered deadline
 
     @property
     def queued(self) -> int:
@@ -96,12 +99,40 @@ class Batcher:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         if wait_s is not None:
-            # one timer per call group instead of asyncio.timeout + shield around the wait (a third
-            # of the submit's cost per decision in profiles): the deadline and each late slice are
-            # timer callbacks that fail the entry's future (_expire, _late); the drain cancels the
-            # one pending when it answers
-            entry.timer = loop.call_later(wait_s, self._expire, entry)
+            # no asyncio.timeout + shield around the wait, and no timer per group (creating and
+            # cancelling one was a twentieth of a decision's CPU): the groups wait in deadline order
+            # in one queue, and one timer armed for the earliest unanswered deadline expires them
+            # (_expire_due). A group whose deadline is earlier than the last one queued (another
+            # budget) gets a timer of its own. Each late slice is a timer too (_late).
+            at = loop.time() + wait_s
+            due = self._deadlines
+            if not due or at >= due[-1].deadline:
+                entry.deadline = at
+                due.append(entry)
+                if self._sweep is None:
+                    self._sweep = loop.call_at(at, self._expire_due)
+            else:
+                entry.timer = loop.call_later(wait_s, self._expire, entry)
         return future
+
+    def _expire_due(self) -> None:
+        """Expire the queued groups whose deadline passed; drop the answered ones at the front;
+        arm the timer again for the first one still waiting. Answered groups are dropped as the
+        front reaches them, so the timer fires about once per budget, not once per decision."""
+        self._sweep = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        due = self._deadlines
+        while due:
+            entry = due[0]
+            if entry.future.done():
+                due.popleft()
+                continue
+            if entry.deadline > now:
+                self._sweep = loop.call_at(entry.deadline, self._expire_due)
+                return
+            due.popleft()
+            self._expire(entry)
 
     def _expire(self, entry: _Entry) -> None:
         """The caller's ``wait_s`` passed: not sent yet -> DeadlineExceeded (never sent); sent ->

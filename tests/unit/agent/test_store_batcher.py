@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kernel.errors import DeadlineExceeded, Overloaded, StoreUnavailable
+from kernel.errors import AmbiguousOutcome, DeadlineExceeded, Overloaded, StoreUnavailable
 from region_agent.store.batcher import Batcher
 
 
@@ -149,3 +149,37 @@ async def test_a_caller_cancelled_while_queued_is_never_sent_and_leaves_the_queu
     assert b.queued == 0
     await asyncio.sleep(0.08)  # past the cancelled group's deadline: nothing fires on it
     assert sent == [["a"], ["kept"]]
+
+
+async def test_deadlines_expire_in_time_whatever_order_their_budgets_come_in():
+    """Groups wait in one deadline queue; a group with a shorter budget than the ones queued
+    before it still expires on its own deadline (not behind theirs), an answered group never
+    expires, and a group already sent waits its late slices, then AmbiguousOutcome."""
+    gate = asyncio.Event()
+
+    async def run(calls):
+        await gate.wait()
+        return [None] * len(calls)
+
+    loop = asyncio.get_running_loop()
+    b = Batcher(run, max_batch=1, max_inflight=1)
+    sent = asyncio.create_task(b.submit([("s", ["sent"], [])], wait_s=0.05, late_s=lambda waited: 0.05 - waited))
+    await asyncio.sleep(0.01)  # in flight, waiting on the gate
+    started = loop.time()
+
+    async def expiry(budget: float) -> tuple[type, float]:
+        try:
+            await b.submit([("s", [f"q{budget}"], [])], wait_s=budget)
+        except DeadlineExceeded as e:
+            return type(e), loop.time() - started
+        return type(None), loop.time() - started
+
+    long_, short = asyncio.create_task(expiry(0.30)), asyncio.create_task(expiry(0.04))
+    kind, waited = await short
+    assert kind is DeadlineExceeded and 0.03 <= waited < 0.30  # not held behind the 0.30 s one
+    with pytest.raises(AmbiguousOutcome):  # sent: 0.05 s budget, then 0.05 s of late slices
+        await sent
+    gate.set()
+    kind, waited = await long_
+    assert kind is type(None)  # answered before its deadline: it never expires
+    assert b.queued == 0
