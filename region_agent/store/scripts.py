@@ -432,6 +432,7 @@ class Scripts:
         self.scripts = load_scripts(self.lua_dir)
         if not self.scripts:
             raise FileNotFoundError(f"no Lua scripts in {self.lua_dir}")
+        self._shas = {name: script.sha for name, script in self.scripts.items()}
 
     def sha(self, name: str) -> str:
         try:
@@ -498,12 +499,13 @@ class Scripts:
         :class:`KeysNotColocated` and left out (redis-py would refuse the whole pipeline)."""
         cluster = isinstance(client, RedisCluster)
         if not cluster:
-            scripts = self.scripts
-            for name, _, _ in calls:
-                if name not in scripts:
-                    break
+            shas = self._shas
+            try:
+                commands = [(shas[name], keys, argv) for name, keys, argv in calls]
+            except KeyError:  # a script this agent does not have: answered per call below
+                pass
             else:  # the common case: every script is known, all calls go in one raw pipeline
-                return await self._raw_pipeline(client, calls, reading)
+                return await self._raw_pipeline(client, commands, reading)
         results: list[Any] = [None] * len(calls)
         send: list[int] = []
         for i, (name, keys, _) in enumerate(calls):
@@ -523,19 +525,21 @@ class Scripts:
                 pipe.execute_command("EVALSHA", self.sha(name), len(keys), *keys, *argv)
             replies = await pipe.execute(raise_on_error=False)
         else:
-            replies = await self._raw_pipeline(client, [calls[i] for i in send], reading)
+            replies = await self._raw_pipeline(client, [(self.sha(calls[i][0]), calls[i][1], calls[i][2]) for i in send],
+                                               reading)
         for i, r in zip(send, replies, strict=True):
             results[i] = r
         return results
 
-    async def _raw_pipeline(self, client: Any, calls: Sequence[tuple[str, list, list]],
+    async def _raw_pipeline(self, client: Any, commands: Sequence[tuple[str, list, list]],
                             reading: dict[int, Any] | None = None) -> list[Any]:
         """A standalone pipeline without redis-py's per-command packing and bookkeeping (a third of
         the agent's CPU per decision in profiles): the EVALSHA commands are packed here in RESP
         (:func:`pack_evalsha`), written once on a pooled connection and the replies read in
         order; error replies come back as exception instances, like ``raise_on_error=False``. A
-        connection that failed mid-way is disconnected before it goes back to the pool."""
-        payload = pack_pipeline([(self.sha(name), keys, argv) for name, keys, argv in calls])
+        connection that failed mid-way is disconnected before it goes back to the pool.
+        ``commands``: ``(sha, KEYS, ARGV)`` each."""
+        payload = pack_pipeline(commands)
         pool = client.connection_pool
         conn = await pool.get_connection()
         try:
@@ -543,7 +547,7 @@ class Scripts:
                 await conn.send_packed_command(payload)
             if reading is not None:  # sent: from now on the store owes the answer
                 reading[id(conn)] = (conn, time.monotonic())
-            return await read_replies(conn, len(calls))
+            return await read_replies(conn, len(commands))
         except BaseException as e:
             await conn.disconnect()
             if _connection_lost(e):
