@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from kernel.errors import AmbiguousOutcome, DeadlineExceeded, Overloaded
+from kernel.errors import AmbiguousOutcome, DeadlineExceeded, LeaseholdError, Overloaded
 
 from ..call import ScriptCall
 
@@ -45,8 +45,12 @@ class _Entry:
 
 class Batcher:
     def __init__(self, run: RunPipeline, *, max_batch: int = 32, max_queue: int = 10_000,
-                 on_batch: Callable[[int], None] | None = None, max_inflight: int = 3):
+                 on_batch: Callable[[int], None] | None = None, max_inflight: int = 3,
+                 on_timeout: Callable[[LeaseholdError], BaseException] | None = None):
+        """``on_timeout``: what a caller whose wait ended gets instead of the DeadlineExceeded
+        or AmbiguousOutcome (the store gateway judges the store by it: StoreGateway.submit)."""
         self._run = run
+        self._on_timeout = on_timeout
         self._max_inflight = max(1, max_inflight)
         self._tasks: set[asyncio.Task] = set()
         self._starting = False  # a drain task was created and has not run yet
@@ -140,7 +144,7 @@ class Batcher:
         if entry.future.done():
             return
         if self._withdraw(entry):
-            entry.future.set_exception(DeadlineExceeded("decision deadline passed before the call was sent"))
+            entry.future.set_exception(self._timed_out(DeadlineExceeded("decision deadline passed before the call was sent")))
             return
         self._late(entry, asyncio.get_running_loop().time())
 
@@ -150,9 +154,12 @@ class Batcher:
         loop = asyncio.get_running_loop()
         more = entry.late_s(loop.time() - late_from) if entry.late_s is not None else 0.0
         if more <= 0:
-            entry.future.set_exception(AmbiguousOutcome("decision deadline passed after the call was sent"))
+            entry.future.set_exception(self._timed_out(AmbiguousOutcome("decision deadline passed after the call was sent")))
             return
         entry.timer = loop.call_later(more, self._late, entry, late_from)
+
+    def _timed_out(self, exc: LeaseholdError) -> BaseException:
+        return exc if self._on_timeout is None else self._on_timeout(exc)
 
     def _withdraw(self, entry: _Entry) -> bool:
         """Take a not-yet-sent entry out of the queue; False if it was already sent."""

@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from redis.asyncio import RedisCluster
 
 from kernel.errors import (
     AmbiguousOutcome,
-    DeadlineExceeded,
     LeaseholdError,
     Overloaded,
     StoreUnavailable,
@@ -54,7 +53,7 @@ class StoreGateway:
         self.scripts = scripts
         self.scripts_loaded = False
         self.batcher = Batcher(self._run_pipeline, max_batch=max_batch, max_queue=max_queue,
-                               max_inflight=max_inflight, on_batch=on_batch)
+                               max_inflight=max_inflight, on_batch=on_batch, on_timeout=self._timed_out)
         self.breaker = breaker or CircuitBreaker()
         self.on_breaker = on_breaker
         self.stall_s = stall_s
@@ -203,11 +202,12 @@ class StoreGateway:
         self._breaker_changed()
         return replies
 
-    async def submit(self, calls: list[ScriptCall], *, wait_s: float | None) -> list[Any]:
+    def submit(self, calls: list[ScriptCall], *, wait_s: float | None) -> Awaitable[list[Any]]:
         """Send ``calls`` through the coalescing batcher, guarded by the shard's breaker: while
         it is open nothing is sent and the caller degrades at once (``StoreUnavailable``).
 
-        The caller's budget ``wait_s`` passing is judged by what the store is doing (:meth:`stalled`):
+        The caller's budget ``wait_s`` passing is judged by what the store is doing (:meth:`stalled`,
+        in :meth:`_timed_out`):
 
         * not sent yet — a stalled store: ``StoreUnavailable`` (the caller degrades, the breaker
           counts it); otherwise this agent is overloaded: ``Overloaded`` (the caller sheds);
@@ -216,32 +216,43 @@ class StoreGateway:
           no local allowance is spent because the agent was busy; once the store looks stalled:
           ``AmbiguousOutcome`` (degrade).
 
-        A full queue is overload too (``Overloaded``). Overload never counts against the store."""
+        A full queue is overload too (``Overloaded``). Overload never counts against the store.
+        With the breaker closed the caller awaits the batcher's future itself (no coroutine
+        here: this is every decision's path); a half-open probe goes through :meth:`_probe`,
+        which gives the probe back when its call ends without a verdict on the store."""
         br = self.breaker
         if not br.allow(time.monotonic()):
             self._breaker_changed()
             raise StoreUnavailable("circuit breaker open")
+        if br.state == CLOSED:
+            return self.batcher.enqueue(calls, wait_s=wait_s, late_s=self._late_wait)
+        return self._probe(calls, wait_s)
+
+    async def _probe(self, calls: list[ScriptCall], wait_s: float | None) -> list[Any]:
         try:
             return await self.batcher.enqueue(calls, wait_s=wait_s, late_s=self._late_wait)
-        except DeadlineExceeded:
-            br.release_probe()
-            if self.stalled():
-                br.failure(time.monotonic())
-                self._breaker_changed()
-                raise StoreUnavailable("the store is not answering (queued behind a stalled pipeline)") from None
-            raise Overloaded("the decision budget passed before its call could be sent") from None
-        except AmbiguousOutcome as e:
+        except AmbiguousOutcome:
+            raise  # counted against the store by _timed_out: the probe's verdict
+        except BaseException:
+            # the wait passed before the send (_timed_out judged it), overload (queue full), another
+            # contract error, or the caller cancelled: the half-open probe is given back
+            self.breaker.release_probe()
+            raise
+
+    def _timed_out(self, exc: LeaseholdError) -> BaseException:
+        """What a caller whose budget passed gets (the batcher's ``on_timeout``): see :meth:`submit`."""
+        if isinstance(exc, AmbiguousOutcome):
             # sent and not answered while the store looks stalled (or even after the late wait):
             # counts against the store, so a hung Redis opens the breaker quickly; if the pipeline
             # then comes back fine, its success closes the breaker again (see _run_pipeline)
-            br.failure(time.monotonic())
+            self.breaker.failure(time.monotonic())
             self._breaker_changed()
-            raise e from None
-        except BaseException:
-            # Overloaded (queue full), another contract error, or the caller cancelled: nothing said
-            # about the store, so the breaker neither opens nor closes; a half-open probe is given back
-            br.release_probe()
-            raise
+            return exc
+        if self.stalled():
+            self.breaker.failure(time.monotonic())
+            self._breaker_changed()
+            return StoreUnavailable("the store is not answering (queued behind a stalled pipeline)")
+        return Overloaded("the decision budget passed before its call could be sent")
 
     def _breaker_changed(self) -> None:
         state = self.breaker.state

@@ -4,16 +4,18 @@ object with these methods."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from ..call import ScriptCall
 
 
 class Store(Protocol):
-    async def submit(self, calls: list[ScriptCall], *, wait_s: float | None) -> list[Any]:
-        """One reply per call, in order: the script's reply, or the contract error
-        (:class:`kernel.errors.LeaseholdError`) in its place. Raises a ``LeaseholdError`` when
-        none of the calls could be sent or answered (unreachable, overloaded, past ``wait_s``)."""
+    def submit(self, calls: list[ScriptCall], *, wait_s: float | None) -> Awaitable[list[Any]]:
+        """Awaited: one reply per call, in order: the script's reply, or the contract error
+        (:class:`kernel.errors.LeaseholdError`) in its place. Raises a ``LeaseholdError`` (when
+        called, or when awaited) when none of the calls could be sent or answered (unreachable,
+        overloaded, past ``wait_s``). A coroutine function satisfies it."""
         ...
 
     async def release(self, key: str, lease_id: str, *, wait_s: float | None = None) -> None:

@@ -109,7 +109,7 @@ async def test_a_call_queued_past_its_budget_behind_a_healthy_pipeline_is_overlo
     scripts = _SlowScripts(0.1)
     gw = StoreGateway(object(), scripts, max_inflight=1, breaker=CircuitBreaker(failure_threshold=1), stall_s=1.0)
     call = ("multi_rule", ["k"], [1])
-    first = asyncio.create_task(gw.submit([call], wait_s=1.0))
+    first = asyncio.ensure_future(gw.submit([call], wait_s=1.0))  # a future (breaker closed) or a coroutine
     await asyncio.sleep(0.01)
     with pytest.raises(Overloaded):
         await gw.submit([call], wait_s=0.01)
@@ -122,7 +122,7 @@ async def test_a_cancelled_probe_gives_its_half_open_slot_back():
     br = CircuitBreaker(failure_threshold=1, open_s=0.0, half_open_probes=1)
     br.failure(0.0)
     gw = StoreGateway(object(), scripts, breaker=br)
-    task = asyncio.create_task(gw.submit([("multi_rule", ["k"], [1])], wait_s=1.0))
+    task = asyncio.ensure_future(gw.submit([("multi_rule", ["k"], [1])], wait_s=1.0))
     await asyncio.sleep(0.01)
     assert br.state == HALF_OPEN and br.probes_in_flight == 1
     task.cancel()
