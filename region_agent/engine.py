@@ -275,9 +275,12 @@ class DecisionEngine:
         """The steps of :meth:`_settle` that need no store call or wait: a decision, or the
         outcome (and the pool denial) :meth:`_settle_later` carries out."""
         plan = prep.plan
-        can_retry = retry and self._remaining(prep) > 0
         denial = None
-        idx = pool_denial_slot(plan, result) if not fallback else None
+        if result.__class__ is MultiRuleResult and result.allowed:  # type: ignore[union-attr]
+            can_retry, idx = False, None  # an admission (the common case): nothing to retry or wait for
+        else:
+            can_retry = retry and self._remaining(prep) > 0
+            idx = pool_denial_slot(plan, result) if not fallback else None
         if idx is not None and self.leases is not None:
             raw = result.remaining[idx] if idx < len(result.remaining) else 0  # type: ignore[union-attr]
             denial = pool_denial(self.leases, plan.calls[idx].key, raw, waited=waited)

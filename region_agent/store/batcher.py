@@ -92,7 +92,7 @@ class Batcher:
             return future
         if self._queued_calls + len(calls) > self._max_queue:
             raise Overloaded("coalescing queue full", extra={"reason": "QUEUE_FULL"})
-        entry = _Entry(list(calls), future, late_s)
+        entry = _Entry(calls, future, late_s)  # not copied: the caller does not change a list it submitted
         self._queue.append(entry)
         self._queued_calls += len(calls)
         if not self._starting and len(self._tasks) < self._max_inflight:
