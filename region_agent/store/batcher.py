@@ -53,6 +53,7 @@ class Batcher:
         self._on_timeout = on_timeout
         self._max_inflight = max(1, max_inflight)
         self._tasks: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the running loop, while a drain task runs
         self._starting = False  # a drain task was created and has not run yet
         self._max_batch = max_batch
         self._max_queue = max_queue
@@ -85,7 +86,11 @@ class Batcher:
         """:meth:`submit` without a coroutine of its own (a caller on the hot path awaits the
         future it returns): queue full raises Overloaded here, at once. A caller cancelled while
         it waits cancels the future; a cancelled group still queued is dropped unsent."""
-        loop = asyncio.get_running_loop()
+        # the loop the drain tasks run on; asked again when none is running (get_running_loop is a
+        # getpid() system call on Python 3.11: a measurable part of a decision)
+        loop = self._loop if self._tasks else None
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not calls:
             future.set_result([])
@@ -99,7 +104,7 @@ class Batcher:
             # every drain task is busy with a pipeline (or there is none): start one more; it takes
             # everything queued by the time it runs, so a burst of submits starts only one
             self._starting = True
-            task = asyncio.create_task(self._drain())
+            task = loop.create_task(self._drain())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         if wait_s is not None:

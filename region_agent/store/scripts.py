@@ -344,6 +344,9 @@ async def read_replies(conn: Any, n: int) -> list[Any]:
     while len(replies) < n:
         if reader is not None and replies:
             r = reader.gets()
+            if r.__class__ is list and r and r[0].__class__ is int:  # a script's usual reply: no checks needed
+                replies.append(r)
+                continue
             if r is not _NOT_ENOUGH_DATA:
                 # as redis-py's read: an error reply is its exception instance (ResponseError,
                 # kept as the reply), a connection-level one is raised; a RESP3 push is unexpected
