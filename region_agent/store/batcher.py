@@ -214,7 +214,8 @@ class Batcher:
             for e in batch:
                 part = replies[i:i + len(e.calls)]
                 i += len(e.calls)
-                _stop(e)
+                if e.timer is not None:  # (_stop, inline: once per decision)
+                    e.timer.cancel()
                 if not e.future.done():
                     e.future.set_result(part)
 

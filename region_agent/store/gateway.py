@@ -221,12 +221,12 @@ class StoreGateway:
         here: this is every decision's path); a half-open probe goes through :meth:`_probe`,
         which gives the probe back when its call ends without a verdict on the store."""
         br = self.breaker
+        if br.state == CLOSED:  # (allow() lets every call through while closed)
+            return self.batcher.enqueue(calls, wait_s=wait_s, late_s=self._late_wait)
         if not br.allow(time.monotonic()):
             self._breaker_changed()
             raise StoreUnavailable("circuit breaker open")
-        if br.state == CLOSED:
-            return self.batcher.enqueue(calls, wait_s=wait_s, late_s=self._late_wait)
-        return self._probe(calls, wait_s)
+        return self._probe(calls, wait_s)  # half-open: this call is a probe
 
     async def _probe(self, calls: list[ScriptCall], wait_s: float | None) -> list[Any]:
         try:
