@@ -90,7 +90,10 @@ class Batcher:
         # getpid() system call on Python 3.11: a measurable part of a decision)
         loop = self._loop if self._tasks else None
         if loop is None or loop.is_closed():
-            loop = self._loop = asyncio.get_running_loop()
+            loop = asyncio.get_running_loop()
+            if loop is not self._loop:  # another event loop: the last one's deadline timer never fires here
+                self._loop, self._sweep = loop, None
+                self._deadlines.clear()
         future = loop.create_future()
         if not calls:
             future.set_result([])

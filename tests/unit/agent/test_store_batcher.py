@@ -183,3 +183,31 @@ async def test_deadlines_expire_in_time_whatever_order_their_budgets_come_in():
     kind, waited = await long_
     assert kind is type(None)  # answered before its deadline: it never expires
     assert b.queued == 0
+
+
+def test_a_batcher_used_from_a_second_event_loop_still_enforces_deadlines():
+    """The batcher keeps its drain tasks' loop; used again from another loop (the first one closed
+    with a deadline timer still armed), its callers' deadlines are enforced on the new loop."""
+    gate: dict[str, asyncio.Event] = {}
+
+    async def run(calls):
+        await gate["e"].wait()
+        return [None] * len(calls)
+
+    b = Batcher(run, max_inflight=1)
+
+    async def first_loop():
+        gate["e"] = asyncio.Event()
+        t = asyncio.ensure_future(b.submit([("s", ["a"], [])], wait_s=0.05))  # arms the deadline timer
+        await asyncio.sleep(0.01)
+        t.cancel()
+        await asyncio.sleep(0)  # asyncio.run ends the drain task; the loop closes with that timer still armed
+
+    async def second_loop():
+        await asyncio.sleep(0.1)  # past the first loop's deadline: a new group's deadline is later
+        gate["e"] = asyncio.Event()  # never set: the pipeline hangs
+        with pytest.raises(AmbiguousOutcome):
+            await asyncio.wait_for(b.submit([("s", ["b"], [])], wait_s=0.02), timeout=2.0)
+
+    asyncio.run(first_loop())
+    asyncio.run(second_loop())
