@@ -81,7 +81,6 @@ def check_principal(req_tenant: str | None, principal: Principal):
 
 
 SELECTION_CACHE_MAX = 10_000  # distinct (tenant, route, principal type, has key) per snapshot
-CALLS_CACHE_MAX = 50_000  # principals whose script calls are kept per snapshot (~0.4 kB each, ~21 MB at most; cleared when full)
 
 
 class Shape(NamedTuple):
@@ -105,7 +104,6 @@ class Shape(NamedTuple):
     fleet: list[Rule]  # enforced fleet-wide pool rules (spent from in-process chunks)
     has_pool: bool  # a slot is a tenant pool rule (Role.POOL)
     unrecorded_dk: str | None  # KEYS[1] without a decision record for the tenant tag (None: per request)
-    keyed: bool  # every in-script rule has a key template: a principal's calls depend on it and the cost only
     by_cost: dict[int, tuple[list[tuple[str, Params]], list[tuple[str, Params]], tuple | None]]
 
     @classmethod
@@ -122,18 +120,16 @@ class Shape(NamedTuple):
             dk = KeyBuilder.unrecorded_decision_key(tenant=tenant) if tenant is not None else None
         except ValidationFailed:
             dk = None
-        templates = tuple(KeyBuilder.template(r, tenant) for r in in_script)
         return cls(rules=rules, enforced=enforced, in_script=in_script, shadow=shadow,
                    ip_rules=[r for r in rules if r.scope == "ip"],
                    slack_ms=max((r.ttl_slack_ms for r in in_script), default=0),
                    decision_ttl_ms=(max(r.decision_ttl_ms for r in in_script)
                                     if any(r.idempotent for r in in_script) else 0),
-                   templates=templates,
+                   templates=tuple(KeyBuilder.template(r, tenant) for r in in_script),
                    shadow_templates=tuple(KeyBuilder.template(r, tenant) for r in shadow),
                    slots=slots, shadow_slots=[Slot(r, r.role) for r in shadow],
                    fleet=[r for r in enforced if isinstance(r, PoolRule) and r.fleet_wide],
-                   has_pool=any(s.role is Role.POOL for s in slots), unrecorded_dk=dk,
-                   keyed=all(t is not None for t in templates), by_cost={})
+                   has_pool=any(s.role is Role.POOL for s in slots), unrecorded_dk=dk, by_cost={})
 
     def params_for(self, cost_hint: int) -> tuple[list[tuple[str, Params]], list[tuple[str, Params]], tuple | None]:
         """(kind, params) of every slot and shadow slot for a request of ``cost_hint``, and the
@@ -168,16 +164,13 @@ class BundleMemo:
     immutable, so these stay valid for its lifetime; only validated tenants and routes reach
     the cache, and it is cleared when it reaches ``SELECTION_CACHE_MAX`` entries."""
 
-    __slots__ = ("_shapes", "bundle", "calls", "pools", "rules_by_id")
+    __slots__ = ("_shapes", "bundle", "pools", "rules_by_id")
 
     def __init__(self, bundle: Bundle):
         self.bundle = bundle
         self.pools: dict[str, Pool] = {p.id: p for p in bundle.pools}
         self.rules_by_id: dict[str, Rule] = {r.id: r for r in bundle.rules}
         self._shapes: BoundedMemo[tuple, Shape] = BoundedMemo(SELECTION_CACHE_MAX)
-        # (id(shape), cost, user id, api key id) -> (the shape, a principal's calls): shared by the
-        # plans of that principal, read-only (the HMAC keys are memoised as well: keys.KeyBuilder)
-        self.calls: BoundedMemo[tuple, tuple[Shape, list[Call]]] = BoundedMemo(CALLS_CACHE_MAX)
 
     def shape(self, tenant: str | None, route_group: str, principal_type: str, has_key: bool) -> Shape:
         k = (tenant, route_group, principal_type, has_key)
@@ -221,27 +214,18 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
     specs, shadow_specs, argv_rules = shape.by_cost.get(cost_hint) or shape.params_for(cost_hint)
     ip_tag = keys.ip_tag(addr, shape.ip_rules) if addr is not None else None
     user_id = principal.id if ptype == "user" else None
-    known = None
-    if shape.keyed:  # the calls of a principal seen under this shape and cost: built once
-        memo_key = (id(shape), cost_hint, user_id, api_key_id)
-        known = memo.calls.get(memo_key)
-    if known is not None and known[0] is shape:
-        calls = known[1]
-    else:
-        calls = []
-        i = 0
-        for rule, t in zip(shape.in_script, shape.templates, strict=True):
-            if t is not None:
-                key = keys.key_from(t, tenant, user_id, api_key_id)  # type: ignore[arg-type]
-            else:
-                key = _key_of(keys, rule, tenant, user_id, api_key_id, req.route_group, ip_tag, addr)
-            if rule.concurrency_max is not None:
-                calls.append(Call(KeyBuilder.cc_key(key), *specs[i]))
-                i += 1
-            calls.append(Call(key, *specs[i]))
+    calls: list[Call] = []
+    i = 0
+    for rule, t in zip(shape.in_script, shape.templates, strict=True):
+        if t is not None:
+            key = keys.key_from(t, tenant, user_id, api_key_id)  # type: ignore[arg-type]
+        else:
+            key = _key_of(keys, rule, tenant, user_id, api_key_id, req.route_group, ip_tag, addr)
+        if rule.concurrency_max is not None:
+            calls.append(Call(KeyBuilder.cc_key(key), *specs[i]))
             i += 1
-        if shape.keyed:
-            memo.calls.put(memo_key, (shape, calls))
+        calls.append(Call(key, *specs[i]))
+        i += 1
     shadow_calls: list[Call] = _NONE  # type: ignore[assignment]
     if shape.shadow:
         shadow_calls = []

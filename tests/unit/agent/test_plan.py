@@ -231,30 +231,3 @@ def test_duplicate_keys_are_refused_by_the_prechecked_call_too():
     with pytest.raises(ScriptRejected):
         prechecked_call(calls, ("tb", 1, 1, 1, 1, 0, "tb", 1, 1, 1, 1, 0), decision_key="d", slack_ms=0,
                         decision_ttl_ms=0, member="m")
-
-
-@settings(max_examples=60, deadline=None)
-@given(seq=st.lists(st.tuples(st.sampled_from(["atlas", "birch", "cedar"]), st.sampled_from(["read", "export", "search"]),
-                              st.sampled_from(["user", "service"]), st.sampled_from(["U-1", "U-2"]),
-                              st.sampled_from([None, "K1", "K2"]), st.sampled_from([1, 2, 7])), min_size=1, max_size=30),
-       bundle=st.sampled_from([NORTHSTAR, GLOBAL]))
-def test_a_principals_calls_come_from_the_memo_as_they_would_be_built(seq, bundle):
-    """Differential: the script calls a plan takes from the per-snapshot memo (a principal seen
-    under the same shape and cost) equal the calls built afresh, and a request refused afresh is
-    refused from the memo too; repeated principals make the memo answer."""
-    from region_agent.plan import memo_of
-
-    for i, (tenant, route, ptype, pid, key, cost) in enumerate(seq):
-        r = AdmitRequest(request_id=f"memo-{i:08d}", tenant_id=tenant, route_group=route, cost_hint=cost,
-                         principal=Principal(type=ptype, id=pid, api_key_id=key))
-        try:
-            got: object = build_plan(bundle, r, KB).calls
-        except ValidationFailed:
-            got = ValidationFailed
-        memo_of(bundle).calls.clear()
-        try:
-            fresh: object = build_plan(bundle, r, KB).calls
-        except ValidationFailed:
-            fresh = ValidationFailed
-        assert got == fresh
-    assert len(memo_of(bundle).calls) <= len(seq)
