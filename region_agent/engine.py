@@ -116,7 +116,7 @@ class DecisionEngine:
             replies = e
         else:  # :meth:`_submit` inline, and no coroutine for the completion unless it must wait
             try:
-                replies = await self.store.submit(calls, wait_s=max(0.0, prep.deadline - self.clock())) if calls else []
+                replies = await self.store.submit(calls, wait_s=self._remaining(prep)) if calls else []
             except LeaseholdError as e:
                 replies = e
         got = self._complete_now(prep, replies)

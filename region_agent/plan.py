@@ -211,7 +211,7 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
     memo = memo_of(bundle)
     shape = memo.shape(tenant, req.route_group, ptype, api_key_id is not None)
     cost_hint = req.cost_hint
-    specs, shadow_specs, argv_rules = shape.by_cost.get(cost_hint) or shape.params_for(cost_hint)
+    specs, shadow_specs, argv_rules = shape.params_for(cost_hint)
     ip_tag = keys.ip_tag(addr, shape.ip_rules) if addr is not None else None
     user_id = principal.id if ptype == "user" else None
     calls: list[Call] = []

@@ -217,8 +217,7 @@ class Batcher:
             for e in batch:
                 part = replies[i:i + len(e.calls)]
                 i += len(e.calls)
-                if e.timer is not None:  # (_stop, inline: once per decision)
-                    e.timer.cancel()
+                _stop(e)
                 if not e.future.done():
                     e.future.set_result(part)
 

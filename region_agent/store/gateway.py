@@ -217,6 +217,8 @@ class StoreGateway:
           ``AmbiguousOutcome`` (degrade).
 
         A full queue is overload too (``Overloaded``). Overload never counts against the store.
+        A pipeline that failed as a whole counts once against the store (:meth:`_run_pipeline`),
+        not once more per caller that was waiting on it.
         With the breaker closed the caller awaits the batcher's future itself (no coroutine
         here: this is every decision's path); a half-open probe goes through :meth:`_probe`,
         which gives the probe back when its call ends without a verdict on the store."""

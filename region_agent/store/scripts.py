@@ -251,16 +251,20 @@ def _pack_text(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> str | None
         text = _pack_rule_call(sha, keys, argv)  # type: ignore[arg-type]
         if text is not None:
             return text
-    nk = len(keys)
-    hk = (sha, nk, len(argv))
+    body = _bulks((*keys, *argv))
+    return None if body is None else _head(sha, len(keys), len(argv)) + body
+
+
+def _head(sha: str, nk: int, na: int) -> str:
+    """``EVALSHA sha numkeys`` with the array header of a call of ``nk`` keys and ``na`` args (memoised)."""
+    hk = (sha, nk, na)
     head = _HEADS.get(hk)
     if head is None:
-        head = f"*{nk + len(argv) + 3}\r\n$7\r\nEVALSHA\r\n${len(sha)}\r\n{sha}\r\n${len(str(nk))}\r\n{nk}\r\n"
+        head = f"*{nk + na + 3}\r\n$7\r\nEVALSHA\r\n${len(sha)}\r\n{sha}\r\n${len(str(nk))}\r\n{nk}\r\n"
         if len(_HEADS) >= _MEMO_MAX:
             _HEADS.clear()
         _HEADS[hk] = head
-    body = _bulks((*keys, *argv))
-    return None if body is None else head + body
+    return head
 
 
 _BULK = "$%d\r\n%s\r\n"  # one string argument, as a %-format (its length, then it)
@@ -282,8 +286,7 @@ def _pack_rule_call(sha: str, keys: Sequence[Any], argv: RuleArgv) -> str | None
         if fixed is None or slots is None or len(argv) != len(rules) + 4:
             return None
         nk = len(keys)
-        head = f"*{nk + len(argv) + 3}\r\n$7\r\nEVALSHA\r\n${len(sha)}\r\n{sha}\r\n${len(str(nk))}\r\n{nk}\r\n"
-        fmt = (head.replace("%", "%%") + _BULK * nk + fixed.replace("%", "%%") + _BULK + slots.replace("%", "%%")
+        fmt = (_head(sha, nk, len(argv)).replace("%", "%%") + _BULK * nk + fixed.replace("%", "%%") + _BULK + slots.replace("%", "%%")
                + _BULK)
         if len(_RULE_CALLS) >= _MEMO_MAX:
             _RULE_CALLS.clear()
