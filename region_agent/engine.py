@@ -43,7 +43,7 @@ from .models import AdmitRequest, Decision, DeniedScope, Reason, ReleaseRequest,
 from .negcache import NegativeCache
 from .outcome import Answer, NextStep, Outcome, outcome, pool_denial_slot
 from .plan import GlobalSpend, Plan, build_plan, cc_gates, cc_keys_for_release, memo_of
-from .record import SHED, conflict_record, decision_record
+from .record import SHED, admitted_record, conflict_record, decision_record
 from .store.protocol import Store
 from .telemetry import DecisionTelemetry
 
@@ -253,6 +253,12 @@ class DecisionEngine:
             if len(replies) > 1:
                 count_shadow(self.metrics, plan, replies[1])
             result = result_of(replies[0])
+            if result.__class__ is MultiRuleResult and result.allowed:  # type: ignore[union-attr]
+                # the common case: the store admitted; the record's parts were built once per plan shape
+                d = admitted_record(plan, prep.bundle, result)  # type: ignore[arg-type]
+                if d is not None:
+                    self.denials.forget(plan)  # as _settle_now: a probe passed, its held denial is over
+                    return self._finish(prep, d)
         got = self._settle_now(prep, result)
         if isinstance(got, Decision):
             return self._finish(prep, got)

@@ -76,14 +76,30 @@ def window_seconds(rule: Rule, pools: Mapping[str, Pool] | None = None) -> int:
 _POLICY_FIELDS: BoundedMemo[tuple[int, int], tuple[Rule, str, str]] = BoundedMemo(4_096)
 
 
-def ratelimit_headers(rule: Rule, *, limit: int, remaining: int, retry_after_ms: int) -> dict[str, str]:
-    """Draft RateLimit / RateLimit-Policy fields for the caller's own scope."""
+def policy_fields(rule: Rule, limit: int) -> tuple[str, str]:
+    """(RateLimit-Policy value, RateLimit prefix up to the remaining count) of ``rule`` at ``limit``."""
     k = (id(rule), limit)
     hit = _POLICY_FIELDS.get(k)
     if hit is None or hit[0] is not rule:
         hit = _POLICY_FIELDS.put(k, (rule, f'"{rule.id}";q={limit};w={window_seconds(rule)}', f'"{rule.id}";r='))
+    return hit[1], hit[2]
+
+
+def ratelimit_headers(rule: Rule, *, limit: int, remaining: int, retry_after_ms: int) -> dict[str, str]:
+    """Draft RateLimit / RateLimit-Policy fields for the caller's own scope."""
+    policy, prefix = policy_fields(rule, limit)
     t = 0 if retry_after_ms <= 0 else -(-retry_after_ms // 1000)
-    return {"RateLimit-Policy": hit[1], "RateLimit": f"{hit[2]}{remaining if remaining > 0 else 0};t={t}"}
+    return {"RateLimit-Policy": policy, "RateLimit": f"{prefix}{remaining if remaining > 0 else 0};t={t}"}
+
+
+def admitted_fields(rule: Rule, limit: int, *, anonymous: bool) -> tuple[str, str] | None:
+    """The parts of an admission's headers that do not depend on its count, as :func:`apply_http`
+    gives them to a store admission reported by ``rule`` (not a fallback; limit and remaining
+    known): (RateLimit-Policy, RateLimit prefix) for the caller's own scope, None (no headers)
+    for any other scope or an anonymous caller. Its RateLimit field is ``f"{prefix}{remaining};t=0"``."""
+    if anonymous or rule.scope not in OWN_SCOPES:
+        return None
+    return policy_fields(rule, limit)
 
 
 def _problem(status: int, decision: Decision, anonymous: bool) -> dict[str, Any]:

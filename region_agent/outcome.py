@@ -101,13 +101,32 @@ def outcome(plan: Plan, pools: Mapping[str, Pool], result: MultiRuleResult | Lea
         answer = Answer(False, rule, DeniedScope(rule.scope), Reason.RATE_EXCEEDED, rule.limit_tokens(pools),
                         rule.remaining_tokens(int(raw)), retry, fallback)
         return Outcome(NextStep.ANSWER, answer, slot=idx, cacheable=plan.decision_ttl_ms == 0)
+    adm = admission(plan, pools)
+    if adm is None:
+        return Outcome(NextStep.ALLOWED_WITHOUT_SCRIPT)
+    raw = res.remaining[adm.slot] if adm.slot < len(res.remaining) else 0
+    return Outcome(NextStep.ANSWER, Answer(True, adm.rule, None, None, adm.limit, adm.rule.remaining_tokens(int(raw)),
+                                           0, fallback))
+
+
+class Admission(NamedTuple):
+    """What an admission reports: its first selected rule, that rule's own slot (not its
+    concurrency gate) in the call, whose ``remaining`` it reports, and the rule's limit."""
+
+    slot: int
+    rule: Rule
+    limit: int
+
+
+def admission(plan: Plan, pools: Mapping[str, Pool]) -> Admission | None:
+    """The slot, rule and limit an admission of ``plan`` reports; None when no slot of the call
+    reports for the decision (its first rule is a fleet-wide pool, or nothing was selected).
+    Depends on the plan's shape and the snapshot's pools only (region_agent.record memoises it)."""
     report = plan.rules[0] if plan.rules else None
     for i, slot in enumerate(plan.slots):
         if slot.rule is report and slot.role is not Role.CC:
-            raw = res.remaining[i] if i < len(res.remaining) else 0
-            return Outcome(NextStep.ANSWER, Answer(True, report, None, None, report.limit_tokens(pools),
-                                                   report.remaining_tokens(int(raw)), 0, fallback))
-    return Outcome(NextStep.ALLOWED_WITHOUT_SCRIPT)
+            return Admission(i, report, report.limit_tokens(pools))
+    return None
 
 
 # --- failMode: what answers when the store failed ------------------------------------------------

@@ -56,6 +56,7 @@ class Plan:
     # calls are built and checked per request
     argv_rules: tuple | None = None
     has_pool: bool = False  # a slot spends a tenant pool balance (Role.POOL)
+    shape: Shape | None = None  # what the plan was built from (shared, read-only)
 
     @property
     def anonymous(self) -> bool:
@@ -105,6 +106,9 @@ class Shape(NamedTuple):
     has_pool: bool  # a slot is a tenant pool rule (Role.POOL)
     unrecorded_dk: str | None  # KEYS[1] without a decision record for the tenant tag (None: per request)
     by_cost: dict[int, tuple[list[tuple[str, Params]], list[tuple[str, Params]], tuple | None]]
+    # what other modules derive from the shape once, by their own key (region_agent.record: the
+    # parts of an admission's record); cleared with the shape
+    derived: dict
 
     @classmethod
     def of(cls, rules: list[Rule], tenant: str | None = None) -> Shape:
@@ -129,7 +133,7 @@ class Shape(NamedTuple):
                    shadow_templates=tuple(KeyBuilder.template(r, tenant) for r in shadow),
                    slots=slots, shadow_slots=[Slot(r, r.role) for r in shadow],
                    fleet=[r for r in enforced if isinstance(r, PoolRule) and r.fleet_wide],
-                   has_pool=any(s.role is Role.POOL for s in slots), unrecorded_dk=dk, by_cost={})
+                   has_pool=any(s.role is Role.POOL for s in slots), unrecorded_dk=dk, by_cost={}, derived={})
 
     def params_for(self, cost_hint: int) -> tuple[list[tuple[str, Params]], list[tuple[str, Params]], tuple | None]:
         """(kind, params) of every slot and shadow slot for a request of ``cost_hint``, and the
@@ -249,7 +253,7 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
         decision_key = KeyBuilder.unrecorded_decision_key(tenant=tenant if ip_tag is None else None, ip_tag=ip_tag)
     return Plan(req.request_id, tenant, ptype, shape.enforced, calls, shape.slots, shadow_calls, shape.shadow_slots,
                 spends, decision_key, shape.decision_ttl_ms, question, shape.slack_ms, cost_hint, argv_rules,
-                shape.has_pool)
+                shape.has_pool, shape)
 
 
 _NONE: tuple = ()  # the shared empty sequence of a plan without shadow calls or global spends

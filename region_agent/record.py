@@ -10,11 +10,12 @@ from __future__ import annotations
 from kernel.bundle import Bundle
 from kernel.errors import DecisionConflict, to_problem
 
-from .httpmap import apply_http
+from .call import MultiRuleResult
+from .httpmap import admitted_fields, apply_http
 from .metrics import AgentMetrics
 from .models import Decision, Reason
-from .outcome import Answer
-from .plan import Plan
+from .outcome import Answer, admission
+from .plan import Plan, memo_of
 
 SHED_RETRY_MS = 1_000  # Retry-After of a decision shed because this agent is overloaded
 # overload: this agent could not get the store's answer within the budget while the store answers
@@ -32,6 +33,34 @@ def decision_record(plan: Plan, bundle: Bundle, a: Answer, metrics: AgentMetrics
     if apply_http(d, rule=a.rule, anonymous=plan.anonymous):
         metrics.policy_defects.labels(a.rule.id if a.rule else "none").inc()
     return d
+
+
+_ADMITTED = "record.admitted"  # the key of an admission's parts in a Shape's ``derived``
+_UNSET = object()
+
+
+def admitted_record(plan: Plan, bundle: Bundle, res: MultiRuleResult) -> Decision | None:
+    """The record of the store's admission ``res`` (``res.allowed``) of ``plan`` — the same
+    record as :func:`decision_record` of :func:`~region_agent.outcome.outcome`'s answer (a unit
+    test compares them), from parts built once per plan shape: the reporting slot, rule and
+    limit, and the count-free header parts. None when no slot reports (the engine's general path
+    answers) or the plan has no shape."""
+    shape = plan.shape
+    if shape is None:
+        return None
+    parts = shape.derived.get(_ADMITTED, _UNSET)
+    if parts is _UNSET:
+        adm = admission(plan, memo_of(bundle).pools)
+        parts = shape.derived[_ADMITTED] = None if adm is None else (
+            adm.slot, adm.rule, adm.rule.id, adm.limit, admitted_fields(adm.rule, adm.limit, anonymous=plan.anonymous))
+    if parts is None:
+        return None
+    slot, rule, rule_id, limit, fields = parts
+    remaining = res.remaining
+    rem = rule.remaining_tokens(remaining[slot] if slot < len(remaining) else 0)
+    return Decision(True, plan.request_id, rule_id, bundle.bundle_version, None, None, limit, rem, 0, False, 0, 200,
+                    {} if fields is None else {"RateLimit-Policy": fields[0], "RateLimit": f"{fields[1]}{rem};t=0"},
+                    None)
 
 
 def conflict_record(plan: Plan, bundle: Bundle) -> Decision:

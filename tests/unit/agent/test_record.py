@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kernel.bundle import load_bundle_file
+from region_agent.call import MultiRuleResult
 from region_agent.keys import KeyBuilder
 from region_agent.metrics import AgentMetrics
 from region_agent.models import AdmitRequest, DeniedScope, Principal, Reason
-from region_agent.outcome import Answer
-from region_agent.plan import build_plan
-from region_agent.record import SHED, SHED_RETRY_MS, conflict_record, decision_record
+from region_agent.outcome import Answer, NextStep, outcome
+from region_agent.plan import build_plan, memo_of
+from region_agent.record import SHED, SHED_RETRY_MS, admitted_record, conflict_record, decision_record
 
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar.json"))
 KB = KeyBuilder(b"unit-pepper")
@@ -59,3 +63,53 @@ def test_a_conflict_is_a_409_problem_naming_the_decision():
     d = conflict_record(plan, NORTHSTAR)
     assert (d.allowed, d.http_status, d.reason, d.retry_after_ms) == (False, 409, Reason.REQUEST_ID_CONFLICT, -1)
     assert d.problem is not None and d.problem["status"] == 409 and d.problem["decisionId"] == plan.request_id
+
+
+# --- an admission's record from the parts built once per plan shape (the engine's common path) ---
+GLOBAL = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar-global.json"))
+METRICS = AgentMetrics()
+PRINCIPALS = [Principal(type="user", id="U-17", api_key_id="K1"), Principal(type="user", id="U-18"),
+              Principal(type="service", id="svc-9"), Principal(type="service", id="svc-9", api_key_id="K2"),
+              Principal(type="anonymous", id="203.0.113.7")]
+
+
+def general_record(plan, bundle, res):
+    """What the engine's general path makes of a store admission: outcome, then decision_record."""
+    o = outcome(plan, memo_of(bundle).pools, res)
+    if o.step is NextStep.ALLOWED_WITHOUT_SCRIPT:
+        return None
+    assert o.step is NextStep.ANSWER and o.answer is not None
+    return decision_record(plan, bundle, o.answer, METRICS)
+
+
+@settings(max_examples=400, deadline=None)
+@given(bundle=st.sampled_from([NORTHSTAR, GLOBAL]), tenant=st.sampled_from(["atlas", "birch", "northstar-ops", "zeta"]),
+       route=st.sampled_from(["read", "export", "login", "probe", "write"]), principal=st.sampled_from(PRINCIPALS),
+       cost=st.integers(1, 1_000), raws=st.lists(st.integers(-5, 10**9), max_size=10), rid=st.integers(0, 10**6))
+def test_an_admission_built_from_its_shape_parts_is_the_general_paths_record(bundle, tenant, route, principal, cost,
+                                                                             raws, rid):
+    req = AdmitRequest(request_id=f"r-{rid:016x}", tenant_id=tenant, route_group=route, principal=principal,
+                       cost_hint=cost)
+    plan = build_plan(bundle, req, KB)
+    res = MultiRuleResult(True, 0, 0, tuple(raws))  # any length: a short reply reports 0, as the general path
+    want = general_record(plan, bundle, res)
+    assert admitted_record(plan, bundle, res) == want
+    assert admitted_record(plan, bundle, res) == want  # the second time from the memoised parts
+
+
+def test_a_users_admission_from_shape_parts_carries_its_ratelimit_fields():
+    plan = plan_of()
+    d = admitted_record(plan, NORTHSTAR, MultiRuleResult(True, 0, 0, (17_500, 900_000)))
+    assert d == general_record(plan, NORTHSTAR, MultiRuleResult(True, 0, 0, (17_500, 900_000)))
+    assert (d.limit, d.remaining, d.http_status) == (20, 17, 200)
+    assert d.headers == {"RateLimit-Policy": '"read-user-v3";q=20;w=10', "RateLimit": '"read-user-v3";r=17;t=0'}
+
+
+def test_no_shape_part_answers_when_no_slot_reports_or_the_plan_has_no_shape():
+    req = AdmitRequest(request_id="r-9f3a61c2e07b4d18", tenant_id="zeta", route_group="read",
+                       principal=Principal(type="service", id="svc-9"))
+    plan = build_plan(GLOBAL, req, KB)  # only global-catalog, a fleet-wide pool spent from chunks: no slot reports
+    assert plan.rules[0].fleet_wide and admitted_record(plan, GLOBAL, MultiRuleResult(True, 0, 0, (5,))) is None
+    shapeless = plan_of()
+    shapeless.shape = None
+    assert admitted_record(shapeless, NORTHSTAR, MultiRuleResult(True, 0, 0, (17_500, 0))) is None
