@@ -8,7 +8,9 @@ Flow per request, in one direction:
    (region_agent.leasing.fleet_pools);
 2. **script call** - the plan's calls (region_agent.call.plan_calls) go through the coalescing
    batcher under one monotonic deadline (a batch: one submit, region_agent.batch);
-3. **outcome** - :func:`region_agent.outcome.outcome` says what the answer means, and the engine
+3. **outcome** - a store admission becomes its record at once, from parts built once per plan
+   shape (region_agent.record.admitted_record); any other answer goes to
+   :func:`region_agent.outcome.outcome`, which says what it means, and the engine
    carries that step out: an answer, one wait for a pool top-up (region_agent.leasing.topup),
    the pool's fallback allowance or a degradation per rule failMode (region_agent.degraded);
 4. **HTTP** - the answer becomes the decision record with its HTTP answer (region_agent.record).
@@ -282,11 +284,8 @@ class DecisionEngine:
         outcome (and the pool denial) :meth:`_settle_later` carries out."""
         plan = prep.plan
         denial = None
-        if result.__class__ is MultiRuleResult and result.allowed:  # type: ignore[union-attr]
-            can_retry, idx = False, None  # an admission (the common case): nothing to retry or wait for
-        else:
-            can_retry = retry and self._remaining(prep) > 0
-            idx = pool_denial_slot(plan, result) if not fallback else None
+        can_retry = retry and self._remaining(prep) > 0
+        idx = pool_denial_slot(plan, result) if not fallback else None
         if idx is not None and self.leases is not None:
             raw = result.remaining[idx] if idx < len(result.remaining) else 0  # type: ignore[union-attr]
             denial = pool_denial(self.leases, plan.calls[idx].key, raw, waited=waited)

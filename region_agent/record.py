@@ -52,13 +52,13 @@ def admitted_record(plan: Plan, bundle: Bundle, res: MultiRuleResult) -> Decisio
     if parts is _UNSET:
         adm = admission(plan, memo_of(bundle).pools)
         parts = shape.derived[_ADMITTED] = None if adm is None else (
-            adm.slot, adm.rule, adm.rule.id, adm.limit, admitted_fields(adm.rule, adm.limit, anonymous=plan.anonymous))
+            adm.slot, adm.rule, adm.limit, admitted_fields(adm.rule, adm.limit, anonymous=plan.anonymous))
     if parts is None:
         return None
-    slot, rule, rule_id, limit, fields = parts
+    slot, rule, limit, fields = parts
     remaining = res.remaining
     rem = rule.remaining_tokens(remaining[slot] if slot < len(remaining) else 0)
-    return Decision(True, plan.request_id, rule_id, bundle.bundle_version, None, None, limit, rem, 0, False, 0, 200,
+    return Decision(True, plan.request_id, rule.id, bundle.bundle_version, None, None, limit, rem, 0, False, 0, 200,
                     {} if fields is None else {"RateLimit-Policy": fields[0], "RateLimit": f"{fields[1]}{rem};t=0"},
                     None)
 
