@@ -1,6 +1,7 @@
 """kernel.openapi_problems: every operation documents its error answers as problem+json."""
 
 from litestar import Litestar, get, post
+from litestar.params import JSONBody
 
 from kernel.openapi_problems import STATUSES, document_problems
 
@@ -11,7 +12,7 @@ def read_thing() -> dict:
 
 
 @post("/thing", sync_to_thread=False)
-def write_thing(data: dict) -> dict:
+def write_thing(data: JSONBody[dict]) -> dict:
     return data
 
 
