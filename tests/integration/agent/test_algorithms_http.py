@@ -74,18 +74,22 @@ async def test_fixed_window_boundary_p_anon(agent2, r):
     """Seed ch. 3: 20 at the end of one window and 20 more at the start of the next are all admitted."""
     key = anon_key("203.0.113.9")
     body = {"tenant": None, "ptype": "anonymous", "pid": "203.0.113.9", "route": "login", "api_key": None}
-    start = await away_from_boundary(r, 10_000, 1_000)
-    await r.hset(key, mapping={"w": start, "n": 20})
-    t0 = await store_now_ms(r)
-    d = await admit(agent2, "anon-21st-001", **body)
-    t1 = await store_now_ms(r)
+    for attempt in range(3):  # a scenario that straddled a window boundary (a stalled machine) is re-run
+        start = await away_from_boundary(r, 10_000, 1_000)
+        await r.hset(key, mapping={"w": start, "n": 20})
+        t0 = await store_now_ms(r)
+        d = await admit(agent2, f"anon-21st-{attempt:03d}", **body)
+        t1 = await store_now_ms(r)
+        stored = int(await r.hget(key, "n"))
+        # the previous window's 20 do not count in the new one: 20 more admitted, the 21st denied
+        await r.hset(key, mapping={"w": start - 10_000, "n": 20})
+        got = [await admit(agent2, f"anon-next-{attempt}-{i:03d}", **body) for i in range(21)]
+        if await store_now_ms(r) - start < 10_000:
+            break
     assert (d["allowed"], d["remaining"]) == (False, 0)
     assert start + 10_000 - t1 <= d["retryAfterMs"] <= start + 10_000 - t0  # the ms left in the window
     assert d["headers"]["Retry-After"] == str(-(-d["retryAfterMs"] // 1000))
-    assert int(await r.hget(key, "n")) == 20  # the denial wrote nothing
-    # the previous window's 20 do not count in the new one: 20 more admitted, the 21st denied
-    await r.hset(key, mapping={"w": start - 10_000, "n": 20})
-    got = [await admit(agent2, f"anon-next-{i:03d}", **body) for i in range(21)]
+    assert stored == 20  # the denial wrote nothing
     assert [g["allowed"] for g in got] == [True] * 20 + [False]
     assert 0 < await r.pttl(key) <= 10_000 + 5_000
 
@@ -93,10 +97,14 @@ async def test_fixed_window_boundary_p_anon(agent2, r):
 async def test_sliding_log_hint_is_10000_ms(agent2, r):
     """Seed ch. 4: 20 admitted just now in a 10 s log; the 21st waits for the oldest: 10,000 ms."""
     key = user_key("atlas", "U-17", "audit")
-    t = await store_now_ms(r)
-    await r.zadd(key, {f"r{i}": t for i in range(20)})
-    d = await admit(agent2, "audit-21st-001", route="audit")
-    t1 = await store_now_ms(r)
+    for attempt in range(3):  # re-run if a stalled machine made the call take a second or more
+        await r.delete(key)
+        t = await store_now_ms(r)
+        await r.zadd(key, {f"r{i}": t for i in range(20)})
+        d = await admit(agent2, f"audit-21st-{attempt:03d}", route="audit")
+        t1 = await store_now_ms(r)
+        if t1 - t < 1_000:  # the whole seconds of the hint (Retry-After: 10) are those of a call under 1 s
+            break
     # 10,000 ms minus the time the call itself took (exact to the ms in the script tests)
     assert d["allowed"] is False and t + 10_000 - t1 <= d["retryAfterMs"] <= 10_000
     assert d["headers"]["Retry-After"] == "10" and d["headers"]["RateLimit"] == '"audit-log";r=0;t=10'
@@ -111,34 +119,49 @@ async def test_sliding_log_hint_is_10000_ms(agent2, r):
 async def test_sliding_counter_18_5_at_a_quarter_window(agent2, r):
     """Seed ch. 5 scaled to a 1 s window: prev 18, cur 5, >= 250 ms in: 18 x 0.75 + 5 + 1 = 19.5 <= 20."""
     key = user_key("atlas", "U-17", "search")
-    t = await store_now_ms(r)
-    if not 250 <= t % 1_000 <= 700:
-        await asyncio.sleep(((250 - t % 1_000) % 1_000 + 5) / 1_000)
-    t0 = await store_now_ms(r)
-    start = t0 - t0 % 1_000
-    await r.hset(key, mapping={"w": start, "cur": 5, "prev": 18})
-    d = await admit(agent2, "search-0001", route="search")
-    t1 = await store_now_ms(r)
-    assert t1 - start < 1_000, "the call crossed the window boundary"
+    start = t0 = 0
+    t1 = 1_000
+    for attempt in range(5):  # re-run when a stalled machine put the call outside [250, 1,000) ms of one window
+        t = await store_now_ms(r)
+        if not 250 <= t % 1_000 <= 700:
+            await asyncio.sleep(((250 - t % 1_000) % 1_000 + 5) / 1_000)
+        t0 = await store_now_ms(r)
+        start = t0 - t0 % 1_000
+        if t0 - start < 250:  # the sleep overshot into the next window's first quarter
+            continue
+        await r.hset(key, mapping={"w": start, "cur": 5, "prev": 18})
+        d = await admit(agent2, f"search-{attempt:04d}", route="search")
+        t1 = await store_now_ms(r)
+        if t1 - start < 1_000:
+            break
+    assert 250 <= t0 - start and t1 - start < 1_000, "every attempt crossed the window boundary"
     assert d["allowed"] is True
     assert await r.hmget(key, "cur", "prev") == [b"6", b"18"]
     # a full-weight previous window (stored window ahead: elapsed 0): 18 + 1 + 1 = 20 allowed, then denied
     await r.hset(key, mapping={"w": start + 5_000, "cur": 1, "prev": 18})
-    assert (await admit(agent2, "search-0002", route="search"))["allowed"] is True
-    denied = await admit(agent2, "search-0003", route="search")
+    assert (await admit(agent2, "search-0102", route="search"))["allowed"] is True
+    denied = await admit(agent2, "search-0103", route="search")
     assert denied["allowed"] is False and denied["deniedScope"] == "user" and denied["headers"]["Retry-After"]
 
 
 async def test_gcra_21st_request_waits_500_ms(agent2, r):
     key = user_key("atlas", "U-17", "gread")
-    got = [await admit(agent2, f"gcra-{i:03d}", route="gread") for i in range(21)]
+    for attempt in range(3):  # re-run if the 21 calls took 500 ms or more (a stalled machine): one more is due
+        await r.delete(key)
+        t0 = await store_now_ms(r)
+        got = [await admit(agent2, f"gcra-{attempt}-{i:03d}", route="gread") for i in range(21)]
+        if await store_now_ms(r) - t0 < 500:
+            break
     assert [g["allowed"] for g in got] == [True] * 20 + [False]
     assert 0 < got[-1]["retryAfterMs"] <= 500 and got[-1]["headers"]["Retry-After"] == "1"
     # the theoretical arrival time 10 s ahead of the store clock: 500 ms minus the call's own time
-    t = await store_now_ms(r)
-    await r.set(key, t + 10_000)
-    d = await admit(agent2, "gcra-x-001", route="gread")
-    t1 = await store_now_ms(r)
+    for attempt in range(3):  # re-run if the call took 500 ms or more: it would then be admitted
+        t = await store_now_ms(r)
+        await r.set(key, t + 10_000)
+        d = await admit(agent2, f"gcra-x-{attempt:03d}", route="gread")
+        t1 = await store_now_ms(r)
+        if t1 - t < 500:
+            break
     assert d["allowed"] is False and 500 - (t1 - t) <= d["retryAfterMs"] <= 500
     assert d["headers"] == {"Retry-After": "1", "RateLimit-Policy": '"read-gcra";q=20;w=10',
                             "RateLimit": '"read-gcra";r=0;t=1'}
