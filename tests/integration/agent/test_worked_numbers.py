@@ -15,6 +15,7 @@ from .conftest import (
     bucket_tokens,
     make_settings,
     set_bucket,
+    store_now_ms,
     tenant_key,
     user_key,
 )
@@ -57,8 +58,12 @@ async def test_p_read_timeline(agent, r):
     assert (d["allowed"], d["retryAfterMs"], d["headers"]["Retry-After"]) == (False, 200, "1")
     assert await bucket_tokens(r, U17_READ) == 600  # a denial writes nothing
     # 5 s after empty: 10 tokens back, one spent
-    await set_bucket(r, U17_READ, 0, age_ms=5_000)
-    d = await admit(agent, "read-5000ms")
+    for attempt in range(3):  # re-run if the call took 500 ms or more (a stalled machine): one more token is back
+        t0 = await store_now_ms(r)
+        await set_bucket(r, U17_READ, 0, age_ms=5_000)
+        d = await admit(agent, f"read-5000ms-{attempt}")
+        if await store_now_ms(r) - t0 < 500:
+            break
     assert d["allowed"] is True and d["remaining"] == 9 and d["httpStatus"] == 200
     assert "Retry-After" not in d["headers"]
 
