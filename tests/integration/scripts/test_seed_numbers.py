@@ -30,9 +30,10 @@ FUTURE = 3_600_000
 KEY = "rl:v3:{t:atlas}:u:9f2c41ab:read"
 
 
-async def exact_or_model(call, setup, expected, model, attempts: int = 50):
+async def exact_or_model(call, setup, expected, model, attempts: int = 50) -> int:
     """Repeat (setup, call) until the reply equals ``expected``; every reply must equal
-    ``model(t, now)`` (t: the clock the setup wrote its state against) for some now in its bracket."""
+    ``model(t, now)`` (t: the clock the setup wrote its state against) for some now in its bracket.
+    Returns the t of the attempt that hit ``expected``."""
     seen = []
     for _ in range(attempts):
         t0 = await setup()
@@ -41,7 +42,7 @@ async def exact_or_model(call, setup, expected, model, attempts: int = 50):
         assert any(model(t0, n) == got for n in range(t0, t1 + 1)), (got, t0, t1)
         seen.append(got)
         if got == expected:
-            return
+            return t0
     pytest.fail(f"never hit the same millisecond: {seen[-3:]}")
 
 
@@ -193,12 +194,15 @@ async def test_sliding_counter_seed_case(aclient, scripts):
             await asyncio.sleep(((250 - t % w) % w + 5) / 1000)
         t0 = now_ms()
         start = t0 - t0 % w
+        if t0 - start < 250:  # the sleep overshot into the next window's first quarter: elapsed < 250 ms
+            t1 = start + w
+            continue
         await aclient.hset(key, mapping={"w": start, "cur": 5, "prev": 18})
         r = await scripts.sliding_counter(aclient, key, limit=20, window_ms=w, slack_ms=0)
         t1 = now_ms()
         if t1 - start < w:
             break
-    assert t1 - start < w, "every attempt crossed the window boundary"
+    assert 250 <= t0 - start and t1 - start < w, "every attempt crossed the window boundary"
     expected = [sliding_counter.decide(SlidingCounterState(start, 5, 18), WindowParams(20, w), n)[0]
                 for n in range(t0, t1 + 1)]
     assert r.allowed and any((r.remaining, r.retry_after_ms) == (d.remaining, d.retry_after_ms) for d in expected)
@@ -236,9 +240,11 @@ async def test_gcra_seed_numbers(aclient, scripts):
         return lambda t, n: gcra_model.decide(GcraState(t + ahead), p, n)[0].as_reply()
 
     await exact_or_model(call, at(10_000), [0, 0, 500], model(10_000))  # the 21st request
-    await exact_or_model(call, at(5_000), [1, 9_000, 0], model(5_000))  # 5 s later: 5,500 ahead
-    ahead = int(await aclient.get(key)) - now_ms()
-    assert 5_400 <= ahead <= 5_500 and 0 < await aclient.pttl(key) <= 5_500 + 5_000
+    t0 = await exact_or_model(call, at(5_000), [1, 9_000, 0], model(5_000))  # 5 s later: 5,500 ahead
+    # the stored TAT is the setup's clock + 5,000 + one 500 ms increment (measured against the clock
+    # of the setup, not read back later: a stalled machine would make "ahead" smaller)
+    assert int(await aclient.get(key)) == t0 + 5_500
+    assert 0 < await aclient.pttl(key) <= 5_500 + 5_000
 
 
 async def test_concurrency_fourth_export_denied(aclient, scripts):
