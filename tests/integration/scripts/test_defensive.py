@@ -213,6 +213,13 @@ async def test_multi_rule_denial_writes_nothing_but_the_record(aclient, scripts)
     assert await scripts.multi_rule(aclient, keys2, argv2) == first
 
 
+async def _pttl_since(aclient, key: str, t: int) -> tuple[int, int]:
+    """The key's PTTL and the ms passed since ``t`` (read after it): a lower bound on a PTTL that was
+    ``x`` at ``t`` is ``x - passed`` (a slow machine's seconds are not the script's doing)."""
+    ttl = await aclient.pttl(key)
+    return ttl, now_ms() - t
+
+
 async def test_a_debit_never_shortens_the_balance_expiry(aclient, scripts):
     """A deposit keeps the pool hash for its slack past the last lease's end, so the agent can close
     the lease (after its deadline, on a later tick) and find its record. A debit (pool_take or a
@@ -224,17 +231,21 @@ async def test_a_debit_never_shortens_the_balance_expiry(aclient, scripts):
                                        max_entries=4, slack_ms=5_000)).stored
     took = await scripts.pool_take(aclient, pool, min_tokens=1, want=10, slack_ms=0)
     assert took.taken == 10
-    assert await aclient.pttl(pool) > 6_000
+    ttl, passed = await _pttl_since(aclient, pool, t)
+    assert ttl > 6_000 - passed
     keys, argv = multi_rule_argv(f"rl:v3:{T}:keep:dec", [Call(pool, "pool", (1, 0, 0, 0, 0))], slack_ms=0,
                                  decision_ttl_ms=1_000, member="K1")
     assert (await scripts.multi_rule(aclient, keys, argv)).allowed
-    assert await aclient.pttl(pool) > 6_000
+    ttl, passed = await _pttl_since(aclient, pool, t)
+    assert ttl > 6_000 - passed
     # a later lease still extends it
     assert (await scripts.pool_deposit(aclient, pool, "P2", granted=5, valid_from_ms=t - 1, expires_at_ms=t + 20_000,
                                        max_entries=4, slack_ms=0)).stored
-    assert 18_000 < await aclient.pttl(pool) <= 20_000
+    ttl, passed = await _pttl_since(aclient, pool, t)
+    assert 18_000 - passed < ttl <= 20_000
     await scripts.pool_take(aclient, pool, min_tokens=1, want=1, slack_ms=1_000)
-    assert 19_000 < await aclient.pttl(pool) <= 21_000
+    ttl, passed = await _pttl_since(aclient, pool, t)
+    assert 19_000 - passed < ttl <= 21_000
 
 
 async def test_every_written_key_has_an_expiry(aclient, scripts):
@@ -242,7 +253,8 @@ async def test_every_written_key_has_an_expiry(aclient, scripts):
     pool = f"rl:v3:{T}:ttl:pool"
     d = await scripts.pool_deposit(aclient, pool, "P1", granted=10, valid_from_ms=t - 1, expires_at_ms=t + 30_000,
                                    max_entries=4, slack_ms=1_000)
-    assert d.stored and 29_000 < await aclient.pttl(pool) <= 31_000
+    ttl, passed = await _pttl_since(aclient, pool, t)
+    assert d.stored and 29_000 - passed < ttl <= 31_000
     rules = [Call(f"rl:v3:{T}:ttl:tb", "tb", (20_000, 2_000, 1_000, 1_000, 0)),
              Call(f"rl:v3:{T}:ttl:gcra", "gcra", (20_000, 2_000, 1_000, 1_000, 0)),
              Call(f"rl:v3:{T}:ttl:fw", "fw", (20, 10_000, 1, 0, 0)),
