@@ -28,9 +28,11 @@ from region_agent.leasing.redis_balance import RedisBalanceStore
 from region_agent.store.client import make_client
 from region_agent.store.scripts import Scripts
 
-from .conftest import leader_url, start_topology, write_bundle
+from .conftest import leader_url, start_topology, wall_ms, write_bundle
 
-POOL = Pool(id="timing-w", window_ms=60_000, limit=1_000, lease_ttl_ms=400, chunk_min=10, chunk_max=10,
+# a lease TTL long enough that the control's round trip (proxy, allocator, a 3-member etcd commit)
+# stays well inside it on a loaded machine; the delayed reply is later still
+POOL = Pool(id="timing-w", window_ms=60_000, limit=1_000, lease_ttl_ms=1_500, chunk_min=10, chunk_max=10,
             prefetch_ms=200)
 
 
@@ -72,7 +74,12 @@ async def test_a_reply_later_than_the_lease_ttl_adds_nothing(allocators, redis_c
     mgr = LeaseManager(region="eu", client=client, store=store, recorder=rec)
     key = KeyBuilder.tenant_pool_key("atlas", POOL.id)
     try:
-        await proxy.control.latency(350, direction="both")  # > 700 ms round trip vs a 400 ms lease
+        # a grant's TTL is clamped to its window's end: out of the window's tail, both grants below
+        # carry the full 1.5 s (and are for the current window, not a prefetch of the next)
+        left = POOL.window_ms - wall_ms() % POOL.window_ms
+        if left < 10_000:
+            await asyncio.sleep(left / 1000 + 0.05)
+        await proxy.control.latency(1_000, direction="both")  # > 2 s round trip vs a 1.5 s lease
         mgr.note(POOL, key, 1)
         await asyncio.wait_for(mgr.balances[key].inflight, 10)
         (grant, lease, sent_at, received_at), = rec.seen
