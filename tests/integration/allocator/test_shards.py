@@ -200,6 +200,8 @@ async def test_a_join_hands_shards_off_and_retries_get_the_stored_grant(etcd_clu
             b_rep = b
             await converged([a, b])
             await asyncio.sleep(0.3)
+            # the load ran through the join (a loaded machine may have managed few grants so far)
+            await wait_until(lambda: len(acked) > 50 or all(t.done() for t in tasks), within_s=30)
             stop.set()
             await asyncio.gather(*tasks)
             for p in moving:  # the retried lease id, now at the new leader: the stored grant
