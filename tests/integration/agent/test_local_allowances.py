@@ -15,6 +15,7 @@ import pytest
 
 from kernel.bundle import Bundle, Fallback, Pool, Rule, make_rule, seal
 from leasehold.procs import free_port
+from tests.wallclock import clear_of_window_edges_sync
 
 from .conftest import agent_process, write_bundle
 
@@ -97,22 +98,12 @@ def test_pool_allowance_counts_per_allocator_window_not_monotonic(redisless_agen
     assert sum(got.values()) >= F  # the allowance really admitted
 
 
-def _out_of_window_edges(window_ms: int, after_ms: int, before_ms: int) -> None:
-    """Sleep, unless the wall clock is at least ``after_ms`` into a window and ``before_ms`` from its
-    end, until ``after_ms`` into the next window."""
-    pos = time.time() * 1000 % window_ms
-    if pos < after_ms:
-        time.sleep((after_ms - pos) / 1000)
-    elif window_ms - pos < before_ms:
-        time.sleep((window_ms - pos + after_ms) / 1000)
-
-
 def test_pool_allowance_is_not_reset_by_evicting_other_states(redisless_agent):
     url = redisless_agent
     # the F + 2 requests below must count in one window: before any grant the agent places a decision
     # on the allocator's clock give or take 1 s (one near a boundary is charged to both windows), so
     # they start 1.5 s past a boundary with seconds to spare (a slow machine) before the next one's
-    _out_of_window_edges(LRU.window_ms, after_ms=1_500, before_ms=6_000)
+    clear_of_window_edges_sync(LRU.window_ms, before_ms=6_000, after_ms=1_500)
     with httpx.Client(timeout=10) as client:
         recs = [_admit(client, url, "lru", "U-0") for _ in range(F + 2)]
         assert [d["allowed"] for _, _, d in recs] == [True] * F + [False] * 2, recs

@@ -15,6 +15,7 @@ import pytest
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from leasehold.procs import EtcdCluster
+from tests.wallclock import clear_of_window_edges
 
 from .conftest import W
 from .helpers import AllocatorProcess, assert_replay_of, etcd_grants, etcd_windows, lease_body, wait_until
@@ -55,19 +56,12 @@ async def leader_of(procs: list[AllocatorProcess], exclude: AllocatorProcess | N
     return found[-1]
 
 
-async def out_of_window_tail(window_ms: int, margin_ms: int) -> None:
-    """Wait, when fewer than ``margin_ms`` are left of the current (epoch-aligned) window, for the next."""
-    left = window_ms - int(time.time() * 1000) % window_ms
-    if left < margin_ms:
-        await asyncio.sleep(left / 1000 + 0.05)
-
-
 async def test_retry_after_leader_kill_returns_the_identical_grant(replicas: list[AllocatorProcess], prefix: str,
                                                                    etcd_reader: EtcdStore) -> None:
     leader, epoch = await leader_of(replicas)
     # a grant's ttl is clamped to its window's end; granted in the window's tail, the replay's would
     # reach 0 and could not show that the failover's seconds were taken off
-    await out_of_window_tail(W, 15_000)
+    await clear_of_window_edges(W, before_ms=15_000)
     (other,) = [p for p in replicas if p is not leader]
     async with httpx.AsyncClient(timeout=10) as c:
         # the follower names the leader

@@ -27,8 +27,9 @@ from region_agent.leasing.manager import LeaseManager
 from region_agent.leasing.redis_balance import RedisBalanceStore
 from region_agent.store.client import make_client
 from region_agent.store.scripts import Scripts
+from tests.wallclock import clear_of_window_edges
 
-from .conftest import leader_url, start_topology, wall_ms, write_bundle
+from .conftest import leader_url, start_topology, write_bundle
 
 # a lease TTL long enough that the control's round trip (proxy, allocator, a 3-member etcd commit)
 # stays well inside it on a loaded machine; the delayed reply is later still
@@ -76,9 +77,7 @@ async def test_a_reply_later_than_the_lease_ttl_adds_nothing(allocators, redis_c
     try:
         # a grant's TTL is clamped to its window's end: out of the window's tail, both grants below
         # carry the full 1.5 s (and are for the current window, not a prefetch of the next)
-        left = POOL.window_ms - wall_ms() % POOL.window_ms
-        if left < 10_000:
-            await asyncio.sleep(left / 1000 + 0.05)
+        await clear_of_window_edges(POOL.window_ms, before_ms=10_000)
         await proxy.control.latency(1_000, direction="both")  # > 2 s round trip vs a 1.5 s lease
         mgr.note(POOL, key, 1)
         await asyncio.wait_for(mgr.balances[key].inflight, 10)
