@@ -127,14 +127,15 @@ async def test_pool_take_buys_a_chunk_no_longer_than_its_leases(aclient, scripts
     key = f"rl:{T}:take:pool"
     t = now_ms()
     dep = dict(valid_from_ms=t - 10, max_entries=4, slack_ms=1_000)
-    assert (await scripts.pool_deposit(aclient, key, "A", granted=5, expires_at_ms=t + 800, **dep)).stored
+    # A's lease lasts 3 s: the takes below must come before it ends, even on a stalled machine
+    assert (await scripts.pool_deposit(aclient, key, "A", granted=5, expires_at_ms=t + 3_000, **dep)).stored
     assert (await scripts.pool_deposit(aclient, key, "B", granted=10, expires_at_ms=t + 20_000, **dep)).stored
     got = await scripts.pool_take(aclient, key, min_tokens=1, want=8, slack_ms=0)
-    assert (got.taken, got.remaining) == (8, 7) and 0 < got.valid_for_ms <= 800
+    assert (got.taken, got.remaining) == (8, 7) and 0 < got.valid_for_ms <= 3_000
     got = await scripts.pool_take(aclient, key, min_tokens=8, want=20, slack_ms=0)
     assert (got.taken, got.remaining, got.valid_for_ms) == (0, 7, 0)  # fewer than min: nothing written
     got = await scripts.pool_take(aclient, key, min_tokens=2, want=20, slack_ms=0)
-    assert (got.taken, got.remaining) == (7, 0) and 800 < got.valid_for_ms <= 20_000
+    assert (got.taken, got.remaining) == (7, 0) and 3_000 < got.valid_for_ms <= 20_000
     with pytest.raises(ScriptRejected):
         await scripts.pool_take(aclient, key, min_tokens=3, want=2, slack_ms=0)
 
