@@ -7,7 +7,7 @@ from redis.asyncio import Redis
 
 from region_agent.keys import KeyBuilder, hash_tag
 
-from .conftest import PEPPER, admit_json, bucket_tokens, set_bucket, tenant_key, user_key
+from .conftest import PEPPER, admit_json, bucket_tokens, set_bucket, store_now_ms, tenant_key, user_key
 
 U17_READ = user_key("atlas", "U-17", "read")
 ATLAS = tenant_key("atlas")
@@ -31,12 +31,15 @@ async def test_trace_steps_5_to_12(agent, r):
     assert hash_tag(U17_READ) == hash_tag(ATLAS) == "t:atlas"
     # step 6: fresh user bucket 20,000 -> 19,000; tenant 640,000 -> 639,000; TTLs 15 s and 65 s
     await set_bucket(r, ATLAS, 640_000)
+    t0 = await store_now_ms(r)
     d = await admit(agent, "trace-step-6")
     assert d["allowed"] is True and d["remaining"] == 19 and d["policyVersion"] == 42
     assert await bucket_tokens(r, U17_READ) == 19_000
     assert await bucket_tokens(r, ATLAS) == 639_000
-    assert 14_000 < await r.pttl(U17_READ) <= 15_000
-    assert 64_000 < await r.pttl(ATLAS) <= 65_000
+    user_ttl, tenant_ttl = await r.pttl(U17_READ), await r.pttl(ATLAS)
+    passed = await store_now_ms(r) - t0  # since before the write: what the TTLs may have run down
+    assert 14_000 - passed < user_ttl <= 15_000
+    assert 64_000 - passed < tenant_ttl <= 65_000
     # step 7: U-17 has 1,000 left; A runs first (user 1,000 -> 0, tenant 639,000 -> 638,000), then B
     # (true concurrency between two agent processes: test_concurrency.py)
     await set_bucket(r, U17_READ, 1_000)
