@@ -286,8 +286,8 @@ def _pack_rule_call(sha: str, keys: Sequence[Any], argv: RuleArgv) -> str | None
         if fixed is None or slots is None or len(argv) != len(rules) + 4:
             return None
         nk = len(keys)
-        fmt = (_head(sha, nk, len(argv)).replace("%", "%%") + _BULK * nk + fixed.replace("%", "%%") + _BULK + slots.replace("%", "%%")
-               + _BULK)
+        fmt = (_head(sha, nk, len(argv)).replace("%", "%%") + _BULK * nk
+               + fixed.replace("%", "%%") + _BULK + slots.replace("%", "%%") + _BULK)
         if len(_RULE_CALLS) >= _MEMO_MAX:
             _RULE_CALLS.clear()
         hit = _RULE_CALLS[memo_key] = (rules, fmt)
