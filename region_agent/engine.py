@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernel.bundle import Bundle, Pool
-from kernel.errors import DecisionConflict, LeaseholdError
+from kernel.errors import LeaseholdError
 
 from .batch import BatchCalls, batch_budget_s
 from .call import Call, MultiRuleResult, ScriptCall, plan_calls, result_of
@@ -122,11 +122,8 @@ class DecisionEngine:
             except LeaseholdError as e:
                 replies = e
         got = self._complete_now(prep, replies)
-        d = got if isinstance(got, Decision) else self._finish(prep, await self._settle_later(prep, got[0], *got[1]))
-        if d.reason == Reason.REQUEST_ID_CONFLICT:  # a single request answers 409 (a batch item carries it)
-            raise DecisionConflict(d.problem["detail"] if d.problem else "requestId conflict",
-                                   extra={"decisionId": d.decision_id})
-        return d
+        # a conflict is a decision like any other (region_agent.admission: only /v1/admit makes it a 409)
+        return got if isinstance(got, Decision) else self._finish(prep, await self._settle_later(prep, got[0], *got[1]))
 
     async def admit_many(self, reqs: list[AdmitRequest], *, decoded: bool = False) -> list[Decision]:
         """Batch: every item's tenant call goes in one coalesced pipeline (one round trip per shard)."""

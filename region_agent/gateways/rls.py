@@ -12,8 +12,11 @@ gRPC status codes of a call (what Envoy does with each is in ``region_agent/READ
 * ``OK`` with ``overall_code`` ``OK`` or ``OVER_LIMIT`` — every decision, including degraded
   ones: a ``closed`` rule without its store is ``OVER_LIMIT`` with the 503 answer's headers and
   body and dynamic metadata ``leasehold_status: 503``; ``local_bounded`` rules answer from the
-  local allowance, ``open`` rules ``OK``. ``UNKNOWN`` is never sent as ``overall_code``
-  (Envoy's client treats it as ``OK``; its documented meaning is "not known").
+  local allowance, ``open`` rules ``OK``. A request id that already has a decision record for
+  another question (a replayed id) is ``OVER_LIMIT`` too, with the 409 problem and metadata
+  ``leasehold_status: 409`` — never an error, which ``failure_mode_deny: false`` would let
+  through. ``UNKNOWN`` is never sent as ``overall_code`` (Envoy's client treats it as ``OK``;
+  its documented meaning is "not known").
 * ``INVALID_ARGUMENT`` — not a question Leasehold can answer (another domain, an unmapped
   descriptor key, a limit override, a bad value or cost), counted by reason.
 * ``UNAUTHENTICATED`` — missing or wrong ``authorization: Bearer <gateway token>`` metadata.
@@ -91,7 +94,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             questions = rls_questions(self.names, request.domain, descriptors_of(request), request.hits_addend)
             decisions = await self.decide(questions)
             resp, status = to_proto(decisions, questions, self.bundle_of())
-            outcome = "ok" if status == 200 else ("unavailable_503" if status == 503 else "over_limit")
+            outcome = {200: "ok", 503: "unavailable_503", 409: "conflict_409"}.get(status, "over_limit")
             m.rls_descriptors.labels("OK").inc(sum(1 for s in resp.statuses if s.code == OK))
             m.rls_descriptors.labels("OVER_LIMIT").inc(sum(1 for s in resp.statuses if s.code == OVER_LIMIT))
             return resp
