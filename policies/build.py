@@ -2,8 +2,9 @@
 
     .venv/bin/python policies/build.py            # writes policies/*.json
 
-The Northstar bundle reproduces the seed's figures: P-READ (read-user-v3), P-TENANT
-(tenant-atlas-minute), P-EXPORT (export-tenant), P-ANON (anon-login) and tenant Birch."""
+The Northstar bundle reproduces the worked figures: P-READ (read-user-v3), P-TENANT
+(tenant-atlas-minute), P-EXPORT (export-tenant), P-ANON (anon-login) and tenant Birch, plus a
+coarse per-address window every request spends first (edge-ip)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ def northstar(version: int = 42, published_at: str = "2026-11-06T09:30:00Z") -> 
         # P-ANON: 20 requests per 10 s per client address on /login; local fixed window 5 per 10 s
         make_rule(id="anon-login", scope="ip", route_group="login", algorithm="fixed_window", limit=20,
              window_ms=10_000, fail_mode="local_bounded", fallback=Fallback(limit=5, window_ms=10_000)),
+        # The pre-authentication stage of EVERY request (authenticated or not, every route): a
+        # coarse window per client address, spent before the tenant's rules; failed
+        # authentications are counted here, never against the tenant they claim
+        make_rule(id="edge-ip", scope="ip", algorithm="fixed_window", limit=1_000, window_ms=10_000,
+             every_request=True, fail_mode="local_bounded", fallback=Fallback(limit=500, window_ms=10_000)),
         # Birch: a smaller tenant, 300 per minute on every route group
         make_rule(id="tenant-birch-minute", scope="tenant", tenant="birch", algorithm="token_bucket",
              capacity_millis=300_000, refill_millis=300_000, period_ms=60_000, cost_millis=1_000,

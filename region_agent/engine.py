@@ -66,6 +66,7 @@ class _Prepared:
     early: Decision | None = None  # decided before the tenant script (global pool denial, negative cache)
     used_fallback: bool = False  # a global chunk came from the pool's fallback allowance
     pool_retried: bool = False  # waited once for an in-flight lease top-up
+    edge: bool = False  # the pre-authentication stage of an authenticated request (Plan.edge)
 
 
 class DecisionEngine:
@@ -106,6 +107,10 @@ class DecisionEngine:
         """``decoded``: ``req`` came from the strict wire decoder (its id patterns were checked)."""
         bundle = self.get_bundle()  # one snapshot for the whole request
         plan = build_plan(bundle, req, self.keys, checked=decoded)  # raises ValidationFailed before any key exists
+        if plan.edge is not None:  # the address window first: a denial there is the request's answer
+            (stage1,) = await self._decide_plans([plan.edge], bundle, edge=True)
+            if not stage1.allowed:
+                return stage1
         prep = self._begin(plan, bundle)
         if prep.early is None and plan.global_spends:
             await self._take_globals(prep)
@@ -130,10 +135,30 @@ class DecisionEngine:
         bundle = self.get_bundle()
         keys = self.keys
         plans = [build_plan(bundle, r, keys, checked=decoded) for r in reqs]  # whole batch is 422 if one is malformed
+        staged = [i for i, p in enumerate(plans) if p.edge is not None]
+        if not staged:
+            return await self._decide_plans(plans, bundle)
+        # the address window of the items that have one first; the denied ones are answered by it
+        out: list[Decision | None] = [None] * len(plans)
+        firsts = await self._decide_plans([plans[i].edge for i in staged], bundle, edge=True)  # type: ignore[misc]
+        for i, d in zip(staged, firsts, strict=True):
+            if not d.allowed:
+                out[i] = d
+        rest = [i for i in range(len(plans)) if out[i] is None]
+        for i, d in zip(rest, await self._decide_plans([plans[i] for i in rest], bundle) if rest else [], strict=True):
+            out[i] = d
+        return out  # type: ignore[return-value]
+
+    async def _decide_plans(self, plans: list[Plan], bundle: Bundle, *, edge: bool = False) -> list[Decision]:
+        """The decisions of ``plans`` (one coalesced pipeline); ``edge``: they are pre-authentication
+        stages (an admission there is not the request's decision: not counted)."""
         budget = batch_budget_s(self.budget, len(plans))
         started = self.clock()  # one start (deadline, negative-cache time) for the whole batch
         begin = self._begin
         preps = [begin(p, bundle, budget, started) for p in plans]
+        if edge:
+            for p in preps:
+                p.edge = True
         pending = [p for p in preps if p.early is None and p.plan.global_spends]
         if pending:  # only items spending fleet-wide chunk leases may wait (a renewal)
             await asyncio.gather(*(self._take_globals(p) for p in pending))
@@ -378,6 +403,8 @@ class DecisionEngine:
         return decision_record(prep.plan, prep.bundle, a, self.metrics)
 
     def _finish(self, prep: _Prepared, d: Decision) -> Decision:
+        if prep.edge and d.allowed:
+            return d  # a passed address window: the request's own decision follows (and is counted)
         if d.allowed and prep.used_fallback:
             d.fallback = True
         if d.allowed and (prep.reservations or prep.plan.has_pool):

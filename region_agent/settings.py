@@ -87,11 +87,33 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     rls_max_concurrent_rpcs: Annotated[int, Meta(ge=1, le=100_000)] = 4_096  # beyond: RESOURCE_EXHAUSTED
     authz_headers: list[str] = []  # "<field>=<header name>" overrides for /v1/authz
     authz_route_prefixes: list[str] = []  # "<path prefix>=<route group>": the route group from the original path
+    # /v1/authz identity from the client's verified bearer JWT (nginx, Traefik; region_agent/gateways/bearer.py):
+    authz_jwks: str | None = None  # JWKS file of the identity provider; set: identity headers are ignored
+    authz_jwt_issuer: str | None = None  # required with --authz-jwks
+    authz_jwt_audience: str | None = None  # required with --authz-jwks
+    authz_jwt_claims: list[str] = []  # "<field>=<claim>" overrides of tenant=tenant,user=sub,api_key=api_key
+    authz_jwt_leeway_s: Annotated[int, Meta(ge=0, le=300)] = 30  # clock skew allowed on exp/nbf
+    authz_anonymous_routes: list[str] = []  # route groups asked without a credential (pre-auth, e.g. login)
+    # an evicting regional Redis (maxmemory-policy other than noeviction) silently resets enforcement:
+    # the agent refuses to start on one unless this is true (then: degraded, logged, metric)
+    allow_evicting_store: bool = False
 
     def __post_init__(self) -> None:
         from .gateways.mapping import Names
 
         Names.from_settings(self)  # ValueError -> a settings error naming the bad entry
+        from kernel.ids import ROUTE_RE
+
+        for route in self.authz_anonymous_routes:
+            if not ROUTE_RE.fullmatch(route):
+                raise ValueError(f"--authz-anonymous-routes: {route!r} is not a route group ({ROUTE_RE.pattern})")
+        if self.authz_jwks is not None:
+            if not self.authz_jwt_issuer or not self.authz_jwt_audience:
+                raise ValueError("--authz-jwks needs --authz-jwt-issuer and --authz-jwt-audience")
+            from .gateways.bearer import BearerVerifier
+
+            BearerVerifier(self.authz_jwks, issuer=self.authz_jwt_issuer, audience=self.authz_jwt_audience,
+                           claims=self.authz_jwt_claims)  # the file and the claim names, checked at start
 
 
 def load_agent_settings(argv: list[str] | None, env: dict[str, str] | None = None) -> AgentSettings:

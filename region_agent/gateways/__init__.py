@@ -28,6 +28,15 @@ class Gateways:
         self.metrics = GatewayMetrics(registry)
         self._state_of = state_of
         self.admission = admission  # region_agent.admission.Admission
+        # /v1/authz: identity from the client's verified bearer token (.bearer), when configured
+        self.bearer = None
+        if settings.authz_jwks:
+            from .bearer import BearerVerifier
+
+            self.bearer = BearerVerifier(settings.authz_jwks, issuer=settings.authz_jwt_issuer,
+                                         audience=settings.authz_jwt_audience, claims=settings.authz_jwt_claims,
+                                         leeway_s=settings.authz_jwt_leeway_s)
+        self.anonymous_routes = frozenset(settings.authz_anonymous_routes)
         self.rls: Any = None  # .rls.RlsServer while serving
 
     @property

@@ -13,8 +13,10 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from leasehold.gateways import Envoy
+from leasehold.gateways import Envoy, render
+from leasehold.procs import LOOPBACK, free_port
 
+from . import attacks
 from .conftest import Stack, assert_p_read, identity, wait_early_in_window
 
 pytestmark = pytest.mark.e2e
@@ -76,6 +78,60 @@ def test_p_anon_login_is_a_generic_429(stack: Stack, rls_envoy: Envoy, authz_env
     assert 1 <= int(denied.headers["retry-after"]) <= 10
     assert "ratelimit" not in denied.headers and "ratelimit-policy" not in denied.headers
     assert denied.json() == {"type": "about:blank", "title": "Too Many Requests", "status": 429}
+
+
+@pytest.fixture(params=["rls", "authz"])
+def envoy(request, rls_envoy: Envoy, authz_envoy: Envoy) -> Envoy:
+    return rls_envoy if request.param == "rls" else authz_envoy
+
+
+def test_hostile_headers_change_nothing(stack: Stack, envoy: Envoy):
+    """Every hostile header on every request: the verified user's P-READ numbers exactly."""
+    attacks.p_read_with_hostile_headers(stack, envoy.url, "U-30" if envoy.name == "envoy-rls" else "U-31")
+
+
+def test_without_a_valid_token_identity_headers_name_nobody(stack: Stack, envoy: Envoy):
+    attacks.no_token_claims_nothing(stack, envoy.url)
+
+
+def test_the_route_group_is_the_routes(stack: Stack, envoy: Envoy):
+    attacks.route_group_is_the_routes(stack, envoy.url, "rg" + envoy.name[-4:].replace("-", ""))
+
+
+def test_a_clients_request_id_is_never_the_decision_id(stack: Stack, envoy: Envoy):
+    attacks.replayed_request_id_is_not_the_clients(stack, envoy.url, "rid" + envoy.name[-4:].replace("-", ""))
+
+
+def test_forged_forwarding_headers_count_the_connections_address(stack: Stack, envoy: Envoy):
+    attacks.forged_forwarding_headers_count_the_connection(stack, envoy.url,
+                                                           "127.0.4.1" if envoy.name == "envoy-rls" else "127.0.4.2")
+
+
+def test_a_replayed_decision_id_is_denied_not_passed(stack: Stack):
+    """A gateway that forwards request ids minted upstream of it (a trusted hop: the shipped
+    file with x-request-id preserved) replays one id for another user on an idempotent rule.
+    The agent answers OVER_LIMIT with the 409 problem (it was gRPC INTERNAL, which
+    ``failure_mode_deny: false`` let through to the upstream): the client gets 409."""
+    shipped = render("envoy-rls.yaml", **stack.values(ENVOY_LISTEN_HOST=LOOPBACK, ENVOY_PORT=0, ENVOY_ADMIN_PORT=0))
+    assert "- remove: x-request-id" in shipped and "preserve_external_request_id: false" in shipped
+    port, admin = free_port(), free_port()
+    trusted = render("envoy-rls.yaml", **stack.values(ENVOY_LISTEN_HOST=LOOPBACK, ENVOY_PORT=port,
+                                                      ENVOY_ADMIN_PORT=admin))
+    trusted = trusted.replace("              - remove: x-request-id\n", "").replace(
+        "preserve_external_request_id: false", "preserve_external_request_id: true")
+    e = Envoy("envoy-trusted-ids", trusted, stack.workdir / "envoy-trusted-ids", port, admin).start()
+    try:
+        with httpx.Client(base_url=e.url, timeout=10) as c:
+            rid = {"x-request-id": "upstream-minted-0001"}
+            first = c.post("/reports/export", headers={**rid, **identity("U-80", "replay")})
+            assert first.status_code == 200 and first.json()["headers"]["x-request-id"] == rid["x-request-id"]
+            again = c.post("/reports/export", headers={**rid, **identity("U-81", "replay")})
+            assert again.status_code == 409, (again.status_code, again.text)
+            assert again.json()["status"] == 409 and "upstream" not in again.json()
+    finally:
+        e.stop()
+    assert stack.metric("leasehold_agent_rls_requests_total", outcome="conflict_409") >= 1
+    # the shipped file itself never lets a client's id through: test_a_clients_request_id_is_never_the_decision_id
 
 
 def test_rls_health_service(stack: Stack):
