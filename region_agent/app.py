@@ -172,6 +172,9 @@ async def readyz(agent: NamedDependency[AgentState]) -> Response:
         problems.append("no policy bundle")
     if st.leases is not None and st.leases.warming:
         problems.append("first leases not answered yet")
+    if st.metrics.store_health.evicting and not st.settings.allow_evicting_store:
+        problems.append("the store may evict keys (maxmemory-policy " + ", ".join(
+            sorted(set(st.metrics.store_health.evicting.values()))) + ")")
     if problems:
         return problem_response(Unavailable("not ready: " + ", ".join(problems)), instance="/readyz")
     b = st.holder.bundle
@@ -206,7 +209,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         holder._on_reload = holder._on_reload or on_reload
     m.policy_version.set(holder.bundle.bundle_version)
     m.policy_age.set_function(lambda: time.monotonic() - holder.checked_at)  # etcd: the watcher's age
-    configure_jitter(settings.retry_jitter_pct, settings.retry_jitter_max_ms, settings.retry_jitter_seed)
+    configure_jitter(settings.retry_jitter_pct, settings.retry_jitter_max_ms, settings.retry_jitter_seed,
+                     settings.retry_jitter_min_ms)
     audit = BypassAudit(m, make_sink(settings.audit_log))
     state = AgentState(settings=settings, holder=holder, metrics=m, keys=KeyBuilder(pepper),
                        auth=AgentAuth.from_settings(settings), key_cap=_key_cap(settings))
@@ -221,6 +225,14 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         state.store = factory(settings, m)
         if hasattr(state.store, "start"):
             state.store.start()
+        if hasattr(state.store, "info_by_shard"):  # an evicting store silently resets enforcement
+            try:
+                await store_health.check_eviction_policy(state.store, m.store_health,
+                                                         allowed=settings.allow_evicting_store)
+            except store_health.EvictingStore as e:
+                log.critical("%s", e)
+                await state.store.close()
+                raise
         clock = AllocatorClock(unknown_offset_ms=settings.allocator_clock_uncertainty_ms)
         state.leases = _lease_manager(settings, state.store, m, clock)
         telemetry = DecisionTelemetry(m, audit=audit,

@@ -41,6 +41,7 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     store_health_ms: Annotated[int, Meta(ge=0, le=600_000)] = 5_000  # INFO poll per shard (0 disables)
     retry_jitter_pct: Annotated[int, Meta(ge=0, le=100)] = 10  # upward retry-hint jitter, % of the hint
     retry_jitter_max_ms: Annotated[int, Meta(ge=0, le=600_000)] = 5_000  # ... and at most this much
+    retry_jitter_min_ms: Annotated[int, Meta(ge=0, le=60_000)] = 1_000  # ... and at least this (spreads Retry-After)
     retry_jitter_seed: str = ""  # keys the per-decision jitter (hash of seed and decisionId)
     decision_budget_ms: Annotated[int, Meta(ge=1, le=10_000)] = 50
     redis_socket_timeout_ms: Annotated[int, Meta(ge=10, le=60_000)] = 500  # a pipeline's read bound
@@ -78,7 +79,7 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     anon_source_v6_prefix: Annotated[int, Meta(ge=0, le=128)] = 32
     insecure_dev_pepper: bool = False
     log_level: str = "info"
-    # gateways (region_agent/gateways, README "Gateways"): Envoy RLS v3 over gRPC and /v1/authz forward auth
+    # gateways (region_agent/gateways, docs/gateways.md): Envoy RLS v3 over gRPC and /v1/authz forward auth
     rls_port: Annotated[int, Meta(ge=0, le=65535)] = 0  # 0: no RLS server
     rls_host: str | None = None  # default: --host
     rls_domain: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,64}\Z")] = "leasehold"  # the filter's domain

@@ -1,4 +1,4 @@
-"""Figure 8: the gateway path (issue 14).
+"""Figure 8: the gateway path.
 
 * RLS decisions/s through gRPC: ``ShouldRateLimit`` against the agent's RLS port (one channel,
   64 in flight, 10k users of a tenant with only the P-READ user rule) vs a bare grpcio server

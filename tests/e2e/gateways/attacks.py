@@ -58,7 +58,7 @@ def user_key(user: str, tenant: str = "atlas", route: str = "read") -> str:
 
 
 def p_read_with_hostile_headers(stack: Stack, url: str, user: str, *, ratelimit_on_200: bool = True) -> None:
-    """The seed's P-READ numbers at the client while every request carries every hostile header:
+    """The worked P-READ numbers at the client while every request carries every hostile header:
     20 pass, the 21st is 429 with the caller's own RateLimit fields — the verified identity's
     bucket on the route's own group was spent, nothing of the claimed tenant, route, cost or
     address."""

@@ -2,7 +2,7 @@
 real agent: once through ``envoy.filters.http.ratelimit`` -> the agent's RLS port
 (``deploy/gateways/envoy-rls.yaml``), once through ``envoy.filters.http.ext_authz`` -> the
 agent's ``/v1/authz`` (``deploy/gateways/envoy-ext-authz.yaml``). What the client sees: the
-seed's P-READ numbers, P-ANON's generic 429, and with Redis stopped the per-rule fail modes."""
+worked P-READ numbers, P-ANON's generic 429, and with Redis stopped the per-rule fail modes."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def test_redis_stopped_per_rule_fail_modes_at_the_client(stack: Stack, rls_envoy
                 assert "retry-after" in reads[5].headers
                 export = c.post("/reports/export", headers=identity(user))
                 assert export.status_code == 503, (e.name, export.status_code, export.text)
-                assert export.headers["retry-after"] == "5"
+                assert export.headers["retry-after"] in ("5", "6")
                 assert export.headers["content-type"] == "application/problem+json"
                 assert export.json()["status"] == 503
         assert stack.metric("leasehold_agent_rls_requests_total", outcome="unavailable_503") >= 1

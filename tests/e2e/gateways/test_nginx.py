@@ -50,7 +50,7 @@ def test_redis_stopped_per_rule_fail_modes_through_nginx(stack: Stack, nginx: Ng
             assert [r.status_code for r in reads] == [200] * 5 + [429]
             assert "retry-after" in reads[5].headers
             export = c.post("/reports/export", headers=identity("U-42"))
-            assert export.status_code == 503 and export.headers["retry-after"] == "5"
+            assert export.status_code == 503 and export.headers["retry-after"] in ("5", "6")
     finally:
         stack.redis.start()
 

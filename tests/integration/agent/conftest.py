@@ -41,6 +41,9 @@ def make_settings(redis_url: str, policy: Path, **kw) -> AgentSettings:
     # these tests rewrite stored state to simulate time, which an in-process negative cache cannot
     # see; the negative cache has its own tests (test_negative_cache.py)
     kw.setdefault("negative_cache_ms", 0)
+    # these tests check the worked numbers' exact Retry-After values (max(1, ceil(ms / 1000))): no jitter
+    # (its spread: tests/unit/agent/test_retry_jitter.py; with it on: the gateway e2e tests)
+    kw.setdefault("retry_jitter_max_ms", 0)
     kw.setdefault("auth_disabled", True)  # gateway/operator authentication: tests/integration/security
     return AgentSettings(redis_url=redis_url, policy=str(policy), region="eu", policy_poll_ms=0,
                          decision_budget_ms=kw.pop("decision_budget_ms", 2000), **kw)
