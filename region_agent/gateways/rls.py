@@ -58,7 +58,9 @@ def descriptors_of(request: rls_pb2.RateLimitRequest) -> list[Descriptor]:
 
 
 def to_proto(decisions: list[Decision], questions: list[AdmitRequest], bundle: Bundle) -> tuple[Response, int]:
-    ans = rls_answer(decisions, bundle, [q.principal.type == "anonymous" or q.auth_failed for q in questions])
+    # an address-window denial of an authenticated question is the pre-auth stage's: anonymous too
+    ans = rls_answer(decisions, bundle, [q.principal.type == "anonymous" or q.auth_failed or d.denied_scope == "ip"
+                                         for q, d in zip(questions, decisions, strict=True)])
     resp = Response(overall_code=OVER_LIMIT if ans.over_limit else OK, raw_body=ans.body)
     for s in ans.statuses:
         st = resp.statuses.add(code=OVER_LIMIT if s.over_limit else OK, limit_remaining=s.remaining)
