@@ -410,6 +410,10 @@ def rule_source(rule: Any) -> dict[str, Any]:
     return {k: out[k] for k in RULE_ORDER if k in out}
 
 
+POOL_ORDER = ("id", "limit", "leaseTtl", "chunkMin", "chunkMax", "fallbackPerRegion", "prefetch", "activeHorizon",
+              "chunkValidity", "regions")
+
+
 def pool_source(pool: Pool) -> dict[str, Any]:
     defaults = _defaults(Pool)
     out: dict[str, Any] = {"id": pool.id, "limit": f"{pool.limit}/{_per(pool.window_ms)}"}
@@ -421,7 +425,7 @@ def pool_source(pool: Pool) -> dict[str, Any]:
         v = getattr(pool, b)
         if v != defaults.get(b):
             out[_camel(s)] = format_duration(v)
-    return out
+    return {k: out[k] for k in POOL_ORDER if k in out}
 
 
 def decompile(bundle: Bundle) -> dict[str, Any]:

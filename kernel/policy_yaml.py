@@ -320,13 +320,40 @@ def _flow(d: dict[str, Any]) -> str:
     return "{" + ", ".join(f"{k}: {_scalar(v)}" for k, v in d.items()) + "}"
 
 
-def dump_source(doc: dict[str, Any], header: str = "") -> str:
-    """A source document as YAML: one block per rule and pool, fallbacks and lists in flow style."""
+def comments(text: str) -> tuple[str, dict[tuple[str, int], list[str]]]:
+    """The comment lines a source starts with, and those right above each rule and pool item
+    (what ``policy fmt`` keeps)."""
+    doc, lines = read_source(text, "-")
+    rows = text.splitlines()
+    header = []
+    for row in rows:
+        if row.startswith("#") or (header and not row.strip()):
+            header.append(row)
+        else:
+            break
+    above: dict[tuple[str, int], list[str]] = {}
+    for kind in ("rules", "pools"):
+        for i in range(len(doc.get(kind) or []) if isinstance(doc, dict) else 0):
+            at = lines.get((kind, i))
+            block: list[str] = []
+            j = (at or 1) - 2
+            while at and j >= 0 and rows[j].strip().startswith("#"):
+                block.insert(0, rows[j].strip())
+                j -= 1
+            if block:
+                above[(kind, i)] = block
+    return "\n".join(header).rstrip() + "\n" if header else "", above
+
+
+def dump_source(doc: dict[str, Any], header: str = "", above: dict[tuple[str, int], list[str]] | None = None) -> str:
+    """A source document as YAML: one block per rule and pool, fallbacks and lists in flow style;
+    ``header`` first, each ``above`` comment block over its item."""
     out = [header.rstrip("\n") + "\n"] if header else []
     for k, v in doc.items():
         if k in ("rules", "pools"):
-            out.append(f"\n{k}:\n")
-            for item in v:
+            out.append(f"{'' if out and out[-1] == chr(10) else chr(10)}{k}:\n")
+            for i, item in enumerate(v):
+                out += [f"  {c}\n" for c in (above or {}).get((k, i), [])]
                 first = True
                 for ik, iv in item.items():
                     text = _flow(iv) if isinstance(iv, dict) else (
@@ -339,8 +366,8 @@ def dump_source(doc: dict[str, Any], header: str = "") -> str:
     return "".join(out).rstrip("\n") + "\n"
 
 
-def source_text(bundle: Bundle, header: str = "") -> str:
-    return dump_source(decompile(bundle), header)
+def source_text(bundle: Bundle, header: str = "", above: dict[tuple[str, int], list[str]] | None = None) -> str:
+    return dump_source(decompile(bundle), header, above)
 
 
 def bundle_bytes(bundle: Bundle) -> bytes:
