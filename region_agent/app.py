@@ -31,6 +31,7 @@ from kernel.signing import TrustedKeys
 from . import store_health
 from .audit import BypassAudit, make_sink
 from .auth import AgentAuth, agent_guard
+from .decision_log import DecisionLog
 from .engine import DecisionEngine
 from .epoch import EpochCheck
 from .fallback import LocalAllowances
@@ -251,7 +252,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                               metrics=m, fallback=LocalAllowances(settings.fallback_max_keys),
                               budget_ms=settings.decision_budget_ms, leases=state.leases,
                               negative=NegativeCache(cap_ms=settings.negative_cache_ms), telemetry=telemetry,
-                              allocator_clock=clock)
+                              allocator_clock=clock, decision_log=DecisionLog.from_settings(settings, state.keys, m))
         if state.leases is not None:
             state.leases.start()
             if settings.lease_warmup:
@@ -291,6 +292,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
             audit.flush(force=True)
+            if state.engine is not None and state.engine.decision_log is not None:
+                state.engine.decision_log.close()
             if state.leases is not None:  # close the leases held and report them (returned to the pool now)
                 await state.leases.shutdown(settings.shutdown_report_ms / 1000)
                 await state.leases.client.aclose()

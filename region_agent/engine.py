@@ -73,7 +73,8 @@ class DecisionEngine:
                  fallback: LocalAllowances | None = None, budget_ms: int = 50,
                  clock: Callable[[], float] = time.monotonic, leases: Any | None = None,
                  negative: NegativeCache | None = None, telemetry: DecisionTelemetry | None = None,
-                 wall_clock: Callable[[], float] = time.time, allocator_clock: AllocatorClock | None = None):
+                 wall_clock: Callable[[], float] = time.time, allocator_clock: AllocatorClock | None = None,
+                 decision_log: Any = None):
         self.get_bundle = get_bundle
         self.keys = keys
         self.store = store
@@ -93,6 +94,7 @@ class DecisionEngine:
         self.denials = Denials(self.negative, metrics, self.now_ms)
         # counters, latency, new keys and the bypass audit of each finished decision
         self.telemetry = telemetry or DecisionTelemetry(metrics)
+        self.decision_log = decision_log  # region_agent.decision_log.DecisionLog; None: off (the default)
 
     def now_ms(self) -> float:
         return self.clock() * 1000.0
@@ -388,6 +390,8 @@ class DecisionEngine:
                                   (r.spend for r in prep.reservations), fallback=d.fallback)
         self.telemetry.decided(prep.plan, prep.bundle, d, self.clock() - prep.started, now=prep.started,
                                touched_store=prep.early is None and not d.fallback and d.http_status != 503)
+        if self.decision_log is not None:
+            self.decision_log.decided(prep.plan, prep.bundle, d)
         return d
 
     def _give_back(self, prep: _Prepared) -> None:

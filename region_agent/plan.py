@@ -60,6 +60,7 @@ class Plan:
     argv_rules: tuple | None = None
     has_pool: bool = False  # a slot spends a tenant pool balance (Role.POOL)
     shape: Shape | None = None  # what the plan was built from (shared, read-only)
+    request: AdmitRequest | None = None  # the question (the sampled decision log reads the principal from it)
 
     @property
     def anonymous(self) -> bool:
@@ -256,7 +257,7 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
         decision_key = KeyBuilder.unrecorded_decision_key(tenant=tenant if ip_tag is None else None, ip_tag=ip_tag)
     return Plan(req.request_id, tenant, ptype, shape.enforced, calls, shape.slots, shadow_calls, shape.shadow_slots,
                 spends, decision_key, shape.decision_ttl_ms, question, shape.slack_ms, cost_hint, argv_rules,
-                shape.has_pool, shape)
+                shape.has_pool, shape, req)
 
 
 _NONE: tuple = ()  # the shared empty sequence of a plan without shadow calls or global spends
