@@ -96,7 +96,8 @@ async def test_bounded_bytes_per_second_and_rotation(tmp_path: Path):
         c.t += 0.2
         await e.admit(req(200 + i))
     dl.close()
-    files = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("decisions.jsonl"))
+    import os
+    files = sorted(n for n in os.listdir(tmp_path) if n.startswith("decisions.jsonl"))
     assert files == ["decisions.jsonl", "decisions.jsonl.1", "decisions.jsonl.2"]
     assert all((tmp_path / f).stat().st_size <= 65_536 for f in files)
 
