@@ -316,6 +316,50 @@ def register(psub: Any, etcd_opts: Any) -> None:
     sp.add_argument("--pepper-file", help="your agents' pepper: keys as the agents derive them")
     _out_opt(sp)
     sp.set_defaults(func=cmd_explain)
+    register_replay(psub)
 
 
 __all__ = ["EXIT_CANARY_WORSE", "emit", "fail", "register"]
+
+
+# ------------------------------------------------------------------------------ replay
+def cmd_replay(args: argparse.Namespace) -> int:
+    from . import replay as rp
+
+    if not 0 <= args.threshold <= 1:
+        return fail(args, "--threshold is a fraction in [0, 1] (0.05: five percentage points)")
+    try:
+        new = load_policy(args.new)
+        current = load_policy(args.against) if args.against else None
+        lines, bad = rp.read_log(args.log)
+        if not lines:
+            return fail(args, f"no decision lines in {', '.join(args.log)} ({bad} unreadable)")
+        events = rp.expand(lines, args.max_events)
+    except PolicyError as e:
+        return fail(args, e)
+    except rp.ReplayError as e:
+        return fail(args, str(e))
+    obs = rp.observed(lines)
+    cur = rp.replay(current, events, f"bundle {current.bundle_version} ({args.against})") if current else obs
+    res = rp.replay(new, events, f"bundle {new.bundle_version} ({args.new})")
+    rows = rp.compare(obs, cur, res, args.threshold)
+    doc = {"lines": len(lines), "questions": len(events), "unreadable": bad, "threshold": args.threshold,
+           "current": cur.name, "new": res.name,
+           "rules": [{"rule": r.rule, "questions": r.evaluated, "observed": r.observed, "current": r.current,
+                      "new": r.new, "flag": r.flag or None} for r in rows]}
+    emit(args, doc, rp.render(rows, obs, cur, res, args.threshold, len(lines), len(events), bad))
+    return EXIT_CANARY_WORSE if any(r.flag == "up" for r in rows) else EXIT_OK
+
+
+def register_replay(psub: Any) -> None:
+    sp = psub.add_parser("replay", help="replay the sampled decision log through a bundle: the denial rate per "
+                                        "rule under the current and the new bundle (exit 8 when a rule denies "
+                                        "more by over --threshold)")
+    sp.add_argument("new", help="the new bundle (JSON) or policy source (YAML)")
+    sp.add_argument("--log", nargs="+", required=True, metavar="FILE", help="decision log files (rotated ones too)")
+    sp.add_argument("--against", metavar="CURRENT", help="the current bundle (default: the outcomes the log recorded)")
+    sp.add_argument("--threshold", type=float, default=0.05,
+                    help="flag a rule whose denial rate changes by more than this fraction (default 0.05)")
+    sp.add_argument("--max-events", type=int, default=5_000_000, help="bound on the questions replayed")
+    _out_opt(sp)
+    sp.set_defaults(func=cmd_replay)
