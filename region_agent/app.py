@@ -228,6 +228,15 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     else:
         holder._on_reload = holder._on_reload or on_reload
     m.policy_version.set(holder.bundle.bundle_version)
+    holder.region, holder.agent_id = settings.region, settings.agent_id  # who a canary slice names
+
+    def on_canary(outcome: str, version: int) -> None:
+        if outcome == "set":
+            m.policy_candidate.set(version)
+        else:
+            m.policy_canary.labels(outcome).inc()
+
+    holder.on_canary = on_canary
     m.policy_age.set_function(lambda: time.monotonic() - holder.checked_at)  # etcd: the watcher's age
     configure_jitter(settings.retry_jitter_pct, settings.retry_jitter_max_ms, settings.retry_jitter_seed)
     audit = BypassAudit(m, make_sink(settings.audit_log))
@@ -248,7 +257,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         telemetry = DecisionTelemetry(m, audit=audit,
                                       shard_of=state.store.shard_of if getattr(state.store, "cluster", False)
                                       else None)
-        state.engine = DecisionEngine(get_bundle=lambda: state.holder.bundle, keys=state.keys, store=state.store,
+        state.engine = DecisionEngine(get_bundle=lambda: state.holder.bundle, bundle_for=state.holder.bundle_for,
+                              keys=state.keys, store=state.store,
                               metrics=m, fallback=LocalAllowances(settings.fallback_max_keys),
                               budget_ms=settings.decision_budget_ms, leases=state.leases,
                               negative=NegativeCache(cap_ms=settings.negative_cache_ms), telemetry=telemetry,

@@ -191,14 +191,22 @@ class BundleMemo:
 
 
 _last_memo: BundleMemo | None = None
+_other_memo: BundleMemo | None = None
 
 
 def memo_of(bundle: Bundle) -> BundleMemo:
-    """The memo of ``bundle`` (one slot: the snapshot in force; a new snapshot replaces it)."""
-    global _last_memo
+    """The memo of ``bundle``. Two slots: the snapshot in force and, while a canary is staged, the
+    other of the pair a request may be evaluated against (the current and the candidate bundle);
+    a third snapshot replaces the older one."""
+    global _last_memo, _other_memo
     m = _last_memo
     if m is None or m.bundle is not bundle:
-        m = _last_memo = BundleMemo(bundle)
+        o = _other_memo
+        if o is not None and o.bundle is bundle:
+            _other_memo, _last_memo = m, o
+            return o
+        _other_memo, m = m, BundleMemo(bundle)
+        _last_memo = m
     return m
 
 
