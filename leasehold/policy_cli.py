@@ -317,6 +317,8 @@ def register(psub: Any, etcd_opts: Any) -> None:
     _out_opt(sp)
     sp.set_defaults(func=cmd_explain)
     register_replay(psub)
+    from .policy_canary import register as register_canary
+    register_canary(psub, etcd_opts, _out_opt, _key_opt)
 
 
 __all__ = ["EXIT_CANARY_WORSE", "emit", "fail", "register"]
