@@ -74,6 +74,11 @@ def _coerce(tp: Any, raw: str) -> Any:
             return int(raw)
         except ValueError:
             return raw
+    if tp is float:
+        try:
+            return float(raw)
+        except ValueError:
+            return raw
     return raw
 
 

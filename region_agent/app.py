@@ -31,6 +31,7 @@ from kernel.signing import TrustedKeys
 from . import store_health
 from .audit import BypassAudit, make_sink
 from .auth import AgentAuth, agent_guard
+from .decision_log import DecisionLog
 from .engine import DecisionEngine
 from .epoch import EpochCheck
 from .fallback import LocalAllowances
@@ -227,6 +228,15 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     else:
         holder._on_reload = holder._on_reload or on_reload
     m.policy_version.set(holder.bundle.bundle_version)
+    holder.region, holder.agent_id = settings.region, settings.agent_id  # who a canary slice names
+
+    def on_canary(outcome: str, version: int) -> None:
+        if outcome == "set":
+            m.policy_candidate.set(version)
+        else:
+            m.policy_canary.labels(outcome).inc()
+
+    holder.on_canary = on_canary
     m.policy_age.set_function(lambda: time.monotonic() - holder.checked_at)  # etcd: the watcher's age
     configure_jitter(settings.retry_jitter_pct, settings.retry_jitter_max_ms, settings.retry_jitter_seed)
     audit = BypassAudit(m, make_sink(settings.audit_log))
@@ -247,11 +257,12 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         telemetry = DecisionTelemetry(m, audit=audit,
                                       shard_of=state.store.shard_of if getattr(state.store, "cluster", False)
                                       else None)
-        state.engine = DecisionEngine(get_bundle=lambda: state.holder.bundle, keys=state.keys, store=state.store,
+        state.engine = DecisionEngine(get_bundle=lambda: state.holder.bundle, bundle_for=state.holder.bundle_for,
+                              keys=state.keys, store=state.store,
                               metrics=m, fallback=LocalAllowances(settings.fallback_max_keys),
                               budget_ms=settings.decision_budget_ms, leases=state.leases,
                               negative=NegativeCache(cap_ms=settings.negative_cache_ms), telemetry=telemetry,
-                              allocator_clock=clock)
+                              allocator_clock=clock, decision_log=DecisionLog.from_settings(settings, state.keys, m))
         if state.leases is not None:
             state.leases.start()
             if settings.lease_warmup:
@@ -291,6 +302,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
             audit.flush(force=True)
+            if state.engine is not None and state.engine.decision_log is not None:
+                state.engine.decision_log.close()
             if state.leases is not None:  # close the leases held and report them (returned to the pool now)
                 await state.leases.shutdown(settings.shutdown_report_ms / 1000)
                 await state.leases.client.aclose()

@@ -73,8 +73,11 @@ class DecisionEngine:
                  fallback: LocalAllowances | None = None, budget_ms: int = 50,
                  clock: Callable[[], float] = time.monotonic, leases: Any | None = None,
                  negative: NegativeCache | None = None, telemetry: DecisionTelemetry | None = None,
-                 wall_clock: Callable[[], float] = time.time, allocator_clock: AllocatorClock | None = None):
+                 wall_clock: Callable[[], float] = time.time, allocator_clock: AllocatorClock | None = None,
+                 decision_log: Any = None, bundle_for: Callable[[str | None], Bundle] | None = None):
         self.get_bundle = get_bundle
+        # the bundle one request of a tenant is evaluated against (a canary slice); None: get_bundle's
+        self.bundle_for = bundle_for
         self.keys = keys
         self.store = store
         self.metrics = metrics
@@ -93,6 +96,7 @@ class DecisionEngine:
         self.denials = Denials(self.negative, metrics, self.now_ms)
         # counters, latency, new keys and the bypass audit of each finished decision
         self.telemetry = telemetry or DecisionTelemetry(metrics)
+        self.decision_log = decision_log  # region_agent.decision_log.DecisionLog; None: off (the default)
 
     def now_ms(self) -> float:
         return self.clock() * 1000.0
@@ -104,7 +108,8 @@ class DecisionEngine:
     # ------------------------------------------------------------------ public API
     async def admit(self, req: AdmitRequest, *, decoded: bool = False) -> Decision:
         """``decoded``: ``req`` came from the strict wire decoder (its id patterns were checked)."""
-        bundle = self.get_bundle()  # one snapshot for the whole request
+        # one snapshot for the whole request (with a canary staged: the candidate when it is in the slice)
+        bundle = self.get_bundle() if self.bundle_for is None else self.bundle_for(req.tenant_id)
         plan = build_plan(bundle, req, self.keys, checked=decoded)  # raises ValidationFailed before any key exists
         prep = self._begin(plan, bundle)
         if prep.early is None and plan.global_spends:
@@ -130,13 +135,15 @@ class DecisionEngine:
 
     async def admit_many(self, reqs: list[AdmitRequest], *, decoded: bool = False) -> list[Decision]:
         """Batch: every item's tenant call goes in one coalesced pipeline (one round trip per shard)."""
-        bundle = self.get_bundle()
         keys = self.keys
-        plans = [build_plan(bundle, r, keys, checked=decoded) for r in reqs]  # whole batch is 422 if one is malformed
+        bundle_for = self.bundle_for
+        bundles = [self.get_bundle()] * len(reqs) if bundle_for is None else [bundle_for(r.tenant_id) for r in reqs]
+        plans = [build_plan(b, r, keys, checked=decoded)  # whole batch is 422 if one is malformed
+                 for b, r in zip(bundles, reqs, strict=True)]
         budget = batch_budget_s(self.budget, len(plans))
         started = self.clock()  # one start (deadline, negative-cache time) for the whole batch
         begin = self._begin
-        preps = [begin(p, bundle, budget, started) for p in plans]
+        preps = [begin(p, b, budget, started) for p, b in zip(plans, bundles, strict=True)]
         pending = [p for p in preps if p.early is None and p.plan.global_spends]
         if pending:  # only items spending fleet-wide chunk leases may wait (a renewal)
             await asyncio.gather(*(self._take_globals(p) for p in pending))
@@ -163,7 +170,7 @@ class DecisionEngine:
         return out
 
     async def release(self, req: ReleaseRequest) -> int:
-        bundle = self.get_bundle()
+        bundle = self.get_bundle() if self.bundle_for is None else self.bundle_for(req.tenant_id)
         cc_keys = cc_keys_for_release(bundle, request_tenant=req.tenant_id, principal=req.principal,
                                       route_group=req.route_group, keys=self.keys)
         deadline = self.clock() + self.budget  # the decision budget, as for an admission
@@ -174,7 +181,8 @@ class DecisionEngine:
     async def renew(self, req: RenewRequest) -> tuple[int, int]:
         """Heartbeat: (slots extended, gates). A slot that was released or expired
         is not revived; the gateway then treats the export as unprotected or ends it."""
-        gates = cc_gates(self.get_bundle(), request_tenant=req.tenant_id, principal=req.principal,
+        bundle = self.get_bundle() if self.bundle_for is None else self.bundle_for(req.tenant_id)
+        gates = cc_gates(bundle, request_tenant=req.tenant_id, principal=req.principal,
                          route_group=req.route_group, keys=self.keys)
         deadline = self.clock() + self.budget  # the decision budget, as for a release
         renewed = 0
@@ -388,6 +396,8 @@ class DecisionEngine:
                                   (r.spend for r in prep.reservations), fallback=d.fallback)
         self.telemetry.decided(prep.plan, prep.bundle, d, self.clock() - prep.started, now=prep.started,
                                touched_store=prep.early is None and not d.fallback and d.http_status != 503)
+        if self.decision_log is not None:
+            self.decision_log.decided(prep.plan, prep.bundle, d)
         return d
 
     def _give_back(self, prep: _Prepared) -> None:

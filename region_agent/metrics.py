@@ -82,6 +82,21 @@ class AgentMetrics:
                                     "(gateway_ahead triggers an immediate policy refresh)", ["relation"], registry=r)
         for relation in ("gateway_ahead", "gateway_behind"):
             self.policy_epoch.labels(relation)
+        # staged release (docs/policy.md): the candidate bundle held for this agent's slice, 0 when none
+        self.policy_candidate = Gauge("leasehold_agent_policy_candidate_version",
+                                      "Canary bundle version held for this agent's slice (0: none)", registry=r)
+        self.policy_canary = Counter("leasehold_agent_policy_canary_offers_total",
+                                     "Canary bundles offered from etcd, by outcome (accepted, kept: the held one "
+                                     "stays because the offer would lower a version a slice evaluates, refused)",
+                                     ["outcome"], registry=r)
+        for outcome in ("accepted", "kept", "refused"):
+            self.policy_canary.labels(outcome)
+        # the sampled decision log (region_agent/decision_log.py; off by default)
+        self.decision_log_lines = Counter("leasehold_agent_decision_log_lines_total",
+                                          "Sampled decisions for the decision log, by result (written; dropped: over "
+                                          "the bytes-per-second bound or a write error)", ["result"], registry=r)
+        for result in ("written", "dropped"):
+            self.decision_log_lines.labels(result)
         self.shadow = Counter("leasehold_agent_shadow_decisions_total", "Shadow rule evaluations",
                               ["rule", "outcome"], registry=r)
         self.policy_defects = Counter("leasehold_agent_policy_defects_total",

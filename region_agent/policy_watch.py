@@ -31,7 +31,7 @@ def make_watcher(holder: PolicyHolder, endpoints: str, *, prefix: str, reread_ms
     kw = {"user": user, "password": password} if user else {}
     store = EtcdStore(endpoints, timeout_s=timeout_ms / 1000, **kw)
     return PolicyWatcher(PolicyStore(store, prefix), offer=holder.offer, refuse=holder.refuse_invalid,
-                         reread_s=reread_ms / 1000)
+                         reread_s=reread_ms / 1000, offer_canary=holder.offer_canary)
 
 
 def age_gauge(m: AgentMetrics, watcher: PolicyWatcher) -> None:
