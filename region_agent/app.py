@@ -18,7 +18,7 @@ from litestar import Litestar, MediaType, Response, get, post
 from litestar.di import NamedDependency, Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.params import Body
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError, Unavailable
@@ -202,7 +202,7 @@ async def readyz(agent: NamedDependency[AgentState]) -> Response:
 
 @get("/metrics", summary="Prometheus metrics", include_in_schema=False)
 async def metrics(agent: NamedDependency[AgentState]) -> Response:
-    return Response(generate_latest(agent.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(agent.metrics.render(), media_type=CONTENT_TYPE_LATEST)  # several workers: all of them
 
 
 # ---------------------------------------------------------------------------------- app
@@ -295,6 +295,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                 await state.leases.shutdown(settings.shutdown_report_ms / 1000)
                 await state.leases.client.aclose()
             await state.store.close()
+            m.close()
 
     app = Litestar(
         route_handlers=[admit, admit_batch, release, renew, policy, leases_view, healthz, readyz, metrics, authz],
@@ -398,6 +399,8 @@ async def _background(state: AgentState) -> None:
                 await state.store.load()
         if state.audit is not None:
             state.audit.flush()
+        if state.metrics.multiprocess:  # several workers: this one's counts reach the shared files
+            state.metrics.flush()
 
 
 def _refresh_policy(state: AgentState) -> None:

@@ -37,7 +37,7 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     policy_etcd_user: str | None = None  # etcd user (read-only role on the policy key)
     policy_etcd_password_file: str | None = None  # or LEASEHOLD_AGENT_POLICY_ETCD_PASSWORD
     policy_public_keys: list[str] = []  # Ed25519 public key PEM files: bundles must be signed by one of them
-    audit_log: str | None = None  # JSON lines of privileged-bypass (exempt rule) decisions; default: stderr
+    audit_log: str = "leasehold-audit.jsonl"  # JSON lines of privileged-bypass (exempt rule) decisions ("-": stderr)
     store_health_ms: Annotated[int, Meta(ge=0, le=600_000)] = 5_000  # INFO poll per shard (0 disables)
     retry_jitter_pct: Annotated[int, Meta(ge=0, le=100)] = 10  # upward retry-hint jitter, % of the hint
     retry_jitter_max_ms: Annotated[int, Meta(ge=0, le=600_000)] = 5_000  # ... and at most this much
