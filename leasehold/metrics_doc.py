@@ -73,6 +73,7 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_rls_invalid_total": "invalid-argument reasons of region_agent.gateways (< 10)",
     "leasehold_agent_rls_descriptors_total": "2 codes",
     "leasehold_agent_rls_seconds": "1",
+    "leasehold_agent_authz_seconds": "1",
     "leasehold_agent_authz_requests_total": "HTTP statuses answered (< 10)",
     "leasehold_agent_authz_invalid_total": "malformed-question reasons of region_agent.gateways (< 10)",
     "leasehold_allocator_grants_total": "P x N",

@@ -18,6 +18,7 @@ token table as ``/v1/admit``): ``Authorization: Bearer <token>``, or the same va
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -51,9 +52,11 @@ def _headers(scope: dict, wanted: frozenset[str]) -> dict[str, str]:
 async def authz(scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]) -> None:
     """Mounted raw ASGI handler (every method, every path under ``/v1/authz``)."""
     gw = scope["app"].state.agent.gateways
+    started = time.perf_counter()
     path = scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0] or scope.get("path", "")
     status, headers, body = await answer(gw, scope, path)
     gw.metrics.authz_calls.labels(str(status)).inc()
+    gw.metrics.authz_latency.observe(time.perf_counter() - started)
     raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
     if scope["method"] == "HEAD":
         body = b""
