@@ -20,6 +20,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.params import Body
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kernel import tracing
 from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError, Unavailable
 from kernel.http_errors import exception_handlers, problem_response
@@ -212,6 +213,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     """Build the app. ``store_factory(settings, metrics) -> StoreGateway`` is for the lifespan;
     the default connects to ``settings.redis_url``."""
     m = metrics_obj or AgentMetrics()
+    tracing.setup("leasehold-agent", settings.otlp_endpoint, settings.trace_sample_ratio)  # off without an endpoint
 
     def on_reload(res: ReloadResult) -> None:
         m.policy_reloads.labels(res.outcome).inc()
@@ -240,6 +242,9 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         factory = store_factory or default_store_factory
         state.store = factory(settings, m)
+        if tracing.ENABLED:  # a span per script call (region_agent.tracing)
+            from .tracing import TracedStore
+            state.store = TracedStore(state.store)
         if hasattr(state.store, "start"):
             state.store.start()
         clock = AllocatorClock(unknown_offset_ms=settings.allocator_clock_uncertainty_ms)
@@ -296,6 +301,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                 await state.leases.client.aclose()
             await state.store.close()
             m.close()
+            tracing.shutdown()
 
     app = Litestar(
         route_handlers=[admit, admit_batch, release, renew, policy, leases_view, healthz, readyz, metrics, authz],

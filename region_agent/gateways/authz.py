@@ -28,6 +28,7 @@ from kernel.auth import SCOPE_KEY, authenticate
 from kernel.errors import BadRequest, LeaseholdError, ValidationFailed
 from kernel.http_errors import problem_answer
 
+from ..tracing import decision as traced_decision
 from .answer import authz_answer
 from .mapping import BadQuestion, authz_question
 
@@ -79,7 +80,7 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
             raise BadRequest(f"{names.headers['deny_status']} must be 401, 403 or 429")
         q = authz_question(names, hdrs, method=scope["method"],
                            forwarded_path=path[len(PATH):] or None)
-        (decision,) = await gw.decide([q])
+        (decision,) = await traced_decision("authz", scope.get("headers", ()), q.request_id, gw.decide, [q])
         a = authz_answer(decision, deny_status=DENY_STATUSES[deny] if deny is not None else None)
         return a.status, a.headers, a.body
     except LeaseholdError as e:
