@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from kernel import tracing
 from kernel.asgi import read_body, replay
 from kernel.auth import SCOPE_KEY
 from kernel.errors import LeaseholdError
@@ -125,8 +126,12 @@ async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[N
                   before_engine: Callable[[Any, list], list], raw_headers: Any = ()) -> None:
     try:
         [(req, early)] = before_engine(st, [req])
-        decision = early if early is not None else await traced_decision(
-            "http", raw_headers, req.request_id, st.engine.admit, req, decoded=True)  # a span when tracing is on
+        if early is not None:
+            decision = early
+        elif not tracing.ENABLED:
+            decision = await st.engine.admit(req, decoded=True)
+        else:  # a span per decision (region_agent.tracing)
+            decision = await traced_decision("http", raw_headers, req.request_id, st.engine.admit, req, decoded=True)
     except LeaseholdError as e:
         return await _send_problem(send, e, PATH)
     await _send(send, 200, _encode(decision), _JSON_HEADERS)
