@@ -18,8 +18,9 @@ from litestar import Litestar, MediaType, Response, get, post
 from litestar.di import NamedDependency, Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.params import Body
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from kernel import tracing
 from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError, Unavailable
 from kernel.http_errors import exception_handlers, problem_response
@@ -203,7 +204,7 @@ async def readyz(agent: NamedDependency[AgentState]) -> Response:
 
 @get("/metrics", summary="Prometheus metrics", include_in_schema=False)
 async def metrics(agent: NamedDependency[AgentState]) -> Response:
-    return Response(generate_latest(agent.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(agent.metrics.render(), media_type=CONTENT_TYPE_LATEST)  # several workers: all of them
 
 
 # ---------------------------------------------------------------------------------- app
@@ -213,6 +214,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     """Build the app. ``store_factory(settings, metrics) -> StoreGateway`` is for the lifespan;
     the default connects to ``settings.redis_url``."""
     m = metrics_obj or AgentMetrics()
+    tracing.setup("leasehold-agent", settings.otlp_endpoint, settings.trace_sample_ratio)  # off without an endpoint
 
     def on_reload(res: ReloadResult) -> None:
         m.policy_reloads.labels(res.outcome).inc()
@@ -250,6 +252,9 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         factory = store_factory or default_store_factory
         state.store = factory(settings, m)
+        if tracing.ENABLED:  # a span per script call (region_agent.tracing)
+            from .tracing import TracedStore
+            state.store = TracedStore(state.store)
         if hasattr(state.store, "start"):
             state.store.start()
         clock = AllocatorClock(unknown_offset_ms=settings.allocator_clock_uncertainty_ms)
@@ -308,6 +313,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                 await state.leases.shutdown(settings.shutdown_report_ms / 1000)
                 await state.leases.client.aclose()
             await state.store.close()
+            m.close()
+            tracing.shutdown()
 
     app = Litestar(
         route_handlers=[admit, admit_batch, release, renew, policy, leases_view, healthz, readyz, metrics, authz],
@@ -411,6 +418,8 @@ async def _background(state: AgentState) -> None:
                 await state.store.load()
         if state.audit is not None:
             state.audit.flush()
+        if state.metrics.multiprocess:  # several workers: this one's counts reach the shared files
+            state.metrics.flush()
 
 
 def _refresh_policy(state: AgentState) -> None:

@@ -41,7 +41,7 @@ from .leasing.fleet_pools import FleetPools, TakeStatus
 from .leasing.topup import pool_denial, topped_up, wait_s
 from .leasing.window_clock import AllocatorClock, Windows
 from .metrics import AgentMetrics
-from .models import AdmitRequest, Decision, DeniedScope, Reason, ReleaseRequest, RenewRequest
+from .models import AdmitRequest, Decision, DecisionSource, DeniedScope, Reason, ReleaseRequest, RenewRequest
 from .negcache import NegativeCache
 from .outcome import Answer, NextStep, Outcome, outcome, pool_denial_slot
 from .plan import GlobalSpend, Plan, build_plan, cc_gates, cc_keys_for_release, memo_of
@@ -201,7 +201,7 @@ class DecisionEngine:
         prep = _Prepared(plan, bundle, started, started + (budget or self.budget), [])
         held = self.denials.hit(plan, started * 1000.0)
         if held is not None:
-            prep.early = self._answer(prep, held)
+            prep.early = self._answer(prep, held, DecisionSource.NEGATIVE_CACHE)
             return prep
         if self.leases is not None:
             for _, pool, key, tokens in tenant_pool_slots(plan, memo_of(bundle).pools):
@@ -222,12 +222,14 @@ class DecisionEngine:
             if took.status is TakeStatus.DENIED:
                 prep.early = self._answer(prep, Answer(False, spend.rule, DeniedScope.GLOBAL, Reason.RATE_EXCEEDED,
                                                        spend.pool.limit, 0, took.retry_ms,
-                                                       prep.used_fallback or took.fallback))
+                                                       prep.used_fallback or took.fallback),
+                                          DecisionSource.POOL_FALLBACK if took.fallback else DecisionSource.CHUNK)
             elif took.status is TakeStatus.SHED:
                 prep.early = self._shed(prep, "pool")
             else:
                 prep.early = self._answer(prep, Answer(False, spend.rule, DeniedScope.GLOBAL,
-                                                       Reason.LIMITER_UNAVAILABLE, retry=took.retry_ms))
+                                                       Reason.LIMITER_UNAVAILABLE, retry=took.retry_ms),
+                                          DecisionSource.FAIL_CLOSED)
             break
 
     # ------------------------------------------------------------------ 2. script call
@@ -308,11 +310,13 @@ class DecisionEngine:
                 self.denials.remember(plan, o.slot, o.answer, calls=calls, fallback=fallback)
             elif o.answer.allowed:
                 self.denials.forget(plan, calls)  # a probe passed: its denial no longer holds
-            return self._answer(prep, o.answer)
+            return self._answer(prep, o.answer, DecisionSource.POOL_FALLBACK if fallback else DecisionSource.SCRIPT)
         if o.step is NextStep.ALLOWED_WITHOUT_SCRIPT:
             self.denials.forget(plan, calls)
             d = self._allowed_without_script(prep)
             d.fallback = d.fallback or fallback
+            if fallback:
+                d.source = DecisionSource.POOL_FALLBACK
             return d
         if o.step is NextStep.CONFLICT:
             self._give_back(prep)
@@ -348,7 +352,7 @@ class DecisionEngine:
         """The allocator is unreachable and slot ``idx``'s balance is empty (region_agent.degraded)."""
         fb = self.local.pool_allowance(prep.plan, memo_of(prep.bundle).pools, idx)
         if fb.closed is not None:
-            return self._answer(prep, fb.closed)
+            return self._answer(prep, fb.closed, DecisionSource.FAIL_CLOSED)
         if fb.call is None:  # the allocator's clock is too uncertain: the script's denial stands
             return await self._settle(prep, res, fallback=True, retry_floor=fb.retry_floor_ms)
         return await self._settle(prep, await self._send_one(prep, fb.call), retry=False, fallback=True,
@@ -361,9 +365,11 @@ class DecisionEngine:
             return self._shed(prep, got.shed)
         self.denials.forget(prep.plan)  # a probe answered by the fallback: the store's old denial is over
         if got.answer is not None:
-            return self._answer(prep, got.answer)
+            closed = got.answer.reason is Reason.LIMITER_UNAVAILABLE
+            return self._answer(prep, got.answer, DecisionSource.FAIL_CLOSED if closed else DecisionSource.LOCAL_FALLBACK)
         d = self._allowed_without_script(prep)  # failMode open
         d.fallback = True
+        d.source = DecisionSource.FAIL_OPEN
         return d
 
     def _allowed_without_script(self, prep: _Prepared) -> Decision:
@@ -372,21 +378,24 @@ class DecisionEngine:
         for r in prep.reservations:
             if r.spend.rule is report:
                 return self._answer(prep, Answer(True, report, limit=r.spend.pool.limit,
-                                                 remaining=self.fleet.remaining(r.spend.pool.id)))
-        return self._answer(prep, Answer(True, report))
+                                                 remaining=self.fleet.remaining(r.spend.pool.id)),
+                                    DecisionSource.POOL_FALLBACK if prep.used_fallback else DecisionSource.CHUNK)
+        return self._answer(prep, Answer(True, report),
+                            DecisionSource.CHUNK if prep.reservations else DecisionSource.POLICY)
 
     def _shed(self, prep: _Prepared, stage: str) -> Decision:
         """Overload: this agent could not get the decision's store answer within its budget while
         the store is answering. A retriable 503 (``OVERLOADED``), counted; never a fallback."""
         self.metrics.shed.labels(stage).inc()
-        return self._answer(prep, SHED)
+        return self._answer(prep, SHED, DecisionSource.OVERLOAD)
 
     # ------------------------------------------------------------------ 4. HTTP
-    def _answer(self, prep: _Prepared, a: Answer) -> Decision:
-        """The decision record of ``a``; a denial gives the reserved global pool tokens back."""
+    def _answer(self, prep: _Prepared, a: Answer, source: DecisionSource = DecisionSource.SCRIPT) -> Decision:
+        """The decision record of ``a`` made by ``source``; a denial gives the reserved global pool
+        tokens back."""
         if not a.allowed:
             self._give_back(prep)
-        return decision_record(prep.plan, prep.bundle, a, self.metrics)
+        return decision_record(prep.plan, prep.bundle, a, self.metrics, source)
 
     def _finish(self, prep: _Prepared, d: Decision) -> Decision:
         if d.allowed and prep.used_fallback:

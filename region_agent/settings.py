@@ -46,7 +46,7 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     decision_log_bytes_per_s: Annotated[int, Meta(ge=1_024, le=1 << 30)] = 262_144
     decision_log_max_bytes: Annotated[int, Meta(ge=65_536, le=1 << 40)] = 64 << 20  # rotated at this size
     decision_log_backups: Annotated[int, Meta(ge=1, le=1_000)] = 5
-    audit_log: str | None = None  # JSON lines of privileged-bypass (exempt rule) decisions; default: stderr
+    audit_log: str = "leasehold-audit.jsonl"  # JSON lines of privileged-bypass (exempt rule) decisions ("-": stderr)
     store_health_ms: Annotated[int, Meta(ge=0, le=600_000)] = 5_000  # INFO poll per shard (0 disables)
     retry_jitter_pct: Annotated[int, Meta(ge=0, le=100)] = 10  # upward retry-hint jitter, % of the hint
     retry_jitter_max_ms: Annotated[int, Meta(ge=0, le=600_000)] = 5_000  # ... and at most this much
