@@ -74,6 +74,11 @@ def _coerce(tp: Any, raw: str) -> Any:
             return int(raw)
         except ValueError:
             return raw
+    if tp is float:
+        try:
+            return float(raw)
+        except ValueError:
+            return raw
     return raw
 
 
@@ -139,6 +144,9 @@ class ServingSettings(msgspec.Struct, kw_only=True, frozen=True):
     http_max_headers: typing.Annotated[int, Ms(ge=8, le=1_000)] = 100  # header fields per request: 431
     http_header_timeout_ms: typing.Annotated[int, Ms(ge=100, le=600_000)] = 10_000  # head complete within: 408
     http_body_timeout_ms: typing.Annotated[int, Ms(ge=100, le=600_000)] = 10_000  # body complete after the head: 408
+    log_format: Literal["text", "json"] = "text"  # json: one object per line (time, level, logger, message, ids)
+    otlp_endpoint: str | None = None  # OpenTelemetry tracing: OTLP/gRPC collector, e.g. http://127.0.0.1:4317 (off if unset)
+    trace_sample_ratio: typing.Annotated[float, Ms(ge=0.0, le=1.0)] = 1.0  # share of new traces sampled (a gateway's sampled flag is followed)
 
     def http_limits(self) -> Any:
         """The :class:`kernel.httpserver.HttpLimits` these settings ask for."""

@@ -19,6 +19,7 @@ import httpx
 from kernel.bundle import load_bundle_file
 from kernel.errors import PolicyError
 
+from .policy_cli import register as register_policy_commands
 from .topology import (
     DEFAULT_POLICY,
     LocalTopology,
@@ -530,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--raw", action="store_true", help="print the stored JSON as is")
     etcd_opts(sp)
     sp.set_defaults(func=cmd_policy_show)
+    register_policy_commands(psub, etcd_opts)  # leasehold/policy_cli.py: compile, seal, diff, replay, canary, ...
 
     sp = sub.add_parser("demo", help="start the topology, drive demo traffic, show a live view (Ctrl-C stops)")
     topo_opts(sp)

@@ -34,6 +34,7 @@ from typing import Any
 
 import msgspec
 
+from kernel import tracing
 from kernel.asgi import read_body, replay
 from kernel.auth import SCOPE_KEY
 from kernel.errors import LeaseholdError
@@ -42,6 +43,7 @@ from kernel.jsonbody import content_type_of, is_json_media_type, repeats_keys
 
 from .admission import http_conflict, is_conflict
 from .models import MAX_BATCH_BODY_BYTES, AdmitBatch, AdmitRequest, keys_shown
+from .tracing import decision as traced_decision
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 PATH = "/v1/admit"
@@ -105,7 +107,7 @@ def admit_fast_path(state_of: Callable[[], Any], max_body: int,
             if batch:
                 await _answer_batch(st, req, send, decide_batch)  # type: ignore[arg-type]
             else:
-                await _answer(st, req, send)
+                await _answer(st, req, send, raw_headers)
 
         return serve
 
@@ -121,9 +123,13 @@ async def _answer_batch(st: Any, batch: AdmitBatch, send: Callable[[dict], Await
     await _send(send, 200, _encode(decisions), _JSON_HEADERS)
 
 
-async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[None]]) -> None:
+async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[None]], raw_headers: Any = ()) -> None:
     try:
-        decision = await st.admission.decide_one(req, decoded=True)
+        if not tracing.ENABLED:
+            decision = await st.admission.decide_one(req, decoded=True)
+        else:  # a span per decision (region_agent.tracing)
+            decision = await traced_decision("http", raw_headers, req.request_id, st.admission.decide_one, req,
+                                             decoded=True)
     except LeaseholdError as e:
         return await _send_problem(send, e, PATH)
     if is_conflict(decision):

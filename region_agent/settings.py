@@ -37,7 +37,16 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     policy_etcd_user: str | None = None  # etcd user (read-only role on the policy key)
     policy_etcd_password_file: str | None = None  # or LEASEHOLD_AGENT_POLICY_ETCD_PASSWORD
     policy_public_keys: list[str] = []  # Ed25519 public key PEM files: bundles must be signed by one of them
-    audit_log: str | None = None  # JSON lines of privileged-bypass (exempt rule) decisions; default: stderr
+    agent_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,64}\Z")] | None = None  # canary slices name it
+    # the sampled decision log (region_agent/decision_log.py, docs/policy.md): off unless a file is given
+    decision_log: str | None = None
+    decision_log_allow_rate: Annotated[float, Meta(ge=0, le=1)] = 0.01
+    decision_log_deny_rate: Annotated[float, Meta(ge=0, le=1)] = 1.0
+    decision_log_fallback_rate: Annotated[float, Meta(ge=0, le=1)] = 1.0
+    decision_log_bytes_per_s: Annotated[int, Meta(ge=1_024, le=1 << 30)] = 262_144
+    decision_log_max_bytes: Annotated[int, Meta(ge=65_536, le=1 << 40)] = 64 << 20  # rotated at this size
+    decision_log_backups: Annotated[int, Meta(ge=1, le=1_000)] = 5
+    audit_log: str = "leasehold-audit.jsonl"  # JSON lines of privileged-bypass (exempt rule) decisions ("-": stderr)
     store_health_ms: Annotated[int, Meta(ge=0, le=600_000)] = 5_000  # INFO poll per shard (0 disables)
     retry_jitter_pct: Annotated[int, Meta(ge=0, le=100)] = 10  # upward retry-hint jitter, % of the hint
     retry_jitter_max_ms: Annotated[int, Meta(ge=0, le=600_000)] = 5_000  # ... and at most this much
