@@ -24,7 +24,6 @@ from kernel.auth import SCOPE_KEY, RegionAuth, TokenTable, require_region
 from kernel.bundle import Bundle, load_bundle_file
 from kernel.errors import BadRequest, Unavailable, ValidationFailed
 from kernel.etcd_store import EtcdStore
-from kernel.etcd_tls import credentials as tls_credentials
 from kernel.http_errors import exception_handlers, problem_response
 from kernel.ids import LEASE_ID, LEASE_ID_RE, REGION, REGION_RE, human
 from kernel.jsonbody import StrictJSONRequest
@@ -241,10 +240,10 @@ async def metrics(state: State) -> Response[bytes]:
 # -- assembly -----------------------------------------------------------------------------------
 def etcd_credentials(settings: AllocatorSettings) -> dict[str, Any]:
     """etcd user and password (password from LEASEHOLD_ALLOCATOR_ETCD_PASSWORD or a file), and
-    TLS channel credentials when --etcd-ca-file is set."""
-    out: dict[str, Any] = {}
-    if settings.etcd_ca_file:
-        out["tls"] = tls_credentials(settings.etcd_ca_file, settings.etcd_cert_file, settings.etcd_key_file)
+    the TLS channel credentials of the link (``allocator.settings.etcd_tls``)."""
+    from .settings import etcd_tls
+
+    out: dict[str, Any] = {"tls": etcd_tls(settings)}
     if not settings.etcd_user:
         return out
     import os

@@ -351,11 +351,12 @@ def _key_cap(settings: AgentSettings):
 async def _start_policy_watch(settings: AgentSettings, state: AgentState):
     """Follow the policy key in etcd: one bounded first read, then watch + periodic re-read."""
     from .policy_watch import age_gauge, make_watcher
-    from .settings import resolve_secret
+    from .settings import policy_etcd_tls, resolve_secret
 
     password = resolve_secret(settings.policy_etcd_password_file, "POLICY_ETCD_PASSWORD")
     w = make_watcher(state.holder, settings.policy_etcd or "", prefix=settings.policy_etcd_prefix,
-                     reread_ms=settings.policy_etcd_reread_ms, user=settings.policy_etcd_user, password=password)
+                     reread_ms=settings.policy_etcd_reread_ms, user=settings.policy_etcd_user, password=password,
+                     tls=policy_etcd_tls(settings))
     age_gauge(state.metrics, w)
     with contextlib.suppress(Exception):
         await asyncio.wait_for(w.refresh(), 3.0)
