@@ -114,13 +114,19 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a killed service whose parent, ``leasehold up``,
+    is long gone stays a zombie until init reaps it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: the signal check is all we have
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def _probe(client: httpx.Client, svc: dict) -> str:
@@ -404,7 +410,7 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
     import msgspec
 
     from kernel.bundle import decode_bundle, encode_bundle
-    from kernel.errors import LeaseholdError
+    from kernel.errors import LeaseholdError, StoreUnavailable
     from kernel.policy_store import rollback_bundle
     from kernel.signing import TrustedKeys, load_private_key, public_key_from_text, sign_bundle
 
@@ -442,6 +448,8 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
             hint = ([f"the fleet requires bundles signed by one of: {', '.join(sorted(marker.keys))} "
                      f"({store.signing_key.decode()}); sign with --key"] if marker is not None else [])
             raise Failure(Exit.USAGE, f"not published: {e.detail}", hint) from None
+        except StoreUnavailable as e:
+            raise Failure(Exit.CONNECT, f"not published: cannot reach etcd ({e.detail})") from None
         except LeaseholdError as e:
             raise Failure(Exit.UNAVAILABLE if e.retriable else Exit.DENIED,
                           f"not published ({e.code}): {e.detail}") from None

@@ -70,3 +70,23 @@ def test_etcd_tls_options_are_checked_before_connecting(tmp_path: Path, capsys):
     assert "not a PEM CA certificate bundle" in capsys.readouterr().err
     assert main(["policy", "show", "--etcd", "127.0.0.1:1", "--etcd-cert-file", str(ca)]) == Exit.USAGE
     assert "go together" in capsys.readouterr().err
+
+
+def test_status_exit_codes_follow_the_worst_service(tmp_path: Path, capsys, monkeypatch):
+    import leasehold.cli as cli
+
+    services = [{"name": n, "kind": k, "pid": 1, "url": f"http://127.0.0.1:{i}", "region": "eu", "log": ""}
+                for i, (n, k) in enumerate([("etcd-m0", "etcd"), ("allocator-1", "allocator"),
+                                            ("redis-1", "redis"), ("agent-eu-1", "agent")], start=1)]
+    (tmp_path / "topology.json").write_text(json.dumps({"services": services, "secrets": None}))
+    states: dict[str, str] = {}
+    monkeypatch.setattr(cli, "_probe", lambda _client, svc: states.get(svc["name"], "ready"))
+    for broken, code in ({}, Exit.OK), ({"agent-eu-1": "not ready"}, Exit.UNAVAILABLE), \
+            ({"agent-eu-1": "not ready", "etcd-m0": "down"}, Exit.CONNECT), ({"redis-1": "exited"}, Exit.CONNECT):
+        states = broken
+        assert main(["--run-dir", str(tmp_path), "status", "-o", "json"]) == code
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["healthy"] is (code == Exit.OK)
+        assert doc["urls"] == {"agents": {"eu": ["http://127.0.0.1:4"]}, "allocators": ["http://127.0.0.1:2"],
+                               "etcd": ["http://127.0.0.1:1"], "redis": {"eu": "http://127.0.0.1:3"}}
+        assert {s["name"]: s["state"] for s in doc["services"] if s["state"] != "ready"} == broken
