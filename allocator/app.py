@@ -66,7 +66,7 @@ Guard = Callable[[ASGIConnection, BaseRouteHandler], Any]
 async def region_auth_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
     """Authentication of the lease endpoints: runs the app's check, by default
     :class:`kernel.auth.RegionAuth` (a region's bearer token, else 401); none with
-    ``--auth-disabled true``. ``create_app(auth_guard=...)`` plugs another check in here."""
+    ``--auth-disabled``. ``create_app(auth_guard=...)`` plugs another check in here."""
     check = connection.app.state.get("auth_guard")
     if check is not None:
         result = check(connection, handler)

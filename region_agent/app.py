@@ -75,7 +75,7 @@ class AgentState:
     store: Any = None
     leases: Any = None  # LeaseManager when --allocator-urls is set
     policy_watch: Any = None  # kernel.watch.PolicyWatcher when --policy-etcd is set
-    auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled true
+    auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled
     key_cap: Any = None  # region_agent.preauth.NewKeyCap; None when --anon-new-keys-per-source 0
     epoch: Any = None  # region_agent.epoch.EpochCheck (policyEpoch in requests)
     audit: Any = None  # region_agent.audit.BypassAudit
