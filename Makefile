@@ -4,11 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
-SYSTEM_BINARIES := redis-server redis-cli etcd etcdctl faketime iptables ip nginx
-APT_PACKAGES := redis-server redis-tools etcd-server etcd-client faketime iptables iproute2 nginx
+SYSTEM_BINARIES := redis-server redis-cli etcd etcdctl faketime iptables ip nginx prometheus promtool
+APT_PACKAGES := redis-server redis-tools etcd-server etcd-client faketime iptables iproute2 nginx prometheus
 PYTEST_ARGS ?=
 
-.PHONY: help setup system-deps venv run test test-unit test-integration test-e2e chaos chaos-short bench lint clean readme-tables
+.PHONY: help setup system-deps venv run test test-unit test-integration test-e2e chaos chaos-short bench lint clean readme-tables policies
 
 help:
 	@echo "make run    - set everything up, start the local two-region topology, drive the live demo"
@@ -62,6 +62,10 @@ bench: setup
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-tools >/dev/null; }
 	@[ $(VENV)/.bench-installed -nt pyproject.toml ] || { $(PIP) install -q -e '.[test,bench]' && touch $(VENV)/.bench-installed; }
 	$(PY) -m leasehold.bench $(BENCH_ARGS)
+
+# the sample bundles compiled from their sources, and the JSON Schemas (docs/schema/)
+policies: setup
+	$(PY) policies/build.py
 
 readme-tables: setup
 	$(PY) -m leasehold.readme_tables --write

@@ -20,6 +20,7 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.params import FromPath, FromQuery, JSONBody
 
+from kernel import tracing
 from kernel.auth import SCOPE_KEY, RegionAuth, TokenTable, require_region
 from kernel.bundle import Bundle, load_bundle_file
 from kernel.errors import BadRequest, Unavailable, ValidationFailed
@@ -237,6 +238,23 @@ async def metrics(state: State) -> Response[bytes]:
     return Response(content=_engine(state).metrics.render(), media_type=CONTENT_TYPE)
 
 
+def lease_spans(app: Any) -> Any:
+    """ASGI middleware: with tracing on, a ``leasehold.lease_request`` server span per lease and
+    usage request, child of the region's span when it sent a ``traceparent`` (kernel.tracing);
+    the committer links each transaction to the spans of the requests it carries."""
+
+    async def serve(scope: dict, receive: Any, send: Any) -> None:
+        if not tracing.ENABLED or scope["type"] != "http" or not scope["path"].startswith(("/v1/leases", "/v1/usage")):
+            await app(scope, receive, send)
+            return
+        with tracing.span("leasehold.lease_request", kind=tracing.SpanKind.SERVER,
+                          parent=tracing.context_of(scope.get("headers", ())),
+                          attributes={"http.request.method": scope["method"], "url.path": scope["path"]}):
+            await app(scope, receive, send)
+
+    return serve
+
+
 # -- assembly -----------------------------------------------------------------------------------
 def etcd_credentials(settings: AllocatorSettings) -> dict[str, Any]:
     """etcd user and password (password from LEASEHOLD_ALLOCATOR_ETCD_PASSWORD or a file), and
@@ -268,6 +286,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         auth_guard = RegionAuth(TokenTable.parse(settings.region_tokens, settings.region_tokens_file))
     m = AllocatorMetrics()
     m.describe_pools(bundle.pools)
+    tracing.setup("leasehold-allocator", settings.otlp_endpoint, settings.trace_sample_ratio)  # off without an endpoint
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -314,6 +333,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
             await election.stop()
             await engine.stop()
             await store.close()
+            tracing.shutdown()
 
     handlers: list[Any] = [post_lease, post_batch, post_usage, post_usage_batch, get_lease, get_leader, get_shards, get_pools,
                            get_pool, healthz, readyz, metrics]
@@ -325,7 +345,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         # shutdown report line) is lost
         logging_config=None,
         state=State({"auth_guard": auth_guard, "settings": settings}),
-        middleware=[batch_fast_path(lambda: app.state, settings.max_body_bytes)] if fast_path else [],
+        middleware=[lease_spans, *([batch_fast_path(lambda: app.state, settings.max_body_bytes)] if fast_path else [])],
         exception_handlers=exception_handlers(validation_status=VALIDATION_STATUS),
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Leasehold allocator", version="1.0.0", path="/schema"),

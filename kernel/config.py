@@ -128,6 +128,12 @@ def _scalar(o: Option, tp: Any, raw: str, source: str) -> Any:
         except ValueError:
             raise ConfigError(f"invalid value {raw!r} for {_label(o, source)}: expected "
                               f"{o.valid_values()}") from None
+    if tp is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"invalid value {raw!r} for {_label(o, source)}: expected "
+                              f"{o.valid_values()}") from None
     return raw
 
 
@@ -301,6 +307,14 @@ class ServingSettings(msgspec.Struct, kw_only=True, frozen=True):
         "first byte arrived; else 408")] = 10_000
     http_body_timeout_ms: Annotated[int, Ms(ge=100, le=600_000), Help(
         "a request's body must arrive within this many ms after its head; else 408")] = 10_000
+    log_format: Annotated[Literal["text", "json"], Help(
+        "log lines as text, or as one JSON object per line (time, level, logger, message, ids)",
+        section="Logs and tracing")] = "text"
+    otlp_endpoint: Annotated[str | None, Help(
+        "OpenTelemetry tracing: the OTLP/gRPC collector, e.g. http://127.0.0.1:4317", kind="url",
+        schemes=("http", "https"), default="off")] = None
+    trace_sample_ratio: Annotated[float, Ms(ge=0.0, le=1.0), Help(
+        "share of new traces sampled (a gateway's sampled flag is followed)")] = 1.0
 
     def http_limits(self) -> Any:
         """The :class:`kernel.httpserver.HttpLimits` these settings ask for."""

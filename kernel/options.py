@@ -136,6 +136,8 @@ class Option:
             return "HOST"
         if self.base is int:
             return "N"
+        if self.base is float:
+            return "X"
         return "A[,B...]" if self.is_list else "TEXT"
 
     def default_text(self) -> str:
@@ -307,6 +309,8 @@ def describe(tp: Any, kind: str | None = None, schemes: tuple[str, ...] = ()) ->
         return "true or false"
     if tp is int:
         return "an integer"
+    if tp is float:
+        return "a number"
     if tp is str:
         return "text"
     return getattr(tp, "__name__", str(tp))

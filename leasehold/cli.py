@@ -22,6 +22,7 @@ from kernel.bundle import load_bundle_file
 from kernel.errors import PolicyError
 
 from .output import Exit, Failure, add_output_option, exit_code_epilog, out, run
+from .policy_cli import register as register_policy_commands
 from .topology import (
     DEFAULT_POLICY,
     LocalTopology,
@@ -45,6 +46,9 @@ def _state_or_fail(run_dir: Path) -> dict:
         raise Failure(Exit.NOT_RUNNING, f"no local topology is running (no {run_dir / 'topology.json'}); "
                                         "start one with `leasehold up`", running=False, runDir=str(run_dir))
     return state
+
+
+_state_or_exit = _state_or_fail  # the name leasehold/policy_canary.py uses
 
 
 def _first_url(state: dict, kind: str, region: str | None = None) -> str:
@@ -721,6 +725,7 @@ def add_policy_commands(psub: Any) -> None:
     sp = _command(psub, "show", "the bundle published in etcd", cmd_policy_show)
     sp.add_argument("--raw", action="store_true", help="print the stored JSON as is")
     _etcd_opts(sp)
+    register_policy_commands(psub, _etcd_opts)  # leasehold/policy_cli.py: compile, seal, diff, replay, canary, ...
 
 
 def main(argv: list[str] | None = None) -> int:

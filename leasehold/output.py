@@ -31,19 +31,21 @@ FORMATS = ("text", "json")
 
 class Exit(IntEnum):
     OK = 0
-    ERROR = 1
+    DIFFERS = 1
     USAGE = 2
     DENIED = 3
     UNAVAILABLE = 4
     CONNECT = 5
     NOT_RUNNING = 6
     BYPASS = 7
+    WORSE = 8
+    INTERNAL = 70  # sysexits.h EX_SOFTWARE
 
 
 #: what each exit code means (``leasehold --help`` and ``docs/cli.md``)
 MEANINGS: dict[Exit, str] = {
     Exit.OK: "success; for `admit`, the request is allowed; for `status`, every service is up and ready",
-    Exit.ERROR: "an unexpected error (a bug: please report it with the output of `LEASEHOLD_DEBUG=1`)",
+    Exit.DIFFERS: "`policy fmt --check`: the file is not in canonical form",
     Exit.USAGE: "bad usage or invalid input: an unknown option, a malformed, unsigned or wrongly signed "
                 "bundle, a refused publish",
     Exit.DENIED: "`admit`: the request was denied (429); `policy publish`: refused by the store",
@@ -51,7 +53,11 @@ MEANINGS: dict[Exit, str] = {
                       "but not ready",
     Exit.CONNECT: "could not connect (agent, allocator or etcd); `status`: a service of the topology is down",
     Exit.NOT_RUNNING: "no local topology is running (or nothing is published in etcd, for `policy show`)",
-    Exit.BYPASS: "`policy validate --against`: the bundle is valid but adds or widens a privileged bypass",
+    Exit.BYPASS: "`policy validate --against`, `policy diff`: the bundle is valid but adds or widens a privileged "
+                 "bypass",
+    Exit.WORSE: "`policy replay`: a rule's denial rate changes by more than `--threshold`; `policy status`: the "
+                "canary denies more than the rest by over `--margin`",
+    Exit.INTERNAL: "an unexpected error (a bug: please report it with the output of `LEASEHOLD_DEBUG=1`)",
 }
 
 
@@ -126,7 +132,7 @@ def add_output_option(parser: argparse.ArgumentParser, *, top: bool = False) -> 
 def run(handler: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
     """Run a command: its return value is the exit code; a :class:`Failure` becomes the stderr
     line, the JSON error document and its code; Ctrl-C exits 130; anything else is reported in
-    one line (exit 1) — with the traceback only when ``LEASEHOLD_DEBUG`` is set."""
+    one line (exit 70) — with the traceback only when ``LEASEHOLD_DEBUG`` is set."""
     o = out(args)
     try:
         return int(handler(args) or 0)
@@ -137,7 +143,7 @@ def run(handler: Callable[[argparse.Namespace], int | None], args: argparse.Name
     except Exception as e:  # noqa: BLE001 - the one place an unexpected error becomes a message
         if os.environ.get("LEASEHOLD_DEBUG"):
             traceback.print_exc()
-        return o.failure(Failure(Exit.ERROR, f"unexpected error: {type(e).__name__}: {e}"))
+        return o.failure(Failure(Exit.INTERNAL, f"unexpected error: {type(e).__name__}: {e}"))
 
 
 def exit_code_epilog() -> str:

@@ -52,6 +52,7 @@ class TopologySpec:
     rls: bool = False  # every agent also serves Envoy's rate limit service (--rls-port, a free port each)
     insecure_dev_pepper: bool = False  # opt in to the agents' public development pepper; by default a
     #                                    random pepper is generated into <run_dir>/secrets/pepper
+    decision_logs: bool = False  # every agent writes <run_dir>/decisions-<region>-<n>.jsonl (the sampled decision log)
 
 
 @dataclass
@@ -150,6 +151,9 @@ class LocalTopology:
                         if self.secrets:
                             args += self.secrets.agent_etcd_args()
                     args += ["--audit-log", str(run / f"audit-{region}-{j + 1}.jsonl")]  # privileged bypasses
+                    args += ["--agent-id", f"agent-{region}-{j + 1}"]  # what a canary slice names
+                    if self.spec.decision_logs:
+                        args += ["--decision-log", str(run / f"decisions-{region}-{j + 1}.jsonl")]
                     if self.spec.rls:
                         rls_port = free_port()
                         args += ["--rls-port", str(rls_port)]

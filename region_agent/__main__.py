@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         for problem in e.errors:
             print(f"  - {problem}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from kernel.logs import configure
+
+    log_config = configure(settings.log_level, settings.log_format)
     logging.getLogger("region_agent").info(
         "starting region agent: region=%s policy version=%s listening on %s:%s",
         settings.region, bundle.bundle_version, settings.host, settings.port)
@@ -66,9 +68,13 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_request_logs(settings.log_level)
 
-    serve("region_agent.__main__:app_factory", factory=True, host=settings.host, port=settings.port,
-          workers=settings.workers, limits=settings.http_limits(), log_level=settings.log_level,
-          access_log=settings.access_log, ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file)
+    from kernel.metrics_exposition import worker_metrics_dir
+
+    with worker_metrics_dir(settings.workers):  # several workers: one consistent /metrics (metrics files)
+        serve("region_agent.__main__:app_factory", factory=True, host=settings.host, port=settings.port,
+              workers=settings.workers, limits=settings.http_limits(), log_level=settings.log_level,
+              access_log=settings.access_log, ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file,
+              log_config=log_config)
     return 0
 
 

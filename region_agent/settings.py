@@ -33,9 +33,26 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     workers: Annotated[int, Meta(ge=1, le=64), Help(
         "worker processes (uvicorn), each with its own connections, caches and local allowances")] = 1
     log_level: Annotated[LogLevel, Help("the least severe log records written")] = "info"
-    audit_log: Annotated[str | None, Help(
-        "append privileged-bypass (exempt rule) decisions here as JSON lines", kind="out-file",
-        default="stderr")] = None
+    audit_log: Annotated[str, Help(
+        "append privileged-bypass (exempt rule) decisions to this file as JSON lines (-: stderr)",
+        kind="out-file")] = "leasehold-audit.jsonl"
+    agent_id: Annotated[Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,64}\Z")] | None, Help(
+        "this agent's name (canary slices and the decision log name it)")] = None
+
+    decision_log: Annotated[str | None, Help(
+        "write sampled decisions to this file as JSON lines, the input of `leasehold policy replay` "
+        "(docs/policy.md)", kind="out-file", default="off", section="Decision log")] = None
+    decision_log_allow_rate: Annotated[float, Meta(ge=0, le=1), Help(
+        "share of allowed decisions logged")] = 0.01
+    decision_log_deny_rate: Annotated[float, Meta(ge=0, le=1), Help("share of denials logged")] = 1.0
+    decision_log_fallback_rate: Annotated[float, Meta(ge=0, le=1), Help(
+        "share of fallback decisions (allowed or denied) logged")] = 1.0
+    decision_log_bytes_per_s: Annotated[int, Meta(ge=1_024, le=1 << 30), Help(
+        "at most this many bytes per second; a line over it is dropped and counted")] = 262_144
+    decision_log_max_bytes: Annotated[int, Meta(ge=65_536, le=1 << 40), Help(
+        "rotate the file at this size")] = 64 << 20
+    decision_log_backups: Annotated[int, Meta(ge=1, le=1_000), Help(
+        "rotated files kept (FILE.1 is the newest)")] = 5
 
     policy: Annotated[str, Help(
         "the sealed policy bundle (JSON) to start with; the sample is found in the package when "

@@ -35,6 +35,7 @@ from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError, Unauthorized, Unavailable, ValidationFailed
 
 from ..models import AdmitRequest, Decision
+from ..tracing import decision as traced_decision
 from .answer import rls_answer
 from .mapping import BadQuestion, Descriptor, Names, rls_questions
 from .metrics import GatewayMetrics
@@ -89,7 +90,8 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             if self.gateways is not None:
                 authenticate(self.gateways, context.invocation_metadata() or ())  # pairs: two tokens are refused
             questions = rls_questions(self.names, request.domain, descriptors_of(request), request.hits_addend)
-            decisions = await self.decide(questions)
+            decisions = await traced_decision("rls", context.invocation_metadata() or (),
+                                              questions[0].request_id if questions else None, self.decide, questions)
             resp, status = to_proto(decisions, questions, self.bundle_of())
             outcome = "ok" if status == 200 else ("unavailable_503" if status == 503 else "over_limit")
             m.rls_descriptors.labels("OK").inc(sum(1 for s in resp.statuses if s.code == OK))

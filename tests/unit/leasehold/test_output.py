@@ -50,9 +50,9 @@ def test_an_unexpected_error_is_one_line_without_traceback(monkeypatch, capsys):
     def broken(_args):
         raise RuntimeError("boom")
 
-    assert run(broken, ns("text")) == 1
+    assert run(broken, ns("text")) == 70
     err = capsys.readouterr().err
     assert err == "leasehold: unexpected error: RuntimeError: boom\n" and "Traceback" not in err
     monkeypatch.setenv("LEASEHOLD_DEBUG", "1")
-    assert run(broken, ns("text")) == 1
+    assert run(broken, ns("text")) == 70
     assert "Traceback" in capsys.readouterr().err
