@@ -548,6 +548,8 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
     if stored is None:
         raise Failure(Exit.NOT_RUNNING, f"nothing published under {key}", key=key)
     if args.raw:
+        if out(args).json:
+            return out(args).result({"key": key, "text": stored.raw.decode(errors="replace")})
         sys.stdout.write(stored.raw.decode(errors="replace"))
         return Exit.OK
     b = stored.bundle
