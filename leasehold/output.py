@@ -48,7 +48,8 @@ MEANINGS: dict[Exit, str] = {
     Exit.DIFFERS: "`policy fmt --check`: the file is not in canonical form",
     Exit.USAGE: "bad usage or invalid input: an unknown option, a malformed, unsigned or wrongly signed "
                 "bundle, a refused publish",
-    Exit.DENIED: "`admit`: the request was denied (429); `policy publish`: refused by the store",
+    Exit.DENIED: "`admit`: the request was denied (429); `policy publish`: refused because the version is not "
+                 "higher than the published one",
     Exit.UNAVAILABLE: "the agent or allocator answered unavailable (503); `status`: a service is running "
                       "but not ready",
     Exit.CONNECT: "could not connect (agent, allocator or etcd); `status`: a service of the topology is down",
@@ -148,7 +149,7 @@ def run(handler: Callable[[argparse.Namespace], int | None], args: argparse.Name
 
 def exit_code_epilog() -> str:
     """The exit code table for ``--help`` (plain text)."""
-    return "exit codes:\n" + "\n".join(f"  {int(c)}  {m.replace('`', '')}" for c, m in MEANINGS.items())
+    return "exit codes:\n" + "\n".join(f"  {int(c):>2}  {m.replace('`', '')}" for c, m in MEANINGS.items())
 
 
 def exit_code_table() -> str:

@@ -38,7 +38,7 @@ def test_help_lists_the_exit_codes(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     for code in Exit:
-        assert f"\n  {int(code)}  " in text
+        assert f"\n  {int(code):>2}  " in text
 
 
 @pytest.mark.parametrize("where", ["before", "after"])

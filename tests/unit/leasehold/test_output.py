@@ -17,7 +17,7 @@ def test_every_exit_code_has_a_meaning_in_both_tables():
     assert set(MEANINGS) == set(Exit)
     for code in Exit:
         assert f"| {int(code)} | `{code.name}` |" in exit_code_table()
-        assert f"\n  {int(code)}  " in exit_code_epilog()
+        assert f"\n  {int(code):>2}  " in exit_code_epilog()
 
 
 def test_result_json_is_one_document_and_text_is_for_people():
