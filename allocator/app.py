@@ -25,7 +25,6 @@ from kernel.auth import SCOPE_KEY, RegionAuth, TokenTable, require_region
 from kernel.bundle import Bundle, load_bundle_file
 from kernel.errors import BadRequest, Unavailable, ValidationFailed
 from kernel.etcd_store import EtcdStore
-from kernel.etcd_tls import credentials as tls_credentials
 from kernel.http_errors import exception_handlers, problem_response
 from kernel.ids import LEASE_ID, LEASE_ID_RE, REGION, REGION_RE, human
 from kernel.jsonbody import StrictJSONRequest
@@ -68,7 +67,7 @@ Guard = Callable[[ASGIConnection, BaseRouteHandler], Any]
 async def region_auth_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
     """Authentication of the lease endpoints: runs the app's check, by default
     :class:`kernel.auth.RegionAuth` (a region's bearer token, else 401); none with
-    ``--auth-disabled true``. ``create_app(auth_guard=...)`` plugs another check in here."""
+    ``--auth-disabled``. ``create_app(auth_guard=...)`` plugs another check in here."""
     check = connection.app.state.get("auth_guard")
     if check is not None:
         result = check(connection, handler)
@@ -259,10 +258,10 @@ def lease_spans(app: Any) -> Any:
 # -- assembly -----------------------------------------------------------------------------------
 def etcd_credentials(settings: AllocatorSettings) -> dict[str, Any]:
     """etcd user and password (password from LEASEHOLD_ALLOCATOR_ETCD_PASSWORD or a file), and
-    TLS channel credentials when --etcd-ca-file is set."""
-    out: dict[str, Any] = {}
-    if settings.etcd_ca_file:
-        out["tls"] = tls_credentials(settings.etcd_ca_file, settings.etcd_cert_file, settings.etcd_key_file)
+    the TLS channel credentials of the link (``allocator.settings.etcd_tls``)."""
+    from .settings import etcd_tls
+
+    out: dict[str, Any] = {"tls": etcd_tls(settings)}
     if not settings.etcd_user:
         return out
     import os

@@ -78,7 +78,7 @@ class AgentState:
     store: Any = None
     leases: Any = None  # LeaseManager when --allocator-urls is set
     policy_watch: Any = None  # kernel.watch.PolicyWatcher when --policy-etcd is set
-    auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled true
+    auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled
     key_cap: Any = None  # region_agent.preauth.NewKeyCap; None when --anon-new-keys-per-source 0
     epoch: Any = None  # region_agent.epoch.EpochCheck (policyEpoch in requests)
     audit: Any = None  # region_agent.audit.BypassAudit
@@ -362,11 +362,12 @@ def _key_cap(settings: AgentSettings):
 async def _start_policy_watch(settings: AgentSettings, state: AgentState):
     """Follow the policy key in etcd: one bounded first read, then watch + periodic re-read."""
     from .policy_watch import age_gauge, make_watcher
-    from .settings import resolve_secret
+    from .settings import policy_etcd_tls, resolve_secret
 
     password = resolve_secret(settings.policy_etcd_password_file, "POLICY_ETCD_PASSWORD")
     w = make_watcher(state.holder, settings.policy_etcd or "", prefix=settings.policy_etcd_prefix,
-                     reread_ms=settings.policy_etcd_reread_ms, user=settings.policy_etcd_user, password=password)
+                     reread_ms=settings.policy_etcd_reread_ms, user=settings.policy_etcd_user, password=password,
+                     tls=policy_etcd_tls(settings))
     age_gauge(state.metrics, w)
     with contextlib.suppress(Exception):
         await asyncio.wait_for(w.refresh(), 3.0)

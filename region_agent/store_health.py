@@ -17,7 +17,7 @@ is ``rate(seconds) / rate(calls)``), and whether the shard may evict keys
 
 **An evicting store.** An evicted bucket comes back full: eviction silently resets enforcement.
 The agent reads every shard's ``maxmemory-policy`` at start and refuses to start on an evicting
-store (:func:`check_eviction_policy`) unless ``--allow-evicting-store true``, which starts it
+store (:func:`check_eviction_policy`) unless ``--allow-evicting-store``, which starts it
 degraded with a loud log line per shard and the gauge at 1. Every poll checks again: a policy
 changed to an evicting one while running is logged (once per change), shown by the gauge and by
 ``/readyz`` (not ready, unless allowed).
@@ -63,7 +63,7 @@ FAMILIES: tuple[tuple[str, str, str, str], ...] = (
      "successfully", "age"),
     ("leasehold_agent_redis_evicting", "gauge", "1 when the shard's maxmemory-policy is not noeviction: an "
      "eviction silently resets enforcement (the agent refuses to start on such a store unless "
-     "--allow-evicting-store true)", "evicting"),
+     "--allow-evicting-store)", "evicting"),
 )
 NOEVICTION = "noeviction"
 
@@ -112,7 +112,7 @@ def evicting(by_shard: dict[str, dict[str, Any]]) -> dict[str, str]:
 
 class EvictingStore(RuntimeError):
     """The regional store may evict keys (maxmemory-policy other than noeviction) and the agent
-    was not told to accept it (``--allow-evicting-store true``)."""
+    was not told to accept it (``--allow-evicting-store``)."""
 
 
 async def check_eviction_policy(store: Any, health: StoreHealth, *, allowed: bool,
@@ -135,10 +135,10 @@ async def check_eviction_policy(store: Any, health: StoreHealth, *, allowed: boo
             + ", ".join(f"{shard}: maxmemory-policy {p}" for shard, p in sorted(bad.items()))
             + "); an evicted bucket is a full bucket, so eviction silently resets enforcement. "
             "Set maxmemory-policy noeviction (CONFIG SET maxmemory-policy noeviction, and in "
-            "redis.conf), or start degraded with --allow-evicting-store true")
+            "redis.conf), or start degraded with --allow-evicting-store")
     for shard, p in sorted(bad.items()):
         log.error("DEGRADED: the regional Redis shard %s has maxmemory-policy %s: an eviction silently "
-                  "resets enforcement (started with --allow-evicting-store true)", shard, p)
+                  "resets enforcement (started with --allow-evicting-store)", shard, p)
     health.evicting = bad
     return bad
 
