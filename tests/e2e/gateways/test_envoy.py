@@ -6,6 +6,7 @@ worked P-READ numbers, P-ANON's generic 429, and with Redis stopped the per-rule
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -69,9 +70,13 @@ def test_p_anon_login_is_a_generic_429(stack: Stack, rls_envoy: Envoy, authz_env
     429 carries Retry-After only — no policy names, limits or counts. The two gateways share
     the address's window, so only the first run sees exactly 20 pass."""
     e = rls_envoy if which == "rls" else authz_envoy
-    wait_early_in_window(10, 5.0)
-    with httpx.Client(base_url=e.url, timeout=10) as c:
-        responses = [c.post("/login", content=b"user=u&password=p") for _ in range(21)]
+    for _attempt in range(3):
+        wait_early_in_window(10, 5.0)
+        started = time.monotonic()
+        with httpx.Client(base_url=e.url, timeout=10) as c:
+            responses = [c.post("/login", content=b"user=u&password=p") for _ in range(21)]
+        if time.monotonic() - started < 4.5:
+            break  # else a stalled machine crossed the window's edge: run it again in a fresh window
     codes = [r.status_code for r in responses]
     assert 429 in codes and all(c == 200 for c in codes[:codes.index(429)]) and codes.index(429) <= 20
     denied = responses[codes.index(429)]
