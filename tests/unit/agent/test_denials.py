@@ -83,20 +83,26 @@ def test_a_fallback_denial_is_held_for_the_request_at_most_the_cap_and_forgotten
     plan = plan_of()
     other = [plan.calls[0], plan.calls[1]._replace(key=plan.calls[1].key + ":fb")]
     d.remember(plan, 1, denial(plan, retry=5_000), calls=other, fallback=True)
-    assert d.hit(plan) is not None and len(d.cache) == 1
+    assert d.hit(plan) is not None and len(d.cache) == 2  # the request's rule set, the replacement's key
     clock.ms += 300  # past the 250 ms cap: this caller probes the store
     assert d.hit(plan) is None
     d.forget(plan, other)
     assert len(d.cache) == 0
 
 
-def test_a_held_denial_answers_only_its_own_rule_set():
-    """Read (user + tenant rule) denied with the tenant rule's hint: a search of the same tenant
-    (the tenant rule alone) shares the tenant key but not the rule set, so it asks the store."""
-    d, _, _ = denials()
+def test_a_held_denial_answers_another_rule_set_only_briefly():
+    """Read (user + tenant rule) denied by the tenant slot with a 30 s hint: the same rule set is
+    held for the whole hint; a search of the same tenant (the tenant rule alone) shares the
+    tenant key but not the rule set: denied locally for the cache's cap at most, with a hint no
+    longer than that, then it asks the store."""
+    d, _, clock = denials()
     read = plan_of()
-    d.remember(read, 0, denial(read, retry=30_000))
+    d.remember(read, 1, denial(read, retry=30_000))
     other_route = plan_of(route="search")
     assert read.calls[1].key in {c.key for c in other_route.calls}
-    assert d.hit(other_route) is None
-    assert d.hit(plan_of()) is not None
+    brief = d.hit(other_route)
+    assert brief is not None and brief.retry <= 250
+    assert d.hit(plan_of()).retry == 30_000
+    clock.ms += 300
+    assert d.hit(other_route) is None  # past the cap: it asks the store
+    assert d.hit(plan_of()).retry == 29_700
