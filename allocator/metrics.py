@@ -18,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kernel.policy_metrics import policy_metrics
+from kernel.version import build_info_gauge
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()  # no *_created series (docs/metrics.md, cardinality budget)
@@ -68,6 +69,7 @@ class AllocatorMetrics:
         self._regions: set[str] = set()
         self._flushers: list[Callable[[], None]] = []  # counts kept outside the registry, moved in at render
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self.build_info = build_info_gauge(r)
         self.grants = Counter("leasehold_allocator_grants_total", "Lease grants committed (new, not replays)",
                               ["pool", "region"], registry=r)
         self.granted_tokens = Counter("leasehold_allocator_granted_tokens_total", "Tokens granted",

@@ -12,6 +12,8 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import msgspec
 
+from .version import version_line
+
 T = TypeVar("T", bound=msgspec.Struct)
 Ms = msgspec.Meta
 
@@ -83,6 +85,7 @@ def load_settings(cls: type[T], prefix: str, argv: Sequence[str] | None = None,
     hints = typing.get_type_hints(cls, include_extras=True)
     parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0]
                                      if cls.__doc__ else None)
+    parser.add_argument("--version", action="version", version=version_line(prog or parser.prog))
     for name in cls.__struct_fields__:
         parser.add_argument(_flag(name), dest=name, default=None,
                             help=f"{_describe(hints[name])} (env {prefix}{name.upper()})")

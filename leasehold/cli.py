@@ -18,6 +18,7 @@ import httpx
 
 from kernel.bundle import load_bundle_file
 from kernel.errors import PolicyError
+from kernel.version import version_line
 
 from .topology import (
     DEFAULT_POLICY,
@@ -414,6 +415,19 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def cmd_secrets_generate(args: argparse.Namespace) -> int:
+    from .secrets import SecretsError, generate
+
+    try:
+        out = generate(Path(args.out), tuple(r.strip() for r in args.regions.split(",")), force=args.force)
+    except SecretsError as e:
+        print(f"leasehold secrets generate: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {len(out.files)} files to {out.dir} (directory 0700; policy-signing.key 0600): "
+          f"{', '.join(p.name for p in out.files)}")
+    return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -434,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leasehold", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help="where the local topology keeps its files")
+    p.add_argument("--version", action="version", version=version_line("leasehold"))
     sub = p.add_subparsers(dest="command", required=True)
 
     def topo_opts(sp: argparse.ArgumentParser) -> None:
@@ -530,6 +545,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--raw", action="store_true", help="print the stored JSON as is")
     etcd_opts(sp)
     sp.set_defaults(func=cmd_policy_show)
+
+    sec = sub.add_parser("secrets", help="credentials for a deployment (compose, Kubernetes)")
+    ssub = sec.add_subparsers(dest="secrets_command", required=True)
+    sp = ssub.add_parser("generate", help="write tokens, their digests, the pepper, Redis and etcd passwords and "
+                                          "a policy-signing key pair into DIR (never replaces a file without --force)")
+    sp.add_argument("--out", required=True, metavar="DIR",
+                    help="e.g. deploy/secrets (compose) or deploy/k8s-dev/secrets (Kubernetes)")
+    sp.add_argument("--regions", default="eu,us", help="one allocator token per region (default eu,us)")
+    sp.add_argument("--force", action="store_true", help="replace existing files")
+    sp.set_defaults(func=cmd_secrets_generate)
 
     sp = sub.add_parser("demo", help="start the topology, drive demo traffic, show a live view (Ctrl-C stops)")
     topo_opts(sp)

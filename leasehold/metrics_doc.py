@@ -24,6 +24,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 # P pools, G route groups named by rules (+ all/none), S store shards (1 standalone, cluster primaries),
 # N regions that leased (at most 64, then "other"). Histograms count their 11-13 bucket series once.
 BOUNDS: dict[str, str] = {
+    "leasehold_build_info": "1",
     "leasehold_agent_decisions_total": "7 outcomes x (R+1) rules x 2 versions x T (route group follows the rule)",
     "leasehold_agent_decision_seconds": "S x 7 outcomes",
     "leasehold_agent_script_errors_total": "error classes of kernel.errors (< 10)",

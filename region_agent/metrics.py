@@ -8,6 +8,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from kernel.policy_metrics import policy_metrics
+from kernel.version import build_info_gauge
 
 from .keymeter import NewKeyMeter
 from .store_health import StoreHealth
@@ -45,6 +46,7 @@ class AgentMetrics:
         r = self.registry
         self._flush = _FlushFirst()
         r.register(self._flush)
+        self.build_info = build_info_gauge(r)
         self.decisions = Counter("leasehold_agent_decisions_total",
                                  "Admission decisions by outcome, deciding rule, policy version, route group and "
                                  "tenant (tenants named in the bundle; others 'other', anonymous 'none')",
