@@ -1,7 +1,7 @@
-"""Keep the READMEs' bound tables generated from :mod:`kernel.bound` (one formula everywhere).
+"""Keep the documents' bound tables generated from :mod:`kernel.bound` (one formula everywhere).
 
-    python -m leasehold.readme_tables --check   # exit 1 and name the stale tables (a unit test runs this)
-    python -m leasehold.readme_tables --write   # rewrite them in place (make readme-tables)
+    python -m devtools.doc_tables --check   # exit 1 and name the stale tables (a unit test runs this)
+    python -m devtools.doc_tables --write   # rewrite them in place (make doc-tables)
 
 Each table sits between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` markers.
 """
@@ -15,8 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kernel.bundle import load_bundle_file
-
-from .bound_report import markdown_table
+from leasehold.bound_report import markdown_table
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,9 +30,9 @@ def _chaos_bundle() -> str:
     return markdown_table(chaos_bundle(), ["eu", "us"], (1, 2))
 
 
-#: (README, table name, generator)
+#: (document, table name, generator)
 TABLES: list[tuple[str, str, Callable[[], str]]] = [
-    ("README.md", "bound-sample-policy", _sample_policy),
+    ("docs/bound.md", "bound-sample-policy", _sample_policy),
     ("chaos/README.md", "bound-chaos-bundle", _chaos_bundle),
 ]
 
@@ -72,7 +71,7 @@ def write(root: Path = REPO) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m leasehold.readme_tables")
+    ap = argparse.ArgumentParser(prog="python -m devtools.doc_tables")
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--check", action="store_true")
     g.add_argument("--write", action="store_true")
@@ -80,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         bad = stale()
         for b in bad:
-            print(f"stale generated table: {b} (run make readme-tables)", file=sys.stderr)
+            print(f"stale generated table: {b} (run make doc-tables)", file=sys.stderr)
         return 1 if bad else 0
     for c in write():
         print(f"rewrote {c}")
