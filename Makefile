@@ -7,8 +7,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 CONSTRAINTS := constraints.txt
 # what `make run` needs: the services' own servers, the venv, openssl (TLS helpers of leasehold up)
-RUN_BINARIES := redis-server redis-cli etcd etcdctl openssl
-RUN_PACKAGES := redis-server redis-tools etcd-server etcd-client openssl python3-venv
+RUN_BINARIES := redis-server redis-cli etcd etcdctl openssl curl
+RUN_PACKAGES := redis-server redis-tools etcd-server etcd-client openssl python3-venv curl
 # what `make test` needs besides: fault injection (faketime, iptables, ip), nginx (a gateway under
 # test), docker-compose (validates deploy/docker-compose.yml; no container engine needed)
 TEST_BINARIES := $(RUN_BINARIES) faketime iptables ip nginx docker-compose

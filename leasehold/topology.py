@@ -24,8 +24,14 @@ from .services import agent_command, allocator_command
 REPO = Path(__file__).resolve().parents[1]  # the source checkout when installed editable
 
 
+RUN_DIR_ENV = "LEASEHOLD_RUN_DIR"
+
+
 def default_run_dir() -> Path:
-    """``.run`` of the source checkout (``make run``), else of the working directory (a wheel)."""
+    """``$LEASEHOLD_RUN_DIR``, else ``.run`` of the source checkout (``make run``), else of the
+    working directory (a wheel)."""
+    if os.environ.get(RUN_DIR_ENV):
+        return Path(os.environ[RUN_DIR_ENV])
     return (REPO if (REPO / "pyproject.toml").exists() else Path.cwd()) / ".run"
 DEFAULT_POLICY = sample_policy("northstar-global.json")
 DEV_PEPPER = "leasehold-local-dev-pepper-not-secret"
