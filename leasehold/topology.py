@@ -136,6 +136,10 @@ class LocalTopology:
                     self.allocator_urls.append(url)
                 for proc, url in zip(self.allocators, self.allocator_urls, strict=True):
                     wait_port(int(url.rsplit(":", 1)[1]), proc=proc.popen, timeout=timeout)
+                # the allocators know their roles before the agents' first leases are asked for
+                # (an agent whose warm-up met no leader would start with empty balances)
+                if self.spec.link_agents_to_allocator:
+                    wait_http_ready(dict(zip(self.allocator_urls, self.allocators, strict=True)), timeout)
             for region in self.spec.regions:
                 self.redis[region] = RedisServer(run / f"redis-{region}", **(
                     self.secrets.redis_acl() if self.secrets else {})).start(timeout)
