@@ -10,13 +10,14 @@ CONSTRAINTS := constraints.txt
 RUN_BINARIES := redis-server redis-cli etcd etcdctl openssl curl
 RUN_PACKAGES := redis-server redis-tools etcd-server etcd-client openssl python3-venv curl
 # what `make test` needs besides: fault injection (faketime, iptables, ip), nginx (a gateway under
-# test), docker-compose (validates deploy/docker-compose.yml; no container engine needed)
-TEST_BINARIES := $(RUN_BINARIES) faketime iptables ip nginx docker-compose
-TEST_PACKAGES := $(RUN_PACKAGES) faketime iptables iproute2 nginx docker-compose
+# test), docker-compose (validates deploy/docker-compose.yml; no container engine needed),
+# prometheus and promtool (the shipped scrape config and alert rules, run for real)
+TEST_BINARIES := $(RUN_BINARIES) faketime iptables ip nginx docker-compose prometheus promtool
+TEST_PACKAGES := $(RUN_PACKAGES) faketime iptables iproute2 nginx docker-compose prometheus
 PYTEST_ARGS ?=
 
 .PHONY: help setup setup-run system-deps-run system-deps venv-demo venv-test run test test-unit \
-        test-integration test-e2e chaos chaos-short bench lint clean doc-tables constraints
+        test-integration test-e2e chaos chaos-short bench lint clean doc-tables constraints policies
 
 help:
 	@echo "make run    - set up what the demo needs, start the local two-region topology, drive the live demo"
@@ -103,6 +104,10 @@ doc-tables: setup
 constraints: setup
 	@[ $(VENV)/.bench-installed -nt $(CONSTRAINTS) ] || $(PIP) install -q -e '.[test,bench]'
 	$(PY) -m devtools.constraints --write
+
+# the sample bundles compiled from their sources, and the JSON Schemas (docs/schema/)
+policies: setup
+	$(PY) policies/build.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -17,8 +17,9 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kernel.build_info import BuildInfo
+from kernel.metrics_exposition import standard_collectors
 from kernel.policy_metrics import policy_metrics
-from kernel.version import build_info_gauge
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()  # no *_created series (docs/metrics.md, cardinality budget)
@@ -69,7 +70,6 @@ class AllocatorMetrics:
         self._regions: set[str] = set()
         self._flushers: list[Callable[[], None]] = []  # counts kept outside the registry, moved in at render
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.build_info = build_info_gauge(r)
         self.grants = Counter("leasehold_allocator_grants_total", "Lease grants committed (new, not replays)",
                               ["pool", "region"], registry=r)
         self.granted_tokens = Counter("leasehold_allocator_granted_tokens_total", "Tokens granted",
@@ -124,6 +124,9 @@ class AllocatorMetrics:
             "allocator", r, offered="from etcd", age="Seconds since the policy key was last read from etcd")
         self.window_fill = WindowFill()
         r.register(self.window_fill)
+        self.build_info = BuildInfo()
+        r.register(self.build_info)
+        standard_collectors(r)  # process (memory, CPU, open fds), platform, GC
         self.etcd_latency = Histogram("leasehold_allocator_etcd_request_seconds", "etcd request latency",
                                       ["op"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                                        1, 2.5), registry=r)

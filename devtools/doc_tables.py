@@ -1,4 +1,6 @@
-"""Keep the documents' bound tables generated from :mod:`kernel.bound` (one formula everywhere).
+"""Keep the documents' generated tables in step with their one source: the bound tables with
+:mod:`kernel.bound` (one formula everywhere), the services' option tables with their settings
+fields (:mod:`kernel.options`), the CLI's exit codes with :mod:`leasehold.output`.
 
     python -m devtools.doc_tables --check   # exit 1 and name the stale tables (a unit test runs this)
     python -m devtools.doc_tables --write   # rewrite them in place (make doc-tables)
@@ -30,10 +32,33 @@ def _chaos_bundle() -> str:
     return markdown_table(chaos_bundle(), ["eu", "us"], (1, 2))
 
 
+def _agent_options() -> str:
+    from kernel.options import markdown_table
+    from region_agent.settings import ENV_PREFIX, AgentSettings
+
+    return markdown_table(AgentSettings, ENV_PREFIX)
+
+
+def _allocator_options() -> str:
+    from allocator.settings import ENV_PREFIX, AllocatorSettings
+    from kernel.options import markdown_table
+
+    return markdown_table(AllocatorSettings, ENV_PREFIX)
+
+
+def _cli_exit_codes() -> str:
+    from leasehold.output import exit_code_table
+
+    return exit_code_table()
+
+
 #: (document, table name, generator)
 TABLES: list[tuple[str, str, Callable[[], str]]] = [
     ("docs/bound.md", "bound-sample-policy", _sample_policy),
     ("chaos/README.md", "bound-chaos-bundle", _chaos_bundle),
+    ("region_agent/README.md", "agent-options", _agent_options),
+    ("allocator/README.md", "allocator-options", _allocator_options),
+    ("docs/cli.md", "cli-exit-codes", _cli_exit_codes),
 ]
 
 

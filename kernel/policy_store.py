@@ -78,6 +78,7 @@ class PolicyStore:
         self.store = store
         self.key = policy_key(prefix)
         self.signing_key = signing_key(prefix)
+        self.canary_key = canary_key(prefix)
 
     async def read_signing(self) -> SigningMarker | None:
         """The signing marker, None when the fleet does not declare that it requires signatures.
@@ -125,6 +126,163 @@ class PolicyStore:
         return PublishResult(candidate.bundle_version, previous, txn_revision(responses))
 
 
+    async def read_both(self) -> tuple[Stored | None, StoredCanary | None]:
+        """The published bundle and the staged canary, read in one transaction (one revision)."""
+        got = await self.store.get_many([self.key, self.canary_key])
+        cur, can = got.get(self.key), got.get(self.canary_key)
+        return (None if cur is None else parse_stored(cur)), (None if can is None else parse_canary(can))
+
+
+    async def stage(self, raw: bytes, slice_: Slice) -> PublishResult:
+        """Write ``raw`` (a validated bundle) as the candidate for ``slice_``. A staged candidate may be
+        replaced by a higher version, or by the same bundle with a wider slice, never narrowed (an
+        agent never goes back to a lower version for a request it evaluated with the candidate)."""
+        candidate = decode_bundle(raw)
+        if slice_.empty:
+            raise PolicyError("a canary needs a slice: --regions, --agents or --tenants")
+        current, staged = await self.read_both()
+        problems = canary_problems(current.bundle if current else None, candidate)
+        if staged is not None and staged.bundle is not None and staged.slice is not None:
+            held = staged.bundle
+            if candidate.bundle_version < held.bundle_version or (
+                    candidate.bundle_version == held.bundle_version and candidate.checksum != held.checksum):
+                problems.append(f"bundle {held.bundle_version} is staged: a new candidate needs a higher version "
+                                "(or the same bundle, to widen the slice)")
+            elif not slice_.covers(staged.slice):
+                problems.append(f"the staged slice ({staged.slice.text()}) cannot shrink: agents keep evaluating the "
+                                "candidate for it; widen it, promote or roll back")
+        if problems:
+            raise PolicyError(problems[0], errors=problems)
+        assert current is not None and current.bundle is not None
+        t = self.store.t
+        compare = [t.mod(self.key) == current.mod_revision,
+                   t.version(self.canary_key) == 0 if staged is None else t.mod(self.canary_key) == staged.mod_revision]
+        body = b'{"base":%d,"slice":%s,"bundle":%s}' % (current.bundle.bundle_version, msgspec.json.encode(slice_),
+                                                        msgspec.json.encode(msgspec.json.decode(raw)))
+        ok, responses = await self.store.txn(compare, [t.put(self.canary_key, body)])
+        if not ok:
+            raise Conflict("the published policy or canary changed during this stage; read it again and retry")
+        return PublishResult(candidate.bundle_version, current.bundle.bundle_version, txn_revision(responses))
+
+
+    async def _finish_canary(self, raw: bytes | None) -> PublishResult:
+        """Promote (``raw`` None: the candidate becomes the published bundle, same bytes, same
+        signature) or roll back (``raw``: a bundle with a version above the candidate's): one
+        transaction writes the policy key and deletes the canary key."""
+        current, staged = await self.read_both()
+        if staged is None:
+            raise PolicyError("no canary is staged")
+        if current is None:
+            raise PolicyError("nothing is published")
+        if raw is None:
+            if staged.bundle is None:
+                raise PolicyError(f"the staged canary is not a valid bundle ({staged.problem}); roll it back")
+            body = msgspec.json.format(bytes(msgspec.json.decode(staged.raw, type=CanaryDoc).bundle), indent=2)
+            version = staged.bundle.bundle_version
+        else:
+            new = decode_bundle(raw)
+            floor = max(current.bundle.bundle_version if current.bundle else 0,
+                        staged.bundle.bundle_version if staged.bundle else 0)
+            if new.bundle_version <= floor:
+                raise StaleVersion(f"a rollback needs a version above {floor} (agents of the slice hold the candidate)")
+            body, version = bytes(raw), new.bundle_version
+        t = self.store.t
+        ok, responses = await self.store.txn(
+            [t.mod(self.key) == current.mod_revision, t.mod(self.canary_key) == staged.mod_revision],
+            [t.put(self.key, body), t.delete(self.canary_key)])
+        if not ok:
+            raise Conflict("the published policy or canary changed; read it again and retry")
+        return PublishResult(version, current.bundle.bundle_version if current.bundle else None,
+                             txn_revision(responses))
+
+
+    async def promote(self) -> PublishResult:
+        return await self._finish_canary(None)
+
+
+    async def rollback(self, raw: bytes) -> PublishResult:
+        return await self._finish_canary(raw)
+
+
 def rollback_bundle(old: Bundle, new_version: int, published_at: str) -> Bundle:
     """The content of ``old`` under ``new_version`` (a rollback is a publish of old content)."""
     return seal(msgspec.structs.replace(old, bundle_version=new_version, published_at=published_at))
+
+
+# ------------------------------------------------------------------------------ staged release
+# ``<prefix>policy/canary`` holds a candidate bundle and the slice that evaluates it
+# (docs/policy.md, "Canary release"): {"base": <current version when staged>,
+# "slice": {"regions": [...], "agents": [...], "tenants": [...]}, "bundle": {<the bundle>}}.
+CANARY_KEY_SUFFIX = "policy/canary"
+
+
+def canary_key(prefix: str) -> bytes:
+    """``/leasehold/`` -> ``b"/leasehold/policy/canary"``."""
+    return (prefix if prefix.endswith("/") else prefix + "/").encode() + CANARY_KEY_SUFFIX.encode()
+
+
+class Slice(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Who evaluates a candidate: every request of the named agents and of every agent of the named
+    regions, and, on every other agent, the requests of the named tenants."""
+
+    regions: list[str] = []
+    agents: list[str] = []
+    tenants: list[str] = []
+
+    def covers(self, other: Slice) -> bool:
+        return set(self.regions) >= set(other.regions) and set(self.agents) >= set(other.agents) and \
+            set(self.tenants) >= set(other.tenants)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.regions or self.agents or self.tenants)
+
+    def text(self) -> str:
+        parts = [f"{k} {', '.join(v)}" for k, v in (("regions", self.regions), ("agents", self.agents),
+                                                      ("tenants", self.tenants)) if v]
+        return "; ".join(parts) or "nobody"
+
+
+class CanaryDoc(msgspec.Struct, forbid_unknown_fields=True):
+    base: int
+    slice: Slice
+    bundle: msgspec.Raw
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCanary:
+    """The value under the canary key: its revision, slice and, if it decodes and validates, the
+    candidate (``bundle`` None and ``problem`` say why otherwise)."""
+
+    raw: bytes
+    mod_revision: int
+    slice: Slice | None
+    base: int | None
+    bundle: Bundle | None
+    problem: str = ""
+
+
+def parse_canary(kv: KV) -> StoredCanary:
+    try:
+        doc = msgspec.json.decode(kv.value, type=CanaryDoc)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        return StoredCanary(kv.value, kv.mod_revision, None, None, None, f"the canary value is malformed: {e}")
+    try:
+        return StoredCanary(kv.value, kv.mod_revision, doc.slice, doc.base, decode_bundle(bytes(doc.bundle)))
+    except PolicyError as e:
+        return StoredCanary(kv.value, kv.mod_revision, doc.slice, doc.base, None, e.detail)
+
+
+def canary_problems(current: Bundle | None, candidate: Bundle) -> list[str]:
+    """Why ``candidate`` cannot be staged over ``current`` (empty: it can)."""
+    out = []
+    if current is None:
+        out.append("nothing is published yet: publish a first bundle, then stage candidates over it")
+        return out
+    if candidate.bundle_version <= current.bundle_version:
+        out.append(f"the candidate's version {candidate.bundle_version} is not higher than the published "
+                   f"{current.bundle_version}")
+    if candidate.pools != current.pools:
+        out.append("the candidate changes the pools: a pool is one fleet-wide quota held by the allocator and "
+                   "cannot be staged for a slice; publish pool changes directly")
+    return out

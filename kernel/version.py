@@ -1,6 +1,7 @@
 """The version of Leasehold, written in one place (this module; ``pyproject.toml`` reads it), and
 the build commit, shown by ``--version`` on every entry point and exported by both services as
-``leasehold_build_info{version,commit} 1`` (docs/decisions/0001-version-and-build-info.md).
+``leasehold_build_info{version,commit} 1`` (:mod:`kernel.build_info`;
+docs/decisions/0001-version-and-build-info.md).
 
 The commit is the ``LEASEHOLD_BUILD_COMMIT`` environment variable (the container image sets it
 from its build argument), else the checkout's ``git rev-parse HEAD`` when the package runs from
@@ -43,14 +44,4 @@ def version_line(prog: str) -> str:
     return f"{prog} {__version__} (commit {build_commit()})"
 
 
-def build_info_gauge(registry):  # -> prometheus_client.Gauge
-    """``leasehold_build_info{version,commit}`` = 1 in ``registry`` (both services call this)."""
-    from prometheus_client import Gauge
-
-    gauge = Gauge("leasehold_build_info", "Always 1: the version and build commit of this process",
-                  ["version", "commit"], registry=registry)
-    gauge.labels(__version__, build_commit()).set(1)
-    return gauge
-
-
-__all__ = ["COMMIT_ENV", "__version__", "build_commit", "build_info_gauge", "version_line"]
+__all__ = ["COMMIT_ENV", "__version__", "build_commit", "version_line"]

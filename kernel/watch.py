@@ -29,16 +29,20 @@ log = logging.getLogger("leasehold.policy_watch")
 
 class PolicyWatcher:
     def __init__(self, store: PolicyStore, *, offer: Callable[[Bundle], Any], refuse: Callable[[str], Any],
-                 reread_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+                 reread_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 offer_canary: Callable[[Any], Any] | None = None):
         self.store = store
         self.offer = offer
+        # agents: the canary key too, read in the same transaction as the policy key (one revision),
+        # and handed on after the current bundle (docs/policy.md, "Canary release")
+        self.offer_canary = offer_canary
         self.refuse = refuse
         self.reread_s = reread_s
         self.clock = clock
         self.last_ok = clock()
         self.reads_ok = 0
         self.reads_failed = 0
-        self._seen_revision = 0  # mod_revision of the last value handed on (accepted or refused)
+        self._seen_revision = (0, 0)  # mod_revisions of the policy and canary values last handed on
         self._tasks: list[asyncio.Task] = []
         self._lock = asyncio.Lock()
 
@@ -48,20 +52,28 @@ class PolicyWatcher:
         Returns False when etcd could not be read (the current bundle stays in force)."""
         async with self._lock:
             try:
-                stored = await self.store.read()
+                if self.offer_canary is not None:
+                    stored, canary = await self.store.read_both()
+                else:
+                    stored, canary = await self.store.read(), None
             except LeaseholdError as e:
                 self.reads_failed += 1
                 log.warning("policy read from etcd failed (%s); keeping the current bundle", e.code)
                 return False
             self.last_ok = self.clock()
             self.reads_ok += 1
-            if stored is None or stored.mod_revision == self._seen_revision:
+            seen = (stored.mod_revision if stored else 0, canary.mod_revision if canary else 0)
+            if stored is None and canary is None or seen == self._seen_revision:
                 return True
-            self._seen_revision = stored.mod_revision
-            if stored.bundle is None:
-                self.refuse(stored.problem)
-            else:
-                self.offer(stored.bundle)
+            changed = stored is not None and stored.mod_revision != self._seen_revision[0]
+            self._seen_revision = seen
+            if changed and stored is not None:
+                if stored.bundle is None:
+                    self.refuse(stored.problem)
+                else:
+                    self.offer(stored.bundle)
+            if self.offer_canary is not None:
+                self.offer_canary(canary)
             return True
 
     def age_ms(self) -> float:
@@ -99,7 +111,12 @@ class PolicyWatcher:
             watch = None
             try:
                 client = await self.store.store._get_client()  # the store's current endpoint
-                watch = await abandon_after(client.watch(self.store.key), self.store.store.timeout_s)
+                if self.offer_canary is not None:  # policy/canary .. policy/current (both keys, one watch)
+                    low, high = sorted((self.store.canary_key, self.store.key))
+                    call = client.watch(low, range_end=high + b"\x00")
+                else:
+                    call = client.watch(self.store.key)
+                watch = await abandon_after(call, self.store.store.timeout_s)
                 backoff = 0.2
                 await self.refresh()  # anything written before the watch was registered
                 async for _event in watch:

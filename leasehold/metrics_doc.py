@@ -24,8 +24,9 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 # P pools, G route groups named by rules (+ all/none), S store shards (1 standalone, cluster primaries),
 # N regions that leased (at most 64, then "other"). Histograms count their 11-13 bucket series once.
 BOUNDS: dict[str, str] = {
+    "leasehold_agent_decisions_total": "7 outcomes x (R+1) rules x 2 versions x T x sources (route group follows "
+                                       "the rule; the source is mostly fixed by the outcome: at most 3 per outcome)",
     "leasehold_build_info": "1",
-    "leasehold_agent_decisions_total": "7 outcomes x (R+1) rules x 2 versions x T (route group follows the rule)",
     "leasehold_agent_decision_seconds": "S x 7 outcomes",
     "leasehold_agent_script_errors_total": "error classes of kernel.errors (< 10)",
     "leasehold_agent_degraded_decisions_total": "6 reasons x 4 fail modes",
@@ -39,6 +40,9 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_policy_version": "1",
     "leasehold_agent_policy_age_seconds": "1",
     "leasehold_agent_policy_epoch_mismatches_total": "2",
+    "leasehold_agent_policy_candidate_version": "1",
+    "leasehold_agent_policy_canary_offers_total": "3 outcomes",
+    "leasehold_agent_decision_log_lines_total": "2 results",
     "leasehold_agent_shadow_decisions_total": "R x 3 outcomes",
     "leasehold_agent_policy_defects_total": "R + 1",
     "leasehold_agent_negative_cache_hits_total": "1",
@@ -72,6 +76,7 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_rls_invalid_total": "invalid-argument reasons of region_agent.gateways (< 10)",
     "leasehold_agent_rls_descriptors_total": "2 codes",
     "leasehold_agent_rls_seconds": "1",
+    "leasehold_agent_authz_seconds": "1",
     "leasehold_agent_authz_requests_total": "HTTP statuses answered (< 10)",
     "leasehold_agent_authz_invalid_total": "malformed-question reasons of region_agent.gateways (< 10)",
     "leasehold_allocator_grants_total": "P x N",
@@ -175,6 +180,16 @@ everything else (the gateway front doors included) under 300: **under 1,000 seri
 under 300 per allocator replica with two regions. (Measured on a signed `leasehold up` after demo
 traffic: about 150 on an agent, about 100 on the allocator.) A bundle that names more tenants gets at most 50 tenant labels (the first 50 in
 sorted order; the rest count as `other`).
+
+Besides the table, both services export the standard collectors of `prometheus_client`:
+`process_*` (resident and virtual memory, CPU seconds, open and maximum file descriptors, start
+time), `python_info` and `python_gc_*`. An agent with `--workers N` exports one consistent set of
+series: every worker's counters, histograms and gauges summed (gauges: the highest breaker state
+and pool balance, the lowest allocator reachability and policy version of the live workers), the
+`process_*` values of all workers together; `python_gc_*` is not exported then. With several
+workers, the series of a policy version older than the last two stay until the agent restarts.
+The `region` of an agent's series is a target label of the scrape configuration
+(`deploy/prometheus/prometheus.yml`), like `instance` and `job`.
 
 ## Table
 

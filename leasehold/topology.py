@@ -50,7 +50,7 @@ class TopologySpec:
     agent_args: tuple[str, ...] = ()  # extra flags for every region agent
     allocator_args: tuple[str, ...] = ()  # extra flags for every allocator replica
     auth: bool = False  # bearer tokens generated into <run_dir>/secrets (``leasehold up`` turns this on);
-    #                     False passes an explicit --auth-disabled true to every service
+    #                     False passes an explicit --auth-disabled to every service
     policy_from_etcd: bool = False  # agents follow <prefix>policy/current (``leasehold policy publish``)
     signed: bool = False  # a policy-signing key pair in <run_dir>/secrets: the start bundle is signed with it,
     #                       every service trusts only its public key, and etcd carries the signing marker
@@ -58,6 +58,7 @@ class TopologySpec:
     rls: bool = False  # every agent also serves Envoy's rate limit service (--rls-port, a free port each)
     insecure_dev_pepper: bool = False  # opt in to the agents' public development pepper; by default a
     #                                    random pepper is generated into <run_dir>/secrets/pepper
+    decision_logs: bool = False  # every agent writes <run_dir>/decisions-<region>-<n>.jsonl (the sampled decision log)
 
 
 @dataclass
@@ -128,7 +129,7 @@ class LocalTopology:
                     port = free_port()
                     url = f"http://{LOOPBACK}:{port}"
                     proc = Proc(f"allocator-{i + 1}", allocator_command(
-                        *trust, *(self.secrets.allocator_args() if self.secrets else ("--auth-disabled", "true")),
+                        *trust, *(self.secrets.allocator_args() if self.secrets else ("--auth-disabled",)),
                         *self.spec.allocator_args, etcd=self.etcd.endpoints, policy=self.policy_path,
                         node_id=f"alloc-{i + 1}", host=LOOPBACK, port=port, advertise_url=url,
                     ), run / f"allocator-{i + 1}", env=_env()).start()
@@ -154,18 +155,21 @@ class LocalTopology:
                                          host=LOOPBACK, port=port)
                     if self.allocator_urls and self.spec.link_agents_to_allocator:
                         args += ["--allocator-urls", ",".join(self.allocator_urls)]
-                    args += self.secrets.agent_args(region) if self.secrets else ["--auth-disabled", "true"]
+                    args += self.secrets.agent_args(region) if self.secrets else ["--auth-disabled"]
                     if self.spec.policy_from_etcd and self.etcd is not None:
                         args += ["--policy-etcd", ",".join(self.etcd.endpoints)]
                         if self.secrets:
                             args += self.secrets.agent_etcd_args()
                     args += ["--audit-log", str(run / f"audit-{region}-{j + 1}.jsonl")]  # privileged bypasses
+                    args += ["--agent-id", f"agent-{region}-{j + 1}"]  # what a canary slice names
+                    if self.spec.decision_logs:
+                        args += ["--decision-log", str(run / f"decisions-{region}-{j + 1}.jsonl")]
                     if self.spec.rls:
                         rls_port = free_port()
                         args += ["--rls-port", str(rls_port)]
                         self.rls_ports[region].append(rls_port)
                     args += (["--pepper-file", str(self.pepper_file)] if self.pepper_file is not None
-                             else ["--insecure-dev-pepper", "true"])  # the public pepper only when asked for
+                             else ["--insecure-dev-pepper"])  # the public pepper only when asked for
                     args += list(self.spec.agent_args)
                     env = {k: v for k, v in _env().items() if k != "LEASEHOLD_AGENT_PEPPER"}
                     proc = Proc(f"agent-{region}-{j + 1}", args, run / f"agent-{region}-{j + 1}", env=env).start()
@@ -254,7 +258,7 @@ class Secrets:
         write_secret(self.dir, name, text)
 
     def allocator_args(self) -> list[str]:
-        return ["--auth-disabled", "false", "--region-tokens-file", str(self.dir / "allocator-region-tokens"),
+        return ["--no-auth-disabled", "--region-tokens-file", str(self.dir / "allocator-region-tokens"),
                 "--etcd-user", "allocator", "--etcd-password-file", str(self.dir / "etcd-allocator.password")]
 
     def publisher_args(self) -> list[str]:
@@ -287,7 +291,7 @@ class Secrets:
         return ["--policy-etcd-user", "agent", "--policy-etcd-password-file", str(self.dir / "etcd-agent.password")]
 
     def agent_args(self, region: str) -> list[str]:
-        return ["--auth-disabled", "false", "--allocator-token-file", str(self.dir / f"region-{region}.token"),
+        return ["--no-auth-disabled", "--allocator-token-file", str(self.dir / f"region-{region}.token"),
                 "--redis-password-file", str(self.dir / "redis-agent.password"),
                 "--gateway-tokens-file", str(self.dir / "agent-gateway-tokens"),
                 "--operator-tokens-file", str(self.dir / "agent-operator-tokens")]

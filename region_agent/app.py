@@ -18,8 +18,9 @@ from litestar import Litestar, MediaType, Response, get, post
 from litestar.di import NamedDependency, Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.params import Body
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from kernel import tracing
 from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError, Unavailable
 from kernel.http_errors import exception_handlers, problem_response
@@ -31,6 +32,7 @@ from kernel.signing import TrustedKeys
 from . import store_health
 from .audit import BypassAudit, make_sink
 from .auth import AgentAuth, agent_guard
+from .decision_log import DecisionLog
 from .engine import DecisionEngine
 from .epoch import EpochCheck
 from .fallback import LocalAllowances
@@ -76,7 +78,7 @@ class AgentState:
     store: Any = None
     leases: Any = None  # LeaseManager when --allocator-urls is set
     policy_watch: Any = None  # kernel.watch.PolicyWatcher when --policy-etcd is set
-    auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled true
+    auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled
     key_cap: Any = None  # region_agent.preauth.NewKeyCap; None when --anon-new-keys-per-source 0
     epoch: Any = None  # region_agent.epoch.EpochCheck (policyEpoch in requests)
     audit: Any = None  # region_agent.audit.BypassAudit
@@ -227,7 +229,7 @@ async def store_health_view(agent: NamedDependency[AgentState]) -> Response:
 
 @get("/metrics", summary="Prometheus metrics", include_in_schema=False)
 async def metrics(agent: NamedDependency[AgentState]) -> Response:
-    return Response(generate_latest(agent.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(agent.metrics.render(), media_type=CONTENT_TYPE_LATEST)  # several workers: all of them
 
 
 # ---------------------------------------------------------------------------------- app
@@ -237,6 +239,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     """Build the app. ``store_factory(settings, metrics) -> StoreGateway`` is for the lifespan;
     the default connects to ``settings.redis_url``."""
     m = metrics_obj or AgentMetrics()
+    tracing.setup("leasehold-agent", settings.otlp_endpoint, settings.trace_sample_ratio)  # off without an endpoint
 
     def on_reload(res: ReloadResult) -> None:
         m.policy_reloads.labels(res.outcome).inc()
@@ -252,6 +255,15 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     else:
         holder._on_reload = holder._on_reload or on_reload
     m.policy_version.set(holder.bundle.bundle_version)
+    holder.region, holder.agent_id = settings.region, settings.agent_id  # who a canary slice names
+
+    def on_canary(outcome: str, version: int) -> None:
+        if outcome == "set":
+            m.policy_candidate.set(version)
+        else:
+            m.policy_canary.labels(outcome).inc()
+
+    holder.on_canary = on_canary
     m.policy_age.set_function(lambda: time.monotonic() - holder.checked_at)  # etcd: the watcher's age
     configure_jitter(settings.retry_jitter_pct, settings.retry_jitter_max_ms, settings.retry_jitter_seed)
     audit = BypassAudit(m, make_sink(settings.audit_log))
@@ -265,6 +277,9 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         factory = store_factory or default_store_factory
         state.store = factory(settings, m)
+        if tracing.ENABLED:  # a span per script call (region_agent.tracing)
+            from .tracing import TracedStore
+            state.store = TracedStore(state.store)
         if hasattr(state.store, "start"):
             state.store.start()
         clock = AllocatorClock(unknown_offset_ms=settings.allocator_clock_uncertainty_ms)
@@ -272,11 +287,12 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         telemetry = DecisionTelemetry(m, audit=audit,
                                       shard_of=state.store.shard_of if getattr(state.store, "cluster", False)
                                       else None)
-        state.engine = DecisionEngine(get_bundle=lambda: state.holder.bundle, keys=state.keys, store=state.store,
+        state.engine = DecisionEngine(get_bundle=lambda: state.holder.bundle, bundle_for=state.holder.bundle_for,
+                              keys=state.keys, store=state.store,
                               metrics=m, fallback=LocalAllowances(settings.fallback_max_keys),
                               budget_ms=settings.decision_budget_ms, leases=state.leases,
                               negative=NegativeCache(cap_ms=settings.negative_cache_ms), telemetry=telemetry,
-                              allocator_clock=clock)
+                              allocator_clock=clock, decision_log=DecisionLog.from_settings(settings, state.keys, m))
         if state.leases is not None:
             state.leases.start()
             if settings.lease_warmup:
@@ -321,10 +337,14 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
             audit.flush(force=True)
+            if state.engine is not None and state.engine.decision_log is not None:
+                state.engine.decision_log.close()
             if state.leases is not None:  # close the leases held and report them (returned to the pool now)
                 await state.leases.shutdown(settings.shutdown_report_ms / 1000)
                 await state.leases.client.aclose()
             await state.store.close()
+            m.close()
+            tracing.shutdown()
 
     app = Litestar(
         route_handlers=[admit, admit_batch, release, renew, policy, leases_view, healthz, readyz, store_health_view,
@@ -382,11 +402,12 @@ def _key_cap(settings: AgentSettings):
 async def _start_policy_watch(settings: AgentSettings, state: AgentState):
     """Follow the policy key in etcd: one bounded first read, then watch + periodic re-read."""
     from .policy_watch import age_gauge, make_watcher
-    from .settings import resolve_secret
+    from .settings import policy_etcd_tls, resolve_secret
 
     password = resolve_secret(settings.policy_etcd_password_file, "POLICY_ETCD_PASSWORD")
     w = make_watcher(state.holder, settings.policy_etcd or "", prefix=settings.policy_etcd_prefix,
-                     reread_ms=settings.policy_etcd_reread_ms, user=settings.policy_etcd_user, password=password)
+                     reread_ms=settings.policy_etcd_reread_ms, user=settings.policy_etcd_user, password=password,
+                     tls=policy_etcd_tls(settings))
     age_gauge(state.metrics, w)
     with contextlib.suppress(Exception):
         await asyncio.wait_for(w.refresh(), 3.0)
@@ -429,6 +450,8 @@ async def _background(state: AgentState) -> None:
                 await state.store.load()
         if state.audit is not None:
             state.audit.flush()
+        if state.metrics.multiprocess:  # several workers: this one's counts reach the shared files
+            state.metrics.flush()
 
 
 def _refresh_policy(state: AgentState) -> None:

@@ -41,7 +41,7 @@ from .leasing.fleet_pools import FleetPools, TakeStatus
 from .leasing.topup import pool_denial, topped_up, wait_s
 from .leasing.window_clock import AllocatorClock, Windows
 from .metrics import AgentMetrics
-from .models import AdmitRequest, Decision, DeniedScope, Reason, ReleaseRequest, RenewRequest
+from .models import AdmitRequest, Decision, DecisionSource, DeniedScope, Reason, ReleaseRequest, RenewRequest
 from .negcache import NegativeCache
 from .outcome import Answer, NextStep, Outcome, outcome, pool_denial_slot
 from .plan import GlobalSpend, Plan, build_plan, cc_gates, cc_keys_for_release, memo_of
@@ -73,8 +73,11 @@ class DecisionEngine:
                  fallback: LocalAllowances | None = None, budget_ms: int = 50,
                  clock: Callable[[], float] = time.monotonic, leases: Any | None = None,
                  negative: NegativeCache | None = None, telemetry: DecisionTelemetry | None = None,
-                 wall_clock: Callable[[], float] = time.time, allocator_clock: AllocatorClock | None = None):
+                 wall_clock: Callable[[], float] = time.time, allocator_clock: AllocatorClock | None = None,
+                 decision_log: Any = None, bundle_for: Callable[[str | None], Bundle] | None = None):
         self.get_bundle = get_bundle
+        # the bundle one request of a tenant is evaluated against (a canary slice); None: get_bundle's
+        self.bundle_for = bundle_for
         self.keys = keys
         self.store = store
         self.metrics = metrics
@@ -93,6 +96,7 @@ class DecisionEngine:
         self.denials = Denials(self.negative, metrics, self.now_ms)
         # counters, latency, new keys and the bypass audit of each finished decision
         self.telemetry = telemetry or DecisionTelemetry(metrics)
+        self.decision_log = decision_log  # region_agent.decision_log.DecisionLog; None: off (the default)
 
     def now_ms(self) -> float:
         return self.clock() * 1000.0
@@ -104,7 +108,8 @@ class DecisionEngine:
     # ------------------------------------------------------------------ public API
     async def admit(self, req: AdmitRequest, *, decoded: bool = False) -> Decision:
         """``decoded``: ``req`` came from the strict wire decoder (its id patterns were checked)."""
-        bundle = self.get_bundle()  # one snapshot for the whole request
+        # one snapshot for the whole request (with a canary staged: the candidate when it is in the slice)
+        bundle = self.get_bundle() if self.bundle_for is None else self.bundle_for(req.tenant_id)
         plan = build_plan(bundle, req, self.keys, checked=decoded)  # raises ValidationFailed before any key exists
         prep = self._begin(plan, bundle)
         if prep.early is None and plan.global_spends:
@@ -130,13 +135,15 @@ class DecisionEngine:
 
     async def admit_many(self, reqs: list[AdmitRequest], *, decoded: bool = False) -> list[Decision]:
         """Batch: every item's tenant call goes in one coalesced pipeline (one round trip per shard)."""
-        bundle = self.get_bundle()
         keys = self.keys
-        plans = [build_plan(bundle, r, keys, checked=decoded) for r in reqs]  # whole batch is 422 if one is malformed
+        bundle_for = self.bundle_for
+        bundles = [self.get_bundle()] * len(reqs) if bundle_for is None else [bundle_for(r.tenant_id) for r in reqs]
+        plans = [build_plan(b, r, keys, checked=decoded)  # whole batch is 422 if one is malformed
+                 for b, r in zip(bundles, reqs, strict=True)]
         budget = batch_budget_s(self.budget, len(plans))
         started = self.clock()  # one start (deadline, negative-cache time) for the whole batch
         begin = self._begin
-        preps = [begin(p, bundle, budget, started) for p in plans]
+        preps = [begin(p, b, budget, started) for p, b in zip(plans, bundles, strict=True)]
         pending = [p for p in preps if p.early is None and p.plan.global_spends]
         if pending:  # only items spending fleet-wide chunk leases may wait (a renewal)
             await asyncio.gather(*(self._take_globals(p) for p in pending))
@@ -163,7 +170,7 @@ class DecisionEngine:
         return out
 
     async def release(self, req: ReleaseRequest) -> int:
-        bundle = self.get_bundle()
+        bundle = self.get_bundle() if self.bundle_for is None else self.bundle_for(req.tenant_id)
         cc_keys = cc_keys_for_release(bundle, request_tenant=req.tenant_id, principal=req.principal,
                                       route_group=req.route_group, keys=self.keys)
         deadline = self.clock() + self.budget  # the decision budget, as for an admission
@@ -174,7 +181,8 @@ class DecisionEngine:
     async def renew(self, req: RenewRequest) -> tuple[int, int]:
         """Heartbeat: (slots extended, gates). A slot that was released or expired
         is not revived; the gateway then treats the export as unprotected or ends it."""
-        gates = cc_gates(self.get_bundle(), request_tenant=req.tenant_id, principal=req.principal,
+        bundle = self.get_bundle() if self.bundle_for is None else self.bundle_for(req.tenant_id)
+        gates = cc_gates(bundle, request_tenant=req.tenant_id, principal=req.principal,
                          route_group=req.route_group, keys=self.keys)
         deadline = self.clock() + self.budget  # the decision budget, as for a release
         renewed = 0
@@ -193,7 +201,7 @@ class DecisionEngine:
         prep = _Prepared(plan, bundle, started, started + (budget or self.budget), [])
         held = self.denials.hit(plan, started * 1000.0)
         if held is not None:
-            prep.early = self._answer(prep, held)
+            prep.early = self._answer(prep, held, DecisionSource.NEGATIVE_CACHE)
             return prep
         if self.leases is not None:
             for _, pool, key, tokens in tenant_pool_slots(plan, memo_of(bundle).pools):
@@ -214,12 +222,14 @@ class DecisionEngine:
             if took.status is TakeStatus.DENIED:
                 prep.early = self._answer(prep, Answer(False, spend.rule, DeniedScope.GLOBAL, Reason.RATE_EXCEEDED,
                                                        spend.pool.limit, 0, took.retry_ms,
-                                                       prep.used_fallback or took.fallback))
+                                                       prep.used_fallback or took.fallback),
+                                          DecisionSource.POOL_FALLBACK if took.fallback else DecisionSource.CHUNK)
             elif took.status is TakeStatus.SHED:
                 prep.early = self._shed(prep, "pool")
             else:
                 prep.early = self._answer(prep, Answer(False, spend.rule, DeniedScope.GLOBAL,
-                                                       Reason.LIMITER_UNAVAILABLE, retry=took.retry_ms))
+                                                       Reason.LIMITER_UNAVAILABLE, retry=took.retry_ms),
+                                          DecisionSource.FAIL_CLOSED)
             break
 
     # ------------------------------------------------------------------ 2. script call
@@ -300,11 +310,13 @@ class DecisionEngine:
                 self.denials.remember(plan, o.slot, o.answer, calls=calls, fallback=fallback)
             elif o.answer.allowed:
                 self.denials.forget(plan, calls)  # a probe passed: its denial no longer holds
-            return self._answer(prep, o.answer)
+            return self._answer(prep, o.answer, DecisionSource.POOL_FALLBACK if fallback else DecisionSource.SCRIPT)
         if o.step is NextStep.ALLOWED_WITHOUT_SCRIPT:
             self.denials.forget(plan, calls)
             d = self._allowed_without_script(prep)
             d.fallback = d.fallback or fallback
+            if fallback:
+                d.source = DecisionSource.POOL_FALLBACK
             return d
         if o.step is NextStep.CONFLICT:
             self._give_back(prep)
@@ -340,7 +352,7 @@ class DecisionEngine:
         """The allocator is unreachable and slot ``idx``'s balance is empty (region_agent.degraded)."""
         fb = self.local.pool_allowance(prep.plan, memo_of(prep.bundle).pools, idx)
         if fb.closed is not None:
-            return self._answer(prep, fb.closed)
+            return self._answer(prep, fb.closed, DecisionSource.FAIL_CLOSED)
         if fb.call is None:  # the allocator's clock is too uncertain: the script's denial stands
             return await self._settle(prep, res, fallback=True, retry_floor=fb.retry_floor_ms)
         return await self._settle(prep, await self._send_one(prep, fb.call), retry=False, fallback=True,
@@ -353,9 +365,11 @@ class DecisionEngine:
             return self._shed(prep, got.shed)
         self.denials.forget(prep.plan)  # a probe answered by the fallback: the store's old denial is over
         if got.answer is not None:
-            return self._answer(prep, got.answer)
+            closed = got.answer.reason is Reason.LIMITER_UNAVAILABLE
+            return self._answer(prep, got.answer, DecisionSource.FAIL_CLOSED if closed else DecisionSource.LOCAL_FALLBACK)
         d = self._allowed_without_script(prep)  # failMode open
         d.fallback = True
+        d.source = DecisionSource.FAIL_OPEN
         return d
 
     def _allowed_without_script(self, prep: _Prepared) -> Decision:
@@ -364,21 +378,24 @@ class DecisionEngine:
         for r in prep.reservations:
             if r.spend.rule is report:
                 return self._answer(prep, Answer(True, report, limit=r.spend.pool.limit,
-                                                 remaining=self.fleet.remaining(r.spend.pool.id)))
-        return self._answer(prep, Answer(True, report))
+                                                 remaining=self.fleet.remaining(r.spend.pool.id)),
+                                    DecisionSource.POOL_FALLBACK if prep.used_fallback else DecisionSource.CHUNK)
+        return self._answer(prep, Answer(True, report),
+                            DecisionSource.CHUNK if prep.reservations else DecisionSource.POLICY)
 
     def _shed(self, prep: _Prepared, stage: str) -> Decision:
         """Overload: this agent could not get the decision's store answer within its budget while
         the store is answering. A retriable 503 (``OVERLOADED``), counted; never a fallback."""
         self.metrics.shed.labels(stage).inc()
-        return self._answer(prep, SHED)
+        return self._answer(prep, SHED, DecisionSource.OVERLOAD)
 
     # ------------------------------------------------------------------ 4. HTTP
-    def _answer(self, prep: _Prepared, a: Answer) -> Decision:
-        """The decision record of ``a``; a denial gives the reserved global pool tokens back."""
+    def _answer(self, prep: _Prepared, a: Answer, source: DecisionSource = DecisionSource.SCRIPT) -> Decision:
+        """The decision record of ``a`` made by ``source``; a denial gives the reserved global pool
+        tokens back."""
         if not a.allowed:
             self._give_back(prep)
-        return decision_record(prep.plan, prep.bundle, a, self.metrics)
+        return decision_record(prep.plan, prep.bundle, a, self.metrics, source)
 
     def _finish(self, prep: _Prepared, d: Decision) -> Decision:
         if d.allowed and prep.used_fallback:
@@ -388,6 +405,8 @@ class DecisionEngine:
                                   (r.spend for r in prep.reservations), fallback=d.fallback)
         self.telemetry.decided(prep.plan, prep.bundle, d, self.clock() - prep.started, now=prep.started,
                                touched_store=prep.early is None and not d.fallback and d.http_status != 503)
+        if self.decision_log is not None:
+            self.decision_log.decided(prep.plan, prep.bundle, d)
         return d
 
     def _give_back(self, prep: _Prepared) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from kernel import tracing
 from kernel.asgi import read_body, replay
 from kernel.auth import SCOPE_KEY
 from kernel.errors import LeaseholdError
@@ -40,6 +41,7 @@ from kernel.http_errors import problem_answer
 from kernel.jsonbody import content_type_of, is_json_media_type, repeats_keys
 
 from .models import MAX_BATCH_BODY_BYTES, AdmitBatch, AdmitRequest, keys_shown
+from .tracing import decision as traced_decision
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 PATH = "/v1/admit"
@@ -104,7 +106,7 @@ def admit_fast_path(state_of: Callable[[], Any], max_body: int, before_engine: C
             if batch:
                 await _answer_batch(st, req, send, decide_batch)  # type: ignore[arg-type]
             else:
-                await _answer(st, req, send, before_engine)
+                await _answer(st, req, send, before_engine, raw_headers)
 
         return serve
 
@@ -121,10 +123,15 @@ async def _answer_batch(st: Any, batch: AdmitBatch, send: Callable[[dict], Await
 
 
 async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[None]],
-                  before_engine: Callable[[Any, list], list]) -> None:
+                  before_engine: Callable[[Any, list], list], raw_headers: Any = ()) -> None:
     try:
         [(req, early)] = before_engine(st, [req])
-        decision = early if early is not None else await st.engine.admit(req, decoded=True)
+        if early is not None:
+            decision = early
+        elif not tracing.ENABLED:
+            decision = await st.engine.admit(req, decoded=True)
+        else:  # a span per decision (region_agent.tracing)
+            decision = await traced_decision("http", raw_headers, req.request_id, st.engine.admit, req, decoded=True)
     except LeaseholdError as e:
         return await _send_problem(send, e, PATH)
     await _send(send, 200, _encode(decision), _JSON_HEADERS)

@@ -60,6 +60,7 @@ class Plan:
     argv_rules: tuple | None = None
     has_pool: bool = False  # a slot spends a tenant pool balance (Role.POOL)
     shape: Shape | None = None  # what the plan was built from (shared, read-only)
+    request: AdmitRequest | None = None  # the question (the sampled decision log reads the principal from it)
 
     @property
     def anonymous(self) -> bool:
@@ -190,14 +191,22 @@ class BundleMemo:
 
 
 _last_memo: BundleMemo | None = None
+_other_memo: BundleMemo | None = None
 
 
 def memo_of(bundle: Bundle) -> BundleMemo:
-    """The memo of ``bundle`` (one slot: the snapshot in force; a new snapshot replaces it)."""
-    global _last_memo
+    """The memo of ``bundle``. Two slots: the snapshot in force and, while a canary is staged, the
+    other of the pair a request may be evaluated against (the current and the candidate bundle);
+    a third snapshot replaces the older one."""
+    global _last_memo, _other_memo
     m = _last_memo
     if m is None or m.bundle is not bundle:
-        m = _last_memo = BundleMemo(bundle)
+        o = _other_memo
+        if o is not None and o.bundle is bundle:
+            _other_memo, _last_memo = m, o
+            return o
+        _other_memo, m = m, BundleMemo(bundle)
+        _last_memo = m
     return m
 
 
@@ -256,7 +265,7 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
         decision_key = KeyBuilder.unrecorded_decision_key(tenant=tenant if ip_tag is None else None, ip_tag=ip_tag)
     return Plan(req.request_id, tenant, ptype, shape.enforced, calls, shape.slots, shadow_calls, shape.shadow_slots,
                 spends, decision_key, shape.decision_ttl_ms, question, shape.slack_ms, cost_hint, argv_rules,
-                shape.has_pool, shape)
+                shape.has_pool, shape, req)
 
 
 _NONE: tuple = ()  # the shared empty sequence of a plan without shadow calls or global spends

@@ -7,15 +7,19 @@ one of them (``kernel.signing``); anything else keeps the current snapshot and i
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kernel.bundle import Bundle, load_bundle_file
 from kernel.errors import PolicyError, StaleVersion
 from kernel.policy_metrics import RELOAD_OUTCOMES  # noqa: F401  (re-exported: the outcomes of a reload)
 from kernel.signing import SignatureRefused, TrustedKeys
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +39,13 @@ class PolicyHolder:
         self._mtime = self._stat()
         self._on_reload = on_reload
         self.checked_at = time.monotonic()  # last successful look at the file (the snapshot age without etcd)
+        # the canary (docs/policy.md, "Canary release"): the candidate this agent holds for its slice,
+        # and the tenants it applies to (None: every request of this agent)
+        self.candidate: Bundle | None = None
+        self.candidate_tenants: frozenset[str] | None = None
+        self.region: str | None = None
+        self.agent_id: str | None = None
+        self.on_canary: Callable[[str, int], None] | None = None  # (outcome, candidate version or 0)
 
     @classmethod
     def load(cls, path: str, **kw) -> PolicyHolder:
@@ -44,7 +55,17 @@ class PolicyHolder:
 
     @property
     def bundle(self) -> Bundle:
+        """The current (published) bundle."""
         return self._bundle
+
+    def bundle_for(self, tenant: str | None) -> Bundle:
+        """The bundle one request of ``tenant`` is evaluated against: the candidate when the request
+        is in this agent's slice, else the current one. Read once per request."""
+        cand = self.candidate
+        if cand is None:
+            return self._bundle
+        tenants = self.candidate_tenants
+        return cand if tenants is None or tenant in tenants else self._bundle
 
     def _stat(self) -> float | None:
         try:
@@ -65,6 +86,66 @@ class PolicyHolder:
             return self._report(ReloadResult("stale", current.bundle_version, err.detail))
         self._bundle = candidate  # one reference assignment: readers see old or new, never a mix
         return self._report(ReloadResult("accepted", candidate.bundle_version))
+
+    # ------------------------------------------------------------------ the canary
+    def offer_canary(self, staged: Any) -> str:
+        """The canary key's value (``kernel.policy_store.StoredCanary``, None when absent), offered
+        after the current bundle of the same etcd revision. What this agent *holds* is the current
+        bundle and, when it is in the slice, the candidate with the part of the slice that is this
+        agent's (all its requests, or some tenants'). The rule: a request is never evaluated with a
+        lower version than an earlier request of the same tenant on this agent was. So the candidate
+        is dropped only once the current version reaches it (promote, rollback), is replaced only by
+        a higher version (or the same bundle), and its slice here only widens; any other offer keeps
+        what is held (``kept``). The whole change is made without an await: a request sees the old
+        pair or the new one."""
+        held = self.candidate
+        if held is not None and held.bundle_version <= self._bundle.bundle_version:
+            self._set_candidate(None, None)  # promoted or rolled back past it
+            held = None
+        if staged is None or staged.bundle is None:
+            if staged is not None:
+                return self._canary("refused", f"canary refused: {staged.problem}")
+            return self._canary("kept", "canary removed without promote or rollback: the slice keeps the "
+                                        f"candidate {held.bundle_version}") if held is not None else "none"
+        cand = staged.bundle
+        try:
+            self.trusted.check(cand)
+        except SignatureRefused as e:
+            return self._canary("refused", f"canary refused ({e.outcome}): {e.detail}")
+        if cand.bundle_version <= self._bundle.bundle_version:
+            return "none" if held is None else self._canary("kept", "stale canary")
+        if cand.pools != self._bundle.pools:
+            return self._canary("refused", "canary refused: it changes the pools")
+        sl = staged.slice
+        whole = (self.region is not None and self.region in sl.regions) or \
+            (self.agent_id is not None and self.agent_id in sl.agents)
+        tenants = None if whole else frozenset(sl.tenants)
+        if held is not None:
+            narrower = tenants is not None and (self.candidate_tenants is None or not tenants >= self.candidate_tenants)
+            lower = cand.bundle_version < held.bundle_version or (
+                cand.bundle_version == held.bundle_version and cand.checksum != held.checksum)
+            if lower or narrower:
+                return self._canary("kept", f"canary {cand.bundle_version} would lower the version a slice holds "
+                                            f"({held.bundle_version}); keeping it")
+            if cand is held or (cand.checksum == held.checksum and tenants == self.candidate_tenants
+                                and cand.bundle_version == held.bundle_version):
+                return "unchanged"
+        if tenants is not None and not tenants:
+            return "none"  # not in the slice
+        self._set_candidate(cand, tenants)
+        return self._canary("accepted", f"canary bundle {cand.bundle_version} accepted for "
+                                        + ("every request" if tenants is None else f"tenants {sorted(tenants)}"))
+
+    def _set_candidate(self, cand: Bundle | None, tenants: frozenset[str] | None) -> None:
+        self.candidate, self.candidate_tenants = cand, tenants
+        if self.on_canary is not None:
+            self.on_canary("set", cand.bundle_version if cand is not None else 0)
+
+    def _canary(self, outcome: str, detail: str) -> str:
+        if self.on_canary is not None:
+            self.on_canary(outcome, -1)
+        (log.info if outcome == "accepted" else log.warning)("%s", detail)
+        return outcome
 
     def refuse_invalid(self, detail: str) -> ReloadResult:
         """A candidate that failed validation (e.g. a corrupt bundle read from etcd): keep the

@@ -18,6 +18,7 @@ token table as ``/v1/admit``): ``Authorization: Bearer <token>``, or the same va
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from kernel.auth import SCOPE_KEY, authenticate
 from kernel.errors import BadRequest, LeaseholdError, ValidationFailed
 from kernel.http_errors import problem_answer
 
+from ..tracing import decision as traced_decision
 from .answer import authz_answer
 from .mapping import BadQuestion, authz_question
 
@@ -51,9 +53,11 @@ def _headers(scope: dict, wanted: frozenset[str]) -> dict[str, str]:
 async def authz(scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]) -> None:
     """Mounted raw ASGI handler (every method, every path under ``/v1/authz``)."""
     gw = scope["app"].state.agent.gateways
+    started = time.perf_counter()
     path = scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0] or scope.get("path", "")
     status, headers, body = await answer(gw, scope, path)
     gw.metrics.authz_calls.labels(str(status)).inc()
+    gw.metrics.authz_latency.observe(time.perf_counter() - started)
     raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
     if scope["method"] == "HEAD":
         body = b""
@@ -76,7 +80,7 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
             raise BadRequest(f"{names.headers['deny_status']} must be 401, 403 or 429")
         q = authz_question(names, hdrs, method=scope["method"],
                            forwarded_path=path[len(PATH):] or None)
-        (decision,) = await gw.decide([q])
+        (decision,) = await traced_decision("authz", scope.get("headers", ()), q.request_id, gw.decide, [q])
         a = authz_answer(decision, deny_status=DENY_STATUSES[deny] if deny is not None else None)
         return a.status, a.headers, a.body
     except LeaseholdError as e:

@@ -31,3 +31,5 @@ class GatewayMetrics:
         self.authz_invalid = Counter("leasehold_agent_authz_invalid_total",
                                      "Forward-auth questions refused as malformed, by reason", ["reason"],
                                      registry=r)
+        self.authz_latency = Histogram("leasehold_agent_authz_seconds", "Forward-auth call latency inside the agent",
+                                       registry=r, buckets=LATENCY_BUCKETS)

@@ -1,7 +1,7 @@
 """Redis client construction for the agent: standalone or Redis Cluster.
 
 ``redis://`` / ``rediss://`` URLs give a standalone client; ``redis+cluster://`` (or
-``rediss+cluster://``) or ``--redis-cluster true`` give a ``RedisCluster`` seeded from that
+``rediss+cluster://``) or ``--redis-cluster`` give a ``RedisCluster`` seeded from that
 node. The pool is bounded and connects/reads time out, so a slow store degrades decisions
 instead of queueing them. The driver never retries on its own."""
 

@@ -112,7 +112,7 @@ def test_agent_from_wheel_admits_from_root(wheel_venv: Path, redis_url: str, tmp
     port = free_port()
     argv = [str(wheel_venv / "bin" / "python"), "-m", "region_agent", "--redis-url", redis_url,
             "--region", "eu", "--host", "127.0.0.1", "--port", str(port), "--policy-poll-ms", "0",
-            "--insecure-dev-pepper", "true", "--auth-disabled", "true"]  # default policy: the shipped sample
+            "--insecure-dev-pepper", "--auth-disabled"]  # default policy: the shipped sample
     env = _clean_env(LEASEHOLD_BUILD_COMMIT="feedfacecafe")
     proc = Proc("agent-wheel", argv, tmp_path / "agent", env=env, cwd="/").start()
     try:

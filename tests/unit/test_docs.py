@@ -100,16 +100,18 @@ def test_the_readme_make_targets_exist():
 
 
 def test_every_leasehold_command_of_the_readme_and_docs_parses():
-    """The CLI accepts each `leasehold ...` line exactly as written (``$VAR`` and ``$(...)`` as placeholders)."""
+    """The CLI accepts each `leasehold ...` line as written (``$VAR`` and ``$(...)`` as placeholders, a
+    bracketed ``[--option X]`` as optional)."""
     parser = build_parser()
     seen = 0
     for page in PAGES:
         for block in sh_blocks(page):
-            for line in block.splitlines():
+            for line in block.replace("\\\n", " ").splitlines():  # continuation lines joined
                 m = re.match(r"^(?:\S+=\S+ )?(?:\.venv/bin/)?leasehold\s+(.*?)(?:\s+#.*)?$", line)
                 if not m:
                     continue
-                argv = [a if "$" not in a else "X" for a in shlex.split(m.group(1))]
+                command = re.sub(r"\s*\[[^\]]*\]", "", m.group(1))  # `[--opt X]`: an optional part, shown
+                argv = [a if "$" not in a else "X" for a in shlex.split(command)]
                 try:
                     parser.parse_args(argv)
                 except SystemExit as e:

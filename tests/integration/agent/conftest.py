@@ -155,7 +155,7 @@ def agent_process(workdir: Path, redis_url: str, policy: Path, *extra: str,
     env.update(PYTHONPATH=str(ROOT), LEASEHOLD_AGENT_PEPPER=PEPPER.decode())
     proc = Proc(f"agent-{port}", agent_command(
         *(() if "--negative-cache-ms" in extra else ("--negative-cache-ms", "0")),
-        *(() if "--auth-disabled" in extra else ("--auth-disabled", "true")), *extra,
+        *(() if {"--auth-disabled", "--no-auth-disabled"} & set(extra) else ("--auth-disabled",)), *extra,
         redis_url=redis_url, policy=policy, region="eu", host="127.0.0.1", port=port, policy_poll_ms=0,
         log_level="warning"), workdir, env=env).start()
     base = f"http://127.0.0.1:{port}"

@@ -94,9 +94,9 @@ async def test_fast_path_answers_like_the_handler(tmp_path, policy_file, monkeyp
     served: list[str] = []
     real = fastpath._answer
 
-    async def counting(st, req, send, before_engine):
+    async def counting(st, req, send, before_engine, *rest):
         served.append(req.request_id)
-        await real(st, req, send, before_engine)
+        await real(st, req, send, before_engine, *rest)
 
     monkeypatch.setattr(fastpath, "_answer", counting)
     fast = await _answers(tmp_path, policy_file, "fast", True)
