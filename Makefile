@@ -6,9 +6,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 CONSTRAINTS := constraints.txt
-# what `make run` needs: the services' own servers, the venv, openssl (TLS helpers of leasehold up)
-RUN_BINARIES := redis-server redis-cli etcd etcdctl openssl curl
-RUN_PACKAGES := redis-server redis-tools etcd-server etcd-client openssl python3-venv curl
+# what `make run` needs: the services' own servers, the venv, openssl (TLS helpers of leasehold up),
+# curl and jq (the README's examples)
+RUN_BINARIES := redis-server redis-cli etcd etcdctl openssl curl jq
+RUN_PACKAGES := redis-server redis-tools etcd-server etcd-client openssl python3-venv curl jq
 # what `make test` needs besides: fault injection (faketime, iptables, ip), nginx (a gateway under
 # test), docker-compose (validates deploy/docker-compose.yml; no container engine needed),
 # prometheus and promtool (the shipped scrape config and alert rules, run for real)
