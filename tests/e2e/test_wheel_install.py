@@ -148,7 +148,7 @@ def test_cli_from_wheel_runs_a_topology_from_root(wheel_venv: Path, tmp_path: Pa
                 assert cmd[0].decode().startswith(str(wheel_venv)), cmd  # the wheel's interpreter
         status = _run([*common, "status"], cwd="/", env=env).stdout
         assert re.search(r"agent .* ready", status) and re.search(r"allocator .* ready", status), status
-        admit = subprocess.run([*common, "admit", "--tenant", "atlas", "--principal", "U-17"], cwd="/", env=env,
+        admit = subprocess.run([*common, "-o", "json", "admit", "--tenant", "atlas", "--principal", "U-17"], cwd="/", env=env,
                                capture_output=True, text=True, timeout=60)
         assert admit.returncode == 0, admit.stdout + admit.stderr
         assert json.loads(admit.stdout)["allowed"] is True

@@ -3,6 +3,7 @@
 #
 #   role                  user        permissions (under the prefix P, default /leasehold/)
 #   leasehold-publisher   publisher   readwrite  P policy/current          (the policy key,
+#                                     readwrite  P policy/canary            the staged candidate
 #                                     readwrite  P policy/signing           and the signing marker only)
 #   leasehold-allocator   allocator   readwrite  P pools/ P grants/ P members/ (prefixes), P leader
 #                                                (prefix: the key and, sharded, leader/<shard>),
@@ -63,6 +64,7 @@ etcdctl user grant-role root root >/dev/null
 ensure_role leasehold-publisher
 grant leasehold-publisher readwrite "${P}policy/current"
 grant leasehold-publisher readwrite "${P}policy/signing"  # the signing marker publish checks (kernel.policy_store)
+grant leasehold-publisher readwrite "${P}policy/canary"  # a staged candidate and its slice (docs/policy.md)
 
 ensure_role leasehold-allocator
 grant leasehold-allocator readwrite "${P}pools/" prefix
