@@ -220,16 +220,41 @@ async def healthz() -> dict[str, str]:
 
 @get("/readyz", media_type=MediaType.JSON)
 async def readyz(state: State) -> Response[Any]:
-    election = _engine(state).election
+    """Ready = this replica answers: started, its shard configuration agrees with etcd's, not
+    shutting down. An etcd outage does not make it unready (it answers a retriable 503 and the
+    agents fall back to their bounded allowances either way); etcd's health is ``/v1/health/store``."""
+    if state.get("shutting_down"):
+        return problem_response(Unavailable("not ready: shutting down"))
+    engine = state.get("engine")
+    if engine is None:
+        return problem_response(Unavailable("not ready: starting"))
+    election = engine.election
     if isinstance(election, ShardElection) and election.config_error:
         return problem_response(Unavailable(f"not ready: {election.config_error}"))
-    if not (election.etcd_ok and election.role_known):
-        return problem_response(Unavailable("not ready: etcd unreachable or role unknown",
-                                            extra={"etcd": election.etcd_ok, "roleKnown": election.role_known}))
-    body: dict[str, Any] = {"status": "ready", "role": "leader" if election.is_leader else "follower",
-                            "epoch": election.leader.epoch}
+    body: dict[str, Any] = {"status": "ready", "role": _role(election), "epoch": election.leader.epoch}
     if isinstance(election, ShardElection):
         body |= {"shards": election.shards, "shardsLed": len(election.led)}
+    return Response(content=body, media_type=MediaType.JSON)
+
+
+def _role(election: Election | ShardElection) -> str:
+    if not election.role_known:
+        return "unknown"
+    return "leader" if election.is_leader else "follower"
+
+
+@get("/v1/health/store", media_type=MediaType.JSON)
+async def store_health(state: State) -> Response[Any]:
+    """200 while etcd answers and this replica knows its role, else 503 (grants are then refused
+    as retriable and the agents spend their fallback allowances). For monitoring, not a probe."""
+    engine = state.get("engine")
+    if engine is None:
+        return problem_response(Unavailable("etcd not connected yet"))
+    election = engine.election
+    body = {"etcd": "reachable" if election.etcd_ok else "unreachable", "role": _role(election),
+            "epoch": election.leader.epoch}
+    if not (election.etcd_ok and election.role_known):
+        return problem_response(Unavailable("etcd unreachable or role unknown", extra=body))
     return Response(content=body, media_type=MediaType.JSON)
 
 
@@ -275,7 +300,7 @@ def etcd_credentials(settings: AllocatorSettings) -> dict[str, Any]:
 
 def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
                clock: Callable[[], int] = wall_ms, auth_guard: Guard | None = None,
-               fast_path: bool = True) -> Litestar:
+               fast_path: bool = True, install_signal_handlers: bool = False) -> Litestar:
     """Build the app. The etcd client, election and committer start in the app's lifespan.
     ``fast_path``: serve the batch routes' common case without Litestar (``allocator.fastpath``)."""
     bundle = bundle if bundle is not None else load_bundle_file(settings.policy)
@@ -325,9 +350,19 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         watcher = follower.watcher(PolicyStore(store, settings.prefix), settings.policy_reread_ms / 1000)
         if settings.policy_from_etcd:
             watcher.start()
+        undo_termination = None
+        if install_signal_handlers:  # SIGTERM: unready at once, before uvicorn drains
+            from kernel.httpserver import on_termination
+
+            def terminating() -> None:
+                app.state.shutting_down = True
+            undo_termination = on_termination(terminating)
         try:
             yield
         finally:
+            app.state.shutting_down = True
+            if undo_termination is not None:
+                undo_termination()
             await watcher.stop()
             await compactor.stop()
             await election.stop()
@@ -336,7 +371,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
             tracing.shutdown()
 
     handlers: list[Any] = [post_lease, post_batch, post_usage, post_usage_batch, get_lease, get_leader, get_shards, get_pools,
-                           get_pool, healthz, readyz, metrics]
+                           get_pool, healthz, readyz, store_health, metrics]
     app = Litestar(
         route_handlers=handlers,
         lifespan=[lifespan],

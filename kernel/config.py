@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from .options import Help, Option, options
+from .version import version_line
 
 T = TypeVar("T", bound=msgspec.Struct)
 Ms = msgspec.Meta
@@ -69,6 +70,8 @@ def build_parser(cls: type[msgspec.Struct], prefix: str, prog: str | None = None
     parser = _Parser(prog=prog, usage="%(prog)s [options]", description=doc.splitlines()[0] if doc else None,
                      epilog=tail + ("\n\n" + epilog if epilog else ""), allow_abbrev=False,
                      formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=version_line(parser.prog),
+                        help="print the version and build commit, and exit")
     group: Any = parser
     for o in options(cls, prefix):
         if o.section:

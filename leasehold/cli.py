@@ -20,6 +20,7 @@ import httpx
 
 from kernel.bundle import load_bundle_file
 from kernel.errors import PolicyError
+from kernel.version import version_line
 
 from .output import Exit, Failure, add_output_option, exit_code_epilog, out, run
 from .policy_cli import register as register_policy_commands
@@ -564,6 +565,20 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
     return out(args).result(data, _shown_text)
 
 
+# ----------------------------------------------------------------------- secrets
+def cmd_secrets_generate(args: argparse.Namespace) -> int:
+    """Every credential of a deployment as files (leasehold/secrets.py); never replaces one without --force."""
+    from .secrets import SecretsError, generate
+
+    try:
+        made = generate(Path(args.out), tuple(r.strip() for r in args.regions.split(",")), force=args.force)
+    except SecretsError as e:
+        raise Failure(Exit.USAGE, str(e)) from None
+    data = {"dir": str(made.dir), "files": [p.name for p in made.files]}
+    return out(args).result(data, lambda d: f"wrote {len(d['files'])} files to {d['dir']} (directory 0700; "
+                                            f"policy-signing.key 0600): {', '.join(d['files'])}")
+
+
 # ----------------------------------------------------------------------- demo
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
@@ -647,6 +662,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR,
                    help=f"where the local topology keeps its files (default: {DEFAULT_RUN_DIR})")
     add_output_option(p, top=True)
+    p.add_argument("--version", action="version", version=version_line("leasehold"),
+                   help="print the version and build commit, and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     # -- the local topology
@@ -681,6 +698,18 @@ def build_parser() -> argparse.ArgumentParser:
                          description="validate, sign, publish or show a policy bundle", formatter_class=_formatter)
     psub = pol.add_subparsers(dest="policy_command", required=True, metavar="COMMAND", parser_class=_Parser)
     add_policy_commands(psub)
+
+    # -- deployment credentials
+    sec = sub.add_parser("secrets", help="credentials for a deployment (compose, Kubernetes)",
+                         description="credentials for a deployment (compose, Kubernetes)", formatter_class=_formatter)
+    ssub = sec.add_subparsers(dest="secrets_command", required=True, metavar="COMMAND", parser_class=_Parser)
+    sp = _command(ssub, "generate", "write tokens, their digests, the pepper, Redis and etcd passwords and a "
+                                    "policy-signing key pair into DIR (never replaces a file without --force)",
+                  cmd_secrets_generate)
+    sp.add_argument("--out", required=True, metavar="DIR",
+                    help="e.g. deploy/secrets (compose) or deploy/k8s-dev/secrets (Kubernetes)")
+    sp.add_argument("--regions", default="eu,us", help="one allocator token per region (default: eu,us)")
+    sp.add_argument("--force", action="store_true", help="replace existing files")
     return p
 
 

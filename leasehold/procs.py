@@ -80,9 +80,14 @@ def wait_port(port: int, host: str = LOOPBACK, timeout: float = 15.0, proc: subp
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
 
 
-def wait_http_ready(pending: dict[str, Proc], timeout: float = 60.0, path: str = "/readyz") -> None:
-    """Wait until every service (base URL -> its process) answers 200 on ``path``; a process
-    that exits meanwhile fails at once with the tail of its log."""
+START_PATHS = ("/readyz", "/v1/health/store")
+
+
+def wait_http_ready(pending: dict[str, Proc], timeout: float = 60.0, paths: Sequence[str] = START_PATHS) -> None:
+    """Wait until every service (base URL -> its process) answers 200 on each of ``paths`` —
+    by default ready (it can answer) and its store healthy (Redis, or etcd with its role known):
+    what a start-up supervisor wants before traffic; a process that exits meanwhile fails at once
+    with the tail of its log."""
     import httpx
 
     pending = dict(pending)
@@ -93,7 +98,7 @@ def wait_http_ready(pending: dict[str, Proc], timeout: float = 60.0, path: str =
                 if not proc.alive():
                     raise RuntimeError(f"{proc.name} exited during start-up:\n{proc.tail()}")
                 try:
-                    if client.get(url + path).status_code == 200:
+                    if all(client.get(url + path).status_code == 200 for path in paths):
                         del pending[url]
                 except httpx.HTTPError:
                     pass

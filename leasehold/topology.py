@@ -24,8 +24,14 @@ from .services import agent_command, allocator_command
 REPO = Path(__file__).resolve().parents[1]  # the source checkout when installed editable
 
 
+RUN_DIR_ENV = "LEASEHOLD_RUN_DIR"
+
+
 def default_run_dir() -> Path:
-    """``.run`` of the source checkout (``make run``), else of the working directory (a wheel)."""
+    """``$LEASEHOLD_RUN_DIR``, else ``.run`` of the source checkout (``make run``), else of the
+    working directory (a wheel)."""
+    if os.environ.get(RUN_DIR_ENV):
+        return Path(os.environ[RUN_DIR_ENV])
     return (REPO if (REPO / "pyproject.toml").exists() else Path.cwd()) / ".run"
 DEFAULT_POLICY = sample_policy("northstar-global.json")
 DEV_PEPPER = "leasehold-local-dev-pepper-not-secret"
@@ -131,6 +137,10 @@ class LocalTopology:
                     self.allocator_urls.append(url)
                 for proc, url in zip(self.allocators, self.allocator_urls, strict=True):
                     wait_port(int(url.rsplit(":", 1)[1]), proc=proc.popen, timeout=timeout)
+                # the allocators know their roles before the agents' first leases are asked for
+                # (an agent whose warm-up met no leader would start with empty balances)
+                if self.spec.link_agents_to_allocator:
+                    wait_http_ready(dict(zip(self.allocator_urls, self.allocators, strict=True)), timeout)
             for region in self.spec.regions:
                 self.redis[region] = RedisServer(run / f"redis-{region}", **(
                     self.secrets.redis_acl() if self.secrets else {})).start(timeout)

@@ -62,6 +62,7 @@ from .models import (
 from .negcache import NegativeCache
 from .policy import PolicyHolder, ReloadResult
 from .settings import AgentSettings
+from .store.breaker import STATE_NAMES
 from .telemetry import DecisionTelemetry
 
 log = logging.getLogger("region_agent")
@@ -85,6 +86,7 @@ class AgentState:
     gateways: Any = None  # region_agent.gateways.Gateways: RLS gRPC server and /v1/authz
     admission: Any = None  # region_agent.admission.Admission: what every door asks
     tasks: list[asyncio.Task] = field(default_factory=list)
+    shutting_down: bool = False  # from SIGTERM (or the lifespan's end): /readyz answers 503
 
 
 def _dependencies(state: AgentState) -> dict[str, Provide]:
@@ -162,16 +164,21 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@get("/readyz", summary="Readiness: Redis reachable, scripts loaded, bundle loaded")
+@get("/readyz", summary="Readiness: this agent can answer decisions (not the store's health)")
 async def readyz(agent: NamedDependency[AgentState]) -> Response:
+    """Ready = the agent answers decisions: its bundle is loaded, the first lease of every pool
+    balance was answered (bounded by the allocator client's deadline) and it is not shutting down.
+    A Redis outage does not make it unready: it then answers by each rule's fail mode, which is the
+    point of the degradation design (taking every agent of a region out of its Service would hand
+    the decision to the gateways' failure mode instead). The store's health: ``/v1/health/store``."""
     st = agent
     problems = []
-    if st.store is None or not await st.store.ping():
-        problems.append("redis unreachable")
-    elif not st.store.scripts_loaded:
-        problems.append("scripts not loaded")
     if st.holder.bundle is None:
         problems.append("no policy bundle")
+    if st.engine is None:
+        problems.append("starting")
+    if st.shutting_down:
+        problems.append("shutting down")
     if st.leases is not None and st.leases.warming:
         problems.append("first leases not answered yet")
     if st.metrics.store_health.evicting and not st.settings.allow_evicting_store:
@@ -181,6 +188,24 @@ async def readyz(agent: NamedDependency[AgentState]) -> Response:
         return problem_response(Unavailable("not ready: " + ", ".join(problems)), instance="/readyz")
     b = st.holder.bundle
     return Response({"status": "ready", "policyVersion": b.bundle_version, "region": st.settings.region})
+
+
+@get("/v1/health/store", summary="The store's health: Redis reachable, scripts loaded (for alerts, not a probe)")
+async def store_health_view(agent: NamedDependency[AgentState]) -> Response:
+    """200 while this agent's Redis answers a PING, else 503 (its decisions then follow the rules'
+    fail modes). For monitoring and runbooks; never a readiness or liveness probe."""
+    st = agent
+    if st.store is None:
+        return problem_response(Unavailable("store not connected yet"), instance="/v1/health/store")
+    reachable = await st.store.ping()
+    breaker = getattr(st.store, "breaker", None)
+    body = {"store": "reachable" if reachable else "unreachable",
+            "scriptsLoaded": bool(getattr(st.store, "scripts_loaded", False)),
+            "breaker": STATE_NAMES.get(breaker.state, "unknown") if breaker is not None else "none"}
+    if not reachable:
+        return problem_response(Unavailable("store unreachable: decisions follow the rules' fail modes",
+                                            extra=body), instance="/v1/health/store")
+    return Response(body)
 
 
 @get("/metrics", summary="Prometheus metrics", include_in_schema=False)
@@ -278,12 +303,17 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         undo_termination = None
         if install_signal_handlers:
             loop.add_signal_handler(signal.SIGHUP, state.holder.reload)
-            if state.leases is not None:  # SIGTERM: no new leases from now on (before uvicorn drains)
-                from kernel.httpserver import on_termination
-                undo_termination = on_termination(state.leases.begin_shutdown)
+            from kernel.httpserver import on_termination
+
+            def terminating() -> None:  # SIGTERM: unready, and no new leases (before uvicorn drains)
+                state.shutting_down = True
+                if state.leases is not None:
+                    state.leases.begin_shutdown()
+            undo_termination = on_termination(terminating)
         try:
             yield
         finally:
+            state.shutting_down = True
             if undo_termination is not None:
                 undo_termination()
             await state.gateways.stop()
@@ -308,7 +338,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             tracing.shutdown()
 
     app = Litestar(
-        route_handlers=[admit, admit_batch, release, renew, policy, leases_view, healthz, readyz, metrics, authz],
+        route_handlers=[admit, admit_batch, release, renew, policy, leases_view, healthz, readyz, store_health_view,
+                        metrics, authz],
         guards=[agent_guard],
         dependencies=_dependencies(state),
         middleware=([admit_fast_path(lambda: state, MAX_BODY_BYTES, decide_batch, MAX_BATCH_BODY_BYTES)]

@@ -149,8 +149,10 @@ async def bucket_tokens(r, key: str) -> int:
 # --- serialises requests through its blocking portal) --------------------------------------------
 @contextlib.contextmanager
 def agent_process(workdir: Path, redis_url: str, policy: Path, *extra: str,
-                  ready_path: str = "/readyz") -> Iterator[tuple[str, Proc]]:
-    """``ready_path``: ``/healthz`` for an agent whose Redis is down on purpose (never ready)."""
+                  ready_path: str | None = None) -> Iterator[tuple[str, Proc]]:
+    """Waits for ``/readyz`` and the store's health (Redis reached, scripts loaded), or for
+    ``ready_path`` alone (``/healthz`` for an agent whose Redis is down on purpose)."""
+    paths = (ready_path,) if ready_path else ("/readyz", "/v1/health/store")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
     env.update(PYTHONPATH=str(ROOT), LEASEHOLD_AGENT_PEPPER=PEPPER.decode())
@@ -165,7 +167,7 @@ def agent_process(workdir: Path, redis_url: str, policy: Path, *extra: str,
         wait_port(port, proc=proc.popen, timeout=30)
         for _ in range(300):  # bounded wait for readiness (scripts loaded)
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + ready_path, timeout=2).status_code == 200:
+                if all(httpx.get(base + p, timeout=2).status_code == 200 for p in paths):
                     break
             time.sleep(0.05)
         else:
