@@ -30,6 +30,7 @@ from kernel.openapi_problems import document_problems
 from kernel.signing import TrustedKeys
 
 from . import store_health
+from .admission import Admission, http_conflict, is_conflict
 from .audit import BypassAudit, make_sink
 from .auth import AgentAuth, agent_guard
 from .decision_log import DecisionLog
@@ -83,6 +84,7 @@ class AgentState:
     epoch: Any = None  # region_agent.epoch.EpochCheck (policyEpoch in requests)
     audit: Any = None  # region_agent.audit.BypassAudit
     gateways: Any = None  # region_agent.gateways.Gateways: RLS gRPC server and /v1/authz
+    admission: Any = None  # region_agent.admission.Admission: what every door asks
     tasks: list[asyncio.Task] = field(default_factory=list)
     shutting_down: bool = False  # from SIGTERM (or the lifespan's end): /readyz answers 503
 
@@ -105,49 +107,25 @@ def _dependencies(state: AgentState) -> dict[str, Provide]:
 # ---------------------------------------------------------------------------------- handlers
 @post("/v1/admit", status_code=200, request_max_body_size=MAX_BODY_BYTES,
       summary="Admission decision for one request")
-async def admit(agent: NamedDependency[AgentState], engine: NamedDependency[DecisionEngine],
-                data: Annotated[AdmitRequest, Body(title="AdmitRequest")]) -> Decision:
-    [(data, early)] = _before_engine(agent, [data])
-    if early is not None:
-        return early
-    return await engine.admit(data, decoded=True)
-
-
-def _before_engine(st: AgentState, reqs: list[AdmitRequest]) -> list[tuple[AdmitRequest, Decision | None]]:
-    """Per request: a failed authentication becomes an IP-only request; then the POLICY_STALE
-    denial past the bundle's maxAgeMs (I13) and the new-keys-per-source cap (pre-auth stage)."""
-    from .preauth import as_failed_auth
-
-    reqs = [as_failed_auth(r) if r.auth_failed else r for r in reqs]
-    w, bundle = st.policy_watch, st.holder.bundle
-    if st.epoch is not None:
-        for r in reqs:
-            if r.policy_epoch is not None:
-                st.epoch.observe(r.policy_epoch, bundle.bundle_version)
-    out: list[tuple[AdmitRequest, Decision | None]] = [(r, None) for r in reqs]
-    if w is not None and w.is_stale(bundle):
-        from .policy_watch import revoked_decision
-        out = [(r, revoked_decision(bundle, r, st.metrics)) for r in reqs]
-    if st.key_cap is not None:
-        out = [(r, d if d is not None else st.key_cap.check(bundle, r)) for r, d in out]
-    return out
+async def admit(agent: NamedDependency[AgentState], data: Annotated[AdmitRequest, Body(title="AdmitRequest")]
+                ) -> Decision:
+    d = await agent.admission.decide_one(data, decoded=True)
+    if is_conflict(d):
+        raise http_conflict(d)  # the one door that answers a conflict with its own status (409)
+    return d
 
 
 @post("/v1/admit/batch", status_code=200, request_max_body_size=MAX_BATCH_BODY_BYTES,
       summary="Admission decisions for many requests, in order, one pipeline per shard")
-async def admit_batch(agent: NamedDependency[AgentState], engine: NamedDependency[DecisionEngine],
-                      data: Annotated[AdmitBatch, Body(title="AdmitBatch")]) -> BatchDecisions:
-    return await decide_batch(agent, engine, data.requests)
+async def admit_batch(agent: NamedDependency[AgentState], data: Annotated[AdmitBatch, Body(title="AdmitBatch")]
+                      ) -> BatchDecisions:
+    return await decide_batch(agent, data.requests)
 
 
-async def decide_batch(st: AgentState, engine: DecisionEngine, reqs: list[AdmitRequest]) -> BatchDecisions:
-    """The batch route's answer for decoded ``reqs`` (the handler's and region_agent.fastpath's)."""
-    if not reqs:
-        return BatchDecisions(decisions=[])
-    pre = _before_engine(st, reqs)
-    rest = [r for r, d in pre if d is None]
-    decided = iter(await engine.admit_many(rest, decoded=True) if rest else [])
-    return BatchDecisions(decisions=[d if d is not None else next(decided) for _, d in pre])
+async def decide_batch(st: AgentState, reqs: list[AdmitRequest]) -> BatchDecisions:
+    """The batch route's answer for decoded ``reqs`` (the handler's and region_agent.fastpath's):
+    every item's decision, a conflict included (``httpStatus: 409``)."""
+    return BatchDecisions(decisions=await st.admission.decide(reqs, decoded=True))
 
 
 @post("/v1/release", status_code=200, request_max_body_size=MAX_BODY_BYTES,
@@ -203,6 +181,9 @@ async def readyz(agent: NamedDependency[AgentState]) -> Response:
         problems.append("shutting down")
     if st.leases is not None and st.leases.warming:
         problems.append("first leases not answered yet")
+    if st.metrics.store_health.evicting and not st.settings.allow_evicting_store:
+        problems.append("the store may evict keys (maxmemory-policy " + ", ".join(
+            sorted(set(st.metrics.store_health.evicting.values()))) + ")")
     if problems:
         return problem_response(Unavailable("not ready: " + ", ".join(problems)), instance="/readyz")
     b = st.holder.bundle
@@ -265,13 +246,15 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
 
     holder.on_canary = on_canary
     m.policy_age.set_function(lambda: time.monotonic() - holder.checked_at)  # etcd: the watcher's age
-    configure_jitter(settings.retry_jitter_pct, settings.retry_jitter_max_ms, settings.retry_jitter_seed)
+    configure_jitter(settings.retry_jitter_pct, settings.retry_jitter_max_ms, settings.retry_jitter_seed,
+                     settings.retry_jitter_min_ms)
     audit = BypassAudit(m, make_sink(settings.audit_log))
     state = AgentState(settings=settings, holder=holder, metrics=m, keys=KeyBuilder(pepper),
                        auth=AgentAuth.from_settings(settings), key_cap=_key_cap(settings))
     state.epoch = EpochCheck(m, refresh=lambda: _refresh_policy(state))
     state.audit = audit
-    state.gateways = Gateways(settings, state_of=lambda: state, before_engine=_before_engine, registry=m.registry)
+    state.admission = Admission(lambda: state)
+    state.gateways = Gateways(settings, state_of=lambda: state, admission=state.admission, registry=m.registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -282,6 +265,14 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             state.store = TracedStore(state.store)
         if hasattr(state.store, "start"):
             state.store.start()
+        if hasattr(state.store, "info_by_shard"):  # an evicting store silently resets enforcement
+            try:
+                await store_health.check_eviction_policy(state.store, m.store_health,
+                                                         allowed=settings.allow_evicting_store)
+            except store_health.EvictingStore as e:
+                log.critical("%s", e)
+                await state.store.close()
+                raise
         clock = AllocatorClock(unknown_offset_ms=settings.allocator_clock_uncertainty_ms)
         state.leases = _lease_manager(settings, state.store, m, clock)
         telemetry = DecisionTelemetry(m, audit=audit,
@@ -351,7 +342,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                         metrics, authz],
         guards=[agent_guard],
         dependencies=_dependencies(state),
-        middleware=([admit_fast_path(lambda: state, MAX_BODY_BYTES, _before_engine, decide_batch, MAX_BATCH_BODY_BYTES)]
+        middleware=([admit_fast_path(lambda: state, MAX_BODY_BYTES, decide_batch, MAX_BATCH_BODY_BYTES)]
                     if fast_path else []),  # region_agent.fastpath
         lifespan=[lifespan],
         # logging stays as __main__ set it up: Litestar's default config would route every record

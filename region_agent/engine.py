@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernel.bundle import Bundle, Pool
-from kernel.errors import DecisionConflict, LeaseholdError
+from kernel.errors import LeaseholdError
 
 from .batch import BatchCalls, batch_budget_s
 from .call import Call, MultiRuleResult, ScriptCall, plan_calls, result_of
@@ -66,6 +66,7 @@ class _Prepared:
     early: Decision | None = None  # decided before the tenant script (global pool denial, negative cache)
     used_fallback: bool = False  # a global chunk came from the pool's fallback allowance
     pool_retried: bool = False  # waited once for an in-flight lease top-up
+    edge: bool = False  # the pre-authentication stage of an authenticated request (Plan.edge)
 
 
 class DecisionEngine:
@@ -111,6 +112,10 @@ class DecisionEngine:
         # one snapshot for the whole request (with a canary staged: the candidate when it is in the slice)
         bundle = self.get_bundle() if self.bundle_for is None else self.bundle_for(req.tenant_id)
         plan = build_plan(bundle, req, self.keys, checked=decoded)  # raises ValidationFailed before any key exists
+        if plan.edge is not None:  # the address window first: a denial there is the request's answer
+            (stage1,) = await self._decide_plans([plan.edge], [bundle], edge=True)
+            if not stage1.allowed:
+                return stage1
         prep = self._begin(plan, bundle)
         if prep.early is None and plan.global_spends:
             await self._take_globals(prep)
@@ -127,11 +132,8 @@ class DecisionEngine:
             except LeaseholdError as e:
                 replies = e
         got = self._complete_now(prep, replies)
-        d = got if isinstance(got, Decision) else self._finish(prep, await self._settle_later(prep, got[0], *got[1]))
-        if d.reason == Reason.REQUEST_ID_CONFLICT:  # a single request answers 409 (a batch item carries it)
-            raise DecisionConflict(d.problem["detail"] if d.problem else "requestId conflict",
-                                   extra={"decisionId": d.decision_id})
-        return d
+        # a conflict is a decision like any other (region_agent.admission: only /v1/admit makes it a 409)
+        return got if isinstance(got, Decision) else self._finish(prep, await self._settle_later(prep, got[0], *got[1]))
 
     async def admit_many(self, reqs: list[AdmitRequest], *, decoded: bool = False) -> list[Decision]:
         """Batch: every item's tenant call goes in one coalesced pipeline (one round trip per shard)."""
@@ -140,10 +142,34 @@ class DecisionEngine:
         bundles = [self.get_bundle()] * len(reqs) if bundle_for is None else [bundle_for(r.tenant_id) for r in reqs]
         plans = [build_plan(b, r, keys, checked=decoded)  # whole batch is 422 if one is malformed
                  for b, r in zip(bundles, reqs, strict=True)]
+        staged = [i for i, p in enumerate(plans) if p.edge is not None]
+        if not staged:
+            return await self._decide_plans(plans, bundles)
+        # the address window of the items that have one first; the denied ones are answered by it
+        out: list[Decision | None] = [None] * len(plans)
+        firsts = await self._decide_plans([plans[i].edge for i in staged],  # type: ignore[misc]
+                                          [bundles[i] for i in staged], edge=True)
+        for i, d in zip(staged, firsts, strict=True):
+            if not d.allowed:
+                out[i] = d
+        rest = [i for i in range(len(plans)) if out[i] is None]
+        if rest:
+            decided = await self._decide_plans([plans[i] for i in rest], [bundles[i] for i in rest])
+            for i, d in zip(rest, decided, strict=True):
+                out[i] = d
+        return out  # type: ignore[return-value]
+
+    async def _decide_plans(self, plans: list[Plan], bundles: list[Bundle], *, edge: bool = False) -> list[Decision]:
+        """The decisions of ``plans`` (one coalesced pipeline), each under its own bundle; ``edge``:
+        they are pre-authentication stages (an admission there is not the request's decision: not
+        counted)."""
         budget = batch_budget_s(self.budget, len(plans))
         started = self.clock()  # one start (deadline, negative-cache time) for the whole batch
         begin = self._begin
         preps = [begin(p, b, budget, started) for p, b in zip(plans, bundles, strict=True)]
+        if edge:
+            for p in preps:
+                p.edge = True
         pending = [p for p in preps if p.early is None and p.plan.global_spends]
         if pending:  # only items spending fleet-wide chunk leases may wait (a renewal)
             await asyncio.gather(*(self._take_globals(p) for p in pending))
@@ -398,6 +424,8 @@ class DecisionEngine:
         return decision_record(prep.plan, prep.bundle, a, self.metrics, source)
 
     def _finish(self, prep: _Prepared, d: Decision) -> Decision:
+        if prep.edge and d.allowed:
+            return d  # a passed address window: the request's own decision follows (and is counted)
         if d.allowed and prep.used_fallback:
             d.fallback = True
         if d.allowed and (prep.reservations or prep.plan.has_pool):

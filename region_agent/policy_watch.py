@@ -20,7 +20,6 @@ from kernel.policy_store import PolicyStore
 from kernel.watch import PolicyWatcher
 
 from . import httpmap
-from .httpmap import retry_after_seconds
 from .metrics import AgentMetrics
 from .models import AdmitRequest, Decision, DecisionSource, DeniedScope, Reason
 from .plan import check_principal, selected
@@ -54,8 +53,8 @@ def revoked_decision(bundle: Bundle, req: AdmitRequest, m: AgentMetrics | None =
                  policy_version=bundle.bundle_version, denied_scope=DeniedScope(rule.scope), reason=Reason.POLICY_STALE,
                  retry_after_ms=rule.closed_retry_after_ms, http_status=503,
                  source=DecisionSource.POLICY)
-    d.retry_jitter_ms = httpmap.JITTER.of(d.decision_id, rule.closed_retry_after_ms)
-    d.headers = {"Retry-After": str(retry_after_seconds(rule.closed_retry_after_ms) + d.retry_jitter_ms // 1000)}
+    header, d.retry_jitter_ms = httpmap.retry_after(d.decision_id, rule.closed_retry_after_ms) or ("1", 0)
+    d.headers = {"Retry-After": header}
     d.problem = ({"type": "about:blank", "title": "Service Unavailable", "status": 503} if anonymous else
                  {"type": "about:blank", "title": "Service temporarily unavailable", "status": 503,
                   "detail": "The rate limit policy in force is older than its maximum age. Retry later.",

@@ -108,6 +108,9 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
         "(0: off)")] = 5_000
     redis_log_interval_ms: Annotated[int, Meta(ge=0, le=3_600_000), Help(
         "log Redis reachability changes at most this often")] = 10_000
+    allow_evicting_store: Annotated[bool, Help(
+        "start (degraded: logged, leasehold_agent_redis_evicting 1) on a Redis whose maxmemory-policy "
+        "is not noeviction, which silently resets enforcement; refused otherwise (docs/store-hygiene.md)")] = False
 
     decision_budget_ms: Annotated[int, Meta(ge=1, le=10_000), Help(
         "time one decision may take (a batch gets one more per 64 items); a script call not sent "
@@ -133,6 +136,9 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     retry_jitter_pct: Annotated[int, Meta(ge=0, le=100), Help(
         "add up to this percentage of a retry hint as jitter, per decision id")] = 10
     retry_jitter_max_ms: Annotated[int, Meta(ge=0, le=600_000), Help("and at most this much jitter")] = 5_000
+    retry_jitter_min_ms: Annotated[int, Meta(ge=0, le=60_000), Help(
+        "and at least this much (the window clients denied together spread their Retry-After "
+        "over; docs/gateways.md)")] = 1_000
     retry_jitter_seed: Annotated[str, Help(
         "keys the per-decision jitter (a hash of this seed and the decision id); agents with the "
         "same seed jitter alike")] = ""
@@ -210,11 +216,38 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     authz_route_prefixes: Annotated[list[str], Help(
         "<path prefix>=<route group> entries: the route group from the original path when no "
         "route-group header is sent (longest path-segment prefix wins)", metavar="PREFIX=GROUP[,...]")] = []
+    authz_jwks: Annotated[str | None, Help(
+        "/v1/authz takes the identity only from the client's bearer JWT, verified against this JWKS "
+        "file (the identity provider's public keys; read again when it changes); identity headers are "
+        "ignored (nginx, Traefik: docs/gateways.md)", kind="file", default="off: identity headers",
+        requires=("authz_jwt_issuer", "authz_jwt_audience"))] = None
+    authz_jwt_issuer: Annotated[str | None, Help(
+        "the iss claim every token must carry", requires=("authz_jwks",))] = None
+    authz_jwt_audience: Annotated[str | None, Help(
+        "the aud claim every token must carry", requires=("authz_jwks",))] = None
+    authz_jwt_claims: Annotated[list[str], Help(
+        "<field>=<claim> overrides of the claims read (fields: tenant, user, api_key)",
+        metavar="FIELD=CLAIM[,...]", default="tenant=tenant,user=sub,api_key=api_key")] = []
+    authz_jwt_leeway_s: Annotated[int, Meta(ge=0, le=300), Help(
+        "clock skew allowed on a token's exp and nbf")] = 30
+    authz_anonymous_routes: Annotated[list[str], Help(
+        "route groups asked by the caller's address alone, no credential looked at (the "
+        "pre-authentication routes, e.g. login)", metavar="GROUP[,...]")] = []
 
     def __post_init__(self) -> None:
         from .gateways.mapping import Names
 
         Names.from_settings(self)  # ValueError -> a settings error naming the bad entry
+        from kernel.ids import ROUTE_RE
+
+        for route in self.authz_anonymous_routes:
+            if not ROUTE_RE.fullmatch(route):
+                raise ValueError(f"--authz-anonymous-routes: {route!r} is not a route group ({ROUTE_RE.pattern})")
+        if self.authz_jwks and self.authz_jwt_issuer and self.authz_jwt_audience:  # (requires= names a missing one)
+            from .gateways.bearer import BearerVerifier
+
+            BearerVerifier(self.authz_jwks, issuer=self.authz_jwt_issuer, audience=self.authz_jwt_audience,
+                           claims=self.authz_jwt_claims)  # the file and the claim names, checked at start
 
 
 def load_agent_settings(argv: list[str] | None, env: dict[str, str] | None = None) -> AgentSettings:

@@ -12,7 +12,15 @@ own counters, so they reset when Redis restarts, which Prometheus' ``rate`` hand
 connected clients, connected replicas, replica lag (seconds since the slowest replica's last
 ack, and bytes behind the primary's replication offset), and the server-side script time
 (``EVALSHA``/``EVAL`` calls and microseconds from ``INFO commandstats``: the mean script duration
-is ``rate(seconds) / rate(calls)``).
+is ``rate(seconds) / rate(calls)``), and whether the shard may evict keys
+(``leasehold_agent_redis_evicting``: its ``maxmemory-policy`` is not ``noeviction``).
+
+**An evicting store.** An evicted bucket comes back full: eviction silently resets enforcement.
+The agent reads every shard's ``maxmemory-policy`` at start and refuses to start on an evicting
+store (:func:`check_eviction_policy`) unless ``--allow-evicting-store``, which starts it
+degraded with a loud log line per shard and the gauge at 1. Every poll checks again: a policy
+changed to an evicting one while running is logged (once per change), shown by the gauge and by
+``/readyz`` (not ready, unless allowed).
 """
 
 from __future__ import annotations
@@ -53,7 +61,11 @@ FAMILIES: tuple[tuple[str, str, str, str], ...] = (
      "usec); mean script duration = rate(seconds) / rate(calls)", "script_seconds"),
     ("leasehold_agent_redis_info_age_seconds", "gauge", "Seconds since the shard's INFO was last read "
      "successfully", "age"),
+    ("leasehold_agent_redis_evicting", "gauge", "1 when the shard's maxmemory-policy is not noeviction: an "
+     "eviction silently resets enforcement (the agent refuses to start on such a store unless "
+     "--allow-evicting-store)", "evicting"),
 )
+NOEVICTION = "noeviction"
 
 
 def parse_info(info: dict[str, Any]) -> dict[str, float]:
@@ -82,7 +94,53 @@ def parse_info(info: dict[str, Any]) -> dict[str, float]:
             usec += int(stat.get("usec", 0))
     out["script_calls"] = float(calls)
     out["script_seconds"] = usec / 1e6
+    out["evicting"] = 0.0 if eviction_policy(info) in (NOEVICTION, None) else 1.0
     return out
+
+
+def eviction_policy(info: dict[str, Any]) -> str | None:
+    """The node's ``maxmemory_policy`` (INFO memory), or None when INFO did not say."""
+    policy = info.get("maxmemory_policy")
+    return str(policy) if policy is not None else None
+
+
+def evicting(by_shard: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Shard -> its maxmemory-policy, for every shard whose policy can evict limiter keys."""
+    return {shard: p for shard, info in by_shard.items()
+            if (p := eviction_policy(info)) is not None and p != NOEVICTION}
+
+
+class EvictingStore(RuntimeError):
+    """The regional store may evict keys (maxmemory-policy other than noeviction) and the agent
+    was not told to accept it (``--allow-evicting-store``)."""
+
+
+async def check_eviction_policy(store: Any, health: StoreHealth, *, allowed: bool,
+                                timeout_s: float = 2.0) -> dict[str, str] | None:
+    """At start: read every shard's maxmemory-policy. An evicting store is refused
+    (:class:`EvictingStore`) unless ``allowed``; then the agent starts degraded: one loud log line
+    per shard and ``leasehold_agent_redis_evicting`` 1. A store that cannot be read now is checked
+    by the first successful store-health poll (None is returned)."""
+    try:
+        by_shard = await asyncio.wait_for(store.info_by_shard(), timeout_s)
+    except Exception as e:  # unreachable or slow: the poll checks it once it answers
+        log.warning("maxmemory-policy not checked at start (%s): the store-health poll checks it",
+                    type(e).__name__)
+        return None
+    health.replace(by_shard)
+    bad = evicting(by_shard)
+    if bad and not allowed:
+        raise EvictingStore(
+            "refusing to start: the regional Redis may evict keys ("
+            + ", ".join(f"{shard}: maxmemory-policy {p}" for shard, p in sorted(bad.items()))
+            + "); an evicted bucket is a full bucket, so eviction silently resets enforcement. "
+            "Set maxmemory-policy noeviction (CONFIG SET maxmemory-policy noeviction, and in "
+            "redis.conf), or start degraded with --allow-evicting-store")
+    for shard, p in sorted(bad.items()):
+        log.error("DEGRADED: the regional Redis shard %s has maxmemory-policy %s: an eviction silently "
+                  "resets enforcement (started with --allow-evicting-store)", shard, p)
+    health.evicting = bad
+    return bad
 
 
 class StoreHealth:
@@ -95,6 +153,7 @@ class StoreHealth:
         self.snapshots: dict[str, dict[str, float]] = {}
         self._read_at: dict[str, float] = {}
         self.polls_failed = 0
+        self.evicting: dict[str, str] = {}  # shard -> maxmemory-policy, where it can evict keys
 
     def replace(self, by_shard: dict[str, dict[str, Any]]) -> None:
         """A successful poll: the shards it saw, parsed (shards not seen are dropped)."""
@@ -129,6 +188,14 @@ async def poll_once(store: Any, health: StoreHealth, timeout_s: float) -> bool:
         log.debug("store INFO poll failed: %s", type(e).__name__)
         return False
     health.replace(by_shard)
+    bad = evicting(by_shard)
+    for shard, p in sorted(bad.items()):
+        if health.evicting.get(shard) != p:  # once per change, not once per poll
+            log.error("the regional Redis shard %s now has maxmemory-policy %s: an eviction silently resets "
+                      "enforcement; set maxmemory-policy noeviction", shard, p)
+    for shard in sorted(set(health.evicting) - set(bad)):
+        log.warning("the regional Redis shard %s no longer evicts keys (maxmemory-policy noeviction)", shard)
+    health.evicting = bad
     return True
 
 

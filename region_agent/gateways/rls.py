@@ -12,8 +12,11 @@ gRPC status codes of a call (what Envoy does with each is in ``region_agent/READ
 * ``OK`` with ``overall_code`` ``OK`` or ``OVER_LIMIT`` — every decision, including degraded
   ones: a ``closed`` rule without its store is ``OVER_LIMIT`` with the 503 answer's headers and
   body and dynamic metadata ``leasehold_status: 503``; ``local_bounded`` rules answer from the
-  local allowance, ``open`` rules ``OK``. ``UNKNOWN`` is never sent as ``overall_code``
-  (Envoy's client treats it as ``OK``; its documented meaning is "not known").
+  local allowance, ``open`` rules ``OK``. A request id that already has a decision record for
+  another question (a replayed id) is ``OVER_LIMIT`` too, with the 409 problem and metadata
+  ``leasehold_status: 409`` — never an error, which ``failure_mode_deny: false`` would let
+  through. ``UNKNOWN`` is never sent as ``overall_code`` (Envoy's client treats it as ``OK``;
+  its documented meaning is "not known").
 * ``INVALID_ARGUMENT`` — not a question Leasehold can answer (another domain, an unmapped
   descriptor key, a limit override, a bad value or cost), counted by reason.
 * ``UNAUTHENTICATED`` — missing or wrong ``authorization: Bearer <gateway token>`` metadata.
@@ -56,7 +59,9 @@ def descriptors_of(request: rls_pb2.RateLimitRequest) -> list[Descriptor]:
 
 
 def to_proto(decisions: list[Decision], questions: list[AdmitRequest], bundle: Bundle) -> tuple[Response, int]:
-    ans = rls_answer(decisions, bundle, [q.principal.type == "anonymous" or q.auth_failed for q in questions])
+    # an address-window denial of an authenticated question is the pre-auth stage's: anonymous too
+    ans = rls_answer(decisions, bundle, [q.principal.type == "anonymous" or q.auth_failed or d.denied_scope == "ip"
+                                         for q, d in zip(questions, decisions, strict=True)])
     resp = Response(overall_code=OVER_LIMIT if ans.over_limit else OK, raw_body=ans.body)
     for s in ans.statuses:
         st = resp.statuses.add(code=OVER_LIMIT if s.over_limit else OK, limit_remaining=s.remaining)
@@ -93,7 +98,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             decisions = await traced_decision("rls", context.invocation_metadata() or (),
                                               questions[0].request_id if questions else None, self.decide, questions)
             resp, status = to_proto(decisions, questions, self.bundle_of())
-            outcome = "ok" if status == 200 else ("unavailable_503" if status == 503 else "over_limit")
+            outcome = {200: "ok", 503: "unavailable_503", 409: "conflict_409"}.get(status, "over_limit")
             m.rls_descriptors.labels("OK").inc(sum(1 for s in resp.statuses if s.code == OK))
             m.rls_descriptors.labels("OVER_LIMIT").inc(sum(1 for s in resp.statuses if s.code == OVER_LIMIT))
             return resp
