@@ -22,6 +22,8 @@ from msgspec import Struct
 
 from kernel.bundle import Pool
 from kernel.errors import Conflict, Forbidden, ValidationFailed
+from kernel.fair_share import fair_share as demand_weighted_share
+from kernel.fair_share import is_low
 from kernel.wire import LeaseGrant, WindowRef
 
 WindowChoice = Literal["current", "next"]
@@ -165,18 +167,12 @@ def credible_demand(pool: Pool, state: WindowState, previous: WindowState | None
 def fair_share(state: WindowState, pool: Pool, region: str, now_ms: int) -> int | None:
     """When the pool runs low (remaining < chunkMax x active regions), the region's share of
     what is left, weighted by the active regions' demand (1 at least while anything remains).
-    ``None`` when the pool is not low (no fairness cap)."""
-    if state.remaining >= pool.chunk_max * max(1, len(state.active)):
+    ``None`` when the pool is not low (no fairness cap). The policy itself is
+    :func:`kernel.fair_share.fair_share`, shared with the agent's Envoy quota assignments."""
+    if not is_low(state.remaining, pool.chunk_max, len(state.active)):
         return None  # not low even if every region ever active still were (the common case: no scan)
     active = active_regions(state, pool, now_ms)
-    if state.remaining >= pool.chunk_max * max(1, len(active)):
-        return None
-    if state.remaining <= 0:
-        return 0
-    weights = {r: max(1, a.demand) for r, a in active.items()}
-    total = sum(weights.values())
-    share = state.remaining * weights.get(region, 1) // max(1, total)
-    return max(1, share)
+    return demand_weighted_share(state.remaining, pool.chunk_max, {r: a.demand for r, a in active.items()}, region)
 
 
 def lease_times(pool: Pool, index: int, now_ms: int) -> tuple[WindowRef, int, int, int]:

@@ -8,6 +8,7 @@ docs/invariants.md I8: per pool and per pool window *as the allocator defines it
               + lost grants                         0: grant records are etcd transactions (consensus)
               + Σ_{regions r cut off from the allocator}  F x balances(r)
               + Σ_{agent processes a cut off from their Redis}  F x keys(a)
+              + RLQS                                 Envoys enforcing quota assignments (below)
 
 where ``F = fallbackPerRegion`` and
 
@@ -23,6 +24,17 @@ where ``F = fallbackPerRegion`` and
 A tenant-scoped pool rule without a tenant gives every tenant its own balance and so its own
 regional fallback window: that term is unbounded (``None``), and :func:`pool_bound` says so
 instead of inventing a number.
+
+**RLQS** (Envoy's rate limit quota service, docs/gateways.md): an Envoy holds quota assignments
+per bucket, funded by the agent from what its region holds (so inside the terms above), and
+decides locally. Two things can add to a window, per Envoy x bucket x window:
+
+* *carry*: an assignment ends at the end of the pool window its tokens came from, but Envoy times
+  it in whole seconds; a window too short for that (:func:`rlqs_clamped`) lets one assignment of
+  at most ``max_assignment`` tokens run into the next window;
+* *fallback*: what the Envoy's own ``no_assignment_behavior`` / ``expired_assignment_behavior``
+  admit once it is cut off from its agent: 0 with deny-all (the shipped
+  ``deploy/gateways/envoy-rlqs.yaml``; :func:`envoy_fallback_tokens`).
 
 The same function serves the chaos checker (per window, with the faults that touched it), the
 README tables and ``leasehold policy validate --bound``. Pure: no I/O, no clock.
@@ -60,10 +72,13 @@ class Faults(Struct, frozen=True):
     ``allocator_unreachable``: regions that could not reach the allocator (their regional
     fallback allowance may be spent). ``redis_unreachable``: per region, the agent processes
     that could not reach the regional Redis (each may spend its in-process allowances; an agent
-    restarted during the outage counts twice)."""
+    restarted during the outage counts twice). ``envoys_cut_off``: per region, the Envoys
+    enforcing RLQS assignments that could not reach their agent (each may spend what its own
+    fallback behaviour admits)."""
 
     allocator_unreachable: frozenset[str] = frozenset()
     redis_unreachable: dict[str, int] = {}
+    envoys_cut_off: dict[str, int] = {}  # region -> Envoys (RLQS) that could not reach their agent
 
     @classmethod
     def worst(cls, topology: Topology) -> Faults:
@@ -143,7 +158,68 @@ class PoolBound(Struct, frozen=True):
         return None if self.total is None else self.total - self.limit
 
 
-G, CARRY, LOST, REGIONAL, LOCAL = "G", "carry-over", "lost grants", "regional fallback", "in-process"
+G, CARRY, LOST, REGIONAL, LOCAL, RLQS = ("G", "carry-over", "lost grants", "regional fallback", "in-process",
+                                         "RLQS")
+
+#: Envoy's rate limit quota filter (1.40) counts an assignment's time to live in whole seconds.
+RLQS_TTL_GRANULARITY_MS = 1_000
+#: The agent's default margin (``--rlqs-clock-margin-ms``): an assignment ends at least this long
+#: before the window end on the agent's clock (clock offsets, the stream's delivery).
+RLQS_DEFAULT_MARGIN_MS = 250
+
+
+def rlqs_clamped(window_ms: int, margin_ms: int = RLQS_DEFAULT_MARGIN_MS) -> bool:
+    """Can an RLQS assignment funded from a window of ``window_ms`` end at that window's end?
+    Only when the window leaves a whole second after the margin; a shorter one (the sample's 1 s
+    ``global-read``) lets an assignment run into the next window."""
+    return window_ms - margin_ms >= RLQS_TTL_GRANULARITY_MS
+
+
+def envoy_fallback_tokens(no_assignment: str, expired: str | None) -> int | None:
+    """Tokens per Envoy x bucket x window that Envoy admits on its own once cut off from its
+    agent, from its bucket settings: ``no_assignment`` and ``expired`` (the fallback of
+    ``expired_assignment_behavior``; None when unset: Envoy reverts to ``no_assignment``) are
+    ``DENY_ALL``, ``ALLOW_ALL`` or ``token_bucket``. Only deny-all is bounded (0): Envoy starts a
+    token-bucket fallback afresh at every lapse of an assignment (window ends, every outage), so
+    it has no per-window bound, and allow-all none at all. (Envoy 1.40 crashes on a token bucket
+    as ``no_assignment_behavior``.)"""
+    behaviours = [no_assignment] + ([expired] if expired is not None else [])
+    return 0 if all(b == "DENY_ALL" for b in behaviours) else None
+
+
+class RlqsShape(Struct, frozen=True):
+    """Envoys that enforce quota assignments funded from a pool (docs/gateways.md, RLQS)."""
+
+    envoys: dict[str, int]  # region -> Envoys whose buckets spend the pool
+    buckets: int | None  # buckets per Envoy that spend the pool (None: unbounded)
+    max_assignment: int  # tokens of one assignment at most (the agent's --rlqs-max-assignment)
+    fallback: int | None = 0  # envoy_fallback_tokens of their bucket settings (0: deny-all)
+    margin_ms: int = RLQS_DEFAULT_MARGIN_MS
+
+
+def rlqs_term(shape: RlqsShape | None, window_ms: int, faults: Faults = NO_FAULTS,
+              regions: Sequence[str] | None = None) -> Term:
+    """The RLQS term of one window of ``window_ms``: carry (every Envoy x bucket, when the window
+    is too short to clamp an assignment to it) + fallback (every Envoy cut off from its agent x
+    bucket). ``regions``: the regions that may spend the pool (None: every region of ``shape``).
+    Also the term of a rule without windows (a token bucket: ``window_ms`` 0): its assignments are
+    not clamped, so each Envoy x bucket may hold one assignment of it across any span."""
+    if shape is None or not shape.envoys:
+        return Term(RLQS, 0, "no Envoy holds quota assignments")
+    envoys = {r: n for r, n in shape.envoys.items() if regions is None or r in regions}
+    n_envoys = sum(envoys.values())
+    cut = sum(min(n, max(0, faults.envoys_cut_off.get(r, 0))) for r, n in envoys.items())
+    b = "?" if shape.buckets is None else str(shape.buckets)
+    clamped = window_ms > 0 and rlqs_clamped(window_ms, shape.margin_ms)
+    carry = 0 if clamped else _times(n_envoys, _times(shape.buckets, shape.max_assignment))
+    fallback = 0 if cut == 0 else _times(cut, _times(shape.buckets, shape.fallback))
+    tokens = None if carry is None or fallback is None else carry + fallback
+    carry_txt = ("assignments end at the window end" if clamped else
+                 f"{_plural(n_envoys, 'Envoy')} x {b} bucket(s) x {shape.max_assignment} (an assignment "
+                 + ("outlives a window this short)" if window_ms > 0 else "is held across any span)"))
+    fb = "unbounded" if shape.fallback is None else str(shape.fallback)
+    return Term(RLQS, tokens, f"{carry_txt}; {_plural(cut, 'Envoy')} cut off from its agent x {b} bucket(s) "
+                              f"x fallback {fb}")
 
 
 def _times(n: int | None, what: int | None) -> int | None:
@@ -155,12 +231,13 @@ def _plural(n: int, word: str) -> str:
 
 
 def pool_bound(shape: PoolShape, topology: Topology, faults: Faults = NO_FAULTS, *,
-               clamped: bool = True) -> PoolBound:
+               clamped: bool = True, rlqs: RlqsShape | None = None) -> PoolBound:
     """The most one pool window may admit across all regions, term by term.
 
     ``clamped=False`` is the seed's unclamped design (not ours): every region may carry one
     chunk (``chunkMax`` per balance) over the window boundary, and for a global-scope pool
-    every agent one gateway chunk as well."""
+    every agent one gateway chunk as well. ``rlqs``: the Envoys holding quota assignments of the
+    pool (:func:`rlqs_term`; None: no Envoy does)."""
     f = shape.fallback_per_region
     eligible = [r for r in topology.agents if shape.regions is None or r in shape.regions]
     cut = [r for r in eligible if r in faults.allocator_unreachable]
@@ -193,6 +270,7 @@ def pool_bound(shape: PoolShape, topology: Topology, faults: Faults = NO_FAULTS,
              f"{_plural(len(cut), 'region')} cut off from the allocator x {bal} balance(s) x F {f}"),
         Term(LOCAL, local_total,
              f"{_plural(n_local, 'agent')} cut off from Redis x {keys} allowance(s) x F {f}"),
+        rlqs_term(rlqs, shape.window_ms, faults, eligible),
     )
     total: int | None = 0
     for t in terms:
@@ -201,11 +279,11 @@ def pool_bound(shape: PoolShape, topology: Topology, faults: Faults = NO_FAULTS,
                      per_region=per_region)
 
 
-def bundle_bounds(bundle: Bundle, topology: Topology, faults: Faults | Mapping[str, Faults] = NO_FAULTS
-                  ) -> list[PoolBound]:
+def bundle_bounds(bundle: Bundle, topology: Topology, faults: Faults | Mapping[str, Faults] = NO_FAULTS, *,
+                  rlqs: RlqsShape | None = None) -> list[PoolBound]:
     """Every pool of a bundle; ``faults`` for all pools or per pool id."""
     out = []
     for shape in pool_shapes(bundle):
         fl = faults.get(shape.id, NO_FAULTS) if isinstance(faults, Mapping) else faults
-        out.append(pool_bound(shape, topology, fl))
+        out.append(pool_bound(shape, topology, fl, rlqs=rlqs))
     return out

@@ -210,6 +210,31 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     rls_tls_client_ca_file: Annotated[str | None, Help(
         "mutual TLS on the RLS port: require a client certificate signed by this CA (PEM)", kind="file",
         requires=("rls_tls_cert_file",))] = None
+    rlqs: Annotated[bool, Help(
+        "also serve Envoy's rate limit quota service (RLQS v3, StreamRateLimitQuotas) on --rls-port: "
+        "Envoy decides locally from quota assignments funded by what this agent holds "
+        "(docs/gateways.md, RLQS)")] = True
+    rlqs_domain: Annotated[Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,64}\Z")] | None, Help(
+        "the only RLQS domain accepted (the quota filter's domain)", default="--rls-domain")] = None
+    rlqs_keys: Annotated[list[str], Help(
+        "<field>=<bucket id key> overrides (fields: tenant, user, service, api_key, route_group)",
+        metavar="FIELD=KEY[,...]", default="built-in names")] = []
+    rlqs_max_assignment: Annotated[int, Meta(ge=1, le=1_000), Help(
+        "tokens of one quota assignment at most (per Envoy and bucket; the bound's RLQS term counts it)")] = 100
+    rlqs_max_ttl_s: Annotated[int, Meta(ge=1, le=300), Help(
+        "an assignment's time to live at most (Envoy counts it in whole seconds); it is renewed while "
+        "its bucket is in use, and never lives past the window its tokens came from")] = 10
+    rlqs_clock_margin_ms: Annotated[int, Meta(ge=0, le=10_000), Help(
+        "an assignment ends at least this long before the end of its window on this agent's clock "
+        "(clock offsets, the stream's delivery)")] = 250
+    rlqs_report_interval_ms: Annotated[int, Meta(ge=100, le=600_000), Help(
+        "how often Envoy reports usage (Envoy 1.40 reports every 5 s whatever reporting_interval says); "
+        "an assignment is sized for one interval of the bucket's demand")] = 5_000
+    rlqs_max_buckets: Annotated[int, Meta(ge=1, le=10_000_000), Help(
+        "buckets tracked per Envoy stream; a new bucket past it is refused (denied)")] = 100_000
+    rlqs_idle_ms: Annotated[int, Meta(ge=1_000, le=3_600_000), Help(
+        "a bucket without requests for this long (and no live assignment) is abandoned: Envoy forgets "
+        "it and reports it at once when it is used again")] = 60_000
     authz_headers: Annotated[list[str], Help(
         "<field>=<header name> overrides for /v1/authz", metavar="FIELD=HEADER[,...]",
         default="built-in names")] = []

@@ -1,6 +1,9 @@
 """Front doors for real gateways, on the agent's one decision path.
 
 * :mod:`.rls` — Envoy's rate limit service (RLS v3, gRPC) on ``--rls-port``.
+* :mod:`.rlqs` — Envoy's rate limit quota service beside it (``--rlqs``): quota assignments Envoy
+  enforces locally, funded by the same admission at the assignment's cost (:mod:`.rlqs_mapping`,
+  region_agent.leasing.rlqs_funding).
 * :mod:`.authz` — HTTP forward auth on ``/v1/authz`` (Envoy ext_authz, nginx auth_request,
   Traefik ForwardAuth): the answer is the status code.
 * :mod:`.mapping` / :mod:`.answer` — pure translation of their questions and answers.
@@ -38,6 +41,7 @@ class Gateways:
                                          leeway_s=settings.authz_jwt_leeway_s)
         self.anonymous_routes = frozenset(settings.authz_anonymous_routes)
         self.rls: Any = None  # .rls.RlsServer while serving
+        self.rlqs: Any = None  # .rlqs.RlqsService while serving (--rlqs)
 
     @property
     def state(self) -> Any:
@@ -62,10 +66,24 @@ class Gateways:
                                      gateways=self.gateway_tokens(), metrics=self.metrics)
         tls = (server_credentials(s.rls_tls_cert_file, s.rls_tls_key_file, s.rls_tls_client_ca_file)
                if s.rls_tls_cert_file and s.rls_tls_key_file else None)
+        also: tuple = ()
+        if s.rlqs:  # Envoy's rate limit quota service beside it (.rlqs)
+            from .rlqs import SERVICE as RLQS_SERVICE
+            from .rlqs import RlqsService, add_to_server
+            from .rlqs_mapping import RlqsNames
+
+            self.rlqs = RlqsService(settings=s, names=RlqsNames.from_settings(s), decide=self.decide,
+                                    state_of=self._state_of, metrics=self.metrics, gateways=self.gateway_tokens())
+            service = self.rlqs
+            also = ((RLQS_SERVICE, lambda server: add_to_server(service, server)),)
         self.rls = await RlsServer(servicer, host=s.rls_host or s.host, port=s.rls_port,
-                                   max_concurrent_rpcs=s.rls_max_concurrent_rpcs, tls=tls).start()
+                                   max_concurrent_rpcs=s.rls_max_concurrent_rpcs, tls=tls, also=also).start()
+        if self.rlqs is not None:
+            self.rlqs.start()
 
     async def stop(self) -> None:
+        if self.rlqs is not None:
+            await self.rlqs.stop()
         if self.rls is not None:
             await self.rls.stop()
             self.rls = None

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the gateway front doors (RLS gRPC and /v1/authz), in the agent's
+"""Prometheus metrics of the gateway front doors (RLS and RLQS gRPC, /v1/authz), in the agent's
 registry (``/metrics``). Bounded labels only: outcomes, reasons and status codes.
 
 Decisions themselves are counted where every decision is counted
@@ -7,7 +7,7 @@ calls, the refused ones and how long a whole call took."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
@@ -33,3 +33,28 @@ class GatewayMetrics:
                                      registry=r)
         self.authz_latency = Histogram("leasehold_agent_authz_seconds", "Forward-auth call latency inside the agent",
                                        registry=r, buckets=LATENCY_BUCKETS)
+        # RLQS: quota assignments Envoys enforce locally (region_agent.gateways.rlqs)
+        self.rlqs_streams = Gauge("leasehold_agent_rlqs_streams", "Envoy RLQS streams open", registry=r,
+                                  multiprocess_mode="livesum")
+        self.rlqs_buckets = Gauge("leasehold_agent_rlqs_buckets", "Envoy buckets tracked (per stream)", registry=r,
+                                  multiprocess_mode="livesum")
+        self.rlqs_reports = Counter("leasehold_agent_rlqs_reports_total", "RLQS usage reports received",
+                                    registry=r)
+        self.rlqs_usage = Counter("leasehold_agent_rlqs_usage_total",
+                                  "Requests Envoys reported deciding locally, by outcome (allowed | denied)",
+                                  ["outcome"], registry=r)
+        self.rlqs_assignments = Counter(
+            "leasehold_agent_rlqs_assignments_total",
+            "Bucket actions sent to Envoys, by kind (fresh: new tokens | renewal: more time, no tokens | "
+            "deny: refused bucket | revoke: policy change | abandon: idle bucket)", ["kind"], registry=r)
+        self.rlqs_assigned_tokens = Counter("leasehold_agent_rlqs_assigned_tokens_total",
+                                            "Tokens in fresh assignments (every one funded first)", registry=r)
+        self.rlqs_stranded_tokens = Counter(
+            "leasehold_agent_rlqs_stranded_tokens_total",
+            "Assigned tokens Envoys did not use before their assignment was replaced or ended (abandoned, "
+            "never refunded)", registry=r)
+        self.rlqs_rounds = Counter(
+            "leasehold_agent_rlqs_rounds_total",
+            "Funding rounds by outcome (granted | partial | denied | window_end | error)", ["outcome"], registry=r)
+        self.rlqs_refused = Counter("leasehold_agent_rlqs_refused_total",
+                                    "Bucket reports refused (answered deny-all), by reason", ["reason"], registry=r)

@@ -137,15 +137,19 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None
 
 
 class RlsServer:
-    """The gRPC server: RLS v3 plus ``grpc.health.v1.Health`` (SERVING while the agent answers
+    """The gRPC server: RLS v3 (and, with ``also``, RLQS) plus ``grpc.health.v1.Health`` (SERVING while the agent answers
     decisions — degraded ones included, so a Redis outage is answered by the per-rule fail
     modes rather than by Envoy's failure_mode_deny; NOT_SERVING while it shuts down)."""
 
     def __init__(self, servicer: RateLimitServicer, *, host: str, port: int, max_concurrent_rpcs: int,
-                 tls: grpc.ServerCredentials | None = None):
+                 tls: grpc.ServerCredentials | None = None,
+                 also: tuple[tuple[str, Callable[[grpc.aio.Server], None]], ...] = ()):
         self.server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs,
                                       options=[("grpc.so_reuseport", 1)])  # one port, several uvicorn workers
         rls_pb2_grpc.add_RateLimitServiceServicer_to_server(servicer, self.server)
+        self.services = ("", SERVICE, *(name for name, _ in also))  # what the health service reports
+        for _, add in also:  # more services on the same port (region_agent.gateways.rlqs)
+            add(self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = f"{host}:{port}"
@@ -153,7 +157,7 @@ class RlsServer:
 
     async def start(self) -> RlsServer:
         await self.server.start()
-        for name in ("", SERVICE):
+        for name in self.services:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self
 

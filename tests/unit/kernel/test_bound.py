@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from kernel.bound import (
@@ -115,3 +116,46 @@ def test_uniform_topology_names_and_rejects_empty() -> None:
         Topology.uniform(0)
     with pytest.raises(ValueError):
         Topology.uniform(["eu"], 0)
+
+
+# ------------------------------------------------------------------------------ RLQS (Envoy quota)
+def test_rlqs_term_is_zero_for_clamped_windows_and_deny_all_envoys() -> None:
+    from kernel.bound import RLQS, RlqsShape
+
+    rlqs = RlqsShape(envoys={"eu": 2, "us": 1}, buckets=40, max_assignment=100)
+    healthy = pool_bound(P_TENANT, TWO, rlqs=rlqs)
+    assert healthy.term(RLQS).tokens == 0 and healthy.total == 1_000
+    cut = pool_bound(P_TENANT, TWO, Faults(envoys_cut_off={"eu": 2}), rlqs=rlqs)
+    assert cut.term(RLQS).tokens == 0  # deny-all: an Envoy cut off spends only what it holds
+
+
+def test_rlqs_term_counts_carry_when_a_window_is_too_short_to_clamp() -> None:
+    from kernel.bound import RLQS, RlqsShape, rlqs_clamped
+
+    assert not rlqs_clamped(1_000) and rlqs_clamped(1_250) and rlqs_clamped(60_000)
+    global_read = PoolShape.plain("global-read", 40_000, 1_000, 4_000, chunk_max=2_000, global_scope=True)
+    rlqs = RlqsShape(envoys={"eu": 2, "us": 1}, buckets=40, max_assignment=100)
+    b = pool_bound(global_read, TWO, rlqs=rlqs)
+    assert b.term(RLQS).tokens == 3 * 40 * 100 and b.total == 40_000 + 12_000
+    # a region that may not lease the pool holds no assignment of it
+    only_eu = PoolShape(**{**msgspec.structs.asdict(global_read), "regions": ("eu",)})
+    assert pool_bound(only_eu, TWO, rlqs=rlqs).term(RLQS).tokens == 2 * 40 * 100
+
+
+def test_rlqs_fallback_other_than_deny_all_is_unbounded() -> None:
+    from kernel.bound import RLQS, RlqsShape, envoy_fallback_tokens
+
+    assert envoy_fallback_tokens("DENY_ALL", "DENY_ALL") == 0 and envoy_fallback_tokens("DENY_ALL", None) == 0
+    assert envoy_fallback_tokens("DENY_ALL", "token_bucket") is None
+    assert envoy_fallback_tokens("ALLOW_ALL", None) is None
+    rlqs = RlqsShape(envoys={"eu": 1}, buckets=5, max_assignment=100, fallback=None)
+    assert pool_bound(P_TENANT, TWO, rlqs=rlqs).term(RLQS).tokens == 0  # nobody cut off
+    b = pool_bound(P_TENANT, TWO, Faults(envoys_cut_off={"eu": 1}), rlqs=rlqs)
+    assert b.term(RLQS).tokens is None and b.total is None
+
+
+def test_rlqs_term_of_a_rule_without_windows_is_one_assignment_per_envoy_and_bucket() -> None:
+    from kernel.bound import RlqsShape, rlqs_term
+
+    t = rlqs_term(RlqsShape(envoys={"eu": 2}, buckets=1, max_assignment=20), 0)
+    assert t.tokens == 40 and "any span" in t.formula

@@ -1,0 +1,579 @@
+"""Envoy's rate limit quota service (``envoy.service.rate_limit_quota.v3.RateLimitQuotaService/
+StreamRateLimitQuotas``), served beside the rate limit service on ``--rls-port`` (``--rlqs``).
+
+Envoy's quota filter (``envoy.filters.http.rate_limit_quota``, work in progress upstream) keeps
+one stream per Envoy, reports per bucket how many requests it allowed and denied (Envoy 1.40:
+every 5 s, and at once for a bucket it has not seen), and enforces locally the assignment the
+server pushes per bucket. Here every assignment is a **lease of tokens the agent took first**
+(region_agent.leasing.rlqs_funding: the agent's one admission, at the cost of the assignment), so
+an Envoy never admits more than the region held for it; what it does without an assignment is
+its ``no_assignment_behavior`` / ``expired_assignment_behavior`` (deny-all in the shipped
+``deploy/gateways/envoy-rlqs.yaml``; kernel.bound counts anything else).
+
+What is sent, per bucket (:func:`fresh_actions` and friends are the one adapter to Envoy's
+behaviour, checked against the real binary by ``tests/e2e/gateways/test_envoy_rlqs.py``):
+
+* a **fresh assignment** of N tokens: a token bucket of ``max_tokens`` N that refills one token
+  per ten years (none in practice), with a time to live in whole seconds — sent after a
+  ``DENY_ALL`` for the same bucket in the same response, because Envoy 1.40 keeps the tokens of a
+  token bucket when the same one is sent again and scales them when another one replaces it, but
+  starts a bucket full after a blanket rule: so N is exactly what Envoy may spend;
+* a **renewal**: the same token bucket again, sent when half its time to live is gone and tokens
+  are left: Envoy keeps its tokens and restarts the time to live (never past the window the
+  tokens came from);
+* ``DENY_ALL`` for a bucket the agent refuses (an unmapped key, a per-request rule, another
+  domain: counted by reason) and to **revoke** assignments a policy change altered;
+* ``abandon_action`` for a bucket idle for ``--rlqs-idle-ms``: Envoy forgets it and reports it at
+  once when it is used again.
+
+A stream that breaks is the lease's expiry: the assignments it carried stay Envoy's until they
+expire and are abandoned (their unused tokens counted as stranded), never refunded or renewed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import msgspec
+from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
+
+from kernel.auth import TokenTable, authenticate
+from kernel.bundle import Bundle
+from kernel.errors import LeaseholdError, Unauthorized
+
+from ..leasing import rlqs_funding as fund
+from ..plan import memo_of
+from .mapping import BadQuestion
+from .metrics import GatewayMetrics
+from .rlqs_mapping import (
+    BucketKey,
+    RlqsNames,
+    Ttl,
+    WindowEnd,
+    assignment_ttl,
+    bucket_key,
+    bucket_question,
+    fixed_window_end,
+    per_request_reason,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE = "envoy.service.rate_limit_quota.v3.RateLimitQuotaService"
+Response = rlqs_pb2.RateLimitQuotaResponse
+BucketAction = Response.BucketAction
+FILL_INTERVAL_S = 10 * 365 * 86_400  # one token per ten years: a token bucket that does not refill
+TICK_S = 0.1
+LEAD_MS = 300.0  # a holding gets its next assignment when it has about this much of its demand left
+DENY_TTL_S = 60
+
+
+# -------------------------------------------------------------------------- what Envoy is sent
+def bucket_id(key: BucketKey) -> rlqs_pb2.BucketId:
+    return rlqs_pb2.BucketId(bucket=dict(key))
+
+
+def _token_bucket(bid: rlqs_pb2.BucketId, tokens: int, ttl_s: int) -> BucketAction:
+    a = BucketAction(bucket_id=bid)
+    q = a.quota_assignment_action
+    q.assignment_time_to_live.seconds = ttl_s
+    tb = q.rate_limit_strategy.token_bucket
+    tb.max_tokens = tokens
+    tb.tokens_per_fill.value = 1
+    tb.fill_interval.seconds = FILL_INTERVAL_S
+    return a
+
+
+def deny_action(bid: rlqs_pb2.BucketId, ttl_s: int) -> BucketAction:
+    a = BucketAction(bucket_id=bid)
+    q = a.quota_assignment_action
+    q.assignment_time_to_live.seconds = ttl_s
+    q.rate_limit_strategy.blanket_rule = q.rate_limit_strategy.DENY_ALL
+    return a
+
+
+def fresh_actions(bid: rlqs_pb2.BucketId, tokens: int, ttl_s: int) -> list[BucketAction]:
+    """A fresh assignment of exactly ``tokens`` (module doc): deny-all, then the token bucket."""
+    return [deny_action(bid, 1), _token_bucket(bid, tokens, ttl_s)]
+
+
+def renewal_actions(bid: rlqs_pb2.BucketId, tokens: int, ttl_s: int) -> list[BucketAction]:
+    """The live assignment again (the same token bucket): no new tokens, a new time to live."""
+    return [_token_bucket(bid, tokens, ttl_s)]
+
+
+def abandon_action(bid: rlqs_pb2.BucketId) -> BucketAction:
+    a = BucketAction(bucket_id=bid)
+    a.abandon_action.SetInParent()
+    return a
+
+
+# -------------------------------------------------------------------------- state
+@dataclass(eq=False)
+class Stream:
+    id: int
+    peer: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    holdings: dict[BucketKey, fund.Holding] = field(default_factory=dict)
+    pending: list[BucketAction] = field(default_factory=list)
+    alive: bool = True
+    opened_ms: float = 0.0
+    last_report_ms: float = 0.0
+
+    def send(self, actions: list[BucketAction]) -> None:
+        if self.alive:
+            self.pending.extend(actions)
+
+    def flush(self) -> None:
+        if self.pending and self.alive:
+            self.queue.put_nowait(Response(bucket_action=self.pending))
+        self.pending = []
+
+
+@dataclass(eq=False)
+class Bucket:
+    """One bucket id, across every Envoy reporting it: its question, and its single funding round."""
+
+    key: BucketKey
+    question: Any  # AdmitRequest | None
+    refused: str | None
+    signature: bytes = b""
+    burst: int = 1  # the most one decision can take: the smallest burst of the bucket's rules
+    holdings: set[fund.Holding] = field(default_factory=set)
+    round: asyncio.Task | None = None
+    again: bool = False
+
+
+class RlqsService:
+    """Every RLQS stream of this agent process, their holdings and the funding rounds."""
+
+    def __init__(self, *, settings: Any, names: RlqsNames, decide: fund.Decide, state_of: Callable[[], Any],
+                 metrics: GatewayMetrics, gateways: TokenTable | None,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
+        self.s = settings
+        self.names = names
+        self.decide = decide
+        self.state_of = state_of
+        self.metrics = metrics
+        self.gateways = gateways
+        self.clock, self.wall = clock, wall
+        self.streams: dict[int, Stream] = {}
+        self.buckets: dict[BucketKey, Bucket] = {}
+        self._ids = itertools.count(1)
+        self._heap: list[tuple[float, int, fund.Holding]] = []
+        self._seq = itertools.count()
+        self._due: dict[int, float] = {}  # id(holding) -> its scheduled check
+        self._bundle: Bundle | None = None
+        self._ticker: asyncio.Task | None = None
+        self.interval_ms = float(settings.rlqs_report_interval_ms)
+        self.span_ms = self.interval_ms + 1_000.0  # an assignment lasts one report interval and a second
+
+    def now_ms(self) -> float:
+        return self.clock() * 1000.0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._ticker is None:
+            self._ticker = asyncio.create_task(self._tick_loop())
+
+    async def stop(self) -> None:
+        for st in list(self.streams.values()):
+            st.alive = False
+            st.queue.put_nowait(None)
+        rounds = [b.round for b in self.buckets.values() if b.round is not None]
+        for t in [self._ticker, *rounds]:
+            if t is not None:
+                t.cancel()
+        for t in [self._ticker, *rounds]:
+            if t is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+        self._ticker = None
+
+    # ------------------------------------------------------------------ the stream
+    async def stream(self, requests: AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[Response]:
+        if self.gateways is not None:
+            try:
+                authenticate(self.gateways, context.invocation_metadata() or ())
+            except Unauthorized as e:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, e.detail)
+        if self.state_of().engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "agent is starting")
+        st = Stream(next(self._ids), context.peer() or "", opened_ms=self.now_ms())
+        self.streams[st.id] = st
+        self.metrics.rlqs_streams.inc()
+        reader = asyncio.create_task(self._read(st, requests))
+        try:
+            while True:
+                msg = await st.queue.get()
+                if msg is None:
+                    return
+                yield msg
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            self._closed(st)
+
+    async def _read(self, st: Stream, requests: AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports]) -> None:
+        try:
+            async for msg in requests:
+                try:
+                    self.on_report(st, msg)
+                except Exception:  # one bad report must not end the stream
+                    log.exception("RLQS report failed")
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            pass
+        finally:
+            st.queue.put_nowait(None)
+
+    def _closed(self, st: Stream) -> None:
+        """The stream ended: its assignments run out in Envoy as leases do (kept for the
+        accounting until they expire), nothing more is sent on it."""
+        if not st.alive and st.id not in self.streams:
+            return
+        st.alive = False
+        self.streams.pop(st.id, None)
+        self.metrics.rlqs_streams.dec()
+        now = self.now_ms()
+        for h in st.holdings.values():
+            self._schedule(h, max(now, h.expires_at_ms))
+
+    # ------------------------------------------------------------------ reports
+    def on_report(self, st: Stream, msg: rlqs_pb2.RateLimitQuotaUsageReports) -> None:
+        now = self.now_ms()
+        st.last_report_ms = now
+        m = self.metrics
+        m.rlqs_reports.inc()
+        allowed_sum = denied_sum = 0
+        for u in msg.bucket_quota_usages:
+            allowed, denied = u.num_requests_allowed, u.num_requests_denied
+            allowed_sum += allowed
+            denied_sum += denied
+            try:
+                key = bucket_key(u.bucket_id.bucket.items())
+            except BadQuestion as e:
+                m.rlqs_refused.labels(e.reason).inc()
+                st.send([deny_action(u.bucket_id, DENY_TTL_S)])
+                continue
+            h = st.holdings.get(key)
+            if h is None:
+                if len(st.holdings) >= self.s.rlqs_max_buckets:
+                    m.rlqs_refused.labels("too_many_buckets").inc()
+                    st.send([deny_action(u.bucket_id, DENY_TTL_S)])
+                    continue
+                h = self._hold(st, key, msg.domain)
+            fund.observe(h, allowed, denied, now, self.interval_ms)
+            if h.refused is not None:
+                m.rlqs_refused.labels(h.refused).inc()
+                st.send([deny_action(u.bucket_id, DENY_TTL_S)])
+                continue
+            self._consider(h, now)
+        if allowed_sum:
+            m.rlqs_usage.labels("allowed").inc(allowed_sum)
+        if denied_sum:
+            m.rlqs_usage.labels("denied").inc(denied_sum)
+        st.flush()
+
+    def _hold(self, st: Stream, key: BucketKey, domain: str) -> fund.Holding:
+        b = self.buckets.get(key)
+        if b is None:
+            b = self.buckets[key] = self._bucket(key)
+        refused = b.refused
+        if domain != self.names.domain:
+            refused = "unknown_domain"
+        h = fund.Holding(stream=st.id, bucket=key, question=b.question if refused is None else None,
+                         refused=refused, signature=b.signature)
+        st.holdings[key] = h
+        b.holdings.add(h)
+        self.metrics.rlqs_buckets.inc()
+        return h
+
+    def _bucket(self, key: BucketKey) -> Bucket:
+        try:
+            q = bucket_question(self.names, self.names.domain, key, cost=1, request_id="rlqs-bucket")
+        except BadQuestion as e:
+            return Bucket(key, None, e.reason)
+        except LeaseholdError:
+            return Bucket(key, None, "bad_value")
+        refused, signature, burst = self._judge(q)
+        return Bucket(key, q, refused, signature, burst)
+
+    def _judge(self, q: Any) -> tuple[str | None, bytes, int]:
+        """(refusal reason or None, the rules' signature, the smallest burst of the rules) of a
+        question under the bundle in force."""
+        bundle: Bundle = self.state_of().holder.bundle
+        shape = self._shape(bundle, q)
+        rules = shape.enforced
+        sig = b"|".join(msgspec.json.encode(r) for r in rules)
+        pools = memo_of(bundle).pools
+        sig += b"#" + b"|".join(msgspec.json.encode(pools[r.pool_id]) for r in rules
+                                if r.pool_id is not None and r.pool_id in pools)
+        burst = min((int(r.capacity(pools)[1]) for r in rules), default=fund.MAX_COST)
+        return per_request_reason(rules), sig, max(1, min(fund.MAX_COST, burst))
+
+    @staticmethod
+    def _shape(bundle: Bundle, q: Any) -> Any:
+        return memo_of(bundle).shape(q.tenant_id, q.route_group, q.principal.type, q.principal.api_key_id is not None)
+
+    # ------------------------------------------------------------------ what a holding needs
+    def _consider(self, h: fund.Holding, now: float) -> None:
+        if fund.wants_tokens(h, now, LEAD_MS):
+            self._want(h)
+        self._schedule(h, fund.next_check_ms(h, now, LEAD_MS))
+
+    def _schedule(self, h: fund.Holding, at_ms: float) -> None:
+        at_ms = max(at_ms, self.now_ms() + TICK_S * 1000)
+        cur = self._due.get(id(h))
+        if cur is not None and cur <= at_ms:
+            return  # an earlier check is already due
+        self._due[id(h)] = at_ms
+        heapq.heappush(self._heap, (at_ms, next(self._seq), h))
+
+    def _want(self, h: fund.Holding) -> None:
+        h.wanting = True
+        b = self.buckets.get(h.bucket)
+        if b is None:
+            return
+        if b.round is None:
+            b.round = asyncio.create_task(self._rounds(b))
+        else:
+            b.again = True
+
+    # ------------------------------------------------------------------ funding rounds
+    async def _rounds(self, b: Bucket) -> None:
+        try:
+            while True:
+                b.again = False
+                await self._round(b)
+                if not b.again:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.metrics.rlqs_rounds.labels("error").inc()
+            log.exception("RLQS funding round failed")
+        finally:
+            b.round = None
+
+    def ttl_for(self, b: Bucket) -> Ttl:
+        """The time to live of an assignment of ``b`` funded now (rlqs_mapping.assignment_ttl)."""
+        st = self.state_of()
+        bundle: Bundle = st.holder.bundle
+        memo = memo_of(bundle)
+        windows: list[WindowEnd] = []
+        wall = self.wall() * 1000.0
+        for r in self._shape(bundle, b.question).enforced:
+            if r.kind.code == "fw" and getattr(r, "window_ms", None):
+                windows.append(fixed_window_end(r.window_ms, wall))
+            pool = memo.pools.get(r.pool_id) if r.pool_id is not None else None
+            if pool is not None and st.engine is not None:
+                w = st.engine.pool_windows(pool)
+                windows.append(WindowEnd(pool.window_ms, w.safe_ms if w.span == 1 else 0))
+        return assignment_ttl(windows, max_ttl_s=self.s.rlqs_max_ttl_s, margin_ms=self.s.rlqs_clock_margin_ms)
+
+    async def _round(self, b: Bucket) -> None:
+        t0 = self.now_ms()
+        parties = [h for h in b.holdings if h.wanting and self._alive(h) and fund.wants_tokens(h, t0, LEAD_MS)]
+        for h in b.holdings:
+            h.wanting = False
+        if not parties or b.question is None:
+            return
+        m = self.metrics
+        ttl = self.ttl_for(b)
+        if ttl.seconds == 0:
+            m.rlqs_rounds.labels("window_end").inc()
+            for h in parties:
+                h.retry_at_ms = t0 + max(ttl.wait_ms, TICK_S * 1000)
+                self._schedule(h, h.retry_at_ms)
+            return
+        cap = self.s.rlqs_max_assignment
+        needs = {h: fund.need(h, self.span_ms, cap) for h in parties}
+        taken = await fund.take(self.decide, b.question, min(b.burst, sum(needs.values())))
+        now = self.now_ms()
+        clamp_at = t0 + ttl.clamp_ms
+        ttl_s = min(ttl.seconds, int((clamp_at - now) // 1000)) if math.isfinite(clamp_at) else ttl.seconds
+        if taken.tokens == 0 or ttl_s < 1:
+            m.rlqs_rounds.labels("denied").inc()
+            if taken.tokens:  # funded, but its window ended while the round waited: never sent
+                m.rlqs_stranded_tokens.inc(taken.tokens)
+            for h in parties:
+                h.retry_at_ms = now + min(5_000, max(250, taken.retry_ms))
+                self._schedule(h, h.retry_at_ms)
+            return
+        m.rlqs_rounds.labels("granted" if taken.tokens >= sum(needs.values()) else "partial").inc()
+        gives = fund.share(taken.tokens, cap, needs, {h: h.demand for h in parties})
+        touched: set[Stream] = set()
+        unsent = 0
+        for h, give in gives.items():
+            st = self.streams.get(h.stream)
+            if give <= 0 or st is None or not st.alive:
+                unsent += give
+                if give <= 0:
+                    h.retry_at_ms = now + 1_000
+                    self._schedule(h, h.retry_at_ms)
+                continue
+            st.send(fresh_actions(bucket_id(h.bucket), give, ttl_s))
+            m.rlqs_stranded_tokens.inc(h.settle(now))
+            fund.granted(h, give, ttl_s, now, clamp_at)
+            m.rlqs_assignments.labels("fresh").inc()
+            m.rlqs_assigned_tokens.inc(give)
+            touched.add(st)
+            self._schedule(h, fund.next_check_ms(h, now, LEAD_MS))
+        unsent += taken.tokens - sum(gives.values())
+        if unsent:
+            m.rlqs_stranded_tokens.inc(unsent)
+        for st in touched:
+            st.flush()
+
+    def _alive(self, h: fund.Holding) -> bool:
+        st = self.streams.get(h.stream)
+        return st is not None and st.alive
+
+    # ------------------------------------------------------------------ the ticker
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                self.tick()
+            except Exception:
+                log.exception("RLQS tick failed")
+
+    def tick(self) -> None:
+        now = self.now_ms()
+        bundle = self.state_of().holder.bundle
+        if bundle is not self._bundle:
+            if self._bundle is not None:
+                self._policy_changed(now)
+            self._bundle = bundle
+        touched: set[Stream] = set()
+        due: list[fund.Holding] = []
+        while self._heap and self._heap[0][0] <= now:  # what is due now; a check due again waits a tick
+            at, _, h = heapq.heappop(self._heap)
+            if self._due.get(id(h)) == at:
+                del self._due[id(h)]
+                due.append(h)
+        for h in due:
+            st = self.streams.get(h.stream)
+            if st is None or not st.alive:
+                self._retire(h, now)
+                continue
+            self._check(st, h, now)
+            touched.add(st)
+        for st in touched:
+            st.flush()
+
+    def _check(self, st: Stream, h: fund.Holding, now: float) -> None:
+        m = self.metrics
+        m.rlqs_stranded_tokens.inc(h.settle(now))
+        if h.refused is not None:
+            if now - h.last_traffic_ms >= self.s.rlqs_idle_ms:
+                self._abandon(st, h)
+            else:
+                self._schedule(h, now + self.s.rlqs_idle_ms)
+            return
+        ttl = fund.renewal_ttl(h, now, self.s.rlqs_max_ttl_s)
+        if ttl and now - st.last_report_ms <= 2 * self.interval_ms:  # a stream that still reports
+            st.send(renewal_actions(bucket_id(h.bucket), h.chunk, ttl))
+            fund.renewed(h, ttl, now)
+            m.rlqs_assignments.labels("renewal").inc()
+        if not h.live(now) and now - h.last_traffic_ms >= self.s.rlqs_idle_ms and not h.wanting:
+            self._abandon(st, h)
+            return
+        self._consider(h, now)
+
+    def _abandon(self, st: Stream, h: fund.Holding) -> None:
+        st.send([abandon_action(bucket_id(h.bucket))])
+        self.metrics.rlqs_assignments.labels("abandon").inc()
+        st.holdings.pop(h.bucket, None)
+        self._drop(h)
+
+    def _retire(self, h: fund.Holding, now: float) -> None:
+        """A holding of a closed stream: once its assignment is over, the rest is stranded."""
+        if h.live(now):
+            self._schedule(h, h.expires_at_ms)
+            return
+        self.metrics.rlqs_stranded_tokens.inc(h.settle(now))
+        self._drop(h)
+
+    def _drop(self, h: fund.Holding) -> None:
+        self._due.pop(id(h), None)
+        self.metrics.rlqs_buckets.dec()
+        b = self.buckets.get(h.bucket)
+        if b is not None:
+            b.holdings.discard(h)
+            if not b.holdings and b.round is None:
+                del self.buckets[h.bucket]
+
+    def _policy_changed(self, now: float) -> None:
+        """A new bundle: a bucket whose rules (or their pools) changed has its assignments revoked
+        at once — deny-all, their leftovers abandoned — and is funded again under the new rules."""
+        touched: set[Stream] = set()
+        for b in list(self.buckets.values()):
+            if b.question is None:
+                continue
+            refused, sig, burst = self._judge(b.question)
+            if sig == b.signature and refused == b.refused:
+                continue
+            b.refused, b.signature, b.burst = refused, sig, burst
+            for h in list(b.holdings):
+                st = self.streams.get(h.stream)
+                if h.refused != "unknown_domain":
+                    h.refused = refused
+                    h.question = b.question if refused is None else None
+                h.signature = sig
+                if st is None or not st.alive:
+                    continue
+                if h.live(now) or refused is not None:
+                    st.send([deny_action(bucket_id(h.bucket), 1 if refused is None else DENY_TTL_S)])
+                    fund.revoke(h, now)
+                    self.metrics.rlqs_assignments.labels("revoke").inc()
+                    touched.add(st)
+                if refused is None and h.demand > 0:
+                    self._want(h)
+        for st in touched:
+            st.flush()
+
+    # ------------------------------------------------------------------ operators
+    def view(self) -> dict[str, Any]:
+        """Assignments per bucket (``GET /v1/rlqs``; the demo's live view)."""
+        now = self.now_ms()
+        out = []
+        for b in self.buckets.values():
+            holders = []
+            for h in b.holdings:
+                holders.append({"stream": h.stream, "live": h.live(now), "tokens": h.chunk,
+                                "left": round(h.left(now), 1), "expiresInMs": max(0, int(h.expires_at_ms - now)),
+                                "demandPerS": round(h.demand, 2), "allowed": h.allowed, "denied": h.denied,
+                                "funded": h.funded, "stranded": h.stranded, "refused": h.refused})
+            out.append({"bucket": dict(b.key), "refused": b.refused, "envoys": sorted(holders, key=lambda x: x["stream"])})
+        return {"streams": [{"id": s.id, "peer": s.peer, "buckets": len(s.holdings)} for s in self.streams.values()],
+                "buckets": sorted(out, key=lambda x: sorted(x["bucket"].items()))}
+
+
+class RateLimitQuotaServicer(rlqs_pb2_grpc.RateLimitQuotaServiceServicer):
+    def __init__(self, service: RlqsService):
+        self.service = service
+
+    async def StreamRateLimitQuotas(self, request_iterator, context):  # noqa: N802 - the gRPC method's name
+        async for response in self.service.stream(request_iterator, context):
+            yield response
+
+
+def add_to_server(service: RlqsService, server: grpc.aio.Server) -> None:
+    rlqs_pb2_grpc.add_RateLimitQuotaServiceServicer_to_server(RateLimitQuotaServicer(service), server)
+
+
+__all__ = ["SERVICE", "RateLimitQuotaServicer", "RlqsService", "abandon_action", "add_to_server", "bucket_id",
+           "deny_action", "fresh_actions", "renewal_actions"]

@@ -1,0 +1,230 @@
+"""Quota assignments for Envoys (RLQS), funded by what this agent holds.
+
+An Envoy enforces an assignment per bucket locally; every token it may admit was taken first,
+here, from the rules the bucket stands for — **by the agent's one admission**: a question of
+``cost`` N (the bucket's question, :func:`region_agent.gateways.rlqs_mapping.bucket_question`)
+debits N tokens from the tenant's and user's buckets in one multi-rule script call, from a
+tenant pool's leased balance, or from a fleet-wide pool's chunk (region_agent.leasing), with the
+same fallbacks and fail modes as any request; so an assignment is never more than the region
+holds. Then:
+
+* **single-flight per bucket**: one funding round per bucket at a time (region_agent.gateways.rlqs); the
+  Envoys that need tokens meanwhile join the next round;
+* **demand-weighted**: a round asks for every waiting Envoy's need (its demand over one report
+  interval, at most ``max_assignment``) at once, and when it gets less, shares it with
+  :func:`kernel.fair_share.split` — the allocator's fair-share policy;
+* **partial chunks**: a denied round learns what is left from the denial and asks again for that
+  (twice at most), as the reference design's chunk leases do near the limit;
+* **a fresh assignment replaces the last**: its unspent tokens are abandoned, never refunded (an
+  ambiguous refund could count twice), and counted as stranded once Envoy's reports show how
+  many were not used (:meth:`Holding.settle`).
+
+Pure state and policy (:class:`Holding`, :func:`observe`, :func:`wants_tokens`, :func:`need`)
+plus what one round asks the admission (:func:`take`) and how it shares the answer (:func:`share`);
+the stream, the rounds' scheduling, timers and protobuf are region_agent.gateways.rlqs.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kernel.fair_share import split
+
+from ..models import AdmitRequest, Decision
+
+INF = math.inf
+MAX_COST = 1_000  # AdmitRequest.costHint
+ROUND_ATTEMPTS = 3  # a round: the whole need, then what a denial says is left, then half of that
+
+
+@dataclass(eq=False, slots=True)
+class Holding:
+    """One Envoy's (one stream's) view of one bucket: what it holds and what it reports."""
+
+    stream: int
+    bucket: tuple  # region_agent.gateways.rlqs_mapping.BucketKey
+    question: AdmitRequest | None  # None: refused (``refused`` says why)
+    refused: str | None = None
+    signature: bytes = b""  # the rules the bucket stands for (a policy change that alters them revokes)
+    # the assignment Envoy holds
+    chunk: int = 0  # tokens of the last fresh assignment (0: none)
+    pushed_at_ms: float = 0.0  # monotonic, when it (or its last renewal) was sent
+    expires_at_ms: float = 0.0  # monotonic: sent + time to live (Envoy's clock starts at receipt: later)
+    clamp_at_ms: float = INF  # monotonic: it must not be spendable after this (its window's end)
+    ttl_s: int = 0
+    used: float = 0.0  # requests Envoy reported admitted since the fresh assignment (an estimate)
+    # what Envoy reported over the holding's life
+    funded: int = 0  # tokens of every fresh assignment
+    allowed: int = 0
+    denied: int = 0
+    stranded: int = 0  # counted so far (never decreases)
+    demand: float = 0.0  # requests per second (allowed + denied), smoothed
+    last_report_ms: float = 0.0
+    last_traffic_ms: float = 0.0
+    retry_at_ms: float = 0.0  # no round for this holding before (a denied round's hint, a window's end)
+    wanting: bool = False
+    revoked: int = 0
+
+    def live(self, now_ms: float) -> bool:
+        return self.chunk > 0 and now_ms < self.expires_at_ms
+
+    def left(self, now_ms: float) -> float:
+        """Tokens Envoy probably still holds: the chunk less what it reported, less the demand
+        since its last report."""
+        if not self.live(now_ms):
+            return 0.0
+        since = max(0.0, now_ms - self.last_report_ms) / 1000.0 if self.last_report_ms else 0.0
+        return max(0.0, self.chunk - self.used - self.demand * since)
+
+    def settle(self, now_ms: float) -> int:
+        """Stranded tokens newly known: funded and not reported used, less what Envoy may still
+        spend of its live assignment. Returns the increase (a counter's)."""
+        outstanding = max(0.0, self.chunk - self.used) if self.live(now_ms) else 0.0
+        known = max(0, int(self.funded - self.allowed - outstanding))
+        grew = max(0, known - self.stranded)
+        self.stranded += grew
+        return grew
+
+
+def observe(h: Holding, allowed: int, denied: int, now_ms: float, interval_ms: float) -> None:
+    """One usage report of the holding's bucket (counts since Envoy's previous report)."""
+    # Envoy reports a bucket it has not seen at once, with its first request: about a second's worth
+    dt = (now_ms - h.last_report_ms) if h.last_report_ms else min(interval_ms, 1_000.0)
+    rate = (allowed + denied) / max(0.5, dt / 1000.0)
+    h.demand = rate if rate >= h.demand else 0.5 * (h.demand + rate)  # up at once, down gently
+    if h.demand < 0.01:
+        h.demand = 0.0
+    h.allowed += allowed
+    h.denied += denied
+    h.used += allowed
+    h.last_report_ms = now_ms
+    if allowed or denied:
+        h.last_traffic_ms = now_ms
+
+
+def need(h: Holding, span_ms: float, cap: int) -> int:
+    """The tokens one assignment should carry: the bucket's demand over ``span_ms`` (one report
+    interval and a second), 1 at least, ``cap`` at most."""
+    return max(1, min(cap, math.ceil(h.demand * span_ms / 1000.0)))
+
+
+def wants_tokens(h: Holding, now_ms: float, lead_ms: float) -> bool:
+    """Should a round fund this holding now: it has demand, no round's denial holds it back, and
+    its assignment is gone or about to run out (within ``lead_ms`` of its demand)."""
+    if h.question is None or now_ms < h.retry_at_ms or h.demand <= 0:
+        return False
+    if not h.live(now_ms):
+        return True
+    return h.left(now_ms) <= max(1.0, h.demand * lead_ms / 1000.0)
+
+
+def next_check_ms(h: Holding, now_ms: float, lead_ms: float) -> float:
+    """When the holding should be looked at again without a report: its predicted run-out, its
+    renewal (half its time to live left), its expiry, or a denial's end."""
+    t = now_ms + 60_000.0
+    if h.live(now_ms):
+        renew_at = h.expires_at_ms - h.ttl_s * 500.0
+        t = min(t, max(now_ms, renew_at), h.expires_at_ms)
+        if h.demand > 0:
+            left = h.left(now_ms)
+            t = min(t, now_ms + max(0.0, (left / h.demand) * 1000.0 - lead_ms))
+    if h.retry_at_ms > now_ms:
+        t = min(t, h.retry_at_ms)
+    return t
+
+
+def renewal_ttl(h: Holding, now_ms: float, max_ttl_s: int) -> int:
+    """Seconds a renewal of the live assignment may run from now (0: none): not past its clamp,
+    at most ``max_ttl_s``, and only when half its time to live is gone and tokens are left."""
+    if not h.live(now_ms) or h.left(now_ms) < 1.0 or h.expires_at_ms - now_ms > h.ttl_s * 500.0:
+        return 0
+    limit = min(max_ttl_s * 1000.0, h.clamp_at_ms - now_ms)
+    secs = int(limit // 1000)
+    return secs if now_ms + secs * 1000.0 > h.expires_at_ms else 0
+
+
+def granted(h: Holding, tokens: int, ttl_s: int, now_ms: float, clamp_at_ms: float) -> None:
+    """A fresh assignment of ``tokens`` was sent: the last one's leftover is abandoned."""
+    gap = 0.0
+    if h.live(now_ms) and h.last_report_ms:  # what Envoy spent of the old one since its last report
+        gap = min(max(0.0, h.chunk - h.used), h.demand * max(0.0, now_ms - h.last_report_ms) / 1000.0)
+    h.chunk = tokens
+    h.used = -gap  # the next report counts those too
+    h.funded += tokens
+    h.pushed_at_ms = now_ms
+    h.ttl_s = ttl_s
+    h.expires_at_ms = now_ms + ttl_s * 1000.0
+    h.clamp_at_ms = clamp_at_ms
+    h.retry_at_ms = 0.0
+
+
+def renewed(h: Holding, ttl_s: int, now_ms: float) -> None:
+    h.pushed_at_ms = now_ms
+    h.ttl_s = ttl_s
+    h.expires_at_ms = now_ms + ttl_s * 1000.0
+
+
+def revoke(h: Holding, now_ms: float) -> None:
+    """The assignment is withdrawn (a policy change): what it had left is abandoned."""
+    h.expires_at_ms = min(h.expires_at_ms, now_ms)
+    h.revoked += 1
+
+
+# ------------------------------------------------------------------------------------------ rounds
+Decide = Callable[[list[AdmitRequest]], Awaitable[list[Decision]]]
+
+
+@dataclass(slots=True)
+class Taken:
+    tokens: int
+    decision: Decision | None  # the last decision of the round (the granted one, or the last denial)
+    attempts: int = 0
+
+    @property
+    def retry_ms(self) -> int:
+        d = self.decision
+        if d is None or self.tokens:
+            return 0
+        return d.retry_after_ms if d.retry_after_ms > 0 else 1_000
+
+
+def with_cost(q: AdmitRequest, cost: int) -> AdmitRequest:
+    import msgspec
+
+    return msgspec.structs.replace(q, cost_hint=cost, request_id=f"rlqs-{secrets.token_hex(10)}")
+
+
+async def take(decide: Decide, q: AdmitRequest, want: int) -> Taken:
+    """Take up to ``want`` tokens for the bucket of ``q``: one decision of that cost; a denial that
+    says fewer are left is asked again for what is left, then half of that (partial chunks)."""
+    cost = max(1, min(MAX_COST, want))
+    last: Decision | None = None
+    for attempt in range(ROUND_ATTEMPTS):
+        (d,) = await decide([with_cost(q, cost)])
+        last = d
+        if d.allowed:
+            return Taken(cost, d, attempt + 1)
+        if d.http_status != 429:
+            break  # not a limit: a closed rule without its store, a conflict, the agent overloaded
+        left = d.remaining or 0
+        if d.retry_after_ms < 0:  # never at this cost (above a rule's capacity): half of it may pass
+            left = max(left, cost // 2)
+        nxt = min(cost - 1, left) if attempt == 0 else min(cost - 1, left, cost // 2)
+        if nxt < 1:
+            break
+        cost = nxt
+    return Taken(0, last, ROUND_ATTEMPTS)
+
+
+def share(tokens: int, cap: int, needs: dict[Any, int], demands: dict[Any, float]) -> dict[Any, int]:
+    """The round's ``tokens`` among its parties (kernel.fair_share.split, demands in whole
+    requests per second, 1 at least)."""
+    return split(tokens, cap, needs, {k: max(1, math.ceil(v)) for k, v in demands.items()})
+
+
+__all__ = ["Decide", "Holding", "Taken", "granted", "need", "next_check_ms", "observe", "renewal_ttl",
+           "renewed", "revoke", "share", "take", "wants_tokens", "with_cost"]

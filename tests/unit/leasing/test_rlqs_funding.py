@@ -1,0 +1,120 @@
+"""Funding Envoys' quota assignments (region_agent.leasing.rlqs_funding): demand from reports,
+when a holding needs tokens, partial chunks, renewals that never add tokens, stranded counting."""
+
+from __future__ import annotations
+
+import asyncio
+
+from region_agent.leasing import rlqs_funding as f
+from region_agent.models import AdmitRequest, Decision, Principal
+
+Q = AdmitRequest(request_id="rlqs-bucket", principal=Principal(type="user", id="U-1"), route_group="read",
+                 tenant_id="atlas")
+
+
+def holding(**kw) -> f.Holding:
+    return f.Holding(stream=1, bucket=(("tenant", "atlas"),), question=Q, **kw)
+
+
+def test_demand_rises_at_once_and_falls_gently():
+    h = holding()
+    f.observe(h, 0, 1, 1_000.0, 5_000)  # a new bucket's first request: about 1 per second
+    assert h.demand == 1.0
+    f.observe(h, 30, 20, 6_000.0, 5_000)  # 50 in 5 s
+    assert h.demand == 10.0 and h.allowed == 30 and h.denied == 21
+    f.observe(h, 0, 0, 11_000.0, 5_000)
+    assert h.demand == 5.0
+    for t in range(16_000, 80_000, 5_000):
+        f.observe(h, 0, 0, float(t), 5_000)
+    assert h.demand == 0.0 and h.last_traffic_ms == 6_000.0
+
+
+def test_need_is_one_interval_of_demand_within_one_and_the_cap():
+    assert f.need(holding(demand=2.0), 6_000, 100) == 12
+    assert f.need(holding(demand=0.01), 6_000, 100) == 1
+    assert f.need(holding(demand=500.0), 6_000, 100) == 100
+
+
+def test_a_holding_wants_tokens_when_its_assignment_is_gone_or_nearly_spent():
+    h = holding(demand=2.0)
+    assert f.wants_tokens(h, 0.0, 300)
+    f.granted(h, 12, 10, 0.0, f.INF)
+    assert not f.wants_tokens(h, 1_000.0, 300)  # 10 of 12 left by the demand
+    h.last_report_ms = 1_000.0
+    assert not f.wants_tokens(h, 6_000.0, 300)  # predicted: 12 - 2/s x 5 s = 2 left
+    assert f.wants_tokens(h, 6_600.0, 300)  # about one token left: the next assignment now
+    h.retry_at_ms = 9_000.0
+    assert not f.wants_tokens(h, 6_600.0, 300)  # a denied round holds it back
+    assert not f.wants_tokens(holding(demand=0.0), 0.0, 300)
+    assert not f.wants_tokens(f.Holding(stream=1, bucket=(), question=None, refused="unknown_key", demand=5), 0, 300)
+
+
+def test_a_renewal_adds_time_never_tokens_and_never_passes_the_clamp():
+    h = holding(demand=1.0)
+    f.granted(h, 10, 10, 0.0, 12_000.0)
+    assert f.renewal_ttl(h, 3_000.0, 10) == 0  # more than half the time to live left
+    assert f.renewal_ttl(h, 6_000.0, 10) == 6  # clamp at 12 s: 6 s from now
+    f.renewed(h, 6, 6_000.0)
+    assert h.chunk == 10 and h.funded == 10 and h.expires_at_ms == 12_000.0
+    assert f.renewal_ttl(h, 10_000.0, 10) == 0  # would not extend past the clamp
+    h2 = holding(demand=1.0)
+    f.granted(h2, 3, 10, 0.0, f.INF)
+    h2.used = 3
+    assert f.renewal_ttl(h2, 6_000.0, 10) == 0  # nothing left to renew
+
+
+def test_stranded_tokens_are_what_was_funded_and_not_used_once_it_cannot_be_used():
+    h = holding(demand=1.0)
+    f.granted(h, 10, 5, 0.0, f.INF)
+    f.observe(h, 4, 0, 2_000.0, 5_000)
+    assert h.settle(2_000.0) == 0  # 6 may still be spent
+    f.granted(h, 8, 5, 2_500.0, f.INF)  # a fresh one replaces it: its leftover is abandoned
+    # the report counts 3: about 2 of them (4/s for 0.5 s) spent from the old one before the new arrived
+    f.observe(h, 3, 0, 7_000.0, 5_000)
+    assert h.settle(7_100.0) == 4  # the old one's leftover: 10 - 4 - 2
+    assert h.settle(8_000.0) == 7 and h.stranded == 18 - 7  # the new one expired at 7.5 s: all unused is stranded
+    assert h.settle(9_000.0) == 0
+
+
+def decisions(*answers: tuple[bool, int, int]):
+    """A scripted admission: (allowed, remaining, retryAfterMs) per call; records the costs asked."""
+    asked: list[int] = []
+    it = iter(answers)
+
+    async def decide(qs):
+        (q,) = qs
+        asked.append(q.cost_hint)
+        ok, rem, retry = next(it)
+        return [Decision(allowed=ok, decision_id=q.request_id, policy_id="read-user-v3", policy_version=1,
+                         remaining=rem, retry_after_ms=retry, http_status=200 if ok else 429)]
+    return decide, asked
+
+
+def test_take_asks_again_for_what_a_denial_says_is_left():
+    decide, asked = decisions((False, 6, 500), (True, 0, 0))
+    t = asyncio.run(f.take(decide, Q, 20))
+    assert (t.tokens, asked) == (6, [20, 6])
+    decide, asked = decisions((False, 6, 500), (False, 3, 500), (True, 0, 0))
+    t = asyncio.run(f.take(decide, Q, 20))
+    assert (t.tokens, asked) == (3, [20, 6, 3])
+    decide, asked = decisions((False, 0, 800))
+    t = asyncio.run(f.take(decide, Q, 20))
+    assert (t.tokens, t.retry_ms, asked) == (0, 800, [20])
+    decide, asked = decisions((False, 0, -1), (True, 3, 0))  # never at 40 (above a capacity): half
+    assert asyncio.run(f.take(decide, Q, 40)).tokens == 20
+    assert all(q.startswith("rlqs-") for q in [f.with_cost(Q, 3).request_id])
+
+
+def test_take_stops_at_an_answer_that_is_not_a_limit():
+    async def closed(qs):
+        (q,) = qs
+        return [Decision(allowed=False, decision_id=q.request_id, policy_id="x", policy_version=1, remaining=50,
+                         retry_after_ms=5_000, http_status=503)]
+    t = asyncio.run(f.take(closed, Q, 20))
+    assert t.tokens == 0 and t.attempts == f.ROUND_ATTEMPTS and t.retry_ms == 5_000
+
+
+def test_share_uses_the_allocators_fair_share():
+    a, b = holding(demand=9.0), holding(demand=3.0)
+    assert f.share(20, 100, {a: 20, b: 20}, {a: 9.0, b: 3.0}) == {a: 15, b: 5}
+    assert f.share(40, 100, {a: 20, b: 20}, {a: 9.0, b: 3.0}) == {a: 20, b: 20}
