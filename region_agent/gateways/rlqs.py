@@ -453,9 +453,8 @@ class RlqsService:
     def tick(self) -> None:
         now = self.now_ms()
         bundle = self.state_of().holder.bundle
-        if bundle is not self._bundle:
-            if self._bundle is not None:
-                self._policy_changed(now)
+        if bundle is not self._bundle:  # also the first tick: a bucket may have been judged before it
+            self._policy_changed(now)
             self._bundle = bundle
         touched: set[Stream] = set()
         due: list[fund.Holding] = []
