@@ -6,7 +6,12 @@
 * End to end through Envoy (``deploy/gateways/envoy-rls.yaml``, 1 worker) in front of the demo
   upstream, 64 keep-alive connections from 64 loopback addresses, each request with a verified
   bearer token: with the rate limit filter (RLS to the agent: the address window, then the
-  user's rule) vs the same config with the filter removed (jwt_authn verifies either way)."""
+  user's rule) vs the same config with the filter removed (jwt_authn verifies either way).
+* The same through Envoy with the rate limit quota filter (``deploy/gateways/envoy-rlqs.yaml``,
+  RLQS: Envoy decides locally from assignments the agent funds) vs that config with its limit
+  filters removed (goal >= 0.90), the agent's CPU per admitted request, and utilisation: one user
+  (P-READ's rule, 20 then 2/s) asked far past its limit through each Envoy, admitted / (20 + 2/s x
+  the measured span) (goal >= 0.95 for RLQS; RLS alongside)."""
 
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from leasehold.procs import LOOPBACK, Proc, RedisServer, free_port, wait_port
 
 from .context import Ctx
 from .harness import REPO, CpuMeter, _env, degraded_counts, delta, redis_client, services, start_agent
-from .stats import Row, median
+from .stats import Goal, Row, median
 
 CONNS = 64
 SOURCES = [f"127.0.3.{i}" for i in range(1, CONNS + 1)]
@@ -40,14 +45,21 @@ def gwload(cfg: dict) -> dict:
     return res
 
 
+LIMIT_FILTERS = ("envoy.filters.http.ratelimit", "envoy.filters.http.rate_limit_quota")
+UTIL_CONNS = 8
+WARM_S = 8.0
+UTIL_S = 10.0  # two of Envoy's 5 s report intervals: a bucket's assignments follow its reported demand
+
+
 def filter_off(config: str) -> str:
-    """The same Envoy config without envoy.filters.http.ratelimit (and its 503 mapper)."""
+    """The same Envoy config without its limit filters (rate limit, rate limit quota) and their
+    local reply mappers."""
     doc = yaml.safe_load(config)
     for listener in doc["static_resources"]["listeners"]:
         for chain in listener["filter_chains"]:
             for f in chain["filters"]:
                 hcm = f["typed_config"]
-                hcm["http_filters"] = [h for h in hcm["http_filters"] if h["name"] != "envoy.filters.http.ratelimit"]
+                hcm["http_filters"] = [h for h in hcm["http_filters"] if h["name"] not in LIMIT_FILTERS]
                 hcm.pop("local_reply_config", None)
     return yaml.safe_dump(doc)
 
@@ -72,13 +84,19 @@ def run(ctx: Ctx) -> list[Row]:
             envoys = {}
             try:
                 wait_port(bare_port, proc=bare.popen, timeout=30)
-                for name in ("envoy_rls", "envoy_off"):
+                for name, template, off in (("envoy_rls", "envoy-rls.yaml", False),
+                                            ("envoy_off", "envoy-rls.yaml", True),
+                                            ("envoy_rlqs", "envoy-rlqs.yaml", False),
+                                            ("envoy_rlqs_off", "envoy-rlqs.yaml", True)):
                     port, admin = free_port(), free_port()
-                    cfg = render("envoy-rls.yaml", ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin, **values)
-                    envoys[name] = Envoy(name, cfg if name == "envoy_rls" else filter_off(cfg), w / f"fig8-{name}",
-                                         port, admin).start()
-                return _measure(ctx, agent, redis, {"agent": rls_port, "bare": bare_port},
+                    cfg = render(template, ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin,
+                                 ENVOY_ACCESS_LOG=w / f"fig8-{name}" / "access.log", **values)
+                    envoys[name] = Envoy(name, filter_off(cfg) if off else cfg, w / f"fig8-{name}", port, admin).start()
+                util_tokens = w / "fig8-util-tokens.txt"
+                rows = _measure(ctx, agent, redis, {"agent": rls_port, "bare": bare_port},
                                 {k: e.port for k, e in envoys.items()}, up.pid, tokens)
+                return rows + _utilisation(ctx, agent, {k: envoys[k].port for k in ("envoy_rls", "envoy_rlqs")},
+                                           issuer, util_tokens)
             finally:
                 for e in envoys.values():
                     e.stop()
@@ -93,6 +111,9 @@ def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict
             "tenant": "bench", "max_requests": 2_000_000}
     res: dict[str, list[dict]] = {k: [] for k in (*rls_ports, *http_ports)}
     before = degraded_counts(agent)
+    warm = {}
+    if "envoy_rlqs" in http_ports:  # every principal's bucket once (its first request is denied: no assignment yet)
+        warm = _warm(base, http_ports["envoy_rlqs"], tokens, ctx.principals)
     for t in range(ctx.trials):
         for name, port in rls_ports.items():
             pids = {"agent": agent.proc.pid} if name == "agent" else {}
@@ -104,6 +125,7 @@ def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict
             with CpuMeter({"agent": agent.proc.pid, "upstream": up_pid}, r) as meter:
                 out = gwload({**base, "mode": "http", "port": port, "tokens_file": str(tokens), "sources": SOURCES})
             out["cpu_us_per_request"] = meter.per(out["sent"])
+            out["agent_cpu_us_per_admitted"] = meter.per(out["ok"]).get("agent")
             res[name].append(out)
     r.close()
     degraded = delta(degraded_counts(agent), before)
@@ -118,7 +140,7 @@ def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict
                                          for k, v in res.items()},
              "agent_cpu_us_per_rls_call": [x["cpu_us_per_call"] for x in res["agent"]],
              "cpu_us_per_envoy_request": {k: [x["cpu_us_per_request"] for x in res[k]] for k in http_ports},
-             "agent_degraded": degraded}
+             "agent_degraded": degraded, "rlqs_warmup": warm}
     return [
         Row("8", f"RLS ShouldRateLimit via gRPC, {CONNS} in flight: throughput", med("agent", "rps"), "calls/s",
             med("bare", "rps"), "bare grpcio constant OK", extra=extra),
@@ -132,4 +154,56 @@ def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict
             med("envoy_off", "p50_ms"), "Envoy, filter off"),
         Row("8", f"through Envoy + rate limit filter, {CONNS} conns: p99 latency", med("envoy_rls", "p99_ms"), "ms",
             med("envoy_off", "p99_ms"), "Envoy, filter off"),
+        Row("8", f"through Envoy + rate limit quota filter (RLQS), {CONNS} conns: throughput",
+            med("envoy_rlqs", "rps"), "req/s", med("envoy_rlqs_off", "rps"), "Envoy, limit filters off",
+            goal=Goal(">=", 0.90),
+            extra={"agent_cpu_us_per_admitted": {k: [x["agent_cpu_us_per_admitted"] for x in res[k]]
+                                                 for k in ("envoy_rls", "envoy_rlqs")}}),
+        Row("8", f"through Envoy + RLQS, {CONNS} conns: p50 latency", med("envoy_rlqs", "p50_ms"), "ms",
+            med("envoy_rlqs_off", "p50_ms"), "Envoy, limit filters off"),
+        Row("8", "agent CPU per admitted request: RLQS", med("envoy_rlqs", "agent_cpu_us_per_admitted"), "us",
+            med("envoy_rls", "agent_cpu_us_per_admitted"), "RLS"),
     ]
+
+
+def _warm(base: dict, port: int, tokens, principals: int) -> dict:
+    """Envoy's RLQS buckets of the run's principals, made before the trials: a pass over them, then
+    long enough for Envoy's next usage report (every 5 s) to size their assignments."""
+    cfg = {**base, "mode": "http", "port": port, "tokens_file": str(tokens), "sources": SOURCES, "warmup_s": 0.0,
+           "duration_s": WARM_S}
+    try:
+        out = gwload(cfg)
+    except RuntimeError as e:  # no OK answer in the warm-up: the trials will show it
+        return {"error": str(e)[:500]}
+    return {"statuses": out["statuses"], "requests": out["requests"], "principals": principals}
+
+
+def _utilisation(ctx: Ctx, agent, ports: dict[str, int], issuer: DevIssuer, tokens) -> list[Row]:
+    """One user per Envoy (a fresh bucket: 20 tokens, then 2/s), asked by UTIL_CONNS connections for
+    UTIL_S seconds: admitted / (20 + 2 x the measured span)."""
+    util: dict[str, float] = {}
+    extra: dict[str, dict] = {}
+    for name, port in ports.items():
+        tokens.write_text(f"Bearer {issuer.token(f'U-util-{name}', 'bench')}\n")
+        out = gwload({"mode": "http", "port": port, "conns": UTIL_CONNS, "duration_s": UTIL_S, "warmup_s": 0.0,
+                      "principals": 1, "tokens_file": str(tokens), "sources": SOURCES[:UTIL_CONNS],
+                      "max_requests": 2_000_000})
+        limit = 20 + 2 * out["elapsed_s"]
+        util[name] = out["ok"] / limit
+        extra[name] = {"admitted": out["ok"], "limit": limit, "statuses": out["statuses"]}
+    stranded = _metric(agent, "leasehold_agent_rlqs_stranded_tokens_total")
+    assigned = _metric(agent, "leasehold_agent_rlqs_assigned_tokens_total")
+    return [Row("8", f"utilisation of one user's limit, demand far above it ({UTIL_S:.0f} s): RLQS",
+                util["envoy_rlqs"], "of limit", None, "", goal=Goal(">=", 0.95),
+                extra={**extra, "rls_utilisation": util["envoy_rls"], "rlqs_assigned_tokens": assigned,
+                       "rlqs_stranded_tokens": stranded})]
+
+
+def _metric(svc, name: str) -> float:
+    import httpx
+
+    total = 0.0
+    for line in httpx.get(svc.url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rpartition(" ")[2])
+    return total
