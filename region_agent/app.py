@@ -159,6 +159,14 @@ async def leases_view(agent: NamedDependency[AgentState]) -> Response:
                      "pendingReports": len(st.leases.pending_reports), "balances": st.leases.view()})
 
 
+@get("/v1/rlqs", summary="Quota assignments this agent holds out to Envoys (RLQS), per bucket")
+async def rlqs_view(agent: NamedDependency[AgentState]) -> Response:
+    service = agent.gateways.rlqs if agent.gateways is not None else None
+    if service is None:
+        return Response({"region": agent.settings.region, "serving": False, "streams": [], "buckets": []})
+    return Response({"region": agent.settings.region, "serving": True, **service.view()})
+
+
 @get("/healthz", summary="Liveness")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
@@ -338,8 +346,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             tracing.shutdown()
 
     app = Litestar(
-        route_handlers=[admit, admit_batch, release, renew, policy, leases_view, healthz, readyz, store_health_view,
-                        metrics, authz],
+        route_handlers=[admit, admit_batch, release, renew, policy, leases_view, rlqs_view, healthz, readyz,
+                        store_health_view, metrics, authz],
         guards=[agent_guard],
         dependencies=_dependencies(state),
         middleware=([admit_fast_path(lambda: state, MAX_BODY_BYTES, decide_batch, MAX_BATCH_BODY_BYTES)]

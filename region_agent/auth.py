@@ -1,7 +1,7 @@
 """Who may call the agent.
 
 * Gateways — ``/v1/admit``, ``/v1/admit/batch``, ``/v1/release``, ``/v1/renew`` — with their own bearer tokens.
-* Operators — ``/v1/leases``, ``/v1/policy`` — with an operator token (a gateway token is not one).
+* Operators — ``/v1/leases``, ``/v1/policy``, ``/v1/rlqs`` — with an operator token (a gateway token is not one).
 * Probes and metrics — ``/healthz``, ``/readyz``, ``/metrics`` — and the OpenAPI schema are open;
   they carry no secrets, keys or tenant data.
 
@@ -18,7 +18,7 @@ from kernel.auth import SCOPE_KEY, TokenTable, authenticate
 from .settings import AgentSettings
 
 GATEWAY_PATHS = frozenset({"/v1/admit", "/v1/admit/batch", "/v1/release", "/v1/renew"})
-OPERATOR_PATHS = frozenset({"/v1/leases", "/v1/policy"})
+OPERATOR_PATHS = frozenset({"/v1/leases", "/v1/policy", "/v1/rlqs"})
 
 
 class AgentAuth:

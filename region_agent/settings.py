@@ -172,7 +172,7 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     gateway_tokens_file: Annotated[str | None, Help(
         "the same entries, one per line", kind="file")] = None
     operator_tokens: Annotated[list[str], Help(
-        "operators allowed on /v1/leases and /v1/policy: <name>:<sha256 hex> entries",
+        "operators allowed on /v1/leases, /v1/policy and /v1/rlqs: <name>:<sha256 hex> entries",
         metavar="NAME:SHA256[,...]")] = []
     operator_tokens_file: Annotated[str | None, Help("the same entries, one per line", kind="file")] = None
     auth_disabled: Annotated[bool, Help(

@@ -28,6 +28,7 @@ from .conftest import PEPPER, make_settings, northstar, write_bundle
 pytestmark = pytest.mark.integration
 
 TOKEN = "gw-token-0123456789abcdef"
+OPS = "ops-token-0123456789abcdef"
 META = (("authorization", f"Bearer {TOKEN}"),)
 KEYS = KeyBuilder(PEPPER)
 
@@ -80,7 +81,8 @@ def is_deny(action) -> bool:
 async def rig(redis_url: str, policy_file: Path) -> AsyncIterator[tuple[AsyncTestClient, grpc.aio.Channel, str]]:
     port = free_port()
     settings = make_settings(redis_url, policy_file, auth_disabled=False, rls_port=port, rlqs_max_ttl_s=10,
-                             gateway_tokens=["edge:" + hashlib.sha256(TOKEN.encode()).hexdigest()])
+                             gateway_tokens=["edge:" + hashlib.sha256(TOKEN.encode()).hexdigest()],
+                             operator_tokens=["ops:" + hashlib.sha256(OPS.encode()).hexdigest()])
     app = create_app(settings, pepper=PEPPER)
     async with AsyncTestClient(app=app) as client:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -145,6 +147,23 @@ async def freeze_user_bucket(redis_url: str, user: str, tokens: int) -> None:
         await r.pexpire(key, 600_000)
     finally:
         await r.aclose()
+
+
+async def test_operators_see_the_assignments_per_bucket(rig):
+    client, ch, _ = rig
+    e, pump = await open_stream(ch)
+    try:
+        await e.report(b=(user_bucket("U-7"), 0, 1))
+        _, tb = await e.next_actions(2)
+        assert (await client.get("/v1/rlqs", headers={"authorization": f"Bearer {TOKEN}"})).status_code in (401, 403)
+        view = (await client.get("/v1/rlqs", headers={"authorization": f"Bearer {OPS}"})).json()
+        assert view["serving"] is True and len(view["streams"]) == 1
+        (bucket,) = [b for b in view["buckets"] if b["bucket"] == user_bucket("U-7")]
+        (held,) = bucket["envoys"]
+        assert held["live"] and held["tokens"] == tokens_of(tb) == held["funded"] and held["refused"] is None
+    finally:
+        e.call.cancel()
+        pump.cancel()
 
 
 async def test_two_envoys_of_one_bucket_never_hold_more_than_its_rules_held(rig):
