@@ -584,7 +584,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     # -o json: the live view goes to stderr and the run's totals are one JSON document on stdout
-    return run_demo(_spec(args), duration_s=args.duration, rate=args.rate, summary=out(args).json)
+    return run_demo(_spec(args), duration_s=args.duration, rate=args.rate, summary=out(args).json,
+                    gateway=args.gateway)
 
 
 def _spec(args: argparse.Namespace) -> TopologySpec:
@@ -676,6 +677,10 @@ def build_parser() -> argparse.ArgumentParser:
     _topo_opts(sp)
     sp.add_argument("--duration", type=float, default=600.0, help="stop by itself after this many seconds")
     sp.add_argument("--rate", type=float, default=200.0, help="demo requests per second, all regions")
+    sp.add_argument("--gateway", choices=("rls", "rlqs"), default="rls",
+                    help="the Envoys' limit filter: rls (deploy/gateways/envoy-rls.yaml, a call per request) or "
+                         "rlqs (envoy-rlqs.yaml: Envoy decides locally from quota the agent assigns; the live "
+                         "view shows the assignments per bucket)")
 
     # -- decisions and leases
     sp = _command(sub, "admit", "send one admission request and print the decision and HTTP mapping", cmd_admit)

@@ -1,5 +1,7 @@
 """``make run``: start the local topology with an Envoy in front of each region (Envoy's rate
-limit filter asking the region's agent over RLS gRPC, ``deploy/gateways/envoy-rls.yaml``) and a
+limit filter asking the region's agent over RLS gRPC, ``deploy/gateways/envoy-rls.yaml``; with
+``--gateway rlqs`` the rate limit quota filter of ``deploy/gateways/envoy-rlqs.yaml``, Envoy deciding
+locally from quota the agent assigns, shown per bucket in the live view) and a
 demo upstream behind them, drive Northstar demo traffic *through Envoy* as plain HTTP requests,
 and show a live view until Ctrl-C (or ``duration``), then stop everything.
 
@@ -220,7 +222,41 @@ async def _allocator_view(client: httpx.AsyncClient, urls: list[str]) -> tuple[s
     return "allocator unreachable", []
 
 
-def _render(driver: Driver, prev: dict, dt: float, alloc_line: str, pools: list[dict], elapsed: float) -> Group:
+async def _rlqs_view(client: httpx.AsyncClient, topo: LocalTopology) -> list[tuple[str, dict]]:
+    """(region, bucket) of every agent's quota assignments (``GET /v1/rlqs``, an operator's view)."""
+    out: list[tuple[str, dict]] = []
+    for region, urls in topo.agent_urls.items():
+        for url in urls:
+            try:
+                view = (await client.get(url + "/v1/rlqs", headers=topo.operator_headers())).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            out.extend((region, b) for b in view.get("buckets", []))
+    return out
+
+
+def _rlqs_table(buckets: list[tuple[str, dict]], top: int = 10) -> Table:
+    t = Table(title="RLQS — quota assignments per bucket (Envoy decides locally; GET /v1/rlqs)", expand=True)
+    t.add_column("region", no_wrap=True)
+    t.add_column("bucket (tenant/user/key/route)", min_width=24, ratio=3)
+    for col in ("Envoys", "held", "left", "demand/s", "funded", "stranded", "refused"):
+        t.add_column(col, no_wrap=True)
+    rows = []
+    for region, b in buckets:
+        envoys = b.get("envoys", [])
+        rows.append((sum(e.get("demandPerS", 0) for e in envoys), region, b, envoys))
+    for demand, region, b, envoys in sorted(rows, key=lambda x: -x[0])[:top]:
+        key = b.get("bucket", {})
+        name = "/".join(str(key[k]) for k in ("tenant", "user", "api_key", "route_group") if k in key) or str(key)
+        t.add_row(region, name, str(len(envoys)), str(sum(e["tokens"] for e in envoys if e.get("live"))),
+                  f"{sum(e.get('left', 0) for e in envoys):.0f}", f"{demand:.1f}",
+                  str(sum(e.get("funded", 0) for e in envoys)), str(sum(e.get("stranded", 0) for e in envoys)),
+                  b.get("refused") or "-")
+    return t
+
+
+def _render(driver: Driver, prev: dict, dt: float, alloc_line: str, pools: list[dict], elapsed: float,
+            extra: tuple = ()) -> Group:
     t = Table(title=f"Leasehold demo — {elapsed:5.0f}s — clients through Envoy, per region, per second", expand=True)
     for col in ("region", "admitted/s", "denied/s", "503/s", "fallback/s", "exports in flight", "errors"):
         t.add_column(col, no_wrap=True)
@@ -239,17 +275,17 @@ def _render(driver: Driver, prev: dict, dt: float, alloc_line: str, pools: list[
         w = v.get("window", {})
         pt.add_row(str(v.get("pool")), str(w.get("index")), str(v.get("limit")), str(v.get("remaining")),
                    regions or "-", str(v.get("leasesOutstanding")))
-    return Group(t, pt)
+    return Group(t, pt, *extra)
 
 
-async def _main(spec: TopologySpec, duration_s: float, rate: float, summary: bool = False) -> int:
+async def _main(spec: TopologySpec, duration_s: float, rate: float, summary: bool = False, gateway: str = "rls") -> int:
     console = Console(stderr=summary)  # -o json: the live view on stderr, the summary alone on stdout
     console.print("[bold]Starting the local topology[/bold] (etcd, allocators, Redis and an agent per region, "
                   "an Envoy in front of each region, a demo upstream)…")
     spec.rls = True
     topo = await asyncio.to_thread(LocalTopology(spec).start)
     try:
-        edge = await asyncio.to_thread(start_edge, topo)
+        edge = await asyncio.to_thread(start_edge, topo, gateway)
     except BaseException:
         await asyncio.to_thread(topo.stop)
         raise
@@ -272,7 +308,8 @@ async def _main(spec: TopologySpec, duration_s: float, rate: float, summary: boo
                     now = time.monotonic()
                     alloc_line, pools = await _allocator_view(client, topo.allocator_urls)
                     await driver.scrape()
-                    view = _render(driver, prev, max(now - last, 1e-3), alloc_line, pools, now - started)
+                    extra = (_rlqs_table(await _rlqs_view(client, topo)),) if gateway == "rlqs" else ()
+                    view = _render(driver, prev, max(now - last, 1e-3), alloc_line, pools, now - started, extra)
                     prev = {r: s.snapshot() for r, s in driver.stats.items()}
                     last = now
                     if interactive:
@@ -309,8 +346,13 @@ class Edge:
         self.upstream.stop()
 
 
-def start_edge(topo: LocalTopology) -> Edge:
+GATEWAY_CONFIGS = {"rls": "envoy-rls.yaml", "rlqs": "envoy-rlqs.yaml"}
+
+
+def start_edge(topo: LocalTopology, gateway: str = "rls") -> Edge:
+    """``gateway``: which shipped Envoy configuration (GATEWAY_CONFIGS) the Envoys run."""
     run = topo.spec.run_dir
+    template = GATEWAY_CONFIGS[gateway]
     issuer = DevIssuer()  # the demo's identity provider: Envoy verifies its tokens (jwt_authn)
     jwks = issuer.write_jwks(run / "jwks.json")
     up, up_port = upstream(run / "upstream")
@@ -318,7 +360,8 @@ def start_edge(topo: LocalTopology) -> Edge:
     try:
         for region, ports in topo.rls_ports.items():
             port, admin = free_port(), free_port()
-            cfg = render("envoy-rls.yaml", ENVOY_LISTEN_HOST=LOOPBACK, ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin,
+            cfg = render(template, ENVOY_LISTEN_HOST=LOOPBACK, ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin,
+                         ENVOY_ACCESS_LOG=run / f"envoy-{region}" / "access.log",
                          AGENT_HOST=LOOPBACK, AGENT_RLS_PORT=ports[0], UPSTREAM_HOST=LOOPBACK, UPSTREAM_PORT=up_port,
                          GATEWAY_TOKEN=topo.secrets.gateway if topo.secrets else "auth-disabled",
                          **issuer.values(jwks))
@@ -340,13 +383,15 @@ class _NoLive:
         pass
 
 
-def run_demo(spec: TopologySpec, duration_s: float = 600.0, rate: float = 200.0, summary: bool = False) -> int:
+def run_demo(spec: TopologySpec, duration_s: float = 600.0, rate: float = 200.0, summary: bool = False,
+             gateway: str = "rls") -> int:
     """``summary``: print the run's totals as one JSON document on stdout at the end
-    (``leasehold demo -o json``; the live view then goes to stderr)."""
+    (``leasehold demo -o json``; the live view then goes to stderr). ``gateway``: ``rls`` or
+    ``rlqs`` (the Envoys' shipped configuration, :data:`GATEWAY_CONFIGS`)."""
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(_main(spec, duration_s, rate, summary))
+    return asyncio.run(_main(spec, duration_s, rate, summary, gateway))
