@@ -51,7 +51,12 @@ def setup(service: str, endpoint: str | None, sample_ratio: float = 1.0, *, expo
                                                         "leasehold.commit": commit}),
                               sampler=ParentBased(TraceIdRatioBased(sample_ratio)))
     if exporter is None:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError as e:  # xds-protos ships an older copy of opentelemetry/proto/*
+            raise ImportError(f"the OTLP exporter cannot be imported ({e}): if xds-protos was installed after "
+                              "opentelemetry-proto, it replaced that package's files; run pip install --no-deps "
+                              "--force-reinstall opentelemetry-proto (make setup does)") from e
 
         insecure = endpoint.startswith("http://") if endpoint else True
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=insecure),
