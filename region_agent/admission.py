@@ -62,7 +62,7 @@ def pre_checks(st: Any, reqs: list[AdmitRequest]) -> list[tuple[AdmitRequest, De
         from .policy_watch import revoked_decision
         out = [(r, revoked_decision(bundle, r, st.metrics)) for r in reqs]
     if st.key_cap is not None:
-        out = [(r, d if d is not None else st.key_cap.check(bundle, r)) for r, d in out]
+        out = [(r, d if d is not None else st.key_cap.check(bundle, r, st.metrics)) for r, d in out]
     return out
 
 
