@@ -738,7 +738,7 @@ def fault_free_utilisation(windows: Iterable[Utilisation], floor: float = UTILIS
     for u in windows:
         if not u.judged:
             continue
-        need = math.ceil(floor * u.limit - 1e-9)
+        need = math.ceil(round(floor * u.limit, 6))  # 0.97 x 100 is 97, not 97.00000000000001
         if u.admitted < need:
             out.append(Violation("fault_free_utilisation",
                                  f"pool {u.pool} window {u.window_index}: admitted {u.admitted} of G {u.limit} "
