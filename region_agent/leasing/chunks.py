@@ -12,11 +12,13 @@ requests of at least that cost until ``deny_until_ms``; cheaper requests are not
 
 Sizing. What a chunk holds when its validity ends is lost to everyone: it was debited from the
 regional balance (so its lease reports it spent) and is never refunded. A chunk is therefore sized
-by what its holder is asked, not by the pool's ``chunkMax``: :data:`SPEND_SHARE` of the tokens
-requests asked of this pool at this agent over the last ``chunkValidityMs``
-(:class:`RecentDemand`, net of tokens given back), at least what the requests waiting for the
-renewal need, within [cost, ``chunkMax``]. At steady demand a chunk is spent in a quarter of its
-validity; demand may fall to a quarter meanwhile before any token expires unspent. The renewal
+by what its holder is asked, not by the pool's ``chunkMax``: the tokens requests asked of this
+pool at this agent over the last :data:`SPEND_SHARE` of ``chunkValidityMs``, or that share of what
+they asked over the whole validity if more (:class:`RecentDemand`, net of tokens given back), at
+least what the requests waiting for the renewal need, within [cost, ``chunkMax``]. At steady demand
+a chunk is spent in a quarter of its validity, so demand may fall to a quarter meanwhile before
+any token expires unspent; the short horizon lets a burst after a quiet spell grow the chunk within
+a renewal or two (each renewal is one store call). The renewal
 also tells ``pool_take.lua`` the rate (:func:`tokens_per_s`) so that a chunk taken from a lease
 ending sooner than the validity holds no more than that lease's remaining life can spend.
 (A fixed chunk of ``chunkMax`` valid 1 s at an agent asked 6 tokens/s expired half full, and the
@@ -62,11 +64,13 @@ class RecentDemand:
         return self.current + self.previous * covered
 
 
-def chunk_size(asked: float, waiting: int, cost: int, chunk_max: int) -> int:
-    """Tokens a renewal asks for: :data:`SPEND_SHARE` of ``asked`` (tokens asked over one
-    validity), at least ``waiting`` (the requests waiting for this renewal), within
-    [``cost``, max(``cost``, ``chunk_max``)]."""
-    return max(cost, min(chunk_max, max(waiting, math.ceil(asked * SPEND_SHARE - 1e-9))))
+def chunk_size(asked: float, recent: float, waiting: int, cost: int, chunk_max: int) -> int:
+    """Tokens a renewal asks for: ``recent`` (tokens asked over the last :data:`SPEND_SHARE` of a
+    validity) or :data:`SPEND_SHARE` of ``asked`` (over the whole validity), whichever is more, at
+    least ``waiting`` (the requests waiting for this renewal), within [``cost``, max(``cost``,
+    ``chunk_max``)]."""
+    need = max(float(waiting), recent, asked * SPEND_SHARE)
+    return max(cost, min(chunk_max, math.ceil(need - 1e-9)))
 
 
 def tokens_per_s(want: int, validity_ms: int) -> int:
@@ -103,16 +107,20 @@ class ChunkLease:
     deny_min_cost: int = 1  # the local denial applies to requests of at least this cost
     generation: int = 0  # bumps on every grant: a part's identity for give-backs
     fallback: bool = False  # the last renewal was from (or denied by) the pool's fallback allowance
-    demand: RecentDemand = field(default_factory=RecentDemand)  # tokens asked of the pool at this agent
+    demand: RecentDemand = field(default_factory=RecentDemand)  # tokens asked over one validity
+    recent: RecentDemand = field(default_factory=RecentDemand)  # ... over SPEND_SHARE of it
     waiting: int = 0  # tokens of the requests waiting for a renewal now
 
     def ask(self, cost: int, now_ms: float, validity_ms: int) -> None:
-        """A request asks ``cost`` tokens of the pool (counted once per request)."""
+        """A request asks ``cost`` tokens of the pool (counted once per request); negative: a
+        reservation given back (its request was not admitted)."""
         self.demand.note(cost, now_ms, validity_ms)
+        self.recent.note(cost, now_ms, validity_ms * SPEND_SHARE)
 
     def want(self, cost: int, chunk_max: int, now_ms: float, validity_ms: int) -> int:
         """The size of the next chunk (:func:`chunk_size`)."""
-        return chunk_size(self.demand.over_span(now_ms, validity_ms), self.waiting, cost, chunk_max)
+        return chunk_size(self.demand.over_span(now_ms, validity_ms),
+                          self.recent.over_span(now_ms, validity_ms * SPEND_SHARE), self.waiting, cost, chunk_max)
 
     def _valid(self, now_ms: float) -> list[Part]:
         self.parts = [p for p in self.parts if now_ms < p.expires_at_ms]  # expired: abandoned
@@ -134,7 +142,7 @@ class ChunkLease:
     def give_back(self, cost: int, generation: int, now_ms: float, validity_ms: int) -> bool:
         """A reservation whose request was not admitted: not demand the chunk paid for; its tokens
         return to the part they came from while it is valid (never to another part)."""
-        self.demand.note(-cost, now_ms, validity_ms)
+        self.ask(-cost, now_ms, validity_ms)
         for p in self._valid(now_ms):
             if p.generation == generation:
                 p.tokens += cost

@@ -78,12 +78,21 @@ def test_recent_demand_counts_the_last_span():
 
 
 def test_chunk_size_follows_demand_within_bounds():
-    assert chunk_size(0, 0, 1, 40) == 1  # nothing asked yet: one request's cost
-    assert chunk_size(25, 0, 1, 40) == 7  # a quarter of what one validity was asked, rounded up
-    assert chunk_size(1_000, 0, 1, 40) == 40  # never above chunkMax
-    assert chunk_size(4, 12, 1, 40) == 12  # at least what the waiting requests need
-    assert chunk_size(4, 0, 60, 40) == 60  # a request dearer than chunkMax buys its cost
+    assert chunk_size(0, 0, 0, 1, 40) == 1  # nothing asked yet: one request's cost
+    assert chunk_size(25, 6, 0, 1, 40) == 7  # a quarter of what one validity was asked, rounded up
+    assert chunk_size(25, 12.5, 0, 1, 40) == 13  # a burst in the last quarter: all of it
+    assert chunk_size(1_000, 250, 0, 1, 40) == 40  # never above chunkMax
+    assert chunk_size(4, 1, 12, 1, 40) == 12  # at least what the waiting requests need
+    assert chunk_size(4, 1, 0, 60, 40) == 60  # a request dearer than chunkMax buys its cost
     assert tokens_per_s(7, 1_000) == 7 and tokens_per_s(7, 250) == 28
+
+
+def test_a_burst_after_a_quiet_spell_grows_the_chunk_at_once():
+    lease = ChunkLease()
+    for i in range(10):  # ten requests within 5 ms, after nothing
+        lease.ask(1, 50_000 + i * 0.5, 250)
+    assert lease.want(1, 2_000, 50_005, 250) == 10
+    assert lease.want(1, 2_000, 50_005 + 250, 250) <= 3  # a validity later: a quarter of it at most
 
 
 @given(rate=st.integers(1, 400), drop=st.floats(1.0, 1 / SPEND_SHARE))
