@@ -148,15 +148,19 @@ class Report(Struct):
 
 
 def render_utilisation(util: Iterable[Utilisation]) -> list[str]:
-    """Per pool, admitted / G of every window whose demand exceeded G, in window order; a window
-    something touched (reported, not judged) is marked ``*``."""
+    """Per pool, admitted / G of every window whose demand exceeded G, in window order (as the bound
+    check attributed them); a window something touched (reported, not judged) is marked ``*``. The
+    lowest judged value is given as attributed and *at most* (counting in each window the answers
+    that may lie in a neighbouring one: what the check judges)."""
     by_pool: dict[str, list[Utilisation]] = defaultdict(list)
     for u in util:
         by_pool[u.pool].append(u)
     lines = []
     for pool, us in sorted(by_pool.items()):
-        judged = [u.ratio for u in us if u.judged]
-        low = f"lowest judged {min(judged):.2f}" if judged else "none judged"
+        judged = [u for u in us if u.judged]
+        low = "none judged" if not judged else (
+            f"lowest judged {min(u.ratio for u in judged):.2f} as attributed, "
+            f"{min(u.ratio_max for u in judged):.2f} at most")
         lines.append(f"  utilisation of {pool} (windows with demand > G; * touched, not judged; {low}): "
                      + " ".join(f"{u.ratio:.2f}{'*' if u.touched else ''}"
                                 for u in sorted(us, key=lambda u: u.window_index)))

@@ -108,7 +108,8 @@ def write_report(result: RunResult) -> Path:
                       "overshoot": w.overshoot, "excess": w.excess, "fallbackAllowance": w.fallback_allowance,
                       "localAllowance": w.local_allowance} for p, w in rep.worst.items()},
         "utilisation": [{"pool": u.pool, "window": u.window_index, "admitted": u.admitted, "demand": u.demand,
-                         "limit": u.limit, "ratio": round(u.ratio, 3), "touched": u.touched, "judged": u.judged}
+                         "limit": u.limit, "ratio": round(u.ratio, 3), "admittedMax": u.most,
+                         "ratioMax": round(u.ratio_max, 3), "touched": u.touched, "judged": u.judged}
                         for u in rep.utilisation],
         "counts": rep.counts, "toleranceMs": rep.tolerance_ms, "stats": result.stats,
     }

@@ -110,6 +110,7 @@ class ChunkLease:
     demand: RecentDemand = field(default_factory=RecentDemand)  # tokens asked over one validity
     recent: RecentDemand = field(default_factory=RecentDemand)  # ... over SPEND_SHARE of it
     waiting: int = 0  # tokens of the requests waiting for a renewal now
+    abandoned: int = 0  # tokens of parts dropped unspent (expired, or beyond MAX_PARTS) not yet counted
 
     def ask(self, cost: int, now_ms: float, validity_ms: int) -> None:
         """A request asks ``cost`` tokens of the pool (counted once per request); negative: a
@@ -123,8 +124,15 @@ class ChunkLease:
                           self.recent.over_span(now_ms, validity_ms * SPEND_SHARE), self.waiting, cost, chunk_max)
 
     def _valid(self, now_ms: float) -> list[Part]:
-        self.parts = [p for p in self.parts if now_ms < p.expires_at_ms]  # expired: abandoned
-        return self.parts
+        parts = self.parts  # in expiry order
+        while parts and parts[0].expires_at_ms <= now_ms:
+            self.abandoned += parts.pop(0).tokens  # expired unspent
+        return parts
+
+    def take_abandoned(self) -> int:
+        """Tokens abandoned since the last call (for the ``chunk_abandoned`` metric)."""
+        n, self.abandoned = self.abandoned, 0
+        return n
 
     def usable(self, now_ms: float) -> int:
         """Tokens requests can take right now."""
@@ -160,6 +168,7 @@ class ChunkLease:
         kept = [p for p in self._valid(now_ms) if p.tokens > 0]
         kept.append(Part(self.generation, tokens, now_ms + validity_ms, fallback))
         kept.sort(key=lambda p: p.expires_at_ms)
+        self.abandoned += sum(p.tokens for p in kept[:-MAX_PARTS])
         self.parts = kept[-MAX_PARTS:]
         self.deny_until_ms = 0.0
         self.deny_min_cost = 1

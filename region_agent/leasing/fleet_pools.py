@@ -258,6 +258,9 @@ class FleetPools:
             return outcome
         finally:
             self.metrics.pool_renewals.labels(pool.id, outcome).inc()
+            wasted = lease.take_abandoned()  # what the chunk held when its parts expired (counted here:
+            if wasted:  # a renewal follows a chunk's end, and the request path stays free of it)
+                self.metrics.chunk_abandoned.labels(pool.id).inc(wasted)
 
     async def _renew_from_fallback(self, spend: GlobalSpend, lease: ChunkLease, gkey: str) -> Renewal:
         """Allocator unreachable and the regional balance empty: a chunk of one request's cost

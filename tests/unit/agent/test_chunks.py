@@ -106,3 +106,14 @@ def test_a_steady_chunk_is_spent_before_it_expires_even_if_demand_drops(rate: in
     now = 10_000 + 2_000
     size = lease.want(1, 10_000, now, span)
     assert size <= max(1, rate / drop * span / 1_000 + 1)
+
+
+def test_tokens_a_chunk_held_at_its_end_are_counted_abandoned():
+    lease = ChunkLease()
+    lease.grant(5, now_ms=0, validity_ms=100)
+    lease.try_take(2, 10)
+    assert lease.take_abandoned() == 0
+    assert lease.usable(100) == 0 and lease.take_abandoned() == 3 and lease.take_abandoned() == 0
+    for i in range(MAX_PARTS + 1):  # one part too many: the earliest-expiring is abandoned
+        lease.grant(2, now_ms=200 + i, validity_ms=100)
+    assert lease.take_abandoned() == 2

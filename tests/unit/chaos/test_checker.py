@@ -402,3 +402,18 @@ def test_a_window_whose_policy_changed_is_reported_not_judged():
     report = check(util_history(window_load(K, 60, 100), halved), [POOL])
     (u,) = report.utilisation
     assert u.touched == "policy change" and report.verdict("fault_free_utilisation").ok
+
+
+def test_an_admission_between_two_windows_counts_for_either_when_judged():
+    """An answer received after a boundary its request was sent before may have been admitted in
+    either window: the check counts it in both (a shortfall it reports is certain)."""
+    late = [msgspec.structs.replace(d, sent_at_ms=(K + 1) * W - 20, recorded_at_ms=(K + 1) * W + 30)
+            for d in window_load(K, 3, 0)]
+    mid = window_load(K, 95, 60) + late
+    report = check(util_history(mid), [POOL])
+    assert report.verdict("fault_free_utilisation").ok, report.render()
+    (u,) = [u for u in report.utilisation if u.window_index == K]
+    assert u.most == 98 and u.admitted <= 98
+    short = check(util_history(window_load(K, 93, 60) + late), [POOL])
+    (v,) = short.verdict("fault_free_utilisation").violations
+    assert (v.observed, v.bound, v.window_index) == (96, 97, K)  # 93 certain + 3 that may lie in K: still short
