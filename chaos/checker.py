@@ -30,8 +30,9 @@ Which records feed which check:
   (decisions admitted or denied by the pool's own rule: :class:`chaos.invariants.Utilisation`).
   A window whose demand exceeded G must reach :data:`chaos.invariants.UTILISATION_FLOOR` unless
   something touched it — a fault (from its start to its stop plus its grace, at least
-  :data:`UTILISATION_GRACE_MS`), a policy change, or the edge of the run's load (a window the load
-  did not cover from start to end): those are reported, marked, and not judged.
+  :data:`UTILISATION_GRACE_MS`), a failure no fault names (a leader change, a fallback decision),
+  a policy change, or the edge of the run's load (a window the load did not cover from start to
+  end): those are reported, marked, and not judged.
 """
 
 from __future__ import annotations
@@ -167,14 +168,37 @@ def render_utilisation(util: Iterable[Utilisation]) -> list[str]:
     return lines
 
 
+def failure_spans(leaders: Iterable[Leader], decisions: Iterable[DecisionRec]) -> list[tuple[int, int, str]]:
+    """Failures no fault record names, on the recorder clock: a leader change (a new epoch of a
+    shard, :data:`UTILISATION_GRACE_MS` either side of when it was observed), and a decision from a
+    fallback or local allowance (the allocator or Redis could not be reached: from its send to its
+    answer plus the grace). E.g. etcd taking seconds to settle after an isolated member rejoins
+    outlasts the fault's recorded grace; the bound check judges those windows regardless."""
+    out: list[tuple[int, int, str]] = []
+    seen: dict[int, int] = {}
+    for r in sorted(leaders, key=lambda r: r.observed_at_ms):
+        if r.shard in seen and seen[r.shard] != r.epoch:
+            out.append((r.observed_at_ms - UTILISATION_GRACE_MS, r.observed_at_ms + UTILISATION_GRACE_MS,
+                        f"leader change (epoch {r.epoch})"))
+        seen[r.shard] = r.epoch
+    for d in decisions:
+        if d.fallback or d.local:
+            sent = d.sent_at_ms if d.sent_at_ms is not None else d.recorded_at_ms
+            out.append((sent, d.recorded_at_ms + UTILISATION_GRACE_MS, "a fallback decision"))
+    return out
+
+
 def touched_windows(faults: Iterable[Fault], window_ms: dict[str, int], offsets_ms: tuple[int, int],
-                    load_ms: tuple[int, int], end_ms: int):  # type: ignore[no-untyped-def]
+                    load_ms: tuple[int, int], end_ms: int,
+                    failures: Iterable[tuple[int, int, str]] = ()):  # type: ignore[no-untyped-def]
     """``(pool, index) -> str``: what touched that allocator-clock window for the utilisation
     check — a fault (start to stop plus max(grace, :data:`UTILISATION_GRACE_MS`); to the end of the
-    history while still active), or the edge of the load (``load_ms``: the first send and the
-    last answer, recorder clock); empty when nothing did."""
+    history while still active), a failure no fault names (``failures``: :func:`failure_spans`), or
+    the edge of the load (``load_ms``: the first send and the last answer, recorder clock); empty
+    when nothing did."""
     spans = [(f.start_ms + offsets_ms[0], (f.stop_ms if f.stop_ms is not None else end_ms)
               + max(f.grace_ms, UTILISATION_GRACE_MS) + offsets_ms[1], f"{f.nemesis} on {f.target}") for f in faults]
+    spans += [(start + offsets_ms[0], stop + offsets_ms[1], name) for start, stop, name in failures]
     first, last = load_ms[0] + offsets_ms[1], load_ms[1] + offsets_ms[0]
 
     def of(pool: str, index: int) -> str:
@@ -309,7 +333,7 @@ def check(history: str | Path | Iterable[Record], pools: Bundle | Iterable[Pool 
             worst[w.pool] = w
     load_ms = (min((d.sent_at_ms if d.sent_at_ms is not None else d.recorded_at_ms for d in decisions), default=0),
                max((d.recorded_at_ms for d in decisions), default=0))
-    touched = touched_windows(faults, window_ms, offsets, load_ms, end_ms)
+    touched = touched_windows(faults, window_ms, offsets, load_ms, end_ms, failure_spans(leaders, decisions))
     util = [u for u in inv.utilisation(d_recs, policies, bound.windows, touched) if u.demand > u.limit]
     judged = [u for u in util if u.judged]
     add("fault_free_utilisation", inv.fault_free_utilisation(util), checked=bool(judged),

@@ -417,3 +417,21 @@ def test_an_admission_between_two_windows_counts_for_either_when_judged():
     short = check(util_history(window_load(K, 93, 60) + late), [POOL])
     (v,) = short.verdict("fault_free_utilisation").violations
     assert (v.observed, v.bound, v.window_index) == (96, 97, K)  # 93 certain + 3 that may lie in K: still short
+
+
+def test_failures_no_fault_names_touch_a_window_too():
+    """A leader change, or a decision from a fallback allowance, shows the allocator could not serve
+    in that window even where no fault was recorded (e.g. etcd settling for seconds after an isolated
+    member rejoins): reported, not judged."""
+    starved = window_load(K, 50, 100)
+    new_leader = [Leader(epoch=5, node="alloc-1", observed_at_ms=1_000),
+                  Leader(epoch=9, node="alloc-2", observed_at_ms=K * W + 2_000)]
+    report = check(util_history(starved, *new_leader), [POOL])
+    (u,) = report.utilisation
+    assert u.touched == "leader change (epoch 9)" and report.verdict("fault_free_utilisation").ok
+    same = [Leader(epoch=5, node="alloc-1", observed_at_ms=1_000), Leader(epoch=5, node="alloc-1",
+                                                                          observed_at_ms=K * W + 2_000)]
+    assert not check(util_history(starved, *same), [POOL]).verdict("fault_free_utilisation").ok  # no change
+    fb = msgspec.structs.replace(starved[0], fallback=True)
+    report = check(util_history([fb, *starved[1:]]), [POOL])
+    assert [u.touched for u in report.utilisation] == ["a fallback decision"]
