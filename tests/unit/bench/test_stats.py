@@ -93,6 +93,18 @@ def test_figure_6_judges_each_window_with_the_chaos_checkers_check():
     assert over[1].value == 10 and over[1].verdict == "FAIL"  # beyond G + 2 x 10
 
 
+def test_figure_6_bundle_has_a_tenant_and_a_global_scope_pool():
+    from kernel.bundle import select_rules
+    from leasehold.bench.fig_util import util_bundle
+
+    b = util_bundle(2_000)  # validated as it is built
+    assert {p.id for p in b.pools} == {"util", "util-g"}
+    search = select_rules(b.rules, tenant="g3", route_group="search", principal_type="service", has_key=False)
+    assert [(r.scope, r.pool_id) for r in search] == [("global", "util-g")]  # every tenant's search: the fleet pool
+    write = select_rules(b.rules, tenant="t0", route_group="write", principal_type="service", has_key=False)
+    assert [(r.scope, r.pool_id) for r in write] == [("tenant", "util")]
+
+
 def test_global_admit_workload_spends_the_global_pool_from_many_tenants():
     from msgspec import convert
 
