@@ -38,30 +38,41 @@ SPEND_SHARE = 0.25
 
 @dataclass(slots=True)
 class RecentDemand:
-    """Tokens asked over the last ``span_ms`` — a sliding count over two fixed buckets of
-    ``span_ms`` (the older bucket weighted by how much of it the span still covers)."""
+    """Tokens asked recently, in buckets of a quarter of ``span_ms`` (a chunk's validity): over the
+    last quarter and over the whole span, each a sliding count (the oldest bucket weighted by how
+    much of it the window still covers). Counting costs one comparison and one addition unless a
+    bucket ends."""
 
     start_ms: float = 0.0  # start of the current bucket
+    quarter_ms: float = 0.0  # bucket length: SPEND_SHARE x span
     current: int = 0
-    previous: int = 0
+    past: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # the buckets before, newest first
 
     def _roll(self, now_ms: float, span_ms: float) -> None:
-        elapsed = now_ms - self.start_ms
-        if elapsed >= span_ms:
-            buckets = int(elapsed // span_ms)
-            self.previous = self.current if buckets == 1 else 0
+        quarter = span_ms * SPEND_SHARE
+        if quarter != self.quarter_ms:  # a new span (a policy change): start over
+            self.quarter_ms, self.start_ms, self.current, self.past = quarter, now_ms, 0, [0, 0, 0, 0]
+            return
+        ended = int((now_ms - self.start_ms) // quarter)
+        if ended >= 1:
+            self.past = ([0] * (ended - 1) + [self.current] + self.past)[:4]
             self.current = 0
-            self.start_ms += buckets * span_ms
+            self.start_ms += ended * quarter
 
     def note(self, tokens: int, now_ms: float, span_ms: float) -> None:
         """``tokens`` asked (negative: given back, never below nothing asked)."""
-        self._roll(now_ms, span_ms)
-        self.current = max(0, self.current + tokens)
+        if now_ms - self.start_ms >= self.quarter_ms or self.quarter_ms != span_ms * SPEND_SHARE:
+            self._roll(now_ms, span_ms)
+        self.current += tokens
+        if self.current < 0:
+            self.current = 0
 
-    def over_span(self, now_ms: float, span_ms: float) -> float:
+    def over(self, now_ms: float, span_ms: float) -> tuple[float, float]:
+        """(tokens asked over the last quarter of the span, over the whole span)."""
         self._roll(now_ms, span_ms)
-        covered = max(0.0, 1.0 - (now_ms - self.start_ms) / span_ms)
-        return self.current + self.previous * covered
+        left = max(0.0, 1.0 - (now_ms - self.start_ms) / self.quarter_ms)  # of the oldest bucket still covered
+        p = self.past
+        return self.current + p[0] * left, self.current + p[0] + p[1] + p[2] + p[3] * left
 
 
 def chunk_size(asked: float, recent: float, waiting: int, cost: int, chunk_max: int) -> int:
@@ -108,7 +119,6 @@ class ChunkLease:
     generation: int = 0  # bumps on every grant: a part's identity for give-backs
     fallback: bool = False  # the last renewal was from (or denied by) the pool's fallback allowance
     demand: RecentDemand = field(default_factory=RecentDemand)  # tokens asked over one validity
-    recent: RecentDemand = field(default_factory=RecentDemand)  # ... over SPEND_SHARE of it
     waiting: int = 0  # tokens of the requests waiting for a renewal now
     abandoned: int = 0  # tokens of parts dropped unspent (expired, or beyond MAX_PARTS) not yet counted
 
@@ -116,12 +126,11 @@ class ChunkLease:
         """A request asks ``cost`` tokens of the pool (counted once per request); negative: a
         reservation given back (its request was not admitted)."""
         self.demand.note(cost, now_ms, validity_ms)
-        self.recent.note(cost, now_ms, validity_ms * SPEND_SHARE)
 
     def want(self, cost: int, chunk_max: int, now_ms: float, validity_ms: int) -> int:
         """The size of the next chunk (:func:`chunk_size`)."""
-        return chunk_size(self.demand.over_span(now_ms, validity_ms),
-                          self.recent.over_span(now_ms, validity_ms * SPEND_SHARE), self.waiting, cost, chunk_max)
+        recent, asked = self.demand.over(now_ms, validity_ms)
+        return chunk_size(asked, recent, self.waiting, cost, chunk_max)
 
     def _valid(self, now_ms: float) -> list[Part]:
         parts = self.parts  # in expiry order

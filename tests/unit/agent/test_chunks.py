@@ -65,16 +65,20 @@ def test_fallback_is_per_part():
     assert a is not None and b is not None and (a.fallback, b.fallback) == (True, False)
 
 
-def test_recent_demand_counts_the_last_span():
+def test_recent_demand_counts_the_last_quarter_and_the_whole_span():
     d = RecentDemand()
     span = 1_000
-    for t in range(0, 3_000, 100):  # 10 tokens/s
+    d.note(0, 10_000, span)  # the span is set (a policy's chunk validity)
+    for t in range(0, 3_000, 10):  # 100 tokens/s
         d.note(1, 10_000 + t, span)
-    assert 9 <= d.over_span(13_000, span) <= 11
-    assert d.over_span(15_000, span) == 0  # two spans of silence forget it
+    quarter, whole = d.over(13_000, span)
+    assert 24 <= quarter <= 26 and 99 <= whole <= 101
+    assert d.over(15_000, span) == (0, 0)  # a span and more of silence forgets it
     d.note(5, 15_100, span)
     d.note(-7, 15_200, span)  # given back: never below nothing asked
-    assert d.over_span(15_200, span) == 0
+    assert d.over(15_200, span) == (0, 0)
+    d.note(3, 15_300, 2_000)  # another span (the policy changed): counted afresh
+    assert d.over(15_300, 2_000) == (3, 3)
 
 
 def test_chunk_size_follows_demand_within_bounds():
