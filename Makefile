@@ -4,8 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
-SYSTEM_BINARIES := redis-server redis-cli etcd etcdctl faketime iptables ip nginx prometheus promtool
-APT_PACKAGES := redis-server redis-tools etcd-server etcd-client faketime iptables iproute2 nginx prometheus
+SYSTEM_BINARIES := redis-server redis-cli redis-sentinel etcd etcdctl faketime iptables ip nginx prometheus promtool
+APT_PACKAGES := redis-server redis-tools redis-sentinel etcd-server etcd-client faketime iptables iproute2 nginx prometheus
 PYTEST_ARGS ?=
 
 .PHONY: help setup system-deps venv run test test-unit test-integration test-e2e chaos chaos-short bench lint clean readme-tables policies

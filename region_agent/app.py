@@ -279,7 +279,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         if hasattr(state.store, "warm"):  # the pipelines' connections, open before the first burst
             await state.store.warm(settings.pipelines_in_flight + 2)
         state.tasks.append(asyncio.create_task(_background(state)))
-        if settings.store_health_ms and hasattr(state.store, "info_by_shard"):
+        if settings.store_health_ms and hasattr(state.store, "info_readers"):
             state.tasks.append(asyncio.create_task(store_health.run(state.store, m.store_health,
                                                                     settings.store_health_ms)))
         await state.gateways.start()  # the RLS gRPC server, when --rls-port is set
@@ -384,23 +384,10 @@ async def _start_policy_watch(settings: AgentSettings, state: AgentState):
 
 
 def default_store_factory(settings: AgentSettings, m: AgentMetrics):
-    from .settings import redis_url_with_secrets
-    from .store import scripts as sc
-    from .store.breaker import CircuitBreaker
-    from .store.client import make_client
-    from .store.gateway import StoreGateway
+    """One Redis, a Redis Cluster (a gateway and breaker per primary) or a Sentinel's primary."""
+    from .store.factory import make_store
 
-    client = make_client(redis_url_with_secrets(settings), cluster=settings.redis_cluster,
-                         max_connections=settings.redis_max_connections,
-                         socket_timeout=settings.redis_socket_timeout_ms / 1000)
-    breaker = CircuitBreaker(failure_threshold=settings.breaker_failures, open_s=settings.breaker_open_ms / 1000,
-                             half_open_probes=settings.breaker_probes)
-    gauge = m.breaker_state.labels("default")
-    gauge.set(0)
-    return StoreGateway(client, sc.Scripts(), max_batch=settings.batch_max, max_queue=settings.queue_max,
-                        max_inflight=settings.pipelines_in_flight, on_batch=m.batch_size.observe,
-                        breaker=breaker, on_breaker=gauge.set, log_interval_s=settings.redis_log_interval_ms / 1000,
-                        stall_s=settings.decision_budget_ms / 1000, late_s=settings.redis_socket_timeout_ms / 1000)
+    return make_store(settings, m)
 
 
 async def _background(state: AgentState) -> None:

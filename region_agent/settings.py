@@ -25,6 +25,8 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     redis_cluster: bool = False  # also implied by a redis+cluster:// URL
     redis_password_file: str | None = None  # or LEASEHOLD_AGENT_REDIS_PASSWORD; the URL names only the ACL user
     redis_ca_file: str | None = None  # CA bundle for a rediss:// URL
+    redis_sentinel_password_file: str | None = None  # or LEASEHOLD_AGENT_REDIS_SENTINEL_PASSWORD (redis+sentinel://)
+    redis_cluster_refresh_ms: Annotated[int, Meta(ge=100, le=3_600_000)] = 10_000  # re-read the cluster's slot map
     policy: str = "policies/northstar.json"
     region: RegionName = "local"
     host: str = "127.0.0.1"
@@ -99,8 +101,10 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
 
     def __post_init__(self) -> None:
         from .gateways.mapping import Names
+        from .store.client import parse_store_url
 
         Names.from_settings(self)  # ValueError -> a settings error naming the bad entry
+        parse_store_url(self.redis_url, cluster=self.redis_cluster)  # the same for the Redis URL
 
 
 def load_agent_settings(argv: list[str] | None, env: dict[str, str] | None = None) -> AgentSettings:

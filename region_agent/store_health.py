@@ -1,11 +1,14 @@
 """Store health ("can the store keep enforcement correct?"): a low-frequency INFO
 poll of every shard, exported per shard.
 
-One ``INFO memory stats clients replication keyspace commandstats`` per shard per ``--store-health-ms`` (5 s by default; 0 disables), each
-bounded by a timeout (1 s); a failed poll leaves the last snapshot in place and its age grows
-(``leasehold_agent_redis_info_age_seconds``). A shard is ``default`` for a standalone Redis and
-the primary's ``host:port`` for Redis Cluster (at most the cluster's primaries: the snapshot is
-replaced wholesale on every poll, so a failed-over node's series disappear).
+One ``INFO memory stats clients replication keyspace commandstats`` per shard per ``--store-health-ms`` (5 s by default; 0 disables), the
+shards read concurrently, each bounded by its own timeout (1 s): a shard that does not answer
+keeps its last snapshot, its age grows (``leasehold_agent_redis_info_age_seconds``) and
+``leasehold_agent_redis_up`` says 0, while the other shards' series stay current. A shard is
+``default`` for a standalone Redis (or the primary a Sentinel names) and the primary's
+``host:port`` for Redis Cluster (the primaries of the agent's slot map: a primary that left it —
+failed over, removed — loses its series at the next poll). Store health is reported here only:
+readiness (``/readyz``) does not depend on it.
 
 Exported (label ``shard`` only): memory used vs ``maxmemory``, evicted and expired keys (Redis'
 own counters, so they reset when Redis restarts, which Prometheus' ``rate`` handles), key count,
@@ -21,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -54,6 +57,8 @@ FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("leasehold_agent_redis_info_age_seconds", "gauge", "Seconds since the shard's INFO was last read "
      "successfully", "age"),
 )
+UP = ("leasehold_agent_redis_up", "gauge", "1 if the shard's last INFO poll answered within its timeout, else 0 "
+      "(store health, per shard; readiness does not depend on it)")
 
 
 def parse_info(info: dict[str, Any]) -> dict[str, float]:
@@ -94,16 +99,27 @@ class StoreHealth:
         self.clock = clock
         self.snapshots: dict[str, dict[str, float]] = {}
         self._read_at: dict[str, float] = {}
+        self.up: dict[str, bool] = {}  # every shard of the last poll: did it answer?
         self.polls_failed = 0
 
-    def replace(self, by_shard: dict[str, dict[str, Any]]) -> None:
-        """A successful poll: the shards it saw, parsed (shards not seen are dropped)."""
+    def update(self, answered: dict[str, dict[str, Any]], shards: Iterable[str]) -> None:
+        """One poll over ``shards``: those in ``answered`` (parsed INFO) are replaced, the others
+        keep their last snapshot; shards no longer in ``shards`` are dropped."""
         now = self.clock()
-        self.snapshots = {shard: parse_info(info) for shard, info in by_shard.items()}
-        self._read_at = {shard: now for shard in by_shard}
+        shards = list(shards)
+        for shard, info in answered.items():
+            self.snapshots[shard] = parse_info(info)
+            self._read_at[shard] = now
+        for gone in [s for s in self.snapshots if s not in shards]:
+            del self.snapshots[gone], self._read_at[gone]
+        self.up = {s: s in answered for s in shards}
+
+    def replace(self, by_shard: dict[str, dict[str, Any]]) -> None:
+        """Every shard answered (the shards not in ``by_shard`` are dropped)."""
+        self.update(by_shard, by_shard)
 
     def describe(self):
-        return [self._family(name, kind, help_) for name, kind, help_, _ in FAMILIES]
+        return [self._family(name, kind, help_) for name, kind, help_, _ in FAMILIES] + [self._family(*UP)]
 
     @staticmethod
     def _family(name: str, kind: str, help_: str):
@@ -118,17 +134,35 @@ class StoreHealth:
                 value = now - self._read_at[shard] if field == "age" else snap[field]
                 fam.add_metric([shard], value)
             yield fam
+        up = self._family(*UP)
+        for shard, answered in self.up.items():
+            up.add_metric([shard], 1.0 if answered else 0.0)
+        yield up
 
 
 async def poll_once(store: Any, health: StoreHealth, timeout_s: float) -> bool:
-    """One INFO round over the store's shards; False (snapshot kept) when it failed."""
+    """One INFO round over the store's shards (``store.info_readers()``: shard -> coroutine
+    function), concurrently, each bounded by ``timeout_s``; False when a shard did not answer
+    (its last snapshot is kept, its age grows)."""
     try:
-        by_shard = await asyncio.wait_for(store.info_by_shard(), timeout_s)
-    except Exception as e:  # unreachable, ACL-denied or slow: keep the last snapshot, its age grows
+        readers = store.info_readers()
+    except Exception as e:  # the topology is not known yet
         health.polls_failed += 1
         log.debug("store INFO poll failed: %s", type(e).__name__)
         return False
-    health.replace(by_shard)
+    shards = list(readers)
+    results = await asyncio.gather(*(asyncio.wait_for(readers[s](), timeout_s) for s in shards),
+                                   return_exceptions=True)
+    answered: dict[str, dict[str, Any]] = {}
+    for shard, res in zip(shards, results, strict=True):
+        if isinstance(res, BaseException):  # unreachable, ACL-denied or slow: keep the last snapshot
+            log.debug("store INFO poll of %s failed: %s", shard, type(res).__name__)
+        elif isinstance(res, dict):
+            answered[shard] = res
+    health.update(answered, shards)
+    if len(answered) < len(shards):
+        health.polls_failed += 1
+        return False
     return True
 
 

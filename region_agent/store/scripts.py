@@ -32,6 +32,7 @@ except ImportError:  # without hiredis every reply is read through redis-py
     _NOT_ENOUGH_DATA = object()
     _PUSH = None
 from redis.asyncio import RedisCluster
+from redis.asyncio.sentinel import MasterNotFoundError
 from redis.crc import key_slot
 
 from kernel.algorithms import KINDS
@@ -45,7 +46,7 @@ from kernel.errors import (
 
 from ..call import RuleArgv
 
-__all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "translate_redis_error"]
+__all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "SlotMoved", "translate_redis_error"]
 
 DEFAULT_LUA_DIR = Path(str(resources.files("region_agent").joinpath("lua")))  # ships in the wheel
 INCLUDE_RE = re.compile(r"^--\s*@include\s+(\S+)\s*$")
@@ -59,6 +60,20 @@ class KeysNotColocated(ScriptRejected):
     """The keys of one script call span several hash slots (CROSSSLOT): a caller bug."""
 
     code, title = "keys-not-colocated", "Script keys span several hash slots"
+
+
+class SlotMoved(StoreUnavailable):
+    """A Redis Cluster primary answered ``MOVED`` (the slot has another owner now) or ``ASK`` (the
+    slot is being migrated and this key is already on the target): the script did not run. Not a
+    failure of the node that answered (it is healthy and told us where to go): the cluster store
+    follows it (region_agent.store.cluster). ``node`` is ``host:port`` (an empty host: the host of
+    the node that answered)."""
+
+    code, title = "slot-moved", "The key's slot is served by another node"
+
+    def __init__(self, slot: int, host: str, port: int, *, ask: bool = False):
+        super().__init__(f"slot {slot} {'is migrating to' if ask else 'moved to'} another node")
+        self.slot, self.host, self.port, self.ask = slot, host, port, ask
 
 
 # --- loader ------------------------------------------------------------------------------------
@@ -130,7 +145,8 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
     """Driver error -> contract error. ``sent``: the command may have reached the server.
 
     Error replies from a script (validation) -> :class:`ScriptRejected` (not retriable);
-    CROSSSLOT / client-side slot refusal -> :class:`KeysNotColocated`; replies that mean the
+    CROSSSLOT / client-side slot refusal -> :class:`KeysNotColocated`; MOVED / ASK ->
+    :class:`SlotMoved` (the cluster store follows it); replies that mean the
     server refused to run anything (BUSY, LOADING, CLUSTERDOWN, NOSCRIPT ...) ->
     :class:`StoreUnavailable`; connection failures before send -> :class:`StoreUnavailable`;
     timeouts/resets after send -> :class:`AmbiguousOutcome`. Details never echo driver text."""
@@ -138,6 +154,10 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
         return exc
     if isinstance(exc, rex.NoScriptError):
         return StoreUnavailable("script not loaded on the store")
+    if isinstance(exc, MasterNotFoundError):  # asked before connecting: nothing was sent
+        return StoreUnavailable("no primary known to the Redis sentinels")
+    if isinstance(exc, rex.AskError):  # MovedError is an AskError: nothing ran, another node owns the slot
+        return SlotMoved(exc.slot_id, exc.host, exc.port, ask=not isinstance(exc, rex.MovedError))
     if isinstance(exc, (rex.ClusterDownError, rex.TryAgainError, rex.MasterDownError, rex.BusyLoadingError,
                         rex.ReadOnlyError, rex.SlotNotCoveredError, rex.MaxConnectionsError)):
         # refused or never sent: nothing ran
@@ -197,6 +217,7 @@ class PoolClosed:
     current: bool
 
 
+ASKING = b"*1\r\n$6\r\nASKING\r\n"
 _INT_RESP: dict[int, str] = {}  # a bulk string per int seen (rule parameters repeat on every call)
 _INT_RESP_MAX = 4_096
 _HEADS: dict[tuple[str, int, int], str] = {}  # (sha, keys, args) -> the array header up to the first key
@@ -466,7 +487,15 @@ class Scripts:
 
     async def call(self, client: Any, name: str, keys: Sequence[str], argv: Sequence[Any]) -> Any:
         """EVALSHA ``name``: a pipeline of one call (:meth:`run_pipeline`, whose NOSCRIPT reload
-        and re-run it shares). Raises contract errors only."""
+        and re-run it shares). Raises contract errors only. ``client`` may also be a router that
+        sends a call to the node owning its keys (``call_script``: a Redis Cluster,
+        region_agent.store.cluster)."""
+        route = getattr(client, "call_script", None)
+        if route is not None:
+            reply = await route(self, name, list(keys), list(argv))
+            if isinstance(reply, BaseException):
+                raise reply
+            return reply
         (reply,) = await self.run_pipeline(client, [(name, list(keys), list(argv))])
         if isinstance(reply, BaseException):
             raise reply
@@ -545,7 +574,28 @@ class Scripts:
         order; error replies come back as exception instances, like ``raise_on_error=False``. A
         connection that failed mid-way is disconnected before it goes back to the pool.
         ``commands``: ``(sha, KEYS, ARGV)`` each."""
-        payload = pack_pipeline(commands)
+        return await self._exchange(client, pack_pipeline(commands), len(commands), reading)
+
+    async def run_asking(self, client: Any, call: tuple[str, list, list]) -> Any:
+        """One call sent right after ``ASKING`` on the same connection (a Redis Cluster slot being
+        migrated: the node it is migrating to serves the key only so): the reply, or the translated
+        error in its place. NOSCRIPT (the target never ran this script) loads it and sends once more."""
+        name, keys, argv = call
+        if name not in self.scripts:
+            return ScriptRejected(f"no script named {name!r}")
+        for attempt in (0, 1):
+            try:
+                _, reply = await self._exchange(client, ASKING + pack_evalsha(self.sha(name), keys, argv), 2)
+                if isinstance(reply, rex.NoScriptError) and attempt == 0:
+                    await self._load_one(client, name)
+                    continue
+            except Exception as e:
+                return _translate(e)
+            return _translate(reply) if isinstance(reply, BaseException) else reply
+        return StoreUnavailable("script not loaded on the store")  # not reached
+
+    async def _exchange(self, client: Any, payload: bytes, n: int, reading: dict[int, Any] | None = None) -> list[Any]:
+        """Write ``payload`` on a pooled connection and read ``n`` replies (see :meth:`_raw_pipeline`)."""
         pool = client.connection_pool
         conn = await pool.get_connection()
         try:
@@ -553,7 +603,7 @@ class Scripts:
                 await conn.send_packed_command(payload)
             if reading is not None:  # sent: from now on the store owes the answer
                 reading[id(conn)] = (conn, time.monotonic())
-            return await read_replies(conn, len(commands))
+            return await read_replies(conn, n)
         except BaseException as e:
             await conn.disconnect()
             if _connection_lost(e):
