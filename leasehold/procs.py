@@ -284,11 +284,19 @@ def etcd_roles_script() -> Path:
 
 @dataclass
 class RedisCluster:
-    """A real 3-master Redis Cluster (no replicas) created with ``redis-cli --cluster create``."""
+    """A real Redis Cluster of ``masters`` primaries created with ``redis-cli --cluster create``
+    (slots split evenly in node order), and one replica for each primary index in ``replicas_of``.
+    ``full_coverage=False`` runs the nodes with ``cluster-require-full-coverage no``: the healthy
+    primaries keep serving their slots while another primary is down (what the agent's per-shard
+    breakers rely on; see region_agent/README.md)."""
 
     workdir: Path
     masters: int = 3
-    nodes: list[RedisServer] = field(default_factory=list)
+    nodes: list[RedisServer] = field(default_factory=list)  # the primaries, in slot order at creation
+    replicas_of: Sequence[int] = ()
+    replicas: list[RedisServer] = field(default_factory=list)
+    node_timeout_ms: int = 2000
+    full_coverage: bool = True
 
     @property
     def urls(self) -> list[str]:
@@ -298,27 +306,106 @@ class RedisCluster:
     def url(self) -> str:
         return self.nodes[0].url
 
+    def _node(self, name: str) -> RedisServer:
+        port = free_port(avoid_bus=True)
+        node = RedisServer(self.workdir / name, port=port,
+                           extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                       "--cluster-node-timeout", str(self.node_timeout_ms),
+                                       "--cluster-require-full-coverage", "yes" if self.full_coverage else "no"))
+        node.workdir.mkdir(parents=True, exist_ok=True)
+        return node.start()
+
     def start(self, timeout: float = 30.0) -> RedisCluster:
-        for i in range(self.masters):
-            port = free_port(avoid_bus=True)
-            node = RedisServer(self.workdir / f"node{i}", port=port,
-                               extra_args=("--cluster-enabled", "yes", "--cluster-config-file",
-                                           "nodes.conf", "--cluster-node-timeout", "2000"))
-            node.workdir.mkdir(parents=True, exist_ok=True)
-            self.nodes.append(node.start())
-        subprocess.run(["redis-cli", "--cluster", "create", *[f"{LOOPBACK}:{n.port}" for n in self.nodes],
-                        "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True,
-                       timeout=timeout, check=True)
+        try:
+            for i in range(self.masters):
+                self.nodes.append(self._node(f"node{i}"))
+            subprocess.run(["redis-cli", "--cluster", "create", *[f"{LOOPBACK}:{n.port}" for n in self.nodes],
+                            "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True,
+                           timeout=timeout, check=True)
+            self.wait_ok(timeout)
+            for i in self.replicas_of:
+                self.add_replica(i, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ok(self, timeout: float = 30.0, nodes: Sequence[RedisServer] | None = None) -> None:
+        """Until every node (of ``nodes``) reports ``cluster_state:ok``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all("cluster_state:ok" in n.cli("cluster", "info") for n in self.nodes):
-                return self
+            if all("cluster_state:ok" in n.cli("cluster", "info") for n in (nodes or self.nodes + self.replicas)):
+                return
             time.sleep(0.1)
         raise TimeoutError("redis cluster did not reach cluster_state:ok")
 
+    def node_id(self, node: RedisServer) -> str:
+        return node.cli("cluster", "myid")
+
+    def add_replica(self, i: int, timeout: float = 30.0) -> RedisServer:
+        """Start a node and make it a replica of primary ``i``; returns once it is in sync."""
+        primary = self.nodes[i]
+        replica = self._node(f"replica{len(self.replicas)}")
+        self.replicas.append(replica)
+        subprocess.run(["redis-cli", "--cluster", "add-node", f"{LOOPBACK}:{replica.port}",
+                        f"{LOOPBACK}:{primary.port}", "--cluster-slave", "--cluster-master-id",
+                        self.node_id(primary)], capture_output=True, text=True, timeout=timeout, check=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = replica.cli("info", "replication")
+            if "master_link_status:up" in info and "role:slave" in info:
+                self.wait_ok(timeout)
+                return replica
+            time.sleep(0.1)
+        raise TimeoutError("the replica did not sync with its primary")
+
+    def owner(self, slot: int) -> RedisServer:
+        """The node serving ``slot`` now (asked of a live node)."""
+        for n in self.nodes + self.replicas:
+            if not n.proc or not n.proc.alive():
+                continue
+            try:
+                out = n.cli("cluster", "shards")
+            except subprocess.SubprocessError:
+                continue
+            port = _slot_owner_port(out, slot)
+            if port is not None:
+                return next(x for x in self.nodes + self.replicas if x.port == port)
+        raise LookupError(f"no live node names the owner of slot {slot}")
+
     def stop(self) -> None:
-        for n in self.nodes:
+        for n in self.nodes + self.replicas:
             n.stop()
+
+
+def _slot_owner_port(cluster_shards: str, slot: int) -> int | None:
+    """The port of the live primary of the shard whose slot ranges hold ``slot``, from the text
+    ``redis-cli cluster shards`` prints (one value per line)."""
+    lines = cluster_shards.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i] == "slots":
+            ranges, j = [], i + 1
+            while j < len(lines) and lines[j].isdigit():
+                ranges.append(int(lines[j]))
+                j += 1
+            covers = any(a <= slot <= b for a, b in zip(ranges[0::2], ranges[1::2], strict=False))
+            k = j
+            port = role = health = None
+            while k < len(lines) and lines[k] != "slots":
+                if lines[k] == "port":
+                    port = int(lines[k + 1])
+                elif lines[k] == "role":
+                    role = lines[k + 1]
+                elif lines[k] == "health":
+                    health = lines[k + 1]
+                    if covers and role == "master" and health == "online" and port is not None:
+                        return port
+                k += 1
+            i = k
+        else:
+            i += 1
+    return None
 
 
 ETCD_MAX_TXN_OPS = 1024  # what our own etcd runs with (local topology, chaos, bench): see allocator/README.md

@@ -299,8 +299,7 @@ class ClusterStore:
             if r.ask:
                 asks.append((i, target))
             else:
-                if self.map.moved(r.slot, target):
-                    self.want_refresh()
+                self._moved(r.slot, target)
                 moved.setdefault(target, []).append(i)
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         for target, idx in moved.items():
@@ -339,9 +338,16 @@ class ClusterStore:
                 return reply
             if reply.ask:
                 return await self._ask(f"{reply.host or split_name(owner)[0]}:{reply.port}", (name, keys, argv), None)
-            self.map.moved(reply.slot, f"{reply.host or split_name(owner)[0]}:{reply.port}")
-            self.want_refresh()
+            self._moved(reply.slot, f"{reply.host or split_name(owner)[0]}:{reply.port}")
         return reply
+
+    def _moved(self, slot: int, target: str) -> None:
+        """A ``MOVED`` reply: the slot is ``target``'s from now on; the whole map is re-read soon."""
+        if self.map.moved(slot, target):
+            self.changes += 1
+            if self.on_topology is not None:
+                self.on_topology(self.map, True)
+        self.want_refresh()
 
     @property
     def client(self) -> ClusterStore:

@@ -81,10 +81,10 @@ class StoreGateway:
             self._lag_task = asyncio.get_running_loop().create_task(self.lag.run(), name="loop-lag")
 
     def stalled(self) -> bool:
-        """The store stopped answering: a pipeline was *sent* (its bytes written) more than
-        ``stall_s`` ago and no answer bytes wait unread on any connection being read — time spent
-        before the send (getting a connection, a busy loop) is this agent's own. Otherwise a late
-        answer is this agent's saturation (overload), not a store failure."""
+        """The store stopped answering: a pipeline was *sent* (its bytes written), or a new
+        connection's handshake started, more than ``stall_s`` ago, and no answer bytes wait unread
+        on any connection being read — time spent before that (a busy loop, the queue) is this
+        agent's own. Otherwise a late answer is this agent's saturation (overload), not a store failure."""
         now = time.monotonic()
         reading = list(self._reading.values())
         if not reading:
@@ -92,7 +92,7 @@ class StoreGateway:
         age = now - min(sent for _, sent in reading)
         if age <= self.stall_s or self.lag.lag_s(now) >= age / 2:
             return False
-        return not any(sc.answer_waiting(conn) for conn, _ in reading)
+        return not any(conn is not None and sc.answer_waiting(conn) for conn, _ in reading)
 
     def _own_timeout(self, r: Any) -> Any:
         """A driver timeout (connecting, or reading a reply) while this process's event loop lags
@@ -171,8 +171,8 @@ class StoreGateway:
         failed = False
         if sc.has_error(replies):  # one pass over the replies in the common case (no error among them)
             replies = [self._own_timeout(r) for r in replies]
-            # a MOVED / ASK reply came from a healthy node that said where the slot is now
-            failed = any(isinstance(r, (StoreUnavailable, AmbiguousOutcome)) and not isinstance(r, sc.SlotMoved)
+            # MOVED / ASK / TRYAGAIN came from a healthy node that said where its slot is (or that it moves)
+            failed = any(isinstance(r, (StoreUnavailable, AmbiguousOutcome)) and not isinstance(r, sc.SlotRedirect)
                          for r in replies)
         if failed:
             self.breaker.failure(time.monotonic())

@@ -46,7 +46,8 @@ from kernel.errors import (
 
 from ..call import RuleArgv
 
-__all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "SlotMoved", "translate_redis_error"]
+__all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "SlotMigrating", "SlotMoved", "SlotRedirect",
+           "translate_redis_error"]
 
 DEFAULT_LUA_DIR = Path(str(resources.files("region_agent").joinpath("lua")))  # ships in the wheel
 INCLUDE_RE = re.compile(r"^--\s*@include\s+(\S+)\s*$")
@@ -62,18 +63,32 @@ class KeysNotColocated(ScriptRejected):
     code, title = "keys-not-colocated", "Script keys span several hash slots"
 
 
-class SlotMoved(StoreUnavailable):
-    """A Redis Cluster primary answered ``MOVED`` (the slot has another owner now) or ``ASK`` (the
-    slot is being migrated and this key is already on the target): the script did not run. Not a
-    failure of the node that answered (it is healthy and told us where to go): the cluster store
-    follows it (region_agent.store.cluster). ``node`` is ``host:port`` (an empty host: the host of
-    the node that answered)."""
+class SlotRedirect(StoreUnavailable):
+    """A healthy Redis Cluster primary did not run the call because of where its slot is: not a
+    failure of that node (its breaker does not count it)."""
+
+    code, title = "slot-redirect", "The key's slot is served elsewhere or being migrated"
+
+
+class SlotMoved(SlotRedirect):
+    """The primary answered ``MOVED`` (the slot has another owner now) or ``ASK`` (the slot is
+    being migrated and this call's keys are all on the target already): the script did not run.
+    The cluster store follows it (region_agent.store.cluster). ``host:port`` is where to go (an
+    empty host: the host of the node that answered)."""
 
     code, title = "slot-moved", "The key's slot is served by another node"
 
     def __init__(self, slot: int, host: str, port: int, *, ask: bool = False):
         super().__init__(f"slot {slot} {'is migrating to' if ask else 'moved to'} another node")
         self.slot, self.host, self.port, self.ask = slot, host, port, ask
+
+
+class SlotMigrating(SlotRedirect):
+    """``TRYAGAIN``: the slot is being migrated and this call's keys are split between the two
+    nodes (a multi-key script whose keys do not all exist on one side): nothing ran. It lasts
+    until the migration of the slot ends; the decision degrades per its rules' fail modes."""
+
+    code, title = "slot-migrating", "The key's slot is being migrated"
 
 
 # --- loader ------------------------------------------------------------------------------------
@@ -146,7 +161,7 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
 
     Error replies from a script (validation) -> :class:`ScriptRejected` (not retriable);
     CROSSSLOT / client-side slot refusal -> :class:`KeysNotColocated`; MOVED / ASK ->
-    :class:`SlotMoved` (the cluster store follows it); replies that mean the
+    :class:`SlotMoved` (the cluster store follows it), TRYAGAIN -> :class:`SlotMigrating`; replies that mean the
     server refused to run anything (BUSY, LOADING, CLUSTERDOWN, NOSCRIPT ...) ->
     :class:`StoreUnavailable`; connection failures before send -> :class:`StoreUnavailable`;
     timeouts/resets after send -> :class:`AmbiguousOutcome`. Details never echo driver text."""
@@ -158,7 +173,9 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
         return StoreUnavailable("no primary known to the Redis sentinels")
     if isinstance(exc, rex.AskError):  # MovedError is an AskError: nothing ran, another node owns the slot
         return SlotMoved(exc.slot_id, exc.host, exc.port, ask=not isinstance(exc, rex.MovedError))
-    if isinstance(exc, (rex.ClusterDownError, rex.TryAgainError, rex.MasterDownError, rex.BusyLoadingError,
+    if isinstance(exc, rex.TryAgainError):
+        return SlotMigrating("the key's slot is being migrated (TRYAGAIN)")
+    if isinstance(exc, (rex.ClusterDownError, rex.MasterDownError, rex.BusyLoadingError,
                         rex.ReadOnlyError, rex.SlotNotCoveredError, rex.MaxConnectionsError)):
         # refused or never sent: nothing ran
         return StoreUnavailable(f"store unavailable ({type(exc).__name__})")
@@ -595,9 +612,20 @@ class Scripts:
         return StoreUnavailable("script not loaded on the store")  # not reached
 
     async def _exchange(self, client: Any, payload: bytes, n: int, reading: dict[int, Any] | None = None) -> list[Any]:
-        """Write ``payload`` on a pooled connection and read ``n`` replies (see :meth:`_raw_pipeline`)."""
+        """Write ``payload`` on a pooled connection and read ``n`` replies (see :meth:`_raw_pipeline`).
+        ``reading`` holds the connection while the store owes its answer — and, with no connection
+        yet, the time a new connection's handshake started (a store that accepts connections and
+        never answers, e.g. stopped, hangs there; a connected one is handed over at once)."""
         pool = client.connection_pool
-        conn = await pool.get_connection()
+        if reading is None:
+            conn = await pool.get_connection()
+        else:
+            token = object()
+            reading[id(token)] = (None, time.monotonic())
+            try:
+                conn = await pool.get_connection()
+            finally:
+                reading.pop(id(token), None)
         try:
             if not write_now(conn, payload):
                 await conn.send_packed_command(payload)
