@@ -136,7 +136,8 @@ class ClusterStore:
         while True:
             period = self.fast_s if self._needs_fast_refresh() else self.refresh_s
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wanted.wait(), period)
+                async with asyncio.timeout(period):  # (no inner task: cancelling the store ends this loop)
+                    await self._wanted.wait()
             self._wanted.clear()
             with contextlib.suppress(Exception):
                 await self.refresh()
