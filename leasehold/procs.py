@@ -408,6 +408,94 @@ def _slot_owner_port(cluster_shards: str, slot: int) -> int | None:
     return None
 
 
+@dataclass
+class RedisSentinels:
+    """A real Redis primary, ``replicas`` replicas of it and ``sentinels`` ``redis-sentinel``
+    processes monitoring it as ``service`` (quorum ``quorum``), on free loopback ports. ``url`` is
+    the agent's ``redis+sentinel://`` URL for them."""
+
+    workdir: Path
+    service: str = "leasehold"
+    replicas: int = 1
+    sentinels: int = 3
+    quorum: int = 2
+    down_after_ms: int = 1000
+    failover_timeout_ms: int = 10_000
+    servers: list[RedisServer] = field(default_factory=list)  # the first primary, then its replicas
+    sentinel_ports: list[int] = field(default_factory=list)
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return "redis+sentinel://" + ",".join(f"{LOOPBACK}:{p}" for p in self.sentinel_ports) + f"/{self.service}"
+
+    def start(self, timeout: float = 30.0) -> RedisSentinels:
+        try:
+            primary = RedisServer(self.workdir / "redis0").start(timeout)
+            self.servers.append(primary)
+            for i in range(self.replicas):
+                self.servers.append(RedisServer(self.workdir / f"redis{i + 1}", extra_args=(
+                    "--replicaof", LOOPBACK, str(primary.port))).start(timeout))
+            self._wait(lambda: primary.cli("info", "replication").count(",state=online,") == self.replicas, timeout,
+                       "the replicas did not sync")
+            for i in range(self.sentinels):
+                port = free_port()
+                d = self.workdir / f"sentinel{i}"
+                d.mkdir(parents=True, exist_ok=True)
+                conf = d / "sentinel.conf"  # rewritten by the sentinel as it learns the topology
+                conf.write_text("\n".join([
+                    f"port {port}", f"bind {LOOPBACK}", "protected-mode no", f"dir {d}",
+                    f"sentinel monitor {self.service} {LOOPBACK} {primary.port} {self.quorum}",
+                    f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}",
+                    f"sentinel failover-timeout {self.service} {self.failover_timeout_ms}",
+                    f"sentinel parallel-syncs {self.service} 1", ""]))
+                proc = Proc(f"sentinel-{port}", [shutil.which("redis-sentinel") or "redis-sentinel", str(conf)], d).start()
+                self.procs.append(proc)
+                self.sentinel_ports.append(port)
+                wait_port(port, proc=proc.popen, timeout=timeout)
+            want = f"num-other-sentinels\n{self.sentinels - 1}"
+            self._wait(lambda: all(want in self.sentinel_cli(i, "sentinel", "master", self.service)
+                                   for i in range(self.sentinels)), timeout, "the sentinels did not find each other")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @staticmethod
+    def _wait(ok, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if ok():
+                    return
+            except subprocess.SubprocessError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(what)
+
+    def sentinel_cli(self, i: int, *cmd: str) -> str:
+        return subprocess.run(["redis-cli", "-p", str(self.sentinel_ports[i]), *cmd], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+
+    def primary_port(self) -> int:
+        """The primary's port as the first sentinel that answers names it."""
+        for i in range(len(self.sentinel_ports)):
+            try:
+                return int(self.sentinel_cli(i, "sentinel", "get-master-addr-by-name", self.service).splitlines()[1])
+            except (subprocess.SubprocessError, IndexError, ValueError):
+                continue
+        raise LookupError("no sentinel names a primary")
+
+    def server(self, port: int) -> RedisServer:
+        return next(s for s in self.servers if s.port == port)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.stop()
+        for s in self.servers:
+            s.stop()
+
+
 ETCD_MAX_TXN_OPS = 1024  # what our own etcd runs with (local topology, chaos, bench): see allocator/README.md
 
 
