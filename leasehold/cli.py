@@ -19,6 +19,7 @@ import httpx
 from kernel.bundle import load_bundle_file
 from kernel.errors import PolicyError
 
+from .capacity_cli import register as register_capacity_command
 from .policy_cli import register as register_policy_commands
 from .topology import (
     DEFAULT_POLICY,
@@ -533,6 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_policy_show)
     register_policy_commands(psub, etcd_opts)  # leasehold/policy_cli.py: compile, seal, diff, replay, canary, ...
 
+    register_capacity_command(sub)  # leasehold/capacity_cli.py: Redis shards, memory, the hottest key
     sp = sub.add_parser("demo", help="start the topology, drive demo traffic, show a live view (Ctrl-C stops)")
     topo_opts(sp)
     sp.add_argument("--duration", type=float, default=600.0, help="stop by itself after this many seconds")

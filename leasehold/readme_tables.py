@@ -31,10 +31,24 @@ def _chaos_bundle() -> str:
     return markdown_table(chaos_bundle(), ["eu", "us"], (1, 2))
 
 
+def _redis_measured() -> str:
+    from .redis_sizing import markdown_measured
+
+    return markdown_measured()
+
+
+def _redis_worked() -> str:
+    from .redis_sizing import markdown_worked
+
+    return markdown_worked()
+
+
 #: (README, table name, generator)
 TABLES: list[tuple[str, str, Callable[[], str]]] = [
     ("README.md", "bound-sample-policy", _sample_policy),
     ("chaos/README.md", "bound-chaos-bundle", _chaos_bundle),
+    ("docs/capacity.md", "redis-measured", _redis_measured),  # leasehold/redis_measured.json, from make bench
+    ("docs/capacity.md", "redis-sizing", _redis_worked),
 ]
 
 
