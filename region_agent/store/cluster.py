@@ -89,6 +89,7 @@ class ClusterStore:
         self.nodes: dict[str, StoreGateway] = {}  # primaries of the map (and MOVED targets)
         self._probes: dict[str, Any] = {}  # topology-read clients of nodes without a gateway
         self._retiring: set[asyncio.Task] = set()
+        self._retired: list[StoreGateway] = []  # closed by their retiring task, or by close()
         self._loading: set[asyncio.Task] = set()
         self._tasks: list[asyncio.Task] = []
         self._wanted: asyncio.Event | None = None
@@ -113,9 +114,10 @@ class ClusterStore:
         for t in self._tasks + list(self._retiring) + list(self._loading):
             with contextlib.suppress(BaseException):
                 await t
-        for node in list(self.nodes.values()):
+        for node in list(self.nodes.values()) + self._retired:
             await node.close()
         self.nodes.clear()
+        self._retired.clear()
         for client in self._probes.values():
             with contextlib.suppress(Exception):
                 await client.aclose()
@@ -229,8 +231,11 @@ class ClusterStore:
         if self.on_retire is not None:
             self.on_retire(name)
 
+        self._retired.append(node)
+
         async def later() -> None:
             await asyncio.sleep(RETIRE_AFTER_S)  # its calls in flight end (or time out) first
+            self._retired.remove(node)
             await node.close()
 
         self._background(self._retiring, later())
