@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     from .app import create_app
 
     try:
-        app = create_app(settings)
+        app = create_app(settings, install_signal_handlers=True)
     except PolicyError as e:
         print(f"allocator: {e.detail}", file=sys.stderr)
         for err in e.errors:

@@ -1,39 +1,16 @@
 """``leasehold_build_info{version, commit}``: which build a process runs (value 1), exported by
-both services. The version is the installed package's; the commit comes from
-``LEASEHOLD_BUILD_COMMIT`` (set by an image build), else from the source checkout's git HEAD,
-else ``unknown``."""
+both services. Version and commit are :mod:`kernel.version`'s, the ones ``--version`` prints."""
 
 from __future__ import annotations
 
-import functools
-import os
-import subprocess
-from pathlib import Path
-
 from prometheus_client.core import GaugeMetricFamily
 
-COMMIT_ENV = "LEASEHOLD_BUILD_COMMIT"
-_ROOT = Path(__file__).resolve().parents[1]
+from .version import COMMIT_ENV, __version__, build_commit
 
 
-@functools.lru_cache(maxsize=1)
 def build_info() -> tuple[str, str]:
-    """``(version, commit)`` of this build (read once per process)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        ver = version("leasehold")
-    except PackageNotFoundError:
-        ver = "unknown"
-    commit = os.environ.get(COMMIT_ENV, "").strip()
-    if not commit and (_ROOT / ".git").exists():
-        try:
-            out = subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "--short=12", "HEAD"],
-                                 capture_output=True, text=True, timeout=2)
-            commit = out.stdout.strip() if out.returncode == 0 else ""
-        except (OSError, subprocess.SubprocessError):
-            commit = ""
-    return ver, commit[:40] or "unknown"
+    """``(version, commit)`` of this build (the commit is read once per process)."""
+    return __version__, build_commit()
 
 
 class BuildInfo:

@@ -3,20 +3,23 @@ primaries (shards), memory per copy and the hottest key's budget — from measur
 (docs/capacity.md, section 6; the arithmetic is leasehold/redis_sizing.py).
 
     leasehold capacity --calls-per-s 500000 --active-keys 2000000
-    leasehold capacity --calls-per-s 50000 --active-keys 300000 --rules 5 --replicas 2 --json
+    leasehold capacity --calls-per-s 50000 --active-keys 300000 --rules 5 --replicas 2 -o json
     leasehold capacity ... --results bench-results/results.json   # this machine's own bench run
+
+Output and exit codes follow the CLI's convention (leasehold/output.py): ``-o json`` prints the
+plan as one JSON document; bad input is exit 2 with a one-line message.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from . import redis_sizing
+from .output import Exit, Failure, add_output_option, out
 
 
 def _positive(text: str) -> float:
@@ -48,8 +51,10 @@ def _share(text: str) -> float:
 
 def register(sub: Any) -> None:
     """Add ``capacity`` to the ``leasehold`` command's subparsers."""
-    sp = sub.add_parser("capacity", help="Redis primaries, memory per copy and the hottest key's budget for a call "
-                                         "rate and an active-key count (measured numbers, docs/capacity.md)")
+    about = ("Redis primaries, memory per copy and the hottest key's budget for a call rate and an active-key "
+             "count (measured numbers, docs/capacity.md)")
+    sp = sub.add_parser("capacity", help=about, description=about)
+    add_output_option(sp)
     sp.add_argument("--calls-per-s", type=_positive, required=True, help="admission calls per second (peak)")
     sp.add_argument("--active-keys", type=_count, required=True, help="rate-limit keys live at once")
     sp.add_argument("--rules", type=int, default=2, choices=range(1, redis_sizing.MAX_RULES + 1), metavar="1..8",
@@ -62,7 +67,6 @@ def register(sub: Any) -> None:
     sp.add_argument("--replicas", type=_count, default=1, help="replicas per primary (default 1)")
     sp.add_argument("--results", type=Path, help="a bench results.json with the \"redis\" figure (default: the "
                                                  "measurement shipped with Leasehold)")
-    sp.add_argument("--json", action="store_true", help="the plan as JSON")
     sp.set_defaults(func=cmd_capacity)
 
 
@@ -74,16 +78,14 @@ def cmd_capacity(args: argparse.Namespace) -> int:
             measured = redis_sizing.shipped()
         p = redis_sizing.plan(measured, calls_per_s=args.calls_per_s, active_keys=args.active_keys, rules=args.rules,
                               algorithm=args.algorithm, utilisation=args.utilisation, replicas=args.replicas)
-    except (OSError, ValueError, KeyError) as e:
-        print(f"leasehold capacity: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps({"plan": asdict(p), "measured": measured.meta}, indent=2))
-        return 0
-    for line in redis_sizing.describe(p, measured):
-        print(line)
-    print(f"(measured on {len(measured.cpu_us)} scripts with redis {measured.meta.get('redis', '?')}, "
-          f"commit {measured.meta.get('commit', '?')}, on a shared {measured.meta.get('cpus', '?')}-core machine "
-          f"whose load average was {max(measured.meta.get('load_average', [0]) or [0])} or less: re-measure on "
-          "your own hardware with `python -m leasehold.bench --only redis` and pass --results)")
-    return 0
+    except OSError as e:
+        raise Failure(Exit.USAGE, f"cannot read {args.results}: {e.strerror}") from None
+    except (ValueError, KeyError) as e:
+        raise Failure(Exit.USAGE, str(e)) from None
+    where = measured.meta
+    load = where.get("load_average") or ["?"]
+    text = "\n".join([*redis_sizing.describe(p, measured),
+                      f"(measured with redis {where.get('redis', '?')}, commit {where.get('commit', '?')}, on a "
+                      f"shared {where.get('cpus', '?')}-core machine at a load average up to {load[-1]}: re-measure on "
+                      "your own hardware with `python -m leasehold.bench --only redis` and pass --results)"])
+    return out(args).result({"plan": asdict(p), "measured": where}, text)

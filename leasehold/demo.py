@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import random
 import signal
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -219,8 +219,8 @@ def _render(driver: Driver, prev: dict, dt: float, alloc_line: str, pools: list[
     return Group(t, pt)
 
 
-async def _main(spec: TopologySpec, duration_s: float, rate: float) -> int:
-    console = Console()
+async def _main(spec: TopologySpec, duration_s: float, rate: float, summary: bool = False) -> int:
+    console = Console(stderr=summary)  # -o json: the live view on stderr, the summary alone on stdout
     console.print("[bold]Starting the local topology[/bold] (etcd, allocators, Redis and an agent per region, "
                   "an Envoy in front of each region, a demo upstream)…")
     spec.rls = True
@@ -242,7 +242,7 @@ async def _main(spec: TopologySpec, duration_s: float, rate: float) -> int:
         async with httpx.AsyncClient(timeout=1.0) as client:
             prev: dict = {}
             last = time.monotonic()
-            interactive = sys.stdout.isatty()
+            interactive = console.file.isatty()
             with Live(console=console, refresh_per_second=4, transient=False) if interactive else _NoLive() as live:
                 while not stop.is_set() and time.monotonic() < until:
                     await asyncio.wait({asyncio.ensure_future(stop.wait())}, timeout=1.0)
@@ -264,6 +264,11 @@ async def _main(spec: TopologySpec, duration_s: float, rate: float) -> int:
         await asyncio.to_thread(edge.stop)
         await asyncio.to_thread(topo.stop)
         console.print("Stopped. Nothing is left running.")
+        if summary:
+            print(json.dumps({"durationS": round(time.monotonic() - started, 1), "regions": {
+                r: {"allowed": st.allowed, "denied": st.denied, "unavailable": st.unavailable,
+                    "fallback": st.fallback, "errors": st.errors, "deniedByRule": dict(st.deny_by_rule)}
+                for r, st in driver.stats.items()}}, indent=2))
     return 0
 
 
@@ -308,11 +313,13 @@ class _NoLive:
         pass
 
 
-def run_demo(spec: TopologySpec, duration_s: float = 600.0, rate: float = 200.0) -> int:
+def run_demo(spec: TopologySpec, duration_s: float = 600.0, rate: float = 200.0, summary: bool = False) -> int:
+    """``summary``: print the run's totals as one JSON document on stdout at the end
+    (``leasehold demo -o json``; the live view then goes to stderr)."""
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(_main(spec, duration_s, rate))
+    return asyncio.run(_main(spec, duration_s, rate, summary))

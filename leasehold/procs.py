@@ -80,9 +80,14 @@ def wait_port(port: int, host: str = LOOPBACK, timeout: float = 15.0, proc: subp
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
 
 
-def wait_http_ready(pending: dict[str, Proc], timeout: float = 60.0, path: str = "/readyz") -> None:
-    """Wait until every service (base URL -> its process) answers 200 on ``path``; a process
-    that exits meanwhile fails at once with the tail of its log."""
+START_PATHS = ("/readyz", "/v1/health/store")
+
+
+def wait_http_ready(pending: dict[str, Proc], timeout: float = 60.0, paths: Sequence[str] = START_PATHS) -> None:
+    """Wait until every service (base URL -> its process) answers 200 on each of ``paths`` —
+    by default ready (it can answer) and its store healthy (Redis, or etcd with its role known):
+    what a start-up supervisor wants before traffic; a process that exits meanwhile fails at once
+    with the tail of its log."""
     import httpx
 
     pending = dict(pending)
@@ -93,7 +98,7 @@ def wait_http_ready(pending: dict[str, Proc], timeout: float = 60.0, path: str =
                 if not proc.alive():
                     raise RuntimeError(f"{proc.name} exited during start-up:\n{proc.tail()}")
                 try:
-                    if client.get(url + path).status_code == 200:
+                    if all(client.get(url + path).status_code == 200 for path in paths):
                         del pending[url]
                 except httpx.HTTPError:
                     pass
@@ -247,11 +252,14 @@ def agent_acl(user: str, password: str) -> str:
 
 @dataclass(frozen=True)
 class TlsFiles:
-    """A throwaway CA and one server certificate for 127.0.0.1/localhost (``make_tls``)."""
+    """A throwaway CA, one server certificate for 127.0.0.1/localhost and one client certificate
+    (``make_tls``)."""
 
     ca: Path
     cert: Path
     key: Path
+    client_cert: Path | None = None  # extendedKeyUsage clientAuth, CN leasehold-client
+    client_key: Path | None = None
 
 
 def make_tls(d: Path) -> TlsFiles:
@@ -268,7 +276,13 @@ def make_tls(d: Path) -> TlsFiles:
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n")
     run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
         "-days", "2", "-extfile", "san.ext", "-out", "server.crt")
-    return TlsFiles(ca=d / "ca.crt", cert=d / "server.crt", key=d / "server.key")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=leasehold-client", "-keyout", "client.key",
+        "-out", "client.csr")
+    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\nbasicConstraints=CA:FALSE\n")
+    run("x509", "-req", "-in", "client.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-days", "2", "-extfile", "client.ext", "-out", "client.crt")
+    return TlsFiles(ca=d / "ca.crt", cert=d / "server.crt", key=d / "server.key", client_cert=d / "client.crt",
+                    client_key=d / "client.key")
 
 
 ETCD_USERS = ("root", "publisher", "allocator", "agent")  # leasehold/etcd_roles.sh (deploy/etcd/leasehold-roles.sh)
@@ -510,6 +524,7 @@ class EtcdCluster:
     procs: list[Proc] = field(default_factory=list)
     extra_args: Sequence[str] = ()
     tls: TlsFiles | None = None  # serve clients over TLS (https client URLs) with this certificate
+    client_cert_auth: bool = False  # with tls: clients must present a certificate signed by tls.ca
     # etcd's --max-txn-ops (its default is 128): the allocator discovers it and carries up to
     # (max - shards) / 2 grants per transaction; None starts etcd with its default
     max_txn_ops: int | None = ETCD_MAX_TXN_OPS
@@ -519,11 +534,20 @@ class EtcdCluster:
         return [f"{LOOPBACK}:{p}" for p in self.client_ports]
 
     @property
+    def urls(self) -> list[str]:
+        """The client URLs with their scheme (``https://`` when serving TLS)."""
+        return [f"{self._client_scheme}://{e}" for e in self.endpoints]
+
+    @property
     def _client_scheme(self) -> str:
         return "https" if self.tls else "http"
 
     def _etcdctl_tls(self) -> list[str]:
-        return ["--cacert", str(self.tls.ca)] if self.tls else []
+        if not self.tls:
+            return []
+        client = (["--cert", str(self.tls.client_cert), "--key", str(self.tls.client_key)]
+                  if self.client_cert_auth else [])
+        return ["--cacert", str(self.tls.ca), *client]
 
     def member_name(self, i: int) -> str:
         return f"m{i}"
@@ -553,6 +577,8 @@ class EtcdCluster:
                 "--listen-client-urls", f"{self._client_scheme}://{LOOPBACK}:{c}",
                 "--advertise-client-urls", f"{self._client_scheme}://{LOOPBACK}:{c}",
                 *(["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key)] if self.tls else []),
+                *(["--client-cert-auth", "--trusted-ca-file", str(self.tls.ca)]
+                  if self.tls and self.client_cert_auth else []),
                 "--listen-peer-urls", f"http://{LOOPBACK}:{p}", "--initial-advertise-peer-urls", f"http://{LOOPBACK}:{p}",
                 "--initial-cluster", initial, "--initial-cluster-state", "new",
                 "--initial-cluster-token", f"leasehold-{self.client_ports[0]}",
@@ -591,6 +617,8 @@ class EtcdCluster:
         env.pop("ETCDCTL_USER", None)
         if self.tls:
             env["ETCDCTL_CACERT"] = str(self.tls.ca)
+            if self.client_cert_auth:
+                env["ETCDCTL_CERT"], env["ETCDCTL_KEY"] = str(self.tls.client_cert), str(self.tls.client_key)
         r = subprocess.run(["sh", str(etcd_roles_script())], env=env, capture_output=True, text=True, timeout=60)
         if r.returncode != 0:
             raise RuntimeError(f"etcd roles script failed: {(r.stderr or r.stdout).strip()[-300:]}")

@@ -199,7 +199,7 @@ def _when(m: Measured) -> str:
 
 
 def markdown_measured(m: Measured | None = None) -> str:
-    """The measurement as docs/capacity.md shows it (generated: ``make readme-tables``)."""
+    """The measurement as docs/capacity.md shows it (generated: ``make doc-tables``)."""
     m = m or shipped()
     lines = [_when(m), "",
              f"| script (pipelines of {m.meta.get('pipeline', 32)}, {m.meta.get('clients', 16)} connections) | "
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     a.out.write_text(measured.to_json())
     print(f"wrote {a.out} ({len(measured.cpu_us)} scripts, {len(measured.bytes_per_key)} algorithms); "
-          "then: make readme-tables (docs/capacity.md)")
+          "then: make doc-tables (docs/capacity.md)")
     return 0
 
 

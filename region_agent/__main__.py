@@ -41,22 +41,9 @@ def _export(settings: AgentSettings) -> None:
         os.environ[ENV_PREFIX + name.upper()] = text
 
 
-BARE_FLAGS = ("--insecure-dev-pepper", "--redis-cluster")
-
-
-def normalize_argv(argv: list[str]) -> list[str]:
-    """Allow boolean flags without a value (``--insecure-dev-pepper`` = ``--insecure-dev-pepper true``)."""
-    out: list[str] = []
-    for i, arg in enumerate(argv):
-        out.append(arg)
-        if arg in BARE_FLAGS and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
-            out.append("true")
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
-        settings = load_agent_settings(normalize_argv(sys.argv[1:] if argv is None else argv))
+        settings = load_agent_settings(sys.argv[1:] if argv is None else argv)
         resolve_pepper(settings)
     except ConfigError as e:
         print(f"region_agent: {e}", file=sys.stderr)

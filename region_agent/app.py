@@ -61,6 +61,7 @@ from .models import (
 from .negcache import NegativeCache
 from .policy import PolicyHolder, ReloadResult
 from .settings import AgentSettings
+from .store.breaker import STATE_NAMES
 from .telemetry import DecisionTelemetry
 
 log = logging.getLogger("region_agent")
@@ -77,12 +78,13 @@ class AgentState:
     store: Any = None
     leases: Any = None  # LeaseManager when --allocator-urls is set
     policy_watch: Any = None  # kernel.watch.PolicyWatcher when --policy-etcd is set
-    auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled true
+    auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled
     key_cap: Any = None  # region_agent.preauth.NewKeyCap; None when --anon-new-keys-per-source 0
     epoch: Any = None  # region_agent.epoch.EpochCheck (policyEpoch in requests)
     audit: Any = None  # region_agent.audit.BypassAudit
     gateways: Any = None  # region_agent.gateways.Gateways: RLS gRPC server and /v1/authz
     tasks: list[asyncio.Task] = field(default_factory=list)
+    shutting_down: bool = False  # from SIGTERM (or the lifespan's end): /readyz answers 503
 
 
 def _dependencies(state: AgentState) -> dict[str, Provide]:
@@ -184,22 +186,56 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@get("/readyz", summary="Readiness: Redis reachable, scripts loaded, bundle loaded")
+@get("/readyz", summary="Readiness: this agent can answer decisions (not the store's health)")
 async def readyz(agent: NamedDependency[AgentState]) -> Response:
+    """Ready = the agent answers decisions: its bundle is loaded, the first lease of every pool
+    balance was answered (bounded by the allocator client's deadline) and it is not shutting down.
+    A Redis outage does not make it unready: it then answers by each rule's fail mode, which is the
+    point of the degradation design (taking every agent of a region out of its Service would hand
+    the decision to the gateways' failure mode instead). The store's health: ``/v1/health/store``."""
     st = agent
     problems = []
-    if st.store is None or not await st.store.ping():
-        problems.append("redis unreachable")
-    elif not st.store.scripts_loaded:
-        problems.append("scripts not loaded")
     if st.holder.bundle is None:
         problems.append("no policy bundle")
+    if st.engine is None:
+        problems.append("starting")
+    if st.shutting_down:
+        problems.append("shutting down")
     if st.leases is not None and st.leases.warming:
         problems.append("first leases not answered yet")
     if problems:
         return problem_response(Unavailable("not ready: " + ", ".join(problems)), instance="/readyz")
     b = st.holder.bundle
     return Response({"status": "ready", "policyVersion": b.bundle_version, "region": st.settings.region})
+
+
+@get("/v1/health/store", summary="The store's health: Redis reachable, scripts loaded (for alerts, not a probe)")
+async def store_health_view(agent: NamedDependency[AgentState]) -> Response:
+    """200 while this agent's Redis answers a PING, else 503 (its decisions then follow the rules'
+    fail modes). For monitoring and runbooks; never a readiness or liveness probe."""
+    st = agent
+    if st.store is None:
+        return problem_response(Unavailable("store not connected yet"), instance="/v1/health/store")
+    if getattr(st.store, "cluster", False):  # a Redis Cluster: per primary (region_agent/store/cluster.py)
+        shards = await st.store.health()
+        up = sum(s["reachable"] for s in shards)
+        reachable = bool(shards) and up == len(shards)
+        body = {"store": "reachable" if reachable else "degraded" if up else "unreachable",
+                "scriptsLoaded": bool(st.store.scripts_loaded), "breaker": "per shard", "shards": shards}
+        if not reachable:
+            return problem_response(Unavailable(f"{len(shards) - up} of {len(shards)} Redis Cluster primaries "
+                                                "unreachable: their tenants' decisions follow the rules' fail modes",
+                                                extra=body), instance="/v1/health/store")
+        return Response(body)
+    reachable = await st.store.ping()
+    breaker = getattr(st.store, "breaker", None)
+    body = {"store": "reachable" if reachable else "unreachable",
+            "scriptsLoaded": bool(getattr(st.store, "scripts_loaded", False)),
+            "breaker": STATE_NAMES.get(breaker.state, "unknown") if breaker is not None else "none"}
+    if not reachable:
+        return problem_response(Unavailable("store unreachable: decisions follow the rules' fail modes",
+                                            extra=body), instance="/v1/health/store")
+    return Response(body)
 
 
 @get("/metrics", summary="Prometheus metrics", include_in_schema=False)
@@ -287,12 +323,17 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         undo_termination = None
         if install_signal_handlers:
             loop.add_signal_handler(signal.SIGHUP, state.holder.reload)
-            if state.leases is not None:  # SIGTERM: no new leases from now on (before uvicorn drains)
-                from kernel.httpserver import on_termination
-                undo_termination = on_termination(state.leases.begin_shutdown)
+            from kernel.httpserver import on_termination
+
+            def terminating() -> None:  # SIGTERM: unready, and no new leases (before uvicorn drains)
+                state.shutting_down = True
+                if state.leases is not None:
+                    state.leases.begin_shutdown()
+            undo_termination = on_termination(terminating)
         try:
             yield
         finally:
+            state.shutting_down = True
             if undo_termination is not None:
                 undo_termination()
             await state.gateways.stop()
@@ -317,7 +358,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             tracing.shutdown()
 
     app = Litestar(
-        route_handlers=[admit, admit_batch, release, renew, policy, leases_view, healthz, readyz, metrics, authz],
+        route_handlers=[admit, admit_batch, release, renew, policy, leases_view, healthz, readyz, store_health_view,
+                        metrics, authz],
         guards=[agent_guard],
         dependencies=_dependencies(state),
         middleware=([admit_fast_path(lambda: state, MAX_BODY_BYTES, _before_engine, decide_batch, MAX_BATCH_BODY_BYTES)]
@@ -371,11 +413,12 @@ def _key_cap(settings: AgentSettings):
 async def _start_policy_watch(settings: AgentSettings, state: AgentState):
     """Follow the policy key in etcd: one bounded first read, then watch + periodic re-read."""
     from .policy_watch import age_gauge, make_watcher
-    from .settings import resolve_secret
+    from .settings import policy_etcd_tls, resolve_secret
 
     password = resolve_secret(settings.policy_etcd_password_file, "POLICY_ETCD_PASSWORD")
     w = make_watcher(state.holder, settings.policy_etcd or "", prefix=settings.policy_etcd_prefix,
-                     reread_ms=settings.policy_etcd_reread_ms, user=settings.policy_etcd_user, password=password)
+                     reread_ms=settings.policy_etcd_reread_ms, user=settings.policy_etcd_user, password=password,
+                     tls=policy_etcd_tls(settings))
     age_gauge(state.metrics, w)
     with contextlib.suppress(Exception):
         await asyncio.wait_for(w.refresh(), 3.0)

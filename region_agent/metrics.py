@@ -104,7 +104,8 @@ class AgentMetrics:
             self.policy_epoch.labels(relation)
         # staged release (docs/policy.md): the candidate bundle held for this agent's slice, 0 when none
         self.policy_candidate = Gauge("leasehold_agent_policy_candidate_version",
-                                      "Canary bundle version held for this agent's slice (0: none)", registry=r)
+                                      "Canary bundle version held for this agent's slice (0: none)", registry=r,
+                                      multiprocess_mode="livemax")
         self.policy_canary = Counter("leasehold_agent_policy_canary_offers_total",
                                      "Canary bundles offered from etcd, by outcome (accepted, kept: the held one "
                                      "stays because the offer would lower a version a slice evaluates, refused)",

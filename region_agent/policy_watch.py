@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kernel.bundle import Bundle
 from kernel.etcd_store import EtcdStore
 from kernel.policy_store import PolicyStore
@@ -27,9 +29,10 @@ from .telemetry import named_tenants, tenant_label
 
 
 def make_watcher(holder: PolicyHolder, endpoints: str, *, prefix: str, reread_ms: int, timeout_ms: int = 1000,
-                 user: str | None = None, password: str | None = None) -> PolicyWatcher:
+                 user: str | None = None, password: str | None = None, tls: Any = None) -> PolicyWatcher:
+    """``tls``: the link's channel credentials (``region_agent.settings.policy_etcd_tls``)."""
     kw = {"user": user, "password": password} if user else {}
-    store = EtcdStore(endpoints, timeout_s=timeout_ms / 1000, **kw)
+    store = EtcdStore(endpoints, timeout_s=timeout_ms / 1000, tls=tls, **kw)
     return PolicyWatcher(PolicyStore(store, prefix), offer=holder.offer, refuse=holder.refuse_invalid,
                          reread_s=reread_ms / 1000, offer_canary=holder.offer_canary)
 

@@ -58,13 +58,15 @@ class Gateways:
         s = self.settings
         if not s.rls_port:
             return
-        from .rls import RateLimitServicer, RlsServer
+        from .rls import RateLimitServicer, RlsServer, server_credentials
 
         servicer = RateLimitServicer(names=self.names, decide=self.decide,
                                      bundle_of=lambda: self.state.holder.bundle,
                                      gateways=self.gateway_tokens(), metrics=self.metrics)
+        tls = (server_credentials(s.rls_tls_cert_file, s.rls_tls_key_file, s.rls_tls_client_ca_file)
+               if s.rls_tls_cert_file and s.rls_tls_key_file else None)
         self.rls = await RlsServer(servicer, host=s.rls_host or s.host, port=s.rls_port,
-                                   max_concurrent_rpcs=s.rls_max_concurrent_rpcs).start()
+                                   max_concurrent_rpcs=s.rls_max_concurrent_rpcs, tls=tls).start()
 
     async def stop(self) -> None:
         if self.rls is not None:

@@ -119,18 +119,32 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         raise AssertionError("unreachable")  # context.abort raises
 
 
+def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None = None) -> grpc.ServerCredentials:
+    """TLS for the RLS port (``--rls-tls-cert-file``, ``--rls-tls-key-file``); with
+    ``--rls-tls-client-ca-file`` every client must present a certificate signed by that CA."""
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    ca = read(client_ca_file) if client_ca_file else None
+    return grpc.ssl_server_credentials([(read(key_file), read(cert_file))], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
 class RlsServer:
     """The gRPC server: RLS v3 plus ``grpc.health.v1.Health`` (SERVING while the agent answers
     decisions — degraded ones included, so a Redis outage is answered by the per-rule fail
     modes rather than by Envoy's failure_mode_deny; NOT_SERVING while it shuts down)."""
 
-    def __init__(self, servicer: RateLimitServicer, *, host: str, port: int, max_concurrent_rpcs: int):
+    def __init__(self, servicer: RateLimitServicer, *, host: str, port: int, max_concurrent_rpcs: int,
+                 tls: grpc.ServerCredentials | None = None):
         self.server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs,
                                       options=[("grpc.so_reuseport", 1)])  # one port, several uvicorn workers
         rls_pb2_grpc.add_RateLimitServiceServicer_to_server(servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        self.port = self.server.add_secure_port(address, tls) if tls else self.server.add_insecure_port(address)
 
     async def start(self) -> RlsServer:
         await self.server.start()
@@ -143,4 +157,4 @@ class RlsServer:
         await self.server.stop(grace_s)
 
 
-__all__ = ["RateLimitServicer", "RlsServer", "descriptors_of", "to_proto"]
+__all__ = ["RateLimitServicer", "RlsServer", "descriptors_of", "server_credentials", "to_proto"]

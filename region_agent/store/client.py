@@ -2,8 +2,9 @@
 
 ``--redis-url`` says which (:func:`parse_store_url`):
 
-* ``redis://[user[:password]@]host:port/db`` (``rediss://`` for TLS): one Redis node;
-* ``redis+cluster://[user[:password]@]host:port[,host:port...]`` (or ``--redis-cluster true``):
+* ``redis://[user[:password]@]host:port/db`` (``rediss://`` for TLS, ``unix:///path`` for a
+  socket): one Redis node;
+* ``redis+cluster://[user[:password]@]host:port[,host:port...]`` (or ``--redis-cluster``):
   a Redis Cluster found from those seed nodes; the agent reads its slot map and keeps one
   client per primary (region_agent.store.cluster);
 * ``redis+sentinel://[user[:password]@]host:port[,host:port...]/service[/db]``: the primary
@@ -95,6 +96,10 @@ def parse_store_url(url: str, *, cluster: bool = False) -> StoreUrl:
         raise ValueError("the Redis URL needs a scheme (redis://, rediss://, redis+cluster://, redis+sentinel://)")
     scheme, rest = url.split("://", 1)
     base, _, suffix = scheme.partition("+")
+    if base == "unix" and not suffix and not cluster:  # a socket path: one node (redis-py parses the rest)
+        if not rest.split("?", 1)[0].strip("/"):
+            raise ValueError("a unix:// URL needs the socket's path: unix:///path/to/redis.sock")
+        return StoreUrl(STANDALONE, "unix", "", (), query=rest.partition("?")[2])
     if base not in ("redis", "rediss") or suffix not in ("", "cluster", "sentinel"):
         raise ValueError(f"unknown Redis URL scheme {scheme!r}")
     kind = {"": CLUSTER if cluster else STANDALONE, "cluster": CLUSTER, "sentinel": SENTINEL}[suffix]

@@ -42,7 +42,7 @@ from kernel.errors import AmbiguousOutcome, LeaseholdError, StoreUnavailable
 
 from ..call import ScriptCall
 from . import scripts as sc
-from .breaker import CLOSED
+from .breaker import CLOSED, STATE_NAMES
 from .gateway import StoreGateway
 from .lag import LoopLag
 from .slots import SLOTS, SlotMap, slot_of, split_name
@@ -413,6 +413,17 @@ class ClusterStore:
     def shard_of(self, key: str) -> str:
         """The primary owning ``key`` (``unknown`` before the topology is read)."""
         return self.map.owner_of(key) or "unknown"
+
+    async def health(self) -> list[dict[str, Any]]:
+        """Per primary of the map: its slots, whether it answers a PING now (each bounded by the
+        socket timeout, all at once), its breaker and whether its scripts are loaded
+        (``GET /v1/health/store``)."""
+        names = self.map.primaries()
+        pings = await asyncio.gather(*(self._node(n).ping() for n in names))
+        counts = self.map.slot_counts()
+        return [{"shard": n, "slots": counts.get(n, 0), "reachable": bool(ok),
+                 "breaker": STATE_NAMES[self.nodes[n].breaker.state], "scriptsLoaded": self.nodes[n].scripts_loaded}
+                for n, ok in zip(names, pings, strict=True)]
 
     def breakers(self) -> dict[str, int]:
         """Breaker state per primary of the map."""
