@@ -72,17 +72,21 @@ def test_the_command(capsys):
     assert main(["capacity", "--calls-per-s", "500000", "--active-keys", "2,000,000"]) == 0
     out = capsys.readouterr().out
     assert "shards:" in out and "primaries" in out and "per copy" in out and "hottest key" in out
-    assert main(["capacity", "--calls-per-s", "1000", "--active-keys", "10", "--rules", "5", "--json"]) == 0
+    assert main(["capacity", "--calls-per-s", "1000", "--active-keys", "10", "--rules", "5", "-o", "json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["plan"]["rules"] == 5 and got["plan"]["shards"] >= 1
 
 
 def test_the_command_refuses_bad_input_with_a_message(capsys, tmp_path):
     assert main(["capacity", "--calls-per-s", "10", "--active-keys", "1", "--algorithm", "nope"]) == 2
-    assert "no measured bytes per key for 'nope'" in capsys.readouterr().err
+    assert "leasehold: no measured bytes per key for 'nope'" in capsys.readouterr().err
     missing = tmp_path / "none.json"
     assert main(["capacity", "--calls-per-s", "10", "--active-keys", "1", "--results", str(missing)]) == 2
-    assert "Traceback" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot read" in err and "Traceback" not in err
+    assert main(["-o", "json", "capacity", "--calls-per-s", "10", "--active-keys", "1", "--rules", "3",
+                 "--results", str(missing)]) == 2
+    assert json.loads(capsys.readouterr().out)["error"]["exit"] == 2
     for bad in (["--calls-per-s", "0"], ["--calls-per-s", "x"], ["--active-keys", "-5"], ["--rules", "9"]):
         args = {"--calls-per-s": "10", "--active-keys": "1"} | dict(zip(bad[0::2], bad[1::2], strict=True))
         with pytest.raises(SystemExit) as e:
