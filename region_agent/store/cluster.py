@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 FAST_REFRESH_S = 0.5  # re-read period while a breaker is open or a slot has no known owner
 MIN_REFRESH_GAP_S = 0.1  # at most ten topology reads a second, whatever asks for them
+FIRST_READ_S = 2.0  # the first read of the map (at start: new connections, maybe a busy machine) per node
 RETIRE_AFTER_S = 2.0  # a retired primary's gateway is closed this long after it left the map
 
 NodeFactory = Callable[[str, Callable[[bool], None]], StoreGateway]  # (host:port, on_reachability) -> gateway
@@ -151,15 +152,15 @@ class ClusterStore:
         healthy = [n for n in self.map.primaries() if n in self.nodes and self.nodes[n].breaker.state == CLOSED]
         return list(dict.fromkeys(healthy + self.map.nodes() + self.seeds))
 
-    async def refresh(self) -> bool:
+    async def refresh(self, timeout_s: float | None = None) -> bool:
         """Read the slot map from the first node that answers (each read bounded by
-        ``topology_timeout_s``) and apply it; False when no node answered."""
+        ``timeout_s``, default ``topology_timeout_s``) and apply it; False when no node answered."""
         if self._refresh_lock is None:
             self._refresh_lock = asyncio.Lock()
         async with self._refresh_lock:
             for name in self._candidates():
                 try:
-                    reply = await asyncio.wait_for(self._cluster_slots(name), self.topology_timeout_s)
+                    reply = await asyncio.wait_for(self._cluster_slots(name), timeout_s or self.topology_timeout_s)
                     fresh = SlotMap.from_cluster_slots(reply, name)
                 except Exception as e:  # unreachable, hung, not a cluster node: ask the next one
                     log.debug("CLUSTER SLOTS from %s failed: %s", name, type(e).__name__)
@@ -269,6 +270,12 @@ class ClusterStore:
 
     async def _send(self, name: str | None, calls: list[ScriptCall], wait_s: float | None,
                     deadline: float | None) -> list[Any]:
+        if name is None and not self.map.primaries():  # no map yet (the first read failed): read it now
+            remaining = FIRST_READ_S if deadline is None else deadline - time.monotonic()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.refresh(max(remaining, 0.001)), max(remaining, 0.001))
+            name = self.map.owner_of(calls[0][1][0]) if calls and calls[0][1] else None
+            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
         if name is None:
             self.want_refresh()
             raise StoreUnavailable("no Redis Cluster primary known for the key's slot")
@@ -382,7 +389,7 @@ class ClusterStore:
     async def load(self) -> None:
         """Read the topology if it is not known yet, then load the scripts on every primary;
         ``StoreUnavailable`` when no primary could be reached."""
-        if not self.map.primaries() and not await self.refresh():
+        if not self.map.primaries() and not await self.refresh(max(FIRST_READ_S, self.topology_timeout_s)):
             raise StoreUnavailable("no Redis Cluster node answered")
         results = await asyncio.gather(*(self._node(n).load() for n in self.map.primaries()), return_exceptions=True)
         if not any(r is None for r in results):

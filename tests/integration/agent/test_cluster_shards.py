@@ -149,7 +149,10 @@ async def test_a_stopped_primary_degrades_only_the_tenants_whose_slots_it_owns(c
     exports = [s for s in stalled if s.route == "export"]
     assert reads and exports
     assert all(s.d["fallback"] for s in reads), [(s.sent - stopped_at, s.received - stopped_at, s.d["source"], s.d["reason"]) for s in reads if not s.d["fallback"]][:5]
-    assert any(s.d["allowed"] for s in reads)  # P-READ's local bucket (local_bounded)
+    # P-READ's local bucket (local_bounded) admitted some (4 users x 5 tokens, then 0.25 a second each:
+    # the load may use them up within the first second of the outage)
+    assert any(s.d["allowed"] and s.d["source"] == "local_fallback" for s in seen
+               if s.tenant == ON_FIRST and s.route == "read" and stopped_at < s.received < resumed_at)
     assert all(s.d["httpStatus"] == 503 and s.d["reason"] == "LIMITER_UNAVAILABLE" for s in exports), \
         [s.d for s in exports][:3]  # the export rule fails closed
     # the bound: each user's local bucket admitted at most its capacity plus its refill over the outage
