@@ -118,6 +118,8 @@ async def test_a_stopped_primary_degrades_only_the_tenants_whose_slots_it_owns(c
                     text = (await c.get(base + "/metrics")).text
                     if metric(text, "leasehold_agent_breaker_state", shard=name(first)) == 2:
                         down_metrics = text
+                health = await c.get(base + "/v1/health/store")  # per primary; readiness stays 200
+                ready = await c.get(base + "/readyz")
             finally:
                 resumed_at = time.monotonic()
                 first.proc.signal(signal.SIGCONT)
@@ -135,6 +137,10 @@ async def test_a_stopped_primary_degrades_only_the_tenants_whose_slots_it_owns(c
             end = (await c.get(base + "/metrics")).text
 
     assert down_metrics, "the stopped primary's breaker was never seen open"
+    assert ready.status_code == 200
+    assert health.status_code == 503 and health.json()["store"] == "degraded", health.text
+    assert {sh["shard"]: sh["reachable"] for sh in health.json()["shards"]} == {
+        name(n): n is not first for n in cluster.nodes}
     # the tenants of the other primaries: no fallback, no 503, from start to end
     elsewhere = [s for s in seen if s.tenant in ELSEWHERE]
     assert len(elsewhere) > 100
