@@ -236,9 +236,10 @@ class RedisServer:
                               timeout=10, check=True).stdout.strip()
 
 
-# Commands the region agent really sends (scripts, readiness, store health) and the commands its
+# Commands the region agent really sends (scripts, readiness, store health; for Redis Cluster its
+# slot-map read and the ASKING before a call sent to a slot's migration target) and the commands its
 # Lua scripts call — scripts run under the caller's ACL user. Keys: ``rl:*`` only.
-AGENT_COMMANDS = ("evalsha", "eval", "script|load", "script|exists", "ping", "info", "time",
+AGENT_COMMANDS = ("evalsha", "eval", "script|load", "script|exists", "ping", "info", "time", "cluster|slots", "asking",
                   "get", "set", "hget", "hmget", "hset", "hdel", "hexists", "hgetall", "hlen", "pexpire", "pttl",
                   "zadd", "zcount", "zrange", "zrangebyscore", "zrem", "zremrangebyscore", "zscore")
 
