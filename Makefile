@@ -1,41 +1,78 @@
 # Leasehold — every target does its own set-up on a fresh Debian machine and is idempotent.
+# System packages come from apt (as root, or through sudo); Python packages go into .venv at the
+# exact versions of constraints.txt (the versions the tests ran with).
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-STAMP := $(VENV)/.installed
-SYSTEM_BINARIES := redis-server redis-cli etcd etcdctl faketime iptables ip nginx
-APT_PACKAGES := redis-server redis-tools etcd-server etcd-client faketime iptables iproute2 nginx
+CONSTRAINTS := constraints.txt
+# what `make run` needs: the services' own servers, the venv, openssl (TLS helpers of leasehold up),
+# curl and jq (the README's examples)
+RUN_BINARIES := redis-server redis-cli etcd etcdctl openssl curl jq
+RUN_PACKAGES := redis-server redis-tools etcd-server etcd-client openssl python3-venv curl jq
+# what `make test` needs besides: redis-sentinel (the Sentinel failover tests), fault injection
+# (faketime, iptables, ip), nginx (a gateway under test), docker-compose (validates
+# deploy/docker-compose.yml; no container engine needed), prometheus and promtool (the shipped
+# scrape config and alert rules, run for real)
+TEST_BINARIES := $(RUN_BINARIES) redis-sentinel faketime iptables ip nginx docker-compose prometheus promtool
+TEST_PACKAGES := $(RUN_PACKAGES) redis-sentinel faketime iptables iproute2 nginx docker-compose prometheus
 PYTEST_ARGS ?=
 
-.PHONY: help setup system-deps venv run test test-unit test-integration test-e2e chaos chaos-short bench lint clean readme-tables policies
+.PHONY: help setup setup-run system-deps-run system-deps venv-demo venv-test run test test-unit \
+        test-integration test-e2e chaos chaos-short bench lint clean doc-tables constraints policies
 
 help:
-	@echo "make run    - set everything up, start the local two-region topology, drive the live demo"
-	@echo "make test   - set everything up and run the whole test suite (unit, integration, e2e, short chaos)"
+	@echo "make run    - set up what the demo needs, start the local two-region topology, drive the live demo"
+	@echo "make test   - set up everything and run the whole test suite (about 14 minutes on 2 cores)"
 	@echo "make bench  - benchmarks (ratios against Redis/etcd/peer ceilings measured in the same run)"
 	@echo "make chaos  - the full chaos profile (long; not run by CI)"
 
-setup: system-deps venv
+# apt-get as root, else through sudo; otherwise say exactly what to install and stop
+define apt_install
+@missing=""; for b in $(1); do command -v $$b >/dev/null 2>&1 || missing="$$missing $$b"; done; \
+python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing="$$missing python3-venv"; \
+if [ -n "$$missing" ]; then \
+  echo "installing system packages (missing:$$missing)"; \
+  if [ "$$(id -u)" = 0 ]; then SUDO=""; \
+  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+  else echo "make needs these Debian packages: $(2)" >&2; \
+       echo "run make as root or with password-less sudo, or install them first: apt-get install $(2)" >&2; \
+       exit 1; fi; \
+  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(2) >/dev/null; \
+fi
+endef
+
+system-deps-run:
+	$(call apt_install,$(RUN_BINARIES),$(RUN_PACKAGES))
 
 system-deps:
-	@missing=""; for b in $(SYSTEM_BINARIES); do command -v $$b >/dev/null 2>&1 || missing="$$missing $$b"; done; \
-	if [ -n "$$missing" ]; then \
-	  echo "installing system packages (missing:$$missing)"; \
-	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES) >/dev/null; \
-	fi
+	$(call apt_install,$(TEST_BINARIES),$(TEST_PACKAGES))
 
-venv: $(STAMP)
+# the checkout's root on the venv's path: chaos/, devtools/ and leasehold/bench are not in the
+# wheel (nor in its editable mapping) but run from here
+define venv_base
+@test -x $(PY) || python3 -m venv $(VENV)
+@echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/leasehold-checkout.pth"
+endef
 
-$(STAMP): pyproject.toml
-	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test]'
-	@touch $(STAMP)
+venv-demo: $(VENV)/.installed-demo
+$(VENV)/.installed-demo: pyproject.toml $(CONSTRAINTS)
+	$(venv_base)
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[demo]'
+	@touch $@
 
-run: setup
+venv-test: $(VENV)/.installed-test
+$(VENV)/.installed-test: pyproject.toml $(CONSTRAINTS)
+	$(venv_base)
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[test]'
+	@touch $@ $(VENV)/.installed-demo
+
+setup-run: system-deps-run venv-demo
+
+setup: system-deps venv-test
+
+run: setup-run
 	$(VENV)/bin/leasehold demo
 
 test: setup
@@ -58,17 +95,21 @@ chaos-short: setup
 
 BENCH_ARGS ?=
 bench: setup
-	@command -v redis-benchmark >/dev/null 2>&1 || { SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-tools >/dev/null; }
-	@[ $(VENV)/.bench-installed -nt pyproject.toml ] || { $(PIP) install -q -e '.[test,bench]' && touch $(VENV)/.bench-installed; }
+	$(call apt_install,redis-benchmark,redis-tools)
+	@[ $(VENV)/.bench-installed -nt $(CONSTRAINTS) ] || { $(PIP) install -q -c $(CONSTRAINTS) -e '.[test,bench]' && touch $(VENV)/.bench-installed; }
 	$(PY) -m leasehold.bench $(BENCH_ARGS)
+
+doc-tables: setup
+	$(PY) -m devtools.doc_tables --write
+
+# rewrite constraints.txt from this venv after a deliberate upgrade (then run make test)
+constraints: setup
+	@[ $(VENV)/.bench-installed -nt $(CONSTRAINTS) ] || $(PIP) install -q -e '.[test,bench]'
+	$(PY) -m devtools.constraints --write
 
 # the sample bundles compiled from their sources, and the JSON Schemas (docs/schema/)
 policies: setup
 	$(PY) policies/build.py
-
-readme-tables: setup
-	$(PY) -m leasehold.readme_tables --write
 
 lint: setup
 	$(VENV)/bin/ruff check .

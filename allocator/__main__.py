@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
 from kernel.config import ConfigError
@@ -17,14 +16,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"allocator: {e.message}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kernel.logs import configure
+
+    log_config = configure(settings.log_level, settings.log_format)
     from kernel.httpserver import quiet_request_logs, serve
 
     from .app import create_app
 
     try:
-        app = create_app(settings)
+        app = create_app(settings, install_signal_handlers=True)
     except PolicyError as e:
         print(f"allocator: {e.detail}", file=sys.stderr)
         for err in e.errors:
@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     quiet_request_logs(settings.log_level)
     serve(app, host=settings.host, port=settings.port, limits=settings.http_limits(), log_level=settings.log_level,
-          access_log=settings.access_log, ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file)
+          access_log=settings.access_log, ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file,
+          log_config=log_config)
     return 0
 
 

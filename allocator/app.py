@@ -20,11 +20,11 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.params import FromPath, FromQuery, JSONBody
 
+from kernel import tracing
 from kernel.auth import SCOPE_KEY, RegionAuth, TokenTable, require_region
 from kernel.bundle import Bundle, load_bundle_file
 from kernel.errors import BadRequest, Unavailable, ValidationFailed
 from kernel.etcd_store import EtcdStore
-from kernel.etcd_tls import credentials as tls_credentials
 from kernel.http_errors import exception_handlers, problem_response
 from kernel.ids import LEASE_ID, LEASE_ID_RE, REGION, REGION_RE, human
 from kernel.jsonbody import StrictJSONRequest
@@ -67,7 +67,7 @@ Guard = Callable[[ASGIConnection, BaseRouteHandler], Any]
 async def region_auth_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
     """Authentication of the lease endpoints: runs the app's check, by default
     :class:`kernel.auth.RegionAuth` (a region's bearer token, else 401); none with
-    ``--auth-disabled true``. ``create_app(auth_guard=...)`` plugs another check in here."""
+    ``--auth-disabled``. ``create_app(auth_guard=...)`` plugs another check in here."""
     check = connection.app.state.get("auth_guard")
     if check is not None:
         result = check(connection, handler)
@@ -220,16 +220,41 @@ async def healthz() -> dict[str, str]:
 
 @get("/readyz", media_type=MediaType.JSON)
 async def readyz(state: State) -> Response[Any]:
-    election = _engine(state).election
+    """Ready = this replica answers: started, its shard configuration agrees with etcd's, not
+    shutting down. An etcd outage does not make it unready (it answers a retriable 503 and the
+    agents fall back to their bounded allowances either way); etcd's health is ``/v1/health/store``."""
+    if state.get("shutting_down"):
+        return problem_response(Unavailable("not ready: shutting down"))
+    engine = state.get("engine")
+    if engine is None:
+        return problem_response(Unavailable("not ready: starting"))
+    election = engine.election
     if isinstance(election, ShardElection) and election.config_error:
         return problem_response(Unavailable(f"not ready: {election.config_error}"))
-    if not (election.etcd_ok and election.role_known):
-        return problem_response(Unavailable("not ready: etcd unreachable or role unknown",
-                                            extra={"etcd": election.etcd_ok, "roleKnown": election.role_known}))
-    body: dict[str, Any] = {"status": "ready", "role": "leader" if election.is_leader else "follower",
-                            "epoch": election.leader.epoch}
+    body: dict[str, Any] = {"status": "ready", "role": _role(election), "epoch": election.leader.epoch}
     if isinstance(election, ShardElection):
         body |= {"shards": election.shards, "shardsLed": len(election.led)}
+    return Response(content=body, media_type=MediaType.JSON)
+
+
+def _role(election: Election | ShardElection) -> str:
+    if not election.role_known:
+        return "unknown"
+    return "leader" if election.is_leader else "follower"
+
+
+@get("/v1/health/store", media_type=MediaType.JSON)
+async def store_health(state: State) -> Response[Any]:
+    """200 while etcd answers and this replica knows its role, else 503 (grants are then refused
+    as retriable and the agents spend their fallback allowances). For monitoring, not a probe."""
+    engine = state.get("engine")
+    if engine is None:
+        return problem_response(Unavailable("etcd not connected yet"))
+    election = engine.election
+    body = {"etcd": "reachable" if election.etcd_ok else "unreachable", "role": _role(election),
+            "epoch": election.leader.epoch}
+    if not (election.etcd_ok and election.role_known):
+        return problem_response(Unavailable("etcd unreachable or role unknown", extra=body))
     return Response(content=body, media_type=MediaType.JSON)
 
 
@@ -238,13 +263,30 @@ async def metrics(state: State) -> Response[bytes]:
     return Response(content=_engine(state).metrics.render(), media_type=CONTENT_TYPE)
 
 
+def lease_spans(app: Any) -> Any:
+    """ASGI middleware: with tracing on, a ``leasehold.lease_request`` server span per lease and
+    usage request, child of the region's span when it sent a ``traceparent`` (kernel.tracing);
+    the committer links each transaction to the spans of the requests it carries."""
+
+    async def serve(scope: dict, receive: Any, send: Any) -> None:
+        if not tracing.ENABLED or scope["type"] != "http" or not scope["path"].startswith(("/v1/leases", "/v1/usage")):
+            await app(scope, receive, send)
+            return
+        with tracing.span("leasehold.lease_request", kind=tracing.SpanKind.SERVER,
+                          parent=tracing.context_of(scope.get("headers", ())),
+                          attributes={"http.request.method": scope["method"], "url.path": scope["path"]}):
+            await app(scope, receive, send)
+
+    return serve
+
+
 # -- assembly -----------------------------------------------------------------------------------
 def etcd_credentials(settings: AllocatorSettings) -> dict[str, Any]:
     """etcd user and password (password from LEASEHOLD_ALLOCATOR_ETCD_PASSWORD or a file), and
-    TLS channel credentials when --etcd-ca-file is set."""
-    out: dict[str, Any] = {}
-    if settings.etcd_ca_file:
-        out["tls"] = tls_credentials(settings.etcd_ca_file, settings.etcd_cert_file, settings.etcd_key_file)
+    the TLS channel credentials of the link (``allocator.settings.etcd_tls``)."""
+    from .settings import etcd_tls
+
+    out: dict[str, Any] = {"tls": etcd_tls(settings)}
     if not settings.etcd_user:
         return out
     import os
@@ -258,7 +300,7 @@ def etcd_credentials(settings: AllocatorSettings) -> dict[str, Any]:
 
 def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
                clock: Callable[[], int] = wall_ms, auth_guard: Guard | None = None,
-               fast_path: bool = True) -> Litestar:
+               fast_path: bool = True, install_signal_handlers: bool = False) -> Litestar:
     """Build the app. The etcd client, election and committer start in the app's lifespan.
     ``fast_path``: serve the batch routes' common case without Litestar (``allocator.fastpath``)."""
     bundle = bundle if bundle is not None else load_bundle_file(settings.policy)
@@ -269,6 +311,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         auth_guard = RegionAuth(TokenTable.parse(settings.region_tokens, settings.region_tokens_file))
     m = AllocatorMetrics()
     m.describe_pools(bundle.pools)
+    tracing.setup("leasehold-allocator", settings.otlp_endpoint, settings.trace_sample_ratio)  # off without an endpoint
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -307,17 +350,28 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         watcher = follower.watcher(PolicyStore(store, settings.prefix), settings.policy_reread_ms / 1000)
         if settings.policy_from_etcd:
             watcher.start()
+        undo_termination = None
+        if install_signal_handlers:  # SIGTERM: unready at once, before uvicorn drains
+            from kernel.httpserver import on_termination
+
+            def terminating() -> None:
+                app.state.shutting_down = True
+            undo_termination = on_termination(terminating)
         try:
             yield
         finally:
+            app.state.shutting_down = True
+            if undo_termination is not None:
+                undo_termination()
             await watcher.stop()
             await compactor.stop()
             await election.stop()
             await engine.stop()
             await store.close()
+            tracing.shutdown()
 
     handlers: list[Any] = [post_lease, post_batch, post_usage, post_usage_batch, get_lease, get_leader, get_shards, get_pools,
-                           get_pool, healthz, readyz, metrics]
+                           get_pool, healthz, readyz, store_health, metrics]
     app = Litestar(
         route_handlers=handlers,
         lifespan=[lifespan],
@@ -326,7 +380,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         # shutdown report line) is lost
         logging_config=None,
         state=State({"auth_guard": auth_guard, "settings": settings}),
-        middleware=[batch_fast_path(lambda: app.state, settings.max_body_bytes)] if fast_path else [],
+        middleware=[lease_spans, *([batch_fast_path(lambda: app.state, settings.max_body_bytes)] if fast_path else [])],
         exception_handlers=exception_handlers(validation_status=VALIDATION_STATUS),
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Leasehold allocator", version="1.0.0", path="/schema"),

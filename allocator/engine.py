@@ -44,6 +44,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from kernel import tracing
 from kernel.bundle import Pool
 from kernel.errors import (
     Conflict,
@@ -139,7 +140,7 @@ class _Wait:
 class _Item:
     """A grant request on its way through the committer (a :class:`allocator.grouping.Queued`)."""
 
-    __slots__ = ("req", "wait", "shard", "epoch", "pool", "result", "error", "done", "joiners")
+    __slots__ = ("req", "wait", "shard", "epoch", "pool", "result", "error", "done", "joiners", "trace")
     is_grant = True
 
     def __init__(self, req: Any, wait: _Wait, shard: int, epoch: int):
@@ -152,6 +153,7 @@ class _Item:
         self.error: LeaseholdError | None = None
         self.done = False
         self.joiners: list[_Item] = []  # requests for the same lease id that arrived while this one was queued
+        self.trace = tracing.current_context() if tracing.ENABLED else None  # its request's span (a commit links it)
         wait.open += 1
 
     @property
@@ -514,6 +516,18 @@ class Engine:
         self._wake()
 
     async def _run_unit(self, unit: Unit) -> None:
+        traces = [it.trace for it in unit.items if it.trace is not None] if tracing.ENABLED else []
+        if not traces:
+            return await self._run_unit_now(unit)
+        # one transaction for requests of several traces: the first request's span is its parent,
+        # every request's span is linked
+        with tracing.span("leasehold.allocator_commit", parent=traces[0], links=traces,
+                          attributes={"leasehold.kind": "grants" if unit.is_grant else "reports",
+                                      "leasehold.items": len(unit.items),
+                                      "leasehold.pools": sorted(unit.pools)}):
+            await self._run_unit_now(unit)
+
+    async def _run_unit_now(self, unit: Unit) -> None:
         items = unit.items
         held: set[tuple[str, int]] = set()
         try:

@@ -17,6 +17,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kernel.build_info import BuildInfo
+from kernel.metrics_exposition import standard_collectors
 from kernel.policy_metrics import policy_metrics
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -122,6 +124,9 @@ class AllocatorMetrics:
             "allocator", r, offered="from etcd", age="Seconds since the policy key was last read from etcd")
         self.window_fill = WindowFill()
         r.register(self.window_fill)
+        self.build_info = BuildInfo()
+        r.register(self.build_info)
+        standard_collectors(r)  # process (memory, CPU, open fds), platform, GC
         self.etcd_latency = Histogram("leasehold_allocator_etcd_request_seconds", "etcd request latency",
                                       ["op"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                                        1, 2.5), registry=r)

@@ -32,6 +32,30 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return r
 
 
+CAP_NET_ADMIN = 12
+NEEDS = ("needs root or CAP_NET_ADMIN (network namespaces, veth, iptables, cgroups): run `make test` "
+         "as root or with sudo, or grant the capability")
+
+
+def has_net_admin(status: str | None = None) -> bool:
+    """Whether this process holds CAP_NET_ADMIN (root normally does), from ``/proc/self/status``."""
+    if status is None:
+        try:
+            status = Path("/proc/self/status").read_text()
+        except OSError:
+            return os.geteuid() == 0
+    for line in status.splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
+    return os.geteuid() == 0
+
+
+def require_net_admin() -> None:
+    """Refuse with a message that says what is missing, instead of an obscure `ip` failure."""
+    if not has_net_admin():
+        raise NetError(NEEDS)
+
+
 def _tag() -> str:
     return f"lhchaos-{os.getpid()}-{next(_counter)}"
 
@@ -60,6 +84,7 @@ class NetnsPair:
         self.a_ip, self.b_ip = self.a_ip or f"10.213.{third}.1", self.b_ip or f"10.213.{third}.2"
 
     def create(self) -> NetnsPair:
+        require_net_admin()
         try:
             for ns in (self.a, self.b):
                 run("ip", "netns", "add", ns)
@@ -167,6 +192,7 @@ class MemberIsolation:
     _old_cgroup: Path | None = None
 
     def apply(self) -> None:
+        require_net_admin()
         try:
             root = cgroup2_root()
             self._cgroup = root / self.tag

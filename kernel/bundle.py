@@ -72,6 +72,11 @@ class Bundle(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
     signature: str | None = None
 
 
+# Rule fields added after bundles were sealed and signed: written (and covered by the checksum)
+# only when not at their default, so every existing bundle keeps its bytes and its checksum.
+OPTIONAL_RULE_FIELDS: dict[str, object] = {"everyRequest": False}
+
+
 # --------------------------------------------------------------------------------------------
 def rule_doc(rule: Rule) -> dict[str, Any]:
     """A rule as the format writes it: every field (defaults included) in the flat order, the
@@ -79,6 +84,9 @@ def rule_doc(rule: Rule) -> dict[str, Any]:
     an algorithm added since."""
     own = msgspec.to_builtins(rule)
     doc = {k: own.pop(k) if k in own else FLAT_RULE_FIELDS[k] for k in FLAT_RULE_ORDER}
+    for k, default in OPTIONAL_RULE_FIELDS.items():
+        if own.get(k, default) == default:
+            own.pop(k, None)
     doc.update(own)
     return doc
 
@@ -177,6 +185,13 @@ def rule_applies(rule: Rule, *, tenant: str | None, route_group: str, principal_
     return True  # route, tenant, global
 
 
+def every_request_rules(rules: Iterable[Rule], *, route_group: str) -> list[Rule]:
+    """The pre-authentication stage an authenticated request also spends: the ip rules marked
+    ``everyRequest`` that an anonymous request on ``route_group`` selects."""
+    return [r for r in select_rules(rules, tenant=None, route_group=route_group, principal_type="anonymous",
+                                    has_key=False) if r.every_request]
+
+
 def select_rules(
     rules: Iterable[Rule], *, tenant: str | None, route_group: str, principal_type: str, has_key: bool
 ) -> list[Rule]:
@@ -217,6 +232,10 @@ def _rule_problems(r: Rule, pools: dict[str, Pool]) -> list[str]:
         p.append(f"{name}: tenant must match {TENANT_RE.pattern}")
     if r.scope == "ip" and r.tenant is not None:
         p.append(f"{name}: ip-scoped rules are pre-authentication and cannot name a tenant")
+    if r.every_request and r.scope != "ip":
+        p.append(f"{name}: everyRequest is for ip-scoped rules (the pre-authentication stage of every request)")
+    if r.every_request and r.concurrency_max is not None:
+        p.append(f"{name}: an everyRequest rule carries no concurrency gate")
     p.extend(f"{name}: {problem}" for problem in r.problems(pools))  # the algorithm's own
     if r.scope == "global" and r.role is not Role.POOL:
         p.append(f"{name}: global scope needs algorithm pool: a direct global key would cross hash slots "
@@ -361,6 +380,6 @@ def _request_set_problems(rules: list[Rule]) -> list[str]:
 
 
 __all__ = ["ALGORITHMS", "MAX_RULES_PER_REQUEST", "SCOPE_ORDER", "Bundle", "Fallback", "NonNegInt", "Pool",
-           "PosInt", "Rule", "canonical_payload", "compute_checksum", "decode_bundle", "encode_bundle",
+           "PosInt", "Rule", "canonical_payload", "compute_checksum", "decode_bundle", "encode_bundle", "every_request_rules",
            "load_bundle_file", "make_rule", "rule_applies", "rule_doc", "script_slots", "seal", "select_rules",
            "validate_bundle"]

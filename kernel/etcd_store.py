@@ -30,6 +30,7 @@ from aetcd import rpc
 from aetcd.client import Transactions
 
 from .errors import LeaseholdError, StoreUnavailable, Unavailable
+from .etcd_endpoints import endpoints_scheme, parse_endpoints
 from .etcd_tls import TlsClient
 
 log = logging.getLogger("allocator.etcd")
@@ -82,23 +83,6 @@ class KV:
     mod_revision: int
     version: int
     lease: int = 0
-
-
-def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
-    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
-    out: list[tuple[str, int]] = []
-    for raw in items:
-        item = raw.strip()
-        if not item:
-            continue
-        item = item.removeprefix("http://").removeprefix("https://")
-        host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"etcd endpoint {raw!r} must be host:port")
-        out.append((host, int(port)))
-    if not out:
-        raise ValueError("at least one etcd endpoint is needed")
-    return out
 
 
 def _kv(get: Any) -> KV:
@@ -161,9 +145,14 @@ class EtcdStore:
                  user: str | None = None, password: str | None = None,
                  tls: grpc.ChannelCredentials | None = None, max_txn_ops: int | None = None):
         self.endpoints = parse_endpoints(endpoints)
+        scheme = endpoints_scheme(endpoints)
+        if tls is not None and scheme == "http":
+            raise ValueError("TLS credentials given for http:// etcd endpoints")
+        if tls is None and scheme == "https":
+            tls = grpc.ssl_channel_credentials()  # an https:// endpoint is never dialled in plaintext
         self.max_txn_ops = max(MAX_TXN_OPS, max_txn_ops or MAX_TXN_OPS)
         self.txn_ops_known = max_txn_ops is not None  # configured, or discovered from the cluster
-        self._tls = tls  # kernel.etcd_tls.credentials(...) for https:// etcd endpoints
+        self._tls = tls  # kernel.etcd_tls.link_credentials(...): None = plaintext
         self._auth = {"username": user, "password": password} if user else {}  # etcd authentication
         self.timeout_s = timeout_s
         self.t = Transactions()  # compare/op builders (stateless)

@@ -223,10 +223,12 @@ _HEAD, _BODY, _IDLE = 0, 1, 2
 
 def serve(app: Any, *, host: str, port: int, limits: HttpLimits, log_level: str, access_log: bool = False,
           workers: int = 1, factory: bool = False, ssl_certfile: str | None = None,
-          ssl_keyfile: str | None = None) -> None:
+          ssl_keyfile: str | None = None, log_config: dict[str, Any] | None = None) -> None:
     """Run ``app`` (an ASGI app, or an import string with ``factory``) on uvicorn with uvloop and
-    :class:`BoundedHttpToolsProtocol`; ``workers > 1`` needs an import string."""
-    config = LimitedConfig(app, host=host, port=port, loop="uvloop", http=BoundedHttpToolsProtocol,
+    :class:`BoundedHttpToolsProtocol`; ``workers > 1`` needs an import string. ``log_config``: the
+    logging document every process applies (kernel.logs), else uvicorn's own."""
+    extra: dict[str, Any] = {"log_config": log_config} if log_config is not None else {}
+    config = LimitedConfig(app, host=host, port=port, loop="uvloop", http=BoundedHttpToolsProtocol, **extra,
                            log_level=log_level, access_log=access_log, lifespan="on", factory=factory,
                            workers=workers if workers > 1 else None, ssl_certfile=ssl_certfile,
                            ssl_keyfile=ssl_keyfile, limits=limits)

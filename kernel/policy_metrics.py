@@ -8,6 +8,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from .metrics_exposition import FunctionGauge
+
 # every outcome of offering a bundle to a service (each series exists from the start, at 0)
 RELOAD_OUTCOMES = ("accepted", "stale", "invalid", "unsigned", "untrusted_key", "bad_signature")
 
@@ -20,8 +22,10 @@ def policy_metrics(service: str, registry: CollectorRegistry, *, offered: str, a
                       ["outcome"], registry=registry)
     for outcome in RELOAD_OUTCOMES:
         reloads.labels(outcome)
-    version = Gauge(f"leasehold_{service}_policy_version", "Bundle version in force", registry=registry)
-    age_gauge = Gauge(f"leasehold_{service}_policy_age_seconds", age, registry=registry)
+    # with several agent workers: the oldest version any live worker holds
+    version = Gauge(f"leasehold_{service}_policy_version", "Bundle version in force", registry=registry,
+                    multiprocess_mode="livemin")
+    age_gauge = FunctionGauge(f"leasehold_{service}_policy_age_seconds", age, registry=registry)
     return reloads, version, age_gauge
 
 

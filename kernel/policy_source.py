@@ -152,6 +152,7 @@ class SourceRule(Struct, rename="camel", forbid_unknown_fields=True, frozen=True
     ipv6_prefix: Annotated[int, Meta(ge=16, le=128)] | None = None
     exempt: bool = False
     owner: str | None = None
+    every_request: bool = False  # ip rules: the pre-authentication stage of every request
 
 
 class BucketSource(SourceRule, frozen=True):
@@ -233,7 +234,7 @@ _DURATIONS = (("concurrency_ttl", "concurrency_ttl_ms"), ("concurrency_retry_aft
 _AS_IS = (("scope", "scope"), ("fail_mode", "fail_mode"), ("route_group", "route_group"), ("tenant", "tenant"),
           ("concurrency", "concurrency_max"), ("idempotent", "idempotent"), ("shadow", "shadow"),
           ("revocable", "revocable"), ("ipv4_prefix", "ipv4_prefix"), ("ipv6_prefix", "ipv6_prefix"),
-          ("exempt", "exempt"), ("owner", "owner"))
+          ("exempt", "exempt"), ("owner", "owner"), ("every_request", "every_request"))
 _POOL_DURATIONS = (("lease_ttl", "lease_ttl_ms"), ("prefetch", "prefetch_ms"), ("active_horizon", "active_horizon_ms"),
                    ("chunk_validity", "chunk_validity_ms"))
 _POOL_AS_IS = (("chunk_min", "chunk_min"), ("chunk_max", "chunk_max"),
@@ -379,7 +380,7 @@ def _per(ms: int) -> str:
 RULE_ORDER = ("id", "scope", "routeGroup", "tenant", "algorithm", "rate", "burst", "limit", "pool", "cost",
               "concurrency", "concurrencyTtl", "concurrencyRetryAfter", "failMode", "fallback", "closedRetryAfter",
               "idempotent", "decisionTtl", "ttlSlack", "shadow", "revocable", "ipv4Prefix", "ipv6Prefix", "exempt",
-              "owner")
+              "owner", "everyRequest")
 
 
 def rule_source(rule: Any) -> dict[str, Any]:

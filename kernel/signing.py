@@ -25,7 +25,7 @@ accepted (signatures not required); with keys configured a bundle is refused as
 * ``untrusted_key`` - its keyId is not one of the trusted keys,
 * ``bad_signature`` - the signature does not verify (tampered after signing, or a forged keyId).
 
-Key rotation is two trusted keys at once (README, "Signed policy bundles").
+Key rotation is two trusted keys at once (docs/policy.md, "Signed policy bundles").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Render the overshoot bound of a bundle (:mod:`kernel.bound`) for people: the per-pool terms
 ``leasehold policy validate FILE --bound`` prints, and the Markdown tables the READMEs carry
-(``python -m leasehold.readme_tables`` keeps them in step with the function)."""
+(``python -m devtools.doc_tables`` keeps them in step with the function)."""
 
 from __future__ import annotations
 

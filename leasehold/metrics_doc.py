@@ -24,7 +24,9 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 # P pools, G route groups named by rules (+ all/none), S store shards (1 standalone, cluster primaries),
 # N regions that leased (at most 64, then "other"). Histograms count their 11-13 bucket series once.
 BOUNDS: dict[str, str] = {
-    "leasehold_agent_decisions_total": "7 outcomes x (R+1) rules x 2 versions x T (route group follows the rule)",
+    "leasehold_agent_decisions_total": "7 outcomes x (R+1) rules x 2 versions x T x sources (route group follows "
+                                       "the rule; the source is mostly fixed by the outcome: at most 3 per outcome)",
+    "leasehold_build_info": "1",
     "leasehold_agent_decision_seconds": "S x 7 outcomes",
     "leasehold_agent_script_errors_total": "error classes of kernel.errors (< 10)",
     "leasehold_agent_degraded_decisions_total": "6 reasons x 4 fail modes",
@@ -53,7 +55,11 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_pool_balance_tokens": "P",
     "leasehold_agent_allocator_reachable": "1",
     "leasehold_agent_allocator_seconds": "1 call kind",
-    "leasehold_agent_breaker_state": "1 (one breaker per store)",
+    "leasehold_agent_breaker_state": "S (one breaker per primary of the slot map; a standalone or Sentinel store: 1)",
+    "leasehold_agent_breaker_opens_total": "S",
+    "leasehold_agent_redis_slots": "S (Redis Cluster only)",
+    "leasehold_agent_redis_topology_changes_total": "1",
+    "leasehold_agent_redis_up": "S",
     "leasehold_agent_pool_admitted_tokens_total": "P x 2 sources",
     "leasehold_agent_bypass_decisions_total": "exempt rules x 7 outcomes",
     "leasehold_agent_audit_events_total": "2",
@@ -70,11 +76,13 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_redis_script_calls_total": "S",
     "leasehold_agent_redis_script_seconds_total": "S",
     "leasehold_agent_redis_info_age_seconds": "S",
+    "leasehold_agent_redis_evicting": "S",
     "leasehold_agent_new_keys_total": "6 source classes",
-    "leasehold_agent_rls_requests_total": "7 outcomes",
+    "leasehold_agent_rls_requests_total": "8 outcomes",
     "leasehold_agent_rls_invalid_total": "invalid-argument reasons of region_agent.gateways (< 10)",
     "leasehold_agent_rls_descriptors_total": "2 codes",
     "leasehold_agent_rls_seconds": "1",
+    "leasehold_agent_authz_seconds": "1",
     "leasehold_agent_authz_requests_total": "HTTP statuses answered (< 10)",
     "leasehold_agent_authz_invalid_total": "malformed-question reasons of region_agent.gateways (< 10)",
     "leasehold_allocator_grants_total": "P x N",
@@ -178,6 +186,16 @@ everything else (the gateway front doors included) under 300: **under 1,000 seri
 under 300 per allocator replica with two regions. (Measured on a signed `leasehold up` after demo
 traffic: about 150 on an agent, about 100 on the allocator.) A bundle that names more tenants gets at most 50 tenant labels (the first 50 in
 sorted order; the rest count as `other`).
+
+Besides the table, both services export the standard collectors of `prometheus_client`:
+`process_*` (resident and virtual memory, CPU seconds, open and maximum file descriptors, start
+time), `python_info` and `python_gc_*`. An agent with `--workers N` exports one consistent set of
+series: every worker's counters, histograms and gauges summed (gauges: the highest breaker state
+and pool balance, the lowest allocator reachability and policy version of the live workers), the
+`process_*` values of all workers together; `python_gc_*` is not exported then. With several
+workers, the series of a policy version older than the last two stay until the agent restarts.
+The `region` of an agent's series is a target label of the scrape configuration
+(`deploy/prometheus/prometheus.yml`), like `instance` and `job`.
 
 ## Table
 

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from kernel.bundle import Bundle, encode_bundle
-from kernel.errors import LeaseholdError, PolicyError
+from kernel.errors import LeaseholdError, PolicyError, StoreUnavailable
 from kernel.policy_store import Slice, rollback_bundle
 from kernel.policy_yaml import load_policy
 
@@ -65,6 +65,8 @@ def _call(args: argparse.Namespace, op) -> tuple[int, Any]:
         return asyncio.run(_run(args, op))
     except PolicyError as e:
         return fail(args, e), None
+    except StoreUnavailable as e:
+        return fail(args, f"not done: cannot reach etcd ({e.detail})", EXIT_CONNECT), None
     except LeaseholdError as e:
         return fail(args, f"not done ({e.code}): {e.detail}", EXIT_UNAVAILABLE if e.retriable else 3), None
 

@@ -10,8 +10,9 @@
 * ``replay NEW --log FILES [--against CURRENT]`` — the sampled decision log through a bundle;
 * ``canary`` / ``promote`` / ``rollback`` / ``status`` — a staged release through etcd.
 
-Every command's output goes through :func:`emit` (text, or JSON with ``-o json``) and its exit code
-is one of ``leasehold.cli``'s. Registered by :func:`register` from ``leasehold.cli``.
+Every command's output goes through :func:`emit` and :func:`fail` (``leasehold.output``'s
+convention: text, or one JSON document with ``-o json``) and its exit code is one of
+``leasehold.output.Exit``. Registered by :func:`register` from ``leasehold.cli``.
 """
 
 from __future__ import annotations
@@ -31,29 +32,30 @@ from kernel.bundle import Bundle, seal, validate_bundle
 from kernel.errors import PolicyError
 from kernel.policy_yaml import bundle_bytes, compile_file, is_source, load_policy, source_text
 
-EXIT_OK, EXIT_USAGE, EXIT_DIFFERS, EXIT_BYPASS, EXIT_CANARY_WORSE = 0, 2, 1, 7, 8
+from .output import Exit, Failure, add_output_option, out
+
+EXIT_OK, EXIT_USAGE, EXIT_DIFFERS, EXIT_BYPASS, EXIT_CANARY_WORSE = (
+    Exit.OK, Exit.USAGE, Exit.DIFFERS, Exit.BYPASS, Exit.WORSE)
 SIGNING_KEY_ENV = "LEASEHOLD_POLICY_SIGNING_KEY"
 
 
 # ------------------------------------------------------------------------------ output
 def emit(args: argparse.Namespace, doc: Any, lines: list[str] | None = None, *, err: bool = False) -> None:
-    """The one place these commands print: ``doc`` as JSON with ``-o json``, else ``lines``
-    (or ``doc`` as JSON when there are none)."""
-    stream = sys.stderr if err else sys.stdout
-    if getattr(args, "output", "text") == "json" or lines is None:
-        print(json.dumps(doc, indent=2), file=stream)
-    else:
-        for line in lines:
-            print(line, file=stream)
+    """The one place these commands print (the CLI's convention, ``leasehold.output``): ``doc``
+    as JSON with ``-o json``, else ``lines`` (or ``doc`` as JSON when there are none); ``err``:
+    diagnostic lines for stderr."""
+    if err:
+        out(args).note("\n".join(lines) if lines is not None else json.dumps(doc, indent=2))
+        return
+    out(args).result(doc, "\n".join(lines) if lines is not None else None)
 
 
 def fail(args: argparse.Namespace, e: PolicyError | str, code: int = EXIT_USAGE) -> int:
+    """Report a failure as every command does (stderr line, ``{"error": ...}`` with ``-o json``)
+    and return its exit code."""
     if isinstance(e, str):
-        emit(args, {"error": e}, [e], err=True)
-        return code
-    lines = [f"invalid: {e.detail}"] + [f"  - {p}" for p in e.errors if p != e.detail]
-    emit(args, {"error": e.detail, "errors": e.errors}, lines, err=True)
-    return code
+        return out(args).failure(Failure(Exit(code), e))
+    return out(args).failure(Failure(Exit(code), f"invalid: {e.detail}", [p for p in e.errors if p != e.detail]))
 
 
 def _signing_key(args: argparse.Namespace) -> str | None:
@@ -147,6 +149,8 @@ def cmd_fmt(args: argparse.Namespace) -> int:
         emit(args, {"wrote": str(path)}, [f"formatted {path}" + (" (the header and the comments above each rule "
                                                                    "and pool are kept, others are not)"
                                                                    if is_source(path) else "")])
+    elif out(args).json:
+        emit(args, {"file": str(path), "text": canonical})
     else:
         sys.stdout.write(canonical)
     return EXIT_OK
@@ -162,6 +166,8 @@ def cmd_decompile(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(text, encoding="utf-8")
         emit(args, {"wrote": args.out}, [f"wrote {args.out}"])
+    elif out(args).json:
+        emit(args, {"file": args.file, "text": text})
     else:
         sys.stdout.write(text)
     return EXIT_OK
@@ -256,7 +262,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------ registration
 def _out_opt(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
+    add_output_option(sp)  # -o text|json, also given before the command name
 
 
 def _key_opt(sp: argparse.ArgumentParser) -> None:

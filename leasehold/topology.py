@@ -24,8 +24,14 @@ from .services import agent_command, allocator_command
 REPO = Path(__file__).resolve().parents[1]  # the source checkout when installed editable
 
 
+RUN_DIR_ENV = "LEASEHOLD_RUN_DIR"
+
+
 def default_run_dir() -> Path:
-    """``.run`` of the source checkout (``make run``), else of the working directory (a wheel)."""
+    """``$LEASEHOLD_RUN_DIR``, else ``.run`` of the source checkout (``make run``), else of the
+    working directory (a wheel)."""
+    if os.environ.get(RUN_DIR_ENV):
+        return Path(os.environ[RUN_DIR_ENV])
     return (REPO if (REPO / "pyproject.toml").exists() else Path.cwd()) / ".run"
 DEFAULT_POLICY = sample_policy("northstar-global.json")
 DEV_PEPPER = "leasehold-local-dev-pepper-not-secret"
@@ -44,7 +50,7 @@ class TopologySpec:
     agent_args: tuple[str, ...] = ()  # extra flags for every region agent
     allocator_args: tuple[str, ...] = ()  # extra flags for every allocator replica
     auth: bool = False  # bearer tokens generated into <run_dir>/secrets (``leasehold up`` turns this on);
-    #                     False passes an explicit --auth-disabled true to every service
+    #                     False passes an explicit --auth-disabled to every service
     policy_from_etcd: bool = False  # agents follow <prefix>policy/current (``leasehold policy publish``)
     signed: bool = False  # a policy-signing key pair in <run_dir>/secrets: the start bundle is signed with it,
     #                       every service trusts only its public key, and etcd carries the signing marker
@@ -123,7 +129,7 @@ class LocalTopology:
                     port = free_port()
                     url = f"http://{LOOPBACK}:{port}"
                     proc = Proc(f"allocator-{i + 1}", allocator_command(
-                        *trust, *(self.secrets.allocator_args() if self.secrets else ("--auth-disabled", "true")),
+                        *trust, *(self.secrets.allocator_args() if self.secrets else ("--auth-disabled",)),
                         *self.spec.allocator_args, etcd=self.etcd.endpoints, policy=self.policy_path,
                         node_id=f"alloc-{i + 1}", host=LOOPBACK, port=port, advertise_url=url,
                     ), run / f"allocator-{i + 1}", env=_env()).start()
@@ -131,6 +137,10 @@ class LocalTopology:
                     self.allocator_urls.append(url)
                 for proc, url in zip(self.allocators, self.allocator_urls, strict=True):
                     wait_port(int(url.rsplit(":", 1)[1]), proc=proc.popen, timeout=timeout)
+                # the allocators know their roles before the agents' first leases are asked for
+                # (an agent whose warm-up met no leader would start with empty balances)
+                if self.spec.link_agents_to_allocator:
+                    wait_http_ready(dict(zip(self.allocator_urls, self.allocators, strict=True)), timeout)
             for region in self.spec.regions:
                 self.redis[region] = RedisServer(run / f"redis-{region}", **(
                     self.secrets.redis_acl() if self.secrets else {})).start(timeout)
@@ -145,7 +155,7 @@ class LocalTopology:
                                          host=LOOPBACK, port=port)
                     if self.allocator_urls and self.spec.link_agents_to_allocator:
                         args += ["--allocator-urls", ",".join(self.allocator_urls)]
-                    args += self.secrets.agent_args(region) if self.secrets else ["--auth-disabled", "true"]
+                    args += self.secrets.agent_args(region) if self.secrets else ["--auth-disabled"]
                     if self.spec.policy_from_etcd and self.etcd is not None:
                         args += ["--policy-etcd", ",".join(self.etcd.endpoints)]
                         if self.secrets:
@@ -159,7 +169,7 @@ class LocalTopology:
                         args += ["--rls-port", str(rls_port)]
                         self.rls_ports[region].append(rls_port)
                     args += (["--pepper-file", str(self.pepper_file)] if self.pepper_file is not None
-                             else ["--insecure-dev-pepper", "true"])  # the public pepper only when asked for
+                             else ["--insecure-dev-pepper"])  # the public pepper only when asked for
                     args += list(self.spec.agent_args)
                     env = {k: v for k, v in _env().items() if k != "LEASEHOLD_AGENT_PEPPER"}
                     proc = Proc(f"agent-{region}-{j + 1}", args, run / f"agent-{region}-{j + 1}", env=env).start()
@@ -248,7 +258,7 @@ class Secrets:
         write_secret(self.dir, name, text)
 
     def allocator_args(self) -> list[str]:
-        return ["--auth-disabled", "false", "--region-tokens-file", str(self.dir / "allocator-region-tokens"),
+        return ["--no-auth-disabled", "--region-tokens-file", str(self.dir / "allocator-region-tokens"),
                 "--etcd-user", "allocator", "--etcd-password-file", str(self.dir / "etcd-allocator.password")]
 
     def publisher_args(self) -> list[str]:
@@ -281,7 +291,7 @@ class Secrets:
         return ["--policy-etcd-user", "agent", "--policy-etcd-password-file", str(self.dir / "etcd-agent.password")]
 
     def agent_args(self, region: str) -> list[str]:
-        return ["--auth-disabled", "false", "--allocator-token-file", str(self.dir / f"region-{region}.token"),
+        return ["--no-auth-disabled", "--allocator-token-file", str(self.dir / f"region-{region}.token"),
                 "--redis-password-file", str(self.dir / "redis-agent.password"),
                 "--gateway-tokens-file", str(self.dir / "agent-gateway-tokens"),
                 "--operator-tokens-file", str(self.dir / "agent-operator-tokens")]

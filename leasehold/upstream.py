@@ -1,6 +1,7 @@
 """A tiny demo upstream for the gateways in front of it (``make run``, e2e tests, the
 benchmark): HTTP/1.1 keep-alive, answers every request ``200`` with a small JSON body that
-names the upstream, the method and the path. ``python -m leasehold.upstream --port N``.
+names the upstream, the method, the path and the identity and limiter headers it was sent
+(``ECHOED``: what the backend behind a gateway sees). ``python -m leasehold.upstream --port N``.
 
 asyncio + uvloop + httptools (already dependencies of the agent), so that in the benchmark
 the upstream is never what limits Envoy."""
@@ -16,6 +17,10 @@ import httptools
 from .procs import LOOPBACK
 
 _CLOSE = "connection: close\r\n"
+# the request headers the answer echoes (lower case): identity, request id, limiter inputs
+ECHOED = frozenset({b"x-request-id", b"x-tenant-id", b"x-user-id", b"x-api-key-id", b"x-service-id",
+                    b"x-route-group", b"x-forwarded-for", b"x-real-ip", b"x-leasehold-auth-failed",
+                    b"x-leasehold-cost", b"x-leasehold-authorization", b"authorization"})
 
 
 class _Conn(asyncio.Protocol):
@@ -24,6 +29,7 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.url = b""
+        self.seen: dict[str, str] = {}
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
@@ -39,10 +45,16 @@ class _Conn(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self.url += url
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        low = name.lower()
+        if low in ECHOED:
+            self.seen[low.decode()] = value.decode("latin-1")
+
     def on_message_complete(self) -> None:
         body = json.dumps({"upstream": self.name, "method": self.parser.get_method().decode(),
-                           "path": self.url.decode("latin-1")}).encode()
+                           "path": self.url.decode("latin-1"), "headers": self.seen}).encode()
         self.url = b""
+        self.seen = {}
         keep = self.parser.should_keep_alive()
         head = (f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
                 f"{'' if keep else _CLOSE}\r\n").encode()

@@ -41,22 +41,9 @@ def _export(settings: AgentSettings) -> None:
         os.environ[ENV_PREFIX + name.upper()] = text
 
 
-BARE_FLAGS = ("--insecure-dev-pepper", "--redis-cluster")
-
-
-def normalize_argv(argv: list[str]) -> list[str]:
-    """Allow boolean flags without a value (``--insecure-dev-pepper`` = ``--insecure-dev-pepper true``)."""
-    out: list[str] = []
-    for i, arg in enumerate(argv):
-        out.append(arg)
-        if arg in BARE_FLAGS and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
-            out.append("true")
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
-        settings = load_agent_settings(normalize_argv(sys.argv[1:] if argv is None else argv))
+        settings = load_agent_settings(sys.argv[1:] if argv is None else argv)
         resolve_pepper(settings)
     except ConfigError as e:
         print(f"region_agent: {e}", file=sys.stderr)
@@ -69,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         for problem in e.errors:
             print(f"  - {problem}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from kernel.logs import configure
+
+    log_config = configure(settings.log_level, settings.log_format)
     logging.getLogger("region_agent").info(
         "starting region agent: region=%s policy version=%s listening on %s:%s",
         settings.region, bundle.bundle_version, settings.host, settings.port)
@@ -79,9 +68,13 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_request_logs(settings.log_level)
 
-    serve("region_agent.__main__:app_factory", factory=True, host=settings.host, port=settings.port,
-          workers=settings.workers, limits=settings.http_limits(), log_level=settings.log_level,
-          access_log=settings.access_log, ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file)
+    from kernel.metrics_exposition import worker_metrics_dir
+
+    with worker_metrics_dir(settings.workers):  # several workers: one consistent /metrics (metrics files)
+        serve("region_agent.__main__:app_factory", factory=True, host=settings.host, port=settings.port,
+              workers=settings.workers, limits=settings.http_limits(), log_level=settings.log_level,
+              access_log=settings.access_log, ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file,
+              log_config=log_config)
     return 0
 
 

@@ -18,8 +18,9 @@ from litestar import Litestar, MediaType, Response, get, post
 from litestar.di import NamedDependency, Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.params import Body
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from kernel import tracing
 from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError, Unavailable
 from kernel.http_errors import exception_handlers, problem_response
@@ -29,6 +30,7 @@ from kernel.openapi_problems import document_problems
 from kernel.signing import TrustedKeys
 
 from . import store_health
+from .admission import Admission, http_conflict, is_conflict
 from .audit import BypassAudit, make_sink
 from .auth import AgentAuth, agent_guard
 from .decision_log import DecisionLog
@@ -60,6 +62,7 @@ from .models import (
 from .negcache import NegativeCache
 from .policy import PolicyHolder, ReloadResult
 from .settings import AgentSettings
+from .store.breaker import STATE_NAMES
 from .telemetry import DecisionTelemetry
 
 log = logging.getLogger("region_agent")
@@ -76,12 +79,14 @@ class AgentState:
     store: Any = None
     leases: Any = None  # LeaseManager when --allocator-urls is set
     policy_watch: Any = None  # kernel.watch.PolicyWatcher when --policy-etcd is set
-    auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled true
+    auth: Any = None  # region_agent.auth.AgentAuth; None only with --auth-disabled
     key_cap: Any = None  # region_agent.preauth.NewKeyCap; None when --anon-new-keys-per-source 0
     epoch: Any = None  # region_agent.epoch.EpochCheck (policyEpoch in requests)
     audit: Any = None  # region_agent.audit.BypassAudit
     gateways: Any = None  # region_agent.gateways.Gateways: RLS gRPC server and /v1/authz
+    admission: Any = None  # region_agent.admission.Admission: what every door asks
     tasks: list[asyncio.Task] = field(default_factory=list)
+    shutting_down: bool = False  # from SIGTERM (or the lifespan's end): /readyz answers 503
 
 
 def _dependencies(state: AgentState) -> dict[str, Provide]:
@@ -102,49 +107,25 @@ def _dependencies(state: AgentState) -> dict[str, Provide]:
 # ---------------------------------------------------------------------------------- handlers
 @post("/v1/admit", status_code=200, request_max_body_size=MAX_BODY_BYTES,
       summary="Admission decision for one request")
-async def admit(agent: NamedDependency[AgentState], engine: NamedDependency[DecisionEngine],
-                data: Annotated[AdmitRequest, Body(title="AdmitRequest")]) -> Decision:
-    [(data, early)] = _before_engine(agent, [data])
-    if early is not None:
-        return early
-    return await engine.admit(data, decoded=True)
-
-
-def _before_engine(st: AgentState, reqs: list[AdmitRequest]) -> list[tuple[AdmitRequest, Decision | None]]:
-    """Per request: a failed authentication becomes an IP-only request; then the POLICY_STALE
-    denial past the bundle's maxAgeMs (I13) and the new-keys-per-source cap (pre-auth stage)."""
-    from .preauth import as_failed_auth
-
-    reqs = [as_failed_auth(r) if r.auth_failed else r for r in reqs]
-    w, bundle = st.policy_watch, st.holder.bundle
-    if st.epoch is not None:
-        for r in reqs:
-            if r.policy_epoch is not None:
-                st.epoch.observe(r.policy_epoch, bundle.bundle_version)
-    out: list[tuple[AdmitRequest, Decision | None]] = [(r, None) for r in reqs]
-    if w is not None and w.is_stale(bundle):
-        from .policy_watch import revoked_decision
-        out = [(r, revoked_decision(bundle, r, st.metrics)) for r in reqs]
-    if st.key_cap is not None:
-        out = [(r, d if d is not None else st.key_cap.check(bundle, r)) for r, d in out]
-    return out
+async def admit(agent: NamedDependency[AgentState], data: Annotated[AdmitRequest, Body(title="AdmitRequest")]
+                ) -> Decision:
+    d = await agent.admission.decide_one(data, decoded=True)
+    if is_conflict(d):
+        raise http_conflict(d)  # the one door that answers a conflict with its own status (409)
+    return d
 
 
 @post("/v1/admit/batch", status_code=200, request_max_body_size=MAX_BATCH_BODY_BYTES,
       summary="Admission decisions for many requests, in order, one pipeline per shard")
-async def admit_batch(agent: NamedDependency[AgentState], engine: NamedDependency[DecisionEngine],
-                      data: Annotated[AdmitBatch, Body(title="AdmitBatch")]) -> BatchDecisions:
-    return await decide_batch(agent, engine, data.requests)
+async def admit_batch(agent: NamedDependency[AgentState], data: Annotated[AdmitBatch, Body(title="AdmitBatch")]
+                      ) -> BatchDecisions:
+    return await decide_batch(agent, data.requests)
 
 
-async def decide_batch(st: AgentState, engine: DecisionEngine, reqs: list[AdmitRequest]) -> BatchDecisions:
-    """The batch route's answer for decoded ``reqs`` (the handler's and region_agent.fastpath's)."""
-    if not reqs:
-        return BatchDecisions(decisions=[])
-    pre = _before_engine(st, reqs)
-    rest = [r for r, d in pre if d is None]
-    decided = iter(await engine.admit_many(rest, decoded=True) if rest else [])
-    return BatchDecisions(decisions=[d if d is not None else next(decided) for _, d in pre])
+async def decide_batch(st: AgentState, reqs: list[AdmitRequest]) -> BatchDecisions:
+    """The batch route's answer for decoded ``reqs`` (the handler's and region_agent.fastpath's):
+    every item's decision, a conflict included (``httpStatus: 409``)."""
+    return BatchDecisions(decisions=await st.admission.decide(reqs, decoded=True))
 
 
 @post("/v1/release", status_code=200, request_max_body_size=MAX_BODY_BYTES,
@@ -183,27 +164,64 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@get("/readyz", summary="Readiness: Redis reachable, scripts loaded, bundle loaded")
+@get("/readyz", summary="Readiness: this agent can answer decisions (not the store's health)")
 async def readyz(agent: NamedDependency[AgentState]) -> Response:
+    """Ready = the agent answers decisions: its bundle is loaded, the first lease of every pool
+    balance was answered (bounded by the allocator client's deadline) and it is not shutting down.
+    A Redis outage does not make it unready: it then answers by each rule's fail mode, which is the
+    point of the degradation design (taking every agent of a region out of its Service would hand
+    the decision to the gateways' failure mode instead). The store's health: ``/v1/health/store``."""
     st = agent
     problems = []
-    if st.store is None or not await st.store.ping():
-        problems.append("redis unreachable")
-    elif not st.store.scripts_loaded:
-        problems.append("scripts not loaded")
     if st.holder.bundle is None:
         problems.append("no policy bundle")
+    if st.engine is None:
+        problems.append("starting")
+    if st.shutting_down:
+        problems.append("shutting down")
     if st.leases is not None and st.leases.warming:
         problems.append("first leases not answered yet")
+    if st.metrics.store_health.evicting and not st.settings.allow_evicting_store:
+        problems.append("the store may evict keys (maxmemory-policy " + ", ".join(
+            sorted(set(st.metrics.store_health.evicting.values()))) + ")")
     if problems:
         return problem_response(Unavailable("not ready: " + ", ".join(problems)), instance="/readyz")
     b = st.holder.bundle
     return Response({"status": "ready", "policyVersion": b.bundle_version, "region": st.settings.region})
 
 
+@get("/v1/health/store", summary="The store's health: Redis reachable, scripts loaded (for alerts, not a probe)")
+async def store_health_view(agent: NamedDependency[AgentState]) -> Response:
+    """200 while this agent's Redis answers a PING, else 503 (its decisions then follow the rules'
+    fail modes). For monitoring and runbooks; never a readiness or liveness probe."""
+    st = agent
+    if st.store is None:
+        return problem_response(Unavailable("store not connected yet"), instance="/v1/health/store")
+    if getattr(st.store, "cluster", False):  # a Redis Cluster: per primary (region_agent/store/cluster.py)
+        shards = await st.store.health()
+        up = sum(s["reachable"] for s in shards)
+        reachable = bool(shards) and up == len(shards)
+        body = {"store": "reachable" if reachable else "degraded" if up else "unreachable",
+                "scriptsLoaded": bool(st.store.scripts_loaded), "breaker": "per shard", "shards": shards}
+        if not reachable:
+            return problem_response(Unavailable(f"{len(shards) - up} of {len(shards)} Redis Cluster primaries "
+                                                "unreachable: their tenants' decisions follow the rules' fail modes",
+                                                extra=body), instance="/v1/health/store")
+        return Response(body)
+    reachable = await st.store.ping()
+    breaker = getattr(st.store, "breaker", None)
+    body = {"store": "reachable" if reachable else "unreachable",
+            "scriptsLoaded": bool(getattr(st.store, "scripts_loaded", False)),
+            "breaker": STATE_NAMES.get(breaker.state, "unknown") if breaker is not None else "none"}
+    if not reachable:
+        return problem_response(Unavailable("store unreachable: decisions follow the rules' fail modes",
+                                            extra=body), instance="/v1/health/store")
+    return Response(body)
+
+
 @get("/metrics", summary="Prometheus metrics", include_in_schema=False)
 async def metrics(agent: NamedDependency[AgentState]) -> Response:
-    return Response(generate_latest(agent.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(agent.metrics.render(), media_type=CONTENT_TYPE_LATEST)  # several workers: all of them
 
 
 # ---------------------------------------------------------------------------------- app
@@ -213,6 +231,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     """Build the app. ``store_factory(settings, metrics) -> StoreGateway`` is for the lifespan;
     the default connects to ``settings.redis_url``."""
     m = metrics_obj or AgentMetrics()
+    tracing.setup("leasehold-agent", settings.otlp_endpoint, settings.trace_sample_ratio)  # off without an endpoint
 
     def on_reload(res: ReloadResult) -> None:
         m.policy_reloads.labels(res.outcome).inc()
@@ -238,20 +257,33 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
 
     holder.on_canary = on_canary
     m.policy_age.set_function(lambda: time.monotonic() - holder.checked_at)  # etcd: the watcher's age
-    configure_jitter(settings.retry_jitter_pct, settings.retry_jitter_max_ms, settings.retry_jitter_seed)
+    configure_jitter(settings.retry_jitter_pct, settings.retry_jitter_max_ms, settings.retry_jitter_seed,
+                     settings.retry_jitter_min_ms)
     audit = BypassAudit(m, make_sink(settings.audit_log))
     state = AgentState(settings=settings, holder=holder, metrics=m, keys=KeyBuilder(pepper),
                        auth=AgentAuth.from_settings(settings), key_cap=_key_cap(settings))
     state.epoch = EpochCheck(m, refresh=lambda: _refresh_policy(state))
     state.audit = audit
-    state.gateways = Gateways(settings, state_of=lambda: state, before_engine=_before_engine, registry=m.registry)
+    state.admission = Admission(lambda: state)
+    state.gateways = Gateways(settings, state_of=lambda: state, admission=state.admission, registry=m.registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         factory = store_factory or default_store_factory
         state.store = factory(settings, m)
+        if tracing.ENABLED:  # a span per script call (region_agent.tracing)
+            from .tracing import TracedStore
+            state.store = TracedStore(state.store)
         if hasattr(state.store, "start"):
             state.store.start()
+        if hasattr(state.store, "info_readers"):  # an evicting store silently resets enforcement
+            try:
+                await store_health.check_eviction_policy(state.store, m.store_health,
+                                                         allowed=settings.allow_evicting_store)
+            except store_health.EvictingStore as e:
+                log.critical("%s", e)
+                await state.store.close()
+                raise
         clock = AllocatorClock(unknown_offset_ms=settings.allocator_clock_uncertainty_ms)
         state.leases = _lease_manager(settings, state.store, m, clock)
         telemetry = DecisionTelemetry(m, audit=audit,
@@ -274,7 +306,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         if hasattr(state.store, "warm"):  # the pipelines' connections, open before the first burst
             await state.store.warm(settings.pipelines_in_flight + 2)
         state.tasks.append(asyncio.create_task(_background(state)))
-        if settings.store_health_ms and hasattr(state.store, "info_by_shard"):
+        if settings.store_health_ms and hasattr(state.store, "info_readers"):
             state.tasks.append(asyncio.create_task(store_health.run(state.store, m.store_health,
                                                                     settings.store_health_ms)))
         await state.gateways.start()  # the RLS gRPC server, when --rls-port is set
@@ -282,12 +314,17 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         undo_termination = None
         if install_signal_handlers:
             loop.add_signal_handler(signal.SIGHUP, state.holder.reload)
-            if state.leases is not None:  # SIGTERM: no new leases from now on (before uvicorn drains)
-                from kernel.httpserver import on_termination
-                undo_termination = on_termination(state.leases.begin_shutdown)
+            from kernel.httpserver import on_termination
+
+            def terminating() -> None:  # SIGTERM: unready, and no new leases (before uvicorn drains)
+                state.shutting_down = True
+                if state.leases is not None:
+                    state.leases.begin_shutdown()
+            undo_termination = on_termination(terminating)
         try:
             yield
         finally:
+            state.shutting_down = True
             if undo_termination is not None:
                 undo_termination()
             await state.gateways.stop()
@@ -308,12 +345,15 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                 await state.leases.shutdown(settings.shutdown_report_ms / 1000)
                 await state.leases.client.aclose()
             await state.store.close()
+            m.close()
+            tracing.shutdown()
 
     app = Litestar(
-        route_handlers=[admit, admit_batch, release, renew, policy, leases_view, healthz, readyz, metrics, authz],
+        route_handlers=[admit, admit_batch, release, renew, policy, leases_view, healthz, readyz, store_health_view,
+                        metrics, authz],
         guards=[agent_guard],
         dependencies=_dependencies(state),
-        middleware=([admit_fast_path(lambda: state, MAX_BODY_BYTES, _before_engine, decide_batch, MAX_BATCH_BODY_BYTES)]
+        middleware=([admit_fast_path(lambda: state, MAX_BODY_BYTES, decide_batch, MAX_BATCH_BODY_BYTES)]
                     if fast_path else []),  # region_agent.fastpath
         lifespan=[lifespan],
         # logging stays as __main__ set it up: Litestar's default config would route every record
@@ -364,11 +404,12 @@ def _key_cap(settings: AgentSettings):
 async def _start_policy_watch(settings: AgentSettings, state: AgentState):
     """Follow the policy key in etcd: one bounded first read, then watch + periodic re-read."""
     from .policy_watch import age_gauge, make_watcher
-    from .settings import resolve_secret
+    from .settings import policy_etcd_tls, resolve_secret
 
     password = resolve_secret(settings.policy_etcd_password_file, "POLICY_ETCD_PASSWORD")
     w = make_watcher(state.holder, settings.policy_etcd or "", prefix=settings.policy_etcd_prefix,
-                     reread_ms=settings.policy_etcd_reread_ms, user=settings.policy_etcd_user, password=password)
+                     reread_ms=settings.policy_etcd_reread_ms, user=settings.policy_etcd_user, password=password,
+                     tls=policy_etcd_tls(settings))
     age_gauge(state.metrics, w)
     with contextlib.suppress(Exception):
         await asyncio.wait_for(w.refresh(), 3.0)
@@ -377,23 +418,10 @@ async def _start_policy_watch(settings: AgentSettings, state: AgentState):
 
 
 def default_store_factory(settings: AgentSettings, m: AgentMetrics):
-    from .settings import redis_url_with_secrets
-    from .store import scripts as sc
-    from .store.breaker import CircuitBreaker
-    from .store.client import make_client
-    from .store.gateway import StoreGateway
+    """One Redis, a Redis Cluster (a gateway and breaker per primary) or a Sentinel's primary."""
+    from .store.factory import make_store
 
-    client = make_client(redis_url_with_secrets(settings), cluster=settings.redis_cluster,
-                         max_connections=settings.redis_max_connections,
-                         socket_timeout=settings.redis_socket_timeout_ms / 1000)
-    breaker = CircuitBreaker(failure_threshold=settings.breaker_failures, open_s=settings.breaker_open_ms / 1000,
-                             half_open_probes=settings.breaker_probes)
-    gauge = m.breaker_state.labels("default")
-    gauge.set(0)
-    return StoreGateway(client, sc.Scripts(), max_batch=settings.batch_max, max_queue=settings.queue_max,
-                        max_inflight=settings.pipelines_in_flight, on_batch=m.batch_size.observe,
-                        breaker=breaker, on_breaker=gauge.set, log_interval_s=settings.redis_log_interval_ms / 1000,
-                        stall_s=settings.decision_budget_ms / 1000, late_s=settings.redis_socket_timeout_ms / 1000)
+    return make_store(settings, m)
 
 
 async def _background(state: AgentState) -> None:
@@ -411,6 +439,8 @@ async def _background(state: AgentState) -> None:
                 await state.store.load()
         if state.audit is not None:
             state.audit.flush()
+        if state.metrics.multiprocess:  # several workers: this one's counts reach the shared files
+            state.metrics.flush()
 
 
 def _refresh_policy(state: AgentState) -> None:

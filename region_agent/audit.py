@@ -43,13 +43,17 @@ MAX_RULES_TRACKED = 10_000  # (rule, outcome) counters and per-rule denial throt
 
 
 def make_sink(path: str | None) -> Callable[[str], None]:
-    """A writer of one JSON line: appended to ``path`` (O_APPEND, one write per line, so several
-    workers can share the file), or the ``leasehold.audit`` logger on stderr."""
-    if path:
-        f = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - kept open for the process
+    """A writer of one JSON line: appended to ``path`` (its own file, apart from the service's
+    logs; O_APPEND, one write per line, so several workers can share the file; opened at the
+    first event), or with ``-`` / None the ``leasehold.audit`` logger on stderr. A file that
+    cannot be opened or written raises ``OSError`` (counted as an audit write error)."""
+    if path and path != "-":
+        held: list = []
 
         def to_file(line: str) -> None:
-            f.write(line + "\n")
+            if not held:
+                held.append(open(path, "a", buffering=1, encoding="utf-8"))  # noqa: SIM115 - kept open
+            held[0].write(line + "\n")
         return to_file
     logger = logging.getLogger(LOGGER)
     if not logger.handlers:

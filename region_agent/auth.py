@@ -5,7 +5,7 @@
 * Probes and metrics — ``/healthz``, ``/readyz``, ``/metrics`` — and the OpenAPI schema are open;
   they carry no secrets, keys or tenant data.
 
-Tokens are configured as sha256 digests only (see :mod:`kernel.auth`). ``--auth-disabled true``
+Tokens are configured as sha256 digests only (see :mod:`kernel.auth`). ``--auth-disabled``
 turns the check off, for local development only; it is never the default.
 """
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernel.bundle import Bundle, Pool
-from kernel.errors import DecisionConflict, LeaseholdError
+from kernel.errors import LeaseholdError
 
 from .batch import BatchCalls, batch_budget_s
 from .call import Call, MultiRuleResult, ScriptCall, plan_calls, result_of
@@ -41,7 +41,7 @@ from .leasing.fleet_pools import FleetPools, TakeStatus
 from .leasing.topup import pool_denial, topped_up, wait_s
 from .leasing.window_clock import AllocatorClock, Windows
 from .metrics import AgentMetrics
-from .models import AdmitRequest, Decision, DeniedScope, Reason, ReleaseRequest, RenewRequest
+from .models import AdmitRequest, Decision, DecisionSource, DeniedScope, Reason, ReleaseRequest, RenewRequest
 from .negcache import NegativeCache
 from .outcome import Answer, NextStep, Outcome, outcome, pool_denial_slot
 from .plan import GlobalSpend, Plan, build_plan, cc_gates, cc_keys_for_release, memo_of
@@ -66,6 +66,7 @@ class _Prepared:
     early: Decision | None = None  # decided before the tenant script (global pool denial, negative cache)
     used_fallback: bool = False  # a global chunk came from the pool's fallback allowance
     pool_retried: bool = False  # waited once for an in-flight lease top-up
+    edge: bool = False  # the pre-authentication stage of an authenticated request (Plan.edge)
 
 
 class DecisionEngine:
@@ -111,6 +112,10 @@ class DecisionEngine:
         # one snapshot for the whole request (with a canary staged: the candidate when it is in the slice)
         bundle = self.get_bundle() if self.bundle_for is None else self.bundle_for(req.tenant_id)
         plan = build_plan(bundle, req, self.keys, checked=decoded)  # raises ValidationFailed before any key exists
+        if plan.edge is not None:  # the address window first: a denial there is the request's answer
+            (stage1,) = await self._decide_plans([plan.edge], [bundle], edge=True)
+            if not stage1.allowed:
+                return stage1
         prep = self._begin(plan, bundle)
         if prep.early is None and plan.global_spends:
             await self._take_globals(prep)
@@ -127,11 +132,8 @@ class DecisionEngine:
             except LeaseholdError as e:
                 replies = e
         got = self._complete_now(prep, replies)
-        d = got if isinstance(got, Decision) else self._finish(prep, await self._settle_later(prep, got[0], *got[1]))
-        if d.reason == Reason.REQUEST_ID_CONFLICT:  # a single request answers 409 (a batch item carries it)
-            raise DecisionConflict(d.problem["detail"] if d.problem else "requestId conflict",
-                                   extra={"decisionId": d.decision_id})
-        return d
+        # a conflict is a decision like any other (region_agent.admission: only /v1/admit makes it a 409)
+        return got if isinstance(got, Decision) else self._finish(prep, await self._settle_later(prep, got[0], *got[1]))
 
     async def admit_many(self, reqs: list[AdmitRequest], *, decoded: bool = False) -> list[Decision]:
         """Batch: every item's tenant call goes in one coalesced pipeline (one round trip per shard)."""
@@ -140,10 +142,34 @@ class DecisionEngine:
         bundles = [self.get_bundle()] * len(reqs) if bundle_for is None else [bundle_for(r.tenant_id) for r in reqs]
         plans = [build_plan(b, r, keys, checked=decoded)  # whole batch is 422 if one is malformed
                  for b, r in zip(bundles, reqs, strict=True)]
+        staged = [i for i, p in enumerate(plans) if p.edge is not None]
+        if not staged:
+            return await self._decide_plans(plans, bundles)
+        # the address window of the items that have one first; the denied ones are answered by it
+        out: list[Decision | None] = [None] * len(plans)
+        firsts = await self._decide_plans([plans[i].edge for i in staged],  # type: ignore[misc]
+                                          [bundles[i] for i in staged], edge=True)
+        for i, d in zip(staged, firsts, strict=True):
+            if not d.allowed:
+                out[i] = d
+        rest = [i for i in range(len(plans)) if out[i] is None]
+        if rest:
+            decided = await self._decide_plans([plans[i] for i in rest], [bundles[i] for i in rest])
+            for i, d in zip(rest, decided, strict=True):
+                out[i] = d
+        return out  # type: ignore[return-value]
+
+    async def _decide_plans(self, plans: list[Plan], bundles: list[Bundle], *, edge: bool = False) -> list[Decision]:
+        """The decisions of ``plans`` (one coalesced pipeline), each under its own bundle; ``edge``:
+        they are pre-authentication stages (an admission there is not the request's decision: not
+        counted)."""
         budget = batch_budget_s(self.budget, len(plans))
         started = self.clock()  # one start (deadline, negative-cache time) for the whole batch
         begin = self._begin
         preps = [begin(p, b, budget, started) for p, b in zip(plans, bundles, strict=True)]
+        if edge:
+            for p in preps:
+                p.edge = True
         pending = [p for p in preps if p.early is None and p.plan.global_spends]
         if pending:  # only items spending fleet-wide chunk leases may wait (a renewal)
             await asyncio.gather(*(self._take_globals(p) for p in pending))
@@ -201,7 +227,7 @@ class DecisionEngine:
         prep = _Prepared(plan, bundle, started, started + (budget or self.budget), [])
         held = self.denials.hit(plan, started * 1000.0)
         if held is not None:
-            prep.early = self._answer(prep, held)
+            prep.early = self._answer(prep, held, DecisionSource.NEGATIVE_CACHE)
             return prep
         if self.leases is not None:
             for _, pool, key, tokens in tenant_pool_slots(plan, memo_of(bundle).pools):
@@ -222,12 +248,14 @@ class DecisionEngine:
             if took.status is TakeStatus.DENIED:
                 prep.early = self._answer(prep, Answer(False, spend.rule, DeniedScope.GLOBAL, Reason.RATE_EXCEEDED,
                                                        spend.pool.limit, 0, took.retry_ms,
-                                                       prep.used_fallback or took.fallback))
+                                                       prep.used_fallback or took.fallback),
+                                          DecisionSource.POOL_FALLBACK if took.fallback else DecisionSource.CHUNK)
             elif took.status is TakeStatus.SHED:
                 prep.early = self._shed(prep, "pool")
             else:
                 prep.early = self._answer(prep, Answer(False, spend.rule, DeniedScope.GLOBAL,
-                                                       Reason.LIMITER_UNAVAILABLE, retry=took.retry_ms))
+                                                       Reason.LIMITER_UNAVAILABLE, retry=took.retry_ms),
+                                          DecisionSource.FAIL_CLOSED)
             break
 
     # ------------------------------------------------------------------ 2. script call
@@ -308,11 +336,13 @@ class DecisionEngine:
                 self.denials.remember(plan, o.slot, o.answer, calls=calls, fallback=fallback)
             elif o.answer.allowed:
                 self.denials.forget(plan, calls)  # a probe passed: its denial no longer holds
-            return self._answer(prep, o.answer)
+            return self._answer(prep, o.answer, DecisionSource.POOL_FALLBACK if fallback else DecisionSource.SCRIPT)
         if o.step is NextStep.ALLOWED_WITHOUT_SCRIPT:
             self.denials.forget(plan, calls)
             d = self._allowed_without_script(prep)
             d.fallback = d.fallback or fallback
+            if fallback:
+                d.source = DecisionSource.POOL_FALLBACK
             return d
         if o.step is NextStep.CONFLICT:
             self._give_back(prep)
@@ -348,7 +378,7 @@ class DecisionEngine:
         """The allocator is unreachable and slot ``idx``'s balance is empty (region_agent.degraded)."""
         fb = self.local.pool_allowance(prep.plan, memo_of(prep.bundle).pools, idx)
         if fb.closed is not None:
-            return self._answer(prep, fb.closed)
+            return self._answer(prep, fb.closed, DecisionSource.FAIL_CLOSED)
         if fb.call is None:  # the allocator's clock is too uncertain: the script's denial stands
             return await self._settle(prep, res, fallback=True, retry_floor=fb.retry_floor_ms)
         return await self._settle(prep, await self._send_one(prep, fb.call), retry=False, fallback=True,
@@ -361,9 +391,11 @@ class DecisionEngine:
             return self._shed(prep, got.shed)
         self.denials.forget(prep.plan)  # a probe answered by the fallback: the store's old denial is over
         if got.answer is not None:
-            return self._answer(prep, got.answer)
+            closed = got.answer.reason is Reason.LIMITER_UNAVAILABLE
+            return self._answer(prep, got.answer, DecisionSource.FAIL_CLOSED if closed else DecisionSource.LOCAL_FALLBACK)
         d = self._allowed_without_script(prep)  # failMode open
         d.fallback = True
+        d.source = DecisionSource.FAIL_OPEN
         return d
 
     def _allowed_without_script(self, prep: _Prepared) -> Decision:
@@ -372,23 +404,28 @@ class DecisionEngine:
         for r in prep.reservations:
             if r.spend.rule is report:
                 return self._answer(prep, Answer(True, report, limit=r.spend.pool.limit,
-                                                 remaining=self.fleet.remaining(r.spend.pool.id)))
-        return self._answer(prep, Answer(True, report))
+                                                 remaining=self.fleet.remaining(r.spend.pool.id)),
+                                    DecisionSource.POOL_FALLBACK if prep.used_fallback else DecisionSource.CHUNK)
+        return self._answer(prep, Answer(True, report),
+                            DecisionSource.CHUNK if prep.reservations else DecisionSource.POLICY)
 
     def _shed(self, prep: _Prepared, stage: str) -> Decision:
         """Overload: this agent could not get the decision's store answer within its budget while
         the store is answering. A retriable 503 (``OVERLOADED``), counted; never a fallback."""
         self.metrics.shed.labels(stage).inc()
-        return self._answer(prep, SHED)
+        return self._answer(prep, SHED, DecisionSource.OVERLOAD)
 
     # ------------------------------------------------------------------ 4. HTTP
-    def _answer(self, prep: _Prepared, a: Answer) -> Decision:
-        """The decision record of ``a``; a denial gives the reserved global pool tokens back."""
+    def _answer(self, prep: _Prepared, a: Answer, source: DecisionSource = DecisionSource.SCRIPT) -> Decision:
+        """The decision record of ``a`` made by ``source``; a denial gives the reserved global pool
+        tokens back."""
         if not a.allowed:
             self._give_back(prep)
-        return decision_record(prep.plan, prep.bundle, a, self.metrics)
+        return decision_record(prep.plan, prep.bundle, a, self.metrics, source)
 
     def _finish(self, prep: _Prepared, d: Decision) -> Decision:
+        if prep.edge and d.allowed:
+            return d  # a passed address window: the request's own decision follows (and is counted)
         if d.allowed and prep.used_fallback:
             d.fallback = True
         if d.allowed and (prep.reservations or prep.plan.has_pool):

@@ -15,9 +15,10 @@ ASGI middleware, installed app-wide, serves exactly the common case itself:
 for by counting (``kernel.jsonbody.repeats_keys`` with the keys the decoded value shows), which
 is exact and falls back to the full check whenever the count cannot prove there is none.
 
-It then runs the same code the handler runs (``_before_engine`` and ``Engine.admit``) and
-answers 200 with the decision encoded exactly as Litestar would (msgspec JSON of the same
-Struct). A decision error (:class:`LeaseholdError`, e.g. an invalid tenant id) becomes the same
+It then asks the agent's one admission (:class:`region_agent.admission.Admission`, as the
+handler does) and answers 200 with the decision encoded exactly as Litestar would (msgspec JSON
+of the same Struct); a request-id conflict is the handler's 409. A question the admission
+cannot answer (:class:`LeaseholdError`, e.g. an invalid tenant id) becomes the same
 problem+json answer as the app's exception handler gives. **Everything else** — another route
 or method, a missing or bad credential, another content type, an oversized, malformed or
 non-conforming body, an agent still starting — is handed to the normal Litestar handler with the
@@ -33,13 +34,16 @@ from typing import Any
 
 import msgspec
 
+from kernel import tracing
 from kernel.asgi import read_body, replay
 from kernel.auth import SCOPE_KEY
 from kernel.errors import LeaseholdError
 from kernel.http_errors import problem_answer
 from kernel.jsonbody import content_type_of, is_json_media_type, repeats_keys
 
+from .admission import http_conflict, is_conflict
 from .models import MAX_BATCH_BODY_BYTES, AdmitBatch, AdmitRequest, keys_shown
+from .tracing import decision as traced_decision
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 PATH = "/v1/admit"
@@ -50,12 +54,11 @@ _decode_batch = msgspec.json.Decoder(AdmitBatch).decode
 _encode = msgspec.json.Encoder().encode
 
 
-def admit_fast_path(state_of: Callable[[], Any], max_body: int, before_engine: Callable[[Any, list], list],
-                    decide_batch: Callable[[Any, Any, list], Awaitable[Any]] | None = None,
+def admit_fast_path(state_of: Callable[[], Any], max_body: int,
+                    decide_batch: Callable[[Any, list], Awaitable[Any]] | None = None,
                     batch_max_body: int = MAX_BATCH_BODY_BYTES) -> Callable[[ASGIApp], ASGIApp]:
-    """Litestar middleware factory; ``state_of()`` returns the agent's ``AgentState`` and
-    ``before_engine`` is the handler's own pre-engine stage (``region_agent.app._before_engine``);
-    ``decide_batch(state, engine, requests)`` the batch handler's own body
+    """Litestar middleware factory; ``state_of()`` returns the agent's ``AgentState`` (its
+    ``admission`` answers); ``decide_batch(state, requests)`` the batch handler's own body
     (``region_agent.app.decide_batch``): with it, ``POST /v1/admit/batch`` is served the same way."""
 
     def middleware(app: ASGIApp) -> ASGIApp:
@@ -104,7 +107,7 @@ def admit_fast_path(state_of: Callable[[], Any], max_body: int, before_engine: C
             if batch:
                 await _answer_batch(st, req, send, decide_batch)  # type: ignore[arg-type]
             else:
-                await _answer(st, req, send, before_engine)
+                await _answer(st, req, send, raw_headers)
 
         return serve
 
@@ -112,21 +115,25 @@ def admit_fast_path(state_of: Callable[[], Any], max_body: int, before_engine: C
 
 
 async def _answer_batch(st: Any, batch: AdmitBatch, send: Callable[[dict], Awaitable[None]],
-                        decide_batch: Callable[[Any, Any, list], Awaitable[Any]]) -> None:
+                        decide_batch: Callable[[Any, list], Awaitable[Any]]) -> None:
     try:
-        decisions = await decide_batch(st, st.engine, batch.requests)
+        decisions = await decide_batch(st, batch.requests)
     except LeaseholdError as e:
         return await _send_problem(send, e, BATCH_PATH)
     await _send(send, 200, _encode(decisions), _JSON_HEADERS)
 
 
-async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[None]],
-                  before_engine: Callable[[Any, list], list]) -> None:
+async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[None]], raw_headers: Any = ()) -> None:
     try:
-        [(req, early)] = before_engine(st, [req])
-        decision = early if early is not None else await st.engine.admit(req, decoded=True)
+        if not tracing.ENABLED:
+            decision = await st.admission.decide_one(req, decoded=True)
+        else:  # a span per decision (region_agent.tracing)
+            decision = await traced_decision("http", raw_headers, req.request_id, st.admission.decide_one, req,
+                                             decoded=True)
     except LeaseholdError as e:
         return await _send_problem(send, e, PATH)
+    if is_conflict(decision):
+        return await _send_problem(send, http_conflict(decision), PATH)  # as the handler: 409
     await _send(send, 200, _encode(decision), _JSON_HEADERS)
 
 

@@ -2,16 +2,19 @@
 
 Pure functions. ``apply_http`` fills ``httpStatus``, ``headers`` and ``problem`` of a decision.
 
-Retry jitter (I5: "Retry-After is a hint, not a reservation ... jitter added"). Every 429/503
-decision with a hint carries ``retryJitterMs``: an *upward* jitter in
-``[0, min(pct% x retryAfterMs, maxMs))``, a pure function of (seed, decisionId) — different
-requests spread, a retry of the same request gets the same hint. ``retryAfterMs`` stays the exact
-hint of the store (the seed's numbers: 500, 3,500 ...). ``Retry-After`` is the seed's
-``max(1, ceil(retryAfterMs / 1000))`` **plus the whole seconds of the jitter**, so it is never lower
-than the true hint, hints up to 10 s (at 10 %) keep the seed's header (P-READ ``Retry-After: 1``,
-3,500 ms -> ``4``), and long hints (a window reset, a pool exhausted until the next window) spread
-the retries of the clients denied together over up to 10 % of the wait. Clients that read the
-body wait ``retryAfterMs + retryJitterMs``.
+Retry jitter (I5: "Retry-After is a hint, not a reservation ... jitter added"). Clients denied in
+the same instant must not come back in the same instant: 10,000 clients all told
+``Retry-After: 1`` return together and recreate the spike. Every 429/503 decision with a hint
+carries ``retryJitterMs``: an *upward* jitter drawn from ``[0, W)`` with
+``W = min(max(minMs, pct% x retryAfterMs), maxMs)`` — at least about one second (``minMs``,
+1,000 by default) for short hints, 10 % of long ones (a window reset, a pool exhausted until the
+next window), at most 5 s — as a pure function of (seed, decisionId): different requests spread,
+a retry of the same request gets the same hint. ``retryAfterMs`` stays the exact hint of the
+store (500, 3,500 ...). ``Retry-After`` is ``max(1, ceil((retryAfterMs + retryJitterMs) / 1000))``:
+never below the exact hint rounded up, and the whole seconds of the clients denied together
+spread over the window (P-READ's 500 ms hint gives ``Retry-After: 1`` or ``2``, about half each;
+a 58 s hint 58 to 63). Clients that read the body wait ``retryAfterMs + retryJitterMs``. With
+``maxMs`` 0 (or ``minMs`` and ``pct`` both 0) there is no jitter: ``max(1, ceil(retryAfterMs/1000))``.
 """
 
 from __future__ import annotations
@@ -37,19 +40,26 @@ def retry_after_seconds(retry_after_ms: int) -> int | None:
 
 
 class RetryJitter:
-    """The per-decision upward jitter of retry hints (module doc); ``pct = 0`` disables it."""
+    """The per-decision upward jitter of retry hints (module doc)."""
 
-    __slots__ = ("_keyed", "max_ms", "pct", "seed")
+    __slots__ = ("_keyed", "max_ms", "min_ms", "pct", "seed")
 
-    def __init__(self, pct: int = 10, max_ms: int = 5_000, seed: bytes = b""):
+    def __init__(self, pct: int = 10, max_ms: int = 5_000, seed: bytes = b"", min_ms: int = 1_000):
         self.pct = pct
         self.max_ms = max_ms
+        self.min_ms = min_ms
         self.seed = hashlib.sha256(seed).digest()[:32]  # blake2b keys are at most 64 bytes
         # the keyed state once; a copy per decision is cheaper than keying a new hash each time
         self._keyed = hashlib.blake2b(digest_size=8, key=self.seed)
 
+    def window(self, retry_after_ms: int) -> int:
+        """W: the jitter is drawn from [0, W) (0: none)."""
+        if retry_after_ms <= 0:
+            return 0
+        return min(max(self.min_ms, retry_after_ms * self.pct // 100), self.max_ms)
+
     def of(self, decision_id: str, retry_after_ms: int) -> int:
-        bound = min(retry_after_ms * self.pct // 100, self.max_ms) if retry_after_ms > 0 else 0
+        bound = self.window(retry_after_ms)
         if bound <= 0:
             return 0
         h = self._keyed.copy()
@@ -60,9 +70,18 @@ class RetryJitter:
 JITTER = RetryJitter()  # replaced from the agent's settings by ``configure_jitter``
 
 
-def configure_jitter(pct: int, max_ms: int, seed: str = "") -> None:
+def configure_jitter(pct: int, max_ms: int, seed: str = "", min_ms: int = 1_000) -> None:
     global JITTER
-    JITTER = RetryJitter(pct, max_ms, seed.encode())
+    JITTER = RetryJitter(pct, max_ms, seed.encode(), min_ms)
+
+
+def retry_after(decision_id: str, retry_after_ms: int) -> tuple[str, int] | None:
+    """(the ``Retry-After`` value, ``retryJitterMs``) of a denial with hint ``retry_after_ms``;
+    None when it can never succeed (-1)."""
+    if retry_after_ms < 0:
+        return None
+    jitter = JITTER.of(decision_id, retry_after_ms)
+    return str(max(1, -(-(retry_after_ms + jitter) // 1000))), jitter
 
 
 def window_seconds(rule: Rule, pools: Mapping[str, Pool] | None = None) -> int:
@@ -138,13 +157,11 @@ def apply_http(decision: Decision, *, rule: Rule | None, anonymous: bool) -> boo
         status = 503
     else:
         status = 429
-    secs = retry_after_seconds(decision.retry_after_ms)
-    if secs is None:
+    hint = retry_after(decision.decision_id, decision.retry_after_ms)
+    if hint is None:
         defect = status == 429
     else:
-        jitter = JITTER.of(decision.decision_id, decision.retry_after_ms)
-        decision.retry_jitter_ms = jitter
-        headers["Retry-After"] = str(secs + jitter // 1000)
+        headers["Retry-After"], decision.retry_jitter_ms = hint
     if (rule is not None and not anonymous and rule.scope in OWN_SCOPES and status != 503
             and not decision.fallback and decision.denied_scope != DeniedScope.CONCURRENCY
             and decision.limit is not None and decision.remaining is not None):

@@ -5,11 +5,22 @@ module by ``python -m leasehold.metrics_doc``; the cardinality budget is stated 
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+import os
 
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from kernel.build_info import BuildInfo
+from kernel.metrics_exposition import Collectors, WorkerProcesses, multiprocess_dir, standard_collectors
 from kernel.policy_metrics import policy_metrics
 
-from .keymeter import NewKeyMeter
+from .keymeter import CLASSES, NewKeyMeter
 from .store_health import StoreHealth
 
 # no ``*_created`` series (one per counter and histogram child): they would double the series count
@@ -40,15 +51,24 @@ class _FlushFirst:
 
 
 class AgentMetrics:
+    """The agent's metrics in ``registry``. With several workers (``PROMETHEUS_MULTIPROC_DIR`` set,
+    kernel.metrics_exposition) the counters, histograms and gauges are summed over the workers'
+    files at every scrape (:meth:`render`); collectors that read the same thing in every worker
+    are rendered by the worker that answers."""
+
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self.multiprocess = multiprocess_dir()
         self._flush = _FlushFirst()
         r.register(self._flush)
+        self._local: list = []  # collectors the answering worker renders itself (several workers)
         self.decisions = Counter("leasehold_agent_decisions_total",
-                                 "Admission decisions by outcome, deciding rule, policy version, route group and "
-                                 "tenant (tenants named in the bundle; others 'other', anonymous 'none')",
-                                 ["outcome", "rule", "policy_version", "route_group", "tenant"], registry=r)
+                                 "Admission decisions by outcome, deciding rule, policy version, route group, "
+                                 "tenant (tenants named in the bundle; others 'other', anonymous 'none') and the "
+                                 "layer that decided (source: script, negative_cache, chunk, local_fallback, "
+                                 "pool_fallback, fail_open, fail_closed, overload, policy, preauth)",
+                                 ["outcome", "rule", "policy_version", "route_group", "tenant", "source"], registry=r)
         self.latency = Histogram("leasehold_agent_decision_seconds", "Decision latency by store shard and outcome",
                                  ["shard", "outcome"], registry=r, buckets=DECISION_SECONDS_BUCKETS)
         self.script_errors = Counter("leasehold_agent_script_errors_total", "Store/script errors by class",
@@ -88,7 +108,8 @@ class AgentMetrics:
             self.policy_epoch.labels(relation)
         # staged release (docs/policy.md): the candidate bundle held for this agent's slice, 0 when none
         self.policy_candidate = Gauge("leasehold_agent_policy_candidate_version",
-                                      "Canary bundle version held for this agent's slice (0: none)", registry=r)
+                                      "Canary bundle version held for this agent's slice (0: none)", registry=r,
+                                      multiprocess_mode="livemax")
         self.policy_canary = Counter("leasehold_agent_policy_canary_offers_total",
                                      "Canary bundles offered from etcd, by outcome (accepted, kept: the held one "
                                      "stays because the offer would lower a version a slice evaluates, refused)",
@@ -125,14 +146,23 @@ class AgentMetrics:
                                   "the allocator as spent, never re-deposited or returned; at most this many "
                                   "were really unspent", ["pool"], registry=r)
         self.lease_balance = Gauge("leasehold_agent_pool_balance_tokens", "Spendable leased tokens in Redis",
-                                   ["pool"], registry=r)
+                                   ["pool"], registry=r, multiprocess_mode="livemax")
         self.allocator_up = Gauge("leasehold_agent_allocator_reachable", "1 if the last allocator call succeeded",
-                                  registry=r)
+                                  registry=r, multiprocess_mode="livemin")
         self.allocator_latency = Histogram("leasehold_agent_allocator_seconds", "Allocator call latency",
                                            ["call"], registry=r,
                                            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 3))
         self.breaker_state = Gauge("leasehold_agent_breaker_state", "Redis circuit breaker (0 closed, 1 half-open, 2 open)",
-                                   ["shard"], registry=r)
+                                   ["shard"], registry=r, multiprocess_mode="livemax")
+        self.breaker_opens = Counter("leasehold_agent_breaker_opens_total",
+                                     "Store outages: times a shard's circuit breaker opened after being closed (failed "
+                                     "half-open probes in between do not count again)", ["shard"], registry=r)
+        self.redis_slots = Gauge("leasehold_agent_redis_slots", "Hash slots each Redis Cluster primary owns in this "
+                                 "agent's slot map (Redis Cluster only)", ["shard"], registry=r,
+                                 multiprocess_mode="livemax")
+        self.redis_topology_changes = Counter("leasehold_agent_redis_topology_changes_total",
+                                              "Redis Cluster slot-map reads that changed the map (failover, "
+                                              "resharding, a primary added or removed)", registry=r)
         self.pool_admitted = Counter("leasehold_agent_pool_admitted_tokens_total",
                                      "Tokens of global pools admitted by this agent, by source (lease | fallback)",
                                      ["pool", "source"], registry=r)
@@ -151,6 +181,46 @@ class AgentMetrics:
         r.register(self.store_health)
         self.new_keys = NewKeyMeter()
         r.register(self.new_keys)
+        self.build_info = BuildInfo()
+        r.register(self.build_info)
+        self._local += [self.store_health, self.policy_age, self.build_info]
+        if self.multiprocess:
+            self._local.append(WorkerProcesses(self.multiprocess))
+            self._mirror_new_keys()
+        else:
+            standard_collectors(r)
+
+    def _mirror_new_keys(self) -> None:
+        """Several workers: each worker's new-key counts go to a file-backed counter at every
+        flush (the meter itself stays a plain per-process collector on the hot path)."""
+        mirror = Counter(NewKeyMeter.NAME, NewKeyMeter.HELP, list(NewKeyMeter.LABELS), registry=None)
+        sent = dict.fromkeys(CLASSES, 0)
+        children = {cls: mirror.labels(cls) for cls in CLASSES}
+
+        def push() -> None:
+            for cls, n in self.new_keys.counts.items():
+                if n != sent[cls]:
+                    children[cls].inc(n - sent[cls])
+                    sent[cls] = n
+
+        self.add_flush(push)
+
+    def render(self) -> bytes:
+        """The exposition a scrape gets (``/metrics``): this process's registry, or with several
+        workers every worker's metrics summed plus this worker's local collectors."""
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        self.flush()
+        return generate_latest(Collectors([MultiProcessCollector(None, self.multiprocess), *self._local]))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """At a worker's exit: its live-mode gauges no longer count (several workers)."""
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(os.getpid(), self.multiprocess)
 
     def add_flush(self, fn) -> None:
         """Run ``fn`` at the start of every collection (it moves counts kept outside into metrics)."""

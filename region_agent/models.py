@@ -84,6 +84,23 @@ class Reason(StrEnum):
     OVERLOADED = "OVERLOADED"  # shed: this agent saturated while its store answered (503, retriable)
 
 
+class DecisionSource(StrEnum):
+    """Which layer made a decision (the record's ``source``; the ``source`` label of
+    ``leasehold_agent_decisions_total``; ``decision.source`` on its trace span): so an incident
+    review does not take every 429 or 503 for the shared store's answer. Bounded values."""
+
+    SCRIPT = "script"  # the tenant's Redis script on its shard (a 409 conflict included)
+    NEGATIVE_CACHE = "negative_cache"  # a denial held in this agent (no store call)
+    CHUNK = "chunk"  # the in-process chunk lease of a fleet-wide pool
+    LOCAL_FALLBACK = "local_fallback"  # the store was unreachable: the rule's local allowance
+    POOL_FALLBACK = "pool_fallback"  # the allocator was unreachable: the pool's fallback allowance
+    FAIL_OPEN = "fail_open"  # the store was unreachable: the rule fails open
+    FAIL_CLOSED = "fail_closed"  # the store or allocator was unreachable: the rule fails closed (503)
+    OVERLOAD = "overload"  # shed: this agent was saturated (503 OVERLOADED)
+    POLICY = "policy"  # the bundle alone: no rule applies, or the snapshot is past maxAgeMs
+    PREAUTH = "preauth"  # the pre-authentication new-keys-per-source cap
+
+
 class Decision(Struct, rename="camel", omit_defaults=False):
     """The seed's decision record plus the HTTP response the gateway should send."""
 
@@ -101,6 +118,7 @@ class Decision(Struct, rename="camel", omit_defaults=False):
     http_status: int = 200
     headers: dict[str, str] = {}
     problem: dict[str, Any] | None = None
+    source: DecisionSource = DecisionSource.SCRIPT  # which layer decided (DecisionSource)
 
 
 class BatchDecisions(Struct, rename="camel"):

@@ -15,7 +15,7 @@ from kernel.algorithms.concurrency import KIND as CONCURRENCY
 from kernel.algorithms.pool import PoolRule
 from kernel.algorithms.rule import Params
 from kernel.bounded import BoundedMemo
-from kernel.bundle import Bundle, Pool, Rule, select_rules
+from kernel.bundle import Bundle, Pool, Rule, every_request_rules, select_rules
 from kernel.errors import ScriptRejected, ValidationFailed
 
 from .call import Call, multi_rule_argv
@@ -61,6 +61,9 @@ class Plan:
     has_pool: bool = False  # a slot spends a tenant pool balance (Role.POOL)
     shape: Shape | None = None  # what the plan was built from (shared, read-only)
     request: AdmitRequest | None = None  # the question (the sampled decision log reads the principal from it)
+    # the pre-authentication stage of an authenticated request (ip rules marked everyRequest,
+    # keyed by its clientIp): decided first, in its own call (another hash tag than the tenant's)
+    edge: Plan | None = None
 
     @property
     def anonymous(self) -> bool:
@@ -113,6 +116,9 @@ class Shape(NamedTuple):
     # what other modules derive from the shape once, by their own key (region_agent.record: the
     # parts of an admission's record); cleared with the shape
     derived: dict
+    # an authenticated shape's pre-authentication stage: the shape of the ip rules marked
+    # everyRequest on its route (None: there are none, or the shape is anonymous already)
+    edge: Shape | None = None
 
     @classmethod
     def of(cls, rules: list[Rule], tenant: str | None = None) -> Shape:
@@ -184,9 +190,13 @@ class BundleMemo:
         k = (tenant, route_group, principal_type, has_key)
         hit = self._shapes.get(k)
         if hit is None:
-            hit = self._shapes.put(k, Shape.of(select_rules(self.bundle.rules, tenant=tenant, route_group=route_group,
-                                                            principal_type=principal_type, has_key=has_key),
-                                               tenant))
+            shape = Shape.of(select_rules(self.bundle.rules, tenant=tenant, route_group=route_group,
+                                          principal_type=principal_type, has_key=has_key), tenant)
+            if principal_type != "anonymous":
+                edge = every_request_rules(self.bundle.rules, route_group=route_group)
+                if edge:
+                    shape = shape._replace(edge=Shape.of(edge))
+            hit = self._shapes.put(k, shape)
         return hit
 
 
@@ -214,10 +224,12 @@ def selected(bundle: Bundle, *, tenant: str | None, route_group: str, principal:
     return list(memo_of(bundle).shape(tenant, route_group, principal.type, principal.api_key_id is not None).rules)
 
 
-def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: bool = False) -> Plan:
+def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: bool = False,
+               shape: Shape | None = None) -> Plan:
     """The plan of ``req`` under ``bundle``. ``checked``: ``req`` came out of the strict wire
     decoder (region_agent.models: its request id and route group already match their patterns),
-    so they are not matched again; a request built in process (library mode) is checked here."""
+    so they are not matched again; a request built in process (library mode) is checked here.
+    ``shape``: the rules to plan (an edge stage's), instead of those the request selects."""
     if not checked:
         check_ids(req.request_id, req.route_group)
     principal = req.principal
@@ -225,7 +237,8 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
     tenant, addr = check_principal(req.tenant_id, principal)
     api_key_id = principal.api_key_id
     memo = memo_of(bundle)
-    shape = memo.shape(tenant, req.route_group, ptype, api_key_id is not None)
+    if shape is None:
+        shape = memo.shape(tenant, req.route_group, ptype, api_key_id is not None)
     cost_hint = req.cost_hint
     specs, shadow_specs, argv_rules = shape.params_for(cost_hint)
     ip_tag = keys.ip_tag(addr, shape.ip_rules) if addr is not None else None
@@ -263,9 +276,21 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
         decision_key = shape.unrecorded_dk
     else:
         decision_key = KeyBuilder.unrecorded_decision_key(tenant=tenant if ip_tag is None else None, ip_tag=ip_tag)
+    edge = None
+    if shape.edge is not None and req.client_ip is not None:
+        edge = edge_plan(bundle, req, keys, shape.edge)
     return Plan(req.request_id, tenant, ptype, shape.enforced, calls, shape.slots, shadow_calls, shape.shadow_slots,
                 spends, decision_key, shape.decision_ttl_ms, question, shape.slack_ms, cost_hint, argv_rules,
-                shape.has_pool, shape, req)
+                shape.has_pool, shape, req, edge)
+
+
+def edge_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, edge: Shape) -> Plan:
+    """The pre-authentication stage of authenticated ``req``: its ``clientIp`` as an anonymous
+    caller, asked by the ``edge`` shape's rules only, at cost 1 (a stage-1 window counts
+    requests, not their weight)."""
+    anon = AdmitRequest(request_id=req.request_id, principal=Principal(type="anonymous", id=req.client_ip or ""),
+                        route_group=req.route_group, method=req.method)
+    return build_plan(bundle, anon, keys, checked=True, shape=edge)
 
 
 _NONE: tuple = ()  # the shared empty sequence of a plan without shadow calls or global spends

@@ -12,24 +12,26 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kernel.bundle import Bundle
 from kernel.etcd_store import EtcdStore
 from kernel.policy_store import PolicyStore
 from kernel.watch import PolicyWatcher
 
 from . import httpmap
-from .httpmap import retry_after_seconds
 from .metrics import AgentMetrics
-from .models import AdmitRequest, Decision, DeniedScope, Reason
+from .models import AdmitRequest, Decision, DecisionSource, DeniedScope, Reason
 from .plan import check_principal, selected
 from .policy import PolicyHolder
 from .telemetry import named_tenants, tenant_label
 
 
 def make_watcher(holder: PolicyHolder, endpoints: str, *, prefix: str, reread_ms: int, timeout_ms: int = 1000,
-                 user: str | None = None, password: str | None = None) -> PolicyWatcher:
+                 user: str | None = None, password: str | None = None, tls: Any = None) -> PolicyWatcher:
+    """``tls``: the link's channel credentials (``region_agent.settings.policy_etcd_tls``)."""
     kw = {"user": user, "password": password} if user else {}
-    store = EtcdStore(endpoints, timeout_s=timeout_ms / 1000, **kw)
+    store = EtcdStore(endpoints, timeout_s=timeout_ms / 1000, tls=tls, **kw)
     return PolicyWatcher(PolicyStore(store, prefix), offer=holder.offer, refuse=holder.refuse_invalid,
                          reread_s=reread_ms / 1000, offer_canary=holder.offer_canary)
 
@@ -49,14 +51,15 @@ def revoked_decision(bundle: Bundle, req: AdmitRequest, m: AgentMetrics | None =
     anonymous = req.principal.type == "anonymous"
     d = Decision(allowed=False, decision_id=req.request_id, policy_id=None if anonymous else rule.id,
                  policy_version=bundle.bundle_version, denied_scope=DeniedScope(rule.scope), reason=Reason.POLICY_STALE,
-                 retry_after_ms=rule.closed_retry_after_ms, http_status=503)
-    d.retry_jitter_ms = httpmap.JITTER.of(d.decision_id, rule.closed_retry_after_ms)
-    d.headers = {"Retry-After": str(retry_after_seconds(rule.closed_retry_after_ms) + d.retry_jitter_ms // 1000)}
+                 retry_after_ms=rule.closed_retry_after_ms, http_status=503,
+                 source=DecisionSource.POLICY)
+    header, d.retry_jitter_ms = httpmap.retry_after(d.decision_id, rule.closed_retry_after_ms) or ("1", 0)
+    d.headers = {"Retry-After": header}
     d.problem = ({"type": "about:blank", "title": "Service Unavailable", "status": 503} if anonymous else
                  {"type": "about:blank", "title": "Service temporarily unavailable", "status": 503,
                   "detail": "The rate limit policy in force is older than its maximum age. Retry later.",
                   "decisionId": d.decision_id})
     if m is not None:
         m.decisions.labels("unavailable", rule.id, str(bundle.bundle_version), rule.route_key,
-                           tenant_label(named_tenants(bundle), tenant)).inc()
+                           tenant_label(named_tenants(bundle), tenant), DecisionSource.POLICY).inc()
     return d

@@ -25,7 +25,7 @@ from kernel.errors import ValidationFailed
 
 from .httpmap import apply_http
 from .keys import ip_prefix, parse_ip
-from .models import AdmitRequest, Decision, DeniedScope, Principal, Reason
+from .models import AdmitRequest, Decision, DecisionSource, DeniedScope, Principal, Reason
 from .plan import selected
 
 
@@ -85,6 +85,7 @@ class NewKeyCap:
             return None
         d = Decision(allowed=False, decision_id=req.request_id, policy_id=None,
                      policy_version=bundle.bundle_version, denied_scope=DeniedScope.IP, reason=Reason.RATE_EXCEEDED,
-                     retry_after_ms=self.window_ms - int(self.clock() * 1000) % self.window_ms)
+                     retry_after_ms=self.window_ms - int(self.clock() * 1000) % self.window_ms,
+                     source=DecisionSource.PREAUTH)
         apply_http(d, rule=None, anonymous=True)
         return d

@@ -13,7 +13,7 @@ from kernel.errors import DecisionConflict, to_problem
 from .call import MultiRuleResult
 from .httpmap import admitted_fields, apply_http
 from .metrics import AgentMetrics
-from .models import Decision, Reason
+from .models import Decision, DecisionSource, Reason
 from .outcome import Answer, admission
 from .plan import Plan, memo_of
 
@@ -22,14 +22,16 @@ SHED_RETRY_MS = 1_000  # Retry-After of a decision shed because this agent is ov
 SHED = Answer(False, None, reason=Reason.OVERLOADED, retry=SHED_RETRY_MS)
 
 
-def decision_record(plan: Plan, bundle: Bundle, a: Answer, metrics: AgentMetrics) -> Decision:
-    """The record of answer ``a`` to ``plan``'s request, decided with ``bundle``. A denial without
-    a positive Retry-After (a policy defect, region_agent.httpmap) is counted."""
+def decision_record(plan: Plan, bundle: Bundle, a: Answer, metrics: AgentMetrics,
+                    source: DecisionSource = DecisionSource.SCRIPT) -> Decision:
+    """The record of answer ``a`` to ``plan``'s request, decided with ``bundle`` by ``source`` (the
+    layer that answered). A denial without a positive Retry-After (a policy defect,
+    region_agent.httpmap) is counted."""
     allowed = a.allowed
     d = Decision(allowed=allowed, decision_id=plan.request_id, policy_id=a.rule.id if a.rule else None,
                  policy_version=bundle.bundle_version, denied_scope=None if allowed else a.scope,
                  reason=None if allowed else a.reason, limit=a.limit, remaining=a.remaining,
-                 retry_after_ms=0 if allowed else a.retry, fallback=a.fallback)
+                 retry_after_ms=0 if allowed else a.retry, fallback=a.fallback, source=source)
     if apply_http(d, rule=a.rule, anonymous=plan.anonymous):
         metrics.policy_defects.labels(a.rule.id if a.rule else "none").inc()
     return d

@@ -8,7 +8,8 @@ Cardinality (``docs/metrics.md`` states the budget):
   ``MAX_TENANT_LABELS`` of them, in sorted order), ``other`` for every other tenant and ``none``
   for anonymous requests — never a principal, key or address;
 * ``rule`` and ``route_group`` come from the bundle's rules (the route group is the deciding
-  rule's), ``outcome`` is one of seven values;
+  rule's), ``outcome`` is one of seven values, ``source`` one of the ten layers of
+  :class:`~region_agent.models.DecisionSource` (mostly determined by the outcome);
 * ``policy_version`` keeps at most ``VERSIONS_KEPT`` versions: when a decision is made with a
   third version, the series of the oldest are removed from the registry;
 * ``shard`` is ``default`` (standalone Redis) or a cluster primary's ``host:port``.
@@ -85,7 +86,7 @@ class DecisionTelemetry:
         tenant = plan.tenant
         shard = "default" if self.shard_of is None else self._shard(plan, now)
         label = (outcome, d.policy_id, d.policy_version,
-                 "none" if tenant is None else tenant if tenant in self._names else "other", shard)
+                 "none" if tenant is None else tenant if tenant in self._names else "other", shard, d.source)
         # counted here, moved into the counter and the histogram when the registry is collected
         # (flush): two locked prometheus updates per decision were a tenth of its CPU
         p = self._pending.get(label)
@@ -146,13 +147,13 @@ class DecisionTelemetry:
         return shard
 
     def _resolve(self, label: tuple, bundle: Bundle) -> tuple[Any, Any]:
-        outcome, rule_id, version, tenant, shard = label
+        outcome, rule_id, version, tenant, shard, source = label
         if version not in self._versions:
             self._new_version(version)
         rule = memo_of(bundle).rules_by_id.get(rule_id) if rule_id else None
         return self._children.put(label, (
             self.m.decisions.labels(outcome, rule_id or "none", str(version), rule.route_key if rule else "none",
-                                    tenant),
+                                    tenant, source),
             self.m.latency.labels(shard, outcome)))
 
     def _new_version(self, version: int) -> None:

@@ -131,6 +131,9 @@ class RuleBase(Struct, rename="camel", forbid_unknown_fields=True, frozen=True, 
     ipv6_prefix: Annotated[int, Meta(ge=16, le=128)] = 64
     exempt: bool = False  # a capped bypass: replaces the tenant's other rules by its own cap
     owner: str | None = None
+    # ip rules only: the pre-authentication stage of EVERY request (authenticated or not) spends
+    # it, not only anonymous ones (region_agent.plan: a second call before the tenant's)
+    every_request: bool = False
 
     @property
     def route_key(self) -> str:

@@ -1,11 +1,12 @@
-"""Figure 8: the gateway path (issue 14).
+"""Figure 8: the gateway path.
 
 * RLS decisions/s through gRPC: ``ShouldRateLimit`` against the agent's RLS port (one channel,
   64 in flight, 10k users of a tenant with only the P-READ user rule) vs a bare grpcio server
   answering a constant ``OK`` (``rls_bare``), one process each, same load generator; p50/p99.
 * End to end through Envoy (``deploy/gateways/envoy-rls.yaml``, 1 worker) in front of the demo
-  upstream, 64 keep-alive connections: with the rate limit filter (RLS to the agent) vs the same
-  config with the filter removed."""
+  upstream, 64 keep-alive connections from 64 loopback addresses, each request with a verified
+  bearer token: with the rate limit filter (RLS to the agent: the address window, then the
+  user's rule) vs the same config with the filter removed (jwt_authn verifies either way)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import sys
 
 import yaml
 
+from leasehold.devjwt import DevIssuer
 from leasehold.gateways import Envoy, render, upstream
 from leasehold.procs import LOOPBACK, Proc, RedisServer, free_port, wait_port
 
@@ -23,6 +25,7 @@ from .harness import REPO, CpuMeter, _env, degraded_counts, delta, redis_client,
 from .stats import Row, median
 
 CONNS = 64
+SOURCES = [f"127.0.3.{i}" for i in range(1, CONNS + 1)]
 
 
 def gwload(cfg: dict) -> dict:
@@ -60,8 +63,12 @@ def run(ctx: Ctx) -> list[Row]:
             bare = Proc("rls-bare", [sys.executable, "-m", "leasehold.bench.rls_bare", "--port", str(bare_port)],
                         w / "fig8-bare", env=_env()).start()
             up, up_port = upstream(w / "fig8-upstream")
+            issuer = DevIssuer()
+            tokens = w / "fig8-tokens.txt"
+            tokens.write_text("".join(f"Bearer {issuer.token(f'U-{i}', 'bench')}\n" for i in range(ctx.principals)))
             values = {"ENVOY_LISTEN_HOST": LOOPBACK, "AGENT_HOST": LOOPBACK, "AGENT_RLS_PORT": rls_port,
-                      "UPSTREAM_HOST": LOOPBACK, "UPSTREAM_PORT": up_port, "GATEWAY_TOKEN": "auth-disabled"}
+                      "UPSTREAM_HOST": LOOPBACK, "UPSTREAM_PORT": up_port, "GATEWAY_TOKEN": "auth-disabled",
+                      **issuer.values(issuer.write_jwks(w / "fig8-jwks.json"))}
             envoys = {}
             try:
                 wait_port(bare_port, proc=bare.popen, timeout=30)
@@ -71,7 +78,7 @@ def run(ctx: Ctx) -> list[Row]:
                     envoys[name] = Envoy(name, cfg if name == "envoy_rls" else filter_off(cfg), w / f"fig8-{name}",
                                          port, admin).start()
                 return _measure(ctx, agent, redis, {"agent": rls_port, "bare": bare_port},
-                                {k: e.port for k, e in envoys.items()}, up.pid)
+                                {k: e.port for k, e in envoys.items()}, up.pid, tokens)
             finally:
                 for e in envoys.values():
                     e.stop()
@@ -79,7 +86,8 @@ def run(ctx: Ctx) -> list[Row]:
                 bare.stop()
 
 
-def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict[str, int], up_pid: int) -> list[Row]:
+def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict[str, int], up_pid: int,
+             tokens) -> list[Row]:
     r = redis_client(redis)
     base = {"conns": CONNS, "duration_s": ctx.duration_s, "warmup_s": ctx.warmup_s, "principals": ctx.principals,
             "tenant": "bench", "max_requests": 2_000_000}
@@ -94,7 +102,7 @@ def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict
             res[name].append(out)
         for name, port in http_ports.items():
             with CpuMeter({"agent": agent.proc.pid, "upstream": up_pid}, r) as meter:
-                out = gwload({**base, "mode": "http", "port": port, "tenant": f"benchh{t}"})
+                out = gwload({**base, "mode": "http", "port": port, "tokens_file": str(tokens), "sources": SOURCES})
             out["cpu_us_per_request"] = meter.per(out["sent"])
             res[name].append(out)
     r.close()

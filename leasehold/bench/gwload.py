@@ -3,8 +3,10 @@
 * ``rls`` — ``ShouldRateLimit`` calls on one gRPC channel (as Envoy holds one HTTP/2 connection
   per worker), ``conns`` in flight, one descriptor per call (tenant, user of ``principals``,
   route group ``read``);
-* ``http`` — ``GET path`` on ``conns`` raw HTTP/1.1 keep-alive connections, with the identity
-  headers Envoy's rate limit actions read (``x-tenant-id``, ``x-user-id``).
+* ``http`` — ``GET path`` on ``conns`` raw HTTP/1.1 keep-alive connections, each client with its
+  bearer token (``tokens_file``: one ``Authorization`` value per line, user ``U-<line>``, which
+  Envoy's ``jwt_authn`` verifies), the connections spread over the loopback ``sources`` (every
+  request spends its address's window first, as real clients from many addresses would).
 
     python -m leasehold.bench.gwload '{"mode": "rls", "port": N, "conns": 64, "duration_s": 3, ...}'
 
@@ -76,11 +78,10 @@ async def run_rls(cfg: dict, state: dict) -> list:
                                     return_exceptions=True)
 
 
-async def _http_conn(cfg: dict, state: dict) -> None:
-    host, port, path = "127.0.0.1", cfg["port"], cfg.get("path", "/catalog")
-    tenant, n = cfg.get("tenant", "bench"), cfg.get("principals", 10_000)
-    reader, writer = await asyncio.open_connection(host, port)
-    head = f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nx-tenant-id: {tenant}\r\nx-user-id: U-".encode()
+async def _http_conn(cfg: dict, state: dict, source: str | None, heads: list[bytes]) -> None:
+    host, port = "127.0.0.1", cfg["port"]
+    reader, writer = await asyncio.open_connection(host, port, local_addr=(source, 0) if source else None)
+    n = len(heads)
     try:
         while True:
             now = time.perf_counter()
@@ -89,7 +90,7 @@ async def _http_conn(cfg: dict, state: dict) -> None:
             i = state["sent"]
             state["sent"] += 1
             t0 = time.perf_counter()
-            writer.write(head + str(i % n).encode() + b"\r\n\r\n")
+            writer.write(heads[i % n])
             headers = await reader.readuntil(b"\r\n\r\n")
             m = _LEN.search(headers)
             if m:
@@ -101,7 +102,12 @@ async def _http_conn(cfg: dict, state: dict) -> None:
 
 
 async def run_http(cfg: dict, state: dict) -> list:
-    return await asyncio.gather(*(_http_conn(cfg, state) for _ in range(cfg["conns"])), return_exceptions=True)
+    host, port, path = "127.0.0.1", cfg["port"], cfg.get("path", "/catalog")
+    bearers = cfg["bearers"][:cfg.get("principals", 10_000)]
+    heads = [f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nauthorization: {b}\r\n\r\n".encode() for b in bearers]
+    sources = cfg.get("sources") or [None]
+    return await asyncio.gather(*(_http_conn(cfg, state, sources[c % len(sources)], heads)
+                                  for c in range(cfg["conns"])), return_exceptions=True)
 
 
 async def run(cfg: dict) -> dict:
@@ -120,6 +126,9 @@ async def run(cfg: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = json.loads((argv or sys.argv[1:])[0])
+    if cfg.get("tokens_file"):
+        with open(cfg["tokens_file"]) as f:
+            cfg["bearers"] = [line.strip() for line in f if line.strip()]
     import uvloop
 
     print(json.dumps(uvloop.run(run(cfg))))

@@ -14,10 +14,20 @@ request machinery, which would cost as much as the decision (see :mod:`region_ag
 token table as ``/v1/admit``): ``Authorization: Bearer <token>``, or the same value in
 ``X-Leasehold-Authorization`` for gateways that forward the client's own ``Authorization``
 (Traefik). Errors are the agent's usual problem+json answers (401, 400/422, 503 while starting).
+
+Where the identity comes from: with ``--authz-jwks`` (the nginx and Traefik configurations),
+only from the client's own ``Authorization: Bearer <jwt>``, verified here (:mod:`.bearer`);
+identity headers are ignored. A request without a valid token is asked as a failed
+authentication (the caller's address alone, so guessing credentials spends the address window)
+and answered 401 if that address may still knock, the address's 429 otherwise. Route groups in
+``--authz-anonymous-routes`` (the pre-authentication routes, e.g. ``login``) are asked by the
+address alone. Without ``--authz-jwks``, the identity headers of a gateway that authenticated
+the caller itself (Envoy ``jwt_authn``, ``deploy/gateways/envoy-ext-authz.yaml``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,11 +37,23 @@ from kernel.auth import SCOPE_KEY, authenticate
 from kernel.errors import BadRequest, LeaseholdError, ValidationFailed
 from kernel.http_errors import problem_answer
 
+from ..tracing import decision as traced_decision
 from .answer import authz_answer
-from .mapping import BadQuestion, authz_question
+from .mapping import (
+    BadQuestion,
+    authz_question,
+    authz_route,
+    failed_authentication,
+    with_identity,
+    without_identity,
+)
 
 PATH = "/v1/authz"
 DENY_STATUSES = {"401": 401, "403": 403, "429": 429}
+# no valid bearer token (with --authz-jwks), and the caller's address may still knock: the same
+# answer whatever was wrong with the token (nothing tells an unknown key from a bad signature)
+UNAUTHENTICATED = (401, {"content-type": "application/problem+json", "www-authenticate": "Bearer"},
+                   b'{"type":"about:blank","title":"Unauthorized","status":401}')
 
 
 def _headers(scope: dict, wanted: frozenset[str]) -> dict[str, str]:
@@ -51,9 +73,11 @@ def _headers(scope: dict, wanted: frozenset[str]) -> dict[str, str]:
 async def authz(scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]) -> None:
     """Mounted raw ASGI handler (every method, every path under ``/v1/authz``)."""
     gw = scope["app"].state.agent.gateways
+    started = time.perf_counter()
     path = scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0] or scope.get("path", "")
     status, headers, body = await answer(gw, scope, path)
     gw.metrics.authz_calls.labels(str(status)).inc()
+    gw.metrics.authz_latency.observe(time.perf_counter() - started)
     raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
     if scope["method"] == "HEAD":
         body = b""
@@ -74,9 +98,22 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
         deny = hdrs.get(names.headers["deny_status"])
         if deny is not None and deny not in DENY_STATUSES:
             raise BadRequest(f"{names.headers['deny_status']} must be 401, 403 or 429")
-        q = authz_question(names, hdrs, method=scope["method"],
-                           forwarded_path=path[len(PATH):] or None)
-        (decision,) = await gw.decide([q])
+        forwarded = path[len(PATH):] or None
+        unauthenticated = False
+        if gw.bearer is not None:  # identity only from the client's verified token (.bearer)
+            if authz_route(names, hdrs, forwarded) in gw.anonymous_routes:
+                hdrs = without_identity(names, hdrs)  # pre-authentication route: the address alone
+            else:
+                who = gw.bearer.identity(hdrs.get("authorization"))
+                if who is None:
+                    unauthenticated = True  # counted against the caller's address, never a tenant
+                    hdrs = failed_authentication(names, hdrs)
+                else:
+                    hdrs = with_identity(names, hdrs, who.tenant, who.user, who.api_key)
+        q = authz_question(names, hdrs, method=scope["method"], forwarded_path=forwarded)
+        (decision,) = await traced_decision("authz", scope.get("headers", ()), q.request_id, gw.decide, [q])
+        if unauthenticated and decision.allowed:
+            return UNAUTHENTICATED
         a = authz_answer(decision, deny_status=DENY_STATUSES[deny] if deny is not None else None)
         return a.status, a.headers, a.body
     except LeaseholdError as e:

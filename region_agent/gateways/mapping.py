@@ -12,7 +12,9 @@ Fields of the question (``FIELDS``): ``tenant``, ``user`` or ``service`` (the au
 principal; at most one), ``api_key``, ``route_group``, ``client_ip`` (the caller's address: an
 *anonymous* question — pre-auth stage, P-ANON — when no principal is given), ``request_id``,
 ``method`` and ``auth_failed`` (``true``: the gateway's authentication failed; evaluated as
-an anonymous request from ``client_ip``, as ``authFailed`` on ``/v1/admit``). The cost is the
+an anonymous request from ``client_ip``, as ``authFailed`` on ``/v1/admit``). With a principal,
+``client_ip`` is the question's ``clientIp``: the address window of every request (ip rules
+marked ``everyRequest``) is spent in the same decision. The cost is the
 RLS ``hits_addend`` (per descriptor, else per request; 0/unset = 1) or the ``cost`` header.
 
 Every question is converted with the same msgspec schema as a ``/v1/admit`` body, so the
@@ -163,6 +165,8 @@ def question(fields: Mapping[str, str], *, cost: int, request_id: str) -> AdmitR
         if "api_key" in fields:
             principal["apiKeyId"] = fields["api_key"]
         body.update(tenantId=fields["tenant"], principal=principal)
+        if ip is not None:  # the pre-authentication stage's rules marked everyRequest spend it too
+            body["clientIp"] = ip
     elif ip is not None and "tenant" not in fields and "api_key" not in fields:
         body["principal"] = {"type": "anonymous", "id": ip}
     else:
@@ -239,6 +243,44 @@ def route_of(uri: str | None, prefixes: tuple[tuple[str, str], ...]) -> str | No
     return None
 
 
+def authz_route(names: Names, headers: Mapping[str, str], forwarded_path: str | None) -> str | None:
+    """The route group of a forward-auth request: the route group header the gateway sets (a
+    constant per route or location in the shipped configurations), else the longest
+    ``--authz-route-prefixes`` prefix of the original path."""
+    h = names.headers
+    group = headers.get(h["route_group"])
+    if group is not None:
+        return group
+    return route_of(headers.get(h["uri"]) or forwarded_path, names.route_prefixes)
+
+
+IDENTITY_FIELDS = ("tenant", "user", "service", "api_key", "auth_failed")
+
+
+def without_identity(names: Names, headers: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` without any identity field (the bearer token is the only source then)."""
+    drop = {names.headers[f] for f in IDENTITY_FIELDS}
+    return {k: v for k, v in headers.items() if k not in drop}
+
+
+def with_identity(names: Names, headers: Mapping[str, str], tenant: str, user: str,
+                  api_key: str | None) -> dict[str, str]:
+    """``headers`` with the identity of a verified token in place of any the request carried."""
+    out = without_identity(names, headers)
+    h = names.headers
+    out[h["tenant"]], out[h["user"]] = tenant, user
+    if api_key is not None:
+        out[h["api_key"]] = api_key
+    return out
+
+
+def failed_authentication(names: Names, headers: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` as the question of a failed authentication (the caller's address alone)."""
+    out = without_identity(names, headers)
+    out[names.headers["auth_failed"]] = "true"
+    return out
+
+
 def authz_question(names: Names, headers: Mapping[str, str], *, method: str,
                    forwarded_path: str | None) -> AdmitRequest:
     """The question of one forward-auth request. ``headers``: lower-case name -> value (a name
@@ -247,7 +289,7 @@ def authz_question(names: Names, headers: Mapping[str, str], *, method: str,
     h = names.headers
     fields = {f: headers[h[f]] for f in FIELDS if h[f] in headers}
     if "route_group" not in fields:
-        group = route_of(headers.get(h["uri"]) or forwarded_path, names.route_prefixes)
+        group = authz_route(names, headers, forwarded_path)
         if group is not None:
             fields["route_group"] = group
     fields.setdefault("method", method)
@@ -258,5 +300,6 @@ def authz_question(names: Names, headers: Mapping[str, str], *, method: str,
     return question(fields, cost=check_cost(int(raw_cost)), request_id=rid)
 
 
-__all__ = ["AUTHZ_DEFAULT_HEADERS", "FIELDS", "RLS_DEFAULT_KEYS", "BadQuestion", "Descriptor", "Names",
-           "authz_question", "parse_names", "parse_route_prefixes", "question", "rls_questions", "route_of"]
+__all__ = ["AUTHZ_DEFAULT_HEADERS", "FIELDS", "IDENTITY_FIELDS", "RLS_DEFAULT_KEYS", "BadQuestion", "Descriptor",
+           "Names", "authz_question", "authz_route", "failed_authentication", "parse_names", "with_identity",
+           "without_identity", "parse_route_prefixes", "question", "rls_questions", "route_of"]

@@ -17,7 +17,7 @@ class GatewayMetrics:
         r = registry
         self.rls_calls = Counter(
             "leasehold_agent_rls_requests_total",
-            "RLS ShouldRateLimit calls by outcome (ok | over_limit | unavailable_503 | invalid | "
+            "RLS ShouldRateLimit calls by outcome (ok | over_limit | unavailable_503 | conflict_409 | invalid | "
             "unauthenticated | not_ready | error)", ["outcome"], registry=r)
         self.rls_invalid = Counter("leasehold_agent_rls_invalid_total",
                                    "RLS calls refused with INVALID_ARGUMENT, by reason (unknown_key, ...)",
@@ -31,3 +31,5 @@ class GatewayMetrics:
         self.authz_invalid = Counter("leasehold_agent_authz_invalid_total",
                                      "Forward-auth questions refused as malformed, by reason", ["reason"],
                                      registry=r)
+        self.authz_latency = Histogram("leasehold_agent_authz_seconds", "Forward-auth call latency inside the agent",
+                                       registry=r, buckets=LATENCY_BUCKETS)

@@ -12,8 +12,11 @@ gRPC status codes of a call (what Envoy does with each is in ``region_agent/READ
 * ``OK`` with ``overall_code`` ``OK`` or ``OVER_LIMIT`` — every decision, including degraded
   ones: a ``closed`` rule without its store is ``OVER_LIMIT`` with the 503 answer's headers and
   body and dynamic metadata ``leasehold_status: 503``; ``local_bounded`` rules answer from the
-  local allowance, ``open`` rules ``OK``. ``UNKNOWN`` is never sent as ``overall_code``
-  (Envoy's client treats it as ``OK``; its documented meaning is "not known").
+  local allowance, ``open`` rules ``OK``. A request id that already has a decision record for
+  another question (a replayed id) is ``OVER_LIMIT`` too, with the 409 problem and metadata
+  ``leasehold_status: 409`` — never an error, which ``failure_mode_deny: false`` would let
+  through. ``UNKNOWN`` is never sent as ``overall_code`` (Envoy's client treats it as ``OK``;
+  its documented meaning is "not known").
 * ``INVALID_ARGUMENT`` — not a question Leasehold can answer (another domain, an unmapped
   descriptor key, a limit override, a bad value or cost), counted by reason.
 * ``UNAUTHENTICATED`` — missing or wrong ``authorization: Bearer <gateway token>`` metadata.
@@ -35,6 +38,7 @@ from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError, Unauthorized, Unavailable, ValidationFailed
 
 from ..models import AdmitRequest, Decision
+from ..tracing import decision as traced_decision
 from .answer import rls_answer
 from .mapping import BadQuestion, Descriptor, Names, rls_questions
 from .metrics import GatewayMetrics
@@ -55,7 +59,9 @@ def descriptors_of(request: rls_pb2.RateLimitRequest) -> list[Descriptor]:
 
 
 def to_proto(decisions: list[Decision], questions: list[AdmitRequest], bundle: Bundle) -> tuple[Response, int]:
-    ans = rls_answer(decisions, bundle, [q.principal.type == "anonymous" or q.auth_failed for q in questions])
+    # an address-window denial of an authenticated question is the pre-auth stage's: anonymous too
+    ans = rls_answer(decisions, bundle, [q.principal.type == "anonymous" or q.auth_failed or d.denied_scope == "ip"
+                                         for q, d in zip(questions, decisions, strict=True)])
     resp = Response(overall_code=OVER_LIMIT if ans.over_limit else OK, raw_body=ans.body)
     for s in ans.statuses:
         st = resp.statuses.add(code=OVER_LIMIT if s.over_limit else OK, limit_remaining=s.remaining)
@@ -89,9 +95,10 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             if self.gateways is not None:
                 authenticate(self.gateways, context.invocation_metadata() or ())  # pairs: two tokens are refused
             questions = rls_questions(self.names, request.domain, descriptors_of(request), request.hits_addend)
-            decisions = await self.decide(questions)
+            decisions = await traced_decision("rls", context.invocation_metadata() or (),
+                                              questions[0].request_id if questions else None, self.decide, questions)
             resp, status = to_proto(decisions, questions, self.bundle_of())
-            outcome = "ok" if status == 200 else ("unavailable_503" if status == 503 else "over_limit")
+            outcome = {200: "ok", 503: "unavailable_503", 409: "conflict_409"}.get(status, "over_limit")
             m.rls_descriptors.labels("OK").inc(sum(1 for s in resp.statuses if s.code == OK))
             m.rls_descriptors.labels("OVER_LIMIT").inc(sum(1 for s in resp.statuses if s.code == OVER_LIMIT))
             return resp
@@ -117,18 +124,32 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         raise AssertionError("unreachable")  # context.abort raises
 
 
+def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None = None) -> grpc.ServerCredentials:
+    """TLS for the RLS port (``--rls-tls-cert-file``, ``--rls-tls-key-file``); with
+    ``--rls-tls-client-ca-file`` every client must present a certificate signed by that CA."""
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    ca = read(client_ca_file) if client_ca_file else None
+    return grpc.ssl_server_credentials([(read(key_file), read(cert_file))], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
 class RlsServer:
     """The gRPC server: RLS v3 plus ``grpc.health.v1.Health`` (SERVING while the agent answers
     decisions — degraded ones included, so a Redis outage is answered by the per-rule fail
     modes rather than by Envoy's failure_mode_deny; NOT_SERVING while it shuts down)."""
 
-    def __init__(self, servicer: RateLimitServicer, *, host: str, port: int, max_concurrent_rpcs: int):
+    def __init__(self, servicer: RateLimitServicer, *, host: str, port: int, max_concurrent_rpcs: int,
+                 tls: grpc.ServerCredentials | None = None):
         self.server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs,
                                       options=[("grpc.so_reuseport", 1)])  # one port, several uvicorn workers
         rls_pb2_grpc.add_RateLimitServiceServicer_to_server(servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        self.port = self.server.add_secure_port(address, tls) if tls else self.server.add_insecure_port(address)
 
     async def start(self) -> RlsServer:
         await self.server.start()
@@ -141,4 +162,4 @@ class RlsServer:
         await self.server.stop(grace_s)
 
 
-__all__ = ["RateLimitServicer", "RlsServer", "descriptors_of", "to_proto"]
+__all__ = ["RateLimitServicer", "RlsServer", "descriptors_of", "server_credentials", "to_proto"]

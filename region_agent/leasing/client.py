@@ -28,6 +28,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from kernel import tracing
 from kernel.errors import (
     BadRequest,
     Conflict,
@@ -59,6 +60,7 @@ T = TypeVar("T")
 REFRESH_MIN_INTERVAL_MS = 250.0  # GET /v1/shards at most this often
 USAGE_BATCH_RETRY_MS = 300_000.0  # after a 404 for POST /v1/usage/batch, single reports this long
 REFRESH_GRACE_S = 0.05  # after the first map arrives, how long the others may still answer before we go on
+_JSON = {"content-type": "application/json"}
 _BY_STATUS: dict[int, type[LeaseholdError]] = {
     400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict, 422: ValidationFailed,
 }
@@ -255,11 +257,18 @@ class AllocatorClient:
             raise Unavailable(f"allocator {url} sent an unreadable answer") from None
 
     async def _send(self, url: str, method: str, path: str, body: bytes) -> bytes:
-        """One attempt; the body of a 200 answer, or the typed error of any other outcome."""
+        """One attempt; the body of a 200 answer, or the typed error of any other outcome. With
+        tracing on: a ``leasehold.lease_request`` span whose context goes to the allocator."""
+        if not tracing.ENABLED:
+            return await self._attempt(url, method, path, body, _JSON)
+        with tracing.span("leasehold.lease_request", kind=tracing.SpanKind.CLIENT,
+                          attributes={"http.request.method": method, "url.path": path, "server.address": url}):
+            return await self._attempt(url, method, path, body, tracing.inject(dict(_JSON)))
+
+    async def _attempt(self, url: str, method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
         loop_time = _now()
         try:
-            resp = await self._http.request(method, url + path, content=body,
-                                            headers={"content-type": "application/json"})
+            resp = await self._http.request(method, url + path, content=body, headers=headers)
         except httpx.ConnectError as e:
             self._unreachable(url)
             raise StoreUnavailable(f"allocator {url} unreachable: {type(e).__name__}") from None

@@ -70,6 +70,11 @@ async def set_bucket(r: Redis, key: str, tokens: int, *, age_ms: int | None = No
     await r.pexpire(key, 600_000)
 
 
+def retry_after(d: dict) -> str:
+    """The Retry-After a denial carries: its exact hint plus its jitter, in whole seconds up."""
+    return str(max(1, -(-(d["retryAfterMs"] + d["retryJitterMs"]) // 1000)))
+
+
 async def tokens(r: Redis, key: str) -> int:
     return int(await r.hget(key, "tokens"))
 
@@ -130,11 +135,13 @@ async def test_trace_steps_4_and_6_to_13_across_regions(topo: LocalTopology):
             assert await tokens(r, U17_READ) == 0
             assert await pool_spent(r, ATLAS_POOL) == spent0 + 2
 
-            # step 8: the loser gets 429, Retry-After 1 and RateLimit fields for U-17's own limit
+            # step 8: the loser gets 429, Retry-After 1 (max(1, ceil(0.5)); the jitter that spreads
+            # clients denied together may make it 2) and RateLimit fields for U-17's own limit
             loser = da if not da["allowed"] else db
             assert (loser["httpStatus"], loser["retryAfterMs"], loser["deniedScope"]) == (429, 500, "user")
-            assert loser["headers"] == {"Retry-After": "1", "RateLimit-Policy": '"read-user-v3";q=20;w=10',
+            assert loser["headers"] == {"Retry-After": retry_after(loser), "RateLimit-Policy": '"read-user-v3";q=20;w=10',
                                         "RateLimit": '"read-user-v3";r=0;t=1'}
+            assert retry_after(loser) in ("1", "2")
 
             # step 9: a second later 2,000 millitokens came back: admitted, bucket 1,000
             # past the losing gateway's negative-cache entry: a bucket's hint is exact, so the
@@ -164,7 +171,8 @@ async def test_trace_steps_4_and_6_to_13_across_regions(topo: LocalTopology):
             # step 12: a fourth concurrent export: 429 with the policy's Retry-After, rate untouched
             fourth = await admit(client, a, "export-run-4", route="export")
             assert (fourth["allowed"], fourth["deniedScope"], fourth["headers"]["Retry-After"]) == (
-                False, "concurrency", "5")
+                False, "concurrency", retry_after(fourth))
+            assert fourth["retryAfterMs"] == 5_000 and retry_after(fourth) in ("5", "6")
             assert await tokens(r, EXPORT) == 990_000
 
             # the other region spends the same worldwide pool from its own leases and its own Redis
@@ -196,7 +204,7 @@ async def test_trace_steps_4_and_6_to_13_across_regions(topo: LocalTopology):
             assert all(x["httpStatus"] == 429 for x in reads if not x["allowed"])
             exp = await admit(client, a, "step13-export", route="export")
             assert (exp["allowed"], exp["httpStatus"], exp["reason"]) == (False, 503, "LIMITER_UNAVAILABLE")
-            assert exp["headers"] == {"Retry-After": "5"}
+            assert exp["headers"] == {"Retry-After": retry_after(exp)} and exp["retryAfterMs"] == 5_000
             assert await metric(client, a, "leasehold_agent_degraded_decisions_total", fail_mode="closed") >= 1
             assert await metric(client, a, "leasehold_agent_degraded_decisions_total",
                                 fail_mode="local_bounded") >= 5

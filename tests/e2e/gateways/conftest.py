@@ -1,7 +1,11 @@
 """Real gateways in front of a real agent: a redis-server, a region agent process (RLS gRPC port
-and /v1/authz, gateway authentication on), the tiny demo upstream, and Envoy / nginx configured
-from the files under ``deploy/gateways/`` (only ports, hosts and the gateway token are filled
-in). One stack per test module; every process is stopped by PID."""
+and /v1/authz, gateway authentication on), the tiny demo upstream, and Envoy / nginx / Traefik
+configured from the files under ``deploy/gateways/`` (only ports, hosts, the gateway token and
+the identity provider's JWKS file, issuer and audience are filled in). One stack per test
+module; every process is stopped by PID.
+
+Clients hold bearer tokens of a development identity provider (:class:`leasehold.devjwt.DevIssuer`,
+one key pair per test session): :func:`identity` is the ``Authorization`` header of a user."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import httpx
 import pytest
 from redis import Redis
 
+from leasehold.devjwt import DevIssuer
 from leasehold.gateways import Envoy, Nginx, Traefik, render, upstream
 from leasehold.procs import LOOPBACK, Proc, RedisServer, free_port, wait_http_ready, wait_port
 from leasehold.services import agent_command
@@ -25,8 +30,8 @@ from region_agent.settings import DEV_PEPPER
 
 ROOT = Path(__file__).resolve().parents[3]
 NORTHSTAR = ROOT / "policies" / "northstar.json"
-ROUTE_PREFIXES = "/login=login,/reports/export=export,/=read"
 KEYS = KeyBuilder(DEV_PEPPER)
+ISSUER = DevIssuer()  # the identity provider of every test client
 FROZEN_AHEAD_MS = 3_600_000  # a bucket stamped in the future gets no refill (clock-backwards clamp)
 
 
@@ -40,6 +45,7 @@ class Stack:
     upstream_port: int
     token: str
     workdir: Path
+    jwks: Path
 
     @property
     def agent_url(self) -> str:
@@ -48,7 +54,8 @@ class Stack:
     def values(self, **extra: object) -> dict[str, object]:
         """The placeholders of deploy/gateways/* for this stack."""
         return {"AGENT_HOST": LOOPBACK, "AGENT_HTTP_PORT": self.http_port, "AGENT_RLS_PORT": self.rls_port,
-                "UPSTREAM_HOST": LOOPBACK, "UPSTREAM_PORT": self.upstream_port, "GATEWAY_TOKEN": self.token, **extra}
+                "UPSTREAM_HOST": LOOPBACK, "UPSTREAM_PORT": self.upstream_port, "GATEWAY_TOKEN": self.token,
+                **ISSUER.values(self.jwks), **extra}
 
     def envoy(self, name: str, template: str) -> Envoy:
         port, admin = free_port(), free_port()
@@ -91,24 +98,46 @@ def extra_agent_args() -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, extra_agent_args: tuple[str, ...]) -> Iterator[Stack]:
+def bearer_at_the_agent() -> bool:
+    """The agent verifies the clients' bearer tokens itself (``--authz-jwks``: the nginx and
+    Traefik configurations); False: the gateway did (Envoy ``jwt_authn``) and sends headers."""
+    return False
+
+
+@pytest.fixture(scope="module")
+def policy() -> Path:
+    """The bundle the module's agent runs."""
+    return NORTHSTAR
+
+
+def jwt_agent_args(jwks: Path) -> tuple[str, ...]:
+    """The agent flags the nginx and Traefik configurations name: identity from the verified token."""
+    return ("--authz-jwks", str(jwks), "--authz-jwt-issuer", ISSUER.issuer, "--authz-jwt-audience", ISSUER.audience,
+            "--authz-anonymous-routes", "login")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, extra_agent_args: tuple[str, ...], bearer_at_the_agent: bool,
+          policy: Path) -> Iterator[Stack]:
     work = Path(tmp_path_factory.mktemp("gw"))
+    jwks = ISSUER.write_jwks(work / "jwks.json")
     redis = RedisServer(work / "redis").start()
     token = secrets.token_urlsafe(24)
     http_port, rls_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
     env["PYTHONPATH"] = str(ROOT)
+    bearer = jwt_agent_args(jwks) if bearer_at_the_agent else ()
     agent = Proc("agent", agent_command(
-        *extra_agent_args, "--log-level", "warning", redis_url=redis.url, policy=NORTHSTAR, region="eu", host=LOOPBACK,
-        port=http_port, rls_port=rls_port, policy_poll_ms=0, insecure_dev_pepper=True, auth_disabled=False,
-        gateway_tokens=["edge:" + hashlib.sha256(token.encode()).hexdigest()], authz_route_prefixes=ROUTE_PREFIXES,
+        *extra_agent_args, *bearer, "--log-level", "warning", redis_url=redis.url, policy=policy, region="eu",
+        host=LOOPBACK, port=http_port, rls_port=rls_port, policy_poll_ms=0, insecure_dev_pepper=True,
+        auth_disabled=False, gateway_tokens=["edge:" + hashlib.sha256(token.encode()).hexdigest()],
         decision_budget_ms=200), work / "agent", env=env).start()
     up = None
     try:
         up, up_port = upstream(work / "upstream")
         wait_http_ready({f"http://{LOOPBACK}:{http_port}": agent}, timeout=60)
         wait_port(rls_port, proc=agent.popen, timeout=30)
-        yield Stack(redis, agent, http_port, rls_port, up, up_port, token, work)
+        yield Stack(redis, agent, http_port, rls_port, up, up_port, token, work, jwks)
     finally:
         if up is not None:
             up.stop()
@@ -117,23 +146,21 @@ def stack(tmp_path_factory: pytest.TempPathFactory, extra_agent_args: tuple[str,
 
 
 def identity(user: str, tenant: str = "atlas", key: str | None = "K1") -> dict[str, str]:
-    """The headers an authentication layer in front of the rate limiter would set."""
-    h = {"x-tenant-id": tenant, "x-user-id": user}
-    if key:
-        h["x-api-key-id"] = key
-    return h
+    """The bearer token of a client holding that identity (the only way to claim one)."""
+    return ISSUER.bearer(user, tenant, key)
 
 
 def assert_p_read(responses: list[httpx.Response]) -> None:
-    """The seed's P-READ numbers at the client: 20 pass, the 21st is 429 with Retry-After: 1
-    and the RateLimit fields of the caller's own user rule."""
+    """The worked P-READ numbers at the client: 20 pass, the 21st is 429 with Retry-After 1 (or 2:
+    the jitter spreads clients denied together over about a second) and the RateLimit fields of
+    the caller's own user rule."""
     assert [r.status_code for r in responses] == [200] * 20 + [429], [r.status_code for r in responses]
     for i, r in enumerate(responses[:20]):
         assert r.json()["upstream"] == "upstream"  # the backend answered
         assert r.headers["ratelimit-policy"] == '"read-user-v3";q=20;w=10'
         assert r.headers["ratelimit"] == f'"read-user-v3";r={19 - i};t=0'
     denied = responses[20]
-    assert denied.headers["retry-after"] == "1"
+    assert denied.headers["retry-after"] in ("1", "2")  # the 500 ms hint, spread upward over about 1 s
     assert denied.headers["ratelimit-policy"] == '"read-user-v3";q=20;w=10'
     assert denied.headers["ratelimit"] == '"read-user-v3";r=0;t=1'
 

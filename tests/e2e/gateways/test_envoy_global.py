@@ -19,7 +19,7 @@ from leasehold.gateways import Envoy, render, upstream
 from leasehold.procs import LOOPBACK, Proc, free_port
 from leasehold.topology import LocalTopology, TopologySpec
 
-from .conftest import identity, wait_early_in_window
+from .conftest import ISSUER, identity, wait_early_in_window
 
 pytestmark = pytest.mark.e2e
 
@@ -50,7 +50,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             port, admin = free_port(), free_port()
             cfg = render("envoy-rls.yaml", ENVOY_LISTEN_HOST=LOOPBACK, ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin,
                          AGENT_HOST=LOOPBACK, AGENT_RLS_PORT=topo.rls_ports[region][0], UPSTREAM_HOST=LOOPBACK,
-                         UPSTREAM_PORT=up_port, GATEWAY_TOKEN=topo.secrets.gateway)
+                         UPSTREAM_PORT=up_port, GATEWAY_TOKEN=topo.secrets.gateway,
+                         **ISSUER.values(ISSUER.write_jwks(run / "jwks.json")))
             envoys[region] = Envoy(f"envoy-{region}", cfg, run / f"envoy-{region}", port, admin).start()
         yield Fleet(topo, envoys, up)
     finally:

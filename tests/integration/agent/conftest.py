@@ -41,6 +41,9 @@ def make_settings(redis_url: str, policy: Path, **kw) -> AgentSettings:
     # these tests rewrite stored state to simulate time, which an in-process negative cache cannot
     # see; the negative cache has its own tests (test_negative_cache.py)
     kw.setdefault("negative_cache_ms", 0)
+    # these tests check the worked numbers' exact Retry-After values (max(1, ceil(ms / 1000))): no jitter
+    # (its spread: tests/unit/agent/test_retry_jitter.py; with it on: the gateway e2e tests)
+    kw.setdefault("retry_jitter_max_ms", 0)
     kw.setdefault("auth_disabled", True)  # gateway/operator authentication: tests/integration/security
     return AgentSettings(redis_url=redis_url, policy=str(policy), region="eu", policy_poll_ms=0,
                          decision_budget_ms=kw.pop("decision_budget_ms", 2000), **kw)
@@ -146,14 +149,17 @@ async def bucket_tokens(r, key: str) -> int:
 # --- serialises requests through its blocking portal) --------------------------------------------
 @contextlib.contextmanager
 def agent_process(workdir: Path, redis_url: str, policy: Path, *extra: str,
-                  ready_path: str = "/readyz") -> Iterator[tuple[str, Proc]]:
-    """``ready_path``: ``/healthz`` for an agent whose Redis is down on purpose (never ready)."""
+                  ready_path: str | None = None) -> Iterator[tuple[str, Proc]]:
+    """Waits for ``/readyz`` and the store's health (Redis reached, scripts loaded), or for
+    ``ready_path`` alone (``/healthz`` for an agent whose Redis is down on purpose)."""
+    paths = (ready_path,) if ready_path else ("/readyz", "/v1/health/store")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
     env.update(PYTHONPATH=str(ROOT), LEASEHOLD_AGENT_PEPPER=PEPPER.decode())
     proc = Proc(f"agent-{port}", agent_command(
         *(() if "--negative-cache-ms" in extra else ("--negative-cache-ms", "0")),
-        *(() if "--auth-disabled" in extra else ("--auth-disabled", "true")), *extra,
+        *(() if "--retry-jitter-max-ms" in extra else ("--retry-jitter-max-ms", "0")),  # the exact hints (make_settings)
+        *(() if {"--auth-disabled", "--no-auth-disabled"} & set(extra) else ("--auth-disabled",)), *extra,
         redis_url=redis_url, policy=policy, region="eu", host="127.0.0.1", port=port, policy_poll_ms=0,
         log_level="warning"), workdir, env=env).start()
     base = f"http://127.0.0.1:{port}"
@@ -161,7 +167,7 @@ def agent_process(workdir: Path, redis_url: str, policy: Path, *extra: str,
         wait_port(port, proc=proc.popen, timeout=30)
         for _ in range(300):  # bounded wait for readiness (scripts loaded)
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + ready_path, timeout=2).status_code == 200:
+                if all(httpx.get(base + p, timeout=2).status_code == 200 for p in paths):
                     break
             time.sleep(0.05)
         else:

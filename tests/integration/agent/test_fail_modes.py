@@ -22,6 +22,9 @@ async def stopped_store_agent(tmp_path: Path, policy_file: Path):
             ok = await client.post("/v1/admit", json=admit_body("before-stop-1"))
             assert ok.json()["allowed"] is True and ok.json()["fallback"] is False
             assert (await client.get("/readyz")).status_code == 200
+            health = await client.get("/v1/health/store")
+            assert health.status_code == 200 and health.json() == {"store": "reachable", "scriptsLoaded": True,
+                                                                   "breaker": "closed"}
             server.stop()
             yield client
     finally:
@@ -30,8 +33,14 @@ async def stopped_store_agent(tmp_path: Path, policy_file: Path):
 
 async def test_fail_modes_with_redis_stopped(stopped_store_agent):
     agent = stopped_store_agent
+    # readiness means "can answer": Redis down, the agent stays ready and answers by each rule's fail
+    # mode (taking every agent out of its Service would hand the decision to the gateways instead);
+    # the store's health is reported on its own endpoint
     ready = await agent.get("/readyz")
-    assert ready.status_code == 503 and ready.headers["content-type"].startswith("application/problem+json")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
+    health = await agent.get("/v1/health/store")
+    assert health.status_code == 503 and health.headers["content-type"].startswith("application/problem+json")
+    assert health.json()["store"] == "unreachable"
     # P-EXPORT fails closed: 503 decision with the policy's conservative Retry-After
     d = (await agent.post("/v1/admit", json=admit_body("export-down-1", route="export"))).json()
     assert (d["allowed"], d["reason"], d["httpStatus"], d["fallback"]) == (False, "LIMITER_UNAVAILABLE", 503, False)
@@ -100,7 +109,7 @@ async def test_a_stale_store_denial_does_not_answer_for_the_fallback(tmp_path: P
             await set_bucket(r, user_key("atlas", "U-17", "read"), 0)
             denied = (await agent.post("/v1/admit", json=admit_body("neg-denied-1"))).json()
             assert denied["allowed"] is False and not denied["fallback"] and denied["retryAfterMs"] == 500
-            assert len(app.state.agent.engine.negative) == 1  # held for the exact hint
+            assert len(app.state.agent.engine.negative) == 2  # held: its rule set for the exact hint, its key briefly
             await asyncio.sleep(0.6)  # the hint has passed: the next request probes the store
             await r.aclose()
             server.stop()

@@ -23,6 +23,9 @@ CASES: list[tuple[str, dict, bytes | dict]] = [
     ("allowed", {}, admit_body("fp-ok-000001")),
     ("anonymous", {}, admit_body("fp-anon-0001", tenant=None, ptype="anonymous", pid="10.1.2.3", route="login",
                                  api_key=None)),
+    # an idempotent rule's decision id asked again by someone else: the same 409 on both paths
+    ("export", {}, admit_body("fp-export-001", route="export")),
+    ("export id reused by another user", {}, admit_body("fp-export-001", route="export", pid="U-2")),
     ("bad tenant id", {}, admit_body("fp-bad-tenant", tenant="Not_A_Tenant")),
     ("no tenant for a user", {}, admit_body("fp-no-tenant", tenant=None)),
     ("bad request id", {}, admit_body("x")),
@@ -94,21 +97,22 @@ async def test_fast_path_answers_like_the_handler(tmp_path, policy_file, monkeyp
     served: list[str] = []
     real = fastpath._answer
 
-    async def counting(st, req, send, before_engine):
+    async def counting(st, req, send, *rest):
         served.append(req.request_id)
-        await real(st, req, send, before_engine)
+        await real(st, req, send, *rest)
 
     monkeypatch.setattr(fastpath, "_answer", counting)
     fast = await _answers(tmp_path, policy_file, "fast", True)
     # the fast path served what decodes; everything else went to the handler
-    assert served == ["fp-ok-000001", "fp-anon-0001", "fp-no-tenant"], served  # the schema refuses the rest
+    assert served == ["fp-ok-000001", "fp-anon-0001", "fp-export-001", "fp-export-001", "fp-no-tenant"], served
     monkeypatch.setattr(fastpath, "_answer", real)
     slow = await _answers(tmp_path, policy_file, "slow", False)
     for (name, _, _), f, s in zip(CASES, fast, slow, strict=True):
         assert f == s, f"{name}: fast path {f!r} vs handler {s!r}"
     statuses = {name: f[0] for (name, _, _), f in zip(CASES, fast, strict=True)}
-    assert statuses["allowed"] == 200 and statuses["anonymous"] == 200
-    assert all(400 <= statuses[n] < 500 for n in statuses if n not in ("allowed", "anonymous")), statuses
+    assert statuses["allowed"] == 200 and statuses["anonymous"] == 200 and statuses["export"] == 200
+    assert statuses["export id reused by another user"] == 409
+    assert all(400 <= statuses[n] < 500 for n in statuses if n not in ("allowed", "anonymous", "export")), statuses
 
 
 @pytest.mark.parametrize("fast", [True, False])

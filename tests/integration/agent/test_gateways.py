@@ -221,3 +221,37 @@ async def test_authz_malformed_questions_are_problems(gw, headers, status, reaso
     if reason:
         assert await metric(client, "leasehold_agent_authz_invalid_total", reason=reason) == 1
     assert await metric(client, "leasehold_agent_decisions_total") == 0
+
+
+async def test_a_replayed_request_id_is_a_denial_on_every_door_never_an_error(gw):
+    """An idempotent rule (export) keeps a decision record per request id. The same id asked by
+    another user is a decision on every door: /v1/admit 409, forward auth 409, the rate limit
+    service OVER_LIMIT with the 409 problem (a gRPC error there is what Envoy's
+    ``failure_mode_deny: false`` lets through) — one descriptor or several."""
+    client, stub = gw
+
+    def export(u: str, rid: str) -> ratelimit_pb2.RateLimitDescriptor:
+        return desc(("tenant", "atlas"), ("user", u), ("route_group", "export"), ("request_id", rid))
+
+    first = await rls(stub, export("U-1", "rid-replayed-01"))
+    assert first.overall_code == R.OK
+    again = await rls(stub, export("U-2", "rid-replayed-01"))  # was gRPC INTERNAL: Envoy passed it
+    assert again.overall_code == R.OVER_LIMIT and [s.code for s in again.statuses] == [R.OVER_LIMIT]
+    assert b'"status":409' in again.raw_body and b"decision-conflict" in again.raw_body
+    assert again.dynamic_metadata["leasehold_status"] == 409
+    assert await metric(client, "leasehold_agent_rls_requests_total", outcome="conflict_409") == 1
+    # with a second descriptor in the call (the batch path) the answer is the same denial
+    two = await rls(stub, export("U-3", "rid-replayed-02"), user("U-3"))
+    assert two.overall_code == R.OK
+    two_again = await rls(stub, export("U-4", "rid-replayed-02"), user("U-4"))
+    assert two_again.overall_code == R.OVER_LIMIT
+    assert [s.code for s in two_again.statuses] == [R.OVER_LIMIT, R.OK]
+    # forward auth and /v1/admit: 409 problems for a replayed id
+    hdrs = {**AUTH, "x-tenant-id": "atlas", "x-user-id": "U-5", "x-request-id": "rid-replayed-03"}
+    assert (await client.get("/v1/authz/reports/export", headers=hdrs)).status_code == 200
+    r = await client.get("/v1/authz/reports/export", headers={**hdrs, "x-user-id": "U-6"})
+    assert r.status_code == 409 and r.json()["type"].endswith("/decision-conflict")
+    body = {"requestId": "rid-replayed-01", "tenantId": "atlas", "principal": {"type": "user", "id": "U-7"},
+            "routeGroup": "export"}
+    r = await client.post("/v1/admit", json=body, headers=AUTH)
+    assert r.status_code == 409 and r.json()["decisionId"] == "rid-replayed-01"

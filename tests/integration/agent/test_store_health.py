@@ -8,10 +8,12 @@ import asyncio
 import re
 from pathlib import Path
 
+import pytest
 from litestar.testing import AsyncTestClient
 
 from leasehold.procs import RedisServer
 from region_agent.app import create_app
+from region_agent.store_health import EvictingStore
 
 from .conftest import PEPPER, admit_json, make_settings
 
@@ -84,3 +86,83 @@ async def test_one_series_per_cluster_primary_and_latency_by_shard(redis_cluster
         decided = set(re.findall(r'^leasehold_agent_decision_seconds_count\{outcome="allowed",shard="([^"]+)"\}',
                                  text, re.M))
         assert decided and decided <= primaries  # the primary that owns each tenant's slot
+
+
+# --------------------------------------------------------------------------------------------
+# maxmemory-policy: an evicted bucket is a full bucket (eviction silently resets enforcement)
+async def test_an_evicting_store_is_refused_at_start(tmp_path: Path, policy_file: Path):
+    redis = RedisServer(tmp_path / "lru", extra_args=("--maxmemory-policy", "allkeys-lru")).start()
+    try:
+        app = create_app(make_settings(redis.url, policy_file), pepper=PEPPER)
+        with pytest.raises(BaseException) as info:  # the lifespan's error, in the test client's task group
+            async with AsyncTestClient(app=app):
+                pass
+        errors = [info.value]
+        while errors and not isinstance(errors[0], EvictingStore):
+            e = errors.pop(0)
+            errors.extend(getattr(e, "exceptions", ()))
+        assert errors and "maxmemory-policy allkeys-lru" in str(errors[0])
+    finally:
+        redis.stop()
+
+
+def test_the_agent_process_refuses_to_start_with_a_clear_line(tmp_path: Path, policy_file: Path):
+    import os
+    import subprocess
+    import sys
+
+    from leasehold.services import agent_command
+
+    from .conftest import ROOT
+
+    redis = RedisServer(tmp_path / "lru", extra_args=("--maxmemory-policy", "volatile-lru")).start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
+        env.update(PYTHONPATH=str(ROOT), LEASEHOLD_AGENT_PEPPER=PEPPER.decode())
+        cmd = agent_command(redis_url=redis.url, policy=policy_file, region="eu", host="127.0.0.1", port=0,
+                            auth_disabled=True, policy_poll_ms=0, python=sys.executable)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert out.returncode != 0
+        assert "refusing to start: the regional Redis may evict keys (default: maxmemory-policy volatile-lru)" \
+            in out.stderr, out.stderr[-2000:]
+    finally:
+        redis.stop()
+
+
+async def test_started_degraded_on_request_and_checked_again_by_every_poll(tmp_path: Path, policy_file: Path,
+                                                                           caplog):
+    redis = RedisServer(tmp_path / "lru", extra_args=("--maxmemory-policy", "allkeys-lru")).start()
+    try:
+        settings = make_settings(redis.url, policy_file, allow_evicting_store=True, store_health_ms=100)
+        with caplog.at_level("ERROR", logger="region_agent.store_health"):
+            async with AsyncTestClient(app=create_app(settings, pepper=PEPPER)) as agent:
+                assert "DEGRADED" in caplog.text and "allkeys-lru" in caplog.text
+                assert value((await agent.get("/metrics")).text, "leasehold_agent_redis_evicting", "default") == 1
+                assert (await agent.get("/readyz")).status_code == 200  # allowed: degraded, still serving
+                assert (await admit_json(agent, "lru-000001"))["allowed"]
+        # a store that starts clean and is switched to evicting while the agent runs
+        redis.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
+        caplog.clear()
+        settings = make_settings(redis.url, policy_file, store_health_ms=100)
+        with caplog.at_level("ERROR", logger="region_agent.store_health"):
+            async with AsyncTestClient(app=create_app(settings, pepper=PEPPER)) as agent:
+                assert (await agent.get("/readyz")).status_code == 200
+                assert value((await agent.get("/metrics")).text, "leasehold_agent_redis_evicting", "default") == 0
+                redis.cli("CONFIG", "SET", "maxmemory-policy", "allkeys-random")
+
+                async def flagged() -> bool:
+                    text = (await agent.get("/metrics")).text
+                    return value(text, "leasehold_agent_redis_evicting", "default") == 1
+                await wait_for(flagged)
+                ready = await agent.get("/readyz")
+                assert ready.status_code == 503 and "allkeys-random" in ready.text
+                assert "now has maxmemory-policy allkeys-random" in caplog.text
+                redis.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
+
+                async def cleared() -> bool:
+                    text = (await agent.get("/metrics")).text
+                    return value(text, "leasehold_agent_redis_evicting", "default") == 0
+                await wait_for(cleared)
+                assert (await agent.get("/readyz")).status_code == 200
+    finally:
+        redis.stop()

@@ -56,8 +56,8 @@ def _wait_ready(base: str, proc: Proc) -> None:
     for _ in range(600):
         assert proc.alive(), proc.tail()
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(base + "/readyz", timeout=2).status_code == 200:
-                return
+            if all(httpx.get(base + p, timeout=2).status_code == 200 for p in ("/readyz", "/v1/health/store")):
+                return  # ready, and its store healthy (the allocator knows its role)
         time.sleep(0.05)
     raise AssertionError(f"{proc.name} not ready:\n{proc.tail()}")
 

@@ -61,17 +61,22 @@ def health_probe(svc: Service) -> Iterator[list[int]]:
     stop = threading.Event()
     answers: list[int] = []
 
+    first = threading.Event()
+
     def run() -> None:
         with httpx.Client(timeout=3.0) as c:
-            while not stop.is_set():
+            while True:  # at least one probe, and one more after the block (a fast block had none)
                 try:
                     answers.append(c.get(svc.base + "/healthz").status_code)
                 except httpx.HTTPError:
                     answers.append(0)
-                stop.wait(0.05)
+                first.set()
+                if stop.wait(0.05):
+                    break
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
+    first.wait(10)  # the probe is running before the block starts
     try:
         yield answers
     finally:

@@ -73,6 +73,7 @@ async def test_agent_runs_with_its_acl_user_only(acl_redis, policy_file, monkeyp
     settings = make_settings(agent_url(acl_redis), policy_file)
     async with AsyncTestClient(app=create_app(settings, pepper=PEPPER)) as agent:
         assert (await agent.get("/readyz")).status_code == 200
+        assert (await agent.get("/v1/health/store")).json()["store"] == "reachable"  # the ACL user's PING
         ds = [(await agent.post("/v1/admit", json=admit_body(f"acl-{i:06d}"))).json() for i in range(3)]
         assert [d["allowed"] for d in ds] == [True] * 3 and ds[-1]["remaining"] == 17
         exp = (await agent.post("/v1/admit", json=admit_body("acl-export-1", route="export"))).json()
@@ -211,10 +212,11 @@ def test_agent_over_tls_to_redis_and_https_to_gateways(tls_redis, tls_files, pol
         with httpx.Client(verify=ssl.create_default_context(cafile=str(tls_files.ca)), timeout=5) as client:
             for _ in range(200):
                 with contextlib.suppress(httpx.HTTPError):
-                    if client.get(base + "/readyz").status_code == 200:
+                    if client.get(base + "/v1/health/store").status_code == 200:
                         break
                 time.sleep(0.05)
-            assert client.get(base + "/readyz").status_code == 200  # Redis reached over TLS with the ACL user
+            health = client.get(base + "/v1/health/store")  # Redis reached over TLS with the ACL user
+            assert health.status_code == 200 and health.json()["scriptsLoaded"] is True
             d = client.post(base + "/v1/admit", json=admit_body("tls-000001"),
                             headers={"Authorization": f"Bearer {gw}"}).json()
             assert d["allowed"] and not d["fallback"]

@@ -109,7 +109,7 @@ def test_cli_publish_show_and_rollback(etcd_cluster, prefix, tmp_path: Path, cap
     # rollback: v5's content under version 7
     assert cli_main(["policy", "publish", str(v5), "--as-version", "7", "--etcd", ep, "--prefix", prefix]) == 0
     capsys.readouterr()
-    assert cli_main(["policy", "show", "--etcd", ep, "--prefix", prefix]) == 0
+    assert cli_main(["policy", "show", "--etcd", ep, "--prefix", prefix, "-o", "json"]) == 0
     shown = msgspec.json.decode(capsys.readouterr().out)
     assert shown["bundleVersion"] == 7 and shown["valid"] and shown["key"] == prefix + "policy/current"
     assert shown["checksum"] == bump(base, 7).checksum  # same content as v5, re-sealed

@@ -104,7 +104,7 @@ async def test_bounded_bytes_per_second_and_rotation(tmp_path: Path):
 
 async def test_off_by_default_nothing_is_built(tmp_path: Path, monkeypatch):
     from region_agent.settings import load_agent_settings
-    s = load_agent_settings(["--insecure-dev-pepper", "true"], env={})
+    s = load_agent_settings(["--insecure-dev-pepper"], env={})
     assert s.decision_log is None and DecisionLog.from_settings(s, KeyBuilder(b"x")) is None
     on = load_agent_settings(["--decision-log", str(tmp_path / "d.jsonl"), "--decision-log-allow-rate", "0.5",
                               "--agent-id", "a-1"], env={})

@@ -76,12 +76,33 @@ def test_forget_ends_the_held_denials_of_the_request():
     assert d.hit(plan) is None and len(d.cache) == 0
 
 
-def test_a_replaced_slot_is_remembered_and_forgotten_by_its_own_key():
-    d, _, _ = denials()
+def test_a_fallback_denial_is_held_for_the_request_at_most_the_cap_and_forgotten_by_it():
+    """A denial of a call whose pool slot was replaced by its fallback allowance answers the
+    request's own question again, for the cache's cap only (the allowance's hint is not exact)."""
+    d, _, clock = denials()
     plan = plan_of()
     other = [plan.calls[0], plan.calls[1]._replace(key=plan.calls[1].key + ":fb")]
-    d.remember(plan, 1, denial(plan), calls=other, fallback=True)
-    assert d.hit(plan) is None  # held by the replacement's key, not the plan's
-    assert len(d.cache) == 1
+    d.remember(plan, 1, denial(plan, retry=5_000), calls=other, fallback=True)
+    assert d.hit(plan) is not None and len(d.cache) == 2  # the request's rule set, the replacement's key
+    clock.ms += 300  # past the 250 ms cap: this caller probes the store
+    assert d.hit(plan) is None
     d.forget(plan, other)
     assert len(d.cache) == 0
+
+
+def test_a_held_denial_answers_another_rule_set_only_briefly():
+    """Read (user + tenant rule) denied by the tenant slot with a 30 s hint: the same rule set is
+    held for the whole hint; a search of the same tenant (the tenant rule alone) shares the
+    tenant key but not the rule set: denied locally for the cache's cap at most, with a hint no
+    longer than that, then it asks the store."""
+    d, _, clock = denials()
+    read = plan_of()
+    d.remember(read, 1, denial(read, retry=30_000))
+    other_route = plan_of(route="search")
+    assert read.calls[1].key in {c.key for c in other_route.calls}
+    brief = d.hit(other_route)
+    assert brief is not None and brief.retry <= 250
+    assert d.hit(plan_of()).retry == 30_000
+    clock.ms += 300
+    assert d.hit(other_route) is None  # past the cap: it asks the store
+    assert d.hit(plan_of()).retry == 29_700

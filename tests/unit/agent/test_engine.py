@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from kernel.bundle import load_bundle_file
-from kernel.errors import AmbiguousOutcome, DecisionConflict, Overloaded, StoreUnavailable
+from kernel.errors import AmbiguousOutcome, Overloaded, StoreUnavailable
 from region_agent.engine import DecisionEngine
 from region_agent.keys import KeyBuilder
 from region_agent.metrics import AgentMetrics
@@ -106,10 +104,13 @@ async def test_an_ambiguous_cheap_read_degrades_without_a_second_send():
     assert d.allowed and d.fallback and len(store.sent) == 1
 
 
-async def test_a_decision_record_of_another_question_is_a_409():
+async def test_a_decision_record_of_another_question_is_a_conflict_decision_not_an_error():
+    """The engine answers a conflict like any question (one admission for every door: only the
+    HTTP door makes it a 409; the rate limit service an OVER_LIMIT)."""
     e, _ = engine(ScriptedStore([[-1, 0, 0, 0, 0, 0]]))
-    with pytest.raises(DecisionConflict):
-        await e.admit(req(route="export"))
+    d = await e.admit(req(route="export"))
+    assert (d.allowed, d.reason, d.http_status, d.retry_after_ms) == (False, Reason.REQUEST_ID_CONFLICT, 409, -1)
+    assert d.problem is not None and d.problem["type"].endswith("/decision-conflict")
 
 
 async def test_a_batch_sends_every_item_in_one_submit():

@@ -3,8 +3,18 @@ from __future__ import annotations
 import pytest
 
 from kernel.bundle import make_rule
+from region_agent import httpmap
 from region_agent.httpmap import apply_http, retry_after_seconds
 from region_agent.models import Decision, DeniedScope
+
+
+@pytest.fixture(autouse=True)
+def _seed_numbers_without_jitter():
+    """These tests check the worked numbers' exact Retry-After (max(1, ceil(ms / 1000))): jitter off here
+    (its spread has its own tests: test_retry_jitter.py)."""
+    httpmap.configure_jitter(0, 0, min_ms=0)
+    yield
+    httpmap.configure_jitter(10, 5_000)
 
 USER = make_rule(id="read-user-v3", scope="user", route_group="read", algorithm="token_bucket", capacity_millis=20_000,
             refill_millis=2_000, period_ms=1_000, cost_millis=1_000, fail_mode="local_bounded")

@@ -64,10 +64,29 @@ def test_birch_gets_its_own_tenant_rule_and_other_tenants_none():
 def test_anonymous_window_cost_in_units_and_ip_tag():
     plan = build_plan(NORTHSTAR, req(tenant=None, ptype="anonymous", pid="203.0.113.9", route="login", cost=2,
                                      key=None), KB)
-    assert [r.id for r in plan.rules] == ["anon-login"]
+    # the route's own window, then the every-route one (edge-ip), in one call under one ip tag
+    assert [r.id for r in plan.rules] == ["anon-login", "edge-ip"]
     assert plan.calls[0].kind == "fw" and plan.calls[0].params == (20, 10_000, 2, 0, 0)
-    assert hash_tag(plan.calls[0].key) == hash_tag(plan.decision_key) and hash_tag(plan.decision_key).startswith("ip:")
-    assert plan.anonymous
+    assert plan.calls[1].kind == "fw" and plan.calls[1].params == (1_000, 10_000, 2, 0, 0)
+    assert hash_tag(plan.calls[0].key) == hash_tag(plan.calls[1].key) == hash_tag(plan.decision_key)
+    assert hash_tag(plan.decision_key).startswith("ip:")
+    assert plan.anonymous and plan.edge is None
+
+
+def test_an_authenticated_request_with_its_address_spends_the_every_request_window_first():
+    """ip rules marked everyRequest are the pre-authentication stage of every request: with the
+    caller's address, an authenticated plan carries them as its edge plan (their own call: the
+    ip hash tag), at cost 1 whatever the request's weight; without the address it has none."""
+    with_ip = msgspec.structs.replace(req(route="read", cost=3), client_ip="203.0.113.9")
+    plan = build_plan(NORTHSTAR, with_ip, KB)
+    assert [r.id for r in plan.rules] == ["read-user-v3", "tenant-atlas-minute"]
+    assert plan.edge is not None and plan.edge.anonymous and [r.id for r in plan.edge.rules] == ["edge-ip"]
+    assert plan.edge.calls[0].params == (1_000, 10_000, 1, 0, 0) and plan.edge.request_id == plan.request_id
+    assert hash_tag(plan.edge.calls[0].key).startswith("ip:") and hash_tag(plan.calls[0].key) == "t:atlas"
+    # the same key an anonymous request from that address spends (failed authentications count there)
+    anon = build_plan(NORTHSTAR, req(tenant=None, ptype="anonymous", pid="203.0.113.9", route="read", key=None), KB)
+    assert [c.key for c in anon.calls] == [plan.edge.calls[0].key]
+    assert build_plan(NORTHSTAR, req(route="read"), KB).edge is None
 
 
 def test_identity_errors_are_validation_failures():

@@ -44,7 +44,7 @@ def test_a_selected_revocable_rule_denies_with_503_policy_stale():
     assert d.problem is not None and d.problem["decisionId"] == "r-9" and "older" in d.problem["detail"]
     assert m.registry.get_sample_value("leasehold_agent_decisions_total", {
         "outcome": "unavailable", "rule": rule.id, "policy_version": "42", "route_group": rule.route_key,
-        "tenant": "atlas"}) == 1
+        "tenant": "atlas", "source": "policy"}) == 1
 
 
 def test_an_anonymous_caller_learns_nothing_about_the_policy():

@@ -90,7 +90,9 @@ def test_check_leaves_authenticated_requests_and_routes_without_ip_rules_alone()
     user = AdmitRequest(request_id="r-1", tenant_id="atlas", principal=Principal(type="user", id="U-1"),
                         route_group="login")
     assert cap.check(NORTHSTAR, user) is None
-    assert cap.check(NORTHSTAR, anon("203.0.113.1", route="read")) is None  # no ip rule selected
+    no_edge = msgspec.structs.replace(NORTHSTAR, rules=[r for r in NORTHSTAR.rules if r.id != "edge-ip"])
+    assert cap.check(no_edge, anon("203.0.113.1", route="read")) is None  # no ip rule selected
+    assert cap.check(NORTHSTAR, anon("203.0.113.1", route="read")) is not None  # the every-route window
     assert cap.check(NORTHSTAR, anon("203.0.113.1")) is not None  # per_source 0: every new key refused
 
 

@@ -1,13 +1,16 @@
+
 """region_agent.record: an answer as the decision record with its HTTP answer."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernel.bundle import load_bundle_file
+from region_agent import httpmap
 from region_agent.call import MultiRuleResult
 from region_agent.keys import KeyBuilder
 from region_agent.metrics import AgentMetrics
@@ -15,6 +18,15 @@ from region_agent.models import AdmitRequest, DeniedScope, Principal, Reason
 from region_agent.outcome import Answer, NextStep, outcome
 from region_agent.plan import build_plan, memo_of
 from region_agent.record import SHED, SHED_RETRY_MS, admitted_record, conflict_record, decision_record
+
+
+@pytest.fixture(autouse=True)
+def _seed_numbers_without_jitter():
+    """These tests check the worked numbers' exact Retry-After (max(1, ceil(ms / 1000))): jitter off here
+    (its spread has its own tests: test_retry_jitter.py)."""
+    httpmap.configure_jitter(0, 0, min_ms=0)
+    yield
+    httpmap.configure_jitter(10, 5_000)
 
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar.json"))
 KB = KeyBuilder(b"unit-pepper")

@@ -200,7 +200,7 @@ def test_counts_kept_outside_the_registry_read_as_per_decision_updates_would():
         d = decision(p, allowed=i % 3 != 0, status=200 if i % 3 else 429)
         t.decided(p, GLOBAL, d, s, now=0.0, touched_store=False)
         outcome = "allowed" if d.allowed else "denied"
-        ref.decisions.labels(outcome, p.rules[0].id, "42", p.rules[0].route_key, "atlas").inc()
+        ref.decisions.labels(outcome, p.rules[0].id, "42", p.rules[0].route_key, "atlas", "script").inc()
         ref.latency.labels("default", outcome).observe(max(s, 0.0))
 
     def lines(x: AgentMetrics) -> list[str]:

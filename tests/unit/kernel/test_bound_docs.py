@@ -1,4 +1,4 @@
-"""The bound's three readers use the one function: the README tables are its output (stale tables
+"""The bound's three readers use the one function: the documents' tables are its output (stale tables
 fail here) and ``leasehold policy validate --bound`` prints its terms."""
 
 from __future__ import annotations
@@ -7,22 +7,22 @@ from pathlib import Path
 
 import pytest
 
-from leasehold import readme_tables
+from devtools import doc_tables as readme_tables
 from leasehold.cli import main
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def test_readme_bound_tables_are_generated_from_kernel_bound() -> None:
-    assert readme_tables.stale() == [], "run make readme-tables"
+    assert readme_tables.stale() == [], "run make doc-tables"
 
 
 def test_a_stale_or_missing_table_is_detected(tmp_path: Path) -> None:
     for rel, _name, _gen in readme_tables.TABLES:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text((REPO / rel).read_text().replace("**1,200**", "**1,100**"))
-    assert readme_tables.stale(tmp_path) == ["README.md: bound-sample-policy"]
-    assert readme_tables.write(tmp_path) == ["README.md: bound-sample-policy"]
+    assert readme_tables.stale(tmp_path) == ["docs/bound.md: bound-sample-policy"]
+    assert readme_tables.write(tmp_path) == ["docs/bound.md: bound-sample-policy"]
     assert readme_tables.stale(tmp_path) == []
     with pytest.raises(ValueError, match="no <!-- generated:x"):
         readme_tables.render("no markers here", "x", "| t |")

@@ -163,3 +163,18 @@ def test_a_pool_is_spent_from_one_balance_per_region():
                           pr("b", scope="tenant", tenant="atlas", route_group="export")], pools=[pool]))
     decode_bundle(sealed([pr("a", scope="global", route_group="read"),
                           pr("b", scope="global", route_group="export")], pools=[pool]))
+
+
+def test_every_request_is_for_ip_rules_and_written_only_when_set():
+    """``everyRequest`` (the pre-authentication stage of every request) is an ip rule's flag; a
+    bundle writes it (and its checksum covers it) only when true, so bundles sealed or signed
+    before it existed keep their bytes and checksums."""
+    ip = make_rule(id="edge", scope="ip", algorithm="fixed_window", limit=100, window_ms=10_000, fail_mode="open")
+    flagged = msgspec.structs.replace(ip, every_request=True)
+    assert b"everyRequest" not in sealed([ip])
+    raw = sealed([flagged])
+    assert b'"everyRequest": true' in raw and decode_bundle(raw).rules[0].every_request
+    assert seal(Bundle(bundle_version=1, published_at="x", checksum="", rules=[ip])).checksum != \
+        seal(Bundle(bundle_version=1, published_at="x", checksum="", rules=[flagged])).checksum
+    assert any("everyRequest is for ip-scoped rules" in p
+               for p in problems(sealed([tb("u", every_request=True)])))

@@ -1,7 +1,9 @@
-"""Keep the READMEs' bound tables generated from :mod:`kernel.bound` (one formula everywhere).
+"""Keep the documents' generated tables in step with their one source: the bound tables with
+:mod:`kernel.bound` (one formula everywhere), the services' option tables with their settings
+fields (:mod:`kernel.options`), the CLI's exit codes with :mod:`leasehold.output`.
 
-    python -m leasehold.readme_tables --check   # exit 1 and name the stale tables (a unit test runs this)
-    python -m leasehold.readme_tables --write   # rewrite them in place (make readme-tables)
+    python -m devtools.doc_tables --check   # exit 1 and name the stale tables (a unit test runs this)
+    python -m devtools.doc_tables --write   # rewrite them in place (make doc-tables)
 
 Each table sits between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` markers.
 """
@@ -15,8 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kernel.bundle import load_bundle_file
-
-from .bound_report import markdown_table
+from leasehold.bound_report import markdown_table
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,10 +32,47 @@ def _chaos_bundle() -> str:
     return markdown_table(chaos_bundle(), ["eu", "us"], (1, 2))
 
 
-#: (README, table name, generator)
+def _redis_measured() -> str:
+    from leasehold.redis_sizing import markdown_measured
+
+    return markdown_measured()
+
+
+def _redis_worked() -> str:
+    from leasehold.redis_sizing import markdown_worked
+
+    return markdown_worked()
+
+
+def _agent_options() -> str:
+    from kernel.options import markdown_table
+    from region_agent.settings import ENV_PREFIX, AgentSettings
+
+    return markdown_table(AgentSettings, ENV_PREFIX)
+
+
+def _allocator_options() -> str:
+    from allocator.settings import ENV_PREFIX, AllocatorSettings
+    from kernel.options import markdown_table
+
+    return markdown_table(AllocatorSettings, ENV_PREFIX)
+
+
+def _cli_exit_codes() -> str:
+    from leasehold.output import exit_code_table
+
+    return exit_code_table()
+
+
+#: (document, table name, generator)
 TABLES: list[tuple[str, str, Callable[[], str]]] = [
-    ("README.md", "bound-sample-policy", _sample_policy),
+    ("docs/bound.md", "bound-sample-policy", _sample_policy),
     ("chaos/README.md", "bound-chaos-bundle", _chaos_bundle),
+    ("region_agent/README.md", "agent-options", _agent_options),
+    ("allocator/README.md", "allocator-options", _allocator_options),
+    ("docs/cli.md", "cli-exit-codes", _cli_exit_codes),
+    ("docs/capacity.md", "redis-measured", _redis_measured),  # leasehold/redis_measured.json, from make bench
+    ("docs/capacity.md", "redis-sizing", _redis_worked),
 ]
 
 
@@ -72,7 +110,7 @@ def write(root: Path = REPO) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m leasehold.readme_tables")
+    ap = argparse.ArgumentParser(prog="python -m devtools.doc_tables")
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--check", action="store_true")
     g.add_argument("--write", action="store_true")
@@ -80,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         bad = stale()
         for b in bad:
-            print(f"stale generated table: {b} (run make readme-tables)", file=sys.stderr)
+            print(f"stale generated table: {b} (run make doc-tables)", file=sys.stderr)
         return 1 if bad else 0
     for c in write():
         print(f"rewrote {c}")

@@ -1,0 +1,86 @@
+#!/bin/sh
+# Leasehold's etcd users and roles (least privilege), then authentication on. Idempotent.
+#
+#   role                  user        permissions (under the prefix P, default /leasehold/)
+#   leasehold-publisher   publisher   readwrite  P policy/current          (the policy key,
+#                                     readwrite  P policy/canary            the staged candidate
+#                                     readwrite  P policy/signing           and the signing marker only)
+#   leasehold-allocator   allocator   readwrite  P pools/ P grants/ P members/ (prefixes), P leader
+#                                                (prefix: the key and, sharded, leader/<shard>),
+#                                                P shards, P compaction (keys);
+#                                     read       P policy/ (prefix)
+#   (and etcd's Compact call, which etcd 3.5 allows any authenticated user: allocator/compaction.py)
+#   leasehold-agent       agent       read       P policy/ (prefix)
+#   root                  root        etcd's own administrator (used only by this script)
+#
+# `leasehold policy publish` uses the publisher; the allocator cannot publish a bundle and the
+# agents cannot write anything. Used by `leasehold up` (leasehold/topology.py runs this file),
+# deploy/docker-compose.yml (service etcd-init) and deploy/k8s/etcd-roles-job.yaml.
+#
+# Environment: ETCDCTL_ENDPOINTS (and ETCDCTL_CACERT/CERT/KEY for TLS: etcdctl reads them),
+# LEASEHOLD_PREFIX, and one password file per user: ROOT_PASSWORD_FILE, PUBLISHER_PASSWORD_FILE,
+# ALLOCATOR_PASSWORD_FILE, AGENT_PASSWORD_FILE. Passwords go to etcdctl on stdin, never on a
+# command line. Once authentication is on, a second run authenticates as root.
+set -eu
+P=${LEASEHOLD_PREFIX:-/leasehold/}
+case "$P" in /*/) ;; *) echo "LEASEHOLD_PREFIX must start and end with /" >&2; exit 2 ;; esac
+for f in "$ROOT_PASSWORD_FILE" "$PUBLISHER_PASSWORD_FILE" "$ALLOCATOR_PASSWORD_FILE" "$AGENT_PASSWORD_FILE"; do
+  [ -s "$f" ] || { echo "missing password file $f" >&2; exit 2; }
+done
+export ETCDCTL_API=3
+
+if ! etcdctl user list >/dev/null 2>&1; then  # authentication is already on: act as root
+  ETCDCTL_USER="root:$(cat "$ROOT_PASSWORD_FILE")"
+  export ETCDCTL_USER
+fi
+
+ensure_user() {  # name password-file role
+  if ! etcdctl user get "$1" >/dev/null 2>&1; then
+    etcdctl user add "$1" --interactive=false < "$2" >/dev/null
+  fi
+  etcdctl user grant-role "$1" "$3" >/dev/null
+}
+
+ensure_role() {  # name; its permissions are reset to exactly the ones granted after this
+  if etcdctl role get "$1" >/dev/null 2>&1; then
+    etcdctl role delete "$1" >/dev/null
+  fi
+  etcdctl role add "$1" >/dev/null
+}
+
+grant() {  # role perm key [prefix]
+  if [ "${4:-}" = prefix ]; then
+    etcdctl role grant-permission "$1" "$2" "$3" --prefix=true >/dev/null
+  else
+    etcdctl role grant-permission "$1" "$2" "$3" >/dev/null
+  fi
+}
+
+if ! etcdctl user get root >/dev/null 2>&1; then
+  etcdctl user add root --interactive=false < "$ROOT_PASSWORD_FILE" >/dev/null
+fi
+etcdctl user grant-role root root >/dev/null
+
+ensure_role leasehold-publisher
+grant leasehold-publisher readwrite "${P}policy/current"
+grant leasehold-publisher readwrite "${P}policy/signing"  # the signing marker publish checks (kernel.policy_store)
+grant leasehold-publisher readwrite "${P}policy/canary"  # a staged candidate and its slice (docs/policy.md)
+
+ensure_role leasehold-allocator
+grant leasehold-allocator readwrite "${P}pools/" prefix
+grant leasehold-allocator readwrite "${P}grants/" prefix
+grant leasehold-allocator readwrite "${P}leader" prefix  # leader, and leader/<shard> when sharded
+grant leasehold-allocator readwrite "${P}members/" prefix  # sharded: the live replicas
+grant leasehold-allocator readwrite "${P}shards"  # sharded: the deployment's shard count
+grant leasehold-allocator readwrite "${P}compaction"  # the last compaction record (allocator/compaction.py)
+grant leasehold-allocator read "${P}policy/" prefix
+
+ensure_role leasehold-agent
+grant leasehold-agent read "${P}policy/" prefix
+
+ensure_user publisher "$PUBLISHER_PASSWORD_FILE" leasehold-publisher
+ensure_user allocator "$ALLOCATOR_PASSWORD_FILE" leasehold-allocator
+ensure_user agent "$AGENT_PASSWORD_FILE" leasehold-agent
+
+etcdctl auth enable >/dev/null
+echo "etcd roles for ${P}: publisher, allocator, agent; authentication on"

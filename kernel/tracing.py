@@ -1,0 +1,125 @@
+"""OpenTelemetry tracing for both services: off unless ``--otlp-endpoint`` names an OTLP/gRPC
+collector; then spans go there in batches (the SDK's ``BatchSpanProcessor``), sampled by
+``--trace-sample-ratio`` for new traces while a caller's sampled flag is followed (parent-based).
+
+W3C trace context (``traceparent`` / ``tracestate``) is taken from what a gateway sends (HTTP
+headers of ``/v1/admit`` and ``/v1/authz``, the metadata of an RLS call) and sent on to the
+allocator with every lease request, so one trace crosses gateway -> agent -> allocator.
+
+The opentelemetry packages are used through this module only. While tracing is off, callers
+test :data:`ENABLED` first and pay nothing else on the decision path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanKind
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from . import logs
+
+log = logging.getLogger(__name__)
+ENABLED = False
+_PROPAGATOR = TraceContextTextMapPropagator()
+_HEADERS = ("traceparent", "tracestate")
+_provider: Any = None
+
+__all__ = ["ENABLED", "SpanKind", "carrier_of", "context_of", "current_context", "inject", "setup", "shutdown",
+           "span", "tracer"]
+
+
+def setup(service: str, endpoint: str | None, sample_ratio: float = 1.0, *, exporter: Any = None) -> bool:
+    """Turn tracing on for this process when ``endpoint`` (or a test's ``exporter``) is given."""
+    global ENABLED, _provider
+    if not endpoint and exporter is None:
+        return False
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    from .build_info import build_info
+
+    version, commit = build_info()
+    provider = TracerProvider(resource=Resource.create({"service.name": service, "service.version": version,
+                                                        "leasehold.commit": commit}),
+                              sampler=ParentBased(TraceIdRatioBased(sample_ratio)))
+    if exporter is None:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        insecure = endpoint.startswith("http://") if endpoint else True
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=insecure),
+                                                       schedule_delay_millis=500))
+    else:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    ENABLED = True
+    logs.set_trace_ids(_current_ids)
+    log.info("tracing on: OTLP to %s, sampling %.3g of new traces", endpoint or "a test exporter", sample_ratio)
+    return True
+
+
+def shutdown() -> None:
+    """Flush what is buffered (at a process's exit)."""
+    if _provider is not None:
+        with contextlib.suppress(Exception):
+            _provider.force_flush(2000)
+            _provider.shutdown()
+
+
+def tracer() -> Any:
+    return trace.get_tracer("leasehold")
+
+
+def carrier_of(pairs: Iterable[tuple[Any, Any]]) -> dict[str, str]:
+    """The trace headers among ASGI header pairs (bytes) or gRPC metadata (str)."""
+    out: dict[str, str] = {}
+    for k, v in pairs:
+        name = k.decode("latin-1").lower() if isinstance(k, bytes) else str(k).lower()
+        if name in _HEADERS:
+            out[name] = v.decode("latin-1") if isinstance(v, bytes) else str(v)
+    return out
+
+
+def context_of(pairs: Iterable[tuple[Any, Any]]) -> Any:
+    """The caller's trace context from headers or metadata (None when it sent none)."""
+    carrier = carrier_of(pairs)
+    return _PROPAGATOR.extract(carrier) if carrier else None
+
+
+def inject(headers: dict[str, str]) -> dict[str, str]:
+    """Add the current span's ``traceparent`` (and ``tracestate``) to ``headers``."""
+    _PROPAGATOR.inject(headers)
+    return headers
+
+
+def current_context() -> Any:
+    """The current span's context (to link or parent work done later, elsewhere)."""
+    ctx = trace.get_current_span().get_span_context()
+    return ctx if ctx.is_valid else None
+
+
+@contextlib.contextmanager
+def span(name: str, *, kind: SpanKind = SpanKind.INTERNAL, parent: Any = None, links: Iterable[Any] = (),
+         attributes: dict[str, Any] | None = None) -> Iterator[Any]:
+    """A span made current for the block. ``parent``: a context from :func:`context_of`, or a
+    span context from :func:`current_context`; ``links``: span contexts."""
+    if parent is not None and not isinstance(parent, otel_context.Context):
+        parent = trace.set_span_in_context(trace.NonRecordingSpan(parent))
+    with tracer().start_as_current_span(name, context=parent, kind=kind, attributes=attributes,
+                                        links=[Link(c) for c in links if c is not None]) as s:
+        yield s
+
+
+def _current_ids() -> tuple[str, str] | None:
+    ctx = trace.get_current_span().get_span_context()
+    if not ctx.is_valid:
+        return None
+    return format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")

