@@ -115,14 +115,18 @@ def check_region(pool: Pool, region: str) -> None:
                         extra={"allowedRegions": list(pool.regions)})
 
 
-def demand_chunk(pool: Pool, demand: int) -> int:
-    """The chunk a region gets: enough for its demand over one lease TTL, in [chunkMin, chunkMax].
+def demand_chunk(pool: Pool, demand: int, life_ms: int | None = None) -> int:
+    """The chunk a region gets: enough for its demand over the lease's life, in [chunkMin, chunkMax].
+    ``life_ms``: how long the lease is spendable — the TTL, or less when its expiry is clamped to
+    the window's end (default: the TTL). A lease granted near the window's end holds only what the
+    region can spend before the end; the rest would be stranded there, unspendable by anyone.
 
     ``demand == 0`` means "no signal yet" (a region's first request): it gets ``chunkMax``.
     """
     if demand <= 0:
         return pool.chunk_max
-    need = -(-demand * pool.lease_ttl_ms // 1000)  # ceil(tokens/s x ttl)
+    life = pool.lease_ttl_ms if life_ms is None else max(0, min(life_ms, pool.lease_ttl_ms))
+    need = -(-demand * life // 1000)  # ceil(tokens/s x life)
     return max(pool.chunk_min, min(pool.chunk_max, need))
 
 
@@ -203,7 +207,7 @@ def decide_grant(pool: Pool, state: WindowState, *, region: str, want: int, dema
         state.active[region] = RegionActivity(last_ms=now_ms, demand=demand)
     else:  # updated in place (the committer decides on the cached state itself)
         activity.last_ms, activity.demand = now_ms, demand
-    give = min(want, demand_chunk(pool, demand), state.remaining)
+    give = min(want, demand_chunk(pool, demand, ttl - starts_in), state.remaining)
     share = fair_share(state, pool, region, now_ms)
     if share is not None:
         give = min(give, share)

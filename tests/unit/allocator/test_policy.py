@@ -43,6 +43,23 @@ def test_demand_weighted_chunk_follows_demand_within_bounds() -> None:
     assert policy.demand_chunk(pool, 4) == 60
     assert policy.demand_chunk(pool, 1_000) == 100  # capped at chunkMax
     assert policy.demand_chunk(mkpool(chunk_min=30), 1) == 30  # floored at chunkMin
+    assert policy.demand_chunk(pool, 4, life_ms=3_000) == 12  # a lease clamped to 3 s of life: 3 s of demand
+    assert policy.demand_chunk(pool, 4, life_ms=60_000) == 60  # never more than the TTL's
+    assert policy.demand_chunk(pool, 4, life_ms=0) == 10  # chunkMin still
+
+
+def test_a_lease_near_the_window_end_holds_what_the_region_can_spend_by_then() -> None:
+    """Tokens left in a lease at its window's end are stranded (unspendable by anyone): a lease whose
+    expiry is clamped to the end is sized by the demand over its real life, not over the TTL."""
+    pool = mkpool(chunk_max=1_000)
+    s = policy.new_window(pool, 1000)
+    early = policy.decide_grant(pool, s, region="eu", want=1_000, demand=20, now_ms=T0 + 1_000)
+    assert early.granted == 300  # 20 tokens/s x 15 s
+    late = policy.decide_grant(pool, s, region="eu", want=1_000, demand=20, now_ms=T0 + W - 2_000)
+    assert (late.granted, late.ttl_ms) == (40, 2_000)  # 20 tokens/s x the 2 s left
+    nxt = policy.new_window(pool, 1001)  # a prefetched lease lives from its window's start
+    pre = policy.decide_grant(pool, nxt, region="eu", want=1_000, demand=20, now_ms=T0 + W - 1_000)
+    assert pre.starts_in_ms == 1_000 and pre.granted == 300
 
 
 def test_grant_gives_min_of_want_chunk_and_remaining() -> None:
