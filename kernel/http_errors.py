@@ -46,7 +46,7 @@ from .jsonbody import note_rejection
 PROBLEM_JSON = "application/problem+json"
 BODY_REJECTIONS = frozenset({400, 413, 415, 422})  # logged as one short, rate-limited line each
 _encode = msgspec.json.Encoder().encode
-log = logging.getLogger("leasehold.http")
+log = logging.getLogger(__name__)
 
 
 def _note(exc: LeaseholdError, instance: str | None) -> None:

@@ -143,15 +143,14 @@ async def test_agent_switches_refuses_and_keeps_the_last_good(redis_url, policy_
         assert d["allowed"] and d["policyVersion"] == base.bundle_version + 1
 
         # a corrupt value written straight to etcd (bypassing publish): refused, counted, old kept
-        t = pstore.store.t
         corrupt = encode_bundle(bump(base, base.bundle_version + 5)).replace(b"20000", b"20001", 1)
-        await pstore.store.txn([], [t.put(pstore.key, corrupt)])
+        await pstore.store.put(pstore.key, corrupt)
 
         async def refused_invalid() -> bool:
             return reload_count((await agent.get("/metrics")).text, "invalid") >= 1
         await wait_for(refused_invalid)
         # a lower version written straight to etcd: refused as stale
-        await pstore.store.txn([], [t.put(pstore.key, encode_bundle(bump(base, 1)))])
+        await pstore.store.put(pstore.key, encode_bundle(bump(base, 1)))
 
         async def refused_stale() -> bool:
             return reload_count((await agent.get("/metrics")).text, "stale") >= 1
