@@ -80,7 +80,7 @@ async def test_follower_answers_503_not_leader_naming_the_leader(etcd_cluster: E
             await wait_until(lambda: app.state.election.role_known)
             info = (await follower.get("/v1/leader")).json()
             lead_info = (await leader.get("/v1/leader")).json()
-            assert info == {**lead_info, "isSelf": False}
+            assert info == {**lead_info, "isSelf": False, "leading": 0}  # (leading: how many shards it leads)
             assert info["nodeId"] == "lead" and info["url"] == "http://127.0.0.1:18001"
             r = await follower.post("/v1/leases", json=lease_body("follow-lease-1", "p1", "eu", 5))
             assert r.status_code == 503 and r.headers["content-type"].startswith(PROBLEM)
