@@ -61,10 +61,10 @@ from .writer import Writer, wall_ms
 log = logging.getLogger(__name__)
 VALIDATION_STATUS = 400  # a body or parameter that does not fit the schema (the agent answers 422)
 
-Guard = Callable[[ASGIConnection, BaseRouteHandler], Any]
+Guard = Callable[[ASGIConnection[Any, Any, Any, Any], BaseRouteHandler], Any]
 
 
-async def region_auth_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+async def region_auth_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
     """Authentication of the lease endpoints: runs the app's check, by default
     :class:`kernel.auth.RegionAuth` (a region's bearer token, else 401); none with
     ``--auth-disabled``. ``create_app(auth_guard=...)`` plugs another check in here."""
@@ -92,7 +92,7 @@ def _check_lease_id(lease_id: str) -> None:
 
 
 @post("/v1/leases", status_code=200, guards=[region_auth_guard])
-async def post_lease(request: Request, data: JSONBody[LeaseRequest], state: State) -> LeaseGrant:
+async def post_lease(request: Request[Any, Any, Any], data: JSONBody[LeaseRequest], state: State) -> LeaseGrant:
     require_region(request.scope, data.region)
     return await _writer(state).grant(data)
 
@@ -129,16 +129,17 @@ class UsageBatchResponseDoc(msgspec.Struct, rename="camel"):
 
 
 @post("/v1/leases/batch", status_code=200, guards=[region_auth_guard])
-async def post_batch(request: Request, data: JSONBody[LeaseBatchRequest],
+async def post_batch(request: Request[Any, Any, Any], data: JSONBody[LeaseBatchRequest],
                      state: State) -> Response[LeaseBatchResponseDoc]:
     """Grants for many pools in one request; results in request order, each a grant or an error.
     (The schema documents the union loosely: results are ``LeaseGrant`` or ``LeaseError`` objects.)"""
     _check_batch(request, data.requests, "requests")
     body = LeaseBatchResponse(results=await _writer(state).grant_many(data.requests))
-    return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)
+    # the body goes out encoded as is; the annotation gives the OpenAPI schema its shape
+    return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)  # type: ignore[arg-type]
 
 
-def _check_batch(request: Request, items: list, member: str) -> None:
+def _check_batch(request: Request[Any, Any, Any], items: list[LeaseRequest] | list[UsageReport], member: str) -> None:
     """Every item of a batch is the caller's own region's, and no lease id is there twice."""
     for r in items:
         require_region(request.scope, r.region)
@@ -148,7 +149,7 @@ def _check_batch(request: Request, items: list, member: str) -> None:
 
 
 @post("/v1/leases/{lease_id:str}/usage", status_code=200, guards=[region_auth_guard])
-async def post_usage(request: Request, lease_id: FromPath[str], data: JSONBody[UsageReport],
+async def post_usage(request: Request[Any, Any, Any], lease_id: FromPath[str], data: JSONBody[UsageReport],
                      state: State) -> UsageReceipt:
     _check_lease_id(lease_id)
     if data.lease_id != lease_id:
@@ -158,24 +159,25 @@ async def post_usage(request: Request, lease_id: FromPath[str], data: JSONBody[U
 
 
 @post("/v1/usage/batch", status_code=200, guards=[region_auth_guard])
-async def post_usage_batch(request: Request, data: JSONBody[UsageBatchRequest],
+async def post_usage_batch(request: Request[Any, Any, Any], data: JSONBody[UsageBatchRequest],
                            state: State) -> Response[UsageBatchResponseDoc]:
     """Usage reports of many leases in one request (committed in few transactions); results in
     request order, each a receipt or an error. Same rules per item as
     ``POST /v1/leases/{leaseId}/usage`` (the region's own lease ids, ``closedEarly``)."""
     _check_batch(request, data.reports, "reports")
     body = UsageBatchResponse(results=await _writer(state).report_many(data.reports))
-    return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)
+    # the body goes out encoded as is; the annotation gives the OpenAPI schema its shape
+    return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)  # type: ignore[arg-type]
 
 
 @get("/v1/leases/{lease_id:str}", guards=[region_auth_guard])
-async def get_lease(request: Request, lease_id: FromPath[str], state: State,
+async def get_lease(request: Request[Any, Any, Any], lease_id: FromPath[str], state: State,
                     region: FromQuery[str | None] = None) -> GrantRecord:
     """A lease of the calling region (``region`` defaults to the authenticated region and is
     required with authentication off). Another region's lease and no lease answer the same 404."""
     _check_lease_id(lease_id)
     caller = request.scope.get(SCOPE_KEY)
-    region = region or caller
+    region = region or (caller if isinstance(caller, str) else None)
     if region is None:
         raise BadRequest("the region query parameter is required when authentication is disabled")
     if not REGION_RE.match(region):
@@ -260,7 +262,7 @@ def lease_spans(app: Any) -> Any:
     usage request, child of the region's span when it sent a ``traceparent`` (kernel.tracing);
     the committer links each transaction to the spans of the requests it carries."""
 
-    async def serve(scope: dict, receive: Any, send: Any) -> None:
+    async def serve(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if not tracing.ENABLED or scope["type"] != "http" or not scope["path"].startswith(("/v1/leases", "/v1/usage")):
             await app(scope, receive, send)
             return
@@ -348,6 +350,9 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
 
     handlers: list[Any] = [post_lease, post_batch, post_usage, post_usage_batch, get_lease, get_leader, get_shards, get_pools,
                            get_pool, healthz, readyz, store_health, metrics]
+    middleware: list[Any] = [lease_spans]  # plain ASGI middleware (scope as a dict): typed by our own aliases
+    if fast_path:
+        middleware.append(batch_fast_path(lambda: app.state, settings.max_body_bytes))
     app = Litestar(
         route_handlers=handlers,
         lifespan=[lifespan],
@@ -356,7 +361,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         # shutdown report line) is lost
         logging_config=None,
         state=State({"auth_guard": auth_guard, "settings": settings}),
-        middleware=[lease_spans, *([batch_fast_path(lambda: app.state, settings.max_body_bytes)] if fast_path else [])],
+        middleware=middleware,
         exception_handlers=exception_handlers(validation_status=VALIDATION_STATUS),
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Leasehold allocator", version="1.0.0", path="/schema"),

@@ -126,14 +126,14 @@ class Committer:
     """The queue and the task that turns it into transactions. ``run_unit(unit)`` commits one
     unit (every item answered when it returns); ``answer(item, result, error)`` settles one."""
 
-    def __init__(self, run_unit: Callable[[Unit], Awaitable[None]], open_writes: OpenWrites,
+    def __init__(self, run_unit: Callable[[Unit[Item]], Awaitable[None]], open_writes: OpenWrites,
                  max_ops: Callable[[], int]):
         self._run_unit = run_unit
         self.open_writes = open_writes
         self._max_ops = max_ops  # etcd's --max-txn-ops as the store knows it now
         self._ready: deque[Item] = deque()  # queued, in arrival order
         self._wakeup: asyncio.Future[None] | None = None  # the committer's sleep
-        self._running: dict[asyncio.Task[None], Unit] = {}
+        self._running: dict[asyncio.Task[None], Unit[Item]] = {}
         self._busy: set[str] = set()  # pools of the units in flight
         self._inflight: dict[tuple[str, str], Item] = {}  # (region, lease id) -> its queued grant (a retry joins it)
         self._window_bytes: dict[str, int] = {}  # pool -> size of its last window record (unit budgets)
@@ -210,7 +210,7 @@ class Committer:
         while True:
             running = len(self._running)
             free = TXNS_IN_FLIGHT - running
-            units: list[Unit] = []
+            units: list[Unit[Item]] = []
             # group commit: with a transaction in flight, a few queued writes wait for it to finish
             # and go out together (one transaction for many single requests); enough of them to
             # fill a transaction go out at once, so etcd and Python work side by side
@@ -219,7 +219,7 @@ class Committer:
                 units, left = form_units(self._ready, busy=self._busy, free=free, per_unit=per_unit,
                                          max_ops=self._max_ops(), max_bytes=self.txn_bytes,
                                          window_bytes=self._window_size)
-                self._ready = deque(left)  # type: ignore[arg-type]  # (form_units hands back the Items it was given)
+                self._ready = deque(left)
                 for unit in units:
                     task = loop.create_task(self._traced(unit))
                     self._running[task] = unit
@@ -238,7 +238,7 @@ class Committer:
         self._busy -= unit.pools
         self._wake()
 
-    async def _traced(self, unit: Unit) -> None:
+    async def _traced(self, unit: Unit[Item]) -> None:
         traces = [it.trace for it in unit.items if it.trace is not None] if tracing.ENABLED else []
         if not traces:
             return await self._run_unit(unit)

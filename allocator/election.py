@@ -236,6 +236,8 @@ class Election:
             if lease is None or not await self._register(lease):
                 return
             self._lease = lease
+        if lease is None:
+            return
         k = self.keys
         rev, (members, leaders, one, count) = await self.store.snapshot([k.members, k.leaders],
                                                                          [k.leader, k.shard_count])

@@ -33,7 +33,9 @@ from kernel.errors import LeaseholdError
 from kernel.jsonbody import content_type_of, has_duplicate_keys, is_json_media_type
 from kernel.wire import LeaseBatchRequest, LeaseBatchResponse, UsageBatchRequest, UsageBatchResponse
 
-ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+Scope = dict[str, Any]
+Message = dict[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
 LEASES, USAGE = "/v1/leases/batch", "/v1/usage/batch"
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _decode_leases = msgspec.json.Decoder(LeaseBatchRequest).decode
@@ -41,7 +43,7 @@ _decode_usage = msgspec.json.Decoder(UsageBatchRequest).decode
 _encode = msgspec.json.Encoder().encode
 
 
-def _is_json(raw_headers: list) -> bool:
+def _is_json(raw_headers: list[tuple[bytes, bytes]]) -> bool:
     """One Content-Type header, application/json (kernel.jsonbody's rule)."""
     try:
         return is_json_media_type(content_type_of(raw_headers))
@@ -54,8 +56,8 @@ def batch_fast_path(state_of: Callable[[], Any], max_body: int) -> Callable[[ASG
     lifespan started it, ``auth_guard``)."""
 
     def middleware(app: ASGIApp) -> ASGIApp:
-        async def serve(scope: dict, receive: Callable[[], Awaitable[dict]],
-                        send: Callable[[dict], Awaitable[None]]) -> None:
+        async def serve(scope: Scope, receive: Callable[[], Awaitable[Message]],
+                        send: Callable[[Message], Awaitable[None]]) -> None:
             path = scope.get("path")
             if scope["type"] != "http" or (path != LEASES and path != USAGE) or scope["method"] != "POST":
                 await app(scope, receive, send)

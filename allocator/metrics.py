@@ -4,7 +4,7 @@ policy bundle; etcd operation names; outcome codes), never lease ids."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -19,14 +19,16 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kernel.build_info import BuildInfo
+from kernel.bundle import Pool
 from kernel.metrics_exposition import standard_collectors
 from kernel.policy_metrics import policy_metrics
+from kernel.wire import WindowRef
 
 if TYPE_CHECKING:
     from .election import Election
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-disable_created_metrics()  # no *_created series (docs/metrics.md, cardinality budget)
+disable_created_metrics()  # type: ignore[no-untyped-call]  # (unannotated in prometheus_client) no *_created series (docs/metrics.md, cardinality budget)
 MAX_REGION_LABELS = 64
 
 
@@ -51,10 +53,10 @@ class WindowFill:
             for k in [k for k, (_, end, _) in self._seen.items() if end <= now]:
                 del self._seen[k]
 
-    def describe(self):
+    def describe(self) -> list[GaugeMetricFamily]:
         return [GaugeMetricFamily(self.NAME, self.HELP, labels=self.LABELS)]
 
-    def collect(self):
+    def collect(self) -> Iterator[GaugeMetricFamily]:
         fam = GaugeMetricFamily(self.NAME, self.HELP, labels=self.LABELS)
         now = self.clock() * 1000
         ratio: dict[str, float] = {}
@@ -135,7 +137,7 @@ class AllocatorMetrics:
                                       ["op"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                                        1, 2.5), registry=r)
 
-    def describe_pools(self, pools) -> None:
+    def describe_pools(self, pools: Iterable[Pool]) -> None:
         for p in pools:
             self.pool_limit.labels(p.id).set(p.limit)
             self.pool_window_ms.labels(p.id).set(p.window_ms / 1000)
@@ -151,7 +153,7 @@ class AllocatorMetrics:
             return region
         return "other"
 
-    def note_grant_window(self, pool: str, window, limit: int, remaining: int) -> None:
+    def note_grant_window(self, pool: str, window: WindowRef, limit: int, remaining: int) -> None:
         """After a grant decision: the window's fill (see :class:`WindowFill`)."""
         self.window_fill.note(pool, window.index, window.start_ms, window.end_ms, limit, remaining)
 

@@ -58,7 +58,7 @@ def assignment(shards: int, members: Collection[str]) -> dict[int, str]:
     """shard -> intended owner, for every shard (empty when there is no member)."""
     if not members:
         return {}
-    return {s: owner(s, members) for s in range(shards)}  # type: ignore[misc]
+    return {s: o for s in range(shards) if (o := owner(s, members)) is not None}  # (every shard: members is not empty)
 
 
 def spread(assign: Mapping[int, str]) -> dict[str, int]:

@@ -132,7 +132,7 @@ class TransactionLoop:
     def encode(self, record: object) -> bytes:
         return self._encode(record)
 
-    async def run_unit(self, unit: Unit) -> None:
+    async def run_unit(self, unit: Unit[Item]) -> None:
         """Commit one unit; every item is answered when this returns."""
         items: list[Item] = unit.items
         held: set[WindowKey] = set()

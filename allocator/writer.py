@@ -98,7 +98,7 @@ class Writer:
                 log.debug("etcd --max-txn-ops probe failed (%s); using %d for now", e.code, self.store.max_txn_ops)
                 await asyncio.sleep(1.0)
 
-    async def _run_unit(self, unit: Unit) -> None:
+    async def _run_unit(self, unit: Unit[Item]) -> None:
         await self.transactions.run_unit(unit)
 
     # -- pools ----------------------------------------------------------------------------------

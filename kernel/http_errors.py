@@ -112,7 +112,7 @@ def from_http_exception(exc: HTTPException, *, path: str, method: str, validatio
     return LeaseholdError("internal error")
 
 
-def exception_handlers(*, validation_status: int) -> dict[type[Exception], Callable[[Request, Any], Response[Any]]]:
+def exception_handlers(*, validation_status: int) -> dict[int | type[Exception], Callable[[Request, Any], Response[Any]]]:
     """The ``exception_handlers`` of a service's Litestar app (module doc)."""
 
     def on_leasehold(request: Request, exc: LeaseholdError) -> Response[Any]:

@@ -43,7 +43,7 @@ class PolicyWatcher:
         self.reads_ok = 0
         self.reads_failed = 0
         self._seen_revision = (0, 0)  # mod_revisions of the policy and canary values last handed on
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._lock = asyncio.Lock()
 
     # -- one read -------------------------------------------------------------------------------
