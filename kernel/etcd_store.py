@@ -7,7 +7,7 @@ the link's credentials (:mod:`kernel.etcd_tls`). No part of aetcd's ``Client`` i
 nothing here reads a private attribute of a library or replaces one; what this module relies on
 (the generated names and fields) is checked by ``tests/unit/kernel/test_etcd_store_rpc.py``.
 Why this shape, and why one channel per endpoint rather than one over all of them:
-``docs/decisions/0019-etcd-adapter-on-the-generated-stubs.md``.
+``docs/decisions/0021-etcd-adapter-on-the-generated-stubs.md``.
 
 What it adds to the raw API:
 

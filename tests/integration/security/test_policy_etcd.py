@@ -280,7 +280,7 @@ async def test_etcd_lost_after_a_publish_keeps_it_then_revokes(redis_url, policy
 
 
 async def test_the_watch_alone_delivers_a_publish(redis_url, policy_file, etcd_cluster, prefix, pstore):
-    """With the safety-net re-read set to 10 minutes, only the aetcd watch can bring the switch."""
+    """With the safety-net re-read set to 10 minutes, only the etcd watch can bring the switch."""
     base = northstar()
     app = agent_app(redis_url, policy_file, etcd_cluster, prefix, reread_ms=600_000)
     async with AsyncTestClient(app=app) as agent:

@@ -1,6 +1,6 @@
-"""The type check runs in ``make test``: mypy with the repository's configuration (``[tool.mypy]``
-in pyproject.toml: the files it covers, strict module by module). Extending it to more of the
-tree is a change to that section, not to this test."""
+"""The type check runs in ``make test`` (so in CI, whose entry point is ``make test``): mypy with
+the repository's configuration (``[tool.mypy]`` in pyproject.toml: the files it covers, strict
+module by module). Extending it to more of the tree is a change to that section, not to this test."""
 
 from __future__ import annotations
 
