@@ -10,11 +10,12 @@ CONSTRAINTS := constraints.txt
 # curl and jq (the README's examples)
 RUN_BINARIES := redis-server redis-cli etcd etcdctl openssl curl jq
 RUN_PACKAGES := redis-server redis-tools etcd-server etcd-client openssl python3-venv curl jq
-# what `make test` needs besides: fault injection (faketime, iptables, ip), nginx (a gateway under
-# test), docker-compose (validates deploy/docker-compose.yml; no container engine needed),
-# prometheus and promtool (the shipped scrape config and alert rules, run for real)
-TEST_BINARIES := $(RUN_BINARIES) faketime iptables ip nginx docker-compose prometheus promtool
-TEST_PACKAGES := $(RUN_PACKAGES) faketime iptables iproute2 nginx docker-compose prometheus
+# what `make test` needs besides: redis-sentinel (the Sentinel failover tests), fault injection
+# (faketime, iptables, ip), nginx (a gateway under test), docker-compose (validates
+# deploy/docker-compose.yml; no container engine needed), prometheus and promtool (the shipped
+# scrape config and alert rules, run for real)
+TEST_BINARIES := $(RUN_BINARIES) redis-sentinel faketime iptables ip nginx docker-compose prometheus promtool
+TEST_PACKAGES := $(RUN_PACKAGES) redis-sentinel faketime iptables iproute2 nginx docker-compose prometheus
 PYTEST_ARGS ?=
 
 .PHONY: help setup setup-run system-deps-run system-deps venv-demo venv-test run test test-unit \

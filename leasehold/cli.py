@@ -22,6 +22,7 @@ from kernel.bundle import load_bundle_file
 from kernel.errors import PolicyError
 from kernel.version import version_line
 
+from .capacity_cli import register as register_capacity_command
 from .output import Exit, Failure, add_output_option, exit_code_epilog, out, run
 from .policy_cli import register as register_policy_commands
 from .topology import (
@@ -710,6 +711,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="e.g. deploy/secrets (compose) or deploy/k8s-dev/secrets (Kubernetes)")
     sp.add_argument("--regions", default="eu,us", help="one allocator token per region (default: eu,us)")
     sp.add_argument("--force", action="store_true", help="replace existing files")
+    register_capacity_command(sub)  # leasehold/capacity_cli.py: Redis shards, memory per copy, the hottest key
     return p
 
 

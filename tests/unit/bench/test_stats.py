@@ -75,8 +75,9 @@ def test_per_window_counts_only_whole_windows():
 
 
 def test_only_option():
-    assert parse_only(None) == ["1", "2", "3", "4", "5", "6", "7", "8"]
+    assert parse_only(None) == ["1", "2", "3", "4", "5", "6", "7", "8", "redis"]  # "shards" only when named
     assert parse_only(["fig2,1", "2"]) == ["1", "2"]
+    assert parse_only(["redis"]) == ["redis"]
     with pytest.raises(SystemExit):
         parse_only(["9"])
 
