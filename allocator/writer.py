@@ -177,21 +177,20 @@ class Writer:
             joiner = Item(req, wait, existing.shard, existing.epoch)
             existing.joiners.append(joiner)  # answered with the first one's outcome
             return joiner
-        shard = self._shards.get(req.pool)
+        return self._queue(Item, req, wait, self._shards.get(req.pool))
+
+    def _enqueue_report(self, report: UsageReport, wait: Wait) -> Item:
+        self.pool(report.pool)
+        return self._queue(ReportItem, report, wait, None)
+
+    def _queue(self, kind: type[Item], req: LeaseRequest | UsageReport, wait: Wait, shard: int | None) -> Item:
+        """Stamp the item with its shard's epoch (``NotLeader`` unless this replica leads the
+        shard) and hand it to the committer (``Unavailable`` when its backlog is full)."""
         if shard is None:
             shard = self._shard_of(req.pool)
         epoch = self.election.require_leader(shard)
         self.committer.check_backlog()
-        item = Item(req, wait, shard, epoch)
-        self.committer.queue(item)
-        return item
-
-    def _enqueue_report(self, report: UsageReport, wait: Wait) -> Item:
-        self.pool(report.pool)
-        shard = self._shard_of(report.pool)
-        epoch = self.election.require_leader(shard)
-        self.committer.check_backlog()
-        item = ReportItem(report, wait, shard, epoch)
+        item = kind(req, wait, shard, epoch)
         self.committer.queue(item)
         return item
 
