@@ -122,6 +122,7 @@ policies: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .run bench-results chaos-reports
+	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis .run bench-results chaos-reports

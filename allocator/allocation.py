@@ -1,9 +1,11 @@
-"""Pure allocation policy (grant, depletion and fairness; docs/invariants.md I16).
+"""Pure allocation: how much of a pool window a region is granted, and what a usage report gives
+back (grant, depletion and fairness; docs/invariants.md I16). "Allocation", not "policy": the
+policy is the bundle (``docs/glossary.md``); this module applies its pools.
 
 No I/O and no clock of its own: every function takes ``now_ms`` (the leader's wall clock in
-milliseconds). The committer (``allocator.engine``) loads a window's state from etcd, calls
-:func:`decide_grant` / :func:`decide_reclaim` on it and writes the result back in one
-epoch-fenced transaction.
+milliseconds). The transaction loop (``allocator.transactions``) takes a window's state from the
+window cache, calls :func:`decide_grant` / :func:`decide_reclaim` on it and writes the result
+back in one epoch-fenced transaction.
 
 Units: tokens are whole tokens; times and durations are integer milliseconds; ``demand`` is
 tokens per second.
