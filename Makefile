@@ -10,11 +10,12 @@ CONSTRAINTS := constraints.txt
 # curl and jq (the README's examples)
 RUN_BINARIES := redis-server redis-cli etcd etcdctl openssl curl jq
 RUN_PACKAGES := redis-server redis-tools etcd-server etcd-client openssl python3-venv curl jq
-# what `make test` needs besides: fault injection (faketime, iptables, ip), nginx (a gateway under
-# test), docker-compose (validates deploy/docker-compose.yml; no container engine needed),
-# prometheus and promtool (the shipped scrape config and alert rules, run for real)
-TEST_BINARIES := $(RUN_BINARIES) faketime iptables ip nginx docker-compose prometheus promtool
-TEST_PACKAGES := $(RUN_PACKAGES) faketime iptables iproute2 nginx docker-compose prometheus
+# what `make test` needs besides: redis-sentinel (the Sentinel failover tests), fault injection
+# (faketime, iptables, ip), nginx (a gateway under test), docker-compose (validates
+# deploy/docker-compose.yml; no container engine needed), prometheus and promtool (the shipped
+# scrape config and alert rules, run for real)
+TEST_BINARIES := $(RUN_BINARIES) redis-sentinel faketime iptables ip nginx docker-compose prometheus promtool
+TEST_PACKAGES := $(RUN_PACKAGES) redis-sentinel faketime iptables iproute2 nginx docker-compose prometheus
 PYTEST_ARGS ?=
 
 .PHONY: help setup setup-run system-deps-run system-deps venv-demo venv-test run test test-unit \
@@ -55,16 +56,25 @@ define venv_base
 @echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/leasehold-checkout.pth"
 endef
 
+# xds-protos ships its own, older copy of opentelemetry/proto/*: whichever of it and
+# opentelemetry-proto pip installs last wins, and with xds-protos' copy the OTLP exporter cannot
+# import (tracing on fails at start). opentelemetry-proto's files are put back last.
+define otel_proto_last
+$(PIP) install -q -c $(CONSTRAINTS) --no-deps --force-reinstall opentelemetry-proto
+endef
+
 venv-demo: $(VENV)/.installed-demo
 $(VENV)/.installed-demo: pyproject.toml $(CONSTRAINTS)
 	$(venv_base)
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[demo]'
+	$(otel_proto_last)
 	@touch $@
 
 venv-test: $(VENV)/.installed-test
 $(VENV)/.installed-test: pyproject.toml $(CONSTRAINTS)
 	$(venv_base)
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[test]'
+	$(otel_proto_last)
 	@touch $@ $(VENV)/.installed-demo
 
 setup-run: system-deps-run venv-demo
@@ -112,6 +122,7 @@ policies: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .run bench-results chaos-reports
+	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis .run bench-results chaos-reports

@@ -51,6 +51,7 @@ class RegionStats:
     local: int = 0
     errors: int = 0
     per_agent: Counter = field(default_factory=Counter)
+    errors_by_tenant: Counter = field(default_factory=Counter)  # requests without a decision, per tenant
 
 
 @dataclass
@@ -123,10 +124,12 @@ class LoadGen:
             r = await client.post(url + "/v1/admit", json=body)
         except httpx.HTTPError:
             st.errors += 1  # no answer: the gateway did not admit (whatever the agent did)
+            st.errors_by_tenant[tl.tenant] += 1
             return
         received = now_ms()
         if r.status_code != 200:
             st.errors += 1
+            st.errors_by_tenant[tl.tenant] += 1
             return
         answer = r.json()
         local = self.is_local(region, sent)

@@ -234,6 +234,90 @@ def _redis_pause(ctx: RunContext, region: str) -> Nemesis:
     return n
 
 
+# ----------------------------------------------------------------------------- a Redis Cluster primary
+#: the tenant whose Redis Cluster primary the cluster scenarios stop or kill, and the tenants of the
+#: load (chaos/load.py) whose slots live on the other primaries (``redis-cli --cluster create``'s even
+#: split: atlas's slot 4037 on the first primary, birch and cedar on the second, dune on the third)
+CLUSTER_REGION, CLUSTER_TENANT, OTHER_SHARD_TENANTS = "eu", "atlas", ("birch", "cedar", "dune")
+
+
+def _on_cluster(spec: ChaosSpec) -> None:
+    spec.redis_cluster = (CLUSTER_REGION,)
+
+
+def _on_cluster_with_replica(spec: ChaosSpec) -> None:
+    spec.redis_cluster, spec.redis_cluster_replicas = (CLUSTER_REGION,), (0,)
+
+
+class ClusterPrimaryFault(Nemesis):
+    """SIGSTOP (or, with ``kill``, SIGKILL) the Redis Cluster primary owning ``tenant``'s slot,
+    resolved when the fault starts; at stop SIGCONT (or start the killed node again: when its
+    replica was promoted meanwhile it rejoins as that one's replica). Only that primary's tenants
+    lose their store; for the bound, every agent of the region counts as cut off from Redis
+    (the fault terms are per agent, not per shard: conservative)."""
+
+    name = "redis-cluster-primary"
+
+    def __init__(self, ctx: RunContext, region: str, tenant: str, *, kill: bool = False):
+        super().__init__(f"redis-{region}:{{t:{tenant}}}", recorder=ctx.history, effects=_redis_effects(ctx, region),
+                         detail="SIGKILL, restarted at stop" if kill else "SIGSTOP, SIGCONT at stop")
+        self.ctx, self.region, self.tenant, self.kill = ctx, region, tenant, kill
+        self.node = None
+        ctx.redis_faults.append((region, self))
+
+    async def _start(self) -> None:
+        from region_agent.store.slots import slot_of
+
+        cluster = self.ctx.topo.clusters[self.region]
+        node = self.node = await asyncio.to_thread(cluster.owner, slot_of(f"{{t:{self.tenant}}}"))
+        self.detail += f" (primary {node.port})"
+        assert node.proc is not None
+        if self.kill:
+            await asyncio.to_thread(node.proc.kill)
+        else:
+            node.proc.signal(signal.SIGSTOP)
+
+    async def _stop(self) -> None:
+        node = self.node
+        if node is None:
+            return
+        if self.kill:
+            await asyncio.to_thread(node.start)
+        elif node.proc is not None:
+            node.proc.signal(signal.SIGCONT)
+
+
+def shard_isolated(region: str, stopped: str, others: tuple[str, ...], *, served_again: bool = False) -> Expect:
+    """The other primaries' tenants saw no fallback, no local allowance, no 503 and no failed
+    request in ``region`` during the whole run; the stopped primary's tenant got local-allowance
+    decisions (its fail modes); with ``served_again``, it was served by the store again before
+    the fault stopped (a replica promoted by the cluster's failover)."""
+    def check(ctx: RunContext) -> list[str]:
+        from .history import DecisionRec, read_history
+
+        recs = [r for r in read_history(ctx.history.path) if isinstance(r, DecisionRec) and r.region == region]
+        out = []
+        bad = [r for r in recs if r.tenant in others
+               and (r.fallback or r.local or r.reason in ("OVERLOADED", "LIMITER_UNAVAILABLE"))]
+        if bad:
+            out.append(f"{len(bad)} decision(s) of {others} degraded in {region} (first: {bad[0].tenant} "
+                       f"{bad[0].route_group} {bad[0].reason} fallback={bad[0].fallback} local={bad[0].local})")
+        errors = {t: ctx.load.stats[region].errors_by_tenant[t] for t in others if ctx.load.stats[region].errors_by_tenant[t]}
+        if errors:
+            out.append(f"requests of {others} without a decision in {region}: {errors}")
+        if not any(r.tenant == stopped and r.local for r in recs):
+            out.append(f"no local-allowance decision for {stopped} in {region}")
+        if served_again:
+            fault = next(n for rg, n in ctx.redis_faults if rg == region and isinstance(n, ClusterPrimaryFault))
+            start, stop = fault.started_ms or 0, fault.stopped_ms or 0
+            again = [r for r in recs if r.tenant == stopped and start < (r.sent_at_ms or 0) and r.recorded_at_ms < stop
+                     and not r.fallback and not r.local and r.reason != "LIMITER_UNAVAILABLE"]
+            if not again:
+                out.append(f"{stopped} was never served by a promoted replica while its primary was down")
+        return out
+    return check
+
+
 def _both(ctx: RunContext, make: Callable[[RunContext, str], Nemesis]) -> Nemesis:
     parts = [make(ctx, r) for r in ctx.topo.spec.regions]
     return Combined2(ctx, *parts)
@@ -419,6 +503,19 @@ _add(Scenario("redis-restart-both", "both regions' Redis SIGKILLed at once and r
 _add(Scenario("redis-pause", "eu's Redis SIGSTOPped while leases are held (connections hang), then SIGCONT",
               lambda c: [Step(_at(c, 0.3), _redis_pause(c, "eu"), max(4.0, _at(c, 0.2)))],
               expect=[local_in("eu")]))
+_add(Scenario("redis-cluster-pause", "eu's Redis is a 3-primary Redis Cluster; the primary owning atlas's slot is "
+              "SIGSTOPped under load, then SIGCONT: only atlas degrades (per-shard breakers), birch, cedar and dune "
+              "see no fallback and no 503",
+              lambda c: [Step(_at(c, 0.3), ClusterPrimaryFault(c, CLUSTER_REGION, CLUSTER_TENANT), max(4.0, _at(c, 0.3)))],
+              configure=_on_cluster,
+              expect=[shard_isolated(CLUSTER_REGION, CLUSTER_TENANT, OTHER_SHARD_TENANTS)]))
+_add(Scenario("redis-cluster-failover", "eu's Redis Cluster primary owning atlas's slot (with a replica) is "
+              "SIGKILLed under load: the cluster promotes the replica, the agents find it and serve atlas from it "
+              "(its leased balances of the old incarnation count as fully spent); the killed node rejoins later",
+              lambda c: [Step(_at(c, 0.25), ClusterPrimaryFault(c, CLUSTER_REGION, CLUSTER_TENANT, kill=True),
+                              max(8.0, _at(c, 0.5)))],
+              configure=_on_cluster_with_replica,
+              expect=[shard_isolated(CLUSTER_REGION, CLUSTER_TENANT, OTHER_SHARD_TENANTS, served_again=True)]))
 _add(Scenario("redis-pause-both", "both regions' Redis SIGSTOPped at once, then SIGCONT",
               lambda c: [Step(_at(c, 0.3), _both(c, _redis_pause), max(4.0, _at(c, 0.2)))],
               expect=[local_in("eu", "us")]))
@@ -490,7 +587,7 @@ PROFILES: dict[str, list[tuple[str, float]]] = {
     # (scenario, duration s); make chaos runs "full" with 3 seeds. Every run has two agents per region
     # and the global-scope pool fleet-g beside the tenant pools (chaos/topo.py, chaos/bundles.py).
     "short": [("partition-region-allocator", 24.0), ("kill-leader", 24.0), ("redis-restart", 20.0),
-              ("lease-replay", 24.0), ("policy-rollback", 20.0)],
+              ("lease-replay", 24.0), ("policy-rollback", 20.0), ("redis-cluster-pause", 20.0)],
     "full": [(name, 60.0) for name in SCENARIOS] + [("kill-leader+partition-region-allocator", 60.0),
                                                    ("redis-restart+pause-leader", 60.0)],
 }

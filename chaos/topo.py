@@ -6,7 +6,11 @@ link through a fault proxy, with per-service argv prefixes and environments (lib
   (``etcd<-alloc-N/mK``), so one allocator can be cut off from etcd;
 * regions, each with its own redis-server, reached by each agent through a proxy
   (``redis<-agent-R-J``), and each agent reaching every allocator replica through a proxy of
-  its region (``alloc-N<-R``) — a region<->allocator partition blackholes the region's links.
+  its region (``alloc-N<-R``) — a region<->allocator partition blackholes the region's links;
+* or, for the regions in ``redis_cluster``, a 3-primary Redis Cluster (``cluster-require-full-coverage
+  no``, a replica for each primary index in ``redis_cluster_replicas``) that the agents reach
+  directly (a cluster names its nodes' own addresses in its slot map and redirects: a proxy in
+  between would be bypassed). Its faults are on the processes (pause, kill).
 
 Everything is a real process on loopback, stopped by PID in :meth:`ChaosTopology.stop` (also
 when start-up fails); the proxies run in one child process (:class:`chaos.proxyhost.ProxyHost`), so a
@@ -22,7 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernel.etcd_store import EtcdStore
-from leasehold.procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_http_ready, wait_port
+from leasehold.procs import (
+    LOOPBACK,
+    EtcdCluster,
+    Proc,
+    RedisCluster,
+    RedisServer,
+    free_port,
+    wait_http_ready,
+    wait_port,
+)
 from leasehold.services import agent_command, allocator_command
 
 from .etcd_records import read_leaders
@@ -68,6 +81,8 @@ class ChaosSpec:
     allocator_args: tuple[str, ...] = ()
     policy_etcd: bool = True  # agents follow the policy key in etcd (for mid-run publication)
     seed: int = 0
+    redis_cluster: tuple[str, ...] = ()  # regions whose Redis is a 3-primary Redis Cluster
+    redis_cluster_replicas: tuple[int, ...] = ()  # primary indexes that get a replica (failover)
 
 
 @dataclass
@@ -77,7 +92,7 @@ class Agent:
     proc: Proc
     url: str
     port: int
-    redis_proxy: HostedProxy
+    redis_proxy: HostedProxy | None  # None: the region's Redis is a cluster, reached directly
     alloc_proxies: list[HostedProxy]
 
 
@@ -98,6 +113,7 @@ class ChaosTopology:
         self.host: ProxyHost | None = None
         self.allocators: list[Allocator] = []
         self.redis: dict[str, RedisServer] = {}
+        self.clusters: dict[str, RedisCluster] = {}  # regions on a Redis Cluster
         self.agents: list[Agent] = []
         # region -> one proxy per allocator replica (shared by the region's agents)
         self.region_links: dict[str, list[HostedProxy]] = {}
@@ -126,8 +142,13 @@ class ChaosTopology:
                     wait_port(a.port, proc=a.proc.popen, timeout=timeout)
             for region in s.regions:
                 env = s.env.get(f"redis-{region}")
-                self.redis[region] = RedisServer(run / f"redis-{region}", env=child_env(**env) if env else None
-                                                 ).start(timeout)
+                if region in s.redis_cluster:
+                    self.clusters[region] = RedisCluster(run / f"redis-{region}", full_coverage=False,
+                                                         node_timeout_ms=1000,
+                                                         replicas_of=s.redis_cluster_replicas).start(timeout)
+                else:
+                    self.redis[region] = RedisServer(run / f"redis-{region}", env=child_env(**env) if env else None
+                                                     ).start(timeout)
                 self.region_links[region] = [self.host.add(f"{a.name}<-{region}", a.port, seed=s.seed)
                                              for a in self.allocators]
                 for j in range(s.agents.get(region, 1)):
@@ -142,11 +163,16 @@ class ChaosTopology:
         s = self.spec
         assert self.host is not None and self.etcd is not None
         name, port = f"agent-{region}-{j + 1}", free_port()
-        rproxy = self.host.add(f"redis-{region}<-{name}", self.redis[region].port, seed=s.seed)
+        rproxy: HostedProxy | None = None
+        if region in self.clusters:
+            redis_url = "redis+cluster://" + ",".join(f"{LOOPBACK}:{n.port}" for n in self.clusters[region].nodes)
+        else:
+            rproxy = self.host.add(f"redis-{region}<-{name}", self.redis[region].port, seed=s.seed)
+            redis_url = f"redis://{rproxy.url_host}/0"
         links = self.region_links[region]
         etcd = dict(policy_etcd=self.etcd.endpoints, policy_etcd_reread_ms=1000) if s.policy_etcd else {}
         args = [*s.prefix.get(name, []), *agent_command(
-            *s.agent_args, redis_url=f"redis://{rproxy.url_host}/0", policy=s.policy, region=region, host=LOOPBACK,
+            *s.agent_args, redis_url=redis_url, policy=s.policy, region=region, host=LOOPBACK,
             port=port, allocator_urls=[f"http://{p.url_host}" for p in links], **AGENT_SETTINGS, **etcd)]
         proc = Proc(name, args, s.run_dir / name, env=child_env(**s.env.get(name, {}))).start()
         return Agent(name, region, proc, f"http://{LOOPBACK}:{port}", port, rproxy, links)
@@ -172,6 +198,8 @@ class ChaosTopology:
             a.proc.stop()
         for r in self.redis.values():
             r.stop()
+        for c in self.clusters.values():
+            c.stop()
         if self.etcd is not None:
             self.etcd.stop()
         if self.host is not None:

@@ -32,6 +32,18 @@ def _chaos_bundle() -> str:
     return markdown_table(chaos_bundle(), ["eu", "us"], (1, 2))
 
 
+def _redis_measured() -> str:
+    from leasehold.redis_sizing import markdown_measured
+
+    return markdown_measured()
+
+
+def _redis_worked() -> str:
+    from leasehold.redis_sizing import markdown_worked
+
+    return markdown_worked()
+
+
 def _agent_options() -> str:
     from kernel.options import markdown_table
     from region_agent.settings import ENV_PREFIX, AgentSettings
@@ -59,6 +71,8 @@ TABLES: list[tuple[str, str, Callable[[], str]]] = [
     ("region_agent/README.md", "agent-options", _agent_options),
     ("allocator/README.md", "allocator-options", _allocator_options),
     ("docs/cli.md", "cli-exit-codes", _cli_exit_codes),
+    ("docs/capacity.md", "redis-measured", _redis_measured),  # leasehold/redis_measured.json, from make bench
+    ("docs/capacity.md", "redis-sizing", _redis_worked),
 ]
 
 

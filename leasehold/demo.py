@@ -38,7 +38,7 @@ from rich.live import Live
 from rich.table import Table
 
 from .devjwt import DevIssuer
-from .gateways import Envoy, render, upstream
+from .gateways import Envoy, render, tracing_values, upstream
 from .procs import LOOPBACK, Proc, free_port
 from .topology import LocalTopology, TopologySpec
 
@@ -364,7 +364,7 @@ def start_edge(topo: LocalTopology, gateway: str = "rls") -> Edge:
                          ENVOY_ACCESS_LOG=run / f"envoy-{region}" / "access.log",
                          AGENT_HOST=LOOPBACK, AGENT_RLS_PORT=ports[0], UPSTREAM_HOST=LOOPBACK, UPSTREAM_PORT=up_port,
                          GATEWAY_TOKEN=topo.secrets.gateway if topo.secrets else "auth-disabled",
-                         **issuer.values(jwks))
+                         **issuer.values(jwks), **tracing_values())
             envoys[region] = Envoy(f"envoy-{region}", cfg, run / f"envoy-{region}", port, admin).start()
     except BaseException:
         Edge(up, envoys, issuer).stop()

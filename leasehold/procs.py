@@ -67,11 +67,17 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def wait_port(port: int, host: str = LOOPBACK, timeout: float = 15.0, proc: subprocess.Popen | None = None) -> None:
+def wait_port(port: int, host: str = LOOPBACK, timeout: float = 15.0, proc: Proc | subprocess.Popen | None = None) -> None:
+    """Until something listens on ``host:port``. ``proc``: the process that should; if it exits
+    first, the error says with which code and — for a :class:`Proc` — ends with the tail of its
+    log (its stdout and stderr), so a failed start explains itself."""
+    popen = proc.popen if isinstance(proc, Proc) else proc
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode} before listening on {port}")
+        if popen is not None and popen.poll() is not None:
+            tail = proc.tail(20) if isinstance(proc, Proc) else ""
+            raise RuntimeError(f"process {popen.args!r} exited with {popen.returncode} before listening on {port}"
+                               + (f"; the end of its log ({proc.log_path}):\n{tail}" if tail else ""))
         try:
             with socket.create_connection((host, port), timeout=0.2):
                 return
@@ -217,7 +223,7 @@ class RedisServer:
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir),
                 "--maxmemory-policy", "noeviction", "--protected-mode", "no", *self._acl_args(), *self.extra_args]
         self.proc = Proc(f"redis-{self.port}", args, self.workdir, env=self.env).start()
-        wait_port(self.port, proc=self.proc.popen, timeout=timeout)
+        wait_port(self.port, proc=self.proc, timeout=timeout)
         return self
 
     def restart(self) -> None:
@@ -236,9 +242,10 @@ class RedisServer:
                               timeout=10, check=True).stdout.strip()
 
 
-# Commands the region agent really sends (scripts, readiness, store health) and the commands its
+# Commands the region agent really sends (scripts, readiness, store health; for Redis Cluster its
+# slot-map read and the ASKING before a call sent to a slot's migration target) and the commands its
 # Lua scripts call — scripts run under the caller's ACL user. Keys: ``rl:*`` only.
-AGENT_COMMANDS = ("evalsha", "eval", "script|load", "script|exists", "ping", "info", "time",
+AGENT_COMMANDS = ("evalsha", "eval", "script|load", "script|exists", "ping", "info", "time", "cluster|slots", "asking",
                   "get", "set", "hget", "hmget", "hset", "hdel", "hexists", "hgetall", "hlen", "pexpire", "pttl",
                   "zadd", "zcount", "zrange", "zrangebyscore", "zrem", "zremrangebyscore", "zscore")
 
@@ -298,11 +305,19 @@ def etcd_roles_script() -> Path:
 
 @dataclass
 class RedisCluster:
-    """A real 3-master Redis Cluster (no replicas) created with ``redis-cli --cluster create``."""
+    """A real Redis Cluster of ``masters`` primaries created with ``redis-cli --cluster create``
+    (slots split evenly in node order), and one replica for each primary index in ``replicas_of``.
+    ``full_coverage=False`` runs the nodes with ``cluster-require-full-coverage no``: the healthy
+    primaries keep serving their slots while another primary is down (what the agent's per-shard
+    breakers rely on; see region_agent/README.md)."""
 
     workdir: Path
     masters: int = 3
-    nodes: list[RedisServer] = field(default_factory=list)
+    nodes: list[RedisServer] = field(default_factory=list)  # the primaries, in slot order at creation
+    replicas_of: Sequence[int] = ()
+    replicas: list[RedisServer] = field(default_factory=list)
+    node_timeout_ms: int = 2000
+    full_coverage: bool = True
 
     @property
     def urls(self) -> list[str]:
@@ -312,27 +327,194 @@ class RedisCluster:
     def url(self) -> str:
         return self.nodes[0].url
 
+    def _node(self, name: str) -> RedisServer:
+        port = free_port(avoid_bus=True)
+        node = RedisServer(self.workdir / name, port=port,
+                           extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                       "--cluster-node-timeout", str(self.node_timeout_ms),
+                                       "--cluster-require-full-coverage", "yes" if self.full_coverage else "no"))
+        node.workdir.mkdir(parents=True, exist_ok=True)
+        return node.start()
+
     def start(self, timeout: float = 30.0) -> RedisCluster:
-        for i in range(self.masters):
-            port = free_port(avoid_bus=True)
-            node = RedisServer(self.workdir / f"node{i}", port=port,
-                               extra_args=("--cluster-enabled", "yes", "--cluster-config-file",
-                                           "nodes.conf", "--cluster-node-timeout", "2000"))
-            node.workdir.mkdir(parents=True, exist_ok=True)
-            self.nodes.append(node.start())
-        subprocess.run(["redis-cli", "--cluster", "create", *[f"{LOOPBACK}:{n.port}" for n in self.nodes],
-                        "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True,
-                       timeout=timeout, check=True)
+        try:
+            for i in range(self.masters):
+                self.nodes.append(self._node(f"node{i}"))
+            subprocess.run(["redis-cli", "--cluster", "create", *[f"{LOOPBACK}:{n.port}" for n in self.nodes],
+                            "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True,
+                           timeout=timeout, check=True)
+            self.wait_ok(timeout)
+            for i in self.replicas_of:
+                self.add_replica(i, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ok(self, timeout: float = 30.0, nodes: Sequence[RedisServer] | None = None) -> None:
+        """Until every node (of ``nodes``) reports ``cluster_state:ok``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all("cluster_state:ok" in n.cli("cluster", "info") for n in self.nodes):
-                return self
+            if all("cluster_state:ok" in n.cli("cluster", "info") for n in (nodes or self.nodes + self.replicas)):
+                return
             time.sleep(0.1)
         raise TimeoutError("redis cluster did not reach cluster_state:ok")
 
+    def node_id(self, node: RedisServer) -> str:
+        return node.cli("cluster", "myid")
+
+    def add_replica(self, i: int, timeout: float = 30.0) -> RedisServer:
+        """Start a node and make it a replica of primary ``i``; returns once it is in sync."""
+        primary = self.nodes[i]
+        replica = self._node(f"replica{len(self.replicas)}")
+        self.replicas.append(replica)
+        subprocess.run(["redis-cli", "--cluster", "add-node", f"{LOOPBACK}:{replica.port}",
+                        f"{LOOPBACK}:{primary.port}", "--cluster-slave", "--cluster-master-id",
+                        self.node_id(primary)], capture_output=True, text=True, timeout=timeout, check=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = replica.cli("info", "replication")
+            if "master_link_status:up" in info and "role:slave" in info:
+                self.wait_ok(timeout)
+                return replica
+            time.sleep(0.1)
+        raise TimeoutError("the replica did not sync with its primary")
+
+    def owner(self, slot: int) -> RedisServer:
+        """The node serving ``slot`` now (asked of a live node)."""
+        for n in self.nodes + self.replicas:
+            if not n.proc or not n.proc.alive():
+                continue
+            try:
+                out = n.cli("cluster", "shards")
+            except subprocess.SubprocessError:
+                continue
+            port = _slot_owner_port(out, slot)
+            if port is not None:
+                return next(x for x in self.nodes + self.replicas if x.port == port)
+        raise LookupError(f"no live node names the owner of slot {slot}")
+
     def stop(self) -> None:
-        for n in self.nodes:
+        for n in self.nodes + self.replicas:
             n.stop()
+
+
+def _slot_owner_port(cluster_shards: str, slot: int) -> int | None:
+    """The port of the live primary of the shard whose slot ranges hold ``slot``, from the text
+    ``redis-cli cluster shards`` prints (one value per line)."""
+    lines = cluster_shards.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i] == "slots":
+            ranges, j = [], i + 1
+            while j < len(lines) and lines[j].isdigit():
+                ranges.append(int(lines[j]))
+                j += 1
+            covers = any(a <= slot <= b for a, b in zip(ranges[0::2], ranges[1::2], strict=False))
+            k = j
+            port = role = health = None
+            while k < len(lines) and lines[k] != "slots":
+                if lines[k] == "port":
+                    port = int(lines[k + 1])
+                elif lines[k] == "role":
+                    role = lines[k + 1]
+                elif lines[k] == "health":
+                    health = lines[k + 1]
+                    if covers and role == "master" and health == "online" and port is not None:
+                        return port
+                k += 1
+            i = k
+        else:
+            i += 1
+    return None
+
+
+@dataclass
+class RedisSentinels:
+    """A real Redis primary, ``replicas`` replicas of it and ``sentinels`` ``redis-sentinel``
+    processes monitoring it as ``service`` (quorum ``quorum``), on free loopback ports. ``url`` is
+    the agent's ``redis+sentinel://`` URL for them."""
+
+    workdir: Path
+    service: str = "leasehold"
+    replicas: int = 1
+    sentinels: int = 3
+    quorum: int = 2
+    down_after_ms: int = 1000
+    failover_timeout_ms: int = 10_000
+    servers: list[RedisServer] = field(default_factory=list)  # the first primary, then its replicas
+    sentinel_ports: list[int] = field(default_factory=list)
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return "redis+sentinel://" + ",".join(f"{LOOPBACK}:{p}" for p in self.sentinel_ports) + f"/{self.service}"
+
+    def start(self, timeout: float = 30.0) -> RedisSentinels:
+        try:
+            primary = RedisServer(self.workdir / "redis0").start(timeout)
+            self.servers.append(primary)
+            for i in range(self.replicas):
+                self.servers.append(RedisServer(self.workdir / f"redis{i + 1}", extra_args=(
+                    "--replicaof", LOOPBACK, str(primary.port))).start(timeout))
+            self._wait(lambda: primary.cli("info", "replication").count(",state=online,") == self.replicas, timeout,
+                       "the replicas did not sync")
+            for i in range(self.sentinels):
+                port = free_port()
+                d = self.workdir / f"sentinel{i}"
+                d.mkdir(parents=True, exist_ok=True)
+                conf = d / "sentinel.conf"  # rewritten by the sentinel as it learns the topology
+                conf.write_text("\n".join([
+                    f"port {port}", f"bind {LOOPBACK}", "protected-mode no", f"dir {d}",
+                    f"sentinel monitor {self.service} {LOOPBACK} {primary.port} {self.quorum}",
+                    f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}",
+                    f"sentinel failover-timeout {self.service} {self.failover_timeout_ms}",
+                    f"sentinel parallel-syncs {self.service} 1", ""]))
+                proc = Proc(f"sentinel-{port}", [shutil.which("redis-sentinel") or "redis-sentinel", str(conf)], d).start()
+                self.procs.append(proc)
+                self.sentinel_ports.append(port)
+                wait_port(port, proc=proc.popen, timeout=timeout)
+            want = f"num-other-sentinels\n{self.sentinels - 1}"
+            self._wait(lambda: all(want in self.sentinel_cli(i, "sentinel", "master", self.service)
+                                   for i in range(self.sentinels)), timeout, "the sentinels did not find each other")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @staticmethod
+    def _wait(ok, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if ok():
+                    return
+            except subprocess.SubprocessError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(what)
+
+    def sentinel_cli(self, i: int, *cmd: str) -> str:
+        return subprocess.run(["redis-cli", "-p", str(self.sentinel_ports[i]), *cmd], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+
+    def primary_port(self) -> int:
+        """The primary's port as the first sentinel that answers names it."""
+        for i in range(len(self.sentinel_ports)):
+            try:
+                return int(self.sentinel_cli(i, "sentinel", "get-master-addr-by-name", self.service).splitlines()[1])
+            except (subprocess.SubprocessError, IndexError, ValueError):
+                continue
+        raise LookupError("no sentinel names a primary")
+
+    def server(self, port: int) -> RedisServer:
+        return next(s for s in self.servers if s.port == port)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.stop()
+        for s in self.servers:
+            s.stop()
 
 
 ETCD_MAX_TXN_OPS = 1024  # what our own etcd runs with (local topology, chaos, bench): see allocator/README.md
@@ -388,7 +570,7 @@ class EtcdCluster:
             for p in self.procs:
                 p.start()
             for i, port in enumerate(self.client_ports):
-                wait_port(port, proc=self.procs[i].popen, timeout=timeout)
+                wait_port(port, proc=self.procs[i], timeout=timeout)
             self.wait_healthy(timeout)
         except BaseException:
             self.stop()  # a cluster that failed to start leaves no member running
@@ -453,7 +635,7 @@ class EtcdCluster:
 
     def start_member(self, i: int) -> None:
         self.procs[i].start()
-        wait_port(self.client_ports[i], proc=self.procs[i].popen)
+        wait_port(self.client_ports[i], proc=self.procs[i])
 
     def stop(self) -> None:
         for p in self.procs:

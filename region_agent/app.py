@@ -18,6 +18,7 @@ from litestar import Litestar, MediaType, Response, get, post
 from litestar.di import NamedDependency, Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.params import Body
+from litestar.types import Scope
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kernel import tracing
@@ -107,9 +108,9 @@ def _dependencies(state: AgentState) -> dict[str, Provide]:
 # ---------------------------------------------------------------------------------- handlers
 @post("/v1/admit", status_code=200, request_max_body_size=MAX_BODY_BYTES,
       summary="Admission decision for one request")
-async def admit(agent: NamedDependency[AgentState], data: Annotated[AdmitRequest, Body(title="AdmitRequest")]
-                ) -> Decision:
-    d = await agent.admission.decide_one(data, decoded=True)
+async def admit(agent: NamedDependency[AgentState], data: Annotated[AdmitRequest, Body(title="AdmitRequest")],
+                scope: Scope) -> Decision:
+    d = await agent.admission.decide_one(data, door="http", carrier=scope.get("headers", ()), decoded=True)
     if is_conflict(d):
         raise http_conflict(d)  # the one door that answers a conflict with its own status (409)
     return d
@@ -117,15 +118,16 @@ async def admit(agent: NamedDependency[AgentState], data: Annotated[AdmitRequest
 
 @post("/v1/admit/batch", status_code=200, request_max_body_size=MAX_BATCH_BODY_BYTES,
       summary="Admission decisions for many requests, in order, one pipeline per shard")
-async def admit_batch(agent: NamedDependency[AgentState], data: Annotated[AdmitBatch, Body(title="AdmitBatch")]
-                      ) -> BatchDecisions:
-    return await decide_batch(agent, data.requests)
+async def admit_batch(agent: NamedDependency[AgentState], data: Annotated[AdmitBatch, Body(title="AdmitBatch")],
+                      scope: Scope) -> BatchDecisions:
+    return await decide_batch(agent, data.requests, scope.get("headers", ()))
 
 
-async def decide_batch(st: AgentState, reqs: list[AdmitRequest]) -> BatchDecisions:
+async def decide_batch(st: AgentState, reqs: list[AdmitRequest], carrier: Any = ()) -> BatchDecisions:
     """The batch route's answer for decoded ``reqs`` (the handler's and region_agent.fastpath's):
-    every item's decision, a conflict included (``httpStatus: 409``)."""
-    return BatchDecisions(decisions=await st.admission.decide(reqs, decoded=True))
+    every item's decision, a conflict included (``httpStatus: 409``); ``carrier``: the request's
+    headers (the gateway's trace context)."""
+    return BatchDecisions(decisions=await st.admission.decide(reqs, door="http", carrier=carrier, decoded=True))
 
 
 @post("/v1/release", status_code=200, request_max_body_size=MAX_BODY_BYTES,
@@ -205,6 +207,17 @@ async def store_health_view(agent: NamedDependency[AgentState]) -> Response:
     st = agent
     if st.store is None:
         return problem_response(Unavailable("store not connected yet"), instance="/v1/health/store")
+    if getattr(st.store, "cluster", False):  # a Redis Cluster: per primary (region_agent/store/cluster.py)
+        shards = await st.store.health()
+        up = sum(s["reachable"] for s in shards)
+        reachable = bool(shards) and up == len(shards)
+        body = {"store": "reachable" if reachable else "degraded" if up else "unreachable",
+                "scriptsLoaded": bool(st.store.scripts_loaded), "breaker": "per shard", "shards": shards}
+        if not reachable:
+            return problem_response(Unavailable(f"{len(shards) - up} of {len(shards)} Redis Cluster primaries "
+                                                "unreachable: their tenants' decisions follow the rules' fail modes",
+                                                extra=body), instance="/v1/health/store")
+        return Response(body)
     reachable = await st.store.ping()
     breaker = getattr(st.store, "breaker", None)
     body = {"store": "reachable" if reachable else "unreachable",
@@ -273,7 +286,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             state.store = TracedStore(state.store)
         if hasattr(state.store, "start"):
             state.store.start()
-        if hasattr(state.store, "info_by_shard"):  # an evicting store silently resets enforcement
+        if hasattr(state.store, "info_readers"):  # an evicting store silently resets enforcement
             try:
                 await store_health.check_eviction_policy(state.store, m.store_health,
                                                          allowed=settings.allow_evicting_store)
@@ -303,7 +316,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         if hasattr(state.store, "warm"):  # the pipelines' connections, open before the first burst
             await state.store.warm(settings.pipelines_in_flight + 2)
         state.tasks.append(asyncio.create_task(_background(state)))
-        if settings.store_health_ms and hasattr(state.store, "info_by_shard"):
+        if settings.store_health_ms and hasattr(state.store, "info_readers"):
             state.tasks.append(asyncio.create_task(store_health.run(state.store, m.store_health,
                                                                     settings.store_health_ms)))
         await state.gateways.start()  # the RLS gRPC server, when --rls-port is set
@@ -415,23 +428,10 @@ async def _start_policy_watch(settings: AgentSettings, state: AgentState):
 
 
 def default_store_factory(settings: AgentSettings, m: AgentMetrics):
-    from .settings import redis_url_with_secrets
-    from .store import scripts as sc
-    from .store.breaker import CircuitBreaker
-    from .store.client import make_client
-    from .store.gateway import StoreGateway
+    """One Redis, a Redis Cluster (a gateway and breaker per primary) or a Sentinel's primary."""
+    from .store.factory import make_store
 
-    client = make_client(redis_url_with_secrets(settings), cluster=settings.redis_cluster,
-                         max_connections=settings.redis_max_connections,
-                         socket_timeout=settings.redis_socket_timeout_ms / 1000)
-    breaker = CircuitBreaker(failure_threshold=settings.breaker_failures, open_s=settings.breaker_open_ms / 1000,
-                             half_open_probes=settings.breaker_probes)
-    gauge = m.breaker_state.labels("default")
-    gauge.set(0)
-    return StoreGateway(client, sc.Scripts(), max_batch=settings.batch_max, max_queue=settings.queue_max,
-                        max_inflight=settings.pipelines_in_flight, on_batch=m.batch_size.observe,
-                        breaker=breaker, on_breaker=gauge.set, log_interval_s=settings.redis_log_interval_ms / 1000,
-                        stall_s=settings.decision_budget_ms / 1000, late_s=settings.redis_socket_timeout_ms / 1000)
+    return make_store(settings, m)
 
 
 async def _background(state: AgentState) -> None:

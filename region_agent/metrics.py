@@ -79,6 +79,10 @@ class AgentMetrics:
                                   "Requests that waited for an in-flight chunk renewal", ["pool"], registry=r)
         self.pool_renewals = Counter("leasehold_agent_pool_renewals_total", "Global pool chunk renewals",
                                      ["pool", "outcome"], registry=r)
+        self.chunk_abandoned = Counter("leasehold_agent_chunk_abandoned_tokens_total",
+                                       "Global pool tokens a gateway chunk still held when its validity ended "
+                                       "(debited from the regional balance, never refunded: capacity wasted)",
+                                       ["pool"], registry=r)
         self.batch_size = Histogram("leasehold_agent_batch_size", "Script calls per coalesced pipeline",
                                     registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
         self.queue_rejections = Counter("leasehold_agent_queue_rejections_total",
@@ -150,6 +154,15 @@ class AgentMetrics:
                                            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 3))
         self.breaker_state = Gauge("leasehold_agent_breaker_state", "Redis circuit breaker (0 closed, 1 half-open, 2 open)",
                                    ["shard"], registry=r, multiprocess_mode="livemax")
+        self.breaker_opens = Counter("leasehold_agent_breaker_opens_total",
+                                     "Store outages: times a shard's circuit breaker opened after being closed (failed "
+                                     "half-open probes in between do not count again)", ["shard"], registry=r)
+        self.redis_slots = Gauge("leasehold_agent_redis_slots", "Hash slots each Redis Cluster primary owns in this "
+                                 "agent's slot map (Redis Cluster only)", ["shard"], registry=r,
+                                 multiprocess_mode="livemax")
+        self.redis_topology_changes = Counter("leasehold_agent_redis_topology_changes_total",
+                                              "Redis Cluster slot-map reads that changed the map (failover, "
+                                              "resharding, a primary added or removed)", registry=r)
         self.pool_admitted = Counter("leasehold_agent_pool_admitted_tokens_total",
                                      "Tokens of global pools admitted by this agent, by source (lease | fallback)",
                                      ["pool", "source"], registry=r)

@@ -19,7 +19,8 @@ PEPPER_ENV = ENV_PREFIX + "PEPPER"
 DEV_PEPPER = b"leasehold-insecure-dev-pepper"
 EPILOG = ("Secrets are read from the environment or from files, never from flags: "
           "LEASEHOLD_AGENT_PEPPER (or --pepper-file), LEASEHOLD_AGENT_REDIS_PASSWORD (or "
-          "--redis-password-file), LEASEHOLD_AGENT_POLICY_ETCD_PASSWORD (or --policy-etcd-password-file).")
+          "--redis-password-file), LEASEHOLD_AGENT_REDIS_SENTINEL_PASSWORD (or "
+          "--redis-sentinel-password-file), LEASEHOLD_AGENT_POLICY_ETCD_PASSWORD (or --policy-etcd-password-file).")
 
 
 class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
@@ -87,10 +88,11 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
         requires=("policy_etcd_cert_file",))] = None
 
     redis_url: Annotated[str, Help(
-        "the region's Redis: redis://[user@]host:port/db, rediss:// (TLS), unix:///path, or "
-        "redis+cluster:// / rediss+cluster:// for Redis Cluster (seeded from that node); the password "
-        "never goes in the URL", kind="url", metavar="URL",
-        schemes=("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"),
+        "the region's Redis: redis://[user@]host:port/db, rediss:// (TLS), unix:///path; "
+        "redis+cluster://host:port[,host:port...] for Redis Cluster (a breaker per primary); "
+        "redis+sentinel://host:port[,host:port...]/service[/db] for the primary Redis Sentinels name; "
+        "rediss+... for TLS; the password never goes in the URL", kind="url", metavar="URL",
+        schemes=("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel"),
         section="Redis")] = "redis://127.0.0.1:6379/0"
     redis_cluster: Annotated[bool, Help(
         "treat --redis-url as a Redis Cluster node (also implied by a redis+cluster:// URL)")] = False
@@ -99,13 +101,20 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
         "the ACL user", kind="file")] = None
     redis_ca_file: Annotated[str | None, Help(
         "CA bundle (PEM) that verifies Redis for a rediss:// URL", kind="file")] = None
+    redis_sentinel_password_file: Annotated[str | None, Help(
+        "file holding the sentinels' password for a redis+sentinel:// URL "
+        "(LEASEHOLD_AGENT_REDIS_SENTINEL_PASSWORD wins); the URL's credentials are the Redis nodes'",
+        kind="file")] = None
+    redis_cluster_refresh_ms: Annotated[int, Meta(ge=100, le=3_600_000), Help(
+        "re-read the Redis Cluster slot map this often (and every 0.5 s while a primary's breaker is "
+        "open or a slot has no known owner)")] = 10_000
     redis_socket_timeout_ms: Annotated[int, Meta(ge=10, le=60_000), Help(
         "read bound of one pipeline to Redis")] = 500
     redis_max_connections: Annotated[int, Meta(ge=1, le=1024), Help(
         "connections per Redis server in the pool")] = 32
     store_health_ms: Annotated[int, Meta(ge=0, le=600_000), Help(
-        "poll INFO (memory, stats, clients, replication) per shard this often for the store metrics "
-        "(0: off)")] = 5_000
+        "poll INFO (memory, stats, clients, replication) per shard this often for the store metrics, "
+        "the shards concurrently, each bounded by 1 s; readiness does not depend on it (0: off)")] = 5_000
     redis_log_interval_ms: Annotated[int, Meta(ge=0, le=3_600_000), Help(
         "log Redis reachability changes at most this often")] = 10_000
     allow_evicting_store: Annotated[bool, Help(
@@ -261,8 +270,10 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
 
     def __post_init__(self) -> None:
         from .gateways.mapping import Names
+        from .store.client import parse_store_url
 
         Names.from_settings(self)  # ValueError -> a settings error naming the bad entry
+        parse_store_url(self.redis_url, cluster=self.redis_cluster)  # the same for the Redis URL
         from kernel.ids import ROUTE_RE
 
         for route in self.authz_anonymous_routes:

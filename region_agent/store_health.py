@@ -1,11 +1,14 @@
 """Store health ("can the store keep enforcement correct?"): a low-frequency INFO
 poll of every shard, exported per shard.
 
-One ``INFO memory stats clients replication keyspace commandstats`` per shard per ``--store-health-ms`` (5 s by default; 0 disables), each
-bounded by a timeout (1 s); a failed poll leaves the last snapshot in place and its age grows
-(``leasehold_agent_redis_info_age_seconds``). A shard is ``default`` for a standalone Redis and
-the primary's ``host:port`` for Redis Cluster (at most the cluster's primaries: the snapshot is
-replaced wholesale on every poll, so a failed-over node's series disappear).
+One ``INFO memory stats clients replication keyspace commandstats`` per shard per ``--store-health-ms`` (5 s by default; 0 disables), the
+shards read concurrently, each bounded by its own timeout (1 s): a shard that does not answer
+keeps its last snapshot, its age grows (``leasehold_agent_redis_info_age_seconds``) and
+``leasehold_agent_redis_up`` says 0, while the other shards' series stay current. A shard is
+``default`` for a standalone Redis (or the primary a Sentinel names) and the primary's
+``host:port`` for Redis Cluster (the primaries of the agent's slot map: a primary that left it —
+failed over, removed — loses its series at the next poll). Store health is reported here only:
+readiness (``/readyz``) does not depend on it.
 
 Exported (label ``shard`` only): memory used vs ``maxmemory``, evicted and expired keys (Redis'
 own counters, so they reset when Redis restarts, which Prometheus' ``rate`` handles), key count,
@@ -29,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -66,6 +69,8 @@ FAMILIES: tuple[tuple[str, str, str, str], ...] = (
      "--allow-evicting-store)", "evicting"),
 )
 NOEVICTION = "noeviction"
+UP = ("leasehold_agent_redis_up", "gauge", "1 if the shard's last INFO poll answered within its timeout, else 0 "
+      "(store health, per shard; readiness does not depend on it)")
 
 
 def parse_info(info: dict[str, Any]) -> dict[str, float]:
@@ -122,13 +127,16 @@ async def check_eviction_policy(store: Any, health: StoreHealth, *, allowed: boo
     per shard and ``leasehold_agent_redis_evicting`` 1. A store that cannot be read now is checked
     by the first successful store-health poll (None is returned)."""
     try:
-        by_shard = await asyncio.wait_for(store.info_by_shard(), timeout_s)
-    except Exception as e:  # unreachable or slow: the poll checks it once it answers
-        log.warning("maxmemory-policy not checked at start (%s): the store-health poll checks it",
-                    type(e).__name__)
+        shards, answered = await read_info(store, timeout_s)
+    except Exception as e:  # the topology is not known yet: the poll checks it once it answers
+        shards, answered = [], {}
+        log.debug("store INFO read failed: %s", type(e).__name__)
+    if not answered:
+        log.warning("maxmemory-policy not checked at start (the store did not answer): the store-health "
+                    "poll checks it")
         return None
-    health.replace(by_shard)
-    bad = evicting(by_shard)
+    health.update(answered, shards)
+    bad = evicting(answered)
     if bad and not allowed:
         raise EvictingStore(
             "refusing to start: the regional Redis may evict keys ("
@@ -152,17 +160,28 @@ class StoreHealth:
         self.clock = clock
         self.snapshots: dict[str, dict[str, float]] = {}
         self._read_at: dict[str, float] = {}
+        self.up: dict[str, bool] = {}  # every shard of the last poll: did it answer?
         self.polls_failed = 0
         self.evicting: dict[str, str] = {}  # shard -> maxmemory-policy, where it can evict keys
 
-    def replace(self, by_shard: dict[str, dict[str, Any]]) -> None:
-        """A successful poll: the shards it saw, parsed (shards not seen are dropped)."""
+    def update(self, answered: dict[str, dict[str, Any]], shards: Iterable[str]) -> None:
+        """One poll over ``shards``: those in ``answered`` (parsed INFO) are replaced, the others
+        keep their last snapshot; shards no longer in ``shards`` are dropped."""
         now = self.clock()
-        self.snapshots = {shard: parse_info(info) for shard, info in by_shard.items()}
-        self._read_at = {shard: now for shard in by_shard}
+        shards = list(shards)
+        for shard, info in answered.items():
+            self.snapshots[shard] = parse_info(info)
+            self._read_at[shard] = now
+        for gone in [s for s in self.snapshots if s not in shards]:
+            del self.snapshots[gone], self._read_at[gone]
+        self.up = {s: s in answered for s in shards}
+
+    def replace(self, by_shard: dict[str, dict[str, Any]]) -> None:
+        """Every shard answered (the shards not in ``by_shard`` are dropped)."""
+        self.update(by_shard, by_shard)
 
     def describe(self):
-        return [self._family(name, kind, help_) for name, kind, help_, _ in FAMILIES]
+        return [self._family(name, kind, help_) for name, kind, help_, _ in FAMILIES] + [self._family(*UP)]
 
     @staticmethod
     def _family(name: str, kind: str, help_: str):
@@ -177,18 +196,42 @@ class StoreHealth:
                 value = now - self._read_at[shard] if field == "age" else snap[field]
                 fam.add_metric([shard], value)
             yield fam
+        up = self._family(*UP)
+        for shard, answered in self.up.items():
+            up.add_metric([shard], 1.0 if answered else 0.0)
+        yield up
+
+
+async def read_info(store: Any, timeout_s: float) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """INFO from every shard of the store (``store.info_readers()``: shard -> coroutine function),
+    concurrently, each bounded by ``timeout_s``: (every shard, the ones that answered -> INFO)."""
+    readers = store.info_readers()
+    shards = list(readers)
+    results = await asyncio.gather(*(asyncio.wait_for(readers[s](), timeout_s) for s in shards),
+                                   return_exceptions=True)
+    answered: dict[str, dict[str, Any]] = {}
+    for shard, res in zip(shards, results, strict=True):
+        if isinstance(res, BaseException):  # unreachable, ACL-denied or slow: keep the last snapshot
+            log.debug("store INFO read of %s failed: %s", shard, type(res).__name__)
+        elif isinstance(res, dict):
+            answered[shard] = res
+    return shards, answered
 
 
 async def poll_once(store: Any, health: StoreHealth, timeout_s: float) -> bool:
-    """One INFO round over the store's shards; False (snapshot kept) when it failed."""
+    """One INFO round over the store's shards (``store.info_readers()``: shard -> coroutine
+    function), concurrently, each bounded by ``timeout_s``; False when a shard did not answer
+    (its last snapshot is kept, its age grows)."""
     try:
-        by_shard = await asyncio.wait_for(store.info_by_shard(), timeout_s)
-    except Exception as e:  # unreachable, ACL-denied or slow: keep the last snapshot, its age grows
+        shards, answered = await read_info(store, timeout_s)
+    except Exception as e:  # the topology is not known yet
         health.polls_failed += 1
         log.debug("store INFO poll failed: %s", type(e).__name__)
         return False
-    health.replace(by_shard)
-    bad = evicting(by_shard)
+    health.update(answered, shards)
+    # a shard that did not answer keeps its last known policy; the ones that answered are read anew
+    bad = {s: p for s, p in health.evicting.items() if s in shards and s not in answered}
+    bad.update(evicting(answered))
     for shard, p in sorted(bad.items()):
         if health.evicting.get(shard) != p:  # once per change, not once per poll
             log.error("the regional Redis shard %s now has maxmemory-policy %s: an eviction silently resets "
@@ -196,6 +239,9 @@ async def poll_once(store: Any, health: StoreHealth, timeout_s: float) -> bool:
     for shard in sorted(set(health.evicting) - set(bad)):
         log.warning("the regional Redis shard %s no longer evicts keys (maxmemory-policy noeviction)", shard)
     health.evicting = bad
+    if len(answered) < len(shards):
+        health.polls_failed += 1
+        return False
     return True
 
 

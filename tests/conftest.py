@@ -17,7 +17,7 @@ import pytest
 
 from leasehold.procs import EtcdCluster, RedisCluster, RedisServer
 
-REQUIRED = ("redis-server", "redis-cli", "etcd", "etcdctl", "nginx")
+REQUIRED = ("redis-server", "redis-cli", "redis-sentinel", "etcd", "etcdctl", "nginx")
 
 # Services started as subprocesses by tests run without authentication unless a test says
 # otherwise with explicit flags (the security tests pass --no-auth-disabled and tokens).

@@ -19,6 +19,7 @@ from . import (
     fig_gateways,
     fig_hotkey,
     fig_library,
+    fig_redis,
     fig_scale,
     fig_shards,
     fig_single,
@@ -32,12 +33,12 @@ from .stats import Row, render_text
 FIGURES: dict[str, list[Callable[[Ctx], list[Row]]]] = {
     "1": [fig_batch.run], "2": [fig_single.run], "3": [fig_library.run], "4": [fig_alloc.run],
     "5": [fig_hotkey.run], "6": [fig_util.run], "7": [fig_scale.run, fig_alloc.run_scale],
-    "8": [fig_gateways.run], "shards": [fig_shards.run],
+    "8": [fig_gateways.run], "shards": [fig_shards.run], "redis": [fig_redis.run],
 }
 
 
 # figure "shards" (the sharded allocator over 1-3 replicas, ~2 min) runs when named: --only shards
-DEFAULT_FIGURES = ("1", "2", "3", "4", "5", "6", "7", "8")
+DEFAULT_FIGURES = ("1", "2", "3", "4", "5", "6", "7", "8", "redis")
 
 
 def parse_only(values: list[str] | None) -> list[str]:
@@ -73,7 +74,7 @@ def run_profiles(ctx: Ctx, allocator: bool = False) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m leasehold.bench", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="1 trial, shorter loops, smaller sizes (~2 min)")
-    ap.add_argument("--only", action="append", metavar="FIGURE", help="figure number(s) 1-8 or 'shards', repeatable or comma list")
+    ap.add_argument("--only", action="append", metavar="FIGURE", help="figure number(s) 1-8, 'redis' or 'shards', repeatable or comma list")
     ap.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     ap.add_argument("--profile", choices=("auto", "yes", "no"), default="auto",
                     help="profile the engine (pyinstrument), an agent and an allocator under load (py-spy); auto: "

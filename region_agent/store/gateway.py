@@ -1,7 +1,11 @@
-"""The agent's adapter to Redis: builds multi-rule script calls, sends them through the
-coalescing :class:`Batcher`, and translates driver errors into ``kernel.errors``.
+"""The agent's adapter to one Redis node: sends script calls through the coalescing
+:class:`Batcher` under the node's circuit breaker, and translates driver errors into
+``kernel.errors``.
 
-Everything Redis-specific the decision engine needs goes through this class."""
+A standalone Redis (or the primary a Sentinel names) is one :class:`StoreGateway`; a Redis
+Cluster is one per primary behind :class:`region_agent.store.cluster.ClusterStore`, so a
+failing primary opens only its own breaker. Everything Redis-specific the decision engine
+needs goes through these two classes (the :class:`~region_agent.store.protocol.Store` protocol)."""
 
 from __future__ import annotations
 
@@ -10,8 +14,6 @@ import logging
 import time
 from collections.abc import Awaitable, Sequence
 from typing import Any
-
-from redis.asyncio import RedisCluster
 
 from kernel.errors import (
     AmbiguousOutcome,
@@ -29,7 +31,6 @@ from .lag import LoopLag
 
 log = logging.getLogger("region_agent.store")
 
-CLUSTER_STALL_FACTOR = 4  # a cluster pipeline may first connect to its nodes
 INFO_SECTIONS = ("memory", "stats", "clients", "replication", "keyspace", "commandstats")
 
 
@@ -44,18 +45,25 @@ class StoreGateway:
     may wait past its caller's budget for its own answer when the store is not stalled (the
     socket timeout bounds it anyway). See :meth:`submit`."""
 
+    cluster = False  # one node: every key is on it (region_agent.store.cluster.ClusterStore is the cluster)
+
     def __init__(self, client: Any, scripts: sc.Scripts, *, max_batch: int = 32, max_queue: int = 10_000,
                  max_inflight: int = 3, on_batch=None, breaker: CircuitBreaker | None = None, on_breaker=None,
                  stall_s: float = 0.05, late_s: float = 0.5, lag: LoopLag | None = None,
-                 connect_timeout_s: float = 0.25, log_interval_s: float = 10.0, name: str = "redis"):
+                 connect_timeout_s: float = 0.25, log_interval_s: float = 10.0, name: str = "redis",
+                 shard: str = "default", on_reachability=None):
+        """``on_breaker(state)``: after every verdict on the node (the breaker gauge);
+        ``on_reachability(reachable)``: when an outage begins (the breaker opened from closed) and
+        when it ends (closed again) — not on every half-open probe in between."""
         self.client = client
-        self.cluster = isinstance(client, RedisCluster)
+        self.shard = shard  # the name of this node in metrics and store health
         self.scripts = scripts
         self.scripts_loaded = False
         self.batcher = Batcher(self._run_pipeline, max_batch=max_batch, max_queue=max_queue,
                                max_inflight=max_inflight, on_batch=on_batch, on_timeout=self._timed_out)
         self.breaker = breaker or CircuitBreaker()
         self.on_breaker = on_breaker
+        self.on_reachability = on_reachability
         self.stall_s = stall_s
         self.late_s = late_s
         self.connect_timeout_s = connect_timeout_s
@@ -73,27 +81,18 @@ class StoreGateway:
             self._lag_task = asyncio.get_running_loop().create_task(self.lag.run(), name="loop-lag")
 
     def stalled(self) -> bool:
-        """The store stopped answering. Standalone Redis: a pipeline was *sent* (its bytes written)
-        more than ``stall_s`` ago and no answer bytes wait unread on any connection being read —
-        time spent before the send (getting a connection, a busy loop) is this agent's own.
-        Redis Cluster (a pipeline's sends are not observable here): the oldest pipeline in flight
-        is older than ``CLUSTER_STALL_FACTOR x stall_s`` (it may include connecting to the nodes),
-        the event loop's recent lag explains less than half of its wait, and no connection in use
-        has answer bytes waiting.
-        Otherwise a late answer is this agent's saturation (overload), not a store failure."""
+        """The store stopped answering: a pipeline was *sent* (its bytes written), or a new
+        connection's handshake started, more than ``stall_s`` ago, and no answer bytes wait unread
+        on any connection being read — time spent before that (a busy loop, the queue) is this
+        agent's own. Otherwise a late answer is this agent's saturation (overload), not a store failure."""
         now = time.monotonic()
-        if self.cluster:
-            age = self.batcher.oldest_in_flight(asyncio.get_running_loop().time())
-            if age is None or age <= CLUSTER_STALL_FACTOR * self.stall_s or self.lag.lag_s(now) >= age / 2:
-                return False
-            return not any(sc.answer_waiting(conn) for conn in self._cluster_busy_connections())
         reading = list(self._reading.values())
         if not reading:
             return False
         age = now - min(sent for _, sent in reading)
         if age <= self.stall_s or self.lag.lag_s(now) >= age / 2:
             return False
-        return not any(sc.answer_waiting(conn) for conn, _ in reading)
+        return not any(conn is not None and sc.answer_waiting(conn) for conn, _ in reading)
 
     def _own_timeout(self, r: Any) -> Any:
         """A driver timeout (connecting, or reading a reply) while this process's event loop lags
@@ -109,8 +108,6 @@ class StoreGateway:
     async def warm(self, connections: int) -> None:
         """Open ``connections`` pooled connections now, so a burst does not have to connect (a
         connect under a saturated event loop can time out and look like a store failure)."""
-        if self.cluster:
-            return
         pool = self.client.connection_pool
         conns = []
         try:
@@ -123,15 +120,6 @@ class StoreGateway:
         finally:
             for conn in conns:
                 await pool.release(conn)
-
-    def _cluster_busy_connections(self) -> list[Any]:
-        """The node connections a cluster pipeline holds right now (redis-py's ClusterNode keeps
-        ``_connections`` and the idle ones in ``_free``)."""
-        out = []
-        for node in getattr(getattr(self.client, "nodes_manager", None), "nodes_cache", {}).values():
-            idle = {id(c) for c in getattr(node, "_free", ())}
-            out.extend(c for c in getattr(node, "_connections", ()) if id(c) not in idle)
-        return out
 
     def _late_wait(self, waited_s: float) -> float:
         """The next slice a sent call may wait past its caller's budget: none once the store looks
@@ -154,28 +142,17 @@ class StoreGateway:
         except Exception:
             return False
 
-    async def info_by_shard(self) -> dict[str, dict[str, Any]]:
-        """The ``INFO`` sections store health reads, of every shard (``default`` for a standalone
-        Redis, each primary's ``host:port`` for a cluster), parsed by redis-py
-        (region_agent.store_health)."""
-        if not self.cluster:
-            return {"default": await self.client.info(*INFO_SECTIONS)}
-        out: dict[str, dict[str, Any]] = {}
-        for node in self.client.get_primaries():
-            info = await self.client.info(*INFO_SECTIONS, target_nodes=node)
-            if isinstance(info, dict) and node.name in info and isinstance(info[node.name], dict):
-                info = info[node.name]
-            out[node.name] = info
-        return out
+    async def info(self) -> dict[str, Any]:
+        """The ``INFO`` sections store health reads, parsed by redis-py (region_agent.store_health)."""
+        return await self.client.info(*INFO_SECTIONS)
+
+    def info_readers(self) -> dict[str, Any]:
+        """Per shard (this node's name: ``default`` for a standalone Redis), how to read its INFO."""
+        return {self.shard: self.info}
 
     def shard_of(self, key: str) -> str:
-        """The shard owning ``key`` (its hash tag): ``default`` standalone, the primary's
-        ``host:port`` in a cluster (a metric label, bounded by the primaries)."""
-        if not self.cluster:
-            return "default"
-        from redis.crc import key_slot
-        node = self.client.nodes_manager.get_node_from_slot(key_slot(key.encode()))
-        return node.name if node is not None else "unknown"
+        """The shard owning ``key``: this node."""
+        return self.shard
 
     async def _run_pipeline(self, calls: Sequence[ScriptCall]) -> list[Any]:
         """One pipeline (called by the batcher's drain task). Its outcome is what judges the
@@ -183,7 +160,7 @@ class StoreGateway:
         failed counts against it. Callers whose own deadline passed first do not decide that:
         on a CPU-saturated agent the reply can be late only because the event loop was busy, and
         an agent that opened its breaker on that would serve fallback decisions while Redis is fine."""
-        try:  # standalone or cluster: one path (the NOSCRIPT reload and re-run are run_pipeline's)
+        try:  # (the NOSCRIPT reload and re-run are run_pipeline's)
             replies = await self.scripts.run_pipeline(self.client, calls, self._reading)
         except Exception as e:
             err = self._own_timeout(translate(e))
@@ -194,7 +171,9 @@ class StoreGateway:
         failed = False
         if sc.has_error(replies):  # one pass over the replies in the common case (no error among them)
             replies = [self._own_timeout(r) for r in replies]
-            failed = any(isinstance(r, (StoreUnavailable, AmbiguousOutcome)) for r in replies)
+            # MOVED / ASK / TRYAGAIN came from a healthy node that said where its slot is (or that it moves)
+            failed = any(isinstance(r, (StoreUnavailable, AmbiguousOutcome)) and not isinstance(r, sc.SlotRedirect)
+                         for r in replies)
         if failed:
             self.breaker.failure(time.monotonic())
         else:
@@ -260,12 +239,14 @@ class StoreGateway:
         state = self.breaker.state
         if self.on_breaker is not None:
             self.on_breaker(state)
-        reachable = self.reachability.current
+        was = reachable = self.reachability.current
         if state == OPEN and reachable:
             reachable, self._opened_at = False, time.monotonic()
         elif state == CLOSED and not reachable:  # closed again (half-open is still unknown)
             reachable = True
         self.reachability.observe(reachable, self._reachability_line)
+        if reachable != was and self.on_reachability is not None:
+            self.on_reachability(reachable)
 
     def _reachability_line(self, reachable: Any, changes: int) -> tuple[int, str]:
         more = f"; {changes - 1} more changes since the last line" if changes > 1 else ""

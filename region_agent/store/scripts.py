@@ -32,6 +32,7 @@ except ImportError:  # without hiredis every reply is read through redis-py
     _NOT_ENOUGH_DATA = object()
     _PUSH = None
 from redis.asyncio import RedisCluster
+from redis.asyncio.sentinel import MasterNotFoundError
 from redis.crc import key_slot
 
 from kernel.algorithms import KINDS
@@ -45,7 +46,8 @@ from kernel.errors import (
 
 from ..call import RuleArgv
 
-__all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "translate_redis_error"]
+__all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "SlotMigrating", "SlotMoved", "SlotRedirect",
+           "translate_redis_error"]
 
 DEFAULT_LUA_DIR = Path(str(resources.files("region_agent").joinpath("lua")))  # ships in the wheel
 INCLUDE_RE = re.compile(r"^--\s*@include\s+(\S+)\s*$")
@@ -59,6 +61,34 @@ class KeysNotColocated(ScriptRejected):
     """The keys of one script call span several hash slots (CROSSSLOT): a caller bug."""
 
     code, title = "keys-not-colocated", "Script keys span several hash slots"
+
+
+class SlotRedirect(StoreUnavailable):
+    """A healthy Redis Cluster primary did not run the call because of where its slot is: not a
+    failure of that node (its breaker does not count it)."""
+
+    code, title = "slot-redirect", "The key's slot is served elsewhere or being migrated"
+
+
+class SlotMoved(SlotRedirect):
+    """The primary answered ``MOVED`` (the slot has another owner now) or ``ASK`` (the slot is
+    being migrated and this call's keys are all on the target already): the script did not run.
+    The cluster store follows it (region_agent.store.cluster). ``host:port`` is where to go (an
+    empty host: the host of the node that answered)."""
+
+    code, title = "slot-moved", "The key's slot is served by another node"
+
+    def __init__(self, slot: int, host: str, port: int, *, ask: bool = False):
+        super().__init__(f"slot {slot} {'is migrating to' if ask else 'moved to'} another node")
+        self.slot, self.host, self.port, self.ask = slot, host, port, ask
+
+
+class SlotMigrating(SlotRedirect):
+    """``TRYAGAIN``: the slot is being migrated and this call's keys are split between the two
+    nodes (a multi-key script whose keys do not all exist on one side): nothing ran. It lasts
+    until the migration of the slot ends; the decision degrades per its rules' fail modes."""
+
+    code, title = "slot-migrating", "The key's slot is being migrated"
 
 
 # --- loader ------------------------------------------------------------------------------------
@@ -130,7 +160,8 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
     """Driver error -> contract error. ``sent``: the command may have reached the server.
 
     Error replies from a script (validation) -> :class:`ScriptRejected` (not retriable);
-    CROSSSLOT / client-side slot refusal -> :class:`KeysNotColocated`; replies that mean the
+    CROSSSLOT / client-side slot refusal -> :class:`KeysNotColocated`; MOVED / ASK ->
+    :class:`SlotMoved` (the cluster store follows it), TRYAGAIN -> :class:`SlotMigrating`; replies that mean the
     server refused to run anything (BUSY, LOADING, CLUSTERDOWN, NOSCRIPT ...) ->
     :class:`StoreUnavailable`; connection failures before send -> :class:`StoreUnavailable`;
     timeouts/resets after send -> :class:`AmbiguousOutcome`. Details never echo driver text."""
@@ -138,7 +169,13 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
         return exc
     if isinstance(exc, rex.NoScriptError):
         return StoreUnavailable("script not loaded on the store")
-    if isinstance(exc, (rex.ClusterDownError, rex.TryAgainError, rex.MasterDownError, rex.BusyLoadingError,
+    if isinstance(exc, MasterNotFoundError):  # asked before connecting: nothing was sent
+        return StoreUnavailable("no primary known to the Redis sentinels")
+    if isinstance(exc, rex.AskError):  # MovedError is an AskError: nothing ran, another node owns the slot
+        return SlotMoved(exc.slot_id, exc.host, exc.port, ask=not isinstance(exc, rex.MovedError))
+    if isinstance(exc, rex.TryAgainError):
+        return SlotMigrating("the key's slot is being migrated (TRYAGAIN)")
+    if isinstance(exc, (rex.ClusterDownError, rex.MasterDownError, rex.BusyLoadingError,
                         rex.ReadOnlyError, rex.SlotNotCoveredError, rex.MaxConnectionsError)):
         # refused or never sent: nothing ran
         return StoreUnavailable(f"store unavailable ({type(exc).__name__})")
@@ -197,6 +234,7 @@ class PoolClosed:
     current: bool
 
 
+ASKING = b"*1\r\n$6\r\nASKING\r\n"
 _INT_RESP: dict[int, str] = {}  # a bulk string per int seen (rule parameters repeat on every call)
 _INT_RESP_MAX = 4_096
 _HEADS: dict[tuple[str, int, int], str] = {}  # (sha, keys, args) -> the array header up to the first key
@@ -466,7 +504,15 @@ class Scripts:
 
     async def call(self, client: Any, name: str, keys: Sequence[str], argv: Sequence[Any]) -> Any:
         """EVALSHA ``name``: a pipeline of one call (:meth:`run_pipeline`, whose NOSCRIPT reload
-        and re-run it shares). Raises contract errors only."""
+        and re-run it shares). Raises contract errors only. ``client`` may also be a router that
+        sends a call to the node owning its keys (``call_script``: a Redis Cluster,
+        region_agent.store.cluster)."""
+        route = getattr(client, "call_script", None)
+        if route is not None:
+            reply = await route(self, name, list(keys), list(argv))
+            if isinstance(reply, BaseException):
+                raise reply
+            return reply
         (reply,) = await self.run_pipeline(client, [(name, list(keys), list(argv))])
         if isinstance(reply, BaseException):
             raise reply
@@ -545,15 +591,47 @@ class Scripts:
         order; error replies come back as exception instances, like ``raise_on_error=False``. A
         connection that failed mid-way is disconnected before it goes back to the pool.
         ``commands``: ``(sha, KEYS, ARGV)`` each."""
-        payload = pack_pipeline(commands)
+        return await self._exchange(client, pack_pipeline(commands), len(commands), reading)
+
+    async def run_asking(self, client: Any, call: tuple[str, list, list]) -> Any:
+        """One call sent right after ``ASKING`` on the same connection (a Redis Cluster slot being
+        migrated: the node it is migrating to serves the key only so): the reply, or the translated
+        error in its place. NOSCRIPT (the target never ran this script) loads it and sends once more."""
+        name, keys, argv = call
+        if name not in self.scripts:
+            return ScriptRejected(f"no script named {name!r}")
+        for attempt in (0, 1):
+            try:
+                _, reply = await self._exchange(client, ASKING + pack_evalsha(self.sha(name), keys, argv), 2)
+                if isinstance(reply, rex.NoScriptError) and attempt == 0:
+                    await self._load_one(client, name)
+                    continue
+            except Exception as e:
+                return _translate(e)
+            return _translate(reply) if isinstance(reply, BaseException) else reply
+        return StoreUnavailable("script not loaded on the store")  # not reached
+
+    async def _exchange(self, client: Any, payload: bytes, n: int, reading: dict[int, Any] | None = None) -> list[Any]:
+        """Write ``payload`` on a pooled connection and read ``n`` replies (see :meth:`_raw_pipeline`).
+        ``reading`` holds the connection while the store owes its answer — and, with no connection
+        yet, the time a new connection's handshake started (a store that accepts connections and
+        never answers, e.g. stopped, hangs there; a connected one is handed over at once)."""
         pool = client.connection_pool
-        conn = await pool.get_connection()
+        if reading is None:
+            conn = await pool.get_connection()
+        else:
+            token = object()
+            reading[id(token)] = (None, time.monotonic())
+            try:
+                conn = await pool.get_connection()
+            finally:
+                reading.pop(id(token), None)
         try:
             if not write_now(conn, payload):
                 await conn.send_packed_command(payload)
             if reading is not None:  # sent: from now on the store owes the answer
                 reading[id(conn)] = (conn, time.monotonic())
-            return await read_replies(conn, len(commands))
+            return await read_replies(conn, n)
         except BaseException as e:
             await conn.disconnect()
             if _connection_lost(e):

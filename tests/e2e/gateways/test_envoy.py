@@ -80,7 +80,8 @@ def test_p_anon_login_is_a_generic_429(stack: Stack, rls_envoy: Envoy, authz_env
     codes = [r.status_code for r in responses]
     assert 429 in codes and all(c == 200 for c in codes[:codes.index(429)]) and codes.index(429) <= 20
     denied = responses[codes.index(429)]
-    assert 1 <= int(denied.headers["retry-after"]) <= 10
+    # the window's 10 s at most, plus the agent's upward jitter (under 1 s for a hint this short)
+    assert 1 <= int(denied.headers["retry-after"]) <= 11
     assert "ratelimit" not in denied.headers and "ratelimit-policy" not in denied.headers
     assert denied.json() == {"type": "about:blank", "title": "Too Many Requests", "status": 429}
 

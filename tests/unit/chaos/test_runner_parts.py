@@ -148,6 +148,8 @@ EXPECTED_EFFECTS = {  # scenario -> (regions cut off from the allocator, agents 
     "clock-offset-allocator-ahead": ({"eu"}, set(), set()), "clock-offset-allocator-behind": ({"us"}, set(), set()),
     "clock-skew-agent": (set(), set(), set()), "lease-replay": (ALL, set(), set()),
     "policy-rollback": (set(), set(), set()),
+    # one Redis Cluster primary stopped or killed: every eu agent counts as cut off (the terms are per agent)
+    "redis-cluster-pause": (set(), EU2, set()), "redis-cluster-failover": (set(), EU2, set()),
 }
 
 

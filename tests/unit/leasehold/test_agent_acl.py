@@ -24,3 +24,15 @@ def test_the_rule_grants_only_the_listed_commands_on_rl_keys():
     rule = agent_acl("agent", "pw").split()
     assert rule[:6] == ["agent", "on", ">pw", "resetkeys", "~rl:*", "resetchannels"]
     assert "-@all" in rule and {r[1:] for r in rule if r.startswith("+")} == set(AGENT_COMMANDS)
+
+
+def test_the_cluster_stores_own_commands_are_allowed():
+    """A Redis Cluster store reads the slot map (CLUSTER SLOTS) and sends ASKING before a call to a
+    slot's migration target (region_agent/store/cluster.py, scripts.ASKING): refused, every
+    cluster agent with an ACL user would see no primary at all."""
+    import inspect
+
+    from region_agent.store import cluster, scripts
+
+    assert '"CLUSTER", "SLOTS"' in inspect.getsource(cluster) and b"ASKING" in scripts.ASKING
+    assert {"cluster|slots", "asking"} <= set(AGENT_COMMANDS)

@@ -1,0 +1,122 @@
+"""The agent on a Sentinel-managed Redis (``--redis-url redis+sentinel://...``): real
+``redis-sentinel`` processes, a real primary SIGKILLed under load and a real failover to its
+replica. Real etcd, allocator and agent processes.
+
+What must hold (region_agent/README.md, "Redis Sentinel" and "Lost Redis state"):
+
+* the agent's breaker opens once when the primary dies and closes once when the sentinels name
+  the promoted replica (no flapping), and the agent reconnects to it by itself;
+* while there is no primary, the rules' fail modes answer (a closed pool rule: 503; a local
+  bucket: its allowance);
+* after the failover the decisions follow the rules for a restored store: the replica's copy of
+  the buckets is used, and a lease whose record the replica holds from the old primary's
+  incarnation is never spent again — it is reported to the allocator fully spent (its tokens
+  stranded, counted as lost), so a window never admits more than G.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+
+from kernel.bundle import Pool
+from leasehold.procs import RedisSentinels
+
+from .conftest import (
+    Record,
+    admit,
+    admit_body,
+    etcd_grants,
+    metric,
+    per_window,
+    pool_rule,
+    start_topology,
+    user_rule,
+    write_bundle,
+)
+
+POOL = Pool(id="sentinel-w", window_ms=60_000, limit=300, lease_ttl_ms=3_000, chunk_min=20, chunk_max=20,
+            fallback_per_region=0, prefetch_ms=1_000, active_horizon_ms=30_000)
+
+
+async def test_a_sentinel_failover_under_load(tmp_path: Path):
+    sentinels = RedisSentinels(tmp_path / "sentinels", down_after_ms=1000).start()
+    topo = None
+    try:
+        policy = write_bundle(tmp_path / "bundle.json", [POOL],
+                              [pool_rule("atlas", POOL.id, fail_mode="closed"), user_rule()])
+        topo = start_topology(tmp_path / "topo", policy, regions=("eu",), agent_args=(
+            "--redis-url", sentinels.url, "--breaker-open-ms", "300", "--redis-socket-timeout-ms", "300"))
+        url = topo.agent_urls["eu"][0]
+        records: list[Record] = []  # (a record's ``region`` label carries the tenant here)
+        stop = asyncio.Event()
+
+        async def load(tenant: str) -> None:
+            async with httpx.AsyncClient(timeout=10) as client:
+                for i in range(20_000):  # bounded
+                    if stop.is_set():
+                        return
+                    records.append(await admit(client, url, tenant, admit_body(tenant, user=f"U-{i % 5}")))
+                    await asyncio.sleep(0.03)
+
+        tasks = [asyncio.create_task(load(t)) for t in ("atlas", "atlas", "birch")]
+        async with httpx.AsyncClient(timeout=5) as client:
+            await asyncio.sleep(3.0)
+            held = {lease["leaseId"] for b in (await client.get(url + "/v1/leases")).json()["balances"]
+                    for lease in b["leases"]}
+            old = sentinels.primary_port()
+            assert held and any(r.d["source"] == "script" and r.allowed for r in records)
+            killed_ms = int(time.time() * 1000)
+            sentinels.server(old).proc.kill()
+            deadline = time.monotonic() + 30
+            while sentinels.primary_port() == old:
+                assert time.monotonic() < deadline, "the sentinels never promoted the replica"
+                await asyncio.sleep(0.1)
+            promoted_ms = int(time.time() * 1000)
+            # the agent finds the promoted replica by itself: atlas is served by the store again
+            while not any(r.region == "atlas" and r.sent_ms > promoted_ms and r.d["httpStatus"] != 503 for r in records):
+                assert time.monotonic() < deadline, "atlas was never served by the promoted replica"
+                await asyncio.sleep(0.1)
+            served_ms = int(time.time() * 1000)
+            await asyncio.sleep(3.0)
+            stop.set()
+            await asyncio.gather(*tasks)
+            # the leases held when the primary died end (TTL 3 s) and are reported
+            deadline = time.monotonic() + 20
+            while True:
+                grants = {lid: g for lid, g in (await etcd_grants(topo)).items()  # held, unexpired when killed
+                          if lid in held and g.grant.granted > 0 and g.grant.expires_at_ms > killed_ms + 200}
+                if grants and all(g.reported for g in grants.values()):
+                    break
+                assert time.monotonic() < deadline, {lid: g.reported for lid, g in grants.items()}
+                await asyncio.sleep(0.2)
+
+        # the breaker: one outage, closed again
+        assert await metric(url, "leasehold_agent_breaker_opens_total", shard="default") == 1
+        assert await metric(url, "leasehold_agent_breaker_state", shard="default") == 0
+        # while there was no primary: the fail modes (closed pool rule: 503; birch's user bucket: local)
+        outage = [r for r in records if killed_ms + 500 < r.sent_ms and r.recv_ms < promoted_ms]
+        atlas_out = [r for r in outage if r.region == "atlas"]
+        birch_out = [r for r in outage if r.region == "birch"]
+        assert atlas_out and all(r.d["httpStatus"] == 503 and r.d["reason"] == "LIMITER_UNAVAILABLE"
+                                 for r in atlas_out if not r.allowed), [r.d for r in atlas_out][:3]
+        assert not any(r.allowed and r.fallback for r in atlas_out)  # a closed rule admits nothing locally
+        assert any(r.fallback and r.d["source"] == "local_fallback" for r in birch_out), [r.d for r in birch_out][:3]
+        # after the failover: answered by the store (the promoted replica), no fallback
+        after = [r for r in records if r.sent_ms > served_ms + 1_000]
+        assert after and not any(r.fallback for r in after)
+        assert any(r.region == "atlas" and r.allowed for r in after)
+        # the restored-store rules: the leases the dead primary held were reported fully spent,
+        # their tokens never returned to the pool nor spent again
+        for lid, g in grants.items():
+            assert g.spent == g.grant.granted and g.returned == 0, (lid, g)
+        assert await metric(url, "leasehold_agent_lease_lost_tokens_total", pool=POOL.id) > 0
+        atlas = [r for r in records if r.region == "atlas"]
+        assert max(per_window(atlas, POOL.window_ms).values()) <= POOL.limit
+    finally:
+        if topo is not None:
+            topo.stop()
+        sentinels.stop()
