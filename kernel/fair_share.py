@@ -1,7 +1,7 @@
 """Demand-weighted fair share of what is left: the one policy both services speak.
 
 The allocator shares a low pool window among the regions asking for it
-(``allocator.policy.fair_share``), and the region agent shares the tokens it could take for an
+(``allocator.allocation.fair_share``), and the region agent shares the tokens it could take for an
 Envoy bucket among the Envoys reporting that bucket (``region_agent.leasing.rlqs_funding``): the
 same function, so "fair" means one thing. Pure: no I/O, no clock.
 
