@@ -14,7 +14,7 @@ order. It runs the stage every door needs before the engine, then the engine:
 5. :meth:`DecisionEngine.admit` for one question, :meth:`DecisionEngine.admit_many` for several
    (one pipeline).
 
-Every door names itself (``door``: ``http`` for ``/v1/admit`` and its batch, ``authz``, ``rls``)
+Every door names itself (``door``: ``http`` for ``/v1/admit`` and its batch, ``authz``, ``rls``, ``rlqs``)
 and hands over what its gateway sent as trace context (``carrier``: ASGI header pairs or gRPC
 metadata): while tracing is on, the decisions of one call are made inside one
 ``leasehold.decision`` span (region_agent.tracing), child of the gateway's span. The doors

@@ -73,7 +73,10 @@ class Gateways:
             from .rlqs import RlqsService, add_to_server
             from .rlqs_mapping import RlqsNames
 
-            self.rlqs = RlqsService(settings=s, names=RlqsNames.from_settings(s), decide=self.decide,
+            async def fund(reqs: list[AdmitRequest]) -> list[Decision]:  # a funding round: no request's trace
+                return await self.decide(reqs, door="rlqs")
+
+            self.rlqs = RlqsService(settings=s, names=RlqsNames.from_settings(s), decide=fund,
                                     state_of=self._state_of, metrics=self.metrics, gateways=self.gateway_tokens())
             service = self.rlqs
             also = ((RLQS_SERVICE, lambda server: add_to_server(service, server)),)
