@@ -99,6 +99,11 @@ def admitted(ds: list[dict]) -> int:
     return sum(d["allowed"] for d in ds)
 
 
+def denials(ds: list[dict]) -> list[tuple]:
+    """What denied, for a failure's message."""
+    return [(d["policyId"], d.get("source"), d.get("retryAfterMs")) for d in ds if not d["allowed"]]
+
+
 def by_read_rule(ds: list[dict]) -> int:
     """Denials by P-READ (read-user-v3)."""
     return sum(not d["allowed"] and d["policyId"] == "read-user-v3" for d in ds)
@@ -115,7 +120,7 @@ def test_replay_canary_promote_rollback(topo: LocalTopology, tmp_path: Path, cap
     # 1. recorded traffic, replayed through a tightened P-READ (burst 20 -> 10)
     base = burst(topo, "eu", "rec-eu") + burst(topo, "us", "rec-us")
     # (a user's 30 quick requests: the 20-token burst, plus what refills while they are sent)
-    assert all(20 <= admitted(base[i:i + 30]) < 30 for i in (0, 30))
+    assert all(20 <= admitted(base[i:i + 30]) < 30 for i in (0, 30)), denials(base)
     logs = [run / "decisions-eu-1.jsonl", run / "decisions-us-1.jsonl"]
     assert wait_until(lambda: sum(len(p.read_text().splitlines()) for p in logs if p.exists()) >= 60)
     for p in logs:  # the keyed hash, never the principal

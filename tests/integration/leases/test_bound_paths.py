@@ -273,7 +273,8 @@ async def test_chunks_keep_the_lease_record_until_it_is_closed(region):
 async def test_cold_start_first_requests_are_served(region, tmp_path: Path):
     """Path 11: a fresh agent whose allocator answers in ~80 ms (more than the 50 ms decision budget):
     once it reports ready, the first requests for a tenant pool and for a fleet-wide pool are
-    admitted from the region's first leases, not denied for want of a lease."""
+    admitted from the region's first leases, not denied for want of a lease; so is the first
+    request after an idle spell that let the balance's leases lapse."""
     r, _ = region
     await r.proxy.control.latency(40)  # type: ignore[attr-defined]
     policy = Path(r.region.spec.policy)
@@ -289,8 +290,13 @@ async def test_cold_start_first_requests_are_served(region, tmp_path: Path):
 
             tenant = await first(admit_body("cold", route="read"))
             fleet = await first(admit_body("someone", route="g11"))
+            # quiet past the top-up horizon (2 s) and g11's 1 s window: the balance holds no lease
+            # any more (an idle balance buys none), and the next request waits for one top-up's
+            # round trip beyond its 50 ms budget (--cold-lease-wait-ms) instead of a pool-busy 429
+            await asyncio.sleep(3.2)
+            again = await first(admit_body("someone-else", route="g11"))
     finally:
         proc.stop()
         await r.proxy.control.heal()  # type: ignore[attr-defined]
-    for d in (tenant, fleet):
+    for d in (tenant, fleet, again):
         assert d["allowed"] and not d["fallback"], d
