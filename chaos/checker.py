@@ -145,7 +145,7 @@ def allocator_offsets(topo: TopologyRec | None) -> tuple[int, int]:
 
 
 def faults_by_window(faults: Iterable[Fault], topo: TopologyRec | None, window_ms: dict[str, int],
-                     offsets_ms: tuple[int, int], end_ms: int):  # type: ignore[no-untyped-def]
+                     offsets_ms: tuple[int, int], end_ms: int):
     """``(pool, index) -> kernel.bound.Faults``: what the recorded faults made unreachable at some
     moment of that allocator-clock window. A fault's effect runs from its start to its stop plus
     its grace (to the end of the history while still active); an agent restarted during a window

@@ -74,7 +74,7 @@ class DecisionTelemetry:
         if d.allowed:
             outcome = "fallback_allowed" if d.fallback else "allowed"
         elif d.reason == "OVERLOADED":
-            outcome = "shed"  # this agent saturated while the store answered (issue 11, branch bound)
+            outcome = "shed"  # this agent saturated while the store answered (docs/concepts.md: overload is shed)
         elif d.http_status == 503:
             outcome = "unavailable"
         elif d.http_status == 409:
@@ -143,7 +143,7 @@ class DecisionTelemetry:
         tag = plan.tenant or plan.decision_key
         shard = self._shards.get(tag)
         if shard is None:
-            shard = self._shards.put(tag, self.shard_of(plan.decision_key))  # type: ignore[misc]
+            shard = self._shards.put(tag, self.shard_of(plan.decision_key))  # type: ignore[misc]  # the shard function is set whenever shards are counted
         return shard
 
     def _resolve(self, label: tuple, bundle: Bundle) -> tuple[Any, Any]:

@@ -28,7 +28,7 @@ try:  # redis-py's hiredis parser and its "no complete reply yet" marker (read_r
     from redis._parsers.hiredis import _AsyncHiredisParser
     _PUSH: Any = getattr(_hiredis, "PushNotification", None)
 except ImportError:  # without hiredis every reply is read through redis-py
-    _AsyncHiredisParser = None  # type: ignore[assignment,misc]
+    _AsyncHiredisParser = None  # type: ignore[assignment,misc]  # hiredis absent: the pure-Python reader
     _NOT_ENOUGH_DATA = object()
     _PUSH = None
 from redis.asyncio import RedisCluster
@@ -286,7 +286,7 @@ def _bulks(args: Sequence[Any]) -> str | None:
 def _pack_text(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> str | None:
     """The command as text when every argument is ASCII str or int (characters are bytes), else None."""
     if argv.__class__ is RuleArgv:  # a multi-rule call: all but its strings packed once per shape
-        text = _pack_rule_call(sha, keys, argv)  # type: ignore[arg-type]
+        text = _pack_rule_call(sha, keys, argv)
         if text is not None:
             return text
     body = _bulks((*keys, *argv))

@@ -1,4 +1,4 @@
-"""Operations on the agent as a real process (issue 12, item 7): one rate-limited log line per
+"""Operations on the agent as a real process (docs/operations.md): one rate-limited log line per
 Redis reachability change, and ``/v1/release`` bounded by the decision budget while Redis hangs."""
 
 from __future__ import annotations

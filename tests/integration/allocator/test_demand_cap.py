@@ -1,4 +1,4 @@
-"""A region cannot take a pool by inflating its demand (issue 12, item 7), on the real allocator
+"""A region cannot take a pool by inflating its demand (docs/security.md), on the real allocator
 (the app with its etcd-backed engine, a real etcd cluster): a claim counts only up to twice the
 spend rate the region's own usage reports show, and at least one full chunk per lease TTL, so in
 a low pool an inflated claim without history gets the share of a modest one. The reports'

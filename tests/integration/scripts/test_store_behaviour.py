@@ -122,7 +122,7 @@ async def test_pool_deposit_spend_close(aclient, scripts):
 
 
 async def test_pool_take_buys_a_chunk_no_longer_than_its_leases(aclient, scripts):
-    """``pool_take.lua`` (gateway chunks, issue 11 path 3): at least min, at most want, earliest-
+    """``pool_take.lua`` (gateway chunks, clamped to the window: docs/bound.md): at least min, at most want, earliest-
     expiring leases first, and the chunk's validity ends with the first lease it took from."""
     key = f"rl:{T}:take:pool"
     t = now_ms()
@@ -141,7 +141,7 @@ async def test_pool_take_buys_a_chunk_no_longer_than_its_leases(aclient, scripts
 
 
 async def test_pool_window_allowance_counts_every_candidate_window(aclient, scripts):
-    """The ``pw`` kind (a pool's fallback allowance per allocator window, issue 11 path 4): a call
+    """The ``pw`` kind (a pool's fallback allowance per allocator window, docs/bound.md): a call
     is charged to every candidate window and denied when any of them is full."""
     key = f"rl:{T}:pw"
 

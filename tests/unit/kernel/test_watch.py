@@ -38,7 +38,7 @@ class Store:
 
 def watcher(store: Store, clock: Clock) -> tuple[PolicyWatcher, list, list]:
     offered, refused = [], []
-    return PolicyWatcher(store, offer=offered.append, refuse=refused.append, clock=clock), offered, refused  # type: ignore[arg-type]
+    return PolicyWatcher(store, offer=offered.append, refuse=refused.append, clock=clock), offered, refused  # type: ignore[arg-type]  # a fake store with the methods the watcher calls
 
 
 async def test_each_revision_is_handed_on_once():

@@ -67,7 +67,7 @@ def fleet(store: Store, leases: Leases | None = None, clock: Clock | None = None
           windows: Windows = WINDOWS) -> tuple[FleetPools, Clock, AgentMetrics]:
     c = clock or Clock()
     m = AgentMetrics()
-    f = FleetPools(store=store, metrics=m, leases=leases, now_ms=lambda: c.t * 1000.0,  # type: ignore[arg-type]
+    f = FleetPools(store=store, metrics=m, leases=leases, now_ms=lambda: c.t * 1000.0,
                    windows=lambda pool: windows, allowance=LocalAllowances(), budget_s=0.05)
     return f, c, m
 

@@ -93,7 +93,7 @@ class Balances:
 
 def manager(allocator: Allocator | None = None, balances: Balances | None = None, clock: Clock | None = None,
             **kw) -> LeaseManager:
-    return LeaseManager(region="eu", client=allocator or Allocator(), store=balances or Balances(),  # type: ignore[arg-type]
+    return LeaseManager(region="eu", client=allocator or Allocator(), store=balances or Balances(),  # type: ignore[arg-type]  # fakes with the methods the manager calls
                         now=clock or Clock(), metrics=AgentMetrics(), **kw)
 
 
@@ -104,7 +104,7 @@ async def settle(m: LeaseManager) -> None:
 
 
 def sample(m: LeaseManager, name: str, **labels) -> float:
-    return m.metrics.registry.get_sample_value(name, labels) or 0.0  # type: ignore[union-attr]
+    return m.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 # ------------------------------------------------------------------------------- top-ups
