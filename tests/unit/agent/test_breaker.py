@@ -62,7 +62,7 @@ class _SlowScripts:
 
     async def run_pipeline(self, client, calls, reading=None):
         self.pipelines += 1
-        conn = object()  # a connection with no answer bytes waiting (scripts.answer_waiting: False)
+        conn = object()  # a connection with no answer bytes waiting (redis_internals.answer_waiting: False)
         if reading is not None:
             reading[id(conn)] = (conn, time.monotonic())
         try:
