@@ -26,7 +26,7 @@ from kernel.etcd_store import EtcdStore
 from leasehold.cli import main as cli_main
 from leasehold.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
 from region_agent.app import create_app
-from tests.integration.agent.conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
+from tests.integration.agent.conftest import PEPPER, admit_body, make_settings
 from tests.integration.allocator.helpers import in_process, lease_body, settings_for, unique_prefix
 from tests.integration.allocator.helpers import write_bundle as write_pools
 
@@ -137,13 +137,6 @@ async def test_a_lease_ids_existence_does_not_leak_across_regions(etcd_cluster, 
 
 
 # -- agent --------------------------------------------------------------------------------------
-@pytest.fixture
-def policy_file(tmp_path: Path) -> Path:
-    p = tmp_path / "bundle.json"
-    write_bundle(p, northstar())
-    return p
-
-
 async def test_agent_gateway_and_operator_credentials(redis_url, policy_file):
     settings = make_settings(redis_url, policy_file, auth_disabled=False, gateway_tokens=[f"edge-1:{sha(GATEWAY)}"],
                              operator_tokens=[f"ops:{sha(OPERATOR)}"])
