@@ -56,16 +56,25 @@ define venv_base
 @echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/leasehold-checkout.pth"
 endef
 
+# xds-protos ships its own, older copy of opentelemetry/proto/*: whichever of it and
+# opentelemetry-proto pip installs last wins, and with xds-protos' copy the OTLP exporter cannot
+# import (tracing on fails at start). opentelemetry-proto's files are put back last.
+define otel_proto_last
+$(PIP) install -q -c $(CONSTRAINTS) --no-deps --force-reinstall opentelemetry-proto
+endef
+
 venv-demo: $(VENV)/.installed-demo
 $(VENV)/.installed-demo: pyproject.toml $(CONSTRAINTS)
 	$(venv_base)
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[demo]'
+	$(otel_proto_last)
 	@touch $@
 
 venv-test: $(VENV)/.installed-test
 $(VENV)/.installed-test: pyproject.toml $(CONSTRAINTS)
 	$(venv_base)
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[test]'
+	$(otel_proto_last)
 	@touch $@ $(VENV)/.installed-demo
 
 setup-run: system-deps-run venv-demo
@@ -113,6 +122,7 @@ policies: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .run bench-results chaos-reports
+	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis .run bench-results chaos-reports

@@ -16,6 +16,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"allocator: {e.message}", file=sys.stderr)
         return 2
+    from kernel import tracing
+
+    try:
+        tracing.check(settings.otlp_endpoint)
+    except tracing.TracingUnavailable as e:
+        print(f"allocator: refusing to start: {e}", file=sys.stderr)
+        return 2
     from kernel.logs import configure
 
     log_config = configure(settings.log_level, settings.log_format)

@@ -1,4 +1,5 @@
-"""The allocator's HTTP API (Litestar). Thin: every route calls :class:`allocator.engine.Engine`.
+"""The allocator's HTTP API (Litestar). Thin: every route calls :class:`allocator.writer.Writer`
+or :class:`allocator.election.Election`.
 
 Errors are answered by the kernel's one mapper (:mod:`kernel.http_errors`, shared with the agent):
 problem+json for every error, Litestar's own client errors translated to the same classes; a body
@@ -30,10 +31,8 @@ from kernel.ids import LEASE_ID, LEASE_ID_RE, REGION, REGION_RE, human
 from kernel.jsonbody import StrictJSONRequest
 from kernel.openapi_problems import document_problems
 from kernel.policy_store import PolicyStore
-from kernel.shards import SHARD_HASH
 from kernel.signing import TrustedKeys
 from kernel.wire import (
-    LeaderInfo,
     LeaseBatchRequest,
     LeaseBatchResponse,
     LeaseGrant,
@@ -41,7 +40,6 @@ from kernel.wire import (
     PoolSummary,
     PoolWindowView,
     ShardedLeaderInfo,
-    ShardLeader,
     ShardMap,
     UsageBatchRequest,
     UsageBatchResponse,
@@ -49,22 +47,24 @@ from kernel.wire import (
     UsageReport,
 )
 
+from .committer import OpenWrites
 from .compaction import Compactor
 from .control.follow import AllocatorPolicy
 from .election import Election
-from .engine import Engine, GrantRecord, wall_ms
 from .fastpath import batch_fast_path
 from .metrics import CONTENT_TYPE, AllocatorMetrics
+from .records import GrantRecord, Keys
+from .session import Session
 from .settings import AllocatorSettings
-from .shard_election import ShardElection
+from .writer import Writer, wall_ms
 
-log = logging.getLogger("allocator.app")
+log = logging.getLogger(__name__)
 VALIDATION_STATUS = 400  # a body or parameter that does not fit the schema (the agent answers 422)
 
-Guard = Callable[[ASGIConnection, BaseRouteHandler], Any]
+Guard = Callable[[ASGIConnection[Any, Any, Any, Any], BaseRouteHandler], Any]
 
 
-async def region_auth_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+async def region_auth_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
     """Authentication of the lease endpoints: runs the app's check, by default
     :class:`kernel.auth.RegionAuth` (a region's bearer token, else 401); none with
     ``--auth-disabled``. ``create_app(auth_guard=...)`` plugs another check in here."""
@@ -76,8 +76,14 @@ async def region_auth_guard(connection: ASGIConnection, handler: BaseRouteHandle
 
 
 # -- routes -------------------------------------------------------------------------------------
-def _engine(state: State) -> Engine:
-    return state.engine  # type: ignore[no-any-return]
+def _writer(state: State) -> Writer:
+    writer: Writer = state.writer
+    return writer
+
+
+def _election(state: State) -> Election:
+    election: Election = state.election
+    return election
 
 
 def _check_lease_id(lease_id: str) -> None:
@@ -86,9 +92,9 @@ def _check_lease_id(lease_id: str) -> None:
 
 
 @post("/v1/leases", status_code=200, guards=[region_auth_guard])
-async def post_lease(request: Request, data: JSONBody[LeaseRequest], state: State) -> LeaseGrant:
+async def post_lease(request: Request[Any, Any, Any], data: JSONBody[LeaseRequest], state: State) -> LeaseGrant:
     require_region(request.scope, data.region)
-    return await _engine(state).grant(data)
+    return await _writer(state).grant(data)
 
 
 class _ResultDoc(msgspec.Struct, rename="camel"):
@@ -123,16 +129,18 @@ class UsageBatchResponseDoc(msgspec.Struct, rename="camel"):
 
 
 @post("/v1/leases/batch", status_code=200, guards=[region_auth_guard])
-async def post_batch(request: Request, data: JSONBody[LeaseBatchRequest],
+async def post_batch(request: Request[Any, Any, Any], data: JSONBody[LeaseBatchRequest],
                      state: State) -> Response[LeaseBatchResponseDoc]:
     """Grants for many pools in one request; results in request order, each a grant or an error.
     (The schema documents the union loosely: results are ``LeaseGrant`` or ``LeaseError`` objects.)"""
     _check_batch(request, data.requests, "requests")
-    body = LeaseBatchResponse(results=await _engine(state).grant_many(data.requests))
-    return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)
+    body = LeaseBatchResponse(results=await _writer(state).grant_many(data.requests))
+    # the body goes out encoded as is; the annotation gives the OpenAPI schema its shape (so bytes
+    # where mypy expects the annotated document)
+    return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)  # type: ignore[arg-type]
 
 
-def _check_batch(request: Request, items: list, member: str) -> None:
+def _check_batch(request: Request[Any, Any, Any], items: list[LeaseRequest] | list[UsageReport], member: str) -> None:
     """Every item of a batch is the caller's own region's, and no lease id is there twice."""
     for r in items:
         require_region(request.scope, r.region)
@@ -142,75 +150,66 @@ def _check_batch(request: Request, items: list, member: str) -> None:
 
 
 @post("/v1/leases/{lease_id:str}/usage", status_code=200, guards=[region_auth_guard])
-async def post_usage(request: Request, lease_id: FromPath[str], data: JSONBody[UsageReport],
+async def post_usage(request: Request[Any, Any, Any], lease_id: FromPath[str], data: JSONBody[UsageReport],
                      state: State) -> UsageReceipt:
     _check_lease_id(lease_id)
     if data.lease_id != lease_id:
         raise BadRequest(f"body leaseId {data.lease_id!r} does not match the path's {lease_id!r}")
     require_region(request.scope, data.region)  # lease ids are looked up in the region's own namespace
-    return await _engine(state).report(data)
+    return await _writer(state).report(data)
 
 
 @post("/v1/usage/batch", status_code=200, guards=[region_auth_guard])
-async def post_usage_batch(request: Request, data: JSONBody[UsageBatchRequest],
+async def post_usage_batch(request: Request[Any, Any, Any], data: JSONBody[UsageBatchRequest],
                            state: State) -> Response[UsageBatchResponseDoc]:
     """Usage reports of many leases in one request (committed in few transactions); results in
     request order, each a receipt or an error. Same rules per item as
     ``POST /v1/leases/{leaseId}/usage`` (the region's own lease ids, ``closedEarly``)."""
     _check_batch(request, data.reports, "reports")
-    body = UsageBatchResponse(results=await _engine(state).report_many(data.reports))
-    return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)
+    body = UsageBatchResponse(results=await _writer(state).report_many(data.reports))
+    # the body goes out encoded as is; the annotation gives the OpenAPI schema its shape (so bytes
+    # where mypy expects the annotated document)
+    return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)  # type: ignore[arg-type]
 
 
 @get("/v1/leases/{lease_id:str}", guards=[region_auth_guard])
-async def get_lease(request: Request, lease_id: FromPath[str], state: State,
+async def get_lease(request: Request[Any, Any, Any], lease_id: FromPath[str], state: State,
                     region: FromQuery[str | None] = None) -> GrantRecord:
     """A lease of the calling region (``region`` defaults to the authenticated region and is
     required with authentication off). Another region's lease and no lease answer the same 404."""
     _check_lease_id(lease_id)
     caller = request.scope.get(SCOPE_KEY)
-    region = region or caller
+    region = region or (caller if isinstance(caller, str) else None)
     if region is None:
         raise BadRequest("the region query parameter is required when authentication is disabled")
     if not REGION_RE.match(region):
         raise BadRequest(f"region must match {human(REGION)}")
     require_region(request.scope, region)
-    return await _engine(state).get_record(region, lease_id)
+    return await _writer(state).get_record(region, lease_id)
 
 
 @get("/v1/leader")
-async def get_leader(state: State) -> LeaderInfo:
-    """The allocator leader (unsharded), or the leader of shard 0 with the shard count and how many
-    shards this replica leads (sharded: see ``/v1/shards`` for the leader of a pool's shard)."""
-    election = _engine(state).election
-    info = election.info()
-    if isinstance(election, ShardElection):
-        return ShardedLeaderInfo(node_id=info.node_id, url=info.url, epoch=info.epoch, is_self=info.is_self,
-                                 shards=election.shards, leading=len(election.led))
-    return info
+async def get_leader(state: State) -> ShardedLeaderInfo:
+    """The allocator leader (of shard 0 when sharded: see ``/v1/shards`` for the leader of a pool's
+    shard), the shard count and how many shards this replica leads."""
+    return _election(state).leader_info()
 
 
 @get("/v1/shards")
 async def get_shards(state: State) -> ShardMap:
     """Which replica leads each shard of leadership, as this replica last read etcd; a pool's shard
     is ``kernel.shards.shard_of(pool, shards)``. Any replica answers."""
-    election = _engine(state).election
-    if isinstance(election, ShardElection):
-        return election.shard_map()
-    settings: AllocatorSettings = state.settings
-    lead = election.leader
-    return ShardMap(shards=1, hash=SHARD_HASH, node_id=settings.node_id, url=settings.url, revision=lead.epoch or 0,
-                    members=[], leaders=[ShardLeader(shard=0, node_id=lead.node_id, url=lead.url, epoch=lead.epoch)])
+    return _election(state).shard_map()
 
 
 @get("/v1/pools")
 async def get_pools(state: State) -> list[PoolSummary]:
-    return _engine(state).summaries()
+    return _writer(state).summaries()
 
 
 @get("/v1/pools/{pool_id:str}")
 async def get_pool(pool_id: FromPath[str], state: State) -> PoolWindowView:
-    return await _engine(state).window_view(pool_id)
+    return await _writer(state).window_view(pool_id)
 
 
 @get("/healthz", media_type=MediaType.JSON)
@@ -225,19 +224,17 @@ async def readyz(state: State) -> Response[Any]:
     agents fall back to their bounded allowances either way); etcd's health is ``/v1/health/store``."""
     if state.get("shutting_down"):
         return problem_response(Unavailable("not ready: shutting down"))
-    engine = state.get("engine")
-    if engine is None:
+    election: Election | None = state.get("election")
+    if election is None:
         return problem_response(Unavailable("not ready: starting"))
-    election = engine.election
-    if isinstance(election, ShardElection) and election.config_error:
+    if election.config_error:
         return problem_response(Unavailable(f"not ready: {election.config_error}"))
-    body: dict[str, Any] = {"status": "ready", "role": _role(election), "epoch": election.leader.epoch}
-    if isinstance(election, ShardElection):
-        body |= {"shards": election.shards, "shardsLed": len(election.led)}
+    body: dict[str, Any] = {"status": "ready", "role": _role(election), "epoch": election.leader.epoch,
+                            "shards": election.shards, "shardsLed": len(election.led)}
     return Response(content=body, media_type=MediaType.JSON)
 
 
-def _role(election: Election | ShardElection) -> str:
+def _role(election: Election) -> str:
     if not election.role_known:
         return "unknown"
     return "leader" if election.is_leader else "follower"
@@ -247,10 +244,9 @@ def _role(election: Election | ShardElection) -> str:
 async def store_health(state: State) -> Response[Any]:
     """200 while etcd answers and this replica knows its role, else 503 (grants are then refused
     as retriable and the agents spend their fallback allowances). For monitoring, not a probe."""
-    engine = state.get("engine")
-    if engine is None:
+    election: Election | None = state.get("election")
+    if election is None:
         return problem_response(Unavailable("etcd not connected yet"))
-    election = engine.election
     body = {"etcd": "reachable" if election.etcd_ok else "unreachable", "role": _role(election),
             "epoch": election.leader.epoch}
     if not (election.etcd_ok and election.role_known):
@@ -260,7 +256,7 @@ async def store_health(state: State) -> Response[Any]:
 
 @get("/metrics", media_type=CONTENT_TYPE)
 async def metrics(state: State) -> Response[bytes]:
-    return Response(content=_engine(state).metrics.render(), media_type=CONTENT_TYPE)
+    return Response(content=_writer(state).metrics.render(), media_type=CONTENT_TYPE)
 
 
 def lease_spans(app: Any) -> Any:
@@ -268,7 +264,7 @@ def lease_spans(app: Any) -> Any:
     usage request, child of the region's span when it sent a ``traceparent`` (kernel.tracing);
     the committer links each transaction to the spans of the requests it carries."""
 
-    async def serve(scope: dict, receive: Any, send: Any) -> None:
+    async def serve(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if not tracing.ENABLED or scope["type"] != "http" or not scope["path"].startswith(("/v1/leases", "/v1/usage")):
             await app(scope, receive, send)
             return
@@ -301,12 +297,11 @@ def etcd_credentials(settings: AllocatorSettings) -> dict[str, Any]:
 def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
                clock: Callable[[], int] = wall_ms, auth_guard: Guard | None = None,
                fast_path: bool = True, install_signal_handlers: bool = False) -> Litestar:
-    """Build the app. The etcd client, election and committer start in the app's lifespan.
+    """Build the app. The etcd client, election and writer start in the app's lifespan.
     ``fast_path``: serve the batch routes' common case without Litestar (``allocator.fastpath``)."""
     bundle = bundle if bundle is not None else load_bundle_file(settings.policy)
     trusted = TrustedKeys.from_files(settings.policy_public_keys)
     trusted.check(bundle)  # the start bundle too (raises SignatureRefused, a PolicyError)
-    pools = {p.id: p for p in bundle.pools}
     if auth_guard is None and not settings.auth_disabled:
         auth_guard = RegionAuth(TokenTable.parse(settings.region_tokens, settings.region_tokens_file))
     m = AllocatorMetrics()
@@ -317,35 +312,20 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         store = EtcdStore(settings.etcd, timeout_s=settings.etcd_timeout_ms / 1000, observe=m.observe_etcd,
                           max_txn_ops=settings.etcd_max_txn_ops or None, **etcd_credentials(settings))
-        engine: Engine
-        election: Election | ShardElection
-
-        def on_change(leading: bool, epoch: int | None) -> None:
-            m.on_leader_change(leading, epoch if epoch is not None else election.leader.epoch)
-            engine.invalidate()
-
-        def on_shard_change(shard: int, leading: bool, epoch: int | None) -> None:
-            assert isinstance(election, ShardElection)
-            m.on_shard_change(leading, len(election.led), election.leader.epoch)
-            engine.invalidate(shard)
-
-        if settings.shards == 1:
-            election = Election(store, f"{settings.prefix}leader".encode(), node_id=settings.node_id,
-                                url=settings.url, ttl_s=settings.election_ttl_s, on_change=on_change)
-        else:
-            election = ShardElection(store, settings.prefix, shards=settings.shards, node_id=settings.node_id,
-                                     url=settings.url, ttl_s=settings.election_ttl_s, on_change=on_shard_change)
-        engine = Engine(store, election, pools, prefix=settings.prefix, metrics=m, clock=clock)
-        if isinstance(election, ShardElection):
-            election.drain = engine.drain
-        app.state.engine = engine
-        engine.start()
+        keys = Keys(settings.prefix, settings.shards)
+        open_writes = OpenWrites()
+        election = Election(Session(store, settings.election_ttl_s), keys, node_id=settings.node_id,
+                            url=settings.url, drain=open_writes.drain, on_change=m.on_leadership)
+        m.follow_election(election)
+        writer = Writer(store, election, bundle.pools, keys=keys, open_writes=open_writes, metrics=m, clock=clock)
+        app.state.writer, app.state.election = writer, election
+        writer.start()
         election.start()
-        compactor = Compactor(store, election, f"{settings.prefix}compaction".encode(), node_id=settings.node_id,
+        compactor = Compactor(store, election, keys.compaction, node_id=settings.node_id,
                               interval_s=settings.etcd_compaction_interval_s, metrics=m)
         if settings.etcd_compaction_interval_s:
             compactor.start()
-        follower = AllocatorPolicy(bundle, engine, m, trusted)
+        follower = AllocatorPolicy(bundle, writer.use_pools, m, trusted)
         app.state.policy = follower
         watcher = follower.watcher(PolicyStore(store, settings.prefix), settings.policy_reread_ms / 1000)
         if settings.policy_from_etcd:
@@ -366,12 +346,15 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
             await watcher.stop()
             await compactor.stop()
             await election.stop()
-            await engine.stop()
+            await writer.stop()
             await store.close()
             tracing.shutdown()
 
     handlers: list[Any] = [post_lease, post_batch, post_usage, post_usage_batch, get_lease, get_leader, get_shards, get_pools,
                            get_pool, healthz, readyz, store_health, metrics]
+    middleware: list[Any] = [lease_spans]  # plain ASGI middleware (scope as a dict): typed by our own aliases
+    if fast_path:
+        middleware.append(batch_fast_path(lambda: app.state, settings.max_body_bytes))
     app = Litestar(
         route_handlers=handlers,
         lifespan=[lifespan],
@@ -380,7 +363,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         # shutdown report line) is lost
         logging_config=None,
         state=State({"auth_guard": auth_guard, "settings": settings}),
-        middleware=[lease_spans, *([batch_fast_path(lambda: app.state, settings.max_body_bytes)] if fast_path else [])],
+        middleware=middleware,
         exception_handlers=exception_handlers(validation_status=VALIDATION_STATUS),
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Leasehold allocator", version="1.0.0", path="/schema"),

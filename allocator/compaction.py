@@ -12,7 +12,7 @@ epoch — fenced like every leader write, so a deposed replica does not compact 
 etcd to it. History of one to two intervals is kept; the same scheme as kube-apiserver's
 ``--etcd-compaction-interval`` (compact to the revision seen one interval before).
 
-What needs history: nothing in Leasehold reads an old revision. The engine and the elections
+What needs history: nothing in Leasehold reads an old revision. The writer and the election
 read the latest values and compare ``create_revision``/``mod_revision`` of live keys, which
 compaction keeps (it removes only superseded versions). The policy watchers watch from "now";
 one that falls behind a compaction is cancelled by etcd and re-established, and the periodic
@@ -36,8 +36,9 @@ from kernel.errors import LeaseholdError
 from kernel.etcd_store import EtcdStore, TxnBuilder
 
 from .metrics import AllocatorMetrics
+from .transactions import Leadership
 
-log = logging.getLogger("allocator.compaction")
+log = logging.getLogger(__name__)
 
 
 class CompactionRecord(msgspec.Struct, rename="camel"):
@@ -47,10 +48,10 @@ class CompactionRecord(msgspec.Struct, rename="camel"):
 
 
 class Compactor:
-    def __init__(self, store: EtcdStore, election: object, key: bytes, *, node_id: str, interval_s: float,
+    def __init__(self, store: EtcdStore, election: Leadership, key: bytes, *, node_id: str, interval_s: float,
                  metrics: AllocatorMetrics | None = None, clock: Callable[[], float] = time.time):
         self.store = store
-        self.election = election  # allocator.engine.Leadership
+        self.election = election
         self.key = key
         self.node_id = node_id
         self.interval_s = interval_s
@@ -81,7 +82,7 @@ class Compactor:
     async def tick(self) -> int | None:
         """One period: the revision compacted to, or None (not leading shard 0, the first period
         of an epoch, fenced, or etcd already compacted past it)."""
-        epoch = self.election.epoch_of(0)  # type: ignore[attr-defined]
+        epoch = self.election.epoch_of(0)
         if epoch is None:
             self._seen = None
             return None
@@ -91,7 +92,7 @@ class Compactor:
             return None
         target = seen[1]
         txn = TxnBuilder()
-        txn.created_at(self.election.leader_key(0), epoch)  # type: ignore[attr-defined]
+        txn.created_at(self.election.leader_key(0), epoch)
         txn.put(self.key, msgspec.json.encode(CompactionRecord(revision=target, at_ms=int(self.clock() * 1000),
                                                                node_id=self.node_id)))
         if not (await self.store.commit(txn)).succeeded:

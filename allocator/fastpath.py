@@ -11,7 +11,7 @@ the common case itself:
     rules) into the route's request type, a caller the guard lets in (one Authorization header,
     or authentication disabled), every item naming the caller's own region, no repeated leaseId.
 
-It then runs what the handler runs (``Engine.grant_many`` / ``Engine.report_many``) and answers
+It then runs what the handler runs (``Writer.grant_many`` / ``Writer.report_many``) and answers
 200 with the results encoded as the handler encodes them. **Everything else** — another route or
 method, a missing or bad credential, another content type, an oversized, malformed or
 non-conforming body, an item of another region, a repeated leaseId, an allocator still starting,
@@ -33,7 +33,9 @@ from kernel.errors import LeaseholdError
 from kernel.jsonbody import content_type_of, has_duplicate_keys, is_json_media_type
 from kernel.wire import LeaseBatchRequest, LeaseBatchResponse, UsageBatchRequest, UsageBatchResponse
 
-ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+Scope = dict[str, Any]
+Message = dict[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
 LEASES, USAGE = "/v1/leases/batch", "/v1/usage/batch"
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _decode_leases = msgspec.json.Decoder(LeaseBatchRequest).decode
@@ -41,7 +43,7 @@ _decode_usage = msgspec.json.Decoder(UsageBatchRequest).decode
 _encode = msgspec.json.Encoder().encode
 
 
-def _is_json(raw_headers: list) -> bool:
+def _is_json(raw_headers: list[tuple[bytes, bytes]]) -> bool:
     """One Content-Type header, application/json (kernel.jsonbody's rule)."""
     try:
         return is_json_media_type(content_type_of(raw_headers))
@@ -50,21 +52,21 @@ def _is_json(raw_headers: list) -> bool:
 
 
 def batch_fast_path(state_of: Callable[[], Any], max_body: int) -> Callable[[ASGIApp], ASGIApp]:
-    """Litestar middleware factory; ``state_of()`` returns the app's state (``engine`` once the
+    """Litestar middleware factory; ``state_of()`` returns the app's state (``writer`` once the
     lifespan started it, ``auth_guard``)."""
 
     def middleware(app: ASGIApp) -> ASGIApp:
-        async def serve(scope: dict, receive: Callable[[], Awaitable[dict]],
-                        send: Callable[[dict], Awaitable[None]]) -> None:
+        async def serve(scope: Scope, receive: Callable[[], Awaitable[Message]],
+                        send: Callable[[Message], Awaitable[None]]) -> None:
             path = scope.get("path")
             if scope["type"] != "http" or (path != LEASES and path != USAGE) or scope["method"] != "POST":
                 await app(scope, receive, send)
                 return
             st = state_of()
-            engine = st.get("engine")
+            writer = st.get("writer")
             guard = st.get("auth_guard")
             headers = scope.get("headers", [])
-            if engine is None or (guard is not None and not isinstance(guard, RegionAuth)) or not _is_json(headers):
+            if writer is None or (guard is not None and not isinstance(guard, RegionAuth)) or not _is_json(headers):
                 await app(scope, receive, send)
                 return
             who = None
@@ -90,9 +92,9 @@ def batch_fast_path(state_of: Callable[[], Any], max_body: int) -> Callable[[ASG
             if who is not None:
                 scope[SCOPE_KEY] = who
             if path == LEASES:
-                payload = _encode(LeaseBatchResponse(results=await engine.grant_many(items)))
+                payload = _encode(LeaseBatchResponse(results=await writer.grant_many(items)))
             else:
-                payload = _encode(UsageBatchResponse(results=await engine.report_many(items)))
+                payload = _encode(UsageBatchResponse(results=await writer.report_many(items)))
             await send({"type": "http.response.start", "status": 200,
                         "headers": [*_JSON_HEADERS, (b"content-length", str(len(payload)).encode())]})
             await send({"type": "http.response.body", "body": payload})

@@ -28,7 +28,7 @@ etcd's limit when the queue is long.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 RECORD_BYTES = 700  # estimated bytes of one grant or report in a transaction (record, key twice)
 WINDOW_BYTES = 900  # estimated bytes of a window record and its key, until one was encoded
@@ -47,14 +47,17 @@ class Queued(Protocol):
     def lease_id(self) -> str: ...
 
 
-class Unit:
+Q = TypeVar("Q", bound=Queued)
+
+
+class Unit(Generic[Q]):
     """Items of one kind bound for one transaction, with what they cost of etcd's limits."""
 
     __slots__ = ("is_grant", "items", "fence", "pools", "windows", "compares", "puts", "bytes", "lease_ids")
 
     def __init__(self, is_grant: bool):
         self.is_grant = is_grant
-        self.items: list = []
+        self.items: list[Q] = []
         self.fence: dict[int, int] = {}  # shard -> epoch
         self.pools: set[str] = set()
         self.windows: set[tuple[str, str]] = set()
@@ -70,7 +73,7 @@ class Unit:
             return shard_new + 2, 2, RECORD_BYTES + window_bytes(item.pool)
         return shard_new + 2, 2, RECORD_BYTES + window_bytes(item.pool)
 
-    def add(self, item: Queued, cost: tuple[int, int, int]) -> None:
+    def add(self, item: Q, cost: tuple[int, int, int]) -> None:
         self.items.append(item)
         self.fence[item.shard] = item.epoch
         self.pools.add(item.pool)
@@ -83,15 +86,15 @@ class Unit:
         self.bytes += cost[2]
 
 
-def form_units(ready: Iterable[Queued], *, busy: set[str] | frozenset[str], free: int, per_unit: int,
+def form_units(ready: Iterable[Q], *, busy: set[str] | frozenset[str], free: int, per_unit: int,
                max_ops: int, max_bytes: int, window_bytes: Callable[[str], int] = lambda _p: WINDOW_BYTES,
-               ) -> tuple[list[Unit], list[Queued]]:
+               ) -> tuple[list[Unit[Q]], list[Q]]:
     """Group ``ready`` (queue order) into at most ``free`` units; returns (units, items left for
     later, in queue order)."""
-    units: list[Unit] = []
-    left: list[Queued] = []
+    units: list[Unit[Q]] = []
+    left: list[Q] = []
     held: set[str] = set(busy)  # pools whose (remaining) items wait
-    unit_of: dict[str, Unit] = {}  # pool -> its unit in this pass
+    unit_of: dict[str, Unit[Q]] = {}  # pool -> its unit in this pass
     full = 0  # units holding per_unit items
     items = iter(ready)
     for item in items:
@@ -130,7 +133,7 @@ def form_units(ready: Iterable[Queued], *, busy: set[str] | frozenset[str], free
     return units, left
 
 
-def _fits(unit: Unit, item: Queued, window_bytes: Callable[[str], int], per_unit: int, max_ops: int,
+def _fits(unit: Unit[Q], item: Q, window_bytes: Callable[[str], int], per_unit: int, max_ops: int,
           max_bytes: int) -> tuple[int, int, int] | None:
     """What ``unit`` grows by with ``item``, or None when the item may not join it."""
     is_grant = unit.is_grant

@@ -4,7 +4,8 @@ policy bundle; etcd operation names; outcome codes), never lease ids."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -18,11 +19,16 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kernel.build_info import BuildInfo
+from kernel.bundle import Pool
 from kernel.metrics_exposition import standard_collectors
 from kernel.policy_metrics import policy_metrics
+from kernel.wire import WindowRef
+
+if TYPE_CHECKING:
+    from .election import Election
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-disable_created_metrics()  # no *_created series (docs/metrics.md, cardinality budget)
+disable_created_metrics()  # type: ignore[no-untyped-call]  # (unannotated in prometheus_client) no *_created series (docs/metrics.md, cardinality budget)
 MAX_REGION_LABELS = 64
 
 
@@ -47,10 +53,10 @@ class WindowFill:
             for k in [k for k, (_, end, _) in self._seen.items() if end <= now]:
                 del self._seen[k]
 
-    def describe(self):
+    def describe(self) -> list[GaugeMetricFamily]:
         return [GaugeMetricFamily(self.NAME, self.HELP, labels=self.LABELS)]
 
-    def collect(self):
+    def collect(self) -> Iterator[GaugeMetricFamily]:
         fam = GaugeMetricFamily(self.NAME, self.HELP, labels=self.LABELS)
         now = self.clock() * 1000
         ratio: dict[str, float] = {}
@@ -68,7 +74,7 @@ class AllocatorMetrics:
 
     def __init__(self) -> None:
         self._regions: set[str] = set()
-        self._flushers: list[Callable[[], None]] = []  # counts kept outside the registry, moved in at render
+        self._granted: dict[tuple[str, str], list[int]] = {}  # (pool, region) -> [grants, tokens] not yet counted
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.grants = Counter("leasehold_allocator_grants_total", "Lease grants committed (new, not replays)",
                               ["pool", "region"], registry=r)
@@ -131,7 +137,7 @@ class AllocatorMetrics:
                                       ["op"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                                        1, 2.5), registry=r)
 
-    def describe_pools(self, pools) -> None:
+    def describe_pools(self, pools: Iterable[Pool]) -> None:
         for p in pools:
             self.pool_limit.labels(p.id).set(p.limit)
             self.pool_window_ms.labels(p.id).set(p.window_ms / 1000)
@@ -147,33 +153,50 @@ class AllocatorMetrics:
             return region
         return "other"
 
-    def note_grant_window(self, pool: str, window, limit: int, remaining: int) -> None:
+    def note_grant_window(self, pool: str, window: WindowRef, limit: int, remaining: int) -> None:
         """After a grant decision: the window's fill (see :class:`WindowFill`)."""
         self.window_fill.note(pool, window.index, window.start_ms, window.end_ms, limit, remaining)
 
     def observe_etcd(self, op: str, seconds: float) -> None:
         self.etcd_latency.labels(op).observe(seconds)
 
-    def on_leader_change(self, leading: bool, epoch: int | None) -> None:
-        self.leader_changes.inc()
-        self.is_leader.set(1 if leading else 0)
-        if epoch is not None:
-            self.epoch.set(epoch)
+    def follow_election(self, election: Election) -> None:
+        """The leadership gauges read the election at scrape time."""
+        self.is_leader.set_function(lambda: 1.0 if election.is_leader else 0.0)
+        self.shards_led.set_function(lambda: float(len(election.led)))
+        self.epoch.set_function(lambda: float(election.leader.epoch or 0))
 
-    def on_shard_change(self, leading: bool, led: int, shard0_epoch: int | None) -> None:
-        """A sharded replica acquired or released one shard; ``led``: shards it leads now."""
-        self.shard_changes.labels("acquired" if leading else "released").inc()
-        self.shards_led.set(led)
-        self.is_leader.set(1 if led else 0)
-        if shard0_epoch is not None:
-            self.epoch.set(shard0_epoch)
+    def on_leadership(self, event: str, shard: int, epoch: int | None) -> None:
+        """The election's events: this replica ``acquired`` or ``released`` a shard, or shard 0's
+        leader changed (``observed``: a leader change, whoever leads now)."""
+        if event == "observed":
+            self.leader_changes.inc()
+        else:
+            self.shard_changes.labels(event).inc()
 
-    def add_flush(self, fn: Callable[[], None]) -> None:
-        """``fn`` moves counts kept elsewhere (the engine's per-grant tallies) into the metrics;
-        it runs before every render."""
-        self._flushers.append(fn)
+    def count_grant(self, pool: str, region: str, granted: int, exhausted_now: bool) -> None:
+        """A committed grant. Granted ones are tallied per (pool, region) and moved into the
+        counters at scrape time (one labelled increment per pair and scrape instead of two per grant)."""
+        if granted:
+            counts = self._granted.get((pool, region))
+            if counts is None:
+                if len(self._granted) >= 100_000:
+                    self._flush_grants()
+                counts = self._granted[(pool, region)] = [0, 0]
+            counts[0] += 1
+            counts[1] += granted
+        else:
+            self.empty_grants.labels(pool, self.region(region)).inc()
+        if exhausted_now:
+            self.exhaustions.labels(pool).inc()
+
+    def _flush_grants(self) -> None:
+        counts, self._granted = self._granted, {}
+        for (pool, region), (grants, tokens) in counts.items():
+            label = self.region(region)
+            self.grants.labels(pool, label).inc(grants)
+            self.granted_tokens.labels(pool, label).inc(tokens)
 
     def render(self) -> bytes:
-        for fn in self._flushers:
-            fn()
+        self._flush_grants()
         return generate_latest(self.registry)

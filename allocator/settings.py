@@ -15,7 +15,7 @@ from kernel.options import Help
 ENV_PREFIX = "LEASEHOLD_ALLOCATOR_"
 
 
-class AllocatorSettings(ServingSettings, forbid_unknown_fields=True):
+class AllocatorSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):  # (frozen: as inherited)
     """Leasehold allocator: global pools on etcd, epoch-fenced lease grants."""
 
     etcd: Annotated[str, Help(

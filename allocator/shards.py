@@ -15,7 +15,9 @@ Invariants (checked after every case by ``tests/unit/allocator/test_shards.py``)
   leaves, only its shards move;
 * spread: each of n replicas owns about 1/n of the shards.
 
-Takeover rules (:func:`plan`), applied by every replica to each snapshot it reads from etcd:
+Takeover rules (:func:`plan`), applied by every replica to each snapshot it reads from etcd
+(with one shard, the plain deployment: the first replica to campaign leads while it lives — no
+intended owner, no handoff, so a replica joining never moves the leadership):
 
 * a replica leads a shard when the shard's leader key is attached to its own etcd lease;
 * it campaigns (``version == 0`` compare) for a shard without a leader when it is the shard's
@@ -27,7 +29,7 @@ Takeover rules (:func:`plan`), applied by every replica to each snapshot it read
   ``hold_s`` ago (a replica that cannot campaign would otherwise make it bounce).
 
 Fencing does not depend on any of this being timely: every leader write compares its shard's
-epoch in the same etcd transaction (``allocator.engine``).
+epoch in the same etcd transaction (``allocator.transactions``).
 """
 
 from __future__ import annotations
@@ -47,11 +49,16 @@ def owner(shard: int, members: Collection[str]) -> str | None:
     return max(members, key=lambda m: (weight(shard, m), m), default=None)
 
 
+def intended_owner(shard: int, shards: int, members: Collection[str]) -> str | None:
+    """The replica that should lead ``shard`` (None with one shard: whoever leads it keeps it)."""
+    return None if shards == 1 else owner(shard, members)
+
+
 def assignment(shards: int, members: Collection[str]) -> dict[int, str]:
     """shard -> intended owner, for every shard (empty when there is no member)."""
     if not members:
         return {}
-    return {s: owner(s, members) for s in range(shards)}  # type: ignore[misc]
+    return {s: o for s in range(shards) if (o := owner(s, members)) is not None}  # (every shard: members is not empty)
 
 
 def spread(assign: Mapping[int, str]) -> dict[str, int]:
@@ -117,6 +124,8 @@ def plan(me: str, shards: int, view: View, *, led: Collection[int], orphaned_sin
     (it takes part in no assignment until etcd shows it alive)."""
     if me not in view.members:
         return NOTHING
+    if shards == 1:
+        return NOTHING if 0 in led or 0 in view.leaders else Plan(frozenset({0}), frozenset(), frozenset())
     campaign: set[int] = set()
     takeover: set[int] = set()
     resign: set[int] = set()

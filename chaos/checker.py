@@ -25,7 +25,14 @@ Which records feed which check:
   any attribution that fits every window's bound is accepted (see
   :func:`chaos.invariants.admitted_within_bound`) and the note counts such decisions;
 * acknowledged grants persisted: non-zero region-received grants against ``etcd_grant``. Only
-  judged when the history holds etcd records (otherwise reported as not checked).
+  judged when the history holds etcd records (otherwise reported as not checked);
+* fault-free utilisation: per pool and window, admitted / G against the demand offered to the pool
+  (decisions admitted or denied by the pool's own rule: :class:`chaos.invariants.Utilisation`).
+  A window whose demand exceeded G must reach :data:`chaos.invariants.UTILISATION_FLOOR` unless
+  something touched it — a fault (from its start to its stop plus its grace, at least
+  :data:`UTILISATION_GRACE_MS`), a failure no fault names (a leader change, a fallback decision),
+  a policy change, or the edge of the run's load (a window the load did not cover from start to
+  end): those are reported, marked, and not judged.
 """
 
 from __future__ import annotations
@@ -80,7 +87,13 @@ INVARIANTS = (
     "no_spend_after_expiry",
     "admitted_within_bound",
     "acknowledged_grants_persisted",
+    "fault_free_utilisation",
 )
+
+#: After a fault stops, its effect on utilisation may last this long at least (an agent's breaker
+#: half-opens, a healed allocator link serves its next top-up, a new leader's first grants): the
+#: windows until then are reported, not judged.
+UTILISATION_GRACE_MS = 3_000
 
 
 class Verdict(Struct):
@@ -95,7 +108,7 @@ class Report(Struct):
     verdicts: list[Verdict]
     windows: list[WindowBound]
     worst: dict[str, WindowBound]  # per pool: the window with the largest admitted - bound
-    utilisation: list[Utilisation]  # windows whose demand exceeded G
+    utilisation: list[Utilisation]  # windows whose demand exceeded G (``touched`` ones are not judged)
     faults: list[Fault]
     tolerance_ms: int
     counts: dict[str, int]
@@ -128,14 +141,76 @@ class Report(Struct):
             lines.append(f"  worst window of {pool}: #{w.window_index} admitted {w.admitted} vs G {w.limit} "
                          f"(overshoot {w.overshoot:+d}, {pct:+.1f}%), bound {w.bound} "
                          f"(fallback {w.fallback_allowance}, local {w.local_allowance})")
-        if self.utilisation:
-            lines.append("  utilisation (windows with demand > G): "
-                         + ", ".join(f"{u.pool}#{u.window_index} {u.ratio:.2f}" for u in self.utilisation[:12])
-                         + (" ..." if len(self.utilisation) > 12 else ""))
+        lines += render_utilisation(self.utilisation)
         for f in self.faults:
             stop = "active" if f.stop_ms is None else f"{f.stop_ms}"
             lines.append(f"  fault {f.nemesis} on {f.target}: {f.start_ms} -> {stop} {f.detail}".rstrip())
         return "\n".join(lines)
+
+
+def render_utilisation(util: Iterable[Utilisation]) -> list[str]:
+    """Per pool, admitted / G of every window whose demand exceeded G, in window order (as the bound
+    check attributed them); a window something touched (reported, not judged) is marked ``*``. The
+    lowest judged value is given as attributed and *at most* (counting in each window the answers
+    that may lie in a neighbouring one: what the check judges)."""
+    by_pool: dict[str, list[Utilisation]] = defaultdict(list)
+    for u in util:
+        by_pool[u.pool].append(u)
+    lines = []
+    for pool, us in sorted(by_pool.items()):
+        judged = [u for u in us if u.judged]
+        low = "none judged" if not judged else (
+            f"lowest judged {min(u.ratio for u in judged):.2f} as attributed, "
+            f"{min(u.ratio_max for u in judged):.2f} at most")
+        lines.append(f"  utilisation of {pool} (windows with demand > G; * touched, not judged; {low}): "
+                     + " ".join(f"{u.ratio:.2f}{'*' if u.touched else ''}"
+                                for u in sorted(us, key=lambda u: u.window_index)))
+    return lines
+
+
+def failure_spans(leaders: Iterable[Leader], decisions: Iterable[DecisionRec]) -> list[tuple[int, int, str]]:
+    """Failures no fault record names, on the recorder clock: a leader change (a new epoch of a
+    shard, :data:`UTILISATION_GRACE_MS` either side of when it was observed), and a decision from a
+    fallback or local allowance (the allocator or Redis could not be reached: from its send to its
+    answer plus the grace). E.g. etcd taking seconds to settle after an isolated member rejoins
+    outlasts the fault's recorded grace; the bound check judges those windows regardless."""
+    out: list[tuple[int, int, str]] = []
+    seen: dict[int, int] = {}
+    for r in sorted(leaders, key=lambda r: r.observed_at_ms):
+        if r.shard in seen and seen[r.shard] != r.epoch:
+            out.append((r.observed_at_ms - UTILISATION_GRACE_MS, r.observed_at_ms + UTILISATION_GRACE_MS,
+                        f"leader change (epoch {r.epoch})"))
+        seen[r.shard] = r.epoch
+    for d in decisions:
+        if d.fallback or d.local:
+            sent = d.sent_at_ms if d.sent_at_ms is not None else d.recorded_at_ms
+            out.append((sent, d.recorded_at_ms + UTILISATION_GRACE_MS, "a fallback decision"))
+    return out
+
+
+def touched_windows(faults: Iterable[Fault], window_ms: dict[str, int], offsets_ms: tuple[int, int],
+                    load_ms: tuple[int, int], end_ms: int,
+                    failures: Iterable[tuple[int, int, str]] = ()):  # type: ignore[no-untyped-def]
+    """``(pool, index) -> str``: what touched that allocator-clock window for the utilisation
+    check — a fault (start to stop plus max(grace, :data:`UTILISATION_GRACE_MS`); to the end of the
+    history while still active), a failure no fault names (``failures``: :func:`failure_spans`), or
+    the edge of the load (``load_ms``: the first send and the last answer, recorder clock); empty
+    when nothing did."""
+    spans = [(f.start_ms + offsets_ms[0], (f.stop_ms if f.stop_ms is not None else end_ms)
+              + max(f.grace_ms, UTILISATION_GRACE_MS) + offsets_ms[1], f"{f.nemesis} on {f.target}") for f in faults]
+    spans += [(start + offsets_ms[0], stop + offsets_ms[1], name) for start, stop, name in failures]
+    first, last = load_ms[0] + offsets_ms[1], load_ms[1] + offsets_ms[0]
+
+    def of(pool: str, index: int) -> str:
+        w = window_ms.get(pool)
+        if not w:
+            return ""
+        lo, hi = index * w, (index + 1) * w
+        if lo < first or hi > last:
+            return "edge of the load"
+        return next((name for start, stop, name in spans if start < hi and stop >= lo), "")
+
+    return of
 
 
 def allocator_offsets(topo: TopologyRec | None) -> tuple[int, int]:
@@ -256,7 +331,13 @@ def check(history: str | Path | Iterable[Record], pools: Bundle | Iterable[Pool 
         cur = worst.get(w.pool)
         if cur is None or (w.excess, w.overshoot) > (cur.excess, cur.overshoot):
             worst[w.pool] = w
-    util = [u for u in inv.utilisation(d_recs, policies, bound.windows) if u.demand > u.limit]
+    load_ms = (min((d.sent_at_ms if d.sent_at_ms is not None else d.recorded_at_ms for d in decisions), default=0),
+               max((d.recorded_at_ms for d in decisions), default=0))
+    touched = touched_windows(faults, window_ms, offsets, load_ms, end_ms, failure_spans(leaders, decisions))
+    util = [u for u in inv.utilisation(d_recs, policies, bound.windows, touched) if u.demand > u.limit]
+    judged = [u for u in util if u.judged]
+    add("fault_free_utilisation", inv.fault_free_utilisation(util), checked=bool(judged),
+        note=f"{len(judged)} window(s) judged, {len(util) - len(judged)} touched" if util else "")
     counts = {"grants": len(grants), "etcd_grants": len(etcd), "etcd_windows": len(etcd_windows), "decisions": len(decisions),
               "faults": len(faults), "leaders": len(leaders)}
     return Report(verdicts, bound.windows, worst, util, faults, tolerance_ms, counts)

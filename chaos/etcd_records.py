@@ -15,9 +15,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from allocator.election import LeaderRecord
-from allocator.engine import GrantRecord, Keys
-from allocator.policy import WindowState
+from allocator.allocation import WindowState
+from allocator.records import GrantRecord, Keys, LeaderRecord
 from kernel.etcd_store import EtcdStore
 
 from .history import EtcdGrant, EtcdWindow, HistoryError, Leader, now_ms
@@ -46,7 +45,7 @@ def leader_from_kv(value: bytes, create_revision: int, shard: int = 0) -> Leader
 async def read_leaders(store: EtcdStore, prefix: str = "/leasehold/") -> list[Leader]:
     """The current leader of every shard of allocator leadership (unsharded: the one leader), in
     one etcd snapshot; empty while no leader is elected."""
-    _rev, (sharded, single) = await store.read_prefixes([f"{prefix}leader/".encode()], [Keys(prefix).leader])
+    _rev, (sharded, single) = await store.snapshot([f"{prefix}leader/".encode()], [Keys(prefix).leader])
     out = [leader_from_kv(kv.value, kv.create_revision) for kv in single]
     for kv in sharded:
         tail = kv.key.rsplit(b"/", 1)[1]
@@ -75,7 +74,7 @@ async def read_back(endpoints: str | Sequence[str], prefix: str = "/leasehold/",
     store = EtcdStore(endpoints, timeout_s=timeout_s)
     out: list[EtcdGrant | EtcdWindow | Leader] = []
     try:
-        for kv in await store.get_prefix(keys.grants_prefix()):
+        for kv in await store.get_prefix(keys.grants):
             # mod_revision of the record is not the grant's commit: see the module docstring
             out.append(grant_from_kv(kv.value, kv.create_revision, kv.mod_revision, kv.key))
         for kv in await store.get_prefix(f"{prefix}pools/".encode()):

@@ -65,6 +65,7 @@ class PoolSpend(Struct, rename="camel"):
     tokens: int = 1
     lease_id: str | None = None  # None: not spent from a lease (fallback / local allowance)
     window_index: int | None = None
+    rule: str | None = None  # the rule that spends the pool: a denial by another rule never reached it
 
 
 class DecisionRec(_Rec, tag="decision"):
@@ -297,7 +298,8 @@ def to_pool_admissions(d: DecisionRec, window_of: dict[str, int] | None = None,
                                   local=d.local and s.lease_id is None, lease_id=s.lease_id,
                                   at_ms=d.recorded_at_ms, agent=d.agent,
                                   last_window=last if last is not None and last != index else None,
-                                  certain_source=single))
+                                  certain_source=single,
+                                  offered=d.allowed or s.rule is None or d.policy_id == s.rule))
     return out
 
 

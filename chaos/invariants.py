@@ -24,6 +24,7 @@ a shard; without it every pool is in one shard, as in an unsharded deployment.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -169,6 +170,7 @@ class PoolAdmission(Struct, frozen=True):
     agent: str | None = None
     last_window: int | None = None  # None: the window is certain
     certain_source: bool = True  # False: ``fallback`` may concern another pool of the same decision
+    offered: bool = True  # the request reached this pool: admitted, or denied by the pool's own rule
 
     @property
     def windows(self) -> range:
@@ -211,16 +213,43 @@ class BoundCheck(Struct, frozen=True):
     worst: WindowBound | None  # the window with the largest admitted - bound
 
 
+#: Capacity must not be wasted when nothing fails: a window whose demand exceeded G and that nothing
+#: touched admits at least this share of G (:func:`fault_free_utilisation`).
+UTILISATION_FLOOR = 0.97
+
+
 class Utilisation(Struct, frozen=True):
+    """One pool window's use of G. ``demand``: tokens *offered to the pool* — admitted, or denied by
+    the pool's own rule — by attempts that were really made and answered (not what a load generator
+    meant to send, nor requests another rule denied first: no pool could have admitted those)."""
+
     pool: str
     window_index: int
     admitted: int
-    demand: int  # tokens asked for (allowed + denied)
+    demand: int
     limit: int
+    touched: str = ""  # what touched the window (a fault, a policy change, the run's edge): reported, not judged
+    # the most that may have been admitted in this window: every admission that may lie in it (one
+    # answered after a boundary it was sent before counts in both windows); None: ``admitted``
+    admitted_max: int | None = None
 
     @property
     def ratio(self) -> float:
         return self.admitted / self.limit if self.limit else 0.0
+
+    @property
+    def most(self) -> int:
+        return self.admitted if self.admitted_max is None else max(self.admitted, self.admitted_max)
+
+    @property
+    def ratio_max(self) -> float:
+        """``most`` / G: what the utilisation check judges."""
+        return self.most / self.limit if self.limit else 0.0
+
+    @property
+    def judged(self) -> bool:
+        """Judged by :func:`fault_free_utilisation`: demand above G and nothing touched the window."""
+        return not self.touched and self.demand > self.limit
 
 
 # ----------------------------------------------------------------------------- policy helpers
@@ -673,23 +702,67 @@ def acknowledged_grants_persisted(received_grants: Iterable[GrantSighting],
 
 
 def utilisation(decisions: Iterable[PoolAdmission], pools: Iterable[PoolPolicy],
-                windows: Iterable[WindowBound] | None = None) -> list[Utilisation]:
-    """Admitted / G per pool and window, with the demand (a report, not a violation). Demand is
-    counted in each decision's first candidate window; admitted as :func:`admitted_within_bound`
-    attributed it when its ``windows`` are given."""
+                windows: Iterable[WindowBound] | None = None,
+                touched: Callable[[str, int], str] | None = None) -> list[Utilisation]:
+    """Admitted / G per pool and window, with the demand offered to the pool (see
+    :class:`Utilisation`): counted in each decision's first candidate window, from the decisions
+    that reached the pool (``offered``). Admitted as :func:`admitted_within_bound` attributed it
+    when its ``windows`` are given, and at most every admission that may lie in the window
+    (``admitted_max``). ``touched(pool, index)`` names what touched a window (a fault, the run's
+    edge; empty: nothing); a window in which the pool's policy changed is touched too."""
     by_id = _versions(pools)
     admitted: dict[tuple[str, int], int] = defaultdict(int)
+    most: dict[tuple[str, int], int] = defaultdict(int)
     demand: dict[tuple[str, int], int] = defaultdict(int)
     for d in decisions:
-        demand[(d.pool, d.window_index)] += d.tokens
-        if d.allowed and windows is None:
-            admitted[(d.pool, d.window_index)] += d.tokens
+        if d.offered or d.allowed:
+            demand[(d.pool, d.window_index)] += d.tokens
+        if d.allowed:
+            for k in d.windows:
+                most[(d.pool, k)] += d.tokens
+            if windows is None:
+                admitted[(d.pool, d.window_index)] += d.tokens
     for w in windows or ():
         admitted[(w.pool, w.window_index)] += w.admitted
         demand[(w.pool, w.window_index)] = max(demand[(w.pool, w.window_index)], w.admitted)
     out: list[Utilisation] = []
     for (pool, index), asked in sorted(demand.items()):
         policy = policy_for_window(by_id, pool, index)
-        if policy is not None:
-            out.append(Utilisation(pool, index, admitted.get((pool, index), 0), asked, policy.limit))
+        if policy is None:
+            continue
+        what = touched(pool, index) if touched is not None else ""
+        if not what and _policy_changed(by_id.get(pool, []), index):
+            what = "policy change"
+        out.append(Utilisation(pool, index, admitted.get((pool, index), 0), asked, policy.limit, what,
+                               most.get((pool, index), 0)))
+    return out
+
+
+def _policy_changed(versions: Sequence[PoolPolicy], index: int) -> bool:
+    """A version of the pool took effect during window ``index`` (or G differs across versions in it)."""
+    if not versions:
+        return False
+    start = index * versions[0].window_ms
+    return any(v.valid_from_ms is not None and start < v.valid_from_ms < start + versions[0].window_ms
+               for v in versions)
+
+
+def fault_free_utilisation(windows: Iterable[Utilisation], floor: float = UTILISATION_FLOOR) -> list[Violation]:
+    """Leases must not waste capacity when nothing fails: every window whose demand offered to the
+    pool exceeded G and that nothing touched (:attr:`Utilisation.judged`) admitted at least
+    ``floor`` x G — even counting in it every admission that may lie in it
+    (:attr:`Utilisation.most`), a shortfall is certain. Windows a fault touched are reported, not
+    judged: a fault may rightly strand tokens (a cut-off region's lease) or deny (an unreachable
+    allocator, a closed rule)."""
+    out: list[Violation] = []
+    for u in windows:
+        if not u.judged:
+            continue
+        need = math.ceil(round(floor * u.limit, 6))  # 0.97 x 100 is 97, not 97.00000000000001
+        if u.most < need:
+            between = f", {u.most} counting those that may lie in a neighbouring window" if u.most != u.admitted else ""
+            out.append(Violation("fault_free_utilisation",
+                                 f"pool {u.pool} window {u.window_index}: admitted {u.admitted}{between} of G "
+                                 f"{u.limit} ({u.most / u.limit:.2f} < {floor}) with {u.demand} tokens of demand "
+                                 "and no fault", u.pool, u.window_index, observed=u.most, bound=need))
     return out

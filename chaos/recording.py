@@ -30,7 +30,8 @@ def pool_spends(bundle: Bundle, *, tenant: str | None, route_group: str, princip
         if not isinstance(rule, PoolRule) or rule.shadow or rule.pool_id not in pools:
             continue
         pool = pools[rule.pool_id]
-        out.append(PoolSpend(pool=pool.id, tokens=rule.tokens(max(1, cost_hint)), window_index=at_ms // pool.window_ms))
+        out.append(PoolSpend(pool=pool.id, tokens=rule.tokens(max(1, cost_hint)), window_index=at_ms // pool.window_ms,
+                             rule=rule.id))
     return out
 
 

@@ -1,7 +1,8 @@
 """A chaos run's report directory:
 
 * ``report.json`` — verdict per invariant (with violations), per-pool worst window (admitted,
-  G, bound, overshoot), utilisation, faults with times (relative to the run start and
+  G, bound, overshoot), utilisation per window with demand above G (``touched``: what touched it,
+  ``judged``: held to the fault-free floor), faults with times (relative to the run start and
   absolute), scenario expectations, load statistics;
 * ``report.txt`` — the same as text (``Report.render()`` plus expectations);
 * ``<pool>.png`` — admitted per window against G and the bound, fault intervals shaded
@@ -107,7 +108,9 @@ def write_report(result: RunResult) -> Path:
                       "overshoot": w.overshoot, "excess": w.excess, "fallbackAllowance": w.fallback_allowance,
                       "localAllowance": w.local_allowance} for p, w in rep.worst.items()},
         "utilisation": [{"pool": u.pool, "window": u.window_index, "admitted": u.admitted, "demand": u.demand,
-                         "limit": u.limit, "ratio": round(u.ratio, 3)} for u in rep.utilisation],
+                         "limit": u.limit, "ratio": round(u.ratio, 3), "admittedMax": u.most,
+                         "ratioMax": round(u.ratio_max, 3), "touched": u.touched, "judged": u.judged}
+                        for u in rep.utilisation],
         "counts": rep.counts, "toleranceMs": rep.tolerance_ms, "stats": result.stats,
     }
     (out / "report.json").write_bytes(msgspec.json.format(msgspec.json.encode(doc), indent=2))

@@ -1,6 +1,7 @@
 """``python -m chaos summary REPORT_DIR`` — one Markdown table over a directory of chaos reports:
 scenario x seed -> per pool the worst window's overshoot beyond G against what the bound allowed
-there, the utilisation of windows whose demand exceeded G, and the verdict.
+there, the utilisation of windows whose demand exceeded G (all of them, and the lowest of those no
+fault touched: the ones judged against the floor), and the verdict.
 
 ``--readme chaos/README.md`` writes the table between the README's
 ``<!-- generated:chaos-summary -->`` markers instead of printing it. For several reports of one
@@ -48,6 +49,17 @@ def _util(rows: Iterable[dict]) -> str:
     return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
 
 
+def _fault_free(rows: Iterable[dict]) -> str:
+    """Over the judged windows (fault-free, demand > G): the lowest utilisation as attributed, the
+    lowest counting the answers that may lie in a neighbouring window (what is judged), and how many."""
+    judged = [u for u in rows if u.get("judged")]
+    if not judged:
+        return "–"
+    low = min(u["ratio"] for u in judged)
+    most = min(u.get("ratioMax", u["ratio"]) for u in judged)
+    return f"{low:.2f} / {most:.2f} ({len(judged)})"
+
+
 def _verdict(doc: dict) -> str:
     if doc.get("ok"):
         return "PASS"
@@ -59,16 +71,19 @@ def _verdict(doc: dict) -> str:
 def table(docs: list[dict]) -> str:
     pools = sorted({p for d in docs for p in d.get("worst", {})})
     head = ["scenario", "seed", *[f"`{p}` worst: overshoot / allowed" for p in pools],
-            "utilisation (demand > G): median (range)", "verdict"]
+            "utilisation (demand > G): median (range)", "fault-free windows (demand > G): lowest / at most (windows)", "verdict"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for d in docs:
         row = [f"`{d['scenario']}`", str(d["seed"]), *[_pool_cell(d.get("worst", {}).get(p)) for p in pools],
-               _util(d.get("utilisation", [])), _verdict(d)]
+               _util(d.get("utilisation", [])), _fault_free(d.get("utilisation", [])), _verdict(d)]
         out.append("| " + " | ".join(row) + " |")
     runs, passed = len(docs), sum(1 for d in docs if d.get("ok"))
     out.append("")
     out.append(f"{passed} of {runs} runs passed. *overshoot / allowed*: the worst window's admitted - G, "
-               "against bound - G in that window (what its faults allowed); utilisation: admitted / G.")
+               "against bound - G in that window (what its faults allowed); utilisation: admitted / G; "
+               "fault-free windows: those no fault, policy change or edge of the load touched, judged against "
+               "0.97 at their most (counting the answers received after a boundary their request was sent "
+               "before in both windows).")
     return "\n".join(out)
 
 

@@ -1,16 +1,29 @@
-"""Thin etcd adapter over aetcd 1.0: endpoint failover, a timeout on every call, driver errors
-translated to ``kernel.errors`` at this boundary, and shared expiry-bucket leases.
+"""The etcd adapter: the one module that talks to etcd (everything else in Leasehold calls this).
 
-The allocator's hot path builds its transactions as the protobuf ``TxnRequest`` itself
-(:class:`TxnBuilder`, over the etcdserverpb stubs aetcd ships) and sends each with one call of
-the KV stub (:meth:`EtcdStore.commit`): aetcd's per-op wrapper objects (a compare object, an op
-object and a conversion to protobuf for each) cost about three times as much CPU as the message.
-Everything else (elections, leases, reads, watches) goes through aetcd as before.
+It speaks etcd's gRPC API through the ``etcdserverpb`` stubs and messages that aetcd 1.0 ships
+as generated code (``aetcd.rpc``: ``KVStub``, ``LeaseStub``, ``WatchStub``, ``MaintenanceStub``,
+``AuthStub`` and their request types) over gRPC channels it opens itself — plaintext, or TLS with
+the link's credentials (:mod:`kernel.etcd_tls`). No part of aetcd's ``Client`` is used, so
+nothing here reads a private attribute of a library or replaces one; what this module relies on
+(the generated names and fields) is checked by ``tests/unit/kernel/test_etcd_store_rpc.py``.
+Why this shape, and why one channel per endpoint rather than one over all of them:
+``docs/decisions/0023-etcd-adapter-on-the-generated-stubs.md``.
 
-aetcd's ``Client`` talks to one endpoint; :class:`EtcdStore` holds the comma-separated list,
-uses one at a time and moves to the next on connection failures or timeouts (each call tries
-every endpoint at most once). A write retried on another endpoint after an ambiguous failure
-is safe here because every write the allocator makes is a compare-and-swap transaction.
+What it adds to the raw API:
+
+* **endpoints**: the comma-separated list is used one endpoint at a time; a call that fails
+  with a connection error or a timeout moves on to the next (each call tries every endpoint at
+  most once). A write retried on another endpoint after an ambiguous failure is safe here
+  because every write Leasehold makes is a compare-and-swap transaction.
+* **a bound on every call** (``timeout_s``), given up on without waiting for the cancelled call
+  (:func:`abandon_after`).
+* **authentication**: with a user, the token from etcd's ``Authenticate`` on every call; an
+  expired token is renewed once and the call repeated.
+* **errors** translated to ``kernel.errors`` at this boundary: :class:`EtcdLeaseMissing`,
+  :class:`EtcdTxnTooLarge`, :class:`RevisionCompacted`, ``StoreUnavailable`` (no endpoint
+  answered), ``Unavailable`` (anything else etcd refused).
+* **transactions** as the protobuf ``TxnRequest`` itself (:class:`TxnBuilder`, one ``add`` per
+  compare or op; sent with one call, :meth:`EtcdStore.commit`): the allocator's hot path.
 """
 
 from __future__ import annotations
@@ -18,41 +31,48 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import aetcd
-import aetcd.exceptions as aex
-import aetcd.utils as aetcd_utils
 import grpc
-from aetcd import rpc
-from aetcd.client import Transactions
+import grpc.aio
+from aetcd import rpc  # the generated etcdserverpb code (messages and stubs), nothing of aetcd's client
 
 from .errors import LeaseholdError, StoreUnavailable, Unavailable
 from .etcd_endpoints import endpoints_scheme, parse_endpoints
-from .etcd_tls import TlsClient
 
-log = logging.getLogger("allocator.etcd")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops (compares, success and failure each)
 TXN_OPS_PROBE = (1024, 512, 256)  # what discover_max_txn_ops tries, largest first (then MAX_TXN_OPS)
 
 # gRPC shares subchannels between channels to the same address, and with them the reconnect
-# backoff (1 s growing 1.6x up to 120 s): a fresh client for an endpoint that failed a few times
-# would fail fast with UNAVAILABLE for seconds after etcd is back. Each client gets its own
+# backoff (1 s growing 1.6x up to 120 s): a fresh channel to an endpoint that failed a few times
+# would fail fast with UNAVAILABLE for seconds after etcd is back. Each channel gets its own
 # subchannel, and reconnects are retried within a second.
-CHANNEL_OPTIONS = {
-    "grpc.use_local_subchannel_pool": 1,
-    "grpc.initial_reconnect_backoff_ms": 100,
-    "grpc.min_reconnect_backoff_ms": 100,
-    "grpc.max_reconnect_backoff_ms": 1000,
-}
+CHANNEL_OPTIONS = (
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+# status codes after which the call is tried on the next endpoint: the member is down, cut off
+# from its cluster ("etcdserver: request timed out", "no leader" are UNAVAILABLE) or its channel
+# was closed under the call
+_NEXT_ENDPOINT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED})
+_TOO_MANY_OPS = ("too many operations in txn request", "ops in one branch")
+_TOO_LARGE = (*_TOO_MANY_OPS, "request is too large", "larger than max")
+_COMPACTED = "required revision has been compacted"
+_LEASE_MISSING = "lease not found"
+_TOKEN_EXPIRED = "invalid auth token"
 
 
 class EtcdLeaseMissing(StoreUnavailable):
-    """A put named an etcd lease that no longer exists (expired or revoked)."""
+    """A put or keepalive named an etcd lease that no longer exists (expired or revoked)."""
 
     code, title = "store-unavailable", "etcd lease missing"
 
@@ -70,24 +90,43 @@ class EtcdTxnTooLarge(Unavailable):
         return not any(m in self.detail for m in _TOO_MANY_OPS)
 
 
-_TOO_MANY_OPS = ("too many operations in txn request", "ops in one branch")
-_TOO_LARGE = (*_TOO_MANY_OPS, "request is too large", "larger than max")
-_COMPACTED = "required revision has been compacted"
+class RevisionCompacted(Unavailable):
+    """The revision asked for is at or below etcd's compacted revision (a compaction to it is
+    then already done)."""
+
+    title = "etcd revision compacted"
 
 
-@dataclass(frozen=True)
+class CallInterrupted(TimeoutError):
+    """An etcd call ended by its channel closing under it (retried on the next endpoint, like a
+    timeout)."""
+
+
+@dataclass(frozen=True, slots=True)
 class KV:
     key: bytes
     value: bytes
     create_revision: int
     mod_revision: int
     version: int
-    lease: int = 0
+    lease: int = 0  # the etcd lease the key is attached to (0: none)
 
 
-def _kv(get: Any) -> KV:
-    return KV(key=bytes(get.key), value=bytes(get.value), create_revision=int(get.create_revision),
-              mod_revision=int(get.mod_revision), version=int(get.version), lease=int(getattr(get, "lease", 0)))
+def _kv(m: Any) -> KV:
+    return KV(key=bytes(m.key), value=bytes(m.value), create_revision=int(m.create_revision),
+              mod_revision=int(m.mod_revision), version=int(m.version), lease=int(m.lease))
+
+
+def prefix_range_end(prefix: bytes) -> bytes:
+    """The end of the key range holding every key that starts with ``prefix`` (etcd's rule:
+    the prefix with its last byte below 0xff incremented; ``\\0`` = every key above)."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"
 
 
 async def abandon_after(aw: Awaitable[T], timeout_s: float) -> T:
@@ -115,25 +154,62 @@ async def abandon_after(aw: Awaitable[T], timeout_s: float) -> T:
     return task.result()
 
 
-class CallInterrupted(TimeoutError):
-    """An etcd call ended by its channel closing under it (retried on the next endpoint, like a
-    timeout)."""
-
-
-def _retrieve(task: asyncio.Future) -> None:
+def _retrieve(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()  # an abandoned call's late error is not "never retrieved"
 
 
-class RevisionCompacted(Unavailable):
-    """The revision asked for is at or below etcd's compacted revision (a compaction to it is
-    then already done)."""
+class _Link:
+    """One endpoint: its channel, the stubs over it and the authentication token."""
 
-    title = "etcd revision compacted"
+    def __init__(self, host: str, port: int, tls: grpc.ChannelCredentials | None):
+        target = f"{host}:{port}"
+        self.name = target
+        self.channel = (grpc.aio.secure_channel(target, tls, options=CHANNEL_OPTIONS) if tls is not None
+                        else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS))
+        self.kv = rpc.KVStub(self.channel)
+        self.lease = rpc.LeaseStub(self.channel)
+        self.watch = rpc.WatchStub(self.channel)
+        self.maintenance = rpc.MaintenanceStub(self.channel)
+        self.auth = rpc.AuthStub(self.channel)
+        self.metadata: tuple[tuple[str, str], ...] | None = None  # (("token", ...),) once authenticated
+
+
+class Watch:
+    """An open etcd watch: ``async for response in watch`` yields each ``WatchResponse`` that
+    carries events; it ends with an error when etcd cancels the watch (a compaction) or the
+    stream breaks. :meth:`cancel` closes it."""
+
+    def __init__(self, call: Any):
+        self._call = call
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._responses()
+
+    async def _responses(self) -> AsyncIterator[Any]:
+        while True:
+            try:
+                resp = await self._call.read()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # we are being stopped
+                raise StoreUnavailable("etcd watch ended by its channel closing") from None
+            except grpc.aio.AioRpcError as e:
+                raise StoreUnavailable(f"etcd watch failed: {e.code().name}") from None
+            if resp is grpc.aio.EOF:
+                raise StoreUnavailable("etcd watch stream ended")
+            if resp.canceled:
+                raise StoreUnavailable(f"etcd cancelled the watch: {resp.cancel_reason or 'no reason given'}")
+            if resp.events:
+                yield resp
+
+    async def cancel(self) -> None:
+        self._call.cancel()
 
 
 class EtcdStore:
-    """One logical etcd client over several endpoints.
+    """One logical etcd client over several endpoints (the module docstring says what it adds).
 
     ``max_txn_ops``: the most ops a transaction may carry in each branch (etcd's
     ``--max-txn-ops``; 128 unless the cluster was started with more). ``None`` takes etcd's
@@ -152,139 +228,95 @@ class EtcdStore:
             tls = grpc.ssl_channel_credentials()  # an https:// endpoint is never dialled in plaintext
         self.max_txn_ops = max(MAX_TXN_OPS, max_txn_ops or MAX_TXN_OPS)
         self.txn_ops_known = max_txn_ops is not None  # configured, or discovered from the cluster
-        self._tls = tls  # kernel.etcd_tls.link_credentials(...): None = plaintext
-        self._auth = {"username": user, "password": password} if user else {}  # etcd authentication
         self.timeout_s = timeout_s
-        self.t = Transactions()  # compare/op builders (stateless)
+        self._tls = tls  # kernel.etcd_tls.link_credentials(...): None = plaintext
+        self._user = (user, password or "") if user else None  # etcd authentication
         self._observe = observe
         self._idx = 0
-        self._client: aetcd.Client | None = None
+        self._link: _Link | None = None
         self._lock = asyncio.Lock()
 
-    # -- connection management --------------------------------------------------------------
-    async def _get_client(self) -> aetcd.Client:
-        if self._client is None:
+    # -- endpoints ----------------------------------------------------------------------------
+    def _current(self) -> _Link:
+        if self._link is None:
             host, port = self.endpoints[self._idx]
-            self._client = TlsClient(host, port, timeout=max(1, int(self.timeout_s + 0.999)), tls=self._tls,
-                                     options=dict(CHANNEL_OPTIONS), **self._auth)
-        return self._client
+            self._link = _Link(host, port, self._tls)
+        return self._link
 
-    async def _rotate(self, failed: aetcd.Client) -> None:
+    async def _next_endpoint(self, failed: _Link) -> None:
         async with self._lock:
-            if self._client is not failed:
+            if self._link is not failed:
                 return  # someone already moved on
-            self._client = None
+            self._link = None
             self._idx = (self._idx + 1) % len(self.endpoints)
         try:
-            await abandon_after(failed.close(), 0.5)
+            await abandon_after(failed.channel.close(), 0.5)
         except Exception:  # noqa: BLE001 - closing a broken channel; nothing to report
             pass
 
     async def close(self) -> None:
-        if self._client is not None:
-            client, self._client = self._client, None
+        if self._link is not None:
+            link, self._link = self._link, None
             try:
-                await abandon_after(client.close(), 1.0)
+                await abandon_after(link.channel.close(), 1.0)
             except Exception:  # noqa: BLE001
                 pass
 
-    async def _call(self, op: str, fn: Callable[[aetcd.Client], Any]) -> Any:
+    async def _authenticate(self, link: _Link) -> None:
+        assert self._user is not None
+        name, password = self._user
+        resp = await link.auth.Authenticate(rpc.AuthenticateRequest(name=name, password=password),
+                                            timeout=self.timeout_s)
+        link.metadata = (("token", resp.token),)
+
+    async def _call(self, op: str, fn: Callable[[_Link], Awaitable[T]]) -> T:
+        """``fn(link)`` on the current endpoint, bounded, moving on to the next endpoint on a
+        connection failure or timeout; etcd's refusals translated to ``kernel.errors``."""
         last = ""
         for _ in range(len(self.endpoints)):
-            client = await self._get_client()
+            link = self._current()
             started = time.perf_counter()
             try:
-                result = await abandon_after(fn(client), self.timeout_s)
-            except (TimeoutError, aex.ConnectionFailedError, aex.ConnectionTimeoutError,
-                    aex.InternalError) as e:
+                return await abandon_after(self._authenticated(link, fn), self.timeout_s)
+            except TimeoutError as e:
                 last = type(e).__name__
-                log.warning("etcd %s failed on %s:%s (%s: %.200s); trying the next endpoint", op,
-                            *self.endpoints[self._idx], last, str(e) or "-")
-                await self._rotate(client)
-                continue
-            except aex.ClientError as e:
-                if "lease not found" in str(e):
-                    raise EtcdLeaseMissing(f"etcd {op}: lease not found") from None
-                if any(m in str(e) for m in _TOO_LARGE):
-                    raise EtcdTxnTooLarge(f"etcd {op} refused: {str(e)[:160]}") from None
-                if _COMPACTED in str(e):
-                    raise RevisionCompacted(f"etcd {op}: {_COMPACTED}") from None
-                raise Unavailable(f"etcd {op} failed: {type(e).__name__}") from None
-            except LeaseholdError:
-                raise
+            except grpc.aio.AioRpcError as e:
+                code, detail = e.code(), e.details() or ""
+                if code not in _NEXT_ENDPOINT:
+                    raise _refusal(op, code, detail) from None
+                last = f"{code.name}: {detail[:200]}"
             finally:
                 if self._observe is not None:
                     self._observe(op, time.perf_counter() - started)
-            return result
-        raise StoreUnavailable(f"etcd unreachable ({op}: {last} on all {len(self.endpoints)} endpoints)")
+            log.warning("etcd %s failed on %s (%s); trying the next endpoint", op, link.name, last)
+            await self._next_endpoint(link)
+        raise StoreUnavailable(f"etcd unreachable ({op}: {last.split(':')[0]} on all {len(self.endpoints)} endpoints)")
 
-    # -- operations ---------------------------------------------------------------------------
+    async def _authenticated(self, link: _Link, fn: Callable[[_Link], Awaitable[T]]) -> T:
+        if self._user is None:
+            return await fn(link)
+        if link.metadata is None:
+            await self._authenticate(link)
+        try:
+            return await fn(link)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAUTHENTICATED or _TOKEN_EXPIRED not in (e.details() or ""):
+                raise
+        await self._authenticate(link)  # the token expired: a new one, and the call once more
+        return await fn(link)
+
+    # -- reads ----------------------------------------------------------------------------------
     async def get(self, key: bytes) -> KV | None:
-        res = await self._call("get", lambda c: c.get(key))
-        return None if res is None else _kv(res)
+        async def run(link: _Link) -> Any:
+            return await link.kv.Range(rpc.RangeRequest(key=key), timeout=self.timeout_s, metadata=link.metadata)
+        resp = await self._call("get", run)
+        return _kv(resp.kvs[0]) if resp.kvs else None
 
     async def get_prefix(self, prefix: bytes) -> list[KV]:
-        async def run(c: aetcd.Client) -> list[KV]:
-            return [_kv(g) for g in await c.get_prefix(prefix)]
-        return await self._call("get_prefix", run)
-
-    async def txn(self, compare: list[Any], success: list[Any], failure: list[Any] | None = None,
-                  ) -> tuple[bool, list[Any]]:
-        for name, ops in (("compare", compare), ("success", success), ("failure", failure or [])):
-            if len(ops) > MAX_TXN_OPS:
-                raise ValueError(f"txn {name} has {len(ops)} ops (etcd allows {MAX_TXN_OPS})")
-        return await self._call("txn", lambda c: c.transaction(compare=compare, success=success,
-                                                               failure=failure or []))
-
-    async def commit(self, txn: TxnBuilder) -> TxnResult:
-        """Send one transaction built with :class:`TxnBuilder`: one call of the KV stub, no
-        wrapper objects. A transaction refused for its size raises :class:`EtcdTxnTooLarge` after
-        lowering :attr:`max_txn_ops` (halved, not below etcd's default 128); one above the known
-        limit raises it without being sent."""
-        request = txn.request
-        biggest = max(len(request.compare), len(request.success), len(request.failure))
-        if biggest > self.max_txn_ops:  # e.g. built before a refusal lowered the limit: not sent
-            raise EtcdTxnTooLarge(f"txn has {biggest} ops in one branch (this etcd allows {self.max_txn_ops})")
-        try:
-            resp = await self._send_txn(request)
-        except EtcdTxnTooLarge as e:
-            if e.bytes_limit:
-                raise  # the caller sends fewer bytes
-            lowered = max(MAX_TXN_OPS, min(self.max_txn_ops, biggest) // 2)
-            if lowered < self.max_txn_ops:
-                log.error("etcd refused a transaction of %d ops per branch (%d bytes): its --max-txn-ops or "
-                          "--max-request-bytes is lower than this allocator assumed; using %d ops from now on",
-                          biggest, request.ByteSize(), lowered)
-            self.max_txn_ops = lowered
-            raise
-        return TxnResult(bool(resp.succeeded), int(resp.header.revision), resp.responses)
-
-    async def _send_txn(self, request: Any) -> Any:
-        async def send(c: aetcd.Client) -> Any:
-            await c.connect()
-            try:
-                return await c.kvstub.Txn(request, timeout=c._timeout, metadata=c.metadata)
-            except rpc.AioRpcError as e:
-                aex._handle_exception(e)  # aetcd's own translation (then ours, in _call)
-        return await self._call("txn", send)
-
-    async def discover_max_txn_ops(self, probe_key: bytes, cap: int = TXN_OPS_PROBE[0]) -> int:
-        """Ask the cluster how many ops a transaction may carry: read-only transactions of
-        ``n`` gets of ``probe_key`` for n in ``TXN_OPS_PROBE`` (up to ``cap``), largest first;
-        etcd refuses one above its ``--max-txn-ops`` before reading anything. Sets and returns
-        :attr:`max_txn_ops` (etcd's default 128 when every probe is refused)."""
-        for n in [n for n in TXN_OPS_PROBE if n <= cap]:
-            txn = TxnBuilder()
-            for _ in range(n):
-                txn.get(probe_key)
-            try:
-                await self._send_txn(txn.request)
-            except EtcdTxnTooLarge:
-                continue
-            self.max_txn_ops, self.txn_ops_known = n, True
-            return n
-        self.max_txn_ops, self.txn_ops_known = MAX_TXN_OPS, True
-        return MAX_TXN_OPS
+        async def run(link: _Link) -> Any:
+            return await link.kv.Range(rpc.RangeRequest(key=prefix, range_end=prefix_range_end(prefix)),
+                                       timeout=self.timeout_s, metadata=link.metadata)
+        return [_kv(m) for m in (await self._call("get_prefix", run)).kvs]
 
     async def get_many(self, keys: list[bytes]) -> dict[bytes, KV]:
         """Read many keys in read-only transactions (one round trip per ``max_txn_ops`` keys)."""
@@ -309,15 +341,16 @@ class EtcdStore:
             i += step
         return out
 
-    async def compact(self, revision: int) -> bool:
-        """Compact etcd's history (every key, not only ours) below ``revision``: the latest version
-        of every key is kept, older versions at or below it are dropped. False when etcd had
-        already compacted at or past it."""
-        try:
-            await self._call("compact", lambda c: c.compact(revision))
-        except RevisionCompacted:
-            return False
-        return True
+    async def snapshot(self, prefixes: Sequence[bytes], keys: Sequence[bytes] = ()) -> tuple[int, list[list[KV]]]:
+        """Every key under each prefix, then each of ``keys``, in one read-only transaction (one
+        consistent snapshot): (its revision, one KV list per prefix and per key)."""
+        txn = TxnBuilder()
+        for p in prefixes:
+            txn.get_range(p, prefix_range_end(p))
+        for k in keys:
+            txn.get(k)
+        res = await self.commit(txn)
+        return res.revision, res.ranges()
 
     async def revision(self, key: bytes) -> int:
         """etcd's current revision (the header of a read of ``key``, which may be absent)."""
@@ -325,42 +358,136 @@ class EtcdStore:
         txn.get(key)
         return (await self.commit(txn)).revision
 
-    async def read_prefixes(self, prefixes: list[bytes], keys: Sequence[bytes] = ()) -> tuple[int, list[list[KV]]]:
-        """Every key under each prefix, then each of ``keys``, in one read-only transaction (one
-        consistent snapshot); (the snapshot's revision or 0 when no key was found, one KV list per
-        prefix and per key)."""
-        t = self.t
-        ops = [t.get(p, range_end=prefix_range_end(p)) for p in prefixes] + [t.get(k) for k in keys]
-        _, responses = await self.txn([], ops)
-        revision = 0
-        out: list[list[KV]] = []
-        for rng in responses:
-            out.append([_kv(meta) for _value, meta in rng])
-            for _value, meta in rng:
-                revision = max(revision, int(meta.header.revision))
-        return revision, out
+    # -- transactions -------------------------------------------------------------------------
+    async def commit(self, txn: TxnBuilder) -> TxnResult:
+        """Send one transaction built with :class:`TxnBuilder`: one call of the KV stub. A
+        transaction refused for its size raises :class:`EtcdTxnTooLarge` after lowering
+        :attr:`max_txn_ops` (halved, not below etcd's default 128); one above the known limit
+        raises it without being sent."""
+        request = txn.request
+        biggest = max(len(request.compare), len(request.success), len(request.failure))
+        if biggest > self.max_txn_ops:  # e.g. built before a refusal lowered the limit: not sent
+            raise EtcdTxnTooLarge(f"txn has {biggest} ops in one branch (this etcd allows {self.max_txn_ops})")
+        try:
+            resp = await self._send_txn(request)
+        except EtcdTxnTooLarge as e:
+            if e.bytes_limit:
+                raise  # the caller sends fewer bytes
+            lowered = max(MAX_TXN_OPS, min(self.max_txn_ops, biggest) // 2)
+            if lowered < self.max_txn_ops:
+                log.error("etcd refused a transaction of %d ops per branch (%d bytes): its --max-txn-ops or "
+                          "--max-request-bytes is lower than this allocator assumed; using %d ops from now on",
+                          biggest, request.ByteSize(), lowered)
+            self.max_txn_ops = lowered
+            raise
+        return TxnResult(bool(resp.succeeded), int(resp.header.revision), resp.responses)
 
-    async def lease(self, ttl_s: int) -> int:
-        res = await self._call("lease_grant", lambda c: c.lease(ttl_s))
-        return int(res.id)
+    async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        """One unconditional write (attached to the etcd lease ``lease``, 0 for none); the
+        revision it committed at."""
+        txn = TxnBuilder()
+        txn.put(key, value, lease)
+        return (await self.commit(txn)).revision
 
-    async def refresh(self, lease_id: int) -> int:
+    async def _send_txn(self, request: Any) -> Any:
+        async def run(link: _Link) -> Any:
+            return await link.kv.Txn(request, timeout=self.timeout_s, metadata=link.metadata)
+        return await self._call("txn", run)
+
+    async def discover_max_txn_ops(self, probe_key: bytes, cap: int = TXN_OPS_PROBE[0]) -> int:
+        """Ask the cluster how many ops a transaction may carry: read-only transactions of
+        ``n`` gets of ``probe_key`` for n in ``TXN_OPS_PROBE`` (up to ``cap``), largest first;
+        etcd refuses one above its ``--max-txn-ops`` before reading anything. Sets and returns
+        :attr:`max_txn_ops` (etcd's default 128 when every probe is refused)."""
+        for n in [n for n in TXN_OPS_PROBE if n <= cap]:
+            txn = TxnBuilder()
+            for _ in range(n):
+                txn.get(probe_key)
+            try:
+                await self._send_txn(txn.request)
+            except EtcdTxnTooLarge:
+                continue
+            self.max_txn_ops, self.txn_ops_known = n, True
+            return n
+        self.max_txn_ops, self.txn_ops_known = MAX_TXN_OPS, True
+        return MAX_TXN_OPS
+
+    # -- maintenance ----------------------------------------------------------------------------
+    async def compact(self, revision: int) -> bool:
+        """Compact etcd's history (every key, not only ours) below ``revision``: the latest version
+        of every key is kept, older versions at or below it are dropped. False when etcd had
+        already compacted at or past it."""
+        async def run(link: _Link) -> Any:
+            return await link.kv.Compact(rpc.CompactionRequest(revision=revision), timeout=self.timeout_s,
+                                         metadata=link.metadata)
+        try:
+            await self._call("compact", run)
+        except RevisionCompacted:
+            return False
+        return True
+
+    # -- etcd leases --------------------------------------------------------------------------
+    async def lease_grant(self, ttl_s: int) -> int:
+        """A new etcd lease of ``ttl_s`` seconds; its id."""
+        async def run(link: _Link) -> Any:
+            return await link.lease.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl_s), timeout=self.timeout_s,
+                                               metadata=link.metadata)
+        return int((await self._call("lease_grant", run)).ID)
+
+    async def lease_keepalive(self, lease_id: int) -> int:
         """One keepalive; the remaining TTL in seconds (0 or less: the lease is gone)."""
-        reply = await self._call("lease_keepalive", lambda c: c.refresh_lease(lease_id))
-        return int(getattr(reply, "TTL", 0)) if reply is not None else 0
+        async def run(link: _Link) -> Any:
+            call = link.lease.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
+                                             timeout=self.timeout_s, metadata=link.metadata)
+            try:
+                return await call.read()
+            finally:
+                call.cancel()
+        reply = await self._call("lease_keepalive", run)
+        return 0 if reply is grpc.aio.EOF else int(reply.TTL)
 
-    async def revoke(self, lease_id: int) -> None:
-        await self._call("lease_revoke", lambda c: c.revoke_lease(lease_id))
+    async def lease_revoke(self, lease_id: int) -> None:
+        """Revoke an etcd lease: every key attached to it is deleted at once."""
+        async def run(link: _Link) -> Any:
+            return await link.lease.LeaseRevoke(rpc.LeaseRevokeRequest(ID=lease_id), timeout=self.timeout_s,
+                                                metadata=link.metadata)
+        await self._call("lease_revoke", run)
+
+    # -- watches --------------------------------------------------------------------------------
+    async def watch(self, key: bytes, range_end: bytes = b"") -> Watch:
+        """Watch ``key`` (or ``[key, range_end)``) from now on; returns once etcd created the
+        watch (everything written after that is seen)."""
+        async def run(link: _Link) -> Watch:
+            call = link.watch.Watch(metadata=link.metadata)
+            await call.write(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(key=key, range_end=range_end)))
+            first = await call.read()
+            if first is grpc.aio.EOF or not first.created or first.canceled:
+                call.cancel()
+                raise StoreUnavailable("etcd did not create the watch")
+            return Watch(call)
+        return await self._call("watch", run)
+
+
+def _refusal(op: str, code: grpc.StatusCode, detail: str) -> LeaseholdError:
+    """What an etcd refusal (a status the next endpoint would give too) means to the caller."""
+    if _LEASE_MISSING in detail:
+        return EtcdLeaseMissing(f"etcd {op}: lease not found")
+    if any(m in detail for m in _TOO_LARGE):
+        return EtcdTxnTooLarge(f"etcd {op} refused: {detail[:160]}")
+    if _COMPACTED in detail:
+        return RevisionCompacted(f"etcd {op}: {_COMPACTED}")
+    return Unavailable(f"etcd {op} failed: {code.name}")
 
 
 _EQUAL = rpc.Compare.EQUAL
-_CREATE, _MOD = rpc.Compare.CREATE, rpc.Compare.MOD
+_CREATE, _MOD, _VALUE = rpc.Compare.CREATE, rpc.Compare.MOD, rpc.Compare.VALUE
 
 
 class TxnBuilder:
     """One etcd transaction built as the protobuf ``TxnRequest`` itself: each compare and op is
-    one ``add`` on a repeated field (about a quarter of the CPU of aetcd's compare/op objects and
-    their conversion). Send it with :meth:`EtcdStore.commit`."""
+    one ``add`` on a repeated field (about a quarter of the CPU of wrapper objects and their
+    conversion). Send it with :meth:`EtcdStore.commit`. Ops go to the success branch, or with
+    ``failure=True`` to the other."""
 
     __slots__ = ("request", "_compare", "_success", "_failure")
 
@@ -389,8 +516,13 @@ class TxnBuilder:
         for key in keys:
             add().key = key
 
-    # -- ops (success branch; ``failure=True`` for the other) --------------------------------------
+    def holds(self, key: bytes, value: bytes) -> None:
+        """``value(key) == value``."""
+        self._compare(result=_EQUAL, target=_VALUE, key=key, value=value)
+
+    # -- ops ------------------------------------------------------------------------------------
     def put(self, key: bytes, value: bytes, lease: int = 0, *, failure: bool = False) -> None:
+        """Write ``key`` (attached to the etcd lease ``lease``, 0 for none)."""
         put = (self._failure if failure else self._success)().request_put
         put.key, put.value, put.lease = key, value, lease
 
@@ -401,19 +533,22 @@ class TxnBuilder:
             put = add().request_put
             put.key, put.value, put.lease = key, value, lease
 
-    def get(self, key: bytes, *, failure: bool = False) -> None:
-        (self._failure if failure else self._success)(request_range={"key": key})
+    def delete(self, key: bytes, *, failure: bool = False) -> None:
+        (self._failure if failure else self._success)().request_delete_range.key = key
 
-    @property
-    def ops(self) -> int:
-        """The largest branch (compares, success ops, failure ops): what etcd's limit applies to."""
-        r = self.request
-        return max(len(r.compare), len(r.success), len(r.failure))
+    def get(self, key: bytes, *, failure: bool = False) -> None:
+        (self._failure if failure else self._success)().request_range.key = key
+
+    def get_range(self, key: bytes, range_end: bytes, *, failure: bool = False) -> None:
+        """Every key in ``[key, range_end)`` (``prefix_range_end(p)``: every key under ``p``)."""
+        r = (self._failure if failure else self._success)().request_range
+        r.key, r.range_end = key, range_end
 
 
 class TxnResult:
     """A committed (or refused) transaction: ``succeeded``, the ``revision`` of its header (for a
-    successful write, the revision it committed at) and the raw ``ResponseOp`` list."""
+    successful write, the revision it committed at: the ``create_revision`` of each key it
+    created) and the raw ``ResponseOp`` list of the branch that ran."""
 
     __slots__ = ("succeeded", "revision", "responses")
 
@@ -426,55 +561,6 @@ class TxnResult:
         """Every KV the transaction's range ops read, in op order."""
         return [_kv(kv) for r in self.responses if r.HasField("response_range") for kv in r.response_range.kvs]
 
-
-def prefix_range_end(prefix: bytes) -> bytes:
-    """The end of the key range holding every key that starts with ``prefix``."""
-    return aetcd_utils.prefix_range_end(prefix)
-
-
-def txn_revision(responses: list[Any]) -> int:
-    """The revision a successful transaction committed at (from its first put's header)."""
-    for r in responses:
-        put = getattr(r, "response_put", None)
-        if put is not None and put.header.revision:
-            return int(put.header.revision)
-    return 0
-
-
-def range_kvs(response: Any) -> list[KV]:
-    """KVs of a ``get`` op's response inside a transaction's answer."""
-    return [_kv(meta) for _value, meta in response]
-
-
-class LeaseBuckets:
-    """Share one etcd lease per coarse expiry bucket, so keys expire without a lease per key.
-
-    ``lease_for(expire_at_ms)`` returns a lease that lives until at least ``expire_at_ms``
-    and at most one bucket (plus a margin) longer.
-    """
-
-    def __init__(self, store: EtcdStore, bucket_ms: int = 10_000, margin_s: int = 5):
-        self.store = store
-        self.bucket_ms = bucket_ms
-        self.margin_s = margin_s
-        self._leases: dict[int, int] = {}
-        self.generation = 0  # bumped by forget(): a lease id kept elsewhere is stale when older
-
-    def cached(self, expire_at_ms: int, now_ms: int) -> int | None:
-        """The bucket's lease if this process already holds it (no call), else None."""
-        return self._leases.get(-(-expire_at_ms // self.bucket_ms))
-
-    async def lease_for(self, expire_at_ms: int, now_ms: int) -> int:
-        bucket = -(-expire_at_ms // self.bucket_ms)
-        lid = self._leases.get(bucket)
-        if lid is None:
-            ttl_s = max(1, -(-(bucket * self.bucket_ms - now_ms) // 1000)) + self.margin_s
-            lid = await self.store.lease(ttl_s)
-            self._leases[bucket] = lid
-            for old in [b for b in self._leases if b * self.bucket_ms < now_ms]:
-                del self._leases[old]
-        return lid
-
-    def forget(self) -> None:
-        self._leases.clear()
-        self.generation += 1
+    def ranges(self) -> list[list[KV]]:
+        """The KVs of each range op of the branch that ran, one list per op, in op order."""
+        return [[_kv(kv) for kv in r.response_range.kvs] for r in self.responses if r.HasField("response_range")]

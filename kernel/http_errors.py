@@ -46,7 +46,7 @@ from .jsonbody import note_rejection
 PROBLEM_JSON = "application/problem+json"
 BODY_REJECTIONS = frozenset({400, 413, 415, 422})  # logged as one short, rate-limited line each
 _encode = msgspec.json.Encoder().encode
-log = logging.getLogger("leasehold.http")
+log = logging.getLogger(__name__)
 
 
 def _note(exc: LeaseholdError, instance: str | None) -> None:
@@ -112,7 +112,7 @@ def from_http_exception(exc: HTTPException, *, path: str, method: str, validatio
     return LeaseholdError("internal error")
 
 
-def exception_handlers(*, validation_status: int) -> dict[type[Exception], Callable[[Request, Any], Response[Any]]]:
+def exception_handlers(*, validation_status: int) -> dict[int | type[Exception], Callable[[Request, Any], Response[Any]]]:
     """The ``exception_handlers`` of a service's Litestar app (module doc)."""
 
     def on_leasehold(request: Request, exc: LeaseholdError) -> Response[Any]:

@@ -39,7 +39,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-log = logging.getLogger("leasehold.http")
+log = logging.getLogger(__name__)
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 _CODES = {400: "bad-request", 408: "request-timeout", 431: "header-fields-too-large"}

@@ -35,7 +35,7 @@ from litestar.types import Empty
 from .errors import UnsupportedMediaType
 from .ratelog import KeyedLog
 
-log = logging.getLogger("leasehold.http")
+log = logging.getLogger(__name__)
 
 _GENERIC = msgspec.json.Decoder()
 _WS_BEFORE_COLON = re.compile(rb'"\s+:')

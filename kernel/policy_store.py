@@ -26,7 +26,7 @@ import msgspec
 
 from kernel.bundle import Bundle, decode_bundle, seal
 from kernel.errors import Conflict, PolicyError, StaleVersion
-from kernel.etcd_store import KV, EtcdStore, txn_revision
+from kernel.etcd_store import KV, EtcdStore, TxnBuilder, Watch
 
 POLICY_KEY_SUFFIX = "policy/current"
 SIGNING_KEY_SUFFIX = "policy/signing"
@@ -93,9 +93,12 @@ class PolicyStore:
 
     async def write_signing(self, marker: SigningMarker | None) -> None:
         """Set (or, with None, delete) the signing marker."""
-        t = self.store.t
-        op = t.delete(self.signing_key) if marker is None else t.put(self.signing_key, msgspec.json.encode(marker))
-        await self.store.txn([], [op])
+        txn = TxnBuilder()
+        if marker is None:
+            txn.delete(self.signing_key)
+        else:
+            txn.put(self.signing_key, msgspec.json.encode(marker))
+        await self.store.commit(txn)
 
     async def read(self) -> Stored | None:
         """The stored bundle (None if nothing was ever published). Raises StoreUnavailable."""
@@ -110,21 +113,29 @@ class PolicyStore:
         candidate = decode_bundle(raw)
         body = raw.encode() if isinstance(raw, str) else bytes(raw)
         current = await self.read()
-        t = self.store.t
+        txn = TxnBuilder()
         if current is None:
-            compare = [t.version(self.key) == 0]
+            txn.absent(self.key)
             previous = None
         else:
             if current.bundle is not None and candidate.bundle_version <= current.bundle.bundle_version:
                 raise StaleVersion(f"bundle {candidate.bundle_version} is not newer than the published "
                                    f"{current.bundle.bundle_version}")
-            compare = [t.mod(self.key) == current.mod_revision]
+            txn.modified_at(self.key, current.mod_revision)
             previous = current.bundle.bundle_version if current.bundle is not None else None
-        ok, responses = await self.store.txn(compare, [t.put(self.key, body)])
-        if not ok:
+        txn.put(self.key, body)
+        res = await self.store.commit(txn)
+        if not res.succeeded:
             raise Conflict("the published policy changed during this publish; read it again and retry")
-        return PublishResult(candidate.bundle_version, previous, txn_revision(responses))
+        return PublishResult(candidate.bundle_version, previous, res.revision)
 
+
+    async def watch(self, with_canary: bool = False) -> Watch:
+        """An etcd watch of the policy key (and the canary key: both keys, one watch)."""
+        if not with_canary:
+            return await self.store.watch(self.key)
+        low, high = sorted((self.canary_key, self.key))  # policy/canary .. policy/current
+        return await self.store.watch(low, high + b"\x00")
 
     async def read_both(self) -> tuple[Stored | None, StoredCanary | None]:
         """The published bundle and the staged canary, read in one transaction (one revision)."""
@@ -154,15 +165,19 @@ class PolicyStore:
         if problems:
             raise PolicyError(problems[0], errors=problems)
         assert current is not None and current.bundle is not None
-        t = self.store.t
-        compare = [t.mod(self.key) == current.mod_revision,
-                   t.version(self.canary_key) == 0 if staged is None else t.mod(self.canary_key) == staged.mod_revision]
+        txn = TxnBuilder()
+        txn.modified_at(self.key, current.mod_revision)
+        if staged is None:
+            txn.absent(self.canary_key)
+        else:
+            txn.modified_at(self.canary_key, staged.mod_revision)
         body = b'{"base":%d,"slice":%s,"bundle":%s}' % (current.bundle.bundle_version, msgspec.json.encode(slice_),
                                                         msgspec.json.encode(msgspec.json.decode(raw)))
-        ok, responses = await self.store.txn(compare, [t.put(self.canary_key, body)])
-        if not ok:
+        txn.put(self.canary_key, body)
+        res = await self.store.commit(txn)
+        if not res.succeeded:
             raise Conflict("the published policy or canary changed during this stage; read it again and retry")
-        return PublishResult(candidate.bundle_version, current.bundle.bundle_version, txn_revision(responses))
+        return PublishResult(candidate.bundle_version, current.bundle.bundle_version, res.revision)
 
 
     async def _finish_canary(self, raw: bytes | None) -> PublishResult:
@@ -186,14 +201,15 @@ class PolicyStore:
             if new.bundle_version <= floor:
                 raise StaleVersion(f"a rollback needs a version above {floor} (agents of the slice hold the candidate)")
             body, version = bytes(raw), new.bundle_version
-        t = self.store.t
-        ok, responses = await self.store.txn(
-            [t.mod(self.key) == current.mod_revision, t.mod(self.canary_key) == staged.mod_revision],
-            [t.put(self.key, body), t.delete(self.canary_key)])
-        if not ok:
+        txn = TxnBuilder()
+        txn.modified_at(self.key, current.mod_revision)
+        txn.modified_at(self.canary_key, staged.mod_revision)
+        txn.put(self.key, body)
+        txn.delete(self.canary_key)
+        res = await self.store.commit(txn)
+        if not res.succeeded:
             raise Conflict("the published policy or canary changed; read it again and retry")
-        return PublishResult(version, current.bundle.bundle_version if current.bundle else None,
-                             txn_revision(responses))
+        return PublishResult(version, current.bundle.bundle_version if current.bundle else None, res.revision)
 
 
     async def promote(self) -> PublishResult:

@@ -30,8 +30,31 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 _HEADERS = ("traceparent", "tracestate")
 _provider: Any = None
 
-__all__ = ["ENABLED", "SpanKind", "carrier_of", "context_of", "current_context", "inject", "setup", "shutdown",
+__all__ = ["ENABLED", "SpanKind", "TracingUnavailable", "carrier_of", "check", "context_of", "current_context", "inject", "setup", "shutdown",
            "span", "tracer"]
+
+
+class TracingUnavailable(RuntimeError):
+    """Tracing was asked for (``--otlp-endpoint``) but the OTLP exporter cannot be loaded: the
+    service refuses to start with this message rather than run without the traces asked for."""
+
+
+def _exporter_class() -> Any:
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    except ImportError as e:  # xds-protos ships an older copy of opentelemetry/proto/*
+        raise TracingUnavailable(
+            f"--otlp-endpoint: the OTLP exporter cannot be imported ({e}); if xds-protos was installed after "
+            "opentelemetry-proto, it replaced that package's files: run pip install --no-deps --force-reinstall "
+            "opentelemetry-proto (make setup and the image do)") from None
+    return OTLPSpanExporter
+
+
+def check(endpoint: str | None) -> None:
+    """At start, before serving: with an ``endpoint``, raise :class:`TracingUnavailable` if the
+    exporter :func:`setup` will need cannot be loaded (each service's ``main`` prints it)."""
+    if endpoint:
+        _exporter_class()
 
 
 def setup(service: str, endpoint: str | None, sample_ratio: float = 1.0, *, exporter: Any = None) -> bool:
@@ -51,8 +74,7 @@ def setup(service: str, endpoint: str | None, sample_ratio: float = 1.0, *, expo
                                                         "leasehold.commit": commit}),
                               sampler=ParentBased(TraceIdRatioBased(sample_ratio)))
     if exporter is None:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
+        OTLPSpanExporter = _exporter_class()  # noqa: N806 - a class
         insecure = endpoint.startswith("http://") if endpoint else True
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=insecure),
                                                        schedule_delay_millis=500))

@@ -1,4 +1,4 @@
-"""Follow the policy key in etcd: an aetcd watch for prompt switches, plus a periodic re-read
+"""Follow the policy key in etcd: an etcd watch for prompt switches, plus a periodic re-read
 as the safety net (a lost watch, a compaction, a reconnect) and as the freshness signal.
 
 The watcher never decides what to do with a bundle: it hands each newly seen, valid bundle to
@@ -24,7 +24,7 @@ from kernel.errors import LeaseholdError
 from .etcd_store import abandon_after
 from .policy_store import PolicyStore
 
-log = logging.getLogger("leasehold.policy_watch")
+log = logging.getLogger(__name__)
 
 
 class PolicyWatcher:
@@ -43,7 +43,7 @@ class PolicyWatcher:
         self.reads_ok = 0
         self.reads_failed = 0
         self._seen_revision = (0, 0)  # mod_revisions of the policy and canary values last handed on
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._lock = asyncio.Lock()
 
     # -- one read -------------------------------------------------------------------------------
@@ -110,13 +110,7 @@ class PolicyWatcher:
         while True:
             watch = None
             try:
-                client = await self.store.store._get_client()  # the store's current endpoint
-                if self.offer_canary is not None:  # policy/canary .. policy/current (both keys, one watch)
-                    low, high = sorted((self.store.canary_key, self.store.key))
-                    call = client.watch(low, range_end=high + b"\x00")
-                else:
-                    call = client.watch(self.store.key)
-                watch = await abandon_after(call, self.store.store.timeout_s)
+                watch = await self.store.watch(with_canary=self.offer_canary is not None)
                 backoff = 0.2
                 await self.refresh()  # anything written before the watch was registered
                 async for _event in watch:

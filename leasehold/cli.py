@@ -25,6 +25,7 @@ from kernel.version import version_line
 from .capacity_cli import register as register_capacity_command
 from .output import Exit, Failure, add_output_option, exit_code_epilog, out, run
 from .policy_cli import register as register_policy_commands
+from .token_cli import register as register_token_command
 from .topology import (
     DEFAULT_POLICY,
     LocalTopology,
@@ -577,7 +578,10 @@ def cmd_secrets_generate(args: argparse.Namespace) -> int:
         raise Failure(Exit.USAGE, str(e)) from None
     data = {"dir": str(made.dir), "files": [p.name for p in made.files]}
     return out(args).result(data, lambda d: f"wrote {len(d['files'])} files to {d['dir']} (directory 0700; "
-                                            f"policy-signing.key 0600): {', '.join(d['files'])}")
+                                            f"policy-signing.key and dev-idp.key 0600): {', '.join(d['files'])}\n"
+                                            f"dev-idp.key and jwks.json are a development identity provider's "
+                                            f"(leasehold token signs with the key): use your provider's JWKS in "
+                                            f"production")
 
 
 # ----------------------------------------------------------------------- demo
@@ -699,13 +703,15 @@ def build_parser() -> argparse.ArgumentParser:
                          description="validate, sign, publish or show a policy bundle", formatter_class=_formatter)
     psub = pol.add_subparsers(dest="policy_command", required=True, metavar="COMMAND", parser_class=_Parser)
     add_policy_commands(psub)
+    register_token_command(sub, _command)  # leasehold/token_cli.py: a client token from the development key
 
     # -- deployment credentials
     sec = sub.add_parser("secrets", help="credentials for a deployment (compose, Kubernetes)",
                          description="credentials for a deployment (compose, Kubernetes)", formatter_class=_formatter)
     ssub = sec.add_subparsers(dest="secrets_command", required=True, metavar="COMMAND", parser_class=_Parser)
-    sp = _command(ssub, "generate", "write tokens, their digests, the pepper, Redis and etcd passwords and a "
-                                    "policy-signing key pair into DIR (never replaces a file without --force)",
+    sp = _command(ssub, "generate", "write tokens, their digests, the pepper, Redis and etcd passwords, a "
+                                    "policy-signing key pair and a development identity provider's key and "
+                                    "JWKS into DIR (never replaces a file without --force)",
                   cmd_secrets_generate)
     sp.add_argument("--out", required=True, metavar="DIR",
                     help="e.g. deploy/secrets (compose) or deploy/k8s-dev/secrets (Kubernetes)")

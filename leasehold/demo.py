@@ -36,7 +36,7 @@ from rich.live import Live
 from rich.table import Table
 
 from .devjwt import DevIssuer
-from .gateways import Envoy, render, upstream
+from .gateways import Envoy, render, tracing_values, upstream
 from .procs import LOOPBACK, Proc, free_port
 from .topology import LocalTopology, TopologySpec
 
@@ -321,7 +321,7 @@ def start_edge(topo: LocalTopology) -> Edge:
             cfg = render("envoy-rls.yaml", ENVOY_LISTEN_HOST=LOOPBACK, ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin,
                          AGENT_HOST=LOOPBACK, AGENT_RLS_PORT=ports[0], UPSTREAM_HOST=LOOPBACK, UPSTREAM_PORT=up_port,
                          GATEWAY_TOKEN=topo.secrets.gateway if topo.secrets else "auth-disabled",
-                         **issuer.values(jwks))
+                         **issuer.values(jwks), **tracing_values())
             envoys[region] = Envoy(f"envoy-{region}", cfg, run / f"envoy-{region}", port, admin).start()
     except BaseException:
         Edge(up, envoys, issuer).stop()

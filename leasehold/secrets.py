@@ -17,11 +17,16 @@ redis-agent.password           Redis's ``agent`` user (its scripts on ``rl:*`` k
 redis-users.acl                both users as a Redis ACL file (``--aclfile``)
 etcd-<user>.password           root, publisher, allocator, agent (deploy/etcd/leasehold-roles.sh)
 policy-signing.key / .pub      the Ed25519 pair that signs policy bundles (the key stays with you)
+dev-idp.key                    FOR DEVELOPMENT: a stand-in identity provider's ES256 signing key;
+                               ``leasehold token`` signs client tokens with it (never mounted)
+jwks.json                      FOR DEVELOPMENT: that key's public half, the JWKS compose's Envoy
+                               verifies bearer tokens against (``JWKS_FILE``'s default). In
+                               production the JWKS is your identity provider's, and so are the keys
 =============================  ======================================================================
 
 Services store only digests of the tokens. An existing file is never replaced (``--force``
 replaces them all): re-running the command cannot swap a deployment's credentials by accident.
-The directory is 0700; the private signing key 0600; the other files 0644 so that containers
+The directory is 0700; the private keys 0600; the other files 0644 so that containers
 running as their own user (uid 10001) can read them through a bind mount — the directory keeps
 them from other users of the host.
 """
@@ -29,6 +34,7 @@ them from other users of the host.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import secrets
@@ -37,6 +43,7 @@ from pathlib import Path
 
 from kernel.signing import generate_keypair
 
+from .devjwt import DevIssuer
 from .procs import ETCD_USERS, agent_acl
 
 REGION_RE = re.compile(r"[a-z][a-z0-9-]{0,31}\Z")
@@ -55,7 +62,8 @@ def file_names(regions: tuple[str, ...]) -> list[str]:
     names = ["gateway.token", "operator.token", *(f"region-{r}.token" for r in regions),
              "gateway-token-hashes", "operator-token-hashes", "region-token-hashes", "pepper",
              "redis-admin.password", "redis-agent.password", "redis-users.acl",
-             *(f"etcd-{u}.password" for u in ETCD_USERS), "policy-signing.key", "policy-signing.pub"]
+             *(f"etcd-{u}.password" for u in ETCD_USERS), "policy-signing.key", "policy-signing.pub",
+             "dev-idp.key", "jwks.json"]
     return names
 
 
@@ -111,6 +119,11 @@ def generate(out: Path, regions: tuple[str, ...] = ("eu", "us"), *, force: bool 
     key, pub = generate_keypair(out, "policy-signing")  # the key 0600, never mounted into a service
     pub.chmod(0o644)
     written += [key, pub]
+    # a stand-in identity provider for trying the stack (module doc): its key 0600, its JWKS
+    idp = DevIssuer()
+    (out / "dev-idp.key").unlink(missing_ok=True)
+    written.append(idp.write_key(out / "dev-idp.key"))
+    put("jwks.json", json.dumps(idp.jwks(), indent=2) + "\n")
     return Generated(out, written)
 
 

@@ -136,7 +136,7 @@ class LocalTopology:
                     self.allocators.append(proc)
                     self.allocator_urls.append(url)
                 for proc, url in zip(self.allocators, self.allocator_urls, strict=True):
-                    wait_port(int(url.rsplit(":", 1)[1]), proc=proc.popen, timeout=timeout)
+                    wait_port(int(url.rsplit(":", 1)[1]), proc=proc, timeout=timeout)  # its log's tail if it exits
                 # the allocators know their roles before the agents' first leases are asked for
                 # (an agent whose warm-up met no leader would start with empty balances)
                 if self.spec.link_agents_to_allocator:

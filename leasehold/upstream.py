@@ -1,6 +1,6 @@
 """A tiny demo upstream for the gateways in front of it (``make run``, e2e tests, the
 benchmark): HTTP/1.1 keep-alive, answers every request ``200`` with a small JSON body that
-names the upstream, the method, the path and the identity and limiter headers it was sent
+names the upstream, the method, the path and the identity, limiter and trace headers it was sent
 (``ECHOED``: what the backend behind a gateway sees). ``python -m leasehold.upstream --port N``.
 
 asyncio + uvloop + httptools (already dependencies of the agent), so that in the benchmark
@@ -17,10 +17,11 @@ import httptools
 from .procs import LOOPBACK
 
 _CLOSE = "connection: close\r\n"
-# the request headers the answer echoes (lower case): identity, request id, limiter inputs
+# the request headers the answer echoes (lower case): identity, request id, limiter inputs, trace context
 ECHOED = frozenset({b"x-request-id", b"x-tenant-id", b"x-user-id", b"x-api-key-id", b"x-service-id",
                     b"x-route-group", b"x-forwarded-for", b"x-real-ip", b"x-leasehold-auth-failed",
-                    b"x-leasehold-cost", b"x-leasehold-authorization", b"authorization"})
+                    b"x-leasehold-cost", b"x-leasehold-authorization", b"authorization", b"traceparent",
+                    b"tracestate"})
 
 
 class _Conn(asyncio.Protocol):

@@ -2,6 +2,11 @@
 -- min and at most want tokens, from the earliest-expiring valid leases first (lib/pool.lua).
 -- KEYS[1]  pool hash: field = lease id, value = "granted,spent,validFromMs,expiresAtMs,incarnation"
 -- ARGV[1]  min (tokens, >= 1)      ARGV[2] want (tokens, >= min)      ARGV[3] ttl_slack_ms (>= 0)
+-- ARGV[4]  per_s (optional, tokens, >= 0; 0 or absent: no cap): the chunk holds at most
+--          ceil(per_s x life / 1000) tokens, life = ms until the earliest-expiring spendable lease
+--          ends (the chunk's validity ends with it), and never fewer than min: a chunk taken from a
+--          lease about to end holds only what its holder can spend before then (the rest would
+--          expire in the chunk; left in the lease it is reported unspent and returned to the pool)
 -- Reply    {taken, remaining, valid_for_ms, next_from_ms}
 --          taken: tokens debited, min(want, spendable); 0 when fewer than min are spendable
 --            (nothing written);
@@ -18,13 +23,24 @@
 -- @include lib/clock.lua
 -- @include lib/pool.lua
 local min, want, slack = lh_int(ARGV[1], 1), lh_int(ARGV[2], 1), lh_int(ARGV[3], 0)
-if #ARGV ~= 3 or not (min and want and slack) or want < min then
+local per_s = 0
+if #ARGV == 4 then
+  per_s = lh_int(ARGV[4], 0)
+end
+if (#ARGV ~= 3 and #ARGV ~= 4) or not (min and want and slack and per_s) or want < min then
   return lh_invalid()
 end
 local now = lh_now()
-local plan = POOL.check(KEYS[1], { cost = want }, now)
+local entries = POOL.entries(KEYS[1])
+if per_s > 0 then
+  local first = POOL.first_spendable_expiry(entries, now)
+  if first ~= nil then
+    want = math.max(min, math.min(want, math.floor((per_s * (first - now) + 999) / 1000)))
+  end
+end
+local plan = POOL.check_entries(entries, { cost = want }, now)
 if not plan.ok and plan.remaining >= min then
-  plan = POOL.check(KEYS[1], { cost = plan.remaining }, now)
+  plan = POOL.check_entries(entries, { cost = plan.remaining }, now)
 end
 if not plan.ok then
   return { 0, plan.remaining, 0, plan.retry }

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 
+from kernel import tracing
 from kernel.bundle import load_bundle_file
 from kernel.config import ConfigError
 from kernel.errors import PolicyError
@@ -55,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"region_agent: refusing to start: {e.detail}", file=sys.stderr)
         for problem in e.errors:
             print(f"  - {problem}", file=sys.stderr)
+        return 2
+    try:
+        tracing.check(settings.otlp_endpoint)
+    except tracing.TracingUnavailable as e:
+        print(f"region_agent: refusing to start: {e}", file=sys.stderr)
         return 2
     from kernel.logs import configure
 

@@ -14,6 +14,12 @@ order. It runs the stage every door needs before the engine, then the engine:
 5. :meth:`DecisionEngine.admit` for one question, :meth:`DecisionEngine.admit_many` for several
    (one pipeline).
 
+Every door names itself (``door``: ``http`` for ``/v1/admit`` and its batch, ``authz``, ``rls``)
+and hands over what its gateway sent as trace context (``carrier``: ASGI header pairs or gRPC
+metadata): while tracing is on, the decisions of one call are made inside one
+``leasehold.decision`` span (region_agent.tracing), child of the gateway's span. The doors
+trace nothing themselves.
+
 **Every question it can answer gets a decision; none raises.** A request id that already has a
 decision record for another question is a decision too (``reason: REQUEST_ID_CONFLICT``,
 ``httpStatus: 409``, not admitted, nothing charged). What each door makes of it is the door's
@@ -28,12 +34,16 @@ the keys refuse (:class:`~kernel.errors.ValidationFailed`, e.g. ``authFailed`` w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from kernel import tracing
 from kernel.errors import DecisionConflict, Unavailable
 
 from .models import AdmitRequest, Decision, Reason
+from .tracing import decision as traced_decision
+
+Carrier = Iterable[tuple[Any, Any]]  # a gateway's headers (ASGI pairs) or gRPC metadata
 
 
 def pre_checks(st: Any, reqs: list[AdmitRequest]) -> list[tuple[AdmitRequest, Decision | None]]:
@@ -52,7 +62,7 @@ def pre_checks(st: Any, reqs: list[AdmitRequest]) -> list[tuple[AdmitRequest, De
         from .policy_watch import revoked_decision
         out = [(r, revoked_decision(bundle, r, st.metrics)) for r in reqs]
     if st.key_cap is not None:
-        out = [(r, d if d is not None else st.key_cap.check(bundle, r)) for r, d in out]
+        out = [(r, d if d is not None else st.key_cap.check(bundle, r, st.metrics)) for r, d in out]
     return out
 
 
@@ -65,9 +75,24 @@ class Admission:
     def __init__(self, state_of: Callable[[], Any]):
         self._state_of = state_of
 
-    async def decide(self, reqs: list[AdmitRequest], *, decoded: bool = False) -> list[Decision]:
-        """One decision per question of ``reqs``, in order. ``decoded``: the questions came out of
-        the strict wire decoder (their id patterns were checked)."""
+    async def decide(self, reqs: list[AdmitRequest], *, door: str, carrier: Carrier = (),
+                     decoded: bool = False) -> list[Decision]:
+        """One decision per question of ``reqs``, in order, asked at ``door`` (module doc).
+        ``decoded``: the questions came out of the strict wire decoder (their id patterns were
+        checked)."""
+        if tracing.ENABLED:
+            return await traced_decision(door, carrier, reqs[0].request_id if reqs else None, self._decide, reqs,
+                                         decoded)
+        return await self._decide(reqs, decoded)
+
+    async def decide_one(self, req: AdmitRequest, *, door: str, carrier: Carrier = (),
+                         decoded: bool = False) -> Decision:
+        """:meth:`decide` of one question (the common case: no list of results built)."""
+        if tracing.ENABLED:
+            return await traced_decision(door, carrier, req.request_id, self._decide_one, req, decoded)
+        return await self._decide_one(req, decoded)
+
+    async def _decide(self, reqs: list[AdmitRequest], decoded: bool) -> list[Decision]:
         st = self._state_of()
         engine = st.engine
         if engine is None:
@@ -84,8 +109,7 @@ class Admission:
             decided = iter(await engine.admit_many(rest, decoded=decoded))
         return [d if d is not None else next(decided) for _, d in pre]
 
-    async def decide_one(self, req: AdmitRequest, *, decoded: bool = False) -> Decision:
-        """:meth:`decide` of one question (the common case: no list of results built)."""
+    async def _decide_one(self, req: AdmitRequest, decoded: bool) -> Decision:
         st = self._state_of()
         engine = st.engine
         if engine is None:

@@ -18,6 +18,7 @@ from litestar import Litestar, MediaType, Response, get, post
 from litestar.di import NamedDependency, Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.params import Body
+from litestar.types import Scope
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kernel import tracing
@@ -107,9 +108,9 @@ def _dependencies(state: AgentState) -> dict[str, Provide]:
 # ---------------------------------------------------------------------------------- handlers
 @post("/v1/admit", status_code=200, request_max_body_size=MAX_BODY_BYTES,
       summary="Admission decision for one request")
-async def admit(agent: NamedDependency[AgentState], data: Annotated[AdmitRequest, Body(title="AdmitRequest")]
-                ) -> Decision:
-    d = await agent.admission.decide_one(data, decoded=True)
+async def admit(agent: NamedDependency[AgentState], data: Annotated[AdmitRequest, Body(title="AdmitRequest")],
+                scope: Scope) -> Decision:
+    d = await agent.admission.decide_one(data, door="http", carrier=scope.get("headers", ()), decoded=True)
     if is_conflict(d):
         raise http_conflict(d)  # the one door that answers a conflict with its own status (409)
     return d
@@ -117,15 +118,16 @@ async def admit(agent: NamedDependency[AgentState], data: Annotated[AdmitRequest
 
 @post("/v1/admit/batch", status_code=200, request_max_body_size=MAX_BATCH_BODY_BYTES,
       summary="Admission decisions for many requests, in order, one pipeline per shard")
-async def admit_batch(agent: NamedDependency[AgentState], data: Annotated[AdmitBatch, Body(title="AdmitBatch")]
-                      ) -> BatchDecisions:
-    return await decide_batch(agent, data.requests)
+async def admit_batch(agent: NamedDependency[AgentState], data: Annotated[AdmitBatch, Body(title="AdmitBatch")],
+                      scope: Scope) -> BatchDecisions:
+    return await decide_batch(agent, data.requests, scope.get("headers", ()))
 
 
-async def decide_batch(st: AgentState, reqs: list[AdmitRequest]) -> BatchDecisions:
+async def decide_batch(st: AgentState, reqs: list[AdmitRequest], carrier: Any = ()) -> BatchDecisions:
     """The batch route's answer for decoded ``reqs`` (the handler's and region_agent.fastpath's):
-    every item's decision, a conflict included (``httpStatus: 409``)."""
-    return BatchDecisions(decisions=await st.admission.decide(reqs, decoded=True))
+    every item's decision, a conflict included (``httpStatus: 409``); ``carrier``: the request's
+    headers (the gateway's trace context)."""
+    return BatchDecisions(decisions=await st.admission.decide(reqs, door="http", carrier=carrier, decoded=True))
 
 
 @post("/v1/release", status_code=200, request_max_body_size=MAX_BODY_BYTES,

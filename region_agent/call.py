@@ -138,8 +138,10 @@ class PoolTake(NamedTuple):
     next_from_ms: int  # until the earliest not-yet-valid lease becomes valid (0 = none)
 
 
-def pool_take_call(key: str, *, min_tokens: int, want: int, slack_ms: int) -> ScriptCall:
-    return ("pool_take", [key], [min_tokens, want, slack_ms])
+def pool_take_call(key: str, *, min_tokens: int, want: int, slack_ms: int, per_s: int = 0) -> ScriptCall:
+    """``per_s`` > 0: at most that many tokens per second of the chunk's validity (a chunk taken
+    from a lease that ends sooner holds no more than its holder can spend by then)."""
+    return ("pool_take", [key], [min_tokens, want, slack_ms, per_s])
 
 
 def parse_pool_take(reply: Any) -> PoolTake:

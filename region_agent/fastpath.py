@@ -34,7 +34,6 @@ from typing import Any
 
 import msgspec
 
-from kernel import tracing
 from kernel.asgi import read_body, replay
 from kernel.auth import SCOPE_KEY
 from kernel.errors import LeaseholdError
@@ -43,7 +42,6 @@ from kernel.jsonbody import content_type_of, is_json_media_type, repeats_keys
 
 from .admission import http_conflict, is_conflict
 from .models import MAX_BATCH_BODY_BYTES, AdmitBatch, AdmitRequest, keys_shown
-from .tracing import decision as traced_decision
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 PATH = "/v1/admit"
@@ -55,11 +53,12 @@ _encode = msgspec.json.Encoder().encode
 
 
 def admit_fast_path(state_of: Callable[[], Any], max_body: int,
-                    decide_batch: Callable[[Any, list], Awaitable[Any]] | None = None,
+                    decide_batch: Callable[..., Awaitable[Any]] | None = None,
                     batch_max_body: int = MAX_BATCH_BODY_BYTES) -> Callable[[ASGIApp], ASGIApp]:
     """Litestar middleware factory; ``state_of()`` returns the agent's ``AgentState`` (its
-    ``admission`` answers); ``decide_batch(state, requests)`` the batch handler's own body
-    (``region_agent.app.decide_batch``): with it, ``POST /v1/admit/batch`` is served the same way."""
+    ``admission`` answers); ``decide_batch(state, requests, carrier)`` the batch handler's own body
+    (``region_agent.app.decide_batch``): with it, ``POST /v1/admit/batch`` is served the same way.
+    The request's headers go to the admission as the gateway's trace context."""
 
     def middleware(app: ASGIApp) -> ASGIApp:
         async def serve(scope: dict, receive: Callable[[], Awaitable[dict]],
@@ -105,7 +104,7 @@ def admit_fast_path(state_of: Callable[[], Any], max_body: int,
                 await app(scope, replay(chunks, receive), send)
                 return
             if batch:
-                await _answer_batch(st, req, send, decide_batch)  # type: ignore[arg-type]  # decide_batch is set whenever batch is true
+                await _answer_batch(st, req, send, decide_batch, raw_headers)  # type: ignore[arg-type]  # decide_batch is set whenever batch is true
             else:
                 await _answer(st, req, send, raw_headers)
 
@@ -115,9 +114,9 @@ def admit_fast_path(state_of: Callable[[], Any], max_body: int,
 
 
 async def _answer_batch(st: Any, batch: AdmitBatch, send: Callable[[dict], Awaitable[None]],
-                        decide_batch: Callable[[Any, list], Awaitable[Any]]) -> None:
+                        decide_batch: Callable[..., Awaitable[Any]], raw_headers: Any = ()) -> None:
     try:
-        decisions = await decide_batch(st, batch.requests)
+        decisions = await decide_batch(st, batch.requests, raw_headers)
     except LeaseholdError as e:
         return await _send_problem(send, e, BATCH_PATH)
     await _send(send, 200, _encode(decisions), _JSON_HEADERS)
@@ -125,11 +124,7 @@ async def _answer_batch(st: Any, batch: AdmitBatch, send: Callable[[dict], Await
 
 async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[None]], raw_headers: Any = ()) -> None:
     try:
-        if not tracing.ENABLED:
-            decision = await st.admission.decide_one(req, decoded=True)
-        else:  # a span per decision (region_agent.tracing)
-            decision = await traced_decision("http", raw_headers, req.request_id, st.admission.decide_one, req,
-                                             decoded=True)
+        decision = await st.admission.decide_one(req, door="http", carrier=raw_headers, decoded=True)
     except LeaseholdError as e:
         return await _send_problem(send, e, PATH)
     if is_conflict(decision):

@@ -79,6 +79,10 @@ class AgentMetrics:
                                   "Requests that waited for an in-flight chunk renewal", ["pool"], registry=r)
         self.pool_renewals = Counter("leasehold_agent_pool_renewals_total", "Global pool chunk renewals",
                                      ["pool", "outcome"], registry=r)
+        self.chunk_abandoned = Counter("leasehold_agent_chunk_abandoned_tokens_total",
+                                       "Global pool tokens a gateway chunk still held when its validity ended "
+                                       "(debited from the regional balance, never refunded: capacity wasted)",
+                                       ["pool"], registry=r)
         self.batch_size = Histogram("leasehold_agent_batch_size", "Script calls per coalesced pipeline",
                                     registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
         self.queue_rejections = Counter("leasehold_agent_queue_rejections_total",

@@ -24,7 +24,7 @@ from .metrics import AgentMetrics
 from .models import AdmitRequest, Decision, DecisionSource, DeniedScope, Reason
 from .plan import check_principal, selected
 from .policy import PolicyHolder
-from .telemetry import named_tenants, tenant_label
+from .telemetry import count_early
 
 
 def make_watcher(holder: PolicyHolder, endpoints: str, *, prefix: str, reread_ms: int, timeout_ms: int = 1000,
@@ -60,6 +60,5 @@ def revoked_decision(bundle: Bundle, req: AdmitRequest, m: AgentMetrics | None =
                   "detail": "The rate limit policy in force is older than its maximum age. Retry later.",
                   "decisionId": d.decision_id})
     if m is not None:
-        m.decisions.labels("unavailable", rule.id, str(bundle.bundle_version), rule.route_key,
-                           tenant_label(named_tenants(bundle), tenant), DecisionSource.POLICY).inc()
+        count_early(m, bundle, rule, d, tenant)
     return d

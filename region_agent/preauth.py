@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kernel.bundle import Bundle, Rule
 from kernel.errors import ValidationFailed
@@ -27,6 +28,10 @@ from .httpmap import apply_http
 from .keys import ip_prefix, parse_ip
 from .models import AdmitRequest, Decision, DecisionSource, DeniedScope, Principal, Reason
 from .plan import selected
+from .telemetry import count_early
+
+if TYPE_CHECKING:
+    from .metrics import AgentMetrics
 
 
 def as_failed_auth(req: AdmitRequest) -> AdmitRequest:
@@ -74,18 +79,22 @@ class NewKeyCap:
         keys.add(key)
         return True
 
-    def check(self, bundle: Bundle, req: AdmitRequest) -> Decision | None:
-        """The denial for an anonymous request from a new key past its source's cap, else None."""
+    def check(self, bundle: Bundle, req: AdmitRequest, metrics: AgentMetrics | None = None) -> Decision | None:
+        """The denial for an anonymous request from a new key past its source's cap, else None;
+        counted in ``metrics`` (source ``preauth``, the rule whose cap refused)."""
         if req.principal.type != "anonymous":
             return None
         addr = parse_ip(req.principal.id)
         rules = [r for r in selected(bundle, tenant=None, route_group=req.route_group, principal=req.principal)
                  if r.scope == "ip" and not r.shadow]
-        if not rules or all(self.admit(addr, r) for r in rules):
+        refused = next((r for r in rules if not self.admit(addr, r)), None)
+        if refused is None:
             return None
         d = Decision(allowed=False, decision_id=req.request_id, policy_id=None,
                      policy_version=bundle.bundle_version, denied_scope=DeniedScope.IP, reason=Reason.RATE_EXCEEDED,
                      retry_after_ms=self.window_ms - int(self.clock() * 1000) % self.window_ms,
                      source=DecisionSource.PREAUTH)
         apply_http(d, rule=None, anonymous=True)
+        if metrics is not None:
+            count_early(metrics, bundle, refused, d, None)
         return d

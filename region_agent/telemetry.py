@@ -23,7 +23,7 @@ from typing import Any
 
 from kernel.algorithms import Role
 from kernel.bounded import BoundedMemo
-from kernel.bundle import Bundle
+from kernel.bundle import Bundle, Rule
 
 from .audit import BypassAudit
 from .keymeter import HORIZON_S, MAX_PER_GENERATION, source_class
@@ -48,6 +48,15 @@ def tenant_label(names: frozenset[str], tenant: str | None) -> str:
     if tenant is None:
         return "none"
     return tenant if tenant in names else "other"
+
+
+def count_early(m: AgentMetrics, bundle: Bundle, rule: Rule, d: Decision, tenant: str | None) -> None:
+    """A decision the admission made before the engine (region_agent.admission: a stale bundle's
+    revocable rule, the pre-authentication cap) in ``leasehold_agent_decisions_total``, labelled
+    like the engine's: so the decision counts add up to the decisions made."""
+    outcome = "unavailable" if d.http_status == 503 else "denied"
+    m.decisions.labels(outcome, rule.id, str(d.policy_version), rule.route_key,
+                       "none" if tenant is None else tenant_label(named_tenants(bundle), tenant), d.source).inc()
 
 
 class DecisionTelemetry:

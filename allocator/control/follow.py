@@ -1,6 +1,7 @@
 """The allocator follows the published bundle too: its pools come from the latest valid bundle
-with a strictly higher version (the same rule as the agents). A switch replaces the engine's
-pool map in one reference assignment, so a grant decision sees one bundle's pools.
+with a strictly higher version (the same rule as the agents). An accepted bundle's pools go to
+the writer (``use_pools``, given in the constructor), which swaps its pool map in one assignment,
+so a grant decision sees one bundle's pools.
 
 A pool's new ``limit`` applies to the next grant decisions of the current window (grants
 already made stay); changing a pool's ``windowMs`` under the same id is not supported
@@ -13,23 +14,26 @@ bundle is refused and counted like the agents do, and the pools in force stay.""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable, Iterable
 
-from kernel.bundle import Bundle
+from kernel.bundle import Bundle, Pool
 from kernel.errors import StaleVersion
 from kernel.policy_store import PolicyStore
 from kernel.signing import SignatureRefused, TrustedKeys
 from kernel.watch import PolicyWatcher
 
-log = logging.getLogger("allocator.policy")
+from ..metrics import AllocatorMetrics
+
+log = logging.getLogger(__name__)
 
 
 class AllocatorPolicy:
     """The bundle in force at the allocator, fed by a :class:`PolicyWatcher`."""
 
-    def __init__(self, bundle: Bundle, engine: Any, metrics: Any, trusted: TrustedKeys | None = None):
+    def __init__(self, bundle: Bundle, use_pools: Callable[[Iterable[Pool]], None], metrics: AllocatorMetrics,
+                 trusted: TrustedKeys | None = None):
         self.bundle = bundle
-        self.engine = engine
+        self.use_pools = use_pools
         self.metrics = metrics
         self.trusted = trusted or TrustedKeys()
         self.reloads = metrics.policy_reloads
@@ -48,7 +52,7 @@ class AllocatorPolicy:
             log.warning("policy refused (stale): %s", err.detail)
             self.reloads.labels("stale").inc()
             return "stale"
-        self.engine.pools = {p.id: p for p in candidate.pools}
+        self.use_pools(candidate.pools)
         self.metrics.describe_pools(candidate.pools)
         self.bundle = candidate
         self.version.set(candidate.bundle_version)

@@ -89,11 +89,18 @@ def decide(state: PoolState | None, params: PoolParams, now_ms: int, incarnation
     return RuleVerdict(True, have - params.cost, 0, have), PoolState(entries)
 
 
-def take(state: PoolState | None, min_tokens: int, want: int, now_ms: int, incarnation: str = ""
-         ) -> tuple[tuple[int, int, int, int], PoolState | None]:
-    """``pool_take.lua``: ((taken, remaining, valid_for_ms, next_from_ms), new state or None)."""
+def take(state: PoolState | None, min_tokens: int, want: int, now_ms: int, incarnation: str = "",
+         per_s: int = 0) -> tuple[tuple[int, int, int, int], PoolState | None]:
+    """``pool_take.lua``: ((taken, remaining, valid_for_ms, next_from_ms), new state or None).
+    ``per_s`` > 0 caps ``want`` at ceil(per_s x life / 1000) (never below ``min_tokens``), life
+    being the time until the earliest-expiring spendable lease ends."""
     check_int(min_tokens, 1, name="min")
     check_int(want, min_tokens, name="want")
+    check_int(per_s, 0, name="per_s")
+    if per_s > 0 and state is not None:
+        ends = [e.expires_at_ms for e in state.entries.values() if e.valid_at(now_ms, incarnation) and e.granted > e.spent]
+        if ends:
+            want = max(min_tokens, min(want, -(-per_s * (min(ends) - now_ms) // 1000)))
     d, new = decide(state, PoolParams(want), now_ms, incarnation)
     if not d.allowed and d.remaining >= min_tokens:
         d, new = decide(state, PoolParams(d.remaining), now_ms, incarnation)

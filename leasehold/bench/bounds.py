@@ -95,8 +95,10 @@ def explain(rows: Sequence[Row]) -> list[str]:
             out.append(f"Figure 5: {x.get('redis_calls')} script calls for {x.get('attempts')} attempts "
                        f"({x.get('admitted')} admitted as the bucket refilled).")
         elif r.figure == "6" and "utilisation" in r.name:
-            out.append(f"Figure 6: admitted per window {x.get('admitted_per_window')} (G={x.get('G')}, bound "
-                       f"{x.get('bound')}); min {x.get('min', 0):.3f}, max {x.get('max', 0):.3f} of G.")
+            out.append(f"Figure 6, {r.name.split(':')[0]}: admitted per window {x.get('admitted_per_window')} "
+                       f"against demand offered {x.get('offered_per_window')} (G={x.get('G')}, bound "
+                       f"{x.get('bound')}); over the {x.get('judged_windows')} windows with demand above G, "
+                       f"min {x.get('min', 0):.3f}, max {x.get('max', 0):.3f} of G.")
     grants = [r for r in rows if r.figure == "7" and "single grant" in r.name]
     if len(grants) >= 2:
         a, b = grants[0], grants[-1]

@@ -17,7 +17,7 @@ import sys
 import yaml
 
 from leasehold.devjwt import DevIssuer
-from leasehold.gateways import Envoy, render, upstream
+from leasehold.gateways import Envoy, render, tracing_values, upstream
 from leasehold.procs import LOOPBACK, Proc, RedisServer, free_port, wait_port
 
 from .context import Ctx
@@ -68,7 +68,7 @@ def run(ctx: Ctx) -> list[Row]:
             tokens.write_text("".join(f"Bearer {issuer.token(f'U-{i}', 'bench')}\n" for i in range(ctx.principals)))
             values = {"ENVOY_LISTEN_HOST": LOOPBACK, "AGENT_HOST": LOOPBACK, "AGENT_RLS_PORT": rls_port,
                       "UPSTREAM_HOST": LOOPBACK, "UPSTREAM_PORT": up_port, "GATEWAY_TOKEN": "auth-disabled",
-                      **issuer.values(issuer.write_jwks(w / "fig8-jwks.json"))}
+                      **issuer.values(issuer.write_jwks(w / "fig8-jwks.json")), **tracing_values()}
             envoys = {}
             try:
                 wait_port(bare_port, proc=bare.popen, timeout=30)

@@ -5,7 +5,11 @@ not compete inside the measured server's process and is reported separately.
 
 Prints one JSON object: requests, errors, elapsed, rps, latency percentiles (ms), its own CPU
 seconds, items (``items_per_request`` x 200 answers), and allowed answers per wall-clock window
-when ``window_ms`` is given. Every loop is bounded by ``max_requests`` and ``duration_s``."""
+when ``window_ms`` is given — with ``offered_marker``, also the answers that contain it per window
+(e.g. ``"policyId":"<rule>"``: the attempts a pool's rule answered, admitted or denied — the demand
+really offered to that pool, whatever rate the generator meant to send). ``ports`` (instead of
+``port``) spreads the connections over several servers. Every loop is bounded by ``max_requests``
+and ``duration_s``."""
 
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ def _cpu() -> float:
 
 
 async def _conn(cfg: dict, state: dict, wid: int) -> None:
-    host, port, path = cfg.get("host", "127.0.0.1"), cfg["port"], cfg["path"]
+    ports = cfg.get("ports") or [cfg["port"]]
+    host, port, path = cfg.get("host", "127.0.0.1"), ports[wid % len(ports)], cfg["path"]
     body_of = state["body"]
     head = f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\nContent-Length: "
     head_b = head.encode()
@@ -38,6 +43,7 @@ async def _conn(cfg: dict, state: dict, wid: int) -> None:
     next_at = time.perf_counter() + (wid * interval / cfg["conns"] if interval else 0.0)
     window_ms = cfg.get("window_ms")
     count = cfg.get("count", "").encode()
+    offered = cfg.get("offered_marker", "").encode()
     try:
         while True:
             now = time.perf_counter()
@@ -67,6 +73,8 @@ async def _conn(cfg: dict, state: dict, wid: int) -> None:
                     if window_ms:
                         k = int((wall0 + (t1 - t0) / 2) * 1000 // window_ms)
                         state["allowed"][k] += data.count(b'"allowed":true')
+                        if offered:
+                            state["offered"][k] += data.count(offered)
                 else:
                     state["non200"] += 1
                     state["statuses"][headers[9:12].decode()] += 1
@@ -83,7 +91,7 @@ async def run(cfg: dict) -> dict:
     warm = cfg.get("warmup_s", 0.0)
     state = {"body": body, "sent": cfg.get("start_index", 0), "max": cfg.get("start_index", 0) + cfg["max_requests"],
              "end": start + warm + cfg["duration_s"], "measure_from": start + warm, "lat": [], "ok": 0,
-             "non200": 0, "allowed": Counter(), "counted": 0, "fallback": 0, "statuses": Counter(), "sample": ""}
+             "non200": 0, "allowed": Counter(), "offered": Counter(), "counted": 0, "fallback": 0, "statuses": Counter(), "sample": ""}
     cpu0 = _cpu()
     start_wall = time.time() + warm
     results = await asyncio.gather(*(_conn(cfg, state, w) for w in range(cfg["conns"])), return_exceptions=True)
@@ -99,6 +107,7 @@ async def run(cfg: dict) -> dict:
         "p50_ms": percentile(lat, 50) * 1000 if n else None, "p99_ms": percentile(lat, 99) * 1000 if n else None,
         "cpu_s": cpu, "cpu_pct": 100.0 * cpu / (time.perf_counter() - start),
         "allowed_by_window": {str(k): v for k, v in sorted(state["allowed"].items())},
+        "offered_by_window": {str(k): v for k, v in sorted(state["offered"].items())},
         "counted": state["counted"], "fallback": state["fallback"], "counted_per_s": state["counted"] / elapsed if elapsed > 0 else 0.0,
         "start_wall": start_wall, "end_wall": time.time(),
         "sent": state["sent"] - cfg.get("start_index", 0),

@@ -49,6 +49,13 @@ def tenant_admit(tenants: int, tag: str = "u") -> Body:
                       f'"principal":{{"type":"service","id":"svc-{i % 97}"}}}}').encode()
 
 
+def global_admit(tenants: int = 10, route: str = "search", tag: str = "g") -> Body:
+    """One request per call for a global-scope pool rule (route ``search``), from tenants ``g0`` ..:
+    the fleet-wide pool is spent from every tenant's requests through gateway chunks."""
+    return lambda i: (f'{{"requestId":"{tag}-{i:010d}","tenantId":"g{i % tenants}","routeGroup":"{route}",'
+                      f'"principal":{{"type":"service","id":"svc-{i % 97}"}}}}').encode()
+
+
 def lease_batch(pools: int, size: int = 64, region: str = "bench", tag: str = "L", want: int = 1) -> Body:
     """Lease requests over distinct pools ``p00000`` .., each with a fresh leaseId."""
     def body(i: int) -> bytes:
@@ -76,7 +83,7 @@ def pool_id(n: int) -> str:
 
 WORKLOADS: dict[str, Callable[..., Body]] = {
     "admit": admit, "admit_batch": admit_batch, "hot_key": hot_key, "tenant_admit": tenant_admit,
-    "lease_batch": lease_batch, "lease_batch_of": lease_batch_of,
+    "global_admit": global_admit, "lease_batch": lease_batch, "lease_batch_of": lease_batch_of,
 }
 
 

@@ -18,7 +18,10 @@
 -- POOL.commit: writes the debited entries and extends the key's expiry to max expiresAt - now +
 --   slack; it never shortens it (a deposit's slack keeps a lease's record until its agent closes
 --   it after the lease's end, whatever slack a later debit passes).
--- POOL.max_expiry(key): max expiresAt over well-formed entries (or nil).
+-- POOL.max_expiry(entries): max expiresAt over well-formed entries (or nil).
+-- POOL.first_spendable_expiry(entries, now): min expiresAt over spendable entries (or nil).
+-- POOL.check_entries(entries, P, now): POOL.check over entries POOL.entries(key) read in this
+--   script run; a denying check leaves them unchanged, so a second check may use them again.
 -- An allowing plan also carries `current`: the value before this request's debit (the
 -- multi-rule script reports it when another rule denies).
 -- @include lib/validate.lua
@@ -78,8 +81,24 @@ function POOL.max_expiry(entries)
   return top
 end
 
+-- a spendable entry: current incarnation, valid now, tokens left
+function POOL.spendable(e, now)
+  return POOL.current(e) and e.from <= now and now < e.exp and e.granted > e.spent
+end
+
+function POOL.first_spendable_expiry(entries, now)
+  local first = nil
+  for _, e in ipairs(entries) do
+    if POOL.spendable(e, now) and (first == nil or e.exp < first) then first = e.exp end
+  end
+  return first
+end
+
 function POOL.check(key, P, now)
-  local entries = POOL.entries(key)
+  return POOL.check_entries(POOL.entries(key), P, now)
+end
+
+function POOL.check_entries(entries, P, now)
   local valid, spendable, next_from = {}, 0, nil
   for _, e in ipairs(entries) do
     if not POOL.current(e) then

@@ -47,9 +47,10 @@ class Gateways:
         auth = self.state.auth
         return auth.gateways if auth is not None else None
 
-    async def decide(self, reqs: list[AdmitRequest]) -> list[Decision]:
-        """The agent's one admission (never raises for a question it can answer)."""
-        return await self.admission.decide(reqs)
+    async def decide(self, reqs: list[AdmitRequest], *, door: str, carrier: Any = ()) -> list[Decision]:
+        """The agent's one admission (never raises for a question it can answer), asked at
+        ``door`` with the gateway's headers or metadata as ``carrier`` (its trace context)."""
+        return await self.admission.decide(reqs, door=door, carrier=carrier)
 
     async def start(self) -> None:
         s = self.settings

@@ -37,7 +37,6 @@ from kernel.auth import SCOPE_KEY, authenticate
 from kernel.errors import BadRequest, LeaseholdError, ValidationFailed
 from kernel.http_errors import problem_answer
 
-from ..tracing import decision as traced_decision
 from .answer import authz_answer
 from .mapping import (
     BadQuestion,
@@ -111,7 +110,7 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
                 else:
                     hdrs = with_identity(names, hdrs, who.tenant, who.user, who.api_key)
         q = authz_question(names, hdrs, method=scope["method"], forwarded_path=forwarded)
-        (decision,) = await traced_decision("authz", scope.get("headers", ()), q.request_id, gw.decide, [q])
+        (decision,) = await gw.decide([q], door="authz", carrier=scope.get("headers", ()))
         if unauthenticated and decision.allowed:
             return UNAUTHENTICATED
         a = authz_answer(decision, deny_status=DENY_STATUSES[deny] if deny is not None else None)

@@ -38,7 +38,6 @@ from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError, Unauthorized, Unavailable, ValidationFailed
 
 from ..models import AdmitRequest, Decision
-from ..tracing import decision as traced_decision
 from .answer import rls_answer
 from .mapping import BadQuestion, Descriptor, Names, rls_questions
 from .metrics import GatewayMetrics
@@ -79,7 +78,7 @@ def to_proto(decisions: list[Decision], questions: list[AdmitRequest], bundle: B
 
 
 class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
-    def __init__(self, *, names: Names, decide: Callable[[list[AdmitRequest]], Awaitable[list[Decision]]],
+    def __init__(self, *, names: Names, decide: Callable[..., Awaitable[list[Decision]]],
                  bundle_of: Callable[[], Bundle], gateways: TokenTable | None, metrics: GatewayMetrics):
         self.names = names
         self.decide = decide
@@ -95,8 +94,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             if self.gateways is not None:
                 authenticate(self.gateways, context.invocation_metadata() or ())  # pairs: two tokens are refused
             questions = rls_questions(self.names, request.domain, descriptors_of(request), request.hits_addend)
-            decisions = await traced_decision("rls", context.invocation_metadata() or (),
-                                              questions[0].request_id if questions else None, self.decide, questions)
+            decisions = await self.decide(questions, door="rls", carrier=context.invocation_metadata() or ())
             resp, status = to_proto(decisions, questions, self.bundle_of())
             outcome = {200: "ok", 503: "unavailable_503", 409: "conflict_409"}.get(status, "over_limit")
             m.rls_descriptors.labels("OK").inc(sum(1 for s in resp.statuses if s.code == OK))

@@ -84,6 +84,11 @@ class PoolBook:
         if self.unreachable_since is None:
             self.unreachable_since = now
 
+    def reopen(self) -> None:
+        """Tokens went back to the window this book was told is exhausted: ask again."""
+        self.exhausted_window = None
+        self.exhausted_until = 0.0
+
     def exhausted(self, now: float) -> bool:
         return self.exhausted_window is not None and now < self.exhausted_until
 

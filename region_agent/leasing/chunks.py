@@ -9,53 +9,176 @@ back to the same chunk, in-process only.
 The negative cache of a chunk is by cost: a renewal that could not pay ``cost`` denies locally
 requests of at least that cost until ``deny_until_ms``; cheaper requests are not blocked by it
 (one expensive request must not deny the cheap ones the pool can still serve).
+
+Sizing. What a chunk holds when its validity ends is lost to everyone: it was debited from the
+regional balance (so its lease reports it spent) and is never refunded. A chunk is therefore sized
+by what its holder is asked, not by the pool's ``chunkMax``: the tokens requests asked of this
+pool at this agent over the last :data:`SPEND_SHARE` of ``chunkValidityMs``, or that share of what
+they asked over the whole validity if more (:class:`RecentDemand`, net of tokens given back), at
+least what the requests waiting for the renewal need, within [cost, ``chunkMax``]. At steady demand
+a chunk is spent in a quarter of its validity, so demand may fall to a quarter meanwhile before
+any token expires unspent; the short horizon lets a burst after a quiet spell grow the chunk within
+a renewal or two (each renewal is one store call). The renewal
+also tells ``pool_take.lua`` the rate (:func:`tokens_per_s`) so that a chunk taken from a lease
+ending sooner than the validity holds no more than that lease's remaining life can spend.
+(A fixed chunk of ``chunkMax`` valid 1 s at an agent asked 6 tokens/s expired half full, and the
+pool ran dry at two thirds of G while requests were denied.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 NO_CHUNK = -1  # generation of tokens bought for one request only (never given back to the chunk)
+
+#: A chunk holds this share of what its holder was asked over one validity (see the module text).
+SPEND_SHARE = 0.25
+
+
+@dataclass(slots=True)
+class RecentDemand:
+    """Tokens asked recently, in buckets of a quarter of ``span_ms`` (a chunk's validity): over the
+    last quarter and over the whole span, each a sliding count (the oldest bucket weighted by how
+    much of it the window still covers). Counting costs one comparison and one addition unless a
+    bucket ends."""
+
+    start_ms: float = 0.0  # start of the current bucket
+    quarter_ms: float = 0.0  # bucket length: SPEND_SHARE x span
+    current: int = 0
+    past: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # the buckets before, newest first
+
+    def _roll(self, now_ms: float, span_ms: float) -> None:
+        quarter = span_ms * SPEND_SHARE
+        if quarter != self.quarter_ms:  # a new span (a policy change): start over
+            self.quarter_ms, self.start_ms, self.current, self.past = quarter, now_ms, 0, [0, 0, 0, 0]
+            return
+        ended = int((now_ms - self.start_ms) // quarter)
+        if ended >= 1:
+            self.past = ([0] * (ended - 1) + [self.current] + self.past)[:4]
+            self.current = 0
+            self.start_ms += ended * quarter
+
+    def note(self, tokens: int, now_ms: float, span_ms: float) -> None:
+        """``tokens`` asked (negative: given back, never below nothing asked)."""
+        if now_ms - self.start_ms >= self.quarter_ms or self.quarter_ms != span_ms * SPEND_SHARE:
+            self._roll(now_ms, span_ms)
+        self.current += tokens
+        if self.current < 0:
+            self.current = 0
+
+    def over(self, now_ms: float, span_ms: float) -> tuple[float, float]:
+        """(tokens asked over the last quarter of the span, over the whole span)."""
+        self._roll(now_ms, span_ms)
+        left = max(0.0, 1.0 - (now_ms - self.start_ms) / self.quarter_ms)  # of the oldest bucket still covered
+        p = self.past
+        return self.current + p[0] * left, self.current + p[0] + p[1] + p[2] + p[3] * left
+
+
+def chunk_size(asked: float, recent: float, waiting: int, cost: int, chunk_max: int) -> int:
+    """Tokens a renewal asks for: ``recent`` (tokens asked over the last :data:`SPEND_SHARE` of a
+    validity) or :data:`SPEND_SHARE` of ``asked`` (over the whole validity), whichever is more, at
+    least ``waiting`` (the requests waiting for this renewal), within [``cost``, max(``cost``,
+    ``chunk_max``)]."""
+    need = max(float(waiting), recent, asked * SPEND_SHARE)
+    return max(cost, min(chunk_max, math.ceil(need - 1e-9)))
+
+
+def tokens_per_s(want: int, validity_ms: int) -> int:
+    """The most a chunk of ``want`` tokens for ``validity_ms`` may hold per second of the validity
+    it really gets (``pool_take.lua`` caps a chunk from a lease that ends sooner), rounded up."""
+    return max(1, math.ceil(want * 1000 / max(1, validity_ms)))
+
+
+@dataclass(slots=True)
+class Part:
+    """The tokens one renewal bought (one generation), valid until ``expires_at_ms``."""
+
+    generation: int
+    tokens: int
+    expires_at_ms: float
+    fallback: bool = False  # bought from the pool's fallback allowance (allocator unreachable)
+
+
+#: Parts a chunk keeps at once (the newest renewal's and the leftovers of earlier ones still valid);
+#: beyond that the earliest-expiring is abandoned.
+MAX_PARTS = 4
 
 
 @dataclass(slots=True)
 class ChunkLease:
-    remaining: int = 0
-    expires_at_ms: float = 0.0
+    """A fleet-wide pool's chunk at one agent: the parts its renewals bought, spent
+    earliest-expiring first. A renewal never abandons what the chunk still holds: a reservation
+    given back (its request was not admitted) while a renewal was in flight lands in the part it
+    came from, which stays spendable until its own validity ends — never in another part, whose
+    validity (and window) may differ."""
+
+    parts: list[Part] = field(default_factory=list)
     deny_until_ms: float = 0.0
     deny_min_cost: int = 1  # the local denial applies to requests of at least this cost
-    generation: int = 0  # bumps on every grant so a late give-back cannot land in a newer chunk
-    fallback: bool = False  # this chunk came from the pool's fallback allowance (allocator unreachable)
+    generation: int = 0  # bumps on every grant: a part's identity for give-backs
+    fallback: bool = False  # the last renewal was from (or denied by) the pool's fallback allowance
+    demand: RecentDemand = field(default_factory=RecentDemand)  # tokens asked over one validity
+    waiting: int = 0  # tokens of the requests waiting for a renewal now
+    abandoned: int = 0  # tokens of parts dropped unspent (expired, or beyond MAX_PARTS) not yet counted
 
-    def valid(self, now_ms: float) -> bool:
-        return now_ms < self.expires_at_ms
+    def ask(self, cost: int, now_ms: float, validity_ms: int) -> None:
+        """A request asks ``cost`` tokens of the pool (counted once per request); negative: a
+        reservation given back (its request was not admitted)."""
+        self.demand.note(cost, now_ms, validity_ms)
+
+    def want(self, cost: int, chunk_max: int, now_ms: float, validity_ms: int) -> int:
+        """The size of the next chunk (:func:`chunk_size`)."""
+        recent, asked = self.demand.over(now_ms, validity_ms)
+        return chunk_size(asked, recent, self.waiting, cost, chunk_max)
+
+    def _valid(self, now_ms: float) -> list[Part]:
+        parts = self.parts  # in expiry order
+        while parts and parts[0].expires_at_ms <= now_ms:
+            self.abandoned += parts.pop(0).tokens  # expired unspent
+        return parts
+
+    def take_abandoned(self) -> int:
+        """Tokens abandoned since the last call (for the ``chunk_abandoned`` metric)."""
+        n, self.abandoned = self.abandoned, 0
+        return n
 
     def usable(self, now_ms: float) -> int:
-        """Tokens a request can take right now."""
-        return self.remaining if self.valid(now_ms) else 0
+        """Tokens requests can take right now."""
+        return sum(p.tokens for p in self._valid(now_ms))
 
-    def try_take(self, cost: int, now_ms: float) -> int | None:
-        """Spend ``cost`` tokens locally; returns the chunk generation, or None."""
-        if self.remaining >= cost and self.valid(now_ms):
-            self.remaining -= cost
-            return self.generation
+    def try_take(self, cost: int, now_ms: float) -> Part | None:
+        """Spend ``cost`` tokens locally from the earliest-expiring part that holds them; returns
+        that part (its generation for a give-back), or None."""
+        for p in self._valid(now_ms):
+            if p.tokens >= cost:
+                p.tokens -= cost
+                return p
         return None
 
-    def give_back(self, cost: int, generation: int, now_ms: float) -> bool:
-        if generation == self.generation and self.valid(now_ms):
-            self.remaining += cost
-            return True
+    def give_back(self, cost: int, generation: int, now_ms: float, validity_ms: int) -> bool:
+        """A reservation whose request was not admitted: not demand the chunk paid for; its tokens
+        return to the part they came from while it is valid (never to another part)."""
+        self.ask(-cost, now_ms, validity_ms)
+        for p in self._valid(now_ms):
+            if p.generation == generation:
+                p.tokens += cost
+                return True
         return False
 
     def negative(self, now_ms: float, cost: int = 1) -> bool:
         return now_ms < self.deny_until_ms and cost >= self.deny_min_cost
 
     def grant(self, tokens: int, now_ms: float, validity_ms: int, *, fallback: bool = False) -> None:
-        """A renewal succeeded: the old chunk's leftovers are abandoned."""
+        """A renewal succeeded: a new part. Earlier parts keep what they hold until they expire
+        (empty ones are dropped; beyond :data:`MAX_PARTS` the earliest-expiring is abandoned)."""
         self.generation += 1
         self.fallback = fallback
-        self.remaining = tokens
-        self.expires_at_ms = now_ms + validity_ms
+        kept = [p for p in self._valid(now_ms) if p.tokens > 0]
+        kept.append(Part(self.generation, tokens, now_ms + validity_ms, fallback))
+        kept.sort(key=lambda p: p.expires_at_ms)
+        self.abandoned += sum(p.tokens for p in kept[:-MAX_PARTS])
+        self.parts = kept[-MAX_PARTS:]
         self.deny_until_ms = 0.0
         self.deny_min_cost = 1
 

@@ -6,7 +6,8 @@ One :class:`FleetPools` per agent. :meth:`take` answers one request's spend of o
 * the held chunk pays it (no store call);
 * the chunk is spent: one renewal per pool at a time buys the next chunk (``pool_take.lua``:
   valid no longer than the leases it came from, so never past their window — whichever agent
-  deposited them). A request waits for the renewal within its own budget; if the renewal
+  deposited them), sized by what this agent's requests ask of the pool (``chunks.chunk_size``: a
+  chunk's unspent rest expires with it). A request waits for the renewal within its own budget; if the renewal
   (e.g. waiting for the allocator's top-up of the regional balance) outlasts it, the request is
   denied locally with a short hint (``DENY_LOCAL``) — never admitted from a fallback allowance;
 * the chunk still holds tokens but fewer than this request costs: the request buys exactly its
@@ -39,7 +40,7 @@ from ..keys import KeyBuilder
 from ..plan import GlobalSpend
 from ..store.protocol import Store
 from .book import BalanceState
-from .chunks import NO_CHUNK, ChunkLease
+from .chunks import NO_CHUNK, ChunkLease, tokens_per_s
 from .redis_balance import BALANCE_SLACK_MS
 from .topup import topped_up
 from .window_clock import Windows
@@ -100,33 +101,39 @@ class FleetPools:
         pool = spend.pool
         lease = self.chunks.setdefault(pool.id, ChunkLease())
         gkey = KeyBuilder.global_pool_key(pool.id)
+        lease.ask(spend.cost, self.now_ms(), pool.chunk_validity_ms)
         if self.leases is not None:  # demand is what requests ask for, not what chunks buy
             self.leases.note(pool, gkey, spend.cost)
         for _ in range(RENEWALS_PER_REQUEST):
             now = self.now_ms()
-            gen = lease.try_take(spend.cost, now)
-            if gen is not None:
-                return Take(TakeStatus.OK, generation=gen, fallback=lease.fallback)
+            part = lease.try_take(spend.cost, now)
+            if part is not None:
+                return Take(TakeStatus.OK, generation=part.generation, fallback=part.fallback)
             if lease.negative(now, spend.cost):
                 return Take(TakeStatus.DENIED, max(1, int(lease.deny_until_ms - now)), fallback=lease.fallback)
             if lease.usable(now) > 0:  # the chunk still pays cheaper requests: buy this one's cost alone
                 return await self._take_alone(spend, lease, deadline_s, clock_s)
+            lease.waiting += spend.cost  # the renewal buys at least what its waiting requests need
             try:
                 await asyncio.wait_for(asyncio.shield(self._renewal(spend, lease)), max(0.0, deadline_s - clock_s()))
             except TimeoutError:
                 break  # the renewal outlasts this request's budget
             except LeaseholdError as e:
                 return self._store_failed(spend, e)
+            finally:
+                lease.waiting -= spend.cost
         return self._busy(pool, gkey)
 
     def give_back(self, spend: GlobalSpend, generation: int) -> None:
+        """A reservation whose request was not admitted: its tokens go back to the chunk they came
+        from (not a chunk bought since, nor one bought for that request alone: ``NO_CHUNK``)."""
         lease = self.chunks.get(spend.pool.id)
-        if lease is not None and generation != NO_CHUNK:
-            lease.give_back(spend.cost, generation, self.now_ms())
+        if lease is not None:
+            lease.give_back(spend.cost, generation, self.now_ms(), spend.pool.chunk_validity_ms)
 
     def remaining(self, pool_id: str) -> int:
         lease = self.chunks.get(pool_id)
-        return lease.remaining if lease else 0
+        return lease.usable(self.now_ms()) if lease else 0
 
     # ------------------------------------------------------------------ answers without a chunk
     def _busy(self, pool: Pool, gkey: str) -> Take:
@@ -166,9 +173,9 @@ class FleetPools:
         return Take(TakeStatus.UNAVAILABLE, rule.closed_retry_after_ms)
 
     # ------------------------------------------------------------------ buying tokens
-    async def _pool_take(self, gkey: str, min_tokens: int, want: int) -> PoolTake:
+    async def _pool_take(self, gkey: str, min_tokens: int, want: int, per_s: int = 0) -> PoolTake:
         (reply,) = await self.store.submit([pool_take_call(gkey, min_tokens=min_tokens, want=want,
-                                                           slack_ms=BALANCE_SLACK_MS)],
+                                                           slack_ms=BALANCE_SLACK_MS, per_s=per_s)],
                                            wait_s=self.budget_s)
         return parse_pool_take(reply)
 
@@ -213,22 +220,23 @@ class FleetPools:
             fut.exception()  # retrieved: a renewal nobody waits for any more may fail quietly
 
     async def _renew(self, spend: GlobalSpend, lease: ChunkLease) -> Renewal:
-        """Buy the next chunk: up to max(cost, chunkMax) tokens, at least 1. An empty balance waits
-        (once) for the top-up in flight — as long as it takes; requests wait within their own
-        budgets. Store errors propagate to the waiting requests."""
+        """Buy the next chunk: at least 1 token, as many as this agent's recent demand and the
+        requests waiting for it call for (``ChunkLease.want``), at most max(cost, chunkMax). An
+        empty balance waits (once) for the top-up in flight — as long as it takes; requests wait
+        within their own budgets. Store errors propagate to the waiting requests."""
         pool = spend.pool
         gkey = KeyBuilder.global_pool_key(pool.id)
-        want = max(spend.cost, pool.chunk_max)
         outcome = Renewal.ERROR
         try:
             waited_topup = waited_rollover = False
             while True:
                 sent_at = self.now_ms()  # validity is timed from the moment the request was sent (I5)
-                got = await self._pool_take(gkey, 1, want)
+                want = lease.want(spend.cost, pool.chunk_max, sent_at, pool.chunk_validity_ms)
+                got = await self._pool_take(gkey, 1, want, tokens_per_s(want, pool.chunk_validity_ms))
                 if got.taken:
                     validity = min(pool.chunk_validity_ms, got.valid_for_ms)
                     lease.grant(got.taken, sent_at, validity)
-                    outcome = Renewal.GRANTED if got.taken == want else Renewal.PARTIAL
+                    outcome = Renewal.GRANTED if got.taken >= want else Renewal.PARTIAL
                     return outcome
                 if not waited_rollover and 0 < got.next_from_ms <= ROLLOVER_WAIT_MS:
                     waited_rollover = True  # a deposited lease starts in a moment: buy from it then
@@ -250,6 +258,9 @@ class FleetPools:
             return outcome
         finally:
             self.metrics.pool_renewals.labels(pool.id, outcome).inc()
+            wasted = lease.take_abandoned()  # what the chunk held when its parts expired (counted here:
+            if wasted:  # a renewal follows a chunk's end, and the request path stays free of it)
+                self.metrics.chunk_abandoned.labels(pool.id).inc(wasted)
 
     async def _renew_from_fallback(self, spend: GlobalSpend, lease: ChunkLease, gkey: str) -> Renewal:
         """Allocator unreachable and the regional balance empty: a chunk of one request's cost

@@ -426,6 +426,15 @@ class LeaseManager:
         self._queue_report(bal, lease.lease_id, spent, early=early)
         return True
 
+    def _reopen(self, pool_id: str) -> None:
+        """A usage report of ours gave tokens back to the pool's window while it is open: a balance
+        of that pool that was told the window is exhausted may ask again. Otherwise nobody would:
+        every balance that heard "exhausted" waits for the next window, and the returned tokens
+        would stay in the pool unused while requests are denied."""
+        for bal in self.balances.values():
+            if bal.pool.id == pool_id:
+                bal.book.reopen()
+
     def _queue_report(self, bal: Balance, lease_id: str, spent: int, *, early: bool = False) -> None:
         if len(self.pending_reports) < self.max_pending_reports:
             report = UsageReport(lease_id=lease_id, region=self.region, pool=bal.pool.id, spent=spent,
@@ -445,6 +454,8 @@ class LeaseManager:
             results = await self.client.report_many([report for report, _ in part])
             for (report, first), res in zip(part, results, strict=True):
                 if not isinstance(res, LeaseError):
+                    if res.returned > 0 and res.window_open:
+                        self._reopen(report.pool)
                     continue
                 if res.status == 409:
                     if self.now() - first < self.report_patience_ms:

@@ -3,7 +3,7 @@
 A multi-rule call (every decision) is packed from one %-format per call shape, in which the array
 header, ``slack_ms``, ``decision_ttl_ms`` and the rule slots are already text: only the keys, the
 member and the question are filled in. Every other call is packed by ``hiredis.pack_command``.
-Both are measured against each other in docs/decisions/0023-redis-internals-behind-one-module.md;
+Both are measured against each other in docs/decisions/0025-redis-internals-behind-one-module.md;
 tests/unit/agent/test_resp_pack.py checks both against redis-py's own packer, byte for byte.
 """
 

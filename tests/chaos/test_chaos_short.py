@@ -15,17 +15,42 @@ from pathlib import Path
 import pytest
 
 from chaos.history import Fault, read_history
+from chaos.load import DEFAULT_LOAD
 from chaos.run import run_scenario
 from chaos.scenarios import PROFILES
 
 pytestmark = pytest.mark.chaos
 
 
-@pytest.mark.timeout(240)
+#: Below this share of its nominal rate the load generator was starved by the machine (other suites
+#: beside it): when a run passed every check but pressed no pool, its premise ("the load presses the
+#: limits") broke, and the scenario is run once more, its checks unchanged. A failing run is never
+#: run again.
+STARVED = 0.6
+
+
+def pressed(result) -> bool:  # type: ignore[no-untyped-def]
+    """Some window of some pool, and one of the global-scope pool fleet-g, was driven to 0.8 x G."""
+    windows = result.report.windows
+    return (any(w.admitted >= 0.8 * w.limit for w in windows)
+            and any(w.pool == "fleet-g" and w.admitted >= 0.8 * w.limit for w in windows))
+
+
+def offered_share(result, duration: float) -> float:  # type: ignore[no-untyped-def]
+    """What the load generator sent, as a share of its nominal rate over the run (measured, not assumed)."""
+    sent = sum(st["sent"] for st in result.stats["load"].values())
+    nominal = sum(t.per_second for t in DEFAULT_LOAD) * duration * len(result.stats["load"])
+    return sent / nominal if nominal else 0.0
+
+
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize(("scenario", "duration"), PROFILES["short"], ids=[n for n, _ in PROFILES["short"]])
 async def test_short_profile_scenario(scenario: str, duration: float, tmp_path: Path) -> None:
     out = io.StringIO()
-    result = await run_scenario(scenario, seed=1, duration_s=duration, out_root=tmp_path, out=out)
+    result = await run_scenario(scenario, seed=1, duration_s=duration, out_root=tmp_path / "1", out=out)
+    if result.report.ok and not result.unmet and not pressed(result) and offered_share(result, duration) < STARVED:
+        out.write(f"load generator starved ({offered_share(result, duration):.2f} of its rate): run again\n")
+        result = await run_scenario(scenario, seed=1, duration_s=duration, out_root=tmp_path / "2", out=out)
     text = out.getvalue()
     failed = [v.invariant for v in result.report.verdicts if not v.ok]
     assert not failed, f"checker verdicts failed: {failed}\n{text}"
@@ -41,11 +66,10 @@ async def test_short_profile_scenario(scenario: str, duration: float, tmp_path: 
     assert faults and all(f.stop_ms is not None for f in faults), "every fault was injected and healed"
     assert (result.out_dir / "report.json").exists()
     assert list(result.out_dir.glob("*.png")), "a plot per pool"
-    # pools with demand above G were driven to (near) G in some window: the load really pressed the limit
-    assert any(u.ratio >= 0.8 for u in result.report.utilisation), text
-    # the dimensions of every run: the global-scope pool was spent and pressed, and both agents of each
-    # region answered
-    assert any(w.pool == "fleet-g" and w.admitted > 0 for w in result.report.windows), text
-    assert any(u.pool == "fleet-g" for u in result.report.utilisation), text
+    # the load really pressed the limit: some window was driven to (near) G, and so was one of the
+    # global-scope pool fleet-g (the dimensions of every run; the checker's fault_free_utilisation
+    # verdict, among those that must pass above, judges every window whose demand exceeded G); both
+    # agents of each region answered
+    assert pressed(result), f"no pool pressed ({offered_share(result, duration):.2f} of the load's rate)\n{text}"
     for region, st in result.stats["load"].items():
         assert len([a for a, n in st["perAgent"].items() if n > 0]) == 2, (region, st)

@@ -7,6 +7,7 @@ files that command writes. docs/decisions/0003-deploy-validation.md says why the
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -47,6 +48,14 @@ def validate(docs: list[dict]) -> None:
             except kubernetes_validate.ValidationError as e:
                 errors.append(f"{version} {d['kind']}/{d['metadata']['name']}: {e.message}")
     assert not errors, "\n".join(errors)
+
+
+def bind_mount(volume: str | dict) -> tuple[str, str, bool]:
+    """(source, target, read-only) of a compose volume, short ("src:dst:ro") or long syntax."""
+    if isinstance(volume, dict):
+        return str(volume.get("source", "")), volume["target"], bool(volume.get("read_only"))
+    source, target, *mode = volume.split(":")
+    return source, target, mode == ["ro"]
 
 
 def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
@@ -131,6 +140,10 @@ def test_the_dev_overlay_adds_redis_etcd_and_generated_secrets(dev_overlay: list
     # the agent's Redis user is the one the generated ACL file defines
     agent = by_kind(dev_overlay, "Deployment")["agent-eu"]["spec"]["template"]["spec"]["containers"][0]
     assert "redis://agent@redis-eu:6379/0" in agent["args"]
+    # private keys never enter the cluster: not the policy-signing key, not the development
+    # identity provider's (generated beside the Secrets' files, for `leasehold token`)
+    text = yaml.safe_dump_all(dev_overlay)
+    assert "PRIVATE KEY" not in text and "LS0tLS1CRUdJTiBQUklWQVRF" not in text  # PEM, plain or base64
 
 
 def test_the_base_carries_current_copies_of_the_bundle_and_the_roles_script():
@@ -169,6 +182,18 @@ def test_compose_validates_and_mounts_exactly_the_generated_secrets(tmp_path: Pa
             if key.endswith("_FILE") and str(value).startswith("/run/secrets/"):
                 mounted = {(s if isinstance(s, str) else s["source"]) for s in svc.get("secrets", [])}
                 assert Path(value).name in mounted, f"{name}: {key} names a file it does not mount"
+    # Envoy's JWKS: unset JWKS_FILE is the development identity provider's JWKS the generator wrote
+    # (its key id says so); the provider's private key is mounted into no service
+    envoy = resolved["services"]["envoy-eu"]
+    (jwks_mount,) = [m for m in map(bind_mount, envoy["volumes"]) if m[1] == "/etc/envoy/jwks.json"]
+    assert Path(jwks_mount[0]) == copy / "secrets" / "jwks.json" and jwks_mount[2]
+    keys = json.loads(Path(jwks_mount[0]).read_text())["keys"]
+    assert len(keys) == 1 and keys[0]["kid"].startswith("dev-") and "d" not in keys[0]  # public only
+    for name, svc in resolved["services"].items():
+        sources = [bind_mount(v)[0] for v in svc.get("volumes", []) or []]
+        assert not any(s.endswith(".key") for s in sources), f"{name} mounts a private key"
+    # tracing off unless a collector is named: 0 % sampled
+    assert envoy["environment"]["TRACE_SAMPLE_PERCENT"] == "0"
     # a broken file is refused by the same tool (the check can fail)
     bad = copy / "docker-compose.yml"
     bad.write_text(bad.read_text().replace("    restart: on-failure\n", "    restart: on-failure\n    restartt: no\n"))

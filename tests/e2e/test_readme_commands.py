@@ -48,7 +48,7 @@ def test_call_it_against_a_real_topology(tmp_path: Path):
     assert re.search(r"^agent\s+agent-eu-1\s+pid \d+\s+ready\s+http://127\.0\.0\.1:\d+$", out, re.M), out
     assert "all services ready" in out
     decision = json.loads(re.search(r'^\{"allowed".*\}$', out, re.M).group(0))
-    assert decision["allowed"] is True and decision["policyId"] == "read-user-v3"
+    assert decision["allowed"] is True and decision["policyId"] == "read-user-v3", decision
     assert decision["decisionId"] == "r-9f3a61c2e07b4d18" and decision["remaining"] == 19
     pool = json.loads(re.search(r'^\{"pool".*\}$', out, re.M).group(0))
     assert pool["pool"] == "atlas-minute" and pool["limit"] == 1000

@@ -69,7 +69,7 @@ def etcd_put(topo: LocalTopology, raw: bytes) -> None:
     async def put() -> None:
         store = PolicyStore(EtcdStore(",".join(topo.etcd.endpoints)), "/leasehold/")
         try:
-            await store.store.txn([], [store.store.t.put(store.key, raw)])
+            await store.store.put(store.key, raw)
         finally:
             await store.store.close()
     asyncio.run(put())

@@ -105,12 +105,14 @@ async def test_trace_steps_4_and_6_to_13_across_regions(topo: LocalTopology):
                 await warm(client, url, f"U-warm-{url.rsplit(':', 1)[1]}")
 
             # step 4: P-GLOBAL is spent from gateway A's in-process chunk: ten concurrent reads
-            # (ten users) need at most a few chunk renewals from the regional balance, not ten
+            # (ten users) need at most a few chunk renewals from the regional balance, not ten. A chunk
+            # holds what this gateway was recently asked (its unspent rest would expire with it): after
+            # the quiet warm-up, each renewal buys what arrived meanwhile, so the burst takes a few
             renew_before = await metric(client, a, "leasehold_agent_pool_renewals_total", pool="global-read")
             got = await asyncio.gather(*(admit(client, a, f"trace-step-4-{i}", user=f"U-4{i}") for i in range(10)))
             assert all(d["allowed"] and not d["fallback"] for d in got)
             renewals = await metric(client, a, "leasehold_agent_pool_renewals_total", pool="global-read") - renew_before
-            assert renewals <= 3
+            assert renewals <= 5
             gbal = await Scripts().pool_balance(r, KeyBuilder.global_pool_key("global-read"))
             assert sum(e.granted for e in gbal.entries.values()) > 0  # eu holds a leased global balance
 

@@ -7,58 +7,25 @@ the agent's) and its commit transaction."""
 from __future__ import annotations
 
 import secrets
-import threading
 import time
-from concurrent import futures
 
 import grpc
 import httpx
 import pytest
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from leasehold.procs import LOOPBACK, free_port
+from leasehold.procs import LOOPBACK
 from leasehold.topology import LocalTopology, TopologySpec
+from tests.otlp import attrs, receiving
 
 pytestmark = pytest.mark.e2e
 
 
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP trace receiver: every exported span with its service name."""
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[str, object]] = []
-        self.lock = threading.Lock()
-
-    def Export(self, request, context):  # noqa: N802 - the gRPC method name
-        with self.lock:
-            for rs in request.resource_spans:
-                service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
-                for ss in rs.scope_spans:
-                    self.spans.extend((service, sp) for sp in ss.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def find(self, service: str, name: str, trace_id: bytes | None = None) -> list:
-        with self.lock:
-            return [sp for svc, sp in self.spans if svc == service and sp.name == name
-                    and (trace_id is None or sp.trace_id == trace_id)]
-
-
-def attrs(span) -> dict:
-    return {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in span.attributes}
-
-
 @pytest.fixture(scope="module")
 def receiver():
-    port = free_port()
-    rec = Receiver()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(rec, server)
-    server.add_insecure_port(f"{LOOPBACK}:{port}")
-    server.start()
-    yield rec, f"http://{LOOPBACK}:{port}"
-    server.stop(1)
+    with receiving() as (rec, port):
+        yield rec, f"http://{LOOPBACK}:{port}"
 
 
 @pytest.fixture(scope="module")

@@ -96,7 +96,7 @@ async def both(redis_url: str, etcd: EtcdCluster, tmp: Path, *, fast_path: bool 
     alloc_app = with_probes(create_allocator(settings_for(etcd, pools, unique_prefix(), auth_disabled=False,
                                                           region_tokens=[f"eu:{DIGEST}"])))
     async with AsyncTestClient(app=agent_app) as agent, AsyncTestClient(app=alloc_app, timeout=30) as alloc:
-        await wait_until(lambda: alloc_app.state.engine.election.is_leader)
+        await wait_until(lambda: alloc_app.state.election.is_leader)
         yield agent, alloc
 
 

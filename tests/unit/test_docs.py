@@ -139,14 +139,16 @@ def test_every_leasehold_command_of_the_readme_and_docs_parses():
     for page in PAGES:
         for block in sh_blocks(page):
             for line in block.replace("\\\n", " ").splitlines():  # continuation lines joined
-                m = re.match(r"^(?:\S+=\S+ )?(?:\.venv/bin/)?leasehold\s+(.*?)(?:\s+#.*)?$", line)
+                m = re.match(r"^(?:\S+=\S+ |\w+=(\$\())?(?:\.venv/bin/)?leasehold\s+(.*?)(?(1)\))(?:\s+#.*)?$",
+                             line)  # also VAR=$(leasehold ...)
                 if not m:
                     continue
-                command = re.sub(r"\s*\[[^\]]*\]", "", m.group(1))  # `[--opt X]`: an optional part, shown
+                command = re.sub(r"\s*\[[^\]]*\]", "", m.group(2))  # `[--opt X]`: an optional part, shown
                 argv = [a if "$" not in a else "X" for a in shlex.split(command)]
+                argv = argv[:argv.index("|")] if "|" in argv else argv  # `leasehold ... | jq ...`
                 try:
                     parser.parse_args(argv)
                 except SystemExit as e:
-                    pytest.fail(f"{page.relative_to(ROOT)}: `leasehold {m.group(1)}` is refused ({e.code})")
+                    pytest.fail(f"{page.relative_to(ROOT)}: `leasehold {m.group(2)}` is refused ({e.code})")
                 seen += 1
     assert seen >= 6

@@ -22,7 +22,7 @@ import pytest
 from redis import Redis
 
 from leasehold.devjwt import DevIssuer
-from leasehold.gateways import Envoy, Nginx, Traefik, render, upstream
+from leasehold.gateways import Envoy, Nginx, Traefik, render, tracing_values, upstream
 from leasehold.procs import LOOPBACK, Proc, RedisServer, free_port, wait_http_ready, wait_port
 from leasehold.services import agent_command
 from region_agent.keys import KeyBuilder
@@ -55,7 +55,7 @@ class Stack:
         """The placeholders of deploy/gateways/* for this stack."""
         return {"AGENT_HOST": LOOPBACK, "AGENT_HTTP_PORT": self.http_port, "AGENT_RLS_PORT": self.rls_port,
                 "UPSTREAM_HOST": LOOPBACK, "UPSTREAM_PORT": self.upstream_port, "GATEWAY_TOKEN": self.token,
-                **ISSUER.values(self.jwks), **extra}
+                **ISSUER.values(self.jwks), **tracing_values(), **extra}
 
     def envoy(self, name: str, template: str) -> Envoy:
         port, admin = free_port(), free_port()

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from leasehold.gateways import Envoy, render, upstream
+from leasehold.gateways import Envoy, render, tracing_values, upstream
 from leasehold.procs import LOOPBACK, Proc, free_port
 from leasehold.topology import LocalTopology, TopologySpec
 
@@ -51,7 +51,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             cfg = render("envoy-rls.yaml", ENVOY_LISTEN_HOST=LOOPBACK, ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin,
                          AGENT_HOST=LOOPBACK, AGENT_RLS_PORT=topo.rls_ports[region][0], UPSTREAM_HOST=LOOPBACK,
                          UPSTREAM_PORT=up_port, GATEWAY_TOKEN=topo.secrets.gateway,
-                         **ISSUER.values(ISSUER.write_jwks(run / "jwks.json")))
+                         **ISSUER.values(ISSUER.write_jwks(run / "jwks.json")), **tracing_values())
             envoys[region] = Envoy(f"envoy-{region}", cfg, run / f"envoy-{region}", port, admin).start()
         yield Fleet(topo, envoys, up)
     finally:

@@ -130,9 +130,9 @@ async def test_batch_fast_path_answers_like_the_handler(tmp_path, policy_file, m
     served: list[int] = []
     real = fastpath._answer_batch
 
-    async def counting(st, batch, send, decide):
+    async def counting(st, batch, send, *rest):
         served.append(len(batch.requests))
-        await real(st, batch, send, decide)
+        await real(st, batch, send, *rest)
 
     monkeypatch.setattr(fastpath, "_answer_batch", counting)
     fast = await _answers(tmp_path, policy_file, "bfast", True, "/v1/admit/batch", BATCH_CASES)

@@ -80,19 +80,21 @@ async def test_global_pool_spent_from_a_local_chunk(redis_url, policy_file, r):
         assert "RateLimit" not in d["headers"]
     sec, usec = await r.time()
     now = int(sec) * 1000 + int(usec) // 1000
-    await Scripts().pool_deposit(r, gkey, "lease-1", granted=15, valid_from_ms=now - 1000, expires_at_ms=now + 60_000,
+    await Scripts().pool_deposit(r, gkey, "lease-1", granted=14, valid_from_ms=now - 1000, expires_at_ms=now + 60_000,
                                  max_entries=16, slack_ms=1000)
     app = create_app(make_settings(redis_url, policy_file), pepper=PEPPER)
     async with AsyncTestClient(app=app) as agent:
         ds = [(await agent.post("/v1/admit", json=admit_body(f"pool-{i:04d}", pid=f"U-{i}"))).json()
-              for i in range(16)]
-        # one chunk of 10, then a partial chunk of the 5 left, then the pool is dry
-        assert [d["allowed"] for d in ds] == [True] * 15 + [False]
+              for i in range(15)]
+        # chunks follow this agent's demand (what it was asked over the last quarter of a chunk's
+        # validity, at most chunkMax): 1, 2 and 4 tokens for the first 7 requests, then a partial
+        # chunk of the 7 left (8 were asked), then the pool is dry
+        assert [d["allowed"] for d in ds] == [True] * 14 + [False]
         assert ds[-1]["deniedScope"] == "global"
         entry = (await r.hget(gkey, "lease-1")).decode().split(",")
-        assert entry[:2] == ["15", "15"]
+        assert entry[:2] == ["14", "14"]
         metrics = (await agent.get("/metrics")).text
-        assert 'leasehold_agent_pool_renewals_total{outcome="granted",pool="p-global"} 1.0' in metrics
+        assert 'leasehold_agent_pool_renewals_total{outcome="granted",pool="p-global"} 3.0' in metrics
         assert 'leasehold_agent_pool_renewals_total{outcome="partial",pool="p-global"} 1.0' in metrics
 
 

@@ -16,12 +16,12 @@ import httpx
 import msgspec
 from litestar.testing import AsyncTestClient
 
+from allocator.allocation import WindowState
 from allocator.app import create_app
-from allocator.engine import GrantRecord
-from allocator.policy import WindowState
+from allocator.records import GrantRecord
 from allocator.settings import AllocatorSettings
 from kernel.bundle import Bundle, Pool, encode_bundle, seal
-from kernel.etcd_store import EtcdStore
+from kernel.etcd_store import EtcdStore, TxnBuilder
 from leasehold.procs import LOOPBACK, EtcdCluster, Proc, free_port, wait_port
 from leasehold.services import allocator_command
 
@@ -63,7 +63,7 @@ async def in_process(settings: AllocatorSettings, **kw: Any) -> AsyncIterator[As
     """The allocator app in this event loop, with its real etcd client, leading."""
     app = create_app(settings, **kw)
     async with AsyncTestClient(app=app, timeout=30) as client:
-        await wait_until(lambda: app.state.engine.election.is_leader)
+        await wait_until(lambda: app.state.election.is_leader)
         client.app_state = app.state  # type: ignore[attr-defined]
         yield client
 
@@ -81,6 +81,21 @@ async def etcd_windows(store: EtcdStore, prefix: str, pool: str) -> dict[int, Wi
 async def etcd_grants(store: EtcdStore, prefix: str) -> dict[str, GrantRecord]:
     kvs = await store.get_prefix(f"{prefix}grants/".encode())
     return {kv.key.rsplit(b"/", 1)[1].decode(): msgspec.json.decode(kv.value, type=GrantRecord) for kv in kvs}
+
+
+async def usurp(store: EtcdStore, key: bytes, epoch: int) -> int:
+    """Depose the leader of ``key`` (epoch ``epoch``) as another node would: delete the key, then
+    create it again on a new etcd lease (a new create_revision = a new epoch); that lease's id."""
+    lease = await store.lease_grant(30)
+    txn = TxnBuilder()
+    txn.created_at(key, epoch)
+    txn.delete(key)
+    assert (await store.commit(txn)).succeeded
+    txn = TxnBuilder()
+    txn.absent(key)
+    txn.put(key, msgspec.json.encode({"nodeId": "usurper", "url": "http://x:1"}), lease)
+    assert (await store.commit(txn)).succeeded
+    return lease
 
 
 RELATIVE = ("ttlMs", "startsInMs", "replayed")

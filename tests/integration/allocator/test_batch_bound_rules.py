@@ -1,5 +1,5 @@
-"""The batch routes keep every overshoot-bound rule of the single routes (docs/bound.md, on the
-grouped paths), on the real allocator (the app with its etcd-backed engine, a real etcd):
+"""The batch routes keep every overshoot-bound rule of the single routes on their grouped
+transactions, on the real allocator (the app with its etcd-backed writer, a real etcd):
 the same sequence of grants and usage reports sent one request each and sent as batches gives the
 same answers and the same window state in etcd — the demand cap (a claim counts up to twice the
 region's reported spend rate), per-region lease ids, ``closedEarly`` reports accepted before

@@ -31,7 +31,7 @@ async def test_big_etcd_limit_carries_hundreds_of_grants_per_transaction(big_txn
     reader = EtcdStore(",".join(big_txn_etcd.endpoints), timeout_s=5)
     try:
         async with in_process(settings_for(big_txn_etcd, bundle, prefix), clock=clock) as client:
-            store = client.app_state.engine.store
+            store = client.app_state.writer.store
             await wait_until(lambda: store.txn_ops_known)
             assert store.max_txn_ops == 1024  # read from etcd (--max-txn-ops 1024), not configured
             results = await _grant_all(client, reqs)
@@ -65,7 +65,7 @@ async def test_a_limit_configured_above_etcds_is_learned_from_the_refusal(etcd_c
     # etcd runs with its default 128 ops; the allocator was told 1024
     async with in_process(settings_for(etcd_cluster, bundle, prefix, etcd_max_txn_ops=1024), clock=clock) as client:
         results = await _grant_all(client, reqs)
-        store = client.app_state.engine.store
+        store = client.app_state.writer.store
         assert store.max_txn_ops == 128  # lowered on each refusal until etcd took the transactions
         text = (await client.get("/metrics")).text
     assert all(r.get("granted") == 30 for r in results), (len([r for r in results if r.get("granted") != 30]), [r for r in results if r.get("granted") != 30][:3])
@@ -85,7 +85,7 @@ async def test_one_hot_pool_in_big_transactions_never_exceeds_g(big_txn_etcd: Et
     reader = EtcdStore(",".join(big_txn_etcd.endpoints), timeout_s=5)
     try:
         async with in_process(settings_for(big_txn_etcd, bundle, prefix), clock=clock) as client:
-            await wait_until(lambda: client.app_state.engine.store.txn_ops_known)
+            await wait_until(lambda: client.app_state.writer.store.txn_ops_known)
             results = await _grant_all(client, reqs)
         total = sum(r["granted"] for r in results)
         assert total == 1_000  # 500 x up to 7 asked: the pool is spent exactly, never beyond

@@ -64,7 +64,7 @@ async def test_the_leader_compacts_etcd_and_the_service_keeps_working(tmp_path: 
             bundle2 = seal(Bundle(bundle_version=2, published_at="2026-11-29T00:00:01Z", checksum="", rules=[],
                                   pools=[pool, Pool(id="cp2", window_ms=W, limit=500)]))
             await PolicyStore(reader, prefix).publish(encode_bundle(bundle2))
-            await wait_until(lambda: "cp2" in client.app_state.engine.pools, within_s=10)
+            await wait_until(lambda: "cp2" in client.app_state.writer.pools, within_s=10)
             text = (await client.get("/metrics")).text
         assert "leasehold_allocator_etcd_compactions_total" in text
         assert float(text.split("\nleasehold_allocator_etcd_compacted_revision ")[1].split()[0]) >= rec.revision
@@ -90,7 +90,7 @@ def _follower(settings, clock):
     async def run():
         app = create_app(settings, clock=clock)
         async with AsyncTestClient(app=app, timeout=30):
-            await wait_until(lambda: app.state.engine.election.role_known)
-            assert not app.state.engine.election.is_leader
+            await wait_until(lambda: app.state.election.role_known)
+            assert not app.state.election.is_leader
             yield app
     return run()

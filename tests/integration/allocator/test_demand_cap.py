@@ -1,8 +1,9 @@
-"""A region cannot take a pool by inflating its demand (docs/security.md), on the real allocator
-(the app with its etcd-backed engine, a real etcd cluster): a claim counts only up to twice the
-spend rate the region's own usage reports show, and at least one full chunk per lease TTL, so in
-a low pool an inflated claim without history gets the share of a modest one. The reports'
-spent counts are kept per region in the window state in etcd (the evidence)."""
+"""A region cannot take a pool by inflating its demand, on the real allocator (the app with its
+etcd-backed writer, a real etcd cluster): a claim counts only up to twice the spend rate the
+region's own usage reports show, and at least one full chunk per lease TTL, so in a low pool an
+inflated claim without history gets the share of a modest one (allocator/README.md, "Semantics
+worth knowing"). The reports' spent counts are kept per region in the window state in etcd (the
+evidence)."""
 
 from __future__ import annotations
 

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import msgspec
-
 from allocator.settings import AllocatorSettings
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from leasehold.procs import EtcdCluster
 
 from .conftest import TestClock, W
-from .helpers import etcd_grants, etcd_windows, in_process, lease_body, settings_for, wait_until
+from .helpers import etcd_grants, etcd_windows, in_process, lease_body, settings_for, usurp, wait_until
 
 PROBLEM = "application/problem+json"
 
@@ -79,10 +77,10 @@ async def test_follower_answers_503_not_leader_naming_the_leader(etcd_cluster: E
         from allocator.app import create_app
         app = create_app(follower_settings)
         async with AsyncTestClient(app=app) as follower:
-            await wait_until(lambda: app.state.engine.election.role_known)
+            await wait_until(lambda: app.state.election.role_known)
             info = (await follower.get("/v1/leader")).json()
             lead_info = (await leader.get("/v1/leader")).json()
-            assert info == {**lead_info, "isSelf": False}
+            assert info == {**lead_info, "isSelf": False, "leading": 0}  # (leading: how many shards it leads)
             assert info["nodeId"] == "lead" and info["url"] == "http://127.0.0.1:18001"
             r = await follower.post("/v1/leases", json=lease_body("follow-lease-1", "p1", "eu", 5))
             assert r.status_code == 503 and r.headers["content-type"].startswith(PROBLEM)
@@ -106,26 +104,20 @@ async def test_a_deposed_leader_cannot_commit(etcd_cluster: EtcdCluster, make_bu
     settings = settings_for(etcd_cluster, bundle, prefix)
     clock.place_in_window(W, 1_000)
     async with in_process(settings, clock=clock) as client:
-        engine = client.app_state.engine
+        election = client.app_state.election
         first = (await client.post("/v1/leases", json=lease_body("fence-lease-1", "p1", "eu", 10))).json()
         old_epoch = first["epoch"]
         # depose: another node replaces the leader key (a new create_revision = a new epoch)
-        t = etcd_reader.t
         key = f"{prefix}leader".encode()
-        lease = await etcd_reader.lease(30)
-        ok, _ = await etcd_reader.txn([t.create(key) == old_epoch], [t.delete(key)])
-        assert ok
-        ok, _ = await etcd_reader.txn([t.version(key) == 0], [
-            t.put(key, msgspec.json.encode({"nodeId": "usurper", "url": "http://x:1"}), lease=lease)])
-        assert ok
+        lease = await usurp(etcd_reader, key, old_epoch)
         new_epoch = (await etcd_reader.get(key)).create_revision
         assert new_epoch > old_epoch
-        assert engine.election.is_leader  # it has not noticed yet
+        assert election.is_leader  # it has not noticed yet
         r = await client.post("/v1/leases", json=lease_body("fence-lease-2", "p1", "eu", 10))
         assert r.status_code == 503 and r.json()["type"].endswith("/fenced")
-        assert not engine.election.is_leader  # stepped down at once
+        assert not election.is_leader  # stepped down at once
         assert "leasehold_allocator_fenced_total 1.0" in (await client.get("/metrics")).text
-        await etcd_reader.revoke(lease)
+        await etcd_reader.lease_revoke(lease)
     grants = await etcd_grants(etcd_reader, prefix)
     assert set(grants) == {"fence-lease-1"}
     (state,) = (await etcd_windows(etcd_reader, prefix, "p1")).values()
@@ -143,7 +135,7 @@ async def test_etcd_unreachable_503_and_nothing_granted(fresh_etcd_cluster: Etcd
         cluster.stop_member(0)  # the endpoint the allocator talks to: it must move to the next one
         r = await client.post("/v1/leases", json=lease_body("down-lease-0", "p1", "eu", 5))
         if r.status_code == 503:  # the leader may have stepped down on a failed keepalive: wait, retry
-            await wait_until(lambda: client.app_state.engine.election.is_leader, within_s=20)
+            await wait_until(lambda: client.app_state.election.is_leader, within_s=20)
             r = await client.post("/v1/leases", json=lease_body("down-lease-0", "p1", "eu", 5))
         assert r.status_code == 200, r.text
         for i in range(1, len(cluster.procs)):
@@ -151,7 +143,7 @@ async def test_etcd_unreachable_503_and_nothing_granted(fresh_etcd_cluster: Etcd
         r = await client.post("/v1/leases", json=lease_body("down-lease-1", "p1", "eu", 5))
         assert r.status_code == 503 and r.headers["content-type"].startswith(PROBLEM)
         assert r.json()["retriable"] is True and r.headers["retry-after"] == "1"
-        await wait_until(lambda: not client.app_state.engine.election.is_leader, within_s=10)
+        await wait_until(lambda: not client.app_state.election.is_leader, within_s=10)
         r = await client.post("/v1/leases", json=lease_body("down-lease-2", "p1", "eu", 5))
         assert r.status_code == 503
         # etcd down: the replica still answers (retriable 503s), so it stays ready; etcd's health is
@@ -163,7 +155,7 @@ async def test_etcd_unreachable_503_and_nothing_granted(fresh_etcd_cluster: Etcd
         for i in range(len(cluster.procs)):
             cluster.procs[i].start()
         cluster.wait_healthy()
-        await wait_until(lambda: client.app_state.engine.election.is_leader, within_s=20)
+        await wait_until(lambda: client.app_state.election.is_leader, within_s=20)
         assert (await client.get("/readyz")).json()["role"] == "leader"
         health = await client.get("/v1/health/store")
         assert health.status_code == 200 and health.json()["etcd"] == "reachable"

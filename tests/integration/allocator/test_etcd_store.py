@@ -1,14 +1,16 @@
-"""The etcd adapter against a real cluster: endpoint failover, error translation, lease buckets."""
+"""The etcd adapter against a real cluster: endpoint failover, error translation, transactions,
+etcd leases, watches."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 
 import pytest
 
 from kernel.errors import StoreUnavailable
-from kernel.etcd_store import EtcdStore, EtcdTxnTooLarge, LeaseBuckets, TxnBuilder, txn_revision
+from kernel.etcd_store import EtcdLeaseMissing, EtcdStore, EtcdTxnTooLarge, TxnBuilder, prefix_range_end
 from leasehold.procs import EtcdCluster, free_port
 
 from .helpers import unique_prefix
@@ -20,13 +22,17 @@ async def test_moves_past_a_dead_endpoint(etcd_cluster: EtcdCluster) -> None:
                       observe=lambda op, s: seen.append(op))
     key = (unique_prefix() + "k").encode()
     try:
-        t = store.t
-        ok, resp = await store.txn([t.version(key) == 0], [t.put(key, b"v1")])
-        assert ok and txn_revision(resp) > 0
+        txn = TxnBuilder()
+        txn.absent(key)
+        txn.put(key, b"v1")
+        res = await store.commit(txn)
+        assert res.succeeded and res.revision > 0
         kv = await store.get(key)
-        assert kv is not None and kv.value == b"v1" and kv.mod_revision == txn_revision(resp)
-        ok, _ = await store.txn([t.version(key) == 0], [t.put(key, b"v2")])
-        assert not ok  # the compare protects a retried write
+        assert kv is not None and kv.value == b"v1" and kv.mod_revision == res.revision
+        txn = TxnBuilder()
+        txn.absent(key)
+        txn.put(key, b"v2")
+        assert not (await store.commit(txn)).succeeded  # the compare protects a retried write
         assert (await store.get_many([key]))[key].value == b"v1"
         assert "txn" in seen
     finally:
@@ -43,19 +49,49 @@ async def test_all_endpoints_dead_is_store_unavailable() -> None:
         await store.close()
 
 
-async def test_lease_buckets_share_one_lease(etcd_cluster: EtcdCluster) -> None:
+async def test_etcd_leases_keepalive_revoke_and_a_missing_one(etcd_cluster: EtcdCluster) -> None:
     store = EtcdStore(",".join(etcd_cluster.endpoints), timeout_s=2)
+    key = (unique_prefix() + "on-lease").encode()
     try:
-        buckets = LeaseBuckets(store, bucket_ms=10_000)
-        now = 1_000_000_000
-        a = await buckets.lease_for(now + 61_000, now)
-        b = await buckets.lease_for(now + 65_000, now)
-        c = await buckets.lease_for(now + 75_000, now)
-        assert a == b != c
-        ttl = await store.refresh(a)
-        assert 61 <= ttl <= 70 + buckets.margin_s
-        await store.revoke(a)
-        await store.revoke(c)
+        lease = await store.lease_grant(30)
+        assert 25 <= await store.lease_keepalive(lease) <= 30
+        txn = TxnBuilder()
+        txn.put(key, b"v", lease)
+        assert (await store.commit(txn)).succeeded
+        await store.lease_revoke(lease)
+        assert await store.get(key) is None  # revoking deletes what is attached
+        assert await store.lease_keepalive(lease) <= 0  # gone: etcd answers TTL 0
+        with pytest.raises(EtcdLeaseMissing):
+            await store.lease_revoke(lease)
+        txn = TxnBuilder()
+        txn.put(key, b"v", lease)
+        with pytest.raises(EtcdLeaseMissing):
+            await store.commit(txn)
+    finally:
+        await store.close()
+
+
+async def test_a_snapshot_and_a_watch(etcd_cluster: EtcdCluster) -> None:
+    store = EtcdStore(",".join(etcd_cluster.endpoints), timeout_s=2)
+    p = unique_prefix()
+    try:
+        txn = TxnBuilder()
+        for k in ("a/1", "a/2", "b"):
+            txn.put(f"{p}{k}".encode(), k.encode())
+        written = (await store.commit(txn)).revision
+        rev, (under_a, b, missing) = await store.snapshot([f"{p}a/".encode()], [f"{p}b".encode(), f"{p}c".encode()])
+        assert rev == written and [kv.value for kv in under_a] == [b"a/1", b"a/2"]
+        assert [kv.value for kv in b] == [b"b"] and missing == []
+        assert [kv.key for kv in await store.get_prefix(f"{p}a/".encode())] == [kv.key for kv in under_a]
+        watch = await store.watch(f"{p}a/".encode(), prefix_range_end(f"{p}a/".encode()))
+        txn = TxnBuilder()
+        txn.put(f"{p}b".encode(), b"not watched")
+        txn.put(f"{p}a/3".encode(), b"watched")
+        await store.commit(txn)
+        events = aiter(watch)
+        first = await asyncio.wait_for(anext(events), 5)
+        assert [bytes(e.kv.key) for e in first.events] == [f"{p}a/3".encode()]
+        await watch.cancel()
     finally:
         await store.close()
 
@@ -65,7 +101,7 @@ async def test_txn_builder_commits_one_protobuf_transaction(etcd_cluster: EtcdCl
     p = unique_prefix()
     a, b, c = (f"{p}{x}".encode() for x in "abc")
     try:
-        lease = await store.lease(30)
+        lease = await store.lease_grant(30)
         txn = TxnBuilder()
         txn.absent(a)
         txn.absent_many([b])
@@ -95,7 +131,7 @@ async def test_txn_builder_commits_one_protobuf_transaction(etcd_cluster: EtcdCl
             assert not refused.succeeded, compare
             assert [kv.value for kv in refused.kvs()] == [b"A"]  # the failure branch's read
         assert (await store.get(b)).value == b"B"
-        await store.revoke(lease)
+        await store.lease_revoke(lease)
     finally:
         await store.close()
 

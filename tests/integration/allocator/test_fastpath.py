@@ -70,7 +70,7 @@ async def _answers(cluster: EtcdCluster, bundle, clock: TestClock, fast: bool) -
     out = []
     t0 = clock.frozen
     async with AsyncTestClient(app=app, timeout=30) as c:
-        await wait_until(lambda: app.state.engine.election.is_leader)
+        await wait_until(lambda: app.state.election.is_leader)
         for name, path, headers, body in CASES:
             if path == "/v1/usage/batch":
                 clock.frozen = t0 + 5_000  # the leases expired

@@ -10,7 +10,6 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 from litestar.testing import AsyncTestClient
 
 from allocator.app import create_app
@@ -22,7 +21,7 @@ from kernel.shards import shard_of
 from leasehold.procs import EtcdCluster
 
 from .conftest import W
-from .helpers import etcd_grants, etcd_windows, lease_body, settings_for, wait_until
+from .helpers import etcd_grants, etcd_windows, lease_body, settings_for, usurp, wait_until
 
 SHARDS = 8
 
@@ -41,7 +40,7 @@ class Replica:
 
     @property
     def election(self) -> Any:
-        return self.app.state.engine.election
+        return self.app.state.election
 
     @property
     def led(self) -> set[int]:
@@ -134,11 +133,7 @@ async def test_a_deposed_shard_is_fenced_inside_a_transaction_spanning_shards(
         victim = shard_of("p0", SHARDS)
         key = f"{prefix}leader/{victim}".encode()
         old = (await etcd_reader.get(key)).create_revision
-        t = etcd_reader.t
-        lease = await etcd_reader.lease(30)
-        assert (await etcd_reader.txn([t.create(key) == old], [t.delete(key)]))[0]
-        assert (await etcd_reader.txn([t.version(key) == 0], [
-            t.put(key, msgspec.json.encode({"nodeId": "usurper", "url": "http://x:1"}), lease=lease)]))[0]
+        lease = await usurp(etcd_reader, key, old)
         assert victim in solo.led  # not noticed yet
         reqs = [lease_body(f"fence-{p.id}", p.id, "eu", 3) for p in pools]
         res = (await solo.client.post("/v1/leases/batch", json={"requests": reqs})).json()["results"]
@@ -149,7 +144,7 @@ async def test_a_deposed_shard_is_fenced_inside_a_transaction_spanning_shards(
                 assert item["granted"] == 3, item
         assert victim not in solo.led and len(solo.led) == SHARDS - 1
         assert "leasehold_allocator_fenced_total 1.0" in (await solo.client.get("/metrics")).text
-        await etcd_reader.revoke(lease)
+        await etcd_reader.lease_revoke(lease)
         await wait_until(lambda: victim in solo.led)  # the usurper is gone: the shard comes back
     grants = await etcd_grants(etcd_reader, prefix)
     assert set(grants) == {f"fence-{p.id}" for p in pools if shard_of(p.id, SHARDS) != victim}

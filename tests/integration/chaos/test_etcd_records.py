@@ -9,9 +9,8 @@ import uuid
 import msgspec
 import pytest
 
-from allocator.election import LeaderRecord
-from allocator.engine import GrantRecord
-from allocator.policy import WindowState
+from allocator.allocation import WindowState
+from allocator.records import GrantRecord, LeaderRecord
 from chaos.checker import check
 from chaos.etcd_records import read_back
 from chaos.history import EtcdGrant, EtcdWindow, HistoryError, Leader, grant_from_wire

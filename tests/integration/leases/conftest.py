@@ -22,8 +22,8 @@ import httpx
 import msgspec
 import pytest
 
-from allocator.engine import GrantRecord
-from allocator.policy import WindowState
+from allocator.allocation import WindowState
+from allocator.records import GrantRecord
 from kernel.bundle import Bundle, Fallback, Pool, Rule, encode_bundle, make_rule, seal
 from kernel.etcd_store import EtcdStore
 from leasehold.procs import Proc

@@ -205,6 +205,7 @@ class ScriptCalls(Scripts):
     async def concurrency_renew(self, client: Any, key: str, lease_id: str, *, lease_ttl_ms: int) -> LeaseResult:
         return _lease(await self.call(client, "concurrency_renew", [key], [lease_id, lease_ttl_ms]))
 
-    async def pool_take(self, client: Any, key: str, *, min_tokens: int, want: int, slack_ms: int) -> PoolTake:
+    async def pool_take(self, client: Any, key: str, *, min_tokens: int, want: int, slack_ms: int,
+                        per_s: int = 0) -> PoolTake:
         return parse_pool_take(await self.call(client, *pool_take_call(key, min_tokens=min_tokens, want=want,
-                                                                          slack_ms=slack_ms)))
+                                                                          slack_ms=slack_ms, per_s=per_s)))

@@ -295,7 +295,8 @@ def test_pool_model_deposit_matches_script(sclient):
 @SETTINGS
 @given(grants=st.lists(st.tuples(st.integers(0, 9), st.integers(-500, 500), st.integers(600, 5_000)),
                        min_size=1, max_size=4),
-       takes=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 12)), min_size=1, max_size=6))
+       takes=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 12), st.sampled_from([None, 0, 1, 3, 10, 40])),
+                      min_size=1, max_size=6))
 def test_pool_take_matches_model(sclient, grants, takes):
     key = f"rl:{tag()}:pool"
     base = now_ms()
@@ -304,15 +305,15 @@ def test_pool_take_matches_model(sclient, grants, takes):
         evalsha(sclient, "pool_deposit", [key], [f"G{g}", granted, base + from_off, base + from_off + life, 8, SLACK])
         entries[f"G{g}"] = PoolEntry(granted, 0, base + from_off, base + from_off + life)
     state = PoolState(entries)
-    for lo, extra in takes:
+    for lo, extra, per_s in takes:  # per_s None: the three-argument form (no cap)
         want = lo + extra
 
-        def model(n, s=state, lo=lo, want=want):
-            reply, new = pool.take(s, lo, want, n)
+        def model(n, s=state, lo=lo, want=want, per_s=per_s):
+            reply, new = pool.take(s, lo, want, n, per_s=per_s or 0)
             return list(reply), None if new is None else [new]
 
-        def call(lo=lo, want=want):
-            return evalsha(sclient, "pool_take", [key], [lo, want, SLACK])
+        def call(lo=lo, want=want, per_s=per_s):
+            return evalsha(sclient, "pool_take", [key], [lo, want, SLACK] + ([] if per_s is None else [per_s]))
 
         _, (state,) = step(call, model, lambda: [read_state(sclient, "pool", key)], [state], ["pool"],
                            reply_of=lambda r: r)

@@ -140,6 +140,24 @@ async def test_pool_take_buys_a_chunk_no_longer_than_its_leases(aclient, scripts
         await scripts.pool_take(aclient, key, min_tokens=3, want=2, slack_ms=0)
 
 
+async def test_pool_take_per_s_caps_a_chunk_to_what_its_lease_can_spend(aclient, scripts):
+    """``per_s`` (gateway chunks sized by demand): a chunk taken from a lease that ends sooner than
+    the chunk's validity holds no more than per_s tokens per second of what is left of that lease."""
+    key = f"rl:{T}:take:per_s"
+    t = now_ms()
+    dep = dict(valid_from_ms=t - 10, max_entries=4, slack_ms=1_000)
+    assert (await scripts.pool_deposit(aclient, key, "A", granted=50, expires_at_ms=t + 20_000, **dep)).stored
+    got = await scripts.pool_take(aclient, key, min_tokens=1, want=40, slack_ms=0, per_s=1)
+    t1 = now_ms()
+    # 1 per second over what is left of A's 20 s (less the time this test took to get there)
+    assert -(-(t + 20_000 - t1) // 1000) <= got.taken <= 20
+    assert 0 < got.valid_for_ms <= 20_000 and got.remaining == 50 - got.taken >= 30
+    got = await scripts.pool_take(aclient, key, min_tokens=25, want=30, slack_ms=0, per_s=1)
+    assert got.taken == 25  # the cap (about 20) is below min: never fewer than min
+    with pytest.raises(ScriptRejected):
+        await scripts.pool_take(aclient, key, min_tokens=1, want=2, slack_ms=0, per_s=-1)
+
+
 async def test_pool_window_allowance_counts_every_candidate_window(aclient, scripts):
     """The ``pw`` kind (a pool's fallback allowance per allocator window, docs/bound.md): a call
     is charged to every candidate window and denied when any of them is full."""

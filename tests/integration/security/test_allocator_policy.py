@@ -33,13 +33,12 @@ async def test_allocator_follows_published_pools(etcd_cluster, tmp_path):
             assert [(p["id"], p["limit"]) for p in pools] == [("p1", 7)]
             grant = (await client.post("/v1/leases", json=lease_body("lease-0000001", "p1", "eu", 50))).json()
             assert grant["granted"] <= 7
-            t = store.store.t
-            await store.store.txn([], [t.put(store.key, b'{"bundleVersion": 3, "garbage": true}')])
+            await store.store.put(store.key, b'{"bundleVersion": 3, "garbage": true}')
             await wait_until(lambda: 'leasehold_allocator_policy_reloads_total{outcome="invalid"} 1.0'
-                             in client.app_state.engine.metrics.render().decode())
-            await store.store.txn([], [t.put(store.key, encode_bundle(base))])  # version 1 < 2
+                             in client.app_state.writer.metrics.render().decode())
+            await store.store.put(store.key, encode_bundle(base))  # version 1 < 2
             await wait_until(lambda: 'leasehold_allocator_policy_reloads_total{outcome="stale"} 1.0'
-                             in client.app_state.engine.metrics.render().decode())
+                             in client.app_state.writer.metrics.render().decode())
             assert client.app_state.policy.bundle.bundle_version == 2
             assert [(p["id"], p["limit"]) for p in (await client.get("/v1/pools")).json()] == [("p1", 7)]
     finally:

@@ -20,7 +20,7 @@ import pytest
 
 from kernel.bundle import Bundle, Pool, encode_bundle, load_bundle_file, seal
 from kernel.errors import LeaseholdError
-from kernel.etcd_store import EtcdStore
+from kernel.etcd_store import EtcdStore, TxnBuilder
 from kernel.etcd_tls import link_credentials
 from leasehold.procs import LOOPBACK, EtcdCluster, Proc, TlsFiles, free_port, make_tls, wait_port
 from leasehold.services import agent_command, allocator_command
@@ -53,8 +53,10 @@ async def test_adapter_with_ca_and_client_certificate(mtls_etcd: EtcdCluster, pk
     cert, key = client_files(tls)
     store = EtcdStore(mtls_etcd.urls, timeout_s=3.0, tls=link_credentials(mtls_etcd.urls, str(tls.ca), cert, key))
     try:
-        ok, _ = await store.txn([store.t.version(b"/tls-check") == 0], [store.t.put(b"/tls-check", b"over-tls")])
-        assert ok
+        txn = TxnBuilder()
+        txn.absent(b"/tls-check")
+        txn.put(b"/tls-check", b"over-tls")
+        assert (await store.commit(txn)).succeeded
         kv = await store.get(b"/tls-check")
         assert kv is not None and kv.value == b"over-tls"
     finally:

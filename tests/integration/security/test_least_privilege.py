@@ -135,18 +135,16 @@ async def test_etcd_roles_publisher_allocator_and_agents(auth_etcd, tmp_path, mo
             stored = await policy[u].read()
             assert stored is not None and stored.bundle.bundle_version == bundle.bundle_version
         await _refused(policy["allocator"].publish(newer))
-        t = stores["allocator"].t
         for user in ("agent", "publisher"):  # neither writes what the allocator owns
             s = stores[user]
             for key in (b"/leasehold/pools/p1/0", b"/leasehold/grants/x-00000001", b"/leasehold/leader"):
-                await _refused(s.txn([], [s.t.put(key, b"x")]))
+                await _refused(s.put(key, b"x"))
         await _refused(stores["agent"].get(b"/leasehold/leader"))  # agents read the policy only
         await _refused(stores["publisher"].get(b"/leasehold/grants/x-00000001"))
         for key in (b"/leasehold/policy/other", b"/leasehold/other", b"/other/key"):  # nobody writes elsewhere
             for s in stores.values():
-                await _refused(s.txn([], [s.t.put(key, b"x")]))
-        ok, _ = await stores["allocator"].txn([], [t.put(b"/leasehold/pools/p9/0", b"{}")])  # its own keys: fine
-        assert ok
+                await _refused(s.put(key, b"x"))
+        assert await stores["allocator"].put(b"/leasehold/pools/p9/0", b"{}")  # its own keys: fine
         # a real allocator with its etcd user elects itself, grants leases and follows the policy
         monkeypatch.setenv("LEASEHOLD_ALLOCATOR_ETCD_PASSWORD", pw["allocator"])
         settings = settings_for(cluster, bundle_path, "/leasehold/", etcd_user="allocator")
@@ -162,10 +160,9 @@ async def test_etcd_roles_publisher_allocator_and_agents(auth_etcd, tmp_path, mo
                 return r.status_code == 200 and r.json()["granted"] == 10
             await wait_until(granted)
         # the periodic compaction (allocator/compaction.py): its record, and etcd's Compact call
-        ok, _ = await stores["allocator"].txn([], [t.put(b"/leasehold/compaction", b"{}")])
-        assert ok
+        assert await stores["allocator"].put(b"/leasehold/compaction", b"{}")
         await stores["allocator"].compact(await stores["allocator"].revision(b"/leasehold/compaction"))
-        await _refused(stores["agent"].txn([], [stores["agent"].t.put(b"/leasehold/compaction", b"{}")]))
+        await _refused(stores["agent"].put(b"/leasehold/compaction", b"{}"))
     finally:
         for s in (anonymous, *stores.values()):
             await s.close()

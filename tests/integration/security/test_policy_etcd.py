@@ -130,15 +130,14 @@ async def test_agent_switches_refuses_and_keeps_the_last_good(redis_url, policy_
         assert d["allowed"] and d["policyVersion"] == base.bundle_version + 1
 
         # a corrupt value written straight to etcd (bypassing publish): refused, counted, old kept
-        t = pstore.store.t
         corrupt = encode_bundle(bump(base, base.bundle_version + 5)).replace(b"20000", b"20001", 1)
-        await pstore.store.txn([], [t.put(pstore.key, corrupt)])
+        await pstore.store.put(pstore.key, corrupt)
 
         async def refused_invalid() -> bool:
             return reload_count((await agent.get("/metrics")).text, "invalid") >= 1
         assert await await_until(refused_invalid, within_s=10)
         # a lower version written straight to etcd: refused as stale
-        await pstore.store.txn([], [t.put(pstore.key, encode_bundle(bump(base, 1)))])
+        await pstore.store.put(pstore.key, encode_bundle(bump(base, 1)))
 
         async def refused_stale() -> bool:
             return reload_count((await agent.get("/metrics")).text, "stale") >= 1
@@ -268,7 +267,7 @@ async def test_etcd_lost_after_a_publish_keeps_it_then_revokes(redis_url, policy
 
 
 async def test_the_watch_alone_delivers_a_publish(redis_url, policy_file, etcd_cluster, prefix, pstore):
-    """With the safety-net re-read set to 10 minutes, only the aetcd watch can bring the switch."""
+    """With the safety-net re-read set to 10 minutes, only the etcd watch can bring the switch."""
     base = northstar()
     app = agent_app(redis_url, policy_file, etcd_cluster, prefix, reread_ms=600_000)
     async with AsyncTestClient(app=app) as agent:

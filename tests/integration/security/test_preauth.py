@@ -55,6 +55,25 @@ async def test_new_keys_per_source_are_capped(redis_url, policy_file):
         # keys already seen keep working; another /16 has its own allowance
         assert (await agent.post("/v1/admit", json=anon(6, "10.1.0.2"))).json()["allowed"]
         assert (await agent.post("/v1/admit", json=anon(7, "10.2.0.1"))).json()["allowed"]
+        # the decision metrics add up: the two refusals counted as the pre-authentication stage's
+        # denials (tenant none, the ip rule whose cap refused), the five others as the script's
+        exposition = (await agent.get("/metrics")).text
+        assert decisions(exposition) == 7
+        assert decisions(exposition, source="preauth") == 2
+        assert decisions(exposition, source="preauth", outcome="denied", tenant="none", route_group="login",
+                         rule="anon-login") == 2
+        assert decisions(exposition, source="script", outcome="allowed") == 5
+
+
+def decisions(exposition: str, **labels: str) -> float:
+    """The sum of leasehold_agent_decisions_total over the series with these labels."""
+    total = 0.0
+    for line in exposition.splitlines():
+        if line.startswith("leasehold_agent_decisions_total{"):
+            head, _, value = line.rpartition(" ")
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+    return total
 
 
 def test_new_key_cap_is_bounded_and_resets_per_window():

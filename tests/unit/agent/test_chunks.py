@@ -1,16 +1,123 @@
-"""A fleet-wide pool's in-process chunk lease (region_agent/leasing/chunks.py)."""
+"""A fleet-wide pool's in-process chunk lease (region_agent/leasing/chunks.py): spending, give-backs,
+parts kept across renewals, and chunks sized by their holder's demand."""
 
-from region_agent.leasing.chunks import ChunkLease
+from hypothesis import given
+from hypothesis import strategies as st
+
+from region_agent.leasing.chunks import (
+    MAX_PARTS,
+    SPEND_SHARE,
+    ChunkLease,
+    RecentDemand,
+    chunk_size,
+    tokens_per_s,
+)
 
 
 def test_chunk_lease_spend_give_back_expiry():
     lease = ChunkLease()
     assert lease.try_take(1, 0) is None
     lease.grant(100, now_ms=0, validity_ms=250)
-    gen = lease.try_take(1, 10)
-    assert gen is not None and lease.remaining == 99
-    assert lease.give_back(1, gen, 20) and lease.remaining == 100
+    part = lease.try_take(1, 10)
+    assert part is not None and lease.usable(10) == 99
+    assert lease.give_back(1, part.generation, 20, 250) and lease.usable(20) == 100
     assert lease.try_take(1, 250) is None  # expired: unspent tokens abandoned
     lease.grant(10, now_ms=300, validity_ms=250)
-    assert not lease.give_back(1, gen, 310)  # a reservation from an older chunk does not land here
+    assert not lease.give_back(1, part.generation, 310, 250)  # its part is gone: never lands in another
+    assert lease.usable(310) == 10
     assert lease.deny(400, 1_000, 250) == 250 and lease.negative(500) and not lease.negative(650)
+
+
+def test_a_renewal_keeps_what_the_chunk_still_holds():
+    """A reservation given back while a renewal was in flight is not abandoned by the renewal: it
+    stays in its own part (its own validity), spent before the newer part."""
+    lease = ChunkLease()
+    lease.grant(2, now_ms=0, validity_ms=1_000)
+    a, b = lease.try_take(1, 10), lease.try_take(1, 10)
+    assert a is not None and b is not None and lease.usable(10) == 0  # empty: a renewal starts
+    assert lease.give_back(1, a.generation, 20, 1_000)  # a's request was denied by another rule
+    lease.grant(5, now_ms=30, validity_ms=1_000)  # the renewal lands
+    assert lease.usable(40) == 6
+    first = lease.try_take(1, 40)
+    assert first is not None and first.generation == a.generation  # the earlier-expiring part first
+    assert lease.usable(40) == 5
+    assert lease.usable(1_000) == 5  # the old part ended with its own validity, the new one holds
+    assert lease.give_back(1, b.generation, 1_010, 1_000) is False  # b's part is gone: nothing lands
+    assert lease.usable(1_010) == 5
+
+
+def test_parts_are_bounded_and_empty_ones_dropped():
+    lease = ChunkLease()
+    for i in range(MAX_PARTS + 3):
+        lease.grant(1, now_ms=i, validity_ms=1_000)
+    assert len(lease.parts) == MAX_PARTS and lease.usable(10) == MAX_PARTS
+    while lease.try_take(1, 10):
+        pass
+    lease.grant(3, now_ms=11, validity_ms=1_000)
+    assert [p.tokens for p in lease.parts] == [3]
+
+
+def test_fallback_is_per_part():
+    lease = ChunkLease()
+    lease.grant(1, now_ms=0, validity_ms=1_000, fallback=True)
+    lease.grant(1, now_ms=0, validity_ms=2_000)
+    a, b = lease.try_take(1, 1), lease.try_take(1, 1)
+    assert a is not None and b is not None and (a.fallback, b.fallback) == (True, False)
+
+
+def test_recent_demand_counts_the_last_quarter_and_the_whole_span():
+    d = RecentDemand()
+    span = 1_000
+    d.note(0, 10_000, span)  # the span is set (a policy's chunk validity)
+    for t in range(0, 3_000, 10):  # 100 tokens/s
+        d.note(1, 10_000 + t, span)
+    quarter, whole = d.over(13_000, span)
+    assert 24 <= quarter <= 26 and 99 <= whole <= 101
+    assert d.over(15_000, span) == (0, 0)  # a span and more of silence forgets it
+    d.note(5, 15_100, span)
+    d.note(-7, 15_200, span)  # given back: never below nothing asked
+    assert d.over(15_200, span) == (0, 0)
+    d.note(3, 15_300, 2_000)  # another span (the policy changed): counted afresh
+    assert d.over(15_300, 2_000) == (3, 3)
+
+
+def test_chunk_size_follows_demand_within_bounds():
+    assert chunk_size(0, 0, 0, 1, 40) == 1  # nothing asked yet: one request's cost
+    assert chunk_size(25, 6, 0, 1, 40) == 7  # a quarter of what one validity was asked, rounded up
+    assert chunk_size(25, 12.5, 0, 1, 40) == 13  # a burst in the last quarter: all of it
+    assert chunk_size(1_000, 250, 0, 1, 40) == 40  # never above chunkMax
+    assert chunk_size(4, 1, 12, 1, 40) == 12  # at least what the waiting requests need
+    assert chunk_size(4, 1, 0, 60, 40) == 60  # a request dearer than chunkMax buys its cost
+    assert tokens_per_s(7, 1_000) == 7 and tokens_per_s(7, 250) == 28
+
+
+def test_a_burst_after_a_quiet_spell_grows_the_chunk_at_once():
+    lease = ChunkLease()
+    for i in range(10):  # ten requests within 5 ms, after nothing
+        lease.ask(1, 50_000 + i * 0.5, 250)
+    assert lease.want(1, 2_000, 50_005, 250) == 10
+    assert lease.want(1, 2_000, 50_005 + 250, 250) <= 3  # a validity later: a quarter of it at most
+
+
+@given(rate=st.integers(1, 400), drop=st.floats(1.0, 1 / SPEND_SHARE))
+def test_a_steady_chunk_is_spent_before_it_expires_even_if_demand_drops(rate: int, drop: float):
+    """At a steady demand of ``rate`` tokens/s over a 1 s validity, the next chunk holds no more than
+    the holder spends within that validity after demand falls by up to 1/SPEND_SHARE."""
+    span = 1_000
+    lease = ChunkLease()
+    for i in range(rate * 2):  # two validities of demand, evenly spread
+        lease.ask(1, 10_000 + i * 1_000 / rate, span)
+    now = 10_000 + 2_000
+    size = lease.want(1, 10_000, now, span)
+    assert size <= max(1, rate / drop * span / 1_000 + 1)
+
+
+def test_tokens_a_chunk_held_at_its_end_are_counted_abandoned():
+    lease = ChunkLease()
+    lease.grant(5, now_ms=0, validity_ms=100)
+    lease.try_take(2, 10)
+    assert lease.take_abandoned() == 0
+    assert lease.usable(100) == 0 and lease.take_abandoned() == 3 and lease.take_abandoned() == 0
+    for i in range(MAX_PARTS + 1):  # one part too many: the earliest-expiring is abandoned
+        lease.grant(2, now_ms=200 + i, validity_ms=100)
+    assert lease.take_abandoned() == 2

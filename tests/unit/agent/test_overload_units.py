@@ -28,5 +28,5 @@ def test_a_chunk_denial_blocks_only_requests_at_least_as_expensive():
     lease.deny(2.0, 100, 250, min_cost=1_000)  # a 1,000-token request could not be paid
     assert lease.negative(3.0, 1_000) and lease.negative(3.0, 5_000)
     assert not lease.negative(3.0, 1)  # cheap requests are not blocked ...
-    assert lease.try_take(1, 3.0) is not None and lease.remaining == 39  # ... and the chunk still pays them
+    assert lease.try_take(1, 3.0) is not None and lease.usable(3.0) == 39  # ... and the chunk still pays them
     assert not lease.negative(200.0, 1_000)

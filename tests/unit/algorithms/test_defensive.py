@@ -152,6 +152,18 @@ def test_pool_take_buys_at_least_min_and_is_clamped_to_its_leases():
     assert pool.take(new, 8, 20, T0)[0][0] == 0  # fewer than min: nothing taken
 
 
+def test_pool_take_per_s_holds_no_more_than_the_first_lease_can_spend():
+    """``per_s``: a chunk holds at most per_s tokens per second of the validity it gets (that of the
+    earliest-expiring lease it is taken from), and at least min."""
+    st = pool.PoolState({"a": PoolEntry(20, 0, T0 - 10, T0 + 300), "b": PoolEntry(50, 0, T0 - 10, T0 + 5_000)})
+    assert pool.take(st, 1, 30, T0, per_s=20)[0][:3] == (6, 64, 300)  # 20/s x 0.3 s: 6 of a's 20
+    assert pool.take(st, 1, 30, T0, per_s=1_000)[0][:3] == (30, 40, 300)  # no cap below want
+    assert pool.take(st, 8, 30, T0, per_s=1)[0][:3] == (8, 62, 300)  # never below min
+    assert pool.take(st, 1, 30, T0)[0][:3] == (30, 40, 300)  # 0: no cap
+    with pytest.raises(InvalidArguments):
+        pool.take(st, 1, 30, T0, per_s=-1)
+
+
 def test_sliding_log_cost_is_bounded():
     with pytest.raises(InvalidArguments):
         sliding_log.decide(None, WindowParams(5_000, 1_000, 1_001), T0, "m")

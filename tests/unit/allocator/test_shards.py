@@ -16,10 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from allocator.shards import (
+    NOTHING,
     View,
     assignment,
     check_assignment,
     check_movement,
+    intended_owner,
     orphans,
     owner,
     plan,
@@ -175,12 +177,19 @@ def test_rounds_converge_to_the_assignment_through_joins_and_kills(seed):
     shards = rng.choice([1, 8, 64])
     keys, now = Keys(), 0.0
     reps = [Replica("r0", 0)]
+    before: dict[int, str] = {}
     for step in range(1, 12):
         # stable membership: two rounds (resign, then campaign) reach the assignment
         for _ in range(2):
             now += 0.25
             _round(keys, reps, shards, now, order=rng)
-        assert _leaders(keys) == assignment(shards, {r.node for r in reps})
+        live = {r.node for r in reps}
+        if shards > 1:
+            assert _leaders(keys) == assignment(shards, live)
+        else:  # one shard: a live leader, the same one while it lives (a join never moves it)
+            (leader,) = _leaders(keys).values()
+            assert leader in live and (before.get(0) not in live or leader == before[0])
+        before = _leaders(keys)
         if rng.random() < 0.4 and len(reps) > 1:
             dead = reps.pop(rng.randrange(len(reps)))
             keys.expire(dead.lease)  # SIGKILL: its lease expires, its keys vanish at once
@@ -230,3 +239,15 @@ def test_every_shard_led_while_one_replica_lives():
         _round(keys, reps, 64, now)
         assert set(keys.kv) == set(range(64))
     assert set(_leaders(keys).values()) == {"r2"}
+
+
+def test_one_shard_goes_to_the_first_campaigner_and_stays():
+    view = View(frozenset({"a", "b"}), {})
+    for me in ("a", "b"):  # both campaign (whoever etcd lets in first leads)
+        assert plan(me, 1, view, led=set(), orphaned_since={}, held_until={}, now=0.0, grace_s=3.0).campaign == {0}
+    led = View(frozenset({"a", "b", "c"}), {0: "a"})
+    for me in ("a", "b", "c"):  # no intended owner: nobody resigns, nobody campaigns
+        p = plan(me, 1, led, led={0} if me == "a" else set(), orphaned_since={0: -100.0}, held_until={}, now=0.0,
+                 grace_s=3.0)
+        assert p == NOTHING
+    assert intended_owner(0, 1, {"a", "b"}) is None and intended_owner(0, 4, {"a", "b"}) in {"a", "b"}

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from leasehold.bench.__main__ import parse_only
-from leasehold.bench.fig_util import per_window
+from leasehold.bench.fig_util import per_window, pool_rows
 from leasehold.bench.stats import Goal, Row, median, percentile, ratio, render_markdown, render_text
 from leasehold.bench.workloads import admit_batch, admit_item, lease_batch
 
@@ -72,6 +72,48 @@ def test_per_window_counts_only_whole_windows():
     reports = [{"allowed_by_window": {"5": 7, "6": 100, "7": 50}}, {"allowed_by_window": {"6": 90, "8": 1}}]
     # run from 5.5 to 8.5 windows of 1 s: only windows 6 and 7 are whole
     assert per_window(reports, 5.5, 8.5, 1000) == {6: 190, 7: 50}
+
+
+def test_figure_6_judges_each_window_with_the_chaos_checkers_check():
+    """Per pool, a window whose demand offered to the pool exceeded G must reach 0.97 x G (the chaos
+    checker's ``fault_free_utilisation``); demand is what the pool's rule answered, not what the
+    generator meant to send; a run in which no window had demand above G shows nothing and fails."""
+    def reports(admitted: dict, offered: dict) -> list[dict]:
+        return [{"allowed_by_window": {str(k): v for k, v in admitted.items()},
+                 "offered_by_window": {str(k): v for k, v in offered.items()}}]
+
+    good = pool_rows("p", "util-g", reports({5: 200, 6: 195, 7: 199}, {5: 290, 6: 301, 7: 260}), 4.5, 8.5, 1000)
+    assert (good[0].value, good[0].verdict, good[0].extra["judged_windows"]) == (0, "pass", 3)
+    assert good[0].extra["min"] == 0.975 and good[1].value == 0 and "utilisation" in good[0].name
+    bad = pool_rows("p", "util-g", reports({5: 200, 6: 132, 7: 199}, {5: 290, 6: 301, 7: 260}), 4.5, 8.5, 1000)
+    assert (bad[0].value, bad[0].verdict) == (1, "FAIL") and "window 6: admitted 132" in bad[0].extra["shortfalls"][0]
+    thin = pool_rows("p", "util-g", reports({5: 150, 6: 150}, {5: 160, 6: 180}), 4.5, 7.5, 1000)
+    assert thin[0].extra["judged_windows"] == 0 and thin[0].verdict == "FAIL"  # nothing shown
+    over = pool_rows("p", "util-g", reports({5: 230}, {5: 300}), 4.5, 6.5, 1000)
+    assert over[1].value == 10 and over[1].verdict == "FAIL"  # beyond G + 2 x 10
+
+
+def test_figure_6_bundle_has_a_tenant_and_a_global_scope_pool():
+    from kernel.bundle import select_rules
+    from leasehold.bench.fig_util import util_bundle
+
+    b = util_bundle(2_000)  # validated as it is built
+    assert {p.id for p in b.pools} == {"util", "util-g"}
+    search = select_rules(b.rules, tenant="g3", route_group="search", principal_type="service", has_key=False)
+    assert [(r.scope, r.pool_id) for r in search] == [("global", "util-g")]  # every tenant's search: the fleet pool
+    write = select_rules(b.rules, tenant="t0", route_group="write", principal_type="service", has_key=False)
+    assert [(r.scope, r.pool_id) for r in write] == [("tenant", "util")]
+
+
+def test_global_admit_workload_spends_the_global_pool_from_many_tenants():
+    from msgspec import convert
+
+    from leasehold.bench.workloads import WORKLOADS
+    from region_agent.models import AdmitRequest
+
+    body = WORKLOADS["global_admit"](tenants=10, tag="g")
+    items = [convert(json.loads(body(i)), AdmitRequest) for i in range(20)]
+    assert {r.route_group for r in items} == {"search"} and len({r.tenant_id for r in items}) == 10
 
 
 def test_only_option():

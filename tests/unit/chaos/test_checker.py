@@ -95,7 +95,10 @@ def test_clean_history_passes_every_invariant():
     report = check(clean(), [POOL])
     assert report.ok, report.render()
     assert [v.invariant for v in report.verdicts] == list(INVARIANTS)
-    assert all(v.checked for v in report.verdicts)
+    assert all(v.checked for v in report.verdicts if v.invariant != "fault_free_utilisation")
+    # the only window is cut short by the load and a fault touched it: reported, not judged
+    assert not report.verdict("fault_free_utilisation").checked
+    assert [u.touched for u in report.utilisation] == ["edge of the load"]
     w = report.worst["p-global"]
     assert (w.window_index, w.admitted, w.limit, w.bound) == (K, 90, 100, 110)
     assert [(u.pool, u.window_index, u.admitted, u.demand) for u in report.utilisation] == [("p-global", K, 90, 105)]
@@ -328,3 +331,107 @@ def test_window_end_of_a_lease_is_read_on_the_allocators_clock():
     failing(recs + [TOPO], "no_spend_after_expiry")
     behind = TopologyRec(agents=TOPO.agents, allocator_offsets_ms={"allocator-1": -2_000, "allocator-2": -2_000})
     assert check(recs + [behind], [POOL]).verdict("no_spend_after_expiry").ok
+
+
+# ------------------------------------------------------------------------------- fault-free utilisation
+RULE_ID = "global-p"
+
+
+def decided(k: int, i: int, n: int, *, allowed: bool, by: str | None = RULE_ID, region: str = "eu") -> DecisionRec:
+    """The ``i``-th of ``n`` decisions spread over window ``k``, spending the pool (no lease named);
+    a denial names the rule that denied it (``by``)."""
+    at = k * W + 50 + i * (W - 100) // max(1, n)
+    return DecisionRec(agent=f"agent-{region}-1", region=region, tenant="atlas", allowed=allowed, sent_at_ms=at,
+                       recorded_at_ms=at + 5, spends=[PoolSpend(pool="p-global", tokens=1, window_index=k,
+                                                                rule=RULE_ID)],
+                       policy_id=RULE_ID if allowed else by, reason=None if allowed else "RATE_EXCEEDED")
+
+
+def window_load(k: int, admitted: int, denied: int, denied_elsewhere: int = 0) -> list[DecisionRec]:
+    n = admitted + denied + denied_elsewhere
+    kinds = [(True, RULE_ID)] * admitted + [(False, RULE_ID)] * denied + [(False, "tenant-atlas")] * denied_elsewhere
+    return [decided(k, i, n, allowed=a, by=b) for i, (a, b) in enumerate(kinds)]
+
+
+def util_history(mid: list[DecisionRec], *extra) -> list:
+    """Windows K-1 .. K+1 under load (K-1 and K+1 at the load's edges), window K as given."""
+    return [TOPO, *window_load(K - 1, 50, 0), *mid, *window_load(K + 1, 50, 0), *extra]
+
+
+def test_a_fault_free_window_with_demand_above_g_must_use_97_percent_of_it():
+    report = check(util_history(window_load(K, 90, 60)), [POOL])
+    v = report.verdict("fault_free_utilisation")
+    assert not v.ok and v.checked, report.render()
+    (viol,) = v.violations
+    assert (viol.pool, viol.window_index, viol.observed, viol.bound) == ("p-global", K, 90, 97)
+    assert "0.90 < 0.97" in viol.detail and not report.ok
+    assert "utilisation of p-global" in report.render()
+    ok = check(util_history(window_load(K, 97, 60)), [POOL])
+    assert ok.verdict("fault_free_utilisation").ok and ok.verdict("fault_free_utilisation").checked
+    assert [(u.window_index, u.admitted, u.demand, u.touched) for u in ok.utilisation] == [(K, 97, 157, "")]
+
+
+def test_requests_another_rule_denied_are_not_demand_for_the_pool():
+    """A search request the tenant's own pool denied never reached the fleet-wide pool: no pool could
+    have admitted it, so it is not demand that pool failed to serve (nor is an overloaded agent's
+    shed answer, which names no rule)."""
+    report = check(util_history(window_load(K, 80, 15, denied_elsewhere=200)), [POOL])
+    v = report.verdict("fault_free_utilisation")
+    assert v.ok and not v.checked  # 95 offered to the pool: not above G, not judged
+    assert report.utilisation == []
+    shed = [msgspec.structs.replace(d, policy_id=None, reason="OVERLOADED") for d in window_load(K, 0, 0, 30)]
+    report = check(util_history(window_load(K, 80, 15) + shed), [POOL])
+    assert report.verdict("fault_free_utilisation").ok and report.utilisation == []
+
+
+def test_windows_a_fault_touched_are_reported_not_judged():
+    fault = cut("us", K * W - 5_000, K * W - 2_500)  # stopped 2.5 s before K: its grace (3 s) reaches K
+    report = check(util_history(window_load(K, 50, 100), fault), [POOL])
+    v = report.verdict("fault_free_utilisation")
+    assert v.ok and not v.checked, report.render()
+    (u,) = report.utilisation
+    assert (u.window_index, u.ratio, u.touched) == (K, 0.5, "partition on us->allocator")
+    assert "0.50*" in report.render()
+    later = cut("us", K * W - 9_000, K * W - 6_000)  # healed more than the grace before K
+    assert not check(util_history(window_load(K, 50, 100), later), [POOL]).verdict("fault_free_utilisation").ok
+
+
+def test_a_window_whose_policy_changed_is_reported_not_judged():
+    halved = Policy(version=8, applied_at_ms=K * W + 4_000,
+                    pools=[PoolPolicy(id="p-global", limit=50, window_ms=W, fallback_per_region=10)])
+    report = check(util_history(window_load(K, 60, 100), halved), [POOL])
+    (u,) = report.utilisation
+    assert u.touched == "policy change" and report.verdict("fault_free_utilisation").ok
+
+
+def test_an_admission_between_two_windows_counts_for_either_when_judged():
+    """An answer received after a boundary its request was sent before may have been admitted in
+    either window: the check counts it in both (a shortfall it reports is certain)."""
+    late = [msgspec.structs.replace(d, sent_at_ms=(K + 1) * W - 20, recorded_at_ms=(K + 1) * W + 30)
+            for d in window_load(K, 3, 0)]
+    mid = window_load(K, 95, 60) + late
+    report = check(util_history(mid), [POOL])
+    assert report.verdict("fault_free_utilisation").ok, report.render()
+    (u,) = [u for u in report.utilisation if u.window_index == K]
+    assert u.most == 98 and u.admitted <= 98
+    short = check(util_history(window_load(K, 93, 60) + late), [POOL])
+    (v,) = short.verdict("fault_free_utilisation").violations
+    assert (v.observed, v.bound, v.window_index) == (96, 97, K)  # 93 certain + 3 that may lie in K: still short
+
+
+def test_failures_no_fault_names_touch_a_window_too():
+    """A leader change, or a decision from a fallback allowance, shows the allocator could not serve
+    in that window even where no fault was recorded (e.g. etcd settling for seconds after an isolated
+    member rejoins): reported, not judged."""
+    starved = window_load(K, 50, 100)
+    new_leader = [Leader(epoch=5, node="alloc-1", observed_at_ms=1_000),
+                  Leader(epoch=9, node="alloc-2", observed_at_ms=K * W + 2_000)]
+    report = check(util_history(starved, *new_leader), [POOL])
+    (u,) = report.utilisation
+    assert u.touched == "leader change (epoch 9)" and report.verdict("fault_free_utilisation").ok
+    same = [Leader(epoch=5, node="alloc-1", observed_at_ms=1_000), Leader(epoch=5, node="alloc-1",
+                                                                          observed_at_ms=K * W + 2_000)]
+    assert not check(util_history(starved, *same), [POOL]).verdict("fault_free_utilisation").ok  # no change
+    fb = msgspec.structs.replace(starved[0], fallback=True)
+    report = check(util_history([fb, *starved[1:]]), [POOL])
+    assert [u.touched for u in report.utilisation] == ["a fallback decision"]

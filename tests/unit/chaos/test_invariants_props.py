@@ -107,3 +107,18 @@ def test_attribution_finds_a_fitting_assignment_when_one_exists_and_fails_when_n
     assert inv.admitted_within_bound(full + [loose], POOLS, None, TOPO).violations
     shifted = PoolAdmission(pool="p", window_index=k_over, region="eu", allowed=True, last_window=k_over + 1)
     assert inv.admitted_within_bound(full + [shifted], POOLS, None, TOPO).violations
+
+
+@given(limit=st.integers(1, 10_000), admitted=st.integers(0, 12_000), demand=st.integers(0, 30_000),
+       touched=st.sampled_from(["", "partition on eu->allocator"]))
+def test_fault_free_utilisation_judges_exactly_untouched_windows_with_demand_above_g(
+        limit: int, admitted: int, demand: int, touched: str) -> None:
+    """A window is flagged iff nothing touched it, its demand exceeded G and it admitted less than
+    ceil(0.97 x G); the violation names the floor it missed."""
+    u = inv.Utilisation("p", 7, admitted, max(demand, admitted), limit, touched)
+    got = inv.fault_free_utilisation([u])
+    need = -(-limit * 97 // 100)
+    expect = not touched and max(demand, admitted) > limit and admitted < need
+    assert bool(got) == expect
+    if got:
+        assert (got[0].observed, got[0].bound, got[0].window_index) == (admitted, need, 7)

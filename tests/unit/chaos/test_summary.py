@@ -18,7 +18,8 @@ def report(root: Path, name: str, seed: int, when: str, *, ok: bool = True, admi
     doc = {"scenario": name, "seed": seed, "ok": ok, "unmetExpectations": [] if ok else ["no fallback in eu"],
            "verdicts": [{"invariant": "admitted_within_bound", "ok": admitted <= 264}],
            "worst": {"atlas-w": {"admitted": admitted, "limit": 240, "bound": 264}},
-           "utilisation": [{"ratio": 0.9}, {"ratio": 1.05}, {"ratio": 1.0}]}
+           "utilisation": [{"ratio": 0.9, "judged": False}, {"ratio": 1.05, "judged": True},
+                           {"ratio": 0.98, "judged": True}]}
     (d / "report.json").write_text(json.dumps(doc))
 
 
@@ -29,8 +30,8 @@ def test_table_rows_latest_report_and_marks(tmp_path: Path, capsys) -> None:
     docs = load_reports(tmp_path)
     assert [(d["scenario"], d["seed"]) for d in docs] == [("kill-leader", 1), ("redis-restart", 2)]
     text = table(docs)
-    assert "| `kill-leader` | 1 | +10 / +24 | 1.00 (0.90–1.05) | PASS |" in text
-    assert "| `redis-restart` | 2 | +30 / +24 **over** | 1.00 (0.90–1.05) | FAIL: admitted_within_bound, " \
+    assert "| `kill-leader` | 1 | +10 / +24 | 0.98 (0.90–1.05) | 0.98 / 0.98 (2) | PASS |" in text
+    assert "| `redis-restart` | 2 | +30 / +24 **over** | 0.98 (0.90–1.05) | 0.98 / 0.98 (2) | FAIL: admitted_within_bound, " \
            "expectation: no fallback in eu |" in text
     assert "1 of 2 runs passed" in text
     assert main(["summary", str(tmp_path)]) == 1 and "redis-restart" in capsys.readouterr().out

@@ -16,7 +16,7 @@ from kernel.errors import Overloaded, ScriptRejected, StoreUnavailable
 from region_agent.fallback import LocalAllowances
 from region_agent.keys import KeyBuilder
 from region_agent.leasing.book import BalanceState
-from region_agent.leasing.chunks import NO_CHUNK
+from region_agent.leasing.chunks import NO_CHUNK, ChunkLease
 from region_agent.leasing.fleet_pools import ROLLOVER_WAIT_MS, FleetPools, TakeStatus
 from region_agent.leasing.redis_balance import BALANCE_SLACK_MS
 from region_agent.leasing.window_clock import Windows
@@ -86,13 +86,48 @@ async def test_a_chunk_is_bought_once_then_spent_locally():
     first = await f.take(spend(), c.t + 0.05, c)
     assert first.status is TakeStatus.OK and not first.fallback
     [[(script, keys, argv)]] = store.sent
-    # at least 1, up to chunkMax; a debit never shortens the balance hash's expiry (slack)
-    assert (script, keys, argv) == ("pool_take", [GKEY], [1, POOL.chunk_max, BALANCE_SLACK_MS])
+    # at least 1, as many as this agent's demand calls for (one request so far: 1), up to chunkMax,
+    # at most 4 per second of validity (1 token over 250 ms); a debit never shortens the balance
+    # hash's expiry (slack)
+    assert (script, keys, argv) == ("pool_take", [GKEY], [1, 1, BALANCE_SLACK_MS, 4])
     for _ in range(5):
         assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
     assert len(store.sent) == 1 and f.remaining(POOL.id) == 2000 - 6
     assert leases.noted == [1] * 6  # demand is what requests ask for, not what chunks buy
     assert sample(m, "leasehold_agent_pool_renewals_total", pool=POOL.id, outcome="granted") == 1
+
+
+async def test_chunks_are_sized_by_what_this_agent_is_asked():
+    """A renewal buys a quarter of what this agent's requests asked of the pool over the last
+    chunk validity (net of give-backs), at least what the requests waiting for it need, at most
+    chunkMax: a chunk's unspent rest expires with it, so a chunk of chunkMax at an agent asked a
+    few tokens per validity would be wasted."""
+    store = Store(*([[[1, 5000, 250, 0]]] * 40))
+    f, c, _ = fleet(store, Leases())
+    for _ in range(40):  # 40 requests over 200 ms, each renewing the 1-token chunk the last one bought
+        assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
+        c.t += 0.005
+    wants = [argv[1] for [(_s, _k, argv)] in store.sent]
+    # the last renewal: what the last quarter validity (62.5 ms, ~12 requests) asked, or a quarter of
+    # the 40 asked over the validity, whichever is more
+    assert wants[0] == 1 and 10 <= wants[-1] <= 14
+    assert store.sent[-1][0][2][3] == -(-wants[-1] * 1000 // 250)  # per second of the 250 ms validity
+    c.t += 0.3  # more than one validity of silence: the demand is forgotten
+    store.answers.append([[1, 5000, 250, 0]])
+    await f.take(spend(), c.t + 0.05, c)
+    assert store.sent[-1][0][2][1] in (1, 2)
+
+
+async def test_waiting_requests_get_a_chunk_for_all_of_them():
+    store = Store([[12, 5000, 250, 0]])
+    store.gate = asyncio.Event()
+    f, c, _ = fleet(store, Leases())
+    tasks = [asyncio.ensure_future(f.take(spend(), c.t + 0.05, c)) for _ in range(12)]
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    store.gate.set()
+    assert [t.status for t in await asyncio.gather(*tasks)] == [TakeStatus.OK] * 12
+    assert store.sent[0][0][2][1] == 12 and len(store.sent) == 1  # one renewal paid every waiting request
 
 
 async def test_a_give_back_lands_only_in_the_chunk_it_came_from():
@@ -126,7 +161,10 @@ async def test_concurrent_requests_share_one_renewal():
 async def test_a_partial_chunk_is_all_the_balance_had():
     store = Store([[300, 0, 100, 0]])
     f, c, m = fleet(store, Leases())
+    f.chunks[POOL.id] = ChunkLease()
+    f.chunks[POOL.id].ask(3_999, c.t * 1000, POOL.chunk_validity_ms)  # this agent was asked 4,000 tokens
     assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
+    assert store.sent[0][0][2][1] == POOL.chunk_max  # all of them at once: chunkMax; the balance had 300
     assert f.remaining(POOL.id) == 299
     assert sample(m, "leasehold_agent_pool_renewals_total", pool=POOL.id, outcome="partial") == 1
     c.t += 0.1  # validity is the leases' (100 ms), shorter than chunkValidityMs
@@ -209,7 +247,7 @@ async def test_a_request_the_chunk_cannot_pay_buys_its_cost_alone():
     assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK  # chunk of 3, 2 left
     alone = await f.take(spend(5), c.t + 0.05, c)
     assert (alone.status, alone.generation) == (TakeStatus.OK, NO_CHUNK)
-    assert store.sent[1] == [("pool_take", [GKEY], [5, 5, BALANCE_SLACK_MS])]  # exactly its cost
+    assert store.sent[1] == [("pool_take", [GKEY], [5, 5, BALANCE_SLACK_MS, 0])]  # exactly its cost
     assert f.remaining(POOL.id) == 2  # the chunk stays for the requests it can pay
     assert sample(m, "leasehold_agent_pool_renewals_total", pool=POOL.id, outcome="alone") == 1
 

@@ -35,6 +35,7 @@ class Allocator:
     requests: list[LeaseRequest] = field(default_factory=list)
     reports: list[list[UsageReport]] = field(default_factory=list)
     report_answers: list[object] = field(default_factory=list)  # per report call: a status, or None = receipt
+    returned: int = 0  # what each receipt says went back to the pool (its window open)
     last_rtt_ms: float = 40.0
     gate: asyncio.Event | None = None  # when set, lease() waits for it
 
@@ -48,8 +49,8 @@ class Allocator:
         self.reports.append(list(reports))
         status = self.report_answers.pop(0) if self.report_answers else None
         if status is None:
-            return [UsageReceipt(lease_id=r.lease_id, granted=100, spent=r.spent, returned=0, window_open=True)
-                    for r in reports]
+            return [UsageReceipt(lease_id=r.lease_id, granted=100, spent=r.spent, returned=self.returned,
+                                 window_open=True) for r in reports]
         return [LeaseError(lease_id=r.lease_id, status=status, code="x", detail="d") for r in reports]
 
 
@@ -176,6 +177,31 @@ async def test_a_zero_grant_means_exhausted_until_the_window_end():
     assert m.pending(KEY) is None  # no top-up while exhausted
     clock.t += 10_000
     assert m.state(KEY) is BalanceState.OK
+
+
+async def test_tokens_our_report_returns_to_an_exhausted_window_are_asked_for_again():
+    """A lease of ours expired with tokens unspent and its report gave them back to the window, after
+    the allocator had said the window is exhausted: the balance asks again (else nobody would - every
+    balance told "exhausted" waits for the next window - and those tokens would go unused while
+    requests are denied). A report that returned nothing changes nothing."""
+    clock = FakeClock(100_000.0)
+    answers = [grant(LeaseRequest(lease_id="x", region="eu", pool=POOL.id, want=1), 0, issued=50_000, end=60_000)]
+    alloc = Allocator(answer=lambda req: answers.pop(0) if answers else grant(req, 40, issued=51_000, end=60_000))
+    m = manager(alloc, Balances(), clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert m.state(KEY) is BalanceState.EXHAUSTED
+    bal = m.balances[KEY]
+    m._queue_report(bal, "eu-old", 5)
+    await m._flush_reports()  # returned nothing
+    assert m.state(KEY) is BalanceState.EXHAUSTED
+    alloc.returned = 7
+    m._queue_report(bal, "eu-older", 3)
+    await m._flush_reports()
+    assert m.state(KEY) is BalanceState.OK
+    m.note(POOL, KEY, 1)  # the next decision starts a top-up
+    await settle(m)
+    assert len(alloc.requests) == 2 and m.balances[KEY].last_spendable == 40
 
 
 async def test_unreachable_only_once_no_held_lease_is_valid():

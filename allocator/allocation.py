@@ -1,9 +1,11 @@
-"""Pure allocation policy (grant, depletion and fairness; docs/invariants.md I16).
+"""Pure allocation: how much of a pool window a region is granted, and what a usage report gives
+back (grant, depletion and fairness; docs/invariants.md I16). "Allocation", not "policy": the
+policy is the bundle (``docs/glossary.md``); this module applies its pools.
 
 No I/O and no clock of its own: every function takes ``now_ms`` (the leader's wall clock in
-milliseconds). The committer (``allocator.engine``) loads a window's state from etcd, calls
-:func:`decide_grant` / :func:`decide_reclaim` on it and writes the result back in one
-epoch-fenced transaction.
+milliseconds). The transaction loop (``allocator.transactions``) takes a window's state from the
+window cache, calls :func:`decide_grant` / :func:`decide_reclaim` on it and writes the result
+back in one epoch-fenced transaction.
 
 Units: tokens are whole tokens; times and durations are integer milliseconds; ``demand`` is
 tokens per second.
@@ -115,14 +117,18 @@ def check_region(pool: Pool, region: str) -> None:
                         extra={"allowedRegions": list(pool.regions)})
 
 
-def demand_chunk(pool: Pool, demand: int) -> int:
-    """The chunk a region gets: enough for its demand over one lease TTL, in [chunkMin, chunkMax].
+def demand_chunk(pool: Pool, demand: int, life_ms: int | None = None) -> int:
+    """The chunk a region gets: enough for its demand over the lease's life, in [chunkMin, chunkMax].
+    ``life_ms``: how long the lease is spendable — the TTL, or less when its expiry is clamped to
+    the window's end (default: the TTL). A lease granted near the window's end holds only what the
+    region can spend before the end; the rest would be stranded there, unspendable by anyone.
 
     ``demand == 0`` means "no signal yet" (a region's first request): it gets ``chunkMax``.
     """
     if demand <= 0:
         return pool.chunk_max
-    need = -(-demand * pool.lease_ttl_ms // 1000)  # ceil(tokens/s x ttl)
+    life = pool.lease_ttl_ms if life_ms is None else max(0, min(life_ms, pool.lease_ttl_ms))
+    need = -(-demand * life // 1000)  # ceil(tokens/s x life)
     return max(pool.chunk_min, min(pool.chunk_max, need))
 
 
@@ -203,7 +209,7 @@ def decide_grant(pool: Pool, state: WindowState, *, region: str, want: int, dema
         state.active[region] = RegionActivity(last_ms=now_ms, demand=demand)
     else:  # updated in place (the committer decides on the cached state itself)
         activity.last_ms, activity.demand = now_ms, demand
-    give = min(want, demand_chunk(pool, demand), state.remaining)
+    give = min(want, demand_chunk(pool, demand, ttl - starts_in), state.remaining)
     share = fair_share(state, pool, region, now_ms)
     if share is not None:
         give = min(give, share)
