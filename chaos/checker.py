@@ -190,7 +190,7 @@ def failure_spans(leaders: Iterable[Leader], decisions: Iterable[DecisionRec]) -
 
 def touched_windows(faults: Iterable[Fault], window_ms: dict[str, int], offsets_ms: tuple[int, int],
                     load_ms: tuple[int, int], end_ms: int,
-                    failures: Iterable[tuple[int, int, str]] = ()):  # type: ignore[no-untyped-def]
+                    failures: Iterable[tuple[int, int, str]] = ()):
     """``(pool, index) -> str``: what touched that allocator-clock window for the utilisation
     check — a fault (start to stop plus max(grace, :data:`UTILISATION_GRACE_MS`); to the end of the
     history while still active), a failure no fault names (``failures``: :func:`failure_spans`), or
