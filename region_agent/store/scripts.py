@@ -1,21 +1,19 @@
-"""The Redis Lua scripts: loader (``-- @include`` expansion, SHA1), typed wrappers, error translation.
+"""The Redis Lua scripts as the agent calls them: the registry (:class:`Scripts`), its pipelines,
+typed wrappers and error translation. The scripts' text comes from region_agent.store.lua_loader,
+the RESP bytes from region_agent.store.resp, and every private part of redis-py it needs is in
+region_agent.store.redis_internals.
 
-Every script lives in ``lua/NAME.lua``; shared code in ``lua/lib/*.lua`` is pulled in by a line
-``-- @include lib/NAME.lua``, expanded textually once per script (include-guarded, recursive)
-before ``SCRIPT LOAD``. Calls use EVALSHA; a NOSCRIPT reply means the script did not run, so it is
+Calls use EVALSHA; a NOSCRIPT reply means the script did not run, so it is
 loaded and the call retried once. Driver errors become ``kernel.errors`` types in
 :func:`translate_redis_error` only.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,6 @@ from redis.asyncio import RedisCluster
 from redis.asyncio.sentinel import MasterNotFoundError
 from redis.crc import key_slot
 
-from kernel.algorithms import KINDS
 from kernel.algorithms.pool import PoolEntry
 from kernel.errors import (
     AmbiguousOutcome,
@@ -34,14 +31,12 @@ from kernel.errors import (
 )
 
 from . import redis_internals as ri
+from .lua_loader import DEFAULT_LUA_DIR, load_scripts
 from .resp import ASKING, pack_evalsha, pack_pipeline
 
 __all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "SlotMigrating", "SlotMoved", "SlotRedirect",
            "translate_redis_error"]
 
-DEFAULT_LUA_DIR = Path(str(resources.files("region_agent").joinpath("lua")))  # ships in the wheel
-INCLUDE_RE = re.compile(r"^--\s*@include\s+(\S+)\s*$")
-KINDS_RE = re.compile(r"^--\s*@kinds\b")
 # Server error prefixes meaning "the command was refused before it ran": nothing happened.
 _NOT_RUN_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY", "NOREPLICAS",
                      "MOVED", "ASK", "OOM")
@@ -79,60 +74,6 @@ class SlotMigrating(SlotRedirect):
     until the migration of the slot ends; the decision degrades per its rules' fail modes."""
 
     code, title = "slot-migrating", "The key's slot is being migrated"
-
-
-# --- loader ------------------------------------------------------------------------------------
-def kinds_dispatch() -> list[str]:
-    """What a ``-- @kinds`` line stands for: an include of every registered call kind's library
-    and the dispatch table ``multi_rule.lua`` looks kinds up in (kernel.algorithms.KINDS)."""
-    kinds = sorted(KINDS.values(), key=lambda k: k.code)
-    table = ", ".join(f"{k.code} = {k.lua_table}" for k in kinds)
-    return [*(f"-- @include {lib}" for lib in sorted({k.lib for k in kinds})), f"local ALG = {{ {table} }}"]
-
-
-def expand_includes(path: Path, root: Path, _seen: set[Path] | None = None) -> str:
-    """The text of ``path`` with every ``-- @include lib/X.lua`` replaced by that file's expanded
-    text (each included file appears once: later includes of it become a comment), and a
-    ``-- @kinds`` line by :func:`kinds_dispatch`, expanded the same way."""
-    seen = _seen if _seen is not None else set()
-    out: list[str] = []
-    lines = path.read_text().splitlines()
-    while lines:
-        line = lines.pop(0)
-        if KINDS_RE.match(line.strip()):
-            out.append(line)
-            lines[:0] = kinds_dispatch()
-            continue
-        m = INCLUDE_RE.match(line.strip())
-        if not m:
-            out.append(line)
-            continue
-        target = (root / m.group(1)).resolve()
-        if root.resolve() not in target.parents:
-            raise ValueError(f"include outside the lua directory: {m.group(1)}")
-        if target in seen:
-            out.append(f"-- (already included: {m.group(1)})")
-            continue
-        seen.add(target)
-        out.append(f"-- >>> {m.group(1)}")
-        out.append(expand_includes(target, root, seen))
-        out.append(f"-- <<< {m.group(1)}")
-    return "\n".join(out)
-
-
-@dataclass(frozen=True, slots=True)
-class LoadedScript:
-    name: str
-    source: str
-    sha: str
-
-
-def load_scripts(lua_dir: Path) -> dict[str, LoadedScript]:
-    scripts: dict[str, LoadedScript] = {}
-    for path in sorted(lua_dir.glob("*.lua")):
-        src = expand_includes(path, lua_dir)
-        scripts[path.stem] = LoadedScript(path.stem, src, hashlib.sha1(src.encode()).hexdigest())
-    return scripts
 
 
 # --- error translation -------------------------------------------------------------------------
