@@ -150,7 +150,7 @@ class DecisionEngine:
             return await self._decide_plans(plans, bundles)
         # the address window of the items that have one first; the denied ones are answered by it
         out: list[Decision | None] = [None] * len(plans)
-        firsts = await self._decide_plans([plans[i].edge for i in staged],  # type: ignore[misc]
+        firsts = await self._decide_plans([plans[i].edge for i in staged],  # type: ignore[misc]  # staged items all have an edge plan
                                           [bundles[i] for i in staged], edge=True)
         for i, d in zip(staged, firsts, strict=True):
             if not d.allowed:
@@ -160,7 +160,7 @@ class DecisionEngine:
             decided = await self._decide_plans([plans[i] for i in rest], [bundles[i] for i in rest])
             for i, d in zip(rest, decided, strict=True):
                 out[i] = d
-        return out  # type: ignore[return-value]
+        return out  # type: ignore[return-value]  # every slot filled by one of the two loops
 
     async def _decide_plans(self, plans: list[Plan], bundles: list[Bundle], *, edge: bool = False) -> list[Decision]:
         """The decisions of ``plans`` (one coalesced pipeline), each under its own bundle; ``edge``:
@@ -304,9 +304,9 @@ class DecisionEngine:
             if len(replies) > 1:
                 count_shadow(self.metrics, plan, replies[1])
             result = result_of(replies[0])
-            if result.__class__ is MultiRuleResult and result.allowed:  # type: ignore[union-attr]
+            if result.__class__ is MultiRuleResult and result.allowed:
                 # the common case: the store admitted; the record's parts were built once per plan shape
-                d = admitted_record(plan, prep.bundle, result)  # type: ignore[arg-type]
+                d = admitted_record(plan, prep.bundle, result)
                 if d is not None:
                     self.denials.forget(plan)  # as _settle_now: a probe passed, its held denial is over
                     return self._finish(prep, d)
@@ -335,7 +335,7 @@ class DecisionEngine:
         denial = None
         idx = pool_denial_slot(plan, result) if not fallback else None
         if idx is not None and self.leases is not None:
-            raw = result.remaining[idx] if idx < len(result.remaining) else 0  # type: ignore[union-attr]
+            raw = result.remaining[idx] if idx < len(result.remaining) else 0  # type: ignore[union-attr]  # a slot is found only in a MultiRuleResult
             denial = pool_denial(self.leases, plan.calls[idx].key, raw, waited=waited)
             if denial.pending is not None and not prep.pool_retried:
                 self._allow_cold_wait(prep, plan.calls[idx].key)

@@ -16,6 +16,7 @@ import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -24,21 +25,13 @@ import pytest
 from kernel.bundle import encode_bundle, load_bundle_file
 from leasehold.cli import main as cli_main
 from leasehold.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
+from tests.support.waiting import wait_until as _wait_until
+
+wait_until = partial(_wait_until, within_s=30.0)  # a rollout step on a loaded machine: more than the default
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = (ROOT / "policies" / "northstar-global.yaml").read_text()
-
-
-def wait_until(pred, timeout: float = 30.0, pause: float = 0.1):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(pause)
-    return last
 
 
 @pytest.fixture(scope="module")
