@@ -127,7 +127,8 @@ def test_the_gateway_docs_link_the_files_the_tests_run():
     placeholder of the file it mounts."""
     doc = (ROOT / "docs" / "gateways.md").read_text()
     files = sorted((DEPLOY / "gateways").iterdir())
-    assert {p.name for p in files} == {"envoy-rls.yaml", "envoy-ext-authz.yaml", "nginx.conf", "traefik.yml"}
+    assert {p.name for p in files} == {"envoy-rls.yaml", "envoy-ext-authz.yaml", "envoy-rlqs.yaml", "nginx.conf",
+                                       "traefik.yml"}
     for path in files:
         assert f"](../deploy/gateways/{path.name})" in doc, f"docs/gateways.md does not link {path.name}"
         first_lines = "\n".join(path.read_text().splitlines()[9:14])
