@@ -281,3 +281,12 @@ async def test_a_broken_stream_is_a_lease_expiry_its_unused_tokens_stranded(rig)
     await asyncio.sleep(ttl + 0.8)  # the assignment has expired in the Envoy
     assert await metric(client, "leasehold_agent_rlqs_stranded_tokens_total") == n - 1
     assert await metric(client, "leasehold_agent_rlqs_streams") == 0
+
+
+async def test_an_agent_without_the_rls_port_serves_no_assignments(redis_url: str, policy_file: Path):
+    settings = make_settings(redis_url, policy_file, auth_disabled=False,
+                             operator_tokens=["ops:" + hashlib.sha256(OPS.encode()).hexdigest()])
+    async with AsyncTestClient(app=create_app(settings, pepper=PEPPER)) as client:
+        r = await client.get("/v1/rlqs", headers={"authorization": f"Bearer {OPS}"})
+        assert r.status_code == 200 and r.json() == {"region": "eu", "serving": False, "streams": [], "buckets": []}
+        assert (await client.get("/v1/rlqs")).status_code == 401
