@@ -28,7 +28,7 @@ from leasehold.procs import LOOPBACK, Proc, RedisServer, free_port, wait_port
 
 from .context import Ctx
 from .harness import REPO, CpuMeter, _env, degraded_counts, delta, redis_client, services, start_agent
-from .stats import Row, median
+from .stats import Goal, Row, median
 
 CONNS = 64
 SOURCES = [f"127.0.3.{i}" for i in range(1, CONNS + 1)]
@@ -161,13 +161,13 @@ def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict
              "agent_degraded": degraded}
     return [
         Row("8", f"RLS ShouldRateLimit via gRPC, {CONNS} in flight: throughput", med("agent", "rps"), "calls/s",
-            med("bare", "rps"), "bare grpcio constant OK", extra=extra),
+            med("bare", "rps"), "bare grpcio constant OK", Goal(">=", 0.85), extra=extra),
         Row("8", f"RLS via gRPC, {CONNS} in flight: p50 latency", med("agent", "p50_ms"), "ms", med("bare", "p50_ms"),
-            "bare grpcio constant OK"),
+            "bare grpcio constant OK", Goal("<=", 1.3)),
         Row("8", f"RLS via gRPC, {CONNS} in flight: p99 latency", med("agent", "p99_ms"), "ms", med("bare", "p99_ms"),
             "bare grpcio constant OK"),
         Row("8", f"through Envoy + rate limit filter, {CONNS} conns: throughput", med("envoy_rls", "rps"), "req/s",
-            med("envoy_off", "rps"), "Envoy, filter off"),
+            med("envoy_off", "rps"), "Envoy, filter off", Goal(">=", 0.30)),
         Row("8", f"through Envoy + rate limit filter, {CONNS} conns: p50 latency", med("envoy_rls", "p50_ms"), "ms",
             med("envoy_off", "p50_ms"), "Envoy, filter off"),
         Row("8", f"through Envoy + rate limit filter, {CONNS} conns: p99 latency", med("envoy_rls", "p99_ms"), "ms",
