@@ -190,7 +190,7 @@ def failure_spans(leaders: Iterable[Leader], decisions: Iterable[DecisionRec]) -
 
 def touched_windows(faults: Iterable[Fault], window_ms: dict[str, int], offsets_ms: tuple[int, int],
                     load_ms: tuple[int, int], end_ms: int,
-                    failures: Iterable[tuple[int, int, str]] = ()):  # type: ignore[no-untyped-def]
+                    failures: Iterable[tuple[int, int, str]] = ()):
     """``(pool, index) -> str``: what touched that allocator-clock window for the utilisation
     check — a fault (start to stop plus max(grace, :data:`UTILISATION_GRACE_MS`); to the end of the
     history while still active), a failure no fault names (``failures``: :func:`failure_spans`), or
@@ -220,7 +220,7 @@ def allocator_offsets(topo: TopologyRec | None) -> tuple[int, int]:
 
 
 def faults_by_window(faults: Iterable[Fault], topo: TopologyRec | None, window_ms: dict[str, int],
-                     offsets_ms: tuple[int, int], end_ms: int):  # type: ignore[no-untyped-def]
+                     offsets_ms: tuple[int, int], end_ms: int):
     """``(pool, index) -> kernel.bound.Faults``: what the recorded faults made unreachable at some
     moment of that allocator-clock window. A fault's effect runs from its start to its stop plus
     its grace (to the end of the history while still active); an agent restarted during a window

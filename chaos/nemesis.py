@@ -120,7 +120,7 @@ class Nemesis:
         raise NotImplementedError
 
     @contextlib.asynccontextmanager
-    async def active_for(self):  # type: ignore[no-untyped-def]
+    async def active_for(self):
         """``async with nemesis.active_for(): ...`` — the fault holds inside the block."""
         await self.start()
         try:

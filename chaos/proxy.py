@@ -307,7 +307,7 @@ async def _control_handler(proxy: FaultProxy, reader: asyncio.StreamReader, writ
     await http_control(dispatch, reader, writer)
 
 
-async def http_control(dispatch, reader: asyncio.StreamReader,  # type: ignore[no-untyped-def]
+async def http_control(dispatch, reader: asyncio.StreamReader,
                        writer: asyncio.StreamWriter) -> None:
     """One minimal HTTP/1.1 request (Connection: close) -> ``dispatch(method, path, body)`` -> JSON."""
     status, body = 200, {}

@@ -112,7 +112,7 @@ class ProxyHost:
         from leasehold.procs import Proc, free_port, wait_port
 
         self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="chaos-proxies-")
-        self.workdir = workdir if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
+        self.workdir = workdir if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]  # _tmp is set when workdir is None
         self.control_port = free_port()
         self.control = f"http://{LOOPBACK}:{self.control_port}"
         self.proxies: list[HostedProxy] = []

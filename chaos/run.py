@@ -273,12 +273,3 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
     if result.ok and not keep_passing:
         shutil.rmtree(run_dir, ignore_errors=True)  # logs and data dirs; the history stays in the report
     return result
-
-
-async def run_profile(profile: list[tuple[str, float]], seed: int, out_root: Path, *, out: TextIO = sys.stdout,
-                      duration_s: float | None = None) -> list[RunResult]:
-    results = []
-    for name, dur in profile:
-        results.append(await run_scenario(name, seed, duration_s or dur, out_root, out=out))
-    _line(out, "== profile: " + ", ".join(f"{r.name} {'PASS' if r.ok else 'FAIL'}" for r in results))
-    return results

@@ -73,7 +73,7 @@ class _OnLeader(Nemesis):
         self.ctx = ctx
         self.inner: Nemesis | None = None
 
-    def make(self, alloc) -> Nemesis:  # type: ignore[no-untyped-def]
+    def make(self, alloc) -> Nemesis:
         raise NotImplementedError
 
     async def _start(self) -> None:
@@ -91,21 +91,21 @@ class _OnLeader(Nemesis):
 class LeaderKill(_OnLeader):
     name = "kill-leader"
 
-    def make(self, alloc) -> Nemesis:  # type: ignore[no-untyped-def]
+    def make(self, alloc) -> Nemesis:
         return Kill(alloc.proc, ready=self.ctx.topo.ready_callback(alloc.url))
 
 
 class LeaderPause(_OnLeader):
     name = "pause-leader"
 
-    def make(self, alloc) -> Nemesis:  # type: ignore[no-untyped-def]
+    def make(self, alloc) -> Nemesis:
         return Pause(alloc.proc)
 
 
 class LeaderEtcdPartition(_OnLeader):
     name = "partition-leader-etcd"
 
-    def make(self, alloc) -> Nemesis:  # type: ignore[no-untyped-def]
+    def make(self, alloc) -> Nemesis:
         from .nemesis import Combined
 
         return Combined(*[Partition(p, target=p.name) for p in alloc.etcd_proxies])
@@ -119,7 +119,7 @@ class ReplicaJoin(Nemesis):
 
     name = "allocator-join"
 
-    def __init__(self, ctx: RunContext, alloc):  # type: ignore[no-untyped-def]
+    def __init__(self, ctx: RunContext, alloc):
         super().__init__(alloc.name, recorder=ctx.history, effects=_all_regions(ctx))
         self.ctx, self.alloc = ctx, alloc
 
@@ -330,7 +330,7 @@ def _policy_rollback(ctx: RunContext) -> list[Step]:
     tight = bundles.chaos_bundle(version=base.bundle_version + 1, scale=0.5)
     rollback = bundles.with_version(base, base.bundle_version + 2)
 
-    def publisher(b):  # type: ignore[no-untyped-def]
+    def publisher(b):
         async def go() -> None:
             await ctx.publish(b)
             ctx.history.write(Policy(version=b.bundle_version, applied_at_ms=ctx.clock(),
@@ -392,7 +392,7 @@ def faketime_applied(service: str) -> Expect:
         else:
             proc = ctx.topo.agent(service).proc
         try:
-            env = open(f"/proc/{proc.pid}/environ", "rb").read()  # type: ignore[union-attr]
+            env = open(f"/proc/{proc.pid}/environ", "rb").read()  # type: ignore[union-attr]  # a running topology's processes are started
         except (OSError, AssertionError, AttributeError):
             return [f"{service} is not running at the end of the run"]
         return [] if b"FAKETIME=" in env else [f"{service} does not run under faketime"]

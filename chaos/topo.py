@@ -183,7 +183,7 @@ class ChaosTopology:
             **{g.url: g.proc for g in self.agents}}
         wait_http_ready(pending, timeout)
 
-    def ready_callback(self, url: str):  # type: ignore[no-untyped-def]
+    def ready_callback(self, url: str):
         """A :class:`chaos.nemesis.Kill` ``ready`` hook: wait for the restarted service's /readyz."""
 
         def ready(proc: Proc) -> None:

@@ -158,7 +158,7 @@ def pool_bound(shape: PoolShape, topology: Topology, faults: Faults = NO_FAULTS,
                clamped: bool = True) -> PoolBound:
     """The most one pool window may admit across all regions, term by term.
 
-    ``clamped=False`` is the seed's unclamped design (not ours): every region may carry one
+    ``clamped=False`` is an unclamped design (not ours, for comparison): every region may carry one
     chunk (``chunkMax`` per balance) over the window boundary, and for a global-scope pool
     every agent one gateway chunk as well."""
     f = shape.fallback_per_region

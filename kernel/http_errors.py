@@ -14,7 +14,7 @@ status and RFC 9457 body from :func:`kernel.errors.to_problem`, headers from
 
 The one per-service choice is ``validation_status``: the status of a body or parameter that
 decodes but does not fit the schema — 422 on the agent, 400 on the allocator (their documented
-APIs since issue 1; the problem ``type`` is ``validation-failed`` in both).
+APIs from the start; the problem ``type`` is ``validation-failed`` in both).
 """
 
 from __future__ import annotations

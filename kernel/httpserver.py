@@ -103,7 +103,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._refused = False
 
     # ------------------------------------------------------------------ connection
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # asyncio's servers hand a stream protocol a Transport
         super().connection_made(transport)
         self._deadline = self.loop.time() + self._head_timeout
         self._timer = self.loop.call_at(self._deadline, self._on_deadline)

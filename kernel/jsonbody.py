@@ -163,7 +163,7 @@ class StrictJSONRequest(Request):
         field = self.route_handler.parsed_data_field
         model = field.annotation if field is not None else None
         if not isinstance(model, type) or not issubclass(model, msgspec.Struct):
-            value: Any = decode_strict(body, Any) if body else None  # type: ignore[arg-type]
+            value: Any = decode_strict(body, Any) if body else None
         else:
             value = decode_strict(body, model)
         self._json = value

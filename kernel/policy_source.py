@@ -194,7 +194,7 @@ class PoolSource(SourceRule, frozen=True, tag="pool"):
 
 
 SOURCE_RULES: dict[str, type[SourceRule]] = {
-    c.__struct_config__.tag: c  # type: ignore[misc]
+    c.__struct_config__.tag: c  # type: ignore[misc]  # every source rule Struct is tagged with a str
     for c in (TokenBucketSource, GcraSource, FixedWindowSource, SlidingCounterSource, SlidingLogSource, PoolSource)
 }
 SourceRuleUnion: Any = TokenBucketSource | GcraSource | FixedWindowSource | SlidingCounterSource | SlidingLogSource \
@@ -336,7 +336,7 @@ def bundle_document(src: PolicySource) -> dict[str, Any]:
         try:
             fields = rule_fields(r)
         except SourceError as e:
-            e.rule = i  # type: ignore[attr-defined]
+            e.rule = i  # type: ignore[attr-defined]  # attached for the error message; SourceError declares no fields
             raise
         rules.append(msgspec.to_builtins(ALGORITHMS[fields.pop("algorithm")](**fields)))
     pools = []
@@ -344,7 +344,7 @@ def bundle_document(src: PolicySource) -> dict[str, Any]:
         try:
             pools.append(msgspec.to_builtins(Pool(**pool_fields(p))))
         except SourceError as e:
-            e.pool = i  # type: ignore[attr-defined]
+            e.pool = i  # type: ignore[attr-defined]  # attached for the error message; SourceError declares no fields
             raise
     return {"bundleVersion": src.version, "publishedAt": src.published_at, "checksum": "",
             "rules": rules, "pools": pools,

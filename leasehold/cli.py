@@ -605,7 +605,7 @@ def _spec(args: argparse.Namespace) -> TopologySpec:
 class _Parser(argparse.ArgumentParser):
     """argparse that reports usage errors like every other failure (``leasehold: ...``, exit 2)."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         self.exit(Exit.USAGE, f"leasehold: {message} (see {self.prog} --help)\n")
 
 

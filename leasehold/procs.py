@@ -164,7 +164,7 @@ class Proc:
     def kill(self) -> None:
         if self.alive():
             os.kill(self.pid, signal.SIGKILL)
-            self.popen.wait(5)  # type: ignore[union-attr]
+            self.popen.wait(5)  # type: ignore[union-attr]  # alive() is true only with a Popen
         self.popen = None
 
     def tail(self, n: int = 40) -> str:
@@ -483,7 +483,7 @@ class RedisSentinels:
         return self
 
     @staticmethod
-    def _wait(ok, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    def _wait(ok, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

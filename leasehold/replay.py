@@ -169,7 +169,7 @@ def _request(e: Event) -> AdmitRequest:
     if line.type == "anonymous":
         principal = Principal(type="anonymous", id=_address(line.principal))
     else:
-        principal = Principal(type=line.type, id=line.principal, api_key_id=line.apiKey)  # type: ignore[arg-type]
+        principal = Principal(type=line.type, id=line.principal, api_key_id=line.apiKey)  # type: ignore[arg-type]  # the log line's type was checked when the line was decoded
     return AdmitRequest(request_id=rid, principal=principal, route_group=line.route, tenant_id=line.tenant,
                         cost_hint=max(1, min(1000, line.cost)))
 
@@ -202,7 +202,7 @@ def replay(bundle: Bundle, events: list[Event], name: str) -> Result:
                 specs.append(RuleSpec("fw", (pool.limit, pool.window_ms, call.params[0], 0, 0)))
                 skeys.append(("pool", call.key))
             else:
-                specs.append(RuleSpec(call.kind, tuple(call.params)))  # type: ignore[arg-type]
+                specs.append(RuleSpec(call.kind, tuple(call.params)))  # type: ignore[arg-type]  # a plan's params have the length its kind takes
                 skeys.append((region, call.key))
             owners.append(slot.rule.id)
         res.questions += 1

@@ -32,7 +32,7 @@ class _Conn(asyncio.Protocol):
         self.url = b""
         self.seen: dict[str, str] = {}
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport) -> None:
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:

@@ -36,7 +36,7 @@
 --                hint (0 for cc: the caller uses its policy Retry-After). Only when no rule denies
 --                does every rule commit (writes + expiries); a denial writes nothing but the
 --                decision record. The concurrency lease is therefore only added when all rate
---                rules allow: this is the seed's "acquire lease first, debit rates second,
+--                rules allow: this is "acquire lease first, debit rates second,
 --                idempotently release the lease when a rate rule denies", folded into one atomic
 --                step with the same observable outcome and no window where a doomed lease is held.
 --                With decision_ttl_ms > 0 the reply (also a denial) is stored with PX

@@ -122,7 +122,7 @@ class Admission:
         pre = pre_checks(st, reqs)
         rest = [r for r, d in pre if d is None]
         if not rest:
-            return [d for _, d in pre]  # type: ignore[misc]
+            return [d for _, d in pre]  # type: ignore[misc]  # no None left: rest is empty
         if len(rest) == 1:
             decided = iter([await engine.admit(rest[0], decoded=decoded)])
         else:

@@ -295,7 +295,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         state.engine = DecisionEngine(get_bundle=lambda: state.holder.bundle, bundle_for=state.holder.bundle_for,
                               keys=state.keys, store=state.store,
                               metrics=m, fallback=LocalAllowances(settings.fallback_max_keys),
-                              budget_ms=settings.decision_budget_ms, leases=state.leases,
+                              budget_ms=settings.decision_budget_ms, cold_wait_ms=settings.cold_lease_wait_ms,
+                              leases=state.leases,
                               negative=NegativeCache(cap_ms=settings.negative_cache_ms), telemetry=telemetry,
                               allocator_clock=clock, decision_log=DecisionLog.from_settings(settings, state.keys, m))
         if state.leases is not None:

@@ -75,7 +75,8 @@ class DecisionEngine:
                  clock: Callable[[], float] = time.monotonic, leases: Any | None = None,
                  negative: NegativeCache | None = None, telemetry: DecisionTelemetry | None = None,
                  wall_clock: Callable[[], float] = time.time, allocator_clock: AllocatorClock | None = None,
-                 decision_log: Any = None, bundle_for: Callable[[str | None], Bundle] | None = None):
+                 decision_log: Any = None, bundle_for: Callable[[str | None], Bundle] | None = None,
+                 cold_wait_ms: int = 0):
         self.get_bundle = get_bundle
         # the bundle one request of a tenant is evaluated against (a canary slice); None: get_bundle's
         self.bundle_for = bundle_for
@@ -84,6 +85,8 @@ class DecisionEngine:
         self.metrics = metrics
         self.fallback = fallback if fallback is not None else LocalAllowances()  # (an empty one is falsy)
         self.budget = budget_ms / 1000.0
+        # how long beyond its budget a decision may wait for the first lease of a cold pool balance
+        self.cold_wait = cold_wait_ms / 1000.0
         self.clock = clock
         self.wall_clock = wall_clock
         self.leases = leases  # region_agent.leasing.manager.LeaseManager, when the allocator is configured
@@ -147,7 +150,7 @@ class DecisionEngine:
             return await self._decide_plans(plans, bundles)
         # the address window of the items that have one first; the denied ones are answered by it
         out: list[Decision | None] = [None] * len(plans)
-        firsts = await self._decide_plans([plans[i].edge for i in staged],  # type: ignore[misc]
+        firsts = await self._decide_plans([plans[i].edge for i in staged],  # type: ignore[misc]  # staged items all have an edge plan
                                           [bundles[i] for i in staged], edge=True)
         for i, d in zip(staged, firsts, strict=True):
             if not d.allowed:
@@ -157,7 +160,7 @@ class DecisionEngine:
             decided = await self._decide_plans([plans[i] for i in rest], [bundles[i] for i in rest])
             for i, d in zip(rest, decided, strict=True):
                 out[i] = d
-        return out  # type: ignore[return-value]
+        return out  # type: ignore[return-value]  # every slot filled by one of the two loops
 
     async def _decide_plans(self, plans: list[Plan], bundles: list[Bundle], *, edge: bool = False) -> list[Decision]:
         """The decisions of ``plans`` (one coalesced pipeline), each under its own bundle; ``edge``:
@@ -237,6 +240,7 @@ class DecisionEngine:
     async def _take_globals(self, prep: _Prepared) -> None:
         """Reserve every fleet-wide pool's tokens (region_agent.leasing.fleet_pools), or decide early."""
         for spend in prep.plan.global_spends:
+            self._allow_cold_wait(prep, KeyBuilder.global_pool_key(spend.pool.id))
             took = await self.fleet.take(spend, prep.deadline, self.clock)
             if took.status is TakeStatus.OK:
                 prep.reservations.append(_Reservation(spend, took.generation))
@@ -257,6 +261,15 @@ class DecisionEngine:
                                                        Reason.LIMITER_UNAVAILABLE, retry=took.retry_ms),
                                           DecisionSource.FAIL_CLOSED)
             break
+
+    def _allow_cold_wait(self, prep: _Prepared, key: str) -> None:
+        """A pool balance that holds no lease yet (its first use, or again after an idle spell: an
+        idle balance buys no leases) while the allocator answers: the decision may wait for that
+        one top-up's round trip up to ``cold_wait`` beyond its budget. The first request after a
+        quiet spell is then slower instead of denied as pool-busy; a balance that holds a lease,
+        is exhausted or cannot reach the allocator keeps the plain budget."""
+        if self.cold_wait > 0 and self.leases is not None and self.leases.cold(key):
+            prep.deadline = max(prep.deadline, self.clock() + self.cold_wait)
 
     # ------------------------------------------------------------------ 2. script call
     def _remaining(self, prep: _Prepared) -> float:
@@ -291,9 +304,9 @@ class DecisionEngine:
             if len(replies) > 1:
                 count_shadow(self.metrics, plan, replies[1])
             result = result_of(replies[0])
-            if result.__class__ is MultiRuleResult and result.allowed:  # type: ignore[union-attr]
+            if result.__class__ is MultiRuleResult and result.allowed:
                 # the common case: the store admitted; the record's parts were built once per plan shape
-                d = admitted_record(plan, prep.bundle, result)  # type: ignore[arg-type]
+                d = admitted_record(plan, prep.bundle, result)
                 if d is not None:
                     self.denials.forget(plan)  # as _settle_now: a probe passed, its held denial is over
                     return self._finish(prep, d)
@@ -320,14 +333,17 @@ class DecisionEngine:
         outcome (and the pool denial) :meth:`_settle_later` carries out."""
         plan = prep.plan
         denial = None
-        can_retry = retry and self._remaining(prep) > 0
         idx = pool_denial_slot(plan, result) if not fallback else None
         if idx is not None and self.leases is not None:
-            raw = result.remaining[idx] if idx < len(result.remaining) else 0  # type: ignore[union-attr]
+            raw = result.remaining[idx] if idx < len(result.remaining) else 0  # type: ignore[union-attr]  # a slot is found only in a MultiRuleResult
             denial = pool_denial(self.leases, plan.calls[idx].key, raw, waited=waited)
+            if denial.pending is not None and not prep.pool_retried:
+                self._allow_cold_wait(prep, plan.calls[idx].key)
             # wait for a top-up only once, and only when one is in flight
-            can_retry = can_retry and denial.pending is not None and not prep.pool_retried
+            can_retry = retry and self._remaining(prep) > 0 and denial.pending is not None and not prep.pool_retried
             retry_floor = denial.retry_floor_ms
+        else:
+            can_retry = retry and self._remaining(prep) > 0
         o = outcome(plan, memo_of(prep.bundle).pools, result, denial.balance if denial else None,
                     can_retry=can_retry, waited=waited, fallback=fallback, retry_floor_ms=retry_floor)
         if o.step is NextStep.ANSWER:

@@ -107,7 +107,7 @@ def admit_fast_path(state_of: Callable[[], Any], max_body: int,
                 return
             try:
                 if batch:
-                    await _answer_batch(st, req, send, decide_batch, raw_headers)  # type: ignore[arg-type]
+                    await _answer_batch(st, req, send, decide_batch, raw_headers)  # type: ignore[arg-type]  # decide_batch is set whenever batch is true
                 else:
                     await _answer(st, req, send, raw_headers)
             except Exception:  # a bug: the app's exception handler's answer (nothing was sent yet)

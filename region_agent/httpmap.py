@@ -30,6 +30,9 @@ from kernel.bundle import Pool, Rule
 from .models import Decision, DeniedScope
 
 OWN_SCOPES = frozenset({"user", "key"})
+# a denial for one of these is 503 (retriable, not the caller's doing): the store or the agent
+# cannot decide, the policy is in error, or a revocable rule's bundle is past its maximum age
+UNAVAILABLE_REASONS = frozenset({"LIMITER_UNAVAILABLE", "POLICY_ERROR", "OVERLOADED", "POLICY_STALE"})
 
 
 def retry_after_seconds(retry_after_ms: int) -> int | None:
@@ -133,6 +136,10 @@ def _problem(status: int, decision: Decision, anonymous: bool) -> dict[str, Any]
         return {"type": "about:blank", "title": "Service temporarily unavailable", "status": 503,
                 "detail": "The rate limiter is overloaded and shed this decision. Retry after the interval given.",
                 "decisionId": decision.decision_id}
+    if decision.reason == "POLICY_STALE":
+        return {"type": "about:blank", "title": "Service temporarily unavailable", "status": 503,
+                "detail": "The rate limit policy in force is older than its maximum age. Retry later.",
+                "decisionId": decision.decision_id}
     return {"type": "about:blank", "title": "Service temporarily unavailable", "status": 503,
             "detail": "The rate limiter cannot decide right now. Retry after the interval given.",
             "decisionId": decision.decision_id}
@@ -153,7 +160,7 @@ def apply_http(decision: Decision, *, rule: Rule | None, anonymous: bool) -> boo
         return False
     headers: dict[str, str] = {}
     defect = False
-    if decision.reason in ("LIMITER_UNAVAILABLE", "POLICY_ERROR", "OVERLOADED") and not decision.fallback:
+    if decision.reason in UNAVAILABLE_REASONS and not decision.fallback:
         status = 503
     else:
         status = 429

@@ -44,7 +44,7 @@ _VALID_TENANTS: BoundedMemo[str, bool] = BoundedMemo(10_000)
 
 def check_tenant(tenant: object) -> str:
     if tenant.__class__ is str and tenant in _VALID_TENANTS:
-        return tenant  # type: ignore[return-value]
+        return tenant
     if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
         raise ValidationFailed("tenantId must match [a-z0-9-]{1,32}", errors=["tenantId: invalid"])
     _VALID_TENANTS.put(tenant, True)
@@ -57,7 +57,7 @@ _VALID_ROUTES: BoundedMemo[str, bool] = BoundedMemo(1_000)
 
 def check_route(route: object) -> str:
     if route.__class__ is str and route in _VALID_ROUTES:
-        return route  # type: ignore[return-value]
+        return route
     if not isinstance(route, str) or not ROUTE_RE.fullmatch(route):
         raise ValidationFailed("routeGroup must match [a-z0-9_-]{1,32}", errors=["routeGroup: invalid"])
     _VALID_ROUTES.put(route, True)
@@ -221,7 +221,7 @@ class KeyBuilder:
         script never reads or writes it, it only has to share the call's hash tag, so no HMAC."""
         if ip_tag is not None:
             return f"{NS}:{ip_tag}:d:-"
-        return f"{NS}:{KeyBuilder.tenant_tag(tenant)}:d:-"  # type: ignore[arg-type]
+        return f"{NS}:{KeyBuilder.tenant_tag(tenant)}:d:-"  # type: ignore[arg-type]  # ip_tag is None only when the plan has a tenant
 
     def decision_key(self, request_id: str, *, tenant: str | None, ip_tag: str | None = None) -> str:
         # request ids are unique: not memoised

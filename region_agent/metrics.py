@@ -213,7 +213,7 @@ class AgentMetrics:
         from prometheus_client.multiprocess import MultiProcessCollector
 
         self.flush()
-        return generate_latest(Collectors([MultiProcessCollector(None, self.multiprocess), *self._local]))  # type: ignore[arg-type]
+        return generate_latest(Collectors([MultiProcessCollector(None, self.multiprocess), *self._local]))
 
     def close(self) -> None:
         """At a worker's exit: its live-mode gauges no longer count (several workers)."""

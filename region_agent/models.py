@@ -102,7 +102,7 @@ class DecisionSource(StrEnum):
 
 
 class Decision(Struct, rename="camel", omit_defaults=False):
-    """The seed's decision record plus the HTTP response the gateway should send."""
+    """The decision record plus the HTTP response the gateway should send."""
 
     allowed: bool
     decision_id: str

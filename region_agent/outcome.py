@@ -80,7 +80,7 @@ def outcome(plan: Plan, pools: Mapping[str, Pool], result: MultiRuleResult | Lea
             return Outcome(NextStep.RETRY_SAME, error=result)
         if isinstance(result, LeaseholdError):
             return Outcome(NextStep.DEGRADE, error=result)
-    res: MultiRuleResult = result  # type: ignore[assignment]
+    res: MultiRuleResult = result
     if not res.allowed and 1 <= res.denied_by <= len(plan.slots):
         idx = res.denied_by - 1
         slot = plan.slots[idx]

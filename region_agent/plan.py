@@ -247,7 +247,7 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
     i = 0
     for rule, t in zip(shape.in_script, shape.templates, strict=True):
         if t is not None:
-            key = keys.key_from(t, tenant, user_id, api_key_id)  # type: ignore[arg-type]
+            key = keys.key_from(t, tenant, user_id, api_key_id)
         else:
             key = _key_of(keys, rule, tenant, user_id, api_key_id, req.route_group, ip_tag, addr)
         if rule.concurrency_max is not None:
@@ -255,16 +255,16 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
             i += 1
         calls.append(_new(Call, (key, *specs[i])))
         i += 1
-    shadow_calls: list[Call] = _NONE  # type: ignore[assignment]
+    shadow_calls: list[Call] = _NONE  # type: ignore[assignment]  # the shared empty tuple, never appended to
     if shape.shadow:
         shadow_calls = []
         for rule, t, spec in zip(shape.shadow, shape.shadow_templates, shadow_specs, strict=True):
             if t is not None:
-                key = keys.key_from(t, tenant, user_id, api_key_id)  # type: ignore[arg-type]
+                key = keys.key_from(t, tenant, user_id, api_key_id)
             else:
                 key = _key_of(keys, rule, tenant, user_id, api_key_id, req.route_group, ip_tag, addr)
             shadow_calls.append(_new(Call, (key, *spec)))
-    spends: list[GlobalSpend] = _NONE  # type: ignore[assignment]
+    spends: list[GlobalSpend] = _NONE  # type: ignore[assignment]  # the shared empty tuple, never appended to
     if shape.fleet:
         spends = [GlobalSpend(rule, memo.pools[rule.pool_id or ""], rule.tokens(cost_hint)) for rule in shape.fleet]
     question = ""

@@ -19,12 +19,12 @@ from kernel.etcd_store import EtcdStore
 from kernel.policy_store import PolicyStore
 from kernel.watch import PolicyWatcher
 
-from . import httpmap
 from .metrics import AgentMetrics
 from .models import AdmitRequest, Decision, DecisionSource, DeniedScope, Reason
+from .outcome import Answer
 from .plan import check_principal, selected
 from .policy import PolicyHolder
-from .telemetry import count_early
+from .record import early_record
 
 
 def make_watcher(holder: PolicyHolder, endpoints: str, *, prefix: str, reread_ms: int, timeout_ms: int = 1000,
@@ -49,16 +49,6 @@ def revoked_decision(bundle: Bundle, req: AdmitRequest, m: AgentMetrics | None =
     if rule is None:
         return None
     anonymous = req.principal.type == "anonymous"
-    d = Decision(allowed=False, decision_id=req.request_id, policy_id=None if anonymous else rule.id,
-                 policy_version=bundle.bundle_version, denied_scope=DeniedScope(rule.scope), reason=Reason.POLICY_STALE,
-                 retry_after_ms=rule.closed_retry_after_ms, http_status=503,
-                 source=DecisionSource.POLICY)
-    header, d.retry_jitter_ms = httpmap.retry_after(d.decision_id, rule.closed_retry_after_ms) or ("1", 0)
-    d.headers = {"Retry-After": header}
-    d.problem = ({"type": "about:blank", "title": "Service Unavailable", "status": 503} if anonymous else
-                 {"type": "about:blank", "title": "Service temporarily unavailable", "status": 503,
-                  "detail": "The rate limit policy in force is older than its maximum age. Retry later.",
-                  "decisionId": d.decision_id})
-    if m is not None:
-        count_early(m, bundle, rule, d, tenant)
-    return d
+    answer = Answer(False, None if anonymous else rule, scope=DeniedScope(rule.scope), reason=Reason.POLICY_STALE,
+                    retry=rule.closed_retry_after_ms)
+    return early_record(req, bundle, answer, DecisionSource.POLICY, m, counted=rule, tenant=tenant)

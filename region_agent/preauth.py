@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 from kernel.bundle import Bundle, Rule
 from kernel.errors import ValidationFailed
 
-from .httpmap import apply_http
 from .keys import ip_prefix, parse_ip
 from .models import AdmitRequest, Decision, DecisionSource, DeniedScope, Principal, Reason
+from .outcome import Answer
 from .plan import selected
-from .telemetry import count_early
+from .record import early_record
 
 if TYPE_CHECKING:
     from .metrics import AgentMetrics
@@ -90,11 +90,6 @@ class NewKeyCap:
         refused = next((r for r in rules if not self.admit(addr, r)), None)
         if refused is None:
             return None
-        d = Decision(allowed=False, decision_id=req.request_id, policy_id=None,
-                     policy_version=bundle.bundle_version, denied_scope=DeniedScope.IP, reason=Reason.RATE_EXCEEDED,
-                     retry_after_ms=self.window_ms - int(self.clock() * 1000) % self.window_ms,
-                     source=DecisionSource.PREAUTH)
-        apply_http(d, rule=None, anonymous=True)
-        if metrics is not None:
-            count_early(metrics, bundle, refused, d, None)
-        return d
+        answer = Answer(False, None, scope=DeniedScope.IP, reason=Reason.RATE_EXCEEDED,
+                        retry=self.window_ms - int(self.clock() * 1000) % self.window_ms)
+        return early_record(req, bundle, answer, DecisionSource.PREAUTH, metrics, counted=refused, tenant=None)

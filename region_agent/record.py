@@ -1,21 +1,23 @@
 """The last step of a decision: an :class:`~region_agent.outcome.Answer` as the decision record
 the gateway gets, with the HTTP status, headers and problem it should send (region_agent.httpmap).
 
-Every answer of the engine - the store's, the negative cache's, a global pool's, a fallback's,
-an overload's - becomes a record here and only here.
+Every answer - the store's, the negative cache's, a global pool's, a fallback's, an overload's,
+and the admission's own before any plan (the pre-authentication new-key cap, a revocable rule
+under a stale bundle: :func:`early_record`) - becomes a record here and only here.
 """
 
 from __future__ import annotations
 
-from kernel.bundle import Bundle
+from kernel.bundle import Bundle, Rule
 from kernel.errors import DecisionConflict, to_problem
 
 from .call import MultiRuleResult
 from .httpmap import admitted_fields, apply_http
 from .metrics import AgentMetrics
-from .models import Decision, DecisionSource, Reason
+from .models import AdmitRequest, Decision, DecisionSource, Reason
 from .outcome import Answer, admission
 from .plan import Plan, memo_of
+from .telemetry import count_early
 
 SHED_RETRY_MS = 1_000  # Retry-After of a decision shed because this agent is overloaded
 # overload: this agent could not get the store's answer within the budget while the store answers
@@ -27,12 +29,29 @@ def decision_record(plan: Plan, bundle: Bundle, a: Answer, metrics: AgentMetrics
     """The record of answer ``a`` to ``plan``'s request, decided with ``bundle`` by ``source`` (the
     layer that answered). A denial without a positive Retry-After (a policy defect,
     region_agent.httpmap) is counted."""
+    return _record(plan.request_id, plan.anonymous, bundle, a, source, metrics)
+
+
+def early_record(req: AdmitRequest, bundle: Bundle, a: Answer, source: DecisionSource, metrics: AgentMetrics | None,
+                 *, counted: Rule, tenant: str | None) -> Decision:
+    """The record of a denial the admission answers before any plan or store call (source
+    ``preauth``: a new key past its source's cap; ``policy``: a revocable rule under a stale
+    bundle), counted in ``metrics`` under ``counted``, the rule that answered (``a.rule`` is the
+    rule the record names: None when the caller must not learn it)."""
+    d = _record(req.request_id, req.principal.type == "anonymous", bundle, a, source, metrics)
+    if metrics is not None:
+        count_early(metrics, bundle, counted, d, tenant)
+    return d
+
+
+def _record(request_id: str, anonymous: bool, bundle: Bundle, a: Answer, source: DecisionSource,
+            metrics: AgentMetrics | None) -> Decision:
     allowed = a.allowed
-    d = Decision(allowed=allowed, decision_id=plan.request_id, policy_id=a.rule.id if a.rule else None,
+    d = Decision(allowed=allowed, decision_id=request_id, policy_id=a.rule.id if a.rule else None,
                  policy_version=bundle.bundle_version, denied_scope=None if allowed else a.scope,
                  reason=None if allowed else a.reason, limit=a.limit, remaining=a.remaining,
                  retry_after_ms=0 if allowed else a.retry, fallback=a.fallback, source=source)
-    if apply_http(d, rule=a.rule, anonymous=plan.anonymous):
+    if apply_http(d, rule=a.rule, anonymous=anonymous) and metrics is not None:
         metrics.policy_defects.labels(a.rule.id if a.rule else "none").inc()
     return d
 

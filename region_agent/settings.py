@@ -124,6 +124,11 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     decision_budget_ms: Annotated[int, Meta(ge=1, le=10_000), Help(
         "time one decision may take (a batch gets one more per 64 items); a script call not sent "
         "within it is shed as 503 OVERLOADED", section="Decisions and overload")] = 50
+    cold_lease_wait_ms: Annotated[int, Meta(ge=0, le=5_000), Help(
+        "how long beyond decision_budget_ms a decision may wait for the first lease of a pool balance "
+        "that holds none (its first use, or again after an idle spell) while the allocator answers: "
+        "the first request after a quiet spell is slower instead of denied as pool-busy (0: never; "
+        "keep it well under the gateways' timeout to the agent)", section="Decisions and overload")] = 300
     batch_max: Annotated[int, Meta(ge=1, le=4096), Help(
         "script calls per coalesced pipeline (a larger single request, e.g. /v1/admit/batch, still "
         "goes as one pipeline)")] = 32
@@ -248,7 +253,10 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
         from .store.client import parse_store_url
 
         Names.from_settings(self)  # ValueError -> a settings error naming the bad entry
-        parse_store_url(self.redis_url, cluster=self.redis_cluster)  # the same for the Redis URL
+        try:  # the same for the Redis URL
+            parse_store_url(self.redis_url, cluster=self.redis_cluster)
+        except ValueError as e:
+            raise ValueError(f"for --redis-url: {e}") from None
         from kernel.ids import ROUTE_RE
 
         for route in self.authz_anonymous_routes:

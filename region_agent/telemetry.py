@@ -30,6 +30,7 @@ from .keymeter import HORIZON_S, MAX_PER_GENERATION, source_class
 from .metrics import DECISION_SECONDS_BUCKETS, AgentMetrics
 from .models import Decision
 from .plan import Plan, memo_of
+from .prometheus_internals import add_observations
 
 MAX_TENANT_LABELS = 50
 _CLASS = {(role, scope): source_class(role, scope) for role in Role
@@ -83,7 +84,7 @@ class DecisionTelemetry:
         if d.allowed:
             outcome = "fallback_allowed" if d.fallback else "allowed"
         elif d.reason == "OVERLOADED":
-            outcome = "shed"  # this agent saturated while the store answered (issue 11, branch bound)
+            outcome = "shed"  # this agent saturated while the store answered (docs/concepts.md: overload is shed)
         elif d.http_status == 503:
             outcome = "unavailable"
         elif d.http_status == 409:
@@ -132,15 +133,11 @@ class DecisionTelemetry:
     def flush(self) -> None:
         """Move the counts kept since the last collection into the registry (``AgentMetrics`` runs
         this first in every collection). A histogram child takes a whole bucket count at once
-        through its bucket and sum values (prometheus_client's ``_buckets`` / ``_sum``: what its
-        own ``observe`` increments; a unit test compares the exposition with ``observe``'s)."""
+        (region_agent.prometheus_internals; a unit test compares the exposition with ``observe``'s)."""
         pending, self._pending = self._pending, {}
         for counter, hist, count, total, *buckets in pending.values():
             counter.inc(count)
-            hist._sum.inc(total)
-            for value, n in zip(hist._buckets, buckets, strict=True):
-                if n:
-                    value.inc(n)
+            add_observations(hist, total, buckets)
 
     # ------------------------------------------------------------------ helpers
     def _shard(self, plan: Plan, now: float) -> str:
@@ -152,7 +149,7 @@ class DecisionTelemetry:
         tag = plan.tenant or plan.decision_key
         shard = self._shards.get(tag)
         if shard is None:
-            shard = self._shards.put(tag, self.shard_of(plan.decision_key))  # type: ignore[misc]
+            shard = self._shards.put(tag, self.shard_of(plan.decision_key))  # type: ignore[misc]  # the shard function is set whenever shards are counted
         return shard
 
     def _resolve(self, label: tuple, bundle: Bundle) -> tuple[Any, Any]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from leasehold.procs import EtcdCluster, RedisCluster, RedisServer
+from tests.support.policies import northstar_file
 
 REQUIRED = ("redis-server", "redis-cli", "redis-sentinel", "etcd", "etcdctl", "nginx")
 
@@ -89,3 +90,9 @@ def fresh_etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
     cluster = EtcdCluster(tmp_path / "etcd").start()
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def policy_file(tmp_path: Path) -> Path:
+    """The sample bundle (policies/northstar.json) in a file of the test's own directory."""
+    return northstar_file(tmp_path)

@@ -1,1 +1,1 @@
-"""`make bench`: Leasehold benchmarks, each figure against a ceiling measured in the same run (issue 7)."""
+"""`make bench`: Leasehold benchmarks, each figure against a ceiling measured in the same run."""

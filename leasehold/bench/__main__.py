@@ -1,5 +1,5 @@
 """``python -m leasehold.bench [--quick] [--only FIGURE ...] [--out DIR]`` — run the figures of
-issue 7, each against its ceiling measured in the same run; print the table and write
+README.md beside this file, each against its ceiling measured in the same run; print the table and write
 results.json, results.md and fig2-concurrency.png under DIR (default bench-results/)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 
 from leasehold.procs import RedisServer
-from region_agent.store.scripts import DEFAULT_LUA_DIR, load_scripts
+from region_agent.store.lua_loader import DEFAULT_LUA_DIR, load_scripts
 
 from .context import Ctx
 from .harness import CpuMeter, degraded_counts, delta, loadgen, redis_client, services, start_agent

@@ -3,7 +3,7 @@
 -- TB.parse({capacity, refill, period_ms, cost}) -> P or nil (invalid).
 -- TB.check(key, P, now) -> plan {ok, remaining, retry, tokens, ts}; reads only.
 -- TB.commit(key, P, plan, now, slack) writes tokens/ts and PEXPIRE full_ms + slack.
--- Deny retry is the seed's ceil((cost - tokens) x period / refill): never optimistic while
+-- Deny retry is ceil((cost - tokens) x period / refill): never optimistic while
 -- ts <= now, but it ignores the sub-millitoken progress made since ts (may be up to
 -- ceil(period / refill) ms late) and, after the clock went back, the time until now reaches ts.
 -- An allowing plan also carries `current`: the value before this request's debit (the

@@ -104,13 +104,13 @@ class AllocatorClient:
         shards is split, the parts sent concurrently), results in request order. Items answered
         with a retriable error (not-leader during a handoff, fenced, unavailable) are retried with
         the same lease ids after re-routing, within the client's attempts and deadline."""
-        return await self._many(reqs, self._batch_once)  # type: ignore[return-value]
+        return await self._many(reqs, self._batch_once)
 
     async def report_many(self, reports: Sequence[UsageReport]) -> list[UsageReceipt | LeaseError]:
         """Usage reports of many leases: ``POST /v1/usage/batch`` per shard leader, split and
         retried like :meth:`lease_many`; results in request order. An allocator without that route
         (404: an older version during a rolling upgrade) gets the reports one at a time."""
-        return await self._many(reports, self._usage_once)  # type: ignore[return-value]
+        return await self._many(reports, self._usage_once)
 
     async def _many(self, reqs: Sequence[Any], send: Any) -> list[Any]:
         results: dict[int, Any] = {}

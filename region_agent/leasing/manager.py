@@ -139,6 +139,19 @@ class LeaseManager:
             return BalanceState.UNREACHABLE
         return BalanceState.OK
 
+    def cold(self, key: str) -> bool:
+        """``key``'s balance holds no lease spendable now, is not exhausted and the allocator was not
+        found unreachable: a balance used for the first time, or again after an idle spell past the
+        top-up horizon (an idle balance buys no leases). Its next request needs one top-up's round
+        trip (the engine lets it wait for that: ``cold_lease_wait_ms``)."""
+        if not self._leasing:
+            return False
+        bal = self.balances.get(key)
+        if bal is None:
+            return True  # the request about to be noted starts its first top-up
+        now = self.now()
+        return not bal.book.valid(now) and not bal.book.exhausted(now) and bal.book.unreachable_since is None
+
     def pending(self, key: str) -> asyncio.Task | None:
         """The in-flight top-up for ``key``'s balance, if any (the engine may wait for it once)."""
         bal = self.balances.get(key)

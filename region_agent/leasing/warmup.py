@@ -1,4 +1,5 @@
-"""Which pool balances an agent leases for before it reports ready (cold start, issue 11).
+"""Which pool balances an agent leases for before it reports ready (cold start: a region's
+first requests wait for its first lease instead of being denied).
 
 Pure: from the policy bundle, every (pool, balance key) this region can spend whose key does not
 depend on the request — fleet-wide pools (``{g:<pool>}``) and pools whose rules name their tenant

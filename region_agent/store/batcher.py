@@ -1,6 +1,6 @@
 """Coalesce concurrent script calls into shared pipelines.
 
-Callers :meth:`Batcher.submit` a group of calls (the calls of one decision, or of a whole
+Callers :meth:`Batcher.enqueue` a group of calls (the calls of one decision, or of a whole
 batch request) and await their replies. Up to ``max_inflight`` drain tasks each send what
 is queued (at most ``max_batch`` calls, or one larger group whole) as one pipeline and take
 the next when it comes back: no timer, so an idle agent adds no latency and a busy one
@@ -72,20 +72,16 @@ class Batcher:
         """Seconds the oldest pipeline still in flight has waited for its answer (None: none)."""
         return now - min(self._sent_at.values()) if self._sent_at else None
 
-    async def submit(self, calls: list[ScriptCall], *, wait_s: float | None = None,
-                     late_s: Callable[[float], float] | None = None) -> list[Any]:
-        """Replies (or exception instances) for ``calls``, in order.
-
-        Raises Overloaded when the queue is full (nothing sent), DeadlineExceeded when ``wait_s``
-        passes before the calls were sent, AmbiguousOutcome when it passes after and the late
-        wait (``late_s(seconds already waited late)`` -> the next slice, 0 = stop) ends too."""
-        return await self.enqueue(calls, wait_s=wait_s, late_s=late_s)
-
     def enqueue(self, calls: list[ScriptCall], *, wait_s: float | None = None,
                 late_s: Callable[[float], float] | None = None) -> asyncio.Future:
-        """:meth:`submit` without a coroutine of its own (a caller on the hot path awaits the
-        future it returns): queue full raises Overloaded here, at once. A caller cancelled while
-        it waits cancels the future; a cancelled group still queued is dropped unsent."""
+        """A future of the replies (or exception instances) for ``calls``, in order; no coroutine of
+        its own (a caller on the hot path awaits the future it returns).
+
+        Raises Overloaded at once when the queue is full (nothing sent); the future raises
+        DeadlineExceeded when ``wait_s`` passes before the calls were sent, AmbiguousOutcome when it
+        passes after and the late wait (``late_s(seconds already waited late)`` -> the next slice,
+        0 = stop) ends too. A caller cancelled while it waits cancels the future; a cancelled group
+        still queued is dropped unsent."""
         # the loop the drain tasks run on; asked again when none is running (get_running_loop is a
         # getpid() system call on Python 3.11: a measurable part of a decision)
         loop = self._loop if self._tasks else None

@@ -93,7 +93,8 @@ def _hostport(text: str, default_port: int) -> tuple[str, int]:
 def parse_store_url(url: str, *, cluster: bool = False) -> StoreUrl:
     """``ValueError`` with a message naming what is wrong (never the password)."""
     if "://" not in url:
-        raise ValueError("the Redis URL needs a scheme (redis://, rediss://, redis+cluster://, redis+sentinel://)")
+        raise ValueError("expected a URL starting with redis://, rediss://, redis+cluster://, "
+                         "redis+sentinel:// or unix://")
     scheme, rest = url.split("://", 1)
     base, _, suffix = scheme.partition("+")
     if base == "unix" and not suffix and not cluster:  # a socket path: one node (redis-py parses the rest)
@@ -101,7 +102,8 @@ def parse_store_url(url: str, *, cluster: bool = False) -> StoreUrl:
             raise ValueError("a unix:// URL needs the socket's path: unix:///path/to/redis.sock")
         return StoreUrl(STANDALONE, "unix", "", (), query=rest.partition("?")[2])
     if base not in ("redis", "rediss") or suffix not in ("", "cluster", "sentinel"):
-        raise ValueError(f"unknown Redis URL scheme {scheme!r}")
+        raise ValueError(f"expected a URL starting with redis://, rediss://, redis+cluster://, "
+                         f"redis+sentinel:// or unix://, not {scheme}://")
     kind = {"": CLUSTER if cluster else STANDALONE, "cluster": CLUSTER, "sentinel": SENTINEL}[suffix]
     rest, _, query = rest.partition("?")
     netloc, _, path = rest.partition("/")

@@ -243,10 +243,10 @@ class ClusterStore:
 
     def _background(self, tasks: set[asyncio.Task], coro: Awaitable[Any]) -> None:
         try:
-            task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+            task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]  # callers pass coroutines; typed Awaitable for the tests' futures
         except RuntimeError:  # no loop (closing): nothing to do in the background
             if hasattr(coro, "close"):
-                coro.close()  # type: ignore[union-attr]
+                coro.close()
             return
         tasks.add(task)
         task.add_done_callback(tasks.discard)

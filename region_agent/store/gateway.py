@@ -24,6 +24,7 @@ from kernel.errors import (
 from kernel.ratelog import TransitionLog
 
 from ..call import ScriptCall
+from . import redis_internals as ri
 from . import scripts as sc
 from .batcher import Batcher
 from .breaker import CLOSED, OPEN, CircuitBreaker
@@ -92,7 +93,7 @@ class StoreGateway:
         age = now - min(sent for _, sent in reading)
         if age <= self.stall_s or self.lag.lag_s(now) >= age / 2:
             return False
-        return not any(conn is not None and sc.answer_waiting(conn) for conn, _ in reading)
+        return not any(conn is not None and ri.answer_waiting(conn) for conn, _ in reading)
 
     def _own_timeout(self, r: Any) -> Any:
         """A driver timeout (connecting, or reading a reply) while this process's event loop lags

@@ -1,41 +1,27 @@
-"""The Redis Lua scripts: loader (``-- @include`` expansion, SHA1), typed wrappers, error translation.
+"""The Redis Lua scripts as the agent calls them: the registry (:class:`Scripts`), its pipelines,
+typed wrappers and error translation. The scripts' text comes from region_agent.store.lua_loader,
+the RESP bytes from region_agent.store.resp, and every private part of redis-py it needs is in
+region_agent.store.redis_internals.
 
-Every script lives in ``lua/NAME.lua``; shared code in ``lua/lib/*.lua`` is pulled in by a line
-``-- @include lib/NAME.lua``, expanded textually once per script (include-guarded, recursive)
-before ``SCRIPT LOAD``. Calls use EVALSHA; a NOSCRIPT reply means the script did not run, so it is
+Calls use EVALSHA; a NOSCRIPT reply means the script did not run, so it is
 loaded and the call retried once. Driver errors become ``kernel.errors`` types in
 :func:`translate_redis_error` only.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
-import select
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from redis import exceptions as rex
-
-try:  # redis-py's hiredis parser and its "no complete reply yet" marker (read_replies' fast path)
-    import hiredis as _hiredis
-    from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
-    from redis._parsers.hiredis import _AsyncHiredisParser
-    _PUSH: Any = getattr(_hiredis, "PushNotification", None)
-except ImportError:  # without hiredis every reply is read through redis-py
-    _AsyncHiredisParser = None  # type: ignore[assignment,misc]
-    _NOT_ENOUGH_DATA = object()
-    _PUSH = None
 from redis.asyncio import RedisCluster
 from redis.asyncio.sentinel import MasterNotFoundError
 from redis.crc import key_slot
 
-from kernel.algorithms import KINDS
 from kernel.algorithms.pool import PoolEntry
 from kernel.errors import (
     AmbiguousOutcome,
@@ -44,14 +30,13 @@ from kernel.errors import (
     StoreUnavailable,
 )
 
-from ..call import RuleArgv
+from . import redis_internals as ri
+from .lua_loader import DEFAULT_LUA_DIR, load_scripts
+from .resp import ASKING, pack_evalsha, pack_pipeline
 
 __all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "SlotMigrating", "SlotMoved", "SlotRedirect",
            "translate_redis_error"]
 
-DEFAULT_LUA_DIR = Path(str(resources.files("region_agent").joinpath("lua")))  # ships in the wheel
-INCLUDE_RE = re.compile(r"^--\s*@include\s+(\S+)\s*$")
-KINDS_RE = re.compile(r"^--\s*@kinds\b")
 # Server error prefixes meaning "the command was refused before it ran": nothing happened.
 _NOT_RUN_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY", "NOREPLICAS",
                      "MOVED", "ASK", "OOM")
@@ -89,60 +74,6 @@ class SlotMigrating(SlotRedirect):
     until the migration of the slot ends; the decision degrades per its rules' fail modes."""
 
     code, title = "slot-migrating", "The key's slot is being migrated"
-
-
-# --- loader ------------------------------------------------------------------------------------
-def kinds_dispatch() -> list[str]:
-    """What a ``-- @kinds`` line stands for: an include of every registered call kind's library
-    and the dispatch table ``multi_rule.lua`` looks kinds up in (kernel.algorithms.KINDS)."""
-    kinds = sorted(KINDS.values(), key=lambda k: k.code)
-    table = ", ".join(f"{k.code} = {k.lua_table}" for k in kinds)
-    return [*(f"-- @include {lib}" for lib in sorted({k.lib for k in kinds})), f"local ALG = {{ {table} }}"]
-
-
-def expand_includes(path: Path, root: Path, _seen: set[Path] | None = None) -> str:
-    """The text of ``path`` with every ``-- @include lib/X.lua`` replaced by that file's expanded
-    text (each included file appears once: later includes of it become a comment), and a
-    ``-- @kinds`` line by :func:`kinds_dispatch`, expanded the same way."""
-    seen = _seen if _seen is not None else set()
-    out: list[str] = []
-    lines = path.read_text().splitlines()
-    while lines:
-        line = lines.pop(0)
-        if KINDS_RE.match(line.strip()):
-            out.append(line)
-            lines[:0] = kinds_dispatch()
-            continue
-        m = INCLUDE_RE.match(line.strip())
-        if not m:
-            out.append(line)
-            continue
-        target = (root / m.group(1)).resolve()
-        if root.resolve() not in target.parents:
-            raise ValueError(f"include outside the lua directory: {m.group(1)}")
-        if target in seen:
-            out.append(f"-- (already included: {m.group(1)})")
-            continue
-        seen.add(target)
-        out.append(f"-- >>> {m.group(1)}")
-        out.append(expand_includes(target, root, seen))
-        out.append(f"-- <<< {m.group(1)}")
-    return "\n".join(out)
-
-
-@dataclass(frozen=True, slots=True)
-class LoadedScript:
-    name: str
-    source: str
-    sha: str
-
-
-def load_scripts(lua_dir: Path) -> dict[str, LoadedScript]:
-    scripts: dict[str, LoadedScript] = {}
-    for path in sorted(lua_dir.glob("*.lua")):
-        src = expand_includes(path, lua_dir)
-        scripts[path.stem] = LoadedScript(path.stem, src, hashlib.sha1(src.encode()).hexdigest())
-    return scripts
 
 
 # --- error translation -------------------------------------------------------------------------
@@ -234,187 +165,12 @@ class PoolClosed:
     current: bool
 
 
-ASKING = b"*1\r\n$6\r\nASKING\r\n"
-_INT_RESP: dict[int, str] = {}  # a bulk string per int seen (rule parameters repeat on every call)
-_INT_RESP_MAX = 4_096
-_HEADS: dict[tuple[str, int, int], str] = {}  # (sha, keys, args) -> the array header up to the first key
-_MEMO_MAX = 4_096
-
-
-def pack_evalsha(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> bytes:
-    """``EVALSHA sha numkeys key... arg...`` as one RESP array (what redis-py's pack_command
-    would send for the same arguments: str as UTF-8, int in decimal, bytes as they are)."""
-    text = _pack_text(sha, keys, argv)
-    if text is not None:
-        return text.encode()
-    args = [_b(x) for x in (sha, len(keys), *keys, *argv)]  # non-ASCII text or bytes: lengths in bytes
-    return b"".join([b"*%d\r\n$7\r\nEVALSHA\r\n" % (len(args) + 1),
-                     *[b"$%d\r\n%b\r\n" % (len(x), x) for x in args]])
-
-
-def pack_pipeline(calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]]) -> bytes:
-    """Every ``(sha, keys, argv)`` packed (:func:`pack_evalsha`) into one payload, encoded once."""
-    texts: list[str] = []
-    for sha, keys, argv in calls:
-        text = _pack_text(sha, keys, argv)
-        texts.append(text if text is not None else pack_evalsha(sha, keys, argv).decode("latin-1"))
-    return "".join(texts).encode("latin-1")
-
-
-def _bulks(args: Sequence[Any]) -> str | None:
-    """The RESP bulk strings of ``args`` (ASCII str and int), or None for anything else."""
-    parts: list[str] = []
-    append = parts.append
-    ints = _INT_RESP
-    for a in args:
-        cls = a.__class__
-        if cls is str and a.isascii():
-            append(f"${len(a)}\r\n{a}\r\n")
-        elif cls is int:
-            enc = ints.get(a)
-            if enc is None:
-                t = str(a)
-                enc = f"${len(t)}\r\n{t}\r\n"
-                if len(ints) < _INT_RESP_MAX:
-                    ints[a] = enc
-            append(enc)
-        else:
-            return None
-    return "".join(parts)
-
-
-def _pack_text(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> str | None:
-    """The command as text when every argument is ASCII str or int (characters are bytes), else None."""
-    if argv.__class__ is RuleArgv:  # a multi-rule call: all but its strings packed once per shape
-        text = _pack_rule_call(sha, keys, argv)  # type: ignore[arg-type]
-        if text is not None:
-            return text
-    body = _bulks((*keys, *argv))
-    return None if body is None else _head(sha, len(keys), len(argv)) + body
-
-
-def _head(sha: str, nk: int, na: int) -> str:
-    """``EVALSHA sha numkeys`` with the array header of a call of ``nk`` keys and ``na`` args (memoised)."""
-    hk = (sha, nk, na)
-    head = _HEADS.get(hk)
-    if head is None:
-        head = f"*{nk + na + 3}\r\n$7\r\nEVALSHA\r\n${len(sha)}\r\n{sha}\r\n${len(str(nk))}\r\n{nk}\r\n"
-        if len(_HEADS) >= _MEMO_MAX:
-            _HEADS.clear()
-        _HEADS[hk] = head
-    return head
-
-
-_BULK = "$%d\r\n%s\r\n"  # one string argument, as a %-format (its length, then it)
-_RULE_CALLS: dict[tuple, tuple[tuple, str]] = {}  # (sha, key count, id(rule slots), slack, ttl) -> (slots, format)
-
-
-def _pack_rule_call(sha: str, keys: Sequence[Any], argv: RuleArgv) -> str | None:
-    """A multi-rule call (:class:`~region_agent.call.RuleArgv`) packed from one %-format per
-    shape: the header, ``slack_ms``, ``decision_ttl_ms`` and the rule slots are already text in
-    it, only the keys, the member and the question (ASCII strings) are filled in. None for
-    anything else (the generic packer takes it)."""
-    rules = argv.rules
-    slack, ttl, member, question = argv[0], argv[1], argv[2], argv[-1]
-    memo_key = (sha, len(keys), id(rules), slack, ttl)
-    hit = _RULE_CALLS.get(memo_key)
-    if hit is None or hit[0] is not rules:
-        fixed = _bulks((slack, ttl))
-        slots = _bulks(rules)
-        if fixed is None or slots is None or len(argv) != len(rules) + 4:
-            return None
-        nk = len(keys)
-        fmt = (_head(sha, nk, len(argv)).replace("%", "%%") + _BULK * nk
-               + fixed.replace("%", "%%") + _BULK + slots.replace("%", "%%") + _BULK)
-        if len(_RULE_CALLS) >= _MEMO_MAX:
-            _RULE_CALLS.clear()
-        hit = _RULE_CALLS[memo_key] = (rules, fmt)
-    strs = (*keys, member, question)
-    try:
-        if not "".join(strs).isascii():  # lengths in bytes: the generic packer
-            return None
-    except TypeError:  # not all strings
-        return None
-    if len(strs) == 4:  # a decision key and one rule key: the common call
-        k0, k1 = keys
-        return hit[1] % (len(k0), k0, len(k1), k1, len(member), member, len(question), question)
-    vals: list[Any] = []
-    for x in strs:
-        vals += (len(x), x)
-    return hit[1] % tuple(vals)
-
-
-def write_now(conn: Any, payload: bytes) -> bool:
-    """Hand ``payload`` to an open connection's transport without awaiting, when nothing is
-    waiting in its write buffer and no health check is configured; False: send it through
-    redis-py (``send_packed_command``: connect, health check, drain under the socket timeout).
-
-    Python 3.11's ``asyncio.wait_for``, which redis-py's send runs under ``socket_timeout``,
-    starts a task per send: a sixth of a pipeline's CPU. An empty buffer means the kernel took
-    everything sent so far, so there is nothing to wait for; what the kernel does not take now
-    stays buffered and the transport sends it when the socket is writable (the next send on
-    this connection then sees it and drains through redis-py). A write failure closes the
-    transport, so the read that follows fails and the connection is disconnected."""
-    writer = getattr(conn, "_writer", None)
-    if writer is None or getattr(conn, "_reader", None) is None or getattr(conn, "health_check_interval", 1):
-        return False
-    transport = writer.transport
-    if transport.is_closing() or transport.get_write_buffer_size():
-        return False
-    writer.write(payload)
-    return True
-
-
 def has_error(replies: Sequence[Any]) -> bool:
     """Whether any reply is an exception instance (an error reply, or an error in its place)."""
     for r in replies:
         if isinstance(r, BaseException):
             return True
     return False
-
-
-async def read_replies(conn: Any, n: int) -> list[Any]:
-    """The next ``n`` replies on ``conn``; an error reply as its exception instance (what
-    ``raise_on_error=False`` gives). The first reply is awaited through redis-py (its socket
-    timeout, its disconnect on failure); with the hiredis parser, the replies already buffered
-    behind it are then taken from hiredis directly — redis-py's per-reply read (a timeout
-    context, its checks) cost more than parsing. Anything unusual in the buffer (a connection
-    error, a RESP3 push) and every reply not yet received go through redis-py's read."""
-    replies: list[Any] = []
-    reader = _hiredis_reader(conn)
-    while len(replies) < n:
-        if reader is not None and replies:
-            r = reader.gets()
-            if r.__class__ is list and r and r[0].__class__ is int:  # a script's usual reply: no checks needed
-                replies.append(r)
-                continue
-            if r is not _NOT_ENOUGH_DATA:
-                # as redis-py's read: an error reply is its exception instance (ResponseError,
-                # kept as the reply), a connection-level one is raised; a RESP3 push is unexpected
-                if isinstance(r, BaseException) and not isinstance(r, rex.ResponseError):
-                    raise r
-                if r.__class__ is list and r and isinstance(r[0], BaseException):
-                    raise r[0]
-                if _is_push(r):
-                    raise rex.ConnectionError("unexpected push reply in a pipeline's answer")
-                replies.append(r)
-                continue
-        try:
-            replies.append(await conn.read_response())
-        except rex.ResponseError as e:
-            replies.append(e)
-    return replies
-
-
-def _hiredis_reader(conn: Any) -> Any:
-    parser = getattr(conn, "_parser", None)
-    if _AsyncHiredisParser is None or parser.__class__ is not _AsyncHiredisParser:
-        return None
-    return getattr(parser, "_reader", None)
-
-
-def _is_push(r: Any) -> bool:
-    return _PUSH is not None and isinstance(r, _PUSH)
 
 
 def _connection_lost(e: BaseException) -> bool:
@@ -432,27 +188,6 @@ async def _drop_idle(client: Any) -> None:
         await client.connection_pool.disconnect(inuse_connections=False)
     except Exception:  # closing dead sockets: nothing to report
         pass
-
-
-def answer_waiting(conn: Any) -> bool:
-    """Has the store sent bytes this connection has not consumed yet — buffered by the stream
-    reader or the reply parser, or still in the kernel's receive buffer? True means the store
-    answered and only this process has not read it (it is busy), not that the store is silent."""
-    reader = getattr(conn, "_reader", None)
-    if reader is not None and len(getattr(reader, "_buffer", b"")):
-        return True
-    parser = getattr(getattr(conn, "_parser", None), "_reader", None)
-    if parser is not None and hasattr(parser, "has_data") and parser.has_data():
-        return True
-    writer = getattr(conn, "_writer", None)
-    sock = writer.get_extra_info("socket") if writer is not None else None
-    if sock is None:
-        return False
-    try:
-        readable, _, _ = select.select([sock.fileno()], [], [], 0)
-    except (OSError, ValueError):
-        return False
-    return bool(readable)
 
 
 def _b(x: Any) -> bytes:
@@ -523,7 +258,7 @@ class Scripts:
         """One pipeline (transaction=False) of EVALSHA; per call the raw reply or the translated
         exception instance. Calls answered NOSCRIPT (they did not run) are re-run once after loading.
         ``reading``: while a standalone pipeline waits for its replies, its connection and the
-        monotonic time it was sent are in there (see :func:`answer_waiting`)."""
+        monotonic time it was sent are in there (see :func:`~region_agent.store.redis_internals.answer_waiting`)."""
         if not calls:
             return []
         try:
@@ -627,11 +362,11 @@ class Scripts:
             finally:
                 reading.pop(id(token), None)
         try:
-            if not write_now(conn, payload):
+            if not ri.write_now(conn, payload):
                 await conn.send_packed_command(payload)
             if reading is not None:  # sent: from now on the store owes the answer
                 reading[id(conn)] = (conn, time.monotonic())
-            return await read_replies(conn, n)
+            return await ri.read_replies(conn, n)
         except BaseException as e:
             await conn.disconnect()
             if _connection_lost(e):

@@ -29,14 +29,14 @@ pytestmark = pytest.mark.chaos
 STARVED = 0.6
 
 
-def pressed(result) -> bool:  # type: ignore[no-untyped-def]
+def pressed(result) -> bool:
     """Some window of some pool, and one of the global-scope pool fleet-g, was driven to 0.8 x G."""
     windows = result.report.windows
     return (any(w.admitted >= 0.8 * w.limit for w in windows)
             and any(w.pool == "fleet-g" and w.admitted >= 0.8 * w.limit for w in windows))
 
 
-def offered_share(result, duration: float) -> float:  # type: ignore[no-untyped-def]
+def offered_share(result, duration: float) -> float:
     """What the load generator sent, as a share of its nominal rate over the run (measured, not assumed)."""
     sent = sum(st["sent"] for st in result.stats["load"].values())
     nominal = sum(t.per_second for t in DEFAULT_LOAD) * duration * len(result.stats["load"])

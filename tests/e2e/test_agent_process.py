@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,20 +15,10 @@ import pytest
 from kernel.bundle import encode_bundle, load_bundle_file, seal
 from leasehold.procs import Proc, free_port, wait_port
 from leasehold.services import agent_command
+from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 NORTHSTAR = ROOT / "policies" / "northstar.json"
-
-
-def wait_until(pred, attempts: int = 200, pause: float = 0.05):
-    """Poll a condition a bounded number of times (a wait, not a timed assertion)."""
-    last = None
-    for _ in range(attempts):
-        last = pred()
-        if last:
-            return last
-        time.sleep(pause)
-    return last
 
 
 @pytest.fixture

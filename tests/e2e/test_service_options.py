@@ -48,7 +48,7 @@ AGENT_CASES = [
     ({"LEASEHOLD_AGENT_WORKERS": "0"}, "invalid value '0' for LEASEHOLD_AGENT_WORKERS (--workers): expected an integer in [1, 64]"),
     (["--pepper-file", "/nonexistent/pepper"], "invalid value '/nonexistent/pepper' for --pepper-file: no such file"),
     (["--audit-log", "/nonexistent/dir/audit.jsonl"], "for --audit-log: its directory /nonexistent/dir does not exist"),
-    (["--redis-url", "http://x:1"], "for --redis-url: expected a URL starting with redis:// or rediss://"),
+    (["--redis-url", "http://x:1"], "for --redis-url: expected a URL starting with redis://, rediss://"),
     (["--allocator-urls", "allocator:8700"], "for --allocator-urls: expected a URL starting with http:// or https://"),
     (["--policy-etcd", "etcd-0"], "for --policy-etcd: etcd endpoint 'etcd-0' must be host:port"),
     (["--rls-port", "1", "--rls-host", "999.1.1.1"], "for --rls-host: expected an IP address or a host name"),

@@ -28,20 +28,10 @@ from leasehold.cli import main as cli_main
 from leasehold.procs import LOOPBACK, Proc, free_port, wait_port
 from leasehold.services import agent_command, allocator_command
 from leasehold.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
+from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = load_bundle_file(str(DEFAULT_POLICY))
-
-
-def wait_until(pred, timeout: float = 20.0, pause: float = 0.1):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(pause)
-    return last
 
 
 def metric(url: str, name: str, **labels: str) -> float:

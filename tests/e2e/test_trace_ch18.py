@@ -1,4 +1,4 @@
-"""Seed ch. 18 trace, steps 4 and 6-13, through the HTTP API of real agent processes in a real
+"""The end-to-end trace of docs/invariants.md, steps 4 and 6-13, through the HTTP API of real agent processes in a real
 multi-region topology (``leasehold.topology``): etcd, two allocator processes, regions eu and us,
 each with its own redis-server and two agents (gateways A and B of region eu share its Redis).
 

@@ -1,4 +1,4 @@
-"""Both services answer every error class the same way (issue 13 item 1: one HTTP exception mapper,
+"""Both services answer every error class the same way (one HTTP exception mapper,
 ``kernel.http_errors``): the same status, the same ``application/problem+json`` body and the same
 ``WWW-Authenticate`` / ``Allow`` / ``Retry-After`` headers.
 

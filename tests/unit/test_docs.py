@@ -71,6 +71,38 @@ def test_no_page_points_outside_the_repository(page: Path):
     assert not found, f"{page.relative_to(ROOT)}: " + "; ".join(found)
 
 
+SOURCE_SUFFIXES = (".py", ".pyi", ".md", ".lua", ".yml", ".yaml", ".json", ".toml", ".cfg", ".conf", ".sh", ".env")
+SOURCE_SKIP = {".venv", ".git", "node_modules", "build", "dist", "chaos-reports", "bench-results", ".pytest_cache",
+               ".mypy_cache", ".ruff_cache", "docs"}  # docs/ and the README: the prose checks above
+# these two hold the patterns and the strings that prove the patterns bite
+PATTERN_FILES = {Path(__file__).resolve(), ROOT / "tests" / "unit" / "test_invariants_doc.py"}
+
+
+def source_files() -> list[Path]:
+    """Every file of the repository a reader opens beside the docs: source, tests, scripts, the
+    chaos suite, the tools, the shipped configs and manifests, Makefile."""
+    out = []
+    for p in ROOT.rglob("*"):
+        rel = p.relative_to(ROOT)
+        if rel.parts[0] in SOURCE_SKIP or any(part.endswith(".egg-info") for part in rel.parts):
+            continue
+        if p.is_file() and p not in PAGES and p.resolve() not in PATTERN_FILES and (
+                p.suffix in SOURCE_SUFFIXES or p.name in ("Makefile", "Dockerfile")):
+            out.append(p)
+    return out
+
+
+def test_no_source_file_points_outside_the_repository():
+    """Comments, docstrings and messages give their reason in the repository's own words or link
+    to docs/, never to an issue number or the reference design a reader does not have."""
+    files = source_files()
+    assert len(files) > 200 and ROOT / "region_agent" / "engine.py" in files and ROOT / "Makefile" in files
+    found = [f"{p.relative_to(ROOT)}:{i}: {m.group(0)!r}" for p in files
+             for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+             for rx in FORBIDDEN.values() for m in rx.finditer(line)]
+    assert not found, "say it in the repository's own words or link to docs/: " + "; ".join(found)
+
+
 def test_the_checks_can_fail(tmp_path: Path):
     page = tmp_path / "p.md"
     page.write_text("# Title\n\n[a](missing.md) [b](#nowhere) [c](#title) see the seed's ch. 15, issue 24, ../shared/x\n")

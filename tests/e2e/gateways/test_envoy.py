@@ -149,7 +149,7 @@ def test_rls_health_service(stack: Stack):
 
 
 def test_redis_stopped_per_rule_fail_modes_at_the_client(stack: Stack, rls_envoy: Envoy, authz_envoy: Envoy):
-    """Seed ch. 18 step 13 through both Envoys: P-READ (local_bounded) answers from the local
+    """The end-to-end trace (docs/invariants.md), step 13, through both Envoys: P-READ (local_bounded) answers from the local
     fallback bucket (capacity 5 per user per agent, then 429); the export route (closed) is 503
     with the rule's Retry-After (closedRetryAfterMs 5000 -> 5). Runs last: it stops Redis."""
     stack.redis.stop()

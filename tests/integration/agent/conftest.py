@@ -11,30 +11,20 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
-import msgspec
 import pytest
 from litestar.testing import AsyncTestClient
 from redis.asyncio import Redis, RedisCluster
 
-from kernel.bundle import Bundle, encode_bundle, load_bundle_file, seal
 from leasehold.procs import Proc, free_port, wait_port
 from leasehold.services import agent_command
 from region_agent.app import create_app
 from region_agent.settings import AgentSettings
 
+# the sample bundle: other test modules import these names from here
+from tests.support.policies import NORTHSTAR, northstar, write_bundle  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[3]
-NORTHSTAR = ROOT / "policies" / "northstar.json"
 PEPPER = b"test-pepper-not-secret"
-
-
-def northstar() -> Bundle:
-    return load_bundle_file(str(NORTHSTAR))
-
-
-def write_bundle(path: Path, bundle: Bundle, **changes) -> Bundle:
-    b = seal(msgspec.structs.replace(bundle, **changes)) if changes else bundle
-    path.write_bytes(encode_bundle(b))
-    return b
 
 
 def make_settings(redis_url: str, policy: Path, **kw) -> AgentSettings:
@@ -47,13 +37,6 @@ def make_settings(redis_url: str, policy: Path, **kw) -> AgentSettings:
     kw.setdefault("auth_disabled", True)  # gateway/operator authentication: tests/integration/security
     return AgentSettings(redis_url=redis_url, policy=str(policy), region="eu", policy_poll_ms=0,
                          decision_budget_ms=kw.pop("decision_budget_ms", 2000), **kw)
-
-
-@pytest.fixture
-def policy_file(tmp_path: Path) -> Path:
-    p = tmp_path / "bundle.json"
-    write_bundle(p, northstar())
-    return p
 
 
 @pytest.fixture

@@ -71,7 +71,7 @@ def anon_key(ip: str) -> str:
 
 
 async def test_fixed_window_boundary_p_anon(agent2, r):
-    """Seed ch. 3: 20 at the end of one window and 20 more at the start of the next are all admitted."""
+    """P-ANON (docs/invariants.md): 20 at the end of one window and 20 more at the start of the next are all admitted."""
     key = anon_key("203.0.113.9")
     body = {"tenant": None, "ptype": "anonymous", "pid": "203.0.113.9", "route": "login", "api_key": None}
     for attempt in range(3):  # a scenario that straddled a window boundary (a stalled machine) is re-run
@@ -95,7 +95,7 @@ async def test_fixed_window_boundary_p_anon(agent2, r):
 
 
 async def test_sliding_log_hint_is_10000_ms(agent2, r):
-    """Seed ch. 4: 20 admitted just now in a 10 s log; the 21st waits for the oldest: 10,000 ms."""
+    """A sliding log: 20 admitted just now in a 10 s log; the 21st waits for the oldest: 10,000 ms."""
     key = user_key("atlas", "U-17", "audit")
     for attempt in range(3):  # re-run if a stalled machine made the call take a second or more
         await r.delete(key)
@@ -117,7 +117,7 @@ async def test_sliding_log_hint_is_10000_ms(agent2, r):
 
 
 async def test_sliding_counter_18_5_at_a_quarter_window(agent2, r):
-    """Seed ch. 5 scaled to a 1 s window: prev 18, cur 5, >= 250 ms in: 18 x 0.75 + 5 + 1 = 19.5 <= 20."""
+    """A sliding window counter scaled to a 1 s window: prev 18, cur 5, >= 250 ms in: 18 x 0.75 + 5 + 1 = 19.5 <= 20."""
     key = user_key("atlas", "U-17", "search")
     start = t0 = 0
     t1 = 1_000

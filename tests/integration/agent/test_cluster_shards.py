@@ -169,13 +169,15 @@ async def test_a_stopped_primary_degrades_only_the_tenants_whose_slots_it_owns(c
             fallback_admits[s.user] = fallback_admits.get(s.user, 0) + 1
     bound = READ_FALLBACK_CAPACITY + READ_FALLBACK_PER_S * outage
     assert fallback_admits and max(fallback_admits.values()) <= bound, (fallback_admits, bound)
-    # per-shard metrics: only the first primary's breaker opened, once; store health said it was down
+    # per-shard metrics: only the first primary's breaker opened; store health said it was down
     assert metric(down_metrics, "leasehold_agent_redis_up", shard=name(first)) == 0
     for node in cluster.nodes[1:]:
         assert metric(down_metrics, "leasehold_agent_breaker_state", shard=name(node)) == 0
         assert metric(down_metrics, "leasehold_agent_redis_up", shard=name(node)) == 1
         assert metric(end, "leasehold_agent_breaker_opens_total", shard=name(node)) == 0
-    assert metric(end, "leasehold_agent_breaker_opens_total", shard=name(first)) == 1
+    # opened for the stall; a probe that lands while the cluster still reports the node failed (a
+    # loaded machine: the cluster bus catches up after SIGCONT) opens it again, so at least once
+    assert metric(end, "leasehold_agent_breaker_opens_total", shard=name(first)) >= 1
     assert metric(end, "leasehold_agent_breaker_state", shard=name(first)) == 0
     assert {metric(end, "leasehold_agent_redis_slots", shard=name(n)) for n in cluster.nodes} == {5461, 5462}
 

@@ -36,7 +36,7 @@ async def r(redis_url):
 
 
 async def test_two_gateways_same_instant_exactly_one_admitted(tmp_path: Path, redis_url: str, policy_file, r):
-    """Seed ch. 18 step 7: U-17 has 1,000 millitokens; gateways A and B ask at once."""
+    """The end-to-end trace of docs/invariants.md, step 7: U-17 has 1,000 millitokens; gateways A and B ask at once."""
     u17, atlas = user_key("atlas", "U-17", "read"), tenant_key("atlas")
     with agent_process(tmp_path / "a", redis_url, policy_file) as (a, _), \
             agent_process(tmp_path / "b", redis_url, policy_file) as (b, _):

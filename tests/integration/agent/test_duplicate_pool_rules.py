@@ -1,4 +1,4 @@
-"""Two pool rules on one pool that a request selects together (issue 11, path 6): the bundle must
+"""Two pool rules on one pool that a request selects together (docs/bound.md): the bundle must
 not validate (the agent refuses to start with it), and if such a call ever reaches the store
 anyway, the script's refusal never becomes an admission for a pool rule. Real Redis; the second
 test loads the bundle past validation on purpose."""

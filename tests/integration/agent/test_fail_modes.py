@@ -89,7 +89,7 @@ async def test_global_pool_without_a_chunk_fails_closed_when_the_store_is_down(t
 
 
 async def test_a_stale_store_denial_does_not_answer_for_the_fallback(tmp_path: Path, policy_file: Path):
-    """The negative cache after store loss (ch. 18 step 13 after step 7): a store denial whose exact
+    """The negative cache after store loss (docs/invariants.md, the end-to-end trace, step 13 after step 7): a store denial whose exact
     hint has passed is probed by the next request; when the store is lost, the local fallback
     answers that probe, and the old denial must not then answer the following requests as a store
     decision (``fallback`` false, a 1 ms hint) while the probe's hold lasts."""

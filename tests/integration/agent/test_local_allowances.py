@@ -1,5 +1,5 @@
-"""A pool rule's in-process allowance while the agent's Redis is unreachable (issue 11, paths 4 and
-5): ``fallbackPerRegion`` per agent and per pool window *as the allocator numbers it* (wall-clock
+"""A pool rule's in-process allowance while the agent's Redis is unreachable (docs/bound.md, counted
+per allocator window and never evicted): ``fallbackPerRegion`` per agent and per pool window *as the allocator numbers it* (wall-clock
 windows here, the allocator's clock on this machine), never per window of the agent's monotonic
 clock, and never reset by the eviction of other local fallback states. A real agent process whose
 Redis URL points at a port nothing listens on (the store is down from the start)."""

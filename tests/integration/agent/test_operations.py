@@ -1,4 +1,4 @@
-"""Operations on the agent as a real process (issue 12, item 7): one rate-limited log line per
+"""Operations on the agent as a real process (docs/operations.md): one rate-limited log line per
 Redis reachability change, and ``/v1/release`` bounded by the decision budget while Redis hangs."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from leasehold.procs import RedisServer
+from tests.support.waiting import wait_until
 
 from .conftest import admit_body, agent_process
 
@@ -23,15 +24,6 @@ REACHABILITY = ("redis unreachable", "redis reachable again")
 
 def transition_lines(log: Path) -> list[str]:
     return [ln for ln in log.read_text(errors="replace").splitlines() if any(m in ln for m in REACHABILITY)]
-
-
-def wait_for(pred, within_s: float = 20.0) -> None:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError("condition not reached in time")
 
 
 def test_one_log_line_per_redis_reachability_change(tmp_path: Path, policy_file: Path):
@@ -53,7 +45,7 @@ def test_one_log_line_per_redis_reachability_change(tmp_path: Path, policy_file:
             assert transition_lines(proc.log_path) == []  # healthy: nothing said
             redis_srv.stop()
             traffic(40)  # failures open the breaker; decisions degrade
-            wait_for(lambda: len(transition_lines(proc.log_path)) >= 1)
+            assert wait_until(lambda: len(transition_lines(proc.log_path)) >= 1, within_s=20)
             (down,) = transition_lines(proc.log_path)
             assert "redis unreachable" in down and "WARNING" in down and len(down) < 300
             # flapping: three quick outages within the rate-limit interval cost no line each
@@ -63,16 +55,16 @@ def test_one_log_line_per_redis_reachability_change(tmp_path: Path, policy_file:
 
             for _ in range(3):
                 redis_srv.start()
-                wait_for(lambda: breaker_is(0))  # closed again
+                assert wait_until(lambda: breaker_is(0), within_s=20)  # closed again
                 redis_srv.stop()
-                wait_for(lambda: breaker_is(2))  # and open again
+                assert wait_until(lambda: breaker_is(2), within_s=20)  # and open again
             redis_srv.start()
 
             def recovered() -> bool:
                 traffic(5)
                 lines = transition_lines(proc.log_path)
                 return "reachable again" in lines[-1]
-            wait_for(recovered)
+            assert wait_until(recovered, within_s=20)
             lines = transition_lines(proc.log_path)
             assert len(lines) <= 3, lines  # the first outage, at most one interim line, the recovery
             assert "redis reachable again" in lines[-1] and "INFO" in lines[-1]
@@ -106,7 +98,7 @@ def test_release_respects_the_decision_budget_while_redis_hangs(tmp_path: Path, 
                     assert resp.json()["retriable"] is True
             finally:
                 os.kill(redis_srv.proc.pid, signal.SIGCONT)
-            wait_for(lambda: c.post("/v1/release", json=release).status_code == 200)
+            assert wait_until(lambda: c.post("/v1/release", json=release).status_code == 200, within_s=20)
     finally:
         with contextlib.suppress(ProcessLookupError):
             if redis_srv.proc is not None:

@@ -1,4 +1,4 @@
-"""A burst on a healthy agent (issue 11, path 9): Redis is up and answering, so no decision may
+"""A burst on a healthy agent (docs/concepts.md: overload is shed): Redis is up and answering, so no decision may
 come from the local fallback allowances (they are part of the overshoot bound, and answering from
 them would deny with the fallback's small numbers). What overload may do instead: queue within the
 decision budget, or shed with a clear, retriable answer (503 ``OVERLOADED``, ``Retry-After``), and

@@ -1,4 +1,4 @@
-"""Concurrency heartbeat (issue 11, path 8): an export that runs longer than its
+"""Concurrency heartbeat (docs/api.md): an export that runs longer than its
 rule's ``concurrencyTtlMs`` keeps its slot while the gateway renews it (``POST /v1/renew``,
 idempotent, by requestId), so a 4th concurrent export is still denied; a slot that is released or
 left to expire is not revived by a renewal. Real Redis, the app in-process."""

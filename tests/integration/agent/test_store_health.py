@@ -14,18 +14,9 @@ from litestar.testing import AsyncTestClient
 from leasehold.procs import RedisServer
 from region_agent.app import create_app
 from region_agent.store_health import EvictingStore
+from tests.support.waiting import await_until
 
 from .conftest import PEPPER, admit_json, make_settings
-
-
-async def wait_for(pred, within_s: float = 15.0):
-    deadline = asyncio.get_running_loop().time() + within_s
-    while True:
-        got = await pred()
-        if got:
-            return got
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.1)
 
 
 def value(text: str, name: str, shard: str) -> float | None:
@@ -48,7 +39,8 @@ async def test_primary_with_a_replica(tmp_path: Path, policy_file: Path):
                 ok = (value(text, "leasehold_agent_redis_replicas", "default") == 1
                       and (value(text, "leasehold_agent_redis_script_calls_total", "default") or 0) >= 5)
                 return text if ok else None
-            text = await wait_for(polled)
+            text = await await_until(polled, within_s=15, interval=0.1)
+            assert text
             assert value(text, "leasehold_agent_redis_memory_used_bytes", "default") > 0
             assert value(text, "leasehold_agent_redis_memory_max_bytes", "default") == 0  # no limit configured
             assert value(text, "leasehold_agent_redis_keys", "default") >= 2  # user + tenant buckets
@@ -81,7 +73,7 @@ async def test_one_series_per_cluster_primary_and_latency_by_shard(redis_cluster
             text = (await agent.get("/metrics")).text
             got = set(re.findall(r'^leasehold_agent_redis_keys\{shard="([^"]+)"\}', text, re.M))
             return got if got == primaries else None
-        await wait_for(shards)
+        assert await await_until(shards, within_s=15, interval=0.1)
         text = (await agent.get("/metrics")).text
         decided = set(re.findall(r'^leasehold_agent_decision_seconds_count\{outcome="allowed",shard="([^"]+)"\}',
                                  text, re.M))
@@ -153,7 +145,7 @@ async def test_started_degraded_on_request_and_checked_again_by_every_poll(tmp_p
                 async def flagged() -> bool:
                     text = (await agent.get("/metrics")).text
                     return value(text, "leasehold_agent_redis_evicting", "default") == 1
-                await wait_for(flagged)
+                assert await await_until(flagged, within_s=15, interval=0.1)
                 ready = await agent.get("/readyz")
                 assert ready.status_code == 503 and "allkeys-random" in ready.text
                 assert "now has maxmemory-policy allkeys-random" in caplog.text
@@ -162,7 +154,7 @@ async def test_started_degraded_on_request_and_checked_again_by_every_poll(tmp_p
                 async def cleared() -> bool:
                     text = (await agent.get("/metrics")).text
                     return value(text, "leasehold_agent_redis_evicting", "default") == 0
-                await wait_for(cleared)
+                assert await await_until(cleared, within_s=15, interval=0.1)
                 assert (await agent.get("/readyz")).status_code == 200
     finally:
         redis.stop()

@@ -1,4 +1,4 @@
-"""Seed ch. 18 trace, steps 5-12, as far as one region runs them (real Redis)."""
+"""The end-to-end trace of docs/invariants.md, steps 5-12, as far as one region runs them (real Redis)."""
 
 from __future__ import annotations
 

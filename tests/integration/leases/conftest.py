@@ -42,7 +42,7 @@ def wall_ms() -> int:
 
 def pool_rule(tenant: str, pool: str, fail_mode: str = "local_bounded") -> Rule:
     return make_rule(id=f"tenant-{tenant}-pool", scope="tenant", tenant=tenant, algorithm="pool", pool=pool, cost=1,
-                fail_mode=fail_mode)  # type: ignore[arg-type]
+                fail_mode=fail_mode)
 
 
 def user_rule() -> Rule:
@@ -256,7 +256,7 @@ class ProxiedRegion:
 
     def stop(self) -> None:
         self.region.stop()
-        self.proxy.stop()  # type: ignore[attr-defined]
+        self.proxy.stop()  # type: ignore[attr-defined]  # the proxy is a leasehold.procs process, typed object here
         self.allocators.stop()
 
 

@@ -1,4 +1,4 @@
-"""Both allocator replicas SIGKILLed mid-window (issue 4 "Done means"): regions finish the leases
+"""Both allocator replicas SIGKILLed mid-window (docs/bound.md): regions finish the leases
 they hold, then admit at most the pool's fallback allowance per region and window (decisions say
 ``fallback: true``), then deny; restarting the allocators resumes normal grants and the fallback
 stops. Real etcd, real allocator processes, two regions each with its own redis-server and two agents

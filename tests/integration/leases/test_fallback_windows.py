@@ -1,5 +1,5 @@
 """The regional fallback allowance is counted per pool window *as the allocator numbers it*
-(issue 11, path 4), not per window of the regional Redis's clock. Real processes: etcd, an
+(docs/bound.md), not per window of the regional Redis's clock. Real processes: etcd, an
 allocator whose clock runs half a window ahead (libfaketime), a fault proxy that blackholes the
 region's link to it, a redis-server and an agent (Redis and the agent on the host's clock).
 

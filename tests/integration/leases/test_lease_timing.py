@@ -1,5 +1,5 @@
 """Lease timing and epochs at the lease-manager level, with real allocator processes on a real
-etcd and the real regional Redis (issue 4 "Done means"):
+etcd and the real regional Redis (docs/invariants.md I18, I19):
 
 * a grant whose reply arrives after its lease would have expired adds nothing — the fault proxy
   (``chaos.proxy``) delays the allocator's traffic beyond the lease TTL;

@@ -1,5 +1,5 @@
-"""The regional Redis loses leased-balance state under a region that holds a lease (issue 11,
-path 1). Real etcd, allocator, redis-server and agent processes.
+"""The regional Redis loses leased-balance state under a region that holds a lease (docs/bound.md:
+never re-deposited). Real etcd, allocator, redis-server and agent processes.
 
 * Restart with an RDB snapshot taken mid-lease: the lease comes back with an older ``spent`` count.
   It must not be spendable again (admitted <= G in the window), and closing it reports it fully

@@ -1,4 +1,4 @@
-"""Regional Redis lost under an agent that spends allocator leases (issue 4 "Done means"): a Redis
+"""Regional Redis lost under an agent that spends allocator leases (docs/bound.md): a Redis
 stop is answered per rule ``failMode`` with the stated bound — local_bounded rules from the
 in-process fallback (a tenant pool rule: ``fallbackPerRegion`` per pool window and agent; a
 user rule: its fallback bucket's capacity), closed rules 503 — and a Redis restart (script cache

@@ -1,4 +1,4 @@
-"""Two regions spend one tenant pool through allocator leases (issue 4 "Done means"): never more
+"""Two regions spend one tenant pool through allocator leases (docs/invariants.md I16, I17): never more
 than G per window, chunks follow demand, exhaustion is a plain 429 until the next window, and an
 expired lease's unspent tokens go back to the pool exactly once. One topology for the module:
 etcd, two allocator processes, regions eu and us each with a redis-server and an agent process."""

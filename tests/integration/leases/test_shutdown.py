@@ -1,4 +1,4 @@
-"""SIGTERM and quiet logs on real processes (issue 12, item 7): an agent told to stop stops asking
+"""SIGTERM and quiet logs on real processes (docs/operations.md): an agent told to stop stops asking
 for leases, closes the leases it holds and reports them (the allocator returns the unspent rest at
 once), then exits; with both services at log level info, neither logs a line per request — only
 state changes."""

@@ -197,7 +197,7 @@ async def test_multi_rule_denial_writes_nothing_but_the_record(aclient, scripts)
     assert r == MultiRuleResult(False, 4, 0, (20_000, 5, 0, 2))
     assert await aclient.exists(*keys[1:4]) == 0 and await aclient.dump(pool) == before
     # a denial by a leased pool is not recorded: once the region's balance is topped up, the agent
-    # runs the same decision again and gets a fresh answer (issue 11 path 7)
+    # runs the same decision again and gets a fresh answer (the top-up wait works for idempotent rules too)
     assert await aclient.exists(dec) == 0
     assert (await scripts.pool_deposit(aclient, pool, "P2", granted=7, valid_from_ms=t - 1_000,
                                        expires_at_ms=t + 60_000, max_entries=4, slack_ms=1_000)).stored

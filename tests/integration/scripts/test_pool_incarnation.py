@@ -1,4 +1,4 @@
-"""Leased balances across a Redis failover (issue 11, path 1), on real redis-server processes: a
+"""Leased balances across a Redis failover (docs/bound.md), on real redis-server processes: a
 replica promoted to primary has every lease entry its old primary wrote, but may lag behind the
 debits acknowledged there. Such entries are never spendable on the new primary, and closing one
 says it is not current, so the agent reports it fully spent."""

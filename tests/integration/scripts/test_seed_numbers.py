@@ -1,4 +1,4 @@
-"""The seed's worked numbers through the real scripts (standalone and cluster).
+"""The worked numbers of docs/invariants.md through the real scripts (standalone and cluster).
 
 Exactness without a caller clock: a stored timestamp in the future means "no time has passed"
 (the scripts never refill on a backwards clock), and where elapsed time matters the state is
@@ -186,7 +186,7 @@ async def test_sliding_log_retry_hint(aclient, scripts):
 
 
 async def test_sliding_counter_seed_case(aclient, scripts):
-    """Seed ch.5 scaled down 10x in time (W = 1 s, elapsed >= 250 ms): prev 18, cur 5 ->
+    """The sliding window counter's worked case scaled down 10x in time (W = 1 s, elapsed >= 250 ms): prev 18, cur 5 ->
     18 x 750 + 5 x 1,000 + 1,000 = 19,500 <= 20,000 at 250 ms: allowed."""
     key = "rl:v3:{t:atlas}:u:1:sc"
     w = 1_000

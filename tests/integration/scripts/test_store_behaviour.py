@@ -122,7 +122,7 @@ async def test_pool_deposit_spend_close(aclient, scripts):
 
 
 async def test_pool_take_buys_a_chunk_no_longer_than_its_leases(aclient, scripts):
-    """``pool_take.lua`` (gateway chunks, issue 11 path 3): at least min, at most want, earliest-
+    """``pool_take.lua`` (gateway chunks, clamped to the window: docs/bound.md): at least min, at most want, earliest-
     expiring leases first, and the chunk's validity ends with the first lease it took from."""
     key = f"rl:{T}:take:pool"
     t = now_ms()
@@ -159,7 +159,7 @@ async def test_pool_take_per_s_caps_a_chunk_to_what_its_lease_can_spend(aclient,
 
 
 async def test_pool_window_allowance_counts_every_candidate_window(aclient, scripts):
-    """The ``pw`` kind (a pool's fallback allowance per allocator window, issue 11 path 4): a call
+    """The ``pw`` kind (a pool's fallback allowance per allocator window, docs/bound.md): a call
     is charged to every candidate window and denied when any of them is full."""
     key = f"rl:{T}:pw"
 
@@ -274,7 +274,7 @@ async def test_buffered_replies_read_from_hiredis_equal_redis_py_reads(aclient, 
     """read_replies takes the replies buffered behind a pipeline's first one straight from hiredis;
     with that path switched off (redis-py reads every reply) a long pipeline of answers, error
     replies and a NOSCRIPT reload must come back the same."""
-    from region_agent.store import scripts as sc
+    from region_agent.store import redis_internals as ri
 
     def calls(tag: str) -> list:
         out = []
@@ -286,7 +286,7 @@ async def test_buffered_replies_read_from_hiredis_equal_redis_py_reads(aclient, 
         return out
 
     fast = await scripts.run_pipeline(aclient, calls("fast"))
-    monkeypatch.setattr(sc, "_AsyncHiredisParser", None)
+    monkeypatch.setattr(ri, "FAST_READS", False)
     slow = await scripts.run_pipeline(aclient, calls("slow"))
     norm = [type(r).__name__ if isinstance(r, BaseException) else r[:2] for r in fast]
     assert norm == [type(r).__name__ if isinstance(r, BaseException) else r[:2] for r in slow]
@@ -301,13 +301,13 @@ async def test_pipelines_written_straight_to_the_transport_equal_redis_py_sends(
     """write_now hands a standalone pipeline to the connection's transport without redis-py's
     send (a task per send on Python 3.11); with it switched off every pipeline goes through
     send_packed_command: the same answers."""
-    from region_agent.store import scripts as sc
+    from region_agent.store import redis_internals as ri
 
     def calls(tag: str) -> list:
         return [("fixed_window", [f"rl:{T}:{tag}:w{i % 7}"], [3, 60_000, 1, 0]) for i in range(100)]
 
     direct = await scripts.run_pipeline(aclient, calls("direct"))
-    monkeypatch.setattr(sc, "write_now", lambda conn, payload: False)
+    monkeypatch.setattr(ri, "write_now", lambda conn, payload: False)
     via_redis_py = await scripts.run_pipeline(aclient, calls("redispy"))
     assert [r[:2] for r in direct] == [r[:2] for r in via_redis_py]
     assert sum(1 for r in direct if r[0] == 1) == 21  # 3 per key, 7 keys
@@ -316,22 +316,22 @@ async def test_pipelines_written_straight_to_the_transport_equal_redis_py_sends(
 async def test_a_direct_write_declines_what_redis_py_must_handle(redis_url, monkeypatch):
     """write_now declines (redis-py sends) on a connection that is not open, that has a health
     check to run, or whose transport still holds unsent bytes (redis-py drains under its timeout)."""
-    from region_agent.store import scripts as sc
+    from region_agent.store import redis_internals as ri
 
     client = aredis.Redis.from_url(redis_url)
     pool = client.connection_pool
     conn = await pool.get_connection()
     try:
-        assert sc.write_now(conn, b"PING\r\n") is True
+        assert ri.write_now(conn, b"PING\r\n") is True
         assert await conn.read_response() == b"PONG"
         conn.health_check_interval = 30
-        assert sc.write_now(conn, b"PING\r\n") is False
+        assert ri.write_now(conn, b"PING\r\n") is False
         conn.health_check_interval = 0
         monkeypatch.setattr(conn._writer.transport, "get_write_buffer_size", lambda: 1)
-        assert sc.write_now(conn, b"PING\r\n") is False
+        assert ri.write_now(conn, b"PING\r\n") is False
         monkeypatch.undo()
         await conn.disconnect()
-        assert sc.write_now(conn, b"PING\r\n") is False
+        assert ri.write_now(conn, b"PING\r\n") is False
     finally:
         await pool.release(conn)
         await client.aclose()

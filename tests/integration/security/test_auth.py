@@ -26,7 +26,7 @@ from kernel.etcd_store import EtcdStore
 from leasehold.cli import main as cli_main
 from leasehold.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
 from region_agent.app import create_app
-from tests.integration.agent.conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
+from tests.integration.agent.conftest import PEPPER, admit_body, make_settings
 from tests.integration.allocator.helpers import in_process, lease_body, settings_for, unique_prefix
 from tests.integration.allocator.helpers import write_bundle as write_pools
 
@@ -107,7 +107,7 @@ async def test_allocator_regions_see_only_their_own_leases(etcd_cluster, tmp_pat
 
 
 async def test_a_lease_ids_existence_does_not_leak_across_regions(etcd_cluster, tmp_path):
-    """Issue 12, item 7: for another region's lease, a region gets exactly the answers it gets for
+    """For another region's lease, a region gets exactly the answers it gets for
     a lease id nobody used (404, no 403; no 409 naming the other region's pool), and reusing the id
     is simply its own lease."""
     prefix = unique_prefix()
@@ -137,13 +137,6 @@ async def test_a_lease_ids_existence_does_not_leak_across_regions(etcd_cluster, 
 
 
 # -- agent --------------------------------------------------------------------------------------
-@pytest.fixture
-def policy_file(tmp_path: Path) -> Path:
-    p = tmp_path / "bundle.json"
-    write_bundle(p, northstar())
-    return p
-
-
 async def test_agent_gateway_and_operator_credentials(redis_url, policy_file):
     settings = make_settings(redis_url, policy_file, auth_disabled=False, gateway_tokens=[f"edge-1:{sha(GATEWAY)}"],
                              operator_tokens=[f"ops:{sha(OPERATOR)}"])
@@ -174,7 +167,7 @@ async def test_agent_gateway_and_operator_credentials(redis_url, policy_file):
             resp = await agent.get(path)
             assert resp.status_code == 200
             assert PEPPER.decode() not in resp.text and "U-17" not in resp.text and "K1" not in resp.text
-            assert "zeta-corp" not in resp.text  # request data never: only tenants the bundle names (ch. 15)
+            assert "zeta-corp" not in resp.text  # request data never: only tenants the bundle names (docs/metrics.md)
             if path != "/metrics":
                 assert "atlas" not in resp.text
         # /metrics labels are bounded values of the bundle: rule ids and the tenants it names (docs/metrics.md)

@@ -1,4 +1,4 @@
-"""A decision record answers only the question it was written for (issue 12, item 3), on the
+"""A decision record answers only the question it was written for (docs/security.md), on the
 agent as a real process with authentication on: the same requestId from another principal, for
 another cost or on behalf of another tenant is a 409 problem (a batch item carries
 ``httpStatus: 409``, ``reason: REQUEST_ID_CONFLICT``), never the stored allow, and it charges

@@ -1,4 +1,4 @@
-"""The hostile-body corpus (issue 12, item 2): against EVERY POST route of BOTH services, as real
+"""The hostile-body corpus (docs/security.md): against EVERY POST route of BOTH services, as real
 processes with authentication on, a corpus of malformed bodies — deep nesting, huge numbers,
 repeated keys, every field with a value of the wrong type, NUL, bad UTF-8, huge strings, empty
 and non-object documents, truncation, trailing garbage — and of wrong content types. Every

@@ -4,7 +4,6 @@ cases schemathesis found, kept as regular tests."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import redis
@@ -12,18 +11,11 @@ from litestar.testing import AsyncTestClient
 
 from kernel.bundle import Pool
 from region_agent.app import create_app
-from tests.integration.agent.conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
+from tests.integration.agent.conftest import PEPPER, admit_body, make_settings
 from tests.integration.allocator.helpers import in_process, settings_for, unique_prefix
 from tests.integration.allocator.helpers import write_bundle as write_pools
 
 SAFE_KEY = re.compile(r"^rl:v3:\{(t:[a-z0-9-]{1,32}|ip:[0-9a-f]{16}|g:[a-z0-9._-]+)\}:[A-Za-z0-9:._-]+$")
-
-
-@pytest.fixture
-def policy_file(tmp_path: Path) -> Path:
-    p = tmp_path / "bundle.json"
-    write_bundle(p, northstar())
-    return p
 
 
 @pytest.mark.parametrize("tenant", ["at}las", "at:las", "{t:atlas}", "ätlas", "a" * 33, "ATLAS", "", "a b",

@@ -1,5 +1,4 @@
-"""HTTP-level hostile clients against both services as real processes on loopback (issue 12,
-item 1): huge and numerous headers before authentication, slow heads, slow bodies, idle
+"""HTTP-level hostile clients against both services as real processes on loopback (docs/security.md): huge and numerous headers before authentication, slow heads, slow bodies, idle
 connections and a large Content-Length with no body. Limits are checked by behaviour: the
 connection is answered 431/408/413 (problem+json) and closed, the RSS of the process stays within
 a stated budget, and ``/healthz`` keeps answering while the attack runs."""

@@ -40,7 +40,7 @@ from leasehold.topology import DEFAULT_POLICY, DEV_PEPPER
 from region_agent.app import create_app
 from region_agent.keys import KeyBuilder
 from region_agent.settings import DEV_PEPPER as AGENT_DEV_PEPPER
-from tests.integration.agent.conftest import PEPPER, ROOT, admit_body, make_settings, northstar, write_bundle
+from tests.integration.agent.conftest import PEPPER, ROOT, admit_body, make_settings
 from tests.integration.allocator.helpers import in_process, lease_body, settings_for, wait_until
 from tests.integration.allocator.helpers import write_bundle as write_pools
 
@@ -54,13 +54,6 @@ def acl_redis(tmp_path_factory) -> Iterator[RedisServer]:
                          users=[agent_acl("agent", AGENT_PW)]).start()
     yield server
     server.stop()
-
-
-@pytest.fixture
-def policy_file(tmp_path: Path) -> Path:
-    p = tmp_path / "bundle.json"
-    write_bundle(p, northstar())
-    return p
 
 
 def agent_url(server: RedisServer) -> str:

@@ -20,6 +20,7 @@ from leasehold.cli import main as cli_main
 from leasehold.procs import free_port
 from region_agent.app import create_app
 from tests.integration.agent.conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
+from tests.support.waiting import await_until
 
 
 def bump(b: Bundle, version: int, **changes) -> Bundle:
@@ -28,13 +29,6 @@ def bump(b: Bundle, version: int, **changes) -> Bundle:
 
 def with_rule(b: Bundle, rule_id: str, **changes) -> list[Rule]:
     return [msgspec.structs.replace(r, **changes) if r.id == rule_id else r for r in b.rules]
-
-
-@pytest.fixture
-def policy_file(tmp_path: Path) -> Path:
-    p = tmp_path / "bundle.json"
-    write_bundle(p, northstar())
-    return p
 
 
 @pytest.fixture
@@ -47,13 +41,6 @@ async def pstore(etcd_cluster, prefix):
     store = PolicyStore(EtcdStore(",".join(etcd_cluster.endpoints)), prefix)
     yield store
     await store.store.close()
-
-
-async def wait_for(pred, within_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while not await pred():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.05)
 
 
 # -- publish ------------------------------------------------------------------------------------
@@ -138,7 +125,7 @@ async def test_agent_switches_refuses_and_keeps_the_last_good(redis_url, policy_
 
         async def switched() -> bool:
             return (await agent.get("/v1/policy")).json()["bundleVersion"] == base.bundle_version + 1
-        await wait_for(switched)
+        assert await await_until(switched, within_s=10)
         d = (await agent.post("/v1/admit", json=admit_body("req-00000002"))).json()
         assert d["allowed"] and d["policyVersion"] == base.bundle_version + 1
 
@@ -148,13 +135,13 @@ async def test_agent_switches_refuses_and_keeps_the_last_good(redis_url, policy_
 
         async def refused_invalid() -> bool:
             return reload_count((await agent.get("/metrics")).text, "invalid") >= 1
-        await wait_for(refused_invalid)
+        assert await await_until(refused_invalid, within_s=10)
         # a lower version written straight to etcd: refused as stale
         await pstore.store.put(pstore.key, encode_bundle(bump(base, 1)))
 
         async def refused_stale() -> bool:
             return reload_count((await agent.get("/metrics")).text, "stale") >= 1
-        await wait_for(refused_stale)
+        assert await await_until(refused_stale, within_s=10)
         d = (await agent.post("/v1/admit", json=admit_body("req-00000003"))).json()
         assert d["allowed"] and d["policyVersion"] == base.bundle_version + 1
         assert (await agent.get("/v1/policy")).json()["bundleVersion"] == base.bundle_version + 1
@@ -172,7 +159,7 @@ async def test_tightening_applies_on_the_next_request(redis_url, policy_file, et
 
         async def switched() -> bool:
             return (await agent.get("/v1/policy")).json()["bundleVersion"] == tight.bundle_version
-        await wait_for(switched)
+        assert await await_until(switched, within_s=10)
         ds = [(await agent.post("/v1/admit", json=admit_body(f"tight-{i:04d}"))).json() for i in range(2, 7)]
         assert ds[0]["policyVersion"] == tight.bundle_version and ds[0]["limit"] == 3
         assert ds[0]["remaining"] == 2  # 19 stored tokens clamped to 3, then one spent
@@ -189,7 +176,7 @@ async def test_shadow_rule_published_mid_run_is_counted_never_enforced(redis_url
 
         async def switched() -> bool:
             return (await agent.get("/v1/policy")).json()["bundleVersion"] == base.bundle_version + 1
-        await wait_for(switched)
+        assert await await_until(switched, within_s=10)
         ds = [(await agent.post("/v1/admit", json=admit_body(f"shadow-{i:04d}"))).json() for i in range(4)]
         assert all(d["allowed"] and d["policyId"] == "read-user-v3" for d in ds)
         text = (await agent.get("/metrics")).text
@@ -211,7 +198,7 @@ async def test_revocable_rules_deny_once_the_snapshot_is_too_old(redis_url, poli
 
         async def stale() -> bool:
             return watcher.is_stale(app.state.agent.holder.bundle)
-        await wait_for(stale)
+        assert await await_until(stale, within_s=10)
         atlas = await agent.post("/v1/admit", json=admit_body("stale-0001", tenant="atlas"))
         body = atlas.json()
         assert not body["allowed"] and body["reason"] == "POLICY_STALE" and body["httpStatus"] == 503
@@ -234,7 +221,7 @@ async def test_fresh_reads_keep_revocable_rules_enforced_normally(redis_url, pol
 
         async def read_twice() -> bool:
             return watcher.reads_ok >= 2
-        await wait_for(read_twice)
+        assert await await_until(read_twice, within_s=10)
         d = (await agent.post("/v1/admit", json=admit_body("fresh-0001", tenant="atlas"))).json()
         assert d["allowed"] and d["reason"] is None
 
@@ -260,7 +247,7 @@ async def test_etcd_lost_after_a_publish_keeps_it_then_revokes(redis_url, policy
 
             async def switched() -> bool:
                 return app.state.agent.holder.bundle.bundle_version == newer.bundle_version
-            await wait_for(switched)
+            assert await await_until(switched, within_s=10)
             d = (await agent.post("/v1/admit", json=admit_body("lost-0001", tenant="atlas"))).json()
             assert d["allowed"] and d["policyVersion"] == newer.bundle_version
             cluster.stop()
@@ -268,7 +255,7 @@ async def test_etcd_lost_after_a_publish_keeps_it_then_revokes(redis_url, policy
 
             async def stale() -> bool:
                 return watcher.is_stale(app.state.agent.holder.bundle)
-            await wait_for(stale, within_s=30)
+            assert await await_until(stale, within_s=30)
             atlas = (await agent.post("/v1/admit", json=admit_body("lost-0002", tenant="atlas"))).json()
             birch = (await agent.post("/v1/admit", json=admit_body("lost-0003", tenant="birch"))).json()
             assert atlas["reason"] == "POLICY_STALE" and atlas["httpStatus"] == 503
@@ -291,5 +278,5 @@ async def test_the_watch_alone_delivers_a_publish(redis_url, policy_file, etcd_c
 
         async def switched() -> bool:
             return (await agent.get("/v1/policy")).json()["bundleVersion"] == base.bundle_version + 3
-        await wait_for(switched, within_s=15)
+        assert await await_until(switched, within_s=15)
         assert watcher.reads_ok > reads_before

@@ -4,22 +4,12 @@ mint unbounded per-IP keys (new keys per coarse source are capped per window).""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 import redis
 from litestar.testing import AsyncTestClient
 
 from region_agent.app import create_app
 from region_agent.preauth import NewKeyCap
-from tests.integration.agent.conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
-
-
-@pytest.fixture
-def policy_file(tmp_path: Path) -> Path:
-    p = tmp_path / "bundle.json"
-    write_bundle(p, northstar())
-    return p
+from tests.integration.agent.conftest import PEPPER, admit_body, make_settings, northstar
 
 
 def failed_login(i: int, ip: str = "203.0.113.7") -> dict:

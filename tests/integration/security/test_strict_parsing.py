@@ -1,4 +1,4 @@
-"""Strict and consistent parsing (issue 12, item 6) on both services as real processes: one set
+"""Strict and consistent parsing (docs/security.md) on both services as real processes: one set
 of identity patterns anchored with ``\\Z`` (a trailing newline is refused on every route,
 ``/v1/release`` included), no coercion of numbers, no repeated keys, one Authorization header
 (the agent's fast path and Litestar agree), ``WWW-Authenticate`` on every 401, and a large

@@ -10,23 +10,16 @@ import msgspec
 from kernel.bundle import make_rule
 from region_agent.audit import BypassAudit
 from region_agent.metrics import AgentMetrics
+from tests.support.clock import FakeClock
 
 EXEMPT = make_rule(id="atlas-batch-bypass", scope="tenant", tenant="atlas", algorithm="fixed_window", limit=100,
                    window_ms=60_000, fail_mode="closed", exempt=True, owner="team-billing")
 
 
-class Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def audit(sink=None) -> tuple[BypassAudit, list[dict], AgentMetrics, Clock]:
+def audit(sink=None) -> tuple[BypassAudit, list[dict], AgentMetrics, FakeClock]:
     lines: list[dict] = []
-    m, mono = AgentMetrics(), Clock(500.0)
-    a = BypassAudit(m, sink or (lambda line: lines.append(json.loads(line))), wall=Clock(1_780_000_000.25),
+    m, mono = AgentMetrics(), FakeClock(500.0)
+    a = BypassAudit(m, sink or (lambda line: lines.append(json.loads(line))), wall=FakeClock(1_780_000_000.25),
                     clock=mono)
     return a, lines, m, mono
 

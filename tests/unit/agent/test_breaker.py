@@ -62,7 +62,7 @@ class _SlowScripts:
 
     async def run_pipeline(self, client, calls, reading=None):
         self.pipelines += 1
-        conn = object()  # a connection with no answer bytes waiting (scripts.answer_waiting: False)
+        conn = object()  # a connection with no answer bytes waiting (redis_internals.answer_waiting: False)
         if reading is not None:
             reading[id(conn)] = (conn, time.monotonic())
         try:
@@ -74,7 +74,7 @@ class _SlowScripts:
 
 
 async def test_late_answers_of_a_busy_agent_are_used_and_never_open_the_breaker():
-    """Overload (issue 11 path 9): the callers' budgets pass after their calls were sent, but the
+    """Overload (docs/concepts.md): the callers' budgets pass after their calls were sent, but the
     store answers (its pipeline is in flight for less than the stall threshold): they get the
     store's own late answers, and the breaker stays closed — nothing was wrong with the store."""
     scripts = _SlowScripts(0.05)

@@ -13,6 +13,7 @@ from region_agent.keys import KeyBuilder
 from region_agent.metrics import AgentMetrics
 from region_agent.models import AdmitRequest, Principal
 from region_agent.negcache import NegativeCache
+from tests.support.clock import FakeClock
 
 from ..scripted_store import ScriptedStore
 
@@ -21,17 +22,9 @@ ALLOW = [1, 0, 0, 17_000, 900_000]
 DENY = [0, 1, 500, 0, 900_000]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def make(tmp_path: Path, replies, **kw) -> tuple[DecisionEngine, DecisionLog, AgentMetrics, Clock]:
+def make(tmp_path: Path, replies, **kw) -> tuple[DecisionEngine, DecisionLog, AgentMetrics, FakeClock]:
     m = AgentMetrics()
-    c = Clock()
+    c = FakeClock(1_000.0)
     keys = KeyBuilder(b"unit-pepper")
     dl = DecisionLog(str(tmp_path / "decisions.jsonl"), keys=keys, region="eu", agent="agent-eu-1", metrics=m,
                      wall_clock=lambda: 1.7e9 + c.t, clock=c, **kw)

@@ -12,6 +12,7 @@ from region_agent.models import AdmitRequest, DeniedScope, Principal, Reason
 from region_agent.negcache import NegativeCache
 from region_agent.outcome import Answer
 from region_agent.plan import build_plan
+from tests.support.clock import FakeClock
 
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar.json"))
 KB = KeyBuilder(b"unit-pepper")
@@ -23,16 +24,8 @@ def plan_of(route="read", cost=1):
     return build_plan(NORTHSTAR, req, KB)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.ms = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.ms
-
-
-def denials() -> tuple[Denials, AgentMetrics, Clock]:
-    m, c = AgentMetrics(), Clock()
+def denials() -> tuple[Denials, AgentMetrics, FakeClock]:
+    m, c = AgentMetrics(), FakeClock(1_000_000.0)
     return Denials(NegativeCache(), m, c), m, c
 
 
@@ -45,7 +38,7 @@ def test_a_remembered_denial_answers_the_same_request_with_the_hint_left():
     plan = plan_of()
     assert d.hit(plan) is None
     d.remember(plan, 1, denial(plan))
-    clock.ms += 400
+    clock.t += 400
     held = d.hit(plan_of())
     assert held is not None and held == denial(plan, retry=1_100)  # the hint counted from now
     assert m.registry.get_sample_value("leasehold_agent_negative_cache_hits_total") == 1
@@ -84,7 +77,7 @@ def test_a_fallback_denial_is_held_for_the_request_at_most_the_cap_and_forgotten
     other = [plan.calls[0], plan.calls[1]._replace(key=plan.calls[1].key + ":fb")]
     d.remember(plan, 1, denial(plan, retry=5_000), calls=other, fallback=True)
     assert d.hit(plan) is not None and len(d.cache) == 2  # the request's rule set, the replacement's key
-    clock.ms += 300  # past the 250 ms cap: this caller probes the store
+    clock.t += 300  # past the 250 ms cap: this caller probes the store
     assert d.hit(plan) is None
     d.forget(plan, other)
     assert len(d.cache) == 0
@@ -103,6 +96,6 @@ def test_a_held_denial_answers_another_rule_set_only_briefly():
     brief = d.hit(other_route)
     assert brief is not None and brief.retry <= 250
     assert d.hit(plan_of()).retry == 30_000
-    clock.ms += 300
+    clock.t += 300
     assert d.hit(other_route) is None  # past the cap: it asks the store
     assert d.hit(plan_of()).retry == 29_700

@@ -15,23 +15,16 @@ from region_agent.keys import KeyBuilder
 from region_agent.metrics import AgentMetrics
 from region_agent.models import AdmitRequest, Principal, Reason
 from region_agent.negcache import NegativeCache
+from tests.support.clock import FakeClock
 
 from ..scripted_store import ScriptedStore
 
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar.json"))
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def engine(store: ScriptedStore, clock: Clock | None = None) -> tuple[DecisionEngine, AgentMetrics]:
+def engine(store: ScriptedStore, clock: FakeClock | None = None) -> tuple[DecisionEngine, AgentMetrics]:
     m = AgentMetrics()
-    c = clock or Clock()
+    c = clock or FakeClock(1_000.0)
     return DecisionEngine(get_bundle=lambda: NORTHSTAR, keys=KeyBuilder(b"unit-pepper"), store=store, metrics=m,
                           clock=c, wall_clock=lambda: c.t + 1.7e9, negative=NegativeCache()), m
 
@@ -122,7 +115,7 @@ async def test_a_batch_sends_every_item_in_one_submit():
 
 async def test_an_exact_hint_is_held_whole_and_an_admitted_probe_clears_the_denial():
     store = ScriptedStore([[0, 2, 1_500, 20_000, 400]], [[1, 0, 0, 19_000, 1_000]], [[1, 0, 0, 18_000, 999]])
-    clock = Clock()
+    clock = FakeClock(1_000.0)
     e, _ = engine(store, clock)
     assert not (await e.admit(req(rid="r-0000000000000001"))).allowed
     clock.t += 1.0  # a bucket's hint is exact: held for the whole 1.5 s, not the 250 ms cap

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 from region_agent.epoch import EpochCheck
 from region_agent.metrics import AgentMetrics
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 50.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support.clock import FakeClock
 
 
 def mismatches(m: AgentMetrics, relation: str) -> float:
     return m.registry.get_sample_value("leasehold_agent_policy_epoch_mismatches_total", {"relation": relation}) or 0.0
 
 
-def check(min_interval_s: float = 1.0) -> tuple[EpochCheck, AgentMetrics, Clock, list[int]]:
-    m, clock, calls = AgentMetrics(), Clock(), []
+def check(min_interval_s: float = 1.0) -> tuple[EpochCheck, AgentMetrics, FakeClock, list[int]]:
+    m, clock, calls = AgentMetrics(), FakeClock(50.0), []
     return EpochCheck(m, refresh=lambda: calls.append(1), min_interval_s=min_interval_s, clock=clock), m, clock, calls
 
 
@@ -50,6 +43,6 @@ def test_a_gateway_ahead_refreshes_at_most_once_per_interval():
 
 def test_without_a_refresh_source_a_gateway_ahead_is_only_counted():
     m = AgentMetrics()
-    e = EpochCheck(m, clock=Clock())
+    e = EpochCheck(m, clock=FakeClock(50.0))
     e.observe(43, 42)
     assert mismatches(m, "gateway_ahead") == 1 and e.refreshes == 0

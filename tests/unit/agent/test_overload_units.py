@@ -1,4 +1,4 @@
-"""Pure parts of the overload handling (issue 11 path 9): the event-loop lag monitor and the
+"""Pure parts of the overload handling (docs/concepts.md: overload is shed): the event-loop lag monitor and the
 cost-aware local denial of a chunk lease."""
 
 from region_agent.leasing.chunks import ChunkLease

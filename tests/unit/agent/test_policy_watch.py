@@ -63,5 +63,5 @@ def test_age_gauge_reads_the_watchers_age_in_seconds():
             return 2_500.0
 
     m = AgentMetrics()
-    age_gauge(m, Watcher())  # type: ignore[arg-type]
+    age_gauge(m, Watcher())
     assert m.registry.get_sample_value("leasehold_agent_policy_age_seconds") == 2.5

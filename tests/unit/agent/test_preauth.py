@@ -12,17 +12,10 @@ from kernel.bundle import load_bundle_file
 from kernel.errors import ValidationFailed
 from region_agent.models import AdmitRequest, DeniedScope, Principal, Reason
 from region_agent.preauth import NewKeyCap, as_failed_auth
+from tests.support.clock import FakeClock
 
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar.json"))
 ANON_LOGIN = next(r for r in NORTHSTAR.rules if r.id == "anon-login")  # ip scope, /32
-
-
-class Clock:
-    def __init__(self, t: float = 1_000.25) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def ip(text: str):
@@ -34,7 +27,7 @@ def anon(addr: str, route: str = "login", rid: str = "r-1") -> AdmitRequest:
 
 
 def test_new_keys_past_the_per_source_cap_are_refused_and_seen_keys_keep_working():
-    cap = NewKeyCap(per_source=2, window_ms=60_000, clock=Clock())
+    cap = NewKeyCap(per_source=2, window_ms=60_000, clock=FakeClock(1_000.25))
     assert cap.admit(ip("203.0.113.1"), ANON_LOGIN) and cap.admit(ip("203.0.7.9"), ANON_LOGIN)  # same /16
     assert not cap.admit(ip("203.0.1.1"), ANON_LOGIN)  # a third new key of 203.0/16
     assert cap.admit(ip("203.0.113.1"), ANON_LOGIN)  # already seen this window
@@ -44,21 +37,21 @@ def test_new_keys_past_the_per_source_cap_are_refused_and_seen_keys_keep_working
 
 def test_the_per_ip_key_uses_the_rules_prefix():
     wide = msgspec.structs.replace(ANON_LOGIN, ipv4_prefix=24)
-    cap = NewKeyCap(per_source=1, window_ms=60_000, clock=Clock())
+    cap = NewKeyCap(per_source=1, window_ms=60_000, clock=FakeClock(1_000.25))
     assert cap.admit(ip("203.0.113.1"), wide)
     assert cap.admit(ip("203.0.113.200"), wide)  # the same /24 key
     assert not cap.admit(ip("203.0.114.1"), wide)
 
 
 def test_ipv6_sources_are_coarse_slash_32s():
-    cap = NewKeyCap(per_source=1, window_ms=60_000, clock=Clock())
+    cap = NewKeyCap(per_source=1, window_ms=60_000, clock=FakeClock(1_000.25))
     assert cap.admit(ip("2001:db8:1::1"), ANON_LOGIN)
     assert not cap.admit(ip("2001:db8:2::1"), ANON_LOGIN)  # another /64 in the same /32
     assert cap.admit(ip("2001:db9::1"), ANON_LOGIN)
 
 
 def test_everything_is_forgotten_when_the_window_rolls():
-    clock = Clock(120.0)  # window 2 of 60 s
+    clock = FakeClock(120.0)  # window 2 of 60 s
     cap = NewKeyCap(per_source=1, window_ms=60_000, clock=clock)
     assert cap.admit(ip("203.0.113.1"), ANON_LOGIN)
     assert not cap.admit(ip("203.0.113.2"), ANON_LOGIN)
@@ -67,14 +60,14 @@ def test_everything_is_forgotten_when_the_window_rolls():
 
 
 def test_sources_are_bounded_too():
-    cap = NewKeyCap(per_source=5, window_ms=60_000, max_sources=2, clock=Clock())
+    cap = NewKeyCap(per_source=5, window_ms=60_000, max_sources=2, clock=FakeClock(1_000.25))
     assert cap.admit(ip("10.1.0.1"), ANON_LOGIN) and cap.admit(ip("10.2.0.1"), ANON_LOGIN)
     assert not cap.admit(ip("10.3.0.1"), ANON_LOGIN)  # a third source in this window
     assert cap.admit(ip("10.1.0.2"), ANON_LOGIN)  # known sources keep their budget
 
 
 def test_check_denies_with_deniedscope_ip_until_the_window_ends():
-    clock = Clock(1_000.25)  # 40.25 s into a 60 s window
+    clock = FakeClock(1_000.25)  # 40.25 s into a 60 s window
     cap = NewKeyCap(per_source=1, window_ms=60_000, clock=clock)
     assert cap.check(NORTHSTAR, anon("203.0.113.1")) is None
     d = cap.check(NORTHSTAR, anon("203.0.113.2", rid="r-2"))
@@ -86,7 +79,7 @@ def test_check_denies_with_deniedscope_ip_until_the_window_ends():
 
 
 def test_check_leaves_authenticated_requests_and_routes_without_ip_rules_alone():
-    cap = NewKeyCap(per_source=0, window_ms=60_000, clock=Clock())
+    cap = NewKeyCap(per_source=0, window_ms=60_000, clock=FakeClock(1_000.25))
     user = AdmitRequest(request_id="r-1", tenant_id="atlas", principal=Principal(type="user", id="U-1"),
                         route_group="login")
     assert cap.check(NORTHSTAR, user) is None

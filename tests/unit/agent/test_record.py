@@ -14,10 +14,17 @@ from region_agent import httpmap
 from region_agent.call import MultiRuleResult
 from region_agent.keys import KeyBuilder
 from region_agent.metrics import AgentMetrics
-from region_agent.models import AdmitRequest, DeniedScope, Principal, Reason
+from region_agent.models import AdmitRequest, DecisionSource, DeniedScope, Principal, Reason
 from region_agent.outcome import Answer, NextStep, outcome
 from region_agent.plan import build_plan, memo_of
-from region_agent.record import SHED, SHED_RETRY_MS, admitted_record, conflict_record, decision_record
+from region_agent.record import (
+    SHED,
+    SHED_RETRY_MS,
+    admitted_record,
+    conflict_record,
+    decision_record,
+    early_record,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -75,6 +82,24 @@ def test_a_conflict_is_a_409_problem_naming_the_decision():
     d = conflict_record(plan, NORTHSTAR)
     assert (d.allowed, d.http_status, d.reason, d.retry_after_ms) == (False, 409, Reason.REQUEST_ID_CONFLICT, -1)
     assert d.problem is not None and d.problem["status"] == 409 and d.problem["decisionId"] == plan.request_id
+
+
+def test_an_early_gates_record_is_the_same_record_as_the_engines_and_is_counted():
+    """The admission's early gates (stale policy, pre-authentication cap) build their records here
+    too: the same record decision_record gives the same answer, counted under the rule that answered."""
+    plan = plan_of()
+    rule = plan.rules[0]
+    req = AdmitRequest(request_id=plan.request_id, tenant_id="atlas", route_group="read",
+                       principal=Principal(type="user", id="U-17", api_key_id="K1"))
+    stale = Answer(False, rule, DeniedScope.USER, Reason.POLICY_STALE, retry=rule.closed_retry_after_ms)
+    m = AgentMetrics()
+    early = early_record(req, NORTHSTAR, stale, DecisionSource.POLICY, m, counted=rule, tenant="atlas")
+    assert early == decision_record(plan, NORTHSTAR, stale, AgentMetrics(), DecisionSource.POLICY)
+    assert (early.http_status, early.reason, early.source) == (503, Reason.POLICY_STALE, DecisionSource.POLICY)
+    assert early.problem is not None and "older than its maximum age" in early.problem["detail"]
+    assert m.registry.get_sample_value("leasehold_agent_decisions_total", {
+        "outcome": "unavailable", "rule": rule.id, "policy_version": "42", "route_group": rule.route_key,
+        "tenant": "atlas", "source": "policy"}) == 1
 
 
 # --- an admission's record from the parts built once per plan shape (the engine's common path) ---

@@ -1,11 +1,11 @@
-"""Our RESP packing of EVALSHA (region_agent.store.scripts.pack_evalsha) sends byte for byte
+"""Our RESP packing of EVALSHA (region_agent.store.resp.pack_evalsha) sends byte for byte
 what redis-py's own packer sends for the same arguments (no server needed: both are encoders)."""
 
 from hypothesis import given
 from hypothesis import strategies as st
 from redis.asyncio.connection import Connection
 
-from region_agent.store.scripts import pack_evalsha
+from region_agent.store.resp import pack_evalsha
 
 _arg = st.one_of(st.text(max_size=40), st.integers(min_value=-(2**63), max_value=2**63),
                  st.binary(max_size=20))
@@ -23,7 +23,7 @@ def test_pack_evalsha_matches_redis_py(keys, argv):
 @given(calls=st.lists(st.tuples(st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=3),
                                 st.lists(_arg, max_size=12)), max_size=5))
 def test_a_pipeline_packs_as_its_calls_one_after_another(calls):
-    from region_agent.store.scripts import pack_pipeline
+    from region_agent.store.resp import pack_pipeline
 
     sha = "0123456789abcdef0123456789abcdef01234567"
     expected = b"".join(b"".join(Connection().pack_command("EVALSHA", sha, len(k), *k, *a)) for k, a in calls)
@@ -41,7 +41,7 @@ def test_a_multi_rule_call_packs_from_its_shape_format_as_redis_py_would(rules, 
     bytes as redis-py's packer, for '%' in any part, non-ASCII strings, and rule slots the fast
     path cannot take (bytes); the same rule tuple serves several calls (the memo is hit)."""
     from region_agent.call import RuleArgv
-    from region_agent.store.scripts import pack_pipeline
+    from region_agent.store.resp import pack_pipeline
 
     sha = "0123456789abcdef0123456789abcdef01234567"
     slots = tuple(rules)

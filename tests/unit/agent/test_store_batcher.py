@@ -20,7 +20,7 @@ async def test_concurrent_submits_share_one_pipeline_and_keep_order():
         return [f"reply:{c[1][0]}" for c in calls]
 
     b = Batcher(run, max_batch=100)
-    results = await asyncio.gather(*(b.submit([("s", [f"k{i}"], []), ("s", [f"k{i}b"], [])]) for i in range(10)))
+    results = await asyncio.gather(*(b.enqueue([("s", [f"k{i}"], []), ("s", [f"k{i}b"], [])]) for i in range(10)))
     assert results == [[f"reply:k{i}", f"reply:k{i}b"] for i in range(10)]
     assert len(sent) == 1 and len(sent[0]) == 20
 
@@ -36,9 +36,9 @@ async def test_next_flush_starts_when_the_previous_one_finished():
         return [None] * len(calls)
 
     b = Batcher(run, max_batch=100, max_inflight=1)
-    first = asyncio.create_task(b.submit([("s", ["a"], [])]))
+    first = asyncio.ensure_future(b.enqueue([("s", ["a"], [])]))
     await asyncio.sleep(0.01)
-    rest = [asyncio.create_task(b.submit([("s", [f"k{i}"], [])])) for i in range(5)]
+    rest = [asyncio.ensure_future(b.enqueue([("s", [f"k{i}"], [])])) for i in range(5)]
     await asyncio.sleep(0.01)
     assert sent == [1]  # the five wait for the in-flight pipeline
     gate.set()
@@ -57,12 +57,12 @@ async def test_pipelines_in_flight_are_bounded():
         return [None] * len(calls)
 
     b = Batcher(run, max_batch=3, max_inflight=2)
-    first = asyncio.create_task(b.submit([("s", ["a"], [])]))
+    first = asyncio.ensure_future(b.enqueue([("s", ["a"], [])]))
     await asyncio.sleep(0.01)
-    second = [asyncio.create_task(b.submit([("s", [f"k{i}"], [])])) for i in range(2)]
+    second = [asyncio.ensure_future(b.enqueue([("s", [f"k{i}"], [])])) for i in range(2)]
     await asyncio.sleep(0.01)
     assert sent == [1, 2]  # a second pipeline goes while the first is in flight
-    third = [asyncio.create_task(b.submit([("s", [f"m{i}"], [])])) for i in range(4)]
+    third = [asyncio.ensure_future(b.enqueue([("s", [f"m{i}"], [])])) for i in range(4)]
     await asyncio.sleep(0.01)
     assert sent == [1, 2]  # both drain tasks busy: the rest waits
     gates[1].set()
@@ -81,13 +81,13 @@ async def test_bounded_queue_refuses_without_sending_and_deadline_before_send():
         return [None] * len(calls)
 
     b = Batcher(run, max_batch=1, max_queue=2, max_inflight=1)
-    t1 = asyncio.create_task(b.submit([("s", ["a"], [])]))
+    t1 = asyncio.ensure_future(b.enqueue([("s", ["a"], [])]))
     await asyncio.sleep(0.01)  # in flight
-    t2 = asyncio.create_task(b.submit([("s", ["b"], [])]))
-    t3 = asyncio.create_task(b.submit([("s", ["c"], [])]))
+    t2 = asyncio.ensure_future(b.enqueue([("s", ["b"], [])]))
+    t3 = asyncio.ensure_future(b.enqueue([("s", ["c"], [])]))
     await asyncio.sleep(0.01)
     with pytest.raises(Overloaded):  # a full queue is this agent's overload, not a store failure
-        await b.submit([("s", ["d"], [])])
+        await b.enqueue([("s", ["d"], [])])
     gate.set()
     await asyncio.gather(t1, t2, t3)
 
@@ -102,10 +102,10 @@ async def test_deadline_while_still_queued_means_never_sent():
         return [None] * len(calls)
 
     b = Batcher(run, max_inflight=1)
-    first = asyncio.create_task(b.submit([("s", ["a"], [])]))
+    first = asyncio.ensure_future(b.enqueue([("s", ["a"], [])]))
     await asyncio.sleep(0.01)
     with pytest.raises(DeadlineExceeded):
-        await b.submit([("s", ["late"], [])], wait_s=0.01)
+        await b.enqueue([("s", ["late"], [])], wait_s=0.01)
     gate.set()
     await first
     await asyncio.sleep(0.01)
@@ -117,7 +117,7 @@ async def test_a_failed_pipeline_fails_every_caller():
         raise StoreUnavailable("down")
 
     b = Batcher(run, max_inflight=1)
-    res = await asyncio.gather(b.submit([("s", ["a"], [])]), b.submit([("s", ["b"], [])]), return_exceptions=True)
+    res = await asyncio.gather(b.enqueue([("s", ["a"], [])]), b.enqueue([("s", ["b"], [])]), return_exceptions=True)
     assert all(isinstance(r, StoreUnavailable) for r in res)
 
 
@@ -134,10 +134,10 @@ async def test_a_caller_cancelled_while_queued_is_never_sent_and_leaves_the_queu
         return [None] * len(calls)
 
     b = Batcher(run, max_batch=100, max_inflight=1)
-    first = asyncio.create_task(b.submit([("s", ["a"], [])], wait_s=5.0))
+    first = asyncio.ensure_future(b.enqueue([("s", ["a"], [])], wait_s=5.0))
     await asyncio.sleep(0.01)
-    gone = asyncio.create_task(b.submit([("s", ["gone"], [])], wait_s=0.05))
-    kept = asyncio.create_task(b.submit([("s", ["kept"], [])], wait_s=5.0))
+    gone = asyncio.ensure_future(b.enqueue([("s", ["gone"], [])], wait_s=0.05))
+    kept = asyncio.ensure_future(b.enqueue([("s", ["kept"], [])], wait_s=5.0))
     await asyncio.sleep(0.01)
     assert b.queued == 2
     gone.cancel()
@@ -163,13 +163,13 @@ async def test_deadlines_expire_in_time_whatever_order_their_budgets_come_in():
 
     loop = asyncio.get_running_loop()
     b = Batcher(run, max_batch=1, max_inflight=1)
-    sent = asyncio.create_task(b.submit([("s", ["sent"], [])], wait_s=0.05, late_s=lambda waited: 0.05 - waited))
+    sent = asyncio.ensure_future(b.enqueue([("s", ["sent"], [])], wait_s=0.05, late_s=lambda waited: 0.05 - waited))
     await asyncio.sleep(0.01)  # in flight, waiting on the gate
     started = loop.time()
 
     async def expiry(budget: float) -> tuple[type, float]:
         try:
-            await b.submit([("s", [f"q{budget}"], [])], wait_s=budget)
+            await b.enqueue([("s", [f"q{budget}"], [])], wait_s=budget)
         except DeadlineExceeded as e:
             return type(e), loop.time() - started
         return type(None), loop.time() - started
@@ -198,7 +198,7 @@ def test_a_batcher_used_from_a_second_event_loop_still_enforces_deadlines():
 
     async def first_loop():
         gate["e"] = asyncio.Event()
-        t = asyncio.ensure_future(b.submit([("s", ["a"], [])], wait_s=0.05))  # arms the deadline timer
+        t = asyncio.ensure_future(b.enqueue([("s", ["a"], [])], wait_s=0.05))  # arms the deadline timer
         await asyncio.sleep(0.01)
         t.cancel()
         await asyncio.sleep(0)  # asyncio.run ends the drain task; the loop closes with that timer still armed
@@ -207,7 +207,7 @@ def test_a_batcher_used_from_a_second_event_loop_still_enforces_deadlines():
         await asyncio.sleep(0.1)  # past the first loop's deadline: a new group's deadline is later
         gate["e"] = asyncio.Event()  # never set: the pipeline hangs
         with pytest.raises(AmbiguousOutcome):
-            await asyncio.wait_for(b.submit([("s", ["b"], [])], wait_s=0.02), timeout=2.0)
+            await asyncio.wait_for(b.enqueue([("s", ["b"], [])], wait_s=0.02), timeout=2.0)
 
     asyncio.run(first_loop())
     asyncio.run(second_loop())

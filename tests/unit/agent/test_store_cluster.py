@@ -68,11 +68,11 @@ def store(topo: Topology, answer=lambda node, call: [1, 0, 0, node], **kw):
     tops: list[bool] = []
 
     def make_node(name, on_reachability):
-        return StoreGateway(FakeClient(name, topo), Runner(name, answer, sent),  # type: ignore[arg-type]
+        return StoreGateway(FakeClient(name, topo), Runner(name, answer, sent),
                             breaker=CircuitBreaker(failure_threshold=1, open_s=60.0), shard=name,
                             on_reachability=on_reachability)
 
-    s = ClusterStore([A], make_node, lambda name: FakeClient(name, topo), None,  # type: ignore[arg-type]
+    s = ClusterStore([A], make_node, lambda name: FakeClient(name, topo), None,  # type: ignore[arg-type]  # no scripts: the fake nodes answer every call
                      on_retire=retired.append, on_topology=lambda m, changed: tops.append(changed), **kw)
     return s, sent, retired, tops
 

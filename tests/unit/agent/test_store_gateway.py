@@ -44,7 +44,7 @@ class Lagging(LoopLag):
 
 def gateway(runner: ScriptedRunner, *, failures: int = 2, lag: float = 0.0):
     states: list[int] = []
-    gw = StoreGateway(object(), runner, breaker=CircuitBreaker(failure_threshold=failures, open_s=60.0),  # type: ignore[arg-type]
+    gw = StoreGateway(object(), runner, breaker=CircuitBreaker(failure_threshold=failures, open_s=60.0),  # type: ignore[arg-type]  # a fake client and scripted runner in place of redis-py
                       on_breaker=states.append, lag=Lagging(lag), late_s=0.4, connect_timeout_s=0.2)
     return gw, states
 

@@ -7,18 +7,11 @@ import asyncio
 import pytest
 
 from region_agent.store.lag import LoopLag
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support.clock import FakeClock
 
 
 def test_ticks_on_time_mean_no_lag():
-    c = Clock()
+    c = FakeClock(100.0)
     lag = LoopLag(interval_s=0.005, window_s=0.5, clock=c)
     for _ in range(10):
         c.t += 0.005
@@ -27,7 +20,7 @@ def test_ticks_on_time_mean_no_lag():
 
 
 def test_the_worst_lateness_is_kept_for_the_window_then_forgotten():
-    c = Clock()
+    c = FakeClock(100.0)
     lag = LoopLag(interval_s=0.005, window_s=0.5, clock=c)
     c.t += 0.105  # 100 ms late
     lag.tick(c.t)
@@ -40,7 +33,7 @@ def test_the_worst_lateness_is_kept_for_the_window_then_forgotten():
 
 
 def test_a_later_worse_tick_replaces_milder_ones():
-    c = Clock()
+    c = FakeClock(100.0)
     lag = LoopLag(interval_s=0.005, window_s=0.5, clock=c)
     c.t += 0.025
     lag.tick(c.t)  # 20 ms late
@@ -51,7 +44,7 @@ def test_a_later_worse_tick_replaces_milder_ones():
 
 
 def test_an_overdue_tick_counts_only_while_the_monitor_runs():
-    c = Clock()
+    c = FakeClock(100.0)
     lag = LoopLag(interval_s=0.005, window_s=0.5, clock=c)
     c.t += 0.305  # the next tick is 300 ms overdue and has not run (a saturated loop)
     assert lag.lag_s(c.t) == 0.0  # not running: nothing can be overdue

@@ -19,6 +19,7 @@ from region_agent.metrics import AgentMetrics
 from region_agent.models import AdmitRequest, Decision, Principal
 from region_agent.plan import build_plan
 from region_agent.telemetry import DecisionTelemetry
+from tests.support.clock import FakeClock
 
 ROOT = Path(__file__).resolve().parents[3]
 GLOBAL = load_bundle_file(str(ROOT / "policies" / "northstar-global.json"))
@@ -109,18 +110,10 @@ def test_decision_keys_feed_the_meter_with_their_class():
     assert counts["tenant"] == 1
 
 
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_each_allowed_bypass_is_one_audit_event_and_denials_are_rate_limited():
     m = AgentMetrics()
     lines: list[str] = []
-    clock = Clock()
+    clock = FakeClock(100.0)
     t = DecisionTelemetry(m, audit=BypassAudit(m, lines.append, clock=clock))
     for i in range(3):
         p = plan_for("northstar-ops", route="probe", pid="OPS-SECRET-USER", rid=f"probe-{i:04d}")
@@ -172,7 +165,7 @@ def test_a_failing_audit_sink_is_counted_and_does_not_raise():
 
 def test_policy_epoch_ahead_refreshes_at_most_once_per_interval():
     m = AgentMetrics()
-    clock = Clock()
+    clock = FakeClock(100.0)
     calls: list[int] = []
     e = EpochCheck(m, refresh=lambda: calls.append(1), min_interval_s=1.0, clock=clock)
     e.observe(None, 42)

@@ -31,7 +31,7 @@ def assert_exact(decide, state, now, minimal=True):
        cost=st.integers(1, 10**6), tokens=st.integers(0, 10**6), ago=st.integers(-10**4, 10**6))
 def test_token_bucket_and_gcra_hints(cap, refill, period, cost, tokens, ago):
     p = TokenBucketParams(cap, refill, period, min(cost, cap))
-    # the seed's bucket hint ceil(deficit x period / refill) ignores the sub-millitoken progress
+    # the bucket's hint ceil(deficit x period / refill) ignores the sub-millitoken progress
     # already made since ts, and counts from now even when ts is ahead (clock went back): it is
     # sound (never optimistic) for ts <= now, not always minimal
     if ago >= 0:

@@ -1,4 +1,4 @@
-"""The seed's worked numbers through the pure reference models."""
+"""The worked numbers of docs/invariants.md through the pure reference models."""
 
 from kernel.algorithms import (
     concurrency,

@@ -33,7 +33,7 @@ def test_only_unexplained_fallbacks_are_listed_with_the_counters_that_moved() ->
     assert 'fail_mode="local_bounded",reason="AMBIGUOUS" +2' in lines[1]
 
 
-def test_cli_exit_codes(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_cli_exit_codes(tmp_path: Path, capsys) -> None:
     path = tmp_path / "h.jsonl"
     with HistoryWriter(path) as w:
         w.write_all(RECS)

@@ -71,7 +71,7 @@ def test_schedule_rejects_a_step_outside_it():
 
 def test_partition_direction_is_validated():
     with pytest.raises(BadRequest, match="direction"):
-        Partition(object(), "sideways")  # type: ignore[arg-type]
+        Partition(object(), "sideways")
 
 
 def test_faketime_specs():

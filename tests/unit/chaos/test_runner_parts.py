@@ -68,7 +68,7 @@ def test_pool_series_and_fault_spans_are_relative_to_the_run_start() -> None:
     assert spans == [(2.0, 9.0, "kill:allocator-1")]
 
 
-def test_run_cli_lists_and_rejects_bad_input(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_run_cli_lists_and_rejects_bad_input(capsys) -> None:
     from chaos.__main__ import main
 
     assert main(["run", "--list"]) == 0
@@ -106,7 +106,7 @@ def test_run_context_is_local_uses_the_redis_faults_and_grace() -> None:
     from chaos.nemesis import Custom
     from chaos.run import REDIS_GRACE_MS, RunContext
 
-    ctx = RunContext(topo=SimpleNamespace(), history=None, bundle=bundles.chaos_bundle(), duration_s=20,  # type: ignore[arg-type]
+    ctx = RunContext(topo=SimpleNamespace(), history=None, bundle=bundles.chaos_bundle(), duration_s=20,  # type: ignore[arg-type]  # a stand-in topology and no history: the function reads neither
                      seed=1)
     n = Custom("redis-restart", "redis", lambda: None)
     n.started_ms, n.stopped_ms = 10 * W + 100, 10 * W + 200
@@ -116,7 +116,7 @@ def test_run_context_is_local_uses_the_redis_faults_and_grace() -> None:
     assert not ctx.is_local("eu", 10 * W + 201 + REDIS_GRACE_MS)
 
 
-def _fake_ctx():  # type: ignore[no-untyped-def]
+def _fake_ctx():
     from types import SimpleNamespace
 
     from chaos.run import RunContext
@@ -132,7 +132,7 @@ def _fake_ctx():  # type: ignore[no-untyped-def]
         agents_in=lambda r: agents[r], agent=lambda n: next(a for r in regions for a in agents[r] if a.name == n),
         redis={r: SimpleNamespace(port=6379, proc=None) for r in regions},
         etcd=SimpleNamespace(member_name=lambda i: f"m{i}"), ready_callback=lambda url: None)
-    return RunContext(topo=topo, history=SimpleNamespace(write=lambda rec: None), bundle=bundles.chaos_bundle(),  # type: ignore[arg-type]
+    return RunContext(topo=topo, history=SimpleNamespace(write=lambda rec: None), bundle=bundles.chaos_bundle(),
                       duration_s=60, seed=1)
 
 
@@ -167,4 +167,4 @@ def test_every_scenario_records_what_its_faults_make_unreachable(name: str) -> N
 
 
 def test_every_scenario_has_its_expected_effects_listed() -> None:
-    assert set(SCENARIOS) <= set(EXPECTED_EFFECTS) | {"allocator-rebalance"}  # room for issue 16's scenario
+    assert set(SCENARIOS) <= set(EXPECTED_EFFECTS) | {"allocator-rebalance"}  # judged by its own checks

@@ -23,7 +23,7 @@ def report(root: Path, name: str, seed: int, when: str, *, ok: bool = True, admi
     (d / "report.json").write_text(json.dumps(doc))
 
 
-def test_table_rows_latest_report_and_marks(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_table_rows_latest_report_and_marks(tmp_path: Path, capsys) -> None:
     report(tmp_path, "kill-leader", 1, "20261130T100000", ok=False, admitted=300)
     report(tmp_path, "kill-leader", 1, "20261130T110000")  # the later run of the same seed counts
     report(tmp_path, "redis-restart", 2, "20261130T100000", ok=False, admitted=270)

@@ -1,4 +1,4 @@
-"""The overshoot bound as one function (kernel.bound): the seed's worked numbers (ch. 13), the
+"""The overshoot bound as one function (kernel.bound): the worked numbers of docs/bound.md, the
 sample policy's, and every term's dependence on the topology and the faults."""
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ POOL = Pool(id="p", window_ms=1_000, limit=500, chunk_max=50, fallback_per_regio
 
 def rule(rid: str, *, scope: str = "tenant", tenant: str | None = "atlas", fail: str = "local_bounded",
          shadow: bool = False) -> Rule:
-    return make_rule(id=rid, scope=scope, algorithm="pool", pool="p", tenant=tenant, fail_mode=fail,  # type: ignore[arg-type]
+    return make_rule(id=rid, scope=scope, algorithm="pool", pool="p", tenant=tenant, fail_mode=fail,
                 shadow=shadow, route_group="read" if scope == "global" else None)
 
 

@@ -28,7 +28,7 @@ def test_a_stale_or_missing_table_is_detected(tmp_path: Path) -> None:
         readme_tables.render("no markers here", "x", "| t |")
 
 
-def test_cli_validate_bound_prints_every_term_and_the_total(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_cli_validate_bound_prints_every_term_and_the_total(capsys) -> None:
     policy = str(REPO / "policies" / "northstar-global.json")
     assert main(["policy", "validate", policy, "--bound", "--regions", "2", "--agents-per-region", "2"]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Seed ch. 14 validation cases, through the agent's loading and reload path (files only)."""
+"""Bundle validation cases (docs/policy.md), through the agent's loading and reload path (files only)."""
 
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def test_invalid_bundle_at_start_raises_with_every_problem(tmp_path: Path):
 
 
 def test_a_pool_is_spent_from_one_balance_per_region():
-    """Issue 11 path 6: two pool rules a request selects together on the same pool (the same key
+    """Two pool rules a request selects together on the same pool (the same key
     twice in one script) do not validate; neither does a pool spent by rules of several tenants, of
     any tenant, or of both kinds (one fallback allowance per pool and region in the bound)."""
     pool = Pool(id="p", window_ms=60_000, limit=100, fallback_per_region=10)

@@ -1,4 +1,4 @@
-"""The bundle's JSON did not change when a rule became one Struct per algorithm (issue 13 item 2):
+"""The bundle's JSON did not change when a rule became one Struct per algorithm:
 existing files decode, are written back byte for byte, keep their checksums, and bundles signed
 before still verify. ``fixtures/*.signed.json`` were signed (with ``fixtures/flat-format.pub.pem``'s
 key) by the code from before the change, when a rule was one flat Struct."""

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _fields(message: type) -> set[str]:
-    return {f.name for f in message.DESCRIPTOR.fields}  # type: ignore[attr-defined]
+    return {f.name for f in message.DESCRIPTOR.fields}  # type: ignore[attr-defined]  # a generated protobuf class: DESCRIPTOR is set at import, not declared
 
 
 async def test_the_stubs_and_their_methods_are_there():

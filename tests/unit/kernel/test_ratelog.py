@@ -5,18 +5,11 @@ from __future__ import annotations
 import logging
 
 from kernel.ratelog import KeyedLog, TransitionLog
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support.clock import FakeClock
 
 
 def test_keyed_log_writes_one_line_per_key_per_interval_and_counts_the_rest(caplog):
-    clock = Clock()
+    clock = FakeClock(100.0)
     log = KeyedLog(logging.getLogger("t.keyed"), interval_s=1.0, clock=clock)
     with caplog.at_level(logging.INFO, logger="t.keyed"):
         assert log.log("a", logging.WARNING, "refused")
@@ -30,14 +23,14 @@ def test_keyed_log_writes_one_line_per_key_per_interval_and_counts_the_rest(capl
 
 
 def test_keyed_log_state_is_bounded():
-    log = KeyedLog(logging.getLogger("t.bounded"), max_keys=10, clock=Clock())
+    log = KeyedLog(logging.getLogger("t.bounded"), max_keys=10, clock=FakeClock(100.0))
     for i in range(100):
         log.log(i, logging.DEBUG, "x")
     assert len(log._last) <= 10
 
 
 def test_transition_log_writes_changes_at_most_once_per_interval_and_ends_on_the_current_state(caplog):
-    clock = Clock()
+    clock = FakeClock(100.0)
     t = TransitionLog(logging.getLogger("t.trans"), initial=True, interval_s=10.0, clock=clock)
 
     def line(state, changes):
@@ -57,7 +50,7 @@ def test_transition_log_writes_changes_at_most_once_per_interval_and_ends_on_the
 
 
 def test_transition_log_is_silent_when_the_state_came_back_to_what_was_logged(caplog):
-    clock = Clock()
+    clock = FakeClock(100.0)
     t = TransitionLog(logging.getLogger("t.back"), initial="ok", interval_s=10.0, clock=clock)
     with caplog.at_level(logging.INFO, logger="t.back"):
         t.observe("ok", lambda s, c: (logging.INFO, s))

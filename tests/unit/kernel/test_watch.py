@@ -11,16 +11,9 @@ from kernel.bundle import load_bundle_file
 from kernel.errors import StoreUnavailable
 from kernel.policy_store import Stored
 from kernel.watch import PolicyWatcher
+from tests.support.clock import FakeClock
 
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar.json"))
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 10.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Store:
@@ -36,14 +29,14 @@ class Store:
         return a
 
 
-def watcher(store: Store, clock: Clock) -> tuple[PolicyWatcher, list, list]:
+def watcher(store: Store, clock: FakeClock) -> tuple[PolicyWatcher, list, list]:
     offered, refused = [], []
-    return PolicyWatcher(store, offer=offered.append, refuse=refused.append, clock=clock), offered, refused  # type: ignore[arg-type]
+    return PolicyWatcher(store, offer=offered.append, refuse=refused.append, clock=clock), offered, refused  # type: ignore[arg-type]  # a fake store with the methods the watcher calls
 
 
 async def test_each_revision_is_handed_on_once():
     good = Stored(raw=b"{}", mod_revision=7, bundle=NORTHSTAR)
-    w, offered, refused = watcher(Store(None, good, good, Stored(b"x", 8, None, "not JSON")), Clock())
+    w, offered, refused = watcher(Store(None, good, good, Stored(b"x", 8, None, "not JSON")), FakeClock(10.0))
     assert await w.refresh() and offered == []  # nothing published yet
     assert await w.refresh() and offered == [NORTHSTAR]
     assert await w.refresh() and offered == [NORTHSTAR]  # the same revision again: nothing to do
@@ -52,7 +45,7 @@ async def test_each_revision_is_handed_on_once():
 
 
 async def test_a_failed_read_keeps_the_bundle_and_the_age_grows():
-    clock = Clock()
+    clock = FakeClock(10.0)
     w, offered, _ = watcher(Store(StoreUnavailable("etcd down"), None), clock)
     clock.t += 2.0
     assert not await w.refresh() and w.reads_failed == 1 and offered == []
@@ -62,7 +55,7 @@ async def test_a_failed_read_keeps_the_bundle_and_the_age_grows():
 
 
 async def test_staleness_needs_a_max_age_and_an_age_past_it():
-    clock = Clock()
+    clock = FakeClock(10.0)
     w, _, _ = watcher(Store(), clock)
     bounded = msgspec.structs.replace(NORTHSTAR, max_age_ms=5_000)
     clock.t += 5.0

@@ -22,6 +22,7 @@ from region_agent.leasing.redis_balance import BALANCE_SLACK_MS
 from region_agent.leasing.window_clock import Windows
 from region_agent.metrics import AgentMetrics
 from region_agent.plan import GlobalSpend
+from tests.support.clock import FakeClock
 
 from ..scripted_store import ScriptedStore as Store
 
@@ -30,14 +31,6 @@ RULE = next(r for r in GLOBAL.rules if r.scope == "global")  # global-catalog, l
 POOL = next(p for p in GLOBAL.pools if p.id == RULE.pool)  # global-read: chunkMax 2000, fallback 4000
 GKEY = KeyBuilder.global_pool_key(POOL.id)
 WINDOWS = Windows(lo=5, hi=5, end_in_ms=400, safe_ms=300)
-
-
-class Clock:
-    def __init__(self, t: float = 10.0):
-        self.t = t  # seconds
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Leases:
@@ -63,11 +56,11 @@ class Leases:
         return self.hint
 
 
-def fleet(store: Store, leases: Leases | None = None, clock: Clock | None = None,
-          windows: Windows = WINDOWS) -> tuple[FleetPools, Clock, AgentMetrics]:
-    c = clock or Clock()
+def fleet(store: Store, leases: Leases | None = None, clock: FakeClock | None = None,
+          windows: Windows = WINDOWS) -> tuple[FleetPools, FakeClock, AgentMetrics]:
+    c = clock or FakeClock(10.0)
     m = AgentMetrics()
-    f = FleetPools(store=store, metrics=m, leases=leases, now_ms=lambda: c.t * 1000.0,  # type: ignore[arg-type]
+    f = FleetPools(store=store, metrics=m, leases=leases, now_ms=lambda: c.t * 1000.0,
                    windows=lambda pool: windows, allowance=LocalAllowances(), budget_s=0.05)
     return f, c, m
 

@@ -14,17 +14,10 @@ from region_agent.leasing.book import BalanceState
 from region_agent.leasing.manager import LeaseManager
 from region_agent.metrics import AgentMetrics
 from region_agent.store.scripts import PoolClosed
+from tests.support.clock import FakeClock
 
 POOL = Pool(id="atlas-minute", window_ms=60_000, limit=1_000, lease_ttl_ms=15_000, chunk_min=10, chunk_max=200)
 KEY = "{t:atlas}:pool:atlas-minute"
-
-
-class Clock:
-    def __init__(self, t: float = 100_000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def grant(req: LeaseRequest, granted: int = 100, *, epoch: int = 7, issued: int = 10_000, ttl: int = 10_000,
@@ -92,10 +85,10 @@ class Balances:
         return self.closed.get(lease_id, PoolClosed(granted=100, spent=0, current=True))
 
 
-def manager(allocator: Allocator | None = None, balances: Balances | None = None, clock: Clock | None = None,
+def manager(allocator: Allocator | None = None, balances: Balances | None = None, clock: FakeClock | None = None,
             **kw) -> LeaseManager:
-    return LeaseManager(region="eu", client=allocator or Allocator(), store=balances or Balances(),  # type: ignore[arg-type]
-                        now=clock or Clock(), metrics=AgentMetrics(), **kw)
+    return LeaseManager(region="eu", client=allocator or Allocator(), store=balances or Balances(),  # type: ignore[arg-type]  # fakes with the methods the manager calls
+                        now=clock or FakeClock(100_000.0), metrics=AgentMetrics(), **kw)
 
 
 async def settle(m: LeaseManager) -> None:
@@ -105,12 +98,12 @@ async def settle(m: LeaseManager) -> None:
 
 
 def sample(m: LeaseManager, name: str, **labels) -> float:
-    return m.metrics.registry.get_sample_value(name, labels) or 0.0  # type: ignore[union-attr]
+    return m.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 # ------------------------------------------------------------------------------- top-ups
 async def test_demand_on_an_empty_balance_starts_one_top_up_and_deposits_the_grant():
-    alloc, store, clock = Allocator(), Balances(), Clock(100_000.0)
+    alloc, store, clock = Allocator(), Balances(), FakeClock(100_000.0)
     alloc.gate = asyncio.Event()
     m = manager(alloc, store, clock)
     m.note(POOL, KEY, 1)
@@ -134,7 +127,7 @@ async def test_deposit_bounds_are_conservative_on_the_redis_clock():
     """valid from the upper offset (rounded up), until the lower one: the lease is never spendable
     earlier or later on Redis's clock than on this process's monotonic clock."""
     store = Balances(lo=5_000.0, hi=5_000.4)
-    clock = Clock(100_000.0)
+    clock = FakeClock(100_000.0)
     m = manager(Allocator(), store, clock)
     m.note(POOL, KEY, 1)
     await settle(m)
@@ -173,7 +166,7 @@ async def test_a_grant_with_an_older_epoch_is_refused_and_not_deposited():
 
 
 async def test_a_zero_grant_means_exhausted_until_the_window_end():
-    clock = Clock(100_000.0)
+    clock = FakeClock(100_000.0)
     alloc = Allocator(answer=lambda req: grant(req, 0, issued=50_000, end=60_000))
     m = manager(alloc, Balances(), clock)
     m.note(POOL, KEY, 1)
@@ -191,7 +184,7 @@ async def test_tokens_our_report_returns_to_an_exhausted_window_are_asked_for_ag
     the allocator had said the window is exhausted: the balance asks again (else nobody would - every
     balance told "exhausted" waits for the next window - and those tokens would go unused while
     requests are denied). A report that returned nothing changes nothing."""
-    clock = Clock(100_000.0)
+    clock = FakeClock(100_000.0)
     answers = [grant(LeaseRequest(lease_id="x", region="eu", pool=POOL.id, want=1), 0, issued=50_000, end=60_000)]
     alloc = Allocator(answer=lambda req: answers.pop(0) if answers else grant(req, 40, issued=51_000, end=60_000))
     m = manager(alloc, Balances(), clock)
@@ -212,7 +205,7 @@ async def test_tokens_our_report_returns_to_an_exhausted_window_are_asked_for_ag
 
 
 async def test_unreachable_only_once_no_held_lease_is_valid():
-    clock = Clock(100_000.0)
+    clock = FakeClock(100_000.0)
     answers = [None, Unavailable("allocator down")]
 
     def answer(req):
@@ -246,7 +239,7 @@ async def test_a_refusal_is_not_unreachable():
 
 
 async def test_grants_place_the_allocator_clock_but_replays_do_not():
-    clock = Clock(100_000.0)
+    clock = FakeClock(100_000.0)
     replay = [False, True]
     m = manager(Allocator(answer=lambda req: grant(req, issued=7_000_000, end=7_060_000,
                                                                    replayed=replay.pop(0))), Balances(),
@@ -277,7 +270,7 @@ async def _held(m: LeaseManager) -> str:
 
 
 async def test_an_expired_lease_is_closed_and_its_spend_reported():
-    clock = Clock(100_000.0)
+    clock = FakeClock(100_000.0)
     alloc, store = Allocator(), Balances(spendable=500)  # full: the tick asks for nothing more
     m = manager(alloc, store, clock)
     lease_id = await _held(m)
@@ -294,7 +287,7 @@ async def test_an_expired_lease_is_closed_and_its_spend_reported():
 async def test_a_lost_or_restored_record_is_reported_fully_spent():
     """docs/invariants.md I8: lost knowledge counts as spent (stranded, never returned)."""
     for record, unaccounted in ((None, 100), (PoolClosed(granted=100, spent=40, current=False), 60)):
-        clock = Clock(100_000.0)
+        clock = FakeClock(100_000.0)
         alloc, store = Allocator(), Balances(spendable=500)
         m = manager(alloc, store, clock)
         lease_id = await _held(m)
@@ -307,7 +300,7 @@ async def test_a_lost_or_restored_record_is_reported_fully_spent():
 
 
 async def test_a_close_redis_cannot_answer_is_tried_again_next_tick():
-    clock = Clock(100_000.0)
+    clock = FakeClock(100_000.0)
     alloc, store = Allocator(), Balances(spendable=500)
     m = manager(alloc, store, clock)
     lease_id = await _held(m)
@@ -321,7 +314,7 @@ async def test_a_close_redis_cannot_answer_is_tried_again_next_tick():
 
 
 async def test_reports_the_allocator_cannot_take_stay_queued_and_409s_are_retried_with_patience():
-    clock = Clock(100_000.0)
+    clock = FakeClock(100_000.0)
     alloc = Allocator()
     m = manager(alloc, Balances(), clock, report_patience_ms=1_000)
     bal_pool = POOL
@@ -357,7 +350,7 @@ async def test_the_report_queue_is_bounded():
 
 
 async def test_an_idle_balance_without_leases_is_forgotten():
-    clock = Clock(100_000.0)
+    clock = FakeClock(100_000.0)
     m = manager(Allocator(answer=lambda req: grant(req, 0)), Balances(), clock, idle_after_ms=30_000)
     m.note(POOL, KEY, 1)
     await settle(m)

@@ -1,4 +1,4 @@
-"""Cold start (issue 11 path 11): the balances an agent leases before it reports ready."""
+"""Cold start (docs/bound.md): the balances an agent leases before it reports ready."""
 
 from pathlib import Path
 

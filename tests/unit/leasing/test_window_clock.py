@@ -1,4 +1,4 @@
-"""Placing this process on the allocator's clock (issue 11 path 4): pool windows as the allocator
+"""Placing this process on the allocator's clock (docs/bound.md): pool windows as the allocator
 numbers them, with the round trip's uncertainty; near a boundary both windows are candidates."""
 
 from region_agent.leasing.window_clock import MAX_DRIFT, AllocatorClock

@@ -1,0 +1,165 @@
+"""Every private part of redis-py (and of asyncio's streams) the agent's store path touches, and
+the three functions that touch them. Nothing else in the project reads a private name of redis-py.
+
+Why they are touched at all (a standalone pipeline is most of the agent's CPU per decision; see
+``make bench`` figure 1):
+
+* :func:`write_now` hands a pipeline to the connection's transport (``conn._writer``) without
+  redis-py's send, which on Python 3.11 starts a task per send (``asyncio.wait_for``);
+* :func:`read_replies` takes the replies buffered behind a pipeline's first one straight from
+  the connection's hiredis reader (``conn._parser._reader`` of redis-py's
+  ``_AsyncHiredisParser``), without redis-py's per-reply timeout context;
+* :func:`answer_waiting` tells a busy agent from a silent store by the bytes a connection has
+  received and not yet parsed (``conn._reader._buffer``, the asyncio ``StreamReader``'s buffer).
+
+These are checked when this module is imported (:func:`missing`): a redis-py, hiredis or Python
+release that renames one stops the agent at start with :class:`RedisInternalsChanged` naming it,
+instead of silently falling back to a slower path or misjudging the store. The upper bounds on
+``redis`` and ``hiredis`` in pyproject.toml name the versions this was checked with;
+tests/unit/agent/test_redis_internals.py fails when one disappears.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+from typing import Any
+
+import hiredis
+import redis
+from redis import exceptions as rex
+from redis.asyncio import connection as _aconn
+
+
+class RedisInternalsChanged(RuntimeError):
+    """A private part of redis-py, hiredis or asyncio this module relies on is gone or renamed."""
+
+
+try:
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA, _AsyncHiredisParser
+except ImportError as e:  # the unit test reaches this through a reload
+    raise RedisInternalsChanged(
+        f"redis-py {redis.__version__}: redis._parsers.hiredis has no _AsyncHiredisParser or NOT_ENOUGH_DATA "
+        f"(region_agent/store/redis_internals.py)") from e
+
+
+def missing(connection_cls: Any = _aconn.Connection, parser_cls: Any = _AsyncHiredisParser,
+            default_parser: Any = None, hiredis_module: Any = hiredis,
+            stream_reader_cls: Any = asyncio.StreamReader) -> list[str]:
+    """The private parts this module uses that the installed libraries lack (empty: all there).
+    The arguments are for the unit test; the defaults are the real classes."""
+    gone: list[str] = []
+    default_parser = _aconn.DefaultParser if default_parser is None else default_parser
+    if default_parser is not parser_cls:
+        gone.append("redis.asyncio.connection.DefaultParser is not _AsyncHiredisParser (hiredis not used)")
+    conn = connection_cls()
+    gone += [f"redis.asyncio.Connection().{name}" for name in ("_reader", "_writer", "_parser", "health_check_interval")
+             if not hasattr(conn, name)]
+    if not hasattr(parser_cls(65_536), "_reader"):
+        gone.append("_AsyncHiredisParser()._reader")
+    gone += [f"hiredis.{name}" for name in ("Reader", "PushNotification") if not hasattr(hiredis_module, name)]
+    reader_cls = getattr(hiredis_module, "Reader", None)
+    gone += [f"hiredis.Reader.{name}" for name in ("gets", "has_data") if not hasattr(reader_cls, name)]
+    loop = asyncio.new_event_loop()
+    try:
+        if not hasattr(stream_reader_cls(loop=loop), "_buffer"):
+            gone.append("asyncio.StreamReader()._buffer")
+    finally:
+        loop.close()
+    return gone
+
+
+_gone = missing()
+if _gone:
+    raise RedisInternalsChanged(f"redis-py {redis.__version__} / hiredis {hiredis.__version__}: "
+                                f"missing {', '.join(_gone)} (region_agent/store/redis_internals.py)")
+
+PUSH = hiredis.PushNotification
+FAST_READS = True  # False: every reply through redis-py's read (the tests compare both paths)
+
+
+def write_now(conn: Any, payload: bytes) -> bool:
+    """Hand ``payload`` to an open connection's transport without awaiting, when nothing is
+    waiting in its write buffer and no health check is configured; False: send it through
+    redis-py (``send_packed_command``: connect, health check, drain under the socket timeout).
+
+    An empty buffer means the kernel took everything sent so far, so there is nothing to wait
+    for; what the kernel does not take now stays buffered and the transport sends it when the
+    socket is writable (the next send on this connection then sees it and drains through
+    redis-py). A write failure closes the transport, so the read that follows fails and the
+    connection is disconnected."""
+    writer = conn._writer
+    if writer is None or conn._reader is None or conn.health_check_interval:
+        return False
+    transport = writer.transport
+    if transport.is_closing() or transport.get_write_buffer_size():
+        return False
+    writer.write(payload)
+    return True
+
+
+def _hiredis_reader(conn: Any) -> Any:
+    parser = conn._parser
+    if not FAST_READS or parser.__class__ is not _AsyncHiredisParser:
+        return None
+    return parser._reader
+
+
+async def read_replies(conn: Any, n: int) -> list[Any]:
+    """The next ``n`` replies on ``conn``; an error reply as its exception instance (what
+    ``raise_on_error=False`` gives). The first reply is awaited through redis-py (its socket
+    timeout, its disconnect on failure); with the hiredis parser, the replies already buffered
+    behind it are then taken from hiredis directly — redis-py's per-reply read (a timeout
+    context, its checks) cost more than parsing. Anything unusual in the buffer (a connection
+    error, a RESP3 push) and every reply not yet received go through redis-py's read."""
+    replies: list[Any] = []
+    reader = _hiredis_reader(conn)
+    while len(replies) < n:
+        if reader is not None and replies:
+            r = reader.gets()
+            if r.__class__ is list and r and r[0].__class__ is int:  # a script's usual reply: no checks needed
+                replies.append(r)
+                continue
+            if r is not NOT_ENOUGH_DATA:
+                # as redis-py's read: an error reply is its exception instance (ResponseError,
+                # kept as the reply), a connection-level one is raised; a RESP3 push is unexpected
+                if isinstance(r, BaseException) and not isinstance(r, rex.ResponseError):
+                    raise r
+                if r.__class__ is list and r and isinstance(r[0], BaseException):
+                    raise r[0]
+                if isinstance(r, PUSH):
+                    raise rex.ConnectionError("unexpected push reply in a pipeline's answer")
+                replies.append(r)
+                continue
+        try:
+            replies.append(await conn.read_response())
+        except rex.ResponseError as e:
+            replies.append(e)
+    return replies
+
+
+def answer_waiting(conn: Any) -> bool:
+    """Has the store sent bytes this connection has not consumed yet — buffered by the stream
+    reader or the reply parser, or still in the kernel's receive buffer? True means the store
+    answered and only this process has not read it (it is busy), not that the store is silent.
+    ``conn``: a redis-py connection; anything else (a test's stand-in) has nothing waiting."""
+    if not isinstance(conn, _aconn.AbstractConnection):
+        return False
+    stream = conn._reader
+    if stream is not None and len(stream._buffer):
+        return True
+    parser = conn._parser
+    if parser.__class__ is _AsyncHiredisParser and parser._reader is not None and parser._reader.has_data():
+        return True
+    writer = conn._writer
+    sock = writer.get_extra_info("socket") if writer is not None else None
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock.fileno()], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return bool(readable)
+
+
+__all__ = ["FAST_READS", "RedisInternalsChanged", "answer_waiting", "missing", "read_replies", "write_now"]

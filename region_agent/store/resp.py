@@ -1,0 +1,120 @@
+"""RESP encoding of the agent's EVALSHA calls.
+
+A multi-rule call (every decision) is packed from one %-format per call shape, in which the array
+header, ``slack_ms``, ``decision_ttl_ms`` and the rule slots are already text: only the keys, the
+member and the question are filled in. Every other call is packed by ``hiredis.pack_command``.
+Both are measured against each other in docs/decisions/0025-redis-internals-behind-one-module.md;
+tests/unit/agent/test_resp_pack.py checks both against redis-py's own packer, byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hiredis import pack_command as _pack_command
+
+from ..call import RuleArgv
+
+__all__ = ["ASKING", "pack_evalsha", "pack_pipeline"]
+
+ASKING = b"*1\r\n$6\r\nASKING\r\n"
+_INT_RESP: dict[int, str] = {}  # a bulk string per int seen (rule parameters repeat on every call)
+_INT_RESP_MAX = 4_096
+_HEADS: dict[tuple[str, int, int], str] = {}  # (sha, keys, args) -> the array header up to the first key
+_MEMO_MAX = 4_096
+
+
+def pack_evalsha(sha: str, keys: Sequence[Any], argv: Sequence[Any]) -> bytes:
+    """``EVALSHA sha numkeys key... arg...`` as one RESP array (what redis-py's pack_command
+    would send for the same arguments: str as UTF-8, int in decimal, bytes as they are)."""
+    if argv.__class__ is RuleArgv:  # a multi-rule call: all but its strings packed once per shape
+        text = _pack_rule_call(sha, keys, argv)
+        if text is not None:
+            return text.encode()
+    return _pack_command(("EVALSHA", sha, len(keys), *keys, *argv))
+
+
+def pack_pipeline(calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]]) -> bytes:
+    """Every ``(sha, keys, argv)`` packed (:func:`pack_evalsha`) into one payload, encoded once
+    (a multi-rule call's text is ASCII; another call's bytes pass through as latin-1)."""
+    texts: list[str] = []
+    for sha, keys, argv in calls:
+        text = _pack_rule_call(sha, keys, argv) if argv.__class__ is RuleArgv else None
+        texts.append(text if text is not None else _pack_command(("EVALSHA", sha, len(keys), *keys, *argv)).decode("latin-1"))
+    return "".join(texts).encode("latin-1")
+
+
+def _bulks(args: Sequence[Any]) -> str | None:
+    """The RESP bulk strings of ``args`` (ASCII str and int), or None for anything else."""
+    parts: list[str] = []
+    append = parts.append
+    ints = _INT_RESP
+    for a in args:
+        cls = a.__class__
+        if cls is str and a.isascii():
+            append(f"${len(a)}\r\n{a}\r\n")
+        elif cls is int:
+            enc = ints.get(a)
+            if enc is None:
+                t = str(a)
+                enc = f"${len(t)}\r\n{t}\r\n"
+                if len(ints) < _INT_RESP_MAX:
+                    ints[a] = enc
+            append(enc)
+        else:
+            return None
+    return "".join(parts)
+
+
+def _head(sha: str, nk: int, na: int) -> str:
+    """``EVALSHA sha numkeys`` with the array header of a call of ``nk`` keys and ``na`` args (memoised)."""
+    hk = (sha, nk, na)
+    head = _HEADS.get(hk)
+    if head is None:
+        head = f"*{nk + na + 3}\r\n$7\r\nEVALSHA\r\n${len(sha)}\r\n{sha}\r\n${len(str(nk))}\r\n{nk}\r\n"
+        if len(_HEADS) >= _MEMO_MAX:
+            _HEADS.clear()
+        _HEADS[hk] = head
+    return head
+
+
+_BULK = "$%d\r\n%s\r\n"  # one string argument, as a %-format (its length, then it)
+_RULE_CALLS: dict[tuple, tuple[tuple, str]] = {}  # (sha, key count, id(rule slots), slack, ttl) -> (slots, format)
+
+
+def _pack_rule_call(sha: str, keys: Sequence[Any], argv: Any) -> str | None:
+    """A multi-rule call (``argv``: a :class:`~region_agent.call.RuleArgv`) packed from one %-format per
+    shape: the header, ``slack_ms``, ``decision_ttl_ms`` and the rule slots are already text in
+    it, only the keys, the member and the question (ASCII strings) are filled in. None for
+    anything else (the generic packer takes it)."""
+    rules = argv.rules
+    slack, ttl, member, question = argv[0], argv[1], argv[2], argv[-1]
+    memo_key = (sha, len(keys), id(rules), slack, ttl)
+    hit = _RULE_CALLS.get(memo_key)
+    if hit is None or hit[0] is not rules:
+        fixed = _bulks((slack, ttl))
+        slots = _bulks(rules)
+        if fixed is None or slots is None or len(argv) != len(rules) + 4:
+            return None
+        nk = len(keys)
+        fmt = (_head(sha, nk, len(argv)).replace("%", "%%") + _BULK * nk
+               + fixed.replace("%", "%%") + _BULK + slots.replace("%", "%%") + _BULK)
+        if len(_RULE_CALLS) >= _MEMO_MAX:
+            _RULE_CALLS.clear()
+        hit = _RULE_CALLS[memo_key] = (rules, fmt)
+    strs = (*keys, member, question)
+    try:
+        if not "".join(strs).isascii():  # lengths in bytes: the generic packer
+            return None
+    except TypeError:  # not all strings
+        return None
+    if len(strs) == 4:  # a decision key and one rule key: the common call
+        k0, k1 = keys
+        return hit[1] % (len(k0), k0, len(k1), k1, len(member), member, len(question), question)
+    vals: list[Any] = []
+    for x in strs:
+        vals += (len(x), x)
+    return hit[1] % tuple(vals)
+
+
