@@ -38,9 +38,9 @@ def test_the_three_kinds():
 
 
 @pytest.mark.parametrize(("url", "says"), [
-    ("localhost:6379", "scheme"),
-    ("http://h:1", "scheme"),
-    ("redis+shard://h:1", "scheme"),
+    ("localhost:6379", "expected a URL starting with redis://"),
+    ("http://h:1", "expected a URL starting with redis://"),
+    ("redis+shard://h:1", "expected a URL starting with redis://"),
     ("redis://", "no host"),
     ("redis://a:1,b:2", "several hosts"),
     ("redis://h:99999", "port"),
