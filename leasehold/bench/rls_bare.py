@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
+import signal
+import sys
 from concurrent import futures
 
 import grpc
@@ -67,7 +68,9 @@ def main() -> int:
     if a.processes <= 1:
         _one(a.server, a.port, a.threads)
         return 0
-    # grpcio must not be started before the fork: each worker is a fresh interpreter
+    # grpcio must not be started before the fork: each worker is a fresh interpreter. SIGTERM (how
+    # the bench stops a process) ends the wait below, so the workers are stopped with the parent
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_one, args=(a.server, a.port, a.threads), daemon=True) for _ in range(a.processes)]
     for p in procs:
@@ -79,7 +82,9 @@ def main() -> int:
         for p in procs:
             if p.is_alive():
                 p.terminate()
-    os._exit(0)
+        for p in procs:
+            p.join(5)
+    return 0
 
 
 if __name__ == "__main__":
