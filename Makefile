@@ -104,7 +104,7 @@ chaos-short: setup
 
 BENCH_ARGS ?=
 bench: setup
-	$(call apt_install,redis-benchmark,redis-tools)
+	$(call apt_install,redis-benchmark wrk,redis-tools wrk)
 	@[ $(VENV)/.bench-installed -nt $(CONSTRAINTS) ] || { $(PIP) install -q -c $(CONSTRAINTS) -e '.[test,bench]' && touch $(VENV)/.bench-installed; }
 	$(PY) -m leasehold.bench $(BENCH_ARGS)
 

@@ -738,7 +738,8 @@ def add_policy_commands(psub: Any) -> None:
     sp.add_argument("--bound", action="store_true",
                     help="also print each pool's overshoot bound per window, term by term")
     sp.add_argument("--regions", type=int, default=2, help="regions for --bound (default 2)")
-    sp.add_argument("--agents-per-region", type=int, default=1, help="agents per region for --bound (default 1)")
+    sp.add_argument("--agents-per-region", type=int, default=1,
+                    help="agent processes per region for --bound, an agent with --workers N counting N (default 1)")
     sp.add_argument("--markdown", action="store_true", help="--bound as a Markdown table (text output)")
     _etcd_opts(sp)
     sp = _command(psub, "keygen", "generate an Ed25519 signing key pair (NAME.key 0600, NAME.pub)", cmd_policy_keygen)

@@ -66,6 +66,23 @@ def pre_checks(st: Any, reqs: list[AdmitRequest]) -> list[tuple[AdmitRequest, De
     return out
 
 
+def pre_check(st: Any, req: AdmitRequest) -> tuple[AdmitRequest, Decision | None]:
+    """:func:`pre_checks` of one question, without the lists (the common single admission)."""
+    if req.auth_failed:
+        from .preauth import as_failed_auth
+        req = as_failed_auth(req)
+    bundle = st.holder.bundle
+    if st.epoch is not None and req.policy_epoch is not None:
+        st.epoch.observe(req.policy_epoch, bundle.bundle_version)
+    w = st.policy_watch
+    if w is not None and w.is_stale(bundle):
+        from .policy_watch import revoked_decision
+        return req, revoked_decision(bundle, req, st.metrics)
+    if st.key_cap is not None:
+        return req, st.key_cap.check(bundle, req, st.metrics)
+    return req, None
+
+
 class Admission:
     """The agent's one admission (module doc). ``state_of()`` returns the agent's state
     (region_agent.app.AgentState: engine, policy holder and watch, epoch check, key cap)."""
@@ -99,6 +116,9 @@ class Admission:
             raise Unavailable("agent is starting")
         if not reqs:
             return []
+        if len(reqs) == 1:  # one RLS descriptor, one forward-auth question: no lists
+            req, early = pre_check(st, reqs[0])
+            return [early if early is not None else await engine.admit(req, decoded=decoded)]
         pre = pre_checks(st, reqs)
         rest = [r for r, d in pre if d is None]
         if not rest:
@@ -114,7 +134,7 @@ class Admission:
         engine = st.engine
         if engine is None:
             raise Unavailable("agent is starting")
-        [(req, early)] = pre_checks(st, [req])
+        req, early = pre_check(st, req)
         return early if early is not None else await engine.admit(req, decoded=decoded)
 
 
@@ -128,4 +148,4 @@ def http_conflict(d: Decision) -> DecisionConflict:
     return DecisionConflict(detail or "requestId conflict", extra={"decisionId": d.decision_id})
 
 
-__all__ = ["Admission", "http_conflict", "is_conflict", "pre_checks"]
+__all__ = ["Admission", "http_conflict", "is_conflict", "pre_check", "pre_checks"]

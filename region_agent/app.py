@@ -39,6 +39,7 @@ from .engine import DecisionEngine
 from .epoch import EpochCheck
 from .fallback import LocalAllowances
 from .fastpath import admit_fast_path
+from .fastpath import install as install_fast_path
 from .gateways import Gateways
 from .gateways.authz import authz
 from .httpmap import configure_jitter
@@ -364,8 +365,6 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                         store_health_view, metrics, authz],
         guards=[agent_guard],
         dependencies=_dependencies(state),
-        middleware=([admit_fast_path(lambda: state, MAX_BODY_BYTES, decide_batch, MAX_BATCH_BODY_BYTES)]
-                    if fast_path else []),  # region_agent.fastpath
         lifespan=[lifespan],
         # logging stays as __main__ set it up: Litestar's default config would route every record
         # through a queue listener thread, and what is queued when SIGTERM ends the process (the
@@ -377,6 +376,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         request_class=StrictJSONRequest,  # kernel.jsonbody: application/json only, strict typed decoding
         debug=False,
     )
+    if fast_path:  # region_agent.fastpath, in front of the router
+        install_fast_path(app, admit_fast_path(lambda: state, MAX_BODY_BYTES, decide_batch, MAX_BATCH_BODY_BYTES))
     app.state.agent = state
     document_problems(app)
     inline_enums(app, DeniedScope)  # deniedScope documented as the inline string enum it always was

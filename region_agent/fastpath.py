@@ -29,6 +29,7 @@ announced larger than the limit is handed over before anything is read (the hand
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -47,6 +48,7 @@ ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaita
 PATH = "/v1/admit"
 BATCH_PATH = "/v1/admit/batch"
 _JSON_HEADERS = [(b"content-type", b"application/json")]
+log = logging.getLogger(__name__)
 _decode = msgspec.json.Decoder(AdmitRequest).decode
 _decode_batch = msgspec.json.Decoder(AdmitBatch).decode
 _encode = msgspec.json.Encoder().encode
@@ -103,14 +105,30 @@ def admit_fast_path(state_of: Callable[[], Any], max_body: int,
             if req is None:
                 await app(scope, replay(chunks, receive), send)
                 return
-            if batch:
-                await _answer_batch(st, req, send, decide_batch, raw_headers)  # type: ignore[arg-type]  # decide_batch is set whenever batch is true
-            else:
-                await _answer(st, req, send, raw_headers)
+            try:
+                if batch:
+                    await _answer_batch(st, req, send, decide_batch, raw_headers)  # type: ignore[arg-type]  # decide_batch is set whenever batch is true
+                else:
+                    await _answer(st, req, send, raw_headers)
+            except Exception:  # a bug: the app's exception handler's answer (nothing was sent yet)
+                log.exception("unhandled error on %s", path)
+                await _send_problem(send, LeaseholdError("internal error"), path)
 
         return serve
 
     return middleware
+
+
+def install(app: Any, middleware: Callable[[ASGIApp], ASGIApp]) -> None:
+    """Put the fast path in front of the Litestar app's router. ``Litestar.__call__`` sets
+    ``scope["app"]`` and ``scope["state"]`` and then calls ``app.asgi_handler`` (the router behind
+    the app's exception handling): wrapping that attribute lets a served request skip the route
+    lookup and the route's middleware stack (about 5 % of a request's CPU as an app-level
+    middleware), while everything handed over still meets the full app. The one place that knows
+    this part of Litestar; ``tests/integration/agent/test_fastpath.py`` fails when it changes."""
+    if not callable(getattr(app, "asgi_handler", None)):
+        raise RuntimeError("Litestar no longer has asgi_handler: region_agent.fastpath.install needs a new seam")
+    app.asgi_handler = middleware(app.asgi_handler)
 
 
 async def _answer_batch(st: Any, batch: AdmitBatch, send: Callable[[dict], Awaitable[None]],

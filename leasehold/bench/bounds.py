@@ -64,12 +64,14 @@ def explain(rows: Sequence[Row]) -> list[str]:
                    if x.get("fallback_share") else "") + ".")
         elif r.figure == "2" and "throughput" in r.name and "cpu_us_per_request" in x:
             per = x["cpu_us_per_request"]
-            a, e = _med(per["agent"], "server"), _med(per["echo"], "server")
+            ceiling = "raw" if "raw" in per else "echo"
+            a, e = _med(per["agent"], "server"), _med(per[ceiling], "server")
+            lit = f", the Litestar echo {_med(per['echo'], 'server'):.0f} us" if ceiling == "raw" else ""
             redis = _med(per["agent"], "redis")
             out.append(
-                f"Figure 2: per request the agent process spends {a:.0f} us of CPU, the bare echo app {e:.0f} us "
-                f"(Redis {redis:.1f} us per request for the agent); agent {_cores(x['cpu_utilisation']['agent'])}, "
-                f"echo {_cores(x['cpu_utilisation']['echo'])}. With {x.get('workers', 1)} worker(s) each, throughput "
+                f"Figure 2: per request the agent process spends {a:.0f} us of CPU, the {ceiling} echo app {e:.0f} us"
+                f"{lit} (Redis {redis:.1f} us per request for the agent); agent {_cores(x['cpu_utilisation']['agent'])}, "
+                f"{ceiling} echo {_cores(x['cpu_utilisation'][ceiling])}. With {x.get('workers', 1)} worker(s) each, throughput "
                 f"is about cores / CPU per request, so the ratio is bound by the agent's extra Python work per request "
                 f"({a - e:.0f} us: plan, keys, metrics, decision record, batcher) — see profile-agent-http.txt."
                 + (f" {100 * median(x['agent_fallback_share']):.1f}% of the agent's answers were local fallback "

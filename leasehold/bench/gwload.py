@@ -72,10 +72,18 @@ async def run_rls(cfg: dict, state: dict) -> list:
 
     pb = {"D": ratelimit_pb2.RateLimitDescriptor, "Request": rls_pb2.RateLimitRequest,
           "Code": rls_pb2.RateLimitResponse.Code}
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{cfg['port']}") as ch:
-        stub = rls_pb2_grpc.RateLimitServiceStub(ch)
-        return await asyncio.gather(*(_rls_worker(cfg, state, stub, pb) for _ in range(cfg["conns"])),
+    # ``channels`` > 1: that many separate connections (each its own subchannel, so a server of
+    # several processes on one port sees them spread), the in-flight calls divided among them
+    n = max(1, cfg.get("channels", 1))
+    chans = [grpc.aio.insecure_channel(f"127.0.0.1:{cfg['port']}", options=[("grpc.use_local_subchannel_pool", 1)])
+             for _ in range(n)]
+    try:
+        stubs = [rls_pb2_grpc.RateLimitServiceStub(ch) for ch in chans]
+        return await asyncio.gather(*(_rls_worker(cfg, state, stubs[w % n], pb) for w in range(cfg["conns"])),
                                     return_exceptions=True)
+    finally:
+        for ch in chans:
+            await ch.close()
 
 
 async def _http_conn(cfg: dict, state: dict, source: str | None, heads: list[bytes]) -> None:

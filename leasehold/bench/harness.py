@@ -82,9 +82,10 @@ def start_agent(workdir: Path, redis_url: str, *, policy: Path = NORTHSTAR, regi
     return wait_ready(svc)
 
 
-def start_echo(workdir: Path, workers: int = 1) -> Service:
+def start_echo(workdir: Path, workers: int = 1, module: str = "leasehold.bench.echo_app") -> Service:
+    """An echo server of figure 2: the Litestar echo (``echo_app``) or the raw ASGI one (``raw_echo``)."""
     port = free_port()
-    proc = Proc(f"echo-{port}", [sys.executable, "-m", "leasehold.bench.echo_app", "--port", str(port),
+    proc = Proc(f"echo-{port}", [sys.executable, "-m", module, "--port", str(port),
                                  "--workers", str(workers)], workdir, env=_env()).start()
     try:
         wait_port(port, proc=proc.popen, timeout=60)

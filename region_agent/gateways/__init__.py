@@ -51,10 +51,12 @@ class Gateways:
         auth = self.state.auth
         return auth.gateways if auth is not None else None
 
-    async def decide(self, reqs: list[AdmitRequest], *, door: str, carrier: Any = ()) -> list[Decision]:
+    async def decide(self, reqs: list[AdmitRequest], *, door: str, carrier: Any = (),
+                     decoded: bool = False) -> list[Decision]:
         """The agent's one admission (never raises for a question it can answer), asked at
-        ``door`` with the gateway's headers or metadata as ``carrier`` (its trace context)."""
-        return await self.admission.decide(reqs, door=door, carrier=carrier)
+        ``door`` with the gateway's headers or metadata as ``carrier`` (its trace context);
+        ``decoded``: the questions passed the wire types' validation (their id patterns)."""
+        return await self.admission.decide(reqs, door=door, carrier=carrier, decoded=decoded)
 
     async def start(self) -> None:
         s = self.settings

@@ -27,7 +27,24 @@ PROBLEM_TYPE = "application/problem+json"
 _encode = msgspec.json.Encoder().encode
 
 
+_per_unit_memo: tuple[Bundle | None, dict[str, tuple[int, str] | None]] = (None, {})
+
+
 def per_unit(rule: Rule, bundle: Bundle) -> tuple[int, str] | None:
+    """:func:`rule_per_unit`, remembered per rule of the bundle in force (a bundle is immutable)."""
+    global _per_unit_memo
+    held, memo = _per_unit_memo
+    if held is not bundle:
+        memo = {}
+        _per_unit_memo = (bundle, memo)
+    try:
+        return memo[rule.id]
+    except KeyError:
+        out = memo[rule.id] = rule_per_unit(rule, bundle)
+        return out
+
+
+def rule_per_unit(rule: Rule, bundle: Bundle) -> tuple[int, str] | None:
     """(requests_per_unit, unit) when the rule's limit is exactly that, else None.
 
     A rate that scales (a bucket's refill): the sustained rate in the smallest unit where it is a
@@ -136,4 +153,4 @@ def authz_answer(d: Decision, *, deny_status: int | None = None) -> AuthzAnswer:
 
 
 __all__ = ["AuthzAnswer", "DescriptorAnswer", "RlsAnswer", "authz_answer", "deciding", "descriptor_answer",
-           "per_unit", "rls_answer"]
+           "per_unit", "rls_answer", "rule_per_unit"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 
 import httpx
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
@@ -47,6 +48,7 @@ def fuzz(base: str, per_operation: int) -> Counter:
     return statuses
 
 
+@pytest.mark.timeout(900)  # ~2,000 generated requests: minutes on a loaded machine
 def test_agent_schema_fuzz(agent_service):
     statuses = fuzz(agent_service.base, per_operation=350)
     total = sum(statuses.values())
@@ -55,6 +57,7 @@ def test_agent_schema_fuzz(agent_service):
     assert statuses[200] > 0 and (statuses[400] + statuses[422]) > 0
 
 
+@pytest.mark.timeout(900)
 def test_allocator_schema_fuzz(allocator_service):
     statuses = fuzz(allocator_service.base, per_operation=290)
     total = sum(statuses.values())
