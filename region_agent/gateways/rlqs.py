@@ -76,6 +76,7 @@ FILL_INTERVAL_S = 10 * 365 * 86_400  # one token per ten years: a token bucket t
 TICK_S = 0.1
 LEAD_MS = 300.0  # a holding gets its next assignment when it has about this much of its demand left
 DENY_TTL_S = 60
+RETRY_MAX_MS = 1_000  # a denied round is asked again at most this much later
 
 
 # -------------------------------------------------------------------------- what Envoy is sent
@@ -409,7 +410,9 @@ class RlqsService:
             if taken.tokens:  # funded, but its window ended while the round waited: never sent
                 m.rlqs_stranded_tokens.inc(taken.tokens)
             for h in parties:
-                h.retry_at_ms = now + min(5_000, max(250, taken.retry_ms))
+                # the hint is for the whole asked cost; a token or two return sooner, and the next
+                # round asks for what is left (partial assignments): look again within a second
+                h.retry_at_ms = now + min(RETRY_MAX_MS, max(250, taken.retry_ms))
                 self._schedule(h, h.retry_at_ms)
             return
         m.rlqs_rounds.labels("granted" if taken.tokens >= sum(needs.values()) else "partial").inc()
