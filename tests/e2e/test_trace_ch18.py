@@ -110,7 +110,8 @@ async def test_trace_steps_4_and_6_to_13_across_regions(topo: LocalTopology):
             # the quiet warm-up, each renewal buys what arrived meanwhile, so the burst takes a few
             renew_before = await metric(client, a, "leasehold_agent_pool_renewals_total", pool="global-read")
             got = await asyncio.gather(*(admit(client, a, f"trace-step-4-{i}", user=f"U-4{i}") for i in range(10)))
-            assert all(d["allowed"] and not d["fallback"] for d in got)
+            assert all(d["allowed"] and not d["fallback"] for d in got), \
+                [(d["policyId"], d.get("source"), d["retryAfterMs"]) for d in got if not d["allowed"] or d["fallback"]]
             renewals = await metric(client, a, "leasehold_agent_pool_renewals_total", pool="global-read") - renew_before
             assert renewals <= 5
             gbal = await Scripts().pool_balance(r, KeyBuilder.global_pool_key("global-read"))
