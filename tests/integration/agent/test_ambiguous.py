@@ -58,7 +58,9 @@ async def test_idempotent_export_retried_after_a_lost_reply_is_debited_once(prox
         await asyncio.sleep(0.01)
     await proxy.heal()
     d = (await task).json()
-    assert await ambiguous_count(agent) == 1
+    # at least the lost reply; on a loaded machine the retry may already be in the blackhole before
+    # the heal lands and be ambiguous too - the same decision id replays, so it still debits once
+    assert await ambiguous_count(agent) >= 1
     assert d["allowed"] is True and d["fallback"] is False and d["decisionId"] == "r-e41-lost"
     assert await bucket_tokens(r, export) == 990_000  # the replay did not debit again
     assert await r.zcard(export + ":cc") == 1
