@@ -240,7 +240,8 @@ class DecisionEngine:
     async def _take_globals(self, prep: _Prepared) -> None:
         """Reserve every fleet-wide pool's tokens (region_agent.leasing.fleet_pools), or decide early."""
         for spend in prep.plan.global_spends:
-            self._allow_cold_wait(prep, KeyBuilder.global_pool_key(spend.pool.id))
+            if self.cold_wait > 0 and self.fleet.remaining(spend.pool.id) < spend.cost:  # (a held chunk pays)
+                self._allow_cold_wait(prep, KeyBuilder.global_pool_key(spend.pool.id))
             took = await self.fleet.take(spend, prep.deadline, self.clock)
             if took.status is TakeStatus.OK:
                 prep.reservations.append(_Reservation(spend, took.generation))
