@@ -19,13 +19,14 @@ TEST_PACKAGES := $(RUN_PACKAGES) redis-sentinel faketime iptables iproute2 nginx
 PYTEST_ARGS ?=
 
 .PHONY: help setup setup-run system-deps-run system-deps venv-demo venv-test run test test-unit \
-        test-integration test-e2e chaos chaos-short bench lint clean doc-tables constraints policies
+        test-integration test-e2e fuzz chaos chaos-short bench lint clean doc-tables constraints policies
 
 help:
 	@echo "make run    - set up what the demo needs, start the local two-region topology, drive the live demo"
 	@echo "make test   - set up everything and run the whole test suite (about 14 minutes on 2 cores)"
 	@echo "make bench  - benchmarks (ratios against Redis/etcd/peer ceilings measured in the same run)"
 	@echo "make chaos  - the full chaos profile (long; not run by CI)"
+	@echo "make fuzz   - the schema fuzz at its full size (long; make test runs a smaller profile)"
 
 # apt-get as root, else through sudo; otherwise say exactly what to install and stop
 define apt_install
@@ -95,6 +96,10 @@ test-integration: setup
 
 test-e2e: setup
 	$(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
+
+# the schema fuzz at its full size (>= 2,000 requests per service; make test runs >= 400)
+fuzz: setup
+	FUZZ_PROFILE=full $(PY) -m pytest -q -p no:cacheprovider tests/integration/security/test_fuzz.py $(PYTEST_ARGS)
 
 chaos: setup
 	$(PY) -m chaos run --profile full --seeds 3
