@@ -91,6 +91,28 @@ def run_promtool_tests(doc: dict, tmp_path: Path) -> subprocess.CompletedProcess
     return subprocess.run([promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=240)
 
 
+def run_promtool_tests_split(doc: dict, tmp_path: Path) -> list[subprocess.CompletedProcess]:
+    """The same test groups as :func:`run_promtool_tests`, in two ``promtool`` processes at once:
+    the two healthy-fleet groups (three hours of evaluations each, most of the work) in one, the
+    per-alert cases in the other. Each process gets the whole rule file; a group is a unit."""
+    healthy = [g for g in doc["tests"] if g["name"].startswith("healthy")]
+    cases = [g for g in doc["tests"] if not g["name"].startswith("healthy")]
+    procs = []
+    for i, groups in enumerate(g for g in (healthy, cases) if g):
+        path = tmp_path / f"alerts_test_{i}.yml"
+        path.write_text(yaml.safe_dump({**doc, "tests": groups}, sort_keys=False))
+        procs.append(subprocess.Popen([promtool(), "test", "rules", str(path)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=240)
+        finally:
+            p.kill()
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
 def test_promtool_check_rules_accepts_the_shipped_file():
     res = subprocess.run([promtool(), "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -109,9 +131,12 @@ def test_every_alert_has_a_firing_case_and_is_checked_silent_on_a_healthy_fleet(
 
 
 def test_promtool_unit_tests_pass(tmp_path):
-    res = run_promtool_tests(promtool_tests(), tmp_path)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
-    assert "SUCCESS" in res.stdout
+    doc = promtool_tests()
+    runs = run_promtool_tests_split(doc, tmp_path)
+    for res in runs:
+        assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
+        assert "SUCCESS" in res.stdout
+    assert len(runs) == 2
 
 
 def test_promtool_unit_tests_can_fail(tmp_path):
@@ -132,6 +157,12 @@ def test_promtool_unit_tests_can_fail(tmp_path):
     doc["tests"] = [healthy]
     res = run_promtool_tests(doc, tmp_path)
     assert res.returncode != 0 and "LeaseholdBreakerOpen" in res.stdout + res.stderr
+    # the split run of test_promtool_unit_tests_pass notices a failing group in either process
+    doc = promtool_tests(cases)
+    healthy["alert_rule_test"][0]["eval_time"] = "5m"
+    doc["tests"] = [healthy, *[g for g in doc["tests"] if g["name"] == "LeaseholdBreakerOpen fires"]]
+    runs = run_promtool_tests_split(doc, tmp_path)
+    assert len(runs) == 2 and all(r.returncode != 0 and "LeaseholdBreakerOpen" in r.stdout + r.stderr for r in runs)
 
 
 def _anchors(markdown: str) -> set[str]:
