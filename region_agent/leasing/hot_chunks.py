@@ -35,7 +35,7 @@ import itertools
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kernel.algorithms import Role
@@ -45,6 +45,7 @@ from kernel.errors import LeaseholdError, ScriptRejected
 
 from ..call import ScriptCall, multi_rule_argv
 from ..plan import Plan
+from .chunks import ChunkLease
 
 log = logging.getLogger(__name__)
 
@@ -102,21 +103,26 @@ def chunk_units(rate_per_s: float, validity_ms: int, cost: int, chunk_max: int, 
 
 @dataclass(slots=True)
 class KeySetChunk:
-    """The units one key set's chunk still holds here, until ``expires_at_ms``."""
+    """One key set's chunk here: the parts its takes bought (:class:`~.chunks.ChunkLease`, spent
+    earliest-expiring first, each abandoned when its validity ends), the store's remaining right
+    after the last take, and the take in flight."""
 
-    units: int = 0
-    expires_at_ms: float = 0.0
-    remaining: tuple[int, ...] = ()  # every slot's remaining in the store right after the take
+    lease: ChunkLease = field(default_factory=ChunkLease)
+    remaining: tuple[int, ...] = ()  # every slot's remaining in the store right after the last take
     taking: asyncio.Future | None = None  # the take in flight (single flight)
-
-    def live(self, now_ms: float) -> bool:
-        return self.units > 0 and now_ms < self.expires_at_ms
+    last_take: int = 0  # units the last take asked for (the low-water mark is a quarter of it)
+    scheduled: bool = False  # a background take is scheduled and has not started yet
 
     def spend(self, cost: int, now_ms: float) -> bool:
-        if self.units >= cost and now_ms < self.expires_at_ms:
-            self.units -= cost
-            return True
-        return False
+        return self.lease.try_take(cost, now_ms) is not None
+
+    def usable(self, now_ms: float) -> int:
+        return self.lease.usable(now_ms)
+
+
+#: A background take starts when a chunk holds this share of its last take or less (the requests
+#: keep spending the rest meanwhile, so a hot key set rarely finds its chunk empty).
+LOW_WATER = 0.25
 
 
 class HotConfig(NamedTuple):
@@ -207,9 +213,9 @@ class HotChunks:
         self.now_ms = now_ms
         self.rates: BoundedMemo[tuple, AttemptRate] = BoundedMemo(MAX_TRACKED)
         self.chunks: dict[tuple, KeySetChunk] = {}
-        self.held: dict[str, int] = {}  # rule key -> units held in live chunks of this process
-        self.by_key: dict[str, set[tuple]] = {}  # rule key -> key sets whose chunk holds units of it
+        self.by_key: dict[str, set[tuple]] = {}  # rule key -> key sets whose chunk may hold units of it
         self._ids = itertools.count(1)
+        self._background: set[asyncio.Task] = set()
 
     def pay(self, plan: Plan) -> ChunkReply | None:
         """The reply made from the key set's chunk when it pays ``plan``'s request now (counted as
@@ -220,7 +226,7 @@ class HotChunks:
         ks, cost, now = self._note(plan, cfg)
         chunk = self.chunks.get(ks)
         if chunk is not None and chunk.spend(cost, now):
-            return self._paid(ks, chunk, cfg, cost)
+            return self._paid(ks, chunk, cfg, plan, now)
         return None
 
     def _note(self, plan: Plan, cfg: HotConfig) -> tuple[tuple, int, float]:
@@ -231,6 +237,10 @@ class HotChunks:
             rate = self.rates.put(ks, AttemptRate())
         rate.note(plan.cost_hint, now)
         return ks, plan.cost_hint, now
+
+    def _rate(self, ks: tuple, now: float) -> float:
+        rate = self.rates.get(ks)
+        return rate.per_s(now) if rate is not None else 0.0
 
     async def ask(self, plan: Plan, calls: list[ScriptCall], deadline_s: float,
                   clock_s: Callable[[], float]) -> list[Any]:
@@ -244,7 +254,7 @@ class HotChunks:
         chunk = self.chunks.get(ks)
         if chunk is not None:
             if chunk.spend(cost, now):
-                return [self._paid(ks, chunk, cfg, cost)]
+                return [self._paid(ks, chunk, cfg, plan, now)]
             if chunk.taking is not None:  # single flight: wait for the take in flight, then spend from it
                 try:
                     await asyncio.wait_for(asyncio.shield(chunk.taking), max(0.0, deadline_s - clock_s()))
@@ -253,72 +263,87 @@ class HotChunks:
                 now = self.now_ms()
                 chunk = self.chunks.get(ks)
                 if chunk is not None and chunk.spend(cost, now):
-                    return [self._paid(ks, chunk, cfg, cost)]
-        rate = self.rates.get(ks)
-        per_s = rate.per_s(now) if rate is not None else 0.0
+                    return [self._paid(ks, chunk, cfg, plan, now)]
+        per_s = self._rate(ks, now)
         if per_s < cfg.threshold_per_s or (chunk is None and len(self.chunks) >= MAX_CHUNKS) \
                 or (chunk is not None and chunk.taking is not None):
             return await self.store.submit(calls, wait_s=max(0.0, deadline_s - clock_s()))
-        got = await self._take(ks, cfg, list(ks[0]), cost, per_s, plan.slack_ms, max(0.0, deadline_s - clock_s()))
+        got = await self._take(ks, cfg, cost, per_s, plan.slack_ms, max(0.0, deadline_s - clock_s()))
         if got is None:  # the keys' rules allow this process no more chunk units: the request asks alone
             return await self.store.submit(calls, wait_s=max(0.0, deadline_s - clock_s()))
         return got
 
     # ------------------------------------------------------------------ spending
-    def _paid(self, ks: tuple, chunk: KeySetChunk, cfg: HotConfig, cost: int) -> ChunkReply:
-        for key in ks[0]:
-            self.held[key] = self.held.get(key, 0) - cost
-        if chunk.units == 0:
-            self._drop(ks, chunk)
-        # remaining: the store's right after the take, plus what this chunk still holds
-        return ChunkReply([1, 0, 0, *(r + chunk.units * u for r, u in zip(chunk.remaining, cfg.unit_cost,
-                                                                           strict=True))])
+    def _paid(self, ks: tuple, chunk: KeySetChunk, cfg: HotConfig, plan: Plan, now: float) -> ChunkReply:
+        left = chunk.usable(now)
+        if chunk.taking is None and not chunk.scheduled and left <= chunk.last_take * LOW_WATER:
+            per_s = self._rate(ks, now)
+            if per_s >= cfg.threshold_per_s:  # still hot: the next chunk before this one is spent
+                chunk.scheduled = True
+                task = asyncio.ensure_future(self._take(ks, cfg, 1, per_s, plan.slack_ms, None))
+                self._background.add(task)
+                task.add_done_callback(self._background_done)
+        # remaining: the store's right after the last take, plus what this chunk still holds
+        return ChunkReply([1, 0, 0, *(r + left * u for r, u in zip(chunk.remaining, cfg.unit_cost, strict=True))])
 
-    def _drop(self, ks: tuple, chunk: KeySetChunk) -> None:
-        """The chunk holds nothing any more (spent, or abandoned: counted)."""
-        if chunk.units:
-            self.metrics.hot_chunk_abandoned.inc(chunk.units)
-            for key in ks[0]:
-                self.held[key] = self.held.get(key, 0) - chunk.units
-            chunk.units = 0
-        for key in ks[0]:
-            sets = self.by_key.get(key)
-            if sets is not None:
-                sets.discard(ks)
-                if not sets:
-                    del self.by_key[key]
-                    self.held.pop(key, None)
-        if chunk.taking is None:
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the store failed: requests will ask it
+            log.debug("background chunk take failed: %r", task.exception())
+
+    def _sweep(self, ks: tuple, chunk: KeySetChunk, now: float) -> int:
+        """Drop what expired (counted as abandoned); forget a chunk that holds nothing and takes
+        nothing. Returns the units it still holds."""
+        left = chunk.usable(now)
+        wasted = chunk.lease.take_abandoned()
+        if wasted:
+            self.metrics.hot_chunk_abandoned.inc(wasted)
+        if left == 0 and chunk.taking is None:
             self.chunks.pop(ks, None)
+            for key in ks[0]:
+                sets = self.by_key.get(key)
+                if sets is not None:
+                    sets.discard(ks)
+                    if not sets:
+                        del self.by_key[key]
+        return left
 
     def _headroom(self, ks: tuple, cfg: HotConfig, now_ms: float) -> int:
-        """Units a new chunk of ``ks`` may hold: for every key, its rule's chunkMax less what this
-        process's live chunks hold of it (expired chunks are abandoned first)."""
+        """Units a new part of ``ks``'s chunk may hold: for every key, its rule's chunkMax less
+        what this process's chunks hold of it now (this key set's own included)."""
         room = None
         for key, top in zip(ks[0], cfg.chunk_max, strict=True):
+            held = 0
             for other in list(self.by_key.get(key, ())):
                 c = self.chunks.get(other)
-                if c is not None and not c.live(now_ms):
-                    self._drop(other, c)
-            left = top - max(0, self.held.get(key, 0))
-            room = left if room is None else min(room, left)
+                held += 0 if c is None else self._sweep(other, c, now_ms)
+            room = top - held if room is None else min(room, top - held)
         return max(0, room or 0)
 
     # ------------------------------------------------------------------ taking
-    async def _take(self, ks: tuple, cfg: HotConfig, keys: list[str], cost: int, rate: float, slack_ms: int,
-                    wait_s: float) -> list[Any] | None:
-        chunk = self.chunks.get(ks)
+    async def _take(self, ks: tuple, cfg: HotConfig, cost: int, rate: float, slack_ms: int,
+                    wait_s: float | None) -> list[Any] | None:
+        """One take of ``ks``'s chunk: ``cost`` units at least, for the asking request (``cost``
+        1 and ``wait_s`` None: a background take nobody waits for). Returns the asking request's
+        replies, or None when the keys' rules allow this process no more units."""
         now = self.now_ms()
-        if chunk is None:
-            chunk = self.chunks[ks] = KeySetChunk()
-        else:
-            self._drop(ks, chunk)  # what is left cannot pay this request: abandoned
-            self.chunks[ks] = chunk
+        current = self.chunks.get(ks)
+        if current is not None and wait_s is None:
+            current.scheduled = False  # this is the scheduled background take, starting
+        if current is not None and current.taking is not None:
+            return None
+        # (the headroom sweeps what expired, this key set's own chunk included: look it up after)
         want = chunk_units(rate, cfg.validity_ms, cost, min(cfg.chunk_max), self._headroom(ks, cfg, now))
         if want == 0:
-            self.chunks.pop(ks, None)
             return None
+        chunk = self.chunks.get(ks)
+        if chunk is None:
+            chunk = self.chunks[ks] = KeySetChunk()
+        background = wait_s is None
+        asker = 0 if background else cost  # units the asking request spends at once
+        keys = list(ks[0])
         fut = chunk.taking = asyncio.get_running_loop().create_future()
+        chunk.last_take = want
         outcome = "error"
         try:
             sent_at = self.now_ms()  # validity is timed from when the take was sent
@@ -331,24 +356,18 @@ class HotChunks:
                 return [got.reply]
             outcome = "taken" if got.taken >= want else "partial"
             validity = cfg.validity_ms if got.valid_for_ms < 0 else min(cfg.validity_ms, got.valid_for_ms)
-            left = got.taken - cost
-            chunk.units, chunk.expires_at_ms = left, sent_at + validity
-            chunk.remaining = tuple(got.reply[3:])
-            if left > 0:
+            spare = got.taken - asker
+            if spare > 0:
+                chunk.lease.grant(spare, sent_at, validity)
                 for key in keys:
-                    self.held[key] = self.held.get(key, 0) + left
                     self.by_key.setdefault(key, set()).add(ks)
+            chunk.remaining = tuple(got.reply[3:])
+            held = chunk.usable(self.now_ms())
             reply = list(got.reply)
-            reply[3:] = [r + left * u for r, u in zip(chunk.remaining, cfg.unit_cost, strict=True)]
+            reply[3:] = [r + held * u for r, u in zip(chunk.remaining, cfg.unit_cost, strict=True)]
             return [reply]
-        except LeaseholdError as e:
-            fut.set_exception(e)
-            fut.exception()  # retrieved: nobody need wait for it
-            raise
         finally:
             self.metrics.hot_chunks.labels(outcome).inc()
             chunk.taking = None
-            if not fut.done():
-                fut.set_result(None)
-            if chunk.units == 0:
-                self.chunks.pop(ks, None)
+            fut.set_result(None)
+            self._sweep(ks, chunk, self.now_ms())
