@@ -21,6 +21,8 @@ import json
 import threading
 from pathlib import Path
 
+import httpx
+
 from kernel.algorithms import HotChunk
 from kernel.bound import Topology, hot_chunk_term
 from kernel.bundle import Bundle, encode_bundle, make_rule, seal, validate_bundle
@@ -88,6 +90,7 @@ def _flood(ctx: Ctx, name: str, bundle: Bundle, rate: float | None) -> dict:
                 got["hot"] = loadgen(hot)
                 side.join()
                 calls = evalsha_calls(r) - before
+                got["metrics"] = _agent_counts(agent.url)
             finally:
                 r.close()
     hot_res, other_res = got["hot"], got["others"]
@@ -99,7 +102,22 @@ def _flood(ctx: Ctx, name: str, bundle: Bundle, rate: float | None) -> dict:
             "admitted_per_s": hot_res["counted"] / hot_res["elapsed_s"] if hot_res["elapsed_s"] else 0.0,
             "attempts_per_s": hot_res["rps"], "hot_calls": hot_calls, "redis_calls": calls,
             "calls_per_attempt": hot_calls / hot_res["ok"] if hot_res["ok"] else float("nan"),
-            "others_p99_ms": other_res["p99_ms"], "others_ok": other_res["ok"]}
+            "others_p99_ms": other_res["p99_ms"], "others_ok": other_res["ok"], "agent": got["metrics"]}
+
+
+def _agent_counts(url: str) -> dict[str, float]:
+    """The agent's chunk takes by outcome, abandoned units and decisions by source (its /metrics)."""
+    out: dict[str, float] = {}
+    text = httpx.get(url + "/metrics", timeout=5.0).text
+    for line in text.splitlines():
+        if line.startswith(("leasehold_agent_hot_chunk", "leasehold_agent_decisions_total{")):
+            name, _, value = line.rpartition(" ")
+            if name.startswith("leasehold_agent_decisions_total"):
+                src = name.split('source="', 1)[1].split('"', 1)[0] if 'source="' in name else "?"
+                out[f"decisions source={src}"] = out.get(f"decisions source={src}", 0.0) + float(value)
+            elif not name.endswith("_created"):
+                out[name] = float(value)
+    return out
 
 
 def run(ctx: Ctx) -> list[Row]:
