@@ -217,6 +217,11 @@ class HotChunks:
         self._ids = itertools.count(1)
         self._background: set[asyncio.Task] = set()
 
+    async def settled(self) -> None:
+        """Wait for the background takes in flight (tests; a clean stop)."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
     def pay(self, plan: Plan) -> ChunkReply | None:
         """The reply made from the key set's chunk when it pays ``plan``'s request now (counted as
         an attempt either way); None: the request needs the store (a batch item: in the batch)."""

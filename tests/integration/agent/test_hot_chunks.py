@@ -173,3 +173,32 @@ async def test_several_agents_stay_within_the_limit_plus_the_stated_overshoot(re
         worst = max(worst, inside)
     assert worst <= 30 + term.tokens, worst
     assert sum(a.takes["taken"] + a.takes["partial"] for a in agents) >= 1
+
+
+async def test_a_batch_spends_the_chunk_a_single_admission_took(redis_url, redis, tmp_path):
+    agent = Agent(redis_url, bundle_with({**FW, "limit": 1_000},
+                                         HotChunk(threshold_per_s=1, chunk_max=20, validity_ms=60_000)), tmp_path)
+    first = await agent.admit()
+    assert first.allowed and agent.takes["taken"] == 1
+    await redis.config_resetstat()
+    takes = sum(agent.takes.values())
+    reqs = [AdmitRequest(request_id=f"b-{i:012d}", tenant_id="hot", principal=Principal(type="user", id="U-1"),
+                         route_group="read") for i in range(25)]
+    got = await agent.engine.admit_many(reqs)
+    assert all(d.allowed for d in got)
+    assert sum(d.source == DecisionSource.CHUNK for d in got) == 19  # what the chunk held
+    # the other six: their own calls in the batch's one submit (a batch does not take a chunk itself);
+    # and the background take the chunk's low water started
+    await agent.engine.hot.settled()
+    background = sum(agent.takes.values()) - takes
+    assert background == 1 and await evalsha_calls(redis) == 6 + background
+
+
+async def test_chunks_on_a_redis_cluster(redis_cluster_url, tmp_path):
+    """The take goes to the primary of the tenant's slot like the multi-rule call."""
+    agent = Agent(redis_cluster_url.replace("redis://", "redis+cluster://"),
+                  bundle_with(FW, HotChunk(threshold_per_s=1, chunk_max=10, validity_ms=60_000)), tmp_path)
+    answers = [await agent.admit() for _ in range(30)]
+    assert sum(d.allowed for d in answers) == 25
+    assert sum(d.source == DecisionSource.CHUNK for d in answers) >= 15
+    assert agent.takes["error"] == 0
