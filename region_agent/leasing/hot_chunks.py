@@ -214,6 +214,7 @@ class HotChunks:
         self.rates: BoundedMemo[tuple, AttemptRate] = BoundedMemo(MAX_TRACKED)
         self.chunks: dict[tuple, KeySetChunk] = {}
         self.by_key: dict[str, set[tuple]] = {}  # rule key -> key sets whose chunk may hold units of it
+        self.reserved: dict[str, int] = {}  # rule key -> units asked by takes in flight (other key sets too)
         self._ids = itertools.count(1)
         self._background: set[asyncio.Task] = set()
 
@@ -315,10 +316,11 @@ class HotChunks:
 
     def _headroom(self, ks: tuple, cfg: HotConfig, now_ms: float) -> int:
         """Units a new part of ``ks``'s chunk may hold: for every key, its rule's chunkMax less
-        what this process's chunks hold of it now (this key set's own included)."""
+        what this process's chunks hold of it now (this key set's own included) and what takes in
+        flight for other key sets with that key may add."""
         room = None
         for key, top in zip(ks[0], cfg.chunk_max, strict=True):
-            held = 0
+            held = self.reserved.get(key, 0)
             for other in list(self.by_key.get(key, ())):
                 c = self.chunks.get(other)
                 held += 0 if c is None else self._sweep(other, c, now_ms)
@@ -349,6 +351,8 @@ class HotChunks:
         keys = list(ks[0])
         fut = chunk.taking = asyncio.get_running_loop().create_future()
         chunk.last_take = want
+        for key in keys:
+            self.reserved[key] = self.reserved.get(key, 0) + want
         outcome = "error"
         try:
             sent_at = self.now_ms()  # validity is timed from when the take was sent
@@ -373,6 +377,12 @@ class HotChunks:
             return [reply]
         finally:
             self.metrics.hot_chunks.labels(outcome).inc()
+            for key in keys:
+                left = self.reserved.get(key, 0) - want
+                if left > 0:
+                    self.reserved[key] = left
+                else:
+                    self.reserved.pop(key, None)
             chunk.taking = None
             fut.set_result(None)
             self._sweep(ks, chunk, self.now_ms())

@@ -51,9 +51,9 @@ class Agent:
         self.engine = DecisionEngine(get_bundle=lambda: bundle, keys=KeyBuilder(PEPPER), store=self.store,
                                      metrics=self.m, budget_ms=2_000)
 
-    async def admit(self, cost: int = 1):
+    async def admit(self, cost: int = 1, user: str = "U-1"):
         return await self.engine.admit(AdmitRequest(
-            request_id=f"r-{next(_ids):012d}", tenant_id="hot", principal=Principal(type="user", id="U-1"),
+            request_id=f"r-{next(_ids):012d}", tenant_id="hot", principal=Principal(type="user", id=user),
             route_group="read", cost_hint=cost))
 
     def count(self, name: str, **labels: str) -> float:
@@ -202,3 +202,28 @@ async def test_chunks_on_a_redis_cluster(redis_cluster_url, tmp_path):
     assert sum(d.allowed for d in answers) == 25
     assert sum(d.source == DecisionSource.CHUNK for d in answers) >= 15
     assert agent.takes["error"] == 0
+
+
+async def test_a_key_in_many_key_sets_is_held_no_more_than_its_chunk_max(redis_url, tmp_path):
+    """The tenant's bucket is in every user's key set: what one process holds of it in all its
+    chunks together stays within the tenant rule's chunkMax (the bound's per-key term)."""
+    tenant = make_rule(id="hot-tenant", scope="tenant", tenant="hot", fail_mode="closed", algorithm="sliding_log",
+                       limit=1_000, window_ms=60_000, hot_chunk=HotChunk(threshold_per_s=1, chunk_max=12,
+                                                                         validity_ms=60_000))
+    user = make_rule(id="hot-user", scope="user", fail_mode="closed", algorithm="sliding_log", limit=1_000,
+                     window_ms=60_000, hot_chunk=HotChunk(threshold_per_s=1, chunk_max=50, validity_ms=60_000))
+    b = seal(Bundle(bundle_version=7, published_at="2026-12-01T00:00:00Z", checksum="", rules=[user, tenant]))
+    validate_bundle(b)
+    agent = Agent(redis_url, b, tmp_path)
+    hot = agent.engine.hot
+    for i in range(40):
+        d = await agent.admit(user=f"U-{i % 4}")
+        assert d.allowed
+        await hot.settled()
+        now = hot.now_ms()
+        tenant_keys = {k for ks in hot.chunks for k in ks[0] if ":tenant:" in k}
+        assert len(tenant_keys) == 1
+        (key,) = tenant_keys
+        held = sum(c.usable(now) for ks, c in hot.chunks.items() if key in ks[0])
+        assert held <= 12, held
+    assert sum(1 for ks in hot.chunks if hot.chunks[ks].usable(hot.now_ms())) >= 1
