@@ -43,8 +43,8 @@ from kernel.algorithms.hot_chunk import COST_PARAM
 from kernel.bounded import BoundedMemo
 from kernel.errors import LeaseholdError, ScriptRejected
 
-from ..call import ScriptCall, multi_rule_argv
-from ..plan import Plan
+from ..decision.call import ScriptCall, multi_rule_argv
+from ..decision.plan import Plan
 from .chunks import ChunkLease
 
 log = logging.getLogger(__name__)

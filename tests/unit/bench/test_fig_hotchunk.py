@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from bench.__main__ import DEFAULT_FIGURES, FIGURES
+from bench.fig_hotchunk import HOT, bench_bundle, script_budget_per_s
 from kernel.bound import Topology, hot_chunk_term
-from leasehold.bench.__main__ import DEFAULT_FIGURES, FIGURES
-from leasehold.bench.fig_hotchunk import HOT, bench_bundle, script_budget_per_s
 
 
 def test_the_bundles_differ_only_by_hot_chunk():

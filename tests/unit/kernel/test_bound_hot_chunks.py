@@ -12,7 +12,7 @@ from chaos.invariants import PoolPolicy
 from kernel.algorithms import HotChunk
 from kernel.bound import HOT, Topology, hot_chunk_term, pool_bound, shape_of
 from kernel.bundle import Bundle, Pool, encode_bundle, make_rule, seal
-from leasehold.cli import main
+from leasehold.commands.cli import main
 
 HOT_CHUNK = HotChunk(threshold_per_s=500, chunk_max=40, validity_ms=250)
 
