@@ -10,10 +10,12 @@ at the tail of a window or bucket). That request is admitted from it; the follow
 the key set spend the rest in process, with no store call, until it is spent or its validity ends:
 ``hotChunk.validityMs`` at most, never past the end of a fixed window's or sliding counter's
 current window or of the lease a pool slot was debited from (the script says how long), timed
-from when the take was sent. Unspent units are abandoned, never refunded (a refund could not be
-made idempotent), and counted (``leasehold_agent_hot_chunk_abandoned_units_total``).
+from when the take was sent. Each take is a part of the key set's chunk (:class:`~.chunks.ChunkLease`:
+spent earliest-expiring first, at most four kept). Unspent units are abandoned, never refunded (a
+refund could not be made idempotent), and counted (``leasehold_agent_hot_chunk_abandoned_units_total``).
 
-One take per key set at a time (single flight): the requests that find the chunk spent while a
+One take per key set at a time (single flight). A background take starts when the chunk falls to
+a quarter of the last take, so a hot key set rarely finds it empty; the requests that do while a
 take is in flight wait for it within their own budgets, then spend from it or ask the store
 themselves. A take the store denies answers its request with the store's own denial (retry hint
 and remaining from the script, so the negative cache holds it as any other), and no chunk is held.
