@@ -11,8 +11,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from kernel.errors import AmbiguousOutcome, ScriptRejected, StoreUnavailable
-from leasehold.procs import free_port
-from region_agent.call import Call, MultiRuleResult, multi_rule_argv
+from leasehold.local.procs import free_port
+from region_agent.decision.call import Call, MultiRuleResult, multi_rule_argv
 from region_agent.store.scripts import KeysNotColocated, PoolClosed, Scripts
 
 from .support import now_ms
@@ -184,7 +184,7 @@ async def test_lua_dir_default_and_include_expansion(scripts):
     src = s.source("multi_rule")
     assert "@include" not in src.replace("-- >>>", "").split("\n", 30)[-1]
     assert src.count("local TB = {}") == 1 and src.count("local function lh_int") == 1
-    assert len({s.sha(n) for n in s.scripts}) == len(s.scripts) == 13
+    assert len({s.sha(n) for n in s.scripts}) == len(s.scripts) == 14
 
 
 async def _hammer(url: str, cluster: bool, n_clients: int, per_client: int, call) -> int:
