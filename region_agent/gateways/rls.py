@@ -39,6 +39,7 @@ from kernel.errors import LeaseholdError, Unauthorized, Unavailable, ValidationF
 
 from ..models import AdmitRequest, Decision
 from .answer import rls_answer
+from .call_group import CallGroup
 from .mapping import BadQuestion, Descriptor, Names, rls_questions
 from .metrics import GatewayMetrics
 
@@ -89,8 +90,10 @@ def _to_proto(decisions: list[Decision], questions: list[AdmitRequest], bundle: 
 
 class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
     def __init__(self, *, names: Names, decide: Callable[..., Awaitable[list[Decision]]],
-                 bundle_of: Callable[[], Bundle], gateways: TokenTable | None, metrics: GatewayMetrics):
+                 bundle_of: Callable[[], Bundle], gateways: TokenTable | None, metrics: GatewayMetrics,
+                 group: CallGroup | None = None):
         self.names = names
+        self.group = group if group is not None else CallGroup(0.0)  # calls decided together (.call_group)
         self.decide = decide
         self.bundle_of = bundle_of
         self.gateways = gateways  # None: --auth-disabled
@@ -104,11 +107,16 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         started = time.perf_counter()
         m = self.metrics
         code, detail, outcome = grpc.StatusCode.OK, "", "error"
+        group = self.group
+        wait = group.enter()
         try:
             metadata = context.invocation_metadata() or ()
             if self.gateways is not None:
                 authenticate(self.gateways, metadata)  # pairs: two tokens are refused
             questions = rls_questions(self.names, request.domain, descriptors_of(request), request.hits_addend)
+            if wait is not None:  # other calls are in flight: decided with those arriving with it
+                await wait
+                wait = None
             # decoded: the questions were built by msgspec's validating convert (mapping.question)
             decisions = await self.decide(questions, door="rls", carrier=metadata, decoded=True)
             resp, status, over = _to_proto(decisions, questions, self.bundle_of())
@@ -134,6 +142,9 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             log.exception("RLS call failed")
             code, detail = grpc.StatusCode.INTERNAL, "internal error"
         finally:
+            group.leave()
+            if wait is not None and not wait.done():  # refused before its group started
+                wait.cancel()
             self._calls[outcome].inc()
             m.rls_latency.observe(time.perf_counter() - started)
         await context.abort(code, detail)
