@@ -130,7 +130,8 @@ def run(ctx: Ctx) -> list[Row]:
                                      port).start())
                     ports[name] = port
                 rows = _measure(ctx, agent, redis, {"agent": rls_port, "bare": bare_port}, ports, up.pid, tokens,
-                                {"nginx": agent_jwt.proc.pid, "nginx_off": agent_jwt.proc.pid})
+                                {"nginx": agent_jwt.proc.pid, "nginx_off": agent_jwt.proc.pid},
+                                {g.name: g.proc.pid for g in gws if g.proc is not None}, bare.pid)
                 return rows + _utilisation(agent, {k: ports[k] for k in ("envoy_rls", "envoy_rlqs")}, issuer,
                                            w / "fig8-util-tokens.txt")
             finally:
@@ -141,7 +142,10 @@ def run(ctx: Ctx) -> list[Row]:
 
 
 def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict[str, int], up_pid: int,
-             tokens, agent_pids: dict[str, int]) -> list[Row]:
+             tokens, agent_pids: dict[str, int], gateway_pids: dict[str, int] | None = None,
+             bare_pid: int | None = None) -> list[Row]:
+    """``gateway_pids``: each gateway's process (its CPU per request is reported with the agent's,
+    the upstream's, Redis's and the load generator's: what bounds each row on a given machine)."""
     r = redis_client(redis)
     base = {"conns": CONNS, "duration_s": ctx.duration_s, "warmup_s": ctx.warmup_s, "principals": ctx.principals,
             "tenant": "bench", "max_requests": 2_000_000}
@@ -152,16 +156,23 @@ def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict
         warm = _warm(base, http_ports["envoy_rlqs"], tokens, ctx.principals)
     for t in range(ctx.trials):
         for name, port in rls_ports.items():
-            pids = {"agent": agent.proc.pid} if name == "agent" else {}
+            pids = {"agent": agent.proc.pid} if name == "agent" else {"bare": bare_pid} if bare_pid else {}
             with CpuMeter(pids, r if name == "agent" else None) as meter:
                 out = gwload({**base, "mode": "rls", "port": port, "tenant": f"bench{t}"})
             out["cpu_us_per_call"] = meter.per(out["sent"])
+            out["machine_cores"] = meter.machine_cores
             res[name].append(out)
         for name, port in http_ports.items():
-            with CpuMeter({"agent": agent_pids.get(name, agent.proc.pid), "upstream": up_pid}, r) as meter:
+            pids = {"agent": agent_pids.get(name, agent.proc.pid), "upstream": up_pid}
+            if gateway_pids and name in gateway_pids:
+                pids["gateway"] = gateway_pids[name]
+            with CpuMeter(pids, r) as meter:
                 out = gwload({**base, "mode": "http", "port": port, "tokens_file": str(tokens), "sources": SOURCES,
                               "name": name})
             out["cpu_us_per_request"] = meter.per(out["sent"])
+            if out["sent"]:
+                out["cpu_us_per_request"]["loadgen"] = 1e6 * out["cpu_s"] / out["sent"]
+            out["machine_cores"] = meter.machine_cores
             out["agent_cpu_us_per_admitted"] = meter.per(out["ok"]).get("agent")
             res[name].append(out)
     r.close()
@@ -173,9 +184,11 @@ def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict
         return median(x[key] for x in res[name])
 
     extra = {"conns": CONNS, "trials": {k: [{"rps": x["rps"], "p50_ms": x["p50_ms"], "p99_ms": x["p99_ms"],
-                                              "statuses": x["statuses"], "loadgen_cpu_pct": x["cpu_pct"]} for x in v]
+                                              "statuses": x["statuses"], "loadgen_cpu_pct": x["cpu_pct"],
+                                              "machine_cores": x.get("machine_cores")} for x in v]
                                          for k, v in res.items()},
              "agent_cpu_us_per_rls_call": [x["cpu_us_per_call"] for x in res["agent"]],
+             "bare_cpu_us_per_rls_call": [x["cpu_us_per_call"] for x in res["bare"]],
              "cpu_us_per_envoy_request": {k: [x["cpu_us_per_request"] for x in res[k]] for k in http_ports},
              "agent_degraded": degraded, "rlqs_warmup": warm}
     return [
