@@ -6,7 +6,7 @@ therefore reach the door one by one, and each would be a decision of its own: it
 chain through the admission and the engine, its own entry in the store's batcher, pipelines of
 1.5 calls on average at 64 calls in flight (against 6-16 for ``POST /v1/admit`` at the same
 concurrency). A decision made alone costs the agent two to three times the CPU of one made with
-others (``python -m leasehold.bench.rls_overhead`` with 1 task against 64).
+others (``python -m bench.rls_overhead`` with 1 task against 64).
 
 :class:`CallGroup` holds the questions of a call that arrives while other calls are in flight for
 at most ``linger_s`` (or until ``size`` questions wait), then asks the admission once for the
