@@ -16,16 +16,14 @@ shapes, one coalesced pipeline), and hands every call its own decisions. A call 
 
 A group is an optimisation, never a change of answer: each question gets the decision it would
 get alone (the admission's batch path is the same decision per question, in order). When the
-group's decision raises (a question the engine refuses, an agent still starting), each call is
-decided alone, so a call fails only for its own question.
+group's decision raises (a question the engine refuses, an agent still starting, anything else),
+each call is decided alone, so a call fails only for its own question.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-
-from kernel.errors import LeaseholdError
 
 from ..models import AdmitRequest, Decision
 
@@ -94,16 +92,14 @@ class CallGroup:
             return
         try:
             decisions = await self._decide([q for qs, _ in waiting for q in qs])
-        except LeaseholdError:  # some call's question the engine refused: each call decided alone
+        except Exception:  # some call's question the engine refused (or worse): each call decided alone
             await asyncio.gather(*(self._alone(qs, f) for qs, f in waiting))
             return
-        except BaseException as e:
+        except BaseException as e:  # cancelled (the server stopping): so are the calls waiting for it
             for _, f in waiting:
                 if not f.done():
                     f.set_exception(e)
-            if not isinstance(e, Exception):
-                raise
-            return
+            raise
         i = 0
         for qs, f in waiting:
             if not f.done():

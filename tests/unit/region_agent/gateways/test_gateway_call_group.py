@@ -96,3 +96,16 @@ async def test_a_cancelled_caller_is_left_out_and_the_rest_are_decided():
     assert adm.asks == [["b"]]
     with pytest.raises(asyncio.CancelledError):
         await a
+
+
+async def test_an_unexpected_error_in_the_group_is_narrowed_to_the_call_that_causes_it():
+    class Fussy(Admission):
+        async def __call__(self, questions):
+            self.asks.append(list(questions))
+            if "boom" in questions:
+                raise RuntimeError("a defect one question triggers")
+            return [f"decision:{q}" for q in questions]
+
+    g = CallGroup(Fussy(), 0.01)
+    got = await asyncio.wait_for(asyncio.gather(g.decide(["a"]), g.decide(["boom"]), return_exceptions=True), 10)
+    assert got[0] == ["decision:a"] and isinstance(got[1], RuntimeError)
