@@ -17,6 +17,7 @@ from . import (
     fig_alloc,
     fig_batch,
     fig_gateways,
+    fig_hotchunk,
     fig_hotkey,
     fig_library,
     fig_redis,
@@ -34,11 +35,12 @@ FIGURES: dict[str, list[Callable[[Ctx], list[Row]]]] = {
     "1": [fig_batch.run], "2": [fig_single.run], "3": [fig_library.run], "4": [fig_alloc.run],
     "5": [fig_hotkey.run], "6": [fig_util.run], "7": [fig_scale.run, fig_alloc.run_scale],
     "8": [fig_gateways.run], "shards": [fig_shards.run], "redis": [fig_redis.run],
+    "hotchunk": [fig_hotchunk.run],
 }
 
 
 # figure "shards" (the sharded allocator over 1-3 replicas, ~2 min) runs when named: --only shards
-DEFAULT_FIGURES = ("1", "2", "3", "4", "5", "6", "7", "8", "redis")
+DEFAULT_FIGURES = ("1", "2", "3", "4", "5", "6", "7", "8", "redis", "hotchunk")
 
 
 def parse_only(values: list[str] | None) -> list[str]:

@@ -61,6 +61,7 @@ class PoolPolicy(Struct, frozen=True):
     balances: int | None = 1  # regional balances per region (None: unbounded)
     local_keys: int | None = 1  # in-process allowances per agent (None: unbounded)
     regions: list[str] | None = None  # regions that may lease it (None: any)
+    hot_chunks: bool = False  # a rule spending it takes hot-key chunks (its term: kernel.bound)
 
     @classmethod
     def from_pool(cls, pool: Pool, valid_from_ms: int | None = None, rules: Iterable[Rule] | None = None
@@ -75,7 +76,8 @@ class PoolPolicy(Struct, frozen=True):
         return cls(id=pool.id, limit=pool.limit, window_ms=pool.window_ms,
                    fallback_per_region=pool.fallback_per_region, valid_from_ms=valid_from_ms,
                    chunk_max=pool.chunk_max, global_scope=sh.global_scope, balances=sh.balances,
-                   local_keys=sh.local_keys, regions=list(sh.regions) if sh.regions is not None else None)
+                   local_keys=sh.local_keys, regions=list(sh.regions) if sh.regions is not None else None,
+                   hot_chunks=sh.hot_chunks)
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, valid_from_ms: int | None = None) -> list[PoolPolicy]:
@@ -85,7 +87,8 @@ class PoolPolicy(Struct, frozen=True):
         return PoolShape(id=self.id, limit=self.limit, window_ms=self.window_ms,
                          fallback_per_region=self.fallback_per_region, chunk_max=self.chunk_max,
                          global_scope=self.global_scope, balances=self.balances, local_keys=self.local_keys,
-                         regions=tuple(self.regions) if self.regions is not None else None)
+                         regions=tuple(self.regions) if self.regions is not None else None,
+                         hot_chunks=self.hot_chunks)
 
 
 class GrantSighting(Struct, frozen=True):

@@ -33,6 +33,8 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_pool_waits_total": "P",
     "leasehold_agent_pool_renewals_total": "P x 7 outcomes",
     "leasehold_agent_chunk_abandoned_tokens_total": "P",
+    "leasehold_agent_hot_chunks_total": "4 outcomes",
+    "leasehold_agent_hot_chunk_abandoned_units_total": "1",
     "leasehold_agent_batch_size": "1",
     "leasehold_agent_queue_rejections_total": "1",
     "leasehold_agent_shed_total": "3 stages (queue, queue_full, pool)",

@@ -105,6 +105,7 @@ class PoolShape(Struct, frozen=True):
     balances: int | None  # regional balances per region (None: one per tenant, unbounded)
     local_keys: int | None  # in-process allowances per agent (None: unbounded)
     regions: tuple[str, ...] | None = None  # regions that may lease it (None: any)
+    hot_chunks: bool = False  # a rule spending it takes hot-key chunks (hotChunk)
 
     @classmethod
     def plain(cls, pool_id: str, limit: int, window_ms: int, fallback_per_region: int, *, chunk_max: int = 1,
@@ -126,7 +127,8 @@ def shape_of(pool: Pool, rules: Iterable[Rule]) -> PoolShape:
     return PoolShape(id=pool.id, limit=pool.limit, window_ms=pool.window_ms,
                      fallback_per_region=pool.fallback_per_region, chunk_max=pool.chunk_max,
                      global_scope=any(r.scope == "global" for r in spenders), balances=balances,
-                     local_keys=local_keys, regions=tuple(pool.regions) if pool.regions is not None else None)
+                     local_keys=local_keys, regions=tuple(pool.regions) if pool.regions is not None else None,
+                     hot_chunks=any(r.hot_chunk is not None for r in spenders))
 
 
 def pool_shapes(bundle: Bundle) -> list[PoolShape]:
@@ -160,6 +162,7 @@ class PoolBound(Struct, frozen=True):
 
 G, CARRY, LOST, REGIONAL, LOCAL, RLQS = ("G", "carry-over", "lost grants", "regional fallback", "in-process",
                                          "RLQS")
+HOT = "hot-key chunks"
 
 #: Envoy's rate limit quota filter (1.40) counts an assignment's time to live in whole seconds.
 RLQS_TTL_GRANULARITY_MS = 1_000
@@ -271,6 +274,8 @@ def pool_bound(shape: PoolShape, topology: Topology, faults: Faults = NO_FAULTS,
         Term(LOCAL, local_total,
              f"{_plural(n_local, 'agent')} cut off from Redis x {keys} allowance(s) x F {f}"),
         rlqs_term(rlqs, shape.window_ms, faults, eligible),
+        Term(HOT, 0, "chunks of a hot key set end with the leases they were charged to" if shape.hot_chunks
+             else "no rule spending the pool takes hot-key chunks"),
     )
     total: int | None = 0
     for t in terms:
@@ -287,3 +292,32 @@ def bundle_bounds(bundle: Bundle, topology: Topology, faults: Faults | Mapping[s
         fl = faults.get(shape.id, NO_FAULTS) if isinstance(faults, Mapping) else faults
         out.append(pool_bound(shape, topology, fl, rlqs=rlqs))
     return out
+
+
+# ----------------------------------------------------------------------------- hot-key chunks
+#: Algorithms whose hot-key chunks end with the window they were charged to: nothing spent from a
+#: chunk falls in another window of the rule than its units were counted in.
+WINDOW_CLAMPED = frozenset({"fixed_window", "pool"})
+
+
+def hot_chunk_term(rule: Rule, topology: Topology, region: str | None = None) -> Term:
+    """What a rule's hot-key chunks (``hotChunk``, region_agent.leasing.hot_chunks) may admit
+    beyond its limit, per key of the rule and per window of the rule, in ``region`` (None: the
+    region with the most agent processes): the store charged every chunk's units when it was
+    taken, but they are spent up to ``validityMs`` later, so a window that starts after the take
+    may see them too — at most ``chunkMax`` units per agent process (an agent holds no more of one
+    key in all its chunks). 0 for a fixed window and a pool (a chunk ends with the window or lease
+    it was charged to). Per region: every region's Redis holds its own buckets."""
+    hot = rule.hot_chunk
+    if hot is None:
+        return Term(HOT, 0, "no hot-key chunks")
+    if rule.algorithm in WINDOW_CLAMPED:
+        return Term(HOT, 0, "chunks end with the window (or lease) they were charged to")
+    agents = topology.agents.get(region, 0) if region is not None else max(topology.agents.values(), default=0)
+    return Term(HOT, agents * hot.chunk_max, f"{agents} agent process{'' if agents == 1 else 'es'} x chunkMax {hot.chunk_max} "
+                                             f"(units of cost 1) per key and window")
+
+
+def hot_chunk_terms(bundle: Bundle, topology: Topology) -> list[tuple[Rule, Term]]:
+    """Every rule of ``bundle`` that takes hot-key chunks, with its term."""
+    return [(r, hot_chunk_term(r, topology)) for r in bundle.rules if r.hot_chunk is not None]

@@ -74,7 +74,7 @@ class Bundle(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
 
 # Rule fields added after bundles were sealed and signed: written (and covered by the checksum)
 # only when not at their default, so every existing bundle keeps its bytes and its checksum.
-OPTIONAL_RULE_FIELDS: dict[str, object] = {"everyRequest": False}
+OPTIONAL_RULE_FIELDS: dict[str, object] = {"everyRequest": False, "hotChunk": None}
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,6 +219,22 @@ def select_rules(
 
 
 # --------------------------------------------------------------------------------------------
+def hot_chunk_problems(r: Rule) -> list[str]:
+    """What keeps a rule's ``hotChunk`` from being honoured (region_agent.leasing.hot_chunks)."""
+    if r.hot_chunk is None:
+        return []
+    out = []
+    if r.scope in ("ip", "global"):
+        out.append("hotChunk needs a tenant-tagged scope (user, key, route, tenant)")
+    if r.concurrency_max is not None:
+        out.append("hotChunk cannot serve a concurrency gate (a lease is per request)")
+    if r.idempotent:
+        out.append("hotChunk cannot keep an idempotent rule's decision records (a chunk admits without the store)")
+    if r.shadow:
+        out.append("hotChunk is for enforced rules")
+    return out
+
+
 def _rule_problems(r: Rule, pools: dict[str, Pool]) -> list[str]:
     p: list[str] = []
     name = f"rule {r.id!r}"
@@ -236,6 +252,7 @@ def _rule_problems(r: Rule, pools: dict[str, Pool]) -> list[str]:
         p.append(f"{name}: everyRequest is for ip-scoped rules (the pre-authentication stage of every request)")
     if r.every_request and r.concurrency_max is not None:
         p.append(f"{name}: an everyRequest rule carries no concurrency gate")
+    p.extend(f"{name}: {problem}" for problem in hot_chunk_problems(r))
     p.extend(f"{name}: {problem}" for problem in r.problems(pools))  # the algorithm's own
     if r.scope == "global" and r.role is not Role.POOL:
         p.append(f"{name}: global scope needs algorithm pool: a direct global key would cross hash slots "

@@ -29,7 +29,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from .algorithms import ALGORITHMS
-from .algorithms.rule import FailMode, NonNegInt, PosInt, Scope
+from .algorithms.rule import FailMode, HotChunk, NonNegInt, PosInt, Scope
 from .bundle import Bundle, Pool, seal
 
 # ------------------------------------------------------------------------------ unit strings
@@ -153,6 +153,7 @@ class SourceRule(Struct, rename="camel", forbid_unknown_fields=True, frozen=True
     exempt: bool = False
     owner: str | None = None
     every_request: bool = False  # ip rules: the pre-authentication stage of every request
+    hot_chunk: HotChunk | None = None  # chunk leases for a hot key set (as in the bundle)
 
 
 class BucketSource(SourceRule, frozen=True):
@@ -292,6 +293,8 @@ def rule_fields(src: SourceRule) -> dict[str, Any]:
         v = getattr(src, s)
         if v is not None:
             out[b] = duration_ms(v, _camel(s))
+    if src.hot_chunk is not None:
+        out["hot_chunk"] = src.hot_chunk
     if src.fallback is not None:
         try:
             out["fallback"] = msgspec.convert(_fallback(src.fallback), type=_fallback_type())
@@ -380,7 +383,7 @@ def _per(ms: int) -> str:
 RULE_ORDER = ("id", "scope", "routeGroup", "tenant", "algorithm", "rate", "burst", "limit", "pool", "cost",
               "concurrency", "concurrencyTtl", "concurrencyRetryAfter", "failMode", "fallback", "closedRetryAfter",
               "idempotent", "decisionTtl", "ttlSlack", "shadow", "revocable", "ipv4Prefix", "ipv6Prefix", "exempt",
-              "owner", "everyRequest")
+              "owner", "everyRequest", "hotChunk")
 
 
 def rule_source(rule: Any) -> dict[str, Any]:
@@ -408,6 +411,8 @@ def rule_source(rule: Any) -> dict[str, Any]:
             out[_camel(s)] = format_duration(v)
     if rule.fallback is not None:
         out["fallback"] = _fallback_doc(rule.fallback)
+    if rule.hot_chunk is not None:
+        out["hotChunk"] = msgspec.to_builtins(rule.hot_chunk)
     return {k: out[k] for k in RULE_ORDER if k in out}
 
 

@@ -91,7 +91,7 @@ class DecisionSource(StrEnum):
 
     SCRIPT = "script"  # the tenant's Redis script on its shard (a 409 conflict included)
     NEGATIVE_CACHE = "negative_cache"  # a denial held in this agent (no store call)
-    CHUNK = "chunk"  # the in-process chunk lease of a fleet-wide pool
+    CHUNK = "chunk"  # an in-process chunk lease: a fleet-wide pool's, or a hot key set's (no store call)
     LOCAL_FALLBACK = "local_fallback"  # the store was unreachable: the rule's local allowance
     POOL_FALLBACK = "pool_fallback"  # the allocator was unreachable: the pool's fallback allowance
     FAIL_OPEN = "fail_open"  # the store was unreachable: the rule fails open

@@ -18,7 +18,7 @@ import pkgutil
 from typing import Any, Union
 
 from .common import KINDS, InvalidArguments, Kind, RuleVerdict
-from .rule import ALGORITHMS, Fallback, LocalModel, Rate, Role, RuleBase
+from .rule import ALGORITHMS, Fallback, HotChunk, LocalModel, Rate, Role, RuleBase
 
 for _m in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     importlib.import_module(f"{__name__}.{_m}")
@@ -37,5 +37,5 @@ def make_rule(**fields: Any) -> RuleBase:
     return cls(**fields)
 
 
-__all__ = ["ALGORITHMS", "KINDS", "Fallback", "InvalidArguments", "Kind", "LocalModel", "Rate", "Role", "RuleBase",
+__all__ = ["ALGORITHMS", "KINDS", "Fallback", "HotChunk", "InvalidArguments", "Kind", "LocalModel", "Rate", "Role", "RuleBase",
            "RuleUnion", "RuleVerdict", "make_rule"]

@@ -98,6 +98,20 @@ class Fallback(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
         return ["fallback needs capacityMillis, refillMillis and periodMs, or limit and windowMs"]
 
 
+class HotChunk(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
+    """Chunk leases for a hot key set (region_agent.leasing.hot_chunks, docs/bound.md): once one
+    agent process is asked more than ``thresholdPerS`` times a second for the same key set (every
+    rule of the request), it takes a chunk of up to ``chunkMax`` units (requests of cost 1) from the
+    store at once, charged to every rule, and admits from it for at most ``validityMs`` (never past
+    a window's end) without a store call. Unspent units are abandoned, never refunded: each agent
+    process may admit up to ``chunkMax`` units of a rule beyond its limit (the bound's hot-key
+    chunk term)."""
+
+    threshold_per_s: Annotated[int, Meta(ge=1, le=10_000_000)]
+    chunk_max: Annotated[int, Meta(ge=2, le=100_000)] = 100
+    validity_ms: Annotated[int, Meta(ge=10, le=60_000)] = 250
+
+
 class RuleBase(Struct, rename="camel", forbid_unknown_fields=True, frozen=True, tag_field="algorithm"):
     """The fields of every rule. Not a bundle rule itself: the algorithms subclass it."""
 
@@ -134,6 +148,8 @@ class RuleBase(Struct, rename="camel", forbid_unknown_fields=True, frozen=True, 
     # ip rules only: the pre-authentication stage of EVERY request (authenticated or not) spends
     # it, not only anonymous ones (region_agent.decision.plan: a second call before the tenant's)
     every_request: bool = False
+    # tenant-tagged rate rules: chunk leases once a key set is hot at one agent process (None: never)
+    hot_chunk: HotChunk | None = None
 
     @property
     def route_key(self) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kernel.bound import Faults, PoolBound, Topology, pool_bound, pool_shapes
+from kernel.bound import Faults, PoolBound, Topology, hot_chunk_terms, pool_bound, pool_shapes
 from kernel.bundle import Bundle
 
 
@@ -38,6 +38,12 @@ def text_report(bundle: Bundle, topology: Topology) -> str:
         lines.append(f"  {'total':<18} {_n(worst.total):>12}   "
                      + ", ".join(f"{name}: {_n(pool_bound(shape, topology, f).total)}"
                                  for name, f in cases(topology)[:2]))
+    hot = hot_chunk_terms(bundle, topology)
+    if hot:
+        lines.append("hot-key chunks: beyond a rule's limit, per key and window of the rule, in a region with "
+                     f"{max(topology.agents.values())} agent process(es) (kernel.bound.hot_chunk_term):")
+        for rule, t in hot:
+            lines.append(f"  rule {rule.id} ({rule.algorithm}): {_n(t.tokens)}   {t.formula}")
     return "\n".join(lines)
 
 

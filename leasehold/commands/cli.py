@@ -290,7 +290,7 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
     if args.bound:
         import msgspec
 
-        from kernel.bound import Topology, pool_bound, pool_shapes
+        from kernel.bound import Topology, hot_chunk_terms, pool_bound, pool_shapes
 
         from .bound_report import cases, markdown_table, text_report
 
@@ -302,6 +302,8 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
                                                  for name, f in zip(("healthy", "allocatorUnreachable", "worst"),
                                                                     (f for _, f in cases(topology)), strict=True)}}
                            for shape in pool_shapes(bundle)]
+        result["hotChunks"] = [{"rule": rule.id, **msgspec.to_builtins(term)}
+                               for rule, term in hot_chunk_terms(bundle, topology)]
         if args.markdown:
             lines.append(markdown_table(bundle, names, sorted({1, args.agents_per_region})))
         else:

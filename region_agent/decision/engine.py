@@ -31,6 +31,7 @@ from kernel.bundle import Bundle, Pool
 from kernel.errors import LeaseholdError
 
 from ..leasing.fleet_pools import FleetPools, TakeStatus
+from ..leasing.hot_chunks import ChunkReply, HotChunks, hot_config
 from ..leasing.topup import pool_denial, topped_up, wait_s
 from ..leasing.window_clock import AllocatorClock, Windows
 from ..models import AdmitRequest, Decision, DecisionSource, DeniedScope, Reason, ReleaseRequest, RenewRequest
@@ -67,6 +68,7 @@ class _Prepared:
     used_fallback: bool = False  # a global chunk came from the pool's fallback allowance
     pool_retried: bool = False  # waited once for an in-flight lease top-up
     edge: bool = False  # the pre-authentication stage of an authenticated request (Plan.edge)
+    chunk: bool = False  # admitted from a hot key set's chunk (region_agent.leasing.hot_chunks): no store call
 
 
 class DecisionEngine:
@@ -94,6 +96,8 @@ class DecisionEngine:
         self.allocator_clock = allocator_clock or (leases.clock if leases is not None else AllocatorClock())
         self.fleet = FleetPools(store=store, metrics=metrics, leases=leases, now_ms=self.now_ms,
                                 windows=self.pool_windows, allowance=self.fallback, budget_s=self.budget)
+        # chunk leases of hot key sets (rules with hotChunk; region_agent.leasing.hot_chunks)
+        self.hot = HotChunks(store=store, metrics=metrics, now_ms=self.now_ms)
         self.local = LocalAnswers(allowances=self.fallback, windows=self.pool_windows, metrics=metrics,
                                   now_ms=self.now_ms)
         self.negative = negative if negative is not None else NegativeCache()
@@ -131,7 +135,11 @@ class DecisionEngine:
             replies = e
         else:  # :meth:`_submit` inline, and no coroutine for the completion unless it must wait
             try:
-                replies = await self.store.submit(calls, wait_s=self._remaining(prep)) if calls else []
+                if calls and hot_config(plan) is not None:  # a key set that may be served from a chunk
+                    replies = await self.hot.ask(plan, calls, prep.deadline, self.clock)
+                    prep.chunk = replies[0].__class__ is ChunkReply
+                else:
+                    replies = await self.store.submit(calls, wait_s=self._remaining(prep)) if calls else []
             except LeaseholdError as e:
                 replies = e
         got = self._complete_now(prep, replies)
@@ -177,10 +185,18 @@ class DecisionEngine:
         if pending:  # only items spending fleet-wide chunk leases may wait (a renewal)
             await asyncio.gather(*(self._take_globals(p) for p in pending))
         batch = BatchCalls()
-        for prep in preps:
+        paid: dict[int, list[Any]] = {}  # items a hot key set's chunk paid (no store call)
+        for i, prep in enumerate(preps):
             if prep.early is not None:
                 batch.add([])
                 continue
+            if hot_config(prep.plan) is not None:
+                got = self.hot.pay(prep.plan)
+                if got is not None:
+                    prep.chunk = True
+                    paid[i] = [got]
+                    batch.add([])
+                    continue
             try:
                 batch.add(plan_calls(prep.plan))
             except LeaseholdError as e:  # e.g. a call shape the script would refuse
@@ -191,7 +207,7 @@ class DecisionEngine:
             if prep.early is not None:
                 out.append(self._finish(prep, prep.early))
                 continue
-            got = self._complete_now(prep, batch.replies(i, replies))
+            got = self._complete_now(prep, paid[i] if i in paid else batch.replies(i, replies))
             if isinstance(got, Decision):
                 out.append(got)
             else:  # another store call or a wait (a retry, a pool top-up, the pool fallback)
@@ -445,11 +461,14 @@ class DecisionEngine:
             return d  # a passed address window: the request's own decision follows (and is counted)
         if d.allowed and prep.used_fallback:
             d.fallback = True
+        if prep.chunk and d.allowed:
+            d.source = DecisionSource.CHUNK
         if d.allowed and (prep.reservations or prep.plan.has_pool):
             count_pool_admissions(self.metrics, prep.plan, memo_of(prep.bundle).pools,
                                   (r.spend for r in prep.reservations), fallback=d.fallback)
         self.telemetry.decided(prep.plan, prep.bundle, d, self.clock() - prep.started, now=prep.started,
-                               touched_store=prep.early is None and not d.fallback and d.http_status != 503)
+                               touched_store=prep.early is None and not d.fallback and d.http_status != 503
+                               and not prep.chunk)
         if self.decision_log is not None:
             self.decision_log.decided(prep.plan, prep.bundle, d)
         return d

@@ -79,6 +79,14 @@ class AgentMetrics:
                                   "Requests that waited for an in-flight chunk renewal", ["pool"], registry=r)
         self.pool_renewals = Counter("leasehold_agent_pool_renewals_total", "Global pool chunk renewals",
                                      ["pool", "outcome"], registry=r)
+        self.hot_chunks = Counter("leasehold_agent_hot_chunks_total",
+                                  "Chunk takes for hot key sets (outcome: taken, partial: what the rules had left, "
+                                  "denied: the request's own denial, error)", ["outcome"], registry=r)
+        self.hot_chunk_abandoned = Counter("leasehold_agent_hot_chunk_abandoned_units_total",
+                                           "Units a hot key set's chunk still held when their part's validity ended "
+                                           "(or a fifth part pushed out the oldest): charged in the store, never "
+                                           "refunded",
+                                           registry=r)
         self.chunk_abandoned = Counter("leasehold_agent_chunk_abandoned_tokens_total",
                                        "Global pool tokens a gateway chunk still held when its validity ended "
                                        "(debited from the regional balance, never refunded: capacity wasted)",

@@ -117,7 +117,7 @@ def test_global_admit_workload_spends_the_global_pool_from_many_tenants():
 
 
 def test_only_option():
-    assert parse_only(None) == ["1", "2", "3", "4", "5", "6", "7", "8", "redis"]  # "shards" only when named
+    assert parse_only(None) == ["1", "2", "3", "4", "5", "6", "7", "8", "redis", "hotchunk"]  # "shards" only when named
     assert parse_only(["fig2,1", "2"]) == ["1", "2"]
     assert parse_only(["redis"]) == ["redis"]
     with pytest.raises(SystemExit):

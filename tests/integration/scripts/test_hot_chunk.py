@@ -1,0 +1,110 @@
+"""``lua/hot_chunk.lua`` against its model (kernel.algorithms.hot_chunk), on a real standalone
+redis-server and a real Redis Cluster: mixed rule sets, chunks of every size up to the bucket's
+tail (a partial chunk), denials with the multi-rule reply, and the validity each kind bounds."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kernel.algorithms import hot_chunk
+from kernel.algorithms.multi_rule import RuleSpec
+from kernel.algorithms.pool import PoolEntry, PoolState
+
+from .support import as_ints, now_ms, read_state, shift_back, shift_model
+from .test_differential import SETTINGS, SLACK, evalsha, step, tag
+
+pytestmark = pytest.mark.integration
+
+
+def unit_rule(kind: str, cost: int) -> RuleSpec:
+    """One unit's slot (a chunk of k units charges cost x k)."""
+    return {
+        "tb": RuleSpec("tb", (20_000, 1_000, 1_000, cost * 1_000, 0)),
+        "gcra": RuleSpec("gcra", (20_000, 1_000, 1_000, cost * 1_000, 0)),
+        "fw": RuleSpec("fw", (25, 60_000, cost, 0, 0)),
+        "sc": RuleSpec("sc", (25, 60_000, cost, 0, 0)),
+        "sl": RuleSpec("sl", (25, 3_000, cost, 0, 0)),
+        "pool": RuleSpec("pool", (cost, 0, 0, 0, 0)),
+    }[kind]
+
+
+def argv(rules: list[RuleSpec], member: str, lo: int, want: int) -> list:
+    return [SLACK, member, lo, want] + [x for r in rules for x in (r.kind, *r.params)]
+
+
+@SETTINGS
+@given(kinds=st.lists(st.sampled_from(["tb", "gcra", "fw", "sc", "sl", "pool"]), min_size=1, max_size=4, unique=True),
+       grants=st.lists(st.tuples(st.integers(0, 30), st.integers(-500, 0), st.integers(2_000, 9_000)), max_size=2),
+       ops=st.lists(st.tuples(st.sampled_from([0, 0, 1, 300, 1_500]), st.integers(1, 2), st.integers(1, 3),
+                              st.integers(0, 30)), min_size=1, max_size=8))
+def test_hot_chunk_matches_model(sclient, kinds, grants, ops):
+    t = tag()
+    keys = [f"rl:{t}:r{i}:{k}" for i, k in enumerate(kinds)]
+    states: list = [None] * len(kinds)
+    if "pool" in kinds:
+        j = kinds.index("pool")
+        base = now_ms()
+        entries = {}
+        for g, (granted, from_off, life) in enumerate(grants):
+            evalsha(sclient, "pool_deposit", [keys[j]], [f"G{g}", granted, base + from_off, base + from_off + life, 8,
+                                                          SLACK])
+            entries[f"G{g}"] = PoolEntry(granted, 0, base + from_off, base + from_off + life)
+        states[j] = PoolState(entries) if entries else None
+    for i, (d, cost, lo, extra) in enumerate(ops):
+        for k, key in zip(kinds, keys, strict=True):
+            shift_back(sclient, k, key, d)
+        states = [shift_model(k, s, d) for k, s in zip(kinds, states, strict=True)]
+        member = f"C{i}"
+        rules = [unit_rule(k, cost) for k in kinds]
+        want = lo + extra
+
+        def model(n, s=states, rules=rules, member=member, lo=lo, want=want):
+            return hot_chunk.take(s, rules, n, member, lo, want)
+
+        def call(rules=rules, member=member, lo=lo, want=want):
+            return hot_chunk.reply_of(evalsha(sclient, "hot_chunk", keys, argv(rules, member, lo, want)))
+
+        _, states = step(call, model, lambda: [read_state(sclient, k, key) for k, key in zip(kinds, keys, strict=True)],
+                         states, kinds, reply_of=lambda r: r)
+        for k, key in zip(kinds, keys, strict=True):
+            assert sclient.pttl(key) != -1, k  # every write sets an expiry
+
+
+def test_tail_of_a_bucket_is_a_partial_chunk(sclient):
+    key = f"rl:{tag()}:fw"
+    rules = [RuleSpec("fw", (10, 60_000, 1, 0, 0))]
+    first = as_ints(evalsha(sclient, "hot_chunk", [key], argv(rules, "C1", 1, 7)))
+    assert first[0] == 7 and first[2:] == [1, 0, 0, 3]
+    tail = as_ints(evalsha(sclient, "hot_chunk", [key], argv(rules, "C2", 1, 7)))
+    assert tail[0] == 3 and tail[-1] == 0  # what the window had left
+    denied = as_ints(evalsha(sclient, "hot_chunk", [key], argv(rules, "C3", 1, 7)))
+    assert denied[:4] == [0, 0, 0, 1] and 0 < denied[4] <= 60_000  # the window's retry hint
+
+
+def test_validity_ends_with_the_window_or_is_left_to_the_agent(sclient):
+    t = tag()
+    fw = as_ints(evalsha(sclient, "hot_chunk", [f"rl:{t}:fw", f"rl:{t}:tb"],
+                         argv([RuleSpec("fw", (100, 2_000, 1, 0, 0)), RuleSpec("tb", (9_000, 1_000, 1_000, 1_000, 0))],
+                              "C1", 1, 5)))
+    assert fw[0] == 5 and 0 < fw[1] <= 2_000  # the fixed window's end
+    tb = as_ints(evalsha(sclient, "hot_chunk", [f"rl:{t}:tb2"], argv([RuleSpec("tb", (9_000, 1_000, 1_000, 1_000, 0))],
+                                                                      "C2", 1, 5)))
+    assert tb[:2] == [5, -1]  # a bucket has no end: the agent's own validity bounds the chunk
+
+
+@pytest.mark.parametrize("bad", [
+    [SLACK, "C", 1, 5, "cc", 3, 2_000, 0, 0, 0],  # a concurrency gate cannot be chunked
+    [SLACK, "C", 3, 2, "fw", 5, 1_000, 1, 0, 0],  # want < min
+    [SLACK, "", 1, 2, "fw", 5, 1_000, 1, 0, 0],  # no member
+    [SLACK, "C", 6, 6, "fw", 5, 1_000, 1, 0, 0],  # min units beyond... (denied, not invalid: see below)
+])
+def test_invalid_arguments_write_nothing(sclient, bad):
+    key = f"rl:{tag()}:x"
+    if bad[2] == 6:
+        assert as_ints(evalsha(sclient, "hot_chunk", [key], bad))[:5] == [0, 0, 0, 1, -1]  # 6 > limit 5: never
+    else:
+        with pytest.raises(Exception, match="arguments invalid"):
+            evalsha(sclient, "hot_chunk", [key], bad)
+    assert sclient.exists(key) == 0
