@@ -16,7 +16,13 @@
   Envoy decides locally from assignments the agent funds) vs that config with its limit filters
   removed (goal >= 0.90), after a warm-up pass that makes the principals' buckets; the agent's CPU
   per admitted request against RLS's; and utilisation: one user (P-READ's rule, 20 then 2/s)
-  asked far past its limit, admitted / (20 + 2/s x the measured span) (goal >= 0.95; RLS alongside)."""
+  asked far past its limit, admitted / (20 + 2/s x the measured span) (goal >= 0.95; RLS alongside).
+  RLQS's Envoys talk to an agent of their own (its buckets' reports and funding rounds run for the
+  whole figure and would otherwise load the agent the RLS rows measure).
+
+Each gateway row reports the CPU per request of every process on its path (the agent, the
+gateway, the upstream, Redis, the load generator) and how busy the machine was: what bounds the
+row on a given machine."""
 
 from __future__ import annotations
 
@@ -96,8 +102,15 @@ def run(ctx: Ctx) -> list[Row]:
         jwt = ["--authz-jwks", str(jwks), "--authz-jwt-issuer", issuer.issuer, "--authz-jwt-audience", issuer.audience,
                "--authz-anonymous-routes", "login"]
         agent_jwt = start_agent(w / "fig8-agent-jwt", redis.url, region="bench-jwt", extra=[*jwt, *ctx.agent_args])
-        with services(agent, agent_jwt):
+        # RLQS's Envoys get an agent of their own: their buckets' usage reports and funding rounds go on
+        # for the whole run (every 5 s per bucket, thousands of buckets after the warm-up) and would
+        # load the agent the RLS and ext_authz rows measure
+        rlqs_port = free_port()
+        agent_rlqs = start_agent(w / "fig8-agent-rlqs", redis.url, region="bench-rlqs",
+                                 extra=["--rls-port", str(rlqs_port), *ctx.agent_args])
+        with services(agent, agent_jwt, agent_rlqs):
             wait_port(rls_port, proc=agent.proc.popen, timeout=30)
+            wait_port(rlqs_port, proc=agent_rlqs.proc.popen, timeout=30)
             bare = Proc("rls-bare", [sys.executable, "-m", "bench.rls_bare", "--port", str(bare_port)],
                         w / "fig8-bare", env=_env()).start()
             up, up_port = upstream(w / "fig8-upstream")
@@ -117,8 +130,10 @@ def run(ctx: Ctx) -> list[Row]:
                 ports = {}
                 for name, (template, off) in envoys.items():
                     port, admin = free_port(), free_port()
+                    own = ({"AGENT_RLS_PORT": rlqs_port, "AGENT_HTTP_PORT": agent_rlqs.port}
+                           if name.startswith("envoy_rlqs") else {})
                     cfg = render(template, ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin,
-                                 ENVOY_ACCESS_LOG=w / f"fig8-{name}" / "access.log", **values)
+                                 ENVOY_ACCESS_LOG=w / f"fig8-{name}" / "access.log", **{**values, **own})
                     for f in (off,) if isinstance(off, str) else off or ():
                         cfg = filter_off(cfg, f"envoy.filters.http.{f}")
                     gws.append(Envoy(name, cfg, w / f"fig8-{name}", port, admin).start())
@@ -130,8 +145,10 @@ def run(ctx: Ctx) -> list[Row]:
                                      port).start())
                     ports[name] = port
                 rows = _measure(ctx, agent, redis, {"agent": rls_port, "bare": bare_port}, ports, up.pid, tokens,
-                                {"nginx": agent_jwt.proc.pid, "nginx_off": agent_jwt.proc.pid})
-                return rows + _utilisation(agent, {k: ports[k] for k in ("envoy_rls", "envoy_rlqs")}, issuer,
+                                {"nginx": agent_jwt.proc.pid, "nginx_off": agent_jwt.proc.pid,
+                                 "envoy_rlqs": agent_rlqs.proc.pid, "envoy_rlqs_off": agent_rlqs.proc.pid},
+                                {g.name: g.proc.pid for g in gws if g.proc is not None}, bare.pid)
+                return rows + _utilisation(agent_rlqs, {k: ports[k] for k in ("envoy_rls", "envoy_rlqs")}, issuer,
                                            w / "fig8-util-tokens.txt")
             finally:
                 for g in gws:
@@ -141,7 +158,10 @@ def run(ctx: Ctx) -> list[Row]:
 
 
 def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict[str, int], up_pid: int,
-             tokens, agent_pids: dict[str, int]) -> list[Row]:
+             tokens, agent_pids: dict[str, int], gateway_pids: dict[str, int] | None = None,
+             bare_pid: int | None = None) -> list[Row]:
+    """``gateway_pids``: each gateway's process (its CPU per request is reported with the agent's,
+    the upstream's, Redis's and the load generator's: what bounds each row on a given machine)."""
     r = redis_client(redis)
     base = {"conns": CONNS, "duration_s": ctx.duration_s, "warmup_s": ctx.warmup_s, "principals": ctx.principals,
             "tenant": "bench", "max_requests": 2_000_000}
@@ -152,16 +172,27 @@ def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict
         warm = _warm(base, http_ports["envoy_rlqs"], tokens, ctx.principals)
     for t in range(ctx.trials):
         for name, port in rls_ports.items():
-            pids = {"agent": agent.proc.pid} if name == "agent" else {}
+            pids = {"agent": agent.proc.pid} if name == "agent" else {"bare": bare_pid} if bare_pid else {}
+            d0 = degraded_counts(agent)
             with CpuMeter(pids, r if name == "agent" else None) as meter:
                 out = gwload({**base, "mode": "rls", "port": port, "tenant": f"bench{t}"})
+            out["agent_degraded"] = delta(degraded_counts(agent), d0)
             out["cpu_us_per_call"] = meter.per(out["sent"])
+            out["machine_cores"] = meter.machine_cores
             res[name].append(out)
         for name, port in http_ports.items():
-            with CpuMeter({"agent": agent_pids.get(name, agent.proc.pid), "upstream": up_pid}, r) as meter:
+            pids = {"agent": agent_pids.get(name, agent.proc.pid), "upstream": up_pid}
+            if gateway_pids and name in gateway_pids:
+                pids["gateway"] = gateway_pids[name]
+            d0 = degraded_counts(agent)
+            with CpuMeter(pids, r) as meter:
                 out = gwload({**base, "mode": "http", "port": port, "tokens_file": str(tokens), "sources": SOURCES,
                               "name": name})
+            out["agent_degraded"] = delta(degraded_counts(agent), d0)  # the RLS agent's local fallbacks in this row
             out["cpu_us_per_request"] = meter.per(out["sent"])
+            if out["sent"]:
+                out["cpu_us_per_request"]["loadgen"] = 1e6 * out["cpu_s"] / out["sent"]
+            out["machine_cores"] = meter.machine_cores
             out["agent_cpu_us_per_admitted"] = meter.per(out["ok"]).get("agent")
             res[name].append(out)
     r.close()
@@ -173,9 +204,12 @@ def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict
         return median(x[key] for x in res[name])
 
     extra = {"conns": CONNS, "trials": {k: [{"rps": x["rps"], "p50_ms": x["p50_ms"], "p99_ms": x["p99_ms"],
-                                              "statuses": x["statuses"], "loadgen_cpu_pct": x["cpu_pct"]} for x in v]
+                                              "statuses": x["statuses"], "loadgen_cpu_pct": x["cpu_pct"],
+                                              "machine_cores": x.get("machine_cores"),
+                                              "agent_degraded": x.get("agent_degraded")} for x in v]
                                          for k, v in res.items()},
              "agent_cpu_us_per_rls_call": [x["cpu_us_per_call"] for x in res["agent"]],
+             "bare_cpu_us_per_rls_call": [x["cpu_us_per_call"] for x in res["bare"]],
              "cpu_us_per_envoy_request": {k: [x["cpu_us_per_request"] for x in res[k]] for k in http_ports},
              "agent_degraded": degraded, "rlqs_warmup": warm}
     return [
@@ -222,7 +256,7 @@ def _warm(base: dict, port: int, tokens, principals: int) -> dict:
 
 def _utilisation(agent, ports: dict[str, int], issuer: DevIssuer, tokens) -> list[Row]:
     """One user per Envoy (a fresh bucket: 20 tokens, then 2/s), asked by UTIL_CONNS connections for
-    UTIL_S seconds: admitted / (20 + 2 x the measured span)."""
+    UTIL_S seconds: admitted / (20 + 2 x the measured span). ``agent``: RLQS's (its token metrics)."""
     util: dict[str, float] = {}
     extra: dict[str, dict] = {}
     for name, port in ports.items():

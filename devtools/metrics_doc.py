@@ -84,6 +84,7 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_rls_invalid_total": "invalid-argument reasons of region_agent.gateways (< 10)",
     "leasehold_agent_rls_descriptors_total": "2 codes",
     "leasehold_agent_rls_seconds": "1",
+    "leasehold_agent_rls_group_calls": "1",
     "leasehold_agent_rlqs_streams": "1",
     "leasehold_agent_rlqs_buckets": "1",
     "leasehold_agent_rlqs_reports_total": "1",

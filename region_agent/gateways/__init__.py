@@ -66,7 +66,8 @@ class Gateways:
 
         servicer = RateLimitServicer(names=self.names, decide=self.decide,
                                      bundle_of=lambda: self.state.holder.bundle,
-                                     gateways=self.gateway_tokens(), metrics=self.metrics)
+                                     gateways=self.gateway_tokens(), metrics=self.metrics,
+                                     group_linger_s=s.rls_group_linger_ms / 1000, group_size=s.batch_max)
         tls = (server_credentials(s.rls_tls_cert_file, s.rls_tls_key_file, s.rls_tls_client_ca_file)
                if s.rls_tls_cert_file and s.rls_tls_key_file else None)
         also: tuple = ()

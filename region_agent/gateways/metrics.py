@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+GROUP_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class GatewayMetrics:
@@ -26,6 +27,10 @@ class GatewayMetrics:
                                        "RLS descriptors answered, by code (OK | OVER_LIMIT)", ["code"], registry=r)
         self.rls_latency = Histogram("leasehold_agent_rls_seconds", "RLS call latency inside the agent",
                                      registry=r, buckets=LATENCY_BUCKETS)
+        self.rls_group_calls = Histogram(
+            "leasehold_agent_rls_group_calls",
+            "RLS calls decided together in one admission (calls that arrived while others were in flight, "
+            "held up to --rls-group-linger-ms)", registry=r, buckets=GROUP_BUCKETS)
         self.authz_calls = Counter("leasehold_agent_authz_requests_total",
                                    "Forward-auth (/v1/authz) answers by HTTP status", ["status"], registry=r)
         self.authz_invalid = Counter("leasehold_agent_authz_invalid_total",

@@ -33,12 +33,14 @@ import grpc
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kernel import tracing
 from kernel.auth import TokenTable, authenticate
 from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError, Unauthorized, Unavailable, ValidationFailed
 
 from ..models import AdmitRequest, Decision
 from .answer import rls_answer
+from .call_group import CallGroup
 from .mapping import BadQuestion, Descriptor, Names, rls_questions
 from .metrics import GatewayMetrics
 
@@ -89,8 +91,11 @@ def _to_proto(decisions: list[Decision], questions: list[AdmitRequest], bundle: 
 
 class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
     def __init__(self, *, names: Names, decide: Callable[..., Awaitable[list[Decision]]],
-                 bundle_of: Callable[[], Bundle], gateways: TokenTable | None, metrics: GatewayMetrics):
+                 bundle_of: Callable[[], Bundle], gateways: TokenTable | None, metrics: GatewayMetrics,
+                 group_linger_s: float = 0.0, group_size: int = 32):
         self.names = names
+        # calls that arrive together are decided together (.call_group); linger 0: each call alone
+        self.group = CallGroup(self._decide_group, group_linger_s, group_size, on_group=metrics.rls_group_calls.observe)
         self.decide = decide
         self.bundle_of = bundle_of
         self.gateways = gateways  # None: --auth-disabled
@@ -100,17 +105,26 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         self._ok_descriptors = metrics.rls_descriptors.labels("OK")
         self._over_descriptors = metrics.rls_descriptors.labels("OVER_LIMIT")
 
+    def _decide_group(self, questions: list[AdmitRequest]) -> Awaitable[list[Decision]]:
+        """The questions of a group of calls (.call_group), decided at once. No trace context:
+        calls are grouped only while tracing is off (each traced call is its own decision span)."""
+        return self.decide(questions, door="rls", decoded=True)
+
     async def ShouldRateLimit(self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext) -> Response:
         started = time.perf_counter()
         m = self.metrics
         code, detail, outcome = grpc.StatusCode.OK, "", "error"
+        group = self.group
+        joins = group.enter()
         try:
             metadata = context.invocation_metadata() or ()
             if self.gateways is not None:
                 authenticate(self.gateways, metadata)  # pairs: two tokens are refused
             questions = rls_questions(self.names, request.domain, descriptors_of(request), request.hits_addend)
-            # decoded: the questions were built by msgspec's validating convert (mapping.question)
-            decisions = await self.decide(questions, door="rls", carrier=metadata, decoded=True)
+            if joins and not tracing.ENABLED:  # other calls in flight: decided with those arriving with it
+                decisions = await group.decide(questions)
+            else:  # decoded: the questions were built by msgspec's validating convert (mapping.question)
+                decisions = await self.decide(questions, door="rls", carrier=metadata, decoded=True)
             resp, status, over = _to_proto(decisions, questions, self.bundle_of())
             outcome = OUTCOME_OF_STATUS.get(status, "over_limit")
             if over:
@@ -134,6 +148,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             log.exception("RLS call failed")
             code, detail = grpc.StatusCode.INTERNAL, "internal error"
         finally:
+            group.leave()
             self._calls[outcome].inc()
             m.rls_latency.observe(time.perf_counter() - started)
         await context.abort(code, detail)

@@ -216,6 +216,10 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     rls_max_descriptors: Annotated[int, Meta(ge=1, le=64), Help("descriptors per ShouldRateLimit call")] = 8
     rls_max_concurrent_rpcs: Annotated[int, Meta(ge=1, le=100_000), Help(
         "RLS calls in flight; beyond: RESOURCE_EXHAUSTED")] = 4_096
+    rls_group_linger_ms: Annotated[float, Meta(ge=0, le=20), Help(
+        "an RLS call that arrives while others are in flight waits up to this long for more, so "
+        "their decisions are made together (one admission, one Redis pipeline); 0: never, and a "
+        "call alone never waits")] = 2.0
     rls_tls_cert_file: Annotated[str | None, Help(
         "serve RLS over TLS with this certificate chain (PEM); plaintext when unset", kind="file",
         requires=("rls_tls_key_file",))] = None

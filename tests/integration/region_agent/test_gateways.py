@@ -60,7 +60,7 @@ async def rls(stub, *descriptors, domain: str = "leasehold", hits: int = 0, meta
 async def metric(client: AsyncTestClient, name: str, **labels: str) -> float:
     total = 0.0
     for line in (await client.get("/metrics")).text.splitlines():
-        if line.startswith(name + "{"):
+        if line.startswith((name + "{", name + " ")):
             head, _, value = line.rpartition(" ")
             if all(f'{k}="{v}"' in head for k, v in labels.items()):
                 total += float(value)
@@ -261,3 +261,48 @@ async def test_a_replayed_request_id_is_a_denial_on_every_door_never_an_error(gw
             "routeGroup": "export"}
     r = await client.post("/v1/admit", json=body, headers=AUTH)
     assert r.status_code == 409 and r.json()["decisionId"] == "rid-replayed-01"
+
+
+@pytest.fixture
+async def gw_grouped(redis_url: str, policy_file: Path):
+    """The RLS door with a long group linger (20 ms), so concurrent calls are held and decided
+    together even when the machine is busy."""
+    port = free_port()
+    settings = make_settings(redis_url, policy_file, rls_port=port, rls_group_linger_ms=20)
+    app = create_app(settings, pepper=PEPPER)
+    async with AsyncTestClient(app=app) as client:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            yield client, rls_pb2_grpc.RateLimitServiceStub(ch)
+
+
+def _answer(resp: R) -> tuple:
+    """An answer without the user's own name (the RateLimit fields name the rule, not the user)."""
+    return (resp.overall_code, [(s.code, s.limit_remaining, s.current_limit.name, s.current_limit.requests_per_unit,
+                                 s.current_limit.unit) for s in resp.statuses],
+            sorted((h.key, h.value) for h in resp.response_headers_to_add), resp.raw_body)
+
+
+async def test_calls_decided_together_answer_as_calls_alone(gw_grouped):
+    """Concurrent calls held in a group are decided in one admission and get exactly the answer
+    each would get alone: a fresh user's first call, and a burst on one user debits its bucket once
+    per call (P-READ: 20, then 2/s)."""
+    import asyncio
+
+    client, stub = gw_grouped
+    alone = await rls(stub, user("U-alone"), metadata=())
+    assert alone.overall_code == R.OK and alone.statuses[0].limit_remaining == 19
+    assert await metric(client, "leasehold_agent_rls_group_calls_count") == 0  # a call alone is never held
+    n = 24
+    answers = await asyncio.gather(*(rls(stub, user(f"U-group-{i}"), metadata=()) for i in range(n)))
+    assert [_answer(a) for a in answers] == [_answer(alone)] * n
+    groups = await metric(client, "leasehold_agent_rls_group_calls_count")
+    grouped = await metric(client, "leasehold_agent_rls_group_calls_sum")
+    assert 1 <= groups < grouped < n  # calls were decided together (the first went alone)
+
+    started = time.monotonic()
+    burst = await asyncio.gather(*(rls(stub, user("U-burst"), metadata=()) for _ in range(30)))
+    refilled = int(2 * (time.monotonic() - started)) + 1  # 2/s while the burst was answered, rounded up
+    ok = sorted(a.statuses[0].limit_remaining for a in burst if a.overall_code == R.OK)
+    assert 20 <= len(ok) <= 20 + refilled
+    assert all(a.overall_code == R.OVER_LIMIT for a in burst if a.overall_code != R.OK)
+    assert len(set(ok)) >= len(ok) - refilled  # each admitted call saw its own debit (remaining counts down)
