@@ -19,6 +19,7 @@ from .algorithms import ALGORITHMS, Fallback, LocalModel, Role, RuleBase, RuleUn
 from .algorithms.rule import NonNegInt, PosInt
 from .errors import PolicyError
 from .ids import KEY_ID_RE, OWNER_RE, POOL_ID_RE, REGION_RE, ROUTE_RE, RULE_ID_RE, SIGNATURE_RE, TENANT_RE
+from .split import TenantSplit, split_problems
 
 MAX_RULES_PER_REQUEST = 8
 
@@ -70,6 +71,9 @@ class Bundle(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
     # "ed25519:<base64>" over signing.signed_message(bundle); both absent on an unsigned bundle
     key_id: str | None = None
     signature: str | None = None
+    # very large tenants spread over k hash tags (kernel/split.py); written (and covered by the
+    # checksum and the signature) only when present, so existing bundles keep their checksums
+    tenant_splits: list[TenantSplit] = []
 
 
 # Rule fields added after bundles were sealed and signed: written (and covered by the checksum)
@@ -91,18 +95,24 @@ def rule_doc(rule: Rule) -> dict[str, Any]:
     return doc
 
 
-def canonical_payload(rules: Iterable[Rule], pools: Iterable[Pool], max_age_ms: int | None = None) -> bytes:
-    """Canonical encoding the checksum covers: every field (defaults included), sorted keys."""
-    doc = {
+def canonical_payload(rules: Iterable[Rule], pools: Iterable[Pool], max_age_ms: int | None = None,
+                      tenant_splits: Iterable[TenantSplit] = ()) -> bytes:
+    """Canonical encoding the checksum covers: every field (defaults included), sorted keys;
+    ``tenantSplits`` only when there are any."""
+    doc: dict[str, Any] = {
         "rules": [rule_doc(r) for r in rules],
         "pools": [msgspec.to_builtins(p) for p in pools],
         "maxAgeMs": max_age_ms,
     }
+    splits = [msgspec.to_builtins(s) for s in tenant_splits]
+    if splits:
+        doc["tenantSplits"] = splits
     return msgspec.json.encode(doc, order="sorted")
 
 
-def compute_checksum(rules: Iterable[Rule], pools: Iterable[Pool], max_age_ms: int | None = None) -> str:
-    return "sha256:" + hashlib.sha256(canonical_payload(rules, pools, max_age_ms)).hexdigest()
+def compute_checksum(rules: Iterable[Rule], pools: Iterable[Pool], max_age_ms: int | None = None,
+                     tenant_splits: Iterable[TenantSplit] = ()) -> str:
+    return "sha256:" + hashlib.sha256(canonical_payload(rules, pools, max_age_ms, tenant_splits)).hexdigest()
 
 
 def seal(bundle: Bundle) -> Bundle:
@@ -111,7 +121,7 @@ def seal(bundle: Bundle) -> Bundle:
     Sealing means the content may have changed, so any signature is dropped: sign after
     sealing (``kernel.signing.sign_bundle``)."""
     return msgspec.structs.replace(
-        bundle, checksum=compute_checksum(bundle.rules, bundle.pools, bundle.max_age_ms),
+        bundle, checksum=compute_checksum(bundle.rules, bundle.pools, bundle.max_age_ms, bundle.tenant_splits),
         key_id=None, signature=None,
     )
 
@@ -164,6 +174,8 @@ def encode_bundle(bundle: Bundle) -> bytes:
     for k in ("keyId", "signature"):
         if doc.get(k) is None:
             doc.pop(k, None)
+    if not doc.get("tenantSplits"):
+        doc.pop("tenantSplits", None)
     return msgspec.json.format(msgspec.json.encode(doc), indent=2)
 
 
@@ -291,7 +303,7 @@ def validate_bundle(bundle: Bundle, problems: list[str] | None = None) -> None:
     if not bundle.checksum.startswith("sha256:"):
         problems.append("checksum must be 'sha256:<hex>' over the canonical rules and pools")
     else:
-        expect = compute_checksum(bundle.rules, bundle.pools, bundle.max_age_ms)
+        expect = compute_checksum(bundle.rules, bundle.pools, bundle.max_age_ms, bundle.tenant_splits)
         if expect != bundle.checksum:
             problems.append(f"checksum mismatch: bundle says {bundle.checksum}, content hashes to {expect}")
     if (bundle.key_id is None) != (bundle.signature is None):
@@ -322,6 +334,7 @@ def validate_bundle(bundle: Bundle, problems: list[str] | None = None) -> None:
         else:
             idents[ident] = r.id
     problems.extend(_pool_balance_problems(bundle.rules))
+    problems.extend(split_problems(bundle.tenant_splits, bundle.rules, pools))
     if not problems:
         problems.extend(_request_set_problems(bundle.rules))
     if problems:
