@@ -31,6 +31,7 @@ from msgspec import Meta, Struct
 from .algorithms import ALGORITHMS
 from .algorithms.rule import FailMode, NonNegInt, PosInt, Scope
 from .bundle import Bundle, Pool, seal
+from .split import TenantSplit
 
 # ------------------------------------------------------------------------------ unit strings
 UNITS_MS: dict[str, int] = {"ms": 1, "s": 1_000, "min": 60_000, "h": 3_600_000, "d": 86_400_000}
@@ -224,6 +225,7 @@ class PolicySource(Struct, rename="camel", forbid_unknown_fields=True, frozen=Tr
     rules: list[SourceRuleUnion]
     pools: list[SourcePool] = []
     max_age: Duration | None = None  # snapshot freshness for revocable rules
+    tenant_splits: list[TenantSplit] = []  # very large tenants over k slots (kernel/split.py)
 
 
 # ------------------------------------------------------------------------------ compile
@@ -346,9 +348,12 @@ def bundle_document(src: PolicySource) -> dict[str, Any]:
         except SourceError as e:
             e.pool = i  # type: ignore[attr-defined]  # attached for the error message; SourceError declares no fields
             raise
-    return {"bundleVersion": src.version, "publishedAt": src.published_at, "checksum": "",
-            "rules": rules, "pools": pools,
-            "maxAgeMs": duration_ms(src.max_age, "maxAge") if src.max_age is not None else None}
+    doc = {"bundleVersion": src.version, "publishedAt": src.published_at, "checksum": "",
+           "rules": rules, "pools": pools,
+           "maxAgeMs": duration_ms(src.max_age, "maxAge") if src.max_age is not None else None}
+    if src.tenant_splits:
+        doc["tenantSplits"] = [msgspec.to_builtins(t) for t in src.tenant_splits]
+    return doc
 
 
 def compile_source(src: PolicySource) -> Bundle:
@@ -437,6 +442,8 @@ def decompile(bundle: Bundle) -> dict[str, Any]:
     out["rules"] = [rule_source(r) for r in bundle.rules]
     if bundle.pools:
         out["pools"] = [pool_source(p) for p in bundle.pools]
+    if bundle.tenant_splits:
+        out["tenantSplits"] = [msgspec.to_builtins(t) for t in bundle.tenant_splits]
     return out
 
 

@@ -114,3 +114,17 @@ def test_a_split_tenant_twice_an_invalid_tenant_and_a_tenant_pool_are_refused():
 def test_the_sample_splits_atlas_three_ways():
     b = decode_bundle(encode_bundle(_split(northstar(), TenantSplit("atlas", 3))))
     assert b.tenant_splits[0].sub_buckets == 3
+
+
+def test_the_policy_source_carries_splits_both_ways():
+    from kernel.errors import PolicyError as _PolicyError
+    from kernel.policy_yaml import compile_text, source_text
+    from tests.support.policies import ROOT
+
+    text = (ROOT / "policies" / "northstar.yaml").read_text()
+    text = text.replace("rules:", "tenantSplits:\n  - {tenant: birch, subBuckets: 2}\nrules:", 1)
+    b = compile_text(text, "split.yaml")
+    assert b.tenant_splits == [TenantSplit("birch", 2)]
+    assert compile_text(source_text(b), "again.yaml").checksum == b.checksum
+    with pytest.raises(_PolicyError, match="subBuckets must be an integer from 2 to 64"):
+        compile_text(text.replace("subBuckets: 2", "subBuckets: 1"), "bad.yaml")
