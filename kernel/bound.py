@@ -287,3 +287,21 @@ def bundle_bounds(bundle: Bundle, topology: Topology, faults: Faults | Mapping[s
         fl = faults.get(shape.id, NO_FAULTS) if isinstance(faults, Mapping) else faults
         out.append(pool_bound(shape, topology, fl, rlqs=rlqs))
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Rules the pool bound above does not cover (docs/bound.md, "Approximate rules", "Split tenants").
+from .approx import ApproxBound, approximate_bound  # noqa: E402  (appended section; kernel/approx.py has the proof)
+from .split import SplitShare, split_shares  # noqa: E402
+
+
+def approximate_bounds(bundle: Bundle, agents: int) -> list[ApproxBound]:
+    """Per approximate rule: the most one key counts in one window with ``agents`` agent processes
+    counting it (``limit + (agents - 1) x localMax``: kernel/approx.py)."""
+    return [approximate_bound(r, agents) for r in bundle.rules if r.approximate is not None]
+
+
+def split_bounds(bundle: Bundle) -> list[SplitShare]:
+    """Per split tenant and divided rule: the shares, what one principal can take, and the tenant
+    total's range (kernel/split.py). A split adds no overshoot term: the shares add up to the limit."""
+    return split_shares(bundle.tenant_splits, bundle.rules)

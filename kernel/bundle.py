@@ -17,6 +17,7 @@ from msgspec import Meta, Struct
 
 from .algorithms import ALGORITHMS, Fallback, LocalModel, Role, RuleBase, RuleUnion, make_rule
 from .algorithms.rule import NonNegInt, PosInt
+from .approx import approximate_problems
 from .errors import PolicyError
 from .ids import KEY_ID_RE, OWNER_RE, POOL_ID_RE, REGION_RE, ROUTE_RE, RULE_ID_RE, SIGNATURE_RE, TENANT_RE
 from .split import TenantSplit, split_problems
@@ -78,7 +79,7 @@ class Bundle(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
 
 # Rule fields added after bundles were sealed and signed: written (and covered by the checksum)
 # only when not at their default, so every existing bundle keeps its bytes and its checksum.
-OPTIONAL_RULE_FIELDS: dict[str, object] = {"everyRequest": False}
+OPTIONAL_RULE_FIELDS: dict[str, object] = {"everyRequest": False, "approximate": None}
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,7 +255,8 @@ def _rule_problems(r: Rule, pools: dict[str, Pool]) -> list[str]:
                  "with the tenant's keys (spend it from a leased chunk instead)")
     if r.concurrency_max is not None and r.scope in ("global", "ip"):
         p.append(f"{name}: concurrencyMax needs a tenant-tagged scope (user, key, route, tenant)")
-    if r.fail_mode == "local_bounded" and r.local_model is LocalModel.FALLBACK:
+    p.extend(f"{name}: {problem}" for problem in approximate_problems(r))
+    if r.fail_mode == "local_bounded" and r.local_model is LocalModel.FALLBACK and r.approximate is None:
         # (pools degrade through the pool's fallbackPerRegion instead)
         if r.fallback is None:
             p.append(f"{name}: failMode local_bounded needs fallback parameters "

@@ -29,7 +29,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from .algorithms import ALGORITHMS
-from .algorithms.rule import FailMode, NonNegInt, PosInt, Scope
+from .algorithms.rule import Approximate, FailMode, NonNegInt, PosInt, Scope
 from .bundle import Bundle, Pool, seal
 from .split import TenantSplit
 
@@ -154,6 +154,7 @@ class SourceRule(Struct, rename="camel", forbid_unknown_fields=True, frozen=True
     exempt: bool = False
     owner: str | None = None
     every_request: bool = False  # ip rules: the pre-authentication stage of every request
+    approximate: Approximate | None = None  # counted in process, reconciled every reconcileMs (kernel/approx.py)
 
 
 class BucketSource(SourceRule, frozen=True):
@@ -300,6 +301,8 @@ def rule_fields(src: SourceRule) -> dict[str, Any]:
         except SourceError as e:
             e.field = "fallback"
             raise
+    if src.approximate is not None:
+        out["approximate"] = src.approximate
     if isinstance(src, BucketSource):
         amount, per = rate_parts(src.rate, "rate")
         out.update(capacity_millis=millis(src.burst, "burst"), refill_millis=millis(amount, "rate"),
@@ -385,7 +388,7 @@ def _per(ms: int) -> str:
 RULE_ORDER = ("id", "scope", "routeGroup", "tenant", "algorithm", "rate", "burst", "limit", "pool", "cost",
               "concurrency", "concurrencyTtl", "concurrencyRetryAfter", "failMode", "fallback", "closedRetryAfter",
               "idempotent", "decisionTtl", "ttlSlack", "shadow", "revocable", "ipv4Prefix", "ipv6Prefix", "exempt",
-              "owner", "everyRequest")
+              "owner", "everyRequest", "approximate")
 
 
 def rule_source(rule: Any) -> dict[str, Any]:
@@ -413,6 +416,8 @@ def rule_source(rule: Any) -> dict[str, Any]:
             out[_camel(s)] = format_duration(v)
     if rule.fallback is not None:
         out["fallback"] = _fallback_doc(rule.fallback)
+    if rule.approximate is not None:
+        out["approximate"] = msgspec.to_builtins(rule.approximate)
     return {k: out[k] for k in RULE_ORDER if k in out}
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 from msgspec import Struct
@@ -176,5 +176,47 @@ def split_problems(splits: Iterable[TenantSplit], rules: Iterable[Rule], pools: 
     return problems
 
 
-__all__ = ["MAX_SUB_BUCKETS", "MIN_SUB_BUCKETS", "SPLIT_SCOPES", "TenantSplit", "divide", "divide_all",
-           "is_divided", "principal_hash", "share", "split_problems", "splits_of", "sub_bucket"]
+
+
+class SplitShare(NamedTuple):
+    """A divided rule of a split tenant, in whole requests at cost 1."""
+
+    tenant: str
+    rule: str
+    k: int
+    limit: int  # the undivided limit (requests at cost 1)
+    shares: tuple[int, ...]  # per sub-bucket
+    principal_max: int  # what one principal (with its sub-bucket's other principals) can take
+    total_max: int  # the tenant total at most (= the undivided limit: no overshoot)
+    total_min_busy: int  # the tenant total at least, with every sub-bucket busy
+
+    @property
+    def formula(self) -> str:
+        return (f"tenant {self.tenant}, rule {self.rule}: {self.limit:,} split {self.k} ways "
+                f"(shares {min(self.shares):,}..{max(self.shares):,}); one principal at most {self.principal_max:,}; "
+                f"tenant total at most {self.total_max:,}, at least {self.total_min_busy:,} with every sub-bucket busy")
+
+
+def _requests(rule: Rule) -> int:
+    """What the rule admits at once, in requests at cost 1 (a bucket's burst, a window's limit)."""
+    if "capacity_millis" in rule.__struct_fields__:
+        return (rule.capacity_millis or 0) // (rule.cost_millis or 1)  # type: ignore[attr-defined]
+    return getattr(rule, "limit", 0) or 0
+
+
+def split_shares(splits: Iterable[TenantSplit], rules: Iterable[Rule]) -> list[SplitShare]:
+    rules = list(rules)
+    out: list[SplitShare] = []
+    for s in splits:
+        k = s.sub_buckets
+        for r in rules:
+            if not _applies_to(r, s.tenant) or not is_divided(r) or r.pool_id is not None or r.shadow:
+                continue
+            limit = _requests(r)
+            shares = tuple(_requests(divide(r, k, i)) for i in range(k))
+            out.append(SplitShare(s.tenant, r.id, k, limit, shares, max(shares), limit, sum(shares)))
+    return out
+
+
+__all__ = ["MAX_SUB_BUCKETS", "MIN_SUB_BUCKETS", "SPLIT_SCOPES", "SplitShare", "TenantSplit", "divide", "divide_all",
+           "is_divided", "principal_hash", "share", "split_problems", "split_shares", "splits_of", "sub_bucket"]

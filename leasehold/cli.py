@@ -302,6 +302,11 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
                                                  for name, f in zip(("healthy", "allocatorUnreachable", "worst"),
                                                                     (f for _, f in cases(topology)), strict=True)}}
                            for shape in pool_shapes(bundle)]
+        from kernel.bound import approximate_bounds, split_bounds
+
+        result["approximate"] = [{**b._asdict(), "formula": b.formula}
+                                 for b in approximate_bounds(bundle, args.agents_per_region)]
+        result["splits"] = [{**s._asdict(), "formula": s.formula} for s in split_bounds(bundle)]
         if args.markdown:
             lines.append(markdown_table(bundle, names, sorted({1, args.agents_per_region})))
         else:

@@ -33,6 +33,13 @@ class Slot(NamedTuple):
     role: Role
 
 
+class ApproxSpend(NamedTuple):
+    """An approximate rule's key, counted in process (region_agent.approx, kernel/approx.py)."""
+
+    rule: Rule
+    key: str
+
+
 class GlobalSpend(NamedTuple):
     rule: Rule
     pool: Pool
@@ -65,6 +72,7 @@ class Plan:
     # the pre-authentication stage of an authenticated request (ip rules marked everyRequest,
     # keyed by its clientIp): decided first, in its own call (another hash tag than the tenant's)
     edge: Plan | None = None
+    approx: Sequence[ApproxSpend] = ()  # approximate rules: counted in process, not in the script
 
     @property
     def anonymous(self) -> bool:
@@ -122,11 +130,14 @@ class Shape(NamedTuple):
     edge: Shape | None = None
     # the sub-bucket of a split tenant (kernel/split.py) whose tag the keys carry (None: not split)
     sub: int | None = None
+    approx: tuple[Rule, ...] = ()  # enforced approximate rules (counted in process, kernel/approx.py)
+    approx_templates: tuple[KeyTemplate | None, ...] = ()
 
     @classmethod
     def of(cls, rules: list[Rule], tenant: str | None = None, sub: int | None = None) -> Shape:
         enforced = [r for r in rules if not r.shadow]
-        in_script = [r for r in enforced if not r.fleet_wide]
+        approx = tuple(r for r in enforced if r.approximate is not None)
+        in_script = [r for r in enforced if not r.fleet_wide and r.approximate is None]
         shadow = [r for r in rules if r.shadow and not r.fleet_wide]
         slots: list[Slot] = []
         for rule in in_script:
@@ -147,7 +158,7 @@ class Shape(NamedTuple):
                    slots=slots, shadow_slots=[Slot(r, r.role) for r in shadow],
                    fleet=[r for r in enforced if isinstance(r, PoolRule) and r.fleet_wide],
                    has_pool=any(s.role is Role.POOL for s in slots), unrecorded_dk=dk, by_cost={}, derived={},
-                   sub=sub)
+                   sub=sub, approx=approx, approx_templates=tuple(KeyBuilder.template(r, tenant, sub) for r in approx))
 
     def params_for(self, cost_hint: int) -> tuple[list[tuple[str, Params]], list[tuple[str, Params]], tuple | None]:
         """(kind, params) of every slot and shadow slot for a request of ``cost_hint``, and the
@@ -280,6 +291,15 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
     spends: list[GlobalSpend] = _NONE  # type: ignore[assignment]  # the shared empty tuple, never appended to
     if shape.fleet:
         spends = [GlobalSpend(rule, memo.pools[rule.pool_id or ""], rule.tokens(cost_hint)) for rule in shape.fleet]
+    approx: list[ApproxSpend] = _NONE  # type: ignore[assignment]  # the shared empty tuple, never appended to
+    if shape.approx:
+        approx = []
+        for rule, t in zip(shape.approx, shape.approx_templates, strict=True):
+            if t is not None:
+                key = keys.key_from(t, tenant, user_id, api_key_id)  # type: ignore[arg-type]  # a template exists only for a tenant
+            else:
+                key = _key_of(keys, rule, tenant, user_id, api_key_id, req.route_group, ip_tag, addr, shape.sub)
+            approx.append(ApproxSpend(rule, key + ":approx"))
     question = ""
     if shape.decision_ttl_ms > 0:
         decision_key = keys.decision_key(req.request_id, tenant=tenant if ip_tag is None else None, ip_tag=ip_tag,
@@ -296,7 +316,7 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
         edge = edge_plan(bundle, req, keys, shape.edge)
     return Plan(req.request_id, tenant, ptype, shape.enforced, calls, shape.slots, shadow_calls, shape.shadow_slots,
                 spends, decision_key, shape.decision_ttl_ms, question, shape.slack_ms, cost_hint, argv_rules,
-                shape.has_pool, shape, req, edge)
+                shape.has_pool, shape, req, edge, approx)
 
 
 def edge_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, edge: Shape) -> Plan:
@@ -350,5 +370,5 @@ def cc_keys_for_release(bundle: Bundle, *, request_tenant: str | None, principal
                                        route_group=route_group, keys=keys)]
 
 
-__all__ = ["BundleMemo", "Call", "GlobalSpend", "Plan", "Shape", "Slot", "build_plan", "cc_gates", "cc_keys_for_release",
+__all__ = ["ApproxSpend", "BundleMemo", "Call", "GlobalSpend", "Plan", "Shape", "Slot", "build_plan", "cc_gates", "cc_keys_for_release",
            "check_principal", "memo_of"]

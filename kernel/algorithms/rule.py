@@ -98,6 +98,15 @@ class Fallback(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
         return ["fallback needs capacityMillis, refillMillis and periodMs, or limit and windowMs"]
 
 
+class Approximate(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
+    """A coarse protective rule counted in process and reconciled with Redis every ``reconcileMs``
+    (kernel/approx.py): between two reconciliations one agent admits at most ``localMax``
+    requests (units of cost) per key that Redis has not seen yet."""
+
+    reconcile_ms: Annotated[int, Meta(ge=10, le=60_000)]
+    local_max: PosInt
+
+
 class RuleBase(Struct, rename="camel", forbid_unknown_fields=True, frozen=True, tag_field="algorithm"):
     """The fields of every rule. Not a bundle rule itself: the algorithms subclass it."""
 
@@ -134,6 +143,8 @@ class RuleBase(Struct, rename="camel", forbid_unknown_fields=True, frozen=True, 
     # ip rules only: the pre-authentication stage of EVERY request (authenticated or not) spends
     # it, not only anonymous ones (region_agent.plan: a second call before the tenant's)
     every_request: bool = False
+    # counted in process, reconciled with Redis periodically (fixed_window, sliding_counter only)
+    approximate: Approximate | None = None
 
     @property
     def route_key(self) -> str:
