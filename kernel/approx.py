@@ -240,14 +240,15 @@ class ApproxCounters:
 
     def due(self, now_ms: float) -> list[Reconcile]:
         """The keys to reconcile now (due, or past half their localMax); their pending units move
-        to in flight. A key asked within its last window is read every reconcileMs, with or without a
-        delta; a key idle longer is dropped once nothing of it is unseen."""
+        to in flight. A key asked within its last two windows is read every reconcileMs, with or
+        without a delta; a key idle longer is dropped once nothing of it is unseen (no decision
+        reads its old windows any more)."""
         out: list[Reconcile] = []
         idle = []
         for key, kc in self.keys.items():
             if kc.inflight or (kc.due_ms > now_ms and key not in self.urgent):
                 continue
-            if not kc.pending and now_ms - kc.last_take_ms > kc.window_ms:
+            if not kc.pending and now_ms - kc.last_take_ms > 2 * kc.window_ms:
                 idle.append(key)
                 continue
             kc.forget_old(int(now_ms) // kc.window_ms)
