@@ -85,6 +85,11 @@ def splits_of(splits: Iterable[TenantSplit]) -> dict[str, int]:
     return {s.tenant: s.sub_buckets for s in splits}
 
 
+def _int(rule: Rule, name: str) -> int:
+    """An algorithm's integer field (0 when absent or unset)."""
+    return getattr(rule, name, None) or 0
+
+
 def is_divided(rule: Rule) -> bool:
     return rule.scope in SPLIT_SCOPES
 
@@ -106,10 +111,10 @@ def divide(rule: Rule, k: int, i: int) -> Rule:
     changes: dict[str, object] = {}
     fields = rule.__struct_fields__
     if "capacity_millis" in fields:  # token bucket, GCRA
-        changes["capacity_millis"] = share(rule.capacity_millis or 0, k, i)  # type: ignore[attr-defined]
-        changes["refill_millis"] = share(rule.refill_millis or 0, k, i)  # type: ignore[attr-defined]
+        changes["capacity_millis"] = share(_int(rule, "capacity_millis"), k, i)
+        changes["refill_millis"] = share(_int(rule, "refill_millis"), k, i)
     elif "limit" in fields and "window_ms" in fields:  # the window algorithms
-        changes["limit"] = share(rule.limit or 0, k, i)  # type: ignore[attr-defined]
+        changes["limit"] = share(_int(rule, "limit"), k, i)
     if rule.concurrency_max is not None:
         changes["concurrency_max"] = share(rule.concurrency_max, k, i)
     if rule.fallback is not None:
@@ -158,14 +163,14 @@ def split_problems(splits: Iterable[TenantSplit], rules: Iterable[Rule], pools: 
                 continue
             smallest = divide(r, k, k - 1)  # the last sub-bucket has the smallest share
             rname = f"{name}: rule {r.id!r} ({r.scope} scope)"
-            for p in smallest.problems(pools):  # type: ignore[arg-type]
+            for p in smallest.problems(pools):  # type: ignore[arg-type]  # any mapping of pools: the rule only looks ids up
                 problems.append(f"{rname} divided by {k}: {p}")
             if "capacity_millis" in r.__struct_fields__:
-                if (smallest.refill_millis or 0) < 1:  # type: ignore[attr-defined]
-                    problems.append(f"{rname}: refillMillis {r.refill_millis} divided by {k} leaves a "  # type: ignore[attr-defined]
+                if _int(smallest, "refill_millis") < 1:
+                    problems.append(f"{rname}: refillMillis {_int(r, 'refill_millis')} divided by {k} leaves a "
                                     "sub-bucket without refill")
-            elif "limit" in r.__struct_fields__ and (smallest.limit or 0) < 1:  # type: ignore[attr-defined]
-                problems.append(f"{rname}: limit {r.limit} is smaller than subBuckets {k}: a sub-bucket "  # type: ignore[attr-defined]
+            elif "limit" in r.__struct_fields__ and _int(smallest, "limit") < 1:
+                problems.append(f"{rname}: limit {_int(r, 'limit')} is smaller than subBuckets {k}: a sub-bucket "
                                 "would admit nothing")
             if r.concurrency_max is not None and (smallest.concurrency_max or 0) < 1:
                 problems.append(f"{rname}: concurrencyMax {r.concurrency_max} is smaller than subBuckets {k}")
@@ -200,7 +205,7 @@ class SplitShare(NamedTuple):
 def _requests(rule: Rule) -> int:
     """What the rule admits at once, in requests at cost 1 (a bucket's burst, a window's limit)."""
     if "capacity_millis" in rule.__struct_fields__:
-        return (rule.capacity_millis or 0) // (rule.cost_millis or 1)  # type: ignore[attr-defined]
+        return _int(rule, "capacity_millis") // (_int(rule, "cost_millis") or 1)
     return getattr(rule, "limit", 0) or 0
 
 

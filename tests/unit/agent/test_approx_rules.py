@@ -29,7 +29,7 @@ class Store:
             raise StoreUnavailable("redis unreachable")
         out = []
         for _name, _keys, argv in calls:
-            window, cur = argv[0], self.now_ms // argv[0]
+            cur = self.now_ms // argv[0]
             for i in range(2, len(argv), 2):
                 if argv[i + 1] > 0 and argv[i] >= cur - 1:
                     self.counts[min(argv[i], cur)] = self.counts.get(min(argv[i], cur), 0) + argv[i + 1]
