@@ -45,3 +45,21 @@ def test_the_split_tenants_shares_are_printed(tmp_path: Path, capsys):
     (split,) = json.loads(capsys.readouterr().out)["splits"]
     assert (split["tenant"], split["k"], split["shares"], split["principalMax"], split["totalMax"],
             split["totalMinBusy"]) == ("atlas", 4, [250, 250, 250, 250], 250, 1_000, 1_000)
+
+
+def test_explain_shows_an_approximate_rules_key_and_that_it_needs_no_store_call(tmp_path: Path, capsys):
+    path = _bundle_file(tmp_path, "approximate:")
+    assert main(["policy", "explain", path, "--tenant", "atlas", "--principal", "U-1", "--route", "search"]) == 0
+    out = capsys.readouterr().out
+    assert ("approximate rule route-ceiling: counted in this agent process, no store call per request; reconciled "
+            "every 500 ms with rl:v3:{t:atlas}:route:atlas:search:approx (tag {t:atlas} slot 4037)") in out
+    assert "no store call" in out and "multi_rule.lua" not in out
+
+
+def test_explain_shows_a_split_tenants_sub_bucket_tag(tmp_path: Path, capsys):
+    path = _bundle_file(tmp_path, "tenantSplits:")
+    assert main(["policy", "explain", path, "--tenant", "atlas", "--principal", "U-1", "--route", "read", "-o",
+                 "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (tag,) = doc["call"]["hashTags"]
+    assert re.fullmatch(r"t:atlas:[0-3]", tag) and doc["call"]["sameSlot"] is True
