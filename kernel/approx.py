@@ -37,6 +37,10 @@ are on the store's clock as each agent estimates it (offset learned from every r
 reply, error at most half a round trip). A failed or ambiguous reconciliation is sent again: a
 delta the store did apply is then counted twice — over-counting, which only denies earlier.
 
+A key dropped from a full table (``MAX_KEYS`` per process, least recently used first) loses its
+unseen units, at most ``localMax``: counted like one more process. A split tenant's sub-buckets
+(kernel/split.py) divide ``localMax`` with the limit, so their terms add up to the rule's.
+
 Pure: no I/O; the caller passes the clock (``now_ms``: store-clock milliseconds).
 """
 

@@ -16,8 +16,8 @@ What the split changes, per rule of the split tenant (:func:`divide`):
   the ``k`` sub-buckets by integer division, the remainder going to the first sub-buckets:
   sub-bucket ``i`` gets ``limit // k + (1 if i < limit % k else 0)`` (token buckets and GCRA:
   ``capacityMillis`` and ``refillMillis`` alike, in millitokens; window algorithms: ``limit``;
-  a concurrency gate: ``concurrencyMax``; the ``fallback`` allowance the same way). The shares
-  add up to the rule's limit exactly.
+  a concurrency gate: ``concurrencyMax``; the ``fallback`` allowance and an approximate rule's
+  ``localMax`` the same way). The shares add up to the rule's limit exactly.
 
 The slack, stated (docs/policy.md, "Split tenants"):
 
@@ -119,6 +119,9 @@ def divide(rule: Rule, k: int, i: int) -> Rule:
         changes["concurrency_max"] = share(rule.concurrency_max, k, i)
     if rule.fallback is not None:
         changes["fallback"] = _divide_fallback(rule.fallback, k, i)
+    if rule.approximate is not None:  # (so the approximate term of the k sub-keys adds up to the rule's)
+        changes["approximate"] = msgspec.structs.replace(rule.approximate,
+                                                         local_max=share(rule.approximate.local_max, k, i))
     return msgspec.structs.replace(rule, **changes)
 
 
@@ -172,6 +175,9 @@ def split_problems(splits: Iterable[TenantSplit], rules: Iterable[Rule], pools: 
             elif "limit" in r.__struct_fields__ and _int(smallest, "limit") < 1:
                 problems.append(f"{rname}: limit {_int(r, 'limit')} is smaller than subBuckets {k}: a sub-bucket "
                                 "would admit nothing")
+            if smallest.approximate is not None and smallest.approximate.local_max < 1:
+                problems.append(f"{rname}: approximate localMax {r.approximate.local_max} is smaller than "  # type: ignore[union-attr]  # the divided rule is approximate only when r is
+                                f"subBuckets {k}")
             if r.concurrency_max is not None and (smallest.concurrency_max or 0) < 1:
                 problems.append(f"{rname}: concurrencyMax {r.concurrency_max} is smaller than subBuckets {k}")
             fb = smallest.fallback

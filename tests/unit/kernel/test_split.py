@@ -128,3 +128,16 @@ def test_the_policy_source_carries_splits_both_ways():
     assert compile_text(source_text(b), "again.yaml").checksum == b.checksum
     with pytest.raises(_PolicyError, match="subBuckets must be an integer from 2 to 64"):
         compile_text(text.replace("subBuckets: 2", "subBuckets: 1"), "bad.yaml")
+
+
+def test_an_approximate_rules_local_max_is_divided_with_its_limit():
+    from kernel.algorithms import make_rule
+    from kernel.algorithms.rule import Approximate
+
+    r = make_rule(id="c", scope="tenant", tenant="atlas", algorithm="fixed_window", fail_mode="local_bounded",
+                  limit=1000, window_ms=60_000, approximate=Approximate(reconcile_ms=500, local_max=10))
+    parts = [divide(r, 4, i) for i in range(4)]
+    assert [p.approximate.local_max for p in parts] == [3, 3, 2, 2] and sum(p.limit for p in parts) == 1000
+    small = msgspec.structs.replace(r, approximate=Approximate(reconcile_ms=500, local_max=3))
+    assert split_problems([TenantSplit("atlas", 4)], [small], {}) == [
+        "tenantSplits 'atlas': rule 'c' (tenant scope): approximate localMax 3 is smaller than subBuckets 4"]
