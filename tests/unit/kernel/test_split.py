@@ -141,3 +141,13 @@ def test_an_approximate_rules_local_max_is_divided_with_its_limit():
     small = msgspec.structs.replace(r, approximate=Approximate(reconcile_ms=500, local_max=3))
     assert split_problems([TenantSplit("atlas", 4)], [small], {}) == [
         "tenantSplits 'atlas': rule 'c' (tenant scope): approximate localMax 3 is smaller than subBuckets 4"]
+
+
+def test_policy_diff_names_a_changed_split():
+    from kernel.policy_diff import diff, render
+
+    old = northstar()
+    new = _split(msgspec.structs.replace(old, bundle_version=old.bundle_version + 1), TenantSplit("birch", 2))
+    lines = render(diff(old, new))
+    assert "bundle tenantSplits birch: changed" in lines
+    assert any("subBuckets" in line and "1" in line and "2" in line for line in lines)
