@@ -321,3 +321,21 @@ def hot_chunk_term(rule: Rule, topology: Topology, region: str | None = None) ->
 def hot_chunk_terms(bundle: Bundle, topology: Topology) -> list[tuple[Rule, Term]]:
     """Every rule of ``bundle`` that takes hot-key chunks, with its term."""
     return [(r, hot_chunk_term(r, topology)) for r in bundle.rules if r.hot_chunk is not None]
+
+
+# --------------------------------------------------------------------------------------------
+# Rules the pool bound above does not cover (docs/bound.md, "Approximate rules", "Split tenants").
+from .approx import ApproxBound, approximate_bound  # noqa: E402  (appended section; kernel/approx.py has the proof)
+from .split import SplitShare, split_shares  # noqa: E402
+
+
+def approximate_bounds(bundle: Bundle, agents: int) -> list[ApproxBound]:
+    """Per approximate rule: the most one key counts in one window with ``agents`` agent processes
+    counting it (``limit + (agents - 1) x localMax``: kernel/approx.py)."""
+    return [approximate_bound(r, agents) for r in bundle.rules if r.approximate is not None]
+
+
+def split_bounds(bundle: Bundle) -> list[SplitShare]:
+    """Per split tenant and divided rule: the shares, what one principal can take, and the tenant
+    total's range (kernel/split.py). A split adds no overshoot term: the shares add up to the limit."""
+    return split_shares(bundle.tenant_splits, bundle.rules)

@@ -17,8 +17,10 @@ from msgspec import Meta, Struct
 
 from .algorithms import ALGORITHMS, Fallback, LocalModel, Role, RuleBase, RuleUnion, make_rule
 from .algorithms.rule import NonNegInt, PosInt
+from .approx import approximate_problems
 from .errors import PolicyError
 from .ids import KEY_ID_RE, OWNER_RE, POOL_ID_RE, REGION_RE, ROUTE_RE, RULE_ID_RE, SIGNATURE_RE, TENANT_RE
+from .split import TenantSplit, split_problems
 
 MAX_RULES_PER_REQUEST = 8
 
@@ -70,11 +72,14 @@ class Bundle(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
     # "ed25519:<base64>" over signing.signed_message(bundle); both absent on an unsigned bundle
     key_id: str | None = None
     signature: str | None = None
+    # very large tenants spread over k hash tags (kernel/split.py); written (and covered by the
+    # checksum and the signature) only when present, so existing bundles keep their checksums
+    tenant_splits: list[TenantSplit] = []
 
 
 # Rule fields added after bundles were sealed and signed: written (and covered by the checksum)
 # only when not at their default, so every existing bundle keeps its bytes and its checksum.
-OPTIONAL_RULE_FIELDS: dict[str, object] = {"everyRequest": False, "hotChunk": None}
+OPTIONAL_RULE_FIELDS: dict[str, object] = {"everyRequest": False, "hotChunk": None, "approximate": None}
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,18 +96,24 @@ def rule_doc(rule: Rule) -> dict[str, Any]:
     return doc
 
 
-def canonical_payload(rules: Iterable[Rule], pools: Iterable[Pool], max_age_ms: int | None = None) -> bytes:
-    """Canonical encoding the checksum covers: every field (defaults included), sorted keys."""
-    doc = {
+def canonical_payload(rules: Iterable[Rule], pools: Iterable[Pool], max_age_ms: int | None = None,
+                      tenant_splits: Iterable[TenantSplit] = ()) -> bytes:
+    """Canonical encoding the checksum covers: every field (defaults included), sorted keys;
+    ``tenantSplits`` only when there are any."""
+    doc: dict[str, Any] = {
         "rules": [rule_doc(r) for r in rules],
         "pools": [msgspec.to_builtins(p) for p in pools],
         "maxAgeMs": max_age_ms,
     }
+    splits = [msgspec.to_builtins(s) for s in tenant_splits]
+    if splits:
+        doc["tenantSplits"] = splits
     return msgspec.json.encode(doc, order="sorted")
 
 
-def compute_checksum(rules: Iterable[Rule], pools: Iterable[Pool], max_age_ms: int | None = None) -> str:
-    return "sha256:" + hashlib.sha256(canonical_payload(rules, pools, max_age_ms)).hexdigest()
+def compute_checksum(rules: Iterable[Rule], pools: Iterable[Pool], max_age_ms: int | None = None,
+                     tenant_splits: Iterable[TenantSplit] = ()) -> str:
+    return "sha256:" + hashlib.sha256(canonical_payload(rules, pools, max_age_ms, tenant_splits)).hexdigest()
 
 
 def seal(bundle: Bundle) -> Bundle:
@@ -111,7 +122,7 @@ def seal(bundle: Bundle) -> Bundle:
     Sealing means the content may have changed, so any signature is dropped: sign after
     sealing (``kernel.signing.sign_bundle``)."""
     return msgspec.structs.replace(
-        bundle, checksum=compute_checksum(bundle.rules, bundle.pools, bundle.max_age_ms),
+        bundle, checksum=compute_checksum(bundle.rules, bundle.pools, bundle.max_age_ms, bundle.tenant_splits),
         key_id=None, signature=None,
     )
 
@@ -164,6 +175,8 @@ def encode_bundle(bundle: Bundle) -> bytes:
     for k in ("keyId", "signature"):
         if doc.get(k) is None:
             doc.pop(k, None)
+    if not doc.get("tenantSplits"):
+        doc.pop("tenantSplits", None)
     return msgspec.json.format(msgspec.json.encode(doc), indent=2)
 
 
@@ -232,6 +245,9 @@ def hot_chunk_problems(r: Rule) -> list[str]:
         out.append("hotChunk cannot keep an idempotent rule's decision records (a chunk admits without the store)")
     if r.shadow:
         out.append("hotChunk is for enforced rules")
+    if r.approximate is not None:
+        out.append("hotChunk and approximate exclude each other (an approximate rule already admits without a "
+                   "store call)")
     return out
 
 
@@ -259,7 +275,8 @@ def _rule_problems(r: Rule, pools: dict[str, Pool]) -> list[str]:
                  "with the tenant's keys (spend it from a leased chunk instead)")
     if r.concurrency_max is not None and r.scope in ("global", "ip"):
         p.append(f"{name}: concurrencyMax needs a tenant-tagged scope (user, key, route, tenant)")
-    if r.fail_mode == "local_bounded" and r.local_model is LocalModel.FALLBACK:
+    p.extend(f"{name}: {problem}" for problem in approximate_problems(r))
+    if r.fail_mode == "local_bounded" and r.local_model is LocalModel.FALLBACK and r.approximate is None:
         # (pools degrade through the pool's fallbackPerRegion instead)
         if r.fallback is None:
             p.append(f"{name}: failMode local_bounded needs fallback parameters "
@@ -308,7 +325,7 @@ def validate_bundle(bundle: Bundle, problems: list[str] | None = None) -> None:
     if not bundle.checksum.startswith("sha256:"):
         problems.append("checksum must be 'sha256:<hex>' over the canonical rules and pools")
     else:
-        expect = compute_checksum(bundle.rules, bundle.pools, bundle.max_age_ms)
+        expect = compute_checksum(bundle.rules, bundle.pools, bundle.max_age_ms, bundle.tenant_splits)
         if expect != bundle.checksum:
             problems.append(f"checksum mismatch: bundle says {bundle.checksum}, content hashes to {expect}")
     if (bundle.key_id is None) != (bundle.signature is None):
@@ -339,6 +356,7 @@ def validate_bundle(bundle: Bundle, problems: list[str] | None = None) -> None:
         else:
             idents[ident] = r.id
     problems.extend(_pool_balance_problems(bundle.rules))
+    problems.extend(split_problems(bundle.tenant_splits, bundle.rules, pools))
     if not problems:
         problems.extend(_request_set_problems(bundle.rules))
     if problems:

@@ -154,6 +154,12 @@ def diff(old: Bundle, new: Bundle) -> BundleDiff:
     if old.max_age_ms != new.max_age_ms:
         items.append(ItemChange("bundle", "maxAge", CHANGED, [FieldChange("maxAgeMs", old.max_age_ms, new.max_age_ms,
                                                                           CHANGED)]))
+    old_k = {t.tenant: t.sub_buckets for t in old.tenant_splits}
+    new_k = {t.tenant: t.sub_buckets for t in new.tenant_splits}
+    for tenant in sorted(old_k.keys() | new_k.keys()):  # a changed split moves the tenant's keys (kernel/split.py)
+        if old_k.get(tenant, 1) != new_k.get(tenant, 1):
+            items.append(ItemChange("bundle", f"tenantSplits {tenant}", CHANGED,
+                                    [FieldChange("subBuckets", old_k.get(tenant, 1), new_k.get(tenant, 1), CHANGED)]))
     return BundleDiff(old.bundle_version, new.bundle_version, items, diff_bypasses(old, new))
 
 

@@ -29,8 +29,9 @@ import msgspec
 from msgspec import Meta, Struct
 
 from .algorithms import ALGORITHMS
-from .algorithms.rule import FailMode, HotChunk, NonNegInt, PosInt, Scope
+from .algorithms.rule import Approximate, FailMode, HotChunk, NonNegInt, PosInt, Scope
 from .bundle import Bundle, Pool, seal
+from .split import TenantSplit
 
 # ------------------------------------------------------------------------------ unit strings
 UNITS_MS: dict[str, int] = {"ms": 1, "s": 1_000, "min": 60_000, "h": 3_600_000, "d": 86_400_000}
@@ -154,6 +155,7 @@ class SourceRule(Struct, rename="camel", forbid_unknown_fields=True, frozen=True
     owner: str | None = None
     every_request: bool = False  # ip rules: the pre-authentication stage of every request
     hot_chunk: HotChunk | None = None  # chunk leases for a hot key set (as in the bundle)
+    approximate: Approximate | None = None  # counted in process, reconciled every reconcileMs (kernel/approx.py)
 
 
 class BucketSource(SourceRule, frozen=True):
@@ -225,6 +227,7 @@ class PolicySource(Struct, rename="camel", forbid_unknown_fields=True, frozen=Tr
     rules: list[SourceRuleUnion]
     pools: list[SourcePool] = []
     max_age: Duration | None = None  # snapshot freshness for revocable rules
+    tenant_splits: list[TenantSplit] = []  # very large tenants over k slots (kernel/split.py)
 
 
 # ------------------------------------------------------------------------------ compile
@@ -301,6 +304,8 @@ def rule_fields(src: SourceRule) -> dict[str, Any]:
         except SourceError as e:
             e.field = "fallback"
             raise
+    if src.approximate is not None:
+        out["approximate"] = src.approximate
     if isinstance(src, BucketSource):
         amount, per = rate_parts(src.rate, "rate")
         out.update(capacity_millis=millis(src.burst, "burst"), refill_millis=millis(amount, "rate"),
@@ -349,9 +354,12 @@ def bundle_document(src: PolicySource) -> dict[str, Any]:
         except SourceError as e:
             e.pool = i  # type: ignore[attr-defined]  # attached for the error message; SourceError declares no fields
             raise
-    return {"bundleVersion": src.version, "publishedAt": src.published_at, "checksum": "",
-            "rules": rules, "pools": pools,
-            "maxAgeMs": duration_ms(src.max_age, "maxAge") if src.max_age is not None else None}
+    doc = {"bundleVersion": src.version, "publishedAt": src.published_at, "checksum": "",
+           "rules": rules, "pools": pools,
+           "maxAgeMs": duration_ms(src.max_age, "maxAge") if src.max_age is not None else None}
+    if src.tenant_splits:
+        doc["tenantSplits"] = [msgspec.to_builtins(t) for t in src.tenant_splits]
+    return doc
 
 
 def compile_source(src: PolicySource) -> Bundle:
@@ -383,7 +391,7 @@ def _per(ms: int) -> str:
 RULE_ORDER = ("id", "scope", "routeGroup", "tenant", "algorithm", "rate", "burst", "limit", "pool", "cost",
               "concurrency", "concurrencyTtl", "concurrencyRetryAfter", "failMode", "fallback", "closedRetryAfter",
               "idempotent", "decisionTtl", "ttlSlack", "shadow", "revocable", "ipv4Prefix", "ipv6Prefix", "exempt",
-              "owner", "everyRequest", "hotChunk")
+              "owner", "everyRequest", "hotChunk", "approximate")
 
 
 def rule_source(rule: Any) -> dict[str, Any]:
@@ -413,6 +421,8 @@ def rule_source(rule: Any) -> dict[str, Any]:
         out["fallback"] = _fallback_doc(rule.fallback)
     if rule.hot_chunk is not None:
         out["hotChunk"] = msgspec.to_builtins(rule.hot_chunk)
+    if rule.approximate is not None:
+        out["approximate"] = msgspec.to_builtins(rule.approximate)
     return {k: out[k] for k in RULE_ORDER if k in out}
 
 
@@ -442,6 +452,8 @@ def decompile(bundle: Bundle) -> dict[str, Any]:
     out["rules"] = [rule_source(r) for r in bundle.rules]
     if bundle.pools:
         out["pools"] = [pool_source(p) for p in bundle.pools]
+    if bundle.tenant_splits:
+        out["tenantSplits"] = [msgspec.to_builtins(t) for t in bundle.tenant_splits]
     return out
 
 

@@ -71,6 +71,8 @@ def signed_message(bundle: Bundle, key_id: str | None = None) -> bytes:
         "publishedAt": bundle.published_at,
         "rules": [rule_doc(r) for r in bundle.rules],
     }
+    if bundle.tenant_splits:  # (absent from the bytes of a bundle without splits: old signatures verify)
+        doc["tenantSplits"] = [msgspec.to_builtins(s) for s in bundle.tenant_splits]
     return DOMAIN + msgspec.json.encode(doc, order="sorted")
 
 

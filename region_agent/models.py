@@ -99,6 +99,7 @@ class DecisionSource(StrEnum):
     OVERLOAD = "overload"  # shed: this agent was saturated (503 OVERLOADED)
     POLICY = "policy"  # the bundle alone: no rule applies, or the snapshot is past maxAgeMs
     PREAUTH = "preauth"  # the pre-authentication new-keys-per-source cap
+    APPROXIMATE = "approximate"  # an approximate rule's in-process counter (kernel/approx.py; no store call)
 
 
 class Decision(Struct, rename="camel", omit_defaults=False):

@@ -112,6 +112,15 @@ class HotChunk(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
     validity_ms: Annotated[int, Meta(ge=10, le=60_000)] = 250
 
 
+class Approximate(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
+    """A coarse protective rule counted in process and reconciled with Redis every ``reconcileMs``
+    (kernel/approx.py): between two reconciliations one agent admits at most ``localMax``
+    requests (units of cost) per key that Redis has not seen yet."""
+
+    reconcile_ms: Annotated[int, Meta(ge=10, le=60_000)]
+    local_max: PosInt
+
+
 class RuleBase(Struct, rename="camel", forbid_unknown_fields=True, frozen=True, tag_field="algorithm"):
     """The fields of every rule. Not a bundle rule itself: the algorithms subclass it."""
 
@@ -150,6 +159,8 @@ class RuleBase(Struct, rename="camel", forbid_unknown_fields=True, frozen=True, 
     every_request: bool = False
     # tenant-tagged rate rules: chunk leases once a key set is hot at one agent process (None: never)
     hot_chunk: HotChunk | None = None
+    # counted in process, reconciled with Redis periodically (fixed_window, sliding_counter only)
+    approximate: Approximate | None = None
 
     @property
     def route_key(self) -> str:

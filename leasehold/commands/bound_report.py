@@ -6,7 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kernel.bound import Faults, PoolBound, Topology, hot_chunk_terms, pool_bound, pool_shapes
+from kernel.bound import (
+    Faults,
+    PoolBound,
+    Topology,
+    approximate_bounds,
+    hot_chunk_terms,
+    pool_bound,
+    pool_shapes,
+    split_bounds,
+)
 from kernel.bundle import Bundle
 
 
@@ -44,7 +53,25 @@ def text_report(bundle: Bundle, topology: Topology) -> str:
                      f"{max(topology.agents.values())} agent process(es) (kernel.bound.hot_chunk_term):")
         for rule, t in hot:
             lines.append(f"  rule {rule.id} ({rule.algorithm}): {_n(t.tokens)}   {t.formula}")
+    lines.extend(rule_lines(bundle, topology))
     return "\n".join(lines)
+
+
+def rule_lines(bundle: Bundle, topology: Topology) -> list[str]:
+    """The bounds of approximate rules (per key and window, with every agent process of the
+    largest region counting the key) and the slack of split tenants."""
+    lines: list[str] = []
+    agents = max(topology.agents.values())
+    approx = approximate_bounds(bundle, agents)
+    if approx:
+        lines.append(f"approximate rules, per key and window, {agents} agent process(es) counting a key "
+                     "(kernel.approx):")
+        lines += [f"  {b.rule:<18} {b.total:>12,}   {b.formula}" for b in approx]
+    splits = split_bounds(bundle)
+    if splits:
+        lines.append("split tenants (kernel.split; no overshoot term: the shares add up to the limit):")
+        lines += [f"  {s.formula}" for s in splits]
+    return lines
 
 
 def markdown_table(bundle: Bundle, regions: Sequence[str], agents_per_region: Sequence[int] = (1, 2)) -> str:

@@ -304,6 +304,14 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
                            for shape in pool_shapes(bundle)]
         result["hotChunks"] = [{"rule": rule.id, **msgspec.to_builtins(term)}
                                for rule, term in hot_chunk_terms(bundle, topology)]
+        from kernel.bound import approximate_bounds, split_bounds
+
+        def camel(row: Any) -> dict[str, Any]:
+            return {k.split("_")[0] + "".join(w.title() for w in k.split("_")[1:]): v
+                    for k, v in row._asdict().items()} | {"formula": row.formula}
+
+        result["approximate"] = [camel(b) for b in approximate_bounds(bundle, args.agents_per_region)]
+        result["splits"] = [camel(s) for s in split_bounds(bundle)]
         if args.markdown:
             lines.append(markdown_table(bundle, names, sorted({1, args.agents_per_region})))
         else:

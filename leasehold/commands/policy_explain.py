@@ -51,6 +51,9 @@ def explain(bundle: Bundle, *, tenant: str | None, principal: str, principal_typ
                                                                                   strict=True)]
     fleet = [{"rule": g.rule.id, "pool": g.pool.id, "tokens": g.cost, "poolLimit": f"{g.pool.limit} per "
               f"{g.pool.window_ms} ms"} for g in plan.global_spends]
+    approx = [{"rule": a.rule.id, "key": a.key, "hashTag": hash_tag(a.key), "slot": key_slot(a.key.encode()),
+               "reconcileMs": a.rule.approximate.reconcile_ms if a.rule.approximate else 0,
+               "localMax": a.rule.approximate.local_max if a.rule.approximate else 0} for a in plan.approx]
     tags = sorted({s["hashTag"] for s in slots})
     return {
         "bundleVersion": bundle.bundle_version,
@@ -65,6 +68,7 @@ def explain(bundle: Bundle, *, tenant: str | None, principal: str, principal_typ
         "call": {"slots": slots, "decisionKey": plan.decision_key, "decisionTtlMs": plan.decision_ttl_ms,
                  "hashTags": tags, "sameSlot": len({s["slot"] for s in slots}) <= 1},
         "shadow": shadow,
+        "approximate": approx,
     }
 
 
@@ -102,6 +106,10 @@ def render(doc: dict[str, Any], bundle: Bundle) -> list[str]:
         for g in doc["fleetWide"]:
             s(f"fleet-wide pool {g['pool']} ({g['poolLimit']}): {g['tokens']} token(s) from this agent's leased "
               f"chunk, no store call (rule {g['rule']})")
+    for a in doc["approximate"]:
+        s(f"approximate rule {a['rule']}: counted in this agent process, no store call per request; "
+          f"reconciled every {a['reconcileMs']} ms with {a['key']} (tag {{{a['hashTag']}}} slot {a['slot']}), "
+          f"at most {a['localMax']} unseen unit(s) per agent")
     if call["slots"]:
         s("key derivation: principal parts are keyed hashes" + (" (development pepper: give --pepper-file for "
                                                                 "your deployment's keys)" if doc["devPepper"] else ""))
@@ -127,11 +135,14 @@ def render(doc: dict[str, Any], bundle: Bundle) -> list[str]:
             what = f"503 (fails closed, Retry-After {rr.closed_retry_after_ms} ms)"
         elif rr.fail_mode == "open":
             what = "admitted unmetered (fails open)"
+        elif rr.approximate is not None:
+            what = f"its in-process counter, at most {rr.approximate.local_max} unit(s) beyond its last reading"
         elif rr.fallback is not None:
             what = "the local fallback " + _limits_of_fallback(rr)
         else:
             what = "the pool's fallbackPerRegion allowance"
-        s(f"store unreachable, {rule['id']}: {what}; fallback: true in the decision")
+        s(f"store unreachable, {rule['id']}: {what}" + ("" if rr.approximate is not None
+                                                           else "; fallback: true in the decision"))
     if doc["shadow"]:
         s("shadow rules evaluated in a separate call: " + ", ".join(x["rule"] for x in doc["shadow"]))
     return out

@@ -194,6 +194,10 @@ def replay(bundle: Bundle, events: list[Event], name: str) -> Result:
             specs.append(RuleSpec("fw", (g.pool.limit, g.pool.window_ms, g.cost, 0, 0)))
             owners.append(g.rule.id)
             skeys.append(("pool", g.pool.id))
+        for a in plan.approx:  # approximate rules: replayed as their exact count (what they approximate)
+            specs.append(RuleSpec(a.rule.kind.code, a.rule.script_params(plan.cost_hint)))
+            skeys.append((region, a.key))
+            owners.append(a.rule.id)
         for slot, call in zip(plan.slots, plan.calls, strict=True):
             if slot.role is Role.CC:
                 continue  # concurrency gates are not replayed

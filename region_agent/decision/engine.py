@@ -37,6 +37,7 @@ from ..leasing.window_clock import AllocatorClock, Windows
 from ..models import AdmitRequest, Decision, DecisionSource, DeniedScope, Reason, ReleaseRequest, RenewRequest
 from ..service.metrics import AgentMetrics
 from ..store.protocol import Store
+from .approx import ApproxRules
 from .batch import BatchCalls, batch_budget_s
 from .call import Call, MultiRuleResult, ScriptCall, plan_calls, result_of
 from .counting import count_pool_admissions, count_shadow, tenant_pool_slots
@@ -69,6 +70,7 @@ class _Prepared:
     pool_retried: bool = False  # waited once for an in-flight lease top-up
     edge: bool = False  # the pre-authentication stage of an authenticated request (Plan.edge)
     chunk: bool = False  # admitted from a hot key set's chunk (region_agent.leasing.hot_chunks): no store call
+    approx: list | None = None  # units counted on approximate rules (given back on a denial)
 
 
 class DecisionEngine:
@@ -105,6 +107,8 @@ class DecisionEngine:
         # counters, latency, new keys and the bypass audit of each finished decision
         self.telemetry = telemetry or DecisionTelemetry(metrics)
         self.decision_log = decision_log  # region_agent.service.decision_log.DecisionLog; None: off (the default)
+        # approximate rules: in-process counters reconciled with Redis (region_agent.decision.approx)
+        self.approx = ApproxRules(store, clock=clock, wall_clock=wall_clock)
 
     def now_ms(self) -> float:
         return self.clock() * 1000.0
@@ -248,6 +252,12 @@ class DecisionEngine:
         if held is not None:
             prep.early = self._answer(prep, held, DecisionSource.NEGATIVE_CACHE)
             return prep
+        if plan.approx:  # approximate rules first: counted in process, a denial there needs no store call
+            tickets, denied = self.approx.take(plan.approx, plan.cost_hint)
+            if denied is not None:
+                prep.early = self._answer(prep, denied, DecisionSource.APPROXIMATE)
+                return prep
+            prep.approx = tickets
         if self.leases is not None:
             for _, pool, key, tokens in tenant_pool_slots(plan, memo_of(bundle).pools):
                 self.leases.note(pool, key, tokens)
@@ -474,6 +484,9 @@ class DecisionEngine:
         return d
 
     def _give_back(self, prep: _Prepared) -> None:
+        if prep.approx:
+            self.approx.give_back(prep.approx)
+            prep.approx = None
         for r in prep.reservations:
             self.fleet.give_back(r.spend, r.generation)
         prep.reservations.clear()

@@ -12,6 +12,10 @@ Shape: ``rl:v3:{t:<tenant>}:<type>:<principal-hash>:<route>``.
 * pool       ``rl:v3:{t:T}:pool:<poolId>`` (tenant balance) / ``rl:v3:{g:<poolId>}:pool:<poolId>`` (fleet-wide)
 * cc gate    ``<rule key>:cc``
 
+A tenant split into k sub-buckets (the bundle's ``tenantSplits``, kernel/split.py) has the tags
+``{t:T:0}`` .. ``{t:T:<k-1>}`` instead of ``{t:T}``: every key of one request carries the tag of
+its principal's sub-bucket (``sub``), the decision record's too.
+
 ``<h>`` is HMAC-SHA256(pepper, tenant + "\\x1f" + type + "\\x1f" + id) truncated to 64 bits
 (16 hex chars). Tenant ids are validated against ``[a-z0-9-]{1,32}`` before they reach a key;
 anything else raises :class:`ValidationFailed`. The pepper never appears anywhere else.
@@ -139,8 +143,15 @@ class KeyBuilder:
 
     # --- tags -----------------------------------------------------------------------------
     @staticmethod
-    def tenant_tag(tenant: str) -> str:
-        return "{t:" + check_tenant(tenant) + "}"
+    def tenant_tag(tenant: str, sub: int | None = None) -> str:
+        if sub is None:
+            return "{t:" + check_tenant(tenant) + "}"
+        return "{t:" + check_tenant(tenant) + ":" + str(int(sub)) + "}"
+
+    def sub_bucket(self, tenant: str, principal_type: str, principal_id: str, k: int) -> int:
+        """The sub-bucket of a split tenant (kernel/split.py) a principal's requests spend: a keyed
+        hash of the principal, so every agent with the region's pepper picks the same one."""
+        return int(self.h(tenant, "s", principal_type + _SEP + principal_id), 16) % k
 
     def ip_tag(self, addr: ipaddress.IPv4Address | ipaddress.IPv6Address, rules: list[Rule]) -> str:
         v4 = min((r.ipv4_prefix for r in rules), default=32)
@@ -150,7 +161,7 @@ class KeyBuilder:
     # --- rule keys --------------------------------------------------------------------------
     def rule_key(self, rule: Rule, *, tenant: str | None, user_id: str | None, api_key_id: str | None,
                  route_group: str, ip_tag: str | None = None,
-                 addr: ipaddress.IPv4Address | ipaddress.IPv6Address | None = None) -> str:
+                 addr: ipaddress.IPv4Address | ipaddress.IPv6Address | None = None, sub: int | None = None) -> str:
         route = rule.route_group or "all"
         if rule.scope == "ip":
             if addr is None or ip_tag is None:
@@ -158,7 +169,7 @@ class KeyBuilder:
             pid = self.h("", "ip", ip_prefix(addr, rule.ipv4_prefix, rule.ipv6_prefix))
             return f"{NS}:{ip_tag}:ip:{pid}:{route}"
         t = check_tenant(tenant)
-        tag = self.tenant_tag(t)
+        tag = self.tenant_tag(t, sub)
         if rule.scope == "user":
             if not user_id:
                 raise ValidationFailed("a user rule needs a user principal")
@@ -174,7 +185,7 @@ class KeyBuilder:
         raise ValidationFailed(f"scope {rule.scope} has no tenant-tagged key")
 
     @staticmethod
-    def template(rule: Rule, tenant: str | None) -> KeyTemplate | None:
+    def template(rule: Rule, tenant: str | None, sub: int | None = None) -> KeyTemplate | None:
         """The :class:`KeyTemplate` of ``rule``'s key for ``tenant``, or None where it depends on
         more than the principal (ip rules: the address) or the request cannot have it (no valid
         tenant): the caller then derives the key per request (:meth:`rule_key`), which raises."""
@@ -186,7 +197,7 @@ class KeyBuilder:
                 return None
             return KeyTemplate("", "", KeyBuilder.tenant_pool_key(tenant, pool_id))
         route = rule.route_group or "all"
-        tag = "{t:" + tenant + "}"
+        tag = "{t:" + tenant + "}" if sub is None else "{t:" + tenant + ":" + str(int(sub)) + "}"
         if rule.scope == "user":
             return KeyTemplate(f"{NS}:{tag}:u:", "u", f":{route}")
         if rule.scope == "key":
@@ -216,19 +227,20 @@ class KeyBuilder:
         return t.head + v + t.tail
 
     @staticmethod
-    def unrecorded_decision_key(*, tenant: str | None, ip_tag: str | None = None) -> str:
+    def unrecorded_decision_key(*, tenant: str | None, ip_tag: str | None = None, sub: int | None = None) -> str:
         """KEYS[1] of a multi-rule call that stores no decision record (decision_ttl_ms 0): the
         script never reads or writes it, it only has to share the call's hash tag, so no HMAC."""
         if ip_tag is not None:
             return f"{NS}:{ip_tag}:d:-"
-        return f"{NS}:{KeyBuilder.tenant_tag(tenant)}:d:-"  # type: ignore[arg-type]  # ip_tag is None only when the plan has a tenant
+        return f"{NS}:{KeyBuilder.tenant_tag(tenant, sub)}:d:-"  # type: ignore[arg-type]  # ip_tag is None only when the plan has a tenant
 
-    def decision_key(self, request_id: str, *, tenant: str | None, ip_tag: str | None = None) -> str:
+    def decision_key(self, request_id: str, *, tenant: str | None, ip_tag: str | None = None,
+                     sub: int | None = None) -> str:
         # request ids are unique: not memoised
         if ip_tag is not None:
             return f"{NS}:{ip_tag}:d:{self._hmac('', 'd', request_id)}"
         t = check_tenant(tenant)
-        return f"{NS}:{self.tenant_tag(t)}:d:{self._hmac(t, 'd', request_id)}"
+        return f"{NS}:{self.tenant_tag(t, sub)}:d:{self._hmac(t, 'd', request_id)}"
 
     def question(self, *, tenant: str | None, principal_type: str, principal_id: str, api_key_id: str | None,
                  route_group: str, cost_hint: int) -> str:

@@ -17,6 +17,7 @@ from kernel.algorithms.rule import Params
 from kernel.bounded import BoundedMemo
 from kernel.bundle import Bundle, Pool, Rule, every_request_rules, select_rules
 from kernel.errors import ScriptRejected, ValidationFailed
+from kernel.split import divide_all, splits_of
 
 from ..models import AdmitRequest, Principal
 from .call import Call, multi_rule_argv
@@ -30,6 +31,13 @@ _new = tuple.__new__
 class Slot(NamedTuple):
     rule: Rule
     role: Role
+
+
+class ApproxSpend(NamedTuple):
+    """An approximate rule's key, counted in process (region_agent.decision.approx, kernel/approx.py)."""
+
+    rule: Rule
+    key: str
 
 
 class GlobalSpend(NamedTuple):
@@ -64,6 +72,7 @@ class Plan:
     # the pre-authentication stage of an authenticated request (ip rules marked everyRequest,
     # keyed by its clientIp): decided first, in its own call (another hash tag than the tenant's)
     edge: Plan | None = None
+    approx: Sequence[ApproxSpend] = ()  # approximate rules: counted in process, not in the script
 
     @property
     def anonymous(self) -> bool:
@@ -119,11 +128,16 @@ class Shape(NamedTuple):
     # an authenticated shape's pre-authentication stage: the shape of the ip rules marked
     # everyRequest on its route (None: there are none, or the shape is anonymous already)
     edge: Shape | None = None
+    # the sub-bucket of a split tenant (kernel/split.py) whose tag the keys carry (None: not split)
+    sub: int | None = None
+    approx: tuple[Rule, ...] = ()  # enforced approximate rules (counted in process, kernel/approx.py)
+    approx_templates: tuple[KeyTemplate | None, ...] = ()
 
     @classmethod
-    def of(cls, rules: list[Rule], tenant: str | None = None) -> Shape:
+    def of(cls, rules: list[Rule], tenant: str | None = None, sub: int | None = None) -> Shape:
         enforced = [r for r in rules if not r.shadow]
-        in_script = [r for r in enforced if not r.fleet_wide]
+        approx = tuple(r for r in enforced if r.approximate is not None)
+        in_script = [r for r in enforced if not r.fleet_wide and r.approximate is None]
         shadow = [r for r in rules if r.shadow and not r.fleet_wide]
         slots: list[Slot] = []
         for rule in in_script:
@@ -131,7 +145,7 @@ class Shape(NamedTuple):
                 slots.append(Slot(rule, Role.CC))
             slots.append(Slot(rule, rule.role))
         try:
-            dk = KeyBuilder.unrecorded_decision_key(tenant=tenant) if tenant is not None else None
+            dk = KeyBuilder.unrecorded_decision_key(tenant=tenant, sub=sub) if tenant is not None else None
         except ValidationFailed:
             dk = None
         return cls(rules=rules, enforced=enforced, in_script=in_script, shadow=shadow,
@@ -139,11 +153,12 @@ class Shape(NamedTuple):
                    slack_ms=max((r.ttl_slack_ms for r in in_script), default=0),
                    decision_ttl_ms=(max(r.decision_ttl_ms for r in in_script)
                                     if any(r.idempotent for r in in_script) else 0),
-                   templates=tuple(KeyBuilder.template(r, tenant) for r in in_script),
-                   shadow_templates=tuple(KeyBuilder.template(r, tenant) for r in shadow),
+                   templates=tuple(KeyBuilder.template(r, tenant, sub) for r in in_script),
+                   shadow_templates=tuple(KeyBuilder.template(r, tenant, sub) for r in shadow),
                    slots=slots, shadow_slots=[Slot(r, r.role) for r in shadow],
                    fleet=[r for r in enforced if isinstance(r, PoolRule) and r.fleet_wide],
-                   has_pool=any(s.role is Role.POOL for s in slots), unrecorded_dk=dk, by_cost={}, derived={})
+                   has_pool=any(s.role is Role.POOL for s in slots), unrecorded_dk=dk, by_cost={}, derived={},
+                   sub=sub, approx=approx, approx_templates=tuple(KeyBuilder.template(r, tenant, sub) for r in approx))
 
     def params_for(self, cost_hint: int) -> tuple[list[tuple[str, Params]], list[tuple[str, Params]], tuple | None]:
         """(kind, params) of every slot and shadow slot for a request of ``cost_hint``, and the
@@ -178,20 +193,26 @@ class BundleMemo:
     immutable, so these stay valid for its lifetime; only validated tenants and routes reach
     the cache, and it is cleared when it reaches ``SELECTION_CACHE_MAX`` entries."""
 
-    __slots__ = ("_shapes", "bundle", "pools", "rules_by_id")
+    __slots__ = ("_shapes", "bundle", "pools", "rules_by_id", "splits")
 
     def __init__(self, bundle: Bundle):
         self.bundle = bundle
         self.pools: dict[str, Pool] = {p.id: p for p in bundle.pools}
         self.rules_by_id: dict[str, Rule] = {r.id: r for r in bundle.rules}
+        self.splits: dict[str, int] = splits_of(bundle.tenant_splits)  # tenant -> sub-buckets
         self._shapes: BoundedMemo[tuple, Shape] = BoundedMemo(SELECTION_CACHE_MAX)
 
-    def shape(self, tenant: str | None, route_group: str, principal_type: str, has_key: bool) -> Shape:
-        k = (tenant, route_group, principal_type, has_key)
+    def shape(self, tenant: str | None, route_group: str, principal_type: str, has_key: bool,
+              sub: int | None = None) -> Shape:
+        """``sub``: the sub-bucket of a split tenant (its route and tenant rules divided)."""
+        k = (tenant, route_group, principal_type, has_key, sub)
         hit = self._shapes.get(k)
         if hit is None:
-            shape = Shape.of(select_rules(self.bundle.rules, tenant=tenant, route_group=route_group,
-                                          principal_type=principal_type, has_key=has_key), tenant)
+            rules = select_rules(self.bundle.rules, tenant=tenant, route_group=route_group,
+                                 principal_type=principal_type, has_key=has_key)
+            if sub is not None:
+                rules = divide_all(rules, self.splits[tenant or ""], sub)
+            shape = Shape.of(rules, tenant, sub)
             if principal_type != "anonymous":
                 edge = every_request_rules(self.bundle.rules, route_group=route_group)
                 if edge:
@@ -238,7 +259,10 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
     api_key_id = principal.api_key_id
     memo = memo_of(bundle)
     if shape is None:
-        shape = memo.shape(tenant, req.route_group, ptype, api_key_id is not None)
+        sub = None
+        if memo.splits and addr is None and tenant in memo.splits:
+            sub = keys.sub_bucket(tenant, ptype, principal.id, memo.splits[tenant])  # type: ignore[arg-type]  # an authenticated principal has a tenant
+        shape = memo.shape(tenant, req.route_group, ptype, api_key_id is not None, sub)
     cost_hint = req.cost_hint
     specs, shadow_specs, argv_rules = shape.params_for(cost_hint)
     ip_tag = keys.ip_tag(addr, shape.ip_rules) if addr is not None else None
@@ -249,7 +273,7 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
         if t is not None:
             key = keys.key_from(t, tenant, user_id, api_key_id)
         else:
-            key = _key_of(keys, rule, tenant, user_id, api_key_id, req.route_group, ip_tag, addr)
+            key = _key_of(keys, rule, tenant, user_id, api_key_id, req.route_group, ip_tag, addr, shape.sub)
         if rule.concurrency_max is not None:
             calls.append(_new(Call, (KeyBuilder.cc_key(key), *specs[i])))
             i += 1
@@ -262,26 +286,37 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
             if t is not None:
                 key = keys.key_from(t, tenant, user_id, api_key_id)
             else:
-                key = _key_of(keys, rule, tenant, user_id, api_key_id, req.route_group, ip_tag, addr)
+                key = _key_of(keys, rule, tenant, user_id, api_key_id, req.route_group, ip_tag, addr, shape.sub)
             shadow_calls.append(_new(Call, (key, *spec)))
     spends: list[GlobalSpend] = _NONE  # type: ignore[assignment]  # the shared empty tuple, never appended to
     if shape.fleet:
         spends = [GlobalSpend(rule, memo.pools[rule.pool_id or ""], rule.tokens(cost_hint)) for rule in shape.fleet]
+    approx: list[ApproxSpend] = _NONE  # type: ignore[assignment]  # the shared empty tuple, never appended to
+    if shape.approx:
+        approx = []
+        for rule, t in zip(shape.approx, shape.approx_templates, strict=True):
+            if t is not None:
+                key = keys.key_from(t, tenant, user_id, api_key_id)  # type: ignore[arg-type]  # a template exists only for a tenant
+            else:
+                key = _key_of(keys, rule, tenant, user_id, api_key_id, req.route_group, ip_tag, addr, shape.sub)
+            approx.append(ApproxSpend(rule, key + ":approx"))
     question = ""
     if shape.decision_ttl_ms > 0:
-        decision_key = keys.decision_key(req.request_id, tenant=tenant if ip_tag is None else None, ip_tag=ip_tag)
+        decision_key = keys.decision_key(req.request_id, tenant=tenant if ip_tag is None else None, ip_tag=ip_tag,
+                                         sub=shape.sub)
         question = keys.question(tenant=tenant, principal_type=ptype, principal_id=principal.id,
                                  api_key_id=api_key_id, route_group=req.route_group, cost_hint=cost_hint)
     elif ip_tag is None and shape.unrecorded_dk is not None:
         decision_key = shape.unrecorded_dk
     else:
-        decision_key = KeyBuilder.unrecorded_decision_key(tenant=tenant if ip_tag is None else None, ip_tag=ip_tag)
+        decision_key = KeyBuilder.unrecorded_decision_key(tenant=tenant if ip_tag is None else None, ip_tag=ip_tag,
+                                                          sub=shape.sub)
     edge = None
     if shape.edge is not None and req.client_ip is not None:
         edge = edge_plan(bundle, req, keys, shape.edge)
     return Plan(req.request_id, tenant, ptype, shape.enforced, calls, shape.slots, shadow_calls, shape.shadow_slots,
                 spends, decision_key, shape.decision_ttl_ms, question, shape.slack_ms, cost_hint, argv_rules,
-                shape.has_pool, shape, req, edge)
+                shape.has_pool, shape, req, edge, approx)
 
 
 def edge_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, edge: Shape) -> Plan:
@@ -297,13 +332,13 @@ _NONE: tuple = ()  # the shared empty sequence of a plan without shadow calls or
 
 
 def _key_of(keys: KeyBuilder, rule: Rule, tenant: str | None, user_id: str | None, api_key_id: str | None,
-            route_group: str, ip_tag: str | None, addr) -> str:
+            route_group: str, ip_tag: str | None, addr, sub: int | None = None) -> str:
     """A rule's key derived per request (rules without a KeyTemplate: ip rules, and whatever
     must raise the request's ValidationFailed)."""
     if rule.pool_id is not None:
         return keys.tenant_pool_key(tenant or "", rule.pool_id)
     return keys.rule_key(rule, tenant=tenant, user_id=user_id, api_key_id=api_key_id, route_group=route_group,
-                         ip_tag=ip_tag, addr=addr)
+                         ip_tag=ip_tag, addr=addr, sub=sub)
 
 
 def cc_gates(bundle: Bundle, *, request_tenant: str | None, principal: Principal, route_group: str,
@@ -315,11 +350,15 @@ def cc_gates(bundle: Bundle, *, request_tenant: str | None, principal: Principal
     if addr is not None:
         return out  # ip rules carry no concurrency gates (bundle validation)
     user_id = principal.id if principal.type == "user" else None
-    for rule in selected(bundle, tenant=tenant, route_group=route_group, principal=principal):
+    memo = memo_of(bundle)
+    sub = None
+    if tenant in memo.splits:  # the sub-bucket the admission's keys carried (kernel/split.py)
+        sub = keys.sub_bucket(tenant, principal.type, principal.id, memo.splits[tenant])
+    for rule in memo.shape(tenant, route_group, principal.type, principal.api_key_id is not None, sub).rules:
         if rule.shadow or rule.concurrency_max is None:
             continue
         key = keys.rule_key(rule, tenant=tenant, user_id=user_id, api_key_id=principal.api_key_id,
-                            route_group=route_group)
+                            route_group=route_group, sub=sub)
         out.append((KeyBuilder.cc_key(key), rule))
     return out
 
@@ -331,5 +370,5 @@ def cc_keys_for_release(bundle: Bundle, *, request_tenant: str | None, principal
                                        route_group=route_group, keys=keys)]
 
 
-__all__ = ["BundleMemo", "Call", "GlobalSpend", "Plan", "Shape", "Slot", "build_plan", "cc_gates", "cc_keys_for_release",
+__all__ = ["ApproxSpend", "BundleMemo", "Call", "GlobalSpend", "Plan", "Shape", "Slot", "build_plan", "cc_gates", "cc_keys_for_release",
            "check_principal", "memo_of"]

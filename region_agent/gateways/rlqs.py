@@ -324,9 +324,13 @@ class RlqsService:
         burst = min((int(r.capacity(pools)[1]) for r in rules), default=fund.MAX_COST)
         return per_request_reason(rules), sig, max(1, min(fund.MAX_COST, burst))
 
-    @staticmethod
-    def _shape(bundle: Bundle, q: Any) -> Any:
-        return memo_of(bundle).shape(q.tenant_id, q.route_group, q.principal.type, q.principal.api_key_id is not None)
+    def _shape(self, bundle: Bundle, q: Any) -> Any:
+        memo = memo_of(bundle)
+        sub = None
+        if q.tenant_id in memo.splits and q.principal.type != "anonymous":  # the sub-bucket its admission spends
+            sub = self.state_of().keys.sub_bucket(q.tenant_id, q.principal.type, q.principal.id,
+                                                  memo.splits[q.tenant_id])
+        return memo.shape(q.tenant_id, q.route_group, q.principal.type, q.principal.api_key_id is not None, sub)
 
     # ------------------------------------------------------------------ what a holding needs
     def _consider(self, h: fund.Holding, now: float) -> None:

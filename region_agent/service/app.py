@@ -356,6 +356,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             if state.leases is not None:  # close the leases held and report them (returned to the pool now)
                 await state.leases.shutdown(settings.shutdown_report_ms / 1000)
                 await state.leases.client.aclose()
+            if state.engine is not None:  # the approximate counters' last reconciliation
+                await state.engine.approx.close()
             await state.store.close()
             m.close()
             tracing.shutdown()

@@ -67,7 +67,7 @@ class AgentMetrics:
                                  "Admission decisions by outcome, deciding rule, policy version, route group, "
                                  "tenant (tenants named in the bundle; others 'other', anonymous 'none') and the "
                                  "layer that decided (source: script, negative_cache, chunk, local_fallback, "
-                                 "pool_fallback, fail_open, fail_closed, overload, policy, preauth)",
+                                 "pool_fallback, fail_open, fail_closed, overload, policy, preauth, approximate)",
                                  ["outcome", "rule", "policy_version", "route_group", "tenant", "source"], registry=r)
         self.latency = Histogram("leasehold_agent_decision_seconds", "Decision latency by store shard and outcome",
                                  ["shard", "outcome"], registry=r, buckets=DECISION_SECONDS_BUCKETS)
