@@ -23,7 +23,10 @@ Which records feed which check:
   or Redis, in which windows): :func:`kernel.bound.pool_bound` per window. A decision is placed
   in the allocator-clock windows between its send and its answer; when that is more than one,
   any attribution that fits every window's bound is accepted (see
-  :func:`chaos.invariants.admitted_within_bound`) and the note counts such decisions;
+  :func:`chaos.invariants.admitted_within_bound`) and the note counts such decisions. Decisions
+  an Envoy took itself from RLQS quota assignments (``gateway`` set: read from its access log,
+  :mod:`chaos.rlqs`) count like any other, and the ``rlqs`` record adds the bound's RLQS term
+  (:func:`kernel.bound.rlqs_term`; the Envoys a fault cut off from their agent: ``envoysCutOff``);
 * acknowledged grants persisted: non-zero region-received grants against ``etcd_grant``. Only
   judged when the history holds etcd records (otherwise reported as not checked);
 * fault-free utilisation: per pool and window, admitted / G against the demand offered to the pool
