@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
@@ -125,8 +127,9 @@ def test_envoy_decisions_are_read_from_its_own_access_log(tmp_path: Path):
          "route_group": None, "bucket": None},  # no identity: no quota bucket, not a quota decision
     ]
     log.write_text("\n".join(json.dumps(x) for x in lines) + "\n{\"start_ms\": \"18")  # a line cut short
-    e = RlqsEnvoy("envoy-eu-a", "eu", "agent-eu-1", envoy=None, proxy=None)  # type: ignore[arg-type]
-    e.envoy = type("E", (), {"workdir": log.parent})()  # only its workdir is read
+    # only the Envoy's working directory is read (its access log), no process
+    e = RlqsEnvoy("envoy-eu-a", "eu", "agent-eu-1", envoy=cast(Any, SimpleNamespace(workdir=log.parent)),
+                  proxy=cast(Any, None))
     recs = decisions_from_log(e, bundle, (EnvoyTenant("atlas", 1.0, api_key="K1"), EnvoyTenant("birch", 1.0)))
     assert [(r.tenant, r.allowed, r.gateway) for r in recs] == [("atlas", True, "envoy-eu-a"),
                                                                  ("birch", False, "envoy-eu-a")]
