@@ -51,8 +51,8 @@ from kernel.auth import TokenTable, authenticate
 from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError, Unauthorized
 
+from ..decision.plan import memo_of
 from ..leasing import rlqs_funding as fund
-from ..plan import memo_of
 from .mapping import BadQuestion
 from .metrics import GatewayMetrics
 from .rlqs_mapping import (
