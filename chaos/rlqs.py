@@ -5,7 +5,7 @@ is — only its placeholders filled, as the gateway tests render it — each in 
 of its region, its quota stream (and per-request RLS) reaching the agent's ``--rls-port``
 through a fault proxy of its own (``<agent><-<envoy>``), so the stream can be blackholed like
 any other link. Clients hold bearer tokens of a development identity provider
-(:class:`leasehold.devjwt.DevIssuer`); an Envoy decides every request of theirs itself from the
+(:class:`leasehold.local.devjwt.DevIssuer`); an Envoy decides every request of theirs itself from the
 quota its agent assigned the bucket (tenant, user, API key, route group ``read``).
 
 What an Envoy admitted is read from **Envoy's own access log** after the run (start time,
@@ -33,9 +33,9 @@ import yaml
 
 from kernel.bound import RLQS_DEFAULT_MARGIN_MS, envoy_fallback_tokens
 from kernel.bundle import Bundle
-from leasehold.devjwt import DevIssuer
-from leasehold.gateways import Envoy, render, upstream
-from leasehold.procs import LOOPBACK, Proc, free_port
+from leasehold.local.devjwt import DevIssuer
+from leasehold.local.gateways import Envoy, render, upstream
+from leasehold.local.procs import LOOPBACK, Proc, free_port
 
 from .history import DecisionRec, HistoryWriter, RlqsRec
 from .recording import pool_spends

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from leasehold.gateways import Envoy
+from leasehold.local.gateways import Envoy
 
 from .conftest import Stack
 from .test_envoy_rlqs import access_log, hammer, rlqs_envoy

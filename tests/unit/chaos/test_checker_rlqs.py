@@ -18,7 +18,7 @@ from chaos.history import DecisionRec, Fault, PoolSpend, RlqsRec, TopologyRec
 from chaos.invariants import PoolPolicy
 from chaos.rlqs import EnvoyTenant, RlqsEnvoy, config_fallback, decisions_from_log
 from kernel.bound import RlqsShape, rlqs_term
-from leasehold.gateways import render
+from leasehold.local.gateways import render
 
 W = 10_000
 K = 3
