@@ -23,7 +23,10 @@ Which records feed which check:
   or Redis, in which windows): :func:`kernel.bound.pool_bound` per window. A decision is placed
   in the allocator-clock windows between its send and its answer; when that is more than one,
   any attribution that fits every window's bound is accepted (see
-  :func:`chaos.invariants.admitted_within_bound`) and the note counts such decisions;
+  :func:`chaos.invariants.admitted_within_bound`) and the note counts such decisions. Decisions
+  an Envoy took itself from RLQS quota assignments (``gateway`` set: read from its access log,
+  :mod:`chaos.rlqs`) count like any other, and the ``rlqs`` record adds the bound's RLQS term
+  (:func:`kernel.bound.rlqs_term`; the Envoys a fault cut off from their agent: ``envoysCutOff``);
 * acknowledged grants persisted: non-zero region-received grants against ``etcd_grant``. Only
   judged when the history holds etcd records (otherwise reported as not checked);
 * fault-free utilisation: per pool and window, admitted / G against the demand offered to the pool
@@ -52,7 +55,7 @@ from chaos.invariants import (
     Violation,
     WindowBound,
 )
-from kernel.bound import Faults, Topology
+from kernel.bound import Faults, RlqsShape, Topology
 from kernel.bundle import Bundle, Pool
 from kernel.shards import shard_of
 
@@ -65,6 +68,7 @@ from .history import (
     Leader,
     Meta,
     Record,
+    RlqsRec,
     SpendClose,
     TopologyRec,
     close_to_spend,
@@ -140,7 +144,8 @@ class Report(Struct):
             pct = 100.0 * w.overshoot / w.limit if w.limit else 0.0
             lines.append(f"  worst window of {pool}: #{w.window_index} admitted {w.admitted} vs G {w.limit} "
                          f"(overshoot {w.overshoot:+d}, {pct:+.1f}%), bound {w.bound} "
-                         f"(fallback {w.fallback_allowance}, local {w.local_allowance})")
+                         f"(fallback {w.fallback_allowance}, local {w.local_allowance}"
+                         + (f", RLQS {w.rlqs_allowance}" if w.rlqs_allowance else "") + ")")
         lines += render_utilisation(self.utilisation)
         for f in self.faults:
             stop = "active" if f.stop_ms is None else f"{f.stop_ms}"
@@ -220,19 +225,21 @@ def allocator_offsets(topo: TopologyRec | None) -> tuple[int, int]:
 
 
 def faults_by_window(faults: Iterable[Fault], topo: TopologyRec | None, window_ms: dict[str, int],
-                     offsets_ms: tuple[int, int], end_ms: int):
+                     offsets_ms: tuple[int, int], end_ms: int, rlqs: RlqsRec | None = None):
     """``(pool, index) -> kernel.bound.Faults``: what the recorded faults made unreachable at some
     moment of that allocator-clock window. A fault's effect runs from its start to its stop plus
     its grace (to the end of the history while still active); an agent restarted during a window
-    counts once more there (a new process, fresh in-process allowances)."""
+    counts once more there (a new process, fresh in-process allowances); an Envoy cut off from its
+    agent (``rlqs`` names its region) counts once per window."""
     region_of = {a: r for r, names in (topo.agents if topo else {}).items() for a in names}
-    spans: list[tuple[int, int, list[str], list[str]]] = []
+    envoy_region = {e: r for r, names in (rlqs.envoys if rlqs else {}).items() for e in names}
+    spans: list[tuple[int, int, list[str], list[str], list[str]]] = []
     restarts: list[tuple[int, str]] = []
     for f in faults:
         stop = f.stop_ms if f.stop_ms is not None else end_ms
-        if f.allocator_regions or f.redis_agents:
+        if f.allocator_regions or f.redis_agents or f.envoys_cut_off:
             spans.append((f.start_ms + offsets_ms[0], stop + f.grace_ms + offsets_ms[1], f.allocator_regions,
-                          f.redis_agents))
+                          f.redis_agents, f.envoys_cut_off))
         if f.stop_ms is not None:
             restarts += [(f.stop_ms, a) for a in f.restarted_agents]
 
@@ -243,17 +250,31 @@ def faults_by_window(faults: Iterable[Fault], topo: TopologyRec | None, window_m
         lo, hi = index * w, (index + 1) * w
         cut: set[str] = set()
         redis: set[str] = set()
-        for start, stop, regions, agents in spans:
+        envoys: set[str] = set()
+        for start, stop, regions, agents, gateways in spans:
             if start < hi and stop >= lo:
                 cut.update(regions)
                 redis.update(agents)
+                envoys.update(gateways)
         procs: dict[str, int] = defaultdict(int)
         for a in redis:
             again = sum(1 for at, b in restarts if b == a and at + offsets_ms[0] < hi and at + offsets_ms[1] >= lo)
             procs[region_of.get(a, a)] += 1 + again
-        return Faults(frozenset(cut), dict(procs))
+        off: dict[str, int] = defaultdict(int)
+        for e in envoys:
+            off[envoy_region.get(e, e)] += 1
+        return Faults(frozenset(cut), dict(procs), dict(off))
 
     return of
+
+
+def rlqs_shapes(rec: RlqsRec | None) -> dict[str, RlqsShape]:
+    """Per pool, the Envoys of the run that hold quota assignments of it (the bound's RLQS term)."""
+    if rec is None:
+        return {}
+    envoys = {r: len(names) for r, names in rec.envoys.items() if names}
+    return {pool: RlqsShape(envoys=envoys, buckets=n, max_assignment=rec.max_assignment, fallback=rec.fallback,
+                            margin_ms=rec.margin_ms) for pool, n in rec.buckets.items()}
 
 
 def _pool_policies(pools: Bundle | Iterable[Pool | PoolPolicy]) -> list[PoolPolicy]:
@@ -281,6 +302,7 @@ def check(history: str | Path | Iterable[Record], pools: Bundle | Iterable[Pool 
     shards = max([r.shards for r in records if isinstance(r, Meta)], default=1)
     shard_fn = (lambda pool: shard_of(pool, shards)) if shards > 1 else None
     topo = next((r for r in records if isinstance(r, TopologyRec)), None)
+    rlqs = next((r for r in records if isinstance(r, RlqsRec)), None)
     offsets = allocator_offsets(topo)
     window_ms = {p.id: p.window_ms for p in policies}
 
@@ -317,8 +339,8 @@ def check(history: str | Path | Iterable[Record], pools: Bundle | Iterable[Pool 
                    for g in all_grants]
     add("no_spend_after_expiry", inv.no_spend_after_expiry(timed_spends, on_recorder, tolerance_ms),
         checked=bool(timed_spends))
-    bound = inv.admitted_within_bound(d_recs, policies, faults_by_window(faults, topo, window_ms, offsets, end_ms),
-                                      topology)
+    bound = inv.admitted_within_bound(d_recs, policies, faults_by_window(faults, topo, window_ms, offsets, end_ms, rlqs),
+                                      topology, rlqs_shapes(rlqs))
     straddling = sum(1 for d in d_recs if d.allowed and d.last_window is not None)
     add("admitted_within_bound", bound.violations, checked=bool(d_recs),
         note=f"{straddling} admission(s) between two windows, attributed to fit where possible" if straddling
@@ -340,4 +362,6 @@ def check(history: str | Path | Iterable[Record], pools: Bundle | Iterable[Pool 
         note=f"{len(judged)} window(s) judged, {len(util) - len(judged)} touched" if util else "")
     counts = {"grants": len(grants), "etcd_grants": len(etcd), "etcd_windows": len(etcd_windows), "decisions": len(decisions),
               "faults": len(faults), "leaders": len(leaders)}
+    if rlqs is not None:
+        counts["envoy_decisions"] = sum(1 for d in decisions if d.gateway is not None)
     return Report(verdicts, bound.windows, worst, util, faults, tolerance_ms, counts)

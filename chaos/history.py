@@ -84,6 +84,7 @@ class DecisionRec(_Rec, tag="decision"):
     policy_id: str | None = None  # the answer's rule, limit and remaining (which allowance answered)
     limit: int | None = None
     remaining: int | None = None
+    gateway: str | None = None  # who decided, when not the agent: e.g. an Envoy from its RLQS assignment
 
 
 class SpendClose(_Rec, tag="spend_close"):
@@ -111,6 +112,7 @@ class Fault(_Rec, tag="fault"):
     redis_agents: list[str] = []
     restarted_agents: list[str] = []
     grace_ms: int = 0
+    envoys_cut_off: list[str] = []  # Envoys holding RLQS assignments that could not reach their agent
 
 
 class EtcdGrant(_Rec, tag="etcd_grant"):
@@ -175,6 +177,20 @@ class TopologyRec(_Rec, tag="topology"):
     redis_offsets_ms: dict[str, int] = {}
 
 
+class RlqsRec(_Rec, tag="rlqs"):
+    """Envoys enforcing RLQS quota assignments in the run (the bound's RLQS term, kernel.bound):
+    the Envoys of each region, per pool how many buckets each Envoy spends it from, an
+    assignment's most tokens (the agents' ``--rlqs-max-assignment``), what an Envoy cut off from
+    its agent admits per bucket and window (``kernel.bound.envoy_fallback_tokens`` of its bucket
+    settings; None: unbounded) and the agents' clock margin."""
+
+    envoys: dict[str, list[str]]  # region -> Envoy names
+    buckets: dict[str, int]  # pool -> buckets per Envoy that spend it
+    max_assignment: int
+    fallback: int | None = 0
+    margin_ms: int = 250
+
+
 class Counters(_Rec, tag="counters"):
     """A sample of one service's own counters (``/metrics``), to explain decisions afterwards: e.g.
     which degradation (reason, fail mode) an agent counted in the second a fallback was admitted."""
@@ -185,7 +201,7 @@ class Counters(_Rec, tag="counters"):
 
 
 Record = (Grant | DecisionRec | SpendClose | Fault | EtcdGrant | EtcdWindow | Leader | Policy | Meta
-          | TopologyRec | Counters)
+          | TopologyRec | Counters | RlqsRec)
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Record)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from msgspec import Struct
 
-from kernel.bound import Faults, PoolBound, PoolShape, Topology, pool_bound, shape_of
+from kernel.bound import RLQS, Faults, PoolBound, PoolShape, RlqsShape, Topology, pool_bound, shape_of
 from kernel.bundle import Bundle, Pool, Rule
 
 #: Default slack for timing checks, on the recorder's clock. It absorbs the time between the
@@ -197,7 +197,8 @@ class WindowBound(Struct, frozen=True):
     limit: int  # G in force
     fallback_allowance: int  # Σ over regions that used fallback of their allowance
     local_allowance: int
-    bound: int  # limit + fallback_allowance + local_allowance
+    bound: int  # limit + fallback_allowance + local_allowance + rlqs_allowance
+    rlqs_allowance: int = 0  # the bound's RLQS term: Envoys enforcing quota assignments (kernel.bound)
 
     @property
     def overshoot(self) -> int:
@@ -568,17 +569,20 @@ def _sources(counts: Mapping[tuple[str, str], int]) -> str:
 
 
 def admitted_within_bound(decisions: Iterable[PoolAdmission], pools: Iterable[PoolPolicy],
-                          faults: FaultsOf | None = None, topology: Topology | None = None) -> BoundCheck:
+                          faults: FaultsOf | None = None, topology: Topology | None = None,
+                          rlqs: Mapping[str, RlqsShape] | None = None) -> BoundCheck:
     """Invariant 6, per pool and window, with the bound of :func:`kernel.bound.pool_bound`::
 
         admitted <= G + Σ_{regions cut off from the allocator} F x balances
                       + Σ_{agent processes cut off from Redis} F x allowances
+                      + RLQS (per Envoy x bucket x window: carry, and the fallback of Envoys cut off)
 
     and, per region, the admissions not paid by a lease (``fallback``) <= that region's part of
     those allowances. ``faults(pool, index)`` says what was unreachable during the window
     (nothing when absent: then the bound is G and no fallback admission is allowed); G and F
     come from the policy in force (:func:`policy_for_window`); ``topology`` gives the agents per
-    region (else :func:`topology_of` the decisions).
+    region (else :func:`topology_of` the decisions); ``rlqs`` per pool the Envoys holding quota
+    assignments of it (their admissions are decisions too; ``faults`` names the Envoys cut off).
 
     A decision whose window is uncertain (``last_window``) may be attributed to any of its
     candidate windows: the check fails only when *no* attribution of every admitted token fits
@@ -608,7 +612,7 @@ def admitted_within_bound(decisions: Iterable[PoolAdmission], pools: Iterable[Po
             if policy is None:
                 unknown = True
                 break
-            bounds[k] = pool_bound(policy.shape(), topology, faults(pool, k))
+            bounds[k] = pool_bound(policy.shape(), topology, faults(pool, k), rlqs=(rlqs or {}).get(pool))
         if unknown:
             total = sum(d.tokens for d in ds)
             out.append(Violation("admitted_within_bound", f"admissions for unknown pool {pool!r}", pool,
@@ -654,11 +658,14 @@ def admitted_within_bound(decisions: Iterable[PoolAdmission], pools: Iterable[Po
         for k in indices:
             b = bounds[k]
             regional, local = b.term("regional fallback").tokens, b.term("in-process").tokens
+            envoys = b.term(RLQS).tokens
             total = b.total if b.total is not None else admitted[k]
             if b.total is None:
-                out.append(Violation("admitted_within_bound", f"pool {pool} window {k}: no finite bound "
-                                     "(a tenant-scoped pool rule names no tenant)", pool, k, observed=admitted[k]))
-            wb = WindowBound(pool, k, admitted[k], b.limit, regional or 0, local or 0, total)
+                why = ("an Envoy's fallback behaviour admits without bound" if envoys is None
+                       else "a tenant-scoped pool rule names no tenant")
+                out.append(Violation("admitted_within_bound", f"pool {pool} window {k}: no finite bound ({why})",
+                                     pool, k, observed=admitted[k]))
+            wb = WindowBound(pool, k, admitted[k], b.limit, regional or 0, local or 0, total, envoys or 0)
             windows.append(wb)
             note = (f" ({straddled[k]} of them could have been admitted in a neighbouring window; "
                     "no attribution fits every window)") if straddled[k] else ""
@@ -674,7 +681,9 @@ def admitted_within_bound(decisions: Iterable[PoolAdmission], pools: Iterable[Po
             if wb.excess > 0:
                 out.append(Violation("admitted_within_bound",
                                      f"pool {pool} window {k}: admitted {admitted[k]} > bound {wb.bound} "
-                                     f"(G {b.limit} + regional fallback {regional} + in-process {local}){note}",
+                                     f"(G {b.limit} + regional fallback {regional} + in-process {local}"
+                                     + (f" + RLQS {envoys}: {b.term(RLQS).formula}" if (rlqs or {}).get(pool) else "")
+                                     + f"){note}",
                                      pool, k, observed=admitted[k], bound=wb.bound))
     worst = max(windows, key=lambda w: (w.excess, w.overshoot)) if windows else None
     return BoundCheck(out, windows, worst)

@@ -58,6 +58,7 @@ class Effects:
     redis_agents: tuple[str, ...] = ()
     restarted_agents: tuple[str, ...] = ()
     grace_ms: int = 0
+    envoys: tuple[str, ...] = ()  # Envoys (RLQS) cut off from their agent: their fallback behaviour decides
 
     def __add__(self, other: Effects) -> Effects:
         def merge(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
@@ -65,7 +66,8 @@ class Effects:
 
         return Effects(merge(self.allocator_regions, other.allocator_regions),
                        merge(self.redis_agents, other.redis_agents),
-                       merge(self.restarted_agents, other.restarted_agents), max(self.grace_ms, other.grace_ms))
+                       merge(self.restarted_agents, other.restarted_agents), max(self.grace_ms, other.grace_ms),
+                       merge(self.envoys, other.envoys))
 
 
 NO_EFFECTS = Effects()
@@ -108,7 +110,7 @@ class Nemesis:
             rec = Fault(nemesis=self.name, target=self.target, start_ms=self.started_ms or self.stopped_ms,
                         stop_ms=self.stopped_ms, detail=self.detail, allocator_regions=list(e.allocator_regions),
                         redis_agents=list(e.redis_agents), restarted_agents=list(e.restarted_agents),
-                        grace_ms=e.grace_ms)
+                        grace_ms=e.grace_ms, envoys_cut_off=list(e.envoys))
             self.records.append(rec)
             if self.recorder is not None:
                 self.recorder.write(rec)

@@ -34,6 +34,7 @@ from .history import Counters, Fault, HistoryWriter, Meta, Policy, TopologyRec, 
 from .lease_driver import DriverStats, LeaseDriver
 from .load import CounterSampler, LeasePoller, LoadGen
 from .nemesis import Nemesis, Schedule, Step
+from .rlqs import EnvoyLoad, record_decisions, rlqs_record
 from .scenarios import REDIS_GRACE_MS, Scenario, resolve
 from .topo import PREFIX, ChaosSpec, ChaosTopology
 
@@ -54,6 +55,8 @@ class RunContext:
     driver: LeaseDriver | None = None
     final_policy_versions: dict[str, int] = field(default_factory=dict)
     clock: Callable[[], int] = now_ms
+    envoy_load: EnvoyLoad | None = None  # clients through the RLQS Envoys (spec.envoys)
+    envoy_logged: dict[str, dict[str, int]] = field(default_factory=dict)  # per Envoy, from its access log
 
     async def publish(self, b: Bundle) -> None:
         assert self.topo.etcd is not None
@@ -137,6 +140,9 @@ async def _live(ctx: RunContext, out: TextIO, stop: asyncio.Event, t0: float) ->
         assert ctx.load is not None
         parts = [f"{r}: {s.sent} sent {s.allowed} ok {s.denied} denied {s.fallback} fb {s.errors} err"
                  for r, s in ctx.load.stats.items()]
+        if ctx.envoy_load is not None:
+            e = ctx.envoy_load.stats
+            parts.append(f"envoys: {e.sent} sent {e.allowed} ok {e.denied} denied {e.other + e.errors} err")
         active = [f"{n.name}@{n.target}" for _r, n in ctx.redis_faults if n.active]
         epoch = ctx.leaders[-1] if ctx.leaders else None
         _line(out, f"  [{time.monotonic() - t0:5.1f}s] " + " | ".join(parts)
@@ -165,6 +171,17 @@ async def _save_metrics(ctx: RunContext, out_dir: Path) -> None:
                 r = await c.get(url + "/metrics")
                 lines = [ln for ln in r.text.splitlines() if ln.startswith("leasehold_") and not ln.endswith(" 0.0")]
                 (out_dir / "metrics" / f"{name}.txt").write_text("\n".join(lines) + "\n")
+
+
+def _save_envoy_stats(fleet, out_dir: Path) -> None:
+    """Every Envoy's quota filter and RLS counters at the end of the run (``metrics/<envoy>.txt``)."""
+    (out_dir / "metrics").mkdir(parents=True, exist_ok=True)
+    for e in fleet.envoys:
+        with contextlib.suppress(httpx.HTTPError, OSError):
+            counters = e.envoy.stats()
+            lines = [f"{k} {v}" for k, v in sorted(counters.items())
+                     if v and ("quota" in k or "ratelimit" in k or k.startswith("http.api.downstream_rq_"))]
+            (out_dir / "metrics" / f"{e.name}.txt").write_text("\n".join(lines) + "\n")
 
 
 async def _final_policy(ctx: RunContext) -> None:
@@ -206,6 +223,9 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
                                   redis_offsets_ms={r: spec.clock_offsets_ms.get(f"redis-{r}", 0)
                                                     for r in spec.regions}))
         ctx = RunContext(topo, history, bundle, duration_s, seed)
+        if topo.envoys is not None:
+            history.write(rlqs_record(topo.envoys, bundle))
+            ctx.envoy_load = EnvoyLoad(topo.envoys, seed=seed)
         first = await topo.wait_leader(20.0)
         if first is None:
             raise RuntimeError("no allocator leader elected")
@@ -232,7 +252,8 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
               asyncio.create_task(sampler.run(duration_s + 5.0, stop=stop))]
         bg.append(asyncio.create_task(driver.run(duration_s)))
         try:
-            await asyncio.gather(ctx.load.run(duration_s, max_requests=int(duration_s * 400)), schedule.run())
+            await asyncio.gather(ctx.load.run(duration_s, max_requests=int(duration_s * 400)), schedule.run(),
+                                 *([ctx.envoy_load.run(duration_s)] if ctx.envoy_load is not None else []))
             ctx.driver_stats = await bg[-1]
         finally:
             stop.set()
@@ -245,6 +266,10 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
             await poller.poll_once(client)
         await _final_policy(ctx)
         await _save_metrics(ctx, out_dir)
+        if topo.envoys is not None:  # stopped first: Envoy writes out its access log as it exits
+            await asyncio.to_thread(_save_envoy_stats, topo.envoys, out_dir)
+            await asyncio.to_thread(topo.envoys.stop)
+            ctx.envoy_logged = record_decisions(topo.envoys, bundle, history)
         cur = await topo.wait_leader(10.0)
         if cur is not None and (not ctx.leaders or ctx.leaders[-1][0] != cur[0]):
             ctx.leaders.append(cur)
@@ -258,6 +283,10 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
                  "leaders": [{"epoch": e, "node": n} for e, n in ctx.leaders],
                  "leasePolls": poller.polls, "policyVersions": ctx.final_policy_versions,
                  "driver": vars(ctx.driver_stats) if ctx.driver_stats else None}
+        if ctx.envoy_load is not None:
+            e = ctx.envoy_load.stats
+            stats["envoys"] = {k: v for k, v in vars(e).items() if k not in ("per_envoy", "error_kinds")} | {
+                "perEnvoy": dict(e.per_envoy), "errorKinds": dict(e.error_kinds), "accessLog": ctx.envoy_logged}
     finally:
         await asyncio.to_thread(topo.stop)
         history.close()

@@ -353,6 +353,82 @@ def _replay_stale(ctx: RunContext) -> Nemesis:
     return Custom("replay-stale-epoch-grant", "allocator", go, recorder=ctx.history)
 
 
+# ----------------------------------------------------------------------------- Envoys holding RLQS assignments
+#: the RLQS scenario's Envoys (chaos/rlqs.py), each in front of one of eu's agents
+RLQS_ENVOYS = (("envoy-eu-a", "agent-eu-1"), ("envoy-eu-b", "agent-eu-2"))
+
+
+def _with_envoys(spec: ChaosSpec) -> None:
+    spec.envoys = RLQS_ENVOYS
+
+
+def _envoys_of(ctx: RunContext, agent: str) -> tuple[str, ...]:
+    assert ctx.topo.envoys is not None, "the scenario runs Envoys (spec.envoys)"
+    return tuple(e.name for e in ctx.topo.envoys.envoys if e.agent == agent)
+
+
+def _stream_cut(ctx: RunContext, envoy: str) -> Nemesis:
+    """The Envoy's link to its agent blackholed both ways: its quota stream (and RLS) hang."""
+    assert ctx.topo.envoys is not None, "the scenario runs Envoys (spec.envoys)"
+    e = ctx.topo.envoys.by_name(envoy)
+    return Partition(e.proxy, target=e.proxy.name, recorder=ctx.history,
+                     effects=Effects(envoys=(envoy,), grace_ms=ALLOCATOR_GRACE_MS))
+
+
+def _agent_pause(ctx: RunContext, agent: str) -> Nemesis:
+    """SIGSTOP an agent: its Envoys' streams hang (they keep enforcing what they hold)."""
+    return Pause(ctx.topo.agent(agent).proc, recorder=ctx.history,
+                 effects=Effects(envoys=_envoys_of(ctx, agent), grace_ms=ALLOCATOR_GRACE_MS))
+
+
+def _agent_kill(ctx: RunContext, agent: str) -> Nemesis:
+    """SIGKILL an agent, restarted at stop: its Envoys' streams break, a new process funds them again."""
+    g = ctx.topo.agent(agent)
+    return Kill(g.proc, ready=ctx.topo.ready_callback(g.url), recorder=ctx.history,
+                effects=Effects(envoys=_envoys_of(ctx, agent), restarted_agents=(agent,), grace_ms=ALLOCATOR_GRACE_MS))
+
+
+def _rlqs_faults(c: RunContext) -> list[Step]:
+    """The stream, the agent (paused, killed: a restart takes seconds, so early enough that the
+    Envoy is funded again before the run ends), then eu's allocators and Redis."""
+    return [Step(_at(c, 0.10), _stream_cut(c, "envoy-eu-a"), _at(c, 0.12)),
+            Step(_at(c, 0.27), _agent_pause(c, "agent-eu-2"), _at(c, 0.10)),
+            Step(_at(c, 0.42), _agent_kill(c, "agent-eu-1"), _at(c, 0.06)),
+            Step(_at(c, 0.62), _region_partition(c, "eu"), _at(c, 0.18)),
+            Step(_at(c, 0.70), _redis_partition(c, "eu"), _at(c, 0.15))]
+
+
+def envoys_decided(ctx: RunContext) -> list[str]:
+    """Every Envoy admitted requests and denied others itself (its quota filter), its access log
+    holds every admission its clients saw, and it admitted again after its last cut-off ended
+    (its stream came back and the agent funded it again)."""
+    from .history import DecisionRec, Fault, read_history
+
+    out = []
+    if ctx.envoy_load is None:
+        return ["no Envoy ran"]
+    recs = list(read_history(ctx.history.path))
+    ends: dict[str, int] = {}
+    for f in recs:
+        if isinstance(f, Fault) and f.stop_ms is not None:
+            for e in f.envoys_cut_off:
+                ends[e] = max(ends.get(e, 0), f.stop_ms)
+    for name, logged in sorted(ctx.envoy_logged.items()):
+        seen = ctx.envoy_load.stats.per_envoy[name]
+        if logged["admitted"] == 0:
+            out.append(f"{name} admitted nothing")
+        if logged["deniedByQuota"] == 0:
+            out.append(f"{name} never denied a request from its quota assignment")
+        if logged["admitted"] < seen:
+            out.append(f"{name}'s access log holds {logged['admitted']} admissions, its clients saw {seen}")
+        if name in ends and not any(isinstance(d, DecisionRec) and d.gateway == name and d.allowed
+                                    and (d.sent_at_ms or 0) > ends[name] for d in recs):
+            out.append(f"{name} admitted nothing after its last cut-off ended")
+    if not ctx.envoy_logged:
+        out.append("no Envoy access log was read")
+    return out
+
+
 # ----------------------------------------------------------------------------- expectations
 def fallback_in(*regions: str) -> Expect:
     def check(ctx: RunContext) -> list[str]:
@@ -553,6 +629,11 @@ _add(Scenario("lease-replay", "duplicated and delayed lease requests (replayed l
 _add(Scenario("allocator-rebalance", "three allocator replicas lead 64 shards; a fourth joins during load and "
               "later leaves, then one of the three leaves and joins again: shards are handed off and back",
               _rebalance, configure=_sharded, expect=[shards_rebalanced]))
+_add(Scenario("rlqs-envoys", "two Envoys on the shipped envoy-rlqs.yaml in front of eu's agents decide locally "
+              "from RLQS quota assignments: envoy-eu-a's stream blackholed, agent-eu-2 SIGSTOPped, "
+              "agent-eu-1 SIGKILLed and restarted, eu cut off from the allocators, then from its Redis; Envoy-side admissions (their "
+              "access logs) judged with the bound's RLQS term", _rlqs_faults, configure=_with_envoys,
+              expect=[envoys_decided, fallback_in("eu"), local_in("eu")]))
 _add(Scenario("policy-rollback", "a tightened bundle (G halved) published mid-run through etcd, then the old "
               "content published as a higher version", _policy_rollback, expect=[policy_version(2)]))
 

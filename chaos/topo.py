@@ -41,6 +41,8 @@ from leasehold.local.services import agent_command, allocator_command
 from .etcd_records import read_leaders
 from .history import Leader
 from .proxyhost import HostedProxy, ProxyHost
+from .rlqs import MAX_ASSIGNMENT as RLQS_MAX_ASSIGNMENT
+from .rlqs import EnvoyFleet, start_fleet
 
 PREFIX = "/leasehold/"
 # the allocator timeout per attempt is the product default (500 ms): above the 50-300 ms round trips the
@@ -83,6 +85,9 @@ class ChaosSpec:
     seed: int = 0
     redis_cluster: tuple[str, ...] = ()  # regions whose Redis is a 3-primary Redis Cluster
     redis_cluster_replicas: tuple[int, ...] = ()  # primary indexes that get a replica (failover)
+    # (Envoy name, agent name): Envoys on the shipped envoy-rlqs.yaml in front of those agents (chaos/rlqs.py);
+    # with any, every agent serves RLS and RLQS on an --rls-port
+    envoys: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -94,6 +99,7 @@ class Agent:
     port: int
     redis_proxy: HostedProxy | None  # None: the region's Redis is a cluster, reached directly
     alloc_proxies: list[HostedProxy]
+    rls_port: int | None = None
 
 
 @dataclass
@@ -117,6 +123,7 @@ class ChaosTopology:
         self.agents: list[Agent] = []
         # region -> one proxy per allocator replica (shared by the region's agents)
         self.region_links: dict[str, list[HostedProxy]] = {}
+        self.envoys: EnvoyFleet | None = None  # spec.envoys
 
     # ------------------------------------------------------------------ start/stop
     def start(self, timeout: float = 90.0) -> ChaosTopology:
@@ -154,6 +161,8 @@ class ChaosTopology:
                 for j in range(s.agents.get(region, 1)):
                     self.agents.append(self._start_agent(region, j))
             self.wait_ready(timeout)
+            if s.envoys:
+                self.envoys = start_fleet(self, s.envoys, run / "envoys")
         except BaseException:
             self.stop()
             raise
@@ -171,11 +180,13 @@ class ChaosTopology:
             redis_url = f"redis://{rproxy.url_host}/0"
         links = self.region_links[region]
         etcd = dict(policy_etcd=self.etcd.endpoints, policy_etcd_reread_ms=1000) if s.policy_etcd else {}
+        rls_port = free_port() if s.envoys else None
+        rls = dict(rls_port=rls_port, rlqs_max_assignment=RLQS_MAX_ASSIGNMENT) if rls_port is not None else {}
         args = [*s.prefix.get(name, []), *agent_command(
             *s.agent_args, redis_url=redis_url, policy=s.policy, region=region, host=LOOPBACK,
-            port=port, allocator_urls=[f"http://{p.url_host}" for p in links], **AGENT_SETTINGS, **etcd)]
+            port=port, allocator_urls=[f"http://{p.url_host}" for p in links], **AGENT_SETTINGS, **etcd, **rls)]
         proc = Proc(name, args, s.run_dir / name, env=child_env(**s.env.get(name, {}))).start()
-        return Agent(name, region, proc, f"http://{LOOPBACK}:{port}", port, rproxy, links)
+        return Agent(name, region, proc, f"http://{LOOPBACK}:{port}", port, rproxy, links, rls_port)
 
     def wait_ready(self, timeout: float = 60.0, procs: list[tuple[str, Proc]] | None = None) -> None:
         pending = dict(procs) if procs is not None else {
@@ -192,6 +203,8 @@ class ChaosTopology:
         return ready
 
     def stop(self) -> None:
+        if self.envoys is not None:
+            self.envoys.stop()
         for g in self.agents:
             g.proc.stop()
         for a in self.allocators:

@@ -404,7 +404,7 @@ class RlqsService:
                 self._schedule(h, h.retry_at_ms)
             return
         cap = self.s.rlqs_max_assignment
-        needs = {h: fund.need(h, self.span_ms, cap) for h in parties}
+        needs = {h: fund.need(h, self.span_ms, cap, ttl.clamp_ms) for h in parties}
         taken = await fund.take(self.decide, b.question, min(b.burst, sum(needs.values())))
         now = self.now_ms()
         clamp_at = t0 + ttl.clamp_ms

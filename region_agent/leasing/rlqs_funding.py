@@ -106,10 +106,12 @@ def observe(h: Holding, allowed: int, denied: int, now_ms: float, interval_ms: f
         h.last_traffic_ms = now_ms
 
 
-def need(h: Holding, span_ms: float, cap: int) -> int:
+def need(h: Holding, span_ms: float, cap: int, clamp_ms: float = INF) -> int:
     """The tokens one assignment should carry: the bucket's demand over ``span_ms`` (one report
-    interval and a second), 1 at least, ``cap`` at most."""
-    return max(1, min(cap, math.ceil(h.demand * span_ms / 1000.0)))
+    interval and a second) or until ``clamp_ms`` from now (the end of the window its tokens come
+    from: what Envoy holds then is stranded, tokens other buckets could have had) when sooner,
+    1 at least, ``cap`` at most."""
+    return max(1, min(cap, math.ceil(h.demand * min(span_ms, clamp_ms) / 1000.0)))
 
 
 def wants_tokens(h: Holding, now_ms: float, lead_ms: float) -> bool:

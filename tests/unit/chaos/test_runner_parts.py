@@ -10,7 +10,7 @@ from chaos.checker import check, faults_by_window
 from chaos.history import DecisionRec, Fault, Policy, PoolSpend, TopologyRec
 from chaos.invariants import PoolPolicy, WindowBound
 from chaos.report import fault_spans, pool_series
-from chaos.scenarios import PROFILES, SCENARIOS, resolve
+from chaos.scenarios import PROFILES, RLQS_ENVOYS, SCENARIOS, resolve
 from kernel.errors import BadRequest
 
 W = bundles.WINDOW_MS
@@ -132,6 +132,8 @@ def _fake_ctx():
         agents_in=lambda r: agents[r], agent=lambda n: next(a for r in regions for a in agents[r] if a.name == n),
         redis={r: SimpleNamespace(port=6379, proc=None) for r in regions},
         etcd=SimpleNamespace(member_name=lambda i: f"m{i}"), ready_callback=lambda url: None)
+    envoys = [SimpleNamespace(name=e, agent=a, proxy=proxy(f"{a}<-{e}")) for e, a in RLQS_ENVOYS]
+    topo.envoys = SimpleNamespace(envoys=envoys, by_name=lambda n: next(e for e in envoys if e.name == n))
     return RunContext(topo=topo, history=SimpleNamespace(write=lambda rec: None), bundle=bundles.chaos_bundle(),
                       duration_s=60, seed=1)
 
@@ -150,7 +152,10 @@ EXPECTED_EFFECTS = {  # scenario -> (regions cut off from the allocator, agents 
     "policy-rollback": (set(), set(), set()),
     # one Redis Cluster primary stopped or killed: every eu agent counts as cut off (the terms are per agent)
     "redis-cluster-pause": (set(), EU2, set()), "redis-cluster-failover": (set(), EU2, set()),
+    "rlqs-envoys": ({"eu"}, EU2, {"agent-eu-1"}),
 }
+#: scenario -> Envoys (RLQS) its faults cut off from their agent; every other scenario: none
+EXPECTED_ENVOYS = {"rlqs-envoys": {"envoy-eu-a", "envoy-eu-b"}}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_EFFECTS))
@@ -162,8 +167,9 @@ def test_every_scenario_records_what_its_faults_make_unreachable(name: str) -> N
            set().union(*[s.nemesis.effects.redis_agents for s in steps]),
            set().union(*[s.nemesis.effects.restarted_agents for s in steps]))
     assert got == EXPECTED_EFFECTS[name]
+    assert set().union(*[s.nemesis.effects.envoys for s in steps]) == EXPECTED_ENVOYS.get(name, set())
     assert all(s.nemesis.effects.grace_ms > 0 for s in steps
-               if s.nemesis.effects.allocator_regions or s.nemesis.effects.redis_agents)
+               if s.nemesis.effects.allocator_regions or s.nemesis.effects.redis_agents or s.nemesis.effects.envoys)
 
 
 def test_every_scenario_has_its_expected_effects_listed() -> None:

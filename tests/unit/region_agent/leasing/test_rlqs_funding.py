@@ -35,6 +35,13 @@ def test_need_is_one_interval_of_demand_within_one_and_the_cap():
     assert f.need(holding(demand=500.0), 6_000, 100) == 100
 
 
+def test_need_stops_at_the_end_of_the_window_its_tokens_come_from():
+    """2.5 s left of the window: 2.5 s of demand, not a whole interval's (the rest would be stranded)."""
+    assert f.need(holding(demand=4.0), 6_000, 100, clamp_ms=2_500) == 10
+    assert f.need(holding(demand=4.0), 6_000, 100, clamp_ms=60_000) == 24  # a later end: one interval
+    assert f.need(holding(demand=4.0), 6_000, 100, clamp_ms=10) == 1
+
+
 def test_a_holding_wants_tokens_when_its_assignment_is_gone_or_nearly_spent():
     h = holding(demand=2.0)
     assert f.wants_tokens(h, 0.0, 300)

@@ -1,0 +1,101 @@
+"""Two real Envoys (the shipped ``deploy/gateways/envoy-rlqs.yaml``) asked about the **same quota
+bucket** with different demand: one client every 0.125 s through Envoy A, one every 0.5 s through
+Envoy B, both as user U-50 of atlas (P-READ's user bucket: 20 tokens, refilling 2/s — far below
+the 10 requests/s asked). The agent funds both from that one bucket: its funding rounds ask for
+every waiting Envoy's need and share what they get by demand (the allocator's fair-share policy,
+kernel.fair_share.split), so the Envoy reporting more demand is assigned more; and the Envoys
+together are never assigned, nor admit, more than the bucket held over the run."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from leasehold.local.gateways import Envoy
+
+from .conftest import Stack
+from .test_envoy_rlqs import access_log, hammer, rlqs_envoy
+
+pytestmark = pytest.mark.e2e
+
+OPS = "ops-token-rlqs-sharing-0123456789"
+USER = "U-50"
+CAPACITY, REFILL_PER_S = 20, 2  # read-user-v3 of policies/northstar.json
+DRIVE_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def extra_agent_args() -> tuple[str, ...]:
+    """An operator token: GET /v1/rlqs shows each Envoy's assignments of a bucket."""
+    return ("--operator-tokens", "ops:" + hashlib.sha256(OPS.encode()).hexdigest())
+
+
+@pytest.fixture(scope="module")
+def envoys(stack: Stack) -> Iterator[tuple[Envoy, Envoy]]:
+    a = rlqs_envoy(stack, "envoy-share-a")
+    try:
+        b = rlqs_envoy(stack, "envoy-share-b")
+    except BaseException:
+        a.stop()
+        raise
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def holders(stack: Stack) -> list[dict]:
+    """The Envoys holding U-50's read bucket, as the agent's operator view shows them."""
+    view = httpx.get(stack.agent_url + "/v1/rlqs", headers={"authorization": f"Bearer {OPS}"}, timeout=5).json()
+    for b in view["buckets"]:
+        if b["bucket"].get("user") == USER:
+            return b["envoys"]
+    return []
+
+
+def test_two_envoys_of_one_bucket_are_funded_by_demand_and_never_beyond_what_it_held(
+        stack: Stack, envoys: tuple[Envoy, Envoy]):
+    a, b = envoys
+    seen = {e.name: len(access_log(e, 0)) for e in envoys}
+    assigned_before = stack.metric("leasehold_agent_rlqs_assigned_tokens_total")
+    partial_before = stack.metric("leasehold_agent_rlqs_rounds_total", outcome="partial")
+    results: dict[str, list[int]] = {}
+    threads = [threading.Thread(target=lambda: results.__setitem__(a.name, hammer(a, USER, seconds=DRIVE_S,
+                                                                                  every_s=0.125))),
+               threading.Thread(target=lambda: results.__setitem__(b.name, hammer(b, USER, seconds=DRIVE_S,
+                                                                                  every_s=0.5)))]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DRIVE_S + 60)
+    view = holders(stack)
+    elapsed = time.monotonic() - started  # measured: the bucket refilled over all of it, at most
+    held = CAPACITY + REFILL_PER_S * elapsed
+    assigned = stack.metric("leasehold_agent_rlqs_assigned_tokens_total") - assigned_before
+
+    # never more than the bucket held: what the agent assigned, and what the Envoys admitted
+    admitted = {name: codes.count(200) for name, codes in results.items()}
+    assert sum(admitted.values()) <= assigned <= held, (admitted, assigned, held)
+    assert len(view) == 2 and sum(h["funded"] for h in view) == assigned, view
+    logged = {e.name: [x for x in access_log(e, seen[e.name] + len(results[e.name]))[seen[e.name]:]
+                       if x["bucket"] and x["bucket"].get("user") == USER] for e in envoys}
+    assert {n: sum(1 for x in lines if x["status"] == 200) for n, lines in logged.items()} == admitted
+
+    # the agent saw two demands on one bucket and funded each by its own
+    high, low = sorted(view, key=lambda h: -h["demandPerS"])
+    assert high["demandPerS"] > 2 * low["demandPerS"] > 0, view
+    assert high["funded"] > low["funded"] >= 1, view
+    # by demand, not first come or evenly: the busier Envoy got well over half of what both were assigned
+    # (its demand share is about 0.8; about 0.5 would be an even split)
+    assert high["funded"] / (high["funded"] + low["funded"]) >= 0.6, view
+    assert admitted[a.name] > admitted[b.name] >= 1, admitted
+    # scarce: rounds got less than the Envoys asked for and shared it (kernel.fair_share.split)
+    assert stack.metric("leasehold_agent_rlqs_rounds_total", outcome="partial") > partial_before
+    # both Envoys were refused locally past what they held, the busier one the most
+    denied = {name: codes.count(429) for name, codes in results.items()}
+    assert denied[a.name] > denied[b.name] >= 0 and denied[a.name] > 0, denied
