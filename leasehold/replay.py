@@ -48,7 +48,7 @@ from kernel.errors import LeaseholdError
 from region_agent.decision_log import Line
 from region_agent.keys import KeyBuilder
 from region_agent.models import AdmitRequest, Principal
-from region_agent.plan import build_plan, memo_of
+from region_agent.plan import Snapshot, build_plan
 
 DENIED = ("denied", "fallback_denied")
 MAX_EVENTS = 5_000_000
@@ -177,12 +177,13 @@ def _request(e: Event) -> AdmitRequest:
 def replay(bundle: Bundle, events: list[Event], name: str) -> Result:
     """Ask ``bundle`` every question of ``events`` (see the module doc)."""
     keys = KeyBuilder(b"leasehold-replay")
-    pools = memo_of(bundle).pools
+    snap = Snapshot(bundle)
+    pools = snap.pools
     state: dict[tuple, Any] = {}
     res = Result(name, bundle.bundle_version)
     for e in events:
         try:
-            plan = build_plan(bundle, _request(e), keys)
+            plan = build_plan(snap, _request(e), keys)
         except LeaseholdError:
             res.skipped += 1
             continue

@@ -29,7 +29,7 @@ from .audit import BypassAudit
 from .keymeter import HORIZON_S, MAX_PER_GENERATION, source_class
 from .metrics import DECISION_SECONDS_BUCKETS, AgentMetrics
 from .models import Decision
-from .plan import Plan, memo_of
+from .plan import Plan, Snapshot
 from .prometheus_internals import add_observations
 
 MAX_TENANT_LABELS = 50
@@ -77,7 +77,7 @@ class DecisionTelemetry:
         metrics.add_flush(self.flush)
 
     # ------------------------------------------------------------------ per decision
-    def decided(self, plan: Plan, bundle: Bundle, d: Decision, seconds: float, *, now: float,
+    def decided(self, plan: Plan, snap: Snapshot, d: Decision, seconds: float, *, now: float,
                 touched_store: bool) -> None:
         """Record one decision. ``touched_store``: its script ran (keys may have been created).
         The hot path: everything inline, label children cached (``make bench`` figures 2 and 3)."""
@@ -91,6 +91,7 @@ class DecisionTelemetry:
             outcome = "conflict"  # a reused requestId with another question (nothing charged)
         else:
             outcome = "fallback_denied" if d.fallback else "denied"
+        bundle = snap.bundle
         if self._names_of is not bundle:
             self._names_of, self._names = bundle, named_tenants(bundle)
         tenant = plan.tenant
@@ -103,7 +104,7 @@ class DecisionTelemetry:
         if p is None:
             children = self._children.get(label)
             if children is None:
-                children = self._resolve(label, bundle)
+                children = self._resolve(label, snap)
             p = self._pending[label] = [children[0], children[1], 0, 0.0, *([0] * len(_BOUNDS))]
         if seconds < 0:
             seconds = 0.0
@@ -152,11 +153,11 @@ class DecisionTelemetry:
             shard = self._shards.put(tag, self.shard_of(plan.decision_key))  # type: ignore[misc]  # the shard function is set whenever shards are counted
         return shard
 
-    def _resolve(self, label: tuple, bundle: Bundle) -> tuple[Any, Any]:
+    def _resolve(self, label: tuple, snap: Snapshot) -> tuple[Any, Any]:
         outcome, rule_id, version, tenant, shard, source = label
         if version not in self._versions:
             self._new_version(version)
-        rule = memo_of(bundle).rules_by_id.get(rule_id) if rule_id else None
+        rule = snap.rules_by_id.get(rule_id) if rule_id else None
         return self._children.put(label, (
             self.m.decisions.labels(outcome, rule_id or "none", str(version), rule.route_key if rule else "none",
                                     tenant, source),

@@ -13,6 +13,7 @@ from region_agent.keys import KeyBuilder
 from region_agent.metrics import AgentMetrics
 from region_agent.models import AdmitRequest, Principal
 from region_agent.negcache import NegativeCache
+from region_agent.plan import Snapshot
 from tests.support.clock import FakeClock
 
 from ..scripted_store import ScriptedStore
@@ -28,7 +29,7 @@ def make(tmp_path: Path, replies, **kw) -> tuple[DecisionEngine, DecisionLog, Ag
     keys = KeyBuilder(b"unit-pepper")
     dl = DecisionLog(str(tmp_path / "decisions.jsonl"), keys=keys, region="eu", agent="agent-eu-1", metrics=m,
                      wall_clock=lambda: 1.7e9 + c.t, clock=c, **kw)
-    e = DecisionEngine(get_bundle=lambda: NORTHSTAR, keys=keys, store=ScriptedStore(*[[r] for r in replies]), metrics=m, clock=c,
+    e = DecisionEngine(get_snapshot=lambda: Snapshot(NORTHSTAR), keys=keys, store=ScriptedStore(*[[r] for r in replies]), metrics=m, clock=c,
                        wall_clock=lambda: c.t + 1.7e9, negative=NegativeCache(cap_ms=0), decision_log=dl)
     return e, dl, m, c
 

@@ -15,6 +15,7 @@ from region_agent.keys import KeyBuilder
 from region_agent.metrics import AgentMetrics
 from region_agent.models import AdmitRequest, Principal, Reason
 from region_agent.negcache import NegativeCache
+from region_agent.plan import Snapshot
 from tests.support.clock import FakeClock
 
 from ..scripted_store import ScriptedStore
@@ -25,7 +26,7 @@ NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies
 def engine(store: ScriptedStore, clock: FakeClock | None = None) -> tuple[DecisionEngine, AgentMetrics]:
     m = AgentMetrics()
     c = clock or FakeClock(1_000.0)
-    return DecisionEngine(get_bundle=lambda: NORTHSTAR, keys=KeyBuilder(b"unit-pepper"), store=store, metrics=m,
+    return DecisionEngine(get_snapshot=lambda: Snapshot(NORTHSTAR), keys=KeyBuilder(b"unit-pepper"), store=store, metrics=m,
                           clock=c, wall_clock=lambda: c.t + 1.7e9, negative=NegativeCache()), m
 
 

@@ -10,6 +10,7 @@ import msgspec
 from kernel.bundle import load_bundle_file
 from region_agent.metrics import AgentMetrics
 from region_agent.models import AdmitRequest, DeniedScope, Principal, Reason
+from region_agent.plan import Snapshot
 from region_agent.policy_watch import age_gauge, revoked_decision
 
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar.json"))
@@ -26,16 +27,16 @@ def user_read(rid: str = "r-1") -> AdmitRequest:
 
 
 def test_no_revocable_rule_selected_means_no_denial():
-    assert revoked_decision(NORTHSTAR, user_read()) is None
+    assert revoked_decision(Snapshot(NORTHSTAR), user_read()) is None
     bundle = with_revocable("export-tenant")  # revocable, but not selected for a read
-    assert revoked_decision(bundle, user_read()) is None
+    assert revoked_decision(Snapshot(bundle), user_read()) is None
 
 
 def test_a_selected_revocable_rule_denies_with_503_policy_stale():
     bundle = with_revocable("tenant-atlas-minute")
     rule = next(r for r in bundle.rules if r.id == "tenant-atlas-minute")
     m = AgentMetrics()
-    d = revoked_decision(bundle, user_read("r-9"), m)
+    d = revoked_decision(Snapshot(bundle), user_read("r-9"), m)
     assert d is not None and not d.allowed
     assert (d.decision_id, d.policy_id, d.denied_scope, d.reason) == ("r-9", rule.id, DeniedScope.TENANT,
                                                                        Reason.POLICY_STALE)
@@ -51,7 +52,7 @@ def test_an_anonymous_caller_learns_nothing_about_the_policy():
     bundle = with_revocable("anon-login")
     anon = AdmitRequest(request_id="r-2", principal=Principal(type="anonymous", id="203.0.113.9"),
                         route_group="login")
-    d = revoked_decision(bundle, anon)
+    d = revoked_decision(Snapshot(bundle), anon)
     assert d is not None and d.http_status == 503 and d.denied_scope is DeniedScope.IP
     assert d.policy_id is None and d.problem == {"type": "about:blank", "title": "Service Unavailable",
                                                  "status": 503}
