@@ -89,7 +89,7 @@ class KeyBuilder:
         if not pepper:
             raise ValueError("an empty pepper is not allowed")
         self._pepper = bytes(pepper)
-        self._memo: BoundedMemo[tuple[str, str, str], str] = BoundedMemo(self.MEMO_MAX)
+        self._memo: BoundedMemo[tuple[str | None, str, str], str] = BoundedMemo(self.MEMO_MAX)
 
     def __repr__(self) -> str:  # never show the pepper
         return "KeyBuilder(<pepper hidden>)"
@@ -171,8 +171,8 @@ class KeyBuilder:
             return KeyTemplate("", "", f"{NS}:{tag}:tenant:{tenant}:{route}")
         return None
 
-    def key_from(self, t: KeyTemplate, tenant: str, user_id: str | None, api_key_id: str | None) -> str:
-        """The key of template ``t`` (made for ``tenant``) for one principal."""
+    def key_from(self, t: KeyTemplate, tenant: str | None, user_id: str | None, api_key_id: str | None) -> str:
+        """The key of template ``t`` (made for ``tenant``: a template exists only for a tenant) for one principal."""
         if not t.kind:
             return t.tail
         if t.kind == "u":
@@ -186,7 +186,7 @@ class KeyBuilder:
         k = (tenant, t.kind, ident)
         v = self._memo.get(k)
         if v is None:
-            v = self._memo.put(k, self._hmac(tenant, t.kind, ident))
+            v = self._memo.put(k, self._hmac(tenant or "", t.kind, ident))
         return t.head + v + t.tail
 
     @staticmethod

@@ -70,7 +70,7 @@ class Plan:
     # ARGV of ``multi_rule.lua`` between the member and the question (every slot's kind and five
     # parameters), checked once per Shape and cost (region_agent.call.multi_rule_call); None: the
     # calls are built and checked per request
-    argv_rules: tuple | None = None
+    argv_rules: tuple[object, ...] | None = None
     has_pool: bool = False  # a slot spends a tenant pool balance (Role.POOL)
     shape: Shape | None = None  # what the plan was built from (shared, read-only)
     request: AdmitRequest | None = None  # the question (the sampled decision log reads the principal from it)
@@ -125,6 +125,10 @@ def check_principal(req_tenant: str | None, principal: Principal
     return req_tenant, None
 
 
+# per cost: (kind, params) of every slot, of every shadow slot, and the tenant call's checked ARGV
+# between member and question (None: built and checked per request)
+SlotParams = tuple[list[tuple[str, Params]], list[tuple[str, Params]], tuple[object, ...] | None]
+
 SELECTION_CACHE_MAX = 10_000  # distinct (tenant, route, principal type, has key) per snapshot
 
 
@@ -146,10 +150,10 @@ class Shape(NamedTuple):
     shadow_templates: tuple[KeyTemplate | None, ...]
     slots: list[Slot]  # the script call's slots (a concurrency gate before its rule's own slot)
     shadow_slots: list[Slot]
-    fleet: list[Rule]  # enforced fleet-wide pool rules (spent from in-process chunks)
+    fleet: list[PoolRule]  # enforced fleet-wide pool rules (spent from in-process chunks)
     has_pool: bool  # a slot is a tenant pool rule (Role.POOL)
     unrecorded_dk: str | None  # KEYS[1] without a decision record for the tenant tag (None: per request)
-    by_cost: dict[int, tuple[list[tuple[str, Params]], list[tuple[str, Params]], tuple | None]]
+    by_cost: dict[int, SlotParams]
     # an authenticated shape's pre-authentication stage: the shape of the ip rules marked
     # everyRequest on its route (None: there are none, or the shape is anonymous already)
     edge: Shape | None = None
@@ -179,7 +183,7 @@ class Shape(NamedTuple):
                    fleet=[r for r in enforced if isinstance(r, PoolRule) and r.fleet_wide],
                    has_pool=any(s.role is Role.POOL for s in slots), unrecorded_dk=dk, by_cost={})
 
-    def params_for(self, cost_hint: int) -> tuple[list[tuple[str, Params]], list[tuple[str, Params]], tuple | None]:
+    def params_for(self, cost_hint: int) -> SlotParams:
         """(kind, params) of every slot and shadow slot for a request of ``cost_hint``, and the
         tenant call's ARGV between member and question (None when the slots do not make a valid
         call: it is then built per request, and refused there with the script's own error)."""
@@ -192,7 +196,7 @@ class Shape(NamedTuple):
                 specs.append((CONCURRENCY.code, (rule.concurrency_max, rule.concurrency_ttl_ms, 0, 0, 0)))
             specs.append((rule.kind.code, rule.script_params(cost_hint)))
         shadow = [(r.kind.code, r.script_params(cost_hint)) for r in self.shadow]
-        argv: tuple | None = None
+        argv: tuple[object, ...] | None = None
         if specs:
             try:  # the call's shape checks (count, kinds, five parameters), once
                 _, full = multi_rule_argv("-", [Call(f"k{i}", k, p) for i, (k, p) in enumerate(specs)],
@@ -336,11 +340,11 @@ def edge_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, edge: Shape) 
     return build_plan(snap, anon, keys, checked=True, shape=edge)
 
 
-_NONE: tuple = ()  # the shared empty sequence of a plan without shadow calls or global spends
+_NONE: tuple[()] = ()  # the shared empty sequence of a plan without shadow calls or global spends
 
 
 def _key_of(keys: KeyBuilder, rule: Rule, tenant: str | None, user_id: str | None, api_key_id: str | None,
-            route_group: str, ip_tag: str | None, addr) -> str:
+            route_group: str, ip_tag: str | None, addr: ipaddress.IPv4Address | ipaddress.IPv6Address | None) -> str:
     """A rule's key derived per request (rules without a KeyTemplate: ip rules, and whatever
     must raise the request's ValidationFailed)."""
     if rule.pool_id is not None:

@@ -55,7 +55,7 @@ class PolicyHolder:
         self.on_canary: Callable[[str, int], None] | None = None  # (outcome, candidate version or 0)
 
     @classmethod
-    def load(cls, path: str, **kw) -> PolicyHolder:
+    def load(cls, path: str, **kw: Any) -> PolicyHolder:
         """Load at start; raises PolicyError (listing every problem) on an invalid bundle, or
         SignatureRefused when keys are trusted and the bundle's signature is not acceptable."""
         return cls(path, load_bundle_file(path), **kw)
