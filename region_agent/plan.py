@@ -129,6 +129,14 @@ def check_principal(req_tenant: str | None, principal: Principal
 # between member and question (None: built and checked per request)
 SlotParams = tuple[list[tuple[str, Params]], list[tuple[str, Params]], tuple[object, ...] | None]
 
+MAX_TENANT_LABELS = 50  # tenants a bundle names that metrics label by name (region_agent.telemetry)
+
+
+def named_tenants(bundle: Bundle) -> frozenset[str]:
+    """The tenants the bundle's rules name, the first ``MAX_TENANT_LABELS`` in sorted order."""
+    return frozenset(sorted({r.tenant for r in bundle.rules if r.tenant})[:MAX_TENANT_LABELS])
+
+
 SELECTION_CACHE_MAX = 10_000  # distinct (tenant, route, principal type, has key) per snapshot
 
 
@@ -230,12 +238,13 @@ class Snapshot:
     the policy holder when it accepts a bundle (region_agent.policy) and dropped with it: no
     state of one agent is shared with another in the same process."""
 
-    __slots__ = ("_shapes", "bundle", "http", "per_unit", "pools", "rules_by_id")
+    __slots__ = ("_shapes", "bundle", "http", "named_tenants", "per_unit", "pools", "rules_by_id")
 
     def __init__(self, bundle: Bundle, jitter: RetryJitter | None = None):
         self.bundle = bundle
         self.pools: dict[str, Pool] = {p.id: p for p in bundle.pools}
         self.rules_by_id: dict[str, Rule] = {r.id: r for r in bundle.rules}
+        self.named_tenants = named_tenants(bundle)  # the tenants metrics label by name
         self.http = HttpAnswers(jitter)
         # rule id -> Envoy's (requests_per_unit, unit) or None (region_agent.gateways.answer.per_unit)
         self.per_unit: dict[str, tuple[int, str] | None] = {}

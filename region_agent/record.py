@@ -40,7 +40,7 @@ def early_record(req: AdmitRequest, snap: Snapshot, a: Answer, source: DecisionS
     rule the record names: None when the caller must not learn it)."""
     d = _record(req.request_id, req.principal.type == "anonymous", snap, a, source, metrics)
     if metrics is not None:
-        count_early(metrics, snap.bundle, counted, d, tenant)
+        count_early(metrics, snap, counted, d, tenant)
     return d
 
 

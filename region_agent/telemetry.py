@@ -5,7 +5,7 @@ audit trail of privileged bypasses. Hot path: label children are resolved once a
 Cardinality (``docs/metrics.md`` states the budget):
 
 * ``tenant`` is a tenant *named in the bundle* (by a rule's ``tenant``; at most
-  ``MAX_TENANT_LABELS`` of them, in sorted order), ``other`` for every other tenant and ``none``
+  ``region_agent.plan.MAX_TENANT_LABELS`` of them, in sorted order), ``other`` for every other tenant and ``none``
   for anonymous requests — never a principal, key or address;
 * ``rule`` and ``route_group`` come from the bundle's rules (the route group is the deciding
   rule's), ``outcome`` is one of seven values, ``source`` one of the ten layers of
@@ -23,7 +23,7 @@ from typing import Any
 
 from kernel.algorithms import Role
 from kernel.bounded import BoundedMemo
-from kernel.bundle import Bundle, Rule
+from kernel.bundle import Rule
 
 from .audit import BypassAudit
 from .keymeter import HORIZON_S, MAX_PER_GENERATION, source_class
@@ -32,7 +32,6 @@ from .models import Decision
 from .plan import Plan, Snapshot
 from .prometheus_internals import add_observations
 
-MAX_TENANT_LABELS = 50
 _CLASS = {(role, scope): source_class(role, scope) for role in Role
           for scope in ("ip", "user", "key", "route", "tenant", "global")}
 VERSIONS_KEPT = 2
@@ -41,23 +40,19 @@ CACHE_MAX = 10_000
 _BOUNDS = (*DECISION_SECONDS_BUCKETS, float("inf"))  # the histogram's upper bounds, +Inf last
 
 
-def named_tenants(bundle: Bundle) -> frozenset[str]:
-    return frozenset(sorted({r.tenant for r in bundle.rules if r.tenant})[:MAX_TENANT_LABELS])
-
-
 def tenant_label(names: frozenset[str], tenant: str | None) -> str:
     if tenant is None:
         return "none"
     return tenant if tenant in names else "other"
 
 
-def count_early(m: AgentMetrics, bundle: Bundle, rule: Rule, d: Decision, tenant: str | None) -> None:
+def count_early(m: AgentMetrics, snap: Snapshot, rule: Rule, d: Decision, tenant: str | None) -> None:
     """A decision the admission made before the engine (region_agent.admission: a stale bundle's
     revocable rule, the pre-authentication cap) in ``leasehold_agent_decisions_total``, labelled
     like the engine's: so the decision counts add up to the decisions made."""
     outcome = "unavailable" if d.http_status == 503 else "denied"
     m.decisions.labels(outcome, rule.id, str(d.policy_version), rule.route_key,
-                       "none" if tenant is None else tenant_label(named_tenants(bundle), tenant), d.source).inc()
+                       "none" if tenant is None else tenant_label(snap.named_tenants, tenant), d.source).inc()
 
 
 class DecisionTelemetry:
@@ -67,8 +62,6 @@ class DecisionTelemetry:
         self.shard_of = shard_of
         self.audit = audit
         self._children: BoundedMemo[tuple, tuple[Any, Any]] = BoundedMemo(CACHE_MAX)
-        self._names_of: Bundle | None = None  # the bundle whose named tenants ``_names`` holds
-        self._names: frozenset[str] = frozenset()
         self._versions: list[int] = []
         self._shards: BoundedMemo[str, str] = BoundedMemo(CACHE_MAX)
         self._shards_at = float("-inf")
@@ -91,13 +84,10 @@ class DecisionTelemetry:
             outcome = "conflict"  # a reused requestId with another question (nothing charged)
         else:
             outcome = "fallback_denied" if d.fallback else "denied"
-        bundle = snap.bundle
-        if self._names_of is not bundle:
-            self._names_of, self._names = bundle, named_tenants(bundle)
         tenant = plan.tenant
         shard = "default" if self.shard_of is None else self._shard(plan, now)
         label = (outcome, d.policy_id, d.policy_version,
-                 "none" if tenant is None else tenant if tenant in self._names else "other", shard, d.source)
+                 "none" if tenant is None else tenant if tenant in snap.named_tenants else "other", shard, d.source)
         # counted here, moved into the counter and the histogram when the registry is collected
         # (flush): two locked prometheus updates per decision were a tenth of its CPU
         p = self._pending.get(label)
@@ -129,7 +119,7 @@ class DecisionTelemetry:
         rules = plan.rules
         if rules and rules[0].exempt and self.audit is not None:
             self.audit.decided(rules[0], outcome=outcome, tenant=tenant, request_id=plan.request_id,
-                               version=bundle.bundle_version, fallback=d.fallback)
+                               version=snap.bundle.bundle_version, fallback=d.fallback)
 
     def flush(self) -> None:
         """Move the counts kept since the last collection into the registry (``AgentMetrics`` runs

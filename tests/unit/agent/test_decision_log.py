@@ -19,6 +19,7 @@ from tests.support.clock import FakeClock
 from ..scripted_store import ScriptedStore
 
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar.json"))
+SNAP = Snapshot(NORTHSTAR)
 ALLOW = [1, 0, 0, 17_000, 900_000]
 DENY = [0, 1, 500, 0, 900_000]
 
@@ -29,7 +30,7 @@ def make(tmp_path: Path, replies, **kw) -> tuple[DecisionEngine, DecisionLog, Ag
     keys = KeyBuilder(b"unit-pepper")
     dl = DecisionLog(str(tmp_path / "decisions.jsonl"), keys=keys, region="eu", agent="agent-eu-1", metrics=m,
                      wall_clock=lambda: 1.7e9 + c.t, clock=c, **kw)
-    e = DecisionEngine(get_snapshot=lambda: Snapshot(NORTHSTAR), keys=keys, store=ScriptedStore(*[[r] for r in replies]), metrics=m, clock=c,
+    e = DecisionEngine(get_snapshot=lambda: SNAP, keys=keys, store=ScriptedStore(*[[r] for r in replies]), metrics=m, clock=c,
                        wall_clock=lambda: c.t + 1.7e9, negative=NegativeCache(cap_ms=0), decision_log=dl)
     return e, dl, m, c
 
