@@ -79,7 +79,9 @@ def pre_check(st: Any, req: AdmitRequest) -> tuple[AdmitRequest, Decision | None
     w = st.policy_watch
     if w is not None and w.is_stale(bundle):
         from .policy_watch import revoked_decision
-        return req, revoked_decision(snap, req, st.metrics)
+        revoked = revoked_decision(snap, req, st.metrics)
+        if revoked is not None:  # else the pre-authentication cap still applies (as in pre_checks)
+            return req, revoked
     if st.key_cap is not None:
         return req, st.key_cap.check(snap, req, st.metrics)
     return req, None

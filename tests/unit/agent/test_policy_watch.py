@@ -66,3 +66,41 @@ def test_age_gauge_reads_the_watchers_age_in_seconds():
     m = AgentMetrics()
     age_gauge(m, Watcher())
     assert m.registry.get_sample_value("leasehold_agent_policy_age_seconds") == 2.5
+
+
+class _Stale:
+    """A policy watch whose snapshot is past its maximum age."""
+
+    def is_stale(self, bundle) -> bool:
+        return True
+
+
+def _state(bundle, tmp_path: Path):
+    from types import SimpleNamespace
+
+    from region_agent.policy import PolicyHolder
+    from region_agent.preauth import NewKeyCap
+    from tests.support.clock import FakeClock
+
+    return SimpleNamespace(policy_watch=_Stale(), holder=PolicyHolder(str(tmp_path / "none.json"), bundle), epoch=None,
+                           metrics=AgentMetrics(), key_cap=NewKeyCap(per_source=1, window_ms=60_000,
+                                                                     clock=FakeClock(1_000.0)))
+
+
+def test_the_early_gates_of_one_question_are_those_of_a_batch(tmp_path):
+    """Twins (docs/hot-path.md): ``pre_check`` (one question, no lists) and ``pre_checks`` (a
+    batch) give every question the same early answer: a revocable rule under a stale snapshot,
+    the pre-authentication cap (a second new address of one source), or none."""
+    from region_agent.admission import pre_check, pre_checks
+
+    bundle = with_revocable("tenant-atlas-minute")
+    questions = [user_read("r-1"), AdmitRequest(request_id="r-2", principal=Principal(type="anonymous", id="203.0.1.1"),
+                                                route_group="login"),
+                 AdmitRequest(request_id="r-3", principal=Principal(type="anonymous", id="203.0.2.2"),
+                              route_group="login"),
+                 AdmitRequest(request_id="r-4", tenant_id="birch", principal=Principal(type="user", id="U-1"),
+                              route_group="search")]
+    one, many = _state(bundle, tmp_path), _state(bundle, tmp_path)
+    singles = [pre_check(one, q) for q in questions]
+    assert pre_checks(many, questions) == singles
+    assert [d is not None and d.http_status for _, d in singles] == [503, False, 429, False]
