@@ -77,7 +77,6 @@ class Plan:
     # the pre-authentication stage of an authenticated request (ip rules marked everyRequest,
     # keyed by its clientIp): decided first, in its own call (another hash tag than the tenant's)
     edge: Plan | None = None
-    snapshot: Snapshot | None = None  # the snapshot it was planned under (shared, read-only)
 
     @property
     def anonymous(self) -> bool:
@@ -337,7 +336,7 @@ def build_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, *, checked: 
         edge = edge_plan(snap, req, keys, shape.edge)
     return Plan(req.request_id, tenant, ptype, shape.enforced, calls, shape.slots, shadow_calls, shape.shadow_slots,
                 spends, decision_key, shape.decision_ttl_ms, question, shape.slack_ms, cost_hint, argv_rules,
-                shape.has_pool, shape, req, edge, snap)
+                shape.has_pool, shape, req, edge)
 
 
 def edge_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, edge: Shape) -> Plan:
