@@ -49,7 +49,7 @@ system-deps-run:
 system-deps:
 	$(call apt_install,$(TEST_BINARIES),$(TEST_PACKAGES))
 
-# the checkout's root on the venv's path: chaos/, devtools/ and leasehold/bench are not in the
+# the checkout's root on the venv's path: chaos/, devtools/ and bench are not in the
 # wheel (nor in its editable mapping) but run from here
 define venv_base
 @test -x $(PY) || python3 -m venv $(VENV)
@@ -106,7 +106,7 @@ BENCH_ARGS ?=
 bench: setup
 	$(call apt_install,redis-benchmark wrk,redis-tools wrk)
 	@[ $(VENV)/.bench-installed -nt $(CONSTRAINTS) ] || { $(PIP) install -q -c $(CONSTRAINTS) -e '.[test,bench]' && touch $(VENV)/.bench-installed; }
-	$(PY) -m leasehold.bench $(BENCH_ARGS)
+	$(PY) -m bench $(BENCH_ARGS)
 
 doc-tables: setup
 	$(PY) -m devtools.doc_tables --write

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 TXNS_IN_FLIGHT = 4  # units (transactions) the committer runs at once, on disjoint pools
 BUSY_MIN_UNIT = 64  # while a unit is in flight, another starts only with this many writes queued
 MIN_UNIT = 128  # what is queued is spread over the free slots, no unit smaller than this: bigger transactions cost
-# etcd and us less per grant, two or more in flight let Python and etcd work side by side (leasehold/bench/README.md)
+# etcd and us less per grant, two or more in flight let Python and etcd work side by side (bench/README.md)
 MAX_TXN_BYTES = 1_000_000  # estimated request size per transaction: below etcd's default --max-request-bytes (1.5 MiB)
 MIN_TXN_BYTES = 64_000
 MAX_QUEUE = 16_384  # queued writes; beyond this the leader sheds load with a retriable 503

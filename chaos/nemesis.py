@@ -6,7 +6,7 @@ writes one ``fault`` record (name, target, start and stop on the recorder clock)
 stops. :class:`Schedule` runs nemeses at offsets within a bounded duration and always stops
 whatever it started, also when cancelled or failing.
 
-Process nemeses act on :class:`leasehold.procs.Proc` (signals by PID). Network nemeses act
+Process nemeses act on :class:`leasehold.local.procs.Proc` (signals by PID). Network nemeses act
 on a fault proxy — a :class:`chaos.proxy.FaultProxy` in this process or a
 :class:`chaos.proxy.ProxyControl` for a proxy process — or on iptables rules owned by
 :mod:`chaos.netns` (namespaces, cgroup-scoped etcd isolation). Clock faults are applied when a
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kernel.errors import BadRequest
-from leasehold.procs import EtcdCluster, Proc, RedisServer, wait_port
+from leasehold.local.procs import EtcdCluster, Proc, RedisServer, wait_port
 
 from .history import Fault, now_ms
 
@@ -244,7 +244,7 @@ class Pause(Nemesis):
 
 class RedisRestart(Nemesis):
     """SIGKILL a redis-server at start and start it again on the same port at stop: with
-    persistence off (as :class:`leasehold.procs.RedisServer` runs it) every key and the script
+    persistence off (as :class:`leasehold.local.procs.RedisServer` runs it) every key and the script
     cache are gone, so clients see NOSCRIPT and empty state."""
 
     name = "redis-restart"

@@ -418,7 +418,7 @@ class ProxyProcess:
     ``control`` flips its faults from this process (the scenario runner)."""
 
     def __init__(self, upstream: tuple[str, int], workdir: Path, name: str = "proxy", seed: int | None = None):
-        from leasehold.procs import Proc, free_port
+        from leasehold.local.procs import Proc, free_port
 
         self.upstream = upstream
         self.port, self.control_port = free_port(), free_port()
@@ -434,7 +434,7 @@ class ProxyProcess:
         return (LOOPBACK, self.port)
 
     def start(self, timeout: float = 15.0) -> ProxyProcess:
-        from leasehold.procs import wait_port
+        from leasehold.local.procs import wait_port
 
         self.proc.start()
         try:

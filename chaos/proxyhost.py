@@ -109,7 +109,7 @@ class ProxyHost:
     """The proxy host process of a run, stopped by PID in :meth:`stop` (also on failure)."""
 
     def __init__(self, workdir: Path | None = None, timeout: float = 15.0):
-        from leasehold.procs import Proc, free_port, wait_port
+        from leasehold.local.procs import Proc, free_port, wait_port
 
         self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="chaos-proxies-")
         self.workdir = workdir if workdir is not None else Path(self._tmp.name)  # type: ignore[union-attr]  # _tmp is set when workdir is None

@@ -1,7 +1,7 @@
-"""The chaos topology: the services of :mod:`leasehold.topology`, but every inter-component
+"""The chaos topology: the services of :mod:`leasehold.local.topology`, but every inter-component
 link through a fault proxy, with per-service argv prefixes and environments (libfaketime).
 
-* a 3-member etcd cluster (:class:`leasehold.procs.EtcdCluster`);
+* a 3-member etcd cluster (:class:`leasehold.local.procs.EtcdCluster`);
 * allocator replicas, each reaching every etcd member through its own proxy
   (``etcd<-alloc-N/mK``), so one allocator can be cut off from etcd;
 * regions, each with its own redis-server, reached by each agent through a proxy
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernel.etcd_store import EtcdStore
-from leasehold.procs import (
+from leasehold.local.procs import (
     LOOPBACK,
     EtcdCluster,
     Proc,
@@ -36,7 +36,7 @@ from leasehold.procs import (
     wait_http_ready,
     wait_port,
 )
-from leasehold.services import agent_command, allocator_command
+from leasehold.local.services import agent_command, allocator_command
 
 from .etcd_records import read_leaders
 from .history import Leader

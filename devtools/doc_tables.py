@@ -1,6 +1,6 @@
 """Keep the documents' generated tables in step with their one source: the bound tables with
 :mod:`kernel.bound` (one formula everywhere), the services' option tables with their settings
-fields (:mod:`kernel.options`), the CLI's exit codes with :mod:`leasehold.output`.
+fields (:mod:`kernel.options`), the CLI's exit codes with :mod:`leasehold.commands.output`.
 
     python -m devtools.doc_tables --check   # exit 1 and name the stale tables (a unit test runs this)
     python -m devtools.doc_tables --write   # rewrite them in place (make doc-tables)
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kernel.bundle import load_bundle_file
-from leasehold.bound_report import markdown_table
+from leasehold.commands.bound_report import markdown_table
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,20 +33,20 @@ def _chaos_bundle() -> str:
 
 
 def _redis_measured() -> str:
-    from leasehold.redis_sizing import markdown_measured
+    from leasehold.commands.redis_sizing import markdown_measured
 
     return markdown_measured()
 
 
 def _redis_worked() -> str:
-    from leasehold.redis_sizing import markdown_worked
+    from leasehold.commands.redis_sizing import markdown_worked
 
     return markdown_worked()
 
 
 def _agent_options() -> str:
     from kernel.options import markdown_table
-    from region_agent.settings import ENV_PREFIX, AgentSettings
+    from region_agent.service.settings import ENV_PREFIX, AgentSettings
 
     return markdown_table(AgentSettings, ENV_PREFIX)
 
@@ -59,7 +59,7 @@ def _allocator_options() -> str:
 
 
 def _cli_exit_codes() -> str:
-    from leasehold.output import exit_code_table
+    from leasehold.commands.output import exit_code_table
 
     return exit_code_table()
 
@@ -71,7 +71,7 @@ TABLES: list[tuple[str, str, Callable[[], str]]] = [
     ("region_agent/README.md", "agent-options", _agent_options),
     ("allocator/README.md", "allocator-options", _allocator_options),
     ("docs/cli.md", "cli-exit-codes", _cli_exit_codes),
-    ("docs/capacity.md", "redis-measured", _redis_measured),  # leasehold/redis_measured.json, from make bench
+    ("docs/capacity.md", "redis-measured", _redis_measured),  # leasehold/commands/redis_measured.json, from make bench
     ("docs/capacity.md", "redis-sizing", _redis_worked),
 ]
 

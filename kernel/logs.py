@@ -4,10 +4,10 @@ object per line, for a log pipeline), one schema for every logger, uvicorn's inc
 ``time`` (UTC, ISO 8601 with milliseconds), ``level``, ``logger``, ``message``; and when the line
 is about one decision or request, ``decision_id`` / ``request_id`` (from the call's ``extra`` or
 from the decision being traced), ``trace_id`` / ``span_id`` while a span is active
-(region_agent.tracing), ``exception`` with the traceback.
+(region_agent.service.tracing), ``exception`` with the traceback.
 
 The audit trail of privileged bypasses is not a log: it goes to its own file
-(``--audit-log``, region_agent.audit).
+(``--audit-log``, region_agent.service.audit).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Literal
 LogFormat = Literal["text", "json"]
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 ID_FIELDS = ("decision_id", "request_id", "lease_id")
-# the decision a log line is about, while one is being traced (set by region_agent.tracing)
+# the decision a log line is about, while one is being traced (set by region_agent.service.tracing)
 CURRENT_DECISION: contextvars.ContextVar[str | None] = contextvars.ContextVar("leasehold_decision", default=None)
 _trace_ids: Any = None  # set by kernel.tracing when tracing is on: () -> (trace_id, span_id) | None
 

@@ -15,12 +15,12 @@ from kernel.config import ConfigError
 from kernel.errors import PolicyError
 from kernel.signing import TrustedKeys
 
-from .settings import ENV_PREFIX, AgentSettings, load_agent_settings, resolve_pepper
+from .service.settings import ENV_PREFIX, AgentSettings, load_agent_settings, resolve_pepper
 
 
 def app_factory():
     """Used by uvicorn (also in each worker process): settings come from the environment."""
-    from .app import create_app
+    from .service.app import create_app
 
     settings = load_agent_settings([])
     from kernel.httpserver import quiet_request_logs

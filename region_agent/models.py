@@ -114,7 +114,7 @@ class Decision(Struct, rename="camel", omit_defaults=False):
     remaining: int | None = None
     retry_after_ms: int = 0
     fallback: bool = False
-    retry_jitter_ms: int = 0  # upward jitter to add to retryAfterMs (I5; region_agent/httpmap.py)
+    retry_jitter_ms: int = 0  # upward jitter to add to retryAfterMs (I5; region_agent/decision/httpmap.py)
     http_status: int = 200
     headers: dict[str, str] = {}
     problem: dict[str, Any] | None = None

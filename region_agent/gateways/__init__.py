@@ -8,7 +8,7 @@
   Traefik ForwardAuth): the answer is the status code.
 * :mod:`.mapping` / :mod:`.answer` — pure translation of their questions and answers.
 
-Both ask the agent's one admission (:class:`region_agent.admission.Admission`, the same as
+Both ask the agent's one admission (:class:`region_agent.decision.admission.Admission`, the same as
 ``POST /v1/admit`` and ``/v1/admit/batch``): a decision for every question, a request-id
 conflict included — the rate limit service answers it ``OVER_LIMIT``, forward auth 409. Same
 plan, keys, scripts, leases, fallbacks and decision metrics; no second decision path.
@@ -30,7 +30,7 @@ class Gateways:
         self.names = Names.from_settings(settings)
         self.metrics = GatewayMetrics(registry)
         self._state_of = state_of
-        self.admission = admission  # region_agent.admission.Admission
+        self.admission = admission  # region_agent.decision.admission.Admission
         # /v1/authz: identity from the client's verified bearer token (.bearer), when configured
         self.bearer = None
         if settings.authz_jwks:

@@ -5,7 +5,7 @@
 * :func:`authz_answer` — status, headers and body of a forward-auth answer.
 
 Both carry exactly the HTTP status semantics and headers ``/v1/admit`` computes
-(:func:`region_agent.httpmap.apply_http`): ``Retry-After`` on 429/503, and the ``RateLimit`` /
+(:func:`region_agent.decision.httpmap.apply_http`): ``Retry-After`` on 429/503, and the ``RateLimit`` /
 ``RateLimit-Policy`` fields only for an authenticated caller's own (user/key) scope.
 """
 
@@ -17,8 +17,8 @@ import msgspec
 
 from kernel.bundle import Rule
 
+from ..decision.plan import Snapshot
 from ..models import Decision
-from ..plan import Snapshot
 
 # Envoy's RateLimitResponse.RateLimit.Unit; MONTH and YEAR have no fixed length: never used
 UNIT_MS = (("SECOND", 1_000), ("MINUTE", 60_000), ("HOUR", 3_600_000), ("DAY", 86_400_000),

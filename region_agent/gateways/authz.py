@@ -10,7 +10,7 @@ sends ``X-Leasehold-Deny-Status: 403`` and gets denials as 403 with the real sta
 ``X-Leasehold-Status`` (``deploy/gateways/nginx.conf`` turns that back into 429/503).
 
 A mounted raw ASGI handler (every method, every path below ``/v1/authz``): no framework
-request machinery, which would cost as much as the decision (see :mod:`region_agent.fastpath`). It authenticates the gateway itself (the same
+request machinery, which would cost as much as the decision (see :mod:`region_agent.service.fastpath`). It authenticates the gateway itself (the same
 token table as ``/v1/admit``): ``Authorization: Bearer <token>``, or the same value in
 ``X-Leasehold-Authorization`` for gateways that forward the client's own ``Authorization``
 (Traefik). Errors are the agent's usual problem+json answers (401, 400/422, 503 while starting).

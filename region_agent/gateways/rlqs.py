@@ -51,8 +51,8 @@ from kernel.auth import TokenTable, authenticate
 from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError, Unauthorized
 
+from ..decision.plan import Snapshot
 from ..leasing import rlqs_funding as fund
-from ..plan import Snapshot
 from .mapping import BadQuestion
 from .metrics import GatewayMetrics
 from .rlqs_mapping import (

@@ -36,8 +36,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kernel.auth import TokenTable, authenticate
 from kernel.errors import LeaseholdError, Unauthorized, Unavailable, ValidationFailed
 
+from ..decision.plan import Snapshot
 from ..models import AdmitRequest, Decision
-from ..plan import Snapshot
 from .answer import rls_answer
 from .mapping import BadQuestion, Descriptor, Names, rls_questions
 from .metrics import GatewayMetrics

@@ -17,7 +17,7 @@ One :class:`FleetPools` per agent. :meth:`take` answers one request's spend of o
   from the region's fallback allowance (``fallbackPerRegion`` per allocator window, in Redis,
   ``lua/lib/pool_window.lua``); exhausted (the allocator said so): a 429 until the next window;
 * Redis itself cannot be reached: this agent's in-process allowance, ``fallbackPerRegion`` per
-  allocator window (:class:`region_agent.fallback.LocalAllowances`), or 503 for a
+  allocator window (:class:`region_agent.decision.fallback.LocalAllowances`), or 503 for a
   closed rule; the agent overloaded: shed.
 """
 
@@ -34,10 +34,10 @@ from kernel.algorithms.pool_window import MAX_SPAN
 from kernel.bundle import Pool
 from kernel.errors import LeaseholdError, Overloaded, ScriptRejected
 
-from ..call import Call, PoolTake, multi_rule_call, parse_multi_rule, parse_pool_take, pool_take_call
-from ..fallback import LocalAllowances, pool_item
-from ..keys import KeyBuilder
-from ..plan import GlobalSpend
+from ..decision.call import Call, PoolTake, multi_rule_call, parse_multi_rule, parse_pool_take, pool_take_call
+from ..decision.fallback import LocalAllowances, pool_item
+from ..decision.keys import KeyBuilder
+from ..decision.plan import GlobalSpend
 from ..store.protocol import Store
 from .book import BalanceState
 from .chunks import NO_CHUNK, ChunkLease, tokens_per_s

@@ -101,7 +101,7 @@ class LeaseManager:
     max_pending_reports: int = 10_000
     report_patience_ms: float = 120_000.0
     recorder: Recorder | None = None
-    metrics: object | None = None  # region_agent.metrics.AgentMetrics (lease_* members)
+    metrics: object | None = None  # region_agent.service.metrics.AgentMetrics (lease_* members)
     clock: AllocatorClock = field(default_factory=AllocatorClock)
     balances: dict[str, Balance] = field(default_factory=dict)
     pending_reports: deque = field(default_factory=deque)

@@ -6,7 +6,7 @@ empty while the lease manager's top-up is in flight - at cold start (the warm-up
 first request of a balance) or when demand outran the low-water mark. A request then waits for
 that top-up *once*, within its own budget, and asks again; it never waits for a top-up that was
 not started, and an answer of "exhausted" or "unreachable" is carried out at once
-(region_agent.outcome: a 429 to the next window, or the pool's fallback allowance).
+(region_agent.decision.outcome: a 429 to the next window, or the pool's fallback allowance).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class PoolDenial(NamedTuple):
     """What the lease manager says about a balance that just could not pay."""
 
     pending: asyncio.Future | None  # the top-up in flight (None: none, or already waited for)
-    balance: BalanceState  # region_agent.outcome decides with it
+    balance: BalanceState  # region_agent.decision.outcome decides with it
     retry_floor_ms: int  # a denial's hint is at least this (a top-up's round trip, or the window's end)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kernel.bundle import Bundle, Pool
 
-from ..keys import KeyBuilder
+from ..decision.keys import KeyBuilder
 
 
 def warmup_balances(bundle: Bundle, region: str) -> list[tuple[Pool, str]]:

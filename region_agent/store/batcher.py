@@ -25,7 +25,7 @@ from typing import Any
 
 from kernel.errors import AmbiguousOutcome, DeadlineExceeded, LeaseholdError, Overloaded
 
-from ..call import ScriptCall
+from ..decision.call import ScriptCall
 
 RunPipeline = Callable[[Sequence[ScriptCall]], Awaitable[list[Any]]]
 

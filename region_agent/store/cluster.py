@@ -40,7 +40,7 @@ from typing import Any
 
 from kernel.errors import AmbiguousOutcome, LeaseholdError, StoreUnavailable
 
-from ..call import ScriptCall
+from ..decision.call import ScriptCall
 from . import scripts as sc
 from .breaker import CLOSED, STATE_NAMES
 from .gateway import StoreGateway
@@ -414,7 +414,7 @@ class ClusterStore:
         await asyncio.gather(*(self._node(n).warm(connections) for n in self.map.primaries()))
 
     def info_readers(self) -> dict[str, Callable[[], Awaitable[dict[str, Any]]]]:
-        """Per primary of the map, how to read its INFO (region_agent.store_health)."""
+        """Per primary of the map, how to read its INFO (region_agent.service.store_health)."""
         return {n: self._node(n).info for n in self.map.primaries()}
 
     def shard_of(self, key: str) -> str:

@@ -9,8 +9,8 @@ from typing import Any
 
 from kernel.config import ConfigError
 
-from ..metrics import AgentMetrics
-from ..settings import AgentSettings, redis_url_with_secrets, resolve_secret
+from ..service.metrics import AgentMetrics
+from ..service.settings import AgentSettings, redis_url_with_secrets, resolve_secret
 from . import scripts as sc
 from .breaker import CircuitBreaker
 from .client import CLUSTER, SENTINEL, make_client, make_sentinel_client, parse_store_url

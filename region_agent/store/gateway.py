@@ -23,7 +23,7 @@ from kernel.errors import (
 )
 from kernel.ratelog import TransitionLog
 
-from ..call import ScriptCall
+from ..decision.call import ScriptCall
 from . import redis_internals as ri
 from . import scripts as sc
 from .batcher import Batcher
@@ -144,7 +144,7 @@ class StoreGateway:
             return False
 
     async def info(self) -> dict[str, Any]:
-        """The ``INFO`` sections store health reads, parsed by redis-py (region_agent.store_health)."""
+        """The ``INFO`` sections store health reads, parsed by redis-py (region_agent.service.store_health)."""
         return await self.client.info(*INFO_SECTIONS)
 
     def info_readers(self) -> dict[str, Any]:

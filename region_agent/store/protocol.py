@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
-from ..call import ScriptCall
+from ..decision.call import ScriptCall
 
 
 class Store(Protocol):

@@ -16,7 +16,7 @@ These are checked when this module is imported (:func:`missing`): a redis-py, hi
 release that renames one stops the agent at start with :class:`RedisInternalsChanged` naming it,
 instead of silently falling back to a slower path or misjudging the store. The upper bounds on
 ``redis`` and ``hiredis`` in pyproject.toml name the versions this was checked with;
-tests/unit/agent/test_redis_internals.py fails when one disappears.
+tests/unit/region_agent/store/test_redis_internals.py fails when one disappears.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A multi-rule call (every decision) is packed from one %-format per call shape, i
 header, ``slack_ms``, ``decision_ttl_ms`` and the rule slots are already text: only the keys, the
 member and the question are filled in. Every other call is packed by ``hiredis.pack_command``.
 Both are measured against each other in docs/decisions/0025-redis-internals-behind-one-module.md;
-tests/unit/agent/test_resp_pack.py checks both against redis-py's own packer, byte for byte.
+tests/unit/region_agent/store/test_resp_pack.py checks both against redis-py's own packer, byte for byte.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from hiredis import pack_command as _pack_command
 
-from ..call import RuleArgv
+from ..decision.call import RuleArgv
 
 __all__ = ["ASKING", "pack_evalsha", "pack_pipeline"]
 
@@ -84,7 +84,7 @@ _RULE_CALLS: dict[tuple, tuple[tuple, str]] = {}  # (sha, key count, id(rule slo
 
 
 def _pack_rule_call(sha: str, keys: Sequence[Any], argv: Any) -> str | None:
-    """A multi-rule call (``argv``: a :class:`~region_agent.call.RuleArgv`) packed from one %-format per
+    """A multi-rule call (``argv``: a :class:`~region_agent.decision.call.RuleArgv`) packed from one %-format per
     shape: the header, ``slack_ms``, ``decision_ttl_ms`` and the rule slots are already text in
     it, only the keys, the member and the question (ASCII strings) are filled in. None for
     anything else (the generic packer takes it)."""

@@ -13,8 +13,8 @@ import msgspec
 import pytest
 
 from kernel.bundle import encode_bundle, load_bundle_file, seal
-from leasehold.procs import Proc, free_port, wait_port
-from leasehold.services import agent_command
+from leasehold.local.procs import Proc, free_port, wait_port
+from leasehold.local.services import agent_command
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

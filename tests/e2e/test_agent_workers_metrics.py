@@ -12,8 +12,8 @@ import httpx
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from leasehold.procs import Proc, free_port, wait_port
-from leasehold.services import agent_command
+from leasehold.local.procs import Proc, free_port, wait_port
+from leasehold.local.services import agent_command
 
 ROOT = Path(__file__).resolve().parents[2]
 NORTHSTAR = ROOT / "policies" / "northstar.json"

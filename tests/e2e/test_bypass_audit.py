@@ -13,9 +13,9 @@ import httpx
 import msgspec
 
 from kernel.bundle import encode_bundle, load_bundle_file, seal
-from leasehold.procs import LOOPBACK, Proc, free_port, wait_http_ready
-from leasehold.services import agent_command
-from leasehold.topology import DEFAULT_POLICY
+from leasehold.local.procs import LOOPBACK, Proc, free_port, wait_http_ready
+from leasehold.local.services import agent_command
+from leasehold.local.topology import DEFAULT_POLICY
 
 CAP = 3
 PRINCIPAL = "prober-7c1e-secret-id"

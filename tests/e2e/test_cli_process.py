@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def leasehold(run_dir: Path, *argv: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     script = Path(sys.executable).with_name("leasehold")
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "leasehold.cli"]
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "leasehold.commands.cli"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_")}
     env["PYTHONPATH"] = str(ROOT)
     return subprocess.run([*cmd, "--run-dir", str(run_dir), *argv], env=env, capture_output=True, text=True,

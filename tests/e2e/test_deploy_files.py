@@ -1,7 +1,7 @@
 """deploy/: every file parses; every metric of the table
 (docs/metrics.md, generated from the code) is exported by running services, and every dashboard
 panel is backed by real series on a signed ``leasehold up`` topology. (That the dashboard and the
-alert rules name only metrics and labels of the table: tests/unit/test_metrics_doc.py.)"""
+alert rules name only metrics and labels of the table: tests/unit/devtools/test_metrics_doc.py.)"""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import httpx
 import pytest
 import yaml
 
+from devtools.metrics_doc import all_rows
 from kernel.bundle import load_bundle_file
-from leasehold.gateways import PLACEHOLDER
-from leasehold.metrics_doc import all_rows
-from leasehold.topology import LocalTopology, TopologySpec
+from leasehold.local.gateways import PLACEHOLDER
+from leasehold.local.topology import LocalTopology, TopologySpec
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -96,7 +96,7 @@ def test_every_metric_of_the_table_is_exported_by_live_services(topology):
 def test_every_dashboard_panel_is_backed_by_real_series(topology):
     """On the signed ``leasehold up`` topology, after demo traffic, every panel has at least one query
     all of whose metrics have series (and every query names only metrics of the table)."""
-    from leasehold.deploy_check import HISTOGRAM_SUFFIXES, dashboard_queries, metric_names
+    from devtools.deploy_check import HISTOGRAM_SUFFIXES, dashboard_queries, metric_names
 
     drive(topology)
     agent_url, alloc_url = topology.agent_urls["eu"][0], topology.allocator_urls[0]
@@ -149,7 +149,7 @@ def test_the_deploy_manifests_create_the_etcd_roles_with_the_script_leasehold_up
     """One definition of the etcd roles (deploy/etcd/leasehold-roles.sh): the package ships it for
     `leasehold up`, the Kubernetes Job and compose's etcd-init run it; services get only their own
     etcd user (the allocator 'allocator', agents 'agent'), never root's or the publisher's."""
-    from leasehold.procs import etcd_roles_script
+    from leasehold.local.procs import etcd_roles_script
 
     script = DEPLOY / "etcd" / "leasehold-roles.sh"
     assert etcd_roles_script().resolve() == script.resolve()

@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from leasehold.secrets import file_names, generate
+from leasehold.commands.secrets import file_names, generate
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import httpx
 
-from leasehold.procs import LOOPBACK, Proc, free_port, wait_http_ready
-from leasehold.services import agent_command
-from leasehold.topology import DEFAULT_POLICY
+from leasehold.local.procs import LOOPBACK, Proc, free_port, wait_http_ready
+from leasehold.local.services import agent_command
+from leasehold.local.topology import DEFAULT_POLICY
 
 TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 

@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from kernel.bundle import encode_bundle, load_bundle_file
-from leasehold.cli import main as cli_main
-from leasehold.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
+from leasehold.commands.cli import main as cli_main
+from leasehold.local.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
 from tests.support.waiting import wait_until as _wait_until
 
 wait_until = partial(_wait_until, within_s=30.0)  # a rollout step on a loaded machine: more than the default

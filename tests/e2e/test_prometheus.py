@@ -30,10 +30,10 @@ import yaml
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
-from leasehold.deploy_check import dashboard_queries
-from leasehold.procs import LOOPBACK, Proc, free_port, wait_port
-from leasehold.prometheus_config import render
-from leasehold.topology import LocalTopology, TopologySpec
+from devtools.deploy_check import dashboard_queries
+from leasehold.local.procs import LOOPBACK, Proc, free_port, wait_port
+from leasehold.local.prometheus_config import render
+from leasehold.local.topology import LocalTopology, TopologySpec
 
 pytestmark = pytest.mark.e2e
 D = ratelimit_pb2.RateLimitDescriptor

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from leasehold.procs import make_tls
+from leasehold.local.procs import make_tls
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,8 +117,8 @@ def test_help_gives_every_option_its_meaning_and_default(module: str):
     from kernel.options import options
 
     if module == "region_agent":
-        from region_agent.settings import ENV_PREFIX
-        from region_agent.settings import AgentSettings as cls
+        from region_agent.service.settings import ENV_PREFIX
+        from region_agent.service.settings import AgentSettings as cls
     else:
         from allocator.settings import ENV_PREFIX
         from allocator.settings import AllocatorSettings as cls

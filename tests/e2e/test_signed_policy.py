@@ -23,11 +23,11 @@ from kernel.bundle import Bundle, compute_checksum, encode_bundle, load_bundle_f
 from kernel.etcd_store import EtcdStore
 from kernel.policy_store import PolicyStore
 from kernel.signing import generate_keypair, load_private_key, sign_bundle
-from leasehold.cli import EXIT_BYPASS, EXIT_OK, EXIT_USAGE
-from leasehold.cli import main as cli_main
-from leasehold.procs import LOOPBACK, Proc, free_port, wait_port
-from leasehold.services import agent_command, allocator_command
-from leasehold.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
+from leasehold.commands.cli import EXIT_BYPASS, EXIT_OK, EXIT_USAGE
+from leasehold.commands.cli import main as cli_main
+from leasehold.local.procs import LOOPBACK, Proc, free_port, wait_port
+from leasehold.local.services import agent_command, allocator_command
+from leasehold.local.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import os
 
 import httpx
 
-from leasehold.topology import LocalTopology, TopologySpec
+from leasehold.local.topology import LocalTopology, TopologySpec
 
 
 def alive(pid: int) -> bool:

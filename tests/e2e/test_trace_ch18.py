@@ -1,5 +1,5 @@
 """The end-to-end trace of docs/invariants.md, steps 4 and 6-13, through the HTTP API of real agent processes in a real
-multi-region topology (``leasehold.topology``): etcd, two allocator processes, regions eu and us,
+multi-region topology (``leasehold.local.topology``): etcd, two allocator processes, regions eu and us,
 each with its own redis-server and two agents (gateways A and B of region eu share its Redis).
 
 The multi-region Northstar bundle (``policies/northstar-global.json``) makes P-TENANT a worldwide
@@ -18,9 +18,9 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from leasehold.topology import LocalTopology, TopologySpec
-from region_agent.keys import KeyBuilder, hash_tag
-from region_agent.settings import DEV_PEPPER
+from leasehold.local.topology import LocalTopology, TopologySpec
+from region_agent.decision.keys import KeyBuilder, hash_tag
+from region_agent.service.settings import DEV_PEPPER
 from region_agent.store.scripts import Scripts
 
 FAST_AGENT = ("--decision-budget-ms", "250", "--lease-tick-ms", "50", "--policy-poll-ms", "0",
@@ -146,7 +146,7 @@ async def test_trace_steps_4_and_6_to_13_across_regions(topo: LocalTopology):
 
             # step 9: a second later 2,000 millitokens came back: admitted, bucket 1,000
             # past the losing gateway's negative-cache entry: a bucket's hint is exact, so the
-            # denial is held for the whole 500 ms hint (region_agent/negcache.py)
+            # denial is held for the whole 500 ms hint (region_agent/decision/negcache.py)
             await asyncio.sleep(0.6)
             await set_bucket(r, U17_READ, 0, age_ms=1_000)
             d = await admit(client, b, "trace-step-9")

@@ -15,8 +15,8 @@ import pytest
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
-from leasehold.procs import LOOPBACK
-from leasehold.topology import LocalTopology, TopologySpec
+from leasehold.local.procs import LOOPBACK
+from leasehold.local.topology import LocalTopology, TopologySpec
 from tests.otlp import attrs, receiving
 
 pytestmark = pytest.mark.e2e

@@ -19,12 +19,12 @@ import httpx
 import pytest
 
 from kernel.version import __version__
-from leasehold.procs import Proc, free_port, wait_http_ready
+from leasehold.local.procs import Proc, free_port, wait_http_ready
 
 ROOT = Path(__file__).resolve().parents[2]
-DEV_ONLY = ("chaos/", "leasehold/bench/", "devtools/", "tests/")
+DEV_ONLY = ("chaos/", "bench/", "devtools/", "tests/")
 # a module of the wheel that imports a development-only package would fail on an operator's machine
-DEV_IMPORT = re.compile(r"^\s*(?:from|import)\s+(chaos|devtools|tests|leasehold\.bench)\b", re.M)
+DEV_IMPORT = re.compile(r"^\s*(?:from|import)\s+(chaos|devtools|tests|bench)\b", re.M)
 
 
 def _run(argv: list[str], **kw) -> subprocess.CompletedProcess:
@@ -68,7 +68,7 @@ def test_wheel_holds_the_product_and_no_development_code(wheel: Path):
     lua = {n for n in names if n.startswith("region_agent/lua/") and n.endswith(".lua")}
     assert len(lua) == len(list((ROOT / "lua").rglob("*.lua")))
     assert {f"kernel/policies/{p.name}" for p in (ROOT / "policies").glob("*.json")} <= set(names)
-    assert {"leasehold/cli.py", "leasehold/etcd_roles.sh", "leasehold/gateway_configs/envoy-rls.yaml",
+    assert {"leasehold/commands/cli.py", "leasehold/local/etcd_roles.sh", "leasehold/local/gateway_configs/envoy-rls.yaml",
             "region_agent/__main__.py", "allocator/__main__.py", "kernel/version.py"} <= set(names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert f"\nVersion: {__version__}\n" in meta and "\nLicense-Expression: Apache-2.0\n" in meta
@@ -84,7 +84,7 @@ def test_wheel_carries_scripts_and_samples(wheel_venv: Path):
     probe = ("import region_agent, kernel.resources as r; from region_agent.store.scripts import Scripts;"
              "s = Scripts(); print(region_agent.__file__); print(s.lua_dir); print(len(s.scripts));"
              "print(r.sample_policy('northstar-global.json').is_file());"
-             "import importlib.util as u; print([m for m in ('chaos', 'devtools', 'leasehold.bench')"
+             "import importlib.util as u; print([m for m in ('chaos', 'devtools', 'bench')"
              " if u.find_spec(m.split('.')[0]) and u.find_spec(m)])")
     lines = _run([py, "-c", probe], cwd="/", env=_clean_env()).stdout.splitlines()
     site = str(wheel_venv)

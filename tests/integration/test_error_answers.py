@@ -38,8 +38,8 @@ from kernel.errors import (
     UnsupportedMediaType,
     ValidationFailed,
 )
-from leasehold.procs import EtcdCluster
-from region_agent.app import create_app as create_agent
+from leasehold.local.procs import EtcdCluster
+from region_agent.service.app import create_app as create_agent
 
 from .agent.conftest import PEPPER, admit_body, make_settings
 from .agent.conftest import northstar as northstar_bundle

@@ -14,7 +14,7 @@
 #   root                  root        etcd's own administrator (used only by this script)
 #
 # `leasehold policy publish` uses the publisher; the allocator cannot publish a bundle and the
-# agents cannot write anything. Used by `leasehold up` (leasehold/topology.py runs this file),
+# agents cannot write anything. Used by `leasehold up` (leasehold/local/topology.py runs this file),
 # deploy/docker-compose.yml (service etcd-init) and deploy/k8s/etcd-roles-job.yaml.
 #
 # Environment: ETCDCTL_ENDPOINTS (and ETCDCTL_CACERT/CERT/KEY for TLS: etcdctl reads them),

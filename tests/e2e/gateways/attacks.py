@@ -14,7 +14,7 @@ import time
 import httpx
 from redis import Redis
 
-from leasehold.devjwt import DevIssuer
+from leasehold.local.devjwt import DevIssuer
 
 from .conftest import KEYS, Stack, assert_p_read, identity, wait_early_in_window
 

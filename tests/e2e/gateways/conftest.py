@@ -4,7 +4,7 @@ configured from the files under ``deploy/gateways/`` (only ports, hosts, the gat
 the identity provider's JWKS file, issuer and audience are filled in). One stack per test
 module; every process is stopped by PID.
 
-Clients hold bearer tokens of a development identity provider (:class:`leasehold.devjwt.DevIssuer`,
+Clients hold bearer tokens of a development identity provider (:class:`leasehold.local.devjwt.DevIssuer`,
 one key pair per test session): :func:`identity` is the ``Authorization`` header of a user."""
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import httpx
 import pytest
 from redis import Redis
 
-from leasehold.devjwt import DevIssuer
-from leasehold.gateways import Envoy, Nginx, Traefik, render, tracing_values, upstream
-from leasehold.procs import LOOPBACK, Proc, RedisServer, free_port, wait_http_ready, wait_port
-from leasehold.services import agent_command
-from region_agent.keys import KeyBuilder
-from region_agent.settings import DEV_PEPPER
+from leasehold.local.devjwt import DevIssuer
+from leasehold.local.gateways import Envoy, Nginx, Traefik, render, tracing_values, upstream
+from leasehold.local.procs import LOOPBACK, Proc, RedisServer, free_port, wait_http_ready, wait_port
+from leasehold.local.services import agent_command
+from region_agent.decision.keys import KeyBuilder
+from region_agent.service.settings import DEV_PEPPER
 
 ROOT = Path(__file__).resolve().parents[3]
 NORTHSTAR = ROOT / "policies" / "northstar.json"

@@ -17,8 +17,8 @@ import httpx
 import pytest
 import yaml
 
-from leasehold.gateways import Envoy, render
-from leasehold.procs import LOOPBACK, free_port
+from leasehold.local.gateways import Envoy, render
+from leasehold.local.procs import LOOPBACK, free_port
 
 from .conftest import ROOT, Stack, identity
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from leasehold.gateways import Envoy, render
-from leasehold.procs import LOOPBACK, free_port
+from leasehold.local.gateways import Envoy, render
+from leasehold.local.procs import LOOPBACK, free_port
 
 from . import attacks
 from .conftest import Stack, assert_p_read, identity, wait_early_in_window

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from leasehold.gateways import Envoy, render, tracing_values, upstream
-from leasehold.procs import LOOPBACK, Proc, free_port
-from leasehold.topology import LocalTopology, TopologySpec
+from leasehold.local.gateways import Envoy, render, tracing_values, upstream
+from leasehold.local.procs import LOOPBACK, Proc, free_port
+from leasehold.local.topology import LocalTopology, TopologySpec
 
 from .conftest import ISSUER, identity, wait_early_in_window
 

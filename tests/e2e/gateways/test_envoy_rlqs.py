@@ -24,9 +24,9 @@ import pytest
 from redis import Redis
 
 from kernel.bound import RlqsShape, envoy_fallback_tokens, rlqs_term
-from leasehold.gateways import Envoy, render
-from leasehold.procs import LOOPBACK, Proc, free_port, wait_http_ready, wait_port
-from leasehold.services import agent_command
+from leasehold.local.gateways import Envoy, render
+from leasehold.local.procs import LOOPBACK, Proc, free_port, wait_http_ready, wait_port
+from leasehold.local.services import agent_command
 
 from . import attacks
 from .conftest import KEYS, ROOT, Stack, identity

@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from kernel.bound import RlqsShape, envoy_fallback_tokens, rlqs_term
-from leasehold.gateways import Envoy, render, upstream
-from leasehold.procs import LOOPBACK, Proc, free_port
-from leasehold.topology import LocalTopology, TopologySpec
+from leasehold.local.gateways import Envoy, render, upstream
+from leasehold.local.procs import LOOPBACK, Proc, free_port
+from leasehold.local.topology import LocalTopology, TopologySpec
 
 from .conftest import ISSUER, identity, wait_early_in_window
 from .test_envoy_global import AGENT_ARGS, Sent

@@ -10,7 +10,7 @@ the allocator export to as well).
 * The edge starts every trace and makes the one sampling decision: a client's ``traceparent``,
   ``tracestate``, ``x-client-trace-id`` or ``x-envoy-force-trace`` neither joins its trace nor
   forces one to be sampled.
-* Without a collector (the sampling share 0, what :func:`leasehold.gateways.tracing_values` fills
+* Without a collector (the sampling share 0, what :func:`leasehold.local.gateways.tracing_values` fills
   by default): nothing is exported, the collector's address is never dialled, and the agent,
   following Envoy's unsampled flag, records nothing either.
 """
@@ -26,9 +26,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from leasehold.gateways import Envoy, render, tracing_values, upstream
-from leasehold.procs import LOOPBACK, Proc, free_port
-from leasehold.topology import LocalTopology, TopologySpec
+from leasehold.local.gateways import Envoy, render, tracing_values, upstream
+from leasehold.local.procs import LOOPBACK, Proc, free_port
+from leasehold.local.topology import LocalTopology, TopologySpec
 from tests.otlp import Receiver, attrs, receiving
 
 from .conftest import ISSUER, identity

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from leasehold.gateways import Nginx
+from leasehold.local.gateways import Nginx
 
 from . import attacks
 from .conftest import Stack, assert_p_read, identity

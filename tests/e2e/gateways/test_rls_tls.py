@@ -17,8 +17,8 @@ from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from leasehold.gateways import PLACEHOLDER, Envoy, render
-from leasehold.procs import LOOPBACK, TlsFiles, free_port, make_tls
+from leasehold.local.gateways import PLACEHOLDER, Envoy, render
+from leasehold.local.procs import LOOPBACK, TlsFiles, free_port, make_tls
 
 from .conftest import ROOT, Stack, assert_p_read, identity
 

@@ -19,8 +19,8 @@ import pytest
 from redis import Redis
 
 from kernel.bundle import encode_bundle, load_bundle_file, seal
-from leasehold.devjwt import DevIssuer
-from leasehold.gateways import Envoy, Nginx
+from leasehold.local.devjwt import DevIssuer
+from leasehold.local.gateways import Envoy, Nginx
 
 from .attacks import keys, tokens, user_key
 from .conftest import KEYS, NORTHSTAR, Stack, identity, wait_early_in_window

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from leasehold.gateways import Traefik
+from leasehold.local.gateways import Traefik
 
 from . import attacks
 from .conftest import Stack, identity

@@ -8,7 +8,7 @@ import pytest
 
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
-from leasehold.procs import EtcdCluster
+from leasehold.local.procs import EtcdCluster
 
 from .helpers import unique_prefix, write_bundle
 

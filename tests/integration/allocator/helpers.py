@@ -22,8 +22,8 @@ from allocator.records import GrantRecord
 from allocator.settings import AllocatorSettings
 from kernel.bundle import Bundle, Pool, encode_bundle, seal
 from kernel.etcd_store import EtcdStore, TxnBuilder
-from leasehold.procs import LOOPBACK, EtcdCluster, Proc, free_port, wait_port
-from leasehold.services import allocator_command
+from leasehold.local.procs import LOOPBACK, EtcdCluster, Proc, free_port, wait_port
+from leasehold.local.services import allocator_command
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
-from leasehold.procs import EtcdCluster
+from leasehold.local.procs import EtcdCluster
 
 from .conftest import TestClock
 from .helpers import etcd_windows, in_process, lease_body, settings_for, unique_prefix

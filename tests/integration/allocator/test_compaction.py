@@ -14,7 +14,7 @@ from allocator.compaction import CompactionRecord
 from kernel.bundle import Bundle, Pool, encode_bundle, seal
 from kernel.etcd_store import EtcdStore
 from kernel.policy_store import PolicyStore
-from leasehold.procs import EtcdCluster
+from leasehold.local.procs import EtcdCluster
 
 from .conftest import TestClock, W
 from .helpers import in_process, lease_body, settings_for, unique_prefix, wait_until

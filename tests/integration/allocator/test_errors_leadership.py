@@ -5,7 +5,7 @@ from __future__ import annotations
 from allocator.settings import AllocatorSettings
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
-from leasehold.procs import EtcdCluster
+from leasehold.local.procs import EtcdCluster
 
 from .conftest import TestClock, W
 from .helpers import etcd_grants, etcd_windows, in_process, lease_body, settings_for, usurp, wait_until

@@ -11,7 +11,7 @@ import pytest
 
 from kernel.errors import StoreUnavailable
 from kernel.etcd_store import EtcdLeaseMissing, EtcdStore, EtcdTxnTooLarge, TxnBuilder, prefix_range_end
-from leasehold.procs import EtcdCluster, free_port
+from leasehold.local.procs import EtcdCluster, free_port
 
 from .helpers import unique_prefix
 

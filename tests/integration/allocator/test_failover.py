@@ -14,7 +14,7 @@ import pytest
 
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
-from leasehold.procs import EtcdCluster
+from leasehold.local.procs import EtcdCluster
 from tests.wallclock import clear_of_window_edges
 
 from .conftest import W

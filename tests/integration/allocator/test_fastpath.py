@@ -12,7 +12,7 @@ from litestar.testing import AsyncTestClient
 from allocator import fastpath
 from allocator.app import create_app
 from kernel.bundle import Pool
-from leasehold.procs import EtcdCluster
+from leasehold.local.procs import EtcdCluster
 
 from .conftest import TestClock, W
 from .helpers import lease_body, settings_for, unique_prefix, wait_until

@@ -10,7 +10,7 @@ import httpx
 
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
-from leasehold.procs import EtcdCluster
+from leasehold.local.procs import EtcdCluster
 
 from .conftest import TestClock, W
 from .helpers import (

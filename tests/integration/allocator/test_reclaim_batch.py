@@ -10,7 +10,7 @@ import pytest
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from kernel.wire import LeaseError, LeaseGrant, LeaseRequest, UsageReport
-from leasehold.procs import EtcdCluster
+from leasehold.local.procs import EtcdCluster
 from region_agent.leasing.client import AllocatorClient
 
 from .conftest import TestClock, W

@@ -18,7 +18,7 @@ from allocator.shards import assignment
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from kernel.shards import shard_of
-from leasehold.procs import EtcdCluster
+from leasehold.local.procs import EtcdCluster
 
 from .conftest import W
 from .helpers import etcd_grants, etcd_windows, lease_body, settings_for, usurp, wait_until

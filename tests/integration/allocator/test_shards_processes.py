@@ -25,7 +25,7 @@ from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from kernel.shards import shard_of
 from kernel.wire import LeaseRequest, UsageReceipt, UsageReport
-from leasehold.procs import EtcdCluster
+from leasehold.local.procs import EtcdCluster
 from region_agent.leasing.client import AllocatorClient
 
 from .helpers import AllocatorProcess, etcd_grants, lease_body, wait_until

@@ -1,4 +1,4 @@
-"""The "redis" bench figure's workloads (leasehold/bench/fig_redis.py) on a real redis-server: every
+"""The "redis" bench figure's workloads (bench/fig_redis.py) on a real redis-server: every
 script call it measures, and every key it writes for the memory measurement, is a real execution
 (no error reply) — a figure of error replies would measure nothing."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import redis
 
-from leasehold.bench import fig_redis as fig
+from bench import fig_redis as fig
 from region_agent.store import scripts as sc
 
 

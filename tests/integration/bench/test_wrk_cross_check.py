@@ -1,5 +1,5 @@
-"""Figure 2's cross-check client (leasehold/bench/wrk.py) against the raw ASGI echo
-(leasehold/bench/raw_echo.py), both real processes: every body the Lua script builds decodes
+"""Figure 2's cross-check client (bench/wrk.py) against the raw ASGI echo
+(bench/raw_echo.py), both real processes: every body the Lua script builds decodes
 strictly into an AdmitRequest (the echo answers 400 otherwise, which wrk counts as non-2xx), and
 the echo's answer is the same request encoded again."""
 
@@ -10,9 +10,9 @@ import sys
 
 import httpx
 
-from leasehold.bench import raw_echo, wrk
-from leasehold.bench.workloads import MIX, admit_item
-from leasehold.procs import Proc, free_port, wait_port
+from bench import raw_echo, wrk
+from bench.workloads import MIX, admit_item
+from leasehold.local.procs import Proc, free_port, wait_port
 
 
 def test_wrk_bodies_are_admission_requests_the_raw_echo_accepts(tmp_path):

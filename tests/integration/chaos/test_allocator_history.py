@@ -23,8 +23,8 @@ from chaos.lease_driver import LeaseDriver
 from chaos.nemesis import EtcdMemberIsolate, Kill, Partition, Schedule, Step, port_ready
 from chaos.proxy import FaultProxy
 from kernel.bundle import Bundle, Pool, encode_bundle, seal
-from leasehold.procs import LOOPBACK, EtcdCluster, Proc, free_port, wait_port
-from leasehold.services import allocator_command
+from leasehold.local.procs import LOOPBACK, EtcdCluster, Proc, free_port, wait_port
+from leasehold.local.services import allocator_command
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ from chaos.etcd_records import read_back
 from chaos.history import EtcdGrant, EtcdWindow, HistoryError, Leader, grant_from_wire
 from kernel.bundle import Pool
 from kernel.wire import LeaseGrant, WindowRef
-from leasehold.procs import EtcdCluster
+from leasehold.local.procs import EtcdCluster
 
 pytestmark = pytest.mark.integration
 POOL = Pool(id="p-global", window_ms=10_000, limit=100, chunk_max=60)

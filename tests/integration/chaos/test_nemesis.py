@@ -26,7 +26,7 @@ from chaos.nemesis import (
     port_ready,
 )
 from chaos.proxy import FaultProxy
-from leasehold.procs import LOOPBACK, RedisServer
+from leasehold.local.procs import LOOPBACK, RedisServer
 
 pytestmark = pytest.mark.integration
 

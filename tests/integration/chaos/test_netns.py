@@ -15,7 +15,7 @@ import pytest
 
 from chaos.nemesis import EtcdMemberIsolate, faketime_env, faketime_prefix
 from chaos.netns import NetnsPair, leftover_rules, owned_namespaces
-from leasehold.procs import EtcdCluster, Proc
+from leasehold.local.procs import EtcdCluster, Proc
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from chaos.proxy import FaultProxy, ProxyProcess
 from kernel.errors import BadRequest
-from leasehold.procs import LOOPBACK, RedisServer
+from leasehold.local.procs import LOOPBACK, RedisServer
 
 pytestmark = pytest.mark.integration
 

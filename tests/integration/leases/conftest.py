@@ -1,5 +1,5 @@
 """Lease and degradation tests against whole real topologies: etcd, allocator processes, and
-two regions each with its own redis-server and region agent process (``leasehold.topology``).
+two regions each with its own redis-server and region agent process (``leasehold.local.topology``).
 
 Bundles here use short pool windows (seconds) so a test sees several windows quickly. Every
 admission is recorded with the wall-clock times it was sent and answered: the allocator's
@@ -26,9 +26,9 @@ from allocator.allocation import WindowState
 from allocator.records import GrantRecord
 from kernel.bundle import Bundle, Fallback, Pool, Rule, encode_bundle, make_rule, seal
 from kernel.etcd_store import EtcdStore
-from leasehold.procs import Proc
-from leasehold.services import agent_command
-from leasehold.topology import LocalTopology, TopologySpec
+from leasehold.local.procs import Proc
+from leasehold.local.services import agent_command
+from leasehold.local.topology import LocalTopology, TopologySpec
 
 PREFIX = "/leasehold/"  # the allocator's default etcd prefix
 FAST_AGENT = ("--lease-tick-ms", "50", "--allocator-timeout-ms", "300", "--allocator-deadline-ms", "900",
@@ -256,14 +256,14 @@ class ProxiedRegion:
 
     def stop(self) -> None:
         self.region.stop()
-        self.proxy.stop()  # type: ignore[attr-defined]  # the proxy is a leasehold.procs process, typed object here
+        self.proxy.stop()  # type: ignore[attr-defined]  # the proxy is a leasehold.local.procs process, typed object here
         self.allocators.stop()
 
 
 def start_proxied_region(run_dir: Path, policy: Path, *, agents: int = 1, agent_args: tuple[str, ...] = (),
                          fast: tuple[str, ...] = FAST_AGENT, latency_ms: float = 0.0) -> ProxiedRegion:
     from chaos.proxy import ProxyProcess
-    from leasehold.procs import LOOPBACK
+    from leasehold.local.procs import LOOPBACK
 
     allocs = LocalTopology(TopologySpec(run_dir=run_dir / "alloc", policy=policy, regions=(), allocators=1,
                                    allocator_args=FAST_ALLOCATOR)).start(timeout=60)
@@ -298,8 +298,8 @@ def start_agent(workdir: Path, policy: Path, redis_url: str, allocator_url: str 
                 fast: tuple[str, ...] = FAST_AGENT, env: dict[str, str] | None = None) -> tuple[Proc, str]:
     """One region agent process of region ``eu``; returns (process, base URL) once it is ready."""
 
-    from leasehold.procs import LOOPBACK, free_port, wait_http_ready
-    from leasehold.topology import DEV_PEPPER, _env
+    from leasehold.local.procs import LOOPBACK, free_port, wait_http_ready
+    from leasehold.local.topology import DEV_PEPPER, _env
 
     port = free_port()
     args = agent_command(*fast, *extra, redis_url=redis_url, policy=policy, region="eu", host=LOOPBACK, port=port,
@@ -321,7 +321,7 @@ async def spendable(redis_url: str, tenant: str, pool: str, for_ms: int = 600) -
     reads it) in leases that stay valid ``for_ms`` more."""
     from redis.asyncio import Redis
 
-    from region_agent.keys import KeyBuilder
+    from region_agent.decision.keys import KeyBuilder
     from region_agent.store.scripts import Scripts
 
     r = Redis.from_url(redis_url)

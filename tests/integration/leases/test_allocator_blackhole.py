@@ -16,9 +16,9 @@ import pytest
 
 from chaos.proxy import ProxyProcess
 from kernel.bundle import Pool
-from leasehold.procs import LOOPBACK, Proc, free_port, wait_port
-from leasehold.services import agent_command
-from leasehold.topology import DEV_PEPPER, _env
+from leasehold.local.procs import LOOPBACK, Proc, free_port, wait_port
+from leasehold.local.services import agent_command
+from leasehold.local.topology import DEV_PEPPER, _env
 
 from .conftest import (
     FAST_AGENT,

@@ -25,7 +25,7 @@ import pytest
 from redis.asyncio import Redis
 
 from kernel.bundle import Pool, Rule, make_rule
-from region_agent.keys import KeyBuilder
+from region_agent.decision.keys import KeyBuilder
 from region_agent.store.scripts import Scripts
 
 from .conftest import (

@@ -17,8 +17,8 @@ import pytest
 from chaos.nemesis import faketime_env
 from chaos.proxy import ProxyProcess
 from kernel.bundle import Pool
-from leasehold.procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_http_ready
-from leasehold.services import allocator_command
+from leasehold.local.procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_http_ready
+from leasehold.local.services import allocator_command
 
 from .conftest import (
     FAST_ALLOCATOR,

@@ -19,8 +19,8 @@ from chaos.proxy import ProxyProcess
 from kernel.bundle import Pool
 from kernel.errors import StaleEpoch
 from kernel.wire import LeaseRequest
-from leasehold.procs import LOOPBACK
-from region_agent.keys import KeyBuilder
+from leasehold.local.procs import LOOPBACK
+from region_agent.decision.keys import KeyBuilder
 from region_agent.leasing.book import PoolBook
 from region_agent.leasing.client import AllocatorClient
 from region_agent.leasing.manager import LeaseManager

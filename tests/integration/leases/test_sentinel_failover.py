@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from kernel.bundle import Pool
-from leasehold.procs import RedisSentinels
+from leasehold.local.procs import RedisSentinels
 
 from .conftest import (
     Record,

@@ -13,7 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from kernel.bundle import Pool
-from region_agent.keys import KeyBuilder
+from region_agent.decision.keys import KeyBuilder
 
 from .conftest import (
     admit,

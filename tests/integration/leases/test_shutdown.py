@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kernel.bundle import Pool
-from leasehold.topology import LocalTopology, TopologySpec
+from leasehold.local.topology import LocalTopology, TopologySpec
 
 from .conftest import (
     admit_body,

@@ -17,7 +17,13 @@ from kernel.algorithms.pool_window import PoolWindowState
 from kernel.algorithms.sliding_counter import SlidingCounterState
 from kernel.algorithms.sliding_log import SlidingLogState
 from kernel.algorithms.token_bucket import TokenBucketState
-from region_agent.call import MultiRuleResult, PoolTake, parse_multi_rule, parse_pool_take, pool_take_call
+from region_agent.decision.call import (
+    MultiRuleResult,
+    PoolTake,
+    parse_multi_rule,
+    parse_pool_take,
+    pool_take_call,
+)
 from region_agent.store.scripts import Scripts
 
 

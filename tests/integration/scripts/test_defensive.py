@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kernel.errors import ScriptRejected
-from region_agent.call import Call, MultiRuleResult, multi_rule_argv
+from region_agent.decision.call import Call, MultiRuleResult, multi_rule_argv
 
 from .support import now_ms
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
-from leasehold.procs import RedisServer
-from region_agent.call import Call, multi_rule_argv
+from leasehold.local.procs import RedisServer
+from region_agent.decision.call import Call, multi_rule_argv
 
 from .support import ScriptCalls
 

@@ -19,7 +19,7 @@ from kernel.algorithms.fixed_window import WindowParams
 from kernel.algorithms.gcra import GcraState
 from kernel.algorithms.sliding_counter import SlidingCounterState
 from kernel.algorithms.token_bucket import TokenBucketParams, TokenBucketState
-from region_agent.call import Call, MultiRuleResult, multi_rule_argv
+from region_agent.decision.call import Call, MultiRuleResult, multi_rule_argv
 
 from .support import now_ms
 

@@ -11,8 +11,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from kernel.errors import AmbiguousOutcome, ScriptRejected, StoreUnavailable
-from leasehold.procs import free_port
-from region_agent.call import Call, MultiRuleResult, multi_rule_argv
+from leasehold.local.procs import free_port
+from region_agent.decision.call import Call, MultiRuleResult, multi_rule_argv
 from region_agent.store.scripts import KeysNotColocated, PoolClosed, Scripts
 
 from .support import now_ms

@@ -18,11 +18,11 @@ import httpx
 import pytest
 
 from kernel.bundle import Pool
-from leasehold.procs import Proc, RedisServer, free_port, wait_port
-from leasehold.services import agent_command, allocator_command
-from tests.integration.agent.conftest import NORTHSTAR, ROOT
+from leasehold.local.procs import Proc, RedisServer, free_port, wait_port
+from leasehold.local.services import agent_command, allocator_command
 from tests.integration.allocator.helpers import unique_prefix
 from tests.integration.allocator.helpers import write_bundle as write_pools
+from tests.integration.region_agent.conftest import NORTHSTAR, ROOT
 
 TOKEN = secrets.token_urlsafe(24)
 DIGEST = hashlib.sha256(TOKEN.encode()).hexdigest()

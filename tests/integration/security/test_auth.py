@@ -23,12 +23,12 @@ from kernel.auth import TokenTable
 from kernel.bundle import Pool, encode_bundle, load_bundle_file, seal
 from kernel.config import ConfigError
 from kernel.etcd_store import EtcdStore
-from leasehold.cli import main as cli_main
-from leasehold.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
-from region_agent.app import create_app
-from tests.integration.agent.conftest import PEPPER, admit_body, make_settings
+from leasehold.commands.cli import main as cli_main
+from leasehold.local.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
+from region_agent.service.app import create_app
 from tests.integration.allocator.helpers import in_process, lease_body, settings_for, unique_prefix
 from tests.integration.allocator.helpers import write_bundle as write_pools
+from tests.integration.region_agent.conftest import PEPPER, admit_body, make_settings
 
 EU, US = "eu-token-0123456789abcdef", "us-token-fedcba9876543210"
 GATEWAY, OPERATOR = "gw-token-aaaaaaaaaaaaaaaa", "op-token-bbbbbbbbbbbbbbbb"

@@ -22,8 +22,8 @@ from kernel.bundle import Bundle, Pool, encode_bundle, load_bundle_file, seal
 from kernel.errors import LeaseholdError
 from kernel.etcd_store import EtcdStore, TxnBuilder
 from kernel.etcd_tls import link_credentials
-from leasehold.procs import LOOPBACK, EtcdCluster, Proc, TlsFiles, free_port, make_tls, wait_port
-from leasehold.services import agent_command, allocator_command
+from leasehold.local.procs import LOOPBACK, EtcdCluster, Proc, TlsFiles, free_port, make_tls, wait_port
+from leasehold.local.services import agent_command, allocator_command
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -111,7 +111,7 @@ def test_allocator_grants_through_an_mtls_etcd(mtls_etcd: EtcdCluster, pki, tmp_
 
 def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     script = Path(sys.executable).with_name("leasehold")
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "leasehold.cli"]
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "leasehold.commands.cli"]
     base = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_")}
     return subprocess.run([*cmd, *argv], env={**base, "PYTHONPATH": str(ROOT), **(env or {})}, capture_output=True,
                           text=True, timeout=60)

@@ -24,8 +24,8 @@ from kernel.bundle import Pool, encode_bundle, load_bundle_file, seal
 from kernel.errors import LeaseholdError
 from kernel.etcd_store import EtcdStore
 from kernel.policy_store import PolicyStore, SigningMarker
-from leasehold.cli import main as cli_main
-from leasehold.procs import (
+from leasehold.commands.cli import main as cli_main
+from leasehold.local.procs import (
     ETCD_USERS,
     EtcdCluster,
     Proc,
@@ -35,14 +35,14 @@ from leasehold.procs import (
     make_tls,
     wait_port,
 )
-from leasehold.services import agent_command
-from leasehold.topology import DEFAULT_POLICY, DEV_PEPPER
-from region_agent.app import create_app
-from region_agent.keys import KeyBuilder
-from region_agent.settings import DEV_PEPPER as AGENT_DEV_PEPPER
-from tests.integration.agent.conftest import PEPPER, ROOT, admit_body, make_settings
+from leasehold.local.services import agent_command
+from leasehold.local.topology import DEFAULT_POLICY, DEV_PEPPER
+from region_agent.decision.keys import KeyBuilder
+from region_agent.service.app import create_app
+from region_agent.service.settings import DEV_PEPPER as AGENT_DEV_PEPPER
 from tests.integration.allocator.helpers import in_process, lease_body, settings_for, wait_until
 from tests.integration.allocator.helpers import write_bundle as write_pools
+from tests.integration.region_agent.conftest import PEPPER, ROOT, admit_body, make_settings
 
 AGENT_PW = secrets.token_urlsafe(16)
 ADMIN_PW = secrets.token_urlsafe(16)

@@ -19,10 +19,16 @@ from pathlib import Path
 from litestar.testing import AsyncTestClient
 from redis.asyncio import Redis
 
-from region_agent.app import create_app
-from region_agent.keys import KeyBuilder
-from tests.integration.agent.conftest import admit_json, make_settings, set_bucket, tenant_key, write_bundle
-from tests.integration.agent.conftest import northstar as northstar_bundle
+from region_agent.decision.keys import KeyBuilder
+from region_agent.service.app import create_app
+from tests.integration.region_agent.conftest import (
+    admit_json,
+    make_settings,
+    set_bucket,
+    tenant_key,
+    write_bundle,
+)
+from tests.integration.region_agent.conftest import northstar as northstar_bundle
 
 P1, P2 = b"pepper-one-0123456789abcdef", b"pepper-two-0123456789abcdef"
 

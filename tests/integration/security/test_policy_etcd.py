@@ -16,10 +16,10 @@ from kernel.bundle import Bundle, Rule, encode_bundle, make_rule, seal
 from kernel.errors import Conflict, PolicyError, StaleVersion
 from kernel.etcd_store import EtcdStore
 from kernel.policy_store import PolicyStore, Stored, policy_key
-from leasehold.cli import main as cli_main
-from leasehold.procs import free_port
-from region_agent.app import create_app
-from tests.integration.agent.conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
+from leasehold.commands.cli import main as cli_main
+from leasehold.local.procs import free_port
+from region_agent.service.app import create_app
+from tests.integration.region_agent.conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
 from tests.support.waiting import await_until
 
 
@@ -233,7 +233,7 @@ def test_policy_key_layout():
 async def test_etcd_lost_after_a_publish_keeps_it_then_revokes(redis_url, policy_file, tmp_path, prefix):
     """Publish v+1 (maxAgeMs 1.5 s, Atlas's rule revocable), the agent follows; etcd dies: v+1 keeps
     serving, and once the snapshot is older than maxAgeMs only the revocable rule turns to 503."""
-    from leasehold.procs import EtcdCluster
+    from leasehold.local.procs import EtcdCluster
 
     base = northstar()
     cluster = EtcdCluster(tmp_path / "etcd-1", members=1).start()

@@ -7,9 +7,9 @@ from __future__ import annotations
 import redis
 from litestar.testing import AsyncTestClient
 
-from region_agent.app import create_app
-from region_agent.preauth import NewKeyCap
-from tests.integration.agent.conftest import PEPPER, admit_body, make_settings, northstar
+from region_agent.decision.preauth import NewKeyCap
+from region_agent.service.app import create_app
+from tests.integration.region_agent.conftest import PEPPER, admit_body, make_settings, northstar
 
 
 def failed_login(i: int, ip: str = "203.0.113.7") -> dict:

@@ -6,7 +6,7 @@ import pytest
 from redis import exceptions as rex
 
 from kernel.errors import AmbiguousOutcome, DecisionConflict, ScriptRejected, StoreUnavailable
-from region_agent.call import Call, multi_rule_argv, parse_multi_rule
+from region_agent.decision.call import Call, multi_rule_argv, parse_multi_rule
 from region_agent.store.lua_loader import expand_includes
 from region_agent.store.scripts import KeysNotColocated, Scripts, translate_redis_error
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from leasehold.bench.capacity import (
+from bench.capacity import (
     leases_per_s,
     leases_per_ttl,
     main,

@@ -7,8 +7,8 @@ import re
 
 import yaml
 
-from leasehold.bench.fig_gateways import RLQS_OFF, filter_off
-from leasehold.gateways import GATEWAY_DIR, render
+from bench.fig_gateways import RLQS_OFF, filter_off
+from leasehold.local.gateways import GATEWAY_DIR, render
 
 
 def http_filters(config: str) -> list[str]:

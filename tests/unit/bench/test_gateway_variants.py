@@ -1,4 +1,4 @@
-"""Figure 8's "no check" variants of the shipped gateway configs (leasehold/bench/fig_gateways.py):
+"""Figure 8's "no check" variants of the shipped gateway configs (bench/fig_gateways.py):
 exactly the check is removed, everything else of the file stays."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import re
 
 import yaml
 
-from leasehold.bench.fig_gateways import auth_request_off, filter_off
-from leasehold.gateways import render
+from bench.fig_gateways import auth_request_off, filter_off
+from leasehold.local.gateways import render
 
 VALUES = {"ENVOY_LISTEN_HOST": "127.0.0.1", "ENVOY_PORT": 1, "ENVOY_ADMIN_PORT": 2, "AGENT_HOST": "127.0.0.1",
           "AGENT_RLS_PORT": 3, "AGENT_HTTP_PORT": 4, "UPSTREAM_HOST": "127.0.0.1", "UPSTREAM_PORT": 5,
@@ -24,7 +24,7 @@ def _filters(config: str) -> list[str]:
 
 
 def _render(name: str) -> str:
-    from leasehold.gateways import tracing_values
+    from leasehold.local.gateways import tracing_values
     return render(name, **{**VALUES, **tracing_values()})
 
 

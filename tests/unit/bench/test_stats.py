@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from leasehold.bench.__main__ import parse_only
-from leasehold.bench.fig_util import per_window, pool_rows
-from leasehold.bench.stats import Goal, Row, median, percentile, ratio, render_markdown, render_text
-from leasehold.bench.workloads import admit_batch, admit_item, lease_batch
+from bench.__main__ import parse_only
+from bench.fig_util import per_window, pool_rows
+from bench.stats import Goal, Row, median, percentile, ratio, render_markdown, render_text
+from bench.workloads import admit_batch, admit_item, lease_batch
 
 
 def test_percentile_interpolates_and_checks_input():
@@ -94,8 +94,8 @@ def test_figure_6_judges_each_window_with_the_chaos_checkers_check():
 
 
 def test_figure_6_bundle_has_a_tenant_and_a_global_scope_pool():
+    from bench.fig_util import util_bundle
     from kernel.bundle import select_rules
-    from leasehold.bench.fig_util import util_bundle
 
     b = util_bundle(2_000)  # validated as it is built
     assert {p.id for p in b.pools} == {"util", "util-g"}
@@ -108,7 +108,7 @@ def test_figure_6_bundle_has_a_tenant_and_a_global_scope_pool():
 def test_global_admit_workload_spends_the_global_pool_from_many_tenants():
     from msgspec import convert
 
-    from leasehold.bench.workloads import WORKLOADS
+    from bench.workloads import WORKLOADS
     from region_agent.models import AdmitRequest
 
     body = WORKLOADS["global_admit"](tenants=10, tag="g")
@@ -125,7 +125,7 @@ def test_only_option():
 
 
 def test_bounds_name_the_saturated_process():
-    from leasehold.bench.bounds import explain
+    from bench.bounds import explain
 
     row = Row("1", "batch", 12_000, "decisions/s", ceiling=60_000, goal=Goal(">=", 0.4), extra={
         "cpu_us_per_decision": [{"agent": 80.0, "redis": 9.0}] * 3,

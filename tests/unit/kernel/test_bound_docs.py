@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from devtools import doc_tables as readme_tables
-from leasehold.cli import main
+from leasehold.commands.cli import main
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -19,7 +19,7 @@ from kernel.bundle import (
     seal,
 )
 from kernel.errors import PolicyError
-from region_agent.policy import PolicyHolder
+from region_agent.service.policy import PolicyHolder
 
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[3] / "policies" / "northstar.json"))
 

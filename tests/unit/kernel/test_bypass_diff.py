@@ -8,8 +8,8 @@ import msgspec
 
 from kernel.bundle import Bundle, Fallback, encode_bundle, load_bundle_file, make_rule, seal
 from kernel.bypass import diff_bypasses, needs_review
-from leasehold.cli import EXIT_BYPASS, EXIT_OK
-from leasehold.cli import main as cli_main
+from leasehold.commands.cli import EXIT_BYPASS, EXIT_OK
+from leasehold.commands.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[3]
 GLOBAL = load_bundle_file(str(ROOT / "policies" / "northstar-global.json"))

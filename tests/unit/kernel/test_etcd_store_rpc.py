@@ -81,7 +81,7 @@ def test_prefix_range_end_is_etcds_rule():
 def test_only_the_adapter_imports_aetcd_and_it_takes_only_the_generated_code():
     """One door to the dependency: no other module of the services imports aetcd, and the
     adapter imports ``aetcd.rpc`` alone (no aetcd client, nothing private). (The benchmarks'
-    single-CAS ceiling measures aetcd's own client on purpose: leasehold/bench/fig_alloc.py.)"""
+    single-CAS ceiling measures aetcd's own client on purpose: bench/fig_alloc.py.)"""
     importers = []
     for folder in ("kernel", "allocator", "region_agent", "leasehold", "chaos"):
         for path in (ROOT / folder).rglob("*.py"):

@@ -9,8 +9,8 @@ from allocator.settings import ENV_PREFIX as ALLOCATOR_ENV
 from allocator.settings import AllocatorSettings
 from kernel.config import ServingSettings
 from kernel.options import Help, markdown_table, option_named, options
-from region_agent.settings import ENV_PREFIX as AGENT_ENV
-from region_agent.settings import AgentSettings
+from region_agent.service.settings import ENV_PREFIX as AGENT_ENV
+from region_agent.service.settings import AgentSettings
 
 
 class Base(msgspec.Struct, kw_only=True):

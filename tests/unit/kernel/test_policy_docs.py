@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kernel.algorithms import ALGORITHMS
 from kernel.policy_yaml import compile_text
-from leasehold.cli import build_parser
+from leasehold.commands.cli import build_parser
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "policy.md"
 TEXT = DOC.read_text()

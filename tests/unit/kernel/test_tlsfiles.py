@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from kernel.tlsfiles import check_tls_files
-from leasehold.procs import make_tls
+from leasehold.local.procs import make_tls
 
 
 def test_good_files_pass_and_bad_ones_are_named(tmp_path: Path):

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from kernel import tracing
-from leasehold.topology import DEFAULT_POLICY
+from leasehold.local.topology import DEFAULT_POLICY
 
 EXPORTER = "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"
 

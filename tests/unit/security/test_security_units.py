@@ -15,11 +15,11 @@ from kernel.bundle import compute_checksum, load_bundle_file
 from kernel.config import ConfigError
 from kernel.errors import Forbidden, Unauthorized
 from kernel.policy_store import policy_key, rollback_bundle
+from region_agent.decision.plan import Snapshot
+from region_agent.decision.preauth import NewKeyCap, as_failed_auth
 from region_agent.models import AdmitRequest, Principal
-from region_agent.plan import Snapshot
-from region_agent.policy_watch import revoked_decision
-from region_agent.preauth import NewKeyCap, as_failed_auth
-from region_agent.settings import AgentSettings, redis_url_with_secrets
+from region_agent.service.policy_watch import revoked_decision
+from region_agent.service.settings import AgentSettings, redis_url_with_secrets
 
 NORTHSTAR = Path(__file__).resolve().parents[3] / "policies" / "northstar.json"
 TOKEN = "s3cret-token-value"

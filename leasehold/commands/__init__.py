@@ -1,0 +1,1 @@
+"""The ``leasehold`` command line: one module per command group, one output convention."""

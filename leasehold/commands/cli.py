@@ -1,0 +1,782 @@
+"""``leasehold`` — operator CLI: run a local topology, ask it for decisions, look at leases, and
+validate, sign and publish policy bundles.
+
+Every command takes ``-o text`` (default, for people) or ``-o json`` (one JSON document on
+stdout, also for errors); diagnostics go to stderr. Output and exit codes follow one convention
+(:mod:`leasehold.commands.output`; docs/cli.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kernel.bundle import load_bundle_file
+from kernel.errors import PolicyError
+from kernel.version import version_line
+
+from ..local.topology import (
+    DEFAULT_POLICY,
+    LocalTopology,
+    TopologySpec,
+    default_run_dir,
+    read_state,
+    read_token,
+    stop_from_state,
+)
+from .capacity_cli import register as register_capacity_command
+from .output import Exit, Failure, add_output_option, exit_code_epilog, out, run
+from .policy_cli import register as register_policy_commands
+from .token_cli import register as register_token_command
+
+# the exit codes under their old names (scripts and tests import them)
+EXIT_OK, EXIT_USAGE, EXIT_DENIED, EXIT_UNAVAILABLE, EXIT_CONNECT, EXIT_NOT_RUNNING = (
+    Exit.OK, Exit.USAGE, Exit.DENIED, Exit.UNAVAILABLE, Exit.CONNECT, Exit.NOT_RUNNING)
+EXIT_BYPASS = Exit.BYPASS
+DEFAULT_RUN_DIR = default_run_dir()
+
+
+def _state_or_fail(run_dir: Path) -> dict:
+    state = read_state(run_dir)
+    if state is None:
+        raise Failure(Exit.NOT_RUNNING, f"no local topology is running (no {run_dir / 'topology.json'}); "
+                                        "start one with `leasehold up`", running=False, runDir=str(run_dir))
+    return state
+
+
+_state_or_exit = _state_or_fail  # the name leasehold/commands/policy_canary.py uses
+
+
+def _first_url(state: dict, kind: str, region: str | None = None) -> str:
+    for svc in state["services"]:
+        if svc["kind"] == kind and (region is None or svc.get("region") == region):
+            return svc["url"]
+    raise Failure(Exit.USAGE, f"no {kind} in the running topology" + (f" for region {region!r}" if region else ""))
+
+
+def _invalid(e: PolicyError, what: str = "invalid") -> Failure:
+    return Failure(Exit.USAGE, f"{what}: {e.detail}", e.errors)
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+# ----------------------------------------------------------------------- local topology
+def _urls(services: list[dict]) -> dict[str, Any]:
+    """The topology's URLs by role (what ``status -o json`` and ``up -o json`` print)."""
+    urls: dict[str, Any] = {"agents": {}, "allocators": [], "etcd": [], "redis": {}}
+    for s in services:
+        if s["kind"] == "agent":
+            urls["agents"].setdefault(s.get("region") or "", []).append(s["url"])
+        elif s["kind"] == "allocator":
+            urls["allocators"].append(s["url"])
+        elif s["kind"] == "etcd":
+            urls["etcd"].append(s["url"])
+        elif s["kind"] == "redis":
+            urls["redis"][s.get("region") or ""] = s["url"]
+    return urls
+
+
+def _topology_view(run_dir: Path, state: dict, services: list[dict]) -> dict[str, Any]:
+    secrets = state.get("secrets")
+    return {"runDir": str(run_dir), "stateFile": str(run_dir / "topology.json"), "policy": state.get("policy"),
+            "auth": bool(secrets),
+            "tokenFiles": ({"gateway": str(Path(secrets) / "gateway.token"),
+                            "operator": str(Path(secrets) / "operator.token")} if secrets else None),
+            "services": services, "urls": _urls(services)}
+
+
+def _service_lines(services: list[dict], state_col: bool) -> str:
+    rows = []
+    for s in services:
+        cols = f"{s['kind']:10} {s['name']:18} pid {s['pid']:<7} "
+        if state_col:
+            cols += f"{s['state']:10} "
+        rows.append(cols + s["url"])
+    return "\n".join(rows)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    if read_state(args.run_dir):
+        raise Failure(Exit.USAGE, "a topology is already running; `leasehold down` first")
+    LocalTopology(_spec(args)).start()
+    state = read_state(args.run_dir) or {}
+    view = _topology_view(args.run_dir, state, [dict(s) for s in state.get("services", [])])
+    return out(args).result(view, lambda v: _service_lines(v["services"], False)
+                            + f"\nstate in {v['stateFile']}; stop with `leasehold down`")
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    stopped = stop_from_state(args.run_dir)
+    return out(args).result({"stopped": stopped},
+                            "stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a killed service whose parent, ``leasehold up``,
+    is long gone stays a zombie until init reaps it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: the signal check is all we have
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
+def _probe(client: httpx.Client, svc: dict) -> str:
+    """``ready``, ``not ready`` (answers, but not ready), ``down`` (its process runs but does not
+    answer) or ``exited`` (its process is gone)."""
+    if not _alive(int(svc["pid"])):
+        return "exited"
+    kind, url = svc["kind"], svc["url"]
+    try:
+        if kind in ("agent", "allocator"):
+            return "ready" if client.get(url + "/readyz").status_code == 200 else "not ready"
+        if kind == "etcd":
+            r = client.get(url + "/health")
+            return "ready" if r.status_code == 200 and r.json().get("health") == "true" else "not ready"
+        if kind == "redis":
+            import socket
+            from urllib.parse import urlsplit
+
+            parts = urlsplit(url)
+            with socket.create_connection((parts.hostname, parts.port or 6379), timeout=1.0):
+                return "ready"
+    except (httpx.HTTPError, OSError, ValueError):
+        return "down"
+    return "ready"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Every process of the local topology and whether it is ready; exit 0 only when all are."""
+    state = _state_or_fail(args.run_dir)
+    with httpx.Client(timeout=1.0) as client:
+        services = [{**svc, "state": _probe(client, svc)} for svc in state["services"]]
+    view = _topology_view(args.run_dir, state, services)
+    bad = [s for s in services if s["state"] != "ready"]
+    code = (Exit.CONNECT if any(s["state"] in ("down", "exited") for s in bad)
+            else Exit.UNAVAILABLE if bad else Exit.OK)
+    view = {"running": True, "healthy": not bad, **view}
+
+    def text(v: dict) -> str:
+        summary = ("all services ready" if not bad else
+                   f"{len(bad)} of {len(services)} services not ready: " + ", ".join(
+                       f"{s['name']} {s['state']}" for s in bad))
+        return _service_lines(v["services"], True) + "\n" + summary
+
+    return out(args).result(view, text, code)
+
+
+# ----------------------------------------------------------------------- decisions and leases
+def _auth_headers(args: argparse.Namespace, who: str) -> dict[str, str]:
+    """Bearer token: LEASEHOLD_TOKEN, else the running local topology's generated one."""
+    token = os.environ.get("LEASEHOLD_TOKEN")
+    if not token:
+        state = read_state(args.run_dir)
+        token = read_token(state, who) if state else None
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _decision_text(d: dict) -> str:
+    verdict = "allowed" if d.get("allowed") else "denied"
+    lines = [f"{verdict}: HTTP {d.get('httpStatus', 200)}, rule {d.get('policyId') or '-'} "
+             f"(bundle {d.get('policyVersion')}), remaining {d.get('remaining')} of {d.get('limit')}"
+             + (f", reason {d['reason']}" if d.get("reason") else "")
+             + (f", retry after {d['retryAfterMs']} ms" if d.get("retryAfterMs") not in (None, 0) else "")
+             + (" (fallback)" if d.get("fallback") else "")]
+    lines += [f"  {k}: {v}" for k, v in (d.get("headers") or {}).items()]
+    lines.append(f"  decision {d.get('decisionId')}")
+    return "\n".join(lines)
+
+
+def cmd_admit(args: argparse.Namespace) -> int:
+    url = args.agent_url or _first_url(_state_or_fail(args.run_dir), "agent", args.region)
+    principal: dict[str, str] = {"type": args.principal_type, "id": args.principal}
+    if args.api_key:
+        principal["apiKeyId"] = args.api_key
+    body: dict[str, object] = {"requestId": args.request_id or f"cli-{uuid.uuid4().hex[:16]}",
+                               "principal": principal, "routeGroup": args.route, "method": args.method,
+                               "costHint": args.cost}
+    if args.tenant:
+        body["tenantId"] = args.tenant
+    try:
+        resp = httpx.post(url + "/v1/admit", json=body, timeout=5.0, headers=_auth_headers(args, "gateway"))
+    except httpx.HTTPError as e:
+        raise Failure(Exit.CONNECT, f"cannot reach the agent at {url}: {e}") from None
+    try:
+        data = resp.json()
+    except ValueError:
+        data = {"body": resp.text[:500]}
+    if resp.status_code != 200:
+        code = Exit.USAGE if resp.status_code < 500 else Exit.UNAVAILABLE
+        raise Failure(code, f"the agent answered {resp.status_code}: {data.get('title') or ''} "
+                            f"{data.get('detail') or ''}".rstrip(), data.get("errors") or [], problem=data)
+    status = data.get("httpStatus", 200)
+    code = Exit.OK if status == 200 else Exit.DENIED if status == 429 else Exit.UNAVAILABLE
+    return out(args).result(data, _decision_text, code)
+
+
+def _leases_text(v: dict) -> str:
+    leader = v["leader"]
+    lines = [f"leader: {leader.get('nodeId') or 'none'} epoch {leader.get('epoch')} at {leader.get('url') or '-'}"]
+    for p in v["pools"]:
+        if "window" not in p:
+            lines.append(f"pool {p.get('pool', '?')}: {p}")
+            continue
+        w = p["window"]
+        lines.append(f"pool {p['pool']}: window {w.get('index')}, granted {p['granted']:,} of {p['limit']:,} "
+                     f"(remaining {p['remaining']:,}), {p['leasesOutstanding']} leases outstanding")
+        lines += [f"  {r['region']}: granted {r['granted']:,} in {r['leases']} leases, returned {r.get('returned', 0):,}"
+                  for r in p.get("regions", [])]
+    return "\n".join(lines)
+
+
+def cmd_leases(args: argparse.Namespace) -> int:
+    url = args.allocator_url or _first_url(_state_or_fail(args.run_dir), "allocator")
+    try:
+        with httpx.Client(timeout=3.0) as client:
+            def get(path: str) -> Any:
+                r = client.get(url + path)
+                if r.status_code != 200:
+                    raise Failure(Exit.UNAVAILABLE if r.status_code >= 500 else Exit.USAGE,
+                                  f"the allocator at {url} answered {r.status_code} for {path}", [r.text[:300]])
+                return r.json()
+
+            leader = get("/v1/leader")
+            pools = get("/v1/pools")
+            views = [get(f"/v1/pools/{p['id']}") for p in (pools if isinstance(pools, list) else pools.get("pools", []))]
+    except httpx.HTTPError as e:
+        raise Failure(Exit.CONNECT, f"cannot reach the allocator at {url}: {e}") from None
+    return out(args).result({"leader": leader, "pools": views}, _leases_text)
+
+
+# ----------------------------------------------------------------------- policy bundles
+def cmd_policy_validate(args: argparse.Namespace) -> int:
+    """Validate FILE (the services' own code); with ``--public-keys`` also its signature; with
+    ``--against CURRENT`` / ``--against-etcd`` the privileged bypasses it adds or widens."""
+    import asyncio
+
+    from kernel.bypass import diff_bypasses, needs_review
+    from kernel.errors import LeaseholdError
+    from kernel.signing import TrustedKeys
+
+    o = out(args)
+    try:
+        bundle = load_bundle_file(args.file)
+        if args.public_keys:
+            TrustedKeys.from_files(_split(args.public_keys)).check(bundle)
+    except PolicyError as e:
+        raise _invalid(e) from None
+    result: dict[str, Any] = {
+        "valid": True, "file": args.file, "bundleVersion": bundle.bundle_version, "rules": len(bundle.rules),
+        "pools": len(bundle.pools), "checksum": bundle.checksum, "keyId": bundle.key_id,
+        "trusted": bool(args.public_keys)}
+    signed = f", signed by key {bundle.key_id}" if bundle.key_id else ", unsigned"
+    lines = [f"valid: bundle {bundle.bundle_version}, {len(bundle.rules)} rules, {len(bundle.pools)} pools, "
+             f"{bundle.checksum}{signed}{' (trusted)' if args.public_keys else ''}"]
+    if args.bound:
+        import msgspec
+
+        from kernel.bound import Topology, pool_bound, pool_shapes
+
+        from .bound_report import cases, markdown_table, text_report
+
+        if not (1 <= args.regions <= 64 and 1 <= args.agents_per_region <= 1024):
+            raise Failure(Exit.USAGE, "invalid: --regions must be in [1, 64] and --agents-per-region in [1, 1024]")
+        names = [f"region-{i + 1}" for i in range(args.regions)]
+        topology = Topology.uniform(names, args.agents_per_region)
+        result["bound"] = [{"pool": shape.id, **{name: msgspec.to_builtins(pool_bound(shape, topology, f))
+                                                 for name, f in zip(("healthy", "allocatorUnreachable", "worst"),
+                                                                    (f for _, f in cases(topology)), strict=True)}}
+                           for shape in pool_shapes(bundle)]
+        if args.markdown:
+            lines.append(markdown_table(bundle, names, sorted({1, args.agents_per_region})))
+        else:
+            lines.append(text_report(bundle, topology))
+    if not (args.against or args.against_etcd):
+        return o.result(result, "\n".join(lines))
+    if args.against:
+        try:
+            current = load_bundle_file(args.against)
+        except PolicyError as e:
+            raise Failure(Exit.USAGE, f"the current bundle {args.against} is unusable: {e.detail}", e.errors) from None
+        where = args.against
+    else:
+        async def read():
+            store = _policy_store(args)
+            try:
+                return await store.read(), store.key.decode()
+            finally:
+                await store.store.close()
+        try:
+            stored, where = asyncio.run(read())
+        except LeaseholdError as e:
+            raise Failure(Exit.CONNECT, f"cannot read the current bundle from etcd ({e.code}): {e.detail}") from None
+        if stored is not None and stored.bundle is None:
+            o.note(f"leasehold: the bundle published at {where} is invalid ({stored.problem}); comparing against "
+                   "nothing")
+        current = stored.bundle if stored is not None else None
+    changes = diff_bypasses(current, bundle)
+    version = current.bundle_version if current is not None else "none"
+    review = needs_review(changes)
+    result["against"] = {"where": where, "bundleVersion": current.bundle_version if current is not None else None}
+    result["bypassChanges"] = [{"kind": c.kind, "rule": c.rule, "tenant": c.tenant, "owner": c.owner,
+                                "details": list(c.details)} for c in changes]
+    result["review"] = review
+    if not changes:
+        lines.append(f"privileged bypasses: no change against {where} (bundle {version})")
+    else:
+        lines.append(f"privileged bypasses against {where} (bundle {version}):")
+        lines += ["  " + c.line().replace("\n", "\n  ") for c in changes]
+    if review:
+        o.note("REVIEW: this bundle adds or widens a privileged bypass (exit 7)")
+    return o.result(result, "\n".join(lines), Exit.BYPASS if review else Exit.OK)
+
+
+def cmd_policy_keygen(args: argparse.Namespace) -> int:
+    from kernel.signing import generate_keypair, key_id_of, load_public_key
+
+    key, pub = generate_keypair(Path(args.dir), args.name)
+    data = {"keyId": key_id_of(load_public_key(pub)), "privateKey": str(key), "publicKey": str(pub)}
+    return out(args).result(data, lambda d: f"key {d['keyId']}: private {d['privateKey']}, public {d['publicKey']}")
+
+
+def cmd_policy_sign(args: argparse.Namespace) -> int:
+    """Sign FILE with the Ed25519 key (validated first); writes ``--out`` or FILE in place."""
+    from kernel.bundle import encode_bundle
+    from kernel.signing import load_private_key, sign_bundle
+
+    try:
+        bundle = load_bundle_file(args.file)
+        signed = sign_bundle(bundle, load_private_key(args.key))
+    except PolicyError as e:
+        raise _invalid(e) from None
+    target = Path(args.out or args.file)
+    target.write_bytes(encode_bundle(signed) + b"\n")
+    data = {"bundleVersion": signed.bundle_version, "keyId": signed.key_id, "file": str(target)}
+    return out(args).result(data, f"signed bundle {signed.bundle_version} with key {signed.key_id} -> {target}")
+
+
+def _policy_store(args: argparse.Namespace):
+    """The policy store of ``--etcd`` (TLS from ``--etcd-ca-file`` / ``--etcd-cert-file`` /
+    ``--etcd-key-file`` or an ``https://`` endpoint), or of the running local topology."""
+    from kernel.config import ConfigError, check_tls
+    from kernel.etcd_store import EtcdStore
+    from kernel.etcd_tls import link_credentials
+    from kernel.policy_store import PolicyStore
+
+    endpoints, user, password_file = args.etcd, args.etcd_user, args.etcd_password_file
+    if not endpoints:  # the running local topology: its etcd and, with auth on, the publisher's user
+        state = _state_or_fail(args.run_dir)
+        endpoints = ",".join(s["url"] for s in state["services"] if s["kind"] == "etcd")
+        if state.get("secrets") and not user:  # write on the policy key only (deploy/etcd/leasehold-roles.sh)
+            user, password_file = "publisher", str(Path(state["secrets"]) / "etcd-publisher.password")
+    try:
+        check_tls("--etcd-cert-file / --etcd-key-file / --etcd-ca-file", args.etcd_cert_file, args.etcd_key_file,
+                  args.etcd_ca_file)
+        tls = link_credentials(endpoints, args.etcd_ca_file, args.etcd_cert_file, args.etcd_key_file)
+    except ConfigError as e:
+        raise Failure(Exit.USAGE, e.message) from None
+    except (ValueError, OSError) as e:
+        raise Failure(Exit.USAGE, f"invalid etcd settings: {e}") from None
+    password = os.environ.get("LEASEHOLD_ETCD_PASSWORD")
+    if password_file:
+        try:
+            with open(password_file) as f:
+                password = f.read().strip()
+        except OSError as e:
+            raise Failure(Exit.USAGE, f"cannot read --etcd-password-file {password_file}: {e.strerror}") from None
+    kw = {"user": user, "password": password} if user else {}
+    return PolicyStore(EtcdStore(endpoints, timeout_s=3.0, tls=tls, **kw), args.prefix)
+
+
+def cmd_policy_publish(args: argparse.Namespace) -> int:
+    """Validate FILE and publish it to etcd if its version is strictly higher than the stored one.
+    Rollback: publish the old bundle under a new, higher version (``--as-version N`` re-seals it).
+
+    Signatures: ``--key KEY`` signs the bundle (after any ``--as-version``) before publishing.
+    When the fleet requires signatures — the signing marker ``<prefix>policy/signing`` exists
+    (``leasehold policy require-signed``), or ``--require-signature`` is given — an unsigned bundle,
+    or one that does not verify with the marker's keys, is refused here (exit 2), before any
+    agent or allocator would refuse it."""
+    import asyncio
+
+    import msgspec
+
+    from kernel.bundle import decode_bundle, encode_bundle
+    from kernel.errors import LeaseholdError, StoreUnavailable
+    from kernel.policy_store import rollback_bundle
+    from kernel.signing import TrustedKeys, load_private_key, public_key_from_text, sign_bundle
+
+    try:
+        with open(args.file, "rb") as f:
+            raw = f.read()
+        bundle = decode_bundle(raw)
+        if args.as_version is not None:
+            published = args.published_at or bundle.published_at
+            bundle = rollback_bundle(bundle, args.as_version, published)
+            raw = encode_bundle(bundle)
+        # the running local topology's key signs what is unsigned (a file signed by another key keeps it)
+        key = args.key or (_topology_signing_key(args) if bundle.signature is None else None)
+        if key:
+            bundle = sign_bundle(bundle, load_private_key(key))
+            raw = encode_bundle(bundle)
+    except OSError as e:
+        raise Failure(Exit.USAGE, f"cannot read {args.file}: {e.strerror}") from None
+    except PolicyError as e:
+        raise _invalid(e) from None
+    except msgspec.ValidationError as e:
+        raise Failure(Exit.USAGE, f"invalid: {e}") from None
+
+    async def publish() -> dict:
+        store = _policy_store(args)
+        marker = None
+        try:
+            marker = await store.read_signing()
+            if marker is not None:
+                TrustedKeys(public_key_from_text(v) for v in marker.keys.values()).check(bundle)
+            elif args.require_signature and bundle.signature is None:
+                raise PolicyError("the bundle is unsigned and --require-signature was given (sign it with --key)")
+            res = await store.publish(raw)
+        except PolicyError as e:
+            hint = ([f"the fleet requires bundles signed by one of: {', '.join(sorted(marker.keys))} "
+                     f"({store.signing_key.decode()}); sign with --key"] if marker is not None else [])
+            raise Failure(Exit.USAGE, f"not published: {e.detail}", hint) from None
+        except StoreUnavailable as e:
+            raise Failure(Exit.CONNECT, f"not published: cannot reach etcd ({e.detail})") from None
+        except LeaseholdError as e:
+            raise Failure(Exit.UNAVAILABLE if e.retriable else Exit.DENIED,
+                          f"not published ({e.code}): {e.detail}") from None
+        finally:
+            await store.store.close()
+        return {"published": res.version, "previous": res.previous, "revision": res.revision,
+                "key": store.key.decode(), "keyId": bundle.key_id}
+
+    data = asyncio.run(publish())
+    return out(args).result(data, lambda d: f"published bundle {d['published']} (previous {d['previous']}) at "
+                                            f"{d['key']}, revision {d['revision']}"
+                                            + (f", signed by key {d['keyId']}" if d["keyId"] else ", unsigned"))
+
+
+def _topology_signing_key(args: argparse.Namespace) -> str | None:
+    """Publishing to the running local topology (no --etcd): its generated signing key."""
+    if args.etcd:
+        return None
+    state = read_state(args.run_dir)
+    return state.get("signingKey") if state else None
+
+
+def cmd_policy_require_signed(args: argparse.Namespace) -> int:
+    """Write (or with ``--clear`` delete) the signing marker: the public keys the fleet trusts,
+    so that ``policy publish`` refuses what the services would refuse."""
+    import asyncio
+
+    from kernel.errors import LeaseholdError
+    from kernel.policy_store import SigningMarker
+    from kernel.signing import key_id_of, load_public_key, public_key_text
+
+    if not args.clear and not args.public_keys:
+        raise Failure(Exit.USAGE, "give --public-keys A.pub[,B.pub] (or --clear)")
+    try:
+        keys = [load_public_key(p) for p in _split(args.public_keys or "")]
+    except PolicyError as e:
+        raise _invalid(e) from None
+    marker = None if args.clear else SigningMarker(keys={key_id_of(k): public_key_text(k) for k in keys})
+
+    async def write() -> dict:
+        store = _policy_store(args)
+        try:
+            await store.write_signing(marker)
+        except LeaseholdError as e:
+            raise Failure(Exit.CONNECT, f"not written ({e.code}): {e.detail}") from None
+        finally:
+            await store.store.close()
+        return {"key": store.signing_key.decode(), "requireSigned": marker is not None,
+                "keyIds": sorted(marker.keys) if marker else []}
+
+    data = asyncio.run(write())
+    return out(args).result(data, lambda d: (f"{d['key']}: bundles must be signed by one of {', '.join(d['keyIds'])}"
+                                             if d["requireSigned"] else f"{d['key']}: removed; signatures not "
+                                                                        "required by the store"))
+
+
+def _shown_text(d: dict) -> str:
+    lines = [f"{d['key']} (revision {d['revision']}): " + (
+        f"bundle {d['bundleVersion']}, {len(d['rules'])} rules, {len(d['pools'])} pools, {d['checksum']}"
+        if d["valid"] else f"INVALID: {d['problem']}")]
+    if d["valid"]:
+        lines.append(f"  published at {d['publishedAt']}, max age {d['maxAgeMs']} ms, "
+                     + (f"signed by key {d['keyId']}" if d["keyId"] else "unsigned"))
+        lines.append("  rules: " + ", ".join(d["rules"]))
+        if d["pools"]:
+            lines.append("  pools: " + ", ".join(d["pools"]))
+    lines.append("  signatures required: " + (", ".join(d["trustedKeyIds"]) if d["requireSigned"] else "no")
+                 + (f" (signing marker unreadable: {d['signingMarkerProblem']})" if d["signingMarkerProblem"] else ""))
+    return "\n".join(lines)
+
+
+def cmd_policy_show(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kernel.errors import LeaseholdError
+
+    async def read() -> tuple[Any, Any, str | None, str]:
+        store = _policy_store(args)
+        try:
+            stored = await store.read()
+            try:
+                marker, marker_problem = await store.read_signing(), None
+            except PolicyError as e:
+                marker, marker_problem = None, e.detail
+        except LeaseholdError as e:
+            raise Failure(Exit.CONNECT, f"cannot read ({e.code}): {e.detail}") from None
+        finally:
+            await store.store.close()
+        return stored, marker, marker_problem, store.key.decode()
+
+    stored, marker, marker_problem, key = asyncio.run(read())
+    if stored is None:
+        raise Failure(Exit.NOT_RUNNING, f"nothing published under {key}", key=key)
+    if args.raw:
+        if out(args).json:
+            return out(args).result({"key": key, "text": stored.raw.decode(errors="replace")})
+        sys.stdout.write(stored.raw.decode(errors="replace"))
+        return Exit.OK
+    b = stored.bundle
+    data = {"key": key, "revision": stored.mod_revision, "valid": b is not None,
+            "problem": stored.problem or None,
+            "bundleVersion": b.bundle_version if b else None, "checksum": b.checksum if b else None,
+            "publishedAt": b.published_at if b else None, "maxAgeMs": b.max_age_ms if b else None,
+            "keyId": b.key_id if b else None,
+            "rules": [r.id for r in b.rules] if b else [], "pools": [p.id for p in b.pools] if b else [],
+            "requireSigned": marker is not None, "trustedKeyIds": sorted(marker.keys) if marker else [],
+            "signingMarkerProblem": marker_problem}
+    return out(args).result(data, _shown_text)
+
+
+# ----------------------------------------------------------------------- secrets
+def cmd_secrets_generate(args: argparse.Namespace) -> int:
+    """Every credential of a deployment as files (leasehold/commands/secrets.py); never replaces one without --force."""
+    from .secrets import SecretsError, generate
+
+    try:
+        made = generate(Path(args.out), tuple(r.strip() for r in args.regions.split(",")), force=args.force)
+    except SecretsError as e:
+        raise Failure(Exit.USAGE, str(e)) from None
+    data = {"dir": str(made.dir), "files": [p.name for p in made.files]}
+    return out(args).result(data, lambda d: f"wrote {len(d['files'])} files to {d['dir']} (directory 0700; "
+                                            f"policy-signing.key and dev-idp.key 0600): {', '.join(d['files'])}\n"
+                                            f"dev-idp.key and jwks.json are a development identity provider's "
+                                            f"(leasehold token signs with the key): use your provider's JWKS in "
+                                            f"production")
+
+
+# ----------------------------------------------------------------------- demo
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ..local.demo import run_demo
+
+    # -o json: the live view goes to stderr and the run's totals are one JSON document on stdout
+    return run_demo(_spec(args), duration_s=args.duration, rate=args.rate, summary=out(args).json,
+                    gateway=args.gateway)
+
+
+def _spec(args: argparse.Namespace) -> TopologySpec:
+    return TopologySpec(run_dir=args.run_dir, policy=Path(args.policy).resolve(),
+                        regions=tuple(args.regions.split(",")), agents_per_region=args.agents_per_region,
+                        allocators=args.allocators, etcd_members=args.etcd_members,
+                        auth=not getattr(args, "no_auth", False), policy_from_etcd=True,
+                        signed=not getattr(args, "unsigned", False),
+                        insecure_dev_pepper=getattr(args, "insecure_dev_pepper", False))
+
+
+# ------------------------------------------------------------------------------- parser
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors like every other failure (``leasehold: ...``, exit 2)."""
+
+    def error(self, message: str):
+        self.exit(Exit.USAGE, f"leasehold: {message} (see {self.prog} --help)\n")
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.RawDescriptionHelpFormatter(prog, max_help_position=30)
+
+
+def _command(sub: Any, name: str, help: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """A subcommand with the common options (``-o``); every command is added through here."""
+    sp = sub.add_parser(name, help=help, description=help, formatter_class=_formatter)
+    add_output_option(sp)
+    sp.set_defaults(func=func)
+    return sp
+
+
+def _topo_opts(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--policy", default=str(DEFAULT_POLICY), help="the start bundle (default: the shipped sample)")
+    sp.add_argument("--regions", default="eu,us", help="comma-separated region names (default: eu,us)")
+    sp.add_argument("--agents-per-region", type=int, default=1, help="agents per region (default: 1)")
+    sp.add_argument("--allocators", type=int, default=2, help="allocator replicas (default: 2)")
+    sp.add_argument("--etcd-members", type=int, default=1, choices=(1, 3), help="etcd members (default: 1)")
+    sp.add_argument("--no-auth", action="store_true",
+                    help="run the services with --auth-disabled (default: tokens generated into <run-dir>/secrets)")
+    sp.add_argument("--unsigned", action="store_true",
+                    help="no policy signing (default: a key pair in <run-dir>/secrets signs the start bundle "
+                         "and the services trust only its public key)")
+    sp.add_argument("--insecure-dev-pepper", action="store_true",
+                    help="give the agents the public development pepper (default: a random pepper "
+                         "generated into <run-dir>/secrets/pepper)")
+
+
+def _etcd_opts(sp: argparse.ArgumentParser) -> None:
+    """How a policy command reaches etcd (flags, or ``LEASEHOLD_ETCD*`` environment variables)."""
+    env = os.environ.get
+    sp.add_argument("--etcd", default=env("LEASEHOLD_ETCD"),
+                    help="etcd endpoints, host:port, http://host:port or https://host:port, comma-separated "
+                         "(env LEASEHOLD_ETCD; default: the running local topology's, with its publisher "
+                         "credentials)")
+    sp.add_argument("--prefix", default=env("LEASEHOLD_ETCD_PREFIX", "/leasehold/"),
+                    help="the fleet's key prefix (env LEASEHOLD_ETCD_PREFIX; default: /leasehold/)")
+    sp.add_argument("--etcd-user", default=env("LEASEHOLD_ETCD_USER"),
+                    help="etcd user (env LEASEHOLD_ETCD_USER); password from --etcd-password-file or "
+                         "LEASEHOLD_ETCD_PASSWORD")
+    sp.add_argument("--etcd-password-file", default=env("LEASEHOLD_ETCD_PASSWORD_FILE"),
+                    help="file holding the etcd password (env LEASEHOLD_ETCD_PASSWORD_FILE)")
+    sp.add_argument("--etcd-ca-file", default=env("LEASEHOLD_ETCD_CA_FILE"),
+                    help="TLS: the CA (PEM) that signed etcd's certificate; implies TLS (env "
+                         "LEASEHOLD_ETCD_CA_FILE; default for https://: grpc's public roots)")
+    sp.add_argument("--etcd-cert-file", default=env("LEASEHOLD_ETCD_CERT_FILE"),
+                    help="TLS: client certificate (PEM) for etcd's --client-cert-auth (env LEASEHOLD_ETCD_CERT_FILE)")
+    sp.add_argument("--etcd-key-file", default=env("LEASEHOLD_ETCD_KEY_FILE"),
+                    help="TLS: the private key of --etcd-cert-file (env LEASEHOLD_ETCD_KEY_FILE)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="leasehold", description="Leasehold's operator CLI: run a local topology, ask it for decisions, look at\n"
+                                               "leases, validate, sign and publish policy bundles.",
+                epilog=exit_code_epilog() + "\n\nMore: docs/cli.md", formatter_class=_formatter)
+    p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR,
+                   help=f"where the local topology keeps its files (default: {DEFAULT_RUN_DIR})")
+    add_output_option(p, top=True)
+    p.add_argument("--version", action="version", version=version_line("leasehold"),
+                   help="print the version and build commit, and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    # -- the local topology
+    sp = _command(sub, "up", "start the local topology in the background", cmd_up)
+    _topo_opts(sp)
+    _command(sub, "down", "stop every process of the local topology", cmd_down)
+    _command(sub, "status", "processes of the local topology, their URLs and readiness (exit 0 only when "
+                            "every one is ready)", cmd_status)
+    sp = _command(sub, "demo", "start the topology, drive demo traffic, show a live view (Ctrl-C stops)", cmd_demo)
+    _topo_opts(sp)
+    sp.add_argument("--duration", type=float, default=600.0, help="stop by itself after this many seconds")
+    sp.add_argument("--rate", type=float, default=200.0, help="demo requests per second, all regions")
+    sp.add_argument("--gateway", choices=("rls", "rlqs"), default="rls",
+                    help="the Envoys' limit filter: rls (deploy/gateways/envoy-rls.yaml, a call per request) or "
+                         "rlqs (envoy-rlqs.yaml: Envoy decides locally from quota the agent assigns; the live "
+                         "view shows the assignments per bucket)")
+
+    # -- decisions and leases
+    sp = _command(sub, "admit", "send one admission request and print the decision and HTTP mapping", cmd_admit)
+    sp.add_argument("--agent-url", help="the agent (default: the running local topology's first, or --region's)")
+    sp.add_argument("--region", help="pick the local topology's agent of this region")
+    sp.add_argument("--tenant", default="atlas", help="tenantId (default: atlas)")
+    sp.add_argument("--principal", default="U-17", help="principal id (default: U-17)")
+    sp.add_argument("--principal-type", default="user", choices=("user", "service", "anonymous"),
+                    help="principal type (default: user)")
+    sp.add_argument("--api-key", help="principal apiKeyId")
+    sp.add_argument("--route", default="read", help="routeGroup (default: read)")
+    sp.add_argument("--method", default="GET", help="HTTP method (default: GET)")
+    sp.add_argument("--cost", type=int, default=1, help="costHint (default: 1)")
+    sp.add_argument("--request-id", help="requestId (default: a random cli-... id)")
+    sp = _command(sub, "leases", "pools, windows, grants and the leader epoch from the allocator", cmd_leases)
+    sp.add_argument("--allocator-url", help="the allocator (default: the running local topology's first)")
+
+    # -- policy bundles
+    pol = sub.add_parser("policy", help="validate, sign, publish or show a policy bundle",
+                         description="validate, sign, publish or show a policy bundle", formatter_class=_formatter)
+    psub = pol.add_subparsers(dest="policy_command", required=True, metavar="COMMAND", parser_class=_Parser)
+    add_policy_commands(psub)
+    register_token_command(sub, _command)  # leasehold/commands/token_cli.py: a client token from the development key
+
+    # -- deployment credentials
+    sec = sub.add_parser("secrets", help="credentials for a deployment (compose, Kubernetes)",
+                         description="credentials for a deployment (compose, Kubernetes)", formatter_class=_formatter)
+    ssub = sec.add_subparsers(dest="secrets_command", required=True, metavar="COMMAND", parser_class=_Parser)
+    sp = _command(ssub, "generate", "write tokens, their digests, the pepper, Redis and etcd passwords, a "
+                                    "policy-signing key pair and a development identity provider's key and "
+                                    "JWKS into DIR (never replaces a file without --force)",
+                  cmd_secrets_generate)
+    sp.add_argument("--out", required=True, metavar="DIR",
+                    help="e.g. deploy/secrets (compose) or deploy/k8s-dev/secrets (Kubernetes)")
+    sp.add_argument("--regions", default="eu,us", help="one allocator token per region (default: eu,us)")
+    sp.add_argument("--force", action="store_true", help="replace existing files")
+    register_capacity_command(sub)  # leasehold/commands/capacity_cli.py: Redis shards, memory per copy, the hottest key
+    return p
+
+
+def add_policy_commands(psub: Any) -> None:
+    """The ``leasehold policy ...`` commands (each through :func:`_command`)."""
+    sp = _command(psub, "validate", "validate a bundle with the services' own code; optionally its signature and "
+                                    "the privileged bypasses it adds or widens", cmd_policy_validate)
+    sp.add_argument("file")
+    sp.add_argument("--public-keys", help="PEM public keys (comma-separated): the bundle must be signed by one")
+    sp.add_argument("--against", metavar="CURRENT", help="the bundle in force (a file): report bypass changes, "
+                                                         "exit 7 if a bypass is added or widened")
+    sp.add_argument("--against-etcd", action="store_true", help="the same against the bundle published in etcd")
+    sp.add_argument("--bound", action="store_true",
+                    help="also print each pool's overshoot bound per window, term by term")
+    sp.add_argument("--regions", type=int, default=2, help="regions for --bound (default 2)")
+    sp.add_argument("--agents-per-region", type=int, default=1,
+                    help="agent processes per region for --bound, an agent with --workers N counting N (default 1)")
+    sp.add_argument("--markdown", action="store_true", help="--bound as a Markdown table (text output)")
+    _etcd_opts(sp)
+    sp = _command(psub, "keygen", "generate an Ed25519 signing key pair (NAME.key 0600, NAME.pub)", cmd_policy_keygen)
+    sp.add_argument("dir")
+    sp.add_argument("--name", default="policy-signing", help="file name stem (default: policy-signing)")
+    sp = _command(psub, "sign", "sign a bundle (keyId + signature over content, version, publishedAt)",
+                  cmd_policy_sign)
+    sp.add_argument("file")
+    sp.add_argument("--key", required=True, help="Ed25519 private key (PEM, unencrypted)")
+    sp.add_argument("--out", help="write here instead of rewriting FILE")
+    sp = _command(psub, "publish", "validate and publish a bundle to etcd (strictly higher version only; rollback = "
+                                   "old content under a new version, see --as-version)", cmd_policy_publish)
+    sp.add_argument("file")
+    sp.add_argument("--as-version", type=int, help="publish FILE's rules and pools under this version "
+                                                   "(re-sealed checksum): the rollback path")
+    sp.add_argument("--published-at", help="publishedAt for --as-version")
+    sp.add_argument("--key", help="sign with this Ed25519 private key before publishing (default, against the "
+                                  "running local topology: its generated key, for an unsigned FILE)")
+    sp.add_argument("--require-signature", action="store_true",
+                    help="refuse an unsigned bundle even without the etcd signing marker")
+    _etcd_opts(sp)
+    sp = _command(psub, "require-signed", "declare in etcd that the fleet requires bundles signed by these keys "
+                                          "(publish then refuses others); --clear removes it",
+                  cmd_policy_require_signed)
+    sp.add_argument("--public-keys", help="PEM public keys, comma-separated (two during a rotation)")
+    sp.add_argument("--clear", action="store_true", help="remove the requirement")
+    _etcd_opts(sp)
+    sp = _command(psub, "show", "the bundle published in etcd", cmd_policy_show)
+    sp.add_argument("--raw", action="store_true", help="print the stored JSON as is")
+    _etcd_opts(sp)
+    register_policy_commands(psub, _etcd_opts)  # leasehold/commands/policy_cli.py: compile, seal, diff, replay, canary, ...
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run(args.func, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

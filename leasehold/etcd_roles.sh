@@ -1,1 +1,0 @@
-../deploy/etcd/leasehold-roles.sh

@@ -1,0 +1,1 @@
+../../deploy/etcd/leasehold-roles.sh

@@ -1,0 +1,1 @@
+"""The decision path: one admission request -> one decision record (region_agent/README.md)."""

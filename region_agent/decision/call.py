@@ -1,0 +1,180 @@
+"""One decision's script call: ``multi_rule.lua``'s KEYS and ARGV from a plan's rule slots, and
+its reply. Pure (the store sends what this builds, as a :data:`ScriptCall`).
+
+The contract (every KEYS[i] / ARGV[i] with units, the reply, the conflict reply) is the script's
+header; the numeric validation is the script's too (it answers with an error reply), only the
+call's shape is checked here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from kernel.algorithms import KINDS
+from kernel.algorithms.rule import Params
+from kernel.errors import DecisionConflict, LeaseholdError, ScriptRejected, StoreUnavailable
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+MULTI_RULE = "multi_rule"
+MAX_RULES = 8
+CONFLICT = -1  # ``allowed`` of the multi-rule reply for a decision record of another question
+
+ScriptCall = tuple[str, list[Any], list[Any]]  # (script name, KEYS, ARGV): what the store sends by EVALSHA
+
+
+class Call(NamedTuple):
+    """One rule's slot in a multi-rule call (immutable, built per decision: created in C)."""
+
+    key: str
+    kind: str  # a registered call kind (kernel.algorithms.KINDS)
+    params: Params
+
+
+class RuleArgv(list[Any]):
+    """A multi-rule call's ARGV whose rule slots (``argv[3:-1]``) are ``rules``: the kinds and
+    parameters checked once per policy snapshot, selection and cost (region_agent.decision.plan.Shape),
+    the same tuple for every call of that shape. A list like any ARGV; the store's packer
+    encodes ``rules`` once per shape instead of once per call (region_agent.store.scripts)."""
+
+    __slots__ = ("rules",)
+    rules: tuple[object, ...]
+
+
+class MultiRuleResult(NamedTuple):
+    allowed: bool
+    denied_by: int  # 1-based index into the rule slots, 0 = none
+    retry_after_ms: int  # -1 = never
+    remaining: tuple[int, ...]
+
+
+def multi_rule_argv(decision_key: str, rules: Sequence[Call], *, slack_ms: int, decision_ttl_ms: int,
+                    member: str, question: str = "") -> tuple[list[str], list[str | int]]:
+    """KEYS and ARGV for ``multi_rule.lua``. Shape errors raise :class:`ScriptRejected` here.
+    ``question`` is stored with a decision record and compared on a replay."""
+    if not 1 <= len(rules) <= MAX_RULES:
+        raise ScriptRejected(f"a multi-rule call takes 1..{MAX_RULES} rules, got {len(rules)}")
+    keys = [decision_key]
+    argv: list[str | int] = [slack_ms, decision_ttl_ms, member]
+    for r in rules:
+        if r.kind not in KINDS:
+            raise ScriptRejected(f"unknown rule kind {r.kind!r}")
+        if len(r.params) != 5:
+            raise ScriptRejected("each rule takes exactly five parameters")
+        keys.append(r.key)
+        argv.append(r.kind)
+        argv.extend(r.params)
+    if len(set(keys[1:])) != len(keys) - 1:
+        raise ScriptRejected("the same key is listed for two rules")
+    argv.append(question)
+    return keys, argv
+
+
+def multi_rule_call(rules: Sequence[Call], *, decision_key: str, slack_ms: int, decision_ttl_ms: int,
+                    member: str, question: str = "") -> ScriptCall:
+    keys, argv = multi_rule_argv(decision_key, rules, slack_ms=slack_ms, decision_ttl_ms=decision_ttl_ms,
+                                 member=member, question=question)
+    return (MULTI_RULE, keys, argv)
+
+
+def prechecked_call(rules: Sequence[Call], argv_rules: tuple[object, ...], *, decision_key: str, slack_ms: int,
+                    decision_ttl_ms: int, member: str, question: str = "") -> ScriptCall:
+    """:func:`multi_rule_call` for slots whose shape was checked once (``argv_rules``: their kinds
+    and parameters, from :func:`multi_rule_argv` per policy snapshot, selection and cost —
+    region_agent.decision.plan.Shape); only the keys, which come with the request, are checked here."""
+    keys = [decision_key]
+    for r in rules:
+        keys.append(r.key)
+    if len(keys) > 2 and len(set(keys[1:])) != len(keys) - 1:
+        raise ScriptRejected("the same key is listed for two rules")
+    argv = RuleArgv((slack_ms, decision_ttl_ms, member, *argv_rules, question))
+    argv.rules = argv_rules
+    return (MULTI_RULE, keys, argv)
+
+
+def _raise_error(reply: Any) -> None:
+    """A pipeline slot holding an error (the store puts contract errors there) raises it."""
+    if isinstance(reply, BaseException):
+        raise reply if isinstance(reply, LeaseholdError) else StoreUnavailable(f"store error ({type(reply).__name__})")
+
+
+_new_tuple = tuple.__new__
+
+
+def parse_multi_rule(reply: Any) -> MultiRuleResult:
+    """The script's reply — or the contract error in its pipeline slot, raised — as a result;
+    raises :class:`DecisionConflict` for its conflict reply (allowed -1)."""
+    if reply.__class__ is list and len(reply) >= 4:  # the common case first: a list of ints (hiredis)
+        allowed = reply[0]
+        if allowed.__class__ is int and allowed != CONFLICT:
+            remaining = reply[3:]
+            for x in remaining:
+                if x.__class__ is not int:
+                    break
+            else:
+                denied_by, retry = reply[1], reply[2]
+                if denied_by.__class__ is int and retry.__class__ is int:
+                    return _new_tuple(MultiRuleResult, (allowed != 0, denied_by, retry, tuple(remaining)))
+    _raise_error(reply)
+    if not isinstance(reply, list | tuple) or len(reply) < 4:
+        raise ScriptRejected("unexpected reply shape from the multi-rule script")
+    try:
+        vals = list(map(int, reply))
+    except (TypeError, ValueError):
+        raise ScriptRejected("unexpected reply shape from the multi-rule script") from None
+    if vals[0] == CONFLICT:
+        raise DecisionConflict("requestId already has a decision for another question (tenant, principal, "
+                               "route group or cost); use a fresh requestId")
+    return MultiRuleResult(bool(vals[0]), vals[1], vals[2], tuple(vals[3:]))
+
+
+# --- pool_take.lua: a gateway chunk bought from a fleet-wide pool balance ----------------------
+class PoolTake(NamedTuple):
+    taken: int  # tokens debited (0 = fewer than ``min`` were spendable; nothing written)
+    remaining: int  # spendable after the take
+    valid_for_ms: int  # the chunk must not outlive the leases it came from (0 when nothing taken)
+    next_from_ms: int  # until the earliest not-yet-valid lease becomes valid (0 = none)
+
+
+def pool_take_call(key: str, *, min_tokens: int, want: int, slack_ms: int, per_s: int = 0) -> ScriptCall:
+    """``per_s`` > 0: at most that many tokens per second of the chunk's validity (a chunk taken
+    from a lease that ends sooner holds no more than its holder can spend by then)."""
+    return ("pool_take", [key], [min_tokens, want, slack_ms, per_s])
+
+
+def parse_pool_take(reply: Any) -> PoolTake:
+    _raise_error(reply)
+    if not isinstance(reply, list | tuple) or len(reply) != 4:
+        raise ScriptRejected("unexpected reply shape from pool_take")
+    return PoolTake(*(int(x) for x in reply))
+
+
+# --- a plan's calls ------------------------------------------------------------------------------
+def plan_calls(plan: Plan) -> list[ScriptCall]:
+    """The script calls of ``plan``: the enforced rules' multi-rule call (with the decision
+    record, when the request has one), then the shadow rules' (never a record); either may be absent."""
+    calls = []
+    if plan.calls:
+        if plan.argv_rules is not None:  # slots checked once per policy snapshot, selection and cost
+            calls.append(prechecked_call(plan.calls, plan.argv_rules, decision_key=plan.decision_key,
+                                         slack_ms=plan.slack_ms, decision_ttl_ms=plan.decision_ttl_ms,
+                                         member=plan.request_id, question=plan.question))
+        else:
+            calls.append(multi_rule_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
+                                         decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
+                                         question=plan.question))
+    if plan.shadow_calls:
+        calls.append(multi_rule_call(plan.shadow_calls, decision_key=plan.decision_key,
+                                     slack_ms=max(r.rule.ttl_slack_ms for r in plan.shadow_slots),
+                                     decision_ttl_ms=0, member=plan.request_id))
+    return calls
+
+
+def result_of(reply: Any) -> MultiRuleResult | LeaseholdError:
+    """The multi-rule reply in a pipeline slot as a result, or the contract error it means."""
+    try:
+        return parse_multi_rule(reply)
+    except LeaseholdError as e:
+        return e

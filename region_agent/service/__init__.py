@@ -1,0 +1,1 @@
+"""The agent as a service: the HTTP doors, settings, metrics, tracing, policy reloads and logs."""

@@ -1,0 +1,182 @@
+"""The happy path of ``POST /v1/admit`` and ``POST /v1/admit/batch`` without the framework's
+per-request machinery.
+
+A gateway calls ``/v1/admit`` once per request it serves, so the agent's CPU per call is the
+product. Litestar's route pipeline (signature model, data extraction, response object, header
+handling) costs about as much as the decision itself (``make bench`` figure 2 profile). This
+ASGI middleware, installed app-wide, serves exactly the common case itself:
+
+    POST /v1/admit, one ``Content-Type: application/json``, a body within the size limit that
+    decodes (strictly, no repeated keys: :mod:`kernel.jsonbody`) into :class:`AdmitRequest`, and
+    a caller the guard would let in.
+
+(A batch is served the same way: ``POST /v1/admit/batch`` with a body that decodes into
+:class:`AdmitBatch`, through the batch handler's own ``decide_batch``.) A repeated key is looked
+for by counting (``kernel.jsonbody.repeats_keys`` with the keys the decoded value shows), which
+is exact and falls back to the full check whenever the count cannot prove there is none.
+
+It then asks the agent's one admission (:class:`region_agent.decision.admission.Admission`, as the
+handler does) and answers 200 with the decision encoded exactly as Litestar would (msgspec JSON
+of the same Struct); a request-id conflict is the handler's 409. A question the admission
+cannot answer (:class:`LeaseholdError`, e.g. an invalid tenant id) becomes the same
+problem+json answer as the app's exception handler gives. **Everything else** — another route
+or method, a missing or bad credential, another content type, an oversized, malformed or
+non-conforming body, an agent still starting — is handed to the normal Litestar handler with the
+body bytes replayed, so every error keeps its one code path (and its 4xx problem+json). A body
+announced larger than the limit is handed over before anything is read (the handler answers
+413 at once instead of waiting for bytes that may never come).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from kernel.asgi import read_body, replay
+from kernel.auth import SCOPE_KEY
+from kernel.errors import LeaseholdError
+from kernel.http_errors import problem_answer
+from kernel.jsonbody import content_type_of, is_json_media_type, repeats_keys
+
+from ..decision.admission import http_conflict, is_conflict
+from ..models import MAX_BATCH_BODY_BYTES, AdmitBatch, AdmitRequest, keys_shown
+
+ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+PATH = "/v1/admit"
+BATCH_PATH = "/v1/admit/batch"
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+log = logging.getLogger(__name__)
+_decode = msgspec.json.Decoder(AdmitRequest).decode
+_decode_batch = msgspec.json.Decoder(AdmitBatch).decode
+_encode = msgspec.json.Encoder().encode
+
+
+def admit_fast_path(state_of: Callable[[], Any], max_body: int,
+                    decide_batch: Callable[..., Awaitable[Any]] | None = None,
+                    batch_max_body: int = MAX_BATCH_BODY_BYTES) -> Callable[[ASGIApp], ASGIApp]:
+    """Litestar middleware factory; ``state_of()`` returns the agent's ``AgentState`` (its
+    ``admission`` answers); ``decide_batch(state, requests, carrier)`` the batch handler's own body
+    (``region_agent.service.app.decide_batch``): with it, ``POST /v1/admit/batch`` is served the same way.
+    The request's headers go to the admission as the gateway's trace context."""
+
+    def middleware(app: ASGIApp) -> ASGIApp:
+        async def serve(scope: dict, receive: Callable[[], Awaitable[dict]],
+                        send: Callable[[dict], Awaitable[None]]) -> None:
+            if scope["type"] != "http" or scope["method"] != "POST":
+                await app(scope, receive, send)
+                return
+            path = scope["path"]
+            if path == PATH:
+                limit, batch = max_body, False
+            elif path == BATCH_PATH and decide_batch is not None:
+                limit, batch = batch_max_body, True
+            else:
+                await app(scope, receive, send)
+                return
+            st = state_of()
+            raw_headers = scope.get("headers", ())
+            if st.engine is None or not _plain_json(raw_headers) or _announced(raw_headers) > limit:
+                # another content type (415), or a body announced too large: the handler answers
+                # at once (413 before reading anything)
+                await app(scope, receive, send)
+                return
+            if st.auth is not None:
+                try:
+                    who = st.auth.check(path, raw_headers)  # the guard's own check, same header list
+                except LeaseholdError:
+                    await app(scope, receive, send)  # the guard answers 401 (before reading the body)
+                    return
+                if who is not None:
+                    scope[SCOPE_KEY] = who
+            chunks, body = await read_body(receive, limit)
+            req: Any = None
+            if body is not None:
+                try:
+                    req = _decode_batch(body) if batch else _decode(body)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    req = None
+                if req is not None:
+                    shown = 1 + sum(map(keys_shown, req.requests)) if batch else keys_shown(req)
+                    if repeats_keys(body, shown):
+                        req = None  # the handler answers 400 (kernel.jsonbody)
+            if req is None:
+                await app(scope, replay(chunks, receive), send)
+                return
+            try:
+                if batch:
+                    await _answer_batch(st, req, send, decide_batch, raw_headers)  # type: ignore[arg-type]  # decide_batch is set whenever batch is true
+                else:
+                    await _answer(st, req, send, raw_headers)
+            except Exception:  # a bug: the app's exception handler's answer (nothing was sent yet)
+                log.exception("unhandled error on %s", path)
+                await _send_problem(send, LeaseholdError("internal error"), path)
+
+        return serve
+
+    return middleware
+
+
+def install(app: Any, middleware: Callable[[ASGIApp], ASGIApp]) -> None:
+    """Put the fast path in front of the Litestar app's router. ``Litestar.__call__`` sets
+    ``scope["app"]`` and ``scope["state"]`` and then calls ``app.asgi_handler`` (the router behind
+    the app's exception handling): wrapping that attribute lets a served request skip the route
+    lookup and the route's middleware stack (about 5 % of a request's CPU as an app-level
+    middleware), while everything handed over still meets the full app. The one place that knows
+    this part of Litestar; ``tests/integration/region_agent/test_fastpath.py`` fails when it changes."""
+    if not callable(getattr(app, "asgi_handler", None)):
+        raise RuntimeError("Litestar no longer has asgi_handler: region_agent.service.fastpath.install needs a new seam")
+    app.asgi_handler = middleware(app.asgi_handler)
+
+
+async def _answer_batch(st: Any, batch: AdmitBatch, send: Callable[[dict], Awaitable[None]],
+                        decide_batch: Callable[..., Awaitable[Any]], raw_headers: Any = ()) -> None:
+    try:
+        decisions = await decide_batch(st, batch.requests, raw_headers)
+    except LeaseholdError as e:
+        return await _send_problem(send, e, BATCH_PATH)
+    await _send(send, 200, _encode(decisions), _JSON_HEADERS)
+
+
+async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[None]], raw_headers: Any = ()) -> None:
+    try:
+        decision = await st.admission.decide_one(req, door="http", carrier=raw_headers, decoded=True)
+    except LeaseholdError as e:
+        return await _send_problem(send, e, PATH)
+    if is_conflict(decision):
+        return await _send_problem(send, http_conflict(decision), PATH)  # as the handler: 409
+    await _send(send, 200, _encode(decision), _JSON_HEADERS)
+
+
+async def _send_problem(send: Callable[[dict], Awaitable[None]], e: LeaseholdError, path: str) -> None:
+    """The app's exception handler's answer (kernel.http_errors)."""
+    status, named, payload = problem_answer(e, path)
+    await _send(send, status, payload, [(k.encode("latin-1"), v.encode("latin-1")) for k, v in named.items()])
+
+
+async def _send(send: Callable[[dict], Awaitable[None]], status: int, payload: bytes, headers: list) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _plain_json(raw_headers: Any) -> bool:
+    """One Content-Type header, application/json (kernel.jsonbody's rule)."""
+    try:
+        return is_json_media_type(content_type_of(raw_headers))
+    except LeaseholdError:
+        return False
+
+
+def _announced(raw_headers: Any) -> int:
+    """The Content-Length the client announced (0 when absent or unreadable: the handler judges)."""
+    for name, value in raw_headers:
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
+

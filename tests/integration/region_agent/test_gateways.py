@@ -1,0 +1,263 @@
+"""The gateway front doors of an in-process agent against a real Redis: the RLS v3 gRPC server
+(``--rls-port``, served in the app's own event loop) and ``/v1/authz``. They are the same
+decision path as ``/v1/admit``: one user's P-READ bucket is shared by all three doors."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from litestar.testing import AsyncTestClient
+
+from leasehold.local.procs import free_port
+from region_agent.service.app import create_app
+
+from .conftest import PEPPER, make_settings
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "gw-token-0123456789abcdef"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+META = (("authorization", f"Bearer {TOKEN}"),)
+D = ratelimit_pb2.RateLimitDescriptor
+R = rls_pb2.RateLimitResponse
+
+
+def desc(*entries: tuple[str, str], hits: int | None = None) -> ratelimit_pb2.RateLimitDescriptor:
+    d = D(entries=[D.Entry(key=k, value=v) for k, v in entries])
+    if hits is not None:
+        d.hits_addend.value = hits
+    return d
+
+
+def user(u: str = "U-17", route: str = "read", tenant: str = "atlas") -> ratelimit_pb2.RateLimitDescriptor:
+    return desc(("tenant", tenant), ("user", u), ("api_key", "K1"), ("route_group", route))
+
+
+@pytest.fixture
+async def gw(redis_url: str, policy_file: Path) -> AsyncIterator[tuple[AsyncTestClient, rls_pb2_grpc.RateLimitServiceStub]]:
+    port = free_port()
+    settings = make_settings(redis_url, policy_file, auth_disabled=False, rls_port=port,
+                             gateway_tokens=["edge:" + hashlib.sha256(TOKEN.encode()).hexdigest()],
+                             authz_route_prefixes=["/reports/export=export", "/login=login", "/=read"])
+    app = create_app(settings, pepper=PEPPER)
+    async with AsyncTestClient(app=app) as client:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            yield client, rls_pb2_grpc.RateLimitServiceStub(ch)
+
+
+async def rls(stub, *descriptors, domain: str = "leasehold", hits: int = 0, metadata=META) -> R:
+    return await stub.ShouldRateLimit(rls_pb2.RateLimitRequest(domain=domain, descriptors=list(descriptors),
+                                                               hits_addend=hits), metadata=metadata, timeout=10)
+
+
+async def metric(client: AsyncTestClient, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in (await client.get("/metrics")).text.splitlines():
+        if line.startswith(name + "{"):
+            head, _, value = line.rpartition(" ")
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+    return total
+
+
+async def test_one_bucket_behind_three_doors(gw):
+    """7 via RLS, 7 via /v1/admit, 6 via /v1/authz spend U-17's 20 tokens; the 21st is denied
+    on each door with the same Retry-After and RateLimit fields."""
+    client, stub = gw
+    admit = {"requestId": "r-000000001", "tenantId": "atlas", "principal": {"type": "user", "id": "U-17",
+             "apiKeyId": "K1"}, "routeGroup": "read"}
+    hdrs = {**AUTH, "x-tenant-id": "atlas", "x-user-id": "U-17", "x-api-key-id": "K1"}
+    for _ in range(7):
+        assert (await rls(stub, user())).overall_code == R.OK
+    for i in range(7):
+        d = (await client.post("/v1/admit", json={**admit, "requestId": f"r-00000010{i}"}, headers=AUTH)).json()
+        assert d["allowed"]
+    for _ in range(6):
+        assert (await client.get("/v1/authz/catalog", headers=hdrs)).status_code == 200
+    resp = await rls(stub, user())
+    assert resp.overall_code == R.OVER_LIMIT
+    (st,) = resp.statuses
+    assert st.code == R.OVER_LIMIT and st.limit_remaining == 0
+    assert (st.current_limit.name, st.current_limit.requests_per_unit, st.current_limit.unit) == \
+        ("read-user-v3", 2, R.RateLimit.SECOND)
+    # the store's hint, not a measured time: P-READ refills one token every 500 ms, so the next
+    # one is due within one refill interval (docs/invariants.md P-READ)
+    p_read_token_ms = 500
+    assert st.duration_until_reset.ToMilliseconds() in range(1, p_read_token_ms + 1)
+    headers = {h.key: h.value for h in resp.response_headers_to_add}
+    assert headers == {"Retry-After": "1", "RateLimit-Policy": '"read-user-v3";q=20;w=10',
+                       "RateLimit": '"read-user-v3";r=0;t=1', "content-type": "application/problem+json"}
+    assert b'"status":429' in resp.raw_body
+    assert resp.dynamic_metadata.fields["leasehold_status"].number_value == 429
+    d = (await client.post("/v1/admit", json={**admit, "requestId": "r-000000200"}, headers=AUTH)).json()
+    assert d["httpStatus"] == 429 and d["headers"]["RateLimit"] == headers["RateLimit"]
+    a = await client.get("/v1/authz", headers={**hdrs, "x-route-group": "read"})
+    assert a.status_code == 429 and a.headers["retry-after"] == "1" and a.headers["ratelimit"] == headers["RateLimit"]
+    assert a.json()["status"] == 429
+    assert await metric(client, "leasehold_agent_decisions_total", outcome="denied", rule="read-user-v3") == 3
+
+
+async def test_allowed_status_and_hits_addend_cost(gw):
+    client, stub = gw
+    resp = await rls(stub, user("U-2"), hits=5)
+    assert resp.overall_code == R.OK
+    (st,) = resp.statuses
+    assert st.code == R.OK and st.limit_remaining == 15 and st.current_limit.name == "read-user-v3"
+    assert {h.key: h.value for h in resp.response_headers_to_add} == {
+        "RateLimit-Policy": '"read-user-v3";q=20;w=10', "RateLimit": '"read-user-v3";r=15;t=0'}
+    resp = await rls(stub, user("U-2", route="read"), desc(("remote_address", "203.0.113.9"), ("route_group", "login"),
+                                                           hits=2))
+    assert [s.code for s in resp.statuses] == [R.OK, R.OK]
+    assert resp.statuses[0].limit_remaining == 14  # request-level hits_addend 0 = 1
+    anon = resp.statuses[1]
+    assert not anon.HasField("current_limit") and anon.limit_remaining == 0  # nothing for a pre-auth caller
+
+
+async def test_several_descriptors_one_denial_decides(gw):
+    client, stub = gw
+    for attempt in range(3):  # P-ANON is a fixed window of 10 s: its 21 calls must fall in one
+        address = f"198.51.100.{7 + attempt}"
+        started = time.time()
+        for _ in range(20):
+            await rls(stub, desc(("remote_address", address), ("route_group", "login")))
+        resp = await rls(stub, user("U-3"), desc(("remote_address", address), ("route_group", "login")))
+        if started // 10 == time.time() // 10:
+            break  # else a window boundary fell among them (a stall): again with a fresh address
+    assert resp.overall_code == R.OVER_LIMIT
+    assert [s.code for s in resp.statuses] == [R.OK, R.OVER_LIMIT]
+    headers = {h.key: h.value for h in resp.response_headers_to_add}
+    assert "RateLimit" not in headers and 1 <= int(headers["Retry-After"]) <= 10  # the anonymous denial's answer
+    assert b"read-user-v3" not in resp.raw_body
+
+
+@pytest.mark.parametrize(("descriptors", "domain", "reason"), [
+    ([desc(("tenant", "atlas"), ("user", "U-1"), ("route_group", "read"), ("header_match", "x"))], "leasehold", "unknown_key"),
+    ([user()], "other", "unknown_domain"),
+    ([], "leasehold", "no_descriptors"),
+    ([user()] * 9, "leasehold", "too_many_descriptors"),
+    ([desc(("tenant", "atlas"), ("user", "U-1"))], "leasehold", "missing_route_group"),
+    ([desc(("user", "U-1"), ("route_group", "read"))], "leasehold", "missing_tenant"),
+    ([desc(("tenant", "atlas"), ("route_group", "read"))], "leasehold", "missing_principal"),
+    ([desc(("tenant", "atlas"), ("user", "U-1"), ("service", "S"), ("route_group", "read"))], "leasehold",
+     "conflicting_principal"),
+    ([desc(("tenant", "At}las"), ("user", "U-1"), ("route_group", "read"))], "leasehold", "bad_value"),
+    ([desc(("remote_address", "not-an-ip"), ("route_group", "login"))], "leasehold", "bad_value"),
+    ([desc(("tenant", "atlas"), ("user", "U-1"), ("route_group", "read"), hits=0)], "leasehold", "bad_cost"),
+    ([desc(("tenant", "atlas"), ("user", "U-1"), ("route_group", "read"), hits=1001)], "leasehold", "bad_cost"),
+    ([desc(("tenant", "atlas"), ("user", "U-1"), ("route_group", "read"), ("tenant", "birch"))], "leasehold",
+     "duplicate_key"),
+])
+async def test_unknown_or_malformed_descriptors_are_refused_and_counted(gw, descriptors, domain, reason):
+    client, stub = gw
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await rls(stub, *descriptors, domain=domain)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert await metric(client, "leasehold_agent_rls_invalid_total", reason=reason) == 1
+    assert await metric(client, "leasehold_agent_rls_requests_total", outcome="invalid") == 1
+    assert await metric(client, "leasehold_agent_decisions_total") == 0  # nothing was decided
+
+
+async def test_limit_override_is_refused(gw):
+    client, stub = gw
+    d = user()
+    d.limit.requests_per_unit = 1_000_000
+    d.limit.unit = R.RateLimit.SECOND
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await rls(stub, d)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert await metric(client, "leasehold_agent_rls_invalid_total", reason="limit_override") == 1
+
+
+@pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong-token-xxxxxxxx"),),
+                                      (("authorization", TOKEN),)])
+async def test_rls_needs_the_gateway_token(gw, metadata):
+    client, stub = gw
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await rls(stub, user(), metadata=metadata)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert await metric(client, "leasehold_agent_rls_requests_total", outcome="unauthenticated") == 1
+    assert await metric(client, "leasehold_agent_decisions_total") == 0
+
+
+async def test_authz_questions_from_headers(gw):
+    client, _ = gw
+    base = {**AUTH, "x-tenant-id": "atlas", "x-user-id": "U-5"}
+    # the route group from the route-prefix map over X-Forwarded-Uri (Traefik) or the appended path (Envoy)
+    r = await client.get("/v1/authz", headers={**base, "x-forwarded-uri": "/reports/export/q3?x=1"})
+    assert r.status_code == 200 and "ratelimit" not in r.headers  # export is a tenant rule: no RateLimit fields
+    r = await client.request("DELETE", "/v1/authz/catalog/items", headers=base)
+    assert r.status_code == 200 and r.headers["ratelimit"] == '"read-user-v3";r=19;t=0' and r.content == b""
+    r = await client.head("/v1/authz/catalog", headers={**base, "x-leasehold-cost": "4"})
+    assert r.status_code == 200 and r.headers["ratelimit"] == '"read-user-v3";r=15;t=0'
+    # a gateway that forwards the client's own Authorization sends its token in X-Leasehold-Authorization
+    r = await client.get("/v1/authz/catalog", headers={**base, "authorization": "Bearer the-clients-own-jwt",
+                                                         "x-leasehold-authorization": AUTH["authorization"]})
+    assert r.status_code == 200
+    r = await client.get("/v1/authz/catalog", headers={**base, "authorization": "Bearer the-clients-own-jwt"})
+    assert r.status_code == 401 and r.headers["content-type"] == "application/problem+json"
+    # nginx: denials as 403 with the real status beside it
+    for _ in range(16):
+        await client.get("/v1/authz/catalog", headers=base)
+    r = await client.get("/v1/authz/catalog", headers={**base, "x-leasehold-deny-status": "403"})
+    assert r.status_code == 403 and r.headers["x-leasehold-status"] == "429" and r.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize(("headers", "status", "reason"), [
+    ({"x-tenant-id": "atlas", "x-user-id": "U-6", "x-leasehold-cost": "0"}, 422, "bad_cost"),
+    ({"x-tenant-id": "atlas", "x-user-id": "U-6", "x-leasehold-cost": "12a"}, 422, "bad_cost"),
+    ({"x-tenant-id": "atlas"}, 422, "missing_principal"),
+    ({"x-user-id": "U-6"}, 422, "missing_tenant"),
+    ({"x-tenant-id": "ATLAS", "x-user-id": "U-6"}, 422, "bad_value"),
+    ({"x-real-ip": "999.1.1.1"}, 422, "bad_value"),
+    ({"x-tenant-id": "atlas", "x-user-id": "U-6", "x-leasehold-deny-status": "200"}, 400, None),
+    ({"x-tenant-id": "atlas", "x-user-id": "U-6", "x-request-id": "short"}, 422, "bad_value"),
+])
+async def test_authz_malformed_questions_are_problems(gw, headers, status, reason):
+    client, _ = gw
+    r = await client.get("/v1/authz/catalog", headers={**AUTH, **headers})
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/problem+json" and r.json()["status"] == status
+    if reason:
+        assert await metric(client, "leasehold_agent_authz_invalid_total", reason=reason) == 1
+    assert await metric(client, "leasehold_agent_decisions_total") == 0
+
+
+async def test_a_replayed_request_id_is_a_denial_on_every_door_never_an_error(gw):
+    """An idempotent rule (export) keeps a decision record per request id. The same id asked by
+    another user is a decision on every door: /v1/admit 409, forward auth 409, the rate limit
+    service OVER_LIMIT with the 409 problem (a gRPC error there is what Envoy's
+    ``failure_mode_deny: false`` lets through) — one descriptor or several."""
+    client, stub = gw
+
+    def export(u: str, rid: str) -> ratelimit_pb2.RateLimitDescriptor:
+        return desc(("tenant", "atlas"), ("user", u), ("route_group", "export"), ("request_id", rid))
+
+    first = await rls(stub, export("U-1", "rid-replayed-01"))
+    assert first.overall_code == R.OK
+    again = await rls(stub, export("U-2", "rid-replayed-01"))  # was gRPC INTERNAL: Envoy passed it
+    assert again.overall_code == R.OVER_LIMIT and [s.code for s in again.statuses] == [R.OVER_LIMIT]
+    assert b'"status":409' in again.raw_body and b"decision-conflict" in again.raw_body
+    assert again.dynamic_metadata["leasehold_status"] == 409
+    assert await metric(client, "leasehold_agent_rls_requests_total", outcome="conflict_409") == 1
+    # with a second descriptor in the call (the batch path) the answer is the same denial
+    two = await rls(stub, export("U-3", "rid-replayed-02"), user("U-3"))
+    assert two.overall_code == R.OK
+    two_again = await rls(stub, export("U-4", "rid-replayed-02"), user("U-4"))
+    assert two_again.overall_code == R.OVER_LIMIT
+    assert [s.code for s in two_again.statuses] == [R.OVER_LIMIT, R.OK]
+    # forward auth and /v1/admit: 409 problems for a replayed id
+    hdrs = {**AUTH, "x-tenant-id": "atlas", "x-user-id": "U-5", "x-request-id": "rid-replayed-03"}
+    assert (await client.get("/v1/authz/reports/export", headers=hdrs)).status_code == 200
+    r = await client.get("/v1/authz/reports/export", headers={**hdrs, "x-user-id": "U-6"})
+    assert r.status_code == 409 and r.json()["type"].endswith("/decision-conflict")
+    body = {"requestId": "rid-replayed-01", "tenantId": "atlas", "principal": {"type": "user", "id": "U-7"},
+            "routeGroup": "export"}
+    r = await client.post("/v1/admit", json=body, headers=AUTH)
+    assert r.status_code == 409 and r.json()["decisionId"] == "rid-replayed-01"

@@ -1,0 +1,169 @@
+"""Pure translation between gateways' protocols and Leasehold's question and answer
+(region_agent.gateways.mapping / .answer): settings parsing, descriptor and header mapping,
+units of current_limit, and which decision's answer the caller gets."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kernel.bundle import load_bundle_file
+from region_agent.decision.plan import Snapshot
+from region_agent.gateways.answer import authz_answer, deciding, per_unit, rls_answer
+from region_agent.gateways.authz import _headers
+from region_agent.gateways.mapping import (
+    AUTHZ_DEFAULT_HEADERS,
+    DESCRIPTOR_KEY_RE,
+    RLS_DEFAULT_KEYS,
+    BadQuestion,
+    Descriptor,
+    Names,
+    authz_question,
+    parse_names,
+    parse_route_prefixes,
+    rls_questions,
+    route_of,
+)
+from region_agent.models import Decision
+from region_agent.service.settings import load_agent_settings
+
+NAMES = Names.build(authz_route_prefixes=["/reports/export=export", "/login=login", "/=read"])
+BUNDLE = load_bundle_file("policies/northstar.json")
+GLOBAL = load_bundle_file("policies/northstar-global.json")
+
+
+def d(*entries: tuple[str, str], hits: int | None = None, limit: bool = False) -> Descriptor:
+    return Descriptor(entries=entries, hits_addend=hits, has_limit_override=limit)
+
+
+def test_default_names_are_distinct_and_overridable():
+    assert len(set(RLS_DEFAULT_KEYS.values())) == len(RLS_DEFAULT_KEYS)
+    assert len(set(AUTHZ_DEFAULT_HEADERS.values())) == len(AUTHZ_DEFAULT_HEADERS)
+    n = Names.build(rls_keys=["client_ip=source_ip", "tenant=org"], authz_headers=["tenant=X-Org-Id"])
+    assert n.rls_fields["source_ip"] == "client_ip" and n.rls_fields["org"] == "tenant"
+    assert "remote_address" not in n.rls_fields and n.headers["tenant"] == "x-org-id"
+
+
+@pytest.mark.parametrize("items", [["bogus=x"], ["tenant"], ["tenant=has space"], ["tenant=user"],
+                                   ["tenant=a", "user=a"]])
+def test_bad_rls_key_overrides_are_settings_errors(items):
+    with pytest.raises(ValueError):
+        parse_names(items, RLS_DEFAULT_KEYS, DESCRIPTOR_KEY_RE, "rls key")
+
+
+def test_settings_validate_the_mapping_at_start():
+    with pytest.raises(SystemExit):
+        load_agent_settings(["--rls-keys", "tenant=user"])
+    with pytest.raises(SystemExit):
+        load_agent_settings(["--authz-route-prefixes", "reports=export"])
+    s = load_agent_settings(["--rls-port", "9090", "--authz-route-prefixes", "/a=x,/a/b=y"])
+    assert s.rls_port == 9090 and s.authz_route_prefixes == ["/a=x", "/a/b=y"]
+
+
+def test_route_prefixes_longest_first_on_path_segments():
+    p = parse_route_prefixes(["/=read", "/reports/export=export", "/login=login"])
+    assert route_of("/reports/export/q3?x=1", p) == "export"
+    assert route_of("/reports/exporter", p) == "read"  # not a path-segment prefix
+    assert route_of("/login", p) == "login" and route_of("/catalog", p) == "read"
+    assert route_of("/x", parse_route_prefixes(["/y=read"])) is None
+    with pytest.raises(ValueError):
+        parse_route_prefixes(["/a=read", "/a=export"])
+
+
+def test_one_descriptor_one_question():
+    (q,) = rls_questions(NAMES, "leasehold", [d(("tenant", "atlas"), ("user", "U-17"), ("api_key", "K1"),
+                                                 ("route_group", "read"), ("request_id", "req-12345678"))], 3)
+    assert (q.tenant_id, q.principal.type, q.principal.id, q.principal.api_key_id, q.route_group, q.cost_hint,
+            q.request_id) == ("atlas", "user", "U-17", "K1", "read", 3, "req-12345678")
+    (q,) = rls_questions(NAMES, "leasehold", [d(("remote_address", "203.0.113.9"), ("route_group", "login"), hits=2)], 5)
+    assert q.principal.type == "anonymous" and q.principal.id == "203.0.113.9" and q.cost_hint == 2
+    (q,) = rls_questions(NAMES, "leasehold", [d(("remote_address", "203.0.113.9"), ("auth_failed", "true"),
+                                                 ("tenant", "atlas"), ("user", "U-17"), ("route_group", "login"))], 0)
+    assert q.auth_failed and q.client_ip == "203.0.113.9" and q.cost_hint == 1
+    qs = rls_questions(NAMES, "leasehold", [d(("tenant", "atlas"), ("user", "U-1"), ("route_group", "read"),
+                                              ("request_id", "req-12345678"))] * 2, 0)
+    assert [q.request_id for q in qs] == ["req-12345678:0", "req-12345678:1"]  # one decision record each
+
+
+@pytest.mark.parametrize(("descs", "reason"), [
+    ([d(("tenant", "atlas"), ("user", "U-1"), ("route_group", "read"), limit=True)], "limit_override"),
+    ([d(("generic_key", "x"), ("route_group", "read"))], "unknown_key"),
+    ([d(("service", "S"), ("route_group", "read"), ("tenant", "atlas"), ("user", "U"))], "conflicting_principal"),
+    ([d(("remote_address", "1.2.3.4"), ("route_group", "login"), ("auth_failed", "yes"))], "bad_value"),
+    ([d(("auth_failed", "true"), ("route_group", "login"))], "missing_client_ip"),
+    ([d(("remote_address", "1.2.3.4"), ("tenant", "atlas"), ("route_group", "login"))], "missing_principal"),
+    ([d(("tenant", "atlas"), ("user", "U-1"), ("route_group", "Read"))], "bad_value"),
+    ([d(("tenant", "atlas"), ("user", "U-1"), ("route_group", "read"), ("method", "get"))], "bad_value"),
+])
+def test_malformed_descriptors(descs, reason):
+    with pytest.raises(BadQuestion) as e:
+        rls_questions(NAMES, "leasehold", descs, 1)
+    assert e.value.reason == reason and e.value.status == 422
+
+
+def test_authz_question_from_headers():
+    h = {"x-tenant-id": "atlas", "x-user-id": "U-17", "x-forwarded-uri": "/reports/export/1", "x-leasehold-cost": "2",
+         "x-request-id": "0f8e7d6c-5b4a-4938-8271-605f4e3d2c1b", "x-forwarded-method": "POST"}
+    q = authz_question(NAMES, h, method="GET", forwarded_path=None)
+    assert (q.route_group, q.cost_hint, q.method, q.request_id) == ("export", 2, "POST", h["x-request-id"])
+    q = authz_question(NAMES, {"x-real-ip": "2001:db8::1"}, method="DELETE", forwarded_path="/login")
+    assert q.principal.type == "anonymous" and q.route_group == "login" and q.method == "DELETE"
+    assert q.request_id.startswith("authz-")
+    q = authz_question(NAMES, {"x-real-ip": "2001:db8::1", "x-route-group": "export", "x-forwarded-uri": "/login"},
+                       method="GET", forwarded_path=None)
+    assert q.route_group == "export"  # an explicit route group wins over the prefix map
+
+
+def test_duplicate_identity_headers_are_refused_other_duplicates_are_not():
+    scope = {"headers": [(b"x-user-id", b"U-7"), (b"X-User-Id", b"U-8")]}
+    with pytest.raises(BadQuestion) as e:
+        _headers(scope, frozenset({"x-user-id"}))
+    assert e.value.reason == "duplicate_header"
+    assert _headers({"headers": [(b"accept", b"a"), (b"accept", b"b")]}, frozenset({"x-user-id"})) == {"accept": "b"}
+
+
+def test_per_unit_of_the_northstar_rules():
+    rules = {r.id: r for r in BUNDLE.rules}
+    assert per_unit(rules["read-user-v3"], Snapshot(BUNDLE)) == (2, "SECOND")  # 2,000 millitokens per 1,000 ms
+    assert per_unit(rules["tenant-atlas-minute"], Snapshot(BUNDLE)) == (1000, "MINUTE")
+    assert per_unit(rules["anon-login"], Snapshot(BUNDLE)) is None  # 20 per 10 s is no whole unit
+    g = {r.id: r for r in GLOBAL.rules}
+    assert per_unit(g["tenant-birch-global"], Snapshot(GLOBAL)) == (300, "MINUTE")
+    assert per_unit(g["global-catalog"], Snapshot(GLOBAL)) == (40000, "SECOND")
+
+
+def dec(status: int, retry: int = 0, **kw) -> Decision:
+    return Decision(allowed=status == 200, decision_id="r-1", policy_id=kw.pop("policy_id", "read-user-v3"),
+                    policy_version=42, http_status=status, retry_after_ms=retry, **kw)
+
+
+def test_the_deciding_decision():
+    ok_own = dec(200, headers={"RateLimit": "x"})
+    assert deciding([dec(200), ok_own]) is ok_own
+    a, b, c = dec(429, 500), dec(429, 3500), dec(503, 5000)
+    assert deciding([a, b]) is b and deciding([b, c, a]) is c
+    never = dec(429, -1)
+    assert deciding([b, never]) is never
+
+
+def test_rls_answer_mirrors_the_http_answer():
+    deny = dec(429, 500, limit=20, remaining=0, problem={"status": 429},
+               headers={"Retry-After": "1", "RateLimit": '"read-user-v3";r=0;t=1'})
+    ans = rls_answer([dec(200, limit=20, remaining=4), deny], Snapshot(BUNDLE), [False, False])
+    assert ans.over_limit and ans.http_status == 429
+    assert ans.headers == {"Retry-After": "1", "RateLimit": '"read-user-v3";r=0;t=1',
+                           "content-type": "application/problem+json"}
+    assert msgspec.json.decode(ans.body) == {"status": 429} and ans.metadata == {"status": 429, "reason": ""}
+    assert [(s.over_limit, s.remaining, s.reset_ms) for s in ans.statuses] == [(False, 4, 0), (True, 0, 500)]
+    fb = rls_answer([dec(200, limit=5, remaining=4, fallback=True)], Snapshot(BUNDLE), [False])
+    assert fb.statuses[0].limit_name is None  # a local allowance is not the rule's limit
+
+
+def test_authz_answer_statuses():
+    deny = dec(503, 5000, headers={"Retry-After": "5"}, problem={"status": 503})
+    a = authz_answer(deny)
+    assert a.status == 503 and a.headers["Retry-After"] == "5" and a.headers["content-type"] == "application/problem+json"
+    a = authz_answer(deny, deny_status=403)
+    assert a.status == 403 and a.headers["x-leasehold-status"] == "503"
+    ok = authz_answer(dec(200, headers={"RateLimit": "r"}), deny_status=403)
+    assert (ok.status, ok.headers, ok.body) == (200, {"RateLimit": "r"}, b"")

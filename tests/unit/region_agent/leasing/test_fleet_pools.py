@@ -1,0 +1,323 @@
+"""region_agent.leasing.fleet_pools: one request's spend of a fleet-wide pool - chunk, renewal,
+take-alone, fallback allowance, in-process allowance - with a store that answers what each test
+scripts, a manual clock and an in-process lease manager view (no network; the Redis scripts are
+exercised by tests/integration/leases and tests/integration/region_agent)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+
+from kernel.algorithms.pool_window import MAX_SPAN
+from kernel.bundle import load_bundle_file
+from kernel.errors import Overloaded, ScriptRejected, StoreUnavailable
+from region_agent.decision.fallback import LocalAllowances
+from region_agent.decision.keys import KeyBuilder
+from region_agent.decision.plan import GlobalSpend
+from region_agent.leasing.book import BalanceState
+from region_agent.leasing.chunks import NO_CHUNK, ChunkLease
+from region_agent.leasing.fleet_pools import ROLLOVER_WAIT_MS, FleetPools, TakeStatus
+from region_agent.leasing.redis_balance import BALANCE_SLACK_MS
+from region_agent.leasing.window_clock import Windows
+from region_agent.service.metrics import AgentMetrics
+from tests.support.clock import FakeClock
+
+from ...scripted_store import ScriptedStore as Store
+
+GLOBAL = load_bundle_file(str(Path(__file__).resolve().parents[4] / "policies" / "northstar-global.json"))
+RULE = next(r for r in GLOBAL.rules if r.scope == "global")  # global-catalog, local_bounded
+POOL = next(p for p in GLOBAL.pools if p.id == RULE.pool)  # global-read: chunkMax 2000, fallback 4000
+GKEY = KeyBuilder.global_pool_key(POOL.id)
+WINDOWS = Windows(lo=5, hi=5, end_in_ms=400, safe_ms=300)
+
+
+class Leases:
+    """What FleetPools asks of the lease manager."""
+
+    def __init__(self, state: BalanceState = BalanceState.OK, pending: asyncio.Future | None = None, hint: int = 40):
+        self.balance_state = state
+        self.in_flight = pending
+        self.hint = hint
+        self.noted: list[int] = []
+
+    def note(self, pool, key, tokens):
+        assert key == GKEY
+        self.noted.append(tokens)
+
+    def observed(self, key, spendable):
+        return self.in_flight
+
+    def state(self, key):
+        return self.balance_state
+
+    def retry_hint_ms(self, key):
+        return self.hint
+
+
+def fleet(store: Store, leases: Leases | None = None, clock: FakeClock | None = None,
+          windows: Windows = WINDOWS) -> tuple[FleetPools, FakeClock, AgentMetrics]:
+    c = clock or FakeClock(10.0)
+    m = AgentMetrics()
+    f = FleetPools(store=store, metrics=m, leases=leases, now_ms=lambda: c.t * 1000.0,
+                   windows=lambda pool: windows, allowance=LocalAllowances(), budget_s=0.05)
+    return f, c, m
+
+
+def spend(cost: int = 1, **rule_changes) -> GlobalSpend:
+    rule = msgspec.structs.replace(RULE, **rule_changes) if rule_changes else RULE
+    return GlobalSpend(rule, POOL, cost)
+
+
+def sample(m: AgentMetrics, name: str, **labels: str) -> float:
+    return m.registry.get_sample_value(name, labels) or 0.0
+
+
+TAKEN_ALL = [[2000, 5000, 250, 0]]  # pool_take: taken, remaining, valid for, next from
+EMPTY = [[0, 0, 0, 0]]
+
+
+# ------------------------------------------------------------------------------- chunks
+async def test_a_chunk_is_bought_once_then_spent_locally():
+    store = Store(TAKEN_ALL)
+    leases = Leases()
+    f, c, m = fleet(store, leases)
+    first = await f.take(spend(), c.t + 0.05, c)
+    assert first.status is TakeStatus.OK and not first.fallback
+    [[(script, keys, argv)]] = store.sent
+    # at least 1, as many as this agent's demand calls for (one request so far: 1), up to chunkMax,
+    # at most 4 per second of validity (1 token over 250 ms); a debit never shortens the balance
+    # hash's expiry (slack)
+    assert (script, keys, argv) == ("pool_take", [GKEY], [1, 1, BALANCE_SLACK_MS, 4])
+    for _ in range(5):
+        assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
+    assert len(store.sent) == 1 and f.remaining(POOL.id) == 2000 - 6
+    assert leases.noted == [1] * 6  # demand is what requests ask for, not what chunks buy
+    assert sample(m, "leasehold_agent_pool_renewals_total", pool=POOL.id, outcome="granted") == 1
+
+
+async def test_chunks_are_sized_by_what_this_agent_is_asked():
+    """A renewal buys a quarter of what this agent's requests asked of the pool over the last
+    chunk validity (net of give-backs), at least what the requests waiting for it need, at most
+    chunkMax: a chunk's unspent rest expires with it, so a chunk of chunkMax at an agent asked a
+    few tokens per validity would be wasted."""
+    store = Store(*([[[1, 5000, 250, 0]]] * 40))
+    f, c, _ = fleet(store, Leases())
+    for _ in range(40):  # 40 requests over 200 ms, each renewing the 1-token chunk the last one bought
+        assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
+        c.t += 0.005
+    wants = [argv[1] for [(_s, _k, argv)] in store.sent]
+    # the last renewal: what the last quarter validity (62.5 ms, ~12 requests) asked, or a quarter of
+    # the 40 asked over the validity, whichever is more
+    assert wants[0] == 1 and 10 <= wants[-1] <= 14
+    assert store.sent[-1][0][2][3] == -(-wants[-1] * 1000 // 250)  # per second of the 250 ms validity
+    c.t += 0.3  # more than one validity of silence: the demand is forgotten
+    store.answers.append([[1, 5000, 250, 0]])
+    await f.take(spend(), c.t + 0.05, c)
+    assert store.sent[-1][0][2][1] in (1, 2)
+
+
+async def test_waiting_requests_get_a_chunk_for_all_of_them():
+    store = Store([[12, 5000, 250, 0]])
+    store.gate = asyncio.Event()
+    f, c, _ = fleet(store, Leases())
+    tasks = [asyncio.ensure_future(f.take(spend(), c.t + 0.05, c)) for _ in range(12)]
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    store.gate.set()
+    assert [t.status for t in await asyncio.gather(*tasks)] == [TakeStatus.OK] * 12
+    assert store.sent[0][0][2][1] == 12 and len(store.sent) == 1  # one renewal paid every waiting request
+
+
+async def test_a_give_back_lands_only_in_the_chunk_it_came_from():
+    store = Store(TAKEN_ALL, TAKEN_ALL)
+    f, c, _ = fleet(store, Leases())
+    took = await f.take(spend(), c.t + 0.05, c)
+    f.give_back(spend(), took.generation)
+    assert f.remaining(POOL.id) == 2000
+    c.t += 0.25  # the chunk's validity (chunkValidityMs) is over: the next request buys a new one
+    again = await f.take(spend(), c.t + 0.05, c)
+    assert again.generation == took.generation + 1
+    f.give_back(spend(), took.generation)  # late: the old chunk is gone
+    assert f.remaining(POOL.id) == 1999
+    f.give_back(spend(), NO_CHUNK)  # bought alone: never returned to a chunk
+    assert f.remaining(POOL.id) == 1999
+
+
+async def test_concurrent_requests_share_one_renewal():
+    store = Store(TAKEN_ALL)
+    store.gate = asyncio.Event()
+    f, c, m = fleet(store, Leases())
+    tasks = [asyncio.ensure_future(f.take(spend(), c.t + 0.05, c)) for _ in range(3)]
+    await asyncio.sleep(0)
+    store.gate.set()
+    takes = await asyncio.gather(*tasks)
+    assert [t.status for t in takes] == [TakeStatus.OK] * 3
+    assert len(store.sent) == 1 and f.remaining(POOL.id) == 1997
+    assert sample(m, "leasehold_agent_pool_waits_total", pool=POOL.id) == 2
+
+
+async def test_a_partial_chunk_is_all_the_balance_had():
+    store = Store([[300, 0, 100, 0]])
+    f, c, m = fleet(store, Leases())
+    f.chunks[POOL.id] = ChunkLease()
+    f.chunks[POOL.id].ask(3_999, c.t * 1000, POOL.chunk_validity_ms)  # this agent was asked 4,000 tokens
+    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
+    assert store.sent[0][0][2][1] == POOL.chunk_max  # all of them at once: chunkMax; the balance had 300
+    assert f.remaining(POOL.id) == 299
+    assert sample(m, "leasehold_agent_pool_renewals_total", pool=POOL.id, outcome="partial") == 1
+    c.t += 0.1  # validity is the leases' (100 ms), shorter than chunkValidityMs
+    store.answers.append(EMPTY)
+    await f.take(spend(), c.t + 0.05, c)
+    assert len(store.sent) == 2
+
+
+# ------------------------------------------------------------------------------- denials
+async def test_an_exhausted_pool_denies_and_the_denial_is_held_locally():
+    store = Store([[0, 0, 0, 120]])  # nothing spendable; the next lease becomes valid in 120 ms
+    leases = Leases(BalanceState.EXHAUSTED, hint=90)
+    f, c, m = fleet(store, leases)
+    d = await f.take(spend(), c.t + 0.05, c)
+    assert (d.status, d.retry_ms, d.fallback) == (TakeStatus.DENIED, 120, False)
+    c.t += 0.05
+    again = await f.take(spend(), c.t + 0.05, c)
+    assert (again.status, again.retry_ms) == (TakeStatus.DENIED, 70)  # the rest of the local denial
+    assert len(store.sent) == 1  # the denial held: no store call
+    assert sample(m, "leasehold_agent_pool_renewals_total", pool=POOL.id, outcome="denied") == 1
+
+
+async def test_a_lease_valid_in_a_moment_is_waited_for_at_a_rollover():
+    # nothing spendable now, but a deposited lease (the next window's) starts in 30 ms: the renewal
+    # waits for it and buys the chunk from it instead of denying until then
+    store = Store([[0, 0, 0, 30]], TAKEN_ALL)
+    f, c, _ = fleet(store, Leases())
+    took = await f.take(spend(), c.t + 1.0, c)
+    assert took.status is TakeStatus.OK and len(store.sent) == 2
+    assert f.remaining(POOL.id) == 1_999
+    assert (await f.take(spend(), c.t + 1.0, c)).status is TakeStatus.OK  # paid by the chunk
+    assert len(store.sent) == 2
+
+
+async def test_a_lease_starting_later_than_the_rollover_wait_is_a_denial_with_its_start_as_the_hint():
+    store = Store([[0, 0, 0, ROLLOVER_WAIT_MS + 100]])
+    f, c, _ = fleet(store, Leases(hint=1))
+    took = await f.take(spend(), c.t + 1.0, c)
+    assert (took.status, took.retry_ms) == (TakeStatus.DENIED, ROLLOVER_WAIT_MS + 100)
+    assert len(store.sent) == 1
+
+
+async def test_the_rollover_wait_happens_once():
+    # still empty after the wait (another agent spent that lease): denied, no third call
+    store = Store([[0, 0, 0, 20]], [[0, 0, 0, 20]])
+    f, c, _ = fleet(store, Leases(hint=1))
+    took = await f.take(spend(), c.t + 1.0, c)
+    assert took.status is TakeStatus.DENIED and len(store.sent) == 2
+
+
+async def test_an_empty_balance_waits_once_for_the_top_up_in_flight():
+    loop = asyncio.get_running_loop()
+    top_up = loop.create_future()
+    store = Store(EMPTY, TAKEN_ALL)
+    f, c, _ = fleet(store, Leases(pending=top_up))
+    task = asyncio.ensure_future(f.take(spend(), c.t + 0.05, c))
+    await asyncio.sleep(0.01)
+    assert len(store.sent) == 1 and not task.done()
+    top_up.set_result(None)
+    took = await task
+    assert took.status is TakeStatus.OK and len(store.sent) == 2
+
+
+async def test_a_renewal_outlasting_the_budget_is_a_local_denial_not_a_fallback():
+    store = Store(TAKEN_ALL)
+    store.gate = asyncio.Event()
+    f, c, m = fleet(store, Leases(hint=35))
+    d = await f.take(spend(), c.t, c)  # no budget left
+    assert (d.status, d.retry_ms, d.fallback) == (TakeStatus.DENIED, 35, False)
+    assert sample(m, "leasehold_agent_pool_busy_denials_total", pool=POOL.id) == 1
+    store.gate.set()  # the renewal still completes for the next requests
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert f.remaining(POOL.id) == 2000
+
+
+async def test_a_request_the_chunk_cannot_pay_buys_its_cost_alone():
+    store = Store([[3, 1000, 250, 0]], [[5, 995, 250, 0]])  # a chunk of 3, then 5 bought alone
+    f, c, m = fleet(store, Leases())
+    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK  # chunk of 3, 2 left
+    alone = await f.take(spend(5), c.t + 0.05, c)
+    assert (alone.status, alone.generation) == (TakeStatus.OK, NO_CHUNK)
+    assert store.sent[1] == [("pool_take", [GKEY], [5, 5, BALANCE_SLACK_MS, 0])]  # exactly its cost
+    assert f.remaining(POOL.id) == 2  # the chunk stays for the requests it can pay
+    assert sample(m, "leasehold_agent_pool_renewals_total", pool=POOL.id, outcome="alone") == 1
+
+
+async def test_an_expensive_request_denied_alone_does_not_deny_cheap_ones():
+    store = Store([[3, 1000, 250, 0]], EMPTY)
+    f, c, _ = fleet(store, Leases(hint=60))
+    await f.take(spend(), c.t + 0.05, c)
+    denied = await f.take(spend(5), c.t + 0.05, c)
+    assert (denied.status, denied.retry_ms) == (TakeStatus.DENIED, 60)
+    assert (await f.take(spend(1), c.t + 0.05, c)).status is TakeStatus.OK  # paid by the chunk
+    again = await f.take(spend(5), c.t + 0.05, c)
+    assert again.status is TakeStatus.DENIED and len(store.sent) == 2  # held locally for cost >= 5
+
+
+# ------------------------------------------------------------------------------- allocator unreachable
+async def test_allocator_unreachable_spends_the_regions_fallback_allowance_one_request_at_a_time():
+    store = Store(EMPTY, [[1, 0, 0, 3999]])
+    f, c, m = fleet(store, Leases(BalanceState.UNREACHABLE))
+    took = await f.take(spend(), c.t + 0.05, c)
+    assert (took.status, took.fallback) == (TakeStatus.OK, True)
+    (script, keys, argv) = store.sent[1][0]
+    assert script == "multi_rule" and keys == [KeyBuilder.global_pool_decision_key(POOL.id),
+                                                KeyBuilder.pool_fallback_key(GKEY)]
+    # kind pw: fallbackPerRegion, the candidate windows, the cost, ttl past the last window
+    assert argv[3:9] == ["pw", POOL.fallback_per_region, 5, 5, 1, 400 + POOL.window_ms]
+    assert f.remaining(POOL.id) == 0  # a chunk of exactly one request's cost
+    assert sample(m, "leasehold_agent_degraded_decisions_total", reason="ALLOCATOR_UNREACHABLE",
+                  fail_mode="pool_fallback") == 1
+
+
+async def test_a_closed_rule_never_spends_the_fallback_allowance():
+    store = Store(EMPTY)
+    f, c, _ = fleet(store, Leases(BalanceState.UNREACHABLE, hint=70))
+    d = await f.take(spend(fail_mode="closed"), c.t + 0.05, c)
+    assert (d.status, d.fallback) == (TakeStatus.DENIED, False) and len(store.sent) == 1
+
+
+async def test_an_uncertain_allocator_clock_denies_instead_of_counting_per_window():
+    store = Store(EMPTY)
+    wide = Windows(lo=5, hi=5 + MAX_SPAN, end_in_ms=900, safe_ms=0)
+    f, c, _ = fleet(store, Leases(BalanceState.UNREACHABLE), windows=wide)
+    d = await f.take(spend(), c.t + 0.05, c)
+    assert (d.status, d.retry_ms, d.fallback) == (TakeStatus.DENIED, 250, True)  # min(end, chunk validity)
+    assert len(store.sent) == 1  # no allowance call
+
+
+# ------------------------------------------------------------------------------- store failures
+async def test_redis_unreachable_local_bounded_spends_the_in_process_allowance_up_to_its_bound():
+    store = Store(*[StoreUnavailable("down")] * 4)
+    small = msgspec.structs.replace(POOL, fallback_per_region=3)
+    f, c, m = fleet(store, None)
+    takes = [await f.take(GlobalSpend(RULE, small, 1), c.t + 0.05, c) for _ in range(4)]
+    assert [(t.status, t.fallback) for t in takes] == [(TakeStatus.OK, True)] * 3 + [(TakeStatus.DENIED, True)]
+    assert takes[-1].retry_ms >= 1
+    assert sample(m, "leasehold_agent_degraded_decisions_total", reason="POOL_RENEWAL_FAILED",
+                  fail_mode="local_bounded") == 4
+
+
+async def test_redis_unreachable_follows_the_rules_fail_mode():
+    for mode, status, retry in (("open", TakeStatus.OPEN, 0), ("closed", TakeStatus.UNAVAILABLE, 5000)):
+        f, c, _ = fleet(Store(StoreUnavailable("down")), Leases())
+        d = await f.take(spend(fail_mode=mode), c.t + 0.05, c)
+        assert (d.status, d.retry_ms) == (status, retry)
+
+
+async def test_overload_is_shed_and_a_script_rejection_fails_closed():
+    f, c, _ = fleet(Store(Overloaded("queue full")), Leases())
+    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.SHED
+    f, c, m = fleet(Store(ScriptRejected("bad call")), Leases())
+    d = await f.take(spend(), c.t + 0.05, c)  # local_bounded, yet never admitted after a policy defect
+    assert (d.status, d.retry_ms) == (TakeStatus.UNAVAILABLE, RULE.closed_retry_after_ms)
+    assert sample(m, "leasehold_agent_degraded_decisions_total", reason="POOL_POLICY_ERROR", fail_mode="closed") == 1

@@ -1,0 +1,400 @@
+"""region_agent.leasing.manager: top-ups, deposits, closes and reports, driven with a manual clock,
+an in-process allocator client and an in-process balance store (no network: the real client and
+the Redis side are exercised by tests/integration/leases)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from kernel.bundle import Pool
+from kernel.errors import StoreUnavailable, Unavailable, ValidationFailed
+from kernel.wire import LeaseError, LeaseGrant, LeaseRequest, UsageReceipt, UsageReport, WindowRef
+from region_agent.leasing.book import BalanceState
+from region_agent.leasing.manager import LeaseManager
+from region_agent.service.metrics import AgentMetrics
+from region_agent.store.scripts import PoolClosed
+from tests.support.clock import FakeClock
+
+POOL = Pool(id="atlas-minute", window_ms=60_000, limit=1_000, lease_ttl_ms=15_000, chunk_min=10, chunk_max=200)
+KEY = "{t:atlas}:pool:atlas-minute"
+
+
+def grant(req: LeaseRequest, granted: int = 100, *, epoch: int = 7, issued: int = 10_000, ttl: int = 10_000,
+          end: int = 60_000, replayed: bool = False, lease_id: str | None = None) -> LeaseGrant:
+    return LeaseGrant(lease_id=lease_id or req.lease_id, pool=req.pool, region=req.region, granted=granted,
+                      window=WindowRef(index=0, start_ms=0, end_ms=end), expires_at_ms=issued + ttl, ttl_ms=ttl,
+                      starts_in_ms=0, epoch=epoch, issued_at_ms=issued, remaining=900 - granted, replayed=replayed)
+
+
+@dataclass
+class Allocator:
+    """Answers lease requests with ``answer(req)`` (a grant, or raises); records every request."""
+
+    answer: object = None
+    requests: list[LeaseRequest] = field(default_factory=list)
+    reports: list[list[UsageReport]] = field(default_factory=list)
+    report_answers: list[object] = field(default_factory=list)  # per report call: a status, or None = receipt
+    returned: int = 0  # what each receipt says went back to the pool (its window open)
+    last_rtt_ms: float = 40.0
+    gate: asyncio.Event | None = None  # when set, lease() waits for it
+
+    async def lease(self, req: LeaseRequest) -> LeaseGrant:
+        self.requests.append(req)
+        if self.gate is not None:
+            await self.gate.wait()
+        return self.answer(req) if callable(self.answer) else grant(req)
+
+    async def report_many(self, reports):
+        self.reports.append(list(reports))
+        status = self.report_answers.pop(0) if self.report_answers else None
+        if status is None:
+            return [UsageReceipt(lease_id=r.lease_id, granted=100, spent=r.spent, returned=self.returned,
+                                 window_open=True) for r in reports]
+        return [LeaseError(lease_id=r.lease_id, status=status, code="x", detail="d") for r in reports]
+
+
+@dataclass
+class Balances:
+    """The Redis side: spendable tokens, clock offsets, deposits and closed records."""
+
+    spendable: int = 0
+    lo: float = 0.0
+    hi: float = 0.0
+    deposit_ok: bool = True
+    closed: dict[str, PoolClosed | None] = field(default_factory=dict)
+    deposits: list[tuple] = field(default_factory=list)
+    closes: list[str] = field(default_factory=list)
+    down: bool = False
+
+    async def observe(self, key):
+        if self.down:
+            raise StoreUnavailable("redis down")
+        return self.spendable, self.lo, self.hi
+
+    async def deposit(self, key, lease_id, granted, valid_from_ms, expires_at_ms):
+        if self.down:
+            raise StoreUnavailable("redis down")
+        self.deposits.append((key, lease_id, granted, valid_from_ms, expires_at_ms))
+        return self.deposit_ok
+
+    async def close(self, key, lease_id):
+        if self.down:
+            raise StoreUnavailable("redis down")
+        self.closes.append(lease_id)
+        return self.closed.get(lease_id, PoolClosed(granted=100, spent=0, current=True))
+
+
+def manager(allocator: Allocator | None = None, balances: Balances | None = None, clock: FakeClock | None = None,
+            **kw) -> LeaseManager:
+    return LeaseManager(region="eu", client=allocator or Allocator(), store=balances or Balances(),  # type: ignore[arg-type]  # fakes with the methods the manager calls
+                        now=clock or FakeClock(100_000.0), metrics=AgentMetrics(), **kw)
+
+
+async def settle(m: LeaseManager) -> None:
+    for bal in list(m.balances.values()):
+        if bal.inflight is not None:
+            await bal.inflight
+
+
+def sample(m: LeaseManager, name: str, **labels) -> float:
+    return m.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+# ------------------------------------------------------------------------------- top-ups
+async def test_demand_on_an_empty_balance_starts_one_top_up_and_deposits_the_grant():
+    alloc, store, clock = Allocator(), Balances(), FakeClock(100_000.0)
+    alloc.gate = asyncio.Event()
+    m = manager(alloc, store, clock)
+    m.note(POOL, KEY, 1)
+    m.note(POOL, KEY, 1)  # single flight: the top-up in flight serves both
+    assert m.pending(KEY) is not None
+    alloc.gate.set()
+    await settle(m)
+    assert len(alloc.requests) == 1
+    req = alloc.requests[0]
+    assert (req.region, req.pool, req.window) == ("eu", POOL.id, "current") and req.lease_id.startswith("eu-")
+    # the demand counted so far (2 tokens, over the 50 ms floor: 40 tokens/s) over the 2 s horizon
+    assert req.want == 80
+    (deposit,) = store.deposits
+    assert deposit[:3] == (KEY, req.lease_id, 100)
+    assert m.state(KEY) is BalanceState.OK
+    assert m.balances[KEY].last_spendable == 100  # counted at once, before the next tick reads Redis
+    assert m.pending(KEY) is None
+
+
+async def test_deposit_bounds_are_conservative_on_the_redis_clock():
+    """valid from the upper offset (rounded up), until the lower one: the lease is never spendable
+    earlier or later on Redis's clock than on this process's monotonic clock."""
+    store = Balances(lo=5_000.0, hi=5_000.4)
+    clock = FakeClock(100_000.0)
+    m = manager(Allocator(), store, clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    (_, _, _, valid_from, expires_at) = store.deposits[0]
+    assert valid_from == 105_001  # 100_000 + 5_000.4, rounded up
+    assert expires_at == 115_000  # sent (100_000) + ttl (10_000) + lo (5_000)
+
+
+async def test_a_refused_deposit_is_reported_closed_early_and_backs_off():
+    store = Balances(deposit_ok=False)
+    alloc = Allocator()
+    m = manager(alloc, store)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert m.balances[KEY].book.leases == {}  # certainly nothing written: forgotten
+    ((report, _),) = m.pending_reports
+    assert (report.spent, report.closed_early) == (0, True)
+    assert sample(m, "leasehold_agent_lease_grants_total", pool=POOL.id, outcome="undeposited") == 1
+    m.note(POOL, KEY, 1)  # within the refusal back-off: no new lease request
+    assert m.pending(KEY) is None and len(alloc.requests) == 1
+
+
+async def test_a_grant_with_an_older_epoch_is_refused_and_not_deposited():
+    epochs = iter([9, 8])
+    alloc = Allocator(answer=lambda req: grant(req, epoch=next(epochs)))
+    store = Balances()
+    m = manager(alloc, store)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    m.balances[KEY].last_spendable = 0  # spent: the next decision asks again
+    m.observed(KEY, 0)
+    await settle(m)
+    assert len(alloc.requests) == 2 and len(store.deposits) == 1
+    assert m.balances[KEY].book.max_epoch == 9
+    assert sample(m, "leasehold_agent_lease_grants_total", pool=POOL.id, outcome="stale_epoch") == 1
+
+
+async def test_a_zero_grant_means_exhausted_until_the_window_end():
+    clock = FakeClock(100_000.0)
+    alloc = Allocator(answer=lambda req: grant(req, 0, issued=50_000, end=60_000))
+    m = manager(alloc, Balances(), clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert m.state(KEY) is BalanceState.EXHAUSTED
+    assert m.retry_hint_ms(KEY) == 10_000  # the window ends 10 s after issue, timed from the send
+    m.note(POOL, KEY, 1)
+    assert m.pending(KEY) is None  # no top-up while exhausted
+    clock.t += 10_000
+    assert m.state(KEY) is BalanceState.OK
+
+
+async def test_tokens_our_report_returns_to_an_exhausted_window_are_asked_for_again():
+    """A lease of ours expired with tokens unspent and its report gave them back to the window, after
+    the allocator had said the window is exhausted: the balance asks again (else nobody would - every
+    balance told "exhausted" waits for the next window - and those tokens would go unused while
+    requests are denied). A report that returned nothing changes nothing."""
+    clock = FakeClock(100_000.0)
+    answers = [grant(LeaseRequest(lease_id="x", region="eu", pool=POOL.id, want=1), 0, issued=50_000, end=60_000)]
+    alloc = Allocator(answer=lambda req: answers.pop(0) if answers else grant(req, 40, issued=51_000, end=60_000))
+    m = manager(alloc, Balances(), clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert m.state(KEY) is BalanceState.EXHAUSTED
+    bal = m.balances[KEY]
+    m._queue_report(bal, "eu-old", 5)
+    await m._flush_reports()  # returned nothing
+    assert m.state(KEY) is BalanceState.EXHAUSTED
+    alloc.returned = 7
+    m._queue_report(bal, "eu-older", 3)
+    await m._flush_reports()
+    assert m.state(KEY) is BalanceState.OK
+    m.note(POOL, KEY, 1)  # the next decision starts a top-up
+    await settle(m)
+    assert len(alloc.requests) == 2 and m.balances[KEY].last_spendable == 40
+
+
+async def test_unreachable_only_once_no_held_lease_is_valid():
+    clock = FakeClock(100_000.0)
+    answers = [None, Unavailable("allocator down")]
+
+    def answer(req):
+        a = answers.pop(0)
+        if a is not None:
+            raise a
+        return grant(req, ttl=10_000)
+
+    alloc = Allocator(answer=answer)
+    m = manager(alloc, Balances(), clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    m.observed(KEY, 0)  # the balance is spent: ask again, the allocator is down now
+    await settle(m)
+    assert m.state(KEY) is BalanceState.OK  # the held lease is still valid
+    assert m.retry_hint_ms(KEY) == 41  # a top-up's round trip
+    clock.t += 10_000  # the held lease's deadline (sent + ttl)
+    assert m.state(KEY) is BalanceState.UNREACHABLE
+    assert sample(m, "leasehold_agent_lease_grants_total", pool=POOL.id, outcome="unreachable") == 1
+
+
+async def test_a_refusal_is_not_unreachable():
+    def answer(req):
+        raise ValidationFailed("unknown pool")
+
+    m = manager(Allocator(answer=answer), Balances())
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert m.state(KEY) is BalanceState.OK  # a refusal never opens the fallback allowance
+    assert sample(m, "leasehold_agent_lease_grants_total", pool=POOL.id, outcome="refused") == 1
+
+
+async def test_grants_place_the_allocator_clock_but_replays_do_not():
+    clock = FakeClock(100_000.0)
+    replay = [False, True]
+    m = manager(Allocator(answer=lambda req: grant(req, issued=7_000_000, end=7_060_000,
+                                                                   replayed=replay.pop(0))), Balances(),
+                clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert m.clock.known
+    lo, hi = m.clock.bounds(100_000.0, 0.0)
+    assert lo <= 7_000_000 <= hi
+    m.observed(KEY, 0)
+    clock.t += 1_000
+    await settle(m)  # a replay carries the original issuedAtMs: it must not move the estimate
+    assert m.clock.bounds(100_000.0, 0.0) == (lo, hi)
+
+
+async def test_idle_state_and_hints_for_a_balance_nobody_used():
+    m = manager()
+    assert m.state("nothing") is BalanceState.IDLE
+    assert m.retry_hint_ms("nothing") == 0 and m.pending("nothing") is None and m.observed("nothing", 5) is None
+
+
+# ------------------------------------------------------------------------------- closes and reports
+async def _held(m: LeaseManager) -> str:
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    (lease_id,) = m.balances[KEY].book.leases
+    return lease_id
+
+
+async def test_an_expired_lease_is_closed_and_its_spend_reported():
+    clock = FakeClock(100_000.0)
+    alloc, store = Allocator(), Balances(spendable=500)  # full: the tick asks for nothing more
+    m = manager(alloc, store, clock)
+    lease_id = await _held(m)
+    store.closed[lease_id] = PoolClosed(granted=100, spent=30, current=True)
+    clock.t += 10_000
+    await m.tick()
+    assert store.closes == [lease_id] and m.balances[KEY].book.leases == {}
+    ((report,),) = alloc.reports
+    assert (report.lease_id, report.spent, report.closed_early) == (lease_id, 30, False)
+    assert sample(m, "leasehold_agent_stranded_tokens_total", pool=POOL.id) == 70
+    assert not m.pending_reports
+
+
+async def test_a_lost_or_restored_record_is_reported_fully_spent():
+    """docs/invariants.md I8: lost knowledge counts as spent (stranded, never returned)."""
+    for record, unaccounted in ((None, 100), (PoolClosed(granted=100, spent=40, current=False), 60)):
+        clock = FakeClock(100_000.0)
+        alloc, store = Allocator(), Balances(spendable=500)
+        m = manager(alloc, store, clock)
+        lease_id = await _held(m)
+        store.closed[lease_id] = record
+        clock.t += 10_000
+        await m.tick()
+        ((report,),) = alloc.reports
+        assert report.spent == 100
+        assert sample(m, "leasehold_agent_lease_lost_tokens_total", pool=POOL.id) == unaccounted
+
+
+async def test_a_close_redis_cannot_answer_is_tried_again_next_tick():
+    clock = FakeClock(100_000.0)
+    alloc, store = Allocator(), Balances(spendable=500)
+    m = manager(alloc, store, clock)
+    lease_id = await _held(m)
+    clock.t += 10_000
+    store.down = True
+    await m.tick()
+    assert lease_id in m.balances[KEY].book.leases and not alloc.reports
+    store.down = False
+    await m.tick()
+    assert store.closes == [lease_id] and len(alloc.reports) == 1
+
+
+async def test_reports_the_allocator_cannot_take_stay_queued_and_409s_are_retried_with_patience():
+    clock = FakeClock(100_000.0)
+    alloc = Allocator()
+    m = manager(alloc, Balances(), clock, report_patience_ms=1_000)
+    bal_pool = POOL
+    m.note(bal_pool, KEY, 1)
+    await settle(m)
+    bal = m.balances[KEY]
+    m._queue_report(bal, "eu-a", 5)
+    m._queue_report(bal, "eu-b", 6)
+    alloc.report_answers = [503]
+    await m._flush_reports()
+    assert [r.lease_id for r, _ in m.pending_reports] == ["eu-a", "eu-b"]  # kept, in order
+    alloc.report_answers = [409]
+    await m._flush_reports()
+    assert len(m.pending_reports) == 2  # not yet expired at the allocator: retried later
+    clock.t += 1_000
+    alloc.report_answers = [409]
+    await m._flush_reports()
+    assert not m.pending_reports  # past its patience: dropped (the allocator counts it spent)
+    alloc.report_answers = [400]
+    m._queue_report(bal, "eu-c", 1)
+    await m._flush_reports()
+    assert not m.pending_reports  # a refused report is not retried
+
+
+async def test_the_report_queue_is_bounded():
+    m = manager(max_pending_reports=2)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    bal = m.balances[KEY]
+    for i in range(5):
+        m._queue_report(bal, f"eu-{i}", 1)
+    assert [r.lease_id for r, _ in m.pending_reports] == ["eu-0", "eu-1"]
+
+
+async def test_an_idle_balance_without_leases_is_forgotten():
+    clock = FakeClock(100_000.0)
+    m = manager(Allocator(answer=lambda req: grant(req, 0)), Balances(), clock, idle_after_ms=30_000)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    await m.tick()
+    assert KEY in m.balances
+    clock.t += 30_001
+    await m.tick()
+    assert KEY not in m.balances
+
+
+# ------------------------------------------------------------------------------- cold start and shutdown
+async def test_warm_up_leases_each_empty_balance_and_skips_a_held_one():
+    alloc = Allocator()
+    alloc.gate = asyncio.Event()
+    m = manager(alloc, Balances())
+    m.warm_up([(POOL, KEY)])
+    await asyncio.sleep(0)
+    assert m.warming
+    alloc.gate.set()
+    await asyncio.gather(*m._warming)
+    assert not m.warming
+    assert len(alloc.requests) == 1
+    held = manager(alloc2 := Allocator(), Balances(spendable=50))
+    held.warm_up([(POOL, KEY)])
+    await asyncio.gather(*held._warming)
+    assert alloc2.requests == []  # another agent of the region already holds a lease
+
+
+async def test_shutdown_closes_held_leases_early_and_reports_them():
+    alloc, store = Allocator(), Balances(spendable=500)
+    m = manager(alloc, store)
+    lease_id = await _held(m)
+    store.closed[lease_id] = PoolClosed(granted=100, spent=12, current=True)
+    closed, unsent = await m.shutdown(timeout_s=1.0)
+    assert (closed, unsent) == (1, 0)
+    ((report,),) = alloc.reports
+    assert (report.lease_id, report.spent, report.closed_early) == (lease_id, 12, True)
+    m.note(POOL, KEY, 1)  # no new lease request after shutdown began
+    assert m.pending(KEY) is None and len(alloc.requests) == 1
+
+
+async def test_begin_shutdown_stops_new_lease_requests_at_once():
+    alloc = Allocator()
+    m = manager(alloc, Balances())
+    m.begin_shutdown()
+    m.note(POOL, KEY, 1)
+    assert m.pending(KEY) is None and alloc.requests == []

@@ -1,0 +1,65 @@
+"""The agent's settings: flags, environment, pepper, switches, TLS rules (region_agent/service/settings.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kernel.config import ConfigError
+from region_agent.service.settings import AgentSettings, load_agent_settings, resolve_pepper
+
+
+def test_settings_flags_env_and_pepper(tmp_path: Path):
+    s = load_agent_settings(["--redis-url", "redis+cluster://127.0.0.1:7000", "--port", "9000"],
+                            env={"LEASEHOLD_AGENT_REGION": "eu"})
+    assert (s.port, s.region, s.redis_url) == (9000, "eu", "redis+cluster://127.0.0.1:7000")
+    with pytest.raises(ConfigError):
+        load_agent_settings(["--port", "70000"], env={})
+    with pytest.raises(ConfigError):
+        resolve_pepper(AgentSettings(), env={})
+    assert resolve_pepper(AgentSettings(), env={"LEASEHOLD_AGENT_PEPPER": "s3cret"}) == b"s3cret"
+    f = tmp_path / "pepper"
+    f.write_text("from-file\n")
+    assert resolve_pepper(AgentSettings(pepper_file=str(f)), env={}) == b"from-file"
+    assert resolve_pepper(AgentSettings(insecure_dev_pepper=True), env={})
+
+
+def test_switches_are_flags_and_the_old_valued_form_is_refused():
+    s = load_agent_settings(["--insecure-dev-pepper", "--redis-cluster", "--port", "1"], env={})
+    assert s.insecure_dev_pepper and s.redis_cluster and s.port == 1
+    s = load_agent_settings(["--no-lease-warmup"], env={"LEASEHOLD_AGENT_LEASE_WARMUP": "true"})
+    assert s.lease_warmup is False  # the flag wins over the environment
+    for argv in (["--redis-cluster", "true"], ["--auth-disabled=false"], ["--lease-warmup", "no"]):
+        with pytest.raises(ConfigError, match="is a switch and takes no value") as e:
+            load_agent_settings(argv, env={})
+        assert "--no-" in e.value.message
+
+
+def test_every_agent_option_has_a_meaning_and_shows_its_default():
+    from kernel.options import options
+    from region_agent.service.settings import ENV_PREFIX
+
+    for o in options(AgentSettings, ENV_PREFIX):
+        assert len(o.help) > 10, f"{o.flag} has no Help(...) meaning"
+        assert "(default: " in o.help_line() or "(required)" in o.help_line()
+
+
+def test_log_level_is_checked_at_load():
+    with pytest.raises(ConfigError, match="one of: debug, info, warning, error"):
+        load_agent_settings(["--log-level", "verbose"], env={})
+
+
+def test_policy_etcd_tls_rules(tmp_path: Path):
+    from region_agent.service.settings import policy_etcd_tls
+
+    assert policy_etcd_tls(load_agent_settings(["--policy-etcd", "h:1"], env={})) is None
+    assert policy_etcd_tls(load_agent_settings(["--policy-etcd", "https://h:1"], env={})) is not None
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not a certificate")
+    with pytest.raises(ConfigError, match="not a PEM CA"):
+        load_agent_settings(["--policy-etcd", "h:1", "--policy-etcd-ca-file", str(ca)], env={})
+    with pytest.raises(ConfigError, match="needs --policy-etcd "):
+        load_agent_settings(["--policy-etcd-ca-file", str(ca)], env={})
+    with pytest.raises(ConfigError, match="mix http:// and https://"):
+        load_agent_settings(["--policy-etcd", "http://a:1,https://b:2"], env={})
