@@ -135,9 +135,8 @@ async def post_batch(request: Request[Any, Any, Any], data: JSONBody[LeaseBatchR
     (The schema documents the union loosely: results are ``LeaseGrant`` or ``LeaseError`` objects.)"""
     _check_batch(request, data.requests, "requests")
     body = LeaseBatchResponse(results=await _writer(state).grant_many(data.requests))
-    # the body goes out encoded as is; the annotation gives the OpenAPI schema its shape (so bytes
-    # where mypy expects the annotated document)
-    return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)  # type: ignore[arg-type]
+    # the body goes out encoded as is; the annotation gives the OpenAPI schema its shape
+    return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)  # type: ignore[arg-type]  # bytes where the annotation names the documented shape
 
 
 def _check_batch(request: Request[Any, Any, Any], items: list[LeaseRequest] | list[UsageReport], member: str) -> None:
@@ -167,9 +166,8 @@ async def post_usage_batch(request: Request[Any, Any, Any], data: JSONBody[Usage
     ``POST /v1/leases/{leaseId}/usage`` (the region's own lease ids, ``closedEarly``)."""
     _check_batch(request, data.reports, "reports")
     body = UsageBatchResponse(results=await _writer(state).report_many(data.reports))
-    # the body goes out encoded as is; the annotation gives the OpenAPI schema its shape (so bytes
-    # where mypy expects the annotated document)
-    return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)  # type: ignore[arg-type]
+    # the body goes out encoded as is; the annotation gives the OpenAPI schema its shape
+    return Response(content=msgspec.json.encode(body), media_type=MediaType.JSON)  # type: ignore[arg-type]  # bytes where the annotation names the documented shape
 
 
 @get("/v1/leases/{lease_id:str}", guards=[region_auth_guard])

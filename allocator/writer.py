@@ -66,7 +66,6 @@ class Writer:
         self.metrics = metrics
         self.clock = clock
         self._pools: dict[str, Pool] = {p.id: p for p in pools}
-        self._shards: dict[str, int] = {}  # pool -> shard (a hash: computed once per pool)
         self.cache = WindowCache(store, keys, lambda: self._pools, metrics)
         self.committer = Committer(self._run_unit, open_writes, lambda: store.max_txn_ops)
         self.transactions = TransactionLoop(store, keys, election, self.cache, self.committer, metrics,
@@ -159,14 +158,6 @@ class Writer:
         return [it if isinstance(it, LeaseError) else it.result if it.error is None
                 else _lease_error(it.req.lease_id, it.error) for it in items]
 
-    def _shard_of(self, pool: str) -> int:
-        shard = self._shards.get(pool)
-        if shard is None:
-            if len(self._shards) >= 1_000_000:
-                self._shards.clear()
-            shard = self._shards[pool] = self.election.shard_of(pool)
-        return shard
-
     def _enqueue_grant(self, req: LeaseRequest, wait: Wait) -> Item:
         """Queue a grant for the committer, or join the one queued for the same lease id."""
         pool = self._pools.get(req.pool) or self.pool(req.pool)
@@ -177,17 +168,16 @@ class Writer:
             joiner = Item(req, wait, existing.shard, existing.epoch)
             existing.joiners.append(joiner)  # answered with the first one's outcome
             return joiner
-        return self._queue(Item, req, wait, self._shards.get(req.pool))
+        return self._queue(Item, req, wait)
 
     def _enqueue_report(self, report: UsageReport, wait: Wait) -> Item:
         self.pool(report.pool)
-        return self._queue(ReportItem, report, wait, None)
+        return self._queue(ReportItem, report, wait)
 
-    def _queue(self, kind: type[Item], req: LeaseRequest | UsageReport, wait: Wait, shard: int | None) -> Item:
+    def _queue(self, kind: type[Item], req: LeaseRequest | UsageReport, wait: Wait) -> Item:
         """Stamp the item with its shard's epoch (``NotLeader`` unless this replica leads the
         shard) and hand it to the committer (``Unavailable`` when its backlog is full)."""
-        if shard is None:
-            shard = self._shard_of(req.pool)
+        shard = self.election.shard_of(req.pool)  # kernel.shards.shard_of: memoised there, once per pool
         epoch = self.election.require_leader(shard)
         self.committer.check_backlog()
         item = kind(req, wait, shard, epoch)

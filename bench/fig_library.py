@@ -26,7 +26,7 @@ async def make_engine(redis_url: str) -> tuple[DecisionEngine, StoreGateway]:
     holder = PolicyHolder.load(str(NORTHSTAR))
     store = StoreGateway(make_client(redis_url, max_connections=32), sc.Scripts())
     await store.load()
-    engine = DecisionEngine(get_bundle=lambda: holder.bundle, keys=KeyBuilder(DEV_PEPPER.encode()), store=store,
+    engine = DecisionEngine(get_snapshot=lambda: holder.snapshot, keys=KeyBuilder(DEV_PEPPER.encode()), store=store,
                     metrics=AgentMetrics())
     return engine, store
 

@@ -60,13 +60,14 @@ def _requests(tag: str) -> list[rls_pb2.RateLimitRequest]:
 async def _rounds(redis_url: str, rounds: int, seconds: float) -> dict[str, list[float]]:
     engine, store = await make_engine(redis_url)
     engine.budget = 1.0  # the door is measured, not the machine: no decision degrades on a busy machine
-    holder = SimpleNamespace(bundle=engine.get_bundle())
+    snap = engine.get_snapshot()
+    holder = SimpleNamespace(bundle=snap.bundle, snapshot=snap)
     st = SimpleNamespace(engine=engine, holder=holder, policy_watch=None, epoch=None, key_cap=None)
     admission = Admission(lambda: st)
-    servicer = RateLimitServicer(names=Names.build(), decide=admission.decide, bundle_of=lambda: st.holder.bundle,
+    servicer = RateLimitServicer(names=Names.build(), decide=admission.decide, snapshot_of=lambda: st.holder.snapshot,
                                  gateways=None, metrics=GatewayMetrics(CollectorRegistry()))
     # the agent's servicer: calls that arrive while others are in flight decided together (2 ms)
-    grouped = RateLimitServicer(names=Names.build(), decide=admission.decide, bundle_of=lambda: st.holder.bundle,
+    grouped = RateLimitServicer(names=Names.build(), decide=admission.decide, snapshot_of=lambda: st.holder.snapshot,
                                 gateways=None, metrics=GatewayMetrics(CollectorRegistry()), group_linger_s=0.002)
     ctx = _Context()
     out: dict[str, list[float]] = {"decision": [], "rls_servicer": [], "rls_grouped": []}

@@ -5,12 +5,15 @@ body replayed (``replay``)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
+
+Message = dict[str, Any]  # an ASGI message
 
 
-async def read_body(receive: Callable[[], Awaitable[dict]], max_body: int) -> tuple[list[dict], bytes | None]:
+async def read_body(receive: Callable[[], Awaitable[Message]], max_body: int) -> tuple[list[Message], bytes | None]:
     """``(messages read, body)``: ``body`` is None when the body is over ``max_body`` bytes or the
     client went away (the messages are then replayed to the framework, which answers)."""
-    chunks: list[dict] = []
+    chunks: list[Message] = []
     size = 0
     while True:
         msg = await receive()
@@ -26,11 +29,11 @@ async def read_body(receive: Callable[[], Awaitable[dict]], max_body: int) -> tu
     return chunks, None
 
 
-def replay(chunks: list[dict], receive: Callable[[], Awaitable[dict]]) -> Callable[[], Awaitable[dict]]:
+def replay(chunks: list[Message], receive: Callable[[], Awaitable[Message]]) -> Callable[[], Awaitable[Message]]:
     """A ``receive`` that yields the messages already read, then the live ones."""
     pending = list(chunks)
 
-    async def again() -> dict:
+    async def again() -> Message:
         if pending:
             return pending.pop(0)
         return await receive()

@@ -20,7 +20,7 @@ inherited C ``dict.get``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, ItemsView, Mapping
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -89,7 +89,7 @@ class LRU(Generic[K, V]):
     def clear(self) -> None:
         self._d.clear()
 
-    def items(self):
+    def items(self) -> ItemsView[K, V]:
         return self._d.items()
 
 

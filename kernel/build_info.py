@@ -3,7 +3,9 @@ both services. Version and commit are :mod:`kernel.version`'s, the ones ``--vers
 
 from __future__ import annotations
 
-from prometheus_client.core import GaugeMetricFamily
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from .version import COMMIT_ENV, __version__, build_commit
 
@@ -20,10 +22,10 @@ class BuildInfo:
     HELP = "The build this process runs: package version and source commit (value 1)"
     LABELS = ("version", "commit")
 
-    def describe(self) -> list:
+    def describe(self) -> list[Metric]:
         return [GaugeMetricFamily(self.NAME, self.HELP, labels=self.LABELS)]
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         fam = GaugeMetricFamily(self.NAME, self.HELP, labels=self.LABELS)
         fam.add_metric(list(build_info()), 1)
         yield fam

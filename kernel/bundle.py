@@ -133,7 +133,7 @@ def _unflatten(doc: Any) -> list[str]:
     problems: list[str] = []
     rules = doc.get("rules") if isinstance(doc, dict) else None
     for r in rules if isinstance(rules, list) else []:
-        cls = ALGORITHMS.get(r.get("algorithm")) if isinstance(r, dict) else None
+        cls = ALGORITHMS.get(str(r.get("algorithm"))) if isinstance(r, dict) else None
         if cls is None:
             continue  # the schema check names it
         own = cls.__struct_encode_fields__

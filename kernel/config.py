@@ -170,11 +170,11 @@ def load_settings(cls: type[T], prefix: str, argv: Sequence[str] | None = None,
     except msgspec.ValidationError as e:
         msg = str(e)
         m = re.search(r"at `\$\.(\w+)", msg)
-        o = by_name.get(m.group(1)) if m else None
-        if o is None:
+        bad = by_name.get(m.group(1)) if m else None
+        if bad is None:
             raise ConfigError(f"invalid settings: {msg}") from None
-        source, raw = sources.get(o.name, ("flag", values.get(o.name)))
-        raise ConfigError(f"invalid value {raw!r} for {_label(o, source)}: expected {o.valid_values()}") from None
+        source, raw = sources.get(bad.name, ("flag", values.get(bad.name)))
+        raise ConfigError(f"invalid value {raw!r} for {_label(bad, source)}: expected {bad.valid_values()}") from None
     for o in opts:
         if o.name in values:
             _check(o, getattr(settings, o.name), sources[o.name][0], settings, by_name)

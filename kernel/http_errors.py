@@ -112,18 +112,18 @@ def from_http_exception(exc: HTTPException, *, path: str, method: str, validatio
     return LeaseholdError("internal error")
 
 
-def exception_handlers(*, validation_status: int) -> dict[int | type[Exception], Callable[[Request, Any], Response[Any]]]:
+def exception_handlers(*, validation_status: int) -> dict[int | type[Exception], Callable[[Request[Any, Any, Any], Any], Response[Any]]]:
     """The ``exception_handlers`` of a service's Litestar app (module doc)."""
 
-    def on_leasehold(request: Request, exc: LeaseholdError) -> Response[Any]:
+    def on_leasehold(request: Request[Any, Any, Any], exc: LeaseholdError) -> Response[Any]:
         return problem_response(exc, request.url.path)
 
-    def on_http(request: Request, exc: HTTPException) -> Response[Any]:
+    def on_http(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
         err = from_http_exception(exc, path=request.url.path, method=request.method,
                                   validation_status=validation_status)
         return problem_response(err, request.url.path)
 
-    def on_unexpected(request: Request, exc: Exception) -> Response[Any]:
+    def on_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
         log.error("unhandled error on %s", request.url.path[:200], exc_info=exc)
         return problem_response(LeaseholdError("internal error"), request.url.path)
 

@@ -254,11 +254,11 @@ def on_termination(callback: Callable[[], None]) -> Callable[[], None]:
     (uvicorn's, which starts its graceful shutdown). Main thread only; returns an undo function."""
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-    def handler(sig: int, frame: Any) -> None:
+    def handler(sig: int, frame: Any) -> None:  # (a signal number: the key of ``previous``)
         try:
             callback()
         finally:
-            prev = previous[sig]
+            prev = previous[signal.Signals(sig)]
             if callable(prev):
                 prev(sig, frame)
             else:  # no Python handler before: restore the disposition and deliver the signal again

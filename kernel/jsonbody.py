@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 _GENERIC = msgspec.json.Decoder()
 _WS_BEFORE_COLON = re.compile(rb'"\s+:')
-_decoders: dict[type, msgspec.json.Decoder] = {}
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
 
 
 class BodyRejected(ClientException):
@@ -75,7 +75,7 @@ def check_content_type(value: str | None) -> None:
                                    extra={"accept": "application/json"})
 
 
-def decoder_for(model: type) -> msgspec.json.Decoder:
+def decoder_for(model: type) -> msgspec.json.Decoder[Any]:
     dec = _decoders.get(model)
     if dec is None:
         dec = _decoders[model] = msgspec.json.Decoder(model)  # strict=True: no coercion
@@ -152,7 +152,7 @@ def decode_strict(body: bytes, model: type) -> Any:
     return value
 
 
-class StrictJSONRequest(Request):
+class StrictJSONRequest(Request[Any, Any, Any]):
     """Litestar request whose ``json()`` is :func:`decode_strict` into the route's ``data`` type."""
 
     async def json(self) -> Any:

@@ -66,6 +66,11 @@ def standard_collectors(registry: CollectorRegistry) -> None:
     GCCollector(registry=registry)
 
 
+
+def _constant(value: int) -> Callable[[], int]:
+    """A function returning ``value`` (ProcessCollector asks for the pid through one)."""
+    return lambda: value
+
 class FunctionGauge:
     """A gauge whose value a function gives at collection (``set_function``), as a collector of
     its own: in multiprocess mode a ``Gauge.set_function`` would be read from no file."""
@@ -115,7 +120,7 @@ class WorkerProcesses:
     def collect(self) -> Iterable[Metric]:
         families: dict[str, Metric] = {}
         for pid in self.pids():
-            for fam in ProcessCollector(pid=lambda p=pid: p, proc=self.proc, registry=None).collect():
+            for fam in ProcessCollector(pid=_constant(pid), proc=self.proc, registry=None).collect():
                 have = families.get(fam.name)
                 if have is None:
                     families[fam.name] = fam

@@ -123,7 +123,7 @@ class Option:
         if self.is_bool:
             return None
         if "metavar" in self.extra:
-            return self.extra["metavar"]
+            return str(self.extra["metavar"])
         if self.choices:
             return "{" + ",".join(str(c) for c in self.choices) + "}"
         if self.kind in ("file", "out-file"):
@@ -143,7 +143,7 @@ class Option:
     def default_text(self) -> str:
         """The default as ``--help`` and the docs show it."""
         if "default" in self.extra:
-            return self.extra["default"]
+            return str(self.extra["default"])
         if self.required:
             return "required"
         value = self.default

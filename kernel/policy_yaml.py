@@ -144,14 +144,16 @@ def _valid_fields(doc: Any, path: Path_) -> list[str]:
     """The fields allowed where an unknown one was found (for the message)."""
     if path[:1] == ("rules",) and len(path) == 2 and isinstance(path[1], int):
         rule = doc["rules"][path[1]] if isinstance(doc.get("rules"), list) else {}
-        cls = SOURCE_RULES.get(rule.get("algorithm")) if isinstance(rule, dict) else None
+        cls = SOURCE_RULES.get(str(rule.get("algorithm"))) if isinstance(rule, dict) else None
         if cls is not None:
             return ["algorithm", *(f.encode_name for f in msgspec.structs.fields(cls))]
         return []
     from .policy_source import SourceFallback, SourcePool
-    for prefix, cls in ((("rules", "*", "fallback"), SourceFallback), (("pools", "*"), SourcePool), ((), PolicySource)):
+    places: tuple[tuple[tuple[str, ...], type[msgspec.Struct]], ...] = (
+        (("rules", "*", "fallback"), SourceFallback), (("pools", "*"), SourcePool), ((), PolicySource))
+    for prefix, struct in places:
         if len(path) == len(prefix) and all(p == "*" or p == q for p, q in zip(prefix, path, strict=True)):
-            return [f.encode_name for f in msgspec.structs.fields(cls)]
+            return [f.encode_name for f in msgspec.structs.fields(struct)]
     return []
 
 
@@ -231,8 +233,8 @@ def compile_document(doc: Any, lines: dict[Path_, int], name: str) -> Bundle:
         return compile_source(src)
     except SourceError as e:
         kind, index = ("rules", getattr(e, "rule", None)) if hasattr(e, "rule") else ("pools", getattr(e, "pool", None))
-        path: Path_ = (kind, index, e.field) if index is not None else (e.field,)
-        msg = where.at(path, str(e))
+        at: Path_ = (kind, index, e.field) if index is not None else (e.field,)
+        msg = where.at(at, str(e))
         raise SourceFileError(msg, errors=[msg]) from None
     except msgspec.ValidationError as e:  # a bundle field out of its range
         m = _AT.match(str(e))
@@ -325,7 +327,7 @@ def comments(text: str) -> tuple[str, dict[tuple[str, int], list[str]]]:
     (what ``policy fmt`` keeps)."""
     doc, lines = read_source(text, "-")
     rows = text.splitlines()
-    header = []
+    header: list[str] = []
     for row in rows:
         if row.startswith("#") or (header and not row.strip()):
             header.append(row)

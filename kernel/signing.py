@@ -35,7 +35,6 @@ import hashlib
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 from cryptography.exceptions import InvalidSignature
@@ -105,8 +104,8 @@ def generate_keypair(directory: Path, name: str = "policy-signing") -> tuple[Pat
     return key_path, pub_path
 
 
-def _load_pem(path: str | Path, what: str, load: Callable[[bytes], object], form: str, cls: type, kind: str) -> Any:
-    """The Ed25519 key of type ``cls`` in the PEM file ``path``, or a PolicyError naming the file."""
+def _load_pem(path: str | Path, what: str, load: Callable[[bytes], object], form: str) -> object:
+    """The key in the PEM file ``path``, or a PolicyError naming the file."""
     try:
         data = Path(path).read_bytes()
     except OSError as e:
@@ -115,19 +114,22 @@ def _load_pem(path: str | Path, what: str, load: Callable[[bytes], object], form
         key = load(data)
     except (ValueError, TypeError) as e:
         raise PolicyError(f"{str(path)!r} is not {form}: {e}") from None
-    if not isinstance(key, cls):
-        raise PolicyError(f"{str(path)!r} is not an Ed25519 {kind} key")
     return key
 
 
 def load_private_key(path: str | Path) -> Ed25519PrivateKey:
-    return _load_pem(path, "signing key", lambda d: serialization.load_pem_private_key(d, password=None),
-                     "an unencrypted PEM private key", Ed25519PrivateKey, "private")
+    key = _load_pem(path, "signing key", lambda d: serialization.load_pem_private_key(d, password=None),
+                    "an unencrypted PEM private key")
+    if not isinstance(key, Ed25519PrivateKey):
+        raise PolicyError(f"{str(path)!r} is not an Ed25519 private key")
+    return key
 
 
 def load_public_key(path: str | Path) -> Ed25519PublicKey:
-    return _load_pem(path, "public key", serialization.load_pem_public_key, "a PEM public key", Ed25519PublicKey,
-                     "public")
+    key = _load_pem(path, "public key", serialization.load_pem_public_key, "a PEM public key")
+    if not isinstance(key, Ed25519PublicKey):
+        raise PolicyError(f"{str(path)!r} is not an Ed25519 public key")
+    return key
 
 
 def public_key_text(public: Ed25519PublicKey) -> str:

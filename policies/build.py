@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -38,7 +39,7 @@ def _json(doc: object) -> bytes:
     return msgspec.json.format(msgspec.json.encode(doc), indent=2) + b"\n"
 
 
-def source_schema() -> dict:
+def source_schema() -> dict[str, Any]:
     schema = msgspec.json.schema(PolicySource)
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["$id"] = SCHEMA_ID + "policy-source.schema.json"
@@ -46,7 +47,7 @@ def source_schema() -> dict:
     return schema
 
 
-def bundle_schema() -> dict:
+def bundle_schema() -> dict[str, Any]:
     schema = msgspec.json.schema(Bundle)
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["$id"] = SCHEMA_ID + "bundle.schema.json"

@@ -86,7 +86,7 @@ class Kind:
     code: str  # ARGV kind ("tb", "sl", ...)
     lua_table: str  # the table the library defines ("TB", "SL", ...)
     lib: str  # the library, relative to lua/ ("lib/sliding_log.lua")
-    parse: Callable[[tuple], Any]  # the five ARGV parameters -> model parameters (raises InvalidArguments)
+    parse: Callable[[tuple[int, ...]], Any]  # the five ARGV parameters -> model parameters (raises InvalidArguments)
     step: Step
     needs_member: bool = False  # the slot stores the decision id (refused without one)
     records_denial: bool = True  # False: a denial by this slot is not stored in the decision record

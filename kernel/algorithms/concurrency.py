@@ -21,7 +21,7 @@ class ConcurrencyParams:
         object.__setattr__(self, "lease_ttl_ms", check_int(self.lease_ttl_ms, 1, name="lease_ttl_ms"))
 
     @classmethod
-    def from_args(cls, p: tuple) -> ConcurrencyParams:
+    def from_args(cls, p: tuple[int, ...]) -> ConcurrencyParams:
         return cls(p[0], p[1])
 
 

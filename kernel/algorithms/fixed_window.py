@@ -27,7 +27,7 @@ class WindowParams:
         check_product(self.limit, self.window_ms, "limit x window")
 
     @classmethod
-    def from_args(cls, p: tuple) -> WindowParams:
+    def from_args(cls, p: tuple[int, ...]) -> WindowParams:
         return cls(p[0], p[1], p[2])
 
 

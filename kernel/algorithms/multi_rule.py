@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from .common import KINDS, InvalidArguments, RuleVerdict
 
@@ -25,6 +25,16 @@ MAX_RULES = 8
 class RuleSpec:
     kind: str  # a registered call kind (common.KINDS): "tb", "sl", "cc", "pool", "pw", ...
     params: tuple[int, int, int, int, int]
+
+
+class Slot(Protocol):
+    """What a rule slot of a call gives (a :class:`RuleSpec`, or the agent's local allowance items)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def params(self) -> tuple[int, int, int, int, int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +48,7 @@ class MultiDecision:
         return [int(self.allowed), self.denied_by, self.retry_after_ms, *self.remaining]
 
 
-def parse_rules(rules: Sequence[RuleSpec], member: str) -> list[Any]:
+def parse_rules(rules: Sequence[Slot], member: str) -> list[Any]:
     """Validate every rule (raises :class:`InvalidArguments` like the script's error reply)."""
     if not 1 <= len(rules) <= MAX_RULES:
         raise InvalidArguments(f"1..{MAX_RULES} rules per call")
@@ -68,7 +78,7 @@ def conflict_reply(n_rules: int) -> list[int]:
     return [CONFLICT, 0, 0, *([0] * n_rules)]
 
 
-def decide_recorded(record: DecisionRecord | None, states: Sequence[Any], rules: Sequence[RuleSpec], now_ms: int,
+def decide_recorded(record: DecisionRecord | None, states: Sequence[Any], rules: Sequence[Slot], now_ms: int,
                     member: str, question: str, incarnation: str = ""
                     ) -> tuple[list[int], list[Any] | None, DecisionRecord | None]:
     """One call with ``decision_ttl_ms > 0``: (reply, new states or None when nothing changed,
@@ -88,7 +98,7 @@ def decide_recorded(record: DecisionRecord | None, states: Sequence[Any], rules:
     return reply, new, DecisionRecord(question, tuple(reply))
 
 
-def decide(states: Sequence[Any], rules: Sequence[RuleSpec], now_ms: int, member: str, incarnation: str = ""
+def decide(states: Sequence[Any], rules: Sequence[Slot], now_ms: int, member: str, incarnation: str = ""
            ) -> tuple[MultiDecision, list[Any] | None]:
     """``states[i]`` is rule i's state (None = no key). New states None on deny; on allow each
     entry is the rule's new state, or its old state when the rule wrote nothing (a replay).

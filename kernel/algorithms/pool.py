@@ -35,7 +35,7 @@ class PoolEntry:
         parts = value.split(",")
         if len(parts) != 5 or not all(p.isdigit() for p in parts[:4]) or not _HEX.fullmatch(parts[4]):
             return None
-        return PoolEntry(*(int(p) for p in parts[:4]), parts[4])
+        return PoolEntry(int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3]), parts[4])
 
     def encode(self) -> str:
         return f"{self.granted},{self.spent},{self.valid_from_ms},{self.expires_at_ms},{self.incarnation}"
@@ -52,7 +52,7 @@ class PoolParams:
         object.__setattr__(self, "cost", check_int(self.cost, 1, name="cost"))
 
     @classmethod
-    def from_args(cls, p: tuple) -> PoolParams:
+    def from_args(cls, p: tuple[int, ...]) -> PoolParams:
         return cls(p[0])
 
 

@@ -30,7 +30,7 @@ class PoolWindowParams:
             raise InvalidArguments(f"k_hi - k_lo must be in [0, {MAX_SPAN})")
 
     @classmethod
-    def from_args(cls, p: tuple) -> PoolWindowParams:
+    def from_args(cls, p: tuple[int, ...]) -> PoolWindowParams:
         return cls(p[0], p[1], p[2], p[3], p[4])
 
 

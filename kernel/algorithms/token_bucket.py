@@ -32,7 +32,7 @@ class TokenBucketParams:
         return ceil_div(self.capacity * self.period_ms, self.refill)
 
     @classmethod
-    def from_args(cls, p: tuple) -> TokenBucketParams:
+    def from_args(cls, p: tuple[int, ...]) -> TokenBucketParams:
         return cls(p[0], p[1], p[2], p[3])
 
 

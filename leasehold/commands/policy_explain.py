@@ -17,7 +17,7 @@ from redis.crc import key_slot
 from kernel.bundle import Bundle
 from kernel.policy_source import rule_source
 from region_agent.decision.keys import KeyBuilder, hash_tag
-from region_agent.decision.plan import build_plan, memo_of
+from region_agent.decision.plan import Snapshot, build_plan
 from region_agent.models import AdmitRequest, Principal
 
 
@@ -39,8 +39,8 @@ def explain(bundle: Bundle, *, tenant: str | None, principal: str, principal_typ
         pid = principal
     req = AdmitRequest(request_id=request_id, principal=Principal(type=principal_type, id=pid, api_key_id=api_key),
                        route_group=route, tenant_id=tenant, cost_hint=cost)
-    plan = build_plan(bundle, req, keys)
-    memo = memo_of(bundle)
+    memo = Snapshot(bundle)
+    plan = build_plan(memo, req, keys)
     shape = plan.shape
     rules = list(shape.rules) if shape is not None else list(plan.rules)
     slots = []

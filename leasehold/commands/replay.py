@@ -46,7 +46,7 @@ from kernel.algorithms.multi_rule import RuleSpec, decide
 from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError
 from region_agent.decision.keys import KeyBuilder
-from region_agent.decision.plan import build_plan, memo_of
+from region_agent.decision.plan import Snapshot, build_plan
 from region_agent.models import AdmitRequest, Principal
 from region_agent.service.decision_log import Line
 
@@ -177,12 +177,13 @@ def _request(e: Event) -> AdmitRequest:
 def replay(bundle: Bundle, events: list[Event], name: str) -> Result:
     """Ask ``bundle`` every question of ``events`` (see the module doc)."""
     keys = KeyBuilder(b"leasehold-replay")
-    pools = memo_of(bundle).pools
+    snap = Snapshot(bundle)
+    pools = snap.pools
     state: dict[tuple, Any] = {}
     res = Result(name, bundle.bundle_version)
     for e in events:
         try:
-            plan = build_plan(bundle, _request(e), keys)
+            plan = build_plan(snap, _request(e), keys)
         except LeaseholdError:
             res.skipped += 1
             continue

@@ -52,7 +52,8 @@ def pre_checks(st: Any, reqs: list[AdmitRequest]) -> list[tuple[AdmitRequest, De
     from .preauth import as_failed_auth
 
     reqs = [as_failed_auth(r) if r.auth_failed else r for r in reqs]
-    w, bundle = st.policy_watch, st.holder.bundle
+    w, snap = st.policy_watch, st.holder.snapshot
+    bundle = snap.bundle
     if st.epoch is not None:
         for r in reqs:
             if r.policy_epoch is not None:
@@ -60,9 +61,9 @@ def pre_checks(st: Any, reqs: list[AdmitRequest]) -> list[tuple[AdmitRequest, De
     out: list[tuple[AdmitRequest, Decision | None]] = [(r, None) for r in reqs]
     if w is not None and w.is_stale(bundle):
         from ..service.policy_watch import revoked_decision
-        out = [(r, revoked_decision(bundle, r, st.metrics)) for r in reqs]
+        out = [(r, revoked_decision(snap, r, st.metrics)) for r in reqs]
     if st.key_cap is not None:
-        out = [(r, d if d is not None else st.key_cap.check(bundle, r, st.metrics)) for r, d in out]
+        out = [(r, d if d is not None else st.key_cap.check(snap, r, st.metrics)) for r, d in out]
     return out
 
 
@@ -71,15 +72,18 @@ def pre_check(st: Any, req: AdmitRequest) -> tuple[AdmitRequest, Decision | None
     if req.auth_failed:
         from .preauth import as_failed_auth
         req = as_failed_auth(req)
-    bundle = st.holder.bundle
+    snap = st.holder.snapshot
+    bundle = snap.bundle
     if st.epoch is not None and req.policy_epoch is not None:
         st.epoch.observe(req.policy_epoch, bundle.bundle_version)
     w = st.policy_watch
     if w is not None and w.is_stale(bundle):
         from ..service.policy_watch import revoked_decision
-        return req, revoked_decision(bundle, req, st.metrics)
+        revoked = revoked_decision(snap, req, st.metrics)
+        if revoked is not None:  # else the pre-authentication cap still applies (as in pre_checks)
+            return req, revoked
     if st.key_cap is not None:
-        return req, st.key_cap.check(bundle, req, st.metrics)
+        return req, st.key_cap.check(snap, req, st.metrics)
     return req, None
 
 

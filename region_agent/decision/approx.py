@@ -42,7 +42,7 @@ class ApproxRules:
         self.wall_clock = wall_clock
         self.counters = counters or ApproxCounters()
         self.store_clock = StoreClock()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._closed = False
 

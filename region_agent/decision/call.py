@@ -22,7 +22,7 @@ MULTI_RULE = "multi_rule"
 MAX_RULES = 8
 CONFLICT = -1  # ``allowed`` of the multi-rule reply for a decision record of another question
 
-ScriptCall = tuple[str, list, list]  # (script name, KEYS, ARGV): what the store sends by EVALSHA
+ScriptCall = tuple[str, list[Any], list[Any]]  # (script name, KEYS, ARGV): what the store sends by EVALSHA
 
 
 class Call(NamedTuple):
@@ -33,14 +33,14 @@ class Call(NamedTuple):
     params: Params
 
 
-class RuleArgv(list):
+class RuleArgv(list[Any]):
     """A multi-rule call's ARGV whose rule slots (``argv[3:-1]``) are ``rules``: the kinds and
     parameters checked once per policy snapshot, selection and cost (region_agent.decision.plan.Shape),
     the same tuple for every call of that shape. A list like any ARGV; the store's packer
     encodes ``rules`` once per shape instead of once per call (region_agent.store.scripts)."""
 
     __slots__ = ("rules",)
-    rules: tuple
+    rules: tuple[object, ...]
 
 
 class MultiRuleResult(NamedTuple):
@@ -79,7 +79,7 @@ def multi_rule_call(rules: Sequence[Call], *, decision_key: str, slack_ms: int, 
     return (MULTI_RULE, keys, argv)
 
 
-def prechecked_call(rules: Sequence[Call], argv_rules: tuple, *, decision_key: str, slack_ms: int,
+def prechecked_call(rules: Sequence[Call], argv_rules: tuple[object, ...], *, decision_key: str, slack_ms: int,
                     decision_ttl_ms: int, member: str, question: str = "") -> ScriptCall:
     """:func:`multi_rule_call` for slots whose shape was checked once (``argv_rules``: their kinds
     and parameters, from :func:`multi_rule_argv` per policy snapshot, selection and cost —

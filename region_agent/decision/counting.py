@@ -25,8 +25,9 @@ def tenant_pool_slots(plan: Plan, pools: Mapping[str, Pool]) -> list[tuple[int, 
         return []
     out = []
     for i, (slot, call) in enumerate(zip(plan.slots, plan.calls, strict=True)):
-        if slot.role is Role.POOL and slot.rule.pool_id in pools:
-            out.append((i, pools[slot.rule.pool_id], call.key, call.params[0]))
+        pool_id = slot.rule.pool_id
+        if slot.role is Role.POOL and pool_id is not None and pool_id in pools:
+            out.append((i, pools[pool_id], call.key, call.params[0]))
     return out
 
 

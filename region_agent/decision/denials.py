@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from ..service.metrics import AgentMetrics
 from .call import Call
-from .negcache import NegativeCache
+from .negcache import DenialKey, NegativeCache
 from .outcome import Answer
 from .plan import Plan
 
@@ -49,11 +49,11 @@ class Denials:
             return None
         calls = plan.calls
         whole = tuple(calls)
-        keys = [whole] if whole in entries else []
+        keys: list[DenialKey] = [whole] if whole in entries else []
         for call in calls:
-            key = (call.key, call.params)
-            if key in entries:
-                keys.append(key)
+            one = (call.key, call.params)
+            if one in entries:
+                keys.append(one)
         for key in keys:
             if now_ms is None:
                 now_ms = self.now_ms()

@@ -37,7 +37,7 @@ from ..leasing.window_clock import AllocatorClock, Windows
 from ..models import AdmitRequest, Decision, DecisionSource, DeniedScope, Reason, ReleaseRequest, RenewRequest
 from ..service.metrics import AgentMetrics
 from ..store.protocol import Store
-from .approx import ApproxRules
+from .approx import ApproxRules, Ticket
 from .batch import BatchCalls, batch_budget_s
 from .call import Call, MultiRuleResult, ScriptCall, plan_calls, result_of
 from .counting import count_pool_admissions, count_shadow, tenant_pool_slots
@@ -47,7 +47,7 @@ from .fallback import LocalAllowances
 from .keys import KeyBuilder
 from .negcache import NegativeCache
 from .outcome import Answer, NextStep, Outcome, outcome, pool_denial_slot
-from .plan import GlobalSpend, Plan, build_plan, cc_gates, cc_keys_for_release, memo_of
+from .plan import GlobalSpend, Plan, Snapshot, build_plan, cc_gates, cc_keys_for_release
 from .record import SHED, admitted_record, conflict_record, decision_record
 from .telemetry import DecisionTelemetry
 
@@ -61,7 +61,7 @@ class _Reservation:
 @dataclass(slots=True)
 class _Prepared:
     plan: Plan
-    bundle: Bundle
+    snap: Snapshot
     started: float
     deadline: float
     reservations: list[_Reservation]
@@ -70,20 +70,24 @@ class _Prepared:
     pool_retried: bool = False  # waited once for an in-flight lease top-up
     edge: bool = False  # the pre-authentication stage of an authenticated request (Plan.edge)
     chunk: bool = False  # admitted from a hot key set's chunk (region_agent.leasing.hot_chunks): no store call
-    approx: list | None = None  # units counted on approximate rules (given back on a denial)
+    approx: list[Ticket] | None = None  # units counted on approximate rules (given back on a denial)
+
+    @property
+    def bundle(self) -> Bundle:
+        return self.snap.bundle
 
 
 class DecisionEngine:
-    def __init__(self, *, get_bundle: Callable[[], Bundle], keys: KeyBuilder, store: Store, metrics: AgentMetrics,
+    def __init__(self, *, get_snapshot: Callable[[], Snapshot], keys: KeyBuilder, store: Store, metrics: AgentMetrics,
                  fallback: LocalAllowances | None = None, budget_ms: int = 50,
                  clock: Callable[[], float] = time.monotonic, leases: Any | None = None,
                  negative: NegativeCache | None = None, telemetry: DecisionTelemetry | None = None,
                  wall_clock: Callable[[], float] = time.time, allocator_clock: AllocatorClock | None = None,
-                 decision_log: Any = None, bundle_for: Callable[[str | None], Bundle] | None = None,
+                 decision_log: Any = None, snapshot_for: Callable[[str | None], Snapshot] | None = None,
                  cold_wait_ms: int = 0):
-        self.get_bundle = get_bundle
-        # the bundle one request of a tenant is evaluated against (a canary slice); None: get_bundle's
-        self.bundle_for = bundle_for
+        self.get_snapshot = get_snapshot
+        # the snapshot one request of a tenant is evaluated against (a canary slice); None: get_snapshot's
+        self.snapshot_for = snapshot_for
         self.keys = keys
         self.store = store
         self.metrics = metrics
@@ -121,13 +125,13 @@ class DecisionEngine:
     async def admit(self, req: AdmitRequest, *, decoded: bool = False) -> Decision:
         """``decoded``: ``req`` came from the strict wire decoder (its id patterns were checked)."""
         # one snapshot for the whole request (with a canary staged: the candidate when it is in the slice)
-        bundle = self.get_bundle() if self.bundle_for is None else self.bundle_for(req.tenant_id)
-        plan = build_plan(bundle, req, self.keys, checked=decoded)  # raises ValidationFailed before any key exists
+        snap = self.get_snapshot() if self.snapshot_for is None else self.snapshot_for(req.tenant_id)
+        plan = build_plan(snap, req, self.keys, checked=decoded)  # raises ValidationFailed before any key exists
         if plan.edge is not None:  # the address window first: a denial there is the request's answer
-            (stage1,) = await self._decide_plans([plan.edge], [bundle], edge=True)
+            (stage1,) = await self._decide_plans([plan.edge], [snap], edge=True)
             if not stage1.allowed:
                 return stage1
-        prep = self._begin(plan, bundle)
+        prep = self._begin(plan, snap)
         if prep.early is None and plan.global_spends:
             await self._take_globals(prep)
         if prep.early is not None:
@@ -153,35 +157,35 @@ class DecisionEngine:
     async def admit_many(self, reqs: list[AdmitRequest], *, decoded: bool = False) -> list[Decision]:
         """Batch: every item's tenant call goes in one coalesced pipeline (one round trip per shard)."""
         keys = self.keys
-        bundle_for = self.bundle_for
-        bundles = [self.get_bundle()] * len(reqs) if bundle_for is None else [bundle_for(r.tenant_id) for r in reqs]
-        plans = [build_plan(b, r, keys, checked=decoded)  # whole batch is 422 if one is malformed
-                 for b, r in zip(bundles, reqs, strict=True)]
+        snapshot_for = self.snapshot_for
+        snaps = [self.get_snapshot()] * len(reqs) if snapshot_for is None else [snapshot_for(r.tenant_id) for r in reqs]
+        plans = [build_plan(s, r, keys, checked=decoded)  # whole batch is 422 if one is malformed
+                 for s, r in zip(snaps, reqs, strict=True)]
         staged = [i for i, p in enumerate(plans) if p.edge is not None]
         if not staged:
-            return await self._decide_plans(plans, bundles)
+            return await self._decide_plans(plans, snaps)
         # the address window of the items that have one first; the denied ones are answered by it
         out: list[Decision | None] = [None] * len(plans)
         firsts = await self._decide_plans([plans[i].edge for i in staged],  # type: ignore[misc]  # staged items all have an edge plan
-                                          [bundles[i] for i in staged], edge=True)
+                                          [snaps[i] for i in staged], edge=True)
         for i, d in zip(staged, firsts, strict=True):
             if not d.allowed:
                 out[i] = d
         rest = [i for i in range(len(plans)) if out[i] is None]
         if rest:
-            decided = await self._decide_plans([plans[i] for i in rest], [bundles[i] for i in rest])
+            decided = await self._decide_plans([plans[i] for i in rest], [snaps[i] for i in rest])
             for i, d in zip(rest, decided, strict=True):
                 out[i] = d
         return out  # type: ignore[return-value]  # every slot filled by one of the two loops
 
-    async def _decide_plans(self, plans: list[Plan], bundles: list[Bundle], *, edge: bool = False) -> list[Decision]:
-        """The decisions of ``plans`` (one coalesced pipeline), each under its own bundle; ``edge``:
+    async def _decide_plans(self, plans: list[Plan], snaps: list[Snapshot], *, edge: bool = False) -> list[Decision]:
+        """The decisions of ``plans`` (one coalesced pipeline), each under its own snapshot; ``edge``:
         they are pre-authentication stages (an admission there is not the request's decision: not
         counted)."""
         budget = batch_budget_s(self.budget, len(plans))
         started = self.clock()  # one start (deadline, negative-cache time) for the whole batch
         begin = self._begin
-        preps = [begin(p, b, budget, started) for p, b in zip(plans, bundles, strict=True)]
+        preps = [begin(p, s, budget, started) for p, s in zip(plans, snaps, strict=True)]
         if edge:
             for p in preps:
                 p.edge = True
@@ -211,16 +215,16 @@ class DecisionEngine:
             if prep.early is not None:
                 out.append(self._finish(prep, prep.early))
                 continue
-            got = self._complete_now(prep, paid[i] if i in paid else batch.replies(i, replies))
-            if isinstance(got, Decision):
-                out.append(got)
+            done = self._complete_now(prep, paid[i] if i in paid else batch.replies(i, replies))
+            if isinstance(done, Decision):
+                out.append(done)
             else:  # another store call or a wait (a retry, a pool top-up, the pool fallback)
-                out.append(self._finish(prep, await self._settle_later(prep, got[0], *got[1])))
+                out.append(self._finish(prep, await self._settle_later(prep, done[0], *done[1])))
         return out
 
     async def release(self, req: ReleaseRequest) -> int:
-        bundle = self.get_bundle() if self.bundle_for is None else self.bundle_for(req.tenant_id)
-        cc_keys = cc_keys_for_release(bundle, request_tenant=req.tenant_id, principal=req.principal,
+        snap = self.get_snapshot() if self.snapshot_for is None else self.snapshot_for(req.tenant_id)
+        cc_keys = cc_keys_for_release(snap, request_tenant=req.tenant_id, principal=req.principal,
                                       route_group=req.route_group, keys=self.keys)
         deadline = self.clock() + self.budget  # the decision budget, as for an admission
         for key in cc_keys:
@@ -230,8 +234,8 @@ class DecisionEngine:
     async def renew(self, req: RenewRequest) -> tuple[int, int]:
         """Heartbeat: (slots extended, gates). A slot that was released or expired
         is not revived; the gateway then treats the export as unprotected or ends it."""
-        bundle = self.get_bundle() if self.bundle_for is None else self.bundle_for(req.tenant_id)
-        gates = cc_gates(bundle, request_tenant=req.tenant_id, principal=req.principal,
+        snap = self.get_snapshot() if self.snapshot_for is None else self.snapshot_for(req.tenant_id)
+        gates = cc_gates(snap, request_tenant=req.tenant_id, principal=req.principal,
                          route_group=req.route_group, keys=self.keys)
         deadline = self.clock() + self.budget  # the decision budget, as for a release
         renewed = 0
@@ -241,13 +245,13 @@ class DecisionEngine:
         return renewed, len(gates)
 
     # ------------------------------------------------------------------ 1. plan
-    def _begin(self, plan: Plan, bundle: Bundle, budget: float | None = None, started: float | None = None
+    def _begin(self, plan: Plan, snap: Snapshot, budget: float | None = None, started: float | None = None
                ) -> _Prepared:
         """The synchronous part of preparing: deadline, negative cache, pool demand. ``started``:
         the clock's reading (a batch reads it once for all its items)."""
         if started is None:
             started = self.clock()
-        prep = _Prepared(plan, bundle, started, started + (budget or self.budget), [])
+        prep = _Prepared(plan, snap, started, started + (budget or self.budget), [])
         held = self.denials.hit(plan, started * 1000.0)
         if held is not None:
             prep.early = self._answer(prep, held, DecisionSource.NEGATIVE_CACHE)
@@ -259,7 +263,7 @@ class DecisionEngine:
                 return prep
             prep.approx = tickets
         if self.leases is not None:
-            for _, pool, key, tokens in tenant_pool_slots(plan, memo_of(bundle).pools):
+            for _, pool, key, tokens in tenant_pool_slots(plan, snap.pools):
                 self.leases.note(pool, key, tokens)
         return prep
 
@@ -333,7 +337,7 @@ class DecisionEngine:
             result = result_of(replies[0])
             if result.__class__ is MultiRuleResult and result.allowed:
                 # the common case: the store admitted; the record's parts were built once per plan shape
-                d = admitted_record(plan, prep.bundle, result)
+                d = admitted_record(plan, prep.snap, result)
                 if d is not None:
                     self.denials.forget(plan)  # as _settle_now: a probe passed, its held denial is over
                     return self._finish(prep, d)
@@ -371,7 +375,7 @@ class DecisionEngine:
             retry_floor = denial.retry_floor_ms
         else:
             can_retry = retry and self._remaining(prep) > 0
-        o = outcome(plan, memo_of(prep.bundle).pools, result, denial.balance if denial else None,
+        o = outcome(plan, prep.snap.pools, result, denial.balance if denial else None,
                     can_retry=can_retry, waited=waited, fallback=fallback, retry_floor_ms=retry_floor)
         if o.step is NextStep.ANSWER:
             assert o.answer is not None
@@ -419,7 +423,7 @@ class DecisionEngine:
 
     async def _pool_fallback(self, prep: _Prepared, res: MultiRuleResult, idx: int) -> Decision:
         """The allocator is unreachable and slot ``idx``'s balance is empty (region_agent.decision.degraded)."""
-        fb = self.local.pool_allowance(prep.plan, memo_of(prep.bundle).pools, idx)
+        fb = self.local.pool_allowance(prep.plan, prep.snap.pools, idx)
         if fb.closed is not None:
             return self._answer(prep, fb.closed, DecisionSource.FAIL_CLOSED)
         if fb.call is None:  # the allocator's clock is too uncertain: the script's denial stands
@@ -429,7 +433,7 @@ class DecisionEngine:
 
     def _degrade(self, prep: _Prepared, exc: LeaseholdError) -> Decision:
         """The store failed this decision: answer per rule failMode (region_agent.decision.degraded)."""
-        got = self.local.store_failed(prep.plan, memo_of(prep.bundle).pools, exc)
+        got = self.local.store_failed(prep.plan, prep.snap.pools, exc)
         if got.shed is not None:
             return self._shed(prep, got.shed)
         self.denials.forget(prep.plan)  # a probe answered by the fallback: the store's old denial is over
@@ -464,7 +468,7 @@ class DecisionEngine:
         tokens back."""
         if not a.allowed:
             self._give_back(prep)
-        return decision_record(prep.plan, prep.bundle, a, self.metrics, source)
+        return decision_record(prep.plan, prep.snap, a, self.metrics, source)
 
     def _finish(self, prep: _Prepared, d: Decision) -> Decision:
         if prep.edge and d.allowed:
@@ -474,9 +478,9 @@ class DecisionEngine:
         if prep.chunk and d.allowed:
             d.source = DecisionSource.CHUNK
         if d.allowed and (prep.reservations or prep.plan.has_pool):
-            count_pool_admissions(self.metrics, prep.plan, memo_of(prep.bundle).pools,
+            count_pool_admissions(self.metrics, prep.plan, prep.snap.pools,
                                   (r.spend for r in prep.reservations), fallback=d.fallback)
-        self.telemetry.decided(prep.plan, prep.bundle, d, self.clock() - prep.started, now=prep.started,
+        self.telemetry.decided(prep.plan, prep.snap, d, self.clock() - prep.started, now=prep.started,
                                touched_store=prep.early is None and not d.fallback and d.http_status != 503
                                and not prep.chunk)
         if self.decision_log is not None:

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 class EpochCheck:
-    def __init__(self, metrics, refresh: Callable[[], object] | None = None, *, min_interval_s: float = 1.0,
+    def __init__(self, metrics: Any, refresh: Callable[[], object] | None = None, *, min_interval_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic):
         self._ahead = metrics.policy_epoch.labels("gateway_ahead")
         self._behind = metrics.policy_epoch.labels("gateway_behind")

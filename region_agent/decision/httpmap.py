@@ -1,6 +1,8 @@
 """From a decision to the HTTP response a gateway should send (docs/invariants.md I5 for the Retry-After hint).
 
-Pure functions. ``apply_http`` fills ``httpStatus``, ``headers`` and ``problem`` of a decision.
+Pure functions. ``apply_http`` fills ``httpStatus``, ``headers`` and ``problem`` of a decision,
+given the :class:`HttpAnswers` of the policy snapshot it was decided with (the agent's retry
+jitter and the text of each rule's fields; region_agent.decision.plan.Snapshot holds one).
 
 Retry jitter (I5: "Retry-After is a hint, not a reservation ... jitter added"). Clients denied in
 the same instant must not come back in the same instant: 10,000 clients all told
@@ -70,21 +72,13 @@ class RetryJitter:
         return int.from_bytes(h.digest(), "big") % bound
 
 
-JITTER = RetryJitter()  # replaced from the agent's settings by ``configure_jitter``
-
-
-def configure_jitter(pct: int, max_ms: int, seed: str = "", min_ms: int = 1_000) -> None:
-    global JITTER
-    JITTER = RetryJitter(pct, max_ms, seed.encode(), min_ms)
-
-
-def retry_after(decision_id: str, retry_after_ms: int) -> tuple[str, int] | None:
+def retry_after(jitter: RetryJitter, decision_id: str, retry_after_ms: int) -> tuple[str, int] | None:
     """(the ``Retry-After`` value, ``retryJitterMs``) of a denial with hint ``retry_after_ms``;
     None when it can never succeed (-1)."""
     if retry_after_ms < 0:
         return None
-    jitter = JITTER.of(decision_id, retry_after_ms)
-    return str(max(1, -(-(retry_after_ms + jitter) // 1000))), jitter
+    jitter_ms = jitter.of(decision_id, retry_after_ms)
+    return str(max(1, -(-(retry_after_ms + jitter_ms) // 1000))), jitter_ms
 
 
 def window_seconds(rule: Rule, pools: Mapping[str, Pool] | None = None) -> int:
@@ -92,36 +86,46 @@ def window_seconds(rule: Rule, pools: Mapping[str, Pool] | None = None) -> int:
     return max(1, math.ceil(rule.policy_window_ms(pools or {}) / 1000))
 
 
-# (id(rule), limit) -> (rule, RateLimit-Policy value, RateLimit prefix): the parts of the fields
-# that depend on the policy only, built once per rule of a snapshot (the rule is kept and
-# compared, so a recycled id() never answers for another rule)
-_POLICY_FIELDS: BoundedMemo[tuple[int, int], tuple[Rule, str, str]] = BoundedMemo(4_096)
+POLICY_FIELDS_MAX = 4_096  # (rule, limit) pairs of one snapshot whose field text is kept
 
 
-def policy_fields(rule: Rule, limit: int) -> tuple[str, str]:
-    """(RateLimit-Policy value, RateLimit prefix up to the remaining count) of ``rule`` at ``limit``."""
-    k = (id(rule), limit)
-    hit = _POLICY_FIELDS.get(k)
-    if hit is None or hit[0] is not rule:
-        hit = _POLICY_FIELDS.put(k, (rule, f'"{rule.id}";q={limit};w={window_seconds(rule)}', f'"{rule.id}";r='))
-    return hit[1], hit[2]
+class HttpAnswers:
+    """What the HTTP answers of one policy snapshot need besides the decision: the agent's retry
+    jitter (its settings) and the text of each rule's RateLimit fields, built once per rule and
+    limit of the snapshot (a bounded memo; the snapshot owns it, so it goes with the snapshot)."""
+
+    __slots__ = ("_fields", "jitter")
+
+    def __init__(self, jitter: RetryJitter | None = None):
+        self.jitter = jitter if jitter is not None else RetryJitter()
+        # (rule id, limit) -> (RateLimit-Policy value, RateLimit prefix): rule ids are unique in a bundle
+        self._fields: BoundedMemo[tuple[str, int], tuple[str, str]] = BoundedMemo(POLICY_FIELDS_MAX)
+
+    def policy_fields(self, rule: Rule, limit: int) -> tuple[str, str]:
+        """(RateLimit-Policy value, RateLimit prefix up to the remaining count) of ``rule`` at ``limit``."""
+        k = (rule.id, limit)
+        hit = self._fields.get(k)
+        if hit is None:
+            hit = self._fields.put(k, (f'"{rule.id}";q={limit};w={window_seconds(rule)}', f'"{rule.id}";r='))
+        return hit
 
 
-def ratelimit_headers(rule: Rule, *, limit: int, remaining: int, retry_after_ms: int) -> dict[str, str]:
+def ratelimit_headers(answers: HttpAnswers, rule: Rule, *, limit: int, remaining: int,
+                      retry_after_ms: int) -> dict[str, str]:
     """Draft RateLimit / RateLimit-Policy fields for the caller's own scope."""
-    policy, prefix = policy_fields(rule, limit)
+    policy, prefix = answers.policy_fields(rule, limit)
     t = 0 if retry_after_ms <= 0 else -(-retry_after_ms // 1000)
     return {"RateLimit-Policy": policy, "RateLimit": f"{prefix}{remaining if remaining > 0 else 0};t={t}"}
 
 
-def admitted_fields(rule: Rule, limit: int, *, anonymous: bool) -> tuple[str, str] | None:
+def admitted_fields(answers: HttpAnswers, rule: Rule, limit: int, *, anonymous: bool) -> tuple[str, str] | None:
     """The parts of an admission's headers that do not depend on its count, as :func:`apply_http`
     gives them to a store admission reported by ``rule`` (not a fallback; limit and remaining
     known): (RateLimit-Policy, RateLimit prefix) for the caller's own scope, None (no headers)
     for any other scope or an anonymous caller. Its RateLimit field is ``f"{prefix}{remaining};t=0"``."""
     if anonymous or rule.scope not in OWN_SCOPES:
         return None
-    return policy_fields(rule, limit)
+    return answers.policy_fields(rule, limit)
 
 
 def _problem(status: int, decision: Decision, anonymous: bool) -> dict[str, Any]:
@@ -145,13 +149,13 @@ def _problem(status: int, decision: Decision, anonymous: bool) -> dict[str, Any]
             "decisionId": decision.decision_id}
 
 
-def apply_http(decision: Decision, *, rule: Rule | None, anonymous: bool) -> bool:
+def apply_http(decision: Decision, *, rule: Rule | None, anonymous: bool, answers: HttpAnswers) -> bool:
     """Fill the HTTP fields. Returns True when a 429 had to omit Retry-After (a policy defect:
     retry -1 means the request can never succeed under this policy)."""
     if decision.allowed:  # 200, no problem (the record's defaults): only the caller's RateLimit fields
         if (rule is not None and not anonymous and rule.scope in OWN_SCOPES and not decision.fallback
                 and decision.limit is not None and decision.remaining is not None):
-            decision.headers = ratelimit_headers(rule, limit=decision.limit, remaining=decision.remaining,
+            decision.headers = ratelimit_headers(answers, rule, limit=decision.limit, remaining=decision.remaining,
                                                  retry_after_ms=decision.retry_after_ms)
         else:
             decision.headers = {}
@@ -164,7 +168,7 @@ def apply_http(decision: Decision, *, rule: Rule | None, anonymous: bool) -> boo
         status = 503
     else:
         status = 429
-    hint = retry_after(decision.decision_id, decision.retry_after_ms)
+    hint = retry_after(answers.jitter, decision.decision_id, decision.retry_after_ms)
     if hint is None:
         defect = status == 429
     else:
@@ -172,7 +176,7 @@ def apply_http(decision: Decision, *, rule: Rule | None, anonymous: bool) -> boo
     if (rule is not None and not anonymous and rule.scope in OWN_SCOPES and status != 503
             and not decision.fallback and decision.denied_scope != DeniedScope.CONCURRENCY
             and decision.limit is not None and decision.remaining is not None):
-        headers.update(ratelimit_headers(rule, limit=decision.limit, remaining=decision.remaining,
+        headers.update(ratelimit_headers(answers, rule, limit=decision.limit, remaining=decision.remaining,
                                          retry_after_ms=decision.retry_after_ms))
     decision.http_status = status
     decision.headers = headers

@@ -21,7 +21,9 @@ at scrape time).
 
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily
+from collections.abc import Iterable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from kernel.algorithms import Role
 
@@ -64,7 +66,7 @@ class NewKeyMeter:
         if len(self.cur) < MAX_PER_GENERATION:
             self.cur.add(h)
 
-    def touch(self, keys_and_classes, now: float) -> None:
+    def touch(self, keys_and_classes: Iterable[tuple[str, str]], now: float) -> None:
         """``keys_and_classes``: (key, class) pairs of one decision's script calls; ``now`` in s.
         (The decision path inlines this loop: region_agent.decision.telemetry.)"""
         if now - self.since >= HORIZON_S:
@@ -77,10 +79,10 @@ class NewKeyMeter:
     def count(self, cls: str, n: int = 1) -> None:
         self.counts[cls] += n
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return [CounterMetricFamily(self.NAME, self.HELP, labels=list(self.LABELS))]
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         fam = CounterMetricFamily(self.NAME, self.HELP, labels=list(self.LABELS))
         for cls, n in self.counts.items():
             fam.add_metric([cls], n)

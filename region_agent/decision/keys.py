@@ -17,8 +17,10 @@ A tenant split into k sub-buckets (the bundle's ``tenantSplits``, kernel/split.p
 its principal's sub-bucket (``sub``), the decision record's too.
 
 ``<h>`` is HMAC-SHA256(pepper, tenant + "\\x1f" + type + "\\x1f" + id) truncated to 64 bits
-(16 hex chars). Tenant ids are validated against ``[a-z0-9-]{1,32}`` before they reach a key;
-anything else raises :class:`ValidationFailed`. The pepper never appears anywhere else.
+(16 hex chars). Tenant ids reach a key only after the one check where a request enters (the wire
+types of region_agent.models, or region_agent.decision.plan.check_request for a request built in process:
+``[a-z0-9-]{1,32}``, so no ``{``, ``}`` or ``:`` can move a key's hash tag); a key is not derived
+for a missing tenant (:class:`ValidationFailed`). The pepper never appears anywhere else.
 
 For anonymous callers all keys of one request must share one hash tag, so the tag hashes the
 client address reduced to the *widest* prefix among the request's ip rules; each rule's own
@@ -35,44 +37,11 @@ from typing import NamedTuple
 from kernel.bounded import BoundedMemo
 from kernel.bundle import Rule
 from kernel.errors import ValidationFailed
-from kernel.ids import POOL_ID_RE, REQUEST_ID_RE, ROUTE_RE, TENANT_RE
+from kernel.ids import POOL_ID_RE
 
 NS = "rl:v3"
 _SEP = "\x1f"
 _TYPE_CODE = {"user": "u", "key": "k"}
-
-
-# recently validated tenant ids (a key derivation checks several times)
-_VALID_TENANTS: BoundedMemo[str, bool] = BoundedMemo(10_000)
-
-
-def check_tenant(tenant: object) -> str:
-    if tenant.__class__ is str and tenant in _VALID_TENANTS:
-        return tenant
-    if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
-        raise ValidationFailed("tenantId must match [a-z0-9-]{1,32}", errors=["tenantId: invalid"])
-    _VALID_TENANTS.put(tenant, True)
-    return tenant
-
-
-# recently validated route groups (every request names one of a few)
-_VALID_ROUTES: BoundedMemo[str, bool] = BoundedMemo(1_000)
-
-
-def check_route(route: object) -> str:
-    if route.__class__ is str and route in _VALID_ROUTES:
-        return route
-    if not isinstance(route, str) or not ROUTE_RE.fullmatch(route):
-        raise ValidationFailed("routeGroup must match [a-z0-9_-]{1,32}", errors=["routeGroup: invalid"])
-    _VALID_ROUTES.put(route, True)
-    return route
-
-
-def check_ids(request_id: str, route_group: str) -> None:
-    """The wire types' checks again, for callers that built a request without decoding one."""
-    if not REQUEST_ID_RE.match(request_id):
-        raise ValidationFailed("requestId must match [A-Za-z0-9._:-]{8,128}", errors=["requestId: invalid"])
-    check_route(route_group)
 
 
 @functools.lru_cache(maxsize=65_536)  # the ipaddress module is slow; a bounded memo of recent callers
@@ -124,7 +93,7 @@ class KeyBuilder:
         if not pepper:
             raise ValueError("an empty pepper is not allowed")
         self._pepper = bytes(pepper)
-        self._memo: BoundedMemo[tuple[str, str, str], str] = BoundedMemo(self.MEMO_MAX)
+        self._memo: BoundedMemo[tuple[str | None, str, str], str] = BoundedMemo(self.MEMO_MAX)
 
     def __repr__(self) -> str:  # never show the pepper
         return "KeyBuilder(<pepper hidden>)"
@@ -143,10 +112,14 @@ class KeyBuilder:
 
     # --- tags -----------------------------------------------------------------------------
     @staticmethod
-    def tenant_tag(tenant: str, sub: int | None = None) -> str:
+    def tenant_tag(tenant: str | None, sub: int | None = None) -> str:
+        """``{t:<tenant>}`` of a checked tenant id (module doc); ``{t:<tenant>:<sub>}`` for a split
+        tenant's sub-bucket."""
+        if tenant is None:
+            raise ValidationFailed("tenantId is required for this rule", errors=["tenantId: required"])
         if sub is None:
-            return "{t:" + check_tenant(tenant) + "}"
-        return "{t:" + check_tenant(tenant) + ":" + str(int(sub)) + "}"
+            return "{t:" + tenant + "}"
+        return "{t:" + tenant + ":" + str(int(sub)) + "}"
 
     def sub_bucket(self, tenant: str, principal_type: str, principal_id: str, k: int) -> int:
         """The sub-bucket of a split tenant (kernel/split.py) a principal's requests spend: a keyed
@@ -168,7 +141,9 @@ class KeyBuilder:
                 raise ValidationFailed("an ip rule needs the anonymous caller's address")
             pid = self.h("", "ip", ip_prefix(addr, rule.ipv4_prefix, rule.ipv6_prefix))
             return f"{NS}:{ip_tag}:ip:{pid}:{route}"
-        t = check_tenant(tenant)
+        t = tenant
+        if t is None:
+            raise ValidationFailed("tenantId is required for this rule", errors=["tenantId: required"])
         tag = self.tenant_tag(t, sub)
         if rule.scope == "user":
             if not user_id:
@@ -189,7 +164,7 @@ class KeyBuilder:
         """The :class:`KeyTemplate` of ``rule``'s key for ``tenant``, or None where it depends on
         more than the principal (ip rules: the address) or the request cannot have it (no valid
         tenant): the caller then derives the key per request (:meth:`rule_key`), which raises."""
-        if tenant is None or tenant.__class__ is not str or not TENANT_RE.match(tenant):
+        if tenant is None:
             return None
         pool_id = rule.pool_id
         if pool_id is not None:
@@ -208,8 +183,8 @@ class KeyBuilder:
             return KeyTemplate("", "", f"{NS}:{tag}:tenant:{tenant}:{route}")
         return None
 
-    def key_from(self, t: KeyTemplate, tenant: str, user_id: str | None, api_key_id: str | None) -> str:
-        """The key of template ``t`` (made for ``tenant``) for one principal."""
+    def key_from(self, t: KeyTemplate, tenant: str | None, user_id: str | None, api_key_id: str | None) -> str:
+        """The key of template ``t`` (made for ``tenant``: a template exists only for a tenant) for one principal."""
         if not t.kind:
             return t.tail
         if t.kind == "u":
@@ -223,7 +198,7 @@ class KeyBuilder:
         k = (tenant, t.kind, ident)
         v = self._memo.get(k)
         if v is None:
-            v = self._memo.put(k, self._hmac(tenant, t.kind, ident))
+            v = self._memo.put(k, self._hmac(tenant or "", t.kind, ident))
         return t.head + v + t.tail
 
     @staticmethod
@@ -232,15 +207,14 @@ class KeyBuilder:
         script never reads or writes it, it only has to share the call's hash tag, so no HMAC."""
         if ip_tag is not None:
             return f"{NS}:{ip_tag}:d:-"
-        return f"{NS}:{KeyBuilder.tenant_tag(tenant, sub)}:d:-"  # type: ignore[arg-type]  # ip_tag is None only when the plan has a tenant
+        return f"{NS}:{KeyBuilder.tenant_tag(tenant, sub)}:d:-"
 
     def decision_key(self, request_id: str, *, tenant: str | None, ip_tag: str | None = None,
                      sub: int | None = None) -> str:
         # request ids are unique: not memoised
         if ip_tag is not None:
             return f"{NS}:{ip_tag}:d:{self._hmac('', 'd', request_id)}"
-        t = check_tenant(tenant)
-        return f"{NS}:{self.tenant_tag(t, sub)}:d:{self._hmac(t, 'd', request_id)}"
+        return f"{NS}:{self.tenant_tag(tenant, sub)}:d:{self._hmac(tenant or '', 'd', request_id)}"
 
     def question(self, *, tenant: str | None, principal_type: str, principal_id: str, api_key_id: str | None,
                  route_group: str, cost_hint: int) -> str:

@@ -35,11 +35,15 @@ EXACT_MAX_MS = 60_000  # an exact hint longer than this (a long fixed window) is
 PROBE_MS = 50  # while one caller asks the store again, the others keep the denial this long at most
 
 
+# what a denial is held for: a whole call's slots (tuple of Call) or one slot's (key, params)
+DenialKey = tuple[object, ...]
+
+
 class NegativeCache:
     def __init__(self, max_entries: int = 100_000, cap_ms: int = 250):
         self.max_entries = max_entries
         self.cap_ms = cap_ms
-        self._d: LRU[tuple, CachedDenial] = LRU(max_entries)
+        self._d: LRU[DenialKey, CachedDenial] = LRU(max_entries)
         # the held denials by key, read-only: the engine tests membership before it calls a method
         # (most requests meet no held denial)
         self.entries = self._d.entries
@@ -47,7 +51,7 @@ class NegativeCache:
     def __len__(self) -> int:
         return len(self._d)
 
-    def get(self, key: tuple, now_ms: float) -> CachedDenial | None:
+    def get(self, key: DenialKey, now_ms: float) -> CachedDenial | None:
         """The cached denial of ``key``, or None: ask the store. When a denial's hold is over, one
         caller (the probe) is let through and the others keep the denial for ``PROBE_MS`` more,
         until the probe's answer replaces it (:meth:`put`) or removes it (:meth:`forget`): a
@@ -61,11 +65,11 @@ class NegativeCache:
             return None
         return hit
 
-    def forget(self, key: tuple) -> None:
+    def forget(self, key: DenialKey) -> None:
         """The store admitted a call on ``key``: the denial no longer holds."""
         self._d.pop(key, None)
 
-    def put(self, key: tuple, now_ms: float, retry_ms: int, payload: Any, *, exact: bool = False) -> None:
+    def put(self, key: DenialKey, now_ms: float, retry_ms: int, payload: Any, *, exact: bool = False) -> None:
         """Remember a denial of ``key`` with hint ``retry_ms``; ``exact``: nothing but time can make
         the same call pass before the hint (see the module docstring). ``cap_ms`` 0 disables."""
         if retry_ms <= 0 or self.cap_ms <= 0:

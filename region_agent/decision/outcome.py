@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from enum import Enum
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kernel.algorithms import LocalModel, Role
 from kernel.bundle import Pool, Rule
@@ -30,7 +30,9 @@ from kernel.errors import AmbiguousOutcome, DecisionConflict, LeaseholdError, Ov
 from ..leasing.book import BalanceState
 from ..models import DeniedScope, Reason
 from .call import MultiRuleResult
-from .plan import Plan
+
+if TYPE_CHECKING:  # region_agent.decision.plan builds each shape's admission parts with admission_of
+    from .plan import Plan, Slot
 
 
 class NextStep(Enum):
@@ -121,9 +123,15 @@ class Admission(NamedTuple):
 def admission(plan: Plan, pools: Mapping[str, Pool]) -> Admission | None:
     """The slot, rule and limit an admission of ``plan`` reports; None when no slot of the call
     reports for the decision (its first rule is a fleet-wide pool, or nothing was selected).
-    Depends on the plan's shape and the snapshot's pools only (region_agent.decision.record memoises it)."""
-    report = plan.rules[0] if plan.rules else None
-    for i, slot in enumerate(plan.slots):
+    Depends on the plan's shape and the snapshot's pools only (:func:`admission_of`; the
+    snapshot keeps it per shape: region_agent.decision.plan.Shape.admitted)."""
+    return admission_of(plan.rules, plan.slots, pools)
+
+
+def admission_of(rules: Sequence[Rule], slots: Sequence[Slot], pools: Mapping[str, Pool]) -> Admission | None:
+    """:func:`admission` of a plan whose enforced rules are ``rules`` and call slots ``slots``."""
+    report = rules[0] if rules else None
+    for i, slot in enumerate(slots):
         if slot.rule is report and slot.role is not Role.CC:
             return Admission(i, report, report.limit_tokens(pools))
     return None

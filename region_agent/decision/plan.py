@@ -2,10 +2,20 @@
 
 Pure: no I/O, no clock. Its rule slots (:class:`~region_agent.decision.call.Call`) become the script call
 (:mod:`region_agent.decision.call`).
+
+:class:`Snapshot` is one accepted bundle with everything the request path derives from it once
+(pools and rules by id, the :class:`Shape` per selection, the HTTP field text, the agent's retry
+jitter). The policy holder makes one when it accepts a bundle (region_agent.service.policy); every
+request reads one snapshot end to end. docs/hot-path.md lists what it memoises.
+
+Identity fields are checked once, where a request enters: the wire decoder's types
+(region_agent.models) or :func:`check_request` for a request built in process; from there on
+a tenant id is trusted (region_agent.decision.keys derives keys from it without checking it again).
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -17,11 +27,15 @@ from kernel.algorithms.rule import Params
 from kernel.bounded import BoundedMemo
 from kernel.bundle import Bundle, Pool, Rule, every_request_rules, select_rules
 from kernel.errors import ScriptRejected, ValidationFailed
+from kernel.ids import REQUEST_ID_RE, ROUTE_RE, TENANT_RE
 from kernel.split import divide_all, splits_of
 
 from ..models import AdmitRequest, Principal
 from .call import Call, multi_rule_argv
-from .keys import KeyBuilder, KeyTemplate, check_ids, check_route, check_tenant, parse_ip
+from .hot import HotConfig, derive_hot
+from .httpmap import HttpAnswers, RetryJitter, admitted_fields
+from .keys import KeyBuilder, KeyTemplate, parse_ip
+from .outcome import admission_of
 
 # immutable records built per decision: NamedTuples rather than frozen dataclasses; the hot path
 # builds them with tuple.__new__ (a NamedTuple's own __new__ is a Python function: a tenth of build_plan)
@@ -65,7 +79,7 @@ class Plan:
     # ARGV of ``multi_rule.lua`` between the member and the question (every slot's kind and five
     # parameters), checked once per Shape and cost (region_agent.decision.call.multi_rule_call); None: the
     # calls are built and checked per request
-    argv_rules: tuple | None = None
+    argv_rules: tuple[object, ...] | None = None
     has_pool: bool = False  # a slot spends a tenant pool balance (Role.POOL)
     shape: Shape | None = None  # what the plan was built from (shared, read-only)
     request: AdmitRequest | None = None  # the question (the sampled decision log reads the principal from it)
@@ -85,16 +99,51 @@ class Plan:
                 if slot.role is not Role.CC}
 
 
-def check_principal(req_tenant: str | None, principal: Principal):
-    """Validate identity fields beyond the schema; returns (tenant, addr or None)."""
+def check_tenant(tenant: object) -> str:
+    """A tenant id from outside the wire types (library mode): ``[a-z0-9-]{1,32}`` or ValidationFailed."""
+    if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
+        raise ValidationFailed("tenantId must match [a-z0-9-]{1,32}", errors=["tenantId: invalid"])
+    return tenant
+
+
+def check_route(route: object) -> str:
+    if not isinstance(route, str) or not ROUTE_RE.fullmatch(route):
+        raise ValidationFailed("routeGroup must match [a-z0-9_-]{1,32}", errors=["routeGroup: invalid"])
+    return route
+
+
+def check_request(request_id: object, route_group: object, tenant: object) -> None:
+    """The wire types' checks of the identity fields, once, for a request built in process
+    (library mode, the replay): what the strict decoder already checked for a decoded one."""
+    if not isinstance(request_id, str) or not REQUEST_ID_RE.match(request_id):
+        raise ValidationFailed("requestId must match [A-Za-z0-9._:-]{8,128}", errors=["requestId: invalid"])
+    check_route(route_group)
+    if tenant is not None:
+        check_tenant(tenant)
+
+
+def check_principal(req_tenant: str | None, principal: Principal
+                    ) -> tuple[str | None, ipaddress.IPv4Address | ipaddress.IPv6Address | None]:
+    """The identity checks no wire type can make (the tenant id itself was checked where the
+    request entered): (tenant, the anonymous caller's address or None)."""
     if principal.type == "anonymous":
-        addr = parse_ip(principal.id)
-        tenant = check_tenant(req_tenant) if req_tenant is not None else None
-        return tenant, addr
+        return req_tenant, parse_ip(principal.id)
     if req_tenant is None:
         raise ValidationFailed("tenantId is required for an authenticated principal",
                                errors=["tenantId: required unless principal.type is anonymous"])
-    return check_tenant(req_tenant), None
+    return req_tenant, None
+
+
+# per cost: (kind, params) of every slot, of every shadow slot, and the tenant call's checked ARGV
+# between member and question (None: built and checked per request)
+SlotParams = tuple[list[tuple[str, Params]], list[tuple[str, Params]], tuple[object, ...] | None]
+
+MAX_TENANT_LABELS = 50  # tenants a bundle names that metrics label by name (region_agent.decision.telemetry)
+
+
+def named_tenants(bundle: Bundle) -> frozenset[str]:
+    """The tenants the bundle's rules name, the first ``MAX_TENANT_LABELS`` in sorted order."""
+    return frozenset(sorted({r.tenant for r in bundle.rules if r.tenant})[:MAX_TENANT_LABELS])
 
 
 SELECTION_CACHE_MAX = 10_000  # distinct (tenant, route, principal type, has key) per snapshot
@@ -118,13 +167,10 @@ class Shape(NamedTuple):
     shadow_templates: tuple[KeyTemplate | None, ...]
     slots: list[Slot]  # the script call's slots (a concurrency gate before its rule's own slot)
     shadow_slots: list[Slot]
-    fleet: list[Rule]  # enforced fleet-wide pool rules (spent from in-process chunks)
+    fleet: list[PoolRule]  # enforced fleet-wide pool rules (spent from in-process chunks)
     has_pool: bool  # a slot is a tenant pool rule (Role.POOL)
     unrecorded_dk: str | None  # KEYS[1] without a decision record for the tenant tag (None: per request)
-    by_cost: dict[int, tuple[list[tuple[str, Params]], list[tuple[str, Params]], tuple | None]]
-    # what other modules derive from the shape once, by their own key (region_agent.decision.record: the
-    # parts of an admission's record); cleared with the shape
-    derived: dict
+    by_cost: dict[int, SlotParams]
     # an authenticated shape's pre-authentication stage: the shape of the ip rules marked
     # everyRequest on its route (None: there are none, or the shape is anonymous already)
     edge: Shape | None = None
@@ -132,6 +178,11 @@ class Shape(NamedTuple):
     sub: int | None = None
     approx: tuple[Rule, ...] = ()  # enforced approximate rules (counted in process, kernel/approx.py)
     approx_templates: tuple[KeyTemplate | None, ...] = ()
+    # the parts of a store admission's record (region_agent.decision.record.admitted_record); None when no
+    # slot reports for the decision (the engine's general path answers)
+    admitted: Admitted | None = None
+    # how the shape's key sets are served from chunks once hot (region_agent.decision.hot; None: never)
+    hot: HotConfig | None = None
 
     @classmethod
     def of(cls, rules: list[Rule], tenant: str | None = None, sub: int | None = None) -> Shape:
@@ -144,10 +195,7 @@ class Shape(NamedTuple):
             if rule.concurrency_max is not None:
                 slots.append(Slot(rule, Role.CC))
             slots.append(Slot(rule, rule.role))
-        try:
-            dk = KeyBuilder.unrecorded_decision_key(tenant=tenant, sub=sub) if tenant is not None else None
-        except ValidationFailed:
-            dk = None
+        dk = KeyBuilder.unrecorded_decision_key(tenant=tenant, sub=sub) if tenant is not None else None
         return cls(rules=rules, enforced=enforced, in_script=in_script, shadow=shadow,
                    ip_rules=[r for r in rules if r.scope == "ip"],
                    slack_ms=max((r.ttl_slack_ms for r in in_script), default=0),
@@ -157,10 +205,10 @@ class Shape(NamedTuple):
                    shadow_templates=tuple(KeyBuilder.template(r, tenant, sub) for r in shadow),
                    slots=slots, shadow_slots=[Slot(r, r.role) for r in shadow],
                    fleet=[r for r in enforced if isinstance(r, PoolRule) and r.fleet_wide],
-                   has_pool=any(s.role is Role.POOL for s in slots), unrecorded_dk=dk, by_cost={}, derived={},
+                   has_pool=any(s.role is Role.POOL for s in slots), unrecorded_dk=dk, by_cost={},
                    sub=sub, approx=approx, approx_templates=tuple(KeyBuilder.template(r, tenant, sub) for r in approx))
 
-    def params_for(self, cost_hint: int) -> tuple[list[tuple[str, Params]], list[tuple[str, Params]], tuple | None]:
+    def params_for(self, cost_hint: int) -> SlotParams:
         """(kind, params) of every slot and shadow slot for a request of ``cost_hint``, and the
         tenant call's ARGV between member and question (None when the slots do not make a valid
         call: it is then built per request, and refused there with the script's own error)."""
@@ -173,7 +221,7 @@ class Shape(NamedTuple):
                 specs.append((CONCURRENCY.code, (rule.concurrency_max, rule.concurrency_ttl_ms, 0, 0, 0)))
             specs.append((rule.kind.code, rule.script_params(cost_hint)))
         shadow = [(r.kind.code, r.script_params(cost_hint)) for r in self.shadow]
-        argv: tuple | None = None
+        argv: tuple[object, ...] | None = None
         if specs:
             try:  # the call's shape checks (count, kinds, five parameters), once
                 _, full = multi_rule_argv("-", [Call(f"k{i}", k, p) for i, (k, p) in enumerate(specs)],
@@ -187,20 +235,42 @@ class Shape(NamedTuple):
         return out
 
 
-class BundleMemo:
-    """Lookups of one policy snapshot that do not depend on the request: pools and rules by id,
-    and the :class:`Shape` per (tenant, route group, principal type, has key). A bundle is
-    immutable, so these stay valid for its lifetime; only validated tenants and routes reach
-    the cache, and it is cleared when it reaches ``SELECTION_CACHE_MAX`` entries."""
+class Admitted(NamedTuple):
+    """What a store admission's record takes from its plan's shape (region_agent.decision.record): the
+    reporting slot, its rule and limit, and the count-free header parts (RateLimit-Policy,
+    RateLimit prefix; None: no headers)."""
 
-    __slots__ = ("_shapes", "bundle", "pools", "rules_by_id", "splits")
+    slot: int
+    rule: Rule
+    limit: int
+    fields: tuple[str, str] | None
 
-    def __init__(self, bundle: Bundle):
+
+class Snapshot:
+    """One accepted policy bundle and what the request path derives from it once: pools and
+    rules by id, the :class:`Shape` per (tenant, route group, principal type, has key), the HTTP
+    answers' field text and the agent's retry jitter (:class:`~region_agent.decision.httpmap.HttpAnswers`).
+    A bundle is immutable, so these stay valid for the snapshot's lifetime; the shapes are a
+    bounded memo (``SELECTION_CACHE_MAX``; only checked tenants and routes reach it). Made by
+    the policy holder when it accepts a bundle (region_agent.service.policy) and dropped with it: no
+    state of one agent is shared with another in the same process."""
+
+    __slots__ = ("_shapes", "bundle", "http", "named_tenants", "per_unit", "pools", "rules_by_id", "splits")
+
+    def __init__(self, bundle: Bundle, jitter: RetryJitter | None = None):
         self.bundle = bundle
         self.pools: dict[str, Pool] = {p.id: p for p in bundle.pools}
         self.rules_by_id: dict[str, Rule] = {r.id: r for r in bundle.rules}
-        self.splits: dict[str, int] = splits_of(bundle.tenant_splits)  # tenant -> sub-buckets
-        self._shapes: BoundedMemo[tuple, Shape] = BoundedMemo(SELECTION_CACHE_MAX)
+        self.splits: dict[str, int] = splits_of(bundle.tenant_splits)  # tenant -> sub-buckets (kernel/split.py)
+        self.named_tenants = named_tenants(bundle)  # the tenants metrics label by name
+        self.http = HttpAnswers(jitter)
+        # rule id -> Envoy's (requests_per_unit, unit) or None (region_agent.gateways.answer.per_unit)
+        self.per_unit: dict[str, tuple[int, str] | None] = {}
+        self._shapes: BoundedMemo[tuple[str | None, str, str, bool, int | None], Shape] = BoundedMemo(
+            SELECTION_CACHE_MAX)
+
+    def __repr__(self) -> str:
+        return f"Snapshot(bundle {self.bundle.bundle_version})"
 
     def shape(self, tenant: str | None, route_group: str, principal_type: str, has_key: bool,
               sub: int | None = None) -> Shape:
@@ -208,61 +278,49 @@ class BundleMemo:
         k = (tenant, route_group, principal_type, has_key, sub)
         hit = self._shapes.get(k)
         if hit is None:
-            rules = select_rules(self.bundle.rules, tenant=tenant, route_group=route_group,
-                                 principal_type=principal_type, has_key=has_key)
+            rules = self.bundle.rules
+            selected = select_rules(rules, tenant=tenant, route_group=route_group, principal_type=principal_type,
+                                    has_key=has_key)
             if sub is not None:
-                rules = divide_all(rules, self.splits[tenant or ""], sub)
-            shape = Shape.of(rules, tenant, sub)
+                selected = divide_all(selected, self.splits[tenant or ""], sub)
+            shape = self._admitting(Shape.of(selected, tenant, sub), anonymous=principal_type == "anonymous")
+            shape = shape._replace(hot=derive_hot(shape))
             if principal_type != "anonymous":
-                edge = every_request_rules(self.bundle.rules, route_group=route_group)
+                edge = every_request_rules(rules, route_group=route_group)
                 if edge:
-                    shape = shape._replace(edge=Shape.of(edge))
+                    shape = shape._replace(edge=self._admitting(Shape.of(edge), anonymous=True))
             hit = self._shapes.put(k, shape)
         return hit
 
+    def _admitting(self, shape: Shape, *, anonymous: bool) -> Shape:
+        adm = admission_of(shape.enforced, shape.slots, self.pools)
+        if adm is None:
+            return shape
+        return shape._replace(admitted=Admitted(adm.slot, adm.rule, adm.limit,
+                                                admitted_fields(self.http, adm.rule, adm.limit, anonymous=anonymous)))
 
-_last_memo: BundleMemo | None = None
-_other_memo: BundleMemo | None = None
-
-
-def memo_of(bundle: Bundle) -> BundleMemo:
-    """The memo of ``bundle``. Two slots: the snapshot in force and, while a canary is staged, the
-    other of the pair a request may be evaluated against (the current and the candidate bundle);
-    a third snapshot replaces the older one."""
-    global _last_memo, _other_memo
-    m = _last_memo
-    if m is None or m.bundle is not bundle:
-        o = _other_memo
-        if o is not None and o.bundle is bundle:
-            _other_memo, _last_memo = m, o
-            return o
-        _other_memo, m = m, BundleMemo(bundle)
-        _last_memo = m
-    return m
+    def selected(self, *, tenant: str | None, route_group: str, principal: Principal) -> list[Rule]:
+        return list(self.shape(tenant, route_group, principal.type, principal.api_key_id is not None).rules)
 
 
-def selected(bundle: Bundle, *, tenant: str | None, route_group: str, principal: Principal) -> list[Rule]:
-    return list(memo_of(bundle).shape(tenant, route_group, principal.type, principal.api_key_id is not None).rules)
-
-
-def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: bool = False,
+def build_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, *, checked: bool = False,
                shape: Shape | None = None) -> Plan:
-    """The plan of ``req`` under ``bundle``. ``checked``: ``req`` came out of the strict wire
-    decoder (region_agent.models: its request id and route group already match their patterns),
-    so they are not matched again; a request built in process (library mode) is checked here.
-    ``shape``: the rules to plan (an edge stage's), instead of those the request selects."""
+    """The plan of ``req`` under snapshot ``snap``. ``checked``: ``req`` came out of the strict
+    wire decoder (region_agent.models: its request id, route group and tenant id already match
+    their patterns), so they are not matched again; a request built in process (library mode) is
+    checked here, once. ``shape``: the rules to plan (an edge stage's), instead of those the
+    request selects."""
     if not checked:
-        check_ids(req.request_id, req.route_group)
+        check_request(req.request_id, req.route_group, req.tenant_id)
     principal = req.principal
     ptype = principal.type
     tenant, addr = check_principal(req.tenant_id, principal)
     api_key_id = principal.api_key_id
-    memo = memo_of(bundle)
     if shape is None:
         sub = None
-        if memo.splits and addr is None and tenant in memo.splits:
-            sub = keys.sub_bucket(tenant, ptype, principal.id, memo.splits[tenant])  # type: ignore[arg-type]  # an authenticated principal has a tenant
-        shape = memo.shape(tenant, req.route_group, ptype, api_key_id is not None, sub)
+        if snap.splits and addr is None and tenant in snap.splits:
+            sub = keys.sub_bucket(tenant, ptype, principal.id, snap.splits[tenant])
+        shape = snap.shape(tenant, req.route_group, ptype, api_key_id is not None, sub)
     cost_hint = req.cost_hint
     specs, shadow_specs, argv_rules = shape.params_for(cost_hint)
     ip_tag = keys.ip_tag(addr, shape.ip_rules) if addr is not None else None
@@ -290,13 +348,14 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
             shadow_calls.append(_new(Call, (key, *spec)))
     spends: list[GlobalSpend] = _NONE  # type: ignore[assignment]  # the shared empty tuple, never appended to
     if shape.fleet:
-        spends = [GlobalSpend(rule, memo.pools[rule.pool_id or ""], rule.tokens(cost_hint)) for rule in shape.fleet]
+        pools = snap.pools
+        spends = [GlobalSpend(rule, pools[rule.pool_id or ""], rule.tokens(cost_hint)) for rule in shape.fleet]
     approx: list[ApproxSpend] = _NONE  # type: ignore[assignment]  # the shared empty tuple, never appended to
     if shape.approx:
         approx = []
         for rule, t in zip(shape.approx, shape.approx_templates, strict=True):
             if t is not None:
-                key = keys.key_from(t, tenant, user_id, api_key_id)  # type: ignore[arg-type]  # a template exists only for a tenant
+                key = keys.key_from(t, tenant, user_id, api_key_id)
             else:
                 key = _key_of(keys, rule, tenant, user_id, api_key_id, req.route_group, ip_tag, addr, shape.sub)
             approx.append(ApproxSpend(rule, key + ":approx"))
@@ -313,26 +372,27 @@ def build_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, *, checked: 
                                                           sub=shape.sub)
     edge = None
     if shape.edge is not None and req.client_ip is not None:
-        edge = edge_plan(bundle, req, keys, shape.edge)
+        edge = edge_plan(snap, req, keys, shape.edge)
     return Plan(req.request_id, tenant, ptype, shape.enforced, calls, shape.slots, shadow_calls, shape.shadow_slots,
                 spends, decision_key, shape.decision_ttl_ms, question, shape.slack_ms, cost_hint, argv_rules,
                 shape.has_pool, shape, req, edge, approx)
 
 
-def edge_plan(bundle: Bundle, req: AdmitRequest, keys: KeyBuilder, edge: Shape) -> Plan:
+def edge_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, edge: Shape) -> Plan:
     """The pre-authentication stage of authenticated ``req``: its ``clientIp`` as an anonymous
     caller, asked by the ``edge`` shape's rules only, at cost 1 (a stage-1 window counts
     requests, not their weight)."""
     anon = AdmitRequest(request_id=req.request_id, principal=Principal(type="anonymous", id=req.client_ip or ""),
                         route_group=req.route_group, method=req.method)
-    return build_plan(bundle, anon, keys, checked=True, shape=edge)
+    return build_plan(snap, anon, keys, checked=True, shape=edge)
 
 
-_NONE: tuple = ()  # the shared empty sequence of a plan without shadow calls or global spends
+_NONE: tuple[()] = ()  # the shared empty sequence of a plan without shadow calls or global spends
 
 
 def _key_of(keys: KeyBuilder, rule: Rule, tenant: str | None, user_id: str | None, api_key_id: str | None,
-            route_group: str, ip_tag: str | None, addr, sub: int | None = None) -> str:
+            route_group: str, ip_tag: str | None, addr: ipaddress.IPv4Address | ipaddress.IPv6Address | None,
+            sub: int | None = None) -> str:
     """A rule's key derived per request (rules without a KeyTemplate: ip rules, and whatever
     must raise the request's ValidationFailed)."""
     if rule.pool_id is not None:
@@ -341,20 +401,19 @@ def _key_of(keys: KeyBuilder, rule: Rule, tenant: str | None, user_id: str | Non
                          ip_tag=ip_tag, addr=addr, sub=sub)
 
 
-def cc_gates(bundle: Bundle, *, request_tenant: str | None, principal: Principal, route_group: str,
+def cc_gates(snap: Snapshot, *, request_tenant: str | None, principal: Principal, route_group: str,
              keys: KeyBuilder) -> list[tuple[str, Rule]]:
-    """(key, rule) of every concurrency gate an admission with these attributes would have acquired."""
-    check_route(route_group)
+    """(key, rule) of every concurrency gate an admission with these attributes (decoded: their
+    identity fields checked) would have acquired."""
     tenant, addr = check_principal(request_tenant, principal)
     out: list[tuple[str, Rule]] = []
     if addr is not None:
         return out  # ip rules carry no concurrency gates (bundle validation)
     user_id = principal.id if principal.type == "user" else None
-    memo = memo_of(bundle)
     sub = None
-    if tenant in memo.splits:  # the sub-bucket the admission's keys carried (kernel/split.py)
-        sub = keys.sub_bucket(tenant, principal.type, principal.id, memo.splits[tenant])
-    for rule in memo.shape(tenant, route_group, principal.type, principal.api_key_id is not None, sub).rules:
+    if tenant in snap.splits:  # the sub-bucket the admission's keys carried (kernel/split.py)
+        sub = keys.sub_bucket(tenant, principal.type, principal.id, snap.splits[tenant])
+    for rule in snap.shape(tenant, route_group, principal.type, principal.api_key_id is not None, sub).rules:
         if rule.shadow or rule.concurrency_max is None:
             continue
         key = keys.rule_key(rule, tenant=tenant, user_id=user_id, api_key_id=principal.api_key_id,
@@ -363,12 +422,12 @@ def cc_gates(bundle: Bundle, *, request_tenant: str | None, principal: Principal
     return out
 
 
-def cc_keys_for_release(bundle: Bundle, *, request_tenant: str | None, principal: Principal,
+def cc_keys_for_release(snap: Snapshot, *, request_tenant: str | None, principal: Principal,
                         route_group: str, keys: KeyBuilder) -> list[str]:
     """The concurrency gates an admission with these attributes would have acquired."""
-    return [key for key, _ in cc_gates(bundle, request_tenant=request_tenant, principal=principal,
+    return [key for key, _ in cc_gates(snap, request_tenant=request_tenant, principal=principal,
                                        route_group=route_group, keys=keys)]
 
 
-__all__ = ["ApproxSpend", "BundleMemo", "Call", "GlobalSpend", "Plan", "Shape", "Slot", "build_plan", "cc_gates", "cc_keys_for_release",
-           "check_principal", "memo_of"]
+__all__ = ["Admitted", "ApproxSpend", "Call", "GlobalSpend", "Plan", "Shape", "Slot", "Snapshot", "build_plan",
+           "cc_gates", "cc_keys_for_release", "check_principal", "check_request"]

@@ -21,13 +21,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kernel.bundle import Bundle, Rule
+from kernel.bundle import Rule
 from kernel.errors import ValidationFailed
 
 from ..models import AdmitRequest, Decision, DecisionSource, DeniedScope, Principal, Reason
 from .keys import ip_prefix, parse_ip
 from .outcome import Answer
-from .plan import selected
+from .plan import Snapshot
 from .record import early_record
 
 if TYPE_CHECKING:
@@ -79,17 +79,17 @@ class NewKeyCap:
         keys.add(key)
         return True
 
-    def check(self, bundle: Bundle, req: AdmitRequest, metrics: AgentMetrics | None = None) -> Decision | None:
+    def check(self, snap: Snapshot, req: AdmitRequest, metrics: AgentMetrics | None = None) -> Decision | None:
         """The denial for an anonymous request from a new key past its source's cap, else None;
         counted in ``metrics`` (source ``preauth``, the rule whose cap refused)."""
         if req.principal.type != "anonymous":
             return None
         addr = parse_ip(req.principal.id)
-        rules = [r for r in selected(bundle, tenant=None, route_group=req.route_group, principal=req.principal)
+        rules = [r for r in snap.selected(tenant=None, route_group=req.route_group, principal=req.principal)
                  if r.scope == "ip" and not r.shadow]
         refused = next((r for r in rules if not self.admit(addr, r)), None)
         if refused is None:
             return None
         answer = Answer(False, None, scope=DeniedScope.IP, reason=Reason.RATE_EXCEEDED,
                         retry=self.window_ms - int(self.clock() * 1000) % self.window_ms)
-        return early_record(req, bundle, answer, DecisionSource.PREAUTH, metrics, counted=refused, tenant=None)
+        return early_record(req, snap, answer, DecisionSource.PREAUTH, metrics, counted=refused, tenant=None)

@@ -14,9 +14,9 @@ from kernel.errors import DecisionConflict, to_problem
 from ..models import AdmitRequest, Decision, DecisionSource, Reason
 from ..service.metrics import AgentMetrics
 from .call import MultiRuleResult
-from .httpmap import admitted_fields, apply_http
-from .outcome import Answer, admission
-from .plan import Plan, memo_of
+from .httpmap import apply_http
+from .outcome import Answer
+from .plan import Plan, Snapshot
 from .telemetry import count_early
 
 SHED_RETRY_MS = 1_000  # Retry-After of a decision shed because this agent is overloaded
@@ -24,62 +24,53 @@ SHED_RETRY_MS = 1_000  # Retry-After of a decision shed because this agent is ov
 SHED = Answer(False, None, reason=Reason.OVERLOADED, retry=SHED_RETRY_MS)
 
 
-def decision_record(plan: Plan, bundle: Bundle, a: Answer, metrics: AgentMetrics,
+def decision_record(plan: Plan, snap: Snapshot, a: Answer, metrics: AgentMetrics,
                     source: DecisionSource = DecisionSource.SCRIPT) -> Decision:
-    """The record of answer ``a`` to ``plan``'s request, decided with ``bundle`` by ``source`` (the
-    layer that answered). A denial without a positive Retry-After (a policy defect,
-    region_agent.decision.httpmap) is counted."""
-    return _record(plan.request_id, plan.anonymous, bundle, a, source, metrics)
+    """The record of answer ``a`` to ``plan``'s request, decided with snapshot ``snap`` by
+    ``source`` (the layer that answered). A denial without a positive Retry-After (a policy
+    defect, region_agent.decision.httpmap) is counted."""
+    return _record(plan.request_id, plan.anonymous, snap, a, source, metrics)
 
 
-def early_record(req: AdmitRequest, bundle: Bundle, a: Answer, source: DecisionSource, metrics: AgentMetrics | None,
+def early_record(req: AdmitRequest, snap: Snapshot, a: Answer, source: DecisionSource, metrics: AgentMetrics | None,
                  *, counted: Rule, tenant: str | None) -> Decision:
     """The record of a denial the admission answers before any plan or store call (source
     ``preauth``: a new key past its source's cap; ``policy``: a revocable rule under a stale
     bundle), counted in ``metrics`` under ``counted``, the rule that answered (``a.rule`` is the
     rule the record names: None when the caller must not learn it)."""
-    d = _record(req.request_id, req.principal.type == "anonymous", bundle, a, source, metrics)
+    d = _record(req.request_id, req.principal.type == "anonymous", snap, a, source, metrics)
     if metrics is not None:
-        count_early(metrics, bundle, counted, d, tenant)
+        count_early(metrics, snap, counted, d, tenant)
     return d
 
 
-def _record(request_id: str, anonymous: bool, bundle: Bundle, a: Answer, source: DecisionSource,
+def _record(request_id: str, anonymous: bool, snap: Snapshot, a: Answer, source: DecisionSource,
             metrics: AgentMetrics | None) -> Decision:
     allowed = a.allowed
     d = Decision(allowed=allowed, decision_id=request_id, policy_id=a.rule.id if a.rule else None,
-                 policy_version=bundle.bundle_version, denied_scope=None if allowed else a.scope,
+                 policy_version=snap.bundle.bundle_version, denied_scope=None if allowed else a.scope,
                  reason=None if allowed else a.reason, limit=a.limit, remaining=a.remaining,
                  retry_after_ms=0 if allowed else a.retry, fallback=a.fallback, source=source)
-    if apply_http(d, rule=a.rule, anonymous=anonymous) and metrics is not None:
+    if apply_http(d, rule=a.rule, anonymous=anonymous, answers=snap.http) and metrics is not None:
         metrics.policy_defects.labels(a.rule.id if a.rule else "none").inc()
     return d
 
 
-_ADMITTED = "record.admitted"  # the key of an admission's parts in a Shape's ``derived``
-_UNSET = object()
-
-
-def admitted_record(plan: Plan, bundle: Bundle, res: MultiRuleResult) -> Decision | None:
+def admitted_record(plan: Plan, snap: Snapshot, res: MultiRuleResult) -> Decision | None:
     """The record of the store's admission ``res`` (``res.allowed``) of ``plan`` — the same
     record as :func:`decision_record` of :func:`~region_agent.decision.outcome.outcome`'s answer (a unit
-    test compares them), from parts built once per plan shape: the reporting slot, rule and
-    limit, and the count-free header parts. None when no slot reports (the engine's general path
-    answers) or the plan has no shape."""
+    test compares them), from the parts ``snap`` built once per plan shape
+    (:attr:`~region_agent.decision.plan.Shape.admitted`: the reporting slot, rule and limit, and the
+    count-free header parts). None when no slot reports (the engine's general path answers) or
+    the plan has no shape."""
     shape = plan.shape
-    if shape is None:
-        return None
-    parts = shape.derived.get(_ADMITTED, _UNSET)
-    if parts is _UNSET:
-        adm = admission(plan, memo_of(bundle).pools)
-        parts = shape.derived[_ADMITTED] = None if adm is None else (
-            adm.slot, adm.rule, adm.limit, admitted_fields(adm.rule, adm.limit, anonymous=plan.anonymous))
+    parts = None if shape is None else shape.admitted
     if parts is None:
         return None
     slot, rule, limit, fields = parts
     remaining = res.remaining
     rem = rule.remaining_tokens(remaining[slot] if slot < len(remaining) else 0)
-    return Decision(True, plan.request_id, rule.id, bundle.bundle_version, None, None, limit, rem, 0, False, 0, 200,
+    return Decision(True, plan.request_id, rule.id, snap.bundle.bundle_version, None, None, limit, rem, 0, False, 0, 200,
                     {} if fields is None else {"RateLimit-Policy": fields[0], "RateLimit": f"{fields[1]}{rem};t=0"},
                     None)
 

@@ -5,7 +5,7 @@ audit trail of privileged bypasses. Hot path: label children are resolved once a
 Cardinality (``docs/metrics.md`` states the budget):
 
 * ``tenant`` is a tenant *named in the bundle* (by a rule's ``tenant``; at most
-  ``MAX_TENANT_LABELS`` of them, in sorted order), ``other`` for every other tenant and ``none``
+  ``region_agent.decision.plan.MAX_TENANT_LABELS`` of them, in sorted order), ``other`` for every other tenant and ``none``
   for anonymous requests — never a principal, key or address;
 * ``rule`` and ``route_group`` come from the bundle's rules (the route group is the deciding
   rule's), ``outcome`` is one of seven values, ``source`` one of the ten layers of
@@ -23,16 +23,15 @@ from typing import Any
 
 from kernel.algorithms import Role
 from kernel.bounded import BoundedMemo
-from kernel.bundle import Bundle, Rule
+from kernel.bundle import Rule
 
 from ..models import Decision
 from ..service.audit import BypassAudit
 from ..service.metrics import DECISION_SECONDS_BUCKETS, AgentMetrics
 from ..service.prometheus_internals import add_observations
 from .keymeter import HORIZON_S, MAX_PER_GENERATION, source_class
-from .plan import Plan, memo_of
+from .plan import Plan, Snapshot
 
-MAX_TENANT_LABELS = 50
 _CLASS = {(role, scope): source_class(role, scope) for role in Role
           for scope in ("ip", "user", "key", "route", "tenant", "global")}
 VERSIONS_KEPT = 2
@@ -41,23 +40,19 @@ CACHE_MAX = 10_000
 _BOUNDS = (*DECISION_SECONDS_BUCKETS, float("inf"))  # the histogram's upper bounds, +Inf last
 
 
-def named_tenants(bundle: Bundle) -> frozenset[str]:
-    return frozenset(sorted({r.tenant for r in bundle.rules if r.tenant})[:MAX_TENANT_LABELS])
-
-
 def tenant_label(names: frozenset[str], tenant: str | None) -> str:
     if tenant is None:
         return "none"
     return tenant if tenant in names else "other"
 
 
-def count_early(m: AgentMetrics, bundle: Bundle, rule: Rule, d: Decision, tenant: str | None) -> None:
+def count_early(m: AgentMetrics, snap: Snapshot, rule: Rule, d: Decision, tenant: str | None) -> None:
     """A decision the admission made before the engine (region_agent.decision.admission: a stale bundle's
     revocable rule, the pre-authentication cap) in ``leasehold_agent_decisions_total``, labelled
     like the engine's: so the decision counts add up to the decisions made."""
     outcome = "unavailable" if d.http_status == 503 else "denied"
     m.decisions.labels(outcome, rule.id, str(d.policy_version), rule.route_key,
-                       "none" if tenant is None else tenant_label(named_tenants(bundle), tenant), d.source).inc()
+                       "none" if tenant is None else tenant_label(snap.named_tenants, tenant), d.source).inc()
 
 
 class DecisionTelemetry:
@@ -66,18 +61,16 @@ class DecisionTelemetry:
         self.m = metrics
         self.shard_of = shard_of
         self.audit = audit
-        self._children: BoundedMemo[tuple, tuple[Any, Any]] = BoundedMemo(CACHE_MAX)
-        self._names_of: Bundle | None = None  # the bundle whose named tenants ``_names`` holds
-        self._names: frozenset[str] = frozenset()
+        self._children: BoundedMemo[tuple[Any, ...], tuple[Any, Any]] = BoundedMemo(CACHE_MAX)
         self._versions: list[int] = []
         self._shards: BoundedMemo[str, str] = BoundedMemo(CACHE_MAX)
         self._shards_at = float("-inf")
         # per label since the last collection: [counter child, histogram child, count, seconds, bucket counts...]
-        self._pending: dict[tuple, list] = {}
+        self._pending: dict[tuple[Any, ...], list[Any]] = {}
         metrics.add_flush(self.flush)
 
     # ------------------------------------------------------------------ per decision
-    def decided(self, plan: Plan, bundle: Bundle, d: Decision, seconds: float, *, now: float,
+    def decided(self, plan: Plan, snap: Snapshot, d: Decision, seconds: float, *, now: float,
                 touched_store: bool) -> None:
         """Record one decision. ``touched_store``: its script ran (keys may have been created).
         The hot path: everything inline, label children cached (``make bench`` figures 2 and 3)."""
@@ -91,19 +84,17 @@ class DecisionTelemetry:
             outcome = "conflict"  # a reused requestId with another question (nothing charged)
         else:
             outcome = "fallback_denied" if d.fallback else "denied"
-        if self._names_of is not bundle:
-            self._names_of, self._names = bundle, named_tenants(bundle)
         tenant = plan.tenant
         shard = "default" if self.shard_of is None else self._shard(plan, now)
         label = (outcome, d.policy_id, d.policy_version,
-                 "none" if tenant is None else tenant if tenant in self._names else "other", shard, d.source)
+                 "none" if tenant is None else tenant if tenant in snap.named_tenants else "other", shard, d.source)
         # counted here, moved into the counter and the histogram when the registry is collected
         # (flush): two locked prometheus updates per decision were a tenth of its CPU
         p = self._pending.get(label)
         if p is None:
             children = self._children.get(label)
             if children is None:
-                children = self._resolve(label, bundle)
+                children = self._resolve(label, snap)
             p = self._pending[label] = [children[0], children[1], 0, 0.0, *([0] * len(_BOUNDS))]
         if seconds < 0:
             seconds = 0.0
@@ -128,7 +119,7 @@ class DecisionTelemetry:
         rules = plan.rules
         if rules and rules[0].exempt and self.audit is not None:
             self.audit.decided(rules[0], outcome=outcome, tenant=tenant, request_id=plan.request_id,
-                               version=bundle.bundle_version, fallback=d.fallback)
+                               version=snap.bundle.bundle_version, fallback=d.fallback)
 
     def flush(self) -> None:
         """Move the counts kept since the last collection into the registry (``AgentMetrics`` runs
@@ -152,11 +143,11 @@ class DecisionTelemetry:
             shard = self._shards.put(tag, self.shard_of(plan.decision_key))  # type: ignore[misc]  # the shard function is set whenever shards are counted
         return shard
 
-    def _resolve(self, label: tuple, bundle: Bundle) -> tuple[Any, Any]:
+    def _resolve(self, label: tuple[Any, ...], snap: Snapshot) -> tuple[Any, Any]:
         outcome, rule_id, version, tenant, shard, source = label
         if version not in self._versions:
             self._new_version(version)
-        rule = memo_of(bundle).rules_by_id.get(rule_id) if rule_id else None
+        rule = snap.rules_by_id.get(rule_id) if rule_id else None
         return self._children.put(label, (
             self.m.decisions.labels(outcome, rule_id or "none", str(version), rule.route_key if rule else "none",
                                     tenant, source),

@@ -65,7 +65,7 @@ class Gateways:
         from .rls import RateLimitServicer, RlsServer, server_credentials
 
         servicer = RateLimitServicer(names=self.names, decide=self.decide,
-                                     bundle_of=lambda: self.state.holder.bundle,
+                                     snapshot_of=lambda: self.state.holder.snapshot,
                                      gateways=self.gateway_tokens(), metrics=self.metrics,
                                      group_linger_s=s.rls_group_linger_ms / 1000, group_size=s.batch_max)
         tls = (server_credentials(s.rls_tls_cert_file, s.rls_tls_key_file, s.rls_tls_client_ca_file)

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kernel.bundle import Bundle, Rule
+from kernel.bundle import Rule
 
-from ..decision.plan import memo_of
+from ..decision.plan import Snapshot
 from ..models import Decision
 
 # Envoy's RateLimitResponse.RateLimit.Unit; MONTH and YEAR have no fixed length: never used
@@ -27,30 +27,24 @@ PROBLEM_TYPE = "application/problem+json"
 _encode = msgspec.json.Encoder().encode
 
 
-_per_unit_memo: tuple[Bundle | None, dict[str, tuple[int, str] | None]] = (None, {})
-
-
-def per_unit(rule: Rule, bundle: Bundle) -> tuple[int, str] | None:
-    """:func:`rule_per_unit`, remembered per rule of the bundle in force (a bundle is immutable)."""
-    global _per_unit_memo
-    held, memo = _per_unit_memo
-    if held is not bundle:
-        memo = {}
-        _per_unit_memo = (bundle, memo)
+def per_unit(rule: Rule, snap: Snapshot) -> tuple[int, str] | None:
+    """:func:`rule_per_unit`, remembered per rule of the snapshot (``Snapshot.per_unit``: at most
+    one entry per rule of its bundle)."""
+    memo = snap.per_unit
     try:
         return memo[rule.id]
     except KeyError:
-        out = memo[rule.id] = rule_per_unit(rule, bundle)
+        out = memo[rule.id] = rule_per_unit(rule, snap)
         return out
 
 
-def rule_per_unit(rule: Rule, bundle: Bundle) -> tuple[int, str] | None:
+def rule_per_unit(rule: Rule, snap: Snapshot) -> tuple[int, str] | None:
     """(requests_per_unit, unit) when the rule's limit is exactly that, else None.
 
     A rate that scales (a bucket's refill): the sustained rate in the smallest unit where it is a
     whole number (P-READ 2/SECOND, P-TENANT 1,000/MINUTE). A count per window (windows, pools):
     the limit, only when the window is exactly one unit (a 20-per-10-s window is not 2 per second)."""
-    rate = rule.rate(memo_of(bundle).pools)
+    rate = rule.rate(snap.pools)
     if not rate.millis or not rate.per_ms:
         return None
     for unit, ms in UNIT_MS:
@@ -93,7 +87,7 @@ def deciding(decisions: list[Decision]) -> Decision:
     return next((d for d in decisions if "RateLimit" in d.headers), decisions[0])
 
 
-def descriptor_answer(d: Decision, bundle: Bundle, *, anonymous: bool) -> DescriptorAnswer:
+def descriptor_answer(d: Decision, snap: Snapshot, *, anonymous: bool) -> DescriptorAnswer:
     """current_limit / limit_remaining / duration_until_reset of one descriptor. Anonymous
     (pre-auth) questions get none of them: no policy names, limits or counts."""
     over = d.http_status != 200
@@ -102,19 +96,19 @@ def descriptor_answer(d: Decision, bundle: Bundle, *, anonymous: bool) -> Descri
         return out
     if over and d.retry_after_ms > 0:
         out.reset_ms = d.retry_after_ms
-    rule = memo_of(bundle).rules_by_id.get(d.policy_id) if d.policy_id else None
+    rule = snap.rules_by_id.get(d.policy_id) if d.policy_id else None
     if rule is None or d.fallback or d.limit is None:
         return out  # no rule, or a local fallback allowance (not the rule's shared limit)
     out.limit_name = rule.id
-    pu = per_unit(rule, bundle)
+    pu = per_unit(rule, snap)
     if pu is not None:
         out.requests_per_unit, out.unit = pu
     out.remaining = max(0, d.remaining or 0)
     return out
 
 
-def rls_answer(decisions: list[Decision], bundle: Bundle, anonymous: list[bool]) -> RlsAnswer:
-    statuses = [descriptor_answer(d, bundle, anonymous=a) for d, a in zip(decisions, anonymous, strict=True)]
+def rls_answer(decisions: list[Decision], snap: Snapshot, anonymous: list[bool]) -> RlsAnswer:
+    statuses = [descriptor_answer(d, snap, anonymous=a) for d, a in zip(decisions, anonymous, strict=True)]
     top = deciding(decisions)
     over = top.http_status != 200
     headers = dict(top.headers)

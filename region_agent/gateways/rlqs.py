@@ -51,7 +51,7 @@ from kernel.auth import TokenTable, authenticate
 from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError, Unauthorized
 
-from ..decision.plan import memo_of
+from ..decision.plan import Snapshot
 from ..leasing import rlqs_funding as fund
 from .mapping import BadQuestion
 from .metrics import GatewayMetrics
@@ -314,23 +314,22 @@ class RlqsService:
     def _judge(self, q: Any) -> tuple[str | None, bytes, int]:
         """(refusal reason or None, the rules' signature, the smallest burst of the rules) of a
         question under the bundle in force."""
-        bundle: Bundle = self.state_of().holder.bundle
-        shape = self._shape(bundle, q)
+        snap: Snapshot = self.state_of().holder.snapshot
+        shape = self._shape(snap, q)
         rules = shape.enforced
         sig = b"|".join(msgspec.json.encode(r) for r in rules)
-        pools = memo_of(bundle).pools
+        pools = snap.pools
         sig += b"#" + b"|".join(msgspec.json.encode(pools[r.pool_id]) for r in rules
                                 if r.pool_id is not None and r.pool_id in pools)
         burst = min((int(r.capacity(pools)[1]) for r in rules), default=fund.MAX_COST)
         return per_request_reason(rules), sig, max(1, min(fund.MAX_COST, burst))
 
-    def _shape(self, bundle: Bundle, q: Any) -> Any:
-        memo = memo_of(bundle)
+    def _shape(self, snap: Snapshot, q: Any) -> Any:
         sub = None
-        if q.tenant_id in memo.splits and q.principal.type != "anonymous":  # the sub-bucket its admission spends
+        if q.tenant_id in snap.splits and q.principal.type != "anonymous":  # the sub-bucket its admission spends
             sub = self.state_of().keys.sub_bucket(q.tenant_id, q.principal.type, q.principal.id,
-                                                  memo.splits[q.tenant_id])
-        return memo.shape(q.tenant_id, q.route_group, q.principal.type, q.principal.api_key_id is not None, sub)
+                                                  snap.splits[q.tenant_id])
+        return snap.shape(q.tenant_id, q.route_group, q.principal.type, q.principal.api_key_id is not None, sub)
 
     # ------------------------------------------------------------------ what a holding needs
     def _consider(self, h: fund.Holding, now: float) -> None:
@@ -375,11 +374,10 @@ class RlqsService:
     def ttl_for(self, b: Bucket) -> Ttl:
         """The time to live of an assignment of ``b`` funded now (rlqs_mapping.assignment_ttl)."""
         st = self.state_of()
-        bundle: Bundle = st.holder.bundle
-        memo = memo_of(bundle)
+        memo: Snapshot = st.holder.snapshot
         windows: list[WindowEnd] = []
         wall = self.wall() * 1000.0
-        for r in self._shape(bundle, b.question).enforced:
+        for r in self._shape(memo, b.question).enforced:
             if r.kind.code == "fw" and getattr(r, "window_ms", None):
                 windows.append(fixed_window_end(r.window_ms, wall))
             pool = memo.pools.get(r.pool_id) if r.pool_id is not None else None

@@ -35,9 +35,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kernel import tracing
 from kernel.auth import TokenTable, authenticate
-from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError, Unauthorized, Unavailable, ValidationFailed
 
+from ..decision.plan import Snapshot
 from ..models import AdmitRequest, Decision
 from .answer import rls_answer
 from .call_group import CallGroup
@@ -61,15 +61,15 @@ def descriptors_of(request: rls_pb2.RateLimitRequest) -> list[Descriptor]:
             for d in request.descriptors]
 
 
-def to_proto(decisions: list[Decision], questions: list[AdmitRequest], bundle: Bundle) -> tuple[Response, int]:
-    resp, status, _ = _to_proto(decisions, questions, bundle)
+def to_proto(decisions: list[Decision], questions: list[AdmitRequest], snap: Snapshot) -> tuple[Response, int]:
+    resp, status, _ = _to_proto(decisions, questions, snap)
     return resp, status
 
 
-def _to_proto(decisions: list[Decision], questions: list[AdmitRequest], bundle: Bundle) -> tuple[Response, int, int]:
+def _to_proto(decisions: list[Decision], questions: list[AdmitRequest], snap: Snapshot) -> tuple[Response, int, int]:
     """:func:`to_proto` and how many descriptors are ``OVER_LIMIT``."""
     # an address-window denial of an authenticated question is the pre-auth stage's: anonymous too
-    ans = rls_answer(decisions, bundle, [q.principal.type == "anonymous" or q.auth_failed or d.denied_scope == "ip"
+    ans = rls_answer(decisions, snap, [q.principal.type == "anonymous" or q.auth_failed or d.denied_scope == "ip"
                                          for q, d in zip(questions, decisions, strict=True)])
     over = 0
     resp = Response(overall_code=OVER_LIMIT if ans.over_limit else OK, raw_body=ans.body)
@@ -91,13 +91,13 @@ def _to_proto(decisions: list[Decision], questions: list[AdmitRequest], bundle: 
 
 class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
     def __init__(self, *, names: Names, decide: Callable[..., Awaitable[list[Decision]]],
-                 bundle_of: Callable[[], Bundle], gateways: TokenTable | None, metrics: GatewayMetrics,
+                 snapshot_of: Callable[[], Snapshot], gateways: TokenTable | None, metrics: GatewayMetrics,
                  group_linger_s: float = 0.0, group_size: int = 32):
         self.names = names
         # calls that arrive together are decided together (.call_group); linger 0: each call alone
         self.group = CallGroup(self._decide_group, group_linger_s, group_size, on_group=metrics.rls_group_calls.observe)
         self.decide = decide
-        self.bundle_of = bundle_of
+        self.snapshot_of = snapshot_of
         self.gateways = gateways  # None: --auth-disabled
         self.metrics = metrics
         # the label children, bound once (a labels() lookup per call was a tenth of the door's work)
@@ -125,7 +125,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
                 decisions = await group.decide(questions)
             else:  # decoded: the questions were built by msgspec's validating convert (mapping.question)
                 decisions = await self.decide(questions, door="rls", carrier=metadata, decoded=True)
-            resp, status, over = _to_proto(decisions, questions, self.bundle_of())
+            resp, status, over = _to_proto(decisions, questions, self.snapshot_of())
             outcome = OUTCOME_OF_STATUS.get(status, "over_limit")
             if over:
                 self._over_descriptors.inc(over)

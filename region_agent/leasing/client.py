@@ -7,8 +7,8 @@ attempt goes there. Every call has a per-attempt timeout and a total deadline.
 
 A sharded allocator (pools spread over shards of leadership, each led by some replica) is
 learned from its not-leader answers and ``GET /v1/shards`` (``routing.ShardRoutes``): each
-pool's calls then go to its shard's leader, and :meth:`AllocatorClient.lease_many` splits a
-batch by leader. Against an unsharded allocator nothing of this is used.
+pool's calls then go to its shard's leader, and :meth:`AllocatorClient.report_many` splits a
+batch of usage reports by leader. Against an unsharded allocator nothing of this is used.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from kernel.errors import (
 )
 from kernel.wire import (
     MAX_BATCH,
-    LeaseBatchRequest,
     LeaseError,
     LeaseGrant,
     LeaseRequest,
@@ -99,16 +98,11 @@ class AllocatorClient:
         return await self._call("POST", f"/v1/leases/{report.lease_id}/usage", msgspec.json.encode(report),
                                 UsageReceipt, report.pool)
 
-    async def lease_many(self, reqs: Sequence[LeaseRequest]) -> list[LeaseGrant | LeaseError]:
-        """Grants for many pools: one ``POST /v1/leases/batch`` per shard leader (a batch spanning
-        shards is split, the parts sent concurrently), results in request order. Items answered
-        with a retriable error (not-leader during a handoff, fenced, unavailable) are retried with
-        the same lease ids after re-routing, within the client's attempts and deadline."""
-        return await self._many(reqs, self._batch_once)
-
     async def report_many(self, reports: Sequence[UsageReport]) -> list[UsageReceipt | LeaseError]:
-        """Usage reports of many leases: ``POST /v1/usage/batch`` per shard leader, split and
-        retried like :meth:`lease_many`; results in request order. An allocator without that route
+        """Usage reports of many leases: one ``POST /v1/usage/batch`` per shard leader (a batch
+        spanning shards is split, the parts sent concurrently), results in request order. Items
+        answered with a retriable error (not-leader during a handoff, fenced, unavailable) are
+        retried after re-routing, within the client's attempts and deadline. An allocator without that route
         (404: an older version during a rolling upgrade) gets the reports one at a time."""
         return await self._many(reports, self._usage_once)
 
@@ -200,11 +194,6 @@ class AllocatorClient:
 
     def _target(self, pool: str | None) -> str:
         return (self.routes.url_for(pool) if pool is not None else None) or self.urls[self._preferred]
-
-    async def _batch_once(self, url: str, reqs: list[LeaseRequest]) -> list[LeaseGrant | LeaseError]:
-        body = msgspec.json.encode(LeaseBatchRequest(requests=reqs))
-        raw = await self._send(url, "POST", "/v1/leases/batch", body)
-        return self._items(url, raw, len(reqs), "granted", LeaseGrant)
 
     async def _usage_once(self, url: str, reports: list[UsageReport]) -> list[UsageReceipt | LeaseError]:
         if _now() >= self._no_usage_batch_until:

@@ -40,12 +40,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from kernel.algorithms import Role
-from kernel.algorithms.hot_chunk import COST_PARAM
 from kernel.bounded import BoundedMemo
 from kernel.errors import LeaseholdError, ScriptRejected
 
-from ..decision.call import ScriptCall, multi_rule_argv
+from ..decision.call import ScriptCall
+from ..decision.hot import HotConfig
 from ..decision.plan import Plan
 from .chunks import ChunkLease
 
@@ -127,56 +126,14 @@ class KeySetChunk:
 LOW_WATER = 0.25
 
 
-class HotConfig(NamedTuple):
-    """What a plan shape's rules say about chunking its key sets (derived once per shape)."""
-
-    threshold_per_s: int  # the largest of the rules' thresholds: every rule must find the key set hot
-    validity_ms: int  # the shortest of the rules' validities
-    chunk_max: tuple[int, ...]  # per slot: its rule's chunkMax (units one process may hold of its key)
-    unit_argv: tuple  # hot_chunk.lua's ARGV per slot for ONE unit (kind and five parameters each)
-    unit_cost: tuple[int, ...]  # per slot: its cost parameter for one unit (the script's units)
-
-
-_DERIVED = "hot_chunks.config"
-_NONE = object()
-
-
 def hot_config(plan: Plan) -> HotConfig | None:
-    """The chunking of ``plan``'s key set, or None when it cannot be chunked: a rule without
-    ``hotChunk``, a concurrency gate, a decision record or shadow rules to evaluate, a kind the
-    script does not take."""
+    """The chunking of ``plan``'s key set, or None when it cannot be chunked: its shape's rules do
+    not allow it (region_agent.decision.hot), or this request carries shadow calls or a decision
+    record."""
     shape = plan.shape
     if shape is None or not plan.calls or plan.shadow_calls or plan.decision_ttl_ms:
         return None
-    got = shape.derived.get(_DERIVED, _NONE)
-    if got is _NONE:
-        got = shape.derived[_DERIVED] = _derive(shape)
-    return got  # type: ignore[return-value]  # a HotConfig or None, as stored
-
-
-def _derive(shape: Any) -> HotConfig | None:
-    slots = shape.slots
-    if not slots or any(s.role is Role.CC or s.rule.hot_chunk is None for s in slots):
-        return None
-    specs, _, _ = shape.params_for(1)
-    if any(kind not in COST_PARAM for kind, _ in specs):
-        return None
-    try:
-        _, argv = multi_rule_argv("-", [_Unit(f"k{i}", k, p) for i, (k, p) in enumerate(specs)],
-                                  slack_ms=0, decision_ttl_ms=0, member="-")
-    except ScriptRejected:
-        return None
-    cfgs = [s.rule.hot_chunk for s in slots]
-    return HotConfig(threshold_per_s=max(c.threshold_per_s for c in cfgs),
-                     validity_ms=min(c.validity_ms for c in cfgs),
-                     chunk_max=tuple(c.chunk_max for c in cfgs), unit_argv=tuple(argv[3:-1]),
-                     unit_cost=tuple(p[COST_PARAM[k]] for k, p in specs))
-
-
-class _Unit(NamedTuple):
-    key: str
-    kind: str
-    params: tuple
+    return shape.hot
 
 
 def hot_chunk_call(keys: list[str], cfg: HotConfig, *, member: str, min_units: int, want: int,

@@ -34,7 +34,7 @@ from ..decision.admission import Admission, http_conflict, is_conflict
 from ..decision.engine import DecisionEngine
 from ..decision.epoch import EpochCheck
 from ..decision.fallback import LocalAllowances
-from ..decision.httpmap import configure_jitter
+from ..decision.httpmap import RetryJitter
 from ..decision.keys import KeyBuilder
 from ..decision.negcache import NegativeCache
 from ..decision.telemetry import DecisionTelemetry
@@ -252,11 +252,14 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         else:
             log.warning("policy reload refused (%s): %s", res.outcome, res.detail)
 
+    jitter = RetryJitter(settings.retry_jitter_pct, settings.retry_jitter_max_ms, settings.retry_jitter_seed.encode(),
+                         settings.retry_jitter_min_ms)
     if holder is None:
         holder = PolicyHolder.load(settings.policy, on_reload=on_reload,
-                                   trusted=TrustedKeys.from_files(settings.policy_public_keys))
+                                   trusted=TrustedKeys.from_files(settings.policy_public_keys), jitter=jitter)
     else:
         holder._on_reload = holder._on_reload or on_reload
+        holder.set_jitter(jitter)
     m.policy_version.set(holder.bundle.bundle_version)
     holder.region, holder.agent_id = settings.region, settings.agent_id  # who a canary slice names
 
@@ -268,8 +271,6 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
 
     holder.on_canary = on_canary
     m.policy_age.set_function(lambda: time.monotonic() - holder.checked_at)  # etcd: the watcher's age
-    configure_jitter(settings.retry_jitter_pct, settings.retry_jitter_max_ms, settings.retry_jitter_seed,
-                     settings.retry_jitter_min_ms)
     audit = BypassAudit(m, make_sink(settings.audit_log))
     state = AgentState(settings=settings, holder=holder, metrics=m, keys=KeyBuilder(pepper),
                        auth=AgentAuth.from_settings(settings), key_cap=_key_cap(settings))
@@ -300,7 +301,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         telemetry = DecisionTelemetry(m, audit=audit,
                                       shard_of=state.store.shard_of if getattr(state.store, "cluster", False)
                                       else None)
-        state.engine = DecisionEngine(get_bundle=lambda: state.holder.bundle, bundle_for=state.holder.bundle_for,
+        state.engine = DecisionEngine(get_snapshot=lambda: state.holder.snapshot, snapshot_for=state.holder.snapshot_for,
                               keys=state.keys, store=state.store,
                               metrics=m, fallback=LocalAllowances(settings.fallback_max_keys),
                               budget_ms=settings.decision_budget_ms, cold_wait_ms=settings.cold_lease_wait_ms,

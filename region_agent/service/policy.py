@@ -1,7 +1,9 @@
 """The policy snapshot in force and its reload rules.
 
-A request reads :attr:`PolicyHolder.bundle` once and is evaluated against that snapshot end
-to end. A reload accepts only a valid bundle with a strictly higher ``bundleVersion`` and, when
+A request reads :meth:`PolicyHolder.snapshot_for` once and is evaluated against that snapshot end
+to end. Accepting a bundle makes its :class:`~region_agent.decision.plan.Snapshot` (everything the request
+path derives from the bundle once, with this agent's retry jitter); the snapshot goes when its
+bundle is replaced. A reload accepts only a valid bundle with a strictly higher ``bundleVersion`` and, when
 trusted public keys are configured (``--policy-public-keys``), a signature that verifies with
 one of them (``kernel.signing``); anything else keeps the current snapshot and is counted."""
 
@@ -19,6 +21,9 @@ from kernel.errors import PolicyError, StaleVersion
 from kernel.policy_metrics import RELOAD_OUTCOMES  # noqa: F401  (re-exported: the outcomes of a reload)
 from kernel.signing import SignatureRefused, TrustedKeys
 
+from ..decision.httpmap import RetryJitter
+from ..decision.plan import Snapshot
+
 log = logging.getLogger(__name__)
 
 
@@ -31,24 +36,26 @@ class ReloadResult:
 
 class PolicyHolder:
     def __init__(self, path: str, bundle: Bundle, *, on_reload: Callable[[ReloadResult], None] | None = None,
-                 trusted: TrustedKeys | None = None):
+                 trusted: TrustedKeys | None = None, jitter: RetryJitter | None = None):
         self.path = path
         self.trusted = trusted or TrustedKeys()
         self.trusted.check(bundle)  # the start bundle too: raises SignatureRefused
-        self._bundle = bundle
+        self.jitter = jitter if jitter is not None else RetryJitter()  # this agent's (its settings)
+        self._snap = Snapshot(bundle, self.jitter)
         self._mtime = self._stat()
         self._on_reload = on_reload
         self.checked_at = time.monotonic()  # last successful look at the file (the snapshot age without etcd)
         # the canary (docs/policy.md, "Canary release"): the candidate this agent holds for its slice,
         # and the tenants it applies to (None: every request of this agent)
         self.candidate: Bundle | None = None
+        self._candidate_snap: Snapshot | None = None
         self.candidate_tenants: frozenset[str] | None = None
         self.region: str | None = None
         self.agent_id: str | None = None
         self.on_canary: Callable[[str, int], None] | None = None  # (outcome, candidate version or 0)
 
     @classmethod
-    def load(cls, path: str, **kw) -> PolicyHolder:
+    def load(cls, path: str, **kw: Any) -> PolicyHolder:
         """Load at start; raises PolicyError (listing every problem) on an invalid bundle, or
         SignatureRefused when keys are trusted and the bundle's signature is not acceptable."""
         return cls(path, load_bundle_file(path), **kw)
@@ -56,16 +63,32 @@ class PolicyHolder:
     @property
     def bundle(self) -> Bundle:
         """The current (published) bundle."""
-        return self._bundle
+        return self._snap.bundle
+
+    def set_jitter(self, jitter: RetryJitter) -> None:
+        """Answer with ``jitter`` from now on (the agent's settings, for a holder made before them)."""
+        self.jitter = jitter
+        self._snap = Snapshot(self._snap.bundle, jitter)
+        if self._candidate_snap is not None:
+            self._candidate_snap = Snapshot(self._candidate_snap.bundle, jitter)
+
+    @property
+    def snapshot(self) -> Snapshot:
+        """The current bundle's snapshot."""
+        return self._snap
+
+    def snapshot_for(self, tenant: str | None) -> Snapshot:
+        """The snapshot one request of ``tenant`` is evaluated against: the candidate's when the
+        request is in this agent's slice, else the current one. Read once per request."""
+        cand = self._candidate_snap
+        if cand is None:
+            return self._snap
+        tenants = self.candidate_tenants
+        return cand if tenants is None or tenant in tenants else self._snap
 
     def bundle_for(self, tenant: str | None) -> Bundle:
-        """The bundle one request of ``tenant`` is evaluated against: the candidate when the request
-        is in this agent's slice, else the current one. Read once per request."""
-        cand = self.candidate
-        if cand is None:
-            return self._bundle
-        tenants = self.candidate_tenants
-        return cand if tenants is None or tenant in tenants else self._bundle
+        """The bundle of :meth:`snapshot_for`."""
+        return self.snapshot_for(tenant).bundle
 
     def _stat(self) -> float | None:
         try:
@@ -76,7 +99,7 @@ class PolicyHolder:
     def offer(self, candidate: Bundle) -> ReloadResult:
         """Swap to ``candidate`` if its signature is acceptable and its version strictly higher
         (it is already validated)."""
-        current = self._bundle
+        current = self._snap.bundle
         try:
             self.trusted.check(candidate)
         except SignatureRefused as e:
@@ -84,7 +107,7 @@ class PolicyHolder:
         if candidate.bundle_version <= current.bundle_version:
             err = StaleVersion(f"bundle {candidate.bundle_version} is not newer than {current.bundle_version}")
             return self._report(ReloadResult("stale", current.bundle_version, err.detail))
-        self._bundle = candidate  # one reference assignment: readers see old or new, never a mix
+        self._snap = Snapshot(candidate, self.jitter)  # one reference assignment: readers see old or new, never a mix
         return self._report(ReloadResult("accepted", candidate.bundle_version))
 
     # ------------------------------------------------------------------ the canary
@@ -99,7 +122,7 @@ class PolicyHolder:
         what is held (``kept``). The whole change is made without an await: a request sees the old
         pair or the new one."""
         held = self.candidate
-        if held is not None and held.bundle_version <= self._bundle.bundle_version:
+        if held is not None and held.bundle_version <= self._snap.bundle.bundle_version:
             self._set_candidate(None, None)  # promoted or rolled back past it
             held = None
         if staged is None or staged.bundle is None:
@@ -112,9 +135,9 @@ class PolicyHolder:
             self.trusted.check(cand)
         except SignatureRefused as e:
             return self._canary("refused", f"canary refused ({e.outcome}): {e.detail}")
-        if cand.bundle_version <= self._bundle.bundle_version:
+        if cand.bundle_version <= self._snap.bundle.bundle_version:
             return "none" if held is None else self._canary("kept", "stale canary")
-        if cand.pools != self._bundle.pools:
+        if cand.pools != self._snap.bundle.pools:
             return self._canary("refused", "canary refused: it changes the pools")
         sl = staged.slice
         whole = (self.region is not None and self.region in sl.regions) or \
@@ -137,7 +160,9 @@ class PolicyHolder:
                                         + ("every request" if tenants is None else f"tenants {sorted(tenants)}"))
 
     def _set_candidate(self, cand: Bundle | None, tenants: frozenset[str] | None) -> None:
-        self.candidate, self.candidate_tenants = cand, tenants
+        held = self._candidate_snap
+        snap = None if cand is None else held if held is not None and held.bundle is cand else Snapshot(cand, self.jitter)
+        self.candidate, self._candidate_snap, self.candidate_tenants = cand, snap, tenants
         if self.on_canary is not None:
             self.on_canary("set", cand.bundle_version if cand is not None else 0)
 
@@ -150,7 +175,7 @@ class PolicyHolder:
     def refuse_invalid(self, detail: str) -> ReloadResult:
         """A candidate that failed validation (e.g. a corrupt bundle read from etcd): keep the
         current snapshot and count the refusal."""
-        return self._report(ReloadResult("invalid", self._bundle.bundle_version, detail))
+        return self._report(ReloadResult("invalid", self._snap.bundle.bundle_version, detail))
 
     def reload(self) -> ReloadResult:
         """Re-read the file (SIGHUP or a changed mtime)."""
@@ -158,7 +183,7 @@ class PolicyHolder:
         try:
             candidate = load_bundle_file(self.path)
         except PolicyError as e:
-            return self._report(ReloadResult("invalid", self._bundle.bundle_version, e.detail))
+            return self._report(ReloadResult("invalid", self._snap.bundle.bundle_version, e.detail))
         self.checked_at = time.monotonic()
         return self.offer(candidate)
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kernel.bundle import Bundle
 from kernel.etcd_store import EtcdStore
 from kernel.policy_store import PolicyStore
 from kernel.watch import PolicyWatcher
 
 from ..decision.outcome import Answer
-from ..decision.plan import check_principal, selected
+from ..decision.plan import Snapshot, check_principal
 from ..decision.record import early_record
 from ..models import AdmitRequest, Decision, DecisionSource, DeniedScope, Reason
 from .metrics import AgentMetrics
@@ -41,14 +40,14 @@ def age_gauge(m: AgentMetrics, watcher: PolicyWatcher) -> None:
     m.policy_age.set_function(lambda: watcher.age_ms() / 1000.0)
 
 
-def revoked_decision(bundle: Bundle, req: AdmitRequest, m: AgentMetrics | None = None) -> Decision | None:
-    """The denial for ``req`` when its rules include a revocable one (call only when stale)."""
+def revoked_decision(snap: Snapshot, req: AdmitRequest, m: AgentMetrics | None = None) -> Decision | None:
+    """The denial for ``req`` (decoded) when its rules include a revocable one (call only when stale)."""
     tenant, _addr = check_principal(req.tenant_id, req.principal)
-    rules = selected(bundle, tenant=tenant, route_group=req.route_group, principal=req.principal)
+    rules = snap.selected(tenant=tenant, route_group=req.route_group, principal=req.principal)
     rule = next((r for r in rules if r.revocable and not r.shadow), None)
     if rule is None:
         return None
     anonymous = req.principal.type == "anonymous"
     answer = Answer(False, None if anonymous else rule, scope=DeniedScope(rule.scope), reason=Reason.POLICY_STALE,
                     retry=rule.closed_retry_after_ms)
-    return early_record(req, bundle, answer, DecisionSource.POLICY, m, counted=rule, tenant=tenant)
+    return early_record(req, snap, answer, DecisionSource.POLICY, m, counted=rule, tenant=tenant)

@@ -64,7 +64,7 @@ async def in_process(settings: AllocatorSettings, **kw: Any) -> AsyncIterator[As
     app = create_app(settings, **kw)
     async with AsyncTestClient(app=app, timeout=30) as client:
         await wait_until(lambda: app.state.election.is_leader)
-        client.app_state = app.state  # type: ignore[attr-defined]
+        client.app_state = app.state  # type: ignore[attr-defined]  # the tests read the app state through the client
         yield client
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -243,8 +245,8 @@ async def test_the_agents_client_sends_usage_reports_in_batches(etcd_cluster: Et
         transport = _CountingTransport(tc._transport, gone=("/v1/usage/batch",) if old_allocator else ())
         client = AllocatorClient(["http://allocator.test"], transport=transport, deadline_s=10)
         try:
-            grants = await client.lease_many([LeaseRequest(lease_id=f"agrep-{i:04d}", region="eu", pool="ag", want=10)
-                                              for i in range(20)])
+            grants = await asyncio.gather(*(client.lease(LeaseRequest(lease_id=f"agrep-{i:04d}", region="eu", pool="ag",
+                                                                      want=10)) for i in range(20)))
             assert all(isinstance(g, LeaseGrant) for g in grants)
             clock.frozen = t0 + 5_000
             reports = [UsageReport(lease_id=f"agrep-{i:04d}", region="eu", pool="ag", spent=i % 10) for i in range(20)]

@@ -24,7 +24,7 @@ from chaos.lease_driver import LeaseDriver
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from kernel.shards import shard_of
-from kernel.wire import LeaseRequest
+from kernel.wire import LeaseRequest, UsageReceipt, UsageReport
 from leasehold.local.procs import EtcdCluster
 from region_agent.leasing.client import AllocatorClient
 
@@ -194,9 +194,17 @@ async def test_the_agents_client_routes_each_pool_to_its_shard_leader(three: lis
         assert client.routes.shards == SHARDS
         for p in POOLS:  # learned: each pool now goes straight to its shard's leader
             assert client.routes.url_for(p.id) == url_of[want[shard_of(p.id, SHARDS)]]
-        reqs = [LeaseRequest(lease_id=f"route-many-{i}", region="us", pool=p.id, want=1) for i, p in enumerate(POOLS)]
-        assert len(client.routes.split([r.pool for r in reqs], "x")) > 1  # the batch spans leaders: it is split
-        results = await client.lease_many(reqs)
-        assert [getattr(r, "granted", None) for r in results] == [1] * len(POOLS), results
+        # the agent's batch path: usage reports of every pool, one batch spanning leaders, split by leader
+        reports = [UsageReport(lease_id=f"route-proc-{i}", region="eu", pool=p.id, spent=1) for i, p in enumerate(POOLS)]
+        assert len(client.routes.split([r.pool for r in reports], "x")) > 1  # the batch spans leaders: it is split
+        deadline = time.monotonic() + 15.0
+        while True:  # usage is reported once a lease expired (a 409 before): ask until every one is past it
+            results = await client.report_many(reports)
+            if all(isinstance(r, UsageReceipt) for r in results) or time.monotonic() > deadline:
+                break
+            assert all(getattr(r, "code", "") == "conflict" for r in results if not isinstance(r, UsageReceipt)), results
+            await asyncio.sleep(0.25)
+        assert all(isinstance(r, UsageReceipt) for r in results), results  # each reached its shard's leader
+        assert [r.lease_id for r in results] == [r.lease_id for r in reports]
     finally:
         await client.aclose()

@@ -20,7 +20,7 @@ def mkpool(**kw: object) -> Pool:
     base: dict[str, object] = dict(id="p", window_ms=W, limit=1_000, lease_ttl_ms=15_000, chunk_min=10,
                                    chunk_max=100, prefetch_ms=2_000, active_horizon_ms=10_000)
     base.update(kw)
-    return Pool(**base)  # type: ignore[arg-type]
+    return Pool(**base)  # type: ignore[arg-type]  # the test passes any field; Pool checks them
 
 
 def check_invariant(state: allocation.WindowState) -> None:
@@ -292,7 +292,7 @@ def test_leases_never_outlive_their_window(window_ms: int, ttl: int, prefetch: i
     pool = mkpool(window_ms=window_ms, lease_ttl_ms=min(ttl, 3_600_000), prefetch_ms=prefetch, limit=10,
                   chunk_max=10)
     try:
-        k = allocation.target_window(pool, which, now)  # type: ignore[arg-type]
+        k = allocation.target_window(pool, which, now)  # type: ignore[arg-type]  # "current" or "next", drawn as a plain str
     except Conflict:
         assert which == "next" and (now // window_ms + 1) * window_ms - now > prefetch
         return

@@ -15,6 +15,7 @@ from kernel.bundle import compute_checksum, load_bundle_file
 from kernel.config import ConfigError
 from kernel.errors import Forbidden, Unauthorized
 from kernel.policy_store import policy_key, rollback_bundle
+from region_agent.decision.plan import Snapshot
 from region_agent.decision.preauth import NewKeyCap, as_failed_auth
 from region_agent.models import AdmitRequest, Principal
 from region_agent.service.policy_watch import revoked_decision
@@ -92,10 +93,10 @@ def test_revoked_decision_only_for_revocable_rules():
     atlas = AdmitRequest(request_id="r-00000002", principal=Principal(type="user", id="U-1"), route_group="read",
                          tenant_id="atlas")
     birch = msgspec.structs.replace(atlas, tenant_id="birch")
-    d = revoked_decision(b, atlas)
+    d = revoked_decision(Snapshot(b), atlas)
     assert d is not None and (d.allowed, d.http_status, d.reason, d.policy_id) == \
         (False, 503, "POLICY_STALE", "tenant-atlas-minute")
-    assert revoked_decision(b, birch) is None
+    assert revoked_decision(Snapshot(b), birch) is None
 
 
 def test_redis_url_gets_the_password_from_env_never_the_flag():

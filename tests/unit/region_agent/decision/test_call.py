@@ -23,7 +23,7 @@ from region_agent.decision.call import (
     result_of,
 )
 from region_agent.decision.keys import KeyBuilder
-from region_agent.decision.plan import build_plan
+from region_agent.decision.plan import Snapshot, build_plan
 from region_agent.models import AdmitRequest, Principal
 
 TB = Call("rl:{t:a}:x", "tb", (20_000, 2_000, 1_000, 1_000, 0))
@@ -85,7 +85,7 @@ def _plan(shadow: bool = False):
                                                         if r.id == "tenant-atlas-minute" else r for r in bundle.rules])
     req = AdmitRequest(request_id="r-9f3a61c2e07b4d18", tenant_id="atlas", route_group="read",
                        principal=Principal(type="user", id="U-17", api_key_id="K1"))
-    return build_plan(bundle, req, KeyBuilder(b"unit-pepper"))
+    return build_plan(Snapshot(bundle), req, KeyBuilder(b"unit-pepper"))
 
 
 def test_plan_calls_are_the_enforced_call_then_the_shadow_call():

@@ -10,7 +10,7 @@ from kernel.bundle import load_bundle_file
 from kernel.errors import StoreUnavailable
 from region_agent.decision.counting import count_pool_admissions, count_shadow, tenant_pool_slots
 from region_agent.decision.keys import KeyBuilder
-from region_agent.decision.plan import build_plan, memo_of
+from region_agent.decision.plan import Snapshot, build_plan
 from region_agent.models import AdmitRequest, Principal
 from region_agent.service.metrics import AgentMetrics
 
@@ -23,7 +23,7 @@ KB = KeyBuilder(b"unit-pepper")
 def plan_of(bundle, cost=1):
     req = AdmitRequest(request_id="r-9f3a61c2e07b4d18", tenant_id="atlas", route_group="read", cost_hint=cost,
                        principal=Principal(type="user", id="U-17", api_key_id="K1"))
-    return build_plan(bundle, req, KB)
+    return build_plan(Snapshot(bundle), req, KB)
 
 
 def admitted(m: AgentMetrics, pool: str, source: str) -> float:
@@ -33,18 +33,18 @@ def admitted(m: AgentMetrics, pool: str, source: str) -> float:
 
 def test_tenant_pool_slots_name_the_pool_its_balance_and_tokens():
     plan = plan_of(GLOBAL, cost=3)
-    ((idx, pool, key, tokens),) = tenant_pool_slots(plan, memo_of(GLOBAL).pools)
+    ((idx, pool, key, tokens),) = tenant_pool_slots(plan, Snapshot(GLOBAL).pools)
     assert (idx, pool.id, key, tokens) == (1, "atlas-minute", plan.calls[1].key, 3)
-    assert tenant_pool_slots(plan_of(NORTHSTAR), memo_of(NORTHSTAR).pools) == []
+    assert tenant_pool_slots(plan_of(NORTHSTAR), Snapshot(NORTHSTAR).pools) == []
 
 
 def test_an_admission_counts_its_tenant_and_fleet_pool_tokens_by_source():
     m = AgentMetrics()
     plan = plan_of(GLOBAL, cost=2)
-    count_pool_admissions(m, plan, memo_of(GLOBAL).pools, plan.global_spends, fallback=False)
+    count_pool_admissions(m, plan, Snapshot(GLOBAL).pools, plan.global_spends, fallback=False)
     assert admitted(m, "atlas-minute", "lease") == 2
     assert admitted(m, "global-read", "lease") == plan.global_spends[0].cost
-    count_pool_admissions(m, plan, memo_of(GLOBAL).pools, [], fallback=True)
+    count_pool_admissions(m, plan, Snapshot(GLOBAL).pools, [], fallback=True)
     assert admitted(m, "atlas-minute", "fallback") == 2 and admitted(m, "global-read", "fallback") == 0
 
 

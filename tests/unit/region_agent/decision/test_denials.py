@@ -9,7 +9,7 @@ from region_agent.decision.denials import Denials
 from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.negcache import NegativeCache
 from region_agent.decision.outcome import Answer
-from region_agent.decision.plan import build_plan
+from region_agent.decision.plan import Snapshot, build_plan
 from region_agent.models import AdmitRequest, DeniedScope, Principal, Reason
 from region_agent.service.metrics import AgentMetrics
 from tests.support.clock import FakeClock
@@ -21,7 +21,7 @@ KB = KeyBuilder(b"unit-pepper")
 def plan_of(route="read", cost=1):
     req = AdmitRequest(request_id="r-9f3a61c2e07b4d18", tenant_id="atlas", route_group=route, cost_hint=cost,
                        principal=Principal(type="user", id="U-17", api_key_id="K1"))
-    return build_plan(NORTHSTAR, req, KB)
+    return build_plan(Snapshot(NORTHSTAR), req, KB)
 
 
 def denials() -> tuple[Denials, AgentMetrics, FakeClock]:

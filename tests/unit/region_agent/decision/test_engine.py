@@ -13,6 +13,7 @@ from kernel.errors import AmbiguousOutcome, Overloaded, StoreUnavailable
 from region_agent.decision.engine import DecisionEngine
 from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.negcache import NegativeCache
+from region_agent.decision.plan import Snapshot
 from region_agent.models import AdmitRequest, Principal, Reason
 from region_agent.service.metrics import AgentMetrics
 from tests.support.clock import FakeClock
@@ -20,17 +21,18 @@ from tests.support.clock import FakeClock
 from ...scripted_store import ScriptedStore
 
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[4] / "policies" / "northstar.json"))
+SNAP = Snapshot(NORTHSTAR)
 
 
 def engine(store: ScriptedStore, clock: FakeClock | None = None) -> tuple[DecisionEngine, AgentMetrics]:
     m = AgentMetrics()
     c = clock or FakeClock(1_000.0)
-    return DecisionEngine(get_bundle=lambda: NORTHSTAR, keys=KeyBuilder(b"unit-pepper"), store=store, metrics=m,
+    return DecisionEngine(get_snapshot=lambda: SNAP, keys=KeyBuilder(b"unit-pepper"), store=store, metrics=m,
                           clock=c, wall_clock=lambda: c.t + 1.7e9, negative=NegativeCache()), m
 
 
-def req(route="read", cost=1, rid="r-9f3a61c2e07b4d18"):
-    return AdmitRequest(request_id=rid, tenant_id="atlas", principal=Principal(type="user", id="U-17", api_key_id="K1"),
+def req(route="read", cost=1, rid="r-9f3a61c2e07b4d18", user="U-17"):
+    return AdmitRequest(request_id=rid, tenant_id="atlas", principal=Principal(type="user", id=user, api_key_id="K1"),
                         route_group=route, cost_hint=cost)
 
 
@@ -111,6 +113,22 @@ async def test_a_batch_sends_every_item_in_one_submit():
     e, _ = engine(store)
     out = await e.admit_many([req(rid="r-0000000000000001"), req(rid="r-0000000000000002")])
     assert [d.allowed for d in out] == [True, False] and len(store.sent) == 1 and len(store.sent[0]) == 2
+
+
+async def test_a_batch_decides_each_item_as_a_single_admission_would():
+    """Twins (docs/hot-path.md): ``admit_many`` (one submit for every item, each item completed
+    without a coroutine where it can) and ``admit`` (one request) give the same record for the
+    same question and the same store reply: an admission, a denial, a conflict."""
+    questions = [req(rid="r-0000000000000001", user="U-1"), req(rid="r-0000000000000002", user="U-2"),
+                 req(rid="r-0000000000000003", user="U-3", route="export"), req(rid="r-0000000000000004", user="U-4")]
+    replies = [[1, 0, 0, 19_000, 999_000], [0, 1, 500, 0, 999_000], [-1, 0, 0, 0], [0, 2, 1_500, 20_000, 400]]
+    single, _ = engine(ScriptedStore(*[[r] for r in replies]))
+    one_by_one = [await single.admit(q) for q in questions]
+    batched, _ = engine(ScriptedStore(replies))
+    together = await batched.admit_many(questions)
+    assert together == one_by_one
+    assert [d.http_status for d in together] == [200, 429, 409, 429]  # (the tenant's denial last: the
+    # single path holds it for the requests after it, which a batch decided in the same instant cannot)
 
 
 async def test_an_exact_hint_is_held_whole_and_an_admitted_probe_clears_the_denial():

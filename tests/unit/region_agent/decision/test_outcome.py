@@ -13,7 +13,7 @@ from kernel.errors import AmbiguousOutcome, DecisionConflict, Overloaded, Script
 from region_agent.decision.call import MultiRuleResult
 from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.outcome import Answer, Mode, NextStep, degrade, outcome, pool_denial_slot
-from region_agent.decision.plan import build_plan, memo_of
+from region_agent.decision.plan import Snapshot, build_plan
 from region_agent.leasing.book import BalanceState
 from region_agent.models import AdmitRequest, Principal, Reason
 
@@ -26,11 +26,11 @@ KB = KeyBuilder(b"unit-pepper")
 def plan_of(bundle, route="read", tenant="atlas", cost=1, rid="r-9f3a61c2e07b4d18"):
     req = AdmitRequest(request_id=rid, tenant_id=tenant, principal=Principal(type="user", id="U-17", api_key_id="K1"),
                        route_group=route, cost_hint=cost)
-    return build_plan(bundle, req, KB)
+    return build_plan(Snapshot(bundle), req, KB)
 
 
 def pools(bundle):
-    return memo_of(bundle).pools
+    return Snapshot(bundle).pools
 
 
 def test_allowed_reports_the_first_rule_in_whole_tokens():

@@ -10,6 +10,7 @@ import pytest
 
 from kernel.bundle import load_bundle_file
 from kernel.errors import ValidationFailed
+from region_agent.decision.plan import Snapshot
 from region_agent.decision.preauth import NewKeyCap, as_failed_auth
 from region_agent.models import AdmitRequest, DeniedScope, Principal, Reason
 from tests.support.clock import FakeClock
@@ -69,8 +70,8 @@ def test_sources_are_bounded_too():
 def test_check_denies_with_deniedscope_ip_until_the_window_ends():
     clock = FakeClock(1_000.25)  # 40.25 s into a 60 s window
     cap = NewKeyCap(per_source=1, window_ms=60_000, clock=clock)
-    assert cap.check(NORTHSTAR, anon("203.0.113.1")) is None
-    d = cap.check(NORTHSTAR, anon("203.0.113.2", rid="r-2"))
+    assert cap.check(Snapshot(NORTHSTAR), anon("203.0.113.1")) is None
+    d = cap.check(Snapshot(NORTHSTAR), anon("203.0.113.2", rid="r-2"))
     assert d is not None and not d.allowed
     assert (d.decision_id, d.denied_scope, d.reason, d.policy_id) == ("r-2", DeniedScope.IP, Reason.RATE_EXCEEDED,
                                                                        None)
@@ -82,11 +83,11 @@ def test_check_leaves_authenticated_requests_and_routes_without_ip_rules_alone()
     cap = NewKeyCap(per_source=0, window_ms=60_000, clock=FakeClock(1_000.25))
     user = AdmitRequest(request_id="r-1", tenant_id="atlas", principal=Principal(type="user", id="U-1"),
                         route_group="login")
-    assert cap.check(NORTHSTAR, user) is None
+    assert cap.check(Snapshot(NORTHSTAR), user) is None
     no_edge = msgspec.structs.replace(NORTHSTAR, rules=[r for r in NORTHSTAR.rules if r.id != "edge-ip"])
-    assert cap.check(no_edge, anon("203.0.113.1", route="read")) is None  # no ip rule selected
-    assert cap.check(NORTHSTAR, anon("203.0.113.1", route="read")) is not None  # the every-route window
-    assert cap.check(NORTHSTAR, anon("203.0.113.1")) is not None  # per_source 0: every new key refused
+    assert cap.check(Snapshot(no_edge), anon("203.0.113.1", route="read")) is None  # no ip rule selected
+    assert cap.check(Snapshot(NORTHSTAR), anon("203.0.113.1", route="read")) is not None  # the every-route window
+    assert cap.check(Snapshot(NORTHSTAR), anon("203.0.113.1")) is not None  # per_source 0: every new key refused
 
 
 def test_a_failed_authentication_is_an_anonymous_request_from_the_client_ip():

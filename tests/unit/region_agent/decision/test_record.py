@@ -5,16 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernel.bundle import load_bundle_file
-from region_agent.decision import httpmap
 from region_agent.decision.call import MultiRuleResult
+from region_agent.decision.httpmap import RetryJitter
 from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.outcome import Answer, NextStep, outcome
-from region_agent.decision.plan import build_plan, memo_of
+from region_agent.decision.plan import Snapshot, build_plan
 from region_agent.decision.record import (
     SHED,
     SHED_RETRY_MS,
@@ -26,14 +25,9 @@ from region_agent.decision.record import (
 from region_agent.models import AdmitRequest, DecisionSource, DeniedScope, Principal, Reason
 from region_agent.service.metrics import AgentMetrics
 
-
-@pytest.fixture(autouse=True)
-def _seed_numbers_without_jitter():
-    """These tests check the worked numbers' exact Retry-After (max(1, ceil(ms / 1000))): jitter off here
-    (its spread has its own tests: test_retry_jitter.py)."""
-    httpmap.configure_jitter(0, 0, min_ms=0)
-    yield
-    httpmap.configure_jitter(10, 5_000)
+# These tests check the worked numbers' exact Retry-After (max(1, ceil(ms / 1000))): jitter off here
+# (its spread has its own tests: test_retry_jitter.py)
+NO_JITTER = RetryJitter(0, 0, min_ms=0)
 
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[4] / "policies" / "northstar.json"))
 KB = KeyBuilder(b"unit-pepper")
@@ -42,13 +36,13 @@ KB = KeyBuilder(b"unit-pepper")
 def plan_of(principal=None):
     req = AdmitRequest(request_id="r-9f3a61c2e07b4d18", tenant_id="atlas", route_group="read",
                        principal=principal or Principal(type="user", id="U-17", api_key_id="K1"))
-    return build_plan(NORTHSTAR, req, KB)
+    return build_plan(Snapshot(NORTHSTAR, NO_JITTER), req, KB)
 
 
 def test_an_admission_carries_no_denial_fields_and_its_own_ratelimit_fields():
     plan = plan_of()
     rule = plan.rules[0]
-    d = decision_record(plan, NORTHSTAR, Answer(True, rule, DeniedScope.USER, Reason.RATE_EXCEEDED, 20, 17, 900),
+    d = decision_record(plan, Snapshot(NORTHSTAR, NO_JITTER), Answer(True, rule, DeniedScope.USER, Reason.RATE_EXCEEDED, 20, 17, 900),
                         AgentMetrics())
     assert (d.allowed, d.decision_id, d.policy_id, d.policy_version) == (True, plan.request_id, rule.id, 42)
     assert (d.denied_scope, d.reason, d.retry_after_ms) == (None, None, 0)  # never a denial's fields
@@ -58,7 +52,7 @@ def test_an_admission_carries_no_denial_fields_and_its_own_ratelimit_fields():
 def test_a_denial_is_a_429_with_its_scope_reason_and_retry_after():
     plan = plan_of()
     rule = plan.slots[1].rule
-    d = decision_record(plan, NORTHSTAR, Answer(False, rule, DeniedScope.TENANT, Reason.RATE_EXCEEDED, 1_000, 0,
+    d = decision_record(plan, Snapshot(NORTHSTAR, NO_JITTER), Answer(False, rule, DeniedScope.TENANT, Reason.RATE_EXCEEDED, 1_000, 0,
                                                 1_500, True), AgentMetrics())
     assert (d.denied_scope, d.reason, d.retry_after_ms, d.fallback) == ("tenant", "RATE_EXCEEDED", 1_500, True)
     assert d.http_status == 429 and d.headers["Retry-After"] == "2"
@@ -68,12 +62,12 @@ def test_a_denial_without_a_positive_hint_is_counted_as_a_policy_defect():
     m = AgentMetrics()
     plan = plan_of()
     rule = plan.rules[0]
-    decision_record(plan, NORTHSTAR, Answer(False, rule, DeniedScope.USER, Reason.RATE_EXCEEDED, 20, 0, -1), m)
+    decision_record(plan, Snapshot(NORTHSTAR, NO_JITTER), Answer(False, rule, DeniedScope.USER, Reason.RATE_EXCEEDED, 20, 0, -1), m)
     assert m.registry.get_sample_value("leasehold_agent_policy_defects_total", {"rule": rule.id}) == 1
 
 
 def test_shed_is_a_retriable_503_without_a_rule():
-    d = decision_record(plan_of(), NORTHSTAR, SHED, AgentMetrics())
+    d = decision_record(plan_of(), Snapshot(NORTHSTAR, NO_JITTER), SHED, AgentMetrics())
     assert (d.http_status, d.reason, d.policy_id, d.retry_after_ms) == (503, Reason.OVERLOADED, None, SHED_RETRY_MS)
 
 
@@ -93,8 +87,8 @@ def test_an_early_gates_record_is_the_same_record_as_the_engines_and_is_counted(
                        principal=Principal(type="user", id="U-17", api_key_id="K1"))
     stale = Answer(False, rule, DeniedScope.USER, Reason.POLICY_STALE, retry=rule.closed_retry_after_ms)
     m = AgentMetrics()
-    early = early_record(req, NORTHSTAR, stale, DecisionSource.POLICY, m, counted=rule, tenant="atlas")
-    assert early == decision_record(plan, NORTHSTAR, stale, AgentMetrics(), DecisionSource.POLICY)
+    early = early_record(req, Snapshot(NORTHSTAR, NO_JITTER), stale, DecisionSource.POLICY, m, counted=rule, tenant="atlas")
+    assert early == decision_record(plan, Snapshot(NORTHSTAR, NO_JITTER), stale, AgentMetrics(), DecisionSource.POLICY)
     assert (early.http_status, early.reason, early.source) == (503, Reason.POLICY_STALE, DecisionSource.POLICY)
     assert early.problem is not None and "older than its maximum age" in early.problem["detail"]
     assert m.registry.get_sample_value("leasehold_agent_decisions_total", {
@@ -112,11 +106,11 @@ PRINCIPALS = [Principal(type="user", id="U-17", api_key_id="K1"), Principal(type
 
 def general_record(plan, bundle, res):
     """What the engine's general path makes of a store admission: outcome, then decision_record."""
-    o = outcome(plan, memo_of(bundle).pools, res)
+    o = outcome(plan, Snapshot(bundle, NO_JITTER).pools, res)
     if o.step is NextStep.ALLOWED_WITHOUT_SCRIPT:
         return None
     assert o.step is NextStep.ANSWER and o.answer is not None
-    return decision_record(plan, bundle, o.answer, METRICS)
+    return decision_record(plan, Snapshot(bundle, NO_JITTER), o.answer, METRICS)
 
 
 @settings(max_examples=400, deadline=None)
@@ -127,16 +121,16 @@ def test_an_admission_built_from_its_shape_parts_is_the_general_paths_record(bun
                                                                              raws, rid):
     req = AdmitRequest(request_id=f"r-{rid:016x}", tenant_id=tenant, route_group=route, principal=principal,
                        cost_hint=cost)
-    plan = build_plan(bundle, req, KB)
+    plan = build_plan(Snapshot(bundle, NO_JITTER), req, KB)
     res = MultiRuleResult(True, 0, 0, tuple(raws))  # any length: a short reply reports 0, as the general path
     want = general_record(plan, bundle, res)
-    assert admitted_record(plan, bundle, res) == want
-    assert admitted_record(plan, bundle, res) == want  # the second time from the memoised parts
+    assert admitted_record(plan, Snapshot(bundle, NO_JITTER), res) == want
+    assert admitted_record(plan, Snapshot(bundle, NO_JITTER), res) == want  # the second time from the memoised parts
 
 
 def test_a_users_admission_from_shape_parts_carries_its_ratelimit_fields():
     plan = plan_of()
-    d = admitted_record(plan, NORTHSTAR, MultiRuleResult(True, 0, 0, (17_500, 900_000)))
+    d = admitted_record(plan, Snapshot(NORTHSTAR, NO_JITTER), MultiRuleResult(True, 0, 0, (17_500, 900_000)))
     assert d == general_record(plan, NORTHSTAR, MultiRuleResult(True, 0, 0, (17_500, 900_000)))
     assert (d.limit, d.remaining, d.http_status) == (20, 17, 200)
     assert d.headers == {"RateLimit-Policy": '"read-user-v3";q=20;w=10', "RateLimit": '"read-user-v3";r=17;t=0'}
@@ -145,8 +139,8 @@ def test_a_users_admission_from_shape_parts_carries_its_ratelimit_fields():
 def test_no_shape_part_answers_when_no_slot_reports_or_the_plan_has_no_shape():
     req = AdmitRequest(request_id="r-9f3a61c2e07b4d18", tenant_id="zeta", route_group="read",
                        principal=Principal(type="service", id="svc-9"))
-    plan = build_plan(GLOBAL, req, KB)  # only global-catalog, a fleet-wide pool spent from chunks: no slot reports
-    assert plan.rules[0].fleet_wide and admitted_record(plan, GLOBAL, MultiRuleResult(True, 0, 0, (5,))) is None
+    plan = build_plan(Snapshot(GLOBAL, NO_JITTER), req, KB)  # only global-catalog, a fleet-wide pool spent from chunks: no slot reports
+    assert plan.rules[0].fleet_wide and admitted_record(plan, Snapshot(GLOBAL, NO_JITTER), MultiRuleResult(True, 0, 0, (5,))) is None
     shapeless = plan_of()
     shapeless.shape = None
-    assert admitted_record(shapeless, NORTHSTAR, MultiRuleResult(True, 0, 0, (17_500, 0))) is None
+    assert admitted_record(shapeless, Snapshot(NORTHSTAR, NO_JITTER), MultiRuleResult(True, 0, 0, (17_500, 0))) is None

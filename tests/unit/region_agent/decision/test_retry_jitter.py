@@ -8,18 +8,20 @@ import math
 import pytest
 
 from kernel.bundle import make_rule
-from region_agent.decision import httpmap
-from region_agent.decision.httpmap import RetryJitter, apply_http
+from region_agent.decision.httpmap import HttpAnswers, RetryJitter, apply_http
 from region_agent.models import Decision
 
 USER = make_rule(id="read-user-v3", scope="user", route_group="read", algorithm="token_bucket", capacity_millis=20_000,
             refill_millis=2_000, period_ms=1_000, cost_millis=1_000, fail_mode="local_bounded")
 
 
-def denied(rid: str, retry_ms: int, **kw) -> Decision:
+DEFAULT = HttpAnswers()  # the agent's defaults: 10 %, at least 1 s, at most 5 s
+
+
+def denied(rid: str, retry_ms: int, answers: HttpAnswers = DEFAULT, **kw) -> Decision:
     d = Decision(allowed=False, decision_id=rid, policy_id="x", policy_version=42, denied_scope="user",
                  reason="RATE_EXCEEDED", limit=20, remaining=0, retry_after_ms=retry_ms, **kw)
-    apply_http(d, rule=USER, anonymous=False)
+    apply_http(d, rule=USER, anonymous=False, answers=answers)
     return d
 
 
@@ -70,10 +72,8 @@ def test_jitter_is_a_pure_function_of_seed_and_decision_id():
     assert j.of("r-1", 0) == 0 and j.of("r-1", -1) == 0  # allowed / never-satisfiable: no jitter
 
 
-def test_configure_jitter_switches_the_module_default():
-    try:
-        httpmap.configure_jitter(0, 0)
-        assert denied("r-00000001", 58_000).retry_jitter_ms == 0
-        assert denied("r-00000001", 500).headers["Retry-After"] == "1"  # the plain max(1, ceil(ms / 1000))
-    finally:
-        httpmap.configure_jitter(10, 5_000)
+def test_jitter_off_gives_the_plain_hint():
+    off = HttpAnswers(RetryJitter(0, 0))
+    assert denied("r-00000001", 58_000, off).retry_jitter_ms == 0
+    assert denied("r-00000001", 500, off).headers["Retry-After"] == "1"  # the plain max(1, ceil(ms / 1000))
+    assert denied("r-00000001", 58_000).retry_jitter_ms > 0  # the default answers another way: nothing shared

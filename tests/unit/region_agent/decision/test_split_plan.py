@@ -8,12 +8,12 @@ import msgspec
 from kernel.bundle import seal
 from kernel.split import TenantSplit
 from region_agent.decision.keys import KeyBuilder, hash_tag
-from region_agent.decision.plan import build_plan, cc_keys_for_release
+from region_agent.decision.plan import Snapshot, build_plan, cc_keys_for_release
 from region_agent.models import AdmitRequest, Principal
 from tests.support.policies import northstar
 
 KB = KeyBuilder(b"unit-pepper")
-SPLIT = seal(msgspec.structs.replace(northstar(), tenant_splits=[TenantSplit("atlas", 3)]))
+SPLIT = Snapshot(seal(msgspec.structs.replace(northstar(), tenant_splits=[TenantSplit("atlas", 3)])))
 
 
 def req(pid="U-17", tenant="atlas", route="read", rid="r-9f3a61c2e07b4d18", ptype="user"):

@@ -14,7 +14,7 @@ from region_agent.decision import keymeter
 from region_agent.decision.epoch import EpochCheck
 from region_agent.decision.keymeter import NewKeyMeter
 from region_agent.decision.keys import KeyBuilder
-from region_agent.decision.plan import build_plan
+from region_agent.decision.plan import Snapshot, build_plan
 from region_agent.decision.telemetry import DecisionTelemetry
 from region_agent.models import AdmitRequest, Decision, Principal
 from region_agent.service.audit import BypassAudit
@@ -28,7 +28,7 @@ KEYS = KeyBuilder(b"pepper")
 
 def plan_for(tenant: str | None, route: str = "read", pid: str = "U-1", bundle=GLOBAL, rid: str = "req-00000001"):
     principal = Principal(type="user", id=pid) if tenant else Principal(type="anonymous", id="203.0.113.9")
-    return build_plan(bundle, AdmitRequest(request_id=rid, tenant_id=tenant, principal=principal,
+    return build_plan(Snapshot(bundle), AdmitRequest(request_id=rid, tenant_id=tenant, principal=principal,
                                            route_group=route), KEYS)
 
 
@@ -47,7 +47,7 @@ def test_tenant_label_is_named_tenant_other_or_none():
     t = DecisionTelemetry(m)
     for tenant in ("atlas", "zeta-unknown", None):
         p = plan_for(tenant, route="login" if tenant is None else "read")
-        t.decided(p, GLOBAL, decision(p), 0.001, now=0.0, touched_store=False)
+        t.decided(p, Snapshot(GLOBAL), decision(p), 0.001, now=0.0, touched_store=False)
     out = text(m)
     assert 'tenant="atlas"' in out and 'tenant="other"' in out and 'tenant="none"' in out
     assert "zeta" not in out and "U-1" not in out and "203.0.113.9" not in out
@@ -60,7 +60,7 @@ def test_only_two_policy_versions_keep_series():
     p = plan_for("atlas")
     for v in (42, 43, 44):
         b = seal(msgspec.structs.replace(GLOBAL, bundle_version=v))
-        t.decided(p, b, decision(p, version=v), 0.001, now=0.0, touched_store=False)
+        t.decided(p, Snapshot(b), decision(p, version=v), 0.001, now=0.0, touched_store=False)
     out = text(m)
     assert 'policy_version="42"' not in out
     assert 'policy_version="43"' in out and 'policy_version="44"' in out
@@ -94,7 +94,7 @@ def test_the_decision_path_counts_new_keys_as_the_reference_meter_does():
     for i in range(3_000):
         now += rng.random() * 0.05
         p = plan_for(rng.choice(["atlas", "birch", "zeta"]), pid=f"U-{rng.randint(1, 300)}", rid=f"req-{i:08d}")
-        t.decided(p, GLOBAL, decision(p), 0.001, now=now, touched_store=True)
+        t.decided(p, Snapshot(GLOBAL), decision(p), 0.001, now=now, touched_store=True)
         ref.touch([(c.key, keymeter.source_class(s.role, s.rule.scope)) for c, s in zip(p.calls, p.slots, strict=True)], now)
     assert m.new_keys.counts == ref.counts and sum(ref.counts.values()) > 300
 
@@ -103,10 +103,10 @@ def test_decision_keys_feed_the_meter_with_their_class():
     m = AgentMetrics()
     t = DecisionTelemetry(m)
     p = plan_for("atlas", route="export")  # user bucket? no: tenant rule with a concurrency gate, idempotent
-    t.decided(p, GLOBAL, decision(p), 0.001, now=0.0, touched_store=True)
+    t.decided(p, Snapshot(GLOBAL), decision(p), 0.001, now=0.0, touched_store=True)
     counts = m.new_keys.counts
     assert counts["concurrency"] == 1 and counts["tenant"] == 1 and counts["decision"] == 1
-    t.decided(p, GLOBAL, decision(p), 0.001, now=1.0, touched_store=False)  # no script ran: nothing new
+    t.decided(p, Snapshot(GLOBAL), decision(p), 0.001, now=1.0, touched_store=False)  # no script ran: nothing new
     assert counts["tenant"] == 1
 
 
@@ -117,13 +117,13 @@ def test_each_allowed_bypass_is_one_audit_event_and_denials_are_rate_limited():
     t = DecisionTelemetry(m, audit=BypassAudit(m, lines.append, clock=clock))
     for i in range(3):
         p = plan_for("northstar-ops", route="probe", pid="OPS-SECRET-USER", rid=f"probe-{i:04d}")
-        t.decided(p, GLOBAL, decision(p), 0.001, now=0.0, touched_store=True)
+        t.decided(p, Snapshot(GLOBAL), decision(p), 0.001, now=0.0, touched_store=True)
     for i in range(3, 8):
         p = plan_for("northstar-ops", route="probe", pid="OPS-SECRET-USER", rid=f"probe-{i:04d}")
-        t.decided(p, GLOBAL, decision(p, allowed=False, status=429), 0.001, now=0.0, touched_store=True)
+        t.decided(p, Snapshot(GLOBAL), decision(p, allowed=False, status=429), 0.001, now=0.0, touched_store=True)
     clock.t += 1.5
     p = plan_for("northstar-ops", route="probe", rid="probe-0008")
-    t.decided(p, GLOBAL, decision(p, allowed=False, status=429), 0.001, now=0.0, touched_store=True)
+    t.decided(p, Snapshot(GLOBAL), decision(p, allowed=False, status=429), 0.001, now=0.0, touched_store=True)
     events = [json.loads(x) for x in lines]
     allowed = [e for e in events if e["event"] == "bypass"]
     assert [e["requestId"] for e in allowed] == ["probe-0000", "probe-0001", "probe-0002"]
@@ -148,7 +148,7 @@ def test_each_allowed_bypass_is_one_audit_event_and_denials_are_rate_limited():
     assert 'leasehold_agent_audit_events_total{event="bypass"} 3.0' in out
     # a normal tenant's decisions are not bypasses
     p = plan_for("atlas")
-    t.decided(p, GLOBAL, decision(p), 0.001, now=0.0, touched_store=True)
+    t.decided(p, Snapshot(GLOBAL), decision(p), 0.001, now=0.0, touched_store=True)
     assert len(lines) == 5
 
 
@@ -159,7 +159,7 @@ def test_a_failing_audit_sink_is_counted_and_does_not_raise():
         raise OSError("disk full")
     t = DecisionTelemetry(m, audit=BypassAudit(m, broken))
     p = plan_for("northstar-ops", route="probe")
-    t.decided(p, GLOBAL, decision(p), 0.001, now=0.0, touched_store=True)
+    t.decided(p, Snapshot(GLOBAL), decision(p), 0.001, now=0.0, touched_store=True)
     assert "leasehold_agent_audit_write_errors_total 1.0" in text(m)
 
 
@@ -191,7 +191,7 @@ def test_counts_kept_outside_the_registry_read_as_per_decision_updates_would():
     seconds = [0.0, -0.001, 0.0005, 0.0007, 0.001, 0.003, 0.02, 0.2, 0.9, 1.0, 7.5]
     for i, s in enumerate(seconds):
         d = decision(p, allowed=i % 3 != 0, status=200 if i % 3 else 429)
-        t.decided(p, GLOBAL, d, s, now=0.0, touched_store=False)
+        t.decided(p, Snapshot(GLOBAL), d, s, now=0.0, touched_store=False)
         outcome = "allowed" if d.allowed else "denied"
         ref.decisions.labels(outcome, p.rules[0].id, "42", p.rules[0].route_key, "atlas", "script").inc()
         ref.latency.labels("default", outcome).observe(max(s, 0.0))
@@ -202,6 +202,6 @@ def test_counts_kept_outside_the_registry_read_as_per_decision_updates_would():
 
     assert lines(m) == lines(ref) and any("_bucket" in ln for ln in lines(m))
     assert lines(m) == lines(ref)  # a second collection adds nothing
-    t.decided(p, GLOBAL, decision(p), 0.004, now=0.0, touched_store=False)
+    t.decided(p, Snapshot(GLOBAL), decision(p), 0.004, now=0.0, touched_store=False)
     assert m.registry.get_sample_value("leasehold_agent_decision_seconds_count",
                                        {"shard": "default", "outcome": "allowed"}) == 8.0

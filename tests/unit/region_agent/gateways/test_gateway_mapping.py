@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from kernel.bundle import load_bundle_file
+from region_agent.decision.plan import Snapshot
 from region_agent.gateways.answer import authz_answer, deciding, per_unit, rls_answer
 from region_agent.gateways.authz import _headers
 from region_agent.gateways.mapping import (
@@ -123,12 +124,12 @@ def test_duplicate_identity_headers_are_refused_other_duplicates_are_not():
 
 def test_per_unit_of_the_northstar_rules():
     rules = {r.id: r for r in BUNDLE.rules}
-    assert per_unit(rules["read-user-v3"], BUNDLE) == (2, "SECOND")  # 2,000 millitokens per 1,000 ms
-    assert per_unit(rules["tenant-atlas-minute"], BUNDLE) == (1000, "MINUTE")
-    assert per_unit(rules["anon-login"], BUNDLE) is None  # 20 per 10 s is no whole unit
+    assert per_unit(rules["read-user-v3"], Snapshot(BUNDLE)) == (2, "SECOND")  # 2,000 millitokens per 1,000 ms
+    assert per_unit(rules["tenant-atlas-minute"], Snapshot(BUNDLE)) == (1000, "MINUTE")
+    assert per_unit(rules["anon-login"], Snapshot(BUNDLE)) is None  # 20 per 10 s is no whole unit
     g = {r.id: r for r in GLOBAL.rules}
-    assert per_unit(g["tenant-birch-global"], GLOBAL) == (300, "MINUTE")
-    assert per_unit(g["global-catalog"], GLOBAL) == (40000, "SECOND")
+    assert per_unit(g["tenant-birch-global"], Snapshot(GLOBAL)) == (300, "MINUTE")
+    assert per_unit(g["global-catalog"], Snapshot(GLOBAL)) == (40000, "SECOND")
 
 
 def dec(status: int, retry: int = 0, **kw) -> Decision:
@@ -148,13 +149,13 @@ def test_the_deciding_decision():
 def test_rls_answer_mirrors_the_http_answer():
     deny = dec(429, 500, limit=20, remaining=0, problem={"status": 429},
                headers={"Retry-After": "1", "RateLimit": '"read-user-v3";r=0;t=1'})
-    ans = rls_answer([dec(200, limit=20, remaining=4), deny], BUNDLE, [False, False])
+    ans = rls_answer([dec(200, limit=20, remaining=4), deny], Snapshot(BUNDLE), [False, False])
     assert ans.over_limit and ans.http_status == 429
     assert ans.headers == {"Retry-After": "1", "RateLimit": '"read-user-v3";r=0;t=1',
                            "content-type": "application/problem+json"}
     assert msgspec.json.decode(ans.body) == {"status": 429} and ans.metadata == {"status": 429, "reason": ""}
     assert [(s.over_limit, s.remaining, s.reset_ms) for s in ans.statuses] == [(False, 4, 0), (True, 0, 500)]
-    fb = rls_answer([dec(200, limit=5, remaining=4, fallback=True)], BUNDLE, [False])
+    fb = rls_answer([dec(200, limit=5, remaining=4, fallback=True)], Snapshot(BUNDLE), [False])
     assert fb.statuses[0].limit_name is None  # a local allowance is not the rule's limit
 
 

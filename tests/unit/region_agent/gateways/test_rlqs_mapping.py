@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kernel.bundle import load_bundle_file
-from region_agent.decision.plan import memo_of
+from region_agent.decision.plan import Snapshot
 from region_agent.gateways.mapping import BadQuestion
 from region_agent.gateways.rlqs_mapping import (
     RlqsNames,
@@ -74,14 +74,14 @@ def test_key_names_are_settings():
 
 
 def rules_of(tenant: str, route: str):
-    return memo_of(BUNDLE).shape(tenant, route, "user", False).enforced
+    return Snapshot(BUNDLE).shape(tenant, route, "user", False).enforced
 
 
 def test_rules_decided_per_request_are_not_leased():
     assert per_request_reason(rules_of("atlas", "read")) is None
     assert per_request_reason(rules_of("atlas", "export")) == "concurrency_rule"  # P-EXPORT's cap of 3
     gl = load_bundle_file("policies/northstar-global.json")
-    assert per_request_reason(memo_of(gl).shape("northstar-ops", "probe", "service", False).enforced) == "exempt_rule"
+    assert per_request_reason(Snapshot(gl).shape("northstar-ops", "probe", "service", False).enforced) == "exempt_rule"
 
 
 def test_an_assignment_never_outlives_its_window_and_is_whole_seconds():

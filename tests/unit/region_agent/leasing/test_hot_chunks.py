@@ -11,7 +11,7 @@ from kernel.algorithms import HotChunk
 from kernel.bundle import Bundle, make_rule, seal, validate_bundle
 from kernel.errors import PolicyError
 from region_agent.decision.keys import KeyBuilder
-from region_agent.decision.plan import build_plan
+from region_agent.decision.plan import Snapshot, build_plan
 from region_agent.leasing.hot_chunks import AttemptRate, KeySetChunk, chunk_units, hot_config
 from region_agent.models import AdmitRequest, Principal
 
@@ -90,7 +90,7 @@ def _tb(rule_id: str, tenant: str | None, scope: str = "tenant", **kw):
 def _plan(bundle: Bundle, cost: int = 1):
     req = AdmitRequest(request_id="r-000000000001", tenant_id="acme", principal=Principal(type="user", id="U-1"),
                        route_group="read", cost_hint=cost)
-    return build_plan(bundle, req, KeyBuilder(b"pepper"))
+    return build_plan(Snapshot(bundle), req, KeyBuilder(b"pepper"))
 
 
 def test_a_plan_is_chunked_only_when_every_rule_asks_for_it():

@@ -10,6 +10,7 @@ from kernel.bundle import load_bundle_file
 from region_agent.decision.engine import DecisionEngine
 from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.negcache import NegativeCache
+from region_agent.decision.plan import Snapshot
 from region_agent.models import AdmitRequest, Principal
 from region_agent.service.decision_log import DecisionLog
 from region_agent.service.metrics import AgentMetrics
@@ -18,6 +19,7 @@ from tests.support.clock import FakeClock
 from ...scripted_store import ScriptedStore
 
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[4] / "policies" / "northstar.json"))
+SNAP = Snapshot(NORTHSTAR)
 ALLOW = [1, 0, 0, 17_000, 900_000]
 DENY = [0, 1, 500, 0, 900_000]
 
@@ -28,7 +30,7 @@ def make(tmp_path: Path, replies, **kw) -> tuple[DecisionEngine, DecisionLog, Ag
     keys = KeyBuilder(b"unit-pepper")
     dl = DecisionLog(str(tmp_path / "decisions.jsonl"), keys=keys, region="eu", agent="agent-eu-1", metrics=m,
                      wall_clock=lambda: 1.7e9 + c.t, clock=c, **kw)
-    e = DecisionEngine(get_bundle=lambda: NORTHSTAR, keys=keys, store=ScriptedStore(*[[r] for r in replies]), metrics=m, clock=c,
+    e = DecisionEngine(get_snapshot=lambda: SNAP, keys=keys, store=ScriptedStore(*[[r] for r in replies]), metrics=m, clock=c,
                        wall_clock=lambda: c.t + 1.7e9, negative=NegativeCache(cap_ms=0), decision_log=dl)
     return e, dl, m, c
 

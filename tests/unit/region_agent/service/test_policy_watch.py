@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 
 from kernel.bundle import load_bundle_file
+from region_agent.decision.plan import Snapshot
 from region_agent.models import AdmitRequest, DeniedScope, Principal, Reason
 from region_agent.service.metrics import AgentMetrics
 from region_agent.service.policy_watch import age_gauge, revoked_decision
@@ -26,16 +27,16 @@ def user_read(rid: str = "r-1") -> AdmitRequest:
 
 
 def test_no_revocable_rule_selected_means_no_denial():
-    assert revoked_decision(NORTHSTAR, user_read()) is None
+    assert revoked_decision(Snapshot(NORTHSTAR), user_read()) is None
     bundle = with_revocable("export-tenant")  # revocable, but not selected for a read
-    assert revoked_decision(bundle, user_read()) is None
+    assert revoked_decision(Snapshot(bundle), user_read()) is None
 
 
 def test_a_selected_revocable_rule_denies_with_503_policy_stale():
     bundle = with_revocable("tenant-atlas-minute")
     rule = next(r for r in bundle.rules if r.id == "tenant-atlas-minute")
     m = AgentMetrics()
-    d = revoked_decision(bundle, user_read("r-9"), m)
+    d = revoked_decision(Snapshot(bundle), user_read("r-9"), m)
     assert d is not None and not d.allowed
     assert (d.decision_id, d.policy_id, d.denied_scope, d.reason) == ("r-9", rule.id, DeniedScope.TENANT,
                                                                        Reason.POLICY_STALE)
@@ -51,7 +52,7 @@ def test_an_anonymous_caller_learns_nothing_about_the_policy():
     bundle = with_revocable("anon-login")
     anon = AdmitRequest(request_id="r-2", principal=Principal(type="anonymous", id="203.0.113.9"),
                         route_group="login")
-    d = revoked_decision(bundle, anon)
+    d = revoked_decision(Snapshot(bundle), anon)
     assert d is not None and d.http_status == 503 and d.denied_scope is DeniedScope.IP
     assert d.policy_id is None and d.problem == {"type": "about:blank", "title": "Service Unavailable",
                                                  "status": 503}
@@ -65,3 +66,41 @@ def test_age_gauge_reads_the_watchers_age_in_seconds():
     m = AgentMetrics()
     age_gauge(m, Watcher())
     assert m.registry.get_sample_value("leasehold_agent_policy_age_seconds") == 2.5
+
+
+class _Stale:
+    """A policy watch whose snapshot is past its maximum age."""
+
+    def is_stale(self, bundle) -> bool:
+        return True
+
+
+def _state(bundle, tmp_path: Path):
+    from types import SimpleNamespace
+
+    from region_agent.decision.preauth import NewKeyCap
+    from region_agent.service.policy import PolicyHolder
+    from tests.support.clock import FakeClock
+
+    return SimpleNamespace(policy_watch=_Stale(), holder=PolicyHolder(str(tmp_path / "none.json"), bundle), epoch=None,
+                           metrics=AgentMetrics(), key_cap=NewKeyCap(per_source=1, window_ms=60_000,
+                                                                     clock=FakeClock(1_000.0)))
+
+
+def test_the_early_gates_of_one_question_are_those_of_a_batch(tmp_path):
+    """Twins (docs/hot-path.md): ``pre_check`` (one question, no lists) and ``pre_checks`` (a
+    batch) give every question the same early answer: a revocable rule under a stale snapshot,
+    the pre-authentication cap (a second new address of one source), or none."""
+    from region_agent.decision.admission import pre_check, pre_checks
+
+    bundle = with_revocable("tenant-atlas-minute")
+    questions = [user_read("r-1"), AdmitRequest(request_id="r-2", principal=Principal(type="anonymous", id="203.0.1.1"),
+                                                route_group="login"),
+                 AdmitRequest(request_id="r-3", principal=Principal(type="anonymous", id="203.0.2.2"),
+                              route_group="login"),
+                 AdmitRequest(request_id="r-4", tenant_id="birch", principal=Principal(type="user", id="U-1"),
+                              route_group="search")]
+    one, many = _state(bundle, tmp_path), _state(bundle, tmp_path)
+    singles = [pre_check(one, q) for q in questions]
+    assert pre_checks(many, questions) == singles
+    assert [d is not None and d.http_status for _, d in singles] == [503, False, 429, False]
