@@ -337,8 +337,8 @@ def policies_from(recs: Iterable[Record]) -> list[PoolPolicy]:
 
 
 class LeaseRecorder:
-    """Implements the region agent's lease ``Recorder`` hook
-    (``region_agent.leasing.manager.Recorder``): writes a ``grant`` record for every grant the
+    """Implements the region agent's lease ``LeaseEvents`` hook
+    (``region_agent.leasing.manager.LeaseEvents``): writes a ``grant`` record for every grant the
     agent accepted and a ``spend_close`` record for every lease it closed.
 
     The agent passes monotonic milliseconds; they are converted to this process's wall clock

@@ -405,7 +405,7 @@ def errors_in(region: str) -> Expect:
     return check
 
 
-def policy_version(v_offset: int) -> Expect:
+def bundle_version(v_offset: int) -> Expect:
     def check(ctx: RunContext) -> list[str]:
         want = ctx.bundle.bundle_version + v_offset
         got = ctx.final_policy_versions
@@ -554,7 +554,7 @@ _add(Scenario("allocator-rebalance", "three allocator replicas lead 64 shards; a
               "later leaves, then one of the three leaves and joins again: shards are handed off and back",
               _rebalance, configure=_sharded, expect=[shards_rebalanced]))
 _add(Scenario("policy-rollback", "a tightened bundle (G halved) published mid-run through etcd, then the old "
-              "content published as a higher version", _policy_rollback, expect=[policy_version(2)]))
+              "content published as a higher version", _policy_rollback, expect=[bundle_version(2)]))
 
 
 class Combined2(Nemesis):

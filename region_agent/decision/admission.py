@@ -53,10 +53,10 @@ def pre_checks(st: Any, reqs: list[AdmitRequest]) -> list[tuple[AdmitRequest, De
 
     reqs = [as_failed_auth(r) if r.auth_failed else r for r in reqs]
     w, bundle = st.policy_watch, st.holder.bundle
-    if st.epoch is not None:
+    if st.version_check is not None:
         for r in reqs:
-            if r.policy_epoch is not None:
-                st.epoch.observe(r.policy_epoch, bundle.bundle_version)
+            if r.bundle_version is not None:
+                st.version_check.observe(r.bundle_version, bundle.bundle_version)
     out: list[tuple[AdmitRequest, Decision | None]] = [(r, None) for r in reqs]
     if w is not None and w.is_stale(bundle):
         from ..service.policy_watch import revoked_decision
@@ -72,8 +72,8 @@ def pre_check(st: Any, req: AdmitRequest) -> tuple[AdmitRequest, Decision | None
         from .preauth import as_failed_auth
         req = as_failed_auth(req)
     bundle = st.holder.bundle
-    if st.epoch is not None and req.policy_epoch is not None:
-        st.epoch.observe(req.policy_epoch, bundle.bundle_version)
+    if st.version_check is not None and req.bundle_version is not None:
+        st.version_check.observe(req.bundle_version, bundle.bundle_version)
     w = st.policy_watch
     if w is not None and w.is_stale(bundle):
         from ..service.policy_watch import revoked_decision

@@ -14,8 +14,8 @@ from kernel.algorithms import Role
 from kernel.algorithms.concurrency import KIND as CONCURRENCY
 from kernel.algorithms.pool import PoolRule
 from kernel.algorithms.rule import Params
-from kernel.bounded import BoundedMemo
 from kernel.bundle import Bundle, Pool, Rule, every_request_rules, select_rules
+from kernel.caches import BoundedMemo
 from kernel.errors import ScriptRejected, ValidationFailed
 
 from ..models import AdmitRequest, Principal

@@ -1,4 +1,4 @@
-"""In-process chunk leases for fleet-wide (global-scope) pools.
+"""In-process chunks for fleet-wide (global-scope) pools.
 
 Pure state: the clock (monotonic ms) is passed in. A chunk is bought from the pool's
 ``{g:<pool>}`` balance with one store call (``pool_take.lua``: valid no longer than the leases

@@ -1,4 +1,4 @@
-"""Fleet-wide (global-scope) pools: per-agent chunk leases bought from the region's
+"""Fleet-wide (global-scope) pools: per-agent chunks bought from the region's
 ``{g:<pool>}`` balance, and their degraded answers.
 
 One :class:`FleetPools` per agent. :meth:`take` answers one request's spend of one pool:

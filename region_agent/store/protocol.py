@@ -1,5 +1,5 @@
 """What the decision engine and the fleet-wide pools need of a store (:class:`Store`),
-implemented over Redis by :class:`region_agent.store.gateway.StoreGateway`; tests may pass any
+implemented over Redis by :class:`region_agent.store.node.RedisNode`; tests may pass any
 object with these methods."""
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def test_an_admission_carries_no_denial_fields_and_its_own_ratelimit_fields():
     rule = plan.rules[0]
     d = decision_record(plan, NORTHSTAR, Answer(True, rule, DeniedScope.USER, Reason.RATE_EXCEEDED, 20, 17, 900),
                         AgentMetrics())
-    assert (d.allowed, d.decision_id, d.policy_id, d.policy_version) == (True, plan.request_id, rule.id, 42)
+    assert (d.allowed, d.decision_id, d.policy_id, d.bundle_version) == (True, plan.request_id, rule.id, 42)
     assert (d.denied_scope, d.reason, d.retry_after_ms) == (None, None, 0)  # never a denial's fields
     assert (d.limit, d.remaining, d.http_status) == (20, 17, 200) and "RateLimit" in d.headers
 

@@ -1,4 +1,4 @@
-"""A fleet-wide pool's in-process chunk lease (region_agent/leasing/chunks.py): spending, give-backs,
+"""A fleet-wide pool's in-process chunk (region_agent/leasing/chunks.py): spending, give-backs,
 parts kept across renewals, and chunks sized by their holder's demand."""
 
 from hypothesis import given

@@ -1,5 +1,5 @@
 """Pure parts of the overload handling (docs/concepts.md: overload is shed): the event-loop lag monitor and the
-cost-aware local denial of a chunk lease."""
+cost-aware local denial of a chunk."""
 
 from region_agent.leasing.chunks import ChunkLease
 from region_agent.store.lag import LoopLag

@@ -1,5 +1,5 @@
 """policyEpoch in the admission request (docs/invariants.md I3, I13): the decision carries the version it was
-made with; a gateway naming a newer epoch makes the agent look at its policy source at once."""
+made with; a gateway naming a newer version makes the agent look at its policy source at once."""
 
 from __future__ import annotations
 
@@ -34,4 +34,4 @@ async def test_a_newer_epoch_triggers_a_refresh_and_is_counted(redis_url: str, p
         assert behind["policyVersion"] == 43
         text = (await agent.get("/metrics")).text
         assert count(text, "gateway_ahead") == 1 and count(text, "gateway_behind") == 1
-        assert app.state.agent.epoch.refreshes == 1
+        assert app.state.agent.version_check.refreshes == 1
