@@ -368,13 +368,13 @@ class ClusterStore:
         :meth:`call_script`)."""
         return self
 
-    async def release(self, key: str, lease_id: str, *, wait_s: float | None = None) -> None:
-        (reply,) = await self.submit([("concurrency_release", [key], [lease_id])], wait_s=wait_s)
+    async def release(self, key: str, slot_id: str, *, wait_s: float | None = None) -> None:
+        (reply,) = await self.submit([("concurrency_release", [key], [slot_id])], wait_s=wait_s)
         if isinstance(reply, BaseException):
             raise sc.translate_redis_error(reply, sent=True)
 
-    async def renew(self, key: str, lease_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:
-        (reply,) = await self.submit([("concurrency_renew", [key], [lease_id, ttl_ms])], wait_s=wait_s)
+    async def renew(self, key: str, slot_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:
+        (reply,) = await self.submit([("concurrency_renew", [key], [slot_id, ttl_ms])], wait_s=wait_s)
         if isinstance(reply, BaseException):
             raise sc.translate_redis_error(reply, sent=True)
         return bool(int(reply[0]))

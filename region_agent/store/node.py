@@ -258,18 +258,18 @@ class RedisNode:
                                  f"{self.breaker.failure_threshold} consecutive store failures; decisions "
                                  f"degrade per rule failMode{more}")
 
-    async def release(self, key: str, lease_id: str, *, wait_s: float | None = None) -> None:
+    async def release(self, key: str, slot_id: str, *, wait_s: float | None = None) -> None:
         """End a concurrency slot. Like a decision it goes through the breaker and the batcher
         under the caller's budget: a hung Redis answers ``Unavailable`` (503, retriable; the lease
         also ends by its TTL) after ``wait_s``, not after the socket timeout."""
-        (reply,) = await self.submit([("concurrency_release", [key], [lease_id])], wait_s=wait_s)
+        (reply,) = await self.submit([("concurrency_release", [key], [slot_id])], wait_s=wait_s)
         if isinstance(reply, BaseException):
             raise translate(reply)
 
-    async def renew(self, key: str, lease_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:
+    async def renew(self, key: str, slot_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:
         """Heartbeat of a live concurrency slot; False when it is gone (released or expired).
         Through the breaker and the batcher under the caller's budget, like a release."""
-        (reply,) = await self.submit([("concurrency_renew", [key], [lease_id, ttl_ms])], wait_s=wait_s)
+        (reply,) = await self.submit([("concurrency_renew", [key], [slot_id, ttl_ms])], wait_s=wait_s)
         if isinstance(reply, BaseException):
             raise translate(reply)
         return bool(int(reply[0]))

@@ -18,10 +18,10 @@ class Store(Protocol):
         overloaded, past ``wait_s``). A coroutine function satisfies it."""
         ...
 
-    async def release(self, key: str, lease_id: str, *, wait_s: float | None = None) -> None:
-        """End the concurrency slot ``lease_id`` of the gate at ``key``."""
+    async def release(self, key: str, slot_id: str, *, wait_s: float | None = None) -> None:
+        """End the concurrency slot ``slot_id`` of the gate at ``key``."""
         ...
 
-    async def renew(self, key: str, lease_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:
+    async def renew(self, key: str, slot_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:
         """Extend a live concurrency slot to ``ttl_ms`` from now; False when it is gone."""
         ...
