@@ -106,7 +106,7 @@ MAX_PARTS = 4
 
 
 @dataclass(slots=True)
-class ChunkLease:
+class Chunk:
     """A fleet-wide pool's chunk at one agent: the parts its renewals bought, spent
     earliest-expiring first. A renewal never abandons what the chunk still holds: a reservation
     given back (its request was not admitted) while a renewal was in flight lands in the part it
