@@ -81,7 +81,7 @@ class DecisionRec(_Rec, tag="decision"):
     reason: str | None = None
     route_group: str | None = None
     request_id: str | None = None
-    policy_id: str | None = None  # the answer's rule, limit and remaining (which allowance answered)
+    rule_id: str | None = msgspec.field(default=None, name="policyId")  # the answer's rule, limit and remaining (which allowance answered)
     limit: int | None = None
     remaining: int | None = None
 
@@ -299,7 +299,7 @@ def to_pool_admissions(d: DecisionRec, window_of: dict[str, int] | None = None,
                                   at_ms=d.recorded_at_ms, agent=d.agent,
                                   last_window=last if last is not None and last != index else None,
                                   certain_source=single,
-                                  offered=d.allowed or s.rule is None or d.policy_id == s.rule))
+                                  offered=d.allowed or s.rule is None or d.rule_id == s.rule))
     return out
 
 

@@ -107,7 +107,7 @@ class Decision(Struct, rename="camel", omit_defaults=False):
 
     allowed: bool
     decision_id: str
-    policy_id: str | None
+    rule_id: str | None = field(name="policyId")  # the deciding rule (docs/glossary.md)
     bundle_version: int = field(name="policyVersion")  # the bundle version decided with (docs/glossary.md)
     denied_scope: DeniedScope | None = None
     reason: Reason | None = None

@@ -47,7 +47,7 @@ def early_record(req: AdmitRequest, bundle: Bundle, a: Answer, source: DecisionS
 def _record(request_id: str, anonymous: bool, bundle: Bundle, a: Answer, source: DecisionSource,
             metrics: AgentMetrics | None) -> Decision:
     allowed = a.allowed
-    d = Decision(allowed=allowed, decision_id=request_id, policy_id=a.rule.id if a.rule else None,
+    d = Decision(allowed=allowed, decision_id=request_id, rule_id=a.rule.id if a.rule else None,
                  bundle_version=bundle.bundle_version, denied_scope=None if allowed else a.scope,
                  reason=None if allowed else a.reason, limit=a.limit, remaining=a.remaining,
                  retry_after_ms=0 if allowed else a.retry, fallback=a.fallback, source=source)
@@ -90,6 +90,6 @@ def conflict_record(plan: Plan, bundle: Bundle) -> Decision:
     _, problem = to_problem(DecisionConflict(
         "requestId already has a decision for another question (tenant, principal, route group or cost) "
         "within the decision record's lifetime; use a fresh requestId", extra={"decisionId": plan.request_id}))
-    return Decision(allowed=False, decision_id=plan.request_id, policy_id=None,
+    return Decision(allowed=False, decision_id=plan.request_id, rule_id=None,
                     bundle_version=bundle.bundle_version, reason=Reason.REQUEST_ID_CONFLICT, retry_after_ms=-1,
                     http_status=409, headers={}, problem=problem)

@@ -95,7 +95,7 @@ class DecisionTelemetry:
             self._names_of, self._names = bundle, named_tenants(bundle)
         tenant = plan.tenant
         shard = "default" if self.shard_of is None else self._shard(plan, now)
-        label = (outcome, d.policy_id, d.bundle_version,
+        label = (outcome, d.rule_id, d.bundle_version,
                  "none" if tenant is None else tenant if tenant in self._names else "other", shard, d.source)
         # counted here, moved into the counter and the histogram when the registry is collected
         # (flush): two locked prometheus updates per decision were a tenth of its CPU

@@ -72,7 +72,7 @@ def test_check_denies_with_deniedscope_ip_until_the_window_ends():
     assert cap.check(NORTHSTAR, anon("203.0.113.1")) is None
     d = cap.check(NORTHSTAR, anon("203.0.113.2", rid="r-2"))
     assert d is not None and not d.allowed
-    assert (d.decision_id, d.denied_scope, d.reason, d.policy_id) == ("r-2", DeniedScope.IP, Reason.RATE_EXCEEDED,
+    assert (d.decision_id, d.denied_scope, d.reason, d.rule_id) == ("r-2", DeniedScope.IP, Reason.RATE_EXCEEDED,
                                                                        None)
     assert d.retry_after_ms == 19_750 and d.http_status == 429 and d.headers["Retry-After"].isdigit()
     assert d.bundle_version == NORTHSTAR.bundle_version

@@ -17,7 +17,7 @@ USER = make_rule(id="read-user-v3", scope="user", route_group="read", algorithm=
 
 
 def denied(rid: str, retry_ms: int, **kw) -> Decision:
-    d = Decision(allowed=False, decision_id=rid, policy_id="x", bundle_version=42, denied_scope="user",
+    d = Decision(allowed=False, decision_id=rid, rule_id="x", bundle_version=42, denied_scope="user",
                  reason="RATE_EXCEEDED", limit=20, remaining=0, retry_after_ms=retry_ms, **kw)
     apply_http(d, rule=USER, anonymous=False)
     return d

@@ -33,7 +33,7 @@ def plan_for(tenant: str | None, route: str = "read", pid: str = "U-1", bundle=G
 
 
 def decision(plan, version=42, allowed=True, status=200, rule=None) -> Decision:
-    return Decision(allowed=allowed, decision_id=plan.request_id, policy_id=rule or (plan.rules[0].id if plan.rules
+    return Decision(allowed=allowed, decision_id=plan.request_id, rule_id=rule or (plan.rules[0].id if plan.rules
                                                                                       else None),
                     bundle_version=version, http_status=status)
 
