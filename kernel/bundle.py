@@ -57,7 +57,7 @@ class Pool(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
     fallback_per_region: NonNegInt = 0  # tokens a region may admit per window with the allocator unreachable
     prefetch_ms: NonNegInt = 2_000  # a region may ask for window k+1 this long before it starts
     active_horizon_ms: PosInt = 10_000  # regions that asked this recently share the tail fairly
-    chunk_validity_ms: Annotated[int, Meta(ge=10, le=60_000)] = 250  # gateway-side chunk leases (global scope)
+    chunk_validity_ms: Annotated[int, Meta(ge=10, le=60_000)] = 250  # gateway-side chunks (global scope)
     regions: list[str] | None = None  # regions allowed to lease; None = any
 
 

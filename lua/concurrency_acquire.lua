@@ -1,5 +1,5 @@
--- concurrency_acquire.lua: take a concurrency lease; idempotent per lease id.
--- KEYS[1]  sorted set: member = lease id, score = lease expiry (epoch ms)
+-- concurrency_acquire.lua: take a concurrency slot; idempotent per lease id.
+-- KEYS[1]  sorted set: member = lease id, score = lease expiry (Unix ms)
 -- ARGV[1]  lease_id (non-empty)          ARGV[2] max_in_flight (>= 1)
 -- ARGV[3]  lease_ttl_ms (>= 1)
 -- Reply    {acquired 0/1, in_flight}   (in_flight after the acquire when acquired)

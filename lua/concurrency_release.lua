@@ -1,5 +1,5 @@
--- concurrency_release.lua: end a concurrency lease; idempotent (ZREM).
--- KEYS[1]  sorted set: member = lease id, score = lease expiry (epoch ms)
+-- concurrency_release.lua: end a concurrency slot; idempotent (ZREM).
+-- KEYS[1]  sorted set: member = lease id, score = lease expiry (Unix ms)
 -- ARGV[1]  lease_id (non-empty)
 -- Reply    {released 0/1, in_flight}   released 0 = no such member (already released or trimmed)
 -- Rules    Redis TIME only; when a lease was removed the script also trims expired leases and

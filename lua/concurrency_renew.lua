@@ -1,5 +1,5 @@
--- concurrency_renew.lua: heartbeat for a live concurrency lease.
--- KEYS[1]  sorted set: member = lease id, score = lease expiry (epoch ms)
+-- concurrency_renew.lua: heartbeat for a live concurrency slot.
+-- KEYS[1]  sorted set: member = lease id, score = lease expiry (Unix ms)
 -- ARGV[1]  lease_id (non-empty)          ARGV[2] lease_ttl_ms (>= 1)
 -- Reply    {renewed 0/1, in_flight}   renewed 0 = the lease is gone (expired or released)
 -- Rules    validation error reply first; Redis TIME only; the new score is

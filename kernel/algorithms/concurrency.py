@@ -1,5 +1,5 @@
 """Concurrency cap; mirrors ``lua/lib/concurrency.lua`` and the acquire / release /
-renew scripts. State: lease id -> lease expiry (epoch ms); live leases have expiry > now.
+renew scripts. State: lease id -> lease expiry (Unix ms); live leases have expiry > now.
 The RuleVerdict's ``remaining`` carries in_flight (after the acquire when allowed); a denial has
 no time-based hint (retry 0)."""
 

@@ -1,5 +1,5 @@
 -- lib/concurrency.lua: concurrency cap. Sorted set: member = lease id, score = lease
--- expiry (epoch ms). Live leases: score > now, counted with ZCOUNT (nothing trimmed on denial).
+-- expiry (Unix ms). Live leases: score > now, counted with ZCOUNT (nothing trimmed on denial).
 -- CC.check: a live lease with the same id -> acquired again (idempotent), nothing written;
 --   else allowed iff live < max_in_flight. The "remaining" slot carries in_flight (live count,
 --   after the acquire when allowed). A denial has no time-based retry hint: retry 0 (the caller

@@ -1,4 +1,4 @@
-"""Fleet-wide (global-scope) pools: per-agent chunk leases bought from the region's
+"""Fleet-wide (global-scope) pools: per-agent chunks bought from the region's
 ``{g:<pool>}`` balance, and their degraded answers.
 
 One :class:`FleetPools` per agent. :meth:`take` answers one request's spend of one pool:
@@ -40,7 +40,7 @@ from ..decision.keys import KeyBuilder
 from ..decision.plan import GlobalSpend
 from ..store.protocol import Store
 from .book import BalanceState
-from .chunks import NO_CHUNK, ChunkLease, tokens_per_s
+from .chunks import NO_CHUNK, Chunk, tokens_per_s
 from .redis_balance import BALANCE_SLACK_MS
 from .topup import topped_up
 from .window_clock import Windows
@@ -93,13 +93,13 @@ class FleetPools:
         self.windows = windows
         self.allowance = allowance
         self.budget_s = budget_s
-        self.chunks: dict[str, ChunkLease] = {}
+        self.chunks: dict[str, Chunk] = {}
         self._renewing: dict[str, asyncio.Future] = {}
 
     # ------------------------------------------------------------------ requests
     async def take(self, spend: GlobalSpend, deadline_s: float, clock_s: Callable[[], float]) -> Take:
         pool = spend.pool
-        lease = self.chunks.setdefault(pool.id, ChunkLease())
+        lease = self.chunks.setdefault(pool.id, Chunk())
         gkey = KeyBuilder.global_pool_key(pool.id)
         lease.ask(spend.cost, self.now_ms(), pool.chunk_validity_ms)
         if self.leases is not None:  # demand is what requests ask for, not what chunks buy
@@ -179,7 +179,7 @@ class FleetPools:
                                            wait_s=self.budget_s)
         return parse_pool_take(reply)
 
-    async def _take_alone(self, spend: GlobalSpend, lease: ChunkLease, deadline_s: float,
+    async def _take_alone(self, spend: GlobalSpend, lease: Chunk, deadline_s: float,
                           clock_s: Callable[[], float]) -> Take:
         """A request the held chunk cannot pay buys exactly its cost from the regional balance,
         waiting (within its budget) for one top-up; failing that, it is denied alone."""
@@ -202,7 +202,7 @@ class FleetPools:
         self.metrics.pool_renewals.labels(pool.id, "alone_denied").inc()
         return Take(TakeStatus.DENIED, wait)
 
-    def _renewal(self, spend: GlobalSpend, lease: ChunkLease) -> asyncio.Future:
+    def _renewal(self, spend: GlobalSpend, lease: Chunk) -> asyncio.Future:
         """The pool's single in-flight renewal (started by the first request that needs one)."""
         pid = spend.pool.id
         fut = self._renewing.get(pid)
@@ -219,9 +219,9 @@ class FleetPools:
         if not fut.cancelled():
             fut.exception()  # retrieved: a renewal nobody waits for any more may fail quietly
 
-    async def _renew(self, spend: GlobalSpend, lease: ChunkLease) -> Renewal:
+    async def _renew(self, spend: GlobalSpend, lease: Chunk) -> Renewal:
         """Buy the next chunk: at least 1 token, as many as this agent's recent demand and the
-        requests waiting for it call for (``ChunkLease.want``), at most max(cost, chunkMax). An
+        requests waiting for it call for (``Chunk.want``), at most max(cost, chunkMax). An
         empty balance waits (once) for the top-up in flight — as long as it takes; requests wait
         within their own budgets. Store errors propagate to the waiting requests."""
         pool = spend.pool
@@ -262,7 +262,7 @@ class FleetPools:
             if wasted:  # a renewal follows a chunk's end, and the request path stays free of it)
                 self.metrics.chunk_abandoned.labels(pool.id).inc(wasted)
 
-    async def _renew_from_fallback(self, spend: GlobalSpend, lease: ChunkLease, gkey: str) -> Renewal:
+    async def _renew_from_fallback(self, spend: GlobalSpend, lease: Chunk, gkey: str) -> Renewal:
         """Allocator unreachable and the regional balance empty: a chunk of one request's cost
         from the region's fallback allowance, charged to every allocator window the decision may
         fall in, and valid only while the allocator's clock is surely still in the last of them."""

@@ -1,4 +1,4 @@
-"""Chunk leases for a hot key set (region_agent.leasing.hot_chunks) on a real redis-server: the
+"""Chunks for a hot key set (region_agent.leasing.hot_chunks) on a real redis-server: the
 decision engine with the agent's own store, store calls counted by the server itself
 (``INFO commandstats``: every script call is one EVALSHA)."""
 
