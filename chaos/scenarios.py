@@ -484,7 +484,7 @@ def errors_in(region: str) -> Expect:
 def bundle_version(v_offset: int) -> Expect:
     def check(ctx: RunContext) -> list[str]:
         want = ctx.bundle.bundle_version + v_offset
-        got = ctx.final_policy_versions
+        got = ctx.final_bundle_versions
         bad = {a: v for a, v in got.items() if v != want}
         return [f"agents not on policy v{want} at the end: {bad}"] if bad or not got else []
     return check

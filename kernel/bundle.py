@@ -240,7 +240,7 @@ def hot_chunk_problems(r: Rule) -> list[str]:
     if r.scope in ("ip", "global"):
         out.append("hotChunk needs a tenant-tagged scope (user, key, route, tenant)")
     if r.concurrency_max is not None:
-        out.append("hotChunk cannot serve a concurrency gate (a lease is per request)")
+        out.append("hotChunk cannot serve a concurrency gate (a slot is per request)")
     if r.idempotent:
         out.append("hotChunk cannot keep an idempotent rule's decision records (a chunk admits without the store)")
     if r.shadow:

@@ -108,17 +108,17 @@ class KeySetChunk:
     earliest-expiring first, each abandoned when its validity ends), the store's remaining right
     after the last take, and the take in flight."""
 
-    lease: Chunk = field(default_factory=Chunk)
+    parts: Chunk = field(default_factory=Chunk)
     remaining: tuple[int, ...] = ()  # every slot's remaining in the store right after the last take
     taking: asyncio.Future | None = None  # the take in flight (single flight)
     last_take: int = 0  # units the last take asked for (the low-water mark is a quarter of it)
     scheduled: bool = False  # a background take is scheduled and has not started yet
 
     def spend(self, cost: int, now_ms: float) -> bool:
-        return self.lease.try_take(cost, now_ms) is not None
+        return self.parts.try_take(cost, now_ms) is not None
 
     def usable(self, now_ms: float) -> int:
-        return self.lease.usable(now_ms)
+        return self.parts.usable(now_ms)
 
 
 #: A background take starts when a chunk holds this share of its last take or less (the requests
@@ -260,7 +260,7 @@ class HotChunks:
         """Drop what expired (counted as abandoned); forget a chunk that holds nothing and takes
         nothing. Returns the units it still holds."""
         left = chunk.usable(now)
-        wasted = chunk.lease.take_abandoned()
+        wasted = chunk.parts.take_abandoned()
         if wasted:
             self.metrics.hot_chunk_abandoned.inc(wasted)
         if left == 0 and chunk.taking is None:
@@ -326,7 +326,7 @@ class HotChunks:
             validity = cfg.validity_ms if got.valid_for_ms < 0 else min(cfg.validity_ms, got.valid_for_ms)
             spare = got.taken - asker
             if spare > 0:
-                chunk.lease.grant(spare, sent_at, validity)
+                chunk.parts.grant(spare, sent_at, validity)
                 for key in keys:
                     self.by_key.setdefault(key, set()).add(ks)
             chunk.remaining = tuple(got.reply[3:])
