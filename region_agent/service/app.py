@@ -433,7 +433,7 @@ async def _start_policy_watch(settings: AgentSettings, state: AgentState):
 
 
 def default_store_factory(settings: AgentSettings, m: AgentMetrics):
-    """One Redis, a Redis Cluster (a gateway and breaker per primary) or a Sentinel's primary."""
+    """One Redis, a Redis Cluster (a node and breaker per primary) or a Sentinel's primary."""
     from ..store.factory import make_store
 
     return make_store(settings, m)
