@@ -108,10 +108,34 @@ def multi_rule_workload(n: int) -> Workload:
                     extra={"rules": [r.id for r in rules]})
 
 
+def hot_chunk_workload() -> Workload:
+    """A hot key set's chunk take as region_agent.leasing.hot_chunks sends it: the two rules of
+    the two-rule multi-rule call (Northstar's P-READ user bucket, Atlas's tenant bucket), up to
+    100 units at once (the script searches down from 100 to what both rules allow)."""
+    northstar = {r.id: r for r in load_bundle_file(str(NORTHSTAR)).rules}
+    rules = [northstar["read-user-v3"], northstar["tenant-atlas-minute"]]
+    calls = [Call(_bench_key(RAND, kind), r.kind.code, r.script_params(1)) for kind, r in zip(("u", "tenant"), rules,
+                                                                                            strict=True)]
+    _, argv = multi_rule_argv(_bench_key(RAND, "d"), calls, slack_ms=SLACK, decision_ttl_ms=0, member="-")
+    unit = argv[3:-1]  # each rule's kind and parameters for one unit (region_agent.decision.hot)
+    return Workload("hot_chunk (2 rules, up to 100 units)", "hot_chunk", [c.key for c in calls],
+                    [str(a) for a in (SLACK, f"chunk-{RAND}", 1, 100, *unit)])
+
+
+def approx_reconcile_workload() -> Workload:
+    """One agent's reconciliation of an approximate counter (region_agent.decision.approx): a delta of
+    5 units for the current 10 s window (the window of the moment the workload is built)."""
+    window_ms = 10_000
+    index = int(time.time() * 1000) // window_ms
+    return Workload("approx_reconcile (one delta)", "approx_reconcile", [_bench_key(RAND, "approx")],
+                    [str(window_ms), str(SLACK), str(index), "5"])
+
+
 def workloads() -> list[Workload]:
     k = _bench_key(RAND)
     return [
         multi_rule_workload(1), multi_rule_workload(3), multi_rule_workload(5),
+        hot_chunk_workload(), approx_reconcile_workload(),
         Workload("token_bucket", "token_bucket", [k], ["20000", "10000", "1000", "1000", str(SLACK)]),
         Workload("gcra", "gcra", [k], ["20000", "10000", "1000", "1000", str(SLACK)]),
         Workload("fixed_window", "fixed_window", [k], ["100", "10000", "1", str(SLACK)]),
