@@ -126,7 +126,7 @@ class AllocatorMetrics:
                                    "etcd history compactions done by this replica", registry=r)
         self.compacted_revision = Gauge("leasehold_allocator_etcd_compacted_revision",
                                         "The revision this replica last compacted etcd's history to", registry=r)
-        self.policy_reloads, self.policy_version, self.policy_age = policy_metrics(
+        self.policy_reloads, self.bundle_version, self.policy_age = policy_metrics(
             "allocator", r, offered="from etcd", age="Seconds since the policy key was last read from etcd")
         self.window_fill = WindowFill()
         r.register(self.window_fill)

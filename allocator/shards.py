@@ -103,13 +103,13 @@ class View:
 
 
 @dataclass(frozen=True)
-class Plan:
+class ShardPlan:
     campaign: frozenset[int]  # shards to campaign for now
     takeover: frozenset[int]  # the subset of ``campaign`` whose intended owner is another replica
     resign: frozenset[int]  # shards to hand off (stop accepting, drain, delete the key)
 
 
-NOTHING = Plan(frozenset(), frozenset(), frozenset())
+NOTHING = ShardPlan(frozenset(), frozenset(), frozenset())
 
 
 def orphans(prev: Mapping[int, float], view: View, shards: int, now: float) -> dict[int, float]:
@@ -118,14 +118,14 @@ def orphans(prev: Mapping[int, float], view: View, shards: int, now: float) -> d
 
 
 def plan(me: str, shards: int, view: View, *, led: Collection[int], orphaned_since: Mapping[int, float],
-         held_until: Mapping[int, float], now: float, grace_s: float) -> Plan:
+         held_until: Mapping[int, float], now: float, grace_s: float) -> ShardPlan:
     """What replica ``me`` does about ``view``. ``led``: shards whose leader key is attached to
     this replica's etcd lease. A replica whose own membership is not in the view does nothing
     (it takes part in no assignment until etcd shows it alive)."""
     if me not in view.members:
         return NOTHING
     if shards == 1:
-        return NOTHING if 0 in led or 0 in view.leaders else Plan(frozenset({0}), frozenset(), frozenset())
+        return NOTHING if 0 in led or 0 in view.leaders else ShardPlan(frozenset({0}), frozenset(), frozenset())
     campaign: set[int] = set()
     takeover: set[int] = set()
     resign: set[int] = set()
@@ -140,4 +140,4 @@ def plan(me: str, shards: int, view: View, *, led: Collection[int], orphaned_sin
             elif now - orphaned_since.get(s, now) >= grace_s:
                 campaign.add(s)
                 takeover.add(s)
-    return Plan(frozenset(campaign), frozenset(takeover), frozenset(resign))
+    return ShardPlan(frozenset(campaign), frozenset(takeover), frozenset(resign))

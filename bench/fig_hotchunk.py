@@ -1,5 +1,5 @@
 """Figure hotchunk: a hot tenant's flood of admitted requests on one Redis, with and without
-chunk leases for hot key sets (``hotChunk``, region_agent.leasing.hot_chunks).
+chunks for hot key sets (``hotChunk``, region_agent.leasing.hot_chunks).
 
 One agent process, one redis-server (one shard). One tenant's key set (tenant ``hot``, one user)
 is driven as fast as the agent answers (64 connections) while 40 other tenants send a light load

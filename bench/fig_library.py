@@ -1,4 +1,4 @@
-"""Figure 3: library mode — the agent's decision engine called in process (real store gateway,
+"""Figure 3: library mode — the agent's decision engine called in process (real Redis node,
 coalescing batcher, no HTTP) vs the ``limits`` package (moving window and sliding-window counter,
 redis-py async storage) on the same Redis with the same number of concurrent callers."""
 
@@ -13,7 +13,7 @@ from region_agent.service.metrics import AgentMetrics
 from region_agent.service.policy import PolicyHolder
 from region_agent.store import scripts as sc
 from region_agent.store.client import make_client
-from region_agent.store.gateway import StoreGateway
+from region_agent.store.node import RedisNode
 
 from .context import Ctx
 from .harness import NORTHSTAR, drive, services
@@ -22,9 +22,9 @@ from .stats import Goal, Row, median
 CONCURRENCY = 64
 
 
-async def make_engine(redis_url: str) -> tuple[DecisionEngine, StoreGateway]:
+async def make_engine(redis_url: str) -> tuple[DecisionEngine, RedisNode]:
     holder = PolicyHolder.load(str(NORTHSTAR))
-    store = StoreGateway(make_client(redis_url, max_connections=32), sc.Scripts())
+    store = RedisNode(make_client(redis_url, max_connections=32), sc.Scripts())
     await store.load()
     engine = DecisionEngine(get_snapshot=lambda: holder.snapshot, keys=KeyBuilder(DEV_PEPPER.encode()), store=store,
                     metrics=AgentMetrics())

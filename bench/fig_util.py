@@ -4,7 +4,7 @@ for more than G in every window from both regions:
 
 * ``util``, a tenant-scoped pool (tenant ``t0``): every decision spends the region's leased balance;
 * ``util-g``, a global-scope pool (route ``search`` of every tenant): every agent spends it from
-  in-process gateway chunks bought from the region's ``{g:util-g}`` balance.
+  in-process chunks bought from the region's ``{g:util-g}`` balance.
 
 Per pool and window: admitted, and the demand *offered to the pool* — answers the pool's rule gave
 (admitted or denied) to attempts really made, counted by the load generator — whatever rate it
@@ -116,7 +116,7 @@ def run(ctx: Ctx) -> list[Row]:
         if rep["non200"] or rep["errors"]:
             ctx.note(f"fig6 {cfg['pool']} {cfg['region']}: {rep['non200']} non-200, {rep['error_samples']}")
     rows = []
-    for label, pool in (("tenant-scoped pool", "util"), ("global-scope pool (gateway chunks)", "util-g")):
+    for label, pool in (("tenant-scoped pool", "util"), ("global-scope pool (in-process chunks)", "util-g")):
         mine = [rep for cfg, rep in zip(cfgs, reports, strict=True) if cfg["pool"] == pool]
         got = pool_rows(label, pool, mine, start, end, w)
         if not got[0].extra["judged_windows"]:

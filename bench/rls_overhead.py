@@ -62,7 +62,7 @@ async def _rounds(redis_url: str, rounds: int, seconds: float) -> dict[str, list
     engine.budget = 1.0  # the door is measured, not the machine: no decision degrades on a busy machine
     snap = engine.get_snapshot()
     holder = SimpleNamespace(bundle=snap.bundle, snapshot=snap)
-    st = SimpleNamespace(engine=engine, holder=holder, policy_watch=None, epoch=None, key_cap=None)
+    st = SimpleNamespace(engine=engine, holder=holder, policy_watch=None, version_check=None, key_cap=None)
     admission = Admission(lambda: st)
     servicer = RateLimitServicer(names=Names.build(), decide=admission.decide, snapshot_of=lambda: st.holder.snapshot,
                                  gateways=None, metrics=GatewayMetrics(CollectorRegistry()))

@@ -51,7 +51,7 @@ def tenant_admit(tenants: int, tag: str = "u") -> Body:
 
 def global_admit(tenants: int = 10, route: str = "search", tag: str = "g") -> Body:
     """One request per call for a global-scope pool rule (route ``search``), from tenants ``g0`` ..:
-    the fleet-wide pool is spent from every tenant's requests through gateway chunks."""
+    the fleet-wide pool is spent from every tenant's requests through in-process chunks."""
     return lambda i: (f'{{"requestId":"{tag}-{i:010d}","tenantId":"g{i % tenants}","routeGroup":"{route}",'
                       f'"principal":{{"type":"service","id":"svc-{i % 97}"}}}}').encode()
 

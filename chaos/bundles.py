@@ -6,8 +6,8 @@ Pools (per window, across all regions); the bound each promises is
 
 * ``atlas-w``: tenant pool, G = 240 per 6 s window, fallbackPerRegion 24;
 * ``birch-w``: tenant pool, G = 60 per 6 s window, fallbackPerRegion 6;
-* ``fleet-g``: global-scope pool spent by every tenant's ``search`` requests from gateway chunks
-  (in-process chunk leases bought from the region's ``{g:fleet-g}`` balance, valid 1 s and never
+* ``fleet-g``: global-scope pool spent by every tenant's ``search`` requests from in-process chunks
+  (in-process chunks bought from the region's ``{g:fleet-g}`` balance, valid 1 s and never
   past the window end), G = 100 per 4 s window, fallbackPerRegion 10. Its windows are not aligned
   with the tenant pools' 6 s windows, so boundaries of both kinds occur at different moments.
 """
@@ -49,7 +49,7 @@ def rules() -> list[Rule]:
              fail_mode="local_bounded"),
         make_rule(id="tenant-birch-pool", scope="tenant", tenant="birch", algorithm="pool", pool="birch-w", cost=1,
              fail_mode="local_bounded"),
-        # P-GLOBAL: every tenant's search requests spend the fleet-wide pool from gateway chunks
+        # P-GLOBAL: every tenant's search requests spend the fleet-wide pool from in-process chunks
         make_rule(id="global-search", scope="global", route_group="search", algorithm="pool", pool="fleet-g", cost=1,
              fail_mode="local_bounded"),
     ]

@@ -39,5 +39,5 @@ def unexplained(records: Iterable[Record], around_ms: int = 2_500) -> list[str]:
         pools = ",".join(s.pool for s in d.spends) or "-"
         sent = f", {t - d.sent_at_ms} ms" if d.sent_at_ms is not None else ""
         out.append(f"{(t - t0) / 1000:7.2f} s {d.agent} {d.tenant}/{d.route_group} pools {pools}: "
-                   f"{d.policy_id} limit {d.limit}{sent}; agent counters moved: {'; '.join(moved) or 'none seen'}")
+                   f"{d.rule_id} limit {d.limit}{sent}; agent counters moved: {'; '.join(moved) or 'none seen'}")
     return out

@@ -81,7 +81,7 @@ class DecisionRec(_Rec, tag="decision"):
     reason: str | None = None
     route_group: str | None = None
     request_id: str | None = None
-    policy_id: str | None = None  # the answer's rule, limit and remaining (which allowance answered)
+    rule_id: str | None = msgspec.field(default=None, name="policyId")  # the answer's rule, limit and remaining (which allowance answered)
     limit: int | None = None
     remaining: int | None = None
     gateway: str | None = None  # who decided, when not the agent: e.g. an Envoy from its RLQS assignment
@@ -315,7 +315,7 @@ def to_pool_admissions(d: DecisionRec, window_of: dict[str, int] | None = None,
                                   at_ms=d.recorded_at_ms, agent=d.agent,
                                   last_window=last if last is not None and last != index else None,
                                   certain_source=single,
-                                  offered=d.allowed or s.rule is None or d.policy_id == s.rule))
+                                  offered=d.allowed or s.rule is None or d.rule_id == s.rule))
     return out
 
 
@@ -353,8 +353,8 @@ def policies_from(recs: Iterable[Record]) -> list[PoolPolicy]:
 
 
 class LeaseRecorder:
-    """Implements the region agent's lease ``Recorder`` hook
-    (``region_agent.leasing.manager.Recorder``): writes a ``grant`` record for every grant the
+    """Implements the region agent's lease ``LeaseEvents`` hook
+    (``region_agent.leasing.manager.LeaseEvents``): writes a ``grant`` record for every grant the
     agent accepted and a ``spend_close`` record for every lease it closed.
 
     The agent passes monotonic milliseconds; they are converted to this process's wall clock

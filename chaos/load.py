@@ -37,7 +37,7 @@ class TenantLoad:
 
 
 #: atlas and birch press their tenant pools; every tenant's search requests and all of dune's press the
-#: global pool fleet-g (demand about 2.4 x G), so a gateway chunk carried past its window would show
+#: global pool fleet-g (demand about 2.4 x G), so an in-process chunk carried past its window would show
 DEFAULT_LOAD = (TenantLoad("atlas", 40.0), TenantLoad("birch", 12.0), TenantLoad("cedar", 6.0),
                 TenantLoad("dune", 10.0, routes=("search",)))
 

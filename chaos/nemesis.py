@@ -33,7 +33,7 @@ MAX_SCHEDULE_S = 3600.0
 MAX_STEPS = 256
 
 
-class Recorder(Protocol):
+class FaultRecorder(Protocol):
     def write(self, rec: Fault) -> None: ...  # noqa: E704
 
 
@@ -78,7 +78,7 @@ class Nemesis:
 
     name = "nemesis"
 
-    def __init__(self, target: str, *, recorder: Recorder | None = None, detail: str = "",
+    def __init__(self, target: str, *, recorder: FaultRecorder | None = None, detail: str = "",
                  effects: Effects = NO_EFFECTS):
         self.target = target
         self.recorder = recorder

@@ -58,7 +58,7 @@ def decision_from_admit(request: Mapping[str, Any], answer: Mapping[str, Any], b
                     allowed=bool(answer.get("allowed")), recorded_at_ms=received_ms, sent_at_ms=sent_ms, spends=spends,
                     fallback=fallback and not local, local=fallback and local, reason=answer.get("reason"),
                     route_group=request.get("routeGroup"), request_id=request.get("requestId"),
-                    policy_id=answer.get("policyId"), limit=_int(answer.get("limit")),
+                    rule_id=answer.get("policyId"), limit=_int(answer.get("limit")),
                     remaining=_int(answer.get("remaining")))
 
 

@@ -53,7 +53,7 @@ class RunContext:
     redis_faults: list[tuple[str, Nemesis]] = field(default_factory=list)
     driver_stats: DriverStats | None = None
     driver: LeaseDriver | None = None
-    final_policy_versions: dict[str, int] = field(default_factory=dict)
+    final_bundle_versions: dict[str, int] = field(default_factory=dict)
     clock: Callable[[], int] = now_ms
     envoy_load: EnvoyLoad | None = None  # clients through the RLQS Envoys (spec.envoys)
     envoy_logged: dict[str, dict[str, int]] = field(default_factory=dict)  # per Envoy, from its access log
@@ -191,7 +191,7 @@ async def _final_policy(ctx: RunContext) -> None:
                 r = await c.get(g.url + "/v1/policy")
                 if r.status_code == 200:
                     body = r.json()
-                    ctx.final_policy_versions[g.name] = int(body.get("bundleVersion") or body.get("version"))
+                    ctx.final_bundle_versions[g.name] = int(body.get("bundleVersion") or body.get("version"))
 
 
 async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, *, out: TextIO = sys.stdout,
@@ -281,7 +281,7 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
         stats = {"load": {r: {k: v for k, v in vars(s).items() if k != "per_agent"} | {"perAgent": dict(s.per_agent)}
                           for r, s in ctx.load.stats.items()},
                  "leaders": [{"epoch": e, "node": n} for e, n in ctx.leaders],
-                 "leasePolls": poller.polls, "policyVersions": ctx.final_policy_versions,
+                 "leasePolls": poller.polls, "policyVersions": ctx.final_bundle_versions,
                  "driver": vars(ctx.driver_stats) if ctx.driver_stats else None}
         if ctx.envoy_load is not None:
             e = ctx.envoy_load.stats

@@ -481,10 +481,10 @@ def errors_in(region: str) -> Expect:
     return check
 
 
-def policy_version(v_offset: int) -> Expect:
+def bundle_version(v_offset: int) -> Expect:
     def check(ctx: RunContext) -> list[str]:
         want = ctx.bundle.bundle_version + v_offset
-        got = ctx.final_policy_versions
+        got = ctx.final_bundle_versions
         bad = {a: v for a, v in got.items() if v != want}
         return [f"agents not on policy v{want} at the end: {bad}"] if bad or not got else []
     return check
@@ -635,7 +635,7 @@ _add(Scenario("rlqs-envoys", "two Envoys on the shipped envoy-rlqs.yaml in front
               "access logs) judged with the bound's RLQS term", _rlqs_faults, configure=_with_envoys,
               expect=[envoys_decided, fallback_in("eu"), local_in("eu")]))
 _add(Scenario("policy-rollback", "a tightened bundle (G halved) published mid-run through etcd, then the old "
-              "content published as a higher version", _policy_rollback, expect=[policy_version(2)]))
+              "content published as a higher version", _policy_rollback, expect=[bundle_version(2)]))
 
 
 class Combined2(Nemesis):

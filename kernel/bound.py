@@ -4,7 +4,7 @@ docs/invariants.md I8: per pool and per pool window *as the allocator defines it
 (``index = floor(t / windowMs)`` on the allocator leader's clock)::
 
     admitted <= G                                   grants never exceed the pool (etcd, fenced)
-              + carry-over                          0: leases and gateway chunks clamped to the window
+              + carry-over                          0: leases and in-process chunks clamped to the window
               + lost grants                         0: grant records are etcd transactions (consensus)
               + Σ_{regions r cut off from the allocator}  F x balances(r)
               + Σ_{agent processes a cut off from their Redis}  F x keys(a)
@@ -101,7 +101,7 @@ class PoolShape(Struct, frozen=True):
     window_ms: int
     fallback_per_region: int  # F
     chunk_max: int
-    global_scope: bool  # spent by a global-scope rule (gateway chunk leases)
+    global_scope: bool  # spent by a global-scope rule (chunks)
     balances: int | None  # regional balances per region (None: one per tenant, unbounded)
     local_keys: int | None  # in-process allowances per agent (None: unbounded)
     regions: tuple[str, ...] | None = None  # regions that may lease it (None: any)
@@ -239,7 +239,7 @@ def pool_bound(shape: PoolShape, topology: Topology, faults: Faults = NO_FAULTS,
 
     ``clamped=False`` is an unclamped design (not ours, for comparison): every region may carry one
     chunk (``chunkMax`` per balance) over the window boundary, and for a global-scope pool
-    every agent one gateway chunk as well. ``rlqs``: the Envoys holding quota assignments of the
+    every agent one in-process chunk as well. ``rlqs``: the Envoys holding quota assignments of the
     pool (:func:`rlqs_term`; None: no Envoy does)."""
     f = shape.fallback_per_region
     eligible = [r for r in topology.agents if shape.regions is None or r in shape.regions]
@@ -258,13 +258,13 @@ def pool_bound(shape: PoolShape, topology: Topology, faults: Faults = NO_FAULTS,
     bal = "?" if shape.balances is None else str(shape.balances)
     keys = "?" if shape.local_keys is None else str(shape.local_keys)
     if clamped:
-        carry = Term(CARRY, 0, "leases (and gateway chunks) end at the window end")
+        carry = Term(CARRY, 0, "leases (and in-process chunks) end at the window end")
     else:
         regions_carry = _times(len(eligible), _times(shape.balances, shape.chunk_max))
         agents_carry = sum(topology.agents[r] for r in eligible) * shape.chunk_max if shape.global_scope else 0
         total_carry = None if regions_carry is None else regions_carry + agents_carry
         carry = Term(CARRY, total_carry, f"{_plural(len(eligible), 'region')} x {bal} balance(s) x chunkMax "
-                     f"{shape.chunk_max}" + (f" + {agents_carry} in gateway chunks" if agents_carry else ""))
+                     f"{shape.chunk_max}" + (f" + {agents_carry} in in-process chunks" if agents_carry else ""))
     terms = (
         Term(G, shape.limit, f"G per {shape.window_ms} ms window"),
         carry,

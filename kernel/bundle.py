@@ -57,7 +57,7 @@ class Pool(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
     fallback_per_region: NonNegInt = 0  # tokens a region may admit per window with the allocator unreachable
     prefetch_ms: NonNegInt = 2_000  # a region may ask for window k+1 this long before it starts
     active_horizon_ms: PosInt = 10_000  # regions that asked this recently share the tail fairly
-    chunk_validity_ms: Annotated[int, Meta(ge=10, le=60_000)] = 250  # gateway-side chunk leases (global scope)
+    chunk_validity_ms: Annotated[int, Meta(ge=10, le=60_000)] = 250  # gateway-side chunks (global scope)
     regions: list[str] | None = None  # regions allowed to lease; None = any
 
 
@@ -240,7 +240,7 @@ def hot_chunk_problems(r: Rule) -> list[str]:
     if r.scope in ("ip", "global"):
         out.append("hotChunk needs a tenant-tagged scope (user, key, route, tenant)")
     if r.concurrency_max is not None:
-        out.append("hotChunk cannot serve a concurrency gate (a lease is per request)")
+        out.append("hotChunk cannot serve a concurrency gate (a slot is per request)")
     if r.idempotent:
         out.append("hotChunk cannot keep an idempotent rule's decision records (a chunk admits without the store)")
     if r.shadow:

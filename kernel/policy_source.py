@@ -154,7 +154,7 @@ class SourceRule(Struct, rename="camel", forbid_unknown_fields=True, frozen=True
     exempt: bool = False
     owner: str | None = None
     every_request: bool = False  # ip rules: the pre-authentication stage of every request
-    hot_chunk: HotChunk | None = None  # chunk leases for a hot key set (as in the bundle)
+    hot_chunk: HotChunk | None = None  # chunks for a hot key set (as in the bundle)
     approximate: Approximate | None = None  # counted in process, reconciled every reconcileMs (kernel/approx.py)
 
 

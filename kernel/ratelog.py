@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Hashable
 
-from .bounded import BoundedMemo
+from .caches import BoundedMemo
 
 
 class KeyedLog:

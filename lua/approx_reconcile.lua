@@ -1,5 +1,5 @@
 -- approx_reconcile.lua: one agent's reconciliation of an approximate counter (kernel/approx.py).
--- KEYS[1]  hash {<window index> = units counted in that window} (windows aligned to epoch multiples)
+-- KEYS[1]  hash {<window index> = units counted in that window} (windows aligned to multiples of their length in Unix time)
 -- ARGV[1]  window_ms                     ARGV[2] ttl_slack_ms (>= 0)
 -- ARGV[3..] pairs: window index, delta (units this agent admitted in that window since its last
 --          reconciliation; 0 = read only), at most 4 pairs; a delta for a window after the current

@@ -1,5 +1,5 @@
--- fixed_window.lua: fixed window counter, windows aligned to epoch multiples.
--- KEYS[1]  hash {w (window start, epoch ms), n (units admitted in w)}
+-- fixed_window.lua: fixed window counter, windows aligned to multiples of their length in Unix time.
+-- KEYS[1]  hash {w (window start, Unix ms), n (units admitted in w)}
 -- ARGV[1]  limit (units per window)      ARGV[2] window_ms
 -- ARGV[3]  cost (units, >= 1)            ARGV[4] ttl_slack_ms (>= 0)
 -- Reply    {allowed 0/1, remaining_units, retry_after_ms}   retry -1 = can never succeed

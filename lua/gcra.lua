@@ -1,5 +1,5 @@
 -- gcra.lua: GCRA meter in integer milliseconds, same arguments as token_bucket.lua.
--- KEYS[1]  string key: tat (theoretical arrival time, epoch ms)
+-- KEYS[1]  string key: tat (theoretical arrival time, Unix ms)
 -- ARGV[1]  capacity (millitokens)       ARGV[2] refill (millitokens per period)
 -- ARGV[3]  period_ms                     ARGV[4] cost (millitokens)
 -- ARGV[5]  ttl_slack_ms (>= 0)

@@ -4,7 +4,7 @@
 --                rule keys must be distinct
 -- ARGV[1]        ttl_slack_ms (>= 0)
 -- ARGV[2]        decision_ttl_ms (0 = no record)
--- ARGV[3]        member: the decision id (sliding-log entry id, concurrency lease id)
+-- ARGV[3]        member: the decision id (sliding-log entry id, concurrency slot id)
 -- ARGV[4+6i..]   rule i (0-based): kind, p1, p2, p3, p4, p5 (unused params 0, ignored)
 --                  tb    capacity, refill, period_ms, cost, 0   (millitokens / ms)
 --                  gcra  capacity, refill, period_ms, cost, 0   (millitokens / ms)
@@ -35,7 +35,7 @@
 --                any denying rule can never succeed; cc and pool denials contribute their own
 --                hint (0 for cc: the caller uses its policy Retry-After). Only when no rule denies
 --                does every rule commit (writes + expiries); a denial writes nothing but the
---                decision record. The concurrency lease is therefore only added when all rate
+--                decision record. The concurrency slot is therefore only added when all rate
 --                rules allow: this is "acquire lease first, debit rates second,
 --                idempotently release the lease when a rate rule denies", folded into one atomic
 --                step with the same observable outcome and no window where a doomed lease is held.

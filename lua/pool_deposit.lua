@@ -1,8 +1,8 @@
 -- pool_deposit.lua: park a granted global-pool lease in the tenant's pool hash; idempotent.
 -- KEYS[1]  pool hash: field = lease id, value = "granted,spent,validFromMs,expiresAtMs,incarnation"
 -- ARGV[1]  lease_id (non-empty)          ARGV[2] granted (tokens, [0, 2^40])
--- ARGV[3]  valid_from_ms (absolute Redis-clock epoch ms)
--- ARGV[4]  expires_at_ms (absolute Redis-clock epoch ms, > valid_from_ms)
+-- ARGV[3]  valid_from_ms (absolute Redis-clock Unix ms)
+-- ARGV[4]  expires_at_ms (absolute Redis-clock Unix ms, > valid_from_ms)
 -- ARGV[5]  max_entries (>= 1)            ARGV[6] ttl_slack_ms (>= 0)
 -- Reply    {stored 0/1, status, entries}  status 'stored' | 'replay' (same id already present:
 --          nothing changed) | 'full' (max_entries fields already) | 'expired' (expires_at <= now)

@@ -1,4 +1,4 @@
--- pool_take.lua: buy a gateway chunk from a pool balance: at least
+-- pool_take.lua: buy an in-process chunk from a pool balance: at least
 -- min and at most want tokens, from the earliest-expiring valid leases first (lib/pool.lua).
 -- KEYS[1]  pool hash: field = lease id, value = "granted,spent,validFromMs,expiresAtMs,incarnation"
 -- ARGV[1]  min (tokens, >= 1)      ARGV[2] want (tokens, >= min)      ARGV[3] ttl_slack_ms (>= 0)

@@ -1,5 +1,5 @@
 -- sliding_log.lua: sliding-window log, exact count over (now - W, now].
--- KEYS[1]  sorted set: member = decision id, score = admit time (epoch ms)
+-- KEYS[1]  sorted set: member = decision id, score = admit time (Unix ms)
 -- ARGV[1]  limit (entries per window)    ARGV[2] window_ms
 -- ARGV[3]  member (decision id, non-empty; replays are recognised by it)
 -- ARGV[4]  cost (entries, 1..1000): cost c is stored as c entries member, member#2 .. member#c

@@ -1,5 +1,5 @@
 -- token_bucket.lua: one token bucket, millitokens and milliseconds.
--- KEYS[1]  bucket hash {tokens (millitokens), ts (epoch ms)}
+-- KEYS[1]  bucket hash {tokens (millitokens), ts (Unix ms)}
 -- ARGV[1]  capacity (millitokens)       ARGV[2] refill (millitokens per period)
 -- ARGV[3]  period_ms                     ARGV[4] cost (millitokens)
 -- ARGV[5]  ttl_slack_ms (>= 0)

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from kernel.logs import configure
 
     log_config = configure(settings.log_level, settings.log_format)
-    logging.getLogger("region_agent").info(
+    logging.getLogger(__package__).info(
         "starting region agent: region=%s policy version=%s listening on %s:%s",
         settings.region, bundle.bundle_version, settings.host, settings.port)
     _export(settings)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from msgspec import Meta, Struct
+from msgspec import Meta, Struct, field
 
 from kernel.ids import Method, RequestId, RouteGroup, TenantId
 
@@ -31,7 +31,8 @@ class AdmitRequest(Struct, rename="camel", forbid_unknown_fields=True, frozen=Tr
     method: Method = "GET"
     tenant_id: TenantId | None = None
     cost_hint: CostHint = 1
-    policy_epoch: Annotated[int, Meta(ge=0, le=2**53)] | None = None
+    # the bundle version the gateway evaluated against; on the wire ``policyEpoch`` (docs/glossary.md)
+    bundle_version: Annotated[int, Meta(ge=0, le=2**53)] | None = field(default=None, name="policyEpoch")
     auth_failed: bool = False  # the gateway reports a failed authentication: counts against the IP only
     client_ip: Annotated[str, Meta(min_length=2, max_length=64)] | None = None  # required with authFailed
 
@@ -46,7 +47,7 @@ def keys_shown(req: AdmitRequest) -> int:
     the bound lower (the exact check then runs), never wrong."""
     p = req.principal
     return (5 + (p.api_key_id is not None) + (req.method != "GET") + (req.tenant_id is not None)
-            + (req.cost_hint != 1) + (req.policy_epoch is not None) + req.auth_failed + (req.client_ip is not None))
+            + (req.cost_hint != 1) + (req.bundle_version is not None) + req.auth_failed + (req.client_ip is not None))
 
 
 class ReleaseRequest(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
@@ -91,7 +92,7 @@ class DecisionSource(StrEnum):
 
     SCRIPT = "script"  # the tenant's Redis script on its shard (a 409 conflict included)
     NEGATIVE_CACHE = "negative_cache"  # a denial held in this agent (no store call)
-    CHUNK = "chunk"  # an in-process chunk lease: a fleet-wide pool's, or a hot key set's (no store call)
+    CHUNK = "chunk"  # an in-process chunk: a fleet-wide pool's, or a hot key set's (no store call)
     LOCAL_FALLBACK = "local_fallback"  # the store was unreachable: the rule's local allowance
     POOL_FALLBACK = "pool_fallback"  # the allocator was unreachable: the pool's fallback allowance
     FAIL_OPEN = "fail_open"  # the store was unreachable: the rule fails open
@@ -107,8 +108,8 @@ class Decision(Struct, rename="camel", omit_defaults=False):
 
     allowed: bool
     decision_id: str
-    policy_id: str | None
-    policy_version: int
+    rule_id: str | None = field(name="policyId")  # the deciding rule (docs/glossary.md)
+    bundle_version: int = field(name="policyVersion")  # the bundle version decided with (docs/glossary.md)
     denied_scope: DeniedScope | None = None
     reason: Reason | None = None
     limit: int | None = None

@@ -1,4 +1,4 @@
-"""Placing a real-time test inside one epoch-aligned window (window ``k`` covers wall-clock
+"""Placing a real-time test inside one Unix-time-aligned window (window ``k`` covers wall-clock
 ``[k*W, (k+1)*W)``, as the allocator and the fixed-window scripts number them).
 
 A scenario that must stay in one window waits, when it is less than ``after_ms`` into the current

@@ -37,7 +37,7 @@ class AllocatorPolicy:
         self.metrics = metrics
         self.trusted = trusted or TrustedKeys()
         self.reloads = metrics.policy_reloads
-        self.version = metrics.policy_version
+        self.version = metrics.bundle_version
         self.version.set(bundle.bundle_version)
 
     def offer(self, candidate: Bundle) -> str:

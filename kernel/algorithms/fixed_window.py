@@ -1,4 +1,4 @@
-"""Fixed window, aligned to epoch multiples: the rule (:class:`FixedWindowRule`) and its
+"""Fixed window, aligned to multiples of their length in Unix time: the rule (:class:`FixedWindowRule`) and its
 reference model, which mirrors ``lua/lib/fixed_window.lua``. :class:`WindowRule` holds what the
 three window algorithms (fixed window, sliding counter, sliding log) share."""
 
@@ -36,7 +36,7 @@ FixedWindowParams = WindowParams
 
 @dataclass(frozen=True, slots=True)
 class FixedWindowState:
-    w: int  # window start, epoch ms
+    w: int  # window start, Unix ms
     n: int  # units admitted in w
 
 

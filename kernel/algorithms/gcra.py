@@ -16,7 +16,7 @@ __all__ = ["GcraParams", "GcraRule", "GcraState", "decide", "increment_ms", "bur
 
 @dataclass(frozen=True, slots=True)
 class GcraState:
-    tat: int  # theoretical arrival time, epoch ms
+    tat: int  # theoretical arrival time, Unix ms
 
 
 def increment_ms(p: GcraParams) -> int:

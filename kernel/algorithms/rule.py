@@ -99,7 +99,7 @@ class Fallback(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
 
 
 class HotChunk(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
-    """Chunk leases for a hot key set (region_agent.leasing.hot_chunks, docs/bound.md): once one
+    """Chunks for a hot key set (region_agent.leasing.hot_chunks, docs/bound.md): once one
     agent process is asked more than ``thresholdPerS`` times a second for the same key set (every
     rule of the request), it takes a chunk of up to ``chunkMax`` units (requests of cost 1) from the
     store at once, charged to every rule, and admits from it for at most ``validityMs`` (never past
@@ -157,7 +157,7 @@ class RuleBase(Struct, rename="camel", forbid_unknown_fields=True, frozen=True, 
     # ip rules only: the pre-authentication stage of EVERY request (authenticated or not) spends
     # it, not only anonymous ones (region_agent.decision.plan: a second call before the tenant's)
     every_request: bool = False
-    # tenant-tagged rate rules: chunk leases once a key set is hot at one agent process (None: never)
+    # tenant-tagged rate rules: chunks once a key set is hot at one agent process (None: never)
     hot_chunk: HotChunk | None = None
     # counted in process, reconciled with Redis periodically (fixed_window, sliding_counter only)
     approximate: Approximate | None = None

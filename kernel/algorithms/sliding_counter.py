@@ -16,7 +16,7 @@ SlidingCounterParams = WindowParams
 
 @dataclass(frozen=True, slots=True)
 class SlidingCounterState:
-    w: int  # current window start, epoch ms
+    w: int  # current window start, Unix ms
     cur: int
     prev: int
 

@@ -39,7 +39,7 @@ class TokenBucketParams:
 @dataclass(frozen=True, slots=True)
 class TokenBucketState:
     tokens: int  # millitokens
-    ts: int  # epoch ms of the last write
+    ts: int  # Unix ms of the last write
 
 
 def decide(state: TokenBucketState | None, params: TokenBucketParams, now_ms: int

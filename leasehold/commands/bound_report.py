@@ -38,7 +38,7 @@ def text_report(bundle: Bundle, topology: Topology) -> str:
              f"{'/'.join(map(str, agents))} agent(s) per region:"]
     for shape in pool_shapes(bundle):
         worst = pool_bound(shape, topology, Faults.worst(topology))
-        kind = "global-scope pool (gateway chunks)" if shape.global_scope else "tenant pool"
+        kind = "global-scope pool (in-process chunks)" if shape.global_scope else "tenant pool"
         lines.append(f"pool {shape.id}: {kind}, G {shape.limit:,} per {_window(shape.window_ms)}, "
                      f"fallbackPerRegion {shape.fallback_per_region:,}, "
                      f"{'?' if shape.balances is None else shape.balances} balance(s) per region")

@@ -114,7 +114,7 @@ def shipped() -> Measured:
 
 # ------------------------------------------------------------------------------- sizing (pure)
 @dataclass(frozen=True)
-class Plan:
+class SizingPlan:
     calls_per_s: float
     rules: int
     cpu_us: float  # per multi-rule call
@@ -137,7 +137,7 @@ class Plan:
 
 def plan(m: Measured, *, calls_per_s: float, active_keys: int, rules: int = 2, algorithm: str = "token_bucket",
          utilisation: float = DEFAULT_UTILISATION, headroom: float = DEFAULT_HEADROOM, replicas: int = 1,
-         keys_per_decision: int | None = None) -> Plan:
+         keys_per_decision: int | None = None) -> SizingPlan:
     """The sizing of docs/capacity.md section 6 for ``calls_per_s`` admission calls (one multi-rule
     script each, ``rules`` rules) and ``active_keys`` keys of ``algorithm``."""
     if calls_per_s <= 0 or active_keys < 0:
@@ -153,7 +153,7 @@ def plan(m: Measured, *, calls_per_s: float, active_keys: int, rules: int = 2, a
     shards = max(1, math.ceil(calls_per_s / (per_core * utilisation)))
     live = active_keys * m.bytes_per_key[algorithm]
     per_copy = live * headroom
-    return Plan(calls_per_s, rules, cpu, per_core, utilisation, shards, calls_per_s / shards, active_keys, algorithm,
+    return SizingPlan(calls_per_s, rules, cpu, per_core, utilisation, shards, calls_per_s / shards, active_keys, algorithm,
                 keys_per_decision or rules, m.bytes_per_key[algorithm], live, per_copy, replicas,
                 per_copy * (1 + replicas), per_copy / shards, per_core, per_core - calls_per_s / shards)
 
@@ -162,7 +162,7 @@ def _mb(b: float) -> str:
     return f"{b / 1e6:,.0f} MB" if b < 1e9 else f"{b / 1e9:,.2f} GB"
 
 
-def describe(p: Plan, m: Measured) -> list[str]:
+def describe(p: SizingPlan, m: Measured) -> list[str]:
     """The plan in sentences (the CLI's output; the docs' worked example)."""
     where = m.meta
     return [
@@ -177,7 +177,7 @@ def describe(p: Plan, m: Measured) -> list[str]:
         f"hottest key: one tenant's keys share one slot, so one primary: at most {p.hot_budget:,.0f} attempts/s "
         f"reaching Redis ({p.hot_budget / p.calls_per_s:.1%} of the total); beside the average load of its "
         f"primary's other tenants {max(0.0, p.hot_room):,.0f}/s are left; adding shards does not raise it "
-        "(the negative cache and gateway chunk leases keep attempts from reaching Redis)",
+        "(the negative cache and chunks keep attempts from reaching Redis)",
     ]
 
 
@@ -233,7 +233,7 @@ def markdown_worked(m: Measured | None = None) -> str:
               f"| attempts/s one primary runs (2-rule calls) | {p.hot_budget:,.0f} |",
               f"| left beside the average load of its other tenants | {max(0.0, p.hot_room):,.0f} |",
               f"| a flood at 15 % of the peak | {HOT_FLOOD:,}/s = {HOT_FLOOD / p.hot_budget:.1f} x one primary |",
-              f"| share of that flood the negative cache and chunk leases must keep from Redis | "
+              f"| share of that flood the negative cache and chunks must keep from Redis | "
               f"{max(0.0, 1 - max(0.0, p.hot_room) / HOT_FLOOD):.0%} |"]
     return "\n".join(lines) + "\n"
 

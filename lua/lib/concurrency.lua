@@ -1,6 +1,6 @@
--- lib/concurrency.lua: concurrency cap. Sorted set: member = lease id, score = lease
--- expiry (epoch ms). Live leases: score > now, counted with ZCOUNT (nothing trimmed on denial).
--- CC.check: a live lease with the same id -> acquired again (idempotent), nothing written;
+-- lib/concurrency.lua: concurrency cap. Sorted set: member = slot id, score = slot
+-- expiry (Unix ms). Live slots: score > now, counted with ZCOUNT (nothing trimmed on denial).
+-- CC.check: a live slot with the same id -> acquired again (idempotent), nothing written;
 --   else allowed iff live < max_in_flight. The "remaining" slot carries in_flight (live count,
 --   after the acquire when allowed). A denial has no time-based retry hint: retry 0 (the caller
 --   substitutes its policy Retry-After).
@@ -10,7 +10,7 @@
 -- An allowing plan also carries `current`: the value before this request's debit (the
 -- multi-rule script reports it when another rule denies).
 -- @include lib/validate.lua
-local CC = { needs_member = true }  -- the decision id is the lease id
+local CC = { needs_member = true }  -- the decision id is the slot id
 
 function CC.parse(a)
   local P = { max = lh_int(a[1], 1), ttl = lh_int(a[2], 1) }

@@ -1,4 +1,4 @@
--- lib/fixed_window.lua: fixed window. Windows are aligned to epoch multiples:
+-- lib/fixed_window.lua: fixed window. Windows are aligned to multiples of their length in Unix time:
 -- w = now - now % window. State: hash {w (window start ms), n (units counted in w)}.
 -- A stored w in the future (clock went backwards) is treated as the current window and kept
 -- (strict, never generous). Allowed iff n + cost <= limit.

@@ -1,6 +1,6 @@
 -- lib/gcra.lua: GCRA in integer milliseconds; same arguments as the token bucket.
 -- inc = ceil(cost * period / refill) ms per request, B = floor(capacity * period / refill) ms of
--- burst tolerance. State: string key holding tat (theoretical arrival time, epoch ms).
+-- burst tolerance. State: string key holding tat (theoretical arrival time, Unix ms).
 -- Allowed iff max(tat, now) + inc - now <= B; then tat = max(tat, now) + inc.
 -- remaining (millitokens) = floor((B - (tat' - now)) * refill / period), clamped at 0, where tat'
 -- is the new tat on allow and max(tat, now) on deny. retry = newTat - now - B.

@@ -1,5 +1,5 @@
 -- lib/pool.lua: leased global tokens kept in the tenant's hash (one field per lease id).
--- Field value: "granted,spent,validFromMs,expiresAtMs,incarnation" (tokens; Redis-clock epoch ms;
+-- Field value: "granted,spent,validFromMs,expiresAtMs,incarnation" (tokens; Redis-clock Unix ms;
 -- incarnation = the node's master_replid when the lease was deposited, lowercase hex).
 -- Incarnation: master_replid changes on every start of the server process and on every promotion
 --   of a replica (also a master demoted and promoted again), and a slot migrated to another node

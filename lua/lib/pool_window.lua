@@ -3,7 +3,7 @@
 -- the window indexes [k_lo, k_hi] its decision may fall in (its offset to the allocator's clock is
 -- known within bounds, so near a boundary every candidate window is charged) and the key's TTL.
 -- State: hash; field "<k>" = tokens admitted from the allowance in allocator window k; field "x" =
---   the key's expiry (Redis-clock epoch ms, the latest any caller asked for).
+--   the key's expiry (Redis-clock Unix ms, the latest any caller asked for).
 -- PW.parse(a): limit, k_lo, k_hi, cost, ttl_ms (integers; limit, cost, ttl >= 1; k >= 0;
 --   0 <= k_hi - k_lo < 8), else nil.
 -- PW.check: allowed iff n_k + cost <= limit for every k in [k_lo, k_hi]; cost > limit -> retry -1.

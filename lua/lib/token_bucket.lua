@@ -1,5 +1,5 @@
 -- lib/token_bucket.lua: token bucket in millitokens and milliseconds.
--- State: hash {tokens (millitokens), ts (epoch ms of the last write)}.
+-- State: hash {tokens (millitokens), ts (Unix ms of the last write)}.
 -- TB.parse({capacity, refill, period_ms, cost}) -> P or nil (invalid).
 -- TB.check(key, P, now) -> plan {ok, remaining, retry, tokens, ts}; reads only.
 -- TB.commit(key, P, plan, now, slack) writes tokens/ts and PEXPIRE full_ms + slack.

@@ -54,10 +54,10 @@ def pre_checks(st: Any, reqs: list[AdmitRequest]) -> list[tuple[AdmitRequest, De
     reqs = [as_failed_auth(r) if r.auth_failed else r for r in reqs]
     w, snap = st.policy_watch, st.holder.snapshot
     bundle = snap.bundle
-    if st.epoch is not None:
+    if st.version_check is not None:
         for r in reqs:
-            if r.policy_epoch is not None:
-                st.epoch.observe(r.policy_epoch, bundle.bundle_version)
+            if r.bundle_version is not None:
+                st.version_check.observe(r.bundle_version, bundle.bundle_version)
     out: list[tuple[AdmitRequest, Decision | None]] = [(r, None) for r in reqs]
     if w is not None and w.is_stale(bundle):
         from ..service.policy_watch import revoked_decision
@@ -74,8 +74,8 @@ def pre_check(st: Any, req: AdmitRequest) -> tuple[AdmitRequest, Decision | None
         req = as_failed_auth(req)
     snap = st.holder.snapshot
     bundle = snap.bundle
-    if st.epoch is not None and req.policy_epoch is not None:
-        st.epoch.observe(req.policy_epoch, bundle.bundle_version)
+    if st.version_check is not None and req.bundle_version is not None:
+        st.version_check.observe(req.bundle_version, bundle.bundle_version)
     w = st.policy_watch
     if w is not None and w.is_stale(bundle):
         from ..service.policy_watch import revoked_decision
@@ -89,7 +89,7 @@ def pre_check(st: Any, req: AdmitRequest) -> tuple[AdmitRequest, Decision | None
 
 class Admission:
     """The agent's one admission (module doc). ``state_of()`` returns the agent's state
-    (region_agent.service.app.AgentState: engine, policy holder and watch, epoch check, key cap)."""
+    (region_agent.service.app.AgentState: engine, policy holder and watch, version check, key cap)."""
 
     __slots__ = ("_state_of",)
 

@@ -130,7 +130,7 @@ def parse_multi_rule(reply: Any) -> MultiRuleResult:
     return MultiRuleResult(bool(vals[0]), vals[1], vals[2], tuple(vals[3:]))
 
 
-# --- pool_take.lua: a gateway chunk bought from a fleet-wide pool balance ----------------------
+# --- pool_take.lua: an in-process chunk bought from a fleet-wide pool balance ----------------------
 class PoolTake(NamedTuple):
     taken: int  # tokens debited (0 = fewer than ``min`` were spendable; nothing written)
     remaining: int  # spendable after the take

@@ -16,7 +16,7 @@ from ..service.metrics import AgentMetrics
 from .call import parse_multi_rule
 from .plan import GlobalSpend, Plan
 
-log = logging.getLogger("region_agent.decision.engine")
+log = logging.getLogger(__name__)
 
 
 def tenant_pool_slots(plan: Plan, pools: Mapping[str, Pool]) -> list[tuple[int, Pool, str, int]]:

@@ -4,7 +4,7 @@ Flow per request, in one direction:
 
 1. **plan** - read the policy snapshot once and build the plan (selected rules, keys, one
    multi-rule call, optional shadow call: region_agent.decision.plan); a held denial may answer at once
-   (region_agent.decision.denials); fleet-wide pool tokens are reserved from in-process chunk leases
+   (region_agent.decision.denials); fleet-wide pool tokens are reserved from in-process chunks
    (region_agent.leasing.fleet_pools);
 2. **script call** - the plan's calls (region_agent.decision.call.plan_calls) go through the coalescing
    batcher under one monotonic deadline (a batch: one submit, region_agent.decision.batch);
@@ -102,7 +102,7 @@ class DecisionEngine:
         self.allocator_clock = allocator_clock or (leases.clock if leases is not None else AllocatorClock())
         self.fleet = FleetPools(store=store, metrics=metrics, leases=leases, now_ms=self.now_ms,
                                 windows=self.pool_windows, allowance=self.fallback, budget_s=self.budget)
-        # chunk leases of hot key sets (rules with hotChunk; region_agent.leasing.hot_chunks)
+        # chunks of hot key sets (rules with hotChunk; region_agent.leasing.hot_chunks)
         self.hot = HotChunks(store=store, metrics=metrics, now_ms=self.now_ms)
         self.local = LocalAnswers(allowances=self.fallback, windows=self.pool_windows, metrics=metrics,
                                   now_ms=self.now_ms)
@@ -190,7 +190,7 @@ class DecisionEngine:
             for p in preps:
                 p.edge = True
         pending = [p for p in preps if p.early is None and p.plan.global_spends]
-        if pending:  # only items spending fleet-wide chunk leases may wait (a renewal)
+        if pending:  # only items spending fleet-wide chunks may wait (a renewal)
             await asyncio.gather(*(self._take_globals(p) for p in pending))
         batch = BatchCalls()
         paid: dict[int, list[Any]] = {}  # items a hot key set's chunk paid (no store call)

@@ -26,7 +26,7 @@ from kernel.algorithms.multi_rule import MultiDecision
 from kernel.algorithms.pool_window import KIND as POOL_WINDOW
 from kernel.algorithms.pool_window import MAX_SPAN
 from kernel.algorithms.rule import Params
-from kernel.bounded import LRU
+from kernel.caches import LRU
 
 from ..leasing.window_clock import Windows
 

@@ -26,8 +26,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kernel.bounded import BoundedMemo
 from kernel.bundle import Pool, Rule
+from kernel.caches import BoundedMemo
 
 from ..models import Decision, DeniedScope
 

@@ -34,8 +34,8 @@ import hmac
 import ipaddress
 from typing import NamedTuple
 
-from kernel.bounded import BoundedMemo
 from kernel.bundle import Rule
+from kernel.caches import BoundedMemo
 from kernel.errors import ValidationFailed
 from kernel.ids import POOL_ID_RE
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kernel.bounded import LRU
+from kernel.caches import LRU
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,8 @@ from kernel.algorithms import Role
 from kernel.algorithms.concurrency import KIND as CONCURRENCY
 from kernel.algorithms.pool import PoolRule
 from kernel.algorithms.rule import Params
-from kernel.bounded import BoundedMemo
 from kernel.bundle import Bundle, Pool, Rule, every_request_rules, select_rules
+from kernel.caches import BoundedMemo
 from kernel.errors import ScriptRejected, ValidationFailed
 from kernel.ids import REQUEST_ID_RE, ROUTE_RE, TENANT_RE
 from kernel.split import divide_all, splits_of

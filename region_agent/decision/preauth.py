@@ -42,7 +42,7 @@ def as_failed_auth(req: AdmitRequest) -> AdmitRequest:
     parse_ip(req.client_ip)  # 422 on a non-address, before anything else
     return AdmitRequest(request_id=req.request_id, principal=Principal(type="anonymous", id=req.client_ip),
                         route_group=req.route_group, method=req.method, tenant_id=None, cost_hint=req.cost_hint,
-                        policy_epoch=req.policy_epoch)
+                        bundle_version=req.bundle_version)
 
 
 class NewKeyCap:

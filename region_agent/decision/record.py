@@ -47,8 +47,8 @@ def early_record(req: AdmitRequest, snap: Snapshot, a: Answer, source: DecisionS
 def _record(request_id: str, anonymous: bool, snap: Snapshot, a: Answer, source: DecisionSource,
             metrics: AgentMetrics | None) -> Decision:
     allowed = a.allowed
-    d = Decision(allowed=allowed, decision_id=request_id, policy_id=a.rule.id if a.rule else None,
-                 policy_version=snap.bundle.bundle_version, denied_scope=None if allowed else a.scope,
+    d = Decision(allowed=allowed, decision_id=request_id, rule_id=a.rule.id if a.rule else None,
+                 bundle_version=snap.bundle.bundle_version, denied_scope=None if allowed else a.scope,
                  reason=None if allowed else a.reason, limit=a.limit, remaining=a.remaining,
                  retry_after_ms=0 if allowed else a.retry, fallback=a.fallback, source=source)
     if apply_http(d, rule=a.rule, anonymous=anonymous, answers=snap.http) and metrics is not None:
@@ -81,6 +81,6 @@ def conflict_record(plan: Plan, bundle: Bundle) -> Decision:
     _, problem = to_problem(DecisionConflict(
         "requestId already has a decision for another question (tenant, principal, route group or cost) "
         "within the decision record's lifetime; use a fresh requestId", extra={"decisionId": plan.request_id}))
-    return Decision(allowed=False, decision_id=plan.request_id, policy_id=None,
-                    policy_version=bundle.bundle_version, reason=Reason.REQUEST_ID_CONFLICT, retry_after_ms=-1,
+    return Decision(allowed=False, decision_id=plan.request_id, rule_id=None,
+                    bundle_version=bundle.bundle_version, reason=Reason.REQUEST_ID_CONFLICT, retry_after_ms=-1,
                     http_status=409, headers={}, problem=problem)

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kernel.algorithms import Role
-from kernel.bounded import BoundedMemo
 from kernel.bundle import Rule
+from kernel.caches import BoundedMemo
 
 from ..models import Decision
 from ..service.audit import BypassAudit
@@ -51,7 +51,7 @@ def count_early(m: AgentMetrics, snap: Snapshot, rule: Rule, d: Decision, tenant
     revocable rule, the pre-authentication cap) in ``leasehold_agent_decisions_total``, labelled
     like the engine's: so the decision counts add up to the decisions made."""
     outcome = "unavailable" if d.http_status == 503 else "denied"
-    m.decisions.labels(outcome, rule.id, str(d.policy_version), rule.route_key,
+    m.decisions.labels(outcome, rule.id, str(d.bundle_version), rule.route_key,
                        "none" if tenant is None else tenant_label(snap.named_tenants, tenant), d.source).inc()
 
 
@@ -86,7 +86,7 @@ class DecisionTelemetry:
             outcome = "fallback_denied" if d.fallback else "denied"
         tenant = plan.tenant
         shard = "default" if self.shard_of is None else self._shard(plan, now)
-        label = (outcome, d.policy_id, d.policy_version,
+        label = (outcome, d.rule_id, d.bundle_version,
                  "none" if tenant is None else tenant if tenant in snap.named_tenants else "other", shard, d.source)
         # counted here, moved into the counter and the histogram when the registry is collected
         # (flush): two locked prometheus updates per decision were a tenth of its CPU

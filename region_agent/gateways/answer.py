@@ -96,7 +96,7 @@ def descriptor_answer(d: Decision, snap: Snapshot, *, anonymous: bool) -> Descri
         return out
     if over and d.retry_after_ms > 0:
         out.reset_ms = d.retry_after_ms
-    rule = snap.rules_by_id.get(d.policy_id) if d.policy_id else None
+    rule = snap.rules_by_id.get(d.rule_id) if d.rule_id else None
     if rule is None or d.fallback or d.limit is None:
         return out  # no rule, or a local fallback allowance (not the rule's shared limit)
     out.limit_name = rule.id

@@ -4,7 +4,7 @@ StreamRateLimitQuotas``), served beside the rate limit service on ``--rls-port``
 Envoy's quota filter (``envoy.filters.http.rate_limit_quota``, work in progress upstream) keeps
 one stream per Envoy, reports per bucket how many requests it allowed and denied (Envoy 1.40:
 every 5 s, and at once for a bucket it has not seen), and enforces locally the assignment the
-server pushes per bucket. Here every assignment is a **lease of tokens the agent took first**
+server pushes per bucket. Here every assignment is **tokens the agent took first**, with a time to live
 (region_agent.leasing.rlqs_funding: the agent's one admission, at the cost of the assignment), so
 an Envoy never admits more than the region held for it; what it does without an assignment is
 its ``no_assignment_behavior`` / ``expired_assignment_behavior`` (deny-all in the shipped
@@ -26,7 +26,7 @@ behaviour, checked against the real binary by ``tests/e2e/gateways/test_envoy_rl
 * ``abandon_action`` for a bucket idle for ``--rlqs-idle-ms``: Envoy forgets it and reports it at
   once when it is used again.
 
-A stream that breaks is the lease's expiry: the assignments it carried stay Envoy's until they
+A stream that breaks ends nothing at once: the assignments it carried stay Envoy's until they
 expire and are abandoned (their unused tokens counted as stranded), never refunded or renewed.
 """
 
@@ -240,7 +240,7 @@ class RlqsService:
             st.queue.put_nowait(None)
 
     def _closed(self, st: Stream) -> None:
-        """The stream ended: its assignments run out in Envoy as leases do (kept for the
+        """The stream ended: its assignments run out in Envoy at their time to live (kept for the
         accounting until they expire), nothing more is sent on it."""
         if not st.alive and st.id not in self.streams:
             return

@@ -142,7 +142,7 @@ def assignment_ttl(windows: Sequence[WindowEnd], *, max_ttl_s: int, margin_ms: i
 
 
 def fixed_window_end(window_ms: int, wall_ms: float) -> WindowEnd:
-    """A fixed window aligned on the epoch (as the scripts align them on the store's clock)."""
+    """A fixed window aligned on Unix time (as the scripts align them on the store's clock)."""
     return WindowEnd(window_ms, int(window_ms - wall_ms % window_ms))
 
 

@@ -44,7 +44,7 @@ from .call_group import CallGroup
 from .mapping import BadQuestion, Descriptor, Names, rls_questions
 from .metrics import GatewayMetrics
 
-log = logging.getLogger("region_agent.rls")
+log = logging.getLogger(__name__)
 
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 Response = rls_pb2.RateLimitResponse

@@ -1,4 +1,4 @@
-"""In-process chunk leases for fleet-wide (global-scope) pools.
+"""In-process chunks for fleet-wide (global-scope) pools.
 
 Pure state: the clock (monotonic ms) is passed in. A chunk is bought from the pool's
 ``{g:<pool>}`` balance with one store call (``pool_take.lua``: valid no longer than the leases
@@ -106,7 +106,7 @@ MAX_PARTS = 4
 
 
 @dataclass(slots=True)
-class ChunkLease:
+class Chunk:
     """A fleet-wide pool's chunk at one agent: the parts its renewals bought, spent
     earliest-expiring first. A renewal never abandons what the chunk still holds: a reservation
     given back (its request was not admitted) while a renewal was in flight lands in the part it

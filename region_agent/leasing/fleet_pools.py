@@ -1,4 +1,4 @@
-"""Fleet-wide (global-scope) pools: per-agent chunk leases bought from the region's
+"""Fleet-wide (global-scope) pools: per-agent chunks bought from the region's
 ``{g:<pool>}`` balance, and their degraded answers.
 
 One :class:`FleetPools` per agent. :meth:`take` answers one request's spend of one pool:
@@ -40,7 +40,7 @@ from ..decision.keys import KeyBuilder
 from ..decision.plan import GlobalSpend
 from ..store.protocol import Store
 from .book import BalanceState
-from .chunks import NO_CHUNK, ChunkLease, tokens_per_s
+from .chunks import NO_CHUNK, Chunk, tokens_per_s
 from .redis_balance import BALANCE_SLACK_MS
 from .topup import topped_up
 from .window_clock import Windows
@@ -93,47 +93,47 @@ class FleetPools:
         self.windows = windows
         self.allowance = allowance
         self.budget_s = budget_s
-        self.chunks: dict[str, ChunkLease] = {}
+        self.chunks: dict[str, Chunk] = {}
         self._renewing: dict[str, asyncio.Future] = {}
 
     # ------------------------------------------------------------------ requests
     async def take(self, spend: GlobalSpend, deadline_s: float, clock_s: Callable[[], float]) -> Take:
         pool = spend.pool
-        lease = self.chunks.setdefault(pool.id, ChunkLease())
+        chunk = self.chunks.setdefault(pool.id, Chunk())
         gkey = KeyBuilder.global_pool_key(pool.id)
-        lease.ask(spend.cost, self.now_ms(), pool.chunk_validity_ms)
+        chunk.ask(spend.cost, self.now_ms(), pool.chunk_validity_ms)
         if self.leases is not None:  # demand is what requests ask for, not what chunks buy
             self.leases.note(pool, gkey, spend.cost)
         for _ in range(RENEWALS_PER_REQUEST):
             now = self.now_ms()
-            part = lease.try_take(spend.cost, now)
+            part = chunk.try_take(spend.cost, now)
             if part is not None:
                 return Take(TakeStatus.OK, generation=part.generation, fallback=part.fallback)
-            if lease.negative(now, spend.cost):
-                return Take(TakeStatus.DENIED, max(1, int(lease.deny_until_ms - now)), fallback=lease.fallback)
-            if lease.usable(now) > 0:  # the chunk still pays cheaper requests: buy this one's cost alone
-                return await self._take_alone(spend, lease, deadline_s, clock_s)
-            lease.waiting += spend.cost  # the renewal buys at least what its waiting requests need
+            if chunk.negative(now, spend.cost):
+                return Take(TakeStatus.DENIED, max(1, int(chunk.deny_until_ms - now)), fallback=chunk.fallback)
+            if chunk.usable(now) > 0:  # the chunk still pays cheaper requests: buy this one's cost alone
+                return await self._take_alone(spend, chunk, deadline_s, clock_s)
+            chunk.waiting += spend.cost  # the renewal buys at least what its waiting requests need
             try:
-                await asyncio.wait_for(asyncio.shield(self._renewal(spend, lease)), max(0.0, deadline_s - clock_s()))
+                await asyncio.wait_for(asyncio.shield(self._renewal(spend, chunk)), max(0.0, deadline_s - clock_s()))
             except TimeoutError:
                 break  # the renewal outlasts this request's budget
             except LeaseholdError as e:
                 return self._store_failed(spend, e)
             finally:
-                lease.waiting -= spend.cost
+                chunk.waiting -= spend.cost
         return self._busy(pool, gkey)
 
     def give_back(self, spend: GlobalSpend, generation: int) -> None:
         """A reservation whose request was not admitted: its tokens go back to the chunk they came
         from (not a chunk bought since, nor one bought for that request alone: ``NO_CHUNK``)."""
-        lease = self.chunks.get(spend.pool.id)
-        if lease is not None:
-            lease.give_back(spend.cost, generation, self.now_ms(), spend.pool.chunk_validity_ms)
+        chunk = self.chunks.get(spend.pool.id)
+        if chunk is not None:
+            chunk.give_back(spend.cost, generation, self.now_ms(), spend.pool.chunk_validity_ms)
 
     def remaining(self, pool_id: str) -> int:
-        lease = self.chunks.get(pool_id)
-        return lease.usable(self.now_ms()) if lease else 0
+        chunk = self.chunks.get(pool_id)
+        return chunk.usable(self.now_ms()) if chunk else 0
 
     # ------------------------------------------------------------------ answers without a chunk
     def _busy(self, pool: Pool, gkey: str) -> Take:
@@ -179,7 +179,7 @@ class FleetPools:
                                            wait_s=self.budget_s)
         return parse_pool_take(reply)
 
-    async def _take_alone(self, spend: GlobalSpend, lease: ChunkLease, deadline_s: float,
+    async def _take_alone(self, spend: GlobalSpend, chunk: Chunk, deadline_s: float,
                           clock_s: Callable[[], float]) -> Take:
         """A request the held chunk cannot pay buys exactly its cost from the regional balance,
         waiting (within its budget) for one top-up; failing that, it is denied alone."""
@@ -198,16 +198,16 @@ class FleetPools:
         except LeaseholdError as e:
             return self._store_failed(spend, e)
         hint = self.leases.retry_hint_ms(gkey) if self.leases is not None else pool.chunk_validity_ms
-        wait = lease.deny(self.now_ms(), max(1, hint), pool.chunk_validity_ms, min_cost=cost)
+        wait = chunk.deny(self.now_ms(), max(1, hint), pool.chunk_validity_ms, min_cost=cost)
         self.metrics.pool_renewals.labels(pool.id, "alone_denied").inc()
         return Take(TakeStatus.DENIED, wait)
 
-    def _renewal(self, spend: GlobalSpend, lease: ChunkLease) -> asyncio.Future:
+    def _renewal(self, spend: GlobalSpend, chunk: Chunk) -> asyncio.Future:
         """The pool's single in-flight renewal (started by the first request that needs one)."""
         pid = spend.pool.id
         fut = self._renewing.get(pid)
         if fut is None:
-            fut = asyncio.ensure_future(self._renew(spend, lease))
+            fut = asyncio.ensure_future(self._renew(spend, chunk))
             self._renewing[pid] = fut
             fut.add_done_callback(lambda f, pid=pid: self._settle(pid, f))
         else:
@@ -219,9 +219,9 @@ class FleetPools:
         if not fut.cancelled():
             fut.exception()  # retrieved: a renewal nobody waits for any more may fail quietly
 
-    async def _renew(self, spend: GlobalSpend, lease: ChunkLease) -> Renewal:
+    async def _renew(self, spend: GlobalSpend, chunk: Chunk) -> Renewal:
         """Buy the next chunk: at least 1 token, as many as this agent's recent demand and the
-        requests waiting for it call for (``ChunkLease.want``), at most max(cost, chunkMax). An
+        requests waiting for it call for (``Chunk.want``), at most max(cost, chunkMax). An
         empty balance waits (once) for the top-up in flight — as long as it takes; requests wait
         within their own budgets. Store errors propagate to the waiting requests."""
         pool = spend.pool
@@ -231,11 +231,11 @@ class FleetPools:
             waited_topup = waited_rollover = False
             while True:
                 sent_at = self.now_ms()  # validity is timed from the moment the request was sent (I5)
-                want = lease.want(spend.cost, pool.chunk_max, sent_at, pool.chunk_validity_ms)
+                want = chunk.want(spend.cost, pool.chunk_max, sent_at, pool.chunk_validity_ms)
                 got = await self._pool_take(gkey, 1, want, tokens_per_s(want, pool.chunk_validity_ms))
                 if got.taken:
                     validity = min(pool.chunk_validity_ms, got.valid_for_ms)
-                    lease.grant(got.taken, sent_at, validity)
+                    chunk.grant(got.taken, sent_at, validity)
                     outcome = Renewal.GRANTED if got.taken >= want else Renewal.PARTIAL
                     return outcome
                 if not waited_rollover and 0 < got.next_from_ms <= ROLLOVER_WAIT_MS:
@@ -250,19 +250,19 @@ class FleetPools:
                 waited_topup = True
             state = self.leases.state(gkey) if self.leases is not None else BalanceState.IDLE
             if state is BalanceState.UNREACHABLE and pool.fallback_per_region > 0 and spend.rule.fail_mode != "closed":
-                outcome = await self._renew_from_fallback(spend, lease, gkey)
+                outcome = await self._renew_from_fallback(spend, chunk, gkey)
                 return outcome
             hint = self.leases.retry_hint_ms(gkey) if self.leases is not None else 0
-            lease.deny(self.now_ms(), max(int(got.next_from_ms), hint), pool.chunk_validity_ms)
+            chunk.deny(self.now_ms(), max(int(got.next_from_ms), hint), pool.chunk_validity_ms)
             outcome = Renewal.DENIED
             return outcome
         finally:
             self.metrics.pool_renewals.labels(pool.id, outcome).inc()
-            wasted = lease.take_abandoned()  # what the chunk held when its parts expired (counted here:
+            wasted = chunk.take_abandoned()  # what the chunk held when its parts expired (counted here:
             if wasted:  # a renewal follows a chunk's end, and the request path stays free of it)
                 self.metrics.chunk_abandoned.labels(pool.id).inc(wasted)
 
-    async def _renew_from_fallback(self, spend: GlobalSpend, lease: ChunkLease, gkey: str) -> Renewal:
+    async def _renew_from_fallback(self, spend: GlobalSpend, chunk: Chunk, gkey: str) -> Renewal:
         """Allocator unreachable and the regional balance empty: a chunk of one request's cost
         from the region's fallback allowance, charged to every allocator window the decision may
         fall in, and valid only while the allocator's clock is surely still in the last of them."""
@@ -271,8 +271,8 @@ class FleetPools:
         sent_at = self.now_ms()
         w = self.windows(pool)
         if w.span > MAX_SPAN:  # the allocator's clock is too uncertain to count per window
-            lease.deny(self.now_ms(), w.end_in_ms, pool.chunk_validity_ms)
-            lease.fallback = True
+            chunk.deny(self.now_ms(), w.end_in_ms, pool.chunk_validity_ms)
+            chunk.fallback = True
             return Renewal.FALLBACK_DENIED
         call = multi_rule_call(
             [allowance_call(KeyBuilder.pool_fallback_key(gkey), pool, w, spend.cost)],
@@ -282,10 +282,10 @@ class FleetPools:
         res = parse_multi_rule(reply)
         validity = min(pool.chunk_validity_ms, w.safe_ms)
         if res.allowed and validity > 0:
-            lease.grant(spend.cost, sent_at, validity, fallback=True)
+            chunk.grant(spend.cost, sent_at, validity, fallback=True)
             return Renewal.FALLBACK
-        lease.deny(self.now_ms(), w.end_in_ms, pool.chunk_validity_ms)
-        lease.fallback = True
+        chunk.deny(self.now_ms(), w.end_in_ms, pool.chunk_validity_ms)
+        chunk.fallback = True
         return Renewal.FALLBACK_DENIED
 
 

@@ -1,4 +1,4 @@
-"""Chunk leases for a hot key set: the admissions of a tenant's hottest requests without a store
+"""Chunks for a hot key set: the admissions of a tenant's hottest requests without a store
 call each.
 
 A *key set* is the rule keys of one request's multi-rule call (all in the tenant's slot). When one
@@ -10,7 +10,7 @@ at the tail of a window or bucket). That request is admitted from it; the follow
 the key set spend the rest in process, with no store call, until it is spent or its validity ends:
 ``hotChunk.validityMs`` at most, never past the end of a fixed window's or sliding counter's
 current window or of the lease a pool slot was debited from (the script says how long), timed
-from when the take was sent. Each take is a part of the key set's chunk (:class:`~.chunks.ChunkLease`:
+from when the take was sent. Each take is a part of the key set's chunk (:class:`~.chunks.Chunk`:
 spent earliest-expiring first, at most four kept). Unspent units are abandoned, never refunded (a
 refund could not be made idempotent), and counted (``leasehold_agent_hot_chunk_abandoned_units_total``).
 
@@ -40,13 +40,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from kernel.bounded import BoundedMemo
+from kernel.caches import BoundedMemo
 from kernel.errors import LeaseholdError, ScriptRejected
 
 from ..decision.call import ScriptCall
 from ..decision.hot import HotConfig
 from ..decision.plan import Plan
-from .chunks import ChunkLease
+from .chunks import Chunk
 
 log = logging.getLogger(__name__)
 
@@ -104,21 +104,21 @@ def chunk_units(rate_per_s: float, validity_ms: int, cost: int, chunk_max: int, 
 
 @dataclass(slots=True)
 class KeySetChunk:
-    """One key set's chunk here: the parts its takes bought (:class:`~.chunks.ChunkLease`, spent
+    """One key set's chunk here: the parts its takes bought (:class:`~.chunks.Chunk`, spent
     earliest-expiring first, each abandoned when its validity ends), the store's remaining right
     after the last take, and the take in flight."""
 
-    lease: ChunkLease = field(default_factory=ChunkLease)
+    parts: Chunk = field(default_factory=Chunk)
     remaining: tuple[int, ...] = ()  # every slot's remaining in the store right after the last take
     taking: asyncio.Future | None = None  # the take in flight (single flight)
     last_take: int = 0  # units the last take asked for (the low-water mark is a quarter of it)
     scheduled: bool = False  # a background take is scheduled and has not started yet
 
     def spend(self, cost: int, now_ms: float) -> bool:
-        return self.lease.try_take(cost, now_ms) is not None
+        return self.parts.try_take(cost, now_ms) is not None
 
     def usable(self, now_ms: float) -> int:
-        return self.lease.usable(now_ms)
+        return self.parts.usable(now_ms)
 
 
 #: A background take starts when a chunk holds this share of its last take or less (the requests
@@ -260,7 +260,7 @@ class HotChunks:
         """Drop what expired (counted as abandoned); forget a chunk that holds nothing and takes
         nothing. Returns the units it still holds."""
         left = chunk.usable(now)
-        wasted = chunk.lease.take_abandoned()
+        wasted = chunk.parts.take_abandoned()
         if wasted:
             self.metrics.hot_chunk_abandoned.inc(wasted)
         if left == 0 and chunk.taking is None:
@@ -326,7 +326,7 @@ class HotChunks:
             validity = cfg.validity_ms if got.valid_for_ms < 0 else min(cfg.validity_ms, got.valid_for_ms)
             spare = got.taken - asker
             if spare > 0:
-                chunk.lease.grant(spare, sent_at, validity)
+                chunk.parts.grant(spare, sent_at, validity)
                 for key in keys:
                     self.by_key.setdefault(key, set()).add(ks)
             chunk.remaining = tuple(got.reply[3:])

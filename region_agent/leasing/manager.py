@@ -56,7 +56,7 @@ from .book import BalanceState, HeldLease, PoolBook
 from .client import AllocatorClient
 from .window_clock import AllocatorClock
 
-log = logging.getLogger("leasehold.leases")
+log = logging.getLogger(__name__)
 
 class BalanceStore(Protocol):
     """The Redis side of a pool balance (implemented over the Lua scripts)."""
@@ -72,7 +72,7 @@ class BalanceStore(Protocol):
         incarnation), or None when absent."""
 
 
-class Recorder(Protocol):
+class LeaseEvents(Protocol):
     def grant(self, *, region: str, pool: str, key_tag: str, lease: HeldLease | None, grant: object,
               sent_at: float, received_at: float) -> None: ...
 
@@ -100,7 +100,7 @@ class LeaseManager:
     horizon_ms: float = 2_000.0
     max_pending_reports: int = 10_000
     report_patience_ms: float = 120_000.0
-    recorder: Recorder | None = None
+    recorder: LeaseEvents | None = None
     metrics: object | None = None  # region_agent.service.metrics.AgentMetrics (lease_* members)
     clock: AllocatorClock = field(default_factory=AllocatorClock)
     balances: dict[str, Balance] = field(default_factory=dict)

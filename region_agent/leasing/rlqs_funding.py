@@ -12,14 +12,14 @@ holds. Then:
   Envoys that need tokens meanwhile join the next round;
 * **demand-weighted**: a round asks for every waiting Envoy's need (its demand over one report
   interval, at most ``max_assignment``) at once, and when it gets less, shares it with
-  :func:`kernel.fair_share.split` — the allocator's fair-share policy;
+  :func:`kernel.fair_share.split` — the allocator's fair-share split;
 * **partial chunks**: a denied round learns what is left from the denial and asks again for that
-  (twice at most), as the reference design's chunk leases do near the limit;
+  (twice at most), as the reference design's chunks do near the limit;
 * **a fresh assignment replaces the last**: its unspent tokens are abandoned, never refunded (an
   ambiguous refund could count twice), and counted as stranded once Envoy's reports show how
   many were not used (:meth:`Holding.settle`).
 
-Pure state and policy (:class:`Holding`, :func:`observe`, :func:`wants_tokens`, :func:`need`)
+Pure state and arithmetic (:class:`Holding`, :func:`observe`, :func:`wants_tokens`, :func:`need`)
 plus what one round asks the admission (:func:`take`) and how it shares the answer (:func:`share`);
 the stream, the rounds' scheduling, timers and protobuf are region_agent.gateways.rlqs.
 """

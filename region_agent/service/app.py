@@ -32,12 +32,12 @@ from kernel.signing import TrustedKeys
 
 from ..decision.admission import Admission, http_conflict, is_conflict
 from ..decision.engine import DecisionEngine
-from ..decision.epoch import EpochCheck
 from ..decision.fallback import LocalAllowances
 from ..decision.httpmap import RetryJitter
 from ..decision.keys import KeyBuilder
 from ..decision.negcache import NegativeCache
 from ..decision.telemetry import DecisionTelemetry
+from ..decision.version_check import VersionCheck
 from ..gateways import Gateways
 from ..gateways.authz import authz
 from ..leasing.warmup import warmup_balances
@@ -67,7 +67,7 @@ from .metrics import AgentMetrics
 from .policy import PolicyHolder, ReloadResult
 from .settings import AgentSettings
 
-log = logging.getLogger("region_agent")
+log = logging.getLogger(__name__)
 VALIDATION_STATUS = 422  # a body or parameter that does not fit the schema (the allocator answers 400)
 
 
@@ -83,7 +83,7 @@ class AgentState:
     policy_watch: Any = None  # kernel.watch.PolicyWatcher when --policy-etcd is set
     auth: Any = None  # region_agent.service.auth.AgentAuth; None only with --auth-disabled
     key_cap: Any = None  # region_agent.decision.preauth.NewKeyCap; None when --anon-new-keys-per-source 0
-    epoch: Any = None  # region_agent.decision.epoch.EpochCheck (policyEpoch in requests)
+    version_check: Any = None  # region_agent.decision.version_check.VersionCheck (policyEpoch in requests)
     audit: Any = None  # region_agent.service.audit.BypassAudit
     gateways: Any = None  # region_agent.gateways.Gateways: RLS gRPC server and /v1/authz
     admission: Any = None  # region_agent.decision.admission.Admission: what every door asks
@@ -132,7 +132,7 @@ async def decide_batch(st: AgentState, reqs: list[AdmitRequest], carrier: Any = 
 
 
 @post("/v1/release", status_code=200, request_max_body_size=MAX_BODY_BYTES,
-      summary="Release the concurrency lease(s) of a request (idempotent)")
+      summary="Release the concurrency slot(s) of a request (idempotent)")
 async def release(engine: NamedDependency[DecisionEngine],
                   data: Annotated[ReleaseRequest, Body(title="ReleaseRequest")]) -> ReleaseResult:
     n = await engine.release(data)
@@ -240,7 +240,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                metrics_obj: AgentMetrics | None = None, store_factory=None,
                install_signal_handlers: bool = False, fast_path: bool = True,
                freeze_heap: bool = False) -> Litestar:
-    """Build the app. ``store_factory(settings, metrics) -> StoreGateway`` is for the lifespan;
+    """Build the app. ``store_factory(settings, metrics) -> RedisNode`` is for the lifespan;
     the default connects to ``settings.redis_url``. ``freeze_heap``: the lifespan ends its start-up
     with :func:`kernel.httpserver.freeze_startup_heap` (the agent process; not an app a test
     builds among others)."""
@@ -250,7 +250,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     def on_reload(res: ReloadResult) -> None:
         m.policy_reloads.labels(res.outcome).inc()
         if res.outcome == "accepted":
-            m.policy_version.set(res.version)
+            m.bundle_version.set(res.version)
             log.info("policy bundle %s accepted", res.version)
         else:
             log.warning("policy reload refused (%s): %s", res.outcome, res.detail)
@@ -263,7 +263,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     else:
         holder._on_reload = holder._on_reload or on_reload
         holder.set_jitter(jitter)
-    m.policy_version.set(holder.bundle.bundle_version)
+    m.bundle_version.set(holder.bundle.bundle_version)
     holder.region, holder.agent_id = settings.region, settings.agent_id  # who a canary slice names
 
     def on_canary(outcome: str, version: int) -> None:
@@ -277,7 +277,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     audit = BypassAudit(m, make_sink(settings.audit_log))
     state = AgentState(settings=settings, holder=holder, metrics=m, keys=KeyBuilder(pepper),
                        auth=AgentAuth.from_settings(settings), key_cap=_key_cap(settings))
-    state.epoch = EpochCheck(m, refresh=lambda: _refresh_policy(state))
+    state.version_check = VersionCheck(m, refresh=lambda: _refresh_policy(state))
     state.audit = audit
     state.admission = Admission(lambda: state)
     state.gateways = Gateways(settings, state_of=lambda: state, admission=state.admission, registry=m.registry)
@@ -439,7 +439,7 @@ async def _start_policy_watch(settings: AgentSettings, state: AgentState):
 
 
 def default_store_factory(settings: AgentSettings, m: AgentMetrics):
-    """One Redis, a Redis Cluster (a gateway and breaker per primary) or a Sentinel's primary."""
+    """One Redis, a Redis Cluster (a node and breaker per primary) or a Sentinel's primary."""
     from ..store.factory import make_store
 
     return make_store(settings, m)

@@ -34,8 +34,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from kernel.bounded import BoundedMemo
 from kernel.bundle import Rule
+from kernel.caches import BoundedMemo
 
 LOGGER = "leasehold.audit"
 DENIAL_EVENT_INTERVAL_S = 1.0

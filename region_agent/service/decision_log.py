@@ -147,8 +147,8 @@ class DecisionLog:
             principal = self.keys.h(tenant or "", "u" if p.type == "user" else "s", p.id)
         api_key = self.keys.h(tenant or "", "k", p.api_key_id) if p.api_key_id else None
         return Line(int(self.wall_clock() * 1000), d.decision_id, self.region, self.agent, tenant, p.type, principal,
-                    api_key, req.route_group, req.cost_hint, [r.id for r in plan.rules], d.policy_id, outcome_of(d),
-                    None if d.reason is None else str(d.reason), d.fallback, d.policy_version, rate)
+                    api_key, req.route_group, req.cost_hint, [r.id for r in plan.rules], d.rule_id, outcome_of(d),
+                    None if d.reason is None else str(d.reason), d.fallback, d.bundle_version, rate)
 
     def _write(self, text: str) -> None:
         """One line through the handler: it rotates by size, writes and flushes."""

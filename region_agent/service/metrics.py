@@ -88,7 +88,7 @@ class AgentMetrics:
                                            "refunded",
                                            registry=r)
         self.chunk_abandoned = Counter("leasehold_agent_chunk_abandoned_tokens_total",
-                                       "Global pool tokens a gateway chunk still held when its validity ended "
+                                       "Global pool tokens an in-process chunk still held when its validity ended "
                                        "(debited from the regional balance, never refunded: capacity wasted)",
                                        ["pool"], registry=r)
         self.batch_size = Histogram("leasehold_agent_batch_size", "Script calls per coalesced pipeline",
@@ -105,15 +105,15 @@ class AgentMetrics:
                                  "Fleet-wide pool requests denied locally because the chunk renewal in flight "
                                  "outlasted their budget (a 429 with a short hint, never the fallback)", ["pool"],
                                  registry=r)
-        self.policy_reloads, self.policy_version, self.policy_age = policy_metrics(
+        self.policy_reloads, self.bundle_version, self.policy_age = policy_metrics(
             "agent", r, offered="file reload or etcd",
             age="Snapshot age: seconds since the policy source (etcd key, else the bundle file) was last read "
                 "successfully")
-        self.policy_epoch = Counter("leasehold_agent_policy_epoch_mismatches_total",
+        self.version_mismatches = Counter("leasehold_agent_policy_epoch_mismatches_total",
                                     "Requests whose policyEpoch differs from the bundle version in force "
                                     "(gateway_ahead triggers an immediate policy refresh)", ["relation"], registry=r)
         for relation in ("gateway_ahead", "gateway_behind"):
-            self.policy_epoch.labels(relation)
+            self.version_mismatches.labels(relation)
         # staged release (docs/policy.md): the candidate bundle held for this agent's slice, 0 when none
         self.policy_candidate = Gauge("leasehold_agent_policy_candidate_version",
                                       "Canary bundle version held for this agent's slice (0: none)", registry=r,

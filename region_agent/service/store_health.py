@@ -37,7 +37,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-log = logging.getLogger("region_agent.service.store_health")
+log = logging.getLogger(__name__)
 
 SHARD_DEFAULT = "default"
 POLL_TIMEOUT_S = 1.0  # one round of INFO (the client's socket timeout usually ends it first)

@@ -49,7 +49,7 @@ def annotate(span: Any, out: Any) -> None:
     span.set_attributes({
         "leasehold.decision_id": d.decision_id, "leasehold.allowed": d.allowed,
         "leasehold.outcome": outcome_of(d), "decision.source": str(d.source),
-        "leasehold.rule": d.policy_id or "none", "leasehold.policy_version": d.policy_version,
+        "leasehold.rule": d.rule_id or "none", "leasehold.policy_version": d.bundle_version,
         "http.response.status_code": d.http_status, "leasehold.fallback": d.fallback,
         "leasehold.reason": str(d.reason) if d.reason else "", "leasehold.decisions": len(ds)})
 

@@ -1,1 +1,1 @@
-"""Redis adapters of the region agent (scripts, client, batching gateway)."""
+"""Redis adapters of the region agent (scripts, client, batching node adapter)."""

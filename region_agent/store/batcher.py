@@ -48,7 +48,7 @@ class Batcher:
                  on_batch: Callable[[int], None] | None = None, max_inflight: int = 3,
                  on_timeout: Callable[[LeaseholdError], BaseException] | None = None):
         """``on_timeout``: what a caller whose wait ended gets instead of the DeadlineExceeded
-        or AmbiguousOutcome (the store gateway judges the store by it: StoreGateway.submit)."""
+        or AmbiguousOutcome (the Redis node judges the store by it: RedisNode.submit)."""
         self._run = run
         self._on_timeout = on_timeout
         self._max_inflight = max(1, max_inflight)

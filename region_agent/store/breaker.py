@@ -1,4 +1,4 @@
-"""Circuit breaker for one Redis server the agent writes to (one per ``StoreGateway``: the
+"""Circuit breaker for one Redis server the agent writes to (one per ``RedisNode``: the
 standalone server, Sentinel's primary, or one Cluster primary): closed -> open after too many
 failures in a row, open -> half-open after a cool-down, half-open lets a limited number of
 probe calls through and closes on their success (reopens on a failure).

@@ -1,4 +1,4 @@
-"""A Redis Cluster as one store: one :class:`StoreGateway` per primary, calls routed by slot.
+"""A Redis Cluster as one store: one :class:`RedisNode` per primary, calls routed by slot.
 
 Every primary gets what a standalone Redis gets — its own connection pool, coalescing batcher,
 circuit breaker and stall detection — so a primary that hangs or dies opens only its own breaker
@@ -18,7 +18,7 @@ each read bounded), and kept current three ways:
   by a Cluster failover is found;
 * and every ``refresh_s`` anyway (``--redis-cluster-refresh-ms``).
 
-A primary that left the map (failed over, removed) is retired: its gateway is closed once its
+A primary that left the map (failed over, removed) is retired: its node is closed once its
 calls in flight ended, and its breaker and store-health series disappear.
 
 Why not redis-py's ``RedisCluster``: its nodes share one client — a connection error or timeout
@@ -43,8 +43,8 @@ from kernel.errors import AmbiguousOutcome, LeaseholdError, StoreUnavailable
 from ..decision.call import ScriptCall
 from . import scripts as sc
 from .breaker import CLOSED, STATE_NAMES
-from .gateway import StoreGateway
 from .lag import LoopLag
+from .node import RedisNode
 from .slots import SLOTS, SlotMap, slot_of, split_name
 
 log = logging.getLogger(__name__)
@@ -52,9 +52,9 @@ log = logging.getLogger(__name__)
 FAST_REFRESH_S = 0.5  # re-read period while a breaker is open or a slot has no known owner
 MIN_REFRESH_GAP_S = 0.1  # at most ten topology reads a second, whatever asks for them
 FIRST_READ_S = 2.0  # the first read of the map (at start: new connections, maybe a busy machine) per node
-RETIRE_AFTER_S = 2.0  # a retired primary's gateway is closed this long after it left the map
+RETIRE_AFTER_S = 2.0  # a retired primary's node is closed this long after it left the map
 
-NodeFactory = Callable[[str, Callable[[bool], None]], StoreGateway]  # (host:port, on_reachability) -> gateway
+NodeFactory = Callable[[str, Callable[[bool], None]], RedisNode]  # (host:port, on_reachability) -> node
 ClientFactory = Callable[[str], Any]  # host:port -> a standalone redis.asyncio.Redis (topology reads)
 
 
@@ -62,8 +62,8 @@ class ClusterStore:
     """The :class:`~region_agent.store.protocol.Store` over a Redis Cluster (see the module doc).
 
     ``seeds``: ``host:port`` of the nodes named in the URL; ``make_node(name, on_reachability)``
-    builds a primary's gateway (its client, breaker and metrics); ``make_client(name)`` a small
-    client for topology reads of nodes that have no gateway (seeds, replicas);
+    builds a primary's node (its client, breaker and metrics); ``make_client(name)`` a small
+    client for topology reads of nodes without a RedisNode (seeds, replicas);
     ``on_topology(map, changed)`` (after every read; ``changed``: it differs from a map read
     before) and ``on_retire(name)`` tell metrics about changes."""
 
@@ -87,10 +87,10 @@ class ClusterStore:
         self.on_topology = on_topology
         self.on_retire = on_retire
         self.map = SlotMap()
-        self.nodes: dict[str, StoreGateway] = {}  # primaries of the map (and MOVED targets)
-        self._probes: dict[str, Any] = {}  # topology-read clients of nodes without a gateway
+        self.nodes: dict[str, RedisNode] = {}  # primaries of the map (and MOVED targets)
+        self._probes: dict[str, Any] = {}  # topology-read clients of nodes without a RedisNode
         self._retiring: set[asyncio.Task] = set()
-        self._retired: list[StoreGateway] = []  # closed by their retiring task, or by close()
+        self._retired: list[RedisNode] = []  # closed by their retiring task, or by close()
         self._loading: set[asyncio.Task] = set()
         self._tasks: list[asyncio.Task] = []
         self._wanted: asyncio.Event | None = None
@@ -205,7 +205,7 @@ class ClusterStore:
         if self.on_topology is not None:
             self.on_topology(fresh, changed)
 
-    def _node(self, name: str) -> StoreGateway:
+    def _node(self, name: str) -> RedisNode:
         node = self.nodes.get(name)
         if node is None:
             node = self.nodes[name] = self.make_node(name, lambda up, _n=name: self._reachability(_n, up))
@@ -216,7 +216,7 @@ class ClusterStore:
         if not reachable:
             self.want_refresh()  # a failover promotes a replica: find it
 
-    async def _load_node(self, node: StoreGateway) -> None:
+    async def _load_node(self, node: RedisNode) -> None:
         """Load the scripts on a primary seen for the first time (a failure is not fatal: a call
         answered NOSCRIPT loads them then) and open its connections before its first burst."""
         with contextlib.suppress(LeaseholdError):
@@ -228,7 +228,7 @@ class ClusterStore:
         node = self.nodes.pop(name, None)
         if node is None:
             return
-        log.info("Redis Cluster primary %s left the slot map: its gateway is retired", name)
+        log.info("Redis Cluster primary %s left the slot map: its node is retired", name)
         if self.on_retire is not None:
             self.on_retire(name)
 
@@ -256,7 +256,7 @@ class ClusterStore:
         """One reply per call, in order. Calls are grouped by the primary owning their slot; a
         group whose primary's breaker is open gets ``StoreUnavailable`` in its calls' places at once
         (nothing sent), the others are sent as usual. A single group (every decision) raises its
-        gateway's error as a standalone store does."""
+        node's error as a standalone store does."""
         owners = self.map.owners  # the hot path: one list index per call
         groups: dict[str | None, list[int]] = {}
         for i, call in enumerate(calls):
@@ -368,13 +368,13 @@ class ClusterStore:
         :meth:`call_script`)."""
         return self
 
-    async def release(self, key: str, lease_id: str, *, wait_s: float | None = None) -> None:
-        (reply,) = await self.submit([("concurrency_release", [key], [lease_id])], wait_s=wait_s)
+    async def release(self, key: str, slot_id: str, *, wait_s: float | None = None) -> None:
+        (reply,) = await self.submit([("concurrency_release", [key], [slot_id])], wait_s=wait_s)
         if isinstance(reply, BaseException):
             raise sc.translate_redis_error(reply, sent=True)
 
-    async def renew(self, key: str, lease_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:
-        (reply,) = await self.submit([("concurrency_renew", [key], [lease_id, ttl_ms])], wait_s=wait_s)
+    async def renew(self, key: str, slot_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:
+        (reply,) = await self.submit([("concurrency_renew", [key], [slot_id, ttl_ms])], wait_s=wait_s)
         if isinstance(reply, BaseException):
             raise sc.translate_redis_error(reply, sent=True)
         return bool(int(reply[0]))

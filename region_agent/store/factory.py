@@ -1,5 +1,5 @@
-"""The agent's store from its settings: one :class:`StoreGateway` for a standalone Redis or a
-Sentinel-managed primary, a :class:`ClusterStore` (one gateway per primary) for Redis Cluster —
+"""The agent's store from its settings: one :class:`RedisNode` for a standalone Redis or a
+Sentinel-managed primary, a :class:`ClusterStore` (one node per primary) for Redis Cluster —
 each node with its own circuit breaker, and the per-shard metrics wired to it."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from . import scripts as sc
 from .breaker import CircuitBreaker
 from .client import CLUSTER, SENTINEL, make_client, make_sentinel_client, parse_store_url
 from .cluster import ClusterStore
-from .gateway import StoreGateway
 from .lag import LoopLag
+from .node import RedisNode
 from .slots import SlotMap
 
 DEFAULT_SHARD = "default"
@@ -31,7 +31,7 @@ class ShardMetrics:
         self.m = m
 
     def attach(self, shard: str, also: Callable[[bool], None] | None = None) -> dict[str, Any]:
-        """The gateway callbacks for ``shard`` (``also``: told about outages too)."""
+        """The node callbacks for ``shard`` (``also``: told about outages too)."""
         gauge = self.m.breaker_state.labels(shard)
         gauge.set(0)
         opens = self.m.breaker_opens.labels(shard)
@@ -57,7 +57,7 @@ class ShardMetrics:
                 pass
 
 
-def make_store(settings: AgentSettings, m: AgentMetrics) -> StoreGateway | ClusterStore:
+def make_store(settings: AgentSettings, m: AgentMetrics) -> RedisNode | ClusterStore:
     """The store ``--redis-url`` names (region_agent.store.client), wired to ``m``."""
     url = redis_url_with_secrets(settings)
     try:
@@ -68,11 +68,11 @@ def make_store(settings: AgentSettings, m: AgentMetrics) -> StoreGateway | Clust
     shards = ShardMetrics(m)
     socket_timeout = settings.redis_socket_timeout_ms / 1000
 
-    def gateway(client: Any, shard: str, lag: LoopLag | None = None,
-                also: Callable[[bool], None] | None = None) -> StoreGateway:
+    def node(client: Any, shard: str, lag: LoopLag | None = None,
+                also: Callable[[bool], None] | None = None) -> RedisNode:
         breaker = CircuitBreaker(failure_threshold=settings.breaker_failures, open_s=settings.breaker_open_ms / 1000,
                                  half_open_probes=settings.breaker_probes)
-        return StoreGateway(client, scripts, max_batch=settings.batch_max, max_queue=settings.queue_max,
+        return RedisNode(client, scripts, max_batch=settings.batch_max, max_queue=settings.queue_max,
                             max_inflight=settings.pipelines_in_flight, on_batch=m.batch_size.observe,
                             breaker=breaker, log_interval_s=settings.redis_log_interval_ms / 1000,
                             stall_s=settings.decision_budget_ms / 1000, late_s=socket_timeout, lag=lag,
@@ -92,7 +92,7 @@ def make_store(settings: AgentSettings, m: AgentMetrics) -> StoreGateway | Clust
             if changed:
                 m.redis_topology_changes.inc()
 
-        return ClusterStore(parsed.names, lambda name, also: gateway(node_client(name), name, lag, also),
+        return ClusterStore(parsed.names, lambda name, also: node(node_client(name), name, lag, also),
                             lambda name: node_client(name, 2), scripts, lag=lag,
                             refresh_s=settings.redis_cluster_refresh_ms / 1000,
                             topology_timeout_s=TOPOLOGY_TIMEOUT_S, on_topology=on_topology, on_retire=shards.detach)
@@ -100,6 +100,6 @@ def make_store(settings: AgentSettings, m: AgentMetrics) -> StoreGateway | Clust
         password = resolve_secret(settings.redis_sentinel_password_file, "REDIS_SENTINEL_PASSWORD")
         client = make_sentinel_client(parsed, max_connections=settings.redis_max_connections,
                                       socket_timeout=socket_timeout, sentinel_password=password)
-        return gateway(client, DEFAULT_SHARD)
+        return node(client, DEFAULT_SHARD)
     client = make_client(url, max_connections=settings.redis_max_connections, socket_timeout=socket_timeout)
-    return gateway(client, DEFAULT_SHARD)
+    return node(client, DEFAULT_SHARD)

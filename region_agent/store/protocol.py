@@ -1,5 +1,5 @@
 """What the decision engine and the fleet-wide pools need of a store (:class:`Store`),
-implemented over Redis by :class:`region_agent.store.gateway.StoreGateway`; tests may pass any
+implemented over Redis by :class:`region_agent.store.node.RedisNode`; tests may pass any
 object with these methods."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ class Store(Protocol):
         overloaded, past ``wait_s``). A coroutine function satisfies it."""
         ...
 
-    async def release(self, key: str, lease_id: str, *, wait_s: float | None = None) -> None:
-        """End the concurrency slot ``lease_id`` of the gate at ``key``."""
+    async def release(self, key: str, slot_id: str, *, wait_s: float | None = None) -> None:
+        """End the concurrency slot ``slot_id`` of the gate at ``key``."""
         ...
 
-    async def renew(self, key: str, lease_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:
+    async def renew(self, key: str, slot_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:
         """Extend a live concurrency slot to ``ttl_ms`` from now; False when it is gone."""
         ...

@@ -1,6 +1,6 @@
 """The short chaos profile inside ``make test``: each scenario runs the whole topology (3-member
 etcd, two allocators, two regions with Redis and two agents each, every link through a fault proxy,
-tenant pools and a global-scope pool spent from gateway chunks)
+tenant pools and a global-scope pool spent from in-process chunks)
 under load and its faults, then the history checker must pass every invariant, and the
 scenario's expectations must show the fault was really injected (fallback decisions during
 an allocator partition, a leader change after a kill, stale replays refused, ...).

@@ -41,11 +41,11 @@ from kernel.errors import (
 from leasehold.local.procs import EtcdCluster
 from region_agent.service.app import create_app as create_agent
 
-from .agent.conftest import PEPPER, admit_body, make_settings
-from .agent.conftest import northstar as northstar_bundle
-from .agent.conftest import write_bundle as write_agent_bundle
 from .allocator.helpers import lease_body, settings_for, unique_prefix, wait_until
 from .allocator.helpers import write_bundle as write_allocator_bundle
+from .region_agent.conftest import PEPPER, admit_body, make_settings
+from .region_agent.conftest import northstar as northstar_bundle
+from .region_agent.conftest import write_bundle as write_agent_bundle
 
 pytestmark = pytest.mark.integration
 

@@ -166,7 +166,7 @@ def assert_p_read(responses: list[httpx.Response]) -> None:
 
 
 def wait_early_in_window(window_s: int, room_s: float) -> None:
-    """Sleep until at least ``room_s`` of the current fixed window (aligned on epoch multiples,
+    """Sleep until at least ``room_s`` of the current fixed window (aligned on multiples of their length in Unix time,
     as the scripts align them on the Redis clock of this machine) are left."""
     left = window_s - time.time() % window_s
     if left < room_s:

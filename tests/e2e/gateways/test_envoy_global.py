@@ -102,7 +102,7 @@ def test_tenant_pool_g_is_honoured_across_two_envoys(fleet: Fleet):
     sent = asyncio.run(drive(fleet, users=40, per_user=10))  # 400 asked, G = 300
     assert len(sent) == 400
     assert {s.status for s in sent} <= {200, 429}, sorted({s.status for s in sent})
-    # per pool window (allocator windows are epoch-aligned): a request whose send and answer fall
+    # per pool window (allocator windows are Unix-time-aligned): a request whose send and answer fall
     # in different windows is counted against both (conservative)
     admitted: dict[int, int] = {}
     for s in sent:

@@ -109,7 +109,7 @@ def test_a_tenant_pool_through_rlqs_envoys_never_exceeds_g_plus_the_rlqs_term(fl
     wait_early_in_window(WINDOW_MS // 1000, DRIVE_S + 15.0)
     sent = asyncio.run(drive(fleet))
     assert {s.status for s in sent} <= {200, 429}, sorted({s.status for s in sent})
-    # per pool window (allocator windows are epoch-aligned): a request whose send and answer fall
+    # per pool window (allocator windows are Unix-time-aligned): a request whose send and answer fall
     # in different windows is counted against both (conservative)
     admitted: dict[int, int] = {}
     for s in sent:

@@ -6,11 +6,11 @@ region ``eu`` sharing it.
 * fallback is for an unreachable allocator only: a slow top-up never admits from the fallback
   allowance (path 2), an expensive request never denies the cheap ones the held chunk can pay
   (path 10), and an idempotent rule's top-up wait is not undone by its decision record (path 7);
-* a gateway chunk bought from a lease another agent deposited is clamped to that lease's end,
+* an in-process chunk bought from a lease another agent deposited is clamped to that lease's end,
   which is clamped to the window's end: tokens of window k are never spent in k+1 (path 3);
 * a region's first requests for a pool are served once its first lease arrives, not denied
   (path 11, cold start);
-* buying gateway chunks keeps the regional balance's record of a lease until the lease is closed:
+* buying in-process chunks keeps the regional balance's record of a lease until the lease is closed:
   a lease that ends with no fault is reported with what it really spent, not as lost.
 """
 
@@ -173,7 +173,7 @@ async def test_topup_wait_serves_idempotent_rules(region):
 
 
 async def test_chunk_bought_from_another_agents_lease_ends_with_its_window(region):
-    """Path 3: agent B buys a gateway chunk (valid 1.5 s) 1.2 s into a 2 s window from a lease it did
+    """Path 3: agent B buys an in-process chunk (valid 1.5 s) 1.2 s into a 2 s window from a lease it did
     not request itself (another agent's lease in the shared regional balance: deposited here with
     the real allocator grant and the real deposit script, as that agent's lease manager does). The
     chunk must end with that lease, i.e. at the window's end: in the next window the region admits

@@ -3,7 +3,7 @@ every window, each window admits at least 0.97 x G (the same check as the chaos 
 figure 6's, ``chaos.invariants.fault_free_utilisation``).
 
 Real processes: etcd, two allocators, region ``eu`` with a redis-server and two agents sharing
-its ``{g:<pool>}`` balance. Each agent spends the pool from in-process gateway chunks bought from
+its ``{g:<pool>}`` balance. Each agent spends the pool from in-process chunks bought from
 that balance. The pool's shape makes a chunk sized without regard to its holder's demand show:
 each agent is asked about 25 tokens/s while a chunk may hold up to 40 tokens for 1 s, so a
 chunk of ``chunkMax`` expires with a third of its tokens unspent (counted spent: never returned),

@@ -38,7 +38,7 @@ POOL = Pool(id="timing-w", window_ms=60_000, limit=1_000, lease_ttl_ms=1_500, ch
 
 
 class Grants:
-    """The manager's Recorder hook: what the allocator answered and what the region kept."""
+    """The manager's LeaseEvents hook: what the allocator answered and what the region kept."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[object, object, float, float]] = []

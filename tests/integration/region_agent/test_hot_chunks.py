@@ -1,4 +1,4 @@
-"""Chunk leases for a hot key set (region_agent.leasing.hot_chunks) on a real redis-server: the
+"""Chunks for a hot key set (region_agent.leasing.hot_chunks) on a real redis-server: the
 decision engine with the agent's own store, store calls counted by the server itself
 (``INFO commandstats``: every script call is one EVALSHA)."""
 
@@ -18,6 +18,7 @@ from kernel.bound import Topology, hot_chunk_term
 from kernel.bundle import Bundle, encode_bundle, make_rule, seal, validate_bundle
 from region_agent.decision.engine import DecisionEngine
 from region_agent.decision.keys import KeyBuilder
+from region_agent.decision.plan import Snapshot
 from region_agent.models import AdmitRequest, DecisionSource, Principal
 from region_agent.service.metrics import AgentMetrics
 from region_agent.store.factory import make_store
@@ -48,7 +49,8 @@ class Agent:
         self.m = AgentMetrics()
         self.store = make_store(make_settings(redis_url, policy), self.m)
         self.store.start()
-        self.engine = DecisionEngine(get_bundle=lambda: bundle, keys=KeyBuilder(PEPPER), store=self.store,
+        snap = Snapshot(bundle)
+        self.engine = DecisionEngine(get_snapshot=lambda: snap, keys=KeyBuilder(PEPPER), store=self.store,
                                      metrics=self.m, budget_ms=2_000)
 
     async def admit(self, cost: int = 1, user: str = "U-1"):

@@ -1,4 +1,4 @@
-"""Policy reload through the app, shadow rules, global-pool chunk leases, malformed input."""
+"""Policy reload through the app, shadow rules, global-pool chunks, malformed input."""
 
 from __future__ import annotations
 

@@ -250,8 +250,8 @@ async def test_a_policy_change_that_alters_a_buckets_rules_revokes_its_assignmen
         old = northstar()
         rules = [msgspec.structs.replace(r, capacity_millis=4_000) if r.id == "read-user-v3" else r for r in old.rules]
         write_bundle(policy_file, old, bundle_version=old.bundle_version + 1, rules=rules)
-        # a request naming a newer epoch makes the agent read its bundle file at once
-        probe = await client.post("/v1/admit", json={"requestId": "epoch-probe-01", "tenantId": "atlas",
+        # a request naming a newer bundle version (policyEpoch) makes the agent read its bundle file at once
+        probe = await client.post("/v1/admit", json={"requestId": "version-probe-01", "tenantId": "atlas",
                                                      "principal": {"type": "user", "id": "U-9"}, "routeGroup": "read",
                                                      "policyEpoch": old.bundle_version + 1},
                                   headers={"authorization": f"Bearer {TOKEN}"})

@@ -74,12 +74,12 @@ def read_state(r: Any, kind: str, key: str) -> Any:
 
 def norm(kind: str, state: Any, now: int | None = None) -> Any:
     """Comparable form: empty collections are no key at all. With ``now``, a concurrency set
-    whose leases have all expired also counts as no key (its PEXPIRE is max score - now, so Redis
+    whose slots have all expired also counts as no key (its PEXPIRE is max score - now, so Redis
     deletes it exactly then)."""
     if state is None:
         return None
     if kind in ("sl", "cc"):
-        d = dict(state.entries if kind == "sl" else state.leases)
+        d = dict(state.entries if kind == "sl" else state.slots)
         if kind == "cc" and now is not None and all(s <= now for s in d.values()):
             return None
         return d or None
@@ -129,7 +129,7 @@ def shift_model(kind: str, state: Any, d: int) -> Any:
     if kind == "sl":
         return SlidingLogState({m: s - d for m, s in state.entries.items()})
     if kind == "cc":
-        return ConcurrencyState({m: s - d for m, s in state.leases.items()})
+        return ConcurrencyState({m: s - d for m, s in state.slots.items()})
     if kind == "pool":
         return PoolState({k: replace(e, valid_from_ms=e.valid_from_ms - d, expires_at_ms=e.expires_at_ms - d)
                           for k, e in state.entries.items()})
@@ -158,7 +158,7 @@ class RateResult:
 
 
 @dataclass(frozen=True, slots=True)
-class LeaseResult:
+class SlotResult:
     """Reply of the concurrency scripts: ok = acquired / released / renewed."""
 
     ok: bool
@@ -169,8 +169,8 @@ def _rate(reply: Any) -> RateResult:
     return RateResult(bool(int(reply[0])), int(reply[1]), int(reply[2]))
 
 
-def _lease(reply: Any) -> LeaseResult:
-    return LeaseResult(bool(int(reply[0])), int(reply[1]))
+def _slot(reply: Any) -> SlotResult:
+    return SlotResult(bool(int(reply[0])), int(reply[1]))
 
 
 class ScriptCalls(Scripts):
@@ -201,15 +201,15 @@ class ScriptCalls(Scripts):
                           cost: int = 1, slack_ms: int = 0) -> RateResult:
         return _rate(await self.call(client, "sliding_log", [key], [limit, window_ms, member, cost, slack_ms]))
 
-    async def concurrency_acquire(self, client: Any, key: str, lease_id: str, *, max_in_flight: int,
-                                  lease_ttl_ms: int) -> LeaseResult:
-        return _lease(await self.call(client, "concurrency_acquire", [key], [lease_id, max_in_flight, lease_ttl_ms]))
+    async def concurrency_acquire(self, client: Any, key: str, slot_id: str, *, max_in_flight: int,
+                                  slot_ttl_ms: int) -> SlotResult:
+        return _slot(await self.call(client, "concurrency_acquire", [key], [slot_id, max_in_flight, slot_ttl_ms]))
 
-    async def concurrency_release(self, client: Any, key: str, lease_id: str) -> LeaseResult:
-        return _lease(await self.call(client, "concurrency_release", [key], [lease_id]))
+    async def concurrency_release(self, client: Any, key: str, slot_id: str) -> SlotResult:
+        return _slot(await self.call(client, "concurrency_release", [key], [slot_id]))
 
-    async def concurrency_renew(self, client: Any, key: str, lease_id: str, *, lease_ttl_ms: int) -> LeaseResult:
-        return _lease(await self.call(client, "concurrency_renew", [key], [lease_id, lease_ttl_ms]))
+    async def concurrency_renew(self, client: Any, key: str, slot_id: str, *, slot_ttl_ms: int) -> SlotResult:
+        return _slot(await self.call(client, "concurrency_renew", [key], [slot_id, slot_ttl_ms]))
 
     async def pool_take(self, client: Any, key: str, *, min_tokens: int, want: int, slack_ms: int,
                         per_s: int = 0) -> PoolTake:

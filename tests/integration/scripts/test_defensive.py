@@ -168,7 +168,7 @@ async def _denials(aclient, scripts):
         (kf, lambda: scripts.fixed_window(aclient, kf, limit=20, window_ms=10_000)),
         (ks, lambda: scripts.sliding_counter(aclient, ks, limit=20, window_ms=10_000)),
         (kl, lambda: scripts.sliding_log(aclient, kl, limit=20, window_ms=10_000, member="new")),
-        (kc, lambda: scripts.concurrency_acquire(aclient, kc, "c", max_in_flight=2, lease_ttl_ms=1_000)),
+        (kc, lambda: scripts.concurrency_acquire(aclient, kc, "c", max_in_flight=2, slot_ttl_ms=1_000)),
     ]
 
 
@@ -274,13 +274,13 @@ async def test_every_written_key_has_an_expiry(aclient, scripts):
         scripts.fixed_window(aclient, f"rl:v3:{T}:s:fw", limit=2, window_ms=60_000),
         scripts.sliding_counter(aclient, f"rl:v3:{T}:s:sc", limit=2, window_ms=60_000),
         scripts.sliding_log(aclient, f"rl:v3:{T}:s:sl", limit=2, window_ms=60_000, member="x"),
-        scripts.concurrency_acquire(aclient, f"rl:v3:{T}:s:cc", "x", max_in_flight=2, lease_ttl_ms=60_000),
+        scripts.concurrency_acquire(aclient, f"rl:v3:{T}:s:cc", "x", max_in_flight=2, slot_ttl_ms=60_000),
     ]
     for coro in singles:
         await coro
     for k in ("tb", "g", "fw", "sc", "sl", "cc"):
         assert await aclient.pttl(f"rl:v3:{T}:s:{k}") > 0, k
-    assert (await scripts.concurrency_renew(aclient, f"rl:v3:{T}:s:cc", "x", lease_ttl_ms=90_000)).ok
+    assert (await scripts.concurrency_renew(aclient, f"rl:v3:{T}:s:cc", "x", slot_ttl_ms=90_000)).ok
     assert 60_000 < await aclient.pttl(f"rl:v3:{T}:s:cc") <= 90_000
 
 

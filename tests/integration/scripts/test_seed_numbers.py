@@ -252,18 +252,18 @@ async def test_gcra_seed_numbers(aclient, scripts):
 async def test_concurrency_fourth_export_denied(aclient, scripts):
     key = "rl:v3:{t:birch}:tenant:birch:export:cc"
     for i in range(3):
-        r = await scripts.concurrency_acquire(aclient, key, f"E{i}", max_in_flight=3, lease_ttl_ms=60_000)
+        r = await scripts.concurrency_acquire(aclient, key, f"E{i}", max_in_flight=3, slot_ttl_ms=60_000)
         assert (r.ok, r.in_flight) == (True, i + 1)
     before = await aclient.dump(key)
-    r = await scripts.concurrency_acquire(aclient, key, "E3", max_in_flight=3, lease_ttl_ms=60_000)
+    r = await scripts.concurrency_acquire(aclient, key, "E3", max_in_flight=3, slot_ttl_ms=60_000)
     assert (r.ok, r.in_flight) == (False, 3) and await aclient.dump(key) == before
-    r = await scripts.concurrency_acquire(aclient, key, "E1", max_in_flight=3, lease_ttl_ms=60_000)
+    r = await scripts.concurrency_acquire(aclient, key, "E1", max_in_flight=3, slot_ttl_ms=60_000)
     assert (r.ok, r.in_flight) == (True, 3)
     r = await scripts.concurrency_release(aclient, key, "E0")
     assert (r.ok, r.in_flight) == (True, 2)
     r = await scripts.concurrency_release(aclient, key, "E0")
     assert (r.ok, r.in_flight) == (False, 2)
-    r = await scripts.concurrency_renew(aclient, key, "E1", lease_ttl_ms=120_000)
+    r = await scripts.concurrency_renew(aclient, key, "E1", slot_ttl_ms=120_000)
     assert (r.ok, r.in_flight) == (True, 2) and 60_000 < await aclient.pttl(key) <= 120_000
-    r = await scripts.concurrency_renew(aclient, key, "E0", lease_ttl_ms=120_000)
+    r = await scripts.concurrency_renew(aclient, key, "E0", slot_ttl_ms=120_000)
     assert (r.ok, r.in_flight) == (False, 2)

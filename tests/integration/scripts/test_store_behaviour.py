@@ -122,7 +122,7 @@ async def test_pool_deposit_spend_close(aclient, scripts):
 
 
 async def test_pool_take_buys_a_chunk_no_longer_than_its_leases(aclient, scripts):
-    """``pool_take.lua`` (gateway chunks, clamped to the window: docs/bound.md): at least min, at most want, earliest-
+    """``pool_take.lua`` (in-process chunks, clamped to the window: docs/bound.md): at least min, at most want, earliest-
     expiring leases first, and the chunk's validity ends with the first lease it took from."""
     key = f"rl:{T}:take:pool"
     t = now_ms()
@@ -141,7 +141,7 @@ async def test_pool_take_buys_a_chunk_no_longer_than_its_leases(aclient, scripts
 
 
 async def test_pool_take_per_s_caps_a_chunk_to_what_its_lease_can_spend(aclient, scripts):
-    """``per_s`` (gateway chunks sized by demand): a chunk taken from a lease that ends sooner than
+    """``per_s`` (in-process chunks sized by demand): a chunk taken from a lease that ends sooner than
     the chunk's validity holds no more than per_s tokens per second of what is left of that lease."""
     key = f"rl:{T}:take:per_s"
     t = now_ms()
@@ -184,7 +184,7 @@ async def test_lua_dir_default_and_include_expansion(scripts):
     src = s.source("multi_rule")
     assert "@include" not in src.replace("-- >>>", "").split("\n", 30)[-1]
     assert src.count("local TB = {}") == 1 and src.count("local function lh_int") == 1
-    assert len({s.sha(n) for n in s.scripts}) == len(s.scripts) == 14
+    assert len({s.sha(n) for n in s.scripts}) == len(s.scripts) == 15
 
 
 async def _hammer(url: str, cluster: bool, n_clients: int, per_client: int, call) -> int:

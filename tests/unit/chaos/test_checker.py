@@ -344,7 +344,7 @@ def decided(k: int, i: int, n: int, *, allowed: bool, by: str | None = RULE_ID, 
     return DecisionRec(agent=f"agent-{region}-1", region=region, tenant="atlas", allowed=allowed, sent_at_ms=at,
                        recorded_at_ms=at + 5, spends=[PoolSpend(pool="p-global", tokens=1, window_index=k,
                                                                 rule=RULE_ID)],
-                       policy_id=RULE_ID if allowed else by, reason=None if allowed else "RATE_EXCEEDED")
+                       rule_id=RULE_ID if allowed else by, reason=None if allowed else "RATE_EXCEEDED")
 
 
 def window_load(k: int, admitted: int, denied: int, denied_elsewhere: int = 0) -> list[DecisionRec]:
@@ -379,7 +379,7 @@ def test_requests_another_rule_denied_are_not_demand_for_the_pool():
     v = report.verdict("fault_free_utilisation")
     assert v.ok and not v.checked  # 95 offered to the pool: not above G, not judged
     assert report.utilisation == []
-    shed = [msgspec.structs.replace(d, policy_id=None, reason="OVERLOADED") for d in window_load(K, 0, 0, 30)]
+    shed = [msgspec.structs.replace(d, rule_id=None, reason="OVERLOADED") for d in window_load(K, 0, 0, 30)]
     report = check(util_history(window_load(K, 80, 15) + shed), [POOL])
     assert report.verdict("fault_free_utilisation").ok and report.utilisation == []
 

@@ -14,7 +14,7 @@ AMB = 'leasehold_agent_degraded_decisions_total{fail_mode="local_bounded",reason
 
 def fb(at: int, region: str = "eu") -> DecisionRec:
     return DecisionRec(agent=f"agent-{region}-1", region=region, tenant="atlas", allowed=True, recorded_at_ms=at,
-                    sent_at_ms=at - 300, fallback=True, spends=[PoolSpend(pool="atlas-w")], policy_id="user-all",
+                    sent_at_ms=at - 300, fallback=True, spends=[PoolSpend(pool="atlas-w")], rule_id="user-all",
                     limit=50, route_group="read")
 
 

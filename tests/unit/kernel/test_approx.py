@@ -1,7 +1,7 @@
 """Approximate local counters (kernel/approx.py), pure: an injected clock, and the reconciliation
 script's arithmetic as a dict (the script itself runs on a real redis-server in
 tests/integration/scripts/test_approx_reconcile.py and through agents in
-tests/integration/agent/test_approximate.py)."""
+tests/integration/region_agent/test_approximate.py)."""
 
 from __future__ import annotations
 

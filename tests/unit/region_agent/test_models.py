@@ -17,7 +17,7 @@ def test_denied_scope_wire_values_are_the_rule_scopes_plus_concurrency():
 
 
 def test_decision_encodes_enums_as_their_strings():
-    d = Decision(allowed=False, decision_id="r-1", policy_id="p", policy_version=3,
+    d = Decision(allowed=False, decision_id="r-1", rule_id="p", bundle_version=3,
                  denied_scope=DeniedScope.CONCURRENCY, reason=Reason.CONCURRENCY_EXCEEDED)
     body = msgspec.json.decode(msgspec.json.encode(d))
     assert (body["deniedScope"], body["reason"]) == ("concurrency", "CONCURRENCY_EXCEEDED")

@@ -94,7 +94,7 @@ def test_revoked_decision_only_for_revocable_rules():
                          tenant_id="atlas")
     birch = msgspec.structs.replace(atlas, tenant_id="birch")
     d = revoked_decision(Snapshot(b), atlas)
-    assert d is not None and (d.allowed, d.http_status, d.reason, d.policy_id) == \
+    assert d is not None and (d.allowed, d.http_status, d.reason, d.rule_id) == \
         (False, 503, "POLICY_STALE", "tenant-atlas-minute")
     assert revoked_decision(Snapshot(b), birch) is None
 

@@ -44,7 +44,7 @@ async def test_allowed_sends_one_multi_rule_call_and_reports_the_first_rule():
     store = ScriptedStore([[1, 0, 0, 17_000, 900_000]])
     e, _ = engine(store)
     d = await e.admit(req())
-    assert d.allowed and d.http_status == 200 and d.policy_id == "read-user-v3"
+    assert d.allowed and d.http_status == 200 and d.rule_id == "read-user-v3"
     assert (d.limit, d.remaining, d.fallback) == (20, 17, False)
     [[(script, keys, argv)]] = store.sent
     assert script == "multi_rule" and len(keys) == 3 and argv[3:5] == ["tb", 20_000]
@@ -54,18 +54,18 @@ async def test_a_denial_is_remembered_and_the_next_same_request_stays_off_the_st
     store = ScriptedStore([[0, 2, 1_500, 20_000, 400]])
     e, m = engine(store)
     first = await e.admit(req())
-    assert not first.allowed and first.reason == Reason.RATE_EXCEEDED and first.policy_id == "tenant-atlas-minute"
+    assert not first.allowed and first.reason == Reason.RATE_EXCEEDED and first.rule_id == "tenant-atlas-minute"
     assert first.http_status == 429 and first.retry_after_ms == 1_500
     again = await e.admit(req(rid="r-0000000000000002"))
     assert len(store.sent) == 1  # answered by the negative cache
-    assert not again.allowed and again.policy_id == "tenant-atlas-minute" and again.retry_after_ms == 1_500
+    assert not again.allowed and again.rule_id == "tenant-atlas-minute" and again.retry_after_ms == 1_500
     assert sample(m, "leasehold_agent_negative_cache_hits_total") == 1
 
 
 async def test_store_unreachable_local_bounded_rules_answer_from_their_fallback():
     e, m = engine(ScriptedStore(StoreUnavailable("down")))
     d = await e.admit(req())
-    assert d.allowed and d.fallback and d.policy_id == "read-user-v3"
+    assert d.allowed and d.fallback and d.rule_id == "read-user-v3"
     assert sample(m, "leasehold_agent_degraded_decisions_total", reason="STORE_UNREACHABLE",
                   fail_mode="local_bounded") == 1
 
@@ -74,7 +74,7 @@ async def test_store_unreachable_a_closed_rule_answers_503():
     e, _ = engine(ScriptedStore(StoreUnavailable("down")))
     d = await e.admit(req(route="export"))
     assert not d.allowed and d.http_status == 503 and d.reason == Reason.LIMITER_UNAVAILABLE
-    assert d.policy_id == "export-tenant" and not d.fallback
+    assert d.rule_id == "export-tenant" and not d.fallback
 
 
 async def test_overload_is_shed_never_answered_from_the_fallback():

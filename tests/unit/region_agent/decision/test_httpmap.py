@@ -20,7 +20,7 @@ WINDOW_KEY = make_rule(id="key-window", scope="key", algorithm="fixed_window", l
 
 
 def dec(**kw) -> Decision:
-    base = dict(allowed=False, decision_id="r-1", policy_id="x", policy_version=42, denied_scope=DeniedScope.USER,
+    base = dict(allowed=False, decision_id="r-1", rule_id="x", bundle_version=42, denied_scope=DeniedScope.USER,
                 reason="RATE_EXCEEDED", limit=20, remaining=0, retry_after_ms=500)
     base.update(kw)
     return Decision(**base)

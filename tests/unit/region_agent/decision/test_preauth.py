@@ -73,10 +73,10 @@ def test_check_denies_with_deniedscope_ip_until_the_window_ends():
     assert cap.check(Snapshot(NORTHSTAR), anon("203.0.113.1")) is None
     d = cap.check(Snapshot(NORTHSTAR), anon("203.0.113.2", rid="r-2"))
     assert d is not None and not d.allowed
-    assert (d.decision_id, d.denied_scope, d.reason, d.policy_id) == ("r-2", DeniedScope.IP, Reason.RATE_EXCEEDED,
+    assert (d.decision_id, d.denied_scope, d.reason, d.rule_id) == ("r-2", DeniedScope.IP, Reason.RATE_EXCEEDED,
                                                                        None)
     assert d.retry_after_ms == 19_750 and d.http_status == 429 and d.headers["Retry-After"].isdigit()
-    assert d.policy_version == NORTHSTAR.bundle_version
+    assert d.bundle_version == NORTHSTAR.bundle_version
 
 
 def test_check_leaves_authenticated_requests_and_routes_without_ip_rules_alone():
@@ -92,12 +92,12 @@ def test_check_leaves_authenticated_requests_and_routes_without_ip_rules_alone()
 
 def test_a_failed_authentication_is_an_anonymous_request_from_the_client_ip():
     req = AdmitRequest(request_id="r-7", tenant_id="atlas", principal=Principal(type="user", id="U-1",
-                       api_key_id="K1"), route_group="login", cost_hint=2, policy_epoch=42, auth_failed=True,
+                       api_key_id="K1"), route_group="login", cost_hint=2, bundle_version=42, auth_failed=True,
                        client_ip="203.0.113.9")
     out = as_failed_auth(req)
     assert out.principal == Principal(type="anonymous", id="203.0.113.9")
     assert out.tenant_id is None  # the claimed tenant is dropped: Atlas's keys are never spent
-    assert (out.request_id, out.route_group, out.cost_hint, out.policy_epoch) == ("r-7", "login", 2, 42)
+    assert (out.request_id, out.route_group, out.cost_hint, out.bundle_version) == ("r-7", "login", 2, 42)
 
 
 @pytest.mark.parametrize("client_ip", [None, "not-an-ip"])

@@ -44,7 +44,7 @@ def test_an_admission_carries_no_denial_fields_and_its_own_ratelimit_fields():
     rule = plan.rules[0]
     d = decision_record(plan, Snapshot(NORTHSTAR, NO_JITTER), Answer(True, rule, DeniedScope.USER, Reason.RATE_EXCEEDED, 20, 17, 900),
                         AgentMetrics())
-    assert (d.allowed, d.decision_id, d.policy_id, d.policy_version) == (True, plan.request_id, rule.id, 42)
+    assert (d.allowed, d.decision_id, d.rule_id, d.bundle_version) == (True, plan.request_id, rule.id, 42)
     assert (d.denied_scope, d.reason, d.retry_after_ms) == (None, None, 0)  # never a denial's fields
     assert (d.limit, d.remaining, d.http_status) == (20, 17, 200) and "RateLimit" in d.headers
 
@@ -68,7 +68,7 @@ def test_a_denial_without_a_positive_hint_is_counted_as_a_policy_defect():
 
 def test_shed_is_a_retriable_503_without_a_rule():
     d = decision_record(plan_of(), Snapshot(NORTHSTAR, NO_JITTER), SHED, AgentMetrics())
-    assert (d.http_status, d.reason, d.policy_id, d.retry_after_ms) == (503, Reason.OVERLOADED, None, SHED_RETRY_MS)
+    assert (d.http_status, d.reason, d.rule_id, d.retry_after_ms) == (503, Reason.OVERLOADED, None, SHED_RETRY_MS)
 
 
 def test_a_conflict_is_a_409_problem_naming_the_decision():

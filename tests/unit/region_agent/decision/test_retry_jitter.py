@@ -19,7 +19,7 @@ DEFAULT = HttpAnswers()  # the agent's defaults: 10 %, at least 1 s, at most 5 s
 
 
 def denied(rid: str, retry_ms: int, answers: HttpAnswers = DEFAULT, **kw) -> Decision:
-    d = Decision(allowed=False, decision_id=rid, policy_id="x", policy_version=42, denied_scope="user",
+    d = Decision(allowed=False, decision_id=rid, rule_id="x", bundle_version=42, denied_scope="user",
                  reason="RATE_EXCEEDED", limit=20, remaining=0, retry_after_ms=retry_ms, **kw)
     apply_http(d, rule=USER, anonymous=False, answers=answers)
     return d

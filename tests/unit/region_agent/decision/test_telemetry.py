@@ -1,4 +1,4 @@
-"""Decision telemetry (region_agent/decision/telemetry.py, keymeter.py, audit.py, epoch.py): bounded labels,
+"""Decision telemetry (region_agent/decision/telemetry.py, keymeter.py, audit.py, version_check.py): bounded labels,
 pruned policy versions, new keys by source class, one audit event per bypass use, policyEpoch."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from prometheus_client import generate_latest
 
 from kernel.bundle import load_bundle_file, seal
 from region_agent.decision import keymeter
-from region_agent.decision.epoch import EpochCheck
 from region_agent.decision.keymeter import NewKeyMeter
 from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.plan import Snapshot, build_plan
 from region_agent.decision.telemetry import DecisionTelemetry
+from region_agent.decision.version_check import VersionCheck
 from region_agent.models import AdmitRequest, Decision, Principal
 from region_agent.service.audit import BypassAudit
 from region_agent.service.metrics import AgentMetrics
@@ -33,9 +33,9 @@ def plan_for(tenant: str | None, route: str = "read", pid: str = "U-1", bundle=G
 
 
 def decision(plan, version=42, allowed=True, status=200, rule=None) -> Decision:
-    return Decision(allowed=allowed, decision_id=plan.request_id, policy_id=rule or (plan.rules[0].id if plan.rules
+    return Decision(allowed=allowed, decision_id=plan.request_id, rule_id=rule or (plan.rules[0].id if plan.rules
                                                                                       else None),
-                    policy_version=version, http_status=status)
+                    bundle_version=version, http_status=status)
 
 
 def text(m: AgentMetrics) -> str:
@@ -167,7 +167,7 @@ def test_policy_epoch_ahead_refreshes_at_most_once_per_interval():
     m = AgentMetrics()
     clock = FakeClock(100.0)
     calls: list[int] = []
-    e = EpochCheck(m, refresh=lambda: calls.append(1), min_interval_s=1.0, clock=clock)
+    e = VersionCheck(m, refresh=lambda: calls.append(1), min_interval_s=1.0, clock=clock)
     e.observe(None, 42)
     e.observe(42, 42)
     e.observe(41, 42)

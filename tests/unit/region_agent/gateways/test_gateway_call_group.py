@@ -15,7 +15,7 @@ from region_agent.gateways.call_group import CallGroup
 
 class Admission:
     """Stands in for the admission at this unit's boundary: records each ask, answers each question
-    with its own request id (a real admission's answers: tests/integration/agent/test_gateways.py)."""
+    with its own request id (a real admission's answers: tests/integration/region_agent/test_gateways.py)."""
 
     def __init__(self, refuse: str | None = None, error: Exception | None = None):
         self.asks: list[list[str]] = []

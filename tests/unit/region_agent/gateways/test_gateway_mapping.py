@@ -133,8 +133,8 @@ def test_per_unit_of_the_northstar_rules():
 
 
 def dec(status: int, retry: int = 0, **kw) -> Decision:
-    return Decision(allowed=status == 200, decision_id="r-1", policy_id=kw.pop("policy_id", "read-user-v3"),
-                    policy_version=42, http_status=status, retry_after_ms=retry, **kw)
+    return Decision(allowed=status == 200, decision_id="r-1", rule_id=kw.pop("rule_id", "read-user-v3"),
+                    bundle_version=42, http_status=status, retry_after_ms=retry, **kw)
 
 
 def test_the_deciding_decision():

@@ -1,4 +1,4 @@
-"""A fleet-wide pool's in-process chunk lease (region_agent/leasing/chunks.py): spending, give-backs,
+"""A fleet-wide pool's in-process chunk (region_agent/leasing/chunks.py): spending, give-backs,
 parts kept across renewals, and chunks sized by their holder's demand."""
 
 from hypothesis import given
@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from region_agent.leasing.chunks import (
     MAX_PARTS,
     SPEND_SHARE,
-    ChunkLease,
+    Chunk,
     RecentDemand,
     chunk_size,
     tokens_per_s,
@@ -15,7 +15,7 @@ from region_agent.leasing.chunks import (
 
 
 def test_chunk_lease_spend_give_back_expiry():
-    lease = ChunkLease()
+    lease = Chunk()
     assert lease.try_take(1, 0) is None
     lease.grant(100, now_ms=0, validity_ms=250)
     part = lease.try_take(1, 10)
@@ -31,7 +31,7 @@ def test_chunk_lease_spend_give_back_expiry():
 def test_a_renewal_keeps_what_the_chunk_still_holds():
     """A reservation given back while a renewal was in flight is not abandoned by the renewal: it
     stays in its own part (its own validity), spent before the newer part."""
-    lease = ChunkLease()
+    lease = Chunk()
     lease.grant(2, now_ms=0, validity_ms=1_000)
     a, b = lease.try_take(1, 10), lease.try_take(1, 10)
     assert a is not None and b is not None and lease.usable(10) == 0  # empty: a renewal starts
@@ -47,7 +47,7 @@ def test_a_renewal_keeps_what_the_chunk_still_holds():
 
 
 def test_parts_are_bounded_and_empty_ones_dropped():
-    lease = ChunkLease()
+    lease = Chunk()
     for i in range(MAX_PARTS + 3):
         lease.grant(1, now_ms=i, validity_ms=1_000)
     assert len(lease.parts) == MAX_PARTS and lease.usable(10) == MAX_PARTS
@@ -58,7 +58,7 @@ def test_parts_are_bounded_and_empty_ones_dropped():
 
 
 def test_fallback_is_per_part():
-    lease = ChunkLease()
+    lease = Chunk()
     lease.grant(1, now_ms=0, validity_ms=1_000, fallback=True)
     lease.grant(1, now_ms=0, validity_ms=2_000)
     a, b = lease.try_take(1, 1), lease.try_take(1, 1)
@@ -92,7 +92,7 @@ def test_chunk_size_follows_demand_within_bounds():
 
 
 def test_a_burst_after_a_quiet_spell_grows_the_chunk_at_once():
-    lease = ChunkLease()
+    lease = Chunk()
     for i in range(10):  # ten requests within 5 ms, after nothing
         lease.ask(1, 50_000 + i * 0.5, 250)
     assert lease.want(1, 2_000, 50_005, 250) == 10
@@ -104,7 +104,7 @@ def test_a_steady_chunk_is_spent_before_it_expires_even_if_demand_drops(rate: in
     """At a steady demand of ``rate`` tokens/s over a 1 s validity, the next chunk holds no more than
     the holder spends within that validity after demand falls by up to 1/SPEND_SHARE."""
     span = 1_000
-    lease = ChunkLease()
+    lease = Chunk()
     for i in range(rate * 2):  # two validities of demand, evenly spread
         lease.ask(1, 10_000 + i * 1_000 / rate, span)
     now = 10_000 + 2_000
@@ -113,7 +113,7 @@ def test_a_steady_chunk_is_spent_before_it_expires_even_if_demand_drops(rate: in
 
 
 def test_tokens_a_chunk_held_at_its_end_are_counted_abandoned():
-    lease = ChunkLease()
+    lease = Chunk()
     lease.grant(5, now_ms=0, validity_ms=100)
     lease.try_take(2, 10)
     assert lease.take_abandoned() == 0

@@ -17,7 +17,7 @@ from region_agent.decision.fallback import LocalAllowances
 from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.plan import GlobalSpend
 from region_agent.leasing.book import BalanceState
-from region_agent.leasing.chunks import NO_CHUNK, ChunkLease
+from region_agent.leasing.chunks import NO_CHUNK, Chunk
 from region_agent.leasing.fleet_pools import ROLLOVER_WAIT_MS, FleetPools, TakeStatus
 from region_agent.leasing.redis_balance import BALANCE_SLACK_MS
 from region_agent.leasing.window_clock import Windows
@@ -161,7 +161,7 @@ async def test_concurrent_requests_share_one_renewal():
 async def test_a_partial_chunk_is_all_the_balance_had():
     store = Store([[300, 0, 100, 0]])
     f, c, m = fleet(store, Leases())
-    f.chunks[POOL.id] = ChunkLease()
+    f.chunks[POOL.id] = Chunk()
     f.chunks[POOL.id].ask(3_999, c.t * 1000, POOL.chunk_validity_ms)  # this agent was asked 4,000 tokens
     assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
     assert store.sent[0][0][2][1] == POOL.chunk_max  # all of them at once: chunkMax; the balance had 300

@@ -61,20 +61,20 @@ def test_a_chunk_never_exceeds_what_the_keys_still_allow_this_process():
 # ---------------------------------------------------------------------------- spending
 def test_a_chunk_pays_until_spent_or_expired_and_counts_what_it_abandons():
     c = KeySetChunk()
-    c.lease.grant(3, 0.0, 1_000)
+    c.parts.grant(3, 0.0, 1_000)
     assert c.spend(2, 100.0) and c.usable(100.0) == 1
     assert not c.spend(2, 200.0) and c.usable(200.0) == 1  # cannot pay two
     assert not c.spend(1, 1_000.0)  # its validity ended
-    assert c.lease.take_abandoned() == 1
+    assert c.parts.take_abandoned() == 1
 
 
 def test_a_new_part_does_not_extend_what_an_older_one_holds():
     c = KeySetChunk()
-    c.lease.grant(2, 0.0, 300)
-    c.lease.grant(5, 200.0, 300)
+    c.parts.grant(2, 0.0, 300)
+    c.parts.grant(5, 200.0, 300)
     assert c.usable(250.0) == 7
     assert c.spend(1, 250.0) and c.usable(299.0) == 6
-    assert c.usable(300.0) == 5 and c.lease.take_abandoned() == 1  # the older part ended at its own time
+    assert c.usable(300.0) == 5 and c.parts.take_abandoned() == 1  # the older part ended at its own time
 
 
 # ---------------------------------------------------------------------------- which plans

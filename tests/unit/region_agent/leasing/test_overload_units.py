@@ -1,7 +1,7 @@
 """Pure parts of the overload handling (docs/concepts.md: overload is shed): the event-loop lag monitor and the
-cost-aware local denial of a chunk lease."""
+cost-aware local denial of a chunk."""
 
-from region_agent.leasing.chunks import ChunkLease
+from region_agent.leasing.chunks import Chunk
 from region_agent.store.lag import LoopLag
 
 
@@ -22,7 +22,7 @@ def test_loop_lag_is_the_worst_recent_lateness_and_an_overdue_tick():
 
 
 def test_a_chunk_denial_blocks_only_requests_at_least_as_expensive():
-    lease = ChunkLease()
+    lease = Chunk()
     lease.grant(50, 0.0, 250)
     assert lease.try_take(10, 1.0) is not None
     lease.deny(2.0, 100, 250, min_cost=1_000)  # a 1,000-token request could not be paid

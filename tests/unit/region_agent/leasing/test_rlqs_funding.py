@@ -92,7 +92,7 @@ def decisions(*answers: tuple[bool, int, int]):
         (q,) = qs
         asked.append(q.cost_hint)
         ok, rem, retry = next(it)
-        return [Decision(allowed=ok, decision_id=q.request_id, policy_id="read-user-v3", policy_version=1,
+        return [Decision(allowed=ok, decision_id=q.request_id, rule_id="read-user-v3", bundle_version=1,
                          remaining=rem, retry_after_ms=retry, http_status=200 if ok else 429)]
     return decide, asked
 
@@ -115,7 +115,7 @@ def test_take_asks_again_for_what_a_denial_says_is_left():
 def test_take_stops_at_an_answer_that_is_not_a_limit():
     async def closed(qs):
         (q,) = qs
-        return [Decision(allowed=False, decision_id=q.request_id, policy_id="x", policy_version=1, remaining=50,
+        return [Decision(allowed=False, decision_id=q.request_id, rule_id="x", bundle_version=1, remaining=50,
                          retry_after_ms=5_000, http_status=503)]
     t = asyncio.run(f.take(closed, Q, 20))
     assert t.tokens == 0 and t.attempts == f.ROUND_ATTEMPTS and t.retry_ms == 5_000

@@ -38,7 +38,7 @@ def test_a_selected_revocable_rule_denies_with_503_policy_stale():
     m = AgentMetrics()
     d = revoked_decision(Snapshot(bundle), user_read("r-9"), m)
     assert d is not None and not d.allowed
-    assert (d.decision_id, d.policy_id, d.denied_scope, d.reason) == ("r-9", rule.id, DeniedScope.TENANT,
+    assert (d.decision_id, d.rule_id, d.denied_scope, d.reason) == ("r-9", rule.id, DeniedScope.TENANT,
                                                                        Reason.POLICY_STALE)
     assert (d.http_status, d.retry_after_ms) == (503, rule.closed_retry_after_ms)
     assert int(d.headers["Retry-After"]) >= rule.closed_retry_after_ms // 1000
@@ -54,7 +54,7 @@ def test_an_anonymous_caller_learns_nothing_about_the_policy():
                         route_group="login")
     d = revoked_decision(Snapshot(bundle), anon)
     assert d is not None and d.http_status == 503 and d.denied_scope is DeniedScope.IP
-    assert d.policy_id is None and d.problem == {"type": "about:blank", "title": "Service Unavailable",
+    assert d.rule_id is None and d.problem == {"type": "about:blank", "title": "Service Unavailable",
                                                  "status": 503}
 
 
@@ -82,7 +82,7 @@ def _state(bundle, tmp_path: Path):
     from region_agent.service.policy import PolicyHolder
     from tests.support.clock import FakeClock
 
-    return SimpleNamespace(policy_watch=_Stale(), holder=PolicyHolder(str(tmp_path / "none.json"), bundle), epoch=None,
+    return SimpleNamespace(policy_watch=_Stale(), holder=PolicyHolder(str(tmp_path / "none.json"), bundle), version_check=None,
                            metrics=AgentMetrics(), key_cap=NewKeyCap(per_source=1, window_ms=60_000,
                                                                      clock=FakeClock(1_000.0)))
 

@@ -5,7 +5,7 @@ import pytest
 
 from kernel.errors import AmbiguousOutcome, Overloaded, StoreUnavailable
 from region_agent.store.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from region_agent.store.gateway import StoreGateway
+from region_agent.store.node import RedisNode
 
 
 def test_opens_after_consecutive_failures_and_refuses_until_cool_down():
@@ -78,7 +78,7 @@ async def test_late_answers_of_a_busy_agent_are_used_and_never_open_the_breaker(
     store answers (its pipeline is in flight for less than the stall threshold): they get the
     store's own late answers, and the breaker stays closed — nothing was wrong with the store."""
     scripts = _SlowScripts(0.05)
-    gw = StoreGateway(object(), scripts, breaker=CircuitBreaker(failure_threshold=3, open_s=10.0), stall_s=0.2)
+    gw = RedisNode(object(), scripts, breaker=CircuitBreaker(failure_threshold=3, open_s=10.0), stall_s=0.2)
     call = ("multi_rule", ["k"], [1])
     got = await asyncio.gather(*(gw.submit([call], wait_s=0.005) for _ in range(3)))
     assert got == [[[1, 0, 0, 1000]]] * 3
@@ -90,7 +90,7 @@ async def test_a_stalled_store_opens_the_breaker_and_its_late_success_closes_it(
     event loop runs on time): late callers count against it and degrade, so a hung Redis opens the
     breaker quickly; when that pipeline then comes back fine, the breaker closes again."""
     scripts = _SlowScripts(0.3)
-    gw = StoreGateway(object(), scripts, breaker=CircuitBreaker(failure_threshold=3, open_s=10.0), stall_s=0.02)
+    gw = RedisNode(object(), scripts, breaker=CircuitBreaker(failure_threshold=3, open_s=10.0), stall_s=0.02)
     call = ("multi_rule", ["k"], [1])
     got = await asyncio.gather(*(gw.submit([call], wait_s=0.005) for _ in range(3)), return_exceptions=True)
     assert all(isinstance(g, AmbiguousOutcome) for g in got), got
@@ -107,7 +107,7 @@ async def test_a_call_queued_past_its_budget_behind_a_healthy_pipeline_is_overlo
     """Not sent within the budget while the one pipeline in flight is younger than the stall
     threshold: this agent is overloaded (``Overloaded``, shed), the store is not failing."""
     scripts = _SlowScripts(0.1)
-    gw = StoreGateway(object(), scripts, max_inflight=1, breaker=CircuitBreaker(failure_threshold=1), stall_s=1.0)
+    gw = RedisNode(object(), scripts, max_inflight=1, breaker=CircuitBreaker(failure_threshold=1), stall_s=1.0)
     call = ("multi_rule", ["k"], [1])
     first = asyncio.ensure_future(gw.submit([call], wait_s=1.0))  # a future (breaker closed) or a coroutine
     await asyncio.sleep(0.01)
@@ -121,7 +121,7 @@ async def test_a_cancelled_probe_gives_its_half_open_slot_back():
     scripts = _SlowScripts(0.5)
     br = CircuitBreaker(failure_threshold=1, open_s=0.0, half_open_probes=1)
     br.failure(0.0)
-    gw = StoreGateway(object(), scripts, breaker=br)
+    gw = RedisNode(object(), scripts, breaker=br)
     task = asyncio.ensure_future(gw.submit([("multi_rule", ["k"], [1])], wait_s=1.0))
     await asyncio.sleep(0.01)
     assert br.state == HALF_OPEN and br.probes_in_flight == 1

@@ -1,5 +1,5 @@
 """Routing of the cluster store (region_agent/store/cluster.py) without a network: each primary's
-gateway is the real StoreGateway (batcher, breaker) over a scripted pipeline runner, and the
+node is the real RedisNode (batcher, breaker) over a scripted pipeline runner, and the
 topology reads answer a scripted ``CLUSTER SLOTS``. The real cluster: tests/integration/region_agent/test_cluster_shards.py."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from kernel.errors import StoreUnavailable
 from region_agent.store.breaker import OPEN, CircuitBreaker
 from region_agent.store.cluster import ClusterStore
-from region_agent.store.gateway import StoreGateway
+from region_agent.store.node import RedisNode
 from region_agent.store.scripts import SlotMoved
 from region_agent.store.slots import slot_of
 
@@ -68,7 +68,7 @@ def store(topo: Topology, answer=lambda node, call: [1, 0, 0, node], **kw):
     tops: list[bool] = []
 
     def make_node(name, on_reachability):
-        return StoreGateway(FakeClient(name, topo), Runner(name, answer, sent),
+        return RedisNode(FakeClient(name, topo), Runner(name, answer, sent),
                             breaker=CircuitBreaker(failure_threshold=1, open_s=60.0), shard=name,
                             on_reachability=on_reachability)
 

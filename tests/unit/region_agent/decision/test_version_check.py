@@ -1,8 +1,8 @@
-"""region_agent.decision.epoch: a gateway's policyEpoch against the bundle version the agent holds."""
+"""region_agent.decision.version_check: a gateway's policyEpoch against the bundle version the agent holds."""
 
 from __future__ import annotations
 
-from region_agent.decision.epoch import EpochCheck
+from region_agent.decision.version_check import VersionCheck
 from region_agent.service.metrics import AgentMetrics
 from tests.support.clock import FakeClock
 
@@ -11,9 +11,9 @@ def mismatches(m: AgentMetrics, relation: str) -> float:
     return m.registry.get_sample_value("leasehold_agent_policy_epoch_mismatches_total", {"relation": relation}) or 0.0
 
 
-def check(min_interval_s: float = 1.0) -> tuple[EpochCheck, AgentMetrics, FakeClock, list[int]]:
+def check(min_interval_s: float = 1.0) -> tuple[VersionCheck, AgentMetrics, FakeClock, list[int]]:
     m, clock, calls = AgentMetrics(), FakeClock(50.0), []
-    return EpochCheck(m, refresh=lambda: calls.append(1), min_interval_s=min_interval_s, clock=clock), m, clock, calls
+    return VersionCheck(m, refresh=lambda: calls.append(1), min_interval_s=min_interval_s, clock=clock), m, clock, calls
 
 
 def test_matching_or_absent_epochs_count_nothing():
@@ -43,6 +43,6 @@ def test_a_gateway_ahead_refreshes_at_most_once_per_interval():
 
 def test_without_a_refresh_source_a_gateway_ahead_is_only_counted():
     m = AgentMetrics()
-    e = EpochCheck(m, clock=FakeClock(50.0))
+    e = VersionCheck(m, clock=FakeClock(50.0))
     e.observe(43, 42)
     assert mismatches(m, "gateway_ahead") == 1 and e.refreshes == 0

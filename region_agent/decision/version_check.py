@@ -1,5 +1,6 @@
-"""``policyEpoch`` in the admission request: the snapshot version the gateway evaluated against;
-the version number is written into the decision (docs/invariants.md I3, I13).
+"""The version check: the bundle version a gateway has seen (``policyEpoch`` on the wire, a
+documented alias: docs/glossary.md) against the bundle version in force, which is written into the
+decision (``policyVersion``; docs/invariants.md I3, I13).
 
 The agent decides with the bundle it holds and says which one in ``policyVersion``; it never
 waits for or guesses at a bundle it does not have. ``policyEpoch`` is the gateway's view of the
@@ -24,21 +25,21 @@ from collections.abc import Callable
 from typing import Any
 
 
-class EpochCheck:
+class VersionCheck:
     def __init__(self, metrics: Any, refresh: Callable[[], object] | None = None, *, min_interval_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic):
-        self._ahead = metrics.policy_epoch.labels("gateway_ahead")
-        self._behind = metrics.policy_epoch.labels("gateway_behind")
+        self._ahead = metrics.version_mismatches.labels("gateway_ahead")
+        self._behind = metrics.version_mismatches.labels("gateway_behind")
         self.refresh = refresh
         self.min_interval_s = min_interval_s
         self.clock = clock
         self._last = float("-inf")
         self.refreshes = 0
 
-    def observe(self, epoch: int | None, version: int) -> None:
-        if epoch is None or epoch == version:
+    def observe(self, seen: int | None, version: int) -> None:
+        if seen is None or seen == version:
             return
-        if epoch < version:
+        if seen < version:
             self._behind.inc()
             return
         self._ahead.inc()

@@ -1,4 +1,4 @@
-"""kernel.bounded: the stated bounds hold, and what each cache keeps."""
+"""kernel.caches: the stated bounds hold, and what each cache keeps."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kernel.bounded import LRU, BoundedMemo
+from kernel.caches import LRU, BoundedMemo
 
 
 @given(st.integers(1, 8), st.lists(st.integers(0, 20), max_size=200))

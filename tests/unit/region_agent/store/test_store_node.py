@@ -1,4 +1,4 @@
-"""The store gateway's judgement of the store (region_agent/store/gateway.py), without a network:
+"""The Redis node's judgement of the store (region_agent/store/node.py), without a network:
 the pipeline runner is scripted (``Scripts.run_pipeline``'s place), the breaker and the loop-lag
 monitor are the real ones. The Redis paths (NOSCRIPT reload, cluster routing, stalls) are
 tests/integration/scripts and tests/integration/region_agent."""
@@ -10,8 +10,8 @@ import redis.exceptions as rex
 
 from kernel.errors import AmbiguousOutcome, Overloaded, ScriptRejected, StoreUnavailable
 from region_agent.store.breaker import CLOSED, OPEN, CircuitBreaker
-from region_agent.store.gateway import StoreGateway
 from region_agent.store.lag import LoopLag
+from region_agent.store.node import RedisNode
 
 CALL = ("multi_rule", ["k"], [0, 0, "m", "tb", 1, 1, 1, 1, 0, ""])
 
@@ -42,15 +42,15 @@ class Lagging(LoopLag):
         return self.lag
 
 
-def gateway(runner: ScriptedRunner, *, failures: int = 2, lag: float = 0.0):
+def node(runner: ScriptedRunner, *, failures: int = 2, lag: float = 0.0):
     states: list[int] = []
-    gw = StoreGateway(object(), runner, breaker=CircuitBreaker(failure_threshold=failures, open_s=60.0),  # type: ignore[arg-type]  # a fake client and scripted runner in place of redis-py
+    gw = RedisNode(object(), runner, breaker=CircuitBreaker(failure_threshold=failures, open_s=60.0),  # type: ignore[arg-type]  # a fake client and scripted runner in place of redis-py
                       on_breaker=states.append, lag=Lagging(lag), late_s=0.4, connect_timeout_s=0.2)
     return gw, states
 
 
 async def test_replies_come_back_in_order_and_a_good_pipeline_keeps_the_breaker_closed():
-    gw, states = gateway(ScriptedRunner([[1, 0, 0, 5], ScriptRejected("bad args")]))
+    gw, states = node(ScriptedRunner([[1, 0, 0, 5], ScriptRejected("bad args")]))
     replies = await gw.submit([CALL, CALL], wait_s=1.0)
     assert replies[0] == [1, 0, 0, 5] and isinstance(replies[1], ScriptRejected)  # a contract error, in its slot
     assert states[-1] == CLOSED
@@ -60,7 +60,7 @@ async def test_replies_come_back_in_order_and_a_good_pipeline_keeps_the_breaker_
 async def test_store_failures_open_the_breaker_and_then_nothing_is_sent():
     # (Scripts.run_pipeline raises its translated error: unreachable before anything was sent)
     runner = ScriptedRunner(StoreUnavailable("store unreachable"), [StoreUnavailable("down")])
-    gw, states = gateway(runner)
+    gw, states = node(runner)
     with pytest.raises(StoreUnavailable):  # nothing was sent: a plain store failure
         await gw.submit([CALL], wait_s=1.0)
     (reply,) = await gw.submit([CALL], wait_s=1.0)  # a store error in a slot counts too
@@ -73,7 +73,7 @@ async def test_store_failures_open_the_breaker_and_then_nothing_is_sent():
 
 
 async def test_a_timeout_after_send_is_ambiguous_and_counts_against_the_store():
-    gw, states = gateway(ScriptedRunner(rex.TimeoutError("Timeout reading from socket")), failures=1)
+    gw, states = node(ScriptedRunner(rex.TimeoutError("Timeout reading from socket")), failures=1)
     with pytest.raises(AmbiguousOutcome):
         await gw.submit([CALL], wait_s=1.0)
     assert states[-1] == OPEN
@@ -81,7 +81,7 @@ async def test_a_timeout_after_send_is_ambiguous_and_counts_against_the_store():
 
 
 async def test_a_timeout_while_this_agent_lags_is_overload_and_the_store_is_not_blamed():
-    gw, states = gateway(ScriptedRunner(rex.TimeoutError("Timeout reading from socket")), failures=1, lag=0.2)
+    gw, states = node(ScriptedRunner(rex.TimeoutError("Timeout reading from socket")), failures=1, lag=0.2)
     with pytest.raises(Overloaded):  # lag 0.2 s >= late_s / 4: the agent was busy, not the store
         await gw.submit([CALL], wait_s=1.0)
     assert OPEN not in states and gw.breaker.state == CLOSED

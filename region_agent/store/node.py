@@ -2,7 +2,7 @@
 :class:`Batcher` under the node's circuit breaker, and translates driver errors into
 ``kernel.errors``.
 
-A standalone Redis (or the primary a Sentinel names) is one :class:`StoreGateway`; a Redis
+A standalone Redis (or the primary a Sentinel names) is one :class:`RedisNode`; a Redis
 Cluster is one per primary behind :class:`region_agent.store.cluster.ClusterStore`, so a
 failing primary opens only its own breaker. Everything Redis-specific the decision engine
 needs goes through these two classes (the :class:`~region_agent.store.protocol.Store` protocol)."""
@@ -30,7 +30,7 @@ from .batcher import Batcher
 from .breaker import CLOSED, OPEN, CircuitBreaker
 from .lag import LoopLag
 
-log = logging.getLogger("region_agent.store")
+log = logging.getLogger(__name__)
 
 INFO_SECTIONS = ("memory", "stats", "clients", "replication", "keyspace", "commandstats")
 
@@ -40,7 +40,7 @@ def translate(exc: BaseException, *, sent: bool = True) -> LeaseholdError:
     return sc.translate_redis_error(exc, sent=sent)
 
 
-class StoreGateway:
+class RedisNode:
     """``stall_s``: a pipeline in flight longer than this (the decision budget) while the event
     loop runs on time means the store stopped answering; ``late_s``: how long a call already sent
     may wait past its caller's budget for its own answer when the store is not stalled (the
@@ -258,18 +258,18 @@ class StoreGateway:
                                  f"{self.breaker.failure_threshold} consecutive store failures; decisions "
                                  f"degrade per rule failMode{more}")
 
-    async def release(self, key: str, lease_id: str, *, wait_s: float | None = None) -> None:
-        """End a concurrency lease. Like a decision it goes through the breaker and the batcher
+    async def release(self, key: str, slot_id: str, *, wait_s: float | None = None) -> None:
+        """End a concurrency slot. Like a decision it goes through the breaker and the batcher
         under the caller's budget: a hung Redis answers ``Unavailable`` (503, retriable; the lease
         also ends by its TTL) after ``wait_s``, not after the socket timeout."""
-        (reply,) = await self.submit([("concurrency_release", [key], [lease_id])], wait_s=wait_s)
+        (reply,) = await self.submit([("concurrency_release", [key], [slot_id])], wait_s=wait_s)
         if isinstance(reply, BaseException):
             raise translate(reply)
 
-    async def renew(self, key: str, lease_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:
+    async def renew(self, key: str, slot_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:
         """Heartbeat of a live concurrency slot; False when it is gone (released or expired).
         Through the breaker and the batcher under the caller's budget, like a release."""
-        (reply,) = await self.submit([("concurrency_renew", [key], [lease_id, ttl_ms])], wait_s=wait_s)
+        (reply,) = await self.submit([("concurrency_renew", [key], [slot_id, ttl_ms])], wait_s=wait_s)
         if isinstance(reply, BaseException):
             raise translate(reply)
         return bool(int(reply[0]))
