@@ -25,7 +25,8 @@ def app_factory():
     settings = load_agent_settings([])
     from kernel.httpserver import quiet_request_logs
     quiet_request_logs(settings.log_level)  # a worker process configures its own loggers
-    return create_app(settings, pepper=resolve_pepper(settings), install_signal_handlers=True)
+    return create_app(settings, pepper=resolve_pepper(settings), install_signal_handlers=True,
+                      freeze_heap=True)
 
 
 def _export(settings: AgentSettings) -> None:

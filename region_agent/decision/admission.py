@@ -34,7 +34,7 @@ the keys refuse (:class:`~kernel.errors.ValidationFailed`, e.g. ``authFailed`` w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from kernel import tracing
@@ -106,12 +106,14 @@ class Admission:
                                          decoded)
         return await self._decide(reqs, decoded)
 
-    async def decide_one(self, req: AdmitRequest, *, door: str, carrier: Carrier = (),
-                         decoded: bool = False) -> Decision:
-        """:meth:`decide` of one question (the common case: no list of results built)."""
+    def decide_one(self, req: AdmitRequest, *, door: str, carrier: Carrier = (),
+                   decoded: bool = False) -> Awaitable[Decision]:
+        """:meth:`decide` of one question (the common case: no list of results built). The
+        awaitable is the decision's own coroutine, not one wrapped around it (one frame less
+        per call); nothing runs before it is awaited."""
         if tracing.ENABLED:
-            return await traced_decision(door, carrier, req.request_id, self._decide_one, req, decoded)
-        return await self._decide_one(req, decoded)
+            return traced_decision(door, carrier, req.request_id, self._decide_one, req, decoded)
+        return self._decide_one(req, decoded)
 
     async def _decide(self, reqs: list[AdmitRequest], decoded: bool) -> list[Decision]:
         st = self._state_of()

@@ -238,9 +238,12 @@ async def metrics(agent: NamedDependency[AgentState]) -> Response:
 # ---------------------------------------------------------------------------------- app
 def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder | None = None,
                metrics_obj: AgentMetrics | None = None, store_factory=None,
-               install_signal_handlers: bool = False, fast_path: bool = True) -> Litestar:
+               install_signal_handlers: bool = False, fast_path: bool = True,
+               freeze_heap: bool = False) -> Litestar:
     """Build the app. ``store_factory(settings, metrics) -> RedisNode`` is for the lifespan;
-    the default connects to ``settings.redis_url``."""
+    the default connects to ``settings.redis_url``. ``freeze_heap``: the lifespan ends its start-up
+    with :func:`kernel.httpserver.freeze_startup_heap` (the agent process; not an app a test
+    builds among others)."""
     m = metrics_obj or AgentMetrics()
     tracing.setup("leasehold-agent", settings.otlp_endpoint, settings.trace_sample_ratio)  # off without an endpoint
 
@@ -323,6 +326,9 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             state.tasks.append(asyncio.create_task(store_health.run(state.store, m.store_health,
                                                                     settings.store_health_ms)))
         await state.gateways.start()  # the RLS gRPC server, when --rls-port is set
+        if freeze_heap:
+            from kernel.httpserver import freeze_startup_heap
+            freeze_startup_heap()
         loop = asyncio.get_running_loop()
         undo_termination = None
         if install_signal_handlers:
