@@ -14,8 +14,9 @@ import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -26,6 +27,37 @@ from .recording import decision_from_admit
 
 MAX_REQUESTS = 200_000
 ROUTES = ("read", "write", "search")
+
+
+async def run_workers(workers: Sequence[Coroutine[Any, Any, None]]) -> None:
+    """Run the load's workers together until each returns; whatever ends the run (an error,
+    a cancellation) cancels the others and waits for them, so no worker outlives it."""
+    tasks = [asyncio.create_task(w) for w in workers]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def paced(interval_s: float, deadline: float, budget: list[int], rng: random.Random,
+                stopped: Callable[[], bool] = lambda: False) -> AsyncIterator[None]:
+    """One worker's request times: every ``interval_s`` (the first at a random offset within one
+    interval, so workers spread out), no catch-up bursts after a stall; each time taken from the
+    workers' shared ``budget``. Ends at ``deadline`` (``time.monotonic()``), when the budget is
+    spent or once ``stopped()``."""
+    next_at = time.monotonic() + rng.uniform(0, interval_s)
+    while not stopped() and budget[0] > 0:
+        now = time.monotonic()
+        if now >= deadline:
+            return
+        if next_at > now:
+            await asyncio.sleep(min(next_at - now, deadline - now))
+            continue
+        next_at = max(next_at + interval_s, time.monotonic() - interval_s)  # no catch-up bursts
+        budget[0] -= 1
+        yield
 
 
 @dataclass(frozen=True)
@@ -79,32 +111,17 @@ class LoadGen:
         budget = [max_requests]
         async with httpx.AsyncClient(timeout=self.timeout_s,
                                      limits=httpx.Limits(max_connections=64, max_keepalive_connections=32)) as c:
-            tasks = [asyncio.create_task(self._loop(c, region, tl, w, deadline, budget))
-                     for region in self.regions for tl in self.load for w in range(2)]
-            try:
-                await asyncio.gather(*tasks)
-            finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await run_workers([self._loop(c, region, tl, w, deadline, budget)
+                               for region in self.regions for tl in self.load for w in range(2)])
         return self.stats
 
     async def _loop(self, client: httpx.AsyncClient, region: str, tl: TenantLoad, worker: int, deadline: float,
                     budget: list[int]) -> None:
         rng = random.Random(f"{self.seed}-{region}-{tl.tenant}-{worker}")
         interval = 2.0 / tl.per_second  # two workers share the rate
-        next_at = time.monotonic() + rng.uniform(0, interval)
         st = self.stats[region]
         n = 0
-        while not self._stop.is_set() and budget[0] > 0:
-            now = time.monotonic()
-            if now >= deadline:
-                return
-            if next_at > now:
-                await asyncio.sleep(min(next_at - now, deadline - now))
-                continue
-            next_at = max(next_at + interval, time.monotonic() - interval)  # no catch-up bursts
-            budget[0] -= 1
+        async for _ in paced(interval, deadline, budget, rng, self._stop.is_set):
             agents = self.agents(region)
             if not agents:
                 await asyncio.sleep(interval)

@@ -18,7 +18,6 @@ buckets per pool, the agents' largest assignment and the fallback of the shipped
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import time
@@ -38,6 +37,7 @@ from leasehold.local.gateways import Envoy, render, upstream
 from leasehold.local.procs import LOOPBACK, Proc, free_port
 
 from .history import DecisionRec, HistoryWriter, RlqsRec
+from .load import paced, run_workers
 from .recording import pool_spends
 
 if TYPE_CHECKING:
@@ -205,30 +205,15 @@ class EnvoyLoad:
                    for t in self.load for u in range(t.users)}
         async with httpx.AsyncClient(timeout=self.timeout_s, limits=httpx.Limits(max_connections=32)) as c:
             # two clients per Envoy and tenant, each waiting for its answer: a stalled Envoy slows only its own
-            tasks = [asyncio.create_task(self._loop(c, e, t, w, headers, deadline, budget))
-                     for e in self.fleet.envoys for t in self.load for w in range(2)]
-            try:
-                await asyncio.gather(*tasks)
-            finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await run_workers([self._loop(c, e, t, w, headers, deadline, budget)
+                               for e in self.fleet.envoys for t in self.load for w in range(2)])
         return self.stats
 
     async def _loop(self, client: httpx.AsyncClient, e: RlqsEnvoy, t: EnvoyTenant, worker: int, headers: dict,
                     deadline: float, budget: list[int]) -> None:
         rng = random.Random(f"{self.seed}-{e.name}-{t.tenant}-{worker}")
         interval = 2.0 / t.per_second  # two clients share the rate
-        next_at = time.monotonic() + rng.uniform(0, interval)
-        while budget[0] > 0:
-            now = time.monotonic()
-            if now >= deadline:
-                return
-            if next_at > now:
-                await asyncio.sleep(min(next_at - now, deadline - now))
-                continue
-            next_at = max(next_at + interval, time.monotonic() - interval)  # no catch-up bursts
-            budget[0] -= 1
+        async for _ in paced(interval, deadline, budget, rng):
             await self._one(client, e, headers[(t.tenant, rng.randrange(t.users))])
 
     async def _one(self, client: httpx.AsyncClient, e: RlqsEnvoy, headers: dict) -> None:
