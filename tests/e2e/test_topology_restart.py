@@ -4,19 +4,10 @@ leaves no process behind."""
 
 from __future__ import annotations
 
-import os
-
 import httpx
 
 from leasehold.local.topology import LocalTopology, TopologySpec
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+from tests.support.procs import alive
 
 
 def test_second_start_in_the_same_run_dir_works_and_stop_leaves_nothing(tmp_path):

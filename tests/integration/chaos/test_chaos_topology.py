@@ -5,7 +5,6 @@ started by PID and closes the proxies."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 
@@ -14,14 +13,7 @@ import httpx
 from chaos import bundles
 from chaos.nemesis import Partition
 from chaos.topo import ChaosSpec, ChaosTopology
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+from tests.support.procs import alive
 
 
 async def test_topology_links_are_proxied_and_stop_ends_every_process(tmp_path: Path) -> None:
@@ -69,5 +61,5 @@ async def test_topology_links_are_proxied_and_stop_ends_every_process(tmp_path: 
                [topo.host.proc.pid]
     finally:
         topo.stop()
-    assert pids and not [p for p in pids if _alive(p)]
+    assert pids and not [p for p in pids if alive(p)]
     assert topo.host is not None and not topo.host.alive()  # the proxy host process too

@@ -8,7 +8,6 @@ history, and the checker judges those admissions against the bound with the RLQS
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 from chaos import bundles
@@ -17,16 +16,9 @@ from chaos.history import DecisionRec, HistoryWriter, TopologyRec, read_history
 from chaos.nemesis import Effects, Partition
 from chaos.rlqs import EnvoyLoad, EnvoyTenant, record_decisions, rlqs_record
 from chaos.topo import ChaosSpec, ChaosTopology
+from tests.support.procs import alive
 
 CUT_S = 9.0  # longer than any assignment can live: a 6 s pool window ends every one funded in it
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def test_an_envoy_cut_off_from_its_agent_denies_once_its_assignment_ends_and_the_checker_counts_it(
@@ -60,7 +52,7 @@ async def test_an_envoy_cut_off_from_its_agent_denies_once_its_assignment_ends_a
     finally:
         await asyncio.to_thread(topo.stop)
         history.close()
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if alive(p)]
     assert logged["admitted"] >= driver.stats.allowed > 0, (logged, driver.stats)  # every admission is in its log
     assert logged["deniedByQuota"] > 0
     decisions = [r for r in read_history(history.path) if isinstance(r, DecisionRec)]
