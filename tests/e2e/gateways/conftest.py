@@ -10,6 +10,7 @@ one key pair per test session): :func:`identity` is the ``Authorization`` header
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 import time
@@ -171,3 +172,55 @@ def wait_early_in_window(window_s: int, room_s: float) -> None:
     left = window_s - time.time() % window_s
     if left < room_s:
         time.sleep(left + 0.05)
+
+
+# ----------------------------------------------------------------------------- Envoys on envoy-rlqs.yaml
+def rlqs_envoy(stack: Stack, name: str, rls_port: int | None = None) -> Envoy:
+    """An Envoy on the shipped ``envoy-rlqs.yaml`` in front of the stack's agent (its RLS port, or
+    ``rls_port``), its access log in its work directory."""
+    port, admin = free_port(), free_port()
+    log = stack.workdir / name / "access.log"
+    values = stack.values(ENVOY_LISTEN_HOST=LOOPBACK, ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin, ENVOY_ACCESS_LOG=log)
+    if rls_port is not None:
+        values["AGENT_RLS_PORT"] = rls_port
+    return Envoy(name, render("envoy-rlqs.yaml", **values), stack.workdir / name, port, admin).start()
+
+
+def rlqs_envoy_pair(stack: Stack, prefix: str) -> Iterator[tuple[Envoy, Envoy]]:
+    """Two such Envoys (``<prefix>-a``, ``<prefix>-b``) for a module fixture to yield; both stopped
+    after it, the first also when the second fails to start."""
+    a = rlqs_envoy(stack, f"{prefix}-a")
+    try:
+        b = rlqs_envoy(stack, f"{prefix}-b")
+    except BaseException:
+        a.stop()
+        raise
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def access_log(envoy: Envoy, expect: int) -> list[dict]:
+    """Envoy's own record of what it decided (it flushes about every second): at least
+    ``expect`` lines, waited for (bounded)."""
+    path = envoy.workdir / "access.log"
+    lines: list[dict] = []
+    for _ in range(100):
+        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+        if len(lines) >= expect:
+            break
+        time.sleep(0.1)
+    return lines
+
+
+def hammer(envoy: Envoy, user: str, *, seconds: float, every_s: float = 0.1) -> list[int]:
+    """One client asking as ``user`` every ``every_s`` for ``seconds`` (at most that many requests)."""
+    codes: list[int] = []
+    end = time.monotonic() + seconds
+    with httpx.Client(base_url=envoy.url, timeout=10) as c:
+        for _ in range(int(seconds / every_s) + 1):
+            if time.monotonic() >= end:
+                break
+            codes.append(c.get("/catalog", headers=identity(user)).status_code)
+            time.sleep(every_s)
+    return codes

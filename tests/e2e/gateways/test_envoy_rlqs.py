@@ -11,7 +11,6 @@ refused, never guessed."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import threading
@@ -24,38 +23,21 @@ import pytest
 from redis import Redis
 
 from kernel.bound import RlqsShape, envoy_fallback_tokens, rlqs_term
-from leasehold.local.gateways import Envoy, render
+from leasehold.local.gateways import Envoy
 from leasehold.local.procs import LOOPBACK, Proc, free_port, wait_http_ready, wait_port
 from leasehold.local.services import agent_command
 
 from . import attacks
-from .conftest import KEYS, ROOT, Stack, identity
+from .conftest import KEYS, ROOT, Stack, access_log, hammer, identity, rlqs_envoy, rlqs_envoy_pair
 
 pytestmark = pytest.mark.e2e
 
 MAX_TTL_S = 10  # the agent's --rlqs-max-ttl-s (its default): no assignment outlives it
 
 
-def rlqs_envoy(stack: Stack, name: str, rls_port: int | None = None) -> Envoy:
-    port, admin = free_port(), free_port()
-    log = stack.workdir / name / "access.log"
-    values = stack.values(ENVOY_LISTEN_HOST=LOOPBACK, ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin, ENVOY_ACCESS_LOG=log)
-    if rls_port is not None:
-        values["AGENT_RLS_PORT"] = rls_port
-    return Envoy(name, render("envoy-rlqs.yaml", **values), stack.workdir / name, port, admin).start()
-
-
 @pytest.fixture(scope="module")
 def envoys(stack: Stack) -> Iterator[tuple[Envoy, Envoy]]:
-    a = rlqs_envoy(stack, "envoy-rlqs-a")
-    try:
-        b = rlqs_envoy(stack, "envoy-rlqs-b")
-    except BaseException:
-        a.stop()
-        raise
-    yield a, b
-    a.stop()
-    b.stop()
+    yield from rlqs_envoy_pair(stack, "envoy-rlqs")
 
 
 def debited(stack: Stack, user: str, held: float = 20.0) -> float:
@@ -66,32 +48,6 @@ def debited(stack: Stack, user: str, held: float = 20.0) -> float:
     finally:
         r.close()
     return held - (int(v) / 1000 if v is not None else held)
-
-
-def access_log(envoy: Envoy, expect: int) -> list[dict]:
-    """Envoy's own record of what it decided (it flushes about every second): at least
-    ``expect`` lines, waited for (bounded)."""
-    path = envoy.workdir / "access.log"
-    lines: list[dict] = []
-    for _ in range(100):
-        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-        if len(lines) >= expect:
-            break
-        time.sleep(0.1)
-    return lines
-
-
-def hammer(envoy: Envoy, user: str, *, seconds: float, every_s: float = 0.1) -> list[int]:
-    """One client asking as ``user`` every ``every_s`` for ``seconds`` (at most that many requests)."""
-    codes: list[int] = []
-    end = time.monotonic() + seconds
-    with httpx.Client(base_url=envoy.url, timeout=10) as c:
-        for _ in range(int(seconds / every_s) + 1):
-            if time.monotonic() >= end:
-                break
-            codes.append(c.get("/catalog", headers=identity(user)).status_code)
-            time.sleep(every_s)
-    return codes
 
 
 def until_admitted(c: httpx.Client, user: str, tries: int = 100) -> list[httpx.Response]:

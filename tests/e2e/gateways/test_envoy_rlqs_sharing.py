@@ -18,8 +18,7 @@ import pytest
 
 from leasehold.local.gateways import Envoy
 
-from .conftest import Stack
-from .test_envoy_rlqs import access_log, hammer, rlqs_envoy
+from .conftest import Stack, access_log, hammer, rlqs_envoy_pair
 
 pytestmark = pytest.mark.e2e
 
@@ -37,15 +36,7 @@ def extra_agent_args() -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def envoys(stack: Stack) -> Iterator[tuple[Envoy, Envoy]]:
-    a = rlqs_envoy(stack, "envoy-share-a")
-    try:
-        b = rlqs_envoy(stack, "envoy-share-b")
-    except BaseException:
-        a.stop()
-        raise
-    yield a, b
-    a.stop()
-    b.stop()
+    yield from rlqs_envoy_pair(stack, "envoy-share")
 
 
 def holders(stack: Stack) -> list[dict]:
