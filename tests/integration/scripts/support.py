@@ -1,17 +1,22 @@
 """Helpers for the script tests: reading script state back from Redis as model states,
 simulating a sleep by moving stored timestamps back, and bracketing calls with the local clock
-(Redis TIME and time.time() read the same machine clock)."""
+(Redis TIME and time.time() read the same machine clock); and the parts the differential tests
+share (the rule sets, pool grants, one bracketed step matched against a model)."""
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hypothesis import HealthCheck, settings
+
 from kernel.algorithms.concurrency import ConcurrencyState
 from kernel.algorithms.fixed_window import FixedWindowState
 from kernel.algorithms.gcra import GcraState
+from kernel.algorithms.multi_rule import RuleSpec
 from kernel.algorithms.pool import PoolEntry, PoolState
 from kernel.algorithms.pool_window import PoolWindowState
 from kernel.algorithms.sliding_counter import SlidingCounterState
@@ -145,6 +150,81 @@ def bracketed(fn):
 
 def as_ints(reply: Any) -> list[int]:
     return [int(x) for x in reply]
+
+
+# --- the differential tests' shared parts -------------------------------------------------------
+SLACK = 600_000  # long enough that no key expires in real time during an example
+SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SCRIPTS = Scripts()
+
+
+def evalsha(r, name, keys, argv):
+    return r.evalsha(SCRIPTS.sha(name), len(keys), *keys, *argv)
+
+
+def tag() -> str:
+    return "{t:" + uuid.uuid4().hex[:12] + "}"
+
+
+def step(call, model, read_states, prev_states, kinds, reply_of=lambda d: d.as_reply()):
+    """One bracketed call. ``model(now) -> (decision, new_states | None)``; returns the matched
+    now and the model's states after it."""
+    reply, t0, t1 = bracketed(call)
+    read = read_states()
+    t_read = now_ms()  # a key whose expiry passed before it was read back is gone (short TTLs, a busy machine)
+    tried = []
+    for n in range(t0, t1 + 1):
+        d, new = model(n)
+        states = prev_states if new is None else new
+        got = [norm(k, s, max(n, t_read)) for k, s in zip(kinds, read, strict=True)]
+        want = [norm(k, s, max(n, t_read)) for k, s in zip(kinds, states, strict=True)]
+        if reply_of(d) == as_ints(reply) and want == got:
+            return n, list(states)
+        tried.append((reply_of(d), want))
+    raise AssertionError(f"script {as_ints(reply)} / {got} matches no model instant in [{t0}, {t1}]: {tried}")
+
+
+def make_rule(kind: str, cost: int, *, tokens_ms: int = 5_000, count: int = 6, log: int = 5) -> RuleSpec:
+    """A rule of ``kind`` charging ``cost``: buckets of ``tokens_ms`` millitokens (1/s), windows of
+    ``count`` units a minute, logs of ``log`` entries in 3 s; the gates and pool windows fixed."""
+    return {
+        "tb": RuleSpec("tb", (tokens_ms, 1_000, 1_000, cost * 1_000, 0)),
+        "gcra": RuleSpec("gcra", (tokens_ms, 1_000, 1_000, cost * 1_000, 0)),
+        "fw": RuleSpec("fw", (count, 60_000, cost, 0, 0)),
+        "sc": RuleSpec("sc", (count, 60_000, cost, 0, 0)),
+        "sl": RuleSpec("sl", (log, 3_000, cost, 0, 0)),
+        "cc": RuleSpec("cc", (3, 2_000, 0, 0, 0)),
+        "pool": RuleSpec("pool", (cost, 0, 0, 0, 0)),
+        "pw": RuleSpec("pw", (5, 1_000 + cost % 2, 1_001 + cost % 2, cost, 600_000)),
+    }[kind]
+
+
+def deposit_grants(r: Any, key: str, grants: Sequence[tuple[int, int, int]]) -> PoolState | None:
+    """``pool_deposit`` each (granted, valid-from offset, lifetime in ms) as lease ``G<i>``, from
+    now; the model's pool state after them (checked against what the script stored)."""
+    base = now_ms()
+    entries = {}
+    for g, (granted, from_off, life) in enumerate(grants):
+        lid = f"G{g}"
+        res = evalsha(r, "pool_deposit", [key], [lid, granted, base + from_off, base + from_off + life, 8, SLACK])
+        assert as_ints(res[:1]) == [1]
+        entries[lid] = PoolEntry(granted, 0, base + from_off, base + from_off + life)
+    state = PoolState(entries) if entries else None
+    assert norm("pool", read_state(r, "pool", key)) == norm("pool", state)
+    return state
+
+
+def shift_rules(r: Any, kinds: Sequence[str], keys: Sequence[str], states: Sequence[Any], d: int) -> list:
+    """A sleep of ``d`` ms for every rule of a set, in Redis and in the model: the model's states."""
+    for k, key in zip(kinds, keys, strict=True):
+        shift_back(r, k, key, d)
+    return [shift_model(k, s, d) for k, s in zip(kinds, states, strict=True)]
+
+
+def read_rules(r: Any, kinds: Sequence[str], keys: Sequence[str]) -> list:
+    """Every rule's state of a set, read back as model states."""
+    return [read_state(r, k, key) for k, key in zip(kinds, keys, strict=True)]
 
 
 # --- typed calls of the single-rule scripts (the agent itself only runs multi_rule and pool_*) ---

@@ -9,11 +9,10 @@ they use small windows and real short sleeps."""
 from __future__ import annotations
 
 import time
-import uuid
 from functools import partial
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernel.algorithms import (
@@ -28,46 +27,28 @@ from kernel.algorithms import (
 from kernel.algorithms import token_bucket as tb
 from kernel.algorithms.concurrency import ConcurrencyParams
 from kernel.algorithms.fixed_window import WindowParams
-from kernel.algorithms.multi_rule import DecisionRecord, RuleSpec
+from kernel.algorithms.multi_rule import DecisionRecord
 from kernel.algorithms.pool import PoolEntry, PoolState
 from kernel.algorithms.token_bucket import TokenBucketParams
-from region_agent.store.scripts import Scripts
 
-from .support import as_ints, bracketed, norm, now_ms, read_state, shift_back, shift_model
+from .support import (
+    SETTINGS,
+    SLACK,
+    deposit_grants,
+    evalsha,
+    make_rule,
+    norm,
+    now_ms,
+    read_rules,
+    read_state,
+    shift_back,
+    shift_model,
+    shift_rules,
+    step,
+    tag,
+)
 
 pytestmark = pytest.mark.integration
-
-SLACK = 600_000  # long enough that no key expires in real time during an example
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-SCRIPTS = Scripts()
-
-
-def evalsha(r, name, keys, argv):
-    return r.evalsha(SCRIPTS.sha(name), len(keys), *keys, *argv)
-
-
-def tag() -> str:
-    return "{t:" + uuid.uuid4().hex[:12] + "}"
-
-
-def step(call, model, read_states, prev_states, kinds, reply_of=lambda d: d.as_reply()):
-    """One bracketed call. ``model(now) -> (decision, new_states | None)``; returns the matched
-    now and the model's states after it."""
-    reply, t0, t1 = bracketed(call)
-    read = read_states()
-    t_read = now_ms()  # a key whose expiry passed before it was read back is gone (short TTLs, a busy machine)
-    tried = []
-    for n in range(t0, t1 + 1):
-        d, new = model(n)
-        states = prev_states if new is None else new
-        got = [norm(k, s, max(n, t_read)) for k, s in zip(kinds, read, strict=True)]
-        want = [norm(k, s, max(n, t_read)) for k, s in zip(kinds, states, strict=True)]
-        if reply_of(d) == as_ints(reply) and want == got:
-            return n, list(states)
-        tried.append((reply_of(d), want))
-    raise AssertionError(f"script {as_ints(reply)} / {got} matches no model instant in [{t0}, {t1}]: {tried}")
-
 
 def single_step(r, kind, name, key, argv, decide, state):
     """One call of a single-key rate script; ``decide(state, now_ms=n)`` is the model."""
@@ -190,19 +171,6 @@ def test_concurrency_matches_model(sclient, max_in_flight, ttl, ops):
 rule_kinds = st.lists(st.sampled_from(["tb", "gcra", "fw", "sc", "sl", "cc", "pool", "pw"]), min_size=1, max_size=5)
 
 
-def make_rule(kind: str, cost: int) -> RuleSpec:
-    return {
-        "tb": RuleSpec("tb", (5_000, 1_000, 1_000, cost * 1_000, 0)),
-        "gcra": RuleSpec("gcra", (5_000, 1_000, 1_000, cost * 1_000, 0)),
-        "fw": RuleSpec("fw", (6, 60_000, cost, 0, 0)),
-        "sc": RuleSpec("sc", (6, 60_000, cost, 0, 0)),
-        "sl": RuleSpec("sl", (5, 3_000, cost, 0, 0)),
-        "cc": RuleSpec("cc", (3, 2_000, 0, 0, 0)),
-        "pool": RuleSpec("pool", (cost, 0, 0, 0, 0)),
-        "pw": RuleSpec("pw", (5, 1_000 + cost % 2, 1_001 + cost % 2, cost, 600_000)),
-    }[kind]
-
-
 @SETTINGS
 @given(kinds=rule_kinds,
        grants=st.lists(st.tuples(st.integers(0, 6), st.integers(-500, 500), st.integers(600, 5_000)), max_size=3),
@@ -216,20 +184,9 @@ def test_multi_rule_matches_model(sclient, kinds, grants, ops):
     states: list = [None] * len(kinds)
     if "pool" in kinds:
         j = kinds.index("pool")
-        base = now_ms()
-        entries = {}
-        for g, (granted, from_off, life) in enumerate(grants):
-            lid = f"G{g}"
-            res = evalsha(sclient, "pool_deposit", [keys[j]],
-                          [lid, granted, base + from_off, base + from_off + life, 8, SLACK])
-            assert as_ints(res[:1]) == [1]
-            entries[lid] = PoolEntry(granted, 0, base + from_off, base + from_off + life)
-        states[j] = PoolState(entries) if entries else None
-        assert norm("pool", read_state(sclient, "pool", keys[j])) == norm("pool", states[j])
+        states[j] = deposit_grants(sclient, keys[j], grants)
     for i, (d, cost, replay) in enumerate(ops):
-        for k, key in zip(kinds, keys, strict=True):
-            shift_back(sclient, k, key, d)
-        states = [shift_model(k, s, d) for k, s in zip(kinds, states, strict=True)]
+        states = shift_rules(sclient, kinds, keys, states, d)
         member = f"D{replay}" if replay < i else f"D{i}"
         rules = [make_rule(k, cost) for k in kinds]
         argv = [SLACK, 0, member] + [x for r in rules for x in (r.kind, *r.params)] + [""]
@@ -238,7 +195,7 @@ def test_multi_rule_matches_model(sclient, kinds, grants, ops):
             return multi_rule.decide(s, rules, n, member)
 
         _, states = step(lambda argv=argv: evalsha(sclient, "multi_rule", [f"rl:{t}:dec", *keys], argv),
-                         model, lambda: [read_state(sclient, k, key) for k, key in zip(kinds, keys, strict=True)],
+                         model, lambda: read_rules(sclient, kinds, keys),
                          states, kinds)
         for k, key, s in zip(kinds, keys, states, strict=True):
             if norm(k, s, now_ms()) is not None:
@@ -269,7 +226,7 @@ def test_decision_records_match_model(sclient, kinds, calls):
             return reply, new
 
         n, states = step(lambda argv=argv, dkey=dkey: evalsha(sclient, "multi_rule", [dkey, *keys], argv),
-                         model, lambda: [read_state(sclient, k, key) for k, key in zip(kinds, keys, strict=True)],
+                         model, lambda: read_rules(sclient, kinds, keys),
                          states, kinds, reply_of=lambda reply: reply)
         records[did] = multi_rule.decide_recorded(records.get(did), [None] * len(kinds), rules, n, member,
                                                   question)[2] if did in records else \

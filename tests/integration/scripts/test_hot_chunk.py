@@ -10,24 +10,26 @@ from hypothesis import strategies as st
 
 from kernel.algorithms import hot_chunk
 from kernel.algorithms.multi_rule import RuleSpec
-from kernel.algorithms.pool import PoolEntry, PoolState
 
-from .support import as_ints, now_ms, read_state, shift_back, shift_model
-from .test_differential import SETTINGS, SLACK, evalsha, step, tag
+from .support import (
+    SETTINGS,
+    SLACK,
+    as_ints,
+    deposit_grants,
+    evalsha,
+    make_rule,
+    read_rules,
+    shift_rules,
+    step,
+    tag,
+)
 
 pytestmark = pytest.mark.integration
 
 
 def unit_rule(kind: str, cost: int) -> RuleSpec:
-    """One unit's slot (a chunk of k units charges cost x k)."""
-    return {
-        "tb": RuleSpec("tb", (20_000, 1_000, 1_000, cost * 1_000, 0)),
-        "gcra": RuleSpec("gcra", (20_000, 1_000, 1_000, cost * 1_000, 0)),
-        "fw": RuleSpec("fw", (25, 60_000, cost, 0, 0)),
-        "sc": RuleSpec("sc", (25, 60_000, cost, 0, 0)),
-        "sl": RuleSpec("sl", (25, 3_000, cost, 0, 0)),
-        "pool": RuleSpec("pool", (cost, 0, 0, 0, 0)),
-    }[kind]
+    """One unit's slot (a chunk of k units charges cost x k): room for chunks of every size."""
+    return make_rule(kind, cost, tokens_ms=20_000, count=25, log=25)
 
 
 def argv(rules: list[RuleSpec], member: str, lo: int, want: int) -> list:
@@ -45,17 +47,9 @@ def test_hot_chunk_matches_model(sclient, kinds, grants, ops):
     states: list = [None] * len(kinds)
     if "pool" in kinds:
         j = kinds.index("pool")
-        base = now_ms()
-        entries = {}
-        for g, (granted, from_off, life) in enumerate(grants):
-            evalsha(sclient, "pool_deposit", [keys[j]], [f"G{g}", granted, base + from_off, base + from_off + life, 8,
-                                                          SLACK])
-            entries[f"G{g}"] = PoolEntry(granted, 0, base + from_off, base + from_off + life)
-        states[j] = PoolState(entries) if entries else None
+        states[j] = deposit_grants(sclient, keys[j], grants)
     for i, (d, cost, lo, extra) in enumerate(ops):
-        for k, key in zip(kinds, keys, strict=True):
-            shift_back(sclient, k, key, d)
-        states = [shift_model(k, s, d) for k, s in zip(kinds, states, strict=True)]
+        states = shift_rules(sclient, kinds, keys, states, d)
         member = f"C{i}"
         rules = [unit_rule(k, cost) for k in kinds]
         want = lo + extra
@@ -66,7 +60,7 @@ def test_hot_chunk_matches_model(sclient, kinds, grants, ops):
         def call(rules=rules, member=member, lo=lo, want=want):
             return hot_chunk.reply_of(evalsha(sclient, "hot_chunk", keys, argv(rules, member, lo, want)))
 
-        _, states = step(call, model, lambda: [read_state(sclient, k, key) for k, key in zip(kinds, keys, strict=True)],
+        _, states = step(call, model, lambda: read_rules(sclient, kinds, keys),
                          states, kinds, reply_of=lambda r: r)
         for k, key in zip(kinds, keys, strict=True):
             assert sclient.pttl(key) != -1, k  # every write sets an expiry
