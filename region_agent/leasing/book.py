@@ -138,8 +138,9 @@ class PoolBook:
         return max(self.pool.chunk_min, min(self.pool.chunk_max, need))
 
     def note_refused(self, now: float, backoff_ms: float = 1_000.0) -> None:
-        """Redis refused a deposit (the balance holds its maximum of entries): no top-up for
-        ``backoff_ms`` — asking again at once would only buy leases that cannot be deposited."""
+        """Redis refused a deposit (the balance holds its maximum of entries) or could not be asked:
+        no top-up for ``backoff_ms`` — asking again at once would only buy leases that cannot be
+        deposited."""
         self.refused_until = now + backoff_ms
 
     def low_water(self, rtt_ms: float, margin_ms: float = 250.0) -> int:

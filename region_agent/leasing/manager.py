@@ -333,7 +333,11 @@ class LeaseManager:
         try:
             _, lo, hi = await self.store.observe(bal.key)
         except LeaseholdError:
-            bal.book.forget(lease.lease_id)  # cannot deposit: the grant goes unspent (stranded)
+            # Redis cannot take the deposit, and nothing was written (observe only reads): the grant
+            # goes back to the allocator at once (closed early, nothing spent) and no top-up is asked
+            # for a while. Asking again at every decision of a Redis outage otherwise took the
+            # window's whole G lease by lease, every one of them stranded.
+            self._undeposited(bal, lease.lease_id)
             return
         # start no earlier than valid_from (upper offset), end no later than the deadline (lower offset)
         valid_from = int(lease.valid_from + hi + 0.999)
@@ -345,22 +349,29 @@ class LeaseManager:
             stored = await self.store.deposit(bal.key, lease.lease_id, lease.granted, valid_from, expires_at)
         except LeaseholdError:
             # an ambiguous deposit may have landed; keep the lease in the book so it is closed and
-            # reported at its deadline (conservatively fully spent if its record is not found)
+            # reported at its deadline (conservatively fully spent if its record is not found), and
+            # ask for no other lease for a while (Redis is failing: another would fare no better)
             log.warning("deposit of lease %s into Redis failed", lease.lease_id)
+            bal.book.note_refused(self.now())
             return
         if not stored:  # refused ('full' / 'expired'): certainly nothing written, nothing spent
-            bal.book.forget(lease.lease_id)
-            # closed early: the allocator returns the tokens now (a plain report would wait for the
-            # lease's expiry, and a loop of refused deposits would hold the whole pool meanwhile)
-            self._queue_report(bal, lease.lease_id, 0, early=True)
-            bal.book.note_refused(self.now())
-            if self.metrics is not None:
-                self.metrics.lease_grants.labels(bal.pool.id, "undeposited").inc()
+            self._undeposited(bal, lease.lease_id)
             return
         if lease.valid_from <= self.now():
             # count it now: until the next tick reads Redis, a stale reading would make every
             # decision in between start another top-up for a balance that is already full
             bal.last_spendable += lease.granted
+
+    def _undeposited(self, bal: Balance, lease_id: str) -> None:
+        """A granted lease certainly not written to Redis: forgotten, reported closed early with
+        nothing spent (the allocator returns its tokens now; a plain report would wait for its
+        expiry, and a loop of failed deposits would hold the whole pool meanwhile), and no top-up
+        for the book's back-off."""
+        bal.book.forget(lease_id)
+        self._queue_report(bal, lease_id, 0, early=True)
+        bal.book.note_refused(self.now())
+        if self.metrics is not None:
+            self.metrics.lease_grants.labels(bal.pool.id, "undeposited").inc()
 
     # ----------------------------------------------------------------- reclaim
     def _reachability_line(self, reachable: object, changes: int) -> tuple[int, str]:

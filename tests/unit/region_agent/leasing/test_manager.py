@@ -398,3 +398,46 @@ async def test_begin_shutdown_stops_new_lease_requests_at_once():
     m.begin_shutdown()
     m.note(POOL, KEY, 1)
     assert m.pending(KEY) is None and alloc.requests == []
+
+
+async def test_a_grant_redis_cannot_take_goes_back_at_once_and_backs_off():
+    """Redis unreachable when a grant arrives: nothing was written, so the lease is reported closed
+    early with nothing spent, and the decisions of the outage ask for no lease until the back-off
+    is over (one grant per decision drained the window's G, every lease stranded)."""
+    clock = FakeClock(100_000.0)
+    store, alloc = Balances(down=True), Allocator()
+    m = manager(alloc, store, clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert m.balances[KEY].book.leases == {} and store.deposits == []
+    ((report, _),) = m.pending_reports
+    assert (report.lease_id, report.spent, report.closed_early) == (alloc.requests[0].lease_id, 0, True)
+    assert sample(m, "leasehold_agent_lease_grants_total", pool=POOL.id, outcome="undeposited") == 1
+    for _ in range(50):  # the outage's decisions
+        m.note(POOL, KEY, 1)
+        await settle(m)
+    assert len(alloc.requests) == 1
+    clock.t += 1_001  # past the back-off: one more try
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert len(alloc.requests) == 2
+
+
+async def test_an_ambiguous_deposit_keeps_its_lease_and_backs_off():
+    """A deposit that failed in flight may have landed: the lease stays in the book (closed and
+    reported at its deadline), and no other lease is asked for during the back-off."""
+    clock = FakeClock(100_000.0)
+
+    class Flaky(Balances):
+        async def deposit(self, key, lease_id, granted, valid_from_ms, expires_at_ms):
+            raise StoreUnavailable("connection lost mid-call")
+
+    alloc = Allocator()
+    m = manager(alloc, Flaky(), clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert list(m.balances[KEY].book.leases) == [alloc.requests[0].lease_id] and not m.pending_reports
+    for _ in range(20):
+        m.note(POOL, KEY, 1)
+        await settle(m)
+    assert len(alloc.requests) == 1
