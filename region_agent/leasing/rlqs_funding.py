@@ -14,7 +14,7 @@ holds. Then:
   interval, at most ``max_assignment``) at once, and when it gets less, shares it with
   :func:`kernel.fair_share.split` — the allocator's fair-share split;
 * **partial chunks**: a denied round learns what is left from the denial and asks again for that
-  (twice at most), as the reference design's chunks do near the limit;
+  (twice at most), as the fleet pools' chunks do near the limit (partial chunks);
 * **a fresh assignment replaces the last**: its unspent tokens are abandoned, never refunded (an
   ambiguous refund could count twice), and counted as stranded once Envoy's reports show how
   many were not used (:meth:`Holding.settle`).

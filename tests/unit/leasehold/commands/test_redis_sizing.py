@@ -9,7 +9,7 @@ import pytest
 from leasehold.commands import redis_sizing as rs
 from leasehold.commands.cli import main
 
-# the reference design's placeholder inputs: a 40,000 executions/s budget per primary, 200 B per key
+# round placeholder inputs: a 40,000 executions/s budget per primary, 200 B per key
 REFERENCE = rs.Measured(cpu_us={rs.multi_rule_variant(n): 25.0 for n in (1, 3, 5)},
                         sustained={rs.multi_rule_variant(n): 40_000.0 for n in (1, 3, 5)},
                         bytes_per_key={"token_bucket": 200.0}, memory_keys=1_000_000)
