@@ -100,13 +100,14 @@ class DecisionEngine:
         self.leases = leases  # region_agent.leasing.manager.LeaseManager, when the allocator is configured
         # where this process stands on the allocator's clock (pool windows as the allocator numbers them)
         self.allocator_clock = allocator_clock or (leases.clock if leases is not None else AllocatorClock())
+        self.negative = negative if negative is not None else NegativeCache()
         self.fleet = FleetPools(store=store, metrics=metrics, leases=leases, now_ms=self.now_ms,
-                                windows=self.pool_windows, allowance=self.fallback, budget_s=self.budget)
+                                windows=self.pool_windows, allowance=self.fallback, budget_s=self.budget,
+                                hold_ms=self.negative.cap_ms)
         # chunks of hot key sets (rules with hotChunk; region_agent.leasing.hot_chunks)
         self.hot = HotChunks(store=store, metrics=metrics, now_ms=self.now_ms)
         self.local = LocalAnswers(allowances=self.fallback, windows=self.pool_windows, metrics=metrics,
                                   now_ms=self.now_ms)
-        self.negative = negative if negative is not None else NegativeCache()
         self.denials = Denials(self.negative, metrics, self.now_ms)
         # counters, latency, new keys and the bypass audit of each finished decision
         self.telemetry = telemetry or DecisionTelemetry(metrics)

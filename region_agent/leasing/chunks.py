@@ -8,7 +8,13 @@ back to the same chunk, in-process only.
 
 The negative cache of a chunk is by cost: a renewal that could not pay ``cost`` denies locally
 requests of at least that cost until ``deny_until_ms``; cheaper requests are not blocked by it
-(one expensive request must not deny the cheap ones the pool can still serve).
+(one expensive request must not deny the cheap ones the pool can still serve). A pool's hint is
+not exact: tokens may come back before it ends (a lease that ended unspent returns its rest to the
+window, and the region leases it again), so the local denial is held at most ``hold_ms`` (the
+agent's ``negative_cache_ms``, as for the decision path's negative cache) and the next request then
+asks the balance again with one renewal, while the answer keeps the pool's own hint. (Held for the
+whole hint, up to a validity, an exhausted pool's 10 returned tokens sat in the balance for a
+second while both agents denied every request; the window ended with 4 of them unspent.)
 
 Sizing. What a chunk holds when its validity ends is lost to everyone: it was debited from the
 regional balance (so its lease reports it spent) and is never refunded. A chunk is therefore sized
@@ -19,8 +25,9 @@ least what the requests waiting for the renewal need, within [cost, ``chunkMax``
 a chunk is spent in a quarter of its validity, so demand may fall to a quarter meanwhile before
 any token expires unspent; the short horizon lets a burst after a quiet spell grow the chunk within
 a renewal or two (each renewal is one store call). The renewal
-also tells ``pool_take.lua`` the rate (:func:`tokens_per_s`) so that a chunk taken from a lease
-ending sooner than the validity holds no more than that lease's remaining life can spend.
+also tells ``pool_take.lua`` its holder's rate (:func:`tokens_per_s`) so that a chunk taken from a
+lease ending sooner than a chunk lasts holds no more than its holder spends before that lease ends
+(the rest stays in the lease, which reports it unspent and returns it to the window).
 (A fixed chunk of ``chunkMax`` valid 1 s at an agent asked 6 tokens/s expired half full, and the
 pool ran dry at two thirds of G while requests were denied.)
 """
@@ -85,9 +92,13 @@ def chunk_size(asked: float, recent: float, waiting: int, cost: int, chunk_max: 
 
 
 def tokens_per_s(want: int, validity_ms: int) -> int:
-    """The most a chunk of ``want`` tokens for ``validity_ms`` may hold per second of the validity
-    it really gets (``pool_take.lua`` caps a chunk from a lease that ends sooner), rounded up."""
-    return max(1, math.ceil(want * 1000 / max(1, validity_ms)))
+    """The rate at which the holder of a chunk of ``want`` tokens spends it, rounded up: a chunk is
+    sized to last :data:`SPEND_SHARE` of ``validity_ms`` (:func:`chunk_size`). ``pool_take.lua``
+    caps a chunk taken from a lease that ends sooner at this rate times the lease's remaining life.
+    (At a quarter of this rate, the old figure, a chunk from a lease with 280 ms left held one
+    token: one renewal per request near every lease's end, too slow to spend tokens returned late
+    in a window before it ended.)"""
+    return max(1, math.ceil(want * 1000 / max(1.0, validity_ms * SPEND_SHARE)))
 
 
 @dataclass(slots=True)
@@ -114,7 +125,8 @@ class Chunk:
     validity (and window) may differ."""
 
     parts: list[Part] = field(default_factory=list)
-    deny_until_ms: float = 0.0
+    deny_until_ms: float = 0.0  # the local denial is held until then (at most the hold)
+    retry_at_ms: float = 0.0  # and answers with the pool's own hint: come back then
     deny_min_cost: int = 1  # the local denial applies to requests of at least this cost
     generation: int = 0  # bumps on every grant: a part's identity for give-backs
     fallback: bool = False  # the last renewal was from (or denied by) the pool's fallback allowance
@@ -179,13 +191,20 @@ class Chunk:
         kept.sort(key=lambda p: p.expires_at_ms)
         self.abandoned += sum(p.tokens for p in kept[:-MAX_PARTS])
         self.parts = kept[-MAX_PARTS:]
-        self.deny_until_ms = 0.0
+        self.deny_until_ms = self.retry_at_ms = 0.0
         self.deny_min_cost = 1
 
-    def deny(self, now_ms: float, retry_after_ms: int, validity_ms: int, min_cost: int = 1) -> int:
+    def retry_ms(self, now_ms: float) -> int:
+        """The hint a locally denied request gets: the pool's, as the renewal was told it."""
+        return max(1, int(self.retry_at_ms - now_ms))
+
+    def deny(self, now_ms: float, retry_after_ms: int, validity_ms: int, min_cost: int = 1,
+             hold_ms: int | None = None) -> int:
         """A renewal could not pay ``min_cost``: deny requests of at least that cost locally for
-        min(hint, validity); returns that wait. The chunk's own leftovers stay spendable."""
+        min(hint, validity, ``hold_ms``); returns the hint, min(hint, validity). The chunk's own
+        leftovers stay spendable."""
         wait = validity_ms if retry_after_ms < 0 else min(max(retry_after_ms, 1), validity_ms)
-        self.deny_until_ms = now_ms + wait
+        self.deny_until_ms = now_ms + (wait if hold_ms is None else min(wait, max(0, hold_ms)))
+        self.retry_at_ms = now_ms + wait
         self.deny_min_cost = min_cost
         return wait

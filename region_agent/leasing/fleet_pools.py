@@ -85,7 +85,8 @@ class Take:
 
 class FleetPools:
     def __init__(self, *, store: Store, metrics: Any, leases: Any | None, now_ms: Callable[[], float],
-                 windows: Callable[[Pool], Windows], allowance: LocalAllowances, budget_s: float):
+                 windows: Callable[[Pool], Windows], allowance: LocalAllowances, budget_s: float,
+                 hold_ms: int | None = None):
         self.store = store
         self.metrics = metrics
         self.leases = leases  # region_agent.leasing.manager.LeaseManager, or None
@@ -93,6 +94,8 @@ class FleetPools:
         self.windows = windows
         self.allowance = allowance
         self.budget_s = budget_s
+        # a chunk's local denial is held at most this long (None: the whole hint); see chunks.py
+        self.hold_ms = hold_ms
         self.chunks: dict[str, Chunk] = {}
         self._renewing: dict[str, asyncio.Future] = {}
 
@@ -110,7 +113,7 @@ class FleetPools:
             if part is not None:
                 return Take(TakeStatus.OK, generation=part.generation, fallback=part.fallback)
             if chunk.negative(now, spend.cost):
-                return Take(TakeStatus.DENIED, max(1, int(chunk.deny_until_ms - now)), fallback=chunk.fallback)
+                return Take(TakeStatus.DENIED, chunk.retry_ms(now), fallback=chunk.fallback)
             if chunk.usable(now) > 0:  # the chunk still pays cheaper requests: buy this one's cost alone
                 return await self._take_alone(spend, chunk, deadline_s, clock_s)
             chunk.waiting += spend.cost  # the renewal buys at least what its waiting requests need
@@ -198,7 +201,7 @@ class FleetPools:
         except LeaseholdError as e:
             return self._store_failed(spend, e)
         hint = self.leases.retry_hint_ms(gkey) if self.leases is not None else pool.chunk_validity_ms
-        wait = chunk.deny(self.now_ms(), max(1, hint), pool.chunk_validity_ms, min_cost=cost)
+        wait = chunk.deny(self.now_ms(), max(1, hint), pool.chunk_validity_ms, min_cost=cost, hold_ms=self.hold_ms)
         self.metrics.pool_renewals.labels(pool.id, "alone_denied").inc()
         return Take(TakeStatus.DENIED, wait)
 
@@ -253,7 +256,7 @@ class FleetPools:
                 outcome = await self._renew_from_fallback(spend, chunk, gkey)
                 return outcome
             hint = self.leases.retry_hint_ms(gkey) if self.leases is not None else 0
-            chunk.deny(self.now_ms(), max(int(got.next_from_ms), hint), pool.chunk_validity_ms)
+            chunk.deny(self.now_ms(), max(int(got.next_from_ms), hint), pool.chunk_validity_ms, hold_ms=self.hold_ms)
             outcome = Renewal.DENIED
             return outcome
         finally:
@@ -271,7 +274,7 @@ class FleetPools:
         sent_at = self.now_ms()
         w = self.windows(pool)
         if w.span > MAX_SPAN:  # the allocator's clock is too uncertain to count per window
-            chunk.deny(self.now_ms(), w.end_in_ms, pool.chunk_validity_ms)
+            chunk.deny(self.now_ms(), w.end_in_ms, pool.chunk_validity_ms, hold_ms=self.hold_ms)
             chunk.fallback = True
             return Renewal.FALLBACK_DENIED
         call = multi_rule_call(
@@ -284,7 +287,7 @@ class FleetPools:
         if res.allowed and validity > 0:
             chunk.grant(spend.cost, sent_at, validity, fallback=True)
             return Renewal.FALLBACK
-        chunk.deny(self.now_ms(), w.end_in_ms, pool.chunk_validity_ms)
+        chunk.deny(self.now_ms(), w.end_in_ms, pool.chunk_validity_ms, hold_ms=self.hold_ms)
         chunk.fallback = True
         return Renewal.FALLBACK_DENIED
 

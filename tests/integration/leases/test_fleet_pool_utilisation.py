@@ -100,6 +100,24 @@ def _show(util: list[Utilisation]) -> str:
     return ", ".join(f"#{u.window_index % 1000}: {u.admitted}/{u.demand}{'*' if u.touched else ''}" for u in util)
 
 
+def _denials(recs: list) -> str:
+    """Per window: the pool's denials by when in the window (ms) and how (source/reason), so a
+    shortfall says whether tokens were lost or requests denied while the pool still held them."""
+    W = FLEET.window_ms
+    out: dict[int, Counter] = {}
+    for r in recs:
+        if not r.allowed and r.d.get("policyId") == RULE.id:
+            out.setdefault(r.sent_ms // W, Counter())[(int(r.sent_ms % W) // 250 * 250, r.d.get("source"),
+                                                       r.d.get("reason"))] += 1
+    return "; ".join(f"#{k % 1000}: " + ", ".join(f"{t}ms {s}/{why} x{n}" for (t, s, why), n in sorted(c.items()))
+                     for k, c in sorted(out.items()))
+
+
+async def _pool_metrics(urls: list[str]) -> dict[str, list[float]]:
+    names = ("leasehold_agent_chunk_abandoned_tokens_total", "leasehold_agent_pool_busy_denials_total")
+    return {n: [await metric(u, n, pool=FLEET.id) for u in urls] for n in names}
+
+
 async def _assert_fully_used(topo, recs: list) -> None:
     assert not any(r.fallback for r in recs)
     util = _windows(recs)
@@ -107,7 +125,9 @@ async def _assert_fully_used(topo, recs: list) -> None:
     assert len(judged) >= 2, f"the load did not offer more than G in two whole windows: {_show(util)}"
     print("admitted/offered per window:", _show(util))
     shortfalls = fault_free_utilisation(util)
-    assert not shortfalls, f"{[v.detail for v in shortfalls]}; admitted/offered per window: {_show(util)}"
+    assert not shortfalls, (f"{[v.detail for v in shortfalls]}; admitted/offered per window: {_show(util)}; "
+                            f"the pool's denials: {_denials(recs)}; "
+                            f"agents: {await _pool_metrics(list(agent_urls(topo, every=True).values()))}")
     for u in judged:  # never over-granted: no fallback, so admitted <= G (a decision is in its send window)
         assert u.admitted <= FLEET.limit + 2, _show(util)  # +2: two answers sent just before a boundary
     assert UTILISATION_FLOOR == 0.97

@@ -26,6 +26,11 @@ def test_chunk_lease_spend_give_back_expiry():
     assert not lease.give_back(1, part.generation, 310, 250)  # its part is gone: never lands in another
     assert lease.usable(310) == 10
     assert lease.deny(400, 1_000, 250) == 250 and lease.negative(500) and not lease.negative(650)
+    # held at most hold_ms, answered with the hint: min(1,000, the validity)
+    assert lease.deny(700, 1_000, 250, hold_ms=100) == 250 and lease.negative(799) and not lease.negative(800)
+    assert lease.retry_ms(760) == 190
+    lease.deny(900, 1_000, 250, hold_ms=0)  # 0: no local denial at all
+    assert not lease.negative(900)
 
 
 def test_a_renewal_keeps_what_the_chunk_still_holds():
@@ -88,7 +93,8 @@ def test_chunk_size_follows_demand_within_bounds():
     assert chunk_size(1_000, 250, 0, 1, 40) == 40  # never above chunkMax
     assert chunk_size(4, 1, 12, 1, 40) == 12  # at least what the waiting requests need
     assert chunk_size(4, 1, 0, 60, 40) == 60  # a request dearer than chunkMax buys its cost
-    assert tokens_per_s(7, 1_000) == 7 and tokens_per_s(7, 250) == 28
+    # the holder spends a chunk in a quarter of the validity: 7 tokens in 250 ms of a 1 s validity
+    assert tokens_per_s(7, 1_000) == 28 and tokens_per_s(7, 250) == 112
 
 
 def test_a_burst_after_a_quiet_spell_grows_the_chunk_at_once():

@@ -17,7 +17,7 @@ from region_agent.decision.fallback import LocalAllowances
 from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.plan import GlobalSpend
 from region_agent.leasing.book import BalanceState
-from region_agent.leasing.chunks import NO_CHUNK, Chunk
+from region_agent.leasing.chunks import NO_CHUNK, SPEND_SHARE, Chunk
 from region_agent.leasing.fleet_pools import ROLLOVER_WAIT_MS, FleetPools, TakeStatus
 from region_agent.leasing.redis_balance import BALANCE_SLACK_MS
 from region_agent.leasing.window_clock import Windows
@@ -57,11 +57,11 @@ class Leases:
 
 
 def fleet(store: Store, leases: Leases | None = None, clock: FakeClock | None = None,
-          windows: Windows = WINDOWS) -> tuple[FleetPools, FakeClock, AgentMetrics]:
+          windows: Windows = WINDOWS, hold_ms: int | None = None) -> tuple[FleetPools, FakeClock, AgentMetrics]:
     c = clock or FakeClock(10.0)
     m = AgentMetrics()
     f = FleetPools(store=store, metrics=m, leases=leases, now_ms=lambda: c.t * 1000.0,
-                   windows=lambda pool: windows, allowance=LocalAllowances(), budget_s=0.05)
+                   windows=lambda pool: windows, allowance=LocalAllowances(), budget_s=0.05, hold_ms=hold_ms)
     return f, c, m
 
 
@@ -87,9 +87,9 @@ async def test_a_chunk_is_bought_once_then_spent_locally():
     assert first.status is TakeStatus.OK and not first.fallback
     [[(script, keys, argv)]] = store.sent
     # at least 1, as many as this agent's demand calls for (one request so far: 1), up to chunkMax,
-    # at most 4 per second of validity (1 token over 250 ms); a debit never shortens the balance
-    # hash's expiry (slack)
-    assert (script, keys, argv) == ("pool_take", [GKEY], [1, 1, BALANCE_SLACK_MS, 4])
+    # and its holder's rate (1 token spent in a quarter of the 250 ms validity: 16/s) for the cap
+    # near a lease's end; a debit never shortens the balance hash's expiry (slack)
+    assert (script, keys, argv) == ("pool_take", [GKEY], [1, 1, BALANCE_SLACK_MS, 16])
     for _ in range(5):
         assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
     assert len(store.sent) == 1 and f.remaining(POOL.id) == 2000 - 6
@@ -111,7 +111,8 @@ async def test_chunks_are_sized_by_what_this_agent_is_asked():
     # the last renewal: what the last quarter validity (62.5 ms, ~12 requests) asked, or a quarter of
     # the 40 asked over the validity, whichever is more
     assert wants[0] == 1 and 10 <= wants[-1] <= 14
-    assert store.sent[-1][0][2][3] == -(-wants[-1] * 1000 // 250)  # per second of the 250 ms validity
+    # the holder's rate: the chunk spent in a quarter of the 250 ms validity
+    assert store.sent[-1][0][2][3] == -(-wants[-1] * 1000 // (250 * SPEND_SHARE))
     c.t += 0.3  # more than one validity of silence: the demand is forgotten
     store.answers.append([[1, 5000, 250, 0]])
     await f.take(spend(), c.t + 0.05, c)
@@ -185,6 +186,25 @@ async def test_an_exhausted_pool_denies_and_the_denial_is_held_locally():
     assert (again.status, again.retry_ms) == (TakeStatus.DENIED, 70)  # the rest of the local denial
     assert len(store.sent) == 1  # the denial held: no store call
     assert sample(m, "leasehold_agent_pool_renewals_total", pool=POOL.id, outcome="denied") == 1
+
+
+async def test_an_exhausted_pools_denial_is_held_no_longer_than_the_hold_then_asked_again():
+    """A pool's hint is not exact: tokens an ended lease returned may be leased again before it.
+    The local denial is held at most ``hold_ms``; the next request asks the balance again (one
+    renewal) and is admitted from the tokens that came back. Until then, answers keep the pool's
+    own hint."""
+    store = Store([[0, 0, 0, 0]], TAKEN_ALL)  # exhausted; later: tokens came back
+    leases = Leases(BalanceState.EXHAUSTED, hint=900)
+    f, c, m = fleet(store, leases, hold_ms=100)
+    d = await f.take(spend(), c.t + 0.05, c)
+    assert (d.status, d.retry_ms) == (TakeStatus.DENIED, 250)  # min(the hint, the validity)
+    c.t += 0.06
+    held = await f.take(spend(), c.t + 0.05, c)
+    assert (held.status, held.retry_ms) == (TakeStatus.DENIED, 190)  # the pool's hint, not the hold's
+    assert len(store.sent) == 1
+    c.t += 0.05  # the hold (100 ms) is over, the hint (250 ms) is not
+    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
+    assert len(store.sent) == 2
 
 
 async def test_a_lease_valid_in_a_moment_is_waited_for_at_a_rollover():
