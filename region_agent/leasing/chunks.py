@@ -14,7 +14,8 @@ window, and the region leases it again), so the local denial is held at most ``h
 agent's ``negative_cache_ms``, as for the decision path's negative cache) and the next request then
 asks the balance again with one renewal, while the answer keeps the pool's own hint. (Held for the
 whole hint, up to a validity, an exhausted pool's 10 returned tokens sat in the balance for a
-second while both agents denied every request; the window ended with 4 of them unspent.)
+second while both agents denied every request; the window ended with 4 of them unspent:
+docs/decisions/0037-a-chunks-denial-is-held-like-the-negative-cache.md).
 
 Sizing. What a chunk holds when its validity ends is lost to everyone: it was debited from the
 regional balance (so its lease reports it spent) and is never refunded. A chunk is therefore sized
@@ -25,9 +26,8 @@ least what the requests waiting for the renewal need, within [cost, ``chunkMax``
 a chunk is spent in a quarter of its validity, so demand may fall to a quarter meanwhile before
 any token expires unspent; the short horizon lets a burst after a quiet spell grow the chunk within
 a renewal or two (each renewal is one store call). The renewal
-also tells ``pool_take.lua`` its holder's rate (:func:`tokens_per_s`) so that a chunk taken from a
-lease ending sooner than a chunk lasts holds no more than its holder spends before that lease ends
-(the rest stays in the lease, which reports it unspent and returns it to the window).
+also tells ``pool_take.lua`` the rate (:func:`tokens_per_s`) so that a chunk taken from a lease
+ending sooner than the validity holds no more than that lease's remaining life can spend.
 (A fixed chunk of ``chunkMax`` valid 1 s at an agent asked 6 tokens/s expired half full, and the
 pool ran dry at two thirds of G while requests were denied.)
 """
@@ -92,13 +92,9 @@ def chunk_size(asked: float, recent: float, waiting: int, cost: int, chunk_max: 
 
 
 def tokens_per_s(want: int, validity_ms: int) -> int:
-    """The rate at which the holder of a chunk of ``want`` tokens spends it, rounded up: a chunk is
-    sized to last :data:`SPEND_SHARE` of ``validity_ms`` (:func:`chunk_size`). ``pool_take.lua``
-    caps a chunk taken from a lease that ends sooner at this rate times the lease's remaining life.
-    (At a quarter of this rate, the old figure, a chunk from a lease with 280 ms left held one
-    token: one renewal per request near every lease's end, too slow to spend tokens returned late
-    in a window before it ended.)"""
-    return max(1, math.ceil(want * 1000 / max(1.0, validity_ms * SPEND_SHARE)))
+    """The most a chunk of ``want`` tokens for ``validity_ms`` may hold per second of the validity
+    it really gets (``pool_take.lua`` caps a chunk from a lease that ends sooner), rounded up."""
+    return max(1, math.ceil(want * 1000 / max(1, validity_ms)))
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from region_agent.decision.fallback import LocalAllowances
 from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.plan import GlobalSpend
 from region_agent.leasing.book import BalanceState
-from region_agent.leasing.chunks import NO_CHUNK, SPEND_SHARE, Chunk
+from region_agent.leasing.chunks import NO_CHUNK, Chunk
 from region_agent.leasing.fleet_pools import ROLLOVER_WAIT_MS, FleetPools, TakeStatus
 from region_agent.leasing.redis_balance import BALANCE_SLACK_MS
 from region_agent.leasing.window_clock import Windows
@@ -87,9 +87,9 @@ async def test_a_chunk_is_bought_once_then_spent_locally():
     assert first.status is TakeStatus.OK and not first.fallback
     [[(script, keys, argv)]] = store.sent
     # at least 1, as many as this agent's demand calls for (one request so far: 1), up to chunkMax,
-    # and its holder's rate (1 token spent in a quarter of the 250 ms validity: 16/s) for the cap
-    # near a lease's end; a debit never shortens the balance hash's expiry (slack)
-    assert (script, keys, argv) == ("pool_take", [GKEY], [1, 1, BALANCE_SLACK_MS, 16])
+    # at most 4 per second of validity (1 token over 250 ms); a debit never shortens the balance
+    # hash's expiry (slack)
+    assert (script, keys, argv) == ("pool_take", [GKEY], [1, 1, BALANCE_SLACK_MS, 4])
     for _ in range(5):
         assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
     assert len(store.sent) == 1 and f.remaining(POOL.id) == 2000 - 6
@@ -111,8 +111,7 @@ async def test_chunks_are_sized_by_what_this_agent_is_asked():
     # the last renewal: what the last quarter validity (62.5 ms, ~12 requests) asked, or a quarter of
     # the 40 asked over the validity, whichever is more
     assert wants[0] == 1 and 10 <= wants[-1] <= 14
-    # the holder's rate: the chunk spent in a quarter of the 250 ms validity
-    assert store.sent[-1][0][2][3] == -(-wants[-1] * 1000 // (250 * SPEND_SHARE))
+    assert store.sent[-1][0][2][3] == -(-wants[-1] * 1000 // 250)  # per second of the 250 ms validity
     c.t += 0.3  # more than one validity of silence: the demand is forgotten
     store.answers.append([[1, 5000, 250, 0]])
     await f.take(spend(), c.t + 0.05, c)
