@@ -25,6 +25,9 @@ FORBIDDEN = {
     "a path outside the repository": re.compile(r"\.\./shared|/work/"),
     "an issue number": re.compile(r"\bissues?\s+#?\d+", re.I),
     "the design document": re.compile(r"\bthe seed\b|\bseed's\b|\bch\.\s*\d+|\bchapter\s+\d+", re.I),
+    # a chapter code or the design's name inside a file or test name (``test_trace_ch18``)
+    "a name taken from the design document": re.compile(r"(?<![A-Za-z0-9])ch\d{1,2}(?![A-Za-z0-9])|seed_ch|seed_numbers",
+                                                        re.I),
 }
 
 
@@ -103,9 +106,17 @@ def test_no_source_file_points_outside_the_repository():
     assert not found, "say it in the repository's own words or link to docs/: " + "; ".join(found)
 
 
+def test_no_file_is_named_after_a_document_the_reader_does_not_have():
+    """File names say what a file holds: no chapter code, no name of the design document."""
+    paths = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert "tests/unit/test_docs.py" in paths
+    found = [p for p in paths for rx in FORBIDDEN.values() if rx.search(p.replace("/", " ").replace(".", " "))]
+    assert not found, found
+
+
 def test_the_checks_can_fail(tmp_path: Path):
     page = tmp_path / "p.md"
-    page.write_text("# Title\n\n[a](missing.md) [b](#nowhere) [c](#title) see the seed's ch. 15, issue 24, ../shared/x\n")
+    page.write_text("# Title\n\n[a](missing.md) [b](#nowhere) [c](#title) see the seed's ch. 15, issue 24, ../shared/x test_trace_ch18\n")
     assert links(page) == ["missing.md", "#nowhere", "#title"]
     assert anchors(page) == {"title"}
     prose = CODE.sub("", FENCE.sub("", page.read_text()))

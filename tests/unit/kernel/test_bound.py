@@ -27,14 +27,14 @@ P_TENANT = PoolShape.plain("atlas-minute", 1_000, 60_000, 100, chunk_max=100)
 TWO = Topology(agents={"eu": 1, "us": 1})
 
 
-def test_seed_ch13_fallback_of_100_per_region_gives_1200() -> None:
+def test_worked_example_fallback_of_100_per_region_gives_1200() -> None:
     b = pool_bound(P_TENANT, TWO, Faults.allocator_only(TWO))
     assert b.total == 1_200 and b.overshoot == 200
     assert b.term(REGIONAL).tokens == 200 and b.term(CARRY).tokens == 0 and b.term(LOST).tokens == 0
     assert b.per_region == {"eu": 100, "us": 100}
 
 
-def test_seed_ch13_unclamped_carry_over_of_a_100_chunk_per_region_gives_1200_clamped_gives_1000() -> None:
+def test_worked_example_unclamped_carry_over_of_a_100_chunk_per_region_gives_1200_clamped_gives_1000() -> None:
     no_fb = PoolShape.plain("atlas-minute", 1_000, 60_000, 0, chunk_max=100)
     assert pool_bound(no_fb, TWO, clamped=False).total == 1_200
     assert pool_bound(P_TENANT, TWO, Faults.allocator_only(TWO), clamped=False).total == 1_400

@@ -222,7 +222,7 @@ async def test_sliding_counter_seed_case(aclient, scripts):
     assert await aclient.dump(key) == before
 
 
-async def test_gcra_seed_numbers(aclient, scripts):
+async def test_gcra_worked_numbers(aclient, scripts):
     key = "rl:v3:{t:atlas}:u:1:gcra"
     args = dict(P_READ)
     p = TokenBucketParams(20_000, 2_000, 1_000, 1_000)

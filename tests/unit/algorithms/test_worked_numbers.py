@@ -137,7 +137,7 @@ def test_sliding_counter_seed_case():
     assert d.allowed and rolled == SlidingCounterState(w, 1, 18)
 
 
-def test_gcra_seed_numbers():
+def test_gcra_worked_numbers():
     d_prev = None
     st = None
     for _ in range(20):
