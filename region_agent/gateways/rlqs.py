@@ -77,6 +77,7 @@ TICK_S = 0.1
 LEAD_MS = 300.0  # a holding gets its next assignment when it has about this much of its demand left
 DENY_TTL_S = 60
 RETRY_MAX_MS = 1_000  # a denied round is asked again at most this much later
+PACED_RETRY_MS = 500  # an Envoy paced to nothing (rlqs_funding.paced) is looked at again this much later
 
 
 # -------------------------------------------------------------------------- what Envoy is sent
@@ -178,6 +179,7 @@ class RlqsService:
         self._ticker: asyncio.Task | None = None
         self.interval_ms = float(settings.rlqs_report_interval_ms)
         self.span_ms = self.interval_ms + 1_000.0  # an assignment lasts one report interval and a second
+        self.recent_tau_ms = 2 * self.span_ms  # "recently funded" (rlqs_funding.paced) fades over two assignments
 
     def now_ms(self) -> float:
         return self.clock() * 1000.0
@@ -402,7 +404,20 @@ class RlqsService:
                 self._schedule(h, h.retry_at_ms)
             return
         cap = self.s.rlqs_max_assignment
-        needs = {h: fund.need(h, self.span_ms, cap, ttl.clamp_ms) for h in parties}
+        short = [o for o in b.holdings if o not in parties and o.demand > 0 and o.short_at_ms
+                 and t0 - o.short_at_ms <= self.span_ms and self._alive(o)]
+        needs = {}
+        for h in parties:
+            want = fund.paced(h, fund.need(h, self.span_ms, cap, ttl.clamp_ms), short, t0, self.recent_tau_ms)
+            if want > 0:
+                needs[h] = want
+            else:  # its share of the recent rounds is spent: the rest is for the short ones
+                h.retry_at_ms = t0 + PACED_RETRY_MS
+                self._schedule(h, h.retry_at_ms)
+        if not needs:
+            m.rlqs_rounds.labels("paced").inc()
+            return
+        parties = list(needs)
         taken = await fund.take(self.decide, b.question, min(b.burst, sum(needs.values())))
         now = self.now_ms()
         clamp_at = t0 + ttl.clamp_ms
@@ -412,6 +427,7 @@ class RlqsService:
             if taken.tokens:  # funded, but its window ended while the round waited: never sent
                 m.rlqs_stranded_tokens.inc(taken.tokens)
             for h in parties:
+                h.short_at_ms = now
                 # the hint is for the whole asked cost; a token or two return sooner, and the next
                 # round asks for what is left (partial assignments): look again within a second
                 h.retry_at_ms = now + min(RETRY_MAX_MS, max(250, taken.retry_ms))
@@ -422,6 +438,7 @@ class RlqsService:
         touched: set[Stream] = set()
         unsent = 0
         for h, give in gives.items():
+            h.short_at_ms = now if give < needs[h] else 0.0
             st = self.streams.get(h.stream)
             if give <= 0 or st is None or not st.alive:
                 unsent += give
@@ -431,7 +448,7 @@ class RlqsService:
                 continue
             st.send(fresh_actions(bucket_id(h.bucket), give, ttl_s))
             m.rlqs_stranded_tokens.inc(h.settle(now))
-            fund.granted(h, give, ttl_s, now, clamp_at)
+            fund.granted(h, give, ttl_s, now, clamp_at, self.recent_tau_ms)
             m.rlqs_assignments.labels("fresh").inc()
             m.rlqs_assigned_tokens.inc(give)
             touched.add(st)

@@ -13,6 +13,11 @@ holds. Then:
 * **demand-weighted**: a round asks for every waiting Envoy's need (its demand over one report
   interval, at most ``max_assignment``) at once, and when it gets less, shares it with
   :func:`kernel.fair_share.split` — the allocator's fair-share split;
+* **demand-weighted across rounds**: Envoys report at different moments, so the rounds of one
+  bucket often fund one Envoy at a time, and an Envoy alone in a round would take all the bucket
+  has. While another Envoy of the bucket went short (its last round got less than it asked), a
+  round funds an Envoy only up to its demand share of what both were recently funded
+  (:func:`paced`); the rest stays in the bucket for the short one's next round;
 * **partial chunks**: a denied round learns what is left from the denial and asks again for that
   (twice at most), as the fleet pools' chunks do near the limit (partial chunks);
 * **a fresh assignment replaces the last**: its unspent tokens are abandoned, never refunded (an
@@ -66,6 +71,9 @@ class Holding:
     last_report_ms: float = 0.0
     last_traffic_ms: float = 0.0
     retry_at_ms: float = 0.0  # no round for this holding before (a denied round's hint, a window's end)
+    short_at_ms: float = 0.0  # monotonic: its last round gave it less than it asked (0: it got all)
+    recent: float = 0.0  # tokens funded recently: every fresh assignment, decaying (RECENT_TAU_MS)
+    recent_at_ms: float = 0.0
     wanting: bool = False
     revoked: int = 0
 
@@ -149,8 +157,42 @@ def renewal_ttl(h: Holding, now_ms: float, max_ttl_s: int) -> int:
     return secs if now_ms + secs * 1000.0 > h.expires_at_ms else 0
 
 
-def granted(h: Holding, tokens: int, ttl_s: int, now_ms: float, clamp_at_ms: float) -> None:
+def recently_funded(h: Holding, now_ms: float, tau_ms: float) -> float:
+    """The holding's recent funding at ``now_ms``: every fresh assignment's tokens, decaying by
+    ``e`` every ``tau_ms``."""
+    if h.recent <= 0.0:
+        return 0.0
+    return h.recent * math.exp(-max(0.0, now_ms - h.recent_at_ms) / tau_ms)
+
+
+def paced(h: Holding, want: int, short: list[Holding], now_ms: float, tau_ms: float) -> int:
+    """What ``h`` may be funded now, at most ``want``, while the Envoys of ``short`` (other holdings
+    of its bucket whose last round gave them less than they asked) wait for tokens.
+
+    With ``s`` = h's share of the demand of h and the short ones, ``f`` h's recent funding and
+    ``F`` theirs together, h may take ``x`` while ``f + x <= s (F + x)``, that is
+    ``x <= (s F - f) / (1 - s)``: over the recent rounds each Envoy's funding stays at its demand
+    share, whichever reports first. Unpaced: no short one, or nothing funded to h recently (an
+    Envoy that had nothing is never held back, so two short Envoys cannot hold each other back)."""
+    if not short or want <= 0:
+        return want
+    f = recently_funded(h, now_ms, tau_ms)
+    if f <= 0.0:
+        return want
+    demand = sum(o.demand for o in short)
+    if h.demand <= 0.0 or demand <= 0.0:
+        return want
+    s = h.demand / (h.demand + demand)
+    total = f + sum(recently_funded(o, now_ms, tau_ms) for o in short)
+    room = (s * total - f) / (1.0 - s)
+    return max(0, min(want, math.floor(room + 1e-9)))
+
+
+def granted(h: Holding, tokens: int, ttl_s: int, now_ms: float, clamp_at_ms: float,
+            tau_ms: float = math.inf) -> None:
     """A fresh assignment of ``tokens`` was sent: the last one's leftover is abandoned."""
+    h.recent = recently_funded(h, now_ms, tau_ms) + tokens
+    h.recent_at_ms = now_ms
     gap = 0.0
     if h.live(now_ms) and h.last_report_ms:  # what Envoy spent of the old one since its last report
         gap = min(max(0.0, h.chunk - h.used), h.demand * max(0.0, now_ms - h.last_report_ms) / 1000.0)
@@ -228,5 +270,5 @@ def share(tokens: int, cap: int, needs: dict[Any, int], demands: dict[Any, float
     return split(tokens, cap, needs, {k: max(1, math.ceil(v)) for k, v in demands.items()})
 
 
-__all__ = ["Decide", "Holding", "Taken", "granted", "need", "next_check_ms", "observe", "renewal_ttl",
-           "renewed", "revoke", "share", "take", "wants_tokens", "with_cost"]
+__all__ = ["Decide", "Holding", "Taken", "granted", "need", "next_check_ms", "observe", "paced",
+           "recently_funded", "renewal_ttl", "renewed", "revoke", "share", "take", "wants_tokens", "with_cost"]

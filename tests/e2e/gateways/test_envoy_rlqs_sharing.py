@@ -64,10 +64,15 @@ def test_two_envoys_of_one_bucket_are_funded_by_demand_and_never_beyond_what_it_
         t.start()
     for t in threads:
         t.join(DRIVE_S + 60)
-    view = holders(stack)
+    # the agent's view and its counter, read with no funding round between them (rounds go on
+    # after the drive while the Envoys' last reports show demand)
+    for _ in range(20):  # bounded
+        assigned = stack.metric("leasehold_agent_rlqs_assigned_tokens_total") - assigned_before
+        view = holders(stack)
+        if stack.metric("leasehold_agent_rlqs_assigned_tokens_total") - assigned_before == assigned:
+            break
     elapsed = time.monotonic() - started  # measured: the bucket refilled over all of it, at most
     held = CAPACITY + REFILL_PER_S * elapsed
-    assigned = stack.metric("leasehold_agent_rlqs_assigned_tokens_total") - assigned_before
 
     # never more than the bucket held: what the agent assigned, and what the Envoys admitted
     admitted = {name: codes.count(200) for name, codes in results.items()}
@@ -81,12 +86,13 @@ def test_two_envoys_of_one_bucket_are_funded_by_demand_and_never_beyond_what_it_
     high, low = sorted(view, key=lambda h: -h["demandPerS"])
     assert high["demandPerS"] > 2 * low["demandPerS"] > 0, view
     assert high["funded"] > low["funded"] >= 1, view
-    # by demand, not first come or evenly: the busier Envoy got over half of what both were assigned.
-    # Its demand share is about 0.8, but only a round with both Envoys waiting and too little for
-    # both shares by demand (kernel.fair_share.split gives every need in full when it fits): the
-    # bucket's first 20 tokens go as asked, and on a loaded machine the two Envoys' 5 s reports
-    # often reach the agent in different rounds. Measured: 0.58 to 0.7; an even split is 0.5.
-    assert high["funded"] / (high["funded"] + low["funded"]) >= 0.55, view
+    # by demand, not first come or evenly: the busier Envoy got well over half of what both were
+    # assigned. Its demand share is about 0.8; the bucket's first 20 tokens go as asked (every need
+    # in full when it fits), and the two Envoys' 5 s reports reach the agent in different rounds, so
+    # a round alone with B would give it all the bucket has: while A is short, B is paced to its
+    # demand share of what both were recently funded (rlqs_funding.paced). Measured on a loaded
+    # machine: 0.68 to 0.75 (before pacing: 0.68 to 0.70, and once 31 of 60 = 0.52); even is 0.5.
+    assert high["funded"] / (high["funded"] + low["funded"]) >= 0.6, view
     assert admitted[a.name] > admitted[b.name] >= 1, admitted
     # scarce: rounds got less than the Envoys asked for and shared it (kernel.fair_share.split)
     assert stack.metric("leasehold_agent_rlqs_rounds_total", outcome="partial") > partial_before
