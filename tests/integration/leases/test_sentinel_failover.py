@@ -99,7 +99,10 @@ async def test_a_sentinel_failover_under_load(tmp_path: Path):
                 await asyncio.sleep(0.2)
 
         # the breaker: one outage, closed again
-        assert await metric(url, "leasehold_agent_breaker_opens_total", shard="default") == 1
+        fallbacks = [(r.region, r.sent_ms - killed_ms, r.d.get("source")) for r in records
+                     if r.fallback and r.sent_ms > promoted_ms]  # what a second opening would show
+        assert await metric(url, "leasehold_agent_breaker_opens_total", shard="default") == 1, (
+            promoted_ms - killed_ms, served_ms - killed_ms, fallbacks[:10])
         assert await metric(url, "leasehold_agent_breaker_state", shard="default") == 0
         # while there was no primary: the fail modes (closed pool rule: 503; birch's user bucket: local)
         outage = [r for r in records if killed_ms + 500 < r.sent_ms and r.recv_ms < promoted_ms]
@@ -111,12 +114,20 @@ async def test_a_sentinel_failover_under_load(tmp_path: Path):
         assert any(r.fallback and r.d["source"] == "local_fallback" for r in birch_out), [r.d for r in birch_out][:3]
         # after the failover: answered by the store (the promoted replica), no fallback
         after = [r for r in records if r.sent_ms > served_ms + 1_000]
-        assert after and not any(r.fallback for r in after)
+        assert after and not any(r.fallback for r in after), [
+            (r.region, r.sent_ms - served_ms, r.d.get("source")) for r in after if r.fallback][:10]
         all_grants = await etcd_grants(topo)
         # the outage bought no lease per decision: at most one top-up per back-off second while
-        # Redis could take no deposit, and each came back unspent
-        bought = [g for g in all_grants.values() if killed_ms + 500 < g.grant.issued_at_ms < promoted_ms]
-        assert len(bought) <= 2 + (promoted_ms - killed_ms) // 1_000, [(g.grant.issued_at_ms, g.spent) for g in bought]
+        # Redis could take no deposit, and each came back unspent. The outage, as the agent saw it,
+        # ended no later than its first answer from the store after the kill: from then on it buys
+        # leases as usual (about three a second at this load), and this test may see the sentinels
+        # name the promoted replica later than the agent did
+        back_ms = min([r.recv_ms for r in records if r.sent_ms > killed_ms + 500 and r.d["source"] == "script"],
+                      default=promoted_ms)
+        outage_end = min(promoted_ms, back_ms)
+        bought = [g for g in all_grants.values() if killed_ms + 500 < g.grant.issued_at_ms < outage_end]
+        assert len(bought) <= 2 + (outage_end - killed_ms) // 1_000, (
+            outage_end - killed_ms, promoted_ms - killed_ms, [(g.grant.issued_at_ms - killed_ms, g.spent) for g in bought])
         assert any(r.region == "atlas" and r.allowed for r in after), (
             sorted((g.grant.window.index, g.grant.granted, g.grant.starts_in_ms, g.spent, g.returned)
                    for g in all_grants.values())[-40:],
