@@ -406,7 +406,7 @@ class RlqsService:
         cap = self.s.rlqs_max_assignment
         short = [o for o in b.holdings if o not in parties and o.demand > 0 and o.short_at_ms
                  and t0 - o.short_at_ms <= self.span_ms and self._alive(o)]
-        needs = {}
+        needs: dict[fund.Holding, int] = {}
         for h in parties:
             want = fund.paced(h, fund.need(h, self.span_ms, cap, ttl.clamp_ms), short, t0, self.recent_tau_ms)
             if want > 0:
@@ -427,7 +427,8 @@ class RlqsService:
             if taken.tokens:  # funded, but its window ended while the round waited: never sent
                 m.rlqs_stranded_tokens.inc(taken.tokens)
             for h in parties:
-                h.short_at_ms = now
+                if not taken.tokens:  # the bucket had nothing (not a window that ended mid-round)
+                    h.short_at_ms = now
                 # the hint is for the whole asked cost; a token or two return sooner, and the next
                 # round asks for what is left (partial assignments): look again within a second
                 h.retry_at_ms = now + min(RETRY_MAX_MS, max(250, taken.retry_ms))
