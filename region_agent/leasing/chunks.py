@@ -4,7 +4,11 @@ Pure state: the clock (monotonic ms) is passed in. A chunk is bought from the po
 ``{g:<pool>}`` balance with one store call (``pool_take.lua``: valid no longer than the leases
 it came from, so never past their window), spent locally, and abandoned (never refunded) when
 its validity ends. A reservation taken for a request whose tenant script then denies is given
-back to the same chunk, in-process only.
+back to the same chunk, in-process only: to the part it came from, which a renewal keeps while it is
+valid even if the reservation emptied it (a part dropped as empty while its last tokens were out on
+reservations lost them when they came back: bought, reported spent by their lease, never admitted;
+docs/decisions/0041-a-part-emptied-by-reservations-is-kept.md). A give-back with no part left to
+land in (the part expired meanwhile) is counted abandoned.
 
 The negative cache of a chunk is by cost: a renewal that could not pay ``cost`` denies locally
 requests of at least that cost until ``deny_until_ms``; cheaper requests are not blocked by it
@@ -107,18 +111,21 @@ class Part:
     fallback: bool = False  # bought from the pool's fallback allowance (allocator unreachable)
 
 
-#: Parts a chunk keeps at once (the newest renewal's and the leftovers of earlier ones still valid);
-#: beyond that the earliest-expiring is abandoned.
+#: Parts holding tokens a chunk keeps at once (the newest renewal's and the leftovers of earlier ones
+#: still valid); beyond that the earliest-expiring is abandoned.
 MAX_PARTS = 4
+#: Empty parts (their tokens spent, or out on reservations whose requests are still being decided) a
+#: chunk keeps until they expire, the newest first: a reservation given back lands in its own part.
+MAX_EMPTY_PARTS = 4
 
 
 @dataclass(slots=True)
 class Chunk:
     """A fleet-wide pool's chunk at one agent: the parts its renewals bought, spent
-    earliest-expiring first. A renewal never abandons what the chunk still holds: a reservation
-    given back (its request was not admitted) while a renewal was in flight lands in the part it
-    came from, which stays spendable until its own validity ends — never in another part, whose
-    validity (and window) may differ."""
+    earliest-expiring first. A renewal never abandons what the chunk still holds, nor what is out
+    on reservations: a reservation given back (its request was not admitted) before or after a
+    renewal lands in the part it came from, which stays spendable until its own validity ends —
+    never in another part, whose validity (and window) may differ."""
 
     parts: list[Part] = field(default_factory=list)
     deny_until_ms: float = 0.0  # the local denial is held until then (at most the hold)
@@ -172,6 +179,7 @@ class Chunk:
             if p.generation == generation:
                 p.tokens += cost
                 return True
+        self.abandoned += cost  # its part has expired (or it was bought alone): bought, never admitted
         return False
 
     def negative(self, now_ms: float, cost: int = 1) -> bool:
@@ -179,14 +187,18 @@ class Chunk:
 
     def grant(self, tokens: int, now_ms: float, validity_ms: int, *, fallback: bool = False) -> None:
         """A renewal succeeded: a new part. Earlier parts keep what they hold until they expire
-        (empty ones are dropped; beyond :data:`MAX_PARTS` the earliest-expiring is abandoned)."""
+        (beyond :data:`MAX_PARTS` holding tokens the earliest-expiring is abandoned). Empty ones are
+        kept too until they expire (the newest :data:`MAX_EMPTY_PARTS`): their tokens may be out on
+        reservations whose requests are still being decided, and come back."""
         self.generation += 1
         self.fallback = fallback
-        kept = [p for p in self._valid(now_ms) if p.tokens > 0]
-        kept.append(Part(self.generation, tokens, now_ms + validity_ms, fallback))
-        kept.sort(key=lambda p: p.expires_at_ms)
-        self.abandoned += sum(p.tokens for p in kept[:-MAX_PARTS])
-        self.parts = kept[-MAX_PARTS:]
+        valid = self._valid(now_ms)
+        held = [p for p in valid if p.tokens > 0]
+        held.append(Part(self.generation, tokens, now_ms + validity_ms, fallback))
+        held.sort(key=lambda p: p.expires_at_ms)
+        self.abandoned += sum(p.tokens for p in held[:-MAX_PARTS])
+        empty = sorted((p for p in valid if p.tokens <= 0), key=lambda p: p.generation)[-MAX_EMPTY_PARTS:]
+        self.parts = sorted(held[-MAX_PARTS:] + empty, key=lambda p: p.expires_at_ms)
         self.deny_until_ms = self.retry_at_ms = 0.0
         self.deny_min_cost = 1
 

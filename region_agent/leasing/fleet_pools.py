@@ -128,8 +128,9 @@ class FleetPools:
         return self._busy(pool, gkey)
 
     def give_back(self, spend: GlobalSpend, generation: int) -> None:
-        """A reservation whose request was not admitted: its tokens go back to the chunk they came
-        from (not a chunk bought since, nor one bought for that request alone: ``NO_CHUNK``)."""
+        """A reservation whose request was not admitted: its tokens go back to the part of the chunk
+        they came from, kept while valid even if a renewal landed meanwhile (not a part bought since,
+        nor one bought for that request alone: ``NO_CHUNK``; those tokens are counted abandoned)."""
         chunk = self.chunks.get(spend.pool.id)
         if chunk is not None:
             chunk.give_back(spend.cost, generation, self.now_ms(), spend.pool.chunk_validity_ms)

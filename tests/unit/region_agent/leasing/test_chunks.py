@@ -5,6 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from region_agent.leasing.chunks import (
+    MAX_EMPTY_PARTS,
     MAX_PARTS,
     SPEND_SHARE,
     Chunk,
@@ -51,15 +52,52 @@ def test_a_renewal_keeps_what_the_chunk_still_holds():
     assert lease.usable(1_010) == 5
 
 
-def test_parts_are_bounded_and_empty_ones_dropped():
+def test_parts_are_bounded_and_empty_ones_kept_only_until_they_expire():
     lease = Chunk()
     for i in range(MAX_PARTS + 3):
         lease.grant(1, now_ms=i, validity_ms=1_000)
     assert len(lease.parts) == MAX_PARTS and lease.usable(10) == MAX_PARTS
+    assert lease.take_abandoned() == 3  # the earliest-expiring parts beyond MAX_PARTS
     while lease.try_take(1, 10):
         pass
     lease.grant(3, now_ms=11, validity_ms=1_000)
-    assert [p.tokens for p in lease.parts] == [3]
+    assert lease.usable(11) == 3 and [p.tokens for p in lease.parts if p.tokens] == [3]
+    assert len(lease.parts) <= MAX_PARTS + MAX_EMPTY_PARTS
+    for i in range(3 * MAX_EMPTY_PARTS):  # spent and renewed again and again: the empty parts are bounded
+        lease.grant(1, now_ms=20 + i, validity_ms=1_000)
+        assert lease.try_take(1, 20 + i) is not None
+    assert lease.usable(40) == 3 and len(lease.parts) <= MAX_PARTS + MAX_EMPTY_PARTS
+    lease.grant(1, now_ms=1_100, validity_ms=1_000)  # every earlier part has expired
+    assert [p.tokens for p in lease.parts] == [1] and lease.take_abandoned() == 3
+
+
+def test_a_reservation_given_back_after_a_renewal_lands_in_its_own_part():
+    """The last token of a part is out on a reservation (its request is waiting for its tenant
+    script) when another request finds the chunk empty and renews it. The renewal must not drop the
+    emptied part: the reservation's request is then denied by its own tenant rule and the token comes
+    back. Dropped, it was lost: debited from the regional balance, so its lease reported it spent and
+    the allocator never granted it again, yet never admitted (a fleet-wide pool's fault-free window
+    ended with 96 of G 100 admitted while 148 tokens were asked)."""
+    lease = Chunk()
+    lease.grant(2, now_ms=0, validity_ms=1_000)
+    spent = lease.try_take(1, 10)
+    out = lease.try_take(1, 20)  # the last token, reserved by a request another rule will deny
+    assert spent is not None and out is not None and lease.usable(20) == 0
+    lease.grant(3, now_ms=30, validity_ms=1_000)  # the renewal an empty chunk starts lands first
+    assert lease.give_back(1, out.generation, 35, 1_000)  # the denied request's token comes back
+    assert lease.usable(35) == 4 and lease.take_abandoned() == 0
+    first = lease.try_take(1, 40)
+    assert first is not None and first.generation == out.generation  # spent first: it expires first
+    assert lease.usable(1_000) == 3 and lease.take_abandoned() == 0  # its part ended empty: nothing lost
+
+
+def test_a_reservation_given_back_after_its_part_expired_is_counted_abandoned():
+    lease = Chunk()
+    lease.grant(1, now_ms=0, validity_ms=100)
+    out = lease.try_take(1, 90)
+    assert out is not None
+    assert not lease.give_back(1, out.generation, 120, 100)  # its request was decided too late
+    assert lease.take_abandoned() == 1  # bought, reported spent by its lease, never admitted
 
 
 def test_fallback_is_per_part():

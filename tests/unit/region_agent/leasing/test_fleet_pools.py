@@ -143,6 +143,24 @@ async def test_a_give_back_lands_only_in_the_chunk_it_came_from():
     assert f.remaining(POOL.id) == 1999
     f.give_back(spend(), NO_CHUNK)  # bought alone: never returned to a chunk
     assert f.remaining(POOL.id) == 1999
+    assert f.chunks[POOL.id].take_abandoned() == 2  # both bought and never admitted: abandoned
+
+
+async def test_a_reservation_given_back_after_the_next_renewal_is_not_lost():
+    """A request reserves the chunk's last token and waits for its tenant script; another request
+    meanwhile finds the chunk empty and renews it. When the first request is denied by its tenant
+    rule, its token lands in its own part, spendable by the next request: it was debited from the
+    regional balance (its lease reports it spent), so lost there it is lost to the whole window."""
+    store = Store([[1, 5000, 250, 0]], [[2, 5000, 250, 0]])
+    f, c, m = fleet(store, Leases())
+    out = await f.take(spend(), c.t + 0.05, c)  # the chunk's only token, out on a reservation
+    assert out.status is TakeStatus.OK and f.remaining(POOL.id) == 0
+    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK  # renews: 2 bought, 1 left
+    f.give_back(spend(), out.generation)  # the first request was denied by its tenant rule
+    assert f.remaining(POOL.id) == 2 and len(store.sent) == 2
+    assert [(await f.take(spend(), c.t + 0.05, c)).status for _ in range(2)] == [TakeStatus.OK] * 2
+    assert len(store.sent) == 2  # both paid by the chunk: the given-back token was not lost
+    assert sample(m, "leasehold_agent_chunk_abandoned_tokens_total", pool=POOL.id) == 0
 
 
 async def test_concurrent_requests_share_one_renewal():
