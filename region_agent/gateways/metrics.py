@@ -61,6 +61,6 @@ class GatewayMetrics:
             "never refunded)", registry=r)
         self.rlqs_rounds = Counter(
             "leasehold_agent_rlqs_rounds_total",
-            "Funding rounds by outcome (granted | partial | denied | paced | window_end | error)", ["outcome"], registry=r)
+            "Funding rounds by outcome (granted | partial | denied | window_end | error)", ["outcome"], registry=r)
         self.rlqs_refused = Counter("leasehold_agent_rlqs_refused_total",
                                     "Bucket reports refused (answered deny-all), by reason", ["reason"], registry=r)

@@ -82,7 +82,6 @@ TICK_S = 0.1
 LEAD_MS = 300.0  # a holding gets its next assignment when it has about this much of its demand left
 DENY_TTL_S = 60
 RETRY_MAX_MS = 1_000  # a denied round is asked again at most this much later
-PACED_RETRY_MS = 500  # an Envoy paced to nothing (rlqs_funding.paced) is looked at again this much later
 
 
 # -------------------------------------------------------------------------- what Envoy is sent
@@ -184,7 +183,6 @@ class RlqsService:
         self._ticker: asyncio.Task | None = None
         self.interval_ms = float(settings.rlqs_report_interval_ms)
         self.span_ms = self.interval_ms + 1_000.0  # an assignment lasts one report interval and a second
-        self.recent_tau_ms = 2 * self.span_ms  # "recently funded" (rlqs_funding.paced) fades over two assignments
 
     def now_ms(self) -> float:
         return self.clock() * 1000.0
@@ -408,27 +406,19 @@ class RlqsService:
                 h.retry_at_ms = t0 + max(ttl.wait_ms, TICK_S * 1000)
                 self._schedule(h, h.retry_at_ms)
             return
+        # the bucket's short Envoys join whichever Envoy's report started the round (rlqs_funding.waiting)
+        parties += [o for o in b.holdings if o not in parties and self._alive(o)
+                    and fund.waiting(o, t0, self.span_ms, LEAD_MS)]
         cap = self.s.rlqs_max_assignment
-        short = [o for o in b.holdings if o not in parties and o.demand > 0 and o.short_at_ms
-                 and t0 - o.short_at_ms <= self.span_ms and self._alive(o)]
-        needs: dict[fund.Holding, int] = {}
-        for h in parties:
-            want = fund.paced(h, fund.need(h, self.span_ms, cap, ttl.clamp_ms), short, t0, self.recent_tau_ms)
-            if want > 0:
-                needs[h] = want
-            else:  # its share of the recent rounds is spent: the rest is for the short ones
-                h.retry_at_ms = t0 + PACED_RETRY_MS
-                self._schedule(h, h.retry_at_ms)
-        if not needs:
-            m.rlqs_rounds.labels("paced").inc()
-            return
-        parties = list(needs)
+        needs = {h: fund.need(h, self.span_ms, cap, ttl.clamp_ms) for h in parties}
         taken = await fund.take(self.decide, b.question, min(b.burst, sum(needs.values())))
         now = self.now_ms()
         clamp_at = t0 + ttl.clamp_ms
         ttl_s = min(ttl.seconds, int((clamp_at - now) // 1000)) if math.isfinite(clamp_at) else ttl.seconds
         if taken.tokens == 0 or ttl_s < 1:
             m.rlqs_rounds.labels("denied").inc()
+            log.debug("RLQS round for %s denied (streams %s; retry in %d ms)", dict(b.key),
+                      [h.stream for h in parties], taken.retry_ms)
             if taken.tokens:  # funded, but its window ended while the round waited: never sent
                 m.rlqs_stranded_tokens.inc(taken.tokens)
             for h in parties:
@@ -440,7 +430,11 @@ class RlqsService:
                 self._schedule(h, h.retry_at_ms)
             return
         m.rlqs_rounds.labels("granted" if taken.tokens >= sum(needs.values()) else "partial").inc()
-        gives = fund.share(taken.tokens, cap, needs, {h: h.demand for h in parties})
+        gives = fund.share(taken.tokens, needs)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("RLQS round for %s: %d tokens for %s", dict(b.key), taken.tokens,
+                      ", ".join(f"stream {h.stream} (demand {h.demand:.1f}/s, need {needs[h]}): {g}"
+                                for h, g in gives.items()))
         touched: set[Stream] = set()
         unsent = 0
         for h, give in gives.items():
@@ -454,7 +448,7 @@ class RlqsService:
                 continue
             st.send(fresh_actions(bucket_id(h.bucket), give, ttl_s))
             m.rlqs_stranded_tokens.inc(h.settle(now))
-            fund.granted(h, give, ttl_s, now, clamp_at, self.recent_tau_ms)
+            fund.granted(h, give, ttl_s, now, clamp_at)
             m.rlqs_assignments.labels("fresh").inc()
             m.rlqs_assigned_tokens.inc(give)
             touched.add(st)

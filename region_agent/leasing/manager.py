@@ -274,17 +274,29 @@ class LeaseManager:
 
     # ----------------------------------------------------------------- grants
     async def _topup(self, bal: Balance) -> None:
+        """One top-up: a lease of the current window, then the next window's when the current one
+        ends within the pool's prefetch time and none is held yet. A grant that came too late to
+        be spent in its window (it ended within the round trip, or within the Redis clock offset)
+        leaves no valid lease; the window it named still ends soon, so the next window's lease is
+        asked for at once (or the new current window's, if it already began): without it a balance
+        woken after an idle spell near a window's end had nothing to spend, and nothing asked for,
+        until the next decision's top-up."""
         try:
-            await self._request(bal, "current")
+            answered_end = await self._request(bal, "current")
             now = self.now()
-            until_end = min((lease.window_end for lease in bal.book.valid(now)), default=None)
+            valid = bal.book.valid(now)
+            until_end = min((lease.window_end for lease in valid), default=None) if valid else answered_end
             if self._leasing and until_end is not None and until_end - now <= bal.pool.prefetch_ms \
                     and not bal.book.future(now):
-                await self._request(bal, "next")
+                await self._request(bal, "next" if until_end > now else "current")
         finally:
             bal.inflight = None
 
-    async def _request(self, bal: Balance, window: Literal["current", "next"]) -> None:
+    async def _request(self, bal: Balance, window: Literal["current", "next"]) -> float | None:
+        """Ask for one lease and deposit it. Returns the end of the window the grant named
+        (monotonic ms, as :meth:`PoolBook.accept` places it) when tokens were granted and Redis
+        took the deposit or the lease was dropped only for its timing (too late to be spent);
+        None otherwise (nothing granted, the allocator or Redis failing: no second request)."""
         lease_id = f"{self.region}-{uuid.uuid4().hex}"
         req = LeaseRequest(lease_id=lease_id, region=self.region, pool=bal.pool.id,
                            want=bal.book.want(self.horizon_ms, self.now()), demand=int(bal.book.demand_rate),
@@ -305,7 +317,7 @@ class LeaseManager:
             elif not isinstance(e, Conflict):  # a refusal other than prefetch timing: a configuration problem
                 self._refusals.log((bal.pool.id, e.code), logging.WARNING,
                                    f"lease request for pool {bal.pool.id} refused: {e.detail}")
-            return
+            return None
         self._reachability.observe(True, self._reachability_line)
         received_at = self.now()
         if not grant.replayed:  # a replay carries the original issuedAtMs
@@ -324,12 +336,15 @@ class LeaseManager:
             if m is not None:
                 m.lease_grants.labels(bal.pool.id, "stale_epoch").inc()
             log.warning("refused grant: %s", e.detail)
-            return
+            return None
         if self.recorder:
             self.recorder.grant(region=self.region, pool=bal.pool.id, key_tag=bal.key, lease=lease, grant=grant,
                                 sent_at=sent_at, received_at=received_at)
+        if grant.granted <= 0:
+            return None
+        window_end = sent_at + (grant.window.end_ms - grant.issued_at_ms)  # as PoolBook.accept places it
         if lease is None:
-            return
+            return window_end
         try:
             _, lo, hi = await self.store.observe(bal.key)
         except LeaseholdError:
@@ -338,13 +353,13 @@ class LeaseManager:
             # for a while. Asking again at every decision of a Redis outage otherwise took the
             # window's whole G lease by lease, every one of them stranded.
             self._undeposited(bal, lease.lease_id)
-            return
+            return None  # (and no top-up for a while: see _undeposited)
         # start no earlier than valid_from (upper offset), end no later than the deadline (lower offset)
         valid_from = int(lease.valid_from + hi + 0.999)
         expires_at = int(lease.deadline + lo)
         if expires_at <= valid_from:
             bal.book.forget(lease.lease_id)
-            return
+            return window_end
         try:
             stored = await self.store.deposit(bal.key, lease.lease_id, lease.granted, valid_from, expires_at)
         except LeaseholdError:
@@ -353,14 +368,15 @@ class LeaseManager:
             # ask for no other lease for a while (Redis is failing: another would fare no better)
             log.warning("deposit of lease %s into Redis failed", lease.lease_id)
             bal.book.note_refused(self.now())
-            return
+            return None
         if not stored:  # refused ('full' / 'expired'): certainly nothing written, nothing spent
             self._undeposited(bal, lease.lease_id)
-            return
+            return None
         if lease.valid_from <= self.now():
             # count it now: until the next tick reads Redis, a stale reading would make every
             # decision in between start another top-up for a balance that is already full
             bal.last_spendable += lease.granted
+        return window_end
 
     def _undeposited(self, bal: Balance, lease_id: str) -> None:
         """A granted lease certainly not written to Redis: forgotten, reported closed early with

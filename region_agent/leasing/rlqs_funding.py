@@ -11,13 +11,15 @@ holds. Then:
 * **single-flight per bucket**: one funding round per bucket at a time (region_agent.gateways.rlqs); the
   Envoys that need tokens meanwhile join the next round;
 * **demand-weighted**: a round asks for every waiting Envoy's need (its demand over one report
-  interval, at most ``max_assignment``) at once, and when it gets less, shares it with
-  :func:`kernel.fair_share.split` — the allocator's fair-share split;
-* **demand-weighted across rounds**: Envoys report at different moments, so the rounds of one
-  bucket often fund one Envoy at a time, and an Envoy alone in a round would take all the bucket
-  has. While another Envoy of the bucket went short (its last round got less than it asked), a
-  round funds an Envoy only up to its demand share of what both were recently funded
-  (:func:`paced`); the rest stays in the bucket for the short one's next round;
+  interval, at most ``max_assignment``) at once, and when it gets less, shares it by demand with
+  :func:`kernel.fair_share.split`, each Envoy's rounding carried to its next round (a scarce
+  bucket's rounds are a token or two, and rounded alone each went to the busiest Envoy);
+* **demand-weighted across rounds**: Envoys report at different moments, so a round is often
+  started by one Envoy of a bucket, and alone in it that Envoy would take all the bucket has. An
+  Envoy of the bucket that is **short** (a round within one report span gave it less than it
+  asked, and its assignment is running out) joins every round of its bucket until one funds it in
+  full (:func:`waiting`), so what the bucket has is shared by demand whichever Envoy's report
+  started the round;
 * **partial chunks**: a denied round learns what is left from the denial and asks again for that
   (twice at most), as the fleet pools' chunks do near the limit (partial chunks);
 * **a fresh assignment replaces the last**: its unspent tokens are abandoned, never refunded (an
@@ -40,7 +42,6 @@ import math
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from kernel.fair_share import split
 
@@ -77,8 +78,7 @@ class Holding:
     last_traffic_ms: float = 0.0
     retry_at_ms: float = 0.0  # no round for this holding before (a denied round's hint, a window's end)
     short_at_ms: float = 0.0  # monotonic: its last round gave it less than it asked (0: it got all)
-    recent: float = 0.0  # tokens funded recently: every fresh assignment, decaying (RECENT_TAU_MS)
-    recent_at_ms: float = 0.0
+    owed: float = 0.0  # what rounding its rounds' shares to whole tokens owes it (a fraction, kernel.fair_share.split)
     wanting: bool = False
     revoked: int = 0
     ended: bool = True  # Envoy was told the last assignment ended, or was never sent one (needs_end)
@@ -128,14 +128,27 @@ def need(h: Holding, span_ms: float, cap: int, clamp_ms: float = INF) -> int:
     return max(1, min(cap, math.ceil(h.demand * min(span_ms, clamp_ms) / 1000.0)))
 
 
-def wants_tokens(h: Holding, now_ms: float, lead_ms: float) -> bool:
-    """Should a round fund this holding now: it has demand, no round's denial holds it back, and
-    its assignment is gone or about to run out (within ``lead_ms`` of its demand)."""
-    if h.question is None or now_ms < h.retry_at_ms or h.demand <= 0:
+def runs_short(h: Holding, now_ms: float, lead_ms: float) -> bool:
+    """The holding has demand and a bucket question, and its assignment is gone or about to run
+    out (within ``lead_ms`` of its demand)."""
+    if h.question is None or h.demand <= 0:
         return False
     if not h.live(now_ms):
         return True
     return h.left(now_ms) <= max(1.0, h.demand * lead_ms / 1000.0)
+
+
+def wants_tokens(h: Holding, now_ms: float, lead_ms: float) -> bool:
+    """Should a round fund this holding now: no round's denial holds it back, and it
+    :func:`runs_short`."""
+    return now_ms >= h.retry_at_ms and runs_short(h, now_ms, lead_ms)
+
+
+def waiting(h: Holding, now_ms: float, span_ms: float, lead_ms: float) -> bool:
+    """Should the holding join a round another Envoy of its bucket started: it is short (a round
+    within ``span_ms`` gave it less than it asked) and still :func:`runs_short`. A denial's hint
+    does not hold it back here: the round asks the admission anyway, for all its parties at once."""
+    return bool(h.short_at_ms) and now_ms - h.short_at_ms <= span_ms and runs_short(h, now_ms, lead_ms)
 
 
 def next_check_ms(h: Holding, now_ms: float, lead_ms: float) -> float:
@@ -163,42 +176,8 @@ def renewal_ttl(h: Holding, now_ms: float, max_ttl_s: int) -> int:
     return secs if now_ms + secs * 1000.0 > h.expires_at_ms else 0
 
 
-def recently_funded(h: Holding, now_ms: float, tau_ms: float) -> float:
-    """The holding's recent funding at ``now_ms``: every fresh assignment's tokens, decaying by
-    ``e`` every ``tau_ms``."""
-    if h.recent <= 0.0:
-        return 0.0
-    return h.recent * math.exp(-max(0.0, now_ms - h.recent_at_ms) / tau_ms)
-
-
-def paced(h: Holding, want: int, short: list[Holding], now_ms: float, tau_ms: float) -> int:
-    """What ``h`` may be funded now, at most ``want``, while the Envoys of ``short`` (other holdings
-    of its bucket whose last round gave them less than they asked) wait for tokens.
-
-    With ``s`` = h's share of the demand of h and the short ones, ``f`` h's recent funding and
-    ``F`` theirs together, h may take ``x`` while ``f + x <= s (F + x)``, that is
-    ``x <= (s F - f) / (1 - s)``: over the recent rounds each Envoy's funding stays at its demand
-    share, whichever reports first. Unpaced: no short one, or nothing funded to h recently (an
-    Envoy that had nothing is never held back, so two short Envoys cannot hold each other back)."""
-    if not short or want <= 0:
-        return want
-    f = recently_funded(h, now_ms, tau_ms)
-    if f <= 0.0:
-        return want
-    demand = sum(o.demand for o in short)
-    if h.demand <= 0.0 or demand <= 0.0:
-        return want
-    s = h.demand / (h.demand + demand)
-    total = f + sum(recently_funded(o, now_ms, tau_ms) for o in short)
-    room = (s * total - f) / (1.0 - s)
-    return max(0, min(want, math.floor(room + 1e-9)))
-
-
-def granted(h: Holding, tokens: int, ttl_s: int, now_ms: float, clamp_at_ms: float,
-            tau_ms: float = math.inf) -> None:
+def granted(h: Holding, tokens: int, ttl_s: int, now_ms: float, clamp_at_ms: float) -> None:
     """A fresh assignment of ``tokens`` was sent: the last one's leftover is abandoned."""
-    h.recent = recently_funded(h, now_ms, tau_ms) + tokens
-    h.recent_at_ms = now_ms
     gap = 0.0
     if h.live(now_ms) and h.last_report_ms:  # what Envoy spent of the old one since its last report
         gap = min(max(0.0, h.chunk - h.used), h.demand * max(0.0, now_ms - h.last_report_ms) / 1000.0)
@@ -292,11 +271,14 @@ async def take(decide: Decide, q: AdmitRequest, want: int) -> Taken:
     return Taken(0, last, ROUND_ATTEMPTS)
 
 
-def share(tokens: int, cap: int, needs: dict[Any, int], demands: dict[Any, float]) -> dict[Any, int]:
-    """The round's ``tokens`` among its parties (kernel.fair_share.split, demands in whole
-    requests per second, 1 at least)."""
-    return split(tokens, cap, needs, {k: max(1, math.ceil(v)) for k, v in demands.items()})
+def share(tokens: int, needs: dict[Holding, int]) -> dict[Holding, int]:
+    """The round's ``tokens`` among its parties by demand (:func:`kernel.fair_share.split`), each
+    party's rounding carried on its holding (``owed``) to its next round."""
+    gives, owed = split(tokens, needs, {h: h.demand for h in needs}, {h: h.owed for h in needs})
+    for h, o in owed.items():
+        h.owed = o
+    return gives
 
 
-__all__ = ["Decide", "Holding", "Taken", "ended", "granted", "need", "needs_end", "next_check_ms", "observe", "paced",
-           "recently_funded", "renewal_ttl", "renewed", "revoke", "share", "take", "wants_tokens", "with_cost"]
+__all__ = ["Decide", "Holding", "Taken", "ended", "granted", "need", "needs_end", "next_check_ms", "observe",
+           "renewal_ttl", "renewed", "revoke", "runs_short", "share", "take", "waiting", "wants_tokens", "with_cost"]

@@ -2,8 +2,8 @@
 bucket** with different demand: one client every 0.125 s through Envoy A, one every 0.5 s through
 Envoy B, both as user U-50 of atlas (P-READ's user bucket: 20 tokens, refilling 2/s — far below
 the 10 requests/s asked). The agent funds both from that one bucket: its funding rounds ask for
-every waiting Envoy's need and share what they get by demand (the allocator's fair-share policy,
-kernel.fair_share.split), so the Envoy reporting more demand is assigned more; and the Envoys
+every waiting Envoy's need and share what they get by demand (kernel.fair_share.split), so the
+Envoy reporting more demand is assigned more; and the Envoys
 together are never assigned, nor admit, more than the bucket held over the run."""
 
 from __future__ import annotations
@@ -94,9 +94,10 @@ def test_two_envoys_of_one_bucket_are_funded_by_demand_and_never_beyond_what_it_
     assert high["funded"] > low["funded"] >= 1, view
     # by demand, not first come or evenly: once the agent knew the two demands apart, the busier
     # Envoy got well over half of what both were assigned (its demand share is about 0.8). The two
-    # Envoys' reports reach the agent in different rounds, and a round alone with B would give it all
-    # the bucket has: while A is short, B is paced to its demand share of what both were recently
-    # funded (rlqs_funding.paced). Over the whole run the first seconds' even funding counts too.
+    # Envoys' reports reach the agent at different moments, and a round alone with B would give it
+    # all the bucket has: a short Envoy joins every round of its bucket (rlqs_funding.waiting), and
+    # the rounds' one or two tokens are shared with the rounding carried (kernel.fair_share.split).
+    # Over the whole run the first seconds' even funding counts too.
     later = {h["stream"]: h["funded"] - early.get(h["stream"], 0) for h in (high, low)}
     share = later[high["stream"]] / max(1, sum(later.values()))
     assert share >= 0.6, (share, early, view)

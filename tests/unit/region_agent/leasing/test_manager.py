@@ -150,6 +150,57 @@ async def test_a_refused_deposit_is_reported_closed_early_and_backs_off():
     assert m.pending(KEY) is None and len(alloc.requests) == 1
 
 
+async def test_a_grant_too_late_for_its_window_is_followed_by_the_new_windows_lease():
+    """Woken near a window's end (an idle spell let the leases lapse), the balance is granted a
+    lease of a window that ends before the answer arrives: nothing to spend. The same top-up asks
+    at once for the window that has begun since, so the waiting decision finds a lease."""
+    clock = FakeClock(100_000.0)
+    answers = iter([dict(issued=10_000, ttl=30, end=10_030),  # ends 30 ms after sending; the answer takes 80
+                    dict(issued=10_080, ttl=1_000, end=11_030)])
+
+    def answer(req: LeaseRequest) -> LeaseGrant:
+        clock.advance(80.0)  # the round trip
+        return grant(req, **next(answers))
+
+    alloc, store = Allocator(answer=answer), Balances()
+    m = manager(alloc, store, clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert [r.window for r in alloc.requests] == ["current", "current"]
+    (deposit,) = store.deposits  # only the second: the first could not be spent
+    assert deposit[1] == alloc.requests[1].lease_id
+    assert m.balances[KEY].book.valid(clock()) and m.balances[KEY].last_spendable == 100
+
+
+async def test_a_grant_the_redis_clock_offset_leaves_unspendable_is_followed_by_the_next_windows():
+    """The grant arrives 10 ms before its window ends, and the Redis clock offset narrows what is
+    left to nothing: the next window's lease is asked for in the same top-up (prefetch)."""
+    clock = FakeClock(100_000.0)
+    answers = iter([dict(issued=10_000, ttl=30, end=10_030), dict(issued=10_020, ttl=1_000, end=11_030)])
+
+    def answer(req: LeaseRequest) -> LeaseGrant:
+        clock.advance(20.0)
+        return grant(req, **next(answers))
+
+    alloc, store = Allocator(answer=answer), Balances(lo=-15.0, hi=0.0)
+    m = manager(alloc, store, clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert [r.window for r in alloc.requests] == ["current", "next"]
+    assert [d[1] for d in store.deposits] == [alloc.requests[1].lease_id]
+
+
+async def test_a_grant_redis_did_not_take_asks_for_no_other_window():
+    """Nothing is asked beyond the refused deposit, even near the window's end (Redis would refuse
+    the next one too)."""
+    clock = FakeClock(100_000.0)
+    alloc = Allocator(answer=lambda req: grant(req, issued=10_000, ttl=30, end=10_030))
+    m = manager(alloc, Balances(deposit_ok=False), clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert len(alloc.requests) == 1
+
+
 async def test_a_grant_with_an_older_epoch_is_refused_and_not_deposited():
     epochs = iter([9, 8])
     alloc = Allocator(answer=lambda req: grant(req, epoch=next(epochs)))

@@ -146,46 +146,25 @@ def test_take_stops_at_an_answer_that_is_not_a_limit():
     assert t.tokens == 0 and t.attempts == f.ROUND_ATTEMPTS and t.retry_ms == 5_000
 
 
-def test_share_uses_the_allocators_fair_share():
+def test_share_is_by_demand_and_carries_each_holdings_rounding():
     a, b = holding(demand=9.0), holding(demand=3.0)
-    assert f.share(20, 100, {a: 20, b: 20}, {a: 9.0, b: 3.0}) == {a: 15, b: 5}
-    assert f.share(40, 100, {a: 20, b: 20}, {a: 9.0, b: 3.0}) == {a: 20, b: 20}
+    assert f.share(20, {a: 20, b: 20}) == {a: 15, b: 5}
+    assert f.share(40, {a: 20, b: 20}) == {a: 20, b: 20}
+    assert f.share(1, {a: 20, b: 20}) == {a: 1, b: 0} and (a.owed, b.owed) == (-0.25, 0.25)
+    assert f.share(1, {a: 20, b: 20}) == {a: 1, b: 0} and b.owed == 0.5
+    assert f.share(1, {a: 20, b: 20}) == {a: 0, b: 1}  # b's quarter of three tokens: one whole token
 
 
-def test_recent_funding_fades_by_e_every_tau():
-    h = holding(demand=1.0)
-    f.granted(h, 10, 10, 0.0, f.INF, tau_ms=12_000)
-    assert f.recently_funded(h, 0.0, 12_000) == 10
-    assert abs(f.recently_funded(h, 12_000.0, 12_000) - 10 / 2.718281828) < 1e-6
-    f.granted(h, 5, 10, 12_000.0, f.INF, tau_ms=12_000)
-    assert abs(f.recently_funded(h, 12_000.0, 12_000) - (10 / 2.718281828 + 5)) < 1e-6
+def test_a_short_envoy_waits_until_funded_in_full_and_a_denial_hint_does_not_hold_it_back():
+    """Short: a round within one span gave it less than it asked, and its assignment runs out.
+    It joins the rounds other Envoys of its bucket start, whatever its own retry time."""
+    h = holding(demand=8.0)
+    assert not f.waiting(h, 1_000.0, 6_000, 300)  # never short
+    h.short_at_ms, h.retry_at_ms = 1_000.0, 2_000.0
+    assert f.waiting(h, 1_500.0, 6_000, 300) and not f.wants_tokens(h, 1_500.0, 300)
+    assert not f.waiting(h, 7_001.0, 6_000, 300)  # short longer ago than one span: its own rounds ask
+    f.granted(h, 40, 10, 1_500.0, f.INF)
+    assert not f.waiting(h, 1_600.0, 6_000, 300)  # holds tokens for a while: not waiting
+    assert not f.waiting(holding(demand=0.0, short_at_ms=1_000.0), 1_500.0, 6_000, 300)  # no demand
 
 
-def test_an_envoy_is_paced_to_its_demand_share_while_another_of_its_bucket_is_short():
-    """B asks 2/s, A 8/s, and the bucket refills 2/s: B alone in its rounds would take everything the
-    bucket has. While A is short, B is funded only while its recent funding stays at 1/5 of both."""
-    a, b = holding(demand=8.0), holding(demand=2.0)
-    f.granted(a, 16, 10, 0.0, f.INF)
-    f.granted(b, 4, 10, 0.0, f.INF)
-    assert f.paced(b, 12, [a], 1.0, f.INF) == 0  # 4 of 20: its share exactly, nothing more yet
-    f.granted(a, 24, 10, 1.0, f.INF)
-    # f + x <= 0.2 (F + x): (0.2 x 44 - 4) / 0.8 = 6
-    assert f.paced(b, 12, [a], 2.0, f.INF) == 6
-    assert f.paced(b, 3, [a], 2.0, f.INF) == 3  # never more than it asked
-    # the short one itself is never held back by the one that is not short
-    assert f.paced(a, 48, [], 2.0, f.INF) == 48
-    # the invariant: after funding x, b's share of what both got recently is at most its demand share
-    x = f.paced(b, 12, [a], 2.0, f.INF)
-    assert (4 + x) / (44 + x) <= 0.2 + 1e-9
-
-
-def test_an_envoy_funded_nothing_recently_is_never_paced():
-    """Two short Envoys cannot hold each other back: one with no recent funding asks in full."""
-    a, b = holding(demand=8.0), holding(demand=2.0)
-    f.granted(a, 40, 10, 0.0, f.INF, tau_ms=1_000)
-    assert f.paced(b, 12, [a], 0.0, 1_000) == 12
-    f.granted(b, 2, 10, 0.0, f.INF, tau_ms=1_000)
-    assert f.paced(b, 12, [a], 0.0, 1_000) == 8  # (0.2 x 42 - 2) / 0.8
-    # old funding fades: both recent amounts shrink alike, so the room shrinks with them
-    assert f.paced(b, 12, [a], 5_000.0, 1_000) == 0
-    assert f.paced(b, 12, [holding(demand=0.0)], 0.0, 1_000) == 12  # a short one without demand: no pacing
