@@ -89,7 +89,7 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_rlqs_buckets": "1",
     "leasehold_agent_rlqs_reports_total": "1",
     "leasehold_agent_rlqs_usage_total": "2 outcomes",
-    "leasehold_agent_rlqs_assignments_total": "5 kinds",
+    "leasehold_agent_rlqs_assignments_total": "6 kinds",
     "leasehold_agent_rlqs_assigned_tokens_total": "1",
     "leasehold_agent_rlqs_stranded_tokens_total": "1",
     "leasehold_agent_rlqs_rounds_total": "5 outcomes",

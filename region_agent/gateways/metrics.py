@@ -51,7 +51,8 @@ class GatewayMetrics:
         self.rlqs_assignments = Counter(
             "leasehold_agent_rlqs_assignments_total",
             "Bucket actions sent to Envoys, by kind (fresh: new tokens | renewal: more time, no tokens | "
-            "deny: refused bucket | revoke: policy change | abandon: idle bucket)", ["kind"], registry=r)
+            "end: an assignment ran out unreplaced | deny: refused bucket | revoke: policy change | "
+            "abandon: idle bucket)", ["kind"], registry=r)
         self.rlqs_assigned_tokens = Counter("leasehold_agent_rlqs_assigned_tokens_total",
                                             "Tokens in fresh assignments (every one funded first)", registry=r)
         self.rlqs_stranded_tokens = Counter(

@@ -21,6 +21,11 @@ behaviour, checked against the real binary by ``tests/e2e/gateways/test_envoy_rl
 * a **renewal**: the same token bucket again, sent when half its time to live is gone and tokens
   are left: Envoy keeps its tokens and restarts the time to live (never past the window the
   tokens came from);
+* an **end**: ``DENY_ALL`` once an assignment's time to live has run out as the agent counts it
+  (from when it was sent) and no fresh one replaced it. Envoy counts a time to live from when the
+  assignment arrives, so one held up on a stalled stream and delivered when it resumes would
+  otherwise live past the window its tokens came from; the end, sent behind it on the same stream,
+  arrives after it and ends it (rlqs_funding.needs_end);
 * ``DENY_ALL`` for a bucket the agent refuses (an unmapped key, a per-request rule, another
   domain: counted by reason) and to **revoke** assignments a policy change altered;
 * ``abandon_action`` for a bucket idle for ``--rlqs-idle-ms``: Envoy forgets it and reports it at
@@ -499,6 +504,10 @@ class RlqsService:
             else:
                 self._schedule(h, now + self.s.rlqs_idle_ms)
             return
+        if fund.needs_end(h, now):  # whether or not the stream still reports: a stalled one most of all
+            st.send([deny_action(bucket_id(h.bucket), DENY_TTL_S)])
+            fund.ended(h, now)
+            m.rlqs_assignments.labels("end").inc()
         ttl = fund.renewal_ttl(h, now, self.s.rlqs_max_ttl_s)
         if ttl and now - st.last_report_ms <= 2 * self.interval_ms:  # a stream that still reports
             st.send(renewal_actions(bucket_id(h.bucket), h.chunk, ttl))

@@ -25,6 +25,11 @@ holds. Then:
 * **a fresh assignment replaces the last**: its unspent tokens are abandoned, never refunded (an
   ambiguous refund could count twice), and counted as stranded once Envoy's reports show how
   many were not used (:meth:`Holding.settle`).
+* **an assignment that runs out is ended**: Envoy starts a time to live when it *receives* the
+  assignment, so one held up on a stalled connection (a blackholed stream, delivered when it heals)
+  would live past the end of the window its tokens came from. When its time to live has run out as
+  the agent counts it (from when it was sent) and no fresh assignment replaced it, the agent says so
+  (:func:`needs_end`): a ``DENY_ALL`` on the same stream, which Envoy receives after it, in order.
 
 Pure state and arithmetic (:class:`Holding`, :func:`observe`, :func:`wants_tokens`, :func:`need`)
 plus what one round asks the admission (:func:`take`) and how it shares the answer (:func:`share`);
@@ -76,6 +81,7 @@ class Holding:
     owed: float = 0.0  # what rounding its rounds' shares to whole tokens owes it (a fraction, kernel.fair_share.split)
     wanting: bool = False
     revoked: int = 0
+    ended: bool = True  # Envoy was told the last assignment ended, or was never sent one (needs_end)
 
     def live(self, now_ms: float) -> bool:
         return self.chunk > 0 and now_ms < self.expires_at_ms
@@ -183,6 +189,27 @@ def granted(h: Holding, tokens: int, ttl_s: int, now_ms: float, clamp_at_ms: flo
     h.expires_at_ms = now_ms + ttl_s * 1000.0
     h.clamp_at_ms = clamp_at_ms
     h.retry_at_ms = 0.0
+    h.ended = False
+
+
+def needs_end(h: Holding, now_ms: float) -> bool:
+    """Must Envoy be told that the holding's assignment has ended: its time to live has run out as
+    the agent counts it (from when it, or its last renewal, was sent), no fresh assignment replaced
+    it, and Envoy was not told yet.
+
+    Envoy counts a time to live from when the assignment *arrives*: sent on a stream that stalls (a
+    partition that drops every packet, healed later), it arrives late and lives past the end of the
+    window its tokens came from, into windows whose tokens are already spoken for. The end (a
+    ``DENY_ALL`` sent on the same stream, see :func:`ended`) arrives after it, in order: with it at
+    the latest when the stream resumes, so the late assignment is ended as it lands. On time, the
+    end arrives when Envoy's own time to live has just run out, and changes nothing."""
+    return h.chunk > 0 and not h.ended and now_ms >= h.expires_at_ms
+
+
+def ended(h: Holding, now_ms: float) -> None:
+    """Envoy was sent the end of the holding's assignment (:func:`needs_end`)."""
+    h.ended = True
+    h.expires_at_ms = min(h.expires_at_ms, now_ms)
 
 
 def renewed(h: Holding, ttl_s: int, now_ms: float) -> None:
@@ -195,6 +222,7 @@ def revoke(h: Holding, now_ms: float) -> None:
     """The assignment is withdrawn (a policy change): what it had left is abandoned."""
     h.expires_at_ms = min(h.expires_at_ms, now_ms)
     h.revoked += 1
+    h.ended = True  # the revocation is a DENY_ALL: the end
 
 
 # ------------------------------------------------------------------------------------------ rounds
@@ -252,5 +280,5 @@ def share(tokens: int, needs: dict[Holding, int]) -> dict[Holding, int]:
     return gives
 
 
-__all__ = ["Decide", "Holding", "Taken", "granted", "need", "next_check_ms", "observe", "renewal_ttl", "renewed",
-           "revoke", "runs_short", "share", "take", "waiting", "wants_tokens", "with_cost"]
+__all__ = ["Decide", "Holding", "Taken", "ended", "granted", "need", "needs_end", "next_check_ms", "observe",
+           "renewal_ttl", "renewed", "revoke", "runs_short", "share", "take", "waiting", "wants_tokens", "with_cost"]

@@ -88,8 +88,9 @@ class AgentMetrics:
                                            "refunded",
                                            registry=r)
         self.chunk_abandoned = Counter("leasehold_agent_chunk_abandoned_tokens_total",
-                                       "Global pool tokens an in-process chunk still held when its validity ended "
-                                       "(debited from the regional balance, never refunded: capacity wasted)",
+                                       "Global pool tokens an in-process chunk still held when its validity ended, "
+                                       "or that a denied request gave back after their part had ended (debited from "
+                                       "the regional balance, never admitted nor refunded: capacity wasted)",
                                        ["pool"], registry=r)
         self.batch_size = Histogram("leasehold_agent_batch_size", "Script calls per coalesced pipeline",
                                     registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))

@@ -70,6 +70,31 @@ def test_a_renewal_adds_time_never_tokens_and_never_passes_the_clamp():
     assert f.renewal_ttl(h2, 6_000.0, 10) == 0  # nothing left to renew
 
 
+def test_an_assignment_that_runs_out_unreplaced_is_ended_once():
+    """Envoy times an assignment from when it arrives: one delivered late (a stalled stream) would
+    outlive the window its tokens came from. Once its time to live has run out as the agent counts
+    it, the agent ends it explicitly -- whether or not Envoy reported meanwhile -- and only once."""
+    h = holding(demand=1.0)
+    assert not f.needs_end(h, 0.0)  # nothing sent yet
+    f.granted(h, 6, 5, 100.0, 5_650.0)  # 5 s, sent 100 ms into a 6 s window (clamp 250 ms before its end)
+    assert not f.needs_end(h, 5_099.0)
+    assert f.needs_end(h, 5_100.0)  # no report since: a stalled stream is the case that matters
+    f.ended(h, 5_120.0)
+    assert not f.needs_end(h, 5_200.0) and not h.live(5_120.0)
+    assert f.renewal_ttl(h, 5_120.0, 10) == 0  # never a renewal after an end: it would refill the bucket
+
+
+def test_a_fresh_assignment_or_a_renewal_moves_the_end_and_a_revocation_is_one():
+    h = holding(demand=1.0)
+    f.granted(h, 10, 10, 0.0, 12_000.0)
+    f.renewed(h, 6, 6_000.0)  # now 12 s
+    assert not f.needs_end(h, 11_999.0) and f.needs_end(h, 12_000.0)
+    f.granted(h, 4, 5, 11_000.0, 17_000.0)  # replaced before it ran out: that one needs no end of its own
+    assert not f.needs_end(h, 15_999.0) and f.needs_end(h, 16_000.0)
+    f.revoke(h, 13_000.0)  # a revocation is a DENY_ALL already
+    assert not f.needs_end(h, 16_000.0)
+
+
 def test_stranded_tokens_are_what_was_funded_and_not_used_once_it_cannot_be_used():
     h = holding(demand=1.0)
     f.granted(h, 10, 5, 0.0, f.INF)
