@@ -354,8 +354,11 @@ class LeaseManager:
             # window's whole G lease by lease, every one of them stranded.
             self._undeposited(bal, lease.lease_id)
             return None  # (and no top-up for a while: see _undeposited)
-        # start no earlier than valid_from (upper offset), end no later than the deadline (lower offset)
-        valid_from = int(lease.valid_from + hi + 0.999)
+        # end no later than the deadline (lower offset); a prefetched lease starts no earlier than its
+        # window (upper offset). A lease of the window in progress is spendable at once: rounding
+        # its start up by the offset's uncertainty (one Redis round trip, a hundred ms and more on a
+        # busy machine) only kept a balance woken after an idle spell from its first lease.
+        valid_from = int(lease.valid_from + hi + 0.999) if grant.starts_in_ms > 0 else int(lease.valid_from + lo)
         expires_at = int(lease.deadline + lo)
         if expires_at <= valid_from:
             bal.book.forget(lease.lease_id)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kernel.bundle import Pool
 from kernel.errors import StoreUnavailable, Unavailable, ValidationFailed
 from kernel.wire import LeaseError, LeaseGrant, LeaseRequest, UsageReceipt, UsageReport, WindowRef
@@ -124,16 +126,24 @@ async def test_demand_on_an_empty_balance_starts_one_top_up_and_deposits_the_gra
 
 
 async def test_deposit_bounds_are_conservative_on_the_redis_clock():
-    """valid from the upper offset (rounded up), until the lower one: the lease is never spendable
-    earlier or later on Redis's clock than on this process's monotonic clock."""
-    store = Balances(lo=5_000.0, hi=5_000.4)
+    """Until the lower offset: never spendable later on Redis's clock than on this process's
+    monotonic clock. A prefetched lease is valid from the upper offset (rounded up): never
+    spendable before its window begins. A lease of the window in progress is spendable at once."""
+    store = Balances(lo=5_000.0, hi=5_060.4)  # a Redis round trip of 60 ms: that much uncertainty
     clock = FakeClock(100_000.0)
     m = manager(Allocator(), store, clock)
     m.note(POOL, KEY, 1)
     await settle(m)
     (_, _, _, valid_from, expires_at) = store.deposits[0]
-    assert valid_from == 105_001  # 100_000 + 5_000.4, rounded up
+    assert valid_from == 105_000  # received (100_000) + lo: already begun on Redis's clock
     assert expires_at == 115_000  # sent (100_000) + ttl (10_000) + lo (5_000)
+
+    store = Balances(lo=5_000.0, hi=5_060.4)
+    m = manager(Allocator(answer=lambda req: msgspec.structs.replace(grant(req), starts_in_ms=2_000)), store, clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    (_, _, _, valid_from, _) = store.deposits[0]
+    assert valid_from == 107_061  # received (100_000) + starts in (2_000) + hi (5_060.4), rounded up
 
 
 async def test_a_refused_deposit_is_reported_closed_early_and_backs_off():
@@ -172,9 +182,10 @@ async def test_a_grant_too_late_for_its_window_is_followed_by_the_new_windows_le
     assert m.balances[KEY].book.valid(clock()) and m.balances[KEY].last_spendable == 100
 
 
-async def test_a_grant_the_redis_clock_offset_leaves_unspendable_is_followed_by_the_next_windows():
-    """The grant arrives 10 ms before its window ends, and the Redis clock offset narrows what is
-    left to nothing: the next window's lease is asked for in the same top-up (prefetch)."""
+async def test_a_grant_that_arrives_just_before_its_window_ends_is_kept_and_the_next_windows_follows():
+    """The grant arrives 10 ms before its window ends: it is spendable at once for those 10 ms
+    (whatever the Redis clock offset's uncertainty), and the next window's lease is asked for in
+    the same top-up (prefetch)."""
     clock = FakeClock(100_000.0)
     answers = iter([dict(issued=10_000, ttl=30, end=10_030), dict(issued=10_020, ttl=1_000, end=11_030)])
 
@@ -182,12 +193,14 @@ async def test_a_grant_the_redis_clock_offset_leaves_unspendable_is_followed_by_
         clock.advance(20.0)
         return grant(req, **next(answers))
 
-    alloc, store = Allocator(answer=answer), Balances(lo=-15.0, hi=0.0)
+    alloc, store = Allocator(answer=answer), Balances(lo=-15.0, hi=40.0)
     m = manager(alloc, store, clock)
     m.note(POOL, KEY, 1)
     await settle(m)
     assert [r.window for r in alloc.requests] == ["current", "next"]
-    assert [d[1] for d in store.deposits] == [alloc.requests[1].lease_id]
+    first = store.deposits[0]
+    assert first[1] == alloc.requests[0].lease_id and (first[3], first[4]) == (100_005, 100_015)
+    assert [d[1] for d in store.deposits] == [r.lease_id for r in alloc.requests]
 
 
 async def test_a_grant_redis_did_not_take_asks_for_no_other_window():
