@@ -417,8 +417,9 @@ class RlqsService:
         ttl_s = min(ttl.seconds, int((clamp_at - now) // 1000)) if math.isfinite(clamp_at) else ttl.seconds
         if taken.tokens == 0 or ttl_s < 1:
             m.rlqs_rounds.labels("denied").inc()
-            log.debug("RLQS round for %s denied (streams %s; retry in %d ms)", dict(b.key),
-                      [h.stream for h in parties], taken.retry_ms)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("RLQS round for %s denied (streams %s; retry in %d ms)", dict(b.key),
+                          [h.stream for h in parties], taken.retry_ms)
             if taken.tokens:  # funded, but its window ended while the round waited: never sent
                 m.rlqs_stranded_tokens.inc(taken.tokens)
             for h in parties:

@@ -38,6 +38,12 @@ class HeldLease:
     window_end: float  # monotonic ms estimate of the window's end (for exhaustion hints)
 
 
+def grant_window_end(grant: LeaseGrant, sent_at: float) -> float:
+    """The end of the window a grant names, on this process's monotonic clock (ms): issued -> end
+    is (end - issuedAt) of allocator time, counted from when the request was sent."""
+    return sent_at + (grant.window.end_ms - grant.issued_at_ms)
+
+
 @dataclass
 class PoolBook:
     pool: Pool
@@ -64,8 +70,7 @@ class PoolBook:
         # in force at the time (fencing made sure of that): accept it, but it never lowers max_epoch
         self.max_epoch = max(self.max_epoch, grant.epoch)
         self.unreachable_since = None
-        # the window end as this process sees it: issued -> end is (end - issuedAt) of allocator time
-        window_end = sent_at + (grant.window.end_ms - grant.issued_at_ms)
+        window_end = grant_window_end(grant, sent_at)
         if grant.granted <= 0:
             if grant.starts_in_ms == 0:
                 self.exhausted_window = grant.window.index

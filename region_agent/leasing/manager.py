@@ -52,7 +52,7 @@ from kernel.errors import Conflict, LeaseholdError, StaleEpoch
 from kernel.ratelog import KeyedLog, TransitionLog
 from kernel.wire import MAX_BATCH, LeaseError, LeaseRequest, UsageReport
 
-from .book import BalanceState, HeldLease, PoolBook
+from .book import BalanceState, HeldLease, PoolBook, grant_window_end
 from .client import AllocatorClient
 from .window_clock import AllocatorClock
 
@@ -276,11 +276,11 @@ class LeaseManager:
     async def _topup(self, bal: Balance) -> None:
         """One top-up: a lease of the current window, then the next window's when the current one
         ends within the pool's prefetch time and none is held yet. A grant that came too late to
-        be spent in its window (it ended within the round trip, or within the Redis clock offset)
-        leaves no valid lease; the window it named still ends soon, so the next window's lease is
-        asked for at once (or the new current window's, if it already began): without it a balance
-        woken after an idle spell near a window's end had nothing to spend, and nothing asked for,
-        until the next decision's top-up."""
+        be spent in its window (the window ended within the round trip) leaves no valid lease; the
+        window it named still ends soon, so the next window's lease is asked for at once (or the
+        new current window's, if it already began): without it a balance woken after an idle spell
+        near a window's end had nothing to spend, and nothing asked for, until the next decision's
+        top-up."""
         try:
             answered_end = await self._request(bal, "current")
             now = self.now()
@@ -294,7 +294,7 @@ class LeaseManager:
 
     async def _request(self, bal: Balance, window: Literal["current", "next"]) -> float | None:
         """Ask for one lease and deposit it. Returns the end of the window the grant named
-        (monotonic ms, as :meth:`PoolBook.accept` places it) when tokens were granted and Redis
+        (:func:`grant_window_end`) when tokens were granted and Redis
         took the deposit or the lease was dropped only for its timing (too late to be spent);
         None otherwise (nothing granted, the allocator or Redis failing: no second request)."""
         lease_id = f"{self.region}-{uuid.uuid4().hex}"
@@ -342,7 +342,7 @@ class LeaseManager:
                                 sent_at=sent_at, received_at=received_at)
         if grant.granted <= 0:
             return None
-        window_end = sent_at + (grant.window.end_ms - grant.issued_at_ms)  # as PoolBook.accept places it
+        window_end = grant_window_end(grant, sent_at)
         if lease is None:
             return window_end
         try:
