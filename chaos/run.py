@@ -29,7 +29,7 @@ from kernel.policy_store import PolicyStore
 
 from . import bundles
 from .checker import Report, check
-from .etcd_records import read_back
+from .etcd_records import RecordKeeper, read_back
 from .history import Counters, Fault, HistoryWriter, Meta, Policy, TopologyRec, now_ms, read_history
 from .lease_driver import DriverStats, LeaseDriver
 from .load import CounterSampler, LeasePoller, LoadGen
@@ -247,9 +247,11 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
         stop = asyncio.Event()
         t0 = time.monotonic()
         sampler = CounterSampler(history, lambda: [(g.name, g.url) for g in topo.agents])
+        assert topo.etcd is not None
+        keeper = RecordKeeper(topo.etcd.endpoints, PREFIX)  # records that expire before the final read
         bg = [asyncio.create_task(_watch_leaders(ctx, stop)), asyncio.create_task(_live(ctx, out, stop, t0)),
               asyncio.create_task(poller.run(duration_s + 5.0, stop=stop)),
-              asyncio.create_task(sampler.run(duration_s + 5.0, stop=stop))]
+              asyncio.create_task(sampler.run(duration_s + 5.0, stop=stop)), asyncio.create_task(keeper.run(stop))]
         bg.append(asyncio.create_task(driver.run(duration_s)))
         try:
             await asyncio.gather(ctx.load.run(duration_s, max_requests=int(duration_s * 400)), schedule.run(),
@@ -273,8 +275,7 @@ async def run_scenario(name: str, seed: int, duration_s: float, out_root: Path, 
         cur = await topo.wait_leader(10.0)
         if cur is not None and (not ctx.leaders or ctx.leaders[-1][0] != cur[0]):
             ctx.leaders.append(cur)
-        assert topo.etcd is not None
-        history.write_all(await read_back(topo.etcd.endpoints, PREFIX))
+        history.write_all(await read_back(topo.etcd.endpoints, PREFIX, kept=keeper))
         for s in scenarios:
             for e in s.expect:
                 unmet += e(ctx)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import uuid
@@ -12,7 +13,7 @@ import pytest
 from allocator.allocation import WindowState
 from allocator.records import GrantRecord, LeaderRecord
 from chaos.checker import check
-from chaos.etcd_records import read_back
+from chaos.etcd_records import RecordKeeper, read_back
 from chaos.history import EtcdGrant, EtcdWindow, HistoryError, Leader, grant_from_wire
 from kernel.bundle import Pool
 from kernel.wire import LeaseGrant, WindowRef
@@ -81,3 +82,48 @@ async def test_unreadable_record_is_a_clear_error(etcd_cluster: EtcdCluster):
     put(etcd_cluster, prefix + "grants/lease-bad-0001", b'{"grant": 1}')
     with pytest.raises(HistoryError, match="lease-bad-0001"):
         await read_back(etcd_cluster.endpoints, prefix)
+
+
+async def test_records_expired_before_the_final_read_are_kept(etcd_cluster: EtcdCluster):
+    """A run longer than the records' linger: what the keeper read during it still reaches the
+    checker, each record once, in the final read's version where it still exists."""
+    prefix = f"/chaos-{uuid.uuid4().hex[:8]}/"
+    put(etcd_cluster, prefix + "leader", msgspec.json.encode(LeaderRecord(node_id="alloc-1", url="http://x")))
+    a, b = lease("lease-eu-0001", 60, epoch=1), lease("lease-us-0001", 30, epoch=1, region="us")
+    put(etcd_cluster, prefix + "grants/lease-eu-0001", msgspec.json.encode(GrantRecord(grant=a)))
+    put(etcd_cluster, prefix + "grants/lease-us-0001", msgspec.json.encode(GrantRecord(grant=b)))
+    state = WindowState(pool="p-global", index=7, limit=100, remaining=10, granted={"eu": 60, "us": 30})
+    put(etcd_cluster, prefix + "pools/p-global/7", msgspec.json.encode(state))
+    keeper = RecordKeeper(etcd_cluster.endpoints, prefix)
+    await keeper.read_once()
+    assert keeper.reads == 1 and len(keeper.seen) == 3
+
+    etcdctl(etcd_cluster, "del", prefix + "grants/lease-eu-0001")  # expired with its etcd lease
+    etcdctl(etcd_cluster, "del", prefix + "pools/p-global/7")
+    put(etcd_cluster, prefix + "grants/lease-us-0001",  # reported since the keeper read it
+        msgspec.json.encode(GrantRecord(grant=b, reported=True, spent=20, returned=10)))
+
+    without = await read_back(etcd_cluster.endpoints, prefix)
+    assert [r.lease_id for r in without if isinstance(r, EtcdGrant)] == ["lease-us-0001"]
+    recs = await read_back(etcd_cluster.endpoints, prefix, kept=keeper)
+    grants = sorted((r for r in recs if isinstance(r, EtcdGrant)), key=lambda r: r.lease_id)
+    assert [(g.lease_id, g.spent, g.returned) for g in grants] == [("lease-eu-0001", None, 0),
+                                                                 ("lease-us-0001", 20, 10)]
+    [window] = [r for r in recs if isinstance(r, EtcdWindow)]
+    assert (window.pool, window.window_index, window.granted) == ("p-global", 7, 90)
+
+    received = [grant_from_wire(a, sent_at_ms=70_000, received_at_ms=70_005)]
+    bad = {v.invariant for v in check(received + without, [POOL]).verdicts if not v.ok}
+    assert "acknowledged_grants_persisted" in bad  # what a long run reported before the keeper
+    bad = {v.invariant for v in check(received + recs, [POOL]).verdicts if not v.ok}
+    assert "acknowledged_grants_persisted" not in bad
+
+
+async def test_the_keeper_stops_at_once_and_survives_an_unreachable_etcd():
+    stop = asyncio.Event()
+    keeper = RecordKeeper("http://127.0.0.1:9", "/x/", every_s=0.05, timeout_s=0.2)
+    task = asyncio.create_task(keeper.run(stop))
+    await asyncio.sleep(0.5)
+    assert not task.done() and keeper.reads == 0  # failed reads are skipped, the keeper goes on
+    stop.set()
+    await asyncio.wait_for(task, 5)
