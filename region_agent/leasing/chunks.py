@@ -109,6 +109,22 @@ class Part:
     tokens: int
     expires_at_ms: float
     fallback: bool = False  # bought from the pool's fallback allowance (allocator unreachable)
+    # (lease id, tokens) pool_take debited from each lease: the most a refund gives back to it
+    debits: tuple[tuple[str, int], ...] = ()
+    bought_at_ms: float = 0.0  # when the renewal that bought it was sent
+    refunded: bool = False  # its unspent rest was taken out for a refund (once per part)
+
+    def refund_at_ms(self, lead_ms: float) -> float:
+        """When its unspent rest is taken out for a refund: ``lead_ms`` before its end, but not in
+        the first half of its validity (a short part is spent first, not refunded at once)."""
+        return self.expires_at_ms - min(lead_ms, (self.expires_at_ms - self.bought_at_ms) / 2)
+
+    def refundable(self) -> bool:
+        return self.tokens > 0 and bool(self.debits) and not self.refunded and not self.fallback
+
+
+#: A part is due for its refund this long before its refund time at the latest (timer granularity).
+REFUND_EARLY_MS = 1.0
 
 
 #: Parts holding tokens a chunk keeps at once (the newest renewal's and the leftovers of earlier ones
@@ -182,19 +198,38 @@ class Chunk:
         self.abandoned += cost  # its part has expired (or it was bought alone): bought, never admitted
         return False
 
+    def refund_at_ms(self, now_ms: float, lead_ms: float) -> float | None:
+        """When the next part holding tokens is due for its refund (None: no part is)."""
+        times = [p.refund_at_ms(lead_ms) for p in self._valid(now_ms) if p.refundable()]
+        return min(times) if times else None
+
+    def due_refunds(self, now_ms: float, lead_ms: float) -> list[tuple[Part, int]]:
+        """The parts due for their refund (``lead_ms`` before their end at the latest) with the
+        tokens taken out of each: from now on they can never be spent locally (a reservation out
+        on them that comes back lands in the part, spendable until it ends, and is not refunded)."""
+        due = []
+        for p in self._valid(now_ms):
+            if p.refundable() and now_ms >= p.refund_at_ms(lead_ms) - REFUND_EARLY_MS:
+                due.append((p, p.tokens))
+                p.tokens = 0
+                p.refunded = True
+        return due
+
     def negative(self, now_ms: float, cost: int = 1) -> bool:
         return now_ms < self.deny_until_ms and cost >= self.deny_min_cost
 
-    def grant(self, tokens: int, now_ms: float, validity_ms: int, *, fallback: bool = False) -> None:
-        """A renewal succeeded: a new part. Earlier parts keep what they hold until they expire
-        (beyond :data:`MAX_PARTS` holding tokens the earliest-expiring is abandoned). Empty ones are
-        kept too until they expire (the newest :data:`MAX_EMPTY_PARTS`): their tokens may be out on
-        reservations whose requests are still being decided, and come back."""
+    def grant(self, tokens: int, now_ms: float, validity_ms: int, *, fallback: bool = False,
+              debits: tuple[tuple[str, int], ...] = ()) -> None:
+        """A renewal succeeded: a new part (``debits``: what it took from each lease, for its
+        refund). Earlier parts keep what they hold until they expire (beyond :data:`MAX_PARTS`
+        holding tokens the earliest-expiring is abandoned). Empty ones are kept too until they
+        expire (the newest :data:`MAX_EMPTY_PARTS`): their tokens may be out on reservations whose
+        requests are still being decided, and come back."""
         self.generation += 1
         self.fallback = fallback
         valid = self._valid(now_ms)
         held = [p for p in valid if p.tokens > 0]
-        held.append(Part(self.generation, tokens, now_ms + validity_ms, fallback))
+        held.append(Part(self.generation, tokens, now_ms + validity_ms, fallback, () if fallback else debits, now_ms))
         held.sort(key=lambda p: p.expires_at_ms)
         self.abandoned += sum(p.tokens for p in held[:-MAX_PARTS])
         empty = sorted((p for p in valid if p.tokens <= 0), key=lambda p: p.generation)[-MAX_EMPTY_PARTS:]
