@@ -2,8 +2,12 @@
 
 Pure state: the clock (monotonic ms) is passed in. A chunk is bought from the pool's
 ``{g:<pool>}`` balance with one store call (``pool_take.lua``: valid no longer than the leases
-it came from, so never past their window), spent locally, and abandoned (never refunded) when
-its validity ends. A reservation taken for a request whose tenant script then denies is given
+it came from, so never past their window), spent locally, and what a part still holds shortly
+before its validity ends is taken out of it for a *refund* to the leases its ``pool_take`` debited
+(:meth:`Chunk.due_refunds`; the store call is ``fleet_pools``'s: ``pool_refund.lua``), so that
+their close reports those tokens unspent
+(docs/decisions/0042-a-chunk-parts-rest-is-refunded-before-it-ends.md); what a part holds when it
+ends (no refund ran, or tokens given back after it) is abandoned. A reservation taken for a request whose tenant script then denies is given
 back to the same chunk, in-process only: to the part it came from, which a renewal keeps while it is
 valid even if the reservation emptied it (a part dropped as empty while its last tokens were out on
 reservations lost them when they came back: bought, reported spent by their lease, never admitted;
@@ -22,7 +26,9 @@ second while both agents denied every request; the window ended with 4 of them u
 docs/decisions/0037-a-chunks-denial-is-held-like-the-negative-cache.md).
 
 Sizing. What a chunk holds when its validity ends is lost to everyone: it was debited from the
-regional balance (so its lease reports it spent) and is never refunded. A chunk is therefore sized
+regional balance (so its lease reports it spent). A refund shortly before the end recovers it, but
+costs a store call and may land too late (after the lease's close), and tokens returned to a lease
+that ends with its window are not spent in it either. A chunk is therefore still sized
 by what its holder is asked, not by the pool's ``chunkMax``: the tokens requests asked of this
 pool at this agent over the last :data:`SPEND_SHARE` of ``chunkValidityMs``, or that share of what
 they asked over the whole validity if more (:class:`RecentDemand`, net of tokens given back), at

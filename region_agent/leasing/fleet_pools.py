@@ -4,6 +4,9 @@
 One :class:`FleetPools` per agent. :meth:`take` answers one request's spend of one pool:
 
 * the held chunk pays it (no store call);
+* shortly before a part of the chunk ends, its unspent rest is taken out and refunded to the
+  leases it was bought from (``pool_refund.lua``, one timer per pool, never on a request's path:
+  :meth:`FleetPools.refund_lead_ms`; docs/decisions/0042-a-chunk-parts-rest-is-refunded-before-it-ends.md);
 * the chunk is spent: one renewal per pool at a time buys the next chunk (``pool_take.lua``:
   valid no longer than the leases it came from, so never past their window — whichever agent
   deposited them), sized by what this agent's requests ask of the pool (``chunks.chunk_size``: a
