@@ -7,7 +7,9 @@ before its validity ends is taken out of it for a *refund* to the leases its ``p
 (:meth:`Chunk.due_refunds`; the store call is ``fleet_pools``'s: ``pool_refund.lua``), so that
 their close reports those tokens unspent
 (docs/decisions/0042-a-chunk-parts-rest-is-refunded-before-it-ends.md); what a part holds when it
-ends (no refund ran, or tokens given back after it) is abandoned. A reservation taken for a request whose tenant script then denies is given
+ends before its refund ran (a stalled event loop), or that a renewal pushes out beyond
+:data:`MAX_PARTS`, is refunded at once (the store accepts a refund until the lease's record is
+closed); tokens given back after the refund, and parts that debited no lease, are abandoned. A reservation taken for a request whose tenant script then denies is given
 back to the same chunk, in-process only: to the part it came from, which a renewal keeps while it is
 valid even if the reservation emptied it (a part dropped as empty while its last tokens were out on
 reservations lost them when they came back: bought, reported spent by their lease, never admitted;
@@ -134,7 +136,7 @@ REFUND_EARLY_MS = 1.0
 
 
 #: Parts holding tokens a chunk keeps at once (the newest renewal's and the leftovers of earlier ones
-#: still valid); beyond that the earliest-expiring is abandoned.
+#: still valid); beyond that the earliest-expiring is refunded at once (abandoned if it debited no lease).
 MAX_PARTS = 4
 #: Empty parts (their tokens spent, or out on reservations whose requests are still being decided) a
 #: chunk keeps until they expire, the newest first: a reservation given back lands in its own part.
@@ -158,6 +160,8 @@ class Chunk:
     demand: RecentDemand = field(default_factory=RecentDemand)  # tokens asked over one validity
     waiting: int = 0  # tokens of the requests waiting for a renewal now
     abandoned: int = 0  # tokens of parts dropped unspent (expired, or beyond MAX_PARTS) not yet counted
+    # parts dropped with their rest before their refund ran (ended, or beyond MAX_PARTS): refunded next
+    late: list[tuple[Part, int]] = field(default_factory=list)
 
     def ask(self, cost: int, now_ms: float, validity_ms: int) -> None:
         """A request asks ``cost`` tokens of the pool (counted once per request); negative: a
@@ -172,8 +176,17 @@ class Chunk:
     def _valid(self, now_ms: float) -> list[Part]:
         parts = self.parts  # in expiry order
         while parts and parts[0].expires_at_ms <= now_ms:
-            self.abandoned += parts.pop(0).tokens  # expired unspent
+            self._drop(parts.pop(0))  # expired unspent
         return parts
+
+    def _drop(self, p: Part) -> None:
+        """A part leaves the chunk with its rest: refunded next if it can be, else abandoned."""
+        if p.refundable():
+            self.late.append((p, p.tokens))
+            p.tokens = 0
+            p.refunded = True
+        else:
+            self.abandoned += p.tokens
 
     def take_abandoned(self) -> int:
         """Tokens abandoned since the last call (for the ``chunk_abandoned`` metric)."""
@@ -207,14 +220,18 @@ class Chunk:
     def refund_at_ms(self, now_ms: float, lead_ms: float) -> float | None:
         """When the next part holding tokens is due for its refund (None: no part is)."""
         times = [p.refund_at_ms(lead_ms) for p in self._valid(now_ms) if p.refundable()]
+        if self.late:
+            times.append(now_ms)
         return min(times) if times else None
 
     def due_refunds(self, now_ms: float, lead_ms: float) -> list[tuple[Part, int]]:
         """The parts due for their refund (``lead_ms`` before their end at the latest) with the
         tokens taken out of each: from now on they can never be spent locally (a reservation out
-        on them that comes back lands in the part, spendable until it ends, and is not refunded)."""
-        due = []
-        for p in self._valid(now_ms):
+        on them that comes back lands in the part, spendable until it ends, and is not refunded),
+        and the parts dropped with their rest before their refund ran."""
+        valid = self._valid(now_ms)
+        due, self.late = self.late, []
+        for p in valid:
             if p.refundable() and now_ms >= p.refund_at_ms(lead_ms) - REFUND_EARLY_MS:
                 due.append((p, p.tokens))
                 p.tokens = 0
@@ -228,7 +245,7 @@ class Chunk:
               debits: tuple[tuple[str, int], ...] = ()) -> None:
         """A renewal succeeded: a new part (``debits``: what it took from each lease, for its
         refund). Earlier parts keep what they hold until they expire (beyond :data:`MAX_PARTS`
-        holding tokens the earliest-expiring is abandoned). Empty ones are kept too until they
+        holding tokens the earliest-expiring is dropped: refunded at once, or abandoned). Empty ones are kept too until they
         expire (the newest :data:`MAX_EMPTY_PARTS`): their tokens may be out on reservations whose
         requests are still being decided, and come back."""
         self.generation += 1
@@ -237,8 +254,9 @@ class Chunk:
         held = [p for p in valid if p.tokens > 0]
         held.append(Part(self.generation, tokens, now_ms + validity_ms, fallback, () if fallback else debits, now_ms))
         held.sort(key=lambda p: p.expires_at_ms)
-        self.abandoned += sum(p.tokens for p in held[:-MAX_PARTS])
         empty = sorted((p for p in valid if p.tokens <= 0), key=lambda p: p.generation)[-MAX_EMPTY_PARTS:]
+        for p in held[:-MAX_PARTS]:
+            self._drop(p)
         self.parts = sorted(held[-MAX_PARTS:] + empty, key=lambda p: p.expires_at_ms)
         self.deny_until_ms = self.retry_at_ms = 0.0
         self.deny_min_cost = 1

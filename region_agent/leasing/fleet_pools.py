@@ -260,6 +260,8 @@ class FleetPools:
                 if refunded:
                     self.metrics.chunk_refunded.labels(pool.id).inc(refunded)
                 if tokens > refunded:
+                    log.debug("pool %s: part %d refunded %d of %d tokens (the rest abandoned)", pool.id,
+                              part.generation, refunded, tokens)
                     self.metrics.chunk_abandoned.labels(pool.id).inc(tokens - refunded)
             wasted = chunk.take_abandoned()  # parts that ended meanwhile (no renewal may follow them)
             if wasted:

@@ -200,7 +200,23 @@ def test_which_parts_are_refunded():
     assert chunk.refund_at_ms(30, 100) == 900
     chunk.try_take(4, 40)  # spent: nothing to refund
     assert chunk.refund_at_ms(40, 100) is None and chunk.due_refunds(950, 100) == []
-    # a part that ended unrefunded (no timer ran) is abandoned, not refunded
+    # a part that ended before its refund ran (a stalled loop) is refunded at once, not abandoned
     chunk = Chunk()
     chunk.grant(4, now_ms=0, validity_ms=100, debits=DEBITS)
-    assert chunk.due_refunds(100, 10) == [] and chunk.take_abandoned() == 4
+    assert chunk.try_take(1, 100) is None and chunk.take_abandoned() == 0  # a request found it ended
+    assert chunk.refund_at_ms(100, 10) == 100  # due now
+    [(part, n)] = chunk.due_refunds(101, 10)
+    assert (part.debits, n) == (DEBITS, 4) and chunk.due_refunds(102, 10) == []
+    chunk.grant(4, now_ms=200, validity_ms=100)  # without debits: abandoned
+    assert chunk.due_refunds(300, 10) == [] and chunk.take_abandoned() == 4
+
+
+def test_a_part_pushed_out_by_a_renewal_is_refunded_at_once():
+    chunk = Chunk()
+    for i in range(MAX_PARTS):
+        chunk.grant(2, now_ms=i, validity_ms=1_000, debits=((f"L{i}", 2),))
+    chunk.grant(2, now_ms=MAX_PARTS, validity_ms=1_000, debits=(("L9", 2),))
+    assert chunk.usable(10) == 2 * MAX_PARTS and chunk.take_abandoned() == 0
+    assert chunk.refund_at_ms(10, 100) == 10
+    [(part, n)] = chunk.due_refunds(10, 100)
+    assert (part.debits, n) == ((("L0", 2),), 2)  # the earliest-expiring
