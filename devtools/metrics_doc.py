@@ -33,6 +33,7 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_pool_waits_total": "P",
     "leasehold_agent_pool_renewals_total": "P x 7 outcomes",
     "leasehold_agent_chunk_abandoned_tokens_total": "P",
+    "leasehold_agent_chunk_refunded_tokens_total": "P",
     "leasehold_agent_hot_chunks_total": "4 outcomes",
     "leasehold_agent_hot_chunk_abandoned_units_total": "1",
     "leasehold_agent_batch_size": "1",

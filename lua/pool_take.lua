@@ -7,7 +7,7 @@
 --          ends (the chunk's validity ends with it), and never fewer than min: a chunk taken from a
 --          lease about to end holds only what its holder can spend before then (the rest would
 --          expire in the chunk; left in the lease it is reported unspent and returned to the pool)
--- Reply    {taken, remaining, valid_for_ms, next_from_ms}
+-- Reply    {taken, remaining, valid_for_ms, next_from_ms, debits}
 --          taken: tokens debited, min(want, spendable); 0 when fewer than min are spendable
 --            (nothing written);
 --          remaining: spendable after the take;
@@ -15,7 +15,11 @@
 --            chunk must not outlive a lease it was bought from, and every lease ends no later than
 --            its window, so a chunk never carries tokens of window k into k+1 — whichever agent of
 --            the region deposited the lease;
---          next_from_ms: ms until the earliest not-yet-valid lease becomes valid (0: none).
+--          next_from_ms: ms until the earliest not-yet-valid lease becomes valid (0: none);
+--          debits: {lease_id_1, tokens_1, lease_id_2, tokens_2, ...}, what the take debited from each
+--            lease, in debit order (earliest-expiring first), tokens >= 1 summing to taken ({} when
+--            nothing taken): the caller's limit per lease for a later lua/pool_refund.lua of the
+--            chunk's unspent rest.
 -- Rules    validation error reply first; Redis TIME only; only leases of the node's current
 --          incarnation are spendable; the debit extends the key's expiry to max expiresAt - now +
 --          slack, never shortens it.
@@ -43,11 +47,13 @@ if not plan.ok and plan.remaining >= min then
   plan = POOL.check_entries(entries, { cost = plan.remaining }, now)
 end
 if not plan.ok then
-  return { 0, plan.remaining, 0, plan.retry }
+  return { 0, plan.remaining, 0, plan.retry, {} }
 end
 POOL.commit(KEYS[1], nil, plan, now, slack)
-local until_ms = nil
+local until_ms, debits = nil, {}
 for _, e in ipairs(plan.debits) do
   if until_ms == nil or e.exp < until_ms then until_ms = e.exp end
+  debits[#debits + 1] = e.id
+  debits[#debits + 1] = e.took
 end
-return { plan.current - plan.remaining, plan.remaining, until_ms - now, 0 }
+return { plan.current - plan.remaining, plan.remaining, until_ms - now, 0, debits }

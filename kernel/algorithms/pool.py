@@ -90,10 +90,11 @@ def decide(state: PoolState | None, params: PoolParams, now_ms: int, incarnation
 
 
 def take(state: PoolState | None, min_tokens: int, want: int, now_ms: int, incarnation: str = "",
-         per_s: int = 0) -> tuple[tuple[int, int, int, int], PoolState | None]:
-    """``pool_take.lua``: ((taken, remaining, valid_for_ms, next_from_ms), new state or None).
+         per_s: int = 0) -> tuple[tuple[int, int, int, int, tuple[tuple[str, int], ...]], PoolState | None]:
+    """``pool_take.lua``: ((taken, remaining, valid_for_ms, next_from_ms, debits), new state or None).
     ``per_s`` > 0 caps ``want`` at ceil(per_s x life / 1000) (never below ``min_tokens``), life
-    being the time until the earliest-expiring spendable lease ends."""
+    being the time until the earliest-expiring spendable lease ends. ``debits``: (lease id, tokens
+    debited from it) in debit order (earliest-expiring first)."""
     check_int(min_tokens, 1, name="min")
     check_int(want, min_tokens, name="want")
     check_int(per_s, 0, name="per_s")
@@ -105,11 +106,12 @@ def take(state: PoolState | None, min_tokens: int, want: int, now_ms: int, incar
     if not d.allowed and d.remaining >= min_tokens:
         d, new = decide(state, PoolParams(d.remaining), now_ms, incarnation)
     if not d.allowed or new is None:
-        return (0, d.remaining, 0, d.retry_after_ms), None
+        return (0, d.remaining, 0, d.retry_after_ms, ()), None
     before = state.entries if state else {}
-    debited = [e for lid, e in new.entries.items() if before.get(lid) != e]
-    until = min(e.expires_at_ms for e in debited)
-    return (d.undebited - d.remaining, d.remaining, until - now_ms, 0), new
+    debited = sorted((e.expires_at_ms, lid, e.spent - before[lid].spent) for lid, e in new.entries.items()
+                     if before.get(lid) != e)
+    until = debited[0][0]
+    return (d.undebited - d.remaining, d.remaining, until - now_ms, 0, tuple((lid, n) for _, lid, n in debited)), new
 
 
 def deposit(state: PoolState | None, lease_id: str, granted: int, valid_from_ms: int, expires_at_ms: int,

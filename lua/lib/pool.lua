@@ -22,6 +22,8 @@
 -- POOL.first_spendable_expiry(entries, now): min expiresAt over spendable entries (or nil).
 -- POOL.check_entries(entries, P, now): POOL.check over entries POOL.entries(key) read in this
 --   script run; a denying check leaves them unchanged, so a second check may use them again.
+-- An allowing plan's `debits` are the debited entries (new spent written), each with `took`: the
+-- tokens this check debited from it (pool_take reports them; lua/pool_refund.lua gives them back).
 -- An allowing plan also carries `current`: the value before this request's debit (the
 -- multi-rule script reports it when another rule denies).
 -- @include lib/validate.lua
@@ -124,6 +126,7 @@ function POOL.check_entries(entries, P, now)
     if left == 0 then break end
     local take = math.min(left, e.granted - e.spent)
     e.spent = e.spent + take
+    e.took = take
     left = left - take
     debits[#debits + 1] = e
   end

@@ -136,6 +136,8 @@ class PoolTake(NamedTuple):
     remaining: int  # spendable after the take
     valid_for_ms: int  # the chunk must not outlive the leases it came from (0 when nothing taken)
     next_from_ms: int  # until the earliest not-yet-valid lease becomes valid (0 = none)
+    # (lease id, tokens debited from it), earliest-expiring first: the most a refund may give back to each
+    debits: tuple[tuple[str, int], ...] = ()
 
 
 def pool_take_call(key: str, *, min_tokens: int, want: int, slack_ms: int, per_s: int = 0) -> ScriptCall:
@@ -145,10 +147,57 @@ def pool_take_call(key: str, *, min_tokens: int, want: int, slack_ms: int, per_s
 
 
 def parse_pool_take(reply: Any) -> PoolTake:
+    """The reply ``{taken, remaining, valid_for_ms, next_from_ms, debits}`` (``debits`` a flat list
+    lease id, tokens, ...; a four-element reply has none)."""
     _raise_error(reply)
-    if not isinstance(reply, list | tuple) or len(reply) != 4:
+    if not isinstance(reply, list | tuple) or len(reply) not in (4, 5):
         raise ScriptRejected("unexpected reply shape from pool_take")
-    return PoolTake(*(int(x) for x in reply))
+    try:
+        head = [int(x) for x in reply[:4]]
+        flat = list(reply[4]) if len(reply) == 5 else []
+        if len(flat) % 2:
+            raise ValueError
+        debits = tuple((_text(lid), int(n)) for lid, n in zip(flat[0::2], flat[1::2], strict=True))
+    except (TypeError, ValueError):
+        raise ScriptRejected("unexpected reply shape from pool_take") from None
+    return PoolTake(head[0], head[1], head[2], head[3], debits)
+
+
+def _text(x: Any) -> str:
+    if isinstance(x, bytes):
+        return x.decode()
+    if isinstance(x, str):
+        return x
+    raise TypeError("not a lease id")
+
+
+# --- pool_refund.lua: a chunk part's unspent rest given back to the leases it was bought from -----
+class PoolRefund(NamedTuple):
+    refunded: int  # tokens given back (by this call, or by the first call with this id: ``replay``)
+    replay: bool  # the refund had already run: nothing changed
+
+
+def pool_refund_call(key: str, record_key: str, *, tokens: int, slack_ms: int,
+                     debits: Sequence[tuple[str, int]]) -> ScriptCall:
+    """Give back up to ``tokens`` to the leases of ``debits`` (at most what was debited from each,
+    latest-expiring first), once per ``record_key`` (the refund id)."""
+    argv: list[Any] = [tokens, slack_ms]
+    for lease_id, n in debits:
+        argv += [lease_id, n]
+    return ("pool_refund", [key, record_key], argv)
+
+
+def parse_pool_refund(reply: Any) -> PoolRefund:
+    _raise_error(reply)
+    if not isinstance(reply, list | tuple) or len(reply) != 2:
+        raise ScriptRejected("unexpected reply shape from pool_refund")
+    try:
+        status = _text(reply[1])
+        if status not in ("refunded", "replay"):
+            raise ValueError
+        return PoolRefund(int(reply[0]), status == "replay")
+    except (TypeError, ValueError):
+        raise ScriptRejected("unexpected reply shape from pool_refund") from None
 
 
 # --- a plan's calls ------------------------------------------------------------------------------

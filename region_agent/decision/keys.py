@@ -247,6 +247,16 @@ class KeyBuilder:
         return f"{head}:poolfbw:{pool_id}"
 
     @staticmethod
+    def global_pool_refund_key(pool_id: str, refund_id: str) -> str:
+        """KEYS[2] of ``pool_refund.lua``: the record that a chunk part's refund ran (same hash tag
+        as the pool's balance). ``refund_id``: agent process nonce and part generation."""
+        if not POOL_ID_RE.fullmatch(pool_id):
+            raise ValidationFailed("invalid pool id")
+        if not refund_id or not refund_id.replace("-", "").isalnum():
+            raise ValidationFailed("invalid refund id")
+        return f"{NS}:{{g:{pool_id}}}:refund:{refund_id}"
+
+    @staticmethod
     def global_pool_decision_key(pool_id: str) -> str:
         """KEYS[1] of a chunk-renewal call (no record is written: decision TTL 0)."""
         return f"{NS}:{{g:{pool_id}}}:d:renew"

@@ -2,8 +2,14 @@
 
 Pure state: the clock (monotonic ms) is passed in. A chunk is bought from the pool's
 ``{g:<pool>}`` balance with one store call (``pool_take.lua``: valid no longer than the leases
-it came from, so never past their window), spent locally, and abandoned (never refunded) when
-its validity ends. A reservation taken for a request whose tenant script then denies is given
+it came from, so never past their window), spent locally, and what a part still holds shortly
+before its validity ends is taken out of it for a *refund* to the leases its ``pool_take`` debited
+(:meth:`Chunk.due_refunds`; the store call is ``fleet_pools``'s: ``pool_refund.lua``), so that
+their close reports those tokens unspent
+(docs/decisions/0042-a-chunk-parts-rest-is-refunded-before-it-ends.md); what a part holds when it
+ends before its refund ran (a stalled event loop), or that a renewal pushes out beyond
+:data:`MAX_PARTS`, is refunded at once (the store accepts a refund until the lease's record is
+closed); tokens given back after the refund, and parts that debited no lease, are abandoned. A reservation taken for a request whose tenant script then denies is given
 back to the same chunk, in-process only: to the part it came from, which a renewal keeps while it is
 valid even if the reservation emptied it (a part dropped as empty while its last tokens were out on
 reservations lost them when they came back: bought, reported spent by their lease, never admitted;
@@ -22,7 +28,9 @@ second while both agents denied every request; the window ended with 4 of them u
 docs/decisions/0037-a-chunks-denial-is-held-like-the-negative-cache.md).
 
 Sizing. What a chunk holds when its validity ends is lost to everyone: it was debited from the
-regional balance (so its lease reports it spent) and is never refunded. A chunk is therefore sized
+regional balance (so its lease reports it spent). A refund shortly before the end recovers it, but
+costs a store call and may land too late (after the lease's close), and tokens returned to a lease
+that ends with its window are not spent in it either. A chunk is therefore still sized
 by what its holder is asked, not by the pool's ``chunkMax``: the tokens requests asked of this
 pool at this agent over the last :data:`SPEND_SHARE` of ``chunkValidityMs``, or that share of what
 they asked over the whole validity if more (:class:`RecentDemand`, net of tokens given back), at
@@ -109,10 +117,26 @@ class Part:
     tokens: int
     expires_at_ms: float
     fallback: bool = False  # bought from the pool's fallback allowance (allocator unreachable)
+    # (lease id, tokens) pool_take debited from each lease: the most a refund gives back to it
+    debits: tuple[tuple[str, int], ...] = ()
+    bought_at_ms: float = 0.0  # when the renewal that bought it was sent
+    refunded: bool = False  # its unspent rest was taken out for a refund (once per part)
+
+    def refund_at_ms(self, lead_ms: float) -> float:
+        """When its unspent rest is taken out for a refund: ``lead_ms`` before its end, but not in
+        the first half of its validity (a short part is spent first, not refunded at once)."""
+        return self.expires_at_ms - min(lead_ms, (self.expires_at_ms - self.bought_at_ms) / 2)
+
+    def refundable(self) -> bool:
+        return self.tokens > 0 and bool(self.debits) and not self.refunded and not self.fallback
+
+
+#: A part is due for its refund this long before its refund time at the latest (timer granularity).
+REFUND_EARLY_MS = 1.0
 
 
 #: Parts holding tokens a chunk keeps at once (the newest renewal's and the leftovers of earlier ones
-#: still valid); beyond that the earliest-expiring is abandoned.
+#: still valid); beyond that the earliest-expiring is refunded at once (abandoned if it debited no lease).
 MAX_PARTS = 4
 #: Empty parts (their tokens spent, or out on reservations whose requests are still being decided) a
 #: chunk keeps until they expire, the newest first: a reservation given back lands in its own part.
@@ -136,6 +160,8 @@ class Chunk:
     demand: RecentDemand = field(default_factory=RecentDemand)  # tokens asked over one validity
     waiting: int = 0  # tokens of the requests waiting for a renewal now
     abandoned: int = 0  # tokens of parts dropped unspent (expired, or beyond MAX_PARTS) not yet counted
+    # parts dropped with their rest before their refund ran (ended, or beyond MAX_PARTS): refunded next
+    late: list[tuple[Part, int]] = field(default_factory=list)
 
     def ask(self, cost: int, now_ms: float, validity_ms: int) -> None:
         """A request asks ``cost`` tokens of the pool (counted once per request); negative: a
@@ -150,8 +176,17 @@ class Chunk:
     def _valid(self, now_ms: float) -> list[Part]:
         parts = self.parts  # in expiry order
         while parts and parts[0].expires_at_ms <= now_ms:
-            self.abandoned += parts.pop(0).tokens  # expired unspent
+            self._drop(parts.pop(0))  # expired unspent
         return parts
+
+    def _drop(self, p: Part) -> None:
+        """A part leaves the chunk with its rest: refunded next if it can be, else abandoned."""
+        if p.refundable():
+            self.late.append((p, p.tokens))
+            p.tokens = 0
+            p.refunded = True
+        else:
+            self.abandoned += p.tokens
 
     def take_abandoned(self) -> int:
         """Tokens abandoned since the last call (for the ``chunk_abandoned`` metric)."""
@@ -182,22 +217,46 @@ class Chunk:
         self.abandoned += cost  # its part has expired (or it was bought alone): bought, never admitted
         return False
 
+    def refund_at_ms(self, now_ms: float, lead_ms: float) -> float | None:
+        """When the next part holding tokens is due for its refund (None: no part is)."""
+        times = [p.refund_at_ms(lead_ms) for p in self._valid(now_ms) if p.refundable()]
+        if self.late:
+            times.append(now_ms)
+        return min(times) if times else None
+
+    def due_refunds(self, now_ms: float, lead_ms: float) -> list[tuple[Part, int]]:
+        """The parts due for their refund (``lead_ms`` before their end at the latest) with the
+        tokens taken out of each: from now on they can never be spent locally (a reservation out
+        on them that comes back lands in the part, spendable until it ends, and is not refunded),
+        and the parts dropped with their rest before their refund ran."""
+        valid = self._valid(now_ms)
+        due, self.late = self.late, []
+        for p in valid:
+            if p.refundable() and now_ms >= p.refund_at_ms(lead_ms) - REFUND_EARLY_MS:
+                due.append((p, p.tokens))
+                p.tokens = 0
+                p.refunded = True
+        return due
+
     def negative(self, now_ms: float, cost: int = 1) -> bool:
         return now_ms < self.deny_until_ms and cost >= self.deny_min_cost
 
-    def grant(self, tokens: int, now_ms: float, validity_ms: int, *, fallback: bool = False) -> None:
-        """A renewal succeeded: a new part. Earlier parts keep what they hold until they expire
-        (beyond :data:`MAX_PARTS` holding tokens the earliest-expiring is abandoned). Empty ones are
-        kept too until they expire (the newest :data:`MAX_EMPTY_PARTS`): their tokens may be out on
-        reservations whose requests are still being decided, and come back."""
+    def grant(self, tokens: int, now_ms: float, validity_ms: int, *, fallback: bool = False,
+              debits: tuple[tuple[str, int], ...] = ()) -> None:
+        """A renewal succeeded: a new part (``debits``: what it took from each lease, for its
+        refund). Earlier parts keep what they hold until they expire (beyond :data:`MAX_PARTS`
+        holding tokens the earliest-expiring is dropped: refunded at once, or abandoned). Empty ones are kept too until they
+        expire (the newest :data:`MAX_EMPTY_PARTS`): their tokens may be out on reservations whose
+        requests are still being decided, and come back."""
         self.generation += 1
         self.fallback = fallback
         valid = self._valid(now_ms)
         held = [p for p in valid if p.tokens > 0]
-        held.append(Part(self.generation, tokens, now_ms + validity_ms, fallback))
+        held.append(Part(self.generation, tokens, now_ms + validity_ms, fallback, () if fallback else debits, now_ms))
         held.sort(key=lambda p: p.expires_at_ms)
-        self.abandoned += sum(p.tokens for p in held[:-MAX_PARTS])
         empty = sorted((p for p in valid if p.tokens <= 0), key=lambda p: p.generation)[-MAX_EMPTY_PARTS:]
+        for p in held[:-MAX_PARTS]:
+            self._drop(p)
         self.parts = sorted(held[-MAX_PARTS:] + empty, key=lambda p: p.expires_at_ms)
         self.deny_until_ms = self.retry_at_ms = 0.0
         self.deny_min_cost = 1

@@ -4,6 +4,9 @@
 One :class:`FleetPools` per agent. :meth:`take` answers one request's spend of one pool:
 
 * the held chunk pays it (no store call);
+* shortly before a part of the chunk ends, its unspent rest is taken out and refunded to the
+  leases it was bought from (``pool_refund.lua``, one timer per pool, never on a request's path:
+  :meth:`FleetPools.refund_lead_ms`; docs/decisions/0042-a-chunk-parts-rest-is-refunded-before-it-ends.md);
 * the chunk is spent: one renewal per pool at a time buys the next chunk (``pool_take.lua``:
   valid no longer than the leases it came from, so never past their window — whichever agent
   deposited them), sized by what this agent's requests ask of the pool (``chunks.chunk_size``: a
@@ -24,6 +27,9 @@ One :class:`FleetPools` per agent. :meth:`take` answers one request's spend of o
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -34,13 +40,22 @@ from kernel.algorithms.pool_window import MAX_SPAN
 from kernel.bundle import Pool
 from kernel.errors import LeaseholdError, Overloaded, ScriptRejected
 
-from ..decision.call import Call, PoolTake, multi_rule_call, parse_multi_rule, parse_pool_take, pool_take_call
+from ..decision.call import (
+    Call,
+    PoolTake,
+    multi_rule_call,
+    parse_multi_rule,
+    parse_pool_refund,
+    parse_pool_take,
+    pool_refund_call,
+    pool_take_call,
+)
 from ..decision.fallback import LocalAllowances, pool_item
 from ..decision.keys import KeyBuilder
 from ..decision.plan import GlobalSpend
 from ..store.protocol import Store
 from .book import BalanceState
-from .chunks import NO_CHUNK, Chunk, tokens_per_s
+from .chunks import NO_CHUNK, Chunk, Part, tokens_per_s
 from .redis_balance import BALANCE_SLACK_MS
 from .topup import topped_up
 from .window_clock import Windows
@@ -67,7 +82,19 @@ class Renewal(StrEnum):
     ERROR = "error"
 
 
+log = logging.getLogger(__name__)
+
 RENEWALS_PER_REQUEST = 3
+# A part's unspent rest is taken out and refunded this long before the part ends (see refund_lead_ms):
+# REFUND_RTTS store round trips of pool_take as recently measured, within [REFUND_LEAD_MIN_MS,
+# REFUND_LEAD_MAX_MS]. The tokens stay in the region's balance (a renewal may buy them back), so an
+# early refund costs at most one renewal; a late one lands after the lease's end (still accepted while
+# its record is kept) or after its close (refused: abandoned).
+REFUND_RTTS = 4
+REFUND_LEAD_MIN_MS = 50.0
+REFUND_LEAD_MAX_MS = 250.0
+# a refund's store call waits this long at least (it is no request's: its budget is not the decision's)
+REFUND_WAIT_S = 0.5
 # A balance with no spendable token but a lease that becomes valid within this many ms (the next
 # window's prefetched lease at a window rollover, its start rounded up by the Redis clock offset):
 # the renewal waits for it and buys from it instead of denying every request until then. Requests
@@ -98,6 +125,12 @@ class FleetPools:
         self.hold_ms = hold_ms
         self.chunks: dict[str, Chunk] = {}
         self._renewing: dict[str, asyncio.Future] = {}
+        # refunds: one timer per pool at the next part's refund time; refund ids are this process's
+        # nonce and the part's generation (unique per part, never reused by a restarted agent)
+        self.nonce = uuid.uuid4().hex[:16]
+        self._rtt_ms = REFUND_LEAD_MIN_MS / REFUND_RTTS  # pool_take round trip, smoothed
+        self._timers: dict[str, tuple[float, asyncio.TimerHandle]] = {}
+        self._refunding: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ requests
     async def take(self, spend: GlobalSpend, deadline_s: float, clock_s: Callable[[], float]) -> Take:
@@ -178,10 +211,81 @@ class FleetPools:
 
     # ------------------------------------------------------------------ buying tokens
     async def _pool_take(self, gkey: str, min_tokens: int, want: int, per_s: int = 0) -> PoolTake:
+        sent = time.monotonic()
         (reply,) = await self.store.submit([pool_take_call(gkey, min_tokens=min_tokens, want=want,
                                                            slack_ms=BALANCE_SLACK_MS, per_s=per_s)],
                                            wait_s=self.budget_s)
+        self._rtt_ms += ((time.monotonic() - sent) * 1000.0 - self._rtt_ms) / 8
         return parse_pool_take(reply)
+
+    # ------------------------------------------------------------------ refunds
+    def refund_lead_ms(self) -> float:
+        """How long before a part's end its unspent rest is refunded: a few recent pool_take round
+        trips (the refund must land before the lease's close, which comes at the earliest at the
+        lease's end), within [REFUND_LEAD_MIN_MS, REFUND_LEAD_MAX_MS]."""
+        return min(REFUND_LEAD_MAX_MS, max(REFUND_LEAD_MIN_MS, REFUND_RTTS * self._rtt_ms))
+
+    def _arm(self, pool: Pool) -> None:
+        """Set the pool's timer to the next part's refund time (if earlier than the one set)."""
+        chunk = self.chunks.get(pool.id)
+        if chunk is None:
+            return
+        now = self.now_ms()
+        at = chunk.refund_at_ms(now, self.refund_lead_ms())
+        if at is None:
+            return
+        held = self._timers.get(pool.id)
+        if held is not None:
+            if held[0] <= at:
+                return
+            held[1].cancel()
+        handle = asyncio.get_running_loop().call_later(max(0.0, at - now) / 1000.0, self._fire, pool)
+        self._timers[pool.id] = (at, handle)
+
+    def _fire(self, pool: Pool) -> None:
+        self._timers.pop(pool.id, None)
+        task = asyncio.get_running_loop().create_task(self._refund_due(pool))
+        self._refunding.add(task)
+        task.add_done_callback(self._refunding.discard)
+
+    async def _refund_due(self, pool: Pool) -> None:
+        """Refund every part due (its rest taken out of the chunk first), then arm for the next."""
+        chunk = self.chunks.get(pool.id)
+        if chunk is None:
+            return
+        try:
+            due = chunk.due_refunds(self.now_ms(), self.refund_lead_ms())
+            for part, tokens in due:
+                refunded = await self._refund(pool, part, tokens)
+                if refunded:
+                    self.metrics.chunk_refunded.labels(pool.id).inc(refunded)
+                if tokens > refunded:
+                    log.debug("pool %s: part %d refunded %d of %d tokens (the rest abandoned)", pool.id,
+                              part.generation, refunded, tokens)
+                    self.metrics.chunk_abandoned.labels(pool.id).inc(tokens - refunded)
+            wasted = chunk.take_abandoned()  # parts that ended meanwhile (no renewal may follow them)
+            if wasted:
+                self.metrics.chunk_abandoned.labels(pool.id).inc(wasted)
+        finally:
+            self._arm(pool)
+
+    async def _refund(self, pool: Pool, part: Part, tokens: int) -> int:
+        """``pool_refund.lua`` for ``tokens`` of ``part``; the tokens it gave back (0: refused, or
+        the store failed twice — the same refund id, so a retry never gives back twice)."""
+        gkey = KeyBuilder.global_pool_key(pool.id)
+        call = pool_refund_call(gkey, KeyBuilder.global_pool_refund_key(pool.id, f"{self.nonce}-{part.generation}"),
+                                tokens=tokens, slack_ms=BALANCE_SLACK_MS, debits=part.debits)
+        for attempt in range(2):
+            try:
+                (reply,) = await self.store.submit([call], wait_s=max(self.budget_s, REFUND_WAIT_S))
+                return min(tokens, parse_pool_refund(reply).refunded)
+            except ScriptRejected:
+                log.warning("pool %s: refund of %d tokens rejected by the store", pool.id, tokens)
+                return 0
+            except LeaseholdError as e:
+                if attempt:
+                    log.debug("pool %s: refund of %d tokens failed: %s", pool.id, tokens, e)
+        return 0
 
     async def _take_alone(self, spend: GlobalSpend, chunk: Chunk, deadline_s: float,
                           clock_s: Callable[[], float]) -> Take:
@@ -239,7 +343,8 @@ class FleetPools:
                 got = await self._pool_take(gkey, 1, want, tokens_per_s(want, pool.chunk_validity_ms))
                 if got.taken:
                     validity = min(pool.chunk_validity_ms, got.valid_for_ms)
-                    chunk.grant(got.taken, sent_at, validity)
+                    chunk.grant(got.taken, sent_at, validity, debits=got.debits)
+                    self._arm(pool)  # its unspent rest is refunded shortly before it ends
                     outcome = Renewal.GRANTED if got.taken >= want else Renewal.PARTIAL
                     return outcome
                 if not waited_rollover and 0 < got.next_from_ms <= ROLLOVER_WAIT_MS:

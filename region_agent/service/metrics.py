@@ -92,6 +92,11 @@ class AgentMetrics:
                                        "or that a denied request gave back after their part had ended (debited from "
                                        "the regional balance, never admitted nor refunded: capacity wasted)",
                                        ["pool"], registry=r)
+        self.chunk_refunded = Counter("leasehold_agent_chunk_refunded_tokens_total",
+                                      "Global pool tokens an in-process chunk part still held shortly before its "
+                                      "validity ended, given back to the leases they were bought from (their close "
+                                      "reports them unspent)",
+                                      ["pool"], registry=r)
         self.batch_size = Histogram("leasehold_agent_batch_size", "Script calls per coalesced pipeline",
                                     registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
         self.queue_rejections = Counter("leasehold_agent_queue_rejections_total",

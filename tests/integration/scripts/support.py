@@ -24,9 +24,12 @@ from kernel.algorithms.sliding_log import SlidingLogState
 from kernel.algorithms.token_bucket import TokenBucketState
 from region_agent.decision.call import (
     MultiRuleResult,
+    PoolRefund,
     PoolTake,
     parse_multi_rule,
+    parse_pool_refund,
     parse_pool_take,
+    pool_refund_call,
     pool_take_call,
 )
 from region_agent.store.scripts import Scripts
@@ -295,3 +298,8 @@ class ScriptCalls(Scripts):
                         per_s: int = 0) -> PoolTake:
         return parse_pool_take(await self.call(client, *pool_take_call(key, min_tokens=min_tokens, want=want,
                                                                           slack_ms=slack_ms, per_s=per_s)))
+
+    async def pool_refund(self, client: Any, key: str, record_key: str, *, tokens: int, slack_ms: int,
+                          debits: Sequence[tuple[str, int]]) -> PoolRefund:
+        return parse_pool_refund(await self.call(client, *pool_refund_call(key, record_key, tokens=tokens,
+                                                                              slack_ms=slack_ms, debits=debits)))

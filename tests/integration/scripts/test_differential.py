@@ -267,10 +267,14 @@ def test_pool_take_matches_model(sclient, grants, takes):
 
         def model(n, s=state, lo=lo, want=want, per_s=per_s):
             reply, new = pool.take(s, lo, want, n, per_s=per_s or 0)
-            return list(reply), None if new is None else [new]
+            # the debits flattened as the script sends them, lease ids numbered (G<i> -> i)
+            flat = [x for lid, tokens in reply[4] for x in (int(lid[1:]), tokens)]
+            return list(reply[:4]) + flat, None if new is None else [new]
 
         def call(lo=lo, want=want, per_s=per_s):
-            return evalsha(sclient, "pool_take", [key], [lo, want, SLACK] + ([] if per_s is None else [per_s]))
+            r = evalsha(sclient, "pool_take", [key], [lo, want, SLACK] + ([] if per_s is None else [per_s]))
+            flat = [int(x.decode()[1:]) if isinstance(x, bytes) else x for x in r[4]]
+            return list(r[:4]) + flat
 
         _, (state,) = step(call, model, lambda: [read_state(sclient, "pool", key)], [state], ["pool"],
                            reply_of=lambda r: r)

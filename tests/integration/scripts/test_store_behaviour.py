@@ -184,7 +184,7 @@ async def test_lua_dir_default_and_include_expansion(scripts):
     src = s.source("multi_rule")
     assert "@include" not in src.replace("-- >>>", "").split("\n", 30)[-1]
     assert src.count("local TB = {}") == 1 and src.count("local function lh_int") == 1
-    assert len({s.sha(n) for n in s.scripts}) == len(s.scripts) == 15
+    assert len({s.sha(n) for n in s.scripts}) == len(s.scripts) == 16
 
 
 async def _hammer(url: str, cluster: bool, n_clients: int, per_client: int, call) -> int:

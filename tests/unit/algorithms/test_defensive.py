@@ -145,10 +145,12 @@ def test_pool_entries_of_another_incarnation_are_never_spendable():
 
 def test_pool_take_buys_at_least_min_and_is_clamped_to_its_leases():
     st = pool.PoolState({"a": PoolEntry(5, 0, T0 - 10, T0 + 300), "b": PoolEntry(10, 0, T0 - 10, T0 + 2_000)})
-    (taken, left, valid_for, _), new = pool.take(st, 1, 8, T0)
+    (taken, left, valid_for, _, debits), new = pool.take(st, 1, 8, T0)
     assert (taken, left, valid_for) == (8, 7, 300)  # the earliest-expiring lease first: valid 300 ms
-    (taken, left, _, _), _ = pool.take(new, 7, 20, T0)
-    assert (taken, left) == (7, 0)  # partial: all that is left, since it is at least min
+    assert debits == (("a", 5), ("b", 3))  # what it took from each lease, in debit order
+    (taken, left, _, _, debits), _ = pool.take(new, 7, 20, T0)
+    assert (taken, left, debits) == (7, 0, (("b", 7),))  # partial: all that is left, since it is at least min
+    assert pool.take(new, 8, 20, T0)[0][4] == ()  # nothing taken: no debits
     assert pool.take(new, 8, 20, T0)[0][0] == 0  # fewer than min: nothing taken
 
 

@@ -52,7 +52,7 @@ def test_default_scripts_and_shas():
     s = Scripts()
     assert set(s.scripts) == {"token_bucket", "gcra", "fixed_window", "sliding_log", "sliding_counter",
                               "multi_rule", "concurrency_acquire", "concurrency_release", "concurrency_renew",
-                              "pool_deposit", "pool_close", "pool_balance", "pool_take", "hot_chunk",
+                              "pool_deposit", "pool_close", "pool_balance", "pool_take", "pool_refund", "hot_chunk",
                               "approx_reconcile"}
     assert all(len(s.sha(n)) == 40 for n in s.scripts)
     for name in s.scripts:

@@ -164,3 +164,59 @@ def test_tokens_a_chunk_held_at_its_end_are_counted_abandoned():
     for i in range(MAX_PARTS + 1):  # one part too many: the earliest-expiring is abandoned
         lease.grant(2, now_ms=200 + i, validity_ms=100)
     assert lease.take_abandoned() == 2
+
+
+# ------------------------------------------------------------------------------- refunds
+DEBITS = (("L1", 6), ("L2", 4))
+
+
+def test_a_parts_rest_is_taken_out_for_its_refund_lead_ms_before_it_ends():
+    chunk = Chunk()
+    chunk.grant(10, now_ms=0, validity_ms=1_000, debits=DEBITS)
+    part = chunk.try_take(3, 10)
+    assert part is not None and part.debits == DEBITS
+    assert chunk.refund_at_ms(10, lead_ms=100) == 900
+    assert chunk.due_refunds(898, lead_ms=100) == []  # not yet (1 ms of timer granularity allowed)
+    [(due, tokens)] = chunk.due_refunds(900, lead_ms=100)
+    assert due is part and tokens == 7 and chunk.usable(900) == 0  # out first: never spent locally again
+    assert chunk.due_refunds(950, lead_ms=100) == [] and chunk.refund_at_ms(950, 100) is None  # once per part
+    # a reservation that comes back after the refund lands in its part, spendable until it ends, not refunded
+    assert chunk.give_back(2, part.generation, 960, 1_000) and chunk.usable(960) == 2
+    assert chunk.due_refunds(970, lead_ms=100) == []
+    assert chunk.usable(1_000) == 0 and chunk.take_abandoned() == 2
+
+
+def test_which_parts_are_refunded():
+    chunk = Chunk()
+    chunk.grant(5, now_ms=0, validity_ms=1_000)  # no debits (the reply named none): never refunded
+    chunk.grant(5, now_ms=0, validity_ms=1_000, fallback=True, debits=DEBITS)  # a fallback allowance's
+    assert chunk.refund_at_ms(0, 100) is None and chunk.due_refunds(990, 100) == []
+    chunk = Chunk()
+    chunk.grant(4, now_ms=0, validity_ms=60, debits=DEBITS)  # shorter than two leads: refunded half-way
+    chunk.grant(4, now_ms=0, validity_ms=1_000, debits=(("L3", 4),))
+    assert chunk.refund_at_ms(0, 100) == 30
+    [(part, n)] = chunk.due_refunds(30, 100)
+    assert (part.debits, n) == (DEBITS, 4) and chunk.usable(30) == 4
+    assert chunk.refund_at_ms(30, 100) == 900
+    chunk.try_take(4, 40)  # spent: nothing to refund
+    assert chunk.refund_at_ms(40, 100) is None and chunk.due_refunds(950, 100) == []
+    # a part that ended before its refund ran (a stalled loop) is refunded at once, not abandoned
+    chunk = Chunk()
+    chunk.grant(4, now_ms=0, validity_ms=100, debits=DEBITS)
+    assert chunk.try_take(1, 100) is None and chunk.take_abandoned() == 0  # a request found it ended
+    assert chunk.refund_at_ms(100, 10) == 100  # due now
+    [(part, n)] = chunk.due_refunds(101, 10)
+    assert (part.debits, n) == (DEBITS, 4) and chunk.due_refunds(102, 10) == []
+    chunk.grant(4, now_ms=200, validity_ms=100)  # without debits: abandoned
+    assert chunk.due_refunds(300, 10) == [] and chunk.take_abandoned() == 4
+
+
+def test_a_part_pushed_out_by_a_renewal_is_refunded_at_once():
+    chunk = Chunk()
+    for i in range(MAX_PARTS):
+        chunk.grant(2, now_ms=i, validity_ms=1_000, debits=((f"L{i}", 2),))
+    chunk.grant(2, now_ms=MAX_PARTS, validity_ms=1_000, debits=(("L9", 2),))
+    assert chunk.usable(10) == 2 * MAX_PARTS and chunk.take_abandoned() == 0
+    assert chunk.refund_at_ms(10, 100) == 10
+    [(part, n)] = chunk.due_refunds(10, 100)
+    assert (part.debits, n) == ((("L0", 2),), 2)  # the earliest-expiring

@@ -358,3 +358,54 @@ async def test_overload_is_shed_and_a_script_rejection_fails_closed():
     d = await f.take(spend(), c.t + 0.05, c)  # local_bounded, yet never admitted after a policy defect
     assert (d.status, d.retry_ms) == (TakeStatus.UNAVAILABLE, RULE.closed_retry_after_ms)
     assert sample(m, "leasehold_agent_degraded_decisions_total", reason="POOL_POLICY_ERROR", fail_mode="closed") == 1
+
+
+# ------------------------------------------------------------------------------- refunds
+TAKEN_FROM_TWO = [[2000, 5000, 250, 0, [b"L1", 1500, b"L2", 500]]]  # and what it debited from each lease
+
+
+async def _fire(f: FleetPools) -> None:
+    """Run the pool's refund timer now (the test moves the clock; the timer's real delay is not waited)."""
+    at, handle = f._timers.pop(POOL.id)
+    handle.cancel()
+    f._fire(POOL)
+    await asyncio.gather(*f._refunding)
+
+
+async def test_a_parts_rest_is_refunded_shortly_before_it_ends():
+    store = Store(TAKEN_FROM_TWO, [[1999, b"refunded"]])
+    f, c, m = fleet(store, Leases())
+    sent_at = c.t * 1000.0
+    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
+    lead = f.refund_lead_ms()
+    assert lead == 50.0  # a fast store: the floor
+    assert f._timers[POOL.id][0] == sent_at + 250 - lead
+    c.t += (250 - lead - 10) / 1000  # a timer that fires early refunds nothing and is set again
+    await _fire(f)
+    assert len(store.sent) == 1 and f._timers[POOL.id][0] == sent_at + 250 - lead
+    c.t += 10 / 1000
+    await _fire(f)
+    record = KeyBuilder.global_pool_refund_key(POOL.id, f"{f.nonce}-1")
+    assert store.sent[1] == [("pool_refund", [GKEY, record], [1999, BALANCE_SLACK_MS, "L1", 1500, "L2", 500])]
+    assert f.remaining(POOL.id) == 0  # taken out of the chunk first
+    assert sample(m, "leasehold_agent_chunk_refunded_tokens_total", pool=POOL.id) == 1999
+    assert sample(m, "leasehold_agent_chunk_abandoned_tokens_total", pool=POOL.id) == 0
+    assert POOL.id not in f._timers  # nothing left to refund
+
+
+async def test_a_refused_or_failed_refund_is_counted_abandoned_and_retried_once_with_its_id():
+    store = Store(TAKEN_FROM_TWO, StoreUnavailable("down"), [[1500, b"replay"]])
+    f, c, m = fleet(store, Leases())
+    await f.take(spend(), c.t + 0.05, c)
+    c.t += 0.2
+    await _fire(f)
+    assert store.sent[1] == store.sent[2]  # the same refund id: a retry never gives back twice
+    assert sample(m, "leasehold_agent_chunk_refunded_tokens_total", pool=POOL.id) == 1500
+    assert sample(m, "leasehold_agent_chunk_abandoned_tokens_total", pool=POOL.id) == 499
+    store = Store(TAKEN_FROM_TWO, StoreUnavailable("down"), StoreUnavailable("down"))
+    f, c, m = fleet(store, Leases())
+    await f.take(spend(), c.t + 0.05, c)
+    c.t += 0.2
+    await _fire(f)
+    assert len(store.sent) == 3 and f.remaining(POOL.id) == 0
+    assert sample(m, "leasehold_agent_chunk_abandoned_tokens_total", pool=POOL.id) == 1999
