@@ -151,6 +151,11 @@ def workloads() -> list[Workload]:
         Workload("pool_balance (one lease)", "pool_balance", [_bench_key(RAND, "pool")], [], setup=_prepare_pools),
         Workload("pool_deposit", "pool_deposit", [_bench_key(RAND, "pool")],
                  [f"lease-{RAND}", "100", "0", "9999999999999", "16", str(SLACK)]),
+        # a refund id is recorded once: a later call of the same key (redis-benchmark's keyspace) is
+        # answered as a replay, as a retried refund is
+        Workload("pool_refund (a lease to refund to; a repeated id is a replay)", "pool_refund",
+                 [_bench_key(RAND, "pool"), _bench_key(RAND, "refund")], ["1", str(SLACK), "bench-lease", "1"],
+                 setup=_prepare_pools),
         Workload("pool_close (lease absent)", "pool_close", [_bench_key(RAND, "pool")], [f"lease-{RAND}"],
                  setup=_prepare_pools),
     ]
