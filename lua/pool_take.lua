@@ -7,6 +7,9 @@
 --          ends (the chunk's validity ends with it), and never fewer than min: a chunk taken from a
 --          lease about to end holds only what its holder can spend before then (the rest would
 --          expire in the chunk; left in the lease it is reported unspent and returned to the pool)
+-- ARGV[5]  waiting (optional, with ARGV[4], tokens, >= 0): the per_s cap never goes below it either:
+--          the tokens of the requests waiting for this chunk are spent at once, however soon the lease
+--          ends (capped below them, a burst in a lease's last moments needed one renewal per request)
 -- Reply    {taken, remaining, valid_for_ms, next_from_ms, debits}
 --          taken: tokens debited, min(want, spendable); 0 when fewer than min are spendable
 --            (nothing written);
@@ -27,11 +30,14 @@
 -- @include lib/clock.lua
 -- @include lib/pool.lua
 local min, want, slack = lh_int(ARGV[1], 1), lh_int(ARGV[2], 1), lh_int(ARGV[3], 0)
-local per_s = 0
-if #ARGV == 4 then
+local per_s, waiting = 0, 0
+if #ARGV >= 4 then
   per_s = lh_int(ARGV[4], 0)
 end
-if (#ARGV ~= 3 and #ARGV ~= 4) or not (min and want and slack and per_s) or want < min then
+if #ARGV == 5 then
+  waiting = lh_int(ARGV[5], 0)
+end
+if (#ARGV < 3 or #ARGV > 5) or not (min and want and slack and per_s and waiting) or want < min then
   return lh_invalid()
 end
 local now = lh_now()
@@ -39,7 +45,8 @@ local entries = POOL.entries(KEYS[1])
 if per_s > 0 then
   local first = POOL.first_spendable_expiry(entries, now)
   if first ~= nil then
-    want = math.max(min, math.min(want, math.floor((per_s * (first - now) + 999) / 1000)))
+    local cap = math.max(waiting, math.floor((per_s * (first - now) + 999) / 1000))
+    want = math.max(min, math.min(want, cap))
   end
 end
 local plan = POOL.check_entries(entries, { cost = want }, now)

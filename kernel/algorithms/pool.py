@@ -90,18 +90,21 @@ def decide(state: PoolState | None, params: PoolParams, now_ms: int, incarnation
 
 
 def take(state: PoolState | None, min_tokens: int, want: int, now_ms: int, incarnation: str = "",
-         per_s: int = 0) -> tuple[tuple[int, int, int, int, tuple[tuple[str, int], ...]], PoolState | None]:
+         per_s: int = 0, waiting: int = 0
+         ) -> tuple[tuple[int, int, int, int, tuple[tuple[str, int], ...]], PoolState | None]:
     """``pool_take.lua``: ((taken, remaining, valid_for_ms, next_from_ms, debits), new state or None).
-    ``per_s`` > 0 caps ``want`` at ceil(per_s x life / 1000) (never below ``min_tokens``), life
-    being the time until the earliest-expiring spendable lease ends. ``debits``: (lease id, tokens
-    debited from it) in debit order (earliest-expiring first)."""
+    ``per_s`` > 0 caps ``want`` at ceil(per_s x life / 1000) (never below ``min_tokens`` nor
+    ``waiting``), life being the time until the earliest-expiring spendable lease ends. ``debits``:
+    (lease id, tokens debited from it) in debit order (earliest-expiring first)."""
     check_int(min_tokens, 1, name="min")
     check_int(want, min_tokens, name="want")
     check_int(per_s, 0, name="per_s")
+    check_int(waiting, 0, name="waiting")
     if per_s > 0 and state is not None:
         ends = [e.expires_at_ms for e in state.entries.values() if e.valid_at(now_ms, incarnation) and e.granted > e.spent]
         if ends:
-            want = max(min_tokens, min(want, -(-per_s * (min(ends) - now_ms) // 1000)))
+            cap = max(waiting, -(-per_s * (min(ends) - now_ms) // 1000))
+            want = max(min_tokens, min(want, cap))
     d, new = decide(state, PoolParams(want), now_ms, incarnation)
     if not d.allowed and d.remaining >= min_tokens:
         d, new = decide(state, PoolParams(d.remaining), now_ms, incarnation)

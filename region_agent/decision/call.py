@@ -140,10 +140,12 @@ class PoolTake(NamedTuple):
     debits: tuple[tuple[str, int], ...] = ()
 
 
-def pool_take_call(key: str, *, min_tokens: int, want: int, slack_ms: int, per_s: int = 0) -> ScriptCall:
+def pool_take_call(key: str, *, min_tokens: int, want: int, slack_ms: int, per_s: int = 0,
+                   waiting: int = 0) -> ScriptCall:
     """``per_s`` > 0: at most that many tokens per second of the chunk's validity (a chunk taken
-    from a lease that ends sooner holds no more than its holder can spend by then)."""
-    return ("pool_take", [key], [min_tokens, want, slack_ms, per_s])
+    from a lease that ends sooner holds no more than its holder can spend by then), but never fewer
+    than ``waiting`` (the tokens of the requests waiting for the chunk: spent at once)."""
+    return ("pool_take", [key], [min_tokens, want, slack_ms, per_s, waiting])
 
 
 def parse_pool_take(reply: Any) -> PoolTake:

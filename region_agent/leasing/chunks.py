@@ -39,7 +39,8 @@ a chunk is spent in a quarter of its validity, so demand may fall to a quarter m
 any token expires unspent; the short horizon lets a burst after a quiet spell grow the chunk within
 a renewal or two (each renewal is one store call). The renewal
 also tells ``pool_take.lua`` the rate (:func:`tokens_per_s`) so that a chunk taken from a lease
-ending sooner than the validity holds no more than that lease's remaining life can spend.
+ending sooner than the validity holds no more than that lease's remaining life can spend — but
+never fewer than the requests waiting for it need (spent at once).
 (A fixed chunk of ``chunkMax`` valid 1 s at an agent asked 6 tokens/s expired half full, and the
 pool ran dry at two thirds of G while requests were denied.)
 """

@@ -84,6 +84,8 @@ class Renewal(StrEnum):
 
 log = logging.getLogger(__name__)
 
+# A request waits for at most this many renewals (each paid the requests that waited longer, FIFO),
+# and takes from the last one it waited for before it is denied as busy
 RENEWALS_PER_REQUEST = 3
 # A part's unspent rest is taken out and refunded this long before the part ends (see refund_lead_ms):
 # REFUND_RTTS store round trips of pool_take as recently measured, within [REFUND_LEAD_MIN_MS,
@@ -140,7 +142,7 @@ class FleetPools:
         chunk.ask(spend.cost, self.now_ms(), pool.chunk_validity_ms)
         if self.leases is not None:  # demand is what requests ask for, not what chunks buy
             self.leases.note(pool, gkey, spend.cost)
-        for _ in range(RENEWALS_PER_REQUEST):
+        for renewals in range(RENEWALS_PER_REQUEST + 1):
             now = self.now_ms()
             part = chunk.try_take(spend.cost, now)
             if part is not None:
@@ -149,6 +151,8 @@ class FleetPools:
                 return Take(TakeStatus.DENIED, chunk.retry_ms(now), fallback=chunk.fallback)
             if chunk.usable(now) > 0:  # the chunk still pays cheaper requests: buy this one's cost alone
                 return await self._take_alone(spend, chunk, deadline_s, clock_s)
+            if renewals == RENEWALS_PER_REQUEST:  # requests before it spent each chunk it waited for
+                break
             chunk.waiting += spend.cost  # the renewal buys at least what its waiting requests need
             try:
                 await asyncio.wait_for(asyncio.shield(self._renewal(spend, chunk)), max(0.0, deadline_s - clock_s()))
@@ -210,10 +214,11 @@ class FleetPools:
         return Take(TakeStatus.UNAVAILABLE, rule.closed_retry_after_ms)
 
     # ------------------------------------------------------------------ buying tokens
-    async def _pool_take(self, gkey: str, min_tokens: int, want: int, per_s: int = 0) -> PoolTake:
+    async def _pool_take(self, gkey: str, min_tokens: int, want: int, per_s: int = 0, waiting: int = 0) -> PoolTake:
         sent = time.monotonic()
         (reply,) = await self.store.submit([pool_take_call(gkey, min_tokens=min_tokens, want=want,
-                                                           slack_ms=BALANCE_SLACK_MS, per_s=per_s)],
+                                                           slack_ms=BALANCE_SLACK_MS, per_s=per_s,
+                                                           waiting=waiting)],
                                            wait_s=self.budget_s)
         self._rtt_ms += ((time.monotonic() - sent) * 1000.0 - self._rtt_ms) / 8
         return parse_pool_take(reply)
@@ -340,7 +345,10 @@ class FleetPools:
             while True:
                 sent_at = self.now_ms()  # validity is timed from the moment the request was sent (I5)
                 want = chunk.want(spend.cost, pool.chunk_max, sent_at, pool.chunk_validity_ms)
-                got = await self._pool_take(gkey, 1, want, tokens_per_s(want, pool.chunk_validity_ms))
+                # capped to what the lease's remaining life can spend, but never below what the
+                # requests waiting for it need now
+                got = await self._pool_take(gkey, 1, want, tokens_per_s(want, pool.chunk_validity_ms),
+                                            min(want, chunk.waiting))
                 if got.taken:
                     validity = min(pool.chunk_validity_ms, got.valid_for_ms)
                     chunk.grant(got.taken, sent_at, validity, debits=got.debits)

@@ -295,9 +295,10 @@ class ScriptCalls(Scripts):
         return _slot(await self.call(client, "concurrency_renew", [key], [slot_id, slot_ttl_ms]))
 
     async def pool_take(self, client: Any, key: str, *, min_tokens: int, want: int, slack_ms: int,
-                        per_s: int = 0) -> PoolTake:
+                        per_s: int = 0, waiting: int = 0) -> PoolTake:
         return parse_pool_take(await self.call(client, *pool_take_call(key, min_tokens=min_tokens, want=want,
-                                                                          slack_ms=slack_ms, per_s=per_s)))
+                                                                          slack_ms=slack_ms, per_s=per_s,
+                                                                          waiting=waiting)))
 
     async def pool_refund(self, client: Any, key: str, record_key: str, *, tokens: int, slack_ms: int,
                           debits: Sequence[tuple[str, int]]) -> PoolRefund:

@@ -252,7 +252,8 @@ def test_pool_model_deposit_matches_script(sclient):
 @SETTINGS
 @given(grants=st.lists(st.tuples(st.integers(0, 9), st.integers(-500, 500), st.integers(600, 5_000)),
                        min_size=1, max_size=4),
-       takes=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 12), st.sampled_from([None, 0, 1, 3, 10, 40])),
+       takes=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 12), st.sampled_from([None, 0, 1, 3, 10, 40]),
+                                 st.sampled_from([None, 0, 2, 9])),
                       min_size=1, max_size=6))
 def test_pool_take_matches_model(sclient, grants, takes):
     key = f"rl:{tag()}:pool"
@@ -262,17 +263,20 @@ def test_pool_take_matches_model(sclient, grants, takes):
         evalsha(sclient, "pool_deposit", [key], [f"G{g}", granted, base + from_off, base + from_off + life, 8, SLACK])
         entries[f"G{g}"] = PoolEntry(granted, 0, base + from_off, base + from_off + life)
     state = PoolState(entries)
-    for lo, extra, per_s in takes:  # per_s None: the three-argument form (no cap)
+    for lo, extra, per_s, waiting in takes:  # None: the three- or four-argument form
         want = lo + extra
+        if per_s is None:
+            waiting = None
 
-        def model(n, s=state, lo=lo, want=want, per_s=per_s):
-            reply, new = pool.take(s, lo, want, n, per_s=per_s or 0)
+        def model(n, s=state, lo=lo, want=want, per_s=per_s, waiting=waiting):
+            reply, new = pool.take(s, lo, want, n, per_s=per_s or 0, waiting=waiting or 0)
             # the debits flattened as the script sends them, lease ids numbered (G<i> -> i)
             flat = [x for lid, tokens in reply[4] for x in (int(lid[1:]), tokens)]
             return list(reply[:4]) + flat, None if new is None else [new]
 
-        def call(lo=lo, want=want, per_s=per_s):
-            r = evalsha(sclient, "pool_take", [key], [lo, want, SLACK] + ([] if per_s is None else [per_s]))
+        def call(lo=lo, want=want, per_s=per_s, waiting=waiting):
+            r = evalsha(sclient, "pool_take", [key], [lo, want, SLACK] + ([] if per_s is None else [per_s])
+                        + ([] if waiting is None else [waiting]))
             flat = [int(x.decode()[1:]) if isinstance(x, bytes) else x for x in r[4]]
             return list(r[:4]) + flat
 

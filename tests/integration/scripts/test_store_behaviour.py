@@ -154,6 +154,9 @@ async def test_pool_take_per_s_caps_a_chunk_to_what_its_lease_can_spend(aclient,
     assert 0 < got.valid_for_ms <= 20_000 and got.remaining == 50 - got.taken >= 30
     got = await scripts.pool_take(aclient, key, min_tokens=25, want=30, slack_ms=0, per_s=1)
     assert got.taken == 25  # the cap (about 20) is below min: never fewer than min
+    assert (await scripts.pool_deposit(aclient, key, "B", granted=50, expires_at_ms=t + 20_000, **dep)).stored
+    got = await scripts.pool_take(aclient, key, min_tokens=1, want=30, slack_ms=0, per_s=1, waiting=24)
+    assert got.taken == 24  # nor fewer than the requests waiting for the chunk (spent at once)
     with pytest.raises(ScriptRejected):
         await scripts.pool_take(aclient, key, min_tokens=1, want=2, slack_ms=0, per_s=-1)
 

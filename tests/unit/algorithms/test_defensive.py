@@ -161,6 +161,8 @@ def test_pool_take_per_s_holds_no_more_than_the_first_lease_can_spend():
     assert pool.take(st, 1, 30, T0, per_s=20)[0][:3] == (6, 64, 300)  # 20/s x 0.3 s: 6 of a's 20
     assert pool.take(st, 1, 30, T0, per_s=1_000)[0][:3] == (30, 40, 300)  # no cap below want
     assert pool.take(st, 8, 30, T0, per_s=1)[0][:3] == (8, 62, 300)  # never below min
+    assert pool.take(st, 1, 30, T0, per_s=20, waiting=11)[0][:3] == (11, 59, 300)  # nor the waiting requests
+    assert pool.take(st, 1, 30, T0, per_s=20, waiting=50)[0][:3] == (30, 40, 300)  # never above want
     assert pool.take(st, 1, 30, T0)[0][:3] == (30, 40, 300)  # 0: no cap
     with pytest.raises(InvalidArguments):
         pool.take(st, 1, 30, T0, per_s=-1)

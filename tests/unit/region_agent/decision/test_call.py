@@ -70,8 +70,9 @@ def test_an_error_in_the_reply_slot_is_raised_as_a_contract_error():
 
 
 def test_pool_take():
-    assert pool_take_call("rl:{g:p}", min_tokens=1, want=20, slack_ms=0) == ("pool_take", ["rl:{g:p}"], [1, 20, 0, 0])
-    assert pool_take_call("rl:{g:p}", min_tokens=1, want=20, slack_ms=0, per_s=80)[2] == [1, 20, 0, 80]
+    assert pool_take_call("rl:{g:p}", min_tokens=1, want=20, slack_ms=0) == ("pool_take", ["rl:{g:p}"], [1, 20, 0, 0, 0])
+    assert pool_take_call("rl:{g:p}", min_tokens=1, want=20, slack_ms=0, per_s=80)[2] == [1, 20, 0, 80, 0]
+    assert pool_take_call("rl:{g:p}", min_tokens=1, want=20, slack_ms=0, per_s=80, waiting=7)[2] == [1, 20, 0, 80, 7]
     assert parse_pool_take([20, 80, 900, 0]) == PoolTake(20, 80, 900, 0)
     with pytest.raises(ScriptRejected):
         parse_pool_take([1, 2, 3])

@@ -87,9 +87,9 @@ async def test_a_chunk_is_bought_once_then_spent_locally():
     assert first.status is TakeStatus.OK and not first.fallback
     [[(script, keys, argv)]] = store.sent
     # at least 1, as many as this agent's demand calls for (one request so far: 1), up to chunkMax,
-    # at most 4 per second of validity (1 token over 250 ms); a debit never shortens the balance
-    # hash's expiry (slack)
-    assert (script, keys, argv) == ("pool_take", [GKEY], [1, 1, BALANCE_SLACK_MS, 4])
+    # at most 4 per second of validity (1 token over 250 ms) but never fewer than the one request
+    # waiting for it; a debit never shortens the balance hash's expiry (slack)
+    assert (script, keys, argv) == ("pool_take", [GKEY], [1, 1, BALANCE_SLACK_MS, 4, 1])
     for _ in range(5):
         assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
     assert len(store.sent) == 1 and f.remaining(POOL.id) == 2000 - 6
@@ -128,6 +128,8 @@ async def test_waiting_requests_get_a_chunk_for_all_of_them():
     store.gate.set()
     assert [t.status for t in await asyncio.gather(*tasks)] == [TakeStatus.OK] * 12
     assert store.sent[0][0][2][1] == 12 and len(store.sent) == 1  # one renewal paid every waiting request
+    # however soon the lease it is bought from ends: the per-second cap never goes below them
+    assert store.sent[0][0][2][4] == 12
 
 
 async def test_a_give_back_lands_only_in_the_chunk_it_came_from():
@@ -278,13 +280,25 @@ async def test_a_renewal_outlasting_the_budget_is_a_local_denial_not_a_fallback(
     assert f.remaining(POOL.id) == 2000
 
 
+async def test_a_request_takes_from_the_last_renewal_it_waited_for():
+    """Four requests at once, renewals of 1, 1 and 2 tokens: each renewal pays the request that
+    waited longest, and the fourth, which waited for all three, takes the last token of the third
+    (it was denied as busy with that token in the chunk)."""
+    store = Store([[1, 5000, 250, 0]], [[1, 4999, 250, 0]], [[2, 4997, 250, 0]])
+    f, c, m = fleet(store, Leases())
+    tasks = [asyncio.ensure_future(f.take(spend(), c.t + 0.05, c)) for _ in range(4)]
+    assert [t.status for t in await asyncio.gather(*tasks)] == [TakeStatus.OK] * 4
+    assert len(store.sent) == 3 and f.remaining(POOL.id) == 0
+    assert sample(m, "leasehold_agent_pool_busy_denials_total", pool=POOL.id) == 0
+
+
 async def test_a_request_the_chunk_cannot_pay_buys_its_cost_alone():
     store = Store([[3, 1000, 250, 0]], [[5, 995, 250, 0]])  # a chunk of 3, then 5 bought alone
     f, c, m = fleet(store, Leases())
     assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK  # chunk of 3, 2 left
     alone = await f.take(spend(5), c.t + 0.05, c)
     assert (alone.status, alone.generation) == (TakeStatus.OK, NO_CHUNK)
-    assert store.sent[1] == [("pool_take", [GKEY], [5, 5, BALANCE_SLACK_MS, 0])]  # exactly its cost
+    assert store.sent[1] == [("pool_take", [GKEY], [5, 5, BALANCE_SLACK_MS, 0, 0])]  # exactly its cost
     assert f.remaining(POOL.id) == 2  # the chunk stays for the requests it can pay
     assert sample(m, "leasehold_agent_pool_renewals_total", pool=POOL.id, outcome="alone") == 1
 
