@@ -109,7 +109,8 @@ class AgentMetrics:
             self.shed.labels(stage)
         self.pool_busy = Counter("leasehold_agent_pool_busy_denials_total",
                                  "Fleet-wide pool requests denied locally because the chunk renewal in flight "
-                                 "outlasted their budget (a 429 with a short hint, never the fallback)", ["pool"],
+                                 "outlasted their budget, or the three renewals they waited for were spent by "
+                                 "requests before them (a 429 with a short hint, never the fallback)", ["pool"],
                                  registry=r)
         self.policy_reloads, self.bundle_version, self.policy_age = policy_metrics(
             "agent", r, offered="file reload or etcd",
