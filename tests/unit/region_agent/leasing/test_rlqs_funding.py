@@ -49,10 +49,11 @@ def test_a_first_report_of_more_than_one_request_counts_over_one_interval():
     f.observe(new_bucket, 1, 0, 1_000.0, 5_000)
     f.observe(new_stream, 12, 8, 1_000.0, 5_000)
     assert (new_bucket.demand, new_stream.demand) == (1.0, 4.0)
-    f.observe(new_bucket, 0, 0, 1_000.0, 5_000)  # nothing yet: no demand either
-    assert holding().demand == 0.0
-    f.observe(new_bucket, 9, 0, 4_000.0, 5_000)  # the next report: 9 in the 3 s since the first
-    assert new_bucket.demand == 3.0
+    f.observe(new_bucket, 12, 0, 4_000.0, 5_000)  # the next report: 12 in the 3 s since the first
+    assert new_bucket.demand == 4.0
+    quiet = holding()
+    f.observe(quiet, 0, 0, 1_000.0, 5_000)  # reported with no request: no demand
+    assert quiet.demand == 0.0
 
 
 def poisson_reports(rate: float, seed: int, n: int) -> list[tuple[float, int]]:
