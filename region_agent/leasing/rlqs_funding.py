@@ -31,7 +31,8 @@ holds. Then:
   the agent counts it (from when it was sent) and no fresh assignment replaced it, the agent says so
   (:func:`needs_end`): a ``DENY_ALL`` on the same stream, which Envoy receives after it, in order.
 
-Pure state and arithmetic (:class:`Holding`, :func:`observe`, :func:`wants_tokens`, :func:`need`)
+Pure state and arithmetic (:class:`Holding`, :func:`observe` and its demand average
+:func:`demand_after`, :func:`wants_tokens`, :func:`need`)
 plus what one round asks the admission (:func:`take`) and how it shares the answer (:func:`share`);
 the stream, the rounds' scheduling, timers and protobuf are region_agent.gateways.rlqs.
 """
