@@ -410,11 +410,15 @@ class RlqsService:
         parties += [o for o in b.holdings if o not in parties and self._alive(o)
                     and fund.waiting(o, t0, self.span_ms, LEAD_MS)]
         cap = self.s.rlqs_max_assignment
-        needs = {h: fund.need(h, self.span_ms, cap, ttl.clamp_ms) for h in parties}
+        # the time to live the assignment is sent with (whole seconds, ending before the clamp), and
+        # the need sized by it: tokens for the clamp's fraction of a second past it would be stranded
+        clamp_at = t0 + ttl.clamp_ms
+        ttl_s = ttl.seconds
+        needs = {h: fund.need(h, self.span_ms, cap, ttl_s * 1000.0) for h in parties}
         taken = await fund.take(self.decide, b.question, min(b.burst, sum(needs.values())))
         now = self.now_ms()
-        clamp_at = t0 + ttl.clamp_ms
-        ttl_s = min(ttl.seconds, int((clamp_at - now) // 1000)) if math.isfinite(clamp_at) else ttl.seconds
+        if math.isfinite(clamp_at):  # a round that took long may have passed a whole second of the clamp
+            ttl_s = min(ttl_s, int((clamp_at - now) // 1000))
         if taken.tokens == 0 or ttl_s < 1:
             m.rlqs_rounds.labels("denied").inc()
             if log.isEnabledFor(logging.DEBUG):

@@ -31,7 +31,8 @@ holds. Then:
   the agent counts it (from when it was sent) and no fresh assignment replaced it, the agent says so
   (:func:`needs_end`): a ``DENY_ALL`` on the same stream, which Envoy receives after it, in order.
 
-Pure state and arithmetic (:class:`Holding`, :func:`observe`, :func:`wants_tokens`, :func:`need`)
+Pure state and arithmetic (:class:`Holding`, :func:`observe` and its demand average
+:func:`demand_after`, :func:`wants_tokens`, :func:`need`)
 plus what one round asks the admission (:func:`take`) and how it shares the answer (:func:`share`);
 the stream, the rounds' scheduling, timers and protobuf are region_agent.gateways.rlqs.
 """
@@ -50,6 +51,8 @@ from ..models import AdmitRequest, Decision
 INF = math.inf
 MAX_COST = 1_000  # AdmitRequest.costHint
 ROUND_ATTEMPTS = 3  # a round: the whole need, then what a denial says is left, then half of that
+DEMAND_TAU_INTERVALS = 2.0  # the demand average forgets by e in this many report intervals (demand_after)
+CHANGE_SIGMAS = 3.0  # a report's count this many Poisson deviations from the average's: a change, not noise
 
 
 @dataclass(eq=False, slots=True)
@@ -73,7 +76,9 @@ class Holding:
     allowed: int = 0
     denied: int = 0
     stranded: int = 0  # counted so far (never decreases)
-    demand: float = 0.0  # requests per second (allowed + denied), smoothed
+    demand: float = 0.0  # requests per second (allowed + denied), averaged (demand_after)
+    requests_avg: float = 0.0  # the average's requests and seconds, exponentially weighted (demand_after)
+    seconds_avg: float = 0.0
     last_report_ms: float = 0.0
     last_traffic_ms: float = 0.0
     retry_at_ms: float = 0.0  # no round for this holding before (a denied round's hint, a window's end)
@@ -105,11 +110,23 @@ class Holding:
 
 
 def observe(h: Holding, allowed: int, denied: int, now_ms: float, interval_ms: float) -> None:
-    """One usage report of the holding's bucket (counts since Envoy's previous report)."""
-    # Envoy reports a bucket it has not seen at once, with its first request: about a second's worth
-    dt = (now_ms - h.last_report_ms) if h.last_report_ms else min(interval_ms, 1_000.0)
-    rate = (allowed + denied) / max(0.5, dt / 1000.0)
-    h.demand = rate if rate >= h.demand else 0.5 * (h.demand + rate)  # up at once, down gently
+    """One usage report of the holding's bucket (counts since Envoy's previous report of it).
+
+    How long the counts took: since the holding's last report; on its first, Envoy's first report
+    of a bucket it has just made comes at once with its first request (one request, which says
+    nothing of the rate yet: taken as one a second), while a bucket Envoy already counted (its
+    stream is new: the agent restarted, the stream broke) is first reported in Envoy's periodic
+    report, one report interval's requests. Then :func:`demand_after`."""
+    n = allowed + denied
+    if h.last_report_ms:
+        dt = now_ms - h.last_report_ms
+    elif n <= 1:
+        dt = min(interval_ms, 1_000.0)
+    else:
+        dt = interval_ms
+    h.requests_avg, h.seconds_avg = demand_after(h.requests_avg, h.seconds_avg, n, max(0.5, dt / 1000.0),
+                                                 interval_ms / 1000.0)
+    h.demand = h.requests_avg / h.seconds_avg if h.seconds_avg > 0 else 0.0
     if h.demand < 0.01:
         h.demand = 0.0
     h.allowed += allowed
@@ -120,12 +137,30 @@ def observe(h: Holding, allowed: int, denied: int, now_ms: float, interval_ms: f
         h.last_traffic_ms = now_ms
 
 
-def need(h: Holding, span_ms: float, cap: int, clamp_ms: float = INF) -> int:
+def demand_after(requests: float, seconds: float, n: int, secs: float, interval_s: float) -> tuple[float, float]:
+    """The demand average after a report of ``n`` requests in ``secs``: (requests, seconds), both
+    exponentially weighted by time (forgetting by ``e`` every ``DEMAND_TAU_INTERVALS`` report
+    intervals), the demand their ratio. The same weight whether the report is above or below the
+    average, so Poisson-like traffic is estimated without bias; and a report that is a **change**
+    (its count further than ``CHANGE_SIGMAS`` Poisson deviations from what the average expects,
+    over at least half an interval) starts the average afresh from it, up or down: a genuine rise
+    is funded from its first report, while noise is averaged over about two reports. ``seconds``
+    0: no average yet (the first report is the average)."""
+    expected = requests / seconds * secs if seconds > 0 else 0.0
+    if seconds <= 0 or (secs >= interval_s / 2
+                        and abs(n - expected) > CHANGE_SIGMAS * math.sqrt(max(1.0, expected)) + 1.0):
+        return float(n), secs
+    keep = math.exp(-secs / (DEMAND_TAU_INTERVALS * interval_s))
+    return requests * keep + n, seconds * keep + secs
+
+
+def need(h: Holding, span_ms: float, cap: int, ttl_ms: float = INF) -> int:
     """The tokens one assignment should carry: the bucket's demand over ``span_ms`` (one report
-    interval and a second) or until ``clamp_ms`` from now (the end of the window its tokens come
-    from: what Envoy holds then is stranded, tokens other buckets could have had) when sooner,
-    1 at least, ``cap`` at most."""
-    return max(1, min(cap, math.ceil(h.demand * min(span_ms, clamp_ms) / 1000.0)))
+    interval and a second) or over the time to live the assignment is sent with (``ttl_ms``: whole
+    seconds, as Envoy counts them, ending before the window its tokens come from) when shorter —
+    what Envoy holds when it ends is stranded, tokens other buckets could have had —, 1 at least,
+    ``cap`` at most."""
+    return max(1, min(cap, math.ceil(h.demand * min(span_ms, ttl_ms) / 1000.0)))
 
 
 def runs_short(h: Holding, now_ms: float, lead_ms: float) -> bool:
@@ -280,5 +315,5 @@ def share(tokens: int, needs: dict[Holding, int]) -> dict[Holding, int]:
     return gives
 
 
-__all__ = ["Decide", "Holding", "Taken", "ended", "granted", "need", "needs_end", "next_check_ms", "observe",
+__all__ = ["Decide", "Holding", "Taken", "demand_after", "ended", "granted", "need", "needs_end", "next_check_ms", "observe",
            "renewal_ttl", "renewed", "revoke", "runs_short", "share", "take", "waiting", "wants_tokens", "with_cost"]

@@ -200,3 +200,44 @@ async def test_an_assignment_replaced_before_it_ran_out_has_no_end_of_its_own():
     assert svc.metrics.rlqs_assignments.labels("fresh")._value.get() >= 2
     assert svc.metrics.rlqs_assignments.labels("end")._value.get() == 0
     await svc.stop()
+
+
+def assignments(st) -> list[tuple[int, int]]:
+    """(max_tokens, time to live in seconds) of every token bucket Envoy would receive, in order."""
+    out = []
+    while not st.queue.empty():
+        for a in st.queue.get_nowait().bucket_action:
+            q = a.quota_assignment_action
+            if q.rate_limit_strategy.HasField("token_bucket"):
+                out.append((q.rate_limit_strategy.token_bucket.max_tokens, q.assignment_time_to_live.seconds))
+    return out
+
+
+async def test_an_assignment_carries_the_demand_of_the_time_to_live_it_is_sent_with():
+    """The window ends in 5.65 s: Envoy is sent 5 s to live (whole seconds). At 4 requests a second
+    that is 20 tokens; sized by the clamp it was 23, three of them stranded in every such round."""
+    clock = MsClock()
+    svc = stalled_service(clock)
+    st = svc.streams.setdefault(1, Stream(1, "envoy-a"))
+    svc.on_report(st, report(0, 1))  # a new bucket's first request: taken as 1 a second
+    await settle(svc)
+    assert assignments(st) == [(5, 5)]  # not 6 (1/s for 5.65 s)
+    clock.ms += 5_000
+    svc.on_report(st, report(5, 15))  # 20 in 5 s: 4 a second, its 5 tokens spent
+    await settle(svc)
+    (tokens, ttl_s), = assignments(st)
+    assert ttl_s == 5 and tokens <= 4 * ttl_s
+    await svc.stop()
+
+
+async def test_a_bucket_first_reported_on_a_new_stream_is_funded_for_its_interval_rate():
+    """The agent restarted: Envoy's first report on the new stream is its periodic one, 20 requests
+    of one report interval (4 a second), not 20 in a second (100 tokens, the most an assignment may
+    carry, four fifths of them stranded)."""
+    clock = MsClock()
+    svc = stalled_service(clock)
+    st = svc.streams.setdefault(1, Stream(1, "envoy-a"))
+    svc.on_report(st, report(12, 8))
+    await settle(svc)
+    assert assignments(st) == [(20, 5)]
+    await svc.stop()

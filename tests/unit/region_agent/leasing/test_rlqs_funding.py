@@ -4,6 +4,11 @@ when a holding needs tokens, partial chunks, renewals that never add tokens, str
 from __future__ import annotations
 
 import asyncio
+import math
+import random
+import statistics
+
+import pytest
 
 from region_agent.leasing import rlqs_funding as f
 from region_agent.models import AdmitRequest, Decision, Principal
@@ -16,17 +21,81 @@ def holding(**kw) -> f.Holding:
     return f.Holding(stream=1, bucket=(("tenant", "atlas"),), question=Q, **kw)
 
 
-def test_demand_rises_at_once_and_falls_gently():
+def test_demand_is_averaged_alike_above_and_below_and_a_change_is_taken_at_once():
     h = holding()
     f.observe(h, 0, 1, 1_000.0, 5_000)  # a new bucket's first request: about 1 per second
     assert h.demand == 1.0
-    f.observe(h, 30, 20, 6_000.0, 5_000)  # 50 in 5 s
+    f.observe(h, 30, 20, 6_000.0, 5_000)  # 50 in 5 s: far beyond the noise of 5 expected, a rise
     assert h.demand == 10.0 and h.allowed == 30 and h.denied == 21
-    f.observe(h, 0, 0, 11_000.0, 5_000)
-    assert h.demand == 5.0
-    for t in range(16_000, 80_000, 5_000):
-        f.observe(h, 0, 0, float(t), 5_000)
+    f.observe(h, 0, 0, 11_000.0, 5_000)  # none where 50 were expected: a fall, as fast as the rise
     assert h.demand == 0.0 and h.last_traffic_ms == 6_000.0
+    # noise about an average of 4/s moves it alike up and down (the old average rose at once and
+    # fell by half the gap: biased up)
+    up, down = holding(), holding()
+    for x in (up, down):
+        f.observe(x, 0, 20, 5_000.0, 5_000)  # first on a new stream: an interval's worth
+        assert x.demand == 4.0
+    f.observe(up, 26, 0, 10_000.0, 5_000)
+    f.observe(down, 14, 0, 10_000.0, 5_000)
+    assert 4.0 < up.demand < 5.2 and math.isclose(up.demand - 4.0, 4.0 - down.demand)
+
+
+def test_a_first_report_of_more_than_one_request_counts_over_one_interval():
+    """Envoy reports a bucket it has just made at once, with its first request: one request, taken
+    as one a second until the next report says more. A bucket Envoy already had is first reported
+    on a new stream (the agent restarted) in Envoy's periodic report: one interval's requests —
+    20 of them are 4 a second, not 20 (the tokens for 20 a second would be stranded)."""
+    new_bucket, new_stream = holding(), holding()
+    f.observe(new_bucket, 1, 0, 1_000.0, 5_000)
+    f.observe(new_stream, 12, 8, 1_000.0, 5_000)
+    assert (new_bucket.demand, new_stream.demand) == (1.0, 4.0)
+    f.observe(new_bucket, 12, 0, 4_000.0, 5_000)  # the next report: 12 in the 3 s since the first
+    assert new_bucket.demand == 4.0
+    quiet = holding()
+    f.observe(quiet, 0, 0, 1_000.0, 5_000)  # reported with no request: no demand
+    assert quiet.demand == 0.0
+
+
+def poisson_reports(rate: float, seed: int, n: int) -> list[tuple[float, int]]:
+    """(report time ms, requests since the last report) of a Poisson process of ``rate`` per
+    second, reported every 5 s with up to 50 ms of jitter."""
+    rnd = random.Random(seed)
+    t_next = rnd.expovariate(rate)
+    out, at = [], 0.0
+    for _ in range(n):
+        at += 5.0 + rnd.uniform(-0.05, 0.05)
+        count = 0
+        while t_next <= at:
+            count += 1
+            t_next += rnd.expovariate(rate)
+        out.append((at * 1000.0, count))
+    return out
+
+
+@pytest.mark.parametrize(("rate", "seed"), [(4.0, 1), (4.0, 2), (1.0, 3), (20.0, 4)])
+def test_the_demand_of_poisson_traffic_averages_its_rate_and_less_noisy_than_one_report(rate, seed):
+    """Unbiased (within 3 % over 2000 reports), and steadier than the report it averages."""
+    h = holding()
+    h.last_report_ms = 1.0  # reporting for a while already
+    h.requests_avg, h.seconds_avg = rate * 5, 5.0
+    estimates, single = [], []
+    last = 0.0
+    for at, count in poisson_reports(rate, seed, 2_000):
+        f.observe(h, count, 0, at, 5_000)
+        estimates.append(h.demand)
+        single.append(count / ((at - last) / 1000.0))
+        last = at
+    assert abs(statistics.fmean(estimates) / rate - 1) < 0.03, statistics.fmean(estimates)
+    assert statistics.pstdev(estimates) < 0.75 * statistics.pstdev(single)
+
+
+def test_a_genuine_rise_is_funded_from_its_first_report():
+    h = holding()
+    f.observe(h, 20, 0, 5_000.0, 5_000)
+    f.observe(h, 40, 0, 10_000.0, 5_000)  # twice the demand: 20 beyond 20 expected (3 deviations: 14)
+    assert h.demand == 8.0
+    f.observe(h, 48, 0, 15_000.0, 5_000)  # within the noise of 40: averaged
+    assert 8.0 < h.demand < 9.6
 
 
 def test_need_is_one_interval_of_demand_within_one_and_the_cap():
@@ -35,11 +104,18 @@ def test_need_is_one_interval_of_demand_within_one_and_the_cap():
     assert f.need(holding(demand=500.0), 6_000, 100) == 100
 
 
-def test_need_stops_at_the_end_of_the_window_its_tokens_come_from():
-    """2.5 s left of the window: 2.5 s of demand, not a whole interval's (the rest would be stranded)."""
-    assert f.need(holding(demand=4.0), 6_000, 100, clamp_ms=2_500) == 10
-    assert f.need(holding(demand=4.0), 6_000, 100, clamp_ms=60_000) == 24  # a later end: one interval
-    assert f.need(holding(demand=4.0), 6_000, 100, clamp_ms=10) == 1
+def test_need_stops_at_the_end_of_the_time_to_live_it_is_sent_with():
+    """2 s to live (the window ends in 2.5 s; Envoy counts whole seconds): 2 s of demand, not a whole
+    interval's nor the window's 2.5 s (the rest would be stranded)."""
+    assert f.need(holding(demand=4.0), 6_000, 100, ttl_ms=2_000) == 8
+    assert f.need(holding(demand=4.0), 6_000, 100, ttl_ms=10_000) == 24  # lives longer: one interval
+    assert f.need(holding(demand=4.0), 6_000, 100, ttl_ms=0) == 1
+
+
+def test_after_a_report_of_4_a_second_an_assignment_of_5_s_carries_20_tokens():
+    h = holding()
+    f.observe(h, 0, 20, 5_000.0, 5_000)
+    assert f.need(h, 6_000, 100, ttl_ms=5 * 1_000) == 20  # not 23 (sized by a clamp 5.65 s away)
 
 
 def test_a_holding_wants_tokens_when_its_assignment_is_gone_or_nearly_spent():
@@ -98,7 +174,8 @@ def test_a_fresh_assignment_or_a_renewal_moves_the_end_and_a_revocation_is_one()
 def test_stranded_tokens_are_what_was_funded_and_not_used_once_it_cannot_be_used():
     h = holding(demand=1.0)
     f.granted(h, 10, 5, 0.0, f.INF)
-    f.observe(h, 4, 0, 2_000.0, 5_000)
+    h.last_report_ms = 1_000.0
+    f.observe(h, 4, 0, 2_000.0, 5_000)  # 4 in the second since Envoy's last report
     assert h.settle(2_000.0) == 0  # 6 may still be spent
     f.granted(h, 8, 5, 2_500.0, f.INF)  # a fresh one replaces it: its leftover is abandoned
     # the report counts 3: about 2 of them (4/s for 0.5 s) spent from the old one before the new arrived
