@@ -13,7 +13,11 @@ evaluated against it recently) a background tick:
 
 The engine asks :meth:`state` when a pool rule denied: ``exhausted`` is a normal 429 with a
 retry hint at the next window start, ``unreachable`` means the allocator could not be
-reached and no valid lease is left — only then may the pool's fallback allowance be spent.
+reached and no valid lease is left — only then may the pool's fallback allowance be spent. A
+request that failed while this process itself stalled (its event loop late by a whole attempt's
+timeout or more: SIGSTOPped, or saturated as badly) does not make a balance unreachable: the stall
+spent the request's deadline, not the allocator (as the store tells a stall from a Redis failure,
+``region_agent.store.lag``); the next tick asks again, and meanwhile a pool rule denies.
 
 Every grant also tells where this process stands on the allocator's clock (``clock``, an
 :class:`~region_agent.leasing.window_clock.AllocatorClock`): fallback allowances are counted per
@@ -57,6 +61,11 @@ from .client import AllocatorClient
 from .window_clock import AllocatorClock
 
 log = logging.getLogger(__name__)
+
+#: A lease request that failed while the event loop lagged by this share of the allocator client's
+#: attempt timeout or more failed in this process (see the module text). A whole timeout: CPU
+#: contention delays callbacks by tens of milliseconds, a stop by seconds.
+STALL_SHARE = 1.0
 
 class BalanceStore(Protocol):
     """The Redis side of a pool balance (implemented over the Lua scripts)."""
@@ -110,6 +119,10 @@ class LeaseManager:
     _warming: set = field(default_factory=set)
     _leasing: bool = True  # False from begin_shutdown(): no new lease requests
     log_interval_s: float = 10.0  # reachability and refusal lines at most this often
+    # how late this process's event loop runs its callbacks now, in seconds (the store's
+    # region_agent.store.lag.LoopLag): a call that failed while it lagged by STALL_SHARE of the
+    # allocator client's attempt timeout or more failed in this process, not at the allocator
+    lag_s: Callable[[], float] = field(default=lambda: 0.0)
 
     def __post_init__(self) -> None:
         self._reachability = TransitionLog(log, initial=True, interval_s=self.log_interval_s)
@@ -273,6 +286,10 @@ class LeaseManager:
         await self._flush_reports()
 
     # ----------------------------------------------------------------- grants
+    def _stalled(self) -> bool:
+        """This process's event loop lags by :data:`STALL_SHARE` of an attempt's timeout or more."""
+        return self.lag_s() >= self.client.attempt_timeout_s * STALL_SHARE
+
     async def _topup(self, bal: Balance) -> None:
         """One top-up: a lease of the current window, then the next window's when the current one
         ends within the pool's prefetch time and none is held yet. A grant that came too late to
@@ -306,13 +323,19 @@ class LeaseManager:
         try:
             grant = await self.client.lease(req)
         except LeaseholdError as e:
-            if e.retriable:
+            # a retriable failure while this process stalled (SIGSTOPped, a saturated loop: the
+            # attempt's timer fired late, its deadline spent by the stall) says nothing of the
+            # allocator: no fallback allowance for it; the next tick asks again
+            unreachable = e.retriable and not self._stalled()
+            if unreachable:
                 bal.book.note_unreachable(self.now())
             if m is not None:
                 m.lease_grants.labels(bal.pool.id, "unreachable" if e.retriable else "refused").inc()
-                m.allocator_up.set(0 if e.retriable else 1)
-            log.debug("lease request for pool %s failed: %s", bal.pool.id, e.detail)
-            if e.retriable:
+                if unreachable or not e.retriable:
+                    m.allocator_up.set(0 if e.retriable else 1)
+            log.debug("lease request for pool %s failed%s: %s", bal.pool.id,
+                      "" if unreachable or not e.retriable else " while this process stalled", e.detail)
+            if unreachable:
                 self._reachability.observe(False, self._reachability_line)
             elif not isinstance(e, Conflict):  # a refusal other than prefetch timing: a configuration problem
                 self._refusals.log((bal.pool.id, e.code), logging.WARNING,

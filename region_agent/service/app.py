@@ -410,7 +410,8 @@ def _lease_manager(settings: AgentSettings, store: Any, m: AgentMetrics, clock: 
                              deadline_s=settings.allocator_deadline_ms / 1000)
     balances = RedisBalanceStore(store.client, store.scripts)
     return LeaseManager(region=settings.region, client=client, store=balances, metrics=m,
-                        tick_ms=settings.lease_tick_ms, clock=clock)
+                        tick_ms=settings.lease_tick_ms, clock=clock,
+                        lag_s=lambda: store.lag.lag_s(time.monotonic()))
 
 
 def _key_cap(settings: AgentSettings):

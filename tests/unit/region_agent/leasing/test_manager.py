@@ -39,6 +39,7 @@ class Allocator:
     report_answers: list[object] = field(default_factory=list)  # per report call: a status, or None = receipt
     returned: int = 0  # what each receipt says went back to the pool (its window open)
     last_rtt_ms: float = 40.0
+    attempt_timeout_s: float = 0.5
     gate: asyncio.Event | None = None  # when set, lease() waits for it
 
     async def lease(self, req: LeaseRequest) -> LeaseGrant:
@@ -289,6 +290,39 @@ async def test_unreachable_only_once_no_held_lease_is_valid():
     clock.t += 10_000  # the held lease's deadline (sent + ttl)
     assert m.state(KEY) is BalanceState.UNREACHABLE
     assert sample(m, "leasehold_agent_lease_grants_total", pool=POOL.id, outcome="unreachable") == 1
+
+
+async def test_a_failure_while_this_process_stalled_is_not_unreachable():
+    """SIGSTOPped for longer than the client's deadline: on waking the request fails at once (its
+    timer fired late) although the allocator was never asked in vain. That opens no fallback
+    allowance (the window's tokens are the allocator's, and a stall is no fault of its link); the
+    next tick asks again, and a failure with the loop on time is unreachable as before."""
+    clock = FakeClock(100_000.0)
+    lag = [0.0]  # seconds: the event loop's lateness when the answer is handled
+    answers = [None, Unavailable("attempt timed out"), Unavailable("attempt timed out")]
+
+    def answer(req):
+        a = answers.pop(0)
+        if a is not None:
+            raise a
+        return grant(req, ttl=1_000)
+
+    m = manager(Allocator(answer=answer), Balances(), clock, lag_s=lambda: lag[0])
+    reachable = lambda: m.metrics.registry.get_sample_value("leasehold_agent_allocator_reachable")  # noqa: E731
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert reachable() == 1
+    clock.t += 3_000  # stopped: the held lease ended meanwhile
+    lag[0] = 3.0
+    m.observed(KEY, 0)
+    await settle(m)
+    assert m.state(KEY) is BalanceState.OK and m.balances[KEY].book.unreachable_since is None
+    assert reachable() == 1 and len(answers) == 1
+    assert sample(m, "leasehold_agent_lease_grants_total", pool=POOL.id, outcome="unreachable") == 1
+    lag[0] = 0.2  # a busy loop, but late by less than the 0.5 s attempt timeout
+    m.observed(KEY, 0)
+    await settle(m)
+    assert m.state(KEY) is BalanceState.UNREACHABLE and reachable() == 0
 
 
 async def test_a_refusal_is_not_unreachable():
