@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 #: contention delays callbacks by tens of milliseconds, a stop by seconds.
 STALL_SHARE = 1.0
 
+
 class BalanceStore(Protocol):
     """The Redis side of a pool balance (implemented over the Lua scripts)."""
 
@@ -337,7 +338,8 @@ class LeaseManager:
                       "" if unreachable or not e.retriable else " while this process stalled", e.detail)
             if unreachable:
                 self._reachability.observe(False, self._reachability_line)
-            elif not isinstance(e, Conflict):  # a refusal other than prefetch timing: a configuration problem
+            elif not e.retriable and not isinstance(e, Conflict):  # a refusal other than prefetch timing:
+                # a configuration problem
                 self._refusals.log((bal.pool.id, e.code), logging.WARNING,
                                    f"lease request for pool {bal.pool.id} refused: {e.detail}")
             return None

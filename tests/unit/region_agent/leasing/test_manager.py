@@ -292,7 +292,7 @@ async def test_unreachable_only_once_no_held_lease_is_valid():
     assert sample(m, "leasehold_agent_lease_grants_total", pool=POOL.id, outcome="unreachable") == 1
 
 
-async def test_a_failure_while_this_process_stalled_is_not_unreachable():
+async def test_a_failure_while_this_process_stalled_is_not_unreachable(caplog):
     """SIGSTOPped for longer than the client's deadline: on waking the request fails at once (its
     timer fired late) although the allocator was never asked in vain. That opens no fallback
     allowance (the window's tokens are the allocator's, and a stall is no fault of its link); the
@@ -318,6 +318,7 @@ async def test_a_failure_while_this_process_stalled_is_not_unreachable():
     await settle(m)
     assert m.state(KEY) is BalanceState.OK and m.balances[KEY].book.unreachable_since is None
     assert reachable() == 1 and len(answers) == 1
+    assert "refused" not in caplog.text and "unreachable" not in caplog.text  # neither a refusal nor a cut
     assert sample(m, "leasehold_agent_lease_grants_total", pool=POOL.id, outcome="unreachable") == 1
     lag[0] = 0.2  # a busy loop, but late by less than the 0.5 s attempt timeout
     m.observed(KEY, 0)
