@@ -94,6 +94,23 @@ async def warm(client: httpx.AsyncClient, url: str, user: str) -> None:
     raise AssertionError("region never admitted a warm-up request")
 
 
+def pool_busy(d: dict) -> bool:
+    """A pool's 429 while its renewal or top-up outlasted the request's budget (a window's rollover
+    under a 250 ms budget on a loaded machine): a short hint, never a fallback, nothing debited."""
+    return (d["httpStatus"] == 429 and d.get("deniedScope") in ("tenant", "global") and not d["fallback"]
+            and d["retryAfterMs"] < 1_000)
+
+
+async def admit_past_rollover(client: httpx.AsyncClient, url: str, rid: str) -> dict:
+    """Bounded: the request again (a new id) after a pool-busy denial, at most a few times."""
+    for attempt in range(10):
+        d = await admit(client, url, f"{rid}-{attempt}")
+        if not pool_busy(d):
+            return d
+        await asyncio.sleep(max(10, d["retryAfterMs"]) / 1000.0)
+    return d
+
+
 async def test_trace_steps_4_and_6_to_13_across_regions(topo: LocalTopology):
     a, b = topo.agent_urls["eu"]
     us = topo.agent_urls["us"][0]
@@ -122,7 +139,7 @@ async def test_trace_steps_4_and_6_to_13_across_regions(topo: LocalTopology):
 
             # step 6: one script call debits the user bucket 20,000 -> 19,000 and the leased pool by 1
             spent0 = await pool_spent(r, ATLAS_POOL)
-            d = await admit(client, a, "trace-step-6")
+            d = await admit_past_rollover(client, a, "trace-step-6")
             assert (d["allowed"], d["remaining"], d["policyVersion"], d["fallback"]) == (True, 19, 42, False)
             assert await tokens(r, U17_READ) == 19_000
             assert 14_000 < await r.pttl(U17_READ) <= 15_000
