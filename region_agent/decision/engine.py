@@ -368,7 +368,8 @@ class DecisionEngine:
         idx = pool_denial_slot(plan, result) if not fallback else None
         if idx is not None and self.leases is not None:
             raw = result.remaining[idx] if idx < len(result.remaining) else 0  # type: ignore[union-attr]  # a slot is found only in a MultiRuleResult
-            denial = pool_denial(self.leases, plan.calls[idx].key, raw, waited=waited)
+            starts_in = int(result.retry_after_ms)  # type: ignore[union-attr]  # as above
+            denial = pool_denial(self.leases, plan.calls[idx].key, raw, waited=waited, starts_in_ms=max(0, starts_in))
             if denial.pending is not None and not prep.pool_retried:
                 self._allow_cold_wait(prep, plan.calls[idx].key)
             # wait for a top-up only once, and only when one is in flight

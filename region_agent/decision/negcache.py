@@ -5,8 +5,10 @@ How long depends on whether the hint is *exact*. A bucket's or a window's hint (
 GCRA, fixed/sliding windows) is the first instant the same cost can pass: only time adds tokens
 (a denied multi-rule call charged nothing, and the key includes the script arguments, so another
 cost or a changed rule asks the store), so the cache holds the denial for the whole hint (at most
-``EXACT_MAX_MS``). A leased pool's hint (a top-up may arrive sooner) or a fallback allowance's
-(the store may come back) is not: those are held ``cap_ms`` at most (250 ms by default).
+``EXACT_MAX_MS``). An exhausted leased pool's hint (tokens may go back to the window) or a
+fallback allowance's (the store may come back) is not: those are held ``cap_ms`` at most (250 ms
+by default). A leased pool whose balance is empty while its pool is not exhausted is not
+remembered at all (region_agent.decision.outcome): its top-up may land any moment.
 When a hold ends, one caller probes the store while the others keep the denial (``PROBE_MS``); a
 probe that is denied again renews the hold, one that is admitted clears it, and the attempts in
 flight then ask the store until one of them is denied. A hot key thus costs one store call per

@@ -4,7 +4,7 @@ Pure (no I/O, no clock, no metrics): the engine sends the plan's script call, th
 module what the answer means, and carries the step out (region_agent/decision/engine.py). The steps:
 
 * ``ANSWER``: a decision, its fields in :class:`Answer` (a denial may be remembered by the
-  negative cache: ``cacheable``);
+  negative cache: ``cacheable``; not a leased pool's while a top-up may still land);
 * ``ALLOWED_WITHOUT_SCRIPT``: admitted, and no slot of the call reports for the decision (its
   first rule is a fleet-wide pool spent from a chunk, or nothing was selected);
 * ``CONFLICT``: the request id has a decision record for another question (409);
@@ -102,7 +102,10 @@ def outcome(plan: Plan, pools: Mapping[str, Pool], result: MultiRuleResult | Lea
         rule = slot.rule
         answer = Answer(False, rule, DeniedScope(rule.scope), Reason.RATE_EXCEEDED, rule.limit_tokens(pools),
                         rule.remaining_tokens(int(raw)), retry, fallback)
-        return Outcome(NextStep.ANSWER, answer, slot=idx, cacheable=plan.decision_ttl_ms == 0)
+        # a leased balance that is empty while its pool is not exhausted waits for a top-up, which
+        # may land before the hint (a round trip): remembered, the denial would deny what it pays
+        awaiting = slot.role is Role.POOL and not fallback and balance in (BalanceState.OK, BalanceState.IDLE)
+        return Outcome(NextStep.ANSWER, answer, slot=idx, cacheable=plan.decision_ttl_ms == 0 and not awaiting)
     adm = admission(plan, pools)
     if adm is None:
         return Outcome(NextStep.ALLOWED_WITHOUT_SCRIPT)

@@ -154,6 +154,35 @@ class PoolBook:
         return max(1, int(self.demand_rate * (rtt_ms + margin_ms) / 1000.0 + 0.999))
 
     def needs_topup(self, balance: int, now: float, rtt_ms: float) -> bool:
-        if self.exhausted(now) or now < self.refused_until:
+        """Below the low-water mark - unless the next window's lease is held and starts within two
+        round trips. A top-up then is for the window in progress, which ends where that lease starts
+        (its start here is late by up to the round trip it came in): landing within a round trip of
+        that end, its grant would have little or nothing to spend before the window ends, and,
+        arriving at the allocator after the window ended on its clock, it would be a second lease of
+        the next window."""
+        if self.exhausted(now) or now < self.refused_until or balance >= self.low_water(rtt_ms):
             return False
-        return balance < self.low_water(rtt_ms)
+        soon = now + 2 * rtt_ms
+        return not any(now < lease.valid_from < soon for lease in self.leases.values())
+
+    def prefetch_due(self, now: float, rtt_ms: float) -> bool:
+        """Time to ask for the next window's lease ahead of the window's end: the window this book
+        spends from (a valid lease's, or the one the allocator said is exhausted) ends within the
+        pool's prefetch time and no lease of a later window is held. Without it a balance whose last
+        lease lasts to the window's end (the allocator sizes a lease by the time it can be spent),
+        or whose window is exhausted, starts no top-up before the window ends, and every request at
+        the rollover waits for one.
+
+        The allocator opens window ``k + 1`` ``prefetchMs`` before its start on *its* clock, and a
+        grant's window end on this clock is early by up to the round trip it came in
+        (:func:`grant_window_end`): the window must end within ``prefetchMs - rtt_ms`` here, so the
+        allocator is not asked too early."""
+        if self.pool.prefetch_ms <= 0 or now < self.refused_until or self.future(now):
+            return False
+        ends = [lease.window_end for lease in self.valid(now)]
+        if self.exhausted(now):
+            ends.append(self.exhausted_until)
+        if not ends:
+            return False
+        left = min(ends) - now
+        return 0 < left and left + rtt_ms <= self.pool.prefetch_ms

@@ -57,7 +57,7 @@ from ..store.protocol import Store
 from .book import BalanceState
 from .chunks import NO_CHUNK, Chunk, Part, tokens_per_s
 from .redis_balance import BALANCE_SLACK_MS
-from .topup import topped_up
+from .topup import ROLLOVER_WAIT_MS, topped_up
 from .window_clock import Windows
 
 
@@ -97,11 +97,6 @@ REFUND_LEAD_MIN_MS = 50.0
 REFUND_LEAD_MAX_MS = 250.0
 # a refund's store call waits this long at least (it is no request's: its budget is not the decision's)
 REFUND_WAIT_S = 0.5
-# A balance with no spendable token but a lease that becomes valid within this many ms (the next
-# window's prefetched lease at a window rollover, its start rounded up by the Redis clock offset):
-# the renewal waits for it and buys from it instead of denying every request until then. Requests
-# still wait only within their own budgets (a longer wait is a pool-busy denial, not a fallback).
-ROLLOVER_WAIT_MS = 100
 
 
 @dataclass(frozen=True, slots=True)

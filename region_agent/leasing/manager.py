@@ -9,7 +9,10 @@ evaluated against it recently) a background tick:
 2. reads the spendable balance and, below the low-water mark, asks for a chunk
    (single-flight per balance, tenacity retries with the same lease id inside the client),
    then deposits the grant into Redis with Redis-clock bounds derived conservatively from
-   this process's monotonic deadlines.
+   this process's monotonic deadlines;
+3. when the window the balance spends from ends within the pool's prefetch time and no lease of
+   the next window is held, asks for one (``window: next``), valid from the window's start: the
+   requests at the rollover find it there instead of waiting for a top-up.
 
 The engine asks :meth:`state` when a pool rule denied: ``exhausted`` is a normal 429 with a
 retry hint at the next window start, ``unreachable`` means the allocator could not be
@@ -58,6 +61,7 @@ from kernel.wire import MAX_BATCH, LeaseError, LeaseRequest, UsageReport
 
 from .book import BalanceState, HeldLease, PoolBook, grant_window_end
 from .client import AllocatorClient
+from .topup import ROLLOVER_WAIT_MS
 from .window_clock import AllocatorClock
 
 log = logging.getLogger(__name__)
@@ -66,6 +70,11 @@ log = logging.getLogger(__name__)
 #: attempt timeout or more failed in this process (see the module text). A whole timeout: CPU
 #: contention delays callbacks by tens of milliseconds, a stop by seconds.
 STALL_SHARE = 1.0
+
+#: A tick asks for a balance's next-window lease at most this often (ms; or twice the allocator's
+#: round trip, if longer): an answer that held no lease of that window (the allocator found it too
+#: early on its clock, or the next window already spent) is not asked again at every tick.
+PREFETCH_RETRY_MS = 250.0
 
 
 class BalanceStore(Protocol):
@@ -89,6 +98,14 @@ class LeaseEvents(Protocol):
     def closed(self, *, region: str, pool: str, lease_id: str, granted: int, spent: int) -> None: ...
 
 
+def _after_ms(ms: float) -> asyncio.Future:
+    """A future done ``ms`` from now."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    loop.call_later(ms / 1000.0, lambda: fut.done() or fut.set_result(None))
+    return fut
+
+
 @dataclass
 class Balance:
     pool: Pool
@@ -96,7 +113,30 @@ class Balance:
     book: PoolBook
     last_used: float = 0.0
     inflight: asyncio.Task | None = None
-    last_spendable: int = 0
+    last_spendable: int = 0  # the latest reading (a tick's, or a script's)
+    read_at: float = 0.0  # monotonic ms of that reading
+    # leases deposited to start later: (start, surely in Redis from, granted, deadline), monotonic ms
+    # and tokens; a reading taken before a lease is spendable in Redis does not count it
+    starting: list[tuple[float, float, int, float]] = field(default_factory=list)
+    prefetch_after: float = 0.0  # monotonic ms: no tick prefetch before (one per PREFETCH_RETRY_MS)
+
+    def spendable(self, now: float) -> int:
+        """The latest reading, plus the leases that started since it was taken (or too soon
+        before it to be counted in Redis): the next window's lease, deposited ahead, is spendable
+        from the window's start although the reading before it said 0 - without it every decision at
+        the rollover saw a balance below the low-water mark and started a top-up that took a second
+        lease of the window."""
+        if not self.starting:
+            return self.last_spendable
+        return self.last_spendable + sum(granted for start, counted_from, granted, deadline in self.starting
+                                         if start <= now < deadline and self.read_at < counted_from)
+
+    def read(self, spendable: int, now: float) -> None:
+        """A reading of the balance in Redis, taken ``now``."""
+        self.last_spendable = max(0, spendable)
+        self.read_at = now
+        if self.starting:
+            self.starting = [s for s in self.starting if now < s[1] and now < s[3]]
 
 
 @dataclass
@@ -139,7 +179,7 @@ class LeaseManager:
         bal.last_used = now
         bal.book.note_demand(tokens, now)
         if self._leasing and bal.inflight is None \
-                and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
+                and bal.book.needs_topup(bal.spendable(now), now, self.client.last_rtt_ms):
             bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
 
     def state(self, key: str) -> BalanceState:
@@ -171,19 +211,31 @@ class LeaseManager:
         bal = self.balances.get(key)
         return bal.inflight if bal is not None else None
 
-    def observed(self, key: str, spendable: int) -> asyncio.Task | None:
+    def observed(self, key: str, spendable: int, starts_in_ms: int = 0) -> asyncio.Future | None:
         """A script just saw ``key``'s spendable balance (e.g. empty after a Redis restart lost the
         deposits): take it as the latest reading, start a top-up if it is below the low-water mark,
-        and return the in-flight top-up, if any."""
+        and return the in-flight top-up, if any.
+
+        ``starts_in_ms``: the script also saw a lease of this balance that is not spendable yet
+        start in that many ms (0: none) - at a window's end, the next window's lease. When no top-up
+        is started for it (:meth:`PoolBook.needs_topup`: its grant would land after the window it is
+        for) and that lease starts within :data:`~region_agent.leasing.topup.ROLLOVER_WAIT_MS` (or a
+        round trip, if longer), the returned future is done when it starts: the decision waits for
+        it, within its budget, as for a top-up."""
         bal = self.balances.get(key)
         if bal is None:
             return None
-        bal.last_spendable = max(0, spendable)
         now = self.now()
-        if self._leasing and bal.inflight is None \
-                and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
+        bal.read(spendable, now)
+        if bal.inflight is not None:
+            return bal.inflight
+        rtt_ms = self.client.last_rtt_ms
+        if self._leasing and bal.book.needs_topup(bal.spendable(now), now, rtt_ms):
             bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
-        return bal.inflight
+            return bal.inflight
+        if 0 < starts_in_ms <= max(ROLLOVER_WAIT_MS, rtt_ms):
+            return _after_ms(starts_in_ms + 1)
+        return None
 
     def view(self) -> list[dict]:
         """Operator view (``GET /v1/leases``): per balance, the leases held and their timing."""
@@ -191,7 +243,7 @@ class LeaseManager:
         out = []
         for bal in self.balances.values():
             out.append({
-                "pool": bal.pool.id, "state": self.state(bal.key), "spendable": bal.last_spendable,
+                "pool": bal.pool.id, "state": self.state(bal.key), "spendable": bal.spendable(now),
                 "maxEpoch": bal.book.max_epoch, "demandPerS": round(bal.book.demand_rate, 2),
                 "leases": [{"leaseId": lease.lease_id, "window": lease.window_index, "granted": lease.granted,
                             "epoch": lease.epoch, "validInMs": max(0, int(lease.valid_from - now)),
@@ -229,9 +281,10 @@ class LeaseManager:
 
     async def _warm(self, bal: Balance) -> None:
         try:
-            bal.last_spendable, _, _ = await self.store.observe(bal.key)
+            spendable, _, _ = await self.store.observe(bal.key)
         except LeaseholdError:
             return  # Redis unreachable: readiness says so; the first requests wait for a top-up
+        bal.read(spendable, self.now())
         if bal.last_spendable > 0 or not self._leasing:
             return  # another agent of the region already holds a lease for it, or shutting down
         if bal.inflight is None:
@@ -274,16 +327,22 @@ class LeaseManager:
                 del self.balances[key]
                 continue
             try:
-                bal.last_spendable, _, _ = await self.store.observe(bal.key)
+                spendable, _, _ = await self.store.observe(bal.key)
             except LeaseholdError:
                 continue
+            bal.read(spendable, now)
             if self.metrics is not None:
                 self.metrics.lease_balance.labels(bal.pool.id).set(bal.last_spendable)
             # top up ahead of demand only for balances spent from recently: an idle balance would
             # otherwise buy a lease every TTL that expires unspent (stranded at the window end)
-            if self._leasing and bal.inflight is None and now - bal.last_used <= self.horizon_ms \
-                    and bal.book.needs_topup(bal.last_spendable, now, self.client.last_rtt_ms):
+            if not self._leasing or bal.inflight is not None or now - bal.last_used > self.horizon_ms:
+                continue
+            rtt_ms = self.client.last_rtt_ms
+            if bal.book.needs_topup(bal.spendable(now), now, rtt_ms):
                 bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
+            elif now >= bal.prefetch_after and bal.book.prefetch_due(now, rtt_ms):
+                bal.prefetch_after = now + max(PREFETCH_RETRY_MS, 2 * rtt_ms)
+                bal.inflight = asyncio.get_running_loop().create_task(self._prefetch(bal))
         await self._flush_reports()
 
     # ----------------------------------------------------------------- grants
@@ -307,6 +366,15 @@ class LeaseManager:
             if self._leasing and until_end is not None and until_end - now <= bal.pool.prefetch_ms \
                     and not bal.book.future(now):
                 await self._request(bal, "next" if until_end > now else "current")
+        finally:
+            bal.inflight = None
+
+    async def _prefetch(self, bal: Balance) -> None:
+        """The next window's lease, asked for by the tick while the balance still pays
+        (:meth:`PoolBook.prefetch_due`): spendable from the window's start, so the requests at the
+        rollover find it there."""
+        try:
+            await self._request(bal, "next")
         finally:
             bal.inflight = None
 
@@ -362,6 +430,10 @@ class LeaseManager:
                 m.lease_grants.labels(bal.pool.id, "stale_epoch").inc()
             log.warning("refused grant: %s", e.detail)
             return None
+        log.debug("pool %s: %s lease of window %d asked for %d, granted %d, spendable in %d ms for %d ms",
+                  bal.pool.id, window, grant.window.index, req.want, grant.granted,
+                  int(lease.valid_from - received_at) if lease else 0,
+                  int(lease.deadline - max(received_at, lease.valid_from)) if lease else 0)
         if self.recorder:
             self.recorder.grant(region=self.region, pool=bal.pool.id, key_tag=bal.key, lease=lease, grant=grant,
                                 sent_at=sent_at, received_at=received_at)
@@ -404,6 +476,8 @@ class LeaseManager:
             # count it now: until the next tick reads Redis, a stale reading would make every
             # decision in between start another top-up for a balance that is already full
             bal.last_spendable += lease.granted
+        else:  # counted from its start (Balance.spendable); in Redis surely from valid_from on its clock
+            bal.starting.append((lease.valid_from, lease.valid_from + (hi - lo) + 1, lease.granted, lease.deadline))
         return window_end
 
     def _undeposited(self, bal: Balance, lease_id: str) -> None:

@@ -16,6 +16,13 @@ from typing import Any, NamedTuple
 
 from .book import BalanceState
 
+# A balance with no spendable token but a lease that becomes valid within this many ms (the next
+# window's prefetched lease at a window rollover, its start rounded up by the Redis clock offset):
+# a decision (a tenant pool's: LeaseManager.observed; a fleet-wide pool's chunk renewal) waits for
+# it instead of being denied until then. Requests still wait only within their own budgets (a
+# longer wait is a 429 or a pool-busy denial, never a fallback).
+ROLLOVER_WAIT_MS = 100
+
 # the part of a waiting decision's budget kept for the call that follows the wait (the script
 # again, or the fallback allowance): without it that call times out and degrades as if Redis were down
 KEEP_AFTER_WAIT_S = 0.025
@@ -24,16 +31,18 @@ KEEP_AFTER_WAIT_S = 0.025
 class PoolDenial(NamedTuple):
     """What the lease manager says about a balance that just could not pay."""
 
-    pending: asyncio.Future | None  # the top-up in flight (None: none, or already waited for)
+    pending: asyncio.Future | None  # the top-up in flight, or a lease's start (None: none, or already waited for)
     balance: BalanceState  # region_agent.decision.outcome decides with it
     retry_floor_ms: int  # a denial's hint is at least this (a top-up's round trip, or the window's end)
 
 
-def pool_denial(leases: Any, key: str, spendable: int, *, waited: bool) -> PoolDenial:
+def pool_denial(leases: Any, key: str, spendable: int, *, waited: bool, starts_in_ms: int = 0) -> PoolDenial:
     """Tell ``leases`` (a :class:`~region_agent.leasing.manager.LeaseManager`) that a script saw
     ``spendable`` tokens in ``key``'s balance - fresher than its tick's reading - and read the
-    balance's state. ``waited``: this decision already waited once (no second wait)."""
-    pending = None if waited else leases.observed(key, int(spendable))
+    balance's state. ``waited``: this decision already waited once (no second wait);
+    ``starts_in_ms``: the script's hint, when a lease of the balance starts that soon (0: none): the
+    decision may wait for it."""
+    pending = None if waited else leases.observed(key, int(spendable), starts_in_ms)
     return PoolDenial(pending, leases.state(key), max(1, leases.retry_hint_ms(key)))
 
 

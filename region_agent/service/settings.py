@@ -145,7 +145,7 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
         "per-rule local fallback buckets kept while Redis is unreachable (least recently used "
         "evicted; pool allowances are not counted here)")] = 100_000
     negative_cache_ms: Annotated[int, Meta(ge=0, le=10_000), Help(
-        "hold a denial whose retry hint may end early (a leased pool, a fleet-wide pool's chunk, a fallback "
+        "hold a denial whose retry hint may end early (an exhausted leased pool, a fleet-wide pool's chunk, a fallback "
         "allowance) at most this long without asking Redis (0: no negative cache)")] = 250
     retry_jitter_pct: Annotated[int, Meta(ge=0, le=100), Help(
         "add up to this percentage of a retry hint as jitter, per decision id")] = 10

@@ -99,6 +99,14 @@ def test_pool_denial_by_balance_state():
               outcome(plan, p, res, BalanceState.EXHAUSTED, retry_floor_ms=800)):
         assert o.step is NextStep.ANSWER
         assert o.answer == Answer(False, plan.slots[idx].rule, "tenant", Reason.RATE_EXCEEDED, 1_000, 0, 800)
+    # remembered only when the allocator said the window is spent: an empty balance whose top-up
+    # may land before the hint is asked again (the negative cache denied what the top-up paid)
+    assert [o.cacheable for o in (outcome(plan, p, res, BalanceState.OK, can_retry=True, waited=True),
+                                  outcome(plan, p, res, BalanceState.IDLE),
+                                  outcome(plan, p, res, BalanceState.EXHAUSTED),
+                                  outcome(plan, p, res, None),
+                                  outcome(plan, p, res, BalanceState.UNREACHABLE, fallback=True))] \
+        == [False, False, True, True, True]
     # exhausted is never the fallback; without a lease manager the script's denial stands
     assert outcome(plan, p, res, BalanceState.EXHAUSTED, can_retry=True).step is NextStep.WAIT_TOP_UP
     assert outcome(plan, p, res, None, can_retry=True).step is NextStep.ANSWER

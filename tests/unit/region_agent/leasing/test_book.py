@@ -98,3 +98,21 @@ def test_a_refused_deposit_pauses_topups_for_the_backoff():
     book.note_refused(1_000.0, backoff_ms=1_000.0)
     assert not book.needs_topup(0, 1_999.0, rtt_ms=10.0)
     assert book.needs_topup(0, 2_000.0, rtt_ms=10.0)
+
+
+def test_no_top_up_within_two_round_trips_of_the_next_windows_lease():
+    """The last lease of window 0 ends at 60,000 (allocator time; 10,000 here); the next window's
+    lease is held from 10,050 (its start, late by the round trip it came in). A top-up asked for
+    with a 100 ms round trip later than 9,850 would land with little or nothing of window 0 left
+    to spend (or after it ended: a second lease of window 1): none is asked. Without the next lease
+    held, it is (the top-up's grant leads to the next window's)."""
+    book = PoolBook(POOL)
+    book.accept(grant(issued=58_000, ttl=2_000), sent_at=8_000.0, received_at=8_040.0)  # window 0 to 10,000
+    assert book.needs_topup(0, 9_901.0, rtt_ms=100.0)  # nothing of window 1 held yet
+    book.accept(grant(lease_id="eu-lease-0002", issued=58_450, ttl=16_550, starts_in=1_550, index=1),
+                sent_at=8_450.0, received_at=8_500.0)  # window 1, from 10,050 here
+    assert book.needs_topup(0, 9_850.0, rtt_ms=100.0)  # lands at 9,950
+    assert not book.needs_topup(0, 9_851.0, rtt_ms=100.0)
+    assert not book.needs_topup(0, 9_960.0, rtt_ms=50.0)
+    assert book.needs_topup(0, 9_940.0, rtt_ms=50.0)
+    assert not book.needs_topup(0, 10_020.0, rtt_ms=100.0)  # window 0 over on this clock, its lease expired

@@ -18,8 +18,9 @@ from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.plan import GlobalSpend
 from region_agent.leasing.book import BalanceState
 from region_agent.leasing.chunks import NO_CHUNK, Chunk
-from region_agent.leasing.fleet_pools import ROLLOVER_WAIT_MS, FleetPools, TakeStatus
+from region_agent.leasing.fleet_pools import FleetPools, TakeStatus
 from region_agent.leasing.redis_balance import BALANCE_SLACK_MS
+from region_agent.leasing.topup import ROLLOVER_WAIT_MS
 from region_agent.leasing.window_clock import Windows
 from region_agent.service.metrics import AgentMetrics
 from tests.support.clock import FakeClock

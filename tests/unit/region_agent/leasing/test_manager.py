@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kernel.bundle import Pool
-from kernel.errors import StoreUnavailable, Unavailable, ValidationFailed
+from kernel.errors import Conflict, StoreUnavailable, Unavailable, ValidationFailed
 from kernel.wire import LeaseError, LeaseGrant, LeaseRequest, UsageReceipt, UsageReport, WindowRef
 from region_agent.leasing.book import BalanceState
 from region_agent.leasing.manager import LeaseManager
@@ -202,6 +202,181 @@ async def test_a_grant_that_arrives_just_before_its_window_ends_is_kept_and_the_
     first = store.deposits[0]
     assert first[1] == alloc.requests[0].lease_id and (first[3], first[4]) == (100_005, 100_015)
     assert [d[1] for d in store.deposits] == [r.lease_id for r in alloc.requests]
+
+
+def next_grant(req: LeaseRequest, granted: int = 100, *, issued: int, starts_in: int) -> LeaseGrant:
+    """A lease of window 1 (60,000-120,000), granted ``starts_in`` ms before it starts."""
+    return LeaseGrant(lease_id=req.lease_id, pool=req.pool, region=req.region, granted=granted,
+                      window=WindowRef(index=1, start_ms=60_000, end_ms=120_000), expires_at_ms=75_000,
+                      ttl_ms=75_000 - issued, starts_in_ms=starts_in, epoch=7, issued_at_ms=issued,
+                      remaining=1_000 - granted)
+
+
+def leasing_to_the_window_end(clock: FakeClock, *, rtt: float = 40.0):
+    """An allocator that grants a current lease lasting to its window's end (issued 3 s before it,
+    the allocator's clock 48 s behind this one) and next-window leases; refuses a prefetch asked
+    too early on its own clock, as the allocator does."""
+    def answer(req: LeaseRequest) -> LeaseGrant:
+        issued = int(clock() - 100_000 + 57_000)
+        if req.window == "current":
+            return grant(req, issued=issued, ttl=60_000 - issued, end=60_000)
+        if 60_000 - issued > POOL.prefetch_ms:
+            raise Conflict("prefetch opens later")
+        return next_grant(req, issued=issued, starts_in=60_000 - issued)
+
+    return Allocator(answer=answer, last_rtt_ms=rtt)
+
+
+async def test_a_balance_whose_lease_lasts_to_the_window_end_asks_for_the_next_window_ahead():
+    """The last lease of a window pays until the window ends, so no top-up is started before it:
+    the tick asks for the next window's lease once the window ends within the pool's prefetch time
+    less a round trip (never earlier: the allocator would refuse it), deposits it valid from the
+    window's start, and asks no more while it is held."""
+    clock = FakeClock(100_000.0)
+    alloc, store = leasing_to_the_window_end(clock), Balances(spendable=100)
+    m = manager(alloc, store, clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert [r.window for r in alloc.requests] == ["current"]  # the window ends in 3 s: no prefetch yet
+    for _ in range(10):  # ticks every 100 ms until 2,000 ms before the end (+ 40 ms round trip): not yet
+        clock.advance(100.0)
+        m.note(POOL, KEY, 1)
+        await m.tick()
+        await settle(m)
+    assert [r.window for r in alloc.requests] == ["current"]
+    clock.advance(100.0)  # 1,900 ms before the end: within prefetchMs (2,000) less the round trip (40)
+    m.note(POOL, KEY, 1)
+    await m.tick()
+    await settle(m)
+    assert [r.window for r in alloc.requests] == ["current", "next"]
+    prefetched = store.deposits[-1]
+    assert prefetched[1] == alloc.requests[-1].lease_id and prefetched[3] == 103_000  # valid from the window's start
+    for _ in range(5):
+        clock.advance(100.0)
+        m.note(POOL, KEY, 1)
+        await m.tick()
+        await settle(m)
+    assert len(alloc.requests) == 2  # held: not asked again
+
+
+async def test_an_exhausted_balance_asks_for_the_next_window_ahead():
+    """The allocator said the window is spent: no top-up until it ends, but the next window's lease
+    is asked for within the prefetch time, so the rollover's requests do not wait for one."""
+    clock = FakeClock(100_000.0)
+    answers = iter([lambda req: grant(req, 0, issued=58_500, end=60_000),
+                    lambda req: next_grant(req, issued=58_600, starts_in=1_400)])
+    alloc, store = Allocator(answer=lambda req: next(answers)(req)), Balances()
+    m = manager(alloc, store, clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert m.state(KEY) is BalanceState.EXHAUSTED
+    clock.advance(100.0)
+    await m.tick()
+    await settle(m)
+    assert [r.window for r in alloc.requests] == ["current", "next"]
+    assert store.deposits[-1][3] == 101_500 and m.state(KEY) is BalanceState.EXHAUSTED  # spendable from the window's start
+
+
+async def test_a_prefetch_that_got_no_lease_is_asked_again_only_after_a_pause():
+    """The allocator refused the prefetch (too early on its clock): the next ticks do not ask again
+    at once, but after PREFETCH_RETRY_MS."""
+    clock = FakeClock(100_000.0)
+    calls = []
+
+    def answer(req: LeaseRequest) -> LeaseGrant:
+        calls.append(req.window)
+        if req.window == "current":
+            return grant(req, issued=58_500, ttl=1_500, end=60_000)
+        raise Conflict("prefetch opens later")
+
+    alloc = Allocator(answer=answer)
+    m = manager(alloc, Balances(spendable=100), clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert calls == ["current", "next"]  # the top-up near the end asked for it too (refused)
+    for _ in range(3):
+        clock.advance(100.0)
+        m.note(POOL, KEY, 1)
+        await m.tick()
+        await settle(m)
+    assert calls == ["current", "next", "next"]  # the tick's first prefetch, then none for 250 ms
+    clock.advance(100.0)
+    await m.tick()
+    await settle(m)
+    assert calls == ["current", "next", "next", "next"]
+
+
+async def test_an_idle_balance_does_not_prefetch():
+    """Nobody spent from it within the horizon: a next-window lease would expire unspent."""
+    clock = FakeClock(100_000.0)
+    alloc = leasing_to_the_window_end(clock)
+    m = manager(alloc, Balances(spendable=100), clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    clock.advance(2_500.0)  # 500 ms before the end, the last decision 2.5 s ago (horizon: 2 s)
+    await m.tick()
+    await settle(m)
+    assert [r.window for r in alloc.requests] == ["current"]
+
+
+async def test_an_empty_balance_whose_next_lease_starts_within_a_round_trip_waits_for_it():
+    """The window's last lease ran out 30 ms before its end and the next window's is held: a top-up
+    (40 ms round trip) would be granted after the window it is for, so none is asked; the decision
+    is handed a future done when the next lease starts, and waits for that instead."""
+    clock = FakeClock(100_000.0)
+    alloc, store = leasing_to_the_window_end(clock), Balances(spendable=100)
+    m = manager(alloc, store, clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    clock.advance(1_200.0)
+    m.note(POOL, KEY, 1)
+    await m.tick()
+    await settle(m)
+    assert [r.window for r in alloc.requests] == ["current", "next"]  # prefetched: starts at 103,000
+    # 100 ms before it starts, a top-up could still land in time: it is asked for
+    clock.t = 102_900.0
+    assert m.observed(KEY, 0, starts_in_ms=100) is m.pending(KEY) is not None
+    await settle(m)
+    assert [r.window for r in alloc.requests] == ["current", "next", "current"]
+    clock.t = 102_970.0
+    m.note(POOL, KEY, 1)
+    starts = m.observed(KEY, 0, starts_in_ms=30)
+    assert starts is not None and m.pending(KEY) is None  # no top-up: a lease start to wait for
+    assert not starts.done()
+    await asyncio.wait_for(starts, 1.0)  # done about 31 ms later (real time: the loop's timer)
+    store.spendable = 0
+    await m.tick()  # the tick asks for no top-up either
+    await settle(m)
+    assert len(alloc.requests) == 3
+
+
+async def test_the_next_windows_lease_counts_from_its_start_so_the_rollover_asks_for_no_second_lease():
+    """Redis read 0 before the next window's lease started (and may still, for the clock offset's
+    uncertainty, just after): the decisions right after its start count it, and start no top-up
+    that would take a second lease of the window. A reading taken once it is surely spendable in
+    Redis is the balance again."""
+    clock = FakeClock(100_000.0)
+    alloc, store = leasing_to_the_window_end(clock), Balances(spendable=100, lo=-5.0, hi=5.0)
+    m = manager(alloc, store, clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    clock.advance(1_200.0)
+    m.note(POOL, KEY, 1)
+    await m.tick()
+    await settle(m)
+    assert [r.window for r in alloc.requests] == ["current", "next"]  # the next lease: 100 tokens from 103,000
+    store.spendable = 0
+    clock.t = 102_990.0
+    await m.tick()  # the current lease is spent; the next one has not started
+    clock.t = 103_001.0
+    for _ in range(5):
+        m.note(POOL, KEY, 1)
+    assert m.pending(KEY) is None and m.balances[KEY].spendable(clock()) == 100
+    clock.t = 103_012.0  # surely spendable in Redis from 103,011 (its start + the offsets' spread + 1)
+    await m.tick()
+    assert m.balances[KEY].spendable(clock()) == 0  # the reading again (this one says 0)
+    assert m.pending(KEY) is not None  # below the low-water mark: a top-up
+    await settle(m)
 
 
 async def test_a_grant_redis_did_not_take_asks_for_no_other_window():

@@ -14,10 +14,10 @@ from region_agent.leasing.topup import KEEP_AFTER_WAIT_S, pool_denial, topped_up
 class Leases:
     def __init__(self, pending=None, state=BalanceState.OK, hint=0):
         self.pending, self.balance_state, self.hint = pending, state, hint
-        self.observed_calls: list[tuple[str, int]] = []
+        self.observed_calls: list[tuple[str, int, int]] = []
 
-    def observed(self, key, spendable):
-        self.observed_calls.append((key, spendable))
+    def observed(self, key, spendable, starts_in_ms=0):
+        self.observed_calls.append((key, spendable, starts_in_ms))
         return self.pending
 
     def state(self, key):
@@ -30,8 +30,8 @@ class Leases:
 def test_pool_denial_reports_the_scripts_reading_and_the_balance_state():
     top_up = object()
     leases = Leases(pending=top_up, state=BalanceState.UNREACHABLE, hint=41)
-    d = pool_denial(leases, "k", 3, waited=False)
-    assert leases.observed_calls == [("k", 3)]
+    d = pool_denial(leases, "k", 3, waited=False, starts_in_ms=30)
+    assert leases.observed_calls == [("k", 3, 30)]  # the script's reading, and when a held lease starts
     assert (d.pending, d.balance, d.retry_floor_ms) == (top_up, BalanceState.UNREACHABLE, 41)
 
 
