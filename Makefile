@@ -14,8 +14,8 @@ RUN_PACKAGES := redis-server redis-tools etcd-server etcd-client openssl python3
 # (faketime, iptables, ip), nginx (a gateway under test), docker-compose (validates
 # deploy/docker-compose.yml; no container engine needed), prometheus and promtool (the shipped
 # scrape config and alert rules, run for real)
-TEST_BINARIES := $(RUN_BINARIES) redis-sentinel faketime iptables ip nginx docker-compose prometheus promtool
-TEST_PACKAGES := $(RUN_PACKAGES) redis-sentinel faketime iptables iproute2 nginx docker-compose prometheus
+TEST_BINARIES := $(RUN_BINARIES) redis-sentinel faketime iptables ip nginx docker-compose prometheus promtool wrk
+TEST_PACKAGES := $(RUN_PACKAGES) redis-sentinel faketime iptables iproute2 nginx docker-compose prometheus wrk
 PYTEST_ARGS ?=
 
 .PHONY: help setup setup-run system-deps-run system-deps venv-demo venv-test run test test-unit \
