@@ -62,6 +62,7 @@ class PoolPolicy(Struct, frozen=True):
     local_keys: int | None = 1  # in-process allowances per agent (None: unbounded)
     regions: list[str] | None = None  # regions that may lease it (None: any)
     hot_chunks: bool = False  # a rule spending it takes hot-key chunks (its term: kernel.bound)
+    prefetch_ms: int = 0  # a window's record (and its G) may be made this long before it starts
 
     @classmethod
     def from_pool(cls, pool: Pool, valid_from_ms: int | None = None, rules: Iterable[Rule] | None = None
@@ -71,13 +72,14 @@ class PoolPolicy(Struct, frozen=True):
         if rules is None:
             return cls(id=pool.id, limit=pool.limit, window_ms=pool.window_ms,
                        fallback_per_region=pool.fallback_per_region, valid_from_ms=valid_from_ms,
-                       chunk_max=pool.chunk_max, regions=list(pool.regions) if pool.regions is not None else None)
+                       chunk_max=pool.chunk_max, regions=list(pool.regions) if pool.regions is not None else None,
+                       prefetch_ms=pool.prefetch_ms)
         sh = shape_of(pool, rules)
         return cls(id=pool.id, limit=pool.limit, window_ms=pool.window_ms,
                    fallback_per_region=pool.fallback_per_region, valid_from_ms=valid_from_ms,
                    chunk_max=pool.chunk_max, global_scope=sh.global_scope, balances=sh.balances,
                    local_keys=sh.local_keys, regions=list(sh.regions) if sh.regions is not None else None,
-                   hot_chunks=sh.hot_chunks)
+                   hot_chunks=sh.hot_chunks, prefetch_ms=pool.prefetch_ms)
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, valid_from_ms: int | None = None) -> list[PoolPolicy]:
@@ -268,18 +270,23 @@ def _versions(pools: Iterable[PoolPolicy]) -> dict[str, list[PoolPolicy]]:
 
 def policy_for_window(pools: Iterable[PoolPolicy] | Mapping[str, list[PoolPolicy]],
                       pool: str, index: int) -> PoolPolicy | None:
-    """The most generous version of ``pool`` in force at any moment of window ``index``:
-    the version current at the window's start plus every version taking effect during it."""
+    """The most generous version of ``pool`` in force at any moment from when window ``index``'s
+    record may have been made until the window's end: the allocator fixes a window's G when it
+    makes its record, at the window's first grant, and a prefetch (``window: next``) makes it up to
+    ``prefetchMs`` before the window starts - so a limit published within that time before a window
+    takes effect from the next window. The version current then, plus every version taking effect
+    since."""
     by_id = pools if isinstance(pools, Mapping) else _versions(pools)
     versions = by_id.get(pool)
     if not versions:
         return None
     start = index * versions[0].window_ms
     end = start + versions[0].window_ms
+    opens = start - max(v.prefetch_ms for v in versions)
     current = versions[0]
     in_force = []
     for v in versions:
-        if v.valid_from_ms is None or v.valid_from_ms <= start:
+        if v.valid_from_ms is None or v.valid_from_ms <= opens:
             current = v
         elif v.valid_from_ms < end:
             in_force.append(v)

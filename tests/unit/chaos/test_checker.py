@@ -22,7 +22,7 @@ from chaos.history import (
     TopologyRec,
     read_history,
 )
-from chaos.invariants import PoolPolicy
+from chaos.invariants import PoolPolicy, policy_for_window
 from kernel.bundle import Pool
 
 W = 10_000  # windowMs
@@ -435,3 +435,15 @@ def test_failures_no_fault_names_touch_a_window_too():
     fb = msgspec.structs.replace(starved[0], fallback=True)
     report = check(util_history([fb, *starved[1:]]), [POOL])
     assert [u.touched for u in report.utilisation] == ["a fallback decision"]
+
+
+def test_a_windows_limit_is_the_most_generous_from_when_a_prefetch_may_have_made_it():
+    """The allocator fixes a window's G at its first grant, which a prefetch makes up to the pool's
+    prefetch before the window starts: a limit halved within that time applies from the window
+    after; one halved earlier applies to it."""
+    old = PoolPolicy(id="p", limit=100, window_ms=4_000, prefetch_ms=500)
+    halved_late = PoolPolicy(id="p", limit=50, window_ms=4_000, prefetch_ms=500, valid_from_ms=7_600)
+    halved_early = PoolPolicy(id="p", limit=50, window_ms=4_000, prefetch_ms=500, valid_from_ms=7_400)
+    assert policy_for_window([old, halved_late], "p", 2).limit == 100  # window 8,000-12,000
+    assert policy_for_window([old, halved_late], "p", 3).limit == 50
+    assert policy_for_window([old, halved_early], "p", 2).limit == 50
