@@ -100,7 +100,9 @@ def explain(rows: Sequence[Row]) -> list[str]:
             out.append(f"Figure 6, {r.name.split(':')[0]}: admitted per window {x.get('admitted_per_window')} "
                        f"against demand offered {x.get('offered_per_window')} (G={x.get('G')}, bound "
                        f"{x.get('bound')}); over the {x.get('judged_windows')} windows with demand above G, "
-                       f"min {x.get('min', 0):.3f}, max {x.get('max', 0):.3f} of G.")
+                       f"min {x.get('min', 0):.3f}, max {x.get('max', 0):.3f} of G (each answer in the window of "
+                       f"its round trip's midpoint); judged with the answers that straddle a boundary in either "
+                       f"window, as the chaos checker judges: min {x.get('min_at_most', 0):.3f}.")
     grants = [r for r in rows if r.figure == "7" and "single grant" in r.name]
     if len(grants) >= 2:
         a, b = grants[0], grants[-1]

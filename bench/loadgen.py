@@ -5,7 +5,8 @@ not compete inside the measured server's process and is reported separately.
 
 Prints one JSON object: requests, errors, elapsed, rps, latency percentiles (ms), its own CPU
 seconds, items (``items_per_request`` x 200 answers), and allowed answers per wall-clock window
-when ``window_ms`` is given — with ``offered_marker``, also the answers that contain it per window
+when ``window_ms`` is given (each in the window of its round trip's midpoint, and — ``allowed_max``
+— in every window its round trip touched) — with ``offered_marker``, also the answers that contain it per window
 (e.g. ``"policyId":"<rule>"``: the attempts a pool's rule answered, admitted or denied — the demand
 really offered to that pool, whatever rate the generator meant to send). ``ports`` (instead of
 ``port``) spreads the connections over several servers. Every loop is bounded by ``max_requests``
@@ -72,7 +73,12 @@ async def _conn(cfg: dict, state: dict, wid: int) -> None:
                     state["fallback"] += data.count(b'"fallback":true')
                     if window_ms:
                         k = int((wall0 + (t1 - t0) / 2) * 1000 // window_ms)
-                        state["allowed"][k] += data.count(b'"allowed":true')
+                        n = data.count(b'"allowed":true')
+                        state["allowed"][k] += n
+                        # every window the answer may have been decided in (sent before a boundary,
+                        # admitted after it: the next window's lease, waited for)
+                        for kk in range(int(wall0 * 1000 // window_ms), int((wall0 + t1 - t0) * 1000 // window_ms) + 1):
+                            state["allowed_max"][kk] += n
                         if offered:
                             state["offered"][k] += data.count(offered)
                 else:
@@ -91,7 +97,7 @@ async def run(cfg: dict) -> dict:
     warm = cfg.get("warmup_s", 0.0)
     state = {"body": body, "sent": cfg.get("start_index", 0), "max": cfg.get("start_index", 0) + cfg["max_requests"],
              "end": start + warm + cfg["duration_s"], "measure_from": start + warm, "lat": [], "ok": 0,
-             "non200": 0, "allowed": Counter(), "offered": Counter(), "counted": 0, "fallback": 0, "statuses": Counter(), "sample": ""}
+             "non200": 0, "allowed": Counter(), "allowed_max": Counter(), "offered": Counter(), "counted": 0, "fallback": 0, "statuses": Counter(), "sample": ""}
     cpu0 = _cpu()
     start_wall = time.time() + warm
     results = await asyncio.gather(*(_conn(cfg, state, w) for w in range(cfg["conns"])), return_exceptions=True)
@@ -107,6 +113,7 @@ async def run(cfg: dict) -> dict:
         "p50_ms": percentile(lat, 50) * 1000 if n else None, "p99_ms": percentile(lat, 99) * 1000 if n else None,
         "cpu_s": cpu, "cpu_pct": 100.0 * cpu / (time.perf_counter() - start),
         "allowed_by_window": {str(k): v for k, v in sorted(state["allowed"].items())},
+        "allowed_max_by_window": {str(k): v for k, v in sorted(state["allowed_max"].items())},
         "offered_by_window": {str(k): v for k, v in sorted(state["offered"].items())},
         "counted": state["counted"], "fallback": state["fallback"], "counted_per_s": state["counted"] / elapsed if elapsed > 0 else 0.0,
         "start_wall": start_wall, "end_wall": time.time(),
