@@ -115,10 +115,11 @@ class Balance:
     inflight: asyncio.Task | None = None
     last_spendable: int = 0  # the latest reading (a tick's, or a script's)
     read_at: float = 0.0  # monotonic ms of that reading
-    # leases deposited to start later: (start, surely in Redis from, granted, deadline), monotonic ms
-    # and tokens; a reading taken before a lease is spendable in Redis does not count it
-    starting: list[tuple[float, float, int, float]] = field(default_factory=list)
+    # leases deposited to start later, each with when it is surely spendable in Redis (monotonic ms):
+    # a reading taken before then does not count it
+    starting: list[tuple[HeldLease, float]] = field(default_factory=list)
     prefetch_after: float = 0.0  # monotonic ms: no tick prefetch before (one per PREFETCH_RETRY_MS)
+    start_wait: asyncio.Future | None = None  # done when a lease starts: every decision at the rollover waits on it
 
     def spendable(self, now: float) -> int:
         """The latest reading, plus the leases that started since it was taken (or too soon
@@ -128,15 +129,16 @@ class Balance:
         lease of the window."""
         if not self.starting:
             return self.last_spendable
-        return self.last_spendable + sum(granted for start, counted_from, granted, deadline in self.starting
-                                         if start <= now < deadline and self.read_at < counted_from)
+        return self.last_spendable + sum(lease.granted for lease, counted_from in self.starting
+                                         if lease.valid_from <= now < lease.deadline and self.read_at < counted_from)
 
     def read(self, spendable: int, now: float) -> None:
         """A reading of the balance in Redis, taken ``now``."""
         self.last_spendable = max(0, spendable)
         self.read_at = now
         if self.starting:
-            self.starting = [s for s in self.starting if now < s[1] and now < s[3]]
+            self.starting = [(lease, counted_from) for lease, counted_from in self.starting
+                             if now < counted_from and now < lease.deadline]
 
 
 @dataclass
@@ -234,7 +236,9 @@ class LeaseManager:
             bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
             return bal.inflight
         if 0 < starts_in_ms <= max(ROLLOVER_WAIT_MS, rtt_ms):
-            return _after_ms(starts_in_ms + 1)
+            if bal.start_wait is None or bal.start_wait.done():
+                bal.start_wait = _after_ms(starts_in_ms + 1)
+            return bal.start_wait
         return None
 
     def view(self) -> list[dict]:
@@ -477,7 +481,7 @@ class LeaseManager:
             # decision in between start another top-up for a balance that is already full
             bal.last_spendable += lease.granted
         else:  # counted from its start (Balance.spendable); in Redis surely from valid_from on its clock
-            bal.starting.append((lease.valid_from, lease.valid_from + (hi - lo) + 1, lease.granted, lease.deadline))
+            bal.starting.append((lease, lease.valid_from + (hi - lo) + 1))
         return window_end
 
     def _undeposited(self, bal: Balance, lease_id: str) -> None:

@@ -227,6 +227,19 @@ def leasing_to_the_window_end(clock: FakeClock, *, rtt: float = 40.0):
     return Allocator(answer=answer, last_rtt_ms=rtt)
 
 
+async def prefetched(alloc: Allocator, store: Balances, clock: FakeClock) -> LeaseManager:
+    """A balance leased to its window's end (103,000), then 1.8 s before that end a tick that asks
+    for the next window's lease (spendable from 103,000)."""
+    m = manager(alloc, store, clock)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    clock.advance(1_200.0)
+    m.note(POOL, KEY, 1)
+    await m.tick()
+    await settle(m)
+    return m
+
+
 async def test_a_balance_whose_lease_lasts_to_the_window_end_asks_for_the_next_window_ahead():
     """The last lease of a window pays until the window ends, so no top-up is started before it:
     the tick asks for the next window's lease once the window ends within the pool's prefetch time
@@ -325,13 +338,7 @@ async def test_an_empty_balance_whose_next_lease_starts_within_a_round_trip_wait
     is handed a future done when the next lease starts, and waits for that instead."""
     clock = FakeClock(100_000.0)
     alloc, store = leasing_to_the_window_end(clock), Balances(spendable=100)
-    m = manager(alloc, store, clock)
-    m.note(POOL, KEY, 1)
-    await settle(m)
-    clock.advance(1_200.0)
-    m.note(POOL, KEY, 1)
-    await m.tick()
-    await settle(m)
+    m = await prefetched(alloc, store, clock)
     assert [r.window for r in alloc.requests] == ["current", "next"]  # prefetched: starts at 103,000
     # 100 ms before it starts, a top-up could still land in time: it is asked for
     clock.t = 102_900.0
@@ -342,7 +349,7 @@ async def test_an_empty_balance_whose_next_lease_starts_within_a_round_trip_wait
     m.note(POOL, KEY, 1)
     starts = m.observed(KEY, 0, starts_in_ms=30)
     assert starts is not None and m.pending(KEY) is None  # no top-up: a lease start to wait for
-    assert not starts.done()
+    assert not starts.done() and m.observed(KEY, 0, starts_in_ms=29) is starts  # one wait for every decision
     await asyncio.wait_for(starts, 1.0)  # done about 31 ms later (real time: the loop's timer)
     store.spendable = 0
     await m.tick()  # the tick asks for no top-up either
@@ -357,13 +364,7 @@ async def test_the_next_windows_lease_counts_from_its_start_so_the_rollover_asks
     Redis is the balance again."""
     clock = FakeClock(100_000.0)
     alloc, store = leasing_to_the_window_end(clock), Balances(spendable=100, lo=-5.0, hi=5.0)
-    m = manager(alloc, store, clock)
-    m.note(POOL, KEY, 1)
-    await settle(m)
-    clock.advance(1_200.0)
-    m.note(POOL, KEY, 1)
-    await m.tick()
-    await settle(m)
+    m = await prefetched(alloc, store, clock)
     assert [r.window for r in alloc.requests] == ["current", "next"]  # the next lease: 100 tokens from 103,000
     store.spendable = 0
     clock.t = 102_990.0
