@@ -4,6 +4,7 @@ it is installed.
 
     python -m bench.profile [--seconds 3] [--out bench-results/profile-engine.txt]
     python -m bench.profile --http [--seconds 3]   # py-spy on a running agent (figure 2 load)
+    python -m bench.profile --rls [--native]       # py-spy on an agent's RLS port (figure 8's RLS load)
     python -m bench.profile --allocator            # py-spy on an allocator (figure 4 load)
 """
 
@@ -53,10 +54,13 @@ def _py_spy() -> str | None:
     return spy if Path(spy).exists() else None
 
 
-def _record_during(spy: str, pid: int, folded: Path, seconds: float, load: Callable[[], dict]) -> dict:
-    """py-spy samples ``pid`` (raw folded stacks into ``folded``) while ``load()`` runs."""
+def _record_during(spy: str, pid: int, folded: Path, seconds: float, load: Callable[[], dict],
+                   native: bool = False) -> dict:
+    """py-spy samples ``pid`` (raw folded stacks into ``folded``) while ``load()`` runs; ``native``:
+    C frames too, and every thread (grpcio's poller thread) — py-spy then pauses the process per sample."""
+    extra = ["--native", "--threads", "--idle"] if native else ["--nonblocking"]
     rec = subprocess.Popen([spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200",
-                            "-f", "raw", "-o", str(folded), "--nonblocking"],
+                            "-f", "raw", "-o", str(folded), *extra],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         res = load()
@@ -80,6 +84,29 @@ def profile_http(work: Path, seconds: float) -> str:
                 {"port": agent.port, "path": "/v1/admit", "workload": "admit", "conns": 64,
                  "duration_s": seconds, "max_requests": 2_000_000}))
     return f"agent over HTTP, 64 conns: {res['rps']:,.0f} req/s\n" + summarise_folded(work / "agent.folded")
+
+
+def profile_rls(work: Path, seconds: float, native: bool = False) -> str:
+    """py-spy on an agent process under figure 8's RLS load: ``ShouldRateLimit`` on one gRPC channel,
+    64 in flight, 10k users (``bench.gwload``)."""
+    from leasehold.local.procs import free_port, wait_port
+
+    from .fig_gateways import CONNS, gwload
+
+    spy = _py_spy()
+    if spy is None:
+        return "py-spy is not installed (pip install py-spy)"
+    redis = RedisServer(work / "profile-redis").start()
+    with services(redis):
+        rls_port = free_port()
+        agent = start_agent(work / "profile-agent", redis.url, extra=["--rls-port", str(rls_port)])
+        with services(agent):
+            wait_port(rls_port, proc=agent.proc.popen, timeout=30)
+            res = _record_during(spy, agent.proc.pid, work / "agent.folded", seconds, lambda: gwload(
+                {"mode": "rls", "port": rls_port, "conns": CONNS, "duration_s": seconds, "principals": 10_000,
+                 "tenant": "prof", "max_requests": 2_000_000}), native=native)
+    return (f"agent over gRPC (RLS), {CONNS} in flight: {res['rps']:,.0f} calls/s, p50 {res['p50_ms']:.1f} ms\n"
+            + summarise_folded(work / "agent.folded"))
 
 
 def profile_allocator(work: Path, seconds: float) -> str:
@@ -142,11 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--http", action="store_true", help="py-spy on an agent process under figure 2's load")
     ap.add_argument("--allocator", action="store_true", help="py-spy on an allocator under figure 4's load")
+    ap.add_argument("--rls", action="store_true", help="py-spy on an agent under figure 8's RLS load")
+    ap.add_argument("--native", action="store_true", help="with --rls: native frames and every thread")
+    ap.add_argument("--folded", type=Path, help="keep py-spy's folded stacks here")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="leasehold-profile-") as tmp:
-        fn = profile_allocator if a.allocator else profile_http if a.http else profile_engine
-        text = fn(Path(tmp), a.seconds)
+        if a.rls:
+            text = profile_rls(Path(tmp), a.seconds, a.native)
+        else:
+            fn = profile_allocator if a.allocator else profile_http if a.http else profile_engine
+            text = fn(Path(tmp), a.seconds)
+        folded = Path(tmp) / "agent.folded"
+        if a.folded and folded.exists():
+            a.folded.write_text(folded.read_text())
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(text)

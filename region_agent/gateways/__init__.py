@@ -64,7 +64,8 @@ class Gateways:
             return
         from .rls import RateLimitServicer, RlsServer, server_credentials
 
-        servicer = RateLimitServicer(names=self.names, decide=self.decide,
+        # the admission itself, not :meth:`decide` around it (one coroutine frame less per call or group)
+        servicer = RateLimitServicer(names=self.names, decide=self.admission.decide,
                                      snapshot_of=lambda: self.state.holder.snapshot,
                                      gateways=self.gateway_tokens(), metrics=self.metrics,
                                      group_linger_s=s.rls_group_linger_ms / 1000, group_size=s.batch_max)

@@ -60,17 +60,18 @@ class CallGroup:
         """The call is answered (or failed, or was cancelled)."""
         self._in_flight -= 1
 
-    async def decide(self, questions: list[AdmitRequest]) -> list[Decision]:
-        """The decisions of one call's ``questions``, made with the group it joins."""
+    def decide(self, questions: list[AdmitRequest]) -> asyncio.Future[list[Decision]]:
+        """The decisions of one call's ``questions``, made with the group it joins: a future to
+        await (no coroutine of its own: one frame less per call)."""
         loop = asyncio.get_running_loop()
-        mine = loop.create_future()
+        mine: asyncio.Future[list[Decision]] = loop.create_future()
         self._waiting.append((questions, mine))
         self._count += len(questions)
         if self._count >= self.size:
             self.release()
         elif self._timer is None:
             self._timer = loop.call_later(self.linger_s, self.release)
-        return await mine
+        return mine
 
     def release(self) -> None:
         """Decide the waiting group now (the linger's timer; also when the group is full)."""

@@ -55,9 +55,8 @@ OUTCOMES = ("ok", "over_limit", "unavailable_503", "conflict_409", "invalid", "u
 
 
 def descriptors_of(request: rls_pb2.RateLimitRequest) -> list[Descriptor]:
-    return [Descriptor(entries=tuple((e.key, e.value) for e in d.entries),
-                       hits_addend=d.hits_addend.value if d.HasField("hits_addend") else None,
-                       has_limit_override=d.HasField("limit"))
+    return [Descriptor(tuple([(e.key, e.value) for e in d.entries]),
+                       d.hits_addend.value if d.HasField("hits_addend") else None, d.HasField("limit"))
             for d in request.descriptors]
 
 
@@ -117,11 +116,13 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         group = self.group
         joins = group.enter()
         try:
-            metadata = context.invocation_metadata() or ()
+            # the call's metadata, read only when something needs it: the gateway token, a trace's context
+            traced = tracing.ENABLED
+            metadata = (context.invocation_metadata() or ()) if self.gateways is not None or traced else ()
             if self.gateways is not None:
                 authenticate(self.gateways, metadata)  # pairs: two tokens are refused
             questions = rls_questions(self.names, request.domain, descriptors_of(request), request.hits_addend)
-            if joins and not tracing.ENABLED:  # other calls in flight: decided with those arriving with it
+            if joins and not traced:  # other calls in flight: decided with those arriving with it
                 decisions = await group.decide(questions)
             else:  # decoded: the questions were built by msgspec's validating convert (mapping.question)
                 decisions = await self.decide(questions, door="rls", carrier=metadata, decoded=True)

@@ -109,3 +109,10 @@ async def test_an_unexpected_error_in_the_group_is_narrowed_to_the_call_that_cau
     g = CallGroup(Fussy(), 0.01)
     got = await asyncio.wait_for(asyncio.gather(g.decide(["a"]), g.decide(["boom"]), return_exceptions=True), 10)
     assert got[0] == ["decision:a"] and isinstance(got[1], RuntimeError)
+
+
+async def test_a_call_waits_on_a_future_of_its_own_not_a_coroutine():
+    g = CallGroup(Admission(), 0.01)
+    mine = g.decide(["a"])
+    assert isinstance(mine, asyncio.Future)  # awaited by the door directly: no coroutine frame per call
+    assert await asyncio.wait_for(mine, 10) == ["decision:a"]

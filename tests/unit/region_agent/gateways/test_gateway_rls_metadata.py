@@ -1,0 +1,67 @@
+"""The RLS door reads a call's metadata only when something needs it (region_agent.gateways.rls):
+the gateway token (authentication on) or a trace's context (tracing on). A call decided with its
+group under --auth-disabled and no tracing never asks grpc for it; the answer is the same."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+from envoy.service.ratelimit.v3 import rls_pb2
+from prometheus_client import CollectorRegistry
+
+from kernel.auth import TokenTable, hash_token
+from region_agent.gateways.mapping import Names
+from region_agent.gateways.metrics import GatewayMetrics
+from region_agent.gateways.rls import RateLimitServicer
+from region_agent.models import Decision
+
+D = ratelimit_pb2.RateLimitDescriptor
+
+
+class Context:
+    """What the servicer asks of grpc's ServicerContext; counts the metadata reads."""
+
+    def __init__(self, metadata: tuple = ()):
+        self.metadata = metadata
+        self.reads = 0
+
+    def invocation_metadata(self):
+        self.reads += 1
+        return self.metadata
+
+
+async def admission(questions, **_):
+    """The admission at this unit's boundary: every question allowed (real answers:
+    tests/integration/region_agent/test_gateways.py)."""
+    await asyncio.sleep(0)
+    return [Decision(allowed=True, decision_id=f"d-{q.request_id}", rule_id=None, bundle_version=1) for q in questions]
+
+
+def request(u: str) -> rls_pb2.RateLimitRequest:
+    return rls_pb2.RateLimitRequest(domain="leasehold", descriptors=[D(entries=[
+        D.Entry(key="tenant", value="atlas"), D.Entry(key="user", value=u), D.Entry(key="route_group", value="read")])])
+
+
+def servicer(gateways: TokenTable | None) -> RateLimitServicer:
+    return RateLimitServicer(names=Names.build(), decide=admission, snapshot_of=lambda: SimpleNamespace(rules_by_id={}),
+                             gateways=gateways, metrics=GatewayMetrics(CollectorRegistry()), group_linger_s=0.005)
+
+
+async def test_calls_of_a_group_without_auth_or_tracing_never_read_their_metadata():
+    s = servicer(None)
+    contexts = [Context() for _ in range(4)]
+    answers = await asyncio.wait_for(asyncio.gather(*(s.ShouldRateLimit(request(f"U-{i}"), c)
+                                                      for i, c in enumerate(contexts))), 10)
+    assert [a.overall_code for a in answers] == [rls_pb2.RateLimitResponse.OK] * 4
+    assert [c.reads for c in contexts] == [0, 0, 0, 0]
+
+
+async def test_with_gateway_tokens_every_call_reads_its_metadata_once():
+    s = servicer(TokenTable([("envoy", hash_token("secret-token-0123456789"))]))
+    contexts = [Context((("authorization", "Bearer secret-token-0123456789"),)) for _ in range(3)]
+    answers = await asyncio.wait_for(asyncio.gather(*(s.ShouldRateLimit(request(f"U-{i}"), c)
+                                                      for i, c in enumerate(contexts))), 10)
+    assert [a.overall_code for a in answers] == [rls_pb2.RateLimitResponse.OK] * 3
+    assert [c.reads for c in contexts] == [1, 1, 1]
