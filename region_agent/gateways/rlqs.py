@@ -155,6 +155,7 @@ class Bucket:
     refused: str | None
     signature: bytes = b""
     burst: int = 1  # the most one decision can take: the smallest burst of the bucket's rules
+    own_rate: float = 0.0  # the refill of rules that are all its principal's own (rlqs_funding.own_rate)
     holdings: set[fund.Holding] = field(default_factory=set)
     round: asyncio.Task | None = None
     again: bool = False
@@ -313,12 +314,13 @@ class RlqsService:
             return Bucket(key, None, e.reason)
         except LeaseholdError:
             return Bucket(key, None, "bad_value")
-        refused, signature, burst = self._judge(q)
-        return Bucket(key, q, refused, signature, burst)
+        refused, signature, burst, own = self._judge(q)
+        return Bucket(key, q, refused, signature, burst, own)
 
-    def _judge(self, q: Any) -> tuple[str | None, bytes, int]:
-        """(refusal reason or None, the rules' signature, the smallest burst of the rules) of a
-        question under the bundle in force."""
+    def _judge(self, q: Any) -> tuple[str | None, bytes, int, float]:
+        """(refusal reason or None, the rules' signature, the smallest burst of the rules, their
+        refill when they are all the principal's own: rlqs_funding.own_rate) of a question under the
+        bundle in force."""
         snap: Snapshot = self.state_of().holder.snapshot
         shape = self._shape(snap, q)
         rules = shape.enforced
@@ -327,7 +329,8 @@ class RlqsService:
         sig += b"#" + b"|".join(msgspec.json.encode(pools[r.pool_id]) for r in rules
                                 if r.pool_id is not None and r.pool_id in pools)
         burst = min((int(r.capacity(pools)[1]) for r in rules), default=fund.MAX_COST)
-        return per_request_reason(rules), sig, max(1, min(fund.MAX_COST, burst))
+        own = fund.own_rate(rules, pools, q.principal.type)
+        return per_request_reason(rules), sig, max(1, min(fund.MAX_COST, burst)), own
 
     def _shape(self, snap: Snapshot, q: Any) -> Any:
         sub = None
@@ -414,7 +417,7 @@ class RlqsService:
         # the need sized by it: tokens for the clamp's fraction of a second past it would be stranded
         clamp_at = t0 + ttl.clamp_ms
         ttl_s = ttl.seconds
-        needs = {h: fund.need(h, self.span_ms, cap, ttl_s * 1000.0) for h in parties}
+        needs = {h: fund.need(h, self.span_ms, cap, ttl_s * 1000.0, b.own_rate) for h in parties}
         taken = await fund.take(self.decide, b.question, min(b.burst, sum(needs.values())))
         now = self.now_ms()
         if math.isfinite(clamp_at):  # a round that took long may have passed a whole second of the clamp
@@ -553,10 +556,10 @@ class RlqsService:
         for b in list(self.buckets.values()):
             if b.question is None:
                 continue
-            refused, sig, burst = self._judge(b.question)
+            refused, sig, burst, own = self._judge(b.question)
             if sig == b.signature and refused == b.refused:
                 continue
-            b.refused, b.signature, b.burst = refused, sig, burst
+            b.refused, b.signature, b.burst, b.own_rate = refused, sig, burst, own
             for h in list(b.holdings):
                 st = self.streams.get(h.stream)
                 if h.refused != "unknown_domain":

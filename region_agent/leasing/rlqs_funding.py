@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kernel.fair_share import split
 
@@ -154,13 +155,35 @@ def demand_after(requests: float, seconds: float, n: int, secs: float, interval_
     return requests * keep + n, seconds * keep + secs
 
 
-def need(h: Holding, span_ms: float, cap: int, ttl_ms: float = INF) -> int:
+def need(h: Holding, span_ms: float, cap: int, ttl_ms: float = INF, own_rate: float = 0.0) -> int:
     """The tokens one assignment should carry: the bucket's demand over ``span_ms`` (one report
     interval and a second) or over the time to live the assignment is sent with (``ttl_ms``: whole
     seconds, as Envoy counts them, ending before the window its tokens come from) when shorter —
     what Envoy holds when it ends is stranded, tokens other buckets could have had —, 1 at least,
-    ``cap`` at most."""
-    return max(1, min(cap, math.ceil(h.demand * min(span_ms, ttl_ms) / 1000.0)))
+    ``cap`` at most.
+
+    ``own_rate``: the refill (requests a second) of a bucket whose rules are all its principal's
+    own (:func:`own_rate`; 0 otherwise). Such a bucket's assignment carries at least that refill
+    over the same span, whatever the demand says: Envoy reports every few seconds, so demand above
+    the last report is invisible until the next one, and meanwhile a rule nobody else spends sits
+    full and its refill is lost. A token of it that Envoy does not spend is one the rule would have
+    lost anyway — its owner's demand was below the refill, so the rule would have filled up — and
+    the rule's other gateways and Envoys still have what it holds beyond it."""
+    rate = max(h.demand, own_rate)
+    return max(1, min(cap, math.ceil(rate * min(span_ms, ttl_ms) / 1000.0)))
+
+
+def own_rate(rules: Sequence[Any], pools: Mapping[str, Any], principal_type: str) -> float:
+    """The refill (requests a second at cost 1) of a bucket whose enforced ``rules`` all count one
+    principal's own requests — scoped to its user or its key, spending no pool, and asked for a
+    principal that is not anonymous — the slowest of them; 0 when any rule is shared with other
+    principals (a tenant's, a route's, an address's, a pool: funding its refill in advance could
+    starve someone else) or there is none (:func:`need`)."""
+    if not rules or principal_type == "anonymous":
+        return 0.0
+    if any(r.scope not in ("user", "key") or r.pool_id is not None or r.fleet_wide for r in rules):
+        return 0.0
+    return max(0.0, min(float(r.capacity(pools)[0]) for r in rules))
 
 
 def runs_short(h: Holding, now_ms: float, lead_ms: float) -> bool:
@@ -315,5 +338,5 @@ def share(tokens: int, needs: dict[Holding, int]) -> dict[Holding, int]:
     return gives
 
 
-__all__ = ["Decide", "Holding", "Taken", "demand_after", "ended", "granted", "need", "needs_end", "next_check_ms", "observe",
+__all__ = ["Decide", "Holding", "Taken", "demand_after", "ended", "granted", "need", "needs_end", "next_check_ms", "observe", "own_rate",
            "renewal_ttl", "renewed", "revoke", "runs_short", "share", "take", "waiting", "wants_tokens", "with_cost"]
