@@ -80,6 +80,7 @@ BucketAction = Response.BucketAction
 FILL_INTERVAL_S = 10 * 365 * 86_400  # one token per ten years: a token bucket that does not refill
 TICK_S = 0.1
 LEAD_MS = 300.0  # a holding gets its next assignment when it has about this much of its demand left
+QUIET_GRACE_MS = 1_000.0  # a bucket not reported for one report interval and this long is silent (rlqs_funding.silent)
 DENY_TTL_S = 60
 RETRY_MAX_MS = 1_000  # a denied round is asked again at most this much later
 
@@ -184,6 +185,7 @@ class RlqsService:
         self._ticker: asyncio.Task | None = None
         self.interval_ms = float(settings.rlqs_report_interval_ms)
         self.span_ms = self.interval_ms + 1_000.0  # an assignment lasts one report interval and a second
+        self.quiet_ms = self.interval_ms + QUIET_GRACE_MS  # no fresh assignment for a bucket silent this long
 
     def now_ms(self) -> float:
         return self.clock() * 1000.0
@@ -341,9 +343,9 @@ class RlqsService:
 
     # ------------------------------------------------------------------ what a holding needs
     def _consider(self, h: fund.Holding, now: float) -> None:
-        if fund.wants_tokens(h, now, LEAD_MS):
+        if fund.wants_tokens(h, now, LEAD_MS, self.quiet_ms):
             self._want(h)
-        self._schedule(h, fund.next_check_ms(h, now, LEAD_MS))
+        self._schedule(h, fund.next_check_ms(h, now, LEAD_MS, self.quiet_ms))
 
     def _schedule(self, h: fund.Holding, at_ms: float) -> None:
         at_ms = max(at_ms, self.now_ms() + TICK_S * 1000)
@@ -396,7 +398,8 @@ class RlqsService:
 
     async def _round(self, b: Bucket) -> None:
         t0 = self.now_ms()
-        parties = [h for h in b.holdings if h.wanting and self._alive(h) and fund.wants_tokens(h, t0, LEAD_MS)]
+        parties = [h for h in b.holdings
+                   if h.wanting and self._alive(h) and fund.wants_tokens(h, t0, LEAD_MS, self.quiet_ms)]
         for h in b.holdings:
             h.wanting = False
         if not parties or b.question is None:
@@ -411,7 +414,7 @@ class RlqsService:
             return
         # the bucket's short Envoys join whichever Envoy's report started the round (rlqs_funding.waiting)
         parties += [o for o in b.holdings if o not in parties and self._alive(o)
-                    and fund.waiting(o, t0, self.span_ms, LEAD_MS)]
+                    and fund.waiting(o, t0, self.span_ms, LEAD_MS, self.quiet_ms)]
         cap = self.s.rlqs_max_assignment
         # the time to live the assignment is sent with (whole seconds, ending before the clamp), and
         # the need sized by it: tokens for the clamp's fraction of a second past it would be stranded
@@ -460,7 +463,7 @@ class RlqsService:
             m.rlqs_assignments.labels("fresh").inc()
             m.rlqs_assigned_tokens.inc(give)
             touched.add(st)
-            self._schedule(h, fund.next_check_ms(h, now, LEAD_MS))
+            self._schedule(h, fund.next_check_ms(h, now, LEAD_MS, self.quiet_ms))
         unsent += taken.tokens - sum(gives.values())
         if unsent:
             m.rlqs_stranded_tokens.inc(unsent)

@@ -196,27 +196,40 @@ def runs_short(h: Holding, now_ms: float, lead_ms: float) -> bool:
     return h.left(now_ms) <= max(1.0, h.demand * lead_ms / 1000.0)
 
 
-def wants_tokens(h: Holding, now_ms: float, lead_ms: float) -> bool:
-    """Should a round fund this holding now: no round's denial holds it back, and it
-    :func:`runs_short`."""
-    return now_ms >= h.retry_at_ms and runs_short(h, now_ms, lead_ms)
+def silent(h: Holding, now_ms: float, quiet_ms: float) -> bool:
+    """Envoy has not reported the holding's bucket for more than ``quiet_ms`` (one report interval
+    and a grace, region_agent.gateways.rlqs): its stream is stalled (a partition that drops every
+    packet) or Envoy no longer counts the bucket. What its demand predicts is then unknown, and
+    tokens sent into a stalled stream are spent late or not at all (they are ended when it heals:
+    :func:`needs_end`), so a silent holding gets no fresh assignment; its next report funds it at
+    once (:func:`wants_tokens`)."""
+    return now_ms - h.last_report_ms > quiet_ms
 
 
-def waiting(h: Holding, now_ms: float, span_ms: float, lead_ms: float) -> bool:
+def wants_tokens(h: Holding, now_ms: float, lead_ms: float, quiet_ms: float = INF) -> bool:
+    """Should a round fund this holding now: no round's denial holds it back, it is not
+    :func:`silent`, and it :func:`runs_short`."""
+    return now_ms >= h.retry_at_ms and not silent(h, now_ms, quiet_ms) and runs_short(h, now_ms, lead_ms)
+
+
+def waiting(h: Holding, now_ms: float, span_ms: float, lead_ms: float, quiet_ms: float = INF) -> bool:
     """Should the holding join a round another Envoy of its bucket started: it is short (a round
-    within ``span_ms`` gave it less than it asked) and still :func:`runs_short`. A denial's hint
-    does not hold it back here: the round asks the admission anyway, for all its parties at once."""
-    return bool(h.short_at_ms) and now_ms - h.short_at_ms <= span_ms and runs_short(h, now_ms, lead_ms)
+    within ``span_ms`` gave it less than it asked), not :func:`silent`, and still :func:`runs_short`.
+    A denial's hint does not hold it back here: the round asks the admission anyway, for all its
+    parties at once."""
+    return (bool(h.short_at_ms) and now_ms - h.short_at_ms <= span_ms and not silent(h, now_ms, quiet_ms)
+            and runs_short(h, now_ms, lead_ms))
 
 
-def next_check_ms(h: Holding, now_ms: float, lead_ms: float) -> float:
-    """When the holding should be looked at again without a report: its predicted run-out, its
-    renewal (half its time to live left), its expiry, or a denial's end."""
+def next_check_ms(h: Holding, now_ms: float, lead_ms: float, quiet_ms: float = INF) -> float:
+    """When the holding should be looked at again without a report: its predicted run-out (not
+    while it is :func:`silent`: its next report is), its renewal (half its time to live left), its
+    expiry, or a denial's end."""
     t = now_ms + 60_000.0
     if h.live(now_ms):
         renew_at = h.expires_at_ms - h.ttl_s * 500.0
         t = min(t, max(now_ms, renew_at), h.expires_at_ms)
-        if h.demand > 0:
+        if h.demand > 0 and not silent(h, now_ms, quiet_ms):
             left = h.left(now_ms)
             t = min(t, now_ms + max(0.0, (left / h.demand) * 1000.0 - lead_ms))
     if h.retry_at_ms > now_ms:
@@ -339,4 +352,4 @@ def share(tokens: int, needs: dict[Holding, int]) -> dict[Holding, int]:
 
 
 __all__ = ["Decide", "Holding", "Taken", "demand_after", "ended", "granted", "need", "needs_end", "next_check_ms", "observe", "own_rate",
-           "renewal_ttl", "renewed", "revoke", "runs_short", "share", "take", "waiting", "wants_tokens", "with_cost"]
+           "renewal_ttl", "renewed", "revoke", "runs_short", "share", "silent", "take", "waiting", "wants_tokens", "with_cost"]

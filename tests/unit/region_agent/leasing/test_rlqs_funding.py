@@ -10,6 +10,8 @@ import statistics
 
 import pytest
 
+from kernel.algorithms.pool import PoolRule
+from kernel.algorithms.token_bucket import TokenBucketRule
 from region_agent.leasing import rlqs_funding as f
 from region_agent.models import AdmitRequest, Decision, Principal
 
@@ -118,6 +120,38 @@ def test_after_a_report_of_4_a_second_an_assignment_of_5_s_carries_20_tokens():
     assert f.need(h, 6_000, 100, ttl_ms=5 * 1_000) == 20  # not 23 (sized by a clamp 5.65 s away)
 
 
+def user_bucket(scope: str = "user", refill_per_s: int = 2) -> TokenBucketRule:
+    """20 tokens, then ``refill_per_s`` a second (Figure 8's P-READ)."""
+    return TokenBucketRule(id=f"{scope}-read", scope=scope, fail_mode="closed", capacity_millis=20_000,
+                           refill_millis=refill_per_s * 1_000, period_ms=1_000, cost_millis=1_000)
+
+
+def test_a_bucket_of_its_principals_own_rules_has_their_slowest_refill_and_a_shared_one_none():
+    assert f.own_rate([user_bucket()], {}, "user") == 2.0
+    assert f.own_rate([user_bucket("user", 5), user_bucket("key", 3)], {}, "user") == 3.0
+    # shared with other principals: a tenant's or a route's rule, a pool
+    assert f.own_rate([user_bucket(), user_bucket("tenant", 50)], {}, "user") == 0.0
+    assert f.own_rate([user_bucket("route")], {}, "user") == 0.0
+    assert f.own_rate([user_bucket(), PoolRule(id="p", scope="user", fail_mode="closed", pool="atlas-w")],
+                      {}, "user") == 0.0
+    assert f.own_rate([user_bucket()], {}, "anonymous") == 0.0
+    assert f.own_rate([], {}, "user") == 0.0
+
+
+def test_an_own_rules_bucket_is_funded_at_least_its_refill_whatever_the_first_report_said():
+    """A new bucket's first report is one request (taken as one a second): its demand above that is
+    unknown until Envoy's next report, 5 s on, while the user's rule (20, then 2 a second) would sit
+    full and lose its refill. The assignment carries the refill over the span instead."""
+    h = holding()
+    f.observe(h, 0, 1, 1_000.0, 5_000)
+    assert h.demand == 1.0
+    assert f.need(h, 6_000, 100, ttl_ms=10_000) == 6  # a shared bucket: its demand
+    assert f.need(h, 6_000, 100, ttl_ms=10_000, own_rate=2.0) == 12  # its own rule's refill over 6 s
+    assert f.need(h, 6_000, 100, ttl_ms=3_000, own_rate=2.0) == 6  # over the time to live when shorter
+    assert f.need(holding(demand=5.0), 6_000, 100, own_rate=2.0) == 30  # the demand when above it
+    assert f.need(holding(demand=5.0), 6_000, 10, own_rate=20.0) == 10  # the cap still holds
+
+
 def test_a_holding_wants_tokens_when_its_assignment_is_gone_or_nearly_spent():
     h = holding(demand=2.0)
     assert f.wants_tokens(h, 0.0, 300)
@@ -130,6 +164,21 @@ def test_a_holding_wants_tokens_when_its_assignment_is_gone_or_nearly_spent():
     assert not f.wants_tokens(h, 6_600.0, 300)  # a denied round holds it back
     assert not f.wants_tokens(holding(demand=0.0), 0.0, 300)
     assert not f.wants_tokens(f.Holding(stream=1, bucket=(), question=None, refused="unknown_key", demand=5), 0, 300)
+
+
+def test_a_silent_holding_wants_no_tokens_and_is_not_checked_at_its_predicted_run_out():
+    h = holding(demand=4.0, last_report_ms=10_000.0)
+    f.granted(h, 20, 20, 10_000.0, math.inf)
+    at = 15_000.0  # 20 tokens at 4 a second: predicted spent
+    assert f.wants_tokens(h, at, 300.0, quiet_ms=6_000.0)
+    assert f.next_check_ms(h, at, 300.0, quiet_ms=6_000.0) == at
+    later = 16_500.0  # one report interval and a grace (6 s) since its last report: silent
+    assert f.silent(h, later, 6_000.0) and not f.wants_tokens(h, later, 300.0, quiet_ms=6_000.0)
+    assert f.next_check_ms(h, later, 300.0, quiet_ms=6_000.0) == 20_000.0  # its renewal's turn, not now
+    h.short_at_ms = later - 1_000.0
+    assert not f.waiting(h, later, 6_000.0, 300.0, quiet_ms=6_000.0)
+    f.observe(h, 20, 5, 17_000.0, 5_000)  # it reports again
+    assert f.wants_tokens(h, 17_000.0, 300.0, quiet_ms=6_000.0)
 
 
 def test_a_renewal_adds_time_never_tokens_and_never_passes_the_clamp():
