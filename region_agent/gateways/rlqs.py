@@ -33,6 +33,8 @@ behaviour, checked against the real binary by ``tests/e2e/gateways/test_envoy_rl
 
 A stream that breaks ends nothing at once: the assignments it carried stay Envoy's until they
 expire and are abandoned (their unused tokens counted as stranded), never refunded or renewed.
+A bucket whose Envoy has not reported it for one report interval and ``QUIET_GRACE_MS`` (a stalled
+stream) gets no fresh assignment until it reports again (rlqs_funding.silent).
 """
 
 from __future__ import annotations

@@ -21,7 +21,13 @@ holds. Then:
   full (:func:`waiting`), so what the bucket has is shared by demand whichever Envoy's report
   started the round;
 * **partial chunks**: a denied round learns what is left from the denial and asks again for that
-  (twice at most), as the fleet pools' chunks do near the limit (partial chunks);
+  (twice at most), as the fleet pools' chunks do near the limit (partial chunks); a denial the
+  agent's negative cache held, saying none is left, is probed with one token (:func:`take`);
+* **a principal's own rules are funded their refill**: a bucket whose rules are all its principal's
+  own carries at least their refill over the span, whatever its reported demand (:func:`own_rate`,
+  :func:`need`): a rule nobody else spends would otherwise sit full between Envoy's reports;
+* **a silent bucket is not funded**: one Envoy has not reported for one report interval and a
+  grace (a stalled stream) gets no fresh assignment until it reports again (:func:`silent`);
 * **a fresh assignment replaces the last**: its unspent tokens are abandoned, never refunded (an
   ambiguous refund could count twice), and counted as stranded once Envoy's reports show how
   many were not used (:meth:`Holding.settle`).
@@ -47,7 +53,7 @@ from typing import Any
 
 from kernel.fair_share import split
 
-from ..models import AdmitRequest, Decision
+from ..models import AdmitRequest, Decision, DecisionSource
 
 INF = math.inf
 MAX_COST = 1_000  # AdmitRequest.costHint
@@ -322,24 +328,45 @@ def with_cost(q: AdmitRequest, cost: int) -> AdmitRequest:
 
 async def take(decide: Decide, q: AdmitRequest, want: int) -> Taken:
     """Take up to ``want`` tokens for the bucket of ``q``: one decision of that cost; a denial that
-    says fewer are left is asked again for what is left, then half of that (partial chunks)."""
-    cost = max(1, min(MAX_COST, want))
+    says fewer are left is asked again for what is left, then half of that (partial chunks).
+
+    A **held** denial that says none is left is probed with one token: the agent's negative cache
+    denies the same key and cost for the whole of an exact hint (the time until the whole cost is
+    back: seconds for a bucket's burst), with the remaining of when it was made, while a token or
+    more may have returned since. The probe is another cost, so it asks the store; admitted, it
+    says what is left, and the last attempt takes that too. Without it, a round of a bucket far
+    above its limit got nothing for the whole hold, and what the rule refilled meanwhile waited for
+    the hold's end (lost when its demand ended first). A denial the store made is not probed: its
+    remaining is current."""
+    want = max(1, min(MAX_COST, want))
+    cost = want
+    got = 0
+    probing = False
     last: Decision | None = None
     for attempt in range(ROUND_ATTEMPTS):
         (d,) = await decide([with_cost(q, cost)])
         last = d
         if d.allowed:
-            return Taken(cost, d, attempt + 1)
+            got += cost
+            more = min(want - got, d.remaining or 0)
+            if not probing or more < 1 or attempt == ROUND_ATTEMPTS - 1:
+                return Taken(got, d, attempt + 1)
+            cost, probing = more, False  # the probe passed: what it says is left, up to the want
+            continue
+        if got:  # what the probe said was left went meanwhile: keep the probe's token
+            return Taken(got, d, attempt + 1)
         if d.http_status != 429:
             break  # not a limit: a closed rule without its store, a conflict, the agent overloaded
         left = d.remaining or 0
         if d.retry_after_ms < 0:  # never at this cost (above a rule's capacity): half of it may pass
             left = max(left, cost // 2)
         nxt = min(cost - 1, left) if attempt == 0 else min(cost - 1, left, cost // 2)
+        if nxt < 1 and attempt == 0 and cost > 1 and d.source == DecisionSource.NEGATIVE_CACHE:
+            nxt, probing = 1, True  # none left, as a held denial says: a token may have returned since
         if nxt < 1:
             break
         cost = nxt
-    return Taken(0, last, ROUND_ATTEMPTS)
+    return Taken(got, last, ROUND_ATTEMPTS)
 
 
 def share(tokens: int, needs: dict[Holding, int]) -> dict[Holding, int]:

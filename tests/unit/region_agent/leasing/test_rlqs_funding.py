@@ -13,7 +13,7 @@ import pytest
 from kernel.algorithms.pool import PoolRule
 from kernel.algorithms.token_bucket import TokenBucketRule
 from region_agent.leasing import rlqs_funding as f
-from region_agent.models import AdmitRequest, Decision, Principal
+from region_agent.models import AdmitRequest, Decision, DecisionSource, Principal
 
 Q = AdmitRequest(request_id="rlqs-bucket", principal=Principal(type="user", id="U-1"), route_group="read",
                  tenant_id="atlas")
@@ -234,17 +234,22 @@ def test_stranded_tokens_are_what_was_funded_and_not_used_once_it_cannot_be_used
     assert h.settle(9_000.0) == 0
 
 
-def decisions(*answers: tuple[bool, int, int]):
-    """A scripted admission: (allowed, remaining, retryAfterMs) per call; records the costs asked."""
+HELD = DecisionSource.NEGATIVE_CACHE
+
+
+def decisions(*answers: tuple):
+    """A scripted admission: (allowed, remaining, retryAfterMs[, source]) per call; records the costs
+    asked."""
     asked: list[int] = []
     it = iter(answers)
 
     async def decide(qs):
         (q,) = qs
         asked.append(q.cost_hint)
-        ok, rem, retry = next(it)
+        ok, rem, retry, *source = next(it)
         return [Decision(allowed=ok, decision_id=q.request_id, rule_id="read-user-v3", bundle_version=1,
-                         remaining=rem, retry_after_ms=retry, http_status=200 if ok else 429)]
+                         remaining=rem, retry_after_ms=retry, http_status=200 if ok else 429,
+                         source=source[0] if source else DecisionSource.SCRIPT)]
     return decide, asked
 
 
@@ -255,12 +260,34 @@ def test_take_asks_again_for_what_a_denial_says_is_left():
     decide, asked = decisions((False, 6, 500), (False, 3, 500), (True, 0, 0))
     t = asyncio.run(f.take(decide, Q, 20))
     assert (t.tokens, asked) == (3, [20, 6, 3])
-    decide, asked = decisions((False, 0, 800))
+    decide, asked = decisions((False, 0, 800))  # none left, as the store says: nothing more asked
     t = asyncio.run(f.take(decide, Q, 20))
     assert (t.tokens, t.retry_ms, asked) == (0, 800, [20])
     decide, asked = decisions((False, 0, -1), (True, 3, 0))  # never at 40 (above a capacity): half
     assert asyncio.run(f.take(decide, Q, 40)).tokens == 20
     assert all(q.startswith("rlqs-") for q in [f.with_cost(Q, 3).request_id])
+
+
+def test_a_denial_that_says_none_is_left_is_probed_with_one_token_and_what_that_says_is_left_is_taken():
+    """The negative cache holds a denial of the same cost for its whole exact hint (seconds, for a
+    user's bucket to be back at 20), with the remaining of when it was made (0): a round of a bucket
+    far above its limit got nothing while its rule refilled. One token asks the store; its answer
+    says how many more are there."""
+    decide, asked = decisions((False, 0, 4_000, HELD), (True, 5, 0), (True, 0, 0))
+    t = asyncio.run(f.take(decide, Q, 20))
+    assert (t.tokens, asked, t.attempts) == (6, [20, 1, 5], 3)
+    decide, asked = decisions((False, 0, 4_000, HELD), (True, 0, 0))  # the probe was the last token
+    assert (asyncio.run(f.take(decide, Q, 20)).tokens, asked) == (1, [20, 1])
+    decide, asked = decisions((False, 0, 4_000, HELD), (True, 5, 0), (False, 2, 300))  # the 5 went meanwhile
+    t = asyncio.run(f.take(decide, Q, 20))
+    assert (t.tokens, t.retry_ms, asked) == (1, 0, [20, 1, 5])
+    decide, asked = decisions((False, 0, 4_000, HELD), (True, 50, 0), (True, 0, 0))  # never more than the want
+    assert (asyncio.run(f.take(decide, Q, 20)).tokens, asked) == (20, [20, 1, 19])
+    decide, asked = decisions((False, 0, 4_000, HELD), (False, 0, 500))  # nothing returned yet
+    t = asyncio.run(f.take(decide, Q, 20))
+    assert (t.tokens, t.retry_ms, asked) == (0, 500, [20, 1])
+    decide, asked = decisions((False, 0, 800, HELD))  # a token asked: nothing smaller to probe with
+    assert (asyncio.run(f.take(decide, Q, 1)).tokens, asked) == (0, [1])
 
 
 def test_take_stops_at_an_answer_that_is_not_a_limit():
