@@ -430,8 +430,10 @@ class RlqsService:
         if taken.tokens == 0 or ttl_s < 1:
             m.rlqs_rounds.labels("denied").inc()
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("RLQS round for %s denied (streams %s; retry in %d ms)", dict(b.key),
-                          [h.stream for h in parties], taken.retry_ms)
+                d = taken.decision
+                log.debug("RLQS round for %s denied (streams %s; retry in %d ms; asked %s; the last said "
+                          "remaining %s, by %s)", dict(b.key), [h.stream for h in parties], taken.retry_ms,
+                          list(taken.asked), d.remaining if d else None, d.source if d else None)
             if taken.tokens:  # funded, but its window ended while the round waited: never sent
                 m.rlqs_stranded_tokens.inc(taken.tokens)
             for h in parties:

@@ -311,6 +311,7 @@ class Taken:
     tokens: int
     decision: Decision | None  # the last decision of the round (the granted one, or the last denial)
     attempts: int = 0
+    asked: tuple[int, ...] = ()  # the cost of each decision (the round's debug log)
 
     @property
     def retry_ms(self) -> int:
@@ -330,43 +331,47 @@ async def take(decide: Decide, q: AdmitRequest, want: int) -> Taken:
     """Take up to ``want`` tokens for the bucket of ``q``: one decision of that cost; a denial that
     says fewer are left is asked again for what is left, then half of that (partial chunks).
 
-    A **held** denial that says none is left is probed with one token: the agent's negative cache
-    denies the same key and cost for the whole of an exact hint (the time until the whole cost is
-    back: seconds for a bucket's burst), with the remaining of when it was made, while a token or
-    more may have returned since. The probe is another cost, so it asks the store; admitted, it
-    says what is left, and the last attempt takes that too. Without it, a round of a bucket far
-    above its limit got nothing for the whole hold, and what the rule refilled meanwhile waited for
-    the hold's end (lost when its demand ended first). A denial the store made is not probed: its
-    remaining is current."""
+    A **held** denial with nothing more to ask is probed with one token (once a round): the agent's
+    negative cache denies the same key and cost for the whole of an exact hint (the time until the
+    whole cost is back: seconds for a bucket's burst), with the remaining of when it was made, while
+    tokens may have returned since. The probe is another cost, so it asks the store; admitted, it
+    says what is left, and one more attempt takes that too. Without it, a round of a bucket far
+    above its limit got nothing while the hold lasted, and what the rule refilled meanwhile waited
+    for the hold's end (lost when its demand ended first). A denial the store made is not probed:
+    its remaining is current."""
     want = max(1, min(MAX_COST, want))
     cost = want
     got = 0
-    probing = False
+    probing = probed = False
     last: Decision | None = None
-    for attempt in range(ROUND_ATTEMPTS):
+    asked: list[int] = []
+    limit = ROUND_ATTEMPTS
+    while len(asked) < limit:
         (d,) = await decide([with_cost(q, cost)])
+        asked.append(cost)
         last = d
         if d.allowed:
             got += cost
             more = min(want - got, d.remaining or 0)
-            if not probing or more < 1 or attempt == ROUND_ATTEMPTS - 1:
-                return Taken(got, d, attempt + 1)
+            if not probing or more < 1:
+                return Taken(got, d, len(asked), tuple(asked))
             cost, probing = more, False  # the probe passed: what it says is left, up to the want
             continue
         if got:  # what the probe said was left went meanwhile: keep the probe's token
-            return Taken(got, d, attempt + 1)
+            return Taken(got, d, len(asked), tuple(asked))
         if d.http_status != 429:
             break  # not a limit: a closed rule without its store, a conflict, the agent overloaded
         left = d.remaining or 0
         if d.retry_after_ms < 0:  # never at this cost (above a rule's capacity): half of it may pass
             left = max(left, cost // 2)
-        nxt = min(cost - 1, left) if attempt == 0 else min(cost - 1, left, cost // 2)
-        if nxt < 1 and attempt == 0 and cost > 1 and d.source == DecisionSource.NEGATIVE_CACHE:
-            nxt, probing = 1, True  # none left, as a held denial says: a token may have returned since
-        if nxt < 1:
+        nxt = min(cost - 1, left) if len(asked) == 1 else min(cost - 1, left, cost // 2)
+        if nxt < 1 and not probed and cost > 1 and d.source == DecisionSource.NEGATIVE_CACHE:
+            nxt, probing, probed = 1, True, True  # a held denial: a token may have returned since
+            limit = len(asked) + 2  # the probe, and what it says is left
+        if nxt < 1 or len(asked) >= limit:
             break
         cost = nxt
-    return Taken(got, last, ROUND_ATTEMPTS)
+    return Taken(got, last, ROUND_ATTEMPTS, tuple(asked))
 
 
 def share(tokens: int, needs: dict[Holding, int]) -> dict[Holding, int]:

@@ -288,6 +288,12 @@ def test_a_denial_that_says_none_is_left_is_probed_with_one_token_and_what_that_
     assert (t.tokens, t.retry_ms, asked) == (0, 500, [20, 1])
     decide, asked = decisions((False, 0, 800, HELD))  # a token asked: nothing smaller to probe with
     assert (asyncio.run(f.take(decide, Q, 1)).tokens, asked) == (0, [1])
+    # a held denial's remaining is of when it was made: 3 then, and 3 is held too; 4 are back now
+    decide, asked = decisions((False, 3, 8_000, HELD), (False, 0, 100, HELD), (True, 3, 0), (True, 0, 0))
+    t = asyncio.run(f.take(decide, Q, 20))
+    assert (t.tokens, asked) == (4, [20, 3, 1, 3])
+    decide, asked = decisions((False, 6, 500), (False, 0, 500))  # the store's own answers: no probe
+    assert (asyncio.run(f.take(decide, Q, 20)).tokens, asked) == (0, [20, 6])
 
 
 def test_take_stops_at_an_answer_that_is_not_a_limit():
