@@ -33,6 +33,8 @@ behaviour, checked against the real binary by ``tests/e2e/gateways/test_envoy_rl
 
 A stream that breaks ends nothing at once: the assignments it carried stay Envoy's until they
 expire and are abandoned (their unused tokens counted as stranded), never refunded or renewed.
+A bucket whose Envoy has not reported it for one report interval and ``QUIET_GRACE_MS`` (a stalled
+stream) gets no fresh assignment until it reports again (rlqs_funding.silent).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ BucketAction = Response.BucketAction
 FILL_INTERVAL_S = 10 * 365 * 86_400  # one token per ten years: a token bucket that does not refill
 TICK_S = 0.1
 LEAD_MS = 300.0  # a holding gets its next assignment when it has about this much of its demand left
+QUIET_GRACE_MS = 1_000.0  # a bucket not reported for one report interval and this long is silent (rlqs_funding.silent)
 DENY_TTL_S = 60
 RETRY_MAX_MS = 1_000  # a denied round is asked again at most this much later
 
@@ -155,6 +158,7 @@ class Bucket:
     refused: str | None
     signature: bytes = b""
     burst: int = 1  # the most one decision can take: the smallest burst of the bucket's rules
+    own_rate: float = 0.0  # the refill of rules that are all its principal's own (rlqs_funding.own_rate)
     holdings: set[fund.Holding] = field(default_factory=set)
     round: asyncio.Task | None = None
     again: bool = False
@@ -183,6 +187,7 @@ class RlqsService:
         self._ticker: asyncio.Task | None = None
         self.interval_ms = float(settings.rlqs_report_interval_ms)
         self.span_ms = self.interval_ms + 1_000.0  # an assignment lasts one report interval and a second
+        self.quiet_ms = self.interval_ms + QUIET_GRACE_MS  # no fresh assignment for a bucket silent this long
 
     def now_ms(self) -> float:
         return self.clock() * 1000.0
@@ -313,12 +318,13 @@ class RlqsService:
             return Bucket(key, None, e.reason)
         except LeaseholdError:
             return Bucket(key, None, "bad_value")
-        refused, signature, burst = self._judge(q)
-        return Bucket(key, q, refused, signature, burst)
+        refused, signature, burst, own = self._judge(q)
+        return Bucket(key, q, refused, signature, burst, own)
 
-    def _judge(self, q: Any) -> tuple[str | None, bytes, int]:
-        """(refusal reason or None, the rules' signature, the smallest burst of the rules) of a
-        question under the bundle in force."""
+    def _judge(self, q: Any) -> tuple[str | None, bytes, int, float]:
+        """(refusal reason or None, the rules' signature, the smallest burst of the rules, their
+        refill when they are all the principal's own: rlqs_funding.own_rate) of a question under the
+        bundle in force."""
         snap: Snapshot = self.state_of().holder.snapshot
         shape = self._shape(snap, q)
         rules = shape.enforced
@@ -327,7 +333,8 @@ class RlqsService:
         sig += b"#" + b"|".join(msgspec.json.encode(pools[r.pool_id]) for r in rules
                                 if r.pool_id is not None and r.pool_id in pools)
         burst = min((int(r.capacity(pools)[1]) for r in rules), default=fund.MAX_COST)
-        return per_request_reason(rules), sig, max(1, min(fund.MAX_COST, burst))
+        own = fund.own_rate(rules, pools, q.principal.type)
+        return per_request_reason(rules), sig, max(1, min(fund.MAX_COST, burst)), own
 
     def _shape(self, snap: Snapshot, q: Any) -> Any:
         sub = None
@@ -338,9 +345,9 @@ class RlqsService:
 
     # ------------------------------------------------------------------ what a holding needs
     def _consider(self, h: fund.Holding, now: float) -> None:
-        if fund.wants_tokens(h, now, LEAD_MS):
+        if fund.wants_tokens(h, now, LEAD_MS, self.quiet_ms):
             self._want(h)
-        self._schedule(h, fund.next_check_ms(h, now, LEAD_MS))
+        self._schedule(h, fund.next_check_ms(h, now, LEAD_MS, self.quiet_ms))
 
     def _schedule(self, h: fund.Holding, at_ms: float) -> None:
         at_ms = max(at_ms, self.now_ms() + TICK_S * 1000)
@@ -393,7 +400,8 @@ class RlqsService:
 
     async def _round(self, b: Bucket) -> None:
         t0 = self.now_ms()
-        parties = [h for h in b.holdings if h.wanting and self._alive(h) and fund.wants_tokens(h, t0, LEAD_MS)]
+        parties = [h for h in b.holdings
+                   if h.wanting and self._alive(h) and fund.wants_tokens(h, t0, LEAD_MS, self.quiet_ms)]
         for h in b.holdings:
             h.wanting = False
         if not parties or b.question is None:
@@ -408,13 +416,13 @@ class RlqsService:
             return
         # the bucket's short Envoys join whichever Envoy's report started the round (rlqs_funding.waiting)
         parties += [o for o in b.holdings if o not in parties and self._alive(o)
-                    and fund.waiting(o, t0, self.span_ms, LEAD_MS)]
+                    and fund.waiting(o, t0, self.span_ms, LEAD_MS, self.quiet_ms)]
         cap = self.s.rlqs_max_assignment
         # the time to live the assignment is sent with (whole seconds, ending before the clamp), and
         # the need sized by it: tokens for the clamp's fraction of a second past it would be stranded
         clamp_at = t0 + ttl.clamp_ms
         ttl_s = ttl.seconds
-        needs = {h: fund.need(h, self.span_ms, cap, ttl_s * 1000.0) for h in parties}
+        needs = {h: fund.need(h, self.span_ms, cap, ttl_s * 1000.0, b.own_rate) for h in parties}
         taken = await fund.take(self.decide, b.question, min(b.burst, sum(needs.values())))
         now = self.now_ms()
         if math.isfinite(clamp_at):  # a round that took long may have passed a whole second of the clamp
@@ -422,8 +430,10 @@ class RlqsService:
         if taken.tokens == 0 or ttl_s < 1:
             m.rlqs_rounds.labels("denied").inc()
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("RLQS round for %s denied (streams %s; retry in %d ms)", dict(b.key),
-                          [h.stream for h in parties], taken.retry_ms)
+                d = taken.decision
+                log.debug("RLQS round for %s denied (streams %s; retry in %d ms; asked %s; the last said "
+                          "remaining %s, by %s)", dict(b.key), [h.stream for h in parties], taken.retry_ms,
+                          list(taken.asked), d.remaining if d else None, d.source if d else None)
             if taken.tokens:  # funded, but its window ended while the round waited: never sent
                 m.rlqs_stranded_tokens.inc(taken.tokens)
             for h in parties:
@@ -457,7 +467,7 @@ class RlqsService:
             m.rlqs_assignments.labels("fresh").inc()
             m.rlqs_assigned_tokens.inc(give)
             touched.add(st)
-            self._schedule(h, fund.next_check_ms(h, now, LEAD_MS))
+            self._schedule(h, fund.next_check_ms(h, now, LEAD_MS, self.quiet_ms))
         unsent += taken.tokens - sum(gives.values())
         if unsent:
             m.rlqs_stranded_tokens.inc(unsent)
@@ -553,10 +563,10 @@ class RlqsService:
         for b in list(self.buckets.values()):
             if b.question is None:
                 continue
-            refused, sig, burst = self._judge(b.question)
+            refused, sig, burst, own = self._judge(b.question)
             if sig == b.signature and refused == b.refused:
                 continue
-            b.refused, b.signature, b.burst = refused, sig, burst
+            b.refused, b.signature, b.burst, b.own_rate = refused, sig, burst, own
             for h in list(b.holdings):
                 st = self.streams.get(h.stream)
                 if h.refused != "unknown_domain":

@@ -21,7 +21,13 @@ holds. Then:
   full (:func:`waiting`), so what the bucket has is shared by demand whichever Envoy's report
   started the round;
 * **partial chunks**: a denied round learns what is left from the denial and asks again for that
-  (twice at most), as the fleet pools' chunks do near the limit (partial chunks);
+  (twice at most), as the fleet pools' chunks do near the limit (partial chunks); a denial the
+  agent's negative cache held, saying none is left, is probed with one token (:func:`take`);
+* **a principal's own rules are funded their refill**: a bucket whose rules are all its principal's
+  own carries at least their refill over the span, whatever its reported demand (:func:`own_rate`,
+  :func:`need`): a rule nobody else spends would otherwise sit full between Envoy's reports;
+* **a silent bucket is not funded**: one Envoy has not reported for one report interval and a
+  grace (a stalled stream) gets no fresh assignment until it reports again (:func:`silent`);
 * **a fresh assignment replaces the last**: its unspent tokens are abandoned, never refunded (an
   ambiguous refund could count twice), and counted as stranded once Envoy's reports show how
   many were not used (:meth:`Holding.settle`).
@@ -41,12 +47,13 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kernel.fair_share import split
 
-from ..models import AdmitRequest, Decision
+from ..models import AdmitRequest, Decision, DecisionSource
 
 INF = math.inf
 MAX_COST = 1_000  # AdmitRequest.costHint
@@ -154,13 +161,35 @@ def demand_after(requests: float, seconds: float, n: int, secs: float, interval_
     return requests * keep + n, seconds * keep + secs
 
 
-def need(h: Holding, span_ms: float, cap: int, ttl_ms: float = INF) -> int:
+def need(h: Holding, span_ms: float, cap: int, ttl_ms: float = INF, own_rate: float = 0.0) -> int:
     """The tokens one assignment should carry: the bucket's demand over ``span_ms`` (one report
     interval and a second) or over the time to live the assignment is sent with (``ttl_ms``: whole
     seconds, as Envoy counts them, ending before the window its tokens come from) when shorter —
     what Envoy holds when it ends is stranded, tokens other buckets could have had —, 1 at least,
-    ``cap`` at most."""
-    return max(1, min(cap, math.ceil(h.demand * min(span_ms, ttl_ms) / 1000.0)))
+    ``cap`` at most.
+
+    ``own_rate``: the refill (requests a second) of a bucket whose rules are all its principal's
+    own (:func:`own_rate`; 0 otherwise). Such a bucket's assignment carries at least that refill
+    over the same span, whatever the demand says: Envoy reports every few seconds, so demand above
+    the last report is invisible until the next one, and meanwhile a rule nobody else spends sits
+    full and its refill is lost. A token of it that Envoy does not spend is one the rule would have
+    lost anyway — its owner's demand was below the refill, so the rule would have filled up — and
+    the rule's other gateways and Envoys still have what it holds beyond it."""
+    rate = max(h.demand, own_rate)
+    return max(1, min(cap, math.ceil(rate * min(span_ms, ttl_ms) / 1000.0)))
+
+
+def own_rate(rules: Sequence[Any], pools: Mapping[str, Any], principal_type: str) -> float:
+    """The refill (requests a second at cost 1) of a bucket whose enforced ``rules`` all count one
+    principal's own requests — scoped to its user or its key, spending no pool, and asked for a
+    principal that is not anonymous — the slowest of them; 0 when any rule is shared with other
+    principals (a tenant's, a route's, an address's, a pool: funding its refill in advance could
+    starve someone else) or there is none (:func:`need`)."""
+    if not rules or principal_type == "anonymous":
+        return 0.0
+    if any(r.scope not in ("user", "key") or r.pool_id is not None or r.fleet_wide for r in rules):
+        return 0.0
+    return max(0.0, min(float(r.capacity(pools)[0]) for r in rules))
 
 
 def runs_short(h: Holding, now_ms: float, lead_ms: float) -> bool:
@@ -173,27 +202,40 @@ def runs_short(h: Holding, now_ms: float, lead_ms: float) -> bool:
     return h.left(now_ms) <= max(1.0, h.demand * lead_ms / 1000.0)
 
 
-def wants_tokens(h: Holding, now_ms: float, lead_ms: float) -> bool:
-    """Should a round fund this holding now: no round's denial holds it back, and it
-    :func:`runs_short`."""
-    return now_ms >= h.retry_at_ms and runs_short(h, now_ms, lead_ms)
+def silent(h: Holding, now_ms: float, quiet_ms: float) -> bool:
+    """Envoy has not reported the holding's bucket for more than ``quiet_ms`` (one report interval
+    and a grace, region_agent.gateways.rlqs): its stream is stalled (a partition that drops every
+    packet) or Envoy no longer counts the bucket. What its demand predicts is then unknown, and
+    tokens sent into a stalled stream are spent late or not at all (they are ended when it heals:
+    :func:`needs_end`), so a silent holding gets no fresh assignment; its next report funds it at
+    once (:func:`wants_tokens`)."""
+    return now_ms - h.last_report_ms > quiet_ms
 
 
-def waiting(h: Holding, now_ms: float, span_ms: float, lead_ms: float) -> bool:
+def wants_tokens(h: Holding, now_ms: float, lead_ms: float, quiet_ms: float = INF) -> bool:
+    """Should a round fund this holding now: no round's denial holds it back, it is not
+    :func:`silent`, and it :func:`runs_short`."""
+    return now_ms >= h.retry_at_ms and not silent(h, now_ms, quiet_ms) and runs_short(h, now_ms, lead_ms)
+
+
+def waiting(h: Holding, now_ms: float, span_ms: float, lead_ms: float, quiet_ms: float = INF) -> bool:
     """Should the holding join a round another Envoy of its bucket started: it is short (a round
-    within ``span_ms`` gave it less than it asked) and still :func:`runs_short`. A denial's hint
-    does not hold it back here: the round asks the admission anyway, for all its parties at once."""
-    return bool(h.short_at_ms) and now_ms - h.short_at_ms <= span_ms and runs_short(h, now_ms, lead_ms)
+    within ``span_ms`` gave it less than it asked), not :func:`silent`, and still :func:`runs_short`.
+    A denial's hint does not hold it back here: the round asks the admission anyway, for all its
+    parties at once."""
+    return (bool(h.short_at_ms) and now_ms - h.short_at_ms <= span_ms and not silent(h, now_ms, quiet_ms)
+            and runs_short(h, now_ms, lead_ms))
 
 
-def next_check_ms(h: Holding, now_ms: float, lead_ms: float) -> float:
-    """When the holding should be looked at again without a report: its predicted run-out, its
-    renewal (half its time to live left), its expiry, or a denial's end."""
+def next_check_ms(h: Holding, now_ms: float, lead_ms: float, quiet_ms: float = INF) -> float:
+    """When the holding should be looked at again without a report: its predicted run-out (not
+    while it is :func:`silent`: its next report is), its renewal (half its time to live left), its
+    expiry, or a denial's end."""
     t = now_ms + 60_000.0
     if h.live(now_ms):
         renew_at = h.expires_at_ms - h.ttl_s * 500.0
         t = min(t, max(now_ms, renew_at), h.expires_at_ms)
-        if h.demand > 0:
+        if h.demand > 0 and not silent(h, now_ms, quiet_ms):
             left = h.left(now_ms)
             t = min(t, now_ms + max(0.0, (left / h.demand) * 1000.0 - lead_ms))
     if h.retry_at_ms > now_ms:
@@ -269,6 +311,7 @@ class Taken:
     tokens: int
     decision: Decision | None  # the last decision of the round (the granted one, or the last denial)
     attempts: int = 0
+    asked: tuple[int, ...] = ()  # the cost of each decision (the round's debug log)
 
     @property
     def retry_ms(self) -> int:
@@ -286,24 +329,49 @@ def with_cost(q: AdmitRequest, cost: int) -> AdmitRequest:
 
 async def take(decide: Decide, q: AdmitRequest, want: int) -> Taken:
     """Take up to ``want`` tokens for the bucket of ``q``: one decision of that cost; a denial that
-    says fewer are left is asked again for what is left, then half of that (partial chunks)."""
-    cost = max(1, min(MAX_COST, want))
+    says fewer are left is asked again for what is left, then half of that (partial chunks).
+
+    A **held** denial with nothing more to ask is probed with one token (once a round): the agent's
+    negative cache denies the same key and cost for the whole of an exact hint (the time until the
+    whole cost is back: seconds for a bucket's burst), with the remaining of when it was made, while
+    tokens may have returned since. The probe is another cost, so it asks the store; admitted, it
+    says what is left, and one more attempt takes that too. Without it, a round of a bucket far
+    above its limit got nothing while the hold lasted, and what the rule refilled meanwhile waited
+    for the hold's end (lost when its demand ended first). A denial the store made is not probed:
+    its remaining is current."""
+    want = max(1, min(MAX_COST, want))
+    cost = want
+    got = 0
+    probing = probed = False
     last: Decision | None = None
-    for attempt in range(ROUND_ATTEMPTS):
+    asked: list[int] = []
+    limit = ROUND_ATTEMPTS
+    while len(asked) < limit:
         (d,) = await decide([with_cost(q, cost)])
+        asked.append(cost)
         last = d
         if d.allowed:
-            return Taken(cost, d, attempt + 1)
+            got += cost
+            more = min(want - got, d.remaining or 0)
+            if not probing or more < 1:
+                return Taken(got, d, len(asked), tuple(asked))
+            cost, probing = more, False  # the probe passed: what it says is left, up to the want
+            continue
+        if got:  # what the probe said was left went meanwhile: keep the probe's token
+            return Taken(got, d, len(asked), tuple(asked))
         if d.http_status != 429:
             break  # not a limit: a closed rule without its store, a conflict, the agent overloaded
         left = d.remaining or 0
         if d.retry_after_ms < 0:  # never at this cost (above a rule's capacity): half of it may pass
             left = max(left, cost // 2)
-        nxt = min(cost - 1, left) if attempt == 0 else min(cost - 1, left, cost // 2)
-        if nxt < 1:
+        nxt = min(cost - 1, left) if len(asked) == 1 else min(cost - 1, left, cost // 2)
+        if nxt < 1 and not probed and cost > 1 and d.source == DecisionSource.NEGATIVE_CACHE:
+            nxt, probing, probed = 1, True, True  # a held denial: a token may have returned since
+            limit = len(asked) + 2  # the probe, and what it says is left
+        if nxt < 1 or len(asked) >= limit:
             break
         cost = nxt
-    return Taken(0, last, ROUND_ATTEMPTS)
+    return Taken(got, last, ROUND_ATTEMPTS, tuple(asked))
 
 
 def share(tokens: int, needs: dict[Holding, int]) -> dict[Holding, int]:
@@ -315,5 +383,5 @@ def share(tokens: int, needs: dict[Holding, int]) -> dict[Holding, int]:
     return gives
 
 
-__all__ = ["Decide", "Holding", "Taken", "demand_after", "ended", "granted", "need", "needs_end", "next_check_ms", "observe",
-           "renewal_ttl", "renewed", "revoke", "runs_short", "share", "take", "waiting", "wants_tokens", "with_cost"]
+__all__ = ["Decide", "Holding", "Taken", "demand_after", "ended", "granted", "need", "needs_end", "next_check_ms", "observe", "own_rate",
+           "renewal_ttl", "renewed", "revoke", "runs_short", "share", "silent", "take", "waiting", "wants_tokens", "with_cost"]

@@ -53,7 +53,7 @@ def service(bucket_has: list[int], clock: FakeClock) -> tuple[RlqsService, list[
 def holder(svc: RlqsService, bucket: Bucket, stream_id: int, demand: float) -> f.Holding:
     st = Stream(stream_id, f"peer-{stream_id}")
     svc.streams[stream_id] = st
-    h = f.Holding(stream=stream_id, bucket=KEY, question=Q, demand=demand)
+    h = f.Holding(stream=stream_id, bucket=KEY, question=Q, demand=demand, last_report_ms=svc.now_ms())
     st.holdings[KEY] = h
     bucket.holdings.add(h)
     return h
@@ -92,6 +92,24 @@ async def test_an_envoy_funded_in_full_is_not_short_and_joins_no_other_round():
     b.wanting = True
     await svc._round(bucket)
     assert asked == [48, 12] and (a.chunk, b.chunk) == (48, 12)
+
+
+async def test_a_new_bucket_of_its_principals_own_rule_is_funded_its_refill_not_its_first_request():
+    """Figure 8's user far above its limit: the first report is one request, read as one a second.
+    Funded for that (6 tokens over 6 s), the user's rule (20, then 2 a second) would fill up again
+    before Envoy's next report and lose its refill; funded the rule's refill over the span, it
+    takes 12 and the rule refills to full only as the next report arrives."""
+    clock = FakeClock(100.0)
+    for own, want in ((0.0, 6), (2.0, 12)):
+        svc, asked = service([20], clock)
+        bucket = Bucket(KEY, Q, None, burst=20, own_rate=own)
+        svc.buckets[KEY] = bucket
+        h = holder(svc, bucket, 1, 0.0)
+        h.last_report_ms = 0.0  # its first report follows
+        f.observe(h, 0, 1, clock() * 1000.0, 5_000)
+        h.wanting = True
+        await svc._round(bucket)
+        assert asked == [want] and h.chunk == want
 
 
 # ------------------------------------------------------------------ a stalled stream: ends
@@ -180,8 +198,44 @@ async def test_every_assignment_on_a_stalled_stream_is_ended_before_its_windows_
         svc.tick()
     assert len(ends) == 3
     tokens = [a for a in sent if a[1] == "tokens"]
-    assert len(tokens) >= 3  # an assignment in each window: not a test that sends nothing
-    assert svc.metrics.rlqs_assignments.labels("end")._value.get() >= 3
+    assert tokens  # not a test that sends nothing
+    # fresh tokens only while the bucket is not silent: one report interval and a grace after its
+    # last report (rlqs_funding.silent); renewals need a stream that still reports
+    last_report = 6_000.0 * 20_000 + 100
+    assert all(at <= last_report + svc.quiet_ms for at, _, _ in tokens), tokens
+    assert svc.metrics.rlqs_assignments.labels("end")._value.get() >= 1
+    await svc.stop()
+
+
+async def test_a_bucket_silent_for_a_report_interval_and_a_grace_gets_no_fresh_assignment_until_it_reports():
+    """A blackholed stream: the agent hears nothing, and its predictions of the buckets' use run on.
+    Funded by them, the assignments would wait in the stalled stream and be ended when it heals
+    (80-130 atlas-w tokens per window in the chaos scenario's fault windows). Once the bucket is
+    silent no fresh one is funded; its next report funds it at once."""
+    clock = MsClock()
+    svc = stalled_service(clock)
+    svc.ttl_for = lambda b: Ttl(2, 0, math.inf, True)  # type: ignore[method-assign]  # 2 s assignments
+    st = svc.streams.setdefault(1, Stream(1, "envoy-a"))
+    svc.on_report(st, report(0, 20))  # first on this stream: 4 a second
+    await settle(svc)
+    reported = clock.ms
+
+    def fresh_count() -> float:
+        return svc.metrics.rlqs_assignments.labels("fresh")._value.get()
+
+    fresh = []  # when a fresh assignment was sent (a renewal adds no tokens: not counted)
+    for _ in range(150):  # 15 s of silence
+        n = fresh_count()
+        clock.ms += 100
+        svc.tick()
+        await settle(svc)
+        received(st)
+        if fresh_count() > n:
+            fresh.append(clock.ms)
+    assert fresh and max(fresh) <= reported + svc.quiet_ms  # funded while its demand was recent, not after
+    svc.on_report(st, report(40, 20))  # it reports again: it spent what it was sent and asks for more
+    await settle(svc)
+    assert [kind for kind, _ in received(st)] == ["deny", "tokens"]  # a fresh assignment at once
     await svc.stop()
 
 

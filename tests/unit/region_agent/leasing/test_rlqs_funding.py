@@ -10,8 +10,10 @@ import statistics
 
 import pytest
 
+from kernel.algorithms.pool import PoolRule
+from kernel.algorithms.token_bucket import TokenBucketRule
 from region_agent.leasing import rlqs_funding as f
-from region_agent.models import AdmitRequest, Decision, Principal
+from region_agent.models import AdmitRequest, Decision, DecisionSource, Principal
 
 Q = AdmitRequest(request_id="rlqs-bucket", principal=Principal(type="user", id="U-1"), route_group="read",
                  tenant_id="atlas")
@@ -118,6 +120,38 @@ def test_after_a_report_of_4_a_second_an_assignment_of_5_s_carries_20_tokens():
     assert f.need(h, 6_000, 100, ttl_ms=5 * 1_000) == 20  # not 23 (sized by a clamp 5.65 s away)
 
 
+def user_bucket(scope: str = "user", refill_per_s: int = 2) -> TokenBucketRule:
+    """20 tokens, then ``refill_per_s`` a second (Figure 8's P-READ)."""
+    return TokenBucketRule(id=f"{scope}-read", scope=scope, fail_mode="closed", capacity_millis=20_000,
+                           refill_millis=refill_per_s * 1_000, period_ms=1_000, cost_millis=1_000)
+
+
+def test_a_bucket_of_its_principals_own_rules_has_their_slowest_refill_and_a_shared_one_none():
+    assert f.own_rate([user_bucket()], {}, "user") == 2.0
+    assert f.own_rate([user_bucket("user", 5), user_bucket("key", 3)], {}, "user") == 3.0
+    # shared with other principals: a tenant's or a route's rule, a pool
+    assert f.own_rate([user_bucket(), user_bucket("tenant", 50)], {}, "user") == 0.0
+    assert f.own_rate([user_bucket("route")], {}, "user") == 0.0
+    assert f.own_rate([user_bucket(), PoolRule(id="p", scope="user", fail_mode="closed", pool="atlas-w")],
+                      {}, "user") == 0.0
+    assert f.own_rate([user_bucket()], {}, "anonymous") == 0.0
+    assert f.own_rate([], {}, "user") == 0.0
+
+
+def test_an_own_rules_bucket_is_funded_at_least_its_refill_whatever_the_first_report_said():
+    """A new bucket's first report is one request (taken as one a second): its demand above that is
+    unknown until Envoy's next report, 5 s on, while the user's rule (20, then 2 a second) would sit
+    full and lose its refill. The assignment carries the refill over the span instead."""
+    h = holding()
+    f.observe(h, 0, 1, 1_000.0, 5_000)
+    assert h.demand == 1.0
+    assert f.need(h, 6_000, 100, ttl_ms=10_000) == 6  # a shared bucket: its demand
+    assert f.need(h, 6_000, 100, ttl_ms=10_000, own_rate=2.0) == 12  # its own rule's refill over 6 s
+    assert f.need(h, 6_000, 100, ttl_ms=3_000, own_rate=2.0) == 6  # over the time to live when shorter
+    assert f.need(holding(demand=5.0), 6_000, 100, own_rate=2.0) == 30  # the demand when above it
+    assert f.need(holding(demand=5.0), 6_000, 10, own_rate=20.0) == 10  # the cap still holds
+
+
 def test_a_holding_wants_tokens_when_its_assignment_is_gone_or_nearly_spent():
     h = holding(demand=2.0)
     assert f.wants_tokens(h, 0.0, 300)
@@ -130,6 +164,21 @@ def test_a_holding_wants_tokens_when_its_assignment_is_gone_or_nearly_spent():
     assert not f.wants_tokens(h, 6_600.0, 300)  # a denied round holds it back
     assert not f.wants_tokens(holding(demand=0.0), 0.0, 300)
     assert not f.wants_tokens(f.Holding(stream=1, bucket=(), question=None, refused="unknown_key", demand=5), 0, 300)
+
+
+def test_a_silent_holding_wants_no_tokens_and_is_not_checked_at_its_predicted_run_out():
+    h = holding(demand=4.0, last_report_ms=10_000.0)
+    f.granted(h, 20, 20, 10_000.0, math.inf)
+    at = 15_000.0  # 20 tokens at 4 a second: predicted spent
+    assert f.wants_tokens(h, at, 300.0, quiet_ms=6_000.0)
+    assert f.next_check_ms(h, at, 300.0, quiet_ms=6_000.0) == at
+    later = 16_500.0  # one report interval and a grace (6 s) since its last report: silent
+    assert f.silent(h, later, 6_000.0) and not f.wants_tokens(h, later, 300.0, quiet_ms=6_000.0)
+    assert f.next_check_ms(h, later, 300.0, quiet_ms=6_000.0) == 20_000.0  # its renewal's turn, not now
+    h.short_at_ms = later - 1_000.0
+    assert not f.waiting(h, later, 6_000.0, 300.0, quiet_ms=6_000.0)
+    f.observe(h, 20, 5, 17_000.0, 5_000)  # it reports again
+    assert f.wants_tokens(h, 17_000.0, 300.0, quiet_ms=6_000.0)
 
 
 def test_a_renewal_adds_time_never_tokens_and_never_passes_the_clamp():
@@ -185,17 +234,22 @@ def test_stranded_tokens_are_what_was_funded_and_not_used_once_it_cannot_be_used
     assert h.settle(9_000.0) == 0
 
 
-def decisions(*answers: tuple[bool, int, int]):
-    """A scripted admission: (allowed, remaining, retryAfterMs) per call; records the costs asked."""
+HELD = DecisionSource.NEGATIVE_CACHE
+
+
+def decisions(*answers: tuple):
+    """A scripted admission: (allowed, remaining, retryAfterMs[, source]) per call; records the costs
+    asked."""
     asked: list[int] = []
     it = iter(answers)
 
     async def decide(qs):
         (q,) = qs
         asked.append(q.cost_hint)
-        ok, rem, retry = next(it)
+        ok, rem, retry, *source = next(it)
         return [Decision(allowed=ok, decision_id=q.request_id, rule_id="read-user-v3", bundle_version=1,
-                         remaining=rem, retry_after_ms=retry, http_status=200 if ok else 429)]
+                         remaining=rem, retry_after_ms=retry, http_status=200 if ok else 429,
+                         source=source[0] if source else DecisionSource.SCRIPT)]
     return decide, asked
 
 
@@ -206,12 +260,40 @@ def test_take_asks_again_for_what_a_denial_says_is_left():
     decide, asked = decisions((False, 6, 500), (False, 3, 500), (True, 0, 0))
     t = asyncio.run(f.take(decide, Q, 20))
     assert (t.tokens, asked) == (3, [20, 6, 3])
-    decide, asked = decisions((False, 0, 800))
+    decide, asked = decisions((False, 0, 800))  # none left, as the store says: nothing more asked
     t = asyncio.run(f.take(decide, Q, 20))
     assert (t.tokens, t.retry_ms, asked) == (0, 800, [20])
     decide, asked = decisions((False, 0, -1), (True, 3, 0))  # never at 40 (above a capacity): half
     assert asyncio.run(f.take(decide, Q, 40)).tokens == 20
     assert all(q.startswith("rlqs-") for q in [f.with_cost(Q, 3).request_id])
+
+
+def test_a_denial_that_says_none_is_left_is_probed_with_one_token_and_what_that_says_is_left_is_taken():
+    """The negative cache holds a denial of the same cost for its whole exact hint (seconds, for a
+    user's bucket to be back at 20), with the remaining of when it was made (0): a round of a bucket
+    far above its limit got nothing while its rule refilled. One token asks the store; its answer
+    says how many more are there."""
+    decide, asked = decisions((False, 0, 4_000, HELD), (True, 5, 0), (True, 0, 0))
+    t = asyncio.run(f.take(decide, Q, 20))
+    assert (t.tokens, asked, t.attempts) == (6, [20, 1, 5], 3)
+    decide, asked = decisions((False, 0, 4_000, HELD), (True, 0, 0))  # the probe was the last token
+    assert (asyncio.run(f.take(decide, Q, 20)).tokens, asked) == (1, [20, 1])
+    decide, asked = decisions((False, 0, 4_000, HELD), (True, 5, 0), (False, 2, 300))  # the 5 went meanwhile
+    t = asyncio.run(f.take(decide, Q, 20))
+    assert (t.tokens, t.retry_ms, asked) == (1, 0, [20, 1, 5])
+    decide, asked = decisions((False, 0, 4_000, HELD), (True, 50, 0), (True, 0, 0))  # never more than the want
+    assert (asyncio.run(f.take(decide, Q, 20)).tokens, asked) == (20, [20, 1, 19])
+    decide, asked = decisions((False, 0, 4_000, HELD), (False, 0, 500))  # nothing returned yet
+    t = asyncio.run(f.take(decide, Q, 20))
+    assert (t.tokens, t.retry_ms, asked) == (0, 500, [20, 1])
+    decide, asked = decisions((False, 0, 800, HELD))  # a token asked: nothing smaller to probe with
+    assert (asyncio.run(f.take(decide, Q, 1)).tokens, asked) == (0, [1])
+    # a held denial's remaining is of when it was made: 3 then, and 3 is held too; 4 are back now
+    decide, asked = decisions((False, 3, 8_000, HELD), (False, 0, 100, HELD), (True, 3, 0), (True, 0, 0))
+    t = asyncio.run(f.take(decide, Q, 20))
+    assert (t.tokens, asked) == (4, [20, 3, 1, 3])
+    decide, asked = decisions((False, 6, 500), (False, 0, 500))  # the store's own answers: no probe
+    assert (asyncio.run(f.take(decide, Q, 20)).tokens, asked) == (0, [20, 6])
 
 
 def test_take_stops_at_an_answer_that_is_not_a_limit():
