@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from ..service.metrics import AgentMetrics
 from .call import Call
-from .negcache import DenialKey, NegativeCache
+from .negcache import NegativeCache, denial_keys
 from .outcome import Answer
 from .plan import Plan
 
@@ -47,14 +47,10 @@ class Denials:
         entries = self.cache.entries
         if plan.decision_ttl_ms > 0 or not entries:
             return None
-        calls = plan.calls
-        whole = tuple(calls)
-        keys: list[DenialKey] = [whole] if whole in entries else []
-        for call in calls:
-            one = (call.key, call.params)
-            if one in entries:
-                keys.append(one)
-        for key in keys:
+        # (the plan's question's keys were built once with it: region_agent.decision.plan.Keyed)
+        for key in plan.denial_keys or denial_keys(plan.calls):
+            if key not in entries:
+                continue
             if now_ms is None:
                 now_ms = self.now_ms()
             hit = self.cache.get(key, now_ms)

@@ -35,6 +35,7 @@ from .call import Call, multi_rule_argv
 from .hot import HotConfig, derive_hot
 from .httpmap import HttpAnswers, RetryJitter, admitted_fields
 from .keys import KeyBuilder, KeyTemplate, parse_ip
+from .negcache import denial_keys
 from .outcome import admission_of
 
 # immutable records built per decision: NamedTuples rather than frozen dataclasses; the hot path
@@ -87,6 +88,9 @@ class Plan:
     # keyed by its clientIp): decided first, in its own call (another hash tag than the tenant's)
     edge: Plan | None = None
     approx: Sequence[ApproxSpend] = ()  # approximate rules: counted in process, not in the script
+    # what a held denial of this question is found by (region_agent.decision.denials): the whole
+    # call's slots, then each slot's (key, params); shared, read-only
+    denial_keys: Sequence[tuple[object, ...]] = ()
 
     @property
     def anonymous(self) -> bool:
@@ -325,6 +329,7 @@ class Keyed(NamedTuple):
     argv_rules: tuple[object, ...] | None
     unrecorded_dk: str  # KEYS[1] when the shape stores no decision record ('' when it does)
     question: str  # what a decision record answers ('' when the shape stores none)
+    denial_keys: tuple[tuple[object, ...], ...]  # Plan.denial_keys
 
 
 def build_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, *, checked: bool = False,
@@ -359,7 +364,7 @@ def build_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, *, checked: 
         edge = edge_plan(snap, req, keys, shape.edge)
     return Plan(req.request_id, kd.tenant, principal.type, shape.enforced, kd.calls, shape.slots, kd.shadow_calls,
                 shape.shadow_slots, kd.spends, decision_key, shape.decision_ttl_ms, kd.question, shape.slack_ms,
-                req.cost_hint, kd.argv_rules, shape.has_pool, shape, req, edge, kd.approx)
+                req.cost_hint, kd.argv_rules, shape.has_pool, shape, req, edge, kd.approx, kd.denial_keys)
 
 
 def _keyed(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, shape: Shape | None) -> Keyed:
@@ -422,7 +427,8 @@ def _keyed(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, shape: Shape | N
     else:
         unrecorded = KeyBuilder.unrecorded_decision_key(tenant=tenant if ip_tag is None else None, ip_tag=ip_tag,
                                                         sub=shape.sub)
-    return _new(Keyed, (shape, tenant, ip_tag, calls, shadow_calls, spends, approx, argv_rules, unrecorded, question))
+    return _new(Keyed, (shape, tenant, ip_tag, calls, shadow_calls, spends, approx, argv_rules, unrecorded, question,
+                        denial_keys(calls)))
 
 
 def edge_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, edge: Shape) -> Plan:
