@@ -259,23 +259,6 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-YOUNG_THRESHOLD = 10_000  # allocations between young collections (CPython's default: 700)
-
-
-def fewer_young_collections(threshold: int = YOUNG_THRESHOLD) -> None:
-    """Let the cyclic collector's youngest generation grow to ``threshold`` net allocations
-    before it is collected (CPython's default is 700; the older generations' ratios are kept).
-    A request handler allocates a few hundred short-lived objects that reference counting frees,
-    so with the default the collector ran a young collection every few requests (110-150 in 6 s
-    of figure 2's load) walking whatever was still alive at that instant; with 10,000, 3-4. What
-    a young collection walks grows with the threshold, but only by what is alive (a few
-    requests' objects), so the total time falls. Called with :func:`freeze_startup_heap`."""
-    import gc
-
-    _, g1, g2 = gc.get_threshold()
-    gc.set_threshold(threshold, g1, g2)
-
-
 def quiet_request_logs(level: str) -> None:
     """Per-request log lines of the HTTP clients (httpx logs every call at INFO: every lease
     request and usage report of an agent) only at debug; state changes stay at INFO."""

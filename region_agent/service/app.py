@@ -327,9 +327,8 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                                                                     settings.store_health_ms)))
         await state.gateways.start()  # the RLS gRPC server, when --rls-port is set
         if freeze_heap:
-            from kernel.httpserver import fewer_young_collections, freeze_startup_heap
+            from kernel.httpserver import freeze_startup_heap
             freeze_startup_heap()
-            fewer_young_collections()
         loop = asyncio.get_running_loop()
         undo_termination = None
         if install_signal_handlers:

@@ -18,13 +18,3 @@ def test_the_objects_alive_at_startup_are_frozen() -> None:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0
 
-
-def test_fewer_young_collections_raises_only_the_youngest_threshold() -> None:
-    from kernel.httpserver import YOUNG_THRESHOLD, fewer_young_collections
-
-    before = gc.get_threshold()
-    try:
-        fewer_young_collections()
-        assert gc.get_threshold() == (YOUNG_THRESHOLD, before[1], before[2])
-    finally:
-        gc.set_threshold(*before)
