@@ -259,7 +259,8 @@ class Snapshot:
     the policy holder when it accepts a bundle (region_agent.service.policy) and dropped with it: no
     state of one agent is shared with another in the same process."""
 
-    __slots__ = ("_shapes", "bundle", "http", "keyed", "named_tenants", "per_unit", "pools", "rules_by_id", "splits")
+    __slots__ = ("_shapes", "bundle", "http", "keyed", "keyed_by", "named_tenants", "per_unit", "pools", "rules_by_id",
+                 "seen", "splits")
 
     def __init__(self, bundle: Bundle, jitter: RetryJitter | None = None):
         self.bundle = bundle
@@ -272,9 +273,14 @@ class Snapshot:
         self.per_unit: dict[str, tuple[int, str] | None] = {}
         self._shapes: BoundedMemo[tuple[str | None, str, str, bool, int | None], Shape] = BoundedMemo(
             SELECTION_CACHE_MAX)
-        # a question's plan without its request id (:class:`Keyed`), per (key builder, tenant, route
-        # group, principal type, id and API key, cost): a busy principal's plan is derived once
-        self.keyed: BoundedMemo[tuple[object, ...], Keyed] = BoundedMemo(KEYED_CACHE_MAX)
+        # a question's plan without its request id (:class:`Keyed`), per (tenant, route group,
+        # principal type, id and API key, cost), for the first key builder that asks (the agent has
+        # one; another one's plans are built per request): a busy principal's plan is derived once.
+        # A question is remembered the second time it is asked within ``SEEN_MAX`` others (``seen``):
+        # a question asked once costs no memo entry, and the memo holds the questions that repeat
+        self.keyed: BoundedMemo[Question, Keyed] = BoundedMemo(KEYED_CACHE_MAX)
+        self.seen: BoundedMemo[Question, bool] = BoundedMemo(SEEN_MAX)
+        self.keyed_by: KeyBuilder | None = None
 
     def __repr__(self) -> str:
         return f"Snapshot(bundle {self.bundle.bundle_version})"
@@ -311,6 +317,10 @@ class Snapshot:
 
 
 KEYED_CACHE_MAX = 20_000  # questions per snapshot whose plan is kept (a few hundred bytes each)
+SEEN_MAX = 50_000  # questions asked once, remembered as asked (a tuple of strings each)
+# (tenant, route group, principal type, principal id, API key id, cost): a tuple, never a joined
+# string (principal and key ids are free text: a separator inside one must not make two questions one)
+Question = tuple[str | None, str, str, str, str | None, int]
 
 
 class Keyed(NamedTuple):
@@ -329,7 +339,7 @@ class Keyed(NamedTuple):
     argv_rules: tuple[object, ...] | None
     unrecorded_dk: str  # KEYS[1] when the shape stores no decision record ('' when it does)
     question: str  # what a decision record answers ('' when the shape stores none)
-    denial_keys: tuple[tuple[object, ...], ...]  # Plan.denial_keys
+    denial_keys: tuple[tuple[object, ...], ...]  # Plan.denial_keys (() until remembered: Denials builds them)
 
 
 def build_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, *, checked: bool = False,
@@ -341,30 +351,39 @@ def build_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, *, checked: 
     request selects.
 
     The part of the plan that does not depend on the request id (:class:`Keyed`) is remembered
-    per question in the snapshot (``Snapshot.keyed``, bounded): a policy reload makes a new
-    snapshot, so a remembered plan never outlives the bundle it was built from."""
+    per question in the snapshot from the second time it is asked (``Snapshot.keyed``, bounded):
+    a policy reload makes a new snapshot, so a remembered plan never outlives the bundle it was
+    built from."""
     if not checked:
         check_request(req.request_id, req.route_group, req.tenant_id)
     principal = req.principal
-    if shape is None:
-        k = (keys, req.tenant_id, req.route_group, principal.type, principal.id, principal.api_key_id, req.cost_hint)
-        kd = snap.keyed.get(k)
-        if kd is None:  # (a question the keys refuse raises here, every time: nothing is remembered)
-            kd = snap.keyed.put(k, _keyed(snap, req, keys, None))
-    else:
+    if shape is not None:
         kd = _keyed(snap, req, keys, shape)
-    shape = kd.shape
-    if kd.unrecorded_dk:
-        decision_key = kd.unrecorded_dk
+    elif keys is snap.keyed_by or snap.keyed_by is None:
+        snap.keyed_by = keys
+        q = (req.tenant_id, req.route_group, principal.type, principal.id, principal.api_key_id, req.cost_hint)
+        kd = snap.keyed.get(q)  # type: ignore[assignment]  # (None: not remembered)
+        if kd is None:  # (a question the keys refuse raises in _keyed, every time: nothing is remembered)
+            kd = _keyed(snap, req, keys, None)
+            seen = snap.seen
+            if q in seen:  # asked before: remembered from now on, with the negative cache's lookup keys
+                kd = snap.keyed.put(q, kd._replace(denial_keys=denial_keys(kd.calls)))
+            else:  # (BoundedMemo.put inline: most questions of a long tail are asked once)
+                if len(seen) >= SEEN_MAX:
+                    seen.clear()
+                seen[q] = True
     else:
-        decision_key = keys.decision_key(req.request_id, tenant=kd.tenant if kd.ip_tag is None else None,
-                                         ip_tag=kd.ip_tag, sub=shape.sub)
+        kd = _keyed(snap, req, keys, None)
+    shape, tenant, ip_tag, calls, shadow_calls, spends, approx, argv_rules, decision_key, question, dks = kd
+    if not decision_key:  # a recorded decision: its key is the request id's
+        decision_key = keys.decision_key(req.request_id, tenant=tenant if ip_tag is None else None, ip_tag=ip_tag,
+                                         sub=shape.sub)
     edge = None
     if shape.edge is not None and req.client_ip is not None:
         edge = edge_plan(snap, req, keys, shape.edge)
-    return Plan(req.request_id, kd.tenant, principal.type, shape.enforced, kd.calls, shape.slots, kd.shadow_calls,
-                shape.shadow_slots, kd.spends, decision_key, shape.decision_ttl_ms, kd.question, shape.slack_ms,
-                req.cost_hint, kd.argv_rules, shape.has_pool, shape, req, edge, kd.approx, kd.denial_keys)
+    return Plan(req.request_id, tenant, principal.type, shape.enforced, calls, shape.slots, shadow_calls,
+                shape.shadow_slots, spends, decision_key, shape.decision_ttl_ms, question, shape.slack_ms,
+                req.cost_hint, argv_rules, shape.has_pool, shape, req, edge, approx, dks)
 
 
 def _keyed(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, shape: Shape | None) -> Keyed:
@@ -428,7 +447,7 @@ def _keyed(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, shape: Shape | N
         unrecorded = KeyBuilder.unrecorded_decision_key(tenant=tenant if ip_tag is None else None, ip_tag=ip_tag,
                                                         sub=shape.sub)
     return _new(Keyed, (shape, tenant, ip_tag, calls, shadow_calls, spends, approx, argv_rules, unrecorded, question,
-                        denial_keys(calls)))
+                        ()))  # (the lookup keys are built when the question is remembered: build_plan)
 
 
 def edge_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, edge: Shape) -> Plan:

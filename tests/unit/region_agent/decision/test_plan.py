@@ -272,30 +272,42 @@ def test_a_remembered_plan_is_the_plan_built_afresh_with_only_the_request_id_per
                 ("read", "user", "U-1", "atlas"), ("export", "user", "U-1", "atlas"),
                 ("login", "anonymous", "203.0.113.9", None), ("read", "user", "U-2", "birch")])]
     for r in asks:
-        first = build_plan(snap, r, KB, checked=True)
-        again = build_plan(snap, r, KB, checked=True)
+        first = build_plan(snap, r, KB, checked=True)  # asked once: not remembered yet
+        assert len(snap.keyed) == asks.index(r)
+        again = build_plan(snap, r, KB, checked=True)  # asked again: remembered
         other = build_plan(snap, msgspec.structs.replace(r, request_id=r.request_id + "x"), KB, checked=True)
         fresh = build_plan(Snapshot(NORTHSTAR), r, KB, checked=True)
         assert _fields(first) == _fields(again) == _fields(fresh)
-        assert other.calls is first.calls  # the question's part is shared ...
+        assert other.calls is again.calls and other.denial_keys is again.denial_keys  # the question's part is shared
         assert other.request_id != first.request_id  # ... the request id is not
         if first.decision_ttl_ms > 0:  # a recorded decision's key is the request's own
             assert other.decision_key != first.decision_key and other.question == first.question
     assert len(snap.keyed) == len(asks)
 
 
-def test_the_memo_is_per_key_builder_and_keeps_no_refused_question():
+def test_questions_that_differ_only_inside_free_text_ids_are_never_one():
+    snap = Snapshot(NORTHSTAR)
+    one = req(ptype="user", pid="U-1", key="K1:x")
+    two = req(ptype="user", pid="U-1:K1", key="x")
+    for _ in range(3):
+        a, b = build_plan(snap, one, KB), build_plan(snap, two, KB)
+        assert a.calls[0].key != b.calls[0].key
+        assert a.calls == build_plan(Snapshot(NORTHSTAR), one, KB).calls
+
+
+def test_the_memo_belongs_to_one_key_builder_and_keeps_no_refused_question():
     snap = Snapshot(NORTHSTAR)
     other_kb = KeyBuilder(b"another-pepper")
-    a = build_plan(snap, req(), KB)
-    b = build_plan(snap, req(), other_kb)
-    assert a.calls[0].key != b.calls[0].key  # user keys carry the pepper's hash
-    assert b.calls[0].key == build_plan(Snapshot(NORTHSTAR), req(), other_kb).calls[0].key
-    n = len(snap.keyed)
-    for _ in range(2):  # an authenticated principal without a tenant: refused every time, never remembered
+    for _ in range(2):
+        a = build_plan(snap, req(), KB)
+        b = build_plan(snap, req(), other_kb)  # another key builder: built per request, never from KB's memo
+        assert a.calls[0].key != b.calls[0].key  # user keys carry the pepper's hash
+        assert b.calls[0].key == build_plan(Snapshot(NORTHSTAR), req(), other_kb).calls[0].key
+    assert snap.keyed_by is KB and len(snap.keyed) == 1
+    for _ in range(3):  # an authenticated principal without a tenant: refused every time, never remembered
         with pytest.raises(ValidationFailed):
             build_plan(snap, req(tenant=None), KB)
-    assert len(snap.keyed) == n
+    assert len(snap.keyed) == 1
 
 
 def test_a_policy_reload_plans_with_the_new_bundle_never_a_remembered_plan():
@@ -308,12 +320,14 @@ def test_a_policy_reload_plans_with_the_new_bundle_never_a_remembered_plan():
 
     holder = PolicyHolder("unused.json", version(900, 20))
     old = holder.snapshot
-    before = build_plan(old, req(), KB)
-    assert build_plan(holder.snapshot, req(rid="r-another-0001"), KB).calls is before.calls  # remembered
+    build_plan(old, req(), KB)
+    before = build_plan(old, req(rid="r-another-0001"), KB)  # asked twice: remembered
+    assert build_plan(holder.snapshot, req(rid="r-another-0002"), KB).calls is before.calls
     assert before.calls[0].params[0] == 20_000
     assert holder.offer(version(901, 35)).outcome == "accepted"
-    after = build_plan(holder.snapshot, req(rid="r-another-0002"), KB)
-    assert holder.snapshot is not old and len(holder.snapshot.keyed) == 1  # a new snapshot: its own memo
-    assert after.calls[0].params[0] == 35_000  # the new bundle's burst, not the remembered call
-    assert after.calls[0].key == before.calls[0].key  # same question, same key
+    assert holder.snapshot is not old and len(holder.snapshot.keyed) == 0  # a new snapshot: its own memo
+    for i in range(3):  # first asked, then remembered, then answered from the memo: the new bundle's throughout
+        after = build_plan(holder.snapshot, req(rid=f"r-after-{i:04d}"), KB)
+        assert after.calls[0].params[0] == 35_000  # the new bundle's burst, not the remembered call
+        assert after.calls[0].key == before.calls[0].key  # same question, same key
     assert build_plan(old, req(), KB).calls[0].params[0] == 20_000  # a reader still on the old snapshot
