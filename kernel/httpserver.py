@@ -223,15 +223,20 @@ _HEAD, _BODY, _IDLE = 0, 1, 2
 
 def serve(app: Any, *, host: str, port: int, limits: HttpLimits, log_level: str, access_log: bool = False,
           workers: int = 1, factory: bool = False, ssl_certfile: str | None = None,
-          ssl_keyfile: str | None = None, log_config: dict[str, Any] | None = None) -> None:
+          ssl_keyfile: str | None = None, log_config: dict[str, Any] | None = None,
+          proxy_headers: bool = True) -> None:
     """Run ``app`` (an ASGI app, or an import string with ``factory``) on uvicorn with uvloop and
     :class:`BoundedHttpToolsProtocol`; ``workers > 1`` needs an import string. ``log_config``: the
-    logging document every process applies (kernel.logs), else uvicorn's own."""
+    logging document every process applies (kernel.logs), else uvicorn's own. ``proxy_headers``:
+    uvicorn's ``ProxyHeadersMiddleware`` in front of ``app`` (it rewrites the ASGI scope's client
+    address and scheme from ``X-Forwarded-For`` / ``X-Forwarded-Proto`` sent by a peer in
+    ``FORWARDED_ALLOW_IPS``, loopback by default); off, the scope keeps the socket's peer, and no
+    header a client sends changes it."""
     extra: dict[str, Any] = {"log_config": log_config} if log_config is not None else {}
     config = LimitedConfig(app, host=host, port=port, loop="uvloop", http=BoundedHttpToolsProtocol, **extra,
                            log_level=log_level, access_log=access_log, lifespan="on", factory=factory,
                            workers=workers if workers > 1 else None, ssl_certfile=ssl_certfile,
-                           ssl_keyfile=ssl_keyfile, limits=limits)
+                           ssl_keyfile=ssl_keyfile, limits=limits, proxy_headers=proxy_headers)
     if workers > 1:
         from uvicorn.supervisors import Multiprocess
 

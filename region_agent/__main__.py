@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         serve("region_agent.__main__:app_factory", factory=True, host=settings.host, port=settings.port,
               workers=settings.workers, limits=settings.http_limits(), log_level=settings.log_level,
               access_log=settings.access_log, ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file,
-              log_config=log_config)
+              log_config=log_config, proxy_headers=False)  # the agent reads no address from the scope
     return 0
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from ..service.metrics import AgentMetrics
 from .call import Call
-from .negcache import DenialKey, NegativeCache
+from .negcache import NegativeCache
 from .outcome import Answer
 from .plan import Plan
 
@@ -47,14 +47,18 @@ class Denials:
         entries = self.cache.entries
         if plan.decision_ttl_ms > 0 or not entries:
             return None
-        calls = plan.calls
-        whole = tuple(calls)
-        keys: list[DenialKey] = [whole] if whole in entries else []
-        for call in calls:
-            one = (call.key, call.params)
-            if one in entries:
-                keys.append(one)
+        keys = plan.denial_keys  # built once when its question was remembered (region_agent.decision.plan)
+        if not keys:  # a question not remembered (yet): the keys the held denials are found by
+            calls = plan.calls
+            whole = tuple(calls)
+            keys = [whole] if whole in entries else []
+            for call in calls:
+                one = (call.key, call.params)
+                if one in entries:
+                    keys.append(one)
         for key in keys:
+            if key not in entries:
+                continue
             if now_ms is None:
                 now_ms = self.now_ms()
             hit = self.cache.get(key, now_ms)

@@ -20,6 +20,7 @@ the oldest are evicted first. Pure: the clock is passed in (monotonic ms)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,16 @@ PROBE_MS = 50  # while one caller asks the store again, the others keep the deni
 
 # what a denial is held for: a whole call's slots (tuple of Call) or one slot's (key, params)
 DenialKey = tuple[object, ...]
+
+
+def denial_keys(calls: Sequence[Any]) -> tuple[DenialKey, ...]:
+    """What a held denial of a multi-rule call's slots ``calls`` (region_agent.decision.call.Call:
+    key, kind, params) is found by, in the order region_agent.decision.denials asks: the whole
+    call's slots, then each slot's (key, params). A plan carries its question's, built once
+    (region_agent.decision.plan.Keyed)."""
+    if not calls:
+        return ()
+    return (tuple(calls), *((c.key, c.params) for c in calls))
 
 
 class NegativeCache:

@@ -35,6 +35,7 @@ from .call import Call, multi_rule_argv
 from .hot import HotConfig, derive_hot
 from .httpmap import HttpAnswers, RetryJitter, admitted_fields
 from .keys import KeyBuilder, KeyTemplate, parse_ip
+from .negcache import denial_keys
 from .outcome import admission_of
 
 # immutable records built per decision: NamedTuples rather than frozen dataclasses; the hot path
@@ -87,6 +88,9 @@ class Plan:
     # keyed by its clientIp): decided first, in its own call (another hash tag than the tenant's)
     edge: Plan | None = None
     approx: Sequence[ApproxSpend] = ()  # approximate rules: counted in process, not in the script
+    # what a held denial of this question is found by (region_agent.decision.denials): the whole
+    # call's slots, then each slot's (key, params); shared, read-only
+    denial_keys: Sequence[tuple[object, ...]] = ()
 
     @property
     def anonymous(self) -> bool:
@@ -255,7 +259,8 @@ class Snapshot:
     the policy holder when it accepts a bundle (region_agent.service.policy) and dropped with it: no
     state of one agent is shared with another in the same process."""
 
-    __slots__ = ("_shapes", "bundle", "http", "named_tenants", "per_unit", "pools", "rules_by_id", "splits")
+    __slots__ = ("_shapes", "bundle", "http", "keyed", "keyed_by", "named_tenants", "per_unit", "pools", "rules_by_id",
+                 "seen", "splits")
 
     def __init__(self, bundle: Bundle, jitter: RetryJitter | None = None):
         self.bundle = bundle
@@ -268,6 +273,14 @@ class Snapshot:
         self.per_unit: dict[str, tuple[int, str] | None] = {}
         self._shapes: BoundedMemo[tuple[str | None, str, str, bool, int | None], Shape] = BoundedMemo(
             SELECTION_CACHE_MAX)
+        # a question's plan without its request id (:class:`Keyed`), per (tenant, route group,
+        # principal type, id and API key, cost), for the first key builder that asks (the agent has
+        # one; another one's plans are built per request): a busy principal's plan is derived once.
+        # A question is remembered the second time it is asked within ``SEEN_MAX`` others (``seen``):
+        # a question asked once costs no memo entry, and the memo holds the questions that repeat
+        self.keyed: BoundedMemo[Question, Keyed] = BoundedMemo(KEYED_CACHE_MAX)
+        self.seen: BoundedMemo[Question, bool] = BoundedMemo(SEEN_MAX)
+        self.keyed_by: KeyBuilder | None = None
 
     def __repr__(self) -> str:
         return f"Snapshot(bundle {self.bundle.bundle_version})"
@@ -303,15 +316,78 @@ class Snapshot:
         return list(self.shape(tenant, route_group, principal.type, principal.api_key_id is not None).rules)
 
 
+KEYED_CACHE_MAX = 20_000  # questions per snapshot whose plan is kept (a few hundred bytes each)
+SEEN_MAX = 50_000  # questions asked once, remembered as asked (a tuple of strings each)
+# (tenant, route group, principal type, principal id, API key id, cost): a tuple, never a joined
+# string (principal and key ids are free text: a separator inside one must not make two questions one)
+Question = tuple[str | None, str, str, str, str | None, int]
+
+
+class Keyed(NamedTuple):
+    """Everything of a plan that follows from the question alone (tenant, route group, principal,
+    API key, cost) under one snapshot and key builder: the shape, the calls with their keys, the
+    shadow calls, global spends and approximate keys, and what the decision key needs. Only the
+    request id (and with it a recorded decision's key) is per request. Shared, read-only."""
+
+    shape: Shape
+    tenant: str | None
+    ip_tag: str | None
+    calls: list[Call]
+    shadow_calls: Sequence[Call]
+    spends: Sequence[GlobalSpend]
+    approx: Sequence[ApproxSpend]
+    argv_rules: tuple[object, ...] | None
+    unrecorded_dk: str  # KEYS[1] when the shape stores no decision record ('' when it does)
+    question: str  # what a decision record answers ('' when the shape stores none)
+    denial_keys: tuple[tuple[object, ...], ...]  # Plan.denial_keys (() until remembered: Denials builds them)
+
+
 def build_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, *, checked: bool = False,
                shape: Shape | None = None) -> Plan:
     """The plan of ``req`` under snapshot ``snap``. ``checked``: ``req`` came out of the strict
     wire decoder (region_agent.models: its request id, route group and tenant id already match
     their patterns), so they are not matched again; a request built in process (library mode) is
     checked here, once. ``shape``: the rules to plan (an edge stage's), instead of those the
-    request selects."""
+    request selects.
+
+    The part of the plan that does not depend on the request id (:class:`Keyed`) is remembered
+    per question in the snapshot from the second time it is asked (``Snapshot.keyed``, bounded):
+    a policy reload makes a new snapshot, so a remembered plan never outlives the bundle it was
+    built from."""
     if not checked:
         check_request(req.request_id, req.route_group, req.tenant_id)
+    principal = req.principal
+    if shape is not None:
+        kd = _keyed(snap, req, keys, shape)
+    elif keys is snap.keyed_by or snap.keyed_by is None:
+        snap.keyed_by = keys
+        q = (req.tenant_id, req.route_group, principal.type, principal.id, principal.api_key_id, req.cost_hint)
+        kd = snap.keyed.get(q)  # type: ignore[assignment]  # (None: not remembered)
+        if kd is None:  # (a question the keys refuse raises in _keyed, every time: nothing is remembered)
+            kd = _keyed(snap, req, keys, None)
+            seen = snap.seen
+            if q in seen:  # asked before: remembered from now on, with the negative cache's lookup keys
+                kd = snap.keyed.put(q, kd._replace(denial_keys=denial_keys(kd.calls)))
+            else:  # (BoundedMemo.put inline: most questions of a long tail are asked once)
+                if len(seen) >= SEEN_MAX:
+                    seen.clear()
+                seen[q] = True
+    else:
+        kd = _keyed(snap, req, keys, None)
+    shape, tenant, ip_tag, calls, shadow_calls, spends, approx, argv_rules, decision_key, question, dks = kd
+    if not decision_key:  # a recorded decision: its key is the request id's
+        decision_key = keys.decision_key(req.request_id, tenant=tenant if ip_tag is None else None, ip_tag=ip_tag,
+                                         sub=shape.sub)
+    edge = None
+    if shape.edge is not None and req.client_ip is not None:
+        edge = edge_plan(snap, req, keys, shape.edge)
+    return Plan(req.request_id, tenant, principal.type, shape.enforced, calls, shape.slots, shadow_calls,
+                shape.shadow_slots, spends, decision_key, shape.decision_ttl_ms, question, shape.slack_ms,
+                req.cost_hint, argv_rules, shape.has_pool, shape, req, edge, approx, dks)
+
+
+def _keyed(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, shape: Shape | None) -> Keyed:
+    """:class:`Keyed` of ``req``'s question (identity fields checked: :func:`build_plan`)."""
     principal = req.principal
     ptype = principal.type
     tenant, addr = check_principal(req.tenant_id, principal)
@@ -359,23 +435,19 @@ def build_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, *, checked: 
             else:
                 key = _key_of(keys, rule, tenant, user_id, api_key_id, req.route_group, ip_tag, addr, shape.sub)
             approx.append(ApproxSpend(rule, key + ":approx"))
-    question = ""
+    question = unrecorded = ""
     if shape.decision_ttl_ms > 0:
-        decision_key = keys.decision_key(req.request_id, tenant=tenant if ip_tag is None else None, ip_tag=ip_tag,
-                                         sub=shape.sub)
+        if ip_tag is None:
+            KeyBuilder.tenant_tag(tenant, shape.sub)  # a recorded decision's key needs the tenant: raises here
         question = keys.question(tenant=tenant, principal_type=ptype, principal_id=principal.id,
                                  api_key_id=api_key_id, route_group=req.route_group, cost_hint=cost_hint)
     elif ip_tag is None and shape.unrecorded_dk is not None:
-        decision_key = shape.unrecorded_dk
+        unrecorded = shape.unrecorded_dk
     else:
-        decision_key = KeyBuilder.unrecorded_decision_key(tenant=tenant if ip_tag is None else None, ip_tag=ip_tag,
-                                                          sub=shape.sub)
-    edge = None
-    if shape.edge is not None and req.client_ip is not None:
-        edge = edge_plan(snap, req, keys, shape.edge)
-    return Plan(req.request_id, tenant, ptype, shape.enforced, calls, shape.slots, shadow_calls, shape.shadow_slots,
-                spends, decision_key, shape.decision_ttl_ms, question, shape.slack_ms, cost_hint, argv_rules,
-                shape.has_pool, shape, req, edge, approx)
+        unrecorded = KeyBuilder.unrecorded_decision_key(tenant=tenant if ip_tag is None else None, ip_tag=ip_tag,
+                                                        sub=shape.sub)
+    return _new(Keyed, (shape, tenant, ip_tag, calls, shadow_calls, spends, approx, argv_rules, unrecorded, question,
+                        ()))  # (the lookup keys are built when the question is remembered: build_plan)
 
 
 def edge_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, edge: Shape) -> Plan:
@@ -429,5 +501,5 @@ def cc_keys_for_release(snap: Snapshot, *, request_tenant: str | None, principal
                                        route_group=route_group, keys=keys)]
 
 
-__all__ = ["Admitted", "ApproxSpend", "Call", "GlobalSpend", "Plan", "Shape", "Slot", "Snapshot", "build_plan",
+__all__ = ["Admitted", "ApproxSpend", "Call", "GlobalSpend", "Keyed", "Plan", "Shape", "Slot", "Snapshot", "build_plan",
            "cc_gates", "cc_keys_for_release", "check_principal", "check_request"]

@@ -64,6 +64,25 @@ def test_json_logs_have_one_schema_and_the_audit_trail_has_its_own_file(tmp_path
     assert not any("logs-probe-0001" in ln for ln in lines if '"uvicorn.access"' not in ln)
 
 
+def test_the_access_log_names_the_socket_peer_whatever_forwarded_headers_a_client_sends(tmp_path: Path,
+                                                                                         redis_url: str):
+    """The agent runs without uvicorn's proxy-headers layer (kernel.httpserver.serve, proxy_headers=False):
+    a loopback client's X-Forwarded-For / X-Forwarded-Proto change nothing in the request's scope."""
+    proc, url = _agent(tmp_path, redis_url, log_format="json", access_log=True)
+    try:
+        with httpx.Client(base_url=url, timeout=5) as c:
+            r = c.get("/healthz", headers={"x-forwarded-for": "198.51.100.77", "x-forwarded-proto": "https"})
+            assert r.status_code == 200
+    finally:
+        proc.stop()
+    assert proc.log_path is not None
+    access = [json.loads(ln) for ln in proc.log_path.read_text().splitlines()
+              if ln.strip() and '"uvicorn.access"' in ln and "/healthz" in ln]
+    assert access, "no access log line for the probe"
+    assert all("198.51.100.77" not in json.dumps(rec) for rec in access)
+    assert any(LOOPBACK in json.dumps(rec) for rec in access)
+
+
 def test_text_logs_stay_the_default(tmp_path: Path, redis_url: str):
     proc, url = _agent(tmp_path, redis_url)
     proc.stop()

@@ -17,3 +17,4 @@ def test_the_objects_alive_at_startup_are_frozen() -> None:
     finally:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0
+

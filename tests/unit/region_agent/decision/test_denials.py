@@ -99,3 +99,25 @@ def test_a_held_denial_answers_another_rule_set_only_briefly():
     clock.t += 300
     assert d.hit(other_route) is None  # past the cap: it asks the store
     assert d.hit(plan_of()).retry == 29_700
+
+
+def test_a_remembered_question_meets_the_same_held_denials_by_its_lookup_keys():
+    """A plan whose question is remembered (region_agent.decision.plan: Plan.denial_keys built
+    once) finds exactly what a plan built afresh finds: the whole rule set's denial, and a
+    slot's short hold shared with another rule set."""
+    snap = Snapshot(NORTHSTAR)
+    req = AdmitRequest(request_id="r-9f3a61c2e07b4d18", tenant_id="atlas", route_group="read",
+                       principal=Principal(type="user", id="U-17", api_key_id="K1"))
+    build_plan(snap, req, KB)
+    remembered = build_plan(snap, req, KB)  # asked twice: remembered with its lookup keys
+    assert remembered.denial_keys and not plan_of().denial_keys
+    d, _, clock = denials()
+    assert d.hit(remembered) is None
+    d.remember(plan_of(), 1, denial(plan_of()))
+    clock.t += 100
+    assert d.hit(remembered) == d.hit(plan_of()) == denial(remembered, retry=1_400)
+    other = plan_of(route="export")  # shares the tenant's key, not the rule set: the short hold only
+    d2, _, clock2 = denials()
+    d2.remember(other, [s.rule.id for s in other.slots].index("tenant-atlas-minute"), denial(other, retry=30_000))
+    clock2.t += 10
+    assert d2.hit(remembered) == d2.hit(plan_of()) is not None

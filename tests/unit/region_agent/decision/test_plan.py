@@ -255,3 +255,79 @@ def test_duplicate_keys_are_refused_by_the_prechecked_call_too():
     with pytest.raises(ScriptRejected):
         prechecked_call(calls, ("tb", 1, 1, 1, 1, 0, "tb", 1, 1, 1, 1, 0), decision_key="d", slack_ms=0,
                         decision_ttl_ms=0, member="m")
+
+
+# --- the per-question memo (Snapshot.keyed) ----------------------------------------------------
+def _fields(plan):
+    return (plan.request_id, plan.tenant, plan.principal_type, [r.id for r in plan.rules], plan.calls,
+            list(plan.shadow_calls), list(plan.global_spends), plan.decision_key, plan.decision_ttl_ms, plan.question,
+            plan.slack_ms, plan.cost_hint, plan.argv_rules, plan.has_pool, list(plan.approx),
+            None if plan.edge is None else _fields(plan.edge))
+
+
+def test_a_remembered_plan_is_the_plan_built_afresh_with_only_the_request_id_per_request():
+    snap = Snapshot(NORTHSTAR)
+    asks = [req(rid=f"r-{i:012d}", route=route, ptype=ptype, pid=pid, tenant=tenant, key=None)
+            for i, (route, ptype, pid, tenant) in enumerate([
+                ("read", "user", "U-1", "atlas"), ("export", "user", "U-1", "atlas"),
+                ("login", "anonymous", "203.0.113.9", None), ("read", "user", "U-2", "birch")])]
+    for r in asks:
+        first = build_plan(snap, r, KB, checked=True)  # asked once: not remembered yet
+        assert len(snap.keyed) == asks.index(r)
+        again = build_plan(snap, r, KB, checked=True)  # asked again: remembered
+        other = build_plan(snap, msgspec.structs.replace(r, request_id=r.request_id + "x"), KB, checked=True)
+        fresh = build_plan(Snapshot(NORTHSTAR), r, KB, checked=True)
+        assert _fields(first) == _fields(again) == _fields(fresh)
+        assert other.calls is again.calls and other.denial_keys is again.denial_keys  # the question's part is shared
+        assert other.request_id != first.request_id  # ... the request id is not
+        if first.decision_ttl_ms > 0:  # a recorded decision's key is the request's own
+            assert other.decision_key != first.decision_key and other.question == first.question
+    assert len(snap.keyed) == len(asks)
+
+
+def test_questions_that_differ_only_inside_free_text_ids_are_never_one():
+    snap = Snapshot(NORTHSTAR)
+    one = req(ptype="user", pid="U-1", key="K1:x")
+    two = req(ptype="user", pid="U-1:K1", key="x")
+    for _ in range(3):
+        a, b = build_plan(snap, one, KB), build_plan(snap, two, KB)
+        assert a.calls[0].key != b.calls[0].key
+        assert a.calls == build_plan(Snapshot(NORTHSTAR), one, KB).calls
+
+
+def test_the_memo_belongs_to_one_key_builder_and_keeps_no_refused_question():
+    snap = Snapshot(NORTHSTAR)
+    other_kb = KeyBuilder(b"another-pepper")
+    for _ in range(2):
+        a = build_plan(snap, req(), KB)
+        b = build_plan(snap, req(), other_kb)  # another key builder: built per request, never from KB's memo
+        assert a.calls[0].key != b.calls[0].key  # user keys carry the pepper's hash
+        assert b.calls[0].key == build_plan(Snapshot(NORTHSTAR), req(), other_kb).calls[0].key
+    assert snap.keyed_by is KB and len(snap.keyed) == 1
+    for _ in range(3):  # an authenticated principal without a tenant: refused every time, never remembered
+        with pytest.raises(ValidationFailed):
+            build_plan(snap, req(tenant=None), KB)
+    assert len(snap.keyed) == 1
+
+
+def test_a_policy_reload_plans_with_the_new_bundle_never_a_remembered_plan():
+    from region_agent.service.policy import PolicyHolder
+
+    def version(n, burst):
+        rules = [msgspec.structs.replace(r, capacity_millis=burst * 1000) if r.id == "read-user-v3" else r
+                 for r in NORTHSTAR.rules]
+        return seal(msgspec.structs.replace(NORTHSTAR, bundle_version=n, rules=rules))
+
+    holder = PolicyHolder("unused.json", version(900, 20))
+    old = holder.snapshot
+    build_plan(old, req(), KB)
+    before = build_plan(old, req(rid="r-another-0001"), KB)  # asked twice: remembered
+    assert build_plan(holder.snapshot, req(rid="r-another-0002"), KB).calls is before.calls
+    assert before.calls[0].params[0] == 20_000
+    assert holder.offer(version(901, 35)).outcome == "accepted"
+    assert holder.snapshot is not old and len(holder.snapshot.keyed) == 0  # a new snapshot: its own memo
+    for i in range(3):  # first asked, then remembered, then answered from the memo: the new bundle's throughout
+        after = build_plan(holder.snapshot, req(rid=f"r-after-{i:04d}"), KB)
+        assert after.calls[0].params[0] == 35_000  # the new bundle's burst, not the remembered call
+        assert after.calls[0].key == before.calls[0].key  # same question, same key
+    assert build_plan(old, req(), KB).calls[0].params[0] == 20_000  # a reader still on the old snapshot
