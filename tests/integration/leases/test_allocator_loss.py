@@ -67,15 +67,23 @@ async def test_allocator_loss_mid_window_then_fallback_then_restore(tmp_path: Pa
             restart(proc)
         restarted_ms = wall_ms()
         await leader_url(topo)
-        # restored once each region got a grant from the new leader: on a loaded machine an agent's
-        # allocator client may still be backing off from the outage when the leader is elected
+        # restored once each region got a grant from the new leader and every agent's own last
+        # allocator call succeeded: on a loaded machine an agent's allocator client may still be
+        # backing off from the outage when the leader is elected, and an agent whose last call failed
+        # while its sibling refilled the region's balance counts the allocator unreachable until its
+        # own next call (meanwhile it may admit from the region's fallback allowance: within the
+        # bound checked above and below, but not yet restored)
         deadline = wall_ms() + 20_000
         waiting = {"eu", "us"}
-        while waiting:
-            assert wall_ms() < deadline, f"no grant from the restarted allocators in {sorted(waiting)}"
+        unheard = set(urls)
+        while waiting or unheard:
+            assert wall_ms() < deadline, (f"no grant from the restarted allocators in {sorted(waiting)}; "
+                                          f"allocator unreachable to {sorted(unheard)}")
             for label, url in urls.items():
                 if await granted(url) > granted_at_kill[label]:
                     waiting.discard(label.split("#")[0])
+                if await metric(url, "leasehold_agent_allocator_reachable") == 1:
+                    unheard.discard(label)
             await asyncio.sleep(0.05)
         led_ms = wall_ms()
         await asyncio.sleep(max(0, (led_ms // W + 3) * W + 100 - wall_ms()) / 1000)
