@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from ..service.metrics import AgentMetrics
 from .call import Call
-from .negcache import NegativeCache
+from .negcache import NegativeCache, denial_keys
 from .outcome import Answer
 from .plan import Plan
 
@@ -47,16 +47,8 @@ class Denials:
         entries = self.cache.entries
         if plan.decision_ttl_ms > 0 or not entries:
             return None
-        keys = plan.denial_keys  # built once when its question was remembered (region_agent.decision.plan)
-        if not keys:  # a question not remembered (yet): the keys the held denials are found by
-            calls = plan.calls
-            whole = tuple(calls)
-            keys = [whole] if whole in entries else []
-            for call in calls:
-                one = (call.key, call.params)
-                if one in entries:
-                    keys.append(one)
-        for key in keys:
+        # built once when its question was remembered (region_agent.decision.plan), else here
+        for key in plan.denial_keys or denial_keys(plan.calls):
             if key not in entries:
                 continue
             if now_ms is None:

@@ -310,8 +310,11 @@ Decide = Callable[[list[AdmitRequest]], Awaitable[list[Decision]]]
 class Taken:
     tokens: int
     decision: Decision | None  # the last decision of the round (the granted one, or the last denial)
-    attempts: int = 0
-    asked: tuple[int, ...] = ()  # the cost of each decision (the round's debug log)
+    asked: tuple[int, ...] = ()  # the cost of each decision, in order (the round's debug log)
+
+    @property
+    def attempts(self) -> int:
+        return len(self.asked)
 
     @property
     def retry_ms(self) -> int:
@@ -354,11 +357,11 @@ async def take(decide: Decide, q: AdmitRequest, want: int) -> Taken:
             got += cost
             more = min(want - got, d.remaining or 0)
             if not probing or more < 1:
-                return Taken(got, d, len(asked), tuple(asked))
+                return Taken(got, d, tuple(asked))
             cost, probing = more, False  # the probe passed: what it says is left, up to the want
             continue
         if got:  # what the probe said was left went meanwhile: keep the probe's token
-            return Taken(got, d, len(asked), tuple(asked))
+            return Taken(got, d, tuple(asked))
         if d.http_status != 429:
             break  # not a limit: a closed rule without its store, a conflict, the agent overloaded
         left = d.remaining or 0
@@ -371,7 +374,7 @@ async def take(decide: Decide, q: AdmitRequest, want: int) -> Taken:
         if nxt < 1 or len(asked) >= limit:
             break
         cost = nxt
-    return Taken(got, last, ROUND_ATTEMPTS, tuple(asked))
+    return Taken(got, last, tuple(asked))
 
 
 def share(tokens: int, needs: dict[Holding, int]) -> dict[Holding, int]:

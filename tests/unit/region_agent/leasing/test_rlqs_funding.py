@@ -302,7 +302,7 @@ def test_take_stops_at_an_answer_that_is_not_a_limit():
         return [Decision(allowed=False, decision_id=q.request_id, rule_id="x", bundle_version=1, remaining=50,
                          retry_after_ms=5_000, http_status=503)]
     t = asyncio.run(f.take(closed, Q, 20))
-    assert t.tokens == 0 and t.attempts == f.ROUND_ATTEMPTS and t.retry_ms == 5_000
+    assert t.tokens == 0 and t.attempts == 1 and t.retry_ms == 5_000
 
 
 def test_share_is_by_demand_and_carries_each_holdings_rounding():
