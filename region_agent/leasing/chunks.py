@@ -134,6 +134,9 @@ class Part:
 
 #: A part is due for its refund this long before its refund time at the latest (timer granularity).
 REFUND_EARLY_MS = 1.0
+#: The newest part is not refunded while requests still wait for the renewal that bought it (see
+#: Chunk.held); its refund is looked at again this much later.
+HELD_RECHECK_MS = 1.0
 
 
 #: Parts holding tokens a chunk keeps at once (the newest renewal's and the leftovers of earlier ones
@@ -218,9 +221,17 @@ class Chunk:
         self.abandoned += cost  # its part has expired (or it was bought alone): bought, never admitted
         return False
 
+    def held(self, p: Part) -> bool:
+        """``p`` is the newest part and requests still wait for the renewal that bought it: its
+        tokens are theirs (it was sized for them), however short its life. They resume a few event
+        loop turns after it landed; a refund timer already due (a part bought in a lease's last
+        moments lands past the middle of its life) must not take their tokens out first."""
+        return self.waiting > 0 and p.generation == self.generation
+
     def refund_at_ms(self, now_ms: float, lead_ms: float) -> float | None:
         """When the next part holding tokens is due for its refund (None: no part is)."""
-        times = [p.refund_at_ms(lead_ms) for p in self._valid(now_ms) if p.refundable()]
+        times = [max(p.refund_at_ms(lead_ms), now_ms + HELD_RECHECK_MS) if self.held(p) else p.refund_at_ms(lead_ms)
+                 for p in self._valid(now_ms) if p.refundable()]
         if self.late:
             times.append(now_ms)
         return min(times) if times else None
@@ -233,7 +244,7 @@ class Chunk:
         valid = self._valid(now_ms)
         due, self.late = self.late, []
         for p in valid:
-            if p.refundable() and now_ms >= p.refund_at_ms(lead_ms) - REFUND_EARLY_MS:
+            if p.refundable() and not self.held(p) and now_ms >= p.refund_at_ms(lead_ms) - REFUND_EARLY_MS:
                 due.append((p, p.tokens))
                 p.tokens = 0
                 p.refunded = True

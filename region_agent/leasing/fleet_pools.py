@@ -57,7 +57,7 @@ from ..store.protocol import Store
 from .book import BalanceState
 from .chunks import NO_CHUNK, Chunk, Part, tokens_per_s
 from .redis_balance import BALANCE_SLACK_MS
-from .topup import ROLLOVER_WAIT_MS, topped_up
+from .topup import ROLLOVER_WAIT_MS, ROLLOVER_WAITS, topped_up, until_start_s
 from .window_clock import Windows
 
 
@@ -87,6 +87,10 @@ log = logging.getLogger(__name__)
 # A request waits for at most this many renewals (each paid the requests that waited longer, FIFO),
 # and takes from the last one it waited for before it is denied as busy
 RENEWALS_PER_REQUEST = 3
+# A renewal whose part ended before its reply arrived (the lease it was bought from ended within the
+# round trip: a window's last moments on a slow store) buys again, at most this many times: the next
+# take is sent after that end, so the store no longer sells from that lease
+LATE_PARTS = 2
 # A part's unspent rest is taken out and refunded this long before the part ends (see refund_lead_ms):
 # REFUND_RTTS store round trips of pool_take as recently measured, within [REFUND_LEAD_MIN_MS,
 # REFUND_LEAD_MAX_MS]. The tokens stay in the region's balance (a renewal may buy them back), so an
@@ -329,14 +333,17 @@ class FleetPools:
 
     async def _renew(self, spend: GlobalSpend, chunk: Chunk) -> Renewal:
         """Buy the next chunk: at least 1 token, as many as this agent's recent demand and the
-        requests waiting for it call for (``Chunk.want``), at most max(cost, chunkMax). An
-        empty balance waits (once) for the top-up in flight — as long as it takes; requests wait
-        within their own budgets. Store errors propagate to the waiting requests."""
+        requests waiting for it call for (``Chunk.want``), at most max(cost, chunkMax). A deposited
+        lease that starts within ``ROLLOVER_WAIT_MS`` is waited for (``until_start_s``, at most
+        ``ROLLOVER_WAITS`` times) and a part that ended before it arrived is bought again (at most
+        ``LATE_PARTS`` times); an empty balance waits (once) for the top-up in flight — as long
+        as it takes. Requests wait within their own budgets. Store errors propagate to the waiting
+        requests."""
         pool = spend.pool
         gkey = KeyBuilder.global_pool_key(pool.id)
         outcome = Renewal.ERROR
         try:
-            waited_topup = waited_rollover = False
+            waited_topup, rollover_waits, late_parts = False, 0, 0
             while True:
                 sent_at = self.now_ms()  # validity is timed from the moment the request was sent (I5)
                 want = chunk.want(spend.cost, pool.chunk_max, sent_at, pool.chunk_validity_ms)
@@ -348,11 +355,14 @@ class FleetPools:
                     validity = min(pool.chunk_validity_ms, got.valid_for_ms)
                     chunk.grant(got.taken, sent_at, validity, debits=got.debits)
                     self._arm(pool)  # its unspent rest is refunded shortly before it ends
+                    if sent_at + validity <= self.now_ms() and late_parts < LATE_PARTS:
+                        late_parts += 1  # ended before it arrived: bought in a lease's last moments
+                        continue  # (its rest is refunded like any ended part's); the next lease pays
                     outcome = Renewal.GRANTED if got.taken >= want else Renewal.PARTIAL
                     return outcome
-                if not waited_rollover and 0 < got.next_from_ms <= ROLLOVER_WAIT_MS:
-                    waited_rollover = True  # a deposited lease starts in a moment: buy from it then
-                    await asyncio.sleep(got.next_from_ms / 1000.0)
+                if rollover_waits < ROLLOVER_WAITS and 0 < got.next_from_ms <= ROLLOVER_WAIT_MS:
+                    rollover_waits += 1  # a deposited lease starts in a moment: buy from it then
+                    await asyncio.sleep(until_start_s(got.next_from_ms))
                     continue
                 pending = self.leases.observed(gkey, got.remaining) if self.leases is not None else None
                 # the regional balance is being topped up right now: wait for it (the top-up is bounded

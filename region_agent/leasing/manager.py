@@ -61,7 +61,7 @@ from kernel.wire import MAX_BATCH, LeaseError, LeaseRequest, UsageReport
 
 from .book import BalanceState, HeldLease, PoolBook, grant_window_end
 from .client import AllocatorClient
-from .topup import ROLLOVER_WAIT_MS
+from .topup import ROLLOVER_WAIT_MS, until_start_s
 from .window_clock import AllocatorClock
 
 log = logging.getLogger(__name__)
@@ -98,11 +98,11 @@ class LeaseEvents(Protocol):
     def closed(self, *, region: str, pool: str, lease_id: str, granted: int, spent: int) -> None: ...
 
 
-def _after_ms(ms: float) -> asyncio.Future:
-    """A future done ``ms`` from now."""
+def _after_s(s: float) -> asyncio.Future:
+    """A future done ``s`` seconds from now."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
-    loop.call_later(ms / 1000.0, lambda: fut.done() or fut.set_result(None))
+    loop.call_later(s, lambda: fut.done() or fut.set_result(None))
     return fut
 
 
@@ -237,7 +237,7 @@ class LeaseManager:
             return bal.inflight
         if 0 < starts_in_ms <= max(ROLLOVER_WAIT_MS, rtt_ms):
             if bal.start_wait is None or bal.start_wait.done():
-                bal.start_wait = _after_ms(starts_in_ms + 1)
+                bal.start_wait = _after_s(until_start_s(starts_in_ms))
             return bal.start_wait
         return None
 

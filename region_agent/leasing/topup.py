@@ -22,6 +22,9 @@ from .book import BalanceState
 # it instead of being denied until then. Requests still wait only within their own budgets (a
 # longer wait is a 429 or a pool-busy denial, never a fallback).
 ROLLOVER_WAIT_MS = 100
+# A renewal that waited for a lease's start and still finds it ahead (the store's clock said "1 ms"
+# more: see until_start_s) waits again, at most this many times in all
+ROLLOVER_WAITS = 3
 
 # the part of a waiting decision's budget kept for the call that follows the wait (the script
 # again, or the fallback allowance): without it that call times out and degrades as if Redis were down
@@ -44,6 +47,14 @@ def pool_denial(leases: Any, key: str, spendable: int, *, waited: bool, starts_i
     decision may wait for it."""
     pending = None if waited else leases.observed(key, int(spendable), starts_in_ms)
     return PoolDenial(pending, leases.state(key), max(1, leases.retry_hint_ms(key)))
+
+
+def until_start_s(starts_in_ms: float) -> float:
+    """How long to wait for a lease the store says starts in ``starts_in_ms`` (whole ms, its clock
+    floored): one ms longer. The event loop's timers count whole ms from a loop time truncated to
+    the ms (uvloop on libuv), so a wait of exactly ``starts_in_ms`` may end up to 1 ms early, and
+    the next call, within a fraction of a ms on a local store, would find the lease still ahead."""
+    return (starts_in_ms + 1) / 1000.0
 
 
 def wait_s(left_s: float, budget_s: float) -> float:

@@ -18,9 +18,9 @@ from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.plan import GlobalSpend
 from region_agent.leasing.book import BalanceState
 from region_agent.leasing.chunks import NO_CHUNK, Chunk
-from region_agent.leasing.fleet_pools import FleetPools, TakeStatus
+from region_agent.leasing.fleet_pools import LATE_PARTS, RENEWALS_PER_REQUEST, FleetPools, TakeStatus
 from region_agent.leasing.redis_balance import BALANCE_SLACK_MS
-from region_agent.leasing.topup import ROLLOVER_WAIT_MS
+from region_agent.leasing.topup import ROLLOVER_WAIT_MS, ROLLOVER_WAITS, until_start_s
 from region_agent.leasing.window_clock import Windows
 from region_agent.service.metrics import AgentMetrics
 from tests.support.clock import FakeClock
@@ -247,12 +247,89 @@ async def test_a_lease_starting_later_than_the_rollover_wait_is_a_denial_with_it
     assert len(store.sent) == 1
 
 
-async def test_the_rollover_wait_happens_once():
-    # still empty after the wait (another agent spent that lease): denied, no third call
-    store = Store([[0, 0, 0, 20]], [[0, 0, 0, 20]])
+async def test_a_lease_start_is_waited_for_one_ms_longer_than_the_store_said():
+    # the store's clock is floored to the ms and a loop timer may end up to 1 ms early (uvloop)
+    store = Store([[0, 0, 0, 20]], TAKEN_ALL)
+    f, c, _ = fleet(store, Leases())
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    took = await f.take(spend(), c.t + 1.0, c)
+    assert took.status is TakeStatus.OK and loop.time() - started >= until_start_s(20) == 0.021
+
+
+async def test_a_lease_start_still_ahead_after_the_wait_is_waited_for_again():
+    # the timer ended a moment before the store's clock reached the start ("1 ms" more): the
+    # request that waited is paid from that lease, not denied for a millisecond
+    store = Store([[0, 0, 0, 20]], [[0, 0, 0, 1]], TAKEN_ALL)
     f, c, _ = fleet(store, Leases(hint=1))
     took = await f.take(spend(), c.t + 1.0, c)
-    assert took.status is TakeStatus.DENIED and len(store.sent) == 2
+    assert took.status is TakeStatus.OK and len(store.sent) == 3
+
+
+async def test_the_rollover_waits_are_bounded():
+    # a start that stays ahead (a store clock that does not advance): denied after ROLLOVER_WAITS
+    # waits, with the start as the hint
+    store = Store(*[[[0, 0, 0, 20]]] * (ROLLOVER_WAITS + 2))
+    f, c, _ = fleet(store, Leases(hint=1))
+    took = await f.take(spend(), c.t + 1.0, c)
+    assert (took.status, took.retry_ms) == (TakeStatus.DENIED, 20) and len(store.sent) == ROLLOVER_WAITS + 1
+
+
+class SlowStore(Store):
+    """Its first answer (``every``: each) arrives ``delay_s`` after it was asked (the clock moves
+    by it); a refund is answered as given back in full, whenever it comes."""
+
+    def __init__(self, clock: FakeClock, delay_s: float, *answers, every: bool = False):
+        super().__init__(*answers)
+        self.clock, self.delay_s, self.every = clock, delay_s, every
+        self.refunds: list[list] = []
+        self.refunded = asyncio.Event()
+
+    async def submit(self, calls, *, wait_s):
+        if calls[0][0] == "pool_refund":
+            self.refunds.append(calls[0][2])
+            self.refunded.set()
+            return [[calls[0][2][0], b"refunded"]]
+        if self.every or not self.sent:
+            self.clock.t += self.delay_s
+        return await super().submit(calls, wait_s=wait_s)
+
+
+async def test_a_part_that_ended_before_it_arrived_is_bought_again_and_its_rest_refunded():
+    # bought in a lease's last 2 ms, the reply 3 ms later: the request is paid by the next lease's
+    # chunk (not denied as busy); the late part's 5 tokens go back to the lease they came from
+    c = FakeClock(10.0)
+    store = SlowStore(c, 0.003, [[5, 10, 2, 0, [b"L1", 5]]], TAKEN_FROM_TWO)
+    f, _, m = fleet(store, Leases(), clock=c)
+    took = await f.take(spend(), c.t + 1.0, c)
+    assert took.status is TakeStatus.OK and len(store.sent) == 2 and f.remaining(POOL.id) == 1_999
+    await asyncio.wait_for(store.refunded.wait(), 1.0)  # the late part is due at once (its timer's delay is 0)
+    await asyncio.gather(*f._refunding)
+    assert store.refunds == [[5, BALANCE_SLACK_MS, "L1", 5]]
+    assert sample(m, "leasehold_agent_chunk_refunded_tokens_total", pool=POOL.id) == 5
+
+
+async def test_a_part_bought_late_is_bought_again_a_bounded_number_of_times():
+    # every reply later than the part it brings (a store slower than what it sells): each renewal
+    # asks LATE_PARTS + 1 times, the request waits for RENEWALS_PER_REQUEST of them, then it is busy
+    c = FakeClock(10.0)
+    store = SlowStore(c, 0.003, *[[[1, 10, 1, 0, [b"L1", 1]]]] * 20, every=True)
+    f, _, m = fleet(store, Leases(hint=4), clock=c)
+    took = await f.take(spend(), c.t + 1.0, c)
+    assert (took.status, took.retry_ms) == (TakeStatus.DENIED, 4)
+    assert len(store.sent) == RENEWALS_PER_REQUEST * (LATE_PARTS + 1)
+    assert sample(m, "leasehold_agent_pool_busy_denials_total", pool=POOL.id) == 1
+
+
+async def test_the_newest_part_is_not_refunded_while_requests_wait_for_it():
+    # a part whose refund is due the moment it lands (a short life, past its middle): the requests
+    # waiting for the renewal that bought it take from it before any refund
+    c = FakeClock(10.0)
+    store = SlowStore(c, 0.002, [[3, 10, 3, 0, [b"L1", 3]]])
+    f, _, _ = fleet(store, Leases(), clock=c)
+    took = await asyncio.gather(*(f.take(spend(), c.t + 1.0, c) for _ in range(3)))
+    assert [t.status for t in took] == [TakeStatus.OK] * 3 and len(store.sent) == 1
+    assert store.refunds == []
 
 
 async def test_an_empty_balance_waits_once_for_the_top_up_in_flight():
