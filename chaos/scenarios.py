@@ -55,6 +55,7 @@ class Scenario:
     configure: Callable[[ChaosSpec], None] = lambda spec: None
     expect: list[Expect] = field(default_factory=list)
     lease_driver: bool = False  # run a LeaseDriver with duplicated/delayed lease-id replays
+    profiled: bool = True  # in the full profile (make chaos); False: run by name only (a measurement)
 
 
 # ----------------------------------------------------------------------------- nemeses on the leader
@@ -634,6 +635,11 @@ _add(Scenario("rlqs-envoys", "two Envoys on the shipped envoy-rlqs.yaml in front
               "agent-eu-1 SIGKILLed and restarted, eu cut off from the allocators, then from its Redis; Envoy-side admissions (their "
               "access logs) judged with the bound's RLQS term", _rlqs_faults, configure=_with_envoys,
               expect=[envoys_decided, fallback_in("eu"), local_in("eu")]))
+_add(Scenario("rlqs-envoys-steady", "rlqs-envoys' two Envoys, load and pools with no fault at all: what RLQS "
+              "costs in utilisation when nothing fails, every window judged. Not in the profile: each Envoy "
+              "bucket's unspent tokens are stranded, and this scenario fails the utilisation floor "
+              "(chaos/README.md, 'RLQS pools when nothing fails')", lambda c: [], configure=_with_envoys,
+              expect=[envoys_decided], profiled=False))
 _add(Scenario("policy-rollback", "a tightened bundle (G halved) published mid-run through etcd, then the old "
               "content published as a higher version", _policy_rollback, expect=[bundle_version(2)]))
 
@@ -669,7 +675,7 @@ PROFILES: dict[str, list[tuple[str, float]]] = {
     # and the global-scope pool fleet-g beside the tenant pools (chaos/topo.py, chaos/bundles.py).
     "short": [("partition-region-allocator", 24.0), ("kill-leader", 24.0), ("redis-restart", 20.0),
               ("lease-replay", 24.0), ("policy-rollback", 20.0), ("redis-cluster-pause", 20.0)],
-    "full": [(name, 60.0) for name in SCENARIOS] + [("kill-leader+partition-region-allocator", 60.0),
+    "full": [(name, 60.0) for name, s in SCENARIOS.items() if s.profiled] + [("kill-leader+partition-region-allocator", 60.0),
                                                    ("redis-restart+pause-leader", 60.0)],
 }
 

@@ -152,7 +152,7 @@ EXPECTED_EFFECTS = {  # scenario -> (regions cut off from the allocator, agents 
     "policy-rollback": (set(), set(), set()),
     # one Redis Cluster primary stopped or killed: every eu agent counts as cut off (the terms are per agent)
     "redis-cluster-pause": (set(), EU2, set()), "redis-cluster-failover": (set(), EU2, set()),
-    "rlqs-envoys": ({"eu"}, EU2, {"agent-eu-1"}),
+    "rlqs-envoys": ({"eu"}, EU2, {"agent-eu-1"}), "rlqs-envoys-steady": (set(), set(), set()),
 }
 #: scenario -> Envoys (RLQS) its faults cut off from their agent; every other scenario: none
 EXPECTED_ENVOYS = {"rlqs-envoys": {"envoy-eu-a", "envoy-eu-b"}}
@@ -174,3 +174,10 @@ def test_every_scenario_records_what_its_faults_make_unreachable(name: str) -> N
 
 def test_every_scenario_has_its_expected_effects_listed() -> None:
     assert set(SCENARIOS) <= set(EXPECTED_EFFECTS) | {"allocator-rebalance"}  # judged by its own checks
+
+
+def test_the_full_profile_runs_every_scenario_but_the_measurements_named_out_of_it() -> None:
+    full = {name for name, _ in PROFILES["full"] if "+" not in name}
+    assert full == {name for name, s in SCENARIOS.items() if s.profiled}
+    assert "rlqs-envoys-steady" in SCENARIOS and "rlqs-envoys-steady" not in full
+    assert SCENARIOS["rlqs-envoys-steady"].steps(_fake_ctx()) == []  # no fault: every window is judged
