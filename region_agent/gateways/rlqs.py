@@ -162,6 +162,11 @@ class Bucket:
     holdings: set[fund.Holding] = field(default_factory=set)
     round: asyncio.Task | None = None
     again: bool = False
+    # what Envoy is sent, built once while the bucket is tracked: its id (every action names it) and
+    # its renewals, one per (tokens, time to live in seconds): thousands of buckets are renewed every
+    # few seconds with the same few values (RlqsService.bucket_id, RlqsService.renewal)
+    bid: rlqs_pb2.BucketId | None = None
+    renewals: dict[tuple[int, int], BucketAction] = field(default_factory=dict)
 
 
 class RlqsService:
@@ -183,6 +188,11 @@ class RlqsService:
         self._heap: list[tuple[float, int, fund.Holding]] = []
         self._seq = itertools.count()
         self._due: dict[int, float] = {}  # id(holding) -> its scheduled check
+        # a reported bucket id's bytes -> its key: Envoy sends the same ids in every report, and
+        # bucket_key (the entries read out of the protobuf map, sorted, checked) was about a third
+        # of a bucket's report; only ids bucket_key accepted, as many as the streams may hold
+        self._keys: dict[bytes, BucketKey] = {}
+        self._renewed = metrics.rlqs_assignments.labels("renewal")
         self._bundle: Bundle | None = None
         self._ticker: asyncio.Task | None = None
         self.interval_ms = float(settings.rlqs_report_interval_ms)
@@ -268,16 +278,23 @@ class RlqsService:
         m = self.metrics
         m.rlqs_reports.inc()
         allowed_sum = denied_sum = 0
+        keys = self._keys
         for u in msg.bucket_quota_usages:
             allowed, denied = u.num_requests_allowed, u.num_requests_denied
             allowed_sum += allowed
             denied_sum += denied
-            try:
-                key = bucket_key(u.bucket_id.bucket.items())
-            except BadQuestion as e:
-                m.rlqs_refused.labels(e.reason).inc()
-                st.send([deny_action(u.bucket_id, DENY_TTL_S)])
-                continue
+            wire = u.bucket_id.SerializeToString()
+            key = keys.get(wire)
+            if key is None:
+                try:
+                    key = bucket_key(u.bucket_id.bucket.items())
+                except BadQuestion as e:
+                    m.rlqs_refused.labels(e.reason).inc()
+                    st.send([deny_action(u.bucket_id, DENY_TTL_S)])
+                    continue
+                if len(keys) >= self.s.rlqs_max_buckets * max(1, len(self.streams)):
+                    keys.clear()  # as many as the streams may hold: refilled by the next report
+                keys[wire] = key
             h = st.holdings.get(key)
             if h is None:
                 if len(st.holdings) >= self.s.rlqs_max_buckets:
@@ -461,7 +478,7 @@ class RlqsService:
                     h.retry_at_ms = now + 1_000
                     self._schedule(h, h.retry_at_ms)
                 continue
-            st.send(fresh_actions(bucket_id(h.bucket), give, ttl_s))
+            st.send(fresh_actions(self.bucket_id(h.bucket), give, ttl_s))
             m.rlqs_stranded_tokens.inc(h.settle(now))
             fund.granted(h, give, ttl_s, now, clamp_at)
             m.rlqs_assignments.labels("fresh").inc()
@@ -473,6 +490,29 @@ class RlqsService:
             m.rlqs_stranded_tokens.inc(unsent)
         for st in touched:
             st.flush()
+
+    def bucket_id(self, key: BucketKey) -> rlqs_pb2.BucketId:
+        """The bucket's id as Envoy is sent it: built once while the bucket is tracked."""
+        b = self.buckets.get(key)
+        if b is None:
+            return bucket_id(key)
+        if b.bid is None:
+            b.bid = bucket_id(key)
+        return b.bid
+
+    def renewal(self, h: fund.Holding, ttl_s: int) -> list[BucketAction]:
+        """:func:`renewal_actions` of the holding's live assignment, built once per (tokens, time to
+        live) of its bucket (a response copies what it is given)."""
+        b = self.buckets.get(h.bucket)
+        if b is None:
+            return renewal_actions(bucket_id(h.bucket), h.chunk, ttl_s)
+        a = b.renewals.get((h.chunk, ttl_s))
+        if a is None:
+            if len(b.renewals) >= 8:  # Envoys of one bucket hold a few sizes at most; never more than these
+                b.renewals.clear()
+            (a,) = renewal_actions(self.bucket_id(h.bucket), h.chunk, ttl_s)
+            b.renewals[(h.chunk, ttl_s)] = a
+        return [a]
 
     def _alive(self, h: fund.Holding) -> bool:
         st = self.streams.get(h.stream)
@@ -512,7 +552,9 @@ class RlqsService:
 
     def _check(self, st: Stream, h: fund.Holding, now: float) -> None:
         m = self.metrics
-        m.rlqs_stranded_tokens.inc(h.settle(now))
+        stranded = h.settle(now)
+        if stranded:
+            m.rlqs_stranded_tokens.inc(stranded)
         if h.refused is not None:
             if now - h.last_traffic_ms >= self.s.rlqs_idle_ms:
                 self._abandon(st, h)
@@ -520,21 +562,21 @@ class RlqsService:
                 self._schedule(h, now + self.s.rlqs_idle_ms)
             return
         if fund.needs_end(h, now):  # whether or not the stream still reports: a stalled one most of all
-            st.send([deny_action(bucket_id(h.bucket), DENY_TTL_S)])
+            st.send([deny_action(self.bucket_id(h.bucket), DENY_TTL_S)])
             fund.ended(h, now)
             m.rlqs_assignments.labels("end").inc()
         ttl = fund.renewal_ttl(h, now, self.s.rlqs_max_ttl_s)
         if ttl and now - st.last_report_ms <= 2 * self.interval_ms:  # a stream that still reports
-            st.send(renewal_actions(bucket_id(h.bucket), h.chunk, ttl))
+            st.send(self.renewal(h, ttl))
             fund.renewed(h, ttl, now)
-            m.rlqs_assignments.labels("renewal").inc()
+            self._renewed.inc()
         if not h.live(now) and now - h.last_traffic_ms >= self.s.rlqs_idle_ms and not h.wanting:
             self._abandon(st, h)
             return
         self._consider(h, now)
 
     def _abandon(self, st: Stream, h: fund.Holding) -> None:
-        st.send([abandon_action(bucket_id(h.bucket))])
+        st.send([abandon_action(self.bucket_id(h.bucket))])
         self.metrics.rlqs_assignments.labels("abandon").inc()
         st.holdings.pop(h.bucket, None)
         self._drop(h)
@@ -576,7 +618,7 @@ class RlqsService:
                 if st is None or not st.alive:
                     continue
                 if h.live(now) or refused is not None:
-                    st.send([deny_action(bucket_id(h.bucket), 1 if refused is None else DENY_TTL_S)])
+                    st.send([deny_action(self.bucket_id(h.bucket), 1 if refused is None else DENY_TTL_S)])
                     fund.revoke(h, now)
                     self.metrics.rlqs_assignments.labels("revoke").inc()
                     touched.add(st)

@@ -295,3 +295,70 @@ async def test_a_bucket_first_reported_on_a_new_stream_is_funded_for_its_interva
     await settle(svc)
     assert assignments(st) == [(20, 5)]
     await svc.stop()
+
+
+# ------------------------------------------------------------------ what is built once per bucket
+def usages(*buckets: dict[str, str]) -> rlqs_pb2.RateLimitQuotaUsageReports:
+    msg = rlqs_pb2.RateLimitQuotaUsageReports(domain=NAMES.domain)
+    for entries in buckets:
+        msg.bucket_quota_usages.add(num_requests_allowed=1).bucket_id.bucket.update(entries)
+    return msg
+
+
+def tracked(svc: RlqsService, entries: dict[str, str]) -> tuple:
+    key = bucket_key(entries.items())
+    svc.buckets[key] = Bucket(key, bucket_question(NAMES, NAMES.domain, key, cost=1, request_id="rlqs-bucket"),
+                              None, b"", burst=100)
+    return key
+
+
+async def test_a_reported_bucket_id_maps_to_its_own_key_every_report():
+    """Envoy names a bucket by the same id in every report, so its key is looked up by the id's
+    bytes; an id that differs in one entry is another bucket, and a malformed one is refused at
+    every report (never kept)."""
+    svc = stalled_service(MsClock())
+    other = {**ENTRIES, "user": "E-1"}
+    okey = tracked(svc, other)
+    st = svc.streams.setdefault(1, Stream(1, "envoy-a"))
+    bad = {f"k{i}": "v" for i in range(17)}  # more entries than a bucket id may have
+    for _ in range(3):
+        svc.on_report(st, usages(ENTRIES, other, bad))
+    assert set(st.holdings) == {BKEY, okey}
+    assert st.holdings[BKEY].allowed == st.holdings[okey].allowed == 3
+    assert svc.metrics.rlqs_refused.labels("bad_bucket")._value.get() == 3
+    assert sorted(svc._keys.values()) == sorted([BKEY, okey])
+    await svc.stop()
+
+
+async def test_the_reported_ids_kept_are_bounded_by_the_buckets_the_streams_may_hold():
+    svc = stalled_service(MsClock())  # --rlqs-max-buckets 100
+    st = svc.streams.setdefault(1, Stream(1, "envoy-a"))
+    many = [{**ENTRIES, "user": f"E-{i}"} for i in range(250)]
+    for entries in many:
+        tracked(svc, entries)
+    svc.on_report(st, usages(*many))
+    assert len(st.holdings) == 100  # the rest refused: too many buckets
+    assert 0 < len(svc._keys) <= 100
+    svc.on_report(st, usages(*many[:100]))  # the ones it holds, found again whether kept or not
+    assert all(h.allowed == 2 for h in st.holdings.values())
+    await svc.stop()
+
+
+def test_a_renewal_is_built_once_per_bucket_tokens_and_time_to_live():
+    """Thousands of buckets are renewed every few seconds with the same tokens and time to live:
+    each bucket's renewal is built once per pair (a response copies what it is sent), its bucket id
+    once while the bucket is tracked."""
+    svc = stalled_service(MsClock())
+    assert svc.bucket_id(BKEY) is svc.bucket_id(BKEY) and dict(svc.bucket_id(BKEY).bucket) == ENTRIES
+    h = f.Holding(stream=1, bucket=BKEY, question=None, chunk=6)
+    (a,) = svc.renewal(h, 10)
+    assert svc.renewal(h, 10)[0] is a
+    h.chunk = 9  # a fresh assignment of another size: its renewals carry it
+    (b,) = svc.renewal(h, 10)
+    q = b.quota_assignment_action
+    assert (q.rate_limit_strategy.token_bucket.max_tokens, q.assignment_time_to_live.seconds) == (9, 10)
+    assert dict(b.bucket_id.bucket) == ENTRIES
+    assert svc.renewal(h, 7)[0].quota_assignment_action.assignment_time_to_live.seconds == 7
+    untracked = f.Holding(stream=1, bucket=(("user", "E-9"),), question=None, chunk=3)
+    (c,) = svc.renewal(untracked, 10)  # a bucket no longer tracked: built, not kept
+    assert dict(c.bucket_id.bucket) == {"user": "E-9"}
