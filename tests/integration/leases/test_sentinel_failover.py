@@ -104,12 +104,18 @@ async def test_a_sentinel_failover_under_load(tmp_path: Path):
         assert await metric(url, "leasehold_agent_breaker_opens_total", shard="default") == 1, (
             promoted_ms - killed_ms, served_ms - killed_ms, fallbacks[:10])
         assert await metric(url, "leasehold_agent_breaker_state", shard="default") == 0
-        # while there was no primary: the fail modes (closed pool rule: 503; birch's user bucket: local)
+        # while there was no primary: the fail modes (closed pool rule: 503; birch's user bucket: local).
+        # A store timeout while the agent's own event loop lagged by a quarter of it is the agent's
+        # saturation, answered 503 OVERLOADED (region_agent/store/node.py, _own_timeout): on a loaded
+        # machine some outage answers are that; it admits nothing either
         outage = [r for r in records if killed_ms + 500 < r.sent_ms and r.recv_ms < promoted_ms]
         atlas_out = [r for r in outage if r.region == "atlas"]
         birch_out = [r for r in outage if r.region == "birch"]
-        assert atlas_out and all(r.d["httpStatus"] == 503 and r.d["reason"] == "LIMITER_UNAVAILABLE"
-                                 for r in atlas_out if not r.allowed), [(r.d["httpStatus"], r.d.get("reason"), r.d.get("source")) for r in atlas_out]
+        assert any(r.d.get("reason") == "LIMITER_UNAVAILABLE" and r.d.get("source") == "fail_closed" for r in atlas_out)
+        assert atlas_out and all(r.d["httpStatus"] == 503 and r.d["reason"] in ("LIMITER_UNAVAILABLE", "OVERLOADED")
+                                 for r in atlas_out if not r.allowed), [
+            (r.sent_ms - killed_ms, r.recv_ms - killed_ms, promoted_ms - killed_ms, r.d) for r in atlas_out
+            if not r.allowed and (r.d["httpStatus"] != 503 or r.d["reason"] not in ("LIMITER_UNAVAILABLE", "OVERLOADED"))]
         assert not any(r.allowed and r.fallback for r in atlas_out)  # a closed rule admits nothing locally
         assert any(r.fallback and r.d["source"] == "local_fallback" for r in birch_out), [r.d for r in birch_out][:3]
         # after the failover: answered by the store (the promoted replica), no fallback
