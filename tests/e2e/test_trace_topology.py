@@ -130,7 +130,10 @@ async def test_trace_steps_4_and_6_to_13_across_regions(topo: LocalTopology):
             assert all(d["allowed"] and not d["fallback"] for d in got), \
                 [(d["policyId"], d.get("source"), d["retryAfterMs"]) for d in got if not d["allowed"] or d["fallback"]]
             renewals = await metric(client, a, "leasehold_agent_pool_renewals_total", pool="global-read") - renew_before
-            assert renewals <= 5
+            # fewer renewals than requests: requests shared chunks. How many depends on how the burst
+            # arrives: 2-4 on an idle machine; beside a busy core the ten arrive spread out and a renewal
+            # buys only what waited for it (6 seen in a fresh-clone run beside stress-ng)
+            assert renewals < len(got), renewals
             gbal = await Scripts().pool_balance(r, KeyBuilder.global_pool_key("global-read"))
             assert sum(e.granted for e in gbal.entries.values()) > 0  # eu holds a leased global balance
 
