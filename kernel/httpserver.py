@@ -236,7 +236,9 @@ _HEAD, _BODY, _IDLE = 0, 1, 2
 class _HeldHead:
     """The connection's transport as an answer's cycle sees it once the answer has started: the
     first write (the head uvicorn built) is kept, and leaves with the next one (the first body
-    part) in a single ``write``; every later write passes through. Anything else is the transport's."""
+    part) in a single ``write``; every later write passes through. Closed with the head still
+    kept (an answer whose body never came), it writes the head first, as uvicorn would have.
+    Anything else is the transport's."""
 
     __slots__ = ("transport", "head", "taken")
 
@@ -255,14 +257,10 @@ class _HeldHead:
         else:
             self.transport.write(data)
 
-    def flush(self) -> None:
-        if self.head:
-            head, self.head = self.head, b""
-            if not self.transport.is_closing():
-                self.transport.write(head)
-
     def close(self) -> None:
-        self.flush()
+        if self.head and not self.transport.is_closing():
+            self.transport.write(self.head)
+        self.head = b""
         self.transport.close()
 
     def __getattr__(self, name: str) -> Any:
@@ -272,30 +270,22 @@ class _HeldHead:
 class OneWriteCycle(RequestResponseCycle):
     """uvicorn's request/response cycle whose answer's head and first body part leave in one
     ``write`` (see the module's docstring). uvicorn's ``send`` does all the checking and framing;
-    this class only changes what ``self.transport`` is while it does. A head sent while the
-    connection's writes are paused goes out as uvicorn sends it (the hold would change nothing)."""
-
-    _held: _HeldHead | None = None
+    this class only changes what ``self.transport`` is while it does. Not held: the answer to a
+    ``HEAD`` request (uvicorn writes no body part for it) and a head sent while the connection's
+    writes are paused (the hold would change nothing)."""
 
     async def send(self, message: Any) -> None:
-        held = self._held
-        if held is None:
-            if (self.response_started or message["type"] != "http.response.start" or self.disconnected
-                    or self.flow.write_paused):
-                await super().send(message)
-                return
-            real = self.transport
-            held = self._held = _HeldHead(real)
-            self.transport = held  # type: ignore[assignment]  # stands in for the transport (write, close, the rest delegated)
-            try:
-                await super().send(message)  # builds and checks the head; held.write keeps it
-            except BaseException:
-                self.transport, self._held = real, None
-                raise
+        if (self.response_started or message["type"] != "http.response.start" or self.disconnected
+                or self.flow.write_paused or self.scope["method"] == "HEAD"):
+            await RequestResponseCycle.send(self, message)
             return
-        await super().send(message)
-        if not self.disconnected:
-            held.flush()  # an answer whose body part wrote nothing (a HEAD request): its head now
+        real = self.transport
+        self.transport = _HeldHead(real)  # type: ignore[assignment]  # stands in for the transport (write, close, the rest delegated)
+        try:
+            await RequestResponseCycle.send(self, message)  # builds and checks the head; _HeldHead.write keeps it
+        except BaseException:
+            self.transport = real
+            raise
 
 
 def serve(app: Any, *, host: str, port: int, limits: HttpLimits, log_level: str, access_log: bool = False,
