@@ -38,8 +38,9 @@ event, the ``receive`` and ``send`` coroutines, the application's own call chain
 much per request as the whole of a small answer (in process: 14-18 us of uvicorn's protocol with a
 trivial application, against about 6 for the parse and one write). A request is answered
 directly only when all of this holds at the end of its head: ``POST`` to exactly a named target
-(no query), nothing else in flight on the connection, no ``Expect: 100-continue``, no upgrade,
-and the route admits the head (``DirectRoute.admits``: e.g. content type, announced length,
+(no query), nothing else in flight on the connection, the connection's writes not paused (a
+client that does not read its answers meets uvicorn's flow control, as on every other request),
+no ``Expect: 100-continue``, no upgrade, and the route admits the head (``DirectRoute.admits``: e.g. content type, announced length,
 credentials). Its body is then read by the protocol; at its end ``DirectRoute.answer`` either
 returns the awaitable answer — written in one write with the same default headers, keep-alive
 and ``Connection: close`` handling as uvicorn's — or ``None``: the request is then handed to the
@@ -226,13 +227,20 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             route = routes.get(self.url)
             cycle = self.cycle
             if (route is not None and (cycle is None or cycle.response_complete) and not self.expect_100_continue
-                    and self.parser.get_method() == b"POST" and not self.parser.should_upgrade()
-                    and route.admits(self.headers)):
+                    and not self.flow.write_paused and self.parser.get_method() == b"POST"
+                    and not self.parser.should_upgrade() and self._admits(route)):
                 self._direct = route
                 self._before = cycle
                 self.cycle = _Answering(self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive())  # type: ignore[assignment]  # uvicorn's code reads the same attributes
                 return
         self._start_cycle()
+
+    def _admits(self, route: DirectRoute) -> bool:
+        try:
+            return route.admits(self.headers)
+        except Exception:  # a bug in the route: the application answers
+            log.exception("direct route failed judging %r; handing the request to the application", self.url)
+            return False
 
     def _start_cycle(self) -> None:
         """uvicorn makes the request's cycle and starts (or queues) its application task."""

@@ -231,3 +231,28 @@ async def test_no_direct_route_with_an_access_log_or_a_concurrency_limit() -> No
     c = Conn(route, limit_concurrency=100)
     await c.feed(post(b"a1"))
     assert c.answers() == [(299, b"app:POST /direct a1")] and route.admitted == []
+
+
+async def test_a_client_that_does_not_read_meets_flow_control() -> None:
+    """Writes paused (the client's window and the transport's buffer full): the request goes to
+    the application, whose answer waits for the client to read and whose connection stops reading."""
+    route = Route()
+    c = Conn(route)
+    c.proto.pause_writing()
+    await c.feed(post(b"a1"))
+    assert c.t.writes == [] and route.admitted == []
+    c.proto.resume_writing()
+    await c.settle()
+    assert c.answers() == [(299, b"app:POST /direct a1")]
+
+
+async def test_a_route_that_fails_judging_a_head_leaves_it_to_the_application() -> None:
+    route = Route()
+
+    def broken(headers: list) -> bool:
+        raise RuntimeError("a bug judging the head")
+
+    route.admits = broken  # type: ignore[method-assign]
+    c = Conn(route)
+    await c.feed(post(b"a1"))
+    assert c.answers() == [(299, b"app:POST /direct a1")]
