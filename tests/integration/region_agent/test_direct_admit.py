@@ -93,7 +93,7 @@ async def _direct_answers(tmp_path, policy_file, name: str, path: str, cases: li
                 content = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
                 proto = BoundedHttpToolsProtocol(cfg, ServerState(), {}, loop)
                 t = Transport()
-                proto.connection_made(t)  # type: ignore[arg-type]
+                proto.connection_made(t)  # type: ignore[arg-type]  # a recording stand-in for the transport
                 proto.data_received(_request(path, h, content))
                 for _ in range(3000):  # until the answer is complete (a decision may wait on Redis)
                     if _complete(t.data):

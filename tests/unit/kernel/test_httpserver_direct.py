@@ -105,7 +105,7 @@ class Conn:
         self.state.default_headers = [(b"date", b"Sat, 05 Dec 2026 00:00:00 GMT"), (b"server", b"test")]
         self.proto = BoundedHttpToolsProtocol(cfg, self.state, {}, asyncio.get_running_loop())
         self.t = Transport()
-        self.proto.connection_made(self.t)  # type: ignore[arg-type]
+        self.proto.connection_made(self.t)  # type: ignore[arg-type]  # a recording stand-in for the transport
 
     async def feed(self, data: bytes, turns: int = 30) -> None:
         self.proto.data_received(data)
@@ -252,7 +252,7 @@ async def test_a_route_that_fails_judging_a_head_leaves_it_to_the_application() 
     def broken(headers: list) -> bool:
         raise RuntimeError("a bug judging the head")
 
-    route.admits = broken  # type: ignore[method-assign]
+    route.admits = broken  # type: ignore[method-assign]  # a route whose check fails
     c = Conn(route)
     await c.feed(post(b"a1"))
     assert c.answers() == [(299, b"app:POST /direct a1")]
