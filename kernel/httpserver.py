@@ -286,7 +286,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         try:
             status, headers, payload = await pending
         except Exception:
-            log.exception("direct route failed answering %r", self.url)
+            log.exception("direct route failed answering a request")
             status, headers, payload = 500, [(b"content-type", b"text/plain; charset=utf-8")], b"Internal Server Error"
         if answering.disconnected or self.transport.is_closing():
             answering.response_complete = True
