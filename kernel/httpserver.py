@@ -30,6 +30,24 @@ until the first body part and writes both at once (a raw ASGI echo under figure 
 more answers a second, 5 us less CPU per answer; the client reads one segment instead of two).
 Nothing else about the answer changes: the same bytes in the same order, and a head whose body
 never comes is written when the connection is closed, as before.
+
+**Direct routes.** A service may name requests the protocol answers itself, without ASGI
+(``serve(direct=...)``: a function from the loaded application to a mapping of request targets to
+:class:`DirectRoute`). uvicorn's ASGI machinery — the scope, a request/response cycle with its
+event, the ``receive`` and ``send`` coroutines, the application's own call chain — costs about as
+much per request as the whole of a small answer (in process: 14-18 us of uvicorn's protocol with a
+trivial application, against about 6 for the parse and one write). A request is answered
+directly only when all of this holds at the end of its head: ``POST`` to exactly a named target
+(no query), nothing else in flight on the connection, the connection's writes not paused (a
+client that does not read its answers meets uvicorn's flow control, as on every other request),
+no ``Expect: 100-continue``, no upgrade, and the route admits the head (``DirectRoute.admits``: e.g. content type, announced length,
+credentials). Its body is then read by the protocol; at its end ``DirectRoute.answer`` either
+returns the awaitable answer — written in one write with the same default headers, keep-alive
+and ``Connection: close`` handling as uvicorn's — or ``None``: the request is then handed to the
+application exactly as uvicorn would have (its cycle made, the body as read), so every refusal
+keeps the application's one code path. A pipelined request behind a directly answered one waits
+for it, as behind any other. Never direct: a server with uvicorn's concurrency limit, access log
+or root path.
 """
 
 from __future__ import annotations
@@ -39,13 +57,13 @@ import json
 import logging
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httptools
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +94,33 @@ def _problem(status: int, detail: str) -> bytes:
                      b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body), body])
 
 
-class LimitedConfig(uvicorn.Config):
-    """uvicorn's Config carrying :class:`HttpLimits` (pickled to worker processes with it)."""
+Headers = list[tuple[bytes, bytes]]
+Answer = tuple[int, Headers, bytes]  # status, headers (lower-case names; no content-length), body
 
-    def __init__(self, *args: Any, limits: HttpLimits | None = None, **kw: Any):
+
+class DirectRoute(Protocol):
+    """A ``POST`` the HTTP protocol answers itself (the module's "Direct routes")."""
+
+    def admits(self, headers: Headers) -> bool:
+        """At the end of the head: answer this request directly (the body is then read for it)?"""
+        ...
+
+    def answer(self, headers: Headers, body: bytes) -> Awaitable[Answer] | None:
+        """With the whole body: the answer, or None to hand the request to the application."""
+        ...
+
+
+DirectRoutes = Callable[[Any], Mapping[bytes, DirectRoute] | None]  # loaded app -> routes by request target
+
+
+class LimitedConfig(uvicorn.Config):
+    """uvicorn's Config carrying :class:`HttpLimits` and the direct routes' resolver (pickled to
+    worker processes with it)."""
+
+    def __init__(self, *args: Any, limits: HttpLimits | None = None, direct: DirectRoutes | None = None, **kw: Any):
         super().__init__(*args, **kw)
         self.leasehold_limits = limits or HttpLimits()
+        self.leasehold_direct = direct
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
@@ -109,6 +148,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._inexact = False  # a read of this head was not counted: measure the complete head exactly
         self._completed_in_read = False
         self._refused = False
+        resolve: DirectRoutes | None = getattr(config, "leasehold_direct", None)
+        direct_ok = (resolve is not None and self.limit_concurrency is None and not self.root_path
+                     and not (self.access_log and self.access_logger.isEnabledFor(logging.INFO)))
+        self._routes = resolve(self.app) if direct_ok and resolve is not None else None
+        self._direct: DirectRoute | None = None  # the request being read is answered by this route
+        self._direct_body = b""
+        self._before: Any = None  # the connection's cycle before the direct request's stand-in
 
     # ------------------------------------------------------------------ connection
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # asyncio's servers hand a stream protocol a Transport
@@ -176,16 +222,90 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._phase = _BODY
         self._began = False
         self._deadline = self.loop.time() + self._body_timeout
+        routes = self._routes
+        if routes is not None:
+            route = routes.get(self.url)
+            cycle = self.cycle
+            if (route is not None and (cycle is None or cycle.response_complete) and not self.expect_100_continue
+                    and not self.flow.write_paused and self.parser.get_method() == b"POST"
+                    and not self.parser.should_upgrade() and self._admits(route)):
+                self._direct = route
+                self._before = cycle
+                self.cycle = _Answering(self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive())  # type: ignore[assignment]  # uvicorn's code reads the same attributes
+                return
+        self._start_cycle()
+
+    def _admits(self, route: DirectRoute) -> bool:
+        try:
+            return route.admits(self.headers)
+        except Exception:  # a bug in the route: the application answers
+            log.exception("direct route failed judging %r; handing the request to the application", self.url)
+            return False
+
+    def _start_cycle(self) -> None:
+        """uvicorn makes the request's cycle and starts (or queues) its application task."""
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.__class__ is RequestResponseCycle:
             # the cycle uvicorn just made (its task has not run yet): answer in one write
             cycle.__class__ = OneWriteCycle
 
+    def on_body(self, body: bytes) -> None:
+        if self._direct is not None:
+            self._direct_body += body  # at most the announced length the route admitted
+            return
+        super().on_body(body)
+
     def on_message_complete(self) -> None:
         self._completed_in_read = True
         self._phase = _IDLE
-        super().on_message_complete()
+        route = self._direct
+        if route is None:
+            super().on_message_complete()
+            return
+        self._direct = None
+        body, self._direct_body = self._direct_body, b""
+        answering = self.cycle
+        try:
+            pending = route.answer(self.headers, body)
+        except Exception:  # a bug in the route: the application answers instead
+            log.exception("direct route failed on %r; handing the request to the application", self.url)
+            pending = None
+        if pending is None:  # the application answers, exactly as if it had had the request all along
+            self.cycle = self._before
+            self._start_cycle()
+            if body:
+                super().on_body(body)
+            super().on_message_complete()
+            return
+        task = self.loop.create_task(self._answer_directly(answering, pending))  # type: ignore[arg-type]  # answering is the _Answering set at the head's end
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+
+    async def _answer_directly(self, answering: _Answering, pending: Awaitable[Answer]) -> None:
+        try:
+            status, headers, payload = await pending
+        except Exception:
+            log.exception("direct route failed answering a request")
+            status, headers, payload = 500, [(b"content-type", b"text/plain; charset=utf-8")], b"Internal Server Error"
+        if answering.disconnected or self.transport.is_closing():
+            answering.response_complete = True
+            return
+        keep = answering.keep_alive
+        parts = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts.append(b"content-length: %d\r\n" % len(payload))
+        if not keep:
+            parts.append(b"connection: close\r\n")
+        parts += (b"\r\n", payload)
+        answering.response_started = answering.response_complete = True
+        self.transport.write(b"".join(parts))
+        if not keep:
+            self.transport.close()
+        self.on_response_complete()  # uvicorn's: a pipelined request starts, or the keep-alive timer
 
     # ------------------------------------------------------------------ deadlines and refusals
     def _on_deadline(self) -> None:
@@ -233,10 +353,32 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 _HEAD, _BODY, _IDLE = 0, 1, 2
 
 
+class _NoEvent:
+    def set(self) -> None:
+        pass
+
+
+class _Answering:
+    """Stands in for uvicorn's request/response cycle while the protocol answers a request itself:
+    uvicorn's code (a pipelined request queued behind it, ``connection_lost``, ``shutdown``) and the
+    deadlines read and set the same attributes."""
+
+    __slots__ = ("keep_alive", "disconnected", "response_started", "response_complete")
+    message_event = _NoEvent()
+
+    def __init__(self, keep_alive: bool) -> None:
+        self.keep_alive = keep_alive
+        self.disconnected = False
+        self.response_started = False
+        self.response_complete = False
+
+
 class _HeldHead:
     """The connection's transport as an answer's cycle sees it once the answer has started: the
     first write (the head uvicorn built) is kept, and leaves with the next one (the first body
-    part) in a single ``write``; every later write passes through. Anything else is the transport's."""
+    part) in a single ``write``; every later write passes through. Closed with the head still
+    kept (an answer whose body never came), it writes the head first, as uvicorn would have.
+    Anything else is the transport's."""
 
     __slots__ = ("transport", "head", "taken")
 
@@ -255,14 +397,10 @@ class _HeldHead:
         else:
             self.transport.write(data)
 
-    def flush(self) -> None:
-        if self.head:
-            head, self.head = self.head, b""
-            if not self.transport.is_closing():
-                self.transport.write(head)
-
     def close(self) -> None:
-        self.flush()
+        if self.head and not self.transport.is_closing():
+            self.transport.write(self.head)
+        self.head = b""
         self.transport.close()
 
     def __getattr__(self, name: str) -> Any:
@@ -272,48 +410,42 @@ class _HeldHead:
 class OneWriteCycle(RequestResponseCycle):
     """uvicorn's request/response cycle whose answer's head and first body part leave in one
     ``write`` (see the module's docstring). uvicorn's ``send`` does all the checking and framing;
-    this class only changes what ``self.transport`` is while it does. A head sent while the
-    connection's writes are paused goes out as uvicorn sends it (the hold would change nothing)."""
-
-    _held: _HeldHead | None = None
+    this class only changes what ``self.transport`` is while it does. Not held: the answer to a
+    ``HEAD`` request (uvicorn writes no body part for it) and a head sent while the connection's
+    writes are paused (the hold would change nothing)."""
 
     async def send(self, message: Any) -> None:
-        held = self._held
-        if held is None:
-            if (self.response_started or message["type"] != "http.response.start" or self.disconnected
-                    or self.flow.write_paused):
-                await super().send(message)
-                return
-            real = self.transport
-            held = self._held = _HeldHead(real)
-            self.transport = held  # type: ignore[assignment]  # stands in for the transport (write, close, the rest delegated)
-            try:
-                await super().send(message)  # builds and checks the head; held.write keeps it
-            except BaseException:
-                self.transport, self._held = real, None
-                raise
+        if (self.response_started or message["type"] != "http.response.start" or self.disconnected
+                or self.flow.write_paused or self.scope["method"] == "HEAD"):
+            await RequestResponseCycle.send(self, message)
             return
-        await super().send(message)
-        if not self.disconnected:
-            held.flush()  # an answer whose body part wrote nothing (a HEAD request): its head now
+        real = self.transport
+        self.transport = _HeldHead(real)  # type: ignore[assignment]  # stands in for the transport (write, close, the rest delegated)
+        try:
+            await RequestResponseCycle.send(self, message)  # builds and checks the head; _HeldHead.write keeps it
+        except BaseException:
+            self.transport = real
+            raise
 
 
 def serve(app: Any, *, host: str, port: int, limits: HttpLimits, log_level: str, access_log: bool = False,
           workers: int = 1, factory: bool = False, ssl_certfile: str | None = None,
           ssl_keyfile: str | None = None, log_config: dict[str, Any] | None = None,
-          proxy_headers: bool = True) -> None:
+          proxy_headers: bool = True, direct: DirectRoutes | None = None) -> None:
     """Run ``app`` (an ASGI app, or an import string with ``factory``) on uvicorn with uvloop and
     :class:`BoundedHttpToolsProtocol`; ``workers > 1`` needs an import string. ``log_config``: the
     logging document every process applies (kernel.logs), else uvicorn's own. ``proxy_headers``:
     uvicorn's ``ProxyHeadersMiddleware`` in front of ``app`` (it rewrites the ASGI scope's client
     address and scheme from ``X-Forwarded-For`` / ``X-Forwarded-Proto`` sent by a peer in
     ``FORWARDED_ALLOW_IPS``, loopback by default); off, the scope keeps the socket's peer, and no
-    header a client sends changes it."""
+    header a client sends changes it. ``direct``: the routes the protocol answers itself (the
+    module's "Direct routes"), resolved from the loaded application in each worker."""
     extra: dict[str, Any] = {"log_config": log_config} if log_config is not None else {}
     config = LimitedConfig(app, host=host, port=port, loop="uvloop", http=BoundedHttpToolsProtocol, **extra,
                            log_level=log_level, access_log=access_log, lifespan="on", factory=factory,
                            workers=workers if workers > 1 else None, ssl_certfile=ssl_certfile,
-                           ssl_keyfile=ssl_keyfile, limits=limits, proxy_headers=proxy_headers)
+                           ssl_keyfile=ssl_keyfile, limits=limits, proxy_headers=proxy_headers,
+                           direct=direct)
     if workers > 1:
         from uvicorn.supervisors import Multiprocess
 

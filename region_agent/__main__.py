@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from kernel.httpserver import quiet_request_logs, serve
 
+    from .service.fastpath import direct_routes
+
     quiet_request_logs(settings.log_level)
 
     from kernel.metrics_exposition import worker_metrics_dir
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         serve("region_agent.__main__:app_factory", factory=True, host=settings.host, port=settings.port,
               workers=settings.workers, limits=settings.http_limits(), log_level=settings.log_level,
               access_log=settings.access_log, ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file,
-              log_config=log_config, proxy_headers=False)  # the agent reads no address from the scope
+              log_config=log_config, proxy_headers=False,  # the agent reads no address from the scope
+              direct=direct_routes)  # POST /v1/admit answered by the HTTP protocol itself
     return 0
 
 

@@ -61,7 +61,7 @@ from . import store_health
 from .audit import BypassAudit, make_sink
 from .auth import AgentAuth, agent_guard
 from .decision_log import DecisionLog
-from .fastpath import admit_fast_path
+from .fastpath import DirectAdmit, admit_fast_path
 from .fastpath import install as install_fast_path
 from .metrics import AgentMetrics
 from .policy import PolicyHolder, ReloadResult
@@ -385,8 +385,13 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         request_class=StrictJSONRequest,  # kernel.jsonbody: application/json only, strict typed decoding
         debug=False,
     )
-    if fast_path:  # region_agent.service.fastpath, in front of the router
+    app.state.direct_routes = None
+    if fast_path:  # region_agent.service.fastpath: in front of the router, and the protocol's direct routes
         install_fast_path(app, admit_fast_path(lambda: state, MAX_BODY_BYTES, decide_batch, MAX_BATCH_BODY_BYTES))
+        app.state.direct_routes = {
+            b"/v1/admit": DirectAdmit(lambda: state, MAX_BODY_BYTES, "/v1/admit"),
+            b"/v1/admit/batch": DirectAdmit(lambda: state, MAX_BATCH_BODY_BYTES, "/v1/admit/batch", decide_batch),
+        }
     app.state.agent = state
     document_problems(app)
     inline_enums(app, DeniedScope)  # deniedScope documented as the inline string enum it always was

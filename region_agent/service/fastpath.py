@@ -25,12 +25,21 @@ non-conforming body, an agent still starting — is handed to the normal Litesta
 body bytes replayed, so every error keeps its one code path (and its 4xx problem+json). A body
 announced larger than the limit is handed over before anything is read (the handler answers
 413 at once instead of waiting for bytes that may never come).
+
+The same requests are also served one step earlier, by the HTTP protocol itself
+(:class:`DirectAdmit`, ``kernel.httpserver``'s direct routes): the head is judged as above
+(``admits``: agent started, one JSON content type, one announced length within the limit, no
+transfer coding, a caller the guard would let in), the body decoded the same way, the same
+admission asked and the same answer built (:func:`admit_answer`), written without any ASGI step.
+A request the protocol does not take (pipelined behind another, ``Expect: 100-continue``, ...)
+reaches this middleware as before, and anything the fast path would hand over goes to the
+Litestar handler either way.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -92,16 +101,7 @@ def admit_fast_path(state_of: Callable[[], Any], max_body: int,
                 if who is not None:
                     scope[SCOPE_KEY] = who
             chunks, body = await read_body(receive, limit)
-            req: Any = None
-            if body is not None:
-                try:
-                    req = _decode_batch(body) if batch else _decode(body)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    req = None
-                if req is not None:
-                    shown = 1 + sum(map(keys_shown, req.requests)) if batch else keys_shown(req)
-                    if repeats_keys(body, shown):
-                        req = None  # the handler answers 400 (kernel.jsonbody)
+            req = None if body is None else decode_admit(body, batch)
             if req is None:
                 await app(scope, replay(chunks, receive), send)
                 return
@@ -131,32 +131,120 @@ def install(app: Any, middleware: Callable[[ASGIApp], ASGIApp]) -> None:
     app.asgi_handler = middleware(app.asgi_handler)
 
 
-async def _answer_batch(st: Any, batch: AdmitBatch, send: Callable[[dict], Awaitable[None]],
-                        decide_batch: Callable[..., Awaitable[Any]], raw_headers: Any = ()) -> None:
+def decode_admit(body: bytes, batch: bool) -> Any:
+    """The :class:`AdmitRequest` (or :class:`AdmitBatch`) the fast path serves, or None: the body
+    does not decode strictly into it, or repeats a key (the handler answers 400, kernel.jsonbody)."""
     try:
-        decisions = await decide_batch(st, batch.requests, raw_headers)
-    except LeaseholdError as e:
-        return await _send_problem(send, e, BATCH_PATH)
-    await _send(send, 200, _encode(decisions), _JSON_HEADERS)
+        req = _decode_batch(body) if batch else _decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    shown = 1 + sum(map(keys_shown, req.requests)) if batch else keys_shown(req)
+    return None if repeats_keys(body, shown) else req
 
 
-async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[None]], raw_headers: Any = ()) -> None:
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes]  # status, headers (no content-length), body
+
+
+async def admit_answer(st: Any, req: AdmitRequest, raw_headers: Any = ()) -> Answer:
+    """``POST /v1/admit``'s answer, as the handler gives it: 200 and the decision, the 409 problem of
+    a request-id conflict, or the problem of a question the admission refuses."""
     try:
         decision = await st.admission.decide_one(req, door="http", carrier=raw_headers, decoded=True)
     except LeaseholdError as e:
-        return await _send_problem(send, e, PATH)
+        return _problem(e, PATH)
     if is_conflict(decision):
-        return await _send_problem(send, http_conflict(decision), PATH)  # as the handler: 409
-    payload = _encode(decision)  # _send's two messages inline: one coroutine less per answer
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [*_JSON_HEADERS, (b"content-length", str(len(payload)).encode())]})
-    await send({"type": "http.response.body", "body": payload})
+        return _problem(http_conflict(decision), PATH)  # as the handler: 409
+    return 200, _JSON_HEADERS, _encode(decision)
+
+
+async def admit_batch_answer(st: Any, batch: AdmitBatch, decide_batch: Callable[..., Awaitable[Any]],
+                             raw_headers: Any = ()) -> Answer:
+    """``POST /v1/admit/batch``'s answer, as the handler gives it."""
+    try:
+        decisions = await decide_batch(st, batch.requests, raw_headers)
+    except LeaseholdError as e:
+        return _problem(e, BATCH_PATH)
+    return 200, _JSON_HEADERS, _encode(decisions)
+
+
+def _problem(e: LeaseholdError, path: str) -> Answer:
+    """The app's exception handler's answer (kernel.http_errors)."""
+    status, named, payload = problem_answer(e, path)
+    return status, [(k.encode("latin-1"), v.encode("latin-1")) for k, v in named.items()], payload
+
+
+async def _answer_batch(st: Any, batch: AdmitBatch, send: Callable[[dict], Awaitable[None]],
+                        decide_batch: Callable[..., Awaitable[Any]], raw_headers: Any = ()) -> None:
+    status, headers, payload = await admit_batch_answer(st, batch, decide_batch, raw_headers)
+    await _send(send, status, payload, headers)
+
+
+async def _answer(st: Any, req: AdmitRequest, send: Callable[[dict], Awaitable[None]], raw_headers: Any = ()) -> None:
+    status, headers, payload = await admit_answer(st, req, raw_headers)
+    await _send(send, status, payload, headers)
 
 
 async def _send_problem(send: Callable[[dict], Awaitable[None]], e: LeaseholdError, path: str) -> None:
-    """The app's exception handler's answer (kernel.http_errors)."""
-    status, named, payload = problem_answer(e, path)
-    await _send(send, status, payload, [(k.encode("latin-1"), v.encode("latin-1")) for k, v in named.items()])
+    status, headers, payload = _problem(e, path)
+    await _send(send, status, payload, headers)
+
+
+class DirectAdmit:
+    """``POST /v1/admit`` (or, with ``decide_batch``, ``/v1/admit/batch``) as a direct route of the
+    HTTP protocol (``kernel.httpserver.DirectRoute``; the module's docstring)."""
+
+    def __init__(self, state_of: Callable[[], Any], max_body: int, path: str,
+                 decide_batch: Callable[..., Awaitable[Any]] | None = None) -> None:
+        self._state_of = state_of
+        self._max = max_body
+        self._path = path
+        self._decide_batch = decide_batch
+
+    def admits(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        st = self._state_of()
+        if st.engine is None:
+            return False
+        announced = _announced_json(headers)
+        if announced < 0 or announced > self._max:
+            return False
+        if st.auth is not None:
+            try:
+                st.auth.check(self._path, headers)  # the guard's own check, before the body is read
+            except LeaseholdError:
+                return False  # the guard answers 401
+        return True
+
+    def answer(self, headers: list[tuple[bytes, bytes]], body: bytes) -> Awaitable[Answer] | None:
+        batch = self._decide_batch is not None
+        req = decode_admit(body, batch)
+        if req is None:
+            return None
+        return self._answered(req, headers)
+
+    async def _answered(self, req: Any, headers: list[tuple[bytes, bytes]]) -> Answer:
+        st = self._state_of()
+        try:
+            if self._decide_batch is not None:
+                return await admit_batch_answer(st, req, self._decide_batch, headers)
+            return await admit_answer(st, req, headers)
+        except Exception:  # a bug: the app's exception handler's answer
+            log.exception("unhandled error on %s", self._path)
+            return _problem(LeaseholdError("internal error"), self._path)
+
+
+def direct_routes(app: Any) -> Mapping[bytes, DirectAdmit] | None:
+    """The agent's direct routes for ``kernel.httpserver.serve(direct=...)``: those ``create_app``
+    put in the app's state (None when it was built without the fast path). ``app`` is what uvicorn
+    loaded: the Litestar app, or a uvicorn middleware around it."""
+    for _ in range(4):
+        state = getattr(app, "state", None)
+        routes = getattr(state, "direct_routes", None) if state is not None else None
+        if routes is not None:
+            return routes
+        app = getattr(app, "app", None)
+        if app is None:
+            break
+    return None
 
 
 async def _send(send: Callable[[dict], Awaitable[None]], status: int, payload: bytes, headers: list) -> None:
@@ -190,3 +278,27 @@ def _json_within(raw_headers: Any) -> int:
 
 
 _NOT_JSON = 1 << 62  # above every limit: hand the request over
+
+
+def _announced_json(raw_headers: list[tuple[bytes, bytes]]) -> int:
+    """The announced length of a body the protocol may read for a direct route, or -1: exactly one
+    Content-Type, application/json; exactly one Content-Length, a plain decimal; no
+    Transfer-Encoding. Anything else is the application's to judge."""
+    ctype: bytes | None = None
+    length: bytes | None = None
+    for name, value in raw_headers:  # uvicorn lower-cases the names
+        if name == b"content-type":
+            if ctype is not None:
+                return -1
+            ctype = value
+        elif name == b"content-length":
+            if length is not None:
+                return -1
+            length = value
+        elif name == b"transfer-encoding":
+            return -1
+    if ctype is None or length is None or not length.isdigit() or len(length) > 9:
+        return -1
+    if ctype != b"application/json" and not is_json_media_type(ctype.decode("latin-1")):
+        return -1
+    return int(length)

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import secrets
+import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -30,6 +33,7 @@ HEAD_TIMEOUT_MS = 1_000  # --http-header-timeout-ms / --http-body-timeout-ms of 
 BODY_TIMEOUT_MS = 1_000
 MAX_HEADER_BYTES = 16_384  # the defaults, passed explicitly so the tests state what they check
 MAX_HEADERS = 100
+WAIT_S = 15.0  # bound on every wait for the server to act (it acts after HEAD/BODY_TIMEOUT_MS = 1 s)
 HTTP_ARGS = ("--http-header-timeout-ms", str(HEAD_TIMEOUT_MS), "--http-body-timeout-ms", str(BODY_TIMEOUT_MS),
              "--http-max-header-bytes", str(MAX_HEADER_BYTES), "--http-max-headers", str(MAX_HEADERS))
 
@@ -144,3 +148,193 @@ def _children(pid: int) -> list[int]:
             with contextlib.suppress(OSError):
                 out += [int(c) for c in (t / "children").read_text().split()]
     return out
+
+
+# ---------------------------------------------------------------------------- raw HTTP on loopback
+
+
+def connect(svc: Service) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", svc.port), timeout=WAIT_S)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def read_answer(s: socket.socket, within_s: float = WAIT_S) -> bytes:
+    """Everything the server sends until it closes the connection (bounded in time)."""
+    s.settimeout(within_s)
+    out = b""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:  # closed while our own bytes were still arriving
+            return out
+        except TimeoutError:
+            break
+        if not chunk:
+            return out
+        out += chunk
+    raise AssertionError(f"connection not closed by the server within {within_s} s; got {out[:200]!r}")
+
+
+def assert_problem(answer: bytes, status: int) -> None:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), answer[:300]
+    assert b"content-type: application/problem+json" in head.lower(), head
+    assert json.loads(body)["status"] == status
+
+
+@dataclass
+class Answer:
+    """One HTTP/1.1 answer as it came off the wire (``raw``), split by its own framing."""
+
+    status: int
+    headers: list[tuple[str, str]]  # in order, names lower-cased
+    body: bytes
+    raw: bytes
+    interim: list[bytes] = field(default_factory=list)  # 1xx answers that came before it
+
+    def header(self, name: str) -> str | None:
+        values = [v for n, v in self.headers if n == name]
+        assert len(values) <= 1, f"{name} repeated: {self.raw[:400]!r}"
+        return values[0] if values else None
+
+    @property
+    def content_type(self) -> str:
+        return self.header("content-type") or ""
+
+    @property
+    def closes(self) -> bool:
+        return "close" in (self.header("connection") or "").lower()
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class Wire:
+    """A raw client connection that reads answers one at a time, each framed by its own
+    Content-Length (or chunked coding), so pipelined answers are told apart byte-exactly: an
+    answer cut short, two answers run together or bytes that are no answer fail the read."""
+
+    def __init__(self, svc: Service) -> None:
+        self.sock = connect(svc)
+        self.buf = b""
+        self.eof = False
+
+    def __enter__(self) -> Wire:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _fill(self, deadline: float) -> bool:
+        """Read more bytes; False once the server closed the connection."""
+        if self.eof:
+            return False
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no complete answer in time; buffered {self.buf[:400]!r}")
+        self.sock.settimeout(left)
+        try:
+            chunk = self.sock.recv(65536)
+        except ConnectionResetError:
+            chunk = b""
+        except TimeoutError:
+            raise AssertionError(f"no complete answer within {WAIT_S} s; buffered {self.buf[:400]!r}") from None
+        if not chunk:
+            self.eof = True
+            return False
+        self.buf += chunk
+        return True
+
+    def _take(self, n: int, deadline: float) -> bytes:
+        while len(self.buf) < n:
+            if not self._fill(deadline):
+                raise AssertionError(f"closed after {len(self.buf)} of {n} bytes: {self.buf[:400]!r}")
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+    def _line(self, deadline: float) -> bytes:
+        while b"\r\n" not in self.buf:
+            if not self._fill(deadline):
+                raise AssertionError(f"closed in the middle of a line: {self.buf[:400]!r}")
+        line, _, self.buf = self.buf.partition(b"\r\n")
+        return line
+
+    def answer(self, within_s: float = WAIT_S) -> Answer:
+        """The next answer (1xx interim answers before it are kept in ``interim``)."""
+        deadline = time.monotonic() + within_s
+        interim: list[bytes] = []
+        while True:
+            while b"\r\n\r\n" not in self.buf:
+                if not self._fill(deadline):
+                    raise AssertionError(f"closed before an answer's head was complete: {self.buf[:400]!r}")
+            head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+            lines = head.split(b"\r\n")
+            status_line = lines[0]
+            assert status_line[:9] == b"HTTP/1.1 " and status_line[9:12].isdigit() and status_line[12:13] == b" ", \
+                f"not an answer's status line: {head[:400]!r}"
+            status = int(status_line[9:12])
+            headers = []
+            for line in lines[1:]:
+                name, sep, value = line.partition(b":")
+                assert sep and name and name == name.strip(), f"bad header line {line!r} in {head[:400]!r}"
+                headers.append((name.decode("latin-1").lower(), value.strip().decode("latin-1")))
+            if 100 <= status < 200:
+                interim.append(head)
+                continue
+            break
+        lengths = [v for n, v in headers if n == "content-length"]
+        codings = [v.lower() for n, v in headers if n == "transfer-encoding"]
+        raw = head + b"\r\n\r\n"
+        if codings:
+            assert codings == ["chunked"] and not lengths, f"answer framing: {head[:400]!r}"
+            body = b""
+            while True:
+                size_line = self._line(deadline)
+                raw += size_line + b"\r\n"
+                size = int(size_line.split(b";")[0], 16)
+                if size == 0:
+                    assert self._line(deadline) == b"", "trailers in an answer"
+                    raw += b"\r\n"
+                    break
+                chunk = self._take(size + 2, deadline)
+                assert chunk.endswith(b"\r\n")
+                raw += chunk
+                body += chunk[:-2]
+        else:
+            assert len(lengths) == 1 and lengths[0].isdigit(), f"answer framing: {head[:400]!r}"
+            body = self._take(int(lengths[0]), deadline)
+            raw += body
+        return Answer(status, headers, body, raw, interim)
+
+    def answer_or_close(self, within_s: float = WAIT_S) -> Answer | None:
+        """The next answer, or None when the server closes the connection before sending one."""
+        deadline = time.monotonic() + within_s
+        while not self.buf:
+            if not self._fill(deadline):
+                return None
+        return self.answer(max(0.0, deadline - time.monotonic()))
+
+    def closed(self, within_s: float = WAIT_S) -> bool:
+        """After the answers expected: True once the server has closed the connection without
+        sending anything more (an AssertionError if it sends more bytes, or stays open)."""
+        deadline = time.monotonic() + within_s
+        while self._fill(deadline):
+            pass
+        assert not self.buf, f"bytes after the last answer: {self.buf[:400]!r}"
+        return True
+
+    def silent(self, for_s: float) -> None:
+        """Nothing more arrives for ``for_s`` seconds (the connection may stay open or close)."""
+        self.sock.settimeout(for_s)
+        try:
+            chunk = self.sock.recv(65536)
+        except TimeoutError:
+            chunk = b""
+        except ConnectionResetError:
+            chunk = b""
+        assert not self.buf and not chunk, f"unexpected bytes: {(self.buf + chunk)[:400]!r}"

@@ -6,7 +6,6 @@ a stated budget, and ``/healthz`` keeps answering while the attack runs."""
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 import threading
 import time
@@ -15,43 +14,22 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from .conftest import BODY_TIMEOUT_MS, HEAD_TIMEOUT_MS, MAX_HEADER_BYTES, MAX_HEADERS, Service, rss_kib
+from .conftest import (
+    BODY_TIMEOUT_MS,
+    HEAD_TIMEOUT_MS,
+    MAX_HEADER_BYTES,
+    MAX_HEADERS,
+    WAIT_S,
+    Service,
+    assert_problem,
+    connect,
+    read_answer,
+    rss_kib,
+)
 
 pytestmark = pytest.mark.integration
 
 RSS_BUDGET_KIB = 24 * 1024  # what an attack below may add to the process's resident memory
-WAIT_S = 15.0  # bound on every wait for the server to act (it acts after HEAD/BODY_TIMEOUT_MS = 1 s)
-
-
-def connect(svc: Service) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", svc.port), timeout=WAIT_S)
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return s
-
-
-def read_answer(s: socket.socket, within_s: float = WAIT_S) -> bytes:
-    """Everything the server sends until it closes the connection (bounded in time)."""
-    s.settimeout(within_s)
-    out = b""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            chunk = s.recv(65536)
-        except ConnectionResetError:  # closed while our own bytes were still arriving
-            return out
-        except TimeoutError:
-            break
-        if not chunk:
-            return out
-        out += chunk
-    raise AssertionError(f"connection not closed by the server within {within_s} s; got {out[:200]!r}")
-
-
-def assert_problem(answer: bytes, status: int) -> None:
-    head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 %d " % status), answer[:300]
-    assert b"content-type: application/problem+json" in head.lower(), head
-    assert json.loads(body)["status"] == status
 
 
 @contextlib.contextmanager

@@ -62,7 +62,7 @@ def serve(app: Any, request: bytes) -> Transport:
         config.load()
         proto = BoundedHttpToolsProtocol(config, ServerState(), {}, asyncio.get_running_loop())
         t = Transport()
-        proto.connection_made(t)  # type: ignore[arg-type]
+        proto.connection_made(t)  # type: ignore[arg-type]  # a recording stand-in for the transport
         proto.data_received(request)
         assert isinstance(proto.cycle, OneWriteCycle)
         for _ in range(20):  # the application's task runs

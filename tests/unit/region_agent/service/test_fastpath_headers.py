@@ -6,7 +6,7 @@ import pytest
 
 from kernel.errors import LeaseholdError
 from kernel.jsonbody import content_type_of, is_json_media_type
-from region_agent.service.fastpath import _json_within
+from region_agent.service.fastpath import _announced_json, _json_within
 
 LIMIT = 65536
 
@@ -56,3 +56,29 @@ CASES = [
 @pytest.mark.parametrize("headers", CASES)
 def test_one_pass_matches_the_two_checks(headers: list[tuple[bytes, bytes]]) -> None:
     assert (_json_within(headers) <= LIMIT) == _reference(headers)
+
+
+TE = b"transfer-encoding"
+DIRECT_ONLY_REFUSED = [
+    [(CT, b"application/json"), (CL, b"12"), (TE, b"chunked")],
+    [(CT, b"application/json"), (TE, b"chunked")],
+    [(CT, b"application/json"), (CL, b"12"), (CL, b"12")],
+    [(CT, b"application/json"), (CL, b"+12")],
+    [(CT, b"application/json"), (CL, b"0x10")],
+]
+
+
+@pytest.mark.parametrize("headers", CASES + DIRECT_ONLY_REFUSED)
+def test_the_direct_lanes_check_is_the_fast_paths_or_stricter(headers: list[tuple[bytes, bytes]]) -> None:
+    """``_announced_json`` (the protocol's direct lane, headers lower-cased by uvicorn) takes a
+    request only where the fast path would serve it, with the same announced length; it leaves to
+    the application every head with a repeated or missing Content-Length or a transfer coding."""
+    lowered = [(n.lower(), v) for n, v in headers]
+    direct = _announced_json(lowered)
+    if direct >= 0:
+        assert _json_within(lowered) == direct and _reference(lowered) == (direct <= LIMIT)
+    names = [n for n, _ in lowered]
+    if names.count(CL) != 1 or TE in names or names.count(CT) != 1:
+        assert direct == -1
+    if headers in DIRECT_ONLY_REFUSED:
+        assert direct == -1
