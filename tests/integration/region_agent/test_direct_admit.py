@@ -3,7 +3,7 @@ direct routes, kernel.httpserver) answer exactly what the Litestar handler answe
 test's inputs, valid and hostile, sent through uvicorn's protocol with the direct routes to an
 agent with the fast path, and through the ASGI test client to one without it (each on its own
 Redis, same policy and pepper), give the same status, content type and body; the requests the
-direct lane serves are exactly those that decode."""
+direct route serves are exactly those that decode."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def _complete(data: bytes) -> bool:
     return False
 
 
-async def test_the_direct_lane_answers_like_the_handler(tmp_path, policy_file, monkeypatch):
+async def test_the_direct_route_answers_like_the_handler(tmp_path, policy_file, monkeypatch):
     served: list[str] = []
     real = fastpath.admit_answer
 
@@ -130,7 +130,7 @@ async def test_the_direct_lane_answers_like_the_handler(tmp_path, policy_file, m
     monkeypatch.undo()
     slow = await _answers(tmp_path, policy_file, "slow", False)
     for (name, _, _), d, s in zip(CASES, direct, slow, strict=True):
-        assert d == s, f"{name}: direct lane {d!r} vs handler {s!r}"
+        assert d == s, f"{name}: direct route {d!r} vs handler {s!r}"
 
 
 async def test_the_direct_batch_lane_answers_like_the_handler(tmp_path, policy_file, monkeypatch):
@@ -148,4 +148,4 @@ async def test_the_direct_batch_lane_answers_like_the_handler(tmp_path, policy_f
     monkeypatch.undo()
     slow = await _answers(tmp_path, policy_file, "bslow", False, "/v1/admit/batch", BATCH_CASES)
     for (name, _, _), d, s in zip(BATCH_CASES, direct, slow, strict=True):
-        assert d == s, f"{name}: direct lane {d!r} vs handler {s!r}"
+        assert d == s, f"{name}: direct route {d!r} vs handler {s!r}"

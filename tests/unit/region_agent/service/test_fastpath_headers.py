@@ -69,8 +69,8 @@ DIRECT_ONLY_REFUSED = [
 
 
 @pytest.mark.parametrize("headers", CASES + DIRECT_ONLY_REFUSED)
-def test_the_direct_lanes_check_is_the_fast_paths_or_stricter(headers: list[tuple[bytes, bytes]]) -> None:
-    """``_announced_json`` (the protocol's direct lane, headers lower-cased by uvicorn) takes a
+def test_the_direct_routes_check_is_the_fast_paths_or_stricter(headers: list[tuple[bytes, bytes]]) -> None:
+    """``_announced_json`` (the protocol's direct route, headers lower-cased by uvicorn) takes a
     request only where the fast path would serve it, with the same announced length; it leaves to
     the application every head with a repeated or missing Content-Length or a transfer coding."""
     lowered = [(n.lower(), v) for n, v in headers]

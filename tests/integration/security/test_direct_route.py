@@ -5,7 +5,7 @@ question on the direct and the normal lane, HTTP/1.0 and ``Connection: close``, 
 vanishing clients, request smuggling, credentials, content types, announced lengths, and a
 client that never reads its answers (write backpressure).
 
-A request takes the direct lane when it arrives on a connection with nothing in flight and its
+A request takes the direct route when it arrives on a connection with nothing in flight and its
 head qualifies; the same request is forced onto the normal lane (uvicorn's ASGI cycle, the ASGI
 fast path or the Litestar handler) by a query string, a chunked body, ``Expect: 100-continue``
 or by pipelining it behind a ``GET``. Every answer is read framed by its own length (conftest's
@@ -90,7 +90,7 @@ def problem(ans: Answer, status: int) -> dict:
 
 
 def ask(svc: Service, data: bytes) -> Answer:
-    """One request alone on a fresh connection (so a qualifying one takes the direct lane)."""
+    """One request alone on a fresh connection (so a qualifying one takes the direct route)."""
     with Wire(svc) as w:
         w.send(data)
         return w.answer()
@@ -204,7 +204,7 @@ def test_many_pipelined_requests_in_one_write(agent_service: Service):
 
 def test_expect_100_continue_client_gets_its_interim_answer(agent_service: Service):
     """A client that sends ``Expect: 100-continue`` and waits for the 100 before its body (curl
-    does): the 100 comes (the direct lane, which never sends one, does not take such a request),
+    does): the 100 comes (the direct route, which never sends one, does not take such a request),
     then the decision."""
     rid = uid("expect")
     data = post(admit_body(rid, pid=uid("U")), head=("expect: 100-continue",))
@@ -239,7 +239,7 @@ def test_body_in_pieces_and_keep_alive_between_direct_answers(agent_service: Ser
         w.silent(0.3)  # nothing more: no stray answer
 
 
-# ---------------------------------------------------------------------------- 2. direct lane = normal lane
+# ---------------------------------------------------------------------------- 2. direct route = normal lane
 
 
 def _normal_query(data: bytes) -> bytes:
@@ -270,7 +270,7 @@ def _comparable(ans: Answer) -> tuple:
 
 @pytest.fixture(scope="module")
 def bound_rid(agent_service: Service) -> tuple[str, str]:
-    """An export requestId decided (through the direct lane) for one principal."""
+    """An export requestId decided (through the direct route) for one principal."""
     rid, pid = uid("bound"), uid("U")
     decided(ask(agent_service, post(export(rid, pid))), rid)
     return rid, pid
@@ -343,7 +343,7 @@ def test_answer_then_close(agent_service: Service, target: str, how: str):
 
 
 def test_handed_over_answer_then_close(agent_service: Service):
-    """A body the direct lane hands to the application, with ``Connection: close``: the
+    """A body the direct route hands to the application, with ``Connection: close``: the
     application's 400, then the close."""
     with Wire(agent_service) as w:
         w.send(post(b'{"requestId": "dl-truncated-1", ', head=("connection: close",)) + HEALTHZ)
