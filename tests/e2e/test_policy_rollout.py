@@ -111,11 +111,17 @@ def test_replay_canary_promote_rollback(topo: LocalTopology, tmp_path: Path, cap
         (held(topo, "eu"), held(topo, "us"))
 
     # 1. recorded traffic, replayed through a tightened P-READ (burst 20 -> 10)
-    base = burst(topo, "eu", "rec-eu") + burst(topo, "us", "rec-us")
-    # (a user's 30 quick requests: P-READ admits its 20-token burst, plus what refills while they
-    # are sent; the first requests after the pools idled may also meet a fleet-wide pool's chunk
-    # still being bought, denied for a moment: counted apart, as the canary step below does)
-    assert all(0 < by_read_rule(base[i:i + 30]) <= 10 for i in (0, 30)), denials(base)
+    base = []
+    for region in ("eu", "us"):
+        started = time.monotonic()
+        ds = burst(topo, region, f"rec-{region}")
+        took = time.monotonic() - started
+        base += ds
+        # (a user's 30 quick requests: P-READ admits its 20-token burst, plus what refills while they
+        # are sent — 2 a second, so a burst that a loaded machine stretched over 5 s may meet no
+        # denial at all; the first requests after the pools idled may also meet a fleet-wide pool's
+        # chunk still being bought, denied for a moment: counted apart, as the canary step below does)
+        assert by_read_rule(ds) <= 10 and (by_read_rule(ds) > 0 or took >= 4.5), (region, took, denials(ds))
     logs = [run / "decisions-eu-1.jsonl", run / "decisions-us-1.jsonl"]
     assert wait_until(lambda: sum(len(p.read_text().splitlines()) for p in logs if p.exists()) >= 60)
     for p in logs:  # the keyed hash, never the principal
