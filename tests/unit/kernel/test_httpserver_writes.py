@@ -10,32 +10,7 @@ import pytest
 from uvicorn.server import ServerState
 
 from kernel.httpserver import BoundedHttpToolsProtocol, LimitedConfig, OneWriteCycle
-
-
-class Transport:
-    """What a connection's socket received: one entry per write."""
-
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-        self.closed = False
-        self.closed_before_lost = False
-
-    def write(self, data: bytes) -> None:
-        assert not self.closed, "write after close"
-        self.writes.append(bytes(data))
-
-    def close(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8080), "peername": ("127.0.0.1", 50000)}.get(name, default)
-
-    def pause_reading(self) -> None: ...
-
-    def resume_reading(self) -> None: ...
+from tests.support.transport import RecordingTransport
 
 
 def answer_with(*messages: dict, fail: bool = False):
@@ -56,12 +31,12 @@ START = {"type": "http.response.start", "status": 200,
 BODY = {"type": "http.response.body", "body": b'{"ok":true}'}
 
 
-def serve(app: Any, request: bytes) -> Transport:
-    async def run() -> Transport:
+def serve(app: Any, request: bytes) -> RecordingTransport:
+    async def run() -> RecordingTransport:
         config = LimitedConfig(app, lifespan="off", access_log=False, log_level="warning")
         config.load()
         proto = BoundedHttpToolsProtocol(config, ServerState(), {}, asyncio.get_running_loop())
-        t = Transport()
+        t = RecordingTransport()
         proto.connection_made(t)  # type: ignore[arg-type]  # a recording stand-in for the transport
         proto.data_received(request)
         assert isinstance(proto.cycle, OneWriteCycle)
