@@ -197,33 +197,27 @@ def ratios(res: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
 
 
 def run(work: Path, work_values: list[float], models: list[str], agent: bool, rounds: int, seconds: float) -> dict:
-    from leasehold.local.procs import Proc, RedisServer, free_port, wait_port
+    from leasehold.local.procs import RedisServer
 
     from .fig_gateways import CONNS, gwload
-    from .harness import CpuMeter, _env, start_agent
+    from .harness import CpuMeter
+    from .rls_ab import _agent
+    from .rls_models import _bare
 
     redis = RedisServer(work / "redis").start() if agent else None
     procs: list = []
     servers: dict[str, tuple[int, int]] = {}
     try:
-        port = free_port()
-        bare = Proc("rls-bare", [sys.executable, "-m", "bench.rls_bare", "--port", str(port)], work / "bare",
-                    env=_env()).start()
+        bare, port = _bare(work, "bare")
         procs.append(bare)
-        wait_port(port, proc=bare.popen, timeout=30)
         servers["bare"] = (port, bare.pid)
         for name, args in _servers(work_values, models):
-            port = free_port()
-            p = Proc(f"rls-{name}", [sys.executable, "-m", "bench.rls_budget", "serve", "--port", str(port), *args],
-                     work / name, env=_env()).start()
+            p, port = _bare(work, name, *args, module="bench.rls_budget serve")
             procs.append(p)
-            wait_port(port, proc=p.popen, timeout=30)
             servers[name] = (port, p.pid)
         if redis is not None:
-            port = free_port()
-            a = start_agent(work / "agent", redis.url, region="budget", extra=["--rls-port", str(port)])
+            a, port = _agent(work, redis.url, "agent", None, [])
             procs.append(a)
-            wait_port(port, proc=a.proc.popen, timeout=30)
             servers["agent"] = (port, a.proc.pid)
         res: dict[str, list[dict]] = {k: [] for k in servers}
         for t in range(rounds):

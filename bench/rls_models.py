@@ -30,9 +30,11 @@ from .stats import median
 CONNS = 64
 
 
-def _bare(work: Path, name: str, *args: str) -> tuple[Proc, int]:
+def _bare(work: Path, name: str, *args: str, module: str = "bench.rls_bare") -> tuple[Proc, int]:
+    """A gRPC server process, ``python -m <module> --port N <args>`` (``module`` may be followed by a
+    subcommand, e.g. ``"bench.rls_budget serve"``), on a free loopback port, once it listens."""
     port = free_port()
-    p = Proc(name, [sys.executable, "-m", "bench.rls_bare", "--port", str(port), *args], work / name,
+    p = Proc(name, [sys.executable, "-m", *module.split(), "--port", str(port), *args], work / name,
              env=_env()).start()
     wait_port(port, proc=p.popen, timeout=30)
     return p, port
