@@ -72,7 +72,11 @@ _parse = rls_pb2.RateLimitRequest.FromString
 class CallMemo:
     """The questions of the calls seen, by the call's bytes (module doc): at most ``MEMO_CALLS``
     calls of at most ``MEMO_BYTES`` bytes each; a full memo starts again empty. What a call is
-    asked for depends only on its bytes and ``names``, which the servicer keeps for its life."""
+    asked for depends only on its bytes and ``names``, which the servicer keeps for its life.
+
+    Only calls whose every request id is minted are remembered: a call that names its request id
+    (the shipped Envoy files send ``x-request-id`` for idempotent routes) has bytes of its own
+    each time, and remembering it would only churn the memo; it is built afresh, as a replay is."""
 
     __slots__ = ("_known", "names")
 
@@ -90,8 +94,8 @@ class CallMemo:
         except DecodeError:
             raise BadQuestion("undecodable", "the message is not a RateLimitRequest") from None
         call = rls_call(self.names, request.domain, descriptors_of(request), request.hits_addend)
-        if len(raw) <= MEMO_BYTES:
-            self._known.put(raw, call)
+        if len(call.minted) == len(call.questions) and len(raw) <= MEMO_BYTES:
+            self._known.put(raw, call)  # a call that names a request id is new each time: never asked again
         return list(call.questions)
 
 
