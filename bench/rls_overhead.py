@@ -50,11 +50,12 @@ class _Context:
         return ()
 
 
-def _requests(tag: str) -> list[rls_pb2.RateLimitRequest]:
+def _requests(tag: str) -> list[bytes]:
+    """The calls' bytes, as grpcio hands them to the servicer."""
     D = ratelimit_pb2.RateLimitDescriptor
     return [rls_pb2.RateLimitRequest(domain="leasehold", descriptors=[D(entries=[
         D.Entry(key="tenant", value=tag), D.Entry(key="user", value=f"U-{i}"),
-        D.Entry(key="route_group", value="read")])]) for i in range(USERS)]
+        D.Entry(key="route_group", value="read")])]).SerializeToString() for i in range(USERS)]
 
 
 async def _rounds(redis_url: str, rounds: int, seconds: float) -> dict[str, list[float]]:

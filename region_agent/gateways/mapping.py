@@ -60,6 +60,7 @@ DESCRIPTOR_KEY_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 HEADER_RE = re.compile(r"[a-z0-9-]{1,64}")
 PREFIX_RE = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@%/-]{0,255}")
 _convert = msgspec.convert
+_replace = msgspec.structs.replace
 
 
 class BadQuestion(ValidationFailed):
@@ -206,8 +207,38 @@ class Descriptor:
     has_limit_override: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class CallQuestions:
+    """The questions of one ``ShouldRateLimit`` call and how to ask them again.
+
+    A call is a pure function of its bytes and the agent's :class:`Names`, except for the request
+    ids minted for descriptors that name none: ``minted`` lists those questions, and :meth:`again`
+    gives them fresh ids (with their ``:<index>`` suffix) while every other field, and an id the
+    gateway named, stays as it is. The questions are frozen structs: sharing them is safe."""
+
+    questions: tuple[AdmitRequest, ...]
+    minted: tuple[int, ...]  # indices of the questions whose request id was minted here
+
+    def again(self) -> list[AdmitRequest]:
+        """The same questions, each minted id replaced by a fresh one."""
+        out = list(self.questions)
+        if self.minted:
+            suffixed = len(out) > 1
+            for i in self.minted:
+                rid = mint_request_id("rls")
+                out[i] = _replace(out[i], request_id=f"{rid}:{i}" if suffixed else rid)
+        return out
+
+
 def rls_questions(names: Names, domain: str, descriptors: list[Descriptor], hits_addend: int,
                   request_id: str | None = None) -> list[AdmitRequest]:
+    """The questions of one ``ShouldRateLimit`` call, one per descriptor, in order
+    (:func:`rls_call`'s)."""
+    return list(rls_call(names, domain, descriptors, hits_addend, request_id).questions)
+
+
+def rls_call(names: Names, domain: str, descriptors: list[Descriptor], hits_addend: int,
+             request_id: str | None = None) -> CallQuestions:
     """The questions of one ``ShouldRateLimit`` call, one per descriptor, in order.
 
     Refused as a whole (:class:`BadQuestion`): another domain, no descriptor or more than
@@ -223,6 +254,7 @@ def rls_questions(names: Names, domain: str, descriptors: list[Descriptor], hits
     if len(descriptors) > names.rls_max_descriptors:
         raise BadQuestion("too_many_descriptors", f"more than {names.rls_max_descriptors} descriptors")
     out: list[AdmitRequest] = []
+    minted: list[int] = []
     fields_of = names.rls_fields
     for i, d in enumerate(descriptors):
         if d.has_limit_override:
@@ -236,11 +268,14 @@ def rls_questions(names: Names, domain: str, descriptors: list[Descriptor], hits
                 raise BadQuestion("duplicate_key", f"descriptor {i}: key {key[:64]!r} given twice")
             fields[field] = value
         cost = check_cost(d.hits_addend if d.hits_addend is not None else (hits_addend or 1))
-        rid = fields.pop("request_id", None) or request_id or mint_request_id("rls")
+        rid = fields.pop("request_id", None) or request_id
+        if not rid:
+            rid = mint_request_id("rls")
+            minted.append(i)
         if len(descriptors) > 1:
             rid = f"{rid[:120]}:{i}"
         out.append(question(fields, cost=cost, request_id=rid))
-    return out
+    return CallQuestions(tuple(out), tuple(minted))
 
 
 def route_of(uri: str | None, prefixes: tuple[tuple[str, str], ...]) -> str | None:
@@ -312,6 +347,8 @@ def authz_question(names: Names, headers: Mapping[str, str], *, method: str,
     return question(fields, cost=check_cost(int(raw_cost)), request_id=rid)
 
 
-__all__ = ["AUTHZ_DEFAULT_HEADERS", "FIELDS", "IDENTITY_FIELDS", "RLS_DEFAULT_KEYS", "BadQuestion", "Descriptor",
+__all__ = ["AUTHZ_DEFAULT_HEADERS", "FIELDS", "IDENTITY_FIELDS", "RLS_DEFAULT_KEYS", "BadQuestion", "CallQuestions",
+           "Descriptor",
            "Names", "authz_question", "authz_route", "failed_authentication", "parse_names", "with_identity",
-           "without_identity", "parse_route_prefixes", "question", "rls_questions", "route_of"]
+           "without_identity", "parse_route_prefixes", "question", "rls_call", "rls_questions",
+           "route_of"]

@@ -2,10 +2,18 @@
 served by the region agent on its own port (``--rls-port``), in the agent's event loop
 (``grpc.aio``), with the standard gRPC health service beside it.
 
-Thin adapter: protobuf in -> :func:`.mapping.rls_questions` -> the agent's one decision path
+Thin adapter: the request's bytes -> :func:`.mapping.rls_call` -> the agent's one decision path
 (:meth:`region_agent.gateways.Gateways.decide`, the same as ``/v1/admit``) ->
-:func:`.answer.rls_answer` -> protobuf out. The generated stubs come from the ``xds-protos``
+:func:`.answer.rls_answer` -> protobuf out. The generated messages come from the ``xds-protos``
 package; the health service from ``grpcio-health-checking``.
+
+The questions of a call are a pure function of its bytes and the agent's names, but for the
+request ids minted for descriptors that name none (:class:`.mapping.CallQuestions`). Envoy sends
+the same bytes for the same caller and route each time, so the door remembers a call's questions
+by its bytes (:class:`CallMemo`, bounded) and asks them again with fresh minted ids: the protobuf
+parse, the descriptor mapping and the validating convert (about 7 us of the loop thread's time per
+call) happen once per distinct call. Bytes that are not a ``RateLimitRequest`` are
+``INVALID_ARGUMENT`` (reason ``undecodable``); a refused call is never remembered.
 
 gRPC status codes of a call (what Envoy does with each is in ``region_agent/README.md``):
 
@@ -17,8 +25,8 @@ gRPC status codes of a call (what Envoy does with each is in ``region_agent/READ
   ``leasehold_status: 409`` — never an error, which ``failure_mode_deny: false`` would let
   through. ``UNKNOWN`` is never sent as ``overall_code`` (Envoy's client treats it as ``OK``;
   its documented meaning is "not known").
-* ``INVALID_ARGUMENT`` — not a question Leasehold can answer (another domain, an unmapped
-  descriptor key, a limit override, a bad value or cost), counted by reason.
+* ``INVALID_ARGUMENT`` — not a question Leasehold can answer (bytes that do not parse, another
+  domain, an unmapped descriptor key, a limit override, a bad value or cost), counted by reason.
 * ``UNAUTHENTICATED`` — missing or wrong ``authorization: Bearer <gateway token>`` metadata.
 * ``UNAVAILABLE`` — the agent is still starting.
 """
@@ -30,18 +38,20 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
-from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from envoy.service.ratelimit.v3 import rls_pb2
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kernel import tracing
 from kernel.auth import TokenTable, authenticate
+from kernel.caches import BoundedMemo
 from kernel.errors import LeaseholdError, Unauthorized, Unavailable, ValidationFailed
 
 from ..decision.plan import Snapshot
 from ..models import AdmitRequest, Decision
 from .answer import rls_answer
 from .call_group import CallGroup
-from .mapping import BadQuestion, Descriptor, Names, rls_questions
+from .mapping import BadQuestion, CallQuestions, Descriptor, Names, rls_call
 from .metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -52,6 +62,41 @@ OK, OVER_LIMIT = Response.OK, Response.OVER_LIMIT
 UNITS = {name: Response.RateLimit.Unit.Value(name) for name in Response.RateLimit.Unit.keys()}
 OUTCOME_OF_STATUS = {200: "ok", 503: "unavailable_503", 409: "conflict_409"}  # else over_limit
 OUTCOMES = ("ok", "over_limit", "unavailable_503", "conflict_409", "invalid", "unauthenticated", "not_ready", "error")
+
+
+MEMO_CALLS = 20_000  # calls remembered by their bytes (CallMemo)
+MEMO_BYTES = 1_024  # a call of more bytes than this is not remembered: the memo's memory stays bounded (~20 MB)
+_parse = rls_pb2.RateLimitRequest.FromString
+
+
+class CallMemo:
+    """The questions of the calls seen, by the call's bytes (module doc): at most ``MEMO_CALLS``
+    calls of at most ``MEMO_BYTES`` bytes each; a full memo starts again empty. What a call is
+    asked for depends only on its bytes and ``names``, which the servicer keeps for its life.
+
+    Only calls whose every request id is minted are remembered: a call that names its request id
+    (the shipped Envoy files send ``x-request-id`` for idempotent routes) has bytes of its own
+    each time, and remembering it would only churn the memo; it is built afresh, as a replay is."""
+
+    __slots__ = ("_known", "names")
+
+    def __init__(self, names: Names, max_calls: int = MEMO_CALLS):
+        self.names = names
+        self._known: BoundedMemo[bytes, CallQuestions] = BoundedMemo(max_calls)
+
+    def questions(self, raw: bytes) -> list[AdmitRequest]:
+        """The questions of the call ``raw``; raises :class:`.mapping.BadQuestion`."""
+        known = self._known.get(raw)
+        if known is not None:
+            return known.again()
+        try:
+            request = _parse(raw)
+        except DecodeError:
+            raise BadQuestion("undecodable", "the message is not a RateLimitRequest") from None
+        call = rls_call(self.names, request.domain, descriptors_of(request), request.hits_addend)
+        if len(call.minted) == len(call.questions) and len(raw) <= MEMO_BYTES:
+            self._known.put(raw, call)  # a call that names a request id is new each time: never asked again
+        return list(call.questions)
 
 
 def descriptors_of(request: rls_pb2.RateLimitRequest) -> list[Descriptor]:
@@ -88,11 +133,15 @@ def _to_proto(decisions: list[Decision], questions: list[AdmitRequest], snap: Sn
     return resp, ans.http_status, over
 
 
-class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
+class RateLimitServicer:
+    """``ShouldRateLimit`` of the request's bytes (:meth:`handlers` registers it with grpcio
+    without a request deserializer: :class:`CallMemo` parses a call it does not know)."""
+
     def __init__(self, *, names: Names, decide: Callable[..., Awaitable[list[Decision]]],
                  snapshot_of: Callable[[], Snapshot], gateways: TokenTable | None, metrics: GatewayMetrics,
                  group_linger_s: float = 0.0, group_size: int = 32):
         self.names = names
+        self.calls = CallMemo(names)
         # calls that arrive together are decided together (.call_group); linger 0: each call alone
         self.group = CallGroup(self._decide_group, group_linger_s, group_size, on_group=metrics.rls_group_calls.observe)
         self.decide = decide
@@ -109,7 +158,13 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         calls are grouped only while tracing is off (each traced call is its own decision span)."""
         return self.decide(questions, door="rls", decoded=True)
 
-    async def ShouldRateLimit(self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext) -> Response:
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        """The service's method handlers for a grpc server: requests arrive as bytes (no
+        deserializer), answers leave as protobuf serialised by grpcio."""
+        return {"ShouldRateLimit": grpc.unary_unary_rpc_method_handler(
+            self.ShouldRateLimit, request_deserializer=None, response_serializer=Response.SerializeToString)}
+
+    async def ShouldRateLimit(self, request: bytes, context: grpc.aio.ServicerContext) -> Response:
         started = time.perf_counter()
         m = self.metrics
         code, detail, outcome = grpc.StatusCode.OK, "", "error"
@@ -121,7 +176,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
             metadata = (context.invocation_metadata() or ()) if self.gateways is not None or traced else ()
             if self.gateways is not None:
                 authenticate(self.gateways, metadata)  # pairs: two tokens are refused
-            questions = rls_questions(self.names, request.domain, descriptors_of(request), request.hits_addend)
+            questions = self.calls.questions(request)
             if joins and not traced:  # other calls in flight: decided with those arriving with it
                 decisions = await group.decide(questions)
             else:  # decoded: the questions were built by msgspec's validating convert (mapping.question)
@@ -178,7 +233,9 @@ class RlsServer:
                  also: tuple[tuple[str, Callable[[grpc.aio.Server], None]], ...] = ()):
         self.server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs,
                                       options=[("grpc.so_reuseport", 1)])  # one port, several uvicorn workers
-        rls_pb2_grpc.add_RateLimitServiceServicer_to_server(servicer, self.server)
+        handlers = servicer.handlers()  # as generated stubs register a service: generic and registered
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        self.server.add_registered_method_handlers(SERVICE, handlers)
         self.services = ("", SERVICE, *(name for name, _ in also))  # what the health service reports
         for _, add in also:  # more services on the same port (region_agent.gateways.rlqs)
             add(self.server)
@@ -198,4 +255,4 @@ class RlsServer:
         await self.server.stop(grace_s)
 
 
-__all__ = ["RateLimitServicer", "RlsServer", "descriptors_of", "server_credentials", "to_proto"]
+__all__ = ["CallMemo", "RateLimitServicer", "RlsServer", "descriptors_of", "server_credentials", "to_proto"]

@@ -41,8 +41,14 @@ def user(u: str = "U-17", route: str = "read", tenant: str = "atlas") -> ratelim
 
 
 @pytest.fixture
-async def gw(redis_url: str, policy_file: Path) -> AsyncIterator[tuple[AsyncTestClient, rls_pb2_grpc.RateLimitServiceStub]]:
-    port = free_port()
+def rls_port() -> int:
+    return free_port()
+
+
+@pytest.fixture
+async def gw(redis_url: str, policy_file: Path,
+             rls_port: int) -> AsyncIterator[tuple[AsyncTestClient, rls_pb2_grpc.RateLimitServiceStub]]:
+    port = rls_port
     settings = make_settings(redis_url, policy_file, auth_disabled=False, rls_port=port,
                              gateway_tokens=["edge:" + hashlib.sha256(TOKEN.encode()).hexdigest()],
                              authz_route_prefixes=["/reports/export=export", "/login=login", "/=read"])
@@ -162,6 +168,43 @@ async def test_unknown_or_malformed_descriptors_are_refused_and_counted(gw, desc
     assert await metric(client, "leasehold_agent_rls_invalid_total", reason=reason) == 1
     assert await metric(client, "leasehold_agent_rls_requests_total", outcome="invalid") == 1
     assert await metric(client, "leasehold_agent_decisions_total") == 0  # nothing was decided
+
+
+async def test_bytes_that_are_not_a_request_are_refused_and_counted(gw, rls_port):
+    """The door reads a call's bytes itself (it remembers calls by their bytes): bytes that do not
+    parse as a RateLimitRequest are INVALID_ARGUMENT, counted as ``undecodable`` — never an
+    internal error, which Envoy's ``failure_mode_deny: false`` would let through."""
+    client, _ = gw
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{rls_port}") as ch:
+        raw = ch.unary_unary("/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit")  # bytes in, bytes out
+        for garbage in (b"\xff\xff\xff", b"\x0a\x05le"):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await raw(garbage, metadata=META, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # and a well-formed call's bytes through the same raw channel are answered
+        ok = R.FromString(await raw(rls_pb2.RateLimitRequest(domain="leasehold", descriptors=[user("U-raw")])
+                                    .SerializeToString(), metadata=META, timeout=10))
+    assert ok.overall_code == R.OK
+    assert await metric(client, "leasehold_agent_rls_invalid_total", reason="undecodable") == 2
+    assert await metric(client, "leasehold_agent_decisions_total") == 1
+
+
+async def test_the_same_call_again_is_a_new_decision_unless_it_names_its_request_id(gw):
+    """Envoy sends the same bytes for the same caller each time. Each such call is a decision of
+    its own (P-READ: 20, then 2/s — the user's remaining count falls call by call); a call whose
+    descriptor names its request id is the same decision again (an idempotent rule's record),
+    charged once."""
+    client, stub = gw
+    remaining = [(await rls(stub, user("U-again"))).statuses[0].limit_remaining for _ in range(3)]
+    assert remaining == [19, 18, 17]
+    two = [[s.limit_remaining for s in (await rls(stub, user("U-again2"), user("U-again2"))).statuses]
+           for _ in range(2)]
+    assert two == [[19, 18], [17, 16]]  # two descriptors, two decisions per call, every call
+    named = desc(("tenant", "atlas"), ("user", "U-again3"), ("route_group", "export"), ("request_id", "rid-again-01"))
+    first, again = [await rls(stub, named) for _ in range(2)]
+    assert first.overall_code == again.overall_code == R.OK
+    assert again.statuses[0].limit_remaining == first.statuses[0].limit_remaining  # the recorded decision
+    assert await metric(client, "leasehold_agent_rls_requests_total", outcome="ok") == 7
 
 
 async def test_limit_override_is_refused(gw):

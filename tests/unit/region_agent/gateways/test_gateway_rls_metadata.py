@@ -39,9 +39,11 @@ async def admission(questions, **_):
     return [Decision(allowed=True, decision_id=f"d-{q.request_id}", rule_id=None, bundle_version=1) for q in questions]
 
 
-def request(u: str) -> rls_pb2.RateLimitRequest:
+def request(u: str) -> bytes:
+    """A call's bytes, as grpcio hands them to the servicer."""
     return rls_pb2.RateLimitRequest(domain="leasehold", descriptors=[D(entries=[
-        D.Entry(key="tenant", value="atlas"), D.Entry(key="user", value=u), D.Entry(key="route_group", value="read")])])
+        D.Entry(key="tenant", value="atlas"), D.Entry(key="user", value=u),
+        D.Entry(key="route_group", value="read")])]).SerializeToString()
 
 
 def servicer(gateways: TokenTable | None) -> RateLimitServicer:
