@@ -33,8 +33,9 @@ import redis
 
 from kernel.bundle import load_bundle_file
 from leasehold.local.procs import LOOPBACK, RedisServer
-from region_agent.decision.call import Call, multi_rule_argv
+from region_agent.decision.call import Call, multi_rule_argv, script_for
 from region_agent.store import scripts as sc
+from region_agent.store.lua_loader import variant_name
 
 from .context import Ctx
 from .harness import NORTHSTAR, machine_busy, redis_client, redis_cpu, services, used_memory
@@ -104,7 +105,9 @@ def multi_rule_workload(n: int) -> Workload:
     calls = [Call(_bench_key(RAND, kinds[i]), r.kind.code, r.script_params(1)) for i, r in enumerate(rules)]
     keys, argv = multi_rule_argv(_bench_key(RAND, "d"), calls, slack_ms=SLACK, decision_ttl_ms=0,
                                  member=f"req-{RAND}")
-    return Workload(f"multi_rule ({n} rule{'s' if n > 1 else ''})", "multi_rule", keys, [str(a) for a in argv],
+    # the script the agent runs for these slots: multi_rule.lua's lean variant for their kinds
+    return Workload(f"multi_rule ({n} rule{'s' if n > 1 else ''})", script_for(tuple(c.kind for c in calls)), keys,
+                    [str(a) for a in argv],
                     extra={"rules": [r.id for r in rules]})
 
 
@@ -118,7 +121,8 @@ def hot_chunk_workload() -> Workload:
                                                                                             strict=True)]
     _, argv = multi_rule_argv(_bench_key(RAND, "d"), calls, slack_ms=SLACK, decision_ttl_ms=0, member="-")
     unit = argv[3:-1]  # each rule's kind and parameters for one unit (region_agent.decision.hot)
-    return Workload("hot_chunk (2 rules, up to 100 units)", "hot_chunk", [c.key for c in calls],
+    return Workload("hot_chunk (2 rules, up to 100 units)", variant_name("hot_chunk", [c.kind for c in calls]),
+                    [c.key for c in calls],
                     [str(a) for a in (SLACK, f"chunk-{RAND}", 1, 100, *unit)])
 
 
@@ -198,6 +202,7 @@ def run_throughput(ctx: Ctx) -> list[Row]:
     seconds = 1.0 if ctx.quick else 2.5  # per trial: the calls are sized from a short calibration run
     scripts = sc.Scripts()
     for w in workloads():
+        scripts.sha(w.script)  # a lean variant is registered when first named: loaded with the rest below
         server = RedisServer(ctx.work / f"redis-{w.script}").start()
         with services(server):
             r = redis_client(server)

@@ -13,12 +13,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kernel.algorithms import KINDS
 from kernel.algorithms.rule import Params
+from kernel.caches import BoundedMemo
 from kernel.errors import DecisionConflict, LeaseholdError, ScriptRejected, StoreUnavailable
+
+from ..store.lua_loader import variant_name
 
 if TYPE_CHECKING:
     from .plan import Plan
 
-MULTI_RULE = "multi_rule"
+MULTI_RULE = "multi_rule"  # the script; a call runs its lean variant for the kinds of its slots (script_for)
 MAX_RULES = 8
 CONFLICT = -1  # ``allowed`` of the multi-rule reply for a decision record of another question
 
@@ -50,6 +53,19 @@ class MultiRuleResult(NamedTuple):
     remaining: tuple[int, ...]
 
 
+_SCRIPT_OF: BoundedMemo[tuple[object, ...], str] = BoundedMemo(1024)
+
+
+def script_for(kinds: tuple[object, ...]) -> str:
+    """The script a multi-rule call whose slots are of ``kinds`` (in slot order) runs: the lean
+    variant of ``multi_rule.lua`` with only those kinds' libraries (region_agent.store.lua_loader:
+    the same answers, less of the store's CPU per call)."""
+    name = _SCRIPT_OF.get(kinds)
+    if name is None:
+        name = _SCRIPT_OF.put(kinds, variant_name(MULTI_RULE, [str(k) for k in kinds]))
+    return name
+
+
 def multi_rule_argv(decision_key: str, rules: Sequence[Call], *, slack_ms: int, decision_ttl_ms: int,
                     member: str, question: str = "") -> tuple[list[str], list[str | int]]:
     """KEYS and ARGV for ``multi_rule.lua``. Shape errors raise :class:`ScriptRejected` here.
@@ -76,7 +92,7 @@ def multi_rule_call(rules: Sequence[Call], *, decision_key: str, slack_ms: int, 
                     member: str, question: str = "") -> ScriptCall:
     keys, argv = multi_rule_argv(decision_key, rules, slack_ms=slack_ms, decision_ttl_ms=decision_ttl_ms,
                                  member=member, question=question)
-    return (MULTI_RULE, keys, argv)
+    return (script_for(tuple(r.kind for r in rules)), keys, argv)
 
 
 def prechecked_call(rules: Sequence[Call], argv_rules: tuple[object, ...], *, decision_key: str, slack_ms: int,
@@ -91,7 +107,7 @@ def prechecked_call(rules: Sequence[Call], argv_rules: tuple[object, ...], *, de
         raise ScriptRejected("the same key is listed for two rules")
     argv = RuleArgv((slack_ms, decision_ttl_ms, member, *argv_rules, question))
     argv.rules = argv_rules
-    return (MULTI_RULE, keys, argv)
+    return (script_for(argv_rules[::6]), keys, argv)  # a slot is its kind and five parameters
 
 
 def _raise_error(reply: Any) -> None:

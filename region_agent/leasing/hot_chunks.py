@@ -46,6 +46,7 @@ from kernel.errors import LeaseholdError, ScriptRejected
 from ..decision.call import ScriptCall
 from ..decision.hot import HotConfig
 from ..decision.plan import Plan
+from ..store.lua_loader import variant_name
 from .chunks import Chunk
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,9 @@ def hot_config(plan: Plan) -> HotConfig | None:
 
 def hot_chunk_call(keys: list[str], cfg: HotConfig, *, member: str, min_units: int, want: int,
                    slack_ms: int) -> ScriptCall:
-    return (HOT_CHUNK, keys, [slack_ms, member, min_units, want, *cfg.unit_argv])
+    # the lean variant of the script for the kinds of the slots (a slot: its kind and five parameters)
+    return (variant_name(HOT_CHUNK, [str(k) for k in cfg.unit_argv[::6]]), keys,
+            [slack_ms, member, min_units, want, *cfg.unit_argv])
 
 
 class Taken(NamedTuple):

@@ -22,6 +22,7 @@ from redis.asyncio import RedisCluster
 from redis.asyncio.sentinel import MasterNotFoundError
 from redis.crc import key_slot
 
+from kernel.algorithms import KINDS
 from kernel.algorithms.pool import PoolEntry
 from kernel.errors import (
     AmbiguousOutcome,
@@ -31,7 +32,7 @@ from kernel.errors import (
 )
 
 from . import redis_internals as ri
-from .lua_loader import DEFAULT_LUA_DIR, load_scripts
+from .lua_loader import DEFAULT_LUA_DIR, has_kinds, load_scripts, load_variant, variant_name
 from .resp import ASKING, pack_evalsha, pack_pipeline
 
 __all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "SlotMigrating", "SlotMoved", "SlotRedirect",
@@ -203,7 +204,12 @@ class Scripts:
     """Every script of ``lua/``, loaded once, called by SHA with one NOSCRIPT reload.
 
     ``lua_dir`` defaults to ``$LEASEHOLD_LUA_DIR`` or the scripts shipped in the package
-    (``region_agent/lua``, a symlink to the repository's ``lua/`` that a wheel carries as files)."""
+    (``region_agent/lua``, a symlink to the repository's ``lua/`` that a wheel carries as files).
+
+    A script that dispatches on call kinds also answers to its lean variants' names
+    (``multi_rule[tb]``, region_agent.store.lua_loader): those of one kind are registered (and
+    loaded by :meth:`load_all`) from the start, any other the first time it is named; a variant
+    new to a node is loaded there by the NOSCRIPT reload, like any script after a restart."""
 
     def __init__(self, lua_dir: Path | None = None):
         env = os.environ.get("LEASEHOLD_LUA_DIR")
@@ -212,11 +218,26 @@ class Scripts:
         if not self.scripts:
             raise FileNotFoundError(f"no Lua scripts in {self.lua_dir}")
         self._shas = {name: script.sha for name, script in self.scripts.items()}
+        for name in [n for n in self.scripts if has_kinds(self.lua_dir, n)]:
+            for code in KINDS:
+                self._add_variant(variant_name(name, [code]))
+
+    def _add_variant(self, name: str) -> bool:
+        """Register the lean variant ``name`` if it is one (a finite set: subsets of the
+        registered kinds of the scripts with a ``-- @kinds`` line)."""
+        variant = load_variant(self.lua_dir, name)
+        if variant is None:
+            return False
+        self.scripts[name] = variant
+        self._shas[name] = variant.sha
+        return True
 
     def sha(self, name: str) -> str:
         try:
             return self.scripts[name].sha
         except KeyError:
+            if self._add_variant(name):
+                return self.scripts[name].sha
             raise ScriptRejected(f"no script named {name!r}") from None
 
     def source(self, name: str) -> str:
@@ -225,7 +246,7 @@ class Scripts:
     async def load_all(self, client: Any) -> None:
         """SCRIPT LOAD every script (a RedisCluster client sends it to all primaries)."""
         try:
-            for s in self.scripts.values():
+            for s in list(self.scripts.values()):  # a variant may be registered meanwhile
                 got = await client.script_load(s.source)
                 if _s(got) != s.sha:
                     raise ScriptRejected(f"store computed another SHA for {s.name}")
@@ -296,7 +317,7 @@ class Scripts:
         results: list[Any] = [None] * len(calls)
         send: list[int] = []
         for i, (name, keys, _) in enumerate(calls):
-            if name not in self.scripts:
+            if name not in self.scripts and not self._add_variant(name):
                 results[i] = ScriptRejected(f"no script named {name!r}")
             elif cluster and len({key_slot(_b(k)) for k in keys}) > 1:
                 results[i] = KeysNotColocated("script keys are not in one hash slot")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hypothesis import HealthCheck, settings
+from redis.exceptions import NoScriptError
 
 from kernel.algorithms.concurrency import ConcurrencyState
 from kernel.algorithms.fixed_window import FixedWindowState
@@ -163,7 +164,13 @@ SCRIPTS = Scripts()
 
 
 def evalsha(r, name, keys, argv):
-    return r.evalsha(SCRIPTS.sha(name), len(keys), *keys, *argv)
+    """EVALSHA ``name``; a lean variant first named here (``multi_rule[fw,tb]``) is loaded on its NOSCRIPT."""
+    sha = SCRIPTS.sha(name)
+    try:
+        return r.evalsha(sha, len(keys), *keys, *argv)
+    except NoScriptError:
+        r.script_load(SCRIPTS.source(name))
+        return r.evalsha(sha, len(keys), *keys, *argv)
 
 
 def tag() -> str:

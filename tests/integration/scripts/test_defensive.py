@@ -295,3 +295,14 @@ async def test_wrong_key_type_fails_before_any_write(aclient, scripts):
     with pytest.raises(ScriptRejected):
         await scripts.multi_rule(aclient, keys, argv)
     assert await aclient.exists(good, f"rl:v3:{T}:wt:d") == 0 and await aclient.get(bad) == b"not a hash"
+
+
+async def test_a_lean_variant_refuses_a_kind_it_does_not_have_before_any_write(aclient, scripts):
+    """``multi_rule[tb]`` has only the token bucket's library: a call with a fixed-window slot is
+    refused as an unknown kind is, and nothing is written — the full script would have run it."""
+    keys = [f"rl:v3:{T}:d:lean", f"rl:v3:{T}:lean:tb", f"rl:v3:{T}:lean:fw"]
+    argv = ["100", "5000", "D1", "tb", "20000", "2000", "1000", "1000", "0", "fw", "10", "1000", "1", "0", "0", "q1"]
+    with pytest.raises(ScriptRejected):
+        await scripts.call(aclient, "multi_rule[tb]", keys, argv)
+    assert await aclient.exists(*keys) == 0
+    assert (await scripts.call(aclient, "multi_rule[fw,tb]", keys, argv))[0] == 1  # its own variant runs it

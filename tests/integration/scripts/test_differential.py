@@ -30,6 +30,7 @@ from kernel.algorithms.fixed_window import WindowParams
 from kernel.algorithms.multi_rule import DecisionRecord
 from kernel.algorithms.pool import PoolEntry, PoolState
 from kernel.algorithms.token_bucket import TokenBucketParams
+from region_agent.store.lua_loader import variant_name
 
 from .support import (
     SETTINGS,
@@ -175,12 +176,16 @@ rule_kinds = st.lists(st.sampled_from(["tb", "gcra", "fw", "sc", "sl", "cc", "po
 @given(kinds=rule_kinds,
        grants=st.lists(st.tuples(st.integers(0, 6), st.integers(-500, 500), st.integers(600, 5_000)), max_size=3),
        ops=st.lists(st.tuples(st.sampled_from([0, 0, 1, 300, 1_500, 6_000]), st.integers(1, 3),
-                              st.integers(0, 3)), min_size=1, max_size=10))
-def test_multi_rule_matches_model(sclient, kinds, grants, ops):
+                              st.integers(0, 3)), min_size=1, max_size=10),
+       lean=st.booleans())
+def test_multi_rule_matches_model(sclient, kinds, grants, ops, lean):
+    """``multi_rule.lua`` — or, with ``lean``, its variant with only these kinds' libraries, the
+    script the agent runs — against ``multi_rule.decide``."""
     t = tag()
     keys = [f"rl:{t}:r{i}:{k}" if k != "pool" else f"rl:{t}:pool" for i, k in enumerate(kinds)]
     kinds = [k for i, k in enumerate(kinds) if keys[i] not in keys[:i]]
     keys = list(dict.fromkeys(keys))
+    script = variant_name("multi_rule", kinds) if lean else "multi_rule"  # the agent's: the lean variant
     states: list = [None] * len(kinds)
     if "pool" in kinds:
         j = kinds.index("pool")
@@ -194,7 +199,7 @@ def test_multi_rule_matches_model(sclient, kinds, grants, ops):
         def model(n, s=states, rules=rules, member=member):
             return multi_rule.decide(s, rules, n, member)
 
-        _, states = step(lambda argv=argv: evalsha(sclient, "multi_rule", [f"rl:{t}:dec", *keys], argv),
+        _, states = step(lambda argv=argv: evalsha(sclient, script, [f"rl:{t}:dec", *keys], argv),
                          model, lambda: read_rules(sclient, kinds, keys),
                          states, kinds)
         for k, key, s in zip(kinds, keys, states, strict=True):
@@ -206,13 +211,15 @@ def test_multi_rule_matches_model(sclient, kinds, grants, ops):
 @SETTINGS
 @given(kinds=st.lists(st.sampled_from(["tb", "fw", "sl", "cc"]), min_size=1, max_size=3, unique=True),
        calls=st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["", "qA", "qB"]), st.integers(1, 3)),
-                      min_size=1, max_size=10))
-def test_decision_records_match_model(sclient, kinds, calls):
+                      min_size=1, max_size=10),
+       lean=st.booleans())
+def test_decision_records_match_model(sclient, kinds, calls, lean):
     """Decision records (decision_ttl_ms > 0) against ``multi_rule.decide_recorded``: a record
     replays its reply to the same question and changes nothing, answers the conflict reply to
     another question and changes nothing, and is written (with its question) by a first call."""
     t = tag()
     keys = [f"rl:{t}:r{i}:{k}" for i, k in enumerate(kinds)]
+    script = variant_name("multi_rule", kinds) if lean else "multi_rule"  # the agent's: the lean variant
     states: list = [None] * len(kinds)
     records: dict[int, DecisionRecord] = {}
     for did, question, cost in calls:
@@ -225,7 +232,7 @@ def test_decision_records_match_model(sclient, kinds, calls):
             reply, new, _ = multi_rule.decide_recorded(records.get(did), s, rules, n, member, question)
             return reply, new
 
-        n, states = step(lambda argv=argv, dkey=dkey: evalsha(sclient, "multi_rule", [dkey, *keys], argv),
+        n, states = step(lambda argv=argv, dkey=dkey: evalsha(sclient, script, [dkey, *keys], argv),
                          model, lambda: read_rules(sclient, kinds, keys),
                          states, kinds, reply_of=lambda reply: reply)
         records[did] = multi_rule.decide_recorded(records.get(did), [None] * len(kinds), rules, n, member,

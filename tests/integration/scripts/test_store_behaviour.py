@@ -4,6 +4,7 @@ translation, decision records, pools, and exact admission under concurrent clien
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import pytest
 import redis.asyncio as aredis
@@ -12,7 +13,7 @@ from redis.backoff import NoBackoff
 
 from kernel.errors import AmbiguousOutcome, ScriptRejected, StoreUnavailable
 from leasehold.local.procs import free_port
-from region_agent.decision.call import Call, MultiRuleResult, multi_rule_argv
+from region_agent.decision.call import Call, MultiRuleResult, multi_rule_argv, parse_multi_rule
 from region_agent.store.scripts import KeysNotColocated, PoolClosed, Scripts
 
 from .support import now_ms
@@ -39,6 +40,31 @@ async def test_noscript_after_flush_is_reloaded_once(aclient, scripts):
     # the flushed scripts ran exactly once each: one debit, not two
     assert int(await aclient.hget(f"rl:{T}:p1", "tokens")) == 19_000
     assert int(await aclient.hget(f"rl:{T}:p2", "n")) == 1
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["standalone", "cluster"])
+async def test_a_variant_first_named_after_the_start_is_loaded_by_the_noscript_reload(redis_url, redis_cluster_url,
+                                                                                      cluster):
+    """The agent loads every script and the one-kind variants at start; a variant of several kinds
+    is registered the first time a call names it and loaded where it runs by the NOSCRIPT reload
+    (one retry), then called by SHA like any script. A name that is not a variant is refused."""
+    s = Scripts()
+    c = aredis.RedisCluster.from_url(redis_cluster_url) if cluster else aredis.Redis.from_url(redis_url)
+    try:
+        await s.load_all(c)
+        assert "multi_rule[fw,tb]" not in s.scripts
+        t = "{t:" + uuid.uuid4().hex[:8] + "}"
+        keys, argv = multi_rule_argv(f"rl:{t}:d", [Call(f"rl:{t}:u", "tb", (20_000, 1, 3_600_000, 1_000, 0)),
+                                                  Call(f"rl:{t}:w", "fw", (10, 1_000, 1, 0, 0))],
+                                     slack_ms=0, decision_ttl_ms=0, member="m")
+        for expected_remaining in ([19_000, 9], [18_000, 8]):
+            (reply,) = await s.run_pipeline(c, [("multi_rule[fw,tb]", keys, argv)])
+            assert parse_multi_rule(reply).remaining == tuple(expected_remaining)  # ran once per call
+        assert "multi_rule[fw,tb]" in s.scripts
+        (refused,) = await s.run_pipeline(c, [("multi_rule[tb,fw]", keys, argv)])  # kinds not sorted: not a name
+        assert isinstance(refused, ScriptRejected)
+    finally:
+        await c.aclose()
 
 
 async def test_cross_slot_keys_are_refused_on_the_cluster(redis_cluster_url, scripts):
@@ -187,7 +213,8 @@ async def test_lua_dir_default_and_include_expansion(scripts):
     src = s.source("multi_rule")
     assert "@include" not in src.replace("-- >>>", "").split("\n", 30)[-1]
     assert src.count("local TB = {}") == 1 and src.count("local function lh_int") == 1
-    assert len({s.sha(n) for n in s.scripts}) == len(s.scripts) == 16
+    files = [n for n in s.scripts if "[" not in n]
+    assert len(files) == 16 and len({s.sha(n) for n in s.scripts}) == len(s.scripts)  # variants: SHAs of their own
 
 
 async def _hammer(url: str, cluster: bool, n_clients: int, per_client: int, call) -> int:

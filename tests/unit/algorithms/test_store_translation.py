@@ -5,9 +5,10 @@ from pathlib import Path
 import pytest
 from redis import exceptions as rex
 
+from kernel.algorithms import KINDS
 from kernel.errors import AmbiguousOutcome, DecisionConflict, ScriptRejected, StoreUnavailable
 from region_agent.decision.call import Call, multi_rule_argv, parse_multi_rule
-from region_agent.store.lua_loader import expand_includes
+from region_agent.store.lua_loader import DEFAULT_LUA_DIR, expand_includes, load_variant, variant_name
 from region_agent.store.scripts import KeysNotColocated, Scripts, translate_redis_error
 
 
@@ -50,10 +51,12 @@ def test_include_is_expanded_once_and_guarded(tmp_path: Path):
 
 def test_default_scripts_and_shas():
     s = Scripts()
-    assert set(s.scripts) == {"token_bucket", "gcra", "fixed_window", "sliding_log", "sliding_counter",
-                              "multi_rule", "concurrency_acquire", "concurrency_release", "concurrency_renew",
-                              "pool_deposit", "pool_close", "pool_balance", "pool_take", "pool_refund", "hot_chunk",
-                              "approx_reconcile"}
+    files = {"token_bucket", "gcra", "fixed_window", "sliding_log", "sliding_counter",
+             "multi_rule", "concurrency_acquire", "concurrency_release", "concurrency_renew",
+             "pool_deposit", "pool_close", "pool_balance", "pool_take", "pool_refund", "hot_chunk",
+             "approx_reconcile"}
+    # the scripts that dispatch on call kinds come with a lean variant per kind from the start
+    assert set(s.scripts) == files | {f"{n}[{k}]" for n in ("multi_rule", "hot_chunk") for k in KINDS}
     assert all(len(s.sha(n)) == 40 for n in s.scripts)
     for name in s.scripts:
         assert not any(line.strip().startswith("-- @include") for line in s.source(name).splitlines())
@@ -85,3 +88,27 @@ def test_lua_dir_from_environment(tmp_path: Path, monkeypatch):
     (tmp_path / "only.lua").write_text("return 1\n")
     monkeypatch.setenv("LEASEHOLD_LUA_DIR", str(tmp_path))
     assert set(Scripts().scripts) == {"only"}
+
+
+def test_a_lean_variant_carries_only_its_kinds_libraries():
+    full = load_variant(DEFAULT_LUA_DIR, "multi_rule[tb]")
+    assert full is not None and full.name == "multi_rule[tb]"
+    assert "local ALG = { tb = TB }" in full.source
+    assert full.source.count("local TB = {}") == 1 and "local SL = {}" not in full.source
+    assert full.source.count("local function lh_int") == 1  # the shared libraries still come once
+    two = load_variant(DEFAULT_LUA_DIR, "multi_rule[fw,tb]")
+    assert two is not None and "local ALG = { fw = FW, tb = TB }" in two.source
+    # the rest of the script is the full script's, line for line
+    body = Scripts().source("multi_rule").split("local MAX_RULES = 8", 1)[1]
+    assert full.source.endswith(body) and two.source.endswith(body)
+    assert variant_name("multi_rule", ["tb", "fw", "tb"]) == "multi_rule[fw,tb]"
+
+
+@pytest.mark.parametrize("name", ["multi_rule[tb,fw]", "multi_rule[tb,tb]", "multi_rule[xx]", "multi_rule[]",
+                                  "token_bucket[tb]", "nope[tb]", "multi_rule", "multi_rule[tb];x", "../x[tb]"])
+def test_names_that_are_not_variants_are_refused(name):
+    assert load_variant(DEFAULT_LUA_DIR, name) is None
+    s = Scripts()
+    if name not in s.scripts:
+        with pytest.raises(ScriptRejected):
+            s.sha(name)

@@ -33,7 +33,7 @@ CC = Call("rl:{t:a}:x:cc", "cc", (3, 60_000, 0, 0, 0))
 def test_keys_and_argv_follow_the_script_header():
     name, keys, argv = multi_rule_call([CC, TB], decision_key="rl:{t:a}:d:r1", slack_ms=5_000, decision_ttl_ms=30_000,
                                        member="r1", question="q")
-    assert name == "multi_rule"
+    assert name == "multi_rule[cc,tb]"  # the lean variant for the slots' kinds
     assert keys == ["rl:{t:a}:d:r1", CC.key, TB.key]
     assert argv == [5_000, 30_000, "r1", "cc", 3, 60_000, 0, 0, 0, "tb", 20_000, 2_000, 1_000, 1_000, 0, "q"]
 

@@ -124,7 +124,7 @@ def test_the_pool_allowance_call_replaces_the_balance_slot_only():
     assert fb.calls[1].key == KeyBuilder.pool_fallback_key(plan.calls[1].key)
     assert fb.calls[1].params == (100, 7, 7, plan.calls[1].params[0], 20_000 + 60_000)
     script, keys, _ = fb.call
-    assert script == "multi_rule" and keys[0] == plan.decision_key + ":fb"  # never the request's own record
+    assert script == "multi_rule[pw,tb]" and keys[0] == plan.decision_key + ":fb"  # never the request's own record
     assert sample(m, "leasehold_agent_degraded_decisions_total", reason="ALLOCATOR_UNREACHABLE",
                   fail_mode="pool_fallback") == 1
 

@@ -47,7 +47,7 @@ async def test_allowed_sends_one_multi_rule_call_and_reports_the_first_rule():
     assert d.allowed and d.http_status == 200 and d.rule_id == "read-user-v3"
     assert (d.limit, d.remaining, d.fallback) == (20, 17, False)
     [[(script, keys, argv)]] = store.sent
-    assert script == "multi_rule" and len(keys) == 3 and argv[3:5] == ["tb", 20_000]
+    assert script == "multi_rule[tb]" and len(keys) == 3 and argv[3:5] == ["tb", 20_000]
 
 
 async def test_a_denial_is_remembered_and_the_next_same_request_stays_off_the_store():

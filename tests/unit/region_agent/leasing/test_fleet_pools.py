@@ -399,7 +399,7 @@ async def test_allocator_unreachable_spends_the_regions_fallback_allowance_one_r
     took = await f.take(spend(), c.t + 0.05, c)
     assert (took.status, took.fallback) == (TakeStatus.OK, True)
     (script, keys, argv) = store.sent[1][0]
-    assert script == "multi_rule" and keys == [KeyBuilder.global_pool_decision_key(POOL.id),
+    assert script == "multi_rule[pw]" and keys == [KeyBuilder.global_pool_decision_key(POOL.id),
                                                 KeyBuilder.pool_fallback_key(GKEY)]
     # kind pw: fallbackPerRegion, the candidate windows, the cost, ttl past the last window
     assert argv[3:9] == ["pw", POOL.fallback_per_region, 5, 5, 1, 400 + POOL.window_ms]
