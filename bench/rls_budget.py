@@ -72,9 +72,11 @@ def parse_models(text: str) -> list[str]:
 
 
 def burn(us: float) -> None:
-    """Hold the thread (and the GIL) for ``us`` microseconds of Python, as a decision's code does."""
-    end = time.perf_counter() + us / 1e6
-    while time.perf_counter() < end:
+    """Hold the thread (and the GIL) for ``us`` microseconds of Python on the CPU, as a decision's
+    code does: the thread's own CPU time, so a busy machine that preempts it stretches the wall time
+    as it would the agent's, never shortens the work."""
+    end = time.thread_time() + us / 1e6
+    while time.thread_time() < end:
         pass
 
 

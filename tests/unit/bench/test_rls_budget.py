@@ -55,4 +55,4 @@ def test_a_group_decision_holds_the_loop_for_its_work_and_answers_each_question(
 
     got, cpu_s = asyncio.run(one_group())
     assert got == [None, None, None]
-    assert cpu_s >= 0.005  # 3 questions x 2 ms of Python, on the CPU (not a sleep)
+    assert cpu_s >= 0.006  # 3 questions x 2 ms of Python on the CPU (the thread's time: not a sleep, load or not)
