@@ -35,7 +35,6 @@ from kernel.bundle import load_bundle_file
 from leasehold.local.procs import LOOPBACK, RedisServer
 from region_agent.decision.call import Call, multi_rule_argv, script_for
 from region_agent.store import scripts as sc
-from region_agent.store.lua_loader import variant_name
 
 from .context import Ctx
 from .harness import NORTHSTAR, machine_busy, redis_client, redis_cpu, services, used_memory
@@ -121,7 +120,7 @@ def hot_chunk_workload() -> Workload:
                                                                                             strict=True)]
     _, argv = multi_rule_argv(_bench_key(RAND, "d"), calls, slack_ms=SLACK, decision_ttl_ms=0, member="-")
     unit = argv[3:-1]  # each rule's kind and parameters for one unit (region_agent.decision.hot)
-    return Workload("hot_chunk (2 rules, up to 100 units)", variant_name("hot_chunk", [c.kind for c in calls]),
+    return Workload("hot_chunk (2 rules, up to 100 units)", script_for(tuple(c.kind for c in calls), "hot_chunk"),
                     [c.key for c in calls],
                     [str(a) for a in (SLACK, f"chunk-{RAND}", 1, 100, *unit)])
 

@@ -56,13 +56,14 @@ class MultiRuleResult(NamedTuple):
 _SCRIPT_OF: BoundedMemo[tuple[object, ...], str] = BoundedMemo(1024)
 
 
-def script_for(kinds: tuple[object, ...]) -> str:
-    """The script a multi-rule call whose slots are of ``kinds`` (in slot order) runs: the lean
-    variant of ``multi_rule.lua`` with only those kinds' libraries (region_agent.store.lua_loader:
-    the same answers, less of the store's CPU per call)."""
-    name = _SCRIPT_OF.get(kinds)
+def script_for(kinds: tuple[object, ...], script: str = MULTI_RULE) -> str:
+    """The script a call whose rule slots are of ``kinds`` (in slot order) runs: the lean variant
+    of ``script`` (``multi_rule``, ``hot_chunk``) with only those kinds' libraries
+    (region_agent.store.lua_loader: the same answers, less of the store's CPU per call)."""
+    key = (script, *kinds)
+    name = _SCRIPT_OF.get(key)
     if name is None:
-        name = _SCRIPT_OF.put(kinds, variant_name(MULTI_RULE, [str(k) for k in kinds]))
+        name = _SCRIPT_OF.put(key, variant_name(script, [str(k) for k in kinds]))
     return name
 
 

@@ -230,15 +230,7 @@ class CallQuestions:
         return out
 
 
-def rls_questions(names: Names, domain: str, descriptors: list[Descriptor], hits_addend: int,
-                  request_id: str | None = None) -> list[AdmitRequest]:
-    """The questions of one ``ShouldRateLimit`` call, one per descriptor, in order
-    (:func:`rls_call`'s)."""
-    return list(rls_call(names, domain, descriptors, hits_addend, request_id).questions)
-
-
-def rls_call(names: Names, domain: str, descriptors: list[Descriptor], hits_addend: int,
-             request_id: str | None = None) -> CallQuestions:
+def rls_call(names: Names, domain: str, descriptors: list[Descriptor], hits_addend: int) -> CallQuestions:
     """The questions of one ``ShouldRateLimit`` call, one per descriptor, in order.
 
     Refused as a whole (:class:`BadQuestion`): another domain, no descriptor or more than
@@ -268,7 +260,7 @@ def rls_call(names: Names, domain: str, descriptors: list[Descriptor], hits_adde
                 raise BadQuestion("duplicate_key", f"descriptor {i}: key {key[:64]!r} given twice")
             fields[field] = value
         cost = check_cost(d.hits_addend if d.hits_addend is not None else (hits_addend or 1))
-        rid = fields.pop("request_id", None) or request_id
+        rid = fields.pop("request_id", None)
         if not rid:
             rid = mint_request_id("rls")
             minted.append(i)
@@ -350,5 +342,4 @@ def authz_question(names: Names, headers: Mapping[str, str], *, method: str,
 __all__ = ["AUTHZ_DEFAULT_HEADERS", "FIELDS", "IDENTITY_FIELDS", "RLS_DEFAULT_KEYS", "BadQuestion", "CallQuestions",
            "Descriptor",
            "Names", "authz_question", "authz_route", "failed_authentication", "parse_names", "with_identity",
-           "without_identity", "parse_route_prefixes", "question", "rls_call", "rls_questions",
-           "route_of"]
+           "without_identity", "parse_route_prefixes", "question", "rls_call", "route_of"]

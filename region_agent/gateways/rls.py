@@ -84,6 +84,10 @@ class CallMemo:
         self.names = names
         self._known: BoundedMemo[bytes, CallQuestions] = BoundedMemo(max_calls)
 
+    def __len__(self) -> int:
+        """Calls remembered."""
+        return len(self._known)
+
     def questions(self, raw: bytes) -> list[AdmitRequest]:
         """The questions of the call ``raw``; raises :class:`.mapping.BadQuestion`."""
         known = self._known.get(raw)

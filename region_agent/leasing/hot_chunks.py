@@ -43,10 +43,9 @@ from typing import Any, NamedTuple
 from kernel.caches import BoundedMemo
 from kernel.errors import LeaseholdError, ScriptRejected
 
-from ..decision.call import ScriptCall
+from ..decision.call import ScriptCall, script_for
 from ..decision.hot import HotConfig
 from ..decision.plan import Plan
-from ..store.lua_loader import variant_name
 from .chunks import Chunk
 
 log = logging.getLogger(__name__)
@@ -140,8 +139,7 @@ def hot_config(plan: Plan) -> HotConfig | None:
 def hot_chunk_call(keys: list[str], cfg: HotConfig, *, member: str, min_units: int, want: int,
                    slack_ms: int) -> ScriptCall:
     # the lean variant of the script for the kinds of the slots (a slot: its kind and five parameters)
-    return (variant_name(HOT_CHUNK, [str(k) for k in cfg.unit_argv[::6]]), keys,
-            [slack_ms, member, min_units, want, *cfg.unit_argv])
+    return (script_for(cfg.unit_argv[::6], HOT_CHUNK), keys, [slack_ms, member, min_units, want, *cfg.unit_argv])
 
 
 class Taken(NamedTuple):

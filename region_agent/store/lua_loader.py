@@ -104,14 +104,19 @@ def has_kinds(lua_dir: Path, name: str) -> bool:
     return path.is_file() and any(KINDS_RE.match(line.strip()) for line in path.read_text().splitlines())
 
 
-def load_variant(lua_dir: Path, variant: str) -> LoadedScript | None:
-    """The lean variant ``NAME[k1,...]`` (module doc), or None when ``variant`` is not one: not of
-    that form, kinds not sorted and distinct, a kind that is not registered, or a script without
-    a ``-- @kinds`` line."""
+def parse_variant(variant: str) -> tuple[str, list[str]] | None:
+    """``NAME[k1,...]`` as (NAME, kinds), or None when it is not a variant's name: not of that
+    form, kinds not sorted and distinct, or a kind that is not registered. Pure: whether NAME
+    dispatches on kinds is :func:`has_kinds`'s."""
     m = VARIANT_RE.match(variant)
     if m is None:
         return None
     name, codes = m.group(1), m.group(2).split(",")
-    if codes != sorted(set(codes)) or not set(codes) <= set(KINDS) or not has_kinds(lua_dir, name):
+    if codes != sorted(set(codes)) or not set(codes) <= set(KINDS):
         return None
-    return _loaded(variant, expand_includes(lua_dir / f"{name}.lua", lua_dir, kinds=codes))
+    return name, codes
+
+
+def load_variant(lua_dir: Path, name: str, codes: list[str]) -> LoadedScript:
+    """The lean variant of script ``name`` (one with a ``-- @kinds`` line) for the kinds ``codes``."""
+    return _loaded(variant_name(name, codes), expand_includes(lua_dir / f"{name}.lua", lua_dir, kinds=codes))

@@ -32,7 +32,7 @@ from kernel.errors import (
 )
 
 from . import redis_internals as ri
-from .lua_loader import DEFAULT_LUA_DIR, has_kinds, load_scripts, load_variant, variant_name
+from .lua_loader import DEFAULT_LUA_DIR, has_kinds, load_scripts, load_variant, parse_variant, variant_name
 from .resp import ASKING, pack_evalsha, pack_pipeline
 
 __all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "SlotMigrating", "SlotMoved", "SlotRedirect",
@@ -218,17 +218,19 @@ class Scripts:
         if not self.scripts:
             raise FileNotFoundError(f"no Lua scripts in {self.lua_dir}")
         self._shas = {name: script.sha for name, script in self.scripts.items()}
-        for name in [n for n in self.scripts if has_kinds(self.lua_dir, n)]:
+        self._dispatching = frozenset(n for n in self.scripts if has_kinds(self.lua_dir, n))  # read once
+        for name in self._dispatching:
             for code in KINDS:
                 self._add_variant(variant_name(name, [code]))
 
     def _add_variant(self, name: str) -> bool:
         """Register the lean variant ``name`` if it is one (a finite set: subsets of the
-        registered kinds of the scripts with a ``-- @kinds`` line)."""
-        variant = load_variant(self.lua_dir, name)
-        if variant is None:
+        registered kinds of the scripts with a ``-- @kinds`` line); any other name costs a
+        regular expression, no file read."""
+        parsed = parse_variant(name)
+        if parsed is None or parsed[0] not in self._dispatching:
             return False
-        self.scripts[name] = variant
+        variant = self.scripts[name] = load_variant(self.lua_dir, *parsed)
         self._shas[name] = variant.sha
         return True
 

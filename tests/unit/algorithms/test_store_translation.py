@@ -7,8 +7,8 @@ from redis import exceptions as rex
 
 from kernel.algorithms import KINDS
 from kernel.errors import AmbiguousOutcome, DecisionConflict, ScriptRejected, StoreUnavailable
-from region_agent.decision.call import Call, multi_rule_argv, parse_multi_rule
-from region_agent.store.lua_loader import DEFAULT_LUA_DIR, expand_includes, load_variant, variant_name
+from region_agent.decision.call import Call, multi_rule_argv, parse_multi_rule, script_for
+from region_agent.store.lua_loader import expand_includes, parse_variant
 from region_agent.store.scripts import KeysNotColocated, Scripts, translate_redis_error
 
 
@@ -91,24 +91,28 @@ def test_lua_dir_from_environment(tmp_path: Path, monkeypatch):
 
 
 def test_a_lean_variant_carries_only_its_kinds_libraries():
-    full = load_variant(DEFAULT_LUA_DIR, "multi_rule[tb]")
-    assert full is not None and full.name == "multi_rule[tb]"
-    assert "local ALG = { tb = TB }" in full.source
-    assert full.source.count("local TB = {}") == 1 and "local SL = {}" not in full.source
-    assert full.source.count("local function lh_int") == 1  # the shared libraries still come once
-    two = load_variant(DEFAULT_LUA_DIR, "multi_rule[fw,tb]")
-    assert two is not None and "local ALG = { fw = FW, tb = TB }" in two.source
+    s = Scripts()
+    assert "multi_rule[tb]" in s.scripts and "multi_rule[fw,tb]" not in s.scripts  # one kind: from the start
+    name = script_for(("tb", "fw", "tb"))
+    assert name == "multi_rule[fw,tb]" and len(s.sha(name)) == 40  # registered when first named
+    one, two = s.source("multi_rule[tb]"), s.source(name)
+    assert "local ALG = { tb = TB }" in one
+    assert one.count("local TB = {}") == 1 and "local SL = {}" not in one
+    assert one.count("local function lh_int") == 1  # the shared libraries still come once
+    assert "local ALG = { fw = FW, tb = TB }" in two and "local SL = {}" not in two
     # the rest of the script is the full script's, line for line
-    body = Scripts().source("multi_rule").split("local MAX_RULES = 8", 1)[1]
-    assert full.source.endswith(body) and two.source.endswith(body)
-    assert variant_name("multi_rule", ["tb", "fw", "tb"]) == "multi_rule[fw,tb]"
+    body = s.source("multi_rule").split("local MAX_RULES = 8", 1)[1]
+    assert one.endswith(body) and two.endswith(body)
+    assert len({s.sha(n) for n in ("multi_rule", "multi_rule[tb]", "multi_rule[fw,tb]")}) == 3
 
 
 @pytest.mark.parametrize("name", ["multi_rule[tb,fw]", "multi_rule[tb,tb]", "multi_rule[xx]", "multi_rule[]",
-                                  "token_bucket[tb]", "nope[tb]", "multi_rule", "multi_rule[tb];x", "../x[tb]"])
+                                  "multi_rule[tb];x", "../x[tb]", "token_bucket[tb]", "nope[tb]"])
 def test_names_that_are_not_variants_are_refused(name):
-    assert load_variant(DEFAULT_LUA_DIR, name) is None
+    """Malformed, unsorted, repeated or unknown kinds are not a variant's name; neither is a
+    well-formed name of a script without a ``-- @kinds`` line (or of no script)."""
+    assert (parse_variant(name) is None) == (name not in ("token_bucket[tb]", "nope[tb]"))
     s = Scripts()
-    if name not in s.scripts:
-        with pytest.raises(ScriptRejected):
-            s.sha(name)
+    with pytest.raises(ScriptRejected):
+        s.sha(name)
+    assert name not in s.scripts

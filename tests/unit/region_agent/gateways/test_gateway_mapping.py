@@ -21,7 +21,7 @@ from region_agent.gateways.mapping import (
     authz_question,
     parse_names,
     parse_route_prefixes,
-    rls_questions,
+    rls_call,
     route_of,
 )
 from region_agent.models import Decision
@@ -30,6 +30,10 @@ from region_agent.service.settings import load_agent_settings
 NAMES = Names.build(authz_route_prefixes=["/reports/export=export", "/login=login", "/=read"])
 BUNDLE = load_bundle_file("policies/northstar.json")
 GLOBAL = load_bundle_file("policies/northstar-global.json")
+
+
+def questions(*args) -> list:
+    return list(rls_call(*args).questions)
 
 
 def d(*entries: tuple[str, str], hits: int | None = None, limit: bool = False) -> Descriptor:
@@ -71,16 +75,16 @@ def test_route_prefixes_longest_first_on_path_segments():
 
 
 def test_one_descriptor_one_question():
-    (q,) = rls_questions(NAMES, "leasehold", [d(("tenant", "atlas"), ("user", "U-17"), ("api_key", "K1"),
+    (q,) = questions(NAMES, "leasehold", [d(("tenant", "atlas"), ("user", "U-17"), ("api_key", "K1"),
                                                  ("route_group", "read"), ("request_id", "req-12345678"))], 3)
     assert (q.tenant_id, q.principal.type, q.principal.id, q.principal.api_key_id, q.route_group, q.cost_hint,
             q.request_id) == ("atlas", "user", "U-17", "K1", "read", 3, "req-12345678")
-    (q,) = rls_questions(NAMES, "leasehold", [d(("remote_address", "203.0.113.9"), ("route_group", "login"), hits=2)], 5)
+    (q,) = questions(NAMES, "leasehold", [d(("remote_address", "203.0.113.9"), ("route_group", "login"), hits=2)], 5)
     assert q.principal.type == "anonymous" and q.principal.id == "203.0.113.9" and q.cost_hint == 2
-    (q,) = rls_questions(NAMES, "leasehold", [d(("remote_address", "203.0.113.9"), ("auth_failed", "true"),
+    (q,) = questions(NAMES, "leasehold", [d(("remote_address", "203.0.113.9"), ("auth_failed", "true"),
                                                  ("tenant", "atlas"), ("user", "U-17"), ("route_group", "login"))], 0)
     assert q.auth_failed and q.client_ip == "203.0.113.9" and q.cost_hint == 1
-    qs = rls_questions(NAMES, "leasehold", [d(("tenant", "atlas"), ("user", "U-1"), ("route_group", "read"),
+    qs = questions(NAMES, "leasehold", [d(("tenant", "atlas"), ("user", "U-1"), ("route_group", "read"),
                                               ("request_id", "req-12345678"))] * 2, 0)
     assert [q.request_id for q in qs] == ["req-12345678:0", "req-12345678:1"]  # one decision record each
 
@@ -97,7 +101,7 @@ def test_one_descriptor_one_question():
 ])
 def test_malformed_descriptors(descs, reason):
     with pytest.raises(BadQuestion) as e:
-        rls_questions(NAMES, "leasehold", descs, 1)
+        questions(NAMES, "leasehold", descs, 1)
     assert e.value.reason == reason and e.value.status == 422
 
 

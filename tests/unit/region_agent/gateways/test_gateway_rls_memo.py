@@ -46,7 +46,7 @@ def test_a_remembered_call_is_the_call_built_afresh_with_fresh_minted_ids(raw):
     memo = CallMemo(NAMES)
     asked = [memo.questions(raw) for _ in range(4)]
     names_an_id = b"req-12345678" in raw
-    assert len(memo._known) == (0 if names_an_id else 1)  # a call that names its id is new each time
+    assert len(memo) == (0 if names_an_id else 1)  # a call that names its id is new each time
     for qs in asked:
         assert without_ids(qs) == without_ids(fresh(raw))
     n = len(asked[0])
@@ -67,7 +67,7 @@ def test_bytes_that_are_not_a_request_are_refused_and_not_remembered():
         with pytest.raises(BadQuestion) as e:
             memo.questions(raw)
         assert e.value.reason == "undecodable" and e.value.status == 422
-    assert len(memo._known) == 0
+    assert len(memo) == 0
 
 
 @pytest.mark.parametrize(("raw", "reason"), [
@@ -81,18 +81,18 @@ def test_a_refused_call_is_refused_every_time_and_never_remembered(raw, reason):
         with pytest.raises(BadQuestion) as e:
             memo.questions(raw)
         assert e.value.reason == reason
-    assert len(memo._known) == 0
+    assert len(memo) == 0
 
 
 def test_the_memo_is_bounded_in_calls_and_in_the_size_of_a_call():
     memo = CallMemo(NAMES, max_calls=3)
     for i in range(10):
         memo.questions(call((("tenant", "atlas"), ("user", f"U-{i}"), ("route_group", "read"))))
-        assert len(memo._known) <= 3
+        assert len(memo) <= 3
     big = call(*[(("tenant", "atlas"), ("user", "U-" + "x" * 100), ("route_group", "read"))] * 8)
     assert len(big) > rls.MEMO_BYTES
     memo = CallMemo(NAMES)
-    assert len(memo.questions(big)) == 8 and len(memo._known) == 0  # answered, not remembered
+    assert len(memo.questions(big)) == 8 and len(memo) == 0  # answered, not remembered
 
 
 def test_asked_again_only_the_minted_ids_change():
