@@ -155,8 +155,8 @@ def prometheus(topology, tmp_path_factory):
             try:
                 if len([s for s in prom.query("up == 1")]) == 4:
                     break
-            except (httpx.HTTPError, AssertionError, KeyError):
-                pass
+            except (httpx.HTTPError, AssertionError, KeyError, ValueError):  # ValueError: a starting
+                pass  # Prometheus answers its API with a plain-text 503 "Service Unavailable", not JSON
             time.sleep(0.5)
         assert len(prom.query("up == 1")) == 4, prom.query("up")
         yield prom
