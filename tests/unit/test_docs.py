@@ -276,3 +276,14 @@ def test_the_code_checks_can_fail():
     assert repository_paths("# role: deploy/etcd-roles.sh; /run/secrets/deploy/x", False, {"deploy"}) == [
         "deploy/etcd-roles.sh"]
     assert etcd_grants('grant leasehold-agent read "${P}policy/" prefix\n') == {"leasehold-agent": {"policy/"}}
+
+
+def test_the_readme_names_every_debian_package_and_the_suites_time_as_make_does():
+    makefile = (ROOT / "Makefile").read_text()
+    packages = {p for name in ("RUN_PACKAGES", "TEST_PACKAGES")
+                for p in re.search(rf"^{name} := (.*)$", makefile, re.M).group(1).split() if not p.startswith("$(")}
+    prerequisites = README.read_text().split("## Prerequisites")[1].split("\n## ")[0]
+    unnamed = sorted(p for p in packages if f"`{p}`" not in prerequisites)
+    assert not unnamed, f"README, Prerequisites: make also installs {unnamed}"
+    minutes = re.search(r"about \*\*(\d+) minutes on 2 cores\*\*", README.read_text()).group(1)
+    assert f"about {minutes} minutes on 2 cores" in makefile, "make help and the README state one time for make test"
