@@ -287,3 +287,33 @@ def test_the_readme_names_every_debian_package_and_the_suites_time_as_make_does(
     assert not unnamed, f"README, Prerequisites: make also installs {unnamed}"
     minutes = re.search(r"about \*\*(\d+) minutes on 2 cores\*\*", README.read_text()).group(1)
     assert f"about {minutes} minutes on 2 cores" in makefile, "make help and the README state one time for make test"
+
+
+def unknown_commands(text: str, parser) -> list[str]:
+    """`leasehold WORD [WORD]` in inline code whose command words the CLI does not have."""
+    import argparse
+
+    def commands(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        return next((dict(a.choices) for a in p._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+    bad = []
+    for span in re.findall(r"`(?:\.venv/bin/)?leasehold ([^`\n]*)`", text):
+        p, said = parser, []
+        for word in span.split():
+            subs = commands(p)
+            if not subs or word.startswith(("-", "$", "<", "[", ".")) or word.isupper():
+                break
+            said.append(word)
+            if word not in subs:
+                bad.append("leasehold " + " ".join(said))
+                break
+            p = subs[word]
+    return bad
+
+
+def test_every_leasehold_command_a_page_names_exists():
+    parser = build_parser()
+    found = [f"{p.relative_to(ROOT)}: `{c}`" for p in CURRENT for c in unknown_commands(p.read_text(), parser)]
+    assert not found, "no such command: " + "; ".join(found)
+    assert unknown_commands("`leasehold validate --bound`, `leasehold policy validate F`, `leasehold up`", parser) == [
+        "leasehold validate"]
