@@ -76,7 +76,7 @@ def run_profiles(ctx: Ctx, allocator: bool = False) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="1 trial, shorter loops, smaller sizes (~2 min)")
-    ap.add_argument("--only", action="append", metavar="FIGURE", help="figure number(s) 1-8, 'redis' or 'shards', repeatable or comma list")
+    ap.add_argument("--only", action="append", metavar="FIGURE", help="figure number(s) 1-8, 'redis', 'hotchunk' or 'shards', repeatable or comma list")
     ap.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     ap.add_argument("--profile", choices=("auto", "yes", "no"), default="auto",
                     help="profile the engine (pyinstrument), an agent and an allocator under load (py-spy); auto: "

@@ -192,13 +192,15 @@ would double every counter's and histogram's series and nothing uses them.
 
 Symbols in the *series bound* column: R rules in the bundle, T tenant labels (named tenants + 2),
 P pools, S store shards (1 for a standalone Redis), N regions (at most 64). Per agent process the
-total is dominated by `leasehold_agent_decisions_total` (at most 14 x (R+1) x T) and the decision
-latency histogram (S x 7 x 13 bucket series). For `policies/northstar-global.json` (R = 7, T = 5:
-atlas, birch, northstar-ops, other, none; P = 3, S = 1): decisions <= 560 series, latency 91,
-everything else (the gateway front doors included) under 300: **under 1,000 series per agent**, and
-under 300 per allocator replica with two regions. (Measured on a signed `leasehold up` after demo
-traffic: about 150 on an agent, about 100 on the allocator.) A bundle that names more tenants gets at most 50 tenant labels (the first 50 in
-sorted order; the rest count as `other`).
+total is dominated by `leasehold_agent_decisions_total` (14 x (R+1) x T combinations of outcome,
+policy version, rule and tenant, each once per layer that decided it: the `source`, one for most
+combinations, at most 3) and the decision latency histogram (S x 7 x 13 bucket series). For
+`policies/northstar-global.json` (R = 7, T = 5: atlas, birch, northstar-ops, other, none; P = 3,
+S = 1): decisions 560 combinations (at most 1,680 series), latency 91, everything else (the gateway
+front doors included) under 300: **under 2,100 series per agent**, and under 300 per allocator
+replica with two regions. (Measured on a signed `leasehold up` after demo traffic: about 150 on an
+agent, about 100 on the allocator.) A bundle that names more tenants gets at most 50 tenant labels
+(the first 50 in sorted order; the rest count as `other`).
 
 Besides the table, both services export the standard collectors of `prometheus_client`:
 `process_*` (resident and virtual memory, CPU seconds, open and maximum file descriptors, start

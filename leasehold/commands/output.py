@@ -56,7 +56,7 @@ MEANINGS: dict[Exit, str] = {
     Exit.NOT_RUNNING: "no local topology is running (or nothing is published in etcd, for `policy show`)",
     Exit.BYPASS: "`policy validate --against`, `policy diff`: the bundle is valid but adds or widens a privileged "
                  "bypass",
-    Exit.WORSE: "`policy replay`: a rule's denial rate changes by more than `--threshold`; `policy status`: the "
+    Exit.WORSE: "`policy replay`: a rule's denial rate rises by more than `--threshold`; `policy status`: the "
                 "canary denies more than the rest by over `--margin`",
     Exit.INTERNAL: "an unexpected error (a bug: please report it with the output of `LEASEHOLD_DEBUG=1`)",
 }

@@ -8,7 +8,7 @@ order. It runs the stage every door needs before the engine, then the engine:
 1. a failed authentication becomes an anonymous question from the caller's address (only
    ip-scoped rules apply: the claimed tenant is never charged);
 2. the gateway's ``policyEpoch`` is compared with the bundle in force (counted; a newer one
-   makes the agent look at its policy source);
+   makes the agent look at its bundle source);
 3. past the bundle's ``maxAgeMs``, a revocable rule answers ``POLICY_STALE`` (I13);
 4. the new-keys-per-source cap of the pre-authentication stage (region_agent.decision.preauth);
 5. :meth:`DecisionEngine.admit` for one question, :meth:`DecisionEngine.admit_many` for several

@@ -8,7 +8,7 @@ Cardinality (``docs/metrics.md`` states the budget):
   ``region_agent.decision.plan.MAX_TENANT_LABELS`` of them, in sorted order), ``other`` for every other tenant and ``none``
   for anonymous requests — never a principal, key or address;
 * ``rule`` and ``route_group`` come from the bundle's rules (the route group is the deciding
-  rule's), ``outcome`` is one of seven values, ``source`` one of the ten layers of
+  rule's), ``outcome`` is one of seven values, ``source`` one of the eleven layers of
   :class:`~region_agent.models.DecisionSource` (mostly determined by the outcome);
 * ``policy_version`` keeps at most ``VERSIONS_KEPT`` versions: when a decision is made with a
   third version, the series of the oldest are removed from the registry;

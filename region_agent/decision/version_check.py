@@ -7,7 +7,7 @@ waits for or guesses at a bundle it does not have. ``policyEpoch`` is the gatewa
 current version, so a mismatch is a staleness signal on one side or the other:
 
 * ``policyEpoch > policyVersion`` (the gateway has seen a newer bundle): counted as
-  ``gateway_ahead`` and the agent refreshes its policy source at once, at most once per
+  ``gateway_ahead`` and the agent refreshes its bundle source at once, at most once per
   ``min_interval_s`` — so a lost watch event is repaired by the first request that notices, not
   by the next periodic re-read. Following etcd, the read runs off the request path and this
   request is decided with the bundle in force (its ``policyVersion`` says which); from a bundle

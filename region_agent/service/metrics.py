@@ -114,7 +114,7 @@ class AgentMetrics:
                                  registry=r)
         self.policy_reloads, self.bundle_version, self.policy_age = policy_metrics(
             "agent", r, offered="file reload or etcd",
-            age="Snapshot age: seconds since the policy source (etcd key, else the bundle file) was last read "
+            age="Snapshot age: seconds since the bundle source (etcd key, else the bundle file) was last read "
                 "successfully")
         self.version_mismatches = Counter("leasehold_agent_policy_epoch_mismatches_total",
                                     "Requests whose policyEpoch differs from the bundle version in force "

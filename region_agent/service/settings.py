@@ -125,10 +125,10 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
         "time one decision may take (a batch gets one more per 64 items); a script call not sent "
         "within it is shed as 503 OVERLOADED", section="Decisions and overload")] = 50
     cold_lease_wait_ms: Annotated[int, Meta(ge=0, le=5_000), Help(
-        "how long beyond decision_budget_ms a decision may wait for the first lease of a pool balance "
+        "how long beyond --decision-budget-ms a decision may wait for the first lease of a pool balance "
         "that holds none (its first use, or again after an idle spell) while the allocator answers: "
         "the first request after a quiet spell is slower instead of denied as pool-busy (0: never; "
-        "keep it well under the gateways' timeout to the agent)", section="Decisions and overload")] = 600
+        "keep it well under the gateways' timeout to the agent)")] = 600
     batch_max: Annotated[int, Meta(ge=1, le=4096), Help(
         "script calls per coalesced pipeline (a larger single request, e.g. /v1/admit/batch, still "
         "goes as one pipeline)")] = 32

@@ -1,7 +1,10 @@
 """The README and docs/ stay usable: every link resolves to a file (and a heading, for an anchor),
 no page points at documents a user of the repository does not have, the README stays an entry
 point, and every command the README shows is one the tools accept (the README's commands are run
-for real by tests/e2e/test_readme_commands.py)."""
+for real by tests/e2e/test_readme_commands.py). What the pages state about the code stays true where
+a cheap check can tell: no switch is written with a value, every repository path a page or shipped
+config names exists, docs/security.md names every etcd permission the roles script grants, and
+docs/dependencies.md gives a reason for every runtime dependency."""
 
 from __future__ import annotations
 
@@ -163,3 +166,154 @@ def test_every_leasehold_command_of_the_readme_and_docs_parses():
                     pytest.fail(f"{page.relative_to(ROOT)}: `leasehold {m.group(2)}` is refused ({e.code})")
                 seen += 1
     assert seen >= 6
+
+
+# -- what the pages state about the code: switches, paths, etcd permissions, dependencies ----------
+# the pages that describe the repository as it is now (decision records and the changelog keep history)
+TRACKED = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+CURRENT = [ROOT / p for p in TRACKED if p.endswith(".md") and not p.startswith(("docs/decisions/", "tests/"))
+           and p != "CHANGELOG.md"]
+CONFIGS = [ROOT / p for p in TRACKED if p.startswith("deploy/") or p.endswith(".env") or p == "Makefile"]
+
+
+def switches() -> set[str]:
+    """``--x`` and ``--no-x`` of every boolean option of both services: a switch takes no value."""
+    from allocator.settings import ENV_PREFIX as ALLOCATOR_ENV
+    from allocator.settings import AllocatorSettings
+    from kernel.options import options
+    from region_agent.service.settings import ENV_PREFIX as AGENT_ENV
+    from region_agent.service.settings import AgentSettings
+
+    return {f for cls, prefix in ((AgentSettings, AGENT_ENV), (AllocatorSettings, ALLOCATOR_ENV))
+            for o in options(cls, prefix) if o.is_bool for f in (o.flag, o.negative_flag)}
+
+
+SWITCH_WITH_VALUE = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)[ =]+[\"']?(?:true|false)\b")
+
+
+def switches_given_a_value(text: str, known: set[str]) -> list[str]:
+    return [m.group(0) for m in SWITCH_WITH_VALUE.finditer(text) if m.group(1) in known]
+
+
+def test_no_page_gives_a_switch_a_value():
+    """`--auth-disabled true` is refused at start (a switch is `--x` / `--no-x`; `true` / `false`
+    only in the environment), so a page that writes it tells the reader a command that fails."""
+    known = switches()
+    assert {"--auth-disabled", "--no-auth-disabled", "--access-log"} <= known
+    assert len(CURRENT) > 25 and ROOT / "region_agent" / "README.md" in CURRENT
+    found = [f"{p.relative_to(ROOT)}: {hit}" for p in (*CURRENT, *CONFIGS)
+             for hit in switches_given_a_value(p.read_text(errors="replace"), known)]
+    assert not found, "write the switch alone (--x or --no-x): " + "; ".join(found)
+
+
+# a repository path named in a page (in `code`) or in a shipped config: it exists, or it is made at run time
+MADE_AT_RUN_TIME = (".run/", ".venv/", "deploy/secrets", "deploy/k8s-dev/secrets", "bench-results", "chaos-reports")
+NOT_PATHS = {"leasehold/region", "tests/path/to/test_x.py"}  # a Kubernetes label key; a placeholder
+
+
+def repository_paths(text: str, markdown: bool, tops: set[str]) -> list[str]:
+    alternatives = "|".join(sorted(map(re.escape, tops)))
+    pattern = re.compile(rf"(?<![\w./-])((?:{alternatives})/[\w./-]*[\w/])")
+    spans = re.findall(r"`([^`\n]+)`", text) if markdown else text.splitlines()
+    return [m.group(1).rstrip(".") for span in spans for m in pattern.finditer(span)]
+
+
+def test_every_repository_path_a_page_or_config_names_exists():
+    tops = {p.split("/")[0] for p in TRACKED if "/" in p}
+    assert {"docs", "deploy", "region_agent", "allocator"} <= tops
+    missing = []
+    for page in (*CURRENT, *CONFIGS):
+        for path in repository_paths(page.read_text(errors="replace"), page.suffix == ".md", tops):
+            if path.startswith(MADE_AT_RUN_TIME) or path in NOT_PATHS or "*" in path:
+                continue
+            if not (ROOT / path).exists() and not (page.parent / path).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert not missing, "no such file or folder: " + "; ".join(missing)
+
+
+ROLES_SCRIPT = ROOT / "deploy" / "etcd" / "leasehold-roles.sh"
+
+
+def etcd_grants(script: str) -> dict[str, set[str]]:
+    """role -> the keys (under the prefix) the roles script grants it, `policy/` style."""
+    out: dict[str, set[str]] = {}
+    for role, key in re.findall(r'^grant (leasehold-\w+) \w+ "\$\{P\}([^"]+)"', script, re.M):
+        out.setdefault(role, set()).add(key)
+    return out
+
+
+def test_the_security_page_names_every_etcd_permission_the_roles_script_grants():
+    grants = etcd_grants(ROLES_SCRIPT.read_text())
+    assert {"leasehold-publisher", "leasehold-allocator", "leasehold-agent"} <= set(grants)
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `\w+` / `(leasehold-\w+)` \|(.*)\|$",
+                                                          (ROOT / "docs" / "security.md").read_text(), re.M)}
+    unnamed = [f"{role}: {key}" for role, keys in grants.items() for key in sorted(keys)
+               if f"`{key}`" not in rows.get(role, "")]
+    assert not unnamed, "docs/security.md's etcd roles table misses: " + "; ".join(unnamed)
+
+
+def runtime_dependencies() -> list[str]:
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    return [re.split(r"[\[<>=!~ ;]", d, maxsplit=1)[0].lower() for d in deps]
+
+
+def test_every_runtime_dependency_says_why_it_is_there():
+    table = (ROOT / "docs" / "dependencies.md").read_text().split("## Extras")[0].lower()
+    deps = runtime_dependencies()
+    assert {"litestar", "redis", "pyyaml"} <= set(deps)
+    unexplained = [d for d in deps if not re.search(rf"(?<![\w-]){re.escape(d)}(?![\w-])", table)]
+    assert not unexplained, "docs/dependencies.md gives no reason for: " + ", ".join(unexplained)
+
+
+def test_the_code_checks_can_fail():
+    assert switches_given_a_value("run it with `--auth-disabled true`, or `--access-log=false`",
+                                  {"--auth-disabled", "--access-log"}) == ["--auth-disabled true", "--access-log=false"]
+    assert switches_given_a_value("`--workers 2` and LEASEHOLD_AGENT_AUTH_DISABLED=true", {"--auth-disabled"}) == []
+    assert repository_paths("see `deploy/etcd-roles.sh` and `docs/api.md#probes`", True, {"deploy", "docs"}) == [
+        "deploy/etcd-roles.sh", "docs/api.md"]
+    assert repository_paths("# role: deploy/etcd-roles.sh; /run/secrets/deploy/x", False, {"deploy"}) == [
+        "deploy/etcd-roles.sh"]
+    assert etcd_grants('grant leasehold-agent read "${P}policy/" prefix\n') == {"leasehold-agent": {"policy/"}}
+
+
+def test_the_readme_names_every_debian_package_and_the_suites_time_as_make_does():
+    makefile = (ROOT / "Makefile").read_text()
+    packages = {p for name in ("RUN_PACKAGES", "TEST_PACKAGES")
+                for p in re.search(rf"^{name} := (.*)$", makefile, re.M).group(1).split() if not p.startswith("$(")}
+    prerequisites = README.read_text().split("## Prerequisites")[1].split("\n## ")[0]
+    unnamed = sorted(p for p in packages if f"`{p}`" not in prerequisites)
+    assert not unnamed, f"README, Prerequisites: make also installs {unnamed}"
+    minutes = re.search(r"about \*\*(\d+) minutes on 2 cores\*\*", README.read_text()).group(1)
+    assert f"about {minutes} minutes on 2 cores" in makefile, "make help and the README state one time for make test"
+
+
+def unknown_commands(text: str, parser) -> list[str]:
+    """`leasehold WORD [WORD]` in inline code whose command words the CLI does not have."""
+    import argparse
+
+    def commands(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        return next((dict(a.choices) for a in p._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+    bad = []
+    for span in re.findall(r"`(?:\.venv/bin/)?leasehold ([^`\n]*)`", text):
+        p, said = parser, []
+        for word in span.split():
+            subs = commands(p)
+            if not subs or word.startswith(("-", "$", "<", "[", ".")) or word.isupper():
+                break
+            said.append(word)
+            if word not in subs:
+                bad.append("leasehold " + " ".join(said))
+                break
+            p = subs[word]
+    return bad
+
+
+def test_every_leasehold_command_a_page_names_exists():
+    parser = build_parser()
+    found = [f"{p.relative_to(ROOT)}: `{c}`" for p in CURRENT for c in unknown_commands(p.read_text(), parser)]
+    assert not found, "no such command: " + "; ".join(found)
+    assert unknown_commands("`leasehold validate --bound`, `leasehold policy validate F`, `leasehold up`", parser) == [
+        "leasehold validate"]

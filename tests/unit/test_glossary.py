@@ -32,6 +32,7 @@ CODE_NAMES = [
     ("FaultRecorder", "chaos.nemesis"),
     ("LeaseRecorder", "chaos.history"),
     ("CallGroup", "region_agent.gateways.call_group"),
+    ("DecisionSource", "region_agent.models"),
 ]
 
 # retired code names and the term each became (docs/decisions/0036-one-name-per-number-wire-names-kept.md)

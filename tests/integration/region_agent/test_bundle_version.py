@@ -1,5 +1,5 @@
 """policyEpoch in the admission request (docs/invariants.md I3, I13): the decision carries the version it was
-made with; a gateway naming a newer version makes the agent look at its policy source at once."""
+made with; a gateway naming a newer version makes the agent look at its bundle source at once."""
 
 from __future__ import annotations
 

@@ -62,4 +62,7 @@ def test_every_service_option_says_what_it_does(cls, prefix):
         else:
             assert "(default: " in o.help_line()
     assert opts[0].section, "the first option opens a section"
+    sections = [o.section for o in opts if o.section]
+    repeated = sorted({s for s in sections if sections.count(s) > 1})
+    assert not repeated, f"a section is opened once; these open twice in --help and the docs: {repeated}"
     assert [o.name for o in opts][-len(ServingSettings.__struct_fields__):] == list(ServingSettings.__struct_fields__)
