@@ -5,18 +5,26 @@ which limit was spent in Redis.
 
 The hostile headers: another tenant's and user's identity, a route group, a failed-authentication
 flag, a cost, forwarding headers naming another address, a chosen request id, the agent's own
-deny-status and token headers."""
+deny-status and token headers. The hostile paths (sent byte for byte on a socket of their own:
+an HTTP library would normalise them first): look-alikes of the pre-authentication route, and
+paths a gateway may read one way and a backend another. The hostile tokens: a second bearer
+token in the query string; identity headers under a name a CGI-style backend reads as the real one
+(``x_tenant_id``)."""
 
 from __future__ import annotations
 
+import json
+import re
+import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 from redis import Redis
 
 from leasehold.local.devjwt import DevIssuer
 
-from .conftest import KEYS, Stack, assert_p_read, identity, wait_early_in_window
+from .conftest import ISSUER, KEYS, Stack, assert_p_read, identity, wait_early_in_window
 
 FORGED_IP = "203.0.113.77"
 
@@ -141,6 +149,112 @@ def forged_forwarding_headers_count_the_connection(stack: Stack, url: str, sourc
     assert ip_keys_of(stack, source)
 
 
-__all__ = ["FORGED_IP", "forged_forwarding_headers_count_the_connection", "hostile", "ip_keys_of", "keys",
-           "no_token_claims_nothing", "p_read_with_hostile_headers", "replayed_request_id_is_not_the_clients",
-           "route_group_is_the_routes", "tokens", "user_key"]
+def send_raw(url: str, target: str, headers: dict[str, str] | None = None, *, method: str = "GET",
+             source: str | None = None) -> tuple[int, dict | None]:
+    """One HTTP/1.1 request with ``target`` on the request line exactly as given, from the
+    loopback address ``source``: the status and, when the demo upstream answered, its JSON
+    (``path`` is the request target the backend received), else None."""
+    u = urlsplit(url)
+    assert u.hostname is not None and u.port is not None
+    lines = [f"{method} {target} HTTP/1.1", f"host: {u.hostname}:{u.port}", "connection: close",
+             *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    if method in ("POST", "PUT"):
+        lines.append("content-length: 0")
+    with socket.create_connection((u.hostname, u.port), timeout=10,
+                                  source_address=(source, 0) if source else None) as s:
+        s.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return status, None
+    return status, doc if isinstance(doc, dict) and "upstream" in doc else None
+
+
+LOGIN_LOOKALIKES = ("/loginx", "/login.php", "/login-history", "/login;x", "/login%20")
+
+
+def the_anonymous_route_is_login_alone(url: str, source: str) -> None:
+    """The pre-authentication route (no token needed, only the address window spent) is /login
+    and the paths under /login/, nothing else: a path that merely starts with the same letters
+    is another resource of the backend, and without a token it is a 401 that never reaches it."""
+    for path in LOGIN_LOOKALIKES:
+        status, upstream = send_raw(url, path, source=source)
+        assert status == 401 and upstream is None, (path, status, upstream)
+    for path in ("/login", "/login/", "/login/step-2?next=x"):
+        status, upstream = send_raw(url, path, method="POST", source=source)
+        assert status == 200 and upstream is not None and upstream["path"] == path, (path, status, upstream)
+
+
+# a gateway that routes on one reading of these and hands the backend another lets a client pick
+# the route (and so the route group and whether a token is needed) apart from the resource served
+AMBIGUOUS_PATHS = (
+    "/catalog/../login", "/catalog/./../login", "/catalog%2F..%2Flogin", "/catalog/..%2Flogin",
+    "/catalog/%2e%2e/login", "/login%2F..%2Fcatalog", "/login/x%2F..%2F..%2Fcatalog", "/login/..;/catalog",
+    "/login/x/..%5C..%5Ccatalog", "/login/x\\..\\..\\catalog", "/reports/export/..%2F",
+    "/catalog/..;/reports/export", "/catalog%2F..%2Freports%2Fexport",
+)
+_NOT_NORMAL = re.compile(r"%2[ef]|%5c|\\|//|(^|/)\.\.?(;[^/]*)?(/|$)", re.I)
+
+
+def ambiguous_paths_never_reach_the_backend(url: str, source: str, tenant: str) -> None:
+    """A path with dot segments (also ``..;``), encoded slashes or dots, or backslashes reads
+    differently to a gateway that normalises it and to a backend that does not (or that decodes
+    more): the gateway either normalises it before it routes and forwards what it routed on, or
+    refuses it. The backend only ever receives a path in normal form, and without a token only
+    /login or a path under it."""
+    for path in AMBIGUOUS_PATHS:
+        for headers in ({}, identity("U-79", tenant)):
+            status, upstream = send_raw(url, path, headers, source=source)
+            if upstream is None:
+                continue
+            got = upstream["path"].split("?", 1)[0]
+            assert not _NOT_NORMAL.search(got), (path, bool(headers), got)
+            assert headers or got == "/login" or got.startswith("/login/"), (path, got)
+
+
+def a_query_token_is_no_token(stack: Stack, url: str, tenant: str, *, method: str = "GET",
+                              path: str = "/catalog") -> None:
+    """Envoy's jwt_authn also reads a token from an ``access_token`` query parameter unless told
+    where to look; with a second token there it verified both and added both identities' headers:
+    the rate limit service charged the query's (ext_authz refused the doubled header, 422), the
+    backend was handed both. Only the Authorization header
+    carries the token: a query token alone is no token (401), and beside the header's it is
+    ignored — the header's identity is charged, the query's never."""
+    other = ISSUER.token("U-78", tenant + "-q", "KQ")
+    status, _ = send_raw(url, f"{path}?access_token={other}", method=method)
+    assert status == 401, status
+    status, upstream = send_raw(url, f"{path}?access_token={other}", identity("U-77", tenant), method=method)
+    assert status == 200 and upstream is not None, status
+    assert upstream["headers"].get("x-tenant-id", tenant) == tenant, upstream["headers"]
+    assert keys(stack, f"rl:v3:{{t:{tenant}-q}}*") == []  # the query's identity: nothing
+    assert keys(stack, f"rl:v3:{{t:{tenant}}}*"), "the header's identity was not charged"
+
+
+def alias_headers_name_nobody(url: str, tenant: str, *, method: str = "GET", path: str = "/catalog") -> None:
+    """A backend that reads headers CGI-style (:mod:`tests.support.cgi_backend`: WSGI, PHP, Rack)
+    reads ``x_tenant_id`` as ``x-tenant-id``. Envoy removed the client's ``x-tenant-id`` but passed
+    its ``x_tenant_id: birch`` on beside the one it set from the token: the backend read the tenant
+    as "<token's>,birch" (and the client's alone for a header Envoy does not set, such as
+    ``x_service_id``). Header names with an underscore are dropped at the edge: the backend reads
+    the token's identity and nothing of the client's."""
+    aliases = {"x_tenant_id": "birch", "x_user_id": "B-1", "x_api_key_id": "KX", "x_service_id": "svc",
+               "x_request_id": "client-chosen-id-0003", "x_real_ip": FORGED_IP, "x_forwarded_for": FORGED_IP}
+    status, upstream = send_raw(url, path, {**identity("U-76", tenant), **aliases}, method=method)
+    assert status == 200 and upstream is not None, status
+    env = upstream["environ"]
+    assert (env["HTTP_X_TENANT_ID"], env["HTTP_X_USER_ID"], env["HTTP_X_API_KEY_ID"]) == (tenant, "U-76", "K1"), env
+    assert "HTTP_X_SERVICE_ID" not in env, env
+    assert not {"birch", "B-1", "KX", "svc", "client-chosen-id-0003", FORGED_IP} & {
+        part for v in env.values() for part in v.split(",")}, env
+
+
+__all__ = ["AMBIGUOUS_PATHS", "FORGED_IP", "LOGIN_LOOKALIKES", "a_query_token_is_no_token", "alias_headers_name_nobody",
+           "ambiguous_paths_never_reach_the_backend", "forged_forwarding_headers_count_the_connection", "hostile",
+           "ip_keys_of", "keys", "no_token_claims_nothing", "p_read_with_hostile_headers",
+           "replayed_request_id_is_not_the_clients", "route_group_is_the_routes", "send_raw",
+           "the_anonymous_route_is_login_alone", "tokens", "user_key"]

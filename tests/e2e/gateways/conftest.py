@@ -58,9 +58,11 @@ class Stack:
                 "UPSTREAM_HOST": LOOPBACK, "UPSTREAM_PORT": self.upstream_port, "GATEWAY_TOKEN": self.token,
                 **ISSUER.values(self.jwks), **tracing_values(), **extra}
 
-    def envoy(self, name: str, template: str) -> Envoy:
+    def envoy(self, name: str, template: str, **extra: object) -> Envoy:
+        """An Envoy on ``template``; ``extra`` overrides placeholders (e.g. another ``UPSTREAM_PORT``)."""
         port, admin = free_port(), free_port()
-        cfg = render(template, **self.values(ENVOY_LISTEN_HOST=LOOPBACK, ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin))
+        cfg = render(template, **self.values(ENVOY_LISTEN_HOST=LOOPBACK, ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin,
+                                             **extra))
         return Envoy(name, cfg, self.workdir / name, port, admin).start()
 
     def nginx(self, name: str = "nginx") -> Nginx:

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from leasehold.local.gateways import Envoy, render
 from leasehold.local.procs import LOOPBACK, free_port
+from tests.support.cgi_backend import CgiBackend
 
 from . import attacks
 from .conftest import Stack, assert_p_read, identity, wait_early_in_window
@@ -111,6 +112,57 @@ def test_a_clients_request_id_is_never_the_decision_id(stack: Stack, envoy: Envo
 def test_forged_forwarding_headers_count_the_connections_address(stack: Stack, envoy: Envoy):
     attacks.forged_forwarding_headers_count_the_connection(stack, envoy.url,
                                                            "127.0.4.1" if envoy.name == "envoy-rls" else "127.0.4.2")
+
+
+def test_the_anonymous_route_is_login_alone(stack: Stack, envoy: Envoy):
+    attacks.the_anonymous_route_is_login_alone(envoy.url, "127.0.5.1" if envoy.name == "envoy-rls" else "127.0.5.2")
+
+
+def test_ambiguous_paths_never_reach_the_backend(stack: Stack, envoy: Envoy):
+    attacks.ambiguous_paths_never_reach_the_backend(envoy.url, "127.0.6.1" if envoy.name == "envoy-rls" else "127.0.6.2",
+                                                    "amb" + envoy.name[-4:].replace("-", ""))
+
+
+def test_a_query_token_is_no_token(stack: Stack, envoy: Envoy):
+    attacks.a_query_token_is_no_token(stack, envoy.url, "qt" + envoy.name[-4:].replace("-", ""))
+
+
+@pytest.fixture(scope="module")
+def cgi_backend() -> Iterator[CgiBackend]:
+    b = CgiBackend()
+    yield b
+    b.stop()
+
+
+@pytest.mark.parametrize("template", ["envoy-rls.yaml", "envoy-ext-authz.yaml"])
+def test_alias_headers_name_nobody_at_a_cgi_backend(stack: Stack, cgi_backend: CgiBackend, template: str):
+    e = stack.envoy("cgi-" + template.removesuffix(".yaml"), template, UPSTREAM_PORT=cgi_backend.port)
+    try:
+        attacks.alias_headers_name_nobody(e.url, "alias" + template[6:9])
+    finally:
+        e.stop()
+
+
+def test_a_stalled_agent_fails_the_closed_route_closed(stack: Stack, rls_envoy: Envoy):
+    """The agent not answering within the filter's timeout (paused here; under a flood, too slow,
+    or refusing calls past --rls-max-concurrent-rpcs): the export route, whose rule fails closed
+    without its store, fails closed without its agent too (503), where it used to pass to the
+    upstream. Reads (local_bounded) still pass, counted by Envoy as failure_mode_allowed: the
+    documented availability choice for them."""
+    before = rls_envoy.stats("cluster.upstream.ratelimit.")
+    stack.agent.signal(19)  # SIGSTOP
+    try:
+        with httpx.Client(base_url=rls_envoy.url, timeout=10) as c:
+            export = c.post("/reports/export", headers=identity("U-82", "stall"))
+            read = c.get("/catalog", headers=identity("U-82", "stall"))
+    finally:
+        stack.agent.signal(18)  # SIGCONT
+    assert export.status_code == 503 and "upstream" not in export.text, (export.status_code, export.text)
+    assert read.status_code == 200 and read.json()["upstream"] == "upstream"
+    after = rls_envoy.stats("cluster.upstream.ratelimit.")
+    assert after["cluster.upstream.ratelimit.error"] - before.get("cluster.upstream.ratelimit.error", 0) == 2
+    assert after["cluster.upstream.ratelimit.failure_mode_allowed"] - before.get(
+        "cluster.upstream.ratelimit.failure_mode_allowed", 0) == 1
 
 
 def test_a_replayed_decision_id_is_denied_not_passed(stack: Stack):

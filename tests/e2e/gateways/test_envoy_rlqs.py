@@ -26,6 +26,7 @@ from kernel.bound import RlqsShape, envoy_fallback_tokens, rlqs_term
 from leasehold.local.gateways import Envoy
 from leasehold.local.procs import LOOPBACK, Proc, free_port, wait_http_ready, wait_port
 from leasehold.local.services import agent_command
+from tests.support.cgi_backend import CgiBackend
 
 from . import attacks
 from .conftest import KEYS, ROOT, Stack, access_log, hammer, identity, rlqs_envoy, rlqs_envoy_pair
@@ -170,6 +171,46 @@ def test_an_envoy_cut_off_from_its_agent_spends_its_assignment_then_denies(stack
         # the agent back: the stream resumes and Envoy is funded again from what the rules hold
         back = until_admitted(c, "U-44", tries=200)
     assert back[-1].status_code == 200
+
+
+def test_the_anonymous_route_is_login_alone(stack: Stack, envoys: tuple[Envoy, Envoy]):
+    attacks.the_anonymous_route_is_login_alone(envoys[0].url, "127.0.5.5")
+
+
+def test_ambiguous_paths_never_reach_the_backend(stack: Stack, envoys: tuple[Envoy, Envoy]):
+    attacks.ambiguous_paths_never_reach_the_backend(envoys[0].url, "127.0.6.5", "ambrlqs")
+
+
+def test_a_query_token_is_no_token(stack: Stack, envoys: tuple[Envoy, Envoy]):
+    """On the export route (decided per request by RLS in this file): the header's identity is charged."""
+    attacks.a_query_token_is_no_token(stack, envoys[0].url, "qtrlqs", method="POST", path="/reports/export")
+
+
+def test_alias_headers_name_nobody_at_a_cgi_backend(stack: Stack):
+    """On the export route (per request, so the first request passes): what the backend reads."""
+    backend = CgiBackend()
+    try:
+        e = stack.envoy("envoy-rlqs-cgi", "envoy-rlqs.yaml", UPSTREAM_PORT=backend.port,
+                        ENVOY_ACCESS_LOG=stack.workdir / "envoy-rlqs-cgi.log")
+        try:
+            attacks.alias_headers_name_nobody(e.url, "aliasrlqs", method="POST", path="/reports/export")
+        finally:
+            e.stop()
+    finally:
+        backend.stop()
+
+
+def test_a_stalled_agent_fails_the_export_route_closed(stack: Stack, envoys: tuple[Envoy, Envoy]):
+    """The per-request part of this file fails as envoy-rls.yaml does: the export route, whose
+    rule fails closed, is 503 while the agent does not answer (it used to pass to the upstream)."""
+    a, _ = envoys
+    stack.agent.signal(signal.SIGSTOP)
+    try:
+        with httpx.Client(base_url=a.url, timeout=10) as c:
+            export = c.post("/reports/export", headers=identity("U-46", "stall"))
+    finally:
+        stack.agent.signal(signal.SIGCONT)
+    assert export.status_code == 503 and "upstream" not in export.text, (export.status_code, export.text)
 
 
 @pytest.fixture(scope="module")

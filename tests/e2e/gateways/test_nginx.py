@@ -85,3 +85,11 @@ def test_a_clients_request_id_is_never_the_decision_id(stack: Stack, nginx: Ngin
 
 def test_forged_forwarding_headers_count_the_connections_address(stack: Stack, nginx: Nginx):
     attacks.forged_forwarding_headers_count_the_connection(stack, nginx.url, "127.0.4.3")
+
+
+def test_the_anonymous_route_is_login_alone(stack: Stack, nginx: Nginx):
+    attacks.the_anonymous_route_is_login_alone(nginx.url, "127.0.5.3")
+
+
+def test_ambiguous_paths_never_reach_the_backend(stack: Stack, nginx: Nginx):
+    attacks.ambiguous_paths_never_reach_the_backend(nginx.url, "127.0.6.3", "ambnginx")

@@ -80,3 +80,11 @@ def test_a_clients_request_id_is_never_the_decision_id(stack: Stack, traefik: Tr
 
 def test_forged_forwarding_headers_count_the_connections_address(stack: Stack, traefik: Traefik):
     attacks.forged_forwarding_headers_count_the_connection(stack, traefik.url, "127.0.4.4")
+
+
+def test_the_anonymous_route_is_login_alone(stack: Stack, traefik: Traefik):
+    attacks.the_anonymous_route_is_login_alone(traefik.url, "127.0.5.4")
+
+
+def test_ambiguous_paths_never_reach_the_backend(stack: Stack, traefik: Traefik):
+    attacks.ambiguous_paths_never_reach_the_backend(traefik.url, "127.0.6.4", "ambtraefik")
