@@ -367,6 +367,9 @@ class RlqsService:
         self._schedule(h, fund.next_check_ms(h, now, LEAD_MS, self.quiet_ms))
 
     def _schedule(self, h: fund.Holding, at_ms: float) -> None:
+        b = self.buckets.get(h.bucket)
+        if b is None or h not in b.holdings:
+            return  # dropped (a round that waited on the admission ends after it): never looked at again
         at_ms = max(at_ms, self.now_ms() + TICK_S * 1000)
         cur = self._due.get(id(h))
         if cur is not None and cur <= at_ms:
@@ -399,6 +402,8 @@ class RlqsService:
             log.exception("RLQS funding round failed")
         finally:
             b.round = None
+            if not b.holdings and self.buckets.get(b.key) is b:  # its holdings were dropped meanwhile
+                del self.buckets[b.key]
 
     def ttl_for(self, b: Bucket) -> Ttl:
         """The time to live of an assignment of ``b`` funded now (rlqs_mapping.assignment_ttl)."""

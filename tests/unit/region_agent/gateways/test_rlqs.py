@@ -5,6 +5,7 @@ everything at once when it resumes."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from types import SimpleNamespace
 
@@ -362,3 +363,44 @@ def test_a_renewal_is_built_once_per_bucket_tokens_and_time_to_live():
     untracked = f.Holding(stream=1, bucket=(("user", "E-9"),), question=None, chunk=3)
     (c,) = svc.renewal(untracked, 10)  # a bucket no longer tracked: built, not kept
     assert dict(c.bucket_id.bucket) == {"user": "E-9"}
+
+
+async def test_a_holding_dropped_while_its_round_waits_is_not_dropped_again_nor_its_bucket_kept():
+    """A stream closes while a funding round of one of its buckets waits for the admission (a
+    gateway that reports many buckets and hangs up). The holding's assignment is over: it is
+    retired (dropped) at once. The round then ends denied and would look at the holding again:
+    it must not (a second drop made the tracked-bucket gauge negative), and the bucket, with no
+    holding left and no round, is forgotten (it was kept for ever: the agent's memory grew with
+    every such bucket)."""
+    clock = FakeClock(100.0)
+    gate = asyncio.Event()
+
+    async def decide(qs: list[AdmitRequest]) -> list[Decision]:
+        await gate.wait()
+        (q,) = qs
+        return [Decision(allowed=False, decision_id=q.request_id, rule_id="read-user", bundle_version=1,
+                         remaining=0, http_status=429, retry_after_ms=500)]
+
+    svc = RlqsService(settings=SimpleNamespace(rlqs_report_interval_ms=5_000, rlqs_max_assignment=100),
+                      names=None, decide=decide, state_of=lambda: SimpleNamespace(holder=SimpleNamespace(bundle=None)),
+                      metrics=GatewayMetrics(CollectorRegistry()), gateways=None, clock=clock)
+    svc.ttl_for = lambda b: Ttl(10, 0, math.inf, True)  # type: ignore[method-assign]
+    tracked = svc.metrics.rlqs_buckets
+    bucket = Bucket(KEY, Q, None, burst=20)
+    svc.buckets[KEY] = bucket
+    h = holder(svc, bucket, 1, 5.0)
+    tracked.inc()
+    svc._want(h)
+    round_ = bucket.round
+    await asyncio.sleep(0)  # the round waits for the admission
+    svc._closed(svc.streams[1])
+    clock.advance(0.2)
+    svc.tick()  # the holding of the closed stream has no live assignment: dropped
+    assert tracked._value.get() == 0 and h not in bucket.holdings
+    gate.set()
+    await round_  # denied: the round would look at its parties again
+    for _ in range(3):
+        clock.advance(2.0)
+        svc.tick()
+    assert tracked._value.get() == 0
+    assert KEY not in svc.buckets and not svc._due and not svc._heap
