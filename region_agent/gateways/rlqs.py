@@ -85,6 +85,10 @@ LEAD_MS = 300.0  # a holding gets its next assignment when it has about this muc
 QUIET_GRACE_MS = 1_000.0  # a bucket not reported for one report interval and this long is silent (rlqs_funding.silent)
 DENY_TTL_S = 60
 RETRY_MAX_MS = 1_000  # a denied round is asked again at most this much later
+# responses queued on a stream that its Envoy has not read yet: past this many, the stream's next
+# report is not read until Envoy reads (a client that reports and never reads is held by its own
+# flow control, not by the agent's memory)
+MAX_QUEUED = 64
 
 
 # -------------------------------------------------------------------------- what Envoy is sent
@@ -133,6 +137,7 @@ class Stream:
     id: int
     peer: str
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    drained: asyncio.Event = field(default_factory=asyncio.Event)  # an answer was taken off the queue (MAX_QUEUED)
     holdings: dict[BucketKey, fund.Holding] = field(default_factory=dict)
     pending: list[BucketAction] = field(default_factory=list)
     alive: bool = True
@@ -142,6 +147,12 @@ class Stream:
     def send(self, actions: list[BucketAction]) -> None:
         if self.alive:
             self.pending.extend(actions)
+
+    async def next(self) -> Response | None:
+        """The next answer to send (None: the stream ends)."""
+        msg = await self.queue.get()
+        self.drained.set()
+        return msg
 
     def flush(self) -> None:
         if self.pending and self.alive:
@@ -184,6 +195,7 @@ class RlqsService:
         self.clock, self.wall = clock, wall
         self.streams: dict[int, Stream] = {}
         self.buckets: dict[BucketKey, Bucket] = {}
+        self.held = 0  # holdings of every stream, closed streams' until they are retired (--rlqs-max-agent-buckets)
         self._ids = itertools.count(1)
         self._heap: list[tuple[float, int, fund.Holding]] = []
         self._seq = itertools.count()
@@ -237,7 +249,7 @@ class RlqsService:
         reader = asyncio.create_task(self._read(st, requests))
         try:
             while True:
-                msg = await st.queue.get()
+                msg = await st.next()
                 if msg is None:
                     return
                 yield msg
@@ -250,6 +262,9 @@ class RlqsService:
     async def _read(self, st: Stream, requests: AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports]) -> None:
         try:
             async for msg in requests:
+                while st.queue.qsize() >= MAX_QUEUED and st.alive:  # Envoy does not read: neither do we
+                    st.drained.clear()
+                    await st.drained.wait()
                 try:
                     self.on_report(st, msg)
                 except Exception:  # one bad report must not end the stream
@@ -292,12 +307,12 @@ class RlqsService:
                     m.rlqs_refused.labels(e.reason).inc()
                     st.send([deny_action(u.bucket_id, DENY_TTL_S)])
                     continue
-                if len(keys) >= self.s.rlqs_max_buckets * max(1, len(self.streams)):
+                if len(keys) >= min(self.s.rlqs_max_buckets * max(1, len(self.streams)), self.s.rlqs_max_agent_buckets):
                     keys.clear()  # as many as the streams may hold: refilled by the next report
                 keys[wire] = key
             h = st.holdings.get(key)
             if h is None:
-                if len(st.holdings) >= self.s.rlqs_max_buckets:
+                if len(st.holdings) >= self.s.rlqs_max_buckets or self.held >= self.s.rlqs_max_agent_buckets:
                     m.rlqs_refused.labels("too_many_buckets").inc()
                     st.send([deny_action(u.bucket_id, DENY_TTL_S)])
                     continue
@@ -325,6 +340,7 @@ class RlqsService:
                          refused=refused, signature=b.signature)
         st.holdings[key] = h
         b.holdings.add(h)
+        self.held += 1
         self.metrics.rlqs_buckets.inc()
         return h
 
@@ -596,6 +612,7 @@ class RlqsService:
 
     def _drop(self, h: fund.Holding) -> None:
         self._due.pop(id(h), None)
+        self.held -= 1
         self.metrics.rlqs_buckets.dec()
         b = self.buckets.get(h.bucket)
         if b is not None:

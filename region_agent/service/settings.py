@@ -250,6 +250,10 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
         "an assignment is sized for one interval of the bucket's demand")] = 5_000
     rlqs_max_buckets: Annotated[int, Meta(ge=1, le=10_000_000), Help(
         "buckets tracked per Envoy stream; a new bucket past it is refused (denied)")] = 100_000
+    rlqs_max_agent_buckets: Annotated[int, Meta(ge=1, le=10_000_000), Help(
+        "buckets tracked by this agent process across all its Envoy streams (a closed stream's until "
+        "its assignments expire); a new bucket past it is refused (denied): what a gateway that reports "
+        "ever more buckets, on ever more streams, can make the agent hold")] = 200_000
     rlqs_idle_ms: Annotated[int, Meta(ge=1_000, le=3_600_000), Help(
         "a bucket without requests for this long (and no live assignment) is abandoned: Envoy forgets "
         "it and reports it at once when it is used again")] = 60_000

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2
 from prometheus_client import CollectorRegistry
 
+from region_agent.gateways import rlqs
 from region_agent.gateways.metrics import GatewayMetrics
 from region_agent.gateways.rlqs import Bucket, RlqsService, Stream
 from region_agent.gateways.rlqs_mapping import (
@@ -118,7 +119,8 @@ NAMES = RlqsNames.build()
 ENTRIES = {"tenant": "birch", "user": "E-0", "route_group": "read"}
 BKEY = bucket_key(ENTRIES.items())
 SETTINGS = SimpleNamespace(rlqs_report_interval_ms=5_000, rlqs_max_ttl_s=10, rlqs_idle_ms=60_000,
-                           rlqs_max_buckets=100, rlqs_max_assignment=100, rlqs_clock_margin_ms=250)
+                           rlqs_max_buckets=100, rlqs_max_agent_buckets=150, rlqs_max_assignment=100,
+                           rlqs_clock_margin_ms=250)
 
 
 class MsClock:
@@ -345,6 +347,70 @@ async def test_the_reported_ids_kept_are_bounded_by_the_buckets_the_streams_may_
     await svc.stop()
 
 
+async def test_the_buckets_every_stream_holds_are_bounded_by_the_agents_own_bound():
+    """A gateway that reports ever more buckets on ever more streams: each stream holds at most
+    ``--rlqs-max-buckets`` (100 here), the agent at most ``--rlqs-max-agent-buckets`` (150) across
+    them all; past it a new bucket is refused (denied, ``too_many_buckets``) until one is dropped."""
+    svc = stalled_service(MsClock())
+    streams = [svc.streams.setdefault(i, Stream(i, f"envoy-{i}")) for i in (1, 2, 3)]
+    every = [[{**ENTRIES, "user": f"E-{i}-{j}"} for j in range(120)] for i in range(3)]
+    for entries in (e for some in every for e in some):
+        tracked(svc, entries)
+    for st, some in zip(streams, every, strict=True):
+        svc.on_report(st, usages(*some))
+    assert [len(st.holdings) for st in streams] == [100, 50, 0]
+    assert svc.held == 150 and svc.metrics.rlqs_buckets._value.get() == 150
+    assert svc.metrics.rlqs_refused.labels("too_many_buckets")._value.get() == 20 + 70 + 120
+    assert len(svc._keys) <= 150
+    denied = [a for st in streams[1:] for a in st.queue.get_nowait().bucket_action]
+    assert len(denied) == 70 + 120 and all(a.quota_assignment_action.rate_limit_strategy.HasField("blanket_rule")
+                                           for a in denied)
+    for h in list(streams[0].holdings.values())[:10]:  # ten abandoned: ten new ones may be held
+        svc._abandon(streams[0], h)
+    svc.on_report(streams[2], usages(*every[2]))
+    assert len(streams[2].holdings) == 10 and svc.held == 150
+    await svc.stop()
+
+
+class Reports:
+    """A stream's reports as grpc hands them to the agent, counting what was read."""
+
+    def __init__(self, msg: rlqs_pb2.RateLimitQuotaUsageReports, n: int) -> None:
+        self.msg, self.left, self.read = msg, n, 0
+
+    def __aiter__(self) -> Reports:
+        return self
+
+    async def __anext__(self) -> rlqs_pb2.RateLimitQuotaUsageReports:
+        if not self.left:
+            await asyncio.Event().wait()  # the stream stays open
+        self.left -= 1
+        self.read += 1
+        return self.msg
+
+
+async def test_a_stream_whose_envoy_reads_nothing_is_not_read_either():
+    """An Envoy that reports and never reads what it is sent (a hostile or wedged client): every
+    report with a refused bucket is answered, and the answers queued for it would grow with every
+    report. Past ``MAX_QUEUED`` answers its next report is not read until it reads (its own
+    writes are then held by flow control); once it reads, reading resumes."""
+    svc = stalled_service(MsClock())
+    st = svc.streams.setdefault(1, Stream(1, "envoy-a"))
+    reports = Reports(usages({"nope": "x"}), 1_000)
+    reader = asyncio.create_task(svc._read(st, reports))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert reports.read == rlqs.MAX_QUEUED + 1 and st.queue.qsize() == rlqs.MAX_QUEUED
+    for _ in range(10):
+        await st.next()  # Envoy reads ten answers
+    for _ in range(40):
+        await asyncio.sleep(0)
+    assert st.queue.qsize() == rlqs.MAX_QUEUED and reports.read == rlqs.MAX_QUEUED + 11
+    reader.cancel()
+    await asyncio.gather(reader, return_exceptions=True)
+    await svc.stop()
+
+
 def test_a_renewal_is_built_once_per_bucket_tokens_and_time_to_live():
     """Thousands of buckets are renewed every few seconds with the same tokens and time to live:
     each bucket's renewal is built once per pair (a response copies what it is sent), its bucket id
@@ -384,7 +450,7 @@ async def test_a_holding_dropped_while_its_round_waits_is_not_dropped_again_nor_
     svc = RlqsService(settings=SimpleNamespace(rlqs_report_interval_ms=5_000, rlqs_max_assignment=100),
                       names=None, decide=decide, state_of=lambda: SimpleNamespace(holder=SimpleNamespace(bundle=None)),
                       metrics=GatewayMetrics(CollectorRegistry()), gateways=None, clock=clock)
-    svc.ttl_for = lambda b: Ttl(10, 0, math.inf, True)  # type: ignore[method-assign]
+    svc.ttl_for = lambda b: Ttl(10, 0, math.inf, True)  # type: ignore[method-assign]  # no policy windows here
     tracked = svc.metrics.rlqs_buckets
     bucket = Bucket(KEY, Q, None, burst=20)
     svc.buckets[KEY] = bucket
