@@ -243,6 +243,8 @@ class RlqsService:
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, e.detail)
         if self.state_of().engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "agent is starting")
+        if len(self.streams) >= self.s.rlqs_max_streams:  # each holds a slot of the port for its life
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many RLQS streams (--rlqs-max-streams)")
         st = Stream(next(self._ids), context.peer() or "", opened_ms=self.now_ms())
         self.streams[st.id] = st
         self.metrics.rlqs_streams.inc()

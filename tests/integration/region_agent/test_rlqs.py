@@ -282,6 +282,39 @@ async def test_a_stream_that_never_reads_its_answers_is_not_read_either(rig):
     assert not service.streams
 
 
+async def test_rlqs_streams_leave_the_ports_other_slots_to_rls_calls(redis_url: str, policy_file: Path):
+    """A stream holds one of ``--rls-max-concurrent-rpcs`` for its whole life: a gateway that opens
+    that many streams (at no cost to itself) left none for RLS calls, every one RESOURCE_EXHAUSTED.
+    Past ``--rlqs-max-streams`` a stream is refused instead, and RLS calls are answered."""
+    from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+
+    from .test_gateways import user
+
+    port = free_port()
+    settings = make_settings(redis_url, policy_file, auth_disabled=False, rls_port=port, rls_max_concurrent_rpcs=6,
+                             rlqs_max_streams=4, rls_group_linger_ms=0,
+                             gateway_tokens=["edge:" + hashlib.sha256(TOKEN.encode()).hexdigest()])
+    app = create_app(settings, pepper=PEPPER)
+    async with AsyncTestClient(app=app) as client, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        service = client.app.state.agent.gateways.rlqs
+        opened = [await open_stream(ch) for _ in range(6)]
+        try:
+            for e, _ in opened:
+                await e.report(b=(user_bucket("U-streams"), 0, 1))
+            await asyncio.sleep(0.5)
+            refused = [p for _, p in opened if p.done() and isinstance(p.exception(), grpc.aio.AioRpcError)]
+            assert len(service.streams) == 4 and len(refused) == 2
+            assert {p.exception().code() for p in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+            resp = await rls_pb2_grpc.RateLimitServiceStub(ch).ShouldRateLimit(
+                rls_pb2.RateLimitRequest(domain="leasehold", descriptors=[user("U-streams-rls")]), metadata=META,
+                timeout=10)
+            assert resp.overall_code == resp.OK
+        finally:
+            for e, p in opened:
+                e.call.cancel()
+                p.cancel()
+
+
 async def test_a_policy_change_that_alters_a_buckets_rules_revokes_its_assignment(rig, policy_file: Path):
     client, ch, redis_url = rig
     e, pump = await open_stream(ch)
