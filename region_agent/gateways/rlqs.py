@@ -323,6 +323,7 @@ class RlqsService:
             if h.refused is not None:
                 m.rlqs_refused.labels(h.refused).inc()
                 st.send([deny_action(u.bucket_id, DENY_TTL_S)])
+                self._schedule(h, now + self.s.rlqs_idle_ms)  # abandoned once no longer used (_check)
                 continue
             self._consider(h, now)
         if allowed_sum:

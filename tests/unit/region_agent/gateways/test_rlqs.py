@@ -470,3 +470,26 @@ async def test_a_holding_dropped_while_its_round_waits_is_not_dropped_again_nor_
         svc.tick()
     assert tracked._value.get() == 0
     assert KEY not in svc.buckets and not svc._due and not svc._heap
+
+
+async def test_a_refused_bucket_no_longer_used_is_abandoned_while_its_stream_lives():
+    """A bucket refused (an unmapped key) is held so that it is answered and counted; once Envoy
+    has not used it for ``--rlqs-idle-ms`` it is abandoned, as a funded one is. It was never looked
+    at again while its stream lived: kept for ever, it counted against the stream's
+    ``--rlqs-max-buckets`` (an Envoy that once reported many refused buckets had every new bucket
+    refused) and Envoy kept reporting it."""
+    clock = MsClock()
+    svc = stalled_service(clock)
+    st = svc.streams.setdefault(1, Stream(1, "envoy-a"))
+    svc.on_report(st, usages({"nope": "x"}))
+    (key,) = st.holdings
+    clock.ms += 30_000
+    svc.on_report(st, usages({"nope": "x"}))  # still used
+    clock.ms += 31_000
+    svc.tick()  # a minute after its first report, used half a minute ago: kept
+    assert key in st.holdings
+    clock.ms += 61_000
+    svc.tick()  # not used for a minute: abandoned
+    assert not st.holdings and svc.held == 0 and key not in svc.buckets
+    assert svc.metrics.rlqs_assignments.labels("abandon")._value.get() == 1
+    await svc.stop()
