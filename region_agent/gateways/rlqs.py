@@ -85,6 +85,10 @@ LEAD_MS = 300.0  # a holding gets its next assignment when it has about this muc
 QUIET_GRACE_MS = 1_000.0  # a bucket not reported for one report interval and this long is silent (rlqs_funding.silent)
 DENY_TTL_S = 60
 RETRY_MAX_MS = 1_000  # a denied round is asked again at most this much later
+# responses queued on a stream that its Envoy has not read yet: past this many, the stream's next
+# report is not read until Envoy reads (a client that reports and never reads is held by its own
+# flow control, not by the agent's memory)
+MAX_QUEUED = 64
 
 
 # -------------------------------------------------------------------------- what Envoy is sent
@@ -133,6 +137,7 @@ class Stream:
     id: int
     peer: str
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    drained: asyncio.Event = field(default_factory=asyncio.Event)  # an answer was taken off the queue (MAX_QUEUED)
     holdings: dict[BucketKey, fund.Holding] = field(default_factory=dict)
     pending: list[BucketAction] = field(default_factory=list)
     alive: bool = True
@@ -142,6 +147,12 @@ class Stream:
     def send(self, actions: list[BucketAction]) -> None:
         if self.alive:
             self.pending.extend(actions)
+
+    async def next(self) -> Response | None:
+        """The next answer to send (None: the stream ends)."""
+        msg = await self.queue.get()
+        self.drained.set()
+        return msg
 
     def flush(self) -> None:
         if self.pending and self.alive:
@@ -184,6 +195,7 @@ class RlqsService:
         self.clock, self.wall = clock, wall
         self.streams: dict[int, Stream] = {}
         self.buckets: dict[BucketKey, Bucket] = {}
+        self.held = 0  # holdings of every stream, closed streams' until they are retired (--rlqs-max-agent-buckets)
         self._ids = itertools.count(1)
         self._heap: list[tuple[float, int, fund.Holding]] = []
         self._seq = itertools.count()
@@ -231,13 +243,15 @@ class RlqsService:
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, e.detail)
         if self.state_of().engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "agent is starting")
+        if len(self.streams) >= self.s.rlqs_max_streams:  # each holds a slot of the port for its life
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many RLQS streams (--rlqs-max-streams)")
         st = Stream(next(self._ids), context.peer() or "", opened_ms=self.now_ms())
         self.streams[st.id] = st
         self.metrics.rlqs_streams.inc()
         reader = asyncio.create_task(self._read(st, requests))
         try:
             while True:
-                msg = await st.queue.get()
+                msg = await st.next()
                 if msg is None:
                     return
                 yield msg
@@ -250,6 +264,9 @@ class RlqsService:
     async def _read(self, st: Stream, requests: AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports]) -> None:
         try:
             async for msg in requests:
+                while st.queue.qsize() >= MAX_QUEUED and st.alive:  # Envoy does not read: neither do we
+                    st.drained.clear()
+                    await st.drained.wait()
                 try:
                     self.on_report(st, msg)
                 except Exception:  # one bad report must not end the stream
@@ -292,12 +309,12 @@ class RlqsService:
                     m.rlqs_refused.labels(e.reason).inc()
                     st.send([deny_action(u.bucket_id, DENY_TTL_S)])
                     continue
-                if len(keys) >= self.s.rlqs_max_buckets * max(1, len(self.streams)):
+                if len(keys) >= min(self.s.rlqs_max_buckets * max(1, len(self.streams)), self.s.rlqs_max_agent_buckets):
                     keys.clear()  # as many as the streams may hold: refilled by the next report
                 keys[wire] = key
             h = st.holdings.get(key)
             if h is None:
-                if len(st.holdings) >= self.s.rlqs_max_buckets:
+                if len(st.holdings) >= self.s.rlqs_max_buckets or self.held >= self.s.rlqs_max_agent_buckets:
                     m.rlqs_refused.labels("too_many_buckets").inc()
                     st.send([deny_action(u.bucket_id, DENY_TTL_S)])
                     continue
@@ -306,6 +323,7 @@ class RlqsService:
             if h.refused is not None:
                 m.rlqs_refused.labels(h.refused).inc()
                 st.send([deny_action(u.bucket_id, DENY_TTL_S)])
+                self._schedule(h, now + self.s.rlqs_idle_ms)  # abandoned once no longer used (_check)
                 continue
             self._consider(h, now)
         if allowed_sum:
@@ -325,6 +343,7 @@ class RlqsService:
                          refused=refused, signature=b.signature)
         st.holdings[key] = h
         b.holdings.add(h)
+        self.held += 1
         self.metrics.rlqs_buckets.inc()
         return h
 
@@ -367,6 +386,9 @@ class RlqsService:
         self._schedule(h, fund.next_check_ms(h, now, LEAD_MS, self.quiet_ms))
 
     def _schedule(self, h: fund.Holding, at_ms: float) -> None:
+        b = self.buckets.get(h.bucket)
+        if b is None or h not in b.holdings:
+            return  # dropped (a round that waited on the admission ends after it): never looked at again
         at_ms = max(at_ms, self.now_ms() + TICK_S * 1000)
         cur = self._due.get(id(h))
         if cur is not None and cur <= at_ms:
@@ -399,6 +421,8 @@ class RlqsService:
             log.exception("RLQS funding round failed")
         finally:
             b.round = None
+            if not b.holdings and self.buckets.get(b.key) is b:  # its holdings were dropped meanwhile
+                del self.buckets[b.key]
 
     def ttl_for(self, b: Bucket) -> Ttl:
         """The time to live of an assignment of ``b`` funded now (rlqs_mapping.assignment_ttl)."""
@@ -591,6 +615,7 @@ class RlqsService:
 
     def _drop(self, h: fund.Holding) -> None:
         self._due.pop(id(h), None)
+        self.held -= 1
         self.metrics.rlqs_buckets.dec()
         b = self.buckets.get(h.bucket)
         if b is not None:

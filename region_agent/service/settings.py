@@ -250,6 +250,13 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
         "an assignment is sized for one interval of the bucket's demand")] = 5_000
     rlqs_max_buckets: Annotated[int, Meta(ge=1, le=10_000_000), Help(
         "buckets tracked per Envoy stream; a new bucket past it is refused (denied)")] = 100_000
+    rlqs_max_streams: Annotated[int, Meta(ge=1, le=100_000), Help(
+        "RLQS streams open at once on this agent process; beyond: RESOURCE_EXHAUSTED. A stream holds one "
+        "of --rls-max-concurrent-rpcs for its whole life: below it, the rest stay for RLS calls")] = 1_024
+    rlqs_max_agent_buckets: Annotated[int, Meta(ge=1, le=10_000_000), Help(
+        "buckets tracked by this agent process across all its Envoy streams (a closed stream's until "
+        "its assignments expire); a new bucket past it is refused (denied): what a gateway that reports "
+        "ever more buckets, on ever more streams, can make the agent hold")] = 200_000
     rlqs_idle_ms: Annotated[int, Meta(ge=1_000, le=3_600_000), Help(
         "a bucket without requests for this long (and no live assignment) is abandoned: Envoy forgets "
         "it and reports it at once when it is used again")] = 60_000
@@ -282,6 +289,9 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
         from ..store.client import parse_store_url
 
         Names.from_settings(self)  # ValueError -> a settings error naming the bad entry
+        if self.rls_port and self.rlqs and self.rlqs_max_streams >= self.rls_max_concurrent_rpcs:
+            raise ValueError(f"--rlqs-max-streams ({self.rlqs_max_streams}) must be below --rls-max-concurrent-rpcs "
+                             f"({self.rls_max_concurrent_rpcs}): streams that hold every slot leave none for RLS calls")
         try:  # the same for the Redis URL
             parse_store_url(self.redis_url, cluster=self.redis_cluster)
         except ValueError as e:

@@ -13,6 +13,7 @@ import grpc
 import pytest
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from litestar.testing import AsyncTestClient
 
 from leasehold.local.procs import free_port
@@ -227,6 +228,55 @@ async def test_rls_needs_the_gateway_token(gw, metadata):
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert await metric(client, "leasehold_agent_rls_requests_total", outcome="unauthenticated") == 1
     assert await metric(client, "leasehold_agent_decisions_total") == 0
+
+
+@pytest.mark.parametrize("metadata", [META + META, (("authorization", f"bearer {TOKEN}"),),
+                                      (("authorization-bin", f"Bearer {TOKEN}".encode()),),
+                                      (("x-leasehold-authorization", f"Bearer {TOKEN}"),)],
+                         ids=["two-entries", "lowercase-scheme", "binary-entry", "another-name"])
+async def test_the_token_is_read_from_one_authorization_entry_only(gw, metadata):
+    """A client trying the metadata: two tokens (which one a reader takes would depend on it),
+    the scheme spelled otherwise, the token in a binary entry or under another name — all refused."""
+    client, stub = gw
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await rls(stub, user(), metadata=metadata)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert await metric(client, "leasehold_agent_decisions_total") == 0
+
+
+async def test_a_message_or_metadata_too_large_is_refused_by_grpc_before_the_agent(gw, rls_port):
+    client, stub = gw
+    big = desc(("tenant", "atlas"), ("user", "x" * (4 << 20)), ("route_group", "read"))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{rls_port}",
+                                         options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await rls(rls_pb2_grpc.RateLimitServiceStub(ch), big)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await rls(stub, user(), metadata=(*META, ("x-junk", "j" * 20_000)))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert await metric(client, "leasehold_agent_rls_requests_total") == 0  # never reached the agent
+    assert (await rls(stub, user())).overall_code == R.OK  # and the connection still answers
+
+
+async def test_the_port_serves_its_services_and_health_only(gw, rls_port):
+    """No reflection, no other service: a method the port does not serve is UNIMPLEMENTED, with or
+    without a token; health answers for the services it serves, NOT_FOUND for any other."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{rls_port}") as ch:
+        for method in ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                       "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                       "/envoy.service.ratelimit.v3.RateLimitService/Other", "/x.Y/Z"):
+            for metadata in ((), META):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await ch.unary_unary(method)(b"", metadata=metadata, timeout=10)
+                assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, method
+        check = health_pb2_grpc.HealthStub(ch).Check
+        for name in ("", "envoy.service.ratelimit.v3.RateLimitService"):
+            assert (await check(health_pb2.HealthCheckRequest(service=name), timeout=10)).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await check(health_pb2.HealthCheckRequest(service="grpc.reflection.v1.ServerReflection"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 async def test_authz_questions_from_headers(gw):

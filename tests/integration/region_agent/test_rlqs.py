@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 
 from leasehold.local.procs import free_port
 from region_agent.decision.keys import KeyBuilder
+from region_agent.gateways import rlqs
 from region_agent.service.app import create_app
 
 from .conftest import PEPPER, make_settings, northstar, write_bundle
@@ -239,6 +240,79 @@ async def test_a_stream_without_the_gateway_token_is_unauthenticated(rig):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await pump  # refused before any report is read
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_a_stream_that_never_reads_its_answers_is_not_read_either(rig):
+    """A gateway that reports refused buckets and never reads what it is sent: every report is
+    answered (200 denials each), and before, the answers queued for it grew with every report
+    (1,700 answers after 2,000 reports, none of the client's writes ever held back). Now its
+    reports are not read past ``MAX_QUEUED`` answers: the client's own writes are held by flow
+    control, and the agent holds a bounded queue."""
+    client, ch, _ = rig
+    service = client.app.state.agent.gateways.rlqs
+    call = rlqs_pb2_grpc.RateLimitQuotaServiceStub(ch).StreamRateLimitQuotas(metadata=META)
+    msg = rlqs_pb2.RateLimitQuotaUsageReports(domain="leasehold")
+    for i in range(200):
+        msg.bucket_quota_usages.add(num_requests_denied=1).bucket_id.bucket.update({"unmapped": f"{i:0>40}"})
+    written = 0
+
+    async def write() -> None:
+        nonlocal written
+        for _ in range(2_000):
+            await call.write(msg)
+            written += 1
+
+    writer = asyncio.create_task(write())
+    try:
+        for _ in range(100):  # until the client's writes are held back (or all are written)
+            seen = written
+            await asyncio.sleep(0.3)
+            if writer.done() or written == seen:
+                break
+        assert not writer.done()  # held back: the agent stopped reading
+        (st,) = service.streams.values()
+        assert st.queue.qsize() <= rlqs.MAX_QUEUED
+        # what was read beyond the queue went into the connection's flow-control windows (grpc's, bounded)
+        assert await metric(client, "leasehold_agent_rlqs_reports_total") < written < 2_000
+    finally:
+        call.cancel()
+        writer.cancel()
+        await asyncio.gather(writer, return_exceptions=True)
+    await asyncio.sleep(0.2)
+    assert not service.streams
+
+
+async def test_rlqs_streams_leave_the_ports_other_slots_to_rls_calls(redis_url: str, policy_file: Path):
+    """A stream holds one of ``--rls-max-concurrent-rpcs`` for its whole life: a gateway that opens
+    that many streams (at no cost to itself) left none for RLS calls, every one RESOURCE_EXHAUSTED.
+    Past ``--rlqs-max-streams`` a stream is refused instead, and RLS calls are answered."""
+    from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+
+    from .test_gateways import user
+
+    port = free_port()
+    settings = make_settings(redis_url, policy_file, auth_disabled=False, rls_port=port, rls_max_concurrent_rpcs=6,
+                             rlqs_max_streams=4, rls_group_linger_ms=0,
+                             gateway_tokens=["edge:" + hashlib.sha256(TOKEN.encode()).hexdigest()])
+    app = create_app(settings, pepper=PEPPER)
+    async with AsyncTestClient(app=app) as client, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        service = client.app.state.agent.gateways.rlqs
+        opened = [await open_stream(ch) for _ in range(6)]
+        try:
+            for e, _ in opened:
+                await e.report(b=(user_bucket("U-streams"), 0, 1))
+            await asyncio.sleep(0.5)
+            refused = [p for _, p in opened if p.done() and isinstance(p.exception(), grpc.aio.AioRpcError)]
+            assert len(service.streams) == 4 and len(refused) == 2
+            assert {p.exception().code() for p in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+            resp = await rls_pb2_grpc.RateLimitServiceStub(ch).ShouldRateLimit(
+                rls_pb2.RateLimitRequest(domain="leasehold", descriptors=[user("U-streams-rls")]), metadata=META,
+                timeout=10)
+            assert resp.overall_code == resp.OK
+        finally:
+            for e, p in opened:
+                e.call.cancel()
+                p.cancel()
 
 
 async def test_a_policy_change_that_alters_a_buckets_rules_revokes_its_assignment(rig, policy_file: Path):

@@ -33,7 +33,7 @@ NAMED = (*USER, ("request_id", "req-12345678"))
 def fresh(raw: bytes):
     """The questions built afresh from the bytes, as before any memo."""
     r = rls_pb2.RateLimitRequest.FromString(raw)
-    return list(rls_call(NAMES, r.domain, descriptors_of(r), r.hits_addend).questions)
+    return list(rls_call(NAMES, r.domain, descriptors_of(r, NAMES), r.hits_addend).questions)
 
 
 def without_ids(qs) -> list:
@@ -97,10 +97,31 @@ def test_the_memo_is_bounded_in_calls_and_in_the_size_of_a_call():
 
 def test_asked_again_only_the_minted_ids_change():
     r = rls_pb2.RateLimitRequest.FromString(call(NAMED, USER, ANON))
-    built = rls_call(NAMES, r.domain, descriptors_of(r), r.hits_addend)
+    built = rls_call(NAMES, r.domain, descriptors_of(r, NAMES), r.hits_addend)
     assert built.minted == (1, 2)
     again = built.again()
     assert [q.request_id for q in again][0] == built.questions[0].request_id == "req-12345678:0"
     assert all(again[i].request_id != built.questions[i].request_id and again[i].request_id.endswith(f":{i}")
                for i in (1, 2))
     assert without_ids(again) == without_ids(built.questions)
+
+
+def test_a_call_of_many_descriptors_and_entries_is_read_only_as_far_as_it_can_be_accepted():
+    """A gateway's call of a few MB of descriptors and entries (an attacker holding a gateway
+    token) is refused for the cost of its parse: the descriptors are read as far as one past
+    ``rls_max_descriptors`` and the entries one past the mapped keys, enough for the same reason."""
+    r = rls_pb2.RateLimitRequest(domain="leasehold", descriptors=[D(entries=[
+        D.Entry(key="tenant", value="atlas") for _ in range(2_000)]) for _ in range(500)])
+    got = descriptors_of(r, NAMES)
+    assert len(got) == NAMES.rls_max_descriptors + 1
+    assert {len(d.entries) for d in got} == {len(NAMES.rls_fields) + 1}
+    one = rls_pb2.RateLimitRequest(domain="leasehold", descriptors=[D(entries=[
+        *(D.Entry(key=k, value="v") for k in NAMES.rls_fields), *(D.Entry(key="x", value="") for _ in range(5_000))])])
+    assert [len(d.entries) for d in descriptors_of(one, NAMES)] == [len(NAMES.rls_fields) + 1]
+    memo = CallMemo(NAMES)
+    for raw, reason in ((r.SerializeToString(), "too_many_descriptors"), (one.SerializeToString(), "unknown_key"),
+                        (rls_pb2.RateLimitRequest(domain="leasehold", descriptors=[r.descriptors[0]])
+                         .SerializeToString(), "duplicate_key")):
+        with pytest.raises(BadQuestion) as e:
+            memo.questions(raw)
+        assert e.value.reason == reason

@@ -5,12 +5,14 @@ everything at once when it resumes."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from types import SimpleNamespace
 
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2
 from prometheus_client import CollectorRegistry
 
+from region_agent.gateways import rlqs
 from region_agent.gateways.metrics import GatewayMetrics
 from region_agent.gateways.rlqs import Bucket, RlqsService, Stream
 from region_agent.gateways.rlqs_mapping import (
@@ -117,7 +119,8 @@ NAMES = RlqsNames.build()
 ENTRIES = {"tenant": "birch", "user": "E-0", "route_group": "read"}
 BKEY = bucket_key(ENTRIES.items())
 SETTINGS = SimpleNamespace(rlqs_report_interval_ms=5_000, rlqs_max_ttl_s=10, rlqs_idle_ms=60_000,
-                           rlqs_max_buckets=100, rlqs_max_assignment=100, rlqs_clock_margin_ms=250)
+                           rlqs_max_buckets=100, rlqs_max_agent_buckets=150, rlqs_max_assignment=100,
+                           rlqs_clock_margin_ms=250)
 
 
 class MsClock:
@@ -344,6 +347,70 @@ async def test_the_reported_ids_kept_are_bounded_by_the_buckets_the_streams_may_
     await svc.stop()
 
 
+async def test_the_buckets_every_stream_holds_are_bounded_by_the_agents_own_bound():
+    """A gateway that reports ever more buckets on ever more streams: each stream holds at most
+    ``--rlqs-max-buckets`` (100 here), the agent at most ``--rlqs-max-agent-buckets`` (150) across
+    them all; past it a new bucket is refused (denied, ``too_many_buckets``) until one is dropped."""
+    svc = stalled_service(MsClock())
+    streams = [svc.streams.setdefault(i, Stream(i, f"envoy-{i}")) for i in (1, 2, 3)]
+    every = [[{**ENTRIES, "user": f"E-{i}-{j}"} for j in range(120)] for i in range(3)]
+    for entries in (e for some in every for e in some):
+        tracked(svc, entries)
+    for st, some in zip(streams, every, strict=True):
+        svc.on_report(st, usages(*some))
+    assert [len(st.holdings) for st in streams] == [100, 50, 0]
+    assert svc.held == 150 and svc.metrics.rlqs_buckets._value.get() == 150
+    assert svc.metrics.rlqs_refused.labels("too_many_buckets")._value.get() == 20 + 70 + 120
+    assert len(svc._keys) <= 150
+    denied = [a for st in streams[1:] for a in st.queue.get_nowait().bucket_action]
+    assert len(denied) == 70 + 120 and all(a.quota_assignment_action.rate_limit_strategy.HasField("blanket_rule")
+                                           for a in denied)
+    for h in list(streams[0].holdings.values())[:10]:  # ten abandoned: ten new ones may be held
+        svc._abandon(streams[0], h)
+    svc.on_report(streams[2], usages(*every[2]))
+    assert len(streams[2].holdings) == 10 and svc.held == 150
+    await svc.stop()
+
+
+class Reports:
+    """A stream's reports as grpc hands them to the agent, counting what was read."""
+
+    def __init__(self, msg: rlqs_pb2.RateLimitQuotaUsageReports, n: int) -> None:
+        self.msg, self.left, self.read = msg, n, 0
+
+    def __aiter__(self) -> Reports:
+        return self
+
+    async def __anext__(self) -> rlqs_pb2.RateLimitQuotaUsageReports:
+        if not self.left:
+            await asyncio.Event().wait()  # the stream stays open
+        self.left -= 1
+        self.read += 1
+        return self.msg
+
+
+async def test_a_stream_whose_envoy_reads_nothing_is_not_read_either():
+    """An Envoy that reports and never reads what it is sent (a hostile or wedged client): every
+    report with a refused bucket is answered, and the answers queued for it would grow with every
+    report. Past ``MAX_QUEUED`` answers its next report is not read until it reads (its own
+    writes are then held by flow control); once it reads, reading resumes."""
+    svc = stalled_service(MsClock())
+    st = svc.streams.setdefault(1, Stream(1, "envoy-a"))
+    reports = Reports(usages({"nope": "x"}), 1_000)
+    reader = asyncio.create_task(svc._read(st, reports))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert reports.read == rlqs.MAX_QUEUED + 1 and st.queue.qsize() == rlqs.MAX_QUEUED
+    for _ in range(10):
+        await st.next()  # Envoy reads ten answers
+    for _ in range(40):
+        await asyncio.sleep(0)
+    assert st.queue.qsize() == rlqs.MAX_QUEUED and reports.read == rlqs.MAX_QUEUED + 11
+    reader.cancel()
+    await asyncio.gather(reader, return_exceptions=True)
+    await svc.stop()
+
+
 def test_a_renewal_is_built_once_per_bucket_tokens_and_time_to_live():
     """Thousands of buckets are renewed every few seconds with the same tokens and time to live:
     each bucket's renewal is built once per pair (a response copies what it is sent), its bucket id
@@ -362,3 +429,67 @@ def test_a_renewal_is_built_once_per_bucket_tokens_and_time_to_live():
     untracked = f.Holding(stream=1, bucket=(("user", "E-9"),), question=None, chunk=3)
     (c,) = svc.renewal(untracked, 10)  # a bucket no longer tracked: built, not kept
     assert dict(c.bucket_id.bucket) == {"user": "E-9"}
+
+
+async def test_a_holding_dropped_while_its_round_waits_is_not_dropped_again_nor_its_bucket_kept():
+    """A stream closes while a funding round of one of its buckets waits for the admission (a
+    gateway that reports many buckets and hangs up). The holding's assignment is over: it is
+    retired (dropped) at once. The round then ends denied and would look at the holding again:
+    it must not (a second drop made the tracked-bucket gauge negative), and the bucket, with no
+    holding left and no round, is forgotten (it was kept for ever: the agent's memory grew with
+    every such bucket)."""
+    clock = FakeClock(100.0)
+    gate = asyncio.Event()
+
+    async def decide(qs: list[AdmitRequest]) -> list[Decision]:
+        await gate.wait()
+        (q,) = qs
+        return [Decision(allowed=False, decision_id=q.request_id, rule_id="read-user", bundle_version=1,
+                         remaining=0, http_status=429, retry_after_ms=500)]
+
+    svc = RlqsService(settings=SimpleNamespace(rlqs_report_interval_ms=5_000, rlqs_max_assignment=100),
+                      names=None, decide=decide, state_of=lambda: SimpleNamespace(holder=SimpleNamespace(bundle=None)),
+                      metrics=GatewayMetrics(CollectorRegistry()), gateways=None, clock=clock)
+    svc.ttl_for = lambda b: Ttl(10, 0, math.inf, True)  # type: ignore[method-assign]  # no policy windows here
+    tracked = svc.metrics.rlqs_buckets
+    bucket = Bucket(KEY, Q, None, burst=20)
+    svc.buckets[KEY] = bucket
+    h = holder(svc, bucket, 1, 5.0)
+    tracked.inc()
+    svc._want(h)
+    round_ = bucket.round
+    await asyncio.sleep(0)  # the round waits for the admission
+    svc._closed(svc.streams[1])
+    clock.advance(0.2)
+    svc.tick()  # the holding of the closed stream has no live assignment: dropped
+    assert tracked._value.get() == 0 and h not in bucket.holdings
+    gate.set()
+    await round_  # denied: the round would look at its parties again
+    for _ in range(3):
+        clock.advance(2.0)
+        svc.tick()
+    assert tracked._value.get() == 0
+    assert KEY not in svc.buckets and not svc._due and not svc._heap
+
+
+async def test_a_refused_bucket_no_longer_used_is_abandoned_while_its_stream_lives():
+    """A bucket refused (an unmapped key) is held so that it is answered and counted; once Envoy
+    has not used it for ``--rlqs-idle-ms`` it is abandoned, as a funded one is. It was never looked
+    at again while its stream lived: kept for ever, it counted against the stream's
+    ``--rlqs-max-buckets`` (an Envoy that once reported many refused buckets had every new bucket
+    refused) and Envoy kept reporting it."""
+    clock = MsClock()
+    svc = stalled_service(clock)
+    st = svc.streams.setdefault(1, Stream(1, "envoy-a"))
+    svc.on_report(st, usages({"nope": "x"}))
+    (key,) = st.holdings
+    clock.ms += 30_000
+    svc.on_report(st, usages({"nope": "x"}))  # still used
+    clock.ms += 31_000
+    svc.tick()  # a minute after its first report, used half a minute ago: kept
+    assert key in st.holdings
+    clock.ms += 61_000
+    svc.tick()  # not used for a minute: abandoned
+    assert not st.holdings and svc.held == 0 and key not in svc.buckets
+    assert svc.metrics.rlqs_assignments.labels("abandon")._value.get() == 1
+    await svc.stop()

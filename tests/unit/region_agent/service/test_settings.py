@@ -63,3 +63,13 @@ def test_policy_etcd_tls_rules(tmp_path: Path):
         load_agent_settings(["--policy-etcd-ca-file", str(ca)], env={})
     with pytest.raises(ConfigError, match="mix http:// and https://"):
         load_agent_settings(["--policy-etcd", "http://a:1,https://b:2"], env={})
+
+
+def test_rlqs_streams_must_leave_slots_of_the_port_to_rls_calls():
+    assert load_agent_settings(["--rls-port", "8081"], env={}).rlqs_max_streams < 4_096
+    with pytest.raises(ConfigError, match="--rlqs-max-streams .* must be below --rls-max-concurrent-rpcs"):
+        load_agent_settings(["--rls-port", "8081", "--rls-max-concurrent-rpcs", "512"], env={})
+    s = load_agent_settings(["--rls-port", "8081", "--rls-max-concurrent-rpcs", "512", "--rlqs-max-streams", "256"],
+                            env={})
+    assert (s.rls_max_concurrent_rpcs, s.rlqs_max_streams) == (512, 256)
+    assert load_agent_settings(["--rls-port", "8081", "--rls-max-concurrent-rpcs", "512", "--no-rlqs"], env={})
