@@ -8,6 +8,7 @@ files that command writes. docs/decisions/0003-deploy-validation.md says why the
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -274,3 +275,32 @@ def test_the_allocator_api_is_reachable_only_from_agents_and_scrapers():
     port = {p["name"]: p["containerPort"] for p in
             by_kind(docs, "Deployment")["allocator"]["spec"]["template"]["spec"]["containers"][0]["ports"]}
     assert port == {"http": 8080}
+
+
+def test_the_kubernetes_scrape_configuration_matches_the_base_and_the_alerts():
+    """deploy/prometheus/prometheus-k8s.yml: its jobs are the ones the alert rules name; each keeps
+    the pods of a base Deployment by their name label, on the container port the pods'
+    prometheus.io/port annotation names, and the agents get their `region` from the pod label
+    leasehold/region (the alerts and dashboard group by it). (Debian's promtool is built without
+    Kubernetes discovery and refuses `kubernetes_sd_configs`, so the file is checked by its shape.)"""
+    path = DEPLOY / "prometheus" / "prometheus-k8s.yml"
+    doc = yaml.safe_load(path.read_text())
+    assert doc["rule_files"] == yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())["rule_files"]
+    jobs = {j["job_name"]: j for j in doc["scrape_configs"]}
+    alerts = (DEPLOY / "prometheus" / "alerts.yml").read_text()
+    assert set(jobs) == set(re.findall(r'job="([^"]+)"', alerts))
+    deployments = by_kind(kustomize(DEPLOY / "k8s"), "Deployment")
+    for name, job in jobs.items():
+        keep = {r["source_labels"][0]: r["regex"] for r in job["relabel_configs"] if r.get("action") == "keep"}
+        (dep,) = [d for d in deployments.values()
+                  if d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+                  == keep["__meta_kubernetes_pod_label_app_kubernetes_io_name"]]
+        template = dep["spec"]["template"]
+        (c,) = template["spec"]["containers"]
+        scrape_port = int(template["metadata"]["annotations"]["prometheus.io/port"])
+        (port,) = [p["name"] for p in c["ports"] if p["containerPort"] == scrape_port]
+        assert keep["__meta_kubernetes_pod_container_port_name"] == port, name
+        targets = {r["target_label"]: r["source_labels"] for r in job["relabel_configs"] if "target_label" in r}
+        if name == "leasehold-agent":
+            assert targets["region"] == ["__meta_kubernetes_pod_label_leasehold_region"]
+            assert "leasehold/region" in template["metadata"]["labels"]
