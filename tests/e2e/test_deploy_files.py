@@ -223,7 +223,8 @@ def test_the_etcd_roles_script_is_safe_to_rerun_against_a_live_cluster(tmp_path)
         env.pop("ETCDCTL_USER", None)
 
         def ctl(user: str, *args: str) -> subprocess.CompletedProcess:
-            return subprocess.run(["etcdctl", "--user", f"{user}:{pw[user]}", *args], env=env, capture_output=True,
+            return subprocess.run(["etcdctl", "--command-timeout=20s", "--user", f"{user}:{pw[user]}", *args], env=env,
+                                  capture_output=True,
                                   text=True, timeout=30)
 
         assert ctl("root", "put", "/leasehold/policy/current", "{}").returncode == 0
@@ -240,9 +241,10 @@ def test_the_etcd_roles_script_is_safe_to_rerun_against_a_live_cluster(tmp_path)
             nonlocal reads
             while not stop.is_set():
                 r = ctl("agent", "get", "/leasehold/policy/current")
-                reads += 1
-                if r.returncode != 0:
-                    refused.append(r.stderr.strip()[-120:])
+                if r.returncode == 0:
+                    reads += 1
+                elif "permission denied" in r.stderr:  # (a read slower than etcdctl's deadline on a
+                    refused.append(r.stderr.strip()[-120:])  # busy machine is no refusal)
 
         reader = threading.Thread(target=agent_reads)
         reader.start()
@@ -252,7 +254,7 @@ def test_the_etcd_roles_script_is_safe_to_rerun_against_a_live_cluster(tmp_path)
         finally:
             stop.set()
             reader.join()
-        assert reads > 3 and not refused, f"{len(refused)} of {reads} agent reads refused during a re-run: {refused[:1]}"
+        assert reads > 3 and not refused, f"{len(refused)} agent reads refused during a re-run ({reads} answered): {refused[:1]}"
         got = ctl("root", "role", "get", "leasehold-agent").stdout.split("KV Write:")
         assert got[0].split("KV Read:")[1].split() == ["[/leasehold/policy/,", "/leasehold/policy0)", "(prefix",
                                                        "/leasehold/policy/)"], got
