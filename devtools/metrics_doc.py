@@ -29,7 +29,7 @@ BOUNDS: dict[str, str] = {
     "leasehold_build_info": "1",
     "leasehold_agent_decision_seconds": "S x 7 outcomes",
     "leasehold_agent_script_errors_total": "error classes of kernel.errors (< 10)",
-    "leasehold_agent_degraded_decisions_total": "6 reasons x 4 fail modes",
+    "leasehold_agent_degraded_decisions_total": "7 reasons x 4 fail modes (the closed ones exported at 0 from the start)",
     "leasehold_agent_pool_waits_total": "P",
     "leasehold_agent_pool_renewals_total": "P x 7 outcomes",
     "leasehold_agent_chunk_abandoned_tokens_total": "P",

@@ -1,5 +1,6 @@
 #!/bin/sh
-# Leasehold's etcd users and roles (least privilege), then authentication on. Idempotent.
+# Leasehold's etcd users and roles (least privilege), then authentication on. Idempotent, and safe
+# to re-run against a live cluster: no service loses a permission it keeps.
 #
 #   role                  user        permissions (under the prefix P, default /leasehold/)
 #   leasehold-publisher   publisher   readwrite  P policy/current          (the policy key,
@@ -41,19 +42,46 @@ ensure_user() {  # name password-file role
   etcdctl user grant-role "$1" "$3" >/dev/null
 }
 
-ensure_role() {  # name; its permissions are reset to exactly the ones granted after this
-  if etcdctl role get "$1" >/dev/null 2>&1; then
-    etcdctl role delete "$1" >/dev/null
+# A role is never deleted and re-added: deleting it revokes it from its users, and the running
+# allocators and agents would be refused (permission denied) until the script granted it again.
+# Its permissions are made exactly the granted ones in place: each grant is set (a grant replaces a
+# permission's type), then prune_role revokes what no grant of this run named.
+ensure_role() {  # name: created when missing
+  if ! etcdctl role get "$1" >/dev/null 2>&1; then
+    etcdctl role add "$1" >/dev/null
   fi
-  etcdctl role add "$1" >/dev/null
 }
 
+WANT=""
 grant() {  # role perm key [prefix]
   if [ "${4:-}" = prefix ]; then
     etcdctl role grant-permission "$1" "$2" "$3" --prefix=true >/dev/null
   else
     etcdctl role grant-permission "$1" "$2" "$3" >/dev/null
   fi
+  WANT="$WANT
+$1 ${4:-key} $3"
+}
+
+TAB=$(printf '\t')
+prune_role() {  # name: revoke every permission of the role that no grant above named
+  etcdctl role get "$1" | sed -n "s/^$TAB//p" | sort -u | while IFS= read -r perm; do
+    case "$perm" in  # etcdctl's lines: KEY | [KEY, END) (prefix KEY) | [KEY, END) | [KEY, <open ended>
+      *") (prefix "*")") key=${perm##*(prefix }; key=${key%)}; mode=prefix ;;
+      "["*", <open ended>") key=${perm#\[}; key=${key%, <open ended>}; mode=from-key ;;
+      "["*")") key=${perm#\[}; end=${key#*, }; end=${end%)}; key=${key%%, *}; mode=range ;;
+      *) key=$perm; mode=key ;;
+    esac
+    if printf '%s\n' "$WANT" | grep -qxF "$1 $mode $key"; then
+      continue
+    fi
+    case "$mode" in
+      prefix) etcdctl role revoke-permission "$1" "$key" --prefix=true ;;
+      from-key) etcdctl role revoke-permission "$1" "$key" --from-key=true ;;
+      range) etcdctl role revoke-permission "$1" "$key" "$end" ;;
+      *) etcdctl role revoke-permission "$1" "$key" ;;
+    esac >/dev/null
+  done
 }
 
 if ! etcdctl user get root >/dev/null 2>&1; then
@@ -65,6 +93,7 @@ ensure_role leasehold-publisher
 grant leasehold-publisher readwrite "${P}policy/current"
 grant leasehold-publisher readwrite "${P}policy/signing"  # the signing marker publish checks (kernel.policy_store)
 grant leasehold-publisher readwrite "${P}policy/canary"  # a staged candidate and its slice (docs/policy.md)
+prune_role leasehold-publisher
 
 ensure_role leasehold-allocator
 grant leasehold-allocator readwrite "${P}pools/" prefix
@@ -74,9 +103,11 @@ grant leasehold-allocator readwrite "${P}members/" prefix  # sharded: the live r
 grant leasehold-allocator readwrite "${P}shards"  # sharded: the deployment's shard count
 grant leasehold-allocator readwrite "${P}compaction"  # the last compaction record (allocator/compaction.py)
 grant leasehold-allocator read "${P}policy/" prefix
+prune_role leasehold-allocator
 
 ensure_role leasehold-agent
 grant leasehold-agent read "${P}policy/" prefix
+prune_role leasehold-agent
 
 ensure_user publisher "$PUBLISHER_PASSWORD_FILE" leasehold-publisher
 ensure_user allocator "$ALLOCATOR_PASSWORD_FILE" leasehold-allocator

@@ -28,6 +28,10 @@ from .store_health import StoreHealth
 disable_created_metrics()
 
 OUTCOMES = ("allowed", "denied", "fallback_allowed", "fallback_denied", "unavailable", "conflict", "shed")
+# the reason label of leasehold_agent_degraded_decisions_total: the store errors'
+# (region_agent.decision.degraded.DEGRADE_REASON) and the fleet-wide pools' own
+DEGRADE_REASONS = ("STORE_UNREACHABLE", "AMBIGUOUS", "DEADLINE", "POLICY_ERROR", "ALLOCATOR_UNREACHABLE",
+                   "POOL_POLICY_ERROR", "POOL_RENEWAL_FAILED")
 DECISION_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -75,6 +79,10 @@ class AgentMetrics:
                                      ["error"], registry=r)
         self.degradations = Counter("leasehold_agent_degraded_decisions_total",
                                     "Decisions made without the store", ["reason", "fail_mode"], registry=r)
+        # every reason's fail-closed series at 0 from the start: LeaseholdFailClosedActivation reads
+        # increase(), which sees nothing in a series its first burst created between two scrapes
+        for reason in DEGRADE_REASONS:
+            self.degradations.labels(reason, "closed")
         self.pool_waits = Counter("leasehold_agent_pool_waits_total",
                                   "Requests that waited for an in-flight chunk renewal", ["pool"], registry=r)
         self.pool_renewals = Counter("leasehold_agent_pool_renewals_total", "Global pool chunk renewals",

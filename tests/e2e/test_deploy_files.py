@@ -196,3 +196,70 @@ def test_the_deploy_manifests_create_the_etcd_roles_with_the_script_leasehold_up
     for name in ("agent-eu", "agent-us"):
         assert compose[name]["environment"]["LEASEHOLD_AGENT_POLICY_ETCD_USER"] == "agent"
         assert not any("root" in v or "publisher" in v for v in compose[name]["secrets"])
+
+
+def test_the_etcd_roles_script_is_safe_to_rerun_against_a_live_cluster(tmp_path):
+    """The Job, compose's etcd-init and `leasehold up` re-run the roles script against an etcd whose
+    services are running: a re-run never refuses them a permission they keep (it used to delete
+    and re-add every role, which revokes it from its users: the agents' policy reads were refused
+    while it ran), and it still leaves each role exactly its grants (a permission an older
+    script granted is revoked; a readwrite one that is now read is lowered)."""
+    import os
+    import secrets
+    import subprocess
+    import threading
+
+    from leasehold.local.procs import ETCD_USERS, EtcdCluster
+
+    cluster = EtcdCluster(tmp_path / "etcd", members=1).start()
+    try:
+        pw = {u: secrets.token_urlsafe(12) for u in ETCD_USERS}
+        files = {}
+        for user, password in pw.items():
+            files[user] = tmp_path / f"{user}.password"
+            files[user].write_text(password)
+        cluster.apply_roles(files)
+        env = {**os.environ, "ETCDCTL_API": "3", "ETCDCTL_ENDPOINTS": ",".join(cluster.endpoints)}
+        env.pop("ETCDCTL_USER", None)
+
+        def ctl(user: str, *args: str) -> subprocess.CompletedProcess:
+            return subprocess.run(["etcdctl", "--command-timeout=20s", "--user", f"{user}:{pw[user]}", *args], env=env,
+                                  capture_output=True,
+                                  text=True, timeout=30)
+
+        assert ctl("root", "put", "/leasehold/policy/current", "{}").returncode == 0
+        # what an older script might have left: wider and extra permissions
+        for extra in (["readwrite", "/leasehold/policy/", "--prefix=true"], ["read", "/leasehold/pools/", "--prefix=true"],
+                      ["write", "/leasehold/a", "/leasehold/b"], ["read", "/leasehold/zz", "--from-key=true"],
+                      ["read", "/leasehold/shards"]):
+            assert ctl("root", "role", "grant-permission", "leasehold-agent", *extra).returncode == 0, extra
+        refused: list[str] = []
+        reads = 0
+        stop = threading.Event()
+
+        def agent_reads() -> None:
+            nonlocal reads
+            while not stop.is_set():
+                r = ctl("agent", "get", "/leasehold/policy/current")
+                if r.returncode == 0:
+                    reads += 1
+                elif "permission denied" in r.stderr:  # (a read slower than etcdctl's deadline on a
+                    refused.append(r.stderr.strip()[-120:])  # busy machine is no refusal)
+
+        reader = threading.Thread(target=agent_reads)
+        reader.start()
+        try:
+            for _ in range(3):
+                cluster.apply_roles(files)
+        finally:
+            stop.set()
+            reader.join()
+        assert reads > 3 and not refused, f"{len(refused)} agent reads refused during a re-run ({reads} answered): {refused[:1]}"
+        got = ctl("root", "role", "get", "leasehold-agent").stdout.split("KV Write:")
+        assert got[0].split("KV Read:")[1].split() == ["[/leasehold/policy/,", "/leasehold/policy0)", "(prefix",
+                                                       "/leasehold/policy/)"], got
+        assert got[1].split() == [], got  # agents write nothing
+        assert ctl("agent", "put", "/leasehold/policy/current", "x").returncode != 0
+        assert ctl("allocator", "put", "/leasehold/pools/p/0", "x").returncode == 0
+    finally:
+        cluster.stop()

@@ -8,6 +8,7 @@ files that command writes. docs/decisions/0003-deploy-validation.md says why the
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -200,3 +201,106 @@ def test_compose_validates_and_mounts_exactly_the_generated_secrets(tmp_path: Pa
     r = subprocess.run([compose_bin, "-f", str(bad), "config", "-q"], capture_output=True, text=True, timeout=120,
                        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert r.returncode != 0 and "restartt" in r.stderr
+
+
+def _pods(docs: list[dict]) -> dict[str, dict]:
+    return {f"{d['kind']}/{d['metadata']['name']}": d["spec"]["template"]["spec"] for d in docs
+            if d["kind"] in ("Deployment", "StatefulSet", "Job")}
+
+
+def test_every_container_is_locked_down(dev_overlay: list[dict]):
+    """Restricted pod security for every workload, the dev overlay's Redis and etcd included:
+    non-root, the runtime's default seccomp profile, no privilege escalation, no capability; the
+    base's own containers (agent, allocator, the roles Job) also on a read-only root file system."""
+    base = {name for name in _pods(kustomize(DEPLOY / "k8s"))}
+    assert base == {"Deployment/agent-eu", "Deployment/allocator", "Job/leasehold-etcd-roles"}
+    for name, pod in _pods(dev_overlay).items():
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"].get("seccompProfile") == {"type": "RuntimeDefault"}, name
+        for c in pod["containers"]:
+            sc = c.get("securityContext", {})
+            assert sc.get("allowPrivilegeEscalation") is False, name
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], name
+            if name in base:
+                assert sc.get("readOnlyRootFilesystem") is True, name
+
+
+def test_services_start_with_a_startup_probe_and_liveness_never_follows_the_stores():
+    """Start-up (bundle, Redis INFO, the first etcd read, lease warm-up) is covered by a startup
+    probe, so the liveness probe cannot restart a process that is still starting; liveness and
+    readiness read endpoints that never consult Redis or etcd."""
+    for name, pod in _pods(kustomize(DEPLOY / "k8s")).items():
+        if name.startswith("Job/"):
+            continue
+        (c,) = pod["containers"]
+        start = c["startupProbe"]
+        assert start["httpGet"]["path"] == "/healthz"
+        assert start["periodSeconds"] * start["failureThreshold"] >= 60, name
+        for probe in ("livenessProbe", "readinessProbe"):
+            assert c[probe]["httpGet"]["path"] in ("/healthz", "/readyz"), name
+
+
+def _allows(policy: dict, labels: dict[str, str], port: str) -> bool:
+    """Whether ``policy`` lets a pod of ``labels`` (the same namespace) reach ``port``."""
+    for rule in policy["spec"].get("ingress", []):
+        ports = {p["port"] for p in rule.get("ports", [])}
+        if ports and port not in ports:
+            continue
+        for peer in rule.get("from", []):
+            want = peer.get("podSelector", {}).get("matchLabels", {})
+            if "ipBlock" not in peer and all(labels.get(k) == v for k, v in want.items()):
+                return True
+    return False
+
+
+def test_the_allocator_api_is_reachable_only_from_agents_and_scrapers():
+    """The allocator's HTTP port (lease calls, and the unauthenticated /v1/pools, /v1/leader and
+    /metrics) is reachable from the region agents and from pods labelled as metric scrapers,
+    from no other pod (decision 0057)."""
+    docs = kustomize(DEPLOY / "k8s")
+    policies = by_kind(docs, "NetworkPolicy")
+    selecting = [p for p in policies.values()
+                 if p["spec"]["podSelector"].get("matchLabels") == {"app.kubernetes.io/name": "leasehold-allocator"}]
+    assert len(selecting) == 1, "one NetworkPolicy selects the allocator pods"
+    (policy,) = selecting
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    agent = by_kind(docs, "Deployment")["agent-eu"]["spec"]["template"]["metadata"]["labels"]
+    assert _allows(policy, agent, "http")
+    assert _allows(policy, {"leasehold/scrape": "true"}, "http")
+    for other in ({}, {"app.kubernetes.io/name": "some-app"}, {"app.kubernetes.io/name": "leasehold-allocator"}):
+        assert not _allows(policy, other, "http"), other
+    scrape = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]
+              if peer.get("podSelector", {}).get("matchLabels") == {"leasehold/scrape": "true"}]
+    assert scrape and all(peer.get("namespaceSelector") == {} for peer in scrape)  # Prometheus in any namespace
+    port = {p["name"]: p["containerPort"] for p in
+            by_kind(docs, "Deployment")["allocator"]["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert port == {"http": 8080}
+
+
+def test_the_kubernetes_scrape_configuration_matches_the_base_and_the_alerts():
+    """deploy/prometheus/prometheus-k8s.yml: its jobs are the ones the alert rules name; each keeps
+    the pods of a base Deployment by their name label, on the container port the pods'
+    prometheus.io/port annotation names, and the agents get their `region` from the pod label
+    leasehold/region (the alerts and dashboard group by it). (Debian's promtool is built without
+    Kubernetes discovery and refuses `kubernetes_sd_configs`, so the file is checked by its shape.)"""
+    path = DEPLOY / "prometheus" / "prometheus-k8s.yml"
+    doc = yaml.safe_load(path.read_text())
+    assert doc["rule_files"] == yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())["rule_files"]
+    jobs = {j["job_name"]: j for j in doc["scrape_configs"]}
+    alerts = (DEPLOY / "prometheus" / "alerts.yml").read_text()
+    assert set(jobs) == set(re.findall(r'job="([^"]+)"', alerts))
+    deployments = by_kind(kustomize(DEPLOY / "k8s"), "Deployment")
+    for name, job in jobs.items():
+        keep = {r["source_labels"][0]: r["regex"] for r in job["relabel_configs"] if r.get("action") == "keep"}
+        (dep,) = [d for d in deployments.values()
+                  if d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+                  == keep["__meta_kubernetes_pod_label_app_kubernetes_io_name"]]
+        template = dep["spec"]["template"]
+        (c,) = template["spec"]["containers"]
+        scrape_port = int(template["metadata"]["annotations"]["prometheus.io/port"])
+        (port,) = [p["name"] for p in c["ports"] if p["containerPort"] == scrape_port]
+        assert keep["__meta_kubernetes_pod_container_port_name"] == port, name
+        targets = {r["target_label"]: r["source_labels"] for r in job["relabel_configs"] if "target_label" in r}
+        if name == "leasehold-agent":
+            assert targets["region"] == ["__meta_kubernetes_pod_label_leasehold_region"]
+            assert "leasehold/region" in template["metadata"]["labels"]
