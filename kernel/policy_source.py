@@ -84,6 +84,8 @@ def millis(value: int | float | Decimal, field: str) -> int:
         d = value if isinstance(value, Decimal) else Decimal(repr(value) if isinstance(value, float) else value)
     except InvalidOperation:
         raise SourceError(field, f"{field} {value!r} is not a number") from None
+    if not d.is_finite():
+        raise SourceError(field, f"{field} {value} is not a finite number of tokens")
     m = d * 1000
     if m != m.to_integral_value():
         raise SourceError(field, f"{field} {value} has more than 3 decimals (the unit is a millitoken)")

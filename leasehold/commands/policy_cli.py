@@ -30,9 +30,9 @@ import msgspec
 
 from kernel.bundle import Bundle, seal, validate_bundle
 from kernel.errors import PolicyError
-from kernel.policy_yaml import bundle_bytes, compile_file, is_source, load_policy, source_text
+from kernel.policy_yaml import bundle_bytes, compile_file, is_source, load_policy, read_text, source_text
 
-from .output import Exit, Failure, add_output_option, out
+from .output import Exit, Failure, add_output_option, out, write_file
 
 EXIT_OK, EXIT_USAGE, EXIT_DIFFERS, EXIT_BYPASS, EXIT_CANARY_WORSE = (
     Exit.OK, Exit.USAGE, Exit.DIFFERS, Exit.BYPASS, Exit.WORSE)
@@ -89,7 +89,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     except PolicyError as e:
         return fail(args, e)
     out = Path(args.out) if args.out else Path(args.source).with_suffix(".json")
-    out.write_bytes(bundle_bytes(bundle))
+    write_file(out, bundle_bytes(bundle))
     _written(args, "compiled", bundle, out)
     return EXIT_OK
 
@@ -120,7 +120,7 @@ def cmd_seal(args: argparse.Namespace) -> int:
     except PolicyError as e:
         return fail(args, e)
     out = Path(args.out or args.file)
-    out.write_bytes(bundle_bytes(bundle))
+    write_file(out, bundle_bytes(bundle))
     _written(args, "sealed", bundle, out)
     return EXIT_OK
 
@@ -128,10 +128,8 @@ def cmd_seal(args: argparse.Namespace) -> int:
 def cmd_fmt(args: argparse.Namespace) -> int:
     path = Path(args.file)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path)
         bundle = load_policy(path)
-    except OSError as e:
-        return fail(args, f"cannot read {path}: {e.strerror}")
     except PolicyError as e:
         return fail(args, e)
     if is_source(path):
@@ -145,7 +143,7 @@ def cmd_fmt(args: argparse.Namespace) -> int:
              [f"{path}: {'canonical' if ok else 'not canonical (run leasehold policy fmt --write)'}"])
         return EXIT_OK if ok else EXIT_DIFFERS
     if args.write:
-        path.write_text(canonical, encoding="utf-8")
+        write_file(path, canonical.encode())
         emit(args, {"wrote": str(path)}, [f"formatted {path}" + (" (the header and the comments above each rule "
                                                                    "and pool are kept, others are not)"
                                                                    if is_source(path) else "")])
@@ -164,7 +162,7 @@ def cmd_decompile(args: argparse.Namespace) -> int:
     text = source_text(bundle, "# yaml-language-server: $schema=https://leasehold.dev/schema/policy-source.schema.json\n"
                                f"# decompiled from {Path(args.file).name} (bundle {bundle.bundle_version})\n")
     if args.out:
-        Path(args.out).write_text(text, encoding="utf-8")
+        write_file(args.out, text.encode())
         emit(args, {"wrote": args.out}, [f"wrote {args.out}"])
     elif out(args).json:
         emit(args, {"file": args.file, "text": text})
@@ -199,10 +197,10 @@ def cmd_bump(args: argparse.Namespace) -> int:
         if version <= current.bundle_version:
             return fail(args, f"--version {version} is not higher than the file's {current.bundle_version}")
         if is_source(path):
-            text = _bump_source(path.read_text(encoding="utf-8"), version, published)
+            text = _bump_source(read_text(path), version, published)
             from kernel.policy_yaml import compile_text
             bundle = compile_text(text, str(path))
-            path.write_text(text, encoding="utf-8")
+            write_file(path, text.encode())
             emit(args, {"wrote": str(path), "bundleVersion": version, "publishedAt": published},
                  [f"{path}: version {current.bundle_version} -> {version}, publishedAt {published} "
                   f"(compile it with `leasehold policy compile {path}`)"])
@@ -212,7 +210,7 @@ def cmd_bump(args: argparse.Namespace) -> int:
         return fail(args, f"cannot read {path}: {e}")
     except PolicyError as e:
         return fail(args, e)
-    path.write_bytes(bundle_bytes(bundle))
+    write_file(path, bundle_bytes(bundle))
     _written(args, "bumped", bundle, path)
     return EXIT_OK
 

@@ -127,3 +127,43 @@ def test_unchanged_sample_bundle_bytes():
     """the JSON the services load is what encode_bundle writes for the compiled source"""
     b = load_bundle_file(str(ROOT / "policies" / "northstar.json"))
     assert (ROOT / "policies" / "northstar.json").read_bytes() == encode_bundle(b) + b"\n"
+
+
+def test_a_failed_write_is_exit_2_and_leaves_the_old_bundle_whole(src: Path, tmp_path: Path, capsys, monkeypatch):
+    import errno
+    import os
+
+    target = tmp_path / "ns.json"
+    target.write_bytes(b"the old bundle\n")
+    for where in (tmp_path / "no-such-dir" / "b.json", tmp_path):  # a missing directory, a directory in the way
+        assert main(["policy", "compile", str(src), "--out", str(where)]) == 2
+        assert "cannot write" in capsys.readouterr().err
+
+    def full(fd: int) -> None:  # the disk fills up after part of the bundle was written
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    for argv in (["compile", str(src), "--out", str(target)], ["seal", str(target)], ["bump", str(src)],
+                 ["fmt", "--write", str(src)], ["decompile", str(ROOT / "policies" / "northstar.json"),
+                                                "--out", str(target)]):
+        before = {p: p.read_bytes() for p in (target, src)}
+        code = main(["policy", *argv])
+        err = capsys.readouterr().err
+        assert code == 2 or argv[0] == "seal", (argv, err)  # seal: the old text is no bundle (exit 2 on reading)
+        assert {p: p.read_bytes() for p in (target, src)} == before, argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ns.json", "ns.yaml"]  # no temporary file left
+
+
+def test_fmt_of_a_file_that_is_not_utf8_is_exit_2_naming_the_line(src: Path, capsys):
+    src.write_bytes(src.read_bytes() + b"# caf\xe9\n")
+    for argv in (["fmt", str(src)], ["fmt", "--check", str(src)], ["fmt", "--write", str(src)], ["bump", str(src)]):
+        assert main(["policy", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert "not UTF-8 (byte 0xe9)" in err and "unexpected" not in err
+
+
+def test_explain_a_request_no_rule_applies_to_is_admitted_not_denied(capsys):
+    assert main(["policy", "explain", str(SRC), "--tenant", "zed", "--principal", "u", "--route", "nothing"]) == 0
+    text = capsys.readouterr().out
+    assert "no rule applies" in text and "admitted: no rule can deny this request" in text
+    assert "denied" not in text
