@@ -189,8 +189,14 @@ def now_text() -> str:
 
 
 def cmd_bump(args: argparse.Namespace) -> int:
+    from kernel.policy_source import SourceError, check_timestamp
+
     path = Path(args.file)
     published = args.published_at or now_text()
+    try:
+        check_timestamp(published, "--published-at")
+    except SourceError as e:
+        return fail(args, str(e))
     try:
         current = load_policy(path)
         version = args.version or current.bundle_version + 1

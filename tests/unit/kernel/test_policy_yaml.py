@@ -87,3 +87,14 @@ def test_a_missing_file_or_a_directory_is_named(tmp_path: Path):
     for p in (tmp_path / "none.yaml", tmp_path):
         with pytest.raises(SourceFileError, match="cannot read"):
             read_text(p)
+
+
+@pytest.mark.parametrize("published", ["x", "'2026-13-45'", "'2026-11-06 09:30'", "'2026-11-06T09:30:00'", "5"])
+def test_published_at_is_a_time_with_its_offset(published: str):
+    text = f"version: 1\npublishedAt: {published}\nrules: []\n"
+    assert refused(text).detail.startswith("p.yaml:2: publishedAt")
+
+
+def test_published_at_accepts_rfc3339_quoted_or_bare():
+    for published in ("'2026-11-06T09:30:00Z'", "2026-11-06T09:30:00Z", "'2026-11-06T10:30:00.250+01:00'"):
+        assert compile_text(f"version: 1\npublishedAt: {published}\nrules: []\n", "p.yaml").bundle_version == 1

@@ -167,3 +167,12 @@ def test_explain_a_request_no_rule_applies_to_is_admitted_not_denied(capsys):
     text = capsys.readouterr().out
     assert "no rule applies" in text and "admitted: no rule can deny this request" in text
     assert "denied" not in text
+
+
+def test_bump_refuses_a_published_at_that_is_not_a_time(src: Path, tmp_path: Path, capsys):
+    bundle = tmp_path / "b.json"
+    shutil.copy(ROOT / "policies" / "northstar.json", bundle)
+    for f in (src, bundle):
+        before = f.read_bytes()
+        assert main(["policy", "bump", str(f), "--published-at", "tomorrow"]) == 2
+        assert "is not a time" in capsys.readouterr().err and f.read_bytes() == before
