@@ -62,7 +62,8 @@ def _first_url(state: dict, kind: str, region: str | None = None) -> str:
 
 
 def _invalid(e: PolicyError, what: str = "invalid") -> Failure:
-    return Failure(Exit.USAGE, f"{what}: {e.detail}", e.errors)
+    from .policy_cli import policy_hints
+    return Failure(Exit.USAGE, f"{what}: {e.detail}", [*e.errors, *policy_hints(e)])
 
 
 def _split(text: str) -> list[str]:

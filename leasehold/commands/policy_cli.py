@@ -55,7 +55,16 @@ def fail(args: argparse.Namespace, e: PolicyError | str, code: int = EXIT_USAGE)
     and return its exit code."""
     if isinstance(e, str):
         return out(args).failure(Failure(Exit(code), e))
-    return out(args).failure(Failure(Exit(code), f"invalid: {e.detail}", [p for p in e.errors if p != e.detail]))
+    return out(args).failure(Failure(Exit(code), f"invalid: {e.detail}",
+                                     [p for p in e.errors if p != e.detail] + policy_hints(e)))
+
+
+def policy_hints(e: PolicyError) -> list[str]:
+    """What to do about a refused bundle, where the message alone does not say it."""
+    if any("checksum mismatch" in p for p in (e.detail, *e.errors)):
+        return ["the content was changed after it was sealed: if the edit is meant, `leasehold policy seal FILE` "
+                "re-seals it (and `--key` signs it); never edit the checksum by hand"]
+    return []
 
 
 def _signing_key(args: argparse.Namespace) -> str | None:
@@ -71,7 +80,15 @@ def _finish(args: argparse.Namespace, bundle: Bundle) -> Bundle:
     return sign_bundle(bundle, load_private_key(key))
 
 
+ETCD_REQUEST_BYTES = 1_572_864  # etcd's default --max-request-bytes (1.5 MiB)
+
+
 def _written(args: argparse.Namespace, verb: str, bundle: Bundle, out: Path) -> None:
+    size = len(bundle_bytes(bundle))
+    if size > ETCD_REQUEST_BYTES:
+        emit(args, None, [f"leasehold: warning: {out} is {size:,} bytes: etcd refuses a request over its "
+                          "--max-request-bytes (1.5 MiB by default), so `policy publish` of it fails unless that "
+                          "limit is raised"], err=True)
     signed = f", signed by key {bundle.key_id}" if bundle.key_id else ", unsigned"
     emit(args, {"wrote": str(out), "bundleVersion": bundle.bundle_version, "checksum": bundle.checksum,
                 "keyId": bundle.key_id, "rules": len(bundle.rules), "pools": len(bundle.pools)},
@@ -331,7 +348,7 @@ def register(psub: Any, etcd_opts: Any) -> None:
     register_canary(psub, etcd_opts, _out_opt, _key_opt)
 
 
-__all__ = ["EXIT_CANARY_WORSE", "emit", "fail", "register"]
+__all__ = ["EXIT_CANARY_WORSE", "emit", "fail", "policy_hints", "register"]
 
 
 # ------------------------------------------------------------------------------ replay

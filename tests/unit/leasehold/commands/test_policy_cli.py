@@ -176,3 +176,23 @@ def test_bump_refuses_a_published_at_that_is_not_a_time(src: Path, tmp_path: Pat
         before = f.read_bytes()
         assert main(["policy", "bump", str(f), "--published-at", "tomorrow"]) == 2
         assert "is not a time" in capsys.readouterr().err and f.read_bytes() == before
+
+
+def test_compile_warns_when_the_bundle_is_over_etcds_request_limit(src: Path, tmp_path: Path, capsys, monkeypatch):
+    from leasehold.commands import policy_cli
+
+    assert main(["policy", "compile", str(src), "--out", str(tmp_path / "a.json")]) == 0
+    assert "warning" not in capsys.readouterr().err
+    monkeypatch.setattr(policy_cli, "ETCD_REQUEST_BYTES", 1000)
+    assert main(["policy", "compile", str(src), "--out", str(tmp_path / "a.json")]) == 0
+    assert "bytes: etcd refuses a request over its --max-request-bytes" in capsys.readouterr().err
+
+
+def test_a_bundle_edited_by_hand_is_refused_saying_how_to_re_seal_it(tmp_path: Path, capsys):
+    edited = tmp_path / "b.json"
+    edited.write_text((ROOT / "policies" / "northstar.json").read_text().replace('"capacityMillis": 20000',
+                                                                                  '"capacityMillis": 90000', 1))
+    for argv in (["validate", str(edited)], ["diff", str(ROOT / "policies" / "northstar.json"), str(edited)]):
+        assert main(["policy", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "checksum mismatch" in err and "`leasehold policy seal FILE` re-seals it" in err, argv
