@@ -84,6 +84,8 @@ def millis(value: int | float | Decimal, field: str) -> int:
         d = value if isinstance(value, Decimal) else Decimal(repr(value) if isinstance(value, float) else value)
     except InvalidOperation:
         raise SourceError(field, f"{field} {value!r} is not a number") from None
+    if not d.is_finite():
+        raise SourceError(field, f"{field} {value} is not a finite number of tokens")
     m = d * 1000
     if m != m.to_integral_value():
         raise SourceError(field, f"{field} {value} has more than 3 decimals (the unit is a millitoken)")
@@ -336,9 +338,27 @@ def _fallback_type() -> type:
     return Fallback
 
 
+_TIMESTAMP_RE = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?(Z|[+-]\d{2}:\d{2})\Z")
+
+
+def check_timestamp(text: str, field: str = "publishedAt") -> str:
+    """``text`` when it is an RFC 3339 time with its offset (``2026-11-06T09:30:00Z``); else :class:`SourceError`."""
+    from datetime import datetime
+
+    try:
+        if _TIMESTAMP_RE.fullmatch(text) is None:
+            raise ValueError(text)
+        datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise SourceError(field, f"{field} {text!r} is not a time: RFC 3339 with its offset, e.g. "
+                                 "'2026-11-06T09:30:00Z' (`leasehold policy bump` writes the time now)") from None
+    return text
+
+
 def bundle_document(src: PolicySource) -> dict[str, Any]:
     """The bundle of ``src`` as a JSON document (camelCase, unsealed: ``checksum`` empty). Raises
     :class:`SourceError` (with the rule index in ``.rule``) for a unit problem."""
+    check_timestamp(src.published_at)
     rules = []
     for i, r in enumerate(src.rules):
         try:
@@ -465,5 +485,5 @@ ENUMERATED: dict[str, tuple[str, ...]] = {
 
 
 __all__ = ["ENUMERATED", "SOURCE_FIELD", "SOURCE_RULES", "PolicySource", "SourceError", "SourcePool",
-           "SourceRule", "bundle_document", "compile_source", "decompile", "duration_ms", "format_duration",
+           "SourceRule", "bundle_document", "check_timestamp", "compile_source", "decompile", "duration_ms", "format_duration",
            "format_rate", "millis", "pool_source", "rate_parts", "rule_source"]

@@ -21,12 +21,13 @@ because write access to etcd must not be enough to change which keys are trusted
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
 from kernel.bundle import Bundle, decode_bundle, seal
 from kernel.errors import Conflict, PolicyError, StaleVersion
-from kernel.etcd_store import KV, EtcdStore, TxnBuilder, Watch
+from kernel.etcd_store import KV, EtcdStore, EtcdTxnTooLarge, TxnBuilder, Watch
 
 POLICY_KEY_SUFFIX = "policy/current"
 SIGNING_KEY_SUFFIX = "policy/signing"
@@ -44,6 +45,12 @@ def signing_key(prefix: str) -> bytes:
 
 class SigningMarker(msgspec.Struct, forbid_unknown_fields=True):
     keys: dict[str, str]  # keyId -> base64 raw Ed25519 public key
+
+
+class BundleTooLarge(PolicyError):
+    """A bundle etcd refused for its size (``--max-request-bytes``): retrying cannot help."""
+
+    code, title = "policy-too-large", "Policy bundle too large for etcd"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +112,19 @@ class PolicyStore:
         kv = await self.store.get(self.key)
         return None if kv is None else parse_stored(kv)
 
+    async def _commit(self, txn: TxnBuilder, body: bytes) -> Any:
+        """Commit a transaction that writes ``body``; etcd refusing it for its bytes is the bundle's
+        fault, not the store's: :class:`BundleTooLarge` (nothing was written)."""
+        try:
+            return await self.store.commit(txn)
+        except EtcdTxnTooLarge as e:
+            if not e.bytes_limit:
+                raise
+            raise BundleTooLarge(
+                f"the bundle is {len(body):,} bytes, more than this etcd accepts in one request "
+                f"({e.detail}); nothing was written. etcd's --max-request-bytes is 1.5 MiB by default: "
+                "fewer or merged rules, or a larger limit on etcd and on every reader") from None
+
     async def publish(self, raw: bytes | str) -> PublishResult:
         """Validate ``raw`` and write it if its version is strictly higher than the stored one.
 
@@ -124,7 +144,7 @@ class PolicyStore:
             txn.modified_at(self.key, current.mod_revision)
             previous = current.bundle.bundle_version if current.bundle is not None else None
         txn.put(self.key, body)
-        res = await self.store.commit(txn)
+        res = await self._commit(txn, body)
         if not res.succeeded:
             raise Conflict("the published policy changed during this publish; read it again and retry")
         return PublishResult(candidate.bundle_version, previous, res.revision)
@@ -174,7 +194,7 @@ class PolicyStore:
         body = b'{"base":%d,"slice":%s,"bundle":%s}' % (current.bundle.bundle_version, msgspec.json.encode(slice_),
                                                         msgspec.json.encode(msgspec.json.decode(raw)))
         txn.put(self.canary_key, body)
-        res = await self.store.commit(txn)
+        res = await self._commit(txn, body)
         if not res.succeeded:
             raise Conflict("the published policy or canary changed during this stage; read it again and retry")
         return PublishResult(candidate.bundle_version, current.bundle.bundle_version, res.revision)
@@ -206,7 +226,7 @@ class PolicyStore:
         txn.modified_at(self.canary_key, staged.mod_revision)
         txn.put(self.key, body)
         txn.delete(self.canary_key)
-        res = await self.store.commit(txn)
+        res = await self._commit(txn, body)
         if not res.succeeded:
             raise Conflict("the published policy or canary changed; read it again and retry")
         return PublishResult(version, current.bundle.bundle_version if current.bundle else None, res.revision)

@@ -34,6 +34,8 @@ Path_ = tuple[str | int, ...]
 SOURCE_SUFFIXES = (".yaml", ".yml")
 _SAFE = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _STR_TAGS = {"tag:yaml.org,2002:str", "tag:yaml.org,2002:timestamp"}
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_SHOWN = 10  # problems listed of one file (the rest counted)
 
 
 class SourceFileError(PolicyError):
@@ -43,11 +45,28 @@ class SourceFileError(PolicyError):
 
 
 # ------------------------------------------------------------------------------ reading
-def _value(node: yaml.Node, path: Path_, lines: dict[Path_, int], problems: list[str], name: str) -> Any:
+def _value(node: yaml.Node, path: Path_, lines: dict[Path_, int], problems: list[str], name: str,
+           seen: set[int]) -> Any:
+    if id(node) in seen:
+        # an alias (*name): composed as the anchored node itself. Refused, not expanded: a policy
+        # says each value where it applies, and nested aliases expand exponentially (an alias bomb)
+        up = path
+        while up and up not in lines:  # an item of a list: the list's line
+            up = up[:-1]
+        at = lines.get(up, node.start_mark.line + 1)
+        problems.append(f"{name}:{at}: a YAML alias (*) of the value anchored on line {node.start_mark.line + 1}: "
+                        "aliases are not accepted in a policy source, write the value out where it applies")
+        return None
     lines[path] = node.start_mark.line + 1
+    if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
+        seen.add(id(node))
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}
         for k, v in node.value:
+            if k.tag == _MERGE_TAG:
+                problems.append(f"{name}:{k.start_mark.line + 1}: a YAML merge key (<<) is not accepted in a policy "
+                                "source: write each field out in the rule or pool it applies to")
+                continue
             key = k.value if isinstance(k, yaml.ScalarNode) else None
             if not isinstance(key, str):
                 problems.append(f"{name}:{k.start_mark.line + 1}: a mapping key must be a plain name")
@@ -57,11 +76,12 @@ def _value(node: yaml.Node, path: Path_, lines: dict[Path_, int], problems: list
                                 f"{lines[(*path, key)]})")
                 continue
             lines[(*path, key)] = k.start_mark.line + 1
-            out[key] = _value(v, (*path, key), lines, problems, name)
+            out[key] = _value(v, (*path, key), lines, problems, name, seen)
             lines[(*path, key)] = k.start_mark.line + 1
         return out
     if isinstance(node, yaml.SequenceNode):
-        return [_value(v, (*path, i), lines, problems, name) for i, v in enumerate(node.value)]
+        return [_value(v, (*path, i), lines, problems, name, seen) for i, v in enumerate(node.value)]
+    seen.add(id(node))
     if node.tag in _STR_TAGS:
         return node.value
     if node.tag == "tag:yaml.org,2002:null":
@@ -82,9 +102,14 @@ def read_source(text: str, name: str) -> tuple[Any, dict[Path_, int]]:
     try:
         node = yaml.compose(text, Loader=_SAFE)
     except yaml.MarkedYAMLError as e:
-        line = e.problem_mark.line + 1 if e.problem_mark is not None else 0
-        raise SourceFileError(f"{name}:{line}: not valid YAML: {e.problem}",
-                              errors=[f"{name}:{line}: not valid YAML: {e.problem}"]) from None
+        mark = e.problem_mark
+        at = f"{mark.line + 1}:{mark.column + 1}" if mark is not None else "0"
+        problem = str(e.problem)
+        row = text.splitlines()[mark.line] if mark is not None and mark.line < len(text.splitlines()) else ""
+        if mark is not None and "\t" in row[:mark.column + 1]:
+            problem += " (a tab: YAML indents with spaces only)"
+        raise SourceFileError(f"{name}:{at}: not valid YAML: {problem}",
+                              errors=[f"{name}:{at}: not valid YAML: {problem}"]) from None
     except yaml.YAMLError as e:
         raise SourceFileError(f"{name}: not valid YAML: {e}", errors=[f"{name}: not valid YAML: {e}"]) from None
     if node is None:
@@ -92,9 +117,12 @@ def read_source(text: str, name: str) -> tuple[Any, dict[Path_, int]]:
                                                         "and rules are required)"])
     lines: dict[Path_, int] = {}
     problems: list[str] = []
-    doc = _value(node, (), lines, problems, name)
+    doc = _value(node, (), lines, problems, name, set())
     if problems:
-        raise SourceFileError(problems[0], errors=problems)
+        shown = list(dict.fromkeys(problems))[:_SHOWN]
+        if len(problems) > len(shown):
+            shown.append(f"... and {len(problems) - len(shown)} more")
+        raise SourceFileError(problems[0], errors=shown)
     return doc, lines
 
 
@@ -294,12 +322,23 @@ def compile_text(text: str, name: str) -> Bundle:
     return compile_document(doc, lines, name)
 
 
-def compile_file(path: str | Path) -> Bundle:
+def read_text(path: str | Path) -> str:
+    """A policy file's text (UTF-8, a leading BOM allowed). Raises :class:`SourceFileError` naming
+    the file (and, for bytes that are not UTF-8, the line)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise SourceFileError(f"cannot read {str(path)!r}: {getattr(e, 'strerror', None) or e}") from None
-    return compile_text(text, str(path))
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise SourceFileError(f"cannot read {str(path)!r}: {e.strerror or e}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        msg = f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x}): a policy file is UTF-8 text"
+        raise SourceFileError(msg, errors=[msg]) from None
+
+
+def compile_file(path: str | Path) -> Bundle:
+    return compile_text(read_text(path), str(path))
 
 
 def load_policy(path: str | Path) -> Bundle:
@@ -378,4 +417,4 @@ def bundle_bytes(bundle: Bundle) -> bytes:
 
 
 __all__ = ["SOURCE_SUFFIXES", "SourceFileError", "bundle_bytes", "compile_document", "compile_file", "compile_text",
-           "dump_source", "is_source", "load_policy", "read_source", "source_text"]
+           "dump_source", "is_source", "load_policy", "read_source", "read_text", "source_text"]

@@ -32,7 +32,7 @@ from ..local.topology import (
     stop_from_state,
 )
 from .capacity_cli import register as register_capacity_command
-from .output import Exit, Failure, add_output_option, exit_code_epilog, out, run
+from .output import Exit, Failure, add_output_option, exit_code_epilog, out, run, write_file
 from .policy_cli import register as register_policy_commands
 from .token_cli import register as register_token_command
 
@@ -62,7 +62,8 @@ def _first_url(state: dict, kind: str, region: str | None = None) -> str:
 
 
 def _invalid(e: PolicyError, what: str = "invalid") -> Failure:
-    return Failure(Exit.USAGE, f"{what}: {e.detail}", e.errors)
+    from .policy_cli import policy_hints
+    return Failure(Exit.USAGE, f"{what}: {e.detail}", [*e.errors, *policy_hints(e)])
 
 
 def _split(text: str) -> list[str]:
@@ -375,7 +376,7 @@ def cmd_policy_sign(args: argparse.Namespace) -> int:
     except PolicyError as e:
         raise _invalid(e) from None
     target = Path(args.out or args.file)
-    target.write_bytes(encode_bundle(signed) + b"\n")
+    write_file(target, encode_bundle(signed) + b"\n")
     data = {"bundleVersion": signed.bundle_version, "keyId": signed.key_id, "file": str(target)}
     return out(args).result(data, f"signed bundle {signed.bundle_version} with key {signed.key_id} -> {target}")
 

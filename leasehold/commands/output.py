@@ -18,6 +18,7 @@ line, the JSON error document and the exit code. :func:`add_output_option` gives
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -147,6 +148,51 @@ def run(handler: Callable[[argparse.Namespace], int | None], args: argparse.Name
         return o.failure(Failure(Exit.INTERNAL, f"unexpected error: {type(e).__name__}: {e}"))
 
 
+def write_file(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write a command's output file whole or not at all: the bytes go to a temporary file in the
+    same directory, are flushed to disk, and replace ``path`` in one rename (a symlink's target is
+    replaced; an existing file keeps its mode). A failure (no such directory, a directory in the way,
+    a full disk) leaves ``path`` as it was and raises :class:`Failure` (exit 2) naming it. A path
+    that is not a regular file (``/dev/stdout``, a pipe) is written to directly."""
+    import stat
+    import tempfile
+
+    target = os.path.realpath(path)
+    tmp = None
+    try:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        else:
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
+            if not stat.S_ISREG(st.st_mode):
+                with open(path, "wb") as stream:
+                    stream.write(data)
+                return
+            mode = st.st_mode & 0o7777
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target) or ".", prefix=f".{os.path.basename(target)}.",
+                                   suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as e:
+        raise Failure(Exit.USAGE, f"cannot write {os.fspath(path)}: {e.strerror or e}; nothing was written") from None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
 def exit_code_epilog() -> str:
     """The exit code table for ``--help`` (plain text)."""
     return "exit codes:\n" + "\n".join(f"  {int(c):>2}  {m.replace('`', '')}" for c, m in MEANINGS.items())
@@ -159,4 +205,4 @@ def exit_code_table() -> str:
 
 
 __all__ = ["Exit", "FORMATS", "Failure", "MEANINGS", "Output", "add_output_option", "exit_code_epilog",
-           "exit_code_table", "out", "run"]
+           "exit_code_table", "out", "run", "write_file"]

@@ -30,9 +30,9 @@ import msgspec
 
 from kernel.bundle import Bundle, seal, validate_bundle
 from kernel.errors import PolicyError
-from kernel.policy_yaml import bundle_bytes, compile_file, is_source, load_policy, source_text
+from kernel.policy_yaml import bundle_bytes, compile_file, is_source, load_policy, read_text, source_text
 
-from .output import Exit, Failure, add_output_option, out
+from .output import Exit, Failure, add_output_option, out, write_file
 
 EXIT_OK, EXIT_USAGE, EXIT_DIFFERS, EXIT_BYPASS, EXIT_CANARY_WORSE = (
     Exit.OK, Exit.USAGE, Exit.DIFFERS, Exit.BYPASS, Exit.WORSE)
@@ -55,7 +55,16 @@ def fail(args: argparse.Namespace, e: PolicyError | str, code: int = EXIT_USAGE)
     and return its exit code."""
     if isinstance(e, str):
         return out(args).failure(Failure(Exit(code), e))
-    return out(args).failure(Failure(Exit(code), f"invalid: {e.detail}", [p for p in e.errors if p != e.detail]))
+    return out(args).failure(Failure(Exit(code), f"invalid: {e.detail}",
+                                     [p for p in e.errors if p != e.detail] + policy_hints(e)))
+
+
+def policy_hints(e: PolicyError) -> list[str]:
+    """What to do about a refused bundle, where the message alone does not say it."""
+    if any("checksum mismatch" in p for p in (e.detail, *e.errors)):
+        return ["the content was changed after it was sealed: if the edit is meant, `leasehold policy seal FILE` "
+                "re-seals it (and `--key` signs it); never edit the checksum by hand"]
+    return []
 
 
 def _signing_key(args: argparse.Namespace) -> str | None:
@@ -71,7 +80,15 @@ def _finish(args: argparse.Namespace, bundle: Bundle) -> Bundle:
     return sign_bundle(bundle, load_private_key(key))
 
 
+ETCD_REQUEST_BYTES = 1_572_864  # etcd's default --max-request-bytes (1.5 MiB)
+
+
 def _written(args: argparse.Namespace, verb: str, bundle: Bundle, out: Path) -> None:
+    size = len(bundle_bytes(bundle))
+    if size > ETCD_REQUEST_BYTES:
+        emit(args, None, [f"leasehold: warning: {out} is {size:,} bytes: etcd refuses a request over its "
+                          "--max-request-bytes (1.5 MiB by default), so `policy publish` of it fails unless that "
+                          "limit is raised"], err=True)
     signed = f", signed by key {bundle.key_id}" if bundle.key_id else ", unsigned"
     emit(args, {"wrote": str(out), "bundleVersion": bundle.bundle_version, "checksum": bundle.checksum,
                 "keyId": bundle.key_id, "rules": len(bundle.rules), "pools": len(bundle.pools)},
@@ -89,7 +106,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     except PolicyError as e:
         return fail(args, e)
     out = Path(args.out) if args.out else Path(args.source).with_suffix(".json")
-    out.write_bytes(bundle_bytes(bundle))
+    write_file(out, bundle_bytes(bundle))
     _written(args, "compiled", bundle, out)
     return EXIT_OK
 
@@ -120,7 +137,7 @@ def cmd_seal(args: argparse.Namespace) -> int:
     except PolicyError as e:
         return fail(args, e)
     out = Path(args.out or args.file)
-    out.write_bytes(bundle_bytes(bundle))
+    write_file(out, bundle_bytes(bundle))
     _written(args, "sealed", bundle, out)
     return EXIT_OK
 
@@ -128,10 +145,8 @@ def cmd_seal(args: argparse.Namespace) -> int:
 def cmd_fmt(args: argparse.Namespace) -> int:
     path = Path(args.file)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path)
         bundle = load_policy(path)
-    except OSError as e:
-        return fail(args, f"cannot read {path}: {e.strerror}")
     except PolicyError as e:
         return fail(args, e)
     if is_source(path):
@@ -145,7 +160,7 @@ def cmd_fmt(args: argparse.Namespace) -> int:
              [f"{path}: {'canonical' if ok else 'not canonical (run leasehold policy fmt --write)'}"])
         return EXIT_OK if ok else EXIT_DIFFERS
     if args.write:
-        path.write_text(canonical, encoding="utf-8")
+        write_file(path, canonical.encode())
         emit(args, {"wrote": str(path)}, [f"formatted {path}" + (" (the header and the comments above each rule "
                                                                    "and pool are kept, others are not)"
                                                                    if is_source(path) else "")])
@@ -164,7 +179,7 @@ def cmd_decompile(args: argparse.Namespace) -> int:
     text = source_text(bundle, "# yaml-language-server: $schema=https://leasehold.dev/schema/policy-source.schema.json\n"
                                f"# decompiled from {Path(args.file).name} (bundle {bundle.bundle_version})\n")
     if args.out:
-        Path(args.out).write_text(text, encoding="utf-8")
+        write_file(args.out, text.encode())
         emit(args, {"wrote": args.out}, [f"wrote {args.out}"])
     elif out(args).json:
         emit(args, {"file": args.file, "text": text})
@@ -191,18 +206,24 @@ def now_text() -> str:
 
 
 def cmd_bump(args: argparse.Namespace) -> int:
+    from kernel.policy_source import SourceError, check_timestamp
+
     path = Path(args.file)
     published = args.published_at or now_text()
+    try:
+        check_timestamp(published, "--published-at")
+    except SourceError as e:
+        return fail(args, str(e))
     try:
         current = load_policy(path)
         version = args.version or current.bundle_version + 1
         if version <= current.bundle_version:
             return fail(args, f"--version {version} is not higher than the file's {current.bundle_version}")
         if is_source(path):
-            text = _bump_source(path.read_text(encoding="utf-8"), version, published)
+            text = _bump_source(read_text(path), version, published)
             from kernel.policy_yaml import compile_text
             bundle = compile_text(text, str(path))
-            path.write_text(text, encoding="utf-8")
+            write_file(path, text.encode())
             emit(args, {"wrote": str(path), "bundleVersion": version, "publishedAt": published},
                  [f"{path}: version {current.bundle_version} -> {version}, publishedAt {published} "
                   f"(compile it with `leasehold policy compile {path}`)"])
@@ -212,7 +233,7 @@ def cmd_bump(args: argparse.Namespace) -> int:
         return fail(args, f"cannot read {path}: {e}")
     except PolicyError as e:
         return fail(args, e)
-    path.write_bytes(bundle_bytes(bundle))
+    write_file(path, bundle_bytes(bundle))
     _written(args, "bumped", bundle, path)
     return EXIT_OK
 
@@ -327,7 +348,7 @@ def register(psub: Any, etcd_opts: Any) -> None:
     register_canary(psub, etcd_opts, _out_opt, _key_opt)
 
 
-__all__ = ["EXIT_CANARY_WORSE", "emit", "fail", "register"]
+__all__ = ["EXIT_CANARY_WORSE", "emit", "fail", "policy_hints", "register"]
 
 
 # ------------------------------------------------------------------------------ replay

@@ -126,9 +126,12 @@ def render(doc: dict[str, Any], bundle: Bundle) -> list[str]:
     elif not doc["fleetWide"]:
         s("no store call")
     anonymous = r["principalType"] == "anonymous"
-    s("denied: 429 with Retry-After = ceil(retryAfterMs / 1000) s" +
-      (", a generic problem (anonymous callers see no policy names)" if anonymous else
-       ", RateLimit / RateLimit-Policy for the caller's own scope (user, key)"))
+    if rules:
+        s("denied: 429 with Retry-After = ceil(retryAfterMs / 1000) s" +
+          (", a generic problem (anonymous callers see no policy names)" if anonymous else
+           ", RateLimit / RateLimit-Policy for the caller's own scope (user, key)"))
+    else:
+        s("admitted: no rule can deny this request")
     for rule in rules:
         rr = next(x for x in bundle.rules if x.id == rule["id"])
         if rr.fail_mode == "closed":

@@ -96,3 +96,31 @@ def test_up_status_admit_leases_down(tmp_path: Path):
         down = leasehold(run, "down", "-o", "json")
     assert down.returncode == 0 and len(json.loads(down.stdout)["stopped"]) >= 3
     assert status_json(run)[0] == 6
+
+
+def test_policy_authoring_bad_input_is_a_message_and_exit_2_never_a_traceback(tmp_path: Path):
+    """A careless or hostile policy file through the real process: each is one ``leasehold:`` line
+    on stderr and exit 2, quickly, and a failed compile leaves the previous bundle whole."""
+    run = tmp_path / "run"
+    sample = (ROOT / "policies" / "northstar.yaml").read_text()
+    rows = ['a: &a ["x","x","x","x","x","x","x","x","x"]']
+    rows += [f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]" for p, n in zip("abcdefgh", "bcdefghi", strict=True)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("version: 1\npublishedAt: x\n" + "\n".join(rows) + "\nrules: []\n")  # 9^9 values expanded
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(sample.encode() + b"# caf\xe9\n")
+    good = tmp_path / "good.yaml"
+    good.write_text(sample)
+    old = tmp_path / "good.json"
+    old.write_bytes(b"the previous bundle\n")
+    cases = [(["policy", "compile", str(bomb)], "a YAML alias"),
+             (["policy", "fmt", str(latin)], "not UTF-8 (byte 0xe9)"),
+             (["policy", "compile", str(good), "--out", str(tmp_path / "no-dir" / "b.json")], "cannot write"),
+             (["policy", "compile", str(good), "--out", str(tmp_path)], "cannot write")]
+    for argv, needle in cases:
+        started = time.monotonic()
+        res = leasehold(run, *argv, timeout=60)
+        assert res.returncode == 2, (argv, res.stderr)
+        assert "Traceback" not in res.stderr and res.stderr.startswith("leasehold: ") and needle in res.stderr, argv
+        assert time.monotonic() - started < 30, argv
+    assert old.read_bytes() == b"the previous bundle\n"

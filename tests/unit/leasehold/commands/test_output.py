@@ -56,3 +56,28 @@ def test_an_unexpected_error_is_one_line_without_traceback(monkeypatch, capsys):
     monkeypatch.setenv("LEASEHOLD_DEBUG", "1")
     assert run(broken, ns("text")) == 70
     assert "Traceback" in capsys.readouterr().err
+
+
+def test_write_file_keeps_the_mode_follows_a_symlink_and_writes_a_device_in_place(tmp_path):
+    import os
+    import stat
+    import threading
+
+    from leasehold.commands.output import write_file
+
+    real = tmp_path / "real.json"
+    real.write_bytes(b"old")
+    real.chmod(0o640)
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    write_file(link, b"new")
+    assert link.is_symlink() and real.read_bytes() == b"new" and stat.S_IMODE(real.stat().st_mode) == 0o640
+    fifo = tmp_path / "pipe"  # not a regular file (as /dev/stdout): written to, never replaced
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    write_file(fifo, b"through the pipe")
+    reader.join(5)
+    assert got == [b"through the pipe"] and stat.S_ISFIFO(fifo.stat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "pipe", "real.json"]

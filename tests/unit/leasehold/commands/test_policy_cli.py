@@ -127,3 +127,72 @@ def test_unchanged_sample_bundle_bytes():
     """the JSON the services load is what encode_bundle writes for the compiled source"""
     b = load_bundle_file(str(ROOT / "policies" / "northstar.json"))
     assert (ROOT / "policies" / "northstar.json").read_bytes() == encode_bundle(b) + b"\n"
+
+
+def test_a_failed_write_is_exit_2_and_leaves_the_old_bundle_whole(src: Path, tmp_path: Path, capsys, monkeypatch):
+    import errno
+    import os
+
+    target = tmp_path / "ns.json"
+    target.write_bytes(b"the old bundle\n")
+    for where in (tmp_path / "no-such-dir" / "b.json", tmp_path):  # a missing directory, a directory in the way
+        assert main(["policy", "compile", str(src), "--out", str(where)]) == 2
+        assert "cannot write" in capsys.readouterr().err
+
+    def full(fd: int) -> None:  # the disk fills up after part of the bundle was written
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    for argv in (["compile", str(src), "--out", str(target)], ["seal", str(target)], ["bump", str(src)],
+                 ["fmt", "--write", str(src)], ["decompile", str(ROOT / "policies" / "northstar.json"),
+                                                "--out", str(target)]):
+        before = {p: p.read_bytes() for p in (target, src)}
+        code = main(["policy", *argv])
+        err = capsys.readouterr().err
+        assert code == 2 or argv[0] == "seal", (argv, err)  # seal: the old text is no bundle (exit 2 on reading)
+        assert {p: p.read_bytes() for p in (target, src)} == before, argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ns.json", "ns.yaml"]  # no temporary file left
+
+
+def test_fmt_of_a_file_that_is_not_utf8_is_exit_2_naming_the_line(src: Path, capsys):
+    src.write_bytes(src.read_bytes() + b"# caf\xe9\n")
+    for argv in (["fmt", str(src)], ["fmt", "--check", str(src)], ["fmt", "--write", str(src)], ["bump", str(src)]):
+        assert main(["policy", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert "not UTF-8 (byte 0xe9)" in err and "unexpected" not in err
+
+
+def test_explain_a_request_no_rule_applies_to_is_admitted_not_denied(capsys):
+    assert main(["policy", "explain", str(SRC), "--tenant", "zed", "--principal", "u", "--route", "nothing"]) == 0
+    text = capsys.readouterr().out
+    assert "no rule applies" in text and "admitted: no rule can deny this request" in text
+    assert "denied" not in text
+
+
+def test_bump_refuses_a_published_at_that_is_not_a_time(src: Path, tmp_path: Path, capsys):
+    bundle = tmp_path / "b.json"
+    shutil.copy(ROOT / "policies" / "northstar.json", bundle)
+    for f in (src, bundle):
+        before = f.read_bytes()
+        assert main(["policy", "bump", str(f), "--published-at", "tomorrow"]) == 2
+        assert "is not a time" in capsys.readouterr().err and f.read_bytes() == before
+
+
+def test_compile_warns_when_the_bundle_is_over_etcds_request_limit(src: Path, tmp_path: Path, capsys, monkeypatch):
+    from leasehold.commands import policy_cli
+
+    assert main(["policy", "compile", str(src), "--out", str(tmp_path / "a.json")]) == 0
+    assert "warning" not in capsys.readouterr().err
+    monkeypatch.setattr(policy_cli, "ETCD_REQUEST_BYTES", 1000)
+    assert main(["policy", "compile", str(src), "--out", str(tmp_path / "a.json")]) == 0
+    assert "bytes: etcd refuses a request over its --max-request-bytes" in capsys.readouterr().err
+
+
+def test_a_bundle_edited_by_hand_is_refused_saying_how_to_re_seal_it(tmp_path: Path, capsys):
+    edited = tmp_path / "b.json"
+    edited.write_text((ROOT / "policies" / "northstar.json").read_text().replace('"capacityMillis": 20000',
+                                                                                  '"capacityMillis": 90000', 1))
+    for argv in (["validate", str(edited)], ["diff", str(ROOT / "policies" / "northstar.json"), str(edited)]):
+        assert main(["policy", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "checksum mismatch" in err and "`leasehold policy seal FILE` re-seals it" in err, argv
