@@ -167,6 +167,15 @@ def test_the_deploy_manifests_create_the_etcd_roles_with_the_script_leasehold_up
     (job,) = [d for d in docs if d["kind"] == "Job"]
     (c,) = job["spec"]["template"]["spec"]["containers"]
     assert c["command"] == ["sh", "/opt/leasehold/leasehold-roles.sh"]
+    # the script runs in the services' own image, which carries etcdctl from the etcd release the
+    # deployments run (a third-party image with a shell and etcdctl can stop being published)
+    (service_image,) = {d["spec"]["template"]["spec"]["containers"][0]["image"] for d in docs
+                        if d["kind"] == "Deployment"}
+    assert c["image"] == service_image
+    etcd_images = set(re.findall(r"image: (\S+)", (ROOT / "deploy" / "k8s-dev" / "etcd.yaml").read_text()))
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"^COPY --from=(\S+) /usr/local/bin/etcdctl /usr/local/bin/etcdctl$", dockerfile, re.M)[1] \
+        in etcd_images
     job_vols = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
     assert job_vols["script"]["configMap"]["name"] == "leasehold-etcd-roles"
     assert job_vols["passwords"]["secret"]["secretName"] == "leasehold-etcd-users"
@@ -189,6 +198,7 @@ def test_the_deploy_manifests_create_the_etcd_roles_with_the_script_leasehold_up
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
     init = compose["etcd-init"]
     assert init["command"] == ["sh", "/opt/leasehold/leasehold-roles.sh"]
+    assert init["image"] == compose["allocator-1"]["image"] == service_image
     assert "./etcd/leasehold-roles.sh:/opt/leasehold/leasehold-roles.sh:ro" in init["volumes"]
     for name in ("allocator-1", "allocator-2"):
         assert compose[name]["depends_on"]["etcd-init"]["condition"] == "service_completed_successfully"
