@@ -8,6 +8,9 @@ requests, a dependency that flaps). Pure: the clock is passed in.
   condition is in when the interval has passed is written with that count on the next
   observation, so a flapping dependency costs a few lines, and the last line is always the
   current state.
+* :class:`ThrottleFilter` — the same for a library's logger (a ``logging.Filter``): at most one
+  record per logger and message template per interval, cut to ``max_chars``; the next one
+  written says how many were not.
 """
 
 from __future__ import annotations
@@ -39,6 +42,32 @@ class KeyedLog:
         self._last.put(key, (now, 0))
         more = f" (+{suppressed} more since the last line)" if suppressed else ""
         self.logger.log(level, "%s%s", message, more)
+        return True
+
+
+class ThrottleFilter(logging.Filter):
+    def __init__(self, *, interval_s: float = 10.0, max_chars: int = 240, max_keys: int = 1_000,
+                 clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self.interval_s = interval_s
+        self.max_chars = max_chars
+        self.clock = clock
+        self._last: BoundedMemo[Hashable, tuple[float, int]] = BoundedMemo(max_keys)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.msg if isinstance(record.msg, str) else type(record.msg).__name__)
+        now = self.clock()
+        last, suppressed = self._last.get(key, (float("-inf"), 0))
+        if now - last < self.interval_s:
+            self._last[key] = (last, suppressed + 1)
+            return False
+        self._last.put(key, (now, 0))
+        message = record.getMessage()
+        if len(message) > self.max_chars:
+            message = message[:self.max_chars] + "..."
+        if suppressed:
+            message += f" (+{suppressed} more since the last line)"
+        record.msg, record.args = message, None
         return True
 
 

@@ -6,6 +6,14 @@ W3C trace context (``traceparent`` / ``tracestate``) is taken from what a gatewa
 headers of ``/v1/admit`` and ``/v1/authz``, the metadata of an RLS call) and sent on to the
 allocator with every lease request, so one trace crosses gateway -> agent -> allocator.
 
+What a client sends there is untrusted: a malformed ``traceparent`` (another version's rules, ids
+of zeros, upper case) is ignored and the decision starts a new trace; so is a ``traceparent`` sent
+twice (W3C trace context: a request with two is not continued). Several ``tracestate`` fields are
+one list, in order (RFC 9110 field combination); one past 8,192 characters or 32 members, or with a
+malformed member, is dropped whole. The opentelemetry package writes a WARNING for each such
+``tracestate`` (naming the member): those lines are throttled to one per kind per
+``LIBRARY_LOG_INTERVAL_S`` with the count of those not written, so a client cannot flood the log.
+
 The opentelemetry packages are used through this module only. While tracing is off, callers
 test :data:`ENABLED` first and pay nothing else on the decision path.
 """
@@ -23,12 +31,16 @@ from opentelemetry.trace import Link, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from . import logs
+from .ratelog import ThrottleFilter
 
 log = logging.getLogger(__name__)
 ENABLED = False
 _PROPAGATOR = TraceContextTextMapPropagator()
 _HEADERS = ("traceparent", "tracestate")
 _provider: Any = None
+# the opentelemetry loggers that write a line per malformed trace context a client sent
+CLIENT_INPUT_LOGGERS = ("opentelemetry.trace.span", "opentelemetry.trace.propagation.tracecontext")
+LIBRARY_LOG_INTERVAL_S = 10.0
 
 __all__ = ["ENABLED", "SpanKind", "TracingUnavailable", "carrier_of", "check", "context_of", "current_context", "inject", "setup", "shutdown",
            "span", "tracer"]
@@ -81,6 +93,11 @@ def setup(service: str, endpoint: str | None, sample_ratio: float = 1.0, *, expo
     else:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
+    throttle = ThrottleFilter(interval_s=LIBRARY_LOG_INTERVAL_S)
+    for name in CLIENT_INPUT_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, ThrottleFilter) for f in logger.filters):
+            logger.addFilter(throttle)
     _provider = provider
     ENABLED = True
     logs.set_trace_ids(_current_ids)
@@ -100,20 +117,24 @@ def tracer() -> Any:
     return trace.get_tracer("leasehold")
 
 
-def carrier_of(pairs: Iterable[tuple[Any, Any]]) -> dict[str, str]:
-    """The trace headers among ASGI header pairs (bytes) or gRPC metadata (str)."""
-    out: dict[str, str] = {}
+def carrier_of(pairs: Iterable[tuple[Any, Any]]) -> dict[str, list[str]]:
+    """The trace headers among ASGI header pairs (bytes) or gRPC metadata (str): every value of
+    each, in the order sent."""
+    out: dict[str, list[str]] = {}
     for k, v in pairs:
         name = k.decode("latin-1").lower() if isinstance(k, bytes) else str(k).lower()
         if name in _HEADERS:
-            out[name] = v.decode("latin-1") if isinstance(v, bytes) else str(v)
+            out.setdefault(name, []).append(v.decode("latin-1") if isinstance(v, bytes) else str(v))
     return out
 
 
 def context_of(pairs: Iterable[tuple[Any, Any]]) -> Any:
-    """The caller's trace context from headers or metadata (None when it sent none)."""
+    """The caller's trace context from headers or metadata: None when it sent no ``traceparent``
+    or more than one (module doc)."""
     carrier = carrier_of(pairs)
-    return _PROPAGATOR.extract(carrier) if carrier else None
+    if len(carrier.get("traceparent", ())) != 1:
+        return None
+    return _PROPAGATOR.extract(carrier)
 
 
 def inject(headers: dict[str, str]) -> dict[str, str]:
