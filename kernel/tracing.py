@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -38,6 +39,8 @@ ENABLED = False
 _PROPAGATOR = TraceContextTextMapPropagator()
 _HEADERS = ("traceparent", "tracestate")
 _provider: Any = None
+_exporter: Any = None
+SHUTDOWN_S = 2.0  # what a process's exit waits for buffered spans at most
 # the opentelemetry loggers that write a line per malformed trace context a client sent
 CLIENT_INPUT_LOGGERS = ("opentelemetry.trace.span", "opentelemetry.trace.propagation.tracecontext")
 LIBRARY_LOG_INTERVAL_S = 10.0
@@ -71,7 +74,7 @@ def check(endpoint: str | None) -> None:
 
 def setup(service: str, endpoint: str | None, sample_ratio: float = 1.0, *, exporter: Any = None) -> bool:
     """Turn tracing on for this process when ``endpoint`` (or a test's ``exporter``) is given."""
-    global ENABLED, _provider
+    global ENABLED, _provider, _exporter
     if not endpoint and exporter is None:
         return False
     from opentelemetry.sdk.resources import Resource
@@ -88,8 +91,8 @@ def setup(service: str, endpoint: str | None, sample_ratio: float = 1.0, *, expo
     if exporter is None:
         OTLPSpanExporter = _exporter_class()  # noqa: N806 - a class
         insecure = endpoint.startswith("http://") if endpoint else True
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=insecure),
-                                                       schedule_delay_millis=500))
+        _exporter = OTLPSpanExporter(endpoint=endpoint, insecure=insecure)
+        provider.add_span_processor(BatchSpanProcessor(_exporter, schedule_delay_millis=500))
     else:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
@@ -105,12 +108,20 @@ def setup(service: str, endpoint: str | None, sample_ratio: float = 1.0, *, expo
     return True
 
 
-def shutdown() -> None:
-    """Flush what is buffered (at a process's exit)."""
-    if _provider is not None:
-        with contextlib.suppress(Exception):
-            _provider.force_flush(2000)
-            _provider.shutdown()
+def shutdown(timeout_s: float = SHUTDOWN_S) -> None:
+    """At a process's exit: what is buffered gets ``timeout_s`` to reach the collector, then the
+    exporter is shut (its retries end) and the rest is dropped. The SDK's flush ignores its
+    timeout and retries each batch for up to 10 s: with the collector unreachable and a full
+    queue, an agent took over 30 s to exit after SIGTERM."""
+    if _provider is None:
+        return
+    flushing = threading.Thread(target=_provider.force_flush, name="leasehold-trace-flush", daemon=True)
+    flushing.start()
+    flushing.join(timeout_s)
+    with contextlib.suppress(Exception):
+        if _exporter is not None:
+            _exporter.shutdown()
+        _provider.shutdown()
 
 
 def tracer() -> Any:

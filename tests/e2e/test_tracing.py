@@ -6,7 +6,9 @@ the agent's) and its commit transaction."""
 
 from __future__ import annotations
 
+import os
 import secrets
+import signal
 import time
 
 import grpc
@@ -15,8 +17,9 @@ import pytest
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
-from leasehold.local.procs import LOOPBACK
-from leasehold.local.topology import LocalTopology, TopologySpec
+from leasehold.local.procs import LOOPBACK, Proc, free_port, wait_http_ready
+from leasehold.local.services import agent_command
+from leasehold.local.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
 from tests.otlp import attrs, receiving
 
 pytestmark = pytest.mark.e2e
@@ -125,12 +128,6 @@ def test_a_trace_crosses_gateway_agent_and_allocator(receiver, topology):
 
 
 def _traced_agent(tmp_path, redis_url: str, endpoint: str):
-    import os
-
-    from leasehold.local.procs import Proc, free_port, wait_http_ready
-    from leasehold.local.services import agent_command
-    from leasehold.local.topology import DEFAULT_POLICY
-
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
     env["LEASEHOLD_AGENT_PEPPER"] = "trace-test-pepper"
@@ -191,3 +188,22 @@ def test_a_clients_trace_context_is_taken_by_w3c_rules_and_cannot_flood_the_log(
     assert proc.log_path is not None
     warned = [ln for ln in proc.log_path.read_text().splitlines() if "doesn't match the w3c" in ln]
     assert len(warned) == 1 and len(warned[0]) < 400, warned
+
+
+def test_with_an_unreachable_collector_decisions_are_answered_and_the_exit_is_not_held(tmp_path, redis_url):
+    """The collector's port refuses connections: decisions are answered while spans queue (the
+    SDK's queue is bounded and drops the rest), and SIGTERM ends the agent within seconds (the
+    SDK's flush retried each batch for up to 10 s: it took over 30 s)."""
+    proc, url = _traced_agent(tmp_path, redis_url, f"http://{LOOPBACK}:{free_port()}")
+    try:
+        with httpx.Client(base_url=url, timeout=5) as c:
+            for i in range(1_500):  # about 3 spans each: past the SDK's queue of 2,048
+                _admit(c, f"unreached-{i:05d}", [])
+        assert proc.popen is not None
+        started = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.popen.wait(60)
+        took = time.monotonic() - started
+    finally:
+        proc.stop()
+    assert took < 10, f"the agent took {took:.1f} s to exit"
