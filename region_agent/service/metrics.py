@@ -17,7 +17,13 @@ from prometheus_client import (
 )
 
 from kernel.build_info import BuildInfo
-from kernel.metrics_exposition import Collectors, WorkerProcesses, multiprocess_dir, standard_collectors
+from kernel.metrics_exposition import (
+    Collectors,
+    WorkerProcesses,
+    forget_dead_workers,
+    multiprocess_dir,
+    standard_collectors,
+)
 from kernel.policy_metrics import policy_metrics
 
 from ..decision.keymeter import CLASSES, NewKeyMeter
@@ -236,6 +242,7 @@ class AgentMetrics:
         from prometheus_client.multiprocess import MultiProcessCollector
 
         self.flush()
+        forget_dead_workers(self.multiprocess)  # a killed worker's gauges (kernel.metrics_exposition)
         return generate_latest(Collectors([MultiProcessCollector(None, self.multiprocess), *self._local]))
 
     def close(self) -> None:
