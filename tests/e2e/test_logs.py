@@ -137,3 +137,25 @@ def test_a_client_cannot_forge_a_json_log_record(tmp_path: Path, redis_url: str)
     records = [json.loads(ln) for ln in proc.log_path.read_text().splitlines() if ln.strip()]
     refused = [rec["message"] for rec in records if "refused 422 /v1/admit" in rec["message"]]
     assert len(refused) == 3 and all(m.endswith(f"{FORGED}`") for m in refused), refused
+
+
+def test_a_flood_of_refused_requests_is_counted_whole_in_a_few_lines(tmp_path: Path, redis_url: str):
+    """The refusal line is written at most once a second per route and status; the lines held
+    back are counted on the next line, and when none follows (the flood stopped) the last one is
+    written with the count once the second is over: lines + counts = requests refused."""
+    proc, url = _agent(tmp_path, redis_url)
+    sent = 40
+    try:
+        with httpx.Client(base_url=url, timeout=5) as c:
+            for i in range(sent):
+                r = c.post("/v1/admit", content=b'{"requestId": "flood-0001", "bogus%d": 1}' % i,
+                           headers={"content-type": "application/json"})
+                assert r.status_code == 422
+        time.sleep(2.0)
+    finally:
+        proc.stop()
+    assert proc.log_path is not None
+    lines = [ln for ln in proc.log_path.read_text().splitlines() if "refused 422 /v1/admit" in ln]
+    counted = sum(int(m.group(1)) for ln in lines if (m := re.search(r"\(\+(\d+) more since the last line\)", ln)))
+    assert len(lines) < sent and len(lines) + counted == sent, lines
+    assert "bogus39" in lines[-1]  # the last refusal is the one written

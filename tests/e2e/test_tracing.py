@@ -187,7 +187,7 @@ def test_a_clients_trace_context_is_taken_by_w3c_rules_and_cannot_flood_the_log(
             assert sp.trace_id.hex() not in (a, b, hexa, "0" * 32) and not sp.parent_span_id, rid
     assert proc.log_path is not None
     warned = [ln for ln in proc.log_path.read_text().splitlines() if "doesn't match the w3c" in ln]
-    assert len(warned) == 1 and len(warned[0]) < 400, warned
+    assert 1 <= len(warned) <= 2 and all(len(ln) < 400 for ln in warned), warned  # the second: the count, 10 s on
 
 
 def test_with_an_unreachable_collector_decisions_are_answered_and_the_exit_is_not_held(tmp_path, redis_url):
