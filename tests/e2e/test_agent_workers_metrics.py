@@ -5,6 +5,7 @@ multiprocess mode, kernel.metrics_exposition)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ import httpx
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.parser import text_string_to_metric_families
 
+from devtools.metrics_doc import all_rows
 from leasehold.local.procs import Proc, RedisServer, free_port, wait_port
 from leasehold.local.services import agent_command
 
@@ -76,11 +78,14 @@ def test_two_workers_metrics_add_up_to_the_decisions_made(tmp_path: Path, redis_
                 break
             time.sleep(0.3)
         seen = []
+        documented = {r.name for r in all_rows()}
         for _ in range(12):  # scrapes land on either worker: each shows both workers' counts
             text = httpx.get(base + "/metrics", timeout=5).text
             sums = _sums(text)
             seen.append((sums.get("leasehold_agent_decisions_total"), sums.get("leasehold_agent_decision_seconds_count")))
             assert 'pid="' not in text  # every gauge declares how workers combine: no per-pid series
+            assert not [n for n in re.findall(r"^# TYPE (leasehold_\S+)", text, re.M)
+                        if n not in documented and n + "_total" not in documented]  # docs/metrics.md
             assert sums.get("process_resident_memory_bytes", 0) > 0 and sums.get("leasehold_build_info") == 1
         assert set(seen) == {(made, made)}, (made, per_worker, seen)
         assert sum(per_worker.values()) <= made
