@@ -15,6 +15,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.platform_collector import PlatformCollector
 
 from kernel.build_info import BuildInfo
 from kernel.metrics_exposition import (
@@ -214,7 +215,8 @@ class AgentMetrics:
         r.register(self.build_info)
         self._local += [self.store_health, self.policy_age, self.build_info]
         if self.multiprocess:
-            self._local.append(WorkerProcesses(self.multiprocess))
+            # python_info is the same in every worker: the answering one's
+            self._local += [WorkerProcesses(self.multiprocess), PlatformCollector(registry=None)]
             self._mirror_new_keys()
         else:
             standard_collectors(r)

@@ -87,6 +87,7 @@ def test_two_workers_metrics_add_up_to_the_decisions_made(tmp_path: Path, redis_
             assert not [n for n in re.findall(r"^# TYPE (leasehold_\S+)", text, re.M)
                         if n not in documented and n + "_total" not in documented]  # docs/metrics.md
             assert sums.get("process_resident_memory_bytes", 0) > 0 and sums.get("leasehold_build_info") == 1
+            assert sums.get("python_info") == 1  # docs/metrics.md: exported with several workers too
         assert set(seen) == {(made, made)}, (made, per_worker, seen)
         assert sum(per_worker.values()) <= made
     finally:
