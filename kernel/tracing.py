@@ -41,6 +41,9 @@ _HEADERS = ("traceparent", "tracestate")
 _provider: Any = None
 _exporter: Any = None
 SHUTDOWN_S = 2.0  # what a process's exit waits for buffered spans at most
+# a string attribute is cut to this many characters: a client's path (the allocator's url.path
+# is set before the request is authenticated) would otherwise be kept up to the 16 KiB head limit
+MAX_ATTRIBUTE_CHARS = 256
 # the opentelemetry loggers that write a line per malformed trace context a client sent
 CLIENT_INPUT_LOGGERS = ("opentelemetry.trace.span", "opentelemetry.trace.propagation.tracecontext")
 LIBRARY_LOG_INTERVAL_S = 10.0
@@ -78,7 +81,7 @@ def setup(service: str, endpoint: str | None, sample_ratio: float = 1.0, *, expo
     if not endpoint and exporter is None:
         return False
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace import SpanLimits, TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
@@ -87,7 +90,8 @@ def setup(service: str, endpoint: str | None, sample_ratio: float = 1.0, *, expo
     version, commit = build_info()
     provider = TracerProvider(resource=Resource.create({"service.name": service, "service.version": version,
                                                         "leasehold.commit": commit}),
-                              sampler=ParentBased(TraceIdRatioBased(sample_ratio)))
+                              sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
+                              span_limits=SpanLimits(max_attribute_length=MAX_ATTRIBUTE_CHARS))
     if exporter is None:
         OTLPSpanExporter = _exporter_class()  # noqa: N806 - a class
         insecure = endpoint.startswith("http://") if endpoint else True

@@ -127,6 +127,20 @@ def test_a_trace_crosses_gateway_agent_and_allocator(receiver, topology):
         assert got and attrs(got[0])["leasehold.door"] == door, door
 
 
+def test_a_clients_path_is_cut_short_on_the_allocators_span(receiver, topology):
+    """The allocator's request span is opened before the request is authenticated: a client's
+    14 KiB path (under the 16 KiB head limit) is kept as 256 characters, not whole."""
+    rec, _ = receiver
+    trace_hex = secrets.token_hex(16)
+    path = "/v1/leases/" + "x" * 14_000 + "/usage"
+    r = httpx.post(topology.allocator_urls[0] + path, json={},
+                   headers={"traceparent": f"00-{trace_hex}-00000000000000cc-01"}, timeout=5)
+    assert r.status_code == 401, r.text
+    spans = _wait(lambda: rec.find("leasehold-allocator", "leasehold.lease_request", bytes.fromhex(trace_hex)))
+    assert spans, "no allocator span for the request"
+    assert attrs(spans[0])["url.path"] == path[:256]
+
+
 def _traced_agent(tmp_path, redis_url: str, endpoint: str):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
