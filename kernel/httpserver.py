@@ -17,7 +17,13 @@ connection forever. :class:`BoundedHttpToolsProtocol` is uvicorn's protocol with
   closed silently); idle keep-alive connections are closed by uvicorn after its keep-alive
   timeout;
 * **body deadline** — a request's body must be complete ``body_timeout_s`` after its head, else
-  ``408`` (or a plain close once the answer has started) and the connection is closed.
+  ``408`` (or a plain close once the answer has started) and the connection is closed;
+* **write deadline** — once a connection's answers fill the socket buffers (the transport pauses
+  writing: the client does not read them), the client must take enough of them for writing to
+  resume within ``write_timeout_s``, else the connection is aborted (reset: a close would wait
+  for the very bytes the client does not take). Without it a client that sends requests and
+  never reads an answer held its connection, and the task writing its answer, for as long as it
+  kept the socket open: every other deadline is asleep while an answer waits to be written.
 
 The answers are ``application/problem+json`` written by the protocol itself: the application
 never sees such a request. Everything else is uvicorn's code; the hot path adds a few counter
@@ -77,6 +83,7 @@ class HttpLimits:
     max_headers: int = 100  # header fields per request
     header_timeout_s: float = 10.0  # connection open / first byte of a request -> head complete
     body_timeout_s: float = 10.0  # head complete -> body complete
+    write_timeout_s: float = 10.0  # writes paused (the client takes no answer bytes) -> connection aborted
 
 
 class _Refuse(Exception):
@@ -138,6 +145,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._max_count = lim.max_headers
         self._head_timeout = lim.header_timeout_s
         self._body_timeout = lim.body_timeout_s
+        self._write_timeout = lim.write_timeout_s
+        self._stall: asyncio.TimerHandle | None = None  # armed while the transport has paused writing
+        self._running: Any = None  # the cycle whose application task was started last (one at a time)
         self._phase = _HEAD  # waiting for (the rest of) a head, for a body, or idle between requests
         self._deadline = 0.0  # loop time at which the current phase times out
         self._timer: asyncio.TimerHandle | None = None
@@ -166,7 +176,31 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        running = self._running
+        if running is not None and not running.response_complete:
+            # uvicorn marks only the connection's newest cycle: the one answering while pipelined
+            # requests wait would wake from its wait for the drain and write on the closed transport
+            running.disconnected = True
+            running.message_event.set()
         super().connection_lost(exc)
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall is None:
+            self._stall = self.loop.call_later(self._write_timeout, self._on_write_stall)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -330,6 +364,18 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         else:
             self._refused = True
             self.transport.close()
+
+    def _on_write_stall(self) -> None:
+        """Writes stayed paused for ``write_timeout_s``: the client does not read its answers.
+        Aborted, not closed: a close waits until the buffered answers are written, which a client
+        that reads nothing never lets happen (also a close begun earlier, by a deadline)."""
+        self._stall = None
+        if not self.flow.write_paused:
+            return
+        log.debug("aborted the connection of %s: its answers were not read within %g s", self.client,
+                  self._write_timeout)
+        self._refused = True
+        self.transport.abort()  # connection_lost follows: uvicorn releases the cycle waiting to write
 
     def _refuse(self, status: int, detail: str) -> None:
         """Answer ``status`` (problem+json) unless an answer already started, and close."""
