@@ -108,3 +108,19 @@ def test_every_401_carries_www_authenticate(service: Service):
     if service.name == "agent":
         resp = httpx.get(service.base + "/v1/policy", timeout=10)
         assert resp.status_code == 401 and resp.headers["www-authenticate"] == 'Bearer realm="leasehold"'
+
+
+def test_an_empty_body_is_refused_as_one(service: Service):
+    """A POST with no body (``Content-Length: 0``, or none) is malformed JSON like any other body
+    that is not a document, and its content type is judged as for any body. Litestar does not ask
+    for a document when the body is empty: the answer was a validation problem naming the
+    handler's own parameter (``"data: 'data'"``), and no Content-Type was not 415."""
+    for path in service.post_routes:
+        for headers in ({**service.headers, **JSON}, {**service.headers, **JSON, "content-length": "0"}):
+            resp = httpx.post(service.base + path, headers=headers, timeout=10)
+            assert resp.status_code == 400, (path, resp.status_code, resp.text)
+            problem = resp.json()
+            assert problem["type"].endswith("/bad-request") and "empty" in problem["detail"], (path, problem)
+            assert "'data'" not in resp.text, resp.text
+        resp = httpx.post(service.base + path, headers=service.headers, timeout=10)  # no Content-Type
+        assert resp.status_code == 415, (path, resp.status_code, resp.text)
