@@ -287,7 +287,7 @@ SAME_CASES: dict[str, tuple[Callable[[str, str], bytes | dict], str, int]] = {
     "repeated key": (lambda rid, pid: b'{"requestId":"dl-repeated-01","requestId":"dl-repeated-02","principal":'
                                       b'{"type":"user","id":"U-1"},"routeGroup":"read","tenantId":"atlas"}',
                      "/v1/admit", 400),
-    "empty body": (lambda rid, pid: b"", "/v1/admit", 422),
+    "empty body": (lambda rid, pid: b"", "/v1/admit", 400),
     "a batch sent to /v1/admit": (lambda rid, pid: {"requests": [export(rid, pid)]}, "/v1/admit", 422),
     "a question sent to /v1/admit/batch": (lambda rid, pid: export(rid, pid), "/v1/admit/batch", 422),
     "batch replay": (lambda rid, pid: {"requests": [export(rid, pid)]}, "/v1/admit/batch", 200),
