@@ -29,6 +29,10 @@ The answers are ``application/problem+json`` written by the protocol itself: the
 never sees such a request. Everything else is uvicorn's code; the hot path adds a few counter
 updates and one timer per request (``make bench`` figure 2 measures it, see the README).
 
+A request asking for a protocol upgrade (``Connection: Upgrade``) is served as plain HTTP, as
+uvicorn does when it has no protocol to upgrade to, but noted in the log at most once a second
+(uvicorn wrote two WARNING lines per such request, any client's).
+
 One thing the protocol changes in how an answer leaves: uvicorn writes an answer's head when the
 application sends ``http.response.start`` and its body when it sends ``http.response.body``, two
 ``write`` calls and two TCP segments for every answer. :class:`OneWriteCycle` holds the head
@@ -71,7 +75,10 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
+from .ratelog import KeyedLog
+
 log = logging.getLogger(__name__)
+_ignored_upgrades = KeyedLog(log, interval_s=1.0)
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 _CODES = {400: "bad-request", 408: "request-timeout", 431: "header-fields-too-large"}
@@ -230,6 +237,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             else:
                 self._count_read = True
                 self._inexact = True
+
+    def _unsupported_upgrade_warning(self) -> None:
+        """A request asking for a protocol upgrade, which neither service serves: it is served as
+        plain HTTP. uvicorn's two WARNING lines for every such request (one telling the operator to
+        install a WebSocket library) let any client write two log lines per request: one line a
+        second at most, at INFO."""
+        _ignored_upgrades.log("upgrade", logging.INFO, "ignored a request's Upgrade header: no protocol upgrade "
+                                                       "is served here")
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:

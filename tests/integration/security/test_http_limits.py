@@ -202,3 +202,27 @@ def test_a_client_that_never_reads_its_answers_is_cut_off(service: Service):
         assert "Traceback" not in service.log()[logged:], service.log()[logged:][-3000:]
     finally:
         s.close()
+
+
+def test_upgrade_requests_cannot_flood_the_log(service: Service):
+    """Neither service serves a protocol upgrade. uvicorn wrote two WARNING lines for every request
+    carrying ``Connection: Upgrade`` (one telling the operator to install a WebSocket library), so an
+    unauthenticated client wrote two log lines per 70-byte request. The request is served as plain
+    HTTP and the upgrade noted at most once a second."""
+    request = b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: websocket\r\n\r\n"
+    logged = len(service.log().splitlines())
+    s = connect(service)
+    try:
+        for _ in range(200):
+            s.sendall(request)
+            answer = b""
+            while b'{"status":"ok"}' not in answer:
+                chunk = s.recv(4096)
+                assert chunk, answer
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    finally:
+        s.close()
+    new = service.log().splitlines()[logged:]
+    assert len(new) <= 10, "\n".join(new[:10])
+    assert not any("pip install" in line for line in new), new[:4]
