@@ -31,7 +31,9 @@ updates and one timer per request (``make bench`` figure 2 measures it, see the 
 
 A request asking for a protocol upgrade (``Connection: Upgrade``) is served as plain HTTP, as
 uvicorn does when it has no protocol to upgrade to, but noted in the log at most once a second
-(uvicorn wrote two WARNING lines per such request, any client's).
+(uvicorn wrote two WARNING lines per such request, any client's). Such a request with a body is
+``400`` and the connection closed: the parser stops at the end of an upgrade's head, so the body
+was never read and the route answered as if none had been sent.
 
 One thing the protocol changes in how an answer leaves: uvicorn writes an answer's head when the
 application sends ``http.response.start`` and its body when it sends ``http.response.body``, two
@@ -220,6 +222,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
+            elif any(n == b"transfer-encoding" or (n == b"content-length" and v.strip(b" \t") != b"0")
+                     for n, v in self.headers):
+                # the parser stopped at the end of the head: the body was never read, and the
+                # route saw none (answering as if none had been sent)
+                self._refuse(400, "a request asking for a protocol upgrade cannot carry a body: no upgrade is served")
             else:
                 self._unsupported_upgrade_warning()
             return
