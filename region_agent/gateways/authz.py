@@ -56,13 +56,24 @@ UNAUTHENTICATED = (401, {"content-type": "application/problem+json", "www-authen
 
 
 def _headers(scope: dict, wanted: frozenset[str]) -> dict[str, str]:
-    """Lower-cased request headers; one of ``wanted`` given twice is refused (ambiguous)."""
+    """Lower-cased request headers; one of ``wanted`` given twice is refused (ambiguous).
+
+    The values of ``wanted`` (the question's headers) are read as UTF-8, the text the other doors
+    receive (JSON, protobuf strings): a user id sent by a gateway as the UTF-8 bytes of a token's
+    claim names the same bucket here as through ``/v1/admit`` or RLS (read as Latin-1 it named
+    another, so one principal had two). Bytes that are not UTF-8 are refused, never guessed."""
     out: dict[str, str] = {}
     for k, v in scope.get("headers", ()):
         name = k.decode("latin-1").lower()
-        if name in out and name in wanted:
-            raise BadQuestion("duplicate_header", f"header {name} given twice")
-        out[name] = v.decode("latin-1")
+        if name in wanted:
+            if name in out:
+                raise BadQuestion("duplicate_header", f"header {name} given twice")
+            try:
+                out[name] = v.decode("utf-8")
+            except UnicodeDecodeError:
+                raise BadQuestion("bad_value", f"header {name} is not UTF-8 text") from None
+        else:
+            out[name] = v.decode("latin-1")
     return out
 
 
