@@ -4,8 +4,9 @@ served by the region agent on its own port (``--rls-port``), in the agent's even
 
 Thin adapter: the request's bytes -> :func:`.mapping.rls_call` -> the agent's one decision path
 (:meth:`region_agent.gateways.Gateways.decide`, the same as ``/v1/admit``) ->
-:func:`.answer.rls_answer` -> protobuf out. The generated messages come from the ``xds-protos``
-package; the health service from ``grpcio-health-checking``.
+:func:`.answer.rls_answer`'s answer -> its bytes out (:class:`.rls_wire.AnswerWire`: written without a
+protobuf message, what protobuf parses as :func:`to_proto`'s message). The generated messages come
+from the ``xds-protos`` package; the health service from ``grpcio-health-checking``.
 
 The questions of a call are a pure function of its bytes and the agent's names, but for the
 request ids minted for descriptors that name none (:class:`.mapping.CallQuestions`). Envoy sends
@@ -53,6 +54,7 @@ from .answer import rls_answer
 from .call_group import CallGroup
 from .mapping import BadQuestion, CallQuestions, Descriptor, Names, rls_call
 from .metrics import GatewayMetrics
+from .rls_wire import AnswerWire
 
 log = logging.getLogger(__name__)
 
@@ -117,19 +119,14 @@ def descriptors_of(request: rls_pb2.RateLimitRequest, names: Names) -> list[Desc
 
 
 def to_proto(decisions: list[Decision], questions: list[AdmitRequest], snap: Snapshot) -> tuple[Response, int]:
-    resp, status, _ = _to_proto(decisions, questions, snap)
-    return resp, status
-
-
-def _to_proto(decisions: list[Decision], questions: list[AdmitRequest], snap: Snapshot) -> tuple[Response, int, int]:
-    """:func:`to_proto` and how many descriptors are ``OVER_LIMIT``."""
+    """The call's answer as a protobuf message and the HTTP status /v1/admit would answer. The
+    servicer sends the same answer's bytes written directly (:class:`.rls_wire.AnswerWire`); this is
+    what they are compared with (tests/unit/region_agent/gateways/test_rls_wire.py)."""
     # an address-window denial of an authenticated question is the pre-auth stage's: anonymous too
     ans = rls_answer(decisions, snap, [q.principal.type == "anonymous" or q.auth_failed or d.denied_scope == "ip"
                                          for q, d in zip(questions, decisions, strict=True)])
-    over = 0
     resp = Response(overall_code=OVER_LIMIT if ans.over_limit else OK, raw_body=ans.body)
     for s in ans.statuses:
-        over += s.over_limit
         st = resp.statuses.add(code=OVER_LIMIT if s.over_limit else OK, limit_remaining=s.remaining)
         if s.limit_name is not None:
             st.current_limit.name = s.limit_name
@@ -141,7 +138,7 @@ def _to_proto(decisions: list[Decision], questions: list[AdmitRequest], snap: Sn
         resp.response_headers_to_add.add(key=k, value=v)
     if ans.metadata:
         resp.dynamic_metadata.update({f"leasehold_{k}": v for k, v in ans.metadata.items()})
-    return resp, ans.http_status, over
+    return resp, ans.http_status
 
 
 class RateLimitServicer:
@@ -153,6 +150,7 @@ class RateLimitServicer:
                  group_linger_s: float = 0.0, group_size: int = 32):
         self.names = names
         self.calls = CallMemo(names)
+        self.wire = AnswerWire()  # the answers' bytes (.rls_wire)
         # calls that arrive together are decided together (.call_group); linger 0: each call alone
         self.group = CallGroup(self._decide_group, group_linger_s, group_size, on_group=metrics.rls_group_calls.observe)
         self.decide = decide
@@ -170,12 +168,13 @@ class RateLimitServicer:
         return self.decide(questions, door="rls", decoded=True)
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
-        """The service's method handlers for a grpc server: requests arrive as bytes (no
-        deserializer), answers leave as protobuf serialised by grpcio."""
+        """The service's method handlers for a grpc server: requests arrive as bytes and answers
+        leave as bytes (no deserializer, no serializer: :class:`CallMemo`, :class:`.rls_wire.AnswerWire`)."""
         return {"ShouldRateLimit": grpc.unary_unary_rpc_method_handler(
-            self.ShouldRateLimit, request_deserializer=None, response_serializer=Response.SerializeToString)}
+            self.ShouldRateLimit, request_deserializer=None, response_serializer=None)}
 
-    async def ShouldRateLimit(self, request: bytes, context: grpc.aio.ServicerContext) -> Response:
+    async def ShouldRateLimit(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """The serialised ``RateLimitResponse`` of the call ``request`` (its bytes)."""
         started = time.perf_counter()
         m = self.metrics
         code, detail, outcome = grpc.StatusCode.OK, "", "error"
@@ -192,7 +191,7 @@ class RateLimitServicer:
                 decisions = await group.decide(questions)
             else:  # decoded: the questions were built by msgspec's validating convert (mapping.question)
                 decisions = await self.decide(questions, door="rls", carrier=metadata, decoded=True)
-            resp, status, over = _to_proto(decisions, questions, self.snapshot_of())
+            resp, status, over = self.wire.answer(decisions, questions, self.snapshot_of())
             outcome = OUTCOME_OF_STATUS.get(status, "over_limit")
             if over:
                 self._over_descriptors.inc(over)

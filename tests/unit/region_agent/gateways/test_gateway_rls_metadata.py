@@ -56,7 +56,7 @@ async def test_calls_of_a_group_without_auth_or_tracing_never_read_their_metadat
     contexts = [Context() for _ in range(4)]
     answers = await asyncio.wait_for(asyncio.gather(*(s.ShouldRateLimit(request(f"U-{i}"), c)
                                                       for i, c in enumerate(contexts))), 10)
-    assert [a.overall_code for a in answers] == [rls_pb2.RateLimitResponse.OK] * 4
+    assert [rls_pb2.RateLimitResponse.FromString(a).overall_code for a in answers] == [rls_pb2.RateLimitResponse.OK] * 4
     assert [c.reads for c in contexts] == [0, 0, 0, 0]
 
 
@@ -65,5 +65,5 @@ async def test_with_gateway_tokens_every_call_reads_its_metadata_once():
     contexts = [Context((("authorization", "Bearer secret-token-0123456789"),)) for _ in range(3)]
     answers = await asyncio.wait_for(asyncio.gather(*(s.ShouldRateLimit(request(f"U-{i}"), c)
                                                       for i, c in enumerate(contexts))), 10)
-    assert [a.overall_code for a in answers] == [rls_pb2.RateLimitResponse.OK] * 3
+    assert [rls_pb2.RateLimitResponse.FromString(a).overall_code for a in answers] == [rls_pb2.RateLimitResponse.OK] * 3
     assert [c.reads for c in contexts] == [1, 1, 1]
