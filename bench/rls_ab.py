@@ -36,12 +36,17 @@ def split_flags(extra: list[str]) -> tuple[dict[str, str], list[str]]:
     return env, [x for x in extra if not x.startswith("env:")]
 
 
+CHECKOUT = Path(__file__).resolve().parents[1]  # the source tree this module is part of
+
+
 def _agent(work: Path, redis_url: str, name: str, base: Path | None, extra: list[str]):
-    """An agent process of this checkout, or of ``base`` (its tree first on ``PYTHONPATH``)."""
+    """An agent process of this checkout, or of ``base``: that tree first on its ``PYTHONPATH``
+    (the agent runs in a directory of its own, where ``python -m region_agent`` would otherwise
+    import whichever tree the environment has installed — another worktree's, say)."""
     port = free_port()
     env, flags = split_flags(extra)
-    if base is not None:  # the base tree's packages ahead of this checkout's (inherited by the agent process)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(base), os.environ.get("PYTHONPATH")) if p)
+    tree = base if base is not None else CHECKOUT
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

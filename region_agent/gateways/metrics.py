@@ -3,11 +3,20 @@ registry (``/metrics``). Bounded labels only: outcomes, reasons and status codes
 
 Decisions themselves are counted where every decision is counted
 (``leasehold_agent_decisions_total``, ``leasehold_agent_decision_seconds``): these count the
-calls, the refused ones and how long a whole call took."""
+calls, the refused ones and how long a whole call took.
+
+The RLS door counts its answered calls in plain Python and moves the counts into these metrics at
+every collection (:meth:`GatewayMetrics.add_flush`, as the decision telemetry does): a registry
+read — a scrape, ``get_sample_value`` — or, with several workers, the agent's flush into the
+shared files, first runs the flush functions, so the values read are exact."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..service.metrics import FlushFirst
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 GROUP_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -16,6 +25,9 @@ GROUP_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry):
         r = registry
+        # registered before the door's metrics: a collection of the registry flushes first
+        self._flush = FlushFirst()
+        r.register(self._flush)
         self.rls_calls = Counter(
             "leasehold_agent_rls_requests_total",
             "RLS ShouldRateLimit calls by outcome (ok | over_limit | unavailable_503 | conflict_409 | invalid | "
@@ -64,3 +76,12 @@ class GatewayMetrics:
             "Funding rounds by outcome (granted | partial | denied | window_end | error)", ["outcome"], registry=r)
         self.rlqs_refused = Counter("leasehold_agent_rlqs_refused_total",
                                     "Bucket reports refused (answered deny-all), by reason", ["reason"], registry=r)
+
+    def add_flush(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` before every collection of the registry and at every :meth:`flush`."""
+        self._flush.fns.append(fn)
+
+    def flush(self) -> None:
+        """Move the counts kept outside the registry into it (the agent's flush runs this too:
+        several workers' shared files)."""
+        self._flush.collect()

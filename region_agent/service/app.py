@@ -281,6 +281,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
     state.audit = audit
     state.admission = Admission(lambda: state)
     state.gateways = Gateways(settings, state_of=lambda: state, admission=state.admission, registry=m.registry)
+    m.add_flush(state.gateways.metrics.flush)  # the doors' counts kept outside the registry (several workers too)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:

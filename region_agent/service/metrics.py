@@ -42,7 +42,7 @@ DEGRADE_REASONS = ("STORE_UNREACHABLE", "AMBIGUOUS", "DEADLINE", "POLICY_ERROR",
 DECISION_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 
-class _FlushFirst:
+class FlushFirst:
     """A collector registered before every metric: a collection (``/metrics``, ``get_sample_value``)
     first moves the counts kept outside the registry into it (``AgentMetrics.add_flush``), so a
     hot path can count in plain Python and the registry still reads exact values."""
@@ -71,7 +71,7 @@ class AgentMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.multiprocess = multiprocess_dir()
-        self._flush = _FlushFirst()
+        self._flush = FlushFirst()
         r.register(self._flush)
         self._local: list = []  # collectors the answering worker renders itself (several workers)
         self.decisions = Counter("leasehold_agent_decisions_total",

@@ -3,7 +3,7 @@ environment and its flags; group and pipeline sizes read from an agent's metrics
 
 from __future__ import annotations
 
-from bench.rls_ab import group_sizes, split_flags
+from bench.rls_ab import CHECKOUT, group_sizes, split_flags
 
 
 def test_env_items_go_to_the_environment_and_the_rest_are_flags():
@@ -24,3 +24,9 @@ def test_group_and_pipeline_sizes_from_the_metrics_text():
     ])
     assert group_sizes(text) == {"calls_per_group": (20.0, 4.0), "calls_per_pipeline": (42.0, 10.0)}
     assert group_sizes("") == {"calls_per_group": (0.0, 0.0), "calls_per_pipeline": (0.0, 0.0)}
+
+
+def test_the_agent_of_this_checkout_is_run_from_this_checkout():
+    """The agents run in directories of their own: this checkout goes first on their PYTHONPATH,
+    or ``python -m region_agent`` would import whichever tree is installed (another worktree's)."""
+    assert (CHECKOUT / "region_agent" / "__init__.py").is_file() and (CHECKOUT / "bench" / "rls_ab.py").is_file()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2
 from prometheus_client import CollectorRegistry
@@ -56,7 +57,7 @@ async def test_calls_of_a_group_without_auth_or_tracing_never_read_their_metadat
     contexts = [Context() for _ in range(4)]
     answers = await asyncio.wait_for(asyncio.gather(*(s.ShouldRateLimit(request(f"U-{i}"), c)
                                                       for i, c in enumerate(contexts))), 10)
-    assert [a.overall_code for a in answers] == [rls_pb2.RateLimitResponse.OK] * 4
+    assert [rls_pb2.RateLimitResponse.FromString(a).overall_code for a in answers] == [rls_pb2.RateLimitResponse.OK] * 4
     assert [c.reads for c in contexts] == [0, 0, 0, 0]
 
 
@@ -65,5 +66,32 @@ async def test_with_gateway_tokens_every_call_reads_its_metadata_once():
     contexts = [Context((("authorization", "Bearer secret-token-0123456789"),)) for _ in range(3)]
     answers = await asyncio.wait_for(asyncio.gather(*(s.ShouldRateLimit(request(f"U-{i}"), c)
                                                       for i, c in enumerate(contexts))), 10)
-    assert [a.overall_code for a in answers] == [rls_pb2.RateLimitResponse.OK] * 3
+    assert [rls_pb2.RateLimitResponse.FromString(a).overall_code for a in answers] == [rls_pb2.RateLimitResponse.OK] * 3
     assert [c.reads for c in contexts] == [1, 1, 1]
+
+
+async def test_the_calls_counted_outside_the_registry_read_exact_at_every_collection():
+    """The door counts answered calls in plain Python (GatewayMetrics.add_flush): a collection reads
+    each call once, a second collection adds nothing, and the latency histogram's buckets are
+    observe()'s (every call in one bucket, the cumulative +Inf bucket the count)."""
+    registry = CollectorRegistry()
+    s = RateLimitServicer(names=Names.build(), decide=admission, snapshot_of=lambda: SimpleNamespace(rules_by_id={}),
+                          gateways=None, metrics=GatewayMetrics(registry), group_linger_s=0.005)
+    get = registry.get_sample_value
+    for n in (3, 5):
+        await asyncio.wait_for(asyncio.gather(*(s.ShouldRateLimit(request(f"U-{i}"), Context()) for i in range(n))), 10)
+    assert get("leasehold_agent_rls_requests_total", {"outcome": "ok"}) == 8
+    assert get("leasehold_agent_rls_requests_total", {"outcome": "ok"}) == 8  # (collected again: nothing added)
+    assert get("leasehold_agent_rls_descriptors_total", {"code": "OK"}) == 8
+    assert get("leasehold_agent_rls_descriptors_total", {"code": "OVER_LIMIT"}) == 0
+    assert get("leasehold_agent_rls_seconds_count") == 8 == get("leasehold_agent_rls_seconds_bucket", {"le": "+Inf"})
+    assert 0 < get("leasehold_agent_rls_seconds_sum") < 10
+    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):  # a refused call: counted the same way
+        await s.ShouldRateLimit(b"\xff\xff", RefusingContext())
+    assert get("leasehold_agent_rls_requests_total", {"outcome": "invalid"}) == 1
+    assert get("leasehold_agent_rls_seconds_count") == 9
+
+
+class RefusingContext(Context):
+    async def abort(self, code, detail):
+        raise RuntimeError(f"aborted {code}")
