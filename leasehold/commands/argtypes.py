@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
 
 import httpx
 
-from kernel.ids import REGION, REGION_RE, human
+from kernel.ids import ETCD_PREFIX, REGION, REGION_RE, human
 
 
 def whole(lo: int, hi: int) -> Callable[[str], int]:
@@ -68,4 +69,12 @@ def regions(text: str) -> tuple[str, ...]:
     return names
 
 
-__all__ = ["finite", "http_url", "regions", "whole"]
+def etcd_prefix(text: str) -> str:
+    """The fleet's etcd key prefix, as the services accept it (``/`` first and last): a prefix
+    without them would name keys no service reads."""
+    if not re.match(ETCD_PREFIX, text):
+        raise argparse.ArgumentTypeError(f"expected {human(ETCD_PREFIX)} (e.g. /leasehold/), not {text!r}")
+    return text
+
+
+__all__ = ["etcd_prefix", "finite", "http_url", "regions", "whole"]

@@ -34,7 +34,7 @@ from ..local.topology import (
     read_token,
     stop_from_state,
 )
-from .argtypes import finite, http_url, regions, whole
+from .argtypes import etcd_prefix, finite, http_url, regions, whole
 from .capacity_cli import register as register_capacity_command
 from .output import Exit, Failure, Output, add_output_option, exit_code_epilog, out, run, write_file
 from .policy_cli import register as register_policy_commands
@@ -412,6 +412,11 @@ def _policy_store(args: argparse.Namespace):
         endpoints = ",".join(s["url"] for s in state["services"] if s["kind"] == "etcd")
         if state.get("secrets") and not user:  # write on the policy key only (deploy/etcd/leasehold-roles.sh)
             user, password_file = "publisher", str(Path(state["secrets"]) / "etcd-publisher.password")
+    for flag, path in (("--etcd-ca-file", args.etcd_ca_file), ("--etcd-cert-file", args.etcd_cert_file),
+                       ("--etcd-key-file", args.etcd_key_file)):
+        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise Failure(Exit.USAGE, f"{flag} {path}: " + ("not a readable file" if os.path.exists(path)
+                                                             else "no such file"))
     try:
         check_tls("--etcd-cert-file / --etcd-key-file / --etcd-ca-file", args.etcd_cert_file, args.etcd_key_file,
                   args.etcd_ca_file)
@@ -707,7 +712,7 @@ def _etcd_opts(sp: argparse.ArgumentParser) -> None:
                     help="etcd endpoints, host:port, http://host:port or https://host:port, comma-separated "
                          "(env LEASEHOLD_ETCD; default: the running local topology's, with its publisher "
                          "credentials)")
-    sp.add_argument("--prefix", default=env("LEASEHOLD_ETCD_PREFIX", "/leasehold/"),
+    sp.add_argument("--prefix", type=etcd_prefix, default=env("LEASEHOLD_ETCD_PREFIX", "/leasehold/"),
                     help="the fleet's key prefix (env LEASEHOLD_ETCD_PREFIX; default: /leasehold/)")
     sp.add_argument("--etcd-user", default=env("LEASEHOLD_ETCD_USER"),
                     help="etcd user (env LEASEHOLD_ETCD_USER); password from --etcd-password-file or "

@@ -224,3 +224,26 @@ def test_secrets_generate_never_narrows_a_directory_it_does_not_own(tmp_path: Pa
     empty.mkdir(mode=0o755)
     assert main(["secrets", "generate", "--out", str(empty)]) == Exit.OK
     assert empty.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("prefix", ["leasehold", "/leasehold", "leasehold/"])
+def test_a_prefix_the_services_would_not_read_is_refused_before_etcd_is_dialled(prefix: str, capsys, monkeypatch):
+    """`publish --prefix /leasehold` wrote `/leaseholdpolicy/current`, a key no service reads (and
+    answered 0 on a reachable etcd); the flag and LEASEHOLD_ETCD_PREFIX are checked as the services
+    check theirs."""
+    import kernel.etcd_store
+
+    monkeypatch.setattr(kernel.etcd_store, "EtcdStore", lambda *a, **kw: pytest.fail("etcd was dialled"))
+    with pytest.raises(SystemExit) as e:
+        main(["policy", "show", "--etcd", "127.0.0.1:1", "--prefix", prefix])
+    assert e.value.code == Exit.USAGE and "argument --prefix" in capsys.readouterr().err
+    monkeypatch.setenv("LEASEHOLD_ETCD_PREFIX", prefix)
+    with pytest.raises(SystemExit) as e:
+        main(["policy", "show", "--etcd", "127.0.0.1:1"])
+    assert e.value.code == Exit.USAGE
+
+
+def test_an_etcd_tls_file_that_is_not_there_is_named(tmp_path: Path, capsys):
+    for path, why in ((tmp_path / "missing.crt", "no such file"), (tmp_path, "not a readable file")):
+        assert main(["policy", "show", "--etcd", "127.0.0.1:1", "--etcd-ca-file", str(path)]) == Exit.USAGE
+        assert f"leasehold: --etcd-ca-file {path}: {why}" in capsys.readouterr().err
