@@ -28,6 +28,7 @@ from kernel.wire import PoolSummary, PoolWindowView, ShardedLeaderInfo
 from ..local.topology import (
     DEFAULT_POLICY,
     LocalTopology,
+    StateError,
     TopologySpec,
     default_run_dir,
     read_state,
@@ -49,8 +50,17 @@ DEFAULT_RUN_DIR = default_run_dir()
 MAX_LOCAL_REGIONS, MAX_LOCAL_AGENTS, MAX_LOCAL_ALLOCATORS = 8, 16, 7
 
 
+def _read_state(run_dir: Path) -> dict | None:
+    """The running topology's state file, or None; one that is not a state file is exit 2."""
+    try:
+        return read_state(run_dir)
+    except StateError as e:
+        raise Failure(Exit.USAGE, str(e), [f"stop its processes by hand, then remove {run_dir / 'topology.json'}"],
+                      runDir=str(run_dir)) from None
+
+
 def _state_or_fail(run_dir: Path) -> dict:
-    state = read_state(run_dir)
+    state = _read_state(run_dir)
     if state is None:
         raise Failure(Exit.NOT_RUNNING, f"no local topology is running (no {run_dir / 'topology.json'}); "
                                         "start one with `leasehold up`", running=False, runDir=str(run_dir))
@@ -112,16 +122,17 @@ def _service_lines(services: list[dict], state_col: bool) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    if read_state(args.run_dir):
+    if _read_state(args.run_dir):
         raise Failure(Exit.USAGE, "a topology is already running; `leasehold down` first")
     LocalTopology(_spec(args)).start()
-    state = read_state(args.run_dir) or {}
+    state = _read_state(args.run_dir) or {}
     view = _topology_view(args.run_dir, state, [dict(s) for s in state.get("services", [])])
     return out(args).result(view, lambda v: _service_lines(v["services"], False)
                             + f"\nstate in {v['stateFile']}; stop with `leasehold down`")
 
 
 def cmd_down(args: argparse.Namespace) -> int:
+    _read_state(args.run_dir)  # a state file of another shape: exit 2 before any signal is sent
     stopped = stop_from_state(args.run_dir)
     return out(args).result({"stopped": stopped},
                             "stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
@@ -192,7 +203,7 @@ def _auth_headers(args: argparse.Namespace, who: str) -> dict[str, str]:
     """Bearer token: LEASEHOLD_TOKEN, else the running local topology's generated one."""
     token = os.environ.get("LEASEHOLD_TOKEN")
     if not token:
-        state = read_state(args.run_dir)
+        state = _read_state(args.run_dir)
         token = read_token(state, who) if state else None
     return {"Authorization": f"Bearer {token}"} if token else {}
 
@@ -508,7 +519,7 @@ def _topology_signing_key(args: argparse.Namespace) -> str | None:
     """Publishing to the running local topology (no --etcd): its generated signing key."""
     if args.etcd:
         return None
-    state = read_state(args.run_dir)
+    state = _read_state(args.run_dir)
     return state.get("signingKey") if state else None
 
 
@@ -623,7 +634,7 @@ def cmd_secrets_generate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ..local.demo import run_demo
 
-    if read_state(args.run_dir):  # a second topology in the same run directory would orphan the first's processes
+    if _read_state(args.run_dir):  # a second topology in the same run directory would orphan the first's processes
         raise Failure(Exit.USAGE, "a topology is already running; `leasehold down` first")
 
     # -o json: the live view goes to stderr and the run's totals are one JSON document on stdout

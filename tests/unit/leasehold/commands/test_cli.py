@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,7 @@ def test_etcd_tls_options_are_checked_before_connecting(tmp_path: Path, capsys):
 def test_status_exit_codes_follow_the_worst_service(tmp_path: Path, capsys, monkeypatch):
     import leasehold.commands.cli as cli
 
-    services = [{"name": n, "kind": k, "pid": 1, "url": f"http://127.0.0.1:{i}", "region": "eu", "log": ""}
+    services = [{"name": n, "kind": k, "pid": os.getpid(), "url": f"http://127.0.0.1:{i}", "region": "eu", "log": ""}
                 for i, (n, k) in enumerate([("etcd-m0", "etcd"), ("allocator-1", "allocator"),
                                             ("redis-1", "redis"), ("agent-eu-1", "agent")], start=1)]
     (tmp_path / "topology.json").write_text(json.dumps({"services": services, "secrets": None}))
@@ -247,3 +248,15 @@ def test_an_etcd_tls_file_that_is_not_there_is_named(tmp_path: Path, capsys):
     for path, why in ((tmp_path / "missing.crt", "no such file"), (tmp_path, "not a readable file")):
         assert main(["policy", "show", "--etcd", "127.0.0.1:1", "--etcd-ca-file", str(path)]) == Exit.USAGE
         assert f"leasehold: --etcd-ca-file {path}: {why}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["status", "down", "admit", "leases", "up"])
+def test_a_state_file_of_another_shape_is_exit_2_and_down_signals_nothing(command: str, tmp_path: Path, capsys,
+                                                                          monkeypatch):
+    """A truncated or hand-edited topology.json was exit 70 for every command, `down` included; a
+    pid of -1 in it would have had `down` signal every process it may."""
+    monkeypatch.setattr(os, "kill", lambda *a: pytest.fail(f"signal sent: {a}"))
+    (tmp_path / "topology.json").write_text('{"services": [{"name": "x", "kind": "agent", "pid": -1, "url": "u"}]}')
+    assert main(["--run-dir", str(tmp_path), command]) == Exit.USAGE
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'topology.json'} is not a topology state file" in err and "Traceback" not in err
