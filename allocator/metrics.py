@@ -110,6 +110,8 @@ class AllocatorMetrics:
                            registry=r)
         self.shards_led = Gauge("leasehold_allocator_shards_led",
                                 "Shards of leadership this replica leads and accepts writes for", registry=r)
+        self.shards = Gauge("leasehold_allocator_shards",
+                            "Shards of leadership the pools are spread over (--shards; 1: unsharded)", registry=r)
         self.shard_changes = Counter("leasehold_allocator_shard_changes_total",
                                      "Shards this replica started (acquired) or stopped (released) leading",
                                      ["event"], registry=r)
@@ -164,6 +166,7 @@ class AllocatorMetrics:
         """The leadership gauges read the election at scrape time."""
         self.is_leader.set_function(lambda: 1.0 if election.is_leader else 0.0)
         self.shards_led.set_function(lambda: float(len(election.led)))
+        self.shards.set(election.shards)
         self.epoch.set_function(lambda: float(election.leader.epoch or 0))
 
     def on_leadership(self, event: str, shard: int, epoch: int | None) -> None:

@@ -113,6 +113,7 @@ BOUNDS: dict[str, str] = {
     "leasehold_allocator_leader_changes_total": "1",
     "leasehold_allocator_is_leader": "1",
     "leasehold_allocator_shards_led": "1",
+    "leasehold_allocator_shards": "1",
     "leasehold_allocator_shard_changes_total": "2 directions (acquired, released)",
     "leasehold_allocator_etcd_compactions_total": "1",
     "leasehold_allocator_etcd_compacted_revision": "1",

@@ -17,11 +17,23 @@ connection forever. :class:`BoundedHttpToolsProtocol` is uvicorn's protocol with
   closed silently); idle keep-alive connections are closed by uvicorn after its keep-alive
   timeout;
 * **body deadline** — a request's body must be complete ``body_timeout_s`` after its head, else
-  ``408`` (or a plain close once the answer has started) and the connection is closed.
+  ``408`` (or a plain close once the answer has started) and the connection is closed;
+* **write deadline** — once a connection's answers fill the socket buffers (the transport pauses
+  writing: the client does not read them), the client must take enough of them for writing to
+  resume within ``write_timeout_s``, else the connection is aborted (reset: a close would wait
+  for the very bytes the client does not take). Without it a client that sends requests and
+  never reads an answer held its connection, and the task writing its answer, for as long as it
+  kept the socket open: every other deadline is asleep while an answer waits to be written.
 
 The answers are ``application/problem+json`` written by the protocol itself: the application
 never sees such a request. Everything else is uvicorn's code; the hot path adds a few counter
 updates and one timer per request (``make bench`` figure 2 measures it, see the README).
+
+A request asking for a protocol upgrade (``Connection: Upgrade``) is served as plain HTTP, as
+uvicorn does when it has no protocol to upgrade to, but noted in the log at most once a second
+(uvicorn wrote two WARNING lines per such request, any client's). Such a request with a body is
+``400`` and the connection closed: the parser stops at the end of an upgrade's head, so the body
+was never read and the route answered as if none had been sent.
 
 One thing the protocol changes in how an answer leaves: uvicorn writes an answer's head when the
 application sends ``http.response.start`` and its body when it sends ``http.response.body``, two
@@ -65,7 +77,10 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
+from .ratelog import KeyedLog
+
 log = logging.getLogger(__name__)
+_ignored_upgrades = KeyedLog(log, interval_s=1.0)
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 _CODES = {400: "bad-request", 408: "request-timeout", 431: "header-fields-too-large"}
@@ -77,6 +92,7 @@ class HttpLimits:
     max_headers: int = 100  # header fields per request
     header_timeout_s: float = 10.0  # connection open / first byte of a request -> head complete
     body_timeout_s: float = 10.0  # head complete -> body complete
+    write_timeout_s: float = 10.0  # writes paused (the client takes no answer bytes) -> connection aborted
 
 
 class _Refuse(Exception):
@@ -138,6 +154,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._max_count = lim.max_headers
         self._head_timeout = lim.header_timeout_s
         self._body_timeout = lim.body_timeout_s
+        self._write_timeout = lim.write_timeout_s
+        self._stall: asyncio.TimerHandle | None = None  # armed while the transport has paused writing
+        self._running: Any = None  # the cycle whose application task was started last (one at a time)
         self._phase = _HEAD  # waiting for (the rest of) a head, for a body, or idle between requests
         self._deadline = 0.0  # loop time at which the current phase times out
         self._timer: asyncio.TimerHandle | None = None
@@ -166,7 +185,31 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        running = self._running
+        if running is not None and not running.response_complete:
+            # uvicorn marks only the connection's newest cycle: the one answering while pipelined
+            # requests wait would wake from its wait for the drain and write on the closed transport
+            running.disconnected = True
+            running.message_event.set()
         super().connection_lost(exc)
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall is None:
+            self._stall = self.loop.call_later(self._write_timeout, self._on_write_stall)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -179,6 +222,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
+            elif any(n == b"transfer-encoding" or (n == b"content-length" and v.strip(b" \t") != b"0")
+                     for n, v in self.headers):
+                # the parser stopped at the end of the head: the body was never read, and the
+                # route saw none (answering as if none had been sent)
+                self._refuse(400, "a request asking for a protocol upgrade cannot carry a body: no upgrade is served")
             else:
                 self._unsupported_upgrade_warning()
             return
@@ -196,6 +244,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             else:
                 self._count_read = True
                 self._inexact = True
+
+    def _unsupported_upgrade_warning(self) -> None:
+        """A request asking for a protocol upgrade, which neither service serves: it is served as
+        plain HTTP. uvicorn's two WARNING lines for every such request (one telling the operator to
+        install a WebSocket library) let any client write two log lines per request: one line a
+        second at most, at INFO."""
+        _ignored_upgrades.log("upgrade", logging.INFO, "ignored a request's Upgrade header: no protocol upgrade "
+                                                       "is served here")
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
@@ -330,6 +386,18 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         else:
             self._refused = True
             self.transport.close()
+
+    def _on_write_stall(self) -> None:
+        """Writes stayed paused for ``write_timeout_s``: the client does not read its answers.
+        Aborted, not closed: a close waits until the buffered answers are written, which a client
+        that reads nothing never lets happen (also a close begun earlier, by a deadline)."""
+        self._stall = None
+        if not self.flow.write_paused:
+            return
+        log.debug("aborted the connection of %s: its answers were not read within %g s", self.client,
+                  self._write_timeout)
+        self._refused = True
+        self.transport.abort()  # connection_lost follows: uvicorn releases the cycle waiting to write
 
     def _refuse(self, status: int, detail: str) -> None:
         """Answer ``status`` (problem+json) unless an answer already started, and close."""

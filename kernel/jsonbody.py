@@ -153,7 +153,20 @@ def decode_strict(body: bytes, model: type) -> Any:
 
 
 class StrictJSONRequest(Request[Any, Any, Any]):
-    """Litestar request whose ``json()`` is :func:`decode_strict` into the route's ``data`` type."""
+    """Litestar request whose ``json()`` is :func:`decode_strict` into the route's ``data`` type.
+
+    Litestar does not call ``json()`` for an empty body (it passes "no data" on, and a required
+    ``data`` then failed validation as ``"data: 'data'"``, whatever the content type): ``body()``
+    refuses an empty body of a route that requires one as the decode would, content type first."""
+
+    async def body(self) -> bytes:
+        body = await super().body()
+        if not body:
+            field = self.route_handler.parsed_data_field
+            if field is not None and not field.is_optional and not field.has_default:
+                check_content_type(content_type_of(self.scope["headers"]))
+                raise BodyRejected("request body is empty: a JSON document is required")
+        return body
 
     async def json(self) -> Any:
         if self._json is not Empty:

@@ -10,6 +10,11 @@ MultiProcessCollector`; gauges by the mode each declares: ``livemax``, ``livemin
 that read the same thing in every worker (the store's INFO, the policy age, the build) are
 rendered from the answering worker; the process metrics are the workers' summed
 (:class:`WorkerProcesses`). docs/decisions/ says why this mode and not per-worker labels.
+
+A worker that ends without its exit code (killed, e.g. by the OOM killer; uvicorn starts another)
+leaves its live-mode gauge files behind: :func:`forget_dead_workers`, run before every rendering,
+drops the files of pids no longer running, so a dead worker's last breaker state or stream count
+does not stay in the gauges for ever. Its counters and histograms stay (a count never goes down).
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _SUMMED = ("process_virtual_memory_bytes", "process_resident_memory_bytes", "process_cpu_seconds_total",
            "process_open_fds")
 
-__all__ = ["MULTIPROC_ENV", "Collectors", "FunctionGauge", "WorkerProcesses", "multiprocess_dir",
-           "standard_collectors", "worker_metrics_dir"]
+__all__ = ["MULTIPROC_ENV", "Collectors", "FunctionGauge", "WorkerProcesses", "forget_dead_workers",
+           "multiprocess_dir", "standard_collectors", "worker_metrics_dir"]
 
 
 def multiprocess_dir() -> str | None:
@@ -56,6 +61,22 @@ def worker_metrics_dir(workers: int) -> Iterator[str | None]:
     finally:
         os.environ.pop(MULTIPROC_ENV, None)
         shutil.rmtree(path, ignore_errors=True)
+
+
+def forget_dead_workers(path: str, proc: str = "/proc") -> list[int]:
+    """Drop the live-mode gauge files of the workers in ``path`` no longer running (module doc);
+    returns their pids."""
+    from prometheus_client import multiprocess
+
+    dead = set()
+    for f in Path(path).glob("gauge_live*_*.db"):
+        tail = f.stem.rsplit("_", 1)[-1]
+        if tail.isdigit() and not os.path.exists(os.path.join(proc, tail)):
+            dead.add(int(tail))
+    for pid in sorted(dead):
+        with contextlib.suppress(FileNotFoundError):  # another worker's scrape removed them first
+            multiprocess.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]  # (unannotated in prometheus_client)
+    return sorted(dead)
 
 
 def standard_collectors(registry: CollectorRegistry) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from leasehold.local.procs import EtcdCluster, RedisCluster, RedisServer
 from tests.support.policies import northstar_file
@@ -24,6 +25,12 @@ REQUIRED = ("redis-server", "redis-cli", "redis-sentinel", "etcd", "etcdctl", "n
 # otherwise with explicit flags (the security tests pass --no-auth-disabled and tokens).
 os.environ.setdefault("LEASEHOLD_AGENT_AUTH_DISABLED", "true")
 os.environ.setdefault("LEASEHOLD_ALLOCATOR_AUTH_DISABLED", "true")
+
+# No property test has a time limit per example: hypothesis's default deadline (200 ms) is a timed
+# assert, and on a loaded machine one example of a pure function took 400 ms (a fresh-clone run
+# beside stress-ng). A test states what is true, not how fast; speed is measured by `make bench`.
+settings.register_profile("leasehold", deadline=None)
+settings.load_profile("leasehold")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

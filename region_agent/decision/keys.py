@@ -220,8 +220,19 @@ class KeyBuilder:
                  route_group: str, cost_hint: int) -> str:
         """What a decision record answers (``multi_rule.lua``'s question): a keyed hash of the
         tenant, the principal (type, id, API key), the route group and the cost, so a record
-        is replayed only to the same question and Redis holds no principal id."""
+        is replayed only to the same question and Redis holds no principal id.
+
+        The fields are joined with the separator, which the principal id and the API key id may
+        hold too (they are any text): there the boundary between them would move (user ``P\\x1fK``
+        without a key and user ``P`` with the key ``K\\x1f`` asked the same question, and the
+        second borrowed the first one's record). Such a question also carries the principal id's
+        length, which fixes the boundary (the other fields cannot hold the separator; it has at
+        least six separators, any other question exactly four); every other question keeps its
+        hash, so the records written before stay replayable."""
         ident = _SEP.join((principal_type, principal_id, api_key_id or "", route_group, str(cost_hint)))
+        if _SEP in principal_id or (api_key_id is not None and _SEP in api_key_id):
+            ident = _SEP.join((principal_type, str(len(principal_id)), principal_id, api_key_id or "", route_group,
+                               str(cost_hint)))
         return self._hmac(tenant or "", "q", ident)
 
     @staticmethod

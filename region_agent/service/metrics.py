@@ -15,9 +15,16 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.platform_collector import PlatformCollector
 
 from kernel.build_info import BuildInfo
-from kernel.metrics_exposition import Collectors, WorkerProcesses, multiprocess_dir, standard_collectors
+from kernel.metrics_exposition import (
+    Collectors,
+    WorkerProcesses,
+    forget_dead_workers,
+    multiprocess_dir,
+    standard_collectors,
+)
 from kernel.policy_metrics import policy_metrics
 
 from ..decision.keymeter import CLASSES, NewKeyMeter
@@ -208,7 +215,8 @@ class AgentMetrics:
         r.register(self.build_info)
         self._local += [self.store_health, self.policy_age, self.build_info]
         if self.multiprocess:
-            self._local.append(WorkerProcesses(self.multiprocess))
+            # python_info is the same in every worker: the answering one's
+            self._local += [WorkerProcesses(self.multiprocess), PlatformCollector(registry=None)]
             self._mirror_new_keys()
         else:
             standard_collectors(r)
@@ -236,6 +244,7 @@ class AgentMetrics:
         from prometheus_client.multiprocess import MultiProcessCollector
 
         self.flush()
+        forget_dead_workers(self.multiprocess)  # a killed worker's gauges (kernel.metrics_exposition)
         return generate_latest(Collectors([MultiProcessCollector(None, self.multiprocess), *self._local]))
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import values as prometheus_values
 
 
 class PrometheusInternalsChanged(RuntimeError):
@@ -24,8 +25,14 @@ class PrometheusInternalsChanged(RuntimeError):
 
 
 def missing(histogram_cls: Any = Histogram) -> list[str]:
-    """The private parts the installed prometheus_client lacks (empty: all there)."""
-    child = histogram_cls("leasehold_internals_check", "-", ["l"], registry=CollectorRegistry()).labels("x")
+    """The private parts the installed prometheus_client lacks (empty: all there). The check's
+    histogram keeps its values in memory: with several workers a value is otherwise a file entry,
+    and every scrape showed ``leasehold_internals_check``."""
+    file_backed, prometheus_values.ValueClass = prometheus_values.ValueClass, prometheus_values.MutexValue
+    try:
+        child = histogram_cls("leasehold_internals_check", "-", ["l"], registry=CollectorRegistry()).labels("x")
+    finally:
+        prometheus_values.ValueClass = file_backed
     gone = [f"Histogram child .{name}" for name in ("_sum", "_buckets") if not hasattr(child, name)]
     if not gone:
         values = [child._sum, *child._buckets]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -90,3 +91,71 @@ def test_text_logs_stay_the_default(tmp_path: Path, redis_url: str):
     text = proc.log_path.read_text()
     assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO region_agent: starting region agent", text, re.M)
     assert not any(ln.startswith("{") for ln in text.splitlines())
+
+
+# a body whose unknown field's name is a forged log record: the refusal's log line names that field
+FORGED = "2026-01-01 00:00:00,000 CRITICAL region_agent: FORGED"
+
+
+def _refused_with_field(url: str, field: str) -> None:
+    body = {"requestId": "logs-forge-0001", "tenantId": "atlas", "principal": {"type": "user", "id": "u-1"},
+            "routeGroup": "read", field: 1}
+    with httpx.Client(base_url=url, timeout=5) as c:
+        r = c.post("/v1/admit", content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+
+
+def test_a_client_cannot_forge_a_text_log_line_or_drive_the_terminal(tmp_path: Path, redis_url: str):
+    """The refusal's line names the unknown field a client sent: its newline, carriage return,
+    ESC and line separator are written escaped, so the line stays one line."""
+    proc, url = _agent(tmp_path, redis_url)
+    try:
+        _refused_with_field(url, f"x\n{FORGED}\r\u2028\x1b[2J")
+    finally:
+        proc.stop()
+    assert proc.log_path is not None
+    raw = proc.log_path.read_bytes()
+    assert b"\x1b" not in raw and "\u2028".encode() not in raw and b"\r" not in raw
+    lines = raw.decode().splitlines()
+    assert not any(ln.startswith(FORGED) for ln in lines), lines
+    refused = [ln for ln in lines if "refused 422 /v1/admit" in ln]
+    assert len(refused) == 1 and "x\\n" + FORGED in refused[0] and "\\x1b[2J" in refused[0], refused
+
+
+def test_a_client_cannot_forge_a_json_log_record(tmp_path: Path, redis_url: str):
+    """JSON lines: the separators json.dumps leaves raw (U+2028, U+2029, U+0085; str.splitlines and
+    other line readers split on them) are escaped too, so every line is one whole record (a split
+    record was two lines of broken JSON)."""
+    proc, url = _agent(tmp_path, redis_url, log_format="json")
+    try:
+        for sep in ("\u2028", "\u2029", "\x85"):
+            _refused_with_field(url, f"x{sep}{FORGED}")
+            time.sleep(1.05)  # the refusal line is written at most once a second
+    finally:
+        proc.stop()
+    assert proc.log_path is not None
+    records = [json.loads(ln) for ln in proc.log_path.read_text().splitlines() if ln.strip()]
+    refused = [rec["message"] for rec in records if "refused 422 /v1/admit" in rec["message"]]
+    assert len(refused) == 3 and all(m.endswith(f"{FORGED}`") for m in refused), refused
+
+
+def test_a_flood_of_refused_requests_is_counted_whole_in_a_few_lines(tmp_path: Path, redis_url: str):
+    """The refusal line is written at most once a second per route and status; the lines held
+    back are counted on the next line, and when none follows (the flood stopped) the last one is
+    written with the count once the second is over: lines + counts = requests refused."""
+    proc, url = _agent(tmp_path, redis_url)
+    sent = 40
+    try:
+        with httpx.Client(base_url=url, timeout=5) as c:
+            for i in range(sent):
+                r = c.post("/v1/admit", content=b'{"requestId": "flood-0001", "bogus%d": 1}' % i,
+                           headers={"content-type": "application/json"})
+                assert r.status_code == 422
+        time.sleep(2.0)
+    finally:
+        proc.stop()
+    assert proc.log_path is not None
+    lines = [ln for ln in proc.log_path.read_text().splitlines() if "refused 422 /v1/admit" in ln]
+    counted = sum(int(m.group(1)) for ln in lines if (m := re.search(r"\(\+(\d+) more since the last line\)", ln)))
+    assert len(lines) < sent and len(lines) + counted == sent, lines
+    assert "bogus39" in lines[-1]  # the last refusal is the one written

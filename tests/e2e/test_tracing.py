@@ -6,7 +6,9 @@ the agent's) and its commit transaction."""
 
 from __future__ import annotations
 
+import os
 import secrets
+import signal
 import time
 
 import grpc
@@ -15,8 +17,9 @@ import pytest
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
-from leasehold.local.procs import LOOPBACK
-from leasehold.local.topology import LocalTopology, TopologySpec
+from leasehold.local.procs import LOOPBACK, Proc, free_port, wait_http_ready
+from leasehold.local.services import agent_command
+from leasehold.local.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
 from tests.otlp import attrs, receiving
 
 pytestmark = pytest.mark.e2e
@@ -122,3 +125,99 @@ def test_a_trace_crosses_gateway_agent_and_allocator(receiver, topology):
     for door, t in (("authz", authz_trace), ("rls", rls_trace)):
         got = _wait(lambda t=t: rec.find("leasehold-agent", "leasehold.decision", bytes.fromhex(t)))
         assert got and attrs(got[0])["leasehold.door"] == door, door
+
+
+def test_a_clients_path_is_cut_short_on_the_allocators_span(receiver, topology):
+    """The allocator's request span is opened before the request is authenticated: a client's
+    14 KiB path (under the 16 KiB head limit) is kept as 256 characters, not whole."""
+    rec, _ = receiver
+    trace_hex = secrets.token_hex(16)
+    path = "/v1/leases/" + "x" * 14_000 + "/usage"
+    r = httpx.post(topology.allocator_urls[0] + path, json={},
+                   headers={"traceparent": f"00-{trace_hex}-00000000000000cc-01"}, timeout=5)
+    assert r.status_code == 401, r.text
+    spans = _wait(lambda: rec.find("leasehold-allocator", "leasehold.lease_request", bytes.fromhex(trace_hex)))
+    assert spans, "no allocator span for the request"
+    assert attrs(spans[0])["url.path"] == path[:256]
+
+
+def _traced_agent(tmp_path, redis_url: str, endpoint: str):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
+    env["LEASEHOLD_AGENT_PEPPER"] = "trace-test-pepper"
+    proc = Proc("agent", agent_command(redis_url=redis_url, policy=DEFAULT_POLICY, region="eu", host=LOOPBACK,
+                                       port=port, auth_disabled=True, otlp_endpoint=endpoint),
+                tmp_path / "agent", env=env).start()
+    url = f"http://{LOOPBACK}:{port}"
+    wait_http_ready({url: proc}, timeout=30)
+    return proc, url
+
+
+def _admit(c: httpx.Client, rid: str, headers: list[tuple[str, str]]) -> None:
+    r = c.post("/v1/admit", headers=headers, json={"requestId": rid, "tenantId": "birch",
+                                                   "principal": {"type": "user", "id": "B-1"}, "routeGroup": "read"})
+    assert r.status_code == 200, r.text
+
+
+def test_a_clients_trace_context_is_taken_by_w3c_rules_and_cannot_flood_the_log(receiver, tmp_path, redis_url):
+    """Through /v1/admit: a malformed or duplicated traceparent starts a new trace (never a 500);
+    two tracestate fields are one list; a flood of malformed tracestates writes one log line (the
+    opentelemetry package wrote a WARNING per request, naming the member)."""
+    rec, endpoint = receiver
+    proc, url = _traced_agent(tmp_path, redis_url, endpoint)
+    a, b, hexa = "12345678901234567890123456789011", "12345678901234567890123456789012", "0af7651916cd43dd8448eb211c80319c"
+    cases = {
+        "trace-dup-parent": [("traceparent", f"00-{a}-1234567890123456-01"),
+                             ("traceparent", f"00-{b}-1234567890123456-01")],
+        "trace-two-states": [("traceparent", f"00-{a}-1234567890123456-01"), ("tracestate", "k1=v1"),
+                             ("tracestate", "k2=v2")],
+        "trace-version-ff": [("traceparent", f"ff-{b}-1234567890123456-01")],
+        "trace-zero-trace": [("traceparent", f"00-{'0' * 32}-1234567890123456-01")],
+        "trace-zero-span0": [("traceparent", f"00-{b}-{'0' * 16}-01")],
+        "trace-v00-extras": [("traceparent", f"00-{b}-1234567890123456-01-00")],
+        "trace-upper-case": [("traceparent", f"00-{hexa.upper()}-1234567890123456-01")],
+    }
+    flood = 200
+    try:
+        with httpx.Client(base_url=url, timeout=5) as c:
+            for rid, headers in cases.items():
+                _admit(c, rid, headers)
+            for i in range(flood):
+                _admit(c, f"trace-flood-{i:04d}", [("traceparent", f"00-{a}-1234567890123456-01"),
+                                                   ("tracestate", f"not a member {i}," + "k=v," * 40)])
+
+        def decided() -> dict | None:
+            got = {attrs(sp)["leasehold.decision_id"]: sp for sp in rec.find("leasehold-agent", "leasehold.decision")
+                   if attrs(sp)["leasehold.decision_id"] in cases}
+            return got if len(got) == len(cases) else None
+        spans = _wait(decided)
+    finally:
+        proc.stop()
+    assert spans, "the decision spans were not exported"
+    for rid, sp in spans.items():
+        if rid == "trace-two-states":
+            assert sp.trace_id.hex() == a and sp.trace_state == "k1=v1,k2=v2", (sp.trace_id.hex(), sp.trace_state)
+        else:  # a new trace: neither id sent, no parent
+            assert sp.trace_id.hex() not in (a, b, hexa, "0" * 32) and not sp.parent_span_id, rid
+    assert proc.log_path is not None
+    warned = [ln for ln in proc.log_path.read_text().splitlines() if "doesn't match the w3c" in ln]
+    assert 1 <= len(warned) <= 2 and all(len(ln) < 400 for ln in warned), warned  # the second: the count, 10 s on
+
+
+def test_with_an_unreachable_collector_decisions_are_answered_and_the_exit_is_not_held(tmp_path, redis_url):
+    """The collector's port refuses connections: decisions are answered while spans queue (the
+    SDK's queue is bounded and drops the rest), and SIGTERM ends the agent within seconds (the
+    SDK's flush retried each batch for up to 10 s: it took over 30 s)."""
+    proc, url = _traced_agent(tmp_path, redis_url, f"http://{LOOPBACK}:{free_port()}")
+    try:
+        with httpx.Client(base_url=url, timeout=5) as c:
+            for i in range(1_500):  # about 3 spans each: past the SDK's queue of 2,048
+                _admit(c, f"unreached-{i:05d}", [])
+        assert proc.popen is not None
+        started = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.popen.wait(60)
+        took = time.monotonic() - started
+    finally:
+        proc.stop()
+    assert took < 10, f"the agent took {took:.1f} s to exit"

@@ -117,6 +117,10 @@ async def test_two_replicas_split_the_shards_and_name_each_pools_leader(etcd_clu
         assert info["nodeId"] == want[0] and info["isSelf"] == (want[0] == "ra")
         ready = (await reps[1].client.get("/readyz")).json()
         assert ready["shards"] == SHARDS and ready["shardsLed"] == len(reps[1].led)
+        # what LeaseholdNoAllocatorLeader adds up: every shard is led by one of the two
+        led = [(await r.client.get("/metrics")).text for r in reps]
+        assert all(f"leasehold_allocator_shards {SHARDS}.0" in t for t in led)
+        assert sum(float(t.split("\nleasehold_allocator_shards_led ")[1].split()[0]) for t in led) == SHARDS
     grants = await etcd_grants(etcd_reader, prefix)
     assert len(grants) == len(pools) + sum(1 for p in pools if want[shard_of(p.id, SHARDS)] == "ra")
 

@@ -31,10 +31,12 @@ TOKEN = secrets.token_urlsafe(24)
 DIGEST = hashlib.sha256(TOKEN.encode()).hexdigest()
 HEAD_TIMEOUT_MS = 1_000  # --http-header-timeout-ms / --http-body-timeout-ms of both processes
 BODY_TIMEOUT_MS = 1_000
+WRITE_TIMEOUT_MS = 1_000  # --http-write-timeout-ms: a client that reads none of its answers
 MAX_HEADER_BYTES = 16_384  # the defaults, passed explicitly so the tests state what they check
 MAX_HEADERS = 100
 WAIT_S = 15.0  # bound on every wait for the server to act (it acts after HEAD/BODY_TIMEOUT_MS = 1 s)
 HTTP_ARGS = ("--http-header-timeout-ms", str(HEAD_TIMEOUT_MS), "--http-body-timeout-ms", str(BODY_TIMEOUT_MS),
+             "--http-write-timeout-ms", str(WRITE_TIMEOUT_MS),
              "--http-max-header-bytes", str(MAX_HEADER_BYTES), "--http-max-headers", str(MAX_HEADERS))
 
 

@@ -62,3 +62,34 @@ def test_a_decision_record_answers_only_its_own_question(agent_service: Service)
                                               "principal": {"type": "user", "id": user}})
             assert rel.status_code == 200, rel.text
     assert r.zcard(GATE) == 0
+
+
+def test_an_id_holding_the_separator_does_not_borrow_another_principals_record(agent_service: Service):
+    """Principal and API key ids may hold any character, the record's question separator (0x1F)
+    too. The question joined the principal id and the API key id with it, so user ``P\\x1fK``
+    without a key and user ``P`` with the key ``K\\x1f`` asked the same question: the second,
+    another principal, got the first one's recorded allow for the same requestId instead of a
+    409, charged nothing and passed a full concurrency gate."""
+    assert agent_service.redis is not None
+    tenant = "theta"  # keys of its own
+    r = redis.Redis.from_url(agent_service.redis.url)
+    gate = f"rl:v3:{{t:{tenant}}}:tenant:{tenant}:export:cc"
+    owner = export("r-sep-000001", "U-p\x1fK-x", tenant=tenant)
+    borrower = {**export("r-sep-000001", "U-p", tenant=tenant),
+                "principal": {"type": "user", "id": "U-p", "apiKeyId": "K-x\x1f"}}
+    with httpx.Client(base_url=agent_service.base, headers=agent_service.headers, timeout=10) as c:
+        assert c.post("/v1/admit", json=owner).json()["allowed"]
+        for i in (1, 2):  # fill the export gate (3 in flight)
+            assert c.post("/v1/admit", json=export(f"r-sep-fill-{i}", f"U-s{i}", tenant=tenant)).json()["allowed"]
+        assert r.zcard(gate) == 3
+        resp = c.post("/v1/admit", json=borrower)
+        assert resp.status_code == 409, resp.text
+        assert resp.json()["type"].endswith("/decision-conflict")
+        assert r.zcard(gate) == 3
+        again = c.post("/v1/admit", json=owner)  # the owner's retry still replays
+        assert again.status_code == 200 and again.json()["allowed"], again.text
+        for rid, user in (("r-sep-000001", "U-p\x1fK-x"), ("r-sep-fill-1", "U-s1"), ("r-sep-fill-2", "U-s2")):
+            rel = c.post("/v1/release", json={"requestId": rid, "tenantId": tenant, "routeGroup": "export",
+                                              "principal": {"type": "user", "id": user}})
+            assert rel.status_code == 200, rel.text
+    assert r.zcard(gate) == 0

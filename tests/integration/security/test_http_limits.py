@@ -1,5 +1,5 @@
 """HTTP-level hostile clients against both services as real processes on loopback (docs/security.md): huge and numerous headers before authentication, slow heads, slow bodies, idle
-connections and a large Content-Length with no body. Limits are checked by behaviour: the
+connections, a large Content-Length with no body and a client that never reads its answers. Limits are checked by behaviour: the
 connection is answered 431/408/413 (problem+json) and closed, the RSS of the process stays within
 a stated budget, and ``/healthz`` keeps answering while the attack runs."""
 
@@ -20,6 +20,7 @@ from .conftest import (
     MAX_HEADER_BYTES,
     MAX_HEADERS,
     WAIT_S,
+    WRITE_TIMEOUT_MS,
     Service,
     assert_problem,
     connect,
@@ -164,3 +165,64 @@ def test_slow_head_gets_408(service: Service):
         assert_problem(read_answer(s), 408)
     finally:
         s.close()
+
+
+def test_a_client_that_never_reads_its_answers_is_cut_off(service: Service):
+    """A client pipelines ``GET /metrics`` (a large answer) and reads nothing: once its answers fill
+    the socket buffers the server stops reading its requests (backpressure) and, its answers not
+    taken within --http-write-timeout-ms, resets the connection instead of holding it (and the
+    task waiting to write its answer) for as long as the client keeps the socket open. Every other
+    deadline sleeps while an answer waits to be written: before the write deadline such a
+    connection was still open after minutes. /healthz keeps answering meanwhile."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the client's kernel keeps little for it
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    s.connect(("127.0.0.1", service.port))
+    request = b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n"
+    logged = len(service.log())
+    try:
+        with health_probe(service) as health:
+            s.settimeout(0.2)
+            started = time.monotonic()
+            blocked = False  # the server stopped reading: backpressure reached the client
+            reset = None
+            while reset is None and time.monotonic() - started < WAIT_S:
+                try:
+                    s.sendall(request * 16)  # blocks (times out) while the connection is held
+                except TimeoutError:
+                    blocked = True
+                except (ConnectionResetError, BrokenPipeError):
+                    reset = time.monotonic() - started
+            assert reset is not None, (
+                f"a client that read none of its answers still held its connection after {WAIT_S} s "
+                f"(the server stopped reading it: {blocked})")
+        assert reset >= WRITE_TIMEOUT_MS / 1000, reset  # not before its answers waited that long
+        assert health and all(code == 200 for code in health), health
+        # the answer that was waiting to be written ends quietly (no write on the closed transport)
+        assert "Traceback" not in service.log()[logged:], service.log()[logged:][-3000:]
+    finally:
+        s.close()
+
+
+def test_upgrade_requests_cannot_flood_the_log(service: Service):
+    """Neither service serves a protocol upgrade. uvicorn wrote two WARNING lines for every request
+    carrying ``Connection: Upgrade`` (one telling the operator to install a WebSocket library), so an
+    unauthenticated client wrote two log lines per 70-byte request. The request is served as plain
+    HTTP and the upgrade noted at most once a second."""
+    request = b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: websocket\r\n\r\n"
+    logged = len(service.log().splitlines())
+    s = connect(service)
+    try:
+        for _ in range(200):
+            s.sendall(request)
+            answer = b""
+            while b'{"status":"ok"}' not in answer:
+                chunk = s.recv(4096)
+                assert chunk, answer
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    finally:
+        s.close()
+    new = service.log().splitlines()[logged:]
+    assert len(new) <= 10, "\n".join(new[:10])
+    assert not any("pip install" in line for line in new), new[:4]

@@ -108,3 +108,44 @@ def test_every_401_carries_www_authenticate(service: Service):
     if service.name == "agent":
         resp = httpx.get(service.base + "/v1/policy", timeout=10)
         assert resp.status_code == 401 and resp.headers["www-authenticate"] == 'Bearer realm="leasehold"'
+
+
+def test_an_empty_body_is_refused_as_one(service: Service):
+    """A POST with no body (``Content-Length: 0``, or none) is malformed JSON like any other body
+    that is not a document, and its content type is judged as for any body. Litestar does not ask
+    for a document when the body is empty: the answer was a validation problem naming the
+    handler's own parameter (``"data: 'data'"``), and no Content-Type was not 415."""
+    for path in service.post_routes:
+        for headers in ({**service.headers, **JSON}, {**service.headers, **JSON, "content-length": "0"}):
+            resp = httpx.post(service.base + path, headers=headers, timeout=10)
+            assert resp.status_code == 400, (path, resp.status_code, resp.text)
+            problem = resp.json()
+            assert problem["type"].endswith("/bad-request") and "empty" in problem["detail"], (path, problem)
+            assert "'data'" not in resp.text, resp.text
+        resp = httpx.post(service.base + path, headers=service.headers, timeout=10)  # no Content-Type
+        assert resp.status_code == 415, (path, resp.status_code, resp.text)
+
+
+def test_a_body_beside_an_upgrade_request_is_refused_not_lost(service: Service):
+    """An HTTP parser stops at the end of the head of a request asking for a protocol upgrade: its
+    body was never read, the route got an empty body and answered as if none had been sent (the
+    agent: "request body is empty" for a valid decision request). Neither service serves an
+    upgrade: such a request with a body is a 400 that says so, and the connection is closed."""
+    logged = len(service.log())
+    for path, body in service.post_routes.items():
+        data = json.dumps(body).encode()
+        s = socket.create_connection(("127.0.0.1", service.port), timeout=10)
+        try:
+            s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      b"authorization: " + service.headers["Authorization"].encode() + b"\r\n"
+                      b"connection: Upgrade\r\nupgrade: foo/1\r\ncontent-length: %d\r\n\r\n" % len(data) + data)
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+        finally:
+            s.close()
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 "), (path, answer[:300])
+        assert b"application/problem+json" in head.lower(), head
+        assert "upgrade" in json.loads(payload)["detail"].lower(), payload
+    assert "Traceback" not in service.log()[logged:], service.log()[logged:][-3000:]

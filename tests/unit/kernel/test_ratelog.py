@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from kernel.ratelog import KeyedLog, TransitionLog
+from kernel.ratelog import KeyedLog, ThrottleFilter, TransitionLog
 from tests.support.clock import FakeClock
 
 
@@ -57,3 +57,44 @@ def test_transition_log_is_silent_when_the_state_came_back_to_what_was_logged(ca
         clock.t += 20
         assert not t.observe("ok", lambda s, c: (logging.INFO, s))
     assert caplog.records == []
+
+
+def test_throttle_filter_passes_one_record_per_template_per_interval_cut_short_with_the_count(caplog):
+    clock = FakeClock(100.0)
+    logger = logging.getLogger("t.library")
+    throttle = ThrottleFilter(interval_s=10.0, max_chars=20, clock=clock)
+    logger.addFilter(throttle)
+    try:
+        with caplog.at_level(logging.WARNING, logger="t.library"):
+            for i in range(5):
+                logger.warning("bad member %s", f"m{i}" * 30)
+            logger.warning("another kind")
+            clock.t += 10.0
+            logger.warning("bad member %s", "last")
+    finally:
+        logger.removeFilter(throttle)
+    assert [r.getMessage() for r in caplog.records] == [
+        "bad member m0m0m0m0m...", "another kind", "bad member last (+4 more since the last line)"]
+
+
+async def test_the_last_lines_held_back_are_written_with_their_count_when_none_follows(caplog):
+    """A flood that stops: once the interval is over, the last line held back is written with the
+    count of the others (a timer on the running loop), for the keyed log and the filter alike."""
+    import asyncio
+
+    keyed = KeyedLog(logging.getLogger("t.flood"), interval_s=0.05)
+    library = logging.getLogger("t.flood.library")
+    throttle = ThrottleFilter(interval_s=0.05)
+    library.addFilter(throttle)
+    try:
+        with caplog.at_level(logging.INFO):
+            for i in range(5):
+                keyed.log("k", logging.INFO, f"refused {i}")
+                library.warning("bad member %s", i)
+            await asyncio.sleep(0.2)
+    finally:
+        library.removeFilter(throttle)
+    assert [r.getMessage() for r in caplog.records if r.name == "t.flood"] == [
+        "refused 0", "refused 4 (+3 more since the last line)"]
+    assert [r.getMessage() for r in caplog.records if r.name == "t.flood.library"] == [
+        "bad member 0", "bad member 4 (+3 more since the last line)"]

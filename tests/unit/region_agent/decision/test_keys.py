@@ -7,7 +7,7 @@ import re
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kernel.bundle import Bundle, make_rule
@@ -171,3 +171,27 @@ def test_ip_prefix_is_the_networks_text(v4, v6, b4, b6):
     """ip_prefix masks integers; it must give what ipaddress.ip_network prints for the same prefix."""
     assert ip_prefix(v4, b4, b6) == str(ipaddress.ip_network(f"{v4}/{b4}", strict=False))
     assert ip_prefix(v6, b4, b6) == str(ipaddress.ip_network(f"{v6}/{b6}", strict=False))
+
+
+_ID = st.text(st.sampled_from("ab\x1f"), min_size=1, max_size=4)
+
+
+@given(_ID, st.none() | _ID, _ID, st.none() | _ID)
+@example("P\x1fK", None, "P", "K\x1f")  # the boundary between the ids moved
+@example("P\x1f", "K", "P", "\x1fK")
+def test_a_question_names_one_principal_and_key_whatever_their_ids_hold(pid1, key1, pid2, key2):
+    """The ids may hold the question's separator (0x1F): two questions are the same only for the
+    same principal id and API key id (a record answers only its own question)."""
+    def q(pid: str, key: str | None) -> str:
+        return KB.question(tenant="atlas", principal_type="user", principal_id=pid, api_key_id=key,
+                           route_group="export", cost_hint=1)
+
+    assert (q(pid1, key1) == q(pid2, key2)) == ((pid1, key1) == (pid2, key2))
+
+
+def test_a_question_without_the_separator_keeps_its_hash():
+    """Records written before stay replayable: the question of ids without 0x1F is hashed as it was."""
+    ident = "\x1f".join(("user", "U-17", "K1", "read", "1"))
+    digest = hmac.new(PEPPER, ("atlas\x1fq\x1f" + ident).encode(), hashlib.sha256).hexdigest()[:16]
+    assert KB.question(tenant="atlas", principal_type="user", principal_id="U-17", api_key_id="K1",
+                       route_group="read", cost_hint=1) == digest
