@@ -15,16 +15,21 @@ Every key (``allocator/README.md``, "etcd keys"):
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from kernel.wire import LeaseGrant
 
 
 class GrantRecord(msgspec.Struct, rename="camel"):
-    """What ``grants/<region>/<leaseId>`` holds: the grant as answered, plus its usage report."""
+    """What ``grants/<region>/<leaseId>`` holds: the grant as answered, the request's content (a
+    retry with other content is a 409, docs/invariants.md I17), plus its usage report."""
 
     grant: LeaseGrant
     demand: int = 0
+    want: int = 0  # the request's ``want`` (0: a record written before it was kept; not compared)
+    requested_window: Literal["current", "next"] | None = None  # the request's ``window`` (None: as ``want`` 0)
     reported: bool = False
     spent: int = 0
     returned: int = 0

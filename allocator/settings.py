@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 from msgspec import Meta
 
+from kernel.auth import TokenTable
 from kernel.config import ConfigError, LogLevel, ServingSettings, check_tls, check_tokens, load_settings
 from kernel.ids import EtcdPrefix, NodeId
 from kernel.options import Help
@@ -98,6 +99,11 @@ def load(argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -
               s.etcd_ca_file)
     if not s.auth_disabled:
         check_tokens("--region-tokens / --region-tokens-file", s.region_tokens, s.region_tokens_file)
+        if not len(TokenTable.parse(s.region_tokens, s.region_tokens_file)):
+            # every lease request would be a 401: the agents' fallback allowances for ever, silently
+            raise ConfigError("region authentication is on but no region token is configured: give each "
+                              "region's token digest with --region-tokens / --region-tokens-file, or "
+                              "--auth-disabled (local development only)")
     try:
         etcd_tls(s)
     except ValueError as e:

@@ -305,7 +305,7 @@ class GrantStrategy:
                            epoch=it.epoch, issued_at_ms=a.now, remaining=d.remaining)
             key = keys.grant(r.region, r.lease_id)
             absent.append(key)
-            puts.append((key, self.loop.encode(GrantRecord(grant=g, demand=r.demand)), window.etcd_lease))
+            puts.append((key, self.loop.encode(GrantRecord(grant=g, demand=r.demand, want=r.want, requested_window=r.window)), window.etcd_lease))
             a.answers.append((it, g, d))
         a.items = [it for it, _, _ in a.answers]
         if not a.answers:
@@ -351,7 +351,8 @@ class GrantStrategy:
     def replay(self, item: Item, raw: bytes) -> None:
         rec = msgspec.json.decode(raw, type=GrantRecord)
         try:
-            check_same(rec.grant.pool, rec.grant.region, item.req)
+            check_same(item.req, pool=rec.grant.pool, region=rec.grant.region, want=rec.want, demand=rec.demand,
+                       window=rec.requested_window)
         except Conflict as e:
             self.loop.answer(item, error=e)
             return
@@ -462,7 +463,16 @@ def receipt(rec: GrantRecord, *, replayed: bool) -> UsageReceipt:
                         returned=rec.returned, window_open=rec.window_open, replayed=replayed)
 
 
-def check_same(pool: str, region: str, req: LeaseRequest) -> None:
-    if pool != req.pool or region != req.region:
+def check_same(req: LeaseRequest, *, pool: str, region: str, want: int, demand: int,
+               window: str | None) -> None:
+    """A retry of a lease id must repeat its first request (docs/invariants.md I17): another pool,
+    ``want``, ``demand`` or ``window`` is a 409 (``want`` 0 / ``window`` None: a record that did not
+    keep them, compared on the rest)."""
+    differs = [name for name, first, again in (("pool", pool, req.pool), ("region", region, req.region),
+                                               ("want", want or req.want, req.want), ("demand", demand, req.demand),
+                                               ("window", window or req.window, req.window)) if first != again]
+    if differs:
         # ``region`` is the caller's own (lease ids are per region): nothing about other regions
-        raise Conflict(f"lease id {req.lease_id!r} is already used for pool {pool!r}", extra={"leaseId": req.lease_id})
+        raise Conflict(f"lease id {req.lease_id!r} is already used for another request "
+                       f"({', '.join(differs)} differ{'s' if len(differs) == 1 else ''}): a retry repeats its "
+                       "request, a new request takes a new lease id", extra={"leaseId": req.lease_id})

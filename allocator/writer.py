@@ -164,7 +164,9 @@ class Writer:
         allocation.check_region(pool, req.region)
         existing = self.committer.queued_grant(req.region, req.lease_id)
         if existing is not None:
-            check_same(existing.req.pool, existing.req.region, req)
+            first: LeaseRequest = existing.req
+            check_same(req, pool=first.pool, region=first.region, want=first.want, demand=first.demand,
+                       window=first.window)
             joiner = Item(req, wait, existing.shard, existing.epoch)
             existing.joiners.append(joiner)  # answered with the first one's outcome
             return joiner

@@ -43,6 +43,16 @@ FIGURES: dict[str, list[Callable[[Ctx], list[Row]]]] = {
 DEFAULT_FIGURES = ("1", "2", "3", "4", "5", "6", "7", "8", "redis", "hotchunk")
 
 
+def _workers(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= n <= 64:
+        raise argparse.ArgumentTypeError(f"must be in [1, 64], not {n}")
+    return n
+
+
 def parse_only(values: list[str] | None) -> list[str]:
     if not values:
         return list(DEFAULT_FIGURES)
@@ -51,7 +61,7 @@ def parse_only(values: list[str] | None) -> list[str]:
         for f in v.split(","):
             f = f.strip().removeprefix("fig")
             if f not in FIGURES:
-                raise SystemExit(f"unknown figure {f!r}; choose from {', '.join(FIGURES)}")
+                raise ValueError(f"unknown figure {f!r}; choose from {', '.join(FIGURES)}")
             if f not in chosen:
                 chosen.append(f)
     return sorted(chosen)
@@ -81,17 +91,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", choices=("auto", "yes", "no"), default="auto",
                     help="profile the engine (pyinstrument), an agent and an allocator under load (py-spy); auto: "
                          "full runs where figure 2, 3 or 4 misses its goal")
-    ap.add_argument("--workers", type=int, default=1, help="uvicorn workers of the agent and the echo app (fig 2)")
+    ap.add_argument("--workers", type=_workers, default=1,
+                    help="uvicorn workers of the agent and the echo app (fig 2), 1-64 (the agent's range)")
     ap.add_argument("--agent-args", default="", metavar="'FLAGS'",
                     help="extra region_agent flags for figures 1, 2 and 5, e.g. '--decision-budget-ms 200'")
     ap.add_argument("--keep-logs", action="store_true", help="keep the servers' directories and logs")
     a = ap.parse_args(argv)
-    figures = parse_only(a.only)
+    # every option checked before anything starts: a usage error is exit 2 with one line
+    try:
+        figures = parse_only(a.only)
+        agent_args = shlex.split(a.agent_args)
+    except ValueError as e:  # an unknown figure; --agent-args with an unclosed quote
+        ap.error(str(e))
     out: Path = a.out
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--out {out}: {e.strerror}")
     ctx = Ctx.make(out.resolve(), a.quick)
-    ctx.workers = max(1, a.workers)
-    ctx.agent_args = shlex.split(a.agent_args)
+    ctx.workers = a.workers
+    ctx.agent_args = agent_args
     shutil.rmtree(ctx.work, ignore_errors=True)
     ctx.work.mkdir(parents=True)
     started = time.time()

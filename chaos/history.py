@@ -250,7 +250,8 @@ class HistoryError(ValueError):
 
 def read_history(path: str | Path) -> Iterator[Record]:
     """Yield every record; a malformed line raises :class:`HistoryError` naming the line, except
-    a truncated last line (a run killed mid-write), which is ignored."""
+    a truncated last line (a run killed mid-write: the start of a record, ``{`` without its
+    closing ``}``), which is ignored. A file with no record at all is not a history (an error)."""
     with open(path, "rb") as f:
         lines = f.read().split(b"\n")
     last = max((i for i, raw in enumerate(lines) if raw.strip()), default=-1)
@@ -260,9 +261,11 @@ def read_history(path: str | Path) -> Iterator[Record]:
         try:
             yield _decoder.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            if i == last and not raw.endswith(b"}"):
+            if i == last and i > 0 and raw.lstrip().startswith(b"{") and not raw.endswith(b"}"):
                 return
             raise HistoryError(f"{path}:{i + 1}: {e}") from None
+    if last < 0:
+        raise HistoryError(f"{path}: holds no record (an empty file is not a chaos history)")
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -11,6 +11,7 @@ only metrics (and labels) of the table.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,9 +231,12 @@ def render(rows: list[MetricRow]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="python -m devtools.metrics_doc",
+                                 description=f"write {DOC.name} from the code (the default), or check it")
+    ap.add_argument("--check", action="store_true", help="exit 1 when the file and the code disagree; write nothing")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)  # a typo (--chek) is exit 2, not a write
     text = render(all_rows())
-    if "--check" in argv:
+    if args.check:
         current = DOC.read_text() if DOC.exists() else ""
         if current != text:
             print(f"{DOC} is out of date: run python -m devtools.metrics_doc", file=sys.stderr)

@@ -161,7 +161,9 @@ def load_settings(cls: type[T], prefix: str, argv: Sequence[str] | None = None,
             continue
         sources[o.name] = (source, raw)
         values[o.name] = _coerce(o, raw, source)
-    missing = [o for o in opts if o.required and o.name not in values]
+    # a required setting given empty (``--etcd ''``, ``LEASEHOLD_ALLOCATOR_ETCD=`` left blank in an
+    # env file) is missing: its checks skip empty values, so it would fail later, as a traceback
+    missing = [o for o in opts if o.required and (o.name not in values or values[o.name] in ("", []))]
     if missing:
         raise ConfigError("missing required setting" + ("s " if len(missing) > 1 else " ") + "; ".join(
             f"{o.flag} (or {o.env}): {o.help or o.valid_values()}" for o in missing))

@@ -49,6 +49,20 @@ def _share(text: str) -> float:
     return v
 
 
+def _measured_from(path: Path) -> redis_sizing.Measured:
+    """The "redis" figure of a bench results.json (``--results``); a file that is not one is a
+    usage error naming it."""
+    text = path.read_bytes()  # OSError: the caller names the file
+    try:
+        results = json.loads(text)
+    except ValueError as e:  # not UTF-8, not JSON
+        raise ValueError(f"{path} is not a bench results.json: {e}") from None
+    try:
+        return redis_sizing.from_results(results)
+    except (AttributeError, TypeError, KeyError, IndexError) as e:  # JSON of another shape
+        raise ValueError(f"{path} is not a bench results.json: {type(e).__name__}: {e}") from None
+
+
 def register(sub: Any) -> None:
     """Add ``capacity`` to the ``leasehold`` command's subparsers."""
     about = ("Redis primaries, memory per copy and the hottest key's budget for a call rate and an active-key "
@@ -73,7 +87,7 @@ def register(sub: Any) -> None:
 def cmd_capacity(args: argparse.Namespace) -> int:
     try:
         if args.results is not None:
-            measured = redis_sizing.from_results(json.loads(args.results.read_text()))
+            measured = _measured_from(args.results)
         else:
             measured = redis_sizing.shipped()
         p = redis_sizing.plan(measured, calls_per_s=args.calls_per_s, active_keys=args.active_keys, rules=args.rules,

@@ -12,27 +12,32 @@ import argparse
 import os
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 
 from kernel.bundle import load_bundle_file
 from kernel.errors import PolicyError
 from kernel.version import version_line
+from kernel.wire import PoolSummary, PoolWindowView, ShardedLeaderInfo
 
 from ..local.topology import (
     DEFAULT_POLICY,
     LocalTopology,
+    StateError,
     TopologySpec,
     default_run_dir,
     read_state,
     read_token,
     stop_from_state,
 )
+from .argtypes import etcd_prefix, finite, http_url, regions, whole
 from .capacity_cli import register as register_capacity_command
-from .output import Exit, Failure, add_output_option, exit_code_epilog, out, run, write_file
+from .output import Exit, Failure, Output, add_output_option, exit_code_epilog, out, run, write_file
 from .policy_cli import register as register_policy_commands
 from .token_cli import register as register_token_command
 
@@ -41,10 +46,21 @@ EXIT_OK, EXIT_USAGE, EXIT_DENIED, EXIT_UNAVAILABLE, EXIT_CONNECT, EXIT_NOT_RUNNI
     Exit.OK, Exit.USAGE, Exit.DENIED, Exit.UNAVAILABLE, Exit.CONNECT, Exit.NOT_RUNNING)
 EXIT_BYPASS = Exit.BYPASS
 DEFAULT_RUN_DIR = default_run_dir()
+# the local topology's sizes (`up`, `demo`): processes on one machine (decision 0061)
+MAX_LOCAL_REGIONS, MAX_LOCAL_AGENTS, MAX_LOCAL_ALLOCATORS = 8, 16, 7
+
+
+def _read_state(run_dir: Path) -> dict | None:
+    """The running topology's state file, or None; one that is not a state file is exit 2."""
+    try:
+        return read_state(run_dir)
+    except StateError as e:
+        raise Failure(Exit.USAGE, str(e), [f"stop its processes by hand, then remove {run_dir / 'topology.json'}"],
+                      runDir=str(run_dir)) from None
 
 
 def _state_or_fail(run_dir: Path) -> dict:
-    state = read_state(run_dir)
+    state = _read_state(run_dir)
     if state is None:
         raise Failure(Exit.NOT_RUNNING, f"no local topology is running (no {run_dir / 'topology.json'}); "
                                         "start one with `leasehold up`", running=False, runDir=str(run_dir))
@@ -106,16 +122,17 @@ def _service_lines(services: list[dict], state_col: bool) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    if read_state(args.run_dir):
+    if _read_state(args.run_dir):
         raise Failure(Exit.USAGE, "a topology is already running; `leasehold down` first")
     LocalTopology(_spec(args)).start()
-    state = read_state(args.run_dir) or {}
+    state = _read_state(args.run_dir) or {}
     view = _topology_view(args.run_dir, state, [dict(s) for s in state.get("services", [])])
     return out(args).result(view, lambda v: _service_lines(v["services"], False)
                             + f"\nstate in {v['stateFile']}; stop with `leasehold down`")
 
 
 def cmd_down(args: argparse.Namespace) -> int:
+    _read_state(args.run_dir)  # a state file of another shape: exit 2 before any signal is sent
     stopped = stop_from_state(args.run_dir)
     return out(args).result({"stopped": stopped},
                             "stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
@@ -186,7 +203,7 @@ def _auth_headers(args: argparse.Namespace, who: str) -> dict[str, str]:
     """Bearer token: LEASEHOLD_TOKEN, else the running local topology's generated one."""
     token = os.environ.get("LEASEHOLD_TOKEN")
     if not token:
-        state = read_state(args.run_dir)
+        state = _read_state(args.run_dir)
         token = read_token(state, who) if state else None
     return {"Authorization": f"Bearer {token}"} if token else {}
 
@@ -220,7 +237,12 @@ def cmd_admit(args: argparse.Namespace) -> int:
     try:
         data = resp.json()
     except ValueError:
+        data = None
+    if not isinstance(data, dict):  # not an agent's answer (a decision and a problem are objects)
         data = {"body": resp.text[:500]}
+        if resp.status_code == 200:
+            raise Failure(Exit.USAGE, f"the answer of {url} is not a decision: is {url} an agent?", [data["body"]],
+                          problem=data)
     if resp.status_code != 200:
         code = Exit.USAGE if resp.status_code < 500 else Exit.UNAVAILABLE
         raise Failure(code, f"the agent answered {resp.status_code}: {data.get('title') or ''} "
@@ -249,16 +271,22 @@ def cmd_leases(args: argparse.Namespace) -> int:
     url = args.allocator_url or _first_url(_state_or_fail(args.run_dir), "allocator")
     try:
         with httpx.Client(timeout=3.0) as client:
-            def get(path: str) -> Any:
+            def get(path: str, shape: Any) -> Any:
                 r = client.get(url + path)
                 if r.status_code != 200:
                     raise Failure(Exit.UNAVAILABLE if r.status_code >= 500 else Exit.USAGE,
                                   f"the allocator at {url} answered {r.status_code} for {path}", [r.text[:300]])
-                return r.json()
+                try:
+                    data = r.json()
+                    msgspec.convert(data, shape)  # only checked: the answer is printed as it came
+                except (ValueError, msgspec.ValidationError) as e:
+                    raise Failure(Exit.USAGE, f"the answer of {url} to {path} is not an allocator's: is "
+                                              f"{url} an allocator?", [f"{e}", r.text[:300]]) from None
+                return data
 
-            leader = get("/v1/leader")
-            pools = get("/v1/pools")
-            views = [get(f"/v1/pools/{p['id']}") for p in (pools if isinstance(pools, list) else pools.get("pools", []))]
+            leader = get("/v1/leader", ShardedLeaderInfo)
+            pools = get("/v1/pools", list[PoolSummary])
+            views = [get(f"/v1/pools/{p['id']}", PoolWindowView) for p in pools]
     except httpx.HTTPError as e:
         raise Failure(Exit.CONNECT, f"cannot reach the allocator at {url}: {e}") from None
     return out(args).result({"leader": leader, "pools": views}, _leases_text)
@@ -395,6 +423,11 @@ def _policy_store(args: argparse.Namespace):
         endpoints = ",".join(s["url"] for s in state["services"] if s["kind"] == "etcd")
         if state.get("secrets") and not user:  # write on the policy key only (deploy/etcd/leasehold-roles.sh)
             user, password_file = "publisher", str(Path(state["secrets"]) / "etcd-publisher.password")
+    for flag, path in (("--etcd-ca-file", args.etcd_ca_file), ("--etcd-cert-file", args.etcd_cert_file),
+                       ("--etcd-key-file", args.etcd_key_file)):
+        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise Failure(Exit.USAGE, f"{flag} {path}: " + ("not a readable file" if os.path.exists(path)
+                                                             else "no such file"))
     try:
         check_tls("--etcd-cert-file / --etcd-key-file / --etcd-ca-file", args.etcd_cert_file, args.etcd_key_file,
                   args.etcd_ca_file)
@@ -486,7 +519,7 @@ def _topology_signing_key(args: argparse.Namespace) -> str | None:
     """Publishing to the running local topology (no --etcd): its generated signing key."""
     if args.etcd:
         return None
-    state = read_state(args.run_dir)
+    state = _read_state(args.run_dir)
     return state.get("signingKey") if state else None
 
 
@@ -583,6 +616,8 @@ def cmd_secrets_generate(args: argparse.Namespace) -> int:
     """Every credential of a deployment as files (leasehold/commands/secrets.py); never replaces one without --force."""
     from .secrets import SecretsError, generate
 
+    if not args.out.strip():  # Path("") is the working directory
+        raise Failure(Exit.USAGE, "--out is empty: name the directory the credentials go to")
     try:
         made = generate(Path(args.out), tuple(r.strip() for r in args.regions.split(",")), force=args.force)
     except SecretsError as e:
@@ -599,14 +634,26 @@ def cmd_secrets_generate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ..local.demo import run_demo
 
+    if _read_state(args.run_dir):  # a second topology in the same run directory would orphan the first's processes
+        raise Failure(Exit.USAGE, "a topology is already running; `leasehold down` first")
+
     # -o json: the live view goes to stderr and the run's totals are one JSON document on stdout
     return run_demo(_spec(args), duration_s=args.duration, rate=args.rate, summary=out(args).json,
                     gateway=args.gateway)
 
 
 def _spec(args: argparse.Namespace) -> TopologySpec:
+    """The topology ``up`` / ``demo`` start, its start bundle read and checked first: nothing is
+    started or written for a bundle the services would refuse."""
+    if len(args.regions) > MAX_LOCAL_REGIONS:
+        raise Failure(Exit.USAGE, f"--regions: at most {MAX_LOCAL_REGIONS} regions on one machine, "
+                                  f"not {len(args.regions)}")
+    try:
+        load_bundle_file(args.policy)
+    except PolicyError as e:
+        raise _invalid(e, f"--policy {args.policy}") from None
     return TopologySpec(run_dir=args.run_dir, policy=Path(args.policy).resolve(),
-                        regions=tuple(args.regions.split(",")), agents_per_region=args.agents_per_region,
+                        regions=args.regions, agents_per_region=args.agents_per_region,
                         allocators=args.allocators, etcd_members=args.etcd_members,
                         auth=not getattr(args, "no_auth", False), policy_from_etcd=True,
                         signed=not getattr(args, "unsigned", False),
@@ -614,11 +661,28 @@ def _spec(args: argparse.Namespace) -> TopologySpec:
 
 
 # ------------------------------------------------------------------------------- parser
+_JSON_USAGE: ContextVar[bool] = ContextVar("json_usage_errors", default=False)
+
+
+def _asks_json(argv: Sequence[str]) -> bool:
+    """``-o json`` / ``--output json`` (or ``=json``, ``-ojson``) anywhere before ``--``: a usage
+    error is then also the JSON error document on stdout, like every other failure."""
+    for i, a in enumerate(argv):
+        if a == "--":
+            break
+        if a in ("-ojson", "-o=json", "--output=json") or (a in ("-o", "--output") and argv[i + 1:i + 2] == ["json"]):
+            return True
+    return False
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports usage errors like every other failure (``leasehold: ...``, exit 2)."""
+    """argparse that reports usage errors like every other failure (``leasehold: ...``, with
+    ``-o json`` the JSON error document too; exit 2)."""
 
     def error(self, message: str):
-        self.exit(Exit.USAGE, f"leasehold: {message} (see {self.prog} --help)\n")
+        Output("json" if _JSON_USAGE.get() else "text").failure(
+            Failure(Exit.USAGE, f"{message} (see {self.prog} --help)"))
+        raise SystemExit(Exit.USAGE)
 
 
 def _formatter(prog: str) -> argparse.HelpFormatter:
@@ -635,9 +699,12 @@ def _command(sub: Any, name: str, help: str, func: Callable[[argparse.Namespace]
 
 def _topo_opts(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--policy", default=str(DEFAULT_POLICY), help="the start bundle (default: the shipped sample)")
-    sp.add_argument("--regions", default="eu,us", help="comma-separated region names (default: eu,us)")
-    sp.add_argument("--agents-per-region", type=int, default=1, help="agents per region (default: 1)")
-    sp.add_argument("--allocators", type=int, default=2, help="allocator replicas (default: 2)")
+    sp.add_argument("--regions", type=regions, default=("eu", "us"),
+                    help=f"comma-separated region names, 1 to {MAX_LOCAL_REGIONS} (default: eu,us)")
+    sp.add_argument("--agents-per-region", type=whole(1, MAX_LOCAL_AGENTS), default=1,
+                    help=f"agents per region, 1 to {MAX_LOCAL_AGENTS} (default: 1)")
+    sp.add_argument("--allocators", type=whole(1, MAX_LOCAL_ALLOCATORS), default=2,
+                    help=f"allocator replicas, 1 to {MAX_LOCAL_ALLOCATORS} (default: 2)")
     sp.add_argument("--etcd-members", type=int, default=1, choices=(1, 3), help="etcd members (default: 1)")
     sp.add_argument("--no-auth", action="store_true",
                     help="run the services with --auth-disabled (default: tokens generated into <run-dir>/secrets)")
@@ -656,7 +723,7 @@ def _etcd_opts(sp: argparse.ArgumentParser) -> None:
                     help="etcd endpoints, host:port, http://host:port or https://host:port, comma-separated "
                          "(env LEASEHOLD_ETCD; default: the running local topology's, with its publisher "
                          "credentials)")
-    sp.add_argument("--prefix", default=env("LEASEHOLD_ETCD_PREFIX", "/leasehold/"),
+    sp.add_argument("--prefix", type=etcd_prefix, default=env("LEASEHOLD_ETCD_PREFIX", "/leasehold/"),
                     help="the fleet's key prefix (env LEASEHOLD_ETCD_PREFIX; default: /leasehold/)")
     sp.add_argument("--etcd-user", default=env("LEASEHOLD_ETCD_USER"),
                     help="etcd user (env LEASEHOLD_ETCD_USER); password from --etcd-password-file or "
@@ -691,8 +758,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "every one is ready)", cmd_status)
     sp = _command(sub, "demo", "start the topology, drive demo traffic, show a live view (Ctrl-C stops)", cmd_demo)
     _topo_opts(sp)
-    sp.add_argument("--duration", type=float, default=600.0, help="stop by itself after this many seconds")
-    sp.add_argument("--rate", type=float, default=200.0, help="demo requests per second, all regions")
+    sp.add_argument("--duration", type=finite(0, above=True), default=600.0,
+                    help="stop by itself after this many seconds (default: 600)")
+    sp.add_argument("--rate", type=finite(0), default=200.0,
+                    help="demo requests per second, all regions (default: 200)")
     sp.add_argument("--gateway", choices=("rls", "rlqs"), default="rls",
                     help="the Envoys' limit filter: rls (deploy/gateways/envoy-rls.yaml, a call per request) or "
                          "rlqs (envoy-rlqs.yaml: Envoy decides locally from quota the agent assigns; the live "
@@ -700,7 +769,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # -- decisions and leases
     sp = _command(sub, "admit", "send one admission request and print the decision and HTTP mapping", cmd_admit)
-    sp.add_argument("--agent-url", help="the agent (default: the running local topology's first, or --region's)")
+    sp.add_argument("--agent-url", type=http_url, help="the agent (default: the running local topology's first, or --region's)")
     sp.add_argument("--region", help="pick the local topology's agent of this region")
     sp.add_argument("--tenant", default="atlas", help="tenantId (default: atlas)")
     sp.add_argument("--principal", default="U-17", help="principal id (default: U-17)")
@@ -712,7 +781,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--cost", type=int, default=1, help="costHint (default: 1)")
     sp.add_argument("--request-id", help="requestId (default: a random cli-... id)")
     sp = _command(sub, "leases", "pools, windows, grants and the leader epoch from the allocator", cmd_leases)
-    sp.add_argument("--allocator-url", help="the allocator (default: the running local topology's first)")
+    sp.add_argument("--allocator-url", type=http_url, help="the allocator (default: the running local topology's first)")
 
     # -- policy bundles
     pol = sub.add_parser("policy", help="validate, sign, publish or show a policy bundle",
@@ -785,7 +854,12 @@ def add_policy_commands(psub: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    token = _JSON_USAGE.set(_asks_json(argv))
+    try:
+        args = build_parser().parse_args(argv)
+    finally:
+        _JSON_USAGE.reset(token)
     return run(args.func, args)
 
 

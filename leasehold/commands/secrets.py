@@ -47,6 +47,11 @@ from ..local.devjwt import DevIssuer
 from ..local.procs import ETCD_USERS, agent_acl
 
 REGION_RE = re.compile(r"[a-z][a-z0-9-]{0,31}\Z")
+# what ``generate`` writes, for any regions (a directory holding only these is the credentials' own)
+CREDENTIAL_RE = re.compile(r"(gateway|operator|region-[a-z][a-z0-9-]{0,31})\.token\Z|"
+                           r"(gateway|operator|region)-token-hashes\Z|pepper\Z|redis-(admin|agent)\.password\Z|"
+                           r"redis-users\.acl\Z|etcd-[a-z]+\.password\Z|policy-signing\.(key|pub)\Z|"
+                           r"dev-idp\.key\Z|jwks\.json\Z")
 
 
 class SecretsError(Exception):
@@ -78,10 +83,18 @@ def generate(out: Path, regions: tuple[str, ...] = ("eu", "us"), *, force: bool 
     unless ``force``."""
     if not regions or len(set(regions)) != len(regions) or not all(REGION_RE.match(r) for r in regions):
         raise SecretsError(f"regions must be distinct names matching {REGION_RE.pattern}: {','.join(regions)!r}")
+    if out.exists() and not out.is_dir():
+        raise SecretsError(f"{out} is not a directory")
     existing = [n for n in file_names(regions) if (out / n).exists()]
     if existing and not force:
         raise SecretsError(f"{out} already holds {', '.join(existing)}: refusing to replace credentials "
                            f"(--force replaces them all)")
+    if out.is_dir() and out.stat().st_mode & 0o077:
+        others = sorted(p.name for p in out.iterdir() if not CREDENTIAL_RE.match(p.name))
+        if others:  # never narrow the mode of a directory that holds other things (a checkout, /tmp, a home)
+            raise SecretsError(f"{out} is open to other users and holds other files ({', '.join(others[:3])}"
+                               f"{', ...' if len(others) > 3 else ''}): the credentials need a directory of their "
+                               f"own (a new one is created 0700)")
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o700)
     written: list[Path] = []

@@ -15,6 +15,9 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Annotated
+
+import msgspec
 
 from kernel.resources import sample_policy
 
@@ -221,10 +224,12 @@ class LocalTopology:
 
     def write_state(self) -> None:
         path = self.spec.run_dir / "topology.json"
-        path.write_text(json.dumps({"started": time.time(), "policy": str(self.spec.policy),
+        tmp = path.with_name(path.name + ".tmp")  # written whole, then renamed: never read half-written
+        tmp.write_text(json.dumps({"started": time.time(), "policy": str(self.spec.policy),
                                     "secrets": str(self.secrets.dir) if self.secrets else None,
                                     "signingKey": str(self.signing[0]) if self.signing else None,
                                     "services": [asdict(s) for s in self.services()]}, indent=2))
+        tmp.replace(path)
 
 
 @dataclass
@@ -358,11 +363,36 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+class StateError(ValueError):
+    """``topology.json`` is there but is not a state file this module wrote (edited, truncated)."""
+
+
+class _ServiceState(msgspec.Struct):
+    """What every reader of a service's entry uses (``write_state`` writes :class:`ServiceInfo`)."""
+
+    name: str
+    kind: str
+    pid: Annotated[int, msgspec.Meta(gt=1)]  # never 0, -1 or 1: os.kill would signal a group or init
+    url: str
+
+
+class _State(msgspec.Struct):
+    services: list[_ServiceState]
+
+
 def read_state(run_dir: Path) -> dict | None:
+    """The running topology's state (``None`` without one); :class:`StateError` for a file of
+    another shape, checked here once so that no reader fails on a field later."""
     path = run_dir / "topology.json"
     if not path.exists():
         return None
-    return json.loads(path.read_text())
+    try:
+        raw = path.read_bytes()
+        msgspec.json.decode(raw, type=_State)
+        state: dict = json.loads(raw)
+    except (OSError, ValueError, msgspec.DecodeError) as e:
+        raise StateError(f"{path} is not a topology state file ({e})") from None
+    return state
 
 
 def stop_from_state(run_dir: Path, timeout: float = 5.0) -> list[str]:

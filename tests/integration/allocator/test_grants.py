@@ -118,6 +118,34 @@ async def test_retry_returns_identical_grant_and_conflicting_reuse_is_409(etcd_c
     assert (await etcd_windows(etcd_reader, prefix, "p2")) == {}
 
 
+async def test_a_reused_lease_id_with_other_content_is_409_and_debits_nothing(
+        etcd_cluster: EtcdCluster, make_bundle, prefix: str, etcd_reader: EtcdStore, clock: TestClock) -> None:
+    """I17: the same lease id with another ``want``, ``demand`` or ``window`` is a 409 (a buggy or
+    hostile agent reusing an id learns it), whether the first request is stored or still queued;
+    the identical body is a replay. Nothing more is debited either way."""
+    bundle = make_bundle(Pool(id="p1", window_ms=W, limit=500, chunk_max=100, prefetch_ms=W - 1))
+    clock.place_in_window(W, 1_000)
+    async with in_process(settings_for(etcd_cluster, bundle, prefix), clock=clock) as client:
+        first = (await client.post("/v1/leases", json=lease_body("reuse-lease-1", "p1", "eu", 40, demand=3))).json()
+        assert first["granted"] == 40
+        for other in (lease_body("reuse-lease-1", "p1", "eu", 41, demand=3),
+                      lease_body("reuse-lease-1", "p1", "eu", 40, demand=4),
+                      lease_body("reuse-lease-1", "p1", "eu", 40, demand=3, window="next")):
+            r = await client.post("/v1/leases", json=other)
+            assert r.status_code == 409, r.text
+            assert r.headers["content-type"].startswith("application/problem+json")
+        again = await client.post("/v1/leases", json=lease_body("reuse-lease-1", "p1", "eu", 40, demand=3))
+        assert_replay_of(again.json(), first)
+        # concurrent: the first queued, the others join it while queued or find its record
+        answers = await asyncio.gather(
+            client.post("/v1/leases", json=lease_body("reuse-lease-2", "p1", "eu", 10)),
+            *(client.post("/v1/leases", json=lease_body("reuse-lease-2", "p1", "eu", 20)) for _ in range(5)))
+        assert answers[0].status_code == 200 and answers[0].json()["granted"] == 10
+        assert [a.status_code for a in answers[1:]] == [409] * 5
+    (state,) = (await etcd_windows(etcd_reader, prefix, "p1")).values()
+    assert state.total_granted == 50 == 500 - state.remaining
+
+
 async def test_expiry_never_passes_the_window_end(etcd_cluster: EtcdCluster, make_bundle, prefix: str,
                                                   clock: TestClock) -> None:
     bundle = make_bundle(Pool(id="p1", window_ms=W, limit=500, lease_ttl_ms=15_000, chunk_max=100,

@@ -31,6 +31,7 @@ from leasehold.local.procs import (
     Proc,
     RedisServer,
     agent_acl,
+    etcd_roles_script,
     free_port,
     make_tls,
     wait_port,
@@ -257,3 +258,25 @@ def test_leasehold_up_generates_a_pepper_and_creates_the_etcd_roles(tmp_path):
         assert cli_main([*base, "policy", "show"]) == 0
     finally:
         assert cli_main([*base, "down"]) == 0
+
+
+def test_the_roles_script_names_an_unset_password_variable_and_an_etcd_that_does_not_answer(tmp_path):
+    """An operator running deploy/etcd/leasehold-roles.sh by hand: an unset *_PASSWORD_FILE was the
+    shell's "parameter not set", and an ETCDCTL_ENDPOINTS nobody answers kept the script waiting
+    for ever (etcdctl retries `user list` without end); now exit 2 naming the variable, and exit 3
+    naming the endpoints within the documented 10 s."""
+    import subprocess
+
+    files = {u: tmp_path / f"etcd-{u}.password" for u in ETCD_USERS}
+    for f in files.values():
+        f.write_text(secrets.token_urlsafe(16))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETCDCTL_") and not k.endswith("_PASSWORD_FILE")}
+    env |= {f"{u.upper()}_PASSWORD_FILE": str(f) for u, f in files.items() if u != "agent"}
+    run = ["sh", str(etcd_roles_script())]
+    r = subprocess.run(run, env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and r.stderr.startswith("AGENT_PASSWORD_FILE is not set"), r.stderr
+    env |= {"AGENT_PASSWORD_FILE": str(files["agent"]), "ETCDCTL_ENDPOINTS": f"127.0.0.1:{free_port()}"}
+    started = time.monotonic()
+    r = subprocess.run(run, env=env, capture_output=True, text=True, timeout=40)
+    assert r.returncode == 3 and "etcd does not answer at 127.0.0.1:" in r.stderr, r.stderr
+    assert time.monotonic() - started < 15

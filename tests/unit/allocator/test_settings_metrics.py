@@ -9,7 +9,8 @@ from allocator.settings import load
 from kernel.config import ConfigError
 from kernel.etcd_store import parse_endpoints
 
-BASE = ["--etcd", "127.0.0.1:2379,127.0.0.1:2380", "--policy", "b.json", "--node-id", "a1"]
+BASE = ["--etcd", "127.0.0.1:2379,127.0.0.1:2380", "--policy", "b.json", "--node-id", "a1",
+        "--region-tokens", "eu:" + "0" * 64]
 
 
 def test_flags_env_and_defaults() -> None:
@@ -19,7 +20,8 @@ def test_flags_env_and_defaults() -> None:
     assert s.election_ttl_s == 5
     assert s.prefix == "/leasehold/" and s.url == "http://127.0.0.1:9000"
     s = load([], env={"LEASEHOLD_ALLOCATOR_ETCD": "h:1", "LEASEHOLD_ALLOCATOR_POLICY": "p",
-                      "LEASEHOLD_ALLOCATOR_NODE_ID": "n", "LEASEHOLD_ALLOCATOR_ADVERTISE_URL": "http://x:1"})
+                      "LEASEHOLD_ALLOCATOR_NODE_ID": "n", "LEASEHOLD_ALLOCATOR_ADVERTISE_URL": "http://x:1",
+                      "LEASEHOLD_ALLOCATOR_AUTH_DISABLED": "true"})
     assert s.url == "http://x:1"
 
 
@@ -29,6 +31,20 @@ def test_bad_settings_exit_with_a_clear_message(extra: list[str]) -> None:
     with pytest.raises(ConfigError) as e:
         load(BASE + extra, env={})
     assert e.value.message.startswith(f"invalid value {extra[1]!r} for {extra[0]}: ")
+
+
+def test_region_authentication_without_a_region_token_is_refused_at_start(tmp_path) -> None:
+    """Authentication is on unless --auth-disabled: with no region token every lease request would
+    be a 401 and every agent would live on its fallback allowance, while the allocator looked up."""
+    empty = tmp_path / "region-token-hashes"
+    empty.write_text("# none yet\n")
+    base = BASE[:-2]
+    for argv in (base, [*base, "--region-tokens-file", str(empty)]):
+        with pytest.raises(ConfigError, match="no region token is configured"):
+            load(argv, env={})
+    assert load([*base, "--auth-disabled"], env={}).auth_disabled
+    assert not load([*base, "--region-tokens-file", str(empty), "--region-tokens", "us:" + "1" * 64],
+                    env={}).auth_disabled
 
 
 def test_missing_required_setting() -> None:

@@ -120,7 +120,7 @@ def test_only_option():
     assert parse_only(None) == ["1", "2", "3", "4", "5", "6", "7", "8", "redis", "hotchunk"]  # "shards" only when named
     assert parse_only(["fig2,1", "2"]) == ["1", "2"]
     assert parse_only(["redis"]) == ["redis"]
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="unknown figure '9'"):
         parse_only(["9"])
 
 

@@ -50,3 +50,20 @@ def test_bad_inputs_exit_2(tmp_path: Path, capsys):
     bad.write_text("{}")
     assert main(["check", "--history", str(history_file(tmp_path, clean())), "--policy", str(bad)]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_a_history_is_bad_input_not_a_pass(tmp_path: Path, capsys):
+    """A JSON array, bytes that are not a record, an empty file: the checker read no record and
+    answered every invariant n/a with exit 0, a pass for a history it never saw."""
+    for name, data in (("array.json", b"[1]\n"), ("binary", b"\xff\xfe{"), ("empty.jsonl", b""),
+                       ("blank.jsonl", b"\n\n")):
+        path = tmp_path / name
+        path.write_bytes(data)
+        for argv in (["check", "--history", str(path)], ["fallbacks", "--history", str(path)]):
+            assert main(argv) == 2, (name, argv)
+            assert f"error: {path}" in capsys.readouterr().err
+    # a record cut by a run killed mid-write is still forgiven on the last line
+    path = history_file(tmp_path, clean())
+    with open(path, "ab") as f:
+        f.write(b'{"type":"decision","agent":"a')
+    assert main(["check", "--history", str(path), "--policy", str(bundle_file(tmp_path))]) == 0

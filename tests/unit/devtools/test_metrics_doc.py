@@ -3,6 +3,8 @@ alert rules name only metrics and labels of that table."""
 
 from __future__ import annotations
 
+import pytest
+
 from devtools import metrics_doc
 from devtools.deploy_check import Query, alert_queries, check_all, dashboard_queries, problems
 from devtools.metrics_doc import BOUNDS, all_rows
@@ -43,3 +45,17 @@ def test_alerts_required_by_the_issue_exist():
     assert {"LeaseholdFallbackShareHigh", "LeaseholdBreakerOpen", "LeaseholdLeaseRenewalFailures",
             "LeaseholdAllocatorLeaderChanges", "LeaseholdGrantsNearG", "LeaseholdPolicySignatureRefused",
             "LeaseholdPolicyRefused"} <= names
+
+
+def test_only_no_option_writes_a_typo_or_help_writes_nothing(tmp_path, monkeypatch, capsys):
+    """`--chek` (a typo of the check a CI runs) and `--help` rewrote docs/metrics.md and exited 0."""
+    doc = tmp_path / "metrics.md"
+    doc.write_text("stale\n")
+    monkeypatch.setattr(metrics_doc, "DOC", doc)
+    for argv, code in ((["--chek"], 2), (["--help"], 0)):
+        with pytest.raises(SystemExit) as e:
+            metrics_doc.main(argv)
+        assert e.value.code == code
+        assert doc.read_text() == "stale\n"
+    assert metrics_doc.main(["--check"]) == 1 and doc.read_text() == "stale\n"
+    assert metrics_doc.main([]) == 0 and doc.read_text() == metrics_doc.render(all_rows())

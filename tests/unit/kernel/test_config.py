@@ -102,6 +102,11 @@ def test_missing_required_settings_are_named():
     with pytest.raises(ConfigError) as e:
         load_settings(Needs, "N_", [], env={})
     assert str(e.value) == "missing required setting --etcd (or N_ETCD): the etcd cluster"
+    # given empty (a flag, or an env file's line left blank): missing too, not a failure at start-up
+    for argv, env in ((["--etcd", ""], {}), ([], {"N_ETCD": ""})):
+        with pytest.raises(ConfigError) as e:
+            load_settings(Needs, "N_", argv, env=env)
+        assert str(e.value) == "missing required setting --etcd (or N_ETCD): the etcd cluster"
 
 
 def test_settings_flags_read_back():

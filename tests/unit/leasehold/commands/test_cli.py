@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,7 @@ def test_etcd_tls_options_are_checked_before_connecting(tmp_path: Path, capsys):
 def test_status_exit_codes_follow_the_worst_service(tmp_path: Path, capsys, monkeypatch):
     import leasehold.commands.cli as cli
 
-    services = [{"name": n, "kind": k, "pid": 1, "url": f"http://127.0.0.1:{i}", "region": "eu", "log": ""}
+    services = [{"name": n, "kind": k, "pid": os.getpid(), "url": f"http://127.0.0.1:{i}", "region": "eu", "log": ""}
                 for i, (n, k) in enumerate([("etcd-m0", "etcd"), ("allocator-1", "allocator"),
                                             ("redis-1", "redis"), ("agent-eu-1", "agent")], start=1)]
     (tmp_path / "topology.json").write_text(json.dumps({"services": services, "secrets": None}))
@@ -90,3 +91,172 @@ def test_status_exit_codes_follow_the_worst_service(tmp_path: Path, capsys, monk
         assert doc["urls"] == {"agents": {"eu": ["http://127.0.0.1:4"]}, "allocators": ["http://127.0.0.1:2"],
                                "etcd": ["http://127.0.0.1:1"], "redis": {"eu": "http://127.0.0.1:3"}}
         assert {s["name"]: s["state"] for s in doc["services"] if s["state"] != "ready"} == broken
+
+
+@pytest.mark.parametrize("argv", [
+    ["leases", "--allocator-url", "http://[::1"],  # httpx.InvalidURL: was exit 70
+    ["leases", "--allocator-url", "allocator-1:8700"],  # no scheme: was "cannot reach" (exit 5)
+    ["admit", "--agent-url", "ftp://agent"],
+    ["admit", "--agent-url", ""],  # was taken for "no --agent-url"
+    ["up", "--regions", "eu,eu"],  # started a second agent of region eu that `down` never stopped
+    ["up", "--regions", ""],
+    ["up", "--regions", "EU"],
+    ["up", "--agents-per-region", "0"],
+    ["up", "--allocators", "-1"],
+    ["up", "--allocators", "1000"],
+    ["demo", "--rate", "nan"],  # the traffic driver died on int(nan) after everything had started
+    ["demo", "--rate", "inf"],
+    ["demo", "--rate", "-5"],
+    ["demo", "--duration", "0"],
+])
+def test_a_bad_option_value_is_a_usage_error_before_anything_starts(argv: list[str], tmp_path: Path, capsys,
+                                                                     monkeypatch):
+    import leasehold.local.demo
+    import leasehold.local.topology
+
+    def started(*a, **kw):
+        raise AssertionError("a topology was started")
+
+    monkeypatch.setattr(leasehold.local.topology.LocalTopology, "start", started)
+    monkeypatch.setattr(leasehold.local.demo, "run_demo", started)
+    with pytest.raises(SystemExit) as e:
+        main(["--run-dir", str(tmp_path), "-o", "json", *argv])
+    assert e.value.code == Exit.USAGE
+    out, err = capsys.readouterr()
+    assert json.loads(out)["error"]["kind"] == "usage"  # -o json: the error document, as for every failure
+    assert err.startswith("leasehold: argument ") and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("policy", ["missing.json", ".", "bad.json"])
+def test_up_checks_its_start_bundle_before_writing_anything(policy: str, tmp_path: Path, capsys, monkeypatch):
+    import leasehold.local.topology
+
+    monkeypatch.setattr(leasehold.local.topology.LocalTopology, "start",
+                        lambda self: (_ for _ in ()).throw(AssertionError("a topology was started")))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "bad.json").write_bytes(b"\xff\xfe{")
+    run = tmp_path / "run"
+    assert main(["--run-dir", str(run), "up", "--policy", str(src / policy)]) == Exit.USAGE  # was 70
+    err = capsys.readouterr().err
+    assert err.startswith("leasehold: --policy ") and "Traceback" not in err
+    assert not run.exists()  # was: secrets generated into it before the bundle was read
+
+
+def test_demo_refuses_to_start_over_a_running_topology(tmp_path: Path, capsys, monkeypatch):
+    """A second topology in the same run directory replaced the first's state file: `down` then
+    stopped only the second, the first's processes ran on."""
+    import leasehold.local.demo
+
+    monkeypatch.setattr(leasehold.local.demo, "run_demo",
+                        lambda *a, **kw: (_ for _ in ()).throw(AssertionError("a topology was started")))
+    (tmp_path / "topology.json").write_text('{"services": []}')
+    assert main(["--run-dir", str(tmp_path), "demo", "--duration", "1"]) == Exit.USAGE
+    assert "already running" in capsys.readouterr().err
+    assert (tmp_path / "topology.json").read_text() == '{"services": []}'
+
+
+def test_leases_names_an_answer_that_is_not_an_allocators(tmp_path: Path, capsys):
+    """Something else at --allocator-url (a web server answering 200 with HTML, or JSON of another
+    shape): exit 2 naming the URL, not 70."""
+    import http.server
+    import threading
+
+    bodies = {"/v1/leader": b"<html>hello</html>"}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the http.server hook
+            body = bodies.get(self.path, b"[]")
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for leader in (b"<html>hello</html>", b'{"nodeId": null, "url": null, "epoch": null}'):
+            bodies["/v1/leader"] = leader
+            bodies["/v1/pools"] = b'[{"name": "p1"}]'  # no "id": a KeyError before
+            assert main(["leases", "--allocator-url", url + "/"]) == Exit.USAGE
+            err = capsys.readouterr().err
+            assert f"is {url} an allocator?" in err and "Traceback" not in err
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_capacity_results_of_another_shape_are_a_usage_error_naming_the_file(tmp_path: Path, capsys):
+    for name, data in (("list.json", b"[1]"), ("utf16.json", b"\xff\xfe{"), ("rows.json", b'{"rows": [5]}')):
+        path = tmp_path / name
+        path.write_bytes(data)
+        assert main(["capacity", "--calls-per-s", "10", "--active-keys", "1", "--results", str(path)]) == Exit.USAGE
+        err = capsys.readouterr().err
+        assert f"leasehold: {path} is not a bench results.json" in err and "Traceback" not in err
+
+
+def test_secrets_generate_never_narrows_a_directory_it_does_not_own(tmp_path: Path, capsys, monkeypatch):
+    """--out . (or /tmp, a home, a checkout) made that directory 0700 and filled it with
+    credentials; --out '' did the same to the working directory; --out FILE was exit 70."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    (shared / "README").write_text("mine\n")
+    monkeypatch.chdir(shared)
+    for out in (str(shared), ".", ""):
+        assert main(["secrets", "generate", "--out", out]) == Exit.USAGE
+        assert "Traceback" not in capsys.readouterr().err
+        assert shared.stat().st_mode & 0o777 == 0o755 and sorted(p.name for p in shared.iterdir()) == ["README"]
+    assert main(["secrets", "generate", "--out", str(shared / "README")]) == Exit.USAGE
+    assert "is not a directory" in capsys.readouterr().err
+    # a directory of their own: created 0700; an existing one that holds only credentials (or
+    # nothing) is narrowed to 0700, and --force replaces them in it
+    own = tmp_path / "own"
+    assert main(["secrets", "generate", "--out", str(own)]) == Exit.OK
+    own.chmod(0o755)
+    assert main(["secrets", "generate", "--out", str(own), "--force", "--regions", "eu,ap"]) == Exit.OK
+    assert own.stat().st_mode & 0o777 == 0o700
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o755)
+    assert main(["secrets", "generate", "--out", str(empty)]) == Exit.OK
+    assert empty.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("prefix", ["leasehold", "/leasehold", "leasehold/"])
+def test_a_prefix_the_services_would_not_read_is_refused_before_etcd_is_dialled(prefix: str, capsys, monkeypatch):
+    """`publish --prefix /leasehold` wrote `/leaseholdpolicy/current`, a key no service reads (and
+    answered 0 on a reachable etcd); the flag and LEASEHOLD_ETCD_PREFIX are checked as the services
+    check theirs."""
+    import kernel.etcd_store
+
+    monkeypatch.setattr(kernel.etcd_store, "EtcdStore", lambda *a, **kw: pytest.fail("etcd was dialled"))
+    with pytest.raises(SystemExit) as e:
+        main(["policy", "show", "--etcd", "127.0.0.1:1", "--prefix", prefix])
+    assert e.value.code == Exit.USAGE and "argument --prefix" in capsys.readouterr().err
+    monkeypatch.setenv("LEASEHOLD_ETCD_PREFIX", prefix)
+    with pytest.raises(SystemExit) as e:
+        main(["policy", "show", "--etcd", "127.0.0.1:1"])
+    assert e.value.code == Exit.USAGE
+
+
+def test_an_etcd_tls_file_that_is_not_there_is_named(tmp_path: Path, capsys):
+    for path, why in ((tmp_path / "missing.crt", "no such file"), (tmp_path, "not a readable file")):
+        assert main(["policy", "show", "--etcd", "127.0.0.1:1", "--etcd-ca-file", str(path)]) == Exit.USAGE
+        assert f"leasehold: --etcd-ca-file {path}: {why}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["status", "down", "admit", "leases", "up"])
+def test_a_state_file_of_another_shape_is_exit_2_and_down_signals_nothing(command: str, tmp_path: Path, capsys,
+                                                                          monkeypatch):
+    """A truncated or hand-edited topology.json was exit 70 for every command, `down` included; a
+    pid of -1 in it would have had `down` signal every process it may."""
+    monkeypatch.setattr(os, "kill", lambda *a: pytest.fail(f"signal sent: {a}"))
+    (tmp_path / "topology.json").write_text('{"services": [{"name": "x", "kind": "agent", "pid": -1, "url": "u"}]}')
+    assert main(["--run-dir", str(tmp_path), command]) == Exit.USAGE
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'topology.json'} is not a topology state file" in err and "Traceback" not in err
