@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from kernel.auth import TokenTable
 from kernel.config import ConfigError, LogLevel, ServingSettings, check_tls, check_tokens, load_settings
 from kernel.ids import EtcdPrefix, RegionName
 from kernel.options import Help
@@ -324,6 +325,14 @@ def load_agent_settings(argv: list[str] | None, env: dict[str, str] | None = Non
             policy_etcd_tls(s)
         except ValueError as e:
             raise ConfigError(f"invalid etcd TLS settings for --policy-etcd: {e}") from None
+    if not s.auth_disabled and not len(TokenTable.parse(s.gateway_tokens, s.gateway_tokens_file,
+                                                        default_name="gateway")):
+        # every door (/v1/admit, /v1/authz, RLS, RLQS) would answer 401 / UNAUTHENTICATED, and
+        # Envoy's fail-open filters would let every request through undecided (checked last: a
+        # malformed setting is named first)
+        raise ConfigError("gateway authentication is on but no gateway token is configured: give each "
+                          "gateway's token digest with --gateway-tokens / --gateway-tokens-file, or "
+                          "--auth-disabled (local development only)")
     # the default ``policies/northstar.json`` is found in the package when not under the cwd
     return msgspec.structs.replace(s, policy=resolve_policy_path(s.policy))
 

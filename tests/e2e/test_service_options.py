@@ -55,6 +55,7 @@ AGENT_CASES = [
     (["--rls-keys", "colour=x"], "'colour=x' is not <field>=<name> with field one of tenant, user"),
     (["--no-auth-disabled", "--gateway-tokens", "edge:nothex"], "invalid --gateway-tokens / --gateway-tokens-file: "
                                                                  "token entries must be <name>:<sha256 hex digest>"),
+    (["--no-auth-disabled"], "gateway authentication is on but no gateway token is configured"),
     (["--tls-cert-file", "{cert}"], "--tls-cert-file needs --tls-key-file (or LEASEHOLD_AGENT_TLS_KEY_FILE) as well"),
     (["--tls-cert-file", "{cert}", "--tls-key-file", "{junk}"], "are not a PEM certificate chain and its unencrypted"),
     (["--rls-tls-cert-file", "{cert}", "--rls-tls-key-file", "{key}", "--rls-tls-client-ca-file", "{junk}"],

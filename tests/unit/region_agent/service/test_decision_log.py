@@ -99,10 +99,10 @@ async def test_bounded_bytes_per_second_and_rotation(tmp_path: Path):
 
 async def test_off_by_default_nothing_is_built(tmp_path: Path, monkeypatch):
     from region_agent.service.settings import load_agent_settings
-    s = load_agent_settings(["--insecure-dev-pepper"], env={})
+    s = load_agent_settings(["--insecure-dev-pepper", "--auth-disabled"], env={})
     assert s.decision_log is None and DecisionLog.from_settings(s, KeyBuilder(b"x")) is None
     on = load_agent_settings(["--decision-log", str(tmp_path / "d.jsonl"), "--decision-log-allow-rate", "0.5",
-                              "--agent-id", "a-1"], env={})
+                              "--agent-id", "a-1", "--auth-disabled"], env={})
     dl = DecisionLog.from_settings(on, KeyBuilder(b"x"))
     assert dl is not None and dl.allow_rate == 0.5 and dl.agent == "a-1"
     dl.close()
