@@ -80,9 +80,11 @@ def test_agent_subprocess_end_to_end(agent_proc):
 def test_agent_refuses_to_start_without_pepper_or_with_a_bad_bundle(tmp_path: Path, redis_url: str):
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
     env["PYTHONPATH"] = str(ROOT)
-    r = subprocess.run(agent_command(redis_url=redis_url, policy=NORTHSTAR), env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(agent_command(redis_url=redis_url, policy=NORTHSTAR, auth_disabled=True), env=env,
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "pepper" in r.stderr
     bad = tmp_path / "bad.json"
     bad.write_text(NORTHSTAR.read_text().replace('"costMillis": 1000', '"costMillis": 30000', 1))
-    r = subprocess.run(agent_command(redis_url=redis_url, policy=bad, insecure_dev_pepper=True), env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(agent_command(redis_url=redis_url, policy=bad, insecure_dev_pepper=True, auth_disabled=True),
+                       env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "checksum mismatch" in r.stderr

@@ -22,15 +22,27 @@
 # LEASEHOLD_PREFIX, and one password file per user: ROOT_PASSWORD_FILE, PUBLISHER_PASSWORD_FILE,
 # ALLOCATOR_PASSWORD_FILE, AGENT_PASSWORD_FILE. Passwords go to etcdctl on stdin, never on a
 # command line. Once authentication is on, a second run authenticates as root.
+#
+# Exit status: 0 done; 2 a setting is missing or wrong (the prefix, a password file); 3 etcd does
+# not answer at ETCDCTL_ENDPOINTS within 10 s; another etcdctl's own (its message says why).
 set -eu
 P=${LEASEHOLD_PREFIX:-/leasehold/}
 case "$P" in /*/) ;; *) echo "LEASEHOLD_PREFIX must start and end with /" >&2; exit 2 ;; esac
-for f in "$ROOT_PASSWORD_FILE" "$PUBLISHER_PASSWORD_FILE" "$ALLOCATOR_PASSWORD_FILE" "$AGENT_PASSWORD_FILE"; do
-  [ -s "$f" ] || { echo "missing password file $f" >&2; exit 2; }
+for v in ROOT_PASSWORD_FILE PUBLISHER_PASSWORD_FILE ALLOCATOR_PASSWORD_FILE AGENT_PASSWORD_FILE; do
+  eval "f=\${$v:-}"
+  [ -n "$f" ] || { echo "$v is not set: the file holding that etcd user's password" >&2; exit 2; }
+  [ -s "$f" ] || { echo "missing password file $f ($v)" >&2; exit 2; }
 done
 export ETCDCTL_API=3
 
-if ! etcdctl user list >/dev/null 2>&1; then  # authentication is already on: act as root
+# etcdctl retries `user list` for ever against endpoints nobody answers: bounded, so a wrong
+# ETCDCTL_ENDPOINTS is named rather than waited on
+if timeout 10 etcdctl user list >/dev/null 2>&1; then
+  :
+elif [ $? -eq 124 ]; then
+  echo "etcd does not answer at ${ETCDCTL_ENDPOINTS:-127.0.0.1:2379} (etcdctl user list: no answer in 10 s)" >&2
+  exit 3
+else  # authentication is already on: act as root
   ETCDCTL_USER="root:$(cat "$ROOT_PASSWORD_FILE")"
   export ETCDCTL_USER
 fi
