@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from leasehold.local.gateways import Nginx
+from tests.support.upgrade_backend import UpgradeBackend
 
 from . import attacks
 from .conftest import Stack, assert_p_read, identity
@@ -93,3 +94,14 @@ def test_the_anonymous_route_is_login_alone(stack: Stack, nginx: Nginx):
 
 def test_ambiguous_paths_never_reach_the_backend(stack: Stack, nginx: Nginx):
     attacks.ambiguous_paths_never_reach_the_backend(nginx.url, "127.0.6.3", "ambnginx")
+
+
+@pytest.mark.parametrize("kind", sorted(attacks.UPGRADES))
+def test_an_upgrade_opens_no_tunnel(stack: Stack, kind: str):
+    backend = UpgradeBackend()
+    g = stack.nginx("nginx-upgrade-" + kind, UPSTREAM_PORT=backend.port)
+    try:
+        attacks.an_upgrade_opens_no_tunnel(g.url, backend, "upgnginx" + kind, kind)
+    finally:
+        g.stop()
+        backend.stop()
