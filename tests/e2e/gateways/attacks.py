@@ -9,7 +9,7 @@ deny-status and token headers. The hostile paths (sent byte for byte on a socket
 an HTTP library would normalise them first): look-alikes of the pre-authentication route, and
 paths a gateway may read one way and a backend another. The hostile tokens: a second bearer
 token in the query string; identity headers under a name a CGI-style backend reads as the real one
-(``x_tenant_id``). The hostile connection: a protocol upgrade (WebSocket, h2c) that would carry
+(``x_tenant_id``); a valid token whose claims no question can carry. The hostile connection: a protocol upgrade (WebSocket, h2c) that would carry
 requests past the gateway once it is open."""
 
 from __future__ import annotations
@@ -225,6 +225,27 @@ def ambiguous_paths_never_reach_the_backend(url: str, source: str, tenant: str) 
             assert headers or got == "/login" or got.startswith("/login/"), (path, got)
 
 
+# claims of a valid token that no question can carry (kernel.ids.TENANT_ID; a principal or key id
+# of 1-256 characters): the identity provider issued them, so the client holds them legitimately
+UNKEYABLE_CLAIMS = {
+    "tenant not an id": ("U-74", "Unkeyable_Tenant", "K1"),
+    "user id too long": ("U" * 300, "unkeyable", "K1"),
+    "api key id too long": ("U-74", "unkeyable", "K" * 300),
+}
+
+
+def unkeyable_claims_are_refused(stack: Stack, url: str) -> None:
+    """A valid token whose claims the agent cannot make a question of. The rate limit service
+    answered INVALID_ARGUMENT, and the fail-open limiter (stage 0, reads) let the request through
+    to the backend: every read of such a client passed, decided and charged nowhere. Refused at
+    the gateway now (403: not a Leasehold identity), whatever the limiter answered, and never
+    charged to anyone."""
+    for name, (user, tenant, key) in UNKEYABLE_CLAIMS.items():
+        status, upstream = send_raw(url, "/catalog", {"authorization": "Bearer " + ISSUER.token(user, tenant, key)})
+        assert upstream is None and status in (403, 422), (name, status, upstream)
+    assert keys(stack, "rl:v3:{t:unkeyable}*") == []
+
+
 UPGRADES = {
     "websocket": {"connection": "upgrade", "upgrade": "websocket", "sec-websocket-version": "13",
                   "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ=="},
@@ -300,8 +321,8 @@ def alias_headers_name_nobody(url: str, tenant: str, *, method: str = "GET", pat
 
 
 __all__ = ["AMBIGUOUS_PATHS", "FORGED_IP", "LOGIN_LOOKALIKES", "UPGRADES", "a_query_token_is_no_token",
-           "alias_headers_name_nobody", "an_upgrade_opens_no_tunnel",
+           "UNKEYABLE_CLAIMS", "alias_headers_name_nobody", "an_upgrade_opens_no_tunnel",
            "ambiguous_paths_never_reach_the_backend", "forged_forwarding_headers_count_the_connection", "hostile",
            "ip_keys_of", "keys", "no_token_claims_nothing", "p_read_with_hostile_headers",
            "replayed_request_id_is_not_the_clients", "route_group_is_the_routes", "send_raw",
-           "the_anonymous_route_is_login_alone", "tokens", "user_key"]
+           "the_anonymous_route_is_login_alone", "tokens", "unkeyable_claims_are_refused", "user_key"]

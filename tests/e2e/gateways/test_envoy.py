@@ -128,6 +128,10 @@ def test_a_query_token_is_no_token(stack: Stack, envoy: Envoy):
     attacks.a_query_token_is_no_token(stack, envoy.url, "qt" + envoy.name[-4:].replace("-", ""))
 
 
+def test_unkeyable_claims_are_refused(stack: Stack, envoy: Envoy):
+    attacks.unkeyable_claims_are_refused(stack, envoy.url)
+
+
 @pytest.fixture(scope="module")
 def cgi_backend() -> Iterator[CgiBackend]:
     b = CgiBackend()

@@ -92,6 +92,10 @@ def test_the_anonymous_route_is_login_alone(stack: Stack, nginx: Nginx):
     attacks.the_anonymous_route_is_login_alone(nginx.url, "127.0.5.3")
 
 
+def test_unkeyable_claims_are_refused(stack: Stack, nginx: Nginx):
+    attacks.unkeyable_claims_are_refused(stack, nginx.url)
+
+
 def test_ambiguous_paths_never_reach_the_backend(stack: Stack, nginx: Nginx):
     attacks.ambiguous_paths_never_reach_the_backend(nginx.url, "127.0.6.3", "ambnginx")
 

@@ -87,6 +87,10 @@ def test_the_anonymous_route_is_login_alone(stack: Stack, traefik: Traefik):
     attacks.the_anonymous_route_is_login_alone(traefik.url, "127.0.5.4")
 
 
+def test_unkeyable_claims_are_refused(stack: Stack, traefik: Traefik):
+    attacks.unkeyable_claims_are_refused(stack, traefik.url)
+
+
 def test_ambiguous_paths_never_reach_the_backend(stack: Stack, traefik: Traefik):
     attacks.ambiguous_paths_never_reach_the_backend(traefik.url, "127.0.6.4", "ambtraefik")
 
