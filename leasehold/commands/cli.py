@@ -619,7 +619,7 @@ def cmd_secrets_generate(args: argparse.Namespace) -> int:
     if not args.out.strip():  # Path("") is the working directory
         raise Failure(Exit.USAGE, "--out is empty: name the directory the credentials go to")
     try:
-        made = generate(Path(args.out), tuple(r.strip() for r in args.regions.split(",")), force=args.force)
+        made = generate(Path(args.out), args.regions, force=args.force)
     except SecretsError as e:
         raise Failure(Exit.USAGE, str(e)) from None
     data = {"dir": str(made.dir), "files": [p.name for p in made.files]}
@@ -800,7 +800,8 @@ def build_parser() -> argparse.ArgumentParser:
                   cmd_secrets_generate)
     sp.add_argument("--out", required=True, metavar="DIR",
                     help="e.g. deploy/secrets (compose) or deploy/k8s-dev/secrets (Kubernetes)")
-    sp.add_argument("--regions", default="eu,us", help="one allocator token per region (default: eu,us)")
+    sp.add_argument("--regions", type=regions, default=("eu", "us"),
+                    help="comma-separated region names, one allocator token each (default: eu,us)")
     sp.add_argument("--force", action="store_true", help="replace existing files")
     register_capacity_command(sub)  # leasehold/commands/capacity_cli.py: Redis shards, memory per copy, the hottest key
     return p

@@ -108,6 +108,8 @@ def test_status_exit_codes_follow_the_worst_service(tmp_path: Path, capsys, monk
     ["demo", "--rate", "inf"],
     ["demo", "--rate", "-5"],
     ["demo", "--duration", "0"],
+    ["secrets", "generate", "--out", "creds", "--regions", "EU,,us"],  # was its own message, after the parse
+    ["secrets", "generate", "--out", "creds", "--regions", "eu,eu"],
 ])
 def test_a_bad_option_value_is_a_usage_error_before_anything_starts(argv: list[str], tmp_path: Path, capsys,
                                                                      monkeypatch):
@@ -225,6 +227,19 @@ def test_secrets_generate_never_narrows_a_directory_it_does_not_own(tmp_path: Pa
     empty.mkdir(mode=0o755)
     assert main(["secrets", "generate", "--out", str(empty)]) == Exit.OK
     assert empty.stat().st_mode & 0o777 == 0o700
+
+
+def test_secrets_generate_takes_every_region_name_the_services_take(tmp_path: Path, capsys):
+    """`leasehold up --regions 1eu` and the agent's `--region 1eu` worked, but `secrets generate
+    --regions 1eu` refused it (a pattern of its own, printed with its regex anchors)."""
+    out = tmp_path / "creds"
+    assert main(["secrets", "generate", "--out", str(out), "--regions", "1eu,us-east-2"]) == Exit.OK
+    capsys.readouterr()
+    assert (out / "region-1eu.token").is_file() and (out / "region-us-east-2.token").is_file()
+    hashes = (out / "region-token-hashes").read_text()
+    assert hashes.startswith("1eu:") and "\nus-east-2:" in hashes
+    # the credentials' own directory: --force replaces them (a file it does not recognise would be refused)
+    assert main(["secrets", "generate", "--out", str(out), "--regions", "1eu,us-east-2", "--force"]) == Exit.OK
 
 
 @pytest.mark.parametrize("prefix", ["leasehold", "/leasehold", "leasehold/"])
