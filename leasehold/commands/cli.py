@@ -79,7 +79,8 @@ def _first_url(state: dict, kind: str, region: str | None = None) -> str:
 
 def _invalid(e: PolicyError, what: str = "invalid") -> Failure:
     from .policy_cli import policy_hints
-    return Failure(Exit.USAGE, f"{what}: {e.detail}", [*e.errors, *policy_hints(e)])
+    details = [x for x in e.errors if x not in e.detail]  # a problem the message already states is not repeated
+    return Failure(Exit.USAGE, f"{what}: {e.detail}", [*details, *policy_hints(e)])
 
 
 def _split(text: str) -> list[str]:
@@ -300,11 +301,12 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
 
     from kernel.bypass import diff_bypasses, needs_review
     from kernel.errors import LeaseholdError
+    from kernel.policy_yaml import load_policy
     from kernel.signing import TrustedKeys
 
     o = out(args)
     try:
-        bundle = load_bundle_file(args.file)
+        bundle = load_policy(args.file)  # a policy source is checked as the bundle it compiles to
         if args.public_keys:
             TrustedKeys.from_files(_split(args.public_keys)).check(bundle)
     except PolicyError as e:
@@ -349,7 +351,7 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
         return o.result(result, "\n".join(lines))
     if args.against:
         try:
-            current = load_bundle_file(args.against)
+            current = load_policy(args.against)
         except PolicyError as e:
             raise Failure(Exit.USAGE, f"the current bundle {args.against} is unusable: {e.detail}", e.errors) from None
         where = args.against
@@ -460,14 +462,13 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
 
     import msgspec
 
-    from kernel.bundle import decode_bundle, encode_bundle
+    from kernel.bundle import decode_bundle, encode_bundle, read_bundle_bytes
     from kernel.errors import LeaseholdError, StoreUnavailable
     from kernel.policy_store import rollback_bundle
     from kernel.signing import TrustedKeys, load_private_key, public_key_from_text, sign_bundle
 
     try:
-        with open(args.file, "rb") as f:
-            raw = f.read()
+        raw = read_bundle_bytes(args.file)
         bundle = decode_bundle(raw)
         if args.as_version is not None:
             published = args.published_at or bundle.published_at
@@ -811,7 +812,7 @@ def add_policy_commands(psub: Any) -> None:
     """The ``leasehold policy ...`` commands (each through :func:`_command`)."""
     sp = _command(psub, "validate", "validate a bundle with the services' own code; optionally its signature and "
                                     "the privileged bypasses it adds or widens", cmd_policy_validate)
-    sp.add_argument("file")
+    sp.add_argument("file", help="a bundle JSON, or a policy source (YAML: checked as the bundle it compiles to)")
     sp.add_argument("--public-keys", help="PEM public keys (comma-separated): the bundle must be signed by one")
     sp.add_argument("--against", metavar="CURRENT", help="the bundle in force (a file): report bypass changes, "
                                                          "exit 7 if a bypass is added or widened")

@@ -113,7 +113,12 @@ def test_policy_authoring_bad_input_is_a_message_and_exit_2_never_a_traceback(tm
     good.write_text(sample)
     old = tmp_path / "good.json"
     old.write_bytes(b"the previous bundle\n")
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(sample.replace("failMode: closed", "failMode: strict", 1))
     cases = [(["policy", "compile", str(bomb)], "a YAML alias"),
+             (["policy", "validate", str(typo)], "failMode 'strict' is not one of"),
+             (["up", "--policy", str(good)], f"not a sealed bundle (JSON): compile it first with `leasehold policy "
+                                            f"compile {good}`"),
              (["policy", "fmt", str(latin)], "not UTF-8 (byte 0xe9)"),
              (["policy", "compile", str(good), "--out", str(tmp_path / "no-dir" / "b.json")], "cannot write"),
              (["policy", "compile", str(good), "--out", str(tmp_path)], "cannot write")]

@@ -42,6 +42,43 @@ def test_help_lists_the_exit_codes(capsys):
         assert f"\n  {int(code):>2}  " in text
 
 
+def test_validate_checks_a_policy_source_as_the_bundle_it_compiles_to(tmp_path: Path, capsys):
+    """`leasehold policy validate policies/northstar.yaml` (the source docs/policy.md has you edit)
+    answered "bundle is not valid JSON: ... invalid character (byte 0)" with the same text again as
+    a detail; diff, explain and canary already read a source."""
+    repo = Path(__file__).resolve().parents[4]
+    source = repo / "policies" / "northstar-global.yaml"
+    assert main(["policy", "validate", str(source), "--bound", "--against", str(source), "-o", "json"]) == Exit.OK
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["valid"] and doc["bundleVersion"] == 42 and {b["pool"] for b in doc["bound"]} >= {"atlas-minute"}
+    typo = tmp_path / "p.yaml"
+    typo.write_text(source.read_text().replace("failMode: closed", "failMode: strict", 1))
+    assert main(["policy", "validate", str(typo)]) == Exit.USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"leasehold: invalid: {typo}:") and "failMode 'strict' is not one of" in err
+    assert len(err.strip().splitlines()) == 1, err  # the problem once, not again as a detail
+
+
+@pytest.mark.parametrize("argv", [
+    ["policy", "publish", "SOURCE", "--etcd", "127.0.0.1:1"],
+    ["policy", "sign", "SOURCE", "--key", "unused.key"],
+    ["up", "--policy", "SOURCE"],
+])
+def test_a_policy_source_where_a_sealed_bundle_belongs_says_compile_it(argv: list[str], tmp_path: Path, capsys,
+                                                                        monkeypatch):
+    import leasehold.local.topology
+
+    monkeypatch.setattr(leasehold.local.topology.LocalTopology, "start",
+                        lambda self: (_ for _ in ()).throw(AssertionError("a topology was started")))
+    source = str(Path(__file__).resolve().parents[4] / "policies" / "northstar.yaml")
+    argv = [source if a == "SOURCE" else a for a in argv]
+    assert main(["--run-dir", str(tmp_path / "run"), *argv]) == Exit.USAGE
+    err = capsys.readouterr().err
+    assert f"is a policy source (YAML), not a sealed bundle (JSON): compile it first with `leasehold policy " \
+           f"compile {source}`" in err, err  # was: bundle is not valid JSON: ... invalid character (byte 0)
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_status_without_a_topology_is_exit_6_with_a_json_error(tmp_path: Path, capsys, where: str):
     argv = ["--run-dir", str(tmp_path), "status"]
