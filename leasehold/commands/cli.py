@@ -246,8 +246,9 @@ def cmd_admit(args: argparse.Namespace) -> int:
                           problem=data)
     if resp.status_code != 200:
         code = Exit.USAGE if resp.status_code < 500 else Exit.UNAVAILABLE
-        raise Failure(code, f"the agent answered {resp.status_code}: {data.get('title') or ''} "
-                            f"{data.get('detail') or ''}".rstrip(), data.get("errors") or [], problem=data)
+        said = data.get("detail") or data.get("title") or ""  # the detail says what; the title only its class
+        raise Failure(code, f"the agent answered {resp.status_code}" + (f": {said}" if said else ""),
+                      [x for x in data.get("errors") or [] if str(x) not in said], problem=data)
     status = data.get("httpStatus", 200)
     code = Exit.OK if status == 200 else Exit.DENIED if status == 429 else Exit.UNAVAILABLE
     return out(args).result(data, _decision_text, code)
@@ -855,11 +856,30 @@ def add_policy_commands(psub: Any) -> None:
     register_policy_commands(psub, _etcd_opts)  # leasehold/commands/policy_cli.py: compile, seal, diff, replay, canary, ...
 
 
+def _command_parsers(parser: argparse.ArgumentParser) -> None:
+    """Each command's parser as its ``_parser`` default, so that an option it does not have is
+    reported with that command's ``--help`` (argparse reports it from the top-level parser)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                sp.set_defaults(_parser=sp)
+                _command_parsers(sp)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     token = _JSON_USAGE.set(_asks_json(argv))
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        _command_parsers(parser)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            own = {s for a in parser._actions for s in a.option_strings}  # leasehold's own: --run-dir, --version
+            misplaced = [x.split("=", 1)[0] for x in extra if x.split("=", 1)[0] in own]
+            if misplaced:
+                parser.error(f"{misplaced[0]} is an option of leasehold, not of {getattr(args, '_parser', parser).prog}: "
+                             "give it before the command")
+            getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     finally:
         _JSON_USAGE.reset(token)
     return run(args.func, args)

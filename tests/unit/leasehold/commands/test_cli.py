@@ -79,6 +79,26 @@ def test_a_policy_source_where_a_sealed_bundle_belongs_says_compile_it(argv: lis
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(("argv", "said"), [
+    (["admit", "--bogus"], "unrecognized arguments: --bogus (see leasehold admit --help)"),  # was: leasehold --help
+    (["policy", "compile", "p.yaml", "--bogus"], "unrecognized arguments: --bogus (see leasehold policy compile --help)"),
+    (["secrets", "generate", "--out", "d", "--nope"], "unrecognized arguments: --nope (see leasehold secrets generate "
+                                                      "--help)"),
+    (["status", "--run-dir", "x"], "--run-dir is an option of leasehold, not of leasehold status: give it before the "
+                                   "command (see leasehold --help)"),
+    (["status", "--run-dir=x"], "--run-dir is an option of leasehold, not of leasehold status: give it before the "
+                                "command (see leasehold --help)"),
+])
+def test_an_option_a_command_does_not_have_points_at_that_commands_help(argv: list[str], said: str, tmp_path: Path,
+                                                                         capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == Exit.USAGE
+    assert capsys.readouterr().err == f"leasehold: {said}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_status_without_a_topology_is_exit_6_with_a_json_error(tmp_path: Path, capsys, where: str):
     argv = ["--run-dir", str(tmp_path), "status"]
