@@ -512,9 +512,12 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
                 "key": store.key.decode(), "keyId": bundle.key_id}
 
     data = asyncio.run(publish())
-    return out(args).result(data, lambda d: f"published bundle {d['published']} (previous {d['previous']}) at "
-                                            f"{d['key']}, revision {d['revision']}"
-                                            + (f", signed by key {d['keyId']}" if d["keyId"] else ", unsigned"))
+    def text(d: dict) -> str:
+        previous = "the first" if d["previous"] is None else f"previous {d['previous']}"
+        return (f"published bundle {d['published']} ({previous}) at {d['key']}, revision {d['revision']}"
+                + (f", signed by key {d['keyId']}" if d["keyId"] else ", unsigned"))
+
+    return out(args).result(data, text)
 
 
 def _topology_signing_key(args: argparse.Namespace) -> str | None:
@@ -564,7 +567,8 @@ def _shown_text(d: dict) -> str:
         f"bundle {d['bundleVersion']}, {len(d['rules'])} rules, {len(d['pools'])} pools, {d['checksum']}"
         if d["valid"] else f"INVALID: {d['problem']}")]
     if d["valid"]:
-        lines.append(f"  published at {d['publishedAt']}, max age {d['maxAgeMs']} ms, "
+        lines.append(f"  published at {d['publishedAt']}, "
+                     + ("no max age, " if d["maxAgeMs"] is None else f"max age {d['maxAgeMs']} ms, ")
                      + (f"signed by key {d['keyId']}" if d["keyId"] else "unsigned"))
         lines.append("  rules: " + ", ".join(d["rules"]))
         if d["pools"]:
