@@ -29,6 +29,7 @@ from ..local.topology import (
     DEFAULT_POLICY,
     LocalTopology,
     StateError,
+    TokenFileError,
     TopologySpec,
     default_run_dir,
     read_state,
@@ -205,7 +206,11 @@ def _auth_headers(args: argparse.Namespace, who: str) -> dict[str, str]:
     token = os.environ.get("LEASEHOLD_TOKEN")
     if not token:
         state = _read_state(args.run_dir)
-        token = read_token(state, who) if state else None
+        try:
+            token = read_token(state, who) if state else None
+        except TokenFileError as e:
+            raise Failure(Exit.USAGE, str(e), ["set LEASEHOLD_TOKEN to the token, or restart the topology "
+                                               "(`leasehold down`, then `leasehold up`)"]) from None
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 

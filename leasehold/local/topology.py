@@ -346,14 +346,26 @@ def _sha(token: str) -> str:
 
 
 def read_token(state: dict, name: str) -> str | None:
-    """A token of the running topology (``gateway`` or ``operator``), from its secrets dir."""
+    """A token of the running topology (``gateway`` or ``operator``), from its secrets dir; None
+    when it runs without authentication (``up --no-auth``). A token file that is gone, unreadable
+    or empty is a :class:`TokenFileError` naming it: sent without a token, every call would be
+    refused as unauthenticated."""
     d = state.get("secrets")
     if not d:
         return None
+    path = Path(d) / f"{name}.token"
     try:
-        return (Path(d) / f"{name}.token").read_text().strip() or None
-    except OSError:
-        return None
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenFileError(f"cannot read the local topology's {name} token {path}: "
+                             f"{getattr(e, 'strerror', None) or e}") from None
+    if not token:
+        raise TokenFileError(f"the local topology's {name} token {path} is empty")
+    return token
+
+
+class TokenFileError(ValueError):
+    """A token file of the running local topology cannot be used (gone, unreadable, empty)."""
 
 
 def _env(**extra: str) -> dict[str, str]:

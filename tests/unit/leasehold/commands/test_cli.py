@@ -332,3 +332,27 @@ def test_a_state_file_of_another_shape_is_exit_2_and_down_signals_nothing(comman
     assert main(["--run-dir", str(tmp_path), command]) == Exit.USAGE
     err = capsys.readouterr().err
     assert f"{tmp_path / 'topology.json'} is not a topology state file" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("token", [None, "", "\xff"])
+def test_admit_names_a_token_file_it_cannot_use_before_asking(token: str | None, tmp_path: Path, capsys,
+                                                              monkeypatch):
+    """The gateway token file of the running topology gone (or empty): admit sent no token and said
+    'the agent answered 401: missing or invalid bearer token', which names neither the file nor a fix."""
+    import httpx
+
+    monkeypatch.delenv("LEASEHOLD_TOKEN", raising=False)
+    monkeypatch.setattr(httpx, "post", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("the agent was asked")))
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    if token is not None:
+        (secrets / "gateway.token").write_bytes(token.encode("latin-1"))
+    services = [{"name": "agent-eu-1", "kind": "agent", "pid": os.getpid(), "url": "http://127.0.0.1:9",
+                 "region": "eu"}]
+    (tmp_path / "topology.json").write_text(json.dumps({"services": services, "secrets": str(secrets)}))
+    assert main(["--run-dir", str(tmp_path), "admit"]) == Exit.USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"leasehold: cannot read the local topology's gateway token {secrets / 'gateway.token'}: "
+                          if token != "" else
+                          f"leasehold: the local topology's gateway token {secrets / 'gateway.token'} is empty"), err
+    assert "LEASEHOLD_TOKEN" in err and "Traceback" not in err
