@@ -356,3 +356,17 @@ def test_admit_names_a_token_file_it_cannot_use_before_asking(token: str | None,
                           if token != "" else
                           f"leasehold: the local topology's gateway token {secrets / 'gateway.token'} is empty"), err
     assert "LEASEHOLD_TOKEN" in err and "Traceback" not in err
+
+
+def test_capacity_takes_the_algorithm_names_a_rule_uses(capsys):
+    """`--algorithm pool` (a rule's algorithm, docs/glossary.md) was refused: only the measurement's
+    own name "pool balance" was taken. docs/capacity.md's `--json` is `-o json`."""
+    argv = ["capacity", "--calls-per-s", "1000", "--active-keys", "10"]
+    assert main([*argv, "--algorithm", "pool", "-o", "json"]) == Exit.OK
+    by_rule_name = json.loads(capsys.readouterr().out)["plan"]
+    assert main([*argv, "--algorithm", "pool balance", "-o", "json"]) == Exit.OK
+    assert json.loads(capsys.readouterr().out)["plan"] == by_rule_name and by_rule_name["bytes_per_key"] > 0
+    assert main([*argv, "--algorithm", "leaky"]) == Exit.USAGE
+    assert capsys.readouterr().err.startswith("leasehold: no measured bytes per key for 'leaky'")
+    page = (Path(__file__).resolve().parents[4] / "docs" / "capacity.md").read_text()
+    assert "[--json]" not in page and "[-o json]" in page
