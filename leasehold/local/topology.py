@@ -126,6 +126,11 @@ class LocalTopology:
                 self.etcd = EtcdCluster(run / "etcd", members=self.spec.etcd_members).start(timeout)
                 if self.signing:  # before auth is on: ``policy publish`` refuses unsigned bundles
                     self.etcd.etcdctl("put", "/leasehold/policy/signing", stdin=signing_marker(self.signing[1]))
+                if self.spec.policy_from_etcd:
+                    # the start bundle is the published one: what the services follow is what they run,
+                    # so `policy show`, `validate --against-etcd` and a canary (staged over a published
+                    # bundle) see it instead of nothing
+                    self.etcd.etcdctl("put", "/leasehold/policy/current", stdin=Path(self.policy_path).read_text())
                 if self.secrets:
                     self.secrets.enable_etcd_auth(self.etcd)
                 for i in range(self.spec.allocators):
