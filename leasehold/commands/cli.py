@@ -668,6 +668,7 @@ def _spec(args: argparse.Namespace) -> TopologySpec:
                         allocators=args.allocators, etcd_members=args.etcd_members,
                         auth=not getattr(args, "no_auth", False), policy_from_etcd=True,
                         signed=not getattr(args, "unsigned", False),
+                        decision_logs=getattr(args, "decision_logs", False),
                         insecure_dev_pepper=getattr(args, "insecure_dev_pepper", False))
 
 
@@ -722,6 +723,9 @@ def _topo_opts(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--unsigned", action="store_true",
                     help="no policy signing (default: a key pair in <run-dir>/secrets signs the start bundle "
                          "and the services trust only its public key)")
+    sp.add_argument("--decision-logs", action="store_true",
+                    help="every agent writes the sampled decision log, <run-dir>/decisions-<region>-<n>.jsonl, "
+                         "the input of `leasehold policy replay` (default: off)")
     sp.add_argument("--insecure-dev-pepper", action="store_true",
                     help="give the agents the public development pepper (default: a random pepper "
                          "generated into <run-dir>/secrets/pepper)")

@@ -370,3 +370,21 @@ def test_capacity_takes_the_algorithm_names_a_rule_uses(capsys):
     assert capsys.readouterr().err.startswith("leasehold: no measured bytes per key for 'leaky'")
     page = (Path(__file__).resolve().parents[4] / "docs" / "capacity.md").read_text()
     assert "[--json]" not in page and "[-o json]" in page
+
+
+def test_up_decision_logs_turns_the_agents_decision_log_on(tmp_path: Path, monkeypatch, capsys):
+    """docs/policy.md sent a new user to the topology's `decision_logs` spec field, which no option
+    set: the input of `policy replay` could not be had from `leasehold up`."""
+    import leasehold.local.topology
+
+    specs = []
+
+    def start(self):
+        specs.append(self.spec)
+        raise KeyboardInterrupt  # stop here: nothing was started
+
+    monkeypatch.setattr(leasehold.local.topology.LocalTopology, "start", start)
+    for argv, on in ((["up"], False), (["up", "--decision-logs"], True), (["demo", "--decision-logs"], True)):
+        main(["--run-dir", str(tmp_path / "run"), *argv])
+        assert specs.pop().decision_logs is on, argv
+    capsys.readouterr()
