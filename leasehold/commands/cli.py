@@ -396,7 +396,13 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
 def cmd_policy_keygen(args: argparse.Namespace) -> int:
     from kernel.signing import generate_keypair, key_id_of, load_public_key
 
-    key, pub = generate_keypair(Path(args.dir), args.name)
+    try:
+        key, pub = generate_keypair(Path(args.dir), args.name, replace=args.force)
+    except FileExistsError as e:
+        raise Failure(Exit.USAGE, f"{e}: refusing to replace a signing key pair (bundles signed with it would no "
+                                  "longer verify with a new one); another --name or DIR, or --force") from None
+    except OSError as e:
+        raise Failure(Exit.USAGE, f"cannot write the key pair into {args.dir}: {e.strerror}") from None
     data = {"keyId": key_id_of(load_public_key(pub)), "privateKey": str(key), "publicKey": str(pub)}
     return out(args).result(data, lambda d: f"key {d['keyId']}: private {d['privateKey']}, public {d['publicKey']}")
 
@@ -841,6 +847,7 @@ def add_policy_commands(psub: Any) -> None:
     sp = _command(psub, "keygen", "generate an Ed25519 signing key pair (NAME.key 0600, NAME.pub)", cmd_policy_keygen)
     sp.add_argument("dir")
     sp.add_argument("--name", default="policy-signing", help="file name stem (default: policy-signing)")
+    sp.add_argument("--force", action="store_true", help="replace an existing key pair of that name")
     sp = _command(psub, "sign", "sign a bundle (keyId + signature over content, version, publishedAt)",
                   cmd_policy_sign)
     sp.add_argument("file")

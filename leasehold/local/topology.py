@@ -327,7 +327,7 @@ def sign_start_bundle(run: Path, policy: Path) -> tuple[tuple[Path, Path], Path]
     d = run / "secrets"
     d.mkdir(parents=True, exist_ok=True)
     d.chmod(0o700)
-    key, pub = generate_keypair(d, "policy-signing")
+    key, pub = generate_keypair(d, "policy-signing", replace=True)  # this run's own key, made at every start
     signed = run / "policy.signed.json"
     signed.write_bytes(encode_bundle(sign_bundle(load_bundle_file(str(policy)), load_private_key(key))) + b"\n")
     return (key, pub), signed

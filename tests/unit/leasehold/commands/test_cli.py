@@ -388,3 +388,18 @@ def test_up_decision_logs_turns_the_agents_decision_log_on(tmp_path: Path, monke
         main(["--run-dir", str(tmp_path / "run"), *argv])
         assert specs.pop().decision_logs is on, argv
     capsys.readouterr()
+
+
+def test_policy_keygen_twice_keeps_the_first_key(tmp_path: Path, capsys):
+    """The second run replaced the signing key silently (exit 0): the fleet trusts the first one."""
+    assert main(["policy", "keygen", str(tmp_path)]) == Exit.OK
+    first = (tmp_path / "policy-signing.key").read_bytes()
+    capsys.readouterr()
+    assert main(["policy", "keygen", str(tmp_path)]) == Exit.USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"leasehold: {tmp_path / 'policy-signing.key'} and {tmp_path / 'policy-signing.pub'} "
+                          "already exist: refusing to replace a signing key pair") and "--force" in err
+    assert (tmp_path / "policy-signing.key").read_bytes() == first
+    assert main(["policy", "keygen", str(tmp_path), "--name", "next"]) == Exit.OK  # a rotation's second pair
+    assert main(["policy", "keygen", str(tmp_path), "--force"]) == Exit.OK
+    assert (tmp_path / "policy-signing.key").read_bytes() != first
