@@ -167,6 +167,10 @@ def test_status_exit_codes_follow_the_worst_service(tmp_path: Path, capsys, monk
     ["demo", "--duration", "0"],
     ["secrets", "generate", "--out", "creds", "--regions", "EU,,us"],  # was its own message, after the parse
     ["secrets", "generate", "--out", "creds", "--regions", "eu,eu"],
+    ["policy", "explain", "policies/northstar.yaml", "--tenant", "atlas", "--principal", "U-17", "--route", "read",
+     "--cost", "0"],  # explained a request of cost 0, which every agent refuses (422)
+    ["policy", "explain", "policies/northstar.yaml", "--tenant", "atlas", "--principal", "U-17", "--route", "read",
+     "--cost", "1001"],
 ])
 def test_a_bad_option_value_is_a_usage_error_before_anything_starts(argv: list[str], tmp_path: Path, capsys,
                                                                      monkeypatch):
