@@ -34,6 +34,7 @@ from ..local.topology import (
     default_run_dir,
     read_state,
     read_token,
+    same_boot,
     stop_from_state,
 )
 from .argtypes import etcd_prefix, finite, http_url, regions, whole
@@ -123,9 +124,22 @@ def _service_lines(services: list[dict], state_col: bool) -> str:
     return "\n".join(rows)
 
 
+def _nothing_runs(run_dir: Path) -> None:
+    """Before ``up`` / ``demo``: a topology whose processes run in ``run_dir`` is exit 2 (a second
+    one would orphan them); a state file whose every process has exited (a crash, a reboot) is
+    left over, and removed."""
+    state = _read_state(run_dir)
+    if state is None:
+        return
+    running = [s["name"] for s in state["services"] if same_boot(state) and _alive(int(s["pid"]))]
+    if running:
+        raise Failure(Exit.USAGE, "a topology is already running; `leasehold down` first",
+                      [f"running: {', '.join(running)} ({run_dir / 'topology.json'})"])
+    (run_dir / "topology.json").unlink(missing_ok=True)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    if _read_state(args.run_dir):
-        raise Failure(Exit.USAGE, "a topology is already running; `leasehold down` first")
+    _nothing_runs(args.run_dir)
     LocalTopology(_spec(args)).start()
     state = _read_state(args.run_dir) or {}
     view = _topology_view(args.run_dir, state, [dict(s) for s in state.get("services", [])])
@@ -156,10 +170,10 @@ def _alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
-def _probe(client: httpx.Client, svc: dict) -> str:
+def _probe(client: httpx.Client, svc: dict, booted: bool = True) -> str:
     """``ready``, ``not ready`` (answers, but not ready), ``down`` (its process runs but does not
-    answer) or ``exited`` (its process is gone)."""
-    if not _alive(int(svc["pid"])):
+    answer) or ``exited`` (its process is gone, or ``booted`` is False: it ran before this boot)."""
+    if not booted or not _alive(int(svc["pid"])):
         return "exited"
     kind, url = svc["kind"], svc["url"]
     try:
@@ -184,7 +198,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Every process of the local topology and whether it is ready; exit 0 only when all are."""
     state = _state_or_fail(args.run_dir)
     with httpx.Client(timeout=1.0) as client:
-        services = [{**svc, "state": _probe(client, svc)} for svc in state["services"]]
+        services = [{**svc, "state": _probe(client, svc, same_boot(state))} for svc in state["services"]]
     view = _topology_view(args.run_dir, state, services)
     bad = [s for s in services if s["state"] != "ready"]
     code = (Exit.CONNECT if any(s["state"] in ("down", "exited") for s in bad)
@@ -651,8 +665,7 @@ def cmd_secrets_generate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ..local.demo import run_demo
 
-    if _read_state(args.run_dir):  # a second topology in the same run directory would orphan the first's processes
-        raise Failure(Exit.USAGE, "a topology is already running; `leasehold down` first")
+    _nothing_runs(args.run_dir)  # a second topology in the same run directory would orphan the first's processes
 
     # -o json: the live view goes to stderr and the run's totals are one JSON document on stdout
     return run_demo(_spec(args), duration_s=args.duration, rate=args.rate, summary=out(args).json,

@@ -230,7 +230,7 @@ class LocalTopology:
     def write_state(self) -> None:
         path = self.spec.run_dir / "topology.json"
         tmp = path.with_name(path.name + ".tmp")  # written whole, then renamed: never read half-written
-        tmp.write_text(json.dumps({"started": time.time(), "policy": str(self.spec.policy),
+        tmp.write_text(json.dumps({"started": time.time(), "bootId": boot_id(), "policy": str(self.spec.policy),
                                     "secrets": str(self.secrets.dir) if self.secrets else None,
                                     "signingKey": str(self.signing[0]) if self.signing else None,
                                     "services": [asdict(s) for s in self.services()]}, indent=2))
@@ -412,13 +412,29 @@ def read_state(run_dir: Path) -> dict | None:
     return state
 
 
+def boot_id() -> str | None:
+    """This boot of the machine (Linux), or None: a state file of another boot names processes
+    that died with it, whose pids may now be anyone's."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def same_boot(state: dict) -> bool:
+    """The state file was written since this machine started (a file without a boot id: assumed)."""
+    recorded, now = state.get("bootId"), boot_id()
+    return recorded is None or now is None or recorded == now
+
+
 def stop_from_state(run_dir: Path, timeout: float = 5.0) -> list[str]:
-    """Stop every process recorded in the run directory's state file (``leasehold down``)."""
+    """Stop every process recorded in the run directory's state file (``leasehold down``). A file
+    of an earlier boot signals nothing (its processes died with that boot; the pids are others')."""
     state = read_state(run_dir)
     if state is None:
         return []
     stopped: list[str] = []
-    for svc in reversed(state["services"]):
+    for svc in reversed(state["services"] if same_boot(state) else []):
         pid = svc["pid"]
         try:
             os.kill(pid, signal.SIGCONT)

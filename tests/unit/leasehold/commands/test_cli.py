@@ -138,7 +138,7 @@ def test_status_exit_codes_follow_the_worst_service(tmp_path: Path, capsys, monk
                                             ("redis-1", "redis"), ("agent-eu-1", "agent")], start=1)]
     (tmp_path / "topology.json").write_text(json.dumps({"services": services, "secrets": None}))
     states: dict[str, str] = {}
-    monkeypatch.setattr(cli, "_probe", lambda _client, svc: states.get(svc["name"], "ready"))
+    monkeypatch.setattr(cli, "_probe", lambda _client, svc, booted=True: states.get(svc["name"], "ready"))
     for broken, code in ({}, Exit.OK), ({"agent-eu-1": "not ready"}, Exit.UNAVAILABLE), \
             ({"agent-eu-1": "not ready", "etcd-m0": "down"}, Exit.CONNECT), ({"redis-1": "exited"}, Exit.CONNECT):
         states = broken
@@ -214,10 +214,46 @@ def test_demo_refuses_to_start_over_a_running_topology(tmp_path: Path, capsys, m
 
     monkeypatch.setattr(leasehold.local.demo, "run_demo",
                         lambda *a, **kw: (_ for _ in ()).throw(AssertionError("a topology was started")))
-    (tmp_path / "topology.json").write_text('{"services": []}')
+    state = json.dumps({"services": [{"name": "agent-eu-1", "kind": "agent", "pid": os.getpid(), "url": "u"}]})
+    (tmp_path / "topology.json").write_text(state)
     assert main(["--run-dir", str(tmp_path), "demo", "--duration", "1"]) == Exit.USAGE
     assert "already running" in capsys.readouterr().err
-    assert (tmp_path / "topology.json").read_text() == '{"services": []}'
+    assert (tmp_path / "topology.json").read_text() == state
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+@pytest.mark.parametrize("leftover", ["exited", "another boot"])
+def test_up_over_the_state_of_a_topology_whose_processes_are_gone_starts(command: str, leftover: str,
+                                                                        tmp_path: Path, capsys, monkeypatch):
+    """After a crash or a reboot, `up` said "a topology is already running" (its processes had
+    all exited), and after a reboot `down` would have signalled whatever processes now have the
+    recorded pids. The left-over state is removed and a topology starts; `down` signals nothing."""
+    import subprocess
+
+    import leasehold.local.demo
+    import leasehold.local.topology
+    from leasehold.local.topology import stop_from_state
+
+    started = []
+    monkeypatch.setattr(leasehold.local.topology.LocalTopology, "start", lambda self: started.append(self) or self)
+    monkeypatch.setattr(leasehold.local.demo, "run_demo", lambda spec, **kw: started.append(spec) or 0)
+    if leftover == "exited":
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        pid, boot = gone.pid, leasehold.local.topology.boot_id()
+    else:  # a pid that runs now (this test's), recorded by another boot
+        pid, boot = os.getpid(), "another-boot"
+    state = {"bootId": boot, "services": [{"name": "agent-eu-1", "kind": "agent", "pid": pid, "url": "u"}]}
+    (tmp_path / "topology.json").write_text(json.dumps(state))
+    if leftover == "another boot":
+        assert stop_from_state(tmp_path) == []  # this process was not signalled
+        assert not (tmp_path / "topology.json").exists()
+        (tmp_path / "topology.json").write_text(json.dumps(state))
+        assert main(["--run-dir", str(tmp_path), "status", "-o", "json"]) == Exit.CONNECT
+        assert json.loads(capsys.readouterr().out)["services"][0]["state"] == "exited"
+    argv = ["--run-dir", str(tmp_path), command] + (["--duration", "1"] if command == "demo" else [])
+    assert main(argv) == Exit.OK, capsys.readouterr().err
+    assert len(started) == 1 and not (tmp_path / "topology.json").exists()
 
 
 def test_leases_names_an_answer_that_is_not_an_allocators(tmp_path: Path, capsys):
