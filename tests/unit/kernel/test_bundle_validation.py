@@ -113,9 +113,12 @@ def test_non_increasing_reload_is_refused_and_counted(tmp_path: Path):
     path.write_bytes(encode_bundle(NORTHSTAR))
     seen = []
     holder = PolicyHolder.load(str(path), on_reload=seen.append)
-    for version in (41, 42):
-        path.write_bytes(encode_bundle(seal(msgspec.structs.replace(NORTHSTAR, bundle_version=version))))
+    for version in (41, 42):  # 42: another bundle of the version in force (the same one is "unchanged")
+        path.write_bytes(encode_bundle(seal(msgspec.structs.replace(NORTHSTAR, bundle_version=version,
+                                                                    published_at="2030-01-01T00:00:00Z"))))
         assert holder.reload().outcome == "stale"
+    path.write_bytes(encode_bundle(NORTHSTAR))
+    assert holder.reload().outcome == "unchanged"  # not reported
     path.write_bytes(b"{ not json")
     assert holder.reload().outcome == "invalid"
     assert holder.bundle is NORTHSTAR or holder.bundle == NORTHSTAR
