@@ -131,10 +131,8 @@ def _nothing_runs(run_dir: Path) -> None:
     state = _read_state(run_dir)
     if state is None:
         return
-    running = [s["name"] for s in state["services"] if same_boot(state) and _alive(int(s["pid"]))]
-    if running:
-        raise Failure(Exit.USAGE, "a topology is already running; `leasehold down` first",
-                      [f"running: {', '.join(running)} ({run_dir / 'topology.json'})"])
+    if same_boot(state) and any(_alive(int(s["pid"])) for s in state["services"]):
+        raise Failure(Exit.USAGE, "a topology is already running; `leasehold down` first")
     (run_dir / "topology.json").unlink(missing_ok=True)
 
 
