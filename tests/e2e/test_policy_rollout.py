@@ -76,6 +76,25 @@ def burst(topo: LocalTopology, region: str, user: str, n: int = 30) -> list[dict
         return list(pool.map(lambda i: one(c, i), range(n)))
 
 
+def warm(topo: LocalTopology, region: str, timeout_s: float = 15.0) -> None:
+    """Ask one region's agent until a read is admitted: its fleet-wide pool's regional balance then
+    holds a lease. (A burst that meets a cold balance on a loaded machine can be denied whole by
+    the pool's chunk, still being bought, and so say nothing about P-READ.)"""
+    url, deadline = topo.agent_urls[region][0], time.monotonic() + timeout_s
+    with httpx.Client(timeout=10.0, headers=topo.gateway_headers()) as c:
+        i = 0
+        while time.monotonic() < deadline:
+            i += 1
+            r = c.post(url + "/v1/admit", json={"requestId": f"w-{region}-{i:04d}-{time.monotonic_ns()}",
+                                                "tenantId": "atlas", "principal": {"type": "user", "id": f"warm-{region}"},
+                                                "routeGroup": "read"})
+            assert r.status_code == 200, r.text
+            if r.json()["allowed"]:
+                return
+            time.sleep(0.1)
+    raise AssertionError(f"{region}: no read admitted in {timeout_s} s")
+
+
 def held(topo: LocalTopology, region: str) -> tuple[int, int]:
     """(current, candidate) versions an agent reports in its metrics."""
     text = httpx.get(topo.agent_urls[region][0] + "/metrics", headers=topo.operator_headers(), timeout=5).text
@@ -113,6 +132,7 @@ def test_replay_canary_promote_rollback(topo: LocalTopology, tmp_path: Path, cap
     # 1. recorded traffic, replayed through a tightened P-READ (burst 20 -> 10)
     base = []
     for region in ("eu", "us"):
+        warm(topo, region)
         started = time.monotonic()
         ds = burst(topo, region, f"rec-{region}")
         took = time.monotonic() - started
