@@ -75,6 +75,9 @@ class RedisNode:
         # one line per reachability change (breaker opened / closed again), at most one per interval
         self.reachability = TransitionLog(log, initial=True, interval_s=log_interval_s)
         self._opened_at = 0.0
+        # the last store failure when the store refused the command (OOM, ACL, credentials): it stays
+        # until an operator acts, so the outage's log line names it
+        self._refused: sc.StoreRefused | None = None
 
     def start(self) -> None:
         """Start measuring the event loop's lag (call inside the running loop)."""
@@ -166,6 +169,7 @@ class RedisNode:
         except Exception as e:
             err = self._own_timeout(translate(e))
             if not isinstance(err, Overloaded):
+                self._refused = err if isinstance(err, sc.StoreRefused) else None
                 self.breaker.failure(time.monotonic())
                 self._breaker_changed()
             raise err from None
@@ -173,8 +177,11 @@ class RedisNode:
         if sc.has_error(replies):  # one pass over the replies in the common case (no error among them)
             replies = [self._own_timeout(r) for r in replies]
             # MOVED / ASK / TRYAGAIN came from a healthy node that said where its slot is (or that it moves)
-            failed = any(isinstance(r, (StoreUnavailable, AmbiguousOutcome)) and not isinstance(r, sc.SlotRedirect)
-                         for r in replies)
+            failures = [r for r in replies if isinstance(r, (StoreUnavailable, AmbiguousOutcome))
+                        and not isinstance(r, sc.SlotRedirect)]
+            if failures:
+                failed = True
+                self._refused = next((r for r in failures if isinstance(r, sc.StoreRefused)), None)
         if failed:
             self.breaker.failure(time.monotonic())
         else:
@@ -227,10 +234,12 @@ class RedisNode:
             # sent and not answered while the store looks stalled (or even after the late wait):
             # counts against the store, so a hung Redis opens the breaker quickly; if the pipeline
             # then comes back fine, its success closes the breaker again (see _run_pipeline)
+            self._refused = None
             self.breaker.failure(time.monotonic())
             self._breaker_changed()
             return exc
         if self.stalled():
+            self._refused = None
             self.breaker.failure(time.monotonic())
             self._breaker_changed()
             return StoreUnavailable("the store is not answering (queued behind a stalled pipeline)")
@@ -254,6 +263,11 @@ class RedisNode:
         if reachable:
             return logging.INFO, (f"{self.name} reachable again: circuit breaker closed after "
                                   f"{time.monotonic() - self._opened_at:.1f} s{more}")
+        if self._refused is not None:  # reachable, but refusing: an operator has to act
+            return logging.ERROR, (f"{self.name} refuses the agent's commands "
+                                   f"({sc.StoreRefused.CAUSES[self._refused.cause]}): circuit breaker open after "
+                                   f"{self.breaker.failure_threshold} consecutive store failures; decisions "
+                                   f"degrade per rule failMode{more}")
         return logging.WARNING, (f"{self.name} unreachable: circuit breaker open after "
                                  f"{self.breaker.failure_threshold} consecutive store failures; decisions "
                                  f"degrade per rule failMode{more}")

@@ -36,11 +36,31 @@ from .lua_loader import DEFAULT_LUA_DIR, has_kinds, load_scripts, load_variant, 
 from .resp import ASKING, pack_evalsha, pack_pipeline
 
 __all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "SlotMigrating", "SlotMoved", "SlotRedirect",
-           "translate_redis_error"]
+           "StoreRefused", "translate_redis_error"]
 
-# Server error prefixes meaning "the command was refused before it ran": nothing happened.
+# Server error prefixes meaning "the command was refused before it ran": nothing happened. (redis-py
+# strips the prefix of the replies it has an exception class for — OOM, NOPERM, READONLY ... — so
+# those are told apart by class in translate_redis_error, never by this text.)
 _NOT_RUN_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY", "NOREPLICAS",
                      "MOVED", "ASK", "OOM")
+
+
+class StoreRefused(StoreUnavailable):
+    """A reachable Redis refused to run the command because of how it is set up, not because of
+    the call: ``cause`` ``oom`` (used memory above ``maxmemory`` under ``noeviction``: every write
+    is refused), ``acl`` (the agent's ACL user may not run a command its scripts need, or touch
+    their keys) or ``auth`` (the credentials are wrong). Nothing ran. Like any store failure it
+    counts against the node's breaker and the decision degrades per its rules' fail modes; it
+    lasts until an operator acts, so the node names the cause in its log line."""
+
+    code, title = "store-refused", "The store refused the agent's command"
+
+    CAUSES = {"oom": "OOM: used memory above maxmemory", "acl": "NOPERM: the ACL user lacks a command or key",
+              "auth": "the Redis credentials were refused"}
+
+    def __init__(self, cause: str):
+        super().__init__(f"store refused the command ({self.CAUSES[cause]})", extra={"cause": cause})
+        self.cause = cause
 
 
 class KeysNotColocated(ScriptRejected):
@@ -93,7 +113,8 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
 
     Error replies from a script (validation) -> :class:`ScriptRejected` (not retriable);
     CROSSSLOT / client-side slot refusal -> :class:`KeysNotColocated`; MOVED / ASK ->
-    :class:`SlotMoved` (the cluster store follows it), TRYAGAIN -> :class:`SlotMigrating`; replies that mean the
+    :class:`SlotMoved` (the cluster store follows it), TRYAGAIN -> :class:`SlotMigrating`; OOM, NOPERM
+    and refused credentials -> :class:`StoreRefused`; replies that mean the
     server refused to run anything (BUSY, LOADING, CLUSTERDOWN, NOSCRIPT ...) ->
     :class:`StoreUnavailable`; connection failures before send -> :class:`StoreUnavailable`;
     timeouts/resets after send -> :class:`AmbiguousOutcome`. Details never echo driver text."""
@@ -107,6 +128,14 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
         return SlotMoved(exc.slot_id, exc.host, exc.port, ask=not isinstance(exc, rex.MovedError))
     if isinstance(exc, rex.TryAgainError):
         return SlotMigrating("the key's slot is being migrated (TRYAGAIN)")
+    if isinstance(exc, rex.OutOfMemoryError):
+        return StoreRefused("oom")
+    if isinstance(exc, rex.NoPermissionError):
+        return StoreRefused("acl")
+    if isinstance(exc, rex.AuthenticationError):  # (a ConnectionError: before that branch)
+        return StoreRefused("auth")
+    if isinstance(exc, rex.ClusterCrossSlotError):
+        return KeysNotColocated("script keys are not in one hash slot")
     if isinstance(exc, (rex.ClusterDownError, rex.MasterDownError, rex.BusyLoadingError,
                         rex.ReadOnlyError, rex.SlotNotCoveredError, rex.MaxConnectionsError)):
         # refused or never sent: nothing ran

@@ -1,0 +1,98 @@
+"""A reachable Redis that refuses the agent's commands, on real servers: memory full under
+``noeviction`` (every write script answers OOM) and an ACL user missing a command its scripts
+need (NOPERM). Either lasts until an operator acts: the decisions degrade by their rules' fail
+modes (the bounded local path, never a 500 nor an unbounded allow), the breaker counts the
+refusals (LeaseholdBreakerOpen), and one log line names the cause."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+from litestar.testing import AsyncTestClient
+
+from leasehold.local.procs import RedisServer, agent_acl
+from region_agent.service.app import create_app
+
+from .conftest import PEPPER, admit_body, make_settings
+
+pytestmark = pytest.mark.integration
+
+FAST_BREAKER = dict(breaker_failures=3, breaker_open_ms=200, redis_log_interval_ms=0, store_health_ms=0)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the series of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for m in re.finditer(rf"^{name}{{([^}}]*)}} (\S+)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+async def degraded_with_the_cause(agent: AsyncTestClient, caplog: pytest.LogCaptureFixture, rid: str,
+                                  cause: str) -> None:
+    """Decisions on the refusing store: the user rule's bounded local allowance (its limit 5,
+    never more), degraded as a store failure, and the breaker open with one line naming ``cause``."""
+    answers = []
+    for i in range(8):
+        resp = await agent.post("/v1/admit", json=admit_body(f"{rid}-{i:04d}", pid=f"{rid}-user"))
+        assert resp.status_code == 200, resp.text  # a decision, never a 500
+        answers.append(resp.json())
+    assert all(a["fallback"] for a in answers), answers
+    assert sum(a["allowed"] for a in answers) <= 5  # read-user-v3's limit: bounded, never an open door
+    assert not answers[-1]["allowed"]
+    text = (await agent.get("/metrics")).text
+    assert metric(text, "leasehold_agent_degraded_decisions_total", reason="STORE_UNREACHABLE") >= 8, text
+    assert metric(text, "leasehold_agent_degraded_decisions_total", reason="POLICY_ERROR") == 0  # not a policy defect
+    assert metric(text, "leasehold_agent_script_errors_total", error="StoreRefused") >= 1
+    assert metric(text, "leasehold_agent_breaker_state", shard="default") == 2  # LeaseholdBreakerOpen
+    lines = [r for r in caplog.records if "refuses the agent's commands" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    assert lines[0].levelno == logging.ERROR and cause in lines[0].getMessage()
+
+
+async def test_a_full_store_under_noeviction_degrades_bounded_and_says_why(tmp_path: Path, policy_file: Path,
+                                                                          caplog: pytest.LogCaptureFixture):
+    redis = RedisServer(tmp_path / "full").start()
+    caplog.set_level(logging.INFO, logger="region_agent")
+    try:
+        app = create_app(make_settings(redis.url, policy_file, **FAST_BREAKER), pepper=PEPPER)
+        async with AsyncTestClient(app=app) as agent:
+            ok = (await agent.post("/v1/admit", json=admit_body("oom-before"))).json()
+            assert ok["allowed"] and not ok["fallback"]
+            redis.cli("CONFIG", "SET", "maxmemory", "1")  # every write refused: OOM
+            await degraded_with_the_cause(agent, caplog, "oom", "OOM: used memory above maxmemory")
+            redis.cli("CONFIG", "SET", "maxmemory", "0")
+            for i in range(200):  # the breaker's half-open probe finds the store writable again
+                d = (await agent.post("/v1/admit", json=admit_body(f"oom-after-{i:04d}", pid="after"))).json()
+                if not d["fallback"]:
+                    break
+                await _sleep(0.02)
+            assert not d["fallback"] and d["allowed"]
+            assert any("reachable again" in r.getMessage() for r in caplog.records)
+    finally:
+        redis.stop()
+
+
+async def test_an_acl_user_without_evalsha_degrades_bounded_and_says_why(tmp_path: Path, policy_file: Path,
+                                                                        caplog: pytest.LogCaptureFixture):
+    rule = agent_acl("agent", "agent-pw").replace(" +evalsha", "")
+    redis = RedisServer(tmp_path / "acl", admin_password="admin-pw", users=[rule]).start()
+    caplog.set_level(logging.INFO, logger="region_agent")
+    try:
+        url = f"redis://agent:agent-pw@127.0.0.1:{redis.port}/0"
+        app = create_app(make_settings(url, policy_file, **FAST_BREAKER), pepper=PEPPER)
+        async with AsyncTestClient(app=app) as agent:
+            await degraded_with_the_cause(agent, caplog, "acl", "NOPERM")
+    finally:
+        redis.stop()
+
+
+async def _sleep(s: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(s)
