@@ -56,6 +56,7 @@ from ..models import (
     RenewRequest,
     RenewResult,
 )
+from ..store import scripts as sc
 from ..store.breaker import STATE_NAMES
 from . import store_health
 from .audit import BypassAudit, make_sink
@@ -292,6 +293,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             state.store = TracedStore(state.store)
         if hasattr(state.store, "start"):
             state.store.start()
+        await _first_load(state.store)  # refused credentials or ACL: no start (StoreAccessRefused)
         if hasattr(state.store, "info_readers"):  # an evicting store silently resets enforcement
             try:
                 await store_health.check_eviction_policy(state.store, m.store_health,
@@ -318,8 +320,6 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                 state.leases.warm_up(warmup_balances(state.holder.bundle, settings.region))
         if settings.policy_etcd:
             state.policy_watch = await _start_policy_watch(settings, state)
-        with contextlib.suppress(LeaseholdError):
-            await state.store.load()
         if hasattr(state.store, "warm"):  # the pipelines' connections, open before the first burst
             await state.store.warm(settings.pipelines_in_flight + 2)
         state.tasks.append(asyncio.create_task(_background(state)))
@@ -450,6 +450,39 @@ def default_store_factory(settings: AgentSettings, m: AgentMetrics):
     from ..store.factory import make_store
 
     return make_store(settings, m)
+
+
+class StoreAccessRefused(RuntimeError):
+    """At start, the regional Redis answered but refused the agent's credentials, or its ACL user
+    may not run what the scripts need: the agent does not start (an agent that started would
+    answer every decision degraded until an operator noticed)."""
+
+
+async def _first_load(store: Any) -> None:
+    """Load the scripts and try one read-only script call (region_agent.store.scripts.Scripts.check_access).
+    A store that does not answer now is not an error: the agent starts degraded and the
+    background task loads the scripts once it answers. A store that answers with a refusal of
+    the credentials or of a permission is a deployment error: :class:`StoreAccessRefused`, with
+    one critical line (no credential in it)."""
+    try:
+        await store.load()
+        scripts, client = getattr(store, "scripts", None), getattr(store, "client", None)
+        if isinstance(scripts, sc.Scripts) and client is not None:
+            await scripts.check_access(client)
+    except sc.StoreRefused as e:
+        if e.cause == "oom":  # the store is full: that passes (and is logged by the breaker when it lasts)
+            return
+        what = ("refused the agent's Redis credentials (WRONGPASS/NOAUTH): check the user and password of "
+                "--redis-url (or LEASEHOLD_AGENT_REDIS_PASSWORD)" if e.cause == "auth" else
+                "refused a command or key the agent needs (NOPERM): its ACL user needs EVALSHA, EVAL, "
+                "SCRIPT LOAD, TIME, INFO and PING and the commands of the scripts on the rl:* keys "
+                "(docs/deployment.md)")
+        log.critical("refusing to start: the regional Redis %s", what)
+        await store.close()
+        raise StoreAccessRefused(f"the regional Redis {what}") from None
+    except LeaseholdError as e:  # not answering now: start degraded, the background task loads later
+        log.warning("Redis scripts not loaded at start (%s): decisions degrade per rule failMode until "
+                    "the store answers", e.detail)
 
 
 async def _background(state: AgentState) -> None:

@@ -45,6 +45,15 @@ _NOT_RUN_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN",
                      "MOVED", "ASK", "OOM")
 
 
+# how Redis 6 and 7.0 answer a script whose redis.call() names a command the caller's ACL user lacks
+# (later versions answer NOPERM)
+_SCRIPT_ACL_DENIAL = "The user executing the script can't run this command"
+
+# the key of the start's access check (Scripts.check_access): in the agent's namespace
+# (region_agent.decision.keys.NS), read only, never written
+ACCESS_CHECK_KEY = "rl:v3:{access-check}:pool:none"
+
+
 class StoreRefused(StoreUnavailable):
     """A reachable Redis refused to run the command because of how it is set up, not because of
     the call: ``cause`` ``oom`` (used memory above ``maxmemory`` under ``noeviction``: every write
@@ -146,6 +155,8 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
             return KeysNotColocated("script keys are not in one hash slot")
         if text.startswith(_NOT_RUN_PREFIXES):
             return StoreUnavailable(f"store refused the command ({text.split(' ', 1)[0]})")
+        if _SCRIPT_ACL_DENIAL in text:  # a script's call the ACL denies (Redis 6 and 7.0 say so in an ERR)
+            return StoreRefused("acl")
         return ScriptRejected("limiter script rejected its arguments")
     if isinstance(exc, rex.RedisClusterException) and "same key slot" in str(exc).lower():
         return KeysNotColocated("script keys are not in one hash slot")
@@ -285,6 +296,14 @@ class Scripts:
             raise
         except Exception as e:
             raise _translate(e) from None
+
+    async def check_access(self, client: Any) -> None:
+        """One read-only script call (``pool_balance`` of :data:`ACCESS_CHECK_KEY`, a key no pool
+        has): EVALSHA, the Redis TIME and INFO the scripts read, and a key of the agent's
+        namespace, under the agent's credentials and ACL user. Raises what the call raised
+        (:class:`StoreRefused` for credentials or a permission the ACL lacks); SCRIPT LOAD alone
+        does not tell that the scripts may run. ``client`` as for :meth:`call`."""
+        await self.call(client, "pool_balance", [ACCESS_CHECK_KEY], [])
 
     async def _load_one(self, client: Any, name: str) -> None:
         await client.script_load(self.scripts[name].source)

@@ -2,21 +2,27 @@
 ``noeviction`` (every write script answers OOM) and an ACL user missing a command its scripts
 need (NOPERM). Either lasts until an operator acts: the decisions degrade by their rules' fail
 modes (the bounded local path, never a 500 nor an unbounded allow), the breaker counts the
-refusals (LeaseholdBreakerOpen), and one log line names the cause."""
+refusals (LeaseholdBreakerOpen), and one log line names the cause. At start, refused
+credentials or a missing permission stop the agent with one line (a deployment error), a full
+store does not."""
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from litestar.testing import AsyncTestClient
 
 from leasehold.local.procs import RedisServer, agent_acl
-from region_agent.service.app import create_app
+from leasehold.local.services import agent_command
+from region_agent.service.app import StoreAccessRefused, create_app
 
-from .conftest import PEPPER, admit_body, make_settings
+from .conftest import PEPPER, ROOT, admit_body, make_settings
 
 pytestmark = pytest.mark.integration
 
@@ -78,16 +84,82 @@ async def test_a_full_store_under_noeviction_degrades_bounded_and_says_why(tmp_p
         redis.stop()
 
 
-async def test_an_acl_user_without_evalsha_degrades_bounded_and_says_why(tmp_path: Path, policy_file: Path,
-                                                                        caplog: pytest.LogCaptureFixture):
-    rule = agent_acl("agent", "agent-pw").replace(" +evalsha", "")
-    redis = RedisServer(tmp_path / "acl", admin_password="admin-pw", users=[rule]).start()
+async def test_an_acl_user_losing_evalsha_degrades_bounded_and_says_why(tmp_path: Path, policy_file: Path,
+                                                                       caplog: pytest.LogCaptureFixture):
+    redis = RedisServer(tmp_path / "acl", admin_password="admin-pw", users=[agent_acl("agent", "agent-pw")]).start()
     caplog.set_level(logging.INFO, logger="region_agent")
     try:
         url = f"redis://agent:agent-pw@127.0.0.1:{redis.port}/0"
         app = create_app(make_settings(url, policy_file, **FAST_BREAKER), pepper=PEPPER)
         async with AsyncTestClient(app=app) as agent:
+            ok = (await agent.post("/v1/admit", json=admit_body("acl-before"))).json()
+            assert ok["allowed"] and not ok["fallback"]
+            redis.cli("ACL", "SETUSER", "agent", "-evalsha")  # an ACL change while the agent runs
             await degraded_with_the_cause(agent, caplog, "acl", "NOPERM")
+    finally:
+        redis.stop()
+
+
+def _refusal(info: pytest.ExceptionInfo) -> StoreAccessRefused | None:
+    errors = [info.value]  # the lifespan's error, in the test client's task group
+    while errors:
+        e = errors.pop(0)
+        if isinstance(e, StoreAccessRefused):
+            return e
+        errors.extend(getattr(e, "exceptions", ()))
+    return None
+
+
+@pytest.mark.parametrize(("rule", "password", "says"), [
+    (agent_acl("agent", "agent-pw"), "not-the-password", "WRONGPASS"),
+    (agent_acl("agent", "agent-pw").replace(" +evalsha", ""), "agent-pw", "NOPERM"),  # SCRIPT LOAD alone works
+    (agent_acl("agent", "agent-pw").replace(" +time", ""), "agent-pw", "NOPERM"),  # the scripts' clock
+    (agent_acl("agent", "agent-pw").replace("~rl:*", "~limits:*"), "agent-pw", "NOPERM"),  # the keys
+])
+async def test_refused_credentials_or_permissions_stop_the_start(tmp_path: Path, policy_file: Path, rule: str,
+                                                                password: str, says: str):
+    redis = RedisServer(tmp_path / "acl", admin_password="admin-pw", users=[rule]).start()
+    try:
+        url = f"redis://agent:{password}@127.0.0.1:{redis.port}/0"
+        app = create_app(make_settings(url, policy_file), pepper=PEPPER)
+        with pytest.raises(BaseException) as info:
+            async with AsyncTestClient(app=app):
+                pass
+        refused = _refusal(info)
+        assert refused is not None, info.value
+        assert says in str(refused) and password not in str(refused)
+    finally:
+        redis.stop()
+
+
+async def test_a_full_store_at_start_is_not_a_refusal(tmp_path: Path, policy_file: Path):
+    """OOM passes with time (keys expire, memory is raised): the agent starts, degraded meanwhile."""
+    redis = RedisServer(tmp_path / "full", extra_args=("--maxmemory", "1")).start()
+    try:
+        app = create_app(make_settings(redis.url, policy_file), pepper=PEPPER)
+        async with AsyncTestClient(app=app) as agent:
+            assert (await agent.get("/readyz")).status_code == 200
+            d = (await agent.post("/v1/admit", json=admit_body("full-at-start"))).json()
+            assert d["allowed"] and d["fallback"]
+    finally:
+        redis.stop()
+
+
+def test_the_agent_process_with_a_wrong_password_exits_with_one_line(tmp_path: Path, policy_file: Path):
+    password = "Wr0ng:p@ss/w%rd"  # special characters, quoted in the URL: never echoed
+    redis = RedisServer(tmp_path / "acl", admin_password="admin-pw", users=[agent_acl("agent", "agent-pw")]).start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
+        env.update(PYTHONPATH=str(ROOT), LEASEHOLD_AGENT_PEPPER=PEPPER.decode(), LEASEHOLD_AGENT_REDIS_PASSWORD=password)
+        cmd = agent_command(redis_url=f"redis://agent@127.0.0.1:{redis.port}/0", policy=policy_file, region="eu",
+                            host="127.0.0.1", port=0, auth_disabled=True, policy_poll_ms=0, python=sys.executable)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert out.returncode != 0
+        lines = [ln for ln in out.stderr.splitlines() if "refusing to start" in ln]
+        assert len(lines) == 1 and "CRITICAL" in lines[0] and "WRONGPASS" in lines[0], out.stderr[-3000:]
+        assert "not checked at start" not in out.stderr  # no misleading line before it
+        for form in (password, "p@ss", "Wr0ng%3Ap%40ss"):
+            assert form not in out.stderr + out.stdout
     finally:
         redis.stop()
 

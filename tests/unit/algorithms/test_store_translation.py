@@ -46,6 +46,8 @@ def _parsed(reply: str) -> BaseException:
     ("OOM command not allowed when used memory > 'maxmemory'. script: 89ab, on @user_script:1.", StoreRefused, "oom"),
     ("NOPERM User agent has no permissions to run the 'evalsha' command", StoreRefused, "acl"),
     ("NOPERM No permissions to access a key", StoreRefused, "acl"),
+    ("ERR The user executing the script can't run this command or subcommand script: 104a, on @user_script:1.",
+     StoreRefused, "acl"),  # a script's redis.call('TIME') the ACL denies (Redis 7.0)
     ("WRONGPASS invalid username-password pair or user is disabled.", StoreRefused, "auth"),
     ("NOAUTH Authentication required.", StoreRefused, "auth"),
     ("CROSSSLOT Keys in request don't hash to the same slot", KeysNotColocated, None),
