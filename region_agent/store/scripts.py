@@ -220,6 +220,19 @@ def _connection_lost(e: BaseException) -> bool:
                                                                                                rex.TimeoutError))
 
 
+def _demoted(replies: list[Any]) -> bool:
+    """A reply says READONLY: this connection reaches a replica — the primary it was opened to
+    was demoted (a failover behind a DNS name, as managed Redis services do it, or a REPLICAOF).
+    Its connections must go: a new one resolves the name again and finds the promoted primary,
+    while kept ones would be answered READONLY for as long as they live. (The pipeline's own
+    connection is back in the pool by then, idle, so it goes too; a Sentinel-managed client's
+    connections already drop themselves on READONLY.)"""
+    for r in replies:
+        if r.__class__ is rex.ReadOnlyError:
+            return True
+    return False
+
+
 async def _drop_idle(client: Any) -> None:
     """One pooled connection was lost: the idle ones most likely were too (the server restarted or
     failed over), so close them now instead of failing one decision on each of them later."""
@@ -339,6 +352,8 @@ class Scripts:
             return [err for _ in calls]
         if not has_error(results):  # the common case: every call answered, nothing to translate
             return results
+        if _demoted(results):  # these connections reach a replica now: new ones find the primary
+            await _drop_idle(client)
         missing = [i for i, r in enumerate(results) if isinstance(r, rex.NoScriptError)]
         if missing:
             try:
