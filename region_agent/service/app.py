@@ -475,8 +475,8 @@ async def _first_load(store: Any) -> None:
         what = ("refused the agent's Redis credentials (WRONGPASS/NOAUTH): check the user and password of "
                 "--redis-url (or LEASEHOLD_AGENT_REDIS_PASSWORD)" if e.cause == "auth" else
                 "refused a command or key the agent needs (NOPERM): its ACL user needs EVALSHA, EVAL, "
-                "SCRIPT LOAD, TIME, INFO and PING and the commands of the scripts on the rl:* keys "
-                "(docs/deployment.md)")
+                "SCRIPT LOAD, TIME, INFO and PING and the commands of the scripts on the rl:* keys, and "
+                "SELECT for a database other than 0 (docs/deployment.md)")
         log.critical("refusing to start: the regional Redis %s", what)
         await store.close()
         raise StoreAccessRefused(f"the regional Redis {what}") from None

@@ -143,6 +143,10 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
         return StoreRefused("acl")
     if isinstance(exc, rex.AuthenticationError):  # (a ConnectionError: before that branch)
         return StoreRefused("auth")
+    cause = exc.__cause__
+    if isinstance(exc, rex.ConnectionError) and isinstance(cause, (rex.NoPermissionError, rex.AuthenticationError)):
+        # redis-py's unix-socket connection wraps its handshake's refusal (AUTH, SELECT) in a ConnectionError
+        return translate_redis_error(cause, sent=False)
     if isinstance(exc, rex.ClusterCrossSlotError):
         return KeysNotColocated("script keys are not in one hash slot")
     if isinstance(exc, (rex.ClusterDownError, rex.MasterDownError, rex.BusyLoadingError,

@@ -65,6 +65,19 @@ def test_translation_of_replies_as_the_driver_parses_them(reply, kind, cause):
     assert getattr(got, "cause", None) == cause
 
 
+def test_a_refusal_wrapped_by_the_unix_socket_handshake_is_still_a_refusal():
+    """redis-py's unix-socket connection raises ``ConnectionError(exc) from exc`` for a refused
+    AUTH or SELECT: not an ambiguous lost connection."""
+    for reply, cause in (("NOPERM User agent has no permissions to run the 'select' command", "acl"),
+                         ("WRONGPASS invalid username-password pair or user is disabled.", "auth")):
+        inner = _parsed(reply)
+        try:
+            raise rex.ConnectionError(inner) from inner
+        except rex.ConnectionError as wrapped:
+            got = translate_redis_error(wrapped, True)
+        assert type(got) is StoreRefused and got.cause == cause
+
+
 def test_script_errors_are_not_ambiguous_even_if_sent():
     assert not isinstance(translate_redis_error(rex.ResponseError("ERR x"), True), AmbiguousOutcome)
 
