@@ -168,3 +168,45 @@ async def _sleep(s: float) -> None:
     import asyncio
 
     await asyncio.sleep(s)
+
+
+@pytest.mark.parametrize(("drop", "password", "says"), [
+    ("", "not-the-password", "WRONGPASS"),  # the topology read itself is refused
+    ("+cluster|slots", "agent-pw", "NOPERM"),
+    ("+evalsha", "agent-pw", "NOPERM"),  # topology and SCRIPT LOAD work; the scripts may not run
+])
+async def test_a_redis_cluster_refusing_the_acl_user_stops_the_start(redis_cluster, redis_cluster_url, policy_file: Path,
+                                                                    drop: str, password: str, says: str):
+    rule = agent_acl("agent", "agent-pw").split(" ", 1)[1]  # (without the user's name)
+    if drop:
+        rule = rule.replace(f" {drop}", "")
+    nodes = redis_cluster.nodes
+    for node in nodes:  # ACLs are per node
+        node.cli("ACL", "SETUSER", "agent", "reset", *rule.split())
+    try:
+        hosts = ",".join(f"127.0.0.1:{n.port}" for n in nodes)
+        app = create_app(make_settings(f"redis+cluster://agent:{password}@{hosts}", policy_file), pepper=PEPPER)
+        with pytest.raises(BaseException) as info:
+            async with AsyncTestClient(app=app):
+                pass
+        refused = _refusal(info)
+        assert refused is not None, info.value
+        assert says in str(refused)
+    finally:
+        for node in nodes:
+            node.cli("ACL", "DELUSER", "agent")
+
+
+async def test_a_redis_cluster_with_the_acl_user_decides(redis_cluster, redis_cluster_url, policy_file: Path):
+    nodes = redis_cluster.nodes
+    for node in nodes:
+        node.cli("ACL", "SETUSER", "agent", "reset", *agent_acl("agent", "agent-pw").split()[1:])
+    try:
+        hosts = ",".join(f"127.0.0.1:{n.port}" for n in nodes)
+        app = create_app(make_settings(f"redis+cluster://agent:agent-pw@{hosts}", policy_file), pepper=PEPPER)
+        async with AsyncTestClient(app=app) as agent:
+            d = (await agent.post("/v1/admit", json=admit_body("cluster-acl-1"))).json()
+            assert d["allowed"] and not d["fallback"]
+    finally:
+        for node in nodes:
+            node.cli("ACL", "DELUSER", "agent")
