@@ -154,9 +154,11 @@ def test_the_agent_process_with_a_wrong_password_exits_with_one_line(tmp_path: P
         cmd = agent_command(redis_url=f"redis://agent@127.0.0.1:{redis.port}/0", policy=policy_file, region="eu",
                             host="127.0.0.1", port=0, auth_disabled=True, policy_poll_ms=0, python=sys.executable)
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
-        assert out.returncode != 0
+        assert out.returncode == 2, out.stderr[-3000:]  # as the agent's other refusals: one line, no traceback
         lines = [ln for ln in out.stderr.splitlines() if "refusing to start" in ln]
-        assert len(lines) == 1 and "CRITICAL" in lines[0] and "WRONGPASS" in lines[0], out.stderr[-3000:]
+        assert len(lines) == 1 and lines[0].startswith("region_agent: refusing to start: the regional Redis refused "
+                                                      "the agent's Redis credentials (WRONGPASS"), out.stderr[-3000:]
+        assert "Traceback" not in out.stderr
         assert "not checked at start" not in out.stderr  # no misleading line before it
         for form in (password, "p@ss", "Wr0ng%3Ap%40ss"):
             assert form not in out.stderr + out.stdout
