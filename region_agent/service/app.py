@@ -470,11 +470,13 @@ async def _try_access(store: Any) -> None:
     except sc.StoreRefused as e:
         if e.cause == "oom":  # the store is full: that passes (and is logged by the breaker when it lasts)
             raise
-        what = ("refused the agent's Redis credentials (WRONGPASS/NOAUTH): check the user and password of "
-                "--redis-url (or LEASEHOLD_AGENT_REDIS_PASSWORD)" if e.cause == "auth" else
-                "refused a command or key the agent needs (NOPERM): its ACL user needs EVALSHA, EVAL, "
-                "SCRIPT LOAD, TIME, INFO and PING and the commands of the scripts on the rl:* keys, and "
-                "SELECT for a database other than 0 (docs/deployment.md)")
+        what = {"auth": "refused the agent's Redis credentials (WRONGPASS/NOAUTH): check the user and password "
+                        "of --redis-url (or LEASEHOLD_AGENT_REDIS_PASSWORD)",
+                "tls": "presented a TLS certificate that did not verify (certificate verify failed): give the "
+                       "CA that signed it with --redis-ca-file, and a host name the certificate names",
+                }.get(e.cause, "refused a command or key the agent needs (NOPERM): its ACL user needs EVALSHA, EVAL, "
+                               "SCRIPT LOAD, TIME, INFO and PING and the commands of the scripts on the rl:* keys, "
+                               "and SELECT for a database other than 0 (docs/deployment.md)")
         raise StoreAccessRefused(f"the regional Redis {what}") from None
 
 

@@ -11,6 +11,7 @@ loaded and the call retried once. Driver errors become ``kernel.errors`` types i
 from __future__ import annotations
 
 import os
+import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,14 +59,16 @@ class StoreRefused(StoreUnavailable):
     """A reachable Redis refused to run the command because of how it is set up, not because of
     the call: ``cause`` ``oom`` (used memory above ``maxmemory`` under ``noeviction``: every write
     is refused), ``acl`` (the agent's ACL user may not run a command its scripts need, or touch
-    their keys) or ``auth`` (the credentials are wrong). Nothing ran. Like any store failure it
+    their keys), ``auth`` (the credentials are wrong) or ``tls`` (its certificate does not verify
+    against the CA the agent was given: no connection is made, so nothing is sent). Nothing ran. Like any store failure it
     counts against the node's breaker and the decision degrades per its rules' fail modes; it
     lasts until an operator acts, so the node names the cause in its log line."""
 
     code, title = "store-refused", "The store refused the agent's command"
 
     CAUSES = {"oom": "OOM: used memory above maxmemory", "acl": "NOPERM: the ACL user lacks a command or key",
-              "auth": "the Redis credentials were refused"}
+              "auth": "the Redis credentials were refused",
+              "tls": "TLS: the server's certificate did not verify"}
 
     def __init__(self, cause: str):
         super().__init__(f"store refused the command ({self.CAUSES[cause]})", extra={"cause": cause})
@@ -144,6 +147,8 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
     if isinstance(exc, rex.AuthenticationError):  # (a ConnectionError: before that branch)
         return StoreRefused("auth")
     cause = exc.__cause__
+    if isinstance(exc, rex.ConnectionError) and isinstance(exc.__cause__ or exc.__context__, ssl.SSLCertVerificationError):
+        return StoreRefused("tls")  # (redis-py raises it while handling the ssl error: its __context__)
     if isinstance(exc, rex.ConnectionError) and isinstance(cause, (rex.NoPermissionError, rex.AuthenticationError)):
         # redis-py's unix-socket connection wraps its handshake's refusal (AUTH, SELECT) in a ConnectionError
         return translate_redis_error(cause, sent=False)

@@ -212,3 +212,21 @@ async def test_a_redis_cluster_with_the_acl_user_decides(redis_cluster, redis_cl
     finally:
         for node in nodes:
             node.cli("ACL", "DELUSER", "agent")
+
+
+async def test_a_tls_certificate_that_does_not_verify_stops_the_start(tmp_path: Path, policy_file: Path):
+    """rediss:// without the CA that signed the server's certificate: no connection is ever made.
+    It was "store unreachable" — a start degraded for good, the cause never said."""
+    from leasehold.local.procs import make_tls
+
+    redis = RedisServer(tmp_path / "tls", tls=make_tls(tmp_path / "certs")).start()
+    try:
+        app = create_app(make_settings(f"rediss://127.0.0.1:{redis.port}/0", policy_file), pepper=PEPPER)
+        with pytest.raises(BaseException) as info:
+            async with AsyncTestClient(app=app):
+                pass
+        refused = _refusal(info)
+        assert refused is not None, info.value
+        assert "TLS certificate that did not verify" in str(refused) and "--redis-ca-file" in str(refused)
+    finally:
+        redis.stop()

@@ -78,6 +78,16 @@ def test_a_refusal_wrapped_by_the_unix_socket_handshake_is_still_a_refusal():
         assert type(got) is StoreRefused and got.cause == cause
 
 
+def test_a_certificate_that_does_not_verify_is_a_refusal_not_an_outage():
+    import ssl
+
+    # redis-py raises its ConnectionError while handling the ssl error: the ssl error is its context
+    e = rex.ConnectionError("Error 1 connecting to 10.0.0.1:6380. certificate verify failed")
+    e.__context__ = ssl.SSLCertVerificationError(1, "certificate verify failed")
+    got = translate_redis_error(e, False)
+    assert type(got) is StoreRefused and got.cause == "tls" and "10.0.0.1" not in got.detail
+
+
 def test_script_errors_are_not_ambiguous_even_if_sent():
     assert not isinstance(translate_redis_error(rex.ResponseError("ERR x"), True), AmbiguousOutcome)
 
