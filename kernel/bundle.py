@@ -159,13 +159,25 @@ def decode_bundle(raw: bytes | str) -> Bundle:
     return bundle
 
 
-def load_bundle_file(path: str) -> Bundle:
+SOURCE_SUFFIXES = (".yaml", ".yml")  # a policy source (kernel/policy_yaml.py), never a sealed bundle
+
+
+def read_bundle_bytes(path: str) -> bytes:
+    """The bytes of the sealed bundle (JSON) at ``path``. A policy source given instead is refused
+    by name (``leasehold policy compile`` makes the bundle of it) rather than decoded as JSON."""
+    if str(path).endswith(SOURCE_SUFFIXES):
+        raise PolicyError(f"{str(path)!r} is a policy source (YAML), not a sealed bundle (JSON): compile it "
+                          f"first with `leasehold policy compile {path}`")
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            return f.read()
     except OSError as e:
-        raise PolicyError(f"cannot read policy bundle {path!r}: {e.strerror}") from None
-    return decode_bundle(raw)
+        raise PolicyError(f"cannot read policy bundle {str(path)!r}: {e.strerror}") from None
+
+
+def load_bundle_file(path: str) -> Bundle:
+    """The sealed bundle (JSON) at ``path``, decoded and validated (:func:`read_bundle_bytes`)."""
+    return decode_bundle(read_bundle_bytes(path))
 
 
 def encode_bundle(bundle: Bundle) -> bytes:
@@ -415,6 +427,6 @@ def _request_set_problems(rules: list[Rule]) -> list[str]:
 
 
 __all__ = ["ALGORITHMS", "MAX_RULES_PER_REQUEST", "SCOPE_ORDER", "Bundle", "Fallback", "NonNegInt", "Pool",
-           "PosInt", "Rule", "canonical_payload", "compute_checksum", "decode_bundle", "encode_bundle", "every_request_rules",
-           "load_bundle_file", "make_rule", "rule_applies", "rule_doc", "script_slots", "seal", "select_rules",
-           "validate_bundle"]
+           "PosInt", "Rule", "SOURCE_SUFFIXES", "canonical_payload", "compute_checksum", "decode_bundle", "encode_bundle",
+           "every_request_rules", "load_bundle_file", "make_rule", "read_bundle_bytes", "rule_applies", "rule_doc",
+           "script_slots", "seal", "select_rules", "validate_bundle"]

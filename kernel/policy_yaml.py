@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from .bundle import Bundle, decode_bundle, encode_bundle
+from .bundle import SOURCE_SUFFIXES, Bundle, decode_bundle, encode_bundle
 from .errors import PolicyError
 from .policy_source import (
     ENUMERATED,
@@ -31,7 +31,6 @@ from .policy_source import (
 )
 
 Path_ = tuple[str | int, ...]
-SOURCE_SUFFIXES = (".yaml", ".yml")
 _SAFE = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _STR_TAGS = {"tag:yaml.org,2002:str", "tag:yaml.org,2002:timestamp"}
 _MERGE_TAG = "tag:yaml.org,2002:merge"

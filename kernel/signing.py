@@ -88,19 +88,27 @@ def sign_bundle(bundle: Bundle, private: Ed25519PrivateKey) -> Bundle:
 
 
 # ------------------------------------------------------------------------------ keys
-def generate_keypair(directory: Path, name: str = "policy-signing") -> tuple[Path, Path]:
+def generate_keypair(directory: Path, name: str = "policy-signing", *, replace: bool = False) -> tuple[Path, Path]:
     """Write ``<name>.key`` (PKCS#8 PEM, mode 0600) and ``<name>.pub`` (SubjectPublicKeyInfo PEM)
-    into ``directory``; returns their paths."""
+    into ``directory``; returns their paths. An existing key or public key is a
+    :class:`FileExistsError` (a fleet may trust it: replacing it loses the key that signs what the
+    fleet accepts) unless ``replace``, which writes both afresh (the key 0600 whatever it was)."""
     directory.mkdir(parents=True, exist_ok=True)
-    private = Ed25519PrivateKey.generate()
     key_path, pub_path = directory / f"{name}.key", directory / f"{name}.pub"
+    there = [p for p in (key_path, pub_path) if p.exists() or p.is_symlink()]
+    if there and not replace:
+        raise FileExistsError(f"{' and '.join(str(p) for p in there)} already exist{'s' if len(there) == 1 else ''}")
+    for p in there:
+        p.unlink()
+    private = Ed25519PrivateKey.generate()
     pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(pem)
-    pub_path.write_bytes(private.public_key().public_bytes(serialization.Encoding.PEM,
-                                                           serialization.PublicFormat.SubjectPublicKeyInfo))
+    with open(pub_path, "xb") as f:
+        f.write(private.public_key().public_bytes(serialization.Encoding.PEM,
+                                                  serialization.PublicFormat.SubjectPublicKeyInfo))
     return key_path, pub_path
 
 

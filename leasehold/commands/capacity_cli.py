@@ -63,6 +63,12 @@ def _measured_from(path: Path) -> redis_sizing.Measured:
         raise ValueError(f"{path} is not a bench results.json: {type(e).__name__}: {e}") from None
 
 
+def _algorithm(text: str) -> str:
+    """A rule's ``algorithm`` as the measurement names its keys: a ``pool`` rule's keys are its pool's
+    balance (measured as "pool balance", which is also taken)."""
+    return "pool balance" if text == "pool" else text
+
+
 def register(sub: Any) -> None:
     """Add ``capacity`` to the ``leasehold`` command's subparsers."""
     about = ("Redis primaries, memory per copy and the hottest key's budget for a call rate and an active-key "
@@ -73,9 +79,10 @@ def register(sub: Any) -> None:
     sp.add_argument("--active-keys", type=_count, required=True, help="rate-limit keys live at once")
     sp.add_argument("--rules", type=int, default=2, choices=range(1, redis_sizing.MAX_RULES + 1), metavar="1..8",
                     help="rules per admission call (one multi-rule script); default 2, Northstar's read")
-    sp.add_argument("--algorithm", default="token_bucket", help="the keys' algorithm for bytes per key "
-                                                                "(token_bucket, gcra, fixed_window, sliding_counter, "
-                                                                "sliding_log, concurrency, pool balance)")
+    sp.add_argument("--algorithm", type=_algorithm, default="token_bucket",
+                    help="the keys' algorithm for bytes per key, as a rule names it (token_bucket, gcra, "
+                         "fixed_window, sliding_counter, sliding_log, pool: a pool's balance keys), or "
+                         "concurrency (a concurrency gate's keys)")
     sp.add_argument("--utilisation", type=_share, default=redis_sizing.DEFAULT_UTILISATION,
                     help="share of a primary's measured budget to plan for (default 0.625)")
     sp.add_argument("--replicas", type=_count, default=1, help="replicas per primary (default 1)")

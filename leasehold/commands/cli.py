@@ -29,10 +29,12 @@ from ..local.topology import (
     DEFAULT_POLICY,
     LocalTopology,
     StateError,
+    TokenFileError,
     TopologySpec,
     default_run_dir,
     read_state,
     read_token,
+    same_boot,
     stop_from_state,
 )
 from .argtypes import etcd_prefix, finite, http_url, regions, whole
@@ -79,7 +81,8 @@ def _first_url(state: dict, kind: str, region: str | None = None) -> str:
 
 def _invalid(e: PolicyError, what: str = "invalid") -> Failure:
     from .policy_cli import policy_hints
-    return Failure(Exit.USAGE, f"{what}: {e.detail}", [*e.errors, *policy_hints(e)])
+    details = [x for x in e.errors if x not in e.detail]  # a problem the message already states is not repeated
+    return Failure(Exit.USAGE, f"{what}: {e.detail}", [*details, *policy_hints(e)])
 
 
 def _split(text: str) -> list[str]:
@@ -121,9 +124,20 @@ def _service_lines(services: list[dict], state_col: bool) -> str:
     return "\n".join(rows)
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    if _read_state(args.run_dir):
+def _nothing_runs(run_dir: Path) -> None:
+    """Before ``up`` / ``demo``: a topology whose processes run in ``run_dir`` is exit 2 (a second
+    one would orphan them); a state file whose every process has exited (a crash, a reboot) is
+    left over, and removed."""
+    state = _read_state(run_dir)
+    if state is None:
+        return
+    if same_boot(state) and any(_alive(int(s["pid"])) for s in state["services"]):
         raise Failure(Exit.USAGE, "a topology is already running; `leasehold down` first")
+    (run_dir / "topology.json").unlink(missing_ok=True)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    _nothing_runs(args.run_dir)
     LocalTopology(_spec(args)).start()
     state = _read_state(args.run_dir) or {}
     view = _topology_view(args.run_dir, state, [dict(s) for s in state.get("services", [])])
@@ -154,10 +168,10 @@ def _alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
-def _probe(client: httpx.Client, svc: dict) -> str:
+def _probe(client: httpx.Client, svc: dict, booted: bool = True) -> str:
     """``ready``, ``not ready`` (answers, but not ready), ``down`` (its process runs but does not
-    answer) or ``exited`` (its process is gone)."""
-    if not _alive(int(svc["pid"])):
+    answer) or ``exited`` (its process is gone, or ``booted`` is False: it ran before this boot)."""
+    if not booted or not _alive(int(svc["pid"])):
         return "exited"
     kind, url = svc["kind"], svc["url"]
     try:
@@ -182,7 +196,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Every process of the local topology and whether it is ready; exit 0 only when all are."""
     state = _state_or_fail(args.run_dir)
     with httpx.Client(timeout=1.0) as client:
-        services = [{**svc, "state": _probe(client, svc)} for svc in state["services"]]
+        services = [{**svc, "state": _probe(client, svc, same_boot(state))} for svc in state["services"]]
     view = _topology_view(args.run_dir, state, services)
     bad = [s for s in services if s["state"] != "ready"]
     code = (Exit.CONNECT if any(s["state"] in ("down", "exited") for s in bad)
@@ -204,7 +218,11 @@ def _auth_headers(args: argparse.Namespace, who: str) -> dict[str, str]:
     token = os.environ.get("LEASEHOLD_TOKEN")
     if not token:
         state = _read_state(args.run_dir)
-        token = read_token(state, who) if state else None
+        try:
+            token = read_token(state, who) if state else None
+        except TokenFileError as e:
+            raise Failure(Exit.USAGE, str(e), ["set LEASEHOLD_TOKEN to the token, or restart the topology "
+                                               "(`leasehold down`, then `leasehold up`)"]) from None
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
@@ -245,8 +263,9 @@ def cmd_admit(args: argparse.Namespace) -> int:
                           problem=data)
     if resp.status_code != 200:
         code = Exit.USAGE if resp.status_code < 500 else Exit.UNAVAILABLE
-        raise Failure(code, f"the agent answered {resp.status_code}: {data.get('title') or ''} "
-                            f"{data.get('detail') or ''}".rstrip(), data.get("errors") or [], problem=data)
+        said = data.get("detail") or data.get("title") or ""  # the detail says what; the title only its class
+        raise Failure(code, f"the agent answered {resp.status_code}" + (f": {said}" if said else ""),
+                      [x for x in data.get("errors") or [] if str(x) not in said], problem=data)
     status = data.get("httpStatus", 200)
     code = Exit.OK if status == 200 else Exit.DENIED if status == 429 else Exit.UNAVAILABLE
     return out(args).result(data, _decision_text, code)
@@ -300,11 +319,12 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
 
     from kernel.bypass import diff_bypasses, needs_review
     from kernel.errors import LeaseholdError
+    from kernel.policy_yaml import load_policy
     from kernel.signing import TrustedKeys
 
     o = out(args)
     try:
-        bundle = load_bundle_file(args.file)
+        bundle = load_policy(args.file)  # a policy source is checked as the bundle it compiles to
         if args.public_keys:
             TrustedKeys.from_files(_split(args.public_keys)).check(bundle)
     except PolicyError as e:
@@ -349,7 +369,7 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
         return o.result(result, "\n".join(lines))
     if args.against:
         try:
-            current = load_bundle_file(args.against)
+            current = load_policy(args.against)
         except PolicyError as e:
             raise Failure(Exit.USAGE, f"the current bundle {args.against} is unusable: {e.detail}", e.errors) from None
         where = args.against
@@ -388,7 +408,13 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
 def cmd_policy_keygen(args: argparse.Namespace) -> int:
     from kernel.signing import generate_keypair, key_id_of, load_public_key
 
-    key, pub = generate_keypair(Path(args.dir), args.name)
+    try:
+        key, pub = generate_keypair(Path(args.dir), args.name, replace=args.force)
+    except FileExistsError as e:
+        raise Failure(Exit.USAGE, f"{e}: refusing to replace a signing key pair (bundles signed with it would no "
+                                  "longer verify with a new one); another --name or DIR, or --force") from None
+    except OSError as e:
+        raise Failure(Exit.USAGE, f"cannot write the key pair into {args.dir}: {e.strerror}") from None
     data = {"keyId": key_id_of(load_public_key(pub)), "privateKey": str(key), "publicKey": str(pub)}
     return out(args).result(data, lambda d: f"key {d['keyId']}: private {d['privateKey']}, public {d['publicKey']}")
 
@@ -460,14 +486,13 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
 
     import msgspec
 
-    from kernel.bundle import decode_bundle, encode_bundle
+    from kernel.bundle import decode_bundle, encode_bundle, read_bundle_bytes
     from kernel.errors import LeaseholdError, StoreUnavailable
     from kernel.policy_store import rollback_bundle
     from kernel.signing import TrustedKeys, load_private_key, public_key_from_text, sign_bundle
 
     try:
-        with open(args.file, "rb") as f:
-            raw = f.read()
+        raw = read_bundle_bytes(args.file)
         bundle = decode_bundle(raw)
         if args.as_version is not None:
             published = args.published_at or bundle.published_at
@@ -510,9 +535,12 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
                 "key": store.key.decode(), "keyId": bundle.key_id}
 
     data = asyncio.run(publish())
-    return out(args).result(data, lambda d: f"published bundle {d['published']} (previous {d['previous']}) at "
-                                            f"{d['key']}, revision {d['revision']}"
-                                            + (f", signed by key {d['keyId']}" if d["keyId"] else ", unsigned"))
+    def text(d: dict) -> str:
+        previous = "the first" if d["previous"] is None else f"previous {d['previous']}"
+        return (f"published bundle {d['published']} ({previous}) at {d['key']}, revision {d['revision']}"
+                + (f", signed by key {d['keyId']}" if d["keyId"] else ", unsigned"))
+
+    return out(args).result(data, text)
 
 
 def _topology_signing_key(args: argparse.Namespace) -> str | None:
@@ -562,7 +590,8 @@ def _shown_text(d: dict) -> str:
         f"bundle {d['bundleVersion']}, {len(d['rules'])} rules, {len(d['pools'])} pools, {d['checksum']}"
         if d["valid"] else f"INVALID: {d['problem']}")]
     if d["valid"]:
-        lines.append(f"  published at {d['publishedAt']}, max age {d['maxAgeMs']} ms, "
+        lines.append(f"  published at {d['publishedAt']}, "
+                     + ("no max age, " if d["maxAgeMs"] is None else f"max age {d['maxAgeMs']} ms, ")
                      + (f"signed by key {d['keyId']}" if d["keyId"] else "unsigned"))
         lines.append("  rules: " + ", ".join(d["rules"]))
         if d["pools"]:
@@ -619,7 +648,7 @@ def cmd_secrets_generate(args: argparse.Namespace) -> int:
     if not args.out.strip():  # Path("") is the working directory
         raise Failure(Exit.USAGE, "--out is empty: name the directory the credentials go to")
     try:
-        made = generate(Path(args.out), tuple(r.strip() for r in args.regions.split(",")), force=args.force)
+        made = generate(Path(args.out), args.regions, force=args.force)
     except SecretsError as e:
         raise Failure(Exit.USAGE, str(e)) from None
     data = {"dir": str(made.dir), "files": [p.name for p in made.files]}
@@ -634,8 +663,7 @@ def cmd_secrets_generate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ..local.demo import run_demo
 
-    if _read_state(args.run_dir):  # a second topology in the same run directory would orphan the first's processes
-        raise Failure(Exit.USAGE, "a topology is already running; `leasehold down` first")
+    _nothing_runs(args.run_dir)  # a second topology in the same run directory would orphan the first's processes
 
     # -o json: the live view goes to stderr and the run's totals are one JSON document on stdout
     return run_demo(_spec(args), duration_s=args.duration, rate=args.rate, summary=out(args).json,
@@ -657,6 +685,7 @@ def _spec(args: argparse.Namespace) -> TopologySpec:
                         allocators=args.allocators, etcd_members=args.etcd_members,
                         auth=not getattr(args, "no_auth", False), policy_from_etcd=True,
                         signed=not getattr(args, "unsigned", False),
+                        decision_logs=getattr(args, "decision_logs", False),
                         insecure_dev_pepper=getattr(args, "insecure_dev_pepper", False))
 
 
@@ -711,6 +740,9 @@ def _topo_opts(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--unsigned", action="store_true",
                     help="no policy signing (default: a key pair in <run-dir>/secrets signs the start bundle "
                          "and the services trust only its public key)")
+    sp.add_argument("--decision-logs", action="store_true",
+                    help="every agent writes the sampled decision log, <run-dir>/decisions-<region>-<n>.jsonl, "
+                         "the input of `leasehold policy replay` (default: off)")
     sp.add_argument("--insecure-dev-pepper", action="store_true",
                     help="give the agents the public development pepper (default: a random pepper "
                          "generated into <run-dir>/secrets/pepper)")
@@ -800,7 +832,8 @@ def build_parser() -> argparse.ArgumentParser:
                   cmd_secrets_generate)
     sp.add_argument("--out", required=True, metavar="DIR",
                     help="e.g. deploy/secrets (compose) or deploy/k8s-dev/secrets (Kubernetes)")
-    sp.add_argument("--regions", default="eu,us", help="one allocator token per region (default: eu,us)")
+    sp.add_argument("--regions", type=regions, default=("eu", "us"),
+                    help="comma-separated region names, one allocator token each (default: eu,us)")
     sp.add_argument("--force", action="store_true", help="replace existing files")
     register_capacity_command(sub)  # leasehold/commands/capacity_cli.py: Redis shards, memory per copy, the hottest key
     return p
@@ -810,7 +843,7 @@ def add_policy_commands(psub: Any) -> None:
     """The ``leasehold policy ...`` commands (each through :func:`_command`)."""
     sp = _command(psub, "validate", "validate a bundle with the services' own code; optionally its signature and "
                                     "the privileged bypasses it adds or widens", cmd_policy_validate)
-    sp.add_argument("file")
+    sp.add_argument("file", help="a bundle JSON, or a policy source (YAML: checked as the bundle it compiles to)")
     sp.add_argument("--public-keys", help="PEM public keys (comma-separated): the bundle must be signed by one")
     sp.add_argument("--against", metavar="CURRENT", help="the bundle in force (a file): report bypass changes, "
                                                          "exit 7 if a bypass is added or widened")
@@ -825,6 +858,7 @@ def add_policy_commands(psub: Any) -> None:
     sp = _command(psub, "keygen", "generate an Ed25519 signing key pair (NAME.key 0600, NAME.pub)", cmd_policy_keygen)
     sp.add_argument("dir")
     sp.add_argument("--name", default="policy-signing", help="file name stem (default: policy-signing)")
+    sp.add_argument("--force", action="store_true", help="replace an existing key pair of that name")
     sp = _command(psub, "sign", "sign a bundle (keyId + signature over content, version, publishedAt)",
                   cmd_policy_sign)
     sp.add_argument("file")
@@ -853,11 +887,30 @@ def add_policy_commands(psub: Any) -> None:
     register_policy_commands(psub, _etcd_opts)  # leasehold/commands/policy_cli.py: compile, seal, diff, replay, canary, ...
 
 
+def _command_parsers(parser: argparse.ArgumentParser) -> None:
+    """Each command's parser as its ``_parser`` default, so that an option it does not have is
+    reported with that command's ``--help`` (argparse reports it from the top-level parser)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                sp.set_defaults(_parser=sp)
+                _command_parsers(sp)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     token = _JSON_USAGE.set(_asks_json(argv))
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        _command_parsers(parser)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            own = {s for a in parser._actions for s in a.option_strings}  # leasehold's own: --run-dir, --version
+            misplaced = [x.split("=", 1)[0] for x in extra if x.split("=", 1)[0] in own]
+            if misplaced:
+                parser.error(f"{misplaced[0]} is an option of leasehold, not of {getattr(args, '_parser', parser).prog}: "
+                             "give it before the command")
+            getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     finally:
         _JSON_USAGE.reset(token)
     return run(args.func, args)

@@ -32,6 +32,7 @@ from kernel.bundle import Bundle, seal, validate_bundle
 from kernel.errors import PolicyError
 from kernel.policy_yaml import bundle_bytes, compile_file, is_source, load_policy, read_text, source_text
 
+from .argtypes import whole
 from .output import Exit, Failure, add_output_option, out, write_file
 
 EXIT_OK, EXIT_USAGE, EXIT_DIFFERS, EXIT_BYPASS, EXIT_CANARY_WORSE = (
@@ -56,7 +57,7 @@ def fail(args: argparse.Namespace, e: PolicyError | str, code: int = EXIT_USAGE)
     if isinstance(e, str):
         return out(args).failure(Failure(Exit(code), e))
     return out(args).failure(Failure(Exit(code), f"invalid: {e.detail}",
-                                     [p for p in e.errors if p != e.detail] + policy_hints(e)))
+                                     [p for p in e.errors if p not in e.detail] + policy_hints(e)))
 
 
 def policy_hints(e: PolicyError) -> list[str]:
@@ -129,11 +130,11 @@ def _decode_unsealed(raw: bytes) -> Bundle:
 
 
 def cmd_seal(args: argparse.Namespace) -> int:
+    from kernel.bundle import read_bundle_bytes
+
     try:
-        raw = Path(args.file).read_bytes()
+        raw = read_bundle_bytes(args.file)  # a policy source is named: compile seals it
         bundle = _finish(args, _decode_unsealed(raw))
-    except OSError as e:
-        return fail(args, f"cannot read {args.file}: {e.strerror}")
     except PolicyError as e:
         return fail(args, e)
     out = Path(args.out or args.file)
@@ -339,7 +340,8 @@ def register(psub: Any, etcd_opts: Any) -> None:
     sp.add_argument("--api-key", help="the API key id the principal authenticated with")
     sp.add_argument("--route", required=True, help="the route group")
     sp.add_argument("--ip", help="the client address (an anonymous request when no --principal is given)")
-    sp.add_argument("--cost", type=int, default=1, help="the request's costHint")
+    sp.add_argument("--cost", type=whole(1, 1000), default=1, help="the request's costHint, 1 to 1000 as the agent "
+                                                                 "takes it (default: 1)")
     sp.add_argument("--pepper-file", help="your agents' pepper: keys as the agents derive them")
     _out_opt(sp)
     sp.set_defaults(func=cmd_explain)

@@ -41,14 +41,15 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from kernel.ids import REGION, REGION_RE, human
 from kernel.signing import generate_keypair
 
 from ..local.devjwt import DevIssuer
 from ..local.procs import ETCD_USERS, agent_acl
 
-REGION_RE = re.compile(r"[a-z][a-z0-9-]{0,31}\Z")
-# what ``generate`` writes, for any regions (a directory holding only these is the credentials' own)
-CREDENTIAL_RE = re.compile(r"(gateway|operator|region-[a-z][a-z0-9-]{0,31})\.token\Z|"
+# what ``generate`` writes, for any regions the services accept (a directory holding only these is
+# the credentials' own)
+CREDENTIAL_RE = re.compile(rf"(gateway|operator|region-{human(REGION)})\.token\Z|"
                            r"(gateway|operator|region)-token-hashes\Z|pepper\Z|redis-(admin|agent)\.password\Z|"
                            r"redis-users\.acl\Z|etcd-[a-z]+\.password\Z|policy-signing\.(key|pub)\Z|"
                            r"dev-idp\.key\Z|jwks\.json\Z")
@@ -82,7 +83,7 @@ def generate(out: Path, regions: tuple[str, ...] = ("eu", "us"), *, force: bool 
     """Write the credentials into ``out`` (created 0700). Refuses when any of them exists,
     unless ``force``."""
     if not regions or len(set(regions)) != len(regions) or not all(REGION_RE.match(r) for r in regions):
-        raise SecretsError(f"regions must be distinct names matching {REGION_RE.pattern}: {','.join(regions)!r}")
+        raise SecretsError(f"regions must be distinct names matching {human(REGION)}: {','.join(regions)!r}")
     if out.exists() and not out.is_dir():
         raise SecretsError(f"{out} is not a directory")
     existing = [n for n in file_names(regions) if (out / n).exists()]

@@ -126,6 +126,11 @@ class LocalTopology:
                 self.etcd = EtcdCluster(run / "etcd", members=self.spec.etcd_members).start(timeout)
                 if self.signing:  # before auth is on: ``policy publish`` refuses unsigned bundles
                     self.etcd.etcdctl("put", "/leasehold/policy/signing", stdin=signing_marker(self.signing[1]))
+                if self.spec.policy_from_etcd:
+                    # the start bundle is the published one: what the services follow is what they run,
+                    # so `policy show`, `validate --against-etcd` and a canary (staged over a published
+                    # bundle) see it instead of nothing
+                    self.etcd.etcdctl("put", "/leasehold/policy/current", stdin=Path(self.policy_path).read_text())
                 if self.secrets:
                     self.secrets.enable_etcd_auth(self.etcd)
                 for i in range(self.spec.allocators):
@@ -225,7 +230,7 @@ class LocalTopology:
     def write_state(self) -> None:
         path = self.spec.run_dir / "topology.json"
         tmp = path.with_name(path.name + ".tmp")  # written whole, then renamed: never read half-written
-        tmp.write_text(json.dumps({"started": time.time(), "policy": str(self.spec.policy),
+        tmp.write_text(json.dumps({"started": time.time(), "bootId": boot_id(), "policy": str(self.spec.policy),
                                     "secrets": str(self.secrets.dir) if self.secrets else None,
                                     "signingKey": str(self.signing[0]) if self.signing else None,
                                     "services": [asdict(s) for s in self.services()]}, indent=2))
@@ -322,7 +327,7 @@ def sign_start_bundle(run: Path, policy: Path) -> tuple[tuple[Path, Path], Path]
     d = run / "secrets"
     d.mkdir(parents=True, exist_ok=True)
     d.chmod(0o700)
-    key, pub = generate_keypair(d, "policy-signing")
+    key, pub = generate_keypair(d, "policy-signing", replace=True)  # this run's own key, made at every start
     signed = run / "policy.signed.json"
     signed.write_bytes(encode_bundle(sign_bundle(load_bundle_file(str(policy)), load_private_key(key))) + b"\n")
     return (key, pub), signed
@@ -346,14 +351,26 @@ def _sha(token: str) -> str:
 
 
 def read_token(state: dict, name: str) -> str | None:
-    """A token of the running topology (``gateway`` or ``operator``), from its secrets dir."""
+    """A token of the running topology (``gateway`` or ``operator``), from its secrets dir; None
+    when it runs without authentication (``up --no-auth``). A token file that is gone, unreadable
+    or empty is a :class:`TokenFileError` naming it: sent without a token, every call would be
+    refused as unauthenticated."""
     d = state.get("secrets")
     if not d:
         return None
+    path = Path(d) / f"{name}.token"
     try:
-        return (Path(d) / f"{name}.token").read_text().strip() or None
-    except OSError:
-        return None
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenFileError(f"cannot read the local topology's {name} token {path}: "
+                             f"{getattr(e, 'strerror', None) or e}") from None
+    if not token:
+        raise TokenFileError(f"the local topology's {name} token {path} is empty")
+    return token
+
+
+class TokenFileError(ValueError):
+    """A token file of the running local topology cannot be used (gone, unreadable, empty)."""
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -395,13 +412,29 @@ def read_state(run_dir: Path) -> dict | None:
     return state
 
 
+def boot_id() -> str | None:
+    """This boot of the machine (Linux), or None: a state file of another boot names processes
+    that died with it, whose pids may now be anyone's."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def same_boot(state: dict) -> bool:
+    """The state file was written since this machine started (a file without a boot id: assumed)."""
+    recorded, now = state.get("bootId"), boot_id()
+    return recorded is None or now is None or recorded == now
+
+
 def stop_from_state(run_dir: Path, timeout: float = 5.0) -> list[str]:
-    """Stop every process recorded in the run directory's state file (``leasehold down``)."""
+    """Stop every process recorded in the run directory's state file (``leasehold down``). A file
+    of an earlier boot signals nothing (its processes died with that boot; the pids are others')."""
     state = read_state(run_dir)
     if state is None:
         return []
     stopped: list[str] = []
-    for svc in reversed(state["services"]):
+    for svc in reversed(state["services"] if same_boot(state) else []):
         pid = svc["pid"]
         try:
             os.kill(pid, signal.SIGCONT)

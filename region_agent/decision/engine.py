@@ -104,6 +104,8 @@ class DecisionEngine:
         self.fleet = FleetPools(store=store, metrics=metrics, leases=leases, now_ms=self.now_ms,
                                 windows=self.pool_windows, allowance=self.fallback, budget_s=self.budget,
                                 hold_ms=self.negative.cap_ms)
+        if leases is not None:  # a lease this agent deposits lifts its own chunk's hold on that pool
+            leases.on_refill(self.fleet.refilled)
         # chunks of hot key sets (rules with hotChunk; region_agent.leasing.hot_chunks)
         self.hot = HotChunks(store=store, metrics=metrics, now_ms=self.now_ms)
         self.local = LocalAnswers(allowances=self.fallback, windows=self.pool_windows, metrics=metrics,

@@ -25,7 +25,9 @@ agent's ``negative_cache_ms``, as for the decision path's negative cache) and th
 asks the balance again with one renewal, while the answer keeps the pool's own hint. (Held for the
 whole hint, up to a validity, an exhausted pool's 10 returned tokens sat in the balance for a
 second while both agents denied every request; the window ended with 4 of them unspent:
-docs/decisions/0037-a-chunks-denial-is-held-like-the-negative-cache.md).
+docs/decisions/0037-a-chunks-denial-is-held-like-the-negative-cache.md). A lease this agent
+deposits spendable at once lifts its own chunk's denial of that pool (:meth:`Chunk.lift`): the
+tokens are in the balance now, the hold would only deny them.
 
 Sizing. What a chunk holds when its validity ends is lost to everyone: it was debited from the
 regional balance (so its lease reports it spent). A refund shortly before the end recovers it, but
@@ -272,6 +274,12 @@ class Chunk:
         self.parts = sorted(held[-MAX_PARTS:] + empty, key=lambda p: p.expires_at_ms)
         self.deny_until_ms = self.retry_at_ms = 0.0
         self.deny_min_cost = 1
+
+    def lift(self) -> None:
+        """The region's balance was refilled (this agent deposited a lease spendable now): the local
+        denial ends at once, so the next request asks the balance again instead of waiting out the
+        hold (tokens an ended lease returned and the region leased again are spent, not denied)."""
+        self.deny_until_ms = 0.0
 
     def retry_ms(self, now_ms: float) -> int:
         """The hint a locally denied request gets: the pool's, as the renewal was told it."""

@@ -171,6 +171,14 @@ class FleetPools:
         if chunk is not None:
             chunk.give_back(spend.cost, generation, self.now_ms(), spend.pool.chunk_validity_ms)
 
+    def refilled(self, pool_id: str) -> None:
+        """The lease manager deposited a lease of ``pool_id`` spendable now: a chunk's local denial
+        of that pool is lifted (:meth:`Chunk.lift`). Other agents of the region keep theirs until
+        their hold ends (at most ``hold_ms``)."""
+        chunk = self.chunks.get(pool_id)
+        if chunk is not None:
+            chunk.lift()
+
     def remaining(self, pool_id: str) -> int:
         chunk = self.chunks.get(pool_id)
         return chunk.usable(self.now_ms()) if chunk else 0

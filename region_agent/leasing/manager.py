@@ -167,11 +167,19 @@ class LeaseManager:
     # allocator client's attempt timeout or more failed in this process, not at the allocator
     lag_s: Callable[[], float] = field(default=lambda: 0.0)
 
+    # called with a pool's id when a lease of it was deposited spendable at once (region_agent.
+    # leasing.fleet_pools.FleetPools.refilled: a chunk's local denial of that pool is lifted)
+    _refill_listeners: list[Callable[[str], None]] = field(default_factory=list)
+
     def __post_init__(self) -> None:
         self._reachability = TransitionLog(log, initial=True, interval_s=self.log_interval_s)
         self._refusals = KeyedLog(log, interval_s=self.log_interval_s)
 
     # ----------------------------------------------------------------- engine-facing, sync
+    def on_refill(self, listener: Callable[[str], None]) -> None:
+        """``listener(pool_id)`` after each deposit of a lease spendable at once."""
+        self._refill_listeners.append(listener)
+
     def note(self, pool: Pool, key: str, tokens: int) -> None:
         """Called for every decision that needed ``key``'s pool balance (allowed or not)."""
         bal = self.balances.get(key)
@@ -480,6 +488,8 @@ class LeaseManager:
             # count it now: until the next tick reads Redis, a stale reading would make every
             # decision in between start another top-up for a balance that is already full
             bal.last_spendable += lease.granted
+            for listener in self._refill_listeners:
+                listener(bal.pool.id)
         else:  # counted from its start (Balance.spendable); in Redis surely from valid_from on its clock
             bal.starting.append((lease, lease.valid_from + (hi - lo) + 1))
         return window_end

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ReloadResult:
-    outcome: str  # one of RELOAD_OUTCOMES
+    outcome: str  # one of RELOAD_OUTCOMES, or "unchanged" (the bundle in force offered again: not reported)
     version: int
     detail: str = ""
 
@@ -100,6 +100,8 @@ class PolicyHolder:
         """Swap to ``candidate`` if its signature is acceptable and its version strictly higher
         (it is already validated)."""
         current = self._snap.bundle
+        if candidate == current:  # the bundle in force again (etcd holding the start file's bundle, a touched
+            return ReloadResult("unchanged", current.bundle_version)  # file): nothing refused, not reported
         try:
             self.trusted.check(candidate)
         except SignatureRefused as e:

@@ -73,6 +73,14 @@ def test_up_status_admit_leases_down(tmp_path: Path):
         assert admit.returncode == 0 and decision["httpStatus"] == 200
         admit = leasehold(run, "admit", "--region", "eu", "--principal", "U-6")
         assert admit.returncode in (0, 3) and admit.stdout.startswith(("allowed: HTTP 200", "denied: HTTP 429"))
+        # a question the agent refuses (422): its detail once, the answer's problem in the JSON document
+        # (was "the agent answered 422: Request failed validation request failed validation: costHint: ...")
+        bad = leasehold(run, "admit", "--region", "eu", "--cost", "0")
+        assert bad.returncode == 2 and bad.stdout == "", bad
+        assert bad.stderr.splitlines() == ["leasehold: the agent answered 422: request failed validation: costHint: "
+                                           "Expected `int` >= 1"], bad.stderr
+        bad = leasehold(run, "admit", "--region", "eu", "--cost", "0", "-o", "json")
+        assert bad.returncode == 2 and json.loads(bad.stdout)["problem"]["status"] == 422
         leases = leasehold(run, "leases", "-o", "json")
         assert leases.returncode == 0, leases.stderr
         assert json.loads(leases.stdout)["leader"]["nodeId"] == "alloc-1"
@@ -113,7 +121,12 @@ def test_policy_authoring_bad_input_is_a_message_and_exit_2_never_a_traceback(tm
     good.write_text(sample)
     old = tmp_path / "good.json"
     old.write_bytes(b"the previous bundle\n")
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(sample.replace("failMode: closed", "failMode: strict", 1))
     cases = [(["policy", "compile", str(bomb)], "a YAML alias"),
+             (["policy", "validate", str(typo)], "failMode 'strict' is not one of"),
+             (["up", "--policy", str(good)], f"not a sealed bundle (JSON): compile it first with `leasehold policy "
+                                            f"compile {good}`"),
              (["policy", "fmt", str(latin)], "not UTF-8 (byte 0xe9)"),
              (["policy", "compile", str(good), "--out", str(tmp_path / "no-dir" / "b.json")], "cannot write"),
              (["policy", "compile", str(good), "--out", str(tmp_path)], "cannot write")]

@@ -317,3 +317,41 @@ def test_every_leasehold_command_a_page_names_exists():
     assert not found, "no such command: " + "; ".join(found)
     assert unknown_commands("`leasehold validate --bound`, `leasehold policy validate F`, `leasehold up`", parser) == [
         "leasehold validate"]
+
+
+def unknown_options(text: str, parser) -> list[str]:
+    """`--options` a page gives a `leasehold ...` command (in inline code, which may wrap lines, or
+    a line of an ``sh`` block; bracketed optional parts included) that neither the command nor
+    `leasehold` itself has."""
+    import argparse
+
+    def commands(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        return next((dict(a.choices) for a in p._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+    def options(p: argparse.ArgumentParser) -> set[str]:
+        return {s for a in p._actions for s in a.option_strings}
+
+    spans = re.findall(r"`(?:\.venv/bin/)?leasehold ([^`]*)`", text)
+    spans += [m.group(1) for block in re.findall(r"^```sh\n(.*?)^```", text, re.S | re.M)
+              for m in re.finditer(r"(?:^|[\s($])(?:\.venv/bin/)?leasehold\s+([^\n|#)]*)", block.replace("\\\n", " "))]
+    bad = []
+    for span in spans:
+        p = parser
+        for word in span.split():
+            if word not in commands(p):
+                break
+            p = commands(p)[word]
+        bad += [f"`leasehold {span.strip()}`: {o}" for o in re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", span)
+                if o not in options(p) | options(parser)]
+    return bad
+
+
+def test_every_option_a_page_gives_a_leasehold_command_exists():
+    """docs/capacity.md showed `leasehold capacity ... [--json]`, an option no command has (`-o json`)."""
+    parser = build_parser()
+    found = [f"{p.relative_to(ROOT)}: {c}" for p in CURRENT for c in unknown_options(p.read_text(), parser)]
+    assert not found, "no such option: " + "; ".join(found)
+    assert unknown_options("`leasehold capacity --calls-per-s N\n[--rules R] [--json]`, `leasehold -o json status`",
+                           parser) == ["`leasehold capacity --calls-per-s N\n[--rules R] [--json]`: --json"]
+    assert unknown_options("```sh\nX=$(leasehold admit --tenant a --bogus)\n```\n", parser) == [
+        "`leasehold admit --tenant a --bogus`: --bogus"]

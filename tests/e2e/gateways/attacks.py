@@ -9,7 +9,8 @@ deny-status and token headers. The hostile paths (sent byte for byte on a socket
 an HTTP library would normalise them first): look-alikes of the pre-authentication route, and
 paths a gateway may read one way and a backend another. The hostile tokens: a second bearer
 token in the query string; identity headers under a name a CGI-style backend reads as the real one
-(``x_tenant_id``)."""
+(``x_tenant_id``); a valid token whose claims no question can carry. The hostile connection: a protocol upgrade (WebSocket, h2c) that would carry
+requests past the gateway once it is open."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import httpx
 from redis import Redis
 
 from leasehold.local.devjwt import DevIssuer
+from tests.support.upgrade_backend import UpgradeBackend
 
 from .conftest import ISSUER, KEYS, Stack, assert_p_read, identity, wait_early_in_window
 
@@ -197,8 +199,14 @@ AMBIGUOUS_PATHS = (
     "/catalog/%2e%2e/login", "/login%2F..%2Fcatalog", "/login/x%2F..%2F..%2Fcatalog", "/login/..;/catalog",
     "/login/x/..%5C..%5Ccatalog", "/login/x\\..\\..\\catalog", "/reports/export/..%2F",
     "/catalog/..;/reports/export", "/catalog%2F..%2Freports%2Fexport",
+    # a fragment on the request line: nginx routes on the path before "#" (the login location),
+    # a backend that reads "#" as part of the path (Go's net/http) serves another resource
+    "/login#/catalog", "/login#x",
+    # an encoded NUL: a backend that cuts the path there or drops it reads "/login/.." or
+    # "/login/../catalog"
+    "/login/..%00/catalog",
 )
-_NOT_NORMAL = re.compile(r"%2[ef]|%5c|\\|//|(^|/)\.\.?(;[^/]*)?(/|$)", re.I)
+_NOT_NORMAL = re.compile(r"%2[ef]|%5c|%00|#|\\|//|(^|/)\.\.?(;[^/]*)?(/|$)", re.I)
 
 
 def ambiguous_paths_never_reach_the_backend(url: str, source: str, tenant: str) -> None:
@@ -215,6 +223,65 @@ def ambiguous_paths_never_reach_the_backend(url: str, source: str, tenant: str) 
             got = upstream["path"].split("?", 1)[0]
             assert not _NOT_NORMAL.search(got), (path, bool(headers), got)
             assert headers or got == "/login" or got.startswith("/login/"), (path, got)
+
+
+# claims of a valid token that no question can carry (kernel.ids.TENANT_ID; a principal or key id
+# of 1-256 characters): the identity provider issued them, so the client holds them legitimately
+UNKEYABLE_CLAIMS = {
+    "tenant not an id": ("U-74", "Unkeyable_Tenant", "K1"),
+    "user id too long": ("U" * 300, "unkeyable", "K1"),
+    "api key id too long": ("U-74", "unkeyable", "K" * 300),
+}
+
+
+def unkeyable_claims_are_refused(stack: Stack, url: str) -> None:
+    """A valid token whose claims the agent cannot make a question of. The rate limit service
+    answered INVALID_ARGUMENT, and the fail-open limiter (stage 0, reads) let the request through
+    to the backend: every read of such a client passed, decided and charged nowhere. Refused at
+    the gateway now (403: not a Leasehold identity), whatever the limiter answered, and never
+    charged to anyone."""
+    for name, (user, tenant, key) in UNKEYABLE_CLAIMS.items():
+        status, upstream = send_raw(url, "/catalog", {"authorization": "Bearer " + ISSUER.token(user, tenant, key)})
+        assert upstream is None and status in (403, 422), (name, status, upstream)
+    assert keys(stack, "rl:v3:{t:unkeyable}*") == []
+
+
+UPGRADES = {
+    "websocket": {"connection": "upgrade", "upgrade": "websocket", "sec-websocket-version": "13",
+                  "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ=="},
+    "h2c": {"connection": "Upgrade, HTTP2-Settings", "upgrade": "h2c", "http2-settings": "AAMAAABkAARAAAAAAAIAAAAA"},
+}
+
+
+def an_upgrade_opens_no_tunnel(url: str, backend: UpgradeBackend, tenant: str, kind: str) -> None:
+    """A protocol upgrade (``kind``: a WebSocket, h2c) on the read route, to a backend that accepts
+    every upgrade and then reads what follows as HTTP (:mod:`tests.support.upgrade_backend`). The
+    gateway decides one request; through a tunnel, the client's exports that follow it reached the
+    backend undecided and uncharged (Traefik forwarded the upgrade: 101, then every request
+    inside it was served). No gateway opens a tunnel: the upgrade is refused, or the backend gets
+    the request as a plain one (no Upgrade header), and nothing after it."""
+    u = urlsplit(url)
+    assert u.hostname is not None and u.port is not None
+    backend.seen.clear()
+    head = "".join(f"{k}: {v}\r\n" for k, v in {"host": f"{u.hostname}:{u.port}", **identity("U-75", tenant),
+                                                  **UPGRADES[kind]}.items())
+    inner = b"POST /reports/export HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(f"GET /catalog HTTP/1.1\r\n{head}\r\n".encode("latin-1"))
+        s.settimeout(3)
+        first = b""
+        while b"\r\n\r\n" not in first:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            first += chunk
+        status = int(first.split(b" ", 2)[1])
+        if status == 101:  # the tunnel is open: what an attacker sends next, no gateway sees
+            s.sendall(inner * 3)
+            time.sleep(0.5)
+    assert status != 101, (kind, first[:200])
+    assert not [r for r in backend.seen if r["tunnelled"] or r["upgrade"] is not None], (kind, backend.seen)
+    assert len(backend.seen) <= 1, (kind, backend.seen)
 
 
 def a_query_token_is_no_token(stack: Stack, url: str, tenant: str, *, method: str = "GET",
@@ -253,8 +320,9 @@ def alias_headers_name_nobody(url: str, tenant: str, *, method: str = "GET", pat
         part for v in env.values() for part in v.split(",")}, env
 
 
-__all__ = ["AMBIGUOUS_PATHS", "FORGED_IP", "LOGIN_LOOKALIKES", "a_query_token_is_no_token", "alias_headers_name_nobody",
+__all__ = ["AMBIGUOUS_PATHS", "FORGED_IP", "LOGIN_LOOKALIKES", "UPGRADES", "a_query_token_is_no_token",
+           "UNKEYABLE_CLAIMS", "alias_headers_name_nobody", "an_upgrade_opens_no_tunnel",
            "ambiguous_paths_never_reach_the_backend", "forged_forwarding_headers_count_the_connection", "hostile",
            "ip_keys_of", "keys", "no_token_claims_nothing", "p_read_with_hostile_headers",
            "replayed_request_id_is_not_the_clients", "route_group_is_the_routes", "send_raw",
-           "the_anonymous_route_is_login_alone", "tokens", "user_key"]
+           "the_anonymous_route_is_login_alone", "tokens", "unkeyable_claims_are_refused", "user_key"]

@@ -65,14 +65,16 @@ class Stack:
                                              **extra))
         return Envoy(name, cfg, self.workdir / name, port, admin).start()
 
-    def nginx(self, name: str = "nginx") -> Nginx:
+    def nginx(self, name: str = "nginx", **extra: object) -> Nginx:
+        """An nginx on ``nginx.conf``; ``extra`` overrides placeholders (e.g. another ``UPSTREAM_PORT``)."""
         port = free_port()
-        cfg = render("nginx.conf", **self.values(NGINX_LISTEN_HOST=LOOPBACK, NGINX_PORT=port))
+        cfg = render("nginx.conf", **self.values(NGINX_LISTEN_HOST=LOOPBACK, NGINX_PORT=port, **extra))
         return Nginx(name, cfg, self.workdir / name, port).start()
 
-    def traefik(self, name: str = "traefik") -> Traefik:
+    def traefik(self, name: str = "traefik", **extra: object) -> Traefik:
+        """A Traefik on ``traefik.yml``; ``extra`` overrides placeholders (e.g. another ``UPSTREAM_PORT``)."""
         port = free_port()
-        return Traefik(name, render("traefik.yml", **self.values()), self.workdir / name, port).start()
+        return Traefik(name, render("traefik.yml", **self.values(**extra)), self.workdir / name, port).start()
 
     def full_frozen_bucket(self, user: str, route: str = "read", tenant: str = "atlas") -> None:
         """The user's P-READ bucket full (20 tokens) and stamped in the future: no refill while

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from leasehold.local.gateways import Envoy, render
 from leasehold.local.procs import LOOPBACK, free_port
 from tests.support.cgi_backend import CgiBackend
+from tests.support.upgrade_backend import UpgradeBackend
 
 from . import attacks
 from .conftest import Stack, assert_p_read, identity, wait_early_in_window
@@ -127,6 +128,10 @@ def test_a_query_token_is_no_token(stack: Stack, envoy: Envoy):
     attacks.a_query_token_is_no_token(stack, envoy.url, "qt" + envoy.name[-4:].replace("-", ""))
 
 
+def test_unkeyable_claims_are_refused(stack: Stack, envoy: Envoy):
+    attacks.unkeyable_claims_are_refused(stack, envoy.url)
+
+
 @pytest.fixture(scope="module")
 def cgi_backend() -> Iterator[CgiBackend]:
     b = CgiBackend()
@@ -139,6 +144,25 @@ def test_alias_headers_name_nobody_at_a_cgi_backend(stack: Stack, cgi_backend: C
     e = stack.envoy("cgi-" + template.removesuffix(".yaml"), template, UPSTREAM_PORT=cgi_backend.port)
     try:
         attacks.alias_headers_name_nobody(e.url, "alias" + template[6:9])
+    finally:
+        e.stop()
+
+
+@pytest.fixture(scope="module")
+def upgrade_backend() -> Iterator[UpgradeBackend]:
+    b = UpgradeBackend()
+    yield b
+    b.stop()
+
+
+@pytest.mark.parametrize("template", ["envoy-rls.yaml", "envoy-ext-authz.yaml", "envoy-rlqs.yaml"])
+def test_an_upgrade_opens_no_tunnel(stack: Stack, upgrade_backend: UpgradeBackend, template: str):
+    name = "upgrade-" + template.removesuffix(".yaml")
+    e = stack.envoy(name, template, UPSTREAM_PORT=upgrade_backend.port,
+                    ENVOY_ACCESS_LOG=stack.workdir / name / "access.log")
+    try:
+        for kind in attacks.UPGRADES:
+            attacks.an_upgrade_opens_no_tunnel(e.url, upgrade_backend, "upg" + template[6:9], kind)
     finally:
         e.stop()
 

@@ -181,6 +181,10 @@ def test_ambiguous_paths_never_reach_the_backend(stack: Stack, envoys: tuple[Env
     attacks.ambiguous_paths_never_reach_the_backend(envoys[0].url, "127.0.6.5", "ambrlqs")
 
 
+def test_unkeyable_claims_are_refused(stack: Stack, envoys: tuple[Envoy, Envoy]):
+    attacks.unkeyable_claims_are_refused(stack, envoys[0].url)
+
+
 def test_a_query_token_is_no_token(stack: Stack, envoys: tuple[Envoy, Envoy]):
     """On the export route (decided per request by RLS in this file): the header's identity is charged."""
     attacks.a_query_token_is_no_token(stack, envoys[0].url, "qtrlqs", method="POST", path="/reports/export")

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from leasehold.local.gateways import Nginx
+from tests.support.upgrade_backend import UpgradeBackend
 
 from . import attacks
 from .conftest import Stack, assert_p_read, identity
@@ -91,5 +92,20 @@ def test_the_anonymous_route_is_login_alone(stack: Stack, nginx: Nginx):
     attacks.the_anonymous_route_is_login_alone(nginx.url, "127.0.5.3")
 
 
+def test_unkeyable_claims_are_refused(stack: Stack, nginx: Nginx):
+    attacks.unkeyable_claims_are_refused(stack, nginx.url)
+
+
 def test_ambiguous_paths_never_reach_the_backend(stack: Stack, nginx: Nginx):
     attacks.ambiguous_paths_never_reach_the_backend(nginx.url, "127.0.6.3", "ambnginx")
+
+
+@pytest.mark.parametrize("kind", sorted(attacks.UPGRADES))
+def test_an_upgrade_opens_no_tunnel(stack: Stack, kind: str):
+    backend = UpgradeBackend()
+    g = stack.nginx("nginx-upgrade-" + kind, UPSTREAM_PORT=backend.port)
+    try:
+        attacks.an_upgrade_opens_no_tunnel(g.url, backend, "upgnginx" + kind, kind)
+    finally:
+        g.stop()
+        backend.stop()

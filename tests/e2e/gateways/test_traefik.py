@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from leasehold.local.gateways import Traefik
+from tests.support.upgrade_backend import UpgradeBackend
 
 from . import attacks
 from .conftest import Stack, identity
@@ -86,5 +87,20 @@ def test_the_anonymous_route_is_login_alone(stack: Stack, traefik: Traefik):
     attacks.the_anonymous_route_is_login_alone(traefik.url, "127.0.5.4")
 
 
+def test_unkeyable_claims_are_refused(stack: Stack, traefik: Traefik):
+    attacks.unkeyable_claims_are_refused(stack, traefik.url)
+
+
 def test_ambiguous_paths_never_reach_the_backend(stack: Stack, traefik: Traefik):
     attacks.ambiguous_paths_never_reach_the_backend(traefik.url, "127.0.6.4", "ambtraefik")
+
+
+@pytest.mark.parametrize("kind", sorted(attacks.UPGRADES))
+def test_an_upgrade_opens_no_tunnel(stack: Stack, kind: str):
+    backend = UpgradeBackend()
+    g = stack.traefik("traefik-upgrade-" + kind, UPSTREAM_PORT=backend.port)
+    try:
+        attacks.an_upgrade_opens_no_tunnel(g.url, backend, "upgtraefik" + kind, kind)
+    finally:
+        g.stop()
+        backend.stop()

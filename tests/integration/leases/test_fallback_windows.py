@@ -4,11 +4,18 @@ allocator whose clock runs half a window ahead (libfaketime), a fault proxy that
 region's link to it, a redis-server and an agent (Redis and the agent on the host's clock).
 
 With the allowance aligned on Redis TIME, an allocator window would see the tail of one Redis
-window and the head of the next: up to 2 x fallbackPerRegion. It must see at most one."""
+window and the head of the next: up to 2 x fallbackPerRegion. It must see at most one.
+
+A request sent just before a window's end may be decided after it (a loaded machine does that
+now and then; the test makes it happen every time by stopping the agent across the boundary):
+the test cannot tell in which window such a decision fell, so it is not counted for the bound
+of either window, and it is counted as possibly in the later one when checking that the
+allowance really was spent."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -56,14 +63,14 @@ def skewed_allocator_region(tmp_path: Path):
         started.append(redis)
         agent, url = start_agent(tmp_path / "agent", policy, redis.url, f"http://{LOOPBACK}:{proxy.port}")
         started.append(agent)
-        yield proxy, url
+        yield proxy, url, agent
     finally:
         for x in reversed(started):
             x.stop()
 
 
 async def test_regional_fallback_counts_per_allocator_window(skewed_allocator_region):
-    proxy, url = skewed_allocator_region
+    proxy, url, agent = skewed_allocator_region
     W, F = POOL.window_ms, POOL.fallback_per_region
     # allocator window k starts at host time k*W - SKEW_MS
     k = (wall_ms() + SKEW_MS) // W + 1
@@ -74,17 +81,31 @@ async def test_regional_fallback_counts_per_allocator_window(skewed_allocator_re
         await asyncio.sleep(max(0, k * W - SKEW_MS + 100 - wall_ms()) / 1000)
         await proxy.control.blackhole(on=True)  # cut off 0.1 s into allocator window k
         cut = wall_ms()
+        # requests sent in the last 60 ms of window k are decided in window k+1
+        await asyncio.sleep(max(0, (k + 1) * W - SKEW_MS - 60 - wall_ms()) / 1000)
+        agent.signal(signal.SIGSTOP)
+        await asyncio.sleep(0.15)
+        agent.signal(signal.SIGCONT)
         await asyncio.sleep(max(0, (k + 2) * W - SKEW_MS - wall_ms()) / 1000)
     finally:
         stop.set()
         recs = await load
         await proxy.control.heal()
     assert (cut + SKEW_MS) // W == k
-    fb: Counter = Counter()  # fallback admissions per allocator window (the allocator's clock: host + SKEW_MS)
+    fb: Counter = Counter()  # fallback admissions certainly in an allocator window (the allocator's clock: host + SKEW_MS)
+    maybe: Counter = Counter()  # fallback admissions that may have fallen in it (decided between sent and received)
     for r in recs:
-        w = (r.sent_ms + SKEW_MS) // W
-        if r.allowed and r.fallback and (r.recv_ms + SKEW_MS) // W == w:
-            fb[w] += 1
+        if not (r.allowed and r.fallback):
+            continue
+        first, last = (r.sent_ms + SKEW_MS) // W, (r.recv_ms + SKEW_MS) // W
+        if first == last:
+            fb[first] += 1
+        for w in range(first, last + 1):
+            maybe[w] += 1
     for w, n in fb.items():
         assert n <= F, f"allocator window {w}: {n} admitted from the regional allowance > {F} ({dict(fb)})"
-    assert fb[k] >= 1 and fb[k + 1] >= F, fb  # the allowance really was spent in the cut-off windows
+    # and the two cut-off windows together, straddling decisions included: at most 2F
+    decided_by_k1_end = [r for r in recs if r.allowed and r.fallback and (r.recv_ms + SKEW_MS) // W <= k + 1]
+    assert len(decided_by_k1_end) <= 2 * F, (fb, maybe)
+    # the allowance really was spent in the cut-off windows (a decision straddling k -> k+1 may be k+1's)
+    assert fb[k] >= 1 and maybe[k + 1] >= F, (fb, maybe)

@@ -30,8 +30,10 @@ async def test_reload_accepts_only_higher_versions(redis_url, policy_file):
         base = northstar()
         write_bundle(policy_file, base, bundle_version=41)
         assert holder.reload().outcome == "stale"
-        write_bundle(policy_file, base, bundle_version=42)
+        write_bundle(policy_file, base, bundle_version=42, published_at="2030-01-01T00:00:00Z")  # another 42
         assert holder.reload().outcome == "stale"
+        write_bundle(policy_file, base)  # the bundle in force again: no refusal, not counted
+        assert holder.reload().outcome == "unchanged"
         policy_file.write_text(policy_file.read_text().replace('"capacityMillis": 20000', '"capacityMillis": 30000'))
         assert holder.reload().outcome == "invalid"  # checksum no longer matches
         d = (await agent.post("/v1/admit", json=admit_body("reload-0001"))).json()

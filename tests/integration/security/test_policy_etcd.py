@@ -87,8 +87,15 @@ def test_cli_publish_show_and_rollback(etcd_cluster, prefix, tmp_path: Path, cap
     v5.write_bytes(encode_bundle(bump(base, 5)))
     v6 = tmp_path / "v6.json"
     v6.write_bytes(encode_bundle(bump(base, 6, rules=with_rule(base, "read-user-v3", capacity_millis=5000))))
+    capsys.readouterr()
     assert cli_main(["policy", "publish", str(v5), "--etcd", ep, "--prefix", prefix]) == 0
+    said = capsys.readouterr().out  # was "(previous None)"
+    assert said.startswith(f"published bundle 5 (the first) at {prefix}policy/current, revision "), said
     assert cli_main(["policy", "publish", str(v6), "--etcd", ep, "--prefix", prefix]) == 0
+    assert capsys.readouterr().out.startswith(f"published bundle 6 (previous 5) at {prefix}policy/current")
+    assert cli_main(["policy", "show", "--etcd", ep, "--prefix", prefix]) == 0
+    said = capsys.readouterr().out  # the sample has no maxAge: was "max age None ms"
+    assert f"\n  published at {bump(base, 6).published_at}, no max age, unsigned\n" in said, said
     assert cli_main(["policy", "publish", str(v5), "--etcd", ep, "--prefix", prefix]) == 3  # not higher
     bad = tmp_path / "bad.json"
     bad.write_text('{"bundleVersion": 99}')

@@ -113,9 +113,12 @@ def test_non_increasing_reload_is_refused_and_counted(tmp_path: Path):
     path.write_bytes(encode_bundle(NORTHSTAR))
     seen = []
     holder = PolicyHolder.load(str(path), on_reload=seen.append)
-    for version in (41, 42):
-        path.write_bytes(encode_bundle(seal(msgspec.structs.replace(NORTHSTAR, bundle_version=version))))
+    for version in (41, 42):  # 42: another bundle of the version in force (the same one is "unchanged")
+        path.write_bytes(encode_bundle(seal(msgspec.structs.replace(NORTHSTAR, bundle_version=version,
+                                                                    published_at="2030-01-01T00:00:00Z"))))
         assert holder.reload().outcome == "stale"
+    path.write_bytes(encode_bundle(NORTHSTAR))
+    assert holder.reload().outcome == "unchanged"  # not reported
     path.write_bytes(b"{ not json")
     assert holder.reload().outcome == "invalid"
     assert holder.bundle is NORTHSTAR or holder.bundle == NORTHSTAR
@@ -178,3 +181,17 @@ def test_every_request_is_for_ip_rules_and_written_only_when_set():
         seal(Bundle(bundle_version=1, published_at="x", checksum="", rules=[flagged])).checksum
     assert any("everyRequest is for ip-scoped rules" in p
                for p in problems(sealed([tb("u", every_request=True)])))
+
+
+def test_a_policy_source_where_a_bundle_belongs_is_named_as_such(tmp_path: Path):
+    """The agent's and allocator's --policy, `leasehold up --policy`, `policy publish` and `sign`
+    were given policies/northstar.yaml (the file docs/policy.md says you edit) and answered
+    "bundle is not valid JSON: JSON is malformed: invalid character (byte 0)"."""
+    source = Path(__file__).resolve().parents[3] / "policies" / "northstar.yaml"
+    for path in (source, tmp_path / "missing.yml"):
+        with pytest.raises(PolicyError) as e:
+            load_bundle_file(str(path))
+        assert e.value.detail == (f"{str(path)!r} is a policy source (YAML), not a sealed bundle (JSON): compile it "
+                                  f"first with `leasehold policy compile {path}`")
+    with pytest.raises(PolicyError, match="is a policy source"):
+        PolicyHolder.load(str(source))

@@ -95,3 +95,20 @@ def test_key_files(tmp_path: Path):
         load_public_key(key)
     with pytest.raises(PolicyError, match="cannot read"):
         load_public_key(tmp_path / "missing.pub")
+
+
+def test_a_key_pair_is_never_replaced_unless_asked(tmp_path: Path):
+    """`leasehold policy keygen DIR` run twice replaced the private key the fleet's trusted public
+    key belongs to (and kept an existing file's wider mode): the key that signs bundles, lost."""
+    key, pub = generate_keypair(tmp_path, "k")
+    before = key.read_bytes(), pub.read_bytes()
+    with pytest.raises(FileExistsError, match="k.key and .*k.pub already exist"):
+        generate_keypair(tmp_path, "k")
+    pub.unlink()
+    with pytest.raises(FileExistsError, match="k.key already exists"):  # one of the two is enough
+        generate_keypair(tmp_path, "k")
+    assert key.read_bytes() == before[0]
+    key.chmod(0o644)
+    key, pub = generate_keypair(tmp_path, "k", replace=True)
+    assert key.read_bytes() != before[0] and key.stat().st_mode & 0o777 == 0o600
+    assert key_id_of(load_private_key(key).public_key()) == key_id_of(load_public_key(pub))

@@ -42,6 +42,63 @@ def test_help_lists_the_exit_codes(capsys):
         assert f"\n  {int(code):>2}  " in text
 
 
+def test_validate_checks_a_policy_source_as_the_bundle_it_compiles_to(tmp_path: Path, capsys):
+    """`leasehold policy validate policies/northstar.yaml` (the source docs/policy.md has you edit)
+    answered "bundle is not valid JSON: ... invalid character (byte 0)" with the same text again as
+    a detail; diff, explain and canary already read a source."""
+    repo = Path(__file__).resolve().parents[4]
+    source = repo / "policies" / "northstar-global.yaml"
+    assert main(["policy", "validate", str(source), "--bound", "--against", str(source), "-o", "json"]) == Exit.OK
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["valid"] and doc["bundleVersion"] == 42 and {b["pool"] for b in doc["bound"]} >= {"atlas-minute"}
+    typo = tmp_path / "p.yaml"
+    typo.write_text(source.read_text().replace("failMode: closed", "failMode: strict", 1))
+    assert main(["policy", "validate", str(typo)]) == Exit.USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"leasehold: invalid: {typo}:") and "failMode 'strict' is not one of" in err
+    assert len(err.strip().splitlines()) == 1, err  # the problem once, not again as a detail
+
+
+@pytest.mark.parametrize("argv", [
+    ["policy", "publish", "SOURCE", "--etcd", "127.0.0.1:1"],
+    ["policy", "sign", "SOURCE", "--key", "unused.key"],
+    ["up", "--policy", "SOURCE"],
+])
+def test_a_policy_source_where_a_sealed_bundle_belongs_says_compile_it(argv: list[str], tmp_path: Path, capsys,
+                                                                        monkeypatch):
+    import leasehold.local.topology
+
+    monkeypatch.setattr(leasehold.local.topology.LocalTopology, "start",
+                        lambda self: (_ for _ in ()).throw(AssertionError("a topology was started")))
+    source = str(Path(__file__).resolve().parents[4] / "policies" / "northstar.yaml")
+    argv = [source if a == "SOURCE" else a for a in argv]
+    assert main(["--run-dir", str(tmp_path / "run"), *argv]) == Exit.USAGE
+    err = capsys.readouterr().err
+    assert f"is a policy source (YAML), not a sealed bundle (JSON): compile it first with `leasehold policy " \
+           f"compile {source}`" in err, err  # was: bundle is not valid JSON: ... invalid character (byte 0)
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["admit", "--bogus"], "unrecognized arguments: --bogus (see leasehold admit --help)"),  # was: leasehold --help
+    (["policy", "compile", "p.yaml", "--bogus"], "unrecognized arguments: --bogus (see leasehold policy compile --help)"),
+    (["secrets", "generate", "--out", "d", "--nope"], "unrecognized arguments: --nope (see leasehold secrets generate "
+                                                      "--help)"),
+    (["status", "--run-dir", "x"], "--run-dir is an option of leasehold, not of leasehold status: give it before the "
+                                   "command (see leasehold --help)"),
+    (["status", "--run-dir=x"], "--run-dir is an option of leasehold, not of leasehold status: give it before the "
+                                "command (see leasehold --help)"),
+])
+def test_an_option_a_command_does_not_have_points_at_that_commands_help(argv: list[str], said: str, tmp_path: Path,
+                                                                         capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == Exit.USAGE
+    assert capsys.readouterr().err == f"leasehold: {said}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_status_without_a_topology_is_exit_6_with_a_json_error(tmp_path: Path, capsys, where: str):
     argv = ["--run-dir", str(tmp_path), "status"]
@@ -81,7 +138,7 @@ def test_status_exit_codes_follow_the_worst_service(tmp_path: Path, capsys, monk
                                             ("redis-1", "redis"), ("agent-eu-1", "agent")], start=1)]
     (tmp_path / "topology.json").write_text(json.dumps({"services": services, "secrets": None}))
     states: dict[str, str] = {}
-    monkeypatch.setattr(cli, "_probe", lambda _client, svc: states.get(svc["name"], "ready"))
+    monkeypatch.setattr(cli, "_probe", lambda _client, svc, booted=True: states.get(svc["name"], "ready"))
     for broken, code in ({}, Exit.OK), ({"agent-eu-1": "not ready"}, Exit.UNAVAILABLE), \
             ({"agent-eu-1": "not ready", "etcd-m0": "down"}, Exit.CONNECT), ({"redis-1": "exited"}, Exit.CONNECT):
         states = broken
@@ -108,6 +165,12 @@ def test_status_exit_codes_follow_the_worst_service(tmp_path: Path, capsys, monk
     ["demo", "--rate", "inf"],
     ["demo", "--rate", "-5"],
     ["demo", "--duration", "0"],
+    ["secrets", "generate", "--out", "creds", "--regions", "EU,,us"],  # was its own message, after the parse
+    ["secrets", "generate", "--out", "creds", "--regions", "eu,eu"],
+    ["policy", "explain", "policies/northstar.yaml", "--tenant", "atlas", "--principal", "U-17", "--route", "read",
+     "--cost", "0"],  # explained a request of cost 0, which every agent refuses (422)
+    ["policy", "explain", "policies/northstar.yaml", "--tenant", "atlas", "--principal", "U-17", "--route", "read",
+     "--cost", "1001"],
 ])
 def test_a_bad_option_value_is_a_usage_error_before_anything_starts(argv: list[str], tmp_path: Path, capsys,
                                                                      monkeypatch):
@@ -151,10 +214,46 @@ def test_demo_refuses_to_start_over_a_running_topology(tmp_path: Path, capsys, m
 
     monkeypatch.setattr(leasehold.local.demo, "run_demo",
                         lambda *a, **kw: (_ for _ in ()).throw(AssertionError("a topology was started")))
-    (tmp_path / "topology.json").write_text('{"services": []}')
+    state = json.dumps({"services": [{"name": "agent-eu-1", "kind": "agent", "pid": os.getpid(), "url": "u"}]})
+    (tmp_path / "topology.json").write_text(state)
     assert main(["--run-dir", str(tmp_path), "demo", "--duration", "1"]) == Exit.USAGE
     assert "already running" in capsys.readouterr().err
-    assert (tmp_path / "topology.json").read_text() == '{"services": []}'
+    assert (tmp_path / "topology.json").read_text() == state
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+@pytest.mark.parametrize("leftover", ["exited", "another boot"])
+def test_up_over_the_state_of_a_topology_whose_processes_are_gone_starts(command: str, leftover: str,
+                                                                        tmp_path: Path, capsys, monkeypatch):
+    """After a crash or a reboot, `up` said "a topology is already running" (its processes had
+    all exited), and after a reboot `down` would have signalled whatever processes now have the
+    recorded pids. The left-over state is removed and a topology starts; `down` signals nothing."""
+    import subprocess
+
+    import leasehold.local.demo
+    import leasehold.local.topology
+    from leasehold.local.topology import stop_from_state
+
+    started = []
+    monkeypatch.setattr(leasehold.local.topology.LocalTopology, "start", lambda self: started.append(self) or self)
+    monkeypatch.setattr(leasehold.local.demo, "run_demo", lambda spec, **kw: started.append(spec) or 0)
+    if leftover == "exited":
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        pid, boot = gone.pid, leasehold.local.topology.boot_id()
+    else:  # a pid that runs now (this test's), recorded by another boot
+        pid, boot = os.getpid(), "another-boot"
+    state = {"bootId": boot, "services": [{"name": "agent-eu-1", "kind": "agent", "pid": pid, "url": "u"}]}
+    (tmp_path / "topology.json").write_text(json.dumps(state))
+    if leftover == "another boot":
+        assert stop_from_state(tmp_path) == []  # this process was not signalled
+        assert not (tmp_path / "topology.json").exists()
+        (tmp_path / "topology.json").write_text(json.dumps(state))
+        assert main(["--run-dir", str(tmp_path), "status", "-o", "json"]) == Exit.CONNECT
+        assert json.loads(capsys.readouterr().out)["services"][0]["state"] == "exited"
+    argv = ["--run-dir", str(tmp_path), command] + (["--duration", "1"] if command == "demo" else [])
+    assert main(argv) == Exit.OK, capsys.readouterr().err
+    assert len(started) == 1 and not (tmp_path / "topology.json").exists()
 
 
 def test_leases_names_an_answer_that_is_not_an_allocators(tmp_path: Path, capsys):
@@ -227,6 +326,19 @@ def test_secrets_generate_never_narrows_a_directory_it_does_not_own(tmp_path: Pa
     assert empty.stat().st_mode & 0o777 == 0o700
 
 
+def test_secrets_generate_takes_every_region_name_the_services_take(tmp_path: Path, capsys):
+    """`leasehold up --regions 1eu` and the agent's `--region 1eu` worked, but `secrets generate
+    --regions 1eu` refused it (a pattern of its own, printed with its regex anchors)."""
+    out = tmp_path / "creds"
+    assert main(["secrets", "generate", "--out", str(out), "--regions", "1eu,us-east-2"]) == Exit.OK
+    capsys.readouterr()
+    assert (out / "region-1eu.token").is_file() and (out / "region-us-east-2.token").is_file()
+    hashes = (out / "region-token-hashes").read_text()
+    assert hashes.startswith("1eu:") and "\nus-east-2:" in hashes
+    # the credentials' own directory: --force replaces them (a file it does not recognise would be refused)
+    assert main(["secrets", "generate", "--out", str(out), "--regions", "1eu,us-east-2", "--force"]) == Exit.OK
+
+
 @pytest.mark.parametrize("prefix", ["leasehold", "/leasehold", "leasehold/"])
 def test_a_prefix_the_services_would_not_read_is_refused_before_etcd_is_dialled(prefix: str, capsys, monkeypatch):
     """`publish --prefix /leasehold` wrote `/leaseholdpolicy/current`, a key no service reads (and
@@ -260,3 +372,74 @@ def test_a_state_file_of_another_shape_is_exit_2_and_down_signals_nothing(comman
     assert main(["--run-dir", str(tmp_path), command]) == Exit.USAGE
     err = capsys.readouterr().err
     assert f"{tmp_path / 'topology.json'} is not a topology state file" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("token", [None, "", "\xff"])
+def test_admit_names_a_token_file_it_cannot_use_before_asking(token: str | None, tmp_path: Path, capsys,
+                                                              monkeypatch):
+    """The gateway token file of the running topology gone (or empty): admit sent no token and said
+    'the agent answered 401: missing or invalid bearer token', which names neither the file nor a fix."""
+    import httpx
+
+    monkeypatch.delenv("LEASEHOLD_TOKEN", raising=False)
+    monkeypatch.setattr(httpx, "post", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("the agent was asked")))
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    if token is not None:
+        (secrets / "gateway.token").write_bytes(token.encode("latin-1"))
+    services = [{"name": "agent-eu-1", "kind": "agent", "pid": os.getpid(), "url": "http://127.0.0.1:9",
+                 "region": "eu"}]
+    (tmp_path / "topology.json").write_text(json.dumps({"services": services, "secrets": str(secrets)}))
+    assert main(["--run-dir", str(tmp_path), "admit"]) == Exit.USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"leasehold: cannot read the local topology's gateway token {secrets / 'gateway.token'}: "
+                          if token != "" else
+                          f"leasehold: the local topology's gateway token {secrets / 'gateway.token'} is empty"), err
+    assert "LEASEHOLD_TOKEN" in err and "Traceback" not in err
+
+
+def test_capacity_takes_the_algorithm_names_a_rule_uses(capsys):
+    """`--algorithm pool` (a rule's algorithm, docs/glossary.md) was refused: only the measurement's
+    own name "pool balance" was taken. docs/capacity.md's `--json` is `-o json`."""
+    argv = ["capacity", "--calls-per-s", "1000", "--active-keys", "10"]
+    assert main([*argv, "--algorithm", "pool", "-o", "json"]) == Exit.OK
+    by_rule_name = json.loads(capsys.readouterr().out)["plan"]
+    assert main([*argv, "--algorithm", "pool balance", "-o", "json"]) == Exit.OK
+    assert json.loads(capsys.readouterr().out)["plan"] == by_rule_name and by_rule_name["bytes_per_key"] > 0
+    assert main([*argv, "--algorithm", "leaky"]) == Exit.USAGE
+    assert capsys.readouterr().err.startswith("leasehold: no measured bytes per key for 'leaky'")
+    page = (Path(__file__).resolve().parents[4] / "docs" / "capacity.md").read_text()
+    assert "[--json]" not in page and "[-o json]" in page
+
+
+def test_up_decision_logs_turns_the_agents_decision_log_on(tmp_path: Path, monkeypatch, capsys):
+    """docs/policy.md sent a new user to the topology's `decision_logs` spec field, which no option
+    set: the input of `policy replay` could not be had from `leasehold up`."""
+    import leasehold.local.topology
+
+    specs = []
+
+    def start(self):
+        specs.append(self.spec)
+        raise KeyboardInterrupt  # stop here: nothing was started
+
+    monkeypatch.setattr(leasehold.local.topology.LocalTopology, "start", start)
+    for argv, on in ((["up"], False), (["up", "--decision-logs"], True), (["demo", "--decision-logs"], True)):
+        main(["--run-dir", str(tmp_path / "run"), *argv])
+        assert specs.pop().decision_logs is on, argv
+    capsys.readouterr()
+
+
+def test_policy_keygen_twice_keeps_the_first_key(tmp_path: Path, capsys):
+    """The second run replaced the signing key silently (exit 0): the fleet trusts the first one."""
+    assert main(["policy", "keygen", str(tmp_path)]) == Exit.OK
+    first = (tmp_path / "policy-signing.key").read_bytes()
+    capsys.readouterr()
+    assert main(["policy", "keygen", str(tmp_path)]) == Exit.USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"leasehold: {tmp_path / 'policy-signing.key'} and {tmp_path / 'policy-signing.pub'} "
+                          "already exist: refusing to replace a signing key pair") and "--force" in err
+    assert (tmp_path / "policy-signing.key").read_bytes() == first
+    assert main(["policy", "keygen", str(tmp_path), "--name", "next"]) == Exit.OK  # a rotation's second pair
+    assert main(["policy", "keygen", str(tmp_path), "--force"]) == Exit.OK
+    assert (tmp_path / "policy-signing.key").read_bytes() != first

@@ -55,6 +55,21 @@ def test_seal_re_seals_an_edited_json_and_validates_it(tmp_path: Path, capsys):
     assert "exceeds capacityMillis" in capsys.readouterr().err
 
 
+def test_seal_of_a_policy_source_says_compile_it(src: Path, capsys):
+    """`policy seal ns.yaml` said "not a bundle: JSON is malformed: invalid character (byte 0)", the
+    same text again as a detail."""
+    before = src.read_bytes()
+    assert main(["policy", "seal", str(src)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"leasehold: invalid: {str(src)!r} is a policy source (YAML), not a sealed bundle (JSON): "
+                   f"compile it first with `leasehold policy compile {src}`\n")
+    assert src.read_bytes() == before
+    bad = src.with_suffix(".json")
+    bad.write_text("# not JSON\n")
+    assert main(["policy", "seal", str(bad)]) == 2
+    assert len(capsys.readouterr().err.splitlines()) == 1  # the problem once, not again as a detail
+
+
 def test_bump_a_source_keeps_its_comments_and_a_bundle_is_re_sealed(src: Path, tmp_path: Path):
     before = src.read_text()
     assert main(["policy", "bump", str(src), "--published-at", "2030-01-02T03:04:05Z"]) == 0

@@ -227,6 +227,23 @@ async def test_an_exhausted_pools_denial_is_held_no_longer_than_the_hold_then_as
     assert len(store.sent) == 2
 
 
+async def test_a_lease_this_agent_deposits_lifts_the_hold_at_once():
+    """Tokens an ended lease returned, leased again by this agent's lease manager: its chunk asks
+    the balance at the next request instead of denying out the hold."""
+    store = Store([[0, 0, 0, 0]], TAKEN_ALL)  # exhausted; then the deposit's tokens
+    leases = Leases(BalanceState.EXHAUSTED, hint=900)
+    f, c, m = fleet(store, leases, hold_ms=250)
+    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.DENIED
+    c.t += 0.01
+    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.DENIED  # held
+    assert len(store.sent) == 1
+    f.refilled("another-pool")  # another pool's deposit changes nothing
+    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.DENIED
+    f.refilled(POOL.id)
+    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
+    assert len(store.sent) == 2
+
+
 async def test_a_lease_valid_in_a_moment_is_waited_for_at_a_rollover():
     # nothing spendable now, but a deposited lease (the next window's) starts in 30 ms: the renewal
     # waits for it and buys the chunk from it instead of denying until then

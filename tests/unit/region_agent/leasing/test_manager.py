@@ -126,6 +126,39 @@ async def test_demand_on_an_empty_balance_starts_one_top_up_and_deposits_the_gra
     assert m.pending(KEY) is None
 
 
+async def test_a_deposit_spendable_at_once_is_announced_to_the_refill_listeners():
+    """FleetPools lifts its chunk's local denial of a pool on it; a refused deposit, or a lease
+    deposited to start later, announces nothing."""
+    heard: list[str] = []
+    m = manager()
+    m.on_refill(heard.append)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    assert heard == [POOL.id]
+    refused = manager(balances=Balances(deposit_ok=False))
+    refused.on_refill(heard.append)
+    refused.note(POOL, KEY, 1)
+    await settle(refused)
+    assert heard == [POOL.id]
+
+
+async def test_a_lease_deposited_to_start_later_announces_no_refill():
+    clock = FakeClock(100_000.0)
+    alloc, store = leasing_to_the_window_end(clock), Balances(spendable=100)
+    m = manager(alloc, store, clock)
+    heard: list[str] = []
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    m.on_refill(heard.append)
+    for _ in range(11):  # until the next window's lease is asked for ahead and deposited
+        clock.advance(100.0)
+        m.note(POOL, KEY, 1)
+        await m.tick()
+        await settle(m)
+    assert [r.window for r in alloc.requests] == ["current", "next"] and len(store.deposits) == 2
+    assert heard == []
+
+
 async def test_deposit_bounds_are_conservative_on_the_redis_clock():
     """Until the lower offset: never spendable later on Redis's clock than on this process's
     monotonic clock. A prefetched lease is valid from the upper offset (rounded up): never

@@ -36,12 +36,23 @@ def holder(tmp_path):
 
 def test_offer_accepts_only_a_strictly_newer_version(holder):
     h, _, seen = holder
-    assert h.offer(version(42)).outcome == "stale"
+    assert h.offer(msgspec.structs.replace(version(42), published_at="2030-01-01T00:00:00Z")).outcome == "stale"
     assert h.offer(version(41)).outcome == "stale"
     assert h.bundle.bundle_version == 42
     res = h.offer(version(43))
     assert (res.outcome, res.version) == ("accepted", 43) and h.bundle.bundle_version == 43
     assert [r.outcome for r in seen] == ["stale", "stale", "accepted"]
+
+
+def test_the_bundle_in_force_offered_again_is_no_refusal(holder):
+    """An agent started with the bundle file etcd also holds (`leasehold up`, a Kubernetes ConfigMap
+    beside the published key) logged "policy reload refused (stale): bundle 42 is not newer than
+    42" and counted a refusal (LeaseholdPolicyRefused) at every start."""
+    h, path, seen = holder
+    res = h.offer(version(42))
+    assert (res.outcome, res.version) == ("unchanged", 42) and seen == []
+    write(path, version(42), mtime_ns=3_000_000_000)  # the file touched, its content the same
+    assert h.poll().outcome == "unchanged" and seen == []
 
 
 def test_poll_reloads_only_when_the_file_changed(holder):
