@@ -217,11 +217,23 @@ def _check(o: Option, value: Any, source: str, settings: Any, by_name: dict[str,
     for item in items:
         problem = _problem(o, str(item))
         if problem:
-            raise ConfigError(f"invalid value {str(item)!r} for {_label(o, source)}: {problem}")
+            shown = _without_userinfo(str(item)) if o.kind == "url" else str(item)
+            raise ConfigError(f"invalid value {shown!r} for {_label(o, source)}: {problem}")
     for other in o.requires:
         if not _is_set(getattr(settings, other)):
             need = by_name[other]
             raise ConfigError(f"{_label(o, source)} needs {need.flag} (or {need.env}) as well")
+
+
+def _without_userinfo(url: str) -> str:
+    """A URL as an error message may show it: whatever stands before its last ``@`` (a user and
+    password, percent-encoded or not) replaced by ``…``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "@" not in rest:
+        return url
+    return (scheme + sep if sep else "") + "…@" + rest.rsplit("@", 1)[1]
 
 
 def _problem(o: Option, item: str) -> str | None:
@@ -238,7 +250,9 @@ def _problem(o: Option, item: str) -> str | None:
             return f"its directory {parent} does not exist"
     elif o.kind == "url":
         parts = urlsplit(item)
-        if (o.schemes and parts.scheme not in o.schemes) or not parts.netloc:
+        # a unix:// URL names a socket's path, not a host (unix:///run/redis.sock)
+        where = parts.path.strip("/") if parts.scheme == "unix" else parts.netloc
+        if (o.schemes and parts.scheme not in o.schemes) or not where:
             return "expected a URL" + (" starting with " + " or ".join(f"{x}://" for x in o.schemes)
                                        if o.schemes else "")
     elif o.kind == "host":

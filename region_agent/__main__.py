@@ -5,6 +5,7 @@ settings, an invalid policy bundle (printing every problem) or a missing pepper.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
@@ -62,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         tracing.check(settings.otlp_endpoint)
     except tracing.TracingUnavailable as e:
         print(f"region_agent: refusing to start: {e}", file=sys.stderr)
+        return 2
+    from .service.app import store_refusal
+
+    refusal = asyncio.run(store_refusal(settings))  # its credentials, its ACL user, its eviction policy
+    if refusal is not None:
+        print(f"region_agent: refusing to start: {refusal}", file=sys.stderr)
         return 2
     from kernel.logs import configure
 

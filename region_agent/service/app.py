@@ -56,6 +56,7 @@ from ..models import (
     RenewRequest,
     RenewResult,
 )
+from ..store import scripts as sc
 from ..store.breaker import STATE_NAMES
 from . import store_health
 from .audit import BypassAudit, make_sink
@@ -292,6 +293,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
             state.store = TracedStore(state.store)
         if hasattr(state.store, "start"):
             state.store.start()
+        await _first_load(state.store)  # refused credentials or ACL: no start (StoreAccessRefused)
         if hasattr(state.store, "info_readers"):  # an evicting store silently resets enforcement
             try:
                 await store_health.check_eviction_policy(state.store, m.store_health,
@@ -318,8 +320,6 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                 state.leases.warm_up(warmup_balances(state.holder.bundle, settings.region))
         if settings.policy_etcd:
             state.policy_watch = await _start_policy_watch(settings, state)
-        with contextlib.suppress(LeaseholdError):
-            await state.store.load()
         if hasattr(state.store, "warm"):  # the pipelines' connections, open before the first burst
             await state.store.warm(settings.pipelines_in_flight + 2)
         state.tasks.append(asyncio.create_task(_background(state)))
@@ -450,6 +450,77 @@ def default_store_factory(settings: AgentSettings, m: AgentMetrics):
     from ..store.factory import make_store
 
     return make_store(settings, m)
+
+
+class StoreAccessRefused(RuntimeError):
+    """At start, the regional Redis answered but refused the agent's credentials, or its ACL user
+    may not run what the scripts need: the agent does not start (an agent that started would
+    answer every decision degraded until an operator noticed)."""
+
+
+async def _try_access(store: Any) -> None:
+    """Load the scripts and run one read-only script (region_agent.store.scripts.Scripts.check_access).
+    Refused credentials or a missing permission: :class:`StoreAccessRefused`; anything else the
+    store raised (unreachable, full) as it came."""
+    try:
+        await store.load()
+        scripts, client = getattr(store, "scripts", None), getattr(store, "client", None)
+        if isinstance(scripts, sc.Scripts) and client is not None:
+            await scripts.check_access(client)
+    except sc.StoreRefused as e:
+        if e.cause == "oom":  # the store is full: that passes (and is logged by the breaker when it lasts)
+            raise
+        what = {"auth": "refused the agent's Redis credentials (WRONGPASS/NOAUTH): check the user and password "
+                        "of --redis-url (or LEASEHOLD_AGENT_REDIS_PASSWORD)",
+                "tls": "presented a TLS certificate that did not verify (certificate verify failed): give the "
+                       "CA that signed it with --redis-ca-file, and a host name the certificate names",
+                }.get(e.cause, "refused a command or key the agent needs (NOPERM): its ACL user needs EVALSHA, EVAL, "
+                               "SCRIPT LOAD, TIME, INFO and PING and the commands of the scripts on the rl:* keys, "
+                               "and SELECT for a database other than 0 (docs/deployment.md)")
+        raise StoreAccessRefused(f"the regional Redis {what}") from None
+
+
+async def _first_load(store: Any) -> None:
+    """Load the scripts and try the agent's access once (:func:`_try_access`). A store that does
+    not answer now is not an error: the agent starts degraded and the background task loads the
+    scripts once it answers. A store that answers with a refusal of the credentials or of a
+    permission is a deployment error: :class:`StoreAccessRefused`, with one critical line (no
+    credential in it)."""
+    try:
+        await _try_access(store)
+    except StoreAccessRefused as e:
+        log.critical("refusing to start: %s", e)
+        await store.close()
+        raise
+    except LeaseholdError as e:  # not answering now: start degraded, the background task loads later
+        log.warning("Redis scripts not loaded at start (%s): decisions degrade per rule failMode until "
+                    "the store answers", e.detail)
+
+
+async def store_refusal(settings: AgentSettings) -> str | None:
+    """Why the agent must not start on its Redis — refused credentials or permission
+    (:func:`_try_access`), an evicting ``maxmemory-policy`` without ``--allow-evicting-store`` —
+    asked once before the server starts, so that ``python -m region_agent`` refuses with one line
+    and exit code 2 like its other refusals (the lifespan asks again, for an app made in
+    process). None when there is nothing to refuse, or when the store does not answer now."""
+    store = default_store_factory(settings, AgentMetrics())
+    try:
+        try:
+            await _try_access(store)
+        except StoreAccessRefused as e:
+            return str(e)
+        except LeaseholdError:  # unreachable or full now: the start goes on (the lifespan says so)
+            return None
+        if settings.allow_evicting_store or not hasattr(store, "info_readers"):
+            return None
+        try:
+            _, answered = await store_health.read_info(store, 2.0)
+        except Exception:  # the topology is not known: the lifespan's check and the poll see to it
+            return None
+        bad = store_health.evicting(answered)
+        return store_health.eviction_refusal(bad) if bad else None
+    finally:
+        await store.close()
 
 
 async def _background(state: AgentState) -> None:

@@ -394,4 +394,8 @@ def redis_url_with_secrets(settings: AgentSettings, env: dict[str, str] | None =
         netloc = f"{user}:{quote(password, safe='')}@{host}"
     if settings.redis_ca_file:
         query = (query + "&" if query else "") + "ssl_ca_certs=" + quote(settings.redis_ca_file)
+    if (netloc, query) == (parts.netloc, parts.query):
+        return url  # (urlunsplit would write unix:///path as unix:/path)
+    if not netloc:  # unix:///path with only a CA file: keep the empty authority
+        return f"{parts.scheme}://{parts.path}?{query}"
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

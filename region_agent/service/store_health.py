@@ -115,6 +115,15 @@ def evicting(by_shard: dict[str, dict[str, Any]]) -> dict[str, str]:
             if (p := eviction_policy(info)) is not None and p != NOEVICTION}
 
 
+def eviction_refusal(bad: dict[str, str]) -> str:
+    """Why the agent does not start on the evicting shards ``bad`` (shard -> policy)."""
+    return ("the regional Redis may evict keys ("
+            + ", ".join(f"{shard}: maxmemory-policy {p}" for shard, p in sorted(bad.items()))
+            + "); an evicted bucket is a full bucket, so eviction silently resets enforcement. "
+            "Set maxmemory-policy noeviction (CONFIG SET maxmemory-policy noeviction, and in "
+            "redis.conf), or start degraded with --allow-evicting-store")
+
+
 class EvictingStore(RuntimeError):
     """The regional store may evict keys (maxmemory-policy other than noeviction) and the agent
     was not told to accept it (``--allow-evicting-store``)."""
@@ -138,12 +147,7 @@ async def check_eviction_policy(store: Any, health: StoreHealth, *, allowed: boo
     health.update(answered, shards)
     bad = evicting(answered)
     if bad and not allowed:
-        raise EvictingStore(
-            "refusing to start: the regional Redis may evict keys ("
-            + ", ".join(f"{shard}: maxmemory-policy {p}" for shard, p in sorted(bad.items()))
-            + "); an evicted bucket is a full bucket, so eviction silently resets enforcement. "
-            "Set maxmemory-policy noeviction (CONFIG SET maxmemory-policy noeviction, and in "
-            "redis.conf), or start degraded with --allow-evicting-store")
+        raise EvictingStore("refusing to start: " + eviction_refusal(bad))
     for shard, p in sorted(bad.items()):
         log.error("DEGRADED: the regional Redis shard %s has maxmemory-policy %s: an eviction silently "
                   "resets enforcement (started with --allow-evicting-store)", shard, p)

@@ -90,6 +90,22 @@ def _hostport(text: str, default_port: int) -> tuple[str, int]:
     return host, n
 
 
+def _check_userinfo(rest: str) -> None:
+    """The URL's authority ends at its first ``/``, ``?`` or ``#``: a password holding one of them
+    unencoded would be split there, its pieces read as a host, a port or a path, and echoed in
+    the errors about them — so that is refused first, naming no part of it. (A ``#`` anywhere
+    starts a fragment, which a Redis URL never has.)"""
+    if "#" in rest:
+        raise ValueError("the Redis URL has a '#' (in a password: write it %23, or give the password in "
+                         "LEASEHOLD_AGENT_REDIS_PASSWORD or --redis-password-file)")
+    authority = rest
+    for stop in "/?":
+        authority = authority.split(stop, 1)[0]
+    if "@" not in authority and "@" in rest:
+        raise ValueError("the Redis URL's user or password has a '/' or '?': percent-encode it (%2F, %3F), or "
+                         "give the password in LEASEHOLD_AGENT_REDIS_PASSWORD or --redis-password-file")
+
+
 def parse_store_url(url: str, *, cluster: bool = False) -> StoreUrl:
     """``ValueError`` with a message naming what is wrong (never the password)."""
     if "://" not in url:
@@ -105,6 +121,7 @@ def parse_store_url(url: str, *, cluster: bool = False) -> StoreUrl:
         raise ValueError(f"expected a URL starting with redis://, rediss://, redis+cluster://, "
                          f"redis+sentinel:// or unix://, not {scheme}://")
     kind = {"": CLUSTER if cluster else STANDALONE, "cluster": CLUSTER, "sentinel": SENTINEL}[suffix]
+    _check_userinfo(rest)
     rest, _, query = rest.partition("?")
     netloc, _, path = rest.partition("/")
     userinfo, _, hostlist = netloc.rpartition("@")

@@ -89,6 +89,9 @@ class ClusterStore:
         self.map = SlotMap()
         self.nodes: dict[str, RedisNode] = {}  # primaries of the map (and MOVED targets)
         self._probes: dict[str, Any] = {}  # topology-read clients of nodes without a RedisNode
+        # the last topology read that found no node: one that refused the credentials or the ACL
+        # user's CLUSTER SLOTS (so the start can say so instead of "no node answered")
+        self._refused: sc.StoreRefused | None = None
         self._retiring: set[asyncio.Task] = set()
         self._retired: list[RedisNode] = []  # closed by their retiring task, or by close()
         self._loading: set[asyncio.Task] = set()
@@ -158,18 +161,23 @@ class ClusterStore:
         if self._refresh_lock is None:
             self._refresh_lock = asyncio.Lock()
         async with self._refresh_lock:
+            refused = None
             for name in self._candidates():
                 try:
                     reply = await asyncio.wait_for(self._cluster_slots(name), timeout_s or self.topology_timeout_s)
                     fresh = SlotMap.from_cluster_slots(reply, name)
                 except Exception as e:  # unreachable, hung, not a cluster node: ask the next one
                     log.debug("CLUSTER SLOTS from %s failed: %s", name, type(e).__name__)
+                    err = sc.translate_redis_error(e, sent=False)
+                    refused = err if isinstance(err, sc.StoreRefused) else refused
                     continue
                 if fresh.uncovered() == SLOTS:
                     continue  # a node that knows no slots (just started, or not in the cluster yet)
                 self.refreshes += 1
+                self._refused = None
                 self._apply(fresh)
                 return True
+            self._refused = refused
             return False
 
     async def _cluster_slots(self, name: str) -> Any:
@@ -390,10 +398,12 @@ class ClusterStore:
         """Read the topology if it is not known yet, then load the scripts on every primary;
         ``StoreUnavailable`` when no primary could be reached."""
         if not self.map.primaries() and not await self.refresh(max(FIRST_READ_S, self.topology_timeout_s)):
-            raise StoreUnavailable("no Redis Cluster node answered")
+            raise self._refused or StoreUnavailable("no Redis Cluster node answered")
         results = await asyncio.gather(*(self._node(n).load() for n in self.map.primaries()), return_exceptions=True)
         if not any(r is None for r in results):
-            raise StoreUnavailable("the scripts could not be loaded on any Redis Cluster primary")
+            refused = [r for r in results if isinstance(r, sc.StoreRefused)]
+            raise refused[0] if refused else StoreUnavailable("the scripts could not be loaded on any Redis Cluster "
+                                                              "primary")
 
     async def ping(self) -> bool:
         """True when at least one primary answers (the others' tenants are answered by their fail modes)."""

@@ -27,7 +27,7 @@ from ..decision.call import ScriptCall
 from . import redis_internals as ri
 from . import scripts as sc
 from .batcher import Batcher
-from .breaker import CLOSED, OPEN, CircuitBreaker
+from .breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from .lag import LoopLag
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,9 @@ class RedisNode:
         # one line per reachability change (breaker opened / closed again), at most one per interval
         self.reachability = TransitionLog(log, initial=True, interval_s=log_interval_s)
         self._opened_at = 0.0
+        # the last store failure when the store refused the command (OOM, ACL, credentials): it stays
+        # until an operator acts, so the outage's log line names it
+        self._refused: sc.StoreRefused | None = None
 
     def start(self) -> None:
         """Start measuring the event loop's lag (call inside the running loop)."""
@@ -157,15 +160,17 @@ class RedisNode:
 
     async def _run_pipeline(self, calls: Sequence[ScriptCall]) -> list[Any]:
         """One pipeline (called by the batcher's drain task). Its outcome is what judges the
-        store for the breaker: a pipeline that came back without store errors closes it, one that
-        failed counts against it. Callers whose own deadline passed first do not decide that:
+        store for the breaker: a pipeline that came back without store errors in time closes it
+        (:meth:`_slower_than_a_decision`), one that failed counts against it. Callers whose own deadline passed first do not decide that:
         on a CPU-saturated agent the reply can be late only because the event loop was busy, and
         an agent that opened its breaker on that would serve fallback decisions while Redis is fine."""
+        started = time.monotonic()
         try:  # (the NOSCRIPT reload and re-run are run_pipeline's)
             replies = await self.scripts.run_pipeline(self.client, calls, self._reading)
         except Exception as e:
             err = self._own_timeout(translate(e))
             if not isinstance(err, Overloaded):
+                self._refused = err if isinstance(err, sc.StoreRefused) else None
                 self.breaker.failure(time.monotonic())
                 self._breaker_changed()
             raise err from None
@@ -173,14 +178,29 @@ class RedisNode:
         if sc.has_error(replies):  # one pass over the replies in the common case (no error among them)
             replies = [self._own_timeout(r) for r in replies]
             # MOVED / ASK / TRYAGAIN came from a healthy node that said where its slot is (or that it moves)
-            failed = any(isinstance(r, (StoreUnavailable, AmbiguousOutcome)) and not isinstance(r, sc.SlotRedirect)
-                         for r in replies)
+            failures = [r for r in replies if isinstance(r, (StoreUnavailable, AmbiguousOutcome))
+                        and not isinstance(r, sc.SlotRedirect)]
+            if failures:
+                failed = True
+                self._refused = next((r for r in failures if isinstance(r, sc.StoreRefused)), None)
         if failed:
             self.breaker.failure(time.monotonic())
-        else:
+        elif self.breaker.state == HALF_OPEN or not self._slower_than_a_decision(started):
             self.breaker.success()
         self._breaker_changed()
         return replies
+
+    def _slower_than_a_decision(self, started: float) -> bool:
+        """The store answered this pipeline, but later than a decision may wait (``stall_s``, the
+        decision budget) while this agent's loop ran on time: its callers were already answered
+        degraded (each counted against the store by :meth:`_timed_out`). Such an answer neither
+        closes the breaker nor clears its count — else a store that is slow on every call (a
+        saturated or distant Redis answering in 100-400 ms) would never open it, and every
+        decision would wait out its budget before degrading while its script still ran in Redis.
+        A probe's answer (half-open) closes it as always."""
+        now = time.monotonic()
+        elapsed = now - started
+        return elapsed > self.stall_s and self.lag.lag_s(now) < elapsed / 2
 
     def submit(self, calls: list[ScriptCall], *, wait_s: float | None) -> Awaitable[list[Any]]:
         """Send ``calls`` through the coalescing batcher, guarded by the shard's breaker: while
@@ -225,12 +245,14 @@ class RedisNode:
         """What a caller whose budget passed gets (the batcher's ``on_timeout``): see :meth:`submit`."""
         if isinstance(exc, AmbiguousOutcome):
             # sent and not answered while the store looks stalled (or even after the late wait):
-            # counts against the store, so a hung Redis opens the breaker quickly; if the pipeline
-            # then comes back fine, its success closes the breaker again (see _run_pipeline)
+            # counts against the store, so a hung Redis opens the breaker quickly; the pipeline's
+            # own late answer does not undo that (_slower_than_a_decision): a probe closes it
+            self._refused = None
             self.breaker.failure(time.monotonic())
             self._breaker_changed()
             return exc
         if self.stalled():
+            self._refused = None
             self.breaker.failure(time.monotonic())
             self._breaker_changed()
             return StoreUnavailable("the store is not answering (queued behind a stalled pipeline)")
@@ -254,6 +276,11 @@ class RedisNode:
         if reachable:
             return logging.INFO, (f"{self.name} reachable again: circuit breaker closed after "
                                   f"{time.monotonic() - self._opened_at:.1f} s{more}")
+        if self._refused is not None:  # reachable, but refusing: an operator has to act
+            return logging.ERROR, (f"{self.name} refuses the agent's commands "
+                                   f"({sc.StoreRefused.CAUSES[self._refused.cause]}): circuit breaker open after "
+                                   f"{self.breaker.failure_threshold} consecutive store failures; decisions "
+                                   f"degrade per rule failMode{more}")
         return logging.WARNING, (f"{self.name} unreachable: circuit breaker open after "
                                  f"{self.breaker.failure_threshold} consecutive store failures; decisions "
                                  f"degrade per rule failMode{more}")

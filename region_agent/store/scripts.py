@@ -11,6 +11,7 @@ loaded and the call retried once. Driver errors become ``kernel.errors`` types i
 from __future__ import annotations
 
 import os
+import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,11 +37,42 @@ from .lua_loader import DEFAULT_LUA_DIR, has_kinds, load_scripts, load_variant, 
 from .resp import ASKING, pack_evalsha, pack_pipeline
 
 __all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "SlotMigrating", "SlotMoved", "SlotRedirect",
-           "translate_redis_error"]
+           "StoreRefused", "translate_redis_error"]
 
-# Server error prefixes meaning "the command was refused before it ran": nothing happened.
+# Server error prefixes meaning "the command was refused before it ran": nothing happened. (redis-py
+# strips the prefix of the replies it has an exception class for — OOM, NOPERM, READONLY ... — so
+# those are told apart by class in translate_redis_error, never by this text.)
 _NOT_RUN_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY", "NOREPLICAS",
                      "MOVED", "ASK", "OOM")
+
+
+# how Redis 6 and 7.0 answer a script whose redis.call() names a command the caller's ACL user lacks
+# (later versions answer NOPERM)
+_SCRIPT_ACL_DENIAL = "The user executing the script can't run this command"
+
+# the key of the start's access check (Scripts.check_access): in the agent's namespace
+# (region_agent.decision.keys.NS), read only, never written
+ACCESS_CHECK_KEY = "rl:v3:{access-check}:pool:none"
+
+
+class StoreRefused(StoreUnavailable):
+    """A reachable Redis refused to run the command because of how it is set up, not because of
+    the call: ``cause`` ``oom`` (used memory above ``maxmemory`` under ``noeviction``: every write
+    is refused), ``acl`` (the agent's ACL user may not run a command its scripts need, or touch
+    their keys), ``auth`` (the credentials are wrong) or ``tls`` (its certificate does not verify
+    against the CA the agent was given: no connection is made, so nothing is sent). Nothing ran. Like any store failure it
+    counts against the node's breaker and the decision degrades per its rules' fail modes; it
+    lasts until an operator acts, so the node names the cause in its log line."""
+
+    code, title = "store-refused", "The store refused the agent's command"
+
+    CAUSES = {"oom": "OOM: used memory above maxmemory", "acl": "NOPERM: the ACL user lacks a command or key",
+              "auth": "the Redis credentials were refused",
+              "tls": "TLS: the server's certificate did not verify"}
+
+    def __init__(self, cause: str):
+        super().__init__(f"store refused the command ({self.CAUSES[cause]})", extra={"cause": cause})
+        self.cause = cause
 
 
 class KeysNotColocated(ScriptRejected):
@@ -93,7 +125,8 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
 
     Error replies from a script (validation) -> :class:`ScriptRejected` (not retriable);
     CROSSSLOT / client-side slot refusal -> :class:`KeysNotColocated`; MOVED / ASK ->
-    :class:`SlotMoved` (the cluster store follows it), TRYAGAIN -> :class:`SlotMigrating`; replies that mean the
+    :class:`SlotMoved` (the cluster store follows it), TRYAGAIN -> :class:`SlotMigrating`; OOM, NOPERM
+    and refused credentials -> :class:`StoreRefused`; replies that mean the
     server refused to run anything (BUSY, LOADING, CLUSTERDOWN, NOSCRIPT ...) ->
     :class:`StoreUnavailable`; connection failures before send -> :class:`StoreUnavailable`;
     timeouts/resets after send -> :class:`AmbiguousOutcome`. Details never echo driver text."""
@@ -107,6 +140,20 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
         return SlotMoved(exc.slot_id, exc.host, exc.port, ask=not isinstance(exc, rex.MovedError))
     if isinstance(exc, rex.TryAgainError):
         return SlotMigrating("the key's slot is being migrated (TRYAGAIN)")
+    if isinstance(exc, rex.OutOfMemoryError):
+        return StoreRefused("oom")
+    if isinstance(exc, rex.NoPermissionError):
+        return StoreRefused("acl")
+    if isinstance(exc, rex.AuthenticationError):  # (a ConnectionError: before that branch)
+        return StoreRefused("auth")
+    cause = exc.__cause__
+    if isinstance(exc, rex.ConnectionError) and isinstance(exc.__cause__ or exc.__context__, ssl.SSLCertVerificationError):
+        return StoreRefused("tls")  # (redis-py raises it while handling the ssl error: its __context__)
+    if isinstance(exc, rex.ConnectionError) and isinstance(cause, (rex.NoPermissionError, rex.AuthenticationError)):
+        # redis-py's unix-socket connection wraps its handshake's refusal (AUTH, SELECT) in a ConnectionError
+        return translate_redis_error(cause, sent=False)
+    if isinstance(exc, rex.ClusterCrossSlotError):
+        return KeysNotColocated("script keys are not in one hash slot")
     if isinstance(exc, (rex.ClusterDownError, rex.MasterDownError, rex.BusyLoadingError,
                         rex.ReadOnlyError, rex.SlotNotCoveredError, rex.MaxConnectionsError)):
         # refused or never sent: nothing ran
@@ -117,6 +164,8 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
             return KeysNotColocated("script keys are not in one hash slot")
         if text.startswith(_NOT_RUN_PREFIXES):
             return StoreUnavailable(f"store refused the command ({text.split(' ', 1)[0]})")
+        if _SCRIPT_ACL_DENIAL in text:  # a script's call the ACL denies (Redis 6 and 7.0 say so in an ERR)
+            return StoreRefused("acl")
         return ScriptRejected("limiter script rejected its arguments")
     if isinstance(exc, rex.RedisClusterException) and "same key slot" in str(exc).lower():
         return KeysNotColocated("script keys are not in one hash slot")
@@ -178,6 +227,19 @@ def _connection_lost(e: BaseException) -> bool:
     """A connection-level failure (reset, closed by the server) — not a timeout."""
     return isinstance(e, (rex.ConnectionError, ConnectionError, OSError)) and not isinstance(e, (TimeoutError,
                                                                                                rex.TimeoutError))
+
+
+def _demoted(replies: list[Any]) -> bool:
+    """A reply says READONLY: this connection reaches a replica — the primary it was opened to
+    was demoted (a failover behind a DNS name, as managed Redis services do it, or a REPLICAOF).
+    Its connections must go: a new one resolves the name again and finds the promoted primary,
+    while kept ones would be answered READONLY for as long as they live. (The pipeline's own
+    connection is back in the pool by then, idle, so it goes too; a Sentinel-managed client's
+    connections already drop themselves on READONLY.)"""
+    for r in replies:
+        if r.__class__ is rex.ReadOnlyError:
+            return True
+    return False
 
 
 async def _drop_idle(client: Any) -> None:
@@ -257,6 +319,14 @@ class Scripts:
         except Exception as e:
             raise _translate(e) from None
 
+    async def check_access(self, client: Any) -> None:
+        """One read-only script call (``pool_balance`` of :data:`ACCESS_CHECK_KEY`, a key no pool
+        has): EVALSHA, the Redis TIME and INFO the scripts read, and a key of the agent's
+        namespace, under the agent's credentials and ACL user. Raises what the call raised
+        (:class:`StoreRefused` for credentials or a permission the ACL lacks); SCRIPT LOAD alone
+        does not tell that the scripts may run. ``client`` as for :meth:`call`."""
+        await self.call(client, "pool_balance", [ACCESS_CHECK_KEY], [])
+
     async def _load_one(self, client: Any, name: str) -> None:
         await client.script_load(self.scripts[name].source)
 
@@ -291,6 +361,8 @@ class Scripts:
             return [err for _ in calls]
         if not has_error(results):  # the common case: every call answered, nothing to translate
             return results
+        if _demoted(results):  # these connections reach a replica now: new ones find the primary
+            await _drop_idle(client)
         missing = [i for i, r in enumerate(results) if isinstance(r, rex.NoScriptError)]
         if missing:
             try:

@@ -114,9 +114,10 @@ def test_the_agent_process_refuses_to_start_with_a_clear_line(tmp_path: Path, po
         cmd = agent_command(redis_url=redis.url, policy=policy_file, region="eu", host="127.0.0.1", port=0,
                             auth_disabled=True, policy_poll_ms=0, python=sys.executable)
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
-        assert out.returncode != 0
-        assert "refusing to start: the regional Redis may evict keys (default: maxmemory-policy volatile-lru)" \
-            in out.stderr, out.stderr[-2000:]
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert "region_agent: refusing to start: the regional Redis may evict keys (default: maxmemory-policy " \
+            "volatile-lru)" in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr  # one line, as the agent's other refusals
     finally:
         redis.stop()
 

@@ -9,7 +9,7 @@ from kernel.algorithms import KINDS
 from kernel.errors import AmbiguousOutcome, DecisionConflict, ScriptRejected, StoreUnavailable
 from region_agent.decision.call import Call, multi_rule_argv, parse_multi_rule, script_for
 from region_agent.store.lua_loader import expand_includes, parse_variant
-from region_agent.store.scripts import KeysNotColocated, Scripts, translate_redis_error
+from region_agent.store.scripts import KeysNotColocated, Scripts, StoreRefused, translate_redis_error
 
 
 @pytest.mark.parametrize(("exc", "sent", "kind"), [
@@ -31,6 +31,61 @@ def test_translation(exc, sent, kind):
     assert type(got) is kind
     assert got.retriable == (kind in (StoreUnavailable, AmbiguousOutcome))
     assert "127.0.0.1" not in got.detail  # driver text is not echoed
+
+
+def _parsed(reply: str) -> BaseException:
+    """An error reply as redis-py hands it over: its parser picks the class by the reply's prefix
+    and strips that prefix from the message (so a test that writes ``ResponseError("OOM ...")``
+    by hand does not see what the agent sees)."""
+    from redis._parsers.base import BaseParser
+
+    return BaseParser.parse_error(reply)
+
+
+@pytest.mark.parametrize(("reply", "kind", "cause"), [
+    ("OOM command not allowed when used memory > 'maxmemory'. script: 89ab, on @user_script:1.", StoreRefused, "oom"),
+    ("NOPERM User agent has no permissions to run the 'evalsha' command", StoreRefused, "acl"),
+    ("NOPERM No permissions to access a key", StoreRefused, "acl"),
+    ("ERR The user executing the script can't run this command or subcommand script: 104a, on @user_script:1.",
+     StoreRefused, "acl"),  # a script's redis.call('TIME') the ACL denies (Redis 7.0)
+    ("WRONGPASS invalid username-password pair or user is disabled.", StoreRefused, "auth"),
+    ("NOAUTH Authentication required.", StoreRefused, "auth"),
+    ("CROSSSLOT Keys in request don't hash to the same slot", KeysNotColocated, None),
+    ("READONLY You can't write against a read only replica.", StoreUnavailable, None),
+    ("LOADING Redis is loading the dataset in memory", StoreUnavailable, None),
+    ("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.", StoreUnavailable, None),
+    ("BUSY Redis is busy running a script.", StoreUnavailable, None),
+])
+def test_translation_of_replies_as_the_driver_parses_them(reply, kind, cause):
+    """A refused command is a store condition (counted by the breaker, the decision degraded as
+    STORE_UNREACHABLE), never a policy error — whatever redis-py did to the reply's text."""
+    got = translate_redis_error(_parsed(reply), True)
+    assert type(got) is kind, (reply, got)
+    assert got.retriable == (kind is not KeysNotColocated)
+    assert getattr(got, "cause", None) == cause
+
+
+def test_a_refusal_wrapped_by_the_unix_socket_handshake_is_still_a_refusal():
+    """redis-py's unix-socket connection raises ``ConnectionError(exc) from exc`` for a refused
+    AUTH or SELECT: not an ambiguous lost connection."""
+    for reply, cause in (("NOPERM User agent has no permissions to run the 'select' command", "acl"),
+                         ("WRONGPASS invalid username-password pair or user is disabled.", "auth")):
+        inner = _parsed(reply)
+        try:
+            raise rex.ConnectionError(inner) from inner
+        except rex.ConnectionError as wrapped:
+            got = translate_redis_error(wrapped, True)
+        assert type(got) is StoreRefused and got.cause == cause
+
+
+def test_a_certificate_that_does_not_verify_is_a_refusal_not_an_outage():
+    import ssl
+
+    # redis-py raises its ConnectionError while handling the ssl error: the ssl error is its context
+    e = rex.ConnectionError("Error 1 connecting to 10.0.0.1:6380. certificate verify failed")
+    e.__context__ = ssl.SSLCertVerificationError(1, "certificate verify failed")
+    got = translate_redis_error(e, False)
+    assert type(got) is StoreRefused and got.cause == "tls" and "10.0.0.1" not in got.detail
 
 
 def test_script_errors_are_not_ambiguous_even_if_sent():

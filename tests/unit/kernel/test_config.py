@@ -47,6 +47,10 @@ def test_invalid_values_name_the_setting_and_the_valid_values():
     assert str(e.value) == "invalid value 'eighty' for --port: expected an integer in [1, 65535]"
     with pytest.raises(ConfigError, match="--redis-url: expected a URL starting with redis://"):
         load_settings(Demo, "X_", ["--redis-url", "http://x"], env={})
+    with pytest.raises(ConfigError) as e:  # a URL is echoed without what stands before its '@'
+        load_settings(Demo, "X_", ["--redis-url", "http://user:s3cr/t@x:1/0"], env={})
+    assert str(e.value) == ("invalid value 'http://…@x:1/0' for --redis-url: expected a URL starting with "
+                            "redis://")
     with pytest.raises(ConfigError, match="expected an IP address or a host name"):
         load_settings(Demo, "X_", ["--host", "999.1.1.1"], env={})
     assert load_settings(Demo, "X_", ["--host", "::1"], env={}).host == "::1"

@@ -104,6 +104,11 @@ def test_redis_url_gets_the_password_from_env_never_the_flag():
     url = redis_url_with_secrets(s, env={"LEASEHOLD_AGENT_REDIS_PASSWORD": "p@ss/word"})
     assert url == "redis://agent:p%40ss%2Fword@10.0.0.1:6379/0?ssl_ca_certs=/ca.pem"
     assert redis_url_with_secrets(AgentSettings(redis_url="redis://h:1/0"), env={}) == "redis://h:1/0"
+    # a socket's URL keeps its empty authority (urlunsplit alone wrote unix:/path, refused as no URL)
+    sock = AgentSettings(redis_url="unix:///run/redis.sock?db=2")
+    assert redis_url_with_secrets(sock, env={}) == "unix:///run/redis.sock?db=2"
+    assert redis_url_with_secrets(sock, env={"LEASEHOLD_AGENT_REDIS_PASSWORD": "p/w"}) == \
+        "unix://default:p%2Fw@/run/redis.sock?db=2"
 
 
 def test_rollback_keeps_the_content_checksum():

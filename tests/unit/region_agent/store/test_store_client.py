@@ -55,6 +55,39 @@ def test_bad_urls_are_refused_with_a_reason(url, says):
         parse_store_url(url)
 
 
+@pytest.mark.parametrize("url", [
+    "redis://agent:pa/ss@10.0.0.1:6379/0",  # an unencoded '/' used to be read as the end of the host
+    "redis://agent:pa?ss@10.0.0.1:6379/0",
+    "redis://agent:pa#ss@10.0.0.1:6379/0",  # accepted, then redis-py read 'pa' as the port
+    "redis+sentinel://agent:pa/ss@10.0.0.1:26379/svc",
+    "redis+cluster://agent:pa/ss@h1:1,h2:2",
+])
+def test_a_password_with_a_delimiter_is_refused_naming_none_of_it(url):
+    with pytest.raises(ValueError) as e:
+        parse_store_url(url)
+    assert "percent-encode" in str(e.value) or "%23" in str(e.value)
+    assert "pa" not in str(e.value).replace("password", "") and "agent" not in str(e.value)
+    with pytest.raises(ConfigError) as c:
+        load_agent_settings(["--redis-url", url], env={})
+    assert "agent:pa" not in str(c.value) and "ss@" not in str(c.value)
+
+
+@pytest.mark.parametrize("url", ["unix:///run/redis/redis.sock", "unix:///run/redis/redis.sock?db=2",
+                                 "unix://agent@/run/redis/redis.sock", "redis://agent:p%2Fss@h:1/0",
+                                 "redis://agent:p@ss@h:1/0", "redis://h:1?db=3"])
+def test_url_forms_accepted_at_start(url):
+    assert load_agent_settings(["--redis-url", url, "--auth-disabled"], env={}).redis_url == url
+
+
+def test_an_invalid_url_is_echoed_without_its_password():
+    with pytest.raises(ConfigError) as e:
+        load_agent_settings(["--redis-url", "redis+shard://agent:s3cr3t@h:1/0"], env={})  # not a scheme of ours
+    assert "s3cr3t" not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_agent_settings(["--redis-url", "unix://", "--auth-disabled"], env={})  # a socket URL without its path
+    assert "socket's path" in str(e.value)
+
+
 def test_a_bad_url_is_a_settings_error_at_start():
     with pytest.raises(ConfigError, match="several hosts"):
         load_agent_settings(["--redis-url", "redis://a:1,b:2"], env={})

@@ -86,3 +86,54 @@ async def test_a_timeout_while_this_agent_lags_is_overload_and_the_store_is_not_
         await gw.submit([CALL], wait_s=1.0)
     assert OPEN not in states and gw.breaker.state == CLOSED
     await gw.close()
+
+
+class SlowRunner:
+    """A store that answers every pipeline, ``delay_s`` after it was sent (a slow Redis)."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+        self.pipelines = 0
+
+    async def run_pipeline(self, client, calls, reading):
+        import asyncio
+        import time
+
+        self.pipelines += 1
+        token = object()
+        reading[id(token)] = (None, time.monotonic())  # sent: the store owes the answer
+        try:
+            await asyncio.sleep(self.delay_s)
+        finally:
+            reading.pop(id(token), None)
+        return [[1, 0, 0, 5] for _ in calls]
+
+
+async def test_a_store_slower_than_every_decision_opens_the_breaker():
+    """Each caller's budget passes (ambiguous: counted) before its pipeline's late answer; that
+    answer used to close the breaker again, so a store slow on every call never opened it."""
+    import asyncio
+
+    runner = SlowRunner(0.12)
+    gw = RedisNode(object(), runner, breaker=CircuitBreaker(failure_threshold=3, open_s=60.0),  # type: ignore[arg-type]  # a fake client and scripted runner
+                   lag=Lagging(0.0), late_s=0.4, stall_s=0.03)
+    for _ in range(3):
+        with pytest.raises(AmbiguousOutcome):
+            await gw.submit([CALL], wait_s=0.01)
+    await asyncio.sleep(0.2)  # every late answer is in
+    assert gw.breaker.state == OPEN
+    with pytest.raises(StoreUnavailable, match="circuit breaker open"):  # degraded at once from now on
+        await gw.submit([CALL], wait_s=0.01)
+    await gw.close()
+
+
+async def test_a_late_answer_while_this_agent_lags_still_closes_the_breaker():
+    import asyncio
+
+    gw = RedisNode(object(), SlowRunner(0.12), breaker=CircuitBreaker(failure_threshold=1, open_s=60.0),  # type: ignore[arg-type]  # a fake client and scripted runner
+                   lag=Lagging(0.1), late_s=0.4, stall_s=0.03)
+    gw.breaker.failures = 0
+    await gw.submit([CALL], wait_s=1.0)  # answered (the loop lags: the late answer is this agent's own)
+    await asyncio.sleep(0)
+    assert gw.breaker.state == CLOSED
+    await gw.close()
