@@ -1,4 +1,4 @@
-"""The Envoy files' ``rbac`` refuses a token whose claims no question can carry (decision 0065):
+"""The Envoy files' ``rbac`` refuses a token whose claims no question can carry (decision 0064):
 its patterns must be the agent's own, or a claim the agent refuses passes ``rbac`` and its request
 passes the fail-open limiter undecided."""
 

@@ -89,7 +89,7 @@ async def test_a_stalled_store_opens_the_breaker_and_a_probe_closes_it():
     """A store that stopped answering (a pipeline in flight longer than the stall threshold while the
     event loop runs on time): late callers count against it and degrade, so a hung Redis opens the
     breaker quickly. The stalled pipeline's late answer does not close it (a store slow on every
-    call would otherwise never stay open, docs/decisions/0064); after ``open_s`` a probe does."""
+    call would otherwise never stay open, docs/decisions/0063); after ``open_s`` a probe does."""
     scripts = _SlowScripts(0.3)
     gw = RedisNode(object(), scripts, breaker=CircuitBreaker(failure_threshold=3, open_s=0.5), stall_s=0.02)
     call = ("multi_rule", ["k"], [1])
