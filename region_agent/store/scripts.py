@@ -146,12 +146,12 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
         return StoreRefused("acl")
     if isinstance(exc, rex.AuthenticationError):  # (a ConnectionError: before that branch)
         return StoreRefused("auth")
-    cause = exc.__cause__
-    if isinstance(exc, rex.ConnectionError) and isinstance(exc.__cause__ or exc.__context__, ssl.SSLCertVerificationError):
-        return StoreRefused("tls")  # (redis-py raises it while handling the ssl error: its __context__)
-    if isinstance(exc, rex.ConnectionError) and isinstance(cause, (rex.NoPermissionError, rex.AuthenticationError)):
-        # redis-py's unix-socket connection wraps its handshake's refusal (AUTH, SELECT) in a ConnectionError
-        return translate_redis_error(cause, sent=False)
+    if isinstance(exc, rex.ConnectionError):
+        if isinstance(exc.__cause__ or exc.__context__, ssl.SSLCertVerificationError):
+            return StoreRefused("tls")  # (redis-py raises it while handling the ssl error: its __context__)
+        if isinstance(exc.__cause__, (rex.NoPermissionError, rex.AuthenticationError)):
+            # redis-py's unix-socket connection wraps its handshake's refusal (AUTH, SELECT) in a ConnectionError
+            return translate_redis_error(exc.__cause__, sent=False)
     if isinstance(exc, rex.ClusterCrossSlotError):
         return KeysNotColocated("script keys are not in one hash slot")
     if isinstance(exc, (rex.ClusterDownError, rex.MasterDownError, rex.BusyLoadingError,

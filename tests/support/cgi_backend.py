@@ -8,9 +8,10 @@ first name is read as the second. Every request is answered 200 with JSON
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
+from typing import Any
+
+from .http_backend import JsonHandler, ThreadedBackend
 
 
 def meta_variables(headers: list[tuple[str, str]]) -> dict[str, str]:
@@ -22,40 +23,16 @@ def meta_variables(headers: list[tuple[str, str]]) -> dict[str, str]:
     return out
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def _answer(self) -> None:
-        length = int(self.headers.get("content-length") or 0)
-        if length:
-            self.rfile.read(length)
-        body = json.dumps({"upstream": "cgi", "path": self.path,
-                           "environ": meta_variables(list(self.headers.items()))}).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _answer
-
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
-        pass
+class _Handler(JsonHandler):
+    def answer(self) -> dict[str, Any]:
+        return {"upstream": "cgi", "path": self.path, "environ": meta_variables(list(self.headers.items()))}
 
 
-class CgiBackend:
+class CgiBackend(ThreadedBackend):
     """The backend on ``127.0.0.1:<port>`` in a thread of the test process; :meth:`stop` ends it."""
 
     def __init__(self) -> None:
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, name="cgi-backend", daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
+        super().__init__(ThreadingHTTPServer(("127.0.0.1", 0), _Handler), "cgi-backend")
 
 
 __all__ = ["CgiBackend", "meta_variables"]

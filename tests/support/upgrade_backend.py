@@ -8,19 +8,16 @@ undecided. :attr:`UpgradeBackend.seen` records each request it received: method,
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
+from typing import Any
+
+from .http_backend import JsonHandler, ThreadedBackend
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(JsonHandler):
     tunnel = False  # per connection: set once this connection switched protocols
 
-    def _answer(self) -> None:
-        length = int(self.headers.get("content-length") or 0)
-        if length:
-            self.rfile.read(length)
+    def answer(self) -> dict[str, Any] | None:
         upgrade = self.headers.get("upgrade")
         wants = upgrade is not None and "upgrade" in (self.headers.get("connection") or "").lower()
         assert isinstance(self.server, _Server)
@@ -31,18 +28,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("upgrade", upgrade or "")
             self.end_headers()
             self.tunnel = True
-            return
-        body = json.dumps({"upstream": "upgrade", "path": self.path, "tunnelled": self.tunnel}).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _answer
-
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
-        pass
+            return None
+        return {"upstream": "upgrade", "path": self.path, "tunnelled": self.tunnel}
 
 
 class _Server(ThreadingHTTPServer):
@@ -51,23 +38,16 @@ class _Server(ThreadingHTTPServer):
         self.seen: list[dict] = []
 
 
-class UpgradeBackend:
+class UpgradeBackend(ThreadedBackend):
     """The backend on ``127.0.0.1:<port>`` in a thread of the test process; :meth:`stop` ends it."""
 
     def __init__(self) -> None:
-        self.server = _Server()
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, name="upgrade-backend", daemon=True)
-        self.thread.start()
+        super().__init__(_Server(), "upgrade-backend")
 
     @property
     def seen(self) -> list[dict]:
+        assert isinstance(self.server, _Server)
         return self.server.seen
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
 
 
 __all__ = ["UpgradeBackend"]

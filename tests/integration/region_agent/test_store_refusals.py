@@ -100,14 +100,20 @@ async def test_an_acl_user_losing_evalsha_degrades_bounded_and_says_why(tmp_path
         redis.stop()
 
 
-def _refusal(info: pytest.ExceptionInfo) -> StoreAccessRefused | None:
-    errors = [info.value]  # the lifespan's error, in the test client's task group
+async def refused_start(url: str, policy_file: Path) -> str:
+    """Start an agent app on ``url``: the text of the :class:`StoreAccessRefused` its start raised
+    (found in the test client's task group); fails when the start raised none."""
+    app = create_app(make_settings(url, policy_file), pepper=PEPPER)
+    with pytest.raises(BaseException) as info:
+        async with AsyncTestClient(app=app):
+            pass
+    errors: list[BaseException] = [info.value]
     while errors:
         e = errors.pop(0)
         if isinstance(e, StoreAccessRefused):
-            return e
+            return str(e)
         errors.extend(getattr(e, "exceptions", ()))
-    return None
+    raise AssertionError(f"the start raised no StoreAccessRefused: {info.value!r}")
 
 
 @pytest.mark.parametrize(("rule", "password", "says"), [
@@ -121,13 +127,8 @@ async def test_refused_credentials_or_permissions_stop_the_start(tmp_path: Path,
     redis = RedisServer(tmp_path / "acl", admin_password="admin-pw", users=[rule]).start()
     try:
         url = f"redis://agent:{password}@127.0.0.1:{redis.port}/0"
-        app = create_app(make_settings(url, policy_file), pepper=PEPPER)
-        with pytest.raises(BaseException) as info:
-            async with AsyncTestClient(app=app):
-                pass
-        refused = _refusal(info)
-        assert refused is not None, info.value
-        assert says in str(refused) and password not in str(refused)
+        refused = await refused_start(url, policy_file)
+        assert says in refused and password not in refused
     finally:
         redis.stop()
 
@@ -187,13 +188,7 @@ async def test_a_redis_cluster_refusing_the_acl_user_stops_the_start(redis_clust
         node.cli("ACL", "SETUSER", "agent", "reset", *rule.split())
     try:
         hosts = ",".join(f"127.0.0.1:{n.port}" for n in nodes)
-        app = create_app(make_settings(f"redis+cluster://agent:{password}@{hosts}", policy_file), pepper=PEPPER)
-        with pytest.raises(BaseException) as info:
-            async with AsyncTestClient(app=app):
-                pass
-        refused = _refusal(info)
-        assert refused is not None, info.value
-        assert says in str(refused)
+        assert says in await refused_start(f"redis+cluster://agent:{password}@{hosts}", policy_file)
     finally:
         for node in nodes:
             node.cli("ACL", "DELUSER", "agent")
@@ -221,12 +216,7 @@ async def test_a_tls_certificate_that_does_not_verify_stops_the_start(tmp_path: 
 
     redis = RedisServer(tmp_path / "tls", tls=make_tls(tmp_path / "certs")).start()
     try:
-        app = create_app(make_settings(f"rediss://127.0.0.1:{redis.port}/0", policy_file), pepper=PEPPER)
-        with pytest.raises(BaseException) as info:
-            async with AsyncTestClient(app=app):
-                pass
-        refused = _refusal(info)
-        assert refused is not None, info.value
-        assert "TLS certificate that did not verify" in str(refused) and "--redis-ca-file" in str(refused)
+        refused = await refused_start(f"rediss://127.0.0.1:{redis.port}/0", policy_file)
+        assert "TLS certificate that did not verify" in refused and "--redis-ca-file" in refused
     finally:
         redis.stop()
