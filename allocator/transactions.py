@@ -454,7 +454,8 @@ class ReportStrategy:
 def lookup_pool(pools: Mapping[str, Pool], pool_id: str) -> Pool:
     pool = pools.get(pool_id)
     if pool is None:
-        raise NotFound(f"no pool {pool_id!r} (known: {', '.join(sorted(pools)) or 'none'})")
+        shown = pool_id if len(pool_id) <= 64 else pool_id[:64] + "..."  # the caller's text, bounded
+        raise NotFound(f"no pool {shown!r} (known: {', '.join(sorted(pools)) or 'none'})")
     return pool
 
 

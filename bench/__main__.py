@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import shutil
+import signal
 import sys
 import time
 import traceback
@@ -113,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     ctx.agent_args = agent_args
     shutil.rmtree(ctx.work, ignore_errors=True)
     ctx.work.mkdir(parents=True)
+
+    def _term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # unwind like Ctrl-C: each figure's finally stops its servers by PID
+
+    signal.signal(signal.SIGTERM, _term)
     started = time.time()
     rows: list[Row] = []
     failed = False

@@ -186,6 +186,10 @@ def is_retriable(exc: BaseException) -> bool:
     return isinstance(exc, LeaseholdError) and exc.retriable
 
 
+#: the longest request path a problem body repeats as its ``instance``
+INSTANCE_MAX = 256
+
+
 def to_problem(exc: LeaseholdError, *, instance: str | None = None) -> tuple[int, dict[str, Any]]:
     """The one mapping from an error to an RFC 9457 problem body and status.
 
@@ -198,8 +202,8 @@ def to_problem(exc: LeaseholdError, *, instance: str | None = None) -> tuple[int
         "detail": exc.detail,
         "retriable": exc.retriable,
     }
-    if instance:
-        body["instance"] = instance
+    if instance:  # the request's path, a caller's text: bounded like every detail we write
+        body["instance"] = instance if len(instance) <= INSTANCE_MAX else instance[:INSTANCE_MAX] + "..."
     for k, v in exc.extra.items():
         body.setdefault(k, v)
     return exc.status, body

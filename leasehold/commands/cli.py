@@ -810,7 +810,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--api-key", help="principal apiKeyId")
     sp.add_argument("--route", default="read", help="routeGroup (default: read)")
     sp.add_argument("--method", default="GET", help="HTTP method (default: GET)")
-    sp.add_argument("--cost", type=int, default=1, help="costHint (default: 1)")
+    sp.add_argument("--cost", type=whole(1, 1000), default=1, help="costHint, 1 to 1000 as the agent takes it (default: 1)")
     sp.add_argument("--request-id", help="requestId (default: a random cli-... id)")
     sp = _command(sub, "leases", "pools, windows, grants and the leader epoch from the allocator", cmd_leases)
     sp.add_argument("--allocator-url", type=http_url, help="the allocator (default: the running local topology's first)")

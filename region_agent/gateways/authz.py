@@ -34,7 +34,7 @@ from typing import Any
 from litestar import asgi
 
 from kernel.auth import SCOPE_KEY, authenticate
-from kernel.errors import BadRequest, LeaseholdError, ValidationFailed
+from kernel.errors import BadRequest, LeaseholdError, NotFound, ValidationFailed
 from kernel.http_errors import problem_answer
 
 from .answer import authz_answer
@@ -99,6 +99,8 @@ async def authz(scope: dict, receive: Callable[[], Awaitable[dict]], send: Calla
 async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], bytes]:
     names = gw.names
     try:
+        if path != PATH and not path.startswith(PATH + "/"):  # the mount also matched /v1/authzfoo
+            raise NotFound("no such resource")
         hdrs = _headers(scope, frozenset(names.headers.values()) | {"authorization"})
         tokens = gw.gateway_tokens()
         if tokens is not None:

@@ -55,6 +55,9 @@ async def test_malformed_bodies_get_4xx_problems(etcd_cluster: EtcdCluster, make
         assert r.status_code == 400 and r.headers["content-type"].startswith(PROBLEM)
         r = await client.get("/v1/pools/nosuch")
         assert r.status_code == 404 and r.headers["content-type"].startswith(PROBLEM)
+        r = await client.get("/v1/pools/" + "x" * 4000)  # a caller's long id is not echoed whole
+        assert r.status_code == 404 and len(r.text) < 700 and "x" * 257 not in r.text, r.text[:200]
+        assert "x" * 65 not in r.json()["detail"]
         r = await client.get("/v1/nothing-here")
         assert r.status_code == 404 and r.headers["content-type"].startswith(PROBLEM)
         schema = await client.get("/schema/openapi.json")

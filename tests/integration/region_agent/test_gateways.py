@@ -302,6 +302,17 @@ async def test_authz_questions_from_headers(gw):
     assert r.status_code == 403 and r.headers["x-leasehold-status"] == "429" and r.headers["retry-after"] == "1"
 
 
+async def test_a_path_beside_the_door_is_not_the_door(gw):
+    """The door is ``/v1/authz`` and what is below it; ``/v1/authzfoo`` shares only a prefix."""
+    client, _ = gw
+    base = {**AUTH, "x-tenant-id": "atlas", "x-user-id": "U-5"}
+    for path in ("/v1/authzfoo", "/v1/authz.json", "/v1/authzcatalog/items"):
+        r = await client.get(path, headers=base)
+        assert r.status_code == 404 and r.headers["content-type"] == "application/problem+json", (path, r.text)
+    assert await metric(client, "leasehold_agent_decisions_total") == 0
+    assert (await client.get("/v1/authz/catalog", headers=base)).status_code == 200
+
+
 @pytest.mark.parametrize(("headers", "status", "reason"), [
     ({"x-tenant-id": "atlas", "x-user-id": "U-6", "x-leasehold-cost": "0"}, 422, "bad_cost"),
     ({"x-tenant-id": "atlas", "x-user-id": "U-6", "x-leasehold-cost": "12a"}, 422, "bad_cost"),

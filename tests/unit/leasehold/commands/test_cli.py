@@ -155,6 +155,8 @@ def test_status_exit_codes_follow_the_worst_service(tmp_path: Path, capsys, monk
     ["leases", "--allocator-url", "allocator-1:8700"],  # no scheme: was "cannot reach" (exit 5)
     ["admit", "--agent-url", "ftp://agent"],
     ["admit", "--agent-url", ""],  # was taken for "no --agent-url"
+    ["admit", "--agent-url", "http://127.0.0.1:9", "--cost", "0"],  # was sent, and the agent's 422 printed
+    ["admit", "--agent-url", "http://127.0.0.1:9", "--cost", "1001"],
     ["up", "--regions", "eu,eu"],  # started a second agent of region eu that `down` never stopped
     ["up", "--regions", ""],
     ["up", "--regions", "EU"],
