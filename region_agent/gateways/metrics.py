@@ -31,7 +31,7 @@ class GatewayMetrics:
         self.rls_calls = Counter(
             "leasehold_agent_rls_requests_total",
             "RLS ShouldRateLimit calls by outcome (ok | over_limit | unavailable_503 | conflict_409 | invalid | "
-            "unauthenticated | not_ready | error)", ["outcome"], registry=r)
+            "unauthenticated | not_ready | exhausted | error)", ["outcome"], registry=r)
         self.rls_invalid = Counter("leasehold_agent_rls_invalid_total",
                                    "RLS calls refused with INVALID_ARGUMENT, by reason (unknown_key, ...)",
                                    ["reason"], registry=r)
