@@ -75,7 +75,8 @@ class GatewayMetrics:
             "leasehold_agent_rlqs_rounds_total",
             "Funding rounds by outcome (granted | partial | denied | window_end | error)", ["outcome"], registry=r)
         self.rlqs_refused = Counter("leasehold_agent_rlqs_refused_total",
-                                    "Bucket reports refused (answered deny-all), by reason", ["reason"], registry=r)
+                                    "Bucket reports refused (answered deny-all), by reason; undecodable: a message "
+                                    "that is not a report (its stream ends INVALID_ARGUMENT)", ["reason"], registry=r)
 
     def add_flush(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` before every collection of the registry and at every :meth:`flush`."""

@@ -212,3 +212,17 @@ def test_a_peer_that_answers_no_ping_loses_its_connection_and_its_streams(agent:
         assert time.monotonic() - opened >= KEEPALIVE_MS / 1000  # after a ping went unanswered, not before
     finally:
         c.close()
+
+
+def test_a_quota_stream_message_that_is_not_a_report_is_invalid_argument(agent: Agent):
+    """Bytes that are not a ``RateLimitQuotaUsageReports`` ended the stream with status OK, as if
+    the client had closed it (the parse failure ended the reading task silently); now
+    ``INVALID_ARGUMENT``, as an RLS call's bytes that do not parse are, and counted."""
+    before = agent.metric("leasehold_agent_rlqs_refused_total", reason="undecodable")
+    with grpc.insecure_channel(f"{LOOPBACK}:{agent.rls_port}") as ch:
+        for garbage in (b"\xff\xff\xff\xff", b"\x12\x03\x0a\x01\xff"):  # no message; a bucket id of bad UTF-8
+            with pytest.raises(grpc.RpcError) as e:
+                list(ch.stream_stream(RLQS)(iter([garbage]), metadata=META, timeout=10))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert agent.metric("leasehold_agent_rlqs_refused_total", reason="undecodable") - before == 2
+    assert "Traceback" not in agent.log()
