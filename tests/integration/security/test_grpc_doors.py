@@ -226,3 +226,31 @@ def test_a_quota_stream_message_that_is_not_a_report_is_invalid_argument(agent: 
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert agent.metric("leasehold_agent_rlqs_refused_total", reason="undecodable") - before == 2
     assert "Traceback" not in agent.log()
+
+
+def test_calls_grpc_refuses_before_the_agent_write_nothing_to_its_log(agent: Agent):
+    """grpc's core wrote one ERROR line to the agent's log for every call with a ``grpc-encoding``
+    it does not know (``hpack_parser.cc ... Error parsing 'grpc-encoding' metadata``), before any
+    credential was looked at: a client wrote as many lines as it sent calls. grpc still refuses
+    them (``INTERNAL``, its own answer, before the agent); the core's lines are off unless
+    ``GRPC_VERBOSITY`` says otherwise."""
+    from tests.support.h2raw import DATA, END_HEADERS, END_STREAM, HEADERS, frame, header_block
+
+    lines = len(agent.log().splitlines())
+    c = RawConnection(agent.rls_port)
+    try:
+        head = header_block([(":method", "POST"), (":scheme", "http"), (":path", RLS), (":authority", "agent"),
+                             ("content-type", "application/grpc"), ("te", "trailers"), ("grpc-encoding", "br")])
+        c.sock.sendall(b"".join(frame(HEADERS, END_HEADERS, 1 + 2 * i, head) +
+                                frame(DATA, END_STREAM, 1 + 2 * i, b"\x01\x00\x00\x00\x01x") for i in range(20)))
+        answers = [f for f in c.frames(2.0) if f[0] == HEADERS]
+        assert len(answers) == 20 and all(b"grpc-status" in f[3] for f in answers)  # each refused by grpc
+    finally:
+        c.close()
+    assert resp_ok(agent)
+    added = agent.log().splitlines()[lines:]
+    assert not [x for x in added if "grpc-encoding" in x], added[:3]
+
+
+def resp_ok(agent: Agent) -> bool:
+    return ask(agent, "U-after-noise").overall_code == rls_pb2.RateLimitResponse.OK
