@@ -221,7 +221,7 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     rls_max_streams_per_connection: Annotated[int, Meta(ge=1, le=100_000), Help(
         "HTTP/2 streams open at once on one connection to --rls-port (SETTINGS_MAX_CONCURRENT_STREAMS): "
         "what one client can make the port hold, whatever it sends or leaves unread; Envoy opens "
-        "another connection past it")] = 256
+        "another connection past it")] = 128
     rls_keepalive_ms: Annotated[int, Meta(ge=0, le=3_600_000), Help(
         "--rls-port pings each connection this often and closes one whose peer answers no ping within "
         "as long (gone, or reading nothing), with its calls and RLQS streams; 0: never")] = 30_000

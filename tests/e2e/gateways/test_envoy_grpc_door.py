@@ -27,7 +27,7 @@ from .test_envoy_rlqs import debited, until_admitted
 pytestmark = pytest.mark.e2e
 
 SLOTS = 64  # the agent's --rls-max-concurrent-rpcs: few, so that a few connections' streams outnumber them
-PER_CONNECTION = 40  # what the attacker opens per connection (below --rls-max-streams-per-connection, 256)
+PER_CONNECTION = 40  # what the attacker opens per connection (below --rls-max-streams-per-connection, 128)
 RLS = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
 
 

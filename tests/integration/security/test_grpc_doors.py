@@ -14,6 +14,7 @@ call while it is decided, an RLQS stream while it is open."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -254,3 +255,26 @@ def test_calls_grpc_refuses_before_the_agent_write_nothing_to_its_log(agent: Age
 
 def resp_ok(agent: Agent) -> bool:
     return ask(agent, "U-after-noise").overall_code == rls_pb2.RateLimitResponse.OK
+
+
+def test_a_ping_flood_is_told_to_calm_down_and_the_port_keeps_answering(agent: Agent):
+    """grpc's enforcement of client pings stays on beside the port's own keepalive: a client that
+    pings without end gets GOAWAY ``ENHANCE_YOUR_CALM`` (``too_many_pings``) and its connection
+    closed, after a bounded number of them; others are answered."""
+    import struct
+
+    from tests.support.h2raw import GOAWAY, PING, frame
+
+    c = RawConnection(agent.rls_port)
+    try:
+        sent = 0
+        with contextlib.suppress(OSError):
+            for i in range(5_000):
+                c.sock.sendall(frame(PING, 0, 0, struct.pack(">Q", i)))
+                sent += 1
+        goaways = [f for f in c.frames(3.0) if f[0] == GOAWAY]
+        assert goaways and struct.unpack(">I", goaways[0][3][4:8])[0] == 0xB  # ENHANCE_YOUR_CALM
+        assert goaways[0][3][8:] == b"too_many_pings"
+    finally:
+        c.close()
+    assert resp_ok(agent)
