@@ -82,7 +82,7 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_redis_info_age_seconds": "S",
     "leasehold_agent_redis_evicting": "S",
     "leasehold_agent_new_keys_total": "6 source classes",
-    "leasehold_agent_rls_requests_total": "8 outcomes",
+    "leasehold_agent_rls_requests_total": "9 outcomes",
     "leasehold_agent_rls_invalid_total": "invalid-argument reasons of region_agent.gateways (< 16)",
     "leasehold_agent_rls_descriptors_total": "2 codes",
     "leasehold_agent_rls_seconds": "1",

@@ -10,6 +10,12 @@ import logging
 import os
 import sys
 
+# grpc's core logs (C, to stderr) before anything else of it runs: off unless asked for. It wrote a
+# line per call a client sent with a header it refuses (an unknown grpc-encoding), before any
+# credential was looked at; what the agent must say about its gRPC port it logs itself
+# (docs/decisions/0068-the-grpc-ports-slots-are-the-agents.md)
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
 from kernel import tracing
 from kernel.bundle import load_bundle_file
 from kernel.config import ConfigError

@@ -68,7 +68,8 @@ class Gateways:
         servicer = RateLimitServicer(names=self.names, decide=self.admission.decide,
                                      snapshot_of=lambda: self.state.holder.snapshot,
                                      gateways=self.gateway_tokens(), metrics=self.metrics,
-                                     group_linger_s=s.rls_group_linger_ms / 1000, group_size=s.batch_max)
+                                     group_linger_s=s.rls_group_linger_ms / 1000, group_size=s.batch_max,
+                                     max_slots=s.rls_max_concurrent_rpcs)
         tls = (server_credentials(s.rls_tls_cert_file, s.rls_tls_key_file, s.rls_tls_client_ca_file)
                if s.rls_tls_cert_file and s.rls_tls_key_file else None)
         also: tuple = ()
@@ -83,9 +84,11 @@ class Gateways:
             self.rlqs = RlqsService(settings=s, names=RlqsNames.from_settings(s), decide=fund,
                                     state_of=self._state_of, metrics=self.metrics, gateways=self.gateway_tokens())
             service = self.rlqs
+            servicer.streams_open = lambda: len(service.streams)  # each holds one of the port's slots
             also = ((RLQS_SERVICE, lambda server: add_to_server(service, server)),)
         self.rls = await RlsServer(servicer, host=s.rls_host or s.host, port=s.rls_port,
-                                   max_concurrent_rpcs=s.rls_max_concurrent_rpcs, tls=tls, also=also).start()
+                                   streams_per_connection=s.rls_max_streams_per_connection,
+                                   keepalive_ms=s.rls_keepalive_ms, tls=tls, also=also).start()
         if self.rlqs is not None:
             self.rlqs.start()
 

@@ -31,7 +31,7 @@ class GatewayMetrics:
         self.rls_calls = Counter(
             "leasehold_agent_rls_requests_total",
             "RLS ShouldRateLimit calls by outcome (ok | over_limit | unavailable_503 | conflict_409 | invalid | "
-            "unauthenticated | not_ready | error)", ["outcome"], registry=r)
+            "unauthenticated | not_ready | exhausted | error)", ["outcome"], registry=r)
         self.rls_invalid = Counter("leasehold_agent_rls_invalid_total",
                                    "RLS calls refused with INVALID_ARGUMENT, by reason (unknown_key, ...)",
                                    ["reason"], registry=r)
@@ -75,7 +75,8 @@ class GatewayMetrics:
             "leasehold_agent_rlqs_rounds_total",
             "Funding rounds by outcome (granted | partial | denied | window_end | error)", ["outcome"], registry=r)
         self.rlqs_refused = Counter("leasehold_agent_rlqs_refused_total",
-                                    "Bucket reports refused (answered deny-all), by reason", ["reason"], registry=r)
+                                    "Bucket reports refused (answered deny-all), by reason; undecodable: a message "
+                                    "that is not a report (its stream ends INVALID_ARGUMENT)", ["reason"], registry=r)
 
     def add_flush(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` before every collection of the registry and at every :meth:`flush`."""

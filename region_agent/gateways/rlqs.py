@@ -53,6 +53,7 @@ from typing import Any
 import grpc
 import msgspec
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
+from google.protobuf.message import DecodeError
 
 from kernel.auth import TokenTable, authenticate
 from kernel.bundle import Bundle
@@ -141,6 +142,7 @@ class Stream:
     holdings: dict[BucketKey, fund.Holding] = field(default_factory=dict)
     pending: list[BucketAction] = field(default_factory=list)
     alive: bool = True
+    invalid: str | None = None  # why the stream ends INVALID_ARGUMENT (a message that is not a report)
     opened_ms: float = 0.0
     last_report_ms: float = 0.0
 
@@ -253,13 +255,15 @@ class RlqsService:
             while True:
                 msg = await st.next()
                 if msg is None:
-                    return
+                    break
                 yield msg
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
             self._closed(st)
+        if st.invalid is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, st.invalid)
 
     async def _read(self, st: Stream, requests: AsyncIterator[rlqs_pb2.RateLimitQuotaUsageReports]) -> None:
         try:
@@ -273,6 +277,9 @@ class RlqsService:
                     log.exception("RLQS report failed")
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             pass
+        except DecodeError:  # grpcio's parse of the next message: the stream cannot go on
+            st.invalid = "a message is not a RateLimitQuotaUsageReports"
+            self.metrics.rlqs_refused.labels("undecodable").inc()
         finally:
             st.queue.put_nowait(None)
 

@@ -29,6 +29,8 @@ gRPC status codes of a call (what Envoy does with each is in ``region_agent/READ
 * ``INVALID_ARGUMENT`` — not a question Leasehold can answer (bytes that do not parse, another
   domain, an unmapped descriptor key, a limit override, a bad value or cost), counted by reason.
 * ``UNAUTHENTICATED`` — missing or wrong ``authorization: Bearer <gateway token>`` metadata.
+* ``RESOURCE_EXHAUSTED`` — ``--rls-max-concurrent-rpcs`` calls are being decided and RLQS streams
+  are open (:class:`RateLimitServicer`'s slots); also grpc's own, for a message or metadata too large.
 * ``UNAVAILABLE`` — the agent is still starting.
 """
 
@@ -42,12 +44,13 @@ from collections.abc import Awaitable, Callable
 import grpc
 from envoy.service.ratelimit.v3 import rls_pb2
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from kernel import tracing
 from kernel.auth import TokenTable, authenticate
 from kernel.caches import BoundedMemo
 from kernel.errors import LeaseholdError, Unauthorized, Unavailable, ValidationFailed
+from kernel.ratelog import ThrottleFilter
 
 from ..decision.plan import Snapshot
 from ..models import AdmitRequest, Decision
@@ -61,11 +64,14 @@ from .rls_wire import AnswerWire
 log = logging.getLogger(__name__)
 
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
+HEALTH = "grpc.health.v1.Health"
+GRPC_CORE_LOGGER = "grpc._cython.cygrpc"  # grpc's own records of the calls it serves (UnsentAnswers)
 Response = rls_pb2.RateLimitResponse
 OK, OVER_LIMIT = Response.OK, Response.OVER_LIMIT
 UNITS = {name: Response.RateLimit.Unit.Value(name) for name in Response.RateLimit.Unit.keys()}
 OUTCOME_OF_STATUS = {200: "ok", 503: "unavailable_503", 409: "conflict_409"}  # else over_limit
-OUTCOMES = ("ok", "over_limit", "unavailable_503", "conflict_409", "invalid", "unauthenticated", "not_ready", "error")
+OUTCOMES = ("ok", "over_limit", "unavailable_503", "conflict_409", "invalid", "unauthenticated", "not_ready",
+            "exhausted", "error")
 
 
 LATENCY_BOUNDS = (*LATENCY_BUCKETS, float("inf"))  # leasehold_agent_rls_seconds' upper bounds, +Inf last
@@ -144,14 +150,30 @@ def to_proto(decisions: list[Decision], questions: list[AdmitRequest], snap: Sna
     return resp, ans.http_status
 
 
+class _Exhausted(Exception):
+    """Every slot of the port is taken (:class:`RateLimitServicer`)."""
+
+    detail = "too many RLS calls and RLQS streams at once (--rls-max-concurrent-rpcs)"
+
+
 class RateLimitServicer:
     """``ShouldRateLimit`` of the request's bytes (:meth:`handlers` registers it with grpcio
-    without a request deserializer: :class:`CallMemo` parses a call it does not know)."""
+    without a request deserializer: :class:`CallMemo` parses a call it does not know).
+
+    The port's slots (``--rls-max-concurrent-rpcs``) are counted here, not by grpc: an
+    authenticated call takes one while it is decided, an open RLQS stream one for its life
+    (``streams_open``). grpc's own count took a slot for every call on the port from its headers
+    until its answer was taken, whatever its method and credential: streams that never sent
+    their message, health ``Watch`` streams and answers a client never read took them all
+    (docs/decisions/0068-the-grpc-ports-slots-are-the-agents.md)."""
 
     def __init__(self, *, names: Names, decide: Callable[..., Awaitable[list[Decision]]],
                  snapshot_of: Callable[[], Snapshot], gateways: TokenTable | None, metrics: GatewayMetrics,
-                 group_linger_s: float = 0.0, group_size: int = 32):
+                 group_linger_s: float = 0.0, group_size: int = 32, max_slots: int = 4_096,
+                 streams_open: Callable[[], int] = lambda: 0):
         self.names = names
+        self.max_slots = max_slots
+        self.streams_open = streams_open  # RLQS streams open (each holds a slot)
         self.calls = CallMemo(names)
         self.wire = AnswerWire()  # the answers' bytes (.rls_wire)
         # calls that arrive together are decided together (.call_group); linger 0: each call alone
@@ -214,6 +236,8 @@ class RateLimitServicer:
             metadata = (context.invocation_metadata() or ()) if self.gateways is not None or traced else ()
             if self.gateways is not None:
                 authenticate(self.gateways, metadata)  # pairs: two tokens are refused
+            if group.in_flight + self.streams_open() > self.max_slots:  # this call included
+                raise _Exhausted
             questions = self.calls.questions(request)
             if joins and not traced:  # other calls in flight: decided with those arriving with it
                 decisions = await group.decide(questions)
@@ -227,6 +251,8 @@ class RateLimitServicer:
             return resp
         except Unauthorized as e:
             code, detail, outcome = grpc.StatusCode.UNAUTHENTICATED, e.detail, "unauthenticated"
+        except _Exhausted:
+            code, detail, outcome = grpc.StatusCode.RESOURCE_EXHAUSTED, _Exhausted.detail, "exhausted"
         except BadQuestion as e:
             code, detail, outcome = grpc.StatusCode.INVALID_ARGUMENT, e.detail, "invalid"
             m.rls_invalid.labels(e.reason).inc()
@@ -251,6 +277,34 @@ class RateLimitServicer:
         raise AssertionError("unreachable")  # context.abort raises
 
 
+class UnsentAnswers(logging.Filter):
+    """grpc's record of a call whose answer could not be sent — its client reset the stream or
+    closed the connection first, e.g. one that never read its answers — is an ERROR with
+    grpc's traceback, once per such call. It is the client's doing, not the agent's: one short
+    INFO line, without the traceback, at most one per ``interval_s`` (kernel.ratelog)."""
+
+    TEMPLATE = "ExecuteBatchError raised in core by servicer method"
+
+    def __init__(self, interval_s: float = 10.0):
+        super().__init__()
+        self.throttle = ThrottleFilter(interval_s=interval_s)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (isinstance(record.msg, str) and record.msg.startswith(self.TEMPLATE)):
+            return True
+        method = record.getMessage()[len(self.TEMPLATE):].strip()
+        record.msg, record.args = "a gRPC call ended before its answer was sent (the client went away) %s", (method,)
+        record.exc_info = record.exc_text = None
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        return self.throttle.filter(record)
+
+
+def _quiet_unsent_answers() -> None:
+    logger = logging.getLogger(GRPC_CORE_LOGGER)
+    if not any(isinstance(f, UnsentAnswers) for f in logger.filters):
+        logger.addFilter(UnsentAnswers())
+
+
 def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None = None) -> grpc.ServerCredentials:
     """TLS for the RLS port (``--rls-tls-cert-file``, ``--rls-tls-key-file``); with
     ``--rls-tls-client-ca-file`` every client must present a certificate signed by that CA."""
@@ -268,11 +322,20 @@ class RlsServer:
     decisions — degraded ones included, so a Redis outage is answered by the per-rule fail
     modes rather than by Envoy's failure_mode_deny; NOT_SERVING while it shuts down)."""
 
-    def __init__(self, servicer: RateLimitServicer, *, host: str, port: int, max_concurrent_rpcs: int,
-                 tls: grpc.ServerCredentials | None = None,
+    def __init__(self, servicer: RateLimitServicer, *, host: str, port: int, streams_per_connection: int,
+                 keepalive_ms: int = 0, tls: grpc.ServerCredentials | None = None,
                  also: tuple[tuple[str, Callable[[grpc.aio.Server], None]], ...] = ()):
-        self.server = grpc.aio.server(maximum_concurrent_rpcs=max_concurrent_rpcs,
-                                      options=[("grpc.so_reuseport", 1)])  # one port, several uvicorn workers
+        # no maximum_concurrent_rpcs: the slots are the servicer's (RateLimitServicer), never taken by
+        # a call that is not authenticated, not yet a question, or answered and not read
+        options: list[tuple[str, int]] = [
+            ("grpc.so_reuseport", 1),  # one port, several uvicorn workers
+            ("grpc.max_concurrent_streams", streams_per_connection)]  # what one connection can hold
+        if keepalive_ms:  # a peer that answers no ping (gone, or reading nothing) loses its connection
+            options += [("grpc.keepalive_time_ms", keepalive_ms), ("grpc.keepalive_timeout_ms", keepalive_ms),
+                        ("grpc.http2.ping_timeout_ms", keepalive_ms), ("grpc.keepalive_permit_without_calls", 1),
+                        ("grpc.http2.max_pings_without_data", 0)]
+        self.server = grpc.aio.server(options=options)
+        _quiet_unsent_answers()
         handlers = servicer.handlers()  # as generated stubs register a service: generic and registered
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         self.server.add_registered_method_handlers(SERVICE, handlers)
@@ -280,7 +343,12 @@ class RlsServer:
         for _, add in also:  # more services on the same port (region_agent.gateways.rlqs)
             add(self.server)
         self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # Check only: a Watch stream never ends and needs no credential (Envoy's and Kubernetes'
+        # gRPC health checks call Check)
+        check = {"Check": grpc.unary_unary_rpc_method_handler(
+            self.health.Check, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString)}
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(HEALTH, check),))
         address = f"{host}:{port}"
         self.port = self.server.add_secure_port(address, tls) if tls else self.server.add_insecure_port(address)
 

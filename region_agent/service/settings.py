@@ -216,7 +216,15 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
         metavar="FIELD=KEY[,...]", default="built-in names")] = []
     rls_max_descriptors: Annotated[int, Meta(ge=1, le=64), Help("descriptors per ShouldRateLimit call")] = 8
     rls_max_concurrent_rpcs: Annotated[int, Meta(ge=1, le=100_000), Help(
-        "RLS calls in flight; beyond: RESOURCE_EXHAUSTED")] = 4_096
+        "RLS calls being decided and RLQS streams open, at once; beyond: RESOURCE_EXHAUSTED. Only an "
+        "authenticated call or stream takes a slot, and a call gives it back once decided")] = 4_096
+    rls_max_streams_per_connection: Annotated[int, Meta(ge=1, le=100_000), Help(
+        "HTTP/2 streams open at once on one connection to --rls-port (SETTINGS_MAX_CONCURRENT_STREAMS): "
+        "what one client can make the port hold, whatever it sends or leaves unread; Envoy opens "
+        "another connection past it")] = 128
+    rls_keepalive_ms: Annotated[int, Meta(ge=0, le=3_600_000), Help(
+        "--rls-port pings each connection this often and closes one whose peer answers no ping within "
+        "as long (gone, or reading nothing), with its calls and RLQS streams; 0: never")] = 30_000
     rls_group_linger_ms: Annotated[float, Meta(ge=0, le=20), Help(
         "an RLS call that arrives while others are in flight waits up to this long for more, so "
         "their decisions are made together (one admission, one Redis pipeline); 0: never, and a "
