@@ -1,0 +1,335 @@
+"""deploy/k8s run as shipped: the dev overlay rendered by ``kubectl kustomize`` with the Secrets of
+``leasehold secrets generate``, and each of its Leasehold containers started as the kubelet would
+start it — its exact command, args and env (``$(VAR)`` expanded, ``fieldRef`` filled), every
+volume materialised at its mount path with the kubelet's owner and modes (``defaultMode``, items,
+``fsGroup``), as the pod's ``runAsUser``/``runAsGroup`` (and ``fsGroup`` as a supplementary group),
+in the image's working directory ``/`` (not writable: the root file system is read-only, the
+image's user owns nothing there) — against a real etcd (authentication on by the roles Job, run
+the same way) and a real Redis (the generated ACL file). Only what a cluster provides is mapped:
+service DNS names to the local servers' addresses, container ports to free ports, mount paths to
+the materialised directories.
+
+Then the probes are asked exactly as rendered (path and named port): the services become ready
+within their startup probe's budget; readiness stays ready with Redis and the allocator gone
+(the degradation design) while the store health says so; a privileged bypass is audited where
+the container's log is; SIGTERM after the preStop pause drains within terminationGracePeriodSeconds.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from leasehold.commands.secrets import generate
+from leasehold.local.procs import EtcdCluster, Proc, free_port
+from tests.e2e.test_deploy_render import DEPLOY, by_kind, kustomize
+
+ROOT = Path(__file__).resolve().parents[2]
+POD_IP = "127.0.0.1"
+IMAGE_WORKDIR = "/"  # deploy/Dockerfile's runtime stage sets no WORKDIR
+IMAGE_ENV = {"PYTHONUNBUFFERED": "1", "LEASEHOLD_BUILD_COMMIT": "unknown"}  # its ENV line
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    """The kubelet's ``$(VAR)`` expansion (``$$`` escapes; an unknown name stays as written)."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), value)
+
+
+@dataclass
+class Pod:
+    """One rendered pod template, materialised on this host."""
+
+    name: str
+    spec: dict
+    root: Path
+    peers: dict[str, str]  # "service-dns:port" -> "127.0.0.1:port" of the local server
+    ports: dict[int, int] = field(default_factory=dict)  # containerPort -> the free port used here
+    mounts: dict[str, Path] = field(default_factory=dict)  # mountPath -> materialised directory
+
+    @property
+    def container(self) -> dict:
+        (c,) = self.spec["containers"]
+        return c
+
+    def port(self, name_or_number: str | int) -> int:
+        """A probe's or a Service's port (a name of the container, or a number) as served here."""
+        for p in self.container.get("ports", []):
+            if name_or_number in (p.get("name"), p["containerPort"]):
+                return self.ports[p["containerPort"]]
+        raise AssertionError(f"{self.name}: no container port {name_or_number!r}")
+
+    def rewrite(self, value: str) -> str:
+        for path in sorted(self.mounts, key=len, reverse=True):
+            if value == path or value.startswith(path + "/"):
+                value = str(self.mounts[path]) + value[len(path):]
+                break
+        for dns, addr in self.peers.items():
+            value = value.replace(dns, addr)
+        for container_port, here in self.ports.items():
+            if value == str(container_port):
+                return str(here)
+            value = value.replace(f"{POD_IP}:{container_port}", f"{POD_IP}:{here}")
+        return value
+
+    def materialise(self, docs: list[dict]) -> None:
+        """Each volume as the kubelet writes it: files owned by root, mode ``items[].mode`` or
+        ``defaultMode`` (0644), with an ``fsGroup`` group-owned by it and group-readable."""
+        fs_group = self.spec.get("securityContext", {}).get("fsGroup")
+        volumes = {v["name"]: v for v in self.spec.get("volumes", [])}
+        configmaps, secrets = by_kind(docs, "ConfigMap"), by_kind(docs, "Secret")
+        for m in self.container.get("volumeMounts", []):
+            vol = volumes[m["name"]]
+            target = self.root / m["name"]
+            target.mkdir(parents=True)
+            self.mounts[m["mountPath"]] = target
+            if "emptyDir" in vol:
+                os.chown(target, 0, fs_group if fs_group is not None else 0)
+                target.chmod(0o2777 if fs_group is not None else 0o777)
+                continue
+            if "secret" in vol:
+                src, ref = secrets[vol["secret"]["secretName"]], vol["secret"]
+                data = {k: base64.b64decode(v) for k, v in src.get("data", {}).items()}
+            else:
+                src, ref = configmaps[vol["configMap"]["name"]], vol["configMap"]
+                data = {k: v.encode() for k, v in src.get("data", {}).items()}
+            default = ref.get("defaultMode", 0o644)
+            items = ref.get("items") or [{"key": k, "path": k} for k in data]
+            for item in items:
+                path = target / item["path"]
+                path.write_bytes(data[item["key"]])
+                mode = item.get("mode", default)
+                if fs_group is not None:
+                    os.chown(path, 0, fs_group)
+                    mode |= 0o440
+                path.chmod(mode)
+            os.chown(target, 0, fs_group if fs_group is not None else 0)
+            target.chmod(0o755 if fs_group is None else 0o2755)
+
+    def command(self, entrypoint: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+        c = self.container
+        env: dict[str, str] = {}
+        for e in c.get("env", []):
+            if "value" in e:
+                env[e["name"]] = _expand(e["value"], env)
+            else:
+                ref = e["valueFrom"]["fieldRef"]["fieldPath"]
+                env[e["name"]] = {"metadata.name": f"{self.name}-7c9d5-x2k4p", "status.podIP": POD_IP}[ref]
+        argv = [_expand(a, env) for a in (c.get("command") or entrypoint or []) + c.get("args", [])]
+        if argv[:2] == ["python", "-m"]:
+            argv[0] = sys.executable
+        env = {k: self.rewrite(v) for k, v in env.items()}
+        return [self.rewrite(a) for a in argv], env
+
+    def start(self, docs: list[dict], workdir: Path, entrypoint: list[str] | None = None,
+              implied: list[str] = ()) -> Proc:
+        """``implied``: arguments the image's defaults stand for (a port it listens on unasked),
+        given here so that the pod's port maps to the free one."""
+        self.materialise(docs)
+        for p in self.container.get("ports", []):
+            self.ports[p["containerPort"]] = free_port()
+        argv, env = self.command(entrypoint)
+        argv += [self.rewrite(a) for a in implied]
+        sc = {**self.spec.get("securityContext", {}), **self.container.get("securityContext", {})}
+        assert sc.get("runAsNonRoot") is True and sc.get("runAsUser"), f"{self.name} runs as a named non-root user"
+        groups = [str(sc["fsGroup"])] if "fsGroup" in sc else []
+        ident = ["setpriv", "--reuid", str(sc["runAsUser"]), "--regid", str(sc.get("runAsGroup", 0)),
+                 *(["--groups", ",".join(groups)] if groups else ["--clear-groups"]), "--"]
+        base = {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": str(ROOT), **IMAGE_ENV}
+        if self.container.get("volumeMounts") and any(m["mountPath"] == "/tmp" for m in self.container["volumeMounts"]):
+            base["TMPDIR"] = str(self.mounts["/tmp"])  # (the emptyDir is the pod's /tmp)
+        script = _container_fs(self.root, readonly_root=bool(sc.get("readOnlyRootFilesystem")),
+                               empty_dirs=[self.mounts[m["mountPath"]] for m in self.container.get("volumeMounts", [])
+                                           if "emptyDir" in {v["name"]: v for v in self.spec["volumes"]}[m["name"]]])
+        return Proc(self.name, ["unshare", "--mount", "--propagation", "private", "sh", "-euc", script, "sh",
+                                *ident, *argv], workdir / self.name, env={**base, **env}, cwd=IMAGE_WORKDIR).start()
+
+    def probe(self, kind: str) -> int:
+        get = self.container[kind]["httpGet"]
+        try:
+            return httpx.get(f"http://{POD_IP}:{self.port(get['port'])}{get['path']}",
+                             timeout=self.container[kind].get("timeoutSeconds", 1)).status_code
+        except httpx.HTTPError:
+            return 0
+
+
+def _container_fs(scratch: Path, *, readonly_root: bool, empty_dirs: list[Path]) -> str:
+    """A shell script, run as root in a private mount namespace before the container's user takes
+    over: the root file system read-only when the container asks for it, each emptyDir a fresh
+    tmpfs, and this interpreter reachable by that user (it may live under a directory only root
+    may enter, e.g. root's pyenv: that directory is replaced by an empty tmpfs holding only it)."""
+    lines = []
+    prefix = Path(sys.base_prefix).resolve()
+    closed = [a for a in reversed(prefix.parents) if a != Path("/") and not os.stat(a).st_mode & 0o001]
+    if closed:
+        stage = tempfile.mkdtemp(prefix="python-", dir=scratch)
+        lines += [f"mount --bind {prefix} {stage}", f"mount -t tmpfs -o mode=755 tmpfs {closed[0]}",
+                  f"mkdir -p {prefix}", f"mount --move {stage} {prefix}"]
+    if readonly_root:
+        lines += ["mount --bind / /", "mount -o remount,bind,ro /"]
+    lines += [f"mount -t tmpfs -o mode=1777 tmpfs {d}" for d in empty_dirs]
+    return "\n".join([*lines, 'exec "$@"'])
+
+
+def _wait_probe(pod: Pod, proc: Proc, kind: str, want: int = 200) -> float:
+    """Ask the probe at its period until it answers ``want``; seconds taken, within its budget."""
+    probe = pod.container[kind]
+    budget = probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3) + probe.get("initialDelaySeconds", 0)
+    start = time.monotonic()
+    while time.monotonic() - start < budget:
+        if pod.probe(kind) == want:
+            return time.monotonic() - start
+        assert proc.alive(), f"{pod.name} exited:\n{proc.tail()}"
+        time.sleep(0.25)
+    raise AssertionError(f"{pod.name}: {kind} not {want} within its {budget} s:\n{proc.tail()}")
+
+
+@pytest.fixture(scope="module")
+def overlay(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+    """The dev overlay rendered with freshly generated Secrets, and the directory of those files."""
+    copy = tmp_path_factory.mktemp("deploy") / "deploy"
+    shutil.copytree(DEPLOY, copy, ignore=shutil.ignore_patterns("secrets"))
+    generate(copy / "k8s-dev" / "secrets")
+    return kustomize(copy / "k8s-dev"), copy / "k8s-dev" / "secrets"
+
+
+@pytest.fixture(scope="module")
+def running(overlay: tuple[list[dict], Path]):
+    """The dev overlay's etcd roles Job, Redis, allocator and agent, run as rendered."""
+    rendered, secrets = overlay
+    # the pods' files must be reachable by their users: pytest's base directory is root's alone
+    work = Path(tempfile.mkdtemp(prefix="leasehold-pods-"))
+    work.chmod(0o755)
+    pods = {name: d["spec"]["template"]["spec"] for kind in ("Deployment", "Job")
+            for name, d in by_kind(rendered, kind).items()}
+    started: list[Proc] = []
+    etcd = EtcdCluster(work / "etcd", members=3).start()
+    try:
+        peers = {f"etcd-{i}.etcd:2379": e for i, e in enumerate(etcd.endpoints)}
+        # the roles Job: users, roles, authentication on
+        job = Pod("leasehold-etcd-roles", pods["leasehold-etcd-roles"], work / "job", peers)
+        proc = job.start(rendered, work)
+        proc.popen.wait(60)  # type: ignore[union-attr]
+        assert proc.popen.returncode == 0, proc.tail()  # type: ignore[union-attr]
+        # Redis as the dev overlay runs it (the image's entrypoint is redis-server)
+        redis = Pod("redis-eu", pods["redis-eu"], work / "redis", peers)
+        started.append(redis.start(rendered, work, entrypoint=[shutil.which("redis-server") or "redis-server"],
+                                   implied=["--port", "6379", "--bind", POD_IP]))
+        redis_proc = started[-1]
+        # (the image listens on 6379 of its own pod; here the pod's port is a free one)
+        peers["redis-eu:6379"] = f"{POD_IP}:{redis.ports[6379]}"
+        alloc = Pod("allocator", pods["allocator"], work / "allocator", peers)
+        started.append(alloc.start(rendered, work))
+        alloc_proc = started[-1]
+        peers["allocator:8080"] = f"{POD_IP}:{alloc.ports[8080]}"
+        agent = Pod("agent-eu", pods["agent-eu"], work / "agent", peers)
+        _wait_probe(alloc, alloc_proc, "startupProbe")
+        started.append(agent.start(rendered, work))
+        yield {"agent": (agent, started[-1]), "allocator": (alloc, alloc_proc), "redis": (redis, redis_proc),
+               "gateway": {"Authorization": "Bearer " + (secrets / "gateway.token").read_text().strip()}}
+    finally:
+        for p in reversed(started):
+            p.stop()
+        etcd.stop()
+        if not os.environ.get("KEEP_PODS"):
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def test_the_services_start_as_rendered_and_become_ready_within_the_startup_probe(running):
+    for name in ("allocator", "agent"):
+        pod, proc = running[name]
+        _wait_probe(pod, proc, "startupProbe")
+        _wait_probe(pod, proc, "readinessProbe")
+        assert pod.probe("livenessProbe") == 200
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_privileged_bypass_is_audited_where_the_container_logs(running):
+    """The sample bundle's operators' probe is an exempt rule: each allowed decision under it is an
+    audit event. Run as shipped, the event must land somewhere (the container's stderr: the root
+    file system is read-only and the working directory is not the user's), not be dropped as an
+    audit write error."""
+    agent, proc = running["agent"]
+    _wait_probe(agent, proc, "readinessProbe")
+    url = f"http://{POD_IP}:{agent.port('http')}"
+    r = httpx.post(url + "/v1/admit", headers=running["gateway"], timeout=5,
+                   json={"requestId": "deploy-run-bypass-1", "tenantId": "northstar-ops", "routeGroup": "probe",
+                         "principal": {"type": "service", "id": "prober"}})
+    assert r.status_code == 200 and r.json()["allowed"], r.text
+    metrics = httpx.get(url + "/metrics", timeout=5).text
+    assert _metric(metrics, "leasehold_agent_audit_write_errors_total") == 0, "the bypass audit event was lost"
+    deadline = time.monotonic() + 5
+    while '"requestId":"deploy-run-bypass-1"' not in proc.tail(200) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert '"requestId":"deploy-run-bypass-1"' in proc.tail(200)
+
+
+def test_readiness_stays_ready_without_redis_and_the_allocator_and_liveness_never_restarts(running):
+    """The degradation design as the probes see it: with the region's Redis and the allocator gone
+    the agent answers by each rule's fail mode, so readiness keeps it in its Service and liveness
+    does not restart it, for longer than either probe's failure budget; the store health says the
+    store is down. (Last but one in the module: it stops Redis and the allocator.)"""
+    agent, proc = running["agent"]
+    alloc, alloc_proc = running["allocator"]
+    redis, redis_proc = running["redis"]
+    _wait_probe(agent, proc, "readinessProbe")
+    redis_proc.kill()
+    alloc_proc.kill()
+    url = f"http://{POD_IP}:{agent.port('http')}"
+    budget = max(agent.container[k]["periodSeconds"] * agent.container[k]["failureThreshold"]
+                 for k in ("readinessProbe", "livenessProbe")) + 2
+    end = time.monotonic() + min(budget, 35)
+    while time.monotonic() < end:
+        assert agent.probe("readinessProbe") == 200, proc.tail()
+        assert agent.probe("livenessProbe") == 200, proc.tail()
+        time.sleep(1)
+    assert httpx.get(url + "/v1/health/store", timeout=5).status_code == 503
+    r = httpx.post(url + "/v1/admit", headers=running["gateway"], timeout=5,
+                   json={"requestId": "deploy-run-degraded-1", "tenantId": "atlas", "routeGroup": "read",
+                         "principal": {"type": "user", "id": "U-3"}})
+    assert r.status_code == 200 and r.json()["fallback"] is True, r.text
+
+
+def test_sigterm_after_the_prestop_pause_drains_within_the_grace_period(running):
+    """The kubelet runs preStop, then sends SIGTERM, and kills what still runs when
+    terminationGracePeriodSeconds (counted from the start of preStop) are over. The agent turns
+    unready at SIGTERM and drains (closes and reports its leases, bounded by --shutdown-report-ms)
+    well within what is left, even with its allocator and Redis unreachable (the slowest drain)."""
+    agent, proc = running["agent"]
+    spec, c = agent.spec, agent.container
+    grace = spec.get("terminationGracePeriodSeconds", 30)
+    pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    pause = float(pre_stop[1])
+    start = time.monotonic()
+    subprocess.run(pre_stop, check=True, timeout=grace)  # (the image has sleep: coreutils)
+    assert agent.probe("readinessProbe") == 200  # still serving through the pause
+    # the agent's process is setpriv's exec of python: the PID we started
+    os.kill(proc.pid, signal.SIGTERM)
+    saw_unready = False
+    while proc.alive() and time.monotonic() - start < grace:
+        saw_unready = saw_unready or agent.probe("readinessProbe") in (0, 503)
+        time.sleep(0.05)
+    drained = time.monotonic() - start
+    assert not proc.alive(), f"still running {grace} s after preStop began: the kubelet would SIGKILL it"
+    # (uvicorn re-raises the SIGTERM it handled once it has shut down)
+    assert proc.popen.returncode in (0, -signal.SIGTERM), proc.tail()  # type: ignore[union-attr]
+    assert "Application shutdown complete" in proc.tail(), proc.tail()
+    assert saw_unready
+    print(f"preStop {pause} s + drain: {drained:.2f} s of {grace} s")
+    assert drained < grace - 5, f"preStop {pause} s + drain took {drained:.1f} s of the {grace} s grace period"
