@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import kubernetes_validate
@@ -304,3 +305,107 @@ def test_the_kubernetes_scrape_configuration_matches_the_base_and_the_alerts():
         if name == "leasehold-agent":
             assert targets["region"] == ["__meta_kubernetes_pod_label_leasehold_region"]
             assert "leasehold/region" in template["metadata"]["labels"]
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A label selector (matchLabels and matchExpressions In/NotIn/Exists/DoesNotExist) on ``labels``."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        has, value = e["key"] in labels, labels.get(e["key"])
+        if not {"In": has and value in e.get("values", []), "NotIn": not has or value not in e.get("values", []),
+                "Exists": has, "DoesNotExist": not has}[e["operator"]]:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class PodRef:
+    labels: dict[str, str]
+    namespace: str = "leasehold"
+    ports: tuple[tuple[str, int], ...] = ()  # (name, number) of its containers' TCP ports
+
+
+def reachable(policies: list[dict], source: PodRef, target: PodRef, port: int) -> bool:
+    """NetworkPolicy semantics for TCP ``port`` of ``target`` from ``source`` (both pods; the
+    namespaces labelled only kubernetes.io/metadata.name): open unless a policy selecting the
+    target isolates its ingress, then open only when one of those policies' rules admits it — and
+    the source's egress likewise."""
+    ns_labels = {"kubernetes.io/metadata.name": source.namespace}
+
+    def port_matches(rule_ports: list[dict], pod: PodRef, number: int) -> bool:
+        if not rule_ports:
+            return True
+        names = {name for name, n in pod.ports if n == number}
+        return any(p.get("protocol", "TCP") == "TCP" and (p.get("port") is None or p["port"] == number
+                   or p["port"] in names or (p.get("endPort") and p["port"] <= number <= p["endPort"]))
+                   for p in rule_ports)
+
+    def peer_matches(peer: dict, pod: PodRef, policy_ns: str, pod_ns_labels: dict[str, str]) -> bool:
+        if "ipBlock" in peer:
+            return False  # pod IPs are never named by these manifests' ipBlocks
+        if "namespaceSelector" in peer:
+            if not _selects(peer["namespaceSelector"], pod_ns_labels):
+                return False
+        elif pod.namespace != policy_ns:
+            return False
+        return _selects(peer.get("podSelector", {}), pod.labels)
+
+    def admitted(direction: str, subject: PodRef, other: PodRef, other_ns_labels: dict[str, str]) -> bool:
+        key, peers = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+        selecting = [p for p in policies if p["metadata"].get("namespace", "leasehold") == subject.namespace
+                     and _selects(p["spec"]["podSelector"], subject.labels)
+                     and direction in p["spec"].get("policyTypes", ["Ingress"])]
+        if not selecting:
+            return True
+        ported = target  # the port is always the target's
+        return any(port_matches(rule.get("ports", []), ported, port)
+                   and (not rule.get(peers) or any(peer_matches(peer, other, subject.namespace, other_ns_labels)
+                                                   for peer in rule[peers]))
+                   for p in selecting for rule in p["spec"].get(key, []))
+
+    return (admitted("Ingress", target, source, ns_labels)
+            and admitted("Egress", source, target, {"kubernetes.io/metadata.name": target.namespace}))
+
+
+def _pod_refs(docs: list[dict]) -> dict[str, PodRef]:
+    refs = {}
+    for kind in ("Deployment", "StatefulSet", "Job"):
+        for name, d in by_kind(docs, kind).items():
+            t = d["spec"]["template"]
+            ports = tuple((p.get("name", ""), p["containerPort"]) for c in t["spec"]["containers"]
+                          for p in c.get("ports", []))
+            refs[name] = PodRef(t.get("metadata", {}).get("labels", {}), d["metadata"].get("namespace", "leasehold"), ports)
+    return refs
+
+
+def test_the_dev_overlay_lets_only_the_documented_pods_talk(dev_overlay: list[dict]):
+    """What may talk to what (docs/deployment.md): the region's Redis only from its agents; etcd's
+    client port only from the agents (policy reads), the allocators and the roles Job, its peer port
+    only from its members; the allocator only from agents and labelled scrapers; the agents from
+    anyone (gateways, scrapers; every route but probes and metrics needs a token). Any pod that
+    isolates its egress still reaches the cluster DNS. Checked on the rendered overlay with
+    NetworkPolicy's semantics, for every pair of its pods and a stranger in the namespace, one in
+    another namespace and a labelled Prometheus."""
+    policies = list(by_kind(dev_overlay, "NetworkPolicy").values())
+    pods = _pod_refs(dev_overlay)
+    strangers = {"stranger": PodRef({"app.kubernetes.io/name": "some-app"}),
+                 "other-namespace": PodRef({"app.kubernetes.io/name": "some-app"}, namespace="apps"),
+                 "prometheus": PodRef({"app.kubernetes.io/name": "prometheus", "leasehold/scrape": "true"},
+                                      namespace="monitoring")}
+    want = {("redis-eu", 6379): {"agent-eu"},
+            ("etcd", 2379): {"agent-eu", "allocator", "leasehold-etcd-roles"},
+            ("etcd", 2380): {"etcd"},
+            ("allocator", 8080): {"agent-eu", "prometheus"},
+            ("agent-eu", 8080): set(pods) | set(strangers),
+            ("agent-eu", 8089): set(pods) | set(strangers)}
+    got = {}
+    for (target, port) in want:
+        got[(target, port)] = {name for name, src in {**pods, **strangers}.items()
+                               if reachable(policies, src, pods[target], port)}
+    assert got == want
+    dns = PodRef({"k8s-app": "kube-dns"}, namespace="kube-system", ports=(("dns-tcp", 53),))
+    for name, pod in pods.items():
+        assert reachable(policies, pod, dns, 53), f"{name} cannot resolve names"
+    # the check can fail: with no policy every pod reaches Redis and etcd
+    assert reachable([], strangers["stranger"], pods["redis-eu"], 6379)
