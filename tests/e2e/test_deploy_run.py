@@ -34,7 +34,7 @@ import pytest
 
 from leasehold.commands.secrets import generate
 from leasehold.local.procs import EtcdCluster, Proc, free_port
-from tests.e2e.test_deploy_render import DEPLOY, by_kind, kustomize
+from tests.e2e.test_deploy_render import DEPLOY, bind_mount, by_kind, kustomize
 
 ROOT = Path(__file__).resolve().parents[2]
 POD_IP = "127.0.0.1"
@@ -333,3 +333,148 @@ def test_sigterm_after_the_prestop_pause_drains_within_the_grace_period(running)
     assert saw_unready
     print(f"preStop {pause} s + drain: {drained:.2f} s of {grace} s")
     assert drained < grace - 5, f"preStop {pause} s + drain took {drained:.1f} s of the {grace} s grace period"
+
+
+# ---------------------------------------------------------------------------------------------
+# deploy/docker-compose.yml, as `docker-compose config` resolves it: each Leasehold service's
+# command and environment run as the image runs them (uid 10001, working directory /), its secrets
+# and bind mounts at their paths, against real etcd and Redis; every healthcheck asked as the
+# engine would ask it, inside the service's network view.
+
+IMAGE_USER = 10001  # deploy/Dockerfile's USER
+
+
+@dataclass
+class Service:
+    name: str
+    spec: dict
+    secrets: dict[str, str]  # compose secret -> its file
+    peers: dict[str, str]
+    ports: dict[int, int] = field(default_factory=dict)
+
+    def rewrite(self, value: str) -> str:
+        for ref in self.spec.get("secrets", []):
+            source = ref if isinstance(ref, str) else ref["source"]
+            value = value.replace(f"/run/secrets/{source}", self.secrets[source])
+        for source, target, _ in map(bind_mount, self.spec.get("volumes", [])):
+            if value == target or value.startswith(target + "/"):
+                value = source + value[len(target):]
+        for dns, addr in self.peers.items():
+            value = value.replace(dns, addr)
+        for inside, here in self.ports.items():
+            if value == str(inside):
+                return str(here)
+            value = value.replace(f"127.0.0.1:{inside}", f"127.0.0.1:{here}")
+        return value
+
+    def argv(self, words: list[str]) -> list[str]:
+        words = [self.rewrite(w) for w in words]
+        return [sys.executable, *words[1:]] if words[0] == "python" else words
+
+    def start(self, workdir: Path, listens: dict[int, int], user: int | None = IMAGE_USER,
+              implied: list[str] = ()) -> Proc:
+        self.ports = listens
+        env = {k: self.rewrite(str(v)) for k, v in (self.spec.get("environment") or {}).items()}
+        ident = ["setpriv", "--reuid", str(user), "--regid", str(user), "--clear-groups", "--"] if user else []
+        script = _container_fs(workdir, readonly_root=bool(self.spec.get("read_only")), empty_dirs=[])
+        base = {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": str(ROOT), **IMAGE_ENV}
+        argv = self.argv(self.spec["command"]) + [self.rewrite(a) for a in implied]
+        return Proc(self.name, ["unshare", "--mount", "--propagation", "private", "sh", "-euc", script, "sh",
+                                *ident, *argv], workdir / self.name, env={**base, **env}, cwd=IMAGE_WORKDIR).start()
+
+    def healthcheck(self, workdir: Path, user: int | None = IMAGE_USER) -> subprocess.CompletedProcess:
+        test = self.spec["healthcheck"]["test"]
+        if test[0] == "CMD-SHELL":  # (a port inside the shell line is a word of it)
+            line = self.rewrite(test[1])
+            for inside, here in self.ports.items():
+                line = re.sub(rf"(?<![\d.:]){inside}\b", str(here), line)
+            words = ["sh", "-c", line]
+        else:
+            assert test[0] == "CMD", test
+            words = self.argv(test[1:])
+        ident = ["setpriv", "--reuid", str(user), "--regid", str(user), "--clear-groups", "--"] if user else []
+        script = _container_fs(workdir, readonly_root=False, empty_dirs=[])
+        return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-euc", script, "sh",
+                               *ident, *words], capture_output=True, text=True, timeout=30, cwd=IMAGE_WORKDIR,
+                              env={"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+
+
+@pytest.fixture(scope="module")
+def compose(tmp_path_factory: pytest.TempPathFactory):
+    compose_bin = shutil.which("docker-compose")
+    if compose_bin is None:
+        pytest.fail("docker-compose is missing: `make test` installs it (Debian package docker-compose)")
+    work = Path(tempfile.mkdtemp(prefix="leasehold-compose-"))
+    work.chmod(0o755)
+    copy = work / "deploy"
+    shutil.copytree(DEPLOY, copy, ignore=shutil.ignore_patterns("secrets"))
+    (work / "policies").mkdir()
+    shutil.copy(ROOT / "policies" / "northstar-global.json", work / "policies")
+    generate(copy / "secrets")
+    (copy / "secrets").chmod(0o755)  # (the generator's 0700 keeps other users of the host out; here the
+    # services' user stands in for the container's bind mounts)
+    r = subprocess.run([compose_bin, "-f", str(copy / "docker-compose.yml"), "config"], capture_output=True,
+                       text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(work)})
+    assert r.returncode == 0, r.stderr
+    import yaml
+
+    resolved = yaml.safe_load(r.stdout)
+    files = {name: spec["file"] for name, spec in resolved["secrets"].items()}
+    started: list[Proc] = []
+    etcd = EtcdCluster(work / "etcd", members=3).start()
+    try:
+        peers = {f"etcd-{i}:2379": e for i, e in enumerate(etcd.endpoints)}
+        svc = {name: Service(name, spec, files, peers) for name, spec in resolved["services"].items()}
+        proc = svc["etcd-init"].start(work, {})
+        proc.popen.wait(60)  # type: ignore[union-attr]
+        assert proc.popen.returncode == 0, proc.tail()  # type: ignore[union-attr]
+        running = {}
+        for name in ("redis-eu", "allocator-1", "allocator-2", "agent-eu"):
+            port = free_port()
+            if name == "redis-eu":  # the redis image's own user; it listens on 6379 unasked
+                running[name] = svc[name].start(work, {6379: port}, user=999, implied=["--port", "6379", "--bind",
+                                                                                        "127.0.0.1"])
+                peers["redis-eu:6379"] = f"127.0.0.1:{port}"
+            else:
+                running[name] = svc[name].start(work, {8080: port})
+                peers[f"{name}:8080"] = f"127.0.0.1:{port}"
+            started.append(running[name])
+        yield svc, running, work, etcd
+    finally:
+        for p in reversed(started):
+            p.stop()
+        etcd.stop()
+        if not os.environ.get("KEEP_PODS"):
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def test_compose_services_start_as_written_and_their_healthchecks_are_real(compose):
+    """etcd-init applies the roles (exit 0); Redis, both allocators and an agent start with their
+    commands and environment as written and turn healthy by their own healthcheck within its
+    start period; each service's healthcheck fails once its service is gone (it checks something);
+    etcd's healthcheck passes against a member with authentication on."""
+    svc, running, work, etcd = compose
+    for name, proc in running.items():
+        hc = svc[name].spec["healthcheck"]
+        budget = _seconds(hc.get("start_period", "0s")) + _seconds(hc["interval"]) * hc["retries"]
+        end = time.monotonic() + budget
+        while True:
+            r = svc[name].healthcheck(work, user=999 if name == "redis-eu" else IMAGE_USER)
+            if r.returncode == 0:
+                break
+            assert proc.alive(), f"{name} exited:\n{proc.tail()}"
+            assert time.monotonic() < end, f"{name} not healthy within {budget} s: {r.stderr[-300:]}\n{proc.tail()}"
+            time.sleep(1)
+    # etcd, as its image's healthcheck asks a member (its listen address here)
+    member = Service("etcd-0", svc["etcd-0"].spec, {}, {"127.0.0.1:2379": etcd.endpoints[0]})
+    assert member.healthcheck(work, user=None).returncode == 0
+    for name, proc in running.items():
+        proc.stop()
+        r = svc[name].healthcheck(work, user=999 if name == "redis-eu" else IMAGE_USER)
+        assert r.returncode != 0, f"{name}: its healthcheck passes with the service gone"
+    etcd.stop_member(0)
+    assert member.healthcheck(work, user=None).returncode != 0, "etcd's healthcheck passes with the member gone"
+
+
+def _seconds(duration: str) -> float:
+    return float(duration[:-1]) * {"s": 1, "m": 60}[duration[-1]]
