@@ -478,3 +478,26 @@ def test_compose_services_start_as_written_and_their_healthchecks_are_real(compo
 
 def _seconds(duration: str) -> float:
     return float(duration[:-1]) * {"s": 1, "m": 60}[duration[-1]]
+
+
+def test_credentials_are_mounted_readable_by_the_pods_user_only(overlay, tmp_path: Path):
+    """Every Secret volume of the overlay, written as the kubelet writes it (``defaultMode``/item
+    modes, group-owned by ``fsGroup``), is readable by the pod's user through its group and by no
+    other user of the container (no world bits); the services read them so in ``running``."""
+    rendered, _ = overlay
+    for kind in ("Deployment", "Job", "StatefulSet"):
+        for name, d in by_kind(rendered, kind).items():
+            spec = d["spec"]["template"]["spec"]
+            if not any("secret" in v for v in spec.get("volumes", [])):
+                continue
+            pod = Pod(name, spec, tmp_path / name, {})
+            pod.materialise(rendered)
+            sc = spec["securityContext"]
+            secret_mounts = {m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", [])
+                             if "secret" in {v["name"]: v for v in spec["volumes"]}[m["name"]]}
+            for mount in secret_mounts:
+                for f in pod.mounts[mount].iterdir():
+                    st = f.stat()
+                    assert st.st_mode & 0o007 == 0, f"{name}: {mount}/{f.name} is mode {st.st_mode & 0o777:o}"
+                    assert st.st_gid == sc.get("fsGroup") == sc["runAsGroup"] and st.st_mode & 0o040, \
+                        f"{name}: {mount}/{f.name} not readable by the pod's group"
