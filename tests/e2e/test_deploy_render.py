@@ -409,3 +409,17 @@ def test_the_dev_overlay_lets_only_the_documented_pods_talk(dev_overlay: list[di
         assert reachable(policies, pod, dns, 53), f"{name} cannot resolve names"
     # the check can fail: with no policy every pod reaches Redis and etcd
     assert reachable([], strangers["stranger"], pods["redis-eu"], 6379)
+
+
+def test_the_allocator_replicas_never_share_a_node_that_another_node_could_take():
+    """One leader and its stand-in: on one node, that node's loss (or a drain that evicts both in
+    turn before either is back) takes every allocator, and every region falls back at once. The
+    hostname spread of the allocator is a hard constraint (a one-node dev cluster still schedules
+    both: its single node is the whole topology); zones stay best effort."""
+    (alloc,) = [d for d in kustomize(DEPLOY / "k8s") if d["kind"] == "Deployment" and d["metadata"]["name"] == "allocator"]
+    spec = alloc["spec"]["template"]["spec"]
+    by_key = {t["topologyKey"]: t for t in spec["topologySpreadConstraints"]}
+    host = by_key["kubernetes.io/hostname"]
+    assert host["whenUnsatisfiable"] == "DoNotSchedule" and host["maxSkew"] == 1
+    assert host["labelSelector"]["matchLabels"] == alloc["spec"]["selector"]["matchLabels"]
+    assert by_key["topology.kubernetes.io/zone"]["whenUnsatisfiable"] == "ScheduleAnyway"
