@@ -211,8 +211,9 @@ def _pods(docs: list[dict]) -> dict[str, dict]:
 
 def test_every_container_is_locked_down(dev_overlay: list[dict]):
     """Restricted pod security for every workload, the dev overlay's Redis and etcd included:
-    non-root, the runtime's default seccomp profile, no privilege escalation, no capability; the
-    base's own containers (agent, allocator, the roles Job) also on a read-only root file system."""
+    non-root, the runtime's default seccomp profile, no privilege escalation, no capability, a
+    read-only root file system (docs/deployment.md says so of every one; tests/e2e/test_deploy_run.py
+    runs them so)."""
     base = {name for name in _pods(kustomize(DEPLOY / "k8s"))}
     assert base == {"Deployment/agent-eu", "Deployment/allocator", "Job/leasehold-etcd-roles"}
     for name, pod in _pods(dev_overlay).items():
@@ -222,8 +223,7 @@ def test_every_container_is_locked_down(dev_overlay: list[dict]):
             sc = c.get("securityContext", {})
             assert sc.get("allowPrivilegeEscalation") is False, name
             assert sc.get("capabilities", {}).get("drop") == ["ALL"], name
-            if name in base:
-                assert sc.get("readOnlyRootFilesystem") is True, name
+            assert sc.get("readOnlyRootFilesystem") is True, name
 
 
 def test_services_start_with_a_startup_probe_and_liveness_never_follows_the_stores():

@@ -57,6 +57,7 @@ class Pod:
     root: Path
     peers: dict[str, str]  # "service-dns:port" -> "127.0.0.1:port" of the local server
     ports: dict[int, int] = field(default_factory=dict)  # containerPort -> the free port used here
+    pod_name: str = ""  # metadata.name (a Deployment's pods get a generated suffix)
     mounts: dict[str, Path] = field(default_factory=dict)  # mountPath -> materialised directory
 
     @property
@@ -72,6 +73,9 @@ class Pod:
         raise AssertionError(f"{self.name}: no container port {name_or_number!r}")
 
     def rewrite(self, value: str) -> str:
+        if value.startswith("--") and "=" in value:  # --flag=value
+            flag, _, rest = value.partition("=")
+            return f"{flag}={self.rewrite(rest)}"
         for path in sorted(self.mounts, key=len, reverse=True):
             if value == path or value.startswith(path + "/"):
                 value = str(self.mounts[path]) + value[len(path):]
@@ -82,6 +86,7 @@ class Pod:
             if value == str(container_port):
                 return str(here)
             value = value.replace(f"{POD_IP}:{container_port}", f"{POD_IP}:{here}")
+            value = value.replace(f"0.0.0.0:{container_port}", f"0.0.0.0:{here}")
         return value
 
     def materialise(self, docs: list[dict]) -> None:
@@ -91,10 +96,14 @@ class Pod:
         volumes = {v["name"]: v for v in self.spec.get("volumes", [])}
         configmaps, secrets = by_kind(docs, "ConfigMap"), by_kind(docs, "Secret")
         for m in self.container.get("volumeMounts", []):
-            vol = volumes[m["name"]]
             target = self.root / m["name"]
             target.mkdir(parents=True)
             self.mounts[m["mountPath"]] = target
+            if m["name"] not in volumes:  # a StatefulSet's claim: a writable volume the kubelet gives to fsGroup
+                os.chown(target, 0, fs_group if fs_group is not None else 0)
+                target.chmod(0o2775)
+                continue
+            vol = volumes[m["name"]]
             if "emptyDir" in vol:
                 os.chown(target, 0, fs_group if fs_group is not None else 0)
                 target.chmod(0o2777 if fs_group is not None else 0o777)
@@ -126,7 +135,7 @@ class Pod:
                 env[e["name"]] = _expand(e["value"], env)
             else:
                 ref = e["valueFrom"]["fieldRef"]["fieldPath"]
-                env[e["name"]] = {"metadata.name": f"{self.name}-7c9d5-x2k4p", "status.podIP": POD_IP}[ref]
+                env[e["name"]] = {"metadata.name": self.pod_name or f"{self.name}-7c9d5-x2k4p", "status.podIP": POD_IP}[ref]
         argv = [_expand(a, env) for a in (c.get("command") or entrypoint or []) + c.get("args", [])]
         if argv[:2] == ["python", "-m"]:
             argv[0] = sys.executable
@@ -139,7 +148,7 @@ class Pod:
         given here so that the pod's port maps to the free one."""
         self.materialise(docs)
         for p in self.container.get("ports", []):
-            self.ports[p["containerPort"]] = free_port()
+            self.ports.setdefault(p["containerPort"], free_port())
         argv, env = self.command(entrypoint)
         argv += [self.rewrite(a) for a in implied]
         sc = {**self.spec.get("securityContext", {}), **self.container.get("securityContext", {})}
@@ -152,7 +161,10 @@ class Pod:
             base["TMPDIR"] = str(self.mounts["/tmp"])  # (the emptyDir is the pod's /tmp)
         script = _container_fs(self.root, readonly_root=bool(sc.get("readOnlyRootFilesystem")),
                                empty_dirs=[self.mounts[m["mountPath"]] for m in self.container.get("volumeMounts", [])
-                                           if "emptyDir" in {v["name"]: v for v in self.spec["volumes"]}[m["name"]]])
+                                           if "emptyDir" in {v["name"]: v for v in self.spec.get("volumes", [])}
+                                           .get(m["name"], {})],
+                               claims=[self.mounts[m["mountPath"]] for m in self.container.get("volumeMounts", [])
+                                       if m["name"] not in {v["name"] for v in self.spec.get("volumes", [])}])
         return Proc(self.name, ["unshare", "--mount", "--propagation", "private", "sh", "-euc", script, "sh",
                                 *ident, *argv], workdir / self.name, env={**base, **env}, cwd=IMAGE_WORKDIR).start()
 
@@ -165,7 +177,7 @@ class Pod:
             return 0
 
 
-def _container_fs(scratch: Path, *, readonly_root: bool, empty_dirs: list[Path]) -> str:
+def _container_fs(scratch: Path, *, readonly_root: bool, empty_dirs: list[Path], claims: list[Path] = ()) -> str:
     """A shell script, run as root in a private mount namespace before the container's user takes
     over: the root file system read-only when the container asks for it, each emptyDir a fresh
     tmpfs, and this interpreter reachable by that user (it may live under a directory only root
@@ -180,13 +192,16 @@ def _container_fs(scratch: Path, *, readonly_root: bool, empty_dirs: list[Path])
     if readonly_root:
         lines += ["mount --bind / /", "mount -o remount,bind,ro /"]
     lines += [f"mount -t tmpfs -o mode=1777 tmpfs {d}" for d in empty_dirs]
+    for d in claims:  # a persistent volume: its own mount, writable
+        lines += [f"mount --bind {d} {d}", f"mount -o remount,bind,rw {d}"]
     return "\n".join([*lines, 'exec "$@"'])
 
 
-def _wait_probe(pod: Pod, proc: Proc, kind: str, want: int = 200) -> float:
+def _wait_probe(pod: Pod, proc: Proc, kind: str, want: int = 200, budget: float | None = None) -> float:
     """Ask the probe at its period until it answers ``want``; seconds taken, within its budget."""
     probe = pod.container[kind]
-    budget = probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3) + probe.get("initialDelaySeconds", 0)
+    if budget is None:
+        budget = probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3) + probe.get("initialDelaySeconds", 0)
     start = time.monotonic()
     while time.monotonic() - start < budget:
         if pod.probe(kind) == want:
@@ -212,12 +227,23 @@ def running(overlay: tuple[list[dict], Path]):
     # the pods' files must be reachable by their users: pytest's base directory is root's alone
     work = Path(tempfile.mkdtemp(prefix="leasehold-pods-"))
     work.chmod(0o755)
-    pods = {name: d["spec"]["template"]["spec"] for kind in ("Deployment", "Job")
+    pods = {name: d["spec"]["template"]["spec"] for kind in ("Deployment", "Job", "StatefulSet")
             for name, d in by_kind(rendered, kind).items()}
     started: list[Proc] = []
-    etcd = EtcdCluster(work / "etcd", members=3).start()
     try:
-        peers = {f"etcd-{i}.etcd:2379": e for i, e in enumerate(etcd.endpoints)}
+        # the dev overlay's 3-member etcd, each member as its StatefulSet pod etcd-<i>
+        (etcd_set,) = by_kind(rendered, "StatefulSet").values()
+        members = [Pod("etcd", pods["etcd"], work / f"etcd-{i}", {}, pod_name=f"etcd-{i}")
+                   for i in range(etcd_set["spec"]["replicas"])]
+        peers: dict[str, str] = {}
+        for i, m in enumerate(members):
+            m.ports = {2379: free_port(), 2380: free_port()}
+            peers |= {f"etcd-{i}.etcd:{n}": f"{POD_IP}:{here}" for n, here in m.ports.items()}
+        for i, m in enumerate(members):
+            m.peers = peers
+            started.append(m.start(rendered, work / f"etcd-{i}", entrypoint=[]))
+        for m, proc in zip(members, started, strict=True):
+            _wait_probe(m, proc, "readinessProbe", budget=60)  # (no startup probe: quorum first)
         # the roles Job: users, roles, authentication on
         job = Pod("leasehold-etcd-roles", pods["leasehold-etcd-roles"], work / "job", peers)
         proc = job.start(rendered, work)
@@ -238,11 +264,11 @@ def running(overlay: tuple[list[dict], Path]):
         _wait_probe(alloc, alloc_proc, "startupProbe")
         started.append(agent.start(rendered, work))
         yield {"agent": (agent, started[-1]), "allocator": (alloc, alloc_proc), "redis": (redis, redis_proc),
+               "etcd": list(zip(members, started[:len(members)], strict=True)),
                "gateway": {"Authorization": "Bearer " + (secrets / "gateway.token").read_text().strip()}}
     finally:
         for p in reversed(started):
             p.stop()
-        etcd.stop()
         if not os.environ.get("KEEP_PODS"):
             shutil.rmtree(work, ignore_errors=True)
 
