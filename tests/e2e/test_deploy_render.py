@@ -423,3 +423,43 @@ def test_the_allocator_replicas_never_share_a_node_that_another_node_could_take(
     assert host["whenUnsatisfiable"] == "DoNotSchedule" and host["maxSkew"] == 1
     assert host["labelSelector"]["matchLabels"] == alloc["spec"]["selector"]["matchLabels"]
     assert by_key["topology.kubernetes.io/zone"]["whenUnsatisfiable"] == "ScheduleAnyway"
+
+
+COREDNS_TTL_S = 5  # CoreDNS's kubernetes plugin answers a headless Service's records with TTL 5 s (its default)
+ENDPOINT_PROPAGATION_S = 2  # a terminating pod leaving its EndpointSlice, seen by CoreDNS (margin)
+
+
+def _seconds(duration: str) -> float:
+    return float(duration.rstrip("s"))
+
+
+def test_the_agents_prestop_pause_outlasts_the_gateways_view_of_its_address():
+    """Envoy reaches the agents through the headless Service agent-eu-rls (STRICT_DNS in every
+    shipped Envoy file): a terminating agent's address stays in Envoy's host set until CoreDNS's
+    answer expires and Envoy resolves again (``dns_refresh_rate``, 5 s by default). Until then its
+    calls go to the agent; one that has stopped accepting makes them fail, and the shipped files
+    then let the request through unlimited (RLS ``failure_mode_deny: false``) or refuse a closed
+    route. So the preStop pause covers TTL + refresh + propagation, and the pause plus the drain
+    (``--shutdown-report-ms``, 3 s, and a margin) fit the grace period."""
+    from leasehold.local.gateways import PLACEHOLDER
+
+    (agent,) = [d for d in kustomize(DEPLOY / "k8s") if d["kind"] == "Deployment" and d["metadata"]["name"] == "agent-eu"]
+    spec = agent["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    pause = float(command[1])
+    for path in sorted((DEPLOY / "gateways").glob("envoy-*.yaml")):
+        doc = yaml.safe_load(PLACEHOLDER.sub(lambda m: "10" if m[1].endswith("PORT") else m[1], path.read_text()))
+        for cluster in doc["static_resources"]["clusters"]:
+            addresses = [e["endpoint"]["address"]["socket_address"]["address"] for group in
+                         cluster["load_assignment"]["endpoints"] for e in group["lb_endpoints"]]
+            if "AGENT_HOST" not in addresses:
+                continue
+            assert cluster["type"] == "STRICT_DNS", (path.name, cluster["name"])
+            refresh = _seconds(cluster.get("dns_refresh_rate", "5s"))
+            need = COREDNS_TTL_S + refresh + ENDPOINT_PROPAGATION_S
+            assert pause >= need, (f"{path.name} {cluster['name']}: the agent stops {pause} s after leaving its "
+                                   f"Service; Envoy may still send to it for {need} s")
+    drain = 3 + 5  # --shutdown-report-ms (3 s) and a margin (measured: tests/e2e/test_deploy_run.py)
+    assert pause + drain <= spec["terminationGracePeriodSeconds"]

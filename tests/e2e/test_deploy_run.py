@@ -305,6 +305,68 @@ def test_a_privileged_bypass_is_audited_where_the_container_logs(running):
     assert '"requestId":"deploy-run-bypass-1"' in proc.tail(200)
 
 
+def test_without_etcd_quorum_the_allocator_and_the_agent_stay_ready_and_alive(running):
+    """etcd losing quorum (2 of the 3 members stopped) is the allocator's store outage: it answers
+    retriable 503s and the agents spend their bounded allowances, so neither leaves its Service nor
+    is restarted, for longer than either probe's failure budget; the allocator's store health says
+    so. The members come back after."""
+    agent, proc = running["agent"]
+    alloc, alloc_proc = running["allocator"]
+    members = running["etcd"]
+    for pod, p in ((agent, proc), (alloc, alloc_proc)):
+        _wait_probe(pod, p, "readinessProbe")
+    for _, p in members[1:]:
+        p.stop()
+    try:
+        budget = max(pod.container[k]["periodSeconds"] * pod.container[k]["failureThreshold"]
+                     for pod in (agent, alloc) for k in ("readinessProbe", "livenessProbe")) + 2
+        end = time.monotonic() + min(budget, 35)
+        while time.monotonic() < end:
+            for pod, p in ((agent, proc), (alloc, alloc_proc)):
+                assert pod.probe("readinessProbe") == 200, f"{pod.name} unready without etcd:\n{p.tail()}"
+                assert pod.probe("livenessProbe") == 200, f"{pod.name} not live without etcd:\n{p.tail()}"
+            time.sleep(1)
+        assert httpx.get(f"http://{POD_IP}:{alloc.port('http')}/v1/health/store", timeout=10).status_code == 503
+    finally:
+        for _, p in members[1:]:
+            p.start()
+    for pod, p in members:
+        _wait_probe(pod, p, "readinessProbe", budget=60)
+
+
+def _drain(pod: Pod, proc: Proc) -> float:
+    """preStop as rendered, then SIGTERM, as the kubelet does: seconds until the process ended
+    (from the start of preStop), asserting it turned unready and shut down cleanly in the grace period."""
+    grace = pod.spec.get("terminationGracePeriodSeconds", 30)
+    pre_stop = pod.container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"  # (the image has sleep: coreutils)
+    start = time.monotonic()
+    subprocess.run(pre_stop, check=True, timeout=grace)
+    assert pod.probe("readinessProbe") == 200  # still serving through the pause
+    os.kill(proc.pid, signal.SIGTERM)  # (unshare, sh and setpriv exec: the PID is the service's)
+    saw_unready = False
+    while proc.alive() and time.monotonic() - start < grace:
+        saw_unready = saw_unready or pod.probe("readinessProbe") in (0, 503)
+        time.sleep(0.05)
+    took = time.monotonic() - start
+    assert not proc.alive(), f"{pod.name} still running {grace} s after preStop began: the kubelet would SIGKILL it"
+    # (uvicorn re-raises the SIGTERM it handled once it has shut down)
+    assert proc.popen.returncode in (0, -signal.SIGTERM), proc.tail()  # type: ignore[union-attr]
+    assert "Application shutdown complete" in proc.tail(), proc.tail()
+    assert saw_unready, f"{pod.name} never answered unready while draining"
+    print(f"{pod.name}: preStop {pre_stop[1]} s + drain: {took:.2f} s of {grace} s")
+    assert took < grace - 5, f"{pod.name}: preStop + drain took {took:.1f} s of the {grace} s grace period"
+    return took
+
+
+def test_the_allocator_drains_within_its_grace_period(running):
+    """The allocator, leader of every shard with agents holding leases, resigns and stops within
+    what terminationGracePeriodSeconds leaves after preStop."""
+    alloc, proc = running["allocator"]
+    _wait_probe(alloc, proc, "readinessProbe")
+    _drain(alloc, proc)
+
+
 def test_readiness_stays_ready_without_redis_and_the_allocator_and_liveness_never_restarts(running):
     """The degradation design as the probes see it: with the region's Redis and the allocator gone
     the agent answers by each rule's fail mode, so readiness keeps it in its Service and liveness
@@ -337,28 +399,7 @@ def test_sigterm_after_the_prestop_pause_drains_within_the_grace_period(running)
     unready at SIGTERM and drains (closes and reports its leases, bounded by --shutdown-report-ms)
     well within what is left, even with its allocator and Redis unreachable (the slowest drain)."""
     agent, proc = running["agent"]
-    spec, c = agent.spec, agent.container
-    grace = spec.get("terminationGracePeriodSeconds", 30)
-    pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]
-    assert pre_stop[0] == "sleep"
-    pause = float(pre_stop[1])
-    start = time.monotonic()
-    subprocess.run(pre_stop, check=True, timeout=grace)  # (the image has sleep: coreutils)
-    assert agent.probe("readinessProbe") == 200  # still serving through the pause
-    # the agent's process is setpriv's exec of python: the PID we started
-    os.kill(proc.pid, signal.SIGTERM)
-    saw_unready = False
-    while proc.alive() and time.monotonic() - start < grace:
-        saw_unready = saw_unready or agent.probe("readinessProbe") in (0, 503)
-        time.sleep(0.05)
-    drained = time.monotonic() - start
-    assert not proc.alive(), f"still running {grace} s after preStop began: the kubelet would SIGKILL it"
-    # (uvicorn re-raises the SIGTERM it handled once it has shut down)
-    assert proc.popen.returncode in (0, -signal.SIGTERM), proc.tail()  # type: ignore[union-attr]
-    assert "Application shutdown complete" in proc.tail(), proc.tail()
-    assert saw_unready
-    print(f"preStop {pause} s + drain: {drained:.2f} s of {grace} s")
-    assert drained < grace - 5, f"preStop {pause} s + drain took {drained:.1f} s of the {grace} s grace period"
+    _drain(agent, proc)
 
 
 # ---------------------------------------------------------------------------------------------
