@@ -463,3 +463,21 @@ def test_the_agents_prestop_pause_outlasts_the_gateways_view_of_its_address():
                                    f"Service; Envoy may still send to it for {need} s")
     drain = 3 + 5  # --shutdown-report-ms (3 s) and a margin (measured: tests/e2e/test_deploy_run.py)
     assert pause + drain <= spec["terminationGracePeriodSeconds"]
+
+
+def test_the_roles_job_is_run_again_by_the_apply_that_changes_it(tmp_path: Path):
+    """A Job's pod template cannot change. The roles Job's template names the ConfigMap of the
+    roles script and (dev overlay) the Secrets by their content hash, so an upgrade whose script
+    grants something new renders a different template: were the finished Job kept, that apply would
+    be refused for it ("field is immutable") and the new grant would never reach etcd. The finished
+    Job is deleted after a while (``ttlSecondsAfterFinished``), so the next apply creates and runs it
+    again (re-running is safe: test_deploy_files.py)."""
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy, ignore=shutil.ignore_patterns("secrets"))
+    before = by_kind(kustomize(copy / "k8s"), "Job")["leasehold-etcd-roles"]
+    script = copy / "k8s" / "etcd" / "leasehold-roles.sh"
+    script.write_text(script.read_text() + "# a grant added by an upgrade\n")
+    after = by_kind(kustomize(copy / "k8s"), "Job")["leasehold-etcd-roles"]
+    assert before["spec"]["template"] != after["spec"]["template"]  # what an apply would have to change
+    ttl = after["spec"].get("ttlSecondsAfterFinished")
+    assert ttl is not None and 0 < ttl <= 3600, "a finished roles Job must not stay: the next apply could not replace it"
