@@ -481,3 +481,14 @@ def test_the_roles_job_is_run_again_by_the_apply_that_changes_it(tmp_path: Path)
     assert before["spec"]["template"] != after["spec"]["template"]  # what an apply would have to change
     ttl = after["spec"].get("ttlSecondsAfterFinished")
     assert ttl is not None and 0 < ttl <= 3600, "a finished roles Job must not stay: the next apply could not replace it"
+
+
+def test_each_agent_pod_is_named_so_a_canary_slice_can_name_it():
+    """``leasehold policy canary --agents NAME`` selects the agents whose --agent-id is NAME
+    (docs/policy.md); unnamed, no agent of the base could be put in a canary slice. Each pod takes
+    its own pod name, which matches the setting's pattern (tests/e2e/test_deploy_run.py starts one)."""
+    (agent,) = [d for d in kustomize(DEPLOY / "k8s") if d["kind"] == "Deployment" and d["metadata"]["name"] == "agent-eu"]
+    (c,) = agent["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert "--agent-id" not in c["args"]
+    assert env["LEASEHOLD_AGENT_AGENT_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
