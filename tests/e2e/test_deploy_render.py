@@ -211,13 +211,15 @@ def _pods(docs: list[dict]) -> dict[str, dict]:
 
 def test_every_container_is_locked_down(dev_overlay: list[dict]):
     """Restricted pod security for every workload, the dev overlay's Redis and etcd included:
-    non-root, the runtime's default seccomp profile, no privilege escalation, no capability, a
-    read-only root file system (docs/deployment.md says so of every one; tests/e2e/test_deploy_run.py
+    non-root, no service account token, the runtime's default seccomp profile, no privilege
+    escalation, no capability, a read-only root file system (docs/deployment.md says so of every one; tests/e2e/test_deploy_run.py
     runs them so)."""
     base = {name for name in _pods(kustomize(DEPLOY / "k8s"))}
     assert base == {"Deployment/agent-eu", "Deployment/allocator", "Job/leasehold-etcd-roles"}
     for name, pod in _pods(dev_overlay).items():
         assert pod["securityContext"]["runAsNonRoot"] is True, name
+        # none of them calls the Kubernetes API: no service account token for a compromised process
+        assert pod.get("automountServiceAccountToken") is False, name
         assert pod["securityContext"].get("seccompProfile") == {"type": "RuntimeDefault"}, name
         for c in pod["containers"]:
             sc = c.get("securityContext", {})

@@ -42,6 +42,14 @@ IMAGE_WORKDIR = "/"  # deploy/Dockerfile's runtime stage sets no WORKDIR
 IMAGE_ENV = {"PYTHONUNBUFFERED": "1", "LEASEHOLD_BUILD_COMMIT": "unknown"}  # its ENV line
 
 
+# Services of the namespace besides the base's own (agent-eu, agent-eu-rls, allocator): ones an
+# operator may well add, named after the pods' app.kubernetes.io/name (a gateway-facing or
+# monitoring Service). With service links on, the kubelet gives every pod of the namespace
+# LEASEHOLD_AGENT_PORT=tcp://..., LEASEHOLD_ALLOCATOR_PORT=..., inside the services' own settings.
+NAMESPACE_SERVICES = ("agent-eu", "agent-eu-rls", "allocator", "leasehold-agent", "leasehold-agent-rls",
+                      "leasehold-allocator")
+
+
 def _expand(value: str, env: dict[str, str]) -> str:
     """The kubelet's ``$(VAR)`` expansion (``$$`` escapes; an unknown name stays as written)."""
     return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
@@ -130,6 +138,13 @@ class Pod:
     def command(self, entrypoint: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
         c = self.container
         env: dict[str, str] = {}
+        if self.spec.get("enableServiceLinks", True):  # the kubelet's docker-link variables
+            for service in NAMESPACE_SERVICES:
+                name = service.upper().replace("-", "_")
+                env |= {f"{name}_SERVICE_HOST": "10.96.0.10", f"{name}_SERVICE_PORT": "8080",
+                        f"{name}_PORT": "tcp://10.96.0.10:8080", f"{name}_PORT_8080_TCP": "tcp://10.96.0.10:8080",
+                        f"{name}_PORT_8080_TCP_PROTO": "tcp", f"{name}_PORT_8080_TCP_PORT": "8080",
+                        f"{name}_PORT_8080_TCP_ADDR": "10.96.0.10"}
         for e in c.get("env", []):
             if "value" in e:
                 env[e["name"]] = _expand(e["value"], env)
@@ -273,12 +288,24 @@ def running(overlay: tuple[list[dict], Path]):
             shutil.rmtree(work, ignore_errors=True)
 
 
+def _bytes(quantity: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    return int(quantity[:-2]) * units[quantity[-2:]] if quantity[-2:] in units else int(quantity)
+
+
 def test_the_services_start_as_rendered_and_become_ready_within_the_startup_probe(running):
+    """Ready within the startup probe's budget, live; and, ready and idle, each uses less memory than
+    it requests (the scheduler places pods by their requests: a process above its request from the
+    start is what a node under memory pressure evicts first)."""
     for name in ("allocator", "agent"):
         pod, proc = running[name]
         _wait_probe(pod, proc, "startupProbe")
         _wait_probe(pod, proc, "readinessProbe")
         assert pod.probe("livenessProbe") == 200
+        rss = int(re.search(r"^VmRSS:\s+(\d+) kB", Path(f"/proc/{proc.pid}/status").read_text(), re.M)[1]) * 1024
+        resources = pod.container["resources"]
+        print(f"{name}: RSS {rss >> 20} MiB, requests {resources['requests']['memory']}, limit {resources['limits']['memory']}")
+        assert rss < _bytes(resources["requests"]["memory"]), f"{name}: RSS {rss >> 20} MiB at idle"
 
 
 def _metric(text: str, name: str) -> float:
