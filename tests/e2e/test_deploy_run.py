@@ -42,12 +42,12 @@ IMAGE_WORKDIR = "/"  # deploy/Dockerfile's runtime stage sets no WORKDIR
 IMAGE_ENV = {"PYTHONUNBUFFERED": "1", "LEASEHOLD_BUILD_COMMIT": "unknown"}  # its ENV line
 
 
-# Services of the namespace besides the base's own (agent-eu, agent-eu-rls, allocator): ones an
-# operator may well add, named after the pods' app.kubernetes.io/name (a gateway-facing or
-# monitoring Service). With service links on, the kubelet gives every pod of the namespace
+# Services of the namespace: the dev overlay's own (agent-eu, agent-eu-rls, allocator, etcd,
+# redis-eu) and ones an operator may well add, named after the pods' app.kubernetes.io/name (a
+# gateway-facing or monitoring Service). With service links on, the kubelet gives every pod of the namespace
 # LEASEHOLD_AGENT_PORT=tcp://..., LEASEHOLD_ALLOCATOR_PORT=..., inside the services' own settings.
-NAMESPACE_SERVICES = ("agent-eu", "agent-eu-rls", "allocator", "leasehold-agent", "leasehold-agent-rls",
-                      "leasehold-allocator")
+NAMESPACE_SERVICES = ("agent-eu", "agent-eu-rls", "allocator", "etcd", "redis-eu", "leasehold-agent",
+                      "leasehold-agent-rls", "leasehold-allocator")
 
 
 def _expand(value: str, env: dict[str, str]) -> str:
@@ -226,9 +226,16 @@ def _wait_probe(pod: Pod, proc: Proc, kind: str, want: int = 200, budget: float 
     raise AssertionError(f"{pod.name}: {kind} not {want} within its {budget} s:\n{proc.tail()}")
 
 
+def _needs_root() -> None:
+    if os.geteuid() != 0:
+        pytest.fail("running the manifests as the kubelet would needs root (mount namespaces, files owned by "
+                    "root and the pods' groups, setpriv to the pods' users): run `make test` as root")
+
+
 @pytest.fixture(scope="module")
 def overlay(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
     """The dev overlay rendered with freshly generated Secrets, and the directory of those files."""
+    _needs_root()
     copy = tmp_path_factory.mktemp("deploy") / "deploy"
     shutil.copytree(DEPLOY, copy, ignore=shutil.ignore_patterns("secrets"))
     generate(copy / "k8s-dev" / "secrets")
@@ -495,6 +502,7 @@ class Service:
 
 @pytest.fixture(scope="module")
 def compose(tmp_path_factory: pytest.TempPathFactory):
+    _needs_root()
     compose_bin = shutil.which("docker-compose")
     if compose_bin is None:
         pytest.fail("docker-compose is missing: `make test` installs it (Debian package docker-compose)")
