@@ -603,3 +603,28 @@ def test_credentials_are_mounted_readable_by_the_pods_user_only(overlay, tmp_pat
                     assert st.st_mode & 0o007 == 0, f"{name}: {mount}/{f.name} is mode {st.st_mode & 0o777:o}"
                     assert st.st_gid == sc.get("fsGroup") == sc["runAsGroup"] and st.st_mode & 0o040, \
                         f"{name}: {mount}/{f.name} not readable by the pod's group"
+
+
+def test_an_agent_starting_with_every_dependency_unreachable_starts_and_turns_ready_in_the_budget(overlay):
+    """The slow start the startup probe covers: Redis, the allocator and etcd all unreachable
+    (closed ports) when an agent pod starts. Its bounded waits (the first etcd read, Redis INFO, the
+    lease warm-up within --allocator-deadline-ms) end within the startup probe's budget, so the
+    liveness probe never restarts it mid-start; then it is ready — it can answer, by the rules'
+    fail modes — rather than held out of its Service until its stores come back."""
+    rendered, _ = overlay
+    work = Path(tempfile.mkdtemp(prefix="leasehold-pods-"))
+    work.chmod(0o755)
+    spec = by_kind(rendered, "Deployment")["agent-eu"]["spec"]["template"]["spec"]
+    closed = {dns: f"{POD_IP}:{free_port()}" for dns in
+              ("redis-eu:6379", "allocator:8080", "etcd-0.etcd:2379", "etcd-1.etcd:2379", "etcd-2.etcd:2379")}
+    agent = Pod("agent-eu", spec, work / "agent", closed)
+    proc = agent.start(rendered, work)
+    try:
+        started = _wait_probe(agent, proc, "startupProbe")
+        ready = _wait_probe(agent, proc, "readinessProbe", budget=agent.container["startupProbe"]["periodSeconds"]
+                            * agent.container["startupProbe"]["failureThreshold"])
+        print(f"agent with nothing reachable: live after {started:.1f} s, ready {ready:.1f} s later")
+        assert agent.probe("livenessProbe") == 200
+    finally:
+        proc.stop()
+        shutil.rmtree(work, ignore_errors=True)
