@@ -66,6 +66,7 @@ class Pod:
     peers: dict[str, str]  # "service-dns:port" -> "127.0.0.1:port" of the local server
     ports: dict[int, int] = field(default_factory=dict)  # containerPort -> the free port used here
     pod_name: str = ""  # metadata.name (a Deployment's pods get a generated suffix)
+    pod_ip: str = POD_IP  # status.podIP (the servers here all listen on POD_IP)
     mounts: dict[str, Path] = field(default_factory=dict)  # mountPath -> materialised directory
 
     @property
@@ -150,7 +151,7 @@ class Pod:
                 env[e["name"]] = _expand(e["value"], env)
             else:
                 ref = e["valueFrom"]["fieldRef"]["fieldPath"]
-                env[e["name"]] = {"metadata.name": self.pod_name or f"{self.name}-7c9d5-x2k4p", "status.podIP": POD_IP}[ref]
+                env[e["name"]] = {"metadata.name": self.pod_name or f"{self.name}-7c9d5-x2k4p", "status.podIP": self.pod_ip}[ref]
         argv = [_expand(a, env) for a in (c.get("command") or entrypoint or []) + c.get("args", [])]
         if argv[:2] == ["python", "-m"]:
             argv[0] = sys.executable
@@ -625,6 +626,26 @@ def test_an_agent_starting_with_every_dependency_unreachable_starts_and_turns_re
                             * agent.container["startupProbe"]["failureThreshold"])
         print(f"agent with nothing reachable: live after {started:.1f} s, ready {ready:.1f} s later")
         assert agent.probe("livenessProbe") == 200
+    finally:
+        proc.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_on_an_ipv6_cluster_the_allocator_refuses_an_address_no_agent_could_follow(overlay):
+    """``LEASEHOLD_ALLOCATOR_ADVERTISE_URL: http://$(POD_IP):8080`` on an IPv6 single-stack cluster is
+    ``http://fd00::1:8080``: the URL a not-leader answer names, which no agent can parse (it used to
+    start and hand it out). It is refused at start, naming the fix (allocator.yaml says what to set)."""
+    rendered, _ = overlay
+    work = Path(tempfile.mkdtemp(prefix="leasehold-pods-"))
+    work.chmod(0o755)
+    spec = by_kind(rendered, "Deployment")["allocator"]["spec"]["template"]["spec"]
+    closed = {f"etcd-{i}.etcd:2379": f"{POD_IP}:{free_port()}" for i in range(3)}
+    alloc = Pod("allocator", spec, work / "allocator", closed, pod_ip="fd00:10:244::7")
+    proc = alloc.start(rendered, work)
+    try:
+        proc.popen.wait(30)  # type: ignore[union-attr]
+        assert proc.popen.returncode not in (0, None), proc.tail()  # type: ignore[union-attr]
+        assert "an IPv6 address in a URL goes in brackets" in proc.tail() and "Traceback" not in proc.tail()
     finally:
         proc.stop()
         shutil.rmtree(work, ignore_errors=True)
