@@ -494,3 +494,24 @@ def test_each_agent_pod_is_named_so_a_canary_slice_can_name_it():
     env = {e["name"]: e for e in c["env"]}
     assert "--agent-id" not in c["args"]
     assert env["LEASEHOLD_AGENT_AGENT_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
+def test_every_service_port_reaches_a_named_port_of_the_pods_it_selects(dev_overlay: list[dict]):
+    """Each Service selects pods of the overlay, and each of its ports' targetPort (a name, or the
+    port's number) is a container port of every pod it selects; probes name ports that exist."""
+    pods = _pod_refs(dev_overlay)
+    for name, svc in by_kind(dev_overlay, "Service").items():
+        selected = [p for p in pods.values() if _selects({"matchLabels": svc["spec"]["selector"]}, p.labels)]
+        assert selected, f"Service {name} selects no pod"
+        for port in svc["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            for pod in selected:
+                assert any(target in (n, number) for n, number in pod.ports), (name, port)
+    for kind in ("Deployment", "StatefulSet"):
+        for name, d in by_kind(dev_overlay, kind).items():
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                names = {p.get("name") for p in c.get("ports", [])} | {p["containerPort"] for p in c.get("ports", [])}
+                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    how = c.get(probe, {})
+                    port = (how.get("httpGet") or how.get("tcpSocket") or {}).get("port")
+                    assert port is None or port in names, (name, probe, port)

@@ -649,3 +649,27 @@ def test_on_an_ipv6_cluster_the_allocator_refuses_an_address_no_agent_could_foll
     finally:
         proc.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_an_allocator_starting_without_etcd_is_not_restarted_by_its_probes(overlay):
+    """etcd unreachable when an allocator pod starts (an etcd outage during a node's restart): the
+    process serves its liveness endpoint within the startup probe's budget, so the kubelet does not
+    restart it in a loop (and back off for minutes once etcd is back); readiness may wait for etcd."""
+    rendered, _ = overlay
+    work = Path(tempfile.mkdtemp(prefix="leasehold-pods-"))
+    work.chmod(0o755)
+    spec = by_kind(rendered, "Deployment")["allocator"]["spec"]["template"]["spec"]
+    closed = {f"etcd-{i}.etcd:2379": f"{POD_IP}:{free_port()}" for i in range(3)}
+    alloc = Pod("allocator", spec, work / "allocator", closed)
+    proc = alloc.start(rendered, work)
+    try:
+        took = _wait_probe(alloc, proc, "startupProbe")
+        print(f"allocator without etcd: live after {took:.1f} s, ready: {alloc.probe('readinessProbe')}")
+        liveness = alloc.container["livenessProbe"]
+        end = time.monotonic() + liveness["periodSeconds"] * liveness["failureThreshold"] + 2
+        while time.monotonic() < end:
+            assert alloc.probe("livenessProbe") == 200, proc.tail()
+            time.sleep(1)
+    finally:
+        proc.stop()
+        shutil.rmtree(work, ignore_errors=True)
