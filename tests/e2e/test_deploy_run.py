@@ -193,6 +193,12 @@ class Pod:
             return 0
 
 
+def _exit_status(proc: Proc, timeout: float) -> int:
+    """The process's exit status, waiting up to ``timeout`` seconds for it to end."""
+    assert proc.popen is not None, f"{proc.name} was never started"
+    return proc.popen.wait(timeout)
+
+
 def _container_fs(scratch: Path, *, readonly_root: bool, empty_dirs: list[Path], claims: list[Path] = ()) -> str:
     """A shell script, run as root in a private mount namespace before the container's user takes
     over: the root file system read-only when the container asks for it, each emptyDir a fresh
@@ -270,8 +276,7 @@ def running(overlay: tuple[list[dict], Path]):
         # the roles Job: users, roles, authentication on
         job = Pod("leasehold-etcd-roles", pods["leasehold-etcd-roles"], work / "job", peers)
         proc = job.start(rendered, work)
-        proc.popen.wait(60)  # type: ignore[union-attr]
-        assert proc.popen.returncode == 0, proc.tail()  # type: ignore[union-attr]
+        assert _exit_status(proc, 60) == 0, proc.tail()
         # Redis as the dev overlay runs it (the image's entrypoint is redis-server)
         redis = Pod("redis-eu", pods["redis-eu"], work / "redis", peers)
         started.append(redis.start(rendered, work, entrypoint=[shutil.which("redis-server") or "redis-server"],
@@ -386,7 +391,7 @@ def _drain(pod: Pod, proc: Proc) -> float:
     took = time.monotonic() - start
     assert not proc.alive(), f"{pod.name} still running {grace} s after preStop began: the kubelet would SIGKILL it"
     # (uvicorn re-raises the SIGTERM it handled once it has shut down)
-    assert proc.popen.returncode in (0, -signal.SIGTERM), proc.tail()  # type: ignore[union-attr]
+    assert _exit_status(proc, 1) in (0, -signal.SIGTERM), proc.tail()
     assert "Application shutdown complete" in proc.tail(), proc.tail()
     assert saw_unready, f"{pod.name} never answered unready while draining"
     print(f"{pod.name}: preStop {pre_stop[1]} s + drain: {took:.2f} s of {grace} s")
@@ -529,8 +534,7 @@ def compose(tmp_path_factory: pytest.TempPathFactory):
         peers = {f"etcd-{i}:2379": e for i, e in enumerate(etcd.endpoints)}
         svc = {name: Service(name, spec, files, peers) for name, spec in resolved["services"].items()}
         proc = svc["etcd-init"].start(work, {})
-        proc.popen.wait(60)  # type: ignore[union-attr]
-        assert proc.popen.returncode == 0, proc.tail()  # type: ignore[union-attr]
+        assert _exit_status(proc, 60) == 0, proc.tail()
         running = {}
         for name in ("redis-eu", "allocator-1", "allocator-2", "agent-eu"):
             port = free_port()
@@ -643,8 +647,7 @@ def test_on_an_ipv6_cluster_the_allocator_refuses_an_address_no_agent_could_foll
     alloc = Pod("allocator", spec, work / "allocator", closed, pod_ip="fd00:10:244::7")
     proc = alloc.start(rendered, work)
     try:
-        proc.popen.wait(30)  # type: ignore[union-attr]
-        assert proc.popen.returncode not in (0, None), proc.tail()  # type: ignore[union-attr]
+        assert _exit_status(proc, 30) != 0, proc.tail()
         assert "an IPv6 address in a URL goes in brackets" in proc.tail() and "Traceback" not in proc.tail()
     finally:
         proc.stop()
