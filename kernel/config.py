@@ -255,6 +255,9 @@ def _problem(o: Option, item: str) -> str | None:
         if (o.schemes and parts.scheme not in o.schemes) or not where:
             return "expected a URL" + (" starting with " + " or ".join(f"{x}://" for x in o.schemes)
                                        if o.schemes else "")
+        hosts = parts.netloc.rpartition("@")[2].split(",")  # (redis+cluster:// and +sentinel:// name several)
+        if any(h.count(":") > 1 and "[" not in h for h in hosts):  # http://fd00::1:8080
+            return "an IPv6 address in a URL goes in brackets, e.g. http://[fd00::1]:8080"
     elif o.kind == "host":
         if not _host_ok(item):
             return "expected an IP address or a host name"

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import kubernetes_validate
@@ -210,19 +211,21 @@ def _pods(docs: list[dict]) -> dict[str, dict]:
 
 def test_every_container_is_locked_down(dev_overlay: list[dict]):
     """Restricted pod security for every workload, the dev overlay's Redis and etcd included:
-    non-root, the runtime's default seccomp profile, no privilege escalation, no capability; the
-    base's own containers (agent, allocator, the roles Job) also on a read-only root file system."""
+    non-root, no service account token, the runtime's default seccomp profile, no privilege
+    escalation, no capability, a read-only root file system (docs/deployment.md says so of every one; tests/e2e/test_deploy_run.py
+    runs them so)."""
     base = {name for name in _pods(kustomize(DEPLOY / "k8s"))}
     assert base == {"Deployment/agent-eu", "Deployment/allocator", "Job/leasehold-etcd-roles"}
     for name, pod in _pods(dev_overlay).items():
         assert pod["securityContext"]["runAsNonRoot"] is True, name
+        # none of them calls the Kubernetes API: no service account token for a compromised process
+        assert pod.get("automountServiceAccountToken") is False, name
         assert pod["securityContext"].get("seccompProfile") == {"type": "RuntimeDefault"}, name
         for c in pod["containers"]:
             sc = c.get("securityContext", {})
             assert sc.get("allowPrivilegeEscalation") is False, name
             assert sc.get("capabilities", {}).get("drop") == ["ALL"], name
-            if name in base:
-                assert sc.get("readOnlyRootFilesystem") is True, name
+            assert sc.get("readOnlyRootFilesystem") is True, name
 
 
 def test_services_start_with_a_startup_probe_and_liveness_never_follows_the_stores():
@@ -304,3 +307,211 @@ def test_the_kubernetes_scrape_configuration_matches_the_base_and_the_alerts():
         if name == "leasehold-agent":
             assert targets["region"] == ["__meta_kubernetes_pod_label_leasehold_region"]
             assert "leasehold/region" in template["metadata"]["labels"]
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A label selector (matchLabels and matchExpressions In/NotIn/Exists/DoesNotExist) on ``labels``."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        has, value = e["key"] in labels, labels.get(e["key"])
+        if not {"In": has and value in e.get("values", []), "NotIn": not has or value not in e.get("values", []),
+                "Exists": has, "DoesNotExist": not has}[e["operator"]]:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class PodRef:
+    labels: dict[str, str]
+    namespace: str = "leasehold"
+    ports: tuple[tuple[str, int], ...] = ()  # (name, number) of its containers' TCP ports
+
+
+def reachable(policies: list[dict], source: PodRef, target: PodRef, port: int) -> bool:
+    """NetworkPolicy semantics for TCP ``port`` of ``target`` from ``source`` (both pods; the
+    namespaces labelled only kubernetes.io/metadata.name): open unless a policy selecting the
+    target isolates its ingress, then open only when one of those policies' rules admits it — and
+    the source's egress likewise."""
+    ns_labels = {"kubernetes.io/metadata.name": source.namespace}
+
+    def port_matches(rule_ports: list[dict], pod: PodRef, number: int) -> bool:
+        if not rule_ports:
+            return True
+        names = {name for name, n in pod.ports if n == number}
+        return any(p.get("protocol", "TCP") == "TCP" and (p.get("port") is None or p["port"] == number
+                   or p["port"] in names or (p.get("endPort") and p["port"] <= number <= p["endPort"]))
+                   for p in rule_ports)
+
+    def peer_matches(peer: dict, pod: PodRef, policy_ns: str, pod_ns_labels: dict[str, str]) -> bool:
+        if "ipBlock" in peer:
+            return False  # pod IPs are never named by these manifests' ipBlocks
+        if "namespaceSelector" in peer:
+            if not _selects(peer["namespaceSelector"], pod_ns_labels):
+                return False
+        elif pod.namespace != policy_ns:
+            return False
+        return _selects(peer.get("podSelector", {}), pod.labels)
+
+    def admitted(direction: str, subject: PodRef, other: PodRef, other_ns_labels: dict[str, str]) -> bool:
+        key, peers = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+        selecting = [p for p in policies if p["metadata"].get("namespace", "leasehold") == subject.namespace
+                     and _selects(p["spec"]["podSelector"], subject.labels)
+                     and direction in p["spec"].get("policyTypes", ["Ingress"])]
+        if not selecting:
+            return True
+        ported = target  # the port is always the target's
+        return any(port_matches(rule.get("ports", []), ported, port)
+                   and (not rule.get(peers) or any(peer_matches(peer, other, subject.namespace, other_ns_labels)
+                                                   for peer in rule[peers]))
+                   for p in selecting for rule in p["spec"].get(key, []))
+
+    return (admitted("Ingress", target, source, ns_labels)
+            and admitted("Egress", source, target, {"kubernetes.io/metadata.name": target.namespace}))
+
+
+def _pod_refs(docs: list[dict]) -> dict[str, PodRef]:
+    refs = {}
+    for kind in ("Deployment", "StatefulSet", "Job"):
+        for name, d in by_kind(docs, kind).items():
+            t = d["spec"]["template"]
+            ports = tuple((p.get("name", ""), p["containerPort"]) for c in t["spec"]["containers"]
+                          for p in c.get("ports", []))
+            refs[name] = PodRef(t.get("metadata", {}).get("labels", {}), d["metadata"].get("namespace", "leasehold"), ports)
+    return refs
+
+
+def test_the_dev_overlay_lets_only_the_documented_pods_talk(dev_overlay: list[dict]):
+    """What may talk to what (docs/deployment.md): the region's Redis only from its agents; etcd's
+    client port only from the agents (policy reads), the allocators and the roles Job, its peer port
+    only from its members; the allocator only from agents and labelled scrapers; the agents from
+    anyone (gateways, scrapers; every route but probes and metrics needs a token). Any pod that
+    isolates its egress still reaches the cluster DNS. Checked on the rendered overlay with
+    NetworkPolicy's semantics, for every pair of its pods and a stranger in the namespace, one in
+    another namespace and a labelled Prometheus."""
+    policies = list(by_kind(dev_overlay, "NetworkPolicy").values())
+    pods = _pod_refs(dev_overlay)
+    strangers = {"stranger": PodRef({"app.kubernetes.io/name": "some-app"}),
+                 "other-namespace": PodRef({"app.kubernetes.io/name": "some-app"}, namespace="apps"),
+                 "prometheus": PodRef({"app.kubernetes.io/name": "prometheus", "leasehold/scrape": "true"},
+                                      namespace="monitoring")}
+    want = {("redis-eu", 6379): {"agent-eu"},
+            ("etcd", 2379): {"agent-eu", "allocator", "leasehold-etcd-roles"},
+            ("etcd", 2380): {"etcd"},
+            ("allocator", 8080): {"agent-eu", "prometheus"},
+            ("agent-eu", 8080): set(pods) | set(strangers),
+            ("agent-eu", 8089): set(pods) | set(strangers)}
+    got = {}
+    for (target, port) in want:
+        got[(target, port)] = {name for name, src in {**pods, **strangers}.items()
+                               if reachable(policies, src, pods[target], port)}
+    assert got == want
+    dns = PodRef({"k8s-app": "kube-dns"}, namespace="kube-system", ports=(("dns-tcp", 53),))
+    for name, pod in pods.items():
+        assert reachable(policies, pod, dns, 53), f"{name} cannot resolve names"
+    # the check can fail: with no policy every pod reaches Redis and etcd
+    assert reachable([], strangers["stranger"], pods["redis-eu"], 6379)
+
+
+def test_the_allocator_replicas_never_share_a_node_that_another_node_could_take():
+    """One leader and its stand-in: on one node, that node's loss (or a drain that evicts both in
+    turn before either is back) takes every allocator, and every region falls back at once. The
+    hostname spread of the allocator is a hard constraint (a one-node dev cluster still schedules
+    both: its single node is the whole topology); zones stay best effort."""
+    (alloc,) = [d for d in kustomize(DEPLOY / "k8s") if d["kind"] == "Deployment" and d["metadata"]["name"] == "allocator"]
+    spec = alloc["spec"]["template"]["spec"]
+    by_key = {t["topologyKey"]: t for t in spec["topologySpreadConstraints"]}
+    host = by_key["kubernetes.io/hostname"]
+    assert host["whenUnsatisfiable"] == "DoNotSchedule" and host["maxSkew"] == 1
+    assert host["labelSelector"]["matchLabels"] == alloc["spec"]["selector"]["matchLabels"]
+    assert by_key["topology.kubernetes.io/zone"]["whenUnsatisfiable"] == "ScheduleAnyway"
+
+
+COREDNS_TTL_S = 5  # CoreDNS's kubernetes plugin answers a headless Service's records with TTL 5 s (its default)
+ENDPOINT_PROPAGATION_S = 2  # a terminating pod leaving its EndpointSlice, seen by CoreDNS (margin)
+
+
+def _seconds(duration: str) -> float:
+    return float(duration.rstrip("s"))
+
+
+def test_the_agents_prestop_pause_outlasts_the_gateways_view_of_its_address():
+    """Envoy reaches the agents through the headless Service agent-eu-rls (STRICT_DNS in every
+    shipped Envoy file): a terminating agent's address stays in Envoy's host set until CoreDNS's
+    answer expires and Envoy resolves again (``dns_refresh_rate``, 5 s by default). Until then its
+    calls go to the agent; one that has stopped accepting makes them fail, and the shipped files
+    then let the request through unlimited (RLS ``failure_mode_deny: false``) or refuse a closed
+    route. So the preStop pause covers TTL + refresh + propagation, and the pause plus the drain
+    (``--shutdown-report-ms``, 3 s, and a margin) fit the grace period."""
+    from leasehold.local.gateways import PLACEHOLDER
+
+    (agent,) = [d for d in kustomize(DEPLOY / "k8s") if d["kind"] == "Deployment" and d["metadata"]["name"] == "agent-eu"]
+    spec = agent["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    pause = float(command[1])
+    for path in sorted((DEPLOY / "gateways").glob("envoy-*.yaml")):
+        doc = yaml.safe_load(PLACEHOLDER.sub(lambda m: "10" if m[1].endswith("PORT") else m[1], path.read_text()))
+        for cluster in doc["static_resources"]["clusters"]:
+            addresses = [e["endpoint"]["address"]["socket_address"]["address"] for group in
+                         cluster["load_assignment"]["endpoints"] for e in group["lb_endpoints"]]
+            if "AGENT_HOST" not in addresses:
+                continue
+            assert cluster["type"] == "STRICT_DNS", (path.name, cluster["name"])
+            refresh = _seconds(cluster.get("dns_refresh_rate", "5s"))
+            need = COREDNS_TTL_S + refresh + ENDPOINT_PROPAGATION_S
+            assert pause >= need, (f"{path.name} {cluster['name']}: the agent stops {pause} s after leaving its "
+                                   f"Service; Envoy may still send to it for {need} s")
+    drain = 3 + 5  # --shutdown-report-ms (3 s) and a margin (measured: tests/e2e/test_deploy_run.py)
+    assert pause + drain <= spec["terminationGracePeriodSeconds"]
+
+
+def test_the_roles_job_is_run_again_by_the_apply_that_changes_it(tmp_path: Path):
+    """A Job's pod template cannot change. The roles Job's template names the ConfigMap of the
+    roles script and (dev overlay) the Secrets by their content hash, so an upgrade whose script
+    grants something new renders a different template: were the finished Job kept, that apply would
+    be refused for it ("field is immutable") and the new grant would never reach etcd. The finished
+    Job is deleted after a while (``ttlSecondsAfterFinished``), so the next apply creates and runs it
+    again (re-running is safe: test_deploy_files.py)."""
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy, ignore=shutil.ignore_patterns("secrets"))
+    before = by_kind(kustomize(copy / "k8s"), "Job")["leasehold-etcd-roles"]
+    script = copy / "k8s" / "etcd" / "leasehold-roles.sh"
+    script.write_text(script.read_text() + "# a grant added by an upgrade\n")
+    after = by_kind(kustomize(copy / "k8s"), "Job")["leasehold-etcd-roles"]
+    assert before["spec"]["template"] != after["spec"]["template"]  # what an apply would have to change
+    ttl = after["spec"].get("ttlSecondsAfterFinished")
+    assert ttl is not None and 0 < ttl <= 3600, "a finished roles Job must not stay: the next apply could not replace it"
+
+
+def test_each_agent_pod_is_named_so_a_canary_slice_can_name_it():
+    """``leasehold policy canary --agents NAME`` selects the agents whose --agent-id is NAME
+    (docs/policy.md); unnamed, no agent of the base could be put in a canary slice. Each pod takes
+    its own pod name, which matches the setting's pattern (tests/e2e/test_deploy_run.py starts one)."""
+    (agent,) = [d for d in kustomize(DEPLOY / "k8s") if d["kind"] == "Deployment" and d["metadata"]["name"] == "agent-eu"]
+    (c,) = agent["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert "--agent-id" not in c["args"]
+    assert env["LEASEHOLD_AGENT_AGENT_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
+def test_every_service_port_reaches_a_named_port_of_the_pods_it_selects(dev_overlay: list[dict]):
+    """Each Service selects pods of the overlay, and each of its ports' targetPort (a name, or the
+    port's number) is a container port of every pod it selects; probes name ports that exist."""
+    pods = _pod_refs(dev_overlay)
+    for name, svc in by_kind(dev_overlay, "Service").items():
+        selected = [p for p in pods.values() if _selects({"matchLabels": svc["spec"]["selector"]}, p.labels)]
+        assert selected, f"Service {name} selects no pod"
+        for port in svc["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            for pod in selected:
+                assert any(target in (n, number) for n, number in pod.ports), (name, port)
+    for kind in ("Deployment", "StatefulSet"):
+        for name, d in by_kind(dev_overlay, kind).items():
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                names = {p.get("name") for p in c.get("ports", [])} | {p["containerPort"] for p in c.get("ports", [])}
+                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    how = c.get(probe, {})
+                    port = (how.get("httpGet") or how.get("tcpSocket") or {}).get("port")
+                    assert port is None or port in names, (name, probe, port)

@@ -51,6 +51,14 @@ def test_invalid_values_name_the_setting_and_the_valid_values():
         load_settings(Demo, "X_", ["--redis-url", "http://user:s3cr/t@x:1/0"], env={})
     assert str(e.value) == ("invalid value 'http://…@x:1/0' for --redis-url: expected a URL starting with "
                             "redis://")
+    # an IPv6 literal without brackets (what http://$(POD_IP):8080 gives on an IPv6 cluster): no
+    # client parses it, so it is refused at start rather than handed to the other services
+    with pytest.raises(ConfigError, match=r"an IPv6 address in a URL goes in brackets"):
+        load_settings(Demo, "X_", ["--redis-url", "redis://fd00::1:6379/0"], env={})
+    assert load_settings(Demo, "X_", ["--redis-url", "redis://[fd00::1]:6379/0"], env={}).redis_url
+    assert load_settings(Demo, "X_", ["--redis-url", "redis://u@[fd00::1]:1,h:2,[::1]:3/0"], env={}).redis_url
+    with pytest.raises(ConfigError, match=r"an IPv6 address in a URL goes in brackets"):
+        load_settings(Demo, "X_", ["--redis-url", "redis://h:1,fd00::2:3/0"], env={})
     with pytest.raises(ConfigError, match="expected an IP address or a host name"):
         load_settings(Demo, "X_", ["--host", "999.1.1.1"], env={})
     assert load_settings(Demo, "X_", ["--host", "::1"], env={}).host == "::1"
