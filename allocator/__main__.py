@@ -23,6 +23,14 @@ def main(argv: list[str] | None = None) -> int:
     except tracing.TracingUnavailable as e:
         print(f"allocator: refusing to start: {e}", file=sys.stderr)
         return 2
+    import asyncio
+
+    from .app import etcd_refusal
+
+    refusal = asyncio.run(etcd_refusal(settings))  # its credentials, its role's permissions, TLS
+    if refusal is not None:
+        print(f"allocator: {refusal}", file=sys.stderr)
+        return 2
     from kernel.logs import configure
 
     log_config = configure(settings.log_level, settings.log_format)
