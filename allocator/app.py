@@ -337,8 +337,8 @@ async def etcd_refusal(settings: AllocatorSettings) -> str | None:
     except EtcdRefused as e:
         if e.cause == "nospace":
             return None
-        return "refusing to start: " + _START_REFUSALS[e.cause].format(user=settings.etcd_user,
-                                                                        prefix=settings.prefix)
+        user = settings.etcd_user or "(none: --etcd-user is not set, and etcd's authentication is on)"
+        return "refusing to start: " + _START_REFUSALS[e.cause].format(user=user, prefix=settings.prefix)
     except LeaseholdError:
         return None  # not answering now: the start goes on, the election says when it answers
     finally:
