@@ -13,7 +13,7 @@ What it adds to the raw API:
 
 * **endpoints**: the comma-separated list is used one endpoint at a time; a call that fails
   with a connection error or a timeout moves on to the next (each call tries every endpoint at
-  most once). A write retried on another endpoint after an ambiguous failure is safe here
+  most once), logged at most once per endpoint every ``ENDPOINT_LOG_EVERY_S``. A write retried on another endpoint after an ambiguous failure is safe here
   because every write Leasehold makes is a compare-and-swap transaction.
 * **a bound on every call** (``timeout_s``), given up on without waiting for the cancelled call
   (:func:`abandon_after`).
@@ -46,6 +46,7 @@ from aetcd import rpc  # the generated etcdserverpb code (messages and stubs), n
 
 from .errors import LeaseholdError, StoreUnavailable, Unavailable
 from .etcd_endpoints import endpoints_scheme, parse_endpoints
+from .ratelog import KeyedLog
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,6 +73,9 @@ _NEXT_ENDPOINT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLIN
 _TOO_MANY_OPS = ("too many operations in txn request", "ops in one branch")
 _TOO_LARGE = (*_TOO_MANY_OPS, "request is too large", "larger than max")
 _COMPACTED = "required revision has been compacted"
+# at most one "trying the next endpoint" line per endpoint this often (the next says how many were
+# not written): an outage fails every call of every election round, four a second
+ENDPOINT_LOG_EVERY_S = 10.0
 _LEASE_MISSING = "lease not found"
 _TOKEN_EXPIRED = "invalid auth token"
 _AUTH_NOT_ENABLED = "authentication is not enabled"
@@ -293,6 +297,7 @@ class EtcdStore:
         # alarm refuses writes while reads pass; a role may lose one key space's permission)
         self.refused: dict[str, EtcdRefused] = {}
         self._report_refusals = report_refusals  # False: a caller that reports them itself (a start check)
+        self._endpoint_log = KeyedLog(log, interval_s=ENDPOINT_LOG_EVERY_S, max_keys=64)
 
     # -- endpoints ----------------------------------------------------------------------------
     def _current(self) -> _Link:
@@ -362,7 +367,8 @@ class EtcdStore:
             finally:
                 if self._observe is not None:
                     self._observe(op, time.perf_counter() - started)
-            log.warning("etcd %s failed on %s (%s); trying the next endpoint", op, link.name, last)
+            self._endpoint_log.log(link.name, logging.WARNING,
+                                   f"etcd {op} failed on {link.name} ({last}); trying the next endpoint")
             await self._next_endpoint(link)
         if tls_failures == len(self.endpoints):  # every endpoint answered, and refused the handshake
             raise self._refused(kind, EtcdHandshakeRefused(op, "tls"))
