@@ -35,12 +35,12 @@ def test_an_etcd_outage_is_a_few_lines_not_one_per_failed_call(tmp_path: Path):
     http = httpx.Client(base_url=f"http://{LOOPBACK}:{port}", timeout=5)
     try:
         wait_port(port, proc=proc.popen, timeout=30)
-        wait_until(lambda: http.get("/v1/leader").json()["isSelf"], 30)
+        assert wait_until(lambda: http.get("/v1/leader").json()["isSelf"], 30)
         etcd.stop_member(0)
         time.sleep(OUTAGE_S)
         assert http.get("/v1/health/store").json()["etcd"] == "unreachable"
         etcd.start_member(0)
-        wait_until(lambda: http.get("/v1/health/store").status_code == 200 and http.get("/v1/leader").json()["isSelf"],
+        assert wait_until(lambda: http.get("/v1/health/store").status_code == 200 and http.get("/v1/leader").json()["isSelf"],
                    30)
         assert proc.log_path is not None
         lines = [ln for ln in proc.log_path.read_text().splitlines() if "trying the next endpoint" in ln]

@@ -163,7 +163,7 @@ def test_a_permission_revoked_at_runtime_is_one_line_a_503_and_a_gauge_until_gra
     a = Allocator(",".join(auth_etcd.cluster.endpoints), bundle, tmp_path / "a1",
                   password=auth_etcd.passwords["allocator"], etcd_user="allocator")
     try:
-        wait_until(lambda: _leading(a), 30)
+        assert wait_until(lambda: _leading(a), 30)
         assert a.grant().status_code == 200
         assert a.refused_gauge() == {"auth": 0.0, "permission": 0.0, "nospace": 0.0, "tls": 0.0}
         auth_etcd.root("role", "revoke-permission", "leasehold-allocator", f"{PREFIX}grants/", "--prefix=true")
@@ -179,7 +179,7 @@ def test_a_permission_revoked_at_runtime_is_one_line_a_503_and_a_gauge_until_gra
         assert a.log().count("etcd refuses this client's grants calls (permission") == 1, a.log()
         # the operator re-runs the roles script: the grants go through again, and it is said once
         auth_etcd.cluster.apply_roles(auth_etcd.files, PREFIX)
-        wait_until(lambda: a.grant().status_code == 200, 20)
+        assert wait_until(lambda: a.grant().status_code == 200, 20)
         assert a.http.get("/v1/health/store").status_code == 200
         assert a.refused_gauge()["permission"] == 0.0
         assert a.log().count("etcd accepts this client's grants calls again") == 1
@@ -192,15 +192,15 @@ def test_a_user_deleted_at_runtime_is_refused_then_followed_when_recreated(
     a = Allocator(",".join(auth_etcd.cluster.endpoints), bundle, tmp_path / "a1",
                   password=auth_etcd.passwords["allocator"], etcd_user="allocator")
     try:
-        wait_until(lambda: _leading(a), 30)
+        assert wait_until(lambda: _leading(a), 30)
         auth_etcd.root("user", "delete", "allocator")
         r = a.grant()
         assert r.status_code == 503, r.text
-        wait_until(lambda: a.refused_gauge()["auth"] == 1.0, 10)
+        assert wait_until(lambda: a.refused_gauge()["auth"] == 1.0, 10)
         health = a.http.get("/v1/health/store").json()
         assert health["etcd"] == "refusing" and "auth" in health["refused"].values(), health
         auth_etcd.cluster.apply_roles(auth_etcd.files, PREFIX)  # the user again, same password
-        wait_until(lambda: _leading(a) and a.grant().status_code == 200, 30)
+        assert wait_until(lambda: _leading(a) and a.grant().status_code == 200, 30)
         assert a.refused_gauge()["auth"] == 0.0
         assert "etcd refuses this client's" in a.log() and "calls again" in a.log()
     finally:
@@ -215,7 +215,7 @@ def test_an_etcd_user_on_an_etcd_without_authentication_is_called_without_a_toke
     a = Allocator(",".join(etcd_cluster.endpoints), bundle, tmp_path / "a1", password="unused",
                   etcd_user="allocator", prefix="/lh-noauth-user/")
     try:
-        wait_until(lambda: _leading(a), 30)
+        assert wait_until(lambda: _leading(a), 30)
         assert a.grant().status_code == 200
     finally:
         a.stop()
@@ -236,7 +236,7 @@ def test_nospace_is_said_and_recovers_after_compact_defrag_disarm(tmp_path: Path
                           extra_args=["--quota-backend-bytes", str(4 * 1024 * 1024)]).start()
     a = Allocator(",".join(cluster.endpoints), bundle, tmp_path / "a1", etcd_compaction_interval_s=0)
     try:
-        wait_until(lambda: _leading(a), 30)
+        assert wait_until(lambda: _leading(a), 30)
         assert a.grant().status_code == 200
         _fill(cluster)
         assert "NOSPACE" in cluster.etcdctl("alarm", "list")
@@ -253,7 +253,7 @@ def test_nospace_is_said_and_recovers_after_compact_defrag_disarm(tmp_path: Path
         cluster.etcdctl("compact", str(status[0]["Status"]["header"]["revision"]))
         cluster.etcdctl("defrag")
         cluster.etcdctl("alarm", "disarm")
-        wait_until(lambda: a.grant().status_code == 200, 20)
+        assert wait_until(lambda: a.grant().status_code == 200, 20)
         assert a.http.get("/v1/health/store").status_code == 200
         assert a.refused_gauge()["nospace"] == 0.0
         time.sleep(0.5)
