@@ -242,8 +242,8 @@ def _role(election: Election) -> str:
 async def store_health(state: State) -> Response[Any]:
     """200 while etcd answers and this replica knows its role, else 503 (grants are then refused
     as retriable and the agents spend their fallback allowances): ``etcd`` is ``unreachable``, or
-    ``refusing`` with ``refused`` naming per kind of call (``read``, ``write``, ``grants``: the
-    grant and usage transactions) the cause etcd refuses it for (``auth``, ``permission``, ``nospace``, ``tls``). For monitoring, not a probe."""
+    ``refusing`` with ``refused`` naming per kind of call (``read``, ``write``, ``lease``,
+    ``keepalive``, ``grants``: the grant and usage transactions) the cause etcd refuses it for (``auth``, ``permission``, ``nospace``, ``tls``). For monitoring, not a probe."""
     election: Election | None = state.get("election")
     if election is None:
         return problem_response(Unavailable("etcd not connected yet"))

@@ -42,7 +42,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from kernel.errors import LeaseholdError, NotLeader
-from kernel.etcd_store import KV, TxnBuilder
+from kernel.etcd_store import KV, EtcdRefused, TxnBuilder
 from kernel.shards import SHARD_HASH, shard_of
 from kernel.wire import ReplicaInfo, ShardedLeaderInfo, ShardLeader, ShardMap
 
@@ -221,7 +221,8 @@ class Election:
 
     def _round_failed(self, e: LeaseholdError) -> None:
         now = time.monotonic()
-        if now - self._last_error_log >= ERROR_LOG_EVERY_S:
+        # (a refusal is a state the etcd adapter logs once when it starts and once when it ends)
+        if not isinstance(e, EtcdRefused) and now - self._last_error_log >= ERROR_LOG_EVERY_S:
             self._last_error_log = now
             log.warning("node %s: election round failed (%s): %s", self.node_id, type(e).__name__, e.detail)
         if self.session.failed(e):

@@ -292,9 +292,12 @@ class EtcdStore:
         self._idx = 0
         self._link: _Link | None = None
         self._lock = asyncio.Lock()
-        # the refusal in force per kind of call ("read", "write", or a scope a caller names in
-        # commit): set by a refused call, cleared by an accepted one of the same kind (a NOSPACE
-        # alarm refuses writes while reads pass; a role may lose one key space's permission)
+        # the refusal in force per kind of call ("read", "write", "lease" (grant, revoke),
+        # "keepalive", or a scope a caller names in commit): set by a refused call, cleared by an
+        # accepted one of the same kind. Kinds, because etcd refuses them apart: a NOSPACE alarm
+        # refuses writes and lease grants while reads and keepalives pass, keepalives need no
+        # permission, and a role may lose one key space's permission and keep the others'
+        # (docs/decisions/0065-etcd-refusals-are-a-state-and-stop-the-start.md)
         self.refused: dict[str, EtcdRefused] = {}
         self._report_refusals = report_refusals  # False: a caller that reports them itself (a start check)
         self._endpoint_log = KeyedLog(log, interval_s=ENDPOINT_LOG_EVERY_S, max_keys=64)
@@ -539,7 +542,7 @@ class EtcdStore:
         async def run(link: _Link) -> Any:
             return await link.lease.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl_s), timeout=self.timeout_s,
                                                metadata=link.metadata)
-        return int((await self._call("lease_grant", run, "write")).ID)
+        return int((await self._call("lease_grant", run, "lease")).ID)
 
     async def lease_keepalive(self, lease_id: int) -> int:
         """One keepalive; the remaining TTL in seconds (0 or less: the lease is gone)."""
@@ -550,7 +553,7 @@ class EtcdStore:
                 return await call.read()
             finally:
                 call.cancel()
-        reply = await self._call("lease_keepalive", run)
+        reply = await self._call("lease_keepalive", run, "keepalive")
         return 0 if reply is grpc.aio.EOF else int(reply.TTL)
 
     async def lease_revoke(self, lease_id: int) -> None:
@@ -558,7 +561,7 @@ class EtcdStore:
         async def run(link: _Link) -> Any:
             return await link.lease.LeaseRevoke(rpc.LeaseRevokeRequest(ID=lease_id), timeout=self.timeout_s,
                                                 metadata=link.metadata)
-        await self._call("lease_revoke", run, "write")
+        await self._call("lease_revoke", run, "lease")
 
     # -- watches --------------------------------------------------------------------------------
     async def watch(self, key: bytes, range_end: bytes = b"") -> Watch:

@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from allocator.election import ERROR_LOG_EVERY_S as ELECTION_LOG_EVERY_S
 from kernel.bundle import Pool
 from leasehold.local.procs import ETCD_USERS, LOOPBACK, EtcdCluster, Proc, free_port, make_tls, wait_port
 from leasehold.local.services import allocator_command
@@ -199,6 +200,11 @@ def test_a_user_deleted_at_runtime_is_refused_then_followed_when_recreated(
         assert wait_until(lambda: a.refused_gauge()["auth"] == 1.0, 10)
         health = a.http.get("/v1/health/store").json()
         assert health["etcd"] == "refusing" and "auth" in health["refused"].values(), health
+        # refused for longer than the election's 10 s between failure lines: the refusal is said once
+        time.sleep(ELECTION_LOG_EVERY_S + 0.5)
+        assert a.grant().status_code == 503
+        assert a.log().count("etcd refuses this client's") in (1, 2, 3), a.log()  # once per kind refused
+        assert "election round failed" not in a.log(), a.log()
         auth_etcd.cluster.apply_roles(auth_etcd.files, PREFIX)  # the user again, same password
         assert wait_until(lambda: _leading(a) and a.grant().status_code == 200, 30)
         assert a.refused_gauge()["auth"] == 0.0
