@@ -13,8 +13,9 @@ What it adds to the raw API:
 
 * **endpoints**: the comma-separated list is used one endpoint at a time; a call that fails
   with a connection error or a timeout moves on to the next (each call tries every endpoint at
-  most once), logged at most once per endpoint every ``ENDPOINT_LOG_EVERY_S``. A write retried on another endpoint after an ambiguous failure is safe here
-  because every write Leasehold makes is a compare-and-swap transaction.
+  most once), logged at most once per endpoint every ``ENDPOINT_LOG_EVERY_S``. A write retried
+  on another endpoint after an ambiguous failure is safe here because every write Leasehold
+  makes is a compare-and-swap transaction.
 * **a bound on every call** (``timeout_s``), given up on without waiting for the cancelled call
   (:func:`abandon_after`).
 * **authentication**: with a user, the token from etcd's ``Authenticate`` on every call; an
@@ -23,10 +24,10 @@ What it adds to the raw API:
   :class:`EtcdTxnTooLarge`, :class:`RevisionCompacted`, :class:`EtcdRefused` (etcd answers but
   refuses the client as it is set up: credentials, a permission of its role, the NOSPACE alarm,
   TLS), ``StoreUnavailable`` (no endpoint answered), ``Unavailable`` (anything else etcd refused).
-* **refusals in force** (:attr:`EtcdStore.refused`): the last read and the last write etcd
-  refused for a :class:`EtcdRefused` cause, each logged once when it starts and once when a call
-  of its kind is accepted again — a refusal lasts until an operator acts, so it is a state, not a
-  line per call.
+* **refusals in force** (:attr:`EtcdStore.refused`): per kind of call (read, write, etcd lease,
+  keepalive, or a caller's scope) the :class:`EtcdRefused` of its last refused call, logged once
+  when it starts and once when a call of its kind is accepted again — a refusal lasts until an
+  operator acts, so it is a state, not a line per call.
 * **transactions** as the protobuf ``TxnRequest`` itself (:class:`TxnBuilder`, one ``add`` per
   compare or op; sent with one call, :meth:`EtcdStore.commit`): the allocator's hot path.
 """
@@ -92,7 +93,7 @@ _REFUSALS = (
 # grpc's words for a TLS handshake that failed: etcd's certificate did not verify (CA, host name,
 # expiry), or etcd refused ours (no certificate, another CA's, expired: the connection is torn
 # down mid-handshake, which grpc reports as an unwrap failure)
-_TLS_FAILURE = ("handshake failed", "Unwrap failed", "TSI_", "CERTIFICATE_VERIFY_FAILED", "ssl")
+_TLS_FAILURE = ("handshake failed", "Unwrap failed", "TSI_", "CERTIFICATE_VERIFY_FAILED")
 
 
 class EtcdLeaseMissing(StoreUnavailable):
