@@ -90,10 +90,11 @@ _REFUSALS = (
     (grpc.StatusCode.PERMISSION_DENIED, ("",), "permission"),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, ("database space exceeded",), "nospace"),
 )
-# grpc's words for a TLS handshake that failed: etcd's certificate did not verify (CA, host name,
-# expiry), or etcd refused ours (no certificate, another CA's, expired: the connection is torn
+# grpc's words for a TLS handshake that failed: etcd's certificate did not verify (CA, expiry;
+# a host name it does not name is grpc's separate "Hostname Verification Check"), or etcd refused ours (no certificate, another CA's, expired: the connection is torn
 # down mid-handshake, which grpc reports as an unwrap failure)
-_TLS_FAILURE = ("handshake failed", "Unwrap failed", "TSI_", "CERTIFICATE_VERIFY_FAILED")
+_TLS_FAILURE = ("handshake failed", "Unwrap failed", "TSI_", "CERTIFICATE_VERIFY_FAILED",
+                "Hostname Verification Check failed", "verification check failed")
 
 
 class EtcdLeaseMissing(StoreUnavailable):

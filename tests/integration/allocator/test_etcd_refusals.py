@@ -31,7 +31,16 @@ import pytest
 
 from allocator.election import ERROR_LOG_EVERY_S as ELECTION_LOG_EVERY_S
 from kernel.bundle import Pool
-from leasehold.local.procs import ETCD_USERS, LOOPBACK, EtcdCluster, Proc, free_port, make_tls, wait_port
+from leasehold.local.procs import (
+    ETCD_USERS,
+    LOOPBACK,
+    EtcdCluster,
+    Proc,
+    TlsFiles,
+    free_port,
+    make_tls,
+    wait_port,
+)
 from leasehold.local.services import allocator_command
 from tests.integration.allocator.helpers import write_bundle
 from tests.support.waiting import wait_until
@@ -143,20 +152,56 @@ def test_refused_credentials_and_permissions_stop_the_start(auth_etcd: AuthEtcd,
     assert auth_etcd.passwords["allocator"] not in r.stderr
 
 
-def test_a_ca_that_did_not_sign_etcd_stops_the_start(tmp_path: Path, bundle: Path):
+def _openssl(d: Path, *args: str, faketime: str | None = None) -> None:
+    cmd = ["openssl", *args] if faketime is None else ["faketime", "-f", faketime, "openssl", *args]
+    subprocess.run(cmd, cwd=d, check=True, capture_output=True, timeout=60)
+
+
+def _sign(tls: TlsFiles, name: str, ext: str, days: str = "2", faketime: str | None = None) -> tuple[Path, Path]:
+    """A certificate and key signed by ``tls``'s CA, with the extensions ``ext``."""
+    d = tls.ca.parent
+    _openssl(d, "req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
+             "-out", f"{name}.csr")
+    (d / f"{name}.ext").write_text(ext)
+    _openssl(d, "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-days", days, "-extfile", f"{name}.ext", "-out", f"{name}.crt", faketime=faketime)
+    return d / f"{name}.crt", d / f"{name}.key"
+
+
+def test_a_failing_tls_handshake_stops_the_start(tmp_path: Path, bundle: Path):
+    """A CA that did not sign etcd's certificate, a certificate of etcd that does not name the host
+    dialled, and client certificates etcd refuses (another CA's, expired)."""
     tls, rogue = make_tls(tmp_path / "pki"), make_tls(tmp_path / "rogue")
-    cluster = EtcdCluster(tmp_path / "etcd-tls", members=1, tls=tls, client_cert_auth=True).start()
+    assert rogue.client_cert is not None and rogue.client_key is not None
+    assert tls.client_cert is not None and tls.client_key is not None
+    other_name = _sign(tls, "etcd-other-name", "subjectAltName=DNS:etcd.invalid\nbasicConstraints=CA:FALSE\n")
+    expired = _sign(tls, "expired-client", "extendedKeyUsage=clientAuth\nbasicConstraints=CA:FALSE\n", days="1",
+                    faketime="-10d")
+    misnamed = EtcdCluster(tmp_path / "etcd-misnamed", members=1, client_cert_auth=True,
+                           tls=TlsFiles(ca=tls.ca, cert=other_name[0], key=other_name[1]))
+    misnamed.wait_healthy = lambda timeout=30.0: None  # type: ignore[method-assign]  # etcdctl would refuse the name too
+    clusters = [EtcdCluster(tmp_path / "etcd-tls", members=1, tls=tls, client_cert_auth=True).start(), misnamed.start()]
     try:
-        assert rogue.client_cert is not None and rogue.client_key is not None
-        assert tls.client_cert is not None and tls.client_key is not None
-        for ca, cert, key in ((rogue.ca, tls.client_cert, tls.client_key),  # etcd's certificate does not verify
-                              (tls.ca, rogue.client_cert, rogue.client_key)):  # etcd refuses our certificate
+        good, misnamed = clusters
+        cases = {"another CA": (good, rogue.ca, tls.client_cert, tls.client_key),
+                 "host name not in etcd's certificate": (misnamed, tls.ca, tls.client_cert, tls.client_key),
+                 "a client certificate of another CA": (good, tls.ca, rogue.client_cert, rogue.client_key),
+                 "an expired client certificate": (good, tls.ca, *expired)}
+        for why, (cluster, ca, cert, key) in cases.items():
             r = run_allocator(",".join(cluster.urls), bundle, tmp_path, etcd_ca_file=ca, etcd_cert_file=cert,
                               etcd_key_file=key, etcd_timeout_ms=1500)
-            assert r.returncode == 2, r.stderr
-            assert "allocator: refusing to start: the TLS handshake with etcd failed" in r.stderr, r.stderr
+            assert r.returncode == 2, f"{why}: {r.stderr}"
+            assert "allocator: refusing to start: the TLS handshake with etcd failed" in r.stderr, f"{why}: {r.stderr}"
+        # the right files start it
+        a = Allocator(",".join(good.urls), bundle, tmp_path / "ok", etcd_ca_file=tls.ca,
+                      etcd_cert_file=tls.client_cert, etcd_key_file=tls.client_key)
+        try:
+            assert wait_until(lambda: _leading(a), 30)
+        finally:
+            a.stop()
     finally:
-        cluster.stop()
+        for c in clusters:
+            c.stop()
 
 
 def test_a_permission_revoked_at_runtime_is_one_line_a_503_and_a_gauge_until_granted_again(
