@@ -141,6 +141,9 @@ def test_refused_credentials_and_permissions_stop_the_start(auth_etcd: AuthEtcd,
     assert len(lines) == 1 and lines[0].startswith("allocator: refusing to start: etcd refused the allocator's "
                                                    "credentials"), r.stderr
     assert wrong not in r.stderr and "Traceback" not in r.stderr
+    # no user at all against an etcd with authentication on
+    r = run_allocator(ep, bundle, tmp_path)
+    assert r.returncode == 2 and "--etcd-user is not set" in r.stderr, r.stderr
     # a user that does not exist reads the same
     r = run_allocator(ep, bundle, tmp_path, password=wrong, etcd_user="nobody")
     assert r.returncode == 2 and "credentials" in r.stderr and wrong not in r.stderr, r.stderr
