@@ -241,7 +241,8 @@ class Election:
             return
         k = self.keys
         rev, (members, leaders, one, count) = await self.store.snapshot([k.members, k.leaders],
-                                                                         [k.leader, k.shard_count])
+                                                                         [k.leader, k.shard_count],
+                                                                         bound_s=self.session.bound_s)
         if not self._check_config(count[0] if count else None, leaders + one):
             return
         self._observe(rev, members, leaders + one)

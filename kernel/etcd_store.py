@@ -345,18 +345,21 @@ class EtcdStore:
             return
         link.metadata = (("token", resp.token),)
 
-    async def _call(self, op: str, fn: Callable[[_Link], Awaitable[T]], kind: str = "read") -> T:
+    async def _call(self, op: str, fn: Callable[[_Link], Awaitable[T]], kind: str = "read",
+                    bound_s: float | None = None) -> T:
         """``fn(link)`` on the current endpoint, bounded, moving on to the next endpoint on a
         connection failure or timeout; etcd's refusals translated to ``kernel.errors``. ``kind``
         (``read``, ``write`` or a caller's scope): which refusal in force (:attr:`refused`) the
-        outcome sets or clears."""
+        outcome sets or clears. ``bound_s``: each endpoint's attempt is given up after this long
+        (default :attr:`timeout_s`; a caller with a deadline of its own, a session's keepalive,
+        gives less, so that the next endpoint is tried in time)."""
         last = ""
         tls_failures = 0
         for _ in range(len(self.endpoints)):
             link = self._current()
             started = time.perf_counter()
             try:
-                result = await abandon_after(self._authenticated(link, fn), self.timeout_s)
+                result = await abandon_after(self._authenticated(link, fn), bound_s or self.timeout_s)
             except TimeoutError as e:
                 last = type(e).__name__
             except grpc.aio.AioRpcError as e:
@@ -451,15 +454,20 @@ class EtcdStore:
             i += step
         return out
 
-    async def snapshot(self, prefixes: Sequence[bytes], keys: Sequence[bytes] = ()) -> tuple[int, list[list[KV]]]:
+    async def snapshot(self, prefixes: Sequence[bytes], keys: Sequence[bytes] = (),
+                       bound_s: float | None = None) -> tuple[int, list[list[KV]]]:
         """Every key under each prefix, then each of ``keys``, in one read-only transaction (one
-        consistent snapshot): (its revision, one KV list per prefix and per key)."""
+        consistent snapshot): (its revision, one KV list per prefix and per key). ``bound_s`` as
+        for :meth:`lease_keepalive`."""
         txn = TxnBuilder()
         for p in prefixes:
             txn.get_range(p, prefix_range_end(p))
         for k in keys:
             txn.get(k)
-        res = await self.commit(txn)
+        async def run(link: _Link) -> Any:
+            return await link.kv.Txn(txn.request, timeout=self.timeout_s, metadata=link.metadata)
+        resp = await self._call("txn", run, "read", bound_s)
+        res = TxnResult(bool(resp.succeeded), int(resp.header.revision), resp.responses)
         return res.revision, res.ranges()
 
     async def revision(self, key: bytes) -> int:
@@ -546,8 +554,9 @@ class EtcdStore:
                                                metadata=link.metadata)
         return int((await self._call("lease_grant", run, "lease")).ID)
 
-    async def lease_keepalive(self, lease_id: int) -> int:
-        """One keepalive; the remaining TTL in seconds (0 or less: the lease is gone)."""
+    async def lease_keepalive(self, lease_id: int, bound_s: float | None = None) -> int:
+        """One keepalive; the remaining TTL in seconds (0 or less: the lease is gone). ``bound_s``:
+        the most one endpoint is waited for before the next is tried (default :attr:`timeout_s`)."""
         async def run(link: _Link) -> Any:
             call = link.lease.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
                                              timeout=self.timeout_s, metadata=link.metadata)
@@ -555,7 +564,7 @@ class EtcdStore:
                 return await call.read()
             finally:
                 call.cancel()
-        reply = await self._call("lease_keepalive", run, "keepalive")
+        reply = await self._call("lease_keepalive", run, "keepalive", bound_s)
         return 0 if reply is grpc.aio.EOF else int(reply.TTL)
 
     async def lease_revoke(self, lease_id: int) -> None:

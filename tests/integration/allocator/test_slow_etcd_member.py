@@ -1,12 +1,20 @@
-"""One etcd member that stops answering for a few seconds (SIGSTOP: a stalled disk, a GC pause, a
-hung host), under two ``python -m allocator`` replicas run with the default ``--etcd-timeout-ms``
-(2000) and ``--election-ttl-s`` (3), the member first in both replicas' endpoint lists: the
-leader's calls move on to the next member and it keeps its etcd lease, its leadership and its
-epoch (no failover for one slow member of a healthy cluster). The other test helpers run the
-allocator with a 1000 ms call bound; this one checks the defaults an operator runs."""
+"""etcd members that stop answering for a few seconds (SIGSTOP: a stalled disk, a GC pause, a hung
+host), under two ``python -m allocator`` replicas run with the default ``--etcd-timeout-ms``
+(2000) and ``--election-ttl-s`` (3). The raft leader is moved to the last member; the first two
+(followers) are paused in turn, each the member the leader talks to at that moment (its first
+endpoint, then the one it moved on to).
+
+The leader's keepalive of its etcd lease waited the whole 2 s call bound on the stalled member
+before trying the next one; its lease lives 3 s from the last keepalive etcd took, and keepalives
+go out every second, so depending on when the stall began the keepalive reached the next member
+after the lease had expired: the leader stepped down and the other replica took over — a
+failover (LeaseholdAllocatorFailover, agents' grants refused while it settled) for one slow
+follower of a healthy cluster. Now the keepalive and the election's snapshot read give each
+endpoint at most a quarter of the TTL (``allocator.session``)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -48,18 +56,30 @@ def _leader(procs: list[AllocatorProcess]) -> tuple[AllocatorProcess, int] | Non
     return None
 
 
+def _raft_leadership_to_the_last_member(cluster: EtcdCluster) -> None:
+    """The members paused are followers (a paused raft leader is another test: a raft election)."""
+    status = json.loads(cluster.etcdctl("endpoint", "status", "-w", "json"))
+    ids = [s["Status"]["header"]["member_id"] for s in status]
+    if status[0]["Status"]["leader"] != ids[-1]:
+        cluster.etcdctl("move-leader", format(ids[-1], "x"))
+    assert wait_until(lambda: json.loads(cluster.etcdctl("endpoint", "status", "-w", "json"))[0]["Status"]["leader"]
+                      == ids[-1], 10)
+
+
 def test_one_stalled_etcd_member_does_not_move_the_allocator_leadership(
         replicas: list[AllocatorProcess], fresh_etcd_cluster: EtcdCluster):
+    _raft_leadership_to_the_last_member(fresh_etcd_cluster)
     found = wait_until(lambda: _leader(replicas), 30)
     leader, epoch = found
     with httpx.Client(timeout=10) as c:
         assert c.post(f"{leader.url}/v1/leases", json=lease_body("eu-slow-000001", "p1", "eu", 1)).status_code == 200
-        time.sleep(1.5)  # a keepalive or two on the member about to stall
-        fresh_etcd_cluster.procs[0].signal(signal.SIGSTOP)
-        try:
-            time.sleep(PAUSE_S)
-        finally:
-            fresh_etcd_cluster.procs[0].signal(signal.SIGCONT)
+        for member in (0, 1):
+            time.sleep(1.3)  # a keepalive or two on the member about to stall
+            fresh_etcd_cluster.procs[member].signal(signal.SIGSTOP)
+            try:
+                time.sleep(PAUSE_S)
+            finally:
+                fresh_etcd_cluster.procs[member].signal(signal.SIGCONT)
         time.sleep(1.0)
         now = _leader(replicas)
         assert now is not None and now[0] is leader and now[1] == epoch, (
