@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     log_config = configure(settings.log_level, settings.log_format)
     from kernel.httpserver import quiet_request_logs, serve
 
-    from .app import create_app
+    from .app import create_app, etcd_refusal
 
     try:
         app = create_app(settings, install_signal_handlers=True)
@@ -36,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"allocator: {e.detail}", file=sys.stderr)
         for err in e.errors:
             print(f"  - {err}", file=sys.stderr)
+        return 2
+    import asyncio
+
+    refusal = asyncio.run(etcd_refusal(settings))  # its credentials, its role's permissions, TLS
+    if refusal is not None:
+        print(f"allocator: {refusal}", file=sys.stderr)
         return 2
     quiet_request_logs(settings.log_level)
     serve(app, host=settings.host, port=settings.port, limits=settings.http_limits(), log_level=settings.log_level,

@@ -24,8 +24,8 @@ from litestar.params import FromPath, FromQuery, JSONBody
 from kernel import tracing
 from kernel.auth import SCOPE_KEY, RegionAuth, TokenTable, require_region
 from kernel.bundle import Bundle, load_bundle_file
-from kernel.errors import BadRequest, Unavailable, ValidationFailed
-from kernel.etcd_store import EtcdStore
+from kernel.errors import BadRequest, LeaseholdError, Unavailable, ValidationFailed
+from kernel.etcd_store import EtcdRefused, EtcdStore, TxnBuilder, prefix_range_end
 from kernel.http_errors import exception_handlers, problem_response
 from kernel.ids import LEASE_ID, LEASE_ID_RE, REGION, REGION_RE, human
 from kernel.jsonbody import StrictJSONRequest
@@ -241,12 +241,19 @@ def _role(election: Election) -> str:
 @get("/v1/health/store", media_type=MediaType.JSON)
 async def store_health(state: State) -> Response[Any]:
     """200 while etcd answers and this replica knows its role, else 503 (grants are then refused
-    as retriable and the agents spend their fallback allowances). For monitoring, not a probe."""
+    as retriable and the agents spend their fallback allowances): ``etcd`` is ``unreachable``, or
+    ``refusing`` with ``refused`` naming per kind of call (``read``, ``write``, ``lease``,
+    ``keepalive``, ``grants``: the grant and usage transactions) the cause etcd refuses it for (``auth``, ``permission``, ``nospace``, ``tls``). For monitoring, not a probe."""
     election: Election | None = state.get("election")
     if election is None:
         return problem_response(Unavailable("etcd not connected yet"))
-    body = {"etcd": "reachable" if election.etcd_ok else "unreachable", "role": _role(election),
-            "epoch": election.leader.epoch}
+    refused = {kind: e.cause for kind, e in election.store.refused.items()}
+    body: dict[str, Any] = {"etcd": "reachable" if election.etcd_ok else "unreachable", "role": _role(election),
+                            "epoch": election.leader.epoch}
+    if refused:  # etcd answers but refuses this replica's reads or writes: no grant commits
+        body |= {"etcd": "refusing", "refused": refused}
+        causes = "; ".join(f"{kind} calls: {EtcdRefused.CAUSES[c]}" for kind, c in sorted(refused.items()))
+        return problem_response(Unavailable(f"etcd refuses this replica's {causes}", extra=body))
     if not (election.etcd_ok and election.role_known):
         return problem_response(Unavailable("etcd unreachable or role unknown", extra=body))
     return Response(content=body, media_type=MediaType.JSON)
@@ -292,6 +299,53 @@ def etcd_credentials(settings: AllocatorSettings) -> dict[str, Any]:
     return {**out, "user": settings.etcd_user, "password": password or ""}
 
 
+# what each refusal at start asks the operator to check (EtcdRefused.cause)
+_START_REFUSALS = {
+    "auth": "etcd refused the allocator's credentials (authentication failed for user {user}): check --etcd-user "
+            "and its password (LEASEHOLD_ALLOCATOR_ETCD_PASSWORD or --etcd-password-file), and that the user exists "
+            "(deploy/etcd/leasehold-roles.sh creates it)",
+    "permission": "etcd denied a permission the allocator needs (user {user}): its role must readwrite pools/, "
+                  "grants/, members/, leader (prefix), shards and compaction and read policy/ under {prefix} "
+                  "(deploy/etcd/leasehold-roles.sh grants them)",
+    "tls": "the TLS handshake with etcd failed on every endpoint: etcd's certificate must verify against "
+           "--etcd-ca-file and name the endpoint's host, and etcd must accept --etcd-cert-file (signed by its "
+           "--trusted-ca-file, not expired)",
+}
+
+
+async def etcd_refusal(settings: AllocatorSettings) -> str | None:
+    """Why the allocator must not start on its etcd — the credentials, a permission of its role or
+    the TLS handshake refused (:class:`kernel.etcd_store.EtcdRefused`) — asked once before the
+    server starts, so that ``python -m allocator`` refuses with one line (no credential in it) and
+    exit code 2 like its other refusals. Every permission the allocator uses is checked by one
+    transaction that can never apply (its compare is never true; etcd checks the permissions of
+    both branches first). None when there is nothing to refuse, also when etcd does not answer now
+    or refuses writes for lack of space (NOSPACE): the allocator then starts, and says so."""
+    store = EtcdStore(settings.etcd, timeout_s=settings.etcd_timeout_ms / 1000, report_refusals=False,
+                      **etcd_credentials(settings))
+    keys = Keys(settings.prefix, settings.shards)
+    probe = TxnBuilder()
+    probe.created_at(keys.member(settings.node_id), -1)  # never true: nothing below is applied
+    probe.put_many((k, b"", 0) for k in (keys.member(settings.node_id), keys.leader, keys.leaders + b"0",
+                                          keys.shard_count, keys.compaction, keys.window("access-check", 0),
+                                          keys.grant("access-check", "access-check")))
+    probe.get_range(keys.pools, prefix_range_end(keys.pools))
+    probe.get_range(keys.grants, prefix_range_end(keys.grants))
+    probe.get(f"{settings.prefix}policy/current".encode())
+    try:
+        await store.commit(probe)
+    except EtcdRefused as e:
+        if e.cause == "nospace":
+            return None
+        user = settings.etcd_user or "(none: --etcd-user is not set, and etcd's authentication is on)"
+        return "refusing to start: " + _START_REFUSALS[e.cause].format(user=user, prefix=settings.prefix)
+    except LeaseholdError:
+        return None  # not answering now: the start goes on, the election says when it answers
+    finally:
+        await store.close()
+    return None
+
+
 def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
                clock: Callable[[], int] = wall_ms, auth_guard: Guard | None = None,
                fast_path: bool = True, install_signal_handlers: bool = False) -> Litestar:
@@ -315,6 +369,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         election = Election(Session(store, settings.election_ttl_s), keys, node_id=settings.node_id,
                             url=settings.url, drain=open_writes.drain, on_change=m.on_leadership)
         m.follow_election(election)
+        m.follow_store(store)
         writer = Writer(store, election, bundle.pools, keys=keys, open_writes=open_writes, metrics=m, clock=clock)
         app.state.writer, app.state.election = writer, election
         writer.start()

@@ -42,7 +42,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from kernel.errors import LeaseholdError, NotLeader
-from kernel.etcd_store import KV, TxnBuilder
+from kernel.etcd_store import KV, EtcdRefused, TxnBuilder
 from kernel.shards import SHARD_HASH, shard_of
 from kernel.wire import ReplicaInfo, ShardedLeaderInfo, ShardLeader, ShardMap
 
@@ -221,7 +221,8 @@ class Election:
 
     def _round_failed(self, e: LeaseholdError) -> None:
         now = time.monotonic()
-        if now - self._last_error_log >= ERROR_LOG_EVERY_S:
+        # (a refusal is a state the etcd adapter logs once when it starts and once when it ends)
+        if not isinstance(e, EtcdRefused) and now - self._last_error_log >= ERROR_LOG_EVERY_S:
             self._last_error_log = now
             log.warning("node %s: election round failed (%s): %s", self.node_id, type(e).__name__, e.detail)
         if self.session.failed(e):
@@ -240,7 +241,8 @@ class Election:
             return
         k = self.keys
         rev, (members, leaders, one, count) = await self.store.snapshot([k.members, k.leaders],
-                                                                         [k.leader, k.shard_count])
+                                                                         [k.leader, k.shard_count],
+                                                                         bound_s=self.session.bound_s)
         if not self._check_config(count[0] if count else None, leaders + one):
             return
         self._observe(rev, members, leaders + one)

@@ -20,6 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kernel.build_info import BuildInfo
 from kernel.bundle import Pool
+from kernel.etcd_store import EtcdRefused, EtcdStore
 from kernel.metrics_exposition import standard_collectors
 from kernel.policy_metrics import policy_metrics
 from kernel.wire import WindowRef
@@ -124,6 +125,9 @@ class AllocatorMetrics:
         self.pool_fallback = Gauge("leasehold_allocator_pool_fallback_per_region_tokens",
                                    "A pool's fallback allowance per region and window (the overshoot term)",
                                    ["pool"], registry=r)
+        self.etcd_refused = Gauge("leasehold_allocator_etcd_refused",
+                                  "1 while etcd refuses this replica's last read or write for this cause "
+                                  "(auth, permission, nospace, tls)", ["cause"], registry=r)
         self.compactions = Counter("leasehold_allocator_etcd_compactions_total",
                                    "etcd history compactions done by this replica", registry=r)
         self.compacted_revision = Gauge("leasehold_allocator_etcd_compacted_revision",
@@ -168,6 +172,15 @@ class AllocatorMetrics:
         self.shards_led.set_function(lambda: float(len(election.led)))
         self.shards.set(election.shards)
         self.epoch.set_function(lambda: float(election.leader.epoch or 0))
+
+    def follow_store(self, store: EtcdStore) -> None:
+        """``leasehold_allocator_etcd_refused{cause}`` reads the store's refusals in force at scrape
+        time; every cause is exported (0) from the start, so an alert needs no series to appear."""
+        def refusing(cause: str) -> Callable[[], float]:
+            return lambda: 1.0 if any(e.cause == cause for e in store.refused.values()) else 0.0
+
+        for cause in EtcdRefused.CAUSES:
+            self.etcd_refused.labels(cause).set_function(refusing(cause))
 
     def on_leadership(self, event: str, shard: int, epoch: int | None) -> None:
         """The election's events: this replica ``acquired`` or ``released`` a shard, or shard 0's

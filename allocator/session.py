@@ -36,6 +36,12 @@ class Session:
         self._lost: int | None = None  # a lease given up on: revoked when etcd answers again
         self._last_refresh = 0.0  # when the last keepalive (or the grant) was sent
         self._last_ok = 0.0  # when etcd last confirmed the lease
+        # the most one etcd endpoint is waited for in a keepalive (and the election's snapshot read)
+        # before the next is tried: the lease lives ttl_s from the last keepalive etcd took, and the
+        # next one is sent ttl_s/3 after it, so a member that stalls must be left within what is
+        # left. With the whole --etcd-timeout-ms (2 s by default against a 3 s TTL) a stalled
+        # member let the lease expire and moved the leadership
+        self.bound_s = min(store.timeout_s, self.ttl_s / 4)
 
     @property
     def fresh(self) -> bool:
@@ -57,7 +63,7 @@ class Session:
             return self.etcd_lease
         if now - self._last_refresh >= self.ttl_s / 3:  # retried every round until it succeeds
             try:
-                ttl = await self.store.lease_keepalive(self.etcd_lease)
+                ttl = await self.store.lease_keepalive(self.etcd_lease, self.bound_s)
             except EtcdLeaseMissing:
                 ttl = 0
             if ttl <= 0:

@@ -41,7 +41,8 @@ class AllocatorSettings(ServingSettings, forbid_unknown_fields=True, frozen=True
         "etcd user (role limited to --prefix); its password from LEASEHOLD_ALLOCATOR_ETCD_PASSWORD "
         "or --etcd-password-file")] = None
     etcd_password_file: Annotated[str | None, Help(
-        "file holding --etcd-user's password (LEASEHOLD_ALLOCATOR_ETCD_PASSWORD wins)", kind="file")] = None
+        "file holding --etcd-user's password (LEASEHOLD_ALLOCATOR_ETCD_PASSWORD wins)", kind="file",
+        requires=("etcd_user",))] = None
     etcd_ca_file: Annotated[str | None, Help(
         "TLS to etcd: the CA (PEM) that signed etcd's certificate; implies TLS", kind="file",
         default="grpc's public roots for https://")] = None

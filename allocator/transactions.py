@@ -205,7 +205,7 @@ class TransactionLoop:
         queued again split; None: the records' etcd lease was lost (build again); False: a
         compare failed (the windows dropped, counted): find out which."""
         try:
-            res = await self.store.commit(txn)
+            res = await self.store.commit(txn, scope="grants")  # (grants and usage reports)
         except EtcdLeaseMissing:
             self.cache.drop(a.wks)
             self.cache.expiry_leases.forget()

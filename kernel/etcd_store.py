@@ -13,15 +13,21 @@ What it adds to the raw API:
 
 * **endpoints**: the comma-separated list is used one endpoint at a time; a call that fails
   with a connection error or a timeout moves on to the next (each call tries every endpoint at
-  most once). A write retried on another endpoint after an ambiguous failure is safe here
-  because every write Leasehold makes is a compare-and-swap transaction.
+  most once), logged at most once per endpoint every ``ENDPOINT_LOG_EVERY_S``. A write retried
+  on another endpoint after an ambiguous failure is safe here because every write Leasehold
+  makes is a compare-and-swap transaction.
 * **a bound on every call** (``timeout_s``), given up on without waiting for the cancelled call
   (:func:`abandon_after`).
 * **authentication**: with a user, the token from etcd's ``Authenticate`` on every call; an
   expired token is renewed once and the call repeated.
 * **errors** translated to ``kernel.errors`` at this boundary: :class:`EtcdLeaseMissing`,
-  :class:`EtcdTxnTooLarge`, :class:`RevisionCompacted`, ``StoreUnavailable`` (no endpoint
-  answered), ``Unavailable`` (anything else etcd refused).
+  :class:`EtcdTxnTooLarge`, :class:`RevisionCompacted`, :class:`EtcdRefused` (etcd answers but
+  refuses the client as it is set up: credentials, a permission of its role, the NOSPACE alarm,
+  TLS), ``StoreUnavailable`` (no endpoint answered), ``Unavailable`` (anything else etcd refused).
+* **refusals in force** (:attr:`EtcdStore.refused`): per kind of call (read, write, etcd lease,
+  keepalive, or a caller's scope) the :class:`EtcdRefused` of its last refused call, logged once
+  when it starts and once when a call of its kind is accepted again — a refusal lasts until an
+  operator acts, so it is a state, not a line per call.
 * **transactions** as the protobuf ``TxnRequest`` itself (:class:`TxnBuilder`, one ``add`` per
   compare or op; sent with one call, :meth:`EtcdStore.commit`): the allocator's hot path.
 """
@@ -41,6 +47,7 @@ from aetcd import rpc  # the generated etcdserverpb code (messages and stubs), n
 
 from .errors import LeaseholdError, StoreUnavailable, Unavailable
 from .etcd_endpoints import endpoints_scheme, parse_endpoints
+from .ratelog import KeyedLog
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,8 +74,27 @@ _NEXT_ENDPOINT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLIN
 _TOO_MANY_OPS = ("too many operations in txn request", "ops in one branch")
 _TOO_LARGE = (*_TOO_MANY_OPS, "request is too large", "larger than max")
 _COMPACTED = "required revision has been compacted"
+# at most one "trying the next endpoint" line per endpoint this often (the next says how many were
+# not written): an outage fails every call of every election round, four a second
+ENDPOINT_LOG_EVERY_S = 10.0
 _LEASE_MISSING = "lease not found"
 _TOKEN_EXPIRED = "invalid auth token"
+_AUTH_NOT_ENABLED = "authentication is not enabled"
+_REAUTHENTICATE = (_TOKEN_EXPIRED, "user name not found", "revision of auth store is old")
+# what etcd (3.4/3.5) answers when it refuses the client as it is set up (EtcdRefused causes)
+_REFUSALS = (
+    (grpc.StatusCode.INVALID_ARGUMENT, ("authentication failed", "user name not found", "invalid auth token",
+                                        "user name is empty"), "auth"),
+    (grpc.StatusCode.FAILED_PRECONDITION, ("authentication failed", "invalid auth token"), "auth"),
+    (grpc.StatusCode.UNAUTHENTICATED, ("",), "auth"),
+    (grpc.StatusCode.PERMISSION_DENIED, ("",), "permission"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, ("database space exceeded",), "nospace"),
+)
+# grpc's words for a TLS handshake that failed: etcd's certificate did not verify (CA, expiry;
+# a host name it does not name is grpc's separate "Hostname Verification Check"), or etcd refused ours (no certificate, another CA's, expired: the connection is torn
+# down mid-handshake, which grpc reports as an unwrap failure)
+_TLS_FAILURE = ("handshake failed", "Unwrap failed", "TSI_", "CERTIFICATE_VERIFY_FAILED",
+                "Hostname Verification Check failed", "verification check failed")
 
 
 class EtcdLeaseMissing(StoreUnavailable):
@@ -95,6 +121,38 @@ class RevisionCompacted(Unavailable):
     then already done)."""
 
     title = "etcd revision compacted"
+
+
+class EtcdRefused(Unavailable):
+    """etcd answers but refuses this client as it is set up, not this call: ``cause`` ``auth``
+    (the user or password is wrong, or the user was deleted), ``permission`` (the user's role lacks
+    a permission the call needs), ``nospace`` (the NOSPACE alarm: the database reached
+    ``--quota-backend-bytes`` and etcd refuses every write until an operator compacts, defrags and
+    disarms it) or ``tls`` (the TLS handshake failed on every endpoint: etcd's certificate did not
+    verify against the CA given, or etcd refused the client certificate). Nothing was applied.
+    It lasts until an operator acts: retriable for the caller (a 503), a deployment error at a
+    start (the allocator refuses to start on ``auth``, ``permission`` and ``tls``)."""
+
+    code, title = "store-refused", "etcd refused the call"
+
+    CAUSES = {"auth": "the etcd user or password was refused (authentication failed)",
+              "permission": "permission denied: the etcd user's role lacks a permission this call needs",
+              "nospace": "NOSPACE: the etcd database is over its --quota-backend-bytes (alarm raised); "
+                         "etcd refuses every write",
+              "tls": "the TLS handshake with etcd failed (its certificate did not verify against the CA given, "
+                     "or it refused the client certificate)"}
+
+    def __init__(self, op: str, cause: str):
+        super().__init__(f"etcd {op} refused: {self.CAUSES[cause]}", extra={"cause": cause})
+        self.op = op
+        self.cause = cause
+
+
+class EtcdHandshakeRefused(EtcdRefused, StoreUnavailable):
+    """:class:`EtcdRefused` for its ``tls`` cause: no connection was made, so it is also what a
+    caller treats as etcd not reached (the CLI's connect failure, exit 5)."""
+
+    code, title = EtcdRefused.code, EtcdRefused.title
 
 
 class CallInterrupted(TimeoutError):
@@ -219,7 +277,8 @@ class EtcdStore:
     def __init__(self, endpoints: str | Sequence[str], *, timeout_s: float = 2.0,
                  observe: Callable[[str, float], None] | None = None,
                  user: str | None = None, password: str | None = None,
-                 tls: grpc.ChannelCredentials | None = None, max_txn_ops: int | None = None):
+                 tls: grpc.ChannelCredentials | None = None, max_txn_ops: int | None = None,
+                 report_refusals: bool = True):
         self.endpoints = parse_endpoints(endpoints)
         scheme = endpoints_scheme(endpoints)
         if tls is not None and scheme == "http":
@@ -235,6 +294,15 @@ class EtcdStore:
         self._idx = 0
         self._link: _Link | None = None
         self._lock = asyncio.Lock()
+        # the refusal in force per kind of call ("read", "write", "lease" (grant, revoke),
+        # "keepalive", or a scope a caller names in commit): set by a refused call, cleared by an
+        # accepted one of the same kind. Kinds, because etcd refuses them apart: a NOSPACE alarm
+        # refuses writes and lease grants while reads and keepalives pass, keepalives need no
+        # permission, and a role may lose one key space's permission and keep the others'
+        # (docs/decisions/0065-etcd-refusals-are-a-state-and-stop-the-start.md)
+        self.refused: dict[str, EtcdRefused] = {}
+        self._report_refusals = report_refusals  # False: a caller that reports them itself (a start check)
+        self._endpoint_log = KeyedLog(log, interval_s=ENDPOINT_LOG_EVERY_S, max_keys=64)
 
     # -- endpoints ----------------------------------------------------------------------------
     def _current(self) -> _Link:
@@ -265,32 +333,72 @@ class EtcdStore:
     async def _authenticate(self, link: _Link) -> None:
         assert self._user is not None
         name, password = self._user
-        resp = await link.auth.Authenticate(rpc.AuthenticateRequest(name=name, password=password),
-                                            timeout=self.timeout_s)
+        try:
+            resp = await link.auth.Authenticate(rpc.AuthenticateRequest(name=name, password=password),
+                                                timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if _AUTH_NOT_ENABLED not in (e.details() or ""):
+                raise
+            # etcd runs without authentication (as etcd's own client does: the calls go without a
+            # token); it is turned on later by the roles script, then the token is fetched
+            link.metadata = ()
+            return
         link.metadata = (("token", resp.token),)
 
-    async def _call(self, op: str, fn: Callable[[_Link], Awaitable[T]]) -> T:
+    async def _call(self, op: str, fn: Callable[[_Link], Awaitable[T]], kind: str = "read",
+                    bound_s: float | None = None) -> T:
         """``fn(link)`` on the current endpoint, bounded, moving on to the next endpoint on a
-        connection failure or timeout; etcd's refusals translated to ``kernel.errors``."""
+        connection failure or timeout; etcd's refusals translated to ``kernel.errors``. ``kind``
+        (``read``, ``write`` or a caller's scope): which refusal in force (:attr:`refused`) the
+        outcome sets or clears. ``bound_s``: each endpoint's attempt is given up after this long
+        (default :attr:`timeout_s`; a caller with a deadline of its own, a session's keepalive,
+        gives less, so that the next endpoint is tried in time)."""
         last = ""
+        tls_failures = 0
         for _ in range(len(self.endpoints)):
             link = self._current()
             started = time.perf_counter()
             try:
-                return await abandon_after(self._authenticated(link, fn), self.timeout_s)
+                result = await abandon_after(self._authenticated(link, fn), bound_s or self.timeout_s)
             except TimeoutError as e:
                 last = type(e).__name__
             except grpc.aio.AioRpcError as e:
                 code, detail = e.code(), e.details() or ""
                 if code not in _NEXT_ENDPOINT:
-                    raise _refusal(op, code, detail) from None
+                    raise self._refusal(op, kind, code, detail) from None
                 last = f"{code.name}: {detail[:200]}"
+                tls_failures += any(m in detail for m in _TLS_FAILURE)
+            else:
+                if kind in self.refused:
+                    self._accepted(kind)
+                return result
             finally:
                 if self._observe is not None:
                     self._observe(op, time.perf_counter() - started)
-            log.warning("etcd %s failed on %s (%s); trying the next endpoint", op, link.name, last)
+            self._endpoint_log.log(link.name, logging.WARNING,
+                                   f"etcd {op} failed on {link.name} ({last}); trying the next endpoint")
             await self._next_endpoint(link)
+        if tls_failures == len(self.endpoints):  # every endpoint answered, and refused the handshake
+            raise self._refused(kind, EtcdHandshakeRefused(op, "tls"))
         raise StoreUnavailable(f"etcd unreachable ({op}: {last.split(':')[0]} on all {len(self.endpoints)} endpoints)")
+
+    def _refusal(self, op: str, kind: str, code: grpc.StatusCode, detail: str) -> LeaseholdError:
+        err = _refusal(op, code, detail)
+        return self._refused(kind, err) if isinstance(err, EtcdRefused) else err
+
+    def _refused(self, kind: str, err: EtcdRefused) -> EtcdRefused:
+        """Note a refusal of a ``kind`` of call; logged when it starts (or its cause changes)."""
+        before = self.refused.get(kind)
+        if self._report_refusals and (before is None or before.cause != err.cause):
+            log.error("etcd refuses this client's %s calls (%s: first refused: %s); %s", kind, err.cause, err.op,
+                      EtcdRefused.CAUSES[err.cause])
+        self.refused[kind] = err
+        return err
+
+    def _accepted(self, kind: str) -> None:
+        gone = self.refused.pop(kind, None)
+        if gone is not None and self._report_refusals:
+            log.warning("etcd accepts this client's %s calls again (refused until now: %s)", kind, gone.cause)
 
     async def _authenticated(self, link: _Link, fn: Callable[[_Link], Awaitable[T]]) -> T:
         if self._user is None:
@@ -300,7 +408,12 @@ class EtcdStore:
         try:
             return await fn(link)
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.UNAUTHENTICATED or _TOKEN_EXPIRED not in (e.details() or ""):
+            detail = e.details() or ""
+            # a new token is asked for once when the one held expired (or etcd restarted: simple
+            # tokens live in its memory), the user was re-created, etcd's auth store changed under
+            # it, or authentication was turned on after this link found it off
+            expired = any(m in detail for m in _REAUTHENTICATE) or (not link.metadata and "user name is empty" in detail)
+            if e.code() not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT) or not expired:
                 raise
         await self._authenticate(link)  # the token expired: a new one, and the call once more
         return await fn(link)
@@ -341,15 +454,20 @@ class EtcdStore:
             i += step
         return out
 
-    async def snapshot(self, prefixes: Sequence[bytes], keys: Sequence[bytes] = ()) -> tuple[int, list[list[KV]]]:
+    async def snapshot(self, prefixes: Sequence[bytes], keys: Sequence[bytes] = (),
+                       bound_s: float | None = None) -> tuple[int, list[list[KV]]]:
         """Every key under each prefix, then each of ``keys``, in one read-only transaction (one
-        consistent snapshot): (its revision, one KV list per prefix and per key)."""
+        consistent snapshot): (its revision, one KV list per prefix and per key). ``bound_s`` as
+        for :meth:`lease_keepalive`."""
         txn = TxnBuilder()
         for p in prefixes:
             txn.get_range(p, prefix_range_end(p))
         for k in keys:
             txn.get(k)
-        res = await self.commit(txn)
+        async def run(link: _Link) -> Any:
+            return await link.kv.Txn(txn.request, timeout=self.timeout_s, metadata=link.metadata)
+        resp = await self._call("txn", run, "read", bound_s)
+        res = TxnResult(bool(resp.succeeded), int(resp.header.revision), resp.responses)
         return res.revision, res.ranges()
 
     async def revision(self, key: bytes) -> int:
@@ -359,17 +477,19 @@ class EtcdStore:
         return (await self.commit(txn)).revision
 
     # -- transactions -------------------------------------------------------------------------
-    async def commit(self, txn: TxnBuilder) -> TxnResult:
+    async def commit(self, txn: TxnBuilder, scope: str | None = None) -> TxnResult:
         """Send one transaction built with :class:`TxnBuilder`: one call of the KV stub. A
         transaction refused for its size raises :class:`EtcdTxnTooLarge` after lowering
         :attr:`max_txn_ops` (halved, not below etcd's default 128); one above the known limit
-        raises it without being sent."""
+        raises it without being sent. ``scope``: under which name a refusal of it is kept in
+        :attr:`refused` (default ``write`` or ``read``), cleared by the next accepted call of that
+        scope — a role may lack the permission of one key space and keep the others'."""
         request = txn.request
         biggest = max(len(request.compare), len(request.success), len(request.failure))
         if biggest > self.max_txn_ops:  # e.g. built before a refusal lowered the limit: not sent
             raise EtcdTxnTooLarge(f"txn has {biggest} ops in one branch (this etcd allows {self.max_txn_ops})")
         try:
-            resp = await self._send_txn(request)
+            resp = await self._send_txn(request, scope)
         except EtcdTxnTooLarge as e:
             if e.bytes_limit:
                 raise  # the caller sends fewer bytes
@@ -389,10 +509,10 @@ class EtcdStore:
         txn.put(key, value, lease)
         return (await self.commit(txn)).revision
 
-    async def _send_txn(self, request: Any) -> Any:
+    async def _send_txn(self, request: Any, scope: str | None = None) -> Any:
         async def run(link: _Link) -> Any:
             return await link.kv.Txn(request, timeout=self.timeout_s, metadata=link.metadata)
-        return await self._call("txn", run)
+        return await self._call("txn", run, scope or ("write" if _writes(request) else "read"))
 
     async def discover_max_txn_ops(self, probe_key: bytes, cap: int = TXN_OPS_PROBE[0]) -> int:
         """Ask the cluster how many ops a transaction may carry: read-only transactions of
@@ -421,7 +541,7 @@ class EtcdStore:
             return await link.kv.Compact(rpc.CompactionRequest(revision=revision), timeout=self.timeout_s,
                                          metadata=link.metadata)
         try:
-            await self._call("compact", run)
+            await self._call("compact", run, "write")
         except RevisionCompacted:
             return False
         return True
@@ -432,10 +552,11 @@ class EtcdStore:
         async def run(link: _Link) -> Any:
             return await link.lease.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl_s), timeout=self.timeout_s,
                                                metadata=link.metadata)
-        return int((await self._call("lease_grant", run)).ID)
+        return int((await self._call("lease_grant", run, "lease")).ID)
 
-    async def lease_keepalive(self, lease_id: int) -> int:
-        """One keepalive; the remaining TTL in seconds (0 or less: the lease is gone)."""
+    async def lease_keepalive(self, lease_id: int, bound_s: float | None = None) -> int:
+        """One keepalive; the remaining TTL in seconds (0 or less: the lease is gone). ``bound_s``:
+        the most one endpoint is waited for before the next is tried (default :attr:`timeout_s`)."""
         async def run(link: _Link) -> Any:
             call = link.lease.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
                                              timeout=self.timeout_s, metadata=link.metadata)
@@ -443,7 +564,7 @@ class EtcdStore:
                 return await call.read()
             finally:
                 call.cancel()
-        reply = await self._call("lease_keepalive", run)
+        reply = await self._call("lease_keepalive", run, "keepalive", bound_s)
         return 0 if reply is grpc.aio.EOF else int(reply.TTL)
 
     async def lease_revoke(self, lease_id: int) -> None:
@@ -451,7 +572,7 @@ class EtcdStore:
         async def run(link: _Link) -> Any:
             return await link.lease.LeaseRevoke(rpc.LeaseRevokeRequest(ID=lease_id), timeout=self.timeout_s,
                                                 metadata=link.metadata)
-        await self._call("lease_revoke", run)
+        await self._call("lease_revoke", run, "lease")
 
     # -- watches --------------------------------------------------------------------------------
     async def watch(self, key: bytes, range_end: bytes = b"") -> Watch:
@@ -468,6 +589,12 @@ class EtcdStore:
         return await self._call("watch", run)
 
 
+def _writes(request: Any) -> bool:
+    """Whether a transaction writes (a put or delete in either branch): etcd's NOSPACE alarm and a
+    role's read-only permission refuse those and pass read-only ones."""
+    return any(not op.HasField("request_range") for branch in (request.success, request.failure) for op in branch)
+
+
 def _refusal(op: str, code: grpc.StatusCode, detail: str) -> LeaseholdError:
     """What an etcd refusal (a status the next endpoint would give too) means to the caller."""
     if _LEASE_MISSING in detail:
@@ -476,7 +603,10 @@ def _refusal(op: str, code: grpc.StatusCode, detail: str) -> LeaseholdError:
         return EtcdTxnTooLarge(f"etcd {op} refused: {detail[:160]}")
     if _COMPACTED in detail:
         return RevisionCompacted(f"etcd {op}: {_COMPACTED}")
-    return Unavailable(f"etcd {op} failed: {code.name}")
+    for status, words, cause in _REFUSALS:
+        if code == status and any(w in detail for w in words):
+            return EtcdRefused(op, cause)
+    return Unavailable(f"etcd {op} failed: {code.name}: {detail[:120]}")
 
 
 _EQUAL = rpc.Compare.EQUAL

@@ -23,8 +23,19 @@ from kernel.errors import LeaseholdError
 
 from .etcd_store import abandon_after
 from .policy_store import PolicyStore
+from .ratelog import TransitionLog
 
 log = logging.getLogger(__name__)
+
+
+READS_LOG_EVERY_S = 10.0
+
+
+def _read_line(state: object, changes: int) -> tuple[int, str]:
+    more = f" ({changes} changes since the last line)" if changes > 1 else ""
+    if state == "ok":
+        return logging.WARNING, f"policy read from etcd again{more}"
+    return logging.WARNING, f"policy read from etcd failed ({state}); keeping the current bundle until it answers{more}"
 
 
 class PolicyWatcher:
@@ -45,6 +56,10 @@ class PolicyWatcher:
         self._seen_revision = (0, 0)  # mod_revisions of the policy and canary values last handed on
         self._tasks: list[asyncio.Task[None]] = []
         self._lock = asyncio.Lock()
+        # one line when reads start failing (or fail for another reason) and one when they succeed
+        # again, at most one per READS_LOG_EVERY_S: a line per failed read was one every re-read
+        # (and watch reconnect) for the whole of an etcd outage
+        self._reads = TransitionLog(log, initial="ok", interval_s=READS_LOG_EVERY_S, clock=time.monotonic)
 
     # -- one read -------------------------------------------------------------------------------
     async def refresh(self) -> bool:
@@ -58,8 +73,9 @@ class PolicyWatcher:
                     stored, canary = await self.store.read(), None
             except LeaseholdError as e:
                 self.reads_failed += 1
-                log.warning("policy read from etcd failed (%s); keeping the current bundle", e.code)
+                self._reads.observe(e.code, _read_line)
                 return False
+            self._reads.observe("ok", _read_line)
             self.last_ok = self.clock()
             self.reads_ok += 1
             seen = (stored.mod_revision if stored else 0, canary.mod_revision if canary else 0)

@@ -119,8 +119,8 @@ class AllocatorProcess:
         self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
         args = allocator_command(etcd=cluster.endpoints, policy=bundle, node_id=node_id, host=LOOPBACK, port=self.port,
-                                 prefix=prefix, election_ttl_s=election_ttl_s, etcd_timeout_ms=1000, log_level="info",
-                                 **(settings or {}))
+                                 prefix=prefix, election_ttl_s=election_ttl_s,
+                                 **{"etcd_timeout_ms": 1000, "log_level": "info", **(settings or {})})
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = Proc(f"allocator-{node_id}", args, workdir / node_id, env=env)
         self.node_id = node_id

@@ -47,6 +47,16 @@ def test_region_authentication_without_a_region_token_is_refused_at_start(tmp_pa
                     env={}).auth_disabled
 
 
+def test_an_etcd_password_file_without_an_etcd_user_is_refused(tmp_path) -> None:
+    """A password file alone was ignored: the allocator called etcd without a user, and an etcd
+    with authentication on refused it at every call."""
+    pw = tmp_path / "etcd-allocator.password"
+    pw.write_text("secret\n")
+    with pytest.raises(ConfigError, match="--etcd-password-file needs --etcd-user"):
+        load([*BASE, "--etcd-password-file", str(pw)], env={})
+    assert load([*BASE, "--etcd-password-file", str(pw), "--etcd-user", "allocator"], env={}).etcd_user == "allocator"
+
+
 def test_missing_required_setting() -> None:
     with pytest.raises(ConfigError, match="etcd|policy|node_id"):
         load(["--policy", "b.json"], env={})

@@ -97,3 +97,40 @@ def test_only_the_adapter_imports_aetcd_and_it_takes_only_the_generated_code():
     source = inspect.getsource(etcd_store)
     assert "from aetcd import rpc" in source and "aetcd." not in source.replace("aetcd.rpc", "")
     assert "aetcd" not in inspect.getsource(etcd_tls)
+
+
+def test_etcds_refusals_are_typed_by_cause():
+    """The words etcd 3.4/3.5 answers with (seen against a real etcd in
+    tests/integration/allocator/test_etcd_refusals.py) map to one EtcdRefused cause each; other
+    statuses stay a plain Unavailable."""
+    from kernel.errors import Unavailable
+    from kernel.etcd_store import EtcdRefused, _refusal
+
+    code = grpc.StatusCode
+    cases = {(code.INVALID_ARGUMENT, "etcdserver: authentication failed, invalid user ID or password"): "auth",
+             (code.INVALID_ARGUMENT, "etcdserver: user name not found"): "auth",
+             (code.INVALID_ARGUMENT, "etcdserver: user name is empty"): "auth",
+             (code.UNAUTHENTICATED, "etcdserver: invalid auth token"): "auth",
+             (code.PERMISSION_DENIED, "etcdserver: permission denied"): "permission",
+             (code.RESOURCE_EXHAUSTED, "etcdserver: mvcc: database space exceeded"): "nospace"}
+    for (status, detail), cause in cases.items():
+        err = _refusal("txn", status, detail)
+        assert isinstance(err, EtcdRefused) and err.cause == cause and err.retriable, (detail, err)
+    other = _refusal("txn", code.INVALID_ARGUMENT, "etcdserver: duplicate key given in txn request")
+    assert type(other) is Unavailable and "duplicate key" in other.detail
+
+
+def test_a_transaction_writes_when_either_branch_puts_or_deletes():
+    from kernel.etcd_store import _writes
+
+    reads = TxnBuilder()
+    reads.get(b"/a")
+    reads.get_range(b"/p/", prefix_range_end(b"/p/"))
+    assert not _writes(reads.request)
+    failing_put = TxnBuilder()
+    failing_put.get(b"/a")
+    failing_put.put(b"/a", b"x", failure=True)
+    assert _writes(failing_put.request)
+    deletes = TxnBuilder()
+    deletes.delete(b"/a")
+    assert _writes(deletes.request)
