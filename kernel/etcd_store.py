@@ -41,8 +41,10 @@ from aetcd import rpc  # the generated etcdserverpb code (messages and stubs), n
 
 from .errors import LeaseholdError, StoreUnavailable, Unavailable
 from .etcd_endpoints import endpoints_scheme, parse_endpoints
+from .ratelog import KeyedLog
 
 log = logging.getLogger(__name__)
+FAILURE_LOG_EVERY_S = 10.0
 T = TypeVar("T")
 
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops (compares, success and failure each)
@@ -232,6 +234,9 @@ class EtcdStore:
         self._tls = tls  # kernel.etcd_tls.link_credentials(...): None = plaintext
         self._user = (user, password or "") if user else None  # etcd authentication
         self._observe = observe
+        # a failed call is retried by its caller every round (the election's every poll): one line
+        # per operation and endpoint every 10 s, the next saying how many were not written
+        self._failures = KeyedLog(log, interval_s=FAILURE_LOG_EVERY_S)
         self._idx = 0
         self._link: _Link | None = None
         self._lock = asyncio.Lock()
@@ -288,7 +293,8 @@ class EtcdStore:
             finally:
                 if self._observe is not None:
                     self._observe(op, time.perf_counter() - started)
-            log.warning("etcd %s failed on %s (%s); trying the next endpoint", op, link.name, last)
+            self._failures.log((op, link.name), logging.WARNING,
+                               f"etcd {op} failed on {link.name} ({last}); trying the next endpoint")
             await self._next_endpoint(link)
         raise StoreUnavailable(f"etcd unreachable ({op}: {last.split(':')[0]} on all {len(self.endpoints)} endpoints)")
 
