@@ -411,7 +411,10 @@ class LeaseManager:
             if unreachable:
                 bal.book.note_unreachable(self.now())
             if m is not None:
-                m.lease_grants.labels(bal.pool.id, "unreachable" if e.retriable else "refused").inc()
+                # a prefetch the allocator found early (the next window's prefetch time had not
+                # opened on its clock) is timing, asked again by the next tick: not a refusal
+                early = window == "next" and isinstance(e, Conflict)
+                m.lease_grants.labels(bal.pool.id, "unreachable" if e.retriable else "early" if early else "refused").inc()
                 if unreachable or not e.retriable:
                     m.allocator_up.set(0 if e.retriable else 1)
             log.debug("lease request for pool %s failed%s: %s", bal.pool.id,

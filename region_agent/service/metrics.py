@@ -162,7 +162,9 @@ class AgentMetrics:
         # leases (region side)
         self.lease_grants = Counter("leasehold_agent_lease_grants_total", "Lease answers from the allocator "
                                     "(granted, exhausted, unreachable, refused, stale_epoch, undeposited: the regional "
-                                    "balance was full, the grant was returned at once)",
+                                    "balance was full, the grant was returned at once; early: a prefetch of the next "
+                                    "window asked before its prefetch time opened on the allocator's clock, asked "
+                                    "again by the next tick)",
                                     ["pool", "outcome"], registry=r)
         self.lease_tokens = Counter("leasehold_agent_lease_granted_tokens_total", "Tokens granted to this region",
                                     ["pool"], registry=r)
