@@ -174,6 +174,11 @@ class LeaseManager:
     def __post_init__(self) -> None:
         self._reachability = TransitionLog(log, initial=True, interval_s=self.log_interval_s)
         self._refusals = KeyedLog(log, interval_s=self.log_interval_s)
+        if self.metrics is not None:
+            # no call has failed yet: with --workers N the gauge is the lowest of the live workers',
+            # and a worker that had not asked the allocator yet read 0 beside one that had
+            # (LeaseholdAllocatorUnreachable went pending at every start)
+            self.metrics.allocator_up.set(1)  # type: ignore[attr-defined]  # AgentMetrics
 
     # ----------------------------------------------------------------- engine-facing, sync
     def on_refill(self, listener: Callable[[str], None]) -> None:

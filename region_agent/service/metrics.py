@@ -179,7 +179,7 @@ class AgentMetrics:
                                   "were really unspent", ["pool"], registry=r)
         self.lease_balance = Gauge("leasehold_agent_pool_balance_tokens", "Spendable leased tokens in Redis",
                                    ["pool"], registry=r, multiprocess_mode="livemax")
-        self.allocator_up = Gauge("leasehold_agent_allocator_reachable", "1 if the last allocator call succeeded",
+        self.allocator_up = Gauge("leasehold_agent_allocator_reachable", "0 if the last allocator call failed (1 before the first)",
                                   registry=r, multiprocess_mode="livemin")
         self.allocator_latency = Histogram("leasehold_agent_allocator_seconds", "Allocator call latency",
                                            ["call"], registry=r,

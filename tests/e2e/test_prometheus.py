@@ -2,6 +2,9 @@
 topology with the shipped configuration (deploy/prometheus/prometheus.yml, targets filled in,
 1 s scrape and evaluation intervals) and evaluates the shipped alert rules as they are:
 
+* right after the start (no traffic, counters not yet created) and then under ordinary paced
+  traffic (a tenant over its quota, pools far from G, every door): no alert even goes pending,
+  with one agent process and again with ``--workers 2``;
 * healthy, under demo traffic through every door: no critical alert fires, and every panel of
   the Grafana dashboard has a query that returns series from this Prometheus;
 * Redis of region eu stopped and the allocator leader killed: LeaseholdBreakerOpen (for: 1m)
@@ -15,12 +18,14 @@ after a rollout, tenant share, ...) are exercised by the promtool cases
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -138,14 +143,16 @@ def topology(tmp_path_factory):
     topo.stop()
 
 
-@pytest.fixture(scope="module")
-def prometheus(topology, tmp_path_factory):
+@contextlib.contextmanager
+def running_prometheus(topology: LocalTopology, d: Path) -> Iterator[Prom]:
+    """A real Prometheus scraping ``topology`` with the shipped configuration and rules (scrape
+    and evaluation every second), once it has scraped every target successfully."""
     binary = shutil.which("prometheus")
     assert binary, "prometheus is missing: `make setup` installs Debian's prometheus package"
-    d = tmp_path_factory.mktemp("prometheus")
     config = d / "prometheus.yml"
     config.write_text(yaml.safe_dump(render(topology.allocator_urls, topology.agent_urls, scrape_interval="1s",
                                             evaluation_interval="1s")))
+    targets = len(topology.allocator_urls) + sum(len(urls) for urls in topology.agent_urls.values())
     port = free_port()
     proc = Proc("prometheus", [binary, f"--config.file={config}", f"--storage.tsdb.path={d / 'data'}",
                                f"--web.listen-address={LOOPBACK}:{port}", "--storage.tsdb.retention.time=1h"],
@@ -156,15 +163,21 @@ def prometheus(topology, tmp_path_factory):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                if len([s for s in prom.query("up == 1")]) == 4:
+                if len([s for s in prom.query("up == 1")]) == targets:
                     break
             except (httpx.HTTPError, AssertionError, KeyError, ValueError):  # ValueError: a starting
                 pass  # Prometheus answers its API with a plain-text 503 "Service Unavailable", not JSON
             time.sleep(0.5)
-        assert len(prom.query("up == 1")) == 4, prom.query("up")
+        assert len(prom.query("up == 1")) == targets, prom.query("up")
         yield prom
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def prometheus(topology, tmp_path_factory):
+    with running_prometheus(topology, tmp_path_factory.mktemp("prometheus")) as prom:
+        yield prom
 
 
 def _critical_firing(prom: Prom) -> list[dict]:
@@ -261,7 +274,10 @@ def test_healthy_quiet_and_ordinary_traffic_leave_every_alert_inactive(topology,
     ordinary traffic with a tenant over its quota, no alert of the shipped rules may even go
     pending: a pending alert is one ``for:`` away from paging someone for a healthy fleet.
     (Runs before the fault test below, on the same fresh topology.)"""
-    prom = prometheus
+    _quiet_then_ordinary(topology, prometheus)
+
+
+def _quiet_then_ordinary(topology: LocalTopology, prom: Prom) -> None:
     # the fixture saw every target up; a rule evaluated before those first scrapes rightly found
     # no allocator (LeaseholdAllocatorsAbsent pending for that one evaluation): start from the
     # first evaluation of every group after them
@@ -332,3 +348,17 @@ def test_the_rendered_config_keeps_the_shipped_jobs_and_labels(topology):
     res = subprocess.run([shutil.which("promtool") or "promtool", "check", "config", "--syntax-only", "/dev/stdin"],
                          input=yaml.safe_dump(doc), capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_healthy_agents_with_two_workers_leave_every_alert_inactive(tmp_path):
+    """As the first test, with every agent run with ``--workers 2`` (prometheus_client's
+    multiprocess mode: the gauges a rule compares are the workers' combined; the closed fail
+    modes' zero series). Its own topology, after the module's (idle since its faults)."""
+    topo = LocalTopology(TopologySpec(run_dir=tmp_path / "topo", regions=("eu", "us"), allocators=1, auth=True,
+                                      rls=True, agent_args=("--workers", "2"))).start()
+    try:
+        (tmp_path / "prometheus").mkdir()
+        with running_prometheus(topo, tmp_path / "prometheus") as prom:
+            _quiet_then_ordinary(topo, prom)
+    finally:
+        topo.stop()
