@@ -51,7 +51,7 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_shadow_decisions_total": "R x 3 outcomes",
     "leasehold_agent_policy_defects_total": "R + 1",
     "leasehold_agent_negative_cache_hits_total": "1",
-    "leasehold_agent_lease_grants_total": "P x 6 outcomes",
+    "leasehold_agent_lease_grants_total": "P x 7 outcomes",
     "leasehold_agent_lease_granted_tokens_total": "P",
     "leasehold_agent_pool_depletions_total": "P",
     "leasehold_agent_stranded_tokens_total": "P",

@@ -174,6 +174,11 @@ class LeaseManager:
     def __post_init__(self) -> None:
         self._reachability = TransitionLog(log, initial=True, interval_s=self.log_interval_s)
         self._refusals = KeyedLog(log, interval_s=self.log_interval_s)
+        if self.metrics is not None:
+            # no call has failed yet: with --workers N the gauge is the lowest of the live workers',
+            # and a worker that had not asked the allocator yet read 0 beside one that had
+            # (LeaseholdAllocatorUnreachable went pending at every start)
+            self.metrics.allocator_up.set(1)  # type: ignore[attr-defined]  # AgentMetrics
 
     # ----------------------------------------------------------------- engine-facing, sync
     def on_refill(self, listener: Callable[[str], None]) -> None:
@@ -411,7 +416,10 @@ class LeaseManager:
             if unreachable:
                 bal.book.note_unreachable(self.now())
             if m is not None:
-                m.lease_grants.labels(bal.pool.id, "unreachable" if e.retriable else "refused").inc()
+                # a prefetch the allocator found early (the next window's prefetch time had not
+                # opened on its clock) is timing, asked again by the next tick: not a refusal
+                early = window == "next" and isinstance(e, Conflict)
+                m.lease_grants.labels(bal.pool.id, "unreachable" if e.retriable else "early" if early else "refused").inc()
                 if unreachable or not e.retriable:
                     m.allocator_up.set(0 if e.retriable else 1)
             log.debug("lease request for pool %s failed%s: %s", bal.pool.id,

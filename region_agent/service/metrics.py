@@ -162,7 +162,9 @@ class AgentMetrics:
         # leases (region side)
         self.lease_grants = Counter("leasehold_agent_lease_grants_total", "Lease answers from the allocator "
                                     "(granted, exhausted, unreachable, refused, stale_epoch, undeposited: the regional "
-                                    "balance was full, the grant was returned at once)",
+                                    "balance was full, the grant was returned at once; early: a prefetch of the next "
+                                    "window asked before its prefetch time opened on the allocator's clock, asked "
+                                    "again by the next tick)",
                                     ["pool", "outcome"], registry=r)
         self.lease_tokens = Counter("leasehold_agent_lease_granted_tokens_total", "Tokens granted to this region",
                                     ["pool"], registry=r)
@@ -177,7 +179,7 @@ class AgentMetrics:
                                   "were really unspent", ["pool"], registry=r)
         self.lease_balance = Gauge("leasehold_agent_pool_balance_tokens", "Spendable leased tokens in Redis",
                                    ["pool"], registry=r, multiprocess_mode="livemax")
-        self.allocator_up = Gauge("leasehold_agent_allocator_reachable", "1 if the last allocator call succeeded",
+        self.allocator_up = Gauge("leasehold_agent_allocator_reachable", "0 if the last allocator call failed (1 before the first)",
                                   registry=r, multiprocess_mode="livemin")
         self.allocator_latency = Histogram("leasehold_agent_allocator_seconds", "Allocator call latency",
                                            ["call"], registry=r,

@@ -4,7 +4,9 @@ etcd leases, watches."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import signal
 import subprocess
 
 import pytest
@@ -192,3 +194,26 @@ async def test_compact_drops_history_below_a_revision_and_keeps_latest_values(tm
     finally:
         await store.close()
         etcd.stop()
+
+
+async def test_an_etcd_outage_writes_a_line_per_interval_not_per_call(fresh_etcd_cluster: EtcdCluster, caplog) -> None:
+    """The allocator's election retries its etcd calls every poll (a few times a second): with etcd
+    paused, each failed call wrote its own warning (hundreds of lines a minute per replica, found on
+    a real topology). Now one line per operation and endpoint per interval, counting the rest."""
+    store = EtcdStore(",".join(fresh_etcd_cluster.endpoints), timeout_s=0.1)
+    await store.get(b"warm")  # connected
+    pids = [p.pid for p in fresh_etcd_cluster.procs]
+    caplog.set_level(logging.WARNING, logger="kernel.etcd_store")
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        for _ in range(20):
+            with pytest.raises(StoreUnavailable):
+                await store.get(b"k")
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        await store.close()
+    lines = [r.getMessage() for r in caplog.records if "trying the next endpoint" in r.getMessage()]
+    assert 1 <= len(lines) <= len(pids), lines
+    assert all(line.startswith("etcd get failed on ") for line in lines), lines

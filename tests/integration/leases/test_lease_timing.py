@@ -25,6 +25,7 @@ from region_agent.leasing.book import PoolBook
 from region_agent.leasing.client import AllocatorClient
 from region_agent.leasing.manager import LeaseManager
 from region_agent.leasing.redis_balance import RedisBalanceStore
+from region_agent.service.metrics import AgentMetrics
 from region_agent.store.client import make_client
 from region_agent.store.scripts import Scripts
 from tests.wallclock import clear_of_window_edges
@@ -131,4 +132,28 @@ async def test_a_grant_replayed_from_an_older_epoch_is_refused(allocators):
                                                 want=10))
         assert book.accept(third, sent_at=4.0, received_at=5.0) is not None
     finally:
+        await client.aclose()
+
+
+async def test_a_prefetch_the_allocator_finds_early_is_not_a_refusal(allocators, redis_client):
+    """A prefetch of the next window sent before its prefetch time opened on the allocator's clock
+    (the agent's estimate of that clock is off by a little, a worker's tick ran early) is answered
+    409 and asked again by the next tick: timing, counted ``early``. It was counted ``refused``,
+    which LeaseholdLeaseRenewalFailures reads as a failing renewal: one such answer kept the
+    warning pending for five minutes on a healthy fleet (seen on a 2-worker agent under a real
+    Prometheus)."""
+    client = AllocatorClient(allocators.allocator_urls, attempt_timeout_s=2.0, deadline_s=10.0)
+    metrics = AgentMetrics()
+    mgr = LeaseManager(region="eu", client=client, store=RedisBalanceStore(redis_client, Scripts()), metrics=metrics)
+    key = KeyBuilder.tenant_pool_key("atlas", POOL.id)
+    try:
+        await clear_of_window_edges(POOL.window_ms, before_ms=10_000)  # far from the 200 ms prefetch time
+        mgr.note(POOL, key, 1)
+        await asyncio.wait_for(mgr.balances[key].inflight, 10)  # the current window's lease
+        assert await mgr._request(mgr.balances[key], "next") is None  # the allocator answers 409: too early
+        grants = {s.labels["outcome"]: s.value for s in metrics.lease_grants.collect()[0].samples
+                  if s.name == "leasehold_agent_lease_grants_total"}
+        assert grants.get("granted") == 1 and grants.get("early") == 1 and not grants.get("refused"), grants
+    finally:
+        await mgr.stop()
         await client.aclose()

@@ -749,3 +749,12 @@ async def test_an_ambiguous_deposit_keeps_its_lease_and_backs_off():
         m.note(POOL, KEY, 1)
         await settle(m)
     assert len(alloc.requests) == 1
+
+
+def test_the_allocator_reads_reachable_before_the_first_call():
+    """0 means the last call failed: a manager that has not asked yet says 1. With --workers N the
+    gauge exported is the lowest of the live workers' (multiprocess mode livemin): a worker that
+    had not asked yet read 0 beside one that had been granted, and LeaseholdAllocatorUnreachable
+    went pending at the start of a healthy 2-worker agent under a real Prometheus."""
+    m = manager()
+    assert sample(m, "leasehold_agent_allocator_reachable") == 1
