@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Self
 
 import grpc
 import httpx
@@ -48,23 +49,34 @@ def _desc(**entries: str) -> ratelimit_pb2.RateLimitDescriptor:
     return D(entries=[D.Entry(key=k, value=v) for k, v in entries.items()])
 
 
-class Traffic:
-    """Demo traffic in a background thread, bounded in time: admissions of every kind, forward
-    auth (one malformed question now and then) and RLS calls, to every region's agent."""
+class Background:
+    """A loop (``_run``, which returns once ``stop`` is set) in a thread for a ``with`` block."""
 
-    def __init__(self, topo: LocalTopology, max_s: float = 420.0):
-        self.topo, self.max_s = topo, max_s
+    def __init__(self, topo: LocalTopology):
+        self.topo = topo
         self.stop = threading.Event()
-        self.sent = 0
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> Traffic:
+    def __enter__(self) -> Self:
         self.thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         self.thread.join(30)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class Traffic(Background):
+    """Demo traffic in a background thread, bounded in time: admissions of every kind, forward
+    auth (one malformed question now and then) and RLS calls, to every region's agent."""
+
+    def __init__(self, topo: LocalTopology, max_s: float = 420.0):
+        super().__init__(topo)
+        self.max_s = max_s
+        self.sent = 0
 
     def _run(self) -> None:
         started = time.monotonic()
@@ -194,7 +206,7 @@ def _wait_firing(prom: Prom, name: str, timeout: float, **labels: str) -> list[d
     raise AssertionError(f"{name} {labels} did not fire within {timeout:.0f} s; alerts: {prom.alerts()}")
 
 
-class PacedTraffic:
+class PacedTraffic(Background):
     """Ordinary traffic at a few requests a second per region, in a background thread: birch's
     users read well within their limits (one a second per region: 120 a minute of birch-minute's
     300), one atlas user reads at about 3 a second against read-user-v3's 2 a second refill (so a
@@ -203,18 +215,8 @@ class PacedTraffic:
     second. Not a fault in sight."""
 
     def __init__(self, topo: LocalTopology):
-        self.topo = topo
-        self.stop = threading.Event()
+        super().__init__(topo)
         self.statuses: dict[str, int] = {}
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> PacedTraffic:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(30)
 
     def _count(self, what: str) -> None:
         self.statuses[what] = self.statuses.get(what, 0) + 1
