@@ -244,6 +244,26 @@ def test_compose_validates_and_mounts_exactly_the_generated_secrets(tmp_path: Pa
     for name, svc in resolved["services"].items():
         sources = [bind_mount(v)[0] for v in svc.get("volumes", []) or []]
         assert not any(s.endswith(".key") for s in sources), f"{name} mounts a private key"
+    # etcd over TLS only, as in the base: every etcd endpoint https://, each client verifies etcd
+    # with the generated CA it mounts, and etcd serves TLS on both ports (decision 0069)
+    clients = set()
+    for name, svc in resolved["services"].items():
+        env = {k: str(v) for k, v in (svc.get("environment") or {}).items()}
+        cmd = [str(w) for w in svc.get("command") or []]
+        endpoints, cas = _etcd_settings({"args": cmd, "env": [{"name": k, "value": v} for k, v in env.items()]})
+        if not endpoints:
+            continue
+        clients.add(name)
+        assert all(e.startswith("https://etcd-") for e in ",".join(endpoints).split(",")), (name, endpoints)
+        assert cas == ["/run/secrets/etcd-ca.crt"] and "etcd-ca.crt" in {
+            s if isinstance(s, str) else s["source"] for s in svc["secrets"]}, name
+    assert clients == {"etcd-init", "allocator-1", "allocator-2", "agent-eu", "agent-us"}
+    for i in range(3):
+        env = resolved["services"][f"etcd-{i}"]["environment"]
+        assert all(env[k].startswith("https://") for k in ("ETCD_LISTEN_CLIENT_URLS", "ETCD_LISTEN_PEER_URLS",
+                                                              "ETCD_ADVERTISE_CLIENT_URLS",
+                                                              "ETCD_INITIAL_ADVERTISE_PEER_URLS"))
+        assert "http://" not in env["ETCD_INITIAL_CLUSTER"] and env["ETCD_PEER_CLIENT_CERT_AUTH"] == "true"
     # tracing off unless a collector is named: 0 % sampled
     assert envoy["environment"]["TRACE_SAMPLE_PERCENT"] == "0"
     # a broken file is refused by the same tool (the check can fail)

@@ -34,7 +34,7 @@ import httpx
 import pytest
 
 from leasehold.commands.secrets import generate
-from leasehold.local.procs import EtcdCluster, Proc, free_port
+from leasehold.local.procs import EtcdCluster, Proc, TlsFiles, free_port
 from tests.e2e.test_deploy_render import DEPLOY, bind_mount, by_kind, kustomize
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -571,7 +571,10 @@ def compose(tmp_path_factory: pytest.TempPathFactory):
     resolved = yaml.safe_load(r.stdout)
     files = {name: spec["file"] for name, spec in resolved["secrets"].items()}
     started: list[Proc] = []
-    etcd = EtcdCluster(work / "etcd", members=3).start()
+    # etcd as compose runs it: TLS with the generated certificate (its clients verify it by its CA)
+    tls = TlsFiles(ca=copy / "secrets" / "etcd-ca.crt", cert=copy / "secrets" / "etcd-server.crt",
+                   key=copy / "secrets" / "etcd-server.key")
+    etcd = EtcdCluster(work / "etcd", members=3, tls=tls).start()
     try:
         peers = {f"etcd-{i}:2379": e for i, e in enumerate(etcd.endpoints)}
         svc = {name: Service(name, spec, files, peers) for name, spec in resolved["services"].items()}
@@ -615,7 +618,7 @@ def test_compose_services_start_as_written_and_their_healthchecks_are_real(compo
             assert time.monotonic() < end, f"{name} not healthy within {budget} s: {r.stderr[-300:]}\n{proc.tail()}"
             time.sleep(1)
     # etcd, as its image's healthcheck asks a member (its listen address here)
-    member = Service("etcd-0", svc["etcd-0"].spec, {}, {"127.0.0.1:2379": etcd.endpoints[0]})
+    member = Service("etcd-0", svc["etcd-0"].spec, svc["etcd-0"].secrets, {"127.0.0.1:2379": etcd.endpoints[0]})
     assert member.healthcheck(work, user=None).returncode == 0
     for name, proc in running.items():
         proc.stop()
