@@ -357,10 +357,31 @@ def test_the_rendered_etcd_speaks_only_tls_and_the_clients_verify_it(running):
     member_ctx.load_cert_chain(secrets / "etcd-server.crt", secrets / "etcd-server.key")
     r = httpx.get(f"https://{POD_IP}:{peer}/members", timeout=3, verify=member_ctx)
     assert r.status_code == 200 and len(r.json()) == 3, r.text
-    # and the services run against it (their store health: etcd answers over TLS)
+    # and the services run against it: the allocator's store health, and a bundle published over TLS
+    # (as the publisher, with the CA an operator's port-forward uses) reaches the allocator and the agent
     alloc, alloc_proc = running["allocator"]
+    agent, agent_proc = running["agent"]
     _wait_probe(alloc, alloc_proc, "readinessProbe")
     assert httpx.get(f"http://{POD_IP}:{alloc.port('http')}/v1/health/store", timeout=10).status_code == 200
+    from leasehold.commands.cli import main as cli_main
+
+    urls = {"allocator": f"http://{POD_IP}:{alloc.port('http')}/metrics",
+            "agent": f"http://{POD_IP}:{agent.port('http')}/metrics"}
+    names = {"allocator": "leasehold_allocator_policy_reloads_total", "agent": "leasehold_agent_policy_reloads_total"}
+
+    def accepted() -> dict[str, float]:
+        return {k: sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(u, timeout=5).text.splitlines()
+                       if line.startswith(names[k]) and 'outcome="accepted"' in line) for k, u in urls.items()}
+
+    before = accepted()
+    assert cli_main(["policy", "publish", str(ROOT / "policies" / "northstar-global.json"), "--as-version", "900",
+                     "--etcd", f"https://{POD_IP}:{client}", "--etcd-ca-file", ca, "--etcd-user", "publisher",
+                     "--etcd-password-file", str(secrets / "etcd-publisher.password")]) == 0
+    deadline = time.monotonic() + 15
+    while any(v <= before[k] for k, v in accepted().items()):
+        assert time.monotonic() < deadline, f"the bundle published over TLS did not reach {accepted()} from {before}" \
+                                            f"\n{alloc_proc.tail()}\n{agent_proc.tail()}"
+        time.sleep(0.5)
 
 
 def _metric(text: str, name: str) -> float:
