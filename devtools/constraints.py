@@ -7,7 +7,9 @@ machine or image gets what was tested.
 
 The check: every distribution installed in this venv (but leasehold itself and pip's own
 tooling) is pinned at the version installed, and every requirement of ``pyproject.toml`` (all
-extras) is pinned at a version that satisfies it.
+extras, and ``[build-system] requires``: the build backend pip fetches into the image build's
+isolated environment) is pinned at a version that satisfies it. The build backend's pin is not
+this venv's (it builds in isolation): ``--write`` keeps it as the file has it.
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ def requirements(pyproject: Path = REPO / "pyproject.toml") -> list[Requirement]
     return [r for r in reqs if canonicalize_name(r.name) != "leasehold"]
 
 
+def build_requirements(pyproject: Path = REPO / "pyproject.toml") -> list[Requirement]:
+    """``[build-system] requires``: what the image build installs in pip's isolated build environment
+    (deploy/Dockerfile applies constraints.txt there through ``PIP_CONSTRAINT``)."""
+    return [Requirement(r) for r in tomllib.loads(pyproject.read_text())["build-system"]["requires"]]
+
+
 def render(versions: dict[str, str]) -> str:
     return HEADER + "".join(f"{name}=={versions[name]}\n" for name in sorted(versions))
 
@@ -90,10 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--write", action="store_true")
     args = ap.parse_args(argv)
     if args.write:
-        FILE.write_text(render(installed()))
+        build = {canonicalize_name(r.name) for r in build_requirements()}
+        kept = {n: v for n, v in read().items() if n in build} if FILE.exists() else {}
+        FILE.write_text(render(installed() | kept))
         print(f"wrote {FILE} ({len(read())} pins)")
         return 0
-    bad = problems(read(), installed(), requirements())
+    bad = problems(read(), installed(), requirements() + build_requirements())
     for line in bad:
         print(line, file=sys.stderr)
     return 1 if bad else 0

@@ -17,6 +17,13 @@ redis-agent.password           Redis's ``agent`` user (its scripts on ``rl:*`` k
 redis-users.acl                both users as a Redis ACL file (``--aclfile``)
 etcd-<user>.password           root, publisher, allocator, agent (deploy/etcd/leasehold-roles.sh)
 policy-signing.key / .pub      the Ed25519 pair that signs policy bundles (the key stays with you)
+etcd-ca.crt                    the CA that signed etcd's certificate: every etcd client verifies etcd
+                               with it (the allocators, the agents, the roles Job, ``leasehold policy``)
+etcd-ca.key                    that CA's private key (stays with you: it signs a renewed certificate)
+etcd-server.crt / .key         etcd's certificate (client and peer port) for the members
+                               ``etcd-0..2`` of deploy/docker-compose.yml and deploy/k8s-dev
+                               (``etcd-N.etcd``, ``etcd-N.etcd.leasehold.svc[.cluster.local]``),
+                               ``localhost`` and ``127.0.0.1`` (a port-forward); the key is etcd's only
 dev-idp.key                    FOR DEVELOPMENT: a stand-in identity provider's ES256 signing key;
                                ``leasehold token`` signs client tokens with it (never mounted)
 jwks.json                      FOR DEVELOPMENT: that key's public half, the JWKS compose's Envoy
@@ -51,7 +58,7 @@ from ..local.procs import ETCD_USERS, agent_acl
 # the credentials' own)
 CREDENTIAL_RE = re.compile(rf"(gateway|operator|region-{human(REGION)})\.token\Z|"
                            r"(gateway|operator|region)-token-hashes\Z|pepper\Z|redis-(admin|agent)\.password\Z|"
-                           r"redis-users\.acl\Z|etcd-[a-z]+\.password\Z|policy-signing\.(key|pub)\Z|"
+                           r"redis-users\.acl\Z|etcd-[a-z]+\.password\Z|policy-signing\.(key|pub)\Z|etcd-(ca|server)\.(crt|key)\Z|"
                            r"dev-idp\.key\Z|jwks\.json\Z")
 
 
@@ -69,7 +76,7 @@ def file_names(regions: tuple[str, ...]) -> list[str]:
              "gateway-token-hashes", "operator-token-hashes", "region-token-hashes", "pepper",
              "redis-admin.password", "redis-agent.password", "redis-users.acl",
              *(f"etcd-{u}.password" for u in ETCD_USERS), "policy-signing.key", "policy-signing.pub",
-             "dev-idp.key", "jwks.json"]
+             "etcd-ca.crt", "etcd-ca.key", "etcd-server.crt", "etcd-server.key", "dev-idp.key", "jwks.json"]
     return names
 
 
@@ -133,6 +140,14 @@ def generate(out: Path, regions: tuple[str, ...] = ("eu", "us"), *, force: bool 
     key, pub = generate_keypair(out, "policy-signing")  # the key 0600, never mounted into a service
     pub.chmod(0o644)
     written += [key, pub]
+    # etcd's TLS (decision 0069): a CA, and a certificate for the members; clients get the CA only
+    for name, data, mode in etcd_pki():
+        (out / name).unlink(missing_ok=True)
+        fd = os.open(out / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        (out / name).chmod(mode)
+        written.append(out / name)
     # a stand-in identity provider for trying the stack (module doc): its key 0600, its JWKS
     idp = DevIssuer()
     (out / "dev-idp.key").unlink(missing_ok=True)
@@ -141,4 +156,69 @@ def generate(out: Path, regions: tuple[str, ...] = ("eu", "us"), *, force: bool 
     return Generated(out, written)
 
 
-__all__ = ["Generated", "SecretsError", "file_names", "generate"]
+ETCD_NAMESPACE = "leasehold"  # deploy/k8s's namespace
+ETCD_MEMBERS = 3  # deploy/k8s-dev's StatefulSet etcd and deploy/docker-compose.yml's etcd-0..2
+CA_DAYS, SERVER_DAYS = 3650, 825  # decision 0069: renew etcd's certificate before it ends
+
+
+def etcd_hostnames(namespace: str = ETCD_NAMESPACE, members: int = ETCD_MEMBERS) -> list[str]:
+    """The DNS names etcd's certificate carries: each member as compose names it (``etcd-N``), as
+    the StatefulSet's headless Service names it (short and qualified), and the Service itself."""
+    names = []
+    for i in range(members):
+        pod = f"etcd-{i}"
+        names += [pod, f"{pod}.etcd", f"{pod}.etcd.{namespace}", f"{pod}.etcd.{namespace}.svc",
+                  f"{pod}.etcd.{namespace}.svc.cluster.local"]
+    return [*names, "etcd", f"etcd.{namespace}.svc", f"etcd.{namespace}.svc.cluster.local", "localhost"]
+
+
+def etcd_pki() -> list[tuple[str, bytes, int]]:
+    """etcd's CA and its members' certificate (server and peer: both extended key usages, since
+    a member is its peers' client), as ``(file name, PEM, mode)``; private keys 0600."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=5)  # clock skew
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "leasehold etcd CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now)
+          .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+          .sign(ca_key, hashes.SHA256()))
+    sans: list[x509.GeneralName] = [x509.DNSName(n) for n in etcd_hostnames()]
+    sans += [x509.IPAddress(ipaddress.ip_address(a)) for a in ("127.0.0.1", "::1")]
+    server = (x509.CertificateBuilder()
+              .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "etcd")]))
+              .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+              .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=SERVER_DAYS))
+              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+              .add_extension(x509.KeyUsage(digital_signature=True, key_encipherment=False, key_cert_sign=False,
+                                           crl_sign=False, content_commitment=False, data_encipherment=False,
+                                           key_agreement=False, encipher_only=False, decipher_only=False),
+                             critical=True)
+              .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                    ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+              .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+              .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+              .sign(ca_key, hashes.SHA256()))
+
+    def pem_key(k: ec.EllipticCurvePrivateKey) -> bytes:
+        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                               serialization.NoEncryption())
+
+    return [("etcd-ca.crt", ca.public_bytes(serialization.Encoding.PEM), 0o644), ("etcd-ca.key", pem_key(ca_key), 0o600),
+            ("etcd-server.crt", server.public_bytes(serialization.Encoding.PEM), 0o644),
+            ("etcd-server.key", pem_key(key), 0o600)]
+
+
+__all__ = ["Generated", "SecretsError", "etcd_hostnames", "etcd_pki", "file_names", "generate"]

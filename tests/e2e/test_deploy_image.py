@@ -11,6 +11,7 @@ both stages."""
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 import shutil
 import subprocess
@@ -113,10 +114,19 @@ def test_the_build_stage_builds_the_wheel_the_manifests_run_from_its_copies(chec
                     shutil.copy2(link, target)
     (run,) = [args for op, args in steps[froms[0]:froms[1]] if op == "RUN"]
     assert "-c constraints.txt" in run and " . " in run + " "
+    # the build backend too: pip's isolated build environment sees PIP_CONSTRAINT, not -c (pyproject's
+    # setuptools>=77 was fetched unpinned); the wheel is built here the same way, with the pinned one
+    (workdir,) = [args for op, args in steps[froms[0]:froms[1]] if op == "WORKDIR"]
+    assert f"PIP_CONSTRAINT={workdir}/constraints.txt pip install" in run, run
     out = tmp_path / "dist"
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(stage)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-v", "-w", str(out), str(stage)],
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PIP_CONSTRAINT": str(stage / "constraints.txt")})
     assert r.returncode == 0, r.stderr[-2000:]
+    pinned = next(line.split("==")[1].split()[0] for line in (ROOT / "constraints.txt").read_text().splitlines()
+                  if line.startswith("setuptools=="))
+    assert re.search(rf"Successfully installed .*setuptools-{re.escape(pinned)}\b", r.stdout + r.stderr), \
+        "the wheel was not built with the pinned setuptools"
     (wheel,) = out.glob("leasehold-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     # every module the shipped manifests start

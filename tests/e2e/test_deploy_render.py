@@ -122,12 +122,56 @@ def test_the_base_renders_validates_and_carries_no_secret():
     assert "auth-disabled" not in text and "AUTH_DISABLED" not in text and "insecure-dev-pepper" not in text
 
 
+# where a container names etcd's endpoints and the CA it verifies etcd with
+ETCD_ENDPOINT_NAMES = ("--etcd", "LEASEHOLD_AGENT_POLICY_ETCD", "LEASEHOLD_ALLOCATOR_ETCD", "ETCDCTL_ENDPOINTS")
+ETCD_CA_NAMES = ("--etcd-ca-file", "LEASEHOLD_AGENT_POLICY_ETCD_CA_FILE", "LEASEHOLD_ALLOCATOR_ETCD_CA_FILE",
+                 "ETCDCTL_CACERT")
+
+
+def _etcd_settings(c: dict) -> tuple[list[str], list[str]]:
+    """A container's etcd endpoint lists and CA files, from its args (``--flag value``) and env."""
+    args = c.get("args", [])
+    named = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--")}
+    named |= {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+    return ([named[n] for n in ETCD_ENDPOINT_NAMES if n in named], [named[n] for n in ETCD_CA_NAMES if n in named])
+
+
+def test_every_etcd_client_of_the_base_speaks_tls_and_verifies_etcd_with_the_mounted_ca():
+    """The passwords and every lease and policy cross the network to etcd: the base names only
+    https:// etcd endpoints, and each container that names them (the allocator, the agents, the
+    roles Job) verifies etcd with the CA file of Secret leasehold-etcd-ca, mounted 0440 (the base's
+    clients used to talk plaintext to etcd-N.etcd:2379 and mount no CA)."""
+    docs = kustomize(DEPLOY / "k8s")
+    clients = {}
+    for kind in ("Deployment", "Job"):
+        for name, d in by_kind(docs, kind).items():
+            spec = d["spec"]["template"]["spec"]
+            (c,) = spec["containers"]
+            endpoints, cas = _etcd_settings(c)
+            text = yaml.safe_dump(c)
+            if "etcd-0.etcd" not in text:
+                continue
+            clients[name] = endpoints
+            assert endpoints, f"{name} names etcd where this test does not look"
+            for e in ",".join(endpoints).split(","):
+                assert e.startswith("https://etcd-"), f"{name}: etcd endpoint {e!r} is not TLS"
+            (ca,) = cas
+            volumes = {v["name"]: v for v in spec["volumes"]}
+            (mount,) = [m for m in c["volumeMounts"] if ca.startswith(m["mountPath"] + "/")]
+            secret = volumes[mount["name"]]["secret"]
+            assert secret["secretName"] == "leasehold-etcd-ca" and secret["defaultMode"] == 0o440, name
+            keys = {i["path"]: i["key"] for i in secret.get("items", [])} or {"ca.crt": "ca.crt"}
+            assert keys[ca[len(mount["mountPath"]) + 1:]] == "ca.crt", name
+    assert set(clients) == {"allocator", "agent-eu", "leasehold-etcd-roles"}
+
+
 def test_the_dev_overlay_adds_redis_etcd_and_generated_secrets(dev_overlay: list[dict]):
     validate(dev_overlay)
     secrets = by_kind(dev_overlay, "Secret")
     # hashed names: an apply creates new Secrets and never overwrites the ones in use
     assert {n.rsplit("-", 1)[0] for n in secrets} == {"leasehold-agent-eu", "leasehold-allocator",
-                                                       "leasehold-etcd-users", "leasehold-redis-eu"}
+                                                       "leasehold-etcd-users", "leasehold-etcd-ca",
+                                                       "leasehold-etcd-server", "leasehold-redis-eu"}
     referenced = set()
     for kind in ("Deployment", "StatefulSet", "Job"):
         for d in by_kind(dev_overlay, kind).values():
@@ -143,8 +187,14 @@ def test_the_dev_overlay_adds_redis_etcd_and_generated_secrets(dev_overlay: list
     agent = by_kind(dev_overlay, "Deployment")["agent-eu"]["spec"]["template"]["spec"]["containers"][0]
     assert "redis://agent@redis-eu:6379/0" in agent["args"]
     # private keys never enter the cluster: not the policy-signing key, not the development
-    # identity provider's (generated beside the Secrets' files, for `leasehold token`)
-    text = yaml.safe_dump_all(dev_overlay)
+    # identity provider's (generated beside the Secrets' files, for `leasehold token`), not etcd's
+    # CA's; the one private key in the overlay is etcd's own, in the Secret only etcd mounts
+    (server,) = [n for n in secrets if n.startswith("leasehold-etcd-server-")]
+    assert set(secrets[server]["data"]) == {"ca.crt", "server.crt", "server.key"}
+    mounting = {name for kind in ("Deployment", "StatefulSet", "Job") for name, d in by_kind(dev_overlay, kind).items()
+                if any(v.get("secret", {}).get("secretName") == server for v in d["spec"]["template"]["spec"]["volumes"])}
+    assert mounting == {"etcd"}
+    text = yaml.safe_dump_all([d for d in dev_overlay if d["metadata"]["name"] != server])
     assert "PRIVATE KEY" not in text and "LS0tLS1CRUdJTiBQUklWQVRF" not in text  # PEM, plain or base64
 
 
@@ -194,6 +244,26 @@ def test_compose_validates_and_mounts_exactly_the_generated_secrets(tmp_path: Pa
     for name, svc in resolved["services"].items():
         sources = [bind_mount(v)[0] for v in svc.get("volumes", []) or []]
         assert not any(s.endswith(".key") for s in sources), f"{name} mounts a private key"
+    # etcd over TLS only, as in the base: every etcd endpoint https://, each client verifies etcd
+    # with the generated CA it mounts, and etcd serves TLS on both ports (decision 0069)
+    clients = set()
+    for name, svc in resolved["services"].items():
+        env = {k: str(v) for k, v in (svc.get("environment") or {}).items()}
+        cmd = [str(w) for w in svc.get("command") or []]
+        endpoints, cas = _etcd_settings({"args": cmd, "env": [{"name": k, "value": v} for k, v in env.items()]})
+        if not endpoints:
+            continue
+        clients.add(name)
+        assert all(e.startswith("https://etcd-") for e in ",".join(endpoints).split(",")), (name, endpoints)
+        assert cas == ["/run/secrets/etcd-ca.crt"] and "etcd-ca.crt" in {
+            s if isinstance(s, str) else s["source"] for s in svc["secrets"]}, name
+    assert clients == {"etcd-init", "allocator-1", "allocator-2", "agent-eu", "agent-us"}
+    for i in range(3):
+        env = resolved["services"][f"etcd-{i}"]["environment"]
+        assert all(env[k].startswith("https://") for k in ("ETCD_LISTEN_CLIENT_URLS", "ETCD_LISTEN_PEER_URLS",
+                                                              "ETCD_ADVERTISE_CLIENT_URLS",
+                                                              "ETCD_INITIAL_ADVERTISE_PEER_URLS"))
+        assert "http://" not in env["ETCD_INITIAL_CLUSTER"] and env["ETCD_PEER_CLIENT_CERT_AUTH"] == "true"
     # tracing off unless a collector is named: 0 % sampled
     assert envoy["environment"]["TRACE_SAMPLE_PERCENT"] == "0"
     # a broken file is refused by the same tool (the check can fail)

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,7 @@ import httpx
 import pytest
 
 from leasehold.commands.secrets import generate
-from leasehold.local.procs import EtcdCluster, Proc, free_port
+from leasehold.local.procs import EtcdCluster, Proc, TlsFiles, free_port
 from tests.e2e.test_deploy_render import DEPLOY, bind_mount, by_kind, kustomize
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -293,7 +294,8 @@ def running(overlay: tuple[list[dict], Path]):
         started.append(agent.start(rendered, work))
         yield {"agent": (agent, started[-1]), "allocator": (alloc, alloc_proc), "redis": (redis, redis_proc),
                "etcd": list(zip(members, started[:len(members)], strict=True)),
-               "gateway": {"Authorization": "Bearer " + (secrets / "gateway.token").read_text().strip()}}
+               "gateway": {"Authorization": "Bearer " + (secrets / "gateway.token").read_text().strip()},
+               "secrets": secrets, "work": work}
     finally:
         for p in reversed(started):
             p.stop()
@@ -319,6 +321,67 @@ def test_the_services_start_as_rendered_and_become_ready_within_the_startup_prob
         resources = pod.container["resources"]
         print(f"{name}: RSS {rss >> 20} MiB, requests {resources['requests']['memory']}, limit {resources['limits']['memory']}")
         assert rss < _bytes(resources["requests"]["memory"]), f"{name}: RSS {rss >> 20} MiB at idle"
+
+
+def _etcdctl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["etcdctl", "--dial-timeout=2s", "--command-timeout=3s", *args], capture_output=True,
+                          text=True, timeout=30, env={"PATH": "/usr/local/bin:/usr/bin:/bin", "ETCDCTL_API": "3"})
+
+
+def test_the_rendered_etcd_speaks_only_tls_and_the_clients_verify_it(running):
+    """etcd as rendered (the dev overlay, the generated certificate) while the allocator and the agent
+    run against it over TLS: a plaintext client is refused on the client port (passwords and leases
+    never cross the network in clear); a client trusting another CA refuses the member (what a
+    stand-in etcd on the path would present); the peer port answers only a peer with a certificate
+    of etcd's CA; the CA the services mount verifies the member."""
+    from leasehold.commands.secrets import etcd_pki
+
+    secrets, work = running["secrets"], running["work"]
+    member, _ = running["etcd"][0]
+    client, peer = member.ports[2379], member.ports[2380]
+    ca = str(secrets / "etcd-ca.crt")
+    ok = _etcdctl(f"--endpoints=https://{POD_IP}:{client}", f"--cacert={ca}", "endpoint", "status")
+    assert ok.returncode == 0, ok.stderr
+    plain = _etcdctl(f"--endpoints=http://{POD_IP}:{client}", "endpoint", "status")
+    assert plain.returncode != 0, "a plaintext client reached the rendered etcd"
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://{POD_IP}:{client}/version", timeout=3)
+    rogue = work / "rogue-ca.crt"
+    rogue.write_bytes(dict((n, b) for n, b, _ in etcd_pki())["etcd-ca.crt"])
+    other = _etcdctl(f"--endpoints=https://{POD_IP}:{client}", f"--cacert={rogue}", "endpoint", "status")
+    assert other.returncode != 0 and "certificate" in other.stderr, other.stderr
+    # the peer port: TLS, and a certificate of etcd's CA required of the caller
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"https://{POD_IP}:{peer}/members", verify=ssl.create_default_context(cafile=ca), timeout=3)
+    member_ctx = ssl.create_default_context(cafile=ca)
+    member_ctx.load_cert_chain(secrets / "etcd-server.crt", secrets / "etcd-server.key")
+    r = httpx.get(f"https://{POD_IP}:{peer}/members", timeout=3, verify=member_ctx)
+    assert r.status_code == 200 and len(r.json()) == 3, r.text
+    # and the services run against it: the allocator's store health, and a bundle published over TLS
+    # (as the publisher, with the CA an operator's port-forward uses) reaches the allocator and the agent
+    alloc, alloc_proc = running["allocator"]
+    agent, agent_proc = running["agent"]
+    _wait_probe(alloc, alloc_proc, "readinessProbe")
+    assert httpx.get(f"http://{POD_IP}:{alloc.port('http')}/v1/health/store", timeout=10).status_code == 200
+    from leasehold.commands.cli import main as cli_main
+
+    urls = {"allocator": f"http://{POD_IP}:{alloc.port('http')}/metrics",
+            "agent": f"http://{POD_IP}:{agent.port('http')}/metrics"}
+    names = {"allocator": "leasehold_allocator_policy_reloads_total", "agent": "leasehold_agent_policy_reloads_total"}
+
+    def accepted() -> dict[str, float]:
+        return {k: sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(u, timeout=5).text.splitlines()
+                       if line.startswith(names[k]) and 'outcome="accepted"' in line) for k, u in urls.items()}
+
+    before = accepted()
+    assert cli_main(["policy", "publish", str(ROOT / "policies" / "northstar-global.json"), "--as-version", "900",
+                     "--etcd", f"https://{POD_IP}:{client}", "--etcd-ca-file", ca, "--etcd-user", "publisher",
+                     "--etcd-password-file", str(secrets / "etcd-publisher.password")]) == 0
+    deadline = time.monotonic() + 15
+    while any(v <= before[k] for k, v in accepted().items()):
+        assert time.monotonic() < deadline, f"the bundle published over TLS did not reach {accepted()} from {before}" \
+                                            f"\n{alloc_proc.tail()}\n{agent_proc.tail()}"
+        time.sleep(0.5)
 
 
 def _metric(text: str, name: str) -> float:
@@ -529,7 +592,10 @@ def compose(tmp_path_factory: pytest.TempPathFactory):
     resolved = yaml.safe_load(r.stdout)
     files = {name: spec["file"] for name, spec in resolved["secrets"].items()}
     started: list[Proc] = []
-    etcd = EtcdCluster(work / "etcd", members=3).start()
+    # etcd as compose runs it: TLS with the generated certificate (its clients verify it by its CA)
+    tls = TlsFiles(ca=copy / "secrets" / "etcd-ca.crt", cert=copy / "secrets" / "etcd-server.crt",
+                   key=copy / "secrets" / "etcd-server.key")
+    etcd = EtcdCluster(work / "etcd", members=3, tls=tls).start()
     try:
         peers = {f"etcd-{i}:2379": e for i, e in enumerate(etcd.endpoints)}
         svc = {name: Service(name, spec, files, peers) for name, spec in resolved["services"].items()}
@@ -573,7 +639,7 @@ def test_compose_services_start_as_written_and_their_healthchecks_are_real(compo
             assert time.monotonic() < end, f"{name} not healthy within {budget} s: {r.stderr[-300:]}\n{proc.tail()}"
             time.sleep(1)
     # etcd, as its image's healthcheck asks a member (its listen address here)
-    member = Service("etcd-0", svc["etcd-0"].spec, {}, {"127.0.0.1:2379": etcd.endpoints[0]})
+    member = Service("etcd-0", svc["etcd-0"].spec, svc["etcd-0"].secrets, {"127.0.0.1:2379": etcd.endpoints[0]})
     assert member.healthcheck(work, user=None).returncode == 0
     for name, proc in running.items():
         proc.stop()
@@ -601,7 +667,7 @@ def test_credentials_are_mounted_readable_by_the_pods_user_only(overlay, tmp_pat
             pod.materialise(rendered)
             sc = spec["securityContext"]
             secret_mounts = {m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", [])
-                             if "secret" in {v["name"]: v for v in spec["volumes"]}[m["name"]]}
+                             if "secret" in {v["name"]: v for v in spec["volumes"]}.get(m["name"], {})}  # (a claim: not in volumes)
             for mount in secret_mounts:
                 for f in pod.mounts[mount].iterdir():
                     st = f.stat()

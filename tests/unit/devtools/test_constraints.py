@@ -11,7 +11,8 @@ from devtools import constraints
 
 
 def test_the_venv_runs_the_pinned_versions():
-    bad = constraints.problems(constraints.read(), constraints.installed(), constraints.requirements())
+    bad = constraints.problems(constraints.read(), constraints.installed(),
+                               constraints.requirements() + constraints.build_requirements())
     assert not bad, "\n".join(bad) + "\n(after a deliberate upgrade: make constraints)"
 
 
@@ -44,3 +45,14 @@ def test_every_capped_dependency_is_capped_in_pyproject():
     for name in ("redis", "hiredis", "uvicorn", "httptools", "aetcd", "protobuf", "grpcio"):
         spec = reqs[name].specifier
         assert any(s.operator in ("<", "==") for s in spec), f"{name} has no upper bound: {spec}"
+
+
+def test_the_build_backend_is_pinned_for_the_image_build():
+    """pyproject.toml's ``setuptools>=77`` was fetched unconstrained into the image build's isolated
+    environment (whatever setuptools was newest that day built the wheel): constraints.txt pins
+    it, inside the range, and ``--write`` keeps the pin (the venv does not have it)."""
+    pins = constraints.read()
+    for req in constraints.build_requirements():
+        assert req.name in pins and req.specifier.contains(pins[req.name]), req
+    assert constraints.problems({}, {}, [Requirement("setuptools>=77")]) == \
+        ["setuptools>=77 (pyproject.toml) is not pinned in constraints.txt"]
