@@ -74,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
 
     refusal = asyncio.run(store_refusal(settings))  # its credentials, its ACL user, its eviction policy
     if refusal is None and settings.policy_etcd:  # its etcd credentials, its role's read, TLS (0065)
-        refusal = asyncio.run(policy_etcd_refusal(settings))
+        try:
+            refusal = asyncio.run(policy_etcd_refusal(settings))
+        except ConfigError as e:  # its password file unreadable
+            print(f"region_agent: {e}", file=sys.stderr)
+            return 2
     if refusal is not None:
         print(f"region_agent: refusing to start: {refusal}", file=sys.stderr)
         return 2
