@@ -77,7 +77,8 @@ STALL_SHARE = 1.0
 PREFETCH_RETRY_MS = 250.0
 
 #: The allocator keeps a window's grant records until the window's end plus max(its length, this)
-#: (``allocator.window_cache.RECORD_MIN_LINGER_MS``), then retires them: a usage report arriving
+#: (``allocator.window_cache.RECORD_MIN_LINGER_MS``; etcd's expiry lease may keep them up to 16 s
+#: more), then retires them: a 404 before that time is never expected. A usage report arriving
 #: later (queued through an allocator outage) is answered 404 "no lease" — expected bookkeeping,
 #: the allocator counted the lease's tokens as unreported when it retired the window.
 RECORD_MIN_LINGER_MS = 60_000.0
