@@ -118,6 +118,7 @@ BOUNDS: dict[str, str] = {
     "leasehold_allocator_etcd_compactions_total": "1",
     "leasehold_allocator_etcd_compacted_revision": "1",
     "leasehold_allocator_etcd_refused": "4 causes (exported at 0 from the start)",
+    "leasehold_agent_etcd_refused": "4 causes (exported at 0 from the start)",
     "leasehold_allocator_epoch": "1",
     "leasehold_allocator_fenced_total": "1",
     "leasehold_allocator_pool_limit_tokens": "P",

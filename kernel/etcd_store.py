@@ -301,7 +301,9 @@ class EtcdStore:
         # permission, and a role may lose one key space's permission and keep the others'
         # (docs/decisions/0065-etcd-refusals-are-a-state-and-stop-the-start.md)
         self.refused: dict[str, EtcdRefused] = {}
-        self._report_refusals = report_refusals  # False: a caller that reports them itself (a start check)
+        # False: a caller that reports what it met itself (a start check, whose refusal is one line:
+        # neither the refusals nor the endpoints it tried are logged)
+        self._report_refusals = report_refusals
         self._endpoint_log = KeyedLog(log, interval_s=ENDPOINT_LOG_EVERY_S, max_keys=64)
 
     # -- endpoints ----------------------------------------------------------------------------
@@ -375,8 +377,9 @@ class EtcdStore:
             finally:
                 if self._observe is not None:
                     self._observe(op, time.perf_counter() - started)
-            self._endpoint_log.log(link.name, logging.WARNING,
-                                   f"etcd {op} failed on {link.name} ({last}); trying the next endpoint")
+            if self._report_refusals:
+                self._endpoint_log.log(link.name, logging.WARNING,
+                                       f"etcd {op} failed on {link.name} ({last}); trying the next endpoint")
             await self._next_endpoint(link)
         if tls_failures == len(self.endpoints):  # every endpoint answered, and refused the handshake
             raise self._refused(kind, EtcdHandshakeRefused(op, "tls"))

@@ -70,9 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     except tracing.TracingUnavailable as e:
         print(f"region_agent: refusing to start: {e}", file=sys.stderr)
         return 2
-    from .service.app import store_refusal
+    from .service.app import policy_etcd_refusal, store_refusal
 
     refusal = asyncio.run(store_refusal(settings))  # its credentials, its ACL user, its eviction policy
+    if refusal is None and settings.policy_etcd:  # its etcd credentials, its role's read, TLS (0065)
+        try:
+            refusal = asyncio.run(policy_etcd_refusal(settings))
+        except ConfigError as e:  # its password file unreadable
+            print(f"region_agent: {e}", file=sys.stderr)
+            return 2
     if refusal is not None:
         print(f"region_agent: refusing to start: {refusal}", file=sys.stderr)
         return 2

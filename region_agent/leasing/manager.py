@@ -76,6 +76,13 @@ STALL_SHARE = 1.0
 #: early on its clock, or the next window already spent) is not asked again at every tick.
 PREFETCH_RETRY_MS = 250.0
 
+#: The allocator keeps a window's grant records until the window's end plus max(its length, this)
+#: (``allocator.window_cache.RECORD_MIN_LINGER_MS``; etcd's expiry lease may keep them up to 16 s
+#: more), then retires them: a 404 before that time is never expected. A usage report arriving
+#: later (queued through an allocator outage) is answered 404 "no lease" — expected bookkeeping,
+#: the allocator counted the lease's tokens as unreported when it retired the window.
+RECORD_MIN_LINGER_MS = 60_000.0
+
 
 class BalanceStore(Protocol):
     """The Redis side of a pool balance (implemented over the Lua scripts)."""
@@ -157,6 +164,10 @@ class LeaseManager:
     clock: AllocatorClock = field(default_factory=AllocatorClock)
     balances: dict[str, Balance] = field(default_factory=dict)
     pending_reports: deque = field(default_factory=deque)
+    # lease id -> when (self.now()) the allocator retires its window's records, for the queued reports
+    _retired_after: dict = field(default_factory=dict)
+    _retired_unsaid: int = 0  # reports of retired windows not taken since the last line
+    _retired_said_at: float = float("-inf")
     _task: asyncio.Task | None = None
     _stopping: bool = False
     _warming: set = field(default_factory=set)
@@ -587,7 +598,7 @@ class LeaseManager:
         if self.recorder:
             self.recorder.closed(region=self.region, pool=bal.pool.id, lease_id=lease.lease_id,
                                  granted=granted, spent=spent)
-        self._queue_report(bal, lease.lease_id, spent, early=early)
+        self._queue_report(bal, lease.lease_id, spent, early=early, window_end=lease.window_end)
         return True
 
     def _reopen(self, pool_id: str) -> None:
@@ -599,11 +610,40 @@ class LeaseManager:
             if bal.pool.id == pool_id:
                 bal.book.reopen()
 
-    def _queue_report(self, bal: Balance, lease_id: str, spent: int, *, early: bool = False) -> None:
+    def _queue_report(self, bal: Balance, lease_id: str, spent: int, *, early: bool = False,
+                      window_end: float | None = None) -> None:
+        """``window_end``: the lease's window's end (``HeldLease.window_end``), when known: a 404
+        after the allocator retired that window's records is expected (:meth:`_not_taken`)."""
         if len(self.pending_reports) < self.max_pending_reports:
             report = UsageReport(lease_id=lease_id, region=self.region, pool=bal.pool.id, spent=spent,
                                  closed_early=early)
             self.pending_reports.append((report, self.now()))
+            if window_end is not None:
+                self._retired_after[lease_id] = window_end + max(bal.pool.window_ms, RECORD_MIN_LINGER_MS)
+
+    def _not_taken(self, report: UsageReport, res: LeaseError) -> None:
+        """A report the allocator refused (a 4xx but 409). "no lease" (404) for a lease whose window
+        the allocator has retired by now is expected — reports queued through an allocator outage
+        longer than the records' linger — and counted in one INFO line at most every
+        ``log_interval_s``; any other refusal (a 404 for a window whose records should still be
+        there: the allocator lost them, or another prefix/etcd answers) stays a WARNING per lease."""
+        retired_after = self._retired_after.get(report.lease_id)
+        if res.status == 404 and retired_after is not None and self.now() >= retired_after:
+            self._retired_unsaid += 1
+            return
+        log.warning("usage report for %s refused: %s", report.lease_id, res.detail)
+
+    def _say_retired(self) -> None:
+        """The count of reports not taken because their windows were retired, at most once per
+        ``log_interval_s`` (the last count said on a later tick once the interval is over)."""
+        now = self.now()
+        if not self._retired_unsaid or now - self._retired_said_at < self.log_interval_s * 1000:
+            return
+        log.info("%d usage reports not taken since the last line: their windows ended before the allocator "
+                 "received them and it had retired their records (expected after an allocator outage longer "
+                 "than a window plus max(its length, 60 s); their tokens were counted as unreported)",
+                 self._retired_unsaid)
+        self._retired_unsaid, self._retired_said_at = 0, now
 
     async def _flush_reports(self) -> None:
         """Send the queued usage reports, in batches (``AllocatorClient.report_many``: up to 512 a
@@ -618,19 +658,23 @@ class LeaseManager:
             results = await self.client.report_many([report for report, _ in part])
             for (report, first), res in zip(part, results, strict=True):
                 if not isinstance(res, LeaseError):
+                    self._retired_after.pop(report.lease_id, None)
                     if res.returned > 0 and res.window_open:
                         self._reopen(report.pool)
                     continue
                 if res.status == 409:
                     if self.now() - first < self.report_patience_ms:
                         self.pending_reports.append((report, first))
-                    else:
-                        log.warning("usage report for %s dropped: %s", report.lease_id, res.detail)
+                        continue
+                    log.warning("usage report for %s dropped: %s", report.lease_id, res.detail)
                 elif res.status >= 500:
                     kept.append((report, first))
+                    continue
                 else:
-                    log.warning("usage report for %s refused: %s", report.lease_id, res.detail)
+                    self._not_taken(report, res)
+                self._retired_after.pop(report.lease_id, None)
             if kept:  # the allocator is not taking reports now: keep the rest for the next tick
                 kept += queued[i + MAX_BATCH:]
                 break
         self.pending_reports.extendleft(reversed(kept))
+        self._say_retired()

@@ -302,6 +302,12 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
                 log.critical("%s", e)
                 await state.store.close()
                 raise
+        if settings.policy_etcd:  # its credentials, its role's read, TLS refused: no start (0065)
+            refusal = await policy_etcd_refusal(settings)
+            if refusal is not None:
+                log.critical("refusing to start: %s", refusal)
+                await state.store.close()
+                raise PolicyEtcdRefused(refusal)
         clock = AllocatorClock(unknown_offset_ms=settings.allocator_clock_uncertainty_ms)
         state.leases = _lease_manager(settings, state.store, m, clock)
         telemetry = DecisionTelemetry(m, audit=audit,
@@ -439,6 +445,7 @@ async def _start_policy_watch(settings: AgentSettings, state: AgentState):
                      reread_ms=settings.policy_etcd_reread_ms, user=settings.policy_etcd_user, password=password,
                      tls=policy_etcd_tls(settings))
     age_gauge(state.metrics, w)
+    state.metrics.etcd_refused.follow(w.store.store)  # leasehold_agent_etcd_refused{cause}
     with contextlib.suppress(Exception):
         await asyncio.wait_for(w.refresh(), 3.0)
     w.start()
@@ -495,6 +502,28 @@ async def _first_load(store: Any) -> None:
     except LeaseholdError as e:  # not answering now: start degraded, the background task loads later
         log.warning("Redis scripts not loaded at start (%s): decisions degrade per rule failMode until "
                     "the store answers", e.detail)
+
+
+class PolicyEtcdRefused(RuntimeError):
+    """At start, the etcd of ``--policy-etcd`` answered but refused the agent's credentials, its
+    role's read of the policy keys or the TLS handshake: the agent does not start (one that started
+    would run on its start bundle, answer ready, and go stale at the bundle's ``maxAgeMs``)."""
+
+
+async def policy_etcd_refusal(settings: AgentSettings) -> str | None:
+    """Why the agent must not start on its policy etcd (:func:`.policy_watch.etcd_refusal`), asked
+    once before the server starts (``python -m region_agent`` refuses with one line and exit 2) and
+    again by the lifespan for an app made in process. None also when etcd does not answer now."""
+    from .policy_watch import etcd_refusal, etcd_store
+    from .settings import policy_etcd_tls, resolve_secret
+
+    store = etcd_store(settings.policy_etcd or "", user=settings.policy_etcd_user,
+                       password=resolve_secret(settings.policy_etcd_password_file, "POLICY_ETCD_PASSWORD"),
+                       tls=policy_etcd_tls(settings), report_refusals=False)
+    try:
+        return await etcd_refusal(store, prefix=settings.policy_etcd_prefix, user=settings.policy_etcd_user)
+    finally:
+        await store.close()
 
 
 async def store_refusal(settings: AgentSettings) -> str | None:

@@ -15,9 +15,11 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.platform_collector import PlatformCollector
 
 from kernel.build_info import BuildInfo
+from kernel.etcd_store import EtcdRefused
 from kernel.metrics_exposition import (
     Collectors,
     WorkerProcesses,
@@ -29,6 +31,36 @@ from kernel.policy_metrics import policy_metrics
 
 from ..decision.keymeter import CLASSES, NewKeyMeter
 from .store_health import StoreHealth
+
+
+class EtcdRefusedGauge:
+    """``leasehold_agent_etcd_refused{cause}``: 1 while the agent's policy etcd refuses its reads
+    for that cause (:attr:`kernel.etcd_store.EtcdStore.refused`, read at collection), every cause
+    exported (0) from the start — the allocator's ``leasehold_allocator_etcd_refused`` for the
+    agent (docs/decisions/0065). A collector of its own: several workers each follow etcd, and
+    the answering worker's state is exported (as the snapshot age)."""
+
+    LABELS = ("cause",)
+    NAME = "leasehold_agent_etcd_refused"
+    HELP = ("1 while the policy etcd refuses this agent's reads for this cause (auth, permission, nospace, tls); "
+            "0 without --policy-etcd")
+
+    def __init__(self) -> None:
+        self._store: object = None
+
+    def follow(self, store: object) -> None:
+        self._store = store
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(self.NAME, self.HELP, labels=list(self.LABELS))]
+
+    def collect(self):
+        refused = getattr(self._store, "refused", {}) or {}
+        fam = GaugeMetricFamily(self.NAME, self.HELP, labels=list(self.LABELS))
+        for cause in EtcdRefused.CAUSES:
+            fam.add_metric([cause], 1.0 if any(e.cause == cause for e in refused.values()) else 0.0)
+        yield fam
+
 
 # no ``*_created`` series (one per counter and histogram child): they would double the series count
 # of the cardinality budget and carry nothing the dashboard or the alerts use
@@ -215,7 +247,9 @@ class AgentMetrics:
         r.register(self.new_keys)
         self.build_info = BuildInfo()
         r.register(self.build_info)
-        self._local += [self.store_health, self.policy_age, self.build_info]
+        self.etcd_refused = EtcdRefusedGauge()
+        r.register(self.etcd_refused)
+        self._local += [self.store_health, self.policy_age, self.etcd_refused, self.build_info]
         if self.multiprocess:
             # python_info is the same in every worker: the answering one's
             self._local += [WorkerProcesses(self.multiprocess), PlatformCollector(registry=None)]

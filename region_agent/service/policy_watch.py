@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kernel.etcd_store import EtcdStore
-from kernel.policy_store import PolicyStore
+from kernel.errors import LeaseholdError
+from kernel.etcd_store import EtcdRefused, EtcdStore
+from kernel.policy_store import PolicyStore, policy_key
 from kernel.watch import PolicyWatcher
 
 from ..decision.outcome import Answer
@@ -25,12 +26,49 @@ from ..models import AdmitRequest, Decision, DecisionSource, DeniedScope, Reason
 from .metrics import AgentMetrics
 from .policy import PolicyHolder
 
+# what each refusal at start asks the operator to check (EtcdRefused.cause; NOSPACE refuses no read)
+_START_REFUSALS = {
+    "auth": "etcd refused the agent's credentials for its policy source (authentication failed for user {user}): "
+            "check --policy-etcd-user and its password (LEASEHOLD_AGENT_POLICY_ETCD_PASSWORD or "
+            "--policy-etcd-password-file), and that the user exists (deploy/etcd/leasehold-roles.sh creates it)",
+    "permission": "etcd denied the agent's read of {key} (user {user}): its role must read policy/ under "
+                  "{prefix} (deploy/etcd/leasehold-roles.sh grants it)",
+    "tls": "the TLS handshake with the policy etcd failed on every endpoint: etcd's certificate must verify "
+           "against --policy-etcd-ca-file and name the endpoint's host, and etcd must accept "
+           "--policy-etcd-cert-file (signed by its --trusted-ca-file, not expired)",
+}
+
+
+def etcd_store(endpoints: str, *, timeout_ms: int = 1000, user: str | None = None, password: str | None = None,
+               tls: Any = None, report_refusals: bool = True) -> EtcdStore:
+    """The agent's etcd client for its policy source. ``tls``: the link's channel credentials
+    (``region_agent.service.settings.policy_etcd_tls``)."""
+    kw = {"user": user, "password": password} if user else {}
+    return EtcdStore(endpoints, timeout_s=timeout_ms / 1000, tls=tls, report_refusals=report_refusals, **kw)
+
+
+async def etcd_refusal(store: EtcdStore, *, prefix: str, user: str | None) -> str | None:
+    """Why the agent must not start on its policy etcd: the credentials, the role's read of the
+    policy keys or the TLS handshake refused (:class:`kernel.etcd_store.EtcdRefused`, as the
+    allocator's start, docs/decisions/0065). One read of the keys the watcher reads. None when
+    there is nothing to refuse, also when etcd does not answer now: the agent then starts on its
+    start bundle and follows etcd once it answers (its age says how long it has not)."""
+    try:
+        await PolicyStore(store, prefix).read_both()
+    except EtcdRefused as e:
+        if e.cause not in _START_REFUSALS:
+            return None
+        who = user or "(none: --policy-etcd-user is not set, and etcd's authentication is on)"
+        return _START_REFUSALS[e.cause].format(user=who, prefix=prefix, key=policy_key(prefix).decode())
+    except LeaseholdError:
+        return None
+    return None
+
 
 def make_watcher(holder: PolicyHolder, endpoints: str, *, prefix: str, reread_ms: int, timeout_ms: int = 1000,
                  user: str | None = None, password: str | None = None, tls: Any = None) -> PolicyWatcher:
     """``tls``: the link's channel credentials (``region_agent.service.settings.policy_etcd_tls``)."""
-    kw = {"user": user, "password": password} if user else {}
-    store = EtcdStore(endpoints, timeout_s=timeout_ms / 1000, tls=tls, **kw)
+    store = etcd_store(endpoints, timeout_ms=timeout_ms, user=user, password=password, tls=tls)
     return PolicyWatcher(PolicyStore(store, prefix), offer=holder.offer, refuse=holder.refuse_invalid,
                          reread_s=reread_ms / 1000, offer_canary=holder.offer_canary)
 

@@ -22,8 +22,6 @@ import os
 import secrets
 import subprocess
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -32,7 +30,6 @@ import pytest
 from allocator.election import ERROR_LOG_EVERY_S as ELECTION_LOG_EVERY_S
 from kernel.bundle import Pool
 from leasehold.local.procs import (
-    ETCD_USERS,
     LOOPBACK,
     EtcdCluster,
     Proc,
@@ -43,35 +40,13 @@ from leasehold.local.procs import (
 )
 from leasehold.local.services import allocator_command
 from tests.integration.allocator.helpers import write_bundle
+from tests.support.etcd_auth import PREFIX, AuthEtcd, auth_etcd_cluster
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
-PREFIX = "/leasehold/"  # the roles script's default prefix
 
 
-@dataclass
-class AuthEtcd:
-    cluster: EtcdCluster
-    passwords: dict[str, str]
-    files: dict[str, Path]
-
-    def root(self, *args: str) -> str:
-        return self.cluster.etcdctl(*args, user=f"root:{self.passwords['root']}")
-
-
-@pytest.fixture
-def auth_etcd(tmp_path: Path) -> Iterator[AuthEtcd]:
-    cluster = EtcdCluster(tmp_path / "etcd", members=1).start()
-    pw = {u: secrets.token_urlsafe(12) for u in ETCD_USERS}
-    files = {}
-    for user, password in pw.items():
-        files[user] = tmp_path / f"{user}.password"
-        files[user].write_text(password)
-    try:
-        cluster.apply_roles(files, PREFIX)
-        yield AuthEtcd(cluster, pw, files)
-    finally:
-        cluster.stop()
+auth_etcd = pytest.fixture(auth_etcd_cluster)
 
 
 @pytest.fixture

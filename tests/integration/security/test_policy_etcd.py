@@ -5,6 +5,8 @@ last good bundle kept, maxAgeMs revocation, shadow rules and a mid-run tightenin
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 import uuid
 from pathlib import Path
 
@@ -287,3 +289,86 @@ async def test_the_watch_alone_delivers_a_publish(redis_url, policy_file, etcd_c
             return (await agent.get("/v1/policy")).json()["bundleVersion"] == base.bundle_version + 3
         assert await await_until(switched, within_s=15)
         assert watcher.reads_ok > reads_before
+
+
+async def test_a_watch_on_a_lost_member_moves_with_the_reads(redis_url, policy_file, fresh_etcd_cluster, prefix):
+    """The member the agent's watch is on stops answering (SIGSTOP: a hung host; nothing arrives,
+    no error either): the next re-read times out on it and goes on to a live member, whose link
+    replaces the lost one's — closing it ends the watch, which is created again on the live
+    member, so the next publish is delivered by the watch, not only by the next re-read."""
+    cluster, base = fresh_etcd_cluster, northstar()
+    app = agent_app(redis_url, policy_file, cluster, prefix, reread_ms=3_000)
+    async with AsyncTestClient(app=app) as agent:
+        watcher = app.state.agent.policy_watch
+
+        def version(v: int):
+            async def seen() -> bool:
+                return (await agent.get("/v1/policy")).json()["bundleVersion"] == v
+            return seen
+
+        await asyncio.sleep(0.5)  # the watch is created on the endpoint in use
+        lost = cluster.endpoints.index(watcher.store.store._current().name)
+        live = ",".join(e for i, e in enumerate(cluster.endpoints) if i != lost)
+        pub = PolicyStore(EtcdStore(live), prefix)
+        cluster.procs[lost].signal(signal.SIGSTOP)
+        try:
+            await pub.publish(encode_bundle(bump(base, base.bundle_version + 1)))
+            assert await await_until(version(base.bundle_version + 1), within_s=10)  # the re-read
+            await asyncio.sleep(0.5)
+            started = time.monotonic()
+            await pub.publish(encode_bundle(bump(base, base.bundle_version + 2)))
+            assert await await_until(version(base.bundle_version + 2), within_s=10)
+            assert time.monotonic() - started < 1.0  # the watch, not the next re-read (3 s)
+        finally:
+            cluster.procs[lost].signal(signal.SIGCONT)
+            await pub.store.close()
+
+
+async def test_a_compaction_past_the_watchs_start_does_not_end_it(redis_url, policy_file, etcd_cluster, prefix,
+                                                                 pstore):
+    """The watch starts at "now" (no start revision): etcd compacting its history to the current
+    revision cancels no watch of the agent, and the next publish is still delivered by it (the
+    re-read set to 10 minutes)."""
+    base = northstar()
+    app = agent_app(redis_url, policy_file, etcd_cluster, prefix, reread_ms=600_000)
+    async with AsyncTestClient(app=app) as agent:
+        await asyncio.sleep(0.3)  # let the watch register
+        first = await pstore.publish(encode_bundle(bump(base, base.bundle_version + 1)))
+        await asyncio.to_thread(etcd_cluster.etcdctl, "compact", str(first.revision))
+
+        def version(v: int):
+            async def seen() -> bool:
+                return (await agent.get("/v1/policy")).json()["bundleVersion"] == v
+            return seen
+        assert await await_until(version(base.bundle_version + 1), within_s=10)
+        await pstore.publish(encode_bundle(bump(base, base.bundle_version + 2)))
+        assert await await_until(version(base.bundle_version + 2), within_s=10)
+
+
+async def test_the_watch_comes_back_after_every_member_restarted(redis_url, policy_file, fresh_etcd_cluster, prefix):
+    """Every member stopped for a few seconds, then started: the watch is created again within the
+    re-read period (its back-off is bounded by it) and delivers the next publish by itself."""
+    cluster, base = fresh_etcd_cluster, northstar()
+    app = agent_app(redis_url, policy_file, cluster, prefix, reread_ms=2_000)
+    async with AsyncTestClient(app=app) as agent:
+        def version(v: int):
+            async def seen() -> bool:
+                return (await agent.get("/v1/policy")).json()["bundleVersion"] == v
+            return seen
+
+        await asyncio.sleep(0.5)
+        for i in range(len(cluster.procs)):
+            await asyncio.to_thread(cluster.stop_member, i)
+        await asyncio.sleep(3.0)
+        await asyncio.gather(*(asyncio.to_thread(cluster.start_member, i) for i in range(len(cluster.procs))))
+        pub = PolicyStore(EtcdStore(",".join(cluster.endpoints)), prefix)
+        try:
+            await pub.publish(encode_bundle(bump(base, base.bundle_version + 1)))
+            assert await await_until(version(base.bundle_version + 1), within_s=15)
+            await asyncio.sleep(2.5)  # a re-read period: the watch is back by now
+            started = time.monotonic()
+            await pub.publish(encode_bundle(bump(base, base.bundle_version + 2)))
+            assert await await_until(version(base.bundle_version + 2), within_s=10)
+            assert time.monotonic() - started < 1.0, "delivered by a re-read, not the watch"
+        finally:
+            await pub.store.close()

@@ -758,3 +758,12 @@ def test_the_allocator_reads_reachable_before_the_first_call():
     went pending at the start of a healthy 2-worker agent under a real Prometheus."""
     m = manager()
     assert sample(m, "leasehold_agent_allocator_reachable") == 1
+
+
+def test_the_records_linger_is_the_allocators():
+    """A 404 for a report is expected once the allocator retired the window's records: the agent's
+    idea of when that is must be the allocator's."""
+    from allocator.window_cache import RECORD_MIN_LINGER_MS
+    from region_agent.leasing import manager as mgr
+
+    assert mgr.RECORD_MIN_LINGER_MS == RECORD_MIN_LINGER_MS
