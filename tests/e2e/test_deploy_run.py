@@ -154,10 +154,11 @@ class Pod:
                 ref = e["valueFrom"]["fieldRef"]["fieldPath"]
                 env[e["name"]] = {"metadata.name": self.pod_name or f"{self.name}-7c9d5-x2k4p", "status.podIP": self.pod_ip}[ref]
         argv = [_expand(a, env) for a in (c.get("command") or entrypoint or []) + c.get("args", [])]
-        if argv[:2] == ["python", "-m"]:
-            argv[0] = sys.executable
         env = {k: self.rewrite(v) for k, v in env.items()}
-        return [self.rewrite(a) for a in argv], env
+        argv = [self.rewrite(a) for a in argv]
+        if argv[:2] == ["python", "-m"]:  # the image's python is this one: its path is the host's, never
+            argv[0] = sys.executable      # rewritten (a checkout under /tmp is not the pod's /tmp emptyDir)
+        return argv, env
 
     def start(self, docs: list[dict], workdir: Path, entrypoint: list[str] | None = None,
               implied: list[str] = ()) -> Proc:
