@@ -44,6 +44,7 @@ from region_agent.service.settings import DEV_PEPPER as AGENT_DEV_PEPPER
 from tests.integration.allocator.helpers import in_process, lease_body, settings_for, wait_until
 from tests.integration.allocator.helpers import write_bundle as write_pools
 from tests.integration.region_agent.conftest import PEPPER, ROOT, admit_body, make_settings
+from tests.support.etcd_auth import auth_etcd_cluster
 
 AGENT_PW = secrets.token_urlsafe(16)
 ADMIN_PW = secrets.token_urlsafe(16)
@@ -90,19 +91,10 @@ async def test_agent_runs_with_its_acl_user_only(acl_redis, policy_file, monkeyp
 @pytest.fixture
 def auth_etcd(tmp_path) -> Iterator[tuple[EtcdCluster, dict[str, str]]]:
     """etcd with the roles of deploy/etcd/leasehold-roles.sh (the script itself, as `leasehold up`
-    and the deploy manifests run it)."""
-    cluster = EtcdCluster(tmp_path / "etcd-auth", members=1).start()
-    pw = {u: secrets.token_urlsafe(12) for u in ETCD_USERS}
-    files = {}
-    for user, password in pw.items():
-        files[user] = tmp_path / f"{user}.password"
-        files[user].write_text(password)
-    try:
-        cluster.apply_roles(files)
-        cluster.apply_roles(files)  # idempotent: a second run (authenticated as root) changes nothing
-        yield cluster, pw
-    finally:
-        cluster.stop()
+    and the deploy manifests run it), run twice."""
+    for etcd in auth_etcd_cluster(tmp_path):
+        etcd.cluster.apply_roles(etcd.files)  # idempotent: a second run (authenticated as root) changes nothing
+        yield etcd.cluster, etcd.passwords
 
 
 async def _refused(coro) -> None:
