@@ -17,6 +17,10 @@ RUN_PACKAGES := redis-server redis-tools etcd-server etcd-client openssl python3
 TEST_BINARIES := $(RUN_BINARIES) redis-sentinel faketime iptables ip nginx docker-compose prometheus promtool wrk
 TEST_PACKAGES := $(RUN_PACKAGES) redis-sentinel faketime iptables iproute2 nginx docker-compose prometheus wrk
 PYTEST_ARGS ?=
+# make test runs the suite's files on this many pytest-xdist workers, each file whole on one worker
+# and in the order they are collected (chaos, e2e, integration, unit: the long files first, the short
+# unit files fill the end); TEST_WORKERS=0 runs it in this one process (docs/testing.md)
+TEST_WORKERS ?= 2
 
 .PHONY: help setup setup-run system-deps-run system-deps venv-demo venv-test run test test-unit \
         test-integration test-e2e fuzz chaos chaos-short bench lint clean doc-tables constraints policies
@@ -86,7 +90,7 @@ run: setup-run
 	$(VENV)/bin/leasehold demo
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
