@@ -71,8 +71,14 @@ def build_requirements(pyproject: Path = REPO / "pyproject.toml") -> list[Requir
     return [Requirement(r) for r in tomllib.loads(pyproject.read_text())["build-system"]["requires"]]
 
 
-def render(versions: dict[str, str]) -> str:
-    return HEADER + "".join(f"{name}=={versions[name]}\n" for name in sorted(versions))
+BUILD_NOTE = "  # [build-system] requires: the image build's isolated environment (PIP_CONSTRAINT)"
+
+
+def render(versions: dict[str, str], build: frozenset[str] = frozenset()) -> str:
+    """The file ``--write`` writes: the header, then a pin per name in name order, the build
+    backend's (not in the venv, kept from the file) with a note saying why it is there."""
+    return HEADER + "".join(f"{name}=={versions[name]}{BUILD_NOTE if name in build else ''}\n"
+                            for name in sorted(versions))
 
 
 def problems(pins: dict[str, str], have: dict[str, str], reqs: list[Requirement]) -> list[str]:
@@ -98,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--write", action="store_true")
     args = ap.parse_args(argv)
     if args.write:
-        build = {canonicalize_name(r.name) for r in build_requirements()}
+        build = frozenset(canonicalize_name(r.name) for r in build_requirements())
         kept = {n: v for n, v in read().items() if n in build} if FILE.exists() else {}
-        FILE.write_text(render(installed() | kept))
+        FILE.write_text(render(installed() | kept, build))
         print(f"wrote {FILE} ({len(read())} pins)")
         return 0
     bad = problems(read(), installed(), requirements() + build_requirements())

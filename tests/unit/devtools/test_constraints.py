@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from devtools import constraints
 
@@ -56,3 +57,10 @@ def test_the_build_backend_is_pinned_for_the_image_build():
         assert req.name in pins and req.specifier.contains(pins[req.name]), req
     assert constraints.problems({}, {}, [Requirement("setuptools>=77")]) == \
         ["setuptools>=77 (pyproject.toml) is not pinned in constraints.txt"]
+
+
+def test_the_file_is_what_write_writes():
+    """``make constraints`` rewrites the file from the venv: a hand edit it would undo (an order, a
+    note) is a diff waiting for the next upgrade. (Its build-backend note was lost that way.)"""
+    build = frozenset(canonicalize_name(r.name) for r in constraints.build_requirements())
+    assert constraints.render(constraints.read(), build) == constraints.FILE.read_text()
