@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = create_app(settings, install_signal_handlers=True)
     except PolicyError as e:
-        print(f"allocator: {e.detail}", file=sys.stderr)
-        for err in e.errors:
-            print(f"  - {err}", file=sys.stderr)
+        print(f"allocator: refusing to start: {e.detail}", file=sys.stderr)
+        for problem in e.further:  # a problem the line states already is not said again
+            print(f"  - {problem}", file=sys.stderr)
         return 2
     import asyncio
 

@@ -81,8 +81,7 @@ def _first_url(state: dict, kind: str, region: str | None = None) -> str:
 
 def _invalid(e: PolicyError, what: str = "invalid") -> Failure:
     from .policy_cli import policy_hints
-    details = [x for x in e.errors if x not in e.detail]  # a problem the message already states is not repeated
-    return Failure(Exit.USAGE, f"{what}: {e.detail}", [*details, *policy_hints(e)])
+    return Failure(Exit.USAGE, f"{what}: {e.detail}", [*e.further, *policy_hints(e)])
 
 
 def _split(text: str) -> list[str]:
