@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
+
+# grpc's core logs (C, to stderr) before anything else of it runs: off unless asked for, as on the
+# agent. A refused TLS handshake with etcd was its line and then the allocator's refusal saying it
+# again; what the allocator must say about its etcd links it logs itself (the refusal, the gauge)
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 from kernel.config import ConfigError
 from kernel.errors import PolicyError
