@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
+
+# grpc's core logs (C, to stderr) before anything else of it runs: off unless asked for, as on the
+# agent. A refused TLS handshake with etcd was its line and then the allocator's refusal saying it
+# again; what the allocator must say about its etcd links it logs itself (the refusal, the gauge)
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 from kernel.config import ConfigError
 from kernel.errors import PolicyError
@@ -33,9 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = create_app(settings, install_signal_handlers=True)
     except PolicyError as e:
-        print(f"allocator: {e.detail}", file=sys.stderr)
-        for err in e.errors:
-            print(f"  - {err}", file=sys.stderr)
+        print(f"allocator: refusing to start: {e.detail}", file=sys.stderr)
+        for problem in e.further:  # a problem the line states already is not said again
+            print(f"  - {problem}", file=sys.stderr)
         return 2
     import asyncio
 

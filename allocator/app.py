@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from litestar import Litestar, MediaType, Request, Response, get, post
@@ -61,18 +61,24 @@ from .writer import Writer, wall_ms
 log = logging.getLogger(__name__)
 VALIDATION_STATUS = 400  # a body or parameter that does not fit the schema (the agent answers 422)
 
-Guard = Callable[[ASGIConnection[Any, Any, Any, Any], BaseRouteHandler], Any]
+Guard = Callable[[ASGIConnection[Any, Any, Any, Any], BaseRouteHandler | None], Any]
 
 
-async def region_auth_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
-    """Authentication of the lease endpoints: runs the app's check, by default
-    :class:`kernel.auth.RegionAuth` (a region's bearer token, else 401); none with
-    ``--auth-disabled``. ``create_app(auth_guard=...)`` plugs another check in here."""
-    check = connection.app.state.get("auth_guard")
+async def check_caller(state: State, connection: ASGIConnection[Any, Any, Any, Any],
+                       handler: BaseRouteHandler | None) -> None:
+    """Run the app's check of the caller, by default :class:`kernel.auth.RegionAuth` (a region's
+    bearer token, else 401); none with ``--auth-disabled``. ``create_app(auth_guard=...)`` plugs
+    another check in here. ``handler``: None before routing (:func:`lease_spans`)."""
+    check = state.get("auth_guard")
     if check is not None:
         result = check(connection, handler)
         if hasattr(result, "__await__"):
             await result
+
+
+async def region_auth_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+    """Authentication of the lease endpoints (:func:`check_caller`)."""
+    await check_caller(connection.app.state, connection, handler)
 
 
 # -- routes -------------------------------------------------------------------------------------
@@ -264,21 +270,33 @@ async def metrics(state: State) -> Response[bytes]:
     return Response(content=_writer(state).metrics.render(), media_type=CONTENT_TYPE)
 
 
-def lease_spans(app: Any) -> Any:
-    """ASGI middleware: with tracing on, a ``leasehold.lease_request`` server span per lease and
-    usage request, child of the region's span when it sent a ``traceparent`` (kernel.tracing);
-    the committer links each transaction to the spans of the requests it carries."""
+def lease_spans(state_of: Callable[[], State]) -> Callable[[Any], Any]:
+    """ASGI middleware factory: with tracing on, a ``leasehold.lease_request`` server span per lease
+    and usage request of an authenticated region, child of the region's span when it sent a
+    ``traceparent`` (kernel.tracing); the committer links each transaction to the spans of the
+    requests it carries. The caller is checked first (:func:`check_caller`, once per request: the
+    route's guard and the fast path take its result): one who does not pass gets its 401 and no span,
+    so neither its trace context nor its path reaches the collector."""
 
-    async def serve(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if not tracing.ENABLED or scope["type"] != "http" or not scope["path"].startswith(("/v1/leases", "/v1/usage")):
-            await app(scope, receive, send)
-            return
-        with tracing.span("leasehold.lease_request", kind=tracing.SpanKind.SERVER,
-                          parent=tracing.context_of(scope.get("headers", ())),
-                          attributes={"http.request.method": scope["method"], "url.path": scope["path"]}):
-            await app(scope, receive, send)
+    def middleware(app: Any) -> Any:
+        async def serve(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if not tracing.ENABLED or scope["type"] != "http" \
+                    or not scope["path"].startswith(("/v1/leases", "/v1/usage")):
+                await app(scope, receive, send)
+                return
+            try:
+                await check_caller(state_of(), ASGIConnection(cast(Any, scope)), None)
+            except LeaseholdError:
+                await app(scope, receive, send)  # the route's guard answers the 401
+                return
+            with tracing.span("leasehold.lease_request", kind=tracing.SpanKind.SERVER,
+                              parent=tracing.context_of(scope.get("headers", ())),
+                              attributes={"http.request.method": scope["method"], "url.path": scope["path"]}):
+                await app(scope, receive, send)
 
-    return serve
+        return serve
+
+    return middleware
 
 
 # -- assembly -----------------------------------------------------------------------------------
@@ -405,7 +423,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
 
     handlers: list[Any] = [post_lease, post_batch, post_usage, post_usage_batch, get_lease, get_leader, get_shards, get_pools,
                            get_pool, healthz, readyz, store_health, metrics]
-    middleware: list[Any] = [lease_spans]  # plain ASGI middleware (scope as a dict): typed by our own aliases
+    middleware: list[Any] = [lease_spans(lambda: app.state)]  # plain ASGI middleware (scope as a dict)
     if fast_path:
         middleware.append(batch_fast_path(lambda: app.state, settings.max_body_bytes))
     app = Litestar(

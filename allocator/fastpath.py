@@ -69,8 +69,8 @@ def batch_fast_path(state_of: Callable[[], Any], max_body: int) -> Callable[[ASG
             if writer is None or (guard is not None and not isinstance(guard, RegionAuth)) or not _is_json(headers):
                 await app(scope, receive, send)
                 return
-            who = None
-            if guard is not None:
+            who = scope.get(SCOPE_KEY)  # authenticated already (the span middleware, with tracing on)
+            if guard is not None and who is None:
                 try:
                     who = authenticate(guard.table, headers)
                 except LeaseholdError:

@@ -112,7 +112,8 @@ class RegionAuth:
         self.table = table
 
     def __call__(self, connection: Any, handler: Any) -> None:
-        connection.scope[SCOPE_KEY] = authenticate(self.table, connection.scope["headers"])
+        if SCOPE_KEY not in connection.scope:  # once per request (the allocator's span middleware checks first)
+            connection.scope[SCOPE_KEY] = authenticate(self.table, connection.scope["headers"])
 
 
 def require_region(scope: Any, region: str) -> None:

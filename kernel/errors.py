@@ -104,6 +104,12 @@ class PolicyError(LeaseholdError):
         if self.errors:
             self.extra.setdefault("errors", self.errors)
 
+    @property
+    def further(self) -> list[str]:
+        """The problems ``detail`` does not state already: what a report lists below it (a one-problem
+        bundle's detail names its problem, so it is said once)."""
+        return [p for p in self.errors if p not in self.detail]
+
 
 class StaleVersion(Conflict):
     code, title = "stale-version", "Bundle version is not higher than the current one"

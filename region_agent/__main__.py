@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         TrustedKeys.from_files(settings.policy_public_keys).check(bundle)
     except PolicyError as e:
         print(f"region_agent: refusing to start: {e.detail}", file=sys.stderr)
-        for problem in e.errors:
+        for problem in e.further:  # a problem the line states already is not said again
             print(f"  - {problem}", file=sys.stderr)
         return 2
     try:

@@ -129,7 +129,8 @@ class BatchDecisions(Struct, rename="camel"):
 
 class ReleaseResult(Struct, rename="camel"):
     request_id: str
-    released: int  # concurrency gates the request was evaluated against
+    released: int  # gates whose live slot this call freed (0: never taken, already released, or expired)
+    gates: int  # concurrency gates the request was evaluated against
 
 
 RenewRequest = ReleaseRequest  # the same question: which request's concurrency slots

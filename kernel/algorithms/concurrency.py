@@ -58,13 +58,14 @@ KIND = register_kind(Kind("cc", "CC", "lib/concurrency.lua", ConcurrencyParams.f
 
 def release(state: ConcurrencyState | None, now_ms: int, slot_id: str
             ) -> tuple[bool, int, ConcurrencyState | None]:
-    """(released, in_flight, new state); new state None when nothing was removed."""
+    """(released, in_flight, new state): released when a live slot was freed (an expired one is
+    removed too, but it held nothing); new state None when nothing was removed."""
     slots = dict(state.slots) if state else {}
     if slot_id not in slots:
         return False, len(_live(state, now_ms)), None
-    del slots[slot_id]
+    expiry = slots.pop(slot_id)
     live = {m: s for m, s in slots.items() if s > now_ms}
-    return True, len(live), ConcurrencyState(live)
+    return expiry > now_ms, len(live), ConcurrencyState(live)
 
 
 def renew(state: ConcurrencyState | None, params: ConcurrencyParams, now_ms: int, slot_id: str

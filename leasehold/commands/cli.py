@@ -81,8 +81,7 @@ def _first_url(state: dict, kind: str, region: str | None = None) -> str:
 
 def _invalid(e: PolicyError, what: str = "invalid") -> Failure:
     from .policy_cli import policy_hints
-    details = [x for x in e.errors if x not in e.detail]  # a problem the message already states is not repeated
-    return Failure(Exit.USAGE, f"{what}: {e.detail}", [*details, *policy_hints(e)])
+    return Failure(Exit.USAGE, f"{what}: {e.detail}", [*e.further, *policy_hints(e)])
 
 
 def _split(text: str) -> list[str]:
@@ -651,6 +650,9 @@ def cmd_secrets_generate(args: argparse.Namespace) -> int:
         made = generate(Path(args.out), args.regions, force=args.force)
     except SecretsError as e:
         raise Failure(Exit.USAGE, str(e)) from None
+    except OSError as e:  # the disk, a quota, a permission: nothing was put in place (generate is all or nothing)
+        raise Failure(Exit.USAGE, f"cannot write the credentials to {args.out}: {e.strerror or e}; "
+                                  f"{args.out} is as it was") from None
     data = {"dir": str(made.dir), "files": [p.name for p in made.files]}
     return out(args).result(data, lambda d: f"wrote {len(d['files'])} files to {d['dir']} (directory 0700; "
                                             f"policy-signing.key and dev-idp.key 0600): {', '.join(d['files'])}\n"

@@ -57,7 +57,7 @@ def fail(args: argparse.Namespace, e: PolicyError | str, code: int = EXIT_USAGE)
     if isinstance(e, str):
         return out(args).failure(Failure(Exit(code), e))
     return out(args).failure(Failure(Exit(code), f"invalid: {e.detail}",
-                                     [p for p in e.errors if p not in e.detail] + policy_hints(e)))
+                                     e.further + policy_hints(e)))
 
 
 def policy_hints(e: PolicyError) -> list[str]:

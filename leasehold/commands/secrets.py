@@ -33,6 +33,8 @@ jwks.json                      FOR DEVELOPMENT: that key's public half, the JWKS
 
 Services store only digests of the tokens. An existing file is never replaced (``--force``
 replaces them all): re-running the command cannot swap a deployment's credentials by accident.
+All or nothing: a run that fails or is interrupted leaves the directory as it was (the files
+are written apart first and moved into place only when every one of them is written).
 The directory is 0700; the private keys 0600; the other files 0644 so that containers
 running as their own user (uid 10001) can read them through a bind mount — the directory keeps
 them from other users of the host.
@@ -40,11 +42,15 @@ them from other users of the host.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import secrets
+import shutil
+import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,35 +92,83 @@ class Generated:
     files: list[Path]
 
 
+STAGE_PREFIX = ".leasehold-secrets-"  # the staging directory a run writes into before anything is in place
+
+
 def generate(out: Path, regions: tuple[str, ...] = ("eu", "us"), *, force: bool = False) -> Generated:
     """Write the credentials into ``out`` (created 0700). Refuses when any of them exists,
-    unless ``force``."""
+    unless ``force``. All or nothing: every file is written into a staging directory first (beside
+    ``out`` when it does not exist, inside it when it does: one filesystem either way), and only a
+    complete set is moved into place; a failure or an interruption leaves ``out`` as it was. (A run
+    killed outright leaves its staging directory, ``.leasehold-secrets-*``, never a partial ``out``.)"""
     if not regions or len(set(regions)) != len(regions) or not all(REGION_RE.match(r) for r in regions):
         raise SecretsError(f"regions must be distinct names matching {human(REGION)}: {','.join(regions)!r}")
     if out.exists() and not out.is_dir():
         raise SecretsError(f"{out} is not a directory")
-    existing = [n for n in file_names(regions) if (out / n).exists()]
+    names = file_names(regions)
+    existing = [n for n in names if os.path.lexists(out / n)]
     if existing and not force:
         raise SecretsError(f"{out} already holds {', '.join(existing)}: refusing to replace credentials "
                            f"(--force replaces them all)")
+    dirs = [n for n in existing if (out / n).is_dir() and not (out / n).is_symlink()]
+    if dirs:  # --force replaces files, never a directory someone put there
+        raise SecretsError(f"{out / dirs[0]} is a directory, not a credential file: move it away first")
     if out.is_dir() and out.stat().st_mode & 0o077:
         others = sorted(p.name for p in out.iterdir() if not CREDENTIAL_RE.match(p.name))
         if others:  # never narrow the mode of a directory that holds other things (a checkout, /tmp, a home)
             raise SecretsError(f"{out} is open to other users and holds other files ({', '.join(others[:3])}"
                                f"{', ...' if len(others) > 3 else ''}): the credentials need a directory of their "
                                f"own (a new one is created 0700)")
-    out.mkdir(parents=True, exist_ok=True)
+    fresh = not out.is_dir()
+    if fresh:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=out.parent if fresh else out))  # 0700
+    try:
+        _write(stage, regions)
+        if fresh:
+            os.rename(stage, out)  # the directory appears whole
+        else:
+            _move_in(stage, out, names)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)  # what is left: a failed run's files, the replaced ones
+    return Generated(out, [out / n for n in names])
+
+
+def _move_in(stage: Path, out: Path, names: list[str]) -> None:
+    """Move the staged files into the existing directory ``out`` (narrowed to 0700 first). Each
+    rename is atomic; should one fail, the ones done are undone and the files they replaced (kept
+    in the stage meanwhile) put back, and ``out`` gets its mode back."""
+    mode = stat.S_IMODE(out.stat().st_mode)
+    replaced = stage / ".replaced"
+    replaced.mkdir()
+    placed: list[str] = []
     out.chmod(0o700)
-    written: list[Path] = []
+    try:
+        for name in names:
+            if os.path.lexists(out / name):
+                os.rename(out / name, replaced / name)
+            os.rename(stage / name, out / name)
+            placed.append(name)
+    except BaseException:
+        for name in placed:
+            with contextlib.suppress(OSError):
+                os.rename(out / name, stage / name)
+        for old in replaced.iterdir():
+            with contextlib.suppress(OSError):
+                os.rename(old, out / old.name)
+        with contextlib.suppress(OSError):
+            out.chmod(mode)
+        raise
+
+
+def _write(d: Path, regions: tuple[str, ...]) -> None:
+    """Every credential file of ``regions`` into the new, empty directory ``d``."""
 
     def put(name: str, text: str) -> None:
-        path = out / name
-        path.unlink(missing_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(d / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        path.chmod(0o644)  # whatever the umask: readable by a container's own user (see the module doc)
-        written.append(path)
+        (d / name).chmod(0o644)  # whatever the umask: readable by a container's own user (see the module doc)
 
     def token() -> str:  # single values are written without a newline (etcdctl reads passwords raw)
         return secrets.token_urlsafe(32)
@@ -135,25 +189,18 @@ def generate(out: Path, regions: tuple[str, ...] = ("eu", "us"), *, force: bool 
     put("redis-users.acl", f"user default on >{admin} ~* &* +@all\nuser {agent_acl('agent', agent)}\n")
     for user in ETCD_USERS:
         put(f"etcd-{user}.password", token())
-    for name in ("policy-signing.key", "policy-signing.pub"):
-        (out / name).unlink(missing_ok=True)
-    key, pub = generate_keypair(out, "policy-signing")  # the key 0600, never mounted into a service
+    _, pub = generate_keypair(d, "policy-signing")  # the key 0600, never mounted into a service
     pub.chmod(0o644)
-    written += [key, pub]
     # etcd's TLS (decision 0069): a CA, and a certificate for the members; clients get the CA only
     for name, data, mode in etcd_pki():
-        (out / name).unlink(missing_ok=True)
-        fd = os.open(out / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        fd = os.open(d / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        (out / name).chmod(mode)
-        written.append(out / name)
+        (d / name).chmod(mode)
     # a stand-in identity provider for trying the stack (module doc): its key 0600, its JWKS
     idp = DevIssuer()
-    (out / "dev-idp.key").unlink(missing_ok=True)
-    written.append(idp.write_key(out / "dev-idp.key"))
+    idp.write_key(d / "dev-idp.key")
     put("jwks.json", json.dumps(idp.jwks(), indent=2) + "\n")
-    return Generated(out, written)
 
 
 ETCD_NAMESPACE = "leasehold"  # deploy/k8s's namespace

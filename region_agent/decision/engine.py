@@ -225,14 +225,16 @@ class DecisionEngine:
                 out.append(self._finish(prep, await self._settle_later(prep, done[0], *done[1])))
         return out
 
-    async def release(self, req: ReleaseRequest) -> int:
+    async def release(self, req: ReleaseRequest) -> tuple[int, int]:
+        """(slots freed, gates): a slot never taken, already released or expired frees nothing."""
         snap = self.get_snapshot() if self.snapshot_for is None else self.snapshot_for(req.tenant_id)
         cc_keys = cc_keys_for_release(snap, request_tenant=req.tenant_id, principal=req.principal,
                                       route_group=req.route_group, keys=self.keys)
         deadline = self.clock() + self.budget  # the decision budget, as for an admission
+        released = 0
         for key in cc_keys:
-            await self.store.release(key, req.request_id, wait_s=max(0.0, deadline - self.clock()))
-        return len(cc_keys)
+            released += await self.store.release(key, req.request_id, wait_s=max(0.0, deadline - self.clock()))
+        return released, len(cc_keys)
 
     async def renew(self, req: RenewRequest) -> tuple[int, int]:
         """Heartbeat: (slots extended, gates). A slot that was released or expired

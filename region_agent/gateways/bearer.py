@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -37,6 +38,10 @@ log = logging.getLogger(__name__)
 ASYMMETRIC = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
 DEFAULT_CLAIMS = {"tenant": "tenant", "user": "sub", "api_key": "api_key"}
 MAX_TOKEN_CHARS = 8_192  # longer is not a token we verify (bounded work per request)
+# ``Authorization: Bearer <token>`` as RFC 6750 (2.1) spells it: the scheme in any case (RFC 9110
+# 11.1), one or more spaces, the token (b64token), nothing else; so a client's token is read the same
+# however it spells the scheme or spaces it, here and at the shipped Envoys (deploy/gateways)
+CREDENTIALS = re.compile(r"[ \t]*bearer +([A-Za-z0-9\-._~+/]+=*)[ \t]*\Z", re.IGNORECASE)
 RELOAD_CHECK_S = 1.0
 
 
@@ -49,8 +54,6 @@ class Identity(NamedTuple):
 class BearerVerifier:
     def __init__(self, jwks_file: str, *, issuer: str, audience: str, claims: Iterable[str] = (),
                  leeway_s: int = 30, clock=time.monotonic):
-        import re
-
         self.path = jwks_file
         self.issuer = issuer
         self.audience = audience
@@ -94,11 +97,12 @@ class BearerVerifier:
 
     def identity(self, authorization: str | None) -> Identity | None:
         """The identity of ``Authorization: Bearer <jwt>``, or None (no identity, whatever the reason)."""
-        if not authorization or len(authorization) > MAX_TOKEN_CHARS + 7:
+        if not authorization or len(authorization) > MAX_TOKEN_CHARS + 64:
             return None
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        m = CREDENTIALS.match(authorization)
+        if m is None:
             return None
+        token = m.group(1)
         self._maybe_reload()
         try:
             kid = jwt.get_unverified_header(token).get("kid")

@@ -136,8 +136,8 @@ async def decide_batch(st: AgentState, reqs: list[AdmitRequest], carrier: Any = 
       summary="Release the concurrency slot(s) of a request (idempotent)")
 async def release(engine: NamedDependency[DecisionEngine],
                   data: Annotated[ReleaseRequest, Body(title="ReleaseRequest")]) -> ReleaseResult:
-    n = await engine.release(data)
-    return ReleaseResult(request_id=data.request_id, released=n)
+    released, gates = await engine.release(data)
+    return ReleaseResult(request_id=data.request_id, released=released, gates=gates)
 
 
 @post("/v1/renew", status_code=200, request_max_body_size=MAX_BODY_BYTES,

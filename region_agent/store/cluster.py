@@ -376,10 +376,11 @@ class ClusterStore:
         :meth:`call_script`)."""
         return self
 
-    async def release(self, key: str, slot_id: str, *, wait_s: float | None = None) -> None:
+    async def release(self, key: str, slot_id: str, *, wait_s: float | None = None) -> bool:
         (reply,) = await self.submit([("concurrency_release", [key], [slot_id])], wait_s=wait_s)
         if isinstance(reply, BaseException):
             raise sc.translate_redis_error(reply, sent=True)
+        return bool(int(reply[0]))
 
     async def renew(self, key: str, slot_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:
         (reply,) = await self.submit([("concurrency_renew", [key], [slot_id, ttl_ms])], wait_s=wait_s)

@@ -285,13 +285,15 @@ class RedisNode:
                                  f"{self.breaker.failure_threshold} consecutive store failures; decisions "
                                  f"degrade per rule failMode{more}")
 
-    async def release(self, key: str, slot_id: str, *, wait_s: float | None = None) -> None:
-        """End a concurrency slot. Like a decision it goes through the breaker and the batcher
+    async def release(self, key: str, slot_id: str, *, wait_s: float | None = None) -> bool:
+        """End a concurrency slot; False when no live slot was freed (never taken, already
+        released, expired). Like a decision it goes through the breaker and the batcher
         under the caller's budget: a hung Redis answers ``Unavailable`` (503, retriable; the lease
         also ends by its TTL) after ``wait_s``, not after the socket timeout."""
         (reply,) = await self.submit([("concurrency_release", [key], [slot_id])], wait_s=wait_s)
         if isinstance(reply, BaseException):
             raise translate(reply)
+        return bool(int(reply[0]))
 
     async def renew(self, key: str, slot_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:
         """Heartbeat of a live concurrency slot; False when it is gone (released or expired).

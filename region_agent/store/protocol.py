@@ -18,8 +18,9 @@ class Store(Protocol):
         overloaded, past ``wait_s``). A coroutine function satisfies it."""
         ...
 
-    async def release(self, key: str, slot_id: str, *, wait_s: float | None = None) -> None:
-        """End the concurrency slot ``slot_id`` of the gate at ``key``."""
+    async def release(self, key: str, slot_id: str, *, wait_s: float | None = None) -> bool:
+        """End the concurrency slot ``slot_id`` of the gate at ``key``; False when no live slot
+        was freed (never taken, already released, or expired)."""
         ...
 
     async def renew(self, key: str, slot_id: str, ttl_ms: int, *, wait_s: float | None = None) -> bool:

@@ -1,10 +1,11 @@
 """Each class of bad setting, through the services' real entry points (``python -m region_agent``,
 ``python -m allocator`` as subprocesses): exit status 2, one line on stderr that names the option
-and what is valid, never a traceback, nothing started. And ``--help`` gives every option's meaning
-and default."""
+and what is valid, never a traceback, nothing started; a refused bundle says each problem once. And
+``--help`` gives every option's meaning and default."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -111,6 +112,42 @@ def test_allocator_names_missing_required_settings():
     res = run("allocator", "--policy", "b.json")
     _assert_refused(res, "allocator", "missing required settings --etcd (or LEASEHOLD_ALLOCATOR_ETCD)")
     assert "--node-id (or LEASEHOLD_ALLOCATOR_NODE_ID)" in res.stderr
+
+
+@pytest.fixture(scope="module")
+def bad_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, list[str]]]:
+    """name -> (bundle file, the problems its refusal must say, each once)."""
+    d = tmp_path_factory.mktemp("bundles")
+    doc = json.loads((ROOT / "policies" / "northstar.json").read_text())
+    twice = json.loads(json.dumps(doc))
+    twice["rules"][1]["id"] = twice["rules"][0]["id"]  # and so its checksum no longer matches: 2 problems
+    unsealed = {**doc, "checksum": "sha256:" + "0" * 64}
+    out = {}
+    for name, text, problems in (
+            ("not-json", "{not json", ["object keys must be strings"]),
+            ("schema", json.dumps({"bundleVersion": 1}), ["missing required field `publishedAt`"]),
+            ("checksum", json.dumps(unsealed), ["checksum mismatch"]),
+            ("two-problems", json.dumps(twice), ["checksum mismatch", "rule id 'read-user-v3' is used twice"])):
+        (d / f"{name}.json").write_text(text)
+        out[name] = (str(d / f"{name}.json"), problems)
+    return out
+
+
+@pytest.mark.parametrize("module", ["region_agent", "allocator"])
+@pytest.mark.parametrize("name", ["not-json", "schema", "checksum", "two-problems"])
+def test_a_refused_bundle_says_each_problem_once(module: str, name: str, bad_bundles):
+    """A bundle with one problem was refused in two lines, the problem said twice (the refusal's
+    line, then the same problem as a list item); now one line, and a list item only for a problem the
+    line does not say. The allocator's line also says it refuses to start, as its other refusals do."""
+    path, problems = bad_bundles[name]
+    base = (*AGENT_BASE, "--auth-disabled") if module == "region_agent" else ALLOCATOR_BASE
+    res = run(module, *base, "--policy", path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr and res.stdout == "", res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert lines[0].startswith(f"{module}: refusing to start: "), res.stderr
+    assert len(lines) == len(problems), res.stderr  # the line, then each problem it does not state
+    for problem in problems:
+        assert res.stderr.count(problem) == 1, res.stderr
 
 
 @pytest.mark.parametrize("module", ["region_agent", "allocator"])

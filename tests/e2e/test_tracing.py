@@ -127,18 +127,50 @@ def test_a_trace_crosses_gateway_agent_and_allocator(receiver, topology):
         assert got and attrs(got[0])["leasehold.door"] == door, door
 
 
-def test_a_clients_path_is_cut_short_on_the_allocators_span(receiver, topology):
-    """The allocator's request span is opened before the request is authenticated: a client's
-    14 KiB path (under the 16 KiB head limit) is kept as 256 characters, not whole."""
+def _region_headers(topology, trace_hex: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {topology.secrets.regions['eu']}",
+            "traceparent": f"00-{trace_hex}-00000000000000cc-01"}
+
+
+def test_a_regions_path_is_cut_short_on_the_allocators_span(receiver, topology):
+    """A region's 14 KiB path (under the 16 KiB head limit) is kept as 256 characters on the
+    allocator's request span, not whole."""
     rec, _ = receiver
     trace_hex = secrets.token_hex(16)
     path = "/v1/leases/" + "x" * 14_000 + "/usage"
-    r = httpx.post(topology.allocator_urls[0] + path, json={},
-                   headers={"traceparent": f"00-{trace_hex}-00000000000000cc-01"}, timeout=5)
-    assert r.status_code == 401, r.text
+    r = httpx.post(topology.allocator_urls[0] + path, json={}, headers=_region_headers(topology, trace_hex),
+                   timeout=5)
+    assert r.status_code in (400, 404), r.text  # authenticated; the lease id is refused
     spans = _wait(lambda: rec.find("leasehold-allocator", "leasehold.lease_request", bytes.fromhex(trace_hex)))
     assert spans, "no allocator span for the request"
     assert attrs(spans[0])["url.path"] == path[:256]
+
+
+def test_a_caller_the_allocator_does_not_authenticate_makes_no_span(receiver, topology):
+    """The allocator opened its request span before the caller was authenticated: any client that
+    reached the port, with no token or a wrong one, had its trace context and path exported to the
+    collector. Only a region that passed authentication gets a span now; the others get their 401."""
+    rec, _ = receiver
+    url = topology.allocator_urls[0]
+    refused = {}
+    for name, auth in (("none", None), ("wrong", "Bearer " + secrets.token_urlsafe(32)),
+                       ("gateway", topology.gateway_headers()["Authorization"])):
+        trace_hex = secrets.token_hex(16)
+        headers = {"traceparent": f"00-{trace_hex}-00000000000000dd-01", **({"Authorization": auth} if auth else {})}
+        for method, path, body in (("POST", "/v1/leases", {}), ("POST", "/v1/leases/batch", {"requests": []}),
+                                   ("POST", "/v1/usage/batch", {"reports": []}), ("GET", "/v1/leases/eu-0123456789", None)):
+            r = httpx.request(method, url + path, json=body, headers=headers, timeout=5)
+            assert r.status_code == 401, (name, path, r.text)
+        refused[name] = bytes.fromhex(trace_hex)
+    # then a region's request, whose span is exported after theirs would have been
+    passed = secrets.token_hex(16)
+    r = httpx.get(url + "/v1/leases/eu-0123456789", headers=_region_headers(topology, passed), timeout=5)
+    assert r.status_code == 404, r.text
+    assert _wait(lambda: rec.find("leasehold-allocator", "leasehold.lease_request", bytes.fromhex(passed))), \
+        "no allocator span for the region's request"
+    time.sleep(1.0)  # one more export interval for anything still queued
+    for name, trace_id in refused.items():
+        assert not rec.find("leasehold-allocator", None, trace_id), name
 
 
 def _traced_agent(tmp_path, redis_url: str, endpoint: str):

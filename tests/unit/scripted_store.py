@@ -25,7 +25,7 @@ class ScriptedStore:
         return answer
 
     async def release(self, key, lease_id, *, wait_s=None):
-        return None
+        return True
 
     async def renew(self, key, lease_id, ttl_ms, *, wait_s=None):
         return True

@@ -326,3 +326,32 @@ __all__ = ["AMBIGUOUS_PATHS", "FORGED_IP", "LOGIN_LOOKALIKES", "UPGRADES", "a_qu
            "ip_keys_of", "keys", "no_token_claims_nothing", "p_read_with_hostile_headers",
            "replayed_request_id_is_not_the_clients", "route_group_is_the_routes", "send_raw",
            "the_anonymous_route_is_login_alone", "tokens", "unkeyable_claims_are_refused", "user_key"]
+
+
+
+# how a client may spell the one header carrying its token: the scheme in any case (RFC 9110 11.1),
+# one or more spaces before the token (RFC 6750 2.1: 1*SP)
+BEARER_SPELLINGS = ("Bearer {}", "bearer {}", "BEARER {}", "bEaReR {}", "Bearer  {}", "Bearer   {}", "bearer  {}")
+
+
+def one_token_is_one_identity(stack: Stack, url: str, tenant: str, *, rlqs: bool = False) -> None:
+    """However a client spells ``Authorization: Bearer <token>`` (the scheme's case, the spaces
+    before the token), its token is its identity: the request passes and that user's limit is spent.
+    Envoy's jwt_authn read ``Bearer  <token>`` but not ``bearer <token>`` (401), the agent behind nginx
+    and Traefik the other way round: one client, two answers by the gateway in front. ``rlqs``: Envoy
+    answers from its quota assignments (a 429 until the bucket's first one arrives is the user's too;
+    its bucket is funded later), so any answer but 401 is the identity read."""
+    for i, spelling in enumerate(BEARER_SPELLINGS):
+        user = f"U-sp{i}"
+        status, upstream = send_raw(url, "/catalog", {"authorization": spelling.format(ISSUER.token(user, tenant, "K1"))})
+        if rlqs:
+            assert status in (200, 429), (spelling, status)
+            continue
+        assert status == 200 and upstream is not None, (spelling, status)
+        assert keys(stack, f"rl:v3:{{t:{tenant}}}:u:{KEYS.h(tenant, 'u', user)}:*"), (spelling, "its user was not charged")
+    # a form the RFC does not have is no token, at every door alike: 401
+    token = ISSUER.token("U-sp-tab", tenant, "K1")
+    for spelling in ("Bearer\t{}", "Bearer{}", "Token {}"):
+        status, _ = send_raw(url, "/catalog", {"authorization": spelling.format(token)})
+        assert status == 401, (spelling, status)
+    assert not keys(stack, f"rl:v3:{{t:{tenant}}}:u:{KEYS.h(tenant, 'u', 'U-sp-tab')}:*")

@@ -128,6 +128,10 @@ def test_a_query_token_is_no_token(stack: Stack, envoy: Envoy):
     attacks.a_query_token_is_no_token(stack, envoy.url, "qt" + envoy.name[-4:].replace("-", ""))
 
 
+def test_one_token_is_one_identity_however_spelled(stack: Stack, envoy: Envoy):
+    attacks.one_token_is_one_identity(stack, envoy.url, "sp" + envoy.name[-4:].replace("-", ""))
+
+
 def test_unkeyable_claims_are_refused(stack: Stack, envoy: Envoy):
     attacks.unkeyable_claims_are_refused(stack, envoy.url)
 

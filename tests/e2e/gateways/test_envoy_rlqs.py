@@ -181,6 +181,10 @@ def test_ambiguous_paths_never_reach_the_backend(stack: Stack, envoys: tuple[Env
     attacks.ambiguous_paths_never_reach_the_backend(envoys[0].url, "127.0.6.5", "ambrlqs")
 
 
+def test_one_token_is_one_identity_however_spelled(stack: Stack, envoys: tuple[Envoy, Envoy]):
+    attacks.one_token_is_one_identity(stack, envoys[0].url, "sprlqs", rlqs=True)
+
+
 def test_unkeyable_claims_are_refused(stack: Stack, envoys: tuple[Envoy, Envoy]):
     attacks.unkeyable_claims_are_refused(stack, envoys[0].url)
 

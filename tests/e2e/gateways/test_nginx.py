@@ -92,6 +92,10 @@ def test_the_anonymous_route_is_login_alone(stack: Stack, nginx: Nginx):
     attacks.the_anonymous_route_is_login_alone(nginx.url, "127.0.5.3")
 
 
+def test_one_token_is_one_identity_however_spelled(stack: Stack, nginx: Nginx):
+    attacks.one_token_is_one_identity(stack, nginx.url, "spnginx")
+
+
 def test_unkeyable_claims_are_refused(stack: Stack, nginx: Nginx):
     attacks.unkeyable_claims_are_refused(stack, nginx.url)
 

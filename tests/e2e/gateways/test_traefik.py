@@ -87,6 +87,10 @@ def test_the_anonymous_route_is_login_alone(stack: Stack, traefik: Traefik):
     attacks.the_anonymous_route_is_login_alone(traefik.url, "127.0.5.4")
 
 
+def test_one_token_is_one_identity_however_spelled(stack: Stack, traefik: Traefik):
+    attacks.one_token_is_one_identity(stack, traefik.url, "sptraefik")
+
+
 def test_unkeyable_claims_are_refused(stack: Stack, traefik: Traefik):
     attacks.unkeyable_claims_are_refused(stack, traefik.url)
 

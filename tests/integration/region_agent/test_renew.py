@@ -1,7 +1,8 @@
 """Concurrency heartbeat (docs/api.md): an export that runs longer than its
 rule's ``concurrencyTtlMs`` keeps its slot while the gateway renews it (``POST /v1/renew``,
 idempotent, by requestId), so a 4th concurrent export is still denied; a slot that is released or
-left to expire is not revived by a renewal. Real Redis, the app in-process."""
+left to expire is not revived by a renewal; a release says how many slots it freed. Real Redis, the
+app in-process."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from pathlib import Path
 
 import pytest
 from litestar.testing import AsyncTestClient
+from redis.asyncio import Redis
 
 from region_agent.service.app import create_app
 
-from .conftest import PEPPER, admit_json, make_settings, northstar, write_bundle
+from .conftest import PEPPER, admit_json, make_settings, northstar, tenant_key, write_bundle
 
 TTL_MS = 3_000  # heartbeats every TTL/6: a busy machine's stall of up to ~2.5 s does not end a slot
 
@@ -56,7 +58,8 @@ async def test_heartbeats_keep_long_exports_counted(export_agent):
     assert not fourth["allowed"] and fourth["deniedScope"] == "concurrency", fourth
     # idempotent: renewing twice is fine; a released slot is not revived
     assert (await client.post("/v1/renew", json=_release_body(ids[0]))).json()["renewed"] == 1
-    assert (await client.post("/v1/release", json=_release_body(ids[0]))).json()["released"] == 1
+    assert (await client.post("/v1/release", json=_release_body(ids[0]))).json() == {
+        "requestId": ids[0], "released": 1, "gates": 1}
     gone = await client.post("/v1/renew", json=_release_body(ids[0]))
     assert gone.status_code == 200 and gone.json()["renewed"] == 0, gone.json()
     assert (await admit_json(client, "exp-long-0005", route="export"))["allowed"]
@@ -73,3 +76,32 @@ async def test_without_heartbeats_the_slot_expires(export_agent):
     gone = await client.post("/v1/renew", json=_release_body("exp-short-0000"))
     assert gone.status_code == 200 and gone.json()["renewed"] == 0  # an expired slot is not revived
     assert (await admit_json(client, "exp-short-0003", route="export"))["allowed"]
+
+
+async def test_a_release_counts_only_the_slots_it_freed(export_agent, redis_url: str):
+    """``/v1/release`` answered ``released: 1`` (the number of gates) for a request id that was never
+    admitted, or was released already, or whose slot had expired: an operator or a gateway's log
+    was told a slot was freed when none was. It now says how many live slots it freed."""
+    client = export_agent
+
+    async def release(rid: str, route: str = "export") -> dict:
+        resp = await client.post("/v1/release", json={**_release_body(rid), "routeGroup": route})
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    assert await release("exp-never-0001") == {"requestId": "exp-never-0001", "released": 0, "gates": 1}
+    assert (await admit_json(client, "exp-rel-0001", route="export"))["allowed"]
+    assert await release("exp-rel-0001") == {"requestId": "exp-rel-0001", "released": 1, "gates": 1}
+    assert await release("exp-rel-0001") == {"requestId": "exp-rel-0001", "released": 0, "gates": 1}
+    assert await release("exp-rel-0001", route="read") == {"requestId": "exp-rel-0001", "released": 0, "gates": 0}
+    assert (await admit_json(client, "exp-old-0001", route="export"))["allowed"]
+    await asyncio.sleep(TTL_MS / 2000)
+    assert (await admit_json(client, "exp-keep-0001", route="export"))["allowed"]  # keeps the gate's key alive
+    await asyncio.sleep(TTL_MS / 2000 + 0.3)
+    r = Redis.from_url(redis_url)
+    try:  # expired, but still a member: nothing has written since (a write trims it)
+        assert await r.zscore(tenant_key("atlas", "export") + ":cc", "exp-old-0001") is not None
+    finally:
+        await r.aclose()
+    assert await release("exp-old-0001") == {"requestId": "exp-old-0001", "released": 0, "gates": 1}
+    assert await release("exp-keep-0001") == {"requestId": "exp-keep-0001", "released": 1, "gates": 1}

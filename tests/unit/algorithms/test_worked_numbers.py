@@ -162,5 +162,7 @@ def test_concurrency_fourth_export_denied():
     released, n, st2 = concurrency.release(st, T0, "E0")
     assert (released, n) == (True, 2)
     assert concurrency.release(st2, T0, "E0")[:2] == (False, 2)
+    released, n, st3 = concurrency.release(st, T0 + 60_000, "E1")  # expired: removed, but it held nothing
+    assert (released, n) == (False, 0) and st3 is not None and "E1" not in st3.slots
     d, _ = concurrency.acquire(st, p, T0 + 60_000, "E3")  # all three expired at T0 + 60 s
     assert d.allowed and d.remaining == 1

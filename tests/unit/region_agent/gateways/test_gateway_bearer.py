@@ -39,6 +39,17 @@ def test_a_valid_token_is_its_claims(verifier):
     assert verifier.identity("bearer " + ISSUER.token("U-19", "atlas")) == Identity("atlas", "U-19", None)
 
 
+def test_one_token_is_one_identity_however_the_credentials_are_spelled(verifier):
+    """RFC 9110 11.1 (the scheme in any case), RFC 6750 2.1 (one or more spaces before the token),
+    as the shipped Envoys read it: ``Bearer  <token>`` was no identity here, while Envoy read it."""
+    token = ISSUER.token("U-20", "atlas", "K1")
+    for spelling in ("Bearer {}", "bearer {}", "BEARER {}", "bEaReR {}", "Bearer  {}", "bearer   {}", " Bearer {} "):
+        assert verifier.identity(spelling.format(token)) == Identity("atlas", "U-20", "K1"), spelling
+    for spelling in ("Bearer\t{}", "Bearer{}", "Bearer ,{}", "xBearer {}", "Basic Bearer {}", "Bearer {} x",
+                     "Token {}", "Bearer {}\n"):
+        assert verifier.identity(spelling.format(token)) is None, spelling
+
+
 def test_every_wrong_token_is_no_identity(verifier):
     stranger = DevIssuer()  # right issuer and audience, another key
     now = int(time.time())
