@@ -167,6 +167,7 @@ class LeaseManager:
     # lease id -> when (self.now()) the allocator retires its window's records, for the queued reports
     _retired_after: dict = field(default_factory=dict)
     _retired_unsaid: int = 0  # reports of retired windows not taken since the last line
+    _unanswered: int = 0  # reports taken off the queue by the flush under way and not yet answered
     _retired_said_at: float = float("-inf")
     _task: asyncio.Task | None = None
     _stopping: bool = False
@@ -570,8 +571,8 @@ class LeaseManager:
 
         with contextlib.suppress(TimeoutError):  # the deadline bounds the reports, retries included
             await asyncio.wait_for(flush(), max(0.0, deadline - loop.time()))
-        log.info("shutdown: %d held leases closed, %d usage reports not delivered", closed, len(self.pending_reports))
-        return closed, len(self.pending_reports)
+        log.info("shutdown: %d held leases closed, %d usage reports not delivered", closed, self.reports_pending)
+        return closed, self.reports_pending
 
     async def _close(self, bal: Balance, lease: HeldLease, *, early: bool = False) -> bool:
         try:
@@ -610,11 +611,17 @@ class LeaseManager:
             if bal.pool.id == pool_id:
                 bal.book.reopen()
 
+    @property
+    def reports_pending(self) -> int:
+        """Usage reports not yet delivered: those queued and those of a flush under way that the
+        allocator has not answered (the queue alone reads 0 while a flush waits on the allocator)."""
+        return len(self.pending_reports) + self._unanswered
+
     def _queue_report(self, bal: Balance, lease_id: str, spent: int, *, early: bool = False,
                       window_end: float | None = None) -> None:
         """``window_end``: the lease's window's end (``HeldLease.window_end``), when known: a 404
         after the allocator retired that window's records is expected (:meth:`_not_taken`)."""
-        if len(self.pending_reports) < self.max_pending_reports:
+        if self.reports_pending < self.max_pending_reports:
             report = UsageReport(lease_id=lease_id, region=self.region, pool=bal.pool.id, spent=spent,
                                  closed_early=early)
             self.pending_reports.append((report, self.now()))
@@ -652,29 +659,39 @@ class LeaseManager:
         later ticks for ``report_patience_ms``; reports the allocator could not take (unreachable,
         overloaded, not leading) stay queued in order for the next tick."""
         queued = [self.pending_reports.popleft() for _ in range(len(self.pending_reports))]
-        kept: list[tuple[UsageReport, float]] = []
-        for i in range(0, len(queued), MAX_BATCH):
-            part = queued[i:i + MAX_BATCH]
-            results = await self.client.report_many([report for report, _ in part])
-            for (report, first), res in zip(part, results, strict=True):
-                if not isinstance(res, LeaseError):
-                    self._retired_after.pop(report.lease_id, None)
-                    if res.returned > 0 and res.window_open:
-                        self._reopen(report.pool)
-                    continue
-                if res.status == 409:
-                    if self.now() - first < self.report_patience_ms:
-                        self.pending_reports.append((report, first))
+        done = 0  # queued[:done] are answered (taken, requeued for later, or refused)
+        self._unanswered = len(queued)
+        try:
+            for i in range(0, len(queued), MAX_BATCH):
+                part = queued[i:i + MAX_BATCH]
+                results = await self.client.report_many([report for report, _ in part])
+                done = i + len(part)
+                kept: list[tuple[UsageReport, float]] = []
+                for (report, first), res in zip(part, results, strict=True):
+                    if not isinstance(res, LeaseError):
+                        self._retired_after.pop(report.lease_id, None)
+                        if res.returned > 0 and res.window_open:
+                            self._reopen(report.pool)
                         continue
-                    log.warning("usage report for %s dropped: %s", report.lease_id, res.detail)
-                elif res.status >= 500:
-                    kept.append((report, first))
-                    continue
-                else:
-                    self._not_taken(report, res)
-                self._retired_after.pop(report.lease_id, None)
-            if kept:  # the allocator is not taking reports now: keep the rest for the next tick
-                kept += queued[i + MAX_BATCH:]
-                break
-        self.pending_reports.extendleft(reversed(kept))
+                    if res.status == 409:
+                        if self.now() - first < self.report_patience_ms:
+                            self.pending_reports.append((report, first))
+                            continue
+                        log.warning("usage report for %s dropped: %s", report.lease_id, res.detail)
+                    elif res.status >= 500:
+                        kept.append((report, first))
+                        continue
+                    else:
+                        self._not_taken(report, res)
+                    self._retired_after.pop(report.lease_id, None)
+                if kept:  # the allocator is not taking reports now: keep the rest for the next tick
+                    self.pending_reports.extendleft(reversed(kept + queued[done:]))
+                    done = len(queued)
+                    break
+                self._unanswered = len(queued) - done
+        finally:
+            # a flush cancelled while a batch was on its way (the shutdown's deadline) puts what was
+            # not answered back at the head of the queue: still pending, and counted as undelivered
+            self.pending_reports.extendleft(reversed(queued[done:]))
+            self._unanswered = 0
         self._say_retired()

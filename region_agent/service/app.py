@@ -160,7 +160,7 @@ async def leases_view(agent: NamedDependency[AgentState]) -> Response:
     if st.leases is None:
         return Response({"region": st.settings.region, "allocator": None, "balances": []})
     return Response({"region": st.settings.region, "allocator": st.leases.client.urls,
-                     "pendingReports": len(st.leases.pending_reports), "balances": st.leases.view()})
+                     "pendingReports": st.leases.reports_pending, "balances": st.leases.view()})
 
 
 @get("/v1/rlqs", summary="Quota assignments this agent holds out to Envoys (RLQS), per bucket")

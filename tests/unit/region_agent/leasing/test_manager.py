@@ -41,6 +41,7 @@ class Allocator:
     last_rtt_ms: float = 40.0
     attempt_timeout_s: float = 0.5
     gate: asyncio.Event | None = None  # when set, lease() waits for it
+    report_gate: asyncio.Event | None = None  # when set, report_many() waits for it
 
     async def lease(self, req: LeaseRequest) -> LeaseGrant:
         self.requests.append(req)
@@ -50,6 +51,8 @@ class Allocator:
 
     async def report_many(self, reports):
         self.reports.append(list(reports))
+        if self.report_gate is not None:
+            await self.report_gate.wait()
         status = self.report_answers.pop(0) if self.report_answers else None
         if status is None:
             return [UsageReceipt(lease_id=r.lease_id, granted=100, spent=r.spent, returned=self.returned,
@@ -645,6 +648,34 @@ async def test_reports_the_allocator_cannot_take_stay_queued_and_409s_are_retrie
     m._queue_report(bal, "eu-c", 1)
     await m._flush_reports()
     assert not m.pending_reports  # a refused report is not retried
+
+
+async def test_reports_a_flush_is_sending_are_still_pending_and_a_cancelled_flush_keeps_them():
+    """The flush takes the queue and waits on the allocator: /v1/leases' pendingReports read 0 all
+    that time (a test polled it 20 times during one flush under load and saw only zeros), and a
+    flush cancelled on its way (SIGTERM's shutdown cancels the tick) lost the reports it held: the
+    shutdown then said "0 usage reports not delivered" of reports it never sent."""
+    alloc = Allocator(report_gate=asyncio.Event())
+    m = manager(alloc)
+    m.note(POOL, KEY, 1)
+    await settle(m)
+    bal = m.balances[KEY]
+    for i in range(3):
+        m._queue_report(bal, f"eu-{i}", i)
+    flush = asyncio.create_task(m._flush_reports())
+    for _ in range(10):  # the flush runs up to the allocator's answer
+        await asyncio.sleep(0)
+    assert alloc.reports
+    assert not m.pending_reports and m.reports_pending == 3  # on their way, not delivered
+    m._queue_report(bal, "eu-3", 3)  # a lease ending meanwhile
+    assert m.reports_pending == 4
+    flush.cancel()
+    await asyncio.gather(flush, return_exceptions=True)
+    assert [r.lease_id for r, _ in m.pending_reports] == ["eu-0", "eu-1", "eu-2", "eu-3"]  # back, in order
+    assert m.reports_pending == 4
+    alloc.report_gate.set()
+    await m._flush_reports()
+    assert m.reports_pending == 0 and [r.lease_id for r in alloc.reports[-1]] == ["eu-0", "eu-1", "eu-2", "eu-3"]
 
 
 async def test_the_report_queue_is_bounded():
