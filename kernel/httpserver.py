@@ -134,7 +134,7 @@ class ConnectionCap:
     def __init__(self, limit: int, interval_s: float = 10.0):
         self.limit = limit
         self.refused = 0  # connections refused since the process started
-        self._reported = 0  # ``refused`` when the last line was written
+        self._reported = 0  # ``refused`` when the last "below the cap" line was written
         self._log = TransitionLog(log, initial=False, interval_s=interval_s)
         self.refusing = False  # the last line said "refusing"
         self._retry: asyncio.TimerHandle | None = None
@@ -163,10 +163,10 @@ class ConnectionCap:
             self.released(open_connections)
 
     def _line(self, refusing: Hashable, _changes: int) -> tuple[int, str]:
-        refused, self._reported = self.refused - self._reported, self.refused
         if refusing:
             return logging.WARNING, (f"HTTP connections at the cap of {self.limit} open (--http-max-connections): "
                                      "new connections are answered 503 and closed")
+        refused, self._reported = self.refused - self._reported, self.refused
         return logging.INFO, f"HTTP connections below the cap of {self.limit} again; {refused} refused meanwhile"
 
 
