@@ -254,3 +254,33 @@ def test_grpc_connections_beyond_the_cap_are_closed_and_open_ones_answered(agent
             except grpc.RpcError:
                 assert time.monotonic() < deadline, "the port did not serve new connections after the attack"
                 time.sleep(0.2)
+
+
+def _open_files(pid: int) -> tuple[int, int]:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError("no open file limit")
+
+
+def test_a_low_soft_open_file_limit_is_raised_to_the_hard_one(tmp_path: Path):
+    """Started with a soft ``RLIMIT_NOFILE`` of 256 (a shell's or a runtime's default can be
+    1,024), an agent reached it long before its caps, and then could open no connection of its
+    own. It raises the soft limit to the hard one; below what its caps need it says so."""
+    redis = RedisServer(tmp_path / "redis").start()
+    port = free_port()
+    cmd = agent_command("--log-level", "info", redis_url=redis.url, policy=NORTHSTAR, region="eu", host=LOOPBACK,
+                        port=port, policy_poll_ms=0, auth_disabled=False, gateway_tokens=[f"edge:{DIGEST}"])
+    proc = Proc("caps-nofile", ["prlimit", "--nofile=256:1500", "--", *cmd], tmp_path / "agent",
+                env=_env("LEASEHOLD_AGENT_")).start()
+    try:
+        wait_http_ready({f"http://{LOOPBACK}:{port}": proc}, timeout=60)
+        assert proc.popen is not None
+        assert _open_files(proc.popen.pid) == (1500, 1500)
+        # 1,000 HTTP connections and the process's own 512 do not fit in 1,500: said once
+        lines = [x for x in proc.log_path.read_text().splitlines() if "open file limit (1500)" in x]  # type: ignore[union-attr]
+        assert len(lines) == 1 and "WARNING" in lines[0], lines
+    finally:
+        proc.stop()
+        redis.stop()
