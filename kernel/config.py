@@ -332,6 +332,9 @@ class ServingSettings(msgspec.Struct, kw_only=True, frozen=True):
     http_write_timeout_ms: Annotated[int, Ms(ge=100, le=600_000), Help(
         "a client that reads none of its answers for this many ms, while they wait to be written, "
         "has its connection reset")] = 10_000
+    http_max_connections: Annotated[int, Ms(ge=16, le=1_000_000), Help(
+        "most HTTP connections a process keeps open (each worker its own); one more is answered "
+        "503 (problem+json) and closed")] = 1_000
     log_format: Annotated[Literal["text", "json"], Help(
         "log lines as text, or as one JSON object per line (time, level, logger, message, ids)",
         section="Logs and tracing")] = "text"
@@ -347,4 +350,5 @@ class ServingSettings(msgspec.Struct, kw_only=True, frozen=True):
         return HttpLimits(max_header_bytes=self.http_max_header_bytes, max_headers=self.http_max_headers,
                           header_timeout_s=self.http_header_timeout_ms / 1000,
                           body_timeout_s=self.http_body_timeout_ms / 1000,
-                          write_timeout_s=self.http_write_timeout_ms / 1000)
+                          write_timeout_s=self.http_write_timeout_ms / 1000,
+                          max_connections=self.http_max_connections)

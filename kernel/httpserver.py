@@ -25,6 +25,17 @@ connection forever. :class:`BoundedHttpToolsProtocol` is uvicorn's protocol with
   never reads an answer held its connection, and the task writing its answer, for as long as it
   kept the socket open: every other deadline is asleep while an answer waits to be written.
 
+Per process, not per request: **open connections** — at most ``max_connections``; one accepted
+beyond them is answered ``503`` (problem+json, ``Retry-After: 1``) at once, before anything of it
+is read, and closed (:class:`ConnectionCap`: one log line when the process starts refusing, one
+when it is below the cap again). Without it a client opened connections until the process ran out
+of file descriptors, and then the process could open none of its own (Redis, etcd) either.
+Connections already open are never touched by it. uvicorn's ``limit_concurrency`` was not used:
+it accepts every connection and answers each request on them 503 (a connection held idle counts
+and is never refused), and it turns off the direct routes. :func:`serve` also raises the
+process's soft ``RLIMIT_NOFILE`` to its hard limit (logged when that leaves less than the caps
+need).
+
 The answers are ``application/problem+json`` written by the protocol itself: the application
 never sees such a request. Everything else is uvicorn's code; the hot path adds a few counter
 updates and one timer per request (``make bench`` figure 2 measures it, see the README).
@@ -69,7 +80,7 @@ import json
 import logging
 import signal
 import socket
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -77,13 +88,14 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
-from .ratelog import KeyedLog
+from .ratelog import KeyedLog, TransitionLog
 
 log = logging.getLogger(__name__)
 _ignored_upgrades = KeyedLog(log, interval_s=1.0)
 
-_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
-_CODES = {400: "bad-request", 408: "request-timeout", 431: "header-fields-too-large"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large",
+            503: b"Service Unavailable"}
+_CODES = {400: "bad-request", 408: "request-timeout", 431: "header-fields-too-large", 503: "too-many-connections"}
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,7 @@ class HttpLimits:
     header_timeout_s: float = 10.0  # connection open / first byte of a request -> head complete
     body_timeout_s: float = 10.0  # head complete -> body complete
     write_timeout_s: float = 10.0  # writes paused (the client takes no answer bytes) -> connection aborted
+    max_connections: int = 1_000  # open connections per process; one more is answered 503 and closed
 
 
 class _Refuse(Exception):
@@ -102,12 +115,59 @@ class _Refuse(Exception):
         self.detail = detail
 
 
-def _problem(status: int, detail: str) -> bytes:
+def _problem(status: int, detail: str, retry_after_s: int | None = None) -> bytes:
     body = json.dumps({"type": "https://leasehold.dev/problems/" + _CODES[status], "title": _REASONS[status].decode(),
-                       "status": status, "detail": detail, "retriable": False}).encode()
+                       "status": status, "detail": detail, "retriable": retry_after_s is not None}).encode()
+    retry = b"" if retry_after_s is None else b"retry-after: %d\r\n" % retry_after_s
     return b"".join([b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
-                     b"content-type: application/problem+json\r\n",
+                     b"content-type: application/problem+json\r\n", retry,
                      b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body), body])
+
+
+class ConnectionCap:
+    """The most connections one process keeps open (``HttpLimits.max_connections``), and the
+    lines an operator alerts on: one WARNING when the process starts refusing connections, one
+    INFO (with how many it refused) once it is below the cap again, at most one line each
+    ``interval_s`` — never a line per connection. One per process (a worker has its own), shared
+    by its connections through the config."""
+
+    def __init__(self, limit: int, interval_s: float = 10.0):
+        self.limit = limit
+        self.refused = 0  # connections refused since the process started
+        self._reported = 0  # ``refused`` when the last "below the cap" line was written
+        self._log = TransitionLog(log, initial=False, interval_s=interval_s)
+        self.refusing = False  # the last line said "refusing"
+        self._retry: asyncio.TimerHandle | None = None
+
+    def at_limit(self, open_connections: int) -> bool:
+        """A connection was just accepted, ``open_connections`` with it: refuse it?"""
+        if open_connections <= self.limit:
+            return False
+        self.refused += 1
+        if not self.refusing:
+            self.refusing = self._log.observe(True, self._line)
+        return True
+
+    def released(self, open_connections: Callable[[], int]) -> None:
+        """A connection closed while the process was refusing; ``open_connections()``: how many
+        remain. A line not due yet (the last one is recent) is tried again when it is."""
+        if self._retry is not None or open_connections() >= self.limit:
+            return
+        self.refusing = not self._log.observe(False, self._line)
+        if self.refusing:
+            self._retry = asyncio.get_running_loop().call_later(self._log.interval_s, self._again, open_connections)
+
+    def _again(self, open_connections: Callable[[], int]) -> None:
+        self._retry = None
+        if self.refusing:
+            self.released(open_connections)
+
+    def _line(self, refusing: Hashable, _changes: int) -> tuple[int, str]:
+        if refusing:
+            return logging.WARNING, (f"HTTP connections at the cap of {self.limit} open (--http-max-connections): "
+                                     "new connections are answered 503 and closed")
+        refused, self._reported = self.refused - self._reported, self.refused
+        return logging.INFO, f"HTTP connections below the cap of {self.limit} again; {refused} refused meanwhile"
 
 
 Headers = list[tuple[bytes, bytes]]
@@ -137,6 +197,12 @@ class LimitedConfig(uvicorn.Config):
         super().__init__(*args, **kw)
         self.leasehold_limits = limits or HttpLimits()
         self.leasehold_direct = direct
+        self.leasehold_cap: ConnectionCap | None = None  # made in the serving process (a worker: its own)
+
+    def connection_cap(self) -> ConnectionCap:
+        if self.leasehold_cap is None:
+            self.leasehold_cap = ConnectionCap(self.leasehold_limits.max_connections)
+        return self.leasehold_cap
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
@@ -155,6 +221,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_timeout = lim.header_timeout_s
         self._body_timeout = lim.body_timeout_s
         self._write_timeout = lim.write_timeout_s
+        self._cap: ConnectionCap = (config.connection_cap() if isinstance(config, LimitedConfig)
+                                    else ConnectionCap(lim.max_connections))
         self._stall: asyncio.TimerHandle | None = None  # armed while the transport has paused writing
         self._running: Any = None  # the cycle whose application task was started last (one at a time)
         self._phase = _HEAD  # waiting for (the rest of) a head, for a body, or idle between requests
@@ -178,10 +246,20 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     # ------------------------------------------------------------------ connection
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # asyncio's servers hand a stream protocol a Transport
         super().connection_made(transport)
+        if self._cap.at_limit(len(self.connections)):
+            # past the process's cap: answered at once and closed, before anything is read (a
+            # client that sends its request sees the answer; the connection costs nothing more)
+            self._refused = True
+            transport.write(_OVER_CAP)
+            transport.close()
+            return
         self._deadline = self.loop.time() + self._head_timeout
         self._timer = self.loop.call_at(self._deadline, self._on_deadline)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._cap.refusing:
+            connections = self.connections
+            self._cap.released(lambda: len(connections) - (self in connections))  # uvicorn's (below) forgets it
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -419,6 +497,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
 
 _HEAD, _BODY, _IDLE = 0, 1, 2
+_OVER_CAP = _problem(503, "this server has as many connections open as it keeps; retry on another or later",
+                     retry_after_s=1)
 
 
 class _NoEvent:
@@ -499,7 +579,7 @@ class OneWriteCycle(RequestResponseCycle):
 def serve(app: Any, *, host: str, port: int, limits: HttpLimits, log_level: str, access_log: bool = False,
           workers: int = 1, factory: bool = False, ssl_certfile: str | None = None,
           ssl_keyfile: str | None = None, log_config: dict[str, Any] | None = None,
-          proxy_headers: bool = True, direct: DirectRoutes | None = None) -> None:
+          proxy_headers: bool = True, direct: DirectRoutes | None = None, other_connections: int = 0) -> None:
     """Run ``app`` (an ASGI app, or an import string with ``factory``) on uvicorn with uvloop and
     :class:`BoundedHttpToolsProtocol`; ``workers > 1`` needs an import string. ``log_config``: the
     logging document every process applies (kernel.logs), else uvicorn's own. ``proxy_headers``:
@@ -507,7 +587,10 @@ def serve(app: Any, *, host: str, port: int, limits: HttpLimits, log_level: str,
     address and scheme from ``X-Forwarded-For`` / ``X-Forwarded-Proto`` sent by a peer in
     ``FORWARDED_ALLOW_IPS``, loopback by default); off, the scope keeps the socket's peer, and no
     header a client sends changes it. ``direct``: the routes the protocol answers itself (the
-    module's "Direct routes"), resolved from the loaded application in each worker."""
+    module's "Direct routes"), resolved from the loaded application in each worker.
+    ``other_connections``: what else a process may hold open at its caps (the agent's gRPC port),
+    for the file descriptor check (:func:`raise_fd_limit`)."""
+    raise_fd_limit(limits.max_connections + other_connections + FDS_OF_ITS_OWN)
     extra: dict[str, Any] = {"log_config": log_config} if log_config is not None else {}
     config = LimitedConfig(app, host=host, port=port, loop="uvloop", http=BoundedHttpToolsProtocol, **extra,
                            log_level=log_level, access_log=access_log, lifespan="on", factory=factory,
@@ -521,6 +604,31 @@ def serve(app: Any, *, host: str, port: int, limits: HttpLimits, log_level: str,
         Multiprocess(config, sockets=[sock]).run()
     else:
         uvicorn.Server(config).run()
+
+
+FDS_OF_ITS_OWN = 512  # a process's own: Redis and etcd pools, the allocator client, files, the listening sockets
+
+
+def raise_fd_limit(needed: int) -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit (inherited by worker
+    processes), as the caps on open connections assume: a soft limit of 1,024 (a shell's or a
+    container runtime's default) was reached before ``--http-max-connections``, and then the
+    process could not open its own connections. A WARNING when the hard limit is below ``needed``
+    (the caps can then not all be reached); returns the soft limit in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, needed)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:  # a sandbox that refuses it
+            log.warning("could not raise the open file limit from %d to %d: %s", soft, target, e)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        log.warning("the open file limit (%d) is below what the connection caps need (%d): raise the "
+                    "process's RLIMIT_NOFILE or lower --http-max-connections / --rls-max-connections", soft, needed)
+    return soft
 
 
 def freeze_startup_heap() -> None:

@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
               workers=settings.workers, limits=settings.http_limits(), log_level=settings.log_level,
               access_log=settings.access_log, ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file,
               log_config=log_config, proxy_headers=False,  # the agent reads no address from the scope
-              direct=direct_routes)  # POST /v1/admit answered by the HTTP protocol itself
+              direct=direct_routes,  # POST /v1/admit answered by the HTTP protocol itself
+              other_connections=settings.rls_max_connections if settings.rls_port else 0)
     return 0
 
 

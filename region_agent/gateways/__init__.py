@@ -88,6 +88,7 @@ class Gateways:
             also = ((RLQS_SERVICE, lambda server: add_to_server(service, server)),)
         self.rls = await RlsServer(servicer, host=s.rls_host or s.host, port=s.rls_port,
                                    streams_per_connection=s.rls_max_streams_per_connection,
+                                   max_connections=s.rls_max_connections,
                                    keepalive_ms=s.rls_keepalive_ms, tls=tls, also=also).start()
         if self.rlqs is not None:
             self.rlqs.start()

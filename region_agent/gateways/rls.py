@@ -323,13 +323,16 @@ class RlsServer:
     modes rather than by Envoy's failure_mode_deny; NOT_SERVING while it shuts down)."""
 
     def __init__(self, servicer: RateLimitServicer, *, host: str, port: int, streams_per_connection: int,
-                 keepalive_ms: int = 0, tls: grpc.ServerCredentials | None = None,
+                 max_connections: int = 128, keepalive_ms: int = 0, tls: grpc.ServerCredentials | None = None,
                  also: tuple[tuple[str, Callable[[grpc.aio.Server], None]], ...] = ()):
         # no maximum_concurrent_rpcs: the slots are the servicer's (RateLimitServicer), never taken by
         # a call that is not authenticated, not yet a question, or answered and not read
         options: list[tuple[str, int]] = [
             ("grpc.so_reuseport", 1),  # one port, several uvicorn workers
-            ("grpc.max_concurrent_streams", streams_per_connection)]  # what one connection can hold
+            ("grpc.max_concurrent_streams", streams_per_connection),  # what one connection can hold
+            # how many connections the port holds: grpc's core closes one accepted beyond them at once
+            # (docs/decisions/0071-every-door-holds-a-stated-number-of-connections.md)
+            ("grpc.max_allowed_incoming_connections", max_connections)]
         if keepalive_ms:  # a peer that answers no ping (gone, or reading nothing) loses its connection
             options += [("grpc.keepalive_time_ms", keepalive_ms), ("grpc.keepalive_timeout_ms", keepalive_ms),
                         ("grpc.http2.ping_timeout_ms", keepalive_ms), ("grpc.keepalive_permit_without_calls", 1),

@@ -222,6 +222,9 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
         "HTTP/2 streams open at once on one connection to --rls-port (SETTINGS_MAX_CONCURRENT_STREAMS): "
         "what one client can make the port hold, whatever it sends or leaves unread; Envoy opens "
         "another connection past it")] = 128
+    rls_max_connections: Annotated[int, Meta(ge=8, le=100_000), Help(
+        "most connections open at once to --rls-port (each worker its own); one more is closed as soon as "
+        "it is accepted (its client's calls: UNAVAILABLE). Connections already open are never closed by it")] = 128
     rls_keepalive_ms: Annotated[int, Meta(ge=0, le=3_600_000), Help(
         "--rls-port pings each connection this often and closes one whose peer answers no ping within "
         "as long (gone, or reading nothing), with its calls and RLQS streams; 0: never")] = 30_000

@@ -100,9 +100,11 @@ class RawConnection:
         return out
 
     def settings(self, within_s: float = 5.0) -> dict[int, int]:
-        """The server's first SETTINGS (read at the connection's start)."""
+        """The server's first SETTINGS (read at the connection's start), acknowledged as every
+        client does (grpc closes a connection whose peer acknowledges none: ``settings_timeout``)."""
         for kind, flags, _, payload in self.frames(within_s):
             if kind == SETTINGS and not flags & ACK:
+                self.sock.sendall(frame(SETTINGS, ACK, 0))
                 return {struct.unpack(">H", payload[i:i + 2])[0]: struct.unpack(">I", payload[i + 2:i + 6])[0]
                         for i in range(0, len(payload), 6)}
         raise AssertionError("no SETTINGS from the server")

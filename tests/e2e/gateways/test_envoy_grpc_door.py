@@ -5,7 +5,11 @@ than the port had slots (headers, never a message): before, every call of Envoy'
 request through without a decision, the user's limit gone; an Envoy on ``envoy-rlqs.yaml`` got no
 quota stream (``RESOURCE_EXHAUSTED``), so no assignment, and denied every request. The port's
 slots are now the agent's, taken only by authenticated calls while they are decided and by open
-quota streams: the limit holds, and quota is assigned."""
+quota streams: the limit holds, and quota is assigned.
+
+A process without any credential also opened as many connections as it liked, each holding
+half-open streams; the port now holds at most ``--rls-max-connections`` and closes one more at
+once: Envoy's connection, open before, keeps being decided while the attacker holds the rest."""
 
 from __future__ import annotations
 
@@ -28,12 +32,13 @@ pytestmark = pytest.mark.e2e
 
 SLOTS = 64  # the agent's --rls-max-concurrent-rpcs: few, so that a few connections' streams outnumber them
 PER_CONNECTION = 40  # what the attacker opens per connection (below --rls-max-streams-per-connection, 128)
+CONNECTIONS = 16  # the agent's --rls-max-connections
 RLS = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
 
 
 @pytest.fixture(scope="module")
 def extra_agent_args() -> tuple[str, ...]:
-    return ("--rls-max-concurrent-rpcs", str(SLOTS), "--rlqs-max-streams", "8")
+    return ("--rls-max-concurrent-rpcs", str(SLOTS), "--rlqs-max-streams", "8", "--rls-max-connections", str(CONNECTIONS))
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +96,34 @@ def test_half_open_streams_from_the_mesh_do_not_keep_quota_from_envoy(stack: Sta
             c.close()
         if envoy is not None:
             envoy.stop()
+
+
+def test_an_attacker_holding_every_connection_leaves_envoy_deciding(stack: Stack, rls_envoy: Envoy):
+    """The attacker opens connections in a bounded loop until the port closes them at once (it
+    answers pings: the kernel does), each holding half-open streams. Envoy's own connection was
+    open before: its requests are decided while the attacker holds every other one."""
+    stack.full_frozen_bucket("U-conns")
+    held: list[RawConnection] = []
+    with httpx.Client(base_url=rls_envoy.url, timeout=10) as client:
+        assert client.get("/catalog", headers=identity("U-conns-warm")).status_code == 200  # Envoy's connection
+        try:
+            refused = 0
+            for _ in range(2 * CONNECTIONS):  # bounded, loopback only
+                c = RawConnection(stack.rls_port)
+                try:
+                    c.open(PER_CONNECTION, RLS)
+                    c.settings(1.0)
+                    held.append(c)
+                except (AssertionError, OSError):  # closed by the port at once: past the cap
+                    c.close()
+                    refused += 1
+            assert refused >= CONNECTIONS and len(held) < CONNECTIONS, (len(held), refused)
+            before = stack.metric("leasehold_agent_rls_requests_total", outcome="ok")
+            responses = [client.get("/catalog", headers=identity("U-conns")) for _ in range(21)]
+            stats = rls_envoy.stats("cluster.upstream.ratelimit.")
+            assert stats.get("cluster.upstream.ratelimit.failure_mode_allowed", 0) == 0, stats
+            assert stack.metric("leasehold_agent_rls_requests_total", outcome="ok") - before == 20
+            assert_p_read(responses)  # decided: 20 pass, the 21st is the user's 429
+        finally:
+            for c in held:
+                c.close()
