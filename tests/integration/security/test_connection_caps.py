@@ -279,7 +279,8 @@ def test_a_low_soft_open_file_limit_is_raised_to_the_hard_one(tmp_path: Path):
         assert proc.popen is not None
         assert _open_files(proc.popen.pid) == (1500, 1500)
         # 1,000 HTTP connections and the process's own 512 do not fit in 1,500: said once
-        lines = [x for x in proc.log_path.read_text().splitlines() if "open file limit (1500)" in x]  # type: ignore[union-attr]
+        assert proc.log_path is not None
+        lines = [x for x in proc.log_path.read_text().splitlines() if "open file limit (1500)" in x]
         assert len(lines) == 1 and "WARNING" in lines[0], lines
     finally:
         proc.stop()
