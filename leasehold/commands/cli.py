@@ -9,8 +9,15 @@ stdout, also for errors); diagnostics go to stderr. Output and exit codes follow
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+
+# A refusal is one line, the CLI's own (what failed, why, the exit code): grpc's core logged its
+# TLS handshake failure to stderr first, and the etcd adapter's per-endpoint lines (for services,
+# whose logging is configured) reached stderr through logging's last resort: four lines for one
+# wrong CA. grpc's core is off unless GRPC_VERBOSITY asks for it.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 import uuid
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
@@ -901,6 +908,8 @@ def _command_parsers(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if not logging.getLogger().handlers:  # run as the CLI: libraries' log lines are not its output
+        logging.getLogger().addHandler(logging.NullHandler())
     token = _JSON_USAGE.set(_asks_json(argv))
     try:
         parser = build_parser()

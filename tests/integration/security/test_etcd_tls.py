@@ -174,3 +174,14 @@ def test_cli_and_agent_follow_policy_over_mtls(mtls_etcd: EtcdCluster, pki, tmp_
         assert shown.returncode == 0 and json.loads(shown.stdout)["bundleVersion"] == 44
     finally:
         agent.stop()
+
+
+def test_a_cli_refused_by_etcds_tls_says_so_in_one_line(mtls_etcd: EtcdCluster, pki):
+    """A wrong CA: the CLI's own line and exit code, nothing else on stderr (grpc's core logged the
+    handshake failure first, and the etcd adapter's per-endpoint lines reached stderr through
+    logging's last resort: four lines for one refusal)."""
+    _, rogue = pki
+    res = cli("policy", "show", "--etcd", ",".join(mtls_etcd.urls), "--etcd-ca-file", str(rogue.ca))
+    assert res.returncode == 5 and res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("leasehold: cannot read") and "TLS handshake" in lines[0], lines
