@@ -30,10 +30,9 @@ import grpc
 import httpx
 import pytest
 import yaml
-from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from envoy.service.ratelimit.v3 import rls_pb2
 
 from devtools.deploy_check import dashboard_queries
-from leasehold.local.procs import LOOPBACK
 from leasehold.local.prometheus_config import render
 from leasehold.local.topology import LocalTopology, TopologySpec
 from tests.support.prometheus import (
@@ -58,43 +57,35 @@ class Traffic(Background):
 
     def _run(self) -> None:
         started = time.monotonic()
-        gw = self.topo.gateway_headers()
-        meta = tuple((k.lower(), v) for k, v in gw.items())
-        channels = [grpc.insecure_channel(f"{LOOPBACK}:{p}") for ports in self.topo.rls_ports.values() for p in ports]
-        stubs = [rls_pb2_grpc.RateLimitServiceStub(ch) for ch in channels]
         i = 0
-        try:
-            with httpx.Client(timeout=3, headers=gw) as c:
-                while not self.stop.is_set() and time.monotonic() - started < self.max_s:
-                    for urls in self.topo.agent_urls.values():
-                        url = urls[0]
-                        for body in ({"tenantId": "atlas", "principal": {"type": "user", "id": "U-17", "apiKeyId": "K1"},
-                                      "routeGroup": "read"},
-                                     {"tenantId": "birch", "principal": {"type": "user", "id": f"B-{i % 7}"},
-                                      "routeGroup": "read"},
-                                     {"tenantId": "atlas", "principal": {"type": "user", "id": "U-2"},
-                                      "routeGroup": "export"},
-                                     {"principal": {"type": "anonymous", "id": "203.0.113.9"}, "routeGroup": "login"},
-                                     {"tenantId": "northstar-ops", "principal": {"type": "service", "id": "prober"},
-                                      "routeGroup": "probe"}):
-                            i += 1
-                            self._quietly(c.post, url + "/v1/admit", json={"requestId": f"prom-{i:08d}", **body})
-                        self._quietly(c.get, url + "/v1/authz/catalog", headers={
-                            "x-tenant-id": "birch", "x-user-id": f"B-{i % 5}", "x-route-group": "read"})
-                        if i % 50 == 0:  # a malformed question (counted by reason)
-                            self._quietly(c.get, url + "/v1/authz/catalog", headers={"x-tenant-id": "birch"})
-                    for stub in stubs:
+        with self.clients() as (c, stubs, meta):
+            while not self.stop.is_set() and time.monotonic() - started < self.max_s:
+                for urls in self.topo.agent_urls.values():
+                    url = urls[0]
+                    for body in ({"tenantId": "atlas", "principal": {"type": "user", "id": "U-17", "apiKeyId": "K1"},
+                                  "routeGroup": "read"},
+                                 {"tenantId": "birch", "principal": {"type": "user", "id": f"B-{i % 7}"},
+                                  "routeGroup": "read"},
+                                 {"tenantId": "atlas", "principal": {"type": "user", "id": "U-2"},
+                                  "routeGroup": "export"},
+                                 {"principal": {"type": "anonymous", "id": "203.0.113.9"}, "routeGroup": "login"},
+                                 {"tenantId": "northstar-ops", "principal": {"type": "service", "id": "prober"},
+                                  "routeGroup": "probe"}):
+                        i += 1
+                        self._quietly(c.post, url + "/v1/admit", json={"requestId": f"prom-{i:08d}", **body})
+                    self._quietly(c.get, url + "/v1/authz/catalog", headers={
+                        "x-tenant-id": "birch", "x-user-id": f"B-{i % 5}", "x-route-group": "read"})
+                    if i % 50 == 0:  # a malformed question (counted by reason)
+                        self._quietly(c.get, url + "/v1/authz/catalog", headers={"x-tenant-id": "birch"})
+                for stub in stubs:
+                    self._quietly(stub.ShouldRateLimit, rls_pb2.RateLimitRequest(
+                        domain="leasehold", descriptors=[descriptor(tenant="atlas", user="U-9", route_group="read")]),
+                        metadata=meta, timeout=3)
+                    if i % 50 == 0:
                         self._quietly(stub.ShouldRateLimit, rls_pb2.RateLimitRequest(
-                            domain="leasehold", descriptors=[descriptor(tenant="atlas", user="U-9", route_group="read")]),
-                            metadata=meta, timeout=3)
-                        if i % 50 == 0:
-                            self._quietly(stub.ShouldRateLimit, rls_pb2.RateLimitRequest(
-                                domain="leasehold", descriptors=[descriptor(nope="x")]), metadata=meta, timeout=3)
-                    self.sent += 1
-                    time.sleep(0.05)
-        finally:
-            for ch in channels:
-                ch.close()
+                            domain="leasehold", descriptors=[descriptor(nope="x")]), metadata=meta, timeout=3)
+                self.sent += 1
+                time.sleep(0.05)
 
     @staticmethod
     def _quietly(call, *args, **kw) -> None:

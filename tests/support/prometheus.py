@@ -51,6 +51,20 @@ class Background:
     def _run(self) -> None:
         raise NotImplementedError
 
+    @contextlib.contextmanager
+    def clients(self) -> Iterator[tuple[httpx.Client, list[rls_pb2_grpc.RateLimitServiceStub], tuple]]:
+        """What a gateway would ask with: an HTTP client sending the gateway's headers, an RLS stub
+        per agent process, and the gateway's credentials as gRPC metadata."""
+        gw = self.topo.gateway_headers()
+        meta = tuple((k.lower(), v) for k, v in gw.items())
+        channels = [grpc.insecure_channel(f"{LOOPBACK}:{p}") for ports in self.topo.rls_ports.values() for p in ports]
+        try:
+            with httpx.Client(timeout=3, headers=gw) as c:
+                yield c, [rls_pb2_grpc.RateLimitServiceStub(ch) for ch in channels], meta
+        finally:
+            for ch in channels:
+                ch.close()
+
 
 class Prom:
     def __init__(self, url: str):
@@ -120,35 +134,27 @@ class PacedTraffic(Background):
         self.statuses[what] = self.statuses.get(what, 0) + 1
 
     def _run(self) -> None:
-        gw = self.topo.gateway_headers()
-        meta = tuple((k.lower(), v) for k, v in gw.items())
-        channels = [grpc.insecure_channel(f"{LOOPBACK}:{p}") for ports in self.topo.rls_ports.values() for p in ports]
-        stubs = [rls_pb2_grpc.RateLimitServiceStub(ch) for ch in channels]
         i = 0
-        try:
-            with httpx.Client(timeout=3, headers=gw) as c:
-                while not self.stop.is_set():
-                    tick = time.monotonic()
-                    for urls in self.topo.agent_urls.values():
-                        url = urls[0]
-                        bodies = [{"tenantId": "atlas", "principal": {"type": "user", "id": "U-17"}, "routeGroup": "read"}] * 3
-                        bodies += [{"tenantId": "birch", "principal": {"type": "user", "id": f"B-{i % 7}"}, "routeGroup": "read"}]
-                        for body in bodies:
-                            i += 1
-                            r = c.post(url + "/v1/admit", json={"requestId": f"paced-{i:08d}", **body})
-                            self._count(f"admit {r.status_code} {r.json().get('httpStatus')}")
-                        r = c.get(url + "/v1/authz/catalog", headers={
-                            "x-tenant-id": "acme", "x-user-id": f"A-{i % 5}", "x-route-group": "read"})
-                        self._count(f"authz {r.status_code}")
-                    for stub in stubs:
-                        res = stub.ShouldRateLimit(rls_pb2.RateLimitRequest(
-                            domain="leasehold", descriptors=[descriptor(tenant="acme", user=f"R-{i % 9}", route_group="read")]),
-                            metadata=meta, timeout=3)
-                        self._count(f"rls {res.overall_code}")
-                    self.stop.wait(max(0.0, 1.0 - (time.monotonic() - tick)))
-        finally:
-            for ch in channels:
-                ch.close()
+        with self.clients() as (c, stubs, meta):
+            while not self.stop.is_set():
+                tick = time.monotonic()
+                for urls in self.topo.agent_urls.values():
+                    url = urls[0]
+                    bodies = [{"tenantId": "atlas", "principal": {"type": "user", "id": "U-17"}, "routeGroup": "read"}] * 3
+                    bodies += [{"tenantId": "birch", "principal": {"type": "user", "id": f"B-{i % 7}"}, "routeGroup": "read"}]
+                    for body in bodies:
+                        i += 1
+                        r = c.post(url + "/v1/admit", json={"requestId": f"paced-{i:08d}", **body})
+                        self._count(f"admit {r.status_code} {r.json().get('httpStatus')}")
+                    r = c.get(url + "/v1/authz/catalog", headers={
+                        "x-tenant-id": "acme", "x-user-id": f"A-{i % 5}", "x-route-group": "read"})
+                    self._count(f"authz {r.status_code}")
+                for stub in stubs:
+                    res = stub.ShouldRateLimit(rls_pb2.RateLimitRequest(
+                        domain="leasehold", descriptors=[descriptor(tenant="acme", user=f"R-{i % 9}", route_group="read")]),
+                        metadata=meta, timeout=3)
+                    self._count(f"rls {res.overall_code}")
+                self.stop.wait(max(0.0, 1.0 - (time.monotonic() - tick)))
 
 
 def prom_epoch(rfc3339: str) -> float:
