@@ -27,7 +27,7 @@ TEST_WORKERS ?= 2
 
 help:
 	@echo "make run    - set up what the demo needs, start the local two-region topology, drive the live demo"
-	@echo "make test   - set up everything and run the whole test suite (about 20 minutes on 2 cores)"
+	@echo "make test   - set up everything and run the whole test suite (about 25 minutes on 2 cores)"
 	@echo "make bench  - benchmarks (ratios against Redis/etcd/peer ceilings measured in the same run)"
 	@echo "make chaos  - the full chaos profile (long; not run by CI)"
 	@echo "make fuzz   - the schema fuzz at its full size (long; make test runs a smaller profile)"
