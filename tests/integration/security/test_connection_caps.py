@@ -7,7 +7,9 @@ descriptors (and then could open none of its own: Redis, etcd), each gRPC connec
 to 128 streams that never send a message (about 2.5 MB). Now each door holds at most its stated
 number of connections (``--http-max-connections``, ``--rls-max-connections``): one more is
 answered 503 problem+json and closed (HTTP) or closed as soon as it is accepted (gRPC: its
-client's calls are UNAVAILABLE), and connections already open keep being answered.
+client's calls are UNAVAILABLE), and connections already open keep being answered. What an
+operator sees is read from ``/metrics`` while the attack lasts: the HTTP connections refused and
+held against the cap, and the gRPC port's connections against its cap (grpc counts no refusal).
 
 The caps are set through the environment (``LEASEHOLD_AGENT_*``, ``LEASEHOLD_ALLOCATOR_*``), as an
 operator may: a build without them ignores the variables, and these tests then fail on what they
@@ -155,7 +157,8 @@ def test_http_connections_beyond_the_cap_are_refused_and_open_ones_answered(http
     nothing on them. Those past the cap are answered 503 problem+json (``Retry-After``) and
     closed at once; the process's file descriptors stay within the cap; a client whose
     connection was open before is answered throughout; one WARNING line when refusing starts and
-    one INFO line when it ends, whatever the number of refused connections."""
+    one INFO line when it ends, whatever the number of refused connections. ``/metrics``, scraped
+    on the open connection, counts every refused connection and the held ones against the cap."""
     door = http_door
     base = f"http://{LOOPBACK}:{door.port}"
     fds_before = door.fds()
@@ -252,8 +255,8 @@ def test_grpc_connections_beyond_the_cap_are_closed_and_open_ones_answered(agent
     """The attacker opens twice the cap's worth of connections, each with half-open streams that
     never send a message, and answers pings (the kernel does for it). Past the cap the port closes
     each at once; the gateway's channel, open before, is decided throughout; the process's file
-    descriptors stay within the cap; a new client past the cap is UNAVAILABLE (not a hang), and
-    is served once the attacker lets go."""
+    descriptors stay within the cap; ``/metrics`` shows the port holding its cap; a new client
+    past the cap is UNAVAILABLE (not a hang), and is served once the attacker lets go."""
     door, rls_port = agent
     fds_before = door.fds()
     held: list[RawConnection] = []
