@@ -29,8 +29,9 @@ Per process, not per request: **open connections** — at most ``max_connections
 beyond them is answered ``503`` (problem+json, ``Retry-After: 1``) at once, before anything of it
 is read, and closed (:class:`ConnectionCap`: one log line when the process starts refusing, one
 when it is below the cap again; its refused count and the open connections are read by the
-services' metrics at collection, :func:`serving_cap`). Without it a client opened connections until the process ran out
-of file descriptors, and then the process could open none of its own (Redis, etcd) either.
+services' metrics at collection, :func:`serving_cap`). Without it a client opened connections
+until the process ran out of file descriptors, and then the process could open none of its own
+(Redis, etcd) either.
 Connections already open are never touched by it. uvicorn's ``limit_concurrency`` was not used:
 it accepts every connection and answers each request on them 503 (a connection held idle counts
 and is never refused), and it turns off the direct routes. :func:`serve` also raises the
