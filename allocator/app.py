@@ -376,6 +376,7 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
         auth_guard = RegionAuth(TokenTable.parse(settings.region_tokens, settings.region_tokens_file))
     m = AllocatorMetrics()
     m.describe_pools(bundle.pools)
+    m.connections.follow(settings.http_max_connections)
     tracing.setup("leasehold-allocator", settings.otlp_endpoint, settings.trace_sample_ratio)  # off without an endpoint
 
     @asynccontextmanager

@@ -20,6 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kernel.build_info import BuildInfo
 from kernel.bundle import Pool
+from kernel.connection_metrics import ConnectionMetrics
 from kernel.etcd_store import EtcdRefused, EtcdStore
 from kernel.metrics_exposition import standard_collectors
 from kernel.policy_metrics import policy_metrics
@@ -138,6 +139,9 @@ class AllocatorMetrics:
         r.register(self.window_fill)
         self.build_info = BuildInfo()
         r.register(self.build_info)
+        # the HTTP port's connections against its cap (kernel.connection_metrics): read at collection
+        self.connections = ConnectionMetrics("allocator")
+        r.register(self.connections)
         standard_collectors(r)  # process (memory, CPU, open fds), platform, GC
         self.etcd_latency = Histogram("leasehold_allocator_etcd_request_seconds", "etcd request latency",
                                       ["op"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,

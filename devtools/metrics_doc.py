@@ -129,6 +129,14 @@ BOUNDS: dict[str, str] = {
     "leasehold_allocator_policy_age_seconds": "1",
     "leasehold_allocator_pool_window_granted_ratio": "P",
     "leasehold_allocator_etcd_request_seconds": "etcd operation names (< 10)",
+    "leasehold_agent_http_connections": "1",
+    "leasehold_agent_http_max_connections": "1",
+    "leasehold_agent_http_refused_connections_total": "1",
+    "leasehold_agent_rls_connections": "1",
+    "leasehold_agent_rls_max_connections": "1",
+    "leasehold_allocator_http_connections": "1",
+    "leasehold_allocator_http_max_connections": "1",
+    "leasehold_allocator_http_refused_connections_total": "1",
 }
 
 
@@ -215,6 +223,16 @@ and pool balance, the lowest allocator reachability and policy version of the li
 workers, the series of a policy version older than the last two stay until the agent restarts.
 The `region` of an agent's series is a target label of the scrape configuration
 (`deploy/prometheus/prometheus.yml`), like `instance` and `job`.
+
+The connection caps ([decision 0075](decisions/0075-a-port-at-its-connection-cap-shows-in-the-metrics.md)):
+an HTTP port's open connections (`*_http_connections`) against its cap (`*_http_max_connections`)
+say how near it is to refusing, and `*_http_refused_connections_total` counts the connections it
+answered 503 `too-many-connections`. The agent's gRPC port has **no refused count**: grpc closes a
+connection past `--rls-max-connections` without telling the process. What is measured is how many
+connections the port holds (`leasehold_agent_rls_connections`, read from the kernel's socket tables
+at each scrape) against its cap (`leasehold_agent_rls_max_connections`): at the cap every new
+connection is refused. With several workers the open connections and the caps are the fullest
+worker's (each worker has its own caps) and the refused counts are summed.
 
 ## Table
 

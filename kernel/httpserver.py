@@ -28,8 +28,10 @@ connection forever. :class:`BoundedHttpToolsProtocol` is uvicorn's protocol with
 Per process, not per request: **open connections** — at most ``max_connections``; one accepted
 beyond them is answered ``503`` (problem+json, ``Retry-After: 1``) at once, before anything of it
 is read, and closed (:class:`ConnectionCap`: one log line when the process starts refusing, one
-when it is below the cap again). Without it a client opened connections until the process ran out
-of file descriptors, and then the process could open none of its own (Redis, etcd) either.
+when it is below the cap again; its refused count and the open connections are read by the
+services' metrics at collection, :func:`serving_cap`). Without it a client opened connections
+until the process ran out of file descriptors, and then the process could open none of its own
+(Redis, etcd) either.
 Connections already open are never touched by it. uvicorn's ``limit_concurrency`` was not used:
 it accepts every connection and answers each request on them 503 (a connection held idle counts
 and is never refused), and it turns off the direct routes. :func:`serve` also raises the
@@ -80,7 +82,7 @@ import json
 import logging
 import signal
 import socket
-from collections.abc import Awaitable, Callable, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -126,18 +128,25 @@ def _problem(status: int, detail: str, retry_after_s: int | None = None) -> byte
 
 class ConnectionCap:
     """The most connections one process keeps open (``HttpLimits.max_connections``), and the
-    lines an operator alerts on: one WARNING when the process starts refusing connections, one
+    lines an operator reads: one WARNING when the process starts refusing connections, one
     INFO (with how many it refused) once it is below the cap again, at most one line each
     ``interval_s`` — never a line per connection. One per process (a worker has its own), shared
-    by its connections through the config."""
+    by its connections through the config. ``refused`` and :attr:`open` are what the services'
+    metrics export (kernel.connection_metrics), read at collection."""
 
-    def __init__(self, limit: int, interval_s: float = 10.0):
+    def __init__(self, limit: int, interval_s: float = 10.0, connections: Sized = ()):
         self.limit = limit
         self.refused = 0  # connections refused since the process started
+        self.connections = connections  # uvicorn's set of the server's open connections (refused ones until closed)
         self._reported = 0  # ``refused`` when the last "below the cap" line was written
         self._log = TransitionLog(log, initial=False, interval_s=interval_s)
         self.refusing = False  # the last line said "refusing"
         self._retry: asyncio.TimerHandle | None = None
+
+    @property
+    def open(self) -> int:
+        """Connections open now (read by the services' metrics at collection, never counted)."""
+        return len(self.connections)
 
     def at_limit(self, open_connections: int) -> bool:
         """A connection was just accepted, ``open_connections`` with it: refuse it?"""
@@ -199,10 +208,26 @@ class LimitedConfig(uvicorn.Config):
         self.leasehold_direct = direct
         self.leasehold_cap: ConnectionCap | None = None  # made in the serving process (a worker: its own)
 
-    def connection_cap(self) -> ConnectionCap:
-        if self.leasehold_cap is None:
-            self.leasehold_cap = ConnectionCap(self.leasehold_limits.max_connections)
-        return self.leasehold_cap
+    def connection_cap(self, connections: Sized = ()) -> ConnectionCap:
+        """The serving process's cap, made at its first connection with uvicorn's set of the
+        server's connections (``connections``), and from then on :func:`serving_cap`."""
+        cap = self.leasehold_cap
+        if cap is None:
+            global _serving
+            cap = self.leasehold_cap = _serving = ConnectionCap(self.leasehold_limits.max_connections,
+                                                                connections=connections)
+        return cap
+
+
+_serving: ConnectionCap | None = None
+
+
+def serving_cap() -> ConnectionCap | None:
+    """The :class:`ConnectionCap` of the HTTP server this process serves (:func:`serve`; a worker:
+    its own), None before its first connection: what the services' metrics read at collection
+    (kernel.connection_metrics). A process serves one; of several in-process servers (tests), the
+    one that made its cap last."""
+    return _serving
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
@@ -221,7 +246,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_timeout = lim.header_timeout_s
         self._body_timeout = lim.body_timeout_s
         self._write_timeout = lim.write_timeout_s
-        self._cap: ConnectionCap = (config.connection_cap() if isinstance(config, LimitedConfig)
+        self._cap: ConnectionCap = (config.connection_cap(server_state.connections) if isinstance(config, LimitedConfig)
                                     else ConnectionCap(lim.max_connections))
         self._stall: asyncio.TimerHandle | None = None  # armed while the transport has paused writing
         self._running: Any = None  # the cycle whose application task was started last (one at a time)

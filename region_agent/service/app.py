@@ -265,6 +265,7 @@ def create_app(settings: AgentSettings, *, pepper: bytes, holder: PolicyHolder |
         holder._on_reload = holder._on_reload or on_reload
         holder.set_jitter(jitter)
     m.bundle_version.set(holder.bundle.bundle_version)
+    m.connections.follow(settings.http_max_connections, settings.rls_port, settings.rls_max_connections)
     holder.region, holder.agent_id = settings.region, settings.agent_id  # who a canary slice names
 
     def on_canary(outcome: str, version: int) -> None:

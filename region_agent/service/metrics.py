@@ -19,6 +19,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.platform_collector import PlatformCollector
 
 from kernel.build_info import BuildInfo
+from kernel.connection_metrics import ConnectionMetrics
 from kernel.etcd_store import EtcdRefused
 from kernel.metrics_exposition import (
     Collectors,
@@ -249,11 +250,15 @@ class AgentMetrics:
         r.register(self.build_info)
         self.etcd_refused = EtcdRefusedGauge()
         r.register(self.etcd_refused)
+        # the ports' connections against their caps (kernel.connection_metrics): read at collection
+        self.connections = ConnectionMetrics("agent", grpc=True, workers=True)
+        r.register(self.connections)
         self._local += [self.store_health, self.policy_age, self.etcd_refused, self.build_info]
         if self.multiprocess:
             # python_info is the same in every worker: the answering one's
             self._local += [WorkerProcesses(self.multiprocess), PlatformCollector(registry=None)]
             self._mirror_new_keys()
+            self.add_flush(self.connections.mirror())  # each worker's into the shared files
         else:
             standard_collectors(r)
 

@@ -1,12 +1,15 @@
 """An agent with ``--workers 2`` exports one consistent set of series: whichever worker answers a
-scrape, the decision counters add up to the decisions both workers made (prometheus_client's
-multiprocess mode, kernel.metrics_exposition)."""
+scrape, the decision counters add up to the decisions both workers made, and the connections
+refused at the HTTP cap to those both workers refused (prometheus_client's multiprocess mode,
+kernel.metrics_exposition)."""
 
 from __future__ import annotations
 
 import os
 import re
+import select
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -156,3 +159,51 @@ def test_a_killed_workers_gauges_leave_the_exposition(tmp_path: Path):
     finally:
         proc.stop()
         redis.stop()
+
+
+def test_two_workers_refused_connections_add_up_and_the_fullest_worker_is_at_its_cap(tmp_path: Path, redis_url: str):
+    """Each worker holds its own ``--http-max-connections``: idle connections past what both hold
+    are refused by whichever worker accepts them. The worker that answers the scrape (on a
+    connection opened before) exports both workers' refused count (each moves its own into the
+    shared files) and the fullest worker's open connections, at its cap (a worker refuses only
+    there)."""
+    cap = 16
+    files = tmp_path / "metrics"
+    files.mkdir()
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
+    env |= {"PYTHONPATH": str(ROOT), "PROMETHEUS_MULTIPROC_DIR": str(files),
+            "LEASEHOLD_AGENT_HTTP_MAX_CONNECTIONS": str(cap)}
+    proc = Proc("agent", agent_command(redis_url=redis_url, policy=NORTHSTAR, region="eu", host="127.0.0.1", port=port,
+                                       policy_poll_ms=0, insecure_dev_pepper=True, auth_disabled=True, workers=2),
+                tmp_path / "agent", env=env).start()
+    base = f"http://127.0.0.1:{port}"
+    held: list[socket.socket] = []
+    try:
+        wait_port(port, proc=proc.popen, timeout=30)
+        with httpx.Client(base_url=base, timeout=10) as client:  # open before: its scrapes are answered
+            sums = _sums(client.get("/metrics").text)
+            assert sums["leasehold_agent_http_max_connections"] == cap
+            assert sums["leasehold_agent_http_refused_connections_total"] == 0
+            for _ in range(4 * cap):  # bounded, loopback only
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+            time.sleep(0.5)
+            readable, _, _ = select.select(held, [], [], 1.0)
+            for s in readable:  # answered 503 and closed: read to the end
+                s.settimeout(5)
+                while s.recv(65536):
+                    pass
+            refused = len(readable)
+            assert cap < refused < 4 * cap, refused  # both workers together hold at most twice the cap
+            deadline = time.monotonic() + 15
+            while True:  # each worker moves its values into its file at least once a second
+                x = _sums(client.get("/metrics").text)
+                got = (x["leasehold_agent_http_refused_connections_total"], x["leasehold_agent_http_connections"])
+                if got == (refused, cap) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.3)
+            assert got == (refused, cap), (refused, got, _gauge_by_worker(files, "leasehold_agent_http_connections"))
+    finally:
+        for s in held:
+            s.close()
+        proc.stop()

@@ -7,7 +7,9 @@ descriptors (and then could open none of its own: Redis, etcd), each gRPC connec
 to 128 streams that never send a message (about 2.5 MB). Now each door holds at most its stated
 number of connections (``--http-max-connections``, ``--rls-max-connections``): one more is
 answered 503 problem+json and closed (HTTP) or closed as soon as it is accepted (gRPC: its
-client's calls are UNAVAILABLE), and connections already open keep being answered.
+client's calls are UNAVAILABLE), and connections already open keep being answered. What an
+operator sees is read from ``/metrics`` while the attack lasts: the HTTP connections refused and
+held against the cap, and the gRPC port's connections against its cap (grpc counts no refusal).
 
 The caps are set through the environment (``LEASEHOLD_AGENT_*``, ``LEASEHOLD_ALLOCATOR_*``), as an
 operator may: a build without them ignores the variables, and these tests then fail on what they
@@ -117,6 +119,30 @@ def http_door(request: pytest.FixtureRequest) -> Door:
     return request.getfixturevalue("allocator")
 
 
+def _metrics(client: httpx.Client, prefix: str) -> dict[str, float]:
+    """The unlabelled samples of ``/metrics`` whose names start with ``prefix``, scraped on the
+    client's own (already open) connection."""
+    r = client.get("/metrics")
+    assert r.status_code == 200, r.text
+    out = {}
+    for line in r.text.splitlines():
+        if line.startswith(prefix) and "{" not in line:
+            name, value = line.split()
+            out[name] = float(value)
+    return out
+
+
+def _wait_metric(client: httpx.Client, name: str, ok, within_s: float = 15.0) -> float:
+    """The value of ``name`` once ``ok(value)`` holds (the server forgets a closed connection when
+    its event loop gets to it), or the last one read."""
+    deadline = time.monotonic() + within_s
+    while True:
+        value = _metrics(client, name)[name]
+        if ok(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
+
+
 def _wait_lines(door: Door, text: str, n: int, within_s: float = 15.0) -> list[str]:
     deadline = time.monotonic() + within_s
     while True:
@@ -131,13 +157,17 @@ def test_http_connections_beyond_the_cap_are_refused_and_open_ones_answered(http
     nothing on them. Those past the cap are answered 503 problem+json (``Retry-After``) and
     closed at once; the process's file descriptors stay within the cap; a client whose
     connection was open before is answered throughout; one WARNING line when refusing starts and
-    one INFO line when it ends, whatever the number of refused connections."""
+    one INFO line when it ends, whatever the number of refused connections. ``/metrics``, scraped
+    on the open connection, counts every refused connection and the held ones against the cap."""
     door = http_door
     base = f"http://{LOOPBACK}:{door.port}"
     fds_before = door.fds()
     held: list[socket.socket] = []
+    prefix = f"leasehold_{door.name}_http_"
     with httpx.Client(base_url=base, timeout=10) as client:  # a gateway's kept-alive connection
         assert client.get("/healthz").status_code == 200
+        before = _metrics(client, prefix)
+        assert before[prefix + "max_connections"] == HTTP_CAP, before
         try:
             for _ in range(3 * HTTP_CAP):  # bounded, loopback only
                 held.append(socket.create_connection((LOOPBACK, door.port), timeout=10))
@@ -163,9 +193,17 @@ def test_http_connections_beyond_the_cap_are_refused_and_open_ones_answered(http
             assert door.fds() <= fds_before + HTTP_CAP + 2, (fds_before, door.fds())
             for _ in range(3):  # the connection open before is answered all along
                 assert client.get("/healthz").status_code == 200
+            # what an operator sees (scraped on the gateway's connection, open throughout): every
+            # refused connection counted, the cap's worth open against the cap
+            during = _metrics(client, prefix)
+            assert during[prefix + "refused_connections_total"] - before[prefix + "refused_connections_total"] \
+                == len(refused), (before, during, len(refused))
+            assert during[prefix + "connections"] == 1 + len(held) - len(refused), (during, len(held), len(refused))
+            assert during[prefix + "max_connections"] == HTTP_CAP, during
         finally:
             for s in held:
                 s.close()
+        assert _wait_metric(client, prefix + "connections", lambda v: v == 1) == 1  # the gateway's alone again
         warned = _wait_lines(door, "HTTP connections at the cap of", 1)
         back = _wait_lines(door, "HTTP connections below the cap of", 1)
         assert len(warned) == 1 and "WARNING" in warned[0], warned
@@ -217,13 +255,15 @@ def test_grpc_connections_beyond_the_cap_are_closed_and_open_ones_answered(agent
     """The attacker opens twice the cap's worth of connections, each with half-open streams that
     never send a message, and answers pings (the kernel does for it). Past the cap the port closes
     each at once; the gateway's channel, open before, is decided throughout; the process's file
-    descriptors stay within the cap; a new client past the cap is UNAVAILABLE (not a hang), and
-    is served once the attacker lets go."""
+    descriptors stay within the cap; ``/metrics`` shows the port holding its cap; a new client
+    past the cap is UNAVAILABLE (not a hang), and is served once the attacker lets go."""
     door, rls_port = agent
     fds_before = door.fds()
     held: list[RawConnection] = []
-    with grpc.insecure_channel(f"{LOOPBACK}:{rls_port}") as gateway:
+    with grpc.insecure_channel(f"{LOOPBACK}:{rls_port}") as gateway, \
+            httpx.Client(base_url=f"http://{LOOPBACK}:{door.port}", timeout=10) as metrics:
         assert _ask(gateway, "U-caps-gw").overall_code == rls_pb2.RateLimitResponse.OK
+        assert _metrics(metrics, "leasehold_agent_rls_connections")["leasehold_agent_rls_connections"] == 1
         refused = 0
         try:
             for _ in range(2 * RLS_CAP):  # bounded, loopback only
@@ -234,6 +274,10 @@ def test_grpc_connections_beyond_the_cap_are_closed_and_open_ones_answered(agent
                     held.append(c)
             assert len(held) == RLS_CAP - 1 and refused == RLS_CAP + 1, (len(held), refused)
             assert door.fds() <= fds_before + RLS_CAP + 2, (fds_before, door.fds())
+            # what an operator sees: the port at its cap (grpc reports no refused connection to count)
+            during = _metrics(metrics, "leasehold_agent_rls_")
+            assert during["leasehold_agent_rls_connections"] == RLS_CAP, during
+            assert during["leasehold_agent_rls_max_connections"] == RLS_CAP, during
             for i in range(5):  # the gateway's connection keeps being decided
                 assert _ask(gateway, f"U-caps-gw{i}").overall_code == rls_pb2.RateLimitResponse.OK
             started = time.monotonic()
@@ -245,6 +289,7 @@ def test_grpc_connections_beyond_the_cap_are_closed_and_open_ones_answered(agent
         finally:
             for c in held:
                 c.close()
+        assert _wait_metric(metrics, "leasehold_agent_rls_connections", lambda v: v == 1) == 1  # the gateway's
     deadline = time.monotonic() + 10
     while True:
         with grpc.insecure_channel(f"{LOOPBACK}:{rls_port}", options=OWN_CONNECTION) as fresh:
