@@ -380,6 +380,9 @@ def the_backend_gets_the_verified_identity_only(url: str, tenant: str, source: s
     for method, path in (("GET", "/catalog"), ("POST", "/reports/export")):  # every route that needs a token
         check(method, path, [("authorization", "Bearer " + with_key)], verified)
         check(method, path, [("authorization", "Bearer " + without_key)], {"x-tenant-id": tenant, "x-user-id": "U-81"})
+    # a user id that is not ASCII: its UTF-8 bytes, as the token carries it (the demo backend reads Latin-1)
+    check("GET", "/catalog", [("authorization", "Bearer " + ISSUER.token("U-82-Zoë", tenant))],
+          {"x-tenant-id": tenant, "x-user-id": "U-82-Zoë".encode().decode("latin-1")})
     # the pre-authentication route: no identity is verified there, a valid token or not
     for extra in ([], [("authorization", "Bearer " + with_key)], [("authorization", "Bearer not.a.jwt")]):
         check("POST", "/login", extra, {})
