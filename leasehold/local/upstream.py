@@ -1,7 +1,7 @@
 """A tiny demo upstream for the gateways in front of it (``make run``, e2e tests, the
 benchmark): HTTP/1.1 keep-alive, answers every request ``200`` with a small JSON body that
 names the upstream, the method, the path and the identity, limiter and trace headers it was sent
-(``ECHOED``: what the backend behind a gateway sees). ``python -m leasehold.local.upstream --port N``.
+(``ECHOED``: what the backend behind a gateway sees; a header sent twice, joined with ","). ``python -m leasehold.local.upstream --port N``.
 
 asyncio + uvloop + httptools (already dependencies of the agent), so that in the benchmark
 the upstream is never what limits Envoy."""
@@ -48,8 +48,9 @@ class _Conn(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         low = name.lower()
-        if low in ECHOED:
-            self.seen[low.decode()] = value.decode("latin-1")
+        if low in ECHOED:  # a header sent more than once: every value, joined as one field
+            key, text = low.decode(), value.decode("latin-1")
+            self.seen[key] = f"{self.seen[key]},{text}" if key in self.seen else text
 
     def on_message_complete(self) -> None:
         body = json.dumps({"upstream": self.name, "method": self.parser.get_method().decode(),

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..models import AdmitRequest, Decision
+from .authz import identity_memo
 from .mapping import Names
 from .metrics import GatewayMetrics
 
@@ -40,6 +41,7 @@ class Gateways:
                                          audience=settings.authz_jwt_audience, claims=settings.authz_jwt_claims,
                                          leeway_s=settings.authz_jwt_leeway_s)
         self.anonymous_routes = frozenset(settings.authz_anonymous_routes)
+        self.identity_answers = identity_memo()  # a verified identity's answer headers (.authz)
         self.rls: Any = None  # .rls.RlsServer while serving
         self.rlqs: Any = None  # .rlqs.RlqsService while serving (--rlqs)
 

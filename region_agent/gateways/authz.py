@@ -23,17 +23,30 @@ and answered 401 if that address may still knock, the address's 429 otherwise. R
 ``--authz-anonymous-routes`` (the pre-authentication routes, e.g. ``login``) are asked by the
 address alone. Without ``--authz-jwks``, the identity headers of a gateway that authenticated
 the caller itself (Envoy ``jwt_authn``, ``deploy/gateways/envoy-ext-authz.yaml``).
+
+What the backend is handed: with ``--authz-jwks``, an allowed request's 200 carries the identity
+the agent verified, under the question's own header names (by default ``X-Tenant-Id``,
+``X-User-Id``, and ``X-Api-Key-Id`` when the token names a key), for the gateway to set on the
+request it forwards in place of anything the client sent (``deploy/gateways/nginx.conf``:
+``auth_request_set``; ``traefik.yml``: ``authResponseHeaders``). Nothing else: never on a
+pre-authentication route, never without a verified token, never ``X-Service-Id`` (a token's
+principal is its user, :mod:`.bearer`), never an identity the agent was only told. A claim that
+cannot travel as a header value as it is (a control character, or white space at either end a
+backend would trim into another identity) is refused 422 before anything is spent, as a claim no
+question can carry is. The bytes are built once per identity (``Gateways.identity_answers``).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from litestar import asgi
 
 from kernel.auth import SCOPE_KEY, authenticate
+from kernel.caches import BoundedMemo
 from kernel.errors import BadRequest, LeaseholdError, NotFound, ValidationFailed
 from kernel.http_errors import problem_answer
 
@@ -47,12 +60,42 @@ from .mapping import (
     without_identity,
 )
 
+if TYPE_CHECKING:
+    from .bearer import Identity
+
 PATH = "/v1/authz"
 DENY_STATUSES = {"401": 401, "403": 403, "429": 429}
 # no valid bearer token (with --authz-jwks), and the caller's address may still knock: the same
 # answer whatever was wrong with the token (nothing tells an unknown key from a bad signature)
 UNAUTHENTICATED = (401, {"content-type": "application/problem+json", "www-authenticate": "Bearer"},
-                   b'{"type":"about:blank","title":"Unauthorized","status":401}')
+                   b'{"type":"about:blank","title":"Unauthorized","status":401}', ())
+IDENTITY_ANSWERS_MAX = 10_000  # verified identities whose answer headers are remembered (a memo)
+RawHeaders = tuple[tuple[bytes, bytes], ...]
+# what a header value cannot carry as it is: a control character (no gateway forwards it), or white
+# space at either end (a backend trims it: " admin" would be read as another principal, "admin")
+_NOT_A_HEADER_VALUE = re.compile(r"[\x00-\x1f\x7f]|^[ \t]|[ \t]\Z")
+
+
+def identity_memo() -> BoundedMemo[Identity, RawHeaders]:
+    """``Gateways.identity_answers``: the answer headers of the identities this agent verified."""
+    return BoundedMemo(IDENTITY_ANSWERS_MAX)
+
+
+def identity_headers(names: Any, who: Identity) -> RawHeaders:
+    """The answer headers handing the backend the verified ``who``: the question's header names
+    (``--authz-headers``) for tenant, user and, when the token names one, API key; values in UTF-8
+    (the text :func:`_headers` reads). A value that cannot be a header value as it is raises
+    :class:`BadQuestion` (the gateway would drop it or the backend read another identity)."""
+    h = names.headers
+    fields = (("tenant", who.tenant), ("user", who.user), ("api_key", who.api_key))
+    out = []
+    for field, value in fields:
+        if value is None:
+            continue
+        if _NOT_A_HEADER_VALUE.search(value):
+            raise BadQuestion("bad_value", f"the token's {field} cannot be handed on as a header value")
+        out.append((h[field].encode("latin-1"), value.encode("utf-8")))
+    return tuple(out)
 
 
 def _headers(scope: dict, wanted: frozenset[str]) -> dict[str, str]:
@@ -85,10 +128,11 @@ async def authz(scope: dict, receive: Callable[[], Awaitable[dict]], send: Calla
     gw = scope["app"].state.agent.gateways
     started = time.perf_counter()
     path = scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0] or scope.get("path", "")
-    status, headers, body = await answer(gw, scope, path)
+    status, headers, body, identity = await answer(gw, scope, path)
     gw.metrics.authz_calls.labels(str(status)).inc()
     gw.metrics.authz_latency.observe(time.perf_counter() - started)
     raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    raw.extend(identity)
     if scope["method"] == "HEAD":
         body = b""
     await send({"type": "http.response.start", "status": status,
@@ -96,7 +140,9 @@ async def authz(scope: dict, receive: Callable[[], Awaitable[dict]], send: Calla
     await send({"type": "http.response.body", "body": body})
 
 
-async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], bytes]:
+async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], bytes, RawHeaders]:
+    """Status, headers and body of the answer, and the raw headers handing an allowed request's
+    verified identity to the backend (empty: nothing verified, or not allowed)."""
     names = gw.names
     try:
         if path != PATH and not path.startswith(PATH + "/"):  # the mount also matched /v1/authzfoo
@@ -112,6 +158,7 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
             raise BadRequest(f"{names.headers['deny_status']} must be 401, 403 or 429")
         forwarded = path[len(PATH):] or None
         unauthenticated = False
+        identity: RawHeaders = ()
         if gw.bearer is not None:  # identity only from the client's verified token (.bearer)
             if authz_route(names, hdrs, forwarded) in gw.anonymous_routes:
                 hdrs = without_identity(names, hdrs)  # pre-authentication route: the address alone
@@ -122,16 +169,18 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
                     hdrs = failed_authentication(names, hdrs)
                 else:
                     hdrs = with_identity(names, hdrs, who.tenant, who.user, who.api_key)
+                    identity = gw.identity_answers.get(who) or gw.identity_answers.put(
+                        who, identity_headers(names, who))
         q = authz_question(names, hdrs, method=scope["method"], forwarded_path=forwarded)
         (decision,) = await gw.decide([q], door="authz", carrier=scope.get("headers", ()))
         if unauthenticated and decision.allowed:
             return UNAUTHENTICATED
         a = authz_answer(decision, deny_status=DENY_STATUSES[deny] if deny is not None else None)
-        return a.status, a.headers, a.body
+        return a.status, a.headers, a.body, identity if a.status == 200 else ()
     except LeaseholdError as e:
         if isinstance(e, ValidationFailed):
             gw.metrics.authz_invalid.labels(e.reason if isinstance(e, BadQuestion) else "bad_value").inc()
-        return problem_answer(e, PATH)  # the app's exception handler's answer
+        return (*problem_answer(e, PATH), ())  # the app's exception handler's answer
 
 
-__all__ = ["PATH", "answer", "authz"]
+__all__ = ["PATH", "answer", "authz", "identity_headers", "identity_memo"]

@@ -281,7 +281,8 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     authz_jwks: Annotated[str | None, Help(
         "/v1/authz takes the identity only from the client's bearer JWT, verified against this JWKS "
         "file (the identity provider's public keys; read again when it changes); identity headers are "
-        "ignored (nginx, Traefik: docs/gateways.md)", kind="file", default="off: identity headers",
+        "ignored, and an allowed request's 200 hands the verified identity back for the backend "
+        "(nginx, Traefik: docs/gateways.md)", kind="file", default="off: identity headers",
         requires=("authz_jwt_issuer", "authz_jwt_audience"))] = None
     authz_jwt_issuer: Annotated[str | None, Help(
         "the iss claim every token must carry", requires=("authz_jwks",))] = None

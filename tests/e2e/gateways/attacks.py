@@ -151,15 +151,17 @@ def forged_forwarding_headers_count_the_connection(stack: Stack, url: str, sourc
     assert ip_keys_of(stack, source)
 
 
-def send_raw(url: str, target: str, headers: dict[str, str] | None = None, *, method: str = "GET",
-             source: str | None = None) -> tuple[int, dict | None]:
+def send_raw(url: str, target: str, headers: dict[str, str] | list[tuple[str, str]] | None = None, *,
+             method: str = "GET", source: str | None = None) -> tuple[int, dict | None]:
     """One HTTP/1.1 request with ``target`` on the request line exactly as given, from the
     loopback address ``source``: the status and, when the demo upstream answered, its JSON
-    (``path`` is the request target the backend received), else None."""
+    (``path`` is the request target the backend received), else None. ``headers``: a mapping, or
+    name/value pairs (a name may repeat)."""
     u = urlsplit(url)
     assert u.hostname is not None and u.port is not None
+    pairs = list(headers.items()) if isinstance(headers, dict) else list(headers or ())
     lines = [f"{method} {target} HTTP/1.1", f"host: {u.hostname}:{u.port}", "connection: close",
-             *(f"{k}: {v}" for k, v in (headers or {}).items())]
+             *(f"{k}: {v}" for k, v in pairs)]
     if method in ("POST", "PUT"):
         lines.append("content-length: 0")
     with socket.create_connection((u.hostname, u.port), timeout=10,
@@ -307,26 +309,87 @@ def alias_headers_name_nobody(url: str, tenant: str, *, method: str = "GET", pat
     reads ``x_tenant_id`` as ``x-tenant-id``. Envoy removed the client's ``x-tenant-id`` but passed
     its ``x_tenant_id: birch`` on beside the one it set from the token: the backend read the tenant
     as "<token's>,birch" (and the client's alone for a header Envoy does not set, such as
-    ``x_service_id``). Header names with an underscore are dropped at the edge: the backend reads
-    the token's identity and nothing of the client's."""
+    ``x_service_id``); Traefik forwarded every such name. Header names with an underscore are
+    dropped at the edge (Envoy, nginx) or each spelling of the identity, request id and address
+    headers is removed (Traefik): the backend reads the token's identity and nothing of the client's."""
     aliases = {"x_tenant_id": "birch", "x_user_id": "B-1", "x_api_key_id": "KX", "x_service_id": "svc",
-               "x_request_id": "client-chosen-id-0003", "x_real_ip": FORGED_IP, "x_forwarded_for": FORGED_IP}
+               "x_request_id": "client-chosen-id-0003", "x_real_ip": FORGED_IP, "x_forwarded_for": FORGED_IP,
+               # the separators mixed, and another letter case: the same variable to the backend
+               "X-Tenant_Id": "birch", "x-api_key-id": "KX", "X_SERVICE-ID": "svc", "x_route_group": "export"}
     status, upstream = send_raw(url, path, {**identity("U-76", tenant), **aliases}, method=method)
     assert status == 200 and upstream is not None, status
     env = upstream["environ"]
     assert (env["HTTP_X_TENANT_ID"], env["HTTP_X_USER_ID"], env["HTTP_X_API_KEY_ID"]) == (tenant, "U-76", "K1"), env
     assert "HTTP_X_SERVICE_ID" not in env, env
+    assert env.get("HTTP_X_ROUTE_GROUP", "") != "export", env
     assert not {"birch", "B-1", "KX", "svc", "client-chosen-id-0003", FORGED_IP} & {
         part for v in env.values() for part in v.split(",")}, env
 
 
-__all__ = ["AMBIGUOUS_PATHS", "FORGED_IP", "LOGIN_LOOKALIKES", "UPGRADES", "a_query_token_is_no_token",
+__all__ = ["AMBIGUOUS_PATHS", "FORGED_IDENTITY", "FORGED_IP", "HANDED_ON", "LOGIN_LOOKALIKES", "UPGRADES", "a_query_token_is_no_token",
            "UNKEYABLE_CLAIMS", "alias_headers_name_nobody", "an_upgrade_opens_no_tunnel",
            "ambiguous_paths_never_reach_the_backend", "forged_forwarding_headers_count_the_connection", "hostile",
            "ip_keys_of", "keys", "no_token_claims_nothing", "p_read_with_hostile_headers",
            "replayed_request_id_is_not_the_clients", "route_group_is_the_routes", "send_raw",
+           "the_backend_gets_the_verified_identity_only",
            "the_anonymous_route_is_login_alone", "tokens", "unkeyable_claims_are_refused", "user_key"]
 
+
+
+# the identity headers a client forges, each twice and in another spelling of its name: another
+# tenant, an administrator, another API key, a service principal; and the limiter's own names
+FORGED_IDENTITY = (("x-tenant-id", "birch"), ("X-Tenant-Id", "other-tenant"), ("x-user-id", "admin"),
+                   ("X-USER-ID", "root"), ("x-api-key-id", "KX"), ("X-Api-Key-Id", "KY"),
+                   ("x-service-id", "billing"), ("X-Service-Id", "svc"), ("x-route-group", "export"),
+                   ("x-real-ip", FORGED_IP), ("x-forwarded-for", FORGED_IP))
+HANDED_ON = ("x-tenant-id", "x-user-id", "x-api-key-id", "x-service-id", "x-route-group")
+
+
+def _to_backend(url: str, target: str, headers: list[tuple[str, str]], *, method: str, source: str,
+                wait_s: float = 15.0) -> tuple[int, dict | None]:
+    """:func:`send_raw` again while the gateway answers 429 (an RLQS Envoy denies a bucket's first
+    requests until its assignment comes), bounded."""
+    end = time.monotonic() + wait_s
+    while True:
+        status, upstream = send_raw(url, target, headers, method=method, source=source)
+        if status != 429 or time.monotonic() > end:
+            return status, upstream
+        time.sleep(0.2)
+
+
+def the_backend_gets_the_verified_identity_only(url: str, tenant: str, source: str) -> None:
+    """What the backend is handed with forged identity headers (another tenant, user, API key,
+    service, each twice): behind nginx and Traefik it got the client's copies unchanged while the
+    limiter charged the token's identity, so a backend that trusts them (as it may behind Envoy,
+    which sets them from the verified token) served the client as another tenant or an
+    administrator. Every shipped gateway hands the backend exactly the verified identity --
+    X-Tenant-Id, X-User-Id and X-Api-Key-Id from the token, on every route that needs one -- and
+    nothing of the client's: no X-Service-Id, no X-Route-Group, no forged address; nothing of
+    the identity without a verified token (/login) and no request at all with a bad one."""
+    def check(method: str, path: str, extra: list[tuple[str, str]], expected: dict[str, str]) -> None:
+        status, upstream = _to_backend(url, path, [*FORGED_IDENTITY, *extra], method=method, source=source)
+        assert status == 200 and upstream is not None, (method, path, extra, status)
+        got = upstream["headers"]
+        assert {k: got[k] for k in HANDED_ON if k in got} == expected, (method, path, extra, got)
+        for name in ("x-real-ip", "x-forwarded-for"):  # the connection's address, or nothing
+            assert got.get(name, source) == source, (method, path, name, got)
+
+    with_key = ISSUER.token("U-80", tenant, "K1")
+    without_key = ISSUER.token("U-81", tenant)
+    verified = {"x-tenant-id": tenant, "x-user-id": "U-80", "x-api-key-id": "K1"}
+    for method, path in (("GET", "/catalog"), ("POST", "/reports/export")):  # every route that needs a token
+        check(method, path, [("authorization", "Bearer " + with_key)], verified)
+        check(method, path, [("authorization", "Bearer " + without_key)], {"x-tenant-id": tenant, "x-user-id": "U-81"})
+    # a user id that is not ASCII: its UTF-8 bytes, as the token carries it (the demo backend reads Latin-1)
+    check("GET", "/catalog", [("authorization", "Bearer " + ISSUER.token("U-82-Zoë", tenant))],
+          {"x-tenant-id": tenant, "x-user-id": "U-82-Zoë".encode().decode("latin-1")})
+    # the pre-authentication route: no identity is verified there, a valid token or not
+    for extra in ([], [("authorization", "Bearer " + with_key)], [("authorization", "Bearer not.a.jwt")]):
+        check("POST", "/login", extra, {})
+    # a bad token elsewhere never reaches the backend
+    for bad in ("Bearer not.a.jwt", DevIssuer().bearer("U-80", tenant)["authorization"]):
+        status, upstream = send_raw(url, "/catalog", [*FORGED_IDENTITY, ("authorization", bad)], source=source)
+        assert status == 401 and upstream is None, (bad[:20], status, upstream)
 
 
 # how a client may spell the one header carrying its token: the scheme in any case (RFC 9110 11.1),

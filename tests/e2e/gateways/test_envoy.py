@@ -136,6 +136,11 @@ def test_unkeyable_claims_are_refused(stack: Stack, envoy: Envoy):
     attacks.unkeyable_claims_are_refused(stack, envoy.url)
 
 
+def test_the_backend_gets_the_verified_identity_only(stack: Stack, envoy: Envoy):
+    attacks.the_backend_gets_the_verified_identity_only(envoy.url, "id" + envoy.name[-4:].replace("-", ""),
+                                                        "127.0.7.1" if envoy.name == "envoy-rls" else "127.0.7.2")
+
+
 @pytest.fixture(scope="module")
 def cgi_backend() -> Iterator[CgiBackend]:
     b = CgiBackend()

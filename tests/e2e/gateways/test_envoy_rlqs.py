@@ -208,6 +208,11 @@ def test_alias_headers_name_nobody_at_a_cgi_backend(stack: Stack):
         backend.stop()
 
 
+def test_the_backend_gets_the_verified_identity_only(stack: Stack, envoys: tuple[Envoy, Envoy]):
+    """Reads are Envoy's own decisions here (the first of a bucket waits for its assignment)."""
+    attacks.the_backend_gets_the_verified_identity_only(envoys[0].url, "idrlqs", "127.0.7.5")
+
+
 def test_a_stalled_agent_fails_the_export_route_closed(stack: Stack, envoys: tuple[Envoy, Envoy]):
     """The per-request part of this file fails as envoy-rls.yaml does: the export route, whose
     rule fails closed, is 503 while the agent does not answer (it used to pass to the upstream)."""

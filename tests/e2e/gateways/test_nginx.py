@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from leasehold.local.gateways import Nginx
+from tests.support.cgi_backend import CgiBackend
 from tests.support.upgrade_backend import UpgradeBackend
 
 from . import attacks
@@ -102,6 +103,20 @@ def test_unkeyable_claims_are_refused(stack: Stack, nginx: Nginx):
 
 def test_ambiguous_paths_never_reach_the_backend(stack: Stack, nginx: Nginx):
     attacks.ambiguous_paths_never_reach_the_backend(nginx.url, "127.0.6.3", "ambnginx")
+
+
+def test_the_backend_gets_the_verified_identity_only(stack: Stack, nginx: Nginx):
+    attacks.the_backend_gets_the_verified_identity_only(nginx.url, "idnginx", "127.0.7.3")
+
+
+def test_alias_headers_name_nobody_at_a_cgi_backend(stack: Stack):
+    backend = CgiBackend()
+    g = stack.nginx("nginx-cgi", UPSTREAM_PORT=backend.port)
+    try:
+        attacks.alias_headers_name_nobody(g.url, "aliasnginx")
+    finally:
+        g.stop()
+        backend.stop()
 
 
 @pytest.mark.parametrize("kind", sorted(attacks.UPGRADES))

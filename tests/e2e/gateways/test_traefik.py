@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from leasehold.local.gateways import Traefik
+from tests.support.cgi_backend import CgiBackend
 from tests.support.upgrade_backend import UpgradeBackend
 
 from . import attacks
@@ -97,6 +98,21 @@ def test_unkeyable_claims_are_refused(stack: Stack, traefik: Traefik):
 
 def test_ambiguous_paths_never_reach_the_backend(stack: Stack, traefik: Traefik):
     attacks.ambiguous_paths_never_reach_the_backend(traefik.url, "127.0.6.4", "ambtraefik")
+
+
+def test_the_backend_gets_the_verified_identity_only(stack: Stack, traefik: Traefik):
+    attacks.the_backend_gets_the_verified_identity_only(traefik.url, "idtraefik", "127.0.7.4")
+
+
+def test_alias_headers_name_nobody_at_a_cgi_backend(stack: Stack):
+    """Traefik forwards header names with an underscore: traefik.yml removes each spelling."""
+    backend = CgiBackend()
+    g = stack.traefik("traefik-cgi", UPSTREAM_PORT=backend.port)
+    try:
+        attacks.alias_headers_name_nobody(g.url, "aliastraefik")
+    finally:
+        g.stop()
+        backend.stop()
 
 
 @pytest.mark.parametrize("kind", sorted(attacks.UPGRADES))

@@ -1,0 +1,155 @@
+"""region_agent.gateways.authz: what an allowed forward-auth answer hands the backend. With
+``--authz-jwks`` the 200 carries the identity the agent verified (X-Tenant-Id, X-User-Id,
+X-Api-Key-Id when the token names a key), for nginx and Traefik to set on the request in place of
+the client's copies; nothing on a denial, on a pre-authentication route, without a valid token,
+or when the agent only read headers a gateway sent. The raw ASGI handler is driven as uvicorn
+drives it, with a recording ``send``."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from leasehold.local.devjwt import DevIssuer
+from region_agent.gateways.authz import authz, identity_headers, identity_memo
+from region_agent.gateways.bearer import BearerVerifier, Identity
+from region_agent.gateways.mapping import BadQuestion, Names
+from region_agent.gateways.metrics import GatewayMetrics
+from region_agent.models import AdmitRequest, Decision
+
+ISSUER = DevIssuer()
+IDENTITY = (b"x-tenant-id", b"x-user-id", b"x-api-key-id", b"x-service-id", b"x-route-group")
+FORGED = [(b"x-tenant-id", b"birch"), (b"x-user-id", b"admin"), (b"x-api-key-id", b"KX"),
+          (b"x-service-id", b"svc")]
+
+
+class FakeGateways:
+    """What the handler reads of ``region_agent.gateways.Gateways``; ``decide`` answers
+    ``status`` and records the questions."""
+
+    def __init__(self, bearer: BearerVerifier | None, names: Names | None = None, status: int = 200):
+        self.names = names or Names.build()
+        self.metrics = GatewayMetrics(CollectorRegistry())
+        self.bearer = bearer
+        self.anonymous_routes = frozenset({"login"})
+        self.identity_answers = identity_memo()
+        self.status = status
+        self.asked: list[AdmitRequest] = []
+
+    def gateway_tokens(self) -> None:
+        return None  # no gateway authentication in these tests
+
+    async def decide(self, reqs: list[AdmitRequest], **_: Any) -> list[Decision]:
+        self.asked.extend(reqs)
+        if self.status == 200:
+            return [Decision(allowed=True, decision_id=r.request_id, rule_id="read-user-v3", bundle_version=1,
+                             headers={"RateLimit": '"read-user-v3";r=19;t=0'}) for r in reqs]
+        return [Decision(allowed=False, decision_id=r.request_id, rule_id="read-user-v3", bundle_version=1,
+                         http_status=self.status, retry_after_ms=1000, headers={"Retry-After": "1"},
+                         problem={"status": self.status}) for r in reqs]
+
+
+@pytest.fixture
+def verifier(tmp_path) -> BearerVerifier:
+    return BearerVerifier(str(ISSUER.write_jwks(tmp_path / "jwks.json")), issuer=ISSUER.issuer,
+                          audience=ISSUER.audience)
+
+
+def ask(gw: FakeGateways, headers: list[tuple[bytes, bytes]], route: str = "read",
+        path: str = "/v1/authz/catalog") -> tuple[int, list[tuple[bytes, bytes]]]:
+    """One request through the handler: its status and answer headers (one start message)."""
+    scope = {"type": "http", "method": "GET", "path": path, "raw_path": path.encode(),
+             "headers": [(b"x-route-group", route.encode()), (b"x-real-ip", b"192.0.2.7"), *headers],
+             "app": SimpleNamespace(state=SimpleNamespace(agent=SimpleNamespace(gateways=gw)))}
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(authz.fn(scope, receive, send))  # the mounted handler itself
+    starts = [m for m in sent if m["type"] == "http.response.start"]
+    assert len(starts) == 1
+    return starts[0]["status"], starts[0]["headers"]
+
+
+def handed_on(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in headers if k.lower() in IDENTITY]
+
+
+def token(user: str, tenant: str = "atlas", key: str | None = "K1") -> tuple[bytes, bytes]:
+    return b"authorization", ("Bearer " + ISSUER.token(user, tenant, key)).encode()
+
+
+def test_an_allowed_request_hands_on_the_tokens_identity_not_the_clients(verifier):
+    gw = FakeGateways(verifier)
+    status, headers = ask(gw, [*FORGED, token("U-17")])
+    assert status == 200
+    assert handed_on(headers) == [(b"x-tenant-id", b"atlas"), (b"x-user-id", b"U-17"), (b"x-api-key-id", b"K1")]
+    assert (b"RateLimit", b'"read-user-v3";r=19;t=0') in headers  # the answer's own fields stay
+    assert gw.asked[0].tenant_id == "atlas" and gw.asked[0].principal.id == "U-17"
+    status, headers = ask(gw, [*FORGED, token("U-18", key=None)])
+    assert status == 200 and handed_on(headers) == [(b"x-tenant-id", b"atlas"), (b"x-user-id", b"U-18")]
+
+
+def test_nothing_is_handed_on_without_a_verified_allowed_request(verifier):
+    # a pre-authentication route: the address alone, a valid token or not
+    assert handed_on(ask(FakeGateways(verifier), [*FORGED, token("U-17")], route="login")[1]) == []
+    # no token, a bad one: 401
+    for extra in ([], [(b"authorization", b"Bearer not.a.jwt")]):
+        status, headers = ask(FakeGateways(verifier), [*FORGED, *extra])
+        assert status == 401 and handed_on(headers) == [], extra
+    # denied: 429, or 403 for nginx's auth_request
+    status, headers = ask(FakeGateways(verifier, status=429), [token("U-17")])
+    assert status == 429 and handed_on(headers) == []
+    status, headers = ask(FakeGateways(verifier, status=429), [token("U-17"), (b"x-leasehold-deny-status", b"403")])
+    assert status == 403 and handed_on(headers) == []
+    # without --authz-jwks the agent verified nothing: the gateway's identity headers are read, never echoed
+    gw = FakeGateways(None)
+    status, headers = ask(gw, [(b"x-tenant-id", b"atlas"), (b"x-user-id", b"U-19")])
+    assert status == 200 and handed_on(headers) == [] and gw.asked[0].principal.id == "U-19"
+
+
+def test_the_names_are_the_questions_and_the_values_utf8(verifier):
+    gw = FakeGateways(verifier, names=Names.build(authz_headers=["tenant=x-org-id", "user=x-principal"]))
+    status, headers = ask(gw, [token("Zoë", key=None)])
+    assert status == 200
+    assert [(k, v) for k, v in headers if k in (b"x-org-id", b"x-principal")] == [
+        (b"x-org-id", b"atlas"), (b"x-principal", "Zoë".encode())]
+    assert handed_on(headers) == []
+
+
+@pytest.mark.parametrize("user", [" admin", "admin ", "U-1\r\nx-tenant-id: birch", "U\x00", "U\t", "U\x7f"])
+def test_a_claim_that_is_no_header_value_is_refused_before_anything_is_spent(verifier, user):
+    """A backend trims " admin" into another principal; a control character is no header value
+    (uvicorn refuses to send one, no gateway forwards one). A 422 problem, as for a claim no
+    question can carry, and nothing asked or spent."""
+    gw = FakeGateways(verifier)
+    status, headers = ask(gw, [token(user)])
+    assert status == 422 and handed_on(headers) == [] and gw.asked == []
+    assert (b"content-type", b"application/problem+json") in headers
+
+
+def test_the_bytes_of_an_identity_are_built_once(verifier, monkeypatch):
+    import region_agent.gateways.authz as door
+
+    built: list[Identity] = []
+
+    def counting(names: Names, who: Identity) -> tuple:
+        built.append(who)
+        return identity_headers(names, who)
+
+    monkeypatch.setattr(door, "identity_headers", counting)
+    gw = FakeGateways(verifier)
+    answers = [handed_on(ask(gw, [token("U-17")])[1]) for _ in range(3)]
+    assert answers[0] == answers[1] == answers[2] and built == [Identity("atlas", "U-17", "K1")]
+    ask(gw, [token("U-17", key=None)])
+    assert len(built) == 2 and len(gw.identity_answers) == 2
+    with pytest.raises(BadQuestion):
+        identity_headers(Names.build(), Identity("atlas", "U-17", " K1"))
