@@ -17,11 +17,12 @@ import httptools
 from .procs import LOOPBACK
 
 _CLOSE = "connection: close\r\n"
-# the request headers the answer echoes (lower case): identity, request id, limiter inputs, trace context
+# the request headers the answer echoes (lower case): identity, request id, limiter inputs, Leasehold's
+# control headers, trace context
 ECHOED = frozenset({b"x-request-id", b"x-tenant-id", b"x-user-id", b"x-api-key-id", b"x-service-id",
                     b"x-route-group", b"x-forwarded-for", b"x-real-ip", b"x-leasehold-auth-failed",
-                    b"x-leasehold-cost", b"x-leasehold-authorization", b"authorization", b"traceparent",
-                    b"tracestate"})
+                    b"x-leasehold-cost", b"x-leasehold-authorization", b"x-leasehold-deny-status",
+                    b"x-leasehold-status", b"authorization", b"traceparent", b"tracestate"})
 
 
 class _Conn(asyncio.Protocol):

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..models import AdmitRequest, Decision
-from .authz import identity_memo
+from .authz import decision_id_name, identity_memo
 from .mapping import Names
 from .metrics import GatewayMetrics
 
@@ -42,6 +42,7 @@ class Gateways:
                                          leeway_s=settings.authz_jwt_leeway_s)
         self.anonymous_routes = frozenset(settings.authz_anonymous_routes)
         self.identity_answers = identity_memo()  # a verified identity's answer headers (.authz)
+        self.decision_id_name = decision_id_name(self.names)  # the header an allowed answer's decision id goes in
         self.rls: Any = None  # .rls.RlsServer while serving
         self.rlqs: Any = None  # .rlqs.RlqsService while serving (--rlqs)
 

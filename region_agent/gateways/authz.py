@@ -28,12 +28,20 @@ What the backend is handed: with ``--authz-jwks``, an allowed request's 200 carr
 the agent verified, under the question's own header names (by default ``X-Tenant-Id``,
 ``X-User-Id``, and ``X-Api-Key-Id`` when the token names a key), for the gateway to set on the
 request it forwards in place of anything the client sent (``deploy/gateways/nginx.conf``:
-``auth_request_set``; ``traefik.yml``: ``authResponseHeaders``). Nothing else: never on a
-pre-authentication route, never without a verified token, never ``X-Service-Id`` (a token's
-principal is its user, :mod:`.bearer`), never an identity the agent was only told. A claim that
+``auth_request_set``; ``traefik.yml``: ``authResponseHeaders``). Nothing else of an identity:
+never on a pre-authentication route, never without a verified token, never ``X-Service-Id`` (a
+token's principal is its user, :mod:`.bearer`), never an identity the agent was only told. A claim that
 cannot travel as a header value as it is (a control character, or white space at either end a
 backend would trim into another identity) is refused 422 before anything is spent, as a claim no
 question can carry is. The bytes are built once per identity (``Gateways.identity_answers``).
+
+Every allowed request's 200 also carries the decision id it was decided under, under the
+question's request id header name (``X-Request-Id``): the one the gateway sent in that header
+(nginx's ``$request_id``, Envoy's ``x-request-id``), else the one the agent minted (Traefik, whose
+file forwards no request id). The backend ends an export's concurrency slot with it (``POST
+/v1/release``); ``traefik.yml`` copies it onto the request (``authResponseHeaders``). It is the
+gateway's header or the agent's own, never one a client sent past a shipped gateway: none forwards
+the client's to the agent. Nothing on a refusal (401, 422, a denial).
 """
 
 from __future__ import annotations
@@ -74,6 +82,12 @@ RawHeaders = tuple[tuple[bytes, bytes], ...]
 # what a header value cannot carry as it is: a control character (no gateway forwards it), or white
 # space at either end (a backend trims it: " admin" would be read as another principal, "admin")
 _NOT_A_HEADER_VALUE = re.compile(r"[\x00-\x1f\x7f]|^[ \t]|[ \t]\Z")
+
+
+def decision_id_name(names: Any) -> bytes:
+    """``Gateways.decision_id_name``: the header an allowed answer hands the decision id back in,
+    the question's own request id header (``--authz-headers request_id=...``)."""
+    return names.headers["request_id"].encode("latin-1")
 
 
 def identity_memo() -> BoundedMemo[Identity, RawHeaders]:
@@ -128,11 +142,11 @@ async def authz(scope: dict, receive: Callable[[], Awaitable[dict]], send: Calla
     gw = scope["app"].state.agent.gateways
     started = time.perf_counter()
     path = scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0] or scope.get("path", "")
-    status, headers, body, identity = await answer(gw, scope, path)
+    status, headers, body, handed = await answer(gw, scope, path)
     gw.metrics.authz_calls.labels(str(status)).inc()
     gw.metrics.authz_latency.observe(time.perf_counter() - started)
     raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-    raw.extend(identity)
+    raw.extend(handed)
     if scope["method"] == "HEAD":
         body = b""
     await send({"type": "http.response.start", "status": status,
@@ -141,8 +155,8 @@ async def authz(scope: dict, receive: Callable[[], Awaitable[dict]], send: Calla
 
 
 async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], bytes, RawHeaders]:
-    """Status, headers and body of the answer, and the raw headers handing an allowed request's
-    verified identity to the backend (empty: nothing verified, or not allowed)."""
+    """Status, headers and body of the answer, and the raw headers handing the backend an allowed
+    request's decision id and verified identity (empty: not allowed; no identity: nothing verified)."""
     names = gw.names
     try:
         if path != PATH and not path.startswith(PATH + "/"):  # the mount also matched /v1/authzfoo
@@ -176,11 +190,13 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
         if unauthenticated and decision.allowed:
             return UNAUTHENTICATED
         a = authz_answer(decision, deny_status=DENY_STATUSES[deny] if deny is not None else None)
-        return a.status, a.headers, a.body, identity if a.status == 200 else ()
+        if a.status != 200:
+            return a.status, a.headers, a.body, ()
+        return a.status, a.headers, a.body, ((gw.decision_id_name, decision.decision_id.encode("latin-1")), *identity)
     except LeaseholdError as e:
         if isinstance(e, ValidationFailed):
             gw.metrics.authz_invalid.labels(e.reason if isinstance(e, BadQuestion) else "bad_value").inc()
         return (*problem_answer(e, PATH), ())  # the app's exception handler's answer
 
 
-__all__ = ["PATH", "answer", "authz", "identity_headers", "identity_memo"]
+__all__ = ["PATH", "answer", "authz", "decision_id_name", "identity_headers", "identity_memo"]

@@ -111,17 +111,27 @@ def route_group_is_the_routes(stack: Stack, url: str, tenant: str) -> None:
     assert tokens(stack, user_key("U-70", tenant)) is not None, "the read bucket was not spent"
 
 
+def decision_record(tenant: str, request_id: str) -> str:
+    return f"rl:v3:{{t:{tenant}}}:d:{KEYS._hmac(tenant, 'd', request_id)}"
+
+
 def replayed_request_id_is_not_the_clients(stack: Stack, url: str, tenant: str) -> None:
     """A request id the client chose, sent with two identities to an idempotent rule (export):
-    both admitted, neither decided under the client's id (the gateway mints decision ids)."""
+    both admitted, neither decided under the client's id (the gateway or the agent mints decision
+    ids). The backend is handed the decision id each export was decided under (the one it ends
+    the export's slot with), never the client's: Traefik used to hand it none."""
     chosen = "client-chosen-id-0002"
+    handed: list[str] = []
     with httpx.Client(base_url=url, timeout=10) as c:
         for user in ("U-71", "U-72"):
-            r = c.post("/reports/export", headers={**hostile(request_id=chosen), **identity(user, tenant)})
+            r = c.post("/reports/export", headers=[*hostile(request_id=chosen).items(), ("x-request-id", chosen),
+                                                   *identity(user, tenant).items()])
             assert r.status_code == 200, (user, r.status_code, r.text)
-    record = f"rl:v3:{{t:{tenant}}}:d:{KEYS._hmac(tenant, 'd', chosen)}"
-    assert keys(stack, record) == []
+            handed.append(r.json()["headers"].get("x-request-id", ""))
+    assert keys(stack, decision_record(tenant, chosen)) == []
     assert len(keys(stack, f"rl:v3:{{t:{tenant}}}:d:*")) == 2  # one record per request, under minted ids
+    assert all(rid and chosen not in rid for rid in handed), handed
+    assert all(keys(stack, decision_record(tenant, rid)) for rid in handed), handed  # the decision ids
 
 
 def forged_forwarding_headers_count_the_connection(stack: Stack, url: str, source: str) -> None:
@@ -310,25 +320,31 @@ def alias_headers_name_nobody(url: str, tenant: str, *, method: str = "GET", pat
     its ``x_tenant_id: birch`` on beside the one it set from the token: the backend read the tenant
     as "<token's>,birch" (and the client's alone for a header Envoy does not set, such as
     ``x_service_id``); Traefik forwarded every such name. Header names with an underscore are
-    dropped at the edge (Envoy, nginx) or each spelling of the identity, request id and address
-    headers is removed (Traefik): the backend reads the token's identity and nothing of the client's."""
+    dropped at the edge (Envoy, nginx) or each spelling of the identity, request id, address and
+    Leasehold control headers is removed (Traefik, which passed ``x_leasehold_authorization`` and
+    the other control headers' spellings on): the backend reads the token's identity and nothing
+    of the client's."""
     aliases = {"x_tenant_id": "birch", "x_user_id": "B-1", "x_api_key_id": "KX", "x_service_id": "svc",
                "x_request_id": "client-chosen-id-0003", "x_real_ip": FORGED_IP, "x_forwarded_for": FORGED_IP,
                # the separators mixed, and another letter case: the same variable to the backend
-               "X-Tenant_Id": "birch", "x-api_key-id": "KX", "X_SERVICE-ID": "svc", "x_route_group": "export"}
+               "X-Tenant_Id": "birch", "x-api_key-id": "KX", "X_SERVICE-ID": "svc", "x_route_group": "export",
+               # Leasehold's control headers: the gateway token's name never carries the client's
+               "x_leasehold_authorization": "Bearer not-the-gateway", "x-leasehold_cost": "1000",
+               "X_Leasehold-Auth_Failed": "true", "x_leasehold_deny-status": "401", "x_leasehold_status": "200"}
     status, upstream = send_raw(url, path, {**identity("U-76", tenant), **aliases}, method=method)
     assert status == 200 and upstream is not None, status
     env = upstream["environ"]
     assert (env["HTTP_X_TENANT_ID"], env["HTTP_X_USER_ID"], env["HTTP_X_API_KEY_ID"]) == (tenant, "U-76", "K1"), env
     assert "HTTP_X_SERVICE_ID" not in env, env
     assert env.get("HTTP_X_ROUTE_GROUP", "") != "export", env
-    assert not {"birch", "B-1", "KX", "svc", "client-chosen-id-0003", FORGED_IP} & {
-        part for v in env.values() for part in v.split(",")}, env
+    assert not {"birch", "B-1", "KX", "svc", "client-chosen-id-0003", FORGED_IP, "Bearer not-the-gateway", "1000",
+                "401"} & {part for v in env.values() for part in v.split(",")}, env
+    assert not [k for k in env if k.startswith("HTTP_X_LEASEHOLD_")], env
 
 
-__all__ = ["AMBIGUOUS_PATHS", "FORGED_IDENTITY", "FORGED_IP", "HANDED_ON", "LOGIN_LOOKALIKES", "UPGRADES", "a_query_token_is_no_token",
+__all__ = ["AMBIGUOUS_PATHS", "CONTROL", "FORGED_IDENTITY", "FORGED_IP", "HANDED_ON", "LOGIN_LOOKALIKES", "UPGRADES", "a_query_token_is_no_token",
            "UNKEYABLE_CLAIMS", "alias_headers_name_nobody", "an_upgrade_opens_no_tunnel",
-           "ambiguous_paths_never_reach_the_backend", "forged_forwarding_headers_count_the_connection", "hostile",
+           "ambiguous_paths_never_reach_the_backend", "decision_record", "forged_forwarding_headers_count_the_connection", "hostile",
            "ip_keys_of", "keys", "no_token_claims_nothing", "p_read_with_hostile_headers",
            "replayed_request_id_is_not_the_clients", "route_group_is_the_routes", "send_raw",
            "the_backend_gets_the_verified_identity_only",
@@ -341,8 +357,15 @@ __all__ = ["AMBIGUOUS_PATHS", "FORGED_IDENTITY", "FORGED_IP", "HANDED_ON", "LOGI
 FORGED_IDENTITY = (("x-tenant-id", "birch"), ("X-Tenant-Id", "other-tenant"), ("x-user-id", "admin"),
                    ("X-USER-ID", "root"), ("x-api-key-id", "KX"), ("X-Api-Key-Id", "KY"),
                    ("x-service-id", "billing"), ("X-Service-Id", "svc"), ("x-route-group", "export"),
-                   ("x-real-ip", FORGED_IP), ("x-forwarded-for", FORGED_IP))
+                   ("x-real-ip", FORGED_IP), ("x-forwarded-for", FORGED_IP),
+                   ("x-leasehold-cost", "1000"), ("x-leasehold-authorization", "Bearer not-the-gateway"),
+                   ("x-leasehold-auth-failed", "false"), ("x-leasehold-deny-status", "401"),
+                   ("x-leasehold-status", "200"))
 HANDED_ON = ("x-tenant-id", "x-user-id", "x-api-key-id", "x-service-id", "x-route-group")
+# Leasehold's own control headers: the gateway's and the agent's words, never the backend's (a backend,
+# or a proxy behind the gateway, that read them would be steered by the client)
+CONTROL = ("x-leasehold-cost", "x-leasehold-authorization", "x-leasehold-auth-failed", "x-leasehold-deny-status",
+           "x-leasehold-status")
 
 
 def _to_backend(url: str, target: str, headers: list[tuple[str, str]], *, method: str, source: str,
@@ -364,13 +387,15 @@ def the_backend_gets_the_verified_identity_only(url: str, tenant: str, source: s
     which sets them from the verified token) served the client as another tenant or an
     administrator. Every shipped gateway hands the backend exactly the verified identity --
     X-Tenant-Id, X-User-Id and X-Api-Key-Id from the token, on every route that needs one -- and
-    nothing of the client's: no X-Service-Id, no X-Route-Group, no forged address; nothing of
-    the identity without a verified token (/login) and no request at all with a bad one."""
+    nothing of the client's: no X-Service-Id, no X-Route-Group, no forged address, none of
+    Leasehold's control headers (``CONTROL``: nginx and Traefik passed the client's on); nothing
+    of the identity without a verified token (/login) and no request at all with a bad one."""
     def check(method: str, path: str, extra: list[tuple[str, str]], expected: dict[str, str]) -> None:
         status, upstream = _to_backend(url, path, [*FORGED_IDENTITY, *extra], method=method, source=source)
         assert status == 200 and upstream is not None, (method, path, extra, status)
         got = upstream["headers"]
         assert {k: got[k] for k in HANDED_ON if k in got} == expected, (method, path, extra, got)
+        assert not {k: got[k] for k in CONTROL if k in got}, (method, path, extra, got)
         for name in ("x-real-ip", "x-forwarded-for"):  # the connection's address, or nothing
             assert got.get(name, source) == source, (method, path, name, got)
 

@@ -170,6 +170,32 @@ def assert_p_read(responses: list[httpx.Response]) -> None:
     assert denied.headers["ratelimit"] == '"read-user-v3";r=0;t=1'
 
 
+EXPORT_CAP = 3  # export-tenant's concurrencyMax in policies/northstar.json: exports in flight per tenant
+
+
+def the_backend_ends_its_export(stack: Stack, url: str, tenant: str) -> None:
+    """An export holds one of its tenant's concurrency slots until the backend ends it with
+    ``POST /v1/release {"requestId": <the decision id>, ...}``: the backend must be handed the id
+    the export was decided under. ``EXPORT_CAP`` exports of ``tenant`` are admitted and one more is
+    refused at the cap; the backend releases the first with the X-Request-Id, X-Tenant-Id and
+    X-User-Id it received, and the next export is admitted at once (behind Traefik the backend got
+    no request id, so the slot was held until it expired: the tenant's export cap spent for 60 s)."""
+    with httpx.Client(base_url=url, timeout=10) as c:
+        admitted = [c.post("/reports/export", headers=identity("U-90", tenant)) for _ in range(EXPORT_CAP)]
+        assert [r.status_code for r in admitted] == [200] * EXPORT_CAP, [r.status_code for r in admitted]
+        refused = c.post("/reports/export", headers=identity("U-90", tenant))
+        assert refused.status_code == 429, refused.status_code  # the cap: every slot is held
+        got = admitted[0].json()["headers"]  # what the backend was handed
+        assert got.get("x-request-id"), ("the backend was handed no decision id", got)
+        release = httpx.post(stack.agent_url + "/v1/release", timeout=10,
+                             headers={"authorization": f"Bearer {stack.token}"},
+                             json={"requestId": got["x-request-id"], "tenantId": got["x-tenant-id"],
+                                   "principal": {"type": "user", "id": got["x-user-id"]}, "routeGroup": "export"})
+        assert release.status_code == 200 and release.json()["released"] == 1, release.text
+        again = c.post("/reports/export", headers=identity("U-90", tenant))
+        assert again.status_code == 200, (again.status_code, again.text)
+
+
 def wait_early_in_window(window_s: int, room_s: float) -> None:
     """Sleep until at least ``room_s`` of the current fixed window (aligned on multiples of their length in Unix time,
     as the scripts align them on the Redis clock of this machine) are left."""

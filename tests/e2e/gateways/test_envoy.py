@@ -20,7 +20,7 @@ from tests.support.cgi_backend import CgiBackend
 from tests.support.upgrade_backend import UpgradeBackend
 
 from . import attacks
-from .conftest import Stack, assert_p_read, identity, wait_early_in_window
+from .conftest import Stack, assert_p_read, identity, the_backend_ends_its_export, wait_early_in_window
 
 pytestmark = pytest.mark.e2e
 
@@ -139,6 +139,12 @@ def test_unkeyable_claims_are_refused(stack: Stack, envoy: Envoy):
 def test_the_backend_gets_the_verified_identity_only(stack: Stack, envoy: Envoy):
     attacks.the_backend_gets_the_verified_identity_only(envoy.url, "id" + envoy.name[-4:].replace("-", ""),
                                                         "127.0.7.1" if envoy.name == "envoy-rls" else "127.0.7.2")
+
+
+def test_the_backend_ends_its_export(stack: Stack, envoy: Envoy):
+    """The backend behind the Envoy files is handed the decision id (Envoy's x-request-id) and
+    ends the export's concurrency slot with it."""
+    the_backend_ends_its_export(stack, envoy.url, "rel" + envoy.name[-4:].replace("-", ""))
 
 
 @pytest.fixture(scope="module")

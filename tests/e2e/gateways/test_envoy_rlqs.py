@@ -29,7 +29,17 @@ from leasehold.local.services import agent_command
 from tests.support.cgi_backend import CgiBackend
 
 from . import attacks
-from .conftest import KEYS, ROOT, Stack, access_log, hammer, identity, rlqs_envoy, rlqs_envoy_pair
+from .conftest import (
+    KEYS,
+    ROOT,
+    Stack,
+    access_log,
+    hammer,
+    identity,
+    rlqs_envoy,
+    rlqs_envoy_pair,
+    the_backend_ends_its_export,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -211,6 +221,12 @@ def test_alias_headers_name_nobody_at_a_cgi_backend(stack: Stack):
 def test_the_backend_gets_the_verified_identity_only(stack: Stack, envoys: tuple[Envoy, Envoy]):
     """Reads are Envoy's own decisions here (the first of a bucket waits for its assignment)."""
     attacks.the_backend_gets_the_verified_identity_only(envoys[0].url, "idrlqs", "127.0.7.5")
+
+
+def test_the_backend_ends_its_export(stack: Stack, envoys: tuple[Envoy, Envoy]):
+    """Exports are decided per request (RLS) here: the backend is handed Envoy's x-request-id, the
+    decision id, and ends the export's concurrency slot with it."""
+    the_backend_ends_its_export(stack, envoys[0].url, "relrlqs")
 
 
 def test_a_stalled_agent_fails_the_export_route_closed(stack: Stack, envoys: tuple[Envoy, Envoy]):

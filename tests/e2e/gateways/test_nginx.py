@@ -14,7 +14,7 @@ from tests.support.cgi_backend import CgiBackend
 from tests.support.upgrade_backend import UpgradeBackend
 
 from . import attacks
-from .conftest import Stack, assert_p_read, identity
+from .conftest import Stack, assert_p_read, identity, the_backend_ends_its_export
 
 pytestmark = pytest.mark.e2e
 
@@ -128,3 +128,9 @@ def test_an_upgrade_opens_no_tunnel(stack: Stack, kind: str):
     finally:
         g.stop()
         backend.stop()
+
+
+def test_the_backend_ends_its_export(stack: Stack, nginx: Nginx):
+    """The backend behind nginx.conf is handed the decision id ($request_id) and ends the export's
+    concurrency slot with it."""
+    the_backend_ends_its_export(stack, nginx.url, "relnginx")

@@ -15,7 +15,7 @@ from tests.support.cgi_backend import CgiBackend
 from tests.support.upgrade_backend import UpgradeBackend
 
 from . import attacks
-from .conftest import Stack, identity
+from .conftest import Stack, identity, the_backend_ends_its_export
 
 pytestmark = pytest.mark.e2e
 
@@ -124,3 +124,9 @@ def test_an_upgrade_opens_no_tunnel(stack: Stack, kind: str):
     finally:
         g.stop()
         backend.stop()
+
+
+def test_the_backend_ends_its_export(stack: Stack, traefik: Traefik):
+    """The backend behind traefik.yml is handed the decision id (the agent's 200 carries it) and
+    ends the export's concurrency slot with it."""
+    the_backend_ends_its_export(stack, traefik.url, "reltraefik")

@@ -2,7 +2,9 @@
 ``--authz-jwks`` the 200 carries the identity the agent verified (X-Tenant-Id, X-User-Id,
 X-Api-Key-Id when the token names a key), for nginx and Traefik to set on the request in place of
 the client's copies; nothing on a denial, on a pre-authentication route, without a valid token,
-or when the agent only read headers a gateway sent. The raw ASGI handler is driven as uvicorn
+or when the agent only read headers a gateway sent. Every allowed answer also carries the decision
+id it was decided under (X-Request-Id: the gateway's, else the agent's own), for the backend to end
+an export's concurrency slot with; no refusal does. The raw ASGI handler is driven as uvicorn
 drives it, with a recording ``send``."""
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from leasehold.local.devjwt import DevIssuer
-from region_agent.gateways.authz import authz, identity_headers, identity_memo
+from region_agent.gateways.authz import authz, decision_id_name, identity_headers, identity_memo
 from region_agent.gateways.bearer import BearerVerifier, Identity
 from region_agent.gateways.mapping import BadQuestion, Names
 from region_agent.gateways.metrics import GatewayMetrics
@@ -37,6 +39,7 @@ class FakeGateways:
         self.bearer = bearer
         self.anonymous_routes = frozenset({"login"})
         self.identity_answers = identity_memo()
+        self.decision_id_name = decision_id_name(self.names)
         self.status = status
         self.asked: list[AdmitRequest] = []
 
@@ -153,3 +156,41 @@ def test_the_bytes_of_an_identity_are_built_once(verifier, monkeypatch):
     assert len(built) == 2 and len(gw.identity_answers) == 2
     with pytest.raises(BadQuestion):
         identity_headers(Names.build(), Identity("atlas", "U-17", " K1"))
+
+
+def decision_id(headers: list[tuple[bytes, bytes]], name: bytes = b"x-request-id") -> list[bytes]:
+    return [v for k, v in headers if k == name]
+
+
+def test_an_allowed_request_hands_on_its_decision_id(verifier):
+    """The 200 carries the id the request was decided under, for the backend to end an export's
+    concurrency slot with (``POST /v1/release``): the one the agent minted when the gateway sent
+    none (Traefik), else the gateway's own (nginx's ``$request_id``, Envoy's ``x-request-id``)."""
+    gw = FakeGateways(verifier)
+    status, headers = ask(gw, [token("U-17")])
+    assert status == 200 and decision_id(headers) == [gw.asked[-1].request_id.encode()]
+    assert gw.asked[-1].request_id.startswith("authz-")
+    status, headers = ask(gw, [token("U-17"), (b"x-request-id", b"nginx-0123456789abcdef")])
+    assert status == 200 and decision_id(headers) == [b"nginx-0123456789abcdef"]
+    # a pre-authentication route is decided under an id too
+    status, headers = ask(gw, [], route="login")
+    assert status == 200 and decision_id(headers) == [gw.asked[-1].request_id.encode()]
+    # without --authz-jwks (Envoy ext_authz: its own x-request-id)
+    gw = FakeGateways(None)
+    status, headers = ask(gw, [(b"x-tenant-id", b"atlas"), (b"x-user-id", b"U-19"), (b"x-request-id", b"envoy-0a1b2c3d")])
+    assert status == 200 and decision_id(headers) == [b"envoy-0a1b2c3d"]
+
+
+def test_the_decision_id_goes_under_the_questions_name_and_never_on_a_refusal(verifier):
+    names = Names.build(authz_headers=["request_id=x-trace-id"])
+    gw = FakeGateways(verifier, names=names)
+    status, headers = ask(gw, [token("U-17"), (b"x-request-id", b"client-chosen-id-0001")])
+    assert status == 200 and decision_id(headers) == []  # x-request-id is no question's field here
+    assert decision_id(headers, b"x-trace-id") == [gw.asked[-1].request_id.encode()]
+    assert gw.asked[-1].request_id != "client-chosen-id-0001"
+    for gw, extra in ((FakeGateways(verifier, status=429), [token("U-17")]),
+                      (FakeGateways(verifier, status=429), [token("U-17"), (b"x-leasehold-deny-status", b"403")]),
+                      (FakeGateways(verifier), []),  # no token: 401
+                      (FakeGateways(verifier), [token(" admin")])):  # a claim that is no header value: 422
+        status, headers = ask(gw, [*extra, (b"x-request-id", b"gateway-0123456789")])
+        assert status in (401, 403, 422, 429) and decision_id(headers) == [], (status, headers)
