@@ -145,6 +145,11 @@ def _unflatten(doc: Any) -> list[str]:
     return problems
 
 
+# msgspec decodes nested arrays and objects recursively: a value nested about a thousand levels deep
+# (a few kilobytes of brackets) raises RecursionError, which is no PolicyError; a bundle nests five
+NESTED_TOO_DEEPLY = "bundle is not valid JSON: nested too deeply (a bundle nests arrays and objects a few levels)"
+
+
 def decode_bundle(raw: bytes | str) -> Bundle:
     """Decode and fully validate a bundle (JSON). Raises PolicyError listing every problem."""
     try:
@@ -155,6 +160,8 @@ def decode_bundle(raw: bytes | str) -> Bundle:
         raise PolicyError(f"bundle does not match the schema: {e}", errors=[str(e)]) from None
     except msgspec.DecodeError as e:
         raise PolicyError(f"bundle is not valid JSON: {e}", errors=[str(e)]) from None
+    except RecursionError:
+        raise PolicyError(NESTED_TOO_DEEPLY) from None
     validate_bundle(bundle, flat)
     return bundle
 
@@ -426,7 +433,7 @@ def _request_set_problems(rules: list[Rule]) -> list[str]:
     return sorted(set(problems))
 
 
-__all__ = ["ALGORITHMS", "MAX_RULES_PER_REQUEST", "SCOPE_ORDER", "Bundle", "Fallback", "NonNegInt", "Pool",
+__all__ = ["ALGORITHMS", "MAX_RULES_PER_REQUEST", "NESTED_TOO_DEEPLY", "SCOPE_ORDER", "Bundle", "Fallback", "NonNegInt", "Pool",
            "PosInt", "Rule", "SOURCE_SUFFIXES", "canonical_payload", "compute_checksum", "decode_bundle", "encode_bundle",
            "every_request_rules", "load_bundle_file", "make_rule", "read_bundle_bytes", "rule_applies", "rule_doc",
            "script_slots", "seal", "select_rules", "validate_bundle"]

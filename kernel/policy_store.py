@@ -95,8 +95,9 @@ class PolicyStore:
             return None
         try:
             return msgspec.json.decode(kv.value, type=SigningMarker)
-        except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            raise PolicyError(f"the signing marker {self.signing_key.decode()} is malformed: {e}") from None
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+            why = e if not isinstance(e, RecursionError) else "nested too deeply"
+            raise PolicyError(f"the signing marker {self.signing_key.decode()} is malformed: {why}") from None
 
     async def write_signing(self, marker: SigningMarker | None) -> None:
         """Set (or, with None, delete) the signing marker."""
@@ -202,7 +203,8 @@ class PolicyStore:
 
     async def _finish_canary(self, raw: bytes | None) -> PublishResult:
         """Promote (``raw`` None: the candidate becomes the published bundle, same bytes, same
-        signature) or roll back (``raw``: a bundle with a version above the candidate's): one
+        signature; only over the published bundle it was staged over, so a publish made since is
+        never taken back) or roll back (``raw``: a bundle with a version above the candidate's): one
         transaction writes the policy key and deletes the canary key."""
         current, staged = await self.read_both()
         if staged is None:
@@ -212,8 +214,18 @@ class PolicyStore:
         if raw is None:
             if staged.bundle is None:
                 raise PolicyError(f"the staged canary is not a valid bundle ({staged.problem}); roll it back")
-            body = msgspec.json.format(bytes(msgspec.json.decode(staged.raw, type=CanaryDoc).bundle), indent=2)
             version = staged.bundle.bundle_version
+            published = current.bundle
+            if published is not None and version <= published.bundle_version:
+                raise StaleVersion(f"bundle {published.bundle_version} was published after the candidate {version} was "
+                                   "staged: the candidate is not newer, and agents refuse a lower version; roll the "
+                                   "canary back, or stage a candidate above it")
+            if published is not None and staged.base != published.bundle_version:
+                raise Conflict(f"bundle {published.bundle_version} was published after the candidate {version} was "
+                               f"staged over {staged.base}: promoting it would take back that publish's changes; "
+                               f"stage a candidate that carries them over {published.bundle_version}, or roll the "
+                               "canary back")
+            body = msgspec.json.format(bytes(msgspec.json.decode(staged.raw, type=CanaryDoc).bundle), indent=2)
         else:
             new = decode_bundle(raw)
             floor = max(current.bundle.bundle_version if current.bundle else 0,
@@ -301,8 +313,9 @@ class StoredCanary:
 def parse_canary(kv: KV) -> StoredCanary:
     try:
         doc = msgspec.json.decode(kv.value, type=CanaryDoc)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        return StoredCanary(kv.value, kv.mod_revision, None, None, None, f"the canary value is malformed: {e}")
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+        why = e if not isinstance(e, RecursionError) else "nested too deeply"
+        return StoredCanary(kv.value, kv.mod_revision, None, None, None, f"the canary value is malformed: {why}")
     try:
         return StoredCanary(kv.value, kv.mod_revision, doc.slice, doc.base, decode_bundle(bytes(doc.bundle)))
     except PolicyError as e:

@@ -16,7 +16,7 @@ from litestar.testing import AsyncTestClient
 
 from kernel.bundle import Bundle, Rule, encode_bundle, make_rule, seal
 from kernel.errors import Conflict, PolicyError, StaleVersion
-from kernel.etcd_store import EtcdStore
+from kernel.etcd_store import EtcdStore, TxnBuilder
 from kernel.policy_store import PolicyStore, Stored, policy_key
 from leasehold.commands.cli import main as cli_main
 from leasehold.local.procs import free_port
@@ -372,3 +372,74 @@ async def test_the_watch_comes_back_after_every_member_restarted(redis_url, poli
             assert time.monotonic() - started < 1.0, "delivered by a re-read, not the watch"
         finally:
             await pub.store.close()
+
+
+async def test_a_value_nested_too_deeply_is_refused_and_a_publish_replaces_it(redis_url, policy_file, etcd_cluster,
+                                                                              prefix, pstore, capsys):
+    """A few kilobytes of brackets under the policy and canary keys (written straight to etcd): the agent
+    counts the value invalid and keeps reading etcd (its age stays fresh, so revocable rules are not
+    revoked by it), and ``policy show`` and ``publish`` name it and replace it. Was a RecursionError out
+    of the decode: the agent's reads stopped counting (its age grew with every re-read), the refusal was
+    never counted, and every ``policy`` command against that etcd exited 70."""
+    base = northstar()
+    deep = b"[" * 5000 + b"]" * 5000
+    ep = ",".join(etcd_cluster.endpoints)
+    app = agent_app(redis_url, policy_file, etcd_cluster, prefix, reread_ms=100)
+    async with AsyncTestClient(app=app) as agent:
+        watcher = app.state.agent.policy_watch
+        await pstore.store.put(pstore.key, deep)
+        await pstore.store.put(pstore.canary_key, b'{"base": 1, "slice": {"regions": ["eu"]}, "bundle": ' + deep + b"}")
+
+        async def refused_invalid() -> bool:
+            return reload_count((await agent.get("/metrics")).text, "invalid") >= 1
+        assert await await_until(refused_invalid, within_s=10)
+        reads = watcher.reads_ok
+
+        async def still_reading() -> bool:
+            return watcher.reads_ok >= reads + 2
+        assert await await_until(still_reading, within_s=10)
+        assert (await agent.get("/v1/policy")).json()["bundleVersion"] == base.bundle_version
+
+        capsys.readouterr()
+        assert await asyncio.to_thread(cli_main, ["policy", "show", "--etcd", ep, "--prefix", prefix]) == 0
+        shown = capsys.readouterr().out
+        assert "INVALID: bundle is not valid JSON: nested too deeply" in shown, shown
+        gone = TxnBuilder()
+        gone.delete(pstore.canary_key)
+        await pstore.store.commit(gone)
+        nxt = policy_file.parent / "next.json"
+        nxt.write_bytes(encode_bundle(bump(base, base.bundle_version + 1)))
+        assert await asyncio.to_thread(cli_main, ["policy", "publish", str(nxt), "--etcd", ep, "--prefix", prefix]) == 0
+
+        async def switched() -> bool:
+            return (await agent.get("/v1/policy")).json()["bundleVersion"] == base.bundle_version + 1
+        assert await await_until(switched, within_s=10)
+
+
+async def test_promote_never_takes_back_a_publish_made_after_the_canary_was_staged(pstore):
+    """Operator A stages a candidate; operator B publishes an edit directly. Promoting A's candidate
+    would write content without B's edit (or a lower version than the agents hold): refused, nothing
+    written, the canary still staged; a rollback ends it on top of B's edit. Was: ``promoted: bundle 12
+    is published to every agent (was 13)``, the key left at 12 while every agent kept 13."""
+    from kernel.policy_store import Slice
+
+    base = northstar()
+    await pstore.publish(encode_bundle(bump(base, 10)))
+    eu = Slice(regions=["eu"])
+    await pstore.stage(encode_bundle(bump(base, 12, rules=with_rule(base, "read-user-v3", capacity_millis=5000))), eu)
+    edit = bump(base, 11, rules=with_rule(base, "read-user-v3", refill_millis=1000))
+    await pstore.publish(encode_bundle(edit))  # below the candidate: B's edit, not in the candidate
+    with pytest.raises(Conflict, match="published after the candidate 12 was staged over 10"):
+        await pstore.promote()
+    newer = bump(base, 13, rules=with_rule(base, "read-user-v3", refill_millis=500))
+    await pstore.publish(encode_bundle(newer))  # above the candidate
+    with pytest.raises(StaleVersion, match="the candidate is not newer"):
+        await pstore.promote()
+    stored, staged = await pstore.read_both()
+    assert stored.bundle == newer and staged is not None and staged.bundle.bundle_version == 12
+    back = await pstore.rollback(encode_bundle(bump(newer, 14)))
+    stored, staged = await pstore.read_both()
+    assert back.version == 14 and staged is None and stored.bundle.rules == newer.rules
+    # staged over what is published, a promote is what it always was
+    await pstore.stage(encode_bundle(bump(base, 15)), eu)
+    assert (await pstore.promote()).version == 15
