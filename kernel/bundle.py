@@ -9,6 +9,7 @@ requests per ``windowMs``; pools in whole tokens per ``windowMs``.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable
 from typing import Annotated, Any
 
@@ -150,6 +151,33 @@ def _unflatten(doc: Any) -> list[str]:
 NESTED_TOO_DEEPLY = "bundle is not valid JSON: nested too deeply (a bundle nests arrays and objects a few levels)"
 
 
+def repeated_key(raw: bytes | str) -> str | None:
+    """The first key that one object of the JSON ``raw`` repeats (None: none does). A decoder keeps
+    the last value, a reader of the file may see the first: a bundle says each key once."""
+    found: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in items]
+        if len(set(keys)) != len(keys):
+            found.append(next(k for i, k in enumerate(keys) if k in keys[:i]))
+        return dict(items)
+
+    try:
+        json.loads(raw, object_pairs_hook=pairs)
+    except RecursionError:
+        raise PolicyError(NESTED_TOO_DEEPLY) from None
+    except ValueError:
+        return None  # msgspec's decode, which accepted it, is the judge of JSON
+    return found[0] if found else None
+
+
+def refuse_repeated_keys(raw: bytes | str) -> None:
+    """Raise PolicyError when one object of ``raw`` repeats a key (:func:`repeated_key`)."""
+    if (key := repeated_key(raw)) is not None:
+        raise PolicyError(f"bundle repeats the key {key!r} in one object: the services would take its last value, "
+                          "a reader of the file may see the first; a bundle says each key once")
+
+
 def decode_bundle(raw: bytes | str) -> Bundle:
     """Decode and fully validate a bundle (JSON). Raises PolicyError listing every problem."""
     try:
@@ -159,9 +187,13 @@ def decode_bundle(raw: bytes | str) -> Bundle:
     except msgspec.ValidationError as e:
         raise PolicyError(f"bundle does not match the schema: {e}", errors=[str(e)]) from None
     except msgspec.DecodeError as e:
+        if (raw.encode() if isinstance(raw, str) else raw).startswith(b"\xef\xbb\xbf"):
+            raise PolicyError("bundle is not valid JSON: it starts with a UTF-8 byte order mark (an editor's); "
+                              "save it without one") from None
         raise PolicyError(f"bundle is not valid JSON: {e}", errors=[str(e)]) from None
     except RecursionError:
         raise PolicyError(NESTED_TOO_DEEPLY) from None
+    refuse_repeated_keys(raw)
     validate_bundle(bundle, flat)
     return bundle
 
@@ -433,7 +465,8 @@ def _request_set_problems(rules: list[Rule]) -> list[str]:
     return sorted(set(problems))
 
 
-__all__ = ["ALGORITHMS", "MAX_RULES_PER_REQUEST", "NESTED_TOO_DEEPLY", "SCOPE_ORDER", "Bundle", "Fallback", "NonNegInt", "Pool",
-           "PosInt", "Rule", "SOURCE_SUFFIXES", "canonical_payload", "compute_checksum", "decode_bundle", "encode_bundle",
-           "every_request_rules", "load_bundle_file", "make_rule", "read_bundle_bytes", "rule_applies", "rule_doc",
-           "script_slots", "seal", "select_rules", "validate_bundle"]
+__all__ = ["ALGORITHMS", "MAX_RULES_PER_REQUEST", "NESTED_TOO_DEEPLY", "SCOPE_ORDER", "Bundle", "Fallback",
+           "NonNegInt", "Pool", "PosInt", "Rule", "SOURCE_SUFFIXES", "canonical_payload", "compute_checksum",
+           "decode_bundle", "encode_bundle", "every_request_rules", "load_bundle_file", "make_rule",
+           "read_bundle_bytes", "refuse_repeated_keys", "repeated_key", "rule_applies", "rule_doc", "script_slots",
+           "seal", "select_rules", "validate_bundle"]

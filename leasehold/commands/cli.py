@@ -340,6 +340,8 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
         "pools": len(bundle.pools), "checksum": bundle.checksum, "keyId": bundle.key_id,
         "trusted": bool(args.public_keys)}
     signed = f", signed by key {bundle.key_id}" if bundle.key_id else ", unsigned"
+    if bundle.key_id and not args.public_keys:  # what the file says, not checked: a stale or forged one reads alike
+        signed += " (signature not checked: --public-keys checks it)"
     lines = [f"valid: bundle {bundle.bundle_version}, {len(bundle.rules)} rules, {len(bundle.pools)} pools, "
              f"{bundle.checksum}{signed}{' (trusted)' if args.public_keys else ''}"]
     if args.bound:
