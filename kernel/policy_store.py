@@ -12,9 +12,10 @@ fleet needs it signed again, since the signature covers the version).
 
 **The signing marker** ``<prefix>policy/signing`` tells *operator tooling* that the fleet requires
 signed bundles and which public keys it trusts: ``{"keys": {"<keyId>": "<base64 raw Ed25519
-public key>"}}``. ``leasehold policy publish`` refuses a bundle that is unsigned or does not verify
-with one of these keys, so a mistake is caught at publish time rather than by every agent
-refusing it. The services never read it: their trust comes only from ``--policy-public-keys``,
+public key>"}}``. ``leasehold policy publish``, ``canary``, ``promote`` and ``rollback`` refuse a
+bundle that is unsigned or does not verify with one of these keys (:meth:`PolicyStore.check_signed`,
+which ``stage``, ``promote`` and ``rollback`` call themselves), so a mistake is caught at publish
+time rather than by every agent refusing it. The services never read it: their trust comes only from ``--policy-public-keys``,
 because write access to etcd must not be enough to change which keys are trusted.
 """
 
@@ -99,6 +100,23 @@ class PolicyStore:
             why = e if not isinstance(e, RecursionError) else "nested too deeply"
             raise PolicyError(f"the signing marker {self.signing_key.decode()} is malformed: {why}") from None
 
+    async def check_signed(self, bundle: Bundle) -> SigningMarker | None:
+        """Refuse ``bundle`` (a :class:`kernel.signing.SignatureRefused`, its ``errors`` saying which keys
+        the fleet requires) when the signing marker exists and none of its keys verifies it: what every
+        writer of the policy or canary key checks first, so that a bundle the services would refuse is
+        refused here. Returns the marker (None: signatures are not required by the store)."""
+        from kernel.signing import SignatureRefused, TrustedKeys, public_key_from_text
+
+        marker = await self.read_signing()
+        if marker is not None:
+            try:
+                TrustedKeys(public_key_from_text(v) for v in marker.keys.values()).check(bundle)
+            except SignatureRefused as e:
+                e.errors.append(f"the fleet requires bundles signed by one of: {', '.join(sorted(marker.keys))} "
+                                f"({self.signing_key.decode()}); sign with --key")
+                raise
+        return marker
+
     async def write_signing(self, marker: SigningMarker | None) -> None:
         """Set (or, with None, delete) the signing marker."""
         txn = TxnBuilder()
@@ -173,6 +191,7 @@ class PolicyStore:
         if slice_.empty:
             raise PolicyError("a canary needs a slice: --regions, --agents or --tenants")
         current, staged = await self.read_both()
+        await self.check_signed(candidate)
         problems = canary_problems(current.bundle if current else None, candidate)
         if staged is not None and staged.bundle is not None and staged.slice is not None:
             held = staged.bundle
@@ -225,6 +244,7 @@ class PolicyStore:
                                f"staged over {staged.base}: promoting it would take back that publish's changes; "
                                f"stage a candidate that carries them over {published.bundle_version}, or roll the "
                                "canary back")
+            await self.check_signed(staged.bundle)  # staged before the marker named other keys, or by hand
             body = msgspec.json.format(bytes(msgspec.json.decode(staged.raw, type=CanaryDoc).bundle), indent=2)
         else:
             new = decode_bundle(raw)
@@ -232,6 +252,7 @@ class PolicyStore:
                         staged.bundle.bundle_version if staged.bundle else 0)
             if new.bundle_version <= floor:
                 raise StaleVersion(f"a rollback needs a version above {floor} (agents of the slice hold the candidate)")
+            await self.check_signed(new)
             body, version = bytes(raw), new.bundle_version
         txn = TxnBuilder()
         txn.modified_at(self.key, current.mod_revision)

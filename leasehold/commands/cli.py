@@ -497,7 +497,7 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
     from kernel.bundle import decode_bundle, encode_bundle, read_bundle_bytes
     from kernel.errors import LeaseholdError, StoreUnavailable
     from kernel.policy_store import rollback_bundle
-    from kernel.signing import TrustedKeys, load_private_key, public_key_from_text, sign_bundle
+    from kernel.signing import load_private_key, sign_bundle
 
     try:
         raw = read_bundle_bytes(args.file)
@@ -520,18 +520,13 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
 
     async def publish() -> dict:
         store = _policy_store(args)
-        marker = None
         try:
-            marker = await store.read_signing()
-            if marker is not None:
-                TrustedKeys(public_key_from_text(v) for v in marker.keys.values()).check(bundle)
-            elif args.require_signature and bundle.signature is None:
+            marker = await store.check_signed(bundle)
+            if marker is None and args.require_signature and bundle.signature is None:
                 raise PolicyError("the bundle is unsigned and --require-signature was given (sign it with --key)")
             res = await store.publish(raw)
         except PolicyError as e:
-            hint = ([f"the fleet requires bundles signed by one of: {', '.join(sorted(marker.keys))} "
-                     f"({store.signing_key.decode()}); sign with --key"] if marker is not None else [])
-            raise Failure(Exit.USAGE, f"not published: {e.detail}", hint) from None
+            raise Failure(Exit.USAGE, f"not published: {e.detail}", e.further) from None
         except StoreUnavailable as e:
             raise Failure(Exit.CONNECT, f"not published: cannot reach etcd ({e.detail})") from None
         except LeaseholdError as e:

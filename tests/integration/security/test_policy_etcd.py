@@ -443,3 +443,38 @@ async def test_promote_never_takes_back_a_publish_made_after_the_canary_was_stag
     # staged over what is published, a promote is what it always was
     await pstore.stage(encode_bundle(bump(base, 15)), eu)
     assert (await pstore.promote()).version == 15
+
+
+async def test_a_canary_is_signed_by_a_key_the_fleet_requires_as_a_publish_is(pstore):
+    """With the signing marker in etcd, ``publish`` refused a bundle no trusted key verifies, but ``canary``
+    staged one (every agent of the slice then refused it: exit 0 and "staged" for a canary nobody ran),
+    ``promote`` published it to every agent (each refused it, etcd left holding it) and ``rollback``
+    published an unsigned one. Each now refuses it as publish does and writes nothing."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from kernel.policy_store import SigningMarker, Slice
+    from kernel.signing import SignatureRefused, key_id_of, public_key_text, sign_bundle
+
+    trusted, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    base = northstar()
+    await pstore.publish(encode_bundle(sign_bundle(bump(base, 10), trusted)))
+    await pstore.write_signing(SigningMarker(keys={key_id_of(trusted.public_key()):
+                                                   public_key_text(trusted.public_key())}))
+    eu = Slice(regions=["eu"])
+    with pytest.raises(SignatureRefused, match="not trusted") as refused:
+        await pstore.stage(encode_bundle(sign_bundle(bump(base, 11), other)), eu)
+    assert any("the fleet requires bundles signed by one of" in p for p in refused.value.further)
+    with pytest.raises(SignatureRefused, match="unsigned"):
+        await pstore.stage(encode_bundle(bump(base, 11)), eu)
+    assert (await pstore.read_both())[1] is None
+    # a candidate in the canary key that no trusted key verifies (written by hand, or staged before the marker)
+    foreign = sign_bundle(bump(base, 11), other)
+    await pstore.store.put(pstore.canary_key, b'{"base": 10, "slice": {"regions": ["eu"]}, "bundle": %s}'
+                           % encode_bundle(foreign))
+    with pytest.raises(SignatureRefused, match="not trusted"):
+        await pstore.promote()
+    with pytest.raises(SignatureRefused, match="unsigned"):
+        await pstore.rollback(encode_bundle(bump(base, 12)))
+    stored, staged = await pstore.read_both()
+    assert stored.bundle.bundle_version == 10 and staged is not None
+    assert (await pstore.rollback(encode_bundle(sign_bundle(bump(base, 12), trusted)))).version == 12
