@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from kernel.bundle import Bundle, decode_bundle, seal
-from kernel.errors import Conflict, PolicyError, StaleVersion
+from kernel.errors import Conflict, NotFound, PolicyError, StaleVersion
 from kernel.etcd_store import KV, EtcdStore, EtcdTxnTooLarge, TxnBuilder, Watch
 
 POLICY_KEY_SUFFIX = "policy/current"
@@ -68,8 +68,9 @@ class Stored:
 @dataclass(frozen=True, slots=True)
 class PublishResult:
     version: int
-    previous: int | None
+    previous: int | None  # None: nothing was published, or what was is not a valid bundle (``replaced``)
     revision: int
+    replaced: str = ""  # why the value it replaced was not a valid bundle
 
 
 def parse_stored(kv: KV) -> Stored:
@@ -166,7 +167,8 @@ class PolicyStore:
         res = await self._commit(txn, body)
         if not res.succeeded:
             raise Conflict("the published policy changed during this publish; read it again and retry")
-        return PublishResult(candidate.bundle_version, previous, res.revision)
+        return PublishResult(candidate.bundle_version, previous, res.revision,
+                             current.problem if current is not None and current.bundle is None else "")
 
 
     async def watch(self, with_canary: bool = False) -> Watch:
@@ -227,9 +229,9 @@ class PolicyStore:
         transaction writes the policy key and deletes the canary key."""
         current, staged = await self.read_both()
         if staged is None:
-            raise PolicyError("no canary is staged")
+            raise NotFound("no canary is staged")
         if current is None:
-            raise PolicyError("nothing is published")
+            raise NotFound("nothing is published")
         if raw is None:
             if staged.bundle is None:
                 raise PolicyError(f"the staged canary is not a valid bundle ({staged.problem}); roll it back")

@@ -535,11 +535,12 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
         finally:
             await store.store.close()
         return {"published": res.version, "previous": res.previous, "revision": res.revision,
-                "key": store.key.decode(), "keyId": bundle.key_id}
+                "key": store.key.decode(), "keyId": bundle.key_id, "replacedInvalid": res.replaced or None}
 
     data = asyncio.run(publish())
     def text(d: dict) -> str:
-        previous = "the first" if d["previous"] is None else f"previous {d['previous']}"
+        previous = ("the first" if d["replacedInvalid"] is None else f"over an invalid value: {d['replacedInvalid']}"
+                    ) if d["previous"] is None else f"previous {d['previous']}"
         return (f"published bundle {d['published']} ({previous}) at {d['key']}, revision {d['revision']}"
                 + (f", signed by key {d['keyId']}" if d["keyId"] else ", unsigned"))
 

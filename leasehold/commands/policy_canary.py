@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from kernel.bundle import Bundle, encode_bundle
-from kernel.errors import LeaseholdError, PolicyError, StoreUnavailable
+from kernel.errors import LeaseholdError, NotFound, PolicyError, StoreUnavailable
 from kernel.policy_store import Slice, rollback_bundle
 from kernel.policy_yaml import load_policy
 
@@ -65,6 +65,8 @@ def _call(args: argparse.Namespace, op) -> tuple[int, Any]:
         return asyncio.run(_run(args, op))
     except PolicyError as e:
         return fail(args, e), None
+    except NotFound as e:  # nothing to promote or roll back: not an invalid bundle
+        return fail(args, f"not done: {e.detail}"), None
     except StoreUnavailable as e:
         return fail(args, f"not done: cannot reach etcd ({e.detail})", EXIT_CONNECT), None
     except LeaseholdError as e:
@@ -105,7 +107,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     async def op(store):
         current, staged = await store.read_both()
         if staged is None:
-            raise PolicyError("no canary is staged (to roll a published bundle back, publish its content under "
+            raise NotFound("no canary is staged (to roll a published bundle back, publish its content under "
                               "a new version: policy publish OLD --as-version N)")
         if current is None or current.bundle is None:
             raise PolicyError("the published bundle is unreadable; publish a valid one")

@@ -410,6 +410,12 @@ async def test_a_value_nested_too_deeply_is_refused_and_a_publish_replaces_it(re
         nxt = policy_file.parent / "next.json"
         nxt.write_bytes(encode_bundle(bump(base, base.bundle_version + 1)))
         assert await asyncio.to_thread(cli_main, ["policy", "publish", str(nxt), "--etcd", ep, "--prefix", prefix]) == 0
+        said = capsys.readouterr().out  # was "(the first)"
+        assert f"published bundle {base.bundle_version + 1} (over an invalid value: bundle is not valid JSON: nested " \
+               "too deeply" in said, said
+        for verb in ("promote", "rollback"):  # was "invalid: no canary is staged": no bundle was
+            assert await asyncio.to_thread(cli_main, ["policy", verb, "--etcd", ep, "--prefix", prefix]) == 2
+            assert capsys.readouterr().err.startswith("leasehold: not done: no canary is staged")
 
         async def switched() -> bool:
             return (await agent.get("/v1/policy")).json()["bundleVersion"] == base.bundle_version + 1
