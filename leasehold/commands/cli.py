@@ -521,23 +521,38 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
     async def publish() -> dict:
         store = _policy_store(args)
         try:
-            marker = await store.check_signed(bundle)
-            if marker is None and args.require_signature and bundle.signature is None:
-                raise PolicyError("the bundle is unsigned and --require-signature was given (sign it with --key)")
-            res = await store.publish(raw)
-        except PolicyError as e:
-            raise Failure(Exit.USAGE, f"not published: {e.detail}", e.further) from None
-        except StoreUnavailable as e:
-            raise Failure(Exit.CONNECT, f"not published: cannot reach etcd ({e.detail})") from None
-        except LeaseholdError as e:
-            raise Failure(Exit.UNAVAILABLE if e.retriable else Exit.DENIED,
-                          f"not published ({e.code}): {e.detail}") from None
+            try:
+                marker = await store.check_signed(bundle)
+                if marker is None and args.require_signature and bundle.signature is None:
+                    raise PolicyError("the bundle is unsigned and --require-signature was given (sign it with --key)")
+                res = await store.publish(raw)
+            except PolicyError as e:
+                raise Failure(Exit.USAGE, f"not published: {e.detail}", e.further) from None
+            except StoreUnavailable as e:
+                raise Failure(Exit.CONNECT, f"not published: cannot reach etcd ({e.detail})") from None
+            except LeaseholdError as e:
+                raise Failure(Exit.UNAVAILABLE if e.retriable else Exit.DENIED,
+                              f"not published ({e.code}): {e.detail}") from None
+            try:  # published: a canary staged beside it is what the operator must hear of, never a failure
+                staged = (await store.read_both())[1]
+            except LeaseholdError:
+                staged = None
         finally:
             await store.store.close()
+        canary = None if staged is None else {
+            "version": staged.bundle.bundle_version if staged.bundle else None, "base": staged.base,
+            "slice": staged.slice.text() if staged.slice else None}
         return {"published": res.version, "previous": res.previous, "revision": res.revision,
-                "key": store.key.decode(), "keyId": bundle.key_id, "replacedInvalid": res.replaced or None}
+                "key": store.key.decode(), "keyId": bundle.key_id, "replacedInvalid": res.replaced or None,
+                "canary": canary}
 
     data = asyncio.run(publish())
+    if (c := data["canary"]) is not None:
+        above = c["version"] is not None and c["version"] > data["published"]
+        out(args).note(f"leasehold: note: a canary is staged (bundle {c['version']} for {c['slice']}, over {c['base']}): "
+                       + ("its slice keeps evaluating it, not this bundle" if above else "its slice drops it for this "
+                          "bundle") + "; `policy promote` refuses it now: roll it back, or stage a candidate above "
+                       f"{data['published']} that carries this publish's changes")
     def text(d: dict) -> str:
         previous = ("the first" if d["replacedInvalid"] is None else f"over an invalid value: {d['replacedInvalid']}"
                     ) if d["previous"] is None else f"previous {d['previous']}"

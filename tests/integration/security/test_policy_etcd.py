@@ -484,3 +484,30 @@ async def test_a_canary_is_signed_by_a_key_the_fleet_requires_as_a_publish_is(ps
     stored, staged = await pstore.read_both()
     assert stored.bundle.bundle_version == 10 and staged is not None
     assert (await pstore.rollback(encode_bundle(sign_bundle(bump(base, 12), trusted)))).version == 12
+
+
+def test_publish_beside_a_staged_canary_says_what_becomes_of_it(etcd_cluster, prefix, tmp_path: Path, capsys):
+    """A direct publish while a canary is staged: published, and one note on stderr saying that the slice
+    keeps the candidate (or drops it) and that promote now refuses. Was silent: the operator learnt it from
+    a promote that took the publish back (or, now, from the promote's refusal)."""
+    base = northstar()
+    ep = ",".join(etcd_cluster.endpoints)
+    files = {}
+    for v in (10, 11, 12, 13):
+        files[v] = tmp_path / f"v{v}.json"
+        files[v].write_bytes(encode_bundle(bump(base, v)))
+    common = ["--etcd", ep, "--prefix", prefix]
+    assert cli_main(["policy", "publish", str(files[10]), *common]) == 0
+    assert cli_main(["policy", "canary", str(files[12]), "--regions", "eu", *common]) == 0
+    capsys.readouterr()
+    assert cli_main(["policy", "publish", str(files[11]), *common]) == 0
+    said = capsys.readouterr()
+    assert said.out.startswith("published bundle 11 (previous 10)")
+    assert said.err.startswith("leasehold: note: a canary is staged (bundle 12 for regions eu, over 10): its slice "
+                               "keeps evaluating it, not this bundle; `policy promote` refuses it now"), said.err
+    assert cli_main(["policy", "promote", *common]) == 3
+    assert "was published after the candidate 12 was staged over 10" in capsys.readouterr().err
+    assert cli_main(["policy", "publish", str(files[13]), *common, "-o", "json"]) == 0
+    said = capsys.readouterr()
+    assert msgspec.json.decode(said.out)["canary"] == {"version": 12, "base": 10, "slice": "regions eu"}
+    assert "its slice drops it for this bundle" in said.err
