@@ -194,6 +194,9 @@ class PolicyStore:
             raise PolicyError("a canary needs a slice: --regions, --agents or --tenants")
         current, staged = await self.read_both()
         await self.check_signed(candidate)
+        if current is not None and current.bundle is None:
+            raise PolicyError(f"the published value is not a valid bundle ({current.problem}): publish a valid one "
+                              "first, then stage candidates over it")
         problems = canary_problems(current.bundle if current else None, candidate)
         if staged is not None and staged.bundle is not None and staged.slice is not None:
             held = staged.bundle

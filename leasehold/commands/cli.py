@@ -234,8 +234,10 @@ def _auth_headers(args: argparse.Namespace, who: str) -> dict[str, str]:
 
 def _decision_text(d: dict) -> str:
     verdict = "allowed" if d.get("allowed") else "denied"
-    lines = [f"{verdict}: HTTP {d.get('httpStatus', 200)}, rule {d.get('policyId') or '-'} "
-             f"(bundle {d.get('policyVersion')}), remaining {d.get('remaining')} of {d.get('limit')}"
+    limited = (f"no rule of bundle {d.get('policyVersion')} applies" if d.get("allowed") and not d.get("policyId")
+               else f"rule {d.get('policyId') or '-'} (bundle {d.get('policyVersion')}), remaining "
+                    f"{d.get('remaining')} of {d.get('limit')}")
+    lines = [f"{verdict}: HTTP {d.get('httpStatus', 200)}, {limited}"
              + (f", reason {d['reason']}" if d.get("reason") else "")
              + (f", retry after {d['retryAfterMs']} ms" if d.get("retryAfterMs") not in (None, 0) else "")
              + (" (fallback)" if d.get("fallback") else "")]

@@ -409,6 +409,11 @@ async def test_a_value_nested_too_deeply_is_refused_and_a_publish_replaces_it(re
         await pstore.store.commit(gone)
         nxt = policy_file.parent / "next.json"
         nxt.write_bytes(encode_bundle(bump(base, base.bundle_version + 1)))
+        # was "nothing is published yet": something is, and it is not a bundle
+        assert await asyncio.to_thread(cli_main, ["policy", "canary", str(nxt), "--regions", "eu", "--etcd", ep,
+                                                  "--prefix", prefix]) == 2
+        assert "the published value is not a valid bundle (bundle is not valid JSON: nested too deeply" \
+            in capsys.readouterr().err
         assert await asyncio.to_thread(cli_main, ["policy", "publish", str(nxt), "--etcd", ep, "--prefix", prefix]) == 0
         said = capsys.readouterr().out  # was "(the first)"
         assert f"published bundle {base.bundle_version + 1} (over an invalid value: bundle is not valid JSON: nested " \

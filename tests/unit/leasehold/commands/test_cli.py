@@ -445,3 +445,14 @@ def test_policy_keygen_twice_keeps_the_first_key(tmp_path: Path, capsys):
     assert main(["policy", "keygen", str(tmp_path), "--name", "next"]) == Exit.OK  # a rotation's second pair
     assert main(["policy", "keygen", str(tmp_path), "--force"]) == Exit.OK
     assert (tmp_path / "policy-signing.key").read_bytes() != first
+
+
+def test_admit_text_of_a_request_no_rule_applies_to():
+    """Was "allowed: HTTP 200, rule - (bundle 48), remaining None of None" after a route group was renamed."""
+    from leasehold.commands.cli import _decision_text
+
+    free = {"allowed": True, "httpStatus": 200, "policyId": None, "policyVersion": 48, "remaining": None,
+            "limit": None, "decisionId": "cli-1", "headers": {}}
+    assert _decision_text(free).splitlines()[0] == "allowed: HTTP 200, no rule of bundle 48 applies"
+    limited = free | {"policyId": "read-user", "remaining": 1, "limit": 2}
+    assert _decision_text(limited).splitlines()[0] == "allowed: HTTP 200, rule read-user (bundle 48), remaining 1 of 2"
