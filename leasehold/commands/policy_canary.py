@@ -21,9 +21,11 @@ import httpx
 
 from kernel.bundle import Bundle, encode_bundle
 from kernel.errors import LeaseholdError, NotFound, PolicyError, StoreUnavailable
+from kernel.ids import NODE_ID, REGION, TENANT_ID
 from kernel.policy_store import Slice, rollback_bundle
 from kernel.policy_yaml import load_policy
 
+from .argtypes import names
 from .policy_cli import EXIT_CANARY_WORSE, EXIT_OK, EXIT_USAGE, emit, fail, now_text
 
 EXIT_UNAVAILABLE, EXIT_CONNECT = 4, 5
@@ -75,7 +77,7 @@ def _call(args: argparse.Namespace, op) -> tuple[int, Any]:
 
 # ------------------------------------------------------------------------------ canary, promote, rollback
 def cmd_canary(args: argparse.Namespace) -> int:
-    sl = Slice(regions=_split(args.regions), agents=_split(args.agents), tenants=_split(args.tenants))
+    sl = Slice(regions=args.regions or [], agents=args.agents or [], tenants=args.tenants or [])
     try:
         bundle = _sign(args, load_policy(args.file))
     except PolicyError as e:
@@ -243,9 +245,12 @@ def register(psub: Any, etcd_opts: Any, out_opt: Any, key_opt: Any) -> None:
     sp = psub.add_parser("canary", help="stage a candidate bundle for a slice of agents (regions, agent ids) or "
                                         "tenants; the rest keeps the published bundle")
     sp.add_argument("file", help="the candidate: a bundle JSON or a policy source")
-    sp.add_argument("--regions", help="every agent of these regions (comma-separated)")
-    sp.add_argument("--agents", help="these agents (their --agent-id, comma-separated)")
-    sp.add_argument("--tenants", help="these tenants' requests, on every agent (comma-separated)")
+    sp.add_argument("--regions", type=names(REGION, "a region name"),
+                    help="every agent of these regions (comma-separated)")
+    sp.add_argument("--agents", type=names(NODE_ID, "an agent id"),
+                    help="these agents (their --agent-id, comma-separated)")
+    sp.add_argument("--tenants", type=names(TENANT_ID, "a tenant id"),
+                    help="these tenants' requests, on every agent (comma-separated)")
     key_opt(sp)
     etcd_opts(sp)
     out_opt(sp)

@@ -173,6 +173,11 @@ def test_status_exit_codes_follow_the_worst_service(tmp_path: Path, capsys, monk
      "--cost", "0"],  # explained a request of cost 0, which every agent refuses (422)
     ["policy", "explain", "policies/northstar.yaml", "--tenant", "atlas", "--principal", "U-17", "--route", "read",
      "--cost", "1001"],
+    # a canary slice naming what no service can be named was staged for nobody (exit 0), and a slice never narrows
+    ["policy", "canary", "policies/northstar.yaml", "--regions", "EU", "--etcd", "127.0.0.1:1"],
+    ["policy", "canary", "policies/northstar.yaml", "--tenants", "Atlas Corp", "--etcd", "127.0.0.1:1"],
+    ["policy", "canary", "policies/northstar.yaml", "--agents", "../agent-eu-1", "--etcd", "127.0.0.1:1"],
+    ["policy", "canary", "policies/northstar.yaml", "--regions", ",", "--etcd", "127.0.0.1:1"],
 ])
 def test_a_bad_option_value_is_a_usage_error_before_anything_starts(argv: list[str], tmp_path: Path, capsys,
                                                                      monkeypatch):
