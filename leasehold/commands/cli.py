@@ -497,7 +497,7 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
     import msgspec
 
     from kernel.bundle import decode_bundle, encode_bundle, read_bundle_bytes
-    from kernel.errors import LeaseholdError, StoreUnavailable
+    from kernel.errors import Conflict, LeaseholdError, StoreUnavailable
     from kernel.policy_store import rollback_bundle
     from kernel.signing import load_private_key, sign_bundle
 
@@ -532,6 +532,11 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
                 raise Failure(Exit.USAGE, f"not published: {e.detail}", e.further) from None
             except StoreUnavailable as e:
                 raise Failure(Exit.CONNECT, f"not published: cannot reach etcd ({e.detail})") from None
+            except Conflict as e:  # another publish got there first: its changes are not in this file
+                raise Failure(Exit.DENIED, f"not published ({e.code}): {e.detail}", [
+                    "the published bundle may hold changes this file does not: `leasehold policy show --raw > "
+                    f"published.json` and `leasehold policy diff published.json {args.file}`, carry them over, then "
+                    "bump this file above it (bumping alone would take them back)"]) from None
             except LeaseholdError as e:
                 raise Failure(Exit.UNAVAILABLE if e.retriable else Exit.DENIED,
                               f"not published ({e.code}): {e.detail}") from None

@@ -98,7 +98,12 @@ def test_cli_publish_show_and_rollback(etcd_cluster, prefix, tmp_path: Path, cap
     assert cli_main(["policy", "show", "--etcd", ep, "--prefix", prefix]) == 0
     said = capsys.readouterr().out  # the sample has no maxAge: was "max age None ms"
     assert f"\n  published at {bump(base, 6).published_at}, no max age, unsigned\n" in said, said
+    capsys.readouterr()
     assert cli_main(["policy", "publish", str(v5), "--etcd", ep, "--prefix", prefix]) == 3  # not higher
+    # the second of two operators who bumped the same version: told that bumping alone would lose the first's edit
+    said = capsys.readouterr().err
+    assert said.startswith("leasehold: not published (stale-version): bundle 5 is not newer than the published 6\n")
+    assert f"`leasehold policy diff published.json {v5}`, carry them over" in said, said
     bad = tmp_path / "bad.json"
     bad.write_text('{"bundleVersion": 99}')
     assert cli_main(["policy", "publish", str(bad), "--etcd", ep, "--prefix", prefix]) == 2
