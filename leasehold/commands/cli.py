@@ -622,6 +622,9 @@ def _shown_text(d: dict) -> str:
         lines.append("  rules: " + ", ".join(d["rules"]))
         if d["pools"]:
             lines.append("  pools: " + ", ".join(d["pools"]))
+    if (c := d["canary"]) is not None:  # some agents evaluate another bundle than the one above
+        lines.append("  canary: " + (f"bundle {c['bundleVersion']}" if c["valid"] else f"INVALID: {c['problem']}")
+                     + f" staged for {c['slice']} over {c['base']} (`leasehold policy status`)")
     lines.append("  signatures required: " + (", ".join(d["trustedKeyIds"]) if d["requireSigned"] else "no")
                  + (f" (signing marker unreadable: {d['signingMarkerProblem']})" if d["signingMarkerProblem"] else ""))
     return "\n".join(lines)
@@ -632,10 +635,10 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
 
     from kernel.errors import LeaseholdError
 
-    async def read() -> tuple[Any, Any, str | None, str]:
+    async def read() -> tuple[Any, Any, Any, str | None, str]:
         store = _policy_store(args)
         try:
-            stored = await store.read()
+            stored, staged = await store.read_both()
             try:
                 marker, marker_problem = await store.read_signing(), None
             except PolicyError as e:
@@ -644,9 +647,9 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
             raise Failure(Exit.CONNECT, f"cannot read ({e.code}): {e.detail}") from None
         finally:
             await store.store.close()
-        return stored, marker, marker_problem, store.key.decode()
+        return stored, staged, marker, marker_problem, store.key.decode()
 
-    stored, marker, marker_problem, key = asyncio.run(read())
+    stored, staged, marker, marker_problem, key = asyncio.run(read())
     if stored is None:
         raise Failure(Exit.NOT_RUNNING, f"nothing published under {key}", key=key)
     if args.raw:
@@ -662,7 +665,11 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
             "keyId": b.key_id if b else None,
             "rules": [r.id for r in b.rules] if b else [], "pools": [p.id for p in b.pools] if b else [],
             "requireSigned": marker is not None, "trustedKeyIds": sorted(marker.keys) if marker else [],
-            "signingMarkerProblem": marker_problem}
+            "signingMarkerProblem": marker_problem,
+            "canary": None if staged is None else {
+                "valid": staged.bundle is not None, "problem": staged.problem or None,
+                "bundleVersion": staged.bundle.bundle_version if staged.bundle else None, "base": staged.base,
+                "slice": staged.slice.text() if staged.slice else None}}
     return out(args).result(data, _shown_text)
 
 

@@ -510,6 +510,8 @@ def test_publish_beside_a_staged_canary_says_what_becomes_of_it(etcd_cluster, pr
     assert cli_main(["policy", "publish", str(files[10]), *common]) == 0
     assert cli_main(["policy", "canary", str(files[12]), "--regions", "eu", *common]) == 0
     capsys.readouterr()
+    assert cli_main(["policy", "show", *common]) == 0  # was silent on the canary: the slice runs another bundle
+    assert "\n  canary: bundle 12 staged for regions eu over 10 (`leasehold policy status`)\n" in capsys.readouterr().out
     assert cli_main(["policy", "publish", str(files[11]), *common]) == 0
     said = capsys.readouterr()
     assert said.out.startswith("published bundle 11 (previous 10)")
@@ -521,3 +523,6 @@ def test_publish_beside_a_staged_canary_says_what_becomes_of_it(etcd_cluster, pr
     said = capsys.readouterr()
     assert msgspec.json.decode(said.out)["canary"] == {"version": 12, "base": 10, "slice": "regions eu"}
     assert "its slice drops it for this bundle" in said.err
+    assert cli_main(["policy", "show", *common, "-o", "json"]) == 0
+    assert msgspec.json.decode(capsys.readouterr().out)["canary"] == {
+        "valid": True, "problem": None, "bundleVersion": 12, "base": 10, "slice": "regions eu"}
