@@ -25,16 +25,12 @@ from kernel.ids import NODE_ID, REGION, TENANT_ID
 from kernel.policy_store import Slice, rollback_bundle
 from kernel.policy_yaml import load_policy
 
-from .argtypes import names
+from .argtypes import http_url, names
 from .policy_cli import EXIT_CANARY_WORSE, EXIT_OK, EXIT_USAGE, emit, fail, now_text
 
 EXIT_UNAVAILABLE, EXIT_CONNECT = 4, 5
 DENIED = ("denied", "fallback_denied")
 FALLBACK = ("fallback_allowed", "fallback_denied")
-
-
-def _split(text: str | None) -> list[str]:
-    return sorted({x.strip() for x in (text or "").split(",") if x.strip()})
 
 
 def _cli() -> Any:
@@ -189,7 +185,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     cand = staged.bundle if staged is not None else None
     sl = staged.slice if staged is not None else None
     if args.agent_urls:
-        urls, headers = _split(args.agent_urls), {}
+        urls, headers = args.agent_urls, {}
         names = {u: u for u in urls}
     else:
         state = _cli()._state_or_exit(args.run_dir)
@@ -198,6 +194,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         names = {s["url"]: f"{s['name']} ({s.get('region')})" for s in agents}
         headers = _cli()._auth_headers(args, "operator")
     scraped = scrape(urls, headers)
+    if scraped and all("error" in a for a in scraped.values()):  # nothing measured is no "not worse" (exit 0)
+        first = next(iter(scraped.items()))
+        return fail(args, f"no agent answered on /metrics ({names[first[0]]}: {first[1]['error']}); nothing to "
+                          "compare", EXIT_CONNECT)
     tenants = sl.tenants if sl is not None and sl.tenants and not (sl.regions or sl.agents) else []
     rest = population(scraped, cur_v, tenants)
     canary = population(scraped, cand.bundle_version, tenants) if cand is not None else None
@@ -241,6 +241,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------ registration
+def url_list(text: str) -> list[str]:
+    """Comma-separated agent base URLs (each as :func:`leasehold.commands.argtypes.http_url`)."""
+    return sorted({http_url(x.strip()) for x in text.split(",") if x.strip()})
+
+
 def register(psub: Any, etcd_opts: Any, out_opt: Any, key_opt: Any) -> None:
     sp = psub.add_parser("canary", help="stage a candidate bundle for a slice of agents (regions, agent ids) or "
                                         "tenants; the rest keeps the published bundle")
@@ -268,7 +273,8 @@ def register(psub: Any, etcd_opts: Any, out_opt: Any, key_opt: Any) -> None:
     sp.set_defaults(func=cmd_rollback)
     sp = psub.add_parser("status", help="the canary and the rest side by side: decisions, denial and fallback "
                                         "rates, per rule (exit 8 when the canary denies more by over --margin)")
-    sp.add_argument("--agent-urls", help="agents to read (default: the running local topology's)")
+    sp.add_argument("--agent-urls", type=url_list, help="agents to read, comma-separated http(s)://host:port "
+                                                        "(default: the running local topology's)")
     sp.add_argument("--margin", type=float, default=0.05,
                     help="a rule's canary denial rate may exceed the current one's by this fraction (default 0.05)")
     sp.add_argument("--min-decisions", type=int, default=20, help="canary decisions needed to judge (default 20)")

@@ -526,3 +526,20 @@ def test_publish_beside_a_staged_canary_says_what_becomes_of_it(etcd_cluster, pr
     assert cli_main(["policy", "show", *common, "-o", "json"]) == 0
     assert msgspec.json.decode(capsys.readouterr().out)["canary"] == {
         "valid": True, "problem": None, "bundleVersion": 12, "base": 10, "slice": "regions eu"}
+
+
+def test_canary_status_with_no_agent_answering_is_not_a_pass(etcd_cluster, prefix, tmp_path: Path, capsys):
+    """``policy status`` is the gate before ``promote`` (exit 8: the canary denies more). With every agent
+    unreachable it measured nothing and exited 0, the code of "not worse": a script gating on it promoted."""
+    base = northstar()
+    ep = ",".join(etcd_cluster.endpoints)
+    common = ["--etcd", ep, "--prefix", prefix]
+    for v in (10, 11):
+        (tmp_path / f"v{v}.json").write_bytes(encode_bundle(bump(base, v)))
+    assert cli_main(["policy", "publish", str(tmp_path / "v10.json"), *common]) == 0
+    assert cli_main(["policy", "canary", str(tmp_path / "v11.json"), "--regions", "eu", *common]) == 0
+    capsys.readouterr()
+    dead = f"http://127.0.0.1:{free_port()}"
+    assert cli_main(["policy", "status", "--agent-urls", dead, *common]) == 5
+    said = capsys.readouterr().err
+    assert said.startswith(f"leasehold: no agent answered on /metrics ({dead}: ") and said.count("\n") == 1, said

@@ -178,6 +178,7 @@ def test_status_exit_codes_follow_the_worst_service(tmp_path: Path, capsys, monk
     ["policy", "canary", "policies/northstar.yaml", "--tenants", "Atlas Corp", "--etcd", "127.0.0.1:1"],
     ["policy", "canary", "policies/northstar.yaml", "--agents", "../agent-eu-1", "--etcd", "127.0.0.1:1"],
     ["policy", "canary", "policies/northstar.yaml", "--regions", ",", "--etcd", "127.0.0.1:1"],
+    ["policy", "status", "--agent-urls", "agent-eu-1:8080", "--etcd", "127.0.0.1:1"],  # was an "unreachable" row
 ])
 def test_a_bad_option_value_is_a_usage_error_before_anything_starts(argv: list[str], tmp_path: Path, capsys,
                                                                      monkeypatch):
