@@ -356,7 +356,8 @@ def canary_problems(current: Bundle | None, candidate: Bundle) -> list[str]:
         return out
     if candidate.bundle_version <= current.bundle_version:
         out.append(f"the candidate's version {candidate.bundle_version} is not higher than the published "
-                   f"{current.bundle_version}")
+                   f"{current.bundle_version} (which may hold changes the candidate does not: diff it against "
+                   "`leasehold policy show --raw` and carry them over before bumping)")
     if candidate.pools != current.pools:
         out.append("the candidate changes the pools: a pool is one fleet-wide quota held by the allocator and "
                    "cannot be staged for a slice; publish pool changes directly")
