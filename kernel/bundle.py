@@ -440,15 +440,32 @@ def _pool_balance_problems(rules: list[Rule]) -> list[str]:
     return out
 
 
+# Every (tenant named by a rule, route group named by a rule) pair is one request set to check: a
+# bundle naming thousands of each (a few hundred kilobytes) would take hours to check, on every
+# agent that reads it, before its signature is looked at
+MAX_REQUEST_SETS = 100_000
+
+
 def _request_set_problems(rules: list[Rule]) -> list[str]:
     """Every request's rule set is a handful long and maps to one hash tag."""
     tenants: list[str | None] = sorted({r.tenant for r in rules if r.tenant}) + [None]
     routes = sorted({r.route_group for r in rules if r.route_group}) + ["\x00other"]
+    if len(tenants) * len(routes) > MAX_REQUEST_SETS:
+        return [f"the rules name {len(tenants) - 1} tenants and {len(routes) - 1} route groups: "
+                f"{len(tenants) * len(routes):,} combinations of a request's rule set to check, more than "
+                f"{MAX_REQUEST_SETS:,}: rules name fewer tenants or route groups"]
+    # a request of (tenant, route) selects from the rules naming that tenant or none and that route
+    # group or none: four buckets, in the bundle's order, instead of every rule for every pair
+    by_key: dict[tuple[str | None, str | None], list[tuple[int, Rule]]] = {}
+    for i, r in enumerate(rules):
+        by_key.setdefault((r.tenant, r.route_group), []).append((i, r))
     problems: list[str] = []
     for tenant in tenants:
         for route in routes:
+            keys = {(None, None), (tenant, None), (None, route), (tenant, route)}
+            near = [r for _, r in sorted((x for k in keys for x in by_key.get(k, ())), key=lambda x: x[0])]
             for ptype, has_key in (("user", True), ("user", False), ("service", True), ("anonymous", False)):
-                sel = select_rules(rules, tenant=tenant or "\x00any", route_group=route,
+                sel = select_rules(near, tenant=tenant or "\x00any", route_group=route,
                                    principal_type=ptype, has_key=has_key)
                 pools = [r.pool_id for r in sel if r.pool_id is not None and not r.shadow]
                 for pool in sorted({p for p in pools if pools.count(p) > 1}):
@@ -465,8 +482,8 @@ def _request_set_problems(rules: list[Rule]) -> list[str]:
     return sorted(set(problems))
 
 
-__all__ = ["ALGORITHMS", "MAX_RULES_PER_REQUEST", "NESTED_TOO_DEEPLY", "SCOPE_ORDER", "Bundle", "Fallback",
-           "NonNegInt", "Pool", "PosInt", "Rule", "SOURCE_SUFFIXES", "canonical_payload", "compute_checksum",
-           "decode_bundle", "encode_bundle", "every_request_rules", "load_bundle_file", "make_rule",
-           "read_bundle_bytes", "refuse_repeated_keys", "repeated_key", "rule_applies", "rule_doc", "script_slots",
-           "seal", "select_rules", "validate_bundle"]
+__all__ = ["ALGORITHMS", "MAX_REQUEST_SETS", "MAX_RULES_PER_REQUEST", "NESTED_TOO_DEEPLY", "SCOPE_ORDER", "Bundle",
+           "Fallback", "NonNegInt", "Pool", "PosInt", "Rule", "SOURCE_SUFFIXES", "canonical_payload",
+           "compute_checksum", "decode_bundle", "encode_bundle", "every_request_rules", "load_bundle_file",
+           "make_rule", "read_bundle_bytes", "refuse_repeated_keys", "repeated_key", "rule_applies", "rule_doc",
+           "script_slots", "seal", "select_rules", "validate_bundle"]
