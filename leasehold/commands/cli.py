@@ -398,6 +398,12 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
             o.note(f"leasehold: the bundle published at {where} is invalid ({stored.problem}); comparing against "
                    "nothing")
         current = stored.bundle if stored is not None else None
+        if current is not None:  # what publish would say of it, before the operator asks it
+            result["publishable"] = bundle.bundle_version > current.bundle_version
+            if not result["publishable"]:
+                lines.append(f"not publishable as is: bundle {bundle.bundle_version} is not above the published "
+                             f"{current.bundle_version} (`leasehold policy bump` it, after carrying over what the "
+                             "published one changed)")
     changes = diff_bypasses(current, bundle)
     version = current.bundle_version if current is not None else "none"
     review = needs_review(changes)

@@ -95,6 +95,9 @@ def test_cli_publish_show_and_rollback(etcd_cluster, prefix, tmp_path: Path, cap
     assert said.startswith(f"published bundle 5 (the first) at {prefix}policy/current, revision "), said
     assert cli_main(["policy", "publish", str(v6), "--etcd", ep, "--prefix", prefix]) == 0
     assert capsys.readouterr().out.startswith(f"published bundle 6 (previous 5) at {prefix}policy/current")
+    # checked against what is published: said not to be publishable as is (was silent until publish refused it)
+    assert cli_main(["policy", "validate", str(v5), "--against-etcd", "--etcd", ep, "--prefix", prefix]) == 0
+    assert "\nnot publishable as is: bundle 5 is not above the published 6 (" in capsys.readouterr().out
     assert cli_main(["policy", "show", "--etcd", ep, "--prefix", prefix]) == 0
     said = capsys.readouterr().out  # the sample has no maxAge: was "max age None ms"
     assert f"\n  published at {bump(base, 6).published_at}, no max age, unsigned\n" in said, said
