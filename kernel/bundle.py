@@ -9,6 +9,7 @@ requests per ``windowMs``; pools in whole tokens per ``windowMs``.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable
 from typing import Annotated, Any
 
@@ -145,6 +146,38 @@ def _unflatten(doc: Any) -> list[str]:
     return problems
 
 
+# msgspec decodes nested arrays and objects recursively: a value nested about a thousand levels deep
+# (a few kilobytes of brackets) raises RecursionError, which is no PolicyError; a bundle nests five
+NESTED_TOO_DEEPLY = "bundle is not valid JSON: nested too deeply (a bundle nests arrays and objects a few levels)"
+
+
+def repeated_key(raw: bytes | str) -> str | None:
+    """The first key that one object of the JSON ``raw`` repeats (None: none does). A decoder keeps
+    the last value, a reader of the file may see the first: a bundle says each key once."""
+    found: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in items]
+        if len(set(keys)) != len(keys):
+            found.append(next(k for i, k in enumerate(keys) if k in keys[:i]))
+        return dict(items)
+
+    try:
+        json.loads(raw, object_pairs_hook=pairs)
+    except RecursionError:
+        raise PolicyError(NESTED_TOO_DEEPLY) from None
+    except ValueError:
+        return None  # msgspec's decode, which accepted it, is the judge of JSON
+    return found[0] if found else None
+
+
+def refuse_repeated_keys(raw: bytes | str) -> None:
+    """Raise PolicyError when one object of ``raw`` repeats a key (:func:`repeated_key`)."""
+    if (key := repeated_key(raw)) is not None:
+        raise PolicyError(f"bundle repeats the key {key!r} in one object: the services would take its last value, "
+                          "a reader of the file may see the first; a bundle says each key once")
+
+
 def decode_bundle(raw: bytes | str) -> Bundle:
     """Decode and fully validate a bundle (JSON). Raises PolicyError listing every problem."""
     try:
@@ -154,7 +187,13 @@ def decode_bundle(raw: bytes | str) -> Bundle:
     except msgspec.ValidationError as e:
         raise PolicyError(f"bundle does not match the schema: {e}", errors=[str(e)]) from None
     except msgspec.DecodeError as e:
+        if (raw.encode() if isinstance(raw, str) else raw).startswith(b"\xef\xbb\xbf"):
+            raise PolicyError("bundle is not valid JSON: it starts with a UTF-8 byte order mark (an editor's); "
+                              "save it without one") from None
         raise PolicyError(f"bundle is not valid JSON: {e}", errors=[str(e)]) from None
+    except RecursionError:
+        raise PolicyError(NESTED_TOO_DEEPLY) from None
+    refuse_repeated_keys(raw)
     validate_bundle(bundle, flat)
     return bundle
 
@@ -401,15 +440,32 @@ def _pool_balance_problems(rules: list[Rule]) -> list[str]:
     return out
 
 
+# Every (tenant named by a rule, route group named by a rule) pair is one request set to check: a
+# bundle naming thousands of each (a few hundred kilobytes) would take hours to check, on every
+# agent that reads it, before its signature is looked at
+MAX_REQUEST_SETS = 100_000
+
+
 def _request_set_problems(rules: list[Rule]) -> list[str]:
     """Every request's rule set is a handful long and maps to one hash tag."""
     tenants: list[str | None] = sorted({r.tenant for r in rules if r.tenant}) + [None]
     routes = sorted({r.route_group for r in rules if r.route_group}) + ["\x00other"]
+    if len(tenants) * len(routes) > MAX_REQUEST_SETS:
+        return [f"the rules name {len(tenants) - 1} tenants and {len(routes) - 1} route groups: "
+                f"{len(tenants) * len(routes):,} combinations of a request's rule set to check, more than "
+                f"{MAX_REQUEST_SETS:,}: rules name fewer tenants or route groups"]
+    # a request of (tenant, route) selects from the rules naming that tenant or none and that route
+    # group or none: four buckets, in the bundle's order, instead of every rule for every pair
+    by_key: dict[tuple[str | None, str | None], list[tuple[int, Rule]]] = {}
+    for i, r in enumerate(rules):
+        by_key.setdefault((r.tenant, r.route_group), []).append((i, r))
     problems: list[str] = []
     for tenant in tenants:
         for route in routes:
+            keys = {(None, None), (tenant, None), (None, route), (tenant, route)}
+            near = [r for _, r in sorted((x for k in keys for x in by_key.get(k, ())), key=lambda x: x[0])]
             for ptype, has_key in (("user", True), ("user", False), ("service", True), ("anonymous", False)):
-                sel = select_rules(rules, tenant=tenant or "\x00any", route_group=route,
+                sel = select_rules(near, tenant=tenant or "\x00any", route_group=route,
                                    principal_type=ptype, has_key=has_key)
                 pools = [r.pool_id for r in sel if r.pool_id is not None and not r.shadow]
                 for pool in sorted({p for p in pools if pools.count(p) > 1}):
@@ -426,7 +482,8 @@ def _request_set_problems(rules: list[Rule]) -> list[str]:
     return sorted(set(problems))
 
 
-__all__ = ["ALGORITHMS", "MAX_RULES_PER_REQUEST", "SCOPE_ORDER", "Bundle", "Fallback", "NonNegInt", "Pool",
-           "PosInt", "Rule", "SOURCE_SUFFIXES", "canonical_payload", "compute_checksum", "decode_bundle", "encode_bundle",
-           "every_request_rules", "load_bundle_file", "make_rule", "read_bundle_bytes", "rule_applies", "rule_doc",
+__all__ = ["ALGORITHMS", "MAX_REQUEST_SETS", "MAX_RULES_PER_REQUEST", "NESTED_TOO_DEEPLY", "SCOPE_ORDER", "Bundle",
+           "Fallback", "NonNegInt", "Pool", "PosInt", "Rule", "SOURCE_SUFFIXES", "canonical_payload",
+           "compute_checksum", "decode_bundle", "encode_bundle", "every_request_rules", "load_bundle_file",
+           "make_rule", "read_bundle_bytes", "refuse_repeated_keys", "repeated_key", "rule_applies", "rule_doc",
            "script_slots", "seal", "select_rules", "validate_bundle"]

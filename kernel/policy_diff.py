@@ -5,7 +5,8 @@ Each difference is shown in the source's units (``rate 2/s -> 1/s``) and judged:
 stricter fail mode or fallback, a rule now enforced that was a shadow, now revocable),
 *loosened* (the opposite), or *changed* (no direction: which requests a rule selects — scope,
 route group, tenant, algorithm —, timings such as decisionTtl). A rule is tightened or loosened
-when all its judged differences go that way, *mixed* when they go both ways. The privileged
+when all its judged differences go that way, *mixed* when they go both ways, and *changed* whatever
+its numbers did when what it selects changed (it then limits other requests than before). The privileged
 bypasses are reported by :mod:`kernel.bypass` as for ``policy validate --against``.
 """
 
@@ -111,6 +112,12 @@ def _judge(name: str, old: Any, new: Any) -> str:
     return CHANGED
 
 
+# What a rule selects (which requests it limits) and the meaning of its numbers: once one of them
+# changes, the rule limits other requests or counts otherwise, and its other fields' directions no
+# longer say whether the old requests are limited more or less
+SELECTION = ("scope", "routeGroup", "tenant", "algorithm")
+
+
 def _compare(kind: str, old: dict[str, Any], new: dict[str, Any], defaults: dict[str, Any]) -> ItemChange | None:
     fields = []
     for name in dict.fromkeys([*old, *new]):
@@ -121,6 +128,11 @@ def _compare(kind: str, old: dict[str, Any], new: dict[str, Any], defaults: dict
         return None
     judged = {f.verdict for f in fields} - {CHANGED}
     change = MIXED if MIXED in judged or len(judged) > 1 else (judged.pop() if judged else CHANGED)
+    moved = [f.field for f in fields if f.field in SELECTION] if kind == "rule" else []
+    if moved:  # e.g. routeGroup read -> browse with a lower rate: the read requests are no longer limited by it
+        return ItemChange(kind, old.get("id") or new.get("id", "?"), CHANGED, fields,
+                          summary=f"{' and '.join(moved)} changed: it selects other requests or keys than before, "
+                                  "so its numbers' directions say nothing about the requests it limited")
     return ItemChange(kind, old.get("id") or new.get("id", "?"), change, fields)
 
 

@@ -12,9 +12,10 @@ fleet needs it signed again, since the signature covers the version).
 
 **The signing marker** ``<prefix>policy/signing`` tells *operator tooling* that the fleet requires
 signed bundles and which public keys it trusts: ``{"keys": {"<keyId>": "<base64 raw Ed25519
-public key>"}}``. ``leasehold policy publish`` refuses a bundle that is unsigned or does not verify
-with one of these keys, so a mistake is caught at publish time rather than by every agent
-refusing it. The services never read it: their trust comes only from ``--policy-public-keys``,
+public key>"}}``. ``leasehold policy publish``, ``canary``, ``promote`` and ``rollback`` refuse a
+bundle that is unsigned or does not verify with one of these keys (:meth:`PolicyStore.check_signed`,
+which ``stage``, ``promote`` and ``rollback`` call themselves), so a mistake is caught at publish
+time rather than by every agent refusing it. The services never read it: their trust comes only from ``--policy-public-keys``,
 because write access to etcd must not be enough to change which keys are trusted.
 """
 
@@ -26,7 +27,7 @@ from typing import Any
 import msgspec
 
 from kernel.bundle import Bundle, decode_bundle, seal
-from kernel.errors import Conflict, PolicyError, StaleVersion
+from kernel.errors import Conflict, NotFound, PolicyError, StaleVersion
 from kernel.etcd_store import KV, EtcdStore, EtcdTxnTooLarge, TxnBuilder, Watch
 
 POLICY_KEY_SUFFIX = "policy/current"
@@ -67,8 +68,9 @@ class Stored:
 @dataclass(frozen=True, slots=True)
 class PublishResult:
     version: int
-    previous: int | None
+    previous: int | None  # None: nothing was published, or what was is not a valid bundle (``replaced``)
     revision: int
+    replaced: str = ""  # why the value it replaced was not a valid bundle
 
 
 def parse_stored(kv: KV) -> Stored:
@@ -95,8 +97,26 @@ class PolicyStore:
             return None
         try:
             return msgspec.json.decode(kv.value, type=SigningMarker)
-        except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            raise PolicyError(f"the signing marker {self.signing_key.decode()} is malformed: {e}") from None
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+            why = e if not isinstance(e, RecursionError) else "nested too deeply"
+            raise PolicyError(f"the signing marker {self.signing_key.decode()} is malformed: {why}") from None
+
+    async def check_signed(self, bundle: Bundle) -> SigningMarker | None:
+        """Refuse ``bundle`` (a :class:`kernel.signing.SignatureRefused`, its ``errors`` saying which keys
+        the fleet requires) when the signing marker exists and none of its keys verifies it: what every
+        writer of the policy or canary key checks first, so that a bundle the services would refuse is
+        refused here. Returns the marker (None: signatures are not required by the store)."""
+        from kernel.signing import SignatureRefused, TrustedKeys, public_key_from_text
+
+        marker = await self.read_signing()
+        if marker is not None:
+            try:
+                TrustedKeys(public_key_from_text(v) for v in marker.keys.values()).check(bundle)
+            except SignatureRefused as e:
+                e.errors.append(f"the fleet requires bundles signed by one of: {', '.join(sorted(marker.keys))} "
+                                f"({self.signing_key.decode()}); sign with --key")
+                raise
+        return marker
 
     async def write_signing(self, marker: SigningMarker | None) -> None:
         """Set (or, with None, delete) the signing marker."""
@@ -147,7 +167,8 @@ class PolicyStore:
         res = await self._commit(txn, body)
         if not res.succeeded:
             raise Conflict("the published policy changed during this publish; read it again and retry")
-        return PublishResult(candidate.bundle_version, previous, res.revision)
+        return PublishResult(candidate.bundle_version, previous, res.revision,
+                             current.problem if current is not None and current.bundle is None else "")
 
 
     async def watch(self, with_canary: bool = False) -> Watch:
@@ -172,6 +193,10 @@ class PolicyStore:
         if slice_.empty:
             raise PolicyError("a canary needs a slice: --regions, --agents or --tenants")
         current, staged = await self.read_both()
+        await self.check_signed(candidate)
+        if current is not None and current.bundle is None:
+            raise PolicyError(f"the published value is not a valid bundle ({current.problem}): publish a valid one "
+                              "first, then stage candidates over it")
         problems = canary_problems(current.bundle if current else None, candidate)
         if staged is not None and staged.bundle is not None and staged.slice is not None:
             held = staged.bundle
@@ -202,24 +227,37 @@ class PolicyStore:
 
     async def _finish_canary(self, raw: bytes | None) -> PublishResult:
         """Promote (``raw`` None: the candidate becomes the published bundle, same bytes, same
-        signature) or roll back (``raw``: a bundle with a version above the candidate's): one
+        signature; only over the published bundle it was staged over, so a publish made since is
+        never taken back) or roll back (``raw``: a bundle with a version above the candidate's): one
         transaction writes the policy key and deletes the canary key."""
         current, staged = await self.read_both()
         if staged is None:
-            raise PolicyError("no canary is staged")
+            raise NotFound("no canary is staged")
         if current is None:
-            raise PolicyError("nothing is published")
+            raise NotFound("nothing is published")
         if raw is None:
             if staged.bundle is None:
                 raise PolicyError(f"the staged canary is not a valid bundle ({staged.problem}); roll it back")
-            body = msgspec.json.format(bytes(msgspec.json.decode(staged.raw, type=CanaryDoc).bundle), indent=2)
             version = staged.bundle.bundle_version
+            published = current.bundle
+            if published is not None and version <= published.bundle_version:
+                raise StaleVersion(f"bundle {published.bundle_version} was published after the candidate {version} was "
+                                   "staged: the candidate is not newer, and agents refuse a lower version; roll the "
+                                   "canary back, or stage a candidate above it")
+            if published is not None and staged.base != published.bundle_version:
+                raise Conflict(f"bundle {published.bundle_version} was published after the candidate {version} was "
+                               f"staged over {staged.base}: promoting it would take back that publish's changes; "
+                               f"stage a candidate that carries them over {published.bundle_version}, or roll the "
+                               "canary back")
+            await self.check_signed(staged.bundle)  # staged before the marker named other keys, or by hand
+            body = msgspec.json.format(bytes(msgspec.json.decode(staged.raw, type=CanaryDoc).bundle), indent=2)
         else:
             new = decode_bundle(raw)
             floor = max(current.bundle.bundle_version if current.bundle else 0,
                         staged.bundle.bundle_version if staged.bundle else 0)
             if new.bundle_version <= floor:
                 raise StaleVersion(f"a rollback needs a version above {floor} (agents of the slice hold the candidate)")
+            await self.check_signed(new)
             body, version = bytes(raw), new.bundle_version
         txn = TxnBuilder()
         txn.modified_at(self.key, current.mod_revision)
@@ -301,8 +339,9 @@ class StoredCanary:
 def parse_canary(kv: KV) -> StoredCanary:
     try:
         doc = msgspec.json.decode(kv.value, type=CanaryDoc)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        return StoredCanary(kv.value, kv.mod_revision, None, None, None, f"the canary value is malformed: {e}")
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+        why = e if not isinstance(e, RecursionError) else "nested too deeply"
+        return StoredCanary(kv.value, kv.mod_revision, None, None, None, f"the canary value is malformed: {why}")
     try:
         return StoredCanary(kv.value, kv.mod_revision, doc.slice, doc.base, decode_bundle(bytes(doc.bundle)))
     except PolicyError as e:
@@ -317,7 +356,8 @@ def canary_problems(current: Bundle | None, candidate: Bundle) -> list[str]:
         return out
     if candidate.bundle_version <= current.bundle_version:
         out.append(f"the candidate's version {candidate.bundle_version} is not higher than the published "
-                   f"{current.bundle_version}")
+                   f"{current.bundle_version} (which may hold changes the candidate does not: diff it against "
+                   "`leasehold policy show --raw` and carry them over before bumping)")
     if candidate.pools != current.pools:
         out.append("the candidate changes the pools: a pool is one fleet-wide quota held by the allocator and "
                    "cannot be staged for a slice; publish pool changes directly")

@@ -69,6 +69,25 @@ def regions(text: str) -> tuple[str, ...]:
     return names
 
 
+def names(pattern: str, what: str) -> Callable[[str], list[str]]:
+    """Comma-separated names of one kind (a canary's regions, agents or tenants), sorted and distinct,
+    each matching the services' pattern: a name no service can have would name nobody (``EU`` for
+    ``eu``), and the slice staged with it could never be narrowed again."""
+    rx = re.compile(pattern)
+
+    def parse(text: str) -> list[str]:
+        got = sorted({x.strip() for x in text.split(",") if x.strip()})
+        bad = [n for n in got if not rx.match(n)]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{what} is {human(pattern)}, not {bad[0]!r}")
+        if not got:
+            raise argparse.ArgumentTypeError(f"no {what} in {text!r}")
+        return got
+
+    parse.__name__ = what
+    return parse
+
+
 def etcd_prefix(text: str) -> str:
     """The fleet's etcd key prefix, as the services accept it (``/`` first and last): a prefix
     without them would name keys no service reads."""
@@ -77,4 +96,4 @@ def etcd_prefix(text: str) -> str:
     return text
 
 
-__all__ = ["etcd_prefix", "finite", "http_url", "regions", "whole"]
+__all__ = ["etcd_prefix", "finite", "http_url", "names", "regions", "whole"]

@@ -234,8 +234,10 @@ def _auth_headers(args: argparse.Namespace, who: str) -> dict[str, str]:
 
 def _decision_text(d: dict) -> str:
     verdict = "allowed" if d.get("allowed") else "denied"
-    lines = [f"{verdict}: HTTP {d.get('httpStatus', 200)}, rule {d.get('policyId') or '-'} "
-             f"(bundle {d.get('policyVersion')}), remaining {d.get('remaining')} of {d.get('limit')}"
+    limited = (f"no rule of bundle {d.get('policyVersion')} applies" if d.get("allowed") and not d.get("policyId")
+               else f"rule {d.get('policyId') or '-'} (bundle {d.get('policyVersion')}), remaining "
+                    f"{d.get('remaining')} of {d.get('limit')}")
+    lines = [f"{verdict}: HTTP {d.get('httpStatus', 200)}, {limited}"
              + (f", reason {d['reason']}" if d.get("reason") else "")
              + (f", retry after {d['retryAfterMs']} ms" if d.get("retryAfterMs") not in (None, 0) else "")
              + (" (fallback)" if d.get("fallback") else "")]
@@ -340,6 +342,8 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
         "pools": len(bundle.pools), "checksum": bundle.checksum, "keyId": bundle.key_id,
         "trusted": bool(args.public_keys)}
     signed = f", signed by key {bundle.key_id}" if bundle.key_id else ", unsigned"
+    if bundle.key_id and not args.public_keys:  # what the file says, not checked: a stale or forged one reads alike
+        signed += " (signature not checked: --public-keys checks it)"
     lines = [f"valid: bundle {bundle.bundle_version}, {len(bundle.rules)} rules, {len(bundle.pools)} pools, "
              f"{bundle.checksum}{signed}{' (trusted)' if args.public_keys else ''}"]
     if args.bound:
@@ -394,6 +398,12 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
             o.note(f"leasehold: the bundle published at {where} is invalid ({stored.problem}); comparing against "
                    "nothing")
         current = stored.bundle if stored is not None else None
+        if current is not None:  # what publish would say of it, before the operator asks it
+            result["publishable"] = bundle.bundle_version > current.bundle_version
+            if not result["publishable"]:
+                lines.append(f"not publishable as is: bundle {bundle.bundle_version} is not above the published "
+                             f"{current.bundle_version} (`leasehold policy bump` it, after carrying over what the "
+                             "published one changed)")
     changes = diff_bypasses(current, bundle)
     version = current.bundle_version if current is not None else "none"
     review = needs_review(changes)
@@ -493,9 +503,9 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
     import msgspec
 
     from kernel.bundle import decode_bundle, encode_bundle, read_bundle_bytes
-    from kernel.errors import LeaseholdError, StoreUnavailable
+    from kernel.errors import Conflict, LeaseholdError, StoreUnavailable
     from kernel.policy_store import rollback_bundle
-    from kernel.signing import TrustedKeys, load_private_key, public_key_from_text, sign_bundle
+    from kernel.signing import load_private_key, sign_bundle
 
     try:
         raw = read_bundle_bytes(args.file)
@@ -518,31 +528,47 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
 
     async def publish() -> dict:
         store = _policy_store(args)
-        marker = None
         try:
-            marker = await store.read_signing()
-            if marker is not None:
-                TrustedKeys(public_key_from_text(v) for v in marker.keys.values()).check(bundle)
-            elif args.require_signature and bundle.signature is None:
-                raise PolicyError("the bundle is unsigned and --require-signature was given (sign it with --key)")
-            res = await store.publish(raw)
-        except PolicyError as e:
-            hint = ([f"the fleet requires bundles signed by one of: {', '.join(sorted(marker.keys))} "
-                     f"({store.signing_key.decode()}); sign with --key"] if marker is not None else [])
-            raise Failure(Exit.USAGE, f"not published: {e.detail}", hint) from None
-        except StoreUnavailable as e:
-            raise Failure(Exit.CONNECT, f"not published: cannot reach etcd ({e.detail})") from None
-        except LeaseholdError as e:
-            raise Failure(Exit.UNAVAILABLE if e.retriable else Exit.DENIED,
-                          f"not published ({e.code}): {e.detail}") from None
+            try:
+                marker = await store.check_signed(bundle)
+                if marker is None and args.require_signature and bundle.signature is None:
+                    raise PolicyError("the bundle is unsigned and --require-signature was given (sign it with --key)")
+                res = await store.publish(raw)
+            except PolicyError as e:
+                raise Failure(Exit.USAGE, f"not published: {e.detail}", e.further) from None
+            except StoreUnavailable as e:
+                raise Failure(Exit.CONNECT, f"not published: cannot reach etcd ({e.detail})") from None
+            except Conflict as e:  # another publish got there first: its changes are not in this file
+                raise Failure(Exit.DENIED, f"not published ({e.code}): {e.detail}", [
+                    "the published bundle may hold changes this file does not: `leasehold policy show --raw > "
+                    f"published.json` and `leasehold policy diff published.json {args.file}`, carry them over, then "
+                    "bump this file above it (bumping alone would take them back)"]) from None
+            except LeaseholdError as e:
+                raise Failure(Exit.UNAVAILABLE if e.retriable else Exit.DENIED,
+                              f"not published ({e.code}): {e.detail}") from None
+            try:  # published: a canary staged beside it is what the operator must hear of, never a failure
+                staged = (await store.read_both())[1]
+            except LeaseholdError:
+                staged = None
         finally:
             await store.store.close()
+        canary = None if staged is None else {
+            "version": staged.bundle.bundle_version if staged.bundle else None, "base": staged.base,
+            "slice": staged.slice.text() if staged.slice else None}
         return {"published": res.version, "previous": res.previous, "revision": res.revision,
-                "key": store.key.decode(), "keyId": bundle.key_id}
+                "key": store.key.decode(), "keyId": bundle.key_id, "replacedInvalid": res.replaced or None,
+                "canary": canary}
 
     data = asyncio.run(publish())
+    if (c := data["canary"]) is not None:
+        above = c["version"] is not None and c["version"] > data["published"]
+        out(args).note(f"leasehold: note: a canary is staged (bundle {c['version']} for {c['slice']}, over {c['base']}): "
+                       + ("its slice keeps evaluating it, not this bundle" if above else "its slice drops it for this "
+                          "bundle") + "; `policy promote` refuses it now: roll it back, or stage a candidate above "
+                       f"{data['published']} that carries this publish's changes")
     def text(d: dict) -> str:
-        previous = "the first" if d["previous"] is None else f"previous {d['previous']}"
+        previous = ("the first" if d["replacedInvalid"] is None else f"over an invalid value: {d['replacedInvalid']}"
+                    ) if d["previous"] is None else f"previous {d['previous']}"
         return (f"published bundle {d['published']} ({previous}) at {d['key']}, revision {d['revision']}"
                 + (f", signed by key {d['keyId']}" if d["keyId"] else ", unsigned"))
 
@@ -602,6 +628,9 @@ def _shown_text(d: dict) -> str:
         lines.append("  rules: " + ", ".join(d["rules"]))
         if d["pools"]:
             lines.append("  pools: " + ", ".join(d["pools"]))
+    if (c := d["canary"]) is not None:  # some agents evaluate another bundle than the one above
+        lines.append("  canary: " + (f"bundle {c['bundleVersion']}" if c["valid"] else f"INVALID: {c['problem']}")
+                     + f" staged for {c['slice']} over {c['base']} (`leasehold policy status`)")
     lines.append("  signatures required: " + (", ".join(d["trustedKeyIds"]) if d["requireSigned"] else "no")
                  + (f" (signing marker unreadable: {d['signingMarkerProblem']})" if d["signingMarkerProblem"] else ""))
     return "\n".join(lines)
@@ -612,10 +641,10 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
 
     from kernel.errors import LeaseholdError
 
-    async def read() -> tuple[Any, Any, str | None, str]:
+    async def read() -> tuple[Any, Any, Any, str | None, str]:
         store = _policy_store(args)
         try:
-            stored = await store.read()
+            stored, staged = await store.read_both()
             try:
                 marker, marker_problem = await store.read_signing(), None
             except PolicyError as e:
@@ -624,9 +653,9 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
             raise Failure(Exit.CONNECT, f"cannot read ({e.code}): {e.detail}") from None
         finally:
             await store.store.close()
-        return stored, marker, marker_problem, store.key.decode()
+        return stored, staged, marker, marker_problem, store.key.decode()
 
-    stored, marker, marker_problem, key = asyncio.run(read())
+    stored, staged, marker, marker_problem, key = asyncio.run(read())
     if stored is None:
         raise Failure(Exit.NOT_RUNNING, f"nothing published under {key}", key=key)
     if args.raw:
@@ -642,7 +671,11 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
             "keyId": b.key_id if b else None,
             "rules": [r.id for r in b.rules] if b else [], "pools": [p.id for p in b.pools] if b else [],
             "requireSigned": marker is not None, "trustedKeyIds": sorted(marker.keys) if marker else [],
-            "signingMarkerProblem": marker_problem}
+            "signingMarkerProblem": marker_problem,
+            "canary": None if staged is None else {
+                "valid": staged.bundle is not None, "problem": staged.problem or None,
+                "bundleVersion": staged.bundle.bundle_version if staged.bundle else None, "base": staged.base,
+                "slice": staged.slice.text() if staged.slice else None}}
     return out(args).result(data, _shown_text)
 
 

@@ -20,19 +20,17 @@ from typing import Any
 import httpx
 
 from kernel.bundle import Bundle, encode_bundle
-from kernel.errors import LeaseholdError, PolicyError, StoreUnavailable
+from kernel.errors import LeaseholdError, NotFound, PolicyError, StoreUnavailable
+from kernel.ids import NODE_ID, REGION, TENANT_ID
 from kernel.policy_store import Slice, rollback_bundle
 from kernel.policy_yaml import load_policy
 
+from .argtypes import http_url, names
 from .policy_cli import EXIT_CANARY_WORSE, EXIT_OK, EXIT_USAGE, emit, fail, now_text
 
 EXIT_UNAVAILABLE, EXIT_CONNECT = 4, 5
 DENIED = ("denied", "fallback_denied")
 FALLBACK = ("fallback_allowed", "fallback_denied")
-
-
-def _split(text: str | None) -> list[str]:
-    return sorted({x.strip() for x in (text or "").split(",") if x.strip()})
 
 
 def _cli() -> Any:
@@ -65,6 +63,8 @@ def _call(args: argparse.Namespace, op) -> tuple[int, Any]:
         return asyncio.run(_run(args, op))
     except PolicyError as e:
         return fail(args, e), None
+    except NotFound as e:  # nothing to promote or roll back: not an invalid bundle
+        return fail(args, f"not done: {e.detail}"), None
     except StoreUnavailable as e:
         return fail(args, f"not done: cannot reach etcd ({e.detail})", EXIT_CONNECT), None
     except LeaseholdError as e:
@@ -73,7 +73,7 @@ def _call(args: argparse.Namespace, op) -> tuple[int, Any]:
 
 # ------------------------------------------------------------------------------ canary, promote, rollback
 def cmd_canary(args: argparse.Namespace) -> int:
-    sl = Slice(regions=_split(args.regions), agents=_split(args.agents), tenants=_split(args.tenants))
+    sl = Slice(regions=args.regions or [], agents=args.agents or [], tenants=args.tenants or [])
     try:
         bundle = _sign(args, load_policy(args.file))
     except PolicyError as e:
@@ -105,7 +105,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     async def op(store):
         current, staged = await store.read_both()
         if staged is None:
-            raise PolicyError("no canary is staged (to roll a published bundle back, publish its content under "
+            raise NotFound("no canary is staged (to roll a published bundle back, publish its content under "
                               "a new version: policy publish OLD --as-version N)")
         if current is None or current.bundle is None:
             raise PolicyError("the published bundle is unreadable; publish a valid one")
@@ -185,7 +185,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     cand = staged.bundle if staged is not None else None
     sl = staged.slice if staged is not None else None
     if args.agent_urls:
-        urls, headers = _split(args.agent_urls), {}
+        urls, headers = args.agent_urls, {}
         names = {u: u for u in urls}
     else:
         state = _cli()._state_or_exit(args.run_dir)
@@ -194,6 +194,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         names = {s["url"]: f"{s['name']} ({s.get('region')})" for s in agents}
         headers = _cli()._auth_headers(args, "operator")
     scraped = scrape(urls, headers)
+    if scraped and all("error" in a for a in scraped.values()):  # nothing measured is no "not worse" (exit 0)
+        first = next(iter(scraped.items()))
+        return fail(args, f"no agent answered on /metrics ({names[first[0]]}: {first[1]['error']}); nothing to "
+                          "compare", EXIT_CONNECT)
     tenants = sl.tenants if sl is not None and sl.tenants and not (sl.regions or sl.agents) else []
     rest = population(scraped, cur_v, tenants)
     canary = population(scraped, cand.bundle_version, tenants) if cand is not None else None
@@ -237,13 +241,21 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------ registration
+def url_list(text: str) -> list[str]:
+    """Comma-separated agent base URLs (each as :func:`leasehold.commands.argtypes.http_url`)."""
+    return sorted({http_url(x.strip()) for x in text.split(",") if x.strip()})
+
+
 def register(psub: Any, etcd_opts: Any, out_opt: Any, key_opt: Any) -> None:
     sp = psub.add_parser("canary", help="stage a candidate bundle for a slice of agents (regions, agent ids) or "
                                         "tenants; the rest keeps the published bundle")
     sp.add_argument("file", help="the candidate: a bundle JSON or a policy source")
-    sp.add_argument("--regions", help="every agent of these regions (comma-separated)")
-    sp.add_argument("--agents", help="these agents (their --agent-id, comma-separated)")
-    sp.add_argument("--tenants", help="these tenants' requests, on every agent (comma-separated)")
+    sp.add_argument("--regions", type=names(REGION, "a region name"),
+                    help="every agent of these regions (comma-separated)")
+    sp.add_argument("--agents", type=names(NODE_ID, "an agent id"),
+                    help="these agents (their --agent-id, comma-separated)")
+    sp.add_argument("--tenants", type=names(TENANT_ID, "a tenant id"),
+                    help="these tenants' requests, on every agent (comma-separated)")
     key_opt(sp)
     etcd_opts(sp)
     out_opt(sp)
@@ -261,7 +273,8 @@ def register(psub: Any, etcd_opts: Any, out_opt: Any, key_opt: Any) -> None:
     sp.set_defaults(func=cmd_rollback)
     sp = psub.add_parser("status", help="the canary and the rest side by side: decisions, denial and fallback "
                                         "rates, per rule (exit 8 when the canary denies more by over --margin)")
-    sp.add_argument("--agent-urls", help="agents to read (default: the running local topology's)")
+    sp.add_argument("--agent-urls", type=url_list, help="agents to read, comma-separated http(s)://host:port "
+                                                        "(default: the running local topology's)")
     sp.add_argument("--margin", type=float, default=0.05,
                     help="a rule's canary denial rate may exceed the current one's by this fraction (default 0.05)")
     sp.add_argument("--min-decisions", type=int, default=20, help="canary decisions needed to judge (default 20)")

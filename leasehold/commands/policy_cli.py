@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from kernel.bundle import Bundle, seal, validate_bundle
+from kernel.bundle import NESTED_TOO_DEEPLY, Bundle, refuse_repeated_keys, seal, validate_bundle
 from kernel.errors import PolicyError
 from kernel.policy_yaml import bundle_bytes, compile_file, is_source, load_policy, read_text, source_text
 
@@ -125,6 +125,9 @@ def _decode_unsealed(raw: bytes) -> Bundle:
         bundle = seal(msgspec.convert(doc, type=Bundle))
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise PolicyError(f"not a bundle: {e}", errors=[str(e)]) from None
+    except RecursionError:
+        raise PolicyError(NESTED_TOO_DEEPLY) from None
+    refuse_repeated_keys(raw)
     validate_bundle(bundle, problems)
     return bundle
 

@@ -139,3 +139,43 @@ def test_policy_authoring_bad_input_is_a_message_and_exit_2_never_a_traceback(tm
         assert "Traceback" not in res.stderr and res.stderr.startswith("leasehold: ") and needle in res.stderr, argv
         assert time.monotonic() - started < 30, argv
     assert old.read_bytes() == b"the previous bundle\n"
+
+
+def test_a_hostile_bundle_file_is_one_line_and_exit_2(tmp_path: Path):
+    """Bundle files an attacker (or an editor) can hand the tooling, through the real process: brackets
+    nested thousands deep (was exit 70, "unexpected error: RecursionError"), a key said twice with the
+    sealed value last (was valid: the reader sees the first value, the services enforce the last), a
+    byte order mark (was "invalid character (byte 0)"). A signature validate does not check is said so
+    (was "signed by key ..." alike for a stale one)."""
+    run = tmp_path / "run"
+    sample = (ROOT / "policies" / "northstar.json").read_bytes()
+    deep = tmp_path / "deep.json"
+    deep.write_bytes(b"[" * 5000 + b"]" * 5000)
+    twice = tmp_path / "twice.json"
+    twice.write_bytes(sample.replace(b'"capacityMillis": 20000,', b'"capacityMillis": 1, "capacityMillis": 20000,', 1))
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + sample)
+    cases = [(["policy", "validate", str(deep)], "nested too deeply"),
+             (["policy", "seal", str(deep)], "nested too deeply"),
+             (["policy", "publish", str(deep)], "nested too deeply"),
+             (["policy", "validate", str(twice)], "repeats the key 'capacityMillis' in one object"),
+             (["policy", "publish", str(twice)], "repeats the key 'capacityMillis' in one object"),
+             (["policy", "seal", str(twice)], "repeats the key 'capacityMillis' in one object"),
+             (["policy", "validate", str(bom)], "starts with a UTF-8 byte order mark")]
+    for argv, needle in cases:
+        res = leasehold(run, *argv, timeout=60)
+        assert res.returncode == 2, (argv, res.returncode, res.stderr)
+        assert "Traceback" not in res.stderr and res.stderr.startswith("leasehold: ") and needle in res.stderr, argv
+        assert len(res.stderr.splitlines()) == 1 and res.stdout == "", (argv, res.stderr)
+    assert twice.read_bytes().count(b'"capacityMillis": 1,') == 1  # seal refused: the file is as it was
+    keys = tmp_path / "keys"
+    assert leasehold(run, "policy", "keygen", str(keys)).returncode == 0
+    signed = tmp_path / "signed.json"
+    assert leasehold(run, "policy", "sign", str(ROOT / "policies" / "northstar.json"), "--key",
+                     str(keys / "policy-signing.key"), "--out", str(signed)).returncode == 0
+    stale = tmp_path / "stale.json"
+    stale.write_bytes(signed.read_bytes().replace(b'"bundleVersion": 42', b'"bundleVersion": 43', 1))
+    res = leasehold(run, "policy", "validate", str(stale))
+    assert res.returncode == 0 and "(signature not checked: --public-keys checks it)" in res.stdout, res
+    res = leasehold(run, "policy", "validate", str(stale), "--public-keys", str(keys / "policy-signing.pub"))
+    assert res.returncode == 2 and "does not verify" in res.stderr and "Traceback" not in res.stderr, res

@@ -16,7 +16,7 @@ from litestar.testing import AsyncTestClient
 
 from kernel.bundle import Bundle, Rule, encode_bundle, make_rule, seal
 from kernel.errors import Conflict, PolicyError, StaleVersion
-from kernel.etcd_store import EtcdStore
+from kernel.etcd_store import EtcdStore, TxnBuilder
 from kernel.policy_store import PolicyStore, Stored, policy_key
 from leasehold.commands.cli import main as cli_main
 from leasehold.local.procs import free_port
@@ -95,10 +95,18 @@ def test_cli_publish_show_and_rollback(etcd_cluster, prefix, tmp_path: Path, cap
     assert said.startswith(f"published bundle 5 (the first) at {prefix}policy/current, revision "), said
     assert cli_main(["policy", "publish", str(v6), "--etcd", ep, "--prefix", prefix]) == 0
     assert capsys.readouterr().out.startswith(f"published bundle 6 (previous 5) at {prefix}policy/current")
+    # checked against what is published: said not to be publishable as is (was silent until publish refused it)
+    assert cli_main(["policy", "validate", str(v5), "--against-etcd", "--etcd", ep, "--prefix", prefix]) == 0
+    assert "\nnot publishable as is: bundle 5 is not above the published 6 (" in capsys.readouterr().out
     assert cli_main(["policy", "show", "--etcd", ep, "--prefix", prefix]) == 0
     said = capsys.readouterr().out  # the sample has no maxAge: was "max age None ms"
     assert f"\n  published at {bump(base, 6).published_at}, no max age, unsigned\n" in said, said
+    capsys.readouterr()
     assert cli_main(["policy", "publish", str(v5), "--etcd", ep, "--prefix", prefix]) == 3  # not higher
+    # the second of two operators who bumped the same version: told that bumping alone would lose the first's edit
+    said = capsys.readouterr().err
+    assert said.startswith("leasehold: not published (stale-version): bundle 5 is not newer than the published 6\n")
+    assert f"`leasehold policy diff published.json {v5}`, carry them over" in said, said
     bad = tmp_path / "bad.json"
     bad.write_text('{"bundleVersion": 99}')
     assert cli_main(["policy", "publish", str(bad), "--etcd", ep, "--prefix", prefix]) == 2
@@ -372,3 +380,172 @@ async def test_the_watch_comes_back_after_every_member_restarted(redis_url, poli
             assert time.monotonic() - started < 1.0, "delivered by a re-read, not the watch"
         finally:
             await pub.store.close()
+
+
+async def test_a_value_nested_too_deeply_is_refused_and_a_publish_replaces_it(redis_url, policy_file, etcd_cluster,
+                                                                              prefix, pstore, capsys):
+    """A few kilobytes of brackets under the policy and canary keys (written straight to etcd): the agent
+    counts the value invalid and keeps reading etcd (its age stays fresh, so revocable rules are not
+    revoked by it), and ``policy show`` and ``publish`` name it and replace it. Was a RecursionError out
+    of the decode: the agent's reads stopped counting (its age grew with every re-read), the refusal was
+    never counted, and every ``policy`` command against that etcd exited 70."""
+    base = northstar()
+    deep = b"[" * 5000 + b"]" * 5000
+    ep = ",".join(etcd_cluster.endpoints)
+    app = agent_app(redis_url, policy_file, etcd_cluster, prefix, reread_ms=100)
+    async with AsyncTestClient(app=app) as agent:
+        watcher = app.state.agent.policy_watch
+        await pstore.store.put(pstore.key, deep)
+        await pstore.store.put(pstore.canary_key, b'{"base": 1, "slice": {"regions": ["eu"]}, "bundle": ' + deep + b"}")
+
+        async def refused_invalid() -> bool:
+            return reload_count((await agent.get("/metrics")).text, "invalid") >= 1
+        assert await await_until(refused_invalid, within_s=10)
+        reads = watcher.reads_ok
+
+        async def still_reading() -> bool:
+            return watcher.reads_ok >= reads + 2
+        assert await await_until(still_reading, within_s=10)
+        assert (await agent.get("/v1/policy")).json()["bundleVersion"] == base.bundle_version
+
+        capsys.readouterr()
+        assert await asyncio.to_thread(cli_main, ["policy", "show", "--etcd", ep, "--prefix", prefix]) == 0
+        shown = capsys.readouterr().out
+        assert "INVALID: bundle is not valid JSON: nested too deeply" in shown, shown
+        gone = TxnBuilder()
+        gone.delete(pstore.canary_key)
+        await pstore.store.commit(gone)
+        nxt = policy_file.parent / "next.json"
+        nxt.write_bytes(encode_bundle(bump(base, base.bundle_version + 1)))
+        # was "nothing is published yet": something is, and it is not a bundle
+        assert await asyncio.to_thread(cli_main, ["policy", "canary", str(nxt), "--regions", "eu", "--etcd", ep,
+                                                  "--prefix", prefix]) == 2
+        assert "the published value is not a valid bundle (bundle is not valid JSON: nested too deeply" \
+            in capsys.readouterr().err
+        assert await asyncio.to_thread(cli_main, ["policy", "publish", str(nxt), "--etcd", ep, "--prefix", prefix]) == 0
+        said = capsys.readouterr().out  # was "(the first)"
+        assert f"published bundle {base.bundle_version + 1} (over an invalid value: bundle is not valid JSON: nested " \
+               "too deeply" in said, said
+        for verb in ("promote", "rollback"):  # was "invalid: no canary is staged": no bundle was
+            assert await asyncio.to_thread(cli_main, ["policy", verb, "--etcd", ep, "--prefix", prefix]) == 2
+            assert capsys.readouterr().err.startswith("leasehold: not done: no canary is staged")
+
+        async def switched() -> bool:
+            return (await agent.get("/v1/policy")).json()["bundleVersion"] == base.bundle_version + 1
+        assert await await_until(switched, within_s=10)
+
+
+async def test_promote_never_takes_back_a_publish_made_after_the_canary_was_staged(pstore):
+    """Operator A stages a candidate; operator B publishes an edit directly. Promoting A's candidate
+    would write content without B's edit (or a lower version than the agents hold): refused, nothing
+    written, the canary still staged; a rollback ends it on top of B's edit. Was: ``promoted: bundle 12
+    is published to every agent (was 13)``, the key left at 12 while every agent kept 13."""
+    from kernel.policy_store import Slice
+
+    base = northstar()
+    await pstore.publish(encode_bundle(bump(base, 10)))
+    eu = Slice(regions=["eu"])
+    await pstore.stage(encode_bundle(bump(base, 12, rules=with_rule(base, "read-user-v3", capacity_millis=5000))), eu)
+    edit = bump(base, 11, rules=with_rule(base, "read-user-v3", refill_millis=1000))
+    await pstore.publish(encode_bundle(edit))  # below the candidate: B's edit, not in the candidate
+    with pytest.raises(Conflict, match="published after the candidate 12 was staged over 10"):
+        await pstore.promote()
+    newer = bump(base, 13, rules=with_rule(base, "read-user-v3", refill_millis=500))
+    await pstore.publish(encode_bundle(newer))  # above the candidate
+    with pytest.raises(StaleVersion, match="the candidate is not newer"):
+        await pstore.promote()
+    stored, staged = await pstore.read_both()
+    assert stored.bundle == newer and staged is not None and staged.bundle.bundle_version == 12
+    back = await pstore.rollback(encode_bundle(bump(newer, 14)))
+    stored, staged = await pstore.read_both()
+    assert back.version == 14 and staged is None and stored.bundle.rules == newer.rules
+    # staged over what is published, a promote is what it always was
+    await pstore.stage(encode_bundle(bump(base, 15)), eu)
+    assert (await pstore.promote()).version == 15
+
+
+async def test_a_canary_is_signed_by_a_key_the_fleet_requires_as_a_publish_is(pstore):
+    """With the signing marker in etcd, ``publish`` refused a bundle no trusted key verifies, but ``canary``
+    staged one (every agent of the slice then refused it: exit 0 and "staged" for a canary nobody ran),
+    ``promote`` published it to every agent (each refused it, etcd left holding it) and ``rollback``
+    published an unsigned one. Each now refuses it as publish does and writes nothing."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from kernel.policy_store import SigningMarker, Slice
+    from kernel.signing import SignatureRefused, key_id_of, public_key_text, sign_bundle
+
+    trusted, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    base = northstar()
+    await pstore.publish(encode_bundle(sign_bundle(bump(base, 10), trusted)))
+    await pstore.write_signing(SigningMarker(keys={key_id_of(trusted.public_key()):
+                                                   public_key_text(trusted.public_key())}))
+    eu = Slice(regions=["eu"])
+    with pytest.raises(SignatureRefused, match="not trusted") as refused:
+        await pstore.stage(encode_bundle(sign_bundle(bump(base, 11), other)), eu)
+    assert any("the fleet requires bundles signed by one of" in p for p in refused.value.further)
+    with pytest.raises(SignatureRefused, match="unsigned"):
+        await pstore.stage(encode_bundle(bump(base, 11)), eu)
+    assert (await pstore.read_both())[1] is None
+    # a candidate in the canary key that no trusted key verifies (written by hand, or staged before the marker)
+    foreign = sign_bundle(bump(base, 11), other)
+    await pstore.store.put(pstore.canary_key, b'{"base": 10, "slice": {"regions": ["eu"]}, "bundle": %s}'
+                           % encode_bundle(foreign))
+    with pytest.raises(SignatureRefused, match="not trusted"):
+        await pstore.promote()
+    with pytest.raises(SignatureRefused, match="unsigned"):
+        await pstore.rollback(encode_bundle(bump(base, 12)))
+    stored, staged = await pstore.read_both()
+    assert stored.bundle.bundle_version == 10 and staged is not None
+    assert (await pstore.rollback(encode_bundle(sign_bundle(bump(base, 12), trusted)))).version == 12
+
+
+def test_publish_beside_a_staged_canary_says_what_becomes_of_it(etcd_cluster, prefix, tmp_path: Path, capsys):
+    """A direct publish while a canary is staged: published, and one note on stderr saying that the slice
+    keeps the candidate (or drops it) and that promote now refuses. Was silent: the operator learnt it from
+    a promote that took the publish back (or, now, from the promote's refusal)."""
+    base = northstar()
+    ep = ",".join(etcd_cluster.endpoints)
+    files = {}
+    for v in (10, 11, 12, 13):
+        files[v] = tmp_path / f"v{v}.json"
+        files[v].write_bytes(encode_bundle(bump(base, v)))
+    common = ["--etcd", ep, "--prefix", prefix]
+    assert cli_main(["policy", "publish", str(files[10]), *common]) == 0
+    assert cli_main(["policy", "canary", str(files[12]), "--regions", "eu", *common]) == 0
+    capsys.readouterr()
+    assert cli_main(["policy", "show", *common]) == 0  # was silent on the canary: the slice runs another bundle
+    assert "\n  canary: bundle 12 staged for regions eu over 10 (`leasehold policy status`)\n" in capsys.readouterr().out
+    assert cli_main(["policy", "publish", str(files[11]), *common]) == 0
+    said = capsys.readouterr()
+    assert said.out.startswith("published bundle 11 (previous 10)")
+    assert said.err.startswith("leasehold: note: a canary is staged (bundle 12 for regions eu, over 10): its slice "
+                               "keeps evaluating it, not this bundle; `policy promote` refuses it now"), said.err
+    assert cli_main(["policy", "promote", *common]) == 3
+    assert "was published after the candidate 12 was staged over 10" in capsys.readouterr().err
+    assert cli_main(["policy", "publish", str(files[13]), *common, "-o", "json"]) == 0
+    said = capsys.readouterr()
+    assert msgspec.json.decode(said.out)["canary"] == {"version": 12, "base": 10, "slice": "regions eu"}
+    assert "its slice drops it for this bundle" in said.err
+    assert cli_main(["policy", "show", *common, "-o", "json"]) == 0
+    assert msgspec.json.decode(capsys.readouterr().out)["canary"] == {
+        "valid": True, "problem": None, "bundleVersion": 12, "base": 10, "slice": "regions eu"}
+    # re-staging a candidate that is not above the publish: told it may lack that publish's changes
+    assert cli_main(["policy", "canary", str(files[12]), "--regions", "eu", *common]) == 2
+    assert "not higher than the published 13 (which may hold changes the candidate does not" in capsys.readouterr().err
+
+
+def test_canary_status_with_no_agent_answering_is_not_a_pass(etcd_cluster, prefix, tmp_path: Path, capsys):
+    """``policy status`` is the gate before ``promote`` (exit 8: the canary denies more). With every agent
+    unreachable it measured nothing and exited 0, the code of "not worse": a script gating on it promoted."""
+    base = northstar()
+    ep = ",".join(etcd_cluster.endpoints)
+    common = ["--etcd", ep, "--prefix", prefix]
+    for v in (10, 11):
+        (tmp_path / f"v{v}.json").write_bytes(encode_bundle(bump(base, v)))
+    assert cli_main(["policy", "publish", str(tmp_path / "v10.json"), *common]) == 0
+    assert cli_main(["policy", "canary", str(tmp_path / "v11.json"), "--regions", "eu", *common]) == 0
+    capsys.readouterr()
+    dead = f"http://127.0.0.1:{free_port()}"
+    assert cli_main(["policy", "status", "--agent-urls", dead, *common]) == 5
+    said = capsys.readouterr().err
+    assert said.startswith(f"leasehold: no agent answered on /metrics ({dead}: ") and said.count("\n") == 1, said

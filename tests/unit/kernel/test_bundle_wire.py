@@ -128,3 +128,26 @@ def test_make_rule_builds_the_algorithms_struct():
         make_rule(id="x", scope="user", algorithm="leaky", fail_mode="open")
     with pytest.raises(TypeError):
         make_rule(id="x", scope="user", algorithm="token_bucket", limit=3, fail_mode="open")
+
+
+def test_a_key_said_twice_is_refused_even_when_the_last_value_is_sealed():
+    """A hostile bundle shows a reviewer a rule's burst of 20 and seals the 20,000 written after it: the
+    decoder keeps the last value, so the checksum and a signature over it verify. Was accepted with 20,000
+    in force; a bundle says each key once (the source refuses a repeated key too)."""
+    sample = sample_policy("northstar.json").read_bytes()
+    wide = decode_bundle(sample)
+    rules = [msgspec.structs.replace(r, capacity_millis=20_000_000) if r.id == "read-user-v3" else r for r in wide.rules]
+    raw = encode_bundle(seal(msgspec.structs.replace(wide, rules=rules)))
+    shown = raw.replace(b'"capacityMillis": 20000000,', b'"capacityMillis": 20000, "capacityMillis": 20000000,', 1)
+    assert shown != raw
+    decode_bundle(raw)
+    with pytest.raises(PolicyError, match="repeats the key 'capacityMillis' in one object"):
+        decode_bundle(shown)
+
+
+@pytest.mark.parametrize("depth", [1_000, 100_000])
+def test_a_value_nested_too_deeply_is_a_policy_error(depth: int):
+    """Was a RecursionError, which no caller of the decoder handles as a refused bundle."""
+    for raw in (b"[" * depth + b"]" * depth, b'{"bundleVersion": 1, "x": ' + b"[" * depth + b"]" * depth + b"}"):
+        with pytest.raises(PolicyError, match="nested too deeply"):
+            decode_bundle(raw)

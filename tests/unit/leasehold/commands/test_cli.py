@@ -173,6 +173,12 @@ def test_status_exit_codes_follow_the_worst_service(tmp_path: Path, capsys, monk
      "--cost", "0"],  # explained a request of cost 0, which every agent refuses (422)
     ["policy", "explain", "policies/northstar.yaml", "--tenant", "atlas", "--principal", "U-17", "--route", "read",
      "--cost", "1001"],
+    # a canary slice naming what no service can be named was staged for nobody (exit 0), and a slice never narrows
+    ["policy", "canary", "policies/northstar.yaml", "--regions", "EU", "--etcd", "127.0.0.1:1"],
+    ["policy", "canary", "policies/northstar.yaml", "--tenants", "Atlas Corp", "--etcd", "127.0.0.1:1"],
+    ["policy", "canary", "policies/northstar.yaml", "--agents", "../agent-eu-1", "--etcd", "127.0.0.1:1"],
+    ["policy", "canary", "policies/northstar.yaml", "--regions", ",", "--etcd", "127.0.0.1:1"],
+    ["policy", "status", "--agent-urls", "agent-eu-1:8080", "--etcd", "127.0.0.1:1"],  # was an "unreachable" row
 ])
 def test_a_bad_option_value_is_a_usage_error_before_anything_starts(argv: list[str], tmp_path: Path, capsys,
                                                                      monkeypatch):
@@ -445,3 +451,14 @@ def test_policy_keygen_twice_keeps_the_first_key(tmp_path: Path, capsys):
     assert main(["policy", "keygen", str(tmp_path), "--name", "next"]) == Exit.OK  # a rotation's second pair
     assert main(["policy", "keygen", str(tmp_path), "--force"]) == Exit.OK
     assert (tmp_path / "policy-signing.key").read_bytes() != first
+
+
+def test_admit_text_of_a_request_no_rule_applies_to():
+    """Was "allowed: HTTP 200, rule - (bundle 48), remaining None of None" after a route group was renamed."""
+    from leasehold.commands.cli import _decision_text
+
+    free = {"allowed": True, "httpStatus": 200, "policyId": None, "policyVersion": 48, "remaining": None,
+            "limit": None, "decisionId": "cli-1", "headers": {}}
+    assert _decision_text(free).splitlines()[0] == "allowed: HTTP 200, no rule of bundle 48 applies"
+    limited = free | {"policyId": "read-user", "remaining": 1, "limit": 2}
+    assert _decision_text(limited).splitlines()[0] == "allowed: HTTP 200, rule read-user (bundle 48), remaining 1 of 2"

@@ -211,3 +211,16 @@ def test_a_bundle_edited_by_hand_is_refused_saying_how_to_re_seal_it(tmp_path: P
         assert main(["policy", *argv]) == 2
         err = capsys.readouterr().err
         assert "checksum mismatch" in err and "`leasehold policy seal FILE` re-seals it" in err, argv
+
+
+def test_diff_of_a_rule_moved_to_another_route_group_is_changed_not_tightened(src: Path, tmp_path: Path, capsys):
+    """An operator renames the read route group and lowers its rate: the read requests lose the rule,
+    which is no tightening. Was "rule read-user-v3: tightened" (the routeGroup line alone said changed)."""
+    new = tmp_path / "new.yaml"
+    new.write_text(src.read_text().replace("routeGroup: read", "routeGroup: browse", 1).replace("rate: 2/s", "rate: 1/s", 1))
+    assert main(["policy", "diff", str(src), str(new), "-o", "json"]) == 0
+    item = {i["id"]: i for i in json.loads(capsys.readouterr().out)["items"]}["read-user-v3"]
+    assert item["change"] == "changed" and "selects other requests or keys" in item["summary"]
+    assert [(f["field"], f["verdict"]) for f in item["fields"]] == [("routeGroup", "changed"), ("rate", "tightened")]
+    assert main(["policy", "diff", str(src), str(new)]) == 0
+    assert "rule read-user-v3: changed (routeGroup changed: " in capsys.readouterr().out
