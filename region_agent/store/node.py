@@ -71,6 +71,9 @@ class RedisNode:
         self.lag = lag or LoopLag()
         self._lag_task: asyncio.Task | None = None
         self._reading: dict[int, Any] = {}  # standalone pipelines awaiting replies: (connection, sent at)
+        # the connections the batcher's drain tasks keep between pipelines (one each at most): no pool
+        # checkout per pipeline (None: a client that is not redis-py's, or whose pool must see each use)
+        self._held = ri.HeldConnections.of(client, max(1, max_inflight))
         self.name = name
         # one line per reachability change (breaker opened / closed again), at most one per interval
         self.reachability = TransitionLog(log, initial=True, interval_s=log_interval_s)
@@ -166,7 +169,7 @@ class RedisNode:
         an agent that opened its breaker on that would serve fallback decisions while Redis is fine."""
         started = time.monotonic()
         try:  # (the NOSCRIPT reload and re-run are run_pipeline's)
-            replies = await self.scripts.run_pipeline(self.client, calls, self._reading)
+            replies = await self.scripts.run_pipeline(self.client, calls, self._reading, self._held)
         except Exception as e:
             err = self._own_timeout(translate(e))
             if not isinstance(err, Overloaded):

@@ -23,7 +23,7 @@ class ScriptedRunner:
         self.answers = list(answers)
         self.pipelines = 0
 
-    async def run_pipeline(self, client, calls, reading):
+    async def run_pipeline(self, client, calls, reading, held=None):
         self.pipelines += 1
         answer = self.answers.pop(0)
         if isinstance(answer, BaseException):
@@ -95,7 +95,7 @@ class SlowRunner:
         self.delay_s = delay_s
         self.pipelines = 0
 
-    async def run_pipeline(self, client, calls, reading):
+    async def run_pipeline(self, client, calls, reading, held=None):
         import asyncio
         import time
 
