@@ -78,6 +78,7 @@ class RedisNode:
         # one line per reachability change (breaker opened / closed again), at most one per interval
         self.reachability = TransitionLog(log, initial=True, interval_s=log_interval_s)
         self._opened_at = 0.0
+        self._told: int | None = None  # the breaker state last given to on_breaker
         # the last store failure when the store refused the command (OOM, ACL, credentials): it stays
         # until an operator acts, so the outage's log line names it
         self._refused: sc.StoreRefused | None = None
@@ -263,6 +264,12 @@ class RedisNode:
 
     def _breaker_changed(self) -> None:
         state = self.breaker.state
+        log = self.reachability
+        if state == CLOSED and self._told == CLOSED and log.current and log.logged:
+            # every pipeline's case: on_breaker was told closed already, the store is reachable and
+            # logged so: nothing to report (the gauge's set of the same value cost a lock per pipeline)
+            return
+        self._told = state
         if self.on_breaker is not None:
             self.on_breaker(state)
         was = reachable = self.reachability.current
