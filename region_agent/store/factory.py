@@ -73,7 +73,7 @@ def make_store(settings: AgentSettings, m: AgentMetrics) -> RedisNode | ClusterS
         breaker = CircuitBreaker(failure_threshold=settings.breaker_failures, open_s=settings.breaker_open_ms / 1000,
                                  half_open_probes=settings.breaker_probes)
         return RedisNode(client, scripts, max_batch=settings.batch_max, max_queue=settings.queue_max,
-                            max_inflight=settings.pipelines_in_flight, on_batch=m.batch_size.observe,
+                            max_inflight=settings.pipelines_in_flight, on_batch=m.batch_sizes.observe,
                             breaker=breaker, log_interval_s=settings.redis_log_interval_ms / 1000,
                             stall_s=settings.decision_budget_ms / 1000, late_s=socket_timeout, lag=lag,
                             name="redis" if shard == DEFAULT_SHARD else f"redis {shard}", shard=shard,

@@ -71,10 +71,14 @@ class RedisNode:
         self.lag = lag or LoopLag()
         self._lag_task: asyncio.Task | None = None
         self._reading: dict[int, Any] = {}  # standalone pipelines awaiting replies: (connection, sent at)
+        # the connections the batcher's drain tasks keep between pipelines (one each at most): no pool
+        # checkout per pipeline (None: a client that is not redis-py's, or whose pool must see each use)
+        self._held = ri.HeldConnections.of(client, max(1, max_inflight))
         self.name = name
         # one line per reachability change (breaker opened / closed again), at most one per interval
         self.reachability = TransitionLog(log, initial=True, interval_s=log_interval_s)
         self._opened_at = 0.0
+        self._told: int | None = None  # the breaker state last given to on_breaker
         # the last store failure when the store refused the command (OOM, ACL, credentials): it stays
         # until an operator acts, so the outage's log line names it
         self._refused: sc.StoreRefused | None = None
@@ -166,7 +170,7 @@ class RedisNode:
         an agent that opened its breaker on that would serve fallback decisions while Redis is fine."""
         started = time.monotonic()
         try:  # (the NOSCRIPT reload and re-run are run_pipeline's)
-            replies = await self.scripts.run_pipeline(self.client, calls, self._reading)
+            replies = await self.scripts.run_pipeline(self.client, calls, self._reading, self._held)
         except Exception as e:
             err = self._own_timeout(translate(e))
             if not isinstance(err, Overloaded):
@@ -260,6 +264,12 @@ class RedisNode:
 
     def _breaker_changed(self) -> None:
         state = self.breaker.state
+        log = self.reachability
+        if state == CLOSED and self._told == CLOSED and log.current and log.logged:
+            # every pipeline's case: on_breaker was told closed already, the store is reachable and
+            # logged so: nothing to report (the gauge's set of the same value cost a lock per pipeline)
+            return
+        self._told = state
         if self.on_breaker is not None:
             self.on_breaker(state)
         was = reachable = self.reachability.current

@@ -242,12 +242,15 @@ def _demoted(replies: list[Any]) -> bool:
     return False
 
 
-async def _drop_idle(client: Any) -> None:
+async def _drop_idle(client: Any, held: ri.HeldConnections | None = None) -> None:
     """One pooled connection was lost: the idle ones most likely were too (the server restarted or
-    failed over), so close them now instead of failing one decision on each of them later."""
+    failed over), so close them now instead of failing one decision on each of them later —
+    those the node's pipelines hold (``held``) as well as the pool's."""
     if isinstance(client, RedisCluster):
         return  # the cluster client rebuilds its node connections itself
     try:
+        if held is not None:
+            await held.drop()
         await client.connection_pool.disconnect(inuse_connections=False)
     except Exception:  # closing dead sockets: nothing to report
         pass
@@ -347,28 +350,31 @@ class Scripts:
         return reply
 
     async def run_pipeline(self, client: Any, calls: Sequence[tuple[str, list, list]],
-                           reading: dict[int, Any] | None = None) -> list[object]:
+                           reading: dict[int, Any] | None = None, held: ri.HeldConnections | None = None
+                           ) -> list[object]:
         """One pipeline (transaction=False) of EVALSHA; per call the raw reply or the translated
         exception instance. Calls answered NOSCRIPT (they did not run) are re-run once after loading.
         ``reading``: while a standalone pipeline waits for its replies, its connection and the
-        monotonic time it was sent are in there (see :func:`~region_agent.store.redis_internals.answer_waiting`)."""
+        monotonic time it was sent are in there (see :func:`~region_agent.store.redis_internals.answer_waiting`).
+        ``held``: the connections the caller's pipelines keep between pipelines (a store node's:
+        :class:`~region_agent.store.redis_internals.HeldConnections`); None: a pool checkout each."""
         if not calls:
             return []
         try:
-            results = await self._pipeline(client, calls, reading)
+            results = await self._pipeline(client, calls, reading, held)
         except Exception as e:
             err = _translate(e)
             return [err for _ in calls]
         if not has_error(results):  # the common case: every call answered, nothing to translate
             return results
         if _demoted(results):  # these connections reach a replica now: new ones find the primary
-            await _drop_idle(client)
+            await _drop_idle(client, held)
         missing = [i for i, r in enumerate(results) if isinstance(r, rex.NoScriptError)]
         if missing:
             try:
                 for name in {calls[i][0] for i in missing}:
                     await self._load_one(client, name)
-                again = await self._pipeline(client, [calls[i] for i in missing], reading)
+                again = await self._pipeline(client, [calls[i] for i in missing], reading, held)
             except Exception as e:
                 again = [e for _ in missing]
             for i, r in zip(missing, again, strict=True):
@@ -376,7 +382,7 @@ class Scripts:
         return [(_translate(r) if isinstance(r, BaseException) else r) for r in results]
 
     async def _pipeline(self, client: Any, calls: Sequence[tuple[str, list, list]],
-                        reading: dict[int, Any] | None = None) -> list[Any]:
+                        reading: dict[int, Any] | None = None, held: ri.HeldConnections | None = None) -> list[Any]:
         """Raw pipeline results. On a cluster, a call whose keys span slots is answered here with
         :class:`KeysNotColocated` and left out (redis-py would refuse the whole pipeline)."""
         cluster = isinstance(client, RedisCluster)
@@ -387,7 +393,7 @@ class Scripts:
             except KeyError:  # a script this agent does not have: answered per call below
                 pass
             else:  # the common case: every script is known, all calls go in one raw pipeline
-                return await self._raw_pipeline(client, commands, reading)
+                return await self._raw_pipeline(client, commands, reading, held)
         results: list[Any] = [None] * len(calls)
         send: list[int] = []
         for i, (name, keys, _) in enumerate(calls):
@@ -408,20 +414,21 @@ class Scripts:
             replies = await pipe.execute(raise_on_error=False)
         else:
             replies = await self._raw_pipeline(client, [(self.sha(calls[i][0]), calls[i][1], calls[i][2]) for i in send],
-                                               reading)
+                                               reading, held)
         for i, r in zip(send, replies, strict=True):
             results[i] = r
         return results
 
     async def _raw_pipeline(self, client: Any, commands: Sequence[tuple[str, list, list]],
-                            reading: dict[int, Any] | None = None) -> list[Any]:
+                            reading: dict[int, Any] | None = None, held: ri.HeldConnections | None = None
+                            ) -> list[Any]:
         """A standalone pipeline without redis-py's per-command packing and bookkeeping (a third of
         the agent's CPU per decision in profiles): the EVALSHA commands are packed here in RESP
         (:func:`pack_evalsha`), written once on a pooled connection and the replies read in
         order; error replies come back as exception instances, like ``raise_on_error=False``. A
         connection that failed mid-way is disconnected before it goes back to the pool.
         ``commands``: ``(sha, KEYS, ARGV)`` each."""
-        return await self._exchange(client, pack_pipeline(commands), len(commands), reading)
+        return await self._exchange(client, pack_pipeline(commands), len(commands), reading, held)
 
     async def run_asking(self, client: Any, call: tuple[str, list, list]) -> Any:
         """One call sent right after ``ASKING`` on the same connection (a Redis Cluster slot being
@@ -441,36 +448,49 @@ class Scripts:
             return _translate(reply) if isinstance(reply, BaseException) else reply
         return StoreUnavailable("script not loaded on the store")  # not reached
 
-    async def _exchange(self, client: Any, payload: bytes, n: int, reading: dict[int, Any] | None = None) -> list[Any]:
+    async def _exchange(self, client: Any, payload: bytes, n: int, reading: dict[int, Any] | None = None,
+                        held: ri.HeldConnections | None = None) -> list[Any]:
         """Write ``payload`` on a pooled connection and read ``n`` replies (see :meth:`_raw_pipeline`).
         ``reading`` holds the connection while the store owes its answer — and, with no connection
         yet, the time a new connection's handshake started (a store that accepts connections and
-        never answers, e.g. stopped, hangs there; a connected one is handed over at once)."""
+        never answers, e.g. stopped, hangs there; a connected one is handed over at once).
+        ``held``: a connection held since the caller's last pipeline is used when it is
+        :func:`~region_agent.store.redis_internals.sendable`, and held again after a pipeline that
+        read every reply; any other goes through the pool (its checkout reconnects or refuses it)."""
         pool = client.connection_pool
-        if reading is None:
-            conn = await pool.get_connection()
-        else:
-            token = object()
-            reading[id(token)] = (None, time.monotonic())
-            try:
+        conn = held.take() if held is not None else None
+        if conn is not None and not ri.sendable(conn):
+            await pool.release(conn)  # the pool's checkout below judges it (reconnect, "Connection has data")
+            conn = None
+        if conn is None:
+            if reading is None:
                 conn = await pool.get_connection()
-            finally:
-                reading.pop(id(token), None)
+            else:
+                token = object()
+                reading[id(token)] = (None, time.monotonic())
+                try:
+                    conn = await pool.get_connection()
+                finally:
+                    reading.pop(id(token), None)
+        done = False
         try:
             if not ri.write_now(conn, payload):
                 await conn.send_packed_command(payload)
             if reading is not None:  # sent: from now on the store owes the answer
                 reading[id(conn)] = (conn, time.monotonic())
-            return await ri.read_replies(conn, n)
+            replies = await ri.read_replies(conn, n)
+            done = True
+            return replies
         except BaseException as e:
             await conn.disconnect()
             if _connection_lost(e):
-                await _drop_idle(client)
+                await _drop_idle(client, held)
             raise
         finally:
             if reading is not None:
                 reading.pop(id(conn), None)
-            await pool.release(conn)
+            if not (done and held is not None and held.keep(conn)):
+                await pool.release(conn)
 
     # --- typed wrappers --------------------------------------------------------------------------
     async def pool_deposit(self, client: Any, key: str, lease_id: str, *, granted: int, valid_from_ms: int,

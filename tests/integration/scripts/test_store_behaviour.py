@@ -365,3 +365,136 @@ async def test_a_direct_write_declines_what_redis_py_must_handle(redis_url, monk
     finally:
         await pool.release(conn)
         await client.aclose()
+
+
+async def _until(cond, timeout_s: float = 2.0) -> None:
+    """Let the event loop run until ``cond()`` holds (bytes or an end of file arrive by the loop)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < end, "the condition never held"
+        await asyncio.sleep(0.005)
+
+
+async def test_a_held_connection_is_sendable_exactly_when_the_pools_checkout_finds_it_clean(redis_url):
+    """sendable() decides whether a connection held since its last pipeline is written on
+    without the pool's checkout: true exactly when redis-py's checkout (ensure_connection: connect,
+    can_read) would find nothing to deal with, and its release nothing to reconnect — open, nothing
+    unread, not closed by the server, not marked to reconnect."""
+    from region_agent.store import redis_internals as ri
+
+    client = aredis.Redis.from_url(redis_url)
+    killer = aredis.Redis.from_url(redis_url)
+    pool = client.connection_pool
+    conn = await pool.get_connection()
+    try:
+        assert ri.sendable(conn) and not await conn.can_read()
+        await conn.send_command("PING")  # a reply nobody read yet
+        await _until(lambda: not ri.sendable(conn))
+        assert await conn.can_read()
+        assert await conn.read_response() == b"PONG"
+        assert ri.sendable(conn) and not await conn.can_read()
+        conn.mark_for_reconnect()
+        assert not ri.sendable(conn)
+        conn.reset_should_reconnect()
+        assert ri.sendable(conn)
+        await conn.send_command("CLIENT", "ID")
+        cid = await conn.read_response()
+        await killer.execute_command("CLIENT", "KILL", "ID", cid)  # the server closes it
+        await _until(lambda: not ri.sendable(conn))
+        assert await conn.can_read()
+        await conn.disconnect()
+        assert not ri.sendable(conn)
+    finally:
+        await pool.release(conn)
+        await client.aclose()
+        await killer.aclose()
+
+
+async def test_a_nodes_pipelines_keep_their_connection_instead_of_a_checkout_each(redis_url, scripts, monkeypatch):
+    """A store node's pipelines run on connections held between pipelines (no pool checkout or
+    release per pipeline); a held connection the server closed goes back through the pool's
+    checkout, and a connection lost mid-pipeline is dropped with every held one: the next
+    pipeline connects again."""
+    from region_agent.store import redis_internals as ri
+
+    client = aredis.Redis.from_url(redis_url, retry=Retry(NoBackoff(), 0))
+    killer = aredis.Redis.from_url(redis_url)
+    await scripts.load_all(client)
+    held = ri.HeldConnections.of(client, 3)
+    assert held is not None
+    pool = client.connection_pool
+    checkouts = 0
+    real_checkout = pool.get_connection
+
+    async def counted():
+        nonlocal checkouts
+        checkouts += 1
+        return await real_checkout()
+
+    monkeypatch.setattr(pool, "get_connection", counted)
+    calls = [("fixed_window", [f"rl:{T}:held{i}"], [1_000, 60_000, 1, 0]) for i in range(5)]
+    try:
+        for _ in range(20):
+            out = await scripts.run_pipeline(client, calls, {}, held)
+            assert [r[0] for r in out] == [1] * 5
+        assert checkouts == 1 and len(held._idle) == 1
+        conn = held._idle[0]
+        assert conn in pool._in_use_connections  # checked out of the pool while held
+
+        # closed by the server while held: not written on; back to the pool, whose checkout hands it out
+        await killer.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        await _until(lambda: not ri.sendable(conn))
+        seen = []
+        real_release = pool.release
+
+        async def release(c):
+            seen.append(c)
+            await real_release(c)
+
+        monkeypatch.setattr(pool, "release", release)
+        failed = await scripts.run_pipeline(client, calls, {}, held)
+        assert seen[0] is conn and checkouts == 2  # the pool's checkout judged it, as before holding
+        assert all(isinstance(r, AmbiguousOutcome) for r in failed)  # what the pool's own path answers
+        assert held._idle == [] and not conn.is_connected  # dropped, not held
+
+        out = await scripts.run_pipeline(client, calls, {}, held)  # connects again
+        assert [r[0] for r in out] == [1] * 5 and checkouts == 3 and len(held._idle) == 1
+        assert held._idle[0].is_connected
+
+        await held.drop()  # the store failed over: held connections are closed and given back
+        assert held._idle == [] and pool._in_use_connections == set()
+    finally:
+        await client.aclose()
+        await killer.aclose()
+
+
+async def test_no_connection_is_held_for_a_streaming_credential_provider(redis_url):
+    """Its re-authentication runs when a connection is released to the pool: such a pool sees
+    every pipeline's checkout and release."""
+    from redis.credentials import StreamingCredentialProvider
+
+    from region_agent.store import redis_internals as ri
+
+    class Streaming(StreamingCredentialProvider):
+        def get_credentials(self):
+            return ("default", "")
+
+        def on_next(self, callback):
+            pass
+
+        def on_error(self, callback):
+            pass
+
+        def is_streaming(self):
+            return True
+
+    plain = aredis.Redis.from_url(redis_url)
+    streaming = aredis.Redis.from_url(redis_url, credential_provider=Streaming())
+    try:
+        assert ri.HeldConnections.of(plain, 3) is not None
+        assert ri.HeldConnections.of(streaming, 3) is None
+        assert ri.HeldConnections.of(object(), 3) is None
+    finally:
+        await plain.aclose()
+        await streaming.aclose()

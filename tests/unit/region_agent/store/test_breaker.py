@@ -60,7 +60,7 @@ class _SlowScripts:
         self.delay_s = delay_s
         self.pipelines = 0
 
-    async def run_pipeline(self, client, calls, reading=None):
+    async def run_pipeline(self, client, calls, reading=None, held=None):
         self.pipelines += 1
         conn = object()  # a connection with no answer bytes waiting (redis_internals.answer_waiting: False)
         if reading is not None:

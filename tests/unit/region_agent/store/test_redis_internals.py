@@ -4,14 +4,17 @@ release that renames one fails here and stops the agent at start, never a silent
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import importlib
+import inspect
+import textwrap
 from types import SimpleNamespace
 
 import hiredis
 import pytest
 import redis._parsers.hiredis as redis_hiredis
-from redis.asyncio.connection import Connection
+from redis.asyncio.connection import Connection, ConnectionPool
 
 from region_agent.store import redis_internals as ri
 
@@ -62,3 +65,38 @@ def test_importing_with_a_renamed_parser_fails_loudly(monkeypatch: pytest.Monkey
 def test_a_stand_in_connection_has_no_answer_waiting() -> None:
     assert ri.answer_waiting(object()) is False
     assert ri.answer_waiting(Connection()) is False  # never connected: no stream, no socket
+
+
+class _OldPool:
+    connection_kwargs: dict = {}  # no ensure_connection
+
+
+def test_the_held_connections_parts_are_named_when_missing() -> None:
+    assert ri.missing(pool_cls=_OldPool) == ["redis.asyncio.ConnectionPool.ensure_connection"]
+
+
+def _called(method: object) -> list[str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(method))))  # type: ignore[arg-type]  # a function
+    return sorted({ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)})
+
+
+def test_the_pools_checkout_and_release_do_only_what_a_held_connection_skips_or_checks() -> None:
+    """HeldConnections keeps a node's pipeline connections out of the pool between pipelines and
+    checks a held one with sendable() instead of the pool's checkout and release. That is right
+    only while these do nothing else to a connection than what sendable() checks (connect when
+    not connected, can_read, should_reconnect: an unsendable one goes back through the pool) and
+    bookkeeping (observability counts, the release event's re-authentication, refused for a
+    streaming credential provider). A redis-py release that changes them fails here: read them
+    again before raising the version bound."""
+    assert _called(ConnectionPool.get_connection) == [
+        "deprecated_args", "get_pool_name", "len", "record_connection_count", "record_connection_create_time",
+        "self.ensure_connection", "self.get_available_connection", "self.release", "time.monotonic"]
+    assert _called(ConnectionPool.ensure_connection) == [
+        "ConnectionError", "connection.can_read", "connection.connect", "connection.disconnect",
+        "self.maint_notifications_enabled"]
+    assert _called(ConnectionPool.release) == [
+        "AsyncAfterConnectionReleasedEvent", "connection.disconnect", "connection.should_reconnect", "get_pool_name",
+        "record_connection_count", "self._available_connections.append", "self._event_dispatcher.dispatch_async",
+        "self._in_use_connections.remove"]
+    assert _called(redis_hiredis._AsyncHiredisParser.can_read) == [
+        "OSError", "bool", "self._reader.has_data", "self._stream.at_eof"]

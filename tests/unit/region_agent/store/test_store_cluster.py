@@ -57,7 +57,7 @@ class Runner:
     def __init__(self, name: str, answer, sent: dict):
         self.name, self.answer, self.sent = name, answer, sent
 
-    async def run_pipeline(self, client, calls, reading):
+    async def run_pipeline(self, client, calls, reading, held=None):
         self.sent.setdefault(self.name, []).append([c[1][0] for c in calls])
         return [self.answer(self.name, c) for c in calls]
 
@@ -169,7 +169,7 @@ async def test_unknown_topology_and_the_lease_managers_calls():
     assert await s.ping() is False  # (the fake nodes do not answer PING)
 
     class Scripts:  # the lease manager's balance calls go through Scripts.call -> call_script
-        async def run_pipeline(self, client, calls, reading=None):
+        async def run_pipeline(self, client, calls, reading=None, held=None):
             return [[client.name]]
 
     for tenant in ("atlas", "birch", "dune"):

@@ -23,7 +23,7 @@ class ScriptedRunner:
         self.answers = list(answers)
         self.pipelines = 0
 
-    async def run_pipeline(self, client, calls, reading):
+    async def run_pipeline(self, client, calls, reading, held=None):
         self.pipelines += 1
         answer = self.answers.pop(0)
         if isinstance(answer, BaseException):
@@ -95,7 +95,7 @@ class SlowRunner:
         self.delay_s = delay_s
         self.pipelines = 0
 
-    async def run_pipeline(self, client, calls, reading):
+    async def run_pipeline(self, client, calls, reading, held=None):
         import asyncio
         import time
 
@@ -136,4 +136,20 @@ async def test_a_late_answer_while_this_agent_lags_still_closes_the_breaker():
     await gw.submit([CALL], wait_s=1.0)  # answered (the loop lags: the late answer is this agent's own)
     await asyncio.sleep(0)
     assert gw.breaker.state == CLOSED
+    await gw.close()
+
+
+async def test_the_breaker_callback_hears_each_change_once_not_each_pipeline():
+    """on_breaker (the breaker gauge) is told the state when it changes, not again after every
+    pipeline that leaves it as it was: the gauge reads the same, without a locked set per pipeline."""
+    ok = [[1, 0, 0, 5]]
+    runner = ScriptedRunner(ok, ok, ok, StoreUnavailable("down"), StoreUnavailable("down"))
+    gw, states = node(runner, failures=2)
+    for _ in range(3):
+        await gw.submit([CALL], wait_s=1.0)
+    assert states == [CLOSED]
+    for _ in range(2):
+        with pytest.raises(StoreUnavailable):
+            await gw.submit([CALL], wait_s=1.0)
+    assert states == [CLOSED, OPEN]  # the first failure left it closed: nothing new to tell
     await gw.close()
