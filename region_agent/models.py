@@ -7,10 +7,12 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct, field
 
-from kernel.ids import Method, RequestId, RouteGroup, TenantId
+from kernel.ids import ID_TEXT, Method, RequestId, RouteGroup, TenantId
 
-PrincipalId = Annotated[str, Meta(min_length=1, max_length=256)]
-ApiKeyId = Annotated[str, Meta(min_length=1, max_length=256)]
+# 1-256 characters of identity text (kernel.ids.ID_TEXT), at every door: a question asked with
+# " admin" is refused, never charged as a principal of its own while a backend serves admin
+PrincipalId = Annotated[str, Meta(min_length=1, max_length=256, pattern=ID_TEXT)]
+ApiKeyId = Annotated[str, Meta(min_length=1, max_length=256, pattern=ID_TEXT)]
 CostHint = Annotated[int, Meta(ge=1, le=1000)]
 
 MAX_BODY_BYTES = 16 * 1024
