@@ -27,6 +27,12 @@ ETCD_PREFIX = r"^/[A-Za-z0-9._/-]*/\Z"
 OWNER = r"^[A-Za-z0-9._@-]{1,64}\Z"  # an exempt rule's owner (written into audit events)
 KEY_ID = r"^[0-9a-f]{16}\Z"  # a policy-signing key id (kernel.signing)
 SIGNATURE = r"^ed25519:[A-Za-z0-9+/]{86}==\Z"  # a bundle signature: base64 of 64 bytes
+# the text of a principal or API key id (the identity text): no control character, and no space or
+# tab at either end. A gateway hands the id on as a header value, which carries neither as it is: a
+# backend's parser trims " admin" into another principal, admin; no gateway forwards a control
+# character. Its length is the wire type's (region_agent.models); :func:`is_id_text` checks it. The
+# shipped Envoy files' rbac repeats it without the anchors (tests/unit/deploy/test_gateway_identity_patterns.py).
+ID_TEXT = r"^[^\x00-\x20\x7f](?:[^\x00-\x1f\x7f]*[^\x00-\x20\x7f])?\Z"
 
 REQUEST_ID_RE = re.compile(REQUEST_ID)
 TENANT_RE = re.compile(TENANT_ID)
@@ -40,6 +46,7 @@ NODE_ID_RE = re.compile(NODE_ID)
 OWNER_RE = re.compile(OWNER)
 KEY_ID_RE = re.compile(KEY_ID)
 SIGNATURE_RE = re.compile(SIGNATURE)
+ID_TEXT_RE = re.compile(ID_TEXT)
 
 RequestId = Annotated[str, Meta(pattern=REQUEST_ID)]
 TenantId = Annotated[str, Meta(pattern=TENANT_ID)]
@@ -50,6 +57,16 @@ RegionName = Annotated[str, Meta(pattern=REGION)]
 LeaseId = Annotated[str, Meta(pattern=LEASE_ID)]
 NodeId = Annotated[str, Meta(pattern=NODE_ID)]
 EtcdPrefix = Annotated[str, Meta(pattern=ETCD_PREFIX)]
+
+
+def is_id_text(text: str) -> bool:
+    """Whether ``text`` is identity text (``ID_TEXT``). An ASCII string, as ids almost always are, is
+    checked without the regex, which a wire type's pattern would run on every question at several
+    times the cost: ASCII is printable exactly when it has no control character (``\\x00``-``\\x1f``,
+    ``\\x7f``), a tab included, so only a space at either end is left to look at."""
+    if text.isascii():
+        return text != "" and text.isprintable() and text[0] != " " and text[-1] != " "
+    return ID_TEXT_RE.match(text) is not None
 
 
 def human(pattern: str) -> str:

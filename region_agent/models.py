@@ -7,9 +7,9 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct, field
 
-from kernel.ids import Method, RequestId, RouteGroup, TenantId
+from kernel.ids import Method, RequestId, RouteGroup, TenantId, is_id_text
 
-PrincipalId = Annotated[str, Meta(min_length=1, max_length=256)]
+PrincipalId = Annotated[str, Meta(min_length=1, max_length=256)]  # and identity text: Principal
 ApiKeyId = Annotated[str, Meta(min_length=1, max_length=256)]
 CostHint = Annotated[int, Meta(ge=1, le=1000)]
 
@@ -22,6 +22,16 @@ class Principal(Struct, rename="camel", forbid_unknown_fields=True, frozen=True)
     type: Literal["user", "service", "anonymous"]
     id: PrincipalId
     api_key_id: ApiKeyId | None = None
+
+    def __post_init__(self) -> None:
+        """A user's or service's id and an API key id are identity text (``kernel.ids.ID_TEXT``), at
+        every door: a question asked with " admin" is refused (a ValidationError where it is decoded),
+        never charged as a principal of its own while a backend serves admin. An anonymous principal's
+        id is an address, parsed where it is used."""
+        if (self.type != "anonymous" and not is_id_text(self.id)) or (
+                self.api_key_id is not None and not is_id_text(self.api_key_id)):
+            raise ValueError("a principal or API key id must be identity text: no control character, "
+                             "no space or tab at either end")
 
 
 class AdmitRequest(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):

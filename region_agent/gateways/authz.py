@@ -30,10 +30,12 @@ the agent verified, under the question's own header names (by default ``X-Tenant
 request it forwards in place of anything the client sent (``deploy/gateways/nginx.conf``:
 ``auth_request_set``; ``traefik.yml``: ``authResponseHeaders``). Nothing else of an identity:
 never on a pre-authentication route, never without a verified token, never ``X-Service-Id`` (a
-token's principal is its user, :mod:`.bearer`), never an identity the agent was only told. A claim that
-cannot travel as a header value as it is (a control character, or white space at either end a
-backend would trim into another identity) is refused 422 before anything is spent, as a claim no
-question can carry is. The bytes are built once per identity (``Gateways.identity_answers``).
+token's principal is its user, :mod:`.bearer`), never an identity the agent was only told. Every
+value handed on was first a question's, whose wire types (:mod:`region_agent.models`) refuse a
+claim no question can carry and one that is no identity text (``kernel.ids.ID_TEXT``: a control
+character, or white space at either end a backend would trim into another identity): 422 before
+anything is spent, as at every door. The bytes are built once per identity
+(``Gateways.identity_answers``).
 
 Every allowed request's 200 also carries the decision id it was decided under, under the
 question's request id header name (``X-Request-Id``): the one the gateway sent in that header
@@ -46,7 +48,6 @@ the client's to the agent. Nothing on a refusal (401, 422, a denial).
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -79,9 +80,6 @@ UNAUTHENTICATED = (401, {"content-type": "application/problem+json", "www-authen
                    b'{"type":"about:blank","title":"Unauthorized","status":401}', ())
 IDENTITY_ANSWERS_MAX = 10_000  # verified identities whose answer headers are remembered (a memo)
 RawHeaders = tuple[tuple[bytes, bytes], ...]
-# what a header value cannot carry as it is: a control character (no gateway forwards it), or white
-# space at either end (a backend trims it: " admin" would be read as another principal, "admin")
-_NOT_A_HEADER_VALUE = re.compile(r"[\x00-\x1f\x7f]|^[ \t]|[ \t]\Z")
 
 
 def decision_id_name(names: Any) -> bytes:
@@ -98,18 +96,11 @@ def identity_memo() -> BoundedMemo[Identity, RawHeaders]:
 def identity_headers(names: Any, who: Identity) -> RawHeaders:
     """The answer headers handing the backend the verified ``who``: the question's header names
     (``--authz-headers``) for tenant, user and, when the token names one, API key; values in UTF-8
-    (the text :func:`_headers` reads). A value that cannot be a header value as it is raises
-    :class:`BadQuestion` (the gateway would drop it or the backend read another identity)."""
+    (the text :func:`_headers` reads). ``who`` was a question already: its values are identity
+    text, which a header carries as it is (``kernel.ids.ID_TEXT``)."""
     h = names.headers
     fields = (("tenant", who.tenant), ("user", who.user), ("api_key", who.api_key))
-    out = []
-    for field, value in fields:
-        if value is None:
-            continue
-        if _NOT_A_HEADER_VALUE.search(value):
-            raise BadQuestion("bad_value", f"the token's {field} cannot be handed on as a header value")
-        out.append((h[field].encode("latin-1"), value.encode("utf-8")))
-    return tuple(out)
+    return tuple((h[field].encode("latin-1"), value.encode("utf-8")) for field, value in fields if value is not None)
 
 
 def _headers(scope: dict, wanted: frozenset[str]) -> dict[str, str]:
@@ -172,20 +163,23 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
             raise BadRequest(f"{names.headers['deny_status']} must be 401, 403 or 429")
         forwarded = path[len(PATH):] or None
         unauthenticated = False
-        identity: RawHeaders = ()
+        verified: Identity | None = None
         if gw.bearer is not None:  # identity only from the client's verified token (.bearer)
             if authz_route(names, hdrs, forwarded) in gw.anonymous_routes:
                 hdrs = without_identity(names, hdrs)  # pre-authentication route: the address alone
             else:
-                who = gw.bearer.identity(hdrs.get("authorization"))
-                if who is None:
+                verified = gw.bearer.identity(hdrs.get("authorization"))
+                if verified is None:
                     unauthenticated = True  # counted against the caller's address, never a tenant
                     hdrs = failed_authentication(names, hdrs)
                 else:
-                    hdrs = with_identity(names, hdrs, who.tenant, who.user, who.api_key)
-                    identity = gw.identity_answers.get(who) or gw.identity_answers.put(
-                        who, identity_headers(names, who))
+                    hdrs = with_identity(names, hdrs, verified.tenant, verified.user, verified.api_key)
+        # the one check of the identity's text, for the question and for what is handed on (a 422)
         q = authz_question(names, hdrs, method=scope["method"], forwarded_path=forwarded)
+        identity: RawHeaders = ()
+        if verified is not None:
+            identity = gw.identity_answers.get(verified) or gw.identity_answers.put(
+                verified, identity_headers(names, verified))
         (decision,) = await gw.decide([q], door="authz", carrier=scope.get("headers", ()))
         if unauthenticated and decision.allowed:
             return UNAUTHENTICATED

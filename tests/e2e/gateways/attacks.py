@@ -258,6 +258,41 @@ def unkeyable_claims_are_refused(stack: Stack, url: str) -> None:
     assert keys(stack, "rl:v3:{t:unkeyable}*") == []
 
 
+# claims of a valid token that are no header value as they are (region_agent/models.py's identity
+# text): white space at either end, which the backend's parser trims into another principal
+# (" admin" served as admin), and control characters, which no gateway forwards as they are
+TEXTLESS_CLAIMS = {
+    "space before the user": (" admin", None),
+    "space after the user": ("admin ", None),
+    "tab before the user": ("\tadmin", None),
+    "tab inside the user": ("ad\tmin", None),
+    "control character in the user": ("admin\x01", None),
+    "DEL in the user": ("ad\x7fmin", None),
+    "line break in the user": ("U-1\r\nx-tenant-id: birch", None),
+    "space before the API key": ("U-75", " K1"),
+    "control character in the API key": ("U-75", "K\x00"),
+}
+
+
+def claims_that_are_no_header_value_are_refused(stack: Stack, url: str, tenant: str, source: str,
+                                                *, status: int) -> None:
+    """A valid token whose user or API key claim is no header value as it is. Behind the Envoy
+    files it was accepted: ``envoy-rls.yaml`` charged a bucket of " admin"'s own while the backend
+    read ``admin`` (served as that principal), ``envoy-ext-authz.yaml`` charged ``admin`` itself.
+    Every shipped file refuses it now -- ``status``: 403 at Envoy's ``rbac``, as a claim no question
+    can carry; the agent's 422 behind nginx and Traefik -- on every route, before anything is
+    spent: no key of the tenant, nothing of the caller's address, and the backend never reached."""
+    answers = {}
+    for name, (user, key) in TEXTLESS_CLAIMS.items():
+        auth = {"authorization": "Bearer " + ISSUER.token(user, tenant, key)}
+        for method, path in (("GET", "/catalog"), ("POST", "/reports/export")):
+            got, upstream = send_raw(url, path, auth, method=method, source=source)
+            answers[name, path] = got, upstream and upstream["headers"].get("x-user-id")
+    assert answers == dict.fromkeys(answers, (status, None)), answers
+    assert keys(stack, f"rl:v3:{{t:{tenant}}}*") == []
+    assert ip_keys_of(stack, source) == []
+
+
 UPGRADES = {
     "websocket": {"connection": "upgrade", "upgrade": "websocket", "sec-websocket-version": "13",
                   "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ=="},
@@ -343,7 +378,8 @@ def alias_headers_name_nobody(url: str, tenant: str, *, method: str = "GET", pat
 
 
 __all__ = ["AMBIGUOUS_PATHS", "CONTROL", "FORGED_IDENTITY", "FORGED_IP", "HANDED_ON", "LOGIN_LOOKALIKES", "UPGRADES", "a_query_token_is_no_token",
-           "UNKEYABLE_CLAIMS", "alias_headers_name_nobody", "an_upgrade_opens_no_tunnel",
+           "TEXTLESS_CLAIMS", "UNKEYABLE_CLAIMS", "alias_headers_name_nobody",
+           "claims_that_are_no_header_value_are_refused", "an_upgrade_opens_no_tunnel",
            "ambiguous_paths_never_reach_the_backend", "decision_record", "forged_forwarding_headers_count_the_connection", "hostile",
            "ip_keys_of", "keys", "no_token_claims_nothing", "p_read_with_hostile_headers",
            "replayed_request_id_is_not_the_clients", "route_group_is_the_routes", "send_raw",

@@ -136,6 +136,12 @@ def test_unkeyable_claims_are_refused(stack: Stack, envoy: Envoy):
     attacks.unkeyable_claims_are_refused(stack, envoy.url)
 
 
+def test_claims_that_are_no_header_value_are_refused(stack: Stack, envoy: Envoy):
+    attacks.claims_that_are_no_header_value_are_refused(
+        stack, envoy.url, "tx" + envoy.name[-4:].replace("-", ""),
+        "127.0.8.1" if envoy.name == "envoy-rls" else "127.0.8.2", status=403)
+
+
 def test_the_backend_gets_the_verified_identity_only(stack: Stack, envoy: Envoy):
     attacks.the_backend_gets_the_verified_identity_only(envoy.url, "id" + envoy.name[-4:].replace("-", ""),
                                                         "127.0.7.1" if envoy.name == "envoy-rls" else "127.0.7.2")

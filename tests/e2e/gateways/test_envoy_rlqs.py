@@ -199,6 +199,10 @@ def test_unkeyable_claims_are_refused(stack: Stack, envoys: tuple[Envoy, Envoy])
     attacks.unkeyable_claims_are_refused(stack, envoys[0].url)
 
 
+def test_claims_that_are_no_header_value_are_refused(stack: Stack, envoys: tuple[Envoy, Envoy]):
+    attacks.claims_that_are_no_header_value_are_refused(stack, envoys[0].url, "txrlqs", "127.0.8.5", status=403)
+
+
 def test_a_query_token_is_no_token(stack: Stack, envoys: tuple[Envoy, Envoy]):
     """On the export route (decided per request by RLS in this file): the header's identity is charged."""
     attacks.a_query_token_is_no_token(stack, envoys[0].url, "qtrlqs", method="POST", path="/reports/export")

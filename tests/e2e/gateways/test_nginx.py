@@ -101,6 +101,10 @@ def test_unkeyable_claims_are_refused(stack: Stack, nginx: Nginx):
     attacks.unkeyable_claims_are_refused(stack, nginx.url)
 
 
+def test_claims_that_are_no_header_value_are_refused(stack: Stack, nginx: Nginx):
+    attacks.claims_that_are_no_header_value_are_refused(stack, nginx.url, "txnginx", "127.0.8.3", status=422)
+
+
 def test_ambiguous_paths_never_reach_the_backend(stack: Stack, nginx: Nginx):
     attacks.ambiguous_paths_never_reach_the_backend(nginx.url, "127.0.6.3", "ambnginx")
 

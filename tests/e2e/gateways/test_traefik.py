@@ -96,6 +96,10 @@ def test_unkeyable_claims_are_refused(stack: Stack, traefik: Traefik):
     attacks.unkeyable_claims_are_refused(stack, traefik.url)
 
 
+def test_claims_that_are_no_header_value_are_refused(stack: Stack, traefik: Traefik):
+    attacks.claims_that_are_no_header_value_are_refused(stack, traefik.url, "txtraefik", "127.0.8.4", status=422)
+
+
 def test_ambiguous_paths_never_reach_the_backend(stack: Stack, traefik: Traefik):
     attacks.ambiguous_paths_never_reach_the_backend(traefik.url, "127.0.6.4", "ambtraefik")
 

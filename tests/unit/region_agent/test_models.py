@@ -1,13 +1,14 @@
-"""region_agent.models: the decision record's enums keep their wire values."""
+"""region_agent.models: the decision record's enums keep their wire values; a principal's ids are identity text."""
 
 from __future__ import annotations
 
 from typing import get_args
 
 import msgspec
+import pytest
 
 from kernel.algorithms.rule import Scope
-from region_agent.models import Decision, DeniedScope, Reason
+from region_agent.models import Decision, DeniedScope, Principal, Reason
 
 
 def test_denied_scope_wire_values_are_the_rule_scopes_plus_concurrency():
@@ -22,3 +23,19 @@ def test_decision_encodes_enums_as_their_strings():
     body = msgspec.json.decode(msgspec.json.encode(d))
     assert (body["deniedScope"], body["reason"]) == ("concurrency", "CONCURRENCY_EXCEEDED")
     assert msgspec.json.decode(msgspec.json.encode(Decision(True, "r-2", None, 3)))["deniedScope"] is None
+
+
+@pytest.mark.parametrize("text", [" admin", "admin ", "\tadmin", "admin\t", "ad\tmin", "U\x00", "U\x1f", "U\x7f",
+                                  "U-1\r\nx-tenant-id: birch", " ", ""])
+def test_a_principal_or_key_id_that_is_no_identity_text_is_refused_at_every_door(text):
+    """One rule for every door's question (JSON, RLS descriptors, RLQS buckets, forward-auth headers):
+    a principal or API key id is identity text, which a header carries as it is."""
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"type": "user", "id": text}, Principal)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"type": "user", "id": "U-1", "apiKeyId": text}, Principal)
+
+
+@pytest.mark.parametrize("text", ["admin", "a b", "U-82-Zoë", "x", "\u00a0a", "K" * 256])
+def test_identity_text_keeps_inner_spaces_and_any_printable_character(text):
+    assert msgspec.convert({"type": "user", "id": text, "apiKeyId": text}, Principal).id == text

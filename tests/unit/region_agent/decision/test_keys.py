@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kernel.bundle import Bundle, make_rule
 from kernel.errors import ValidationFailed
+from kernel.ids import is_id_text
 from region_agent.decision.keys import KeyBuilder, hash_tag, ip_prefix, parse_ip
 from region_agent.decision.plan import Snapshot, build_plan, check_tenant
 from region_agent.models import AdmitRequest, Principal
@@ -144,7 +145,7 @@ SNAP = Snapshot(Bundle(bundle_version=1, published_at="2026-01-01T00:00:00Z", ch
 
 
 @settings(max_examples=200, deadline=None)
-@given(tenant=st.text(max_size=40), user=st.text(min_size=1, max_size=256))
+@given(tenant=st.text(max_size=40), user=st.text(min_size=1, max_size=256).filter(is_id_text))  # a Principal's
 def test_any_key_that_is_produced_is_well_formed(tenant, user):
     req = AdmitRequest(request_id="r-9f3a61c2e07b4d18", principal=Principal(type="user", id=user),
                        route_group="read", tenant_id=tenant)

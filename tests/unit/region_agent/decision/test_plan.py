@@ -9,12 +9,14 @@ import pytest
 
 from kernel.bundle import Bundle, Pool, load_bundle_file, make_rule, seal
 from kernel.errors import ValidationFailed
+from kernel.ids import is_id_text
 from region_agent.decision.keys import KeyBuilder, hash_tag
 from region_agent.decision.plan import Snapshot, build_plan, cc_keys_for_release
 from region_agent.models import AdmitRequest, Principal
 
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[4] / "policies" / "northstar.json"))
 KB = KeyBuilder(b"unit-pepper")
+
 
 
 def req(rid="r-9f3a61c2e07b4d18", tenant="atlas", ptype="user", pid="U-17", route="read", cost=1, key="K1"):
@@ -143,6 +145,8 @@ def test_bundle_type_is_the_contract_one():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+ID_TEXTS = st.text(min_size=1, max_size=64).filter(is_id_text)  # what a Principal's ids may be
+
 TENANTS = st.one_of(st.sampled_from(["atlas", "birch", "cedar"]), st.from_regex(r"[a-z0-9-]{1,32}", fullmatch=True))
 ROUTES = st.one_of(st.sampled_from(["read", "export", "login", "search"]),
                    st.from_regex(r"[a-z0-9_-]{1,32}", fullmatch=True))
@@ -151,7 +155,7 @@ IPS = st.one_of(st.ip_addresses(v=4).map(str), st.ip_addresses(v=6).map(str))
 
 @settings(max_examples=150, deadline=None)
 @given(tenant=TENANTS, route=ROUTES, ptype=st.sampled_from(["user", "service", "anonymous"]),
-       pid=st.text(min_size=1, max_size=64), ip=IPS, key=st.one_of(st.none(), st.text(min_size=1, max_size=64)),
+       pid=ID_TEXTS, ip=IPS, key=st.one_of(st.none(), ID_TEXTS),
        cost=st.integers(1, 1000))
 def test_every_plan_stays_in_one_slot_and_within_bounds(tenant, route, ptype, pid, ip, key, cost):
     r = AdmitRequest(request_id="prop-0000001", tenant_id=None if ptype == "anonymous" else tenant,
@@ -179,7 +183,7 @@ GLOBAL = load_bundle_file(str(Path(__file__).resolve().parents[4] / "policies" /
 
 @settings(max_examples=200, deadline=None)
 @given(tenant=TENANTS, route=ROUTES, ptype=st.sampled_from(["user", "service"]),
-       pid=st.text(min_size=1, max_size=64), key=st.one_of(st.none(), st.text(min_size=1, max_size=64)),
+       pid=ID_TEXTS, key=st.one_of(st.none(), ID_TEXTS),
        bundle=st.sampled_from([NORTHSTAR, GLOBAL]))
 def test_key_templates_complete_to_the_keys_rule_key_derives(tenant, route, ptype, pid, key, bundle):
     """Differential: a template completed per request (KeyBuilder.key_from) is the key KeyBuilder.rule_key
@@ -207,7 +211,7 @@ def test_key_templates_complete_to_the_keys_rule_key_derives(tenant, route, ptyp
 
 @settings(max_examples=150, deadline=None)
 @given(tenant=TENANTS, route=ROUTES, ptype=st.sampled_from(["user", "service", "anonymous"]),
-       pid=st.text(min_size=1, max_size=64), ip=IPS, key=st.one_of(st.none(), st.text(min_size=1, max_size=64)),
+       pid=ID_TEXTS, ip=IPS, key=st.one_of(st.none(), ID_TEXTS),
        cost=st.integers(1, 1000), bundle=st.sampled_from([NORTHSTAR, GLOBAL]))
 def test_prechecked_call_is_the_checked_call(tenant, route, ptype, pid, ip, key, cost, bundle):
     """The tenant call built from the shape's once-checked ARGV equals multi_rule_call's, and a

@@ -98,6 +98,11 @@ def test_one_descriptor_one_question():
     ([d(("remote_address", "1.2.3.4"), ("tenant", "atlas"), ("route_group", "login"))], "missing_principal"),
     ([d(("tenant", "atlas"), ("user", "U-1"), ("route_group", "Read"))], "bad_value"),
     ([d(("tenant", "atlas"), ("user", "U-1"), ("route_group", "read"), ("method", "get"))], "bad_value"),
+    # no identity text (kernel.ids.ID_TEXT): a gateway that did not check the claim it copied
+    ([d(("tenant", "atlas"), ("user", " admin"), ("route_group", "read"))], "bad_value"),
+    ([d(("tenant", "atlas"), ("user", "admin\t"), ("route_group", "read"))], "bad_value"),
+    ([d(("tenant", "atlas"), ("service", "svc\x00"), ("route_group", "read"))], "bad_value"),
+    ([d(("tenant", "atlas"), ("user", "U-1"), ("api_key", "K1 "), ("route_group", "read"))], "bad_value"),
 ])
 def test_malformed_descriptors(descs, reason):
     with pytest.raises(BadQuestion) as e:
