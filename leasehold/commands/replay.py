@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import re
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from kernel.algorithms import Role
 from kernel.algorithms.multi_rule import RuleSpec, decide
 from kernel.bundle import Bundle
 from kernel.errors import LeaseholdError
+from kernel.ids import is_id_text
 from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.plan import Snapshot, build_plan
 from region_agent.models import AdmitRequest, Principal
@@ -105,12 +107,23 @@ def read_log(paths: Iterable[str | Path]) -> tuple[list[Line], int]:
             except (msgspec.ValidationError, msgspec.DecodeError):
                 bad += 1
                 continue
-            if not 0 < line.rate <= 1:
+            if not 0 < line.rate <= 1 or not _keyable(line):
                 bad += 1
                 continue
             out.append(line)
     out.sort(key=lambda x: (x.ts, x.id))
     return out, bad
+
+
+_HEX = re.compile(r"[0-9a-f]{1,64}")  # an anonymous caller's logged address hash
+
+
+def _keyable(line: Line) -> bool:
+    """The line's caller is one a door would take: an address hash for an anonymous caller, else
+    identity text (kernel.ids) for the principal and any API key id; a hand-edited line may not be."""
+    if line.type == "anonymous":
+        return _HEX.fullmatch(line.principal) is not None
+    return is_id_text(line.principal) and (line.apiKey is None or is_id_text(line.apiKey))
 
 
 def _caller(line: Line) -> tuple:
