@@ -14,9 +14,11 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -254,3 +256,18 @@ def hammer(envoy: Envoy, user: str, *, seconds: float, every_s: float = 0.1) -> 
             codes.append(c.get("/catalog", headers=identity(user)).status_code)
             time.sleep(every_s)
     return codes
+
+
+@contextmanager
+def in_front_of(backend: Any, start: Callable[..., Any], name: str, *args: Any, **values: Any) -> Iterator[Any]:
+    """A gateway started by ``start`` (a :class:`Stack` method: ``stack.nginx``, ``stack.traefik``,
+    ``stack.envoy``) in front of ``backend`` (one of tests/support's backends: ``.port``, ``.stop()``)
+    instead of the demo upstream; the gateway, then the backend, stopped after."""
+    try:
+        gateway = start(name, *args, UPSTREAM_PORT=backend.port, **values)
+        try:
+            yield gateway
+        finally:
+            gateway.stop()
+    finally:
+        backend.stop()

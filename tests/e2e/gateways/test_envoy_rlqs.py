@@ -36,6 +36,7 @@ from .conftest import (
     access_log,
     hammer,
     identity,
+    in_front_of,
     rlqs_envoy,
     rlqs_envoy_pair,
     the_backend_ends_its_export,
@@ -210,16 +211,9 @@ def test_a_query_token_is_no_token(stack: Stack, envoys: tuple[Envoy, Envoy]):
 
 def test_alias_headers_name_nobody_at_a_cgi_backend(stack: Stack):
     """On the export route (per request, so the first request passes): what the backend reads."""
-    backend = CgiBackend()
-    try:
-        e = stack.envoy("envoy-rlqs-cgi", "envoy-rlqs.yaml", UPSTREAM_PORT=backend.port,
-                        ENVOY_ACCESS_LOG=stack.workdir / "envoy-rlqs-cgi.log")
-        try:
-            attacks.alias_headers_name_nobody(e.url, "aliasrlqs", method="POST", path="/reports/export")
-        finally:
-            e.stop()
-    finally:
-        backend.stop()
+    with in_front_of(CgiBackend(), stack.envoy, "envoy-rlqs-cgi", "envoy-rlqs.yaml",
+                     ENVOY_ACCESS_LOG=stack.workdir / "envoy-rlqs-cgi.log") as e:
+        attacks.alias_headers_name_nobody(e.url, "aliasrlqs", method="POST", path="/reports/export")
 
 
 def test_the_backend_gets_the_verified_identity_only(stack: Stack, envoys: tuple[Envoy, Envoy]):

@@ -14,7 +14,7 @@ from tests.support.cgi_backend import CgiBackend
 from tests.support.upgrade_backend import UpgradeBackend
 
 from . import attacks
-from .conftest import Stack, assert_p_read, identity, the_backend_ends_its_export
+from .conftest import Stack, assert_p_read, identity, in_front_of, the_backend_ends_its_export
 
 pytestmark = pytest.mark.e2e
 
@@ -114,24 +114,15 @@ def test_the_backend_gets_the_verified_identity_only(stack: Stack, nginx: Nginx)
 
 
 def test_alias_headers_name_nobody_at_a_cgi_backend(stack: Stack):
-    backend = CgiBackend()
-    g = stack.nginx("nginx-cgi", UPSTREAM_PORT=backend.port)
-    try:
+    with in_front_of(CgiBackend(), stack.nginx, "nginx-cgi") as g:
         attacks.alias_headers_name_nobody(g.url, "aliasnginx")
-    finally:
-        g.stop()
-        backend.stop()
 
 
 @pytest.mark.parametrize("kind", sorted(attacks.UPGRADES))
 def test_an_upgrade_opens_no_tunnel(stack: Stack, kind: str):
     backend = UpgradeBackend()
-    g = stack.nginx("nginx-upgrade-" + kind, UPSTREAM_PORT=backend.port)
-    try:
+    with in_front_of(backend, stack.nginx, "nginx-upgrade-" + kind) as g:
         attacks.an_upgrade_opens_no_tunnel(g.url, backend, "upgnginx" + kind, kind)
-    finally:
-        g.stop()
-        backend.stop()
 
 
 def test_the_backend_ends_its_export(stack: Stack, nginx: Nginx):

@@ -15,7 +15,7 @@ from tests.support.cgi_backend import CgiBackend
 from tests.support.upgrade_backend import UpgradeBackend
 
 from . import attacks
-from .conftest import Stack, identity, the_backend_ends_its_export
+from .conftest import Stack, identity, in_front_of, the_backend_ends_its_export
 
 pytestmark = pytest.mark.e2e
 
@@ -110,24 +110,15 @@ def test_the_backend_gets_the_verified_identity_only(stack: Stack, traefik: Trae
 
 def test_alias_headers_name_nobody_at_a_cgi_backend(stack: Stack):
     """Traefik forwards header names with an underscore: traefik.yml removes each spelling."""
-    backend = CgiBackend()
-    g = stack.traefik("traefik-cgi", UPSTREAM_PORT=backend.port)
-    try:
+    with in_front_of(CgiBackend(), stack.traefik, "traefik-cgi") as g:
         attacks.alias_headers_name_nobody(g.url, "aliastraefik")
-    finally:
-        g.stop()
-        backend.stop()
 
 
 @pytest.mark.parametrize("kind", sorted(attacks.UPGRADES))
 def test_an_upgrade_opens_no_tunnel(stack: Stack, kind: str):
     backend = UpgradeBackend()
-    g = stack.traefik("traefik-upgrade-" + kind, UPSTREAM_PORT=backend.port)
-    try:
+    with in_front_of(backend, stack.traefik, "traefik-upgrade-" + kind) as g:
         attacks.an_upgrade_opens_no_tunnel(g.url, backend, "upgtraefik" + kind, kind)
-    finally:
-        g.stop()
-        backend.stop()
 
 
 def test_the_backend_ends_its_export(stack: Stack, traefik: Traefik):
