@@ -369,9 +369,10 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
                fast_path: bool = True, install_signal_handlers: bool = False) -> Litestar:
     """Build the app. The etcd client, election and writer start in the app's lifespan.
     ``fast_path``: serve the batch routes' common case without Litestar (``allocator.fastpath``)."""
-    bundle = bundle if bundle is not None else load_bundle_file(settings.policy)
     trusted = TrustedKeys.from_files(settings.policy_public_keys)
-    trusted.check(bundle)  # the start bundle too (raises SignatureRefused, a PolicyError)
+    # the start bundle too (raises SignatureRefused, a PolicyError), verified before it is validated
+    bundle = bundle if bundle is not None else load_bundle_file(settings.policy, verify=trusted.check)
+    trusted.check(bundle)
     if auth_guard is None and not settings.auth_disabled:
         auth_guard = RegionAuth(TokenTable.parse(settings.region_tokens, settings.region_tokens_file))
     m = AllocatorMetrics()
@@ -399,7 +400,8 @@ def create_app(settings: AllocatorSettings, *, bundle: Bundle | None = None,
             compactor.start()
         follower = AllocatorPolicy(bundle, writer.use_pools, m, trusted)
         app.state.policy = follower
-        watcher = follower.watcher(PolicyStore(store, settings.prefix), settings.policy_reread_ms / 1000)
+        watcher = follower.watcher(PolicyStore(store, settings.prefix, trusted=trusted),
+                                   settings.policy_reread_ms / 1000)
         if settings.policy_from_etcd:
             watcher.start()
         undo_termination = None

@@ -17,10 +17,18 @@ bundle that is unsigned or does not verify with one of these keys (:meth:`Policy
 which ``stage``, ``promote`` and ``rollback`` call themselves), so a mistake is caught at publish
 time rather than by every agent refusing it. The services never read it: their trust comes only from ``--policy-public-keys``,
 because write access to etcd must not be enough to change which keys are trusted.
+
+**Verified before validated.** A store made with a service's trusted keys (``trusted``) verifies the
+signature of each value it reads as soon as it is decoded into the schema, before the repeated-key
+parse, the checksum and the validation (:func:`kernel.bundle.decode_bundle`'s ``verify``): whoever can
+write the key but holds no trusted signing key costs a reader a decode and one Ed25519 verification
+per value, and the value is refused with the signature's outcome (``Stored.outcome``,
+docs/decisions/0079). Without keys every value is validated in full, as before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +37,7 @@ import msgspec
 from kernel.bundle import Bundle, decode_bundle, seal
 from kernel.errors import Conflict, NotFound, PolicyError, StaleVersion
 from kernel.etcd_store import KV, EtcdStore, EtcdTxnTooLarge, TxnBuilder, Watch
+from kernel.signing import SignatureRefused, TrustedKeys
 
 POLICY_KEY_SUFFIX = "policy/current"
 SIGNING_KEY_SUFFIX = "policy/signing"
@@ -56,13 +65,16 @@ class BundleTooLarge(PolicyError):
 
 @dataclass(frozen=True, slots=True)
 class Stored:
-    """What etcd holds under the policy key: the raw value, its revision and, if it decodes
-    and validates, the bundle (``bundle`` is None and ``problem`` says why otherwise)."""
+    """What etcd holds under the policy key: the raw value, its revision and, if it decodes, verifies
+    (a store with trusted keys) and validates, the bundle (``bundle`` is None and ``problem`` says why
+    otherwise; ``outcome`` then names the refusal as the services count it: ``invalid``, or the
+    signature's ``unsigned``, ``untrusted_key``, ``bad_signature``, checked first)."""
 
     raw: bytes
     mod_revision: int
     bundle: Bundle | None
     problem: str = ""
+    outcome: str = "invalid"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,21 +85,39 @@ class PublishResult:
     replaced: str = ""  # why the value it replaced was not a valid bundle
 
 
-def parse_stored(kv: KV) -> Stored:
+def parse_stored(kv: KV, trusted: TrustedKeys | None = None) -> Stored:
+    """``kv`` read; with ``trusted`` keys its signature is verified before it is validated."""
     try:
-        return Stored(kv.value, kv.mod_revision, decode_bundle(kv.value))
+        return Stored(kv.value, kv.mod_revision, decode_bundle(kv.value, verify=_verifier(trusted)))
+    except SignatureRefused as e:
+        return Stored(kv.value, kv.mod_revision, None, e.detail, e.outcome)
     except PolicyError as e:
         return Stored(kv.value, kv.mod_revision, None, e.detail)
 
 
-class PolicyStore:
-    """Read and publish the bundle under ``<prefix>policy/current``."""
+def _verifier(trusted: TrustedKeys | None) -> Callable[[Bundle], None] | None:
+    return trusted.check if trusted is not None and trusted.required else None
 
-    def __init__(self, store: EtcdStore, prefix: str = "/leasehold/"):
+
+class PolicyStore:
+    """Read and publish the bundle under ``<prefix>policy/current``. ``trusted``: the keys of the
+    service that reads (``--policy-public-keys``); what it reads is verified before it is validated."""
+
+    def __init__(self, store: EtcdStore, prefix: str = "/leasehold/", *, trusted: TrustedKeys | None = None):
         self.store = store
+        self.trusted = trusted
         self.key = policy_key(prefix)
         self.signing_key = signing_key(prefix)
         self.canary_key = canary_key(prefix)
+        # what the value last read under each key parsed to: a re-read of the same value (a watcher's
+        # periodic re-read, a refresh a request asks for) is not decoded, verified and validated again
+        self._parsed: dict[bytes, Any] = {}
+
+    def _parse(self, kv: KV, parse: Callable[[KV, TrustedKeys | None], Any]) -> Any:
+        hit = self._parsed.get(kv.key)
+        if hit is None or hit.mod_revision != kv.mod_revision or hit.raw != kv.value:
+            hit = self._parsed[kv.key] = parse(kv, self.trusted)
+        return hit
 
     async def read_signing(self) -> SigningMarker | None:
         """The signing marker, None when the fleet does not declare that it requires signatures.
@@ -106,7 +136,7 @@ class PolicyStore:
         the fleet requires) when the signing marker exists and none of its keys verifies it: what every
         writer of the policy or canary key checks first, so that a bundle the services would refuse is
         refused here. Returns the marker (None: signatures are not required by the store)."""
-        from kernel.signing import SignatureRefused, TrustedKeys, public_key_from_text
+        from kernel.signing import public_key_from_text
 
         marker = await self.read_signing()
         if marker is not None:
@@ -130,7 +160,7 @@ class PolicyStore:
     async def read(self) -> Stored | None:
         """The stored bundle (None if nothing was ever published). Raises StoreUnavailable."""
         kv = await self.store.get(self.key)
-        return None if kv is None else parse_stored(kv)
+        return None if kv is None else self._parse(kv, parse_stored)
 
     async def _commit(self, txn: TxnBuilder, body: bytes) -> Any:
         """Commit a transaction that writes ``body``; etcd refusing it for its bytes is the bundle's
@@ -182,7 +212,8 @@ class PolicyStore:
         """The published bundle and the staged canary, read in one transaction (one revision)."""
         got = await self.store.get_many([self.key, self.canary_key])
         cur, can = got.get(self.key), got.get(self.canary_key)
-        return (None if cur is None else parse_stored(cur)), (None if can is None else parse_canary(can))
+        return ((None if cur is None else self._parse(cur, parse_stored)),
+                (None if can is None else self._parse(can, parse_canary)))
 
 
     async def stage(self, raw: bytes, slice_: Slice) -> PublishResult:
@@ -325,8 +356,9 @@ class CanaryDoc(msgspec.Struct, forbid_unknown_fields=True):
 
 @dataclass(frozen=True, slots=True)
 class StoredCanary:
-    """The value under the canary key: its revision, slice and, if it decodes and validates, the
-    candidate (``bundle`` None and ``problem`` say why otherwise)."""
+    """The value under the canary key: its revision, slice and, if it decodes, verifies (a store with
+    trusted keys) and validates, the candidate (``bundle`` None and ``problem`` say why otherwise,
+    ``outcome`` names the refusal as :class:`Stored`'s does)."""
 
     raw: bytes
     mod_revision: int
@@ -334,16 +366,21 @@ class StoredCanary:
     base: int | None
     bundle: Bundle | None
     problem: str = ""
+    outcome: str = "invalid"
 
 
-def parse_canary(kv: KV) -> StoredCanary:
+def parse_canary(kv: KV, trusted: TrustedKeys | None = None) -> StoredCanary:
+    """``kv`` read; with ``trusted`` keys the candidate's signature is verified before it is validated."""
     try:
         doc = msgspec.json.decode(kv.value, type=CanaryDoc)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
         why = e if not isinstance(e, RecursionError) else "nested too deeply"
         return StoredCanary(kv.value, kv.mod_revision, None, None, None, f"the canary value is malformed: {why}")
     try:
-        return StoredCanary(kv.value, kv.mod_revision, doc.slice, doc.base, decode_bundle(bytes(doc.bundle)))
+        return StoredCanary(kv.value, kv.mod_revision, doc.slice, doc.base,
+                            decode_bundle(bytes(doc.bundle), verify=_verifier(trusted)))
+    except SignatureRefused as e:
+        return StoredCanary(kv.value, kv.mod_revision, doc.slice, doc.base, None, e.detail, e.outcome)
     except PolicyError as e:
         return StoredCanary(kv.value, kv.mod_revision, doc.slice, doc.base, None, e.detail)
 

@@ -12,6 +12,7 @@ written). This module is the only one that imports ``yaml`` for policies.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -340,15 +341,20 @@ def compile_file(path: str | Path) -> Bundle:
     return compile_text(read_text(path), str(path))
 
 
-def load_policy(path: str | Path) -> Bundle:
-    """A bundle from a source (``.yaml``/``.yml``: compiled) or a bundle file (JSON: decoded and validated)."""
+def load_policy(path: str | Path, *, verify: Callable[[Bundle], None] | None = None) -> Bundle:
+    """A bundle from a source (``.yaml``/``.yml``: compiled, then given to ``verify``) or a bundle file
+    (JSON: decoded, given to ``verify`` before anything else is checked, and validated:
+    :func:`kernel.bundle.decode_bundle`)."""
     if is_source(path):
-        return compile_file(path)
+        bundle = compile_file(path)
+        if verify is not None:
+            verify(bundle)  # a source carries no signature
+        return bundle
     try:
         raw = Path(path).read_bytes()
     except OSError as e:
         raise PolicyError(f"cannot read policy bundle {str(path)!r}: {e.strerror}") from None
-    return decode_bundle(raw)
+    return decode_bundle(raw, verify=verify)
 
 
 # ------------------------------------------------------------------------------ writing

@@ -25,6 +25,14 @@ accepted (signatures not required); with keys configured a bundle is refused as
 * ``untrusted_key`` - its keyId is not one of the trusted keys,
 * ``bad_signature`` - the signature does not verify (tampered after signing, or a forged keyId).
 
+**Verified first.** :meth:`TrustedKeys.check` reads only what decoding into the schema gives
+(``kernel.bundle.decode_schema``): the ``keyId``, the ``signature`` and the fields
+:func:`signed_message` encodes. None of the validation's checks (the checksum, the rules' and
+pools' problems, every request's rule set) is needed to verify, so the services verify before they
+validate (``kernel.bundle.decode_bundle``'s ``verify``): a bundle no trusted key signed costs a
+decode and one verification, and is refused with its signature outcome even when it is also
+invalid (docs/decisions/0079).
+
 Key rotation is two trusted keys at once (docs/policy.md, "Signed policy bundles").
 """
 

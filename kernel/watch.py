@@ -2,7 +2,9 @@
 as the safety net (a lost watch, a compaction, a reconnect) and as the freshness signal.
 
 The watcher never decides what to do with a bundle: it hands each newly seen, valid bundle to
-``offer`` (which accepts only strictly higher versions) and each corrupt one to ``refuse``.
+``offer`` (which accepts only strictly higher versions) and each refused one to ``refuse``, with
+the store's reason and outcome (``invalid``; with trusted keys, a signature outcome, which the
+store checks before the validation: ``kernel.policy_store.Stored``).
 ``last_ok`` is the monotonic time of the last successful etcd read; :meth:`age_ms` is what
 the bundle's ``maxAgeMs`` is compared with (I13). Before the first successful read the age
 counts from the watcher's creation (process start), so an agent that never reaches etcd
@@ -39,7 +41,7 @@ def _read_line(state: object, changes: int) -> tuple[int, str]:
 
 
 class PolicyWatcher:
-    def __init__(self, store: PolicyStore, *, offer: Callable[[Bundle], Any], refuse: Callable[[str], Any],
+    def __init__(self, store: PolicyStore, *, offer: Callable[[Bundle], Any], refuse: Callable[[str, str], Any],
                  reread_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
                  offer_canary: Callable[[Any], Any] | None = None):
         self.store = store
@@ -85,7 +87,7 @@ class PolicyWatcher:
             self._seen_revision = seen
             if changed and stored is not None:
                 if stored.bundle is None:
-                    self.refuse(stored.problem)
+                    self.refuse(stored.problem, stored.outcome)
                 else:
                     self.offer(stored.bundle)
             if self.offer_canary is not None:

@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"region_agent: {e}", file=sys.stderr)
         return 2
     try:
-        bundle = load_bundle_file(settings.policy)
-        TrustedKeys.from_files(settings.policy_public_keys).check(bundle)
+        # the signature first: a bundle no trusted key signed is refused before it is validated
+        trusted = TrustedKeys.from_files(settings.policy_public_keys)
+        bundle = load_bundle_file(settings.policy, verify=trusted.check)
     except PolicyError as e:
         print(f"region_agent: refusing to start: {e.detail}", file=sys.stderr)
         for problem in e.further:  # a problem the line states already is not said again

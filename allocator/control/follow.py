@@ -8,8 +8,9 @@ already made stay); changing a pool's ``windowMs`` under the same id is not supp
 mid-flight — publish a new pool id instead.
 
 With trusted public keys (``--policy-public-keys``) a bundle must also carry a signature that
-verifies with one of them (``kernel.signing``); an unsigned, wrongly signed or untrusted-key
-bundle is refused and counted like the agents do, and the pools in force stay."""
+verifies with one of them (``kernel.signing``), verified before the bundle is validated (the
+watcher's store holds the keys); an unsigned, wrongly signed or untrusted-key bundle is refused and
+counted like the agents do, and the pools in force stay."""
 
 from __future__ import annotations
 
@@ -62,10 +63,12 @@ class AllocatorPolicy:
         log.info("policy bundle %s accepted (%d pools)", candidate.bundle_version, len(candidate.pools))
         return "accepted"
 
-    def refuse(self, detail: str) -> str:
-        log.warning("policy refused (invalid): %s", detail)
-        self.reloads.labels("invalid").inc()
-        return "invalid"
+    def refuse(self, detail: str, outcome: str = "invalid") -> str:
+        """A bundle refused before it could be offered: ``invalid``, or the signature outcome the store
+        checked first (a bundle that does not verify is never validated)."""
+        log.warning("policy refused (%s): %s", outcome, detail)
+        self.reloads.labels(outcome).inc()
+        return outcome
 
     def watcher(self, store: PolicyStore, reread_s: float = 5.0) -> PolicyWatcher:
         w = PolicyWatcher(store, offer=self.offer, refuse=self.refuse, reread_s=reread_s)

@@ -321,7 +321,7 @@ def cmd_leases(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------- policy bundles
 def cmd_policy_validate(args: argparse.Namespace) -> int:
-    """Validate FILE (the services' own code); with ``--public-keys`` also its signature; with
+    """Validate FILE (the services' own code); with ``--public-keys`` also its signature, first; with
     ``--against CURRENT`` / ``--against-etcd`` the privileged bypasses it adds or widens."""
     import asyncio
 
@@ -332,9 +332,10 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
 
     o = out(args)
     try:
-        bundle = load_policy(args.file)  # a policy source is checked as the bundle it compiles to
-        if args.public_keys:
-            TrustedKeys.from_files(_split(args.public_keys)).check(bundle)
+        # a policy source is checked as the bundle it compiles to; with --public-keys a bundle's signature
+        # is verified first, as the services do: one that does not verify is refused for that alone
+        trusted = TrustedKeys.from_files(_split(args.public_keys)) if args.public_keys else None
+        bundle = load_policy(args.file, verify=trusted.check if trusted is not None else None)
     except PolicyError as e:
         raise _invalid(e) from None
     result: dict[str, Any] = {
@@ -617,10 +618,18 @@ def cmd_policy_require_signed(args: argparse.Namespace) -> int:
                                                                         "required by the store"))
 
 
+def _refused_text(d: dict) -> str:
+    """A value ``policy show`` refuses: ``INVALID`` (its validation), or its signature outcome (verified first,
+    with the signing marker's keys: the value was not validated)."""
+    if d["refused"] in (None, "invalid"):
+        return f"INVALID: {d['problem']}"
+    return f"REFUSED ({d['refused']}): {d['problem']}"
+
+
 def _shown_text(d: dict) -> str:
     lines = [f"{d['key']} (revision {d['revision']}): " + (
         f"bundle {d['bundleVersion']}, {len(d['rules'])} rules, {len(d['pools'])} pools, {d['checksum']}"
-        if d["valid"] else f"INVALID: {d['problem']}")]
+        if d["valid"] else _refused_text(d))]
     if d["valid"]:
         lines.append(f"  published at {d['publishedAt']}, "
                      + ("no max age, " if d["maxAgeMs"] is None else f"max age {d['maxAgeMs']} ms, ")
@@ -629,7 +638,7 @@ def _shown_text(d: dict) -> str:
         if d["pools"]:
             lines.append("  pools: " + ", ".join(d["pools"]))
     if (c := d["canary"]) is not None:  # some agents evaluate another bundle than the one above
-        lines.append("  canary: " + (f"bundle {c['bundleVersion']}" if c["valid"] else f"INVALID: {c['problem']}")
+        lines.append("  canary: " + (f"bundle {c['bundleVersion']}" if c["valid"] else _refused_text(c))
                      + f" staged for {c['slice']} over {c['base']} (`leasehold policy status`)")
     lines.append("  signatures required: " + (", ".join(d["trustedKeyIds"]) if d["requireSigned"] else "no")
                  + (f" (signing marker unreadable: {d['signingMarkerProblem']})" if d["signingMarkerProblem"] else ""))
@@ -637,18 +646,25 @@ def _shown_text(d: dict) -> str:
 
 
 def cmd_policy_show(args: argparse.Namespace) -> int:
+    """The published bundle and the staged canary. With a signing marker their signatures are verified
+    with its keys before they are validated: a value no key of it signed is shown refused with its
+    signature outcome (``unsigned``, ``untrusted_key``, ``bad_signature``), as a service trusting those
+    keys counts it, whatever else is wrong with it."""
     import asyncio
 
     from kernel.errors import LeaseholdError
+    from kernel.signing import TrustedKeys, public_key_from_text
 
     async def read() -> tuple[Any, Any, Any, str | None, str]:
         store = _policy_store(args)
         try:
-            stored, staged = await store.read_both()
             try:
                 marker, marker_problem = await store.read_signing(), None
+                if marker is not None:  # verified with the marker's keys first, as the services verify with theirs
+                    store.trusted = TrustedKeys(public_key_from_text(v) for v in marker.keys.values())
             except PolicyError as e:
                 marker, marker_problem = None, e.detail
+            stored, staged = await store.read_both()
         except LeaseholdError as e:
             raise Failure(Exit.CONNECT, f"cannot read ({e.code}): {e.detail}") from None
         finally:
@@ -665,7 +681,7 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
         return Exit.OK
     b = stored.bundle
     data = {"key": key, "revision": stored.mod_revision, "valid": b is not None,
-            "problem": stored.problem or None,
+            "problem": stored.problem or None, "refused": None if b is not None else stored.outcome,
             "bundleVersion": b.bundle_version if b else None, "checksum": b.checksum if b else None,
             "publishedAt": b.published_at if b else None, "maxAgeMs": b.max_age_ms if b else None,
             "keyId": b.key_id if b else None,
@@ -674,6 +690,7 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
             "signingMarkerProblem": marker_problem,
             "canary": None if staged is None else {
                 "valid": staged.bundle is not None, "problem": staged.problem or None,
+                "refused": None if staged.bundle is not None else staged.outcome,
                 "bundleVersion": staged.bundle.bundle_version if staged.bundle else None, "base": staged.base,
                 "slice": staged.slice.text() if staged.slice else None}}
     return out(args).result(data, _shown_text)

@@ -522,7 +522,8 @@ async def policy_etcd_refusal(settings: AgentSettings) -> str | None:
                        password=resolve_secret(settings.policy_etcd_password_file, "POLICY_ETCD_PASSWORD"),
                        tls=policy_etcd_tls(settings), report_refusals=False)
     try:
-        return await etcd_refusal(store, prefix=settings.policy_etcd_prefix, user=settings.policy_etcd_user)
+        return await etcd_refusal(store, prefix=settings.policy_etcd_prefix, user=settings.policy_etcd_user,
+                                  trusted=TrustedKeys.from_files(settings.policy_public_keys))
     finally:
         await store.close()
 

@@ -5,7 +5,8 @@ to end. Accepting a bundle makes its :class:`~region_agent.decision.plan.Snapsho
 path derives from the bundle once, with this agent's retry jitter); the snapshot goes when its
 bundle is replaced. A reload accepts only a valid bundle with a strictly higher ``bundleVersion`` and, when
 trusted public keys are configured (``--policy-public-keys``), a signature that verifies with
-one of them (``kernel.signing``); anything else keeps the current snapshot and is counted."""
+one of them (``kernel.signing``), verified before the bundle is validated; anything else keeps the
+current snapshot and is counted."""
 
 from __future__ import annotations
 
@@ -57,8 +58,10 @@ class PolicyHolder:
     @classmethod
     def load(cls, path: str, **kw: Any) -> PolicyHolder:
         """Load at start; raises PolicyError (listing every problem) on an invalid bundle, or
-        SignatureRefused when keys are trusted and the bundle's signature is not acceptable."""
-        return cls(path, load_bundle_file(path), **kw)
+        SignatureRefused when keys are trusted and the bundle's signature is not acceptable (checked
+        first: an unverifiable bundle is not validated)."""
+        trusted = kw.get("trusted") or TrustedKeys()
+        return cls(path, load_bundle_file(path, verify=trusted.check), **kw)
 
     @property
     def bundle(self) -> Bundle:
@@ -128,8 +131,9 @@ class PolicyHolder:
             self._set_candidate(None, None)  # promoted or rolled back past it
             held = None
         if staged is None or staged.bundle is None:
-            if staged is not None:
-                return self._canary("refused", f"canary refused: {staged.problem}")
+            if staged is not None:  # its signature (checked first by the store) or its validation
+                why = "" if staged.outcome == "invalid" else f" ({staged.outcome})"
+                return self._canary("refused", f"canary refused{why}: {staged.problem}")
             return self._canary("kept", "canary removed without promote or rollback: the slice keeps the "
                                         f"candidate {held.bundle_version}") if held is not None else "none"
         cand = staged.bundle
@@ -174,16 +178,19 @@ class PolicyHolder:
         (log.info if outcome == "accepted" else log.warning)("%s", detail)
         return outcome
 
-    def refuse_invalid(self, detail: str) -> ReloadResult:
-        """A candidate that failed validation (e.g. a corrupt bundle read from etcd): keep the
-        current snapshot and count the refusal."""
-        return self._report(ReloadResult("invalid", self._snap.bundle.bundle_version, detail))
+    def refuse(self, detail: str, outcome: str = "invalid") -> ReloadResult:
+        """A candidate refused before it could be offered (a corrupt bundle read from etcd: ``invalid``;
+        one whose signature the store checked first: its signature outcome): keep the current snapshot
+        and count the refusal."""
+        return self._report(ReloadResult(outcome, self._snap.bundle.bundle_version, detail))
 
     def reload(self) -> ReloadResult:
         """Re-read the file (SIGHUP or a changed mtime)."""
         self._mtime = self._stat()
         try:
-            candidate = load_bundle_file(self.path)
+            candidate = load_bundle_file(self.path, verify=self.trusted.check)  # the signature first
+        except SignatureRefused as e:
+            return self._report(ReloadResult(e.outcome, self._snap.bundle.bundle_version, e.detail))
         except PolicyError as e:
             return self._report(ReloadResult("invalid", self._snap.bundle.bundle_version, e.detail))
         self.checked_at = time.monotonic()

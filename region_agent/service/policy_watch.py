@@ -1,7 +1,9 @@
 """The agent's side of policy distribution through etcd (docs/invariants.md I13).
 
 * :func:`make_watcher` follows ``<prefix>policy/current`` and feeds the :class:`PolicyHolder`
-  (strictly higher versions only; corrupt values are refused and counted as ``invalid``).
+  (strictly higher versions only; corrupt values are refused and counted as ``invalid``; with
+  ``--policy-public-keys`` a value is verified before it is validated, and one that does not verify
+  is counted by its signature outcome, never validated).
 * :func:`revoked_decision` is the conservative behaviour of ``revocable`` rules once the
   snapshot is older than the bundle's ``maxAgeMs`` (no successful etcd read for that long):
   a request whose selected, enforced rules include a revocable one is **denied with 503**,
@@ -17,6 +19,7 @@ from typing import Any
 from kernel.errors import LeaseholdError
 from kernel.etcd_store import EtcdRefused, EtcdStore
 from kernel.policy_store import PolicyStore, policy_key
+from kernel.signing import TrustedKeys
 from kernel.watch import PolicyWatcher
 
 from ..decision.outcome import Answer
@@ -47,14 +50,16 @@ def etcd_store(endpoints: str, *, timeout_ms: int = 1000, user: str | None = Non
     return EtcdStore(endpoints, timeout_s=timeout_ms / 1000, tls=tls, report_refusals=report_refusals, **kw)
 
 
-async def etcd_refusal(store: EtcdStore, *, prefix: str, user: str | None) -> str | None:
+async def etcd_refusal(store: EtcdStore, *, prefix: str, user: str | None,
+                       trusted: TrustedKeys | None = None) -> str | None:
     """Why the agent must not start on its policy etcd: the credentials, the role's read of the
     policy keys or the TLS handshake refused (:class:`kernel.etcd_store.EtcdRefused`, as the
     allocator's start, docs/decisions/0065). One read of the keys the watcher reads. None when
     there is nothing to refuse, also when etcd does not answer now: the agent then starts on its
-    start bundle and follows etcd once it answers (its age says how long it has not)."""
+    start bundle and follows etcd once it answers (its age says how long it has not). ``trusted``: the
+    agent's keys (what is read is verified before it is validated, as the watcher reads)."""
     try:
-        await PolicyStore(store, prefix).read_both()
+        await PolicyStore(store, prefix, trusted=trusted).read_both()
     except EtcdRefused as e:
         if e.cause not in _START_REFUSALS:
             return None
@@ -69,7 +74,7 @@ def make_watcher(holder: PolicyHolder, endpoints: str, *, prefix: str, reread_ms
                  user: str | None = None, password: str | None = None, tls: Any = None) -> PolicyWatcher:
     """``tls``: the link's channel credentials (``region_agent.service.settings.policy_etcd_tls``)."""
     store = etcd_store(endpoints, timeout_ms=timeout_ms, user=user, password=password, tls=tls)
-    return PolicyWatcher(PolicyStore(store, prefix), offer=holder.offer, refuse=holder.refuse_invalid,
+    return PolicyWatcher(PolicyStore(store, prefix, trusted=holder.trusted), offer=holder.offer, refuse=holder.refuse,
                          reread_s=reread_ms / 1000, offer_canary=holder.offer_canary)
 
 

@@ -1,4 +1,5 @@
-"""The sample policy (``policies/northstar.json``) as a bundle, and as a bundle file."""
+"""The sample policy (``policies/northstar.json``) as a bundle, and as a bundle file; a bundle that is
+expensive to validate (:func:`expensive_bundle`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,16 @@ from pathlib import Path
 
 import msgspec
 
-from kernel.bundle import Bundle, encode_bundle, load_bundle_file, seal
+from kernel.bundle import (
+    MAX_REQUEST_SETS,
+    Bundle,
+    Pool,
+    Rule,
+    encode_bundle,
+    load_bundle_file,
+    make_rule,
+    seal,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 NORTHSTAR = ROOT / "policies" / "northstar.json"
@@ -28,3 +38,28 @@ def northstar_file(directory: Path) -> Path:
     path = directory / "bundle.json"
     write_bundle(path, northstar())
     return path
+
+
+def _bucket(id: str, **kw: object) -> Rule:
+    base: dict[str, object] = dict(id=id, scope="user", route_group="read", algorithm="token_bucket",
+                                   capacity_millis=20_000, refill_millis=2_000, period_ms=1_000, cost_millis=1_000,
+                                   fail_mode="closed")
+    base.update(kw)
+    return make_rule(**base)
+
+
+def expensive_bundle(version: int, *, tenants: int = 300, route_groups: int = 300) -> Bundle:
+    """A sealed, unsigned bundle that costs its validation about a second (what someone who can write
+    the etcd key, but holds no signing key, can write): its rules name ``tenants`` tenants and
+    ``route_groups`` route groups, (tenants + 1) x (route_groups + 2) request sets to check, below
+    :data:`kernel.bundle.MAX_REQUEST_SETS`. It is invalid too, and only that check finds it: a keyed
+    user's request on ``read`` takes nine script slots (eight rules and a pool)."""
+    assert (tenants + 1) * (route_groups + 2) <= MAX_REQUEST_SETS
+    rules = [_bucket(f"t{i}", scope="tenant", tenant=f"t{i}", route_group=None) for i in range(tenants)]
+    rules += [_bucket(f"g{i}", scope="route", route_group=f"g{i}") for i in range(route_groups)]
+    rules += [_bucket(f"{scope}-{route or 'all'}", scope=scope, route_group=route)
+              for scope in ("user", "key", "route", "tenant") for route in ("read", None)]
+    rules.append(make_rule(id="pool-read", scope="global", route_group="read", algorithm="pool", pool="p",
+                           fail_mode="closed"))
+    return seal(Bundle(bundle_version=version, published_at="2026-12-06T12:00:00Z", checksum="", rules=rules,
+                       pools=[Pool(id="p", window_ms=60_000, limit=100)]))

@@ -528,7 +528,7 @@ def test_publish_beside_a_staged_canary_says_what_becomes_of_it(etcd_cluster, pr
     assert "its slice drops it for this bundle" in said.err
     assert cli_main(["policy", "show", *common, "-o", "json"]) == 0
     assert msgspec.json.decode(capsys.readouterr().out)["canary"] == {
-        "valid": True, "problem": None, "bundleVersion": 12, "base": 10, "slice": "regions eu"}
+        "valid": True, "problem": None, "refused": None, "bundleVersion": 12, "base": 10, "slice": "regions eu"}
     # re-staging a candidate that is not above the publish: told it may lack that publish's changes
     assert cli_main(["policy", "canary", str(files[12]), "--regions", "eu", *common]) == 2
     assert "not higher than the published 13 (which may hold changes the candidate does not" in capsys.readouterr().err

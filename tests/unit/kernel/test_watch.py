@@ -30,18 +30,22 @@ class Store:
 
 
 def watcher(store: Store, clock: FakeClock) -> tuple[PolicyWatcher, list, list]:
-    offered, refused = [], []
-    return PolicyWatcher(store, offer=offered.append, refuse=refused.append, clock=clock), offered, refused  # type: ignore[arg-type]  # a fake store with the methods the watcher calls
+    offered: list = []
+    refused: list = []
+    return PolicyWatcher(store, offer=offered.append, refuse=lambda problem, outcome: refused.append((problem, outcome)),  # type: ignore[arg-type]  # a fake store with the methods the watcher calls
+                         clock=clock), offered, refused
 
 
 async def test_each_revision_is_handed_on_once():
     good = Stored(raw=b"{}", mod_revision=7, bundle=NORTHSTAR)
-    w, offered, refused = watcher(Store(None, good, good, Stored(b"x", 8, None, "not JSON")), FakeClock(10.0))
+    w, offered, refused = watcher(Store(None, good, good, Stored(b"x", 8, None, "not JSON"),
+                                        Stored(b"y", 9, None, "bundle 3 is unsigned", "unsigned")), FakeClock(10.0))
     assert await w.refresh() and offered == []  # nothing published yet
     assert await w.refresh() and offered == [NORTHSTAR]
     assert await w.refresh() and offered == [NORTHSTAR]  # the same revision again: nothing to do
-    assert await w.refresh() and refused == ["not JSON"]  # a corrupt value is refused, not offered
-    assert (w.reads_ok, w.reads_failed) == (4, 0)
+    assert await w.refresh() and refused == [("not JSON", "invalid")]  # a corrupt value is refused, not offered
+    assert await w.refresh() and refused[-1] == ("bundle 3 is unsigned", "unsigned")  # with the store's outcome
+    assert (w.reads_ok, w.reads_failed) == (5, 0)
 
 
 async def test_a_failed_read_keeps_the_bundle_and_the_age_grows():

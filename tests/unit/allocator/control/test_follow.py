@@ -35,3 +35,17 @@ def test_the_bundle_in_force_offered_again_is_no_refusal(caplog):
     newer_date = msgspec.structs.replace(version(42), published_at="2030-01-01T00:00:00Z")
     assert policy.offer(newer_date) == "stale" and reloads(m, "stale") == 1  # same version, other content
     assert policy.offer(version(43)) == "accepted" and policy.bundle.bundle_version == 43 and len(used) == 1
+
+
+def test_a_refusal_the_store_made_is_counted_by_its_outcome(caplog):
+    """The watcher's store verifies the signature before it validates: a bundle that does not verify
+    reaches the allocator as a refusal with the signature outcome, never validated."""
+    m = AllocatorMetrics()
+    policy = AllocatorPolicy(version(42), [].append, m)
+    with caplog.at_level(logging.WARNING, logger="allocator.control.follow"):
+        assert policy.refuse("bundle 43 is unsigned and signatures are required", "unsigned") == "unsigned"
+        assert policy.refuse("checksum mismatch") == "invalid"
+    assert (reloads(m, "unsigned"), reloads(m, "invalid")) == (1, 1) and policy.bundle.bundle_version == 42
+    assert [r.getMessage() for r in caplog.records] == [
+        "policy refused (unsigned): bundle 43 is unsigned and signatures are required",
+        "policy refused (invalid): checksum mismatch"]

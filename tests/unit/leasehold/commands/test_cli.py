@@ -462,3 +462,24 @@ def test_admit_text_of_a_request_no_rule_applies_to():
     assert _decision_text(free).splitlines()[0] == "allowed: HTTP 200, no rule of bundle 48 applies"
     limited = free | {"policyId": "read-user", "remaining": 1, "limit": 2}
     assert _decision_text(limited).splitlines()[0] == "allowed: HTTP 200, rule read-user (bundle 48), remaining 1 of 2"
+
+
+def test_validate_with_public_keys_verifies_the_signature_first(tmp_path: Path, capsys):
+    """As the services do: an unsigned bundle that is also invalid (and expensive to check) is refused
+    for its signature, in one line, without its validation."""
+    from kernel.bundle import encode_bundle
+    from kernel.signing import generate_keypair, load_private_key, sign_bundle
+    from tests.support.policies import expensive_bundle, northstar
+
+    key, pub = generate_keypair(tmp_path / "keys")
+    unsigned = tmp_path / "unsigned.json"
+    unsigned.write_bytes(encode_bundle(expensive_bundle(43)))
+    assert main(["policy", "validate", str(unsigned), "--public-keys", str(pub)]) == Exit.USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("leasehold: invalid: bundle 43 is unsigned and signatures are required"), err
+    assert not any("script slots" in line for line in err) and "Traceback" not in "\n".join(err)
+    assert main(["policy", "validate", str(unsigned)]) == Exit.USAGE  # without keys: its problems
+    assert "script slots" in capsys.readouterr().err
+    signed = tmp_path / "signed.json"
+    signed.write_bytes(encode_bundle(sign_bundle(northstar(), load_private_key(key))))
+    assert main(["policy", "validate", str(signed), "--public-keys", str(pub)]) == Exit.OK

@@ -73,11 +73,36 @@ def test_an_invalid_file_keeps_the_snapshot_in_force(holder):
     assert h.bundle.bundle_version == 42 and seen[-1] is res
 
 
-def test_refuse_invalid_counts_without_swapping(holder):
+def test_refuse_counts_without_swapping(holder):
     h, _, seen = holder
-    res = h.refuse_invalid("corrupt bundle from etcd")
+    res = h.refuse("corrupt bundle from etcd")
     assert (res.outcome, res.version, res.detail) == ("invalid", 42, "corrupt bundle from etcd")
-    assert seen == [res] and h.bundle.bundle_version == 42
+    signature = h.refuse("bundle 43 is unsigned", "unsigned")  # the store checked the signature first
+    assert (signature.outcome, signature.version) == ("unsigned", 42)
+    assert seen == [res, signature] and h.bundle.bundle_version == 42
+
+
+def test_a_file_that_does_not_verify_is_refused_before_it_is_validated(tmp_path, monkeypatch):
+    """The bundle file (SIGHUP, mtime poll, the start) is verified before it is validated too: an unsigned
+    bundle that is also invalid, and expensive to check, is refused as unsigned and never validated."""
+    import kernel.bundle
+    from tests.support.policies import expensive_bundle
+
+    key = Ed25519PrivateKey.generate()
+    trusted = TrustedKeys([key.public_key()])
+    path = tmp_path / "bundle.json"
+    write(path, sign_bundle(version(42), key), mtime_ns=1_000_000_000)
+    seen: list[ReloadResult] = []
+    h = PolicyHolder.load(str(path), trusted=trusted, on_reload=seen.append)
+    validated: list[object] = []
+    monkeypatch.setattr(kernel.bundle, "validate_bundle", lambda *a, **kw: validated.append(a))
+    write(path, expensive_bundle(50), mtime_ns=2_000_000_000)
+    res = h.poll()
+    assert res is not None and (res.outcome, res.version) == ("unsigned", 42) and "unsigned" in res.detail
+    assert validated == [] and seen == [res] and h.bundle.bundle_version == 42
+    with pytest.raises(SignatureRefused, match="unsigned"):  # at the start: refused, never validated
+        PolicyHolder.load(str(path), trusted=trusted)
+    assert validated == []
 
 
 def test_with_trusted_keys_only_a_bundle_signed_by_one_of_them_is_accepted(tmp_path):
