@@ -55,6 +55,7 @@ class PolicyWatcher:
         self.last_ok = clock()
         self.reads_ok = 0
         self.reads_failed = 0
+        self.watch_events = 0  # events the watch delivered (each triggers a read): the watch is live
         self._seen_revision = (0, 0)  # mod_revisions of the policy and canary values last handed on
         self._tasks: list[asyncio.Task[None]] = []
         self._lock = asyncio.Lock()
@@ -132,6 +133,7 @@ class PolicyWatcher:
                 backoff = 0.2
                 await self.refresh()  # anything written before the watch was registered
                 async for _event in watch:
+                    self.watch_events += 1
                     await self.refresh()
             except asyncio.CancelledError:
                 raise
