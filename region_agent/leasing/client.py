@@ -119,7 +119,8 @@ class AllocatorClient:
             outcomes = await asyncio.gather(*(send(url, [reqs[i] for i in ids]) for url, ids in parts),
                                             return_exceptions=True)
             retry: list[int] = []
-            for (_url, ids), out in zip(parts, outcomes, strict=True):
+            follower = False  # the preferred URL answered items not-leader (unsharded: try the next)
+            for (url, ids), out in zip(parts, outcomes, strict=True):
                 if isinstance(out, BaseException):
                     if not isinstance(out, LeaseholdError):
                         raise out
@@ -135,6 +136,10 @@ class AllocatorClient:
                         retry.append(i)
                         if item.code in ("not-leader", "fenced") and self.routes.sharded:
                             self.routes.stale = True  # batch items carry no leader: ask the map
+                        elif item.code == "not-leader" and url == self.urls[self._preferred]:
+                            follower = True
+            if follower:  # a batch answered per item names no leader: as a not-leader answer naming none
+                self._rotate()
             todo = sorted(retry)
             if not todo or _now() >= deadline or attempt == self.max_attempts - 1:
                 break
