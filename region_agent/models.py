@@ -9,8 +9,9 @@ from msgspec import Meta, Struct, field
 
 from kernel.ids import Method, RequestId, RouteGroup, TenantId, is_id_text
 
-PrincipalId = Annotated[str, Meta(min_length=1, max_length=256)]  # and identity text: Principal
-ApiKeyId = Annotated[str, Meta(min_length=1, max_length=256)]
+ID_MAX_CHARS = 256  # a principal's or API key's id, at most
+PrincipalId = Annotated[str, Meta(min_length=1, max_length=ID_MAX_CHARS)]  # and identity text: Principal
+ApiKeyId = Annotated[str, Meta(min_length=1, max_length=ID_MAX_CHARS)]
 CostHint = Annotated[int, Meta(ge=1, le=1000)]
 
 MAX_BODY_BYTES = 16 * 1024
@@ -27,11 +28,14 @@ class Principal(Struct, rename="camel", forbid_unknown_fields=True, frozen=True)
         """A user's or service's id and an API key id are identity text (``kernel.ids.ID_TEXT``), at
         every door: a question asked with " admin" is refused (a ValidationError where it is decoded),
         never charged as a principal of its own while a backend serves admin. An anonymous principal's
-        id is an address, parsed where it is used."""
+        id is an address, parsed where it is used. The length is checked here as well as by the wire
+        types for a principal built in process (library mode), which no decoder sees."""
         if (self.type != "anonymous" and not is_id_text(self.id)) or (
                 self.api_key_id is not None and not is_id_text(self.api_key_id)):
             raise ValueError("a principal or API key id must be identity text: no control character, "
                              "no space or tab at either end")
+        if len(self.id) > ID_MAX_CHARS or (self.api_key_id is not None and len(self.api_key_id) > ID_MAX_CHARS):
+            raise ValueError(f"a principal or API key id has at most {ID_MAX_CHARS} characters")
 
 
 class AdmitRequest(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):

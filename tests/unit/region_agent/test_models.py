@@ -39,3 +39,14 @@ def test_a_principal_or_key_id_that_is_no_identity_text_is_refused_at_every_door
 @pytest.mark.parametrize("text", ["admin", "a b", "U-82-Zoë", "x", "\u00a0a", "K" * 256])
 def test_identity_text_keeps_inner_spaces_and_any_printable_character(text):
     assert msgspec.convert({"type": "user", "id": text, "apiKeyId": text}, Principal).id == text
+
+
+@pytest.mark.parametrize("field", ["id", "api_key_id"])
+def test_a_principal_built_in_process_is_held_to_the_wire_types_length(field):
+    """Library mode builds a Principal without a decoder: the same 256 characters at most."""
+    ids = {"id": "U-1", "api_key_id": "K-1"}
+    assert Principal(type="user", **{**ids, field: "K" * 256})
+    with pytest.raises(ValueError, match="at most 256"):
+        Principal(type="user", **{**ids, field: "K" * 257})
+    with pytest.raises(msgspec.ValidationError):  # the decoder's own check still answers first
+        msgspec.convert({"type": "user", "id": "U-1", "apiKeyId": "K-1", {"id": "id", "api_key_id": "apiKeyId"}[field]: "K" * 257}, Principal)
