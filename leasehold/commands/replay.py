@@ -49,7 +49,7 @@ from kernel.errors import LeaseholdError
 from kernel.ids import is_id_text
 from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.plan import Snapshot, build_plan
-from region_agent.models import AdmitRequest, Principal
+from region_agent.models import ID_MAX_CHARS, AdmitRequest, Principal
 from region_agent.service.decision_log import Line
 
 DENIED = ("denied", "fallback_denied")
@@ -120,10 +120,12 @@ _HEX = re.compile(r"[0-9a-f]{1,64}")  # an anonymous caller's logged address has
 
 def _keyable(line: Line) -> bool:
     """The line's caller is one a door would take: an address hash for an anonymous caller, else
-    identity text (kernel.ids) for the principal and any API key id; a hand-edited line may not be."""
+    identity text (kernel.ids) of at most ``ID_MAX_CHARS`` for the principal and any API key id; a
+    hand-edited line may not be."""
     if line.type == "anonymous":
         return _HEX.fullmatch(line.principal) is not None
-    return is_id_text(line.principal) and (line.apiKey is None or is_id_text(line.apiKey))
+    return (is_id_text(line.principal) and len(line.principal) <= ID_MAX_CHARS
+            and (line.apiKey is None or (is_id_text(line.apiKey) and len(line.apiKey) <= ID_MAX_CHARS)))
 
 
 def _caller(line: Line) -> tuple:

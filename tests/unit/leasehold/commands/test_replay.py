@@ -87,12 +87,13 @@ def test_cli_flags_the_tightened_rule_and_exits_8(tmp_path: Path, capsys):
 
 def test_a_line_whose_principal_is_no_identity_text_is_unreadable_not_a_traceback(tmp_path: Path, capsys):
     """A hand-edited line whose principal or API key id no door would take (a space at either end, a
-    control character, empty) is counted unreadable, as a line that is not a decision line is."""
+    control character, empty, longer than 256 characters) is counted unreadable, as a line that is not a decision line is."""
     bad = [line(100, T0 + 5, principal=" aa11"), line(101, T0 + 6, principal="aa\x0011"), line(102, T0 + 7, principal=""),
-           {**line(103, T0 + 8), "apiKey": "k1 "}, {**line(104, T0 + 9), "type": "anonymous", "principal": "not-hex"}]
+           {**line(103, T0 + 8), "apiKey": "k1 "}, {**line(104, T0 + 9), "type": "anonymous", "principal": "not-hex"},
+           line(105, T0 + 11, principal="a" * 257), {**line(106, T0 + 12), "apiKey": "k" * 257}]  # longer than a door takes
     anonymous = {**line(99, T0 + 4, route="login"), "type": "anonymous", "principal": "aa11bb22cc33dd44"}  # as logged
     log = write(tmp_path / "d.jsonl", [line(i, T0 + 10 * i) for i in range(5)] + [anonymous] + bad)
     lines, unreadable = rp.read_log([log])
-    assert len(lines) == 6 and unreadable == 5
+    assert len(lines) == 6 and unreadable == 7
     assert main(["policy", "replay", str(ROOT / "policies" / "northstar.yaml"), "--log", str(log), "-o", "json"]) == 0
-    assert json.loads(capsys.readouterr().out)["unreadable"] == 5
+    assert json.loads(capsys.readouterr().out)["unreadable"] == 7
