@@ -28,6 +28,8 @@ from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from . import redis_internals as ri
+
 STANDALONE, CLUSTER, SENTINEL = "standalone", "cluster", "sentinel"
 CONNECT_TIMEOUT_S = 0.25
 
@@ -157,8 +159,10 @@ def _common(socket_timeout: float) -> dict[str, Any]:
 
 def make_client(url: str, *, max_connections: int = 32, socket_timeout: float = 1.0) -> Redis:
     """A client of one Redis node (``redis://`` / ``rediss://``; a cluster or sentinel URL's scheme
-    suffix is ignored here: see :func:`make_sentinel_client` and region_agent.store.factory)."""
-    return Redis.from_url(plain_url(url), max_connections=max_connections, **_common(socket_timeout))
+    suffix is ignored here: see :func:`make_sentinel_client` and region_agent.store.factory). Its
+    pool reconnects a connection the server closed before handing it out (``ri.ConnectionPool``)."""
+    pool = ri.ConnectionPool.from_url(plain_url(url), max_connections=max_connections, **_common(socket_timeout))
+    return Redis.from_pool(pool)
 
 
 def make_sentinel_client(u: StoreUrl, *, max_connections: int = 32, socket_timeout: float = 1.0,
@@ -175,7 +179,8 @@ def make_sentinel_client(u: StoreUrl, *, max_connections: int = 32, socket_timeo
     if ssl:
         asked.update(ssl=True, **{k: v for k, v in node.items() if k.startswith("ssl_")})
     sentinel = Sentinel(list(u.hosts), sentinel_kwargs=asked, **common)
-    return sentinel.master_for(u.service, redis_class=Redis, max_connections=max_connections, ssl=ssl, **node)
+    return sentinel.master_for(u.service, redis_class=Redis, connection_pool_class=ri.SentinelConnectionPool,
+                               max_connections=max_connections, ssl=ssl, **node)
 
 
 def redacted(url: str) -> str:

@@ -17,7 +17,11 @@ Why they are touched at all (a standalone pipeline is most of the agent's CPU pe
   checks a held connection as the pool's checkout would (``ensure_connection``: open, nothing
   unread, not at end of file; ``release``: not marked to reconnect) before it is used again —
   with the parser's and the stream's buffers (``_AsyncHiredisParser._reader``,
-  ``StreamReader._buffer``) and the transport, as redis-py 8.1's ``can_read`` reads them.
+  ``StreamReader._buffer``) and the transport, as redis-py 8.1's ``can_read`` reads them;
+* :class:`ConnectionPool` (and :class:`SentinelConnectionPool`), the agent's pools, reconnect at
+  checkout a connection the server closed while it was idle (:func:`closed_by_server`: the
+  stream's end of file, ``StreamReader._eof``, or a closing transport), which redis-py 8.1's
+  checkout hands out as it is when maintenance notifications are on (its default).
 
 These are checked when this module is imported (:func:`missing`): a redis-py, hiredis or Python
 release that renames one stops the agent at start with :class:`RedisInternalsChanged` naming it,
@@ -36,6 +40,7 @@ import hiredis
 import redis
 from redis import exceptions as rex
 from redis.asyncio import connection as _aconn
+from redis.asyncio import sentinel as _sentinel
 from redis.credentials import StreamingCredentialProvider
 
 
@@ -74,8 +79,8 @@ def missing(connection_cls: Any = _aconn.Connection, parser_cls: Any = _AsyncHir
     gone += [f"hiredis.Reader.{name}" for name in ("gets", "has_data") if not hasattr(reader_cls, name)]
     loop = asyncio.new_event_loop()
     try:
-        if not hasattr(stream_reader_cls(loop=loop), "_buffer"):
-            gone.append("asyncio.StreamReader()._buffer")
+        stream = stream_reader_cls(loop=loop)
+        gone += [f"asyncio.StreamReader().{name}" for name in ("_buffer", "_eof") if not hasattr(stream, name)]
     finally:
         loop.close()
     return gone
@@ -190,6 +195,45 @@ def sendable(conn: Any) -> bool:
     return not (stream.at_eof() or len(stream._buffer) or conn._writer.transport.is_closing())
 
 
+def closed_by_server(conn: Any) -> bool:
+    """Is ``conn`` open on this side while the server has closed it (Redis restarted or stopped,
+    its idle ``timeout``, ``CLIENT KILL``)? The event loop has read the connection's end of file
+    (``StreamReader._eof``; unread bytes before it change nothing: no reply can follow them) or
+    its transport is closing (reset, TLS closed). Attributes only, no system call: a close the
+    event loop has not read yet is not seen (the write on it fails after it was sent)."""
+    stream, writer = conn._reader, conn._writer
+    if stream is None or writer is None:
+        return False  # not connected: the checkout's connect() opens it
+    return bool(stream._eof) or writer.transport.is_closing()
+
+
+class ConnectionPool(_aconn.ConnectionPool):
+    """redis-py's pool, whose checkout does not hand out a connection the server closed while it
+    was idle (:func:`closed_by_server`): it is reconnected before anything is written on it.
+    redis-py 8.1's ``ensure_connection`` reconnects a connection ``can_read()`` flags (at end of
+    file, or bytes unread) only with maintenance notifications off — it speaks RESP3 and turns
+    them on by default, since unread bytes may be a push to read before the next reply — so it
+    handed such a connection out, and the pipeline written on it failed after it was sent
+    (ambiguous). Bytes unread on an open connection are still handed out as redis-py does."""
+
+    async def ensure_connection(self, connection: Any) -> None:
+        if closed_by_server(connection):
+            await connection.disconnect()  # the checkout's connect() opens it again
+        await super().ensure_connection(connection)
+
+
+class SentinelConnectionPool(_sentinel.SentinelConnectionPool):
+    """:class:`ConnectionPool`'s checkout for a Sentinel-managed client (its reconnect asks the
+    sentinels for the primary again). redis-py 8.1 builds a Sentinel pool with maintenance
+    notifications off, so its own checkout reconnects such a connection already; this keeps it
+    so should that change."""
+
+    async def ensure_connection(self, connection: Any) -> None:
+        if closed_by_server(connection):
+            await connection.disconnect()  # the checkout's connect() opens it again
+        await super().ensure_connection(connection)
+
+
 class HeldConnections:
     """The connections one store node's pipelines keep between pipelines instead of a pool
     checkout and release each (the batcher's drain tasks send one pipeline after another; at
@@ -197,8 +241,8 @@ class HeldConnections:
     in its ``max_connections`` and closed by its ``disconnect``); one that is not
     :func:`sendable` when taken, or that failed, goes back to the pool, and the pool's own
     checkout decides what happens to it — so a connection in any state the pool treats specially
-    (unread bytes, closed by the server, marked to reconnect by a maintenance notification) is
-    treated as before. Not held with a streaming credential provider (its re-authentication runs
+    (unread bytes, marked to reconnect by a maintenance notification) is treated as before, and
+    one the server closed is reconnected by the agent's pool (:class:`ConnectionPool`). Not held with a streaming credential provider (its re-authentication runs
     at the release)."""
 
     __slots__ = ("_idle", "pool", "size")
@@ -243,5 +287,5 @@ class HeldConnections:
             await self.pool.release(conn)
 
 
-__all__ = ["FAST_READS", "HeldConnections", "RedisInternalsChanged", "answer_waiting", "missing", "read_replies",
-           "sendable", "write_now"]
+__all__ = ["FAST_READS", "ConnectionPool", "HeldConnections", "RedisInternalsChanged", "SentinelConnectionPool",
+           "answer_waiting", "closed_by_server", "missing", "read_replies", "sendable", "write_now"]

@@ -400,9 +400,10 @@ async def test_a_held_connection_is_sendable_exactly_when_the_pools_checkout_fin
         assert ri.sendable(conn)
         await conn.send_command("CLIENT", "ID")
         cid = await conn.read_response()
+        assert not ri.closed_by_server(conn)
         await killer.execute_command("CLIENT", "KILL", "ID", cid)  # the server closes it
         await _until(lambda: not ri.sendable(conn))
-        assert await conn.can_read()
+        assert await conn.can_read() and ri.closed_by_server(conn)
         await conn.disconnect()
         assert not ri.sendable(conn)
     finally:
@@ -414,11 +415,15 @@ async def test_a_held_connection_is_sendable_exactly_when_the_pools_checkout_fin
 async def test_a_nodes_pipelines_keep_their_connection_instead_of_a_checkout_each(redis_url, scripts, monkeypatch):
     """A store node's pipelines run on connections held between pipelines (no pool checkout or
     release per pipeline); a held connection the server closed goes back through the pool's
-    checkout, and a connection lost mid-pipeline is dropped with every held one: the next
-    pipeline connects again."""
-    from region_agent.store import redis_internals as ri
+    checkout, which reconnects it before the write (the agent's pool, region_agent.store.client),
+    and a connection lost mid-pipeline is dropped with every held one: the next pipeline
+    connects again."""
+    import redis as sync_redis
 
-    client = aredis.Redis.from_url(redis_url, retry=Retry(NoBackoff(), 0))
+    from region_agent.store import redis_internals as ri
+    from region_agent.store.client import make_client
+
+    client = make_client(redis_url)
     killer = aredis.Redis.from_url(redis_url)
     await scripts.load_all(client)
     held = ri.HeldConnections.of(client, 3)
@@ -442,9 +447,10 @@ async def test_a_nodes_pipelines_keep_their_connection_instead_of_a_checkout_eac
         conn = held._idle[0]
         assert conn in pool._in_use_connections  # checked out of the pool while held
 
-        # closed by the server while held: not written on; back to the pool, whose checkout hands it out
+        # closed by the server while held: not written on; back to the pool, whose checkout reconnects it
         await killer.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
         await _until(lambda: not ri.sendable(conn))
+        assert ri.closed_by_server(conn)
         seen = []
         real_release = pool.release
 
@@ -453,9 +459,16 @@ async def test_a_nodes_pipelines_keep_their_connection_instead_of_a_checkout_eac
             await real_release(c)
 
         monkeypatch.setattr(pool, "release", release)
-        failed = await scripts.run_pipeline(client, calls, {}, held)
+        out = await scripts.run_pipeline(client, calls, {}, held)
         assert seen[0] is conn and checkouts == 2  # the pool's checkout judged it, as before holding
-        assert all(isinstance(r, AmbiguousOutcome) for r in failed)  # what the pool's own path answers
+        assert [r[0] for r in out] == [1] * 5  # reconnected before the write: answered, not ambiguous
+        assert held._idle == [conn] and conn.is_connected and not ri.closed_by_server(conn)
+
+        # closed with no event-loop turn before the write: lost after it was sent, dropped with every held one
+        with sync_redis.Redis.from_url(redis_url) as blocking:
+            blocking.execute_command("CLIENT", "KILL", "TYPE", "normal")
+        failed = await scripts.run_pipeline(client, calls, {}, held)
+        assert all(isinstance(r, AmbiguousOutcome) for r in failed)  # the engine's rules for it: no blind resend
         assert held._idle == [] and not conn.is_connected  # dropped, not held
 
         out = await scripts.run_pipeline(client, calls, {}, held)  # connects again

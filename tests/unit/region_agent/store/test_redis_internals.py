@@ -15,8 +15,10 @@ import hiredis
 import pytest
 import redis._parsers.hiredis as redis_hiredis
 from redis.asyncio.connection import Connection, ConnectionPool
+from redis.asyncio.sentinel import SentinelConnectionPool
 
 from region_agent.store import redis_internals as ri
+from region_agent.store.client import make_client, make_sentinel_client, parse_store_url
 
 
 def test_every_private_part_is_there() -> None:
@@ -40,6 +42,12 @@ class _StreamWithoutBuffer(asyncio.StreamReader):
         del self._buffer
 
 
+class _StreamWithoutEof(asyncio.StreamReader):
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        del self._eof
+
+
 def test_each_missing_part_is_named() -> None:
     assert ri.missing(connection_cls=_NoWriter) == ["redis.asyncio.Connection()._writer"]
     assert "_AsyncHiredisParser()._reader" in ri.missing(parser_cls=_Parser, default_parser=_Parser)
@@ -48,6 +56,7 @@ def test_each_missing_part_is_named() -> None:
     old_hiredis = SimpleNamespace(Reader=SimpleNamespace(gets=hiredis.Reader.gets))
     assert ri.missing(hiredis_module=old_hiredis) == ["hiredis.PushNotification", "hiredis.Reader.has_data"]
     assert ri.missing(stream_reader_cls=_StreamWithoutBuffer) == ["asyncio.StreamReader()._buffer"]
+    assert ri.missing(stream_reader_cls=_StreamWithoutEof) == ["asyncio.StreamReader()._eof"]
 
 
 def test_importing_with_a_renamed_parser_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,3 +109,86 @@ def test_the_pools_checkout_and_release_do_only_what_a_held_connection_skips_or_
         "self._in_use_connections.remove"]
     assert _called(redis_hiredis._AsyncHiredisParser.can_read) == [
         "OSError", "bool", "self._reader.has_data", "self._stream.at_eof"]
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.closing = False
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+class _Conn:
+    """A connection as the pool's checkout sees it: its stream and transport, what it was asked."""
+
+    def __init__(self, stream: asyncio.StreamReader) -> None:
+        self._reader: asyncio.StreamReader | None = stream
+        self.transport = _Transport()
+        self._writer: SimpleNamespace | None = SimpleNamespace(transport=self.transport)
+        self.calls: list[str] = []
+
+    async def connect(self) -> None:
+        self.calls.append("connect")
+
+    async def disconnect(self) -> None:
+        self.calls.append("disconnect")
+        self._reader = self._writer = None
+
+    async def can_read(self) -> bool:
+        stream = self._reader
+        return stream is not None and (stream.at_eof() or bool(stream._buffer))
+
+
+async def test_closed_by_server_reads_the_streams_end_of_file_and_the_transport() -> None:
+    conn = _Conn(asyncio.StreamReader())
+    assert not ri.closed_by_server(conn)
+    conn._reader.feed_data(b">2\r\n")  # type: ignore[union-attr]  # bytes unread (a push): not closed
+    assert not ri.closed_by_server(conn)
+    conn._reader.feed_eof()  # type: ignore[union-attr]  # and then the server's end of file
+    assert ri.closed_by_server(conn)
+    reset = _Conn(asyncio.StreamReader())
+    reset.transport.closing = True
+    assert ri.closed_by_server(reset)
+    await conn.disconnect()
+    assert not ri.closed_by_server(conn)  # not connected: the checkout's connect() opens it
+
+
+async def _checkout_calls(pool: object, conn: _Conn) -> list[str]:
+    await pool.ensure_connection(conn)  # type: ignore[attr-defined]  # a redis-py pool
+    return conn.calls
+
+
+def _closed() -> _Conn:
+    conn = _Conn(asyncio.StreamReader())
+    conn._reader.feed_eof()  # type: ignore[union-attr]  # the server closed it while it was idle
+    return conn
+
+
+async def test_the_agents_pools_reconnect_what_redis_pys_checkout_hands_out_closed() -> None:
+    """With maintenance notifications on (redis-py 8's default for a redis:// URL), redis-py's
+    checkout hands out a connection at end of file as it is; the agent's pools (standalone and
+    Sentinel: region_agent.store.client) reconnect it first. A connection with unread bytes and
+    no end of file (a push, read before the next reply) is handed out as by redis-py."""
+    url = "redis://127.0.0.1:1/0"
+    plain = ConnectionPool.from_url(url)
+    assert plain.maint_notifications_enabled()
+    assert await _checkout_calls(plain, _closed()) == ["connect"]  # why ri.ConnectionPool exists
+    pools = [make_client(url).connection_pool,
+             make_sentinel_client(parse_store_url("redis+sentinel://127.0.0.1:1/leasehold")).connection_pool]
+    assert [type(p) for p in pools] == [ri.ConnectionPool, ri.SentinelConnectionPool]
+    for pool in pools:
+        assert await _checkout_calls(pool, _closed()) == ["disconnect", "connect"]
+        pushed = _Conn(asyncio.StreamReader())
+        pushed._reader.feed_data(b">2\r\n")  # type: ignore[union-attr]
+        if pool.maint_notifications_enabled():
+            assert await _checkout_calls(pool, pushed) == ["connect"]
+
+
+def test_the_agents_pools_check_out_through_ensure_connection() -> None:
+    """ri.ConnectionPool and ri.SentinelConnectionPool change only ensure_connection: redis-py's
+    get_connection (which calls it: the test above) must be the one they run, also for Sentinel."""
+    assert ri.ConnectionPool.get_connection is ConnectionPool.get_connection
+    assert ri.SentinelConnectionPool.get_connection is ConnectionPool.get_connection
+    assert SentinelConnectionPool.ensure_connection is ConnectionPool.ensure_connection
+    assert issubclass(ri.SentinelConnectionPool, SentinelConnectionPool)
