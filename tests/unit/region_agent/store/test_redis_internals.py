@@ -180,7 +180,7 @@ async def test_the_agents_pools_reconnect_what_redis_pys_checkout_hands_out_clos
     for pool in pools:
         assert await _checkout_calls(pool, _closed()) == ["disconnect", "connect"]
         pushed = _Conn(asyncio.StreamReader())
-        pushed._reader.feed_data(b">2\r\n")  # type: ignore[union-attr]
+        pushed._reader.feed_data(b">2\r\n")  # type: ignore[union-attr]  # bytes unread (a push) on an open connection
         if pool.maint_notifications_enabled():
             assert await _checkout_calls(pool, pushed) == ["connect"]
 
