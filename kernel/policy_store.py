@@ -319,8 +319,13 @@ class PolicyStore:
         candidate = decode_bundle(raw)
         if slice_.empty:
             raise PolicyError("a canary needs a slice: --regions, --agents or --tenants")
-        current, staged = await self.read_both()
-        await self.check_signed(candidate)
+        marker = await self.check_signed(candidate)
+        got = await self.store.get_many([self.key, self.canary_key])
+        cur_kv, can_kv = got.get(self.key), got.get(self.canary_key)
+        current = None if cur_kv is None else self._parse(cur_kv, parse_stored)
+        # the staged value is verified with the marker's keys before it is validated, as the agents of the slice
+        # read it: a candidate none of them signed is held by no agent, so it bounds nothing a new one must be above
+        staged = None if can_kv is None else parse_canary(can_kv, _marker_keys(marker))
         if current is not None and current.bundle is None:
             raise PolicyError(f"the published value is not a valid bundle ({current.problem}): publish a valid one "
                               "first, then stage candidates over it")

@@ -256,3 +256,20 @@ async def test_a_promote_over_an_invalid_value_is_above_the_last_bundle_publishe
         assert (await store.rollback(encode_bundle(bump(base, 14)))).version == 14
     finally:
         await store.store.close()
+
+
+def test_a_canary_no_trusted_key_signed_bounds_nothing_a_new_one_must_be_above(etcd_cluster, prefix, common, signed,
+                                                                               tmp_path: Path, capsys):
+    """A candidate written into the canary key by hand, unsigned, as bundle 50: every agent of the slice
+    refuses it, so none holds it. ``canary`` validated it before any signature check and refused a signed
+    candidate 11 ("bundle 50 is staged: a new candidate needs a higher version"), for a bundle no agent
+    runs; it verifies it first with the marker's keys, and stages 11 over it."""
+    write(etcd_cluster, canary_key(prefix),
+          b'{"base":10,"slice":{"regions":["eu"]},"bundle":%s}' % encode_bundle(bump(northstar(), 50)))
+    v11 = file_of(tmp_path, bump(northstar(), 11))
+    capsys.readouterr()
+    assert cli_main(["policy", "canary", str(v11), "--regions", "eu", "--key", str(signed), *common]) == 0, \
+        capsys.readouterr().err
+    capsys.readouterr()
+    assert cli_main(["policy", "show", *common, "-o", "json"]) == 0
+    assert msgspec.json.decode(capsys.readouterr().out)["canary"]["bundleVersion"] == 11
