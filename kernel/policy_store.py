@@ -6,6 +6,21 @@ strictly higher than the stored one. The version comparison happens against the 
 just before, and the transaction compares that key's ``mod_revision`` (or its absence), so
 a concurrent publish in between makes the transaction fail instead of being overwritten.
 
+**The published version** ``<prefix>policy/published-version`` (``{"bundleVersion": N}``) is the
+version of the last bundle a Leasehold tool wrote under the policy key, written in the same
+transaction as the bundle by every writer (publish, promote, rollback). Agents hold that version
+(or a higher one) once they have read it, and refuse a lower one as older; so a publish must be
+above it even when the policy key was deleted or holds a value that is not a bundle — which left a
+publish free to write any version, a lower one every agent refused while the operator was told it
+was published (docs/decisions/0080).
+
+**A publish is made over a bundle.** A bundle does not record the one it was edited from; its
+version says it: bundle N is published over bundle N-1 (what ``leasehold policy bump`` makes of the
+published one). A publish whose version skips past the next one must name the bundle it was made
+over (``over``), and is written only while that bundle is the published one, so that two operators
+editing the same bundle cannot both publish — the second's higher version silently took back the
+first's edit.
+
 Rollback is a publish: the old rules and pools under a new, higher ``bundleVersion``
 (:func:`rollback_bundle` builds it from any earlier bundle and re-seals the checksum; a signed
 fleet needs it signed again, since the signature covers the version).
@@ -41,6 +56,7 @@ from kernel.signing import SignatureRefused, TrustedKeys
 
 POLICY_KEY_SUFFIX = "policy/current"
 SIGNING_KEY_SUFFIX = "policy/signing"
+PUBLISHED_VERSION_SUFFIX = "policy/published-version"
 
 
 def policy_key(prefix: str) -> bytes:
@@ -51,6 +67,36 @@ def policy_key(prefix: str) -> bytes:
 def signing_key(prefix: str) -> bytes:
     """``/leasehold/`` -> ``b"/leasehold/policy/signing"`` (the signing marker)."""
     return (prefix if prefix.endswith("/") else prefix + "/").encode() + SIGNING_KEY_SUFFIX.encode()
+
+
+def published_version_key(prefix: str) -> bytes:
+    """``/leasehold/`` -> ``b"/leasehold/policy/published-version"`` (the published version)."""
+    return (prefix if prefix.endswith("/") else prefix + "/").encode() + PUBLISHED_VERSION_SUFFIX.encode()
+
+
+class PublishedVersion(msgspec.Struct, forbid_unknown_fields=True, rename="camel"):
+    bundle_version: int
+
+
+def published_version_value(version: int) -> bytes:
+    return msgspec.json.encode(PublishedVersion(version))
+
+
+def _published_version(kv: KV | None) -> int | None:
+    """The published version's value; one that is not a record (written by hand) counts as none: the
+    policy key's own bundle still bounds what is published, and the next write replaces it."""
+    if kv is None:
+        return None
+    try:
+        return msgspec.json.decode(kv.value, type=PublishedVersion).bundle_version
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None
+
+
+class VersionSkip(Conflict):
+    """A publish whose version skips past the next one and names no bundle it was made over."""
+
+    code, title = "version-skip", "Bundle version skips the next one"
 
 
 class SigningMarker(msgspec.Struct, forbid_unknown_fields=True):
@@ -83,6 +129,7 @@ class PublishResult:
     previous: int | None  # None: nothing was published, or what was is not a valid bundle (``replaced``)
     revision: int
     replaced: str = ""  # why the value it replaced was not a valid bundle
+    held: int | None = None  # the version it was written above: the published bundle's, or the published version's
 
 
 def parse_stored(kv: KV, trusted: TrustedKeys | None = None) -> Stored:
@@ -93,6 +140,12 @@ def parse_stored(kv: KV, trusted: TrustedKeys | None = None) -> Stored:
         return Stored(kv.value, kv.mod_revision, None, e.detail, e.outcome)
     except PolicyError as e:
         return Stored(kv.value, kv.mod_revision, None, e.detail)
+
+
+def _marker_keys(marker: SigningMarker | None) -> TrustedKeys | None:
+    from kernel.signing import public_key_from_text
+
+    return None if marker is None else TrustedKeys(public_key_from_text(v) for v in marker.keys.values())
 
 
 def _verifier(trusted: TrustedKeys | None) -> Callable[[Bundle], None] | None:
@@ -109,6 +162,7 @@ class PolicyStore:
         self.key = policy_key(prefix)
         self.signing_key = signing_key(prefix)
         self.canary_key = canary_key(prefix)
+        self.published_version_key = published_version_key(prefix)
         # what the value last read under each key parsed to: a re-read of the same value (a watcher's
         # periodic re-read, a refresh a request asks for) is not decoded, verified and validated again
         self._parsed: dict[bytes, Any] = {}
@@ -130,6 +184,19 @@ class PolicyStore:
         except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
             why = e if not isinstance(e, RecursionError) else "nested too deeply"
             raise PolicyError(f"the signing marker {self.signing_key.decode()} is malformed: {why}") from None
+
+    async def trust_marker(self) -> tuple[SigningMarker | None, str | None]:
+        """Read what is stored with the signing marker's keys from now on (verified before validated, as a
+        service trusting them reads it). Returns the marker and, when it is malformed (not trusted then),
+        why."""
+        try:
+            marker = await self.read_signing()
+        except PolicyError as e:
+            return None, e.detail
+        if marker is not None:
+            self.trusted = _marker_keys(marker)
+            self._parsed.clear()
+        return marker, None
 
     async def check_signed(self, bundle: Bundle) -> SigningMarker | None:
         """Refuse ``bundle`` (a :class:`kernel.signing.SignatureRefused`, its ``errors`` saying which keys
@@ -157,6 +224,10 @@ class PolicyStore:
             txn.put(self.signing_key, msgspec.json.encode(marker))
         await self.store.commit(txn)
 
+    async def read_published_version(self) -> int | None:
+        """The published version (None: none was written, or the record is not one)."""
+        return _published_version(await self.store.get(self.published_version_key))
+
     async def read(self) -> Stored | None:
         """The stored bundle (None if nothing was ever published). Raises StoreUnavailable."""
         kv = await self.store.get(self.key)
@@ -175,30 +246,55 @@ class PolicyStore:
                 f"({e.detail}); nothing was written. etcd's --max-request-bytes is 1.5 MiB by default: "
                 "fewer or merged rules, or a larger limit on etcd and on every reader") from None
 
-    async def publish(self, raw: bytes | str) -> PublishResult:
-        """Validate ``raw`` and write it if its version is strictly higher than the stored one.
+    async def publish(self, raw: bytes | str, *, over: int | None = None, next_only: bool = False) -> PublishResult:
+        """Validate ``raw`` and write it if its version is strictly higher than the published one: the
+        valid bundle under the policy key or the published version, whichever is higher (the key may
+        have been deleted, or hold a value that is not a bundle, since). ``over``: the version of the
+        bundle ``raw`` was made over, which must be the published one; ``next_only`` (the CLI): a
+        version that skips past the next one needs ``over``.
 
-        Raises PolicyError (invalid bundle), StaleVersion (not higher), Conflict (a concurrent
-        publish changed the key between the read and the write) or StoreUnavailable."""
+        Raises PolicyError (invalid bundle), StaleVersion (not higher), Conflict (made over another
+        bundle than the published one, or a concurrent publish changed a key between the read and the
+        write), VersionSkip or StoreUnavailable."""
         candidate = decode_bundle(raw)
         body = raw.encode() if isinstance(raw, str) else bytes(raw)
-        current = await self.read()
+        got = await self.store.get_many([self.key, self.published_version_key])
+        cur_kv, mark_kv = got.get(self.key), got.get(self.published_version_key)
+        current = None if cur_kv is None else self._parse(cur_kv, parse_stored)
+        valid = current.bundle.bundle_version if current is not None and current.bundle is not None else None
+        marked = _published_version(mark_kv)
+        held = max((v for v in (valid, marked) if v is not None), default=None)
+        version = candidate.bundle_version
+        if held is not None and version <= held:
+            if held == valid:
+                raise StaleVersion(f"bundle {version} is not newer than the published {held}")
+            why = ("nothing is published there" if current is None else
+                   "the published value is not a valid bundle" if current.bundle is None else
+                   f"it holds bundle {valid}, written below it since")
+            raise StaleVersion(f"bundle {version} is not newer than bundle {held}, the last one published at "
+                               f"{self.key.decode()} ({why}): agents hold it and refuse a lower version")
+        if over is not None and held is None:
+            raise Conflict(f"nothing is published at {self.key.decode()} (nor a published version recorded), not "
+                           f"bundle {over} this one was made over: a first bundle is published without --over")
+        if over is not None and over != held:
+            raise Conflict(f"bundle {held} is published, not bundle {over} this one was made over: publishing it "
+                           f"would take back bundle {held}'s changes")
+        if over is None and next_only and held is not None and version != held + 1:
+            raise VersionSkip(f"bundle {version} skips versions above the published {held}: a bundle is published "
+                              "over the one below it unless --over names the bundle it was made over")
         txn = TxnBuilder()
-        if current is None:
-            txn.absent(self.key)
-            previous = None
-        else:
-            if current.bundle is not None and candidate.bundle_version <= current.bundle.bundle_version:
-                raise StaleVersion(f"bundle {candidate.bundle_version} is not newer than the published "
-                                   f"{current.bundle.bundle_version}")
-            txn.modified_at(self.key, current.mod_revision)
-            previous = current.bundle.bundle_version if current.bundle is not None else None
+        for key, kv in ((self.key, cur_kv), (self.published_version_key, mark_kv)):
+            if kv is None:
+                txn.absent(key)
+            else:
+                txn.modified_at(key, kv.mod_revision)
         txn.put(self.key, body)
+        txn.put(self.published_version_key, published_version_value(version))
         res = await self._commit(txn, body)
         if not res.succeeded:
             raise Conflict("the published policy changed during this publish; read it again and retry")
-        return PublishResult(candidate.bundle_version, previous, res.revision,
-                             current.problem if current is not None and current.bundle is None else "")
+        return PublishResult(version, valid, res.revision,
+                             current.problem if current is not None and current.bundle is None else "", held)
 
 
     async def watch(self, with_canary: bool = False) -> Watch:
@@ -223,8 +319,13 @@ class PolicyStore:
         candidate = decode_bundle(raw)
         if slice_.empty:
             raise PolicyError("a canary needs a slice: --regions, --agents or --tenants")
-        current, staged = await self.read_both()
-        await self.check_signed(candidate)
+        marker = await self.check_signed(candidate)
+        got = await self.store.get_many([self.key, self.canary_key])
+        cur_kv, can_kv = got.get(self.key), got.get(self.canary_key)
+        current = None if cur_kv is None else self._parse(cur_kv, parse_stored)
+        # the staged value is verified with the marker's keys before it is validated, as the agents of the slice
+        # read it: a candidate none of them signed is held by no agent, so it bounds nothing a new one must be above
+        staged = None if can_kv is None else parse_canary(can_kv, _marker_keys(marker))
         if current is not None and current.bundle is None:
             raise PolicyError(f"the published value is not a valid bundle ({current.problem}): publish a valid one "
                               "first, then stage candidates over it")
@@ -261,16 +362,31 @@ class PolicyStore:
         signature; only over the published bundle it was staged over, so a publish made since is
         never taken back) or roll back (``raw``: a bundle with a version above the candidate's): one
         transaction writes the policy key and deletes the canary key."""
-        current, staged = await self.read_both()
-        if staged is None:
+        marker = await self.read_signing()
+        got = await self.store.get_many([self.key, self.canary_key, self.published_version_key])
+        cur_kv, can_kv, mark_kv = got.get(self.key), got.get(self.canary_key), got.get(self.published_version_key)
+        if can_kv is None:
             raise NotFound("no canary is staged")
-        if current is None:
+        if cur_kv is None:
             raise NotFound("nothing is published")
+        # the published bundle is read as it is (one written before the marker is still the base the candidate
+        # was staged over); the candidate is verified with the marker's keys before it is validated, as a
+        # service trusting them reads it: one nobody trusted signed is refused for that alone (decision 0079)
+        current = self._parse(cur_kv, parse_stored)
+        staged = parse_canary(can_kv, _marker_keys(marker))
+        marked = _published_version(mark_kv)
         if raw is None:
             if staged.bundle is None:
+                if staged.outcome != "invalid":
+                    raise SignatureRefused(staged.outcome, f"the staged canary is refused ({staged.outcome}): "
+                                                           f"{staged.problem}; roll it back")
                 raise PolicyError(f"the staged canary is not a valid bundle ({staged.problem}); roll it back")
             version = staged.bundle.bundle_version
             published = current.bundle
+            if published is None and marked is not None and version <= marked:
+                raise StaleVersion(f"bundle {marked} was the last one published (the published value is not a valid "
+                                   f"bundle now): the candidate {version} is not newer, and agents refuse a lower "
+                                   "version; roll the canary back")
             if published is not None and version <= published.bundle_version:
                 raise StaleVersion(f"bundle {published.bundle_version} was published after the candidate {version} was "
                                    "staged: the candidate is not newer, and agents refuse a lower version; roll the "
@@ -280,12 +396,12 @@ class PolicyStore:
                                f"staged over {staged.base}: promoting it would take back that publish's changes; "
                                f"stage a candidate that carries them over {published.bundle_version}, or roll the "
                                "canary back")
-            await self.check_signed(staged.bundle)  # staged before the marker named other keys, or by hand
+            # verified above with the marker's keys (a candidate staged before the marker named other keys, or by hand)
             body = msgspec.json.format(bytes(msgspec.json.decode(staged.raw, type=CanaryDoc).bundle), indent=2)
         else:
             new = decode_bundle(raw)
             floor = max(current.bundle.bundle_version if current.bundle else 0,
-                        staged.bundle.bundle_version if staged.bundle else 0)
+                        staged.bundle.bundle_version if staged.bundle else 0, marked or 0)
             if new.bundle_version <= floor:
                 raise StaleVersion(f"a rollback needs a version above {floor} (agents of the slice hold the candidate)")
             await self.check_signed(new)
@@ -293,7 +409,12 @@ class PolicyStore:
         txn = TxnBuilder()
         txn.modified_at(self.key, current.mod_revision)
         txn.modified_at(self.canary_key, staged.mod_revision)
+        if mark_kv is None:
+            txn.absent(self.published_version_key)
+        else:
+            txn.modified_at(self.published_version_key, mark_kv.mod_revision)
         txn.put(self.key, body)
+        txn.put(self.published_version_key, published_version_value(version))
         txn.delete(self.canary_key)
         res = await self._commit(txn, body)
         if not res.succeeded:

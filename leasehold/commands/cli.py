@@ -388,6 +388,7 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
         async def read():
             store = _policy_store(args)
             try:
+                await store.trust_marker()  # verified first with the marker's keys, as the services do with theirs
                 return await store.read(), store.key.decode()
             finally:
                 await store.store.close()
@@ -396,8 +397,9 @@ def cmd_policy_validate(args: argparse.Namespace) -> int:
         except LeaseholdError as e:
             raise Failure(Exit.CONNECT, f"cannot read the current bundle from etcd ({e.code}): {e.detail}") from None
         if stored is not None and stored.bundle is None:
-            o.note(f"leasehold: the bundle published at {where} is invalid ({stored.problem}); comparing against "
-                   "nothing")
+            o.note(f"leasehold: the bundle published at {where} is "
+                   + (f"invalid ({stored.problem})" if stored.outcome == "invalid"
+                      else f"refused ({stored.outcome}): {stored.problem}") + "; comparing against nothing")
         current = stored.bundle if stored is not None else None
         if current is not None:  # what publish would say of it, before the operator asks it
             result["publishable"] = bundle.bundle_version > current.bundle_version
@@ -505,7 +507,7 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
 
     from kernel.bundle import decode_bundle, encode_bundle, read_bundle_bytes
     from kernel.errors import Conflict, LeaseholdError, StoreUnavailable
-    from kernel.policy_store import rollback_bundle
+    from kernel.policy_store import VersionSkip, rollback_bundle
     from kernel.signing import load_private_key, sign_bundle
 
     try:
@@ -534,11 +536,19 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
                 marker = await store.check_signed(bundle)
                 if marker is None and args.require_signature and bundle.signature is None:
                     raise PolicyError("the bundle is unsigned and --require-signature was given (sign it with --key)")
-                res = await store.publish(raw)
+                # what is published is read as the services trusting the marker's keys read it: a value none of
+                # them signed is not the bundle they hold (the published version says which they do)
+                await store.trust_marker()
+                res = await store.publish(raw, over=args.over, next_only=True)
             except PolicyError as e:
                 raise Failure(Exit.USAGE, f"not published: {e.detail}", e.further) from None
             except StoreUnavailable as e:
                 raise Failure(Exit.CONNECT, f"not published: cannot reach etcd ({e.detail})") from None
+            except VersionSkip as e:  # which bundle this file was made over is the operator's to say
+                raise Failure(Exit.DENIED, f"not published ({e.code}): {e.detail}", [
+                    "if this file was made over the published bundle (`leasehold policy show --raw > published.json` "
+                    f"and `leasehold policy diff published.json {args.file}` show what it changes), publish it with "
+                    "--over <the published version>; else carry the published bundle's changes over first"]) from None
             except Conflict as e:  # another publish got there first: its changes are not in this file
                 raise Failure(Exit.DENIED, f"not published ({e.code}): {e.detail}", [
                     "the published bundle may hold changes this file does not: `leasehold policy show --raw > "
@@ -558,7 +568,7 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
             "slice": staged.slice.text() if staged.slice else None}
         return {"published": res.version, "previous": res.previous, "revision": res.revision,
                 "key": store.key.decode(), "keyId": bundle.key_id, "replacedInvalid": res.replaced or None,
-                "canary": canary}
+                "lastPublished": res.held, "canary": canary}
 
     data = asyncio.run(publish())
     if (c := data["canary"]) is not None:
@@ -568,8 +578,15 @@ def cmd_policy_publish(args: argparse.Namespace) -> int:
                           "bundle") + "; `policy promote` refuses it now: roll it back, or stage a candidate above "
                        f"{data['published']} that carries this publish's changes")
     def text(d: dict) -> str:
-        previous = ("the first" if d["replacedInvalid"] is None else f"over an invalid value: {d['replacedInvalid']}"
-                    ) if d["previous"] is None else f"previous {d['previous']}"
+        if d["previous"] is not None:
+            previous = f"previous {d['previous']}"
+        else:  # over an empty key or an invalid value, above the last bundle published (when one was)
+            previous = ("over an empty key" if d["replacedInvalid"] is None
+                        else f"over an invalid value: {d['replacedInvalid']}")
+            if d["lastPublished"] is not None:
+                previous += f"; bundle {d['lastPublished']} was the last published"
+            elif d["replacedInvalid"] is None:
+                previous = "the first"
         return (f"published bundle {d['published']} ({previous}) at {d['key']}, revision {d['revision']}"
                 + (f", signed by key {d['keyId']}" if d["keyId"] else ", unsigned"))
 
@@ -653,25 +670,20 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
     import asyncio
 
     from kernel.errors import LeaseholdError
-    from kernel.signing import TrustedKeys, public_key_from_text
 
-    async def read() -> tuple[Any, Any, Any, str | None, str]:
+    async def read() -> tuple[Any, Any, Any, str | None, str, str]:
         store = _policy_store(args)
         try:
-            try:
-                marker, marker_problem = await store.read_signing(), None
-                if marker is not None:  # verified with the marker's keys first, as the services verify with theirs
-                    store.trusted = TrustedKeys(public_key_from_text(v) for v in marker.keys.values())
-            except PolicyError as e:
-                marker, marker_problem = None, e.detail
+            # verified with the marker's keys first, as the services verify with theirs
+            marker, marker_problem = await store.trust_marker()
             stored, staged = await store.read_both()
         except LeaseholdError as e:
             raise Failure(Exit.CONNECT, f"cannot read ({e.code}): {e.detail}") from None
         finally:
             await store.store.close()
-        return stored, staged, marker, marker_problem, store.key.decode()
+        return stored, staged, marker, marker_problem, store.key.decode(), store.canary_key.decode()
 
-    stored, staged, marker, marker_problem, key = asyncio.run(read())
+    stored, staged, marker, marker_problem, key, canary_key = asyncio.run(read())
     if stored is None:
         raise Failure(Exit.NOT_RUNNING, f"nothing published under {key}", key=key)
     if args.raw:
@@ -693,6 +705,16 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
                 "refused": None if staged.bundle is not None else staged.outcome,
                 "bundleVersion": staged.bundle.bundle_version if staged.bundle else None, "base": staged.base,
                 "slice": staged.slice.text() if staged.slice else None}}
+    # a value the services refuse is not what a script checking the exit status may take for a healthy fleet
+    refused = [w for w, d in ((key, data), (canary_key, data["canary"])) if d is not None and not d["valid"]]
+    if refused:  # the document all the same, with the error a failing command's JSON carries
+        o = out(args)
+        message = (f"the value {'published' if refused[0] == key else 'staged'} at {refused[0]} is not a bundle the "
+                   "services take: they keep the bundle they hold (exit 2)")
+        data["error"] = {"exit": int(Exit.USAGE), "kind": Exit.USAGE.name.lower(), "message": message}
+        code = o.result(data, _shown_text, Exit.USAGE)
+        o.note(f"leasehold: {message}")
+        return code
     return out(args).result(data, _shown_text)
 
 
@@ -929,6 +951,9 @@ def add_policy_commands(psub: Any) -> None:
     sp.add_argument("--as-version", type=int, help="publish FILE's rules and pools under this version "
                                                    "(re-sealed checksum): the rollback path")
     sp.add_argument("--published-at", help="publishedAt for --as-version")
+    sp.add_argument("--over", type=int, metavar="VERSION",
+                    help="the published bundle this one was made over: published only while it is the published one "
+                         "(needed when the version skips past the next one; default: the version below this one)")
     sp.add_argument("--key", help="sign with this Ed25519 private key before publishing (default, against the "
                                   "running local topology: its generated key, for an unsigned FILE)")
     sp.add_argument("--require-signature", action="store_true",

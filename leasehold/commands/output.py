@@ -48,9 +48,10 @@ MEANINGS: dict[Exit, str] = {
     Exit.OK: "success; for `admit`, the request is allowed; for `status`, every service is up and ready",
     Exit.DIFFERS: "`policy fmt --check`: the file is not in canonical form",
     Exit.USAGE: "bad usage or invalid input: an unknown option, a malformed, unsigned or wrongly signed "
-                "bundle, a refused publish",
+                "bundle, a refused publish; `policy show`: the published value or the staged canary is one the "
+                "services refuse",
     Exit.DENIED: "`admit`: the request was denied (429); `policy publish`: refused because the version is not "
-                 "higher than the published one",
+                 "higher than the last one published, or the bundle was made over another than the published one",
     Exit.UNAVAILABLE: "the agent or allocator answered unavailable (503); `status`: a service is running "
                       "but not ready",
     Exit.CONNECT: "could not connect (agent, allocator or etcd); `status`: a service of the topology is down",

@@ -109,7 +109,8 @@ def cmd_rollback(args: argparse.Namespace) -> int:
                               "a new version: policy publish OLD --as-version N)")
         if current is None or current.bundle is None:
             raise PolicyError("the published bundle is unreadable; publish a valid one")
-        top = max(current.bundle.bundle_version, staged.bundle.bundle_version if staged.bundle else 0)
+        top = max(current.bundle.bundle_version, staged.bundle.bundle_version if staged.bundle else 0,
+                  await store.read_published_version() or 0)
         back = _sign(args, rollback_bundle(current.bundle, args.as_version or top + 1,
                                            args.published_at or now_text()))
         return await store.rollback(encode_bundle(back)), back
@@ -175,12 +176,19 @@ def _pct(x: float | None) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    code, got = _call(args, lambda store: store.read_both())
+    async def read(store):
+        await store.trust_marker()  # verified first with the marker's keys, as the services do with theirs
+        return (*await store.read_both(), store.key.decode())
+
+    code, got = _call(args, read)
     if got is None:
         return code
-    current, staged = got
-    if current is None or current.bundle is None:
-        return fail(args, "nothing valid is published", EXIT_USAGE)
+    current, staged, key = got
+    if current is None:
+        return fail(args, f"nothing is published at {key}", EXIT_USAGE)
+    if current.bundle is None:
+        why = "invalid" if current.outcome == "invalid" else f"refused ({current.outcome})"
+        return fail(args, f"nothing valid is published at {key}: {why}: {current.problem}", EXIT_USAGE)
     cur_v = current.bundle.bundle_version
     cand = staged.bundle if staged is not None else None
     sl = staged.slice if staged is not None else None

@@ -131,6 +131,11 @@ class LocalTopology:
                     # so `policy show`, `validate --against-etcd` and a canary (staged over a published
                     # bundle) see it instead of nothing
                     self.etcd.etcdctl("put", "/leasehold/policy/current", stdin=Path(self.policy_path).read_text())
+                    # and its version, as every publish writes it (a publish must be above it: kernel.policy_store)
+                    from kernel.bundle import load_bundle_file
+                    from kernel.policy_store import published_version_value
+                    self.etcd.etcdctl("put", "/leasehold/policy/published-version", stdin=published_version_value(
+                        load_bundle_file(self.policy_path).bundle_version).decode())
                 if self.secrets:
                     self.secrets.enable_etcd_auth(self.etcd)
                 for i in range(self.spec.allocators):

@@ -5,7 +5,8 @@
 #   role                  user        permissions (under the prefix P, default /leasehold/)
 #   leasehold-publisher   publisher   readwrite  P policy/current          (the policy key,
 #                                     readwrite  P policy/canary            the staged candidate
-#                                     readwrite  P policy/signing           and the signing marker only)
+#                                     readwrite  P policy/signing           the signing marker
+#                                     readwrite  P policy/published-version the last version published, only)
 #   leasehold-allocator   allocator   readwrite  P pools/ P grants/ P members/ (prefixes), P leader
 #                                                (prefix: the key and, sharded, leader/<shard>),
 #                                                P shards, P compaction (keys);
@@ -105,6 +106,7 @@ ensure_role leasehold-publisher
 grant leasehold-publisher readwrite "${P}policy/current"
 grant leasehold-publisher readwrite "${P}policy/signing"  # the signing marker publish checks (kernel.policy_store)
 grant leasehold-publisher readwrite "${P}policy/canary"  # a staged candidate and its slice (docs/policy.md)
+grant leasehold-publisher readwrite "${P}policy/published-version"  # written with every bundle (kernel.policy_store)
 prune_role leasehold-publisher
 
 ensure_role leasehold-allocator

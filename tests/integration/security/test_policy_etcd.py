@@ -415,7 +415,8 @@ async def test_a_value_nested_too_deeply_is_refused_and_a_publish_replaces_it(re
         assert (await agent.get("/v1/policy")).json()["bundleVersion"] == base.bundle_version
 
         capsys.readouterr()
-        assert await asyncio.to_thread(cli_main, ["policy", "show", "--etcd", ep, "--prefix", prefix]) == 0
+        # exit 2: what is published is not what the agents run (was 0, the code of a healthy fleet)
+        assert await asyncio.to_thread(cli_main, ["policy", "show", "--etcd", ep, "--prefix", prefix]) == 2
         shown = capsys.readouterr().out
         assert "INVALID: bundle is not valid JSON: nested too deeply" in shown, shown
         gone = TxnBuilder()
@@ -528,7 +529,7 @@ def test_publish_beside_a_staged_canary_says_what_becomes_of_it(etcd_cluster, pr
                                "keeps evaluating it, not this bundle; `policy promote` refuses it now"), said.err
     assert cli_main(["policy", "promote", *common]) == 3
     assert "was published after the candidate 12 was staged over 10" in capsys.readouterr().err
-    assert cli_main(["policy", "publish", str(files[13]), *common, "-o", "json"]) == 0
+    assert cli_main(["policy", "publish", str(files[13]), "--over", "11", *common, "-o", "json"]) == 0
     said = capsys.readouterr()
     assert msgspec.json.decode(said.out)["canary"] == {"version": 12, "base": 10, "slice": "regions eu"}
     assert "its slice drops it for this bundle" in said.err

@@ -82,15 +82,15 @@ def test_bundles_no_trusted_key_signed_are_refused_by_their_signature_never_vali
         assert "script slots" not in log, log
         # policy show: without a signing marker it validates (INVALID); with one it verifies first, as the agent
         capsys.readouterr()
-        assert cli_main(["policy", "show", "--etcd", endpoints, "--prefix", prefix]) == 0
+        assert cli_main(["policy", "show", "--etcd", endpoints, "--prefix", prefix]) == 2  # refused: not a success
         assert "INVALID: policy bundle 53 is invalid: " in capsys.readouterr().out
         assert cli_main(["policy", "require-signed", "--etcd", endpoints, "--prefix", prefix,
                          "--public-keys", str(pub)]) == 0
         capsys.readouterr()
-        assert cli_main(["policy", "show", "--etcd", endpoints, "--prefix", prefix, "-o", "json"]) == 0
+        assert cli_main(["policy", "show", "--etcd", endpoints, "--prefix", prefix, "-o", "json"]) == 2
         shown = json.loads(capsys.readouterr().out)
         assert (shown["valid"], shown["refused"]) == (False, "untrusted_key") and "not trusted" in shown["problem"]
-        assert cli_main(["policy", "show", "--etcd", endpoints, "--prefix", prefix]) == 0
+        assert cli_main(["policy", "show", "--etcd", endpoints, "--prefix", prefix]) == 2
         assert "REFUSED (untrusted_key): bundle 53 is signed by key " in capsys.readouterr().out
         # the same bytes signed by the trusted key are checked in full: invalid (the request-set check)
         before = reloads(url)

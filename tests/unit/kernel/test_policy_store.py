@@ -42,6 +42,9 @@ class _RefusesForItsBytes:
     async def get(self, key):
         return None
 
+    async def get_many(self, keys):
+        return {}
+
     async def commit(self, txn):
         from kernel.etcd_store import EtcdTxnTooLarge
         raise EtcdTxnTooLarge(self.detail)
@@ -56,7 +59,7 @@ def test_a_bundle_etcd_refuses_for_its_size_is_the_bundles_fault_not_an_outage()
     from kernel.policy_store import BundleTooLarge, PolicyStore
 
     raw = (Path(__file__).resolve().parents[3] / "policies" / "northstar.json").read_bytes()
-    fake: Any = _RefusesForItsBytes("etcd txn refused: etcdserver: request is too large")  # get and commit only
+    fake: Any = _RefusesForItsBytes("etcd txn refused: etcdserver: request is too large")  # get, get_many and commit only
     store = PolicyStore(fake)
     with pytest.raises(BundleTooLarge) as e:
         asyncio.run(store.publish(raw))
