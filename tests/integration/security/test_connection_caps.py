@@ -244,7 +244,7 @@ def _hold(port: int) -> RawConnection | None:
     except OSError:
         return None
     try:
-        c.settings(1.0)
+        c.settings()
     except (AssertionError, OSError):
         c.close()
         return None
