@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7
@@ -51,6 +52,13 @@ def grpc_message(body: bytes) -> bytes:
     return b"\x00" + struct.pack(">I", len(body)) + body
 
 
+Frame = tuple[int, int, int, bytes]  # (type, flags, stream id, payload)
+
+
+def _has_settings(frames: list[Frame]) -> bool:
+    return any(kind == SETTINGS and not flags & ACK for kind, flags, _, _ in frames)
+
+
 class RawConnection:
     """One HTTP/2 connection to ``port`` on loopback. ``window``: the initial stream window it
     announces (0: the server may send no answer's message on any stream)."""
@@ -79,9 +87,10 @@ class RawConnection:
                 out.append(frame(HEADERS, END_HEADERS, sid, head) + frame(DATA, END_STREAM, sid, grpc_message(message)))
         self.sock.sendall(b"".join(out))
 
-    def frames(self, within_s: float) -> list[tuple[int, int, int, bytes]]:
-        """The frames the server sends within ``within_s`` (until it closes the connection)."""
-        out: list[tuple[int, int, int, bytes]] = []
+    def frames(self, within_s: float, until: Callable[[list[Frame]], bool] | None = None) -> list[Frame]:
+        """The frames the server sends within ``within_s`` (until it closes the connection, or as
+        soon as ``until`` holds for the frames read so far)."""
+        out: list[Frame] = []
         buf = b""
         deadline = time.monotonic() + within_s
         while (left := deadline - time.monotonic()) > 0:
@@ -97,12 +106,16 @@ class RawConnection:
                 n = int.from_bytes(buf[:3], "big")
                 out.append((buf[3], buf[4], int.from_bytes(buf[5:9], "big") & 0x7FFF_FFFF, buf[9:9 + n]))
                 buf = buf[9 + n:]
+            if until is not None and until(out):
+                break
         return out
 
-    def settings(self, within_s: float = 5.0) -> dict[int, int]:
+    def settings(self, within_s: float = 10.0) -> dict[int, int]:
         """The server's first SETTINGS (read at the connection's start), acknowledged as every
-        client does (grpc closes a connection whose peer acknowledges none: ``settings_timeout``)."""
-        for kind, flags, _, payload in self.frames(within_s):
+        client does (grpc closes a connection whose peer acknowledges none: ``settings_timeout``).
+        Returned as soon as they come: ``within_s`` only bounds a server that sends none and
+        keeps the connection open (one that refuses the connection closes it, which ends the wait)."""
+        for kind, flags, _, payload in self.frames(within_s, until=_has_settings):
             if kind == SETTINGS and not flags & ACK:
                 self.sock.sendall(frame(SETTINGS, ACK, 0))
                 return {struct.unpack(">H", payload[i:i + 2])[0]: struct.unpack(">I", payload[i + 2:i + 6])[0]

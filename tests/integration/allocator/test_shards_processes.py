@@ -113,8 +113,12 @@ async def test_kill_rejoin_and_leave_under_load_pass_the_checker(three: list[All
             survivors = [p for p in three if p is not victim]
             moved_s = await converged(three, survivors)
             print(f"SIGKILL of {victim.node_id} ({per[victim.node_id]} shards): moved in {moved_s:.2f} s")
-            # the lease outlives the kill by at most the TTL; then one poll (0.25 s) and a campaign
-            assert moved_s <= TTL_S + 1.5, moved_s
+            # the lease outlives the kill by at most the TTL; then one poll (0.25 s) and a campaign:
+            # about 2.3 s on an idle machine (printed above), but the lease's expiry in a loaded
+            # etcd, the campaigns and the reading of the maps all slow down beside other work (4.2 s
+            # seen beside two busy cores), so the bound has room for that; how fast a failover is
+            # belongs to make bench, here it is that the shards move at the lease's expiry
+            assert moved_s <= TTL_S + 4.0, moved_s
             await asyncio.sleep(1.0)
             victim.start()  # a join: the shards that hash to it are handed back
             await converged(three, three)

@@ -188,7 +188,7 @@ def test_one_connection_holds_at_most_its_streams(agent: Agent):
     what one connection can make the agent hold is bounded, however it behaves."""
     c = RawConnection(agent.rls_port)
     try:
-        assert c.settings(1.0).get(MAX_CONCURRENT_STREAMS) == PER_CONNECTION
+        assert c.settings().get(MAX_CONCURRENT_STREAMS) == PER_CONNECTION
     finally:
         c.close()
 
@@ -244,7 +244,9 @@ def test_calls_grpc_refuses_before_the_agent_write_nothing_to_its_log(agent: Age
                              ("content-type", "application/grpc"), ("te", "trailers"), ("grpc-encoding", "br")])
         c.sock.sendall(b"".join(frame(HEADERS, END_HEADERS, 1 + 2 * i, head) +
                                 frame(DATA, END_STREAM, 1 + 2 * i, b"\x01\x00\x00\x00\x01x") for i in range(20)))
-        answers = [f for f in c.frames(2.0) if f[0] == HEADERS]
+        # each call's refusal, however long a loaded machine takes to send them (bounded)
+        answers = [f for f in c.frames(10.0, until=lambda fs: sum(f[0] == HEADERS for f in fs) >= 20)
+                   if f[0] == HEADERS]
         assert len(answers) == 20 and all(b"grpc-status" in f[3] for f in answers)  # each refused by grpc
     finally:
         c.close()
@@ -272,7 +274,7 @@ def test_a_ping_flood_is_told_to_calm_down_and_the_port_keeps_answering(agent: A
             for i in range(5_000):
                 c.sock.sendall(frame(PING, 0, 0, struct.pack(">Q", i)))
                 sent += 1
-        goaways = [f for f in c.frames(3.0) if f[0] == GOAWAY]
+        goaways = [f for f in c.frames(10.0, until=lambda fs: any(f[0] == GOAWAY for f in fs)) if f[0] == GOAWAY]
         assert goaways and struct.unpack(">I", goaways[0][3][4:8])[0] == 0xB  # ENHANCE_YOUR_CALM
         assert goaways[0][3][8:] == b"too_many_pings"
     finally:
