@@ -246,15 +246,17 @@ def access_log(envoy: Envoy, expect: int) -> list[dict]:
 
 
 def hammer(envoy: Envoy, user: str, *, seconds: float, every_s: float = 0.1) -> list[int]:
-    """One client asking as ``user`` every ``every_s`` for ``seconds`` (at most that many requests)."""
+    """One client asking as ``user`` every ``every_s`` for ``seconds`` (at most that many requests),
+    on a fixed schedule: a slow answer (a loaded machine) delays the next request, not the rate."""
     codes: list[int] = []
-    end = time.monotonic() + seconds
+    start = time.monotonic()
+    end = start + seconds
     with httpx.Client(base_url=envoy.url, timeout=10) as c:
-        for _ in range(int(seconds / every_s) + 1):
+        for i in range(int(seconds / every_s) + 1):
             if time.monotonic() >= end:
                 break
             codes.append(c.get("/catalog", headers=identity(user)).status_code)
-            time.sleep(every_s)
+            time.sleep(max(0.0, start + (i + 1) * every_s - time.monotonic()))
     return codes
 
 
