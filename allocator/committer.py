@@ -178,7 +178,9 @@ class Committer:
         """Settle a queued item (once) and the requests that joined it."""
         if item.done:
             return
-        for it in (item, *item.joiners):
+        item.done, item.result, item.error = True, result, error
+        item.wait.one_done()
+        for it in item.joiners:
             it.done, it.result, it.error = True, result, error
             it.wait.one_done()
         if item.is_grant:
