@@ -136,7 +136,8 @@ class Committer:
         self._running: dict[asyncio.Task[None], Unit[Item]] = {}
         self._busy: set[str] = set()  # pools of the units in flight
         self._inflight: dict[tuple[str, str], Item] = {}  # (region, lease id) -> its queued grant (a retry joins it)
-        self._window_bytes: dict[str, int] = {}  # pool -> size of its last window record (unit budgets)
+        # pool -> size of its last window record and key as encoded (unit budgets), set by the transactions
+        self.window_bytes: dict[str, int] = {}
         self.txn_bytes = MAX_TXN_BYTES
         self._task: asyncio.Task[None] | None = None
 
@@ -189,10 +190,6 @@ class Committer:
                 del self._inflight[key]
         self.open_writes.closed(item.shard)
 
-    def note_window_bytes(self, pool: str, size: int) -> None:
-        """The size of a window record just encoded (how much room its next units leave)."""
-        self._window_bytes[pool] = size
-
     def lower_txn_bytes(self, refused_bytes: int) -> None:
         """etcd refused a transaction of ``refused_bytes`` for its size: build smaller ones."""
         lowered = max(MIN_TXN_BYTES, min(self.txn_bytes, refused_bytes) // 2)
@@ -233,7 +230,7 @@ class Committer:
                 self._wakeup = None
 
     def _window_size(self, pool: str) -> int:
-        return self._window_bytes.get(pool, WINDOW_BYTES)
+        return self.window_bytes.get(pool, WINDOW_BYTES)
 
     def _unit_done(self, task: asyncio.Task[None]) -> None:
         unit = self._running.pop(task)

@@ -169,19 +169,17 @@ class TransactionLoop:
             txn = TxnBuilder()
             for shard, epoch in a.fence.items():
                 txn.created_at(self.election.leader_key(shard), epoch)
-            for c in a.windows.values():
-                if c.mod_revision:
-                    txn.modified_at(c.key, c.mod_revision)
-                else:
-                    txn.absent(c.key)
+            txn.as_read((c.key, c.mod_revision) for c in a.windows.values())
             try:
                 if not strategy.build(a, txn):
                     self.cache.drop(a.wks)
                     return
+                encode, sizes, puts = self._encode, self.committer.window_bytes, []
                 for wk, c in a.windows.items():
-                    raw = self._encode(c.state)
-                    self.committer.note_window_bytes(wk[0], len(raw) + 2 * len(c.key))
-                    txn.put(c.key, raw, c.etcd_lease)
+                    raw = encode(c.state)
+                    sizes[wk[0]] = len(raw) + 2 * len(c.key)  # how much room its next units leave
+                    puts.append((c.key, raw, c.etcd_lease))
+                txn.put_many(puts)
             except BaseException:
                 self.cache.drop(a.wks)
                 raise
