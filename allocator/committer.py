@@ -136,7 +136,8 @@ class Committer:
         self._running: dict[asyncio.Task[None], Unit[Item]] = {}
         self._busy: set[str] = set()  # pools of the units in flight
         self._inflight: dict[tuple[str, str], Item] = {}  # (region, lease id) -> its queued grant (a retry joins it)
-        self._window_bytes: dict[str, int] = {}  # pool -> size of its last window record (unit budgets)
+        # pool -> size of its last window record and key as encoded (unit budgets), set by the transactions
+        self.window_bytes: dict[str, int] = {}
         self.txn_bytes = MAX_TXN_BYTES
         self._task: asyncio.Task[None] | None = None
 
@@ -178,7 +179,9 @@ class Committer:
         """Settle a queued item (once) and the requests that joined it."""
         if item.done:
             return
-        for it in (item, *item.joiners):
+        item.done, item.result, item.error = True, result, error
+        item.wait.one_done()
+        for it in item.joiners:
             it.done, it.result, it.error = True, result, error
             it.wait.one_done()
         if item.is_grant:
@@ -186,10 +189,6 @@ class Committer:
             if self._inflight.get(key) is item:
                 del self._inflight[key]
         self.open_writes.closed(item.shard)
-
-    def note_window_bytes(self, pool: str, size: int) -> None:
-        """The size of a window record just encoded (how much room its next units leave)."""
-        self._window_bytes[pool] = size
 
     def lower_txn_bytes(self, refused_bytes: int) -> None:
         """etcd refused a transaction of ``refused_bytes`` for its size: build smaller ones."""
@@ -231,7 +230,7 @@ class Committer:
                 self._wakeup = None
 
     def _window_size(self, pool: str) -> int:
-        return self._window_bytes.get(pool, WINDOW_BYTES)
+        return self.window_bytes.get(pool, WINDOW_BYTES)
 
     def _unit_done(self, task: asyncio.Task[None]) -> None:
         unit = self._running.pop(task)

@@ -30,8 +30,15 @@ import msgspec
 from kernel.asgi import read_body, replay
 from kernel.auth import SCOPE_KEY, RegionAuth, authenticate
 from kernel.errors import LeaseholdError
-from kernel.jsonbody import content_type_of, has_duplicate_keys, is_json_media_type
-from kernel.wire import LeaseBatchRequest, LeaseBatchResponse, UsageBatchRequest, UsageBatchResponse
+from kernel.jsonbody import content_type_of, is_json_media_type, repeats_keys
+from kernel.wire import (
+    LeaseBatchRequest,
+    LeaseBatchResponse,
+    LeaseRequest,
+    UsageBatchRequest,
+    UsageBatchResponse,
+    UsageReport,
+)
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -49,6 +56,34 @@ def _is_json(raw_headers: list[tuple[bytes, bytes]]) -> bool:
         return is_json_media_type(content_type_of(raw_headers))
     except LeaseholdError:  # several Content-Type headers: the handler answers 415
         return False
+
+
+def _lease_keys(r: LeaseRequest) -> int:
+    """The keys a decoded lease request shows were in its object: its four required members, and
+    each optional one whose value is not the default."""
+    return 4 + (r.demand != 0) + (r.window != "current")
+
+
+def _report_keys(r: UsageReport) -> int:
+    return 4 + r.closed_early  # leaseId, region, pool, spent; closedEarly when true
+
+
+def decode_items(body: bytes, leases: bool) -> list[LeaseRequest] | list[UsageReport] | None:
+    """The items of a batch body the fast path serves, or None: it does not decode strictly into
+    the route's request type, or an object repeats a key (the handler answers 400,
+    kernel.jsonbody). Repeated keys are ruled out by counting (``repeats_keys`` with the keys the
+    decoded items show, plus the batch's one member), else by the exact check."""
+    items: list[LeaseRequest] | list[UsageReport]
+    try:
+        if leases:
+            items = _decode_leases(body).requests
+            shown = 1 + sum(map(_lease_keys, items))
+        else:
+            items = _decode_usage(body).reports
+            shown = 1 + sum(map(_report_keys, items))
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return None if repeats_keys(body, shown) else items
 
 
 def batch_fast_path(state_of: Callable[[], Any], max_body: int) -> Callable[[ASGIApp], ASGIApp]:
@@ -77,14 +112,7 @@ def batch_fast_path(state_of: Callable[[], Any], max_body: int) -> Callable[[ASG
                     await app(scope, receive, send)  # the guard answers 401 (before reading the body)
                     return
             chunks, body = await read_body(receive, max_body)
-            items = None
-            if body is not None:
-                try:
-                    items = _decode_leases(body).requests if path == LEASES else _decode_usage(body).reports
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    items = None
-                if items is not None and has_duplicate_keys(body):
-                    items = None  # the handler answers 400 (kernel.jsonbody)
+            items = None if body is None else decode_items(body, path == LEASES)
             if items is None or (who is not None and any(it.region != who for it in items)) \
                     or len({it.lease_id for it in items}) != len(items):
                 await app(scope, replay(chunks, receive), send)  # the handler gives the 4xx problem

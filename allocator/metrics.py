@@ -24,7 +24,6 @@ from kernel.connection_metrics import ConnectionMetrics
 from kernel.etcd_store import EtcdRefused, EtcdStore
 from kernel.metrics_exposition import standard_collectors
 from kernel.policy_metrics import policy_metrics
-from kernel.wire import WindowRef
 
 if TYPE_CHECKING:
     from .election import Election
@@ -162,10 +161,6 @@ class AllocatorMetrics:
             self._regions.add(region)
             return region
         return "other"
-
-    def note_grant_window(self, pool: str, window: WindowRef, limit: int, remaining: int) -> None:
-        """After a grant decision: the window's fill (see :class:`WindowFill`)."""
-        self.window_fill.note(pool, window.index, window.start_ms, window.end_ms, limit, remaining)
 
     def observe_etcd(self, op: str, seconds: float) -> None:
         self.etcd_latency.labels(op).observe(seconds)

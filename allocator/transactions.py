@@ -169,19 +169,17 @@ class TransactionLoop:
             txn = TxnBuilder()
             for shard, epoch in a.fence.items():
                 txn.created_at(self.election.leader_key(shard), epoch)
-            for c in a.windows.values():
-                if c.mod_revision:
-                    txn.modified_at(c.key, c.mod_revision)
-                else:
-                    txn.absent(c.key)
+            txn.as_read((c.key, c.mod_revision) for c in a.windows.values())
             try:
                 if not strategy.build(a, txn):
                     self.cache.drop(a.wks)
                     return
+                encode, sizes, puts = self._encode, self.committer.window_bytes, []
                 for wk, c in a.windows.items():
-                    raw = self._encode(c.state)
-                    self.committer.note_window_bytes(wk[0], len(raw) + 2 * len(c.key))
-                    txn.put(c.key, raw, c.etcd_lease)
+                    raw = encode(c.state)
+                    sizes[wk[0]] = len(raw) + 2 * len(c.key)  # how much room its next units leave
+                    puts.append((c.key, raw, c.etcd_lease))
+                txn.put_many(puts)
             except BaseException:
                 self.cache.drop(a.wks)
                 raise
@@ -286,27 +284,29 @@ class GrantStrategy:
         return GrantAttempt(targets, now, windows)
 
     def build(self, a: GrantAttempt, txn: TxnBuilder) -> bool:
-        pools, cache, keys = self._pools(), self.loop.cache, self.loop.keys
+        pools, peek, grant_key = self._pools(), self.loop.cache.peek, self.loop.keys.grant
+        decide, encode, windows, now = allocation.decide_grant, self.loop.encode, a.windows, a.now
         absent: list[bytes] = []
         puts: list[tuple[bytes, bytes, int]] = []
+        answers = a.answers
         for it, wk in a.targets:  # decided in place: the unit owns these windows
             r: LeaseRequest = it.req
-            window = a.windows[wk]
-            prev = cache.peek((wk[0], wk[1] - 1), it.epoch)
+            window = windows[wk]
+            prev = peek((wk[0], wk[1] - 1), it.epoch)
             try:
-                d = allocation.decide_grant(lookup_pool(pools, it.pool), window.state, region=r.region, want=r.want,
-                                            demand=r.demand, now_ms=a.now,
-                                            previous=prev.state if prev is not None else None)
+                d = decide(lookup_pool(pools, it.pool), window.state, region=r.region, want=r.want, demand=r.demand,
+                           now_ms=now, previous=prev.state if prev is not None else None)
             except LeaseholdError as e:  # e.g. the region left the pool in a new bundle
                 self.loop.answer(it, error=e)
                 continue
             g = LeaseGrant(lease_id=r.lease_id, pool=r.pool, region=r.region, granted=d.granted, window=d.window,
                            expires_at_ms=d.expires_at_ms, ttl_ms=d.ttl_ms, starts_in_ms=d.starts_in_ms,
-                           epoch=it.epoch, issued_at_ms=a.now, remaining=d.remaining)
-            key = keys.grant(r.region, r.lease_id)
+                           epoch=it.epoch, issued_at_ms=now, remaining=d.remaining)
+            key = grant_key(r.region, r.lease_id)
             absent.append(key)
-            puts.append((key, self.loop.encode(GrantRecord(grant=g, demand=r.demand, want=r.want, requested_window=r.window)), window.etcd_lease))
-            a.answers.append((it, g, d))
+            puts.append((key, encode(GrantRecord(grant=g, demand=r.demand, want=r.want, requested_window=r.window)),
+                         window.etcd_lease))
+            answers.append((it, g, d))
         a.items = [it for it, _, _ in a.answers]
         if not a.answers:
             return False
@@ -318,14 +318,16 @@ class GrantStrategy:
         """Answer the unit's grants, count them and the windows' fill."""
         m = self.loop.metrics
         m.txn_grants.observe(len(a.answers))
+        count, answer = m.count_grant, self.loop.committer.answer
         for it, g, d in a.answers:
-            m.count_grant(g.pool, g.region, g.granted, d.exhausted_now)
-            self.loop.answer(it, g)
-        pools = self._pools()
-        for wk, c in a.windows.items():  # the window's fill after the unit's last decision
-            pool = pools.get(wk[0])
+            count(g.pool, g.region, g.granted, d.exhausted_now)
+            answer(it, g)
+        pools, note = self._pools(), m.window_fill.note
+        for (pool_id, k), c in a.windows.items():  # the window's fill after the unit's last decision
+            pool = pools.get(pool_id)
             if pool is not None:
-                m.note_grant_window(wk[0], allocation.window_ref(wk[1], pool.window_ms), pool.limit, c.state.remaining)
+                w = pool.window_ms
+                note(pool_id, k, k * w, (k + 1) * w, pool.limit, c.state.remaining)
         self.loop.cache.prune(a.now)
 
     def recheck(self, a: GrantAttempt) -> list[bytes]:

@@ -644,6 +644,17 @@ class TxnBuilder:
         """``version(key) == 0`` (the key does not exist)."""
         self._compare().key = key  # (result EQUAL, target VERSION and version 0 are the defaults)
 
+    def as_read(self, keys: Iterable[tuple[bytes, int]]) -> None:
+        """For each (key, mod_revision): :meth:`modified_at` the revision, or :meth:`absent` when it
+        is 0 (the key was not there when read)."""
+        add = self._compare
+        for key, revision in keys:
+            if revision:
+                c = add()
+                c.target, c.key, c.mod_revision = _MOD, key, revision
+            else:
+                add().key = key
+
     def absent_many(self, keys: Iterable[bytes]) -> None:
         add = self._compare
         for key in keys:

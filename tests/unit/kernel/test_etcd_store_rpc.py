@@ -72,6 +72,15 @@ def test_a_built_transaction_is_the_protobuf_etcd_reads():
     assert back.failure[0].request_range.range_end == b"/p0"
 
 
+def test_as_read_compares_each_key_as_modified_at_or_absent_would():
+    one, each = TxnBuilder(), TxnBuilder()
+    one.as_read([(b"/w1", 9), (b"/w2", 0), (b"/w3", 4)])
+    each.modified_at(b"/w1", 9)
+    each.absent(b"/w2")
+    each.modified_at(b"/w3", 4)
+    assert one.request.SerializeToString() == each.request.SerializeToString()
+
+
 def test_prefix_range_end_is_etcds_rule():
     assert prefix_range_end(b"/a/") == b"/a0"
     assert prefix_range_end(b"a\xff") == b"b"
