@@ -1,8 +1,9 @@
 """RESP encoding of the agent's EVALSHA calls.
 
-A multi-rule call (every decision) is packed from one %-format per call shape, in which the array
-header, ``slack_ms``, ``decision_ttl_ms`` and the rule slots are already text: only the keys, the
-member and the question are filled in. Every other call is packed by ``hiredis.pack_command``.
+A multi-rule call (every decision) is packed from its shape's text, in which the array header,
+``slack_ms``, ``decision_ttl_ms`` and the rule slots are already text: only the keys, the member
+and the question are joined in, each after its length's bulk header (``$<n>\r\n``, text made once
+per length: a %-format of the call formatted four ints per decision). Every other call is packed by ``hiredis.pack_command``.
 Both are measured against each other in docs/decisions/0025-redis-internals-behind-one-module.md;
 tests/unit/region_agent/store/test_resp_pack.py checks both against redis-py's own packer, byte for byte.
 """
@@ -79,15 +80,22 @@ def _head(sha: str, nk: int, na: int) -> str:
     return head
 
 
-_BULK = "$%d\r\n%s\r\n"  # one string argument, as a %-format (its length, then it)
-_RULE_CALLS: dict[tuple, tuple[tuple, str]] = {}  # (sha, key count, id(rule slots), slack, ttl) -> (slots, format)
+# "$<n>\r\n", the head of a bulk string of n bytes, for the lengths keys, request ids and questions
+# have (a longer string's is formatted): no int formatted per argument of a call
+_LENS = tuple(f"${n}\r\n" for n in range(512))
+_RULE_CALLS: dict[tuple, tuple[tuple, str, str, str]] = {}  # (sha, key count, id(rule slots), slack, ttl) -> (slots, parts)
+
+
+def _bulk(s: str) -> str:
+    n = len(s)
+    return f"{_LENS[n]}{s}\r\n" if n < 512 else f"${n}\r\n{s}\r\n"
 
 
 def _pack_rule_call(sha: str, keys: Sequence[Any], argv: Any) -> str | None:
-    """A multi-rule call (``argv``: a :class:`~region_agent.decision.call.RuleArgv`) packed from one %-format per
-    shape: the header, ``slack_ms``, ``decision_ttl_ms`` and the rule slots are already text in
-    it, only the keys, the member and the question (ASCII strings) are filled in. None for
-    anything else (the generic packer takes it)."""
+    """A multi-rule call (``argv``: a :class:`~region_agent.decision.call.RuleArgv`) packed from its
+    shape's text: the header, ``slack_ms``, ``decision_ttl_ms`` and the rule slots are text
+    already, joined with the keys, the member and the question (ASCII strings) and their
+    lengths. None for anything else (the generic packer takes it)."""
     rules = argv.rules
     slack, ttl, member, question = argv[0], argv[1], argv[2], argv[-1]
     memo_key = (sha, len(keys), id(rules), slack, ttl)
@@ -97,24 +105,20 @@ def _pack_rule_call(sha: str, keys: Sequence[Any], argv: Any) -> str | None:
         slots = _bulks(rules)
         if fixed is None or slots is None or len(argv) != len(rules) + 4:
             return None
-        nk = len(keys)
-        fmt = (_head(sha, nk, len(argv)).replace("%", "%%") + _BULK * nk
-               + fixed.replace("%", "%%") + _BULK + slots.replace("%", "%%") + _BULK)
         if len(_RULE_CALLS) >= _MEMO_MAX:
             _RULE_CALLS.clear()
-        hit = _RULE_CALLS[memo_key] = (rules, fmt)
-    strs = (*keys, member, question)
+        hit = _RULE_CALLS[memo_key] = (rules, _head(sha, len(keys), len(argv)), fixed, slots)
+    _, head, fixed, slots = hit
     try:
-        if not "".join(strs).isascii():  # lengths in bytes: the generic packer
+        if not "".join((*keys, member, question)).isascii():  # lengths in bytes: the generic packer
             return None
     except TypeError:  # not all strings
         return None
-    if len(strs) == 4:  # a decision key and one rule key: the common call
+    if len(keys) == 2:  # a decision key and one rule key: the common call
         k0, k1 = keys
-        return hit[1] % (len(k0), k0, len(k1), k1, len(member), member, len(question), question)
-    vals: list[Any] = []
-    for x in strs:
-        vals += (len(x), x)
-    return hit[1] % tuple(vals)
-
-
+        try:
+            return (f"{head}{_LENS[len(k0)]}{k0}\r\n{_LENS[len(k1)]}{k1}\r\n{fixed}{_LENS[len(member)]}{member}\r\n"
+                    f"{slots}{_LENS[len(question)]}{question}\r\n")
+        except IndexError:  # a string of 512 bytes or more: below
+            pass
+    return "".join((head, *map(_bulk, keys), fixed, _bulk(member), slots, _bulk(question)))

@@ -30,16 +30,19 @@ def test_a_pipeline_packs_as_its_calls_one_after_another(calls):
     assert pack_pipeline([(sha, k, a) for k, a in calls]) == expected
 
 
-_ruled = st.tuples(st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=4),
+# strings of any length up to past the packer's table of bulk headers (512 bytes)
+_str = st.one_of(st.text(max_size=30), st.text(alphabet="ab", min_size=505, max_size=520))
+_ruled = st.tuples(st.lists(st.one_of(st.text(min_size=1, max_size=30), _str), min_size=1, max_size=4),
                    st.integers(min_value=-5, max_value=10**6), st.integers(min_value=0, max_value=10**6),
-                   st.text(max_size=20), st.text(max_size=20))
+                   _str, _str)
 
 
 @given(rules=st.lists(_arg, max_size=12), calls=st.lists(_ruled, min_size=1, max_size=4))
 def test_a_multi_rule_call_packs_from_its_shape_format_as_redis_py_would(rules, calls):
-    """A multi-rule call's ARGV (RuleArgv) is packed from a %-format memoised per shape: the same
-    bytes as redis-py's packer, for '%' in any part, non-ASCII strings, and rule slots the fast
-    path cannot take (bytes); the same rule tuple serves several calls (the memo is hit)."""
+    """A multi-rule call's ARGV (RuleArgv) is packed from its shape's text memoised per shape: the
+    same bytes as redis-py's packer, for '%' in any part, non-ASCII strings, strings longer than
+    the table of bulk headers, and rule slots the fast path cannot take (bytes); the same rule
+    tuple serves several calls (the memo is hit)."""
     from region_agent.decision.call import RuleArgv
     from region_agent.store.resp import pack_pipeline
 

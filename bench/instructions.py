@@ -1,0 +1,243 @@
+"""Instructions per decision under cachegrind, which a busy machine does not change.
+
+Figure 3's engine in process against a real redis-server (outside valgrind): the Northstar
+bundle, read-user-v3, 2,000 users, the node wired as the agent's store factory wires it (the
+batch-size counter, the breaker gauge), 8 tasks. Each run is one Python process under
+``valgrind --tool=cachegrind --cache-sim=no``: a warm-up of 4,000 decisions (every question
+asked twice, so its plan is remembered), then ``--extra`` decisions more (0 in the first run).
+Per decision = (instructions of the second run - the first's) / ``--extra``. Valgrind runs
+Python about 10x slower, so the decision budget, the node's stall, late and connect limits are
+5 s (thresholds only); every counted decision must be a store admission (``script``, 200), or the
+pair is refused. Redis is flushed before each run; ``PYTHONHASHSEED`` is fixed; the start-up heap
+is frozen before the warm-up, as the agent freezes it once started (otherwise every full
+collection walks it, a cost the agent does not pay), and no decision is kept alive by the loop.
+
+``--door``: ``engine`` (``DecisionEngine.admit``), ``rls`` (``RateLimitServicer.ShouldRateLimit``
+with the call's protobuf bytes, each call alone: the door's mapping, the admission, the decision,
+the answer's bytes, the door's metrics) or ``http`` (the HTTP fast path's direct route without
+the socket: ``DirectAdmit.answer`` on the body's bytes: the strict decode, the admission, the
+decision, the JSON answer).
+
+    python -m bench.instructions [--door engine|rls|http] [--pairs 1] [--extra 4000] [--annotate DIR]
+    python -m bench.instructions --cprofile FILE --redis-url redis://127.0.0.1:6379/0 [--door ...]
+
+``--annotate DIR`` keeps both runs' ``cachegrind.out`` files there (``cg_diff`` of the two, then
+``cg_annotate`` of that, shows per C function where the extra decisions' instructions go; one
+pair differs from the next by about 1 % of a decision, so compare medians of several pairs).
+``--cprofile`` runs once without valgrind and profiles only the counted decisions (the Python
+functions and their call counts per decision)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from leasehold.local.procs import RedisServer
+
+from .harness import services
+
+USERS = 2_000
+WARMUP = 2 * USERS
+TASKS = 8
+LIMIT_S = 5.0  # the decision budget and the node's stall and late limits under valgrind
+_IREFS = re.compile(r"I\s+refs:\s+([\d,]+)")
+
+
+async def _child(redis_url: str, door: str, extra: int, check: int, cprofile: Path | None = None) -> dict:
+    from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
+    from envoy.service.ratelimit.v3 import rls_pb2
+    from prometheus_client import CollectorRegistry
+
+    from leasehold.local.topology import DEV_PEPPER
+    from region_agent.decision.admission import Admission
+    from region_agent.decision.engine import DecisionEngine
+    from region_agent.decision.keys import KeyBuilder
+    from region_agent.gateways.mapping import Names
+    from region_agent.gateways.metrics import GatewayMetrics
+    from region_agent.gateways.rls import RateLimitServicer
+    from region_agent.models import AdmitRequest, Principal
+    from region_agent.service.fastpath import DirectAdmit
+    from region_agent.service.metrics import AgentMetrics
+    from region_agent.service.policy import PolicyHolder
+    from region_agent.store import scripts as sc
+    from region_agent.store.breaker import CircuitBreaker
+    from region_agent.store.client import make_client
+    from region_agent.store.node import RedisNode
+
+    from .harness import NORTHSTAR, drive
+
+    m = AgentMetrics()
+    holder = PolicyHolder.load(str(NORTHSTAR))
+    batches: list[int] = []
+
+    def on_batch(n: int) -> None:
+        batches.append(n)
+        m.batch_sizes.observe(n)
+
+    gauge = m.breaker_state.labels("default")
+    client = make_client(redis_url, max_connections=32, socket_timeout=LIMIT_S)
+    client.connection_pool.connection_kwargs["socket_connect_timeout"] = LIMIT_S  # (a threshold, as the others)
+    store = RedisNode(client, sc.Scripts(),
+                      on_batch=on_batch, breaker=CircuitBreaker(), on_breaker=gauge.set,
+                      stall_s=LIMIT_S, late_s=LIMIT_S, connect_timeout_s=LIMIT_S)
+    await store.load()
+    engine = DecisionEngine(get_snapshot=lambda: holder.snapshot, keys=KeyBuilder(DEV_PEPPER.encode()), store=store,
+                            metrics=m, budget_ms=int(LIMIT_S * 1000))
+    st = type("State", (), {})()
+    st.engine, st.holder, st.policy_watch, st.version_check, st.key_cap, st.auth = engine, holder, None, None, None, None
+    st.metrics = m
+    st.admission = admission = Admission(lambda: st)
+    tenant = "scale"
+    decisions: list = []
+    if door == "engine":
+        reqs = [AdmitRequest(request_id=f"i-{k}-{i:06d}", principal=Principal(type="user", id=f"user-{i}"),
+                             route_group="read", tenant_id=tenant) for k in range(4) for i in range(USERS)]
+
+        async def op(i: int) -> None:
+            d = await engine.admit(reqs[i])
+            decisions.append((d.source.value, d.http_status))  # (no decision kept alive: the collector's work)
+    elif door == "rls":
+        D = ratelimit_pb2.RateLimitDescriptor
+        raw = [rls_pb2.RateLimitRequest(domain="leasehold", descriptors=[D(entries=[
+            D.Entry(key="tenant", value=tenant), D.Entry(key="user", value=f"user-{i}"),
+            D.Entry(key="route_group", value="read")])]).SerializeToString() for i in range(USERS)]
+        servicer = RateLimitServicer(names=Names.build(), decide=admission.decide, snapshot_of=lambda: holder.snapshot,
+                                     gateways=None, metrics=GatewayMetrics(CollectorRegistry()))
+
+        class _Ctx:
+            def invocation_metadata(self):
+                return ()
+
+        ctx = _Ctx()
+
+        async def op(i: int) -> None:
+            decisions.append(await servicer.ShouldRateLimit(raw[i % USERS], ctx))
+    else:
+        bodies = [json.dumps({"requestId": f"h-{k}-{i:06d}", "principal": {"type": "user", "id": f"user-{i}"},
+                              "routeGroup": "read", "tenantId": tenant}).encode()
+                  for k in range(4) for i in range(USERS)]
+        direct = DirectAdmit(lambda: st, 1 << 20, "/v1/admit")
+
+        heads = [[(b"content-type", b"application/json"), (b"content-length", str(len(b)).encode())]
+                 for b in bodies]
+
+        async def op(i: int) -> None:
+            headers = heads[i]
+            if not direct.admits(headers):
+                raise AssertionError("the direct route refused the request")
+            answered = direct.answer(headers, bodies[i])
+            if answered is None:
+                raise AssertionError("the direct route handed the request over")
+            status, _headers, payload = await answered
+            decisions.append((status, payload))
+
+    gc.collect()
+    gc.freeze()  # as the agent does once it has started (kernel.httpserver.freeze_startup_heap)
+    try:
+        done, _ = await drive(op, concurrency=TASKS, duration_s=1e9, max_ops=WARMUP)
+        prof = None
+        if cprofile is not None:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
+        done += (await drive(lambda i: op(WARMUP + i), concurrency=TASKS, duration_s=1e9, max_ops=extra))[0]
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(str(cprofile))
+        assert done == WARMUP + extra, (done, extra)
+    finally:
+        await store.close()
+    # the last ``check`` decisions are looked at, in both runs of a pair (the same work in each)
+    counted = decisions[len(decisions) - check:]
+    if door == "engine":
+        kinds = sorted(set(counted))
+    elif door == "rls":
+        kinds = sorted({("rls", int(rls_pb2.RateLimitResponse.FromString(b).overall_code)) for b in counted})
+    else:
+        kinds = sorted({(json.loads(p).get("source"), s) for s, p in counted})
+    return {"kinds": [list(k) for k in kinds], "pipelines": len(batches),
+            "calls": sum(batches), "decisions": len(decisions)}
+
+
+def _flush(redis_url: str) -> None:
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        r.flushall()
+    finally:
+        r.close()
+
+
+def _valgrind_run(redis_url: str, door: str, extra: int, check: int, out: Path) -> tuple[int, dict]:
+    _flush(redis_url)
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}",
+           sys.executable, "-m", "bench.instructions", "--child", redis_url, "--door", door, "--extra", str(extra),
+           "--check", str(check)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3_600)
+    found = _IREFS.findall(p.stderr)
+    if p.returncode != 0 or not found:
+        raise RuntimeError(f"valgrind run failed ({p.returncode}): {p.stderr[-2000:]}")
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    return int(found[-1].replace(",", "")), info
+
+
+def _expected(door: str) -> list[list]:
+    return {"engine": [["script", 200]], "rls": [["rls", 1]], "http": [["script", 200]]}[door]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.instructions")
+    ap.add_argument("--door", choices=("engine", "rls", "http"), default="engine")
+    ap.add_argument("--pairs", type=int, default=1, help="pairs of runs (warm-up alone, warm-up + extra)")
+    ap.add_argument("--extra", type=int, default=WARMUP, help="decisions counted after the warm-up (<= 4,000)")
+    ap.add_argument("--annotate", type=Path, help="keep the cachegrind.out files here")
+    ap.add_argument("--cprofile", type=Path, help="no valgrind: one run in process, cProfile of the counted "
+                    "decisions written to this file (call counts per decision; needs a --redis-url)")
+    ap.add_argument("--redis-url", help="with --cprofile: a redis-server to use (flushed first)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--check", type=int, default=WARMUP, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if not a.child and not 1 <= a.extra <= 2 * USERS:
+        ap.error("--extra must be within 1..4000 (each question is new: 4 askings of 2,000 users)")
+    if a.child:
+        import uvloop
+
+        print(json.dumps(uvloop.run(_child(a.child, a.door, a.extra, a.check))))
+        return 0
+    if a.cprofile:
+        import uvloop
+
+        if not a.redis_url:
+            ap.error("--cprofile needs --redis-url")
+        _flush(a.redis_url)
+        print(json.dumps(uvloop.run(_child(a.redis_url, a.door, a.extra, a.extra, a.cprofile))))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="leasehold-instructions-") as tmp:
+        keep = a.annotate or Path(tmp)
+        keep.mkdir(parents=True, exist_ok=True)
+        redis = RedisServer(Path(tmp) / "redis").start()
+        with services(redis):
+            for n in range(a.pairs):
+                base, info0 = _valgrind_run(redis.url, a.door, 0, a.extra, keep / f"cachegrind.out.{a.door}.{n}.warmup")
+                more, info1 = _valgrind_run(redis.url, a.door, a.extra, a.extra, keep / f"cachegrind.out.{a.door}.{n}.extra")
+                ok = info1["kinds"] == _expected(a.door)
+                print(f"{a.door} pair {n + 1}: warm-up {base:,} ; + {a.extra:,} decisions {more:,} ; "
+                      f"per decision {(more - base) / a.extra:,.0f}"
+                      f"{'' if ok else ' (REFUSED: not every counted decision was a store admission)'} ; "
+                      f"counted {info1['kinds']}, pipelines {info1['pipelines'] - info0['pipelines']} "
+                      f"of {info1['calls'] - info0['calls']} calls", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
