@@ -371,6 +371,8 @@ async def test_the_watch_comes_back_after_every_member_restarted(redis_url, poli
             await asyncio.to_thread(cluster.stop_member, i)
         await asyncio.sleep(3.0)
         await asyncio.gather(*(asyncio.to_thread(cluster.start_member, i) for i in range(len(cluster.procs))))
+        # the members elect a leader before the publish can be written (a loaded machine: seconds)
+        await asyncio.to_thread(cluster.wait_healthy)
         pub = PolicyStore(EtcdStore(",".join(cluster.endpoints)), prefix)
         try:
             await pub.publish(encode_bundle(bump(base, base.bundle_version + 1)))
