@@ -142,10 +142,21 @@ def parse_stored(kv: KV, trusted: TrustedKeys | None = None) -> Stored:
         return Stored(kv.value, kv.mod_revision, None, e.detail)
 
 
-def _marker_keys(marker: SigningMarker | None) -> TrustedKeys | None:
+def _keys_of(marker: SigningMarker) -> TrustedKeys:
+    """The keys the signing marker names, as a verifier."""
     from kernel.signing import public_key_from_text
 
-    return None if marker is None else TrustedKeys(public_key_from_text(v) for v in marker.keys.values())
+    return TrustedKeys(public_key_from_text(v) for v in marker.keys.values())
+
+
+def _marker_keys(marker: SigningMarker | None) -> TrustedKeys | None:
+    return None if marker is None else _keys_of(marker)
+
+
+def _as_read(*reads: tuple[bytes, KV | None]) -> list[tuple[bytes, int]]:
+    """Each (key, what was read there) as :meth:`TxnBuilder.as_read` compares it: its mod_revision, 0
+    when the key was absent."""
+    return [(key, 0 if kv is None else kv.mod_revision) for key, kv in reads]
 
 
 def _verifier(trusted: TrustedKeys | None) -> Callable[[Bundle], None] | None:
@@ -203,12 +214,10 @@ class PolicyStore:
         the fleet requires) when the signing marker exists and none of its keys verifies it: what every
         writer of the policy or canary key checks first, so that a bundle the services would refuse is
         refused here. Returns the marker (None: signatures are not required by the store)."""
-        from kernel.signing import public_key_from_text
-
         marker = await self.read_signing()
         if marker is not None:
             try:
-                TrustedKeys(public_key_from_text(v) for v in marker.keys.values()).check(bundle)
+                _keys_of(marker).check(bundle)
             except SignatureRefused as e:
                 e.errors.append(f"the fleet requires bundles signed by one of: {', '.join(sorted(marker.keys))} "
                                 f"({self.signing_key.decode()}); sign with --key")
@@ -283,11 +292,7 @@ class PolicyStore:
             raise VersionSkip(f"bundle {version} skips versions above the published {held}: a bundle is published "
                               "over the one below it unless --over names the bundle it was made over")
         txn = TxnBuilder()
-        for key, kv in ((self.key, cur_kv), (self.published_version_key, mark_kv)):
-            if kv is None:
-                txn.absent(key)
-            else:
-                txn.modified_at(key, kv.mod_revision)
+        txn.as_read(_as_read((self.key, cur_kv), (self.published_version_key, mark_kv)))
         txn.put(self.key, body)
         txn.put(self.published_version_key, published_version_value(version))
         res = await self._commit(txn, body)
@@ -320,8 +325,9 @@ class PolicyStore:
         if slice_.empty:
             raise PolicyError("a canary needs a slice: --regions, --agents or --tenants")
         marker = await self.check_signed(candidate)
-        got = await self.store.get_many([self.key, self.canary_key])
+        got = await self.store.get_many([self.key, self.canary_key, self.published_version_key])
         cur_kv, can_kv = got.get(self.key), got.get(self.canary_key)
+        marked = _published_version(got.get(self.published_version_key))
         current = None if cur_kv is None else self._parse(cur_kv, parse_stored)
         # the staged value is verified with the marker's keys before it is validated, as the agents of the slice
         # read it: a candidate none of them signed is held by no agent, so it bounds nothing a new one must be above
@@ -330,6 +336,12 @@ class PolicyStore:
             raise PolicyError(f"the published value is not a valid bundle ({current.problem}): publish a valid one "
                               "first, then stage candidates over it")
         problems = canary_problems(current.bundle if current else None, candidate)
+        if (marked is not None and candidate.bundle_version <= marked and current is not None
+                and current.bundle is not None and current.bundle.bundle_version < marked):
+            # the policy key was written below the last published version since (by hand): a promote would take the
+            # published version back, so the candidate must be above it, as a publish must
+            problems.append(f"bundle {marked} was the last one published ({self.published_version_key.decode()}): the "
+                            f"candidate's version {candidate.bundle_version} must be above it")
         if staged is not None and staged.bundle is not None and staged.slice is not None:
             held = staged.bundle
             if candidate.bundle_version < held.bundle_version or (
@@ -343,11 +355,7 @@ class PolicyStore:
             raise PolicyError(problems[0], errors=problems)
         assert current is not None and current.bundle is not None
         txn = TxnBuilder()
-        txn.modified_at(self.key, current.mod_revision)
-        if staged is None:
-            txn.absent(self.canary_key)
-        else:
-            txn.modified_at(self.canary_key, staged.mod_revision)
+        txn.as_read(_as_read((self.key, cur_kv), (self.canary_key, can_kv)))
         body = b'{"base":%d,"slice":%s,"bundle":%s}' % (current.bundle.bundle_version, msgspec.json.encode(slice_),
                                                         msgspec.json.encode(msgspec.json.decode(raw)))
         txn.put(self.canary_key, body)
@@ -383,10 +391,11 @@ class PolicyStore:
                 raise PolicyError(f"the staged canary is not a valid bundle ({staged.problem}); roll it back")
             version = staged.bundle.bundle_version
             published = current.bundle
-            if published is None and marked is not None and version <= marked:
-                raise StaleVersion(f"bundle {marked} was the last one published (the published value is not a valid "
-                                   f"bundle now): the candidate {version} is not newer, and agents refuse a lower "
-                                   "version; roll the canary back")
+            if marked is not None and version <= marked and (published is None or published.bundle_version < marked):
+                now = ("the published value is not a valid bundle now" if published is None else
+                       f"bundle {published.bundle_version} was written below it since")
+                raise StaleVersion(f"bundle {marked} was the last one published ({now}): the candidate {version} is not "
+                                   "newer, and a promote never takes the published version back; roll the canary back")
             if published is not None and version <= published.bundle_version:
                 raise StaleVersion(f"bundle {published.bundle_version} was published after the candidate {version} was "
                                    "staged: the candidate is not newer, and agents refuse a lower version; roll the "
@@ -407,12 +416,7 @@ class PolicyStore:
             await self.check_signed(new)
             body, version = bytes(raw), new.bundle_version
         txn = TxnBuilder()
-        txn.modified_at(self.key, current.mod_revision)
-        txn.modified_at(self.canary_key, staged.mod_revision)
-        if mark_kv is None:
-            txn.absent(self.published_version_key)
-        else:
-            txn.modified_at(self.published_version_key, mark_kv.mod_revision)
+        txn.as_read(_as_read((self.key, cur_kv), (self.canary_key, can_kv), (self.published_version_key, mark_kv)))
         txn.put(self.key, body)
         txn.put(self.published_version_key, published_version_value(version))
         txn.delete(self.canary_key)

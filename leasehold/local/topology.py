@@ -24,6 +24,9 @@ from kernel.resources import sample_policy
 from .procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_http_ready, wait_port
 from .services import agent_command, allocator_command
 
+# the services' default etcd prefix (neither is started with another): the keys the start writes live under it
+ETCD_PREFIX = "/leasehold/"
+
 REPO = Path(__file__).resolve().parents[2]  # the source checkout when installed editable
 
 
@@ -124,17 +127,18 @@ class LocalTopology:
                 # auth enabled, and its pools/grants belong to that run
                 shutil.rmtree(run / "etcd", ignore_errors=True)
                 self.etcd = EtcdCluster(run / "etcd", members=self.spec.etcd_members).start(timeout)
+                from kernel.policy_store import policy_key, published_version_key, signing_key
                 if self.signing:  # before auth is on: ``policy publish`` refuses unsigned bundles
-                    self.etcd.etcdctl("put", "/leasehold/policy/signing", stdin=signing_marker(self.signing[1]))
+                    self.etcd.etcdctl("put", signing_key(ETCD_PREFIX).decode(), stdin=signing_marker(self.signing[1]))
                 if self.spec.policy_from_etcd:
                     # the start bundle is the published one: what the services follow is what they run,
                     # so `policy show`, `validate --against-etcd` and a canary (staged over a published
                     # bundle) see it instead of nothing
-                    self.etcd.etcdctl("put", "/leasehold/policy/current", stdin=Path(self.policy_path).read_text())
+                    self.etcd.etcdctl("put", policy_key(ETCD_PREFIX).decode(), stdin=Path(self.policy_path).read_text())
                     # and its version, as every publish writes it (a publish must be above it: kernel.policy_store)
                     from kernel.bundle import load_bundle_file
                     from kernel.policy_store import published_version_value
-                    self.etcd.etcdctl("put", "/leasehold/policy/published-version", stdin=published_version_value(
+                    self.etcd.etcdctl("put", published_version_key(ETCD_PREFIX).decode(), stdin=published_version_value(
                         load_bundle_file(self.policy_path).bundle_version).decode())
                 if self.secrets:
                     self.secrets.enable_etcd_auth(self.etcd)

@@ -273,3 +273,34 @@ def test_a_canary_no_trusted_key_signed_bounds_nothing_a_new_one_must_be_above(e
     capsys.readouterr()
     assert cli_main(["policy", "show", *common, "-o", "json"]) == 0
     assert msgspec.json.decode(capsys.readouterr().out)["canary"]["bundleVersion"] == 11
+
+
+async def test_a_stage_and_a_promote_stay_above_the_last_bundle_published(etcd_cluster, prefix):
+    """Bundle 10 published, then bundle 8 written over it by hand (a valid bundle, below it): a candidate 9
+    was staged over 8 and its promote wrote 9 and took the published version back from 10 to 9, so a
+    publish of 10 was then accepted again. The stage is refused naming 10, and a promote of a candidate
+    that is there anyway (written by hand, or staged before the upgrade) is refused as stale; 11 stages
+    and promotes."""
+    from kernel.errors import PolicyError, StaleVersion
+    from kernel.policy_store import PolicyStore, Slice
+
+    base = northstar()
+    store = PolicyStore(EtcdStore(",".join(etcd_cluster.endpoints)), prefix)
+    try:
+        await store.publish(encode_bundle(bump(base, 10)))
+        await store.store.put(store.key, encode_bundle(bump(base, 8)))
+        with pytest.raises(PolicyError, match=r"bundle 10 was the last one published .*: the candidate's version 9 "
+                                              "must be above it"):
+            await store.stage(encode_bundle(bump(base, 9)), Slice(regions=["eu"]))
+        assert await store.store.get(store.canary_key) is None
+        await store.store.put(store.canary_key, b'{"base":8,"slice":%s,"bundle":%s}' % (
+            msgspec.json.encode(Slice(regions=["eu"])), encode_bundle(bump(base, 9))))
+        with pytest.raises(StaleVersion, match="bundle 10 was the last one published .bundle 8 was written below it "
+                                               "since.: the candidate 9 is not newer"):
+            await store.promote()
+        assert await store.read_published_version() == 10
+        await store.stage(encode_bundle(bump(base, 11)), Slice(regions=["eu"]))
+        assert (await store.promote()).version == 11
+        assert await store.read_published_version() == 11
+    finally:
+        await store.store.close()
