@@ -222,16 +222,11 @@ class ConnectionPool(_aconn.ConnectionPool):
         await super().ensure_connection(connection)
 
 
-class SentinelConnectionPool(_sentinel.SentinelConnectionPool):
+class SentinelConnectionPool(ConnectionPool, _sentinel.SentinelConnectionPool):
     """:class:`ConnectionPool`'s checkout for a Sentinel-managed client (its reconnect asks the
-    sentinels for the primary again). redis-py 8.1 builds a Sentinel pool with maintenance
-    notifications off, so its own checkout reconnects such a connection already; this keeps it
-    so should that change."""
-
-    async def ensure_connection(self, connection: Any) -> None:
-        if closed_by_server(connection):
-            await connection.disconnect()  # the checkout's connect() opens it again
-        await super().ensure_connection(connection)
+    sentinels for the primary again: the override's ``super()`` is redis-py's Sentinel pool, then
+    its pool). redis-py 8.1 builds a Sentinel pool with maintenance notifications off, so its own
+    checkout reconnects such a connection already; this keeps it so should that change."""
 
 
 class HeldConnections:

@@ -192,3 +192,10 @@ def test_the_agents_pools_check_out_through_ensure_connection() -> None:
     assert ri.SentinelConnectionPool.get_connection is ConnectionPool.get_connection
     assert SentinelConnectionPool.ensure_connection is ConnectionPool.ensure_connection
     assert issubclass(ri.SentinelConnectionPool, SentinelConnectionPool)
+
+
+def test_the_sentinel_pool_is_the_agents_checkout_over_redis_pys_sentinel_pool() -> None:
+    """One override of ensure_connection for both pools: the Sentinel pool's order of classes puts
+    redis-py's Sentinel pool (its connection class and primary lookup) between it and redis-py's pool."""
+    assert ri.SentinelConnectionPool.__mro__[1:4] == (ri.ConnectionPool, SentinelConnectionPool, ConnectionPool)
+    assert ri.SentinelConnectionPool.ensure_connection is ri.ConnectionPool.ensure_connection
