@@ -174,13 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--folded", type=Path, help="keep py-spy's folded stacks here")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
+    if a.folded and not (a.http or a.rls or a.allocator):
+        ap.error("--folded needs --http, --rls or --allocator (the engine's profile is pyinstrument's, not py-spy's)")
     with tempfile.TemporaryDirectory(prefix="leasehold-profile-") as tmp:
         if a.rls:
             text = profile_rls(Path(tmp), a.seconds, a.native)
         else:
             fn = profile_allocator if a.allocator else profile_http if a.http else profile_engine
             text = fn(Path(tmp), a.seconds)
-        folded = Path(tmp) / "agent.folded"
+        folded = Path(tmp) / ("allocator.folded" if a.allocator else "agent.folded")
         if a.folded and folded.exists():
             a.folded.write_text(folded.read_text())
     if a.out:
