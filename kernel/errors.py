@@ -133,6 +133,19 @@ class StoreUnavailable(Unavailable):
     code, title = "store-unavailable", "Store unreachable"
 
 
+class NothingRan(StoreUnavailable):
+    """The store was answering, the script call did not run, and what failed was one connection
+    at a point where the agent knows that: before any byte of the call was written (a new
+    connection lost or timed out while it said its handshake), or after Redis answered
+    ``NOSCRIPT`` (the script was not loaded, so it did not run) and before the call was sent
+    again (the ``SCRIPT LOAD``'s connection lost or timed out). Not ambiguous: sending the call
+    once more cannot debit twice, with or without a decision record, so the decision engine sends
+    it again within its budget. Like any store failure it counts against the node's breaker, and
+    a decision that still has no answer degrades as the store unreachable."""
+
+    code, title = "nothing-ran", "The store call did not run"
+
+
 class AmbiguousOutcome(Unavailable):
     """The command was sent but no reply came back: it may or may not have run."""
 

@@ -411,6 +411,9 @@ class DecisionEngine:
         if o.step is NextStep.RETRY_SAME:  # same decision id, same arguments: the script replays its record
             self.metrics.script_errors.labels("AmbiguousOutcome").inc()
             return await self._settle(prep, await self._send_one(prep, plan_calls(prep.plan)[0]), retry=False)
+        if o.step is NextStep.RESEND:  # the call did not run: sent again once, counted as what it was
+            self.metrics.script_errors.labels("NothingRan").inc()
+            return await self._settle(prep, await self._send_one(prep, plan_calls(prep.plan)[0]), retry=False)
         assert isinstance(result, MultiRuleResult)
         if o.step is NextStep.WAIT_TOP_UP:
             assert denial is not None and denial.pending is not None

@@ -10,6 +10,10 @@ module what the answer means, and carries the step out (region_agent/decision/en
 * ``CONFLICT``: the request id has a decision record for another question (409);
 * ``RETRY_SAME``: an ambiguous outcome of an idempotent decision: send the same call again (the
   script replays its stored answer, docs/invariants.md I6);
+* ``RESEND``: the call did not run (:class:`~kernel.errors.NothingRan`: its connection failed
+  before it was written — in the handshake, or in the reload after a ``NOSCRIPT``): send it
+  again, once, within the same budget, with or without a decision record (nothing can be debited
+  twice);
 * ``DEGRADE``: the store failed; :func:`degrade` says how, per rule failMode;
 * ``WAIT_TOP_UP``: a leased pool balance could not pay while a top-up may still come: wait for
   it once, send the call again and ask again with ``waited=True``;
@@ -25,7 +29,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from kernel.algorithms import LocalModel, Role
 from kernel.bundle import Pool, Rule
-from kernel.errors import AmbiguousOutcome, DecisionConflict, LeaseholdError, Overloaded, ScriptRejected
+from kernel.errors import (
+    AmbiguousOutcome,
+    DecisionConflict,
+    LeaseholdError,
+    NothingRan,
+    Overloaded,
+    ScriptRejected,
+)
 
 from ..leasing.book import BalanceState
 from ..models import DeniedScope, Reason
@@ -40,6 +51,7 @@ class NextStep(Enum):
     ALLOWED_WITHOUT_SCRIPT = "allowed_without_script"
     CONFLICT = "conflict"
     RETRY_SAME = "retry_same"
+    RESEND = "resend"
     DEGRADE = "degrade"
     WAIT_TOP_UP = "wait_top_up"
     POOL_FALLBACK = "pool_fallback"
@@ -73,13 +85,16 @@ def outcome(plan: Plan, pools: Mapping[str, Pool], result: MultiRuleResult | Lea
 
     ``balance``: the state of the balance a denying tenant pool slot spends (None: this agent
     follows no leases, the script's denial stands); ``can_retry``: budget is left for a second
-    send; ``waited``: a top-up was already waited for; ``fallback``: the answer comes from a
-    fallback allowance; ``retry_floor_ms``: a denial's hint is at least this (a positive hint)."""
+    send, and none was made yet; ``waited``: a top-up was already waited for; ``fallback``: the
+    answer comes from a fallback allowance; ``retry_floor_ms``: a denial's hint is at least this
+    (a positive hint)."""
     if result.__class__ is not MultiRuleResult:  # an error in the reply's place (the rare case first tested)
         if isinstance(result, DecisionConflict):
             return Outcome(NextStep.CONFLICT, error=result)
         if isinstance(result, AmbiguousOutcome) and plan.decision_ttl_ms > 0 and can_retry:
             return Outcome(NextStep.RETRY_SAME, error=result)
+        if isinstance(result, NothingRan) and can_retry:  # not ambiguous: any call may go again
+            return Outcome(NextStep.RESEND, error=result)
         if isinstance(result, LeaseholdError):
             return Outcome(NextStep.DEGRADE, error=result)
     res: MultiRuleResult = result

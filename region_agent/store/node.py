@@ -108,7 +108,8 @@ class RedisNode:
         ``Overloaded`` (shed; the script may have run, so nothing is admitted on it)."""
         if not (isinstance(r, (StoreUnavailable, AmbiguousOutcome)) and r.extra.get("cause") == "timeout"):
             return r
-        timeout = self.connect_timeout_s if isinstance(r, StoreUnavailable) else self.late_s
+        # (NothingRan timed out reading a reply, its handshake's or its reload's: judged as a sent call)
+        timeout = self.connect_timeout_s if r.__class__ is StoreUnavailable else self.late_s
         if self.lag.lag_s(time.monotonic()) >= timeout / 4:
             return Overloaded("a store call timed out while this agent was saturated")
         return r

@@ -4,8 +4,9 @@ the RESP bytes from region_agent.store.resp, and every private part of redis-py 
 region_agent.store.redis_internals.
 
 Calls use EVALSHA; a NOSCRIPT reply means the script did not run, so it is
-loaded and the call retried once. Driver errors become ``kernel.errors`` types in
-:func:`translate_redis_error` only.
+loaded and the call retried once; when that reload fails on its connection, the call still did
+not run (:class:`~kernel.errors.NothingRan`, never ambiguous). Driver errors become
+``kernel.errors`` types in :func:`translate_redis_error` (and :func:`not_run`) only.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kernel.algorithms.pool import PoolEntry
 from kernel.errors import (
     AmbiguousOutcome,
     LeaseholdError,
+    NothingRan,
     ScriptRejected,
     StoreUnavailable,
 )
@@ -37,7 +39,7 @@ from .lua_loader import DEFAULT_LUA_DIR, has_kinds, load_scripts, load_variant, 
 from .resp import ASKING, pack_evalsha, pack_pipeline
 
 __all__ = ["KeysNotColocated", "PoolClosed", "PoolEntry", "Scripts", "SlotMigrating", "SlotMoved", "SlotRedirect",
-           "StoreRefused", "translate_redis_error"]
+           "StoreRefused", "not_run", "translate_redis_error"]
 
 # Server error prefixes meaning "the command was refused before it ran": nothing happened. (redis-py
 # strips the prefix of the replies it has an exception class for — OOM, NOPERM, READONLY ... — so
@@ -129,7 +131,9 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
     and refused credentials -> :class:`StoreRefused`; replies that mean the
     server refused to run anything (BUSY, LOADING, CLUSTERDOWN, NOSCRIPT ...) ->
     :class:`StoreUnavailable`; connection failures before send -> :class:`StoreUnavailable`;
-    timeouts/resets after send -> :class:`AmbiguousOutcome`. Details never echo driver text."""
+    timeouts/resets after send -> :class:`AmbiguousOutcome`. Details never echo driver text.
+    (A call stopped before it was written, by its connection's handshake or by the reload after a
+    NOSCRIPT: :func:`not_run`.)"""
     if isinstance(exc, LeaseholdError):
         return exc
     if isinstance(exc, rex.NoScriptError):
@@ -184,6 +188,20 @@ def translate_redis_error(exc: BaseException, sent: bool) -> LeaseholdError:
 
 def _translate(exc: BaseException) -> LeaseholdError:
     return translate_redis_error(exc, sent=_sent_heuristic(exc))
+
+
+def not_run(exc: BaseException) -> LeaseholdError:
+    """What a script call is when ``exc`` stopped it before any byte of it was written — a new
+    connection that failed its handshake, or the reload of a call answered ``NOSCRIPT`` (which
+    did not run) before the call was sent again: the driver's error as
+    :func:`translate_redis_error` reads it, except that a connection lost or timed out *after*
+    something was sent on it — the handshake's ``HELLO``, the ``SCRIPT LOAD``, neither of which
+    changes limiter state — is :class:`~kernel.errors.NothingRan` for the call (sent again,
+    never ambiguous). A store that could not be connected to, or refused, stays what it is."""
+    err = _translate(exc)
+    if isinstance(err, AmbiguousOutcome):
+        return NothingRan("the call was not written: its connection failed before it", extra=err.extra)
+    return err
 
 
 # --- typed results -----------------------------------------------------------------------------
@@ -371,12 +389,17 @@ class Scripts:
             await _drop_idle(client, held)
         missing = [i for i, r in enumerate(results) if isinstance(r, rex.NoScriptError)]
         if missing:
+            again: list[Any]
             try:
                 for name in {calls[i][0] for i in missing}:
                     await self._load_one(client, name)
-                again = await self._pipeline(client, [calls[i] for i in missing], reading, held)
-            except Exception as e:
-                again = [e for _ in missing]
+            except Exception as e:  # the calls were not sent again: none of them ran
+                again = [not_run(e) for _ in missing]
+            else:
+                try:
+                    again = await self._pipeline(client, [calls[i] for i in missing], reading, held)
+                except Exception as e:
+                    again = [e for _ in missing]
             for i, r in zip(missing, again, strict=True):
                 results[i] = r
         return [(_translate(r) if isinstance(r, BaseException) else r) for r in results]
@@ -440,11 +463,14 @@ class Scripts:
         for attempt in (0, 1):
             try:
                 _, reply = await self._exchange(client, ASKING + pack_evalsha(self.sha(name), keys, argv), 2)
-                if isinstance(reply, rex.NoScriptError) and attempt == 0:
-                    await self._load_one(client, name)
-                    continue
             except Exception as e:
                 return _translate(e)
+            if isinstance(reply, rex.NoScriptError) and attempt == 0:
+                try:
+                    await self._load_one(client, name)
+                except Exception as e:  # not sent again: it did not run
+                    return not_run(e)
+                continue
             return _translate(reply) if isinstance(reply, BaseException) else reply
         return StoreUnavailable("script not loaded on the store")  # not reached
 
@@ -463,15 +489,20 @@ class Scripts:
             await pool.release(conn)  # the pool's checkout below judges it (reconnect, "Connection has data")
             conn = None
         if conn is None:
-            if reading is None:
-                conn = await pool.get_connection()
-            else:
-                token = object()
-                reading[id(token)] = (None, time.monotonic())
-                try:
+            try:
+                if reading is None:
                     conn = await pool.get_connection()
-                finally:
-                    reading.pop(id(token), None)
+                else:
+                    token = object()
+                    reading[id(token)] = (None, time.monotonic())
+                    try:
+                        conn = await pool.get_connection()
+                    finally:
+                        reading.pop(id(token), None)
+            except Exception as e:
+                # no byte of this pipeline was written: a connect or a handshake that failed (a reset while
+                # the new connection said HELLO included) is never ambiguous, whatever the driver's text
+                raise not_run(e) from None
         done = False
         try:
             if not ri.write_now(conn, payload):

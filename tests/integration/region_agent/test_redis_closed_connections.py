@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import redis
 from litestar.testing import AsyncTestClient
+from redis.asyncio import Redis as AsyncRedis
 
-from kernel.errors import AmbiguousOutcome
+from kernel.errors import AmbiguousOutcome, NothingRan
 from leasehold.local.procs import RedisSentinels, RedisServer
 from region_agent.service.app import create_app
 from region_agent.store import redis_internals as ri
@@ -23,8 +24,9 @@ from region_agent.store.breaker import CLOSED
 from region_agent.store.client import make_client, make_sentinel_client, parse_store_url
 from region_agent.store.node import RedisNode
 from region_agent.store.scripts import Scripts
+from tests.support.command_cut import CommandCut, resp_command
 
-from .conftest import PEPPER, admit_body, make_settings
+from .conftest import PEPPER, admit_body, bucket_tokens, make_settings, set_bucket, tenant_key, user_key
 
 pytestmark = pytest.mark.integration
 
@@ -178,6 +180,109 @@ async def test_the_decision_after_redis_closed_the_agents_connections_is_not_deg
     for i in range(4):
         d = (await agent.post("/v1/admit", json=admit_body(f"after-{how}-{i}", pid=f"U-a{i}"))).json()
         assert (d["allowed"], d["fallback"], d["httpStatus"]) == (True, False, 200), d
+    assert await _metric(agent, 'leasehold_agent_script_errors_total{error="AmbiguousOutcome"}') == 0
+    assert await _metric(agent, "leasehold_agent_degraded_decisions_total{") == 0
+    assert await _metric(agent, "leasehold_agent_breaker_opens_total{") == 0
+
+
+# --- a call that did not run: NOSCRIPT, then its reload's connection lost -------------------------
+# (docs/store-hygiene.md, "A restarted Redis and connections it closed"; decision 0084)
+SCRIPT_LOAD = resp_command("SCRIPT", "LOAD")
+
+
+@pytest.fixture
+def cut(server: RedisServer) -> Iterator[CommandCut]:
+    """A proxy before the server that cuts the connection a command it is armed with arrives on."""
+    with CommandCut(server.port) as proxy:
+        yield proxy
+
+
+def flush_scripts(server: RedisServer) -> None:
+    """The server forgets every script (what a restart without persistence does to the cache)."""
+    with redis.Redis(port=server.port) as admin:
+        admin.script_flush()
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held", "pool"])
+async def test_a_call_whose_reload_lost_its_connection_did_not_run(server, cut, held):
+    """EVALSHA answered NOSCRIPT (it did not run); the SCRIPT LOAD that follows is cut before the
+    server reads it, so the call is not sent again: it is ``NothingRan``, never ambiguous. The
+    next pipeline reloads the script and runs it once."""
+    node = RedisNode(make_client(cut.url), Scripts(), max_inflight=3)
+    if not held:
+        node._held = None
+    node.start()
+    try:
+        await node.load()
+        await warm(node)
+        flush_scripts(server)
+        cut.arm(SCRIPT_LOAD)
+        (failed,) = await node.scripts.run_pipeline(node.client, call("noscript"), {}, node._held)
+        assert cut.cuts == 1
+        assert type(failed) is NothingRan, failed
+        with redis.Redis(port=server.port) as admin:
+            assert admin.hget(f"rl:{T}:noscript", "n") is None  # it did not run
+        (reply,) = await node.submit(call("noscript"), wait_s=2.0)
+        assert reply[:2] == [1, 999]  # ran once, now
+    finally:
+        await node.close()
+
+
+async def test_a_pipeline_whose_new_connection_failed_its_handshake_did_not_run(server, cut):
+    """A connection lost while the pool's new connection says its handshake (CLIENT SETINFO),
+    before any byte of the pipeline is written: nothing ran, not ambiguous."""
+    node = RedisNode(make_client(cut.url), Scripts(), max_inflight=3)
+    node._held = None
+    node.start()
+    try:
+        await node.load()
+        await node.client.connection_pool.disconnect()  # the next pipeline connects anew
+        cut.arm(resp_command("CLIENT", "SETINFO"))
+        (failed,) = await node.scripts.run_pipeline(node.client, call("handshake"), {}, node._held)
+        assert cut.cuts == 1
+        assert type(failed) is NothingRan, failed
+        with redis.Redis(port=server.port) as admin:
+            assert admin.hget(f"rl:{T}:handshake", "n") is None
+        (reply,) = await node.submit(call("handshake"), wait_s=2.0)
+        assert reply[:2] == [1, 999]
+    finally:
+        await node.close()
+
+
+@pytest.fixture
+async def cut_agent(cut: CommandCut, policy_file: Path) -> AsyncIterator[AsyncTestClient]:
+    app = create_app(make_settings(cut.url, policy_file), pepper=PEPPER)
+    async with AsyncTestClient(app=app) as client:
+        yield client
+
+
+@pytest.mark.parametrize(("route", "record"), [("read", False), ("export", True)])
+async def test_a_decision_whose_call_did_not_run_is_sent_again_and_answered_by_the_store(
+        cut_agent, cut, server, route, record):
+    """P-READ (no decision record) and P-EXPORT (one): the call answered NOSCRIPT and the reload
+    lost its connection, so nothing ran; the engine sends the call once more within its budget,
+    with or without a record, and the store answers it — no fallback, no 503, nothing counted
+    ambiguous or degraded, the bucket debited once."""
+    agent = cut_agent
+    warm = (await agent.post("/v1/admit", json=admit_body(f"warm-{route}-0001", pid="U-warm"))).json()
+    assert warm["allowed"] is True and warm["fallback"] is False
+    # P-EXPORT: cost 10 from the tenant's export bucket; P-READ: 1 from the user's (both frozen: no refill)
+    key, full, cost = ((tenant_key("atlas", "export"), 1_000_000, 10_000) if record
+                       else (user_key("atlas", "U-ns", "read"), 20_000, 1_000))
+    direct = AsyncRedis(port=server.port)
+    try:
+        await set_bucket(direct, key, full)
+        flush_scripts(server)
+        cut.arm(SCRIPT_LOAD)
+        d = (await agent.post("/v1/admit", json=admit_body(f"noscript-{route}-0001", pid="U-ns", route=route))).json()
+        assert cut.cuts == 1  # the reload was cut: the first send did not run
+        assert (d["allowed"], d["fallback"], d["httpStatus"]) == (True, False, 200), d
+        assert await bucket_tokens(direct, key) == full - cost  # debited once, by the second send
+        if record:
+            assert await direct.zcard(key + ":cc") == 1
+    finally:
+        await direct.aclose()
+    assert await _metric(agent, 'leasehold_agent_script_errors_total{error="NothingRan"}') == 1
     assert await _metric(agent, 'leasehold_agent_script_errors_total{error="AmbiguousOutcome"}') == 0
     assert await _metric(agent, "leasehold_agent_degraded_decisions_total{") == 0
     assert await _metric(agent, "leasehold_agent_breaker_opens_total{") == 0

@@ -6,10 +6,10 @@ import pytest
 from redis import exceptions as rex
 
 from kernel.algorithms import KINDS
-from kernel.errors import AmbiguousOutcome, DecisionConflict, ScriptRejected, StoreUnavailable
+from kernel.errors import AmbiguousOutcome, DecisionConflict, NothingRan, ScriptRejected, StoreUnavailable
 from region_agent.decision.call import Call, multi_rule_argv, parse_multi_rule, script_for
 from region_agent.store.lua_loader import expand_includes, parse_variant
-from region_agent.store.scripts import KeysNotColocated, Scripts, StoreRefused, translate_redis_error
+from region_agent.store.scripts import KeysNotColocated, Scripts, StoreRefused, not_run, translate_redis_error
 
 
 @pytest.mark.parametrize(("exc", "sent", "kind"), [
@@ -86,6 +86,26 @@ def test_a_certificate_that_does_not_verify_is_a_refusal_not_an_outage():
     e.__context__ = ssl.SSLCertVerificationError(1, "certificate verify failed")
     got = translate_redis_error(e, False)
     assert type(got) is StoreRefused and got.cause == "tls" and "10.0.0.1" not in got.detail
+
+
+@pytest.mark.parametrize(("exc", "kind", "cause"), [
+    # the SCRIPT LOAD after a NOSCRIPT (or a new connection's HELLO) was sent and its connection lost
+    # or timed out: ambiguous for that command, but the call itself was not written, so it did not run
+    (rex.ConnectionError("Connection closed by server."), NothingRan, None),
+    (ConnectionResetError(104, "Connection reset by peer"), NothingRan, None),
+    (rex.TimeoutError("Timeout reading from socket"), NothingRan, "timeout"),
+    # the reload could not connect, or the store refused it: what it was (degrade at once)
+    (rex.ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused."), StoreUnavailable, None),
+    (rex.TimeoutError("Timeout connecting to server"), StoreUnavailable, "timeout"),
+    (rex.ResponseError("BUSY Redis is busy running a script"), StoreUnavailable, None),
+    (rex.NoPermissionError("User agent has no permissions to run the 'script|load' command"), StoreRefused, "acl"),
+])
+def test_a_call_stopped_before_it_was_written(exc, kind, cause):
+    got = not_run(exc)
+    assert type(got) is kind, got
+    assert got.extra.get("cause") == cause
+    assert not isinstance(got, AmbiguousOutcome) and isinstance(got, StoreUnavailable)
+    assert "127.0.0.1" not in got.detail
 
 
 def test_script_errors_are_not_ambiguous_even_if_sent():

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kernel.bundle import load_bundle_file
-from kernel.errors import AmbiguousOutcome, Overloaded, StoreUnavailable
+from kernel.errors import AmbiguousOutcome, NothingRan, Overloaded, StoreUnavailable
 from region_agent.decision.engine import DecisionEngine
 from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.negcache import NegativeCache
@@ -97,6 +99,35 @@ async def test_an_ambiguous_cheap_read_degrades_without_a_second_send():
     e, _ = engine(store)
     d = await e.admit(req())
     assert d.allowed and d.fallback and len(store.sent) == 1
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["reply", "raised"])
+@pytest.mark.parametrize(("route", "reply"), [("read", [1, 0, 0, 19_000, 999_000]),  # no decision record
+                                              ("export", [1, 0, 0, 2, 9_000, 900_000])])  # a decision record
+async def test_a_call_that_did_not_run_is_sent_once_more_with_or_without_a_record(route, reply, in_place):
+    """NothingRan (NOSCRIPT, then the reload lost its connection): not ambiguous, so the same
+    call goes again within the budget whatever the rules, and is counted as what it was."""
+    failed = NothingRan("reload lost")
+    store = ScriptedStore([failed] if in_place else failed, [reply])
+    e, m = engine(store)
+    d = await e.admit(req(route=route, cost=2 if route == "export" else 1))
+    assert d.allowed and not d.fallback and d.http_status == 200
+    assert len(store.sent) == 2 and store.sent[0][0] == store.sent[1][0]
+    assert sample(m, "leasehold_agent_script_errors_total", error="NothingRan") == 1
+    assert sample(m, "leasehold_agent_script_errors_total", error="AmbiguousOutcome") == 0
+
+
+@pytest.mark.parametrize(("route", "fallback", "status"), [("read", True, 200), ("export", False, 503)])
+async def test_a_call_that_did_not_run_twice_degrades_as_the_store_unreachable(route, fallback, status):
+    """Sent again once only: a second NothingRan degrades per failMode, labelled as the store
+    unreachable (never AMBIGUOUS)."""
+    store = ScriptedStore(NothingRan("reload lost"), NothingRan("reload lost"))
+    e, m = engine(store)
+    d = await e.admit(req(route=route))
+    assert len(store.sent) == 2 and (d.fallback, d.http_status) == (fallback, status)
+    mode = "local_bounded" if fallback else "closed"
+    assert sample(m, "leasehold_agent_degraded_decisions_total", reason="STORE_UNREACHABLE", fail_mode=mode) == 1
+    assert sample(m, "leasehold_agent_degraded_decisions_total", reason="AMBIGUOUS", fail_mode=mode) == 0
 
 
 async def test_a_decision_record_of_another_question_is_a_conflict_decision_not_an_error():

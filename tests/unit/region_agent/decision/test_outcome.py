@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from kernel.bundle import load_bundle_file
-from kernel.errors import AmbiguousOutcome, DecisionConflict, Overloaded, ScriptRejected, StoreUnavailable
+from kernel.errors import (
+    AmbiguousOutcome,
+    DecisionConflict,
+    NothingRan,
+    Overloaded,
+    ScriptRejected,
+    StoreUnavailable,
+)
 from region_agent.decision.call import MultiRuleResult
 from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.outcome import Answer, Mode, NextStep, degrade, outcome, pool_denial_slot
@@ -72,6 +79,8 @@ def test_concurrency_gate_denial_and_a_decision_record_is_not_cached():
     (DecisionConflict("other question"), True, NextStep.CONFLICT),
     (AmbiguousOutcome("lost reply"), True, NextStep.RETRY_SAME),  # a decision record replays it
     (AmbiguousOutcome("lost reply"), False, NextStep.DEGRADE),  # no budget left
+    (NothingRan("reload lost"), True, NextStep.RESEND),  # it did not run: sent again
+    (NothingRan("reload lost"), False, NextStep.DEGRADE),  # no budget left, or sent again already
     (StoreUnavailable("down"), True, NextStep.DEGRADE),
     (ScriptRejected("bad"), True, NextStep.DEGRADE),
 ])
@@ -84,6 +93,14 @@ def test_errors_of_an_idempotent_decision(error, can_retry, step):
 def test_an_ambiguous_cheap_read_is_never_retried_blindly():
     plan = plan_of(NORTHSTAR)  # no decision record: a second send could debit twice (I6)
     assert outcome(plan, pools(NORTHSTAR), AmbiguousOutcome("lost"), can_retry=True).step is NextStep.DEGRADE
+
+
+def test_a_cheap_read_that_did_not_run_is_sent_again():
+    """No decision record, but nothing ran: a second send debits once at most (unlike I6's case)."""
+    plan = plan_of(NORTHSTAR)
+    o = outcome(plan, pools(NORTHSTAR), NothingRan("reload lost"), can_retry=True)
+    assert o.step is NextStep.RESEND and isinstance(o.error, NothingRan)
+    assert outcome(plan, pools(NORTHSTAR), NothingRan("reload lost")).step is NextStep.DEGRADE
 
 
 def test_pool_denial_by_balance_state():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import redis.exceptions as rex
 
-from kernel.errors import AmbiguousOutcome, Overloaded, ScriptRejected, StoreUnavailable
+from kernel.errors import AmbiguousOutcome, NothingRan, Overloaded, ScriptRejected, StoreUnavailable
 from region_agent.store.breaker import CLOSED, OPEN, CircuitBreaker
 from region_agent.store.lag import LoopLag
 from region_agent.store.node import RedisNode
@@ -86,6 +86,22 @@ async def test_a_timeout_while_this_agent_lags_is_overload_and_the_store_is_not_
         await gw.submit([CALL], wait_s=1.0)
     assert OPEN not in states and gw.breaker.state == CLOSED
     await gw.close()
+
+
+async def test_a_call_that_did_not_run_counts_against_the_store_and_is_judged_by_its_read_timeout():
+    """NothingRan in a reply's place (NOSCRIPT, then the reload's connection lost) is a store
+    failure for the breaker, like any other; when its reload timed out reading, the agent's own
+    lag excuses it as it does a sent call (``late_s``), not as a connect (``connect_timeout_s``)."""
+    gw, states = node(ScriptedRunner([NothingRan("reload lost")]), failures=1)
+    (reply,) = await gw.submit([CALL], wait_s=1.0)
+    assert isinstance(reply, NothingRan) and states[-1] == OPEN
+    await gw.close()
+    timed_out = NothingRan("reload timed out", extra={"cause": "timeout"})
+    for lag, kind in ((0.06, NothingRan), (0.2, Overloaded)):  # connect_timeout_s / 4 = 0.05, late_s / 4 = 0.1
+        gw, _ = node(ScriptedRunner([timed_out]), failures=1, lag=lag)
+        (reply,) = await gw.submit([CALL], wait_s=1.0)
+        assert type(reply) is kind, (lag, reply)
+        await gw.close()
 
 
 class SlowRunner:
