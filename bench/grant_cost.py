@@ -1,7 +1,10 @@
 """The allocator's cost per grant in process: figure 4's batches (64 grants, 1,000 pools, 4 callers)
 through the allocator's ASGI app — the batch fast path, the writer, the committer and etcd
 transactions against a real etcd member — without uvicorn and without a load generator sharing
-the process. Prints the process CPU (every thread: gRPC's too) per grant of the measured batches.
+the process. Prints the process CPU (every thread: gRPC's too) per grant of the measured batches,
+and etcd's side of them: its CPU per grant and, from its ``/metrics`` before and after, the
+requests it served (by gRPC method), the keys it put and read (a compare reads one) and the bytes
+it received, per grant — counts that do not depend on the machine's load.
 
     python -m bench.grant_cost [--batches 400] [--warmup 40] [--rounds 1]
 
@@ -13,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,6 +30,22 @@ from .fig_alloc import BATCH, CONNS, many_pools_bundle, write_bundle
 from .workloads import lease_batch
 
 POOLS = 1_000
+# etcd's counters read before and after the measured batches (etcd 3.4/3.5 names)
+_ETCD_COUNTERS = re.compile(r'^(grpc_server_handled_total\{[^}]*grpc_method="(\w+)"[^}]*\}|etcd_mvcc_(put|range|txn)_total|'
+                            r'etcd_network_client_grpc_received_bytes_total) (\S+)$')
+
+
+def etcd_counters(url: str) -> dict[str, float]:
+    """etcd's request counters (``rpc <method>``, ``put``/``range``/``txn`` as its MVCC store
+    counts them, ``bytes received``) from its ``/metrics``."""
+    out: dict[str, float] = {}
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            m = _ETCD_COUNTERS.match(line)
+            if m:
+                name = f"rpc {m[2]}" if m[2] else (m[3] or "bytes received")
+                out[name] = out.get(name, 0.0) + float(m[4])
+    return out
 
 
 async def _post(app: Any, body: bytes) -> bytes:
@@ -95,12 +116,15 @@ async def _lifespan(app: Any) -> AsyncIterator[None]:
         await task
 
 
-async def measure(work: Path, batches: int, warmup: int, rounds: int) -> list[tuple[int, float, float]]:
+Measured = tuple[int, float, float, float, dict[str, float]]  # grants, CPU s, wall s, etcd CPU s, etcd counts
+
+
+async def measure(work: Path, batches: int, warmup: int, rounds: int) -> list[Measured]:
     from allocator.app import create_app
     from allocator.settings import AllocatorSettings
     from leasehold.local.procs import EtcdCluster
 
-    from .harness import services
+    from .harness import proc_cpu, services
 
     etcd = EtcdCluster(work / "etcd", members=1).start()
     out = []
@@ -122,9 +146,14 @@ async def measure(work: Path, batches: int, warmup: int, rounds: int) -> list[tu
             for r in range(rounds):
                 body = lease_batch(POOLS, BATCH, tag=f"gc{r}")
                 bodies = [body(i) for i in range(batches)]
+                counts, etcd_cpu = etcd_counters(etcd.urls[0]), proc_cpu(etcd.procs[0].pid)
                 cpu, wall = time.process_time(), time.perf_counter()
                 granted = await _drive(app, bodies)
-                out.append((granted, time.process_time() - cpu, time.perf_counter() - wall))
+                cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+                etcd_cpu = proc_cpu(etcd.procs[0].pid) - etcd_cpu
+                after = etcd_counters(etcd.urls[0])
+                out.append((granted, cpu, wall, etcd_cpu,
+                            {k: v - counts.get(k, 0.0) for k, v in after.items() if v != counts.get(k, 0.0)}))
     return out
 
 
@@ -138,12 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="leasehold-grant-cost-") as tmp:
         res = uvloop.run(measure(Path(tmp), a.batches, a.warmup, a.rounds))
-    for granted, cpu, wall in res:
+    for granted, cpu, wall, etcd_cpu, counts in res:
         if granted != a.batches * BATCH:
             print(f"only {granted} of {a.batches * BATCH} items granted", file=sys.stderr)
             return 1
         print(f"{granted} grants: {cpu * 1e6 / granted:.1f} us CPU per grant (process), "
-              f"{granted / wall:,.0f} grants/s in process")
+              f"{granted / wall:,.0f} grants/s in process; etcd {etcd_cpu * 1e6 / granted:.1f} us CPU per grant")
+        print("  etcd per grant: " + ", ".join(f"{k} {v / granted:.4g}" for k, v in sorted(counts.items())))
     return 0
 
 
