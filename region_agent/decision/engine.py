@@ -24,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from kernel.bundle import Bundle, Pool
 from kernel.errors import LeaseholdError
@@ -52,14 +53,12 @@ from .record import SHED, admitted_record, conflict_record, decision_record
 from .telemetry import DecisionTelemetry
 
 
-@dataclass(slots=True)
-class _Reservation:
+class _Reservation(msgspec.Struct):
     spend: GlobalSpend
     generation: int  # the chunk it came from (chunks.NO_CHUNK: bought alone or from an allowance)
 
 
-@dataclass(slots=True)
-class _Prepared:
+class _Prepared(msgspec.Struct):
     plan: Plan
     snap: Snapshot
     started: float

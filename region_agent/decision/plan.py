@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import msgspec
 
 from kernel.algorithms import Role
 from kernel.algorithms.concurrency import KIND as CONCURRENCY
@@ -61,16 +62,15 @@ class GlobalSpend(NamedTuple):
     cost: int  # whole tokens
 
 
-@dataclass(slots=True)
-class Plan:
+class Plan(msgspec.Struct):
     request_id: str
     tenant: str | None
     principal_type: str
     rules: list[Rule]  # every selected enforced rule, evaluation order (incl. global pools); shared, read-only
-    calls: list[Call] = field(default_factory=list)
-    slots: list[Slot] = field(default_factory=list)  # shared with the plan's Shape: read-only
+    calls: list[Call] = msgspec.field(default_factory=list)
+    slots: list[Slot] = msgspec.field(default_factory=list)  # shared with the plan's Shape: read-only
     shadow_calls: Sequence[Call] = ()  # read-only
-    shadow_slots: list[Slot] = field(default_factory=list)  # shared with the plan's Shape: read-only
+    shadow_slots: list[Slot] = msgspec.field(default_factory=list)  # shared with the plan's Shape: read-only
     global_spends: Sequence[GlobalSpend] = ()  # read-only
     decision_key: str = ""
     decision_ttl_ms: int = 0
