@@ -49,7 +49,7 @@ from .keys import KeyBuilder
 from .negcache import NegativeCache
 from .outcome import Answer, NextStep, Outcome, outcome, pool_denial_slot
 from .plan import Admitted, GlobalSpend, Plan, Snapshot, build_plan, cc_gates, cc_keys_for_release
-from .record import SHED, admitted_record, conflict_record, decision_record
+from .record import SHED, admitted_record, admitted_reply, conflict_record, decision_record
 from .telemetry import DecisionTelemetry
 
 
@@ -338,8 +338,15 @@ class DecisionEngine:
         else:
             if len(replies) > 1:
                 count_shadow(self.metrics, plan, replies[1])
-            result = result_of(replies[0])
-            if result.__class__ is MultiRuleResult and result.allowed:
+            reply = replies[0]
+            # the common case: the store admitted; its record straight from the reply and the parts of the
+            # plan's shape (no result tuple in between)
+            d = admitted_reply(plan, prep.snap, reply)
+            if d is not None:
+                self.denials.forget(plan)  # as _settle_now: a probe passed, its held denial is over
+                return self._finish(prep, d, plan.shape.admitted)  # type: ignore[union-attr]  # a record was made: the plan has a shape with parts
+            result = result_of(reply)
+            if result.__class__ is MultiRuleResult and result.allowed:  # (an admission the fast reading does not take)
                 # the common case: the store admitted; the record's parts were built once per plan shape
                 d = admitted_record(plan, prep.snap, result)
                 if d is not None:
