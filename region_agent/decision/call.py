@@ -40,10 +40,50 @@ class RuleArgv(list[Any]):
     """A multi-rule call's ARGV whose rule slots (``argv[3:-1]``) are ``rules``: the kinds and
     parameters checked once per policy snapshot, selection and cost (region_agent.decision.plan.Shape),
     the same tuple for every call of that shape. A list like any ARGV; the store's packer
-    encodes ``rules`` once per shape instead of once per call (region_agent.store.scripts)."""
+    encodes ``rules`` once per shape instead of once per call (region_agent.store.scripts).
+    ``text``: the call's question's :class:`CallText` (a remembered question), or None."""
 
-    __slots__ = ("rules",)
+    __slots__ = ("rules", "text")
     rules: tuple[object, ...]
+    text: CallText | None
+
+
+class CallText:
+    """What every asking of one remembered question sends alike (region_agent.decision.plan.Keyed):
+    the script's name, the KEYS (the decision key too when the question stores no decision record)
+    checked once, and — made by the store's packer at the first call, per script sha — the call's
+    RESP text around the request's own strings (region_agent.store.resp). Only the member (the
+    request id) and, for a recorded decision, its key are joined in per call. Shared, never
+    changed but by the packer's memo (``sha`` and the texts, set together)."""
+
+    __slots__ = ("argv_rules", "dk", "head", "keys", "lead", "name", "post", "question", "rest", "sha", "slack_ms",
+                 "ttl_ms")
+
+    def __init__(self, name: str, keys: list[str], dk: str | None, argv_rules: tuple[object, ...], slack_ms: int,
+                 ttl_ms: int, question: str):
+        self.name = name
+        self.keys = keys  # KEYS with the decision key first (``dk``, or a placeholder per request: keys[1:] hold)
+        self.dk = dk  # the decision key every asking shares (None: a recorded decision's, per request id)
+        self.argv_rules = argv_rules
+        self.slack_ms = slack_ms
+        self.ttl_ms = ttl_ms
+        self.question = question
+        self.sha: str | None = None  # the script sha the texts were made for (region_agent.store.resp)
+        self.lead = self.head = self.rest = self.post = ""
+
+
+def call_text(calls: Sequence[Call], argv_rules: tuple[object, ...] | None, *, decision_key: str, slack_ms: int,
+              decision_ttl_ms: int, question: str) -> CallText | None:
+    """The :class:`CallText` of a remembered question's multi-rule call (``decision_key``: ''
+    when each asking has its own, a recorded decision's); None when its calls are not a
+    prechecked call's, or would be refused (a key listed twice: refused per call, as before)."""
+    if argv_rules is None or not calls:
+        return None
+    rule_keys = [c.key for c in calls]
+    if len(set(rule_keys)) != len(rule_keys):
+        return None
+    return CallText(script_for(argv_rules[::6]), [decision_key, *rule_keys], decision_key or None, argv_rules,
+                    slack_ms, decision_ttl_ms, question)
 
 
 class MultiRuleResult(NamedTuple):
@@ -97,10 +137,19 @@ def multi_rule_call(rules: Sequence[Call], *, decision_key: str, slack_ms: int, 
 
 
 def prechecked_call(rules: Sequence[Call], argv_rules: tuple[object, ...], *, decision_key: str, slack_ms: int,
-                    decision_ttl_ms: int, member: str, question: str = "") -> ScriptCall:
+                    decision_ttl_ms: int, member: str, question: str = "", text: CallText | None = None) -> ScriptCall:
     """:func:`multi_rule_call` for slots whose shape was checked once (``argv_rules``: their kinds
     and parameters, from :func:`multi_rule_argv` per policy snapshot, selection and cost —
-    region_agent.decision.plan.Shape); only the keys, which come with the request, are checked here."""
+    region_agent.decision.plan.Shape); only the keys, which come with the request, are checked here.
+    ``text``: the remembered question's :class:`CallText` (its keys checked and its script named
+    once): only the ARGV is built here, and the packer joins the call's text from it."""
+    if text is not None:
+        dk = text.dk
+        argv = RuleArgv((slack_ms, decision_ttl_ms, member, *argv_rules, question))
+        argv.rules = argv_rules
+        argv.text = text
+        # the shared KEYS (read-only, as every list a caller submits), or the recorded decision's own key first
+        return (text.name, text.keys if dk is not None else [decision_key, *text.keys[1:]], argv)
     keys = [decision_key]
     for r in rules:
         keys.append(r.key)
@@ -108,6 +157,7 @@ def prechecked_call(rules: Sequence[Call], argv_rules: tuple[object, ...], *, de
         raise ScriptRejected("the same key is listed for two rules")
     argv = RuleArgv((slack_ms, decision_ttl_ms, member, *argv_rules, question))
     argv.rules = argv_rules
+    argv.text = None
     return (script_for(argv_rules[::6]), keys, argv)  # a slot is its kind and five parameters
 
 
@@ -228,7 +278,7 @@ def plan_calls(plan: Plan) -> list[ScriptCall]:
         if plan.argv_rules is not None:  # slots checked once per policy snapshot, selection and cost
             calls.append(prechecked_call(plan.calls, plan.argv_rules, decision_key=plan.decision_key,
                                          slack_ms=plan.slack_ms, decision_ttl_ms=plan.decision_ttl_ms,
-                                         member=plan.request_id, question=plan.question))
+                                         member=plan.request_id, question=plan.question, text=plan.text))
         else:
             calls.append(multi_rule_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
                                          decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,

@@ -24,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from kernel.bundle import Bundle, Pool
 from kernel.errors import LeaseholdError
@@ -47,19 +48,17 @@ from .fallback import LocalAllowances
 from .keys import KeyBuilder
 from .negcache import NegativeCache
 from .outcome import Answer, NextStep, Outcome, outcome, pool_denial_slot
-from .plan import GlobalSpend, Plan, Snapshot, build_plan, cc_gates, cc_keys_for_release
-from .record import SHED, admitted_record, conflict_record, decision_record
+from .plan import Admitted, GlobalSpend, Plan, Snapshot, build_plan, cc_gates, cc_keys_for_release
+from .record import SHED, admitted_record, admitted_reply, conflict_record, decision_record
 from .telemetry import DecisionTelemetry
 
 
-@dataclass(slots=True)
-class _Reservation:
+class _Reservation(msgspec.Struct):
     spend: GlobalSpend
     generation: int  # the chunk it came from (chunks.NO_CHUNK: bought alone or from an allowance)
 
 
-@dataclass(slots=True)
-class _Prepared:
+class _Prepared(msgspec.Struct):
     plan: Plan
     snap: Snapshot
     started: float
@@ -339,13 +338,20 @@ class DecisionEngine:
         else:
             if len(replies) > 1:
                 count_shadow(self.metrics, plan, replies[1])
-            result = result_of(replies[0])
-            if result.__class__ is MultiRuleResult and result.allowed:
+            reply = replies[0]
+            # the common case: the store admitted; its record straight from the reply and the parts of the
+            # plan's shape (no result tuple in between)
+            d = admitted_reply(plan, prep.snap, reply)
+            if d is not None:
+                self.denials.forget(plan)  # as _settle_now: a probe passed, its held denial is over
+                return self._finish(prep, d, plan.shape.admitted)  # type: ignore[union-attr]  # a record was made: the plan has a shape with parts
+            result = result_of(reply)
+            if result.__class__ is MultiRuleResult and result.allowed:  # (an admission the fast reading does not take)
                 # the common case: the store admitted; the record's parts were built once per plan shape
                 d = admitted_record(plan, prep.snap, result)
                 if d is not None:
                     self.denials.forget(plan)  # as _settle_now: a probe passed, its held denial is over
-                    return self._finish(prep, d)
+                    return self._finish(prep, d, plan.shape.admitted)  # type: ignore[union-attr]  # a record was made: the plan has a shape with parts
         got = self._settle_now(prep, result)
         if isinstance(got, Decision):
             return self._finish(prep, got)
@@ -479,7 +485,9 @@ class DecisionEngine:
             self._give_back(prep)
         return decision_record(prep.plan, prep.snap, a, self.metrics, source)
 
-    def _finish(self, prep: _Prepared, d: Decision) -> Decision:
+    def _finish(self, prep: _Prepared, d: Decision, admitted: Admitted | None = None) -> Decision:
+        """``admitted``: ``d`` is the store's admission made from these parts of the plan's shape
+        (region_agent.decision.record.admitted_record): the telemetry counts it by them."""
         if prep.edge and d.allowed:
             return d  # a passed address window: the request's own decision follows (and is counted)
         if d.allowed and prep.used_fallback:
@@ -491,7 +499,8 @@ class DecisionEngine:
                                   (r.spend for r in prep.reservations), fallback=d.fallback)
         self.telemetry.decided(prep.plan, prep.snap, d, self.clock() - prep.started, now=prep.started,
                                touched_store=prep.early is None and not d.fallback and d.http_status != 503
-                               and not prep.chunk)
+                               and not prep.chunk,
+                               admitted=admitted if not (prep.chunk or prep.used_fallback) else None)
         if self.decision_log is not None:
             self.decision_log.decided(prep.plan, prep.bundle, d)
         return d

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import msgspec
 
 from kernel.algorithms import Role
 from kernel.algorithms.concurrency import KIND as CONCURRENCY
@@ -31,7 +32,7 @@ from kernel.ids import REQUEST_ID_RE, ROUTE_RE, TENANT_RE
 from kernel.split import divide_all, splits_of
 
 from ..models import AdmitRequest, Principal
-from .call import Call, multi_rule_argv
+from .call import Call, CallText, call_text, multi_rule_argv
 from .hot import HotConfig, derive_hot
 from .httpmap import HttpAnswers, RetryJitter, admitted_fields
 from .keys import KeyBuilder, KeyTemplate, parse_ip
@@ -61,16 +62,15 @@ class GlobalSpend(NamedTuple):
     cost: int  # whole tokens
 
 
-@dataclass(slots=True)
-class Plan:
+class Plan(msgspec.Struct):
     request_id: str
     tenant: str | None
     principal_type: str
     rules: list[Rule]  # every selected enforced rule, evaluation order (incl. global pools); shared, read-only
-    calls: list[Call] = field(default_factory=list)
-    slots: list[Slot] = field(default_factory=list)  # shared with the plan's Shape: read-only
+    calls: list[Call] = msgspec.field(default_factory=list)
+    slots: list[Slot] = msgspec.field(default_factory=list)  # shared with the plan's Shape: read-only
     shadow_calls: Sequence[Call] = ()  # read-only
-    shadow_slots: list[Slot] = field(default_factory=list)  # shared with the plan's Shape: read-only
+    shadow_slots: list[Slot] = msgspec.field(default_factory=list)  # shared with the plan's Shape: read-only
     global_spends: Sequence[GlobalSpend] = ()  # read-only
     decision_key: str = ""
     decision_ttl_ms: int = 0
@@ -91,6 +91,8 @@ class Plan:
     # what a held denial of this question is found by (region_agent.decision.denials): the whole
     # call's slots, then each slot's (key, params); shared, read-only
     denial_keys: Sequence[tuple[object, ...]] = ()
+    # the tenant call's parts every asking of a remembered question shares (None: built per request)
+    text: CallText | None = None
 
     @property
     def anonymous(self) -> bool:
@@ -340,6 +342,7 @@ class Keyed(NamedTuple):
     unrecorded_dk: str  # KEYS[1] when the shape stores no decision record ('' when it does)
     question: str  # what a decision record answers ('' when the shape stores none)
     denial_keys: tuple[tuple[object, ...], ...]  # Plan.denial_keys (() until remembered: Denials builds them)
+    text: CallText | None  # Plan.text (None until remembered)
 
 
 def build_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, *, checked: bool = False,
@@ -367,14 +370,14 @@ def build_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, *, checked: 
             kd = _keyed(snap, req, keys, None)
             seen = snap.seen
             if q in seen:  # asked before: remembered from now on, with the negative cache's lookup keys
-                kd = snap.keyed.put(q, kd._replace(denial_keys=denial_keys(kd.calls)))
+                kd = snap.keyed.put(q, _remembered(kd))
             else:  # (BoundedMemo.put inline: most questions of a long tail are asked once)
                 if len(seen) >= SEEN_MAX:
                     seen.clear()
                 seen[q] = True
     else:
         kd = _keyed(snap, req, keys, None)
-    shape, tenant, ip_tag, calls, shadow_calls, spends, approx, argv_rules, decision_key, question, dks = kd
+    shape, tenant, ip_tag, calls, shadow_calls, spends, approx, argv_rules, decision_key, question, dks, text = kd
     if not decision_key:  # a recorded decision: its key is the request id's
         decision_key = keys.decision_key(req.request_id, tenant=tenant if ip_tag is None else None, ip_tag=ip_tag,
                                          sub=shape.sub)
@@ -383,7 +386,17 @@ def build_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, *, checked: 
         edge = edge_plan(snap, req, keys, shape.edge)
     return Plan(req.request_id, tenant, principal.type, shape.enforced, calls, shape.slots, shadow_calls,
                 shape.shadow_slots, spends, decision_key, shape.decision_ttl_ms, question, shape.slack_ms,
-                req.cost_hint, argv_rules, shape.has_pool, shape, req, edge, approx, dks)
+                req.cost_hint, argv_rules, shape.has_pool, shape, req, edge, approx, dks, text)
+
+
+def _remembered(kd: Keyed) -> Keyed:
+    """``kd`` as a remembered question keeps it: with the negative cache's lookup keys and its
+    tenant call's :class:`~region_agent.decision.call.CallText` (each asking then builds only
+    what is its own: the request id, a recorded decision's key)."""
+    shape = kd.shape
+    return kd._replace(denial_keys=denial_keys(kd.calls), text=call_text(
+        kd.calls, kd.argv_rules, decision_key=kd.unrecorded_dk, slack_ms=shape.slack_ms,
+        decision_ttl_ms=shape.decision_ttl_ms, question=kd.question))
 
 
 def _keyed(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, shape: Shape | None) -> Keyed:
@@ -447,7 +460,7 @@ def _keyed(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, shape: Shape | N
         unrecorded = KeyBuilder.unrecorded_decision_key(tenant=tenant if ip_tag is None else None, ip_tag=ip_tag,
                                                         sub=shape.sub)
     return _new(Keyed, (shape, tenant, ip_tag, calls, shadow_calls, spends, approx, argv_rules, unrecorded, question,
-                        ()))  # (the lookup keys are built when the question is remembered: build_plan)
+                        (), None))  # (the lookup keys and call text are built when the question is remembered: build_plan)
 
 
 def edge_plan(snap: Snapshot, req: AdmitRequest, keys: KeyBuilder, edge: Shape) -> Plan:

@@ -8,12 +8,14 @@ under a stale bundle: :func:`early_record`) - becomes a record here and only her
 
 from __future__ import annotations
 
+from typing import Any
+
 from kernel.bundle import Bundle, Rule
 from kernel.errors import DecisionConflict, to_problem
 
 from ..models import AdmitRequest, Decision, DecisionSource, Reason
 from ..service.metrics import AgentMetrics
-from .call import MultiRuleResult
+from .call import CONFLICT, MultiRuleResult
 from .httpmap import apply_http
 from .outcome import Answer
 from .plan import Plan, Snapshot
@@ -70,6 +72,29 @@ def admitted_record(plan: Plan, snap: Snapshot, res: MultiRuleResult) -> Decisio
     slot, rule, limit, fields = parts
     remaining = res.remaining
     rem = rule.remaining_tokens(remaining[slot] if slot < len(remaining) else 0)
+    return Decision(True, plan.request_id, rule.id, snap.bundle.bundle_version, None, None, limit, rem, 0, False, 0, 200,
+                    {} if fields is None else {"RateLimit-Policy": fields[0], "RateLimit": f"{fields[1]}{rem};t=0"},
+                    None)
+
+
+def admitted_reply(plan: Plan, snap: Snapshot, reply: Any) -> Decision | None:
+    """:func:`admitted_record` of the multi-rule script's ``reply`` as the store sent it, when it
+    is an admission as :func:`~region_agent.decision.call.parse_multi_rule` reads one (a list of at
+    least four ints, the first neither 0 nor the conflict's -1): no result tuple made in between
+    (a unit test compares the two). None for any other reply (the engine parses it) or a plan whose
+    shape has no parts."""
+    shape = plan.shape
+    parts = None if shape is None else shape.admitted
+    if parts is None or reply.__class__ is not list or len(reply) < 4:
+        return None
+    allowed = reply[0]
+    if allowed == 0 or allowed == CONFLICT:
+        return None
+    for x in reply:
+        if x.__class__ is not int:
+            return None
+    slot, rule, limit, fields = parts
+    rem = rule.remaining_tokens(reply[3 + slot] if slot < len(reply) - 3 else 0)
     return Decision(True, plan.request_id, rule.id, snap.bundle.bundle_version, None, None, limit, rem, 0, False, 0, 200,
                     {} if fields is None else {"RateLimit-Policy": fields[0], "RateLimit": f"{fields[1]}{rem};t=0"},
                     None)

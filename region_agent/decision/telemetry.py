@@ -30,7 +30,7 @@ from ..service.audit import BypassAudit
 from ..service.metrics import DECISION_SECONDS_BUCKETS, AgentMetrics
 from ..service.prometheus_internals import add_observations
 from .keymeter import HORIZON_S, MAX_PER_GENERATION, source_class
-from .plan import Plan, Snapshot
+from .plan import Admitted, Plan, Snapshot
 
 _CLASS = {(role, scope): source_class(role, scope) for role in Role
           for scope in ("ip", "user", "key", "route", "tenant", "global")}
@@ -67,35 +67,53 @@ class DecisionTelemetry:
         self._shards_at = float("-inf")
         # per label since the last collection: [counter child, histogram child, count, seconds, bucket counts...]
         self._pending: dict[tuple[Any, ...], list[Any]] = {}
+        # a store admission's counts by its shape's parts (plan.Shape.admitted), until the next flush:
+        # id(parts) -> (parts, its pending counts); no label built or hashed per decision
+        self._admitted: dict[int, tuple[Admitted, list[Any]]] = {}
         metrics.add_flush(self.flush)
 
     # ------------------------------------------------------------------ per decision
     def decided(self, plan: Plan, snap: Snapshot, d: Decision, seconds: float, *, now: float,
-                touched_store: bool) -> None:
+                touched_store: bool, admitted: Admitted | None = None) -> None:
         """Record one decision. ``touched_store``: its script ran (keys may have been created).
+        ``admitted``: ``d`` is the store's admission made from these parts of its plan's shape as
+        :func:`~region_agent.decision.record.admitted_record` made it (allowed, ``script``, no
+        fallback): its label follows from them, so its counts are found by them (once per shape
+        between two collections) instead of by a label built per decision.
         The hot path: everything inline, label children cached (``make bench`` figures 2 and 3)."""
-        if d.allowed:
-            outcome = "fallback_allowed" if d.fallback else "allowed"
-        elif d.reason == "OVERLOADED":
-            outcome = "shed"  # this agent saturated while the store answered (docs/concepts.md: overload is shed)
-        elif d.http_status == 503:
-            outcome = "unavailable"
-        elif d.http_status == 409:
-            outcome = "conflict"  # a reused requestId with another question (nothing charged)
-        else:
-            outcome = "fallback_denied" if d.fallback else "denied"
-        tenant = plan.tenant
-        shard = "default" if self.shard_of is None else self._shard(plan, now)
-        label = (outcome, d.rule_id, d.bundle_version,
-                 "none" if tenant is None else tenant if tenant in snap.named_tenants else "other", shard, d.source)
-        # counted here, moved into the counter and the histogram when the registry is collected
-        # (flush): two locked prometheus updates per decision were a tenth of its CPU
-        p = self._pending.get(label)
+        p = None
+        if admitted is not None and self.shard_of is None:
+            hit = self._admitted.get(id(admitted))
+            if hit is not None and hit[0] is admitted:
+                p = hit[1]
+                outcome = "allowed"
         if p is None:
-            children = self._children.get(label)
-            if children is None:
-                children = self._resolve(label, snap)
-            p = self._pending[label] = [children[0], children[1], 0, 0.0, *([0] * len(_BOUNDS))]
+            if d.allowed:
+                outcome = "fallback_allowed" if d.fallback else "allowed"
+            elif d.reason == "OVERLOADED":
+                outcome = "shed"  # this agent saturated while the store answered (docs/concepts.md: overload is shed)
+            elif d.http_status == 503:
+                outcome = "unavailable"
+            elif d.http_status == 409:
+                outcome = "conflict"  # a reused requestId with another question (nothing charged)
+            else:
+                outcome = "fallback_denied" if d.fallback else "denied"
+            tenant = plan.tenant
+            shard = "default" if self.shard_of is None else self._shard(plan, now)
+            label = (outcome, d.rule_id, d.bundle_version,
+                     "none" if tenant is None else tenant if tenant in snap.named_tenants else "other", shard, d.source)
+            # counted here, moved into the counter and the histogram when the registry is collected
+            # (flush): two locked prometheus updates per decision were a tenth of its CPU
+            p = self._pending.get(label)
+            if p is None:
+                children = self._children.get(label)
+                if children is None:
+                    children = self._resolve(label, snap)
+                p = self._pending[label] = [children[0], children[1], 0, 0.0, *([0] * len(_BOUNDS))]
+            if admitted is not None and self.shard_of is None:  # found by the shape's parts until the next flush
+                if len(self._admitted) >= CACHE_MAX:
+                    self._admitted.clear()
+                self._admitted[id(admitted)] = (admitted, p)
         if seconds < 0:
             seconds = 0.0
         p[2] += 1
@@ -118,13 +136,14 @@ class DecisionTelemetry:
                 counts["decision"] += 1
         rules = plan.rules
         if rules and rules[0].exempt and self.audit is not None:
-            self.audit.decided(rules[0], outcome=outcome, tenant=tenant, request_id=plan.request_id,
+            self.audit.decided(rules[0], outcome=outcome, tenant=plan.tenant, request_id=plan.request_id,
                                version=snap.bundle.bundle_version, fallback=d.fallback)
 
     def flush(self) -> None:
         """Move the counts kept since the last collection into the registry (``AgentMetrics`` runs
         this first in every collection). A histogram child takes a whole bucket count at once
         (region_agent.service.prometheus_internals; a unit test compares the exposition with ``observe``'s)."""
+        self._admitted = {}  # (their pending counts are moved below)
         pending, self._pending = self._pending, {}
         for counter, hist, count, total, *buckets in pending.values():
             counter.inc(count)

@@ -96,6 +96,22 @@ def _pack_rule_call(sha: str, keys: Sequence[Any], argv: Any) -> str | None:
     shape's text: the header, ``slack_ms``, ``decision_ttl_ms`` and the rule slots are text
     already, joined with the keys, the member and the question (ASCII strings) and their
     lengths. None for anything else (the generic packer takes it)."""
+    try:
+        text = argv.text
+    except AttributeError:  # a RuleArgv whose text was never set: none
+        text = None
+    if text is not None:  # a remembered question's call: its text around the request's own strings
+        member = argv[2]
+        if text.sha != sha:
+            _question_text(text, sha)
+        if member.__class__ is str and member.isascii():
+            lead = text.lead
+            if lead and keys is text.keys:  # the decision key is the question's: the keys are its own
+                return f"{lead}{_bulk(member)}{text.post}"
+            if text.head:  # a recorded decision: its key is the request id's
+                dk = keys[0]
+                if dk.__class__ is str and dk.isascii():
+                    return f"{text.head}{_bulk(dk)}{text.rest}{_bulk(member)}{text.post}"
     rules = argv.rules
     slack, ttl, member, question = argv[0], argv[1], argv[2], argv[-1]
     memo_key = (sha, len(keys), id(rules), slack, ttl)
@@ -122,3 +138,23 @@ def _pack_rule_call(sha: str, keys: Sequence[Any], argv: Any) -> str | None:
         except IndexError:  # a string of 512 bytes or more: below
             pass
     return "".join((head, *map(_bulk, keys), fixed, _bulk(member), slots, _bulk(question)))
+
+
+def _question_text(text: Any, sha: str) -> None:
+    """Make a :class:`~region_agent.decision.call.CallText`'s RESP text for ``sha`` (once per question
+    and script sha): ``post`` (the rule slots and the question) and, when the decision key is the
+    question's, ``lead`` (the header, every key, ``slack_ms`` and ``decision_ttl_ms``); else ``head``
+    (the header) and ``rest`` (the rule keys, ``slack_ms`` and ``decision_ttl_ms``). Empty (the call
+    is packed the general way) when a part is not ASCII."""
+    keys, rules = text.keys, text.argv_rules
+    fixed, slots = _bulks((text.slack_ms, text.ttl_ms)), _bulks(rules)
+    text.lead = text.head = text.rest = text.post = ""
+    if fixed is not None and slots is not None and "".join((*keys, text.question)).isascii():
+        head = _head(sha, len(keys), len(rules) + 4)
+        rest = f"{''.join(map(_bulk, keys[1:]))}{fixed}"
+        text.post = f"{slots}{_bulk(text.question)}"
+        if text.dk is not None:
+            text.lead = f"{head}{_bulk(keys[0])}{rest}"
+        else:
+            text.head, text.rest = head, rest
+    text.sha = sha

@@ -289,6 +289,39 @@ def test_a_remembered_plan_is_the_plan_built_afresh_with_only_the_request_id_per
     assert len(snap.keyed) == len(asks)
 
 
+def test_a_remembered_questions_call_is_the_call_built_afresh_and_packs_as_redis_py_would():
+    """A remembered question's tenant call (its KEYS checked and script named once, its text around
+    the request's own strings made once per script sha: call.CallText, store.resp) is the call
+    built per request, and packs to the bytes redis-py's packer sends for it, for a decision key
+    the question shares and for a recorded decision's own; the question asked once has none."""
+    from redis.asyncio.connection import Connection
+
+    from region_agent.decision.call import multi_rule_call, plan_calls
+    from region_agent.store.resp import pack_evalsha, pack_pipeline
+
+    snap = Snapshot(NORTHSTAR)
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    kinds = set()
+    for route, ptype, pid, tenant in [("read", "user", "U-1", "atlas"), ("export", "user", "U-1", "atlas"),
+                                      ("login", "anonymous", "203.0.113.9", None), ("read", "user", "U-2", "birch")]:
+        for i in range(4):
+            r = req(rid=f"r-{route}-{i:08d}", route=route, ptype=ptype, pid=pid, tenant=tenant, key=None)
+            plan = build_plan(snap, r, KB, checked=True)
+            assert (plan.text is None) == (i == 0)  # remembered from the second asking
+            (call,) = plan_calls(plan)
+            want = multi_rule_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
+                                   decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id, question=plan.question)
+            assert call == want
+            name, keys, argv = call
+            expected = b"".join(Connection().pack_command("EVALSHA", sha, len(keys), *keys, *argv))
+            assert pack_evalsha(sha, keys, argv) == expected
+            assert pack_pipeline([(sha, keys, argv), (sha[::-1], keys, argv)]) == expected + b"".join(
+                Connection().pack_command("EVALSHA", sha[::-1], len(keys), *keys, *argv))  # another sha: made again
+            if plan.text is not None:
+                kinds.add(plan.text.dk is None)
+    assert kinds == {True, False}  # both a recorded decision's call and a shared decision key's were packed
+
+
 def test_questions_that_differ_only_inside_free_text_ids_are_never_one():
     snap = Snapshot(NORTHSTAR)
     one = req(ptype="user", pid="U-1", key="K1:x")

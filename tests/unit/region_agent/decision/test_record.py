@@ -128,6 +128,33 @@ def test_an_admission_built_from_its_shape_parts_is_the_general_paths_record(bun
     assert admitted_record(plan, Snapshot(bundle, NO_JITTER), res) == want  # the second time from the memoised parts
 
 
+@settings(max_examples=400, deadline=None)
+@given(bundle=st.sampled_from([NORTHSTAR, GLOBAL]), tenant=st.sampled_from(["atlas", "birch", "zeta"]),
+       route=st.sampled_from(["read", "export", "login"]), principal=st.sampled_from(PRINCIPALS),
+       reply=st.one_of(st.lists(st.one_of(st.integers(-2, 10**9), st.booleans(), st.just(b"1"), st.just("x"),
+                                          st.just(1.0)), max_size=7),
+                       st.lists(st.integers(-1, 10**9), min_size=4, max_size=7), st.just(None), st.just((1, 0, 0, 5))))
+def test_an_admission_read_straight_from_its_reply_is_the_parsed_replys_record(bundle, tenant, route, principal, reply):
+    """The engine's common case reads a store admission's record straight from the script's reply
+    (admitted_reply): the record admitted_record makes of parse_multi_rule's result, or None —
+    never for a reply the parse reads as an admission of plain ints, always for one it refuses,
+    a denial or a conflict."""
+    from region_agent.decision.call import parse_multi_rule
+    from region_agent.decision.record import admitted_reply
+
+    req = AdmitRequest(request_id="r-9f3a61c2e07b4d18", tenant_id=tenant, route_group=route, principal=principal)
+    snap = Snapshot(bundle, NO_JITTER)
+    plan = build_plan(snap, req, KB)
+    try:
+        res = parse_multi_rule(reply)
+    except Exception:
+        res = None
+    got = admitted_reply(plan, snap, reply)
+    want = admitted_record(plan, snap, res) if res is not None and res.allowed else None
+    plain = reply.__class__ is list and all(x.__class__ is int for x in reply)
+    assert got == want if plain else got is None
+
+
 def test_a_users_admission_from_shape_parts_carries_its_ratelimit_fields():
     plan = plan_of()
     d = admitted_record(plan, Snapshot(NORTHSTAR, NO_JITTER), MultiRuleResult(True, 0, 0, (17_500, 900_000)))

@@ -205,3 +205,47 @@ def test_counts_kept_outside_the_registry_read_as_per_decision_updates_would():
     t.decided(p, Snapshot(GLOBAL), decision(p), 0.004, now=0.0, touched_store=False)
     assert m.registry.get_sample_value("leasehold_agent_decision_seconds_count",
                                        {"shard": "default", "outcome": "allowed"}) == 8.0
+
+
+def test_a_store_admission_counted_by_its_shapes_parts_reads_as_counted_by_its_label():
+    """The engine hands a store admission's shape parts (plan.Shape.admitted) to the telemetry,
+    which then finds its counts by them instead of by a label built per decision: the exposition
+    is the one the label path makes, across tenants (a named one, another, an anonymous caller),
+    two bundle versions, collections in between and a denial of the same shape."""
+    from region_agent.decision.call import MultiRuleResult
+    from region_agent.decision.record import admitted_record
+
+    def run(hinted: bool) -> list[list[str]]:
+        m = AgentMetrics()
+        collected = []
+        t = DecisionTelemetry(m)
+        seconds = iter([0.0002 * (i % 9) for i in range(1000)])
+        for version in (GLOBAL, seal(msgspec.structs.replace(GLOBAL, bundle_version=GLOBAL.bundle_version + 1))):
+            snap = Snapshot(version)
+            for rnd in range(3):
+                for tenant, route in (("atlas", "read"), ("zeta", "read"), (None, "login")):
+                    for i in range(4):
+                        plan = build_plan(snap, AdmitRequest(
+                            request_id=f"req-{rnd}-{i:08d}", tenant_id=tenant, route_group=route,
+                            principal=Principal(type="user", id=f"U-{i}") if tenant
+                            else Principal(type="anonymous", id="203.0.113.9")), KEYS)
+                        parts = plan.shape.admitted
+                        assert parts is not None
+                        d = admitted_record(plan, snap, MultiRuleResult(True, 0, 0, (5,) * len(plan.calls)))
+                        assert d is not None
+                        t.decided(plan, snap, d, next(seconds), now=0.0, touched_store=True,
+                                  admitted=parts if hinted else None)
+                    denied = decision(plan, version=version.bundle_version, allowed=False, status=429)
+                    t.decided(plan, snap, denied, next(seconds), now=0.0, touched_store=True,
+                              admitted=None)
+                collected.append(sorted(ln for ln in text(m).splitlines()  # a collection after each round
+                                        if ln.startswith(("leasehold_agent_decision", "leasehold_agent_new_keys"))
+                                        and "_created" not in ln))
+        return collected
+
+    hinted, plain = run(True), run(False)
+    assert hinted == plain
+    last = hinted[-1]
+    assert any('outcome="allowed"' in ln and 'tenant="other"' in ln for ln in last)
+    assert any('outcome="allowed"' in ln and 'tenant="atlas"' in ln for ln in last)
+    assert any('outcome="allowed"' in ln and 'tenant="none"' in ln for ln in last)
