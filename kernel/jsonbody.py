@@ -38,7 +38,19 @@ from .ratelog import KeyedLog
 log = logging.getLogger(__name__)
 
 _GENERIC = msgspec.json.Decoder()
-_WS_BEFORE_COLON = re.compile(rb'"\s+:')
+_WS_BEFORE_COLON = re.compile(rb'"\s+:')  # whitespace between a closing quote and a colon (\s: b" \t\n\r\x0b\x0c")
+
+
+def ws_before_colon(body: bytes) -> bool:
+    """Whether ``_WS_BEFORE_COLON`` is found in ``body``, the regex engine asked only when it may be:
+    a match is a quote, whitespace, a colon, so a body without whitespace has none (a byte's
+    membership is a memchr, ~5 % of the search), and one whose only whitespace is spaces has none
+    unless a quote is followed by a space."""
+    if 9 in body or 10 in body or 13 in body or 11 in body or 12 in body:  # \t \n \r \x0b \x0c
+        return _WS_BEFORE_COLON.search(body) is not None
+    return 32 in body and body.find(b'" ') >= 0 and _WS_BEFORE_COLON.search(body) is not None
+
+
 _decoders: dict[type, msgspec.json.Decoder[Any]] = {}
 
 
@@ -89,7 +101,7 @@ def has_duplicate_keys(body: bytes) -> bool:
     between a closing quote and a colon every key ends in ``":``; ``count('":')`` then equals
     (key occurrences + strings beginning with a colon), which equals the number of *distinct*
     keys only when no key repeats. Anything else goes through the exact slow path."""
-    if b"\\" not in body and not _WS_BEFORE_COLON.search(body):
+    if 92 not in body and not ws_before_colon(body):  # 92: a backslash (an int in bytes raises nothing inside)
         if body.count(b'":') == _count_keys(_GENERIC.decode(body)):
             return False
     try:
@@ -108,7 +120,7 @@ def repeats_keys(body: bytes, present: int) -> bool:
     path's preconditions ``count('":')`` is (key occurrences + strings beginning with a colon),
     which is at least the distinct keys and so at least ``present``: equality leaves no room for a
     repeated key. Anything else is judged by :func:`has_duplicate_keys`."""
-    if b"\\" not in body and body.count(b'":') == present and not _WS_BEFORE_COLON.search(body):
+    if 92 not in body and body.count(b'":') == present and not ws_before_colon(body):  # 92: a backslash
         return False
     return has_duplicate_keys(body)
 

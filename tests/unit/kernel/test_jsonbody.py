@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from litestar.exceptions import ValidationException
 
+from kernel import jsonbody
 from kernel.errors import UnsupportedMediaType
 from kernel.jsonbody import (
     BodyRejected,
@@ -71,3 +74,13 @@ def test_malformed_bodies_are_400s(body):
 ])
 def test_repeated_keys_are_found_exactly(body, repeated):
     assert has_duplicate_keys(body) is repeated
+
+
+@settings(max_examples=2_000, deadline=None)
+@given(body=st.binary(max_size=60) | st.lists(st.sampled_from([b'"', b":", b" ", b"\t", b"\n", b"\r", b"\x0b", b"\x0c",
+                                                             b"\x1c", b"\x85", b"\xa0", b"a", b"{", b","]),
+                                            max_size=30).map(b"".join))
+def test_ws_before_colon_is_its_pattern(body):
+    """The six quote-and-whitespace pairs decide a body without any, the pattern the rest: the same
+    answer as the pattern's search everywhere (bytes: \\s is exactly b" \\t\\n\\r\\x0b\\x0c")."""
+    assert jsonbody.ws_before_colon(body) == (jsonbody._WS_BEFORE_COLON.search(body) is not None)
