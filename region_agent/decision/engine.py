@@ -9,7 +9,7 @@ Flow per request, in one direction:
 2. **script call** - the plan's calls (region_agent.decision.call.plan_calls) go through the coalescing
    batcher under one monotonic deadline (a batch: one submit, region_agent.decision.batch);
 3. **outcome** - a store admission becomes its record at once, from parts built once per plan
-   shape (region_agent.decision.record.admitted_record); any other answer goes to
+   shape (region_agent.decision.record.admitted_reply); any other answer goes to
    :func:`region_agent.decision.outcome.outcome`, which says what it means, and the engine
    carries that step out: an answer, one wait for a pool top-up (region_agent.leasing.topup),
    the pool's fallback allowance or a degradation per rule failMode (region_agent.decision.degraded);
@@ -49,7 +49,7 @@ from .keys import KeyBuilder
 from .negcache import NegativeCache
 from .outcome import Answer, NextStep, Outcome, outcome, pool_denial_slot
 from .plan import Admitted, GlobalSpend, Plan, Snapshot, build_plan, cc_gates, cc_keys_for_release
-from .record import SHED, admitted_record, admitted_reply, conflict_record, decision_record
+from .record import SHED, admitted_reply, conflict_record, decision_record
 from .telemetry import DecisionTelemetry
 
 
@@ -345,13 +345,7 @@ class DecisionEngine:
             if d is not None:
                 self.denials.forget(plan)  # as _settle_now: a probe passed, its held denial is over
                 return self._finish(prep, d, plan.shape.admitted)  # type: ignore[union-attr]  # a record was made: the plan has a shape with parts
-            result = result_of(reply)
-            if result.__class__ is MultiRuleResult and result.allowed:  # (an admission the fast reading does not take)
-                # the common case: the store admitted; the record's parts were built once per plan shape
-                d = admitted_record(plan, prep.snap, result)
-                if d is not None:
-                    self.denials.forget(plan)  # as _settle_now: a probe passed, its held denial is over
-                    return self._finish(prep, d, plan.shape.admitted)  # type: ignore[union-attr]  # a record was made: the plan has a shape with parts
+            result = result_of(reply)  # anything else (a denial, an error, a shape without parts): the general path
         got = self._settle_now(prep, result)
         if isinstance(got, Decision):
             return self._finish(prep, got)
@@ -414,11 +408,10 @@ class DecisionEngine:
     async def _settle_later(self, prep: _Prepared, result: MultiRuleResult | LeaseholdError, o: Outcome,
                             denial: Any) -> Decision:
         """The steps of an outcome that send another call or wait (region_agent.decision.outcome.NextStep)."""
-        if o.step is NextStep.RETRY_SAME:  # same decision id, same arguments: the script replays its record
-            self.metrics.script_errors.labels("AmbiguousOutcome").inc()
-            return await self._settle(prep, await self._send_one(prep, plan_calls(prep.plan)[0]), retry=False)
-        if o.step is NextStep.RESEND:  # the call did not run: sent again once, counted as what it was
-            self.metrics.script_errors.labels("NothingRan").inc()
+        if o.step is NextStep.RETRY_SAME or o.step is NextStep.RESEND:
+            # the same call once more, counted as what its failure was: ambiguous (same decision id, same
+            # arguments: the script replays its record) or one that did not run
+            self.metrics.script_errors.labels("AmbiguousOutcome" if o.step is NextStep.RETRY_SAME else "NothingRan").inc()
             return await self._settle(prep, await self._send_one(prep, plan_calls(prep.plan)[0]), retry=False)
         assert isinstance(result, MultiRuleResult)
         if o.step is NextStep.WAIT_TOP_UP:
@@ -487,7 +480,7 @@ class DecisionEngine:
 
     def _finish(self, prep: _Prepared, d: Decision, admitted: Admitted | None = None) -> Decision:
         """``admitted``: ``d`` is the store's admission made from these parts of the plan's shape
-        (region_agent.decision.record.admitted_record): the telemetry counts it by them."""
+        (region_agent.decision.record.admitted_reply): the telemetry counts it by them."""
         if prep.edge and d.allowed:
             return d  # a passed address window: the request's own decision follows (and is counted)
         if d.allowed and prep.used_fallback:

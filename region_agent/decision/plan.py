@@ -184,7 +184,7 @@ class Shape(NamedTuple):
     sub: int | None = None
     approx: tuple[Rule, ...] = ()  # enforced approximate rules (counted in process, kernel/approx.py)
     approx_templates: tuple[KeyTemplate | None, ...] = ()
-    # the parts of a store admission's record (region_agent.decision.record.admitted_record); None when no
+    # the parts of a store admission's record (region_agent.decision.record.admitted_reply); None when no
     # slot reports for the decision (the engine's general path answers)
     admitted: Admitted | None = None
     # how the shape's key sets are served from chunks once hot (region_agent.decision.hot; None: never)

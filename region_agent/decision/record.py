@@ -15,7 +15,7 @@ from kernel.errors import DecisionConflict, to_problem
 
 from ..models import AdmitRequest, Decision, DecisionSource, Reason
 from ..service.metrics import AgentMetrics
-from .call import CONFLICT, MultiRuleResult
+from .call import CONFLICT
 from .httpmap import apply_http
 from .outcome import Answer
 from .plan import Plan, Snapshot
@@ -58,31 +58,14 @@ def _record(request_id: str, anonymous: bool, snap: Snapshot, a: Answer, source:
     return d
 
 
-def admitted_record(plan: Plan, snap: Snapshot, res: MultiRuleResult) -> Decision | None:
-    """The record of the store's admission ``res`` (``res.allowed``) of ``plan`` — the same
-    record as :func:`decision_record` of :func:`~region_agent.decision.outcome.outcome`'s answer (a unit
-    test compares them), from the parts ``snap`` built once per plan shape
-    (:attr:`~region_agent.decision.plan.Shape.admitted`: the reporting slot, rule and limit, and the
-    count-free header parts). None when no slot reports (the engine's general path answers) or
-    the plan has no shape."""
-    shape = plan.shape
-    parts = None if shape is None else shape.admitted
-    if parts is None:
-        return None
-    slot, rule, limit, fields = parts
-    remaining = res.remaining
-    rem = rule.remaining_tokens(remaining[slot] if slot < len(remaining) else 0)
-    return Decision(True, plan.request_id, rule.id, snap.bundle.bundle_version, None, None, limit, rem, 0, False, 0, 200,
-                    {} if fields is None else {"RateLimit-Policy": fields[0], "RateLimit": f"{fields[1]}{rem};t=0"},
-                    None)
-
-
 def admitted_reply(plan: Plan, snap: Snapshot, reply: Any) -> Decision | None:
-    """:func:`admitted_record` of the multi-rule script's ``reply`` as the store sent it, when it
-    is an admission as :func:`~region_agent.decision.call.parse_multi_rule` reads one (a list of at
-    least four ints, the first neither 0 nor the conflict's -1): no result tuple made in between
-    (a unit test compares the two). None for any other reply (the engine parses it) or a plan whose
-    shape has no parts."""
+    """The record of the multi-rule script's ``reply`` as the store sent it, when it is an
+    admission as :func:`~region_agent.decision.call.parse_multi_rule` reads one (a list of at least
+    four ints, the first neither 0 nor the conflict's -1) — the same record as
+    :func:`decision_record` of :func:`~region_agent.decision.outcome.outcome`'s answer (a unit test
+    compares them) — from the parts ``snap`` built once per plan shape (:attr:`~region_agent.decision.plan.Shape.admitted`: the reporting slot, rule and
+    limit, and the count-free header parts); no result tuple made in between. None for any other
+    reply (the engine's general path parses and answers it) or a plan whose shape has no parts."""
     shape = plan.shape
     parts = None if shape is None else shape.admitted
     if parts is None or reply.__class__ is not list or len(reply) < 4:

@@ -77,7 +77,7 @@ class DecisionTelemetry:
                 touched_store: bool, admitted: Admitted | None = None) -> None:
         """Record one decision. ``touched_store``: its script ran (keys may have been created).
         ``admitted``: ``d`` is the store's admission made from these parts of its plan's shape as
-        :func:`~region_agent.decision.record.admitted_record` made it (allowed, ``script``, no
+        :func:`~region_agent.decision.record.admitted_reply` made it (allowed, ``script``, no
         fallback): its label follows from them, so its counts are found by them (once per shape
         between two collections) instead of by a label built per decision.
         The hot path: everything inline, label children cached (``make bench`` figures 2 and 3)."""

@@ -96,10 +96,7 @@ def _pack_rule_call(sha: str, keys: Sequence[Any], argv: Any) -> str | None:
     shape's text: the header, ``slack_ms``, ``decision_ttl_ms`` and the rule slots are text
     already, joined with the keys, the member and the question (ASCII strings) and their
     lengths. None for anything else (the generic packer takes it)."""
-    try:
-        text = argv.text
-    except AttributeError:  # a RuleArgv whose text was never set: none
-        text = None
+    text = argv.text
     if text is not None:  # a remembered question's call: its text around the request's own strings
         member = argv[2]
         if text.sha != sha:

@@ -17,7 +17,7 @@ from region_agent.decision.plan import Snapshot, build_plan
 from region_agent.decision.record import (
     SHED,
     SHED_RETRY_MS,
-    admitted_record,
+    admitted_reply,
     conflict_record,
     decision_record,
     early_record,
@@ -116,16 +116,18 @@ def general_record(plan, bundle, res):
 @settings(max_examples=400, deadline=None)
 @given(bundle=st.sampled_from([NORTHSTAR, GLOBAL]), tenant=st.sampled_from(["atlas", "birch", "northstar-ops", "zeta"]),
        route=st.sampled_from(["read", "export", "login", "probe", "write"]), principal=st.sampled_from(PRINCIPALS),
-       cost=st.integers(1, 1_000), raws=st.lists(st.integers(-5, 10**9), max_size=10), rid=st.integers(0, 10**6))
+       cost=st.integers(1, 1_000), raws=st.lists(st.integers(-5, 10**9), min_size=1, max_size=10),
+       rid=st.integers(0, 10**6))
 def test_an_admission_built_from_its_shape_parts_is_the_general_paths_record(bundle, tenant, route, principal, cost,
                                                                              raws, rid):
     req = AdmitRequest(request_id=f"r-{rid:016x}", tenant_id=tenant, route_group=route, principal=principal,
                        cost_hint=cost)
     plan = build_plan(Snapshot(bundle, NO_JITTER), req, KB)
-    res = MultiRuleResult(True, 0, 0, tuple(raws))  # any length: a short reply reports 0, as the general path
+    res = MultiRuleResult(True, 0, 0, tuple(raws))  # fewer counts than slots: a missing one reports 0, as the general path
     want = general_record(plan, bundle, res)
-    assert admitted_record(plan, Snapshot(bundle, NO_JITTER), res) == want
-    assert admitted_record(plan, Snapshot(bundle, NO_JITTER), res) == want  # the second time from the memoised parts
+    reply = [1, 0, 0, *raws]
+    assert admitted_reply(plan, Snapshot(bundle, NO_JITTER), reply) == want
+    assert admitted_reply(plan, Snapshot(bundle, NO_JITTER), reply) == want  # the second time from the memoised parts
 
 
 @settings(max_examples=400, deadline=None)
@@ -136,11 +138,10 @@ def test_an_admission_built_from_its_shape_parts_is_the_general_paths_record(bun
                        st.lists(st.integers(-1, 10**9), min_size=4, max_size=7), st.just(None), st.just((1, 0, 0, 5))))
 def test_an_admission_read_straight_from_its_reply_is_the_parsed_replys_record(bundle, tenant, route, principal, reply):
     """The engine's common case reads a store admission's record straight from the script's reply
-    (admitted_reply): the record admitted_record makes of parse_multi_rule's result, or None —
+    (admitted_reply): the general path's record of parse_multi_rule's result, or None —
     never for a reply the parse reads as an admission of plain ints, always for one it refuses,
     a denial or a conflict."""
     from region_agent.decision.call import parse_multi_rule
-    from region_agent.decision.record import admitted_reply
 
     req = AdmitRequest(request_id="r-9f3a61c2e07b4d18", tenant_id=tenant, route_group=route, principal=principal)
     snap = Snapshot(bundle, NO_JITTER)
@@ -150,14 +151,14 @@ def test_an_admission_read_straight_from_its_reply_is_the_parsed_replys_record(b
     except Exception:
         res = None
     got = admitted_reply(plan, snap, reply)
-    want = admitted_record(plan, snap, res) if res is not None and res.allowed else None
+    want = general_record(plan, bundle, res) if res is not None and res.allowed else None
     plain = reply.__class__ is list and all(x.__class__ is int for x in reply)
     assert got == want if plain else got is None
 
 
 def test_a_users_admission_from_shape_parts_carries_its_ratelimit_fields():
     plan = plan_of()
-    d = admitted_record(plan, Snapshot(NORTHSTAR, NO_JITTER), MultiRuleResult(True, 0, 0, (17_500, 900_000)))
+    d = admitted_reply(plan, Snapshot(NORTHSTAR, NO_JITTER), [1, 0, 0, 17_500, 900_000])
     assert d == general_record(plan, NORTHSTAR, MultiRuleResult(True, 0, 0, (17_500, 900_000)))
     assert (d.limit, d.remaining, d.http_status) == (20, 17, 200)
     assert d.headers == {"RateLimit-Policy": '"read-user-v3";q=20;w=10', "RateLimit": '"read-user-v3";r=17;t=0'}
@@ -167,7 +168,7 @@ def test_no_shape_part_answers_when_no_slot_reports_or_the_plan_has_no_shape():
     req = AdmitRequest(request_id="r-9f3a61c2e07b4d18", tenant_id="zeta", route_group="read",
                        principal=Principal(type="service", id="svc-9"))
     plan = build_plan(Snapshot(GLOBAL, NO_JITTER), req, KB)  # only global-catalog, a fleet-wide pool spent from chunks: no slot reports
-    assert plan.rules[0].fleet_wide and admitted_record(plan, Snapshot(GLOBAL, NO_JITTER), MultiRuleResult(True, 0, 0, (5,))) is None
+    assert plan.rules[0].fleet_wide and admitted_reply(plan, Snapshot(GLOBAL, NO_JITTER), [1, 0, 0, 5]) is None
     shapeless = plan_of()
     shapeless.shape = None
-    assert admitted_record(shapeless, Snapshot(NORTHSTAR, NO_JITTER), MultiRuleResult(True, 0, 0, (17_500, 0))) is None
+    assert admitted_reply(shapeless, Snapshot(NORTHSTAR, NO_JITTER), [1, 0, 0, 17_500, 0]) is None

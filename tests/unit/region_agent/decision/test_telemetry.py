@@ -212,8 +212,7 @@ def test_a_store_admission_counted_by_its_shapes_parts_reads_as_counted_by_its_l
     which then finds its counts by them instead of by a label built per decision: the exposition
     is the one the label path makes, across tenants (a named one, another, an anonymous caller),
     two bundle versions, collections in between and a denial of the same shape."""
-    from region_agent.decision.call import MultiRuleResult
-    from region_agent.decision.record import admitted_record
+    from region_agent.decision.record import admitted_reply
 
     def run(hinted: bool) -> list[list[str]]:
         m = AgentMetrics()
@@ -231,7 +230,7 @@ def test_a_store_admission_counted_by_its_shapes_parts_reads_as_counted_by_its_l
                             else Principal(type="anonymous", id="203.0.113.9")), KEYS)
                         parts = plan.shape.admitted
                         assert parts is not None
-                        d = admitted_record(plan, snap, MultiRuleResult(True, 0, 0, (5,) * len(plan.calls)))
+                        d = admitted_reply(plan, snap, [1, 0, 0, *(5,) * len(plan.calls)])
                         assert d is not None
                         t.decided(plan, snap, d, next(seconds), now=0.0, touched_store=True,
                                   admitted=parts if hinted else None)
