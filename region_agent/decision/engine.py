@@ -201,7 +201,8 @@ class DecisionEngine:
             if prep.early is not None:
                 batch.add([])
                 continue
-            if hot_config(prep.plan) is not None:
+            shape = prep.plan.shape
+            if shape is not None and shape.hot is not None and hot_config(prep.plan) is not None:  # (as admit)
                 got = self.hot.pay(prep.plan)
                 if got is not None:
                     prep.chunk = True
