@@ -108,7 +108,8 @@ async def _child(redis_url: str, door: str, extra: int, check: int, cprofile: Pa
         raw = [rls_pb2.RateLimitRequest(domain="leasehold", descriptors=[D(entries=[
             D.Entry(key="tenant", value=tenant), D.Entry(key="user", value=f"user-{i}"),
             D.Entry(key="route_group", value="read")])]).SerializeToString() for i in range(USERS)]
-        servicer = RateLimitServicer(names=Names.build(), decide=admission.decide, snapshot_of=lambda: holder.snapshot,
+        servicer = RateLimitServicer(names=Names.build(), decide=admission.decide, decide_one=admission.decide_one,
+                                     snapshot_of=lambda: holder.snapshot,
                                      gateways=None, metrics=GatewayMetrics(CollectorRegistry()))
 
         class _Ctx:

@@ -65,10 +65,12 @@ async def _rounds(redis_url: str, rounds: int, seconds: float) -> dict[str, list
     holder = SimpleNamespace(bundle=snap.bundle, snapshot=snap)
     st = SimpleNamespace(engine=engine, holder=holder, policy_watch=None, version_check=None, key_cap=None)
     admission = Admission(lambda: st)
-    servicer = RateLimitServicer(names=Names.build(), decide=admission.decide, snapshot_of=lambda: st.holder.snapshot,
+    servicer = RateLimitServicer(names=Names.build(), decide=admission.decide, decide_one=admission.decide_one,
+                                 snapshot_of=lambda: st.holder.snapshot,
                                  gateways=None, metrics=GatewayMetrics(CollectorRegistry()))
     # the agent's servicer: calls that arrive while others are in flight decided together (2 ms)
-    grouped = RateLimitServicer(names=Names.build(), decide=admission.decide, snapshot_of=lambda: st.holder.snapshot,
+    grouped = RateLimitServicer(names=Names.build(), decide=admission.decide, decide_one=admission.decide_one,
+                                 snapshot_of=lambda: st.holder.snapshot,
                                 gateways=None, metrics=GatewayMetrics(CollectorRegistry()), group_linger_s=0.002)
     ctx = _Context()
     out: dict[str, list[float]] = {"decision": [], "rls_servicer": [], "rls_grouped": []}

@@ -96,24 +96,26 @@ class Admission:
     def __init__(self, state_of: Callable[[], Any]):
         self._state_of = state_of
 
-    async def decide(self, reqs: list[AdmitRequest], *, door: str, carrier: Carrier = (),
-                     decoded: bool = False) -> list[Decision]:
+    def decide(self, reqs: list[AdmitRequest], *, door: str, carrier: Carrier = (),
+               decoded: bool = False) -> Awaitable[list[Decision]]:
         """One decision per question of ``reqs``, in order, asked at ``door`` (module doc).
         ``decoded``: the questions came out of the strict wire decoder (their id patterns were
-        checked)."""
+        checked). The awaitable is the decision's own coroutine, not one wrapped around it (one
+        frame less per call or group); nothing runs before it is awaited."""
         if tracing.ENABLED:
-            return await traced_decision(door, carrier, reqs[0].request_id if reqs else None, self._decide, reqs,
-                                         decoded)
-        return await self._decide(reqs, decoded)
+            return traced_decision(door, carrier, reqs[0].request_id if reqs else None, self._decide, reqs, decoded)
+        return self._decide(reqs, decoded)
 
     def decide_one(self, req: AdmitRequest, *, door: str, carrier: Carrier = (),
                    decoded: bool = False) -> Awaitable[Decision]:
-        """:meth:`decide` of one question (the common case: no list of results built). The
-        awaitable is the decision's own coroutine, not one wrapped around it (one frame less
-        per call); nothing runs before it is awaited."""
+        """:meth:`decide` of one question (the common case: no list of results built). Without
+        tracing, the stage before the engine runs here, at the call, and the awaitable is the
+        engine's own coroutine (:meth:`DecisionEngine.admit`): no frame of the admission's stays
+        between the caller and the engine while the decision waits for its store. Every caller
+        awaits it at once, so what the call raises (an agent still starting) reaches it as before."""
         if tracing.ENABLED:
             return traced_decision(door, carrier, req.request_id, self._decide_one, req, decoded)
-        return self._decide_one(req, decoded)
+        return self._admit_one(req, decoded)
 
     async def _decide(self, reqs: list[AdmitRequest], decoded: bool) -> list[Decision]:
         st = self._state_of()
@@ -136,12 +138,22 @@ class Admission:
         return [d if d is not None else next(decided) for _, d in pre]
 
     async def _decide_one(self, req: AdmitRequest, decoded: bool) -> Decision:
+        return await self._admit_one(req, decoded)
+
+    def _admit_one(self, req: AdmitRequest, decoded: bool) -> Awaitable[Decision]:
+        """The stage before the engine of one question, now; the engine's coroutine of its
+        decision (or the decision the stage made)."""
         st = self._state_of()
         engine = st.engine
         if engine is None:
             raise Unavailable("agent is starting")
         req, early = pre_check(st, req)
-        return early if early is not None else await engine.admit(req, decoded=decoded)
+        return engine.admit(req, decoded=decoded) if early is None else _made(early)
+
+
+async def _made(d: Decision) -> Decision:
+    """A decision the stage before the engine made, as the awaitable :meth:`Admission.decide_one` returns."""
+    return d
 
 
 def is_conflict(d: Decision) -> bool:

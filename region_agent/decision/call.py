@@ -144,12 +144,7 @@ def prechecked_call(rules: Sequence[Call], argv_rules: tuple[object, ...], *, de
     ``text``: the remembered question's :class:`CallText` (its keys checked and its script named
     once): only the ARGV is built here, and the packer joins the call's text from it."""
     if text is not None:
-        dk = text.dk
-        argv = RuleArgv((slack_ms, decision_ttl_ms, member, *argv_rules, question))
-        argv.rules = argv_rules
-        argv.text = text
-        # the shared KEYS (read-only, as every list a caller submits), or the recorded decision's own key first
-        return (text.name, text.keys if dk is not None else [decision_key, *text.keys[1:]], argv)
+        return text_call(text, argv_rules, decision_key, slack_ms, decision_ttl_ms, member, question)
     keys = [decision_key]
     for r in rules:
         keys.append(r.key)
@@ -269,13 +264,28 @@ def parse_pool_refund(reply: Any) -> PoolRefund:
         raise ScriptRejected("unexpected reply shape from pool_refund") from None
 
 
+def text_call(text: CallText, argv_rules: tuple[object, ...], decision_key: str, slack_ms: int, decision_ttl_ms: int,
+              member: str, question: str) -> ScriptCall:
+    """:func:`prechecked_call` of a remembered question (``text``): only the ARGV is built
+    (positional arguments: every remembered question's call comes here, from :func:`plan_calls`)."""
+    argv = RuleArgv((slack_ms, decision_ttl_ms, member, *argv_rules, question))
+    argv.rules = argv_rules
+    argv.text = text
+    # the shared KEYS (read-only, as every list a caller submits), or the recorded decision's own key first
+    return (text.name, text.keys if text.dk is not None else [decision_key, *text.keys[1:]], argv)
+
+
 # --- a plan's calls ------------------------------------------------------------------------------
 def plan_calls(plan: Plan) -> list[ScriptCall]:
     """The script calls of ``plan``: the enforced rules' multi-rule call (with the decision
     record, when the request has one), then the shadow rules' (never a record); either may be absent."""
     calls = []
     if plan.calls:
-        if plan.argv_rules is not None:  # slots checked once per policy snapshot, selection and cost
+        text = plan.text
+        if text is not None:  # a remembered question (its text keeps the plan's argv_rules)
+            calls.append(text_call(text, text.argv_rules, plan.decision_key, plan.slack_ms, plan.decision_ttl_ms,
+                                   plan.request_id, plan.question))
+        elif plan.argv_rules is not None:  # slots checked once per policy snapshot, selection and cost
             calls.append(prechecked_call(plan.calls, plan.argv_rules, decision_key=plan.decision_key,
                                          slack_ms=plan.slack_ms, decision_ttl_ms=plan.decision_ttl_ms,
                                          member=plan.request_id, question=plan.question, text=plan.text))

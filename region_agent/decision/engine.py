@@ -145,11 +145,12 @@ class DecisionEngine:
             replies = e
         else:  # :meth:`_submit` inline, and no coroutine for the completion unless it must wait
             try:
-                if calls and hot_config(plan) is not None:  # a key set that may be served from a chunk
+                # a key set that may be served from a chunk (a shape's hot config first: most have none)
+                if calls and plan.shape is not None and plan.shape.hot is not None and hot_config(plan) is not None:
                     replies = await self.hot.ask(plan, calls, prep.deadline, self.clock)
                     prep.chunk = replies[0].__class__ is ChunkReply
-                else:
-                    replies = await self.store.submit(calls, wait_s=self._remaining(prep)) if calls else []
+                else:  # (the budget left: _remaining inline)
+                    replies = await self.store.submit(calls, wait_s=max(0.0, prep.deadline - self.clock())) if calls else []
             except LeaseholdError as e:
                 replies = e
         got = self._complete_now(prep, replies)
@@ -200,7 +201,8 @@ class DecisionEngine:
             if prep.early is not None:
                 batch.add([])
                 continue
-            if hot_config(prep.plan) is not None:
+            shape = prep.plan.shape
+            if shape is not None and shape.hot is not None and hot_config(prep.plan) is not None:  # (as admit)
                 got = self.hot.pay(prep.plan)
                 if got is not None:
                     prep.chunk = True

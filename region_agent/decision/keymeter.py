@@ -16,12 +16,15 @@ balances), ``concurrency`` (concurrency gates), ``decision`` (idempotency record
 Bounded: at most ``MAX_PER_GENERATION`` hashes per generation (about 8 MB each); past that,
 unseen keys are counted but not remembered (an over-count, never a growth of the agent).
 Cost per decision: one or two set lookups per key, no lock (the counts are plain integers read
-at scrape time).
+at scrape time); none for a remembered question's calls once every key of them is in the current
+generation (``NewKeyMeter.held``, by the calls' identity: at most ``HELD_MAX``, emptied when full
+and at every rotation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
@@ -29,6 +32,7 @@ from kernel.algorithms import Role
 
 HORIZON_S = 30.0
 MAX_PER_GENERATION = 100_000
+HELD_MAX = 20_000  # remembered questions' calls whose keys the current generation holds (emptied when full)
 CLASSES = ("ip", "principal", "tenant", "pool", "concurrency", "decision")
 _SCOPE_CLASS = {"ip": "ip", "user": "principal", "key": "principal", "route": "tenant", "tenant": "tenant",
                 "global": "pool"}
@@ -54,10 +58,15 @@ class NewKeyMeter:
         self.cur: set[int] = set()
         self.prev: set[int] = set()
         self.since = float("-inf")
+        # a remembered question's calls (the list every asking of it shares, by identity: id -> the
+        # list) whose every key is in the current generation: its next askings find nothing new
+        # without a lookup per key (the decision path: region_agent.decision.telemetry)
+        self.held: dict[int, list[Any]] = {}
 
     def rotate(self, now: float) -> None:
         """The current generation becomes the previous one (every ``HORIZON_S``)."""
         self.prev, self.cur, self.since = self.cur, set(), now
+        self.held = {}  # (their keys are in no current generation now)
 
     def seen(self, h: int, new: bool, cls: str) -> None:
         """A key hash not in the current generation: remember it (bounded), count it if ``new``."""

@@ -29,7 +29,7 @@ from ..models import Decision
 from ..service.audit import BypassAudit
 from ..service.metrics import DECISION_SECONDS_BUCKETS, AgentMetrics
 from ..service.prometheus_internals import add_observations
-from .keymeter import HORIZON_S, MAX_PER_GENERATION, source_class
+from .keymeter import HELD_MAX, HORIZON_S, MAX_PER_GENERATION, source_class
 from .plan import Admitted, Plan, Snapshot
 
 _CLASS = {(role, scope): source_class(role, scope) for role in Role
@@ -123,17 +123,27 @@ class DecisionTelemetry:
             meter = self.m.new_keys
             if now - meter.since >= HORIZON_S:
                 meter.rotate(now)
-            cur, prev, counts = meter.cur, meter.prev, meter.counts
-            for call, slot in zip(plan.calls, plan.slots, strict=False):
-                h = hash(call.key)  # str hashes are cached on the key string
-                if h in cur:
-                    continue
-                if h not in prev:
-                    counts[_CLASS[slot.role, slot.rule.scope]] += 1
-                if len(cur) < MAX_PER_GENERATION:
-                    cur.add(h)
-            if plan.decision_ttl_ms > 0 and plan.calls:
-                counts["decision"] += 1
+            calls = plan.calls
+            held = meter.held
+            if held.get(id(calls)) is not calls:  # else: every key of these calls is in the current generation
+                cur, prev, counts = meter.cur, meter.prev, meter.counts
+                every = True
+                for call, slot in zip(calls, plan.slots, strict=False):
+                    h = hash(call.key)  # str hashes are cached on the key string
+                    if h in cur:
+                        continue
+                    if h not in prev:
+                        counts[_CLASS[slot.role, slot.rule.scope]] += 1
+                    if len(cur) < MAX_PER_GENERATION:
+                        cur.add(h)
+                    else:
+                        every = False
+                if every and plan.text is not None:  # a remembered question: the same calls at every asking
+                    if len(held) >= HELD_MAX:
+                        held.clear()
+                    held[id(calls)] = calls
+            if plan.decision_ttl_ms > 0 and calls:
+                meter.counts["decision"] += 1
         rules = plan.rules
         if rules and rules[0].exempt and self.audit is not None:
             self.audit.decided(rules[0], outcome=outcome, tenant=plan.tenant, request_id=plan.request_id,

@@ -69,6 +69,7 @@ class Gateways:
 
         # the admission itself, not :meth:`decide` around it (one coroutine frame less per call or group)
         servicer = RateLimitServicer(names=self.names, decide=self.admission.decide,
+                                     decide_one=self.admission.decide_one,
                                      snapshot_of=lambda: self.state.holder.snapshot,
                                      gateways=self.gateway_tokens(), metrics=self.metrics,
                                      group_linger_s=s.rls_group_linger_ms / 1000, group_size=s.batch_max,

@@ -219,6 +219,14 @@ class CallQuestions:
     questions: tuple[AdmitRequest, ...]
     minted: tuple[int, ...]  # indices of the questions whose request id was minted here
 
+    def asked(self) -> AdmitRequest | list[AdmitRequest]:
+        """:meth:`again`, but a call of one question (one descriptor: the common call) as that
+        question alone, without a list."""
+        qs = self.questions
+        if len(qs) == 1:  # (one descriptor: no ``:<index>`` suffix)
+            return _replace(qs[0], request_id=mint_request_id("rls")) if self.minted else qs[0]
+        return self.again()
+
     def again(self) -> list[AdmitRequest]:
         """The same questions, each minted id replaced by a fresh one."""
         out = list(self.questions)

@@ -40,6 +40,7 @@ import logging
 import time
 from bisect import bisect_left
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from envoy.service.ratelimit.v3 import rls_pb2
@@ -101,9 +102,15 @@ class CallMemo:
 
     def questions(self, raw: bytes) -> list[AdmitRequest]:
         """The questions of the call ``raw``; raises :class:`.mapping.BadQuestion`."""
+        asked = self.asked(raw)
+        return asked if isinstance(asked, list) else [asked]
+
+    def asked(self, raw: bytes) -> AdmitRequest | list[AdmitRequest]:
+        """:meth:`questions`, but a call of one question (one descriptor: the common call) as
+        that question alone, without a list (:meth:`.mapping.CallQuestions.asked`)."""
         known = self._known.get(raw)
         if known is not None:
-            return known.again()
+            return known.asked()
         try:
             request = _parse(raw)
         except DecodeError:
@@ -111,7 +118,7 @@ class CallMemo:
         call = rls_call(self.names, request.domain, descriptors_of(request, self.names), request.hits_addend)
         if len(call.minted) == len(call.questions) and len(raw) <= MEMO_BYTES:
             self._known.put(raw, call)  # a call that names a request id is new each time: never asked again
-        return list(call.questions)
+        return call.questions[0] if len(call.questions) == 1 else list(call.questions)
 
 
 def descriptors_of(request: rls_pb2.RateLimitRequest, names: Names) -> list[Descriptor]:
@@ -170,7 +177,8 @@ class RateLimitServicer:
     def __init__(self, *, names: Names, decide: Callable[..., Awaitable[list[Decision]]],
                  snapshot_of: Callable[[], Snapshot], gateways: TokenTable | None, metrics: GatewayMetrics,
                  group_linger_s: float = 0.0, group_size: int = 32, max_slots: int = 4_096,
-                 streams_open: Callable[[], int] = lambda: 0):
+                 streams_open: Callable[[], int] = lambda: 0,
+                 decide_one: Callable[..., Awaitable[Decision]] | None = None):
         self.names = names
         self.max_slots = max_slots
         self.streams_open = streams_open  # RLQS streams open (each holds a slot)
@@ -179,6 +187,9 @@ class RateLimitServicer:
         # calls that arrive together are decided together (.call_group); linger 0: each call alone
         self.group = CallGroup(self._decide_group, group_linger_s, group_size, on_group=metrics.rls_group_calls.observe)
         self.decide = decide
+        # a call of one question, alone: the admission's own single decision (Admission.decide_one,
+        # no lists); None: ``decide`` of a list of one
+        self.decide_one = decide_one if decide_one is not None else self._one_of_list
         self.snapshot_of = snapshot_of
         self.gateways = gateways  # None: --auth-disabled
         self.metrics = metrics
@@ -217,6 +228,10 @@ class RateLimitServicer:
         calls are grouped only while tracing is off (each traced call is its own decision span)."""
         return self.decide(questions, door="rls", decoded=True)
 
+    async def _one_of_list(self, question: AdmitRequest, **kw: Any) -> Decision:
+        (d,) = await self.decide([question], **kw)
+        return d
+
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         """The service's method handlers for a grpc server: requests arrive as bytes and answers
         leave as bytes (no deserializer, no serializer: :class:`CallMemo`, :class:`.rls_wire.AnswerWire`)."""
@@ -238,16 +253,24 @@ class RateLimitServicer:
                 authenticate(self.gateways, metadata)  # pairs: two tokens are refused
             if group.in_flight + self.streams_open() > self.max_slots:  # this call included
                 raise _Exhausted
-            questions = self.calls.questions(request)
-            if joins and not traced:  # other calls in flight: decided with those arriving with it
-                decisions = await group.decide(questions)
-            else:  # decoded: the questions were built by msgspec's validating convert (mapping.question)
-                decisions = await self.decide(questions, door="rls", carrier=metadata, decoded=True)
-            resp, status, over = self.wire.answer(decisions, questions, self.snapshot_of())
+            asked = self.calls.asked(request)
+            if not isinstance(asked, list):  # one descriptor, the common call: one question, no lists
+                if joins and not traced:  # other calls in flight: decided with those arriving with it
+                    (d,) = await group.decide([asked])
+                else:  # decoded: the question was built by msgspec's validating convert (mapping.question)
+                    d = await self.decide_one(asked, door="rls", carrier=metadata, decoded=True)
+                resp, status, over = self.wire.answer_one(d, asked, self.snapshot_of())
+                self._descriptors[over] += 1  # (over: 0 or 1)
+            else:
+                if joins and not traced:
+                    decisions = await group.decide(asked)
+                else:
+                    decisions = await self.decide(asked, door="rls", carrier=metadata, decoded=True)
+                resp, status, over = self.wire.answer(decisions, asked, self.snapshot_of())
+                counted = self._descriptors
+                counted[0] += len(decisions) - over
+                counted[1] += over
             outcome = OUTCOME_OF_STATUS.get(status, "over_limit")
-            counted = self._descriptors
-            counted[0] += len(decisions) - over
-            counted[1] += over
             return resp
         except Unauthorized as e:
             code, detail, outcome = grpc.StatusCode.UNAUTHENTICATED, e.detail, "unauthenticated"

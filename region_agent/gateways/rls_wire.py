@@ -136,48 +136,69 @@ class AnswerWire:
                ) -> tuple[bytes, int, int]:
         """(the response's bytes, the HTTP status /v1/admit would answer, descriptors
         ``OVER_LIMIT``) of one call's ``decisions``; the same answer as :func:`.rls.to_proto`."""
+        if len(decisions) == 1 and len(questions) == 1:
+            return self.answer_one(decisions[0], questions[0], snap)
         if snap is not self._snap:
-            self._snap = snap
-            self._limits = {}
-            self._statuses = {}
-        statuses = self._statuses
+            self._renew(snap)
         parts = [b""]  # overall_code, set below
         over = 0
         for d, q in zip(decisions, questions, strict=True):
             out = d.http_status != 200
             over += out
-            # an address-window denial of an authenticated question is the pre-auth stage's: anonymous too
-            if q.principal.type == "anonymous" or q.auth_failed or d.denied_scope == "ip":
-                parts.append(_BARE[out])  # no policy names, limits or counts (.answer.descriptor_answer)
-                continue
-            reset = d.retry_after_ms if out and d.retry_after_ms > 0 else 0
-            rule_id = d.rule_id
-            rule = snap.rules_by_id.get(rule_id) if rule_id else None
-            if rule is None or d.fallback or d.limit is None:
-                rule_id, remaining = None, 0  # no rule, or a local fallback allowance: no current_limit
-            else:
-                remaining = d.remaining or 0
-                if remaining < 0:
-                    remaining = 0
-            key = (rule_id, out, remaining, reset)
-            st = statuses.get(key)
-            if st is None:
-                limit = b""
-                if rule_id is not None:
-                    limit = self._limits.get(rule_id)  # type: ignore[assignment]  # (None: not yet built)
-                    if limit is None:
-                        pu = per_unit(rule, snap)  # type: ignore[arg-type]  # rule_id is not None: a rule
-                        rpu, unit = pu if pu is not None else (0, "UNKNOWN")
-                        limit = self._limits[rule_id] = limit_field(rpu, unit, rule_id)
-                st = status_field(OVER_LIMIT if out else OK, limit, remaining, reset)
-                if len(statuses) >= MEMO_MAX:
-                    statuses.clear()
-                statuses[key] = st
-            parts.append(st)
-        top = decisions[0] if len(decisions) == 1 else deciding(decisions)
-        denied = top.http_status != 200
-        parts[0] = _CODE[denied]
-        if denied:
+            parts.append(self._status(d, q, snap, out))
+        top = deciding(decisions)
+        parts[0] = _CODE[top.http_status != 200]
+        return self._end(parts, top), top.http_status, over
+
+    def answer_one(self, d: Decision, q: AdmitRequest, snap: Snapshot) -> tuple[bytes, int, int]:
+        """:meth:`answer` of a call of one question (one descriptor, the common call): the same
+        bytes, without the lists of a call of several."""
+        if snap is not self._snap:
+            self._renew(snap)
+        out = d.http_status != 200
+        return self._end([_CODE[out], self._status(d, q, snap, out)], d), d.http_status, 1 if out else 0
+
+    def _renew(self, snap: Snapshot) -> None:
+        """A new snapshot (a policy reload): its rules' statuses and limits are built again."""
+        self._snap = snap
+        self._limits = {}
+        self._statuses = {}
+
+    def _status(self, d: Decision, q: AdmitRequest, snap: Snapshot, out: bool) -> bytes:
+        """The DescriptorStatus of ``d``, the decision of question ``q`` (``out``: not 200)."""
+        # an address-window denial of an authenticated question is the pre-auth stage's: anonymous too
+        if q.principal.type == "anonymous" or q.auth_failed or d.denied_scope == "ip":
+            return _BARE[out]  # no policy names, limits or counts (.answer.descriptor_answer)
+        reset = d.retry_after_ms if out and d.retry_after_ms > 0 else 0
+        rule_id = d.rule_id
+        rule = snap.rules_by_id.get(rule_id) if rule_id else None
+        if rule is None or d.fallback or d.limit is None:
+            rule_id, remaining = None, 0  # no rule, or a local fallback allowance: no current_limit
+        else:
+            remaining = d.remaining or 0
+            if remaining < 0:
+                remaining = 0
+        key = (rule_id, out, remaining, reset)
+        statuses = self._statuses
+        st = statuses.get(key)
+        if st is None:
+            limit = b""
+            if rule_id is not None:
+                limit = self._limits.get(rule_id)  # type: ignore[assignment]  # (None: not yet built)
+                if limit is None:
+                    pu = per_unit(rule, snap)  # type: ignore[arg-type]  # rule_id is not None: a rule
+                    rpu, unit = pu if pu is not None else (0, "UNKNOWN")
+                    limit = self._limits[rule_id] = limit_field(rpu, unit, rule_id)
+            st = status_field(OVER_LIMIT if out else OK, limit, remaining, reset)
+            if len(statuses) >= MEMO_MAX:
+                statuses.clear()
+            statuses[key] = st
+        return st
+
+    def _end(self, parts: list[bytes], top: Decision) -> bytes:
+        """``parts`` (the overall code and the statuses) with the answer's headers, body and
+        metadata, which follow the deciding decision ``top``, joined."""
+        if top.http_status != 200:
             headers = dict(top.headers)
             headers["content-type"] = PROBLEM_TYPE
             parts.extend(header_field(k, v) for k, v in headers.items())
@@ -195,7 +216,7 @@ class AnswerWire:
                         memo.clear()
                     memo[kv] = h
                 parts.append(h)
-        return b"".join(parts), top.http_status, over
+        return b"".join(parts)
 
 
 __all__ = ["AnswerWire", "header_field", "limit_field", "metadata_field", "status_field", "varint"]

@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 import msgspec
+import pytest
 from prometheus_client import generate_latest
 
 from kernel.bundle import load_bundle_file, seal
-from region_agent.decision import keymeter
+from region_agent.decision import keymeter, telemetry
 from region_agent.decision.keymeter import NewKeyMeter
 from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.plan import Snapshot, build_plan
@@ -97,6 +98,36 @@ def test_the_decision_path_counts_new_keys_as_the_reference_meter_does():
         t.decided(p, Snapshot(GLOBAL), decision(p), 0.001, now=now, touched_store=True)
         ref.touch([(c.key, keymeter.source_class(s.role, s.rule.scope)) for c, s in zip(p.calls, p.slots, strict=True)], now)
     assert m.new_keys.counts == ref.counts and sum(ref.counts.values()) > 300
+
+
+@pytest.mark.parametrize("cap", [keymeter.MAX_PER_GENERATION, 40])
+def test_remembered_questions_count_new_keys_as_the_reference_meter_does(monkeypatch, cap):
+    """A remembered question's calls (one list shared by its askings) whose keys are all in the
+    current generation skip the per-key lookups (NewKeyMeter.held): the counts stay the reference
+    meter's across rotations, a full generation (``cap``: keys past it are not remembered, so they
+    are counted again) and plans asked once."""
+    import random
+
+    monkeypatch.setattr(keymeter, "MAX_PER_GENERATION", cap)
+    monkeypatch.setattr(telemetry, "MAX_PER_GENERATION", cap)
+    rng = random.Random(11)
+    m = AgentMetrics()
+    t = DecisionTelemetry(m)
+    ref = NewKeyMeter()
+    snap = Snapshot(GLOBAL)
+    now, held = 0.0, 0
+    for i in range(4_000):
+        now += rng.random() * 0.05
+        tenant = rng.choice(["atlas", "birch", "zeta"])
+        req = AdmitRequest(request_id=f"req-{i:08d}", tenant_id=tenant, route_group=rng.choice(["read", "export"]),
+                           principal=Principal(type="user", id=f"U-{rng.randint(1, 60)}"))
+        p = build_plan(snap, req, KEYS)
+        t.decided(p, snap, decision(p), 0.001, now=now, touched_store=True)
+        ref.touch([(c.key, keymeter.source_class(s.role, s.rule.scope)) for c, s in zip(p.calls, p.slots, strict=True)], now)
+        ref.counts["decision"] += p.decision_ttl_ms > 0 and bool(p.calls)
+        held += id(p.calls) in m.new_keys.held
+    assert m.new_keys.counts == ref.counts and sum(ref.counts.values()) > 100
+    assert held > (1_000 if cap > 40 else 0)  # (the path was taken)
 
 
 def test_decision_keys_feed_the_meter_with_their_class():

@@ -15,6 +15,7 @@ from envoy.service.ratelimit.v3 import rls_pb2
 from region_agent.gateways import rls
 from region_agent.gateways.mapping import BadQuestion, Names, rls_call
 from region_agent.gateways.rls import CallMemo, descriptors_of
+from region_agent.models import AdmitRequest
 
 D = ratelimit_pb2.RateLimitDescriptor
 NAMES = Names.build()
@@ -93,6 +94,24 @@ def test_the_memo_is_bounded_in_calls_and_in_the_size_of_a_call():
     assert len(big) > rls.MEMO_BYTES
     memo = CallMemo(NAMES)
     assert len(memo.questions(big)) == 8 and len(memo) == 0  # answered, not remembered
+
+
+@pytest.mark.parametrize("raw", [call(USER), call(ANON, hits=3), call(NAMED), call(USER, ANON)],
+                         ids=["user", "anonymous", "named", "two"])
+def test_a_call_of_one_descriptor_is_asked_as_its_question_alone(raw):
+    """``CallMemo.asked`` (the servicer's): a call of one question gives that question without a
+    list, first asked and remembered alike, as ``questions`` would give it; several stay a list."""
+    memo = CallMemo(NAMES)
+    for _ in range(3):
+        asked = memo.asked(raw)
+        if len(fresh(raw)) == 1:
+            assert isinstance(asked, AdmitRequest)
+            assert without_ids([asked]) == without_ids(fresh(raw))
+        else:
+            assert isinstance(asked, list) and without_ids(asked) == without_ids(fresh(raw))
+    if raw == call(USER):  # a minted id is new at each asking
+        ids = {q.request_id for q in (memo.asked(raw) for _ in range(5)) if isinstance(q, AdmitRequest)}
+        assert len(ids) == 5
 
 
 def test_asked_again_only_the_minted_ids_change():

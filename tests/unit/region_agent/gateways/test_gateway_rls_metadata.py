@@ -95,3 +95,37 @@ async def test_the_calls_counted_outside_the_registry_read_exact_at_every_collec
 class RefusingContext(Context):
     async def abort(self, code, detail):
         raise RuntimeError(f"aborted {code}")
+
+
+async def test_a_call_of_one_question_is_asked_of_the_admissions_single_decision():
+    """A call of one descriptor decided alone is asked through ``decide_one`` (the admission's
+    single decision, no lists) with what ``decide`` would get — the door, the call's trace
+    carrier, ``decoded`` — and answers as the same call asked through ``decide``; a call of
+    several descriptors, or one decided with its group, goes through ``decide`` as before."""
+    asked: list[tuple[str, object, dict]] = []
+
+    async def decide(questions, **kw):
+        asked.append(("decide", [q.route_group for q in questions], kw))
+        return await admission(questions)
+
+    async def decide_one(question, **kw):
+        asked.append(("decide_one", question.route_group, kw))
+        (d,) = await admission([question])
+        return d
+
+    def make(one):
+        return RateLimitServicer(names=Names.build(), decide=decide, decide_one=one,
+                                 snapshot_of=lambda: SimpleNamespace(rules_by_id={}), gateways=None,
+                                 metrics=GatewayMetrics(CollectorRegistry()))
+
+    with_one, without = make(decide_one), make(None)
+    two = rls_pb2.RateLimitRequest(domain="leasehold", descriptors=[D(entries=[
+        D.Entry(key="tenant", value="atlas"), D.Entry(key="user", value=u), D.Entry(key="route_group", value="read")])
+        for u in ("U-1", "U-2")]).SerializeToString()
+    for raw in (request("U-1"), two):
+        a = await with_one.ShouldRateLimit(raw, Context())
+        b = await without.ShouldRateLimit(raw, Context())
+        assert rls_pb2.RateLimitResponse.FromString(a) == rls_pb2.RateLimitResponse.FromString(b)
+    kw = {"door": "rls", "carrier": (), "decoded": True}
+    assert asked == [("decide_one", "read", kw), ("decide", ["read"], kw),  # (without decide_one: a list of one)
+                     ("decide", ["read", "read"], kw), ("decide", ["read", "read"], kw)]

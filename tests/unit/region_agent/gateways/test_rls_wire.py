@@ -4,7 +4,8 @@ denied, 429/503/409, rules with and without Envoy units, fallbacks, anonymous an
 questions, headers (empty and non-ASCII values), problem bodies and dynamic metadata — parse to
 the same message, byte for byte where protobuf's own order is fixed (no map), and the HTTP
 status and the count of OVER_LIMIT descriptors are those the servicer reports. Values protobuf
-refuses are refused too; the memos give the same bytes the second time."""
+refuses are refused too; the memos give the same bytes the second time; a call of one question
+answered without the lists (``AnswerWire.answer_one``) is the same answer."""
 
 from __future__ import annotations
 
@@ -51,11 +52,13 @@ def decision(rng: random.Random) -> Decision:
 @pytest.mark.parametrize("seed", range(8))
 def test_the_bytes_parse_to_protobufs_answer(seed):
     rng = random.Random(seed)
-    wire = AnswerWire()
+    wire, one = AnswerWire(), AnswerWire()
     for _ in range(500):
         n = rng.choice([1, 1, 1, 2, 3])
         ds, qs = [decision(rng) for _ in range(n)], [question(rng) for _ in range(n)]
         raw, status, over = wire.answer(ds, qs, SNAP)
+        if n == 1:  # the servicer's call of one question: the same answer without the lists
+            assert one.answer_one(ds[0], qs[0], SNAP) == (raw, status, over)
         message, want_status = to_proto(ds, qs, SNAP)
         assert Response.FromString(raw) == message
         assert status == want_status and over == sum(s.code == Response.OVER_LIMIT for s in message.statuses)
@@ -73,6 +76,8 @@ def test_counts_protobuf_refuses_are_refused():
         to_proto([d], [q], SNAP)
     with pytest.raises(ValueError):
         AnswerWire().answer([d], [q], SNAP)
+    with pytest.raises(ValueError):
+        AnswerWire().answer_one(d, q, SNAP)
 
 
 def test_varint():

@@ -104,3 +104,52 @@ def test_the_early_gates_of_one_question_are_those_of_a_batch(tmp_path):
     singles = [pre_check(one, q) for q in questions]
     assert pre_checks(many, questions) == singles
     assert [d is not None and d.http_status for _, d in singles] == [503, False, 429, False]
+
+
+async def test_a_single_admission_is_the_engines_own_coroutine_and_decides_as_a_list_of_one(tmp_path):
+    """``Admission.decide_one`` without tracing runs the early gates at the call and hands back the
+    engine's own coroutine (no admission frame around it); its decisions — the engine's, and the
+    early gates' answers — are those ``decide`` gives a list of one, and an agent still starting
+    raises the same error."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from kernel.errors import Unavailable
+    from region_agent.decision.admission import Admission
+    from region_agent.models import Decision
+
+    class Engine:
+        def __init__(self):
+            self.made: list = []
+
+        def admit(self, req, *, decoded=False):
+            async def admit():
+                return Decision(allowed=True, decision_id=f"{req.request_id}/{decoded}", rule_id=None, bundle_version=1)
+            self.made.append(admit())
+            return self.made[-1]
+
+    bundle = with_revocable("tenant-atlas-minute")
+    questions = [user_read("r-1"), AdmitRequest(request_id="r-2", principal=Principal(type="anonymous", id="203.0.1.1"),
+                                                route_group="login"),
+                 AdmitRequest(request_id="r-3", principal=Principal(type="anonymous", id="203.0.2.2"),
+                              route_group="login"),
+                 AdmitRequest(request_id="r-4", tenant_id="birch", principal=Principal(type="user", id="U-1"),
+                              route_group="search")]
+    one, many = _state(bundle, tmp_path), _state(bundle, tmp_path)
+    one.engine, many.engine = Engine(), Engine()
+    singles, lists = [], []
+    for q in questions:
+        aw = Admission(lambda: one).decide_one(q, door="http", decoded=True)
+        if one.engine.made and aw is one.engine.made[-1]:  # the engine's coroutine itself
+            one.engine.made.pop()
+        singles.append(await aw)
+        lists.extend(await Admission(lambda: many).decide([q], door="http", decoded=True))
+    assert singles == lists
+    assert [d.http_status for d in singles] == [503, 200, 429, 200] and not one.engine.made
+    assert [d.decision_id for d in singles if d.http_status == 200] == ["r-2/True", "r-4/True"]
+    starting = SimpleNamespace(engine=None)
+    with pytest.raises(Unavailable):
+        await Admission(lambda: starting).decide_one(questions[0], door="rls")
+    with pytest.raises(Unavailable):
+        await Admission(lambda: starting).decide([questions[0]], door="rls")
