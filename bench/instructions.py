@@ -14,11 +14,16 @@ collection walks it, a cost the agent does not pay), and no decision is kept ali
 
 ``--door``: ``engine`` (``DecisionEngine.admit``), ``rls`` (``RateLimitServicer.ShouldRateLimit``
 with the call's protobuf bytes, each call alone: the door's mapping, the admission, the decision,
-the answer's bytes, the door's metrics) or ``http`` (the HTTP fast path's direct route without
+the answer's bytes, the door's metrics), ``rls-group`` (the same calls decided in groups of
+``GROUP``, as under figure 8's load: the door's ``CallGroup``, the admission's ``decide`` of the
+group's questions, ``DecisionEngine.admit_many``, one pipeline per group; independent of timing:
+one call is held entered for the whole run, so every call joins a group, and a group is released
+when its ``GROUP``-th question arrives, never by the linger's timer; every group must have been
+``GROUP`` calls, or the pair is refused) or ``http`` (the HTTP fast path's direct route without
 the socket: ``DirectAdmit.answer`` on the body's bytes: the strict decode, the admission, the
 decision, the JSON answer).
 
-    python -m bench.instructions [--door engine|rls|http] [--pairs 1] [--extra 4000] [--annotate DIR]
+    python -m bench.instructions [--door engine|rls|rls-group|http] [--pairs 1] [--extra 4000] [--annotate DIR]
     python -m bench.instructions --cprofile FILE --redis-url redis://127.0.0.1:6379/0 [--door ...]
 
 ``--annotate DIR`` keeps both runs' ``cachegrind.out`` files there (``cg_diff`` of the two, then
@@ -46,6 +51,8 @@ from .harness import services
 USERS = 2_000
 WARMUP = 2 * USERS
 TASKS = 8
+GROUP = TASKS  # --door rls-group: calls per group (every task's call waits in the group until it is full)
+DOORS = ("engine", "rls", "rls-group", "http")
 LIMIT_S = 5.0  # the decision budget and the node's stall and late limits under valgrind
 _IREFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 
@@ -96,6 +103,7 @@ async def _child(redis_url: str, door: str, extra: int, check: int, cprofile: Pa
     st.admission = admission = Admission(lambda: st)
     tenant = "scale"
     decisions: list = []
+    groups: list[int] = []  # --door rls-group: the calls of each group decided
     if door == "engine":
         reqs = [AdmitRequest(request_id=f"i-{k}-{i:06d}", principal=Principal(type="user", id=f"user-{i}"),
                              route_group="read", tenant_id=tenant) for k in range(4) for i in range(USERS)]
@@ -103,14 +111,28 @@ async def _child(redis_url: str, door: str, extra: int, check: int, cprofile: Pa
         async def op(i: int) -> None:
             d = await engine.admit(reqs[i])
             decisions.append((d.source.value, d.http_status))  # (no decision kept alive: the collector's work)
-    elif door == "rls":
+    elif door in ("rls", "rls-group"):
         D = ratelimit_pb2.RateLimitDescriptor
         raw = [rls_pb2.RateLimitRequest(domain="leasehold", descriptors=[D(entries=[
             D.Entry(key="tenant", value=tenant), D.Entry(key="user", value=f"user-{i}"),
             D.Entry(key="route_group", value="read")])]).SerializeToString() for i in range(USERS)]
         servicer = RateLimitServicer(names=Names.build(), decide=admission.decide, decide_one=admission.decide_one,
                                      snapshot_of=lambda: holder.snapshot,
-                                     gateways=None, metrics=GatewayMetrics(CollectorRegistry()))
+                                     gateways=None, metrics=GatewayMetrics(CollectorRegistry()),
+                                     group_linger_s=LIMIT_S if door == "rls-group" else 0.0, group_size=GROUP)
+        if door == "rls-group":
+            # the group's count of calls recorded; one call entered for the whole run, so every counted
+            # call has another in flight and joins a group (released by its GROUP-th question; the
+            # linger's timer is a fallback the check below refuses)
+            observe = servicer.group._on_group
+
+            def on_group(n: int) -> None:
+                groups.append(n)
+                if observe is not None:
+                    observe(n)
+
+            servicer.group._on_group = on_group
+            servicer.group.enter()
 
         class _Ctx:
             def invocation_metadata(self):
@@ -160,12 +182,13 @@ async def _child(redis_url: str, door: str, extra: int, check: int, cprofile: Pa
     counted = decisions[len(decisions) - check:]
     if door == "engine":
         kinds = sorted(set(counted))
-    elif door == "rls":
+    elif door in ("rls", "rls-group"):
         kinds = sorted({("rls", int(rls_pb2.RateLimitResponse.FromString(b).overall_code)) for b in counted})
     else:
         kinds = sorted({(json.loads(p).get("source"), s) for s, p in counted})
     return {"kinds": [list(k) for k in kinds], "pipelines": len(batches),
-            "calls": sum(batches), "decisions": len(decisions)}
+            "calls": sum(batches), "decisions": len(decisions),
+            "groups": len(groups), "grouped": sum(groups), "whole": all(n == GROUP for n in groups)}
 
 
 def _flush(redis_url: str) -> None:
@@ -193,12 +216,22 @@ def _valgrind_run(redis_url: str, door: str, extra: int, check: int, out: Path) 
 
 
 def _expected(door: str) -> list[list]:
-    return {"engine": [["script", 200]], "rls": [["rls", 1]], "http": [["script", 200]]}[door]
+    return {"engine": [["script", 200]], "rls": [["rls", 1]], "rls-group": [["rls", 1]], "http": [["script", 200]]}[door]
+
+
+def _refusal(door: str, info0: dict, info1: dict, extra: int) -> str:
+    """Why a pair does not count ('' when it does)."""
+    if info1["kinds"] != _expected(door):
+        return "not every counted decision was a store admission"
+    if door == "rls-group" and not (info0["whole"] and info1["whole"]
+                                    and info1["grouped"] - info0["grouped"] == extra):
+        return f"not every counted call was decided in a group of {GROUP}"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.instructions")
-    ap.add_argument("--door", choices=("engine", "rls", "http"), default="engine")
+    ap.add_argument("--door", choices=DOORS, default="engine")
     ap.add_argument("--pairs", type=int, default=1, help="pairs of runs (warm-up alone, warm-up + extra)")
     ap.add_argument("--extra", type=int, default=WARMUP, help="decisions counted after the warm-up (<= 4,000)")
     ap.add_argument("--annotate", type=Path, help="keep the cachegrind.out files here")
@@ -210,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if not a.child and not 1 <= a.extra <= 2 * USERS:
         ap.error("--extra must be within 1..4000 (each question is new: 4 askings of 2,000 users)")
+    if a.door == "rls-group" and a.extra % GROUP:
+        ap.error(f"--door rls-group: --extra must be a multiple of {GROUP} (whole groups)")
     if a.child:
         import uvloop
 
@@ -231,10 +266,10 @@ def main(argv: list[str] | None = None) -> int:
             for n in range(a.pairs):
                 base, info0 = _valgrind_run(redis.url, a.door, 0, a.extra, keep / f"cachegrind.out.{a.door}.{n}.warmup")
                 more, info1 = _valgrind_run(redis.url, a.door, a.extra, a.extra, keep / f"cachegrind.out.{a.door}.{n}.extra")
-                ok = info1["kinds"] == _expected(a.door)
+                refused = _refusal(a.door, info0, info1, a.extra)
                 print(f"{a.door} pair {n + 1}: warm-up {base:,} ; + {a.extra:,} decisions {more:,} ; "
                       f"per decision {(more - base) / a.extra:,.0f}"
-                      f"{'' if ok else ' (REFUSED: not every counted decision was a store admission)'} ; "
+                      f"{f' (REFUSED: {refused})' if refused else ''} ; "
                       f"counted {info1['kinds']}, pipelines {info1['pipelines'] - info0['pipelines']} "
                       f"of {info1['calls'] - info0['calls']} calls", flush=True)
     return 0

@@ -49,6 +49,14 @@ Carrier = Iterable[tuple[Any, Any]]  # a gateway's headers (ASGI pairs) or gRPC 
 def pre_checks(st: Any, reqs: list[AdmitRequest]) -> list[tuple[AdmitRequest, Decision | None]]:
     """Steps 1-4 of the module doc, per question: (the question the engine gets, or the decision
     already made)."""
+    asked, early = pre_decided(st, reqs)
+    return list(zip(asked, early if early is not None else [None] * len(asked), strict=True))
+
+
+def pre_decided(st: Any, reqs: list[AdmitRequest]) -> tuple[list[AdmitRequest], list[Decision | None] | None]:
+    """:func:`pre_checks` as two lists: the questions the engine gets, and per question the
+    decision already made (None: the engine's to make), or None in place of that list when no
+    question has one (the common batch or group: nothing to merge afterwards)."""
     from .preauth import as_failed_auth
 
     reqs = [as_failed_auth(r) if r.auth_failed else r for r in reqs]
@@ -58,13 +66,18 @@ def pre_checks(st: Any, reqs: list[AdmitRequest]) -> list[tuple[AdmitRequest, De
         for r in reqs:
             if r.bundle_version is not None:
                 st.version_check.observe(r.bundle_version, bundle.bundle_version)
-    out: list[tuple[AdmitRequest, Decision | None]] = [(r, None) for r in reqs]
+    early: list[Decision | None] | None = None
     if w is not None and w.is_stale(bundle):
         from ..service.policy_watch import revoked_decision
-        out = [(r, revoked_decision(snap, r, st.metrics)) for r in reqs]
-    if st.key_cap is not None:
-        out = [(r, d if d is not None else st.key_cap.check(snap, r, st.metrics)) for r, d in out]
-    return out
+        early = [revoked_decision(snap, r, st.metrics) for r in reqs]
+    cap = st.key_cap
+    if cap is not None:
+        m = st.metrics
+        early = ([cap.check(snap, r, m) for r in reqs] if early is None else
+                 [d if d is not None else cap.check(snap, r, m) for r, d in zip(reqs, early, strict=True)])
+    if early is not None and early.count(None) == len(early):
+        early = None
+    return reqs, early
 
 
 def pre_check(st: Any, req: AdmitRequest) -> tuple[AdmitRequest, Decision | None]:
@@ -127,15 +140,18 @@ class Admission:
         if len(reqs) == 1:  # one RLS descriptor, one forward-auth question: no lists
             req, early = pre_check(st, reqs[0])
             return [early if early is not None else await engine.admit(req, decoded=decoded)]
-        pre = pre_checks(st, reqs)
-        rest = [r for r, d in pre if d is None]
+        reqs, made = pre_decided(st, reqs)
+        if made is None:  # no question decided before the engine (the common group): its decisions as they are
+            together: list[Decision] = await engine.admit_many(reqs, decoded=decoded)
+            return together
+        rest = [r for r, d in zip(reqs, made, strict=True) if d is None]
         if not rest:
-            return [d for _, d in pre]  # type: ignore[misc]  # no None left: rest is empty
+            return made  # type: ignore[return-value]  # no None left: rest is empty
         if len(rest) == 1:
             decided = iter([await engine.admit(rest[0], decoded=decoded)])
         else:
             decided = iter(await engine.admit_many(rest, decoded=decoded))
-        return [d if d is not None else next(decided) for _, d in pre]
+        return [d if d is not None else next(decided) for d in made]
 
     async def _decide_one(self, req: AdmitRequest, decoded: bool) -> Decision:
         return await self._admit_one(req, decoded)
@@ -166,4 +182,4 @@ def http_conflict(d: Decision) -> DecisionConflict:
     return DecisionConflict(detail or "requestId conflict", extra={"decisionId": d.decision_id})
 
 
-__all__ = ["Admission", "http_conflict", "is_conflict", "pre_check", "pre_checks"]
+__all__ = ["Admission", "http_conflict", "is_conflict", "pre_check", "pre_checks", "pre_decided"]

@@ -39,7 +39,7 @@ from ..models import AdmitRequest, Decision, DecisionSource, DeniedScope, Reason
 from ..service.metrics import AgentMetrics
 from ..store.protocol import Store
 from .approx import ApproxRules, Ticket
-from .batch import BatchCalls, batch_budget_s
+from .batch import batch_budget_s
 from .call import Call, MultiRuleResult, ScriptCall, plan_calls, result_of
 from .counting import count_pool_admissions, count_shadow, tenant_pool_slots
 from .degraded import LocalAnswers
@@ -74,6 +74,9 @@ class _Prepared(msgspec.Struct):
     @property
     def bundle(self) -> Bundle:
         return self.snap.bundle
+
+
+_NO_CALLS = (0, 0)  # an item of a batch decided before the store (its span is never read)
 
 
 class DecisionEngine:
@@ -195,31 +198,40 @@ class DecisionEngine:
         pending = [p for p in preps if p.early is None and p.plan.global_spends]
         if pending:  # only items spending fleet-wide chunks may wait (a renewal)
             await asyncio.gather(*(self._take_globals(p) for p in pending))
-        batch = BatchCalls()
-        paid: dict[int, list[Any]] = {}  # items a hot key set's chunk paid (no store call)
-        for i, prep in enumerate(preps):
+        # every item's script calls in one list (one submit), the replies sliced back to the items:
+        # per item, where its calls start and end in it, or what stands for its replies (a hot key
+        # set's chunk paid it: its reply; its calls could not be built: the error; decided early: unused)
+        calls: list[ScriptCall] = []
+        parts: list[tuple[int, int] | list[Any] | LeaseholdError] = []
+        for prep in preps:
             if prep.early is not None:
-                batch.add([])
+                parts.append(_NO_CALLS)
                 continue
-            shape = prep.plan.shape
-            if shape is not None and shape.hot is not None and hot_config(prep.plan) is not None:  # (as admit)
-                got = self.hot.pay(prep.plan)
+            plan = prep.plan
+            shape = plan.shape
+            if shape is not None and shape.hot is not None and hot_config(plan) is not None:  # (as admit)
+                got = self.hot.pay(plan)
                 if got is not None:
                     prep.chunk = True
-                    paid[i] = [got]
-                    batch.add([])
+                    parts.append([got])
                     continue
             try:
-                batch.add(plan_calls(prep.plan))
+                mine = plan_calls(plan)
             except LeaseholdError as e:  # e.g. a call shape the script would refuse
-                batch.add(e)
-        replies = await self._submit(preps[0], batch.calls) if batch.calls else []
+                parts.append(e)
+                continue
+            start = len(calls)
+            calls += mine
+            parts.append((start, len(calls)))
+        replies = await self._submit(preps[0], calls) if calls else []
         out: list[Decision] = []
-        for i, prep in enumerate(preps):
+        for prep, part in zip(preps, parts, strict=True):
             if prep.early is not None:
                 out.append(self._finish(prep, prep.early))
                 continue
-            done = self._complete_now(prep, paid[i] if i in paid else batch.replies(i, replies))
+            if isinstance(part, tuple):
+                part = replies if isinstance(replies, LeaseholdError) else replies[part[0]:part[1]]
+            done = self._complete_now(prep, part)
             if isinstance(done, Decision):
                 out.append(done)
             else:  # another store call or a wait (a retry, a pool top-up, the pool fallback)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kernel.bundle import load_bundle_file
-from kernel.errors import AmbiguousOutcome, NothingRan, Overloaded, StoreUnavailable
+from kernel.errors import AmbiguousOutcome, NothingRan, Overloaded, ScriptRejected, StoreUnavailable
 from region_agent.decision.engine import DecisionEngine
 from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.negcache import NegativeCache
@@ -160,6 +160,55 @@ async def test_a_batch_decides_each_item_as_a_single_admission_would():
     assert together == one_by_one
     assert [d.http_status for d in together] == [200, 429, 409, 429]  # (the tenant's denial last: the
     # single path holds it for the requests after it, which a batch decided in the same instant cannot)
+
+
+@pytest.mark.parametrize("failure", ["submit", "calls"])
+async def test_a_batch_whose_calls_fail_decides_each_item_as_a_single_admission_would(failure, monkeypatch):
+    """Twins again, when calls fail: the batch's submit fails (every item that sent calls gets its
+    error, as each alone would from its own submit) or one item's calls cannot be built (that item
+    is decided with the error, as one whose submit raised it alone; the others get their own
+    replies, in order); an item the negative cache answers sends nothing in either."""
+    import region_agent.decision.engine as engine_module
+
+    built = engine_module.plan_calls
+    refused = ScriptRejected("nine slots")
+
+    def refusing(plan):
+        calls = built(plan)
+        if failure == "calls" and calls and "r-0000000000000002" in str(calls[0]):
+            raise refused
+        return calls
+
+    monkeypatch.setattr(engine_module, "plan_calls", refusing)
+    questions = [req(rid="r-0000000000000001", user="U-1"), req(rid="r-0000000000000002", user="U-2"),
+                 req(rid="r-0000000000000003", user="U-3", route="export"),
+                 req(rid="r-0000000000000004", user="U-9"), req(rid="r-0000000000000005", user="U-4")]
+    denial = [0, 1, 500, 0, 999_000]  # U-9's own key denied first: the negative cache answers it after
+    down = StoreUnavailable("down")
+    replies = [[1, 0, 0, 19_000, 999_000], [1, 0, 0, 2, 9_000, 900_000], [1, 0, 0, 18_000, 999_000]]
+    if failure == "submit":
+        singles, batch = [[denial], down, down, down, down], [[denial], down]
+    else:  # (U-2's single decision: its own engine, its submit raising the error)
+        singles, batch = [[denial], [replies[0]], [replies[1]], [replies[2]]], [[denial], replies]
+
+    async def decide(scripts, many: bool):
+        store = ScriptedStore(*scripts)
+        e, m = engine(store)
+        assert not (await e.admit(req(rid="r-0000000000000000", user="U-9"))).allowed
+        if many:
+            return await e.admit_many(questions), store
+        asked = questions if failure == "submit" else questions[:1] + questions[2:]
+        return [await e.admit(q) for q in asked], store
+
+    one_by_one, _ = await decide(singles, False)
+    together, store = await decide(batch, True)
+    assert len(store.sent) == 2 and len(store.sent[1]) == (4 if failure == "submit" else 3)
+    assert together[3].source.value == "negative_cache"
+    if failure == "calls":
+        alone, _ = engine(ScriptedStore(refused))
+        one_by_one.insert(1, await alone.admit(questions[1]))
+        assert together[1].fallback and not any(d.fallback for d in together[:1] + together[2:])
+    assert together == one_by_one
 
 
 async def test_an_exact_hint_is_held_whole_and_an_admitted_probe_clears_the_denial():

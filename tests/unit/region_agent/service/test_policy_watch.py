@@ -153,3 +153,57 @@ async def test_a_single_admission_is_the_engines_own_coroutine_and_decides_as_a_
         await Admission(lambda: starting).decide_one(questions[0], door="rls")
     with pytest.raises(Unavailable):
         await Admission(lambda: starting).decide([questions[0]], door="rls")
+
+
+async def test_a_group_is_decided_as_each_question_alone_whatever_the_early_gates_answer(tmp_path):
+    """Twins: ``Admission.decide`` of several questions (the early gates over the list, the
+    engine's ``admit_many`` of the rest, the answers merged back in order; the engine's list as it
+    is when no gate answered) and ``decide_one`` of each: the same decisions, the engine asked
+    for the same questions, the same pre-authentication counts; a stale snapshot, the key cap, both
+    or neither."""
+    from region_agent.decision.admission import Admission
+    from region_agent.models import Decision
+
+    class Engine:
+        def __init__(self):
+            self.asked: list = []
+
+        async def admit(self, req, *, decoded=False):
+            self.asked.append(req.request_id)
+            return Decision(allowed=True, decision_id=f"{req.request_id}/{decoded}", rule_id=None, bundle_version=1)
+
+        async def admit_many(self, reqs, *, decoded=False):
+            return [await self.admit(r, decoded=decoded) for r in reqs]
+
+    bundle = with_revocable("tenant-atlas-minute")
+    questions = [user_read("r-1"), AdmitRequest(request_id="r-2", principal=Principal(type="anonymous", id="203.0.1.1"),
+                                                route_group="login"),
+                 AdmitRequest(request_id="r-3", principal=Principal(type="anonymous", id="203.0.2.2"),
+                              route_group="login"),
+                 AdmitRequest(request_id="r-4", tenant_id="birch", principal=Principal(type="user", id="U-1"),
+                              route_group="search"),
+                 AdmitRequest(request_id="r-5", tenant_id="birch", principal=Principal(type="user", id="U-2"),
+                              route_group="search")]
+    statuses = {(True, True): [503, 200, 429, 200, 200], (True, False): [503, 200, 200, 200, 200],
+                (False, True): [200, 200, 429, 200, 200], (False, False): [200] * 5}
+    for (stale, capped), expected in statuses.items():
+        for asked in (questions, questions[3:], questions[:1] + questions[2:3]):
+            one, many = _state(bundle, tmp_path), _state(bundle, tmp_path)
+            for st in (one, many):
+                st.engine = Engine()
+                st.policy_watch = _Stale() if stale else None
+                st.key_cap = st.key_cap if capped else None
+            singles = [await Admission(lambda one=one: one).decide_one(q, door="rls", decoded=True) for q in asked]
+            together = await Admission(lambda many=many: many).decide(asked, door="rls", decoded=True)
+            assert together == singles and many.engine.asked == one.engine.asked
+            assert _samples(many.metrics) == _samples(one.metrics)
+            if asked is questions:
+                assert [d.http_status for d in together] == expected
+
+
+def _samples(m: AgentMetrics) -> list[str]:
+    """Every sample of the agent's own metrics but the creation times."""
+    from prometheus_client import generate_latest
+
+    return [line for line in generate_latest(m.registry).decode().splitlines()
+            if line.startswith("leasehold_") and "_created" not in line]

@@ -1,0 +1,42 @@
+"""bench.instructions' grouped RLS door (``--door rls-group``) in process, without valgrind,
+against a real redis-server: every call is decided in a group of ``GROUP`` whatever the timing,
+and a pair whose groups were not whole is refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.instructions import GROUP, WARMUP, _child, _refusal, main
+
+
+def test_the_grouped_door_decides_every_call_in_a_whole_group(redis_url: str):
+    extra = 8 * GROUP
+    info = asyncio.run(_child(redis_url, "rls-group", extra, extra))
+    assert info["kinds"] == [["rls", 1]]  # OK answers, every one a store admission
+    assert info["decisions"] == WARMUP + extra
+    assert info["whole"] and info["grouped"] == WARMUP + extra
+    assert info["groups"] == (WARMUP + extra) // GROUP
+    assert info["calls"] == WARMUP + extra  # every call's question went to the store, in the groups' pipelines
+    assert info["pipelines"] <= info["groups"]
+
+
+def test_the_single_call_door_makes_no_groups(redis_url: str):
+    info = asyncio.run(_child(redis_url, "rls", GROUP, GROUP))
+    assert info["groups"] == 0 and info["kinds"] == [["rls", 1]]
+
+
+def test_a_pair_with_a_group_not_whole_is_refused():
+    whole = {"kinds": [["rls", 1]], "whole": True, "grouped": 4_000}
+    more = dict(whole, grouped=4_000 + 16)
+    assert _refusal("rls-group", whole, more, 16) == ""
+    assert "group" in _refusal("rls-group", whole, dict(more, whole=False), 16)
+    assert "group" in _refusal("rls-group", whole, dict(more, grouped=4_000 + 8), 16)
+    assert "store admission" in _refusal("rls-group", whole, dict(more, kinds=[["rls", 2]]), 16)
+    assert _refusal("rls", {"kinds": []}, {"kinds": [["rls", 1]]}, 16) == ""
+
+
+def test_the_grouped_door_counts_whole_groups_only():
+    with pytest.raises(SystemExit):
+        main(["--door", "rls-group", "--extra", str(GROUP + 1)])
