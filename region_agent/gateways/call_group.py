@@ -31,8 +31,8 @@ Decide = Callable[[list[AdmitRequest]], Awaitable[list[Decision]]]
 
 
 class CallGroup:
-    __slots__ = ("_count", "_decide", "_in_flight", "_on_group", "_running", "_timer", "_waiting", "linger_s",
-                 "size")
+    __slots__ = ("_count", "_decide", "_in_flight", "_loop", "_on_group", "_running", "_timer", "_waiting",
+                 "linger_s", "size")
 
     def __init__(self, decide: Decide, linger_s: float, size: int = 32,
                  on_group: Callable[[int], None] | None = None):
@@ -45,6 +45,7 @@ class CallGroup:
         self._count = 0  # questions waiting
         self._timer: asyncio.TimerHandle | None = None
         self._running: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the running loop, while a group waits or is decided
 
     @property
     def in_flight(self) -> int:
@@ -63,7 +64,14 @@ class CallGroup:
     def decide(self, questions: list[AdmitRequest]) -> asyncio.Future[list[Decision]]:
         """The decisions of one call's ``questions``, made with the group it joins: a future to
         await (no coroutine of its own: one frame less per call)."""
-        loop = asyncio.get_running_loop()
+        # the loop this group's linger timer and tasks run on; asked again when none is armed or
+        # running (get_running_loop is a getpid() system call on Python 3.11, as in Batcher.enqueue)
+        loop = self._loop if self._timer is not None or self._running else None
+        if loop is None or loop.is_closed():
+            loop = asyncio.get_running_loop()
+            if loop is not self._loop:  # another event loop: the last one's linger timer never fires here
+                self._loop, self._timer = loop, None
+                self._waiting, self._count = [], 0
         mine: asyncio.Future[list[Decision]] = loop.create_future()
         self._waiting.append((questions, mine))
         self._count += len(questions)
@@ -81,7 +89,8 @@ class CallGroup:
         waiting = [(q, f) for q, f in self._waiting if not f.done()]  # a cancelled caller: nothing to decide
         self._waiting, self._count = [], 0
         if waiting:
-            task = asyncio.get_running_loop().create_task(self._run(waiting))
+            # the loop of decide(), which queued them (the linger's timer runs on it too)
+            task = waiting[0][1].get_loop().create_task(self._run(waiting))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 

@@ -83,9 +83,10 @@ class Batcher:
         passes after and the late wait (``late_s(seconds already waited late)`` -> the next slice,
         0 = stop) ends too. A caller cancelled while it waits cancels the future; a cancelled group
         still queued is dropped unsent."""
-        # the loop the drain tasks run on; asked again when none is running (get_running_loop is a
-        # getpid() system call on Python 3.11: a measurable part of a decision)
-        loop = self._loop if self._tasks else None
+        # the loop the drain tasks and the deadline sweep run on; asked again when neither is running
+        # or armed (get_running_loop is a getpid() system call on Python 3.11: a measurable part of a
+        # decision)
+        loop = self._loop if self._tasks or self._sweep is not None else None
         if loop is None or loop.is_closed():
             loop = asyncio.get_running_loop()
             if loop is not self._loop:  # another event loop: the last one's deadline timer never fires here
@@ -104,7 +105,7 @@ class Batcher:
             # every drain task is busy with a pipeline (or there is none): start one more; it takes
             # everything queued by the time it runs, so a burst of submits starts only one
             self._starting = True
-            task = loop.create_task(self._drain())
+            task = loop.create_task(self._drain(loop))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         if wait_s is not None:
@@ -119,17 +120,17 @@ class Batcher:
                 entry.deadline = at
                 due.append(entry)
                 if self._sweep is None:
-                    self._sweep = loop.call_at(at, self._expire_due)
+                    self._sweep = loop.call_at(at, self._expire_due, loop)
             else:
                 entry.timer = loop.call_later(wait_s, self._expire, entry)
         return future
 
-    def _expire_due(self) -> None:
+    def _expire_due(self, loop: asyncio.AbstractEventLoop) -> None:
         """Expire the queued groups whose deadline passed; drop the answered ones at the front;
         arm the timer again for the first one still waiting. Answered groups are dropped as the
-        front reaches them, so the timer fires about once per budget, not once per decision."""
+        front reaches them, so the timer fires about once per budget, not once per decision.
+        ``loop``: the loop the timer was armed on, which runs it."""
         self._sweep = None
-        loop = asyncio.get_running_loop()
         now = loop.time()
         due = self._deadlines
         while due:
@@ -138,7 +139,7 @@ class Batcher:
                 due.popleft()
                 continue
             if entry.deadline > now:
-                self._sweep = loop.call_at(entry.deadline, self._expire_due)
+                self._sweep = loop.call_at(entry.deadline, self._expire_due, loop)
                 return
             due.popleft()
             self._expire(entry)
@@ -151,12 +152,12 @@ class Batcher:
         if self._withdraw(entry):
             entry.future.set_exception(self._timed_out(DeadlineExceeded("decision deadline passed before the call was sent")))
             return
-        self._late(entry, asyncio.get_running_loop().time())
+        self._late(entry, entry.future.get_loop().time())  # (the loop running this: the caller's)
 
     def _late(self, entry: _Entry, late_from: float) -> None:
         if entry.future.done():
             return
-        loop = asyncio.get_running_loop()
+        loop = entry.future.get_loop()
         more = entry.late_s(loop.time() - late_from) if entry.late_s is not None else 0.0
         if more <= 0:
             entry.future.set_exception(self._timed_out(AmbiguousOutcome("decision deadline passed after the call was sent")))
@@ -177,7 +178,8 @@ class Batcher:
             pass
         return True
 
-    async def _drain(self) -> None:
+    async def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Send what is queued, pipeline after pipeline; ``loop``: the loop running this task."""
         self._starting = False
         while self._queue:
             batch: list[_Entry] = []
@@ -198,7 +200,7 @@ class Batcher:
                 self._on_batch(n)
             flat = [c for e in batch for c in e.calls]
             token = id(batch)
-            self._sent_at[token] = asyncio.get_running_loop().time()
+            self._sent_at[token] = loop.time()
             try:
                 replies = await self._run(flat)
             except Exception as exc:  # the whole pipeline failed: every caller gets the error

@@ -116,3 +116,38 @@ async def test_a_call_waits_on_a_future_of_its_own_not_a_coroutine():
     mine = g.decide(["a"])
     assert isinstance(mine, asyncio.Future)  # awaited by the door directly: no coroutine frame per call
     assert await asyncio.wait_for(mine, 10) == ["decision:a"]
+
+
+async def test_calls_joining_a_group_use_the_loop_the_group_keeps(monkeypatch):
+    """The running loop is asked for (a getpid() system call on Python 3.11) by a call that finds
+    no group waiting and none being decided, not by every call that joins one, nor by a release."""
+    asked: list[int] = []
+    real = asyncio.get_running_loop
+
+    def counting() -> asyncio.AbstractEventLoop:
+        asked.append(1)
+        return real()
+
+    g = CallGroup(Admission(), 3600.0, size=3)
+    monkeypatch.setattr(asyncio, "get_running_loop", counting)
+    got = [g.decide([f"q{i}"]) for i in range(3)]  # the third fills the group: released at once
+    got += [g.decide([f"q{i}"]) for i in range(3, 5)]  # while the first group is decided
+    assert len(asked) == 1
+    g.release()
+    assert await asyncio.wait_for(asyncio.gather(*got), 10) == [[f"decision:q{i}"] for i in range(5)]
+    assert len(asked) == 1
+
+
+def test_a_group_used_from_a_second_event_loop_still_lingers_and_decides():
+    """Used again from another loop (the first one closed while a call waited with its linger timer
+    armed), a call's group is timed and decided on the new loop."""
+    g = CallGroup(Admission(), 0.01)
+
+    async def first_loop():
+        g.decide(["a"])  # arms the linger's timer; the loop closes before it fires
+
+    async def second_loop():
+        return await asyncio.wait_for(g.decide(["b"]), 2.0)
+
+    asyncio.run(first_loop())
+    assert asyncio.run(second_loop()) == ["decision:b"]

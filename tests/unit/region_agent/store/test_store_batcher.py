@@ -211,3 +211,35 @@ def test_a_batcher_used_from_a_second_event_loop_still_enforces_deadlines():
 
     asyncio.run(first_loop())
     asyncio.run(second_loop())
+
+
+async def test_groups_pipelines_and_deadline_sweeps_use_the_loop_the_batcher_keeps(monkeypatch):
+    """The running loop is asked for (a getpid() system call on Python 3.11) only when no drain task
+    runs and no deadline sweep is armed: not per group queued behind a busy drain task, not per
+    pipeline sent, not by the deadline sweep and its expiries, nor by a late wait."""
+    asked: list[int] = []
+    real = asyncio.get_running_loop
+
+    def counting() -> asyncio.AbstractEventLoop:
+        asked.append(1)
+        return real()
+
+    gate = asyncio.Event()
+
+    async def run(calls):
+        await gate.wait()
+        return [f"r:{c[1][0]}" for c in calls]
+
+    b = Batcher(run, max_batch=1, max_inflight=1)
+    monkeypatch.setattr(asyncio, "get_running_loop", counting)
+    sent = b.enqueue([("s", ["sent"], [])], wait_s=0.05, late_s=lambda waited: 0.02 - waited)
+    expiring = [b.enqueue([("s", [f"x{i}"], [])], wait_s=0.05) for i in range(3)]
+    assert len(asked) == 1
+    await asyncio.sleep(0.1)  # the sweep expires the queued groups; the sent one waits late, then gives up
+    assert all(isinstance(f.exception(), DeadlineExceeded) for f in expiring)
+    assert isinstance(sent.exception(), AmbiguousOutcome)
+    answered = [b.enqueue([("s", [f"a{i}"], [])], wait_s=10.0) for i in range(3)]  # the drain task still runs
+    gate.set()
+    assert await asyncio.gather(*answered) == [["r:a0"], ["r:a1"], ["r:a2"]]
+    assert len(asked) == 1
+
