@@ -87,6 +87,16 @@ def _state(bundle, tmp_path: Path):
                                                                      clock=FakeClock(1_000.0)))
 
 
+def _gated_questions() -> list[AdmitRequest]:
+    """One question per early answer: a revocable rule under a stale snapshot (r-1), the
+    pre-authentication cap's first and second new address of one source (r-2, r-3), none (r-4)."""
+    return [user_read("r-1"),
+            AdmitRequest(request_id="r-2", principal=Principal(type="anonymous", id="203.0.1.1"), route_group="login"),
+            AdmitRequest(request_id="r-3", principal=Principal(type="anonymous", id="203.0.2.2"), route_group="login"),
+            AdmitRequest(request_id="r-4", tenant_id="birch", principal=Principal(type="user", id="U-1"),
+                         route_group="search")]
+
+
 def test_the_early_gates_of_one_question_are_those_of_a_batch(tmp_path):
     """Twins (docs/hot-path.md): ``pre_check`` (one question, no lists) and ``pre_checks`` (a
     batch) give every question the same early answer: a revocable rule under a stale snapshot,
@@ -94,12 +104,7 @@ def test_the_early_gates_of_one_question_are_those_of_a_batch(tmp_path):
     from region_agent.decision.admission import pre_check, pre_checks
 
     bundle = with_revocable("tenant-atlas-minute")
-    questions = [user_read("r-1"), AdmitRequest(request_id="r-2", principal=Principal(type="anonymous", id="203.0.1.1"),
-                                                route_group="login"),
-                 AdmitRequest(request_id="r-3", principal=Principal(type="anonymous", id="203.0.2.2"),
-                              route_group="login"),
-                 AdmitRequest(request_id="r-4", tenant_id="birch", principal=Principal(type="user", id="U-1"),
-                              route_group="search")]
+    questions = _gated_questions()
     one, many = _state(bundle, tmp_path), _state(bundle, tmp_path)
     singles = [pre_check(one, q) for q in questions]
     assert pre_checks(many, questions) == singles
@@ -130,12 +135,7 @@ async def test_a_single_admission_is_the_engines_own_coroutine_and_decides_as_a_
             return self.made[-1]
 
     bundle = with_revocable("tenant-atlas-minute")
-    questions = [user_read("r-1"), AdmitRequest(request_id="r-2", principal=Principal(type="anonymous", id="203.0.1.1"),
-                                                route_group="login"),
-                 AdmitRequest(request_id="r-3", principal=Principal(type="anonymous", id="203.0.2.2"),
-                              route_group="login"),
-                 AdmitRequest(request_id="r-4", tenant_id="birch", principal=Principal(type="user", id="U-1"),
-                              route_group="search")]
+    questions = _gated_questions()
     one, many = _state(bundle, tmp_path), _state(bundle, tmp_path)
     one.engine, many.engine = Engine(), Engine()
     singles, lists = [], []
@@ -176,14 +176,8 @@ async def test_a_group_is_decided_as_each_question_alone_whatever_the_early_gate
             return [await self.admit(r, decoded=decoded) for r in reqs]
 
     bundle = with_revocable("tenant-atlas-minute")
-    questions = [user_read("r-1"), AdmitRequest(request_id="r-2", principal=Principal(type="anonymous", id="203.0.1.1"),
-                                                route_group="login"),
-                 AdmitRequest(request_id="r-3", principal=Principal(type="anonymous", id="203.0.2.2"),
-                              route_group="login"),
-                 AdmitRequest(request_id="r-4", tenant_id="birch", principal=Principal(type="user", id="U-1"),
-                              route_group="search"),
-                 AdmitRequest(request_id="r-5", tenant_id="birch", principal=Principal(type="user", id="U-2"),
-                              route_group="search")]
+    questions = [*_gated_questions(), AdmitRequest(request_id="r-5", tenant_id="birch",
+                                                   principal=Principal(type="user", id="U-2"), route_group="search")]
     statuses = {(True, True): [503, 200, 429, 200, 200], (True, False): [503, 200, 200, 200, 200],
                 (False, True): [200, 200, 429, 200, 200], (False, False): [200] * 5}
     for (stale, capped), expected in statuses.items():
