@@ -137,14 +137,11 @@ def multi_rule_call(rules: Sequence[Call], *, decision_key: str, slack_ms: int, 
 
 
 def prechecked_call(rules: Sequence[Call], argv_rules: tuple[object, ...], *, decision_key: str, slack_ms: int,
-                    decision_ttl_ms: int, member: str, question: str = "", text: CallText | None = None) -> ScriptCall:
+                    decision_ttl_ms: int, member: str, question: str = "") -> ScriptCall:
     """:func:`multi_rule_call` for slots whose shape was checked once (``argv_rules``: their kinds
     and parameters, from :func:`multi_rule_argv` per policy snapshot, selection and cost —
     region_agent.decision.plan.Shape); only the keys, which come with the request, are checked here.
-    ``text``: the remembered question's :class:`CallText` (its keys checked and its script named
-    once): only the ARGV is built here, and the packer joins the call's text from it."""
-    if text is not None:
-        return text_call(text, argv_rules, decision_key, slack_ms, decision_ttl_ms, member, question)
+    A remembered question's call is :func:`text_call` (its keys checked and its script named once)."""
     keys = [decision_key]
     for r in rules:
         keys.append(r.key)
@@ -266,7 +263,8 @@ def parse_pool_refund(reply: Any) -> PoolRefund:
 
 def text_call(text: CallText, argv_rules: tuple[object, ...], decision_key: str, slack_ms: int, decision_ttl_ms: int,
               member: str, question: str) -> ScriptCall:
-    """:func:`prechecked_call` of a remembered question (``text``): only the ARGV is built
+    """The call of a remembered question (``text``: its keys checked and its script named once, as
+    :func:`prechecked_call` checks them per call): only the ARGV is built
     (positional arguments: every remembered question's call comes here, from :func:`plan_calls`)."""
     argv = RuleArgv((slack_ms, decision_ttl_ms, member, *argv_rules, question))
     argv.rules = argv_rules
@@ -288,7 +286,7 @@ def plan_calls(plan: Plan) -> list[ScriptCall]:
         elif plan.argv_rules is not None:  # slots checked once per policy snapshot, selection and cost
             calls.append(prechecked_call(plan.calls, plan.argv_rules, decision_key=plan.decision_key,
                                          slack_ms=plan.slack_ms, decision_ttl_ms=plan.decision_ttl_ms,
-                                         member=plan.request_id, question=plan.question, text=plan.text))
+                                         member=plan.request_id, question=plan.question))
         else:
             calls.append(multi_rule_call(plan.calls, decision_key=plan.decision_key, slack_ms=plan.slack_ms,
                                          decision_ttl_ms=plan.decision_ttl_ms, member=plan.request_id,
