@@ -2,7 +2,8 @@
 tree (``--base``, e.g. a ``git archive`` of ``main`` unpacked, put first on ``PYTHONPATH`` of its
 process) and the bare ``grpc.aio`` constant-OK server, alternated in the same minutes, ``--rounds``
 times, with figure 8's RLS load generator (one channel, 64 in flight, 10k users). Per round and
-server: calls/s, p50/p99, server CPU per call, the ratio to the bare server of the same round.
+server: calls/s, p50/p99, server CPU per call (and an agent's Redis's: the scripts, the protocol, the
+socket I/O), the ratio to the bare server of the same round.
 
     python -m bench.rls_ab [--base /tmp/main-src] [--rounds 4] [--seconds 3] [--agent-args '...']
     python -m bench.rls_ab --variant linger2='--rls-group-linger-ms 2' --variant linger0='--rls-group-linger-ms 0'
@@ -25,7 +26,7 @@ import httpx
 from leasehold.local.procs import Proc, RedisServer, free_port, wait_port
 
 from .fig_gateways import CONNS, gwload
-from .harness import CpuMeter, _env, services, start_agent
+from .harness import CpuMeter, _env, redis_client, services, start_agent
 from .stats import median
 
 
@@ -102,22 +103,25 @@ def run(work: Path, base: Path | None, rounds: int, seconds: float, extra: list[
                 procs.append(a)
                 servers[name] = (port, a.proc.pid)
             res: dict[str, list[dict]] = {k: [] for k in servers}
+            store = redis_client(redis)  # the agents' Redis: its CPU per call beside theirs
             agents = {name: a for name, a in zip((n for n in servers if n != "bare"), procs[1:], strict=True)}
             for t in range(rounds):
                 order = list(servers) if t % 2 == 0 else list(reversed(servers))
                 for name in order:
                     port, pid = servers[name]
                     g0 = _groups(agents[name]) if name in agents else None
-                    with CpuMeter({"server": pid}) as m:
+                    with CpuMeter({"server": pid}, store if name != "bare" else None) as m:
                         out = gwload({"mode": "rls", "port": port, "conns": conns, "duration_s": seconds,
                                       "warmup_s": 0.5, "principals": 10_000, "tenant": f"ab{t}",
                                       "max_requests": 2_000_000})
+                    per = m.per(out["sent"])
                     res[name].append({"rps": out["rps"], "p50_ms": out["p50_ms"], "p99_ms": out["p99_ms"],
-                                      "cpu_us": m.per(out["sent"]).get("server"),
+                                      "cpu_us": per.get("server"), "redis_cpu_us": per.get("redis", 0.0),
                                       "machine_cores": m.machine_cores, "loadgen_cpu_pct": out["cpu_pct"]})
                     if g0 is not None:
                         g1 = _groups(agents[name])
                         res[name][-1].update({k: (g1[k][0] - g0[k][0]) / max(1.0, g1[k][1] - g0[k][1]) for k in g1})
+            store.close()
         finally:
             for p in reversed(procs):
                 p.stop()
@@ -151,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         ratios = ", ".join(f"{x['ratio']:.2f}" for x in xs)
         cpu = ", ".join(f"{x['cpu_us'] or 0:.0f}" for x in xs)
         busy = ", ".join(f"{x['machine_cores']:.1f}" for x in xs)
+        store = ", ".join(f"{x['redis_cpu_us']:.0f}" for x in xs)
         if "calls_per_group" in xs[0]:
             rps += (f" [calls/group {median(x['calls_per_group'] for x in xs):.1f}, "
                     f"calls/pipeline {median(x['calls_per_pipeline'] for x in xs):.1f}]")
         print(f"{name:8s} calls/s {rps}; ratio {ratios} (median {median(x['ratio'] for x in xs):.3f}); "
-              f"p50 x{median(x['p50_x'] for x in xs):.2f}; CPU us/call {cpu}; machine {busy} cores")
+              f"p50 x{median(x['p50_x'] for x in xs):.2f}; CPU us/call {cpu} (Redis {store}); machine {busy} cores")
     return 0
 
 
