@@ -20,7 +20,8 @@
   RLQS's Envoys talk to an agent of their own (its buckets' reports and funding rounds run for the
   whole figure and would otherwise load the agent the RLS rows measure).
 
-Each gateway row reports the CPU per request of every process on its path (the agent, the
+Each ratio's two servers run one after the other in every trial, in the opposite order every
+other trial. Each gateway row reports the CPU per request of every process on its path (the agent, the
 gateway, the upstream, Redis, the load generator) and how busy the machine was: what bounds the
 row on a given machine."""
 
@@ -157,6 +158,12 @@ def run(ctx: Ctx) -> list[Row]:
                 bare.stop()
 
 
+def _alternated(ports: dict[str, int], trial: int) -> list[tuple[str, int]]:
+    """The servers of a set of rows in their order in even trials, reversed in odd ones."""
+    items = list(ports.items())
+    return items if trial % 2 == 0 else items[::-1]
+
+
 def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict[str, int], up_pid: int,
              tokens, agent_pids: dict[str, int], gateway_pids: dict[str, int] | None = None,
              bare_pid: int | None = None) -> list[Row]:
@@ -171,7 +178,9 @@ def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict
     if "envoy_rlqs" in http_ports:  # every principal's bucket once (its first request is denied: no assignment yet)
         warm = _warm(base, http_ports["envoy_rlqs"], tokens, ctx.principals)
     for t in range(ctx.trials):
-        for name, port in rls_ports.items():
+        # each row's servers in the opposite order every other trial (as bench.rls_ab alternates), so
+        # that neither side of a ratio always runs first after the set-up or the previous rows
+        for name, port in _alternated(rls_ports, t):
             pids = {"agent": agent.proc.pid} if name == "agent" else {"bare": bare_pid} if bare_pid else {}
             d0 = degraded_counts(agent)
             with CpuMeter(pids, r if name == "agent" else None) as meter:
@@ -180,7 +189,7 @@ def _measure(ctx: Ctx, agent, redis, rls_ports: dict[str, int], http_ports: dict
             out["cpu_us_per_call"] = meter.per(out["sent"])
             out["machine_cores"] = meter.machine_cores
             res[name].append(out)
-        for name, port in http_ports.items():
+        for name, port in _alternated(http_ports, t):
             pids = {"agent": agent_pids.get(name, agent.proc.pid), "upstream": up_pid}
             if gateway_pids and name in gateway_pids:
                 pids["gateway"] = gateway_pids[name]

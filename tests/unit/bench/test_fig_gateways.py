@@ -1,5 +1,5 @@
 """Figure 8's RLQS baseline: the shipped envoy-rlqs.yaml with its two limit filters removed, and
-nothing else (the other variants: test_gateway_variants.py)."""
+nothing else (the other variants: test_gateway_variants.py); the rows' servers in alternating order."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import yaml
 
-from bench.fig_gateways import RLQS_OFF, filter_off
+from bench.fig_gateways import RLQS_OFF, _alternated, filter_off
 from leasehold.local.gateways import GATEWAY_DIR, render
 
 
@@ -30,3 +30,10 @@ def test_the_rlqs_baseline_removes_only_the_limit_filters():
     assert after == [h for h in before if h not in gone]
     assert "envoy.filters.http.jwt_authn" in after  # tokens are verified either way
     assert "local_reply_config" not in off
+
+
+def test_each_rows_servers_run_in_the_opposite_order_every_other_trial():
+    ports = {"agent": 1, "bare": 2, "third": 3}
+    assert [n for n, _ in _alternated(ports, 0)] == ["agent", "bare", "third"]
+    assert [n for n, _ in _alternated(ports, 1)] == ["third", "bare", "agent"]
+    assert _alternated(ports, 2) == _alternated(ports, 0)
