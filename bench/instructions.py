@@ -12,6 +12,13 @@ pair is refused. Redis is flushed before each run; ``PYTHONHASHSEED`` is fixed; 
 is frozen before the warm-up, as the agent freezes it once started (otherwise every full
 collection walks it, a cost the agent does not pay), and no decision is kept alive by the loop.
 
+``--fresh``: every counted decision asks a question never asked before (figure 8's RLS trials,
+a fresh tenant and 10,000 users cycled, are mostly such first asks): the warm-up as without it,
+then users ``user-2000`` .. ``user-5999``, one counted decision each, so new keys, a new
+principal hash, a new plan and (RLS) a call the door's memo does not know. Without it the
+counted decisions ask the warm-up's questions again (every one remembered). ``engine``, ``rls``,
+``rls-group`` and ``http`` alike.
+
 ``--door``: ``engine`` (``DecisionEngine.admit``), ``rls`` (``RateLimitServicer.ShouldRateLimit``
 with the call's protobuf bytes, each call alone: the door's mapping, the admission, the decision,
 the answer's bytes, the door's metrics), ``rls-group`` (the same calls decided in groups of
@@ -23,8 +30,8 @@ when its ``GROUP``-th question arrives, never by the linger's timer; every group
 the socket: ``DirectAdmit.answer`` on the body's bytes: the strict decode, the admission, the
 decision, the JSON answer).
 
-    python -m bench.instructions [--door engine|rls|rls-group|http] [--pairs 1] [--extra 4000] [--annotate DIR]
-    python -m bench.instructions --cprofile FILE --redis-url redis://127.0.0.1:6379/0 [--door ...]
+    python -m bench.instructions [--door engine|rls|rls-group|http] [--fresh] [--pairs 1] [--extra 4000] [--annotate DIR]
+    python -m bench.instructions --cprofile FILE --redis-url redis://127.0.0.1:6379/0 [--door ...] [--fresh]
 
 ``--annotate DIR`` keeps both runs' ``cachegrind.out`` files there (``cg_diff`` of the two, then
 ``cg_annotate`` of that, shows per C function where the extra decisions' instructions go; one
@@ -57,7 +64,16 @@ LIMIT_S = 5.0  # the decision budget and the node's stall and late limits under 
 _IREFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 
 
-async def _child(redis_url: str, door: str, extra: int, check: int, cprofile: Path | None = None) -> dict:
+def user_of(i: int, fresh: bool) -> int:
+    """The user the ``i``-th decision asks for: the warm-up's 2,000 users in turn, then (``fresh``)
+    a user never asked before for every counted decision."""
+    if fresh and i >= WARMUP:
+        return USERS + i - WARMUP
+    return i % USERS
+
+
+async def _child(redis_url: str, door: str, extra: int, check: int, cprofile: Path | None = None,
+                 fresh: bool = False) -> dict:
     from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
     from envoy.service.ratelimit.v3 import rls_pb2
     from prometheus_client import CollectorRegistry
@@ -105,8 +121,9 @@ async def _child(redis_url: str, door: str, extra: int, check: int, cprofile: Pa
     decisions: list = []
     groups: list[int] = []  # --door rls-group: the calls of each group decided
     if door == "engine":
-        reqs = [AdmitRequest(request_id=f"i-{k}-{i:06d}", principal=Principal(type="user", id=f"user-{i}"),
-                             route_group="read", tenant_id=tenant) for k in range(4) for i in range(USERS)]
+        reqs = [AdmitRequest(request_id=f"i-{i // USERS}-{i % USERS:06d}",
+                             principal=Principal(type="user", id=f"user-{user_of(i, fresh)}"),
+                             route_group="read", tenant_id=tenant) for i in range(WARMUP + 2 * USERS)]
 
         async def op(i: int) -> None:
             d = await engine.admit(reqs[i])
@@ -115,7 +132,7 @@ async def _child(redis_url: str, door: str, extra: int, check: int, cprofile: Pa
         D = ratelimit_pb2.RateLimitDescriptor
         raw = [rls_pb2.RateLimitRequest(domain="leasehold", descriptors=[D(entries=[
             D.Entry(key="tenant", value=tenant), D.Entry(key="user", value=f"user-{i}"),
-            D.Entry(key="route_group", value="read")])]).SerializeToString() for i in range(USERS)]
+            D.Entry(key="route_group", value="read")])]).SerializeToString() for i in range(3 * USERS)]
         servicer = RateLimitServicer(names=Names.build(), decide=admission.decide, decide_one=admission.decide_one,
                                      snapshot_of=lambda: holder.snapshot,
                                      gateways=None, metrics=GatewayMetrics(CollectorRegistry()),
@@ -141,11 +158,12 @@ async def _child(redis_url: str, door: str, extra: int, check: int, cprofile: Pa
         ctx = _Ctx()
 
         async def op(i: int) -> None:
-            decisions.append(await servicer.ShouldRateLimit(raw[i % USERS], ctx))
+            decisions.append(await servicer.ShouldRateLimit(raw[user_of(i, fresh)], ctx))
     else:
-        bodies = [json.dumps({"requestId": f"h-{k}-{i:06d}", "principal": {"type": "user", "id": f"user-{i}"},
+        bodies = [json.dumps({"requestId": f"h-{i // USERS}-{i % USERS:06d}",
+                              "principal": {"type": "user", "id": f"user-{user_of(i, fresh)}"},
                               "routeGroup": "read", "tenantId": tenant}).encode()
-                  for k in range(4) for i in range(USERS)]
+                  for i in range(WARMUP + 2 * USERS)]
         direct = DirectAdmit(lambda: st, 1 << 20, "/v1/admit")
 
         heads = [[(b"content-type", b"application/json"), (b"content-length", str(len(b)).encode())]
@@ -201,12 +219,13 @@ def _flush(redis_url: str) -> None:
         r.close()
 
 
-def _valgrind_run(redis_url: str, door: str, extra: int, check: int, out: Path) -> tuple[int, dict]:
+def _valgrind_run(redis_url: str, door: str, extra: int, check: int, out: Path,
+                  fresh: bool = False) -> tuple[int, dict]:
     _flush(redis_url)
     env = dict(os.environ, PYTHONHASHSEED="0")
     cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}",
            sys.executable, "-m", "bench.instructions", "--child", redis_url, "--door", door, "--extra", str(extra),
-           "--check", str(check)]
+           "--check", str(check), *(["--fresh"] if fresh else [])]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3_600)
     found = _IREFS.findall(p.stderr)
     if p.returncode != 0 or not found:
@@ -234,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--door", choices=DOORS, default="engine")
     ap.add_argument("--pairs", type=int, default=1, help="pairs of runs (warm-up alone, warm-up + extra)")
     ap.add_argument("--extra", type=int, default=WARMUP, help="decisions counted after the warm-up (<= 4,000)")
+    ap.add_argument("--fresh", action="store_true", help="every counted decision asks a question never asked before")
     ap.add_argument("--annotate", type=Path, help="keep the cachegrind.out files here")
     ap.add_argument("--cprofile", type=Path, help="no valgrind: one run in process, cProfile of the counted "
                     "decisions written to this file (call counts per decision; needs a --redis-url)")
@@ -248,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         import uvloop
 
-        print(json.dumps(uvloop.run(_child(a.child, a.door, a.extra, a.check))))
+        print(json.dumps(uvloop.run(_child(a.child, a.door, a.extra, a.check, fresh=a.fresh))))
         return 0
     if a.cprofile:
         import uvloop
@@ -256,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         if not a.redis_url:
             ap.error("--cprofile needs --redis-url")
         _flush(a.redis_url)
-        print(json.dumps(uvloop.run(_child(a.redis_url, a.door, a.extra, a.extra, a.cprofile))))
+        print(json.dumps(uvloop.run(_child(a.redis_url, a.door, a.extra, a.extra, a.cprofile, fresh=a.fresh))))
         return 0
     with tempfile.TemporaryDirectory(prefix="leasehold-instructions-") as tmp:
         keep = a.annotate or Path(tmp)
@@ -264,10 +284,12 @@ def main(argv: list[str] | None = None) -> int:
         redis = RedisServer(Path(tmp) / "redis").start()
         with services(redis):
             for n in range(a.pairs):
-                base, info0 = _valgrind_run(redis.url, a.door, 0, a.extra, keep / f"cachegrind.out.{a.door}.{n}.warmup")
-                more, info1 = _valgrind_run(redis.url, a.door, a.extra, a.extra, keep / f"cachegrind.out.{a.door}.{n}.extra")
+                base, info0 = _valgrind_run(redis.url, a.door, 0, a.extra, keep / f"cachegrind.out.{a.door}.{n}.warmup",
+                                             a.fresh)
+                more, info1 = _valgrind_run(redis.url, a.door, a.extra, a.extra, keep / f"cachegrind.out.{a.door}.{n}.extra",
+                                            a.fresh)
                 refused = _refusal(a.door, info0, info1, a.extra)
-                print(f"{a.door} pair {n + 1}: warm-up {base:,} ; + {a.extra:,} decisions {more:,} ; "
+                print(f"{a.door}{' fresh' if a.fresh else ''} pair {n + 1}: warm-up {base:,} ; + {a.extra:,} decisions {more:,} ; "
                       f"per decision {(more - base) / a.extra:,.0f}"
                       f"{f' (REFUSED: {refused})' if refused else ''} ; "
                       f"counted {info1['kinds']}, pipelines {info1['pipelines'] - info0['pipelines']} "

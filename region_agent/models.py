@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct, field
 
-from kernel.ids import Method, RequestId, RouteGroup, TenantId, is_id_text
+from kernel.ids import (
+    METHOD_RE,
+    REQUEST_ID_RE,
+    ROUTE_RE,
+    TENANT_RE,
+    Method,
+    RequestId,
+    RouteGroup,
+    TenantId,
+    is_id_text,
+)
 
 ID_MAX_CHARS = 256  # a principal's or API key's id, at most
 PrincipalId = Annotated[str, Meta(min_length=1, max_length=ID_MAX_CHARS)]  # and identity text: Principal
@@ -49,6 +60,59 @@ class AdmitRequest(Struct, rename="camel", forbid_unknown_fields=True, frozen=Tr
     bundle_version: Annotated[int, Meta(ge=0, le=2**53)] | None = field(default=None, name="policyEpoch")
     auth_failed: bool = False  # the gateway reports a failed authentication: counts against the IP only
     client_ip: Annotated[str, Meta(min_length=2, max_length=64)] | None = None  # required with authFailed
+
+
+class AdmitText(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
+    """:class:`AdmitRequest` without the identity patterns of its fields (the same fields, names,
+    order, defaults and every other constraint; tests/unit/region_agent/service/test_fastpath_decode.py
+    compares the two types). msgspec searches each field's pattern, about 3,000 instructions a field;
+    :func:`admit_of_text` checks these fields itself, for the HTTP door's decode
+    (region_agent.service.fastpath) and the RLS door's questions (region_agent.gateways.mapping)."""
+
+    request_id: str
+    principal: Principal
+    route_group: str
+    method: str = "GET"
+    tenant_id: str | None = None
+    cost_hint: CostHint = 1
+    bundle_version: Annotated[int, Meta(ge=0, le=2**53)] | None = field(default=None, name="policyEpoch")
+    auth_failed: bool = False
+    client_ip: Annotated[str, Meta(min_length=2, max_length=64)] | None = None
+
+
+_search_request_id = REQUEST_ID_RE.search
+# the route groups, tenant ids and methods their patterns took (few values, asked again and again): a
+# value seen before is a set lookup; each set starts again empty when full
+LEARNED_MAX = 4_096
+_routes: set[str] = set()
+_tenants: set[str] = set()
+_methods: set[str] = set()
+
+
+def _learned(value: str, known: set[str], pattern: re.Pattern[str]) -> bool:
+    """Whether ``pattern`` finds ``value`` (what msgspec's ``Meta(pattern=...)`` asks), remembered in
+    ``known`` when it does."""
+    if pattern.search(value) is None:
+        return False
+    if len(known) >= LEARNED_MAX:
+        known.clear()
+    known.add(value)
+    return True
+
+
+def admit_of_text(t: AdmitText) -> AdmitRequest | None:
+    """The :class:`AdmitRequest` of ``t`` when its four patterned fields match their patterns
+    (``kernel.ids``: the request id always, the route group, tenant and method only when they are
+    not among the values a pattern already took), else None: the caller then decodes or converts
+    strictly into :class:`AdmitRequest`, which refuses it with msgspec's own reason."""
+    rid, route, method, tenant = t.request_id, t.route_group, t.method, t.tenant_id
+    if not ((route in _routes or _learned(route, _routes, ROUTE_RE))
+            and (method in _methods or _learned(method, _methods, METHOD_RE))
+            and (tenant is None or tenant in _tenants or _learned(tenant, _tenants, TENANT_RE))
+            and _search_request_id(rid) is not None):
+        return None
+    return AdmitRequest(rid, t.principal, route, method, tenant, t.cost_hint, t.bundle_version, t.auth_failed,
+                        t.client_ip)
 
 
 class AdmitBatch(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):

@@ -30,7 +30,7 @@ key hashes the address reduced to that rule's prefix (IPv4 /32 and IPv6 /64 by d
 from __future__ import annotations
 
 import functools
-import hmac
+import hashlib
 import ipaddress
 from typing import NamedTuple
 
@@ -42,6 +42,7 @@ from kernel.ids import POOL_ID_RE
 NS = "rl:v3"
 _SEP = "\x1f"
 _TYPE_CODE = {"user": "u", "key": "k"}
+_BLOCK = 64  # SHA-256's block size in bytes: HMAC pads its key to it (RFC 2104)
 
 
 @functools.lru_cache(maxsize=65_536)  # the ipaddress module is slow; a bounded memo of recent callers
@@ -85,14 +86,25 @@ class KeyTemplate(NamedTuple):
 class KeyBuilder:
     """Derives every Redis key of the agent under one secret pepper."""
 
-    __slots__ = ("_memo", "_pepper")
+    __slots__ = ("_inner", "_memo", "_outer")
 
     MEMO_MAX = 50_000  # principal hashes kept (about 10 MB at most; cleared when full)
 
     def __init__(self, pepper: bytes):
         if not pepper:
             raise ValueError("an empty pepper is not allowed")
-        self._pepper = bytes(pepper)
+        # HMAC-SHA256 (RFC 2104) is SHA-256(K ^ opad || SHA-256(K ^ ipad || msg)), K the pepper
+        # padded with zeros to the block (hashed first when longer). The two hashes' states after
+        # their pad blocks are the same for every message, so they are made once here and copied
+        # per key: the digest ``hmac.digest(pepper, msg, "sha256")`` gives, in less than half its
+        # time (the one-shot call sets both pads up again every time; a new caller's keys, its
+        # question and its decision record each cost one). A unit test holds the two together.
+        key = bytes(pepper)
+        if len(key) > _BLOCK:
+            key = hashlib.sha256(key).digest()
+        key = key.ljust(_BLOCK, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in key))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key))
         self._memo: BoundedMemo[tuple[str | None, str, str], str] = BoundedMemo(self.MEMO_MAX)
 
     def __repr__(self) -> str:  # never show the pepper
@@ -107,8 +119,11 @@ class KeyBuilder:
         return v
 
     def _hmac(self, tenant: str, kind: str, ident: str) -> str:
-        msg = (tenant + _SEP + kind + _SEP + ident).encode("utf-8", "surrogatepass")
-        return hmac.digest(self._pepper, msg, "sha256")[:8].hex()  # one-shot C path of HMAC-SHA256
+        inner = self._inner.copy()
+        inner.update((tenant + _SEP + kind + _SEP + ident).encode("utf-8", "surrogatepass"))
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()[:8].hex()  # HMAC-SHA256(pepper, msg) from the pads' states (__init__)
 
     # --- tags -----------------------------------------------------------------------------
     @staticmethod

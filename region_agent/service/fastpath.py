@@ -39,22 +39,19 @@ Litestar handler either way.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
-from msgspec import Meta, Struct, field
 
 from kernel.asgi import read_body, replay
 from kernel.auth import SCOPE_KEY
 from kernel.errors import LeaseholdError
 from kernel.http_errors import problem_answer
-from kernel.ids import METHOD_RE, REQUEST_ID_RE, ROUTE_RE, TENANT_RE
 from kernel.jsonbody import is_json_media_type, repeats_keys
 
 from ..decision.admission import http_conflict, is_conflict
-from ..models import MAX_BATCH_BODY_BYTES, AdmitBatch, AdmitRequest, CostHint, Principal, keys_shown
+from ..models import MAX_BATCH_BODY_BYTES, AdmitBatch, AdmitRequest, AdmitText, admit_of_text, keys_shown
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 PATH = "/v1/admit"
@@ -65,42 +62,7 @@ _decode_batch = msgspec.json.Decoder(AdmitBatch).decode
 _encode = msgspec.json.Encoder().encode
 
 
-class AdmitText(Struct, rename="camel", forbid_unknown_fields=True, frozen=True):
-    """:class:`AdmitRequest` without the identity patterns of its fields (the same fields, names,
-    order, defaults and every other constraint; tests/unit/region_agent/service/test_fastpath_decode.py
-    compares the two types). msgspec searches each field's pattern, about 3,000 instructions a field;
-    :func:`decode_admit` checks these fields itself (:func:`_learned`)."""
-
-    request_id: str
-    principal: Principal
-    route_group: str
-    method: str = "GET"
-    tenant_id: str | None = None
-    cost_hint: CostHint = 1
-    bundle_version: Annotated[int, Meta(ge=0, le=2**53)] | None = field(default=None, name="policyEpoch")
-    auth_failed: bool = False
-    client_ip: Annotated[str, Meta(min_length=2, max_length=64)] | None = None
-
-
 _decode_text = msgspec.json.Decoder(AdmitText).decode
-_search_request_id = REQUEST_ID_RE.search
-# the route groups, tenant ids and methods their patterns took (few values, asked again and again): a
-# value seen before is a set lookup; each set starts again empty when full
-LEARNED_MAX = 4_096
-_routes: set[str] = set()
-_tenants: set[str] = set()
-_methods: set[str] = set()
-
-
-def _learned(value: str, known: set[str], pattern: re.Pattern[str]) -> bool:
-    """Whether ``pattern`` finds ``value`` (what msgspec's ``Meta(pattern=...)`` asks), remembered in
-    ``known`` when it does."""
-    if pattern.search(value) is None:
-        return False
-    if len(known) >= LEARNED_MAX:
-        known.clear()
-    known.add(value)
-    return True
 
 
 def admit_fast_path(state_of: Callable[[], Any], max_body: int,
@@ -177,7 +139,7 @@ def decode_admit(body: bytes, batch: bool) -> Any:
 
     A single request is decoded as :class:`AdmitText` and its four patterned fields are checked
     by their own patterns (``kernel.ids``), the route group, tenant and method only when they are
-    not among the values a pattern already took: the same bodies are served, each as the same
+    not among the values a pattern already took (:func:`~region_agent.models.admit_of_text`): the same bodies are served, each as the same
     :class:`AdmitRequest`; a field its pattern refuses hands the body over, whose handler's strict
     decode answers 400 as before."""
     if batch:
@@ -190,14 +152,9 @@ def decode_admit(body: bytes, batch: bool) -> Any:
         t = _decode_text(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    rid, route, method, tenant = t.request_id, t.route_group, t.method, t.tenant_id
-    if not ((route in _routes or _learned(route, _routes, ROUTE_RE))
-            and (method in _methods or _learned(method, _methods, METHOD_RE))
-            and (tenant is None or tenant in _tenants or _learned(tenant, _tenants, TENANT_RE))
-            and _search_request_id(rid) is not None):
+    req = admit_of_text(t)
+    if req is None:
         return None  # a pattern refuses it: the handler's strict decode answers
-    req = AdmitRequest(rid, t.principal, route, method, tenant, t.cost_hint, t.bundle_version, t.auth_failed,
-                       t.client_ip)
     return None if repeats_keys(body, keys_shown(req)) else req
 
 

@@ -1,6 +1,7 @@
-"""bench.instructions' grouped RLS door (``--door rls-group``) in process, without valgrind,
+"""bench.instructions in process, without valgrind: the grouped RLS door (``--door rls-group``)
 against a real redis-server: every call is decided in a group of ``GROUP`` whatever the timing,
-and a pair whose groups were not whole is refused."""
+and a pair whose groups were not whole is refused; ``--fresh``: every counted decision asks for a
+user never asked before, and each door still admits it from the store."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 
 import pytest
 
-from bench.instructions import GROUP, WARMUP, _child, _refusal, main
+from bench.instructions import GROUP, WARMUP, _child, _expected, _refusal, main, user_of
 
 
 def test_the_grouped_door_decides_every_call_in_a_whole_group(redis_url: str):
@@ -40,3 +41,18 @@ def test_a_pair_with_a_group_not_whole_is_refused():
 def test_the_grouped_door_counts_whole_groups_only():
     with pytest.raises(SystemExit):
         main(["--door", "rls-group", "--extra", str(GROUP + 1)])
+
+
+def test_fresh_counted_decisions_ask_users_never_asked_before():
+    warm = {user_of(i, True) for i in range(WARMUP)}
+    counted = [user_of(WARMUP + i, True) for i in range(WARMUP)]
+    assert warm == set(range(WARMUP // 2)) and len(set(counted)) == len(counted)
+    assert not warm & set(counted)
+    assert [user_of(i, False) for i in range(WARMUP, WARMUP + 3)] == [0, 1, 2]  # without it: asked again
+
+
+@pytest.mark.parametrize("door", ["rls", "engine", "http"])
+def test_the_fresh_doors_admit_every_first_ask(redis_url: str, door: str):
+    info = asyncio.run(_child(redis_url, door, GROUP, GROUP, fresh=True))
+    assert info["kinds"] == _expected(door) and info["decisions"] == WARMUP + GROUP
+    assert info["calls"] == WARMUP + GROUP  # every first ask went to the store

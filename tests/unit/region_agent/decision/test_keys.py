@@ -76,6 +76,25 @@ def test_pepper_changes_every_principal_hash_and_is_never_shown():
         KeyBuilder(b"")
 
 
+@pytest.mark.parametrize("pepper", [b"k", b"unit-pepper", bytes(range(63)), b"\xa5" * 64, bytes(range(65)),
+                                    b"p" * 200])
+@pytest.mark.parametrize("tenant, kind, ident", [
+    ("atlas", "u", "U-17"), ("", "d", "req-1"), ("atlas", "q", "user\x1fUser-\u00e9\u4e2d\U0001f600\x1f\x1fread\x1f1"),
+    ("birch", "k", "x" * 300), ("", "ip", "2001:db8::/64"), ("atlas", "u", "lone-\ud800-surrogate")])
+def test_every_hash_is_the_one_shot_hmac_of_the_pepper(pepper: bytes, tenant: str, kind: str, ident: str):
+    """The keys stored in Redis do not change: the hash made from the pads' precomputed states is
+    ``hmac.digest``'s, for peppers shorter than SHA-256's 64-byte block, as long, and longer (hashed
+    first), and for non-ASCII messages (a lone surrogate passes as its UTF-8 bytes)."""
+    msg = (tenant + "\x1f" + kind + "\x1f" + ident).encode("utf-8", "surrogatepass")
+    want = hmac.digest(pepper, msg, "sha256")[:8].hex()
+    kb = KeyBuilder(pepper)
+    assert kb.h(tenant, kind, ident) == want
+    assert kb.h(tenant, kind, ident) == want  # (remembered, and the pads' states are not spent by a use)
+    assert kb.question(tenant=tenant, principal_type="user", principal_id="U", api_key_id=None, route_group="r",
+                       cost_hint=1) == hmac.digest(pepper, (tenant + "\x1fq\x1fuser\x1fU\x1f\x1fr\x1f1").encode(),
+                                                   "sha256")[:8].hex()
+
+
 @pytest.mark.parametrize("raw, v4, v6, expect", [
     ("203.0.113.9", 32, 64, "203.0.113.9/32"),
     ("203.0.113.9", 24, 64, "203.0.113.0/24"),

@@ -4,11 +4,16 @@ units of current_limit, and which decision's answer the caller gets."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kernel.bundle import load_bundle_file
 from region_agent.decision.plan import Snapshot
+from region_agent.gateways import mapping
 from region_agent.gateways.answer import authz_answer, deciding, per_unit, rls_answer
 from region_agent.gateways.authz import _headers
 from region_agent.gateways.mapping import (
@@ -176,3 +181,34 @@ def test_authz_answer_statuses():
     assert a.status == 403 and a.headers["x-leasehold-status"] == "503"
     ok = authz_answer(dec(200, headers={"RateLimit": "r"}), deny_status=403)
     assert (ok.status, ok.headers, ok.body) == (200, {"RateLimit": "r"}, b"")
+
+
+def _outcome(fields: dict[str, str], request_id: str) -> tuple:
+    try:
+        return ("asked", mapping.question(fields, cost=3, request_id=request_id))
+    except BadQuestion as e:
+        return ("refused", e.reason, str(e), e.errors)
+
+
+_IDENTITIES = {"tenant": ["atlas", "Atlas", "a" * 33, "at las", ""], "route_group": ["read", "Read", "re/ad", ""],
+               "method": ["GET", "get", "P0ST", "POST\n"], "user": ["U-17", " admin", "admin\t", "\u00e9t\u00e9", "x" * 257]}
+
+
+@settings(max_examples=300, deadline=None)
+@given(tenant=st.sampled_from(_IDENTITIES["tenant"]), route=st.sampled_from(_IDENTITIES["route_group"]),
+       method=st.none() | st.sampled_from(_IDENTITIES["method"]), user=st.sampled_from(_IDENTITIES["user"]),
+       request_id=st.sampled_from(["rls-0123456789abcdef0123", "req-12345678:1", "r", "r id", "r\u00e9q-1", "-x"]),
+       ip=st.none() | st.sampled_from(["203.0.113.9", "1"]))
+def test_a_question_is_the_strict_conversions_or_refused_for_its_reason(tenant, route, method, user, request_id, ip):
+    """The question converted without msgspec's identity patterns (checked by admit_of_text) is
+    the strict conversion's, and every question the strict conversion refuses is refused with the
+    same reason and message (the strict path alone: admit_of_text never answers)."""
+    fields = {"tenant": tenant, "route_group": route, "user": user}
+    if method is not None:
+        fields["method"] = method
+    if ip is not None:
+        fields["client_ip"] = ip
+    got = _outcome(fields, request_id)
+    with mock.patch.object(mapping, "admit_of_text", lambda t: None):
+        want = _outcome(fields, request_id)
+    assert got == want

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernel.jsonbody import repeats_keys
-from region_agent.models import AdmitRequest, keys_shown
-from region_agent.service import fastpath
-from region_agent.service.fastpath import AdmitText, decode_admit
+from region_agent import models
+from region_agent.models import AdmitRequest, AdmitText, keys_shown
+from region_agent.service.fastpath import decode_admit
 
 
 def _strict(body: bytes) -> AdmitRequest | None:
@@ -125,12 +125,12 @@ def test_a_field_its_pattern_refuses_is_handed_over(field, value):
 
 
 def test_only_values_a_pattern_took_are_learned_and_the_sets_stay_bounded(monkeypatch):
-    monkeypatch.setattr(fastpath, "_tenants", set())
-    monkeypatch.setattr(fastpath, "LEARNED_MAX", 3)
+    monkeypatch.setattr(models, "_tenants", set())
+    monkeypatch.setattr(models, "LEARNED_MAX", 3)
     body = {"requestId": "r-0001abcd", "principal": {"type": "user", "id": "U-17"}, "routeGroup": "read"}
     assert decode_admit(json.dumps({**body, "tenantId": "Atlas"}).encode(), False) is None
-    assert fastpath._tenants == set()  # refused: not learned, refused again
+    assert models._tenants == set()  # refused: not learned, refused again
     assert decode_admit(json.dumps({**body, "tenantId": "Atlas"}).encode(), False) is None
     for tenant in ("t1", "t2", "t3", "t4"):
         assert decode_admit(json.dumps({**body, "tenantId": tenant}).encode(), False).tenant_id == tenant
-    assert fastpath._tenants == {"t4"}  # full at three: emptied, then the fourth
+    assert models._tenants == {"t4"}  # full at three: emptied, then the fourth
