@@ -128,10 +128,9 @@ for i = 1, n do
   result[3 + i] = (denied_by == 0 or plan.current == nil) and plan.remaining or plan.current
 end
 if dec_ttl > 0 and not (denied_by > 0 and algs[denied_by].unrecorded_denial) then
-  local parts = {}
-  for i = 1, #result do
-    parts[i] = string.format('%d', result[i])
-  end
-  redis.call('SET', KEYS[1], question .. '|' .. table.concat(parts, ','), 'PX', dec_ttl)
+  -- one string.format of every value: each '%d' formats its value as a format of that value alone
+  -- would, so the record is the same text as the values formatted one by one and joined by ','
+  local values = string.format('%d' .. string.rep(',%d', #result - 1), unpack(result))
+  redis.call('SET', KEYS[1], question .. '|' .. values, 'PX', dec_ttl)
 end
 return result
