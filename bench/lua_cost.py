@@ -3,11 +3,11 @@ of this checkout's ``lua/`` against those of another source tree's (``--base``, 
 archive`` of ``main`` unpacked), both expanded by this checkout's loader
 (region_agent.store.lua_loader), on one redis-server started here.
 
-    python -m bench.lua_cost --base /tmp/main-src [--calls 20000] [--rounds 3] [--users 10000]
+    python -m bench.lua_cost --base /tmp/main-src [--calls 10000] [--rounds 5] [--users 10000] [--only TEXT]
 
 Per workload and round, each tree's script runs ``--calls`` times from a clean database (FLUSHALL,
 CONFIG RESETSTAT), in pipelines of 100, the two trees alternated (which goes first alternates too);
-printed: the median over rounds of each tree's microseconds per call and the difference. The
+printed: the median over rounds of each tree's microseconds per call and of the rounds' differences. The
 workloads are the calls the agent sends, their KEYS and ARGV built by its own code
 (region_agent.decision.call): ``multi_rule`` for 1, 2, 3 and 5 rules of mixed kinds with and
 without a decision record, a hot key set's ``hot_chunk``; and the single-rule scripts, which run the
@@ -173,6 +173,9 @@ def _variant(s: Scripts, name: str) -> str:
 
 
 def table(results: dict[str, dict[str, list[float]]]) -> str:
+    """Markdown: per workload, each tree's median us per call; with two trees, the median of the
+    rounds' differences (each round's two runs are back to back: a slow minute of a shared machine
+    moves both)."""
     trees = list(next(iter(results.values())))
     head = "| script | " + " | ".join(f"{t} us/call" for t in trees)
     head += " | difference |" if len(trees) == 2 else " |"
@@ -181,7 +184,8 @@ def table(results: dict[str, dict[str, list[float]]]) -> str:
         med = [statistics.median(per_tree[t]) for t in trees]
         row = f"| {name} | " + " | ".join(f"{m:.2f}" for m in med)
         if len(trees) == 2:
-            row += f" | {med[1] - med[0]:+.2f} ({100 * (med[1] - med[0]) / med[0]:+.0f} %) |"
+            diff = statistics.median(b - a for a, b in zip(per_tree[trees[0]], per_tree[trees[1]], strict=True))
+            row += f" | {diff:+.2f} ({100 * diff / med[0]:+.0f} %) |"
         else:
             row += " |"
         lines.append(row)
@@ -191,9 +195,9 @@ def table(results: dict[str, dict[str, list[float]]]) -> str:
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(prog="python -m bench.lua_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", type=Path, help="another source tree (its lua/ is measured as 'base')")
-    ap.add_argument("--calls", type=int, default=20_000, help="calls per workload, tree and round")
+    ap.add_argument("--calls", type=int, default=10_000, help="calls per workload, tree and round")
     ap.add_argument("--users", type=int, default=10_000)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", default="", help="workloads whose name contains this text")
     args = ap.parse_args(argv)
     trees = {"base": args.base.resolve(), "this": CHECKOUT} if args.base else {"this": CHECKOUT}
