@@ -1,19 +1,21 @@
 """The Redis scripts' own cost, A/B: Redis's time per EVALSHA (``INFO commandstats``) of the scripts
 of this checkout's ``lua/`` against those of another source tree's (``--base``, e.g. a ``git
-archive`` of ``main`` unpacked), both expanded by this checkout's loader
-(region_agent.store.lua_loader), on one redis-server started here.
+archive`` of ``main`` unpacked; ``--tree`` adds more, e.g. the commits of a change), all expanded
+by this checkout's loader (region_agent.store.lua_loader), on one redis-server started here.
 
-    python -m bench.lua_cost --base /tmp/main-src [--calls 10000] [--rounds 5] [--users 10000] [--only TEXT]
+    python -m bench.lua_cost --base /tmp/main-src [--tree NAME=DIR ...] [--calls 10000] [--rounds 5]
+        [--users 10000] [--only TEXT]
 
 Per workload and round, each tree's script runs ``--calls`` times from a clean database (FLUSHALL,
-CONFIG RESETSTAT), in pipelines of 100, the two trees alternated (which goes first alternates too);
-printed: the median over rounds of each tree's microseconds per call and of the rounds' differences. The
-workloads are the calls the agent sends, their KEYS and ARGV built by its own code
-(region_agent.decision.call): ``multi_rule`` for 1, 2, 3 and 5 rules of mixed kinds with and
-without a decision record, a hot key set's ``hot_chunk``; and the single-rule scripts, which run the
-same libraries. Users cycle over ``--users`` (the first pass writes new keys, later ones update
-them); 1,000 tenants. A call answered by an error is refused (it measured nothing). Without
-``--base`` only this checkout is measured."""
+CONFIG RESETSTAT), in pipelines of 100, the trees one after the other (in reverse order every
+other round). Printed: the median over rounds of each tree's microseconds per call, and of each
+other tree's differences to the first one's in the same round. The workloads are the calls the
+agent sends, their KEYS and ARGV built by its own code (region_agent.decision.call): ``multi_rule``
+for 1, 2, 3 and 5 rules of mixed kinds with and without a decision record, a hot key set's
+``hot_chunk``; and the single-rule scripts, which run the same libraries. Users cycle over
+``--users`` (the first pass writes new keys, later ones update them); 1,000 tenants. A call
+answered by an error is refused (it measured nothing). Without ``--base`` only this checkout is
+measured."""
 
 from __future__ import annotations
 
@@ -173,34 +175,34 @@ def _variant(s: Scripts, name: str) -> str:
 
 
 def table(results: dict[str, dict[str, list[float]]]) -> str:
-    """Markdown: per workload, each tree's median us per call; with two trees, the median of the
-    rounds' differences (each round's two runs are back to back: a slow minute of a shared machine
-    moves both)."""
+    """Markdown: per workload, the first tree's median us per call, and each other tree's with the
+    median of its rounds' differences to the first (each round's runs are back to back: a slow
+    minute of a shared machine moves them all)."""
     trees = list(next(iter(results.values())))
-    head = "| script | " + " | ".join(f"{t} us/call" for t in trees)
-    head += " | difference |" if len(trees) == 2 else " |"
-    lines = [head, "|---" * (len(trees) + 1 + (len(trees) == 2)) + "|"]
+    lines = ["| script | " + " | ".join(f"{t} us/call" for t in trees) + " |", "|---" * (len(trees) + 1) + "|"]
     for name, per_tree in results.items():
-        med = [statistics.median(per_tree[t]) for t in trees]
-        row = f"| {name} | " + " | ".join(f"{m:.2f}" for m in med)
-        if len(trees) == 2:
-            diff = statistics.median(b - a for a, b in zip(per_tree[trees[0]], per_tree[trees[1]], strict=True))
-            row += f" | {diff:+.2f} ({100 * diff / med[0]:+.0f} %) |"
-        else:
-            row += " |"
-        lines.append(row)
+        first = per_tree[trees[0]]
+        cells = [f"{statistics.median(first):.2f}"]
+        for t in trees[1:]:
+            diff = statistics.median(b - a for a, b in zip(first, per_tree[t], strict=True))
+            cells.append(f"{statistics.median(per_tree[t]):.2f} ({diff:+.2f}, {100 * diff / statistics.median(first):+.0f} %)")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(prog="python -m bench.lua_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", type=Path, help="another source tree (its lua/ is measured as 'base')")
+    ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                    help="more trees measured between base and this (e.g. the commits of a change, one by one)")
     ap.add_argument("--calls", type=int, default=10_000, help="calls per workload, tree and round")
     ap.add_argument("--users", type=int, default=10_000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", default="", help="workloads whose name contains this text")
     args = ap.parse_args(argv)
-    trees = {"base": args.base.resolve(), "this": CHECKOUT} if args.base else {"this": CHECKOUT}
+    trees = {"base": args.base.resolve()} if args.base else {}
+    trees.update({t.split("=", 1)[0]: Path(t.split("=", 1)[1]).resolve() for t in args.tree})
+    trees["this"] = CHECKOUT
     work = [w for w in workloads() if args.only in w.name]
     with tempfile.TemporaryDirectory(prefix="lua-cost-") as tmp:
         out = table(measure(trees, work, calls=args.calls, users=args.users, rounds=args.rounds, workdir=Path(tmp)))
