@@ -65,7 +65,9 @@ local function params(k)
   for i = 1, n do
     local r = rules[i]
     local a = { r.args[1], r.args[2], r.args[3], r.args[4], r.args[5] }
-    a[r.at] = string.format('%d', r.unit * k)
+    -- the cost as a number: parse reads it as it would read its decimal text (a product up to
+    -- 2^40 is exact; any larger one is refused either way)
+    a[r.at] = r.unit * k
     out[i] = r.alg.parse(a, 0)
     if out[i] == nil then
       return nil
