@@ -336,3 +336,32 @@ async def test_a_lean_variant_refuses_a_kind_it_does_not_have_before_any_write(a
         await scripts.call(aclient, "multi_rule[tb]", keys, argv)
     assert await aclient.exists(*keys) == 0
     assert (await scripts.call(aclient, "multi_rule[fw,tb]", keys, argv))[0] == 1  # its own variant runs it
+
+
+# per kind: a valid slot's five parameters, and which of them the kind reads (the rest are ignored)
+SLOTS = {
+    "tb": (["20000", "2000", "1000", "1000", "0"], 4), "gcra": (["20000", "2000", "1000", "1000", "0"], 4),
+    "fw": (["20", "10000", "1", "0", "0"], 3), "sc": (["20", "10000", "1", "0", "0"], 3),
+    "sl": (["20", "10000", "1", "0", "0"], 3), "cc": (["3", "60000", "0", "0", "0"], 2),
+    "pool": (["5", "0", "0", "0", "0"], 1), "pw": (["10", "3", "4", "1", "60000"], 5),
+}
+
+
+@pytest.mark.parametrize(("kind", "position"), [(k, p) for k in SLOTS for p in range(5)])
+async def test_multi_rule_reads_each_kinds_parameters_at_the_rules_offset(aclient, scripts, kind, position):
+    """A rule after another one (its parameters at an offset in ARGV): a bad value in a parameter its
+    kind reads is refused before any write; in one it does not read (always 0 from the agent), it is
+    ignored."""
+    params, used = SLOTS[kind]
+    tag = "{t:off-" + kind + str(position) + "}"
+    keys = [f"rl:v3:{tag}:d", f"rl:v3:{tag}:first", f"rl:v3:{tag}:second"]
+    bad = list(params)
+    bad[position] = "abc"
+    argv = ["0", "0", "D1", "tb", "20000", "2000", "1000", "1000", "0", kind, *bad, ""]
+    if position < used:
+        with pytest.raises(ScriptRejected):
+            await scripts.call(aclient, "multi_rule", keys, argv)
+        assert await aclient.exists(*keys) == 0
+    else:
+        reply = await scripts.call(aclient, "multi_rule", keys, argv)
+        assert isinstance(reply, list) and len(reply) == 5
