@@ -4,7 +4,7 @@ archive`` of ``main`` unpacked; ``--tree`` adds more, e.g. the commits of a chan
 by this checkout's loader (region_agent.store.lua_loader), on one redis-server started here.
 
     python -m bench.lua_cost --base /tmp/main-src [--tree NAME=DIR ...] [--calls 10000] [--rounds 5]
-        [--users 10000] [--only TEXT]
+        [--users 10000] [--only TEXT] [--cpu]
 
 Per workload and round, each tree's script runs ``--calls`` times from a clean database (FLUSHALL,
 CONFIG RESETSTAT), in pipelines of 100, the trees one after the other (in reverse order every
@@ -15,7 +15,9 @@ for 1, 2, 3 and 5 rules of mixed kinds with and without a decision record, a hot
 ``hot_chunk``; and the single-rule scripts, which run the same libraries. Users cycle over
 ``--users`` (the first pass writes new keys, later ones update them); 1,000 tenants. A call
 answered by an error is refused (it measured nothing). Without ``--base`` only this checkout is
-measured."""
+measured. ``--cpu``: the redis-server process's CPU per call (``INFO cpu``) instead, which a busy
+machine inflates less (a script preempted mid-run counts its wait in commandstats' time, not in
+its CPU); it includes the protocol and the sockets, the same for every tree."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from leasehold.local.procs import LOOPBACK, RedisServer
 from region_agent.decision.call import Call, multi_rule_argv, script_for
 from region_agent.store.scripts import Scripts
 
-from .harness import NORTHSTAR, services
+from .harness import NORTHSTAR, redis_cpu, services
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 PIPELINE = 100
@@ -130,10 +132,13 @@ def workloads() -> list[Workload]:
     return out
 
 
-def run(r: redis.Redis, sha: str, w: Workload, calls: int, users: int) -> float:
-    """Redis's microseconds per EVALSHA of ``calls`` calls of ``w`` from a clean database."""
+def run(r: redis.Redis, sha: str, w: Workload, calls: int, users: int, cpu: bool = False) -> float:
+    """Redis's microseconds per EVALSHA of ``calls`` calls of ``w`` from a clean database: its time
+    inside the command (commandstats), or with ``cpu`` the redis-server process's CPU time (the
+    script, the protocol and the sockets; time it waited for a core on a busy machine not counted)."""
     r.flushall()
     r.config_resetstat()
+    cpu0 = redis_cpu(r)
     pipe = r.pipeline(transaction=False)
     for i in range(calls):
         keys, argv = w.call(i, i % users)
@@ -142,15 +147,16 @@ def run(r: redis.Redis, sha: str, w: Workload, calls: int, users: int) -> float:
             for reply in pipe.execute(raise_on_error=False):
                 if isinstance(reply, Exception):
                     raise RuntimeError(f"{w.name}: the script answered an error: {reply}")
+    cpu1 = redis_cpu(r)
     st = r.info("commandstats")["cmdstat_evalsha"]
     if int(st["calls"]) != calls or int(st.get("failed_calls", 0)):
         raise RuntimeError(f"{w.name}: {st}")
-    return int(st["usec"]) / int(st["calls"])
+    return 1e6 * (cpu1 - cpu0) / calls if cpu else int(st["usec"]) / int(st["calls"])
 
 
 def measure(trees: dict[str, Path], work: list[Workload], *, calls: int, users: int, rounds: int,
-            workdir: Path) -> dict[str, dict[str, list[float]]]:
-    """{workload: {tree: [us per call, one per round]}} on a redis-server started here."""
+            workdir: Path, cpu: bool = False) -> dict[str, dict[str, list[float]]]:
+    """{workload: {tree: [us per call, one per round]}} on a redis-server started here (:func:`run`)."""
     scripts = {name: Scripts(tree / "lua") for name, tree in trees.items()}
     results: dict[str, dict[str, list[float]]] = {w.name: {t: [] for t in trees} for w in work}
     server = RedisServer(workdir).start()
@@ -163,7 +169,7 @@ def measure(trees: dict[str, Path], work: list[Workload], *, calls: int, users: 
                     for t in order:
                         sha = r.script_load(scripts[t].source(w.script) if w.script in scripts[t].scripts
                                             else _variant(scripts[t], w.script))
-                        results[w.name][t].append(run(r, sha, w, calls, users))
+                        results[w.name][t].append(run(r, sha, w, calls, users, cpu))
         finally:
             r.close()
     return results
@@ -199,13 +205,16 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--users", type=int, default=10_000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", default="", help="workloads whose name contains this text")
+    ap.add_argument("--cpu", action="store_true",
+                    help="the redis-server process's CPU per call (INFO cpu) instead of commandstats' time")
     args = ap.parse_args(argv)
     trees = {"base": args.base.resolve()} if args.base else {}
     trees.update({t.split("=", 1)[0]: Path(t.split("=", 1)[1]).resolve() for t in args.tree})
     trees["this"] = CHECKOUT
     work = [w for w in workloads() if args.only in w.name]
     with tempfile.TemporaryDirectory(prefix="lua-cost-") as tmp:
-        out = table(measure(trees, work, calls=args.calls, users=args.users, rounds=args.rounds, workdir=Path(tmp)))
+        out = table(measure(trees, work, calls=args.calls, users=args.users, rounds=args.rounds, workdir=Path(tmp),
+                            cpu=args.cpu))
     print(out)
     return out
 

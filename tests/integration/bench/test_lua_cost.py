@@ -20,6 +20,9 @@ def test_every_workload_of_both_trees_is_measured(tmp_path):
     # the agent's scripts are all there: multi_rule (with and without a record), hot_chunk
     assert {w.script.split("[")[0] for w in work} >= {"multi_rule", "hot_chunk", "token_bucket"}
     assert any("record" in w.name for w in work) and any("record" not in w.name for w in work)
+    cpu = lua_cost.measure({"this": lua_cost.CHECKOUT}, work[:1], calls=200, users=10, rounds=1, workdir=tmp_path / "c",
+                           cpu=True)
+    assert cpu[work[0].name]["this"][0] > 0  # the redis-server process's CPU per call
 
 
 def test_a_workload_answered_by_errors_is_refused(tmp_path):
