@@ -8,7 +8,7 @@
 --          nothing; a write trims expired slots and sets PEXPIRE (max live score - now).
 -- @include lib/clock.lua
 -- @include lib/concurrency.lua
-local P = CC.parse({ ARGV[2], ARGV[3] })
+local P = CC.parse(ARGV, 1)
 local slot = ARGV[1]
 if #ARGV ~= 3 or P == nil or slot == nil or slot == '' then
   return lh_invalid()

@@ -9,7 +9,7 @@
 --          the window and writes nothing; every write sets PEXPIRE ms_left + slack.
 -- @include lib/clock.lua
 -- @include lib/fixed_window.lua
-local P = FW.parse({ ARGV[1], ARGV[2], ARGV[3] })
+local P = FW.parse(ARGV, 0)
 local slack = lh_int(ARGV[4], 0)
 if #ARGV ~= 4 or P == nil or slack == nil then
   return lh_invalid()

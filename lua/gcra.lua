@@ -12,7 +12,7 @@
 --          SET tat PX (newTat - now + slack).
 -- @include lib/clock.lua
 -- @include lib/gcra.lua
-local P = GCRA.parse({ ARGV[1], ARGV[2], ARGV[3], ARGV[4] })
+local P = GCRA.parse(ARGV, 0)
 local slack = lh_int(ARGV[5], 0)
 if #ARGV ~= 5 or P == nil or slack == nil then
   return lh_invalid()

@@ -53,7 +53,7 @@ for i = 1, n do
   seen[KEYS[i]] = true
   local args = { ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5] }
   local unit = lh_int(args[at], 1)
-  if unit == nil or alg.parse(args) == nil then
+  if unit == nil or alg.parse(args, 0) == nil then
     return lh_invalid()
   end
   rules[i] = { alg = alg, kind = kind, args = args, at = at, unit = unit, key = KEYS[i] }
@@ -65,8 +65,10 @@ local function params(k)
   for i = 1, n do
     local r = rules[i]
     local a = { r.args[1], r.args[2], r.args[3], r.args[4], r.args[5] }
-    a[r.at] = string.format('%d', r.unit * k)
-    out[i] = r.alg.parse(a)
+    -- the cost as a number: parse reads it as it would read its decimal text (a product up to
+    -- 2^40 is exact; any larger one is refused either way)
+    a[r.at] = r.unit * k
+    out[i] = r.alg.parse(a, 0)
     if out[i] == nil then
       return nil
     end

@@ -61,20 +61,24 @@ if n < 1 or n > MAX_RULES or #ARGV ~= 4 + 6 * n or slack == nil or dec_ttl == ni
   return lh_invalid()
 end
 
-local rules, seen = {}, {}
+-- each rule's algorithm and parameters, parsed where they are in ARGV; rule keys distinct
+local algs, params, plans = {}, {}, {}
 for i = 1, n do
   local b = 4 + 6 * (i - 1)
-  local kind = ARGV[b]
-  local alg = ALG[kind]
-  if alg == nil or seen[KEYS[i + 1]] then
+  local alg, key = ALG[ARGV[b]], KEYS[i + 1]
+  if alg == nil then
     return lh_invalid()
   end
-  seen[KEYS[i + 1]] = true
-  local P = alg.parse({ ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5] })
+  for j = 2, i do
+    if KEYS[j] == key then
+      return lh_invalid()
+    end
+  end
+  local P = alg.parse(ARGV, b)
   if P == nil or (alg.needs_member and member == '') then
     return lh_invalid()
   end
-  rules[i] = { alg = alg, P = P, key = KEYS[i + 1] }
+  algs[i], params[i] = alg, P
 end
 
 if dec_ttl > 0 then
@@ -99,14 +103,14 @@ end
 local now = lh_now()
 local denied_by, retry, never = 0, 0, false
 for i = 1, n do
-  local r = rules[i]
-  r.plan = r.alg.check(r.key, r.P, now, member)
-  if not r.plan.ok then
+  local plan = algs[i].check(KEYS[i + 1], params[i], now, member)
+  plans[i] = plan
+  if not plan.ok then
     if denied_by == 0 then denied_by = i end
-    if r.plan.retry < 0 then
+    if plan.retry < 0 then
       never = true
     else
-      retry = math.max(retry, r.plan.retry)
+      retry = math.max(retry, plan.retry)
     end
   end
 end
@@ -116,19 +120,17 @@ local result = { 0, denied_by, retry }
 if denied_by == 0 then
   result[1] = 1
   for i = 1, n do
-    local r = rules[i]
-    r.alg.commit(r.key, r.P, r.plan, now, slack, member)
+    algs[i].commit(KEYS[i + 1], params[i], plans[i], now, slack, member)
   end
 end
 for i = 1, n do
-  local plan = rules[i].plan
+  local plan = plans[i]
   result[3 + i] = (denied_by == 0 or plan.current == nil) and plan.remaining or plan.current
 end
-if dec_ttl > 0 and not (denied_by > 0 and rules[denied_by].alg.unrecorded_denial) then
-  local parts = {}
-  for i = 1, #result do
-    parts[i] = string.format('%d', result[i])
-  end
-  redis.call('SET', KEYS[1], question .. '|' .. table.concat(parts, ','), 'PX', dec_ttl)
+if dec_ttl > 0 and not (denied_by > 0 and algs[denied_by].unrecorded_denial) then
+  -- one string.format of every value: each '%d' formats its value as a format of that value alone
+  -- would, so the record is the same text as the values formatted one by one and joined by ','
+  local values = string.format('%d' .. string.rep(',%d', #result - 1), unpack(result))
+  redis.call('SET', KEYS[1], question .. '|' .. values, 'PX', dec_ttl)
 end
 return result

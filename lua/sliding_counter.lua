@@ -11,7 +11,7 @@
 --          PEXPIRE (w + 2W - now) + slack.
 -- @include lib/clock.lua
 -- @include lib/sliding_counter.lua
-local P = SC.parse({ ARGV[1], ARGV[2], ARGV[3] })
+local P = SC.parse(ARGV, 0)
 local slack = lh_int(ARGV[4], 0)
 if #ARGV ~= 4 or P == nil or slack == nil then
   return lh_invalid()

@@ -12,7 +12,7 @@
 --          expired members, ZADD, and PEXPIRE (newest score + W - now) + slack.
 -- @include lib/clock.lua
 -- @include lib/sliding_log.lua
-local P = SL.parse({ ARGV[1], ARGV[2], ARGV[4] })
+local P = SL.parse({ ARGV[1], ARGV[2], ARGV[4] }, 0)
 local slack = lh_int(ARGV[5], 0)
 local member = ARGV[3]
 if #ARGV ~= 5 or P == nil or slack == nil or member == nil or member == '' then

@@ -12,7 +12,7 @@
 --          PEXPIRE full_ms + slack (full_ms = ceil(capacity x period / refill)).
 -- @include lib/clock.lua
 -- @include lib/token_bucket.lua
-local P = TB.parse({ ARGV[1], ARGV[2], ARGV[3], ARGV[4] })
+local P = TB.parse(ARGV, 0)
 local slack = lh_int(ARGV[5], 0)
 if #ARGV ~= 5 or P == nil or slack == nil then
   return lh_invalid()

@@ -12,12 +12,12 @@
 -- @include lib/validate.lua
 local CC = { needs_member = true }  -- the decision id is the slot id
 
-function CC.parse(a)
-  local P = { max = lh_int(a[1], 1), ttl = lh_int(a[2], 1) }
-  if not (P.max and P.ttl) then
+function CC.parse(a, o)
+  local max, ttl = lh_int(a[o + 1], 1), lh_int(a[o + 2], 1)
+  if not (max and ttl) then
     return nil
   end
-  return P
+  return { max = max, ttl = ttl }
 end
 
 function CC.live(key, now)

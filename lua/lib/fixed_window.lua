@@ -9,8 +9,8 @@
 -- @include lib/validate.lua
 local FW = {}
 
-function FW.parse(a)
-  return lh_window_params(a)
+function FW.parse(a, o)
+  return lh_window_params(a, o)
 end
 
 function FW.check(key, P, now)

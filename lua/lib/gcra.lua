@@ -1,4 +1,5 @@
 -- lib/gcra.lua: GCRA in integer milliseconds; same arguments as the token bucket.
+-- GCRA.parse(a, o) -> P or nil (invalid): capacity, refill, period_ms, cost from a[o+1..o+4].
 -- inc = ceil(cost * period / refill) ms per request, B = floor(capacity * period / refill) ms of
 -- burst tolerance. State: string key holding tat (theoretical arrival time, Unix ms).
 -- Allowed iff max(tat, now) + inc - now <= B; then tat = max(tat, now) + inc.
@@ -11,14 +12,13 @@
 -- @include lib/validate.lua
 local GCRA = {}
 
-function GCRA.parse(a)
-  local P = lh_rate_params(a)
-  if not P then
+function GCRA.parse(a, o)
+  local capacity, refill, period, cost = lh_rate_params(a, o)
+  if not capacity then
     return nil
   end
-  P.inc = math.ceil(P.cost * P.period / P.refill)
-  P.burst = math.floor(P.capacity * P.period / P.refill)
-  return P
+  return { capacity = capacity, refill = refill, period = period, cost = cost,
+           inc = math.ceil(cost * period / refill), burst = math.floor(capacity * period / refill) }
 end
 
 local function gcra_remaining(P, ahead)

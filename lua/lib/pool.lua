@@ -30,12 +30,12 @@
 -- a denial is not stored in a decision record: the agent runs the decision again after a top-up
 local POOL = { unrecorded_denial = true }
 
-function POOL.parse(a)
-  local P = { cost = lh_int(a[1], 1) }
-  if not P.cost then
+function POOL.parse(a, o)
+  local cost = lh_int(a[o + 1], 1)
+  if not cost then
     return nil
   end
-  return P
+  return { cost = cost }
 end
 
 function POOL.incarnation()

@@ -4,7 +4,7 @@
 -- known within bounds, so near a boundary every candidate window is charged) and the key's TTL.
 -- State: hash; field "<k>" = tokens admitted from the allowance in allocator window k; field "x" =
 --   the key's expiry (Redis-clock Unix ms, the latest any caller asked for).
--- PW.parse(a): limit, k_lo, k_hi, cost, ttl_ms (integers; limit, cost, ttl >= 1; k >= 0;
+-- PW.parse(a, o): limit, k_lo, k_hi, cost, ttl_ms from a[o+1..o+5] (integers; limit, cost, ttl >= 1; k >= 0;
 --   0 <= k_hi - k_lo < 8), else nil.
 -- PW.check: allowed iff n_k + cost <= limit for every k in [k_lo, k_hi]; cost > limit -> retry -1.
 --   remaining = min_k(limit - n_k) - cost on allow, max(0, min_k(limit - n_k)) on deny; a denial's
@@ -15,13 +15,13 @@
 -- @include lib/validate.lua
 local PW = { MAX_SPAN = 8, KEEP = 3 }
 
-function PW.parse(a)
-  local P = { limit = lh_int(a[1], 1), lo = lh_int(a[2], 0), hi = lh_int(a[3], 0), cost = lh_int(a[4], 1),
-              ttl = lh_int(a[5], 1) }
-  if not (P.limit and P.lo and P.hi and P.cost and P.ttl) or P.hi < P.lo or P.hi - P.lo >= PW.MAX_SPAN then
+function PW.parse(a, o)
+  local limit, lo, hi, cost, ttl = lh_int(a[o + 1], 1), lh_int(a[o + 2], 0), lh_int(a[o + 3], 0),
+      lh_int(a[o + 4], 1), lh_int(a[o + 5], 1)
+  if not (limit and lo and hi and cost and ttl) or hi < lo or hi - lo >= PW.MAX_SPAN then
     return nil
   end
-  return P
+  return { limit = limit, lo = lo, hi = hi, cost = cost, ttl = ttl }
 end
 
 function PW.check(key, P, now)

@@ -13,8 +13,8 @@
 -- @include lib/validate.lua
 local SC = {}
 
-function SC.parse(a)
-  return lh_window_params(a)
+function SC.parse(a, o)
+  return lh_window_params(a, o)
 end
 
 local function sc_retry(P, ew, now, elapsed, prev, cur, scaled)

@@ -15,12 +15,12 @@
 local SL = { needs_member = true }  -- the decision id is the log entry
 local SL_MAX_COST = 1000  -- entries one request may add: bounds the script's run time
 
-function SL.parse(a)
-  local P = { limit = lh_int(a[1], 1), window = lh_int(a[2], 1), cost = lh_int(a[3], 1, SL_MAX_COST) }
-  if not (P.limit and P.window and P.cost) or P.limit * P.window > LH_MAX_PRODUCT then
+function SL.parse(a, o)
+  local limit, window, cost = lh_int(a[o + 1], 1), lh_int(a[o + 2], 1), lh_int(a[o + 3], 1, SL_MAX_COST)
+  if not (limit and window and cost) or limit * window > LH_MAX_PRODUCT then
     return nil
   end
-  return P
+  return { limit = limit, window = window, cost = cost }
 end
 
 function SL.check(key, P, now, member)

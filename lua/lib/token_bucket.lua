@@ -1,6 +1,6 @@
 -- lib/token_bucket.lua: token bucket in millitokens and milliseconds.
 -- State: hash {tokens (millitokens), ts (Unix ms of the last write)}.
--- TB.parse({capacity, refill, period_ms, cost}) -> P or nil (invalid).
+-- TB.parse(a, o) -> P or nil (invalid): capacity, refill, period_ms, cost from a[o+1..o+4].
 -- TB.check(key, P, now) -> plan {ok, remaining, retry, tokens, ts}; reads only.
 -- TB.commit(key, P, plan, now, slack) writes tokens/ts and PEXPIRE full_ms + slack.
 -- Deny retry is ceil((cost - tokens) x period / refill): never optimistic while
@@ -11,13 +11,13 @@
 -- @include lib/validate.lua
 local TB = {}
 
-function TB.parse(a)
-  local P = lh_rate_params(a)
-  if not P then
+function TB.parse(a, o)
+  local capacity, refill, period, cost = lh_rate_params(a, o)
+  if not capacity then
     return nil
   end
-  P.full_ms = math.ceil(P.capacity * P.period / P.refill)
-  return P
+  return { capacity = capacity, refill = refill, period = period, cost = cost,
+           full_ms = math.ceil(capacity * period / refill) }
 end
 
 function TB.check(key, P, now)

@@ -111,6 +111,36 @@ async def test_multi_rule_rejects_duplicate_keys_and_bad_header(aclient, scripts
     assert await aclient.exists(k) == 0
 
 
+async def test_multi_rule_compares_every_pair_of_rule_keys_and_only_rule_keys(aclient, scripts):
+    """A rule key listed again anywhere among the rules (not only next to itself) is refused before
+    any write; the decision record's key is not a rule key (the agent's never equals one, and the
+    script does not compare it): a rule on that key still runs."""
+    d, k1, k2 = f"rl:v3:{T}:d", f"rl:v3:{T}:k1", f"rl:v3:{T}:k2"
+    tb = ["tb", "20000", "2000", "1000", "1000", "0"]
+    fw = ["fw", "20", "10000", "1", "0", "0"]
+    for keys in ([d, k1, k2, k1], [d, k2, k1, k1], [d, k1, k1, k2]):
+        with pytest.raises(ScriptRejected):
+            await scripts.call(aclient, "multi_rule", keys, ["0", "0", "m", *tb, *fw, *tb, ""])
+        assert await aclient.exists(d, k1, k2) == 0
+    r = await scripts.multi_rule(aclient, [d, d, k1], ["0", "0", "m", *tb, *fw, ""])
+    assert (r.allowed, r.remaining) == (True, (19_000, 19))
+
+
+async def test_a_decision_record_holds_every_value_exactly_up_to_2_53(aclient, scripts):
+    """A denial whose retry is near 2^52 ms (capacity 2^40 millitokens refilled 1 per 2^12 ms), recorded
+    with its reply: the stored text is every value's exact decimal digits (no exponent, no rounding:
+    '%.14g' would print 4.5035995768054e+15), and the replay answers the same integers."""
+    d, k = f"rl:v3:{T}:rec-big", f"rl:v3:{T}:big-bucket"
+    await aclient.hset(k, mapping={"tokens": 12_345, "ts": now_ms() + 60_000})  # ts ahead: no refill
+    tb = ["tb", str(2**40), "1", str(2**12), str(2**40), "0"]
+    retry = (2**40 - 12_345) * 2**12
+    assert retry > 10**15
+    for _ in range(2):  # the first call records, the second replays the record
+        r = await scripts.multi_rule(aclient, [d, k], ["0", "60000", "m", *tb, "q7"])
+        assert (r.allowed, r.denied_by, r.retry_after_ms, r.remaining) == (False, 1, retry, (12_345,))
+        assert await aclient.get(d) == f"q7|0,1,{retry},12345".encode()
+
+
 async def test_cost_over_capacity_never_and_untouched(aclient, scripts):
     key = f"rl:v3:{T}:big"
     await aclient.hset(key, mapping={"tokens": 1_000, "ts": now_ms()})
@@ -306,3 +336,32 @@ async def test_a_lean_variant_refuses_a_kind_it_does_not_have_before_any_write(a
         await scripts.call(aclient, "multi_rule[tb]", keys, argv)
     assert await aclient.exists(*keys) == 0
     assert (await scripts.call(aclient, "multi_rule[fw,tb]", keys, argv))[0] == 1  # its own variant runs it
+
+
+# per kind: a valid slot's five parameters, and which of them the kind reads (the rest are ignored)
+SLOTS = {
+    "tb": (["20000", "2000", "1000", "1000", "0"], 4), "gcra": (["20000", "2000", "1000", "1000", "0"], 4),
+    "fw": (["20", "10000", "1", "0", "0"], 3), "sc": (["20", "10000", "1", "0", "0"], 3),
+    "sl": (["20", "10000", "1", "0", "0"], 3), "cc": (["3", "60000", "0", "0", "0"], 2),
+    "pool": (["5", "0", "0", "0", "0"], 1), "pw": (["10", "3", "4", "1", "60000"], 5),
+}
+
+
+@pytest.mark.parametrize(("kind", "position"), [(k, p) for k in SLOTS for p in range(5)])
+async def test_multi_rule_reads_each_kinds_parameters_at_the_rules_offset(aclient, scripts, kind, position):
+    """A rule after another one (its parameters at an offset in ARGV): a bad value in a parameter its
+    kind reads is refused before any write; in one it does not read (always 0 from the agent), it is
+    ignored."""
+    params, used = SLOTS[kind]
+    tag = "{t:off-" + kind + str(position) + "}"
+    keys = [f"rl:v3:{tag}:d", f"rl:v3:{tag}:first", f"rl:v3:{tag}:second"]
+    bad = list(params)
+    bad[position] = "abc"
+    argv = ["0", "0", "D1", "tb", "20000", "2000", "1000", "1000", "0", kind, *bad, ""]
+    if position < used:
+        with pytest.raises(ScriptRejected):
+            await scripts.call(aclient, "multi_rule", keys, argv)
+        assert await aclient.exists(*keys) == 0
+    else:
+        reply = await scripts.call(aclient, "multi_rule", keys, argv)
+        assert isinstance(reply, list) and len(reply) == 5

@@ -102,3 +102,27 @@ def test_invalid_arguments_write_nothing(sclient, bad):
         with pytest.raises(Exception, match="arguments invalid"):
             evalsha(sclient, "hot_chunk", [key], bad)
     assert sclient.exists(key) == 0
+
+
+@pytest.mark.parametrize(("rule", "want", "taken"), [
+    (RuleSpec("fw", (2**40, 2**12, 2**30, 0, 0)), 2**11, 2**10),  # a cost above 2^40 is beyond the range
+    (RuleSpec("tb", (2**40, 1, 1, 2**39, 0)), 2**30, 2),  # costs above 2^63 too (their %d is not the number)
+])
+def test_counts_beyond_a_rules_range_are_denied_as_the_model_denies_them(sclient, rule, want, taken):
+    """A count whose cost is beyond a rule's argument range is a denied count, found by the search
+    as the model finds it: the chunk is the largest count within the range (and the rule's room)."""
+    key = f"rl:{tag()}:{rule.kind}"
+    reply = hot_chunk.reply_of(evalsha(sclient, "hot_chunk", [key], argv([rule], "C", 1, want)))
+    expected, _ = hot_chunk.take([None], [rule], 0, "C", 1, want)
+    assert reply[0] == taken and reply == expected
+
+
+def test_a_sliding_log_chunk_stops_at_1000_entries(sclient):
+    """A sliding log adds at most 1,000 entries a request: a larger count is beyond its range, and
+    the chunk is 1,000 units. (The model's search does not know this bound: kernel.algorithms.
+    hot_chunk asks the sliding log's decide, which refuses such a cost, instead of counting it denied.)"""
+    key = f"rl:{tag()}:sl"
+    reply = as_ints(evalsha(sclient, "hot_chunk", [key], argv([RuleSpec("sl", (5_000, 10_000, 1, 0, 0))], "C", 1,
+                                                              1_500)))
+    assert reply[0] == 1_000 and reply[2:] == [1, 0, 0, 4_000]
+    assert sclient.zcard(key) == 1_000
