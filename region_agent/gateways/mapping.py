@@ -266,24 +266,25 @@ def check_cost(cost: int) -> int:
     return cost
 
 
-@dataclass(frozen=True, slots=True)
-class Descriptor:
+class Descriptor(msgspec.Struct, frozen=True):
     """One RLS descriptor, protobuf-free: its entries, its own hits_addend (None when unset)
-    and whether it carries a limit override."""
+    and whether it carries a limit override. (A frozen struct, not a frozen dataclass: made for
+    every descriptor of a call the door does not know, and a frozen dataclass's ``__init__`` sets
+    each field through ``object.__setattr__``, about 1,000 ns against 100.)"""
 
     entries: tuple[tuple[str, str], ...]
     hits_addend: int | None = None
     has_limit_override: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class CallQuestions:
+class CallQuestions(msgspec.Struct, frozen=True):
     """The questions of one ``ShouldRateLimit`` call and how to ask them again.
 
     A call is a pure function of its bytes and the agent's :class:`Names`, except for the request
     ids minted for descriptors that name none: ``minted`` lists those questions, and :meth:`again`
     gives them fresh ids (with their ``:<index>`` suffix) while every other field, and an id the
-    gateway named, stays as it is. The questions are frozen structs: sharing them is safe."""
+    gateway named, stays as it is. The questions are frozen structs: sharing them is safe. (A
+    frozen struct itself, as :class:`Descriptor` is, for the same reason.)"""
 
     questions: tuple[AdmitRequest, ...]
     minted: tuple[int, ...]  # indices of the questions whose request id was minted here
