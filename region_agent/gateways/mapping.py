@@ -29,13 +29,14 @@ import re
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 
 from kernel.errors import ValidationFailed
 from kernel.ids import ROUTE_RE
 
-from ..models import AdmitRequest, AdmitText, admit_of_text
+from ..models import ID_MAX_CHARS, AdmitRequest, AdmitText, Principal, admit_of_text
 
 FIELDS = ("tenant", "user", "service", "api_key", "route_group", "client_ip", "request_id", "method",
           "auth_failed")
@@ -153,7 +154,65 @@ def mint_request_id(prefix: str) -> str:
 
 
 def question(fields: Mapping[str, str], *, cost: int, request_id: str) -> AdmitRequest:
-    """One question from named fields (values as the gateway sent them)."""
+    """One question from named fields (values as the gateway sent them): built directly
+    (:func:`_direct`) when it is certainly valid, else by :func:`_question` (msgspec's converts),
+    which refuses it."""
+    req = _direct(fields, cost, request_id)
+    if req is not None:
+        return req
+    return _question(fields, cost=cost, request_id=request_id)
+
+
+def _direct(fields: Mapping[str, str], cost: int, request_id: str) -> AdmitRequest | None:
+    """The question :func:`_question` makes of ``fields``, built without a body and without
+    msgspec's convert (the principal and the question constructed, their constraints checked
+    here: the lengths, the cost's range, the principal's identity text by its own check, the
+    patterns by :func:`admit_of_text`), or None for anything it might refuse or that this does
+    not check: :func:`_question` then decides, with its own reason. A first ask's question took
+    about 3,350 ns with the body and the convert, 2,100 so (a remembered call asks neither: the
+    door's memo knows it). The API key's length is checked by the principal's own check too."""
+    route = fields.get("route_group")
+    if route is None or not (type(cost) is int and 1 <= cost <= MAX_COST):
+        return None
+    user, service, failed = fields.get("user"), fields.get("service"), fields.get("auth_failed")
+    if user is not None and service is not None:
+        return None
+    ip = fields.get("client_ip")
+    key = tenant = None
+    auth_failed = False
+    ptype: Literal["user", "service", "anonymous"]
+    if failed == "true":
+        if ip is None:
+            return None
+        ptype, pid, auth_failed, client_ip = "anonymous", ip, True, ip
+    elif failed is not None and failed != "false":
+        return None
+    elif user is not None:
+        if (tenant := fields.get("tenant")) is None:
+            return None
+        ptype, pid, key, client_ip = "user", user, fields.get("api_key"), ip
+    elif service is not None:
+        if (tenant := fields.get("tenant")) is None:
+            return None
+        ptype, pid, key, client_ip = "service", service, fields.get("api_key"), ip
+    elif ip is not None and "tenant" not in fields and "api_key" not in fields:
+        ptype, pid, client_ip = "anonymous", ip, None
+    else:
+        return None
+    if not (0 < len(pid) <= ID_MAX_CHARS and (key is None or 0 < len(key) <= ID_MAX_CHARS)
+            and (client_ip is None or 2 <= len(client_ip) <= 64)):
+        return None
+    try:
+        principal = Principal(ptype, pid, key)  # (its __post_init__: identity text)
+    except ValueError:
+        return None
+    return admit_of_text(AdmitText(request_id, principal, route, fields.get("method", "GET"), tenant, cost, None,
+                                   auth_failed, client_ip))
+
+
+def _question(fields: Mapping[str, str], *, cost: int, request_id: str) -> AdmitRequest:
+    """:func:`question` by msgspec's converts: a body of the fields, converted (and refused) as
+    a JSON question is decoded."""
     route = fields.get("route_group")
     if route is None:
         raise BadQuestion("missing_route_group", "no route group")
@@ -207,24 +266,25 @@ def check_cost(cost: int) -> int:
     return cost
 
 
-@dataclass(frozen=True, slots=True)
-class Descriptor:
+class Descriptor(msgspec.Struct, frozen=True):
     """One RLS descriptor, protobuf-free: its entries, its own hits_addend (None when unset)
-    and whether it carries a limit override."""
+    and whether it carries a limit override. (A frozen struct, not a frozen dataclass: made for
+    every descriptor of a call the door does not know, and a frozen dataclass's ``__init__`` sets
+    each field through ``object.__setattr__``, about 1,000 ns against 100.)"""
 
     entries: tuple[tuple[str, str], ...]
     hits_addend: int | None = None
     has_limit_override: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class CallQuestions:
+class CallQuestions(msgspec.Struct, frozen=True):
     """The questions of one ``ShouldRateLimit`` call and how to ask them again.
 
     A call is a pure function of its bytes and the agent's :class:`Names`, except for the request
     ids minted for descriptors that name none: ``minted`` lists those questions, and :meth:`again`
     gives them fresh ids (with their ``:<index>`` suffix) while every other field, and an id the
-    gateway named, stays as it is. The questions are frozen structs: sharing them is safe."""
+    gateway named, stays as it is. The questions are frozen structs: sharing them is safe. (A
+    frozen struct itself, as :class:`Descriptor` is, for the same reason.)"""
 
     questions: tuple[AdmitRequest, ...]
     minted: tuple[int, ...]  # indices of the questions whose request id was minted here

@@ -4,6 +4,7 @@ units of current_limit, and which decision's answer the caller gets."""
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import msgspec
@@ -212,3 +213,96 @@ def test_a_question_is_the_strict_conversions_or_refused_for_its_reason(tenant, 
     with mock.patch.object(mapping, "admit_of_text", lambda t: None):
         want = _outcome(fields, request_id)
     assert got == want
+
+
+def _strict(fields: dict[str, str], cost: object, request_id: str) -> tuple:
+    """The question as msgspec's strict convert alone makes it (no direct build, no admit_of_text)."""
+    with mock.patch.object(mapping, "admit_of_text", lambda t: None):
+        try:
+            return ("asked", mapping._question(fields, cost=cost, request_id=request_id))  # type: ignore[arg-type]  # a cost that is no int is tried too
+        except BadQuestion as e:
+            return ("refused", e.reason, str(e), e.errors)
+
+
+_FIELD_VALUES = {"route_group": ["read", "re/ad", ""], "user": ["U-17", " admin", "", "x" * 256, "x" * 257, "\u00e9t\u00e9"],
+                 "service": ["svc-1", "svc\x00"], "tenant": ["atlas", "at las", ""],
+                 "api_key": ["k-1", "", "k" * 257, "k\t"], "auth_failed": ["true", "false", "yes"],
+                 "client_ip": ["203.0.113.9", "1", "", "9" * 64, "9" * 65], "method": ["GET", "get", "POST"]}
+
+
+@settings(max_examples=600, deadline=None)
+@given(fields=st.fixed_dictionaries({}, optional={k: st.sampled_from(v) for k, v in _FIELD_VALUES.items()}),
+       cost=st.sampled_from([1, 3, 1000, 0, 1001, True]),
+       request_id=st.sampled_from(["rls-0123456789abcdef0123", "r", "r id"]))
+def test_a_question_built_directly_is_the_converts(fields, cost, request_id):
+    """mapping._direct builds a question without msgspec's convert: every question it builds is the
+    one the strict convert makes, and everything else (any principal branch, an id or address of a
+    length the wire types refuse, identity text that is not, a cost outside [1, 1000] or not an
+    int, a bad pattern) is left to the converts, so refused with the same reason and message."""
+    try:
+        got: tuple = ("asked", mapping.question(fields, cost=cost, request_id=request_id))
+    except BadQuestion as e:
+        got = ("refused", e.reason, str(e), e.errors)
+    assert got == _strict(fields, cost, request_id)
+
+
+_VALID = [
+    {"route_group": "read", "user": "U-17", "tenant": "atlas"},
+    {"route_group": "read", "service": "svc-1", "tenant": "atlas", "api_key": "k-1", "client_ip": "203.0.113.9",
+     "method": "POST"},
+    {"route_group": "read", "client_ip": "203.0.113.9"},
+    {"route_group": "login", "user": "U-17", "tenant": "atlas", "auth_failed": "true", "client_ip": "203.0.113.9"},
+]
+
+
+@pytest.mark.parametrize("base", _VALID)
+def test_every_one_field_change_of_a_valid_question_is_the_converts(base):
+    """Each valid question of every principal branch with one field changed (every value above)
+    or left out, at every cost: the direct build's outcome is the strict convert's."""
+    changed = [{k: v for k, v in base.items() if k != key} for key in base]
+    changed += [{**base, key: v} for key, values in _FIELD_VALUES.items() for v in values]
+    for fields in changed:
+        for cost in (1, 1000, 0, 1001, True):
+            try:
+                got: tuple = ("asked", mapping.question(fields, cost=cost, request_id="rls-0123456789abcdef0123"))
+            except BadQuestion as e:
+                got = ("refused", e.reason, str(e), e.errors)
+            assert got == _strict(fields, cost, "rls-0123456789abcdef0123"), (fields, cost)
+
+
+@pytest.mark.parametrize("fields", _VALID)
+def test_a_valid_question_is_built_without_the_converts(fields):
+    """Every principal branch's valid question is built directly (the converts never run)."""
+    want = _strict(fields, 2, "rls-0123456789abcdef0123")[1]
+    with mock.patch.object(mapping, "_question", side_effect=AssertionError("converted")):
+        assert mapping.question(fields, cost=2, request_id="rls-0123456789abcdef0123") == want
+
+
+def test_descriptor_and_call_questions_keep_the_frozen_dataclasses_behaviour():
+    """Descriptor and CallQuestions are frozen structs (cheaper to make than the frozen dataclasses
+    they were): the same fields in the same order with the same defaults, made by position or by
+    name, equal and hashed by value, and immutable."""
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class OldDescriptor:
+        entries: tuple[tuple[str, str], ...]
+        hits_addend: int | None = None
+        has_limit_override: bool = False
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class OldCallQuestions:
+        questions: tuple
+        minted: tuple[int, ...]
+
+    for new, old in ((Descriptor, OldDescriptor), (mapping.CallQuestions, OldCallQuestions)):
+        assert new.__struct_fields__ == tuple(f.name for f in dataclasses.fields(old))
+        assert new.__struct_defaults__ == tuple(f.default for f in dataclasses.fields(old)
+                                                if f.default is not dataclasses.MISSING)
+    e = (("user", "U-17"), ("tenant", "atlas"))
+    a, b = Descriptor(e, 3, True), Descriptor(entries=e, hits_addend=3, has_limit_override=True)
+    assert a == b and hash(a) == hash(b) and a != Descriptor(e, 3) and Descriptor(e) == Descriptor(e, None, False)
+    assert dataclasses.astuple(OldDescriptor(e, 3, True)) == msgspec.structs.astuple(a)
+    call = mapping.CallQuestions((), (0,))
+    assert call == mapping.CallQuestions(questions=(), minted=(0,)) and hash(call) == hash(mapping.CallQuestions((), (0,)))
+    for obj, name in ((a, "hits_addend"), (call, "minted")):
+        with pytest.raises(AttributeError):
+            setattr(obj, name, None)
