@@ -167,16 +167,17 @@ def measure(trees: dict[str, Path], work: list[Workload], *, calls: int, users: 
                 order = list(trees) if rnd % 2 == 0 else list(reversed(trees))
                 for w in work:
                     for t in order:
-                        sha = r.script_load(scripts[t].source(w.script) if w.script in scripts[t].scripts
-                                            else _variant(scripts[t], w.script))
+                        sha = r.script_load(_source(scripts[t], w.script))
                         results[w.name][t].append(run(r, sha, w, calls, users, cpu))
         finally:
             r.close()
     return results
 
 
-def _variant(s: Scripts, name: str) -> str:
-    s.sha(name)  # registers a lean variant of several kinds when first named
+def _source(s: Scripts, name: str) -> str:
+    """The text of the script (or lean variant) ``name``: ``sha`` registers a variant of several
+    kinds the first time it is named, as the agent's first call of it does."""
+    s.sha(name)
     return s.source(name)
 
 

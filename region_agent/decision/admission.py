@@ -46,17 +46,11 @@ from ..service.tracing import decision as traced_decision
 Carrier = Iterable[tuple[Any, Any]]  # a gateway's headers (ASGI pairs) or gRPC metadata
 
 
-def pre_checks(st: Any, reqs: list[AdmitRequest]) -> list[tuple[AdmitRequest, Decision | None]]:
-    """Steps 1-4 of the module doc, per question: (the question the engine gets, or the decision
-    already made)."""
-    asked, early = pre_decided(st, reqs)
-    return list(zip(asked, early if early is not None else [None] * len(asked), strict=True))
-
-
 def pre_decided(st: Any, reqs: list[AdmitRequest]) -> tuple[list[AdmitRequest], list[Decision | None] | None]:
-    """:func:`pre_checks` as two lists: the questions the engine gets, and per question the
-    decision already made (None: the engine's to make), or None in place of that list when no
-    question has one (the common batch or group: nothing to merge afterwards)."""
+    """Steps 1-4 of the module doc for several questions, as two lists: the questions the engine
+    gets, and per question the decision already made (None: the engine's to make), or None in
+    place of that list when no question has one (the common batch or group: nothing to merge
+    afterwards)."""
     from .preauth import as_failed_auth
 
     reqs = [as_failed_auth(r) if r.auth_failed else r for r in reqs]
@@ -81,7 +75,7 @@ def pre_decided(st: Any, reqs: list[AdmitRequest]) -> tuple[list[AdmitRequest], 
 
 
 def pre_check(st: Any, req: AdmitRequest) -> tuple[AdmitRequest, Decision | None]:
-    """:func:`pre_checks` of one question, without the lists (the common single admission)."""
+    """:func:`pre_decided` of one question, without the lists (the common single admission)."""
     if req.auth_failed:
         from .preauth import as_failed_auth
         req = as_failed_auth(req)
@@ -93,7 +87,7 @@ def pre_check(st: Any, req: AdmitRequest) -> tuple[AdmitRequest, Decision | None
     if w is not None and w.is_stale(bundle):
         from ..service.policy_watch import revoked_decision
         revoked = revoked_decision(snap, req, st.metrics)
-        if revoked is not None:  # else the pre-authentication cap still applies (as in pre_checks)
+        if revoked is not None:  # else the pre-authentication cap still applies (as in pre_decided)
             return req, revoked
     if st.key_cap is not None:
         return req, st.key_cap.check(snap, req, st.metrics)
@@ -182,4 +176,4 @@ def http_conflict(d: Decision) -> DecisionConflict:
     return DecisionConflict(detail or "requestId conflict", extra={"decisionId": d.decision_id})
 
 
-__all__ = ["Admission", "http_conflict", "is_conflict", "pre_check", "pre_checks", "pre_decided"]
+__all__ = ["Admission", "http_conflict", "is_conflict", "pre_check", "pre_decided"]

@@ -17,8 +17,9 @@ an anonymous request from ``client_ip``, as ``authFailed`` on ``/v1/admit``). Wi
 marked ``everyRequest``) is spent in the same decision. The cost is the
 RLS ``hits_addend`` (per descriptor, else per request; 0/unset = 1) or the ``cost`` header.
 
-Every question is converted with the same msgspec schema as a ``/v1/admit`` body, so the
-identity patterns are those of the JSON API. Anything that is not a well-formed question
+Every question meets the same schema as a ``/v1/admit`` body, so the identity patterns are
+those of the JSON API: a valid one is built directly and checked field by field (``_direct``),
+anything else is converted strictly with msgspec, which refuses it. Anything that is not a well-formed question
 raises :class:`BadQuestion` with a stable ``reason`` (a bounded metric label).
 """
 
@@ -155,8 +156,8 @@ def mint_request_id(prefix: str) -> str:
 
 def question(fields: Mapping[str, str], *, cost: int, request_id: str) -> AdmitRequest:
     """One question from named fields (values as the gateway sent them): built directly
-    (:func:`_direct`) when it is certainly valid, else by :func:`_question` (msgspec's converts),
-    which refuses it."""
+    (:func:`_direct`) when it is certainly valid, else by :func:`_question` (msgspec's strict
+    convert), which refuses it."""
     req = _direct(fields, cost, request_id)
     if req is not None:
         return req
@@ -211,8 +212,9 @@ def _direct(fields: Mapping[str, str], cost: int, request_id: str) -> AdmitReque
 
 
 def _question(fields: Mapping[str, str], *, cost: int, request_id: str) -> AdmitRequest:
-    """:func:`question` by msgspec's converts: a body of the fields, converted (and refused) as
-    a JSON question is decoded."""
+    """:func:`question` by msgspec's strict convert: a body of the fields, converted (and refused)
+    as a JSON question is decoded. Every valid question is built by :func:`_direct` first, so this
+    runs for what it refuses (with its reason) and for whatever :func:`_direct` does not check."""
     route = fields.get("route_group")
     if route is None:
         raise BadQuestion("missing_route_group", "no route group")
@@ -244,16 +246,6 @@ def _question(fields: Mapping[str, str], *, cost: int, request_id: str) -> Admit
     else:
         raise BadQuestion("missing_principal",
                           "neither a user/service principal (with its tenant) nor, alone, the client address")
-    # converted without the identity patterns, which are checked by admit_of_text (a route group,
-    # tenant or method a pattern took before is a set lookup: a first ask was about 9,000
-    # instructions of msgspec's three pattern searches); anything either refuses is converted
-    # strictly, as before, so it is refused with the same reason
-    try:
-        req = admit_of_text(_convert(body, AdmitText))
-    except msgspec.ValidationError:
-        req = None
-    if req is not None:
-        return req
     try:
         return _convert(body, AdmitRequest)
     except msgspec.ValidationError as e:

@@ -98,17 +98,22 @@ def _gated_questions() -> list[AdmitRequest]:
 
 
 def test_the_early_gates_of_one_question_are_those_of_a_batch(tmp_path):
-    """Twins (docs/hot-path.md): ``pre_check`` (one question, no lists) and ``pre_checks`` (a
+    """Twins (docs/hot-path.md): ``pre_check`` (one question, no lists) and ``pre_decided`` (a
     batch) give every question the same early answer: a revocable rule under a stale snapshot,
-    the pre-authentication cap (a second new address of one source), or none."""
-    from region_agent.decision.admission import pre_check, pre_checks
+    the pre-authentication cap (a second new address of one source), or none; a batch none of
+    whose questions has one gets None in place of its list."""
+    from region_agent.decision.admission import pre_check, pre_decided
 
     bundle = with_revocable("tenant-atlas-minute")
     questions = _gated_questions()
     one, many = _state(bundle, tmp_path), _state(bundle, tmp_path)
     singles = [pre_check(one, q) for q in questions]
-    assert pre_checks(many, questions) == singles
+    asked, early = pre_decided(many, questions)
+    assert early is not None and list(zip(asked, early, strict=True)) == singles
     assert [d is not None and d.http_status for _, d in singles] == [503, False, 429, False]
+    ungated = [questions[3]]  # no revocable rule, not anonymous
+    alone = pre_check(_state(bundle, tmp_path), ungated[0])
+    assert alone[1] is None and pre_decided(_state(bundle, tmp_path), ungated) == ([alone[0]], None)
 
 
 async def test_a_single_admission_is_the_engines_own_coroutine_and_decides_as_a_list_of_one(tmp_path):
