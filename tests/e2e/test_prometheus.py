@@ -9,7 +9,9 @@ topology with the shipped configuration (deploy/prometheus/prometheus.yml, targe
 * healthy, under demo traffic through every door: no critical alert fires, and every panel of
   the Grafana dashboard has a query that returns series from this Prometheus;
 * Redis of region eu stopped and the allocator leader killed: LeaseholdBreakerOpen (for: 1m)
-  and LeaseholdFailClosedActivation for the eu agent, LeaseholdAllocatorFailover;
+  and LeaseholdFailClosedActivation for the eu agent, LeaseholdAllocatorFailover; and
+  LeaseholdFallbackShareHigh pending (its floor of 30 fallback decisions in 5 minutes is passed
+  by a store outage at demo traffic; its ``for:`` of 5 minutes is the promtool cases');
 * every allocator stopped: LeaseholdAllocatorsAbsent (for: 30s).
 
 Alerts whose ``for:`` or range is several minutes (fallback share, latency, overshoot, deny ratio
@@ -113,6 +115,17 @@ def _critical_firing(prom: Prom) -> list[dict]:
     return [a for a in prom.alerts() if a["labels"].get("severity") == "critical" and a["state"] == "firing"]
 
 
+def _wait_active(prom: Prom, name: str, timeout: float) -> list[dict]:
+    """``name`` pending or firing within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = [a for a in prom.alerts() if a["labels"]["alertname"] == name]
+        if got:
+            return got
+        time.sleep(1)
+    raise AssertionError(f"{name} did not go pending within {timeout:.0f} s; alerts: {prom.alerts()}")
+
+
 def _wait_firing(prom: Prom, name: str, timeout: float, **labels: str) -> list[dict]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -158,6 +171,7 @@ def test_alerts_and_panels_on_a_real_prometheus(topology, prometheus):
         eu = topology.agent_urls["eu"][0].split("://", 1)[1]
         _wait_firing(prom, "LeaseholdAllocatorFailover", 60)
         _wait_firing(prom, "LeaseholdFailClosedActivation", 60, instance=eu)
+        _wait_active(prom, "LeaseholdFallbackShareHigh", 60)
 
         # every allocator stopped while eu's breaker is still in its ``for: 1m`` (the two waits
         # overlap: the breaker answers to Redis alone, the absence alert to the allocators' scrapes)

@@ -40,3 +40,31 @@ async def test_breaker_opens_on_a_dead_store_and_closes_when_it_returns(tmp_path
             assert breaker_state((await agent.get("/metrics")).text) == 0  # closed again
     finally:
         redis.stop()
+
+
+async def test_a_store_outage_at_low_traffic_opens_the_breaker_and_keeps_it_reported_open(tmp_path, policy_file):
+    """LeaseholdFallbackShareHigh leaves fewer than 30 fallback decisions in 5 minutes to
+    LeaseholdBreakerOpen (docs/runbooks.md): the breaker counts failed decisions in a row however
+    far apart they are, and between two of them — each, once the cool-down has passed, a half-open
+    probe that fails — the gauge a scrape reads stays at open (2), so its ``max_over_time`` keeps
+    the alert's ``for:``. Decisions here come three cool-downs apart."""
+    redis = RedisServer(tmp_path / "redis").start()
+    settings = make_settings(redis.url, policy_file, breaker_failures=3, breaker_open_ms=100,
+                             decision_budget_ms=500, store_health_ms=0)
+    app = create_app(settings, pepper=PEPPER)
+    try:
+        async with AsyncTestClient(app=app) as agent:
+            assert not (await agent.post("/v1/admit", json=admit_body("sparse-ok"))).json()["fallback"]
+            redis.stop()
+            states = []
+            for i in range(6):
+                await asyncio.sleep(0.3)
+                d = (await agent.post("/v1/admit", json=admit_body(f"sparse-down-{i:04d}"))).json()
+                assert d["fallback"], d
+                for _ in range(3):  # scrapes between this decision and the next, past the cool-down
+                    states.append(breaker_state((await agent.get("/metrics")).text))
+                    await asyncio.sleep(0.1)
+            assert states[:6] == [0] * 6, states  # two failures: still closed
+            assert states[6:] == [2] * 12, states  # the third opened it; every later probe failed
+    finally:
+        redis.stop()

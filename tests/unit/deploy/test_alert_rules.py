@@ -161,7 +161,7 @@ def test_promtool_unit_tests_can_fail(tmp_path):
     # the split run of test_promtool_unit_tests_pass notices a failing group in either process
     doc = promtool_tests(cases)
     healthy["alert_rule_test"][0]["eval_time"] = "5m"
-    (breaker,) = [g for g in doc["tests"] if g["name"] == "LeaseholdBreakerOpen fires"]
+    breaker = next(g for g in doc["tests"] if g["name"] == "LeaseholdBreakerOpen fires")
     passing = next(g for g in doc["tests"] if g["name"].endswith(" fires") and g is not breaker)
     doc["tests"] = [healthy, passing, breaker]  # halves: healthy + passing, breaker
     runs = run_promtool_tests_split(doc, tmp_path)

@@ -22,6 +22,22 @@ def test_opens_after_consecutive_failures_and_refuses_until_cool_down():
     assert not b.allow(3.1)  # only two probes while half-open
 
 
+def test_failures_a_minute_apart_open_it_and_it_stays_open_until_the_next_call():
+    """A store outage at one decision a minute (docs/runbooks.md, LeaseholdFallbackShareHigh's
+    floor): the failures count however far apart they are, and the state stays open between
+    calls; the next call is a probe, whose failure opens it again."""
+    b = CircuitBreaker(failure_threshold=5, open_s=1.0)
+    for t in range(0, 300, 60):
+        assert b.allow(t)
+        b.failure(t)
+    assert b.state == OPEN
+    for _ in range(3):
+        t += 60
+        assert b.state == OPEN  # what the gauge reads between two calls
+        assert b.allow(t) and b.state == HALF_OPEN
+        b.failure(t)
+
+
 def test_half_open_probe_success_closes_and_failure_reopens():
     b = CircuitBreaker(failure_threshold=1, open_s=1.0)
     b.failure(0.0)
