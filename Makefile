@@ -4,6 +4,12 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# the interpreter the venv is made from: the distribution's python3 (Debian builds it with
+# profile-guided and link-time optimisation, as the image's python:3.11 is built), not whichever
+# python3 comes first on PATH: a pyenv or hand-built CPython without --enable-optimizations runs
+# the services' own Python 30-40 % slower. PYTHON=... picks another one. Why:
+# docs/decisions/0088-the-venv-is-made-from-the-distributions-optimised-python.md
+PYTHON ?= $(firstword $(wildcard /usr/bin/python3) python3)
 PIP := $(VENV)/bin/pip
 CONSTRAINTS := constraints.txt
 # what `make run` needs: the services' own servers, the venv, openssl (TLS helpers of leasehold up),
@@ -35,7 +41,7 @@ help:
 # apt-get as root, else through sudo; otherwise say exactly what to install and stop
 define apt_install
 @missing=""; for b in $(1); do command -v $$b >/dev/null 2>&1 || missing="$$missing $$b"; done; \
-python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing="$$missing python3-venv"; \
+$(PYTHON) -c 'import ensurepip, venv' >/dev/null 2>&1 || missing="$$missing python3-venv"; \
 if [ -n "$$missing" ]; then \
   echo "installing system packages (missing:$$missing)"; \
   if [ "$$(id -u)" = 0 ]; then SUDO=""; \
@@ -57,7 +63,7 @@ system-deps:
 # the checkout's root on the venv's path: chaos/, devtools/ and bench are not in the
 # wheel (nor in its editable mapping) but run from here
 define venv_base
-@test -x $(PY) || python3 -m venv $(VENV)
+@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 @echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/leasehold-checkout.pth"
 endef
 

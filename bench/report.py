@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
+import timeit
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,24 @@ def environment() -> dict[str, Any]:
         except md.PackageNotFoundError:
             versions[pkg] = None
     return {"python": platform.python_version(), "cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg(),
-            "platform": platform.platform(), "versions": versions}
+            "platform": platform.platform(), "versions": versions, **interpreter()}
+
+
+def _reference_loop() -> int:
+    d = {}
+    for i in range(20_000):
+        d[str(i)] = (i * 3) % 7
+    return sum(v for v in d.values() if v > 2)
+
+
+def interpreter() -> dict[str, Any]:
+    """Which CPython ran the run and how fast it runs plain Python: the best of 5 timings of a
+    fixed loop (dict stores, str(), a generator). The same machine's Debian CPython (built with
+    profile-guided and link-time optimisation) and a CPython built without them differ by 30-40 %
+    here, so every absolute number of a run depends on it (the ratios much less: both sides of most
+    ratios run on it); the venv's interpreter is the Makefile's PYTHON."""
+    best = min(timeit.repeat(_reference_loop, number=1, repeat=5))
+    return {"python_executable": os.path.realpath(sys.executable), "python_reference_loop_ms": round(1e3 * best, 2)}
 
 
 def write_json(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
@@ -32,7 +51,9 @@ def write_json(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
 def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any], notes: list[str]) -> None:
     lines = [f"# Leasehold benchmark ({'quick' if meta.get('quick') else 'full'} run, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(meta['started']))})", "",
-             f"{meta['env']['cpus']} CPUs, Python {meta['env']['python']}, load average at the end "
+             f"{meta['env']['cpus']} CPUs, Python {meta['env']['python']} "
+             f"({meta['env'].get('python_executable', '?')}; a reference loop "
+             f"{meta['env'].get('python_reference_loop_ms', '?')} ms), load average at the end "
              f"{', '.join(f'{x:.2f}' for x in meta['env']['loadavg_at_end'])}; {meta['trials']} trial(s) per "
              f"figure, median reported; ratio = value / ceiling measured in the same run; "
              f"took {meta['elapsed_s']:.0f} s.", "", render_markdown(rows), ""]
