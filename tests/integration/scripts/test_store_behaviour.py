@@ -15,12 +15,14 @@ from kernel.errors import AmbiguousOutcome, ScriptRejected, StoreUnavailable
 from leasehold.local.procs import free_port
 from region_agent.decision.call import Call, MultiRuleResult, multi_rule_argv, parse_multi_rule
 from region_agent.store.scripts import KeysNotColocated, PoolClosed, Scripts
+from tests.wallclock import clear_of_window_edges
 
 from .support import now_ms
 
 pytestmark = pytest.mark.integration
 
 T = "{t:store}"
+HOUR_MS = 3_600_000
 TB = dict(capacity=20_000, refill=2_000, period_ms=1_000, cost=1_000, slack_ms=0)
 
 
@@ -54,8 +56,11 @@ async def test_a_variant_first_named_after_the_start_is_loaded_by_the_noscript_r
         await s.load_all(c)
         assert "multi_rule[fw,tb]" not in s.scripts
         t = "{t:" + uuid.uuid4().hex[:8] + "}"
-        keys, argv = multi_rule_argv(f"rl:{t}:d", [Call(f"rl:{t}:u", "tb", (20_000, 1, 3_600_000, 1_000, 0)),
-                                                  Call(f"rl:{t}:w", "fw", (10, 1_000, 1, 0, 0))],
+        # the fixed window is an hour and both calls fall in one (clear of its edges): the second's
+        # remaining is the first's less one, however long the calls take
+        await clear_of_window_edges(HOUR_MS, before_ms=10_000)
+        keys, argv = multi_rule_argv(f"rl:{t}:d", [Call(f"rl:{t}:u", "tb", (20_000, 1, HOUR_MS, 1_000, 0)),
+                                                  Call(f"rl:{t}:w", "fw", (10, HOUR_MS, 1, 0, 0))],
                                      slack_ms=0, decision_ttl_ms=0, member="m")
         for expected_remaining in ([19_000, 9], [18_000, 8]):
             (reply,) = await s.run_pipeline(c, [("multi_rule[fw,tb]", keys, argv)])
