@@ -95,8 +95,11 @@ async def test_a_key_set_below_the_threshold_asks_the_store_every_time(redis_url
 
 async def test_past_the_threshold_a_chunk_is_taken_and_admits_need_no_store_call(redis_url, redis, tmp_path):
     await clear_of_window_edges(FW["window_ms"], before_ms=5_000)  # every unit counted in one window
+    # the attempt rate is counted over the engine's clock: the test's, so a stall does not spread the
+    # five attempts over more than the second they are counted in
     agent = Agent(redis_url, bundle_with({**FW, "limit": 1_000},
-                                         HotChunk(threshold_per_s=5, chunk_max=10, validity_ms=60_000)), tmp_path)
+                                         HotChunk(threshold_per_s=5, chunk_max=10, validity_ms=60_000)), tmp_path,
+                  clock=FakeClock(time.monotonic()))
     await redis.config_resetstat()
     sources = [(await agent.admit()).source for _ in range(5)]
     assert sources == [DecisionSource.SCRIPT] * 4 + [DecisionSource.SCRIPT]  # the 5th crosses: its own take
