@@ -27,6 +27,7 @@ from chaos.nemesis import (
 )
 from chaos.proxy import FaultProxy
 from leasehold.local.procs import LOOPBACK, RedisServer
+from tests.support.waiting import await_until
 
 pytestmark = pytest.mark.integration
 
@@ -50,10 +51,12 @@ async def test_scheduled_partition_and_latency_are_applied_healed_and_recorded(o
         with HistoryWriter(hist) as w:
             part = Partition(proxy, "both", target="agent-eu->redis-eu", recorder=w)
             lat = Latency(proxy, 40, 5, "down", target="agent-eu->redis-eu", recorder=w)
-            sched = Schedule(1.5, [Step(0.0, part, 0.6), Step(0.8, lat, 0.4)])
+            # the partition lasts long enough that a stall of the test does not outlast it before the
+            # ping below (the schedule runs on the loop's clock, as the test does)
+            sched = Schedule(3.5, [Step(0.0, part, 2.5), Step(2.7, lat, 0.4)])
             task = asyncio.create_task(sched.run())
-            await asyncio.sleep(0.2)
-            assert part.active and proxy.state()["faults"]["up"]["blackhole"]
+            assert await await_until(lambda: part.active, within_s=2.0), "the partition never started"
+            assert proxy.state()["faults"]["up"]["blackhole"]
             with pytest.raises(RedisTimeoutError):
                 await client(proxy.port, 0.2).ping()
             records = await task
@@ -70,8 +73,7 @@ async def test_schedule_cancelled_midway_still_heals(own_redis: RedisServer):
     async with FaultProxy((LOOPBACK, own_redis.port)) as proxy:
         part = Partition(proxy, "up")
         task = asyncio.create_task(Schedule(30, [Step(0, part, 30)]).run())
-        await asyncio.sleep(0.2)
-        assert part.active
+        assert await await_until(lambda: part.active), "the partition never started"
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,8 @@ from region_agent.decision.plan import Snapshot
 from region_agent.models import AdmitRequest, DecisionSource, Principal
 from region_agent.service.metrics import AgentMetrics
 from region_agent.store.factory import make_store
+from tests.support.clock import FakeClock
+from tests.wallclock import clear_of_window_edges
 
 from .conftest import PEPPER, make_settings
 
@@ -43,7 +45,7 @@ FW = {"algorithm": "fixed_window", "limit": 25, "window_ms": 60_000}
 class Agent:
     """One agent process's decision engine over the real store."""
 
-    def __init__(self, redis_url: str, bundle: Bundle, tmp: Path):
+    def __init__(self, redis_url: str, bundle: Bundle, tmp: Path, clock: Callable[[], float] = time.monotonic):
         policy = tmp / f"bundle-{next(_ids)}.json"
         policy.write_bytes(encode_bundle(bundle))
         self.m = AgentMetrics()
@@ -51,7 +53,7 @@ class Agent:
         self.store.start()
         snap = Snapshot(bundle)
         self.engine = DecisionEngine(get_snapshot=lambda: snap, keys=KeyBuilder(PEPPER), store=self.store,
-                                     metrics=self.m, budget_ms=2_000)
+                                     metrics=self.m, budget_ms=2_000, clock=clock)
 
     async def admit(self, cost: int = 1, user: str = "U-1"):
         return await self.engine.admit(AdmitRequest(
@@ -92,8 +94,12 @@ async def test_a_key_set_below_the_threshold_asks_the_store_every_time(redis_url
 
 
 async def test_past_the_threshold_a_chunk_is_taken_and_admits_need_no_store_call(redis_url, redis, tmp_path):
+    await clear_of_window_edges(FW["window_ms"], before_ms=5_000)  # every unit counted in one window
+    # the attempt rate is counted over the engine's clock: the test's, so a stall does not spread the
+    # five attempts over more than the second they are counted in
     agent = Agent(redis_url, bundle_with({**FW, "limit": 1_000},
-                                         HotChunk(threshold_per_s=5, chunk_max=10, validity_ms=60_000)), tmp_path)
+                                         HotChunk(threshold_per_s=5, chunk_max=10, validity_ms=60_000)), tmp_path,
+                  clock=FakeClock(time.monotonic()))
     await redis.config_resetstat()
     sources = [(await agent.admit()).source for _ in range(5)]
     assert sources == [DecisionSource.SCRIPT] * 4 + [DecisionSource.SCRIPT]  # the 5th crosses: its own take
@@ -113,6 +119,7 @@ async def test_past_the_threshold_a_chunk_is_taken_and_admits_need_no_store_call
 
 
 async def test_the_tail_of_a_window_is_a_partial_chunk_then_the_store_denies(redis_url, redis, tmp_path):
+    await clear_of_window_edges(FW["window_ms"], before_ms=5_000)  # the 25 units of one window
     agent = Agent(redis_url, bundle_with(FW, HotChunk(threshold_per_s=1, chunk_max=10, validity_ms=60_000)),
                   tmp_path)
     answers = [await agent.admit() for _ in range(40)]
@@ -126,17 +133,26 @@ async def test_the_tail_of_a_window_is_a_partial_chunk_then_the_store_denies(red
 
 
 async def test_a_chunk_past_its_validity_is_abandoned_and_counted(redis_url, redis, tmp_path):
+    """The engine runs on a clock the test moves (the chunk's validity and the attempt rate are
+    timed on it): no stall of the machine ends the validity before the test moves past it, nor
+    leaves it running after. The store's window is Redis's own (a minute): kept clear of its edges."""
+    await clear_of_window_edges(FW["window_ms"], before_ms=5_000)
+    clock = FakeClock(time.monotonic())
     agent = Agent(redis_url, bundle_with({**FW, "limit": 1_000},
-                                         HotChunk(threshold_per_s=1, chunk_max=10, validity_ms=150)), tmp_path)
+                                         HotChunk(threshold_per_s=1, chunk_max=10, validity_ms=150)), tmp_path,
+                  clock=clock)
     for _ in range(3):
         await agent.admit()
+    await agent.engine.hot.settled()  # a background take the admissions started has landed
     took = agent.takes["taken"] + agent.takes["partial"]
     assert took >= 1
-    await asyncio.sleep(0.3)  # the chunk's validity ends with units in it
+    held = sum(c.usable(clock() * 1000) for c in agent.engine.hot.chunks.values())
+    assert held >= 1 and agent.count("leasehold_agent_hot_chunk_abandoned_units_total") == 0
+    clock.advance(0.3)  # the chunk's validity (150 ms) ends with units in it
     d = await agent.admit()
     assert d.allowed and d.source == DecisionSource.SCRIPT  # a fresh take answered it
     abandoned = agent.count("leasehold_agent_hot_chunk_abandoned_units_total")
-    assert abandoned >= 1
+    assert abandoned == held  # every unit it held, counted once
     key = [k async for k in redis.scan_iter("*hot*")][0]
     # the store charged everything taken, the abandoned units included: never refunded
     assert int(await redis.hget(key, "n")) >= 4 + abandoned

@@ -25,12 +25,17 @@ from region_agent.store.client import make_client, make_sentinel_client, parse_s
 from region_agent.store.node import RedisNode
 from region_agent.store.scripts import Scripts
 from tests.support.command_cut import CommandCut, resp_command
+from tests.support.waiting import await_until
 
 from .conftest import PEPPER, admit_body, bucket_tokens, make_settings, set_bucket, tenant_key, user_key
 
 pytestmark = pytest.mark.integration
 
 T = "{t:closed}"
+#: How long a submit may wait (``wait_s``): what these tests check is the reply, the count in the
+#: store and the breaker, never how fast a reply came; long enough that a stalled test process
+#: does not turn a right reply into a timed-out one (a wrong one fails at once either way).
+WAIT_S = 30.0
 
 
 @pytest.fixture
@@ -59,14 +64,6 @@ def opened(node: RedisNode) -> list[Any]:
     return [c for c in [*held, *pool._available_connections] if c.is_connected]
 
 
-async def until(cond: Any, timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not cond():
-        assert loop.time() < end, "the condition never held"
-        await asyncio.sleep(0.005)
-
-
 def call(key: str) -> list:
     return [("fixed_window", [f"rl:{T}:{key}"], [1_000, 60_000, 1, 0])]
 
@@ -88,7 +85,7 @@ async def warm(node: RedisNode) -> int:
     """Several connections open (the agent warms its pool at start), pipelines run; how many."""
     await node.warm(3)
     for _ in range(3):
-        replies = await asyncio.gather(*(node.submit(call(f"warm{i}"), wait_s=2.0) for i in range(6)))
+        replies = await asyncio.gather(*(node.submit(call(f"warm{i}"), wait_s=WAIT_S) for i in range(6)))
         assert all(r[0][0] == 1 for r in replies)
     return len(opened(node))
 
@@ -102,9 +99,9 @@ async def test_the_pipeline_after_the_server_closed_idle_connections_is_decided_
     assert conns >= 2
     dead = opened(node)
     close_clients(server, how)
-    await until(lambda: all(ri.closed_by_server(c) for c in dead))
+    assert await await_until(lambda: all(ri.closed_by_server(c) for c in dead)), "the closes were never read"
     for i in range(conns + 1):  # one pipeline per connection the server closed, and one more
-        (reply,) = await node.submit(call(f"after{i}"), wait_s=2.0)
+        (reply,) = await node.submit(call(f"after{i}"), wait_s=WAIT_S)
         assert not isinstance(reply, BaseException), reply
         assert reply[:2] == [1, 999]  # allowed, and ran once
         assert node.breaker.failures == 0 and node.breaker.state == CLOSED
@@ -125,7 +122,7 @@ async def test_a_close_the_event_loop_has_not_read_is_seen_only_after_the_write(
     with redis.Redis(port=server.port) as admin:
         assert admin.hget(f"rl:{T}:unseen", "n") is None  # the server had closed it: the script never ran
     assert opened(node) == []  # the lost connection dropped the held and idle ones with it
-    (reply,) = await node.submit(call("next"), wait_s=2.0)
+    (reply,) = await node.submit(call("next"), wait_s=WAIT_S)
     assert reply[:2] == [1, 999]
 
 
@@ -141,8 +138,8 @@ async def test_a_sentinel_managed_nodes_connections_closed_by_the_primary_are_re
         await warm(n)
         dead = opened(n)
         close_clients(sentinels.servers[0], "client-kill")
-        await until(lambda: all(ri.closed_by_server(c) for c in dead))
-        (reply,) = await n.submit(call("sentinel"), wait_s=2.0)
+        assert await await_until(lambda: all(ri.closed_by_server(c) for c in dead)), "the closes were never read"
+        (reply,) = await n.submit(call("sentinel"), wait_s=WAIT_S)
         assert reply[:2] == [1, 999] and n.breaker.failures == 0
     finally:
         if n is not None:
@@ -222,7 +219,7 @@ async def test_a_call_whose_reload_lost_its_connection_did_not_run(server, cut, 
         assert type(failed) is NothingRan, failed
         with redis.Redis(port=server.port) as admin:
             assert admin.hget(f"rl:{T}:noscript", "n") is None  # it did not run
-        (reply,) = await node.submit(call("noscript"), wait_s=2.0)
+        (reply,) = await node.submit(call("noscript"), wait_s=WAIT_S)
         assert reply[:2] == [1, 999]  # ran once, now
     finally:
         await node.close()
@@ -243,7 +240,7 @@ async def test_a_pipeline_whose_new_connection_failed_its_handshake_did_not_run(
         assert type(failed) is NothingRan, failed
         with redis.Redis(port=server.port) as admin:
             assert admin.hget(f"rl:{T}:handshake", "n") is None
-        (reply,) = await node.submit(call("handshake"), wait_s=2.0)
+        (reply,) = await node.submit(call("handshake"), wait_s=WAIT_S)
         assert reply[:2] == [1, 999]
     finally:
         await node.close()

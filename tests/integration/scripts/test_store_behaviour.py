@@ -10,17 +10,21 @@ import pytest
 import redis.asyncio as aredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kernel.errors import AmbiguousOutcome, ScriptRejected, StoreUnavailable
 from leasehold.local.procs import free_port
 from region_agent.decision.call import Call, MultiRuleResult, multi_rule_argv, parse_multi_rule
 from region_agent.store.scripts import KeysNotColocated, PoolClosed, Scripts
+from tests.support.waiting import await_until
+from tests.wallclock import clear_of_window_edges
 
 from .support import now_ms
 
 pytestmark = pytest.mark.integration
 
 T = "{t:store}"
+HOUR_MS = 3_600_000
 TB = dict(capacity=20_000, refill=2_000, period_ms=1_000, cost=1_000, slack_ms=0)
 
 
@@ -54,8 +58,11 @@ async def test_a_variant_first_named_after_the_start_is_loaded_by_the_noscript_r
         await s.load_all(c)
         assert "multi_rule[fw,tb]" not in s.scripts
         t = "{t:" + uuid.uuid4().hex[:8] + "}"
-        keys, argv = multi_rule_argv(f"rl:{t}:d", [Call(f"rl:{t}:u", "tb", (20_000, 1, 3_600_000, 1_000, 0)),
-                                                  Call(f"rl:{t}:w", "fw", (10, 1_000, 1, 0, 0))],
+        # the fixed window is an hour and both calls fall in one (clear of its edges): the second's
+        # remaining is the first's less one, however long the calls take
+        await clear_of_window_edges(HOUR_MS, before_ms=10_000)
+        keys, argv = multi_rule_argv(f"rl:{t}:d", [Call(f"rl:{t}:u", "tb", (20_000, 1, HOUR_MS, 1_000, 0)),
+                                                  Call(f"rl:{t}:w", "fw", (10, HOUR_MS, 1, 0, 0))],
                                      slack_ms=0, decision_ttl_ms=0, member="m")
         for expected_remaining in ([19_000, 9], [18_000, 8]):
             (reply,) = await s.run_pipeline(c, [("multi_rule[fw,tb]", keys, argv)])
@@ -268,22 +275,34 @@ async def test_concurrent_clients_admit_exactly_the_limit(request, scripts, topo
 
 
 async def test_timeout_after_send_is_ambiguous(redis_url, scripts):
-    """The server is busy (another client's 1 s script), our EVALSHA is sent and times out:
+    """The server is busy (another client's 3 s script), our EVALSHA is sent and times out:
     AmbiguousOutcome. Whether it ran depends on whether the server read it before the client
-    dropped the connection: the state is either untouched or debited exactly once."""
+    dropped the connection: the state is either untouched or debited exactly once. The call is
+    sent once the server has stopped answering (the script runs), not after a fixed sleep."""
     blocker = aredis.Redis.from_url(redis_url)
     c = aredis.Redis.from_url(redis_url, socket_timeout=0.05, retry=Retry(NoBackoff(), 0))
     key = f"rl:{T}:ambiguous"
+
+    async def busy() -> bool:
+        probe = aredis.Redis.from_url(redis_url, socket_timeout=0.05, retry=Retry(NoBackoff(), 0))
+        try:
+            await probe.ping()
+            return False
+        except RedisTimeoutError:
+            return True
+        finally:
+            await probe.aclose()
+
     try:
         await scripts.load_all(blocker)
         await c.ping()
-        busy = asyncio.create_task(blocker.eval(
+        busy_script = asyncio.create_task(blocker.eval(
             "local t = redis.call('TIME'); local s = t[1] * 1000000 + t[2]; local n = s "
-            "while n - s < 1000000 do t = redis.call('TIME'); n = t[1] * 1000000 + t[2] end return 1", 0))
-        await asyncio.sleep(0.2)
+            "while n - s < 3000000 do t = redis.call('TIME'); n = t[1] * 1000000 + t[2] end return 1", 0))
+        assert await await_until(busy, within_s=2.5, interval=0.01), "the server never ran the busy script"
         with pytest.raises(AmbiguousOutcome):
             await scripts.token_bucket(c, key, **TB)
-        assert await busy == 1
+        assert await busy_script == 1
         assert await blocker.hget(key, "tokens") in (None, b"19000")
     finally:
         await c.aclose()
@@ -367,15 +386,6 @@ async def test_a_direct_write_declines_what_redis_py_must_handle(redis_url, monk
         await client.aclose()
 
 
-async def _until(cond, timeout_s: float = 2.0) -> None:
-    """Let the event loop run until ``cond()`` holds (bytes or an end of file arrive by the loop)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not cond():
-        assert loop.time() < end, "the condition never held"
-        await asyncio.sleep(0.005)
-
-
 async def test_a_held_connection_is_sendable_exactly_when_the_pools_checkout_finds_it_clean(redis_url):
     """sendable() decides whether a connection held since its last pipeline is written on
     without the pool's checkout: true exactly when redis-py's checkout (ensure_connection: connect,
@@ -390,7 +400,7 @@ async def test_a_held_connection_is_sendable_exactly_when_the_pools_checkout_fin
     try:
         assert ri.sendable(conn) and not await conn.can_read()
         await conn.send_command("PING")  # a reply nobody read yet
-        await _until(lambda: not ri.sendable(conn))
+        assert await await_until(lambda: not ri.sendable(conn), interval=0.005), "the reply never arrived"
         assert await conn.can_read()
         assert await conn.read_response() == b"PONG"
         assert ri.sendable(conn) and not await conn.can_read()
@@ -402,7 +412,7 @@ async def test_a_held_connection_is_sendable_exactly_when_the_pools_checkout_fin
         cid = await conn.read_response()
         assert not ri.closed_by_server(conn)
         await killer.execute_command("CLIENT", "KILL", "ID", cid)  # the server closes it
-        await _until(lambda: not ri.sendable(conn))
+        assert await await_until(lambda: not ri.sendable(conn), interval=0.005), "the close was never read"
         assert await conn.can_read() and ri.closed_by_server(conn)
         await conn.disconnect()
         assert not ri.sendable(conn)
@@ -449,7 +459,7 @@ async def test_a_nodes_pipelines_keep_their_connection_instead_of_a_checkout_eac
 
         # closed by the server while held: not written on; back to the pool, whose checkout reconnects it
         await killer.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
-        await _until(lambda: not ri.sendable(conn))
+        assert await await_until(lambda: not ri.sendable(conn), interval=0.005), "the close was never read"
         assert ri.closed_by_server(conn)
         seen = []
         real_release = pool.release

@@ -32,6 +32,11 @@ RULE = next(r for r in GLOBAL.rules if r.scope == "global")  # global-catalog, l
 POOL = next(p for p in GLOBAL.pools if p.id == RULE.pool)  # global-read: chunkMax 2000, fallback 4000
 GKEY = KeyBuilder.global_pool_key(POOL.id)
 WINDOWS = Windows(lo=5, hi=5, end_in_ms=400, safe_ms=300)
+#: A request's budget (``take``'s deadline is ``c.t + BUDGET_S``). The fake clock moves only when a
+#: test moves it, but the waits it bounds are real (``asyncio.wait_for`` on the loop's clock): so it
+#: is long enough that no stall of a busy machine ends one. No test here waits it out; a budget
+#: already spent is the clock's own reading (``f.take(spend(), c.t, c)``).
+BUDGET_S = 30.0
 
 
 class Leases:
@@ -84,7 +89,7 @@ async def test_a_chunk_is_bought_once_then_spent_locally():
     store = Store(TAKEN_ALL)
     leases = Leases()
     f, c, m = fleet(store, leases)
-    first = await f.take(spend(), c.t + 0.05, c)
+    first = await f.take(spend(), c.t + BUDGET_S, c)
     assert first.status is TakeStatus.OK and not first.fallback
     [[(script, keys, argv)]] = store.sent
     # at least 1, as many as this agent's demand calls for (one request so far: 1), up to chunkMax,
@@ -92,7 +97,7 @@ async def test_a_chunk_is_bought_once_then_spent_locally():
     # waiting for it; a debit never shortens the balance hash's expiry (slack)
     assert (script, keys, argv) == ("pool_take", [GKEY], [1, 1, BALANCE_SLACK_MS, 4, 1])
     for _ in range(5):
-        assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
+        assert (await f.take(spend(), c.t + BUDGET_S, c)).status is TakeStatus.OK
     assert len(store.sent) == 1 and f.remaining(POOL.id) == 2000 - 6
     assert leases.noted == [1] * 6  # demand is what requests ask for, not what chunks buy
     assert sample(m, "leasehold_agent_pool_renewals_total", pool=POOL.id, outcome="granted") == 1
@@ -106,7 +111,7 @@ async def test_chunks_are_sized_by_what_this_agent_is_asked():
     store = Store(*([[[1, 5000, 250, 0]]] * 40))
     f, c, _ = fleet(store, Leases())
     for _ in range(40):  # 40 requests over 200 ms, each renewing the 1-token chunk the last one bought
-        assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
+        assert (await f.take(spend(), c.t + BUDGET_S, c)).status is TakeStatus.OK
         c.t += 0.005
     wants = [argv[1] for [(_s, _k, argv)] in store.sent]
     # the last renewal: what the last quarter validity (62.5 ms, ~12 requests) asked, or a quarter of
@@ -115,7 +120,7 @@ async def test_chunks_are_sized_by_what_this_agent_is_asked():
     assert store.sent[-1][0][2][3] == -(-wants[-1] * 1000 // 250)  # per second of the 250 ms validity
     c.t += 0.3  # more than one validity of silence: the demand is forgotten
     store.answers.append([[1, 5000, 250, 0]])
-    await f.take(spend(), c.t + 0.05, c)
+    await f.take(spend(), c.t + BUDGET_S, c)
     assert store.sent[-1][0][2][1] in (1, 2)
 
 
@@ -123,7 +128,7 @@ async def test_waiting_requests_get_a_chunk_for_all_of_them():
     store = Store([[12, 5000, 250, 0]])
     store.gate = asyncio.Event()
     f, c, _ = fleet(store, Leases())
-    tasks = [asyncio.ensure_future(f.take(spend(), c.t + 0.05, c)) for _ in range(12)]
+    tasks = [asyncio.ensure_future(f.take(spend(), c.t + BUDGET_S, c)) for _ in range(12)]
     await asyncio.sleep(0)
     await asyncio.sleep(0)
     store.gate.set()
@@ -136,11 +141,11 @@ async def test_waiting_requests_get_a_chunk_for_all_of_them():
 async def test_a_give_back_lands_only_in_the_chunk_it_came_from():
     store = Store(TAKEN_ALL, TAKEN_ALL)
     f, c, _ = fleet(store, Leases())
-    took = await f.take(spend(), c.t + 0.05, c)
+    took = await f.take(spend(), c.t + BUDGET_S, c)
     f.give_back(spend(), took.generation)
     assert f.remaining(POOL.id) == 2000
     c.t += 0.25  # the chunk's validity (chunkValidityMs) is over: the next request buys a new one
-    again = await f.take(spend(), c.t + 0.05, c)
+    again = await f.take(spend(), c.t + BUDGET_S, c)
     assert again.generation == took.generation + 1
     f.give_back(spend(), took.generation)  # late: the old chunk is gone
     assert f.remaining(POOL.id) == 1999
@@ -156,12 +161,12 @@ async def test_a_reservation_given_back_after_the_next_renewal_is_not_lost():
     regional balance (its lease reports it spent), so lost there it is lost to the whole window."""
     store = Store([[1, 5000, 250, 0]], [[2, 5000, 250, 0]])
     f, c, m = fleet(store, Leases())
-    out = await f.take(spend(), c.t + 0.05, c)  # the chunk's only token, out on a reservation
+    out = await f.take(spend(), c.t + BUDGET_S, c)  # the chunk's only token, out on a reservation
     assert out.status is TakeStatus.OK and f.remaining(POOL.id) == 0
-    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK  # renews: 2 bought, 1 left
+    assert (await f.take(spend(), c.t + BUDGET_S, c)).status is TakeStatus.OK  # renews: 2 bought, 1 left
     f.give_back(spend(), out.generation)  # the first request was denied by its tenant rule
     assert f.remaining(POOL.id) == 2 and len(store.sent) == 2
-    assert [(await f.take(spend(), c.t + 0.05, c)).status for _ in range(2)] == [TakeStatus.OK] * 2
+    assert [(await f.take(spend(), c.t + BUDGET_S, c)).status for _ in range(2)] == [TakeStatus.OK] * 2
     assert len(store.sent) == 2  # both paid by the chunk: the given-back token was not lost
     assert sample(m, "leasehold_agent_chunk_abandoned_tokens_total", pool=POOL.id) == 0
 
@@ -170,7 +175,7 @@ async def test_concurrent_requests_share_one_renewal():
     store = Store(TAKEN_ALL)
     store.gate = asyncio.Event()
     f, c, m = fleet(store, Leases())
-    tasks = [asyncio.ensure_future(f.take(spend(), c.t + 0.05, c)) for _ in range(3)]
+    tasks = [asyncio.ensure_future(f.take(spend(), c.t + BUDGET_S, c)) for _ in range(3)]
     await asyncio.sleep(0)
     store.gate.set()
     takes = await asyncio.gather(*tasks)
@@ -184,13 +189,13 @@ async def test_a_partial_chunk_is_all_the_balance_had():
     f, c, m = fleet(store, Leases())
     f.chunks[POOL.id] = Chunk()
     f.chunks[POOL.id].ask(3_999, c.t * 1000, POOL.chunk_validity_ms)  # this agent was asked 4,000 tokens
-    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
+    assert (await f.take(spend(), c.t + BUDGET_S, c)).status is TakeStatus.OK
     assert store.sent[0][0][2][1] == POOL.chunk_max  # all of them at once: chunkMax; the balance had 300
     assert f.remaining(POOL.id) == 299
     assert sample(m, "leasehold_agent_pool_renewals_total", pool=POOL.id, outcome="partial") == 1
     c.t += 0.1  # validity is the leases' (100 ms), shorter than chunkValidityMs
     store.answers.append(EMPTY)
-    await f.take(spend(), c.t + 0.05, c)
+    await f.take(spend(), c.t + BUDGET_S, c)
     assert len(store.sent) == 2
 
 
@@ -199,10 +204,10 @@ async def test_an_exhausted_pool_denies_and_the_denial_is_held_locally():
     store = Store([[0, 0, 0, 120]])  # nothing spendable; the next lease becomes valid in 120 ms
     leases = Leases(BalanceState.EXHAUSTED, hint=90)
     f, c, m = fleet(store, leases)
-    d = await f.take(spend(), c.t + 0.05, c)
+    d = await f.take(spend(), c.t + BUDGET_S, c)
     assert (d.status, d.retry_ms, d.fallback) == (TakeStatus.DENIED, 120, False)
     c.t += 0.05
-    again = await f.take(spend(), c.t + 0.05, c)
+    again = await f.take(spend(), c.t + BUDGET_S, c)
     assert (again.status, again.retry_ms) == (TakeStatus.DENIED, 70)  # the rest of the local denial
     assert len(store.sent) == 1  # the denial held: no store call
     assert sample(m, "leasehold_agent_pool_renewals_total", pool=POOL.id, outcome="denied") == 1
@@ -216,14 +221,14 @@ async def test_an_exhausted_pools_denial_is_held_no_longer_than_the_hold_then_as
     store = Store([[0, 0, 0, 0]], TAKEN_ALL)  # exhausted; later: tokens came back
     leases = Leases(BalanceState.EXHAUSTED, hint=900)
     f, c, m = fleet(store, leases, hold_ms=100)
-    d = await f.take(spend(), c.t + 0.05, c)
+    d = await f.take(spend(), c.t + BUDGET_S, c)
     assert (d.status, d.retry_ms) == (TakeStatus.DENIED, 250)  # min(the hint, the validity)
     c.t += 0.06
-    held = await f.take(spend(), c.t + 0.05, c)
+    held = await f.take(spend(), c.t + BUDGET_S, c)
     assert (held.status, held.retry_ms) == (TakeStatus.DENIED, 190)  # the pool's hint, not the hold's
     assert len(store.sent) == 1
     c.t += 0.05  # the hold (100 ms) is over, the hint (250 ms) is not
-    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
+    assert (await f.take(spend(), c.t + BUDGET_S, c)).status is TakeStatus.OK
     assert len(store.sent) == 2
 
 
@@ -233,14 +238,14 @@ async def test_a_lease_this_agent_deposits_lifts_the_hold_at_once():
     store = Store([[0, 0, 0, 0]], TAKEN_ALL)  # exhausted; then the deposit's tokens
     leases = Leases(BalanceState.EXHAUSTED, hint=900)
     f, c, m = fleet(store, leases, hold_ms=250)
-    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.DENIED
+    assert (await f.take(spend(), c.t + BUDGET_S, c)).status is TakeStatus.DENIED
     c.t += 0.01
-    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.DENIED  # held
+    assert (await f.take(spend(), c.t + BUDGET_S, c)).status is TakeStatus.DENIED  # held
     assert len(store.sent) == 1
     f.refilled("another-pool")  # another pool's deposit changes nothing
-    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.DENIED
+    assert (await f.take(spend(), c.t + BUDGET_S, c)).status is TakeStatus.DENIED
     f.refilled(POOL.id)
-    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
+    assert (await f.take(spend(), c.t + BUDGET_S, c)).status is TakeStatus.OK
     assert len(store.sent) == 2
 
 
@@ -354,9 +359,8 @@ async def test_an_empty_balance_waits_once_for_the_top_up_in_flight():
     top_up = loop.create_future()
     store = Store(EMPTY, TAKEN_ALL)
     f, c, _ = fleet(store, Leases(pending=top_up))
-    task = asyncio.ensure_future(f.take(spend(), c.t + 0.05, c))
-    # loop turns, not a sleep: the wait for the top-up is bounded by the real 50 ms budget too, and a
-    # 10 ms sleep beside busy cores took longer than that (the take was then a busy denial)
+    task = asyncio.ensure_future(f.take(spend(), c.t + BUDGET_S, c))
+    # loop turns, not a sleep: the take is waiting for the top-up once the loop has run it this far
     for _ in range(50):
         await asyncio.sleep(0)
     assert len(store.sent) == 1 and not task.done()
@@ -384,7 +388,7 @@ async def test_a_request_takes_from_the_last_renewal_it_waited_for():
     (it was denied as busy with that token in the chunk)."""
     store = Store([[1, 5000, 250, 0]], [[1, 4999, 250, 0]], [[2, 4997, 250, 0]])
     f, c, m = fleet(store, Leases())
-    tasks = [asyncio.ensure_future(f.take(spend(), c.t + 0.05, c)) for _ in range(4)]
+    tasks = [asyncio.ensure_future(f.take(spend(), c.t + BUDGET_S, c)) for _ in range(4)]
     assert [t.status for t in await asyncio.gather(*tasks)] == [TakeStatus.OK] * 4
     assert len(store.sent) == 3 and f.remaining(POOL.id) == 0
     assert sample(m, "leasehold_agent_pool_busy_denials_total", pool=POOL.id) == 0
@@ -393,8 +397,8 @@ async def test_a_request_takes_from_the_last_renewal_it_waited_for():
 async def test_a_request_the_chunk_cannot_pay_buys_its_cost_alone():
     store = Store([[3, 1000, 250, 0]], [[5, 995, 250, 0]])  # a chunk of 3, then 5 bought alone
     f, c, m = fleet(store, Leases())
-    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK  # chunk of 3, 2 left
-    alone = await f.take(spend(5), c.t + 0.05, c)
+    assert (await f.take(spend(), c.t + BUDGET_S, c)).status is TakeStatus.OK  # chunk of 3, 2 left
+    alone = await f.take(spend(5), c.t + BUDGET_S, c)
     assert (alone.status, alone.generation) == (TakeStatus.OK, NO_CHUNK)
     assert store.sent[1] == [("pool_take", [GKEY], [5, 5, BALANCE_SLACK_MS, 0, 0])]  # exactly its cost
     assert f.remaining(POOL.id) == 2  # the chunk stays for the requests it can pay
@@ -404,11 +408,11 @@ async def test_a_request_the_chunk_cannot_pay_buys_its_cost_alone():
 async def test_an_expensive_request_denied_alone_does_not_deny_cheap_ones():
     store = Store([[3, 1000, 250, 0]], EMPTY)
     f, c, _ = fleet(store, Leases(hint=60))
-    await f.take(spend(), c.t + 0.05, c)
-    denied = await f.take(spend(5), c.t + 0.05, c)
+    await f.take(spend(), c.t + BUDGET_S, c)
+    denied = await f.take(spend(5), c.t + BUDGET_S, c)
     assert (denied.status, denied.retry_ms) == (TakeStatus.DENIED, 60)
-    assert (await f.take(spend(1), c.t + 0.05, c)).status is TakeStatus.OK  # paid by the chunk
-    again = await f.take(spend(5), c.t + 0.05, c)
+    assert (await f.take(spend(1), c.t + BUDGET_S, c)).status is TakeStatus.OK  # paid by the chunk
+    again = await f.take(spend(5), c.t + BUDGET_S, c)
     assert again.status is TakeStatus.DENIED and len(store.sent) == 2  # held locally for cost >= 5
 
 
@@ -416,7 +420,7 @@ async def test_an_expensive_request_denied_alone_does_not_deny_cheap_ones():
 async def test_allocator_unreachable_spends_the_regions_fallback_allowance_one_request_at_a_time():
     store = Store(EMPTY, [[1, 0, 0, 3999]])
     f, c, m = fleet(store, Leases(BalanceState.UNREACHABLE))
-    took = await f.take(spend(), c.t + 0.05, c)
+    took = await f.take(spend(), c.t + BUDGET_S, c)
     assert (took.status, took.fallback) == (TakeStatus.OK, True)
     (script, keys, argv) = store.sent[1][0]
     assert script == "multi_rule[pw]" and keys == [KeyBuilder.global_pool_decision_key(POOL.id),
@@ -431,7 +435,7 @@ async def test_allocator_unreachable_spends_the_regions_fallback_allowance_one_r
 async def test_a_closed_rule_never_spends_the_fallback_allowance():
     store = Store(EMPTY)
     f, c, _ = fleet(store, Leases(BalanceState.UNREACHABLE, hint=70))
-    d = await f.take(spend(fail_mode="closed"), c.t + 0.05, c)
+    d = await f.take(spend(fail_mode="closed"), c.t + BUDGET_S, c)
     assert (d.status, d.fallback) == (TakeStatus.DENIED, False) and len(store.sent) == 1
 
 
@@ -439,7 +443,7 @@ async def test_an_uncertain_allocator_clock_denies_instead_of_counting_per_windo
     store = Store(EMPTY)
     wide = Windows(lo=5, hi=5 + MAX_SPAN, end_in_ms=900, safe_ms=0)
     f, c, _ = fleet(store, Leases(BalanceState.UNREACHABLE), windows=wide)
-    d = await f.take(spend(), c.t + 0.05, c)
+    d = await f.take(spend(), c.t + BUDGET_S, c)
     assert (d.status, d.retry_ms, d.fallback) == (TakeStatus.DENIED, 250, True)  # min(end, chunk validity)
     assert len(store.sent) == 1  # no allowance call
 
@@ -449,7 +453,7 @@ async def test_redis_unreachable_local_bounded_spends_the_in_process_allowance_u
     store = Store(*[StoreUnavailable("down")] * 4)
     small = msgspec.structs.replace(POOL, fallback_per_region=3)
     f, c, m = fleet(store, None)
-    takes = [await f.take(GlobalSpend(RULE, small, 1), c.t + 0.05, c) for _ in range(4)]
+    takes = [await f.take(GlobalSpend(RULE, small, 1), c.t + BUDGET_S, c) for _ in range(4)]
     assert [(t.status, t.fallback) for t in takes] == [(TakeStatus.OK, True)] * 3 + [(TakeStatus.DENIED, True)]
     assert takes[-1].retry_ms >= 1
     assert sample(m, "leasehold_agent_degraded_decisions_total", reason="POOL_RENEWAL_FAILED",
@@ -459,15 +463,15 @@ async def test_redis_unreachable_local_bounded_spends_the_in_process_allowance_u
 async def test_redis_unreachable_follows_the_rules_fail_mode():
     for mode, status, retry in (("open", TakeStatus.OPEN, 0), ("closed", TakeStatus.UNAVAILABLE, 5000)):
         f, c, _ = fleet(Store(StoreUnavailable("down")), Leases())
-        d = await f.take(spend(fail_mode=mode), c.t + 0.05, c)
+        d = await f.take(spend(fail_mode=mode), c.t + BUDGET_S, c)
         assert (d.status, d.retry_ms) == (status, retry)
 
 
 async def test_overload_is_shed_and_a_script_rejection_fails_closed():
     f, c, _ = fleet(Store(Overloaded("queue full")), Leases())
-    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.SHED
+    assert (await f.take(spend(), c.t + BUDGET_S, c)).status is TakeStatus.SHED
     f, c, m = fleet(Store(ScriptRejected("bad call")), Leases())
-    d = await f.take(spend(), c.t + 0.05, c)  # local_bounded, yet never admitted after a policy defect
+    d = await f.take(spend(), c.t + BUDGET_S, c)  # local_bounded, yet never admitted after a policy defect
     assert (d.status, d.retry_ms) == (TakeStatus.UNAVAILABLE, RULE.closed_retry_after_ms)
     assert sample(m, "leasehold_agent_degraded_decisions_total", reason="POOL_POLICY_ERROR", fail_mode="closed") == 1
 
@@ -488,7 +492,7 @@ async def test_a_parts_rest_is_refunded_shortly_before_it_ends():
     store = Store(TAKEN_FROM_TWO, [[1999, b"refunded"]])
     f, c, m = fleet(store, Leases())
     sent_at = c.t * 1000.0
-    assert (await f.take(spend(), c.t + 0.05, c)).status is TakeStatus.OK
+    assert (await f.take(spend(), c.t + BUDGET_S, c)).status is TakeStatus.OK
     lead = f.refund_lead_ms()
     assert lead == 50.0  # a fast store: the floor
     assert f._timers[POOL.id][0] == sent_at + 250 - lead
@@ -508,7 +512,7 @@ async def test_a_parts_rest_is_refunded_shortly_before_it_ends():
 async def test_a_refused_or_failed_refund_is_counted_abandoned_and_retried_once_with_its_id():
     store = Store(TAKEN_FROM_TWO, StoreUnavailable("down"), [[1500, b"replay"]])
     f, c, m = fleet(store, Leases())
-    await f.take(spend(), c.t + 0.05, c)
+    await f.take(spend(), c.t + BUDGET_S, c)
     c.t += 0.2
     await _fire(f)
     assert store.sent[1] == store.sent[2]  # the same refund id: a retry never gives back twice
@@ -516,7 +520,7 @@ async def test_a_refused_or_failed_refund_is_counted_abandoned_and_retried_once_
     assert sample(m, "leasehold_agent_chunk_abandoned_tokens_total", pool=POOL.id) == 499
     store = Store(TAKEN_FROM_TWO, StoreUnavailable("down"), StoreUnavailable("down"))
     f, c, m = fleet(store, Leases())
-    await f.take(spend(), c.t + 0.05, c)
+    await f.take(spend(), c.t + BUDGET_S, c)
     c.t += 0.2
     await _fire(f)
     assert len(store.sent) == 3 and f.remaining(POOL.id) == 0
