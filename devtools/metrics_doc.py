@@ -98,6 +98,7 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_rlqs_refused_total": "refusal reasons of region_agent.gateways (< 15)",
     "leasehold_agent_authz_seconds": "1",
     "leasehold_agent_authz_requests_total": "HTTP statuses answered (< 10)",
+    "leasehold_agent_authz_unauthenticated_total": "2 callers (gateway, client)",
     "leasehold_agent_authz_invalid_total": "malformed-question reasons of region_agent.gateways (< 10)",
     "leasehold_allocator_grants_total": "P x N",
     "leasehold_allocator_granted_tokens_total": "P x N",

@@ -48,6 +48,7 @@ the client's to the agent. Nothing on a refusal (401, 422, a denial).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -56,8 +57,9 @@ from litestar import asgi
 
 from kernel.auth import SCOPE_KEY, authenticate
 from kernel.caches import BoundedMemo
-from kernel.errors import BadRequest, LeaseholdError, NotFound, ValidationFailed
+from kernel.errors import BadRequest, LeaseholdError, NotFound, Unauthorized, ValidationFailed
 from kernel.http_errors import problem_answer
+from kernel.ratelog import KeyedLog
 
 from .answer import authz_answer
 from .mapping import (
@@ -72,7 +74,13 @@ from .mapping import (
 if TYPE_CHECKING:
     from .bearer import Identity
 
+log = logging.getLogger(__name__)
+
 PATH = "/v1/authz"
+# a call without a valid gateway token: one WARNING per caller's address a minute, naming it (the
+# security signal of LeaseholdAuthzUnknownCaller; a flood from one address costs a line a minute)
+REFUSED_LOG_INTERVAL_S = 60.0
+refused_callers = KeyedLog(log, interval_s=REFUSED_LOG_INTERVAL_S)
 DENY_STATUSES = {"401": 401, "403": 403, "429": 429}
 # no valid bearer token (with --authz-jwks), and the caller's address may still knock: the same
 # answer whatever was wrong with the token (nothing tells an unknown key from a bad signature)
@@ -156,7 +164,14 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
         tokens = gw.gateway_tokens()
         if tokens is not None:
             alt = hdrs.get(names.headers["token"])
-            who = authenticate(tokens, [("authorization", alt)] if alt is not None else scope.get("headers", ()))
+            try:
+                who = authenticate(tokens, [("authorization", alt)] if alt is not None else scope.get("headers", ()))
+            except Unauthorized:
+                gw.metrics.authz_unauthenticated.labels("gateway").inc()
+                peer = (scope.get("client") or ("unknown",))[0]
+                refused_callers.log(peer, logging.WARNING,
+                                    f"forward-auth call refused: no valid gateway token, from {peer}")
+                raise
             scope[SCOPE_KEY] = "gateway:" + who
         deny = hdrs.get(names.headers["deny_status"])
         if deny is not None and deny not in DENY_STATUSES:
@@ -182,6 +197,7 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
                 verified, identity_headers(names, verified))
         (decision,) = await gw.decide([q], door="authz", carrier=scope.get("headers", ()))
         if unauthenticated and decision.allowed:
+            gw.metrics.authz_unauthenticated.labels("client").inc()
             return UNAUTHENTICATED
         a = authz_answer(decision, deny_status=DENY_STATUSES[deny] if deny is not None else None)
         if a.status != 200:

@@ -20,6 +20,7 @@ from ..service.metrics import FlushFirst
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 GROUP_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+AUTHZ_CALLERS = ("gateway", "client")  # leasehold_agent_authz_unauthenticated_total's caller values
 
 
 class GatewayMetrics:
@@ -45,6 +46,16 @@ class GatewayMetrics:
             "held up to --rls-group-linger-ms)", registry=r, buckets=GROUP_BUCKETS)
         self.authz_calls = Counter("leasehold_agent_authz_requests_total",
                                    "Forward-auth (/v1/authz) answers by HTTP status", ["status"], registry=r)
+        # whose token a 401 was for: every caller's series exported at 0 from the start, so that
+        # increase() sees the first refusal (the alerts LeaseholdAuthzGatewayRefused and
+        # LeaseholdAuthzUnknownCaller count the gateway's)
+        self.authz_unauthenticated = Counter(
+            "leasehold_agent_authz_unauthenticated_total",
+            "Forward-auth calls answered 401, by whose token was missing or invalid (gateway: the gateway "
+            "token, the call refused undecided; client: the client's bearer token with --authz-jwks, the "
+            "call decided against its address)", ["caller"], registry=r)
+        for caller in AUTHZ_CALLERS:
+            self.authz_unauthenticated.labels(caller)
         self.authz_invalid = Counter("leasehold_agent_authz_invalid_total",
                                      "Forward-auth questions refused as malformed, by reason", ["reason"],
                                      registry=r)

@@ -74,6 +74,7 @@ from .rlqs_mapping import (
     fixed_window_end,
     per_request_reason,
 )
+from .rls import log_refused
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +243,7 @@ class RlqsService:
             try:
                 authenticate(self.gateways, context.invocation_metadata() or ())
             except Unauthorized as e:
+                log_refused(context.peer(), "RLQS stream")
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, e.detail)
         if self.state_of().engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "agent is starting")

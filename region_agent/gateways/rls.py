@@ -28,7 +28,8 @@ gRPC status codes of a call (what Envoy does with each is in ``region_agent/READ
   its documented meaning is "not known").
 * ``INVALID_ARGUMENT`` — not a question Leasehold can answer (bytes that do not parse, another
   domain, an unmapped descriptor key, a limit override, a bad value or cost), counted by reason.
-* ``UNAUTHENTICATED`` — missing or wrong ``authorization: Bearer <gateway token>`` metadata.
+* ``UNAUTHENTICATED`` — missing or wrong ``authorization: Bearer <gateway token>`` metadata; the
+  caller's address is logged (a WARNING, at most one per address a minute: :func:`log_refused`).
 * ``RESOURCE_EXHAUSTED`` — ``--rls-max-concurrent-rpcs`` calls are being decided and RLQS streams
   are open (:class:`RateLimitServicer`'s slots); also grpc's own, for a message or metadata too large.
 * ``UNAVAILABLE`` — the agent is still starting.
@@ -51,7 +52,7 @@ from kernel import tracing
 from kernel.auth import TokenTable, authenticate
 from kernel.caches import BoundedMemo
 from kernel.errors import LeaseholdError, Unauthorized, Unavailable, ValidationFailed
-from kernel.ratelog import ThrottleFilter
+from kernel.ratelog import KeyedLog, ThrottleFilter
 
 from ..decision.plan import Snapshot
 from ..models import AdmitRequest, Decision
@@ -274,6 +275,7 @@ class RateLimitServicer:
             return resp
         except Unauthorized as e:
             code, detail, outcome = grpc.StatusCode.UNAUTHENTICATED, e.detail, "unauthenticated"
+            log_refused(context.peer())
         except _Exhausted:
             code, detail, outcome = grpc.StatusCode.RESOURCE_EXHAUSTED, _Exhausted.detail, "exhausted"
         except BadQuestion as e:
@@ -298,6 +300,30 @@ class RateLimitServicer:
             latency[1 + bisect_left(LATENCY_BOUNDS, seconds)] += 1  # the bucket observe() would count it in
         await context.abort(code, detail)
         raise AssertionError("unreachable")  # context.abort raises
+
+
+# a call without a valid gateway token: one WARNING per caller's address a minute, naming it (the
+# security signal of LeaseholdRlsUnknownCaller; a flood from one address costs a line a minute)
+REFUSED_LOG_INTERVAL_S = 60.0
+refused_callers = KeyedLog(log, interval_s=REFUSED_LOG_INTERVAL_S)
+
+
+def peer_address(peer: str | None) -> str:
+    """The address of grpc's peer string (``ipv4:10.1.2.3:50412``, ``ipv6:[fd00::1]:50412``,
+    ``unix:/path``) without the port: one caller's connections share it."""
+    if not peer:
+        return "unknown"
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and ":" in rest:
+        rest = rest.rsplit(":", 1)[0].strip("[]")
+    return rest or peer
+
+
+def log_refused(peer: str | None, what: str = "RLS call") -> None:
+    """The WARNING naming the address of a caller refused for its gateway token (at most one per
+    address and minute; the next says how many were not written)."""
+    address = peer_address(peer)
+    refused_callers.log(address, logging.WARNING, f"{what} refused: no valid gateway token, from {address}")
 
 
 class UnsentAnswers(logging.Filter):

@@ -5,6 +5,7 @@ decision path as ``/v1/admit``: one user's P-READ bucket is shared by all three 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,7 +17,9 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from litestar.testing import AsyncTestClient
 
+from kernel.ratelog import KeyedLog
 from leasehold.local.procs import free_port
+from region_agent.gateways import rls as rls_door
 from region_agent.service.app import create_app
 
 from .conftest import PEPPER, make_settings
@@ -221,13 +224,17 @@ async def test_limit_override_is_refused(gw):
 
 @pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong-token-xxxxxxxx"),),
                                       (("authorization", TOKEN),)])
-async def test_rls_needs_the_gateway_token(gw, metadata):
+async def test_rls_needs_the_gateway_token(gw, metadata, monkeypatch, caplog):
     client, stub = gw
-    with pytest.raises(grpc.aio.AioRpcError) as e:
+    monkeypatch.setattr(rls_door, "refused_callers", KeyedLog(rls_door.log, interval_s=60.0))
+    with caplog.at_level(logging.WARNING, logger=rls_door.log.name), pytest.raises(grpc.aio.AioRpcError) as e:
         await rls(stub, user(), metadata=metadata)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert await metric(client, "leasehold_agent_rls_requests_total", outcome="unauthenticated") == 1
     assert await metric(client, "leasehold_agent_decisions_total") == 0
+    # the agent's log names the caller (LeaseholdRlsUnknownCaller's runbook reads it)
+    assert [r.getMessage() for r in caplog.records if r.name == rls_door.log.name] == [
+        "RLS call refused: no valid gateway token, from 127.0.0.1"]
 
 
 @pytest.mark.parametrize("metadata", [META + META, (("authorization", f"bearer {TOKEN}"),),

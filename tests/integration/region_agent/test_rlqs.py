@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +20,11 @@ from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from litestar.testing import AsyncTestClient
 from redis.asyncio import Redis
 
+from kernel.ratelog import KeyedLog
 from leasehold.local.procs import free_port
 from region_agent.decision.keys import KeyBuilder
 from region_agent.gateways import rlqs
+from region_agent.gateways import rls as rls_door
 from region_agent.service.app import create_app
 from tests.support.waiting import await_until
 
@@ -235,12 +238,16 @@ async def test_another_domain_is_refused(rig):
         pump.cancel()
 
 
-async def test_a_stream_without_the_gateway_token_is_unauthenticated(rig):
+async def test_a_stream_without_the_gateway_token_is_unauthenticated(rig, monkeypatch, caplog):
     _, ch, _ = rig
+    monkeypatch.setattr(rls_door, "refused_callers", KeyedLog(rls_door.log, interval_s=60.0))
     e, pump = await open_stream(ch, metadata=(("authorization", "Bearer wrong"),))
-    with pytest.raises(grpc.aio.AioRpcError) as err:
+    with caplog.at_level(logging.WARNING, logger=rls_door.log.name), pytest.raises(grpc.aio.AioRpcError) as err:
         await pump  # refused before any report is read
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # the agent's log names the caller (docs/runbooks.md, LeaseholdRlsUnknownCaller)
+    assert [r.getMessage() for r in caplog.records if r.name == rls_door.log.name] == [
+        "RLQS stream refused: no valid gateway token, from 127.0.0.1"]
 
 
 async def test_a_stream_that_never_reads_its_answers_is_not_read_either(rig):

@@ -8,9 +8,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from region_agent.decision.degraded import DEGRADE_REASON
+from region_agent.gateways.metrics import GatewayMetrics
 from region_agent.service.metrics import AgentMetrics
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -34,3 +35,14 @@ def test_every_fail_closed_series_is_exported_at_zero_from_the_start():
     missing = [r for r in sorted(reasons)
                if f'leasehold_agent_degraded_decisions_total{{fail_mode="closed",reason="{r}"}} 0.0' not in text]
     assert not missing, f"no closed series at 0 for {missing}"
+
+
+def test_the_gateway_token_refusals_of_forward_auth_are_exported_at_zero_from_the_start():
+    """LeaseholdAuthzGatewayRefused and LeaseholdAuthzUnknownCaller read
+    ``leasehold_agent_authz_unauthenticated_total{caller="gateway"}`` with ``increase()``/``rate()``:
+    its series (and the client's) is at 0 before the first refusal."""
+    registry = CollectorRegistry()
+    GatewayMetrics(registry)
+    text = generate_latest(registry).decode()
+    for caller in ("gateway", "client"):
+        assert f'leasehold_agent_authz_unauthenticated_total{{caller="{caller}"}} 0.0' in text, caller

@@ -1,0 +1,117 @@
+"""A call refused for its token, at the forward-auth door (the raw ASGI handler driven as uvicorn
+drives it) and in the RLS door's log line: a 401 for the gateway's token and one for a client's
+own bearer token (``--authz-jwks``) are counted apart
+(``leasehold_agent_authz_unauthenticated_total{caller}``: only the gateway's pages,
+deploy/prometheus/alerts.yml), and a caller without the gateway token is named in the agent's log
+by its address, one WARNING per address a minute."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kernel.auth import TokenTable
+from kernel.ratelog import KeyedLog
+from region_agent.gateways import authz as authz_door
+from region_agent.gateways import rls as rls_door
+from region_agent.gateways.authz import authz
+from region_agent.gateways.bearer import BearerVerifier
+from region_agent.gateways.metrics import GatewayMetrics
+
+from .test_gateway_authz_identity import ISSUER, FakeGateways, token
+
+GATEWAY_TOKEN = "gw-token-0123456789abcdef"
+GATEWAY = (b"authorization", f"Bearer {GATEWAY_TOKEN}".encode())
+UNAUTHENTICATED = "leasehold_agent_authz_unauthenticated_total"
+
+
+class TokenGateways(FakeGateways):
+    """:class:`FakeGateways` that authenticate the gateway by its token, with a registry to read."""
+
+    def __init__(self, bearer: BearerVerifier | None = None):
+        super().__init__(bearer)
+        self.registry = CollectorRegistry()
+        self.metrics = GatewayMetrics(self.registry)
+        self.tokens = TokenTable([("edge", hashlib.sha256(GATEWAY_TOKEN.encode()).hexdigest())])
+
+    def gateway_tokens(self) -> TokenTable:  # type: ignore[override]  # FakeGateways authenticates no gateway
+        return self.tokens
+
+    def refused(self, caller: str) -> float | None:
+        return self.registry.get_sample_value(UNAUTHENTICATED, {"caller": caller})
+
+
+@pytest.fixture(autouse=True)
+def fresh_logs(monkeypatch):
+    """The doors' per-address log lines start afresh in every test (one line per address a minute)."""
+    monkeypatch.setattr(authz_door, "refused_callers", KeyedLog(authz_door.log, interval_s=60.0))
+    monkeypatch.setattr(rls_door, "refused_callers", KeyedLog(rls_door.log, interval_s=60.0))
+
+
+def ask(gw: FakeGateways, headers: list[tuple[bytes, bytes]], client: str = "198.51.100.4") -> int:
+    path = "/v1/authz/catalog"
+    scope = {"type": "http", "method": "GET", "path": path, "raw_path": path.encode(), "client": (client, 50412),
+             "headers": [(b"x-route-group", b"read"), (b"x-real-ip", b"192.0.2.7"), *headers],
+             "app": SimpleNamespace(state=SimpleNamespace(agent=SimpleNamespace(gateways=gw)))}
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(authz.fn(scope, receive, send))
+    return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+
+def refusals(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "no valid gateway token" in r.getMessage()]
+
+
+def test_a_call_without_the_gateway_token_is_counted_as_the_gateways_and_names_its_caller(caplog):
+    gw = TokenGateways()
+    assert gw.refused("gateway") == 0 and gw.refused("client") == 0  # exported from the start
+    with caplog.at_level(logging.WARNING, logger=authz_door.log.name):
+        for headers in ([], [(b"authorization", b"Bearer wrong-token-xxxxxxxx")]):
+            assert ask(gw, [(b"x-tenant-id", b"atlas"), (b"x-user-id", b"U-1"), *headers]) == 401
+        assert ask(gw, [(b"x-tenant-id", b"atlas"), (b"x-user-id", b"U-1")], client="203.0.113.50") == 401
+    assert gw.refused("gateway") == 3 and gw.refused("client") == 0 and gw.asked == []
+    # one line per caller's address a minute, each naming it
+    assert refusals(caplog) == ["forward-auth call refused: no valid gateway token, from 198.51.100.4",
+                                "forward-auth call refused: no valid gateway token, from 203.0.113.50"]
+    assert all(r.levelno == logging.WARNING for r in caplog.records if "no valid gateway token" in r.getMessage())
+    # the gateway's own calls are not refusals
+    assert ask(gw, [GATEWAY, (b"x-tenant-id", b"atlas"), (b"x-user-id", b"U-1")]) == 200
+    assert gw.refused("gateway") == 3
+
+
+def test_a_clients_own_token_refused_is_the_clients_not_the_gateways(tmp_path, caplog):
+    """With --authz-jwks a request without a valid client token is a 401 too: the door working
+    (the address window spends it), counted apart, no log line."""
+    verifier = BearerVerifier(str(ISSUER.write_jwks(tmp_path / "jwks.json")), issuer=ISSUER.issuer,
+                              audience=ISSUER.audience)
+    gw = TokenGateways(verifier)
+    with caplog.at_level(logging.WARNING, logger=authz_door.log.name):
+        # the gateway's token in X-Leasehold-Authorization, the client's own in Authorization (Traefik)
+        gateway = (b"x-leasehold-authorization", GATEWAY[1])
+        assert ask(gw, [gateway]) == 401
+        assert ask(gw, [gateway, (b"authorization", b"Bearer not.a.jwt")]) == 401
+        assert ask(gw, [gateway, token("U-17")]) == 200
+    assert gw.refused("client") == 2 and gw.refused("gateway") == 0
+    assert refusals(caplog) == []
+
+
+@pytest.mark.parametrize(("peer", "address"), [
+    ("ipv4:10.1.2.3:50412", "10.1.2.3"), ("ipv6:[fd00::1]:50412", "fd00::1"),
+    ("unix:/run/agent.sock", "/run/agent.sock"), ("", "unknown"), (None, "unknown")])
+def test_the_rls_door_names_the_callers_address_without_its_port(peer, address, caplog):
+    with caplog.at_level(logging.WARNING, logger=rls_door.log.name):
+        rls_door.log_refused(peer)
+        rls_door.log_refused(peer)  # the same address within the minute: no second line
+    assert refusals(caplog) == [f"RLS call refused: no valid gateway token, from {address}"]
