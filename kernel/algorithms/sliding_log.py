@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .common import NEVER, InvalidArguments, Kind, RuleVerdict, register_kind
+from .common import NEVER, InvalidArguments, Kind, RuleVerdict, check_int, register_kind
 from .fixed_window import WindowParams, WindowRule
 from .rule import algorithm
 
@@ -58,7 +58,14 @@ def expiry_ms(state: SlidingLogState, params: WindowParams, now_ms: int, slack_m
     return top + params.window_ms - now_ms + slack_ms
 
 
-KIND = register_kind(Kind("sl", "SL", "lib/sliding_log.lua", WindowParams.from_args,
+def parse(p: tuple[int, ...]) -> WindowParams:
+    """The five ARGV parameters, refused beyond ``lib/sliding_log.lua``'s range (a cost above
+    :data:`MAX_COST` too, as its ``SL.parse`` refuses it: a chunk's search counts such a count denied)."""
+    check_int(p[2], 1, MAX_COST, name="cost")
+    return WindowParams.from_args(p)
+
+
+KIND = register_kind(Kind("sl", "SL", "lib/sliding_log.lua", parse,
                           lambda s, p, now, member, inc: decide(s, p, now, member), needs_member=True))
 
 

@@ -171,7 +171,10 @@ def _direct(fields: Mapping[str, str], cost: int, request_id: str) -> AdmitReque
     patterns by :func:`admit_of_text`), or None for anything it might refuse or that this does
     not check: :func:`_question` then decides, with its own reason. A first ask's question took
     about 3,350 ns with the body and the convert, 2,100 so (a remembered call asks neither: the
-    door's memo knows it). The API key's length is checked by the principal's own check too."""
+    door's memo knows it). The API key's length is the principal's own check alone (an empty or
+    over-long key is not identity text or is too long: a ValueError, so None, as for any other
+    key it refuses); the principal's id keeps its length check here, as an anonymous principal's
+    id is not identity text and an empty one would pass the principal's check."""
     route = fields.get("route_group")
     if route is None or not (type(cost) is int and 1 <= cost <= MAX_COST):
         return None
@@ -200,11 +203,10 @@ def _direct(fields: Mapping[str, str], cost: int, request_id: str) -> AdmitReque
         ptype, pid, client_ip = "anonymous", ip, None
     else:
         return None
-    if not (0 < len(pid) <= ID_MAX_CHARS and (key is None or 0 < len(key) <= ID_MAX_CHARS)
-            and (client_ip is None or 2 <= len(client_ip) <= 64)):
+    if not (0 < len(pid) <= ID_MAX_CHARS and (client_ip is None or 2 <= len(client_ip) <= 64)):
         return None
-    try:
-        principal = Principal(ptype, pid, key)  # (its __post_init__: identity text)
+    try:  # (its __post_init__: identity text, and the API key's length: an empty or over-long key raises)
+        principal = Principal(ptype, pid, key)
     except ValueError:
         return None
     return admit_of_text(AdmitText(request_id, principal, route, fields.get("method", "GET"), tenant, cost, None,

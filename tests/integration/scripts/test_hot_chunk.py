@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kernel.algorithms import hot_chunk
+from kernel.algorithms.common import InvalidArguments
 from kernel.algorithms.multi_rule import RuleSpec
 
 from .support import (
@@ -119,10 +120,50 @@ def test_counts_beyond_a_rules_range_are_denied_as_the_model_denies_them(sclient
 
 def test_a_sliding_log_chunk_stops_at_1000_entries(sclient):
     """A sliding log adds at most 1,000 entries a request: a larger count is beyond its range, and
-    the chunk is 1,000 units. (The model's search does not know this bound: kernel.algorithms.
-    hot_chunk asks the sliding log's decide, which refuses such a cost, instead of counting it denied.)"""
+    the chunk is 1,000 units."""
     key = f"rl:{tag()}:sl"
     reply = as_ints(evalsha(sclient, "hot_chunk", [key], argv([RuleSpec("sl", (5_000, 10_000, 1, 0, 0))], "C", 1,
                                                               1_500)))
     assert reply[0] == 1_000 and reply[2:] == [1, 0, 0, 4_000]
     assert sclient.zcard(key) == 1_000
+
+
+@pytest.mark.parametrize(("slots", "lo", "want"), [
+    ([RuleSpec("sl", (5_000, 60_000, 1, 0, 0))], 1, 999),  # below the bound
+    ([RuleSpec("sl", (5_000, 60_000, 1, 0, 0))], 1, 1_000),  # at it
+    ([RuleSpec("sl", (5_000, 60_000, 1, 0, 0))], 1, 1_001),  # above it: 1,000 units
+    ([RuleSpec("sl", (5_000, 60_000, 1, 0, 0))], 999, 1_500),
+    ([RuleSpec("sl", (5_000, 60_000, 1, 0, 0))], 1_000, 1_001),  # min at the bound
+    ([RuleSpec("sl", (5_000, 60_000, 3, 0, 0))], 1, 400),  # three entries a unit: 333 units
+    ([RuleSpec("sl", (1_300, 60_000, 1, 0, 0))], 1, 1_500),  # the second chunk is the log's room (300)
+    ([RuleSpec("fw", (5_000, 60_000, 1, 0, 0)), RuleSpec("sl", (5_000, 60_000, 2, 0, 0))], 1, 800),  # 500 units
+])
+def test_sliding_log_counts_at_below_and_above_1000_entries_match_the_model(sclient, slots, lo, want):
+    """A count whose log entries would pass 1,000 is denied in model and script alike (the search
+    finds the largest count within the bound); two chunks on the same keys, states compared."""
+    kinds = [r.kind for r in slots]
+    t = tag()
+    keys = [f"rl:{t}:r{i}:{k}" for i, k in enumerate(kinds)]
+    states: list = [None] * len(kinds)
+    taken = []
+    for member in ("C1", "C2"):
+        def model(n, s=states, member=member):
+            return hot_chunk.take(s, slots, n, member, lo, want)
+
+        def call(member=member):
+            return hot_chunk.reply_of(evalsha(sclient, "hot_chunk", keys, argv(slots, member, lo, want)))
+
+        n, states = step(call, model, lambda: read_rules(sclient, kinds, keys), states, kinds, reply_of=lambda r: r)
+        taken.append(model(n)[0][0])
+    entries = max(r.params[2] for r in slots if r.kind == "sl")
+    assert 0 < taken[0] * entries <= 1_000  # the bound held: never more entries than a request may add
+
+
+def test_a_min_count_beyond_1000_entries_is_invalid_in_model_and_script(sclient):
+    key = f"rl:{tag()}:sl"
+    rules = [RuleSpec("sl", (5_000, 60_000, 1, 0, 0))]
+    with pytest.raises(Exception, match="arguments invalid"):
+        evalsha(sclient, "hot_chunk", [key], argv(rules, "C", 1_001, 1_001))
+    with pytest.raises(InvalidArguments):
+        hot_chunk.take([None], rules, 0, "C", 1_001, 1_001)
+    assert sclient.exists(key) == 0

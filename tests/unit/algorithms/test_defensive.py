@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from kernel.algorithms import fixed_window, gcra, pool, sliding_counter, sliding_log, token_bucket
+from kernel.algorithms import fixed_window, gcra, hot_chunk, pool, sliding_counter, sliding_log, token_bucket
 from kernel.algorithms.common import InvalidArguments
 from kernel.algorithms.fixed_window import FixedWindowState, WindowParams
 from kernel.algorithms.gcra import GcraState
@@ -171,6 +171,20 @@ def test_pool_take_per_s_holds_no_more_than_the_first_lease_can_spend():
 def test_sliding_log_cost_is_bounded():
     with pytest.raises(InvalidArguments):
         sliding_log.decide(None, WindowParams(5_000, 1_000, 1_001), T0, "m")
+    with pytest.raises(InvalidArguments):  # refused where the script's SL.parse refuses it
+        multi([None], [RuleSpec("sl", (5_000, 1_000, 1_001, 0, 0))], T0, "m")
+
+
+@pytest.mark.parametrize(("unit", "lo", "want", "taken"), [
+    (1, 1, 999, 999), (1, 1, 1_000, 1_000), (1, 1, 1_001, 1_000), (1, 1_000, 1_500, 1_000), (3, 1, 400, 333)])
+def test_a_sliding_log_chunk_beyond_1000_entries_is_a_denied_count(unit, lo, want, taken):
+    """As in ``lua/hot_chunk.lua``: a count whose entries pass 1,000 is beyond the log's range, so
+    the search takes the largest count within it (the script's differential test compares both)."""
+    rules = [RuleSpec("sl", (5_000, 60_000, unit, 0, 0))]
+    reply, new = hot_chunk.take([None], rules, T0, "C", lo, want)
+    assert reply[0] == taken and new is not None and len(new[0].entries) == taken * unit
+    with pytest.raises(InvalidArguments):  # min units beyond the range: the script's error reply
+        hot_chunk.take([None], rules, T0, "C", 1_001, 1_001)
 
 
 def test_multi_rule_validation():

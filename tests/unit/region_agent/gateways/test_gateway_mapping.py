@@ -226,7 +226,7 @@ def _strict(fields: dict[str, str], cost: object, request_id: str) -> tuple:
 
 _FIELD_VALUES = {"route_group": ["read", "re/ad", ""], "user": ["U-17", " admin", "", "x" * 256, "x" * 257, "\u00e9t\u00e9"],
                  "service": ["svc-1", "svc\x00"], "tenant": ["atlas", "at las", ""],
-                 "api_key": ["k-1", "", "k" * 257, "k\t"], "auth_failed": ["true", "false", "yes"],
+                 "api_key": ["k-1", "", "k" * 256, "k" * 257, "k\t"], "auth_failed": ["true", "false", "yes"],
                  "client_ip": ["203.0.113.9", "1", "", "9" * 64, "9" * 65], "method": ["GET", "get", "POST"]}
 
 
@@ -268,6 +268,27 @@ def test_every_one_field_change_of_a_valid_question_is_the_converts(base):
             except BadQuestion as e:
                 got = ("refused", e.reason, str(e), e.errors)
             assert got == _strict(fields, cost, "rls-0123456789abcdef0123"), (fields, cost)
+
+
+@pytest.mark.parametrize("principal", ["user", "service"])
+@pytest.mark.parametrize(("key", "built"), [("k" * 256, True), ("k" * 257, False), ("", False)])
+def test_an_api_keys_length_is_the_principals_check_through_the_rls_door(principal, key, built):
+    """An API key at the limit (256 characters) is built directly; an over-long or an empty one is
+    left by the principal's own check to the strict convert, which refuses it for its reason, as
+    the strict path alone does: through the RLS door, the question or the refusal is the same."""
+    rid = "rls-0123456789abcdef0123"
+    call = [d(("tenant", "atlas"), (principal, "U-17"), ("api_key", key), ("route_group", "read"),
+              ("request_id", rid))]
+    fields = {"tenant": "atlas", principal: "U-17", "api_key": key, "route_group": "read"}
+    assert (mapping._direct(fields, 1, rid) is not None) == built
+    want = _strict(fields, 1, rid)
+    try:
+        got: tuple = ("asked", questions(NAMES, "leasehold", call, 1)[0])
+    except BadQuestion as e:
+        got = ("refused", e.reason, str(e), e.errors)
+    assert got == want and (want[0] == "asked") == built
+    if not built:
+        assert want[1] == "bad_value" and "apiKeyId" in want[2]
 
 
 @pytest.mark.parametrize("fields", _VALID)
