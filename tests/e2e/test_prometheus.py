@@ -47,6 +47,7 @@ from tests.support.prometheus import (
     quiet_then_ordinary,
     running_prometheus,
 )
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -120,23 +121,15 @@ def _critical_firing(prom: Prom) -> list[dict]:
 
 def _wait_active(prom: Prom, name: str, timeout: float) -> list[dict]:
     """``name`` pending or firing within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = [a for a in prom.alerts() if a["labels"]["alertname"] == name]
-        if got:
-            return got
-        time.sleep(1)
-    raise AssertionError(f"{name} did not go pending within {timeout:.0f} s; alerts: {prom.alerts()}")
+    got = wait_until(lambda: [a for a in prom.alerts() if a["labels"]["alertname"] == name], timeout, interval=1)
+    assert got, f"{name} did not go pending within {timeout:.0f} s; alerts: {prom.alerts()}"
+    return got
 
 
 def _wait_firing(prom: Prom, name: str, timeout: float, **labels: str) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = prom.firing(name, **labels)
-        if got:
-            return got
-        time.sleep(1)
-    raise AssertionError(f"{name} {labels} did not fire within {timeout:.0f} s; alerts: {prom.alerts()}")
+    got = wait_until(lambda: prom.firing(name, **labels), timeout, interval=1)
+    assert got, f"{name} {labels} did not fire within {timeout:.0f} s; alerts: {prom.alerts()}"
+    return got
 
 
 def test_healthy_quiet_and_ordinary_traffic_leave_every_alert_inactive(topology, prometheus):

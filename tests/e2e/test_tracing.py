@@ -21,6 +21,7 @@ from leasehold.local.procs import LOOPBACK, Proc, free_port, wait_http_ready
 from leasehold.local.services import agent_command
 from leasehold.local.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
 from tests.otlp import attrs, receiving
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -39,16 +40,6 @@ def topology(receiver, tmp_path_factory):
                                       auth=True, rls=True, agent_args=flags, allocator_args=flags)).start()
     yield topo
     topo.stop()
-
-
-def _wait(pred, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.3)
-    return pred()
 
 
 def _covering(spans, parents):
@@ -73,7 +64,7 @@ def test_a_trace_crosses_gateway_agent_and_allocator(receiver, topology):
                     "requestId": f"trace-{batch:03d}-{i:04d}", "tenantId": tenant,
                     "principal": {"type": "user", "id": f"T-{sent}"}, "routeGroup": route})
                 assert r.status_code == 200, r.text
-            if _wait(lambda: rec.find("leasehold-allocator", "leasehold.lease_request", trace_id), 2.0):
+            if wait_until(lambda: rec.find("leasehold-allocator", "leasehold.lease_request", trace_id), 2.0):
                 break
         # the forward-auth and RLS doors take the gateway's context too
         authz_trace = secrets.token_hex(16)
@@ -92,7 +83,7 @@ def test_a_trace_crosses_gateway_agent_and_allocator(receiver, topology):
                                                         D.Entry(key="route_group", value="read")])]),
             metadata=meta, timeout=5)
 
-    decisions = _wait(lambda: rec.find("leasehold-agent", "leasehold.decision", trace_id))
+    decisions = wait_until(lambda: rec.find("leasehold-agent", "leasehold.decision", trace_id))
     assert decisions, "no decision span in the gateway's trace"
     a = attrs(decisions[0])
     assert a["leasehold.door"] == "http" and a["decision.source"] in ("script", "chunk", "negative_cache")
@@ -103,27 +94,27 @@ def test_a_trace_crosses_gateway_agent_and_allocator(receiver, topology):
     # spans reach the receiver in export batches, a script's often before its decision's (it ends
     # first): the decisions read above may predate some of the scripts' parents (bounded wait)
     parents = {sp.parent_span_id for sp in scripts}
-    decisions = _wait(lambda: _covering(rec.find("leasehold-agent", "leasehold.decision", trace_id), parents),
-                      10.0) or decisions
+    decisions = wait_until(lambda: _covering(rec.find("leasehold-agent", "leasehold.decision", trace_id), parents),
+                           10.0) or decisions
     assert parents <= {d.span_id for d in decisions}
 
     # agent -> allocator: the agent's lease request span is a decision's child, the allocator's
     # request span is the agent's child, the commit belongs to the same trace (or links it)
-    client = _wait(lambda: rec.find("leasehold-agent", "leasehold.lease_request", trace_id))
-    server = _wait(lambda: rec.find("leasehold-allocator", "leasehold.lease_request", trace_id))
+    client = wait_until(lambda: rec.find("leasehold-agent", "leasehold.lease_request", trace_id))
+    server = wait_until(lambda: rec.find("leasehold-allocator", "leasehold.lease_request", trace_id))
     assert client and server, f"no lease request in the trace after {sent} decisions"
     # the allocator's span ends (and is exported) before the agent's, which ends with the answer: the
     # agent's spans read above may predate some of the allocator's parents (bounded wait)
     callers = {s.parent_span_id for s in server}
-    client = _wait(lambda: _covering(rec.find("leasehold-agent", "leasehold.lease_request", trace_id), callers),
-                   10.0) or client
+    client = wait_until(lambda: _covering(rec.find("leasehold-agent", "leasehold.lease_request", trace_id), callers),
+                        10.0) or client
     assert callers <= {c.span_id for c in client}
-    commits = _wait(lambda: [sp for sp in rec.find("leasehold-allocator", "leasehold.allocator_commit")
-                             if sp.trace_id == trace_id or any(lk.trace_id == trace_id for lk in sp.links)])
+    commits = wait_until(lambda: [sp for sp in rec.find("leasehold-allocator", "leasehold.allocator_commit")
+                                  if sp.trace_id == trace_id or any(lk.trace_id == trace_id for lk in sp.links)])
     assert commits and attrs(commits[0])["leasehold.kind"] in ("grants", "reports")
 
     for door, t in (("authz", authz_trace), ("rls", rls_trace)):
-        got = _wait(lambda t=t: rec.find("leasehold-agent", "leasehold.decision", bytes.fromhex(t)))
+        got = wait_until(lambda t=t: rec.find("leasehold-agent", "leasehold.decision", bytes.fromhex(t)))
         assert got and attrs(got[0])["leasehold.door"] == door, door
 
 
@@ -141,7 +132,7 @@ def test_a_regions_path_is_cut_short_on_the_allocators_span(receiver, topology):
     r = httpx.post(topology.allocator_urls[0] + path, json={}, headers=_region_headers(topology, trace_hex),
                    timeout=5)
     assert r.status_code in (400, 404), r.text  # authenticated; the lease id is refused
-    spans = _wait(lambda: rec.find("leasehold-allocator", "leasehold.lease_request", bytes.fromhex(trace_hex)))
+    spans = wait_until(lambda: rec.find("leasehold-allocator", "leasehold.lease_request", bytes.fromhex(trace_hex)))
     assert spans, "no allocator span for the request"
     assert attrs(spans[0])["url.path"] == path[:256]
 
@@ -166,7 +157,7 @@ def test_a_caller_the_allocator_does_not_authenticate_makes_no_span(receiver, to
     passed = secrets.token_hex(16)
     r = httpx.get(url + "/v1/leases/eu-0123456789", headers=_region_headers(topology, passed), timeout=5)
     assert r.status_code == 404, r.text
-    assert _wait(lambda: rec.find("leasehold-allocator", "leasehold.lease_request", bytes.fromhex(passed))), \
+    assert wait_until(lambda: rec.find("leasehold-allocator", "leasehold.lease_request", bytes.fromhex(passed))), \
         "no allocator span for the region's request"
     time.sleep(1.0)  # one more export interval for anything still queued
     for name, trace_id in refused.items():
@@ -222,7 +213,7 @@ def test_a_clients_trace_context_is_taken_by_w3c_rules_and_cannot_flood_the_log(
             got = {attrs(sp)["leasehold.decision_id"]: sp for sp in rec.find("leasehold-agent", "leasehold.decision")
                    if attrs(sp)["leasehold.decision_id"] in cases}
             return got if len(got) == len(cases) else None
-        spans = _wait(decided)
+        spans = wait_until(decided)
     finally:
         proc.stop()
     assert spans, "the decision spans were not exported"

@@ -40,8 +40,9 @@ from kernel.errors import (
 )
 from leasehold.local.procs import EtcdCluster
 from region_agent.service.app import create_app as create_agent
+from tests.support.waiting import await_until
 
-from .allocator.helpers import lease_body, settings_for, unique_prefix, wait_until
+from .allocator.helpers import lease_body, settings_for, unique_prefix
 from .allocator.helpers import write_bundle as write_allocator_bundle
 from .region_agent.conftest import PEPPER, admit_body, make_settings
 from .region_agent.conftest import northstar as northstar_bundle
@@ -96,7 +97,8 @@ async def both(redis_url: str, etcd: EtcdCluster, tmp: Path, *, fast_path: bool 
     alloc_app = with_probes(create_allocator(settings_for(etcd, pools, unique_prefix(), auth_disabled=False,
                                                           region_tokens=[f"eu:{DIGEST}"])))
     async with AsyncTestClient(app=agent_app) as agent, AsyncTestClient(app=alloc_app, timeout=30) as alloc:
-        await wait_until(lambda: alloc_app.state.election.is_leader)
+        assert await await_until(lambda: alloc_app.state.election.is_leader), \
+            "the allocator did not take the lead"
         yield agent, alloc
 
 

@@ -198,14 +198,6 @@ def the_backend_ends_its_export(stack: Stack, url: str, tenant: str) -> None:
         assert again.status_code == 200, (again.status_code, again.text)
 
 
-def wait_early_in_window(window_s: int, room_s: float) -> None:
-    """Sleep until at least ``room_s`` of the current fixed window (aligned on multiples of their length in Unix time,
-    as the scripts align them on the Redis clock of this machine) are left."""
-    left = window_s - time.time() % window_s
-    if left < room_s:
-        time.sleep(left + 0.05)
-
-
 # ----------------------------------------------------------------------------- Envoys on envoy-rlqs.yaml
 def rlqs_envoy(stack: Stack, name: str, rls_port: int | None = None) -> Envoy:
     """An Envoy on the shipped ``envoy-rlqs.yaml`` in front of the stack's agent (its RLS port, or

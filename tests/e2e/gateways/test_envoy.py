@@ -18,9 +18,10 @@ from leasehold.local.gateways import Envoy, render
 from leasehold.local.procs import LOOPBACK, free_port
 from tests.support.cgi_backend import CgiBackend
 from tests.support.upgrade_backend import UpgradeBackend
+from tests.support.windows import clear_of_window_edges_sync
 
 from . import attacks
-from .conftest import Stack, assert_p_read, identity, the_backend_ends_its_export, wait_early_in_window
+from .conftest import Stack, assert_p_read, identity, the_backend_ends_its_export
 
 pytestmark = pytest.mark.e2e
 
@@ -73,7 +74,7 @@ def test_p_anon_login_is_a_generic_429(stack: Stack, rls_envoy: Envoy, authz_env
     the address's window, so only the first run sees exactly 20 pass."""
     e = rls_envoy if which == "rls" else authz_envoy
     for _attempt in range(3):
-        wait_early_in_window(10, 5.0)
+        clear_of_window_edges_sync(10_000, before_ms=5_000)
         started = time.monotonic()
         with httpx.Client(base_url=e.url, timeout=10) as c:
             responses = [c.post("/login", content=b"user=u&password=p") for _ in range(21)]

@@ -18,8 +18,9 @@ import pytest
 from leasehold.local.gateways import Envoy, render, tracing_values, upstream
 from leasehold.local.procs import LOOPBACK, Proc, free_port
 from leasehold.local.topology import LocalTopology, TopologySpec
+from tests.support.windows import clear_of_window_edges_sync
 
-from .conftest import ISSUER, identity, wait_early_in_window
+from .conftest import ISSUER, identity
 
 pytestmark = pytest.mark.e2e
 
@@ -98,7 +99,7 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 
 def test_tenant_pool_g_is_honoured_across_two_envoys(fleet: Fleet):
-    wait_early_in_window(WINDOW_MS // 1000, 15.0)
+    clear_of_window_edges_sync(WINDOW_MS, before_ms=15_000)
     sent = asyncio.run(drive(fleet, users=40, per_user=10))  # 400 asked, G = 300
     assert len(sent) == 400
     assert {s.status for s in sent} <= {200, 429}, sorted({s.status for s in sent})

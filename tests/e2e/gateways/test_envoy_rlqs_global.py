@@ -21,8 +21,9 @@ from kernel.bound import RlqsShape, envoy_fallback_tokens, rlqs_term
 from leasehold.local.gateways import Envoy, render, upstream
 from leasehold.local.procs import LOOPBACK, Proc, free_port
 from leasehold.local.topology import LocalTopology, TopologySpec
+from tests.support.windows import clear_of_window_edges_sync
 
-from .conftest import ISSUER, identity, wait_early_in_window
+from .conftest import ISSUER, identity
 from .test_envoy_global import AGENT_ARGS, Sent
 
 pytestmark = pytest.mark.e2e
@@ -106,7 +107,7 @@ def test_a_tenant_pool_through_rlqs_envoys_never_exceeds_g_plus_the_rlqs_term(fl
     term = rlqs_term(shipped, WINDOW_MS)
     assert term.tokens == 0, term  # a 60 s window clamps every assignment; deny-all fallbacks
     rls_before = {r: metric(urls[0], "leasehold_agent_rls_requests_total") for r, urls in fleet.topo.agent_urls.items()}
-    wait_early_in_window(WINDOW_MS // 1000, DRIVE_S + 15.0)
+    clear_of_window_edges_sync(WINDOW_MS, before_ms=int((DRIVE_S + 15.0) * 1000))
     sent = asyncio.run(drive(fleet))
     assert {s.status for s in sent} <= {200, 429}, sorted({s.status for s in sent})
     # per pool window (allocator windows are Unix-time-aligned): a request whose send and answer fall

@@ -30,6 +30,7 @@ from leasehold.local.gateways import Envoy, render, tracing_values, upstream
 from leasehold.local.procs import LOOPBACK, Proc, free_port
 from leasehold.local.topology import LocalTopology, TopologySpec
 from tests.otlp import Receiver, attrs, receiving
+from tests.support.waiting import wait_until
 
 from .conftest import ISSUER, identity
 
@@ -89,15 +90,6 @@ def trace_of(response: httpx.Response) -> tuple[bytes, str]:
     return bytes.fromhex(trace_id), flags
 
 
-def wait_for(pred, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = pred()
-        if got or time.monotonic() > deadline:
-            return got
-        time.sleep(0.25)
-
-
 @pytest.mark.parametrize("door", list(DOORS))
 def test_one_request_through_envoy_is_one_trace_down_to_the_allocator_commit(edge: Edge, door: str):
     rec, envoy = edge.receiver, edge.envoys[door]
@@ -121,7 +113,7 @@ def test_one_request_through_envoy_is_one_trace_down_to_the_allocator_commit(edg
                 trace_id, flags = trace_of(r)
                 assert flags == "01"  # sampled at the edge (100 %)
                 sent.append(trace_id)
-            found = wait_for(lease_traced, 3.0)
+            found = wait_until(lease_traced, 3.0)
             if found:
                 break
     assert found, f"no decision of {len(sent)} requests through Envoy started a lease request"
@@ -131,12 +123,12 @@ def test_one_request_through_envoy_is_one_trace_down_to_the_allocator_commit(edg
         return rec.find(service, name, trace_id)
 
     # Envoy exports its spans every few seconds
-    ingress = wait_for(lambda: spans(SERVICE_ENVOY, "ingress"), 20.0)
+    ingress = wait_until(lambda: spans(SERVICE_ENVOY, "ingress"), 20.0)
     assert len(ingress) == 1 and not ingress[0].parent_span_id, "Envoy's span is the trace's root"
-    calls = wait_for(lambda: [sp for sp in spans(SERVICE_ENVOY) if attrs(sp).get("upstream_cluster") == DOORS[door][1]],
-                     20.0)
+    calls = wait_until(lambda: [sp for sp in spans(SERVICE_ENVOY) if attrs(sp).get("upstream_cluster") == DOORS[door][1]],
+                       20.0)
     assert len(calls) == 1 and calls[0].parent_span_id == ingress[0].span_id, "Envoy's call to the agent"
-    (decision,) = wait_for(lambda: spans(SERVICE_AGENT, "leasehold.decision"), 10.0)
+    (decision,) = wait_until(lambda: spans(SERVICE_AGENT, "leasehold.decision"), 10.0)
     assert decision.parent_span_id == calls[0].span_id, "the agent's decision is the child of Envoy's call"
     a = attrs(decision)
     assert a["leasehold.door"] == door and a["leasehold.allowed"] is True and a["decision.source"] in ("script", "chunk")
@@ -144,8 +136,8 @@ def test_one_request_through_envoy_is_one_trace_down_to_the_allocator_commit(edg
     agent_ids = {sp.span_id for sp in spans(SERVICE_AGENT)}
     assert agent_leases and all(sp.parent_span_id in agent_ids for sp in agent_leases), "started by the decision"
     assert {sp.parent_span_id for sp in found if sp.trace_id == trace_id} <= {sp.span_id for sp in agent_leases}
-    commits = wait_for(lambda: [sp for sp in rec.find(SERVICE_ALLOCATOR, "leasehold.allocator_commit")
-                                if sp.trace_id == trace_id or any(lk.trace_id == trace_id for lk in sp.links)], 10.0)
+    commits = wait_until(lambda: [sp for sp in rec.find(SERVICE_ALLOCATOR, "leasehold.allocator_commit")
+                                  if sp.trace_id == trace_id or any(lk.trace_id == trace_id for lk in sp.links)], 10.0)
     assert commits and attrs(commits[0])["leasehold.kind"] in ("grants", "reports")
 
 
@@ -165,8 +157,8 @@ def test_a_client_can_neither_join_nor_force_a_trace(edge: Edge, door: str):
     assert minted != bytes.fromhex(client_trace) and flags == "01"
     assert r.json()["headers"].get("tracestate", "") == "", r.json()["headers"]
     # the request was traced in Envoy's own trace, down to the agent's decision
-    assert wait_for(lambda: rec.find(SERVICE_AGENT, "leasehold.decision", minted), 10.0)
-    assert wait_for(lambda: rec.find(SERVICE_ENVOY, "ingress", minted), 20.0)
+    assert wait_until(lambda: rec.find(SERVICE_AGENT, "leasehold.decision", minted), 10.0)
+    assert wait_until(lambda: rec.find(SERVICE_ENVOY, "ingress", minted), 20.0)
     assert rec.in_trace(bytes.fromhex(client_trace)) == []
 
 
@@ -187,9 +179,9 @@ def test_without_a_collector_nothing_is_traced_nor_dialled(edge: Edge):
     done_ns = time.time_ns()
     # Absence, measured: the agent has exported a span that ended after these requests (its
     # background lease requests are traced), and Envoy's flush timer has fired twice since.
-    assert wait_for(lambda: any(sp.end_time_unix_nano > done_ns for sp in rec.find(SERVICE_AGENT)), 30.0)
-    assert wait_for(lambda: envoy.stats("tracing.opentelemetry.")["tracing.opentelemetry.timer_flushed"]
-                    >= flushes + 2, 30.0)
+    assert wait_until(lambda: any(sp.end_time_unix_nano > done_ns for sp in rec.find(SERVICE_AGENT)), 30.0)
+    assert wait_until(lambda: envoy.stats("tracing.opentelemetry.")["tracing.opentelemetry.timer_flushed"]
+                      >= flushes + 2, 30.0)
     assert [rec.in_trace(t) for t in minted] == [[]] * 5
     assert rec.in_trace(bytes.fromhex(client_trace)) == []
     stats = envoy.stats()

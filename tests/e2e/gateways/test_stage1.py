@@ -21,9 +21,10 @@ from redis import Redis
 from kernel.bundle import encode_bundle, load_bundle_file, seal
 from leasehold.local.devjwt import DevIssuer
 from leasehold.local.gateways import Envoy, Nginx
+from tests.support.windows import clear_of_window_edges_sync
 
 from .attacks import keys, tokens, user_key
-from .conftest import KEYS, NORTHSTAR, Stack, identity, wait_early_in_window
+from .conftest import KEYS, NORTHSTAR, Stack, identity
 
 pytestmark = pytest.mark.e2e
 
@@ -102,7 +103,7 @@ def test_trace_step_1_the_address_window_before_authentication(stack: Stack, rls
     r.pexpire(atlas, 600_000)
     r.close()
     for attempt in range(3):  # the window must not roll between the set-up and the request
-        wait_early_in_window(10, 5.0)
+        clear_of_window_edges_sync(10_000, before_ms=5_000)
         set_window(stack, source, 6)
         with client(rls_envoy.url, source) as c:
             resp = c.get("/catalog", headers=identity("U-17", "atlas", "K1"))
@@ -126,7 +127,7 @@ def test_credential_guessing_on_an_authenticated_route_spends_the_address_window
     stranger = DevIssuer()
     guesses = [stranger.bearer("B-1", "birch"), {"authorization": "Bearer guess"}, {}]
     for attempt in range(3):
-        wait_early_in_window(10, 5.0)
+        clear_of_window_edges_sync(10_000, before_ms=5_000)
         set_window(stack, source, 18)
         with client(url, source) as c:
             answers = [c.get("/catalog", headers=h) for h in guesses]

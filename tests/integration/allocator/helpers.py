@@ -3,9 +3,7 @@ real etcd cluster, and ``python -m allocator`` subprocesses."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,6 +22,7 @@ from kernel.bundle import Bundle, Pool, encode_bundle, seal
 from kernel.etcd_store import EtcdStore, TxnBuilder
 from leasehold.local.procs import LOOPBACK, EtcdCluster, Proc, free_port, wait_port
 from leasehold.local.services import allocator_command
+from tests.support.waiting import await_until
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -46,24 +45,13 @@ def settings_for(cluster: EtcdCluster, bundle: Path, prefix: str, node_id: str =
                              port=port, prefix=prefix, **kw)
 
 
-async def wait_until(pred: Any, within_s: float = 20.0, interval: float = 0.05) -> None:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        res = pred()
-        if asyncio.iscoroutine(res):
-            res = await res
-        if res:
-            return
-        await asyncio.sleep(interval)
-    raise AssertionError("condition not reached in time")
-
-
 @asynccontextmanager
 async def in_process(settings: AllocatorSettings, **kw: Any) -> AsyncIterator[AsyncTestClient]:
     """The allocator app in this event loop, with its real etcd client, leading."""
     app = create_app(settings, **kw)
     async with AsyncTestClient(app=app, timeout=30) as client:
-        await wait_until(lambda: app.state.election.is_leader)
+        assert await await_until(lambda: app.state.election.is_leader), \
+            "the in-process allocator did not take the lead"
         client.app_state = app.state  # type: ignore[attr-defined]  # the tests read the app state through the client
         yield client
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from leasehold.local.procs import EtcdCluster
+from tests.support.waiting import await_until
 
 from .conftest import TestClock, W
-from .helpers import etcd_grants, etcd_windows, in_process, lease_body, settings_for, wait_until
+from .helpers import etcd_grants, etcd_windows, in_process, lease_body, settings_for
 
 
 def _metric(text: str, name: str) -> float:
@@ -32,7 +33,7 @@ async def test_big_etcd_limit_carries_hundreds_of_grants_per_transaction(big_txn
     try:
         async with in_process(settings_for(big_txn_etcd, bundle, prefix), clock=clock) as client:
             store = client.app_state.writer.store
-            await wait_until(lambda: store.txn_ops_known)
+            assert await await_until(lambda: store.txn_ops_known), "etcd's --max-txn-ops never learned"
             assert store.max_txn_ops == 1024  # read from etcd (--max-txn-ops 1024), not configured
             results = await _grant_all(client, reqs)
             text = (await client.get("/metrics")).text
@@ -85,7 +86,8 @@ async def test_one_hot_pool_in_big_transactions_never_exceeds_g(big_txn_etcd: Et
     reader = EtcdStore(",".join(big_txn_etcd.endpoints), timeout_s=5)
     try:
         async with in_process(settings_for(big_txn_etcd, bundle, prefix), clock=clock) as client:
-            await wait_until(lambda: client.app_state.writer.store.txn_ops_known)
+            assert await await_until(lambda: client.app_state.writer.store.txn_ops_known), \
+                "etcd's --max-txn-ops never learned"
             results = await _grant_all(client, reqs)
         total = sum(r["granted"] for r in results)
         assert total == 1_000  # 500 x up to 7 asked: the pool is spent exactly, never beyond

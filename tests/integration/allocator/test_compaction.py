@@ -15,9 +15,10 @@ from kernel.bundle import Bundle, Pool, encode_bundle, seal
 from kernel.etcd_store import EtcdStore
 from kernel.policy_store import PolicyStore
 from leasehold.local.procs import EtcdCluster
+from tests.support.waiting import await_until
 
 from .conftest import TestClock, W
-from .helpers import in_process, lease_body, settings_for, unique_prefix, wait_until
+from .helpers import in_process, lease_body, settings_for, unique_prefix
 
 
 def read_at(etcd: EtcdCluster, key: bytes, revision: int) -> str:
@@ -46,7 +47,8 @@ async def test_the_leader_compacts_etcd_and_the_service_keeps_working(tmp_path: 
                     r = await client.post("/v1/leases", json=lease_body(f"compact-{i:04d}", "cp", "eu", 10))
                     assert r.status_code == 200
                 old_rev = (await reader.get(f"{prefix}pools/cp/{first['window']['index']}".encode())).mod_revision
-                await wait_until(lambda: _compacted_past(reader, key, old_rev), within_s=20)
+                assert await await_until(lambda: _compacted_past(reader, key, old_rev), within_s=20), \
+                    "no compaction past the old revision recorded"
             rec = msgspec.json.decode((await reader.get(key)).value, type=CompactionRecord)
             assert rec.node_id == "n1" and rec.revision > old_rev  # the leader, never the follower
             assert "required revision has been compacted" in read_at(etcd, key, rec.revision - 1)
@@ -64,7 +66,8 @@ async def test_the_leader_compacts_etcd_and_the_service_keeps_working(tmp_path: 
             bundle2 = seal(Bundle(bundle_version=2, published_at="2026-11-29T00:00:01Z", checksum="", rules=[],
                                   pools=[pool, Pool(id="cp2", window_ms=W, limit=500)]))
             await PolicyStore(reader, prefix).publish(encode_bundle(bundle2))
-            await wait_until(lambda: "cp2" in client.app_state.writer.pools, within_s=10)
+            assert await await_until(lambda: "cp2" in client.app_state.writer.pools, within_s=10), \
+                "the bundle published after the compactions did not arrive"
             text = (await client.get("/metrics")).text
         assert "leasehold_allocator_etcd_compactions_total" in text
         assert float(text.split("\nleasehold_allocator_etcd_compacted_revision ")[1].split()[0]) >= rec.revision
@@ -90,7 +93,8 @@ def _follower(settings, clock):
     async def run():
         app = create_app(settings, clock=clock)
         async with AsyncTestClient(app=app, timeout=30):
-            await wait_until(lambda: app.state.election.role_known)
+            assert await await_until(lambda: app.state.election.role_known), \
+                "the follower never learned its role"
             assert not app.state.election.is_leader
             yield app
     return run()

@@ -6,9 +6,10 @@ from allocator.settings import AllocatorSettings
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from leasehold.local.procs import EtcdCluster
+from tests.support.waiting import await_until
 
 from .conftest import TestClock, W
-from .helpers import etcd_grants, etcd_windows, in_process, lease_body, settings_for, usurp, wait_until
+from .helpers import etcd_grants, etcd_windows, in_process, lease_body, settings_for, usurp
 
 PROBLEM = "application/problem+json"
 
@@ -80,7 +81,8 @@ async def test_follower_answers_503_not_leader_naming_the_leader(etcd_cluster: E
         from allocator.app import create_app
         app = create_app(follower_settings)
         async with AsyncTestClient(app=app) as follower:
-            await wait_until(lambda: app.state.election.role_known)
+            assert await await_until(lambda: app.state.election.role_known), \
+                "the follower never learned its role"
             info = (await follower.get("/v1/leader")).json()
             lead_info = (await leader.get("/v1/leader")).json()
             assert info == {**lead_info, "isSelf": False, "leading": 0}  # (leading: how many shards it leads)
@@ -138,7 +140,8 @@ async def test_etcd_unreachable_503_and_nothing_granted(fresh_etcd_cluster: Etcd
         cluster.stop_member(0)  # the endpoint the allocator talks to: it must move to the next one
         r = await client.post("/v1/leases", json=lease_body("down-lease-0", "p1", "eu", 5))
         if r.status_code == 503:  # the leader may have stepped down on a failed keepalive: wait, retry
-            await wait_until(lambda: client.app_state.election.is_leader, within_s=20)
+            assert await await_until(lambda: client.app_state.election.is_leader, within_s=20), \
+                "the leader did not take the lead again"
             r = await client.post("/v1/leases", json=lease_body("down-lease-0", "p1", "eu", 5))
         assert r.status_code == 200, r.text
         for i in range(1, len(cluster.procs)):
@@ -146,7 +149,8 @@ async def test_etcd_unreachable_503_and_nothing_granted(fresh_etcd_cluster: Etcd
         r = await client.post("/v1/leases", json=lease_body("down-lease-1", "p1", "eu", 5))
         assert r.status_code == 503 and r.headers["content-type"].startswith(PROBLEM)
         assert r.json()["retriable"] is True and r.headers["retry-after"] == "1"
-        await wait_until(lambda: not client.app_state.election.is_leader, within_s=10)
+        assert await await_until(lambda: not client.app_state.election.is_leader, within_s=10), \
+            "the leader did not step down with etcd down"
         r = await client.post("/v1/leases", json=lease_body("down-lease-2", "p1", "eu", 5))
         assert r.status_code == 503
         # etcd down: the replica still answers (retriable 503s), so it stays ready; etcd's health is
@@ -158,7 +162,8 @@ async def test_etcd_unreachable_503_and_nothing_granted(fresh_etcd_cluster: Etcd
         for i in range(len(cluster.procs)):
             cluster.procs[i].start()
         cluster.wait_healthy()
-        await wait_until(lambda: client.app_state.election.is_leader, within_s=20)
+        assert await await_until(lambda: client.app_state.election.is_leader, within_s=20), \
+            "the leader did not take the lead again after etcd came back"
         assert (await client.get("/readyz")).json()["role"] == "leader"
         health = await client.get("/v1/health/store")
         assert health.status_code == 200 and health.json()["etcd"] == "reachable"

@@ -15,10 +15,11 @@ import pytest
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from leasehold.local.procs import EtcdCluster
-from tests.wallclock import clear_of_window_edges
+from tests.support.waiting import await_until
+from tests.support.windows import clear_of_window_edges
 
 from .conftest import W
-from .helpers import AllocatorProcess, assert_replay_of, etcd_grants, etcd_windows, lease_body, wait_until
+from .helpers import AllocatorProcess, assert_replay_of, etcd_grants, etcd_windows, lease_body
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ async def leader_of(procs: list[AllocatorProcess], exclude: AllocatorProcess | N
                     found.append((p, info["epoch"]))
                     return True
         return False
-    await wait_until(check, within_s=30, interval=0.1)
+    assert await await_until(check, within_s=30, interval=0.1), "no replica became leader"
     return found[-1]
 
 
@@ -121,7 +122,8 @@ async def test_paused_leader_cannot_commit_after_resume(replicas: list[Allocator
         fenced = float(metrics.split("\nleasehold_allocator_fenced_total ")[1].split()[0])
         assert 1 <= fenced <= codes.count("fenced")  # one refused txn per group of accepted requests
         # once resumed the old leader knows it is a follower and names the new leader
-        await wait_until(lambda: _follows(leader, other.url), within_s=10)
+        assert await await_until(lambda: _follows(leader, other.url), within_s=10), \
+            "the resumed old leader does not follow the new one"
     grants = await etcd_grants(etcd_reader, prefix)
     assert set(grants) == {"pause-lease-0", "pause-lease-2"}  # nothing committed by the paused leader
     assert grants["pause-lease-2"].grant.epoch > grants["pause-lease-0"].grant.epoch

@@ -13,9 +13,10 @@ from allocator import fastpath
 from allocator.app import create_app
 from kernel.bundle import Pool
 from leasehold.local.procs import EtcdCluster
+from tests.support.waiting import await_until
 
 from .conftest import TestClock, W
-from .helpers import lease_body, settings_for, unique_prefix, wait_until
+from .helpers import lease_body, settings_for, unique_prefix
 
 TOKENS = {"eu": "eu-token-for-the-fast-path-test", "us": "us-token-for-the-fast-path-test"}
 ENTRIES = [f"{r}:{hashlib.sha256(t.encode()).hexdigest()}" for r, t in TOKENS.items()]
@@ -70,7 +71,7 @@ async def _answers(cluster: EtcdCluster, bundle, clock: TestClock, fast: bool) -
     out = []
     t0 = clock.frozen
     async with AsyncTestClient(app=app, timeout=30) as c:
-        await wait_until(lambda: app.state.election.is_leader)
+        assert await await_until(lambda: app.state.election.is_leader), "the allocator did not take the lead"
         for name, path, headers, body in CASES:
             if path == "/v1/usage/batch":
                 clock.frozen = t0 + 5_000  # the leases expired

@@ -11,6 +11,7 @@ import httpx
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from leasehold.local.procs import EtcdCluster
+from tests.support.waiting import await_until
 
 from .conftest import TestClock, W
 from .helpers import (
@@ -21,7 +22,6 @@ from .helpers import (
     in_process,
     lease_body,
     settings_for,
-    wait_until,
 )
 
 
@@ -32,7 +32,8 @@ async def test_concurrent_grants_never_exceed_g(etcd_cluster: EtcdCluster, make_
     proc = AllocatorProcess(tmp_path, etcd_cluster, bundle, prefix, "solo").start()
     try:
         async with httpx.AsyncClient(timeout=30) as client:
-            await wait_until(lambda: (proc.leader_info() or {}).get("isSelf"), within_s=20)
+            assert await await_until(lambda: (proc.leader_info() or {}).get("isSelf"), within_s=20), \
+                proc.proc.tail()
             rnd = random.Random(7)
 
             async def region_client(region: str, n: int) -> list[int]:

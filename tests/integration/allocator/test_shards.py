@@ -19,9 +19,10 @@ from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from kernel.shards import shard_of
 from leasehold.local.procs import EtcdCluster
+from tests.support.waiting import await_until
 
 from .conftest import W
-from .helpers import etcd_grants, etcd_windows, lease_body, settings_for, usurp, wait_until
+from .helpers import etcd_grants, etcd_windows, lease_body, settings_for, usurp
 
 SHARDS = 8
 
@@ -68,7 +69,8 @@ async def converged(reps: list[Replica], shards: int = SHARDS, within_s: float =
         return all(r.led == {s for s, n in want.items() if n == r.node}
                    and [sl.node_id for sl in r.election.shard_map().leaders] == [want[s] for s in range(shards)]
                    for r in reps)
-    await wait_until(done, within_s=within_s)
+    assert await await_until(done, within_s=within_s), (f"not converged on {want}: "
+                                                      f"{[(r.node, sorted(r.led)) for r in reps]}")
     return want
 
 
@@ -149,7 +151,8 @@ async def test_a_deposed_shard_is_fenced_inside_a_transaction_spanning_shards(
         assert victim not in solo.led and len(solo.led) == SHARDS - 1
         assert "leasehold_allocator_fenced_total 1.0" in (await solo.client.get("/metrics")).text
         await etcd_reader.lease_revoke(lease)
-        await wait_until(lambda: victim in solo.led)  # the usurper is gone: the shard comes back
+        assert await await_until(lambda: victim in solo.led), \
+            (victim, sorted(solo.led))  # the usurper is gone: the shard comes back
     grants = await etcd_grants(etcd_reader, prefix)
     assert set(grants) == {f"fence-{p.id}" for p in pools if shard_of(p.id, SHARDS) != victim}
 
@@ -200,7 +203,8 @@ async def test_a_join_hands_shards_off_and_retries_get_the_stored_grant(etcd_clu
             await converged([a, b])
             await asyncio.sleep(0.3)
             # the load ran through the join (a loaded machine may have managed few grants so far)
-            await wait_until(lambda: len(acked) > 50 or all(t.done() for t in tasks), within_s=30)
+            assert await await_until(lambda: len(acked) > 50 or all(t.done() for t in tasks), within_s=30), \
+                (len(acked), [t.done() for t in tasks])
             stop.set()
             await asyncio.gather(*tasks)
             for p in moving:  # the retried lease id, now at the new leader: the stored grant
@@ -245,7 +249,8 @@ async def test_a_replica_of_another_shard_count_does_not_campaign(etcd_cluster, 
     async with replicas(sharded(etcd_cluster, bundle, prefix, "ca", 18141)) as (a,):
         await converged([a])
         async with replicas(sharded(etcd_cluster, bundle, prefix, "cb", 18142, shards=4)) as (b,):
-            await wait_until(lambda: b.election.config_error is not None)
+            assert await await_until(lambda: b.election.config_error is not None), \
+                "a replica of another shard count has no config error"
             assert "8 shards" in b.election.config_error and not b.led
             r = await b.client.get("/readyz")
             assert r.status_code == 503 and "--shards" in r.json()["detail"]

@@ -27,8 +27,9 @@ from kernel.shards import shard_of
 from kernel.wire import LeaseRequest, UsageReceipt, UsageReport
 from leasehold.local.procs import EtcdCluster
 from region_agent.leasing.client import AllocatorClient
+from tests.support.waiting import await_until
 
-from .helpers import AllocatorProcess, etcd_grants, lease_body, wait_until
+from .helpers import AllocatorProcess, etcd_grants, lease_body
 
 SHARDS = 64
 TTL_S = 2
@@ -73,7 +74,8 @@ async def converged(procs: list[AllocatorProcess], live: list[AllocatorProcess],
         got = await maps(live)
         return len(got) == len(live) and all([sl["nodeId"] for sl in m["leaders"]] == [want[s] for s in range(SHARDS)]
                                               for m in got.values())
-    await wait_until(done, within_s=within_s, interval=0.05)
+    assert await await_until(done, within_s=within_s, interval=0.05), \
+        f"the live replicas' maps never showed {want}"
     return time.monotonic() - t0
 
 

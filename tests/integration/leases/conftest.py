@@ -166,13 +166,6 @@ def full_windows(records: list[Record], window_ms: int) -> list[int]:
     return list(range(first // window_ms + 1, last // window_ms))
 
 
-async def wait_for_window_start(window_ms: int, after_ms: int = 50) -> int:
-    """Sleep until ``after_ms`` into the next window; returns its index."""
-    k = wall_ms() // window_ms + 1
-    await asyncio.sleep(max(0, k * window_ms + after_ms - wall_ms()) / 1000)
-    return k
-
-
 # ------------------------------------------------------------------------------ reading etcd / allocators
 async def etcd_windows(topo: LocalTopology, pool: str) -> dict[int, WindowState]:
     assert topo.etcd is not None

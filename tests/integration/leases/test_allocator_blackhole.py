@@ -19,6 +19,7 @@ from kernel.bundle import Pool
 from leasehold.local.procs import LOOPBACK, Proc, free_port, wait_port
 from leasehold.local.services import agent_command
 from leasehold.local.topology import DEV_PEPPER, _env
+from tests.support.windows import wait_for_window_start
 
 from .conftest import (
     FAST_AGENT,
@@ -28,7 +29,6 @@ from .conftest import (
     pool_rule,
     spendable,
     start_topology,
-    wait_for_window_start,
     wall_ms,
     write_bundle,
 )

@@ -10,6 +10,7 @@ import asyncio
 from pathlib import Path
 
 from kernel.bundle import Pool
+from tests.support.windows import wait_for_window_start
 
 from .conftest import (
     agent_urls,
@@ -21,7 +22,6 @@ from .conftest import (
     pool_rule,
     restart,
     spendable,
-    wait_for_window_start,
     wall_ms,
     write_bundle,
 )

@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 from kernel.bundle import Pool, Rule, make_rule
 from region_agent.decision.keys import KeyBuilder
 from region_agent.store.scripts import Scripts
+from tests.support.windows import wait_for_window_start
 
 from .conftest import (
     admit_body,
@@ -34,7 +35,6 @@ from .conftest import (
     request_lease,
     start_agent,
     start_proxied_region,
-    wait_for_window_start,
     wall_ms,
     write_bundle,
 )

@@ -67,6 +67,7 @@ from chaos.invariants import (
     utilisation,
 )
 from kernel.bundle import Pool, make_rule
+from tests.support.windows import wait_for_window_start
 
 from .conftest import (
     admit,
@@ -74,7 +75,6 @@ from .conftest import (
     agent_urls,
     metric,
     start_topology,
-    wait_for_window_start,
     write_bundle,
 )
 

@@ -28,7 +28,7 @@ from region_agent.leasing.redis_balance import RedisBalanceStore
 from region_agent.service.metrics import AgentMetrics
 from region_agent.store.client import make_client
 from region_agent.store.scripts import Scripts
-from tests.wallclock import clear_of_window_edges
+from tests.support.windows import clear_of_window_edges
 
 from .conftest import leader_url, start_topology, write_bundle
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 
 from kernel.bundle import Pool
+from tests.support.waiting import await_until
+from tests.support.windows import wait_for_window_start
 
 from .conftest import (
     admit,
@@ -23,7 +25,6 @@ from .conftest import (
     metric,
     pool_rule,
     start_topology,
-    wait_for_window_start,
     wall_ms,
     write_bundle,
 )
@@ -37,23 +38,23 @@ LOST = Pool(id="lost-w", window_ms=30_000, limit=50, lease_ttl_ms=3_000, chunk_m
 async def _until_served(client: httpx.AsyncClient, url: str, tenant: str, within_s: float = 15.0) -> dict:
     """After a Redis restart: poll until the agent answers from Redis again (breaker closed, scripts
     reloaded); returns that first answer (allowed or not)."""
-    deadline = asyncio.get_running_loop().time() + within_s
-    while True:
-        d = (await admit(client, url, "eu", admit_body(tenant, user="U-poll"))).d
-        if d["httpStatus"] != 503:
-            return d
-        assert asyncio.get_running_loop().time() < deadline, d
-        await asyncio.sleep(0.1)
+    answers: list[dict] = []
+
+    async def served() -> bool:
+        answers.append((await admit(client, url, "eu", admit_body(tenant, user="U-poll"))).d)
+        return answers[-1]["httpStatus"] != 503
+    assert await await_until(served, within_s, interval=0.1), answers[-1]
+    return answers[-1]
 
 
 async def _closed_grants(topo, pool: str, within_s: float = 15.0) -> list:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while True:
-        grants = [g for g in (await etcd_grants(topo)).values() if g.grant.pool == pool and g.grant.granted > 0]
-        if grants and all(g.reported for g in grants):
-            return grants
-        assert asyncio.get_running_loop().time() < deadline, [(g.grant.lease_id, g.reported) for g in grants]
-        await asyncio.sleep(0.2)
+    grants: list = []
+
+    async def closed() -> bool:
+        grants[:] = [g for g in (await etcd_grants(topo)).values() if g.grant.pool == pool and g.grant.granted > 0]
+        return bool(grants) and all(g.reported for g in grants)
+    assert await await_until(closed, within_s, interval=0.2), [(g.grant.lease_id, g.reported) for g in grants]
+    return grants
 
 
 async def test_restored_or_lost_lease_records_count_as_fully_spent(tmp_path: Path):

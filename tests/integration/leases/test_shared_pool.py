@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 
 from kernel.bundle import Pool
 from region_agent.decision.keys import KeyBuilder
+from tests.support.windows import wait_for_window_start
 
 from .conftest import (
     admit,
@@ -28,7 +29,6 @@ from .conftest import (
     per_window,
     pool_rule,
     start_topology,
-    wait_for_window_start,
     wall_ms,
     write_bundle,
 )

@@ -14,6 +14,7 @@ import pytest
 
 from kernel.bundle import Pool
 from leasehold.local.topology import LocalTopology, TopologySpec
+from tests.support.windows import wait_for_window_start
 
 from .conftest import (
     admit_body,
@@ -21,7 +22,6 @@ from .conftest import (
     etcd_windows,
     pool_rule,
     user_rule,
-    wait_for_window_start,
     wall_ms,
     write_bundle,
 )

@@ -23,7 +23,7 @@ from region_agent.models import AdmitRequest, DecisionSource, Principal
 from region_agent.service.metrics import AgentMetrics
 from region_agent.store.factory import make_store
 from tests.support.clock import FakeClock
-from tests.wallclock import clear_of_window_edges
+from tests.support.windows import clear_of_window_edges
 
 from .conftest import PEPPER, make_settings
 

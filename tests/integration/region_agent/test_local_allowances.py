@@ -15,7 +15,7 @@ import pytest
 
 from kernel.bundle import Bundle, Fallback, Pool, Rule, make_rule, seal
 from leasehold.local.procs import free_port
-from tests.wallclock import clear_of_window_edges_sync
+from tests.support.windows import clear_of_window_edges_sync
 
 from .conftest import agent_process, write_bundle
 

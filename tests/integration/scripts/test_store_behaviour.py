@@ -17,7 +17,7 @@ from leasehold.local.procs import free_port
 from region_agent.decision.call import Call, MultiRuleResult, multi_rule_argv, parse_multi_rule
 from region_agent.store.scripts import KeysNotColocated, PoolClosed, Scripts
 from tests.support.waiting import await_until
-from tests.wallclock import clear_of_window_edges
+from tests.support.windows import clear_of_window_edges
 
 from .support import now_ms
 

@@ -40,6 +40,7 @@ from tests.integration.allocator.helpers import unique_prefix
 from tests.integration.allocator.helpers import write_bundle as write_pools
 from tests.integration.region_agent.conftest import NORTHSTAR, ROOT
 from tests.support.h2raw import RawConnection
+from tests.support.waiting import wait_until
 
 from .conftest import DIGEST, TOKEN
 
@@ -132,24 +133,12 @@ def _metrics(client: httpx.Client, prefix: str) -> dict[str, float]:
     return out
 
 
-def _wait_metric(client: httpx.Client, name: str, ok, within_s: float = 15.0) -> float:
-    """The value of ``name`` once ``ok(value)`` holds (the server forgets a closed connection when
-    its event loop gets to it), or the last one read."""
-    deadline = time.monotonic() + within_s
-    while True:
-        value = _metrics(client, name)[name]
-        if ok(value) or time.monotonic() > deadline:
-            return value
-        time.sleep(0.1)
+def _metric(client: httpx.Client, name: str) -> float:
+    return _metrics(client, name)[name]
 
 
-def _wait_lines(door: Door, text: str, n: int, within_s: float = 15.0) -> list[str]:
-    deadline = time.monotonic() + within_s
-    while True:
-        lines = [x for x in door.log().splitlines() if text in x]
-        if len(lines) >= n or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.1)
+def _lines(door: Door, text: str) -> list[str]:
+    return [x for x in door.log().splitlines() if text in x]
 
 
 def test_http_connections_beyond_the_cap_are_refused_and_open_ones_answered(http_door: Door):
@@ -212,9 +201,10 @@ def test_http_connections_beyond_the_cap_are_refused_and_open_ones_answered(http
         finally:
             for s in held:
                 s.close()
-        assert _wait_metric(client, prefix + "connections", lambda v: v == 1) == 1  # the gateway's alone again
-        warned = _wait_lines(door, "HTTP connections at the cap of", 1)
-        back = _wait_lines(door, "HTTP connections below the cap of", 1)
+        # the gateway's alone again (the server forgets a closed connection when its event loop gets to it)
+        assert wait_until(lambda: _metric(client, prefix + "connections") == 1, 15), _metrics(client, prefix)
+        warned = wait_until(lambda: _lines(door, "HTTP connections at the cap of"), 15)
+        back = wait_until(lambda: _lines(door, "HTTP connections below the cap of"), 15)
         assert len(warned) == 1 and "WARNING" in warned[0], warned
         assert len(back) == 1 and f"; {len(refused)} refused meanwhile" in back[0], back
     with httpx.Client(base_url=base, timeout=10) as fresh:  # below the cap again: new connections served
@@ -298,7 +288,8 @@ def test_grpc_connections_beyond_the_cap_are_closed_and_open_ones_answered(agent
         finally:
             for c in held:
                 c.close()
-        assert _wait_metric(metrics, "leasehold_agent_rls_connections", lambda v: v == 1) == 1  # the gateway's
+        assert wait_until(lambda: _metric(metrics, "leasehold_agent_rls_connections") == 1, 15), \
+            _metrics(metrics, "leasehold_agent_rls_connections")  # the gateway's alone again
     deadline = time.monotonic() + 10
     while True:
         with grpc.insecure_channel(f"{LOOPBACK}:{rls_port}", options=OWN_CONNECTION) as fresh:

@@ -41,10 +41,11 @@ from leasehold.local.topology import DEFAULT_POLICY, DEV_PEPPER
 from region_agent.decision.keys import KeyBuilder
 from region_agent.service.app import create_app
 from region_agent.service.settings import DEV_PEPPER as AGENT_DEV_PEPPER
-from tests.integration.allocator.helpers import in_process, lease_body, settings_for, wait_until
+from tests.integration.allocator.helpers import in_process, lease_body, settings_for
 from tests.integration.allocator.helpers import write_bundle as write_pools
 from tests.integration.region_agent.conftest import PEPPER, ROOT, admit_body, make_settings
 from tests.support.etcd_auth import auth_etcd_cluster
+from tests.support.waiting import await_until
 
 AGENT_PW = secrets.token_urlsafe(16)
 ADMIN_PW = secrets.token_urlsafe(16)
@@ -151,7 +152,8 @@ async def test_etcd_roles_publisher_allocator_and_agents(auth_etcd, tmp_path, mo
             async def granted() -> bool:
                 r = await client.post("/v1/leases", json=lease_body("lease-auth-0002", "p1", "eu", 10))
                 return r.status_code == 200 and r.json()["granted"] == 10
-            await wait_until(granted)
+            assert await await_until(granted), \
+                "the sharded allocator never granted as the least-privileged user"
         # the periodic compaction (allocator/compaction.py): its record, and etcd's Compact call
         assert await stores["allocator"].put(b"/leasehold/compaction", b"{}")
         await stores["allocator"].compact(await stores["allocator"].revision(b"/leasehold/compaction"))
