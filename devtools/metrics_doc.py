@@ -94,6 +94,7 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_rlqs_assignments_total": "6 kinds",
     "leasehold_agent_rlqs_assigned_tokens_total": "1",
     "leasehold_agent_rlqs_stranded_tokens_total": "1",
+    "leasehold_agent_rlqs_unauthenticated_total": "1",
     "leasehold_agent_rlqs_rounds_total": "5 outcomes",
     "leasehold_agent_rlqs_refused_total": "refusal reasons of region_agent.gateways (< 15)",
     "leasehold_agent_authz_seconds": "1",

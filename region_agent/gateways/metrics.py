@@ -85,6 +85,13 @@ class GatewayMetrics:
         self.rlqs_rounds = Counter(
             "leasehold_agent_rlqs_rounds_total",
             "Funding rounds by outcome (granted | partial | denied | window_end | error)", ["outcome"], registry=r)
+        # a stream refused for its gateway token, each attempt (Envoy opens it again with backoff):
+        # unlabelled, so exported at 0 from the start and increase() sees the first (the alerts
+        # LeaseholdRlqsGatewayRefused and LeaseholdRlqsUnknownCaller)
+        self.rlqs_unauthenticated = Counter(
+            "leasehold_agent_rlqs_unauthenticated_total",
+            "RLQS streams refused UNAUTHENTICATED: no valid gateway token (each attempt; the stream is never "
+            "opened, its Envoy gets no assignment)", registry=r)
         self.rlqs_refused = Counter("leasehold_agent_rlqs_refused_total",
                                     "Bucket reports refused (answered deny-all), by reason; undecodable: a message "
                                     "that is not a report (its stream ends INVALID_ARGUMENT)", ["reason"], registry=r)

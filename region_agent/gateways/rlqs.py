@@ -243,6 +243,7 @@ class RlqsService:
             try:
                 authenticate(self.gateways, context.invocation_metadata() or ())
             except Unauthorized as e:
+                self.metrics.rlqs_unauthenticated.inc()
                 log_refused(context.peer(), "RLQS stream")
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, e.detail)
         if self.state_of().engine is None:

@@ -6,9 +6,9 @@ topology with the shipped configuration (deploy/prometheus/prometheus.yml, targe
   traffic (a tenant over its quota, pools far from G, every door): no alert even goes pending
   (with ``--workers 2``: tests/e2e/test_prometheus_workers.py, a file of its own so that the
   suite's two workers run both at once);
-* one RLS call and one forward-auth call without the gateway token to every agent: no critical
-  alert even goes pending (LeaseholdRlsUnknownCaller and LeaseholdAuthzUnknownCaller, warnings,
-  do);
+* one RLS call, one RLQS stream and one forward-auth call without the gateway token to every
+  agent: no critical alert even goes pending (LeaseholdRlsUnknownCaller,
+  LeaseholdRlqsUnknownCaller and LeaseholdAuthzUnknownCaller, warnings, do);
 * healthy, under demo traffic through every door: no critical alert fires, and every panel of
   the Grafana dashboard has a query that returns series from this Prometheus;
 * Redis of region eu stopped and the allocator leader killed: LeaseholdBreakerOpen (for: 1m)
@@ -35,6 +35,7 @@ import grpc
 import httpx
 import pytest
 import yaml
+from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from devtools.deploy_check import dashboard_queries
@@ -141,9 +142,9 @@ def test_healthy_quiet_and_ordinary_traffic_leave_every_alert_inactive(topology,
 
 
 def test_a_call_without_the_gateway_token_pages_nobody(topology, prometheus):
-    """One RLS call and one forward-auth call without the gateway token to every agent (what any
-    pod of the cluster can send: the agents' ports are open to it): no critical alert even goes
-    pending — a caller that is not a gateway does not control the pager. The security warnings
+    """One RLS call, one RLQS stream and one forward-auth call without the gateway token to every
+    agent (what any pod of the cluster can send: the agents' ports are open to it): no critical
+    alert even goes pending — a caller that is not a gateway does not control the pager. The security warnings
     see them (pending: one call is under their ``for:`` of 10 minutes, which the promtool cases
     check). (Runs after the test above, before the fault test below, on the same topology.)"""
     prom = prometheus
@@ -156,14 +157,20 @@ def test_a_call_without_the_gateway_token_pages_nobody(topology, prometheus):
                         domain="leasehold", descriptors=[descriptor(tenant="atlas", user="U-9", route_group="read")]),
                         timeout=5)
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                report = rlqs_pb2.RateLimitQuotaUsageReports(domain="leasehold")
+                with pytest.raises(grpc.RpcError) as e:
+                    list(rlqs_pb2_grpc.RateLimitQuotaServiceStub(ch).StreamRateLimitQuotas(iter([report]),
+                                                                                           timeout=5))
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 sent += 1
     for urls in topology.agent_urls.values():
         r = httpx.get(urls[0] + "/v1/authz/catalog", headers={"x-tenant-id": "birch", "x-user-id": "B-1",
                                                                "x-route-group": "read"}, timeout=5)
         assert r.status_code == 401
     assert sent > 0
-    # both warnings go pending once Prometheus scraped the refusals; then 15 more evaluations
+    # the warnings go pending once Prometheus scraped the refusals; then 15 more evaluations
     _wait_active(prom, "LeaseholdRlsUnknownCaller", 30)
+    _wait_active(prom, "LeaseholdRlqsUnknownCaller", 30)
     _wait_active(prom, "LeaseholdAuthzUnknownCaller", 30)
     for _ in range(15):
         critical = [a for a in prom.alerts() if a["labels"].get("severity") == "critical"]

@@ -199,14 +199,16 @@ def the_backend_ends_its_export(stack: Stack, url: str, tenant: str) -> None:
 
 
 # ----------------------------------------------------------------------------- Envoys on envoy-rlqs.yaml
-def rlqs_envoy(stack: Stack, name: str, rls_port: int | None = None) -> Envoy:
+def rlqs_envoy(stack: Stack, name: str, rls_port: int | None = None, token: str | None = None) -> Envoy:
     """An Envoy on the shipped ``envoy-rlqs.yaml`` in front of the stack's agent (its RLS port, or
-    ``rls_port``), its access log in its work directory."""
+    ``rls_port``; the stack's gateway token, or ``token``), its access log in its work directory."""
     port, admin = free_port(), free_port()
     log = stack.workdir / name / "access.log"
     values = stack.values(ENVOY_LISTEN_HOST=LOOPBACK, ENVOY_PORT=port, ENVOY_ADMIN_PORT=admin, ENVOY_ACCESS_LOG=log)
     if rls_port is not None:
         values["AGENT_RLS_PORT"] = rls_port
+    if token is not None:
+        values["GATEWAY_TOKEN"] = token
     return Envoy(name, render("envoy-rlqs.yaml", **values), stack.workdir / name, port, admin).start()
 
 

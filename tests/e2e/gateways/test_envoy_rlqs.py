@@ -274,3 +274,31 @@ def test_a_bucket_id_with_an_unmapped_key_is_refused(stack: Stack, misnamed_agen
                and float(line.rpartition(" ")[2]) >= 1 for line in text.splitlines()), text[-2000:]
     assert debited(stack, "U-45") == 0  # nothing decided, nothing debited
     assert not attacks.keys(stack, f"rl:v3:{{t:atlas}}:u:{KEYS.h('atlas', 'u', 'U-45')}:*")
+
+
+
+def test_an_envoy_with_the_wrong_token_is_counted_at_the_cadence_the_alert_expects(stack: Stack):
+    """The shipped file with a gateway token the agent does not hold: no stream is opened, so no
+    assignment, and every identified request is denied (deny-all without one). Envoy opens its
+    stream again at every report, 5 s apart (1.40: 12 attempts a minute, measured over 90 s with
+    and without traffic, no growing backoff): each attempt is counted, at a rate over
+    LeaseholdRlqsGatewayRefused's floor (30 in 5 minutes, one every 10 s)."""
+    name = "leasehold_agent_rlqs_unauthenticated_total"
+    before = stack.metric(name)
+    e = rlqs_envoy(stack, "envoy-rlqs-wrong-token", token="not-the-gateway-token")
+    try:
+        codes = hammer(e, "U-47", seconds=2, every_s=0.5)  # the bucket's first report: the first attempt
+        first = stack.metric(name) - before
+        started = time.monotonic()
+        time.sleep(20)  # no traffic: Envoy keeps reporting the bucket, and opening the stream
+        attempts = stack.metric(name) - before - first
+        elapsed = time.monotonic() - started
+        codes += hammer(e, "U-47", seconds=1, every_s=0.5)
+    finally:
+        e.stop()
+    assert codes and set(codes) == {429}, codes  # no assignment ever: every identified request denied
+    assert first >= 1
+    # one attempt every 5 s is 4 in 20 s; the floor's rate (one every 10 s) would be 2
+    assert attempts >= elapsed / 10 + 1, (attempts, elapsed)
+    assert attempts <= elapsed / 5 + 2, (attempts, elapsed)  # the cadence the alert's numbers assume
+    assert debited(stack, "U-47") == 0

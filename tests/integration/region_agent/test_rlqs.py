@@ -239,13 +239,20 @@ async def test_another_domain_is_refused(rig):
 
 
 async def test_a_stream_without_the_gateway_token_is_unauthenticated(rig, monkeypatch, caplog):
-    _, ch, _ = rig
+    client, ch, _ = rig
+    name = "leasehold_agent_rlqs_unauthenticated_total"
+    assert name + " 0.0" in (await client.get("/metrics")).text  # exported from the start: rate() sees the first
     monkeypatch.setattr(rls_door, "refused_callers", KeyedLog(rls_door.log, interval_s=60.0))
-    e, pump = await open_stream(ch, metadata=(("authorization", "Bearer wrong"),))
-    with caplog.at_level(logging.WARNING, logger=rls_door.log.name), pytest.raises(grpc.aio.AioRpcError) as err:
-        await pump  # refused before any report is read
-    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    # the agent's log names the caller (docs/runbooks.md, LeaseholdRlsUnknownCaller)
+    with caplog.at_level(logging.WARNING, logger=rls_door.log.name):
+        for metadata in ((("authorization", "Bearer wrong"),), ()):  # a wrong token, then none
+            e, pump = await open_stream(ch, metadata=metadata)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await pump  # refused before any report is read
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # every attempt counted (LeaseholdRlqsGatewayRefused, LeaseholdRlqsUnknownCaller) ...
+    assert await metric(client, name) == 2
+    assert await metric(client, "leasehold_agent_rlqs_streams") == 0  # never opened
+    # ... the agent's log names the caller once a minute (docs/runbooks.md, LeaseholdRlqsUnknownCaller)
     assert [r.getMessage() for r in caplog.records if r.name == rls_door.log.name] == [
         "RLQS stream refused: no valid gateway token, from 127.0.0.1"]
 

@@ -46,3 +46,12 @@ def test_the_gateway_token_refusals_of_forward_auth_are_exported_at_zero_from_th
     text = generate_latest(registry).decode()
     for caller in ("gateway", "client"):
         assert f'leasehold_agent_authz_unauthenticated_total{{caller="{caller}"}} 0.0' in text, caller
+
+
+def test_the_gateway_token_refusals_of_rlqs_streams_are_exported_at_zero_from_the_start():
+    """LeaseholdRlqsGatewayRefused and LeaseholdRlqsUnknownCaller read
+    ``leasehold_agent_rlqs_unauthenticated_total`` with ``increase()``/``rate()``: at 0 before the
+    first refused stream."""
+    registry = CollectorRegistry()
+    GatewayMetrics(registry)
+    assert "leasehold_agent_rlqs_unauthenticated_total 0.0" in generate_latest(registry).decode()

@@ -6,12 +6,16 @@ everything at once when it resumes."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 from types import SimpleNamespace
 
+import grpc
+import pytest
 from envoy.service.rate_limit_quota.v3 import rlqs_pb2
 from prometheus_client import CollectorRegistry
 
+from kernel.auth import TokenTable
 from region_agent.gateways import rlqs
 from region_agent.gateways.metrics import GatewayMetrics
 from region_agent.gateways.rlqs import Bucket, RlqsService, Stream
@@ -492,4 +496,53 @@ async def test_a_refused_bucket_no_longer_used_is_abandoned_while_its_stream_liv
     svc.tick()  # not used for a minute: abandoned
     assert not st.holdings and svc.held == 0 and key not in svc.buckets
     assert svc.metrics.rlqs_assignments.labels("abandon")._value.get() == 1
+    await svc.stop()
+
+
+class Refused(Exception):
+    pass
+
+
+class Context:
+    """What the stream reads of a gRPC call: its metadata and peer; ``abort`` raises as grpcio's does."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.metadata = metadata
+        self.aborted: list = []
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+    def peer(self) -> str:
+        return "ipv4:10.1.2.3:40000"
+
+    async def abort(self, code, detail: str) -> None:
+        self.aborted.append(code)
+        raise Refused(detail)
+
+
+async def test_every_stream_refused_for_its_gateway_token_is_counted():
+    """An Envoy with the wrong token opens its stream again at every report: each attempt is
+    counted (``leasehold_agent_rlqs_unauthenticated_total``, at 0 from the start), a stream with
+    the right token is not, whatever ends it next (here: the agent has no engine yet)."""
+    registry = CollectorRegistry()
+    state = SimpleNamespace(holder=SimpleNamespace(bundle=None), engine=None)
+    svc = RlqsService(settings=SETTINGS, names=NAMES, decide=allow, state_of=lambda: state,
+                      metrics=GatewayMetrics(registry),
+                      gateways=TokenTable([("edge", hashlib.sha256(b"right").hexdigest())]), clock=MsClock())
+    name = "leasehold_agent_rlqs_unauthenticated_total"
+    assert registry.get_sample_value(name) == 0
+    for metadata in ((("authorization", "Bearer wrong"),), (), (("authorization", "Bearer wrong"),)):
+        ctx = Context(metadata)
+        with pytest.raises(Refused):
+            async for _ in svc.stream(Reports(report(1, 0), 1), ctx):
+                pass
+        assert ctx.aborted == [grpc.StatusCode.UNAUTHENTICATED]
+    assert registry.get_sample_value(name) == 3
+    ctx = Context((("authorization", "Bearer right"),))
+    with pytest.raises(Refused):
+        async for _ in svc.stream(Reports(report(1, 0), 1), ctx):
+            pass
+    assert ctx.aborted == [grpc.StatusCode.UNAVAILABLE]  # past the token: not counted as refused for it
+    assert registry.get_sample_value(name) == 3 and not svc.streams
     await svc.stop()
