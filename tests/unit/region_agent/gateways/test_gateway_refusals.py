@@ -7,10 +7,8 @@ by its address, one WARNING per address a minute."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
-from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -19,15 +17,14 @@ from kernel.auth import TokenTable
 from kernel.ratelog import KeyedLog
 from region_agent.gateways import authz as authz_door
 from region_agent.gateways import rls as rls_door
-from region_agent.gateways.authz import authz
 from region_agent.gateways.bearer import BearerVerifier
 from region_agent.gateways.metrics import GatewayMetrics
-
-from .test_gateway_authz_identity import ISSUER, FakeGateways, token
+from tests.support.authz_door import ISSUER, FakeGateways, ask, token
 
 GATEWAY_TOKEN = "gw-token-0123456789abcdef"
 GATEWAY = (b"authorization", f"Bearer {GATEWAY_TOKEN}".encode())
 UNAUTHENTICATED = "leasehold_agent_authz_unauthenticated_total"
+CLIENT = "198.51.100.4"  # the connection's peer of every call that names none
 
 
 class TokenGateways(FakeGateways):
@@ -53,23 +50,6 @@ def fresh_logs(monkeypatch):
     monkeypatch.setattr(rls_door, "refused_callers", KeyedLog(rls_door.log, interval_s=60.0))
 
 
-def ask(gw: FakeGateways, headers: list[tuple[bytes, bytes]], client: str = "198.51.100.4") -> int:
-    path = "/v1/authz/catalog"
-    scope = {"type": "http", "method": "GET", "path": path, "raw_path": path.encode(), "client": (client, 50412),
-             "headers": [(b"x-route-group", b"read"), (b"x-real-ip", b"192.0.2.7"), *headers],
-             "app": SimpleNamespace(state=SimpleNamespace(agent=SimpleNamespace(gateways=gw)))}
-    sent: list[dict] = []
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    asyncio.run(authz.fn(scope, receive, send))
-    return next(m["status"] for m in sent if m["type"] == "http.response.start")
-
-
 def refusals(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "no valid gateway token" in r.getMessage()]
 
@@ -79,15 +59,15 @@ def test_a_call_without_the_gateway_token_is_counted_as_the_gateways_and_names_i
     assert gw.refused("gateway") == 0 and gw.refused("client") == 0  # exported from the start
     with caplog.at_level(logging.WARNING, logger=authz_door.log.name):
         for headers in ([], [(b"authorization", b"Bearer wrong-token-xxxxxxxx")]):
-            assert ask(gw, [(b"x-tenant-id", b"atlas"), (b"x-user-id", b"U-1"), *headers]) == 401
-        assert ask(gw, [(b"x-tenant-id", b"atlas"), (b"x-user-id", b"U-1")], client="203.0.113.50") == 401
+            assert ask(gw, [(b"x-tenant-id", b"atlas"), (b"x-user-id", b"U-1"), *headers], client=CLIENT)[0] == 401
+        assert ask(gw, [(b"x-tenant-id", b"atlas"), (b"x-user-id", b"U-1")], client="203.0.113.50")[0] == 401
     assert gw.refused("gateway") == 3 and gw.refused("client") == 0 and gw.asked == []
     # one line per caller's address a minute, each naming it
     assert refusals(caplog) == ["forward-auth call refused: no valid gateway token, from 198.51.100.4",
                                 "forward-auth call refused: no valid gateway token, from 203.0.113.50"]
     assert all(r.levelno == logging.WARNING for r in caplog.records if "no valid gateway token" in r.getMessage())
     # the gateway's own calls are not refusals
-    assert ask(gw, [GATEWAY, (b"x-tenant-id", b"atlas"), (b"x-user-id", b"U-1")]) == 200
+    assert ask(gw, [GATEWAY, (b"x-tenant-id", b"atlas"), (b"x-user-id", b"U-1")], client=CLIENT)[0] == 200
     assert gw.refused("gateway") == 3
 
 
@@ -100,9 +80,9 @@ def test_a_clients_own_token_refused_is_the_clients_not_the_gateways(tmp_path, c
     with caplog.at_level(logging.WARNING, logger=authz_door.log.name):
         # the gateway's token in X-Leasehold-Authorization, the client's own in Authorization (Traefik)
         gateway = (b"x-leasehold-authorization", GATEWAY[1])
-        assert ask(gw, [gateway]) == 401
-        assert ask(gw, [gateway, (b"authorization", b"Bearer not.a.jwt")]) == 401
-        assert ask(gw, [gateway, token("U-17")]) == 200
+        assert ask(gw, [gateway], client=CLIENT)[0] == 401
+        assert ask(gw, [gateway, (b"authorization", b"Bearer not.a.jwt")], client=CLIENT)[0] == 401
+        assert ask(gw, [gateway, token("U-17")], client=CLIENT)[0] == 200
     assert gw.refused("client") == 2 and gw.refused("gateway") == 0
     assert refusals(caplog) == []
 
