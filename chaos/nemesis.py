@@ -390,6 +390,7 @@ class Step:
     at_s: float  # offset from the schedule's start
     nemesis: Nemesis
     duration_s: float  # 0 = start and stop immediately (an instantaneous fault)
+    group: str | None = None  # steps of one group are moved together by the run's seeded jitter
 
 
 @dataclass

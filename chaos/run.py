@@ -151,12 +151,18 @@ async def _live(ctx: RunContext, out: TextIO, stop: asyncio.Event, t0: float) ->
 
 
 def _jitter(steps: list[Step], seed: int, duration_s: float) -> list[Step]:
-    """Move each fault by up to ±5% of the run (seeded), so seeds also vary the schedule."""
+    """Move each fault by up to ±5% of the run (seeded), so seeds also vary the schedule. The steps
+    of one ``group`` move by the same amount (the first one's): faults placed relative to each other
+    (one must have shown its effect before the next begins) keep their spacing."""
     rng = random.Random(f"schedule-{seed}")
+    shifts: dict[str, float] = {}
     out = []
     for st in steps:
-        at = min(duration_s, max(0.0, st.at_s + rng.uniform(-0.05, 0.05) * duration_s))
-        out.append(Step(at, st.nemesis, st.duration_s))
+        shift = rng.uniform(-0.05, 0.05) * duration_s
+        if st.group is not None:
+            shift = shifts.setdefault(st.group, shift)
+        at = min(duration_s, max(0.0, st.at_s + shift))
+        out.append(Step(at, st.nemesis, st.duration_s, st.group))
     return out
 
 

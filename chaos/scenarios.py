@@ -46,6 +46,14 @@ Expect = Callable[["RunContext"], list[str]]  # -> unmet expectations (empty = t
 ALLOCATOR_GRACE_MS = 3_000
 REDIS_GRACE_MS = 3_000
 
+#: How long a region must be cut off from the allocators *with its Redis reachable* before a correct
+#: agent has answered from the regional fallback (``fallback_in``): an agent spends its leases and
+#: denies while the allocator says a window is spent, so a balance is empty and not exhausted at the
+#: latest when the longest pool window of the chaos bundle that was running at the cut has ended (a
+#: lease lives no longer than its window), and the region knows the allocator unreachable once a lease
+#: request failed (the agents' allocator deadline, chaos/topo.py), plus a margin for the next request.
+FALLBACK_SHOWS_MS = max(bundles.WINDOW_MS, bundles.GLOBAL_WINDOW_MS) + 1_500 + 500
+
 
 @dataclass
 class Scenario:
@@ -391,12 +399,17 @@ def _agent_kill(ctx: RunContext, agent: str) -> Nemesis:
 
 def _rlqs_faults(c: RunContext) -> list[Step]:
     """The stream, the agent (paused, killed: a restart takes seconds, so early enough that the
-    Envoy is funded again before the run ends), then eu's allocators and Redis."""
-    return [Step(_at(c, 0.10), _stream_cut(c, "envoy-eu-a"), _at(c, 0.12)),
-            Step(_at(c, 0.27), _agent_pause(c, "agent-eu-2"), _at(c, 0.10)),
-            Step(_at(c, 0.42), _agent_kill(c, "agent-eu-1"), _at(c, 0.06)),
-            Step(_at(c, 0.62), _region_partition(c, "eu"), _at(c, 0.18)),
-            Step(_at(c, 0.70), _redis_partition(c, "eu"), _at(c, 0.15))]
+    Envoy is funded again before the run ends), then eu's allocators and, once eu has had
+    ``FALLBACK_SHOWS_MS`` to answer from its regional fallback, its Redis too (both end together).
+    The faults are placed relative to each other, so the seeds move them together (one group)."""
+    gap = max(FALLBACK_SHOWS_MS / 1000, _at(c, 0.12))
+    redis = max(3.0, _at(c, 0.10))
+    cut = _at(c, 0.93) - gap - redis  # both end at 0.93 of the run (0.88 to 0.98 with the jitter)
+    return [Step(_at(c, 0.10), _stream_cut(c, "envoy-eu-a"), _at(c, 0.12), group="rlqs"),
+            Step(_at(c, 0.25), _agent_pause(c, "agent-eu-2"), _at(c, 0.09), group="rlqs"),
+            Step(_at(c, 0.36), _agent_kill(c, "agent-eu-1"), _at(c, 0.06), group="rlqs"),
+            Step(cut, _region_partition(c, "eu"), gap + redis, group="rlqs"),
+            Step(cut + gap, _redis_partition(c, "eu"), redis, group="rlqs")]
 
 
 def envoys_decided(ctx: RunContext) -> list[str]:
@@ -432,8 +445,12 @@ def envoys_decided(ctx: RunContext) -> list[str]:
 
 # ----------------------------------------------------------------------------- expectations
 def fallback_in(*regions: str) -> Expect:
+    """Decisions answered from the regional fallback allowance (the region cut off from the
+    allocators, its Redis reachable) were observed. The scenario's schedule must cut each region
+    off for ``FALLBACK_SHOWS_MS`` with its Redis reachable (tests/unit/chaos checks every seed)."""
     def check(ctx: RunContext) -> list[str]:
         return [f"no fallback decision observed in {r}" for r in regions if ctx.load.stats[r].fallback == 0]
+    check.fallback_regions = regions  # type: ignore[attr-defined]  # read by the schedule test
     return check
 
 

@@ -10,7 +10,7 @@ from chaos.checker import check, faults_by_window
 from chaos.history import DecisionRec, Fault, Policy, PoolSpend, TopologyRec
 from chaos.invariants import PoolPolicy, WindowBound
 from chaos.report import fault_spans, pool_series
-from chaos.scenarios import PROFILES, RLQS_ENVOYS, SCENARIOS, resolve
+from chaos.scenarios import FALLBACK_SHOWS_MS, PROFILES, REDIS_GRACE_MS, RLQS_ENVOYS, SCENARIOS, resolve
 from kernel.errors import BadRequest
 
 W = bundles.WINDOW_MS
@@ -181,3 +181,53 @@ def test_the_full_profile_runs_every_scenario_but_the_measurements_named_out_of_
     assert full == {name for name, s in SCENARIOS.items() if s.profiled}
     assert "rlqs-envoys-steady" in SCENARIOS and "rlqs-envoys-steady" not in full
     assert SCENARIOS["rlqs-envoys-steady"].steps(_fake_ctx()) == []  # no fault: every window is judged
+
+
+def _redis_free_stretch_s(cut: tuple[float, float], redis: list[tuple[float, float]], end_s: float) -> float:
+    """The longest part of an allocator cut ``(start, stop)`` inside the run with no Redis fault of
+    the region active or in its grace (an answer from a fallback there is counted as a local one)."""
+    lo, hi = cut[0], min(cut[1], end_s)
+    free = [(lo, hi)]
+    for a, b in redis:
+        b += REDIS_GRACE_MS / 1000
+        free = [piece for x, y in free for piece in ((x, min(y, a)), (max(x, b), y)) if piece[1] > piece[0]]
+    return max((y - x for x, y in free), default=0.0)
+
+
+@pytest.mark.parametrize("name", [n for n, _d in PROFILES["full"] + PROFILES["short"]])
+def test_every_seed_cuts_a_region_expecting_fallback_off_long_enough_with_its_redis_reachable(name: str) -> None:
+    """A scenario expecting regional fallback decisions (``fallback_in``) must, in the jittered schedule
+    of every chaos seed from 1 to 200, cut that region off from the allocators for ``FALLBACK_SHOWS_MS`` inside the
+    run while its agents reach their Redis: a shorter stretch lets a correct agent spend its leases
+    and deny, and every fallback answer after its Redis is cut counts as a local one."""
+    from chaos.run import _jitter
+
+    scenarios = resolve(name)
+    regions = {r for s in scenarios for e in s.expect for r in getattr(e, "fallback_regions", ())}
+    if not regions:
+        pytest.skip("no fallback_in expectation")
+    durations = {d for n, d in PROFILES["full"] + PROFILES["short"] if n == name} | {30.0}  # 30: the CLI's default
+    for duration in sorted(durations):
+        ctx = _fake_ctx()
+        ctx.duration_s = duration
+        steps = [st for s in scenarios for st in s.steps(ctx)]
+        for seed in range(1, 201):
+            jittered = _jitter(steps, seed, duration)
+            for region in regions:
+                agents = {g.name for g in ctx.topo.agents_in(region)}
+                redis = [(st.at_s, st.at_s + st.duration_s) for st in jittered
+                         if agents & set(st.nemesis.effects.redis_agents)]
+                longest = max((_redis_free_stretch_s((st.at_s, st.at_s + st.duration_s), redis, duration)
+                               for st in jittered if region in st.nemesis.effects.allocator_regions), default=0.0)
+                assert longest >= FALLBACK_SHOWS_MS / 1000 - 1e-6, (name, duration, seed, region, round(longest, 2))
+
+
+def test_jitter_moves_a_group_together_and_leaves_ungrouped_steps_as_before() -> None:
+    from chaos.nemesis import Custom, Step
+    from chaos.run import _jitter
+
+    n = Custom("x", "y", lambda: None)
+    loose = _jitter([Step(10.0, n, 1.0), Step(20.0, n, 1.0), Step(30.0, n, 1.0)], 33, 60.0)
+    grouped = _jitter([Step(10.0, n, 1.0), Step(20.0, n, 1.0, group="g"), Step(30.0, n, 1.0, group="g")], 33, 60.0)
+    assert grouped[0].at_s == loose[0].at_s and grouped[1].at_s == loose[1].at_s  # the same draws, in order
+    assert grouped[2].at_s - grouped[1].at_s == pytest.approx(10.0) and loose[2].at_s - loose[1].at_s != 10.0
