@@ -3,16 +3,10 @@ python3 comes first on PATH; ``PYTHON=...`` picks another (docs/decisions/0088-t
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[3]
-
-pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is installed by the setup")
-
 
 def _venv_commands(tmp_path: Path, *overrides: str) -> str:
     venv = tmp_path / "v"
