@@ -81,7 +81,8 @@ async def test_many_concurrent_admits_from_several_agents_admit_exactly_l(tmp_pa
                       if line.startswith("leasehold_agent_batch_size_")}
             calls += values["leasehold_agent_batch_size_sum"]
             pipelines += values["leasehold_agent_batch_size_count"]
-        assert calls == 150
+        # every call reached a pipeline except those shed before sending (some of the 503s above)
+        assert 150 - len(unsure) <= calls <= 150, breakdown
         assert pipelines < calls
 
 
