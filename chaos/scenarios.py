@@ -444,14 +444,22 @@ def envoys_decided(ctx: RunContext) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- expectations
-def fallback_in(*regions: str) -> Expect:
-    """Decisions answered from the regional fallback allowance (the region cut off from the
-    allocators, its Redis reachable) were observed. The scenario's schedule must cut each region
-    off for ``FALLBACK_SHOWS_MS`` with its Redis reachable (tests/unit/chaos checks every seed)."""
-    def check(ctx: RunContext) -> list[str]:
-        return [f"no fallback decision observed in {r}" for r in regions if ctx.load.stats[r].fallback == 0]
-    check.fallback_regions = regions  # type: ignore[attr-defined]  # read by the schedule test
-    return check
+@dataclass(frozen=True)
+class FallbackIn:
+    """An expectation: decisions answered from the regional fallback allowance (the region cut off
+    from the allocators, its Redis reachable) were observed in each of ``regions``. The scenario's
+    schedule must cut each region off for ``FALLBACK_SHOWS_MS`` with its Redis reachable
+    (tests/unit/chaos reads ``regions`` and checks every seed)."""
+
+    regions: tuple[str, ...]
+
+    def __call__(self, ctx: RunContext) -> list[str]:
+        return [f"no fallback decision observed in {r}" for r in self.regions if ctx.load.stats[r].fallback == 0]
+
+
+def fallback_in(*regions: str) -> FallbackIn:
+    """:class:`FallbackIn` of ``regions``."""
+    return FallbackIn(regions)
 
 
 def local_in(*regions: str) -> Expect:

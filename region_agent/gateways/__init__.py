@@ -7,6 +7,7 @@
 * :mod:`.authz` — HTTP forward auth on ``/v1/authz`` (Envoy ext_authz, nginx auth_request,
   Traefik ForwardAuth): the answer is the status code.
 * :mod:`.mapping` / :mod:`.answer` — pure translation of their questions and answers.
+* :mod:`.refused_callers` — each door's log line naming a caller refused for its gateway token.
 
 Both ask the agent's one admission (:class:`region_agent.decision.admission.Admission`, the same as
 ``POST /v1/admit`` and ``/v1/admit/batch``): a decision for every question, a request-id

@@ -59,7 +59,6 @@ from kernel.auth import SCOPE_KEY, authenticate
 from kernel.caches import BoundedMemo
 from kernel.errors import BadRequest, LeaseholdError, NotFound, Unauthorized, ValidationFailed
 from kernel.http_errors import problem_answer
-from kernel.ratelog import KeyedLog
 
 from .answer import authz_answer
 from .mapping import (
@@ -70,6 +69,7 @@ from .mapping import (
     with_identity,
     without_identity,
 )
+from .refused_callers import RefusedCallers
 
 if TYPE_CHECKING:
     from .bearer import Identity
@@ -77,10 +77,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PATH = "/v1/authz"
-# a call without a valid gateway token: one WARNING per caller's address a minute, naming it (the
-# security signal of LeaseholdAuthzUnknownCaller; a flood from one address costs a line a minute)
-REFUSED_LOG_INTERVAL_S = 60.0
-refused_callers = KeyedLog(log, interval_s=REFUSED_LOG_INTERVAL_S)
+refused_callers = RefusedCallers(log)  # a call without a valid gateway token, in this door's log
 DENY_STATUSES = {"401": 401, "403": 403, "429": 429}
 # no valid bearer token (with --authz-jwks), and the caller's address may still knock: the same
 # answer whatever was wrong with the token (nothing tells an unknown key from a bad signature)
@@ -169,8 +166,7 @@ async def answer(gw: Any, scope: dict, path: str) -> tuple[int, dict[str, str], 
             except Unauthorized:
                 gw.metrics.authz_unauthenticated.labels("gateway").inc()
                 peer = (scope.get("client") or ("unknown",))[0]
-                refused_callers.log(peer, logging.WARNING,
-                                    f"forward-auth call refused: no valid gateway token, from {peer}")
+                refused_callers.log(peer, "forward-auth call")
                 raise
             scope[SCOPE_KEY] = "gateway:" + who
         deny = hdrs.get(names.headers["deny_status"])

@@ -52,7 +52,7 @@ from kernel import tracing
 from kernel.auth import TokenTable, authenticate
 from kernel.caches import BoundedMemo
 from kernel.errors import LeaseholdError, Unauthorized, Unavailable, ValidationFailed
-from kernel.ratelog import KeyedLog, ThrottleFilter
+from kernel.ratelog import ThrottleFilter
 
 from ..decision.plan import Snapshot
 from ..models import AdmitRequest, Decision
@@ -61,6 +61,7 @@ from .answer import rls_answer
 from .call_group import CallGroup
 from .mapping import BadQuestion, CallQuestions, Descriptor, Names, rls_call
 from .metrics import LATENCY_BUCKETS, GatewayMetrics
+from .refused_callers import RefusedCallers
 from .rls_wire import AnswerWire
 
 log = logging.getLogger(__name__)
@@ -302,10 +303,7 @@ class RateLimitServicer:
         raise AssertionError("unreachable")  # context.abort raises
 
 
-# a call without a valid gateway token: one WARNING per caller's address a minute, naming it (the
-# security signal of LeaseholdRlsUnknownCaller; a flood from one address costs a line a minute)
-REFUSED_LOG_INTERVAL_S = 60.0
-refused_callers = KeyedLog(log, interval_s=REFUSED_LOG_INTERVAL_S)
+refused_callers = RefusedCallers(log)  # a call without a valid gateway token, in this door's log
 
 
 def peer_address(peer: str | None) -> str:
@@ -322,8 +320,7 @@ def peer_address(peer: str | None) -> str:
 def log_refused(peer: str | None, what: str = "RLS call") -> None:
     """The WARNING naming the address of a caller refused for its gateway token (at most one per
     address and minute; the next says how many were not written)."""
-    address = peer_address(peer)
-    refused_callers.log(address, logging.WARNING, f"{what} refused: no valid gateway token, from {address}")
+    refused_callers.log(peer_address(peer), what)
 
 
 class UnsentAnswers(logging.Filter):

@@ -20,7 +20,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from leasehold.local.procs import LOOPBACK, Proc, free_port, wait_http_ready
 from leasehold.local.services import agent_command
 from leasehold.local.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
-from tests.otlp import attrs, receiving
+from tests.support.otlp import attrs, receiving
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.e2e

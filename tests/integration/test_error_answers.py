@@ -40,10 +40,9 @@ from kernel.errors import (
 )
 from leasehold.local.procs import EtcdCluster
 from region_agent.service.app import create_app as create_agent
+from tests.support.allocator_app import lease_body, settings_for, unique_prefix, write_pools
 from tests.support.waiting import await_until
 
-from .allocator.helpers import lease_body, settings_for, unique_prefix
-from .allocator.helpers import write_bundle as write_allocator_bundle
 from .region_agent.conftest import PEPPER, admit_body, make_settings
 from .region_agent.conftest import northstar as northstar_bundle
 from .region_agent.conftest import write_bundle as write_agent_bundle
@@ -92,7 +91,7 @@ async def both(redis_url: str, etcd: EtcdCluster, tmp: Path, *, fast_path: bool 
     agent_app = with_probes(create_agent(
         make_settings(redis_url, policy, auth_disabled=False, gateway_tokens=[f"gw:{DIGEST}"],
                       operator_tokens=[f"ops:{DIGEST}"]), pepper=PEPPER, fast_path=fast_path))
-    pools = write_allocator_bundle(tmp / "pools.json", [Pool(id="p1", window_ms=60_000, limit=100, chunk_max=10,
+    pools = write_pools(tmp / "pools.json", [Pool(id="p1", window_ms=60_000, limit=100, chunk_max=10,
                                                              regions=["eu", "us"])])
     alloc_app = with_probes(create_allocator(settings_for(etcd, pools, unique_prefix(), auth_disabled=False,
                                                           region_tokens=[f"eu:{DIGEST}"])))

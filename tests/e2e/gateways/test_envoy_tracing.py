@@ -29,7 +29,7 @@ import pytest
 from leasehold.local.gateways import Envoy, render, tracing_values, upstream
 from leasehold.local.procs import LOOPBACK, Proc, free_port
 from leasehold.local.topology import LocalTopology, TopologySpec
-from tests.otlp import Receiver, attrs, receiving
+from tests.support.otlp import Receiver, attrs, receiving
 from tests.support.waiting import wait_until
 
 from .conftest import ISSUER, identity

@@ -9,8 +9,7 @@ import pytest
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from leasehold.local.procs import EtcdCluster
-
-from .helpers import unique_prefix, write_bundle
+from tests.support.allocator_app import unique_prefix, write_pools
 
 W = 60_000
 
@@ -50,7 +49,7 @@ def prefix() -> str:
 @pytest.fixture
 def make_bundle(tmp_path: Path) -> Callable[..., Path]:
     def make(*pools: Pool, name: str = "bundle.json") -> Path:
-        return write_bundle(tmp_path / name, list(pools))
+        return write_pools(tmp_path / name, list(pools))
     return make
 
 

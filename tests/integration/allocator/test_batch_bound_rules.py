@@ -11,9 +11,10 @@ from __future__ import annotations
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from leasehold.local.procs import EtcdCluster
+from tests.support.allocator_app import in_process, lease_body, settings_for, unique_prefix
 
 from .conftest import TestClock
-from .helpers import etcd_windows, in_process, lease_body, settings_for, unique_prefix
+from .support import etcd_windows
 
 W = 10_000  # short, so window 1's reported spending is a rate above the floor in window 2
 

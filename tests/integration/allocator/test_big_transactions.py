@@ -7,10 +7,11 @@ from __future__ import annotations
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from leasehold.local.procs import EtcdCluster
+from tests.support.allocator_app import in_process, lease_body, settings_for
 from tests.support.waiting import await_until
 
 from .conftest import TestClock, W
-from .helpers import etcd_grants, etcd_windows, in_process, lease_body, settings_for
+from .support import etcd_grants, etcd_windows
 
 
 def _metric(text: str, name: str) -> float:

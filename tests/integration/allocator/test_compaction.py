@@ -15,10 +15,10 @@ from kernel.bundle import Bundle, Pool, encode_bundle, seal
 from kernel.etcd_store import EtcdStore
 from kernel.policy_store import PolicyStore
 from leasehold.local.procs import EtcdCluster
+from tests.support.allocator_app import in_process, lease_body, settings_for, unique_prefix
 from tests.support.waiting import await_until
 
 from .conftest import TestClock, W
-from .helpers import in_process, lease_body, settings_for, unique_prefix
 
 
 def read_at(etcd: EtcdCluster, key: bytes, revision: int) -> str:

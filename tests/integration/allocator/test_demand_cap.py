@@ -10,9 +10,10 @@ from __future__ import annotations
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from leasehold.local.procs import EtcdCluster
+from tests.support.allocator_app import in_process, lease_body, settings_for
 
 from .conftest import TestClock
-from .helpers import etcd_windows, in_process, lease_body, settings_for
+from .support import etcd_windows
 
 W = 60_000
 

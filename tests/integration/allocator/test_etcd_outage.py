@@ -18,7 +18,7 @@ from kernel.bundle import Pool
 from kernel.etcd_store import ENDPOINT_LOG_EVERY_S
 from leasehold.local.procs import LOOPBACK, EtcdCluster, Proc, free_port, wait_port
 from leasehold.local.services import allocator_command
-from tests.integration.allocator.helpers import unique_prefix, write_bundle
+from tests.support.allocator_app import unique_prefix, write_pools
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -28,7 +28,7 @@ OUTAGE_S = 4.0
 def test_an_etcd_outage_is_a_few_lines_not_one_per_failed_call(tmp_path: Path):
     assert OUTAGE_S < ENDPOINT_LOG_EVERY_S
     etcd = EtcdCluster(tmp_path / "etcd", members=1).start()
-    bundle = write_bundle(tmp_path / "pools.json", [Pool(id="p1", window_ms=60_000, limit=1_000, chunk_max=10)])
+    bundle = write_pools(tmp_path / "pools.json", [Pool(id="p1", window_ms=60_000, limit=1_000, chunk_max=10)])
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_")}
     proc = Proc(f"alloc-{port}", allocator_command(

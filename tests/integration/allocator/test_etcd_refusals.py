@@ -40,7 +40,7 @@ from leasehold.local.procs import (
     wait_port,
 )
 from leasehold.local.services import allocator_command
-from tests.integration.allocator.helpers import write_bundle
+from tests.support.allocator_app import write_pools
 from tests.support.etcd_auth import PREFIX, AuthEtcd, auth_etcd_cluster
 from tests.support.waiting import wait_until
 
@@ -52,7 +52,7 @@ auth_etcd = pytest.fixture(auth_etcd_cluster)
 
 @pytest.fixture
 def bundle(tmp_path: Path) -> Path:
-    return write_bundle(tmp_path / "pools.json", [Pool(id="p1", window_ms=60_000, limit=100_000, chunk_max=10)])
+    return write_pools(tmp_path / "pools.json", [Pool(id="p1", window_ms=60_000, limit=100_000, chunk_max=10)])
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -14,8 +14,7 @@ import pytest
 from kernel.errors import StoreUnavailable
 from kernel.etcd_store import EtcdLeaseMissing, EtcdStore, EtcdTxnTooLarge, TxnBuilder, prefix_range_end
 from leasehold.local.procs import EtcdCluster, free_port
-
-from .helpers import unique_prefix
+from tests.support.allocator_app import unique_prefix
 
 
 async def test_moves_past_a_dead_endpoint(etcd_cluster: EtcdCluster) -> None:

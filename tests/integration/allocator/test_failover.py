@@ -15,11 +15,12 @@ import pytest
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from leasehold.local.procs import EtcdCluster
+from tests.support.allocator_app import lease_body
 from tests.support.waiting import await_until
 from tests.support.windows import clear_of_window_edges
 
 from .conftest import W
-from .helpers import AllocatorProcess, assert_replay_of, etcd_grants, etcd_windows, lease_body
+from .support import AllocatorProcess, assert_replay_of, etcd_grants, etcd_windows
 
 
 @pytest.fixture

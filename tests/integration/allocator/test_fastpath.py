@@ -13,10 +13,10 @@ from allocator import fastpath
 from allocator.app import create_app
 from kernel.bundle import Pool
 from leasehold.local.procs import EtcdCluster
+from tests.support.allocator_app import lease_body, settings_for, unique_prefix
 from tests.support.waiting import await_until
 
 from .conftest import TestClock, W
-from .helpers import lease_body, settings_for, unique_prefix
 
 TOKENS = {"eu": "eu-token-for-the-fast-path-test", "us": "us-token-for-the-fast-path-test"}
 ENTRIES = [f"{r}:{hashlib.sha256(t.encode()).hexdigest()}" for r, t in TOKENS.items()]

@@ -11,18 +11,11 @@ import httpx
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from leasehold.local.procs import EtcdCluster
+from tests.support.allocator_app import in_process, lease_body, settings_for
 from tests.support.waiting import await_until
 
 from .conftest import TestClock, W
-from .helpers import (
-    AllocatorProcess,
-    assert_replay_of,
-    etcd_grants,
-    etcd_windows,
-    in_process,
-    lease_body,
-    settings_for,
-)
+from .support import AllocatorProcess, assert_replay_of, etcd_grants, etcd_windows
 
 
 async def test_concurrent_grants_never_exceed_g(etcd_cluster: EtcdCluster, make_bundle, prefix: str,

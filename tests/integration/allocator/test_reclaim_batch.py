@@ -12,9 +12,10 @@ from kernel.etcd_store import EtcdStore
 from kernel.wire import LeaseError, LeaseGrant, LeaseRequest, UsageReport
 from leasehold.local.procs import EtcdCluster
 from region_agent.leasing.client import AllocatorClient
+from tests.support.allocator_app import in_process, lease_body, settings_for, unique_prefix
 
 from .conftest import TestClock, W
-from .helpers import etcd_grants, etcd_windows, in_process, lease_body, settings_for, unique_prefix
+from .support import etcd_grants, etcd_windows
 
 
 def usage(lease_id: str, pool: str, region: str, spent: int) -> dict:

@@ -19,10 +19,11 @@ from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from kernel.shards import shard_of
 from leasehold.local.procs import EtcdCluster
+from tests.support.allocator_app import lease_body, settings_for
 from tests.support.waiting import await_until
 
 from .conftest import W
-from .helpers import etcd_grants, etcd_windows, lease_body, settings_for, usurp
+from .support import etcd_grants, etcd_windows, usurp
 
 SHARDS = 8
 

@@ -27,9 +27,10 @@ from kernel.shards import shard_of
 from kernel.wire import LeaseRequest, UsageReceipt, UsageReport
 from leasehold.local.procs import EtcdCluster
 from region_agent.leasing.client import AllocatorClient
+from tests.support.allocator_app import lease_body
 from tests.support.waiting import await_until
 
-from .helpers import AllocatorProcess, etcd_grants, lease_body
+from .support import AllocatorProcess, etcd_grants
 
 SHARDS = 64
 TTL_S = 2

@@ -25,16 +25,17 @@ import pytest
 
 from kernel.bundle import Pool
 from leasehold.local.procs import EtcdCluster
+from tests.support.allocator_app import lease_body, unique_prefix, write_pools
 from tests.support.waiting import wait_until
 
-from .helpers import AllocatorProcess, lease_body, unique_prefix, write_bundle
+from .support import AllocatorProcess
 
 PAUSE_S = 3.0
 
 
 @pytest.fixture
 def replicas(tmp_path: Path, fresh_etcd_cluster: EtcdCluster) -> Iterator[list[AllocatorProcess]]:
-    bundle = write_bundle(tmp_path / "pools.json", [Pool(id="p1", window_ms=60_000, limit=100_000, chunk_max=10)])
+    bundle = write_pools(tmp_path / "pools.json", [Pool(id="p1", window_ms=60_000, limit=100_000, chunk_max=10)])
     prefix = unique_prefix()
     defaults = {"etcd_timeout_ms": 2000}  # what an operator runs (the helper's 1000 is a test's)
     procs = [AllocatorProcess(tmp_path, fresh_etcd_cluster, bundle, prefix, f"node{i}", election_ttl_s=3,

@@ -17,9 +17,9 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from litestar.testing import AsyncTestClient
 
-from kernel.ratelog import KeyedLog
 from leasehold.local.procs import free_port
 from region_agent.gateways import rls as rls_door
+from region_agent.gateways.refused_callers import RefusedCallers
 from region_agent.service.app import create_app
 
 from .conftest import PEPPER, make_settings
@@ -226,7 +226,7 @@ async def test_limit_override_is_refused(gw):
                                       (("authorization", TOKEN),)])
 async def test_rls_needs_the_gateway_token(gw, metadata, monkeypatch, caplog):
     client, stub = gw
-    monkeypatch.setattr(rls_door, "refused_callers", KeyedLog(rls_door.log, interval_s=60.0))
+    monkeypatch.setattr(rls_door, "refused_callers", RefusedCallers(rls_door.log))
     with caplog.at_level(logging.WARNING, logger=rls_door.log.name), pytest.raises(grpc.aio.AioRpcError) as e:
         await rls(stub, user(), metadata=metadata)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED

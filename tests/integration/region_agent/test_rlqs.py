@@ -20,11 +20,11 @@ from envoy.service.rate_limit_quota.v3 import rlqs_pb2, rlqs_pb2_grpc
 from litestar.testing import AsyncTestClient
 from redis.asyncio import Redis
 
-from kernel.ratelog import KeyedLog
 from leasehold.local.procs import free_port
 from region_agent.decision.keys import KeyBuilder
 from region_agent.gateways import rlqs
 from region_agent.gateways import rls as rls_door
+from region_agent.gateways.refused_callers import RefusedCallers
 from region_agent.service.app import create_app
 from tests.support.waiting import await_until
 
@@ -242,7 +242,7 @@ async def test_a_stream_without_the_gateway_token_is_unauthenticated(rig, monkey
     client, ch, _ = rig
     name = "leasehold_agent_rlqs_unauthenticated_total"
     assert name + " 0.0" in (await client.get("/metrics")).text  # exported from the start: rate() sees the first
-    monkeypatch.setattr(rls_door, "refused_callers", KeyedLog(rls_door.log, interval_s=60.0))
+    monkeypatch.setattr(rls_door, "refused_callers", RefusedCallers(rls_door.log))
     with caplog.at_level(logging.WARNING, logger=rls_door.log.name):
         for metadata in ((("authorization", "Bearer wrong"),), ()):  # a wrong token, then none
             e, pump = await open_stream(ch, metadata=metadata)

@@ -8,19 +8,13 @@ import msgspec
 from kernel.bundle import Pool, encode_bundle, load_bundle_file, seal
 from kernel.etcd_store import EtcdStore
 from kernel.policy_store import PolicyStore
-from tests.integration.allocator.helpers import (
-    in_process,
-    lease_body,
-    settings_for,
-    unique_prefix,
-    write_bundle,
-)
+from tests.support.allocator_app import in_process, lease_body, settings_for, unique_prefix, write_pools
 from tests.support.waiting import await_until
 
 
 async def test_allocator_follows_published_pools(etcd_cluster, tmp_path):
     prefix = unique_prefix()
-    path = write_bundle(tmp_path / "b.json", [Pool(id="p1", window_ms=60_000, limit=100)])
+    path = write_pools(tmp_path / "b.json", [Pool(id="p1", window_ms=60_000, limit=100)])
     base = load_bundle_file(str(path))
     store = PolicyStore(EtcdStore(",".join(etcd_cluster.endpoints)), prefix)
     try:

@@ -10,7 +10,15 @@ from chaos.checker import check, faults_by_window
 from chaos.history import DecisionRec, Fault, Policy, PoolSpend, TopologyRec
 from chaos.invariants import PoolPolicy, WindowBound
 from chaos.report import fault_spans, pool_series
-from chaos.scenarios import FALLBACK_SHOWS_MS, PROFILES, REDIS_GRACE_MS, RLQS_ENVOYS, SCENARIOS, resolve
+from chaos.scenarios import (
+    FALLBACK_SHOWS_MS,
+    PROFILES,
+    REDIS_GRACE_MS,
+    RLQS_ENVOYS,
+    SCENARIOS,
+    FallbackIn,
+    resolve,
+)
 from kernel.errors import BadRequest
 
 W = bundles.WINDOW_MS
@@ -196,7 +204,7 @@ def _redis_free_stretch_s(cut: tuple[float, float], redis: list[tuple[float, flo
 
 def _fallback_regions(name: str) -> set[str]:
     """The regions whose fallback decisions a profile entry's scenarios expect (``fallback_in``)."""
-    return {r for s in resolve(name) for e in s.expect for r in getattr(e, "fallback_regions", ())}
+    return {r for s in resolve(name) for e in s.expect if isinstance(e, FallbackIn) for r in e.regions}
 
 
 EXPECTING_FALLBACK = sorted({n for n, _d in PROFILES["full"] + PROFILES["short"] if _fallback_regions(n)})

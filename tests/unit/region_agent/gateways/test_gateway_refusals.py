@@ -14,11 +14,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kernel.auth import TokenTable
-from kernel.ratelog import KeyedLog
 from region_agent.gateways import authz as authz_door
 from region_agent.gateways import rls as rls_door
 from region_agent.gateways.bearer import BearerVerifier
 from region_agent.gateways.metrics import GatewayMetrics
+from region_agent.gateways.refused_callers import RefusedCallers
 from tests.support.authz_door import ISSUER, FakeGateways, ask, token
 
 GATEWAY_TOKEN = "gw-token-0123456789abcdef"
@@ -46,8 +46,8 @@ class TokenGateways(FakeGateways):
 @pytest.fixture(autouse=True)
 def fresh_logs(monkeypatch):
     """The doors' per-address log lines start afresh in every test (one line per address a minute)."""
-    monkeypatch.setattr(authz_door, "refused_callers", KeyedLog(authz_door.log, interval_s=60.0))
-    monkeypatch.setattr(rls_door, "refused_callers", KeyedLog(rls_door.log, interval_s=60.0))
+    monkeypatch.setattr(authz_door, "refused_callers", RefusedCallers(authz_door.log))
+    monkeypatch.setattr(rls_door, "refused_callers", RefusedCallers(rls_door.log))
 
 
 def refusals(caplog) -> list[str]:
@@ -95,3 +95,17 @@ def test_the_rls_door_names_the_callers_address_without_its_port(peer, address, 
         rls_door.log_refused(peer)
         rls_door.log_refused(peer)  # the same address within the minute: no second line
     assert refusals(caplog) == [f"RLS call refused: no valid gateway token, from {address}"]
+
+
+def test_each_door_names_a_refused_caller_in_its_own_log(caplog):
+    """One address refused at forward auth and at the RLS door, twice each within the minute: one
+    line at each door, in each door's logger (the alerts' runbooks read them there); a refusal at
+    one door does not silence the other."""
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            assert ask(TokenGateways(), [(b"x-user-id", b"U-1")], client="192.0.2.9")[0] == 401
+            rls_door.log_refused("ipv4:192.0.2.9:50412")
+    lines = [(r.name, r.levelno, r.getMessage()) for r in caplog.records if "no valid gateway token" in r.getMessage()]
+    assert lines == [
+        (authz_door.log.name, logging.WARNING, "forward-auth call refused: no valid gateway token, from 192.0.2.9"),
+        (rls_door.log.name, logging.WARNING, "RLS call refused: no valid gateway token, from 192.0.2.9")]

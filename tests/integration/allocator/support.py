@@ -1,64 +1,24 @@
-"""Helpers for the allocator's integration tests: sealed bundles, in-process apps against a
-real etcd cluster, and ``python -m allocator`` subprocesses."""
+"""Helpers of the allocator's integration tests alone: etcd's windows and grants as the allocator
+stored them, a leader deposed as another node would, a replayed grant compared with the stored one,
+and ``python -m allocator`` subprocesses. The in-process app, its settings and bundle files are
+shared (:mod:`tests.support.allocator_app`)."""
 
 from __future__ import annotations
 
 import os
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
-from litestar.testing import AsyncTestClient
 
 from allocator.allocation import WindowState
-from allocator.app import create_app
 from allocator.records import GrantRecord
-from allocator.settings import AllocatorSettings
-from kernel.bundle import Bundle, Pool, encode_bundle, seal
 from kernel.etcd_store import EtcdStore, TxnBuilder
 from leasehold.local.procs import LOOPBACK, EtcdCluster, Proc, free_port, wait_port
 from leasehold.local.services import allocator_command
-from tests.support.waiting import await_until
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def write_bundle(path: Path, pools: list[Pool]) -> Path:
-    bundle = seal(Bundle(bundle_version=1, published_at="2026-11-29T00:00:00Z", checksum="", rules=[],
-                         pools=pools))
-    path.write_bytes(encode_bundle(bundle))
-    return path
-
-
-def unique_prefix() -> str:
-    return f"/lh-{uuid.uuid4().hex[:12]}/"
-
-
-def settings_for(cluster: EtcdCluster, bundle: Path, prefix: str, node_id: str = "n1", port: int = 8700,
-                 **kw: Any) -> AllocatorSettings:
-    kw.setdefault("auth_disabled", True)  # region authentication has its own tests (tests/integration/security)
-    return AllocatorSettings(etcd=",".join(cluster.endpoints), policy=str(bundle), node_id=node_id,
-                             port=port, prefix=prefix, **kw)
-
-
-@asynccontextmanager
-async def in_process(settings: AllocatorSettings, **kw: Any) -> AsyncIterator[AsyncTestClient]:
-    """The allocator app in this event loop, with its real etcd client, leading."""
-    app = create_app(settings, **kw)
-    async with AsyncTestClient(app=app, timeout=30) as client:
-        assert await await_until(lambda: app.state.election.is_leader), \
-            "the in-process allocator did not take the lead"
-        client.app_state = app.state  # type: ignore[attr-defined]  # the tests read the app state through the client
-        yield client
-
-
-def lease_body(lease_id: str, pool: str, region: str, want: int, demand: int = 0, window: str = "current") -> dict:
-    return {"leaseId": lease_id, "region": region, "pool": pool, "want": want, "demand": demand,
-            "window": window}
 
 
 async def etcd_windows(store: EtcdStore, prefix: str, pool: str) -> dict[int, WindowState]:
