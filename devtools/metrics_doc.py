@@ -95,6 +95,7 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_rlqs_assigned_tokens_total": "1",
     "leasehold_agent_rlqs_stranded_tokens_total": "1",
     "leasehold_agent_rlqs_unauthenticated_total": "1",
+    "leasehold_agent_rlqs_refused_streams_total": "2 reasons (not_ready, exhausted)",
     "leasehold_agent_rlqs_rounds_total": "5 outcomes",
     "leasehold_agent_rlqs_refused_total": "refusal reasons of region_agent.gateways (< 15)",
     "leasehold_agent_authz_seconds": "1",

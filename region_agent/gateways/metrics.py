@@ -21,6 +21,7 @@ from ..service.metrics import FlushFirst
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 GROUP_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 AUTHZ_CALLERS = ("gateway", "client")  # leasehold_agent_authz_unauthenticated_total's caller values
+RLQS_STREAM_REFUSALS = ("not_ready", "exhausted")  # leasehold_agent_rlqs_refused_streams_total's reasons
 
 
 class GatewayMetrics:
@@ -92,6 +93,19 @@ class GatewayMetrics:
             "leasehold_agent_rlqs_unauthenticated_total",
             "RLQS streams refused UNAUTHENTICATED: no valid gateway token (each attempt; the stream is never "
             "opened, its Envoy gets no assignment)", registry=r)
+        # a stream the RLQS door refused before opening it, for the agent's own reasons (each
+        # attempt): not_ready (UNAVAILABLE, the agent has no engine yet), exhausted
+        # (RESOURCE_EXHAUSTED, --rlqs-max-streams open). Both series at 0 from the start, so
+        # increase() sees the first (LeaseholdRlqsStreamsAtCap). A refusal for the gateway token is
+        # rlqs_unauthenticated's, counted there alone
+        self.rlqs_refused_streams = Counter(
+            "leasehold_agent_rlqs_refused_streams_total",
+            "RLQS streams the agent refused before opening them, by reason (not_ready: UNAVAILABLE, the "
+            "agent is starting | exhausted: RESOURCE_EXHAUSTED, --rlqs-max-streams open); each attempt, the "
+            "stream's Envoy gets no assignment. Refused for the gateway token: "
+            "leasehold_agent_rlqs_unauthenticated_total", ["reason"], registry=r)
+        for reason in RLQS_STREAM_REFUSALS:
+            self.rlqs_refused_streams.labels(reason)
         self.rlqs_refused = Counter("leasehold_agent_rlqs_refused_total",
                                     "Bucket reports refused (answered deny-all), by reason; undecodable: a message "
                                     "that is not a report (its stream ends INVALID_ARGUMENT)", ["reason"], registry=r)

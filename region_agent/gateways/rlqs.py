@@ -246,9 +246,14 @@ class RlqsService:
                 self.metrics.rlqs_unauthenticated.inc()
                 log_refused(context.peer(), "RLQS stream")
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, e.detail)
+        # refused for the agent's own reasons, each attempt counted (LeaseholdRlqsStreamsAtCap): an
+        # Envoy refused its stream has no assignment, and the shipped envoy-rlqs.yaml then denies
+        # every identified request until a later attempt is let in
         if self.state_of().engine is None:
+            self.metrics.rlqs_refused_streams.labels("not_ready").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "agent is starting")
         if len(self.streams) >= self.s.rlqs_max_streams:  # each holds a slot of the port for its life
+            self.metrics.rlqs_refused_streams.labels("exhausted").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many RLQS streams (--rlqs-max-streams)")
         st = Stream(next(self._ids), context.peer() or "", opened_ms=self.now_ms())
         self.streams[st.id] = st

@@ -8,7 +8,8 @@ topology with the shipped configuration (deploy/prometheus/prometheus.yml, targe
   suite's two workers run both at once);
 * one RLS call, one RLQS stream and one forward-auth call without the gateway token to every
   agent: no critical alert even goes pending (LeaseholdRlsUnknownCaller,
-  LeaseholdRlqsUnknownCaller and LeaseholdAuthzUnknownCaller, warnings, do);
+  LeaseholdRlqsUnknownCaller and LeaseholdAuthzUnknownCaller, warnings, do), and no stream is
+  counted as one the agent refused itself (LeaseholdRlqsStreamsAtCap's series, at 0);
 * healthy, under demo traffic through every door: no critical alert fires, and every panel of
   the Grafana dashboard has a query that returns series from this Prometheus;
 * Redis of region eu stopped and the allocator leader killed: LeaseholdBreakerOpen (for: 1m)
@@ -176,6 +177,10 @@ def test_a_call_without_the_gateway_token_pages_nobody(topology, prometheus):
         critical = [a for a in prom.alerts() if a["labels"].get("severity") == "critical"]
         assert not critical, critical
         time.sleep(1)
+    # a stream refused for its token is not one the agent refused itself: LeaseholdRlqsStreamsAtCap
+    # reads a series of every agent, scraped at 0 from the start, that those streams left at 0
+    refused = prom.query('leasehold_agent_rlqs_refused_streams_total{reason="exhausted"}')
+    assert len(refused) == sent and {r["value"][1] for r in refused} == {"0"}, refused
 
 
 def test_alerts_and_panels_on_a_real_prometheus(topology, prometheus):

@@ -302,3 +302,79 @@ def test_an_envoy_with_the_wrong_token_is_counted_at_the_cadence_the_alert_expec
     assert attempts >= elapsed / 10 + 1, (attempts, elapsed)
     assert attempts <= elapsed / 5 + 2, (attempts, elapsed)  # the cadence the alert's numbers assume
     assert debited(stack, "U-47") == 0
+
+
+def agent_metric(http_port: int, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in httpx.get(f"http://{LOOPBACK}:{http_port}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            head, _, value = line.rpartition(" ")
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+    return total
+
+
+@pytest.fixture(scope="module")
+def capped_agent(stack: Stack) -> Iterator[tuple[int, int]]:
+    """A second agent on the same Redis, the stack's gateway token, ``--rlqs-max-streams 1``: room
+    for one Envoy's stream (one worker, ``--concurrency 1``). Returns its HTTP and RLS ports."""
+    http_port, rls_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = Proc("agent-capped", agent_command(
+        "--rlqs-max-streams", "1", "--log-level", "warning", redis_url=stack.redis.url,
+        policy=ROOT / "policies" / "northstar.json", region="eu", host=LOOPBACK, port=http_port, rls_port=rls_port,
+        policy_poll_ms=0, insecure_dev_pepper=True, auth_disabled=False,
+        gateway_tokens=["edge:" + hashlib.sha256(stack.token.encode()).hexdigest()]),
+        Path(stack.workdir) / "agent-capped", env=env).start()
+    try:
+        wait_http_ready({f"http://{LOOPBACK}:{http_port}": proc}, timeout=60)
+        wait_port(rls_port, proc=proc.popen, timeout=30)
+        yield http_port, rls_port
+    finally:
+        proc.stop()
+
+
+def test_an_envoy_refused_at_the_stream_cap_is_counted_at_the_cadence_the_alert_expects(
+        stack: Stack, capped_agent: tuple[int, int]):
+    """An agent holding ``--rlqs-max-streams`` streams refuses the next one RESOURCE_EXHAUSTED
+    (the status: tests/integration/region_agent/test_rlqs.py): the Envoy refused gets no
+    assignment and, on the shipped file, denies every identified request — a whole gateway's
+    traffic 429 at the agent's capacity, not the client's. Each attempt is counted under
+    ``reason="exhausted"``, and Envoy makes one at every report, 5 s apart, as it does when
+    refused for its token: over LeaseholdRlqsStreamsAtCap's floor (12 in 5 minutes, one every 25 s).
+    Once the stream held is closed, the refused Envoy's next attempt is let in and it is funded."""
+    http_port, rls_port = capped_agent
+    refused = "leasehold_agent_rlqs_refused_streams_total"
+    assert agent_metric(http_port, refused, reason="exhausted") == 0
+    holder = rlqs_envoy(stack, "envoy-rlqs-holder", rls_port=rls_port)
+    refused_envoy = None
+    try:
+        with httpx.Client(base_url=holder.url, timeout=10) as c:
+            until_admitted(c, "U-48")  # its first report opened the one stream the agent allows
+        assert agent_metric(http_port, "leasehold_agent_rlqs_streams") == 1
+        assert agent_metric(http_port, refused) == 0  # the holder's one stream was never refused
+        refused_envoy = rlqs_envoy(stack, "envoy-rlqs-over-cap", rls_port=rls_port)
+        codes = hammer(refused_envoy, "U-49", seconds=2, every_s=0.5)  # its first report: the first attempt
+        first = agent_metric(http_port, refused, reason="exhausted")
+        started = time.monotonic()
+        time.sleep(20)  # no traffic: Envoy keeps reporting the bucket, and opening the stream
+        attempts = agent_metric(http_port, refused, reason="exhausted") - first
+        elapsed = time.monotonic() - started
+        codes += hammer(refused_envoy, "U-49", seconds=1, every_s=0.5)
+        assert codes and set(codes) == {429}, codes  # no assignment ever: every identified request denied
+        assert first >= 1
+        # one attempt every 5 s is 4 in 20 s; the floor's rate (one every 25 s) would be under 1
+        assert attempts >= elapsed / 10 + 1, (attempts, elapsed)
+        assert attempts <= elapsed / 5 + 2, (attempts, elapsed)  # the cadence the alert's numbers assume
+        assert agent_metric(http_port, refused, reason="not_ready") == 0
+        assert agent_metric(http_port, "leasehold_agent_rlqs_unauthenticated_total") == 0
+        assert agent_metric(http_port, "leasehold_agent_rlqs_streams") == 1
+        holder.stop()  # its stream closes: room for one
+        with httpx.Client(base_url=refused_envoy.url, timeout=10) as c:
+            back = until_admitted(c, "U-49", tries=200)  # its next attempt is let in, and funded
+        assert back[-1].status_code == 200
+    finally:
+        holder.stop()
+        if refused_envoy is not None:
+            refused_envoy.stop()

@@ -304,7 +304,9 @@ async def test_a_stream_that_never_reads_its_answers_is_not_read_either(rig):
 async def test_rlqs_streams_leave_the_ports_other_slots_to_rls_calls(redis_url: str, policy_file: Path):
     """A stream holds one of ``--rls-max-concurrent-rpcs`` for its whole life: a gateway that opens
     that many streams (at no cost to itself) left none for RLS calls, every one RESOURCE_EXHAUSTED.
-    Past ``--rlqs-max-streams`` a stream is refused instead, and RLS calls are answered."""
+    Past ``--rlqs-max-streams`` a stream is refused instead, and RLS calls are answered; each
+    refused stream is counted (``leasehold_agent_rlqs_refused_streams_total{reason="exhausted"}``,
+    at 0 before the first: LeaseholdRlqsStreamsAtCap)."""
     from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
     from .test_gateways import user
@@ -316,6 +318,8 @@ async def test_rlqs_streams_leave_the_ports_other_slots_to_rls_calls(redis_url: 
     app = create_app(settings, pepper=PEPPER)
     async with AsyncTestClient(app=app) as client, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         service = client.app.state.agent.gateways.rlqs
+        refusals = "leasehold_agent_rlqs_refused_streams_total"
+        assert f'{refusals}{{reason="exhausted"}} 0.0' in (await client.get("/metrics")).text
         opened = [await open_stream(ch) for _ in range(6)]
         try:
             # A stream is counted when it opens, before its first report, and the refusal is sent then.
@@ -331,6 +335,8 @@ async def test_rlqs_streams_leave_the_ports_other_slots_to_rls_calls(redis_url: 
                 await asyncio.sleep(0.05)
             assert len(service.streams) == 4 and len(refused) == 2
             assert {p.exception().code() for p in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+            assert await metric(client, refusals, reason="exhausted") == 2
+            assert await metric(client, refusals, reason="not_ready") == 0
             for e, p in opened:
                 if not p.done():
                     await e.report(b=(user_bucket("U-streams"), 0, 1))

@@ -55,3 +55,13 @@ def test_the_gateway_token_refusals_of_rlqs_streams_are_exported_at_zero_from_th
     registry = CollectorRegistry()
     GatewayMetrics(registry)
     assert "leasehold_agent_rlqs_unauthenticated_total 0.0" in generate_latest(registry).decode()
+
+
+def test_the_rlqs_streams_the_agent_refuses_itself_are_exported_at_zero_from_the_start():
+    """LeaseholdRlqsStreamsAtCap reads ``leasehold_agent_rlqs_refused_streams_total{reason="exhausted"}``
+    with ``increase()``: every reason's series is at 0 before the first refused stream."""
+    registry = CollectorRegistry()
+    GatewayMetrics(registry)
+    text = generate_latest(registry).decode()
+    for reason in ("not_ready", "exhausted"):
+        assert f'leasehold_agent_rlqs_refused_streams_total{{reason="{reason}"}} 0.0' in text, reason

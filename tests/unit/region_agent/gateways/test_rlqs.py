@@ -546,3 +546,44 @@ async def test_every_stream_refused_for_its_gateway_token_is_counted():
     assert ctx.aborted == [grpc.StatusCode.UNAVAILABLE]  # past the token: not counted as refused for it
     assert registry.get_sample_value(name) == 3 and not svc.streams
     await svc.stop()
+
+
+async def test_every_stream_the_agent_refuses_itself_is_counted_by_reason():
+    """A stream refused for the agent's own reasons is counted, each attempt, in
+    ``leasehold_agent_rlqs_refused_streams_total`` (both reasons at 0 from the start): ``not_ready``
+    while the agent has no engine (UNAVAILABLE), ``exhausted`` with ``--rlqs-max-streams`` open
+    (RESOURCE_EXHAUSTED). A stream refused for its gateway token is not (it is
+    ``leasehold_agent_rlqs_unauthenticated_total``'s), and an opened one is not."""
+    registry = CollectorRegistry()
+    state = SimpleNamespace(holder=SimpleNamespace(bundle=None), engine=None)
+    settings = SimpleNamespace(**vars(SETTINGS), rlqs_max_streams=1)
+    svc = RlqsService(settings=settings, names=NAMES, decide=allow, state_of=lambda: state,
+                      metrics=GatewayMetrics(registry),
+                      gateways=TokenTable([("edge", hashlib.sha256(b"right").hexdigest())]), clock=MsClock())
+    name = "leasehold_agent_rlqs_refused_streams_total"
+
+    def counted() -> dict[str, float | None]:
+        return {r: registry.get_sample_value(name, {"reason": r}) for r in ("not_ready", "exhausted")}
+
+    assert counted() == {"not_ready": 0, "exhausted": 0}
+
+    async def attempt(token: str) -> Context:
+        ctx = Context((("authorization", f"Bearer {token}"),))
+        with pytest.raises(Refused):
+            async for _ in svc.stream(Reports(report(1, 0), 1), ctx):
+                pass
+        return ctx
+
+    assert (await attempt("wrong")).aborted == [grpc.StatusCode.UNAUTHENTICATED]
+    for _ in range(2):  # the agent starting: no engine yet
+        assert (await attempt("right")).aborted == [grpc.StatusCode.UNAVAILABLE]
+    assert counted() == {"not_ready": 2, "exhausted": 0}
+    state.engine = object()
+    svc.streams[99] = Stream(99, "envoy-a")  # the one stream --rlqs-max-streams allows, open
+    for _ in range(3):
+        assert (await attempt("right")).aborted == [grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert (await attempt("wrong")).aborted == [grpc.StatusCode.UNAUTHENTICATED]
+    assert counted() == {"not_ready": 2, "exhausted": 3}
+    assert registry.get_sample_value("leasehold_agent_rlqs_unauthenticated_total") == 2
+    assert list(svc.streams) == [99]  # none of the refused was opened
+    await svc.stop()
