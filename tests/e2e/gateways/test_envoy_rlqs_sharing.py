@@ -65,11 +65,26 @@ def test_two_envoys_of_one_bucket_are_funded_by_demand_and_never_beyond_what_it_
         t.start()
     # each Envoy reports a new bucket at its first request (about one request a second, as far as
     # the agent can tell: both look alike) and then every 5 s: from the second report on, the agent
-    # knows the two demands apart
-    time.sleep(KNOWN_AFTER_S)
-    early = {h["stream"]: h["funded"] for h in holders(stack)}
+    # knows the two demands apart. Its view is read while both clients ask: a report made after a
+    # client stopped is a change (none of its requests), which starts its demand afresh at what
+    # the report saw, 0.0 for a report with no request — a loaded machine reads the view after the
+    # drive seconds late, past such a report, so the demands are judged from the last reading
+    # taken while both clients still asked (every report before it counted only the drive)
+    driving: list[tuple[float, list[dict]]] = []
+    while any(t.is_alive() for t in threads) and time.monotonic() < started + DRIVE_S + 60:  # bounded
+        seen_at, reading = time.monotonic() - started, holders(stack)
+        if all(t.is_alive() for t in threads):
+            driving.append((seen_at, reading))
+        time.sleep(0.25)
     for t in threads:
         t.join(DRIVE_S + 60)
+    # from each Envoy's second report on (past its first request: a loaded machine can start a
+    # client seconds late) the agent knows the two demands apart
+    known = [reading for at, reading in driving
+             if at >= KNOWN_AFTER_S and len(reading) == 2 and all(h["allowed"] + h["denied"] > 1 for h in reading)]
+    assert known, driving
+    early = {h["stream"]: h["funded"] for h in known[0]}
+    last = known[-1]
     # the agent's view and its counter, read with no funding round between them (rounds go on
     # after the drive while the Envoys' last reports show demand)
     for _ in range(20):  # bounded
@@ -88,19 +103,22 @@ def test_two_envoys_of_one_bucket_are_funded_by_demand_and_never_beyond_what_it_
                        if x["bucket"] and x["bucket"].get("user") == USER] for e in envoys}
     assert {n: sum(1 for x in lines if x["status"] == 200) for n, lines in logged.items()} == admitted
 
-    # the agent saw two demands on one bucket and funded each by its own
-    high, low = sorted(view, key=lambda h: -h["demandPerS"])
-    assert high["demandPerS"] > 2 * low["demandPerS"] > 0, view
-    assert high["funded"] > low["funded"] >= 1, view
+    # the agent saw two demands on one bucket and funded each by its own, while both asked
+    high, low = sorted(last, key=lambda h: -h["demandPerS"])
+    assert high["demandPerS"] > 2 * low["demandPerS"] > 0, (last, view)
+    assert low["funded"] >= 1, last
     # by demand, not first come or evenly: once the agent knew the two demands apart, the busier
     # Envoy got well over half of what both were assigned (its demand share is about 0.8). The two
     # Envoys' reports reach the agent at different moments, and a round alone with B would give it
     # all the bucket has: a short Envoy joins every round of its bucket (rlqs_funding.waiting), and
     # the rounds' one or two tokens are shared with the rounding carried (kernel.fair_share.split).
-    # Over the whole run the first seconds' even funding counts too.
+    # What each got before then is first come, not compared: both first report one request (they
+    # look alike), and the first second report to reach the agent is funded its demand over a
+    # report span alone while the bucket still holds it (measured on a loaded machine: B's came
+    # first and took 17 tokens; in another run both had 24 funded when the drive ended)
     later = {h["stream"]: h["funded"] - early.get(h["stream"], 0) for h in (high, low)}
     share = later[high["stream"]] / max(1, sum(later.values()))
-    assert share >= 0.6, (share, early, view)
+    assert share >= 0.6, (share, early, last)
     assert admitted[a.name] > admitted[b.name] >= 1, admitted
     # scarce: rounds got less than the Envoys asked for and shared it (kernel.fair_share.split)
     assert stack.metric("leasehold_agent_rlqs_rounds_total", outcome="partial") > partial_before

@@ -302,11 +302,16 @@ async def test_authz_questions_from_headers(gw):
     assert r.status_code == 200
     r = await client.get("/v1/authz/catalog", headers={**base, "authorization": "Bearer the-clients-own-jwt"})
     assert r.status_code == 401 and r.headers["content-type"] == "application/problem+json"
-    # nginx: denials as 403 with the real status beside it
-    for _ in range(16):
-        await client.get("/v1/authz/catalog", headers=base)
-    r = await client.get("/v1/authz/catalog", headers={**base, "x-leasehold-deny-status": "403"})
-    assert r.status_code == 403 and r.headers["x-leasehold-status"] == "429" and r.headers["retry-after"] == "1"
+    # nginx: denials as 403 with the real status beside it. U-5's bucket refills 2 tokens a second
+    # while it is spent, so how many requests it takes to empty it depends on how fast they come (a
+    # loaded machine refilled 3 tokens before the 17th, allowed): asked until it denies (bounded)
+    codes = []
+    for _ in range(100):
+        r = await client.get("/v1/authz/catalog", headers={**base, "x-leasehold-deny-status": "403"})
+        codes.append(r.status_code)
+        if r.status_code != 200:
+            break
+    assert r.status_code == 403 and r.headers["x-leasehold-status"] == "429" and r.headers["retry-after"] == "1", codes
 
 
 async def test_a_path_beside_the_door_is_not_the_door(gw):
