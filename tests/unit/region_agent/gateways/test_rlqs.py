@@ -587,3 +587,21 @@ async def test_every_stream_the_agent_refuses_itself_is_counted_by_reason():
     assert registry.get_sample_value("leasehold_agent_rlqs_unauthenticated_total") == 2
     assert list(svc.streams) == [99]  # none of the refused was opened
     await svc.stop()
+
+
+def test_the_stream_cap_is_exported_as_configured():
+    """``leasehold_agent_rlqs_max_streams`` carries ``--rlqs-max-streams`` from the start, before any
+    stream (LeaseholdRlqsStreamsNearCap compares ``leasehold_agent_rlqs_streams`` with it), and 0
+    when the RLQS door is not served (no ``--rls-port``, or ``--no-rlqs``): the alert reads a cap
+    above 0 only."""
+    from region_agent.gateways import Gateways
+    from region_agent.service.settings import load_agent_settings
+
+    env = {"LEASEHOLD_AGENT_GATEWAY_TOKENS": "edge:" + "0" * 64}
+    for argv, cap in ((["--rls-port", "8081", "--rlqs-max-streams", "300"], 300),
+                      (["--rls-port", "8081"], 1_024),
+                      (["--rls-port", "8081", "--rlqs-max-streams", "300", "--no-rlqs"], 0),
+                      (["--rlqs-max-streams", "300"], 0)):
+        registry = CollectorRegistry()
+        Gateways(load_agent_settings(argv, env=env), state_of=lambda: None, admission=None, registry=registry)
+        assert registry.get_sample_value("leasehold_agent_rlqs_max_streams") == cap, argv
