@@ -88,6 +88,7 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_rls_seconds": "1",
     "leasehold_agent_rls_group_calls": "1",
     "leasehold_agent_rlqs_streams": "1",
+    "leasehold_agent_rlqs_max_streams": "1",
     "leasehold_agent_rlqs_buckets": "1",
     "leasehold_agent_rlqs_reports_total": "1",
     "leasehold_agent_rlqs_usage_total": "2 outcomes",
@@ -236,6 +237,10 @@ connections the port holds (`leasehold_agent_rls_connections`, read from the ker
 at each scrape) against its cap (`leasehold_agent_rls_max_connections`): at the cap every new
 connection is refused. With several workers the open connections and the caps are the fullest
 worker's (each worker has its own caps) and the refused counts are summed.
+
+The RLQS door's streams (`leasehold_agent_rlqs_streams`) compare with its cap
+(`leasehold_agent_rlqs_max_streams`, `--rlqs-max-streams`) the same way; with several workers both
+are summed over them ([decision 0092](decisions/0092-an-rlqs-stream-refused-at-the-cap-pages.md)).
 
 ## Table
 

@@ -65,6 +65,14 @@ class GatewayMetrics:
         # RLQS: quota assignments Envoys enforce locally (region_agent.gateways.rlqs)
         self.rlqs_streams = Gauge("leasehold_agent_rlqs_streams", "Envoy RLQS streams open", registry=r,
                                   multiprocess_mode="livesum")
+        # the cap the streams are refused at, set once from the settings (Gateways): summed over
+        # the workers as the streams are, so the two compare (LeaseholdRlqsStreamsNearCap)
+        self.rlqs_max_streams = Gauge(
+            "leasehold_agent_rlqs_max_streams",
+            "--rlqs-max-streams: the RLQS streams one agent process keeps open, summed over the workers as "
+            "leasehold_agent_rlqs_streams is; one more is refused RESOURCE_EXHAUSTED (0 when the RLQS door is not "
+            "served: no --rls-port, or --no-rlqs)",
+            registry=r, multiprocess_mode="livesum")
         self.rlqs_buckets = Gauge("leasehold_agent_rlqs_buckets", "Envoy buckets tracked (per stream)", registry=r,
                                   multiprocess_mode="livesum")
         self.rlqs_reports = Counter("leasehold_agent_rlqs_reports_total", "RLQS usage reports received",

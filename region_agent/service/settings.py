@@ -265,8 +265,8 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     rlqs_max_streams: Annotated[int, Meta(ge=1, le=100_000), Help(
         "RLQS streams open at once on this agent process; beyond: RESOURCE_EXHAUSTED (each refused stream "
         "counted as leasehold_agent_rlqs_refused_streams_total{reason=\"exhausted\"}: its Envoy gets no "
-        "assignment). A stream holds one of --rls-max-concurrent-rpcs for its whole life: below it, the "
-        "rest stay for RLS calls")] = 1_024
+        "assignment; the cap is exported as leasehold_agent_rlqs_max_streams). A stream holds one of "
+        "--rls-max-concurrent-rpcs for its whole life: below it, the rest stay for RLS calls")] = 1_024
     rlqs_max_agent_buckets: Annotated[int, Meta(ge=1, le=10_000_000), Help(
         "buckets tracked by this agent process across all its Envoy streams (a closed stream's until "
         "its assignments expire); a new bucket past it is refused (denied): what a gateway that reports "

@@ -8,8 +8,9 @@ topology with the shipped configuration (deploy/prometheus/prometheus.yml, targe
   suite's two workers run both at once);
 * one RLS call, one RLQS stream and one forward-auth call without the gateway token to every
   agent: no critical alert even goes pending (LeaseholdRlsUnknownCaller,
-  LeaseholdRlqsUnknownCaller and LeaseholdAuthzUnknownCaller, warnings, do), and no stream is
-  counted as one the agent refused itself (LeaseholdRlqsStreamsAtCap's series, at 0);
+  LeaseholdRlqsUnknownCaller and LeaseholdAuthzUnknownCaller, warnings, do), no stream is
+  counted as one the agent refused itself (LeaseholdRlqsStreamsAtCap's series, at 0), and every
+  agent's stream cap is scraped as configured (LeaseholdRlqsStreamsNearCap's);
 * healthy, under demo traffic through every door: no critical alert fires, and every panel of
   the Grafana dashboard has a query that returns series from this Prometheus;
 * Redis of region eu stopped and the allocator leader killed: LeaseholdBreakerOpen (for: 1m)
@@ -52,6 +53,8 @@ from tests.support.prometheus import (
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
+
+RLQS_CAP = 512  # every agent's --rlqs-max-streams (the default is 1,024): its gauge carries this one
 
 
 class Traffic(Background):
@@ -106,7 +109,8 @@ class Traffic(Background):
 @pytest.fixture(scope="module")
 def topology(tmp_path_factory):
     topo = LocalTopology(TopologySpec(run_dir=tmp_path_factory.mktemp("prom-topo"), regions=("eu", "us"),
-                                      allocators=2, auth=True, rls=True)).start()
+                                      allocators=2, auth=True, rls=True,
+                                      agent_args=("--rlqs-max-streams", str(RLQS_CAP)))).start()
     yield topo
     topo.stop()
 
@@ -181,6 +185,12 @@ def test_a_call_without_the_gateway_token_pages_nobody(topology, prometheus):
     # reads a series of every agent, scraped at 0 from the start, that those streams left at 0
     refused = prom.query('leasehold_agent_rlqs_refused_streams_total{reason="exhausted"}')
     assert len(refused) == sent and {r["value"][1] for r in refused} == {"0"}, refused
+    # LeaseholdRlqsStreamsNearCap compares the streams open with the cap each agent exports: the
+    # cap of every agent is scraped, as configured, and the streams refused left none open
+    cap = prom.query("leasehold_agent_rlqs_max_streams")
+    assert len(cap) == sent and {c["value"][1] for c in cap} == {str(RLQS_CAP)}, cap
+    streams = prom.query("leasehold_agent_rlqs_streams")
+    assert len(streams) == sent and {s["value"][1] for s in streams} == {"0"}, streams
 
 
 def test_alerts_and_panels_on_a_real_prometheus(topology, prometheus):

@@ -713,3 +713,21 @@ async def test_an_envoy_cut_off_and_healed_never_admits_more_in_a_window_than_it
                 if n > funded.get(k, 0):
                     over.append((cut_ms, heal_ms, k - 20_000, n, funded.get(k, 0)))
     assert not over, over
+
+
+def test_the_stream_cap_is_exported_as_configured():
+    """``leasehold_agent_rlqs_max_streams`` carries ``--rlqs-max-streams`` from the start, before any
+    stream (LeaseholdRlqsStreamsNearCap compares ``leasehold_agent_rlqs_streams`` with it), and 0
+    when the RLQS door is not served (no ``--rls-port``, or ``--no-rlqs``): the alert reads a cap
+    above 0 only."""
+    from region_agent.gateways import Gateways
+    from region_agent.service.settings import load_agent_settings
+
+    env = {"LEASEHOLD_AGENT_GATEWAY_TOKENS": "edge:" + "0" * 64}
+    for argv, cap in ((["--rls-port", "8081", "--rlqs-max-streams", "300"], 300),
+                      (["--rls-port", "8081"], 1_024),
+                      (["--rls-port", "8081", "--rlqs-max-streams", "300", "--no-rlqs"], 0),
+                      (["--rlqs-max-streams", "300"], 0)):
+        registry = CollectorRegistry()
+        Gateways(load_agent_settings(argv, env=env), state_of=lambda: None, admission=None, registry=registry)
+        assert registry.get_sample_value("leasehold_agent_rlqs_max_streams") == cap, argv
