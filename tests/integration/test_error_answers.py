@@ -40,12 +40,11 @@ from kernel.errors import (
 )
 from leasehold.local.procs import EtcdCluster
 from region_agent.service.app import create_app as create_agent
+from tests.support.agent import PEPPER, admit_body, make_settings
 from tests.support.allocator_app import lease_body, settings_for, unique_prefix, write_pools
+from tests.support.policies import northstar as northstar_bundle
+from tests.support.policies import write_bundle as write_agent_bundle
 from tests.support.waiting import await_until
-
-from .region_agent.conftest import PEPPER, admit_body, make_settings
-from .region_agent.conftest import northstar as northstar_bundle
-from .region_agent.conftest import write_bundle as write_agent_bundle
 
 pytestmark = pytest.mark.integration
 

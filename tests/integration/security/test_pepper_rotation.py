@@ -21,14 +21,10 @@ from redis.asyncio import Redis
 
 from region_agent.decision.keys import KeyBuilder
 from region_agent.service.app import create_app
-from tests.integration.region_agent.conftest import (
-    admit_json,
-    make_settings,
-    set_bucket,
-    tenant_key,
-    write_bundle,
-)
-from tests.integration.region_agent.conftest import northstar as northstar_bundle
+from tests.support.agent import admit_json, make_settings
+from tests.support.policies import northstar as northstar_bundle
+from tests.support.policies import write_bundle
+from tests.support.redis_buckets import set_bucket, tenant_key
 
 P1, P2 = b"pepper-one-0123456789abcdef", b"pepper-two-0123456789abcdef"
 
