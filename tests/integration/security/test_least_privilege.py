@@ -42,9 +42,9 @@ from region_agent.decision.keys import KeyBuilder
 from region_agent.service.app import create_app
 from region_agent.service.settings import DEV_PEPPER as AGENT_DEV_PEPPER
 from tests.support.agent import PEPPER, admit_body, make_settings
-from tests.support.allocator_app import in_process, lease_body, settings_for, write_pools
+from tests.support.allocator_app import in_process, lease_body, settings_for
 from tests.support.etcd_auth import auth_etcd_cluster
-from tests.support.policies import ROOT
+from tests.support.policies import ROOT, write_pools
 from tests.support.waiting import await_until
 
 AGENT_PW = secrets.token_urlsafe(16)
