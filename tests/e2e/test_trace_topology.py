@@ -23,6 +23,7 @@ from leasehold.local.topology import LocalTopology, TopologySpec
 from region_agent.decision.keys import KeyBuilder, hash_tag
 from region_agent.service.settings import DEV_PEPPER
 from region_agent.store.scripts import Scripts
+from tests.support.redis_buckets import bucket_tokens, set_bucket
 
 FAST_AGENT = ("--decision-budget-ms", "250", "--lease-tick-ms", "50", "--policy-poll-ms", "0",
               "--log-level", "warning")
@@ -30,7 +31,6 @@ KEYS = KeyBuilder(DEV_PEPPER)  # the topology below opts in to the public dev pe
 U17_READ = f"rl:v3:{{t:atlas}}:u:{KEYS.h('atlas', 'u', 'U-17')}:read"
 EXPORT = "rl:v3:{t:atlas}:tenant:atlas:export"
 ATLAS_POOL = KeyBuilder.tenant_pool_key("atlas", "atlas-minute")
-FROZEN_AHEAD_MS = 3_600_000  # a bucket stamped in the future gets no refill (clock-backwards clamp)
 
 
 @pytest.fixture(scope="module")
@@ -64,20 +64,9 @@ async def metric(client: httpx.AsyncClient, url: str, name: str, **labels: str) 
     return total
 
 
-async def set_bucket(r: Redis, key: str, tokens: int, *, age_ms: int | None = None) -> None:
-    sec, usec = await r.time()
-    now = int(sec) * 1000 + int(usec) // 1000
-    await r.hset(key, mapping={"tokens": tokens, "ts": now + FROZEN_AHEAD_MS if age_ms is None else now - age_ms})
-    await r.pexpire(key, 600_000)
-
-
 def retry_after(d: dict) -> str:
     """The Retry-After a denial carries: its exact hint plus its jitter, in whole seconds up."""
     return str(max(1, -(-(d["retryAfterMs"] + d["retryJitterMs"]) // 1000)))
-
-
-async def tokens(r: Redis, key: str) -> int:
-    return int(await r.hget(key, "tokens"))
 
 
 async def pool_spent(r: Redis, key: str) -> int:
@@ -145,7 +134,7 @@ async def test_trace_steps_4_and_6_to_13_across_regions(topo: LocalTopology):
             spent0 = await pool_spent(r, ATLAS_POOL)
             d = await admit_past_rollover(client, a, "trace-step-6")
             assert (d["allowed"], d["remaining"], d["policyVersion"], d["fallback"]) == (True, 19, 42, False)
-            assert await tokens(r, U17_READ) == 19_000
+            assert await bucket_tokens(r, U17_READ) == 19_000
             assert 14_000 < await r.pttl(U17_READ) <= 15_000
             assert await pool_spent(r, ATLAS_POOL) == spent0 + 1
 
@@ -154,7 +143,7 @@ async def test_trace_steps_4_and_6_to_13_across_regions(topo: LocalTopology):
             await set_bucket(r, U17_READ, 1_000)
             da, db = await asyncio.gather(admit(client, a, "trace-7-gw-a"), admit(client, b, "trace-7-gw-b"))
             assert sorted([da["allowed"], db["allowed"]]) == [False, True]
-            assert await tokens(r, U17_READ) == 0
+            assert await bucket_tokens(r, U17_READ) == 0
             assert await pool_spent(r, ATLAS_POOL) == spent0 + 2
 
             # step 8: the loser gets 429, Retry-After 1 (max(1, ceil(0.5)); the jitter that spreads
@@ -189,7 +178,7 @@ async def test_trace_steps_4_and_6_to_13_across_regions(topo: LocalTopology):
             # stored result: bucket and pool debited once
             again = await admit(client, b, "r-e41-trace", route="export")
             assert again == first
-            assert await tokens(r, EXPORT) == 990_000
+            assert await bucket_tokens(r, EXPORT) == 990_000
             assert await pool_spent(r, ATLAS_POOL) == spent_export + 1
 
             # step 12: a fourth concurrent export: 429 with the policy's Retry-After, rate untouched
@@ -197,7 +186,7 @@ async def test_trace_steps_4_and_6_to_13_across_regions(topo: LocalTopology):
             assert (fourth["allowed"], fourth["deniedScope"], fourth["headers"]["Retry-After"]) == (
                 False, "concurrency", retry_after(fourth))
             assert fourth["retryAfterMs"] == 5_000 and retry_after(fourth) in ("5", "6")
-            assert await tokens(r, EXPORT) == 990_000
+            assert await bucket_tokens(r, EXPORT) == 990_000
 
             # the other region spends the same worldwide pool from its own leases and its own Redis
             # (a cold region's first requests may be denied by a pool while its first leases are in

@@ -40,12 +40,10 @@ from kernel.errors import (
 )
 from leasehold.local.procs import EtcdCluster
 from region_agent.service.app import create_app as create_agent
-from tests.support.allocator_app import lease_body, settings_for, unique_prefix, write_pools
+from tests.support.agent import PEPPER, admit_body, make_settings
+from tests.support.allocator_app import lease_body, settings_for, unique_prefix
+from tests.support.policies import northstar, write_bundle, write_pools
 from tests.support.waiting import await_until
-
-from .region_agent.conftest import PEPPER, admit_body, make_settings
-from .region_agent.conftest import northstar as northstar_bundle
-from .region_agent.conftest import write_bundle as write_agent_bundle
 
 pytestmark = pytest.mark.integration
 
@@ -87,7 +85,7 @@ def with_probes(app: Litestar) -> Litestar:
 async def both(redis_url: str, etcd: EtcdCluster, tmp: Path, *, fast_path: bool = True
                ) -> AsyncIterator[tuple[AsyncTestClient, AsyncTestClient]]:
     policy = tmp / "agent.json"
-    write_agent_bundle(policy, northstar_bundle())
+    write_bundle(policy, northstar())
     agent_app = with_probes(create_agent(
         make_settings(redis_url, policy, auth_disabled=False, gateway_tokens=[f"gw:{DIGEST}"],
                       operator_tokens=[f"ops:{DIGEST}"]), pepper=PEPPER, fast_path=fast_path))

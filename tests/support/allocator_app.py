@@ -15,17 +15,8 @@ from litestar.testing import AsyncTestClient
 
 from allocator.app import create_app
 from allocator.settings import AllocatorSettings
-from kernel.bundle import Bundle, Pool, encode_bundle, seal
 from leasehold.local.procs import EtcdCluster
 from tests.support.waiting import await_until
-
-
-def write_pools(path: Path, pools: list[Pool]) -> Path:
-    """``path``: a sealed bundle of ``pools`` and no rules (what the allocator reads of a bundle)."""
-    bundle = seal(Bundle(bundle_version=1, published_at="2026-11-29T00:00:00Z", checksum="", rules=[],
-                         pools=pools))
-    path.write_bytes(encode_bundle(bundle))
-    return path
 
 
 def unique_prefix() -> str:

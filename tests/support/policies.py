@@ -1,5 +1,6 @@
-"""The sample policy (``policies/northstar.json``) as a bundle, and as a bundle file; a bundle that is
-expensive to validate (:func:`expensive_bundle`)."""
+"""Bundles as files: the sample policy (``policies/northstar.json``) as a bundle and as a bundle file,
+any bundle written to a file (:func:`write_bundle`), a new bundle of pools and their rules
+(:func:`write_pools`); a bundle that is expensive to validate (:func:`expensive_bundle`)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,15 @@ def write_bundle(path: Path, bundle: Bundle, **changes: object) -> Bundle:
     b = seal(msgspec.structs.replace(bundle, **changes)) if changes else bundle
     path.write_bytes(encode_bundle(b))
     return b
+
+
+def write_pools(path: Path, pools: list[Pool], rules: list[Rule] | None = None) -> Path:
+    """``path``: a new sealed bundle of ``pools`` and ``rules`` (none: what the allocator reads of a
+    bundle)."""
+    bundle = seal(Bundle(bundle_version=1, published_at="2026-11-29T00:00:00Z", checksum="", rules=rules or [],
+                         pools=pools))
+    path.write_bytes(encode_bundle(bundle))
+    return path
 
 
 def northstar_file(directory: Path) -> Path:

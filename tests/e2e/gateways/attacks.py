@@ -378,17 +378,6 @@ def alias_headers_name_nobody(url: str, tenant: str, *, method: str = "GET", pat
     assert not [k for k in env if k.startswith("HTTP_X_LEASEHOLD_")], env
 
 
-__all__ = ["AMBIGUOUS_PATHS", "CONTROL", "FORGED_IDENTITY", "FORGED_IP", "HANDED_ON", "LOGIN_LOOKALIKES", "UPGRADES", "a_query_token_is_no_token",
-           "TEXTLESS_CLAIMS", "UNKEYABLE_CLAIMS", "alias_headers_name_nobody",
-           "claims_that_are_no_header_value_are_refused", "an_upgrade_opens_no_tunnel",
-           "ambiguous_paths_never_reach_the_backend", "decision_record", "forged_forwarding_headers_count_the_connection", "hostile",
-           "ip_keys_of", "keys", "no_token_claims_nothing", "p_read_with_hostile_headers",
-           "replayed_request_id_is_not_the_clients", "route_group_is_the_routes", "send_raw",
-           "the_backend_gets_the_verified_identity_only",
-           "the_anonymous_route_is_login_alone", "tokens", "unkeyable_claims_are_refused", "user_key"]
-
-
-
 # the identity headers a client forges, each twice and in another spelling of its name: another
 # tenant, an administrator, another API key, a service principal; and the limiter's own names
 FORGED_IDENTITY = (("x-tenant-id", "birch"), ("X-Tenant-Id", "other-tenant"), ("x-user-id", "admin"),
@@ -480,3 +469,14 @@ def one_token_is_one_identity(stack: Stack, url: str, tenant: str, *, rlqs: bool
         status, _ = send_raw(url, "/catalog", {"authorization": spelling.format(token)})
         assert status == 401, (spelling, status)
     assert not keys(stack, f"rl:v3:{{t:{tenant}}}:u:{KEYS.h(tenant, 'u', 'U-sp-tab')}:*")
+
+
+__all__ = ["AMBIGUOUS_PATHS", "BEARER_SPELLINGS", "CONTROL", "FORGED_IDENTITY", "FORGED_IP", "HANDED_ON",
+           "LOGIN_LOOKALIKES", "TEXTLESS_CLAIMS", "UNKEYABLE_CLAIMS", "UPGRADES", "a_query_token_is_no_token",
+           "alias_headers_name_nobody", "ambiguous_paths_never_reach_the_backend",
+           "an_upgrade_opens_no_tunnel", "claims_that_are_no_header_value_are_refused", "decision_record",
+           "forged_forwarding_headers_count_the_connection", "hostile", "ip_keys_of", "keys",
+           "no_token_claims_nothing", "one_token_is_one_identity", "p_read_with_hostile_headers",
+           "replayed_request_id_is_not_the_clients", "route_group_is_the_routes", "send_raw",
+           "the_anonymous_route_is_login_alone", "the_backend_gets_the_verified_identity_only", "tokens",
+           "unkeyable_claims_are_refused", "user_key"]

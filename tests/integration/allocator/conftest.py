@@ -9,7 +9,8 @@ import pytest
 from kernel.bundle import Pool
 from kernel.etcd_store import EtcdStore
 from leasehold.local.procs import EtcdCluster
-from tests.support.allocator_app import unique_prefix, write_pools
+from tests.support.allocator_app import unique_prefix
+from tests.support.policies import write_pools
 
 W = 60_000
 

@@ -18,7 +18,8 @@ from kernel.bundle import Pool
 from kernel.etcd_store import ENDPOINT_LOG_EVERY_S
 from leasehold.local.procs import LOOPBACK, EtcdCluster, Proc, free_port, wait_port
 from leasehold.local.services import allocator_command
-from tests.support.allocator_app import unique_prefix, write_pools
+from tests.support.allocator_app import unique_prefix
+from tests.support.policies import write_pools
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]

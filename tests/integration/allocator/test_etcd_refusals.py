@@ -40,8 +40,8 @@ from leasehold.local.procs import (
     wait_port,
 )
 from leasehold.local.services import allocator_command
-from tests.support.allocator_app import write_pools
 from tests.support.etcd_auth import PREFIX, AuthEtcd, auth_etcd_cluster
+from tests.support.policies import write_pools
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -25,7 +25,8 @@ import pytest
 
 from kernel.bundle import Pool
 from leasehold.local.procs import EtcdCluster
-from tests.support.allocator_app import lease_body, unique_prefix, write_pools
+from tests.support.allocator_app import lease_body, unique_prefix
+from tests.support.policies import write_pools
 from tests.support.waiting import wait_until
 
 from .support import AllocatorProcess

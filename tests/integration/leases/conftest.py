@@ -24,7 +24,7 @@ import pytest
 
 from allocator.allocation import WindowState
 from allocator.records import GrantRecord
-from kernel.bundle import Bundle, Fallback, Pool, Rule, encode_bundle, make_rule, seal
+from kernel.bundle import Fallback, Rule, make_rule
 from kernel.etcd_store import EtcdStore
 from leasehold.local.procs import Proc
 from leasehold.local.services import agent_command
@@ -50,13 +50,6 @@ def user_rule() -> Rule:
     return make_rule(id="user-all", scope="user", algorithm="token_bucket", capacity_millis=1_000_000,
                 refill_millis=1_000_000, period_ms=1_000, cost_millis=1_000, fail_mode="local_bounded",
                 fallback=Fallback(capacity_millis=3_000, refill_millis=1, period_ms=60_000))
-
-
-def write_bundle(path: Path, pools: list[Pool], rules: list[Rule]) -> Path:
-    bundle = seal(Bundle(bundle_version=7, published_at="2026-11-29T00:00:00Z", checksum="", rules=rules,
-                         pools=pools))
-    path.write_bytes(encode_bundle(bundle))
-    return path
 
 
 def start_topology(run_dir: Path, policy: Path, *, agent_args: tuple[str, ...] = (),

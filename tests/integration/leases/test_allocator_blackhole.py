@@ -19,6 +19,7 @@ from kernel.bundle import Pool
 from leasehold.local.procs import LOOPBACK, Proc, free_port, wait_port
 from leasehold.local.services import agent_command
 from leasehold.local.topology import DEV_PEPPER, _env
+from tests.support.policies import write_pools
 from tests.support.windows import wait_for_window_start
 
 from .conftest import (
@@ -30,7 +31,6 @@ from .conftest import (
     spendable,
     start_topology,
     wall_ms,
-    write_bundle,
 )
 
 POOL = Pool(id="atlas-w", window_ms=3_000, limit=100, lease_ttl_ms=1_500, chunk_min=10, chunk_max=20,
@@ -39,7 +39,7 @@ POOL = Pool(id="atlas-w", window_ms=3_000, limit=100, lease_ttl_ms=1_500, chunk_
 
 @pytest.fixture
 def region_behind_proxies(tmp_path: Path, redis_url: str):
-    policy = write_bundle(tmp_path / "bundle.json", [POOL], [pool_rule("atlas", POOL.id)])
+    policy = write_pools(tmp_path / "bundle.json", [POOL], [pool_rule("atlas", POOL.id)])
     topo = start_topology(tmp_path / "topo", policy, regions=())
     proxies: list[ProxyProcess] = []
     agent: Proc | None = None

@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 
 from kernel.bundle import Pool
+from tests.support.policies import write_pools
 from tests.support.windows import wait_for_window_start
 
 from .conftest import (
@@ -24,7 +25,6 @@ from .conftest import (
     restart,
     spendable,
     wall_ms,
-    write_bundle,
 )
 
 POOL = Pool(id="atlas-w", window_ms=3_000, limit=100, lease_ttl_ms=1_500, chunk_min=10, chunk_max=20,
@@ -37,7 +37,7 @@ async def granted(url: str) -> float:
 
 async def test_allocator_loss_mid_window_then_fallback_then_restore(tmp_path: Path, topology_factory):
     W, G, FB = POOL.window_ms, POOL.limit, POOL.fallback_per_region
-    topo = topology_factory(write_bundle(tmp_path / "bundle.json", [POOL], [pool_rule("atlas", POOL.id)]),
+    topo = topology_factory(write_pools(tmp_path / "bundle.json", [POOL], [pool_rule("atlas", POOL.id)]),
                             agents_per_region=2)
     urls = agent_urls(topo, every=True)  # two agents per region share its Redis and its fallback allowance
     await wait_for_window_start(W, after_ms=200)

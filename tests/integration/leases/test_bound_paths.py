@@ -27,17 +27,10 @@ from redis.asyncio import Redis
 from kernel.bundle import Pool, Rule, make_rule
 from region_agent.decision.keys import KeyBuilder
 from region_agent.store.scripts import Scripts
+from tests.support.policies import write_pools
 from tests.support.windows import wait_for_window_start
 
-from .conftest import (
-    admit_body,
-    metric,
-    request_lease,
-    start_agent,
-    start_proxied_region,
-    wall_ms,
-    write_bundle,
-)
+from .conftest import admit_body, metric, request_lease, start_agent, start_proxied_region, wall_ms
 
 G2 = Pool(id="g2", window_ms=1_000, limit=100_000, lease_ttl_ms=1_000, chunk_min=20, chunk_max=20,
           fallback_per_region=1_000, prefetch_ms=200, active_horizon_ms=2_000)
@@ -75,7 +68,7 @@ BUDGET_B = ("--decision-budget-ms", "50")  # agent B: the default budget, shorte
 @pytest.fixture(scope="module")
 def region(tmp_path_factory: pytest.TempPathFactory):
     run = Path(tmp_path_factory.mktemp("bound-paths"))
-    policy = write_bundle(run / "bundle.json", [G2, G3, G10, T7, T11, G11, G12], RULES)
+    policy = write_pools(run / "bundle.json", [G2, G3, G10, T7, T11, G11, G12], RULES)
     r = start_proxied_region(run, policy, agents=1, agent_args=BUDGET_A)
     try:  # agent B: the same region and Redis, the default decision budget
         b_proc, b_url = _start_agent(run / "agent-b", policy, r.region.redis["eu"].url, r.proxy.port, BUDGET_B)

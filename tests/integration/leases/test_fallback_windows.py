@@ -26,15 +26,9 @@ from chaos.proxy import ProxyProcess
 from kernel.bundle import Pool
 from leasehold.local.procs import LOOPBACK, EtcdCluster, Proc, RedisServer, free_port, wait_http_ready
 from leasehold.local.services import allocator_command
+from tests.support.policies import write_pools
 
-from .conftest import (
-    FAST_ALLOCATOR,
-    drive,
-    pool_rule,
-    start_agent,
-    wall_ms,
-    write_bundle,
-)
+from .conftest import FAST_ALLOCATOR, drive, pool_rule, start_agent, wall_ms
 
 POOL = Pool(id="skew-w", window_ms=4_000, limit=1_000, lease_ttl_ms=1_000, chunk_min=5, chunk_max=5,
             fallback_per_region=4, prefetch_ms=200, active_horizon_ms=4_000)
@@ -45,7 +39,7 @@ SKEW_MS = 3_000
 
 @pytest.fixture
 def skewed_allocator_region(tmp_path: Path):
-    policy = write_bundle(tmp_path / "bundle.json", [POOL], [pool_rule("skew", POOL.id)])
+    policy = write_pools(tmp_path / "bundle.json", [POOL], [pool_rule("skew", POOL.id)])
     started: list = []
     try:
         etcd = EtcdCluster(tmp_path / "etcd").start()

@@ -67,16 +67,10 @@ from chaos.invariants import (
     utilisation,
 )
 from kernel.bundle import Pool, make_rule
+from tests.support.policies import write_pools
 from tests.support.windows import wait_for_window_start
 
-from .conftest import (
-    admit,
-    admit_body,
-    agent_urls,
-    metric,
-    start_topology,
-    write_bundle,
-)
+from .conftest import admit, admit_body, agent_urls, metric, start_topology
 
 FLEET = Pool(id="fleet-u", window_ms=4_000, limit=100, lease_ttl_ms=2_000, chunk_min=4, chunk_max=40,
              fallback_per_region=0, prefetch_ms=500, active_horizon_ms=3_000, chunk_validity_ms=1_000)
@@ -87,7 +81,7 @@ RULE = make_rule(id="global-fleet-u", scope="global", route_group="search", algo
 @pytest.fixture(scope="module")
 def topo(tmp_path_factory: pytest.TempPathFactory):
     run = Path(tmp_path_factory.mktemp("fleet-util"))
-    policy = write_bundle(run / "bundle.json", [FLEET], [RULE])
+    policy = write_pools(run / "bundle.json", [FLEET], [RULE])
     t = start_topology(run / "topo", policy, regions=("eu",), agents_per_region=2)
     yield t
     t.stop()

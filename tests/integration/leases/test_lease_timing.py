@@ -28,9 +28,10 @@ from region_agent.leasing.redis_balance import RedisBalanceStore
 from region_agent.service.metrics import AgentMetrics
 from region_agent.store.client import make_client
 from region_agent.store.scripts import Scripts
+from tests.support.policies import write_pools
 from tests.support.windows import clear_of_window_edges
 
-from .conftest import leader_url, start_topology, write_bundle
+from .conftest import leader_url, start_topology
 
 # a lease TTL long enough that the control's round trip (proxy, allocator, a 3-member etcd commit)
 # stays well inside it on a loaded machine; the delayed reply is later still
@@ -53,7 +54,7 @@ class Grants:
 
 @pytest.fixture
 def allocators(tmp_path: Path):
-    topo = start_topology(tmp_path / "topo", write_bundle(tmp_path / "bundle.json", [POOL], []), regions=())
+    topo = start_topology(tmp_path / "topo", write_pools(tmp_path / "bundle.json", [POOL], []), regions=())
     yield topo
     topo.stop()
 

@@ -15,19 +15,11 @@ from pathlib import Path
 import httpx
 
 from kernel.bundle import Pool
+from tests.support.policies import write_pools
 from tests.support.waiting import await_until
 from tests.support.windows import wait_for_window_start
 
-from .conftest import (
-    admit,
-    admit_body,
-    etcd_grants,
-    metric,
-    pool_rule,
-    start_topology,
-    wall_ms,
-    write_bundle,
-)
+from .conftest import admit, admit_body, etcd_grants, metric, pool_rule, start_topology, wall_ms
 
 POOL = Pool(id="inc-w", window_ms=30_000, limit=50, lease_ttl_ms=3_000, chunk_min=50, chunk_max=50,
             fallback_per_region=0, prefetch_ms=1_000, active_horizon_ms=30_000)
@@ -58,7 +50,7 @@ async def _closed_grants(topo, pool: str, within_s: float = 15.0) -> list:
 
 
 async def test_restored_or_lost_lease_records_count_as_fully_spent(tmp_path: Path):
-    policy = write_bundle(tmp_path / "bundle.json", [POOL, LOST], [pool_rule("atlas", POOL.id, fail_mode="closed"),
+    policy = write_pools(tmp_path / "bundle.json", [POOL, LOST], [pool_rule("atlas", POOL.id, fail_mode="closed"),
                                                                    pool_rule("birch", LOST.id, fail_mode="closed")])
     topo = start_topology(tmp_path / "topo", policy, regions=("eu",))
     try:

@@ -14,8 +14,9 @@ import httpx
 from redis.asyncio import Redis
 
 from kernel.bundle import Pool, make_rule
+from tests.support.policies import write_pools
 
-from .conftest import admit, admit_body, metric, pool_rule, user_rule, write_bundle
+from .conftest import admit, admit_body, metric, pool_rule, user_rule
 
 ATLAS = Pool(id="atlas-w", window_ms=20_000, limit=1_000, lease_ttl_ms=10_000, chunk_min=10, chunk_max=50,
              fallback_per_region=4, prefetch_ms=200)
@@ -28,7 +29,7 @@ EXPORT = make_rule(id="export-closed", scope="tenant", route_group="export", alg
 
 async def test_redis_stop_and_restart_per_fail_mode(tmp_path: Path, topology_factory):
     rules = [user_rule(), EXPORT, pool_rule("atlas", ATLAS.id), pool_rule("birch", BIRCH.id, fail_mode="closed")]
-    topo = topology_factory(write_bundle(tmp_path / "bundle.json", [ATLAS, BIRCH], rules), regions=("eu",))
+    topo = topology_factory(write_pools(tmp_path / "bundle.json", [ATLAS, BIRCH], rules), regions=("eu",))
     url = topo.agent_urls["eu"][0]
     redis = topo.redis["eu"]
     async with httpx.AsyncClient(timeout=10) as client:

@@ -15,9 +15,10 @@ from pathlib import Path
 import httpx
 
 from kernel.bundle import Pool
+from tests.support.policies import write_pools
 from tests.support.waiting import await_until
 
-from .conftest import agent_urls, drive, etcd_grants, leader_url, pool_rule, restart, write_bundle
+from .conftest import agent_urls, drive, etcd_grants, leader_url, pool_rule, restart
 
 POOL = Pool(id="retire-w", window_ms=1_000, limit=10_000, lease_ttl_ms=500, chunk_min=5, chunk_max=20,
             fallback_per_region=50, prefetch_ms=200, active_horizon_ms=2_000)
@@ -37,7 +38,7 @@ async def _pending_reports(url: str) -> int:
 
 async def test_reports_of_windows_retired_during_an_outage_are_one_counted_info_line(tmp_path: Path,
                                                                                      topology_factory):
-    policy = write_bundle(tmp_path / "bundle.json", [POOL], [pool_rule("atlas", POOL.id)])
+    policy = write_pools(tmp_path / "bundle.json", [POOL], [pool_rule("atlas", POOL.id)])
     topo = topology_factory(policy, regions=("eu",), agent_args=("--log-level", "info"))
     urls = agent_urls(topo)
     await leader_url(topo)
@@ -80,7 +81,7 @@ async def test_a_no_lease_for_a_window_the_allocator_still_keeps_stays_a_warning
                                                                                  topology_factory):
     """The grant records deleted under an open window (an etcd wiped, another prefix): a real
     problem, one WARNING per lease as before."""
-    policy = write_bundle(tmp_path / "bundle.json", [POOL], [pool_rule("atlas", POOL.id)])
+    policy = write_pools(tmp_path / "bundle.json", [POOL], [pool_rule("atlas", POOL.id)])
     topo = topology_factory(policy, regions=("eu",), agent_args=("--log-level", "info"))
     urls = agent_urls(topo)
     await leader_url(topo)

@@ -24,6 +24,7 @@ import httpx
 
 from kernel.bundle import Pool
 from leasehold.local.procs import RedisSentinels
+from tests.support.policies import write_pools
 
 from .conftest import (
     Record,
@@ -35,7 +36,6 @@ from .conftest import (
     pool_rule,
     start_topology,
     user_rule,
-    write_bundle,
 )
 
 # limit: more than atlas's two load loops (at most about 60 requests/s) spend in the ~10 s of a
@@ -50,7 +50,7 @@ async def test_a_sentinel_failover_under_load(tmp_path: Path):
     sentinels = RedisSentinels(tmp_path / "sentinels", down_after_ms=1000).start()
     topo = None
     try:
-        policy = write_bundle(tmp_path / "bundle.json", [POOL],
+        policy = write_pools(tmp_path / "bundle.json", [POOL],
                               [pool_rule("atlas", POOL.id, fail_mode="closed"), user_rule()])
         topo = start_topology(tmp_path / "topo", policy, regions=("eu",), agent_args=(
             "--redis-url", sentinels.url, "--breaker-open-ms", "300", "--redis-socket-timeout-ms", "300"))

@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 
 from kernel.bundle import Pool
 from region_agent.decision.keys import KeyBuilder
+from tests.support.policies import write_pools
 from tests.support.windows import wait_for_window_start
 
 from .conftest import (
@@ -30,7 +31,6 @@ from .conftest import (
     pool_rule,
     start_topology,
     wall_ms,
-    write_bundle,
 )
 
 ATLAS = Pool(id="atlas-w", window_ms=2_000, limit=60, lease_ttl_ms=1_000, chunk_min=5, chunk_max=20,
@@ -49,7 +49,7 @@ DUNE = Pool(id="dune-w", window_ms=6_000, limit=100, lease_ttl_ms=3_000, chunk_m
 @pytest.fixture(scope="module")
 def topo(tmp_path_factory: pytest.TempPathFactory):
     run = tmp_path_factory.mktemp("leases-shared")
-    policy = write_bundle(Path(run) / "bundle.json", [ATLAS, BIRCH, CEDAR, DUNE],
+    policy = write_pools(Path(run) / "bundle.json", [ATLAS, BIRCH, CEDAR, DUNE],
                           [pool_rule("atlas", "atlas-w"), pool_rule("birch", "birch-w"),
                            pool_rule("cedar", "cedar-w"), pool_rule("dune", "dune-w")])
     t = start_topology(Path(run) / "topo", policy)

@@ -14,17 +14,10 @@ import pytest
 
 from kernel.bundle import Pool
 from leasehold.local.topology import LocalTopology, TopologySpec
+from tests.support.policies import write_pools
 from tests.support.windows import wait_for_window_start
 
-from .conftest import (
-    admit_body,
-    etcd_grants,
-    etcd_windows,
-    pool_rule,
-    user_rule,
-    wall_ms,
-    write_bundle,
-)
+from .conftest import admit_body, etcd_grants, etcd_windows, pool_rule, user_rule, wall_ms
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +28,7 @@ REQUEST_LINES = ("HTTP Request", "/v1/leases", "POST ", "GET ")
 
 @pytest.fixture
 def topo(tmp_path: Path):
-    policy = write_bundle(tmp_path / "bundle.json", [POOL], [user_rule(), pool_rule("dune", "dune")])
+    policy = write_pools(tmp_path / "bundle.json", [POOL], [user_rule(), pool_rule("dune", "dune")])
     t = LocalTopology(TopologySpec(run_dir=tmp_path / "run", policy=policy, regions=("eu",), allocators=1,
                               agent_args=("--lease-tick-ms", "50", "--policy-poll-ms", "0", "--log-level", "info",
                                           # as the other lease tests (conftest): a loaded machine's slow

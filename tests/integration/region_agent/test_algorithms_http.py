@@ -16,16 +16,9 @@ from litestar.testing import AsyncTestClient
 from kernel.bundle import make_rule
 from region_agent.decision.keys import KeyBuilder, parse_ip
 from region_agent.service.app import create_app
-
-from .conftest import (
-    PEPPER,
-    admit_json,
-    make_settings,
-    northstar,
-    store_now_ms,
-    user_key,
-    write_bundle,
-)
+from tests.support.agent import PEPPER, admit_json, make_settings
+from tests.support.policies import northstar, write_bundle
+from tests.support.redis_buckets import store_now_ms, user_key
 
 EXTRA = [
     make_rule(id="audit-log", scope="user", route_group="audit", algorithm="sliding_log", limit=20, window_ms=10_000,

@@ -13,8 +13,9 @@ from redis.asyncio import Redis
 
 from chaos.proxy import ProxyControl
 from leasehold.local.procs import Proc, RedisServer, free_port, wait_port
-
-from .conftest import ROOT, admit_body, agent_process, bucket_tokens, set_bucket, tenant_key, user_key
+from tests.support.agent import admit_body, agent_process
+from tests.support.policies import ROOT
+from tests.support.redis_buckets import bucket_tokens, set_bucket, tenant_key, user_key
 
 
 async def ambiguous_count(client: httpx.AsyncClient) -> float:

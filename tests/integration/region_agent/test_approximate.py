@@ -16,8 +16,8 @@ from kernel.algorithms import make_rule
 from kernel.algorithms.rule import Approximate
 from kernel.approx import approximate_bound
 from region_agent.service.app import create_app
-
-from .conftest import PEPPER, admit_json, make_settings, northstar, write_bundle
+from tests.support.agent import PEPPER, admit_json, make_settings
+from tests.support.policies import northstar, write_bundle
 
 AGENTS = 3
 LIMIT, LOCAL_MAX, RECONCILE_MS, WINDOW_MS = 60, 5, 100, 3_600_000

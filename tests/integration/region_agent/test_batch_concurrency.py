@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from redis.asyncio import Redis
 
-from .conftest import admit_body, set_bucket, user_key
+from tests.support.agent import admit_body
+from tests.support.redis_buckets import set_bucket, user_key
 
 
 @pytest.fixture

@@ -8,8 +8,7 @@ from litestar.testing import AsyncTestClient
 
 from leasehold.local.procs import RedisServer
 from region_agent.service.app import create_app
-
-from .conftest import PEPPER, admit_body, make_settings
+from tests.support.agent import PEPPER, admit_body, make_settings
 
 
 def breaker_state(metrics: str) -> float:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from redis.asyncio import RedisCluster
 
-from .conftest import admit_body, admit_json, bucket_tokens, set_bucket, tenant_key, user_key
+from tests.support.agent import admit_body, admit_json
+from tests.support.redis_buckets import bucket_tokens, set_bucket, tenant_key, user_key
 
 
 @pytest.fixture

@@ -33,8 +33,8 @@ from redis.asyncio import Redis
 from leasehold.local.procs import LOOPBACK, RedisCluster
 from region_agent.service.app import create_app
 from region_agent.store.slots import slot_of
-
-from .conftest import PEPPER, admit_body, agent_process, make_settings, set_bucket, user_key
+from tests.support.agent import PEPPER, admit_body, agent_process, make_settings
+from tests.support.redis_buckets import set_bucket, user_key
 
 ON_FIRST = "atlas"  # the primary these tests stop, kill or migrate
 ELSEWHERE = ("birch", "cedar", "dune")

@@ -10,7 +10,8 @@ import httpx
 import pytest
 from redis.asyncio import Redis, RedisCluster
 
-from .conftest import admit_body, agent_process, bucket_tokens, set_bucket, tenant_key, user_key
+from tests.support.agent import admit_body, agent_process
+from tests.support.redis_buckets import bucket_tokens, set_bucket, tenant_key, user_key
 
 
 async def burst(bases: list[str], bodies: list[dict]) -> list[dict]:

@@ -19,9 +19,9 @@ from kernel.httpserver import BoundedHttpToolsProtocol, LimitedConfig
 from leasehold.local.procs import RedisServer
 from region_agent.service import fastpath
 from region_agent.service.app import create_app
+from tests.support.agent import PEPPER, make_settings
 from tests.support.transport import RecordingTransport
 
-from .conftest import PEPPER, make_settings
 from .test_fastpath import BATCH_CASES, CASES, GW_ENTRY, GW_TOKEN, _answers
 
 

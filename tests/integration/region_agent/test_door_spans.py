@@ -21,8 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kernel import logs, tracing
 from leasehold.local.procs import free_port
 from region_agent.service.app import create_app
-
-from .conftest import PEPPER, admit_body, make_settings
+from tests.support.agent import PEPPER, admit_body, make_settings
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ from kernel.errors import PolicyError
 from leasehold.local.services import agent_command
 from region_agent.service.app import create_app
 from region_agent.service.policy import PolicyHolder
-
-from .conftest import PEPPER, ROOT, admit_json, make_settings
+from tests.support.agent import PEPPER, admit_json, make_settings
+from tests.support.policies import ROOT
 
 POOL = Pool(id="dup-w", window_ms=60_000, limit=1_000, fallback_per_region=50)
 RULES = [make_rule(id="atlas-pool", scope="tenant", tenant="atlas", algorithm="pool", pool=POOL.id, fail_mode="local_bounded"),

@@ -9,8 +9,7 @@ from litestar.testing import AsyncTestClient
 
 from leasehold.local.procs import RedisServer
 from region_agent.service.app import create_app
-
-from .conftest import PEPPER, admit_body, make_settings
+from tests.support.agent import PEPPER, admit_body, make_settings
 
 
 @pytest.fixture
@@ -62,8 +61,7 @@ async def test_fail_modes_with_redis_stopped(stopped_store_agent):
 
 async def test_global_pool_without_a_chunk_fails_closed_when_the_store_is_down(tmp_path: Path, policy_file: Path):
     from kernel.bundle import Pool, make_rule
-
-    from .conftest import northstar, write_bundle
+    from tests.support.policies import northstar, write_bundle
 
     base = northstar()
     pool = Pool(id="p-global", window_ms=60_000, limit=40_000, chunk_max=10)
@@ -97,7 +95,7 @@ async def test_a_stale_store_denial_does_not_answer_for_the_fallback(tmp_path: P
 
     from redis.asyncio import Redis
 
-    from .conftest import set_bucket, user_key
+    from tests.support.redis_buckets import set_bucket, user_key
 
     server = RedisServer(tmp_path / "redis").start()
     app = create_app(make_settings(server.url, policy_file, decision_budget_ms=500, negative_cache_ms=250),

@@ -13,8 +13,7 @@ from litestar.testing import AsyncTestClient
 from leasehold.local.procs import RedisServer
 from region_agent.service import fastpath
 from region_agent.service.app import create_app
-
-from .conftest import PEPPER, admit_body, make_settings
+from tests.support.agent import PEPPER, admit_body, make_settings
 
 GW_TOKEN = "gw-token-for-the-fast-path-test"
 GW_ENTRY = "gw:" + hashlib.sha256(GW_TOKEN.encode()).hexdigest()

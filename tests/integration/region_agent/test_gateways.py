@@ -21,8 +21,7 @@ from leasehold.local.procs import free_port
 from region_agent.gateways import rls as rls_door
 from region_agent.gateways.refused_callers import RefusedCallers
 from region_agent.service.app import create_app
-
-from .conftest import PEPPER, make_settings
+from tests.support.agent import PEPPER, make_settings
 
 pytestmark = pytest.mark.integration
 

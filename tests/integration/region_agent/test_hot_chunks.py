@@ -22,10 +22,9 @@ from region_agent.decision.plan import Snapshot
 from region_agent.models import AdmitRequest, DecisionSource, Principal
 from region_agent.service.metrics import AgentMetrics
 from region_agent.store.factory import make_store
+from tests.support.agent import PEPPER, make_settings
 from tests.support.clock import FakeClock
 from tests.support.windows import clear_of_window_edges
-
-from .conftest import PEPPER, make_settings
 
 pytestmark = pytest.mark.integration
 

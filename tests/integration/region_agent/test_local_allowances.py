@@ -15,9 +15,9 @@ import pytest
 
 from kernel.bundle import Bundle, Fallback, Pool, Rule, make_rule, seal
 from leasehold.local.procs import free_port
+from tests.support.agent import agent_process
+from tests.support.policies import write_bundle
 from tests.support.windows import clear_of_window_edges_sync
-
-from .conftest import agent_process, write_bundle
 
 F = 4
 

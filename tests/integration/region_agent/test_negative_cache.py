@@ -6,8 +6,8 @@ from litestar.testing import AsyncTestClient
 from redis.asyncio import Redis
 
 from region_agent.service.app import create_app
-
-from .conftest import PEPPER, admit_body, make_settings, set_bucket, user_key
+from tests.support.agent import PEPPER, admit_body, make_settings
+from tests.support.redis_buckets import set_bucket, user_key
 
 
 async def evalsha_calls(r: Redis) -> int:
@@ -52,8 +52,7 @@ async def test_a_held_denial_answers_only_the_rule_set_it_was_given_for(redis_ur
     with the tenant rule's 30-second hint (the cache keyed the denial on the first denying slot's
     key alone)."""
     from kernel.bundle import Bundle, make_rule
-
-    from .conftest import write_bundle
+    from tests.support.policies import write_bundle
 
     rules = [make_rule(id="u-every", scope="user", algorithm="token_bucket", capacity_millis=2_000,
                        refill_millis=1_000, period_ms=1_000, cost_millis=1_000, fail_mode="closed"),

@@ -13,9 +13,8 @@ import httpx
 import pytest
 
 from leasehold.local.procs import RedisServer
+from tests.support.agent import admit_body, agent_process
 from tests.support.waiting import wait_until
-
-from .conftest import admit_body, agent_process
 
 pytestmark = pytest.mark.integration
 

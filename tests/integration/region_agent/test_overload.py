@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from .conftest import admit_body, agent_process
+from tests.support.agent import admit_body, agent_process
 
 
 def _check(ds: list[dict]) -> tuple[int, int]:

@@ -11,8 +11,9 @@ from kernel.bundle import Pool, Rule, make_rule, validate_bundle
 from kernel.errors import PolicyError
 from region_agent.service.app import create_app
 from region_agent.store.scripts import Scripts
-
-from .conftest import PEPPER, admit_body, make_settings, northstar, set_bucket, user_key, write_bundle
+from tests.support.agent import PEPPER, admit_body, make_settings
+from tests.support.policies import northstar, write_bundle
+from tests.support.redis_buckets import set_bucket, user_key
 
 
 @pytest.fixture

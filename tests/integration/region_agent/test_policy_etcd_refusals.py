@@ -25,10 +25,10 @@ from litestar.testing import AsyncTestClient
 from leasehold.local.procs import LOOPBACK, EtcdCluster, Proc, free_port, make_tls, wait_port
 from leasehold.local.services import agent_command
 from region_agent.service.app import PolicyEtcdRefused, create_app
+from tests.support.agent import PEPPER, make_settings
 from tests.support.etcd_auth import PREFIX, AuthEtcd, auth_etcd_cluster
+from tests.support.policies import ROOT
 from tests.support.waiting import await_until, wait_until
-
-from .conftest import PEPPER, ROOT, make_settings
 
 pytestmark = pytest.mark.integration
 

@@ -24,10 +24,10 @@ from region_agent.store.breaker import CLOSED
 from region_agent.store.client import make_client, make_sentinel_client, parse_store_url
 from region_agent.store.node import RedisNode
 from region_agent.store.scripts import Scripts
+from tests.support.agent import PEPPER, admit_body, make_settings
 from tests.support.command_cut import CommandCut, resp_command
+from tests.support.redis_buckets import bucket_tokens, set_bucket, tenant_key, user_key
 from tests.support.waiting import await_until
-
-from .conftest import PEPPER, admit_body, bucket_tokens, make_settings, set_bucket, tenant_key, user_key
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,9 @@ from litestar.testing import AsyncTestClient
 from redis.asyncio import Redis
 
 from region_agent.service.app import create_app
-
-from .conftest import PEPPER, admit_json, make_settings, northstar, tenant_key, write_bundle
+from tests.support.agent import PEPPER, admit_json, make_settings
+from tests.support.policies import northstar, write_bundle
+from tests.support.redis_buckets import tenant_key
 
 TTL_MS = 3_000  # heartbeats every TTL/6: a busy machine's stall of up to ~2.5 s does not end a slot
 

@@ -26,9 +26,9 @@ from region_agent.gateways import rlqs
 from region_agent.gateways import rls as rls_door
 from region_agent.gateways.refused_callers import RefusedCallers
 from region_agent.service.app import create_app
+from tests.support.agent import PEPPER, make_settings
+from tests.support.policies import northstar, write_bundle
 from tests.support.waiting import await_until
-
-from .conftest import PEPPER, make_settings, northstar, write_bundle
 
 pytestmark = pytest.mark.integration
 

@@ -20,8 +20,8 @@ import redis
 from chaos.proxy import ProxyControl
 from leasehold.local.procs import Proc, RedisServer, free_port, wait_port
 from region_agent.store.breaker import CircuitBreaker
-
-from .conftest import ROOT, admit_body, agent_process
+from tests.support.agent import admit_body, agent_process
+from tests.support.policies import ROOT
 
 pytestmark = pytest.mark.integration
 

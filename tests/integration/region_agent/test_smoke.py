@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from .conftest import admit_body
+from tests.support.agent import admit_body
 
 
 async def test_admit_allowed(agent):

@@ -16,8 +16,8 @@ from redis.asyncio import RedisCluster
 from kernel.split import TenantSplit, share
 from region_agent.decision.keys import KeyBuilder
 from region_agent.service.app import create_app
-
-from .conftest import PEPPER, admit_json, make_settings, northstar, write_bundle
+from tests.support.agent import PEPPER, admit_json, make_settings
+from tests.support.policies import northstar, write_bundle
 
 K = 4
 CAPACITY = 40_000  # millitokens: 40 requests at cost 1, 10 per sub-bucket; refill negligible (4 per hour)

@@ -12,8 +12,7 @@ from litestar.testing import AsyncTestClient
 
 from kernel.httpserver import YOUNG_THRESHOLD
 from region_agent.service.app import create_app
-
-from .conftest import PEPPER, admit_json, make_settings
+from tests.support.agent import PEPPER, admit_json, make_settings
 
 
 async def test_the_started_agent_raises_the_young_threshold(redis_url: str, policy_file: Path):

@@ -21,8 +21,7 @@ from litestar.testing import AsyncTestClient
 from chaos.proxy import LOOPBACK, FaultProxy
 from leasehold.local.procs import RedisServer
 from region_agent.service.app import create_app
-
-from .conftest import PEPPER, admit_body, make_settings
+from tests.support.agent import PEPPER, admit_body, make_settings
 
 pytestmark = pytest.mark.integration
 

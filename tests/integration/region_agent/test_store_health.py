@@ -14,9 +14,8 @@ from litestar.testing import AsyncTestClient
 from leasehold.local.procs import RedisServer
 from region_agent.service.app import create_app
 from region_agent.service.store_health import EvictingStore
+from tests.support.agent import PEPPER, admit_json, make_settings
 from tests.support.waiting import await_until
-
-from .conftest import PEPPER, admit_json, make_settings
 
 
 def value(text: str, name: str, shard: str) -> float | None:
@@ -104,8 +103,7 @@ def test_the_agent_process_refuses_to_start_with_a_clear_line(tmp_path: Path, po
     import sys
 
     from leasehold.local.services import agent_command
-
-    from .conftest import ROOT
+    from tests.support.policies import ROOT
 
     redis = RedisServer(tmp_path / "lru", extra_args=("--maxmemory-policy", "volatile-lru")).start()
     try:

@@ -16,8 +16,8 @@ from litestar.testing import AsyncTestClient
 from leasehold.local.procs import RedisServer, agent_acl
 from leasehold.local.services import agent_command
 from region_agent.service.app import create_app
-
-from .conftest import PEPPER, ROOT, admit_body, make_settings
+from tests.support.agent import PEPPER, admit_body, make_settings
+from tests.support.policies import ROOT
 
 pytestmark = pytest.mark.integration
 

@@ -6,8 +6,8 @@ import pytest
 from redis.asyncio import Redis
 
 from region_agent.decision.keys import KeyBuilder, hash_tag
-
-from .conftest import PEPPER, admit_json, bucket_tokens, set_bucket, store_now_ms, tenant_key, user_key
+from tests.support.agent import PEPPER, admit_json
+from tests.support.redis_buckets import bucket_tokens, set_bucket, store_now_ms, tenant_key, user_key
 
 U17_READ = user_key("atlas", "U-17", "read")
 ATLAS = tenant_key("atlas")

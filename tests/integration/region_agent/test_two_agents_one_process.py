@@ -10,8 +10,8 @@ import msgspec
 from litestar.testing import AsyncTestClient
 
 from region_agent.service.app import create_app
-
-from .conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
+from tests.support.agent import PEPPER, admit_body, make_settings
+from tests.support.policies import northstar, write_bundle
 
 READ_USER = "read-user-v3"
 

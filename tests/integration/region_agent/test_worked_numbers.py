@@ -7,18 +7,8 @@ import pytest
 from litestar.testing import AsyncTestClient
 
 from region_agent.service.app import create_app
-
-from .conftest import (
-    PEPPER,
-    admit_body,
-    admit_json,
-    bucket_tokens,
-    make_settings,
-    set_bucket,
-    store_now_ms,
-    tenant_key,
-    user_key,
-)
+from tests.support.agent import PEPPER, admit_body, admit_json, make_settings
+from tests.support.redis_buckets import bucket_tokens, set_bucket, store_now_ms, tenant_key, user_key
 
 U17_READ = user_key("atlas", "U-17", "read")
 ATLAS = tenant_key("atlas")

@@ -23,8 +23,8 @@ import pytest
 from kernel.bundle import Pool
 from leasehold.local.procs import Proc, RedisServer, free_port, wait_port
 from leasehold.local.services import agent_command, allocator_command
-from tests.integration.region_agent.conftest import NORTHSTAR, ROOT
-from tests.support.allocator_app import unique_prefix, write_pools
+from tests.support.allocator_app import unique_prefix
+from tests.support.policies import NORTHSTAR, ROOT, write_pools
 
 TOKEN = secrets.token_urlsafe(24)
 DIGEST = hashlib.sha256(TOKEN.encode()).hexdigest()

@@ -8,7 +8,8 @@ import msgspec
 from kernel.bundle import Pool, encode_bundle, load_bundle_file, seal
 from kernel.etcd_store import EtcdStore
 from kernel.policy_store import PolicyStore
-from tests.support.allocator_app import in_process, lease_body, settings_for, unique_prefix, write_pools
+from tests.support.allocator_app import in_process, lease_body, settings_for, unique_prefix
+from tests.support.policies import write_pools
 from tests.support.waiting import await_until
 
 

@@ -26,8 +26,9 @@ from kernel.etcd_store import EtcdStore
 from leasehold.commands.cli import main as cli_main
 from leasehold.local.topology import DEFAULT_POLICY, LocalTopology, TopologySpec
 from region_agent.service.app import create_app
-from tests.integration.region_agent.conftest import PEPPER, admit_body, make_settings
-from tests.support.allocator_app import in_process, lease_body, settings_for, unique_prefix, write_pools
+from tests.support.agent import PEPPER, admit_body, make_settings
+from tests.support.allocator_app import in_process, lease_body, settings_for, unique_prefix
+from tests.support.policies import write_pools
 
 EU, US = "eu-token-0123456789abcdef", "us-token-fedcba9876543210"
 GATEWAY, OPERATOR = "gw-token-aaaaaaaaaaaaaaaa", "op-token-bbbbbbbbbbbbbbbb"

@@ -36,9 +36,9 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from kernel.bundle import Pool
 from leasehold.local.procs import LOOPBACK, Proc, RedisServer, free_port, wait_http_ready, wait_port
 from leasehold.local.services import agent_command, allocator_command
-from tests.integration.region_agent.conftest import NORTHSTAR, ROOT
-from tests.support.allocator_app import unique_prefix, write_pools
+from tests.support.allocator_app import unique_prefix
 from tests.support.h2raw import RawConnection
+from tests.support.policies import NORTHSTAR, ROOT, write_pools
 from tests.support.waiting import wait_until
 
 from .conftest import DIGEST, TOKEN

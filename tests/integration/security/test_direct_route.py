@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.integration.region_agent.conftest import admit_body
+from tests.support.agent import admit_body
 
 from .conftest import TOKEN, WAIT_S, Answer, Service, Wire, rss_kib
 

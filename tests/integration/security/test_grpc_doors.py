@@ -33,8 +33,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from leasehold.local.procs import LOOPBACK, Proc, RedisServer, free_port, wait_http_ready, wait_port
 from leasehold.local.services import agent_command
-from tests.integration.region_agent.conftest import NORTHSTAR, ROOT
 from tests.support.h2raw import MAX_CONCURRENT_STREAMS, RawConnection
+from tests.support.policies import NORTHSTAR, ROOT
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,9 @@ from litestar.testing import AsyncTestClient
 
 from kernel.bundle import Pool
 from region_agent.service.app import create_app
-from tests.integration.region_agent.conftest import PEPPER, admit_body, make_settings
-from tests.support.allocator_app import in_process, settings_for, unique_prefix, write_pools
+from tests.support.agent import PEPPER, admit_body, make_settings
+from tests.support.allocator_app import in_process, settings_for, unique_prefix
+from tests.support.policies import write_pools
 
 SAFE_KEY = re.compile(r"^rl:v3:\{(t:[a-z0-9-]{1,32}|ip:[0-9a-f]{16}|g:[a-z0-9._-]+)\}:[A-Za-z0-9:._-]+$")
 

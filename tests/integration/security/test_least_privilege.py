@@ -41,9 +41,10 @@ from leasehold.local.topology import DEFAULT_POLICY, DEV_PEPPER
 from region_agent.decision.keys import KeyBuilder
 from region_agent.service.app import create_app
 from region_agent.service.settings import DEV_PEPPER as AGENT_DEV_PEPPER
-from tests.integration.region_agent.conftest import PEPPER, ROOT, admit_body, make_settings
-from tests.support.allocator_app import in_process, lease_body, settings_for, write_pools
+from tests.support.agent import PEPPER, admit_body, make_settings
+from tests.support.allocator_app import in_process, lease_body, settings_for
 from tests.support.etcd_auth import auth_etcd_cluster
+from tests.support.policies import ROOT, write_pools
 from tests.support.waiting import await_until
 
 AGENT_PW = secrets.token_urlsafe(16)

@@ -21,14 +21,9 @@ from redis.asyncio import Redis
 
 from region_agent.decision.keys import KeyBuilder
 from region_agent.service.app import create_app
-from tests.integration.region_agent.conftest import (
-    admit_json,
-    make_settings,
-    set_bucket,
-    tenant_key,
-    write_bundle,
-)
-from tests.integration.region_agent.conftest import northstar as northstar_bundle
+from tests.support.agent import admit_json, make_settings
+from tests.support.policies import northstar, write_bundle
+from tests.support.redis_buckets import set_bucket, tenant_key
 
 P1, P2 = b"pepper-one-0123456789abcdef", b"pepper-two-0123456789abcdef"
 
@@ -39,7 +34,7 @@ def user_read(pepper: bytes, user: str = "U-17") -> str:
 
 async def test_a_rolling_pepper_rotation_costs_what_the_docs_say(redis_url: str, tmp_path: Path):
     policy = tmp_path / "bundle.json"
-    write_bundle(policy, northstar_bundle())
+    write_bundle(policy, northstar())
     r = Redis.from_url(redis_url)
     settings = make_settings(redis_url, policy)
     try:

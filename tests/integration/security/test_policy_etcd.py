@@ -20,7 +20,8 @@ from kernel.policy_store import PolicyStore, Stored, policy_key
 from leasehold.commands.cli import main as cli_main
 from leasehold.local.procs import free_port
 from region_agent.service.app import create_app
-from tests.integration.region_agent.conftest import PEPPER, admit_body, make_settings, northstar, write_bundle
+from tests.support.agent import PEPPER, admit_body, make_settings
+from tests.support.policies import northstar, write_bundle
 from tests.support.waiting import await_until
 
 

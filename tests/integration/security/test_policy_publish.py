@@ -20,7 +20,7 @@ from kernel.etcd_store import EtcdStore, TxnBuilder
 from kernel.policy_store import canary_key, policy_key
 from kernel.signing import generate_keypair, load_private_key, sign_bundle
 from leasehold.commands.cli import main as cli_main
-from tests.integration.region_agent.conftest import northstar
+from tests.support.policies import northstar
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -26,7 +26,7 @@ from kernel.etcd_store import EtcdStore
 from kernel.policy_store import policy_key
 from kernel.signing import generate_keypair, load_private_key, sign_bundle
 from leasehold.commands.cli import main as cli_main
-from tests.integration.region_agent.conftest import admit_body, agent_process
+from tests.support.agent import admit_body, agent_process
 from tests.support.policies import expensive_bundle, northstar
 from tests.support.waiting import wait_until
 

@@ -9,7 +9,8 @@ from litestar.testing import AsyncTestClient
 
 from region_agent.decision.preauth import NewKeyCap
 from region_agent.service.app import create_app
-from tests.integration.region_agent.conftest import PEPPER, admit_body, make_settings, northstar
+from tests.support.agent import PEPPER, admit_body, make_settings
+from tests.support.policies import northstar
 
 
 def failed_login(i: int, ip: str = "203.0.113.7") -> dict:

@@ -24,8 +24,7 @@ from region_agent.leasing.topup import ROLLOVER_WAIT_MS, ROLLOVER_WAITS, until_s
 from region_agent.leasing.window_clock import Windows
 from region_agent.service.metrics import AgentMetrics
 from tests.support.clock import FakeClock
-
-from ...scripted_store import ScriptedStore as Store
+from tests.support.scripted_store import ScriptedStore as Store
 
 GLOBAL = load_bundle_file(str(Path(__file__).resolve().parents[4] / "policies" / "northstar-global.json"))
 RULE = next(r for r in GLOBAL.rules if r.scope == "global")  # global-catalog, local_bounded

@@ -15,8 +15,7 @@ from region_agent.models import AdmitRequest, Principal
 from region_agent.service.decision_log import DecisionLog
 from region_agent.service.metrics import AgentMetrics
 from tests.support.clock import FakeClock
-
-from ...scripted_store import ScriptedStore
+from tests.support.scripted_store import ScriptedStore
 
 NORTHSTAR = load_bundle_file(str(Path(__file__).resolve().parents[4] / "policies" / "northstar.json"))
 SNAP = Snapshot(NORTHSTAR)
