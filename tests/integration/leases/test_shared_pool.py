@@ -66,10 +66,14 @@ async def test_two_regions_never_admit_more_than_g_per_window(topo):
     assert len(windows) >= 3
     allowed = per_window(recs, W)
     denied = per_window(recs, W, allowed=False)
+    asked = {k: allowed[k] + denied[k] for k in windows}  # judged by what was asked, not the rate aimed at
+    assert any(asked[k] > G for k in windows), asked  # demand above G in at least one window
     for k in windows:
         assert allowed[k] <= G, (k, allowed[k])
-        assert denied[k] > 0  # demand was above G in this window
-        assert allowed[k] >= G // 2  # and the leases really were spent: the bound is not vacuous
+        if asked[k] > G:
+            assert denied[k] > 0
+        # the leases really were spent: the bound is not vacuous
+        assert allowed[k] >= min(G, asked[k]) // 2, (k, allowed[k], asked[k])
         assert per_window(recs, W, region="eu")[k] > 0 and per_window(recs, W, region="us")[k] > 0
     assert not any(r.fallback for r in recs)  # the allocator was reachable all along
     for r in recs:
@@ -94,11 +98,12 @@ async def test_demand_imbalance_moves_chunks_to_the_busy_region(topo):
     states = await etcd_windows(topo, BIRCH.id)
     windows = [k for k in full_windows(recs, W) if k in states]
     assert windows
+    eu_asked = per_window(recs, W, region="eu") + per_window(recs, W, region="eu", allowed=False)
     for k in windows:
         st = states[k]
         eu, us = st.granted.get("eu", 0), st.granted.get("us", 0)
         assert eu > 2 * us, (k, st.granted)  # the busy region ends with most of the window's grants
-        assert eu >= G // 2
+        assert eu >= min(G, eu_asked[k]) // 2, (k, eu, eu_asked[k])  # at least half of what it asked
         assert us > 0  # the quiet region still got chunks for its small demand
         assert per_window(recs, W, region="eu")[k] > per_window(recs, W, region="us")[k] > 0
         assert per_window(recs, W)[k] <= G
@@ -109,17 +114,20 @@ async def test_pool_exhausted_is_a_plain_429_until_the_next_window(topo):
     k = await wait_for_window_start(W, after_ms=100)
     window_end = (k + 1) * W
     urls = agent_urls(topo)
-    recs = []
+    recs: list = []
     async with httpx.AsyncClient(timeout=10) as client:
-        for i in range(30):
-            region = "eu" if i % 3 else "us"
-            recs.append(await admit(client, urls[region], region, admit_body("cedar")))
-            if wall_ms() > window_end - 800:
-                break
+        async def stream(region: str, n: int) -> None:
+            for _ in range(n):
+                recs.append(await admit(client, urls[region], region, admit_body("cedar")))
+
+        # demand is a count, 2 G, not what fits in a stretch of time: four streams of sequential
+        # requests, two per region (on a loaded machine one sequential stream got 8 through in 2 s)
+        await asyncio.gather(*(stream(region, G // 2) for region in ("eu", "us", "eu", "us")))
         assert all(r.recv_ms < window_end for r in recs)
+        recs.sort(key=lambda r: r.recv_ms)
         allowed = [r for r in recs if r.allowed]
         denied = [r for r in recs if not r.allowed]
-        assert 0 < len(allowed) <= G and denied
+        assert len(recs) == 2 * G and 0 < len(allowed) <= G and denied
         assert not any(r.fallback for r in recs)  # exhaustion never spends the fallback allowance
         for r in denied:
             assert (r.d["httpStatus"], r.d["reason"], r.d["fallback"]) == (429, "RATE_EXCEEDED", False)
