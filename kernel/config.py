@@ -335,6 +335,9 @@ class ServingSettings(msgspec.Struct, kw_only=True, frozen=True):
     http_max_connections: Annotated[int, Ms(ge=16, le=1_000_000), Help(
         "most HTTP connections a process keeps open (each worker its own); one more is answered "
         "503 (problem+json) and closed")] = 1_000
+    http_keepalive_s: Annotated[int, Ms(ge=1, le=3_600), Help(
+        "close a connection idle this many seconds between requests; keep it above the idle "
+        "timeout of the clients' pooled connections (the gateways': docs/gateways.md)")] = 75
     log_format: Annotated[Literal["text", "json"], Help(
         "log lines as text, or as one JSON object per line (time, level, logger, message, ids)",
         section="Logs and tracing")] = "text"
@@ -351,4 +354,4 @@ class ServingSettings(msgspec.Struct, kw_only=True, frozen=True):
                           header_timeout_s=self.http_header_timeout_ms / 1000,
                           body_timeout_s=self.http_body_timeout_ms / 1000,
                           write_timeout_s=self.http_write_timeout_ms / 1000,
-                          max_connections=self.http_max_connections)
+                          max_connections=self.http_max_connections, keepalive_s=self.http_keepalive_s)

@@ -108,6 +108,8 @@ class HttpLimits:
     body_timeout_s: float = 10.0  # head complete -> body complete
     write_timeout_s: float = 10.0  # writes paused (the client takes no answer bytes) -> connection aborted
     max_connections: int = 1_000  # open connections per process; one more is answered 503 and closed
+    keepalive_s: float = 75.0  # a connection idle this long between requests is closed (uvicorn's 5 s was
+    # shorter than the gateways' pooled connections stay idle: a request on one the agent was closing failed)
 
 
 class _Refuse(Exception):
@@ -621,7 +623,7 @@ def serve(app: Any, *, host: str, port: int, limits: HttpLimits, log_level: str,
                            log_level=log_level, access_log=access_log, lifespan="on", factory=factory,
                            workers=workers if workers > 1 else None, ssl_certfile=ssl_certfile,
                            ssl_keyfile=ssl_keyfile, limits=limits, proxy_headers=proxy_headers,
-                           direct=direct)
+                           direct=direct, timeout_keep_alive=limits.keepalive_s)
     if workers > 1:
         from uvicorn.supervisors import Multiprocess
 

@@ -145,6 +145,46 @@ def test_the_gateway_docs_link_the_files_the_tests_run():
     assert compose["services"]["agent-eu"]["environment"]["LEASEHOLD_AGENT_RLS_PORT"] == "8089"
 
 
+def _seconds(text: str) -> float:
+    """An Envoy duration or an nginx time (``60s``, ``1m``, ``500ms``, a bare number of seconds)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)?", text.strip())
+    assert match is not None, text
+    return float(match.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3_600, None: 1}[match.group(2)]
+
+
+def test_every_shipped_gateway_closes_idle_connections_to_the_agent_before_the_agent_does():
+    """A gateway that sends a request on a pooled connection the agent is closing at that moment
+    gets no answer (Envoy's ext_authz then answers 503 for a healthy agent): each shipped gateway
+    closes its idle connections to the agent's HTTP port before the agent's default
+    ``--http-keepalive-s`` does (docs/gateways.md, "Idle connections")."""
+    import msgspec
+
+    from region_agent.service.settings import AgentSettings
+    keepalive_s = {f.name: f.default for f in msgspec.structs.fields(AgentSettings)}["http_keepalive_s"]
+
+    def rendered(name: str) -> str:
+        return PLACEHOLDER.sub("1", (DEPLOY / "gateways" / name).read_text())
+
+    envoy = yaml.safe_load(rendered("envoy-ext-authz.yaml"))
+    authz = next(c for c in envoy["static_resources"]["clusters"] if c["name"] == "leasehold_authz")
+    options = authz["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert options["explicit_http_config"] == {"http_protocol_options": {}}  # HTTP/1.1, as the agent's door
+    assert _seconds(options["common_http_protocol_options"]["idle_timeout"]) < keepalive_s  # default: 1 h
+
+    nginx = rendered("nginx.conf")
+    upstream = re.search(r"upstream leasehold_agent \{(.*?)\}", nginx, re.S)
+    assert upstream is not None
+    timeout = re.search(r"^\s*keepalive_timeout\s+(\S+);", upstream.group(1), re.M)
+    assert timeout is not None, "nginx's upstream keepalive_timeout is left to its default"
+    assert _seconds(timeout.group(1)) < keepalive_s
+
+    # Traefik's ForwardAuth has no idle timeout of its own (Go's, 90 s): its check is a GET without
+    # a body, which Go's client sends again on a new connection when the agent closed the reused one
+    traefik = yaml.safe_load(rendered("traefik.yml"))
+    forward = traefik["http"]["middlewares"]["leasehold-authz"]["forwardAuth"]
+    assert not forward.get("preserveRequestMethod") and not forward.get("forwardBody"), forward
+
+
 def test_the_deploy_manifests_create_the_etcd_roles_with_the_script_leasehold_up_runs():
     """One definition of the etcd roles (deploy/etcd/leasehold-roles.sh): the package ships it for
     `leasehold up`, the Kubernetes Job and compose's etcd-init run it; services get only their own
