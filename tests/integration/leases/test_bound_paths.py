@@ -100,10 +100,11 @@ async def test_slow_topups_of_a_global_pool_never_admit_from_the_fallback(region
     await r.proxy.control.latency(40)
     ds: list[dict] = []
     try:
-        # connections idle over 1 s are not reused: on a loaded machine a wave's early answers sat idle
-        # up to ~3.5 s (measured) of the agent's 5 s keep-alive (uvicorn's), and a connection reused
-        # just as the agent closes it for idleness is reset (httpx.ReadError): HTTP's keep-alive race,
-        # which is not what this test is about
+        # connections idle over 1 s are not reused: the client closes idle connections long before
+        # the agent does (--http-keepalive-s), as every shipped gateway does; a connection reused just
+        # as the agent closes it for idleness is reset (httpx.ReadError), HTTP's keep-alive race, and
+        # on a loaded machine a wave's early answers sat idle up to ~3.5 s (measured) when the
+        # agent's keep-alive was uvicorn's 5 s
         limits = httpx.Limits(max_connections=100, keepalive_expiry=1.0)
         async with httpx.AsyncClient(timeout=10, limits=limits) as client:
             for _wave in range(3):  # three waves of 100, 0.3 s apart: top-ups complete between them
