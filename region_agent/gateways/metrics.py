@@ -82,7 +82,7 @@ class GatewayMetrics:
                                   ["outcome"], registry=r)
         self.rlqs_assignments = Counter(
             "leasehold_agent_rlqs_assignments_total",
-            "Bucket actions sent to Envoys, by kind (fresh: new tokens | "
+            "Bucket actions sent to Envoys, by kind (fresh: new tokens | renewal: more time, no tokens | "
             "end: an assignment ran out unreplaced | deny: refused bucket | revoke: policy change | "
             "abandon: idle bucket)", ["kind"], registry=r)
         self.rlqs_assigned_tokens = Counter("leasehold_agent_rlqs_assigned_tokens_total",

@@ -17,12 +17,10 @@ behaviour, checked against the real binary by ``tests/e2e/gateways/test_envoy_rl
   per ten years (none in practice), with a time to live in whole seconds — sent after a
   ``DENY_ALL`` for the same bucket in the same response, because Envoy 1.40 keeps the tokens of a
   token bucket when the same one is sent again and scales them when another one replaces it, but
-  starts a bucket full after a blanket rule: so N is exactly what Envoy may spend. A token bucket
-  is never sent alone: **no renewal** (the same token bucket again, to extend the time to live of
-  one Envoy holds). Envoy keeps its tokens only while that assignment is still live there; one that
-  arrives after Envoy's own time to live ran out (a stalled stream, delivered when it resumes)
-  finds the deny-all of ``expired_assignment_behavior`` and starts full — tokens nobody took
-  (docs/decisions/0091-rlqs-a-token-bucket-is-never-sent-alone.md);
+  starts a bucket full after a blanket rule: so N is exactly what Envoy may spend;
+* a **renewal**: the same token bucket again, sent when half its time to live is gone and tokens
+  are left: Envoy keeps its tokens and restarts the time to live (never past the window the
+  tokens came from);
 * an **end**: ``DENY_ALL`` once an assignment's time to live has run out as the agent counts it
   (from when it was sent) and no fresh one replaced it. Envoy counts a time to live from when the
   assignment arrives, so one held up on a stalled stream and delivered when it resumes would
@@ -34,7 +32,7 @@ behaviour, checked against the real binary by ``tests/e2e/gateways/test_envoy_rl
   once when it is used again.
 
 A stream that breaks ends nothing at once: the assignments it carried stay Envoy's until they
-expire and are abandoned (their unused tokens counted as stranded), never refunded.
+expire and are abandoned (their unused tokens counted as stranded), never refunded or renewed.
 A bucket whose Envoy has not reported it for one report interval and ``QUIET_GRACE_MS`` (a stalled
 stream) gets no fresh assignment until it reports again (rlqs_funding.silent).
 """
@@ -124,6 +122,11 @@ def fresh_actions(bid: rlqs_pb2.BucketId, tokens: int, ttl_s: int) -> list[Bucke
     return [deny_action(bid, 1), _token_bucket(bid, tokens, ttl_s)]
 
 
+def renewal_actions(bid: rlqs_pb2.BucketId, tokens: int, ttl_s: int) -> list[BucketAction]:
+    """The live assignment again (the same token bucket): no new tokens, a new time to live."""
+    return [_token_bucket(bid, tokens, ttl_s)]
+
+
 def abandon_action(bid: rlqs_pb2.BucketId) -> BucketAction:
     a = BucketAction(bucket_id=bid)
     a.abandon_action.SetInParent()
@@ -173,9 +176,11 @@ class Bucket:
     holdings: set[fund.Holding] = field(default_factory=set)
     round: asyncio.Task | None = None
     again: bool = False
-    # its id as Envoy is sent it, built once while the bucket is tracked (every action names it:
-    # RlqsService.bucket_id)
+    # what Envoy is sent, built once while the bucket is tracked: its id (every action names it) and
+    # its renewals, one per (tokens, time to live in seconds): thousands of buckets are renewed every
+    # few seconds with the same few values (RlqsService.bucket_id, RlqsService.renewal)
     bid: rlqs_pb2.BucketId | None = None
+    renewals: dict[tuple[int, int], BucketAction] = field(default_factory=dict)
 
 
 class RlqsService:
@@ -202,6 +207,7 @@ class RlqsService:
         # bucket_key (the entries read out of the protobuf map, sorted, checked) was about a third
         # of a bucket's report; only ids bucket_key accepted, as many as the streams may hold
         self._keys: dict[bytes, BucketKey] = {}
+        self._renewed = metrics.rlqs_assignments.labels("renewal")
         self._bundle: Bundle | None = None
         self._ticker: asyncio.Task | None = None
         self.interval_ms = float(settings.rlqs_report_interval_ms)
@@ -533,6 +539,20 @@ class RlqsService:
             b.bid = bucket_id(key)
         return b.bid
 
+    def renewal(self, h: fund.Holding, ttl_s: int) -> list[BucketAction]:
+        """:func:`renewal_actions` of the holding's live assignment, built once per (tokens, time to
+        live) of its bucket (a response copies what it is given)."""
+        b = self.buckets.get(h.bucket)
+        if b is None:
+            return renewal_actions(bucket_id(h.bucket), h.chunk, ttl_s)
+        a = b.renewals.get((h.chunk, ttl_s))
+        if a is None:
+            if len(b.renewals) >= 8:  # Envoys of one bucket hold a few sizes at most; never more than these
+                b.renewals.clear()
+            (a,) = renewal_actions(self.bucket_id(h.bucket), h.chunk, ttl_s)
+            b.renewals[(h.chunk, ttl_s)] = a
+        return [a]
+
     def _alive(self, h: fund.Holding) -> bool:
         st = self.streams.get(h.stream)
         return st is not None and st.alive
@@ -584,6 +604,11 @@ class RlqsService:
             st.send([deny_action(self.bucket_id(h.bucket), DENY_TTL_S)])
             fund.ended(h, now)
             m.rlqs_assignments.labels("end").inc()
+        ttl = fund.renewal_ttl(h, now, self.s.rlqs_max_ttl_s)
+        if ttl and now - st.last_report_ms <= 2 * self.interval_ms:  # a stream that still reports
+            st.send(self.renewal(h, ttl))
+            fund.renewed(h, ttl, now)
+            self._renewed.inc()
         if not h.live(now) and now - h.last_traffic_ms >= self.s.rlqs_idle_ms and not h.wanting:
             self._abandon(st, h)
             return
@@ -673,4 +698,4 @@ def add_to_server(service: RlqsService, server: grpc.aio.Server) -> None:
 
 
 __all__ = ["SERVICE", "RateLimitQuotaServicer", "RlqsService", "abandon_action", "add_to_server", "bucket_id",
-           "deny_action", "fresh_actions"]
+           "deny_action", "fresh_actions", "renewal_actions"]

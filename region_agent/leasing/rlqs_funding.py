@@ -36,12 +36,6 @@ holds. Then:
   would live past the end of the window its tokens came from. When its time to live has run out as
   the agent counts it (from when it was sent) and no fresh assignment replaced it, the agent says so
   (:func:`needs_end`): a ``DENY_ALL`` on the same stream, which Envoy receives after it, in order.
-* **an assignment is never renewed**: its time to live is the one it was sent with. A renewal (the
-  same token bucket again, sent to extend it) keeps Envoy's tokens only if it arrives while Envoy
-  still holds the assignment; delivered after Envoy's own time to live ran out (a stalled stream
-  that resumes), it lands on the deny-all fallback and Envoy starts the token bucket full: tokens
-  nobody took. The agent cannot tell which will happen, so a token bucket is only ever sent as a
-  fresh assignment, after a ``DENY_ALL`` in the same response, funded in full.
 
 Pure state and arithmetic (:class:`Holding`, :func:`observe` and its demand average
 :func:`demand_after`, :func:`wants_tokens`, :func:`need`)
@@ -79,7 +73,7 @@ class Holding:
     signature: bytes = b""  # the rules the bucket stands for (a policy change that alters them revokes)
     # the assignment Envoy holds
     chunk: int = 0  # tokens of the last fresh assignment (0: none)
-    pushed_at_ms: float = 0.0  # monotonic, when it was sent
+    pushed_at_ms: float = 0.0  # monotonic, when it (or its last renewal) was sent
     expires_at_ms: float = 0.0  # monotonic: sent + time to live (Envoy's clock starts at receipt: later)
     clamp_at_ms: float = INF  # monotonic: it must not be spendable after this (its window's end)
     ttl_s: int = 0
@@ -235,16 +229,28 @@ def waiting(h: Holding, now_ms: float, span_ms: float, lead_ms: float, quiet_ms:
 
 def next_check_ms(h: Holding, now_ms: float, lead_ms: float, quiet_ms: float = INF) -> float:
     """When the holding should be looked at again without a report: its predicted run-out (not
-    while it is :func:`silent`: its next report is), its expiry, or a denial's end."""
+    while it is :func:`silent`: its next report is), its renewal (half its time to live left), its
+    expiry, or a denial's end."""
     t = now_ms + 60_000.0
     if h.live(now_ms):
-        t = min(t, h.expires_at_ms)
+        renew_at = h.expires_at_ms - h.ttl_s * 500.0
+        t = min(t, max(now_ms, renew_at), h.expires_at_ms)
         if h.demand > 0 and not silent(h, now_ms, quiet_ms):
             left = h.left(now_ms)
             t = min(t, now_ms + max(0.0, (left / h.demand) * 1000.0 - lead_ms))
     if h.retry_at_ms > now_ms:
         t = min(t, h.retry_at_ms)
     return t
+
+
+def renewal_ttl(h: Holding, now_ms: float, max_ttl_s: int) -> int:
+    """Seconds a renewal of the live assignment may run from now (0: none): not past its clamp,
+    at most ``max_ttl_s``, and only when half its time to live is gone and tokens are left."""
+    if not h.live(now_ms) or h.left(now_ms) < 1.0 or h.expires_at_ms - now_ms > h.ttl_s * 500.0:
+        return 0
+    limit = min(max_ttl_s * 1000.0, h.clamp_at_ms - now_ms)
+    secs = int(limit // 1000)
+    return secs if now_ms + secs * 1000.0 > h.expires_at_ms else 0
 
 
 def granted(h: Holding, tokens: int, ttl_s: int, now_ms: float, clamp_at_ms: float) -> None:
@@ -265,7 +271,7 @@ def granted(h: Holding, tokens: int, ttl_s: int, now_ms: float, clamp_at_ms: flo
 
 def needs_end(h: Holding, now_ms: float) -> bool:
     """Must Envoy be told that the holding's assignment has ended: its time to live has run out as
-    the agent counts it (from when it was sent), no fresh assignment replaced
+    the agent counts it (from when it, or its last renewal, was sent), no fresh assignment replaced
     it, and Envoy was not told yet.
 
     Envoy counts a time to live from when the assignment *arrives*: sent on a stream that stalls (a
@@ -281,6 +287,12 @@ def ended(h: Holding, now_ms: float) -> None:
     """Envoy was sent the end of the holding's assignment (:func:`needs_end`)."""
     h.ended = True
     h.expires_at_ms = min(h.expires_at_ms, now_ms)
+
+
+def renewed(h: Holding, ttl_s: int, now_ms: float) -> None:
+    h.pushed_at_ms = now_ms
+    h.ttl_s = ttl_s
+    h.expires_at_ms = now_ms + ttl_s * 1000.0
 
 
 def revoke(h: Holding, now_ms: float) -> None:
@@ -375,4 +387,4 @@ def share(tokens: int, needs: dict[Holding, int]) -> dict[Holding, int]:
 
 
 __all__ = ["Decide", "Holding", "Taken", "demand_after", "ended", "granted", "need", "needs_end", "next_check_ms", "observe", "own_rate",
-           "revoke", "runs_short", "share", "silent", "take", "waiting", "wants_tokens", "with_cost"]
+           "renewal_ttl", "renewed", "revoke", "runs_short", "share", "silent", "take", "waiting", "wants_tokens", "with_cost"]

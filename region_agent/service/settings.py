@@ -252,8 +252,8 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     rlqs_max_assignment: Annotated[int, Meta(ge=1, le=1_000), Help(
         "tokens of one quota assignment at most (per Envoy and bucket; the bound's RLQS term counts it)")] = 100
     rlqs_max_ttl_s: Annotated[int, Meta(ge=1, le=300), Help(
-        "an assignment's time to live at most (Envoy counts it in whole seconds); never renewed: a "
-        "bucket in use gets a fresh one, and none lives past the window its tokens came from")] = 10
+        "an assignment's time to live at most (Envoy counts it in whole seconds); it is renewed while "
+        "its bucket is in use, and never lives past the window its tokens came from")] = 10
     rlqs_clock_margin_ms: Annotated[int, Meta(ge=0, le=10_000), Help(
         "an assignment ends at least this long before the end of its window on this agent's clock "
         "(clock offsets, the stream's delivery)")] = 250

@@ -192,7 +192,7 @@ async def test_two_envoys_of_one_bucket_never_hold_more_than_its_rules_held(rig)
         assigned = await metric(client, "leasehold_agent_rlqs_assigned_tokens_total")
         assert assigned == 20, assigned  # what was left was handed out ...
         assert await user_tokens(redis_url, "U-2") == 0  # ... debited first ...
-        # a fresh assignment is a deny-all then the token bucket (a token bucket is never sent alone)
+        # a fresh assignment is a deny-all then the token bucket (a renewal is the token bucket alone)
         fresh = [tokens_of(x) for s in (a, b) for d, x in zip(s.actions, s.actions[1:], strict=False)
                  if is_deny(d) and tokens_of(x) is not None]
         assert sum(first) + sum(fresh) == 20, (first, fresh)  # ... and never more than the rules held

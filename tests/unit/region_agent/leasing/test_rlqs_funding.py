@@ -1,5 +1,5 @@
 """Funding Envoys' quota assignments (region_agent.leasing.rlqs_funding): demand from reports,
-when a holding needs tokens, partial chunks, ends, stranded counting."""
+when a holding needs tokens, partial chunks, renewals that never add tokens, stranded counting."""
 
 from __future__ import annotations
 
@@ -174,11 +174,25 @@ def test_a_silent_holding_wants_no_tokens_and_is_not_checked_at_its_predicted_ru
     assert f.next_check_ms(h, at, 300.0, quiet_ms=6_000.0) == at
     later = 16_500.0  # one report interval and a grace (6 s) since its last report: silent
     assert f.silent(h, later, 6_000.0) and not f.wants_tokens(h, later, 300.0, quiet_ms=6_000.0)
-    assert f.next_check_ms(h, later, 300.0, quiet_ms=6_000.0) == 30_000.0  # its expiry's turn, not now
+    assert f.next_check_ms(h, later, 300.0, quiet_ms=6_000.0) == 20_000.0  # its renewal's turn, not now
     h.short_at_ms = later - 1_000.0
     assert not f.waiting(h, later, 6_000.0, 300.0, quiet_ms=6_000.0)
     f.observe(h, 20, 5, 17_000.0, 5_000)  # it reports again
     assert f.wants_tokens(h, 17_000.0, 300.0, quiet_ms=6_000.0)
+
+
+def test_a_renewal_adds_time_never_tokens_and_never_passes_the_clamp():
+    h = holding(demand=1.0)
+    f.granted(h, 10, 10, 0.0, 12_000.0)
+    assert f.renewal_ttl(h, 3_000.0, 10) == 0  # more than half the time to live left
+    assert f.renewal_ttl(h, 6_000.0, 10) == 6  # clamp at 12 s: 6 s from now
+    f.renewed(h, 6, 6_000.0)
+    assert h.chunk == 10 and h.funded == 10 and h.expires_at_ms == 12_000.0
+    assert f.renewal_ttl(h, 10_000.0, 10) == 0  # would not extend past the clamp
+    h2 = holding(demand=1.0)
+    f.granted(h2, 3, 10, 0.0, f.INF)
+    h2.used = 3
+    assert f.renewal_ttl(h2, 6_000.0, 10) == 0  # nothing left to renew
 
 
 def test_an_assignment_that_runs_out_unreplaced_is_ended_once():
@@ -192,16 +206,18 @@ def test_an_assignment_that_runs_out_unreplaced_is_ended_once():
     assert f.needs_end(h, 5_100.0)  # no report since: a stalled stream is the case that matters
     f.ended(h, 5_120.0)
     assert not f.needs_end(h, 5_200.0) and not h.live(5_120.0)
+    assert f.renewal_ttl(h, 5_120.0, 10) == 0  # never a renewal after an end: it would refill the bucket
 
 
-def test_a_fresh_assignment_moves_the_end_and_a_revocation_is_one():
+def test_a_fresh_assignment_or_a_renewal_moves_the_end_and_a_revocation_is_one():
     h = holding(demand=1.0)
     f.granted(h, 10, 10, 0.0, 12_000.0)
-    assert not f.needs_end(h, 9_999.0) and f.needs_end(h, 10_000.0)
-    f.granted(h, 4, 5, 9_000.0, 17_000.0)  # replaced before it ran out: that one needs no end of its own
-    assert not f.needs_end(h, 13_999.0) and f.needs_end(h, 14_000.0)
+    f.renewed(h, 6, 6_000.0)  # now 12 s
+    assert not f.needs_end(h, 11_999.0) and f.needs_end(h, 12_000.0)
+    f.granted(h, 4, 5, 11_000.0, 17_000.0)  # replaced before it ran out: that one needs no end of its own
+    assert not f.needs_end(h, 15_999.0) and f.needs_end(h, 16_000.0)
     f.revoke(h, 13_000.0)  # a revocation is a DENY_ALL already
-    assert not f.needs_end(h, 14_000.0)
+    assert not f.needs_end(h, 16_000.0)
 
 
 def test_stranded_tokens_are_what_was_funded_and_not_used_once_it_cannot_be_used():
