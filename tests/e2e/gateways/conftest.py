@@ -89,13 +89,38 @@ class Stack:
         r.close()
 
     def metric(self, name: str, **labels: str) -> float:
-        total = 0.0
-        for line in httpx.get(self.agent_url + "/metrics", timeout=5).text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                head, _, value = line.rpartition(" ")
-                if all(f'{k}="{v}"' in head for k, v in labels.items()):
-                    total += float(value)
-        return total
+        return agent_metric(self.agent_url, name, **labels)
+
+    @contextmanager
+    def second_agent(self, name: str, *flags: str) -> Iterator[tuple[int, int]]:
+        """Another agent on this stack's Redis, policy and gateway token, with ``flags`` added;
+        yields its HTTP and RLS ports, and stops it after."""
+        http_port, rls_port = free_port(), free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
+        env["PYTHONPATH"] = str(ROOT)
+        proc = Proc(name, agent_command(
+            *flags, "--log-level", "warning", redis_url=self.redis.url,
+            policy=ROOT / "policies" / "northstar.json", region="eu", host=LOOPBACK, port=http_port,
+            rls_port=rls_port, policy_poll_ms=0, insecure_dev_pepper=True, auth_disabled=False,
+            gateway_tokens=["edge:" + hashlib.sha256(self.token.encode()).hexdigest()]),
+            Path(self.workdir) / name, env=env).start()
+        try:
+            wait_http_ready({f"http://{LOOPBACK}:{http_port}": proc}, timeout=60)
+            wait_port(rls_port, proc=proc.popen, timeout=30)
+            yield http_port, rls_port
+        finally:
+            proc.stop()
+
+
+def agent_metric(base_url: str, name: str, **labels: str) -> float:
+    """The sum of an agent's series ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in httpx.get(base_url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            head, _, value = line.rpartition(" ")
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+    return total
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,10 @@ refused, never guessed."""
 
 from __future__ import annotations
 
-import hashlib
-import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -24,16 +21,15 @@ from redis import Redis
 
 from kernel.bound import RlqsShape, envoy_fallback_tokens, rlqs_term
 from leasehold.local.gateways import Envoy
-from leasehold.local.procs import LOOPBACK, Proc, free_port, wait_http_ready, wait_port
-from leasehold.local.services import agent_command
+from leasehold.local.procs import LOOPBACK
 from tests.support.cgi_backend import CgiBackend
 
 from . import attacks
 from .conftest import (
     KEYS,
-    ROOT,
     Stack,
     access_log,
+    agent_metric,
     hammer,
     identity,
     in_front_of,
@@ -241,24 +237,11 @@ def test_a_stalled_agent_fails_the_export_route_closed(stack: Stack, envoys: tup
 
 
 @pytest.fixture(scope="module")
-def misnamed_agent(stack: Stack) -> Iterator[int]:
+def misnamed_agent(stack: Stack) -> Iterator[tuple[int, int]]:
     """A second agent on the same Redis whose --rlqs-keys name the route group ``rg``: the
-    shipped Envoy's ``route_group`` entry is a key it does not map. Returns its RLS port."""
-    http_port, rls_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = Proc("agent-misnamed", agent_command(
-        "--rlqs-keys", "route_group=rg", "--log-level", "warning", redis_url=stack.redis.url,
-        policy=ROOT / "policies" / "northstar.json", region="eu", host=LOOPBACK, port=http_port, rls_port=rls_port,
-        policy_poll_ms=0, insecure_dev_pepper=True, auth_disabled=False,
-        gateway_tokens=["edge:" + hashlib.sha256(stack.token.encode()).hexdigest()]),
-        Path(stack.workdir) / "agent-misnamed", env=env).start()
-    try:
-        wait_http_ready({f"http://{LOOPBACK}:{http_port}": proc}, timeout=60)
-        wait_port(rls_port, proc=proc.popen, timeout=30)
-        yield http_port, rls_port
-    finally:
-        proc.stop()
+    shipped Envoy's ``route_group`` entry is a key it does not map. Yields its HTTP and RLS ports."""
+    with stack.second_agent("agent-misnamed", "--rlqs-keys", "route_group=rg") as ports:
+        yield ports
 
 
 def test_a_bucket_id_with_an_unmapped_key_is_refused(stack: Stack, misnamed_agent: tuple[int, int]):
@@ -304,35 +287,12 @@ def test_an_envoy_with_the_wrong_token_is_counted_at_the_cadence_the_alert_expec
     assert debited(stack, "U-47") == 0
 
 
-def agent_metric(http_port: int, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"http://{LOOPBACK}:{http_port}/metrics", timeout=5).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            head, _, value = line.rpartition(" ")
-            if all(f'{k}="{v}"' in head for k, v in labels.items()):
-                total += float(value)
-    return total
-
-
 @pytest.fixture(scope="module")
 def capped_agent(stack: Stack) -> Iterator[tuple[int, int]]:
     """A second agent on the same Redis, the stack's gateway token, ``--rlqs-max-streams 1``: room
-    for one Envoy's stream (one worker, ``--concurrency 1``). Returns its HTTP and RLS ports."""
-    http_port, rls_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEHOLD_AGENT_")}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = Proc("agent-capped", agent_command(
-        "--rlqs-max-streams", "1", "--log-level", "warning", redis_url=stack.redis.url,
-        policy=ROOT / "policies" / "northstar.json", region="eu", host=LOOPBACK, port=http_port, rls_port=rls_port,
-        policy_poll_ms=0, insecure_dev_pepper=True, auth_disabled=False,
-        gateway_tokens=["edge:" + hashlib.sha256(stack.token.encode()).hexdigest()]),
-        Path(stack.workdir) / "agent-capped", env=env).start()
-    try:
-        wait_http_ready({f"http://{LOOPBACK}:{http_port}": proc}, timeout=60)
-        wait_port(rls_port, proc=proc.popen, timeout=30)
-        yield http_port, rls_port
-    finally:
-        proc.stop()
+    for one Envoy's stream (one worker, ``--concurrency 1``). Yields its HTTP and RLS ports."""
+    with stack.second_agent("agent-capped", "--rlqs-max-streams", "1") as ports:
+        yield ports
 
 
 def test_an_envoy_refused_at_the_stream_cap_is_counted_at_the_cadence_the_alert_expects(
@@ -345,21 +305,22 @@ def test_an_envoy_refused_at_the_stream_cap_is_counted_at_the_cadence_the_alert_
     refused for its token: over LeaseholdRlqsStreamsAtCap's floor (12 in 5 minutes, one every 25 s).
     Once the stream held is closed, the refused Envoy's next attempt is let in and it is funded."""
     http_port, rls_port = capped_agent
+    agent = f"http://{LOOPBACK}:{http_port}"
     refused = "leasehold_agent_rlqs_refused_streams_total"
-    assert agent_metric(http_port, refused, reason="exhausted") == 0
+    assert agent_metric(agent, refused, reason="exhausted") == 0
     holder = rlqs_envoy(stack, "envoy-rlqs-holder", rls_port=rls_port)
     refused_envoy = None
     try:
         with httpx.Client(base_url=holder.url, timeout=10) as c:
             until_admitted(c, "U-48")  # its first report opened the one stream the agent allows
-        assert agent_metric(http_port, "leasehold_agent_rlqs_streams") == 1
-        assert agent_metric(http_port, refused) == 0  # the holder's one stream was never refused
+        assert agent_metric(agent, "leasehold_agent_rlqs_streams") == 1
+        assert agent_metric(agent, refused) == 0  # the holder's one stream was never refused
         refused_envoy = rlqs_envoy(stack, "envoy-rlqs-over-cap", rls_port=rls_port)
         codes = hammer(refused_envoy, "U-49", seconds=2, every_s=0.5)  # its first report: the first attempt
-        first = agent_metric(http_port, refused, reason="exhausted")
+        first = agent_metric(agent, refused, reason="exhausted")
         started = time.monotonic()
         time.sleep(20)  # no traffic: Envoy keeps reporting the bucket, and opening the stream
-        attempts = agent_metric(http_port, refused, reason="exhausted") - first
+        attempts = agent_metric(agent, refused, reason="exhausted") - first
         elapsed = time.monotonic() - started
         codes += hammer(refused_envoy, "U-49", seconds=1, every_s=0.5)
         assert codes and set(codes) == {429}, codes  # no assignment ever: every identified request denied
@@ -367,9 +328,9 @@ def test_an_envoy_refused_at_the_stream_cap_is_counted_at_the_cadence_the_alert_
         # one attempt every 5 s is 4 in 20 s; the floor's rate (one every 25 s) would be under 1
         assert attempts >= elapsed / 10 + 1, (attempts, elapsed)
         assert attempts <= elapsed / 5 + 2, (attempts, elapsed)  # the cadence the alert's numbers assume
-        assert agent_metric(http_port, refused, reason="not_ready") == 0
-        assert agent_metric(http_port, "leasehold_agent_rlqs_unauthenticated_total") == 0
-        assert agent_metric(http_port, "leasehold_agent_rlqs_streams") == 1
+        assert agent_metric(agent, refused, reason="not_ready") == 0
+        assert agent_metric(agent, "leasehold_agent_rlqs_unauthenticated_total") == 0
+        assert agent_metric(agent, "leasehold_agent_rlqs_streams") == 1
         holder.stop()  # its stream closes: room for one
         with httpx.Client(base_url=refused_envoy.url, timeout=10) as c:
             back = until_admitted(c, "U-49", tries=200)  # its next attempt is let in, and funded

@@ -24,6 +24,7 @@ from leasehold.local.topology import LocalTopology, TopologySpec
 from tests.support.windows import clear_of_window_edges_sync
 
 from .conftest import ISSUER, identity
+from .conftest import agent_metric as metric
 from .test_envoy_global import AGENT_ARGS, Sent
 
 pytestmark = pytest.mark.e2e
@@ -67,16 +68,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         if up is not None:
             up.stop()
         topo.stop()
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            head, _, value = line.rpartition(" ")
-            if all(f'{k}="{v}"' in head for k, v in labels.items()):
-                total += float(value)
-    return total
 
 
 async def drive(fleet: Fleet) -> list[Sent]:
