@@ -23,13 +23,13 @@ from leasehold.local.topology import LocalTopology, TopologySpec
 from region_agent.decision.keys import KeyBuilder, hash_tag
 from region_agent.service.settings import DEV_PEPPER
 from region_agent.store.scripts import Scripts
-from tests.support.redis_buckets import bucket_tokens, set_bucket
+from tests.support.redis_buckets import bucket_tokens, set_bucket, tenant_key, user_key
 
 FAST_AGENT = ("--decision-budget-ms", "250", "--lease-tick-ms", "50", "--policy-poll-ms", "0",
               "--log-level", "warning")
 KEYS = KeyBuilder(DEV_PEPPER)  # the topology below opts in to the public dev pepper to name keys
-U17_READ = f"rl:v3:{{t:atlas}}:u:{KEYS.h('atlas', 'u', 'U-17')}:read"
-EXPORT = "rl:v3:{t:atlas}:tenant:atlas:export"
+U17_READ = user_key("atlas", "U-17", "read", keys=KEYS)
+EXPORT = tenant_key("atlas", "export")
 ATLAS_POOL = KeyBuilder.tenant_pool_key("atlas", "atlas-minute")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,9 +34,10 @@ def make_settings(redis_url: str, policy: Path, **kw) -> AgentSettings:
                          decision_budget_ms=kw.pop("decision_budget_ms", 2000), **kw)
 
 
-def admit_body(request_id: str, *, tenant: str | None = "atlas", ptype: str = "user", pid: str = "U-17",
-               route: str = "read", cost: int = 1, api_key: str | None = "K1") -> dict:
-    body: dict = {"requestId": request_id, "principal": {"type": ptype, "id": pid}, "routeGroup": route,
+def admit_body(request_id: str | None = None, *, tenant: str | None = "atlas", ptype: str = "user",
+               pid: str = "U-17", route: str = "read", cost: int = 1, api_key: str | None = "K1") -> dict:
+    """One admission's JSON body; a fresh request id unless one is given (a retry repeats its id)."""
+    body: dict = {"requestId": request_id or f"r-{uuid.uuid4().hex[:20]}", "principal": {"type": ptype, "id": pid}, "routeGroup": route,
                   "method": "GET", "costHint": cost}
     if api_key is not None:
         body["principal"]["apiKeyId"] = api_key

@@ -1,6 +1,6 @@
 """The agent's stored buckets read and written directly (the worked numbers set a bucket's tokens and
 age instead of spending them, and read what a decision left): the keys of a user's and of a tenant's
-rule (:func:`user_key`, :func:`tenant_key`, hashed with the tests' pepper), the store's clock."""
+rule (:func:`user_key`, :func:`tenant_key`, hashed with the tests' pepper unless told another), the store's clock."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ from tests.support.agent import PEPPER
 FROZEN_AHEAD_MS = 3_600_000  # a bucket whose ts is ahead of the store clock gets no refill (clock-backwards clamp)
 
 
-def user_key(tenant: str, user: str, route: str) -> str:
-    return f"rl:v3:{{t:{tenant}}}:u:{KeyBuilder(PEPPER).h(tenant, 'u', user)}:{route}"
+TEST_KEYS = KeyBuilder(PEPPER)
+
+
+def user_key(tenant: str, user: str, route: str, *, keys: KeyBuilder = TEST_KEYS) -> str:
+    """A user's bucket on a route group; ``keys`` hashes with the pepper of the agent under test."""
+    return f"rl:v3:{{t:{tenant}}}:u:{keys.h(tenant, 'u', user)}:{route}"
 
 
 def tenant_key(tenant: str, route: str = "all") -> str:

@@ -24,6 +24,7 @@ import httpx
 from redis import Redis
 
 from leasehold.local.devjwt import DevIssuer
+from tests.support.redis_buckets import user_key
 from tests.support.upgrade_backend import UpgradeBackend
 from tests.support.windows import clear_of_window_edges_sync
 
@@ -64,10 +65,6 @@ def tokens(stack: Stack, key: str) -> int | None:
         r.close()
 
 
-def user_key(user: str, tenant: str = "atlas", route: str = "read") -> str:
-    return f"rl:v3:{{t:{tenant}}}:u:{KEYS.h(tenant, 'u', user)}:{route}"
-
-
 def p_read_with_hostile_headers(stack: Stack, url: str, user: str, *, ratelimit_on_200: bool = True) -> None:
     """The worked P-READ numbers at the client while every request carries every hostile header:
     20 pass, the 21st is 429 with the caller's own RateLimit fields — the verified identity's
@@ -81,7 +78,7 @@ def p_read_with_hostile_headers(stack: Stack, url: str, user: str, *, ratelimit_
     else:  # Traefik: a 200 carries no RateLimit fields to the client
         assert [r.status_code for r in responses] == [200] * 20 + [429], [r.status_code for r in responses]
         assert responses[20].headers["ratelimit"] == '"read-user-v3";r=0;t=1'
-    assert tokens(stack, user_key(user)) == 0  # the verified user's read bucket: 20 spent
+    assert tokens(stack, user_key("atlas", user, "read", keys=KEYS)) == 0  # the verified user's read bucket: 20 spent
     assert keys(stack, "rl:v3:{t:birch}*") == []  # the claimed tenant: nothing
     assert keys(stack, "rl:v3:{t:atlas}:tenant:atlas:export*") == []  # the claimed route group: nothing
     assert ip_keys_of(stack, FORGED_IP) == []  # the claimed address: nothing
@@ -109,7 +106,7 @@ def route_group_is_the_routes(stack: Stack, url: str, tenant: str) -> None:
         r = c.get("/catalog", headers={**hostile(route_group="login"), **identity("U-70", tenant)})
         assert r.status_code == 200, r.text
     assert keys(stack, f"rl:v3:{{t:{tenant}}}:tenant:{tenant}:export*"), "the export route's rule was not spent"
-    assert tokens(stack, user_key("U-70", tenant)) is not None, "the read bucket was not spent"
+    assert tokens(stack, user_key(tenant, "U-70", "read", keys=KEYS)) is not None, "the read bucket was not spent"
 
 
 def decision_record(tenant: str, request_id: str) -> str:
@@ -479,4 +476,4 @@ __all__ = ["AMBIGUOUS_PATHS", "BEARER_SPELLINGS", "CONTROL", "FORGED_IDENTITY", 
            "no_token_claims_nothing", "one_token_is_one_identity", "p_read_with_hostile_headers",
            "replayed_request_id_is_not_the_clients", "route_group_is_the_routes", "send_raw",
            "the_anonymous_route_is_login_alone", "the_backend_gets_the_verified_identity_only", "tokens",
-           "unkeyable_claims_are_refused", "user_key"]
+           "unkeyable_claims_are_refused"]

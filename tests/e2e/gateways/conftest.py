@@ -30,12 +30,12 @@ from leasehold.local.procs import LOOPBACK, Proc, RedisServer, free_port, wait_h
 from leasehold.local.services import agent_command
 from region_agent.decision.keys import KeyBuilder
 from region_agent.service.settings import DEV_PEPPER
+from tests.support.redis_buckets import FROZEN_AHEAD_MS, user_key
 
 ROOT = Path(__file__).resolve().parents[3]
 NORTHSTAR = ROOT / "policies" / "northstar.json"
 KEYS = KeyBuilder(DEV_PEPPER)
 ISSUER = DevIssuer()  # the identity provider of every test client
-FROZEN_AHEAD_MS = 3_600_000  # a bucket stamped in the future gets no refill (clock-backwards clamp)
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Stack:
         the test runs, so 20 pass and the 21st is denied however slowly the machine runs."""
         r = Redis(port=self.redis.port)
         sec, usec = r.time()
-        key = f"rl:v3:{{t:{tenant}}}:u:{KEYS.h(tenant, 'u', user)}:{route}"
+        key = user_key(tenant, user, route, keys=KEYS)
         r.hset(key, mapping={"tokens": 20_000, "ts": int(sec) * 1000 + int(usec) // 1000 + FROZEN_AHEAD_MS})
         r.pexpire(key, 600_000)
         r.close()

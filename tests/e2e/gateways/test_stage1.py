@@ -21,9 +21,10 @@ from redis import Redis
 from kernel.bundle import encode_bundle, load_bundle_file, seal
 from leasehold.local.devjwt import DevIssuer
 from leasehold.local.gateways import Envoy, Nginx
+from tests.support.redis_buckets import user_key
 from tests.support.windows import clear_of_window_edges_sync
 
-from .attacks import keys, tokens, user_key
+from .attacks import keys, tokens
 from .conftest import KEYS, NORTHSTAR, Stack, identity
 
 pytestmark = pytest.mark.e2e
@@ -111,7 +112,7 @@ def test_trace_step_1_the_address_window_before_authentication(stack: Stack, rls
             break
     assert resp.status_code == 200 and resp.json()["upstream"] == "upstream"
     assert count(stack, source) == 7  # count 7 of 20 in the current 10 s window; passes
-    assert tokens(stack, user_key("U-17")) == 19_000
+    assert tokens(stack, user_key("atlas", "U-17", "read", keys=KEYS)) == 19_000
     assert tokens(stack, atlas) == 639_000
 
 
@@ -142,4 +143,4 @@ def test_credential_guessing_on_an_authenticated_route_spends_the_address_window
     assert valid.status_code == 429 and "ratelimit" not in valid.headers
     assert count(stack, source) == 20
     assert keys(stack, "rl:v3:{t:birch}*") == []
-    assert tokens(stack, user_key("U-90")) is None  # refused before its tenant's rules: nothing spent
+    assert tokens(stack, user_key("atlas", "U-90", "read", keys=KEYS)) is None  # refused before its tenant's rules: nothing spent

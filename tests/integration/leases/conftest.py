@@ -29,6 +29,7 @@ from kernel.etcd_store import EtcdStore
 from leasehold.local.procs import Proc
 from leasehold.local.services import agent_command
 from leasehold.local.topology import LocalTopology, TopologySpec
+from tests.support.agent import admit_body
 
 PREFIX = "/leasehold/"  # the allocator's default etcd prefix
 FAST_AGENT = ("--lease-tick-ms", "50", "--allocator-timeout-ms", "300", "--allocator-deadline-ms", "900",
@@ -71,13 +72,6 @@ def topology_factory(tmp_path: Path) -> Iterator:
     yield make
     for topo in started:
         topo.stop()
-
-
-def admit_body(tenant: str, user: str = "U-1", route: str = "read", cost: int = 1,
-               request_id: str | None = None) -> dict:
-    return {"requestId": request_id or f"r-{uuid.uuid4().hex[:20]}", "tenantId": tenant,
-            "principal": {"type": "user", "id": user, "apiKeyId": "K1"}, "routeGroup": route, "method": "GET",
-            "costHint": cost}
 
 
 # ------------------------------------------------------------------------------ recording load
@@ -126,7 +120,7 @@ async def drive(urls: dict[str, str], tenant: str, *, seconds: float, per_second
     async def worker(client: httpx.AsyncClient, region: str, url: str, interval: float) -> None:
         nxt = time.monotonic()
         while time.monotonic() < end and not (stop and stop.is_set()):
-            out.append(await admit(client, url, region, admit_body(tenant, user=f"U-{len(out) % 7}")))
+            out.append(await admit(client, url, region, admit_body(tenant=tenant, pid=f"U-{len(out) % 7}")))
             nxt += interval
             await asyncio.sleep(max(0.0, nxt - time.monotonic()))
 

@@ -27,10 +27,11 @@ from redis.asyncio import Redis
 from kernel.bundle import Pool, Rule, make_rule
 from region_agent.decision.keys import KeyBuilder
 from region_agent.store.scripts import Scripts
+from tests.support.agent import admit_body
 from tests.support.policies import write_pools
 from tests.support.windows import wait_for_window_start
 
-from .conftest import admit_body, metric, request_lease, start_agent, start_proxied_region, wall_ms
+from .conftest import metric, request_lease, start_agent, start_proxied_region, wall_ms
 
 G2 = Pool(id="g2", window_ms=1_000, limit=100_000, lease_ttl_ms=1_000, chunk_min=20, chunk_max=20,
           fallback_per_region=1_000, prefetch_ms=200, active_horizon_ms=2_000)
@@ -108,7 +109,7 @@ async def test_slow_topups_of_a_global_pool_never_admit_from_the_fallback(region
         limits = httpx.Limits(max_connections=100, keepalive_expiry=1.0)
         async with httpx.AsyncClient(timeout=10, limits=limits) as client:
             for _wave in range(3):  # three waves of 100, 0.3 s apart: top-ups complete between them
-                ds += await asyncio.gather(*(_admit(client, b_url, admit_body(f"t{i % 50}", route="g2"))
+                ds += await asyncio.gather(*(_admit(client, b_url, admit_body(tenant=f"t{i % 50}", route="g2"))
                                              for i in range(100)))
                 await asyncio.sleep(0.3)
     finally:
@@ -129,7 +130,7 @@ async def test_an_expensive_request_does_not_deny_the_cheap_ones(region):
     async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=64)) as client:
         warm = 0
         for i in range(200):  # warm: the region holds a lease and the agent a chunk (the first requests
-            d = await _admit(client, b_url, admit_body(f"warm{i}", route="g10"))  # may wait out a top-up)
+            d = await _admit(client, b_url, admit_body(tenant=f"warm{i}", route="g10"))  # may wait out a top-up)
             assert not d["fallback"], d
             warm = warm + 1 if d["allowed"] else 0
             if warm == 20:
@@ -137,9 +138,9 @@ async def test_an_expensive_request_does_not_deny_the_cheap_ones(region):
             await asyncio.sleep(0.005)
         assert warm == 20
         busy_before = await metric(b_url, "leasehold_agent_pool_busy_denials_total", pool="g10")
-        big = asyncio.create_task(_admit(client, b_url, admit_body("big", route="g10", cost=1_000)))
+        big = asyncio.create_task(_admit(client, b_url, admit_body(tenant="big", route="g10", cost=1_000)))
         await asyncio.sleep(0.002)
-        small = await asyncio.gather(*(_admit(client, b_url, admit_body(f"o{i}", route="g10")) for i in range(47)))
+        small = await asyncio.gather(*(_admit(client, b_url, admit_body(tenant=f"o{i}", route="g10")) for i in range(47)))
         expensive = await big
         busy = await metric(b_url, "leasehold_agent_pool_busy_denials_total", pool="g10") - busy_before
     # a cheap read may only be denied because the chunk's renewal outlasted its own 50 ms budget on a
@@ -164,7 +165,7 @@ async def test_topup_wait_serves_idempotent_rules(region):
     await r.proxy.control.latency(15)
     try:
         async with httpx.AsyncClient(timeout=10) as client:
-            ds = [await _admit(client, url, admit_body("idem", route="export")) for _ in range(40)]
+            ds = [await _admit(client, url, admit_body(tenant="idem", route="export")) for _ in range(40)]
     finally:
         await r.proxy.control.heal()
     denied = [d for d in ds if not d["allowed"]]
@@ -208,7 +209,7 @@ async def test_chunk_bought_from_another_agents_lease_ends_with_its_window(regio
             try:
                 first: dict = {}
                 while wall_ms() < k * W + 1_700:  # a busy machine may need a few tries within B's 50 ms budget
-                    first = await _admit(client, b_url, admit_body("c0", route="g3"))
+                    first = await _admit(client, b_url, admit_body(tenant="c0", route="g3"))
                     if first["allowed"]:
                         break
                     await asyncio.sleep(0.02)
@@ -216,7 +217,7 @@ async def test_chunk_bought_from_another_agents_lease_ends_with_its_window(regio
                     continue  # the chunk was not placed in window k: try the next window
                 await asyncio.sleep(max(0, (k + 1) * W + 50 - wall_ms()) / 1000)
                 for _ in range(25):  # 250 requests early in window k+1, while the old chunk would still be valid
-                    batch = await asyncio.gather(*(_admit_timed(client, b_url, admit_body("c1", route="g3"))
+                    batch = await asyncio.gather(*(_admit_timed(client, b_url, admit_body(tenant="c1", route="g3"))
                                                    for _ in range(10)))
                     recs.extend(batch)
                 break
@@ -251,7 +252,7 @@ async def test_chunks_keep_the_lease_record_until_it_is_closed(region):
                 # early in a window: one lease (G is one lease's worth), a chunk bought from it, then
                 # quiet (no prefetch: the demand is older than the active horizon by the window's end)
                 await wait_for_window_start(G12.window_ms, after_ms=50)
-                got = [await _admit(client, url, admit_body("q", route="g12")) for _ in range(3)]
+                got = [await _admit(client, url, admit_body(tenant="q", route="g12")) for _ in range(3)]
                 assert any(d["allowed"] and not d["fallback"] for d in got), got  # paid from a lease of g12
                 pttl, entries, (sec, usec) = await redis.pttl(gkey), await redis.hgetall(gkey), await redis.time()
                 now = int(sec) * 1000 + int(usec) // 1000
@@ -287,13 +288,13 @@ async def test_cold_start_first_requests_are_served(region, tmp_path: Path):
                         return d
                 return d
 
-            tenant = await first(admit_body("cold", route="read"))
-            fleet = await first(admit_body("someone", route="g11"))
+            tenant = await first(admit_body(tenant="cold", route="read"))
+            fleet = await first(admit_body(tenant="someone", route="g11"))
             # quiet past the top-up horizon (2 s) and g11's 1 s window: the balance holds no lease
             # any more (an idle balance buys none), and the next request waits for one top-up's
             # round trip beyond its 50 ms budget (--cold-lease-wait-ms) instead of a pool-busy 429
             await asyncio.sleep(3.2)
-            again = await first(admit_body("someone-else", route="g11"))
+            again = await first(admit_body(tenant="someone-else", route="g11"))
     finally:
         proc.stop()
         await r.proxy.control.heal()

@@ -67,10 +67,11 @@ from chaos.invariants import (
     utilisation,
 )
 from kernel.bundle import Pool, make_rule
+from tests.support.agent import admit_body
 from tests.support.policies import write_pools
 from tests.support.windows import wait_for_window_start
 
-from .conftest import admit, admit_body, agent_urls, metric, start_topology
+from .conftest import admit, agent_urls, metric, start_topology
 
 FLEET = Pool(id="fleet-u", window_ms=4_000, limit=100, lease_ttl_ms=2_000, chunk_min=4, chunk_max=40,
              fallback_per_region=0, prefetch_ms=500, active_horizon_ms=3_000, chunk_validity_ms=1_000)
@@ -107,7 +108,7 @@ async def _load(urls: list[str], *, windows: int, rate: float, low_rate: float |
         while time.time() < end:
             now_ms = time.time() * 1000
             r = low_rate if low_rate is not None and now_ms % W >= 1_000 else rate
-            recs.append(await admit(client, url, "eu", admit_body(f"t{i % 3}", user=f"U-{len(recs) % 9}",
+            recs.append(await admit(client, url, "eu", admit_body(tenant=f"t{i % 3}", pid=f"U-{len(recs) % 9}",
                                                                   route="search")))
             nxt = max(nxt + workers / r, time.monotonic() - workers / r)  # no catch-up bursts
             await asyncio.sleep(max(0.0, nxt - time.monotonic()))

@@ -15,11 +15,12 @@ from pathlib import Path
 import httpx
 
 from kernel.bundle import Pool
+from tests.support.agent import admit_body
 from tests.support.policies import write_pools
 from tests.support.waiting import await_until
 from tests.support.windows import wait_for_window_start
 
-from .conftest import admit, admit_body, etcd_grants, metric, pool_rule, start_topology, wall_ms
+from .conftest import admit, etcd_grants, metric, pool_rule, start_topology, wall_ms
 
 # each region's lease lives to the window's end (lease_ttl_ms = window_ms): the lease held when the
 # snapshot is taken is still the one held when Redis restarts, however slowly the requests before it
@@ -37,7 +38,7 @@ async def _until_served(client: httpx.AsyncClient, url: str, tenant: str, within
     answers: list[dict] = []
 
     async def served() -> bool:
-        answers.append((await admit(client, url, "eu", admit_body(tenant, user="U-poll"))).d)
+        answers.append((await admit(client, url, "eu", admit_body(tenant=tenant, pid="U-poll"))).d)
         return answers[-1]["httpStatus"] != 503
     assert await await_until(served, within_s, interval=0.1), answers[-1]
     return answers[-1]
@@ -71,7 +72,7 @@ async def test_restored_or_lost_lease_records_count_as_fully_spent(tmp_path: Pat
                 """Admitted of up to ``n + tries`` requests, stopping at ``n`` admitted."""
                 ok = 0
                 for _ in range(n + tries):
-                    got = (await admit(client, url, "eu", admit_body(tenant))).allowed
+                    got = (await admit(client, url, "eu", admit_body(tenant=tenant))).allowed
                     ok += got
                     if ok == n:
                         break

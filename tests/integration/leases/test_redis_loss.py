@@ -14,9 +14,10 @@ import httpx
 from redis.asyncio import Redis
 
 from kernel.bundle import Pool, make_rule
+from tests.support.agent import admit_body
 from tests.support.policies import write_pools
 
-from .conftest import admit, admit_body, metric, pool_rule, user_rule
+from .conftest import admit, metric, pool_rule, user_rule
 
 ATLAS = Pool(id="atlas-w", window_ms=20_000, limit=1_000, lease_ttl_ms=10_000, chunk_min=10, chunk_max=50,
              fallback_per_region=4, prefetch_ms=200)
@@ -34,7 +35,7 @@ async def test_redis_stop_and_restart_per_fail_mode(tmp_path: Path, topology_fac
     redis = topo.redis["eu"]
     async with httpx.AsyncClient(timeout=10) as client:
         async def one(tenant: str, user: str, route: str = "read") -> dict:
-            return (await admit(client, url, "eu", admit_body(tenant, user=user, route=route))).d
+            return (await admit(client, url, "eu", admit_body(tenant=tenant, pid=user, route=route))).d
 
         for tenant in ("atlas", "birch"):
             d = await one(tenant, "U-0")

@@ -24,12 +24,12 @@ import httpx
 
 from kernel.bundle import Pool
 from leasehold.local.procs import RedisSentinels
+from tests.support.agent import admit_body
 from tests.support.policies import write_pools
 
 from .conftest import (
     Record,
     admit,
-    admit_body,
     etcd_grants,
     metric,
     per_window,
@@ -63,7 +63,7 @@ async def test_a_sentinel_failover_under_load(tmp_path: Path):
                 for i in range(20_000):  # bounded
                     if stop.is_set():
                         return
-                    records.append(await admit(client, url, tenant, admit_body(tenant, user=f"U-{i % 5}")))
+                    records.append(await admit(client, url, tenant, admit_body(tenant=tenant, pid=f"U-{i % 5}")))
                     await asyncio.sleep(0.03)
 
         tasks = [asyncio.create_task(load(t)) for t in ("atlas", "atlas", "birch")]

@@ -14,12 +14,12 @@ from redis.asyncio import Redis
 
 from kernel.bundle import Pool
 from region_agent.decision.keys import KeyBuilder
+from tests.support.agent import admit_body
 from tests.support.policies import write_pools
 from tests.support.windows import wait_for_window_start
 
 from .conftest import (
     admit,
-    admit_body,
     agent_urls,
     drive,
     etcd_grants,
@@ -118,7 +118,7 @@ async def test_pool_exhausted_is_a_plain_429_until_the_next_window(topo):
     async with httpx.AsyncClient(timeout=10) as client:
         async def stream(region: str, n: int) -> None:
             for _ in range(n):
-                recs.append(await admit(client, urls[region], region, admit_body("cedar")))
+                recs.append(await admit(client, urls[region], region, admit_body(tenant="cedar")))
 
         # demand is a count, 2 G, not what fits in a stretch of time: four streams of sequential
         # requests, two per region (on a loaded machine one sequential stream got 8 through in 2 s)
@@ -155,7 +155,7 @@ async def test_pool_exhausted_is_a_plain_429_until_the_next_window(topo):
                                 reason="ALLOCATOR_UNREACHABLE") == 0
         # at the hint, the next window admits again
         await asyncio.sleep(max(0, window_end + 150 - wall_ms()) / 1000)
-        nxt = await admit(client, urls["eu"], "eu", admit_body("cedar"))
+        nxt = await admit(client, urls["eu"], "eu", admit_body(tenant="cedar"))
         assert nxt.allowed and not nxt.fallback
 
 
@@ -165,7 +165,7 @@ async def test_expired_lease_unspent_tokens_return_to_the_pool_exactly_once(topo
     url = agent_urls(topo)["eu"]
     async with httpx.AsyncClient(timeout=10) as client:
         for _ in range(3):
-            assert (await admit(client, url, "eu", admit_body("dune"))).allowed
+            assert (await admit(client, url, "eu", admit_body(tenant="dune"))).allowed
         view = (await client.get(url + "/v1/leases")).json()
         bal = next(b for b in view["balances"] if b["pool"] == DUNE.id)
         leases = [lease for lease in bal["leases"] if lease["window"] == k]

@@ -14,10 +14,11 @@ import pytest
 
 from kernel.bundle import Pool
 from leasehold.local.topology import LocalTopology, TopologySpec
+from tests.support.agent import admit_body
 from tests.support.policies import write_pools
 from tests.support.windows import wait_for_window_start
 
-from .conftest import admit_body, etcd_grants, etcd_windows, pool_rule, user_rule, wall_ms
+from .conftest import etcd_grants, etcd_windows, pool_rule, user_rule, wall_ms
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +51,7 @@ async def test_sigterm_reports_held_leases_and_logs_stay_quiet(topo: LocalTopolo
     admitted = 0
     async with httpx.AsyncClient(timeout=5) as c:
         for i in range(600):  # bounded; 120 admissions needed
-            d = (await c.post(url + "/v1/admit", json=admit_body("dune", user=f"U-{i % 7}"))).json()
+            d = (await c.post(url + "/v1/admit", json=admit_body(tenant="dune", pid=f"U-{i % 7}"))).json()
             # the allocator and Redis are reachable: never the fallback allowance
             if d["fallback"]:
                 log = await asyncio.to_thread(Path(agent.log_path).read_text)
