@@ -238,6 +238,19 @@ def test_compose_validates_and_mounts_exactly_the_generated_secrets(tmp_path: Pa
         assert "http://" not in env["ETCD_INITIAL_CLUSTER"] and env["ETCD_PEER_CLIENT_CERT_AUTH"] == "true"
     # tracing off unless a collector is named: 0 % sampled
     assert envoy["environment"]["TRACE_SAMPLE_PERCENT"] == "0"
+    # every container of Leasehold's image locked down as the Kubernetes pods are: a read-only root
+    # file system with /tmp a tmpfs (the pods' emptyDir), no capability, no privilege to gain
+    # (tests/e2e/test_deploy_run.py runs them so and reads their /proc)
+    ours = {name for name, svc in resolved["services"].items() if str(svc.get("image", "")).startswith("leasehold:")}
+    assert ours == {"etcd-init", "allocator-1", "allocator-2", "agent-eu", "agent-us", "upstream"}
+    for name in sorted(ours):
+        svc = resolved["services"][name]
+        assert svc.get("read_only") is True, f"{name}: its root file system is writable"
+        tmpfs = svc.get("tmpfs") or []
+        assert [t.split(":")[0] for t in ([tmpfs] if isinstance(tmpfs, str) else tmpfs)] == ["/tmp"], name
+        assert svc.get("cap_drop") == ["ALL"], f"{name} keeps the engine's default capabilities"
+        assert "no-new-privileges:true" in (svc.get("security_opt") or []), name
+        assert "cap_add" not in svc and not svc.get("privileged") and "user" not in svc, name  # the image's USER
     # a broken file is refused by the same tool (the check can fail)
     bad = copy / "docker-compose.yml"
     bad.write_text(bad.read_text().replace("    restart: on-failure\n", "    restart: on-failure\n    restartt: no\n"))
