@@ -337,7 +337,7 @@ class ServingSettings(msgspec.Struct, kw_only=True, frozen=True):
         "503 (problem+json) and closed")] = 1_000
     http_keepalive_s: Annotated[int, Ms(ge=1, le=3_600), Help(
         "close a connection idle this many seconds between requests; keep it above the idle "
-        "timeout of the clients' pooled connections (the gateways': docs/gateways.md)")] = 75
+        "timeout of the clients' pooled connections (the gateways': docs/gateways.md)")] = 120
     log_format: Annotated[Literal["text", "json"], Help(
         "log lines as text, or as one JSON object per line (time, level, logger, message, ids)",
         section="Logs and tracing")] = "text"

@@ -108,8 +108,9 @@ class HttpLimits:
     body_timeout_s: float = 10.0  # head complete -> body complete
     write_timeout_s: float = 10.0  # writes paused (the client takes no answer bytes) -> connection aborted
     max_connections: int = 1_000  # open connections per process; one more is answered 503 and closed
-    keepalive_s: float = 75.0  # a connection idle this long between requests is closed (uvicorn's 5 s was
-    # shorter than the gateways' pooled connections stay idle: a request on one the agent was closing failed)
+    keepalive_s: float = 120.0  # a connection idle this long between requests is closed (uvicorn's 5 s was
+    # shorter than the gateways' pooled connections stay idle: a request on one the agent was closing
+    # failed); above every shipped gateway's idle timeout, Traefik's 90 s included (decision 0093)
 
 
 class _Refuse(Exception):

@@ -238,6 +238,19 @@ def test_compose_validates_and_mounts_exactly_the_generated_secrets(tmp_path: Pa
         assert "http://" not in env["ETCD_INITIAL_CLUSTER"] and env["ETCD_PEER_CLIENT_CERT_AUTH"] == "true"
     # tracing off unless a collector is named: 0 % sampled
     assert envoy["environment"]["TRACE_SAMPLE_PERCENT"] == "0"
+    # every container of Leasehold's image locked down as the Kubernetes pods are: a read-only root
+    # file system with /tmp a tmpfs (the pods' emptyDir), no capability, no privilege to gain
+    # (tests/e2e/test_deploy_run.py runs them so and reads their /proc)
+    ours = {name for name, svc in resolved["services"].items() if str(svc.get("image", "")).startswith("leasehold:")}
+    assert ours == {"etcd-init", "allocator-1", "allocator-2", "agent-eu", "agent-us", "upstream"}
+    for name in sorted(ours):
+        svc = resolved["services"][name]
+        assert svc.get("read_only") is True, f"{name}: its root file system is writable"
+        tmpfs = svc.get("tmpfs") or []
+        assert [t.split(":")[0] for t in ([tmpfs] if isinstance(tmpfs, str) else tmpfs)] == ["/tmp"], name
+        assert svc.get("cap_drop") == ["ALL"], f"{name} keeps the engine's default capabilities"
+        assert "no-new-privileges:true" in (svc.get("security_opt") or []), name
+        assert "cap_add" not in svc and not svc.get("privileged") and "user" not in svc, name  # the image's USER
     # a broken file is refused by the same tool (the check can fail)
     bad = copy / "docker-compose.yml"
     bad.write_text(bad.read_text().replace("    restart: on-failure\n", "    restart: on-failure\n    restartt: no\n"))
@@ -321,6 +334,45 @@ def test_the_allocator_api_is_reachable_only_from_agents_and_scrapers():
             by_kind(docs, "Deployment")["allocator"]["spec"]["template"]["spec"]["containers"][0]["ports"]}
     assert port == {"http": 8080}
 
+
+def test_the_agents_ports_are_reachable_only_from_labelled_gateways_and_scrapers():
+    """The agents' HTTP port (/v1/admit, /v1/authz, /v1/release, /v1/renew with the gateway token;
+    the unauthenticated /metrics and schema) only from pods labelled ``leasehold/gateway: "true"``
+    and ``leasehold/scrape: "true"``, in any namespace; their RLS port (RLS, RLQS) only from the
+    gateways. One NetworkPolicy of the base selects the agent pods (the Deployment's pod labels),
+    ingress only, its ports named as the container names them (decision 0095). Checked with
+    NetworkPolicy's semantics on ``kubectl kustomize deploy/k8s``; the base used to leave the agents
+    open to every pod of the cluster."""
+    docs = kustomize(DEPLOY / "k8s")
+    policies = list(by_kind(docs, "NetworkPolicy").values())
+    agent = _pod_refs(docs)["agent-eu"]
+    selecting = [p for p in policies if _selects(p["spec"]["podSelector"], agent.labels)]
+    assert len(selecting) == 1, "one NetworkPolicy selects the agent pods"
+    (policy,) = selecting
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert dict(agent.ports) == {"http": 8080, "rls": 8089}
+    named = {p["port"] for rule in policy["spec"]["ingress"] for p in rule.get("ports", [])}
+    assert named == {"http", "rls"}, "the policy names the container's ports"
+    # the pods it selects are the agents of its region only (a copy per region: agent-<region>)
+    assert not _selects(policy["spec"]["podSelector"], {**agent.labels, "leasehold/region": "us"})
+    assert not _selects(policy["spec"]["podSelector"], _pod_refs(docs)["allocator"].labels)
+    peers = {"gateway": PodRef({"app.kubernetes.io/name": "envoy", "leasehold/gateway": "true"}, namespace="edge"),
+             "gateway-here": PodRef({"app.kubernetes.io/name": "nginx", "leasehold/gateway": "true"}),
+             "backend": PodRef({"app.kubernetes.io/name": "reports", "leasehold/gateway": "true"}, namespace="apps"),
+             "prometheus": PodRef({"app.kubernetes.io/name": "prometheus", "leasehold/scrape": "true"},
+                                  namespace="monitoring"),
+             "unlabelled-gateway": PodRef({"app.kubernetes.io/name": "envoy"}, namespace="edge"),
+             "gateway-false": PodRef({"app.kubernetes.io/name": "envoy", "leasehold/gateway": "false"}),
+             "stranger": PodRef({"app.kubernetes.io/name": "some-app"}),
+             "allocator": _pod_refs(docs)["allocator"],
+             "other-agent": agent}
+    got = {port: {name for name, src in peers.items() if reachable(policies, src, agent, port)}
+           for port in (8080, 8089)}
+    assert got == {8080: {"gateway", "gateway-here", "backend", "prometheus"},
+                   8089: {"gateway", "gateway-here", "backend"}}
+    # the check can fail: without the policy every pod reaches both ports
+    others = [p for p in policies if p is not policy]
+    assert all(reachable(others, src, agent, port) for src in peers.values() for port in (8080, 8089))
 
 def test_the_kubernetes_scrape_configuration_matches_the_base_and_the_alerts():
     """deploy/prometheus/prometheus-k8s.yml: its jobs are the ones the alert rules name; each keeps
@@ -426,23 +478,24 @@ def _pod_refs(docs: list[dict]) -> dict[str, PodRef]:
 def test_the_dev_overlay_lets_only_the_documented_pods_talk(dev_overlay: list[dict]):
     """What may talk to what (docs/deployment.md): the region's Redis only from its agents; etcd's
     client port only from the agents (policy reads), the allocators and the roles Job, its peer port
-    only from its members; the allocator only from agents and labelled scrapers; the agents from
-    anyone (gateways, scrapers; every route but probes and metrics needs a token). Any pod that
-    isolates its egress still reaches the cluster DNS. Checked on the rendered overlay with
-    NetworkPolicy's semantics, for every pair of its pods and a stranger in the namespace, one in
-    another namespace and a labelled Prometheus."""
+    only from its members; the allocator only from agents and labelled scrapers; the agents' HTTP
+    port only from labelled gateways and scrapers, their RLS port only from labelled gateways
+    (decision 0095). Any pod that isolates its egress still reaches the cluster DNS. Checked on the
+    rendered overlay with NetworkPolicy's semantics, for every pair of its pods and a stranger in
+    the namespace, one in another namespace, a labelled Prometheus and a labelled gateway."""
     policies = list(by_kind(dev_overlay, "NetworkPolicy").values())
     pods = _pod_refs(dev_overlay)
     strangers = {"stranger": PodRef({"app.kubernetes.io/name": "some-app"}),
                  "other-namespace": PodRef({"app.kubernetes.io/name": "some-app"}, namespace="apps"),
                  "prometheus": PodRef({"app.kubernetes.io/name": "prometheus", "leasehold/scrape": "true"},
-                                      namespace="monitoring")}
+                                      namespace="monitoring"),
+                 "gateway": PodRef({"app.kubernetes.io/name": "envoy", "leasehold/gateway": "true"}, namespace="edge")}
     want = {("redis-eu", 6379): {"agent-eu"},
             ("etcd", 2379): {"agent-eu", "allocator", "leasehold-etcd-roles"},
             ("etcd", 2380): {"etcd"},
             ("allocator", 8080): {"agent-eu", "prometheus"},
-            ("agent-eu", 8080): set(pods) | set(strangers),
-            ("agent-eu", 8089): set(pods) | set(strangers)}
+            ("agent-eu", 8080): {"gateway", "prometheus"},
+            ("agent-eu", 8089): {"gateway"}}
     got = {}
     for (target, port) in want:
         got[(target, port)] = {name for name, src in {**pods, **strangers}.items()
@@ -451,8 +504,9 @@ def test_the_dev_overlay_lets_only_the_documented_pods_talk(dev_overlay: list[di
     dns = PodRef({"k8s-app": "kube-dns"}, namespace="kube-system", ports=(("dns-tcp", 53),))
     for name, pod in pods.items():
         assert reachable(policies, pod, dns, 53), f"{name} cannot resolve names"
-    # the check can fail: with no policy every pod reaches Redis and etcd
+    # the check can fail: with no policy every pod reaches Redis, etcd and the agents
     assert reachable([], strangers["stranger"], pods["redis-eu"], 6379)
+    assert reachable([], strangers["stranger"], pods["agent-eu"], 8089)
 
 
 def test_the_allocator_replicas_never_share_a_node_that_another_node_could_take():

@@ -509,7 +509,8 @@ def test_sigterm_after_the_prestop_pause_drains_within_the_grace_period(running)
 # ---------------------------------------------------------------------------------------------
 # deploy/docker-compose.yml, as `docker-compose config` resolves it: each Leasehold service's
 # command and environment run as the image runs them (uid 10001, working directory /), its secrets
-# and bind mounts at their paths, against real etcd and Redis; every healthcheck asked as the
+# and bind mounts at their paths, its read_only root, tmpfs, cap_drop and no-new-privileges as
+# written, against real etcd and Redis; every healthcheck asked as the
 # engine would ask it, inside the service's network view.
 
 IMAGE_USER = 10001  # deploy/Dockerfile's USER
@@ -542,13 +543,38 @@ class Service:
         words = [self.rewrite(w) for w in words]
         return [sys.executable, *words[1:]] if words[0] == "python" else words
 
+    def lockdown(self) -> list[str]:
+        """setpriv's words for what the engine applies of ``cap_drop: [ALL]`` (no capability, none
+        in the bounding set) and ``security_opt: [no-new-privileges:true]``."""
+        words = []
+        if "ALL" in [c.upper() for c in self.spec.get("cap_drop") or []]:
+            words += ["--bounding-set", "-all", "--inh-caps", "-all"]
+        if {o.replace("=", ":") for o in self.spec.get("security_opt") or []} & {"no-new-privileges:true",
+                                                                                  "no-new-privileges"}:
+            words.append("--no-new-privs")
+        return words
+
+    def tmpfs(self, workdir: Path) -> dict[str, Path]:
+        """Each ``tmpfs`` target of the service -> the directory a fresh tmpfs is mounted on here."""
+        targets = self.spec.get("tmpfs") or []
+        dirs = {}
+        for i, target in enumerate([targets] if isinstance(targets, str) else targets):
+            d = workdir / f"{self.name}-tmpfs{i}"
+            d.mkdir(exist_ok=True)
+            dirs[target.split(":")[0]] = d
+        return dirs
+
     def start(self, workdir: Path, listens: dict[int, int], user: int | None = IMAGE_USER,
               implied: list[str] = ()) -> Proc:
         self.ports = listens
         env = {k: self.rewrite(str(v)) for k, v in (self.spec.get("environment") or {}).items()}
-        ident = ["setpriv", "--reuid", str(user), "--regid", str(user), "--clear-groups", "--"] if user else []
-        script = _container_fs(workdir, readonly_root=bool(self.spec.get("read_only")), empty_dirs=[])
+        ident = (["setpriv", "--reuid", str(user), "--regid", str(user), "--clear-groups", *self.lockdown(), "--"]
+                 if user else [])
+        tmpfs = self.tmpfs(workdir)
+        script = _container_fs(workdir, readonly_root=bool(self.spec.get("read_only")), empty_dirs=list(tmpfs.values()))
         base = {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": str(ROOT), **IMAGE_ENV}
+        if "/tmp" in tmpfs:
+            base["TMPDIR"] = str(tmpfs["/tmp"])  # (the tmpfs is the container's /tmp)
         argv = self.argv(self.spec["command"]) + [self.rewrite(a) for a in implied]
         return Proc(self.name, ["unshare", "--mount", "--propagation", "private", "sh", "-euc", script, "sh",
                                 *ident, *argv], workdir / self.name, env={**base, **env}, cwd=IMAGE_WORKDIR).start()
@@ -639,6 +665,13 @@ def test_compose_services_start_as_written_and_their_healthchecks_are_real(compo
             assert proc.alive(), f"{name} exited:\n{proc.tail()}"
             assert time.monotonic() < end, f"{name} not healthy within {budget} s: {r.stderr[-300:]}\n{proc.tail()}"
             time.sleep(1)
+    # each Leasehold service runs locked down as written: its root file system read-only, its /tmp a
+    # tmpfs, no capability (none even in its bounding set), no privilege to gain (etcd-init, started
+    # the same way, did its work so and exited 0)
+    for name, proc in running.items():
+        if name == "redis-eu":
+            continue
+        assert not _lockdown_gaps(proc.pid, work), (name, _lockdown_gaps(proc.pid, work))
     # etcd, as its image's healthcheck asks a member (its listen address here)
     member = Service("etcd-0", svc["etcd-0"].spec, svc["etcd-0"].secrets, {"127.0.0.1:2379": etcd.endpoints[0]})
     assert member.healthcheck(work, user=None).returncode == 0
@@ -652,6 +685,30 @@ def test_compose_services_start_as_written_and_their_healthchecks_are_real(compo
 
 def _seconds(duration: str) -> float:
     return float(duration[:-1]) * {"s": 1, "m": 60}[duration[-1]]
+
+
+def _lockdown_gaps(pid: int, work: Path) -> list[str]:
+    """What the process of ``pid`` lacks of a locked-down container, from its /proc files as the
+    kernel has them: its root read-only, its TMPDIR a tmpfs under ``work``, no capability in any set,
+    no privilege to gain. Empty: none."""
+    gaps = []
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    if status["NoNewPrivs"].strip() != "1":
+        gaps.append("NoNewPrivs " + status["NoNewPrivs"].strip())
+    gaps += [f"{k} {status[k].strip()}" for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
+             if int(status[k], 16)]
+    mounts: dict[str, tuple[str, str]] = {}  # mount point -> (options, file system type)
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields, _, rest = line.partition(" - ")
+        words = fields.split()
+        mounts[words[4]] = (words[5], rest.split()[0])
+    if not os.statvfs(f"/proc/{pid}/root").f_flag & os.ST_RDONLY:  # the mount its root directory is on
+        gaps.append("/ is writable")
+    env = dict(e.split("=", 1) for e in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e)
+    tmp = env.get("TMPDIR", "")
+    if not (tmp.startswith(str(work) + "/") and mounts.get(tmp, ("", ""))[1] == "tmpfs"):
+        gaps.append(f"TMPDIR {tmp!r} is not a tmpfs of its own")
+    return gaps
 
 
 def test_credentials_are_mounted_readable_by_the_pods_user_only(overlay, tmp_path: Path):

@@ -46,16 +46,19 @@ def served_config(monkeypatch: pytest.MonkeyPatch, limits: httpserver.HttpLimits
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_the_setting_reaches_uvicorns_keep_alive(monkeypatch: pytest.MonkeyPatch, workers: int):
-    settings = load_settings(AgentSettings, ENV_PREFIX, ["--http-keepalive-s", "120"], env={})
+    settings = load_settings(AgentSettings, ENV_PREFIX, ["--http-keepalive-s", "300"], env={})
     config = served_config(monkeypatch, settings.http_limits(), workers)
-    assert config.timeout_keep_alive == 120
+    assert config.timeout_keep_alive == 300
 
 
 def test_the_default_outlasts_the_gateways_idle_timeouts(monkeypatch: pytest.MonkeyPatch):
-    for cls in (AgentSettings, AllocatorSettings):  # the shipped gateways close idle connections at 60 s
-        assert {f.name: f.default for f in msgspec.structs.fields(cls)}["http_keepalive_s"] == 75
+    # the shipped Envoy and nginx close idle connections at 60 s, Traefik's ForwardAuth at Go's 90 s
+    # (tests/e2e/test_deploy_files.py compares the shipped files with this default)
+    for cls in (AgentSettings, AllocatorSettings):
+        assert {f.name: f.default for f in msgspec.structs.fields(cls)}["http_keepalive_s"] == 120
     config = served_config(monkeypatch, AgentSettings().http_limits())
-    assert config.timeout_keep_alive == 75
+    assert config.timeout_keep_alive == 120
+    assert httpserver.HttpLimits().keepalive_s == 120  # the server's own default, for a caller without settings
 
 
 @pytest.mark.parametrize("value", ["0", "3601"])
