@@ -89,6 +89,7 @@ BOUNDS: dict[str, str] = {
     "leasehold_agent_rls_group_calls": "1",
     "leasehold_agent_rlqs_streams": "1",
     "leasehold_agent_rlqs_max_streams": "1",
+    "leasehold_agent_rlqs_streams_fill": "1",
     "leasehold_agent_rlqs_buckets": "1",
     "leasehold_agent_rlqs_reports_total": "1",
     "leasehold_agent_rlqs_usage_total": "2 outcomes",
@@ -239,8 +240,10 @@ connection is refused. With several workers the open connections and the caps ar
 worker's (each worker has its own caps) and the refused counts are summed.
 
 The RLQS door's streams (`leasehold_agent_rlqs_streams`) compare with its cap
-(`leasehold_agent_rlqs_max_streams`, `--rlqs-max-streams`) the same way; with several workers both
-are summed over them ([decision 0092](decisions/0092-an-rlqs-stream-refused-at-the-cap-pages.md)).
+(`leasehold_agent_rlqs_max_streams`, `--rlqs-max-streams`); with several workers both are summed
+over them, and `leasehold_agent_rlqs_streams_fill` is the fullest worker's open streams over its
+cap, which is what its alert reads (each worker refuses at its own cap;
+[decision 0092](decisions/0092-an-rlqs-stream-refused-at-the-cap-pages.md)).
 
 ## Table
 

@@ -33,6 +33,7 @@ class Gateways:
         self.metrics = GatewayMetrics(registry)
         # the RLQS door's cap, exported from the start (0 when the door is not served)
         self.metrics.rlqs_max_streams.set(settings.rlqs_max_streams if settings.rls_port and settings.rlqs else 0)
+        self.metrics.rlqs_streams_fill.set(0)
         self._state_of = state_of
         self.admission = admission  # region_agent.decision.admission.Admission
         # /v1/authz: identity from the client's verified bearer token (.bearer), when configured

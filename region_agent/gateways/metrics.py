@@ -73,6 +73,14 @@ class GatewayMetrics:
             "leasehold_agent_rlqs_streams is; one more is refused RESOURCE_EXHAUSTED (0 when the RLQS door is not "
             "served: no --rls-port, or --no-rlqs)",
             registry=r, multiprocess_mode="livesum")
+        # the fullest worker's streams as a fraction of its cap (each worker refuses at its own):
+        # what LeaseholdRlqsStreamsNearCap reads, so one full worker is not hidden by empty ones
+        self.rlqs_streams_fill = Gauge(
+            "leasehold_agent_rlqs_streams_fill",
+            "RLQS streams open as a fraction of --rlqs-max-streams, in the agent's fullest worker (each worker "
+            "refuses a stream at its own cap: at 1 the next one there is refused RESOURCE_EXHAUSTED; 0 when the "
+            "RLQS door is not served)",
+            registry=r, multiprocess_mode="livemax")
         self.rlqs_buckets = Gauge("leasehold_agent_rlqs_buckets", "Envoy buckets tracked (per stream)", registry=r,
                                   multiprocess_mode="livesum")
         self.rlqs_reports = Counter("leasehold_agent_rlqs_reports_total", "RLQS usage reports received",

@@ -258,6 +258,7 @@ class RlqsService:
         st = Stream(next(self._ids), context.peer() or "", opened_ms=self.now_ms())
         self.streams[st.id] = st
         self.metrics.rlqs_streams.inc()
+        self.metrics.rlqs_streams_fill.set(len(self.streams) / self.s.rlqs_max_streams)
         reader = asyncio.create_task(self._read(st, requests))
         try:
             while True:
@@ -299,6 +300,7 @@ class RlqsService:
         st.alive = False
         self.streams.pop(st.id, None)
         self.metrics.rlqs_streams.dec()
+        self.metrics.rlqs_streams_fill.set(len(self.streams) / self.s.rlqs_max_streams)
         now = self.now_ms()
         for h in st.holdings.values():
             self._schedule(h, max(now, h.expires_at_ms))

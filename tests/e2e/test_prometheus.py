@@ -191,6 +191,9 @@ def test_a_call_without_the_gateway_token_pages_nobody(topology, prometheus):
     assert len(cap) == sent and {c["value"][1] for c in cap} == {str(RLQS_CAP)}, cap
     streams = prom.query("leasehold_agent_rlqs_streams")
     assert len(streams) == sent and {s["value"][1] for s in streams} == {"0"}, streams
+    # the rule itself reads the fullest worker's fraction of the cap: scraped at 0 from the start
+    fill = prom.query("leasehold_agent_rlqs_streams_fill")
+    assert len(fill) == sent and {f["value"][1] for f in fill} == {"0"}, fill
 
 
 def test_alerts_and_panels_on_a_real_prometheus(topology, prometheus):

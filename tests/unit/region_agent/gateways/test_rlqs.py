@@ -30,6 +30,7 @@ from region_agent.gateways.rlqs_mapping import (
 from region_agent.leasing import rlqs_funding as f
 from region_agent.models import AdmitRequest, Decision, Principal
 from tests.support.clock import FakeClock
+from tests.support.waiting import await_until
 
 Q = AdmitRequest(request_id="rlqs-bucket", principal=Principal(type="user", id="U-1"), route_group="read",
                  tenant_id="atlas")
@@ -124,7 +125,7 @@ ENTRIES = {"tenant": "birch", "user": "E-0", "route_group": "read"}
 BKEY = bucket_key(ENTRIES.items())
 SETTINGS = SimpleNamespace(rlqs_report_interval_ms=5_000, rlqs_max_ttl_s=10, rlqs_idle_ms=60_000,
                            rlqs_max_buckets=100, rlqs_max_agent_buckets=150, rlqs_max_assignment=100,
-                           rlqs_clock_margin_ms=250)
+                           rlqs_clock_margin_ms=250, rlqs_max_streams=16)
 
 
 class MsClock:
@@ -451,7 +452,8 @@ async def test_a_holding_dropped_while_its_round_waits_is_not_dropped_again_nor_
         return [Decision(allowed=False, decision_id=q.request_id, rule_id="read-user", bundle_version=1,
                          remaining=0, http_status=429, retry_after_ms=500)]
 
-    svc = RlqsService(settings=SimpleNamespace(rlqs_report_interval_ms=5_000, rlqs_max_assignment=100),
+    svc = RlqsService(settings=SimpleNamespace(rlqs_report_interval_ms=5_000, rlqs_max_assignment=100,
+                                               rlqs_max_streams=16),
                       names=None, decide=decide, state_of=lambda: SimpleNamespace(holder=SimpleNamespace(bundle=None)),
                       metrics=GatewayMetrics(CollectorRegistry()), gateways=None, clock=clock)
     svc.ttl_for = lambda b: Ttl(10, 0, math.inf, True)  # type: ignore[method-assign]  # no policy windows here
@@ -556,7 +558,7 @@ async def test_every_stream_the_agent_refuses_itself_is_counted_by_reason():
     ``leasehold_agent_rlqs_unauthenticated_total``'s), and an opened one is not."""
     registry = CollectorRegistry()
     state = SimpleNamespace(holder=SimpleNamespace(bundle=None), engine=None)
-    settings = SimpleNamespace(**vars(SETTINGS), rlqs_max_streams=1)
+    settings = SimpleNamespace(**(vars(SETTINGS) | {"rlqs_max_streams": 1}))
     svc = RlqsService(settings=settings, names=NAMES, decide=allow, state_of=lambda: state,
                       metrics=GatewayMetrics(registry),
                       gateways=TokenTable([("edge", hashlib.sha256(b"right").hexdigest())]), clock=MsClock())
@@ -605,6 +607,69 @@ def test_the_stream_cap_is_exported_as_configured():
         registry = CollectorRegistry()
         Gateways(load_agent_settings(argv, env=env), state_of=lambda: None, admission=None, registry=registry)
         assert registry.get_sample_value("leasehold_agent_rlqs_max_streams") == cap, argv
+
+
+async def test_the_fill_of_the_stream_cap_follows_the_streams_opened_and_closed():
+    """``leasehold_agent_rlqs_streams_fill`` is this process's open streams over its
+    ``--rlqs-max-streams``, set as each stream opens and closes (LeaseholdRlqsStreamsNearCap reads it)."""
+    registry = CollectorRegistry()
+    state = SimpleNamespace(holder=SimpleNamespace(bundle=None), engine=object())
+    settings = SimpleNamespace(**(vars(SETTINGS) | {"rlqs_max_streams": 4}))
+    svc = RlqsService(settings=settings, names=NAMES, decide=allow, state_of=lambda: state,
+                      metrics=GatewayMetrics(registry), gateways=None, clock=MsClock())
+
+    def fill() -> float | None:
+        return registry.get_sample_value("leasehold_agent_rlqs_streams_fill")
+
+    async def hold() -> None:  # a stream that stays open: its Envoy reports nothing more
+        async for _ in svc.stream(Reports(report(1, 0), 0), Context(())):
+            pass
+
+    streams = []
+    for n in (1, 2, 3):
+        streams.append(asyncio.create_task(hold()))
+        await await_until(lambda n=n: len(svc.streams) == n, within_s=5)
+        assert fill() == n / 4
+    streams.pop().cancel()
+    await await_until(lambda: len(svc.streams) == 2, within_s=5)
+    assert fill() == 2 / 4
+    for task in streams:
+        task.cancel()
+    await asyncio.gather(*streams, return_exceptions=True)
+    assert fill() == 0
+    await svc.stop()
+
+
+FILL_OF_A_WORKER = """
+import sys
+from prometheus_client import CollectorRegistry
+from region_agent.gateways.metrics import GatewayMetrics
+m = GatewayMetrics(CollectorRegistry())
+m.rlqs_streams.set(float(sys.argv[1]))
+m.rlqs_max_streams.set(float(sys.argv[2]))
+m.rlqs_streams_fill.set(float(sys.argv[1]) / float(sys.argv[2]))
+"""
+
+
+def test_the_fill_an_agent_exports_is_its_fullest_workers_not_the_sum(tmp_path):
+    """With several workers (prometheus-client's multiprocess files) the streams and the cap are
+    summed, which would hide one worker at its cap beside an empty one: the fill is the fullest
+    worker's. Two worker processes, one holding 9 of its 10 streams and one 1 of 10: the sums read
+    10 of 20 (50 %), the fill 0.9."""
+    import os
+    import subprocess
+    import sys
+
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    for streams in (9, 1):
+        subprocess.run([sys.executable, "-c", FILL_OF_A_WORKER, str(streams), "10"], env=env, check=True, timeout=60)
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    assert registry.get_sample_value("leasehold_agent_rlqs_streams") == 10
+    assert registry.get_sample_value("leasehold_agent_rlqs_max_streams") == 20
+    assert registry.get_sample_value("leasehold_agent_rlqs_streams_fill") == 0.9
 
 
 # ------------------------------------------------------------------ a stream cut, then healed: what Envoy spends
