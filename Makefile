@@ -25,7 +25,8 @@ TEST_PACKAGES := $(RUN_PACKAGES) redis-sentinel faketime iptables iproute2 nginx
 PYTEST_ARGS ?=
 # make test runs the suite's files on this many pytest-xdist workers, each file whole on one worker
 # and in the order they are collected (chaos, e2e, integration, unit: the long files first, the short
-# unit files fill the end); TEST_WORKERS=0 runs it in this one process (docs/testing.md)
+# unit files fill the end); TEST_WORKERS=0 runs it in this one process (docs/testing.md); the
+# 25 slowest tests are listed at the end of every run
 TEST_WORKERS ?= 2
 
 .PHONY: help setup setup-run system-deps-run system-deps venv-demo venv-test run test test-unit \
@@ -96,7 +97,7 @@ run: setup-run
 	$(VENV)/bin/leasehold demo
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
