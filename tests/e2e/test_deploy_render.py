@@ -340,7 +340,7 @@ def test_the_agents_ports_are_reachable_only_from_labelled_gateways_and_scrapers
     the unauthenticated /metrics and schema) only from pods labelled ``leasehold/gateway: "true"``
     and ``leasehold/scrape: "true"``, in any namespace; their RLS port (RLS, RLQS) only from the
     gateways. One NetworkPolicy of the base selects the agent pods (the Deployment's pod labels),
-    ingress only, its ports named as the container names them (decision 0095). Checked with
+    ingress only, its ports named as the container names them (decision 0094). Checked with
     NetworkPolicy's semantics on ``kubectl kustomize deploy/k8s``; the base used to leave the agents
     open to every pod of the cluster."""
     docs = kustomize(DEPLOY / "k8s")
@@ -480,7 +480,7 @@ def test_the_dev_overlay_lets_only_the_documented_pods_talk(dev_overlay: list[di
     client port only from the agents (policy reads), the allocators and the roles Job, its peer port
     only from its members; the allocator only from agents and labelled scrapers; the agents' HTTP
     port only from labelled gateways and scrapers, their RLS port only from labelled gateways
-    (decision 0095). Any pod that isolates its egress still reaches the cluster DNS. Checked on the
+    (decision 0094). Any pod that isolates its egress still reaches the cluster DNS. Checked on the
     rendered overlay with NetworkPolicy's semantics, for every pair of its pods and a stranger in
     the namespace, one in another namespace, a labelled Prometheus and a labelled gateway."""
     policies = list(by_kind(dev_overlay, "NetworkPolicy").values())
