@@ -69,6 +69,11 @@ class LeaseDriver:
         """End :meth:`run` after the request in flight (and the pending replays)."""
         self._stopped = True
 
+    @property
+    def newest_epoch(self) -> int:
+        """The newest leader epoch an allocator's answer carried so far (0: none yet)."""
+        return self._max_epoch
+
     def _lease_id(self) -> str:
         self._n += 1
         return f"{self.run_id}.{self.region}.{self.pool}.{self._n:06d}"

@@ -121,6 +121,35 @@ def by_read_rule(ds: list[dict]) -> int:
     return sum(not d["allowed"] and d["policyId"] == "read-user-v3" for d in ds)
 
 
+def by_fleet_pool(ds: list[dict]) -> int:
+    """Denials by the fleet-wide pool P-GLOBAL (global-catalog). The agent takes a fleet-wide
+    pool's tokens before the tenant's script runs, so P-READ never saw these requests."""
+    return sum(not d["allowed"] and d["policyId"] == "global-catalog" for d in ds)
+
+
+def p_read_burst(topo: LocalTopology, region: str, user: str, sent: list[dict] | None = None,
+                 attempts: int = 3) -> tuple[list[dict], float]:
+    """A :func:`burst` that reached P-READ whole: one the fleet-wide pool denied none of.
+
+    A renewal of the pool's chunk that outlasts a request's decision budget is a pool-busy 429 by
+    design (decisions 0045, 0049): on a loaded machine a burst crossing the pool's 1 s window
+    rollover can meet one, and P-READ then sees fewer than 30 requests, so its burst cannot be
+    judged from the admitted count. Such a burst is sent again with a fresh user (bounded);
+    ``sent`` collects every decision, the judged burst's and the ones sent again. Returns the
+    judged burst and how long it took (s)."""
+    tries = []
+    for i in range(attempts):
+        started = time.monotonic()
+        ds = burst(topo, region, user if i == 0 else f"{user}-{i}")
+        took = time.monotonic() - started
+        if sent is not None:
+            sent += ds
+        tries.append(denials(ds))
+        if not by_fleet_pool(ds):
+            return ds, took
+    raise AssertionError(f"{region}: the fleet-wide pool denied part of {attempts} bursts in a row: {tries}")
+
+
 def test_replay_canary_promote_rollback(topo: LocalTopology, tmp_path: Path, capsys):
     run = topo.spec.run_dir
     # the published bundle: the start content as version 43
@@ -130,17 +159,13 @@ def test_replay_canary_promote_rollback(topo: LocalTopology, tmp_path: Path, cap
         (held(topo, "eu"), held(topo, "us"))
 
     # 1. recorded traffic, replayed through a tightened P-READ (burst 20 -> 10)
-    base = []
+    base: list[dict] = []
     for region in ("eu", "us"):
         warm(topo, region)
-        started = time.monotonic()
-        ds = burst(topo, region, f"rec-{region}")
-        took = time.monotonic() - started
-        base += ds
+        ds, took = p_read_burst(topo, region, f"rec-{region}", base)
         # (a user's 30 quick requests: P-READ admits its 20-token burst, plus what refills while they
         # are sent — 2 a second, so a burst that a loaded machine stretched over 5 s may meet no
-        # denial at all; the first requests after the pools idled may also meet a fleet-wide pool's
-        # chunk still being bought, denied for a moment: counted apart, as the canary step below does)
+        # denial at all)
         assert by_read_rule(ds) <= 10 and (by_read_rule(ds) > 0 or took >= 4.5), (region, took, denials(ds))
     logs = [run / "decisions-eu-1.jsonl", run / "decisions-us-1.jsonl"]
     assert wait_until(lambda: sum(len(p.read_text().splitlines()) for p in logs if p.exists()) >= 60)
@@ -161,16 +186,20 @@ def test_replay_canary_promote_rollback(topo: LocalTopology, tmp_path: Path, cap
     assert wait_until(lambda: held(topo, "eu") == (43, 44)), held(topo, "eu")
     time.sleep(0.5)
     assert held(topo, "us") == (43, 0)
-    eu, us = burst(topo, "eu", "canary-eu"), burst(topo, "us", "canary-us")
-    assert {d["policyVersion"] for d in eu} == {44} and {d["policyVersion"] for d in us} == {43}
-    # burst 10 in eu, 20 in us (a fleet-wide pool's short-window chunk may deny a few of either as well)
+    eu_sent: list[dict] = []
+    (eu, _), (us, _) = p_read_burst(topo, "eu", "canary-eu", eu_sent), p_read_burst(topo, "us", "canary-us")
+    assert {d["policyVersion"] for d in eu_sent} == {44} and {d["policyVersion"] for d in us} == {43}
+    # burst 10 in eu, 20 in us
     assert admitted(eu) < 15 < admitted(us) and by_read_rule(us) <= 10 < by_read_rule(eu), (eu, us)
     capsys.readouterr()
     assert cli(topo, "status", "-o", "json", "--min-decisions", "20") == 8
     st = json.loads(capsys.readouterr().out)
     assert st["candidate"] == 44 and st["published"] == 43 and st["slice"]["regions"] == ["eu"]
     assert "read-user-v3" in [w["rule"] for w in st["worse"]]
-    assert st["canary"]["decisions"] == 30 and st["canary"]["ruleDenialRates"]["read-user-v3"] > 0.3
+    # every eu decision since the canary is the candidate's (a burst the fleet-wide pool cut into included)
+    assert st["canary"]["decisions"] == len(eu_sent), (st["canary"], len(eu_sent))
+    rate = st["canary"]["ruleDenialRates"]["read-user-v3"]
+    assert rate == pytest.approx(by_read_rule(eu_sent) / len(eu_sent)) and rate > 0.3, (rate, denials(eu_sent))
     assert cli(topo, "status", "--margin", "0.9") == 0  # within a wide margin
     # a narrower slice for the staged candidate is refused (eu would go back to 43)
     assert cli(topo, "canary", str(tight), "--tenants", "birch") == 2
@@ -179,7 +208,7 @@ def test_replay_canary_promote_rollback(topo: LocalTopology, tmp_path: Path, cap
     assert cli(topo, "promote") == 0
     assert wait_until(lambda: held(topo, "eu") == (44, 0) and held(topo, "us") == (44, 0)), \
         (held(topo, "eu"), held(topo, "us"))
-    us = burst(topo, "us", "promoted-us")
+    us, _ = p_read_burst(topo, "us", "promoted-us")
     assert {d["policyVersion"] for d in us} == {44} and admitted(us) < 15 and by_read_rule(us) > 10
     # a second canary, for us only, then rolled back: a new, higher version with the published content
     v45 = source(tmp_path, "v45", 45, burst=5)
@@ -193,7 +222,7 @@ def test_replay_canary_promote_rollback(topo: LocalTopology, tmp_path: Path, cap
     assert shown["bundleVersion"] == 46
     b46 = encode_bundle(load_bundle_file(str(tmp_path / "v44.json")))  # the content of 44 (re-sealed as 46)
     assert b"capacityMillis\": 10000" in b46
-    us = burst(topo, "us", "rolled-back-us")
+    us, _ = p_read_burst(topo, "us", "rolled-back-us")
     assert {d["policyVersion"] for d in us} == {46} and admitted(us) < 15 and by_read_rule(us) > 10
 
     # 4. no agent ever evaluated a version lower than one it held (every decision was logged)

@@ -25,6 +25,7 @@ from chaos.proxy import FaultProxy
 from kernel.bundle import Bundle, Pool, encode_bundle, seal
 from leasehold.local.procs import LOOPBACK, EtcdCluster, Proc, free_port, wait_port
 from leasehold.local.services import allocator_command
+from tests.support.waiting import await_until
 
 pytestmark = pytest.mark.integration
 
@@ -64,6 +65,21 @@ def print_log_tails(workdir: Path, lines: int = 40) -> None:
     for log_file in sorted(workdir.glob("alloc-*/*.log")):
         print(f"--- tail of {log_file.name}")
         print("\n".join(log_file.read_text(errors="replace").splitlines()[-lines:]))
+
+
+async def granting_leader(ports: dict[str, int], drivers: list[LeaseDriver]) -> str | None:
+    """The allocator that leads in the term whose grants each region holds, once each holds one."""
+    if not all(d.stats.grants > 0 for d in drivers):
+        return None
+    async with httpx.AsyncClient(timeout=1) as c:
+        for port in ports.values():
+            try:
+                info = (await c.get(f"http://{LOOPBACK}:{port}/v1/leader")).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            if info.get("nodeId") and info.get("epoch") == max(d.newest_epoch for d in drivers):
+                return info["nodeId"]
+    return None
 
 
 async def watch_leaders(ports: dict[str, int], w: HistoryWriter, stop: asyncio.Event) -> None:
@@ -119,24 +135,34 @@ async def test_lease_history_under_faults_passes_the_checker(fresh_etcd_cluster:
                                    want=10, interval_s=0.05, replay_probability=0.3, seed=1, run_id="t1",
                                    token=TOKENS[r])
                        for r in ("eu", "us")]
-            schedule = Schedule(8.0, [
-                Step(1.0, Kill(procs[first_leader], ready=port_ready(ports[first_leader]), recorder=w), 1.5),
-                Step(4.0, Partition(links[("eu", first_leader)], "both", target=f"eu->{first_leader}",
-                                    recorder=w), 1.5),
-                Step(4.5, EtcdMemberIsolate(cluster, 2, recorder=w), 2.0),
-            ])
             stop = asyncio.Event()
             watcher = asyncio.create_task(watch_leaders(ports, w, stop))
+            runs = [asyncio.create_task(d.run(40.0, max_requests=2_000)) for d in drivers]
             try:
-                results = await asyncio.gather(schedule.run(), *(d.run(9.0, max_requests=2_000) for d in drivers))
+                # the kill must hit a leader that has granted: the schedule starts once each region
+                # holds a grant, and kills the leader of the term those grants carry (no fault yet).
+                # Started together with the drivers, the kill came 1.0 s after them and hit the leader
+                # found before: beside stress-ng --cpu 2 the first grant came 0.76 s after the start in
+                # a passing run, and in a failing one (three test files at once) this process' etcd
+                # proxies were too slow for the first leader's keep-alives, it stepped down before
+                # granting and every grant carried one later term
+                lead = await await_until(lambda: granting_leader(ports, drivers), within_s=20)
+                assert lead in procs, ([d.stats for d in drivers], [d.newest_epoch for d in drivers])
+                schedule = Schedule(8.0, [
+                    Step(1.0, Kill(procs[lead], ready=port_ready(ports[lead]), recorder=w), 1.5),
+                    Step(4.0, Partition(links[("eu", lead)], "both", target=f"eu->{lead}", recorder=w), 1.5),
+                    Step(4.5, EtcdMemberIsolate(cluster, 2, recorder=w), 2.0),
+                ])
+                faults = await schedule.run()  # its last 1.5 s are fault-free
             finally:
+                for d in drivers:
+                    d.stop()
+                stats = await asyncio.gather(*runs)
                 stop.set()
                 await watcher
             # etcd may still be electing its own leader after the member isolation: wait longer
             for rec in await read_back(cluster.endpoints, prefix, leader_wait_s=15.0):
                 w.write(rec)
-        faults = results[0]
-        stats = results[1:]
         assert [f.nemesis for f in faults] == ["kill", "partition", "etcd-member-isolate"]
         assert all(s.grants > 0 for s in stats), stats
         assert sum(s.replays for s in stats) > 0 and sum(s.replay_mismatches for s in stats) == 0

@@ -11,6 +11,7 @@ tokens spent) in window ``k``. Decisions that straddle a boundary are kept apart
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections import Counter
@@ -21,6 +22,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+from redis.asyncio import Redis
 
 from allocator.allocation import WindowState
 from allocator.records import GrantRecord
@@ -29,6 +31,8 @@ from kernel.etcd_store import EtcdStore
 from leasehold.local.procs import Proc
 from leasehold.local.services import agent_command
 from leasehold.local.topology import LocalTopology, TopologySpec
+from region_agent.decision.keys import KeyBuilder
+from region_agent.store.scripts import Scripts
 from tests.support.agent import admit_body
 
 PREFIX = "/leasehold/"  # the allocator's default etcd prefix
@@ -296,18 +300,23 @@ def start_agent(workdir: Path, policy: Path, redis_url: str, allocator_url: str 
     return proc, url
 
 
-async def spendable(redis_url: str, tenant: str, pool: str, for_ms: int = 600) -> int:
+@functools.cache
+def _scripts() -> Scripts:
+    """The scripts, loaded once per test process: loading them reads every ``lua/`` file and
+    registers each lean variant (80 ms of CPU beside stress-ng --cpu 2), which a reading of a
+    balance timed against a window's edge cannot afford each time."""
+    return Scripts()
+
+
+async def spendable(redis_url: str, tenant: str, pool: str, for_ms: int = 600, client: Redis | None = None) -> int:
     """What a region's leased balance of ``tenant``'s pool really holds (its Redis, as the script
-    reads it) in leases that stay valid ``for_ms`` more."""
-    from redis.asyncio import Redis
-
-    from region_agent.decision.keys import KeyBuilder
-    from region_agent.store.scripts import Scripts
-
-    r = Redis.from_url(redis_url)
+    reads it) in leases that stay valid ``for_ms`` more. ``client``: an open connection to that
+    Redis to read with (else one is opened for this reading)."""
+    r = client if client is not None else Redis.from_url(redis_url)
     try:
-        bal = await Scripts().pool_balance(r, KeyBuilder.tenant_pool_key(tenant, pool))
+        bal = await _scripts().pool_balance(r, KeyBuilder.tenant_pool_key(tenant, pool))
     finally:
-        await r.aclose()
+        if client is None:
+            await r.aclose()
     return sum(e.granted - e.spent for e in bal.entries.values()
                if e.valid_at(bal.now_ms, bal.incarnation) and e.expires_at_ms - bal.now_ms >= for_ms)
