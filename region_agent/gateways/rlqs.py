@@ -20,7 +20,11 @@ behaviour, checked against the real binary by ``tests/e2e/gateways/test_envoy_rl
   starts a bucket full after a blanket rule: so N is exactly what Envoy may spend;
 * a **renewal**: the same token bucket again, sent when half its time to live is gone and tokens
   are left: Envoy keeps its tokens and restarts the time to live (never past the window the
-  tokens came from);
+  tokens came from). Envoy keeps them only if the renewal arrives while the assignment is still
+  live there; one arriving after Envoy's own expiry starts full. So a renewal is sent only while
+  the assignment has longer than ``--rlqs-delivery-ms`` to live (the latest anything sent can
+  arrive: the shipped ``envoy-rlqs.yaml`` closes a connection that answers no HTTP/2 ping within
+  a second: rlqs_funding.renewal_ttl);
 * an **end**: ``DENY_ALL`` once an assignment's time to live has run out as the agent counts it
   (from when it was sent) and no fresh one replaced it. Envoy counts a time to live from when the
   assignment arrives, so one held up on a stalled stream and delivered when it resumes would
@@ -213,6 +217,7 @@ class RlqsService:
         self.interval_ms = float(settings.rlqs_report_interval_ms)
         self.span_ms = self.interval_ms + 1_000.0  # an assignment lasts one report interval and a second
         self.quiet_ms = self.interval_ms + QUIET_GRACE_MS  # no fresh assignment for a bucket silent this long
+        self.delivery_ms = float(settings.rlqs_delivery_ms)  # nothing sent arrives later (rlqs_funding.renewal_ttl)
 
     def now_ms(self) -> float:
         return self.clock() * 1000.0
@@ -400,7 +405,7 @@ class RlqsService:
     def _consider(self, h: fund.Holding, now: float) -> None:
         if fund.wants_tokens(h, now, LEAD_MS, self.quiet_ms):
             self._want(h)
-        self._schedule(h, fund.next_check_ms(h, now, LEAD_MS, self.quiet_ms))
+        self._schedule(h, fund.next_check_ms(h, now, LEAD_MS, self.quiet_ms, self.delivery_ms))
 
     def _schedule(self, h: fund.Holding, at_ms: float) -> None:
         b = self.buckets.get(h.bucket)
@@ -525,7 +530,7 @@ class RlqsService:
             m.rlqs_assignments.labels("fresh").inc()
             m.rlqs_assigned_tokens.inc(give)
             touched.add(st)
-            self._schedule(h, fund.next_check_ms(h, now, LEAD_MS, self.quiet_ms))
+            self._schedule(h, fund.next_check_ms(h, now, LEAD_MS, self.quiet_ms, self.delivery_ms))
         unsent += taken.tokens - sum(gives.values())
         if unsent:
             m.rlqs_stranded_tokens.inc(unsent)
@@ -606,7 +611,7 @@ class RlqsService:
             st.send([deny_action(self.bucket_id(h.bucket), DENY_TTL_S)])
             fund.ended(h, now)
             m.rlqs_assignments.labels("end").inc()
-        ttl = fund.renewal_ttl(h, now, self.s.rlqs_max_ttl_s)
+        ttl = fund.renewal_ttl(h, now, self.s.rlqs_max_ttl_s, self.delivery_ms)
         if ttl and now - st.last_report_ms <= 2 * self.interval_ms:  # a stream that still reports
             st.send(self.renewal(h, ttl))
             fund.renewed(h, ttl, now)

@@ -59,6 +59,7 @@ INF = math.inf
 MAX_COST = 1_000  # AdmitRequest.costHint
 ROUND_ATTEMPTS = 3  # a round: the whole need, then what a denial says is left, then half of that
 DEMAND_TAU_INTERVALS = 2.0  # the demand average forgets by e in this many report intervals (demand_after)
+RENEW_LEAD_MS = 300.0  # a renewal is due this long before the last moment it may be sent (renew_at_ms)
 CHANGE_SIGMAS = 3.0  # a report's count this many Poisson deviations from the average's: a change, not noise
 
 
@@ -227,14 +228,20 @@ def waiting(h: Holding, now_ms: float, span_ms: float, lead_ms: float, quiet_ms:
             and runs_short(h, now_ms, lead_ms))
 
 
-def next_check_ms(h: Holding, now_ms: float, lead_ms: float, quiet_ms: float = INF) -> float:
+def renew_at_ms(h: Holding, delivery_ms: float) -> float:
+    """When the holding's assignment is due a renewal: half its time to live left, or earlier when
+    that half is not longer than ``delivery_ms`` and :data:`RENEW_LEAD_MS` (:func:`renewal_ttl`)."""
+    return h.expires_at_ms - max(h.ttl_s * 500.0, delivery_ms + RENEW_LEAD_MS)
+
+
+def next_check_ms(h: Holding, now_ms: float, lead_ms: float, quiet_ms: float = INF,
+                  delivery_ms: float = 0.0) -> float:
     """When the holding should be looked at again without a report: its predicted run-out (not
-    while it is :func:`silent`: its next report is), its renewal (half its time to live left), its
+    while it is :func:`silent`: its next report is), its renewal (:func:`renew_at_ms`), its
     expiry, or a denial's end."""
     t = now_ms + 60_000.0
     if h.live(now_ms):
-        renew_at = h.expires_at_ms - h.ttl_s * 500.0
-        t = min(t, max(now_ms, renew_at), h.expires_at_ms)
+        t = min(t, max(now_ms, renew_at_ms(h, delivery_ms)), h.expires_at_ms)
         if h.demand > 0 and not silent(h, now_ms, quiet_ms):
             left = h.left(now_ms)
             t = min(t, now_ms + max(0.0, (left / h.demand) * 1000.0 - lead_ms))
@@ -243,10 +250,22 @@ def next_check_ms(h: Holding, now_ms: float, lead_ms: float, quiet_ms: float = I
     return t
 
 
-def renewal_ttl(h: Holding, now_ms: float, max_ttl_s: int) -> int:
+def renewal_ttl(h: Holding, now_ms: float, max_ttl_s: int, delivery_ms: float = 0.0) -> int:
     """Seconds a renewal of the live assignment may run from now (0: none): not past its clamp,
-    at most ``max_ttl_s``, and only when half its time to live is gone and tokens are left."""
-    if not h.live(now_ms) or h.left(now_ms) < 1.0 or h.expires_at_ms - now_ms > h.ttl_s * 500.0:
+    at most ``max_ttl_s``, and only when it is due (:func:`renew_at_ms`), tokens are left, and the
+    assignment has longer than ``delivery_ms`` to live.
+
+    A renewal is the same token bucket again, and Envoy keeps its tokens only if the assignment it
+    renews is still live there when it **arrives**; one that arrives after Envoy's own time to live
+    ran out finds the deny-all fallback and starts the token bucket full: tokens nobody took.
+    Envoy's time to live started when the assignment arrived, after the agent sent it, so it ends
+    no sooner than :attr:`Holding.expires_at_ms`; a renewal sent more than ``delivery_ms`` before
+    that arrives in time if nothing the agent sends can arrive later than ``delivery_ms`` — what the
+    shipped Envoy's HTTP/2 keepalive makes true: it closes a connection that stalls for longer, and
+    what the agent sent into it never arrives
+    (docs/decisions/0095-rlqs-renewals-only-within-the-delivery-bound.md)."""
+    if (not h.live(now_ms) or h.left(now_ms) < 1.0 or now_ms < renew_at_ms(h, delivery_ms)
+            or h.expires_at_ms - now_ms <= delivery_ms):
         return 0
     limit = min(max_ttl_s * 1000.0, h.clamp_at_ms - now_ms)
     secs = int(limit // 1000)
@@ -387,4 +406,4 @@ def share(tokens: int, needs: dict[Holding, int]) -> dict[Holding, int]:
 
 
 __all__ = ["Decide", "Holding", "Taken", "demand_after", "ended", "granted", "need", "needs_end", "next_check_ms", "observe", "own_rate",
-           "renewal_ttl", "renewed", "revoke", "runs_short", "share", "silent", "take", "waiting", "wants_tokens", "with_cost"]
+           "renew_at_ms", "renewal_ttl", "renewed", "revoke", "runs_short", "share", "silent", "take", "waiting", "wants_tokens", "with_cost"]

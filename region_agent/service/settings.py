@@ -254,6 +254,11 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
     rlqs_max_ttl_s: Annotated[int, Meta(ge=1, le=300), Help(
         "an assignment's time to live at most (Envoy counts it in whole seconds); it is renewed while "
         "its bucket is in use, and never lives past the window its tokens came from")] = 10
+    rlqs_delivery_ms: Annotated[int, Meta(ge=0, le=60_000), Help(
+        "how late Envoy can receive what the agent sends on an RLQS stream: the shipped envoy-rlqs.yaml "
+        "closes a connection that answers no HTTP/2 ping within 1 s of it (pings every 1-1.15 s), so "
+        "nothing sent arrives later than 2.15 s; an assignment is renewed only while it has longer than "
+        "this to live (a renewal Envoy receives after its own expiry would start full)")] = 2_500
     rlqs_clock_margin_ms: Annotated[int, Meta(ge=0, le=10_000), Help(
         "an assignment ends at least this long before the end of its window on this agent's clock "
         "(clock offsets, the stream's delivery)")] = 250

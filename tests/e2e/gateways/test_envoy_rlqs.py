@@ -223,6 +223,41 @@ def test_the_backend_ends_its_export(stack: Stack, envoys: tuple[Envoy, Envoy]):
     the_backend_ends_its_export(stack, envoys[0].url, "relrlqs")
 
 
+def test_envoy_closes_a_stalled_connection_to_its_agent_and_the_agent_keeps_a_quiet_one(
+        stack: Stack, envoys: tuple[Envoy, Envoy]):
+    """What the agent's renewals rely on (--rlqs-delivery-ms, 2.5 s): the shipped file's HTTP/2
+    keepalive (a ping every 1-1.15 s, 1 s to answer) closes the connection to an agent that answers
+    no ping, so nothing the agent sent into it arrives later than 2.15 s. And the agent lets
+    Envoy ping every second on a connection it sends nothing on (grpc's default, 5 minutes between
+    pings without data, would end it with a GOAWAY after the third)."""
+    _, b = envoys
+    with httpx.Client(base_url=b.url, timeout=10) as c:
+        until_admitted(c, "U-47")  # the stream is open, its assignment held
+    cx = "cluster.leasehold_rls."
+
+    def counters() -> tuple[int, int, int]:  # closed for an unanswered ping; a GOAWAY received; closed by the agent
+        st = b.stats(cx)
+        return (st.get(cx + "http2.keepalive_timeout", 0), st.get(cx + "upstream_cx_close_notify", 0),
+                st.get(cx + "upstream_cx_destroy_remote", 0))
+
+    quiet = counters()
+    time.sleep(5)  # at least four pings; nothing sent meanwhile but what the agent renews
+    assert counters() == quiet, (quiet, counters())
+    stack.agent.signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        while counters()[0] == quiet[0] and time.monotonic() - stopped_at < 6:
+            time.sleep(0.05)
+        closed_after = time.monotonic() - stopped_at
+    finally:
+        stack.agent.signal(signal.SIGCONT)
+    assert counters()[0] == quiet[0] + 1, counters()
+    # 2.15 s at most on Envoy's clock; the polling and a loaded machine's timers add a little
+    assert closed_after <= 3.0, closed_after
+    with httpx.Client(base_url=b.url, timeout=10) as c:  # a new connection, a new stream: funded again
+        assert until_admitted(c, "U-47", tries=200)[-1].status_code == 200
+
+
 def test_a_stalled_agent_fails_the_export_route_closed(stack: Stack, envoys: tuple[Envoy, Envoy]):
     """The per-request part of this file fails as envoy-rls.yaml does: the export route, whose
     rule fails closed, is 503 while the agent does not answer (it used to pass to the upstream)."""

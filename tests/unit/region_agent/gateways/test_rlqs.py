@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import re
 from types import SimpleNamespace
 
 import grpc
@@ -50,7 +51,7 @@ def service(bucket_has: list[int], clock: FakeClock) -> tuple[RlqsService, list[
         return [Decision(allowed=ok, decision_id=q.request_id, rule_id="read-user", bundle_version=1,
                          remaining=bucket_has[0], http_status=200 if ok else 429, retry_after_ms=0 if ok else 500)]
 
-    svc = RlqsService(settings=SimpleNamespace(rlqs_report_interval_ms=5_000, rlqs_max_assignment=100),
+    svc = RlqsService(settings=SimpleNamespace(rlqs_report_interval_ms=5_000, rlqs_max_assignment=100, rlqs_delivery_ms=2_500),
                       names=None, decide=decide, state_of=lambda: None,
                       metrics=GatewayMetrics(CollectorRegistry()), gateways=None, clock=clock)
     svc.ttl_for = lambda b: Ttl(10, 0, math.inf, True)  # type: ignore[method-assign]  # no policy windows here
@@ -125,7 +126,7 @@ ENTRIES = {"tenant": "birch", "user": "E-0", "route_group": "read"}
 BKEY = bucket_key(ENTRIES.items())
 SETTINGS = SimpleNamespace(rlqs_report_interval_ms=5_000, rlqs_max_ttl_s=10, rlqs_idle_ms=60_000,
                            rlqs_max_buckets=100, rlqs_max_agent_buckets=150, rlqs_max_assignment=100,
-                           rlqs_clock_margin_ms=250, rlqs_max_streams=16)
+                           rlqs_clock_margin_ms=250, rlqs_max_streams=16, rlqs_delivery_ms=2_500)
 
 
 class MsClock:
@@ -453,7 +454,7 @@ async def test_a_holding_dropped_while_its_round_waits_is_not_dropped_again_nor_
                          remaining=0, http_status=429, retry_after_ms=500)]
 
     svc = RlqsService(settings=SimpleNamespace(rlqs_report_interval_ms=5_000, rlqs_max_assignment=100,
-                                               rlqs_max_streams=16),
+                                               rlqs_max_streams=16, rlqs_delivery_ms=2_500),
                       names=None, decide=decide, state_of=lambda: SimpleNamespace(holder=SimpleNamespace(bundle=None)),
                       metrics=GatewayMetrics(CollectorRegistry()), gateways=None, clock=clock)
     svc.ttl_for = lambda b: Ttl(10, 0, math.inf, True)  # type: ignore[method-assign]  # no policy windows here
@@ -714,7 +715,8 @@ class EnvoyBucket:
 
 
 async def cut_then_healed(cut_ms: float, heal_ms: float, per_s: float, per_window: int, closed_after_ms: float | None,
-                          max_ttl_s: int = 10) -> tuple[dict[int, int], dict[int, int]]:
+                          delivery_ms: float = 2_500.0, max_ttl_s: int = 10, delay_ms: float = 0.0
+                          ) -> tuple[dict[int, int], dict[int, int]]:
     """An Envoy's link to its agent, blackholed both ways from ``cut_ms`` to ``heal_ms``: what either
     side sent meanwhile arrives when it heals, in order, as the chaos proxy delivers it — unless the
     cut lasts ``closed_after_ms``: then Envoy's HTTP/2 keepalive closes the connection at that
@@ -722,8 +724,9 @@ async def cut_then_healed(cut_ms: float, heal_ms: float, per_s: float, per_windo
     the heal (the agent sees the old one close at the heal). ``None``: no keepalive. Envoy's
     clients ask ``per_s`` requests a second throughout; Envoy reports every 5 s; the bucket's rules
     hold ``per_window`` tokens per 6 s window (a tenant pool's lease: a round asking more is denied
-    with what is left); an assignment lives ``max_ttl_s`` at most (--rlqs-max-ttl-s). Returns the
-    tokens the agent took per window and what Envoy admitted per window."""
+    with what is left); an assignment lives ``max_ttl_s`` at most (--rlqs-max-ttl-s); outside the
+    cut, what the agent sends arrives ``delay_ms`` later. Returns the tokens the agent took per
+    window and what Envoy admitted per window."""
     clock = MsClock()
     start = 6_000.0 * 20_000 + 100
     clock.ms = start
@@ -744,6 +747,7 @@ async def cut_then_healed(cut_ms: float, heal_ms: float, per_s: float, per_windo
 
     svc = stalled_service(clock)
     svc.decide = take
+    svc.delivery_ms = delivery_ms
     svc.ttl_for = lambda b: assignment_ttl(  # type: ignore[method-assign]  # the real clamp, on the test's clock
         [fixed_window_end(6_000, clock.ms)], max_ttl_s=max_ttl_s, margin_ms=250)
     st = svc.streams.setdefault(1, Stream(1, "envoy-a"))
@@ -785,7 +789,7 @@ async def cut_then_healed(cut_ms: float, heal_ms: float, per_s: float, per_windo
             held_up.clear()
             await settle(svc)
             while not st.queue.empty():
-                in_flight.append((clock.ms, st.queue.get_nowait()))
+                in_flight.append((clock.ms + delay_ms, st.queue.get_nowait()))
         while in_flight and (in_flight[0][0] <= clock.ms or cut()):  # in order: held by a cut behind them
             at, resp = in_flight.pop(0)
             if at <= clock.ms:
@@ -819,14 +823,15 @@ async def cut_then_healed(cut_ms: float, heal_ms: float, per_s: float, per_windo
     return funded, admitted
 
 
-async def over_admitted(per_s: float, per_window: int, closed_after_ms: float | None, max_ttl_s: int = 10) -> list[tuple]:
+async def over_admitted(per_s: float, per_window: int, closed_after_ms: float | None,
+                        delivery_ms: float = 2_500.0, max_ttl_s: int = 10) -> list[tuple]:
     """Every (cut, heal, window, admitted, funded) where Envoy admitted more in a window than the
     agent took for it, over cuts at 1 s and 7 s healed at every 0.2 s up to 7 s later."""
     over = []
     for cut_ms in (1_000.0, 7_000.0):
         for heal_ms in range(int(cut_ms) + 200, int(cut_ms) + 7_000, 200):
             funded, admitted = await cut_then_healed(cut_ms, float(heal_ms), per_s, per_window, closed_after_ms,
-                                                     max_ttl_s)
+                                                     delivery_ms, max_ttl_s)
             assert admitted, heal_ms  # not a test where Envoy admits nothing
             over += [(cut_ms, heal_ms, k - 20_000, n, funded.get(k, 0)) for k, n in admitted.items()
                      if n > funded.get(k, 0)]
@@ -835,21 +840,44 @@ async def over_admitted(per_s: float, per_window: int, closed_after_ms: float | 
 
 @pytest.mark.parametrize(("per_s", "per_window"), [(2.0, 10), (5.0, 20), (8.0, 30)])
 @pytest.mark.parametrize("closed_after_ms", [1_000.0, 2_150.0])
-async def test_an_envoy_that_closes_a_stalled_connection_never_admits_more_in_a_window_than_its_agent_took(
+async def test_an_envoy_cut_off_and_healed_never_admits_more_in_a_window_than_its_agent_took_for_it(
         per_s, per_window, closed_after_ms):
     """The chaos scenario's stream cut, on a bucket whose rules hold less than its demand: the agent
     goes on sending into a stream that holds what it sends, and when the link heals Envoy applies
-    all of it at once — unless Envoy closed the connection first, as an HTTP/2 keepalive of a ping
-    a second answered within a second would (1 to 2.15 s into the cut). With that, whatever the
+    all of it at once — unless the shipped Envoy's keepalive closed the connection first (its first
+    unanswered ping 1 to 1.15 s into the cut, and 1 s to answer it: 1 to 2.15 s). Whatever the
     moment of the heal, Envoy admits in each window at most what the agent took for it in that
-    window: a renewal the cut holds arrives within 2.15 s, before Envoy's own expiry of the
-    assignment it renews (renewed at half a time to live of up to 5 s here), or never. The shipped
-    envoy-rlqs.yaml has no such keepalive (decision 0091: tried, measured, not adopted)."""
+    window (``kernel.bound``'s RLQS term is 0 for these windows): every renewal (the same token
+    bucket, to extend an assignment) is sent more than ``--rlqs-delivery-ms`` (2.5 s) before the
+    assignment's end, so it arrives while Envoy still holds the assignment and keeps its tokens."""
     assert not await over_admitted(per_s, per_window, closed_after_ms)
 
 
-async def test_without_a_keepalive_a_cut_makes_a_renewal_late_and_envoy_starts_it_full():
-    """The defect decision 0091 leaves open, in the same model: without a keepalive, a renewal the
-    cut holds past Envoy's own expiry of the assignment arrives on a deny-all fallback and Envoy
-    starts the token bucket full: some window admits more than the agent took for it."""
+async def test_without_a_keepalive_a_cut_makes_any_renewal_late():
+    """Without the keepalive (a connection that stalls is never closed), a cut of any length holds a
+    renewal past Envoy's expiry, and no margin before the expiry is enough: the model over-admits,
+    as Envoy did before the shipped file closed stalled connections."""
     assert await over_admitted(5.0, 20, None)
+
+
+def test_the_shipped_envoy_closes_a_stalled_connection_sooner_than_the_agents_delivery_bound():
+    """The renewal rule holds only if nothing the agent sends arrives later than --rlqs-delivery-ms:
+    the shipped envoy-rlqs.yaml pings the agent's connection every ``interval`` (plus up to 15 %
+    jitter, Envoy's default) and closes it when a ping is not answered within ``timeout``, so what
+    arrives was sent at most interval x 1.15 + timeout earlier — within the agent's default."""
+    import msgspec
+    import yaml
+
+    from leasehold.local.gateways import GATEWAY_DIR, render
+    from region_agent.service.settings import AgentSettings
+
+    names = set(re.findall(r"\$\{([A-Z_]+)\}", (GATEWAY_DIR / "envoy-rlqs.yaml").read_text()))
+    doc = yaml.safe_load(render("envoy-rlqs.yaml", **{n: "1" for n in names}))
+    (cluster,) = [c for c in doc["static_resources"]["clusters"] if c["name"] == "leasehold_rls"]
+    opts = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    ka = opts["explicit_http_config"]["http2_protocol_options"]["connection_keepalive"]
+    secs = {k: float(str(v).removesuffix("s")) for k, v in ka.items()}
+    assert set(secs) == {"interval", "timeout"}  # the default jitter (15 %)
+    latest_ms = 1_000.0 * (secs["interval"] * 1.15 + secs["timeout"])
+    (default,) = [fi.default for fi in msgspec.structs.fields(AgentSettings) if fi.name == "rlqs_delivery_ms"]
+    assert latest_ms <= default == 2_500

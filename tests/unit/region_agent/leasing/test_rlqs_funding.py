@@ -195,6 +195,31 @@ def test_a_renewal_adds_time_never_tokens_and_never_passes_the_clamp():
     assert f.renewal_ttl(h2, 6_000.0, 10) == 0  # nothing left to renew
 
 
+def test_a_renewal_is_sent_only_while_it_arrives_before_envoys_own_expiry():
+    """A renewal Envoy receives after its own time to live of the assignment ran out starts the
+    token bucket full. Envoy's time to live ends no sooner than the agent's (it started on
+    arrival), and nothing sent arrives later than ``delivery_ms`` (the shipped Envoy's keepalive),
+    so a renewal is sent only while the assignment has longer than that to live: due at half its
+    time to live, or ``delivery_ms`` and a lead before its end when that comes first; never
+    within ``delivery_ms`` of it."""
+    h = holding(demand=1.0)
+    f.granted(h, 10, 10, 0.0, 30_000.0)  # 10 s: due at 5 s left, which is more than 2.5 s
+    assert f.renew_at_ms(h, 2_500.0) == 5_000.0
+    assert f.renewal_ttl(h, 4_999.0, 10, 2_500.0) == 0 and f.renewal_ttl(h, 5_000.0, 10, 2_500.0) == 10
+    assert f.renewal_ttl(h, 7_499.0, 10, 2_500.0) == 10
+    assert f.renewal_ttl(h, 7_500.0, 10, 2_500.0) == 0  # 2.5 s left: it could arrive after Envoy's expiry
+    assert f.renewal_ttl(h, 7_500.0, 10, 0.0) == 10  # without a delivery bound: the last moment is the expiry
+    h3 = holding(demand=1.0)
+    f.granted(h3, 10, 4, 0.0, 30_000.0)  # 4 s: half of it is less than 2.5 s and the 300 ms lead
+    assert f.renew_at_ms(h3, 2_500.0) == 4_000.0 - 2_800.0
+    assert f.renewal_ttl(h3, 1_199.0, 10, 2_500.0) == 0 and f.renewal_ttl(h3, 1_200.0, 10, 2_500.0) == 10
+    assert f.renewal_ttl(h3, 1_500.0, 10, 2_500.0) == 0
+    assert f.next_check_ms(h3, 0.0, 0.0, delivery_ms=2_500.0) == 1_200.0
+    h4 = holding(demand=1.0)
+    f.granted(h4, 10, 2, 0.0, 30_000.0)  # 2 s: never renewed (a fresh assignment follows it)
+    assert all(f.renewal_ttl(h4, t, 10, 2_500.0) == 0 for t in range(0, 2_000, 100))
+
+
 def test_an_assignment_that_runs_out_unreplaced_is_ended_once():
     """Envoy times an assignment from when it arrives: one delivered late (a stalled stream) would
     outlive the window its tokens came from. Once its time to live has run out as the agent counts
