@@ -306,12 +306,18 @@ class AgentSettings(ServingSettings, forbid_unknown_fields=True, frozen=True):
 
     def __post_init__(self) -> None:
         from ..gateways.mapping import Names
+        from ..leasing.rlqs_funding import RENEW_LEAD_MS
         from ..store.client import parse_store_url
 
         Names.from_settings(self)  # ValueError -> a settings error naming the bad entry
         if self.rls_port and self.rlqs and self.rlqs_max_streams >= self.rls_max_concurrent_rpcs:
             raise ValueError(f"--rlqs-max-streams ({self.rlqs_max_streams}) must be below --rls-max-concurrent-rpcs "
                              f"({self.rls_max_concurrent_rpcs}): streams that hold every slot leave none for RLS calls")
+        if self.rls_port and self.rlqs and self.rlqs_delivery_ms + RENEW_LEAD_MS >= self.rlqs_max_ttl_s * 1_000:
+            raise ValueError(f"--rlqs-delivery-ms ({self.rlqs_delivery_ms}) leaves no time to renew an assignment of "
+                             f"--rlqs-max-ttl-s ({self.rlqs_max_ttl_s} s): a renewal is sent only while the assignment "
+                             f"has longer than the delivery bound to live, due {RENEW_LEAD_MS:.0f} ms before that; raise "
+                             f"--rlqs-max-ttl-s above {(self.rlqs_delivery_ms + RENEW_LEAD_MS) / 1_000:g} s")
         try:  # the same for the Redis URL
             parse_store_url(self.redis_url, cluster=self.redis_cluster)
         except ValueError as e:

@@ -80,6 +80,19 @@ def test_policy_etcd_tls_rules(tmp_path: Path):
         load_agent_settings(["--policy-etcd", "http://a:1,https://b:2"], env=GW)
 
 
+def test_an_rlqs_time_to_live_must_leave_time_to_renew_within_the_delivery_bound():
+    """A renewal is sent only while the assignment has longer than --rlqs-delivery-ms to live, due
+    300 ms before that: a time to live not longer than both would end every assignment in use at its
+    expiry and fund it again from the store (what made an agent without renewals collapse)."""
+    assert load_agent_settings(["--rls-port", "8081", "--rlqs-max-ttl-s", "3"], env=GW).rlqs_delivery_ms == 2_500
+    with pytest.raises(ConfigError, match=r"--rlqs-delivery-ms \(2500\) leaves no time to renew .* above 2.8 s"):
+        load_agent_settings(["--rls-port", "8081", "--rlqs-max-ttl-s", "2"], env=GW)
+    with pytest.raises(ConfigError, match="--rlqs-delivery-ms"):
+        load_agent_settings(["--rls-port", "8081", "--rlqs-delivery-ms", "9800"], env=GW)
+    assert load_agent_settings(["--rls-port", "8081", "--rlqs-max-ttl-s", "1", "--rlqs-delivery-ms", "600"], env=GW)
+    assert load_agent_settings(["--rls-port", "8081", "--rlqs-max-ttl-s", "2", "--no-rlqs"], env=GW)
+
+
 def test_rlqs_streams_must_leave_slots_of_the_port_to_rls_calls():
     assert load_agent_settings(["--rls-port", "8081"], env=GW).rlqs_max_streams < 4_096
     with pytest.raises(ConfigError, match="--rlqs-max-streams .* must be below --rls-max-concurrent-rpcs"):
