@@ -262,8 +262,7 @@ class RlqsService:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many RLQS streams (--rlqs-max-streams)")
         st = Stream(next(self._ids), context.peer() or "", opened_ms=self.now_ms())
         self.streams[st.id] = st
-        self.metrics.rlqs_streams.inc()
-        self.metrics.rlqs_streams_fill.set(len(self.streams) / self.s.rlqs_max_streams)
+        self._streams_changed()
         reader = asyncio.create_task(self._read(st, requests))
         try:
             while True:
@@ -297,6 +296,12 @@ class RlqsService:
         finally:
             st.queue.put_nowait(None)
 
+    def _streams_changed(self) -> None:
+        """The streams open, and their fraction of --rlqs-max-streams (LeaseholdRlqsStreamsNearCap)."""
+        n = len(self.streams)
+        self.metrics.rlqs_streams.set(n)
+        self.metrics.rlqs_streams_fill.set(n / self.s.rlqs_max_streams)
+
     def _closed(self, st: Stream) -> None:
         """The stream ended: its assignments run out in Envoy at their time to live (kept for the
         accounting until they expire), nothing more is sent on it."""
@@ -304,8 +309,7 @@ class RlqsService:
             return
         st.alive = False
         self.streams.pop(st.id, None)
-        self.metrics.rlqs_streams.dec()
-        self.metrics.rlqs_streams_fill.set(len(self.streams) / self.s.rlqs_max_streams)
+        self._streams_changed()
         now = self.now_ms()
         for h in st.holdings.values():
             self._schedule(h, max(now, h.expires_at_ms))

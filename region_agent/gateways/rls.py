@@ -382,8 +382,8 @@ class RlsServer:
             # a client may ping every half second whatever is sent: the shipped envoy-rlqs.yaml pings
             # every second to close a stalled connection (rlqs_funding.renewal_ttl), and grpc's default
             # (5 minutes between pings when the server sends nothing) would end its connection
-            ("grpc.http2.min_ping_interval_without_data_ms", 500)]
-        options.append(("grpc.keepalive_permit_without_calls", 1))  # pings on a connection without calls too
+            ("grpc.http2.min_ping_interval_without_data_ms", 500),
+            ("grpc.keepalive_permit_without_calls", 1)]  # pings on a connection without calls too
         if keepalive_ms:  # a peer that answers no ping (gone, or reading nothing) loses its connection
             options += [("grpc.keepalive_time_ms", keepalive_ms), ("grpc.keepalive_timeout_ms", keepalive_ms),
                         ("grpc.http2.ping_timeout_ms", keepalive_ms), ("grpc.http2.max_pings_without_data", 0)]
