@@ -1,0 +1,65 @@
+"""The door system-call counter's pure parts (bench.syscalls): ``perf stat --per-thread`` output
+read by thread name and system call, ``/proc`` thread CPU split into user and kernel time, both
+turned into amounts per call, and the summary's medians over rounds."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from bench.syscalls import PREFIX, cpu_per_call, parse_perf, parse_stat, per_call, perf_events, summary
+
+PERF = """# started on Mon Dec  7 18:47:18 2026
+
+python-7323;5673;;raw_syscalls:sys_enter;107769912;100.00;;
+python-7323;68;;context-switches;107780952;100.00;;
+python-7323;54;;syscalls:sys_enter_getpid;107790440;100.00;;
+python-7400;10;;syscalls:sys_enter_getpid;107790440;100.00;;
+event_engine-7330;7;;syscalls:sys_enter_futex;107790440;100.00;;
+redis-server-81;3;;syscalls:sys_enter_writev;107790440;100.00;;
+event_engine-7331;<not counted>;;syscalls:sys_enter_futex;0;0.00;;
+"""
+
+
+def test_perf_counts_by_thread_name_and_call():
+    counts = parse_perf(PERF)
+    assert counts["python"] == Counter({"raw_syscalls:sys_enter": 5673, "context-switches": 68, "getpid": 64})
+    assert counts["event_engine"] == Counter({"futex": 7})  # the uncounted line left out
+    assert counts["redis-server"] == Counter({"writev": 3})  # a name with a dash keeps it
+    assert set(counts) == {"python", "event_engine", "redis-server"}
+
+
+def test_per_call_amounts_leave_out_the_rare_events():
+    counts = {"python": Counter({"getpid": 3900, "madvise": 1, "futex": 10})}
+    assert per_call(counts, 1000) == {"python": {"getpid": 3.9, "futex": 0.01}}
+    assert per_call(counts, 1000, floor=0.0) == {"python": {"getpid": 3.9, "futex": 0.01, "madvise": 0.001}}
+
+
+def test_the_events_asked_of_perf():
+    assert perf_events("getpid,futex") == f"raw_syscalls:sys_enter,context-switches,{PREFIX}getpid,{PREFIX}futex"
+
+
+def test_a_threads_stat_line_gives_its_user_and_kernel_time():
+    line = ("7323 (event_engine) S 1 7323 7323 0 -1 4194560 1000 0 0 0 250 75 0 0 20 0 6 0 100 "
+            "1000000 2000 18446744073709551615 0 0 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0\n")
+    assert parse_stat(line, 100) == ("event_engine", 2.5, 0.75)
+    # a name with a space and a parenthesis: the last ")" ends it
+    odd = line.replace("(event_engine)", "(a (b) c)")
+    assert parse_stat(odd, 100) == ("a (b) c", 2.5, 0.75)
+
+
+def test_cpu_per_call_sums_the_threads_of_one_name_and_counts_new_ones_from_zero():
+    before = {(1, 1): ("python", 1.0, 0.5), (1, 2): ("event_engine", 0.1, 0.1)}
+    after = {(1, 1): ("python", 1.2, 0.6), (1, 2): ("event_engine", 0.15, 0.1),
+             (1, 3): ("event_engine", 0.05, 0.02)}
+    assert cpu_per_call(before, after, 1000) == {"python": {"user": 200.0, "sys": 100.0},
+                                                 "event_engine": {"user": 100.0, "sys": 20.0}}
+
+
+def test_summary_gives_the_median_over_rounds_with_missing_events_as_zero():
+    def row(name, getpid, rps):
+        calls = {"python": {"getpid": getpid}} if getpid else {"python": {}}
+        return {"name": name, "rps": rps, "server": {"per_call": calls, "cpu_us": {"python": {"user": 10.0, "sys": 5.0}}}}
+    lines = summary([row("bare", 2.0, 100), row("bare", 0.0, 120), row("bare", 3.0, 110)])
+    assert lines[0] == "bare: calls/s 100, 120, 110"
+    assert "  server python getpid: 2.00 per call (0.00-3.00)" in lines
+    assert "  server python CPU us/call: user 10, 10, 10; kernel 5, 5, 5" in lines
