@@ -3,6 +3,7 @@ caller's one wait settled with the last of its items (joiners with the item they
 writes of a shard counted open until answered, a queued grant findable for a retry until answered."""
 
 import asyncio
+from typing import Literal
 
 from allocator.committer import Committer, Item, OpenWrites, ReportItem, Wait
 from kernel.errors import Unavailable
@@ -17,8 +18,8 @@ def _committer() -> Committer:
     return Committer(_nothing, OpenWrites(), lambda: 128)
 
 
-def _grant(lease: str, window: str = "current") -> LeaseRequest:
-    return LeaseRequest(lease_id=lease, region="eu", pool="p1", want=5, window=window)  # type: ignore[arg-type]
+def _grant(lease: str, window: Literal["current", "next"] = "current") -> LeaseRequest:
+    return LeaseRequest(lease_id=lease, region="eu", pool="p1", want=5, window=window)
 
 
 async def test_an_item_shows_its_window_choice_a_report_none():
