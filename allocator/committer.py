@@ -59,7 +59,8 @@ class Wait:
 class Item:
     """A grant request on its way through the committer (a :class:`allocator.grouping.Queued`)."""
 
-    __slots__ = ("req", "wait", "shard", "epoch", "pool", "result", "error", "done", "joiners", "trace")
+    __slots__ = ("req", "wait", "shard", "epoch", "pool", "window_choice", "result", "error", "done", "joiners",
+                 "trace")
     is_grant = True
 
     def __init__(self, req: Any, wait: Wait, shard: int, epoch: int):
@@ -68,6 +69,8 @@ class Item:
         self.shard = shard
         self.epoch = epoch  # the epoch this replica led the pool's shard with when it accepted the request
         self.pool: str = req.pool
+        # the window the grant asks for ("current"/"next"; a report: ""), read twice per item by grouping
+        self.window_choice: str = self._window_choice(req)
         self.result: Any = None
         self.error: LeaseholdError | None = None
         self.done = False
@@ -75,9 +78,9 @@ class Item:
         self.trace = tracing.current_context() if tracing.ENABLED else None  # its request's span (a commit links it)
         wait.open += 1
 
-    @property
-    def window_choice(self) -> str:
-        return str(self.req.window)
+    @staticmethod
+    def _window_choice(req: Any) -> str:
+        return str(req.window)
 
     @property
     def lease_id(self) -> str:
@@ -95,8 +98,8 @@ class ReportItem(Item):
     __slots__ = ()
     is_grant = False
 
-    @property
-    def window_choice(self) -> str:
+    @staticmethod
+    def _window_choice(req: Any) -> str:
         return ""
 
 
@@ -169,7 +172,9 @@ class Committer:
             self._inflight[(item.req.region, item.req.lease_id)] = item
         self.open_writes.opened(item.shard)
         self._ready.append(item)
-        self._wake()
+        w = self._wakeup  # (_wake, inline: once per queued item)
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def requeue(self, items: list[Item]) -> None:
         """Items of a transaction etcd refused for its size: first in the queue again, in order."""
@@ -180,7 +185,10 @@ class Committer:
         if item.done:
             return
         item.done, item.result, item.error = True, result, error
-        item.wait.one_done()
+        w = item.wait  # (Wait.one_done, inline: once per answered item)
+        w.open -= 1
+        if w.open == 0 and not w.fut.done():
+            w.fut.set_result(None)
         for it in item.joiners:
             it.done, it.result, it.error = True, result, error
             it.wait.one_done()

@@ -112,7 +112,8 @@ class WindowCache:
     async def load(self, wanted: Mapping[WindowKey, int]) -> None:
         """Read every window of ``wanted`` (window -> the epoch its transaction fences with) that is
         not cached under that epoch, in one read."""
-        missing = [wk for wk, epoch in wanted.items() if self.peek(wk, epoch) is None]
+        windows = self._windows  # (peek, inline: two windows per grant)
+        missing = [wk for wk, epoch in wanted.items() if (c := windows.get(wk)) is None or c.epoch != epoch]
         if not missing:
             return
         keys = [self.keys.window(*wk) for wk in missing]
