@@ -44,6 +44,7 @@ from devtools.deploy_check import dashboard_queries
 from leasehold.local.prometheus_config import render
 from leasehold.local.topology import LocalTopology, TopologySpec
 from tests.support.prometheus import (
+    STARVED_MACHINE_BUDGETS,
     Background,
     Prom,
     descriptor,
@@ -110,7 +111,8 @@ class Traffic(Background):
 def topology(tmp_path_factory):
     topo = LocalTopology(TopologySpec(run_dir=tmp_path_factory.mktemp("prom-topo"), regions=("eu", "us"),
                                       allocators=2, auth=True, rls=True,
-                                      agent_args=("--rlqs-max-streams", str(RLQS_CAP)))).start()
+                                      agent_args=("--rlqs-max-streams", str(RLQS_CAP),
+                                                  *STARVED_MACHINE_BUDGETS))).start()
     yield topo
     topo.stop()
 

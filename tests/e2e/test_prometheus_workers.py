@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 
 from leasehold.local.topology import LocalTopology, TopologySpec
-from tests.support.prometheus import quiet_then_ordinary, running_prometheus
+from tests.support.prometheus import STARVED_MACHINE_BUDGETS, quiet_then_ordinary, running_prometheus
 
 pytestmark = pytest.mark.e2e
 
 
 def test_healthy_agents_with_two_workers_leave_every_alert_inactive(tmp_path):
     topo = LocalTopology(TopologySpec(run_dir=tmp_path / "topo", regions=("eu", "us"), allocators=1, auth=True,
-                                      rls=True, agent_args=("--workers", "2"))).start()
+                                      rls=True, agent_args=("--workers", "2", *STARVED_MACHINE_BUDGETS))).start()
     try:
         (tmp_path / "prometheus").mkdir()
         with running_prometheus(topo, tmp_path / "prometheus") as prom:

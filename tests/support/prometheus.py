@@ -24,6 +24,13 @@ from leasehold.local.prometheus_config import render
 from leasehold.local.topology import LocalTopology
 
 D = ratelimit_pb2.RateLimitDescriptor
+# The agents' store budgets for a topology whose healthy phases must not page: a decision whose
+# script call waits past --decision-budget-ms (50 ms) unsent is DEADLINE, and a fail-closed rule
+# (the sample bundle's export-tenant) then really answers 503 and counts a fail-closed decision, which
+# LeaseholdFailClosedActivation (critical, no ``for:``) rightly fires on. A starved shared machine
+# (two cores, both busy) once held the agent's event loop past 50 ms; these budgets it meets, and a
+# stopped Redis still fails at once (connection refused), so the fault phases page as before.
+STARVED_MACHINE_BUDGETS = ("--decision-budget-ms", "1000", "--redis-socket-timeout-ms", "2000")
 # a lease ended with tokens unspent (a window ended under traffic)
 STRANDED = 'sum(rate(leasehold_allocator_stranded_tokens_total[5m])) > 0'
 
