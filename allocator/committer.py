@@ -172,9 +172,7 @@ class Committer:
             self._inflight[(item.req.region, item.req.lease_id)] = item
         self.open_writes.opened(item.shard)
         self._ready.append(item)
-        w = self._wakeup  # (_wake, inline: once per queued item)
-        if w is not None and not w.done():
-            w.set_result(None)
+        self._wake()
 
     def requeue(self, items: list[Item]) -> None:
         """Items of a transaction etcd refused for its size: first in the queue again, in order."""
@@ -185,10 +183,7 @@ class Committer:
         if item.done:
             return
         item.done, item.result, item.error = True, result, error
-        w = item.wait  # (Wait.one_done, inline: once per answered item)
-        w.open -= 1
-        if w.open == 0 and not w.fut.done():
-            w.fut.set_result(None)
+        item.wait.one_done()
         for it in item.joiners:
             it.done, it.result, it.error = True, result, error
             it.wait.one_done()

@@ -112,8 +112,7 @@ class WindowCache:
     async def load(self, wanted: Mapping[WindowKey, int]) -> None:
         """Read every window of ``wanted`` (window -> the epoch its transaction fences with) that is
         not cached under that epoch, in one read."""
-        windows = self._windows  # (peek, inline: two windows per grant)
-        missing = [wk for wk, epoch in wanted.items() if (c := windows.get(wk)) is None or c.epoch != epoch]
+        missing = [wk for wk, epoch in wanted.items() if self.peek(wk, epoch) is None]
         if not missing:
             return
         keys = [self.keys.window(*wk) for wk in missing]
