@@ -138,6 +138,35 @@ class MachineSampler:
         return out
 
 
+def thread_waits(pids: Iterable[int]) -> dict[tuple[int, int], tuple[str, float, int]]:
+    """Every thread's time spent runnable but waiting for a CPU (seconds) and its count of turns
+    on a CPU, by (pid, tid), from ``/proc/<pid>/task/<tid>/schedstat``: a thread that waits long
+    there is short of CPU; one that does not, but is not busy either, waits for something else."""
+    res = {}
+    for p in pids:
+        for t in os.listdir(f"/proc/{p}/task"):
+            try:
+                with open(f"/proc/{p}/task/{t}/comm") as fh:
+                    name = fh.read().strip()
+                with open(f"/proc/{p}/task/{t}/schedstat") as fh:
+                    _, wait_ns, turns = fh.read().split()
+            except (OSError, ValueError):
+                continue
+            res[(p, int(t))] = (name, int(wait_ns) / 1e9, int(turns))
+    return res
+
+
+def waits_per_call(before: dict, after: dict, calls: int) -> dict[str, dict[str, float]]:
+    """us per call waiting for a CPU and turns on a CPU per call, by thread name (threads of one
+    name summed, a new one counted from zero)."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: {"wait": 0.0, "turns": 0.0})
+    for key, (name, wait, turns) in after.items():
+        _, w0, n0 = before.get(key, (name, 0.0, 0))
+        out[name]["wait"] += (wait - w0) * 1e6 / max(1, calls)
+        out[name]["turns"] += (turns - n0) / max(1, calls)
+    return {k: {x: round(v, 2) for x, v in d.items()} for k, d in out.items()}
+
+
 def cpu_per_call(before: dict, after: dict, calls: int) -> dict[str, dict[str, float]]:
     """us per call by thread name, user and kernel apart: the threads of one name summed (a thread
     that started during the run counts from zero)."""
@@ -160,6 +189,7 @@ def measure(targets: dict[str, list[int]], load: Callable[[], dict], work: Path,
     their threads' CPU read around it; per target, counts and CPU per call sent."""
     perfs = {}
     before = {name: thread_cpu(pids) for name, pids in targets.items()}
+    waits0 = {name: thread_waits(pids) for name, pids in targets.items()}
     sampler = MachineSampler()
     try:
         if calls is not None:
@@ -181,7 +211,8 @@ def measure(targets: dict[str, list[int]], load: Callable[[], dict], work: Path,
     row = {"sent": n, "rps": res["rps"], "p50_ms": res["p50_ms"], "loadgen_cpu_us": res["cpu_s"] * 1e6 / max(1, n),
            "machine_us": sampler.per_call(res["elapsed_s"], res["rps"])}
     for name, pids in targets.items():
-        row[name] = {"cpu_us": cpu_per_call(before[name], thread_cpu(pids), n)}
+        row[name] = {"cpu_us": cpu_per_call(before[name], thread_cpu(pids), n),
+                     "waits": waits_per_call(waits0[name], thread_waits(pids), n)}
         if name in counts:
             row[name]["per_call"] = per_call(counts[name], n)
     return row
@@ -309,6 +340,10 @@ def summary(rows: list[dict]) -> list[str]:
                 u = ", ".join(f"{r[proc]['cpu_us'].get(comm, {}).get('user', 0):.0f}" for r in rs)
                 k = ", ".join(f"{r[proc]['cpu_us'].get(comm, {}).get('sys', 0):.0f}" for r in rs)
                 lines.append(f"  {proc} {comm} CPU us/call: user {u}; kernel {k}")
+            for comm in sorted({c for r in rs for c in r[proc].get("waits", {})}):
+                w = ", ".join(f"{r[proc]['waits'].get(comm, {}).get('wait', 0):.0f}" for r in rs)
+                n = ", ".join(f"{r[proc]['waits'].get(comm, {}).get('turns', 0):.2f}" for r in rs)
+                lines.append(f"  {proc} {comm} waiting for a CPU us/call: {w}; turns on a CPU per call {n}")
     return lines
 
 

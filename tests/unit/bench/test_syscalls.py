@@ -16,6 +16,8 @@ from bench.syscalls import (
     per_call,
     perf_events,
     summary,
+    thread_waits,
+    waits_per_call,
 )
 
 PERF = """# started on Mon Dec  7 18:47:18 2026
@@ -107,3 +109,17 @@ def test_the_sampler_reads_proc_stat_until_stopped():
     m.stop()
     assert len(m.samples) >= 2 and set(m.samples[-1][1]) == set(STAT_COLUMNS)
     assert m.samples[-1][0] >= m.samples[0][0]
+
+
+def test_waits_per_call_sum_the_threads_of_one_name():
+    before = {(1, 1): ("python", 1.0, 100), (1, 2): ("event_engine", 0.5, 10)}
+    after = {(1, 1): ("python", 1.2, 1100), (1, 2): ("event_engine", 0.6, 510), (1, 3): ("event_engine", 0.1, 500)}
+    assert waits_per_call(before, after, 1000) == {"python": {"wait": 200.0, "turns": 1.0},
+                                                   "event_engine": {"wait": 200.0, "turns": 1.0}}
+
+
+def test_this_process_threads_have_waits():
+    import os
+
+    got = thread_waits([os.getpid()])
+    assert (os.getpid(), os.getpid()) in got and got[(os.getpid(), os.getpid())][2] >= 1
