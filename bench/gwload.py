@@ -60,7 +60,7 @@ async def _rls_worker(cfg: dict, state: dict, stub, pb) -> None:
             D.Entry(key="tenant", value=tenant), D.Entry(key="user", value=f"U-{i % n}"),
             D.Entry(key="route_group", value="read")])])
         t0 = time.perf_counter()
-        resp = await stub.ShouldRateLimit(req, timeout=5)
+        resp = await stub.ShouldRateLimit(req, timeout=cfg.get("call_timeout_s", 5))
         code = pb["Code"].Name(resp.overall_code)
         _record(state, t0, time.perf_counter(), code, code == "OK")
 

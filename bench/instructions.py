@@ -31,11 +31,18 @@ the socket: ``DirectAdmit.answer`` on the body's bytes: the strict decode, the a
 decision, the JSON answer).
 
     python -m bench.instructions [--door engine|rls|rls-group|http] [--fresh] [--pairs 1] [--extra 4000] [--annotate DIR]
+                                 [--group 8] [--cache-sim [--LL size,assoc,line]]
     python -m bench.instructions --cprofile FILE --redis-url redis://127.0.0.1:6379/0 [--door ...] [--fresh]
 
 ``--annotate DIR`` keeps both runs' ``cachegrind.out`` files there (``cg_diff`` of the two, then
 ``cg_annotate`` of that, shows per C function where the extra decisions' instructions go; one
 pair differs from the next by about 1 % of a decision, so compare medians of several pairs).
+``--cache-sim`` has cachegrind simulate this host's caches too and reports per decision the data
+references (``D``) and the misses of the first level (``D1``, ``I1``) and of the last level simulated
+(``LLd``, ``LLi``; by default the core's 512 KiB L2, whose misses leave the core; ``--LL
+33554432,16,64`` for the shared 32 MiB L3). A simulation of one process alone: what the other
+processes on the same cores evict between its turns is not in it. ``--group N``: the grouped door's
+calls per group (default ``GROUP``).
 ``--cprofile`` runs once without valgrind and profiles only the counted decisions (the Python
 functions and their call counts per decision)."""
 
@@ -62,6 +69,13 @@ GROUP = TASKS  # --door rls-group: calls per group (every task's call waits in t
 DOORS = ("engine", "rls", "rls-group", "http")
 LIMIT_S = 5.0  # the decision budget and the node's stall and late limits under valgrind
 _IREFS = re.compile(r"I\s+refs:\s+([\d,]+)")
+# --cache-sim: cachegrind's summary lines counted per decision (instruction fetches and their misses,
+# data reads and writes and their misses in the first level and the last level simulated)
+CACHE_EVENTS = {"I1 misses": "I1", "LLi misses": "LLi", "D refs": "D", "D1 misses": "D1", "LLd misses": "LLd"}
+_EVENT = re.compile(r"(I1|LLi|D|D1|LLd)\s+(?:misses|refs):\s+([\d,]+)")
+# this host's caches (AMD EPYC, Zen 3, per core): L1d and L1i 32 KiB 8-way, L2 512 KiB 8-way (the last
+# level cachegrind simulates by default here: a miss in it leaves the core); L3 32 MiB 16-way, shared
+HOST_CACHES = {"D1": "32768,8,64", "I1": "32768,8,64", "LL": "524288,8,64"}
 
 
 def user_of(i: int, fresh: bool) -> int:
@@ -73,7 +87,7 @@ def user_of(i: int, fresh: bool) -> int:
 
 
 async def _child(redis_url: str, door: str, extra: int, check: int, cprofile: Path | None = None,
-                 fresh: bool = False) -> dict:
+                 fresh: bool = False, group: int = GROUP) -> dict:
     from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
     from envoy.service.ratelimit.v3 import rls_pb2
     from prometheus_client import CollectorRegistry
@@ -136,7 +150,7 @@ async def _child(redis_url: str, door: str, extra: int, check: int, cprofile: Pa
         servicer = RateLimitServicer(names=Names.build(), decide=admission.decide, decide_one=admission.decide_one,
                                      snapshot_of=lambda: holder.snapshot,
                                      gateways=None, metrics=GatewayMetrics(CollectorRegistry()),
-                                     group_linger_s=LIMIT_S if door == "rls-group" else 0.0, group_size=GROUP)
+                                     group_linger_s=LIMIT_S if door == "rls-group" else 0.0, group_size=group)
         if door == "rls-group":
             # the group's count of calls recorded; one call entered for the whole run, so every counted
             # call has another in flight and joins a group (released by its GROUP-th question; the
@@ -206,7 +220,7 @@ async def _child(redis_url: str, door: str, extra: int, check: int, cprofile: Pa
         kinds = sorted({(json.loads(p).get("source"), s) for s, p in counted})
     return {"kinds": [list(k) for k in kinds], "pipelines": len(batches),
             "calls": sum(batches), "decisions": len(decisions),
-            "groups": len(groups), "grouped": sum(groups), "whole": all(n == GROUP for n in groups)}
+            "groups": len(groups), "grouped": sum(groups), "whole": all(n == group for n in groups)}
 
 
 def _flush(redis_url: str) -> None:
@@ -219,32 +233,44 @@ def _flush(redis_url: str) -> None:
         r.close()
 
 
+def cache_counts(stderr: str) -> dict[str, int]:
+    """Cachegrind's ``--cache-sim=yes`` summary: instruction refs and the cache events of
+    ``CACHE_EVENTS`` by their short name (the last value of each, the main process's)."""
+    found = {"I": int(_IREFS.findall(stderr)[-1].replace(",", ""))}
+    for name, value in _EVENT.findall(stderr):
+        found[name] = int(value.replace(",", ""))
+    return found
+
+
 def _valgrind_run(redis_url: str, door: str, extra: int, check: int, out: Path,
-                  fresh: bool = False) -> tuple[int, dict]:
+                  fresh: bool = False, caches: dict[str, str] | None = None, group: int = GROUP) -> tuple[dict[str, int], dict]:
+    """One child under cachegrind: its counts (``I``, the instructions; with ``caches``, the
+    simulation's misses too) and its own report."""
     _flush(redis_url)
     env = dict(os.environ, PYTHONHASHSEED="0")
-    cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}",
+    sim = ["--cache-sim=no"] if caches is None else ["--cache-sim=yes", *(f"--{k}={v}" for k, v in caches.items())]
+    cmd = ["valgrind", "--tool=cachegrind", *sim, f"--cachegrind-out-file={out}",
            sys.executable, "-m", "bench.instructions", "--child", redis_url, "--door", door, "--extra", str(extra),
-           "--check", str(check), *(["--fresh"] if fresh else [])]
+           "--check", str(check), "--group", str(group), *(["--fresh"] if fresh else [])]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3_600)
     found = _IREFS.findall(p.stderr)
     if p.returncode != 0 or not found:
         raise RuntimeError(f"valgrind run failed ({p.returncode}): {p.stderr[-2000:]}")
     info = json.loads(p.stdout.strip().splitlines()[-1])
-    return int(found[-1].replace(",", "")), info
+    return cache_counts(p.stderr), info
 
 
 def _expected(door: str) -> list[list]:
     return {"engine": [["script", 200]], "rls": [["rls", 1]], "rls-group": [["rls", 1]], "http": [["script", 200]]}[door]
 
 
-def _refusal(door: str, info0: dict, info1: dict, extra: int) -> str:
+def _refusal(door: str, info0: dict, info1: dict, extra: int, group: int = GROUP) -> str:
     """Why a pair does not count ('' when it does)."""
     if info1["kinds"] != _expected(door):
         return "not every counted decision was a store admission"
     if door == "rls-group" and not (info0["whole"] and info1["whole"]
                                     and info1["grouped"] - info0["grouped"] == extra):
-        return f"not every counted call was decided in a group of {GROUP}"
+        return f"not every counted call was decided in a group of {group}"
     return ""
 
 
@@ -255,20 +281,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra", type=int, default=WARMUP, help="decisions counted after the warm-up (<= 4,000)")
     ap.add_argument("--fresh", action="store_true", help="every counted decision asks a question never asked before")
     ap.add_argument("--annotate", type=Path, help="keep the cachegrind.out files here")
+    ap.add_argument("--cache-sim", action="store_true", help="simulate this host's caches too (L1 32 KiB, "
+                    "last level the core's 512 KiB L2 unless --LL): misses per decision")
+    ap.add_argument("--LL", default=HOST_CACHES["LL"], help="with --cache-sim: the last level simulated, "
+                    "size,associativity,line (e.g. 33554432,16,64 for this host's shared L3)")
     ap.add_argument("--cprofile", type=Path, help="no valgrind: one run in process, cProfile of the counted "
                     "decisions written to this file (call counts per decision; needs a --redis-url)")
     ap.add_argument("--redis-url", help="with --cprofile: a redis-server to use (flushed first)")
+    ap.add_argument("--group", type=int, default=GROUP, help="--door rls-group: calls per group (figure 8's "
+                    "groups follow the arrival rate over the 2 ms linger: about 7 on a host twice as fast as one "
+                    "with about 3.5)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--check", type=int, default=WARMUP, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if not a.child and not 1 <= a.extra <= 2 * USERS:
         ap.error("--extra must be within 1..4000 (each question is new: 4 askings of 2,000 users)")
-    if a.door == "rls-group" and a.extra % GROUP:
-        ap.error(f"--door rls-group: --extra must be a multiple of {GROUP} (whole groups)")
+    if not 2 <= a.group <= TASKS:
+        ap.error(f"--group must be within 2..{TASKS} (the tasks that fill a group)")
+    if a.door == "rls-group" and (a.extra % a.group or WARMUP % a.group):
+        ap.error(f"--door rls-group: --extra must be a multiple of --group {a.group} (whole groups)")
     if a.child:
         import uvloop
 
-        print(json.dumps(uvloop.run(_child(a.child, a.door, a.extra, a.check, fresh=a.fresh))))
+        print(json.dumps(uvloop.run(_child(a.child, a.door, a.extra, a.check, fresh=a.fresh, group=a.group))))
         return 0
     if a.cprofile:
         import uvloop
@@ -276,21 +311,27 @@ def main(argv: list[str] | None = None) -> int:
         if not a.redis_url:
             ap.error("--cprofile needs --redis-url")
         _flush(a.redis_url)
-        print(json.dumps(uvloop.run(_child(a.redis_url, a.door, a.extra, a.extra, a.cprofile, fresh=a.fresh))))
+        print(json.dumps(uvloop.run(_child(a.redis_url, a.door, a.extra, a.extra, a.cprofile, fresh=a.fresh,
+                                           group=a.group))))
         return 0
     with tempfile.TemporaryDirectory(prefix="leasehold-instructions-") as tmp:
         keep = a.annotate or Path(tmp)
         keep.mkdir(parents=True, exist_ok=True)
         redis = RedisServer(Path(tmp) / "redis").start()
+        caches = dict(HOST_CACHES, LL=a.LL) if a.cache_sim else None
         with services(redis):
             for n in range(a.pairs):
-                base, info0 = _valgrind_run(redis.url, a.door, 0, a.extra, keep / f"cachegrind.out.{a.door}.{n}.warmup",
-                                             a.fresh)
-                more, info1 = _valgrind_run(redis.url, a.door, a.extra, a.extra, keep / f"cachegrind.out.{a.door}.{n}.extra",
-                                            a.fresh)
-                refused = _refusal(a.door, info0, info1, a.extra)
-                print(f"{a.door}{' fresh' if a.fresh else ''} pair {n + 1}: warm-up {base:,} ; + {a.extra:,} decisions {more:,} ; "
-                      f"per decision {(more - base) / a.extra:,.0f}"
+                c0, info0 = _valgrind_run(redis.url, a.door, 0, a.extra, keep / f"cachegrind.out.{a.door}.{n}.warmup",
+                                          a.fresh, caches, a.group)
+                c1, info1 = _valgrind_run(redis.url, a.door, a.extra, a.extra, keep / f"cachegrind.out.{a.door}.{n}.extra",
+                                          a.fresh, caches, a.group)
+                base, more = c0["I"], c1["I"]
+                refused = _refusal(a.door, info0, info1, a.extra, a.group)
+                misses = "".join(f" ; {k} {(c1[k] - c0[k]) / a.extra:,.1f}" for k in ("D", "D1", "LLd", "I1", "LLi")
+                                 if k in c0 and k in c1)
+                label = f"{a.door}{f' group {a.group}' if a.door == 'rls-group' else ''}{' fresh' if a.fresh else ''}"
+                print(f"{label} pair {n + 1}: warm-up {base:,} ; + {a.extra:,} decisions {more:,} ; "
+                      f"per decision {(more - base) / a.extra:,.0f}{misses}"
                       f"{f' (REFUSED: {refused})' if refused else ''} ; "
                       f"counted {info1['kinds']}, pipelines {info1['pipelines'] - info0['pipelines']} "
                       f"of {info1['calls'] - info0['calls']} calls", flush=True)

@@ -24,7 +24,41 @@ def environment() -> dict[str, Any]:
         except md.PackageNotFoundError:
             versions[pkg] = None
     return {"python": platform.python_version(), "cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg(),
-            "platform": platform.platform(), "versions": versions, **interpreter()}
+            "platform": platform.platform(), "versions": versions, **interpreter(), **processor()}
+
+
+def processor(sys_cpu: Path = Path("/sys/devices/system/cpu"), cpuinfo: Path = Path("/proc/cpuinfo"),
+              autogroup: Path = Path("/proc/sys/kernel/sched_autogroup_enabled")) -> dict[str, Any]:
+    """The processor a run ran on, as far as a VM shows it: the model (name, family, model), the
+    first CPU's caches by level and kind (their sizes, e.g. ``L2``: ``512K``) and whether the
+    kernel groups processes by session for CPU shares (``autogroup``: with it, a ``nice``
+    process of another session still takes its session's share beside the benchmark). Two hosts of
+    the same model name can differ in cache sizes and per-core speed: the ratios of figure 8 moved
+    with them (bench/README.md, "Figure 8's RLS row on the half-as-fast host")."""
+    names = {"model name": "cpu_model_name", "cpu family": "cpu_family", "model": "cpu_model"}
+    out: dict[str, Any] = {}
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key in names and names[key] not in out:  # the first CPU's
+                out[names[key]] = value
+    except OSError:
+        pass
+    caches = {}
+    for d in sorted(sys_cpu.glob("cpu0/cache/index*")):
+        try:
+            level, kind, size = ((d / f).read_text().strip() for f in ("level", "type", "size"))
+        except OSError:
+            continue
+        caches[f"L{level}{'d' if kind == 'Data' else 'i' if kind == 'Instruction' else ''}"] = size
+    if caches:
+        out["cpu_caches"] = caches
+    try:
+        out["sched_autogroup"] = autogroup.read_text().strip() == "1"
+    except OSError:
+        pass
+    return out
 
 
 def _reference_loop() -> int:
@@ -44,6 +78,12 @@ def interpreter() -> dict[str, Any]:
     return {"python_executable": os.path.realpath(sys.executable), "python_reference_loop_ms": round(1e3 * best, 2)}
 
 
+def _processor_text(env: dict[str, Any]) -> str:
+    caches = ", ".join(f"{k} {v}" for k, v in env.get("cpu_caches", {}).items())
+    return (f"{env.get('cpu_model_name', '?')} family {env.get('cpu_family', '?')} model {env.get('cpu_model', '?')}"
+            + (f", caches {caches}" if caches else ""))
+
+
 def write_json(path: Path, rows: list[Row], meta: dict[str, Any]) -> None:
     path.write_text(json.dumps({"meta": meta, "rows": [r.to_dict() for r in rows]}, indent=2, default=str))
 
@@ -53,7 +93,8 @@ def write_markdown(path: Path, rows: list[Row], meta: dict[str, Any], notes: lis
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(meta['started']))})", "",
              f"{meta['env']['cpus']} CPUs, Python {meta['env']['python']} "
              f"({meta['env'].get('python_executable', '?')}; a reference loop "
-             f"{meta['env'].get('python_reference_loop_ms', '?')} ms), load average at the end "
+             f"{meta['env'].get('python_reference_loop_ms', '?')} ms; {_processor_text(meta['env'])}), "
+             f"load average at the end "
              f"{', '.join(f'{x:.2f}' for x in meta['env']['loadavg_at_end'])}; {meta['trials']} trial(s) per "
              f"figure, median reported; ratio = value / ceiling measured in the same run; "
              f"took {meta['elapsed_s']:.0f} s.", "", render_markdown(rows), ""]

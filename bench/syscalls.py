@@ -24,6 +24,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -33,7 +35,7 @@ from leasehold.local.procs import Proc, RedisServer, free_port, wait_port
 
 from .fig_gateways import CONNS, gwload
 from .harness import _env, loadgen, services, start_agent, start_echo
-from .rls_ab import _agent
+from .rls_ab import _agent, _groups
 from .stats import median
 
 CALLS = ("read,recvfrom,recvmsg,write,writev,sendto,sendmsg,epoll_wait,epoll_pwait,epoll_ctl,futex,getpid,"
@@ -91,6 +93,80 @@ def thread_cpu(pids: Iterable[int]) -> dict[tuple[int, int], tuple[str, float, f
     return res
 
 
+STAT_COLUMNS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def machine_cpu() -> tuple[float, dict[str, float]]:
+    """(monotonic seconds, the whole machine's CPU seconds by ``/proc/stat`` column): the time no
+    process is charged with too — interrupts and softirqs (loopback TCP's receive path is run in
+    them), time the hypervisor took from the vCPUs (``steal``), and idle."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as fh:
+        f = fh.readline().split()
+    return time.monotonic(), {k: int(v) / ticks for k, v in zip(STAT_COLUMNS, f[1:], strict=False)}
+
+
+class MachineSampler:
+    """``/proc/stat`` read every ``every`` seconds in a thread while a load runs, so that the
+    machine's CPU can be read over the load generator's measured window alone (not its start-up)."""
+
+    def __init__(self, every: float = 0.2):
+        self.every, self.samples = every, [machine_cpu()]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.samples.append(machine_cpu())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(machine_cpu())
+
+    def per_call(self, elapsed_s: float, rps: float) -> dict[str, float]:
+        """us per call of each ``/proc/stat`` column over the last ``elapsed_s`` seconds before the
+        load ended (its measured window, 0.3 s trimmed at each end: the generator's exit), at
+        ``rps`` calls a second, and the cores busy there (all but idle and iowait)."""
+        end = self.samples[-1][0]
+        inside = [s for s in self.samples if end - elapsed_s + 0.3 <= s[0] <= end - 0.3] or self.samples
+        (t0, a), (t1, b) = inside[0], inside[-1]
+        span = max(1e-9, t1 - t0)
+        out = {k: round((b[k] - a[k]) / span * 1e6 / max(1e-9, rps), 1) for k in STAT_COLUMNS}
+        out["busy_cores"] = round(sum(b[k] - a[k] for k in STAT_COLUMNS if k not in ("idle", "iowait")) / span, 2)
+        return out
+
+
+def thread_waits(pids: Iterable[int]) -> dict[tuple[int, int], tuple[str, float, int]]:
+    """Every thread's time spent runnable but waiting for a CPU (seconds) and its count of turns
+    on a CPU, by (pid, tid), from ``/proc/<pid>/task/<tid>/schedstat``: a thread that waits long
+    there is short of CPU; one that does not, but is not busy either, waits for something else."""
+    res = {}
+    for p in pids:
+        for t in os.listdir(f"/proc/{p}/task"):
+            try:
+                with open(f"/proc/{p}/task/{t}/comm") as fh:
+                    name = fh.read().strip()
+                with open(f"/proc/{p}/task/{t}/schedstat") as fh:
+                    _, wait_ns, turns = fh.read().split()
+            except (OSError, ValueError):
+                continue
+            res[(p, int(t))] = (name, int(wait_ns) / 1e9, int(turns))
+    return res
+
+
+def waits_per_call(before: dict, after: dict, calls: int) -> dict[str, dict[str, float]]:
+    """us per call waiting for a CPU and turns on a CPU per call, by thread name (threads of one
+    name summed, a new one counted from zero)."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: {"wait": 0.0, "turns": 0.0})
+    for key, (name, wait, turns) in after.items():
+        _, w0, n0 = before.get(key, (name, 0.0, 0))
+        out[name]["wait"] += (wait - w0) * 1e6 / max(1, calls)
+        out[name]["turns"] += (turns - n0) / max(1, calls)
+    return {k: {x: round(v, 2) for x, v in d.items()} for k, d in out.items()}
+
+
 def cpu_per_call(before: dict, after: dict, calls: int) -> dict[str, dict[str, float]]:
     """us per call by thread name, user and kernel apart: the threads of one name summed (a thread
     that started during the run counts from zero)."""
@@ -113,6 +189,8 @@ def measure(targets: dict[str, list[int]], load: Callable[[], dict], work: Path,
     their threads' CPU read around it; per target, counts and CPU per call sent."""
     perfs = {}
     before = {name: thread_cpu(pids) for name, pids in targets.items()}
+    waits0 = {name: thread_waits(pids) for name, pids in targets.items()}
+    sampler = MachineSampler()
     try:
         if calls is not None:
             for name, pids in targets.items():
@@ -123,15 +201,18 @@ def measure(targets: dict[str, list[int]], load: Callable[[], dict], work: Path,
             wait_attached(perfs)
         res = load()
     finally:
+        sampler.stop()
         counts = {}
         for name, (p, out) in perfs.items():
             p.send_signal(signal.SIGINT)
             p.wait(30)
             counts[name] = parse_perf(out.read_text()) if out.exists() else {}
     n = res["sent"]
-    row = {"sent": n, "rps": res["rps"], "p50_ms": res["p50_ms"], "loadgen_cpu_us": res["cpu_s"] * 1e6 / max(1, n)}
+    row = {"sent": n, "rps": res["rps"], "p50_ms": res["p50_ms"], "loadgen_cpu_us": res["cpu_s"] * 1e6 / max(1, n),
+           "machine_us": sampler.per_call(res["elapsed_s"], res["rps"])}
     for name, pids in targets.items():
-        row[name] = {"cpu_us": cpu_per_call(before[name], thread_cpu(pids), n)}
+        row[name] = {"cpu_us": cpu_per_call(before[name], thread_cpu(pids), n),
+                     "waits": waits_per_call(waits0[name], thread_waits(pids), n)}
         if name in counts:
             row[name]["per_call"] = per_call(counts[name], n)
     return row
@@ -168,6 +249,7 @@ def run(work: Path, http: bool, base: Path | None, rounds: int, seconds: float, 
     rows: list[dict] = []
     with services(redis):
         procs: list = []
+        agents: dict = {}  # the RLS agents: their group and pipeline sizes read around each round
         try:
             servers: dict[str, tuple[int, dict[str, list[int]]]] = {}
             store = [redis.proc.pid]
@@ -201,9 +283,11 @@ def run(work: Path, http: bool, base: Path | None, rounds: int, seconds: float, 
                     a, p = _agent(work, redis.url, name, tree, [])
                     procs.append(a)
                     servers[name] = (p, {"server": children(a.proc.pid), "redis": store})
+                    agents[name] = a
                 a, p = _agent(work, redis.url, "branch", None, [])
                 procs.append(a)
                 servers["branch"] = (p, {"server": children(a.proc.pid), "redis": store})
+                agents["branch"] = a
             for t in range(rounds):
                 order = list(servers) if t % 2 == 0 else list(reversed(servers))
                 for name in order:
@@ -217,7 +301,12 @@ def run(work: Path, http: bool, base: Path | None, rounds: int, seconds: float, 
                         cfg = {"mode": "rls", "port": port, "conns": CONNS, "duration_s": seconds, "warmup_s": 0.5,
                                "principals": 10_000, "tenant": f"sc{t}{name}", "max_requests": 2_000_000}
                         load = partial(gwload, cfg)
+                    g0 = _groups(agents[name]) if name in agents else None
                     rows.append({"name": name, "round": t, **measure(targets, load, work, calls)})
+                    if g0 is not None:
+                        g1 = _groups(agents[name])
+                        rows[-1].update({k: round((g1[k][0] - g0[k][0]) / max(1.0, g1[k][1] - g0[k][1]), 2)
+                                         for k in g1})
         finally:
             for p in reversed(procs):
                 p.stop()
@@ -231,7 +320,15 @@ def summary(rows: list[dict]) -> list[str]:
     for name in dict.fromkeys(r["name"] for r in rows):
         rs = [r for r in rows if r["name"] == name]
         rps = ", ".join(f"{r['rps']:,.0f}" for r in rs)
-        lines.append(f"{name}: calls/s {rps}")
+        lines.append(f"{name}: calls/s {rps}; load generator CPU us/call "
+                     + ", ".join(f"{r['loadgen_cpu_us']:.0f}" for r in rs))
+        if all("calls_per_group" in r for r in rs):
+            lines.append("  calls per group " + ", ".join(f"{r['calls_per_group']:.1f}" for r in rs)
+                         + "; calls per Redis pipeline " + ", ".join(f"{r['calls_per_pipeline']:.1f}" for r in rs))
+        if all("machine_us" in r for r in rs):
+            for col in (*STAT_COLUMNS, "busy_cores"):
+                lines.append(f"  machine {col}: " + ", ".join(f"{r['machine_us'][col]:g}" for r in rs)
+                             + ("" if col == "busy_cores" else " us/call"))
         for proc in ("server", "redis"):
             if proc not in rs[0]:
                 continue
@@ -243,6 +340,10 @@ def summary(rows: list[dict]) -> list[str]:
                 u = ", ".join(f"{r[proc]['cpu_us'].get(comm, {}).get('user', 0):.0f}" for r in rs)
                 k = ", ".join(f"{r[proc]['cpu_us'].get(comm, {}).get('sys', 0):.0f}" for r in rs)
                 lines.append(f"  {proc} {comm} CPU us/call: user {u}; kernel {k}")
+            for comm in sorted({c for r in rs for c in r[proc].get("waits", {})}):
+                w = ", ".join(f"{r[proc]['waits'].get(comm, {}).get('wait', 0):.0f}" for r in rs)
+                n = ", ".join(f"{r[proc]['waits'].get(comm, {}).get('turns', 0):.2f}" for r in rs)
+                lines.append(f"  {proc} {comm} waiting for a CPU us/call: {w}; turns on a CPU per call {n}")
     return lines
 
 

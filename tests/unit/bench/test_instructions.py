@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from bench.instructions import GROUP, WARMUP, _child, _expected, _refusal, main, user_of
+from bench.instructions import GROUP, WARMUP, _child, _expected, _refusal, cache_counts, main, user_of
 
 
 def test_the_grouped_door_decides_every_call_in_a_whole_group(redis_url: str):
@@ -41,6 +41,37 @@ def test_a_pair_with_a_group_not_whole_is_refused():
 def test_the_grouped_door_counts_whole_groups_only():
     with pytest.raises(SystemExit):
         main(["--door", "rls-group", "--extra", str(GROUP + 1)])
+    with pytest.raises(SystemExit):
+        main(["--door", "rls-group", "--group", "3", "--extra", "8"])
+    with pytest.raises(SystemExit):  # a group larger than the tasks that fill it would never be whole
+        main(["--door", "rls-group", "--group", str(GROUP + 1), "--extra", str(GROUP + 1)])
+
+
+def test_a_smaller_group_is_decided_whole(redis_url: str):
+    info = asyncio.run(_child(redis_url, "rls-group", 8, 8, group=4))
+    assert info["whole"] and info["groups"] == (WARMUP + 8) // 4 and info["kinds"] == [["rls", 1]]
+
+
+CACHEGRIND = """==7== I   refs:      3,456,532,803
+==7== I1  misses:        1,432,360
+==7== LLi misses:           69,040
+==7== I1  miss rate:          0.04%
+==7== LLi miss rate:          0.00%
+==7==
+==7== D   refs:      1,230,011,222  (800,000,000 rd   + 430,011,222 wr)
+==7== D1  misses:       12,999,920  (  9,000,000 rd   +   3,999,920 wr)
+==7== LLd misses:        1,730,400  (  1,000,000 rd   +     730,400 wr)
+==7== D1  miss rate:           1.1% (        1.1%     +         0.9%  )
+==7==
+==7== LL refs:          14,432,280  ( 10,432,360 rd   +   3,999,920 wr)
+==7== LL misses:         1,799,440  (  1,069,040 rd   +     730,400 wr)
+"""
+
+
+def test_the_cache_simulations_summary_is_read_by_event():
+    assert cache_counts(CACHEGRIND) == {"I": 3_456_532_803, "I1": 1_432_360, "LLi": 69_040, "D": 1_230_011_222,
+                                        "D1": 12_999_920, "LLd": 1_730_400}
+    assert cache_counts("==7== I   refs:      1,000\n") == {"I": 1_000}  # without --cache-sim: instructions only
 
 
 def test_fresh_counted_decisions_ask_users_never_asked_before():

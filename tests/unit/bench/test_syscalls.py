@@ -6,7 +6,19 @@ from __future__ import annotations
 
 from collections import Counter
 
-from bench.syscalls import PREFIX, cpu_per_call, parse_perf, parse_stat, per_call, perf_events, summary
+from bench.syscalls import (
+    PREFIX,
+    STAT_COLUMNS,
+    MachineSampler,
+    cpu_per_call,
+    parse_perf,
+    parse_stat,
+    per_call,
+    perf_events,
+    summary,
+    thread_waits,
+    waits_per_call,
+)
 
 PERF = """# started on Mon Dec  7 18:47:18 2026
 
@@ -58,8 +70,56 @@ def test_cpu_per_call_sums_the_threads_of_one_name_and_counts_new_ones_from_zero
 def test_summary_gives_the_median_over_rounds_with_missing_events_as_zero():
     def row(name, getpid, rps):
         calls = {"python": {"getpid": getpid}} if getpid else {"python": {}}
-        return {"name": name, "rps": rps, "server": {"per_call": calls, "cpu_us": {"python": {"user": 10.0, "sys": 5.0}}}}
+        return {"name": name, "rps": rps, "loadgen_cpu_us": 300.0,
+                "server": {"per_call": calls, "cpu_us": {"python": {"user": 10.0, "sys": 5.0}}}}
     lines = summary([row("bare", 2.0, 100), row("bare", 0.0, 120), row("bare", 3.0, 110)])
-    assert lines[0] == "bare: calls/s 100, 120, 110"
+    assert lines[0] == "bare: calls/s 100, 120, 110; load generator CPU us/call 300, 300, 300"
     assert "  server python getpid: 2.00 per call (0.00-3.00)" in lines
     assert "  server python CPU us/call: user 10, 10, 10; kernel 5, 5, 5" in lines
+
+
+def test_summary_gives_the_agents_group_sizes_and_the_machines_columns():
+    machine = dict.fromkeys(STAT_COLUMNS, 0.0) | {"user": 500.0, "softirq": 20.0, "busy_cores": 1.5}
+    rows = [{"name": "branch", "rps": 1000, "loadgen_cpu_us": 310.0, "calls_per_group": g, "calls_per_pipeline": 3.0,
+             "machine_us": machine, "server": {"cpu_us": {}}} for g in (3.44, 4.0)]
+    lines = summary(rows)
+    assert "  calls per group 3.4, 4.0; calls per Redis pipeline 3.0, 3.0" in lines
+    assert "  machine softirq: 20, 20 us/call" in lines and "  machine busy_cores: 1.5, 1.5" in lines
+
+
+def _stat(**cols: float) -> dict[str, float]:
+    return dict.fromkeys(STAT_COLUMNS, 0.0) | cols
+
+
+def test_the_machines_cpu_is_read_over_the_measured_window_alone():
+    m = MachineSampler.__new__(MachineSampler)  # its samples only: no thread
+    # 10 s of samples: a start-up second at 0.5 busy cores, then 1.5 cores (1.2 user, 0.3 softirq), 0.5 idle
+    m.samples = [(0.0, _stat()), (1.0, _stat(user=0.5, idle=1.5))]
+    for t in range(2, 11):
+        d = t - 1
+        m.samples.append((float(t), _stat(user=0.5 + 1.2 * d, softirq=0.3 * d, idle=1.5 + 0.5 * d)))
+    out = m.per_call(elapsed_s=8.0, rps=1000.0)  # the window 2.3-9.7 s: samples 3..9
+    assert out["busy_cores"] == 1.5
+    assert out["user"] == 1200.0 and out["softirq"] == 300.0 and out["idle"] == 500.0
+    assert m.per_call(elapsed_s=11.0, rps=1000.0)["busy_cores"] < 1.5  # with the start-up second: diluted
+
+
+def test_the_sampler_reads_proc_stat_until_stopped():
+    m = MachineSampler(every=0.01)
+    m.stop()
+    assert len(m.samples) >= 2 and set(m.samples[-1][1]) == set(STAT_COLUMNS)
+    assert m.samples[-1][0] >= m.samples[0][0]
+
+
+def test_waits_per_call_sum_the_threads_of_one_name():
+    before = {(1, 1): ("python", 1.0, 100), (1, 2): ("event_engine", 0.5, 10)}
+    after = {(1, 1): ("python", 1.2, 1100), (1, 2): ("event_engine", 0.6, 510), (1, 3): ("event_engine", 0.1, 500)}
+    assert waits_per_call(before, after, 1000) == {"python": {"wait": 200.0, "turns": 1.0},
+                                                   "event_engine": {"wait": 200.0, "turns": 1.0}}
+
+
+def test_this_process_threads_have_waits():
+    import os
+
+    got = thread_waits([os.getpid()])
+    assert (os.getpid(), os.getpid()) in got and got[(os.getpid(), os.getpid())][2] >= 1
