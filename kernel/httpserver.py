@@ -78,10 +78,12 @@ or root path.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import signal
 import socket
+import types
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -440,16 +442,37 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 super().on_body(body)
             super().on_message_complete()
             return
-        task = self.loop.create_task(self._answer_directly(answering, pending))  # type: ignore[arg-type]  # answering is the _Answering set at the head's end
+        context = None
+        if pending.__class__ is types.CoroutineType:
+            # run here up to its first wait, in a context of its own as its task would run it: an
+            # answer that waits for nothing (a held denial, most answers under load) is written now,
+            # with no task; one that waits goes on in a task from where it stopped (_resumed)
+            context = contextvars.copy_context()
+            try:
+                waiting = context.run(pending.send, None)
+            except StopIteration as done:
+                self._write_answer(answering, done.value)  # type: ignore[arg-type]  # answering is the _Answering set at the head's end
+                return
+            except Exception:
+                log.exception("direct route failed answering a request")
+                self._write_answer(answering, _FAILED)  # type: ignore[arg-type]  # as above
+                return
+            pending = _resumed(pending, waiting)
+        task = self.loop.create_task(self._answer_directly(answering, pending), context=context)  # type: ignore[arg-type]  # as above
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
 
     async def _answer_directly(self, answering: _Answering, pending: Awaitable[Answer]) -> None:
         try:
-            status, headers, payload = await pending
+            answer = await pending
         except Exception:
             log.exception("direct route failed answering a request")
-            status, headers, payload = 500, [(b"content-type", b"text/plain; charset=utf-8")], b"Internal Server Error"
+            answer = _FAILED
+        self._write_answer(answering, answer)
+
+    def _write_answer(self, answering: _Answering, answer: Answer) -> None:
+        """A direct route's answer in one write (unless the client is gone), then uvicorn's end of a response."""
+        status, headers, payload = answer
         if answering.disconnected or self.transport.is_closing():
             answering.response_complete = True
             return
@@ -525,6 +548,34 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
 
 _HEAD, _BODY, _IDLE = 0, 1, 2
+_FAILED: Answer = (500, [(b"content-type", b"text/plain; charset=utf-8")], b"Internal Server Error")  # a route that raised
+
+
+async def _resumed(coro: types.CoroutineType[Any, Any, Answer], waiting: Any) -> Answer:
+    """The rest of ``coro``, whose first step ran outside any task and yielded ``waiting`` (what a
+    task's step gets from a coroutine that waits: the future it waits for, or None for a bare
+    yield). Its task carries it on as if it had run it from the start: ``coro`` is resumed once
+    ``waiting`` is done, and reads the outcome itself; a cancellation of the task while it waits
+    cancels ``waiting`` (the task's own doing), and one the task throws otherwise is thrown into ``coro``."""
+    while True:
+        try:
+            if waiting is None:
+                await asyncio.sleep(0)
+            else:
+                waiting._asyncio_future_blocking = False  # as a task's step does when it takes the future
+                await waiting
+        except BaseException as e:  # handed to coro, which raises what it does not handle
+            own = waiting is not None and waiting.done() and (
+                waiting.cancelled() if isinstance(e, asyncio.CancelledError) else
+                not waiting.cancelled() and waiting.exception() is e)
+            step = coro.send if own else coro.throw
+            arg: Any = None if own else e
+        else:
+            step, arg = coro.send, None
+        try:
+            waiting = step(arg)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]  # the coroutine's answer
 _OVER_CAP = _problem(503, "this server has as many connections open as it keeps; retry on another or later",
                      retry_after_s=1)
 
