@@ -68,7 +68,9 @@ client that does not read its answers meets uvicorn's flow control, as on every 
 no ``Expect: 100-continue``, no upgrade, and the route admits the head (``DirectRoute.admits``: e.g. content type, announced length,
 credentials). Its body is then read by the protocol; at its end ``DirectRoute.answer`` either
 returns the awaitable answer — written in one write with the same default headers, keep-alive
-and ``Connection: close`` handling as uvicorn's — or ``None``: the request is then handed to the
+and ``Connection: close`` handling as uvicorn's; a coroutine is run there up to its first wait, so
+an answer that waits for nothing is written with no task, and one that waits goes on in a task
+(decision 0098) — or ``None``: the request is then handed to the
 application exactly as uvicorn would have (its cycle made, the body as read), so every refusal
 keeps the application's one code path. A pipelined request behind a directly answered one waits
 for it, as behind any other. Never direct: a server with uvicorn's concurrency limit, access log
