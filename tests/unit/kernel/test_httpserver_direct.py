@@ -17,7 +17,6 @@ from uvicorn.server import ServerState
 from kernel.httpserver import Answer, BoundedHttpToolsProtocol, HttpLimits, LimitedConfig
 from tests.support.transport import RecordingTransport
 
-
 ASKED: contextvars.ContextVar[bytes | None] = contextvars.ContextVar("asked", default=None)
 
 
