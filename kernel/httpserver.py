@@ -86,7 +86,7 @@ import logging
 import signal
 import socket
 import types
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sized
+from collections.abc import Awaitable, Callable, Generator, Hashable, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -553,31 +553,28 @@ _HEAD, _BODY, _IDLE = 0, 1, 2
 _FAILED: Answer = (500, [(b"content-type", b"text/plain; charset=utf-8")], b"Internal Server Error")  # a route that raised
 
 
-async def _resumed(coro: types.CoroutineType[Any, Any, Answer], waiting: Any) -> Answer:
+@types.coroutine
+def _resumed(coro: types.CoroutineType[Any, Any, Answer], waiting: Any) -> Generator[Any, Any, Answer]:
     """The rest of ``coro``, whose first step ran outside any task and yielded ``waiting`` (what a
     task's step gets from a coroutine that waits: the future it waits for, or None for a bare
-    yield). Its task carries it on as if it had run it from the start: ``coro`` is resumed once
-    ``waiting`` is done, and reads the outcome itself; a cancellation of the task while it waits
-    cancels ``waiting`` (the task's own doing), and one the task throws otherwise is thrown into ``coro``."""
-    while True:
-        try:
-            if waiting is None:
-                await asyncio.sleep(0)
-            else:
-                waiting._asyncio_future_blocking = False  # as a task's step does when it takes the future
-                await waiting
-        except BaseException as e:  # handed to coro, which raises what it does not handle
-            own = waiting is not None and waiting.done() and (
-                waiting.cancelled() if isinstance(e, asyncio.CancelledError) else
-                not waiting.cancelled() and waiting.exception() is e)
-            step = coro.send if own else coro.throw
-            arg: Any = None if own else e
-        else:
-            step, arg = coro.send, None
-        try:
-            waiting = step(arg)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]  # the coroutine's answer
+    yield). Its task carries it on as if it had run it from the start: ``waiting`` is handed to
+    the task, and once it is done the task drives ``coro`` itself (``yield from``: no step of it in
+    Python). An exception the task throws at that point is the future's own outcome — ``coro``
+    reads it itself at its wait — or the task's cancellation (the future done, the task not yet
+    resumed), which is thrown into ``coro`` at its wait."""
+    try:
+        yield waiting
+    except BaseException as e:  # handed to coro, which raises what it does not handle
+        own = waiting is not None and waiting.done() and (
+            waiting.cancelled() if isinstance(e, asyncio.CancelledError) else
+            not waiting.cancelled() and waiting.exception() is e)
+        if not own:
+            try:
+                waiting = coro.throw(e)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]  # the coroutine's answer
+            return (yield from _resumed(coro, waiting))
+    return (yield from coro)  # type: ignore[misc,no-any-return]  # a coroutine, driven from a generator-based one (types.coroutine)
 _OVER_CAP = _problem(503, "this server has as many connections open as it keeps; retry on another or later",
                      retry_after_s=1)
 
