@@ -68,9 +68,7 @@ client that does not read its answers meets uvicorn's flow control, as on every 
 no ``Expect: 100-continue``, no upgrade, and the route admits the head (``DirectRoute.admits``: e.g. content type, announced length,
 credentials). Its body is then read by the protocol; at its end ``DirectRoute.answer`` either
 returns the awaitable answer — written in one write with the same default headers, keep-alive
-and ``Connection: close`` handling as uvicorn's; a coroutine is run there up to its first wait, so
-an answer that waits for nothing is written with no task, and one that waits goes on in a task
-(decision 0098) — or ``None``: the request is then handed to the
+and ``Connection: close`` handling as uvicorn's — or ``None``: the request is then handed to the
 application exactly as uvicorn would have (its cycle made, the body as read), so every refusal
 keeps the application's one code path. A pipelined request behind a directly answered one waits
 for it, as behind any other. Never direct: a server with uvicorn's concurrency limit, access log
@@ -80,13 +78,11 @@ or root path.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import logging
 import signal
 import socket
-import types
-from collections.abc import Awaitable, Callable, Generator, Hashable, Mapping, Sized
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -444,37 +440,16 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 super().on_body(body)
             super().on_message_complete()
             return
-        context = None
-        if pending.__class__ is types.CoroutineType:
-            # run here up to its first wait, in a context of its own as its task would run it: an
-            # answer that waits for nothing (a held denial, most answers under load) is written now,
-            # with no task; one that waits goes on in a task from where it stopped (_resumed)
-            context = contextvars.copy_context()
-            try:
-                waiting = context.run(pending.send, None)
-            except StopIteration as done:
-                self._write_answer(answering, done.value)  # type: ignore[arg-type]  # answering is the _Answering set at the head's end
-                return
-            except Exception:
-                log.exception("direct route failed answering a request")
-                self._write_answer(answering, _FAILED)  # type: ignore[arg-type]  # as above
-                return
-            pending = _resumed(pending, waiting)
-        task = self.loop.create_task(self._answer_directly(answering, pending), context=context)  # type: ignore[arg-type]  # as above
+        task = self.loop.create_task(self._answer_directly(answering, pending))  # type: ignore[arg-type]  # answering is the _Answering set at the head's end
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
 
     async def _answer_directly(self, answering: _Answering, pending: Awaitable[Answer]) -> None:
         try:
-            answer = await pending
+            status, headers, payload = await pending
         except Exception:
             log.exception("direct route failed answering a request")
-            answer = _FAILED
-        self._write_answer(answering, answer)
-
-    def _write_answer(self, answering: _Answering, answer: Answer) -> None:
-        """A direct route's answer in one write (unless the client is gone), then uvicorn's end of a response."""
-        status, headers, payload = answer
+            status, headers, payload = 500, [(b"content-type", b"text/plain; charset=utf-8")], b"Internal Server Error"
         if answering.disconnected or self.transport.is_closing():
             answering.response_complete = True
             return
@@ -550,31 +525,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
 
 _HEAD, _BODY, _IDLE = 0, 1, 2
-_FAILED: Answer = (500, [(b"content-type", b"text/plain; charset=utf-8")], b"Internal Server Error")  # a route that raised
-
-
-@types.coroutine
-def _resumed(coro: types.CoroutineType[Any, Any, Answer], waiting: Any) -> Generator[Any, Any, Answer]:
-    """The rest of ``coro``, whose first step ran outside any task and yielded ``waiting`` (what a
-    task's step gets from a coroutine that waits: the future it waits for, or None for a bare
-    yield). Its task carries it on as if it had run it from the start: ``waiting`` is handed to
-    the task, and once it is done the task drives ``coro`` itself (``yield from``: no step of it in
-    Python). An exception the task throws at that point is the future's own outcome — ``coro``
-    reads it itself at its wait — or the task's cancellation (the future done, the task not yet
-    resumed), which is thrown into ``coro`` at its wait."""
-    try:
-        yield waiting
-    except BaseException as e:  # handed to coro, which raises what it does not handle
-        own = waiting is not None and waiting.done() and (
-            waiting.cancelled() if isinstance(e, asyncio.CancelledError) else
-            not waiting.cancelled() and waiting.exception() is e)
-        if not own:
-            try:
-                waiting = coro.throw(e)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]  # the coroutine's answer
-            return (yield from _resumed(coro, waiting))
-    return (yield from coro)  # type: ignore[misc,no-any-return]  # a coroutine, driven from a generator-based one (types.coroutine)
 _OVER_CAP = _problem(503, "this server has as many connections open as it keeps; retry on another or later",
                      retry_after_s=1)
 

@@ -7,7 +7,6 @@ that went away, and only the requests the module's docstring names taken directl
 from __future__ import annotations
 
 import asyncio
-import contextvars
 from collections.abc import Awaitable
 from typing import Any
 
@@ -16,8 +15,6 @@ from uvicorn.server import ServerState
 
 from kernel.httpserver import Answer, BoundedHttpToolsProtocol, HttpLimits, LimitedConfig
 from tests.support.transport import RecordingTransport
-
-ASKED: contextvars.ContextVar[bytes | None] = contextvars.ContextVar("asked", default=None)
 
 
 class Route:
@@ -29,7 +26,6 @@ class Route:
         self.answered: list[bytes] = []
         self.gate: asyncio.Event | None = None
         self.admit = True
-        self.cancelled: list[bytes] = []
 
     def admits(self, headers: list[tuple[bytes, bytes]]) -> bool:
         self.admitted.append(headers)
@@ -43,15 +39,9 @@ class Route:
         return self._answer(body)
 
     async def _answer(self, body: bytes) -> Answer:
-        ASKED.set(body)  # the request's own context: the rest of its answer reads it
         if self.gate is not None:
-            try:
-                await self.gate.wait()
-            except asyncio.CancelledError:
-                self.cancelled.append(body)
-                raise
-            body = ASKED.get() or b"?"
-        if body in (b"fail", b"fail late"):
+            await self.gate.wait()
+        if body == b"fail":
             raise RuntimeError("a bug while deciding")
         self.answered.append(body)
         return 200, [(b"content-type", b"application/json")], b'{"echo":"' + body + b'"}'
@@ -242,44 +232,3 @@ async def test_a_route_that_fails_judging_a_head_leaves_it_to_the_application() 
     c = Conn(route)
     await c.feed(post(b"a1"))
     assert c.answers() == [(299, b"app:POST /direct a1")]
-
-
-async def test_an_answer_that_waits_for_nothing_is_written_where_its_request_ends() -> None:
-    """No task and no loop turn for an answer that needs no wait (a held denial): it is written
-    while the request's bytes are parsed, so a request pipelined behind it is direct too."""
-    c = Conn(Route())
-    c.proto.data_received(post(b"a1") + post(b"a2"))
-    assert c.answers() == [(200, b'{"echo":"a1"}'), (200, b'{"echo":"a2"}')]
-    assert not c.state.tasks and c.state.total_requests == 2
-    assert ASKED.get() is None  # run in a context of its own, as a task runs it
-
-
-async def test_an_answer_that_waits_goes_on_in_its_task_in_its_own_context() -> None:
-    route = Route()
-    route.gate = asyncio.Event()
-    c = Conn(route)
-    c.proto.data_received(post(b"a1"))
-    assert c.t.writes == [] and len(c.state.tasks) == 1
-    assert ASKED.get() is None
-    route.gate.set()
-    await c.settle()
-    assert c.answers() == [(200, b'{"echo":"a1"}')] and not c.state.tasks
-    await c.feed(post(b"fail late"))  # fails after its wait: 500, as one that fails before it
-    assert c.answers()[-1][0] == 500
-
-
-@pytest.mark.parametrize("waited", [False, True])
-async def test_a_waiting_answer_cancelled_sees_it_at_its_wait(waited: bool) -> None:
-    """Cancelled while it waits, or as its wait ends (the future done, the task not yet resumed):
-    the answer's coroutine gets the CancelledError at its wait, as in a task of its own."""
-    route = Route()
-    route.gate = asyncio.Event()
-    c = Conn(route)
-    await c.feed(post(b"a1"))
-    (task,) = c.state.tasks
-    if waited:
-        route.gate.set()
-    task.cancel()
-    await c.settle()
-    assert route.cancelled == [b"a1"] and task.cancelled() and not c.state.tasks
-    assert c.t.writes == []
