@@ -28,10 +28,9 @@ from .grouping import WINDOW_BYTES, Unit, form_units
 log = logging.getLogger(__name__)
 
 TXNS_IN_FLIGHT = 4  # units (transactions) the committer runs at once, on disjoint pools
-BUSY_MIN_UNIT = 128  # while a unit is in flight, another starts only with this many writes queued
-MIN_UNIT = 256  # what is queued is spread over the free slots, no unit smaller than this: bigger transactions cost
-# etcd and us less per grant (a transaction's own cost, gRPC's and etcd's, is shared by more grants), two or more
-# in flight let Python and etcd work side by side (bench/README.md; docs/decisions/0096)
+BUSY_MIN_UNIT = 64  # while a unit is in flight, another starts only with this many writes queued
+MIN_UNIT = 128  # what is queued is spread over the free slots, no unit smaller than this: bigger transactions cost
+# etcd and us less per grant, two or more in flight let Python and etcd work side by side (bench/README.md)
 MAX_TXN_BYTES = 1_000_000  # estimated request size per transaction: below etcd's default --max-request-bytes (1.5 MiB)
 MIN_TXN_BYTES = 64_000
 MAX_QUEUE = 16_384  # queued writes; beyond this the leader sheds load with a retriable 503

@@ -1,7 +1,6 @@
 """The committer's queue and answers (allocator.committer): what an item shows the grouping, and a
 caller's one wait settled with the last of its items (joiners with the item they joined), the
-writes of a shard counted open until answered, a queued grant findable for a retry until answered,
-and the sizes of the units the committer starts."""
+writes of a shard counted open until answered, a queued grant findable for a retry until answered."""
 
 import asyncio
 from typing import Literal
@@ -69,44 +68,3 @@ async def test_queued_writes_are_open_until_answered_and_wake_the_committer():
     c.answer(items[2], result=None)
     await drained  # the shard's last write answered: a handoff may go on
     assert wait.fut.done()
-
-
-async def test_units_go_out_large_and_a_second_waits_while_one_is_in_flight():
-    """What is queued goes out in units of up to 256 items (MIN_UNIT: a transaction's own cost is
-    shared by more grants); while units are in flight, another starts only once 128 writes wait
-    (BUSY_MIN_UNIT)."""
-    started: list[int] = []
-    release = asyncio.Event()
-
-    async def run_unit(unit) -> None:
-        started.append(len(unit.items))
-        await release.wait()
-        for it in unit.items:
-            c.answer(it, result=None)
-
-    c = Committer(run_unit, OpenWrites(), lambda: 1024)
-    wait = Wait()
-
-    def queue(n: int, first: int) -> None:
-        for i in range(first, first + n):  # one pool each: nothing shares a window
-            c.queue(Item(LeaseRequest(lease_id=f"l{i}", region="eu", pool=f"p{i}", want=1), wait, 0, 7))
-
-    async def settle() -> None:
-        for _ in range(5):
-            await asyncio.sleep(0)
-
-    c.start()
-    try:
-        queue(300, 0)
-        await settle()
-        assert started == [256, 44]  # not spread over the four slots in units of 75
-        queue(127, 1000)
-        await settle()
-        assert started == [256, 44]  # two in flight: 127 queued writes wait for them
-        queue(1, 2000)
-        await settle()
-        assert started == [256, 44, 128]
-        release.set()
-        await wait.wait()
-    finally:
-        await c.stop()
