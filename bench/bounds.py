@@ -91,7 +91,8 @@ def explain(rows: Sequence[Row]) -> list[str]:
             out.append(
                 f"Figure 4: {_cores(x['cpu_utilisation'])}; per grant the allocator spends "
                 f"{_med(per, 'allocator'):.0f} us and etcd {_med(per, 'etcd'):.0f} us of CPU (etcd per single "
-                f"CAS: {cas:.0f} us). "
+                f"CAS: {cas:.0f} us)"
+                + (f", {median(x['grants_per_txn']):.0f} grants per etcd transaction. " if x.get("grants_per_txn") else ". ")
                 + (f"Bound by {' and '.join(busy)} CPU." if busy else _unsaturated(x["cpu_utilisation"])))
         elif r.figure == "5":
             out.append(f"Figure 5: {x.get('redis_calls')} script calls for {x.get('attempts')} attempts "

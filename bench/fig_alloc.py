@@ -4,6 +4,8 @@ count and single-grant latency as the number of pools grows."""
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from pathlib import Path
 
 import aetcd
@@ -19,6 +21,14 @@ from .workloads import pool_id
 BATCH = 64
 CONNS = 4
 CAS_CONCURRENCY = CONNS * BATCH  # as many CAS in flight as lease requests in flight
+_TXN_GRANTS = re.compile(r"^leasehold_allocator_grants_per_txn_(sum|count) (\S+)$", re.M)
+
+
+def txn_grants(port: int) -> tuple[float, float]:
+    """The allocator's (grants, transactions) committed so far, from its ``/metrics``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        found = dict(_TXN_GRANTS.findall(r.read().decode()))
+    return float(found.get("sum", 0)), float(found.get("count", 0))
 
 
 def many_pools_bundle(n: int, *, limit: int = 1_000_000_000, window_ms: int = 60_000) -> Bundle:
@@ -71,14 +81,17 @@ def run(ctx: Ctx) -> list[Row]:
         policy = write_bundle(ctx.work / "fig4-policy.json", many_pools_bundle(1_000))
         alloc = start_allocator(ctx.work / "fig4-allocator", etcd, policy)
         with services(alloc):
-            grants, cas, cpu, cpu_us, util, cas_cpu_us = [], [], [], [], [], []
+            grants, cas, cpu, cpu_us, util, cas_cpu_us, per_txn = [], [], [], [], [], [], []
             for t in range(ctx.trials):
+                before = txn_grants(alloc.port)
                 with CpuMeter({"allocator": alloc.proc.pid, "etcd": etcd.procs[0].pid}) as meter:
                     res = loadgen({"port": alloc.port, "path": "/v1/leases/batch", "workload": "lease_batch",
                                    "workload_args": {"pools": 1_000, "size": BATCH, "tag": f"f4t{t}"},
                                    "items_per_request": BATCH, "conns": CONNS, "duration_s": ctx.duration_s,
                                    "warmup_s": ctx.warmup_s, "max_requests": 1_000_000, "count": '"granted":'})
                 cpu_us.append(meter.per(res["sent"] * BATCH))
+                after = txn_grants(alloc.port)
+                per_txn.append((after[0] - before[0]) / max(1.0, after[1] - before[1]))
                 util.append(meter.utilisation())
                 if res["non200"] or res["errors"] or res["counted"] != res["ok"] * BATCH:
                     ctx.note(f"fig4 trial {t}: {res['non200']} non-200, {res['errors']} errors, "
@@ -92,7 +105,8 @@ def run(ctx: Ctx) -> list[Row]:
     return [Row("4", f"lease grants via /v1/leases/batch ({BATCH}/batch)", median(grants), "grants/s",
                 median(cas), "single CAS txn/s (aetcd, distinct keys)", Goal(">=", 4.0),
                 extra={"trials": grants, "ceiling_trials": cas, "loadgen_cpu_pct": cpu,
-                       "cpu_us_per_grant": cpu_us, "cpu_utilisation": util, "ceiling_etcd_cpu_us_per_cas": cas_cpu_us})]
+                       "cpu_us_per_grant": cpu_us, "cpu_utilisation": util, "ceiling_etcd_cpu_us_per_cas": cas_cpu_us,
+                       "grants_per_txn": per_txn})]
 
 
 def run_scale(ctx: Ctx) -> list[Row]:
