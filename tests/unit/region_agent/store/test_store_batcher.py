@@ -235,7 +235,9 @@ async def test_groups_pipelines_and_deadline_sweeps_use_the_loop_the_batcher_kee
     sent = b.enqueue([("s", ["sent"], [])], wait_s=0.05, late_s=lambda waited: 0.02 - waited)
     expiring = [b.enqueue([("s", [f"x{i}"], [])], wait_s=0.05) for i in range(3)]
     assert len(asked) == 1
-    await asyncio.sleep(0.1)  # the sweep expires the queued groups; the sent one waits late, then gives up
+    # the sweep expires the queued groups; the sent one waits late, then gives up (asyncio.wait asks
+    # asyncio.events for the loop, not the patched name)
+    await asyncio.wait_for(asyncio.wait([sent, *expiring]), timeout=30)
     assert all(isinstance(f.exception(), DeadlineExceeded) for f in expiring)
     assert isinstance(sent.exception(), AmbiguousOutcome)
     answered = [b.enqueue([("s", [f"a{i}"], [])], wait_s=10.0) for i in range(3)]  # the drain task still runs
