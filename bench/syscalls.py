@@ -34,7 +34,7 @@ from pathlib import Path
 from leasehold.local.procs import Proc, RedisServer, free_port, wait_port
 
 from .fig_gateways import CONNS, gwload
-from .harness import _env, loadgen, services, start_agent, start_echo
+from .harness import _env, loadgen, services, start_echo
 from .rls_ab import _agent, _groups
 from .stats import median
 
@@ -125,7 +125,7 @@ class MachineSampler:
         self._thread.join()
         self.samples.append(machine_cpu())
 
-    def per_call(self, elapsed_s: float, rps: float) -> dict[str, float]:
+    def window_per_call(self, elapsed_s: float, rps: float) -> dict[str, float]:
         """us per call of each ``/proc/stat`` column over the last ``elapsed_s`` seconds before the
         load ended (its measured window, 0.3 s trimmed at each end: the generator's exit), at
         ``rps`` calls a second, and the cores busy there (all but idle and iowait)."""
@@ -156,26 +156,27 @@ def thread_waits(pids: Iterable[int]) -> dict[tuple[int, int], tuple[str, float,
     return res
 
 
+def _by_thread_name(before: dict, after: dict, calls: int, fields: tuple[tuple[str, float], ...],
+                    digits: int) -> dict[str, dict[str, float]]:
+    """Per call, by thread name, each of ``fields`` (its name and its scale) from the threads'
+    ``(name, *values)`` read before and after: the threads of one name summed, a thread that started
+    during the run counted from zero."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys((f for f, _ in fields), 0.0))
+    for key, (name, *values) in after.items():
+        _, *old = before.get(key, (name, *(0 for _ in fields)))
+        for (field, scale), v, v0 in zip(fields, values, old, strict=True):
+            out[name][field] += (v - v0) * scale / max(1, calls)
+    return {k: {x: round(v, digits) for x, v in d.items()} for k, d in out.items()}
+
+
 def waits_per_call(before: dict, after: dict, calls: int) -> dict[str, dict[str, float]]:
-    """us per call waiting for a CPU and turns on a CPU per call, by thread name (threads of one
-    name summed, a new one counted from zero)."""
-    out: dict[str, dict[str, float]] = defaultdict(lambda: {"wait": 0.0, "turns": 0.0})
-    for key, (name, wait, turns) in after.items():
-        _, w0, n0 = before.get(key, (name, 0.0, 0))
-        out[name]["wait"] += (wait - w0) * 1e6 / max(1, calls)
-        out[name]["turns"] += (turns - n0) / max(1, calls)
-    return {k: {x: round(v, 2) for x, v in d.items()} for k, d in out.items()}
+    """us per call waiting for a CPU and turns on a CPU per call, by thread name."""
+    return _by_thread_name(before, after, calls, (("wait", 1e6), ("turns", 1.0)), 2)
 
 
 def cpu_per_call(before: dict, after: dict, calls: int) -> dict[str, dict[str, float]]:
-    """us per call by thread name, user and kernel apart: the threads of one name summed (a thread
-    that started during the run counts from zero)."""
-    out: dict[str, dict[str, float]] = defaultdict(lambda: {"user": 0.0, "sys": 0.0})
-    for key, (name, user, sys_) in after.items():
-        _, u0, s0 = before.get(key, (name, 0.0, 0.0))
-        out[name]["user"] += (user - u0) * 1e6 / max(1, calls)
-        out[name]["sys"] += (sys_ - s0) * 1e6 / max(1, calls)
-    return {k: {x: round(v, 1) for x, v in d.items()} for k, d in out.items()}
+    """us per call by thread name, user and kernel apart."""
+    return _by_thread_name(before, after, calls, (("user", 1e6), ("sys", 1e6)), 1)
 
 
 def per_call(counts: dict[str, Counter], calls: int, floor: float = 0.01) -> dict[str, dict[str, float]]:
@@ -209,7 +210,7 @@ def measure(targets: dict[str, list[int]], load: Callable[[], dict], work: Path,
             counts[name] = parse_perf(out.read_text()) if out.exists() else {}
     n = res["sent"]
     row = {"sent": n, "rps": res["rps"], "p50_ms": res["p50_ms"], "loadgen_cpu_us": res["cpu_s"] * 1e6 / max(1, n),
-           "machine_us": sampler.per_call(res["elapsed_s"], res["rps"])}
+           "machine_us": sampler.window_per_call(res["elapsed_s"], res["rps"])}
     for name, pids in targets.items():
         row[name] = {"cpu_us": cpu_per_call(before[name], thread_cpu(pids), n),
                      "waits": waits_per_call(waits0[name], thread_waits(pids), n)}
@@ -257,21 +258,6 @@ def run(work: Path, http: bool, base: Path | None, rounds: int, seconds: float, 
                 raw = start_echo(work / "raw", module="bench.raw_echo")
                 procs.append(raw)
                 servers["raw"] = (raw.port, {"server": children(raw.proc.pid)})
-                trees = {"base": base} if base is not None else {}
-                trees["branch"] = None
-                for name, tree in trees.items():
-                    saved = os.environ.get("PYTHONPATH")
-                    if tree is not None:
-                        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), saved) if p)
-                    try:
-                        a = start_agent(work / name, redis.url, region=name)
-                    finally:
-                        if saved is None:
-                            os.environ.pop("PYTHONPATH", None)
-                        else:
-                            os.environ["PYTHONPATH"] = saved
-                    procs.append(a)
-                    servers[name] = (a.port, {"server": children(a.proc.pid), "redis": store})
             else:
                 port = free_port()
                 bare = Proc("rls-bare", [sys.executable, "-m", "bench.rls_bare", "--port", str(port)], work / "bare",
@@ -279,15 +265,12 @@ def run(work: Path, http: bool, base: Path | None, rounds: int, seconds: float, 
                 procs.append(bare)
                 wait_port(port, proc=bare.popen, timeout=30)
                 servers["bare"] = (port, {"server": [bare.pid]})
-                for name, tree in ({"base": base} if base is not None else {}).items():
-                    a, p = _agent(work, redis.url, name, tree, [])
-                    procs.append(a)
-                    servers[name] = (p, {"server": children(a.proc.pid), "redis": store})
-                    agents[name] = a
-                a, p = _agent(work, redis.url, "branch", None, [])
+            for name, tree in [*([("base", base)] if base is not None else []), ("branch", None)]:
+                a, rls_port = _agent(work, redis.url, name, tree, [])
                 procs.append(a)
-                servers["branch"] = (p, {"server": children(a.proc.pid), "redis": store})
-                agents["branch"] = a
+                servers[name] = (a.port if http else rls_port, {"server": children(a.proc.pid), "redis": store})
+                if not http:
+                    agents[name] = a
             for t in range(rounds):
                 order = list(servers) if t % 2 == 0 else list(reversed(servers))
                 for name in order:

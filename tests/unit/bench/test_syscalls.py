@@ -98,10 +98,11 @@ def test_the_machines_cpu_is_read_over_the_measured_window_alone():
     for t in range(2, 11):
         d = t - 1
         m.samples.append((float(t), _stat(user=0.5 + 1.2 * d, softirq=0.3 * d, idle=1.5 + 0.5 * d)))
-    out = m.per_call(elapsed_s=8.0, rps=1000.0)  # the window 2.3-9.7 s: samples 3..9
+    out = m.window_per_call(elapsed_s=8.0, rps=1000.0)  # the window 2.3-9.7 s: samples 3..9
     assert out["busy_cores"] == 1.5
     assert out["user"] == 1200.0 and out["softirq"] == 300.0 and out["idle"] == 500.0
-    assert m.per_call(elapsed_s=11.0, rps=1000.0)["busy_cores"] < 1.5  # with the start-up second: diluted
+    # with the start-up second (samples 0..9): (0.5 + 1.2 x 8 user + 0.3 x 8 softirq) / 9 s, diluted
+    assert m.window_per_call(elapsed_s=11.0, rps=1000.0)["busy_cores"] == 1.39
 
 
 def test_the_sampler_reads_proc_stat_until_stopped():
