@@ -62,7 +62,10 @@ RULES = [
          fail_mode="closed", idempotent=True),
     make_rule(id="tenant-cold-pool", scope="tenant", tenant="cold", algorithm="pool", pool=T11.id, fail_mode="closed"),
 ]
-BUDGET_A = ("--decision-budget-ms", "1000")  # agent A: room for a top-up inside a decision
+# agent A: room for a top-up inside a decision, on a loaded machine too (a CI run beside a busy core
+# saw one allocator round trip - an etcd transaction - take 1.12 s: with a 1 s budget that decision
+# outwaited its top-up and was denied, which is the budget working, not what path 7 is about)
+BUDGET_A = ("--decision-budget-ms", "5000")
 BUDGET_B = ("--decision-budget-ms", "50")  # agent B: the default budget, shorter than a top-up here
 
 
