@@ -281,7 +281,11 @@ async def test_cold_start_first_requests_are_served(region, tmp_path: Path):
     r, _ = region
     await r.proxy.control.latency(40)
     policy = Path(r.region.spec.policy)
-    proc, url = _start_agent(tmp_path / "agent-cold", policy, r.region.redis["eu"].url, r.proxy.port, BUDGET_B)
+    # the cold wait at its ceiling, not its default (600 ms): the test is about a first request waiting
+    # for a lease rather than being denied (the 50 ms budget alone is shorter than the ~80 ms top-up),
+    # not about how long; a full run beside a busy core saw a top-up outlast 50 + 600 ms (a pool-busy 429)
+    cold = (*BUDGET_B, "--cold-lease-wait-ms", "5000")
+    proc, url = _start_agent(tmp_path / "agent-cold", policy, r.region.redis["eu"].url, r.proxy.port, cold)
     try:
         async with httpx.AsyncClient(timeout=10) as client:
             async def first(body: dict) -> dict:
