@@ -67,6 +67,13 @@ RULES = [
 # outwaited its top-up and was denied, which is the budget working, not what path 7 is about)
 BUDGET_A = ("--decision-budget-ms", "5000")
 BUDGET_B = ("--decision-budget-ms", "50")  # agent B: the default budget, shorter than a top-up here
+# the cold-start agent (path 11): its first requests wait for the first lease beyond their 50 ms budget
+# (--cold-lease-wait-ms), and that wait is what path 11 is about, not how long it may last. The default
+# 600 ms, and the fast agents' 300 ms per attempt / 900 ms per lease request, are shorter than one
+# allocator round trip on a loaded machine (a CI run beside a busy core saw an etcd transaction make it
+# 1.12 s): the first request was then denied as pool-busy, or the top-up given up as unreachable, with
+# the product working. Room for a slow round trip; the 50 ms budget stays shorter than the 80 ms one here
+COLD_ROOM = ("--cold-lease-wait-ms", "5000", "--allocator-timeout-ms", "4000", "--allocator-deadline-ms", "4500")
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +288,8 @@ async def test_cold_start_first_requests_are_served(region, tmp_path: Path):
     r, _ = region
     await r.proxy.control.latency(40)
     policy = Path(r.region.spec.policy)
-    proc, url = _start_agent(tmp_path / "agent-cold", policy, r.region.redis["eu"].url, r.proxy.port, BUDGET_B)
+    proc, url = _start_agent(tmp_path / "agent-cold", policy, r.region.redis["eu"].url, r.proxy.port,
+                             BUDGET_B + COLD_ROOM)
     try:
         async with httpx.AsyncClient(timeout=10) as client:
             async def first(body: dict) -> dict:
