@@ -111,8 +111,6 @@ async def test_demand_imbalance_moves_chunks_to_the_busy_region(topo):
 
 async def test_pool_exhausted_is_a_plain_429_until_the_next_window(topo):
     W, G = CEDAR.window_ms, CEDAR.limit
-    k = await wait_for_window_start(W, after_ms=100)
-    window_end = (k + 1) * W
     urls = agent_urls(topo)
     recs: list = []
     async with httpx.AsyncClient(timeout=10) as client:
@@ -120,10 +118,24 @@ async def test_pool_exhausted_is_a_plain_429_until_the_next_window(topo):
             for _ in range(n):
                 recs.append(await admit(client, urls[region], region, admit_body(tenant="cedar")))
 
-        # demand is a count, 2 G, not what fits in a stretch of time: four streams of sequential
-        # requests, two per region (on a loaded machine one sequential stream got 8 through in 2 s)
-        await asyncio.gather(*(stream(region, G // 2) for region in ("eu", "us", "eu", "us")))
-        assert all(r.recv_ms < window_end for r in recs)
+        # the checks below are about one window's exhaustion, so the 2 G requests must all be answered
+        # inside the window they start in. Each waits for a top-up's round trip now and then (an etcd
+        # transaction, over 1 s on a loaded machine), so a slow machine can push the last answers into
+        # the next window, where the pool is full again; that run says nothing about exhaustion and is
+        # not judged: the next window (a fresh one, after the one those answers spent in) is tried
+        # instead, bounded
+        for _attempt in range(4):
+            k = await wait_for_window_start(W, after_ms=100)
+            window_end = (k + 1) * W
+            recs = []
+            # demand is a count, 2 G, not what fits in a stretch of time: four streams of sequential
+            # requests, two per region (on a loaded machine one sequential stream got 8 through in 2 s)
+            await asyncio.gather(*(stream(region, G // 2) for region in ("eu", "us", "eu", "us")))
+            if all(r.recv_ms < window_end for r in recs):
+                break
+        else:
+            raise AssertionError(f"in 4 windows, {2 * G} requests were never answered within one {W} ms window "
+                                 "(machine too slow)")
         recs.sort(key=lambda r: r.recv_ms)
         allowed = [r for r in recs if r.allowed]
         denied = [r for r in recs if not r.allowed]
