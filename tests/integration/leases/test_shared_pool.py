@@ -19,6 +19,7 @@ from tests.support.policies import write_pools
 from tests.support.windows import wait_for_window_start
 
 from .conftest import (
+    ALLOCATOR_ROOM,
     admit,
     agent_urls,
     drive,
@@ -52,7 +53,10 @@ def topo(tmp_path_factory: pytest.TempPathFactory):
     policy = write_pools(Path(run) / "bundle.json", [ATLAS, BIRCH, CEDAR, DUNE],
                           [pool_rule("atlas", "atlas-w"), pool_rule("birch", "birch-w"),
                            pool_rule("cedar", "cedar-w"), pool_rule("dune", "dune-w")])
-    t = start_topology(Path(run) / "topo", policy)
+    # the allocator is never slow or unreachable on purpose here: a slow round trip must not be taken
+    # for an unreachable one (every test asserts no fallback), nor a cold balance's first request be
+    # denied while its lease is on its way (the expiry test's first admission)
+    t = start_topology(Path(run) / "topo", policy, agent_args=ALLOCATOR_ROOM)
     yield t
     t.stop()
 
