@@ -39,6 +39,14 @@ PREFIX = "/leasehold/"  # the allocator's default etcd prefix
 FAST_AGENT = ("--lease-tick-ms", "50", "--allocator-timeout-ms", "300", "--allocator-deadline-ms", "900",
               "--decision-budget-ms", "250", "--policy-poll-ms", "0", "--log-level", "warning")
 FAST_ALLOCATOR = ("--election-ttl-s", "2", "--log-level", "warning")
+# FAST_AGENT's allocator bounds (300 ms per attempt, 900 ms per lease request) find a blackholed
+# allocator quickly, and the default cold-lease wait (600 ms beyond the decision budget) lets a cold
+# balance's first request wait for its first lease; all three are shorter than one allocator round
+# trip on a loaded machine (a CI run beside a busy core saw an etcd transaction make it 1.12 s). A test
+# whose subject is not a slow or unreachable allocator gives its agents this room, so that a slow
+# round trip is not taken for an unreachable allocator (the fallback allowance, or a 503 for a closed
+# rule) nor a first request denied as pool-busy
+ALLOCATOR_ROOM = ("--cold-lease-wait-ms", "5000", "--allocator-timeout-ms", "4000", "--allocator-deadline-ms", "4500")
 
 
 def wall_ms() -> int:

@@ -31,7 +31,7 @@ from tests.support.agent import admit_body
 from tests.support.policies import write_pools
 from tests.support.windows import wait_for_window_start
 
-from .conftest import metric, request_lease, start_agent, start_proxied_region, wall_ms
+from .conftest import ALLOCATOR_ROOM, metric, request_lease, start_agent, start_proxied_region, wall_ms
 
 G2 = Pool(id="g2", window_ms=1_000, limit=100_000, lease_ttl_ms=1_000, chunk_min=20, chunk_max=20,
           fallback_per_region=1_000, prefetch_ms=200, active_horizon_ms=2_000)
@@ -65,15 +65,22 @@ RULES = [
 # agent A: room for a top-up inside a decision, on a loaded machine too (a CI run beside a busy core
 # saw one allocator round trip - an etcd transaction - take 1.12 s: with a 1 s budget that decision
 # outwaited its top-up and was denied, which is the budget working, not what path 7 is about)
+# (and its allocator bounds room for that round trip: ALLOCATOR_ROOM, a slow top-up taken for an
+# unreachable allocator would deny the closed export rule too)
 BUDGET_A = ("--decision-budget-ms", "5000")
 BUDGET_B = ("--decision-budget-ms", "50")  # agent B: the default budget, shorter than a top-up here
+# the cold-start agent (path 11): its first requests wait for the first lease beyond their 50 ms budget
+# (--cold-lease-wait-ms); that wait is what path 11 is about, not how long it may last, so the agent
+# gets room for a slow allocator round trip (ALLOCATOR_ROOM); its 50 ms budget stays shorter than the
+# 80 ms round trip here
+COLD_ROOM = ALLOCATOR_ROOM
 
 
 @pytest.fixture(scope="module")
 def region(tmp_path_factory: pytest.TempPathFactory):
     run = Path(tmp_path_factory.mktemp("bound-paths"))
     policy = write_pools(run / "bundle.json", [G2, G3, G10, T7, T11, G11, G12], RULES)
-    r = start_proxied_region(run, policy, agents=1, agent_args=BUDGET_A)
+    r = start_proxied_region(run, policy, agents=1, agent_args=BUDGET_A + ALLOCATOR_ROOM)
     try:  # agent B: the same region and Redis, the default decision budget
         b_proc, b_url = _start_agent(run / "agent-b", policy, r.region.redis["eu"].url, r.proxy.port, BUDGET_B)
     except BaseException:
@@ -281,11 +288,8 @@ async def test_cold_start_first_requests_are_served(region, tmp_path: Path):
     r, _ = region
     await r.proxy.control.latency(40)
     policy = Path(r.region.spec.policy)
-    # the cold wait at its ceiling, not its default (600 ms): the test is about a first request waiting
-    # for a lease rather than being denied (the 50 ms budget alone is shorter than the ~80 ms top-up),
-    # not about how long; a full run beside a busy core saw a top-up outlast 50 + 600 ms (a pool-busy 429)
-    cold = (*BUDGET_B, "--cold-lease-wait-ms", "5000")
-    proc, url = _start_agent(tmp_path / "agent-cold", policy, r.region.redis["eu"].url, r.proxy.port, cold)
+    proc, url = _start_agent(tmp_path / "agent-cold", policy, r.region.redis["eu"].url, r.proxy.port,
+                             BUDGET_B + COLD_ROOM)
     try:
         async with httpx.AsyncClient(timeout=10) as client:
             async def first(body: dict) -> dict:

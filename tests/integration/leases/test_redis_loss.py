@@ -16,8 +16,9 @@ from redis.asyncio import Redis
 from kernel.bundle import Pool, make_rule
 from tests.support.agent import admit_body
 from tests.support.policies import write_pools
+from tests.support.windows import clear_of_window_edges, wait_for_window_start
 
-from .conftest import admit, metric, pool_rule, user_rule
+from .conftest import admit, metric, pool_rule, user_rule, wall_ms
 
 ATLAS = Pool(id="atlas-w", window_ms=20_000, limit=1_000, lease_ttl_ms=10_000, chunk_min=10, chunk_max=50,
              fallback_per_region=4, prefetch_ms=200)
@@ -52,14 +53,28 @@ async def test_redis_stop_and_restart_per_fail_mode(tmp_path: Path, topology_fac
         closed = await one("atlas", "U-1", "export")  # the policy's 3 s, spread upward by the jitter
         assert closed["retryAfterMs"] == 3_000
         assert closed["headers"]["Retry-After"] == str(-(-(3_000 + closed["retryJitterMs"]) // 1000)) in ("3", "4")
-        # local_bounded, one user: that user's fallback bucket (capacity 3) bounds it
-        mine = [await one("atlas", "U-5") for _ in range(5)]
+        # the tenant pool's allowance below is counted per pool window (20 s, Unix-time-aligned, as the
+        # allocator numbers them): the 15 requests that spend it must fall in one window, clear of its
+        # edges by more than the agent's uncertainty of the allocator's clock. A run they straddled
+        # (begun near an edge, or a stall past one) is not judged: it is run again in a fresh window
+        # with fresh users, bounded
+        W = ATLAS.window_ms
+        await clear_of_window_edges(W, before_ms=3_000, after_ms=500)
+        for attempt in range(3):
+            first_ms = wall_ms()
+            # local_bounded, one user: that user's fallback bucket (capacity 3) bounds it
+            mine = [await one("atlas", f"U-{5 + 1_000 * attempt}") for _ in range(5)]
+            # local_bounded, many users: the tenant pool's per-agent allowance (4 per pool window), of
+            # which U-5 spent 3, bounds the tenant
+            many = [await one("atlas", f"U-{i + 1_000 * attempt}") for i in range(10, 20)]
+            if (first_ms - 500) // W == (wall_ms() + 500) // W:
+                break
+            await wait_for_window_start(W, after_ms=500)
+        else:
+            raise AssertionError("in 3 pool windows, 15 requests never fell in one window (machine too slow)")
         assert all(d["fallback"] for d in mine)
         assert [d["allowed"] for d in mine] == [True] * 3 + [False] * 2
         assert all(d["deniedScope"] == "user" and d["httpStatus"] == 429 for d in mine[3:])
-        # local_bounded, many users: the tenant pool's per-agent allowance (4 per pool window), of
-        # which U-5 spent 3, bounds the tenant
-        many = [await one("atlas", f"U-{i}") for i in range(10, 20)]
         assert all(d["fallback"] for d in many)
         assert [d["allowed"] for d in many] == [True] + [False] * 9
         assert all(d["deniedScope"] == "tenant" and d["httpStatus"] == 429 and d["retryAfterMs"] > 0

@@ -26,6 +26,7 @@ from kernel.bundle import Pool
 from leasehold.local.procs import RedisSentinels
 from tests.support.agent import admit_body
 from tests.support.policies import write_pools
+from tests.support.waiting import await_until
 
 from .conftest import (
     Record,
@@ -68,9 +69,18 @@ async def test_a_sentinel_failover_under_load(tmp_path: Path):
 
         tasks = [asyncio.create_task(load(t)) for t in ("atlas", "atlas", "birch")]
         async with httpx.AsyncClient(timeout=5) as client:
+            async def held_leases() -> set[str]:
+                """The leases the agent holds once the store has admitted from one (else none)."""
+                if not any(r.d["source"] == "script" and r.allowed for r in records):
+                    return set()
+                return {lease["leaseId"] for b in (await client.get(url + "/v1/leases")).json()["balances"]
+                        for lease in b["leases"]}
+
+            # three seconds of load at least (the replica copies the balances and lease records), and
+            # until the store has admitted from a held lease: its first top-up is an allocator round trip,
+            # over a second on a loaded machine, so a fixed 3 s was not always enough
             await asyncio.sleep(3.0)
-            held = {lease["leaseId"] for b in (await client.get(url + "/v1/leases")).json()["balances"]
-                    for lease in b["leases"]}
+            held = await await_until(held_leases, within_s=20, interval=0.2)
             old = sentinels.primary_port()
             assert held and any(r.d["source"] == "script" and r.allowed for r in records)
             killed_ms = int(time.time() * 1000)
@@ -85,7 +95,12 @@ async def test_a_sentinel_failover_under_load(tmp_path: Path):
                 assert time.monotonic() < deadline, "atlas was never served by the promoted replica"
                 await asyncio.sleep(0.1)
             served_ms = int(time.time() * 1000)
+            # load after the failover: three seconds at least, and until atlas is admitted again more than
+            # a second after it was first served (a lease bought after the failover: an allocator round
+            # trip, over a second on a loaded machine); checked below, bounded here
             await asyncio.sleep(3.0)
+            await await_until(lambda: any(r.region == "atlas" and r.allowed and r.sent_ms > served_ms + 1_000
+                                          for r in records), within_s=20, interval=0.2)
             stop.set()
             await asyncio.gather(*tasks)
             # the leases held when the primary died end (TTL 3 s) and are reported

@@ -1,6 +1,7 @@
 """A flood against an exhausted key stays off the shard."""
 
 import asyncio
+import time
 
 from litestar.testing import AsyncTestClient
 from redis.asyncio import Redis
@@ -27,16 +28,22 @@ async def test_flood_on_an_exhausted_key_is_answered_locally(redis_url, policy_f
             first = (await agent.post("/v1/admit", json=admit_body("flood-00000"))).json()
             assert first["allowed"] is False and first["retryAfterMs"] > 0
             before = await evalsha_calls(r)
+            t0 = time.monotonic()
             flood = [(await agent.post("/v1/admit", json=admit_body(f"flood-{i:05d}"))).json() for i in range(1, 101)]
+            flood_ms = (time.monotonic() - t0) * 1000
             after = await evalsha_calls(r)
             assert all(not d["allowed"] for d in flood)
             assert all(d["deniedScope"] == "user" and d["headers"]["Retry-After"] == "1" for d in flood)
             assert {d["decisionId"] for d in flood} == {f"flood-{i:05d}" for i in range(1, 101)}
-            # a bucket's hint is exact: the cache holds the denial for it (500 ms), a few refreshes at most
-            assert after - before <= 100 // 20
+            # a bucket's hint is exact: the cache holds the denial for it (500 ms: 2 tokens a second), then one
+            # request asks the store again (denied: held again). So one store call per hint of the time the
+            # flood took, measured around it, not a fixed count: 100 requests take under a second here, several on a
+            # loaded machine (where a fixed 5 fails on the machine, not on the cache)
+            probes = 1 + int(flood_ms // first["retryAfterMs"])
+            assert after - before <= probes, (after - before, flood_ms, first["retryAfterMs"])
             metrics = (await agent.get("/metrics")).text
             hits = [line for line in metrics.splitlines() if line.startswith("leasehold_agent_negative_cache_hits_total")]
-            assert hits and float(hits[0].split()[1]) >= 95
+            assert hits and float(hits[0].split()[1]) >= 100 - probes
             # another user on the same route is not affected
             other = (await agent.post("/v1/admit", json=admit_body("other-00001", pid="U-18"))).json()
             assert other["allowed"] is True
