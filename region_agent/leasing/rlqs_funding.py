@@ -75,6 +75,7 @@ class Holding:
     # the assignment Envoy holds
     chunk: int = 0  # tokens of the last fresh assignment (0: none)
     pushed_at_ms: float = 0.0  # monotonic, when it (or its last renewal) was sent
+    funded_at_ms: float = 0.0  # monotonic, when it was sent (a renewal adds no tokens: not moved by one)
     expires_at_ms: float = 0.0  # monotonic: sent + time to live (Envoy's clock starts at receipt: later)
     clamp_at_ms: float = INF  # monotonic: it must not be spendable after this (its window's end)
     ttl_s: int = 0
@@ -100,12 +101,17 @@ class Holding:
         return self.chunk > 0 and now_ms < self.expires_at_ms
 
     def left(self, now_ms: float) -> float:
-        """Tokens Envoy probably still holds: the chunk less what it reported, less the demand
-        since its last report."""
+        """Tokens Envoy probably still holds: the chunk less what it reported spent of it, less the
+        demand since its last report or since the chunk was sent, whichever is later — none of it
+        was spent before it was sent (a round that waited for its admission, a slow lease, does
+        not age the assignment it funds). Until Envoy's next report ``used`` is below zero by what
+        it spent of the previous assignment after its last report (:func:`granted`): that part of
+        the next report is not this chunk's."""
         if not self.live(now_ms):
             return 0.0
-        since = max(0.0, now_ms - self.last_report_ms) / 1000.0 if self.last_report_ms else 0.0
-        return max(0.0, self.chunk - self.used - self.demand * since)
+        since_ms = max(self.last_report_ms, self.funded_at_ms)
+        since = max(0.0, now_ms - since_ms) / 1000.0 if since_ms else 0.0
+        return max(0.0, self.chunk - max(0.0, self.used) - self.demand * since)
 
     def settle(self, now_ms: float) -> int:
         """Stranded tokens newly known: funded and not reported used, less what Envoy may still
@@ -195,12 +201,20 @@ def own_rate(rules: Sequence[Any], pools: Mapping[str, Any], principal_type: str
 
 def runs_short(h: Holding, now_ms: float, lead_ms: float) -> bool:
     """The holding has demand and a bucket question, and its assignment is gone or about to run
-    out (within ``lead_ms`` of its demand)."""
+    out: what is left lasts ``lead_ms`` or less at its demand, or, of an assignment of more than
+    one token, one token or less is left.
+
+    A one-token assignment is short only by the first: "one token or less" is the whole of it from
+    the moment it is sent, and it was replaced at every check (each tick) by a fresh one that
+    abandoned it unspent — for a bucket whose assignments are a token (a time to live of a second,
+    a burst of one, a scarce bucket's partial rounds) the agent took about ten tokens a second
+    from the bucket's rules and pools whatever the demand, and a pool of the rules ran dry in
+    seconds with almost nothing admitted."""
     if h.question is None or h.demand <= 0:
         return False
     if not h.live(now_ms):
         return True
-    return h.left(now_ms) <= max(1.0, h.demand * lead_ms / 1000.0)
+    return h.left(now_ms) <= max(h.demand * lead_ms / 1000.0, min(1.0, h.chunk - 1.0))
 
 
 def silent(h: Holding, now_ms: float, quiet_ms: float) -> bool:
@@ -280,7 +294,7 @@ def granted(h: Holding, tokens: int, ttl_s: int, now_ms: float, clamp_at_ms: flo
     h.chunk = tokens
     h.used = -gap  # the next report counts those too
     h.funded += tokens
-    h.pushed_at_ms = now_ms
+    h.pushed_at_ms = h.funded_at_ms = now_ms
     h.ttl_s = ttl_s
     h.expires_at_ms = now_ms + ttl_s * 1000.0
     h.clamp_at_ms = clamp_at_ms

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import math
 import re
 from types import SimpleNamespace
@@ -208,10 +209,13 @@ async def test_every_assignment_on_a_stalled_stream_is_ended_before_its_windows_
     assert len(ends) == 3
     tokens = [a for a in sent if a[1] == "tokens"]
     assert tokens  # not a test that sends nothing
-    # fresh tokens only while the bucket is not silent: one report interval and a grace after its
-    # last report (rlqs_funding.silent); renewals need a stream that still reports
+    # fresh tokens (a deny-all of a second, then the token bucket) only while the bucket is not
+    # silent: one report interval and a grace after its last report (rlqs_funding.silent); renewals
+    # (the token bucket alone) need a stream that reported within two report intervals
     last_report = 6_000.0 * 20_000 + 100
-    assert all(at <= last_report + svc.quiet_ms for at, _, _ in tokens), tokens
+    fresh = [b for a, b in itertools.pairwise(sent) if b[1] == "tokens" and a[1:] == ("deny", 1) and a[0] == b[0]]
+    assert fresh and all(at <= last_report + svc.quiet_ms for at, _, _ in fresh), fresh
+    assert all(at <= last_report + 2 * svc.interval_ms for at, _, _ in tokens), tokens
     assert svc.metrics.rlqs_assignments.labels("end")._value.get() >= 1
     await svc.stop()
 
@@ -262,6 +266,68 @@ async def test_an_assignment_replaced_before_it_ran_out_has_no_end_of_its_own():
         await settle(svc)
     assert svc.metrics.rlqs_assignments.labels("fresh")._value.get() >= 2
     assert svc.metrics.rlqs_assignments.labels("end")._value.get() == 0
+    await svc.stop()
+
+
+def fresh_sent(svc: RlqsService) -> int:
+    return int(svc.metrics.rlqs_assignments.labels("fresh")._value.get())
+
+
+async def test_a_one_token_assignment_is_replaced_only_when_its_demand_has_about_spent_it():
+    """A bucket whose assignments are one token (here a time to live of a second, as a pool of one
+    second windows among its rules makes it; a burst of one does the same) at one request a second.
+    "One token or less left" is the whole of such an assignment from the moment it is sent: it was
+    replaced at every tick, each fresh one abandoning the last unspent — through three Envoys,
+    birch's G = 300 of a minute went in 1.6 s with 16 requests admitted. It is replaced when its
+    demand has about spent it: 300 ms (the lead) before its predicted run-out, 700 ms after."""
+    clock = MsClock()
+    svc = stalled_service(clock)
+    svc.ttl_for = lambda b: Ttl(1, 0, math.inf, True)  # type: ignore[method-assign]  # 1 s assignments
+    st = svc.streams.setdefault(1, Stream(1, "envoy-a"))
+    svc.on_report(st, report(0, 1))  # a new bucket's first request: one a second
+    await settle(svc)
+    assert assignments(st) == [(1, 1)]
+    sent = clock.ms
+    fresh = []
+    for _ in range(9):  # ticks until just before it expires, no report
+        clock.ms += 100
+        n = fresh_sent(svc)
+        svc.tick()
+        await settle(svc)
+        if fresh_sent(svc) > n:
+            fresh.append(clock.ms - sent)
+    assert len(fresh) == 1 and 700.0 <= fresh[0] <= 800.0, fresh  # once: its predicted run-out less the lead, at a tick
+    await svc.stop()
+
+
+async def test_a_round_that_waited_for_its_admission_does_not_age_the_assignment_it_funds():
+    """The round's admission waited 900 ms (a lease request on a slow allocator) after the report
+    that started it. The demand of those 900 ms was not spent from the assignment it funded — it
+    did not exist yet —, and counted as spent it made a 2-token assignment short at once: replaced
+    at the next tick, both tokens abandoned. It is replaced when the demand since it was sent has
+    spent one of its two tokens."""
+    clock = MsClock()
+    svc = stalled_service(clock)
+    svc.ttl_for = lambda b: Ttl(2, 0, math.inf, True)  # type: ignore[method-assign]  # 2 s assignments
+    rounds = []
+
+    async def slow(questions):
+        rounds.append(clock.ms)
+        clock.ms += 900
+        return await allow(questions)
+
+    svc.decide = slow
+    st = svc.streams.setdefault(1, Stream(1, "envoy-a"))
+    svc.on_report(st, report(0, 1))  # one a second: 2 tokens for 2 s
+    await settle(svc)
+    assert assignments(st) == [(2, 2)]
+    sent = clock.ms
+    while clock.ms < sent + 1_900:
+        clock.ms += 100
+        svc.tick()
+        await settle(svc)
+    late = [t - sent for t in rounds[1:]]
+    assert len(late) == 1 and 1_000.0 <= late[0] <= 1_100.0, late  # once: one of its tokens spent by the demand
     await svc.stop()
 
 
