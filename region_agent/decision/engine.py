@@ -33,7 +33,7 @@ from kernel.errors import LeaseholdError
 
 from ..leasing.fleet_pools import FleetPools, TakeStatus
 from ..leasing.hot_chunks import ChunkReply, HotChunks, hot_config
-from ..leasing.topup import pool_denial, topped_up, wait_s
+from ..leasing.topup import ROLLOVER_WAITS, pool_denial, topped_up, wait_s
 from ..leasing.window_clock import AllocatorClock, Windows
 from ..models import AdmitRequest, Decision, DecisionSource, DeniedScope, Reason, ReleaseRequest, RenewRequest
 from ..service.metrics import AgentMetrics
@@ -67,6 +67,7 @@ class _Prepared(msgspec.Struct):
     early: Decision | None = None  # decided before the tenant script (global pool denial, negative cache)
     used_fallback: bool = False  # a global chunk came from the pool's fallback allowance
     pool_retried: bool = False  # waited once for an in-flight lease top-up
+    start_waits: int = 0  # waits for a held lease's start after that (region_agent.leasing.topup.pool_denial)
     edge: bool = False  # the pre-authentication stage of an authenticated request (Plan.edge)
     chunk: bool = False  # admitted from a hot key set's chunk (region_agent.leasing.hot_chunks): no store call
     approx: list[Ticket] | None = None  # units counted on approximate rules (given back on a denial)
@@ -387,12 +388,18 @@ class DecisionEngine:
         if idx is not None and self.leases is not None:
             raw = result.remaining[idx] if idx < len(result.remaining) else 0  # type: ignore[union-attr]  # a slot is found only in a MultiRuleResult
             starts_in = int(result.retry_after_ms)  # type: ignore[union-attr]  # as above
-            denial = pool_denial(self.leases, plan.calls[idx].key, raw, waited=waited, starts_in_ms=max(0, starts_in))
+            left = self._remaining(prep)
+            denial = pool_denial(self.leases, plan.calls[idx].key, raw, waited=waited, starts_in_ms=max(0, starts_in),
+                                 within_ms=wait_s(left, self.budget) * 1000.0)
             if denial.pending is not None and not prep.pool_retried:
                 self._allow_cold_wait(prep, plan.calls[idx].key)
-            # wait for a top-up only once, and only when one is in flight
-            can_retry = retry and self._remaining(prep) > 0 and denial.pending is not None and not prep.pool_retried
+            # wait for a top-up only once, and only when one is in flight; after it, for a held lease's
+            # start within the budget (at most ROLLOVER_WAITS times)
+            can_retry = retry and left > 0 and denial.pending is not None \
+                and (not prep.pool_retried or (denial.starting and prep.start_waits < ROLLOVER_WAITS))
             retry_floor = denial.retry_floor_ms
+            if can_retry and denial.starting:
+                waited = False  # a wait for a lease's start, not a second top-up
         else:
             can_retry = retry and self._remaining(prep) > 0
         o = outcome(plan, prep.snap.pools, result, denial.balance if denial else None,
@@ -435,7 +442,11 @@ class DecisionEngine:
 
     async def _wait_top_up(self, prep: _Prepared, res: MultiRuleResult, pending: Any, idx: int) -> Decision:
         """The leased balance could not pay while a top-up is in flight: wait for it once (keeping
-        part of the budget for the call that follows, region_agent.leasing.topup), then ask again."""
+        part of the budget for the call that follows, region_agent.leasing.topup), then ask again.
+        ``pending`` may also be a held lease's start (then after a top-up's wait too, at most
+        ``ROLLOVER_WAITS`` times: region_agent.leasing.topup.pool_denial)."""
+        if prep.pool_retried:
+            prep.start_waits += 1
         prep.pool_retried = True
         self.metrics.pool_waits.labels(prep.plan.slots[idx].rule.pool_id or "?").inc()
         again: MultiRuleResult | LeaseholdError = res

@@ -238,7 +238,8 @@ class LeaseManager:
         bal = self.balances.get(key)
         return bal.inflight if bal is not None else None
 
-    def observed(self, key: str, spendable: int, starts_in_ms: int = 0) -> asyncio.Future | None:
+    def observed(self, key: str, spendable: int, starts_in_ms: int = 0,
+                 within_ms: float = 0.0) -> asyncio.Future | None:
         """A script just saw ``key``'s spendable balance (e.g. empty after a Redis restart lost the
         deposits): take it as the latest reading, start a top-up if it is below the low-water mark,
         and return the in-flight top-up, if any.
@@ -247,8 +248,11 @@ class LeaseManager:
         start in that many ms (0: none) - at a window's end, the next window's lease. When no top-up
         is started for it (:meth:`PoolBook.needs_topup`: its grant would land after the window it is
         for) and that lease starts within :data:`~region_agent.leasing.topup.ROLLOVER_WAIT_MS` (or a
-        round trip, if longer), the returned future is done when it starts: the decision waits for
-        it, within its budget, as for a top-up."""
+        round trip, or ``within_ms``: what the decision may still wait, if longer), the returned
+        future is done when it starts: the decision waits for it, within its budget, as for a top-up.
+        (A top-up is not asked within two round trips of that start, so a lease starting later than
+        a round trip would otherwise deny every decision until then although their budgets cover
+        the wait.)"""
         bal = self.balances.get(key)
         if bal is None:
             return None
@@ -260,11 +264,19 @@ class LeaseManager:
         if self._leasing and bal.book.needs_topup(bal.spendable(now), now, rtt_ms):
             bal.inflight = asyncio.get_running_loop().create_task(self._topup(bal))
             return bal.inflight
-        if 0 < starts_in_ms <= max(ROLLOVER_WAIT_MS, rtt_ms):
-            if bal.start_wait is None or bal.start_wait.done():
-                bal.start_wait = _after_s(until_start_s(starts_in_ms))
-            return bal.start_wait
+        if 0 < starts_in_ms <= max(ROLLOVER_WAIT_MS, rtt_ms, within_ms - 1):
+            return self.lease_start(key, starts_in_ms)
         return None
+
+    def lease_start(self, key: str, starts_in_ms: int) -> asyncio.Future | None:
+        """A future done when a lease of ``key``'s balance that the script found ``starts_in_ms``
+        ahead starts (one for every decision waiting on it); None for a balance not followed."""
+        bal = self.balances.get(key)
+        if bal is None:
+            return None
+        if bal.start_wait is None or bal.start_wait.done():
+            bal.start_wait = _after_s(until_start_s(starts_in_ms))
+        return bal.start_wait
 
     def view(self) -> list[dict]:
         """Operator view (``GET /v1/leases``): per balance, the leases held and their timing."""

@@ -37,16 +37,27 @@ class PoolDenial(NamedTuple):
     pending: asyncio.Future | None  # the top-up in flight, or a lease's start (None: none, or already waited for)
     balance: BalanceState  # region_agent.decision.outcome decides with it
     retry_floor_ms: int  # a denial's hint is at least this (a top-up's round trip, or the window's end)
+    starting: bool = False  # ``pending`` is only a held lease's start (after a wait for a top-up)
 
 
-def pool_denial(leases: Any, key: str, spendable: int, *, waited: bool, starts_in_ms: int = 0) -> PoolDenial:
+def pool_denial(leases: Any, key: str, spendable: int, *, waited: bool, starts_in_ms: int = 0,
+                within_ms: float = 0.0) -> PoolDenial:
     """Tell ``leases`` (a :class:`~region_agent.leasing.manager.LeaseManager`) that a script saw
     ``spendable`` tokens in ``key``'s balance - fresher than its tick's reading - and read the
-    balance's state. ``waited``: this decision already waited once (no second wait);
+    balance's state. ``waited``: this decision already waited for a top-up (no second one);
     ``starts_in_ms``: the script's hint, when a lease of the balance starts that soon (0: none): the
-    decision may wait for it."""
-    pending = None if waited else leases.observed(key, int(spendable), starts_in_ms)
-    return PoolDenial(pending, leases.state(key), max(1, leases.retry_hint_ms(key)))
+    decision may wait for it; ``within_ms``: how long the decision may still wait (its budget).
+
+    A decision that already waited for a top-up and finds a held lease starting within what is left
+    of its budget (the next window's lease, at a rollover: a top-up that took it, or one that ended
+    just before the window did) waits for that start too: it starts no top-up, and the script
+    spends the lease only from its start."""
+    hint = max(1, leases.retry_hint_ms(key))
+    if not waited:
+        return PoolDenial(leases.observed(key, int(spendable), starts_in_ms, within_ms), leases.state(key), hint)
+    if 0 < starts_in_ms and until_start_s(starts_in_ms) * 1000.0 <= within_ms:
+        return PoolDenial(leases.lease_start(key, starts_in_ms), leases.state(key), hint, starting=True)
+    return PoolDenial(None, leases.state(key), hint)
 
 
 def until_start_s(starts_in_ms: float) -> float:

@@ -169,7 +169,11 @@ async def test_topup_wait_serves_idempotent_rules(region):
     """Path 7: exports (an idempotent rule: a decision record per request) of a tenant whose pool
     balance runs dry every 5 requests while a top-up is in flight. The agent waits for the top-up
     (agent A's budget has room for it) and runs the script again: the first attempt's denial must
-    not be replayed from its decision record. The pool has plenty, so no export is denied."""
+    not be replayed from its decision record. The pool has plenty, so no export is denied - also
+    when the run crosses t7's minute boundary: the next window's lease, prefetched, starts up to a
+    round trip after the window's start and no top-up is asked that close to it; the agent waits
+    for that start within its budget (a run over the boundary with a 600 ms round trip saw 3 and 7
+    of 40 denied before it did)."""
     r, _ = region
     url = r.agents[0]
     await r.proxy.control.latency(15)

@@ -6,6 +6,7 @@ counts what it did. The real-Redis paths are tests/integration/region_agent/."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,9 @@ from kernel.errors import AmbiguousOutcome, NothingRan, Overloaded, ScriptReject
 from region_agent.decision.engine import DecisionEngine
 from region_agent.decision.keys import KeyBuilder
 from region_agent.decision.negcache import NegativeCache
-from region_agent.decision.plan import Snapshot
+from region_agent.decision.plan import Snapshot, build_plan
+from region_agent.leasing.book import BalanceState
+from region_agent.leasing.window_clock import AllocatorClock
 from region_agent.models import AdmitRequest, Principal, Reason
 from region_agent.service.metrics import AgentMetrics
 from tests.support.clock import FakeClock
@@ -220,3 +223,66 @@ async def test_an_exact_hint_is_held_whole_and_an_admitted_probe_clears_the_deni
     clock.t += 0.6  # the hold is over: this caller probes, and is admitted
     assert (await e.admit(req(rid="r-0000000000000003"))).allowed and len(store.sent) == 2
     assert (await e.admit(req(rid="r-0000000000000004"))).allowed and len(store.sent) == 3  # nothing held
+
+
+# ------------------------------------------------------------------ a leased tenant pool's waits
+GLOBAL = load_bundle_file(str(Path(__file__).resolve().parents[4] / "policies" / "northstar-global.json"))
+
+
+class _Leases:
+    """A lease manager whose top-up in flight has just ended and whose balance holds the next
+    window's lease, starting in a moment (a rollover)."""
+
+    def __init__(self):
+        self.clock = AllocatorClock()
+        self.starts: list[int] = []
+
+    def on_refill(self, listener):
+        pass
+
+    def note(self, pool, key, tokens):
+        pass
+
+    def cold(self, key):
+        return False
+
+    def observed(self, key, spendable, starts_in_ms=0, within_ms=0.0):
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)  # the top-up in flight ended (it took the next window's lease)
+        return done
+
+    def lease_start(self, key, starts_in_ms):
+        self.starts.append(starts_in_ms)
+        started = asyncio.get_running_loop().create_future()
+        started.set_result(None)
+        return started
+
+    def state(self, key):
+        return BalanceState.OK
+
+    def retry_hint_ms(self, key):
+        return 590
+
+
+async def test_after_waiting_for_a_top_up_a_lease_starting_within_the_budget_is_waited_for():
+    """The balance ran dry, the decision waited for the top-up in flight, and the script then finds
+    the lease it brought (the next window's) starting in 300 ms: with budget left for that, the
+    decision waits for its start and asks again (admitted), instead of a 429 for a pool with plenty."""
+    snap = Snapshot(GLOBAL)
+    c = FakeClock(1_000.0)
+    leases = _Leases()
+    r = AdmitRequest(request_id="r-9f3a61c2e07b4d18", tenant_id="atlas",
+                     principal=Principal(type="user", id="U-17", api_key_id="K1"), route_group="write", cost_hint=1)
+    plan_slots = build_plan(snap, r, KeyBuilder(b"unit-pepper")).slots
+    idx = next(i for i, s in enumerate(plan_slots) if s.rule.id == "tenant-atlas-global")
+    zeros = [0] * len(plan_slots)
+    store = ScriptedStore([[0, idx + 1, 0, *zeros]], [[0, idx + 1, 300, *zeros]],
+                          [[1, 0, 0, *[500 for _ in plan_slots]]])
+    m = AgentMetrics()
+    e = DecisionEngine(get_snapshot=lambda: snap, keys=KeyBuilder(b"unit-pepper"), store=store, metrics=m,
+                       clock=c, wall_clock=lambda: c.t + 1.7e9, negative=NegativeCache(), leases=leases,
+                       budget_ms=5_000)
+    d = await e.admit(r)
+    assert d.allowed, d
+    assert len(store.sent) == 3 and leases.starts == [300]
+    assert sample(m, "leasehold_agent_pool_waits_total", pool="atlas-minute") == 2

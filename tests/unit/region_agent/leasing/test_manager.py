@@ -393,6 +393,29 @@ async def test_an_empty_balance_whose_next_lease_starts_within_a_round_trip_wait
     assert len(alloc.requests) == 3
 
 
+async def test_a_next_lease_starting_later_than_a_round_trip_is_waited_for_within_the_decisions_budget():
+    """A 600 ms round trip: 900 ms before the window's end no top-up is asked (the next window's lease
+    starts within two round trips), and that lease starts later than a round trip. A decision whose
+    budget covers the wait is handed its start (it was denied until then, its budget left unused);
+    one whose budget does not is denied at once, as before."""
+    clock = FakeClock(100_000.0)
+    alloc, store = leasing_to_the_window_end(clock, rtt=600.0), Balances(spendable=100)
+    m = await prefetched(alloc, store, clock)
+    clock.t = 101_700.0  # (the prefetch is asked a round trip earlier)
+    m.note(POOL, KEY, 1)
+    await m.tick()
+    await settle(m)
+    assert [r.window for r in alloc.requests] == ["current", "next"]  # the next lease starts at 103,000
+    clock.t = 102_100.0
+    m.note(POOL, KEY, 1)
+    assert m.observed(KEY, 0, starts_in_ms=900, within_ms=50.0) is None  # a 50 ms budget: no wait
+    starts = m.observed(KEY, 0, starts_in_ms=900, within_ms=4_975.0)
+    assert starts is not None and m.pending(KEY) is None  # no top-up: the held lease's start
+    assert m.lease_start(KEY, 899) is starts  # one wait for every decision
+    starts.cancel()
+    assert len(alloc.requests) == 2
+
+
 async def test_the_next_windows_lease_counts_from_its_start_so_the_rollover_asks_for_no_second_lease():
     """Redis read 0 before the next window's lease started (and may still, for the clock offset's
     uncertainty, just after): the decisions right after its start count it, and start no top-up

@@ -15,10 +15,16 @@ class Leases:
     def __init__(self, pending=None, state=BalanceState.OK, hint=0):
         self.pending, self.balance_state, self.hint = pending, state, hint
         self.observed_calls: list[tuple[str, int, int]] = []
+        self.start_calls: list[tuple[str, int]] = []
+        self.start = object()
 
-    def observed(self, key, spendable, starts_in_ms=0):
+    def observed(self, key, spendable, starts_in_ms=0, within_ms=0.0):
         self.observed_calls.append((key, spendable, starts_in_ms))
         return self.pending
+
+    def lease_start(self, key, starts_in_ms):
+        self.start_calls.append((key, starts_in_ms))
+        return self.start
 
     def state(self, key):
         return self.balance_state
@@ -40,6 +46,19 @@ def test_after_one_wait_there_is_no_second_and_the_floor_is_positive():
     d = pool_denial(leases, "k", 0, waited=True)
     assert d.pending is None and leases.observed_calls == []  # a waited decision does not start another
     assert d.retry_floor_ms == 1
+
+
+def test_after_a_wait_a_held_lease_starting_within_the_budget_is_waited_for():
+    """A decision that waited for a top-up and finds the next window's lease starting 300 ms ahead
+    (a rollover) waits for that start when its budget covers it: no top-up, no reading."""
+    leases = Leases(pending=object(), hint=590)
+    d = pool_denial(leases, "k", 0, waited=True, starts_in_ms=300, within_ms=4_000.0)
+    assert (d.pending, d.starting, d.retry_floor_ms) == (leases.start, True, 590)
+    assert leases.start_calls == [("k", 300)] and leases.observed_calls == []
+    for starts_in, within in ((0, 4_000.0), (300, 300.0), (300, 50.0)):  # none, or beyond the budget
+        d = pool_denial(leases, "k", 0, waited=True, starts_in_ms=starts_in, within_ms=within)
+        assert d.pending is None and not d.starting
+    assert len(leases.start_calls) == 1
 
 
 @pytest.mark.parametrize("left, budget, expected", [
