@@ -11,7 +11,12 @@ from tests.support.procs import alive
 
 
 def test_second_start_in_the_same_run_dir_works_and_stop_leaves_nothing(tmp_path):
-    spec = TopologySpec(run_dir=tmp_path / "run", regions=("eu",), allocators=1, auth=True)
+    # the first admission after a start waits for its pool's first lease (an allocator round trip,
+    # over a second on a loaded machine) up to --cold-lease-wait-ms beyond its budget, else it is a
+    # pool-busy 429 (seen beside busy cores with the 600 ms default): room for a slow round trip, since
+    # this test is about the restart, not about how long a first lease may take
+    spec = TopologySpec(run_dir=tmp_path / "run", regions=("eu",), allocators=1, auth=True,
+                        agent_args=("--cold-lease-wait-ms", "5000"))
     pids: list[int] = []
     for attempt in range(2):
         topo = LocalTopology(spec).start()
